@@ -1,0 +1,82 @@
+"""The result of one explained forward, and its safetensors + JSON file format.
+
+Layout. Rows are what is explained: one per input example for causal LMs and classifiers, one per
+``[MASK]`` position for masked LMs (``example`` says which input row a row came from, ``position``
+where its prediction is read). With ``target`` a list of k labels, ``normxlogit`` and ``logat`` get a
+trailing axis of size k, in the order given.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+__all__ = ["Attribution", "FORMAT_VERSION"]
+
+FORMAT_VERSION = 1
+_TENSORS = ("normxlogit", "logat", "embed_norm", "target", "mask", "position", "example")
+
+
+@dataclass
+class Attribution:
+    """Per-layer NormXLogit of one forward.
+
+    ``res.normxlogit[res.layers.index(L), row, i]`` is the attribution of token i at layer L.
+    """
+
+    normxlogit: torch.Tensor  #: float32 (len(layers), rows, seq[, k])
+    logat: torch.Tensor  #: float32, same shape: HoT(h_i^l)[y] (regression: |HoT(h_i^l) - HoT(h_p^L)|)
+    embed_norm: torch.Tensor  #: float32 (rows, seq)
+    layers: list[int]  #: 0 = input of block 1, L = output of the last block
+    target: torch.Tensor  #: int64 (rows,) or (rows, k): the label / token ids explained
+    mask: torch.Tensor  #: bool (rows, seq), True on real tokens
+    position: torch.Tensor  #: int64 (rows,): the prediction position
+    example: torch.Tensor  #: int64 (rows,): the input row each row explains
+    tokens: list[list[str]] | None = None  #: token strings per row, when a tokenizer was given
+    meta: dict[str, Any] = field(default_factory=dict)  #: model_type, head kind, embedding, ...
+
+    def layer(self, layer: int) -> torch.Tensor:
+        """NormXLogit at one layer (negative counts from the end): ``res.layer(-1)`` -> (rows, seq[, k])."""
+        n_blocks = self.meta.get("n_blocks", max(self.layers))
+        wanted = layer + n_blocks + 1 if layer < 0 else layer
+        if wanted not in self.layers:
+            raise ValueError(f"layer {layer} was not captured; captured layers: {self.layers}")
+        return self.normxlogit[self.layers.index(wanted)]
+
+    def top(self, k: int = 5, layer: int = -1, row: int = 0, label: int = 0) -> list[tuple[int, str, float]]:
+        """The k highest-scoring real tokens of one row, by signed NormXLogit: [(position, token, score)]."""
+        scores = self.layer(layer)[row]
+        if scores.dim() == 2:
+            scores = scores[:, label]
+        scores = scores.masked_fill(~self.mask[row], float("-inf"))
+        values, index = scores.topk(min(k, int(self.mask[row].sum())))
+        names = self.tokens[row] if self.tokens else [str(i) for i in range(scores.numel())]
+        return [(int(i), names[int(i)], float(v)) for v, i in zip(values, index)]
+
+    def save(self, path: str | Path) -> Path:
+        """Write one safetensors file; layers, tokens and meta go in its JSON metadata. ``res.save("a.safetensors")``"""
+        path = Path(path)
+        tensors = {name: getattr(self, name).detach().cpu().contiguous() for name in _TENSORS}
+        header = {"format": "nxl_hooks.attribution", "version": FORMAT_VERSION, "layers": self.layers,
+                  "tokens": self.tokens, "meta": self.meta}
+        save_file(tensors, str(path), metadata={"nxl_hooks": json.dumps(header)})
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Attribution":
+        """Read a file written by :meth:`save` (no pickle involved). ``nxl.Attribution.load("a.safetensors")``"""
+        with safe_open(str(path), framework="pt") as fh:
+            metadata = fh.metadata() or {}
+            if "nxl_hooks" not in metadata:
+                raise ValueError(f"{path} is not an nxl_hooks attribution file (no 'nxl_hooks' metadata)")
+            header = json.loads(metadata["nxl_hooks"])
+            if header.get("version", 0) > FORMAT_VERSION:
+                raise ValueError(f"{path} has format version {header['version']}; upgrade nxl_hooks to read it")
+            tensors = {name: fh.get_tensor(name) for name in _TENSORS}
+        return cls(**tensors, layers=header["layers"], tokens=header["tokens"], meta=header["meta"])

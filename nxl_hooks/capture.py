@@ -1,0 +1,341 @@
+"""Forward hooks on a live model: capture each selected block's output, turn it into HoT features at once,
+and assemble the attribution when the backbone's forward returns.
+
+One probe per model at a time. Hooks sit on the backbone (``model.base_model``), its blocks and, for
+``embedding="word"``, the input embedding; nothing else on the model is touched, and :meth:`Probe.detach`
+removes every handle (the ``with`` block does it also when the user's forward raised).
+"""
+
+from __future__ import annotations
+
+import inspect
+import weakref
+from dataclasses import dataclass, field
+from typing import Any, Sequence, Union
+
+import torch
+from torch import nn
+
+from .attribution import Attribution
+from .head import Head
+from .registry import ArchSpec, _get_path, resolve
+
+__all__ = ["attach", "Probe", "Target"]
+
+Target = Union[str, int, Sequence[Union[str, int]], torch.Tensor]
+
+_ATTACHED: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PeftModel (the same object PEFT forwards through)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def _hidden(output: Any) -> torch.Tensor:
+    # Most transformers v5 blocks return a tensor; Falcon, Bloom, MPT, GPT-J, DeBERTa-v2 return tuples.
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def resolve_layers(layers: str | int | Sequence[int], n_blocks: int) -> list[int]:
+    """``"all"`` -> 0..L, ``"last"`` -> [L], ints (negative from the end) -> sorted unique layer indices."""
+    if layers == "all":
+        return list(range(n_blocks + 1))
+    if layers == "last":
+        return [n_blocks]
+    if isinstance(layers, str):
+        raise ValueError(f"layers={layers!r}: use 'all', 'last' or a list of ints in 0..{n_blocks}")
+    wanted = [layers] if isinstance(layers, int) else list(layers)
+    if not wanted:
+        raise ValueError("layers is empty: use 'all', 'last' or a list of ints")
+    out = []
+    for layer in wanted:
+        index = layer + n_blocks + 1 if layer < 0 else layer
+        if not 0 <= index <= n_blocks:
+            raise ValueError(
+                f"layer {layer} is out of range: this model has {n_blocks} blocks, so layers are 0..{n_blocks} "
+                f"(0 = input of block 1, {n_blocks} = output of the last block) or -{n_blocks + 1}..-1"
+            )
+        out.append(index)
+    return sorted(set(out))
+
+
+@dataclass
+class _Pass:
+    """What one backbone forward has captured so far."""
+
+    input_ids: torch.Tensor | None
+    attention_mask: torch.Tensor | None
+    embed_norm: torch.Tensor | None = None
+    features: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class Probe:
+    """Hooks of one :func:`attach` call. ``with nxl.attach(model) as probe: model(**enc)``, then ``probe.result()``."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        layers: str | int | Sequence[int] = "all",
+        target: Target = "predicted",
+        tokenizer: Any = None,
+        embedding: str = "layer_input",
+    ) -> None:
+        self.model = _unwrap(model)
+        self.spec, self.kind = resolve(self.model)
+        self.head = Head(self.model, self.spec, self.kind)
+        self.blocks: nn.ModuleList = _get_path(self.model, self.spec.blocks)
+        self.n_blocks = len(self.blocks)
+        self.layers = resolve_layers(layers, self.n_blocks)
+        if embedding not in ("layer_input", "word"):
+            raise ValueError(f"embedding={embedding!r}: use 'layer_input' (default) or 'word'")
+        self.embedding = embedding
+        self.tokenizer = tokenizer
+        self._check_tokenizer()
+        self.target = target
+        self._fixed_targets = None if self._is_predicted(target) else self._target_ids(target)
+        self._backbone = self.model.base_model
+        self._signature = inspect.signature(self._backbone.forward)
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._pass: _Pass | None = None
+        self._last: Attribution | None = None
+        self._attach()
+
+    # -- attach / detach ---------------------------------------------------------------------------------
+
+    def _attach(self) -> None:
+        if self._backbone in _ATTACHED:
+            raise RuntimeError(
+                "a probe is already attached to this model: leave the first `with nxl.attach(...)` block "
+                "(or call probe.detach()) before attaching again"
+            )
+        _ATTACHED.add(self._backbone)
+        try:
+            self._handles.append(self._backbone.register_forward_pre_hook(self._on_backbone_start, with_kwargs=True))
+            self._handles.append(self._backbone.register_forward_hook(self._on_backbone_end))
+            self._handles.append(self.blocks[0].register_forward_pre_hook(self._on_block_input, with_kwargs=True))
+            for index, block in enumerate(self.blocks, start=1):
+                if index in self.layers or index == self.n_blocks:
+                    self._handles.append(block.register_forward_hook(self._block_hook(index)))
+            if self.embedding == "word":
+                embed = self.model.get_input_embeddings()
+                self._handles.append(embed.register_forward_hook(self._on_word_embedding))
+        except BaseException:
+            self.detach()
+            raise
+
+    def detach(self) -> None:
+        """Remove every hook of this probe; the model is as it was before :func:`attach`."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._pass = None
+        _ATTACHED.discard(self._backbone)
+
+    @property
+    def attached(self) -> bool:
+        return bool(self._handles)
+
+    def __enter__(self) -> "Probe":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    # -- hooks -------------------------------------------------------------------------------------------
+
+    def _on_backbone_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        bound = self._signature.bind_partial(*args, **kwargs).arguments
+        input_ids = bound.get("input_ids")
+        reference = input_ids if input_ids is not None else bound.get("inputs_embeds")
+        if reference is None or reference.shape[1] == 0 or reference.shape[0] == 0:
+            raise ValueError("empty input: nxl_hooks needs at least one token per row (got a zero-length batch)")
+        self._pass = _Pass(input_ids=input_ids, attention_mask=bound.get("attention_mask"))
+
+    def _on_block_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = args[0] if args else kwargs["hidden_states"]
+        with torch.no_grad():
+            if self.embedding == "layer_input":
+                self._pass.embed_norm = hidden.detach().float().norm(dim=-1)
+            if 0 in self.layers:
+                self._pass.features[0] = self.head.features(hidden.detach())
+
+    def _on_word_embedding(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        # Gemma-style scaled embeddings multiply inside the module; the paper's norm is of the raw row.
+        scale = getattr(module, "embed_scale", None)
+        rows = output.detach().float()
+        if scale is not None:
+            rows = rows / scale.to(rows.device).float()
+        self._pass.embed_norm = rows.norm(dim=-1)
+
+    def _block_hook(self, index: int):
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            with torch.no_grad():
+                self._pass.features[index] = self.head.features(_hidden(output).detach())
+
+        return hook
+
+    def _on_backbone_end(self, module: nn.Module, args: tuple, output: Any) -> None:
+        with torch.no_grad():
+            self._last = self._assemble(self._pass)
+        self._pass = None
+
+    # -- assembling --------------------------------------------------------------------------------------
+
+    def result(self) -> Attribution:
+        """The attribution of the last forward run while attached."""
+        if self._last is None:
+            raise RuntimeError("no forward has run under this probe yet: call the model inside the `with` block")
+        return self._last
+
+    def _rows(self, p: _Pass, seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(example, position) of every explained row."""
+        device = p.embed_norm.device
+        batch = p.embed_norm.shape[0]
+        examples = torch.arange(batch, device=device)
+        if self.kind == "masked_lm":
+            mask_id = getattr(self.tokenizer, "mask_token_id", None)
+            if mask_id is None or p.input_ids is None:
+                raise ValueError("masked-LM attribution needs input_ids and attach(..., tokenizer=tok) with a mask token")
+            examples, positions = (p.input_ids == mask_id).nonzero(as_tuple=True)
+            if examples.numel() == 0:
+                raise ValueError(f"no mask token ({self.tokenizer.mask_token!r}) in the input: nothing to explain")
+            return examples.to(device), positions.to(device)
+        if self.kind == "causal_lm" or self.spec.pooling == "last_non_pad":
+            pad_id = self.model.config.get_text_config().pad_token_id
+            if self.kind == "causal_lm" and p.attention_mask is not None:
+                real = p.attention_mask.to(device).bool()
+            elif self.kind != "causal_lm" and pad_id is not None and p.input_ids is not None:
+                real = p.input_ids.to(device) != pad_id  # as transformers pools decoder classifiers
+            else:
+                return examples, torch.full((batch,), seq - 1, device=device)
+            index = torch.arange(seq, device=device)
+            return examples, (index * real).argmax(-1)
+        return examples, torch.zeros(batch, dtype=torch.long, device=device)
+
+    @staticmethod
+    def _is_predicted(target: Target) -> bool:
+        return isinstance(target, str) and target == "predicted"
+
+    def _target_ids(self, target: Target) -> torch.Tensor:
+        """Explicit targets as a (1, k) or (rows, k) id tensor, checked against the head's outputs."""
+        if isinstance(target, torch.Tensor):
+            ids = target.long()
+            ids = ids[:, None] if ids.dim() == 1 else ids
+        else:
+            items = [target] if isinstance(target, (str, int)) else list(target)
+            if not items:
+                raise ValueError("target list is empty: give at least one label or token")
+            ids = torch.tensor([[self._one_target_id(item) for item in items]])
+        bad = ids[(ids < 0) | (ids >= self.head.n_outputs)]
+        if bad.numel():
+            raise ValueError(
+                f"target {int(bad[0])} is out of range: the head has {self.head.n_outputs} outputs "
+                f"(0..{self.head.n_outputs - 1})"
+            )
+        return ids
+
+    def _one_target_id(self, item: str | int) -> int:
+        if isinstance(item, bool) or not isinstance(item, (int, str)):
+            raise TypeError(f"target items must be int ids or strings, got {type(item).__name__}")
+        if isinstance(item, int):
+            return item
+        label2id = getattr(self.model.config, "label2id", None) or {}
+        if self.kind in ("sequence_classification", "regression") and item in label2id:
+            return int(label2id[item])
+        if self.kind in ("sequence_classification", "regression"):
+            raise ValueError(f"label {item!r} is not one of the model's labels {sorted(label2id)}; or pass an int id")
+        if self.tokenizer is None:
+            raise ValueError(f"target {item!r} is a string: pass attach(..., tokenizer=tok) to resolve it, or an int id")
+        vocab = self.tokenizer.get_vocab()
+        if item in vocab:
+            return int(vocab[item])
+        ids = self.tokenizer.encode(item, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(
+                f"target {item!r} is not a single token of this tokenizer (it encodes to {len(ids)} ids {ids}); "
+                "pass one token (see tokenizer.tokenize(text)) or its int id"
+            )
+        return int(ids[0])
+
+    def _check_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            return
+        rows = self.model.get_input_embeddings().num_embeddings
+        if len(self.tokenizer) > rows:
+            raise ValueError(
+                f"the tokenizer does not match the model: it has {len(self.tokenizer)} tokens but the model's "
+                f"embedding has {rows} rows; pass the tokenizer saved with this model"
+            )
+
+    def _assemble(self, p: _Pass) -> Attribution:
+        seq = p.embed_norm.shape[1]
+        examples, positions = self._rows(p, seq)
+        final = self.head.logits(p.features[self.n_blocks][examples, positions])  # (rows, outputs)
+        scalar = not (isinstance(self.target, (list, tuple)) or (isinstance(self.target, torch.Tensor) and self.target.dim() == 2))
+        if self.kind == "regression":
+            targets = torch.zeros(len(examples), 1, dtype=torch.long, device=final.device)
+        elif self._fixed_targets is None:
+            targets = final.argmax(-1, keepdim=True)
+        else:
+            targets = self._fixed_targets.to(final.device).expand(len(examples), -1)
+        logat = torch.stack(
+            [self.head.target_logits(p.features[layer][examples], targets).to(final.device) for layer in self.layers]
+        )  # (layers, rows, seq, k)
+        if self.kind == "regression":
+            logat = (logat - final[:, 0][None, :, None, None]).abs()
+        embed_norm = p.embed_norm.to(final.device)[examples]
+        normxlogit = embed_norm[None, :, :, None] * logat
+        if scalar:
+            logat, normxlogit, targets = logat[..., 0], normxlogit[..., 0], targets[:, 0]
+        mask = (
+            p.attention_mask.to(final.device).bool()[examples]
+            if p.attention_mask is not None
+            else torch.ones_like(embed_norm, dtype=torch.bool)
+        )
+        tokens = None
+        if self.tokenizer is not None and p.input_ids is not None:
+            tokens = [self.tokenizer.convert_ids_to_tokens(row.tolist()) for row in p.input_ids[examples.cpu()].cpu()]
+        return Attribution(
+            normxlogit=normxlogit.cpu(),
+            logat=logat.cpu(),
+            embed_norm=embed_norm.cpu(),
+            layers=list(self.layers),
+            target=targets.cpu(),
+            mask=mask.cpu(),
+            position=positions.cpu(),
+            example=examples.cpu(),
+            tokens=tokens,
+            meta={
+                "model_type": self.model.config.model_type,
+                "model_class": type(self.model).__name__,
+                "head_kind": self.kind,
+                "embedding": self.embedding,
+                "n_blocks": self.n_blocks,
+                "spec": self.spec.name,
+                "prediction": final.cpu().tolist() if self.kind == "regression" else None,
+            },
+        )
+
+
+def attach(
+    model: nn.Module,
+    layers: str | int | Sequence[int] = "all",
+    target: Target = "predicted",
+    *,
+    tokenizer: Any = None,
+    embedding: str = "layer_input",
+) -> Probe:
+    """Hook NormXLogit onto ``model`` (a transformers task model or a PeftModel) until the probe detaches.
+
+    ``with nxl.attach(model, layers="all") as probe: model(**enc)`` then ``probe.result().normxlogit``.
+
+    - ``layers``: "all" (0..L), "last" (L), or ints; negative ints count from the end.
+    - ``target``: "predicted" (the model's own argmax at the prediction position), an int id, a token or
+      label string, a list of them (adds a trailing axis of size k), or a (rows,) / (rows, k) id tensor.
+    - ``tokenizer``: needed for token-string targets, masked LMs and token strings in the result.
+    - ``embedding``: "layer_input" (input of block 1, default) or "word" (the raw word-embedding row).
+    """
+    return Probe(model, layers=layers, target=target, tokenizer=tokenizer, embedding=embedding)
