@@ -9,13 +9,18 @@
 from .attribution import Attribution
 from .capture import Probe, attach
 from .registry import ArchSpec, UnknownArchitectureError, register_architecture, register_file
+from .stream import GenerationCall, Sink, Step, read_stream
 
 __all__ = [
     "ArchSpec",
     "Attribution",
+    "GenerationCall",
     "Probe",
+    "Sink",
+    "Step",
     "UnknownArchitectureError",
     "attach",
+    "read_stream",
     "register_architecture",
     "register_file",
 ]

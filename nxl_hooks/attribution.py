@@ -59,6 +59,23 @@ class Attribution:
         names = self.tokens[row] if self.tokens else [str(i) for i in range(scores.numel())]
         return [(int(i), names[int(i)], float(v)) for v, i in zip(values, index)]
 
+    def to_html(self, path: str | Path | None = None, **options: Any) -> str:
+        """Self-contained tokens x layers heatmap page; also written to ``path`` when given.
+
+        ``res.to_html("a.html")``; ``options`` go to :func:`nxl_hooks.viz.attribution_html` (rows, label, method).
+        """
+        from .viz import attribution_html
+
+        text = attribution_html(self, **options)
+        if path is not None:
+            Path(path).write_text(text, encoding="utf-8")
+        return text
+
+    def _repr_html_(self) -> str:
+        from .viz import attribution_html
+
+        return attribution_html(self, full_page=False)
+
     def save(self, path: str | Path) -> Path:
         """Write one safetensors file; layers, tokens and meta go in its JSON metadata. ``res.save("a.safetensors")``"""
         path = Path(path)

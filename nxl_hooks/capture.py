@@ -11,14 +11,17 @@ from __future__ import annotations
 import inspect
 import weakref
 from dataclasses import dataclass, field
-from typing import Any, Sequence, Union
+from pathlib import Path
+from typing import Any, Callable, Sequence, Union
 
 import torch
 from torch import nn
 
 from .attribution import Attribution
 from .head import Head
+from .generation import _Generation
 from .registry import ArchSpec, _get_path, resolve
+from .stream import GenerationCall, Sink, Step, _Hub, _Subscription
 
 __all__ = ["attach", "Probe", "Target"]
 
@@ -82,6 +85,11 @@ class Probe:
         target: Target = "predicted",
         tokenizer: Any = None,
         embedding: str = "layer_input",
+        on_step: Callable[[Step], Any] | None = None,
+        sink: str | Path | Sink | None = None,
+        keep_steps: bool = True,
+        cache_dtype: torch.dtype | None = None,
+        cache_device: str | torch.device | None = None,
     ) -> None:
         self.model = _unwrap(model)
         self.spec, self.kind = resolve(self.model)
@@ -96,12 +104,19 @@ class Probe:
         self._check_tokenizer()
         self.target = target
         self._fixed_targets = None if self._is_predicted(target) else self._target_ids(target)
-        self._backbone = self.model.base_model
+        self._backbone = _get_path(self.model, self.spec.backbone) if self.spec.backbone else self.model.base_model
         self._signature = inspect.signature(self._backbone.forward)
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._pass: _Pass | None = None
         self._last: Attribution | None = None
+        self._generation: _Generation | None = None
         self._attach()
+        try:  # after _attach's double-attach check, so a refused probe never truncates a sink file
+            self._generation = _Generation(self, _Hub(on_step=on_step, sink=sink, keep_steps=keep_steps),
+                                           cache_dtype=cache_dtype, cache_device=cache_device)
+        except BaseException:
+            self.detach()
+            raise
 
     # -- attach / detach ---------------------------------------------------------------------------------
 
@@ -132,6 +147,8 @@ class Probe:
             handle.remove()
         self._handles.clear()
         self._pass = None
+        if self._generation is not None:
+            self._generation.close()
         _ATTACHED.discard(self._backbone)
 
     @property
@@ -153,8 +170,16 @@ class Probe:
         if reference is None or reference.shape[1] == 0 or reference.shape[0] == 0:
             raise ValueError("empty input: nxl_hooks needs at least one token per row (got a zero-length batch)")
         self._pass = _Pass(input_ids=input_ids, attention_mask=bound.get("attention_mask"))
+        if self._generating:
+            self._generation.before_forward(bound)
 
     def _on_block_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._pass is None:
+            raise RuntimeError(
+                f"{type(self.model).__name__} ran its blocks without calling {type(self._backbone).__name__}.forward, "
+                "so nxl_hooks saw no input_ids: set `backbone` (the module that takes input_ids and runs the blocks) "
+                f"in the registry entry for {self.model.config.model_type!r}"
+            )
         hidden = args[0] if args else kwargs["hidden_states"]
         with torch.no_grad():
             if self.embedding == "layer_input":
@@ -179,8 +204,45 @@ class Probe:
 
     def _on_backbone_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         with torch.no_grad():
-            self._last = self._assemble(self._pass)
+            if self._generating:
+                self._generation.after_forward(self._pass)
+            else:
+                self._last = self._assemble(self._pass)
         self._pass = None
+
+    # -- generation (see nxl_hooks/generation.py) ---------------------------------------------------------
+
+    @property
+    def _generating(self) -> bool:
+        return self._generation is not None and self._generation.active
+
+    @property
+    def calls(self) -> list[GenerationCall]:
+        """One entry per ``generate`` call run while attached, in order, each with its step records."""
+        return self._generation.hub.calls if self._generation is not None else []
+
+    @property
+    def steps(self) -> list[Step]:
+        """The step records of the last ``generate`` call (one per emitted token); earlier calls: :attr:`calls`."""
+        if not self.calls:
+            raise RuntimeError(
+                "no generate() call has run under this probe: call model.generate(...) inside the `with` block "
+                "(for a plain forward, use probe.result())"
+            )
+        return self.calls[-1].steps
+
+    def stream(self) -> _Subscription:
+        """Iterate over step records as they are made, from another thread than the one running ``generate``.
+
+        Yields the records of the ``generate`` call running now (from its first step) or, if none is, of the
+        next one, and stops when that call returns or raises, or when the probe detaches::
+
+            threading.Thread(target=model.generate, kwargs=enc).start()
+            for step in probe.stream(): print(step.step, step.token)
+        """
+        if self._generation is None or not self.attached:
+            raise RuntimeError("this probe is detached: call probe.stream() inside the `with nxl.attach(...)` block")
+        return self._generation.hub.subscribe()
 
     # -- assembling --------------------------------------------------------------------------------------
 
@@ -214,6 +276,11 @@ class Probe:
             index = torch.arange(seq, device=device)
             return examples, (index * real).argmax(-1)
         return examples, torch.zeros(batch, dtype=torch.long, device=device)
+
+    @property
+    def _label_axis(self) -> bool:
+        """Whether scores get a trailing axis of k labels (a list target, or a (rows, k) id tensor)."""
+        return isinstance(self.target, (list, tuple)) or (isinstance(self.target, torch.Tensor) and self.target.dim() == 2)
 
     @staticmethod
     def _is_predicted(target: Target) -> bool:
@@ -253,9 +320,9 @@ class Probe:
         if item in vocab:
             return int(vocab[item])
         ids = self.tokenizer.encode(item, add_special_tokens=False)
-        if len(ids) != 1:
+        if len(ids) != 1 or ids[0] == self.tokenizer.unk_token_id:
             raise ValueError(
-                f"target {item!r} is not a single token of this tokenizer (it encodes to {len(ids)} ids {ids}); "
+                f"target {item!r} is not a single token in the vocabulary (it encodes to {len(ids)} id(s) {ids}); "
                 "pass one token (see tokenizer.tokenize(text)) or its int id"
             )
         return int(ids[0])
@@ -273,8 +340,9 @@ class Probe:
     def _assemble(self, p: _Pass) -> Attribution:
         seq = p.embed_norm.shape[1]
         examples, positions = self._rows(p, seq)
-        final = self.head.logits(p.features[self.n_blocks][examples, positions])  # (rows, outputs)
-        scalar = not (isinstance(self.target, (list, tuple)) or (isinstance(self.target, torch.Tensor) and self.target.dim() == 2))
+        last = p.features[self.n_blocks]  # under a device_map each layer's features stay on its block's device
+        final = self.head.logits(last[examples.to(last.device), positions.to(last.device)])  # (rows, outputs)
+        scalar = not self._label_axis
         if self.kind == "regression":
             targets = torch.zeros(len(examples), 1, dtype=torch.long, device=final.device)
         elif self._fixed_targets is None:
@@ -282,16 +350,17 @@ class Probe:
         else:
             targets = self._fixed_targets.to(final.device).expand(len(examples), -1)
         logat = torch.stack(
-            [self.head.target_logits(p.features[layer][examples], targets).to(final.device) for layer in self.layers]
+            [self.head.target_logits(p.features[layer][examples.to(p.features[layer].device)], targets).to(final.device)
+             for layer in self.layers]
         )  # (layers, rows, seq, k)
         if self.kind == "regression":
             logat = (logat - final[:, 0][None, :, None, None]).abs()
-        embed_norm = p.embed_norm.to(final.device)[examples]
+        embed_norm = p.embed_norm[examples].to(final.device)
         normxlogit = embed_norm[None, :, :, None] * logat
         if scalar:
             logat, normxlogit, targets = logat[..., 0], normxlogit[..., 0], targets[:, 0]
         mask = (
-            p.attention_mask.to(final.device).bool()[examples]
+            p.attention_mask[examples.to(p.attention_mask.device)].to(final.device).bool()
             if p.attention_mask is not None
             else torch.ones_like(embed_norm, dtype=torch.bool)
         )
@@ -327,15 +396,31 @@ def attach(
     *,
     tokenizer: Any = None,
     embedding: str = "layer_input",
+    on_step: Callable[[Step], Any] | None = None,
+    sink: str | Path | Sink | None = None,
+    keep_steps: bool = True,
+    cache_dtype: torch.dtype | None = None,
+    cache_device: str | torch.device | None = None,
 ) -> Probe:
     """Hook NormXLogit onto ``model`` (a transformers task model or a PeftModel) until the probe detaches.
 
-    ``with nxl.attach(model, layers="all") as probe: model(**enc)`` then ``probe.result().normxlogit``.
+    ``with nxl.attach(model, layers="all") as probe: model(**enc)`` then ``probe.result().normxlogit``;
+    ``with nxl.attach(model) as probe: model.generate(**enc)`` then ``probe.steps`` (one record per new token).
 
     - ``layers``: "all" (0..L), "last" (L), or ints; negative ints count from the end.
     - ``target``: "predicted" (the model's own argmax at the prediction position), an int id, a token or
       label string, a list of them (adds a trailing axis of size k), or a (rows,) / (rows, k) id tensor.
     - ``tokenizer``: needed for token-string targets, masked LMs and token strings in the result.
     - ``embedding``: "layer_input" (input of block 1, default) or "word" (the raw word-embedding row).
+
+    While ``generate`` runs (causal LMs; see :mod:`nxl_hooks.generation` and :mod:`nxl_hooks.stream`):
+
+    - ``on_step``: called with each :class:`~nxl_hooks.stream.Step` as soon as it is complete;
+    - ``sink``: a file path (or :class:`~nxl_hooks.stream.Sink`) the records are appended to, crash-safe;
+      read it with ``nxl.read_stream(path)``;
+    - ``keep_steps``: keep the records in ``probe.calls`` / ``probe.steps`` (set False to stream them only);
+    - ``cache_dtype`` / ``cache_device``: where the per-layer feature cache lives (batch × d values per token
+      per selected layer; e.g. ``torch.bfloat16``, ``"cpu"``).
     """
-    return Probe(model, layers=layers, target=target, tokenizer=tokenizer, embedding=embedding)
+    return Probe(model, layers=layers, target=target, tokenizer=tokenizer, embedding=embedding, on_step=on_step,
+                 sink=sink, keep_steps=keep_steps, cache_dtype=cache_dtype, cache_device=cache_device)

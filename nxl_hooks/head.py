@@ -7,18 +7,26 @@ Kept apart from the hooks: everything here is a function of hidden states and th
 from __future__ import annotations
 
 import contextlib
+import copy
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .registry import ArchSpec, _get_path
+from .registry import ArchSpec, UnknownArchitectureError, _get_path
 
 _FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "tanh": torch.tanh,
     "gelu": F.gelu,
     "relu": F.relu,
+}
+
+# Logit post-processing steps after the readout, "<op>:<config attribute>" (see ArchSpec).
+_POST: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
+    "softcap": lambda x, c: torch.tanh(x / c) * c,
+    "scale": lambda x, s: x * s,
+    "divide": lambda x, s: x / s,
 }
 
 
@@ -27,11 +35,51 @@ def module_device(module: nn.Module) -> torch.device:
     hook = getattr(module, "_hf_hook", None)
     execution_device = getattr(hook, "execution_device", None)
     if execution_device is not None:
-        return torch.device(execution_device if not isinstance(execution_device, int) else f"cuda:{execution_device}")
+        return _indexed(torch.device(execution_device if not isinstance(execution_device, int) else f"cuda:{execution_device}"))
     for tensor in module.parameters():
         if tensor.device.type != "meta":
             return tensor.device
     return torch.device("cpu")
+
+
+def _indexed(device: torch.device) -> torch.device:
+    # Tensors report "cuda:0", accelerate may say "cuda": compare like with like.
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def _plain(module: nn.Module) -> bool:
+    """Only ordinary float weights, no adapter routing: the module can be read row by row or copied.
+
+    bitsandbytes (Params4bit, Int8Params), optimum-quanto and torchao store weights as tensor subclasses,
+    and PEFT wrappers pick the active adapter at call time: those must be called where they live.
+    """
+    return all(
+        type(param) in (nn.Parameter, torch.Tensor) and type(param.data) is torch.Tensor and param.is_floating_point()
+        for param in module.parameters()
+    ) and not any(type(sub).__module__.startswith("peft.") for sub in module.modules())
+
+
+_ACCELERATE_ATTRIBUTES = ("_hf_hook", "_old_forward", "forward")
+
+
+def _replica(module: nn.Module, device: torch.device) -> nn.Module:
+    """A hook-free copy of a small plain module (a final norm) on ``device``, made once per device.
+
+    accelerate's hook attributes are set aside during the copy: deep-copying them would copy the offload map
+    (the whole offloaded state dict); offloaded weights are read under ``align_module_device``.
+    """
+    saved = [(sub, {k: sub.__dict__.pop(k) for k in _ACCELERATE_ATTRIBUTES if k in sub.__dict__}) for sub in module.modules()]
+    try:
+        clone = copy.deepcopy(module)
+    finally:
+        for sub, attributes in saved:
+            sub.__dict__.update(attributes)
+    with _weights_materialized(module):
+        state = {name: tensor.detach().to(device, copy=True) for name, tensor in module.state_dict().items()}
+    clone.load_state_dict(state, assign=True)
+    return clone.to(device).eval()
 
 
 def _weights_materialized(module: nn.Module):
@@ -54,26 +102,37 @@ class Head:
 
     def __init__(self, model: nn.Module, spec: ArchSpec, kind: str) -> None:
         spec_kind = "sequence_classification" if kind == "regression" else kind
+        names = list(spec.heads[spec_kind])
+        self._post_ops: list[tuple[Callable[[torch.Tensor, float], torch.Tensor], float]] = []
+        while names and names[-1].split(":", 1)[0] in _POST:
+            op, attribute = names.pop().split(":", 1)
+            value = getattr(model.config, attribute, None)
+            if value is not None:
+                self._post_ops.insert(0, (_POST[op], float(value)))
         steps: list[nn.Module | Callable] = []
-        for step in spec.heads[spec_kind]:
+        for step in names:
             if step in _FUNCTIONS:
                 steps.append(_FUNCTIONS[step])
             elif step.startswith("act:"):
                 steps.append(_activation(model.config, step[4:]))
             else:
-                module = _get_path(model, step)
+                try:
+                    module = _get_path(model, step)
+                except (AttributeError, IndexError):
+                    raise UnknownArchitectureError(
+                        f"{type(model).__name__} has no module {step!r}, which the {spec_kind!r} head of registry "
+                        f"entry {spec.name!r} ({spec.source}) names: this model is a variant the entry does not "
+                        "cover; register it with nxl.register_architecture(...) or fix the registry/*.toml entry"
+                    ) from None
                 if module is not None:
                     steps.append(module)
         readout = steps.pop()
         if not isinstance(readout, nn.Module):
             raise ValueError(f"spec {spec.name!r}: the last head step must be a module (the readout), got {readout}")
         self._steps = steps
+        self._replicas: dict[tuple[int, torch.device], nn.Module] = {}
         self.readout = readout
         self.n_outputs = self._count_outputs(readout)
-        config = model.config
-        self._softcap = getattr(config, spec.softcap, None) if spec.softcap else None
-        self._scale = getattr(config, spec.logit_scale, None) if spec.logit_scale else None
-        self._divide = getattr(config, spec.logit_divide, None) if spec.logit_divide else None
 
     @staticmethod
     def _count_outputs(readout: nn.Module) -> int:
@@ -88,24 +147,36 @@ class Head:
 
     def _gatherable(self) -> bool:
         # Only a plain Linear can be gathered row by row: bitsandbytes' Linear4bit/8bitLt subclass
-        # nn.Linear but store packed weights, and PEFT wrappers route to the active adapter.
-        return type(self.readout) is nn.Linear
+        # nn.Linear but store packed weights, torchao keeps nn.Linear with a quantized weight tensor,
+        # and PEFT wrappers route to the active adapter.
+        return type(self.readout) is nn.Linear and _plain(self.readout)
+
+    def _step_on(self, index: int, step: nn.Module, device: torch.device) -> nn.Module:
+        """``step`` itself where it computes on ``device``; else a local copy when it is plain (a norm's weights
+        cross devices once instead of every hidden state), else ``step`` (quantized, adapter: inputs go to it)."""
+        device = _indexed(device)
+        if module_device(step) == device or not _plain(step):
+            return step
+        key = (index, device)
+        if key not in self._replicas:
+            self._replicas[key] = _replica(step, device)
+        return self._replicas[key]
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Everything before the readout (final norm, pooler transform...), applied to every position."""
-        for step in self._steps:
+        """Everything before the readout (final norm, pooler transform...), applied to every position.
+
+        Computed on ``hidden``'s device (the block's own, under a device_map) wherever the steps allow.
+        """
+        for index, step in enumerate(self._steps):
             if isinstance(step, nn.Module):
+                step = self._step_on(index, step, hidden.device)
                 hidden = hidden.to(module_device(step))
             hidden = step(hidden)
         return hidden
 
     def _post(self, logits: torch.Tensor) -> torch.Tensor:
-        if self._softcap:
-            logits = torch.tanh(logits / self._softcap) * self._softcap
-        if self._scale:
-            logits = logits * self._scale
-        if self._divide:
-            logits = logits / self._divide
+        for op, value in self._post_ops:
+            logits = op(logits, value)
         return logits
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
@@ -115,17 +186,19 @@ class Head:
     def target_logits(self, features: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """HoT outputs for ``targets`` only.
 
-        ``features``: (rows, seq, d); ``targets``: (rows, k) label ids. Returns float32 (rows, seq, k).
+        ``features``: (rows, seq, d); ``targets``: (rows, k) label ids. Returns float32 (rows, seq, k), on
+        ``features``' device when the readout is a plain Linear: only its k target rows travel there, so
+        under a device_map each layer is scored where its block ran and only scores cross devices.
         """
-        features = features.to(self.device)
-        targets = targets.to(self.device)
         if self._gatherable():
             with _weights_materialized(self.readout):
-                weight = self.readout.weight[targets]  # (rows, k, d)
-                out = torch.einsum("rsd,rkd->rsk", features, weight.to(features.dtype))
+                weight = self.readout.weight
+                index = targets.to(weight.device)
+                rows = weight[index].to(features.device, features.dtype)  # (rows, k, d)
+                out = torch.einsum("rsd,rkd->rsk", features, rows)
                 if self.readout.bias is not None:
-                    out = out + self.readout.bias[targets].to(out.dtype)[:, None, :]
+                    out = out + self.readout.bias[index].to(out.device, out.dtype)[:, None, :]
         else:
-            full = self.readout(features)
-            out = full.gather(-1, targets[:, None, :].expand(-1, full.shape[1], -1))
+            full = self.readout(features.to(self.device))
+            out = full.gather(-1, targets.to(full.device)[:, None, :].expand(-1, full.shape[1], -1))
         return self._post(out).float()

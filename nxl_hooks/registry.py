@@ -38,6 +38,11 @@ HEAD_KINDS = ("causal_lm", "sequence_classification", "masked_lm")
 
 _FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f")
 
+# Config values that some *ForCausalLM apply to the logits after lm_head. Their meaning varies by family
+# (HyperCLOVA X multiplies by logits_scaling, Granite divides by it), so discovery refuses such a model
+# rather than give numbers that miss the model's own logits; a registry entry names the step.
+_LOGIT_POST_ATTRIBUTES = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
+
 
 class UnknownArchitectureError(LookupError):
     """The model's architecture is neither registered nor discoverable."""
@@ -50,8 +55,11 @@ class ArchSpec:
     ``heads`` maps a head kind to the steps of HoT, applied in order to one hidden state. A step is a
     module path relative to the task model (``"model.norm"``; a path that resolves to ``None``, such as
     OPT's absent ``project_out``, is skipped), a function (``"tanh"``, ``"gelu"``, ``"relu"``), or
-    ``"act:<config attribute>"`` for the activation a config names. The last step is the readout: a
-    linear map whose target rows are gathered instead of computing every logit.
+    ``"act:<config attribute>"`` for the activation a config names. The last module step is the readout:
+    a linear map whose target rows are gathered instead of computing every logit. Steps after it are
+    elementwise logit post-processing by a config value, skipped when that value is ``None``:
+    ``"softcap:<attr>"`` (tanh(x / c) * c), ``"scale:<attr>"`` (x * s), ``"divide:<attr>"`` (x / s).
+    They sit per head kind because transformers applies them in ``*ForCausalLM`` only.
     """
 
     name: str
@@ -61,10 +69,9 @@ class ArchSpec:
     #: Where sequence classification reads its prediction: "first" (CLS) or "last_non_pad"
     #: (the rightmost token that is not ``pad_token_id``, as transformers' decoder classifiers pool).
     pooling: str = "last_non_pad"
-    #: Config attributes of elementwise logit post-processing, applied in this order when set.
-    softcap: str | None = None  # tanh(x / c) * c
-    logit_scale: str | None = None  # x * s
-    logit_divide: str | None = None  # x / s
+    #: The module whose forward takes ``input_ids`` / ``attention_mask`` and runs the blocks, when it is not
+    #: ``model.base_model`` (OPTForCausalLM calls ``model.decoder`` directly, bypassing OPTModel.forward).
+    backbone: str | None = None
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -179,9 +186,18 @@ def _has_path(root: nn.Module, path: str) -> bool:
     return True
 
 
+def _logit_post_processing(model: nn.Module, kind: str) -> list[str]:
+    """The ``attr=value`` logit post-processing settings a causal LM's config sets (see above)."""
+    config = model.config.get_text_config()
+    found = [(name, getattr(config, name, None)) for name in _LOGIT_POST_ATTRIBUTES] if kind == "causal_lm" else []
+    return [f"{name}={value}" for name, value in found if value is not None]
+
+
 def _discover(model: nn.Module, kind: str) -> ArchSpec | None:
     """The common decoder layout: one ModuleList of num_hidden_layers blocks, a final norm, a Linear head."""
     config = model.config
+    if _logit_post_processing(model, kind):
+        return None
     n_layers = getattr(config.get_text_config(), "num_hidden_layers", None)
     base = model.base_model
     prefix = next((n for n, m in model.named_children() if m is base), None)
@@ -215,11 +231,16 @@ def resolve(model: nn.Module) -> tuple[ArchSpec, str]:
     discovered = _discover(model, spec_kind)
     if discovered is not None:
         return discovered, kind
-    reason = (
-        f"its registry entry ({spec.source}) has no {spec_kind!r} head matching {type(model).__name__}"
-        if spec is not None
-        else "no registry entry names it and generic discovery found no blocks/final norm/head"
-    )
+    post = _logit_post_processing(model, spec_kind)
+    if spec is not None:
+        reason = f"its registry entry ({spec.source}) has no {spec_kind!r} head matching {type(model).__name__}"
+    elif post:
+        reason = (
+            f"its config sets logit post-processing ({', '.join(post)}) that generic discovery cannot interpret; "
+            "add it as a last head step, e.g. 'softcap:final_logit_softcapping', 'scale:<attr>' or 'divide:<attr>'"
+        )
+    else:
+        reason = "no registry entry names it and generic discovery found no blocks/final norm/head"
     raise UnknownArchitectureError(
         f"model_type {model_type!r} ({type(model).__name__}) is not supported: {reason}. Register it with "
         f"nxl.register_architecture({model_type!r}, blocks='<path to the ModuleList of blocks>', "

@@ -60,3 +60,192 @@ def linear(module: torch.nn.Module) -> Fn:
         return out + module.bias if getattr(module, "bias", None) is not None else out
 
     return apply
+
+
+def softcap(fn: Fn, cap: float | None) -> Fn:
+    """Gemma2's final-logit softcapping, tanh(x / c) * c, after ``fn``."""
+    if cap is None:
+        return fn
+    return lambda h: torch.tanh(fn(h) / cap) * cap
+
+
+def then(*fns: Fn) -> Fn:
+    """Compose left to right: ``then(f, g)(h) == g(f(h))``."""
+
+    def apply(h: torch.Tensor) -> torch.Tensor:
+        for fn in fns:
+            h = fn(h)
+        return h
+
+    return apply
+
+
+def cohere_layer_norm(module: torch.nn.Module) -> Fn:
+    """Cohere's LayerNorm: mean-centred, weight only, no bias."""
+
+    def apply(h: torch.Tensor) -> torch.Tensor:
+        x = h.float()
+        x = x - x.mean(-1, keepdim=True)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)
+        return (module.weight.float() * x).to(h.dtype)
+
+    return apply
+
+
+def plain_layer_norm(h: torch.Tensor) -> torch.Tensor:
+    """OLMo's LayerNorm: no weight, no bias, eps 1e-5."""
+    return torch.nn.functional.layer_norm(h.float(), h.shape[-1:], None, None, 1e-5).to(h.dtype)
+
+
+# -- hand-written heads-on-top per family --------------------------------------------------------------
+#
+# Each returns a HandHead: ``norm`` is what transformers has already applied to ``hidden_states[-1]`` for
+# decoders (final norm, and OPT's project_out), ``head`` the rest (readout and logit post-processing).
+
+
+class HandHead:
+    """A family's HoT by hand, split where transformers' ``hidden_states[-1]`` stops."""
+
+    def __init__(self, norm: Fn, head: Fn, *, last_is_normed: bool) -> None:
+        self.norm, self.head, self.last_is_normed = norm, head, last_is_normed
+
+    def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
+        """HoT of raw block outputs (pre-norm), all outputs: (..., outputs)."""
+        return self.head(self.norm(hidden)).float()
+
+    def layer_logits(self, hidden_states: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """(L+1, batch, seq, outputs) from ``output_hidden_states=True``."""
+        return layer_logits(hidden_states, self.norm, self.head, last_is_normed=self.last_is_normed)
+
+
+def _identity(h: torch.Tensor) -> torch.Tensor:
+    return h
+
+
+def _decoder_readout(model: torch.nn.Module) -> torch.nn.Module:
+    # *ForCausalLM reads out with lm_head (GPT-NeoX: embed_out); *ForSequenceClassification with score.
+    for name in ("lm_head", "embed_out", "score"):
+        if isinstance(getattr(model, name, None), torch.nn.Linear):
+            return getattr(model, name)
+    raise AttributeError(f"{type(model).__name__} has no lm_head / embed_out / score")
+
+
+def _is_causal_lm(model: torch.nn.Module) -> bool:
+    return not type(model).__name__.endswith("ForSequenceClassification")
+
+
+def llama(model) -> HandHead:
+    """Llama, Mistral, Qwen2, Qwen3, Phi3: RMSNorm ``model.norm`` then lm_head / score."""
+    return HandHead(rms_norm(model.model.norm), linear(_decoder_readout(model)), last_is_normed=True)
+
+
+def gemma(model) -> HandHead:
+    """Gemma, Gemma2: RMSNorm with (1 + weight); Gemma2's causal LM softcaps its logits (classifiers do not)."""
+    cap = getattr(model.config, "final_logit_softcapping", None) if _is_causal_lm(model) else None
+    head = softcap(linear(_decoder_readout(model)), cap)
+    return HandHead(rms_norm(model.model.norm, one_plus=True), head, last_is_normed=True)
+
+
+def cohere(model) -> HandHead:
+    """Cohere: mean-centred LayerNorm, logits times ``config.logit_scale``."""
+    readout, scale = linear(model.lm_head), model.config.logit_scale
+    return HandHead(cohere_layer_norm(model.model.norm), lambda h: readout(h) * scale, last_is_normed=True)
+
+
+def granite(model) -> HandHead:
+    """Granite: RMSNorm, logits divided by ``config.logits_scaling``."""
+    readout, divide = linear(model.lm_head), model.config.logits_scaling
+    return HandHead(rms_norm(model.model.norm), lambda h: readout(h) / divide, last_is_normed=True)
+
+
+def olmo(model) -> HandHead:
+    """OLMo: parameter-free LayerNorm."""
+    return HandHead(plain_layer_norm, linear(_decoder_readout(model)), last_is_normed=True)
+
+
+def layer_norm_decoder(norm_path: str):
+    """Decoders with a plain LayerNorm final norm at ``norm_path`` (Phi, GPT-2, GPT-NeoX, Falcon, StarCoder2)."""
+
+    def build(model) -> HandHead:
+        norm = model.get_submodule(norm_path)
+        return HandHead(layer_norm(norm), linear(_decoder_readout(model)), last_is_normed=True)
+
+    return build
+
+
+def opt(model) -> HandHead:
+    """OPT: final LayerNorm (may be absent), then project_out when word_embed_proj_dim != hidden_size.
+    transformers' ``hidden_states[-1]`` has both applied."""
+    decoder = model.model.decoder
+    steps = [layer_norm(decoder.final_layer_norm)] if decoder.final_layer_norm is not None else []
+    if decoder.project_out is not None:
+        steps.append(linear(decoder.project_out))
+    return HandHead(then(*steps) if steps else _identity, linear(_decoder_readout(model)), last_is_normed=True)
+
+
+def _gelu(h: torch.Tensor) -> torch.Tensor:
+    return 0.5 * h * (1.0 + torch.erf(h / 2.0**0.5))
+
+
+def bert_classifier(model) -> HandHead:
+    """BERT: pooler dense + tanh applied to every token (authors' code), then classifier. Post-LN: no norm."""
+    head = then(linear(model.bert.pooler.dense), torch.tanh, linear(model.classifier))
+    return HandHead(_identity, head, last_is_normed=False)
+
+
+def _prediction_head(predictions) -> Fn:
+    # BERT / legacy DeBERTa MLM: transform (dense, gelu, LayerNorm), then the decoder.
+    transform = predictions.transform
+    return then(linear(transform.dense), _gelu, layer_norm(transform.LayerNorm), linear(predictions.decoder))
+
+
+def bert_lm(model) -> HandHead:
+    """BertForMaskedLM / BertLMHeadModel: ``cls.predictions`` on every token."""
+    return HandHead(_identity, _prediction_head(model.cls.predictions), last_is_normed=False)
+
+
+def roberta_classifier(model) -> HandHead:
+    """RoBERTa: classifier.dense, tanh, classifier.out_proj."""
+    head = then(linear(model.classifier.dense), torch.tanh, linear(model.classifier.out_proj))
+    return HandHead(_identity, head, last_is_normed=False)
+
+
+def roberta_lm(model) -> HandHead:
+    """RobertaForMaskedLM / RobertaForCausalLM: lm_head dense, gelu, layer_norm, decoder."""
+    lm = model.lm_head
+    return HandHead(_identity, then(linear(lm.dense), _gelu, layer_norm(lm.layer_norm), linear(lm.decoder)),
+                    last_is_normed=False)
+
+
+def deberta_classifier(model) -> HandHead:
+    """DeBERTa-v2/v3: ContextPooler dense + gelu (``pooler_hidden_act``), then classifier."""
+    assert model.config.pooler_hidden_act == "gelu", "this oracle spells out gelu only"
+    return HandHead(_identity, then(linear(model.pooler.dense), _gelu, linear(model.classifier)), last_is_normed=False)
+
+
+def deberta_lm(model) -> HandHead:
+    """DeBERTa-v2 masked LM, legacy head (``config.legacy``, the default)."""
+    return HandHead(_identity, _prediction_head(model.cls.predictions), last_is_normed=False)
+
+
+def distilbert_classifier(model) -> HandHead:
+    """DistilBERT: pre_classifier, ReLU, classifier."""
+    head = then(linear(model.pre_classifier), torch.relu, linear(model.classifier))
+    return HandHead(_identity, head, last_is_normed=False)
+
+
+def distilbert_lm(model) -> HandHead:
+    """DistilBERT masked LM: vocab_transform, gelu, vocab_layer_norm, vocab_projector."""
+    head = then(linear(model.vocab_transform), _gelu, layer_norm(model.vocab_layer_norm), linear(model.vocab_projector))
+    return HandHead(_identity, head, last_is_normed=False)
+
+
+def prefix_logits(model, hand: HandHead, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generation oracle: re-run the whole prefix without a cache, positions as ``generate`` assigns them
+    (``cumsum(mask) - 1``, so left padding does not shift them). Returns (HoT logits (L+1, batch, n, outputs),
+    ``hidden_states[0]``) for ``normxlogit``; the prediction for the token at index n is at position n - 1."""
+    position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, output_hidden_states=True,
+                    use_cache=False)
+    return hand.layer_logits(out.hidden_states), out.hidden_states[0]

@@ -1,0 +1,156 @@
+"""Cost of attributing every generated token while generate runs, versus plain generate (and inseq, if present).
+
+    python benchmarks/bench_generate.py [--repeats 7] [--device cpu] [--out benchmarks/results/generate_cpu.json]
+
+Model: random-init Llama, hidden 512, 8 layers, vocab 32000 (as benchmarks/bench_forward.py); a 128-token prompt,
+64 new tokens, greedy. Variants run interleaved in one process (the machine is shared and noisy); medians are
+reported and ratios are of medians measured side by side. "attached": generate under ``nxl.attach(layers="all")``,
+which builds one record per new token (all 9 layers × the whole context). "inseq_saliency": inseq's ``saliency``
+on the same prompt, generating the same 64 tokens itself and attributing each with a gradient pass; it runs only
+where ``import inseq`` works (it is no dependency of nxl_hooks; the JSON says why it did not run otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import nxl_hooks as nxl
+
+
+def _timed(fn, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    start = time.perf_counter()
+    fn()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - start
+
+
+def _word_tokenizer(vocab_size: int):
+    """Word-level: ids 0-2 are <pad> <s> </s>, id i >= 3 is the word ``w{i}`` (inseq works on text; no hub)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    specials = ["<pad>", "<s>", "</s>"]  # not substrings of any word: added tokens are matched inside text
+    vocab = {name: i for i, name in enumerate(specials)} | {f"w{i}": i for i in range(len(specials), vocab_size)}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<pad>"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<pad>", pad_token="<pad>",
+                                   bos_token="<s>", eos_token="</s>")
+
+
+def _inseq_variant(model, tokenizer, prompt: str, new_tokens: int, expected: torch.Tensor):
+    """(run, None) when inseq works here, else (None, why not)."""
+    try:
+        import inseq
+    except Exception as err:  # noqa: BLE001 - any import failure is a reason to report, not to crash
+        return None, f"import inseq failed: {type(err).__name__}: {err}"
+    try:
+        explainer = inseq.load_model(model, "saliency", tokenizer=tokenizer)
+        generation = {"max_new_tokens": new_tokens, "do_sample": False, "min_new_tokens": new_tokens}
+        out = explainer.attribute(prompt, generation_args=generation, show_progress=False)
+        produced = [token.token for token in out.sequence_attributions[0].target][-new_tokens:]
+        wanted = [f"w{int(i)}" for i in expected[0, -new_tokens:]]
+        if produced != wanted:
+            return None, f"inseq generated other tokens than plain generate: {produced[:8]} vs {wanted[:8]}"
+    except Exception as err:  # noqa: BLE001
+        return None, f"inseq saliency failed on this model: {type(err).__name__}: {err}"
+
+    def run():
+        explainer.attribute(prompt, generation_args=generation, show_progress=False)
+
+    return run, None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--no-inseq", action="store_true", help="skip the inseq comparison")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=8)
+    model = LlamaForCausalLM(config).eval().to(device)
+    model.generation_config.eos_token_id = None  # always the full 64 tokens
+    model.generation_config.pad_token_id = 0
+    ids = torch.randint(3, config.vocab_size, (1, args.prompt), device=device)
+    generation = dict(input_ids=ids, max_new_tokens=args.new, do_sample=False)
+
+    def plain():
+        return model.generate(**generation)
+
+    reference = plain()
+
+    def attached():  # attach/detach stay outside the timed region, as in a server loop
+        with nxl.attach(model, layers="all") as probe:
+            seconds = _timed(lambda: model.generate(**generation), device)
+        assert len(probe.steps) == args.new
+        return seconds
+
+    variants = {"plain": lambda: _timed(plain, device), "attached": attached}
+    inseq_note = "skipped (--no-inseq)"
+    if not args.no_inseq:
+        tokenizer = _word_tokenizer(config.vocab_size)
+        prompt = " ".join(f"w{int(i)}" for i in ids[0])
+        inseq_run, inseq_note = _inseq_variant(model, tokenizer, prompt, args.new, reference)
+        if inseq_run is not None:
+            variants["inseq_saliency"] = lambda: _timed(inseq_run, device)
+            inseq_note = f"ran: inseq {getattr(sys.modules.get('inseq'), '__file__', '')}: load_model(model, 'saliency').attribute(prompt, generation_args=greedy)"
+
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    with torch.no_grad():
+        for round_ in range(args.repeats + 1):  # round 0 warms up and is dropped
+            for name, run in variants.items():
+                if name == "inseq_saliency":
+                    with torch.enable_grad():  # gradients are inseq's method
+                        seconds = run()
+                else:
+                    seconds = run()
+                if round_:
+                    times[name].append(seconds)
+
+    median = {name: statistics.median(values) for name, values in times.items()}
+    with nxl.attach(model, layers="all") as probe:
+        model.generate(**generation)
+    cache_bytes = probe.steps[-1].normxlogit.shape[0] * config.hidden_size * 4  # float32 features, batch 1
+    report = {
+        "benchmark": "generate",
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda"
+        else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+        "torch": torch.__version__,
+        "model": {"arch": "llama", "hidden": 512, "layers": 8, "vocab": 32000, "prompt_tokens": args.prompt,
+                  "new_tokens": args.new, "batch": 1, "decoding": "greedy"},
+        "repeats": args.repeats,
+        "median_seconds": median,
+        "attached_over_plain": median["attached"] / median["plain"],
+        "goal_attached_over_plain": 1.10,
+        "inseq_saliency_over_plain": median["inseq_saliency"] / median["plain"] if "inseq_saliency" in median else None,
+        "inseq": inseq_note,
+        "feature_cache_bytes_per_token_all_layers": cache_bytes,
+        "same_tokens_as_plain": bool(torch.equal(torch.stack([s.token for s in probe.steps], 1).to(device),
+                                                 reference[:, args.prompt:])),
+    }
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

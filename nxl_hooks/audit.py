@@ -1,0 +1,218 @@
+"""Quantization audit: what changed in the attributions between a reference model and a candidate.
+
+    rec = audit_example(reference, candidate, tokenizer, {"text": "a fine film"})
+    summary = aggregate(records)             # per layer: Spearman, Kendall, top-k overlap, drift; agreement
+
+Both models explain the same thing: the reference's prediction (or the example's ``target``), so a change
+in the scores is a change in the model, not in the question. Per layer l, over the real tokens:
+
+- ``spearman[l]``, ``kendall[l]``: rank correlation of the two NormXLogit vectors, the prediction
+  position left out (it is never ranked, as in the faithfulness evaluation); ``None`` when either is constant.
+- ``topk[l]``: |top-k(reference) ∩ top-k(candidate)| / k by signed score, same tokens ranked.
+- ``drift[l]``: ‖candidate − reference‖₂ / ‖reference‖₂ over all real tokens.
+- ``agree``: the candidate's own prediction equals the reference's (classifiers and causal LMs).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .attribution import Attribution
+from .capture import attach
+
+__all__ = ["SCHEMA", "aggregate", "audit_example", "compare", "most_changed"]
+
+SCHEMA = "nxl_hooks.audit/1"
+
+
+def _finite(value: float) -> float | None:
+    return None if math.isnan(value) else float(value)
+
+
+def _rank_metrics(ref: torch.Tensor, cand: torch.Tensor, top_k: int) -> tuple[float | None, float | None, float | None]:
+    from scipy import stats
+
+    if len(ref) < 2:
+        return None, None, None
+    a, b = ref.double().numpy(), cand.double().numpy()
+    with warnings.catch_warnings():  # constant input: the correlation is undefined, reported as None
+        warnings.simplefilter("ignore")
+        rho = _finite(stats.spearmanr(a, b).statistic)
+        tau = _finite(stats.kendalltau(a, b).statistic)
+    k = min(top_k, len(ref))
+    top_ref = set(torch.argsort(ref, descending=True, stable=True)[:k].tolist())
+    top_cand = set(torch.argsort(cand, descending=True, stable=True)[:k].tolist())
+    return rho, tau, len(top_ref & top_cand) / k
+
+
+def compare(reference: Attribution, candidate: Attribution, *, row: int = 0, top_k: int = 5) -> dict[str, Any]:
+    """Per-layer agreement of two attributions of the same input and target: ``compare(ref_res, cand_res)``.
+
+    Returns ``{"layers", "spearman", "kendall", "topk", "drift"}`` with one value per layer.
+    """
+    if reference.layers != candidate.layers or reference.normxlogit.shape != candidate.normxlogit.shape:
+        raise ValueError("the two attributions differ in layers or shape: attribute the same text with the same layers")
+    if reference.normxlogit.dim() != 3:
+        raise ValueError("compare one target at a time (the attributions have a trailing target axis)")
+    real = reference.mask[row].clone()
+    everywhere = real.clone()
+    real[int(reference.position[row])] = False
+    out: dict[str, Any] = {"layers": list(reference.layers), "spearman": [], "kendall": [], "topk": [], "drift": []}
+    for ref, cand in zip(reference.normxlogit[:, row], candidate.normxlogit[:, row]):
+        rho, tau, overlap = _rank_metrics(ref[real], cand[real], top_k)
+        scale = float(ref[everywhere].norm())
+        out["spearman"].append(rho)
+        out["kendall"].append(tau)
+        out["topk"].append(overlap)
+        out["drift"].append(float((cand - ref)[everywhere].norm()) / scale if scale > 0 else None)
+    return out
+
+
+def _device(model: nn.Module) -> torch.device:
+    return next(p.device for p in model.parameters() if p.device.type != "meta")
+
+
+def _attribute(model: nn.Module, tokenizer: Any, ids: torch.Tensor, target: Any, layers: Any) -> tuple[Attribution, torch.Tensor]:
+    """The attribution and the model's own outputs at the prediction position (float32, (outputs,))."""
+    with torch.no_grad(), attach(model, layers=layers, target=target, tokenizer=tokenizer) as probe:
+        logits = model(input_ids=ids.to(_device(model))).logits
+    res = probe.result()
+    if res.meta["head_kind"] == "masked_lm":
+        raise ValueError("the audit compares classifiers and causal LMs; for a masked LM, audit a classifier built on it")
+    if logits.dim() == 3:  # causal LM: (1, seq, vocab)
+        logits = logits[:, int(res.position[0])]
+    return res, logits[0].float().cpu()
+
+
+def audit_example(
+    reference: nn.Module,
+    candidate: nn.Module,
+    tokenizer: Any,
+    example: Mapping[str, Any],
+    *,
+    layers: Any = "all",
+    top_k: int = 5,
+) -> dict[str, Any]:
+    """Compare the two models' attributions on one example; a JSON-able record. See the module docstring.
+
+    ``audit_example(ref, quantized, tok, {"text": "a fine film"})``. ``example["target"]`` (an id or a
+    label/token string) picks what both explain; default the reference's prediction.
+    """
+    text = example.get("text")
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"example needs a non-empty 'text' string, got keys {sorted(example)}")
+    ids = torch.tensor([tokenizer(text)["input_ids"]], dtype=torch.long)
+    ref, ref_out = _attribute(reference, tokenizer, ids, example.get("target", "predicted"), layers)
+    target = int(ref.target[0])
+    cand, cand_out = _attribute(candidate, tokenizer, ids, target, layers)
+    regression = ref.meta["head_kind"] == "regression"
+    real = ref.mask[0]
+    return {
+        "schema": SCHEMA,
+        "id": example.get("id"),
+        "text": text,
+        "tokens": [t for t, keep in zip(ref.tokens[0], real.tolist()) if keep],
+        "position": int(ref.position[0]),
+        "target": target,
+        "target_token": tokenizer.convert_ids_to_tokens(target) if ref.meta["head_kind"] == "causal_lm" else None,
+        "reference_prediction": None if regression else int(ref_out.argmax()),
+        "candidate_prediction": None if regression else int(cand_out.argmax()),
+        "agree": None if regression else bool(ref_out.argmax() == cand_out.argmax()),
+        "reference_output": float(ref_out[0] if regression else ref_out.softmax(-1)[target]),
+        "candidate_output": float(cand_out[0] if regression else cand_out.softmax(-1)[target]),
+        "reference_scores": ref.normxlogit[-1, 0][real].tolist(),  # the last captured layer
+        "candidate_scores": cand.normxlogit[-1, 0][real].tolist(),
+        **compare(ref, cand, top_k=top_k),
+        "top_k": top_k,
+    }
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    kept = [v for v in values if v is not None]
+    return sum(kept) / len(kept) if kept else None
+
+
+def most_changed(records: Sequence[Mapping[str, Any]]) -> list[int]:
+    """Positions in ``records``, most changed first: flipped predictions, then lowest last-layer Spearman."""
+
+    def key(i: int) -> tuple:
+        rec = records[i]
+        rho = rec["spearman"][-1]
+        return (rec["agree"] is not False, -math.inf if rho is None else rho, -(rec["drift"][-1] or 0.0), i)
+
+    return sorted(range(len(records)), key=key)
+
+
+def aggregate(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Means over examples, per layer and at the last layer, and the order of change. ``aggregate(records)``"""
+    if not records:
+        raise ValueError("aggregate needs at least one audit record")
+    layers = records[0]["layers"]
+    if any(r.get("schema") != SCHEMA or r["layers"] != layers for r in records):
+        raise ValueError(f"records must all be {SCHEMA} records with the same layers: aggregate one audit at a time")
+    per_layer = {
+        name: [_mean([r[name][i] for r in records]) for i in range(len(layers))]
+        for name in ("spearman", "kendall", "topk", "drift")
+    }
+    agreement = [r["agree"] for r in records if r["agree"] is not None]
+    return {
+        "schema": SCHEMA,
+        "n": len(records),
+        "layers": layers,
+        "top_k": records[0]["top_k"],
+        "agreement": sum(agreement) / len(agreement) if agreement else None,
+        "flipped": sum(1 for a in agreement if not a),
+        "output_change": _mean([abs(r["candidate_output"] - r["reference_output"]) for r in records]),
+        "last_layer": {name: values[-1] for name, values in per_layer.items()},
+        "per_layer": per_layer,
+        "most_changed": [records[i].get("index", i) for i in most_changed(records)],
+    }
+
+
+def _quantization(mode: str) -> Any:
+    from transformers import BitsAndBytesConfig
+
+    if mode == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    if mode in ("4bit", "nf4", "fp4"):
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4" if mode == "fp4" else "nf4",
+                                  bnb_4bit_compute_dtype=torch.float32)
+    raise ValueError(f"--quantize {mode!r}: use 4bit (nf4), fp4 or 8bit")
+
+
+def audit_command(args: Any) -> int:
+    """``nxl audit --reference MODEL (--candidate MODEL | --quantize 4bit|8bit) DATA --out DIR``."""
+    from .dataset import examples_from_args, place, run_dataset, write_outputs
+    from .loading import load_model
+    from .viz import audit_report
+
+    if (args.candidate is None) == (args.quantize is None):
+        raise ValueError("give exactly one of --candidate MODEL or --quantize 4bit|8bit (the candidate built from --reference)")
+    examples, settings = examples_from_args(args)
+    settings.update(command="audit", reference=args.reference, candidate=args.candidate, quantize=args.quantize,
+                    layers=args.layers, top_k=args.top_k)
+    reference, tokenizer = load_model(args.reference, head=args.head)
+    if args.candidate is not None:
+        candidate, candidate_tokenizer = load_model(args.candidate, head=args.head)
+        if candidate_tokenizer.get_vocab() != tokenizer.get_vocab():
+            raise ValueError("the candidate's tokenizer differs from the reference's: the audit compares token by token, "
+                             "so both models must share one tokenizer")
+    else:
+        candidate, _ = load_model(args.reference, head=args.head, quantization_config=_quantization(args.quantize))
+    place(reference)
+    place(candidate)
+
+    def score(example: Mapping[str, Any]) -> Mapping[str, Any]:
+        return audit_example(reference, candidate, tokenizer, example, layers=args.layers, top_k=args.top_k)
+
+    records = run_dataset(examples, score, args.out, settings=settings, desc="audit")
+    if records is not None:
+        summary = aggregate(records)
+        name = args.candidate or f"{args.reference} ({args.quantize})"
+        write_outputs(args.out, records, summary, audit_report(summary, records, title=f"Audit: {name} vs {args.reference}"))
+    return 0

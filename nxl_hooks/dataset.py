@@ -1,0 +1,311 @@
+"""Dataset runs: load JSONL/CSV examples, score them sharded across processes, resumably, merged once.
+
+    examples = load_examples("data.jsonl")                    # [{"text", "label"?, "evidence"?, "id"?}, ...]
+    records = run_dataset(examples, score, "out/", settings={"model": "m"})   # list on the main process
+
+:func:`run_dataset` is what ``nxl evaluate`` and ``nxl audit`` share. Under ``accelerate launch
+--num_processes N`` every process takes its share of the examples not yet done (accelerate's
+``PartialState`` says which process it is), appends one JSON line per finished example to its own part
+file in ``out/parts/`` (flushed and fsynced, so a killed run keeps every completed record; a torn last
+line is ignored and cut off), and the main process merges all parts once, in dataset order. Rerunning
+the same command on the same ``out/`` resumes: finished examples are read back, not recomputed.
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+__all__ = ["SettingsMismatchError", "load_examples", "read_records", "run_dataset", "write_json"]
+
+_PARTS = "parts"
+_SETTINGS = "run.json"
+_INT = re.compile(r"-?\d+")
+
+
+class SettingsMismatchError(ValueError):
+    """The output folder holds a run made with other settings: resuming it would mix two runs."""
+
+
+# -- loading ---------------------------------------------------------------------------------------------
+
+
+def _label(value: Any) -> Any:
+    """CSV cells are strings: "1" -> 1, "0.5" -> 0.5, "positive" stays a label name; "" -> None."""
+    if not isinstance(value, str):
+        return value
+    value = value.strip()
+    if not value:
+        return None
+    if _INT.fullmatch(value):
+        return int(value)
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def _evidence(value: Any) -> list[str] | None:
+    """A JSON list, or (CSV) a JSON list in a string or words separated by spaces, commas or ``|``."""
+    if value is None or value == "" or value == []:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        if text.startswith("["):
+            value = json.loads(text)
+        else:
+            return [word for word in re.split(r"[\s,|]+", text) if word]
+    if not isinstance(value, list) or not all(isinstance(word, str) for word in value):
+        raise ValueError(f"evidence must be a list of words or a string of words, got {value!r}")
+    return value or None
+
+
+def _rows(path: Path) -> Iterator[tuple[int, Mapping[str, Any]]]:
+    if path.suffix.lower() == ".csv":
+        with path.open(newline="", encoding="utf-8") as fh:
+            for line, row in enumerate(csv.DictReader(fh), start=2):
+                yield line, row
+        return
+    with path.open(encoding="utf-8") as fh:
+        for line, text in enumerate(fh, start=1):
+            if text.strip():
+                try:
+                    yield line, json.loads(text)
+                except json.JSONDecodeError as err:
+                    raise ValueError(f"{path}:{line} is not valid JSON ({err.msg}); one JSON object per line") from None
+
+
+def load_examples(
+    path: str | Path,
+    *,
+    text: str = "text",
+    label: str = "label",
+    evidence: str = "evidence",
+    limit: int | None = None,
+) -> list[dict[str, Any]]:
+    """Examples of a ``.jsonl`` or ``.csv`` file as dicts for :func:`nxl_hooks.evaluate.score_example`.
+
+    ``load_examples("sst2.csv", text="sentence")``. Each gets ``text``, and ``label`` / ``evidence`` /
+    ``target`` / ``foil`` / ``id`` where the file has them (``id`` defaults to the example's index).
+    CSV labels are read as int, then float, else kept as the label string; evidence is a list of words.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"no dataset at {path}: give a .jsonl (one JSON object per line) or .csv file")
+    out: list[dict[str, Any]] = []
+    for line, row in _rows(path):
+        if not isinstance(row, Mapping) or not isinstance(row.get(text), str) or not row[text].strip():
+            columns = sorted(row) if isinstance(row, Mapping) else type(row).__name__
+            raise ValueError(f"{path}:{line} has no non-empty {text!r} field (it has {columns}); pick it with --text-field")
+        example: dict[str, Any] = {"id": row.get("id") or len(out), "text": row[text]}
+        for key, value in (("label", _label(row.get(label))), ("evidence", _evidence(row.get(evidence))),
+                           ("target", _label(row.get("target"))), ("foil", _label(row.get("foil")))):
+            if value is not None:
+                example[key] = value
+        out.append(example)
+        if limit is not None and len(out) >= limit:
+            break
+    if not out:
+        raise ValueError(f"{path} holds no examples")
+    return out
+
+
+def file_digest(path: str | Path) -> str:
+    """sha256 of a file: part of a run's settings, so a resumed run is known to read the same data."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+# -- append-only record logs -----------------------------------------------------------------------------
+
+
+def _complete_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """Records of one part file and the byte length of its complete lines (a torn last line is dropped)."""
+    data = path.read_bytes()
+    end = data.rfind(b"\n") + 1
+    records = []
+    for number, line in enumerate(data[:end].splitlines(), start=1):
+        if line.strip():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise ValueError(f"{path}:{number} is corrupt (not JSON): delete that line or the folder to redo it") from None
+    return records, end
+
+
+def read_records(out_dir: str | Path) -> dict[int, dict[str, Any]]:
+    """Every completed record under ``out_dir/parts``, by dataset index (as a killed run left them)."""
+    done: dict[int, dict[str, Any]] = {}
+    for part in sorted((Path(out_dir) / _PARTS).glob("part-*.jsonl")):
+        for record in _complete_lines(part)[0]:
+            done.setdefault(int(record["index"]), record)
+    return done
+
+
+class _Log:
+    """One process's append-only part file: one JSON line per record, on disk before the next starts."""
+
+    def __init__(self, path: Path) -> None:
+        if path.exists():
+            _, end = _complete_lines(path)
+            with path.open("r+b") as fh:  # cut a torn last line, so the next record starts a fresh line
+                fh.truncate(end)
+        self._fh = path.open("ab")
+
+    def append(self, record: Mapping[str, Any]) -> None:
+        self._fh.write(json.dumps(record).encode("utf-8") + b"\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+# -- sharded, resumable runs -----------------------------------------------------------------------------
+
+
+def _state() -> Any:
+    """accelerate's view of this process (one process when not launched by ``accelerate launch``)."""
+    import torch
+    from accelerate import PartialState
+
+    # With no GPU, accelerate only forms a multi-process group when told to use the CPU.
+    return PartialState(cpu=not torch.cuda.is_available())
+
+
+def _check_settings(out_dir: Path, settings: Mapping[str, Any]) -> bool:
+    """True when ``out_dir`` already holds this run's settings; raise when it holds another run's."""
+    path = out_dir / _SETTINGS
+    if not path.exists():
+        return False
+    saved = json.loads(path.read_text())
+    wanted = json.loads(json.dumps(settings))
+    if saved != wanted:
+        changed = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
+        raise SettingsMismatchError(
+            f"{out_dir} holds a run with other settings (different: {', '.join(changed)}); "
+            "use another --out folder, or delete this one to start over"
+        )
+    return True
+
+
+def write_json(path: str | Path, value: Any) -> Path:
+    """Write JSON atomically (temp file + rename), so a reader never sees half a file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(value, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def run_dataset(
+    examples: Sequence[Mapping[str, Any]],
+    score: Callable[[Mapping[str, Any]], Mapping[str, Any]],
+    out_dir: str | Path,
+    *,
+    settings: Mapping[str, Any],
+    desc: str = "examples",
+) -> list[dict[str, Any]] | None:
+    """Score every example once, sharded and resumable; all records in dataset order on the main process.
+
+    ``records = run_dataset(examples, lambda ex: ev.score_example(model, tok, ex), "out", settings={...})``
+
+    ``score`` maps one example to a JSON-able record (``index`` is added: the example's position).
+    ``settings`` (JSON-able) identify the run; an ``out_dir`` holding a run with other settings is an
+    error. Returns the merged records on the main process and ``None`` on the others.
+    """
+    from tqdm.auto import tqdm
+
+    state = _state()
+    out_dir = Path(out_dir)
+    parts = out_dir / _PARTS
+    if state.is_main_process:
+        parts.mkdir(parents=True, exist_ok=True)
+    state.wait_for_everyone()
+    known = _check_settings(out_dir, settings)  # every process raises alike, before anyone writes
+    done = read_records(out_dir)
+    state.wait_for_everyone()  # all have read the parts before anyone cuts or appends
+    if state.is_main_process and not known:
+        write_json(out_dir / _SETTINGS, settings)
+    todo = [i for i in range(len(examples)) if i not in done]
+    mine = todo[state.process_index :: state.num_processes]
+    log = _Log(parts / f"part-{state.process_index}.jsonl")
+    label = f"{desc} [process {state.process_index + 1}/{state.num_processes}]" if state.num_processes > 1 else desc
+    try:
+        for index in tqdm(mine, desc=label, unit="ex", disable=not state.is_main_process, dynamic_ncols=True,
+                          postfix={"resumed": len(done)} if done else None):
+            log.append({**score(examples[index]), "index": index})
+    finally:
+        log.close()
+    state.wait_for_everyone()
+    if not state.is_main_process:
+        return None
+    merged = read_records(out_dir)
+    missing = [i for i in range(len(examples)) if i not in merged]
+    if missing:
+        raise RuntimeError(f"records missing for examples {missing[:10]} after every process finished; rerun to fill them in")
+    return [merged[i] for i in range(len(examples))]
+
+
+# -- the commands built on it ----------------------------------------------------------------------------
+
+
+def place(model: Any) -> Any:
+    """Under ``accelerate launch`` on several GPUs, move an undispatched, unquantized model to this process's GPU."""
+    state = _state()
+    if state.num_processes > 1 and not getattr(model, "hf_device_map", None) and not getattr(model, "is_quantized", False):
+        model.to(state.device)
+    return model
+
+
+def write_outputs(out_dir: str | Path, records: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], report: str) -> None:
+    """The merged results of a run: ``records.jsonl`` (dataset order), ``summary.json``, ``report.html``."""
+    out_dir = Path(out_dir)
+    tmp = out_dir / "records.jsonl.tmp"
+    with tmp.open("w", encoding="utf-8") as fh:
+        for record in records:
+            fh.write(json.dumps(record) + "\n")
+    os.replace(tmp, out_dir / "records.jsonl")
+    write_json(out_dir / "summary.json", summary)
+    (out_dir / "report.html").write_text(report, encoding="utf-8")
+    print(f"wrote {out_dir / 'summary.json'}, {out_dir / 'records.jsonl'} and {out_dir / 'report.html'}")
+
+
+def examples_from_args(args: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The examples a dataset command reads, and the settings that identify them (for resuming)."""
+    examples = load_examples(args.data, text=args.text_field, label=args.label_field, evidence=args.evidence_field,
+                             limit=args.limit)
+    settings = {"data": str(args.data), "data_sha256": file_digest(args.data), "fields": [args.text_field,
+                args.label_field, args.evidence_field], "limit": args.limit, "head": args.head}
+    return examples, settings
+
+
+def evaluate_command(args: Any) -> int:
+    """``nxl evaluate MODEL DATA --out DIR``: faithfulness of every method on a dataset, JSON + HTML report."""
+    from . import evaluate as ev
+    from .loading import load_model
+    from .viz import evaluate_report
+
+    methods = list(ev.DEFAULT_METHODS) if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(methods) - set(ev.DEFAULT_METHODS))
+    if unknown:
+        raise ValueError(f"--methods: unknown {unknown}; choose from {', '.join(ev.DEFAULT_METHODS)} (or 'all')")
+    examples, settings = examples_from_args(args)
+    settings.update(command="evaluate", model=args.model, methods=methods, layer=args.layer, seed=args.seed,
+                    perturbation=args.perturbation, ig_steps=args.ig_steps)
+    model, tokenizer = load_model(args.model, head=args.head)
+    place(model)
+
+    def score(example: Mapping[str, Any]) -> Mapping[str, Any]:
+        return ev.score_example(model, tokenizer, example, methods, layer=args.layer, seed=args.seed,
+                                perturbation=args.perturbation, ig_steps=args.ig_steps)
+
+    records = run_dataset(examples, score, args.out, settings=settings, desc="evaluate")
+    if records is not None:
+        summary = ev.aggregate(records)
+        write_outputs(args.out, records, summary, evaluate_report(summary, title=f"Faithfulness of {args.model}"))
+    return 0

@@ -1,0 +1,528 @@
+"""Faithfulness of token attributions (SPEC section 5): AOPC comprehensiveness and sufficiency, accuracy /
+Pearson after perturbation, and per-layer evidence alignment, for several methods side by side.
+
+CONTRACT (record based, everything JSON-able; the dataset runner shards, resumes and merges these)::
+
+    from nxl_hooks import evaluate as ev
+    rec = ev.score_example(model, tokenizer, example, methods=ev.DEFAULT_METHODS, layer=-1, seed=0)
+    summary = ev.aggregate(records)
+
+``example``: {"text": str,                      # required; a masked LM needs exactly one mask token in it
+              "label": int | float | str,       # optional gold: class id / label name / regression value /
+                                                #   LM token string
+              "evidence": [str, ...],           # optional words whose tokens are the known evidence
+              "target": int | str,              # optional: what to explain; default the model's prediction
+              "foil": int | str,                # optional: the contrast for "contrastive" (default: runner-up)
+              "id": any JSON value}             # optional, copied to the record
+``rec`` (one dict per example; see :func:`score_example` for every key):
+    rec["methods"][name] = {"comprehensiveness": [per K], "sufficiency": [per K],
+                            "comp_correct": [per K] | None, "suff_correct": [...] | None,
+                            "comp_pred": [per K], "suff_pred": [per K],
+                            "layered": bool, "ap": [per layer] | [one] | None, "dot": same, "seconds": float}
+``summary`` = aggregate(records): {"n", "ks", "layers", "eval_layer", "kind", "perturbation", "accuracy",
+    "pearson", "methods": {name: {"aopc_comprehensiveness", "aopc_sufficiency", "comprehensiveness_curve",
+    "sufficiency_curve", "accuracy_comprehensiveness", "accuracy_sufficiency", "pearson_comprehensiveness",
+    "pearson_sufficiency", "layered", "ap", "dot", "ap_eval", "dot_eval", "seconds"}}}
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+import zlib
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from .baselines import GRADIENT_METHODS, gradient_scores
+from .capture import attach, resolve_layers
+from .registry import resolve
+
+__all__ = [
+    "DEFAULT_KS",
+    "DEFAULT_METHODS",
+    "aggregate",
+    "average_precision",
+    "evidence_mask",
+    "normalized_dot",
+    "perturb",
+    "score_example",
+]
+
+SCHEMA = "nxl_hooks.eval/1"
+#: Fractions of the non-pad length perturbed: int(n * K) tokens.
+DEFAULT_KS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+#: "contrastive" is NormXLogit[target] - NormXLogit[foil] (a variant beyond the paper).
+DEFAULT_METHODS = ("random", "embed_norm", "logat", "normxlogit", "contrastive", *GRADIENT_METHODS)
+_LAYERED = ("logat", "normxlogit", "contrastive")
+_KNOWN = set(DEFAULT_METHODS)
+
+Predict = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+# -- metrics on one score vector -------------------------------------------------------------------------
+
+
+def average_precision(scores: torch.Tensor, relevant: torch.Tensor) -> float:
+    """AP of ranking by signed score, descending: sum_k (R_k - R_{k-1}) P_k. ``average_precision(s, e)``
+
+    ``scores`` and ``relevant`` (0/1) are 1-D over the ranked tokens (drop the prediction position first).
+    Ties keep token order.
+    """
+    relevant = relevant.bool()
+    if not relevant.any():
+        raise ValueError("average_precision needs at least one relevant (evidence) token")
+    order = torch.argsort(scores.float(), descending=True, stable=True)
+    hits = relevant[order].float()
+    precision = hits.cumsum(0) / torch.arange(1, len(hits) + 1)
+    return float((precision * hits).sum() / hits.sum())
+
+
+def normalized_dot(scores: torch.Tensor, relevant: torch.Tensor) -> float:
+    """sum_i E_i s'_i with s' = (s - min s) / sum(s - min s): one normalization for every method.
+
+    Min-shift then L1 keeps the signed order (the ranking the paper uses), is invariant to the scale and
+    offset of a method's scores (gradients and logits live on different scales, where a softmax is not
+    fair), and makes s' a distribution over tokens. All-equal scores give the uniform distribution.
+    """
+    shifted = scores.float() - scores.float().min()
+    total = shifted.sum()
+    weights = shifted / total if total > 0 else torch.full_like(shifted, 1.0 / len(shifted))
+    return float((weights * relevant.float()).sum())
+
+
+# -- perturbation ----------------------------------------------------------------------------------------
+
+
+def perturb(
+    input_ids: torch.Tensor,
+    position: int,
+    scores: torch.Tensor,
+    count: int,
+    *,
+    keep_top: bool,
+    mode: str,
+    mask_id: int | None = None,
+) -> tuple[torch.Tensor, int]:
+    """One perturbed copy of a 1-D ``input_ids`` and the new prediction position.
+
+    The top-``count`` tokens by signed ``scores`` (the prediction ``position`` excluded) are perturbed
+    (comprehensiveness), or with ``keep_top=True`` every other token is (sufficiency). ``mode``: "mask"
+    replaces with ``mask_id``, "delete" drops the tokens. The prediction position is never touched.
+    ``perturb(ids, 0, s, 3, keep_top=False, mode="mask", mask_id=tok.mask_token_id)``
+    """
+    n = input_ids.shape[0]
+    candidates = torch.tensor([i for i in range(n) if i != position], dtype=torch.long)
+    order = candidates[torch.argsort(scores[candidates].float(), descending=True, stable=True)]
+    chosen = order[count:] if keep_top else order[:count]
+    if mode == "mask":
+        if mask_id is None:
+            raise ValueError("mode='mask' needs mask_id (the tokenizer's mask_token_id)")
+        out = input_ids.clone()
+        out[chosen] = mask_id
+        return out, position
+    if mode == "delete":
+        keep = torch.ones(n, dtype=torch.bool)
+        keep[chosen] = False
+        return input_ids[keep], int(keep[:position].sum())
+    raise ValueError(f"mode={mode!r}: use 'mask' or 'delete'")
+
+
+def _run_grouped(predict: Predict, rows: list[tuple[torch.Tensor, int]], chunk: int = 64) -> torch.Tensor:
+    """Outputs (len(rows), outputs) for variable-length rows: batched by length, so nothing is padded."""
+    out: list[torch.Tensor | None] = [None] * len(rows)
+    by_length: dict[int, list[int]] = {}
+    for index, (ids, _) in enumerate(rows):
+        by_length.setdefault(len(ids), []).append(index)
+    for indices in by_length.values():
+        for start in range(0, len(indices), chunk):
+            part = indices[start : start + chunk]
+            ids = torch.stack([rows[i][0] for i in part])
+            positions = torch.tensor([rows[i][1] for i in part])
+            for i, value in zip(part, predict(ids, positions)):
+                out[i] = value
+    return torch.stack(out)
+
+
+# -- evidence --------------------------------------------------------------------------------------------
+
+
+def evidence_mask(text: str, offsets: Sequence[tuple[int, int]], words: Sequence[str]) -> tuple[torch.Tensor, list[str]]:
+    """0/1 per token whose character span overlaps a whole-word, case-insensitive match of an evidence word.
+
+    Returns (mask, words that matched no token). ``offsets`` comes from a fast tokenizer
+    (``return_offsets_mapping=True``); special tokens have empty spans and never match.
+    """
+    spans = []
+    missing = []
+    for word in words:
+        found = [m.span() for m in re.finditer(rf"(?<!\w){re.escape(word)}(?!\w)", text, flags=re.IGNORECASE)]
+        spans += found
+        if not found:
+            missing.append(word)
+    mask = torch.tensor(
+        [int(end > start and any(s < end and start < e for s, e in spans)) for start, end in offsets], dtype=torch.long
+    )
+    return mask, missing
+
+
+# -- one example -----------------------------------------------------------------------------------------
+
+
+class _Setup:
+    """What score_example needs to know about a model: head kind, perturbation mode, how to read outputs."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any, perturbation: str) -> None:
+        inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+        spec, self.kind = resolve(inner)
+        self.model = model
+        self.tokenizer = tokenizer
+        self.n_blocks = inner.config.get_text_config().num_hidden_layers
+        self.mask_id = getattr(tokenizer, "mask_token_id", None)
+        # Encoders that read CLS were trained with [MASK]; decoders see deletion (SPEC 5).
+        self.reads_first = spec.pooling == "first" and self.kind in ("sequence_classification", "regression")
+        encoder = self.kind == "masked_lm" or self.reads_first
+        self.mode = ("mask" if encoder else "delete") if perturbation == "auto" else perturbation
+        if self.mode not in ("mask", "delete"):
+            raise ValueError(f"perturbation={perturbation!r}: use 'auto', 'mask' or 'delete'")
+        if self.mode == "mask" and self.mask_id is None:
+            raise ValueError("mask perturbation needs a tokenizer with a mask token; pass perturbation='delete'")
+        self.device = next(p.device for p in model.parameters() if p.device.type != "meta")
+
+    def predict(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Model outputs at each row's prediction position: (rows, outputs), float32."""
+        with torch.no_grad():
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=torch.ones_like(ids).to(self.device)).logits
+        if self.kind in ("causal_lm", "masked_lm"):
+            logits = logits[torch.arange(len(ids)), positions.to(logits.device)]
+        return logits.float().cpu()
+
+    def position(self, ids: torch.Tensor) -> int:
+        if self.kind == "masked_lm":
+            where = (ids == self.mask_id).nonzero().flatten()
+            if len(where) != 1:
+                raise ValueError(f"a masked-LM example needs exactly one {self.tokenizer.mask_token!r}; found {len(where)}")
+            return int(where[0])
+        return 0 if self.reads_first else len(ids) - 1
+
+    def label_id(self, value: Any) -> int | float | None:
+        if value is None or self.kind == "regression":
+            return None if value is None else float(value)
+        if isinstance(value, bool) or not isinstance(value, (int, str)):
+            raise TypeError(f"label/target/foil must be an int id or a string, got {value!r}")
+        if isinstance(value, int):
+            return value
+        if self.kind == "sequence_classification":
+            label2id = getattr(self.model.config, "label2id", None) or {}
+            if value not in label2id:
+                raise ValueError(f"label {value!r} is not one of the model's labels {sorted(label2id)}; or give an int id")
+            return int(label2id[value])
+        ids = self.tokenizer.encode(value, add_special_tokens=False)
+        if len(ids) != 1:
+            raise ValueError(f"{value!r} is not a single token of this tokenizer ({ids}); give one token or its id")
+        return int(ids[0])
+
+
+def _seed(seed: int, text: str) -> int:
+    # Stable across processes and shards (unlike hash()), so a sharded run draws the same random ranking.
+    return (seed * 1_000_003 + zlib.crc32(text.encode("utf-8"))) % (2**63)
+
+
+def _method_scores(setup: _Setup, methods: Sequence[str], ids: torch.Tensor, position: int, t: _Targets,
+                   seed: int, text: str, ig_steps: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """name -> scores, (layers, seq) for layered methods and (seq,) otherwise; name -> seconds."""
+    scores: dict[str, torch.Tensor] = {}
+    seconds: dict[str, float] = {}
+    regression = setup.kind == "regression"
+    batch = ids[None].to(setup.device)
+    mask = torch.ones_like(batch)
+    if any(m in ("embed_norm", *_LAYERED) for m in methods):
+        targets = "predicted" if regression else [t.target] + ([t.foil] if t.foil is not None else [])
+        start = time.perf_counter()
+        with torch.no_grad(), attach(setup.model, layers="all", target=targets, tokenizer=setup.tokenizer) as probe:
+            setup.model(input_ids=batch, attention_mask=mask)
+        res = probe.result()
+        elapsed = time.perf_counter() - start
+        logat, nx = (x[:, 0] if regression else x[:, 0, :, 0] for x in (res.logat, res.normxlogit))
+        scores.update(embed_norm=res.embed_norm[0], logat=logat, normxlogit=nx)
+        if t.foil is not None:
+            scores["contrastive"] = nx - res.normxlogit[:, 0, :, 1]
+        for name in ("embed_norm", *_LAYERED):
+            seconds[name] = elapsed  # one attached forward gives all of them
+    if "random" in methods:
+        generator = torch.Generator().manual_seed(_seed(seed, text))
+        scores["random"] = torch.rand(len(ids), generator=generator)
+        seconds["random"] = 0.0
+    for name in methods:
+        if name in GRADIENT_METHODS:
+            start = time.perf_counter()
+            scores[name] = gradient_scores(setup.model, batch, mask, position=position, target=t.target,
+                                           method=name, ig_steps=ig_steps).cpu()
+            seconds[name] = time.perf_counter() - start
+    return scores, seconds
+
+
+@dataclass
+class _Targets:
+    """What one example explains and how its outputs are judged."""
+
+    target: int  #: the explained output (0 for regression)
+    foil: int | None  #: the contrast of "contrastive": the example's foil, else the runner-up
+    pair: int | None  #: the example's own foil: probability and accuracy over (target, pair), BLiMP-style
+    label: int | float | None  #: the gold label id / value
+    prediction: int | float  #: the model's own argmax (or regression output) on the unperturbed text
+
+
+def _targets(setup: _Setup, example: Mapping[str, Any], original: torch.Tensor) -> _Targets:
+    if setup.kind == "regression":
+        return _Targets(0, None, None, setup.label_id(example.get("label")), float(original[0]))
+    prediction = int(original.argmax())
+    requested = example.get("target")
+    target = prediction if requested in (None, "predicted") else setup.label_id(requested)
+    pair = setup.label_id(example.get("foil"))
+    runner_up = int(original.topk(2).indices[1]) if prediction == target else prediction
+    return _Targets(target, runner_up if pair is None else pair, pair, setup.label_id(example.get("label")), prediction)
+
+
+def _outcome(setup: _Setup, outputs: torch.Tensor, t: _Targets) -> tuple[torch.Tensor, list | None, list]:
+    """Per row: the explained quantity (p[target], or the regression output), still correct?, prediction.
+
+    With a pair, p is the softmax over (target, foil), so that an LM's uncertainty about what kind of word
+    comes next does not drown the decision the pair tests; correct means label scores above foil.
+    """
+    if setup.kind == "regression":
+        return outputs[:, 0], None, outputs[:, 0].tolist()
+    if t.pair is not None:
+        explained = outputs[:, [t.target, t.pair]].softmax(-1)[:, 0]
+    else:
+        explained = outputs.softmax(-1)[:, t.target]
+    if t.label is None:
+        correct = None
+    elif t.pair is not None:
+        correct = (outputs[:, t.label] > outputs[:, t.pair]).tolist()
+    else:
+        correct = (outputs.argmax(-1) == t.label).tolist()
+    return explained, correct, outputs.argmax(-1).tolist()
+
+
+def _evidence(example: Mapping[str, Any], encoding: Mapping, position: int) -> tuple[torch.Tensor | None, list[str]]:
+    """The 0/1 evidence vector (None when the example names none, or none matched) and unmatched words."""
+    if not example.get("evidence"):
+        return None, []
+    if "offset_mapping" not in encoding:
+        raise ValueError("evidence alignment needs a fast tokenizer (offset mapping); load it with use_fast=True")
+    evidence, missing = evidence_mask(example["text"], encoding["offset_mapping"], list(example["evidence"]))
+    evidence[position] = 0  # the prediction position is never ranked
+    return (evidence if evidence.any() else None), missing
+
+
+def score_example(
+    model: nn.Module,
+    tokenizer: Any,
+    example: Mapping[str, Any],
+    methods: Sequence[str] = DEFAULT_METHODS,
+    *,
+    layer: int = -1,
+    ks: Sequence[float] = DEFAULT_KS,
+    seed: int = 0,
+    perturbation: str = "auto",
+    ig_steps: int = 50,
+    keep_scores: bool = False,
+    custom: Mapping[str, Sequence[float]] | None = None,
+) -> dict[str, Any]:
+    """Faithfulness record of one example, JSON-able. ``ev.score_example(model, tok, {"text": "...", "label": 1})``
+
+    - ``layer``: the layer whose scores rank tokens for AOPC (layered methods; default the last).
+      Alignment (``ap``, ``dot``) is reported at every layer 0..L for layered methods.
+    - ``perturbation``: "auto" (mask token for encoders that read CLS and masked LMs, deletion for
+      decoders), "mask" or "delete".
+    - Comprehensiveness per K: ``p_orig[y] - p_new[y]`` with K's top tokens perturbed; sufficiency: the
+      same with all but the top tokens perturbed. Regression: ``|out_orig - out_new|``. When the example
+      names a ``foil``, p is the softmax over the pair (target, foil) (BLiMP-style minimal pairs).
+    - ``contrastive`` contrasts with ``example["foil"]``, else the runner-up output (not for regression).
+    - ``keep_scores``: also store each method's per-token scores at ``layer`` (for reports).
+    - ``custom``: your own methods, name -> one score per token of ``tokenizer(text)`` (special tokens
+      included), measured exactly like the built-in ones (``seconds`` is then None).
+
+    Keys: schema, id, text, tokens, kind, perturbation, position, target, target_token, foil, label,
+    prediction, output (the explained p, or the regression output), probability ("all" outputs, "pair",
+    or "output" for regression), correct (None without a label), evidence (0/1 per token, or None),
+    evidence_missing (words that matched no token), layers, eval_layer, ks, counts (tokens per K), methods.
+    """
+    unknown = [m for m in methods if m not in _KNOWN]
+    if unknown:
+        raise ValueError(f"unknown method(s) {unknown}; choose from {DEFAULT_METHODS}")
+    if not isinstance(example.get("text"), str) or not example["text"].strip():
+        raise ValueError(f"example needs a non-empty 'text' string, got keys {sorted(example)}")
+    setup = _Setup(model, tokenizer, perturbation)
+    encoding = tokenizer(example["text"], return_offsets_mapping=bool(example.get("evidence")))
+    ids = torch.tensor(encoding["input_ids"], dtype=torch.long)
+    n = len(ids)
+    if n < 2:
+        raise ValueError(f"example {example['text']!r} has {n} token(s): perturbation needs at least 2")
+    position = setup.position(ids)
+    original = setup.predict(ids[None], torch.tensor([position]))
+    t = _targets(setup, example, original[0])
+    methods = [m for m in methods if not (m == "contrastive" and t.foil is None)]
+    evidence, missing = _evidence(example, encoding, position)
+    scores, seconds = _method_scores(setup, methods, ids, position, t, seed, example["text"], ig_steps)
+    for name, values in (custom or {}).items():
+        if name in _KNOWN or len(values) != n:
+            raise ValueError(f"custom method {name!r}: give a new name and one score per token ({n} tokens here)")
+        scores[name], seconds[name] = torch.as_tensor(values, dtype=torch.float32), None
+        methods.append(name)
+    eval_layer = resolve_layers([layer], setup.n_blocks)[0]
+    ranking = {name: scores[name][eval_layer] if name in _LAYERED else scores[name] for name in methods}
+
+    counts = [int(n * k) for k in ks]
+    rows = [
+        perturb(ids, position, ranking[name], count, keep_top=keep_top, mode=setup.mode, mask_id=setup.mask_id)
+        for name in methods
+        for keep_top in (False, True)
+        for count in counts
+    ]
+    p_orig, correct_orig, _ = _outcome(setup, original, t)
+    p_new, correct, predicted = _outcome(setup, _run_grouped(setup.predict, rows), t)
+    change = p_orig - p_new
+    change = change.abs() if setup.kind == "regression" else change
+
+    ranked = torch.tensor([i for i in range(n) if i != position])
+    records: dict[str, Any] = {}
+    for index, name in enumerate(methods):
+        comp = slice(2 * index * len(counts), (2 * index + 1) * len(counts))
+        suff = slice(comp.stop, comp.stop + len(counts))
+        by_layer = scores[name] if name in _LAYERED else scores[name][None]
+        records[name] = {
+            "comprehensiveness": change[comp].tolist(),
+            "sufficiency": change[suff].tolist(),
+            "comp_correct": None if correct is None else correct[comp],
+            "suff_correct": None if correct is None else correct[suff],
+            "comp_pred": predicted[comp],
+            "suff_pred": predicted[suff],
+            "layered": name in _LAYERED,
+            "ap": None if evidence is None else [average_precision(s[ranked], evidence[ranked]) for s in by_layer],
+            "dot": None if evidence is None else [normalized_dot(s[ranked], evidence[ranked]) for s in by_layer],
+            "seconds": seconds[name],
+        }
+        if keep_scores:
+            records[name]["scores"] = ranking[name].tolist()
+    regression = setup.kind == "regression"
+    return {
+        "schema": SCHEMA,
+        "id": example.get("id"),
+        "text": example["text"],
+        "tokens": tokenizer.convert_ids_to_tokens(ids.tolist()),
+        "kind": setup.kind,
+        "perturbation": setup.mode,
+        "position": position,
+        "target": t.target,
+        "target_token": tokenizer.convert_ids_to_tokens(t.target) if setup.kind in ("causal_lm", "masked_lm") else None,
+        "foil": t.foil if "contrastive" in methods else t.pair,
+        "label": t.label,
+        "prediction": t.prediction,
+        "output": float(p_orig[0]),
+        "probability": "output" if regression else ("pair" if t.pair is not None else "all"),
+        "correct": None if correct_orig is None else correct_orig[0],
+        "evidence": None if evidence is None else evidence.tolist(),
+        "evidence_missing": missing,
+        "layers": resolve_layers("all", setup.n_blocks),
+        "eval_layer": eval_layer,
+        "ks": list(ks),
+        "counts": counts,
+        "methods": records,
+    }
+
+
+# -- many examples ---------------------------------------------------------------------------------------
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    values = [v for v in values if v is not None]
+    return sum(values) / len(values) if values else None
+
+
+def _pearson(x: Sequence[float], y: Sequence[float]) -> float | None:
+    if len(x) < 2:
+        return None
+    mx, my = sum(x) / len(x), sum(y) / len(y)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
+    sxx = sum((a - mx) ** 2 for a in x)
+    syy = sum((b - my) ** 2 for b in y)
+    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else None
+
+
+def _columns(records: Sequence[Mapping], name: str, key: str) -> list[list]:
+    """Per K (or per layer), the values of every record that has them."""
+    rows = [r["methods"][name][key] for r in records if name in r["methods"] and r["methods"][name][key] is not None]
+    return [list(column) for column in zip(*rows)] if rows else []
+
+
+def aggregate(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Means over records (and over K for AOPC), in one JSON-able dict. ``ev.aggregate(records)``
+
+    Per method: ``aopc_comprehensiveness`` / ``aopc_sufficiency`` (mean over examples and K), their
+    per-K ``*_curve``, ``accuracy_*`` per K (classification / LM; against the gold label, or target >
+    foil for LM minimal pairs) or ``pearson_*`` per K with the gold values (regression), ``ap`` and
+    ``dot`` per layer (layered methods, aligned with ``layers``) or a one-element list, ``ap_eval`` /
+    ``dot_eval`` at the AOPC layer, and mean ``seconds`` per example.
+    """
+    if not records:
+        raise ValueError("aggregate needs at least one record")
+    first = records[0]
+    for record in records:
+        if record.get("schema") != SCHEMA:
+            raise ValueError(f"not an nxl_hooks evaluation record (schema {record.get('schema')!r}, expected {SCHEMA!r})")
+        if record["ks"] != first["ks"] or record["eval_layer"] != first["eval_layer"] or record["kind"] != first["kind"]:
+            raise ValueError("records differ in ks, eval_layer or head kind: aggregate runs of one setting at a time")
+    regression = first["kind"] == "regression"
+    gold = [r["label"] for r in records]
+    labelled = [i for i, g in enumerate(gold) if g is not None]
+    names = list(dict.fromkeys(name for r in records for name in r["methods"]))
+    methods: dict[str, Any] = {}
+    for name in names:
+        comp, suff = _columns(records, name, "comprehensiveness"), _columns(records, name, "sufficiency")
+        ap, dot = _columns(records, name, "ap"), _columns(records, name, "dot")
+        layered = any(r["methods"][name]["layered"] for r in records if name in r["methods"])
+        entry: dict[str, Any] = {
+            "n": sum(name in r["methods"] for r in records),
+            "aopc_comprehensiveness": _mean([_mean(c) for c in comp]),
+            "aopc_sufficiency": _mean([_mean(c) for c in suff]),
+            "comprehensiveness_curve": [_mean(c) for c in comp],
+            "sufficiency_curve": [_mean(c) for c in suff],
+            "layered": layered,
+            "ap": [_mean(c) for c in ap] or None,
+            "dot": [_mean(c) for c in dot] or None,
+            "n_evidence": len(ap[0]) if ap else 0,
+            "seconds": _mean([r["methods"][name]["seconds"] for r in records if name in r["methods"]]),
+        }
+        pick = first["eval_layer"] if layered else 0
+        entry["ap_eval"] = entry["ap"][pick] if entry["ap"] else None
+        entry["dot_eval"] = entry["dot"][pick] if entry["dot"] else None
+        for part in ("comp", "suff"):
+            long = "comprehensiveness" if part == "comp" else "sufficiency"
+            if regression:
+                scored = [r for r in records if r["label"] is not None and name in r["methods"]]
+                entry[f"pearson_{long}"] = [
+                    _pearson([r["methods"][name][f"{part}_pred"][k] for r in scored], [r["label"] for r in scored])
+                    for k in range(len(first["ks"]))
+                ]
+            else:
+                entry[f"accuracy_{long}"] = [_mean([float(v) for v in c]) for c in _columns(
+                    [r for r in records if r["label"] is not None], name, f"{part}_correct")] or None
+        methods[name] = entry
+    return {
+        "schema": SCHEMA,
+        "n": len(records),
+        "kind": first["kind"],
+        "perturbation": first["perturbation"],
+        "ks": first["ks"],
+        "layers": first["layers"],
+        "eval_layer": first["eval_layer"],
+        "accuracy": None if regression else _mean([float(r["correct"]) for r in records if r["correct"] is not None]),
+        "pearson": _pearson([records[i]["prediction"] for i in labelled], [gold[i] for i in labelled]) if regression else None,
+        "normalization": "min-shift L1 over the ranked tokens (prediction position removed), for every method",
+        "methods": methods,
+    }

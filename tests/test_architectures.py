@@ -1,0 +1,396 @@
+"""Every registered architecture and head kind against the hand-written oracle (tests/oracle.py).
+
+Each case builds a tiny random model from its config (hidden 32, 2 blocks, vocab 64), runs one padded batch
+under ``nxl.attach`` with ``output_hidden_states=True`` and checks, independently of the library:
+the prediction positions and pad mask, every layer's LogAt and NormXLogit against the oracle head, and at
+l = L and the prediction position LogAt against the model's own output logit (relative 1e-4, float32).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import pytest
+import torch
+import transformers as tf
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+import nxl_hooks as nxl
+import oracle
+
+VOCAB, PAD, MASK = 64, 0, 4
+_SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+_TOL = dict(rtol=1e-4, atol=1e-5)
+
+_DEC = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+            pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
+_GQA = dict(_DEC, num_key_value_heads=2)
+_ENC = dict(_DEC, max_position_embeddings=32)
+
+
+def _tokenizer():
+    """A 64-token word-level tokenizer: specials 0..4, then words w5..w63."""
+    vocab = {word: i for i, word in enumerate(_SPECIAL + [f"w{i}" for i in range(len(_SPECIAL), VOCAB)])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return tf.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]",
+                                      cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
+
+
+TOK = _tokenizer()
+
+
+@dataclass(frozen=True)
+class Case:
+    """One architecture and head: how to build it tiny, and its hand-written head-on-top."""
+
+    config: Callable[[], tf.PretrainedConfig]
+    model: type
+    oracle: Callable[[torch.nn.Module], oracle.HandHead]
+    decoder: bool = True  # decoders: left and right padding in one batch; encoders: right padding
+
+    def build(self, **config_overrides) -> torch.nn.Module:
+        torch.manual_seed(0)
+        config = self.config()
+        for key, value in config_overrides.items():
+            setattr(config, key, value)
+        model = self.model(config).eval()
+        # Random init zeroes biases and keeps norms at identity: randomize everything so that a missing
+        # bias, norm or scale shows up (tied weights stay tied: they are one parameter).
+        with torch.no_grad():
+            for param in model.parameters():
+                param.normal_(0.0, 0.3)
+        return model
+
+
+def _cfg(cls, **kw):
+    return lambda: cls(**kw)
+
+
+_LLAMA = _cfg(tf.LlamaConfig, **_GQA)
+_GEMMA2 = _cfg(tf.Gemma2Config, **_GQA, head_dim=8, final_logit_softcapping=2.0)
+_GEMMA3 = _cfg(tf.Gemma3TextConfig, **_GQA, head_dim=8, final_logit_softcapping=2.0, sliding_window=4)
+_MIXTRAL = _cfg(tf.MixtralConfig, **_GQA, num_local_experts=4, num_experts_per_tok=2)
+_GPT_NAMES = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
+_GPT2 = _cfg(tf.GPT2Config, **_GPT_NAMES)
+_OPT = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
+            pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
+_FALCON = _cfg(tf.FalconConfig, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+               pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
+_BERT = _cfg(tf.BertConfig, **_ENC)
+_BERT_DECODER = _cfg(tf.BertConfig, **_ENC, is_decoder=True)
+_ROBERTA = _cfg(tf.RobertaConfig, **_ENC)
+_DEBERTA = _cfg(tf.DebertaV2Config, **_ENC, relative_attention=True, pos_att_type=["p2c", "c2p"],
+                position_biased_input=False, max_relative_positions=-1, position_buckets=8, norm_rel_ebd="layer_norm",
+                share_att_key=True)
+
+CASES: dict[str, Case] = {
+    "llama-lm": Case(_LLAMA, tf.LlamaForCausalLM, oracle.llama),
+    "llama-cls": Case(_LLAMA, tf.LlamaForSequenceClassification, oracle.llama),
+    "llama-reg": Case(_cfg(tf.LlamaConfig, **_GQA, num_labels=1), tf.LlamaForSequenceClassification, oracle.llama),
+    "mistral-lm": Case(_cfg(tf.MistralConfig, **_GQA), tf.MistralForCausalLM, oracle.llama),
+    "mistral-cls": Case(_cfg(tf.MistralConfig, **_GQA), tf.MistralForSequenceClassification, oracle.llama),
+    "mixtral-lm": Case(_MIXTRAL, tf.MixtralForCausalLM, oracle.llama),
+    "mixtral-cls": Case(_MIXTRAL, tf.MixtralForSequenceClassification, oracle.llama),
+    "qwen2-lm": Case(_cfg(tf.Qwen2Config, **_GQA), tf.Qwen2ForCausalLM, oracle.llama),
+    "qwen2-cls": Case(_cfg(tf.Qwen2Config, **_GQA), tf.Qwen2ForSequenceClassification, oracle.llama),
+    "qwen3-lm": Case(_cfg(tf.Qwen3Config, **_GQA, head_dim=8), tf.Qwen3ForCausalLM, oracle.llama),
+    "qwen3-cls": Case(_cfg(tf.Qwen3Config, **_GQA, head_dim=8), tf.Qwen3ForSequenceClassification, oracle.llama),
+    "gemma-lm": Case(_cfg(tf.GemmaConfig, **_GQA, head_dim=8), tf.GemmaForCausalLM, oracle.gemma),
+    "gemma-cls": Case(_cfg(tf.GemmaConfig, **_GQA, head_dim=8), tf.GemmaForSequenceClassification, oracle.gemma),
+    "gemma2-lm": Case(_GEMMA2, tf.Gemma2ForCausalLM, oracle.gemma),
+    "gemma2-cls": Case(_GEMMA2, tf.Gemma2ForSequenceClassification, oracle.gemma),
+    "gemma3-lm": Case(_GEMMA3, tf.Gemma3ForCausalLM, oracle.gemma),
+    "gemma3-cls": Case(_GEMMA3, tf.Gemma3TextForSequenceClassification, oracle.gemma),
+    "phi-lm": Case(_cfg(tf.PhiConfig, **_DEC), tf.PhiForCausalLM, oracle.layer_norm_decoder("model.final_layernorm")),
+    "phi-cls": Case(_cfg(tf.PhiConfig, **_DEC), tf.PhiForSequenceClassification,
+                    oracle.layer_norm_decoder("model.final_layernorm")),
+    "phi3-lm": Case(_cfg(tf.Phi3Config, **_GQA), tf.Phi3ForCausalLM, oracle.llama),
+    "phi3-cls": Case(_cfg(tf.Phi3Config, **_GQA), tf.Phi3ForSequenceClassification, oracle.llama),
+    "gpt2-lm": Case(_GPT2, tf.GPT2LMHeadModel, oracle.layer_norm_decoder("transformer.ln_f")),
+    "gpt2-cls": Case(_GPT2, tf.GPT2ForSequenceClassification, oracle.layer_norm_decoder("transformer.ln_f")),
+    "gpt_neox-lm": Case(_cfg(tf.GPTNeoXConfig, **_DEC), tf.GPTNeoXForCausalLM,
+                        oracle.layer_norm_decoder("gpt_neox.final_layer_norm")),
+    "gpt_neox-cls": Case(_cfg(tf.GPTNeoXConfig, **_DEC), tf.GPTNeoXForSequenceClassification,
+                         oracle.layer_norm_decoder("gpt_neox.final_layer_norm")),
+    "opt-lm": Case(_cfg(tf.OPTConfig, **_OPT), tf.OPTForCausalLM, oracle.opt),
+    "opt-cls": Case(_cfg(tf.OPTConfig, **_OPT), tf.OPTForSequenceClassification, oracle.opt),
+    "opt_proj-lm": Case(_cfg(tf.OPTConfig, **_OPT, word_embed_proj_dim=16), tf.OPTForCausalLM, oracle.opt),
+    "opt_proj-cls": Case(_cfg(tf.OPTConfig, **_OPT, word_embed_proj_dim=16), tf.OPTForSequenceClassification,
+                         oracle.opt),
+    "falcon-lm": Case(_FALCON, tf.FalconForCausalLM, oracle.layer_norm_decoder("transformer.ln_f")),
+    "falcon-cls": Case(_FALCON, tf.FalconForSequenceClassification, oracle.layer_norm_decoder("transformer.ln_f")),
+    "cohere-lm": Case(_cfg(tf.CohereConfig, **_GQA, logit_scale=0.5), tf.CohereForCausalLM, oracle.cohere),
+    "cohere2-lm": Case(_cfg(tf.Cohere2Config, **_GQA, logit_scale=0.5, sliding_window=4), tf.Cohere2ForCausalLM,
+                       oracle.cohere),
+    "granitemoe-lm": Case(_cfg(tf.GraniteMoeConfig, **_GQA, num_local_experts=4, num_experts_per_tok=2,
+                               logits_scaling=4.0, embedding_multiplier=3.0), tf.GraniteMoeForCausalLM, oracle.granite),
+    "granitemoeshared-lm": Case(_cfg(tf.GraniteMoeSharedConfig, **_GQA, num_local_experts=4, num_experts_per_tok=2,
+                                     shared_intermediate_size=32, logits_scaling=4.0, embedding_multiplier=3.0),
+                                tf.GraniteMoeSharedForCausalLM, oracle.granite),
+    "granite-lm": Case(_cfg(tf.GraniteConfig, **_GQA, logits_scaling=4.0, embedding_multiplier=3.0),
+                       tf.GraniteForCausalLM, oracle.granite),
+    "bert-cls": Case(_BERT, tf.BertForSequenceClassification, oracle.bert_classifier, decoder=False),
+    "bert-reg": Case(_cfg(tf.BertConfig, **_ENC, num_labels=1), tf.BertForSequenceClassification,
+                     oracle.bert_classifier, decoder=False),
+    "bert-mlm": Case(_BERT, tf.BertForMaskedLM, oracle.bert_lm, decoder=False),
+    "bert-lm": Case(_BERT_DECODER, tf.BertLMHeadModel, oracle.bert_lm, decoder=False),
+    "roberta-cls": Case(_ROBERTA, tf.RobertaForSequenceClassification, oracle.roberta_classifier, decoder=False),
+    "roberta-mlm": Case(_ROBERTA, tf.RobertaForMaskedLM, oracle.roberta_lm, decoder=False),
+    "roberta-lm": Case(_cfg(tf.RobertaConfig, **_ENC, is_decoder=True), tf.RobertaForCausalLM, oracle.roberta_lm,
+                       decoder=False),
+    "deberta_v2-cls": Case(_DEBERTA, tf.DebertaV2ForSequenceClassification, oracle.deberta_classifier,
+                           decoder=False),
+    "deberta_v2-mlm": Case(_DEBERTA, tf.DebertaV2ForMaskedLM, oracle.deberta_lm, decoder=False),
+}
+
+
+def _batch(case: Case, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Three rows of 7 tokens. Decoders: row 0 left-padded, row 1 right-padded, row 2 full; encoders: right
+    padding. Real tokens never equal the pad id; masked LMs get [MASK] at (0, 1), (0, 4), (1, 2)."""
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(len(_SPECIAL), VOCAB, (3, 7), generator=gen)
+    mask = torch.ones_like(ids)
+    if case.decoder:
+        mask[0, :2] = 0
+        mask[1, 4:] = 0
+    else:
+        mask[1, 5:] = 0
+        mask[2, 3:] = 0
+    if kind == "masked_lm":
+        ids[0, 1] = ids[0, 4] = ids[1, 2] = MASK
+    return ids.masked_fill(mask == 0, PAD), mask
+
+
+def _expected_rows(case: Case, kind: str, ids: torch.Tensor, mask: torch.Tensor):
+    """(example, position) per explained row, as transformers reads each head's prediction."""
+    index = torch.arange(ids.shape[1])
+    if kind == "masked_lm":
+        return (ids == MASK).nonzero(as_tuple=True)
+    examples = torch.arange(ids.shape[0])
+    if kind == "causal_lm":
+        return examples, (index * mask).argmax(-1)  # the last real token
+    if case.decoder:
+        return examples, (index * (ids != PAD)).argmax(-1)  # rightmost non-pad token, by pad_token_id
+    return examples, torch.zeros_like(examples)  # CLS
+
+
+def _kind(model) -> str:
+    name = type(model).__name__
+    if name.endswith("ForSequenceClassification"):
+        return "regression" if model.config.num_labels == 1 else "sequence_classification"
+    return "masked_lm" if name.endswith("ForMaskedLM") else "causal_lm"
+
+
+def _run(model, ids, mask, **attach):
+    with torch.no_grad(), nxl.attach(model, **attach) as probe:
+        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    return probe.result(), out
+
+
+def _own_logits(out, kind: str, examples, positions) -> torch.Tensor:
+    """The model's own output logits at each row's prediction position: (rows, outputs)."""
+    if kind in ("sequence_classification", "regression"):
+        return out.logits[examples]
+    return out.logits[examples, positions]
+
+
+def _check_against_oracle(case: Case, model) -> nxl.Attribution:
+    """Rows, positions, pad mask, every layer and the l = L parity of one padded batch, predicted target."""
+    kind = _kind(model)
+    ids, mask = _batch(case, kind)
+    res, out = _run(model, ids, mask, tokenizer=TOK)
+    assert res.meta["head_kind"] == kind
+
+    examples, positions = _expected_rows(case, kind, ids, mask)
+    assert res.example.tolist() == examples.tolist()
+    assert res.position.tolist() == positions.tolist()
+    assert torch.equal(res.mask, mask.bool()[examples])
+
+    hot = case.oracle(model)
+    logits = hot.layer_logits(out.hidden_states)[:, examples]  # (L+1, rows, seq, outputs)
+    final = logits[-1, torch.arange(len(examples)), positions]  # (rows, outputs)
+    own = _own_logits(out, kind, examples, positions)
+    torch.testing.assert_close(final, own.float(), **_TOL)  # the oracle itself reproduces the model
+
+    if kind == "regression":
+        expected = (logits[..., 0] - final[None, :, None, 0]).abs()
+        assert res.target.tolist() == [0] * len(examples)
+        assert torch.allclose(torch.tensor(res.meta["prediction"])[:, 0], own[:, 0], **_TOL)
+    else:
+        assert torch.equal(res.target, final.argmax(-1))  # "predicted" is the model's own argmax
+        expected, _ = oracle.normxlogit(logits, out.hidden_states[0][examples], res.target)
+        # Parity: at l = L and the prediction position, LogAt is the model's own logit for the target.
+        rows = torch.arange(len(examples))
+        torch.testing.assert_close(res.logat[-1, rows, positions], own[rows, res.target].float(), **_TOL)
+
+    embed = out.hidden_states[0][examples].float().norm(dim=-1)
+    torch.testing.assert_close(res.embed_norm, embed, **_TOL)
+    torch.testing.assert_close(res.logat, expected, **_TOL)
+    torch.testing.assert_close(res.normxlogit, embed[None] * expected, **_TOL)
+    assert res.layers == list(range(model.config.num_hidden_layers + 1))
+    assert res.tokens[0] == TOK.convert_ids_to_tokens(ids[examples[0]].tolist())
+    return res
+
+
+@pytest.mark.parametrize("case_id", list(CASES))
+def test_matches_oracle(case_id: str):
+    res = _check_against_oracle(CASES[case_id], CASES[case_id].build())
+    assert not res.meta["spec"].startswith("discovered")  # served by its registry entry
+
+
+# -- targets, embeddings and layer subsets on a few representative heads ------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("case_id", "target", "ids"),
+    [
+        ("llama-lm", [7, "w9", 30], [7, 9, 30]),  # int and token-string targets, trailing k axis
+        ("gpt2-lm", "w12", [12]),
+        ("bert-cls", ["neg", 1], [0, 1]),  # label names via config.label2id
+        ("bert-mlm", ["w5", 6], [5, 6]),
+        ("gemma2-cls", 1, [1]),
+    ],
+    ids=["llama-lm-list", "gpt2-lm-token", "bert-cls-labels", "bert-mlm-list", "gemma2-cls-int"],
+)
+def test_explicit_targets(case_id, target, ids):
+    case = CASES[case_id]
+    model = case.build(id2label={0: "neg", 1: "pos"}, label2id={"neg": 0, "pos": 1})
+    kind = _kind(model)
+    batch, mask = _batch(case, kind)
+    res, out = _run(model, batch, mask, target=target, tokenizer=TOK)
+    examples, _ = _expected_rows(case, kind, batch, mask)
+    logits = case.oracle(model).layer_logits(out.hidden_states)[:, examples]
+    expected = logits[..., ids]  # (L+1, rows, seq, k)
+    if not isinstance(target, list):
+        expected = expected[..., 0]
+    assert res.target.tolist() == [ids if isinstance(target, list) else ids[0]] * len(examples)
+    assert res.logat.shape == expected.shape
+    torch.testing.assert_close(res.logat, expected, **_TOL)
+    embed = out.hidden_states[0][examples].float().norm(dim=-1)
+    scale = embed[None, :, :, None] if isinstance(target, list) else embed[None]
+    torch.testing.assert_close(res.normxlogit, scale * expected, **_TOL)
+
+
+@pytest.mark.parametrize("case_id", ["gemma-lm", "granite-lm", "opt_proj-cls", "bert-mlm"])
+def test_word_embedding_norm(case_id):
+    """embedding="word": the raw word-embedding row. Gemma's sqrt(d) scale is divided back out; Granite's
+    multiplier and OPT's project_in come after the embedding module, so they never enter it."""
+    case = CASES[case_id]
+    model = case.build()
+    kind = _kind(model)
+    ids, mask = _batch(case, kind)
+    res, out = _run(model, ids, mask, embedding="word", tokenizer=TOK)
+    examples, _ = _expected_rows(case, kind, ids, mask)
+    word_rows = model.get_input_embeddings().weight[ids[examples]]
+    logits = case.oracle(model).layer_logits(out.hidden_states)[:, examples]
+    logat, normxlogit = oracle.normxlogit(logits, word_rows, res.target)
+    torch.testing.assert_close(res.embed_norm, word_rows.float().norm(dim=-1), **_TOL)
+    assert not torch.allclose(res.embed_norm, out.hidden_states[0][examples].float().norm(dim=-1), rtol=1e-2)
+    torch.testing.assert_close(res.logat, logat, **_TOL)
+    torch.testing.assert_close(res.normxlogit, normxlogit, **_TOL)
+
+
+@pytest.mark.parametrize("case_id", ["falcon-lm", "deberta_v2-cls"])
+def test_layer_subsets(case_id):
+    case = CASES[case_id]
+    model = case.build()
+    ids, mask = _batch(case, _kind(model))
+    for layers, expected in [([-1, 0], [0, 2]), ([-2], [1]), ("last", [2]), (1, [1])]:
+        res, out = _run(model, ids, mask, layers=layers)
+        assert res.layers == expected
+        logat, _ = oracle.normxlogit(case.oracle(model).layer_logits(out.hidden_states), out.hidden_states[0],
+                                     res.target)
+        torch.testing.assert_close(res.logat, logat[expected], **_TOL)
+
+
+# -- generic discovery and registering an architecture ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("config", "model_cls", "hand"),
+    [
+        (_cfg(tf.OlmoConfig, **_GQA), tf.OlmoForCausalLM, oracle.olmo),
+        (_cfg(tf.Starcoder2Config, **_GQA), tf.Starcoder2ForSequenceClassification,
+         oracle.layer_norm_decoder("model.norm")),
+        (_cfg(tf.StableLmConfig, **_GQA), tf.StableLmForCausalLM, oracle.layer_norm_decoder("model.norm")),
+        (_cfg(tf.GPTJConfig, **_GPT_NAMES, rotary_dim=4), tf.GPTJForCausalLM,
+         oracle.layer_norm_decoder("transformer.ln_f")),
+        (_cfg(tf.BloomConfig, **_DEC), tf.BloomForSequenceClassification, oracle.layer_norm_decoder("transformer.ln_f")),
+        (_cfg(tf.MptConfig, vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, pad_token_id=PAD), tf.MptForCausalLM,
+         oracle.layer_norm_decoder("transformer.norm_f")),
+    ],
+    ids=["olmo-lm", "starcoder2-cls", "stablelm-lm", "gptj-lm", "bloom-cls", "mpt-lm"],
+)
+def test_generic_discovery(config, model_cls, hand):
+    case = Case(config, model_cls, hand)
+    model = case.build()
+    assert model.config.model_type not in nxl.registry.specs()
+    res = _check_against_oracle(case, model)
+    assert res.meta["spec"] == f"discovered:{model.config.model_type}"
+
+
+@pytest.fixture
+def private_registry(monkeypatch):
+    """Registrations inside a test do not leak into the others."""
+    monkeypatch.setattr(nxl.registry, "_SPECS", nxl.registry.specs())
+
+
+_DISTILBERT = Case(_cfg(tf.DistilBertConfig, vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+                        max_position_embeddings=32, pad_token_id=PAD), tf.DistilBertForSequenceClassification,
+                   oracle.distilbert_classifier, decoder=False)
+
+
+def test_undiscoverable_model_says_how_to_register(private_registry):
+    model = _DISTILBERT.build()
+    with pytest.raises(nxl.UnknownArchitectureError, match=r"nxl\.register_architecture\('distilbert'") as err:
+        nxl.attach(model)
+    assert "registry/*.toml" in str(err.value)
+    nxl.register_architecture("distilbert", blocks="distilbert.transformer.layer", pooling="first",
+                              heads={"sequence_classification": ["pre_classifier", "relu", "classifier"]})
+    _check_against_oracle(_DISTILBERT, model)
+
+
+def test_register_file(private_registry, tmp_path):
+    path = tmp_path / "distilbert.toml"
+    path.write_text(
+        '[distilbert]\nblocks = "distilbert.transformer.layer"\npooling = "first"\n'
+        'heads.masked_lm = ["vocab_transform", "act:activation", "vocab_layer_norm", "vocab_projector"]\n'
+    )
+    case = Case(_DISTILBERT.config, tf.DistilBertForMaskedLM, oracle.distilbert_lm, decoder=False)
+    model = case.build()
+    with pytest.raises(nxl.UnknownArchitectureError):
+        nxl.attach(model, tokenizer=TOK)
+    (spec,) = nxl.register_file(path)
+    assert spec.model_types == ("distilbert",) and spec.source == str(path)
+    _check_against_oracle(case, model)
+
+
+def test_logit_post_processing_blocks_discovery(private_registry):
+    """VaultGemma softcaps its logits: discovery would miss that, so it refuses and says which step to add."""
+    case = Case(_cfg(tf.VaultGemmaConfig, **_GQA, head_dim=8, final_logit_softcapping=2.0), tf.VaultGemmaForCausalLM,
+                oracle.gemma)
+    model = case.build()
+    with pytest.raises(nxl.UnknownArchitectureError, match="final_logit_softcapping=2.0.*softcap:"):
+        nxl.attach(model)
+    nxl.register_architecture("vaultgemma", blocks="model.layers",
+                              heads={"causal_lm": ["model.norm", "lm_head", "softcap:final_logit_softcapping"]})
+    _check_against_oracle(case, model)
+
+
+def test_backbone_bypassed_says_what_to_set(private_registry):
+    """OPTForCausalLM calls model.decoder directly: without `backbone` in its entry the probe says so."""
+    entry = nxl.registry.specs()["opt"]
+    nxl.register_architecture("opt", blocks=entry.blocks, heads=entry.heads)
+    model = CASES["opt-lm"].build()
+    ids, mask = _batch(CASES["opt-lm"], "causal_lm")
+    with pytest.raises(RuntimeError, match="set `backbone`"), nxl.attach(model):
+        model(input_ids=ids, attention_mask=mask)
+
+
+def test_variant_without_the_named_head_module():
+    """DeBERTa-v2's non-legacy masked-LM head (a readout tied to the embedding) is not in the entry."""
+    model = CASES["deberta_v2-mlm"].build(legacy=False)
+    with pytest.raises(nxl.UnknownArchitectureError, match="no module 'cls.predictions.transform'"):
+        nxl.attach(model, tokenizer=TOK)

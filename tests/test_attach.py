@@ -1,0 +1,123 @@
+"""Attach and detach leave the model as it was; bad input gets an error that says what to do."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+import nxl_hooks as nxl
+
+WORDS = ["<pad>", "<unk>", "the", "cat", "sat", "on", "mat", "dog", "ran"]
+
+
+def _tokenizer(words=WORDS) -> PreTrainedTokenizerFast:
+    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>")
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    return LlamaForCausalLM(config).eval()
+
+
+@pytest.fixture()
+def ids():
+    return torch.tensor([[2, 3, 4, 5, 2, 6]])
+
+
+def _hook_count(model) -> int:
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+
+
+def test_detach_leaves_no_hook_and_identical_outputs(model, ids):
+    before = model(input_ids=ids).logits
+    with nxl.attach(model) as probe:
+        during = model(input_ids=ids).logits
+        assert _hook_count(model) > 0 and probe.attached
+    assert _hook_count(model) == 0 and not probe.attached
+    after = model(input_ids=ids).logits
+    assert torch.equal(before, during) and torch.equal(before, after)
+
+
+def test_failing_forward_still_detaches(model):
+    with pytest.raises(IndexError):
+        with nxl.attach(model):
+            model(input_ids=torch.tensor([[2, 99]]))  # id beyond the vocabulary: the model's own forward raises
+    assert _hook_count(model) == 0
+    with nxl.attach(model) as probe:  # and the model can be attached again
+        model(input_ids=torch.tensor([[2, 3]]))
+    assert probe.result().normxlogit.shape == (3, 1, 2)
+
+
+def test_attaching_twice_is_an_error(model):
+    with nxl.attach(model):
+        with pytest.raises(RuntimeError, match="already attached"):
+            nxl.attach(model)
+    assert _hook_count(model) == 0
+
+
+def test_result_before_any_forward(model):
+    with nxl.attach(model) as probe:
+        with pytest.raises(RuntimeError, match="no forward"):
+            probe.result()
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"layers": [3]}, "layer 3 is out of range.*0..2"),
+        ({"layers": [-4]}, "out of range"),
+        ({"layers": "middle"}, "use 'all', 'last'"),
+        ({"target": len(WORDS)}, f"target {len(WORDS)} is out of range.*{len(WORDS)} outputs"),
+        ({"target": "sat"}, "tokenizer=tok"),
+        ({"target": "zebra", "tokenizer": _tokenizer()}, "not a single token in the vocabulary"),
+        ({"tokenizer": _tokenizer(WORDS + ["extra1", "extra2"])}, "does not match the model"),
+        ({"embedding": "words"}, "layer_input"),
+    ],
+)
+def test_bad_arguments_say_what_to_do(model, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        nxl.attach(model, **kwargs)
+    assert _hook_count(model) == 0
+
+
+def test_empty_input_is_an_error_and_detaches(model):
+    with pytest.raises(ValueError, match="empty input"):
+        with nxl.attach(model):
+            model(input_ids=torch.zeros((1, 0), dtype=torch.long))
+    assert _hook_count(model) == 0
+
+
+def test_string_target_resolves_through_tokenizer(model, ids):
+    tok = _tokenizer()
+    with torch.no_grad(), nxl.attach(model, target=["sat", 7], tokenizer=tok) as probe:
+        logits = model(input_ids=ids).logits[0, -1]
+    res = probe.result()
+    assert res.target.tolist() == [[WORDS.index("sat"), 7]]
+    assert res.normxlogit.shape == (3, 1, ids.shape[1], 2)
+    torch.testing.assert_close(res.logat[-1, 0, -1], logits[[WORDS.index("sat"), 7]], rtol=1e-4, atol=1e-6)
+    assert res.tokens == [[WORDS[i] for i in ids[0].tolist()]]
+
+
+def test_save_and_load_round_trip(model, ids, tmp_path):
+    with torch.no_grad(), nxl.attach(model, layers=[0, -1], tokenizer=_tokenizer()) as probe:
+        model(input_ids=ids)
+    res = probe.result()
+    path = res.save(tmp_path / "a.safetensors")
+    back = nxl.Attribution.load(path)
+    for name in ("normxlogit", "logat", "embed_norm", "target", "mask", "position", "example"):
+        assert torch.equal(getattr(res, name), getattr(back, name)), name
+    assert back.layers == [0, 2] and back.tokens == res.tokens and back.meta == res.meta
+    assert back.top(2)[0][1] in WORDS
+
+
+def test_load_refuses_foreign_file(tmp_path):
+    path = tmp_path / "other.safetensors"
+    save_file({"x": torch.zeros(1)}, str(path))
+    with pytest.raises(ValueError, match="not an nxl_hooks attribution file"):
+        nxl.Attribution.load(path)

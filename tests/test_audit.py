@@ -1,0 +1,97 @@
+"""The quantization audit: per-example metrics equal ones computed by hand from the oracle, reports lead with change."""
+
+import json
+import re
+
+import pytest
+import torch
+from scipy import stats
+from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+import oracle
+import tiny
+from nxl_hooks import audit
+from nxl_hooks.cli import main
+
+
+def _oracle_scores(model, ids: torch.Tensor, target: int | None = None) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """(NormXLogit (L+1, seq), target, logits at the last position) of a causal LM, from output_hidden_states."""
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+        logits = oracle.llama(model).layer_logits(out.hidden_states)
+    final = out.logits[0, -1].float()
+    target = int(final.argmax()) if target is None else target
+    _, scores = oracle.normxlogit(logits, out.hidden_states[0], torch.tensor([target]))
+    return scores[:, 0], target, final
+
+
+def _by_hand(ref: torch.Tensor, cand: torch.Tensor, top_k: int) -> dict:
+    """Metrics per layer over the real tokens; the prediction position (the last token) is left out of rankings."""
+    out = {"spearman": [], "kendall": [], "topk": [], "drift": []}
+    for r, c in zip(ref, cand):
+        a, b = r[:-1].double().numpy(), c[:-1].double().numpy()
+        out["spearman"].append(stats.spearmanr(a, b).statistic)
+        out["kendall"].append(stats.kendalltau(a, b).statistic)
+        k = min(top_k, len(a))
+        out["topk"].append(len(set(a.argsort()[::-1][:k]) & set(b.argsort()[::-1][:k])) / k)
+        out["drift"].append(float((c - r).norm() / r.norm()))
+    return out
+
+
+def test_quantized_audit_matches_oracle(tmp_path):
+    path = tiny.save_model(tmp_path / "llama", "llama", seed=3)
+    data = tiny.write_jsonl(tmp_path / "data.jsonl", 5)
+    assert main(["audit", "--reference", str(path), "--quantize", "8bit", str(data), "--out", str(tmp_path / "out"),
+                 "--top-k", "3"]) == 0
+    records = [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").read_text().splitlines()]
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+
+    reference = LlamaForCausalLM.from_pretrained(path).eval()
+    candidate = LlamaForCausalLM.from_pretrained(path, quantization_config=BitsAndBytesConfig(load_in_8bit=True)).eval()
+    assert type(candidate.model.layers[0].mlp.up_proj).__name__ == "Linear8bitLt"
+    tok = tiny.tokenizer()
+    agree = []
+    for record, example in zip(records, tiny.examples(5)):
+        ids = torch.tensor([tok(example["text"])["input_ids"]])
+        ref, target, ref_logits = _oracle_scores(reference, ids)
+        cand, _, cand_logits = _oracle_scores(candidate, ids, target)
+        assert record["target"] == target and record["tokens"] == tok.convert_ids_to_tokens(ids[0])
+        assert record["agree"] == (int(cand_logits.argmax()) == target)
+        agree.append(record["agree"])
+        assert record["candidate_output"] == pytest.approx(float(cand_logits.softmax(-1)[target]), rel=1e-4)
+        torch.testing.assert_close(torch.tensor(record["reference_scores"]), ref[-1], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(record["candidate_scores"]), cand[-1], rtol=1e-4, atol=1e-5)
+        for name, values in _by_hand(ref, cand, 3).items():
+            assert record[name] == pytest.approx(values, rel=1e-4, abs=1e-6), name
+    assert summary["agreement"] == sum(agree) / len(agree)
+    assert summary["per_layer"]["spearman"] == pytest.approx(
+        [sum(r["spearman"][i] for r in records) / len(records) for i in range(3)])
+
+
+def test_same_weights_show_no_change():
+    model, twin = tiny.build_model("bert", 0), tiny.build_model("bert", 0)
+    record = audit.audit_example(model, twin, tiny.tokenizer(), {"text": "the film was very good"})
+    assert record["agree"] and record["spearman"] == pytest.approx([1.0] * 3) and record["kendall"] == pytest.approx([1.0] * 3)
+    assert record["topk"] == [1.0] * 3 and record["drift"] == [0.0] * 3
+
+
+def test_report_leads_with_flipped_then_lowest_spearman(tmp_path):
+    reference, candidate, tok = tiny.build_model("bert", 0), tiny.build_model("bert", 5), tiny.tokenizer()
+    records = [{**audit.audit_example(reference, candidate, tok, ex), "index": i} for i, ex in enumerate(tiny.examples(8))]
+    summary = audit.aggregate(records)
+    assert summary["flipped"] == sum(not r["agree"] for r in records) > 0
+    from nxl_hooks.viz import audit_report
+
+    page = audit_report(summary, records, show=len(records))
+    shown = [int(i) for i in re.findall(r'class="example" data-index="(\d+)"', page)]
+    flipped = [i for i in shown if not records[i]["agree"]]
+    assert shown[: len(flipped)] == flipped and len(flipped) == summary["flipped"]
+    rest = [records[i]["spearman"][-1] for i in shown[len(flipped):]]
+    assert rest == sorted(rest)
+    assert page.index('class="example"') < page.index("<h2>Per layer</h2>")
+
+
+def test_bad_arguments_say_what_to_do(tmp_path, capsys):
+    data = tiny.write_jsonl(tmp_path / "data.jsonl", 2)
+    assert main(["audit", "--reference", "x", str(data), "--out", str(tmp_path / "o")]) == 2
+    assert "--candidate MODEL or --quantize" in capsys.readouterr().err

@@ -1,0 +1,79 @@
+"""CUDA paths, run whenever a GPU is present and skipped otherwise: bitsandbytes on CUDA, fp16/bf16, and a
+device_map split between cuda:0 and cpu (scores computed on each block's own device)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import big_models as big
+import nxl_hooks as nxl
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+#: CUDA vs CPU reference: same float32 math, different kernels and summation order.
+ACROSS_DEVICES = dict(rtol=1e-3, atol=1e-4)
+
+
+def _attribute(model, ids, mask) -> tuple[nxl.Attribution, nxl.Probe]:
+    with torch.no_grad(), nxl.attach(model, target=[5, 17]) as probe:
+        model(input_ids=ids, attention_mask=mask)
+    return probe.result(), probe
+
+
+@pytest.mark.parametrize("quant", ["nf4", "fp4", "int8"])
+def test_bnb_on_cuda(tmp_path, quant):
+    from transformers import BitsAndBytesConfig
+    from test_quantized import QUANT
+
+    path = big.save(tmp_path, "llama")
+    model = big.FAMILIES["llama"][0].from_pretrained(path, quantization_config=BitsAndBytesConfig(**QUANT[quant]),
+                                                     device_map={"": 0}).eval()
+    big.check(model, big.llama_head(model), *big.batch())
+
+
+def test_bnb_4bit_bert_head_on_cuda(tmp_path):
+    from transformers import BitsAndBytesConfig
+
+    path = big.save(tmp_path, "bert", num_labels=3)  # no 32-row constraint on CUDA
+    model = big.FAMILIES["bert"][0].from_pretrained(path, quantization_config=BitsAndBytesConfig(load_in_4bit=True),
+                                                    device_map={"": 0}).eval()
+    big.check(model, big.bert_head(model), *big.batch())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("family", ["llama", "bert"])
+def test_dtypes_on_cuda(family, dtype):
+    model = big.build(family).to("cuda", dtype)
+    hand = big.llama_head(model) if family == "llama" else big.bert_head(model)
+    loose = dtype != torch.float32
+    big.check(model, hand, *big.batch(), rtol=2e-2 if loose else 1e-4, atol=2e-2 if loose else 1e-5)
+
+
+def test_cuda_cpu_split_scores_on_each_blocks_device():
+    from accelerate import dispatch_model
+
+    ids, mask = big.batch()
+    ref, _ = _attribute(big.build("llama"), ids, mask)
+    # main_device="cpu": the "cpu" block really computes on the CPU (not offloaded to run on cuda:0).
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": "cpu",
+                  "model.norm": 0, "lm_head": 0}
+    model = dispatch_model(big.build("llama"), device_map=device_map, main_device="cpu")
+    res, probe = _attribute(model, ids.cuda(), mask.cuda())
+    torch.testing.assert_close(res.logat, ref.logat, **ACROSS_DEVICES)
+    torch.testing.assert_close(res.normxlogit, ref.normxlogit, **ACROSS_DEVICES)
+    # Block 1's output was normed by a CPU copy of the final norm, i.e. its features stayed on the CPU.
+    assert {device.type for _, device in probe.head._replicas} == {"cpu"}
+
+
+def test_offload_to_cpu_and_disk_executing_on_cuda(tmp_path):
+    path = big.save(tmp_path / "model", "llama")
+    ids, mask = big.batch()
+    ref, _ = _attribute(big.build("llama"), ids, mask)
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": "cpu",
+                  "model.norm": "cpu", "lm_head": "disk"}
+    model = big.FAMILIES["llama"][0].from_pretrained(path, device_map=device_map,
+                                                     offload_folder=str(tmp_path / "offload")).eval()
+    assert model.lm_head.weight.device.type == "meta"
+    res, _ = _attribute(model, ids.cuda(), mask.cuda())
+    torch.testing.assert_close(res.logat, ref.logat, **ACROSS_DEVICES)
+    torch.testing.assert_close(res.normxlogit, ref.normxlogit, **ACROSS_DEVICES)

@@ -1,0 +1,166 @@
+"""Dataset runs: loading, append-only logs, resuming after a crash or SIGKILL, sharding under accelerate launch."""
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import tiny
+from nxl_hooks import audit
+from nxl_hooks import evaluate as ev
+from nxl_hooks.cli import main
+from nxl_hooks.dataset import SettingsMismatchError, load_examples, read_records, run_dataset
+
+TESTS = Path(__file__).resolve().parent
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "llama": tiny.save_model(root / "llama", "llama", seed=0),
+        "llama2": tiny.save_model(root / "llama2", "llama", seed=1),
+        "bert": tiny.save_model(root / "bert", "bert", seed=0),
+        "data": tiny.write_jsonl(root / "data.jsonl", 6),
+    }
+
+
+def _outputs(out: Path) -> tuple[dict, list[dict]]:
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    return json.loads((out / "summary.json").read_text()), records
+
+
+def test_jsonl_and_csv_load_alike(tmp_path):
+    (tmp_path / "d.jsonl").write_text(
+        '{"text": "good film", "label": 1, "evidence": ["good"]}\n\n{"text": "bad plot", "label": "neg"}\n'
+    )
+    (tmp_path / "d.csv").write_text('text,label,evidence\ngood film,1,good\nbad plot,neg,\n')
+    expected = [{"id": 0, "text": "good film", "label": 1, "evidence": ["good"]}, {"id": 1, "text": "bad plot", "label": "neg"}]
+    assert load_examples(tmp_path / "d.jsonl") == expected
+    assert load_examples(tmp_path / "d.csv") == expected
+    (tmp_path / "e.csv").write_text('sentence,label,evidence\nok,0.5,"[""a b"", ""c""]"\nfine,2,x|y z\n')
+    rows = load_examples(tmp_path / "e.csv", text="sentence")
+    assert rows[0]["label"] == 0.5 and rows[0]["evidence"] == ["a b", "c"] and rows[1]["evidence"] == ["x", "y", "z"]
+    with pytest.raises(ValueError, match="--text-field"):
+        load_examples(tmp_path / "e.csv")
+
+
+def test_torn_last_line_is_ignored_then_cut(tmp_path):
+    items = [{"n": i} for i in range(4)]
+    (tmp_path / "parts").mkdir()
+    part = tmp_path / "parts" / "part-0.jsonl"
+    part.write_text('{"n": 0, "index": 0}\n{"n": 1, "index": 1}\n{"n": 2, "ind')  # killed mid-write
+    assert sorted(read_records(tmp_path)) == [0, 1]
+    calls = []
+    records = run_dataset(items, lambda ex: calls.append(ex["n"]) or dict(ex), tmp_path, settings={"k": 1})
+    assert calls == [2, 3]
+    assert records == [{"n": i, "index": i} for i in range(4)]
+    assert [json.loads(line) for line in part.read_text().splitlines()] == records
+
+
+def test_other_settings_are_refused(tmp_path):
+    run_dataset([{"n": 0}], dict, tmp_path, settings={"model": "a"})
+    with pytest.raises(SettingsMismatchError, match="model"):
+        run_dataset([{"n": 0}], dict, tmp_path, settings={"model": "b"})
+
+
+def test_exception_after_n_records_resumes_to_identical_result(models, tmp_path):
+    reference = tiny.build_model("llama", 0)
+    candidate = tiny.build_model("llama", 1)
+    tok = tiny.tokenizer()
+    examples = tiny.examples(5)
+
+    def score(example):
+        return audit.audit_example(reference, candidate, tok, example)
+
+    whole = run_dataset(examples, score, tmp_path / "whole", settings={})
+    seen = []
+
+    def crashing(example):
+        if len(seen) == 3:
+            raise RuntimeError("injected crash")
+        seen.append(example["id"])
+        return score(example)
+
+    with pytest.raises(RuntimeError, match="injected"):
+        run_dataset(examples, crashing, tmp_path / "resumed", settings={})
+    assert len(read_records(tmp_path / "resumed")) == 3
+    redone = []
+    resumed = run_dataset(examples, lambda ex: redone.append(ex["id"]) or score(ex), tmp_path / "resumed", settings={})
+    assert redone == [e["id"] for e in examples[3:]]
+    assert resumed == whole
+    assert audit.aggregate(resumed) == audit.aggregate(whole)
+
+
+def test_evaluate_command_writes_records_summary_and_report(models, tmp_path):
+    methods = "random,normxlogit,logat"
+    assert main(["evaluate", str(models["bert"]), str(models["data"]), "--out", str(tmp_path / "ev"), "--methods", methods,
+                 "--limit", "4"]) == 0
+    summary, records = _outputs(tmp_path / "ev")
+    model, tok = tiny.build_model("bert", 0), tiny.tokenizer()
+    for index, example in enumerate(tiny.examples(4)):
+        direct = ev.score_example(model, tok, example, methods.split(","))
+        for rec in (direct, records[index]):
+            for entry in rec["methods"].values():
+                entry.pop("seconds")
+        assert {**direct, "index": index} == records[index]
+    assert summary["n"] == 4 and list(summary["methods"]) == methods.split(",")
+    page = (tmp_path / "ev" / "report.html").read_text()
+    assert page.count('class="nxl-point"') >= 3 * 9 and "Per-layer alignment" in page
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _audit_args(models, out: Path) -> list[str]:
+    return ["audit", "--reference", str(models["llama"]), "--candidate", str(models["llama2"]), str(models["data"]),
+            "--out", str(out)]
+
+
+def test_sigkill_mid_dataset_resumes_to_identical_result(models, tmp_path):
+    data = tiny.write_jsonl(tmp_path / "long.jsonl", 12)
+    args = ["audit", "--reference", str(models["llama"]), "--candidate", str(models["llama2"]), str(data)]
+    child = subprocess.Popen([sys.executable, "-m", "nxl_hooks.cli", *args, "--out", str(tmp_path / "killed")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    part = tmp_path / "killed" / "parts" / "part-0.jsonl"
+    deadline = time.monotonic() + 60
+    while not (part.exists() and part.read_bytes().count(b"\n") >= 2) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    kept = len(read_records(tmp_path / "killed"))
+    assert 2 <= kept < 12, "the child must be killed mid-dataset"
+    assert main([*args, "--out", str(tmp_path / "killed")]) == 0
+    assert main([*args, "--out", str(tmp_path / "whole")]) == 0
+    assert _outputs(tmp_path / "killed") == _outputs(tmp_path / "whole")
+
+
+@pytest.mark.skipif(shutil.which("accelerate") is None, reason="accelerate's launcher is not installed")
+def test_accelerate_launch_two_processes_equals_one(models, tmp_path):
+    # On a machine without GPUs, accelerate starts N CPU processes (gloo) with --multi_gpu; --cpu would start one.
+    launch = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+              "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
+              "-m", "nxl_hooks.cli"]
+    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
+    if torch.cuda.is_available():
+        pytest.skip("this test shards across CPU processes; on a GPU machine accelerate would use the GPUs")
+    done = subprocess.run([*launch, *_audit_args(models, tmp_path / "two")], env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    parts = sorted((tmp_path / "two" / "parts").glob("part-*.jsonl"))
+    shares = [len(p.read_text().splitlines()) for p in parts]
+    assert [p.name for p in parts] == ["part-0.jsonl", "part-1.jsonl"] and shares == [3, 3]
+    assert done.stdout.count("wrote ") == 1  # merged once, by the main process
+    torch.set_num_threads(1)  # as accelerate runs each process, so float reductions match bit for bit
+    assert main(_audit_args(models, tmp_path / "one")) == 0
+    assert _outputs(tmp_path / "two") == _outputs(tmp_path / "one")

@@ -1,0 +1,80 @@
+"""accelerate: models dispatched with a device_map, CPU offload and disk offload (weights on ``meta`` outside
+their forward), the head offloaded too, give the attributions of the same model undispatched.
+
+Tolerance: rtol 1e-5, atol 1e-6. On one CPU the arithmetic is the same; only weight loading differs.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import big_models as big
+import nxl_hooks as nxl
+
+accelerate = pytest.importorskip("accelerate")
+from accelerate import cpu_offload, disk_offload  # noqa: E402
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+# Block 0 computes in place, block 1 and the whole head (final norm and lm_head) are offloaded to disk.
+LLAMA_MAP = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
+             "model.layers.1": "disk", "model.norm": "disk", "lm_head": "disk"}
+
+
+def _attribute(model, ids, mask, **attach) -> nxl.Attribution:
+    with torch.no_grad(), nxl.attach(model, **attach) as probe:
+        model(input_ids=ids, attention_mask=mask)
+    return probe.result()
+
+
+def _assert_same(res: nxl.Attribution, ref: nxl.Attribution) -> None:
+    assert torch.equal(res.target, ref.target)
+    torch.testing.assert_close(res.logat, ref.logat, **TOL)
+    torch.testing.assert_close(res.normxlogit, ref.normxlogit, **TOL)
+    torch.testing.assert_close(res.embed_norm, ref.embed_norm, **TOL)
+
+
+def _offload(how: str, family: str, path, tmp_path):
+    cls, _ = big.FAMILIES[family]
+    if how == "device_map":
+        return cls.from_pretrained(path, device_map=LLAMA_MAP, offload_folder=str(tmp_path / "offload")).eval()
+    model = cls.from_pretrained(path).eval()
+    if how == "cpu_offload":  # weights kept in a CPU state dict, on meta outside each module's forward
+        return cpu_offload(model, execution_device="cpu")
+    return disk_offload(model, str(tmp_path / "disk"), execution_device="cpu")
+
+
+@pytest.mark.parametrize("how", ["device_map", "cpu_offload", "disk_offload"])
+def test_offloaded_llama_equals_undispatched(tmp_path, how):
+    path = big.save(tmp_path / "model", "llama")
+    ids, mask = big.batch()
+    ref = _attribute(big.build("llama"), ids, mask, target=[5, 17])
+    model = _offload(how, "llama", path, tmp_path)
+    assert model.lm_head.weight.device.type == "meta" and model.model.norm.weight.device.type == "meta"
+    _assert_same(_attribute(model, ids, mask, target=[5, 17]), ref)
+    _assert_same(_attribute(model, ids, mask), _attribute(big.build("llama"), ids, mask))
+    assert model.lm_head.weight.device.type == "meta"  # reading the head left it offloaded
+
+
+@pytest.mark.parametrize("family", ["bert", "llama_cls"])
+def test_offloaded_classifier_equals_undispatched(tmp_path, family):
+    path = big.save(tmp_path / "model", family)
+    ids, mask = big.batch()
+    ids = ids.masked_fill(mask == 0, 0)
+    model = _offload("disk_offload", family, path, tmp_path)
+    _assert_same(_attribute(model, ids, mask), _attribute(big.build(family), ids, mask))
+
+
+def test_offloaded_norm_replica_is_materialized_and_hook_free(tmp_path):
+    """Under a device_map whose blocks sit elsewhere than the final norm, the norm runs as a local copy on each
+    block's device; the copy must hold the real (not meta) weights and leave the offloaded original as it was."""
+    from nxl_hooks.head import _replica
+
+    model = _offload("disk_offload", "llama", big.save(tmp_path / "model", "llama"), tmp_path)
+    norm = model.model.norm
+    copy = _replica(norm, torch.device("cpu"))
+    assert not hasattr(copy, "_hf_hook") and copy.weight.device.type == "cpu"
+    torch.testing.assert_close(copy.weight, big.build("llama").model.norm.weight, rtol=0, atol=0)
+    assert norm.weight.device.type == "meta" and hasattr(norm, "_hf_hook")
+    hidden = torch.randn(2, 3, 64)
+    torch.testing.assert_close(copy(hidden), big.build("llama").model.norm(hidden), rtol=0, atol=0)

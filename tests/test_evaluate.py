@@ -1,0 +1,234 @@
+"""nxl_hooks.evaluate and nxl_hooks.baselines against hand-computed values, fake models whose output is a known
+function of the tokens left, direct torch.autograd, and the oracle of tests/oracle.py."""
+
+import json
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from torch import nn
+from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from nxl_hooks import evaluate as ev
+from nxl_hooks.baselines import gradient_scores
+from oracle import layer_logits, linear, normxlogit, rms_norm
+
+WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "fine", "plain", "bad", "the", "key", "keys", "is", "are"]
+VOCAB = {w: i for i, w in enumerate(WORDS)}
+
+
+def _tokenizer(template: str) -> PreTrainedTokenizerFast:
+    core = Tokenizer(models.WordLevel(VOCAB, unk_token="[UNK]"))
+    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    core.post_processor = processors.TemplateProcessing(
+        single=template, special_tokens=[(t, VOCAB[t]) for t in ("[CLS]", "[SEP]") if t in template]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                                   sep_token="[SEP]", mask_token="[MASK]")
+
+
+# Fake models: class-1 log-odds = sum of WEIGHT over the tokens still present (not masked, not deleted).
+WEIGHT = torch.zeros(len(WORDS))
+WEIGHT[VOCAB["good"]], WEIGHT[VOCAB["fine"]], WEIGHT[VOCAB["plain"]], WEIGHT[VOCAB["bad"]] = 2.0, 1.0, 0.0, -1.0
+
+
+class FakeForSequenceClassification(nn.Module):
+    """Looks like a BERT classifier to the registry; logits = [0, sum of weights of unmasked tokens]."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = BertConfig(num_hidden_layers=1, num_labels=2)
+        self.bert = nn.Module()
+        self.bert.encoder = nn.Module()
+        self.bert.encoder.layer = nn.ModuleList([nn.Identity()])
+        self.unused = nn.Parameter(torch.zeros(1))
+        self.seen = []
+
+    def forward(self, input_ids, attention_mask=None):
+        self.seen.append(input_ids.clone())
+        log_odds = WEIGHT[input_ids].sum(-1)
+        return SimpleNamespace(logits=torch.stack([torch.zeros_like(log_odds), log_odds], -1))
+
+
+class FakeForCausalLM(FakeForSequenceClassification):
+    """Looks like a Llama LM; at every position, logits over the vocabulary favour token 1 by the same sum."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = LlamaConfig(num_hidden_layers=1, vocab_size=len(WORDS))
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList([nn.Identity()])
+
+    def forward(self, input_ids, attention_mask=None):
+        two = super().forward(input_ids).logits
+        logits = torch.full((*input_ids.shape, len(WORDS)), -1e4)
+        logits[..., :2] = two[:, None, :]
+        return SimpleNamespace(logits=logits)
+
+
+def _sigmoid(x: float) -> float:
+    return 1 / (1 + math.exp(-x))
+
+
+# Text "good fine plain bad" with scores ranking good > fine > plain > bad > last token.
+SCORES = [9.0, 4.0, 3.0, 2.0, 1.0, 0.0]  # a BERT example: [CLS] good fine plain bad [SEP] (n = 6)
+# int(6 * K) for K = 0.1..0.9: 0 1 1 2 3 3 4 4 5 tokens. Log-odds after removing the top c: 2, 0, -1, -1, 0, 0.
+COMP_SUMS = {0: 2.0, 1: 0.0, 2: -1.0, 3: -1.0, 4: 0.0, 5: 0.0}
+SUFF_SUMS = {0: 0.0, 1: 2.0, 2: 3.0, 3: 3.0, 4: 2.0, 5: 2.0}  # keeping only the top c
+COUNTS = [0, 1, 1, 2, 3, 3, 4, 4, 5]
+
+
+def test_aopc_mask_mode_exact_values():
+    model, tok = FakeForSequenceClassification(), _tokenizer("[CLS] $A [SEP]")
+    rec = ev.score_example(model, tok, {"text": "good fine plain bad", "label": 1}, methods=(), custom={"mine": SCORES})
+    assert rec["perturbation"] == "mask" and rec["position"] == 0 and rec["counts"] == COUNTS
+    p = _sigmoid(2.0)
+    assert rec["output"] == pytest.approx(p)
+    mine = rec["methods"]["mine"]
+    assert mine["comprehensiveness"] == pytest.approx([p - _sigmoid(COMP_SUMS[c]) for c in COUNTS], abs=1e-6)
+    assert mine["sufficiency"] == pytest.approx([p - _sigmoid(SUFF_SUMS[c]) for c in COUNTS], abs=1e-6)
+    assert mine["comp_correct"] == [COMP_SUMS[c] > 0 for c in COUNTS]
+    summary = ev.aggregate([rec])
+    assert summary["methods"]["mine"]["aopc_comprehensiveness"] == pytest.approx(
+        sum(p - _sigmoid(COMP_SUMS[c]) for c in COUNTS) / 9, abs=1e-6)
+    # The CLS position was in every forward, never masked.
+    assert all((ids[:, 0] == VOCAB["[CLS]"]).all() for ids in model.seen)
+
+
+def test_aopc_delete_mode_exact_values_and_prediction_token_kept():
+    model, tok = FakeForCausalLM(), _tokenizer("[CLS] $A")
+    # [CLS] good fine plain bad the (n = 6), prediction at the last token; the same ranking as above.
+    rec = ev.score_example(model, tok, {"text": "good fine plain bad the"}, methods=(), custom={"mine": [0.0, 4.0, 3.0, 2.0, 1.0, 99.0]})
+    assert rec["perturbation"] == "delete" and rec["position"] == 5
+    p = _sigmoid(2.0)  # 2-way softmax, the other 12 outputs at -1e4
+    comp_sums = {0: 2.0, 1: 0.0, 2: -1.0, 3: -1.0, 4: 0.0, 5: 0.0}  # removing good, fine, plain, bad, [CLS]
+    suff_sums = {0: 0.0, 1: 2.0, 2: 3.0, 3: 3.0, 4: 2.0, 5: 2.0}
+    assert rec["methods"]["mine"]["comprehensiveness"] == pytest.approx([p - _sigmoid(comp_sums[c]) for c in COUNTS], abs=1e-6)
+    assert rec["methods"]["mine"]["sufficiency"] == pytest.approx([p - _sigmoid(suff_sums[c]) for c in COUNTS], abs=1e-6)
+    lengths = sorted({ids.shape[1] for ids in model.seen})
+    assert lengths == [1, 2, 3, 4, 5, 6]
+    assert all((ids[:, -1] == VOCAB["the"]).all() for ids in model.seen)  # the highest-scored token is never deleted
+
+
+@pytest.mark.parametrize("mode", ["mask", "delete"])
+def test_perturb_never_touches_the_prediction_position(mode):
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.arange(10, 20)
+    for position in (0, 4, 9):
+        for _ in range(5):
+            scores = torch.rand(10, generator=generator)
+            scores[position] = 100.0  # ranked first if it were a candidate
+            for count in range(10):
+                for keep_top in (False, True):
+                    out, new_position = ev.perturb(ids, position, scores, count, keep_top=keep_top, mode=mode, mask_id=0)
+                    assert out[new_position] == ids[position]
+                    changed = (out == 0).sum() if mode == "mask" else len(ids) - len(out)
+                    assert changed == (9 - count if keep_top else count)
+
+
+def test_average_precision_and_dot_hand_computed():
+    # Ranking: index 0 (no), 2 (yes), 3 (no), 1 (yes): precisions at the hits 1/2 and 2/4.
+    assert ev.average_precision(torch.tensor([0.9, 0.1, 0.5, 0.3]), torch.tensor([0, 1, 1, 0])) == pytest.approx(0.5)
+    assert ev.average_precision(torch.tensor([3.0, 2.0, 1.0]), torch.tensor([1, 0, 1])) == pytest.approx((1 + 2 / 3) / 2)
+    # (s - min) / sum: [0, 2, 1] / 3 -> 2/3 on the evidence; invariant to scale and offset.
+    s, e = torch.tensor([1.0, 3.0, 2.0]), torch.tensor([0, 1, 0])
+    assert ev.normalized_dot(s, e) == pytest.approx(2 / 3)
+    assert ev.normalized_dot(5 * s - 7, e) == pytest.approx(2 / 3)
+    assert ev.normalized_dot(torch.ones(4), torch.tensor([1, 0, 0, 1])) == pytest.approx(0.5)
+
+
+def test_evidence_mask_whole_words_via_offsets():
+    tok = _tokenizer("[CLS] $A [SEP]")
+    enc = tok("the keys is key", return_offsets_mapping=True)
+    mask, missing = ev.evidence_mask("the keys is key", enc["offset_mapping"], ["key", "absent"])
+    assert mask.tolist() == [0, 0, 0, 0, 1, 0] and missing == ["absent"]
+
+
+def _tiny_bert() -> BertForSequenceClassification:
+    torch.manual_seed(0)
+    return BertForSequenceClassification(BertConfig(vocab_size=len(WORDS), hidden_size=16, num_hidden_layers=2,
+                                                    num_attention_heads=2, intermediate_size=32, num_labels=2)).eval()
+
+
+def _tiny_llama() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                                        num_attention_heads=2, num_key_value_heads=2)).eval()
+
+
+def _by_hand(model, ids, position, target, kind):
+    """f(word embeddings) and its gradient by direct torch.autograd."""
+    def f(embeds):
+        logits = model(inputs_embeds=embeds, attention_mask=torch.ones(embeds.shape[:2], dtype=torch.long)).logits
+        return logits[:, position, target] if kind == "lm" else logits[:, target]
+
+    embeds = model.get_input_embeddings()(ids).detach()
+
+    def grad(x):
+        x = x.clone().requires_grad_(True)
+        return torch.autograd.grad(f(x).sum(), x)[0]
+
+    return embeds, grad
+
+
+@pytest.mark.parametrize("kind", ["cls", "lm"])
+def test_gradient_baselines_match_direct_autograd(kind):
+    model = _tiny_bert() if kind == "cls" else _tiny_llama()
+    ids = torch.tensor([[2, 5, 9, 10, 8, 3]])
+    position, target = (0, 1) if kind == "cls" else (5, 12)
+    embeds, grad = _by_hand(model, ids, position, target, "lm" if kind == "lm" else "cls")
+    g = grad(embeds)[0]
+    mask = torch.ones_like(ids)
+
+    def run(method):
+        return gradient_scores(model, ids, mask, position=position, target=target, method=method)
+
+    torch.testing.assert_close(run("grad_norm"), g.norm(dim=-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(run("grad_x_input"), (g * embeds[0]).sum(-1), rtol=1e-5, atol=1e-6)
+    # Integrated Gradients from a zero baseline with 50 Gauss-Legendre points on [0, 1], written out.
+    nodes, weights = np.polynomial.legendre.leggauss(50)
+    alphas, weights = (nodes + 1) / 2, weights / 2
+    path = grad(torch.tensor(alphas, dtype=torch.float32)[:, None, None] * embeds)  # (50, seq, d), rows independent
+    integral = (torch.tensor(weights, dtype=torch.float32)[:, None, None] * path).sum(0)
+    torch.testing.assert_close(run("integrated_gradients"), (integral * embeds[0]).sum(-1), rtol=1e-4, atol=1e-5)
+
+
+def test_contrastive_and_normxlogit_match_oracle():
+    model, tok = _tiny_llama(), _tokenizer("[CLS] $A")
+    example = {"text": "the key the keys", "target": "is", "foil": "are", "label": "is", "evidence": ["key"]}
+    rec = ev.score_example(model, tok, example, methods=("normxlogit", "contrastive"), keep_scores=True)
+    ids = torch.tensor([tok(example["text"])["input_ids"]])
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    logits = layer_logits(out.hidden_states, rms_norm(model.model.norm), linear(model.lm_head), last_is_normed=True)
+    _, nx_is = normxlogit(logits, out.hidden_states[0], torch.tensor([VOCAB["is"]]))
+    _, nx_are = normxlogit(logits, out.hidden_states[0], torch.tensor([VOCAB["are"]]))
+    torch.testing.assert_close(torch.tensor(rec["methods"]["normxlogit"]["scores"]), nx_is[-1, 0], rtol=1e-4, atol=1e-5)
+    contrast = nx_is[:, 0] - nx_are[:, 0]  # (layers, seq)
+    torch.testing.assert_close(torch.tensor(rec["methods"]["contrastive"]["scores"]), contrast[-1], rtol=1e-4, atol=1e-5)
+    # Per-layer AP: the evidence "key" is token 2; the prediction position (4) is left out of the ranking.
+    for layer, ap in enumerate(rec["methods"]["contrastive"]["ap"]):
+        s = contrast[layer, :4]
+        assert ap == pytest.approx(1 / (1 + int((s > s[2]).sum())), abs=1e-6)
+
+
+def test_score_example_and_aggregate_round_trip_json():
+    model, tok = _tiny_bert(), _tokenizer("[CLS] $A [SEP]")
+    examples = [{"text": "the good key", "label": 1, "evidence": ["good"], "id": 0},
+                {"text": "bad the keys fine", "label": 0, "evidence": ["bad"], "id": 1}]
+    records = [ev.score_example(model, tok, ex, ig_steps=5) for ex in examples]
+    again = json.loads(json.dumps(records))
+    assert again == records
+    summary = ev.aggregate(again)
+    assert json.loads(json.dumps(summary)) == summary
+    assert set(summary["methods"]) == set(ev.DEFAULT_METHODS)
+    nx = summary["methods"]["normxlogit"]
+    assert len(nx["ap"]) == 3 and len(summary["methods"]["random"]["ap"]) == 1
+    assert nx["aopc_comprehensiveness"] == pytest.approx(
+        sum(sum(r["methods"]["normxlogit"]["comprehensiveness"]) for r in records) / 18)
+    # Random rankings are seeded by (seed, text): the same in any shard or process.
+    alone = ev.score_example(model, tok, examples[0], methods=("random",))["methods"]["random"]
+    assert alone["comprehensiveness"] == pytest.approx(records[0]["methods"]["random"]["comprehensiveness"], abs=1e-6)

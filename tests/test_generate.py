@@ -1,0 +1,283 @@
+"""Attribution during generate(): every step against an oracle that re-runs the whole prefix without a cache."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.generation.streamers import BaseStreamer
+
+import nxl_hooks as nxl
+from oracle import llama, normxlogit, prefix_logits
+
+VOCAB, PAD = 100, 0
+CONFIG = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2)
+
+
+def _model(seed: int = 0) -> LlamaForCausalLM:
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).eval()
+    model.generation_config.eos_token_id = None  # random weights: let every test choose its own EOS
+    model.generation_config.pad_token_id = PAD
+    return model
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    return _model()
+
+
+def _full_mask(call: nxl.GenerationCall) -> torch.Tensor:
+    """The attention mask generate used: the prompt's, then ones for every generated position."""
+    new = call.sequences.shape[1] - call.prompt_mask.shape[1]
+    return torch.cat([call.prompt_mask, torch.ones(call.prompt_mask.shape[0], new, dtype=torch.bool)], dim=1)
+
+
+def _check_call(model, call: nxl.GenerationCall, new_tokens: int) -> list[torch.Tensor]:
+    """Every step of ``call`` equals the no-cache oracle; returns the oracle's own argmax per step."""
+    hand, sequences, attention = llama(model), call.sequences, _full_mask(call)
+    prompt_len = call.prompt_mask.shape[1]
+    assert call.complete and len(call.steps) == new_tokens == sequences.shape[1] - prompt_len
+    argmaxes = []
+    for index, step in enumerate(call.steps):
+        n = step.position
+        assert (step.step, n) == (index, prompt_len + index)
+        torch.testing.assert_close(step.token, sequences[:, n])  # the emitted token, the last one included
+        torch.testing.assert_close(step.target, step.token)
+        logits, embeddings = prefix_logits(model, hand, sequences[:, :n], attention[:, :n])
+        logat, expected = normxlogit(logits, embeddings, step.token)
+        real = attention[:, :n].expand_as(step.logat)
+        torch.testing.assert_close(step.logat[real], logat[real], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(step.normxlogit[real], expected[real], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(step.embed_norm[attention[:, :n]], embeddings.norm(dim=-1)[attention[:, :n]])
+        argmaxes.append(logits[-1, :, -1].argmax(-1))
+    return argmaxes
+
+
+def test_greedy_every_step_matches_oracle_and_output_unchanged(model):
+    ids = torch.randint(1, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
+    plain = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+    with nxl.attach(model, layers="all") as probe:
+        out = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+    torch.testing.assert_close(out, plain, rtol=0, atol=0)
+    assert "generate" not in vars(model)  # the wrapper is gone after detach
+    argmaxes = _check_call(model, probe.calls[0], 6)
+    assert all(torch.equal(a, s.token) for a, s in zip(argmaxes, probe.steps))
+    assert probe.steps[0].normxlogit.shape == (4, 1, 7) and probe.steps[-1].normxlogit.shape == (4, 1, 12)
+    assert all(step.mask.all() and step.active.all() for step in probe.steps)
+
+
+def test_sampling_explains_the_sampled_token_with_num_return_sequences(model):
+    ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(2))
+    torch.manual_seed(3)
+    with nxl.attach(model, layers=[0, 2, -1]) as probe:
+        model.generate(input_ids=ids, max_new_tokens=8, do_sample=True, temperature=3.0, top_k=0,
+                       num_return_sequences=2)
+    call = probe.calls[0]
+    assert call.sequences.shape[0] == 2 and probe.steps[0].normxlogit.shape == (3, 2, 5)
+    hand = llama(model)
+    for step in call.steps:  # the selected layers are rows 0, 2, 3 of the oracle's L+1
+        logits, embeddings = prefix_logits(model, hand, call.sequences[:, : step.position],
+                                           torch.ones(2, step.position, dtype=torch.bool))
+        _, expected = normxlogit(logits, embeddings, step.token)
+        torch.testing.assert_close(step.normxlogit, expected[[0, 2, 3]], rtol=1e-4, atol=1e-4)
+    argmaxes = torch.stack([prefix_logits(model, hand, call.sequences[:, : s.position],
+                                          torch.ones(2, s.position, dtype=torch.bool))[0][-1, :, -1].argmax(-1)
+                            for s in call.steps])
+    tokens = torch.stack([s.token for s in call.steps])
+    assert (argmaxes != tokens).any(), "sampling at temperature 3 should leave the argmax at least once"
+
+
+def test_left_padded_batch_with_early_eos(model):
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    ids[0, :2], mask[0, :2] = PAD, 0  # row 0: two left pads
+    reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)[:, 6:]
+    # EOS: a token row 0 emits at step s, that row 1 never emits, so row 0 stops early and row 1 goes on.
+    s, eos = next((s, int(t)) for s, t in enumerate(reference[0, 1:-1].tolist(), start=1)
+                  if t not in reference[1].tolist() and t not in reference[0, :s].tolist())
+    with nxl.attach(model) as probe:
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                             eos_token_id=eos)
+    call = probe.calls[0]
+    _check_call(model, call, out.shape[1] - 6)
+    for step in call.steps:
+        assert not step.mask[0, :2].any() and step.mask[1].all()  # left pads masked; row 1 always real
+        assert bool(step.active[0]) == (step.step <= s)  # row 0 is active up to and including its EOS
+        assert step.mask[0, 2:].all() == (step.position <= 6 + s + 1)  # pads after row 0's EOS are masked
+        if step.step > s:
+            assert int(step.token[0]) == PAD
+    assert int(call.steps[s].token[0]) == eos
+
+
+class _Collect(BaseStreamer):
+    def __init__(self) -> None:
+        self.puts: list[torch.Tensor] = []
+
+    def put(self, value: torch.Tensor) -> None:
+        self.puts.append(value.clone())
+
+    def end(self) -> None:
+        self.puts.append(None)
+
+
+def test_streamer_and_two_calls_grouped(model):
+    first = torch.randint(1, VOCAB, (1, 4), generator=torch.Generator().manual_seed(5))
+    second = torch.randint(1, VOCAB, (1, 9), generator=torch.Generator().manual_seed(6))
+    streamer = _Collect()
+    with nxl.attach(model) as probe:
+        model.generate(input_ids=first, max_new_tokens=3, do_sample=False, streamer=streamer)
+        model.generate(input_ids=second, max_new_tokens=5, do_sample=False)
+    assert [c.index for c in probe.calls] == [0, 1] and probe.steps is probe.calls[1].steps
+    _check_call(model, probe.calls[0], 3)
+    _check_call(model, probe.calls[1], 5)
+    streamed = torch.cat([p.view(-1) for p in streamer.puts[1:-1]])  # puts: prompt, each token, end
+    assert streamed.tolist() == [int(s.token) for s in probe.calls[0].steps]
+    assert all(s.call == 1 for s in probe.steps)
+
+
+def test_no_cache_generate_and_lower_precision_cache(model):
+    ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(7))
+    with nxl.attach(model) as probe:
+        model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, use_cache=False)
+    _check_call(model, probe.calls[0], 4)
+    with nxl.attach(model, cache_dtype=torch.bfloat16, cache_device="cpu") as low:
+        model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    for exact, rough in zip(probe.steps, low.steps):
+        torch.testing.assert_close(rough.normxlogit, exact.normxlogit, rtol=3e-2, atol=3e-2)
+
+
+def test_beam_search_is_a_clear_error_and_plain_forward_still_works(model):
+    ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(8))
+    with nxl.attach(model) as probe:
+        with pytest.raises(ValueError, match="num_beams=1"):
+            model.generate(input_ids=ids, max_new_tokens=3, num_beams=2)
+        model(input_ids=ids)
+        res = probe.result()
+        with pytest.raises(RuntimeError, match="generate"):
+            probe.steps
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    logat, _ = normxlogit(llama(model).layer_logits(out.hidden_states), out.hidden_states[0], res.target)
+    torch.testing.assert_close(res.logat, logat, rtol=1e-4, atol=1e-5)
+
+
+def test_callback_and_iterator_in_another_thread(model):
+    ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(9))
+    seen: list[nxl.Step] = []
+    with nxl.attach(model, on_step=seen.append) as probe:
+        # consumer in another thread, generate here
+        received: list[nxl.Step] = []
+        iterator = probe.stream()
+        consumer = threading.Thread(target=lambda: received.extend(iterator))
+        consumer.start()
+        model.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
+        consumer.join(timeout=30)
+        # generate in another thread, consume here
+        worker = threading.Thread(target=model.generate, kwargs=dict(input_ids=ids, max_new_tokens=4, do_sample=False))
+        stream = probe.stream()
+        worker.start()
+        consumed = list(stream)
+        worker.join(timeout=30)
+    assert not consumer.is_alive() and not worker.is_alive()
+    assert received == probe.calls[0].steps and consumed == probe.calls[1].steps
+    assert seen == probe.calls[0].steps + probe.calls[1].steps and len(seen) == 9
+
+
+def test_sink_round_trip_and_torn_tail(model, tmp_path):
+    ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(10))
+    path = tmp_path / "run.nxl"
+    with nxl.attach(model, sink=path, keep_steps=True) as probe:
+        model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    (call,) = nxl.read_stream(path)
+    assert call.complete and torch.equal(call.sequences, probe.calls[0].sequences)
+    assert torch.equal(call.prompt_ids, ids)
+    for read, kept in zip(call.steps, probe.steps, strict=True):
+        assert (read.step, read.position, read.layers) == (kept.step, kept.position, kept.layers)
+        for name in ("token", "normxlogit", "logat", "embed_norm", "mask", "active"):
+            assert torch.equal(getattr(read, name), getattr(kept, name))
+    data = path.read_bytes()
+    path.write_bytes(data[:-40])  # the end frame torn
+    (torn,) = nxl.read_stream(path)
+    assert not torn.complete and len(torn.steps) == 4
+
+
+_CHILD = textwrap.dedent("""
+    import sys, time, torch
+    sys.path.insert(0, {tests!r})
+    from test_generate import _model
+    import nxl_hooks as nxl
+    torch.set_num_threads(1)
+    model = _model()
+    ids = torch.randint(1, 100, (1, 6), generator=torch.Generator().manual_seed(11))
+    with nxl.attach(model, sink={path!r}, on_step=lambda step: time.sleep(0.05)):
+        model.generate(input_ids=ids, max_new_tokens=100000, min_new_tokens=100000, do_sample=False)
+""")
+
+
+def test_sink_readable_after_sigkill(model, tmp_path):
+    path = tmp_path / "killed.nxl"
+    code = _CHILD.format(tests=str(Path(__file__).parent), path=str(path))
+    child = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and child.poll() is None:
+            if path.exists() and len(nxl.read_stream(path)[0].steps if path.stat().st_size > 100 else []) >= 5:
+                break
+            time.sleep(0.1)
+        assert child.poll() is None, "the child should still be generating"
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    (call,) = nxl.read_stream(path)
+    assert not call.complete and len(call.steps) >= 5
+    assert [s.step for s in call.steps] == list(range(len(call.steps)))
+    sequence = torch.cat([call.prompt_ids, torch.stack([s.token for s in call.steps], dim=1)], dim=1)
+    hand = llama(model)
+    for step in (call.steps[0], call.steps[-1]):
+        logits, embeddings = prefix_logits(model, hand, sequence[:, : step.position],
+                                           torch.ones(1, step.position, dtype=torch.bool))
+        torch.testing.assert_close(step.normxlogit, normxlogit(logits, embeddings, step.token)[1], rtol=1e-4, atol=1e-4)
+
+
+def test_print_generation_prints_each_token_as_it_is_emitted():
+    from rich.console import Console
+
+    import tiny
+
+    model, tokenizer = tiny.build_model("llama"), tiny.tokenizer()
+    console = Console(record=True, width=500)
+    call = nxl.stream.print_generation(model, tokenizer, "the film was", 4, layers=[0, -1], console=console)
+    lines = console.export_text().strip().splitlines()
+    assert 1 <= len(call.steps) <= 4 and len(lines) == 1 + len(call.steps)
+    for line, step in zip(lines[1:], call.steps):
+        token = tokenizer.convert_ids_to_tokens(int(step.token[0]))
+        assert line.split()[0] == str(step.step) and repr(token) in line and "L2 " in line and "L0 " in line
+
+
+def test_pipeline_and_peft_generate_reach_the_probe():
+    from peft import LoraConfig, get_peft_model
+    from transformers import pipeline
+
+    import tiny
+
+    model, tokenizer = tiny.build_model("llama"), tiny.tokenizer()
+    model.generation_config.eos_token_id = None
+    with nxl.attach(model, tokenizer=tokenizer) as probe:
+        pipeline("text-generation", model=model, tokenizer=tokenizer)("the film was", max_new_tokens=3, do_sample=False)
+    _check_call(model, probe.calls[0], 3)
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    enc = tokenizer("the movie is", return_tensors="pt")
+    with nxl.attach(peft_model) as probe:
+        peft_model.generate(**enc, max_new_tokens=3, do_sample=False)
+    _check_call(peft_model.get_base_model(), probe.calls[0], 3)  # the oracle runs the LoRA-adjusted model

@@ -1,0 +1,78 @@
+"""Quantized and reduced-precision models on CPU: bitsandbytes 4-bit (nf4, fp4) and 8-bit, optimum-quanto,
+torchao, and Llama in bf16/fp16. Each is checked against an oracle built from that model's own
+``output_hidden_states`` with its own (quantized) head modules called, never dequantized by hand."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import big_models as big
+
+bnb = pytest.importorskip("bitsandbytes")
+from transformers import BitsAndBytesConfig  # noqa: E402
+
+QUANT = {
+    "nf4": dict(load_in_4bit=True, bnb_4bit_quant_type="nf4"),
+    "fp4": dict(load_in_4bit=True, bnb_4bit_quant_type="fp4"),
+    "int8": dict(load_in_8bit=True),
+}
+_LINEAR = {"nf4": bnb.nn.Linear4bit, "fp4": bnb.nn.Linear4bit, "int8": bnb.nn.Linear8bitLt}
+
+
+def _load(tmp_path_factory, family: str, quant: str, **config):
+    cls, _ = big.FAMILIES[family]
+    path = big.save(tmp_path_factory.mktemp(family), family, **config)
+    return cls.from_pretrained(path, quantization_config=BitsAndBytesConfig(**QUANT[quant])).eval()
+
+
+@pytest.mark.parametrize("quant", list(QUANT))
+def test_bnb_llama_matches_its_own_hidden_states(tmp_path_factory, quant):
+    model = _load(tmp_path_factory, "llama", quant)
+    assert isinstance(model.model.layers[0].mlp.up_proj, _LINEAR[quant])  # the blocks really are quantized
+    assert type(model.lm_head) is torch.nn.Linear  # bitsandbytes keeps lm_head: the gathered readout path
+    big.check(model, big.llama_head(model), *big.batch())
+
+
+# bitsandbytes' CPU 4-bit kernel (AVX512-BF16) repacks weights in blocks of 32 output rows: a 4-bit
+# classifier needs num_labels % 32 == 0 to run at all there, so the 4-bit heads get 32 labels.
+@pytest.mark.parametrize("quant", ["nf4", "int8"])
+@pytest.mark.parametrize("family", ["bert", "roberta"])
+def test_bnb_quantized_classification_heads(tmp_path_factory, family, quant):
+    model = _load(tmp_path_factory, family, quant, num_labels=32 if quant == "nf4" else 3)
+    quantized = ([model.bert.pooler.dense, model.classifier] if family == "bert"
+                 else [model.classifier.dense, model.classifier.out_proj])
+    assert all(isinstance(module, _LINEAR[quant]) for module in quantized)  # readout and pre-readout steps
+    hand = big.bert_head(model) if family == "bert" else big.roberta_head(model)
+    big.check(model, hand, *big.batch())
+    big.check(model, hand, *big.batch(seed=2))  # again, after a 4-bit Linear has repacked itself in place
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_llama(dtype):
+    model = big.build("llama").to(dtype)
+    # Same arithmetic in a lower precision, but gathered rows sum in another order than a full matmul.
+    big.check(model, big.llama_head(model), *big.batch(), rtol=2e-2, atol=2e-2)
+
+
+def test_quanto_int8(tmp_path_factory):
+    pytest.importorskip("optimum.quanto")
+    from optimum.quanto import QLinear
+    from transformers import LlamaForCausalLM, QuantoConfig
+
+    path = big.save(tmp_path_factory.mktemp("quanto"), "llama")
+    model = LlamaForCausalLM.from_pretrained(path, quantization_config=QuantoConfig(weights="int8")).eval()
+    assert isinstance(model.model.layers[0].mlp.up_proj, QLinear)
+    big.check(model, big.llama_head(model), *big.batch())
+
+
+def test_torchao_int8_weight_only(tmp_path_factory):
+    pytest.importorskip("torchao")
+    from torchao.quantization import Int8WeightOnlyConfig
+    from transformers import LlamaForCausalLM, TorchAoConfig
+
+    path = big.save(tmp_path_factory.mktemp("torchao"), "llama")
+    config = TorchAoConfig(Int8WeightOnlyConfig(), modules_to_not_convert=[])  # lm_head too: a quantized readout
+    model = LlamaForCausalLM.from_pretrained(path, quantization_config=config).eval()
+    assert type(model.lm_head.weight) is not torch.nn.Parameter  # torchao's Int8Tensor: cannot be row-gathered
+    big.check(model, big.llama_head(model), *big.batch())
