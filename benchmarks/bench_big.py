@@ -13,9 +13,10 @@ Timing: plain and attached forwards interleaved in one process, medians, ratio o
 Memory: the probe keeps, per selected layer and token, the head features (d' values in the model's compute
 dtype) plus one float32 embedding norm per token: ``tokens * (layers * d' * bytes + 4)``. "kept_bytes" counts
 what the probe actually holds when the backbone returns; "extra_peak_bytes" is the attached forward's peak
-allocation minus the plain forward's (CUDA: ``torch.cuda.max_memory_allocated``; CPU: torch's profiler memory
-timeline, since tracemalloc does not see torch's allocator). Peaks overlap with the model's own transient
-tensors, so the extra peak can be below what is kept.
+allocation minus the plain forward's, both with ``logits_to_keep=1`` (CUDA: ``torch.cuda.max_memory_allocated``;
+CPU: torch's profiler memory timeline, since tracemalloc does not see torch's allocator).
+"extra_peak_bytes_full_logits" is the same with every position's logits, whose tokens x vocab floats are the
+plain forward's peak: the probe has freed its features by then, so it adds next to nothing there.
 """
 
 from __future__ import annotations
@@ -99,12 +100,12 @@ def _kept_bytes(model, ids) -> tuple[int, int]:
 
 
 def _measure(model, ids, device: torch.device, repeats: int) -> dict:
-    def plain():
-        model(input_ids=ids)
+    def plain(**kwargs):
+        model(input_ids=ids, **kwargs)
 
-    def attached():
+    def attached(**kwargs):
         with nxl.attach(model, layers="all") as probe:
-            model(input_ids=ids)
+            model(input_ids=ids, **kwargs)
             probe.result()
 
     def attached_timed():  # attach/detach outside the timed region, as in a server loop
@@ -120,7 +121,10 @@ def _measure(model, ids, device: torch.device, repeats: int) -> dict:
     kept, element = _kept_bytes(model, ids)
     tokens, layers = ids.shape[1], _CONFIG.num_hidden_layers + 1
     formula = tokens * (layers * _CONFIG.hidden_size * element + 4)
-    plain_peak, attached_peak = _peak(plain, device), _peak(attached, device)
+    # Full logits (tokens x 32000 floats) are the plain forward's peak and come after the probe has let its
+    # features go; with logits_to_keep=1 (what generate does) the probe's features meet the blocks' own peak.
+    plain_peak, attached_peak = _peak(lambda: plain(logits_to_keep=1), device), _peak(lambda: attached(logits_to_keep=1), device)
+    full_extra = _peak(attached, device) - _peak(plain, device)
     return {
         "median_seconds": median,
         "attached_over_plain": median["attached"] / median["plain"],
@@ -133,6 +137,7 @@ def _measure(model, ids, device: torch.device, repeats: int) -> dict:
             "attached_peak_bytes": attached_peak,
             "extra_peak_bytes": attached_peak - plain_peak,
             "extra_peak_over_formula": (attached_peak - plain_peak) / formula,
+            "extra_peak_bytes_full_logits": full_extra,
         },
     }
 

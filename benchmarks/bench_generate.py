@@ -16,23 +16,14 @@ import argparse
 import json
 import platform
 import statistics
-import time
+import sys
 from pathlib import Path
 
 import torch
+from bench_forward import _timed
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import nxl_hooks as nxl
-
-
-def _timed(fn, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
 
 
 def _word_tokenizer(vocab_size: int):

@@ -7,7 +7,7 @@
   BERT sees in pre-training): mask-token perturbation is then in distribution, so a sentence whose keyword
   is masked gets p close to 0.5 instead of an arbitrary confident guess. Evidence = the keyword.
 - ``agreement``: subject-verb number agreement in the spirit of BLiMP. A 2-block Llama causal LM reads
-  ``<s> the [adjectives] N1 P the N2 [P the N3]`` and must continue with ``is`` after a singular N1 and
+  ``<s> the [adjectives] N1 P the N2 [P the N3] ADVERB`` and must continue with ``is`` after a singular N1 and
   ``are`` after a plural one; the attractor nouns N2, N3 have random number. Evidence = the subject N1,
   target = the correct verb, foil = the wrong one.
 
@@ -28,16 +28,18 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # train_demo beside this file
 from train_demo import build_model, build_tokenizer  # noqa: E402
+from train_demo import train as train_demo_recipe  # noqa: E402  (the shipped demo model's own recipe)
 
 from nxl_hooks.demo.task import HELD_OUT_SEED  # noqa: E402
 from nxl_hooks.demo.task import make_examples as _sentiment_examples  # noqa: E402
 
-__all__ = ["agreement_examples", "sentiment_examples", "train_agreement", "train_sentiment"]
+__all__ = ["agreement_examples", "sentiment_examples", "train_agreement", "train_demo_recipe", "train_sentiment"]
 
 NOUNS = ("key", "dog", "cat", "author", "teacher", "car", "book", "house", "painting", "bottle", "student",
          "doctor", "table", "letter", "bridge", "garden")
 ADJECTIVES = ("old", "new", "big", "small", "red", "green", "quiet", "famous")
 PREPOSITIONS = ("to", "near", "of", "behind", "beside", "with", "under", "for")
+ADVERBS = ("really", "surely", "still", "now", "truly", "clearly")  # between the last noun and the verb
 ENDINGS = ("here", "there", "ready", "broken", "missing", "fine", "gone", "lost")
 VERBS = ("is", "are")
 _SPECIAL = ("<pad>", "<unk>", "<s>")
@@ -49,7 +51,7 @@ def _plural(noun: str) -> str:
 
 def agreement_vocabulary() -> list[str]:
     nouns = [form for noun in NOUNS for form in (noun, _plural(noun))]
-    return [*_SPECIAL, "the", ".", *VERBS, *nouns, *ADJECTIVES, *PREPOSITIONS, *ENDINGS]
+    return [*_SPECIAL, "the", ".", *VERBS, *nouns, *ADJECTIVES, *PREPOSITIONS, *ADVERBS, *ENDINGS]
 
 
 def agreement_examples(n: int, seed: int = 0) -> list[dict]:
@@ -63,6 +65,7 @@ def agreement_examples(n: int, seed: int = 0) -> list[dict]:
         words = ["the", *rng.sample(ADJECTIVES, rng.randint(0, 2)), head]
         for noun in others[: rng.randint(1, 2)]:
             words += [rng.choice(PREPOSITIONS), "the", _plural(noun) if rng.random() < 0.5 else noun]
+        words.append(rng.choice(ADVERBS))  # the prediction position, left out of every ranking, is not a noun
         verb, foil = ("are", "is") if plural else ("is", "are")
         prompt = " ".join(words)
         out.append({"text": prompt, "label": verb, "target": verb, "foil": foil, "evidence": [head],

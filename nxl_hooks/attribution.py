@@ -74,7 +74,8 @@ class Attribution:
     def _repr_html_(self) -> str:
         from .viz import attribution_html
 
-        return attribution_html(self, full_page=False)
+        # A notebook cell stays readable: the first rows only (to_html(rows=...) shows any).
+        return attribution_html(self, rows=range(min(8, self.normxlogit.shape[1])), full_page=False)
 
     def save(self, path: str | Path) -> Path:
         """Write one safetensors file; layers, tokens and meta go in its JSON metadata. ``res.save("a.safetensors")``"""

@@ -62,6 +62,7 @@ def _add_attribute(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="which head to load when config.architectures does not say (default: from the config)",
     )
     parser.add_argument("--out", metavar="FILE", help="also save the attribution (safetensors; nxl.Attribution.load)")
+    parser.add_argument("--html", metavar="FILE", help="also write a tokens x layers heatmap page (self-contained HTML)")
     parser.add_argument(
         "--generate", type=int, metavar="N", default=None,
         help="causal LMs: generate N tokens greedily and print each one's attribution as it appears "
@@ -102,7 +103,8 @@ def _add_demo(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def _add_dataset_options(parser: argparse.ArgumentParser) -> None:
     """What every dataset command shares: the data file, its columns, the output folder (resumable)."""
-    parser.add_argument("data", metavar="DATA", help=".jsonl (one object per line) or .csv with text, label, evidence")
+    parser.add_argument("data", metavar="DATA",
+                        help=".jsonl or .csv with text, label, evidence; or a hub dataset hf:NAME[:CONFIG]:SPLIT")
     parser.add_argument("--out", metavar="DIR", required=True,
                         help="output folder: summary.json, records.jsonl, report.html; rerun with the same DIR to resume")
     parser.add_argument("--text-field", default="text", help="column with the text (default: text)")

@@ -21,7 +21,17 @@ import re
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-__all__ = ["SettingsMismatchError", "load_examples", "read_records", "run_dataset", "write_json"]
+__all__ = [
+    "SettingsMismatchError",
+    "evaluate_command",
+    "examples_from_args",
+    "load_examples",
+    "place",
+    "read_records",
+    "run_dataset",
+    "write_json",
+    "write_outputs",
+]
 
 _PARTS = "parts"
 _SETTINGS = "run.json"
@@ -65,44 +75,61 @@ def _evidence(value: Any) -> list[str] | None:
     return value or None
 
 
-def _rows(path: Path) -> Iterator[tuple[int, Mapping[str, Any]]]:
+def _file_rows(path: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    if not path.is_file():
+        raise FileNotFoundError(f"no dataset at {path}: give a .jsonl (one JSON object per line) or .csv file, or hf:NAME:SPLIT")
     if path.suffix.lower() == ".csv":
         with path.open(newline="", encoding="utf-8") as fh:
             for line, row in enumerate(csv.DictReader(fh), start=2):
-                yield line, row
+                yield f"{path}:{line}", row
         return
     with path.open(encoding="utf-8") as fh:
         for line, text in enumerate(fh, start=1):
             if text.strip():
                 try:
-                    yield line, json.loads(text)
+                    yield f"{path}:{line}", json.loads(text)
                 except json.JSONDecodeError as err:
                     raise ValueError(f"{path}:{line} is not valid JSON ({err.msg}); one JSON object per line") from None
 
 
+def _hub_rows(source: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
+    """``hf:NAME:SPLIT`` or ``hf:NAME:CONFIG:SPLIT``, read with the ``datasets`` package."""
+    parts = source[3:].split(":")
+    if len(parts) not in (2, 3) or not all(parts):
+        raise ValueError(f"{source!r}: write a hub dataset as hf:NAME:SPLIT or hf:NAME:CONFIG:SPLIT (hf:stanfordnlp/sst2:validation)")
+    try:
+        import datasets
+    except ImportError:
+        raise ValueError(f"{source} is a hub dataset: install the datasets package (pip install datasets)") from None
+    name, config, split = (parts[0], None, parts[1]) if len(parts) == 2 else parts
+    for index, row in enumerate(datasets.load_dataset(name, config, split=split)):
+        yield f"{source}[{index}]", row
+
+
 def load_examples(
-    path: str | Path,
+    source: str | Path,
     *,
     text: str = "text",
     label: str = "label",
     evidence: str = "evidence",
     limit: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Examples of a ``.jsonl`` or ``.csv`` file as dicts for :func:`nxl_hooks.evaluate.score_example`.
+    """Examples of a ``.jsonl`` / ``.csv`` file or a hub dataset as dicts for :func:`nxl_hooks.evaluate.score_example`.
 
-    ``load_examples("sst2.csv", text="sentence")``. Each gets ``text``, and ``label`` / ``evidence`` /
+    ``load_examples("sst2.csv", text="sentence")``; ``load_examples("hf:stanfordnlp/sst2:validation",
+    text="sentence")`` (needs the ``datasets`` package). Each gets ``text``, and ``label`` / ``evidence`` /
     ``target`` / ``foil`` / ``id`` where the file has them (``id`` defaults to the example's index).
     CSV labels are read as int, then float, else kept as the label string; evidence is a list of words.
     """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"no dataset at {path}: give a .jsonl (one JSON object per line) or .csv file")
+    source = str(source)
+    rows = _hub_rows(source) if source.startswith("hf:") else _file_rows(Path(source))
     out: list[dict[str, Any]] = []
-    for line, row in _rows(path):
+    for where, row in rows:
         if not isinstance(row, Mapping) or not isinstance(row.get(text), str) or not row[text].strip():
             columns = sorted(row) if isinstance(row, Mapping) else type(row).__name__
-            raise ValueError(f"{path}:{line} has no non-empty {text!r} field (it has {columns}); pick it with --text-field")
-        example: dict[str, Any] = {"id": row.get("id") or len(out), "text": row[text]}
+            raise ValueError(f"{where} has no non-empty {text!r} field (it has {columns}); pick it with --text-field")
+        identifier = row.get("id")
+        example: dict[str, Any] = {"id": len(out) if identifier in (None, "") else identifier, "text": row[text]}
         for key, value in (("label", _label(row.get(label))), ("evidence", _evidence(row.get(evidence))),
                            ("target", _label(row.get("target"))), ("foil", _label(row.get("foil")))):
             if value is not None:
@@ -111,13 +138,13 @@ def load_examples(
         if limit is not None and len(out) >= limit:
             break
     if not out:
-        raise ValueError(f"{path} holds no examples")
+        raise ValueError(f"{source} holds no examples")
     return out
 
 
-def file_digest(path: str | Path) -> str:
-    """sha256 of a file: part of a run's settings, so a resumed run is known to read the same data."""
-    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+def _digest(examples: Sequence[Mapping[str, Any]]) -> str:
+    """sha256 of the examples: part of a run's settings, so a resumed run is known to read the same data."""
+    return hashlib.sha256(json.dumps(list(examples), sort_keys=True).encode("utf-8")).hexdigest()
 
 
 # -- append-only record logs -----------------------------------------------------------------------------
@@ -168,11 +195,23 @@ class _Log:
 # -- sharded, resumable runs -----------------------------------------------------------------------------
 
 
+class _OneProcess:
+    """The process view when accelerate is not installed: a plain single-process run."""
+
+    process_index, num_processes, is_main_process = 0, 1, True
+
+    def wait_for_everyone(self) -> None:
+        pass
+
+
 def _state() -> Any:
     """accelerate's view of this process (one process when not launched by ``accelerate launch``)."""
     import torch
-    from accelerate import PartialState
 
+    try:
+        from accelerate import PartialState
+    except ImportError:
+        return _OneProcess()
     # With no GPU, accelerate only forms a multi-process group when told to use the CPU.
     return PartialState(cpu=not torch.cuda.is_available())
 
@@ -279,7 +318,7 @@ def examples_from_args(args: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]
     """The examples a dataset command reads, and the settings that identify them (for resuming)."""
     examples = load_examples(args.data, text=args.text_field, label=args.label_field, evidence=args.evidence_field,
                              limit=args.limit)
-    settings = {"data": str(args.data), "data_sha256": file_digest(args.data), "fields": [args.text_field,
+    settings = {"data": str(args.data), "examples_sha256": _digest(examples), "fields": [args.text_field,
                 args.label_field, args.evidence_field], "limit": args.limit, "head": args.head}
     return examples, settings
 

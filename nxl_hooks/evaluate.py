@@ -60,7 +60,7 @@ DEFAULT_METHODS = ("random", "embed_norm", "logat", "normxlogit", "contrastive",
 _LAYERED = ("logat", "normxlogit", "contrastive")
 _KNOWN = set(DEFAULT_METHODS)
 
-Predict = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+_Predict = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 # -- metrics on one score vector -------------------------------------------------------------------------
@@ -131,7 +131,7 @@ def perturb(
     raise ValueError(f"mode={mode!r}: use 'mask' or 'delete'")
 
 
-def _run_grouped(predict: Predict, rows: list[tuple[torch.Tensor, int]], chunk: int = 64) -> torch.Tensor:
+def _run_grouped(predict: _Predict, rows: list[tuple[torch.Tensor, int]], chunk: int = 64) -> torch.Tensor:
     """Outputs (len(rows), outputs) for variable-length rows: batched by length, so nothing is padded."""
     out: list[torch.Tensor | None] = [None] * len(rows)
     by_length: dict[int, list[int]] = {}
@@ -358,7 +358,7 @@ def score_example(
     if not isinstance(example.get("text"), str) or not example["text"].strip():
         raise ValueError(f"example needs a non-empty 'text' string, got keys {sorted(example)}")
     setup = _Setup(model, tokenizer, perturbation)
-    encoding = tokenizer(example["text"], return_offsets_mapping=bool(example.get("evidence")))
+    encoding = tokenizer(example["text"], truncation=True, return_offsets_mapping=bool(example.get("evidence")))
     ids = torch.tensor(encoding["input_ids"], dtype=torch.long)
     n = len(ids)
     if n < 2:
@@ -460,6 +460,36 @@ def _columns(records: Sequence[Mapping], name: str, key: str) -> list[list]:
     return [list(column) for column in zip(*rows)] if rows else []
 
 
+def _method_summary(records: Sequence[Mapping], name: str, eval_layer: int, regression: bool) -> dict[str, Any]:
+    mine = [r for r in records if name in r["methods"]]
+    comp, suff = _columns(mine, name, "comprehensiveness"), _columns(mine, name, "sufficiency")
+    ap, dot = _columns(mine, name, "ap"), _columns(mine, name, "dot")
+    layered = mine[0]["methods"][name]["layered"]
+    entry: dict[str, Any] = {
+        "n": len(mine),
+        "aopc_comprehensiveness": _mean([_mean(c) for c in comp]),
+        "aopc_sufficiency": _mean([_mean(c) for c in suff]),
+        "comprehensiveness_curve": [_mean(c) for c in comp],
+        "sufficiency_curve": [_mean(c) for c in suff],
+        "layered": layered,
+        "ap": [_mean(c) for c in ap] or None,
+        "dot": [_mean(c) for c in dot] or None,
+        "n_evidence": len(ap[0]) if ap else 0,
+        "seconds": _mean([r["methods"][name]["seconds"] for r in mine]),
+    }
+    pick = eval_layer if layered else 0
+    entry["ap_eval"] = entry["ap"][pick] if entry["ap"] else None
+    entry["dot_eval"] = entry["dot"][pick] if entry["dot"] else None
+    labelled = [r for r in mine if r["label"] is not None]
+    for part, long in (("comp", "comprehensiveness"), ("suff", "sufficiency")):
+        if regression:
+            gold = [r["label"] for r in labelled]
+            entry[f"pearson_{long}"] = [_pearson(list(c), gold) for c in _columns(labelled, name, f"{part}_pred")] or None
+        else:
+            entry[f"accuracy_{long}"] = [_mean([float(v) for v in c]) for c in _columns(labelled, name, f"{part}_correct")] or None
+    return entry
+
+
 def aggregate(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Means over records (and over K for AOPC), in one JSON-able dict. ``ev.aggregate(records)``
 
@@ -467,7 +497,8 @@ def aggregate(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     per-K ``*_curve``, ``accuracy_*`` per K (classification / LM; against the gold label, or target >
     foil for LM minimal pairs) or ``pearson_*`` per K with the gold values (regression), ``ap`` and
     ``dot`` per layer (layered methods, aligned with ``layers``) or a one-element list, ``ap_eval`` /
-    ``dot_eval`` at the AOPC layer, and mean ``seconds`` per example.
+    ``dot_eval`` at the AOPC layer, and mean ``seconds`` per example. Records without a label count
+    for AOPC and alignment, not for accuracy / Pearson.
     """
     if not records:
         raise ValueError("aggregate needs at least one record")
@@ -478,41 +509,8 @@ def aggregate(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         if record["ks"] != first["ks"] or record["eval_layer"] != first["eval_layer"] or record["kind"] != first["kind"]:
             raise ValueError("records differ in ks, eval_layer or head kind: aggregate runs of one setting at a time")
     regression = first["kind"] == "regression"
-    gold = [r["label"] for r in records]
-    labelled = [i for i, g in enumerate(gold) if g is not None]
+    labelled = [r for r in records if r["label"] is not None]
     names = list(dict.fromkeys(name for r in records for name in r["methods"]))
-    methods: dict[str, Any] = {}
-    for name in names:
-        comp, suff = _columns(records, name, "comprehensiveness"), _columns(records, name, "sufficiency")
-        ap, dot = _columns(records, name, "ap"), _columns(records, name, "dot")
-        layered = any(r["methods"][name]["layered"] for r in records if name in r["methods"])
-        entry: dict[str, Any] = {
-            "n": sum(name in r["methods"] for r in records),
-            "aopc_comprehensiveness": _mean([_mean(c) for c in comp]),
-            "aopc_sufficiency": _mean([_mean(c) for c in suff]),
-            "comprehensiveness_curve": [_mean(c) for c in comp],
-            "sufficiency_curve": [_mean(c) for c in suff],
-            "layered": layered,
-            "ap": [_mean(c) for c in ap] or None,
-            "dot": [_mean(c) for c in dot] or None,
-            "n_evidence": len(ap[0]) if ap else 0,
-            "seconds": _mean([r["methods"][name]["seconds"] for r in records if name in r["methods"]]),
-        }
-        pick = first["eval_layer"] if layered else 0
-        entry["ap_eval"] = entry["ap"][pick] if entry["ap"] else None
-        entry["dot_eval"] = entry["dot"][pick] if entry["dot"] else None
-        for part in ("comp", "suff"):
-            long = "comprehensiveness" if part == "comp" else "sufficiency"
-            if regression:
-                scored = [r for r in records if r["label"] is not None and name in r["methods"]]
-                entry[f"pearson_{long}"] = [
-                    _pearson([r["methods"][name][f"{part}_pred"][k] for r in scored], [r["label"] for r in scored])
-                    for k in range(len(first["ks"]))
-                ]
-            else:
-                entry[f"accuracy_{long}"] = [_mean([float(v) for v in c]) for c in _columns(
-                    [r for r in records if r["label"] is not None], name, f"{part}_correct")] or None
-        methods[name] = entry
     return {
         "schema": SCHEMA,
         "n": len(records),
@@ -521,8 +519,8 @@ def aggregate(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "ks": first["ks"],
         "layers": first["layers"],
         "eval_layer": first["eval_layer"],
-        "accuracy": None if regression else _mean([float(r["correct"]) for r in records if r["correct"] is not None]),
-        "pearson": _pearson([records[i]["prediction"] for i in labelled], [gold[i] for i in labelled]) if regression else None,
+        "accuracy": None if regression else _mean([float(r["correct"]) for r in labelled]),
+        "pearson": _pearson([r["prediction"] for r in labelled], [r["label"] for r in labelled]) if regression else None,
         "normalization": "min-shift L1 over the ranked tokens (prediction position removed), for every method",
-        "methods": methods,
+        "methods": {name: _method_summary(records, name, first["eval_layer"], regression) for name in names},
     }

@@ -128,7 +128,7 @@ class _Generation:
         return out
 
     def _setting(self, kwargs: dict, name: str) -> Any:
-        config = kwargs.get("generation_config") or self._probe.model.generation_config
+        config = kwargs.get("generation_config") or getattr(self._probe.model, "generation_config", None)
         value = kwargs.get(name)
         return value if value is not None else getattr(config, name, None)
 
@@ -210,12 +210,13 @@ class _Generation:
         self._mask.append(self._new_mask(p, new))
         if self._prompt_len is None:  # generate started from its bos token, not a prompt we were shown
             self._prompt_len = new
-        if self._past < self._prompt_len and p.input_ids is not None:
-            self._prompt_ids.append(p.input_ids[:, : self._prompt_len - self._past])
         self._n = self._past + new
-        if self._n >= self._prompt_len and self._call.prompt_mask is None:
-            ids = torch.cat(self._prompt_ids, dim=1).cpu() if self._prompt_ids else None
-            self.hub.prompt(self._call, ids, self._mask.view()[:, : self._prompt_len].cpu(), self._meta())
+        if self._call.prompt_mask is None:  # still in the prefill (which may come in chunks)
+            if p.input_ids is not None:
+                self._prompt_ids.append(p.input_ids[:, : self._prompt_len - self._past])
+            if self._n >= self._prompt_len:
+                ids = torch.cat(self._prompt_ids, dim=1).cpu() if self._prompt_ids else None
+                self.hub.prompt(self._call, ids, self._mask.view()[:, : self._prompt_len].cpu(), self._meta())
         self._pending = self._n >= self._prompt_len
 
     def _new_mask(self, p: "_Pass", new: int) -> torch.Tensor:

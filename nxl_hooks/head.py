@@ -131,6 +131,7 @@ class Head:
             raise ValueError(f"spec {spec.name!r}: the last head step must be a module (the readout), got {readout}")
         self._steps = steps
         self._replicas: dict[tuple[int, torch.device], nn.Module] = {}
+        self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # (targets, rows, bias)
         self.readout = readout
         self.n_outputs = self._count_outputs(readout)
 
@@ -183,6 +184,16 @@ class Head:
         """All outputs of HoT for ``features`` of shape (..., d): use only on a few positions."""
         return self._post(self.readout(features.to(self.device))).float()
 
+    def _target_rows(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The readout's weight rows (rows, k, d) and bias (rows, k) for ``targets``, read once per targets
+        tensor (one per forward, shared by all layers): reading an offloaded head loads its whole weight."""
+        if self._rows is None or self._rows[0] is not targets:
+            with _weights_materialized(self.readout):
+                weight, bias = self.readout.weight, self.readout.bias
+                index = targets.to(weight.device)
+                self._rows = (targets, weight[index], None if bias is None else bias[index])
+        return self._rows[1], self._rows[2]
+
     def target_logits(self, features: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """HoT outputs for ``targets`` only.
 
@@ -191,13 +202,10 @@ class Head:
         under a device_map each layer is scored where its block ran and only scores cross devices.
         """
         if self._gatherable():
-            with _weights_materialized(self.readout):
-                weight = self.readout.weight
-                index = targets.to(weight.device)
-                rows = weight[index].to(features.device, features.dtype)  # (rows, k, d)
-                out = torch.einsum("rsd,rkd->rsk", features, rows)
-                if self.readout.bias is not None:
-                    out = out + self.readout.bias[index].to(out.device, out.dtype)[:, None, :]
+            rows, bias = self._target_rows(targets)
+            out = torch.einsum("rsd,rkd->rsk", features, rows.to(features.device, features.dtype))
+            if bias is not None:
+                out = out + bias.to(out.device, out.dtype)[:, None, :]
         else:
             full = self.readout(features.to(self.device))
             out = full.gather(-1, targets.to(full.device)[:, None, :].expand(-1, full.shape[1], -1))

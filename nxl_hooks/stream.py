@@ -47,7 +47,7 @@ _FRAME_MAGIC = b"NXLF"
 _STEP_TENSORS = ("token", "target", "normxlogit", "logat", "embed_norm", "mask", "active")
 
 
-@dataclass
+@dataclass(eq=False)  # records compare by identity: tensor fields have no single truth value
 class Step:
     """The attribution of one emitted token: what the context before it contributed to it, per layer.
 
@@ -90,7 +90,7 @@ class Step:
         )
 
 
-@dataclass
+@dataclass(eq=False)
 class GenerationCall:
     """One ``generate`` call under a probe: its prompt, its step records and, once it returned, its output."""
 

@@ -75,7 +75,7 @@ def render_table(
     if transpose is None:
         widths = sum(max(_CELL, len(name)) + 3 for name in names)
         transpose = widths + 8 > console.width
-    table = Table(title=title, caption="highlighted: the top token of each layer (signed NormXLogit)")
+    table = Table(title=title, caption="highlighted: top token per layer")
     if not transpose:
         table.add_column("layer", style="bold")
         for name in names:

@@ -215,6 +215,8 @@ def attribution_html(res: Any, *, rows: Sequence[int] | None = None, label: int 
     intro = (f"<h2>{html.escape(method)} per token and layer</h2><p class=\"note\">{html.escape(str(res.meta.get('model_class', '')))}"
              f" ({html.escape(kind)}). Colour is scaled per layer (column) by its largest |score|: red positive, "
              "blue negative; the number is the score, hover for more digits.</p>")
+    if len(chosen) < total:
+        intro += f"<p class=\"note\">Showing {len(chosen)} of {total} rows; pick others with rows=[...].</p>"
     body = intro + "".join(_row_section(res, r, label, method) for r in chosen)
     if not full_page:
         return f"<style>{_STYLE}</style><div class=\"nxl\">{body}</div>"

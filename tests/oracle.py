@@ -228,6 +228,19 @@ def deberta_lm(model) -> HandHead:
     return HandHead(_identity, _prediction_head(model.cls.predictions), last_is_normed=False)
 
 
+def electra_classifier(model) -> HandHead:
+    """ELECTRA: classifier.dense, gelu (not tanh), classifier.out_proj."""
+    head = then(linear(model.classifier.dense), _gelu, linear(model.classifier.out_proj))
+    return HandHead(_identity, head, last_is_normed=False)
+
+
+def electra_lm(model) -> HandHead:
+    """ELECTRA generator (masked LM and causal LM): dense, gelu, LayerNorm, generator_lm_head."""
+    pred = model.generator_predictions
+    head = then(linear(pred.dense), _gelu, layer_norm(pred.LayerNorm), linear(model.generator_lm_head))
+    return HandHead(_identity, head, last_is_normed=False)
+
+
 def distilbert_classifier(model) -> HandHead:
     """DistilBERT: pre_classifier, ReLU, classifier."""
     head = then(linear(model.pre_classifier), torch.relu, linear(model.classifier))

@@ -76,11 +76,16 @@ _GPT_NAMES = dict(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, pad_token_id
 _GPT2 = _cfg(tf.GPT2Config, **_GPT_NAMES)
 _OPT = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, ffn_dim=64,
             pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
+# Like opt-350m: project_in / project_out (word_embed_proj_dim != hidden_size) and no final LayerNorm.
+_OPT_350M = _cfg(tf.OPTConfig, **_OPT, word_embed_proj_dim=16, do_layer_norm_before=False)
 _FALCON = _cfg(tf.FalconConfig, vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
 _BERT = _cfg(tf.BertConfig, **_ENC)
 _BERT_DECODER = _cfg(tf.BertConfig, **_ENC, is_decoder=True)
 _ROBERTA = _cfg(tf.RobertaConfig, **_ENC)
+_DISTILBERT = _cfg(tf.DistilBertConfig, vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
+                   max_position_embeddings=32, pad_token_id=PAD)
+_ELECTRA = _cfg(tf.ElectraConfig, **_ENC, embedding_size=16)  # embeddings_project before block 1
 _DEBERTA = _cfg(tf.DebertaV2Config, **_ENC, relative_attention=True, pos_att_type=["p2c", "c2p"],
                 position_biased_input=False, max_relative_positions=-1, position_buckets=8, norm_rel_ebd="layer_norm",
                 share_att_key=True)
@@ -116,9 +121,8 @@ CASES: dict[str, Case] = {
                          oracle.layer_norm_decoder("gpt_neox.final_layer_norm")),
     "opt-lm": Case(_cfg(tf.OPTConfig, **_OPT), tf.OPTForCausalLM, oracle.opt),
     "opt-cls": Case(_cfg(tf.OPTConfig, **_OPT), tf.OPTForSequenceClassification, oracle.opt),
-    "opt_proj-lm": Case(_cfg(tf.OPTConfig, **_OPT, word_embed_proj_dim=16), tf.OPTForCausalLM, oracle.opt),
-    "opt_proj-cls": Case(_cfg(tf.OPTConfig, **_OPT, word_embed_proj_dim=16), tf.OPTForSequenceClassification,
-                         oracle.opt),
+    "opt_proj-lm": Case(_OPT_350M, tf.OPTForCausalLM, oracle.opt),
+    "opt_proj-cls": Case(_OPT_350M, tf.OPTForSequenceClassification, oracle.opt),
     "falcon-lm": Case(_FALCON, tf.FalconForCausalLM, oracle.layer_norm_decoder("transformer.ln_f")),
     "falcon-cls": Case(_FALCON, tf.FalconForSequenceClassification, oracle.layer_norm_decoder("transformer.ln_f")),
     "cohere-lm": Case(_cfg(tf.CohereConfig, **_GQA, logit_scale=0.5), tf.CohereForCausalLM, oracle.cohere),
@@ -140,6 +144,16 @@ CASES: dict[str, Case] = {
     "roberta-mlm": Case(_ROBERTA, tf.RobertaForMaskedLM, oracle.roberta_lm, decoder=False),
     "roberta-lm": Case(_cfg(tf.RobertaConfig, **_ENC, is_decoder=True), tf.RobertaForCausalLM, oracle.roberta_lm,
                        decoder=False),
+    "xlm_roberta-cls": Case(_cfg(tf.XLMRobertaConfig, **_ENC), tf.XLMRobertaForSequenceClassification,
+                            oracle.roberta_classifier, decoder=False),
+    "camembert-mlm": Case(_cfg(tf.CamembertConfig, **_ENC), tf.CamembertForMaskedLM, oracle.roberta_lm, decoder=False),
+    "distilbert-cls": Case(_DISTILBERT, tf.DistilBertForSequenceClassification, oracle.distilbert_classifier,
+                           decoder=False),
+    "distilbert-mlm": Case(_DISTILBERT, tf.DistilBertForMaskedLM, oracle.distilbert_lm, decoder=False),
+    "electra-cls": Case(_ELECTRA, tf.ElectraForSequenceClassification, oracle.electra_classifier, decoder=False),
+    "electra-mlm": Case(_ELECTRA, tf.ElectraForMaskedLM, oracle.electra_lm, decoder=False),
+    "electra-lm": Case(_cfg(tf.ElectraConfig, **_ENC, embedding_size=16, is_decoder=True), tf.ElectraForCausalLM,
+                       oracle.electra_lm, decoder=False),
     "deberta_v2-cls": Case(_DEBERTA, tf.DebertaV2ForSequenceClassification, oracle.deberta_classifier,
                            decoder=False),
     "deberta_v2-mlm": Case(_DEBERTA, tf.DebertaV2ForMaskedLM, oracle.deberta_lm, decoder=False),
@@ -337,33 +351,33 @@ def private_registry(monkeypatch):
     monkeypatch.setattr(nxl.registry, "_SPECS", nxl.registry.specs())
 
 
-_DISTILBERT = Case(_cfg(tf.DistilBertConfig, vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=64,
-                        max_position_embeddings=32, pad_token_id=PAD), tf.DistilBertForSequenceClassification,
-                   oracle.distilbert_classifier, decoder=False)
+_MPNET = _cfg(tf.MPNetConfig, **_ENC)
 
 
 def test_undiscoverable_model_says_how_to_register(private_registry):
-    model = _DISTILBERT.build()
-    with pytest.raises(nxl.UnknownArchitectureError, match=r"nxl\.register_architecture\('distilbert'") as err:
+    """MPNet has no final norm to find: the error says how to register it, and registering makes it work."""
+    case = Case(_MPNET, tf.MPNetForSequenceClassification, oracle.roberta_classifier, decoder=False)
+    model = case.build()
+    with pytest.raises(nxl.UnknownArchitectureError, match=r"nxl\.register_architecture\('mpnet'") as err:
         nxl.attach(model)
     assert "registry/*.toml" in str(err.value)
-    nxl.register_architecture("distilbert", blocks="distilbert.transformer.layer", pooling="first",
-                              heads={"sequence_classification": ["pre_classifier", "relu", "classifier"]})
-    _check_against_oracle(_DISTILBERT, model)
+    nxl.register_architecture("mpnet", blocks="mpnet.encoder.layer", pooling="first",
+                              heads={"sequence_classification": ["classifier.dense", "tanh", "classifier.out_proj"]})
+    _check_against_oracle(case, model)
 
 
 def test_register_file(private_registry, tmp_path):
-    path = tmp_path / "distilbert.toml"
+    path = tmp_path / "mpnet.toml"
     path.write_text(
-        '[distilbert]\nblocks = "distilbert.transformer.layer"\npooling = "first"\n'
-        'heads.masked_lm = ["vocab_transform", "act:activation", "vocab_layer_norm", "vocab_projector"]\n'
+        '[mpnet]\nblocks = "mpnet.encoder.layer"\npooling = "first"\n'
+        'heads.masked_lm = ["lm_head.dense", "gelu", "lm_head.layer_norm", "lm_head.decoder"]\n'
     )
-    case = Case(_DISTILBERT.config, tf.DistilBertForMaskedLM, oracle.distilbert_lm, decoder=False)
+    case = Case(_MPNET, tf.MPNetForMaskedLM, oracle.roberta_lm, decoder=False)
     model = case.build()
     with pytest.raises(nxl.UnknownArchitectureError):
         nxl.attach(model, tokenizer=TOK)
     (spec,) = nxl.register_file(path)
-    assert spec.model_types == ("distilbert",) and spec.source == str(path)
+    assert spec.model_types == ("mpnet",) and spec.source == str(path)
     _check_against_oracle(case, model)
 
 

@@ -2,12 +2,12 @@
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -51,6 +51,22 @@ def test_jsonl_and_csv_load_alike(tmp_path):
     assert rows[0]["label"] == 0.5 and rows[0]["evidence"] == ["a b", "c"] and rows[1]["evidence"] == ["x", "y", "z"]
     with pytest.raises(ValueError, match="--text-field"):
         load_examples(tmp_path / "e.csv")
+
+
+def test_hub_dataset_source(monkeypatch):
+    calls = []
+
+    def load_dataset(name, config, split):
+        calls.append((name, config, split))
+        return [{"idx": 0, "sentence": "a fine film", "label": 1}, {"idx": 1, "sentence": "dull", "label": 0}]
+
+    monkeypatch.setitem(sys.modules, "datasets", types.SimpleNamespace(load_dataset=load_dataset))
+    rows = load_examples("hf:nyu-mll/glue:sst2:validation", text="sentence")
+    assert rows == [{"id": 0, "text": "a fine film", "label": 1}, {"id": 1, "text": "dull", "label": 0}]
+    load_examples("hf:stanfordnlp/sst2:validation", text="sentence")
+    assert calls == [("nyu-mll/glue", "sst2", "validation"), ("stanfordnlp/sst2", None, "validation")]
+    with pytest.raises(ValueError, match="hf:NAME:SPLIT"):
+        load_examples("hf:sst2")
 
 
 def test_torn_last_line_is_ignored_then_cut(tmp_path):
@@ -146,10 +162,11 @@ def test_sigkill_mid_dataset_resumes_to_identical_result(models, tmp_path):
     assert _outputs(tmp_path / "killed") == _outputs(tmp_path / "whole")
 
 
-@pytest.mark.skipif(shutil.which("accelerate") is None, reason="accelerate's launcher is not installed")
 def test_accelerate_launch_two_processes_equals_one(models, tmp_path):
-    # On a machine without GPUs, accelerate starts N CPU processes (gloo) with --multi_gpu; --cpu would start one.
-    launch = ["accelerate", "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
+    pytest.importorskip("accelerate", reason="accelerate is not installed")
+    # `accelerate launch`, run as a module so no PATH is needed. Without GPUs, --multi_gpu starts N CPU
+    # processes (gloo); --cpu would start one.
+    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
               "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
               "-m", "nxl_hooks.cli"]
     env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}

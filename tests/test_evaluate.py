@@ -232,3 +232,34 @@ def test_score_example_and_aggregate_round_trip_json():
     # Random rankings are seeded by (seed, text): the same in any shard or process.
     alone = ev.score_example(model, tok, examples[0], methods=("random",))["methods"]["random"]
     assert alone["comprehensiveness"] == pytest.approx(records[0]["methods"]["random"]["comprehensiveness"], abs=1e-6)
+
+
+class FakeRegressionForSequenceClassification(FakeForSequenceClassification):
+    """A BERT-like regressor whose output is the sum of the weights of the unmasked tokens."""
+
+    def __init__(self):
+        super().__init__()
+        self.config = BertConfig(num_hidden_layers=1, num_labels=1)
+
+    def forward(self, input_ids, attention_mask=None):
+        return SimpleNamespace(logits=super().forward(input_ids).logits[:, 1:])
+
+
+def test_regression_change_and_pearson_after_perturbation():
+    model, tok = FakeRegressionForSequenceClassification(), _tokenizer("[CLS] $A [SEP]")
+    texts, gold = ["good fine plain bad", "fine good bad plain", "bad plain"], [1.5, 3.0, -2.0]
+    rankings = {"good fine plain bad": SCORES, "fine good bad plain": [0.0, 3.0, 4.0, 1.0, 2.0, 0.0],
+                "bad plain": [0.0, 2.0, 1.0, 0.0]}
+    records = [ev.score_example(model, tok, {"text": t, "label": y}, methods=(), custom={"mine": rankings[t]})
+               for t, y in zip(texts, gold)]
+    first = records[0]["methods"]["mine"]
+    assert records[0]["output"] == pytest.approx(2.0) and records[0]["probability"] == "output"
+    assert first["comprehensiveness"] == pytest.approx([abs(2.0 - COMP_SUMS[c]) for c in COUNTS])
+    assert first["comp_pred"] == pytest.approx([COMP_SUMS[c] for c in COUNTS])
+    summary = ev.aggregate(records)
+    preds = np.array([r["methods"]["mine"]["comp_pred"] for r in records])  # (examples, K)
+    expected = [np.corrcoef(preds[:, k], gold)[0, 1] if preds[:, k].std() > 0 else None for k in range(9)]
+    got = summary["methods"]["mine"]["pearson_comprehensiveness"]
+    assert [g is None for g in got] == [e is None for e in expected]
+    assert [g for g in got if g is not None] == pytest.approx([e for e in expected if e is not None])
+    assert summary["pearson"] == pytest.approx(np.corrcoef([2.0, 2.0, -1.0], gold)[0, 1])

@@ -230,7 +230,8 @@ def test_sink_readable_after_sigkill(model, tmp_path):
     try:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and child.poll() is None:
-            if path.exists() and len(nxl.read_stream(path)[0].steps if path.stat().st_size > 100 else []) >= 5:
+            calls = nxl.read_stream(path) if path.exists() and path.stat().st_size > 64 else []
+            if calls and len(calls[0].steps) >= 5:
                 break
             time.sleep(0.1)
         assert child.poll() is None, "the child should still be generating"
@@ -281,3 +282,17 @@ def test_pipeline_and_peft_generate_reach_the_probe():
     with nxl.attach(peft_model) as probe:
         peft_model.generate(**enc, max_new_tokens=3, do_sample=False)
     _check_call(peft_model.get_base_model(), probe.calls[0], 3)  # the oracle runs the LoRA-adjusted model
+
+
+def test_fixed_targets_add_a_label_axis_at_every_step(model):
+    ids = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(12))
+    with nxl.attach(model, target=[5, 7]) as probe:
+        model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+    call, hand = probe.calls[0], llama(model)
+    for step in call.steps:
+        assert step.normxlogit.shape == (4, 2, step.position, 2) and step.target.tolist() == [[5, 7], [5, 7]]
+        logits, embeddings = prefix_logits(model, hand, call.sequences[:, : step.position],
+                                           torch.ones(2, step.position, dtype=torch.bool))
+        for k, label in enumerate((5, 7)):
+            _, expected = normxlogit(logits, embeddings, torch.tensor([label, label]))
+            torch.testing.assert_close(step.normxlogit[..., k], expected, rtol=1e-4, atol=1e-4)

@@ -76,3 +76,41 @@ def test_torchao_int8_weight_only(tmp_path_factory):
     model = LlamaForCausalLM.from_pretrained(path, quantization_config=config).eval()
     assert type(model.lm_head.weight) is not torch.nn.Parameter  # torchao's Int8Tensor: cannot be row-gathered
     big.check(model, big.llama_head(model), *big.batch())
+
+
+# -- one model per registered family, for the support matrix ------------------------------------------------
+#
+# test_architectures holds the case table (tiny config, hand-written head) and the full oracle check; here the
+# same check runs in half precision and on bitsandbytes-quantized decoders.
+
+ONE_PER_FAMILY = ["llama-lm", "gemma2-lm", "phi-lm", "gpt2-lm", "gpt_neox-lm", "opt-lm", "falcon-lm", "cohere-lm",
+                  "granite-lm", "bert-cls", "roberta-cls", "deberta_v2-cls"]
+# Decoders whose final norm and lm_head bitsandbytes leaves unquantized, so the hand-written head applies
+# (bitsandbytes converts no Linear of the tiny Falcon: nothing to test there).
+BNB_DECODERS = [case for case in ONE_PER_FAMILY if case.endswith("-lm") and case != "falcon-lm"]
+# The CPU 4-bit kernel wants in_features % 64 == 0 and out_features % 32 == 0: widen the tiny configs.
+WIDE = dict(hidden_size=64, intermediate_size=128, head_dim=16, word_embed_proj_dim=64)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("case_id", ONE_PER_FAMILY)
+def test_half_precision_per_family(monkeypatch, case_id, dtype):
+    import test_architectures as arch
+
+    # The oracle computes the same ops in the same dtype, but its full matmul rounds in another order than
+    # the library's gathered rows (bf16 has 8 mantissa bits; these random weights give logits up to ~10).
+    monkeypatch.setattr(arch, "_TOL", dict(rtol=3e-2, atol=6e-2))
+    case = arch.CASES[case_id]
+    arch._check_against_oracle(case, case.build().to(dtype))
+
+
+@pytest.mark.parametrize("quant", ["nf4", "int8"])
+@pytest.mark.parametrize("case_id", BNB_DECODERS)
+def test_bnb_per_decoder_family(tmp_path, case_id, quant):
+    import test_architectures as arch
+
+    case = arch.CASES[case_id]
+    case.build(**(WIDE if quant == "nf4" else {})).save_pretrained(tmp_path)
+    model = case.model.from_pretrained(tmp_path, quantization_config=BitsAndBytesConfig(**QUANT[quant])).eval()
+    assert any(isinstance(module, _LINEAR[quant]) for module in model.modules())
+    arch._check_against_oracle(case, model)

@@ -1,13 +1,16 @@
-"""Tiny models saved to disk with a fast word-level tokenizer, and small datasets, for the dataset-command tests.
+"""Helpers for the dataset, audit and report tests: tiny models saved with a fast word-level tokenizer,
+small datasets, and an HTML element reader.
 
     path = save_model(tmp_path / "bert", "bert")       # a folder load_model / the CLI can read
     data = write_jsonl(tmp_path / "data.jsonl", 6)
+    cells = elements(page, "td", "nxl-cell")           # [{"tag": "td", "data-value": "0.25", ...}, ...]
 """
 
 from __future__ import annotations
 
 import json
 import random
+from html.parser import HTMLParser
 from pathlib import Path
 
 import torch
@@ -65,3 +68,19 @@ def examples(n: int, seed: int = 0) -> list[dict]:
 def write_jsonl(path: Path, n: int, seed: int = 0) -> Path:
     path.write_text("".join(json.dumps(e) + "\n" for e in examples(n, seed)))
     return path
+
+
+class _Elements(HTMLParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.found: list[dict] = []
+
+    def handle_starttag(self, tag: str, attrs: list) -> None:
+        self.found.append({"tag": tag, **{k: v for k, v in attrs}})
+
+
+def elements(page: str, tag: str, cls: str | None = None) -> list[dict]:
+    """Attributes of every ``tag`` element (with class ``cls``) in document order, via the stdlib HTML parser."""
+    parser = _Elements()
+    parser.feed(page)
+    return [e for e in parser.found if e["tag"] == tag and (cls is None or cls in e.get("class", "").split())]

@@ -4,7 +4,9 @@
     ex = make_examples(3, seed=1)[0]   # Example(text="the plot was superb ...", label=1, evidence="superb", ...)
 
 The label is the keyword's sentiment (0 = negative, 1 = positive), so the keyword is the only token that
-carries the answer: a faithful attribution ranks it first. Deterministic for a given seed; used by
+carries the answer: a faithful attribution ranks it first. With ``neutral > 0`` that share of sentences has
+no keyword and label 2 ("neutral"); the shipped demo model is trained with them, so that words which carry
+no sentiment read as neutral rather than as a default class. Deterministic for a given seed; used by
 ``examples/train_demo.py`` to train the shipped model and by ``nxl demo`` to pick held-out sentences.
 """
 
@@ -13,9 +15,11 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-__all__ = ["Example", "FILLER", "LABELS", "NEGATIVE", "POSITIVE", "SPECIAL_TOKENS", "make_examples", "vocabulary"]
+__all__ = ["Example", "FILLER", "LABELS", "NEGATIVE", "NEUTRAL", "POSITIVE", "SPECIAL_TOKENS", "make_examples",
+           "vocabulary"]
 
-LABELS = ("negative", "positive")
+LABELS = ("negative", "positive", "neutral")  #: label ids 0, 1, 2
+NEUTRAL = 2  #: the label of a sentence without keyword
 POSITIVE = ("great", "good", "excellent", "wonderful", "superb", "lovely", "brilliant", "delightful", "amazing",
             "fantastic")
 NEGATIVE = ("awful", "bad", "terrible", "horrible", "dreadful", "poor", "boring", "disappointing", "ugly",
@@ -31,7 +35,8 @@ HELD_OUT_SEED = 10_000
 
 @dataclass(frozen=True)
 class Example:
-    """One sentence: ``words[evidence_index] == evidence`` is the keyword that decides ``label``."""
+    """One sentence: ``words[evidence_index] == evidence`` is the keyword that decides ``label``
+    (neutral sentences: ``evidence == ""`` and ``evidence_index == -1``)."""
 
     text: str
     label: int
@@ -48,11 +53,18 @@ def vocabulary() -> list[str]:
     return [*SPECIAL_TOKENS, *FILLER, *NEGATIVE, *POSITIVE]
 
 
-def make_examples(n: int, seed: int = 0, *, min_words: int = 4, max_words: int = 12) -> list[Example]:
-    """``n`` sentences of ``min_words``..``max_words`` words with one keyword, balanced in expectation."""
+def make_examples(
+    n: int, seed: int = 0, *, min_words: int = 4, max_words: int = 12, neutral: float = 0.0
+) -> list[Example]:
+    """``n`` sentences of ``min_words``..``max_words`` words: a share ``neutral`` without keyword, the rest
+    with one keyword, positive and negative balanced in expectation."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
+        if neutral and rng.random() < neutral:  # no extra draw when neutral == 0: same sentences as before
+            words = [rng.choice(FILLER) for _ in range(rng.randint(min_words, max_words))]
+            out.append(Example(text=" ".join(words), label=NEUTRAL, evidence="", evidence_index=-1))
+            continue
         label = rng.randrange(2)
         keyword = rng.choice(POSITIVE if label else NEGATIVE)
         words = [rng.choice(FILLER) for _ in range(rng.randint(min_words, max_words) - 1)]

@@ -1,0 +1,204 @@
+"""Offline faithfulness benchmark: every attribution method on tiny models trained here, in seconds, on
+tasks with a known evidence token (examples/train_tasks.py). Prints JSON and writes it with a markdown table.
+
+    python benchmarks/bench_faithfulness.py                  # 3 seeds x 100 held-out examples per task
+    python benchmarks/bench_faithfulness.py --seeds 0 --n 30 # a quick look
+
+For each task and seed: train the model, score held-out examples with nxl_hooks.evaluate (AOPC at the last
+layer, alignment at every layer), and AOPC again at every other layer for the layered methods (LogAt,
+NormXLogit, contrastive). Figures are means over seeds with the spread (min..max) across seeds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import transformers
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples"))
+import train_tasks  # noqa: E402
+
+from nxl_hooks import evaluate as ev  # noqa: E402
+
+LAYERED = ("logat", "normxlogit", "contrastive")
+TASKS = {
+    "sentiment": {
+        "train": train_tasks.train_sentiment,
+        "examples": lambda n, seed: train_tasks.sentiment_examples(n, seed=train_tasks.HELD_OUT_SEED + seed),
+        "about": "keyword sentiment classification; 2-block BERT (hidden 32) classifier; evidence = the keyword; "
+                 "perturbation = [MASK]; p = softmax over the 2 labels of the predicted label; foil = the other label",
+    },
+    "sentiment_demo": {
+        "train": train_tasks.train_demo_recipe,
+        "examples": lambda n, seed: train_tasks.sentiment_examples(n, seed=train_tasks.HELD_OUT_SEED + seed),
+        "about": "the same task and model with the exact recipe of the model `nxl demo` ships (examples/train_demo.py: "
+                 "no [MASK] during training, so mask perturbation is out of distribution)",
+    },
+    "agreement": {
+        "train": train_tasks.train_agreement,
+        "examples": lambda n, seed: train_tasks.agreement_examples(n, seed=train_tasks.HELD_OUT_SEED + seed),
+        "about": "subject-verb number agreement with 1-2 attractor nouns; 2-block Llama (hidden 64) causal LM; "
+                 "evidence = the subject noun; target = the correct verb, foil = the wrong one; perturbation = "
+                 "deletion; p = softmax over (target, foil)",
+    },
+}
+
+
+def _spread(values: list[float | None]) -> dict | None:
+    values = [v for v in values if v is not None]
+    if not values:
+        return None
+    return {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
+
+
+def run_task(name: str, seeds: list[int], n: int) -> dict:
+    task = TASKS[name]
+    per_seed = []
+    for seed in seeds:
+        start = time.perf_counter()
+        model, tokenizer = task["train"](seed=seed)
+        train_seconds = time.perf_counter() - start
+        examples = task["examples"](n, seed)
+        start = time.perf_counter()
+        summary = ev.aggregate([ev.score_example(model, tokenizer, ex, seed=seed) for ex in examples])
+        eval_seconds = time.perf_counter() - start
+        by_layer = {}
+        for layer in summary["layers"][:-1]:
+            records = [ev.score_example(model, tokenizer, ex, LAYERED, layer=layer, seed=seed) for ex in examples]
+            by_layer[layer] = ev.aggregate(records)["methods"]
+        by_layer[summary["layers"][-1]] = summary["methods"]
+        per_seed.append({"seed": seed, "train_seconds": train_seconds, "eval_seconds": eval_seconds,
+                         "summary": summary, "aopc_by_layer": {
+                             m: {str(layer): [by_layer[layer][m]["aopc_comprehensiveness"],
+                                              by_layer[layer][m]["aopc_sufficiency"]] for layer in by_layer}
+                             for m in LAYERED}})
+    methods = list(per_seed[0]["summary"]["methods"])
+    layers = per_seed[0]["summary"]["layers"]
+    table = {}
+    for method in methods:
+        rows = [s["summary"]["methods"][method] for s in per_seed]
+        entry = {key: _spread([r[key] for r in rows])
+                 for key in ("aopc_comprehensiveness", "aopc_sufficiency", "ap_eval", "dot_eval", "seconds")}
+        n_layers = len(rows[0]["ap"])
+        entry["ap_by_layer"] = [_spread([r["ap"][i] for r in rows])["mean"] for i in range(n_layers)]
+        entry["dot_by_layer"] = [_spread([r["dot"][i] for r in rows])["mean"] for i in range(n_layers)]
+        if method in LAYERED:
+            entry["aopc_by_layer"] = {
+                str(layer): [_spread([s["aopc_by_layer"][method][str(layer)][j] for s in per_seed])["mean"] for j in (0, 1)]
+                for layer in layers
+            }
+        table[method] = entry
+    return {
+        "about": task["about"],
+        "n_examples": n,
+        "seeds": seeds,
+        "layers": layers,
+        "accuracy": _spread([s["summary"]["accuracy"] for s in per_seed]),
+        "train_seconds": _spread([s["train_seconds"] for s in per_seed]),
+        "eval_seconds": _spread([s["eval_seconds"] for s in per_seed]),
+        "table": table,
+        "checks": _checks(table),
+        "per_seed": per_seed,
+    }
+
+
+def _checks(table: dict) -> dict:
+    """Does NormXLogit beat random, and which method wins each column (honest reporting)."""
+    def mean(method, key):
+        return table[method][key]["mean"]
+
+    best = {
+        "aopc_comprehensiveness": max(table, key=lambda m: mean(m, "aopc_comprehensiveness")),
+        "aopc_sufficiency": min(table, key=lambda m: mean(m, "aopc_sufficiency")),
+        "ap_last_layer": max(table, key=lambda m: mean(m, "ap_eval")),
+        "ap_any_layer": max(table, key=lambda m: max(table[m]["ap_by_layer"])),
+    }
+    nx, rnd = table["normxlogit"], table["random"]
+    return {
+        "normxlogit_beats_random": {
+            "aopc_comprehensiveness": nx["aopc_comprehensiveness"]["mean"] > rnd["aopc_comprehensiveness"]["mean"],
+            "aopc_sufficiency": nx["aopc_sufficiency"]["mean"] < rnd["aopc_sufficiency"]["mean"],
+            "ap_last_layer": nx["ap_eval"]["mean"] > rnd["ap_eval"]["mean"],
+            "ap_best_layer": max(nx["ap_by_layer"]) > rnd["ap_eval"]["mean"],
+        },
+        "best_method": best,
+    }
+
+
+def _cell(spread: dict | None, digits: int = 3) -> str:
+    if spread is None:
+        return "-"
+    return f"{spread['mean']:.{digits}f} ({spread['min']:.{digits}f}..{spread['max']:.{digits}f})"
+
+
+def markdown(result: dict) -> str:
+    lines = ["# Faithfulness benchmark (offline, tiny models)", "",
+             f"Written by `python benchmarks/bench_faithfulness.py`; {result['device']}. Means over seeds "
+             f"{result['seeds']} with (min..max) across seeds; {result['n_examples']} held-out examples per seed.",
+             "AOPC comprehensiveness: higher is better; sufficiency: lower is better (K = 10%..90%, ranking by the "
+             "last layer's signed scores). AP and dot: evidence alignment, higher is better; dot uses one "
+             "normalization for every method: (s - min s) / sum(s - min s) over the tokens (prediction position "
+             "left out).", ""]
+    for name, task in result["tasks"].items():
+        layers = task["layers"]
+        lines += [f"## {name}", "", task["about"] + f". Model accuracy {_cell(task['accuracy'])}; "
+                  f"training {task['train_seconds']['mean']:.1f} s per model.", "",
+                  "| method | AOPC comp. ↑ | AOPC suff. ↓ | AP last layer ↑ | AP per layer " + str(layers) +
+                  " | dot per layer | s / example |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for method, row in task["table"].items():
+            per_layer = lambda key: " / ".join(f"{v:.2f}" for v in row[key])  # noqa: E731
+            lines.append(f"| {method} | {_cell(row['aopc_comprehensiveness'])} | {_cell(row['aopc_sufficiency'])} | "
+                         f"{_cell(row['ap_eval'])} | {per_layer('ap_by_layer')} | {per_layer('dot_by_layer')} | "
+                         f"{row['seconds']['mean']:.4f} |")
+        lines += ["", "AOPC (comprehensiveness / sufficiency) when ranking by each layer's scores:", "",
+                  "| method | " + " | ".join(f"layer {layer}" for layer in layers) + " |",
+                  "| --- |" + " --- |" * len(layers)]
+        for method in LAYERED:
+            by_layer = task["table"][method]["aopc_by_layer"]
+            lines.append(f"| {method} | " + " | ".join(f"{by_layer[str(layer)][0]:.3f} / {by_layer[str(layer)][1]:.3f}"
+                                                       for layer in layers) + " |")
+        checks = task["checks"]
+        lines += ["", "NormXLogit beats random: " + ", ".join(f"{k} {'yes' if v else 'NO'}"
+                                                         for k, v in checks["normxlogit_beats_random"].items()) +
+                  ". Best method: " + ", ".join(f"{k} {v}" for k, v in checks["best_method"].items()) + ".", ""]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--n", type=int, default=100, help="held-out examples per task and seed")
+    parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "faithfulness.json")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    result = {
+        "benchmark": "faithfulness",
+        "device": f"cpu ({platform.processor() or platform.machine()}, {args.threads} threads), torch {torch.__version__}, "
+                  f"transformers {transformers.__version__}",
+        "seeds": args.seeds,
+        "n_examples": args.n,
+        "methods": list(ev.DEFAULT_METHODS),
+        "tasks": {name: run_task(name, args.seeds, args.n) for name in args.tasks},
+    }
+    result["total_seconds"] = time.perf_counter() - start
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    args.out.with_suffix(".md").write_text(markdown(result))
+    print(json.dumps({name: {"table": {m: {k: v["mean"] if isinstance(v, dict) and "mean" in v else v
+                                            for k, v in row.items() if k in ("aopc_comprehensiveness", "aopc_sufficiency", "ap_eval")}
+                                       for m, row in task["table"].items()}, "checks": task["checks"]}
+                      for name, task in result["tasks"].items()}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

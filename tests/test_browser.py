@@ -1,0 +1,60 @@
+"""The HTML pages in a real headless browser: the DOM Chromium builds keeps every heatmap cell and plot point
+with the right values, and the rendered pixels show the heatmap colours.
+
+Needs Debian's chromium (``apt-get install -y chromium``); skipped with that reason when it is absent.
+"""
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+
+import tiny
+from test_viz import assert_heatmap_matches, evaluate_page, explained  # noqa: F401  (explained is a fixture)
+
+BROWSER = next((shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome") if shutil.which(name)), None)
+pytestmark = pytest.mark.skipif(BROWSER is None, reason="no chromium on PATH: install it with `apt-get install -y chromium`")
+
+
+def _chromium(*args: str) -> str:
+    # The network is closed here: without the background-networking flags Chromium keeps trying to reach Google.
+    with tempfile.TemporaryDirectory() as profile:
+        done = subprocess.run(
+            [BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+             "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
+             f"--user-data-dir={profile}", *args],
+            capture_output=True, text=True, timeout=90, env={**os.environ, "HOME": profile},
+        )
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_heatmap_dom_in_chromium_has_every_cell_with_oracle_values(explained, tmp_path):  # noqa: F811
+    res, expected, mask = explained
+    path = tmp_path / "heatmap.html"
+    res.to_html(path)
+    dom = _chromium("--dump-dom", path.as_uri())
+    assert "<table" in dom and "nxl-heatmap" in dom
+    assert_heatmap_matches(dom, expected, mask)
+
+
+def test_report_plots_in_chromium_dom_and_pixels(tmp_path):
+    page, summary = evaluate_page()
+    path = tmp_path / "report.html"
+    path.write_text(page)
+    dom = _chromium("--dump-dom", path.as_uri())
+    points = tiny.elements(dom, "circle", "nxl-point")
+    curve = summary["methods"]["normxlogit"]["comprehensiveness_curve"]
+    ks = len(summary["ks"])
+    assert [float(p["data-y"]) for p in points[ks : 2 * ks]] == curve
+    assert len(tiny.elements(dom, "svg", "nxl-chart")) >= 2
+
+    image = pytest.importorskip("PIL.Image", reason="Pillow is needed to read the screenshot")
+    shot = tmp_path / "report.png"
+    _chromium("--window-size=1100,1400", "--hide-scrollbars", f"--screenshot={shot}", path.as_uri())
+    pixels = {colour for _, colour in image.open(shot).convert("RGB").getcolors(maxcolors=1 << 24)}
+    assert (31, 119, 180) in pixels and (214, 39, 40) in pixels  # the first two series' line colours were painted
+    assert len(pixels) > 50  # not a blank page

@@ -1,0 +1,119 @@
+"""HTML heatmaps and report pages show the right numbers, and need nothing from the network."""
+
+import re
+
+import pytest
+import torch
+
+import oracle
+import tiny
+from nxl_hooks import evaluate as ev
+from nxl_hooks.viz import evaluate_report, heatmap, line_chart
+
+TEXTS = ["the film was very good", "bad plot"]
+
+
+@pytest.fixture(scope="module")
+def explained():
+    """(attribution, oracle NormXLogit (L+1, batch, seq), attention mask) of a padded batch on a tiny BERT."""
+    import nxl_hooks as nxl
+
+    model, tok = tiny.build_model("bert", 0), tiny.tokenizer()
+    enc = tok(TEXTS, return_tensors="pt", padding=True)
+    with torch.no_grad(), nxl.attach(model, tokenizer=tok) as probe:
+        out = model(**enc, output_hidden_states=True)
+        logits = oracle.bert_classifier(model).layer_logits(out.hidden_states)
+    _, expected = oracle.normxlogit(logits, out.hidden_states[0], out.logits.argmax(-1))
+    return probe.result(), expected, enc["attention_mask"].bool()
+
+
+def assert_heatmap_matches(page: str, expected: torch.Tensor, mask: torch.Tensor) -> None:
+    """One table per row; cells token-major, one per (real token, layer), each equal to the oracle's score."""
+    cells = tiny.elements(page, "td", "nxl-cell")
+    start = 0
+    for row in range(expected.shape[1]):
+        real = mask[row].nonzero().flatten()
+        want = expected[:, row, real].T.flatten()  # (tokens, layers), row-major like the table
+        got = cells[start : start + len(want)]
+        start += len(want)
+        torch.testing.assert_close(torch.tensor([float(c["data-value"]) for c in got]), want, rtol=1e-4, atol=1e-5)
+        layers = expected.shape[0]
+        assert [(int(c["data-row"]), int(c["data-col"])) for c in got] == [(i, l) for i in range(len(real)) for l in range(layers)]
+    assert start == len(cells)
+
+
+def test_to_html_heatmap_equals_oracle_and_writes_file(explained, tmp_path):
+    res, expected, mask = explained
+    page = res.to_html(tmp_path / "a.html")
+    assert (tmp_path / "a.html").read_text() == page
+    assert_heatmap_matches(page, expected, mask)
+    assert "0: [CLS] ◀" in page and "[PAD]" not in page  # the prediction position is marked; padding is left out
+
+
+def test_pages_are_self_contained(explained):
+    res, _, _ = explained
+    page = res.to_html()
+    assert page.startswith("<!DOCTYPE html>")
+    for external in ("http:", "https:", "//cdn", "<script", "<link", "src=", "url(", "@import"):
+        assert external not in page
+
+
+def test_repr_html_is_a_styled_fragment(explained):
+    res, expected, mask = explained
+    fragment = res._repr_html_()
+    assert "<html" not in fragment and fragment.startswith("<style>")
+    assert_heatmap_matches(fragment, expected, mask)
+
+
+def test_heatmap_colour_follows_sign_and_column_scale():
+    page = heatmap(["a", "b"], ["L0", "L1"], [[2.0, -0.1], [-1.0, None]])
+    styles = [c.get("style", "") for c in tiny.elements(page, "td", "nxl-cell")]
+    assert styles[0].startswith("background:rgb(214,39,40)")  # the column maximum: full red
+    assert styles[1].startswith("background:rgb(31,119,180)")  # alone in its column: full blue
+    assert styles[2].startswith("background:rgb(143,187,218)")  # half of the column maximum, negative
+    assert styles[3] == ""  # None stays blank
+
+
+def test_line_chart_points_carry_values_and_none_breaks_the_line():
+    svg = line_chart([1, 2, 3, 4], {"a": [0.5, None, 0.25, 0.0], "b": [1.0, 1.0, 1.0, 1.0]}, title="t", x_label="x", y_label="y")
+    points = tiny.elements(svg, "circle", "nxl-point")
+    assert [(p["data-series"], float(p["data-x"]), float(p["data-y"])) for p in points] == [
+        ("a", 1, 0.5), ("a", 3, 0.25), ("a", 4, 0.0), ("b", 1, 1.0), ("b", 2, 1.0), ("b", 3, 1.0), ("b", 4, 1.0)]
+    assert len(tiny.elements(svg, "polyline")) == 2  # a's lone first point draws no segment
+    ys = {float(p["data-y"]): float(p["cy"]) for p in points}
+    assert ys[1.0] < ys[0.5] < ys[0.25] < ys[0.0]  # higher values are drawn higher
+
+
+def evaluate_page() -> tuple[str, dict]:
+    model, tok = tiny.build_model("bert", 0), tiny.tokenizer()
+    records = [ev.score_example(model, tok, example, ["random", "normxlogit"]) for example in tiny.examples(2)]
+    summary = ev.aggregate(records)
+    return evaluate_report(summary), summary
+
+
+def test_evaluate_report_plots_the_summary():
+    page, summary = evaluate_page()
+    points = tiny.elements(page, "circle", "nxl-point")
+    curves = summary["methods"]
+    first_chart = points[: 2 * len(summary["ks"])]  # comprehensiveness comes first
+    assert [float(p["data-y"]) for p in first_chart] == curves["random"]["comprehensiveness_curve"] + curves["normxlogit"]["comprehensiveness_curve"]
+    assert [float(p["data-x"]) for p in first_chart[:9]] == [10, 20, 30, 40, 50, 60, 70, 80, 90]
+    ap_table = page[page.index("Average precision of the evidence"):page.index("Normalized dot product")]
+    cells = [float(c["data-value"]) for c in tiny.elements(ap_table, "td", "nxl-cell")]
+    layers = len(summary["layers"])
+    assert cells == curves["random"]["ap"] * layers + curves["normxlogit"]["ap"]
+    assert re.search(r"<td>random</td>", page) and re.search(r"<td>normxlogit</td>", page)
+
+
+def test_attribute_command_writes_the_heatmap_page(tmp_path, capsys):
+    from nxl_hooks.cli import main
+
+    path = tiny.save_model(tmp_path / "bert", "bert", seed=0)
+    assert main(["attribute", str(path), TEXTS[0], "--html", str(tmp_path / "a.html")]) == 0
+    model, tok = tiny.build_model("bert", 0), tiny.tokenizer()
+    enc = tok(TEXTS[:1], return_tensors="pt")
+    with torch.no_grad():
+        out = model(**enc, output_hidden_states=True)
+        logits = oracle.bert_classifier(model).layer_logits(out.hidden_states)
+    _, expected = oracle.normxlogit(logits, out.hidden_states[0], out.logits.argmax(-1))
+    assert_heatmap_matches((tmp_path / "a.html").read_text(), expected, enc["attention_mask"].bool())
