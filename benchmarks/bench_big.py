@@ -54,7 +54,8 @@ def _load(setup: str, path: Path, device: torch.device, offload_dir: Path) -> to
         quantization = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4",
                                           bnb_4bit_compute_dtype=extra.get("dtype", torch.float32))
         return LlamaForCausalLM.from_pretrained(path, quantization_config=quantization, **extra).eval()
-    return LlamaForCausalLM.from_pretrained(path, device_map=_offload_map(device), offload_folder=str(offload_dir)).eval()
+    device_map = _offload_map(device)
+    return LlamaForCausalLM.from_pretrained(path, device_map=device_map, offload_folder=str(offload_dir)).eval()
 
 
 def _cpu_peak(fn) -> int:
@@ -123,13 +124,15 @@ def _measure(model, ids, device: torch.device, repeats: int) -> dict:
     formula = tokens * (layers * _CONFIG.hidden_size * element + 4)
     # Full logits (tokens x 32000 floats) are the plain forward's peak and come after the probe has let its
     # features go; with logits_to_keep=1 (what generate does) the probe's features meet the blocks' own peak.
-    plain_peak, attached_peak = _peak(lambda: plain(logits_to_keep=1), device), _peak(lambda: attached(logits_to_keep=1), device)
+    plain_peak = _peak(lambda: plain(logits_to_keep=1), device)
+    attached_peak = _peak(lambda: attached(logits_to_keep=1), device)
     full_extra = _peak(attached, device) - _peak(plain, device)
     return {
         "median_seconds": median,
         "attached_over_plain": median["attached"] / median["plain"],
         "memory": {
-            "formula": f"tokens * (layers * d' * {element} + 4) = {tokens} * ({layers} * {_CONFIG.hidden_size} * {element} + 4)",
+            "formula": f"tokens * (layers * d' * {element} + 4), tokens={tokens}, layers={layers}, "
+                       f"d'={_CONFIG.hidden_size}",
             "formula_bytes": formula,
             "bytes_per_token_per_layer": _CONFIG.hidden_size * element,
             "kept_bytes": kept,

@@ -69,6 +69,8 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--no-inseq", action="store_true", help="skip the inseq comparison")
+    parser.add_argument("--inseq-repeats", type=int, default=2,
+                        help="rounds that also time inseq (it is ~10x slower; its check run is its warm-up)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
     device = torch.device(args.device)
@@ -107,13 +109,16 @@ def main() -> None:
     with torch.no_grad():
         for round_ in range(args.repeats + 1):  # round 0 warms up and is dropped
             for name, run in variants.items():
-                if name == "inseq_saliency":
+                if name != "inseq_saliency":
+                    seconds = run()
+                elif 1 <= round_ <= args.inseq_repeats:
                     with torch.enable_grad():  # gradients are inseq's method
                         seconds = run()
                 else:
-                    seconds = run()
+                    continue
                 if round_:
                     times[name].append(seconds)
+            print(f"round {round_}: " + ", ".join(f"{n} {v[-1]:.2f}s" for n, v in times.items() if v), file=sys.stderr)
 
     median = {name: statistics.median(values) for name, values in times.items()}
     with nxl.attach(model, layers="all") as probe:
@@ -126,7 +131,7 @@ def main() -> None:
         "torch": torch.__version__,
         "model": {"arch": "llama", "hidden": 512, "layers": 8, "vocab": 32000, "prompt_tokens": args.prompt,
                   "new_tokens": args.new, "batch": 1, "decoding": "greedy"},
-        "repeats": args.repeats,
+        "repeats": {name: len(values) for name, values in times.items()},
         "median_seconds": median,
         "attached_over_plain": median["attached"] / median["plain"],
         "goal_attached_over_plain": 1.10,

@@ -2,10 +2,11 @@
 
     python examples/train_tasks.py --out /tmp/tasks     # writes /tmp/tasks/{sentiment,agreement}/ and prints JSON
 
-- ``sentiment``: the keyword task of ``nxl demo`` (:mod:`nxl_hooks.demo.task`) and its 2-block BERT
-  classifier (``examples/train_demo.py``), trained here with 15% of the words replaced by ``[MASK]`` (as
-  BERT sees in pre-training): mask-token perturbation is then in distribution, so a sentence whose keyword
-  is masked gets p close to 0.5 instead of an arbitrary confident guess. Evidence = the keyword.
+- ``sentiment``: the keyword task of ``nxl demo`` (:mod:`nxl_hooks.demo.task`) on a 2-block BERT
+  classifier (``build_model`` of ``examples/train_demo.py``), trained here with 15% of the words replaced by
+  ``[MASK]`` (as BERT sees in pre-training): mask-token perturbation is then in distribution, so a sentence
+  whose keyword is masked gets p close to 0.5 instead of an arbitrary confident guess. Evidence = the keyword.
+  ``train_demo_recipe`` is the shipped demo model's own recipe (a Llama classifier), benchmarked beside it.
 - ``agreement``: subject-verb number agreement in the spirit of BLiMP. A 2-block Llama causal LM reads
   ``<s> the [adjectives] N1 P the N2 [P the N3] ADVERB`` and must continue with ``is`` after a singular N1 and
   ``are`` after a plural one; the attractor nouns N2, N3 have random number. Evidence = the subject N1,
@@ -157,7 +158,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True, help="folder for sentiment/ and agreement/")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # bit-for-bit reproducible weights
     report = {}
     for name, trainer in (("sentiment", train_sentiment), ("agreement", train_agreement)):
         model, tokenizer = trainer(seed=args.seed)

@@ -45,9 +45,10 @@ def _show(res: Attribution, model: Any, tokenizer: Any, console: Console) -> Non
             position = int(res.position[row])
             at = res.tokens[row][position] if res.tokens else str(position)
             if kind == "regression":
-                title = f"regression: |HoT(h) - prediction {res.meta['prediction'][row][0]:.4g}|, read at {at!r}"
+                title = f"NormXLogit, regression: norm x |HoT(h) - prediction {res.meta['prediction'][row][0]:.4g}|"
             else:
-                title = f"NormXLogit of {_label_name(model, tokenizer, kind, target)!r} (id {target}), read at {at!r}"
+                title = f"NormXLogit of {_label_name(model, tokenizer, kind, target)!r} (id {target})"
+            title += f", read at {at!r} (position {position})"
             render_table(res, console, row=row, label=label, special=special, title=title)
 
 
@@ -83,6 +84,14 @@ def evidence_ranks(res: Attribution, row: int, position: int, eligible: torch.Te
     return (1 + (scores > own).sum(-1)).tolist()
 
 
+def _words(enc: Any, row: int) -> tuple[list[int], torch.Tensor]:
+    """The token position of each whitespace word of one encoded row (the demo tokenizer gives one token per
+    word, unknown words included), and the same as a bool mask over the row."""
+    word_ids = enc.word_ids(row)
+    positions = [i for i, word in enumerate(word_ids) if word is not None]
+    return positions, torch.tensor([word is not None for word in word_ids])
+
+
 def demo(args: argparse.Namespace) -> int:
     """``nxl demo``: the shipped sentiment model on one sentence, and where its keyword ranks per layer."""
     from .demo import MODEL_DIR
@@ -99,6 +108,9 @@ def demo(args: argparse.Namespace) -> int:
                 f"{', '.join(sorted(keywords))}"
             )
         text, index = args.text, hits[0]
+        unknown = sorted({word for word in words if word not in tokenizer.get_vocab()})
+        if unknown:
+            print(f"note: words outside the demo vocabulary read as {tokenizer.unk_token}: {', '.join(unknown)}")
     else:
         example = make_examples(1, seed=HELD_OUT_SEED + args.seed)[0]
         text, index = example.text, example.evidence_index
@@ -107,11 +119,9 @@ def demo(args: argparse.Namespace) -> int:
     res = explain_text(model, tokenizer, text, layers="all")
     _show(res, model, tokenizer, console)
     # Rank among the words only: [SEP] is where the classifier reads, not part of the sentence.
-    ids = tokenizer(text, return_token_type_ids=False)["input_ids"]
-    is_word = ~torch.isin(torch.tensor(ids), torch.tensor(tokenizer.all_special_ids))
-    position = int(is_word.nonzero()[index])
-    ranks = evidence_ranks(res, 0, position, is_word)
-    n_words = int(is_word.sum())
+    positions, is_word = _words(tokenizer([text], return_token_type_ids=False), 0)
+    ranks = evidence_ranks(res, 0, positions[index], is_word)
+    n_words = len(positions)
     console.print(
         Text(f"evidence {text.split()[index]!r} ranks per layer: ", style="bold")
         + Text("  ".join(f"L{layer} {rank}/{n_words}" for layer, rank in zip(res.layers, ranks)))
@@ -119,9 +129,11 @@ def demo(args: argparse.Namespace) -> int:
     )
     held_out = make_examples(_DEMO_HELD_OUT, seed=HELD_OUT_SEED)
     batch = explain_text(model, tokenizer, [ex.text for ex in held_out], layers="last")
-    enc = tokenizer([ex.text for ex in held_out], padding=True, return_token_type_ids=False, return_tensors="pt")
-    words = enc["attention_mask"].bool() & ~torch.isin(enc["input_ids"], torch.tensor(tokenizer.all_special_ids))
-    first = sum(evidence_ranks(batch, row, ex.evidence_index, words[row])[0] == 1 for row, ex in enumerate(held_out))
+    enc = tokenizer([ex.text for ex in held_out], padding=True, return_token_type_ids=False)
+    first = 0
+    for row, ex in enumerate(held_out):
+        positions, is_word = _words(enc, row)
+        first += evidence_ranks(batch, row, positions[ex.evidence_index], is_word)[0] == 1
     console.print(
         f"on {len(held_out)} held-out sentences the keyword ranks first at the last layer in "
         f"{first / len(held_out):.1%} of them (examples/train_demo.py checks the same by hand)"

@@ -77,13 +77,17 @@ def _device(model: nn.Module) -> torch.device:
     return next(p.device for p in model.parameters() if p.device.type != "meta")
 
 
-def _attribute(model: nn.Module, tokenizer: Any, ids: torch.Tensor, target: Any, layers: Any) -> tuple[Attribution, torch.Tensor]:
+def _attribute(
+    model: nn.Module, tokenizer: Any, ids: torch.Tensor, target: Any, layers: Any
+) -> tuple[Attribution, torch.Tensor]:
     """The attribution and the model's own outputs at the prediction position (float32, (outputs,))."""
     with torch.no_grad(), attach(model, layers=layers, target=target, tokenizer=tokenizer) as probe:
         logits = model(input_ids=ids.to(_device(model))).logits
     res = probe.result()
     if res.meta["head_kind"] == "masked_lm":
-        raise ValueError("the audit compares classifiers and causal LMs; for a masked LM, audit a classifier built on it")
+        raise ValueError(
+            "the audit compares classifiers and causal LMs; for a masked LM, audit a classifier built on it"
+        )
     if logits.dim() == 3:  # causal LM: (1, seq, vocab)
         logits = logits[:, int(res.position[0])]
     return res, logits[0].float().cpu()
@@ -180,8 +184,11 @@ def _quantization(mode: str) -> Any:
     if mode == "8bit":
         return BitsAndBytesConfig(load_in_8bit=True)
     if mode in ("4bit", "nf4", "fp4"):
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4" if mode == "fp4" else "nf4",
-                                  bnb_4bit_compute_dtype=torch.float32)
+        return BitsAndBytesConfig(
+            load_in_4bit=True,
+            bnb_4bit_quant_type="fp4" if mode == "fp4" else "nf4",
+            bnb_4bit_compute_dtype=torch.float32,
+        )
     raise ValueError(f"--quantize {mode!r}: use 4bit (nf4), fp4 or 8bit")
 
 
@@ -192,16 +199,26 @@ def audit_command(args: Any) -> int:
     from .viz import audit_report
 
     if (args.candidate is None) == (args.quantize is None):
-        raise ValueError("give exactly one of --candidate MODEL or --quantize 4bit|8bit (the candidate built from --reference)")
+        raise ValueError(
+            "give exactly one of --candidate MODEL or --quantize 4bit|8bit (the candidate built from --reference)"
+        )
     examples, settings = examples_from_args(args)
-    settings.update(command="audit", reference=args.reference, candidate=args.candidate, quantize=args.quantize,
-                    layers=args.layers, top_k=args.top_k)
+    settings.update(
+        command="audit",
+        reference=args.reference,
+        candidate=args.candidate,
+        quantize=args.quantize,
+        layers=args.layers,
+        top_k=args.top_k,
+    )
     reference, tokenizer = load_model(args.reference, head=args.head)
     if args.candidate is not None:
         candidate, candidate_tokenizer = load_model(args.candidate, head=args.head)
         if candidate_tokenizer.get_vocab() != tokenizer.get_vocab():
-            raise ValueError("the candidate's tokenizer differs from the reference's: the audit compares token by token, "
-                             "so both models must share one tokenizer")
+            raise ValueError(
+                "the candidate's tokenizer differs from the reference's: the audit compares token by token, "
+                "so both models must share one tokenizer"
+            )
     else:
         candidate, _ = load_model(args.reference, head=args.head, quantization_config=_quantization(args.quantize))
     place(reference)
@@ -214,5 +231,7 @@ def audit_command(args: Any) -> int:
     if records is not None:
         summary = aggregate(records)
         name = args.candidate or f"{args.reference} ({args.quantize})"
-        write_outputs(args.out, records, summary, audit_report(summary, records, title=f"Audit: {name} vs {args.reference}"))
+        write_outputs(
+            args.out, records, summary, audit_report(summary, records, title=f"Audit: {name} vs {args.reference}")
+        )
     return 0

@@ -17,7 +17,7 @@ import importlib
 import sys
 from typing import Callable, Sequence
 
-__all__ = ["CliError", "main", "parse_layers", "parse_target"]
+__all__ = ["CliError", "build_parser", "main", "parse_layers", "parse_target"]
 
 
 class CliError(Exception):
@@ -94,7 +94,7 @@ def _add_demo(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         "demo",
         help="offline demo on the tiny sentiment model shipped in the package",
         description="Attribute a sentence of neutral filler words with one sentiment keyword (the evidence) "
-        "with the tiny BERT classifier shipped in nxl_hooks/demo, and show where the keyword ranks per layer.",
+        "with the tiny Llama classifier shipped in nxl_hooks/demo, and show where the keyword ranks per layer.",
     )
     parser.add_argument("text", metavar="TEXT", nargs="?", help="your own sentence (default: a held-out example)")
     parser.add_argument("--seed", type=int, default=0, help="which held-out example to show (default 0)")

@@ -77,7 +77,9 @@ def _evidence(value: Any) -> list[str] | None:
 
 def _file_rows(path: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
     if not path.is_file():
-        raise FileNotFoundError(f"no dataset at {path}: give a .jsonl (one JSON object per line) or .csv file, or hf:NAME:SPLIT")
+        raise FileNotFoundError(
+            f"no dataset at {path}: give a .jsonl (one JSON object per line) or .csv file, or hf:NAME:SPLIT"
+        )
     if path.suffix.lower() == ".csv":
         with path.open(newline="", encoding="utf-8") as fh:
             for line, row in enumerate(csv.DictReader(fh), start=2):
@@ -96,7 +98,9 @@ def _hub_rows(source: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
     """``hf:NAME:SPLIT`` or ``hf:NAME:CONFIG:SPLIT``, read with the ``datasets`` package."""
     parts = source[3:].split(":")
     if len(parts) not in (2, 3) or not all(parts):
-        raise ValueError(f"{source!r}: write a hub dataset as hf:NAME:SPLIT or hf:NAME:CONFIG:SPLIT (hf:stanfordnlp/sst2:validation)")
+        raise ValueError(
+            f"{source!r}: write a hub dataset as hf:NAME:SPLIT or hf:NAME:CONFIG:SPLIT (hf:stanfordnlp/sst2:validation)"
+        )
     try:
         import datasets
     except ImportError:
@@ -130,8 +134,12 @@ def load_examples(
             raise ValueError(f"{where} has no non-empty {text!r} field (it has {columns}); pick it with --text-field")
         identifier = row.get("id")
         example: dict[str, Any] = {"id": len(out) if identifier in (None, "") else identifier, "text": row[text]}
-        for key, value in (("label", _label(row.get(label))), ("evidence", _evidence(row.get(evidence))),
-                           ("target", _label(row.get("target"))), ("foil", _label(row.get("foil")))):
+        for key, value in (
+            ("label", _label(row.get(label))),
+            ("evidence", _evidence(row.get(evidence))),
+            ("target", _label(row.get("target"))),
+            ("foil", _label(row.get("foil"))),
+        ):
             if value is not None:
                 example[key] = value
         out.append(example)
@@ -160,7 +168,9 @@ def _complete_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
             try:
                 records.append(json.loads(line))
             except json.JSONDecodeError:
-                raise ValueError(f"{path}:{number} is corrupt (not JSON): delete that line or the folder to redo it") from None
+                raise ValueError(
+                    f"{path}:{number} is corrupt (not JSON): delete that line or the folder to redo it"
+                ) from None
     return records, end
 
 
@@ -275,8 +285,14 @@ def run_dataset(
     log = _Log(parts / f"part-{state.process_index}.jsonl")
     label = f"{desc} [process {state.process_index + 1}/{state.num_processes}]" if state.num_processes > 1 else desc
     try:
-        for index in tqdm(mine, desc=label, unit="ex", disable=not state.is_main_process, dynamic_ncols=True,
-                          postfix={"resumed": len(done)} if done else None):
+        for index in tqdm(
+            mine,
+            desc=label,
+            unit="ex",
+            disable=not state.is_main_process,
+            dynamic_ncols=True,
+            postfix={"resumed": len(done)} if done else None,
+        ):
             log.append({**score(examples[index]), "index": index})
     finally:
         log.close()
@@ -286,7 +302,9 @@ def run_dataset(
     merged = read_records(out_dir)
     missing = [i for i in range(len(examples)) if i not in merged]
     if missing:
-        raise RuntimeError(f"records missing for examples {missing[:10]} after every process finished; rerun to fill them in")
+        raise RuntimeError(
+            f"records missing for examples {missing[:10]} after every process finished; rerun to fill them in"
+        )
     return [merged[i] for i in range(len(examples))]
 
 
@@ -294,14 +312,19 @@ def run_dataset(
 
 
 def place(model: Any) -> Any:
-    """Under ``accelerate launch`` on several GPUs, move an undispatched, unquantized model to this process's GPU."""
-    state = _state()
-    if state.num_processes > 1 and not getattr(model, "hf_device_map", None) and not getattr(model, "is_quantized", False):
-        model.to(state.device)
+    """Move an undispatched, unquantized model to this process's device (its GPU under ``accelerate launch``).
+
+    Without accelerate or without a GPU the model stays where it is (the CPU).
+    """
+    device = getattr(_state(), "device", None)
+    if device is not None and not getattr(model, "hf_device_map", None) and not getattr(model, "is_quantized", False):
+        model.to(device)
     return model
 
 
-def write_outputs(out_dir: str | Path, records: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], report: str) -> None:
+def write_outputs(
+    out_dir: str | Path, records: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], report: str
+) -> None:
     """The merged results of a run: ``records.jsonl`` (dataset order), ``summary.json``, ``report.html``."""
     out_dir = Path(out_dir)
     tmp = out_dir / "records.jsonl.tmp"
@@ -316,10 +339,16 @@ def write_outputs(out_dir: str | Path, records: Sequence[Mapping[str, Any]], sum
 
 def examples_from_args(args: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The examples a dataset command reads, and the settings that identify them (for resuming)."""
-    examples = load_examples(args.data, text=args.text_field, label=args.label_field, evidence=args.evidence_field,
-                             limit=args.limit)
-    settings = {"data": str(args.data), "examples_sha256": _digest(examples), "fields": [args.text_field,
-                args.label_field, args.evidence_field], "limit": args.limit, "head": args.head}
+    examples = load_examples(
+        args.data, text=args.text_field, label=args.label_field, evidence=args.evidence_field, limit=args.limit
+    )
+    settings = {
+        "data": str(args.data),
+        "examples_sha256": _digest(examples),
+        "fields": [args.text_field, args.label_field, args.evidence_field],
+        "limit": args.limit,
+        "head": args.head,
+    }
     return examples, settings
 
 
@@ -329,19 +358,36 @@ def evaluate_command(args: Any) -> int:
     from .loading import load_model
     from .viz import evaluate_report
 
-    methods = list(ev.DEFAULT_METHODS) if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
+    methods = (
+        list(ev.DEFAULT_METHODS) if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
+    )
     unknown = sorted(set(methods) - set(ev.DEFAULT_METHODS))
     if unknown:
         raise ValueError(f"--methods: unknown {unknown}; choose from {', '.join(ev.DEFAULT_METHODS)} (or 'all')")
     examples, settings = examples_from_args(args)
-    settings.update(command="evaluate", model=args.model, methods=methods, layer=args.layer, seed=args.seed,
-                    perturbation=args.perturbation, ig_steps=args.ig_steps)
+    settings.update(
+        command="evaluate",
+        model=args.model,
+        methods=methods,
+        layer=args.layer,
+        seed=args.seed,
+        perturbation=args.perturbation,
+        ig_steps=args.ig_steps,
+    )
     model, tokenizer = load_model(args.model, head=args.head)
     place(model)
 
     def score(example: Mapping[str, Any]) -> Mapping[str, Any]:
-        return ev.score_example(model, tokenizer, example, methods, layer=args.layer, seed=args.seed,
-                                perturbation=args.perturbation, ig_steps=args.ig_steps)
+        return ev.score_example(
+            model,
+            tokenizer,
+            example,
+            methods,
+            layer=args.layer,
+            seed=args.seed,
+            perturbation=args.perturbation,
+            ig_steps=args.ig_steps,
+        )
 
     records = run_dataset(examples, score, args.out, settings=settings, desc="evaluate")
     if records is not None:

@@ -249,7 +249,8 @@ class _Generation:
             targets = probe._fixed_targets.to(token.device).expand(batch, -1)
         with torch.no_grad():
             logat = torch.stack([
-                probe.head.target_logits(self._features[layer].view().to(self._compute_dtype), targets)
+                # scored where each layer's cache lives (device_map: its block's device); only scores move
+                probe.head.target_logits(self._features[layer].view().to(self._compute_dtype), targets).to(token.device)
                 for layer in probe.layers
             ])  # (layers, batch, position, k)
             embed = self._embed.view()

@@ -33,9 +33,12 @@ _POST: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
 def module_device(module: nn.Module) -> torch.device:
     """Where ``module`` computes: accelerate's execution device when offloaded, else its weights' device."""
     hook = getattr(module, "_hf_hook", None)
-    execution_device = getattr(hook, "execution_device", None)
+    hooks = getattr(hook, "hooks", (hook,))  # a SequentialHook holds several
+    execution_device = next((h.execution_device for h in hooks if getattr(h, "execution_device", None) is not None), None)
     if execution_device is not None:
-        return _indexed(torch.device(execution_device if not isinstance(execution_device, int) else f"cuda:{execution_device}"))
+        if isinstance(execution_device, int):
+            execution_device = f"cuda:{execution_device}"
+        return _indexed(torch.device(execution_device))
     for tensor in module.parameters():
         if tensor.device.type != "meta":
             return tensor.device
@@ -70,7 +73,8 @@ def _replica(module: nn.Module, device: torch.device) -> nn.Module:
     accelerate's hook attributes are set aside during the copy: deep-copying them would copy the offload map
     (the whole offloaded state dict); offloaded weights are read under ``align_module_device``.
     """
-    saved = [(sub, {k: sub.__dict__.pop(k) for k in _ACCELERATE_ATTRIBUTES if k in sub.__dict__}) for sub in module.modules()]
+    saved = [(sub, {key: sub.__dict__.pop(key) for key in _ACCELERATE_ATTRIBUTES if key in sub.__dict__})
+             for sub in module.modules()]
     try:
         clone = copy.deepcopy(module)
     finally:
@@ -80,6 +84,17 @@ def _replica(module: nn.Module, device: torch.device) -> nn.Module:
         state = {name: tensor.detach().to(device, copy=True) for name, tensor in module.state_dict().items()}
     clone.load_state_dict(state, assign=True)
     return clone.to(device).eval()
+
+
+def _readable(module: nn.Module) -> bool:
+    """Its own weights can be read directly: they are on a real device, or offloaded behind accelerate's offload
+    hook, which ``align_module_device`` undoes. (``disk_offload`` on a bare Linear wraps that hook in a
+    SequentialHook, which it does not: such a module is only ever called.)"""
+    if all(param.device.type != "meta" for param in module.parameters(recurse=False)):
+        return True
+    from accelerate.utils import has_offloaded_params
+
+    return has_offloaded_params(module)
 
 
 def _weights_materialized(module: nn.Module):
@@ -150,13 +165,13 @@ class Head:
         # Only a plain Linear can be gathered row by row: bitsandbytes' Linear4bit/8bitLt subclass
         # nn.Linear but store packed weights, torchao keeps nn.Linear with a quantized weight tensor,
         # and PEFT wrappers route to the active adapter.
-        return type(self.readout) is nn.Linear and _plain(self.readout)
+        return type(self.readout) is nn.Linear and _plain(self.readout) and _readable(self.readout)
 
     def _step_on(self, index: int, step: nn.Module, device: torch.device) -> nn.Module:
         """``step`` itself where it computes on ``device``; else a local copy when it is plain (a norm's weights
         cross devices once instead of every hidden state), else ``step`` (quantized, adapter: inputs go to it)."""
         device = _indexed(device)
-        if module_device(step) == device or not _plain(step):
+        if module_device(step) == device or not (_plain(step) and all(_readable(sub) for sub in step.modules())):
             return step
         key = (index, device)
         if key not in self._replicas:

@@ -308,5 +308,7 @@ def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, 
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with attach(model, layers=layers, tokenizer=tokenizer, on_step=show, sink=sink) as probe:
+        if probe.kind != "causal_lm":
+            raise ValueError(f"generating needs a causal LM; {type(probe.model).__name__} is a {probe.kind} model")
         model.generate(**enc, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
     return probe.calls[-1]

@@ -28,6 +28,11 @@ FAMILIES = {
 }
 
 
+#: One test_architectures case per registered family: the rows of the README support matrix.
+ONE_PER_FAMILY = ["llama-lm", "gemma2-lm", "phi-lm", "gpt2-lm", "gpt_neox-lm", "opt-lm", "falcon-lm", "cohere-lm",
+                  "granite-lm", "bert-cls", "roberta-cls", "deberta_v2-cls"]
+
+
 def build(family: str, seed: int = 0, **config) -> torch.nn.Module:
     """A random tiny model of ``family`` (hidden 64, 2 layers); ``config`` overrides fields (``num_labels=32``)."""
     cls, base = FAMILIES[family]

@@ -41,8 +41,23 @@ def _by_hand(ref: torch.Tensor, cand: torch.Tensor, top_k: int) -> dict:
 def test_quantized_audit_matches_oracle(tmp_path):
     path = tiny.save_model(tmp_path / "llama", "llama", seed=3)
     data = tiny.write_jsonl(tmp_path / "data.jsonl", 5)
-    assert main(["audit", "--reference", str(path), "--quantize", "8bit", str(data), "--out", str(tmp_path / "out"),
-                 "--top-k", "3"]) == 0
+    assert (
+        main(
+            [
+                "audit",
+                "--reference",
+                str(path),
+                "--quantize",
+                "8bit",
+                str(data),
+                "--out",
+                str(tmp_path / "out"),
+                "--top-k",
+                "3",
+            ]
+        )
+        == 0
+    )
     records = [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").read_text().splitlines()]
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
 
@@ -65,19 +80,26 @@ def test_quantized_audit_matches_oracle(tmp_path):
             assert record[name] == pytest.approx(values, rel=1e-4, abs=1e-6), name
     assert summary["agreement"] == sum(agree) / len(agree)
     assert summary["per_layer"]["spearman"] == pytest.approx(
-        [sum(r["spearman"][i] for r in records) / len(records) for i in range(3)])
+        [sum(r["spearman"][i] for r in records) / len(records) for i in range(3)]
+    )
 
 
 def test_same_weights_show_no_change():
     model, twin = tiny.build_model("bert", 0), tiny.build_model("bert", 0)
     record = audit.audit_example(model, twin, tiny.tokenizer(), {"text": "the film was very good"})
-    assert record["agree"] and record["spearman"] == pytest.approx([1.0] * 3) and record["kendall"] == pytest.approx([1.0] * 3)
+    assert (
+        record["agree"]
+        and record["spearman"] == pytest.approx([1.0] * 3)
+        and record["kendall"] == pytest.approx([1.0] * 3)
+    )
     assert record["topk"] == [1.0] * 3 and record["drift"] == [0.0] * 3
 
 
 def test_report_leads_with_flipped_then_lowest_spearman(tmp_path):
     reference, candidate, tok = tiny.build_model("bert", 0), tiny.build_model("bert", 5), tiny.tokenizer()
-    records = [{**audit.audit_example(reference, candidate, tok, ex), "index": i} for i, ex in enumerate(tiny.examples(8))]
+    records = [
+        {**audit.audit_example(reference, candidate, tok, ex), "index": i} for i, ex in enumerate(tiny.examples(8))
+    ]
     summary = audit.aggregate(records)
     assert summary["flipped"] == sum(not r["agree"] for r in records) > 0
     from nxl_hooks.viz import audit_report
@@ -86,7 +108,7 @@ def test_report_leads_with_flipped_then_lowest_spearman(tmp_path):
     shown = [int(i) for i in re.findall(r'class="example" data-index="(\d+)"', page)]
     flipped = [i for i in shown if not records[i]["agree"]]
     assert shown[: len(flipped)] == flipped and len(flipped) == summary["flipped"]
-    rest = [records[i]["spearman"][-1] for i in shown[len(flipped):]]
+    rest = [records[i]["spearman"][-1] for i in shown[len(flipped) :]]
     assert rest == sorted(rest)
     assert page.index('class="example"') < page.index("<h2>Per layer</h2>")
 

@@ -8,25 +8,41 @@ import os
 import shutil
 import subprocess
 import tempfile
-from pathlib import Path
 
 import pytest
 
 import tiny
 from test_viz import assert_heatmap_matches, evaluate_page, explained  # noqa: F401  (explained is a fixture)
 
-BROWSER = next((shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome") if shutil.which(name)), None)
-pytestmark = pytest.mark.skipif(BROWSER is None, reason="no chromium on PATH: install it with `apt-get install -y chromium`")
+BROWSER = next(
+    (shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome") if shutil.which(name)), None
+)
+pytestmark = pytest.mark.skipif(
+    BROWSER is None, reason="no chromium on PATH: install it with `apt-get install -y chromium`"
+)
 
 
 def _chromium(*args: str) -> str:
     # The network is closed here: without the background-networking flags Chromium keeps trying to reach Google.
     with tempfile.TemporaryDirectory() as profile:
         done = subprocess.run(
-            [BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
-             "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-quic",
-             f"--user-data-dir={profile}", *args],
-            capture_output=True, text=True, timeout=90, env={**os.environ, "HOME": profile},
+            [
+                BROWSER,
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+                "--disable-quic",
+                f"--user-data-dir={profile}",
+                *args,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            env={**os.environ, "HOME": profile},
         )
     assert done.returncode == 0, done.stderr[-2000:]
     return done.stdout

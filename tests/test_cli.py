@@ -125,3 +125,8 @@ def test_demo_ranks_the_keyword_first_at_the_last_layer(capsys):
     assert match and match.groups() == ("1", str(len(example.words)))
     share = float(re.search(r"at the last layer in ([\d.]+)%", printed).group(1))
     assert share >= 85.0
+
+
+def test_demo_sentence_needs_one_keyword(capsys):
+    assert main(["demo", "good and terrible"]) == 2
+    assert "exactly one sentiment keyword (found 2)" in capsys.readouterr().err

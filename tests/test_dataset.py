@@ -42,8 +42,11 @@ def test_jsonl_and_csv_load_alike(tmp_path):
     (tmp_path / "d.jsonl").write_text(
         '{"text": "good film", "label": 1, "evidence": ["good"]}\n\n{"text": "bad plot", "label": "neg"}\n'
     )
-    (tmp_path / "d.csv").write_text('text,label,evidence\ngood film,1,good\nbad plot,neg,\n')
-    expected = [{"id": 0, "text": "good film", "label": 1, "evidence": ["good"]}, {"id": 1, "text": "bad plot", "label": "neg"}]
+    (tmp_path / "d.csv").write_text("text,label,evidence\ngood film,1,good\nbad plot,neg,\n")
+    expected = [
+        {"id": 0, "text": "good film", "label": 1, "evidence": ["good"]},
+        {"id": 1, "text": "bad plot", "label": "neg"},
+    ]
     assert load_examples(tmp_path / "d.jsonl") == expected
     assert load_examples(tmp_path / "d.csv") == expected
     (tmp_path / "e.csv").write_text('sentence,label,evidence\nok,0.5,"[""a b"", ""c""]"\nfine,2,x|y z\n')
@@ -118,8 +121,22 @@ def test_exception_after_n_records_resumes_to_identical_result(models, tmp_path)
 
 def test_evaluate_command_writes_records_summary_and_report(models, tmp_path):
     methods = "random,normxlogit,logat"
-    assert main(["evaluate", str(models["bert"]), str(models["data"]), "--out", str(tmp_path / "ev"), "--methods", methods,
-                 "--limit", "4"]) == 0
+    assert (
+        main(
+            [
+                "evaluate",
+                str(models["bert"]),
+                str(models["data"]),
+                "--out",
+                str(tmp_path / "ev"),
+                "--methods",
+                methods,
+                "--limit",
+                "4",
+            ]
+        )
+        == 0
+    )
     summary, records = _outputs(tmp_path / "ev")
     model, tok = tiny.build_model("bert", 0), tiny.tokenizer()
     for index, example in enumerate(tiny.examples(4)):
@@ -140,15 +157,27 @@ def _free_port() -> int:
 
 
 def _audit_args(models, out: Path) -> list[str]:
-    return ["audit", "--reference", str(models["llama"]), "--candidate", str(models["llama2"]), str(models["data"]),
-            "--out", str(out)]
+    return [
+        "audit",
+        "--reference",
+        str(models["llama"]),
+        "--candidate",
+        str(models["llama2"]),
+        str(models["data"]),
+        "--out",
+        str(out),
+    ]
 
 
 def test_sigkill_mid_dataset_resumes_to_identical_result(models, tmp_path):
     data = tiny.write_jsonl(tmp_path / "long.jsonl", 12)
     args = ["audit", "--reference", str(models["llama"]), "--candidate", str(models["llama2"]), str(data)]
-    child = subprocess.Popen([sys.executable, "-m", "nxl_hooks.cli", *args, "--out", str(tmp_path / "killed")],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    child = subprocess.Popen(
+        [sys.executable, "-m", "nxl_hooks.cli", *args, "--out", str(tmp_path / "killed")],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     part = tmp_path / "killed" / "parts" / "part-0.jsonl"
     deadline = time.monotonic() + 60
     while not (part.exists() and part.read_bytes().count(b"\n") >= 2) and time.monotonic() < deadline:
@@ -166,13 +195,30 @@ def test_accelerate_launch_two_processes_equals_one(models, tmp_path):
     pytest.importorskip("accelerate", reason="accelerate is not installed")
     # `accelerate launch`, run as a module so no PATH is needed. Without GPUs, --multi_gpu starts N CPU
     # processes (gloo); --cpu would start one.
-    launch = [sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-              "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(_free_port()),
-              "-m", "nxl_hooks.cli"]
+    launch = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "--main_process_port",
+        str(_free_port()),
+        "-m",
+        "nxl_hooks.cli",
+    ]
     env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
     if torch.cuda.is_available():
         pytest.skip("this test shards across CPU processes; on a GPU machine accelerate would use the GPUs")
-    done = subprocess.run([*launch, *_audit_args(models, tmp_path / "two")], env=env, capture_output=True, text=True, timeout=180)
+    done = subprocess.run(
+        [*launch, *_audit_args(models, tmp_path / "two")], env=env, capture_output=True, text=True, timeout=180
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     parts = sorted((tmp_path / "two" / "parts").glob("part-*.jsonl"))
     shares = [len(p.read_text().splitlines()) for p in parts]

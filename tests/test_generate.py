@@ -296,3 +296,21 @@ def test_fixed_targets_add_a_label_axis_at_every_step(model):
         for k, label in enumerate((5, 7)):
             _, expected = normxlogit(logits, embeddings, torch.tensor([label, label]))
             torch.testing.assert_close(step.normxlogit[..., k], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_cli_attribute_generate_streams_and_saves(tmp_path, capsys, monkeypatch):
+    from nxl_hooks.cli import main
+
+    import tiny
+
+    monkeypatch.setenv("COLUMNS", "300")  # rich folds long lines at the terminal width
+    path = tiny.save_model(tmp_path / "llama", "llama")
+    out = tmp_path / "run.nxl"
+    assert main(["attribute", str(path), "the film was", "--generate", "3", "--layers", "last", "--out", str(out)]) == 0
+    (call,) = nxl.read_stream(out)
+    printed = capsys.readouterr().out.strip().splitlines()
+    assert call.complete and 1 <= len(call.steps) <= 3 and len(printed) == 1 + len(call.steps)
+    assert all(line.split()[0] == str(s.step) and "L2 " in line for line, s in zip(printed[1:], call.steps))
+    bert = tiny.save_model(tmp_path / "bert", "bert")
+    assert main(["attribute", str(bert), "the film was", "--generate", "3"]) == 2  # not a causal LM: one-line error
+    assert "causal LM" in capsys.readouterr().err

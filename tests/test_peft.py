@@ -19,7 +19,8 @@ from peft import LoraConfig, get_peft_model  # noqa: E402
 
 def _lora_head(layer) -> oracle.Fn:
     """base(h) + B(A(h)) * scaling for a lora.Linear, by hand (dropout is off in eval)."""
-    base, down, up = oracle.linear(layer.base_layer), oracle.linear(layer.lora_A["default"]), oracle.linear(layer.lora_B["default"])
+    base = oracle.linear(layer.base_layer)
+    down, up = oracle.linear(layer.lora_A["default"]), oracle.linear(layer.lora_B["default"])
     scaling = layer.scaling["default"]
     return lambda h: base(h) + up(down(h)) * scaling
 
@@ -60,3 +61,14 @@ def test_lora_classifier_modules_to_save_head():
         wrapper.modules_to_save["default"].weight.add_(torch.randn_like(wrapper.original_module.weight))
     _check_both(peft_model, oracle.linear(wrapper.modules_to_save["default"]), oracle.linear(wrapper.original_module),
                 oracle.rms_norm(model.model.norm))
+
+
+@pytest.mark.parametrize("case_id", big.ONE_PER_FAMILY)
+def test_lora_blocks_per_family(case_id):
+    """LoRA on every block Linear of each family: the blocks' outputs change, the hand-written head still applies."""
+    import test_architectures as arch
+
+    case = arch.CASES[case_id]
+    peft_model = get_peft_model(case.build(), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False,
+                                                            exclude_modules=r".*(pooler|classifier).*"))
+    arch._check_against_oracle(case, peft_model.eval().get_base_model())

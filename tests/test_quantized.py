@@ -48,7 +48,7 @@ def test_bnb_quantized_classification_heads(tmp_path_factory, family, quant):
     big.check(model, hand, *big.batch(seed=2))  # again, after a 4-bit Linear has repacked itself in place
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_half_precision_llama(dtype):
     model = big.build("llama").to(dtype)
     # Same arithmetic in a lower precision, but gathered rows sum in another order than a full matmul.
@@ -81,19 +81,17 @@ def test_torchao_int8_weight_only(tmp_path_factory):
 # -- one model per registered family, for the support matrix ------------------------------------------------
 #
 # test_architectures holds the case table (tiny config, hand-written head) and the full oracle check; here the
-# same check runs in half precision and on bitsandbytes-quantized decoders.
+# same check runs in half precision and on bitsandbytes-quantized decoders (offload: test_dispatch; LoRA: test_peft).
 
-ONE_PER_FAMILY = ["llama-lm", "gemma2-lm", "phi-lm", "gpt2-lm", "gpt_neox-lm", "opt-lm", "falcon-lm", "cohere-lm",
-                  "granite-lm", "bert-cls", "roberta-cls", "deberta_v2-cls"]
 # Decoders whose final norm and lm_head bitsandbytes leaves unquantized, so the hand-written head applies
 # (bitsandbytes converts no Linear of the tiny Falcon: nothing to test there).
-BNB_DECODERS = [case for case in ONE_PER_FAMILY if case.endswith("-lm") and case != "falcon-lm"]
+BNB_DECODERS = [case for case in big.ONE_PER_FAMILY if case.endswith("-lm") and case != "falcon-lm"]
 # The CPU 4-bit kernel wants in_features % 64 == 0 and out_features % 32 == 0: widen the tiny configs.
 WIDE = dict(hidden_size=64, intermediate_size=128, head_dim=16, word_embed_proj_dim=64)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("case_id", ONE_PER_FAMILY)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("case_id", big.ONE_PER_FAMILY)
 def test_half_precision_per_family(monkeypatch, case_id, dtype):
     import test_architectures as arch
 

@@ -38,7 +38,9 @@ def assert_heatmap_matches(page: str, expected: torch.Tensor, mask: torch.Tensor
         start += len(want)
         torch.testing.assert_close(torch.tensor([float(c["data-value"]) for c in got]), want, rtol=1e-4, atol=1e-5)
         layers = expected.shape[0]
-        assert [(int(c["data-row"]), int(c["data-col"])) for c in got] == [(i, l) for i in range(len(real)) for l in range(layers)]
+        assert [(int(c["data-row"]), int(c["data-col"])) for c in got] == [
+            (i, layer) for i in range(len(real)) for layer in range(layers)
+        ]
     assert start == len(cells)
 
 
@@ -75,10 +77,19 @@ def test_heatmap_colour_follows_sign_and_column_scale():
 
 
 def test_line_chart_points_carry_values_and_none_breaks_the_line():
-    svg = line_chart([1, 2, 3, 4], {"a": [0.5, None, 0.25, 0.0], "b": [1.0, 1.0, 1.0, 1.0]}, title="t", x_label="x", y_label="y")
+    svg = line_chart(
+        [1, 2, 3, 4], {"a": [0.5, None, 0.25, 0.0], "b": [1.0, 1.0, 1.0, 1.0]}, title="t", x_label="x", y_label="y"
+    )
     points = tiny.elements(svg, "circle", "nxl-point")
     assert [(p["data-series"], float(p["data-x"]), float(p["data-y"])) for p in points] == [
-        ("a", 1, 0.5), ("a", 3, 0.25), ("a", 4, 0.0), ("b", 1, 1.0), ("b", 2, 1.0), ("b", 3, 1.0), ("b", 4, 1.0)]
+        ("a", 1, 0.5),
+        ("a", 3, 0.25),
+        ("a", 4, 0.0),
+        ("b", 1, 1.0),
+        ("b", 2, 1.0),
+        ("b", 3, 1.0),
+        ("b", 4, 1.0),
+    ]
     assert len(tiny.elements(svg, "polyline")) == 2  # a's lone first point draws no segment
     ys = {float(p["data-y"]): float(p["cy"]) for p in points}
     assert ys[1.0] < ys[0.5] < ys[0.25] < ys[0.0]  # higher values are drawn higher
@@ -96,9 +107,11 @@ def test_evaluate_report_plots_the_summary():
     points = tiny.elements(page, "circle", "nxl-point")
     curves = summary["methods"]
     first_chart = points[: 2 * len(summary["ks"])]  # comprehensiveness comes first
-    assert [float(p["data-y"]) for p in first_chart] == curves["random"]["comprehensiveness_curve"] + curves["normxlogit"]["comprehensiveness_curve"]
+    assert [float(p["data-y"]) for p in first_chart] == curves["random"]["comprehensiveness_curve"] + curves[
+        "normxlogit"
+    ]["comprehensiveness_curve"]
     assert [float(p["data-x"]) for p in first_chart[:9]] == [10, 20, 30, 40, 50, 60, 70, 80, 90]
-    ap_table = page[page.index("Average precision of the evidence"):page.index("Normalized dot product")]
+    ap_table = page[page.index("Average precision of the evidence") : page.index("Normalized dot product")]
     cells = [float(c["data-value"]) for c in tiny.elements(ap_table, "td", "nxl-cell")]
     layers = len(summary["layers"])
     assert cells == curves["random"]["ap"] * layers + curves["normxlogit"]["ap"]

@@ -15,11 +15,32 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
-from transformers import (BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM,
-                          PreTrainedTokenizerFast)
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+)
 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-WORDS = ["the", "a", "film", "movie", "plot", "was", "is", "good", "bad", "great", "awful", "very", "quite", "and", "but"]
+WORDS = [
+    "the",
+    "a",
+    "film",
+    "movie",
+    "plot",
+    "was",
+    "is",
+    "good",
+    "bad",
+    "great",
+    "awful",
+    "very",
+    "quite",
+    "and",
+    "but",
+]
 VOCAB = SPECIAL + WORDS
 
 
@@ -27,22 +48,30 @@ def tokenizer() -> PreTrainedTokenizerFast:
     """Whitespace word-level tokenizer; adds ``[CLS] ... [SEP]`` like BERT's."""
     backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="[UNK]"))
     backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.post_processor = processors.TemplateProcessing(single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
-                                   sep_token="[SEP]", mask_token="[MASK]")
+    backend.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
+        mask_token="[MASK]",
+    )
+
+
+_SIZES = dict(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+              pad_token_id=0)
 
 
 def build_model(kind: str, seed: int = 0) -> torch.nn.Module:
     """A random tiny ``"bert"`` classifier (2 labels) or ``"llama"`` causal LM over :data:`VOCAB`."""
     torch.manual_seed(seed)
     if kind == "bert":
-        config = BertConfig(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                            num_attention_heads=4, max_position_embeddings=64, num_labels=2, pad_token_id=0)
-        return BertForSequenceClassification(config).eval()
+        return BertForSequenceClassification(BertConfig(**_SIZES, max_position_embeddings=64, num_labels=2)).eval()
     if kind == "llama":
-        config = LlamaConfig(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
-        return LlamaForCausalLM(config).eval()
+        return LlamaForCausalLM(LlamaConfig(**_SIZES, num_key_value_heads=2)).eval()
     raise ValueError(kind)
 
 
@@ -61,7 +90,9 @@ def examples(n: int, seed: int = 0) -> list[dict]:
         word = rng.choice(["good", "bad", "great", "awful"])
         filler = rng.sample(["the", "film", "was", "very", "plot", "and", "quite"], rng.randint(2, 5))
         filler.insert(rng.randint(0, len(filler)), word)
-        out.append({"id": f"ex{i}", "text": " ".join(filler), "label": int(word in ("good", "great")), "evidence": [word]})
+        out.append(
+            {"id": f"ex{i}", "text": " ".join(filler), "label": int(word in ("good", "great")), "evidence": [word]}
+        )
     return out
 
 
