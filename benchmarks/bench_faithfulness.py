@@ -32,8 +32,9 @@ TASKS = {
     "sentiment": {
         "train": train_tasks.train_sentiment,
         "examples": lambda n, seed: train_tasks.sentiment_examples(n, seed=train_tasks.HELD_OUT_SEED + seed),
-        "about": "keyword sentiment classification; 2-block BERT (hidden 32) classifier; evidence = the keyword; "
-                 "perturbation = [MASK]; p = softmax over the 2 labels of the predicted label; foil = the other label",
+        "about": "keyword sentiment classification; 2-block BERT (hidden 32) classifier trained with 15% of the words "
+                 "masked; evidence = the keyword; perturbation = [MASK]; p = softmax over the 2 labels of the predicted "
+                 "label; foil = the other label",
     },
     "sentiment_demo": {
         "train": train_tasks.train_demo_recipe,
@@ -45,9 +46,16 @@ TASKS = {
     "agreement": {
         "train": train_tasks.train_agreement,
         "examples": lambda n, seed: train_tasks.agreement_examples(n, seed=train_tasks.HELD_OUT_SEED + seed),
-        "about": "subject-verb number agreement with 1-2 attractor nouns; 2-block Llama (hidden 64) causal LM; "
-                 "evidence = the subject noun; target = the correct verb, foil = the wrong one; perturbation = "
-                 "deletion; p = softmax over (target, foil)",
+        "about": "subject-verb number agreement with 1-2 attractor nouns and an adverb before the verb; 2-block "
+                 "Llama (hidden 64) causal LM; evidence = the subject noun; target = the correct verb, foil = the wrong "
+                 "one; perturbation = deletion; p = softmax over (target, foil)",
+    },
+    "agreement_mlm": {
+        "train": train_tasks.train_agreement_mlm,
+        "examples": lambda n, seed: train_tasks.agreement_examples(n, seed=train_tasks.HELD_OUT_SEED + seed, masked=True),
+        "about": "the same agreement sentences with the verb replaced by <mask>; 2-block BERT (hidden 64) masked LM "
+                 "trained with the verb and 15% of the other words masked; perturbation = <mask>; p = softmax over "
+                 "(target, foil) at the mask",
     },
 }
 

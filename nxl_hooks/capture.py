@@ -185,7 +185,12 @@ class Probe:
             if self.embedding == "layer_input":
                 self._pass.embed_norm = hidden.detach().float().norm(dim=-1)
             if 0 in self.layers:
-                self._pass.features[0] = self.head.features(hidden.detach())
+                self._pass.features[0] = self._to_features(hidden.detach())
+
+    def _to_features(self, hidden: torch.Tensor) -> torch.Tensor:
+        # While generating, block outputs stay raw and become features in one call per forward, all layers
+        # stacked (nxl_hooks/generation.py): one-token decoding steps would pay the head's overhead per layer.
+        return hidden if self._generating else self.head.features(hidden)
 
     def _on_word_embedding(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         # Gemma-style scaled embeddings multiply inside the module; the paper's norm is of the raw row.
@@ -198,12 +203,12 @@ class Probe:
     def _block_hook(self, index: int):
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             with torch.no_grad():
-                self._pass.features[index] = self.head.features(_hidden(output).detach())
+                self._pass.features[index] = self._to_features(_hidden(output).detach())
 
         return hook
 
     def _on_backbone_end(self, module: nn.Module, args: tuple, output: Any) -> None:
-        with torch.no_grad():
+        with torch.no_grad(), self.head.reading():  # an offloaded head is loaded once, not once per layer
             if self._generating:
                 self._generation.after_forward(self._pass)
             else:

@@ -149,7 +149,7 @@ class _Generation:
         self._prompt_len: int | None = prompt.shape[1] if isinstance(prompt, torch.Tensor) and prompt.dim() > 1 else None
         eos = self._setting(kwargs, "eos_token_id")
         self._eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), dtype=torch.long)
-        self._features = {layer: _Growing() for layer in self._probe.layers}
+        self._features = _Growing()  # (batch, n, len(layers), d): all layers in one tensor, one head call per step
         self._embed, self._mask = _Growing(), _Growing()
         self._real: list[torch.Tensor] = []  # per generated position: is its token real (row not finished)?
         self._prompt_ids: list[torch.Tensor] = []
@@ -168,8 +168,7 @@ class _Generation:
                 if sequences.shape[1] in (self._n + 1, emitted):
                     self._emit(sequences[:, -1], call)
         finally:
-            self._features = {}
-            self._embed = self._mask = None
+            self._features = self._embed = self._mask = None
             self.hub.end(call, sequences.cpu() if sequences is not None else None)
 
     # -- hooks -------------------------------------------------------------------------------------------
@@ -199,13 +198,16 @@ class _Generation:
     def after_forward(self, p: "_Pass") -> None:
         """Append this forward's features; its last position's prediction is the next pending step."""
         new = p.embed_norm.shape[1]
-        for cache in (*self._features.values(), self._embed, self._mask):
+        for cache in (self._features, self._embed, self._mask):
             cache.truncate(self._past)
-        for layer, cache in self._features.items():
-            features = p.features[layer]
-            self._compute_dtype = self._compute_dtype or features.dtype
-            cache.append(features.to(device=self._cache_device or features.device,
-                                     dtype=self._cache_dtype or features.dtype))
+        layers = self._probe.layers
+        # The hooks kept block outputs raw (Probe._to_features): one head call turns every layer into features.
+        # Under a device_map they meet on the last selected block's device (one position per step moves).
+        device = p.features[layers[-1]].device
+        features = self._probe.head.features(torch.stack([p.features[layer].to(device) for layer in layers], dim=2))
+        self._compute_dtype = features.dtype
+        self._features.append(features.to(device=self._cache_device or features.device,
+                                          dtype=self._cache_dtype or features.dtype))
         self._embed.append(p.embed_norm)
         self._mask.append(self._new_mask(p, new))
         if self._prompt_len is None:  # generate started from its bos token, not a prompt we were shown
@@ -248,11 +250,9 @@ class _Generation:
         else:
             targets = probe._fixed_targets.to(token.device).expand(batch, -1)
         with torch.no_grad():
-            logat = torch.stack([
-                # scored where each layer's cache lives (device_map: its block's device); only scores move
-                probe.head.target_logits(self._features[layer].view().to(self._compute_dtype), targets).to(token.device)
-                for layer in probe.layers
-            ])  # (layers, batch, position, k)
+            features = self._features.view().to(self._compute_dtype)  # (batch, position, layers, d)
+            flat = features.reshape(batch, -1, features.shape[-1])  # every layer in one gather of target rows
+            logat = probe.head.target_logits(flat, targets).view(*features.shape[:3], -1).permute(2, 0, 1, 3)
             embed = self._embed.view()
             normxlogit = embed.to(logat.device)[None, :, :, None] * logat
         if not probe._label_axis:

@@ -147,6 +147,7 @@ class Head:
         self._steps = steps
         self._replicas: dict[tuple[int, torch.device], nn.Module] = {}
         self._rows: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None  # (targets, rows, bias)
+        self._held = False  # inside reading(): the readout's weights are materialized
         self.readout = readout
         self.n_outputs = self._count_outputs(readout)
 
@@ -195,15 +196,34 @@ class Head:
             logits = op(logits, value)
         return logits
 
+    @contextlib.contextmanager
+    def reading(self):
+        """Hold an offloaded readout's weights across several reads: an offloaded module loads its whole weight
+        on every call or ``align_module_device``, so the final logits and every layer's target rows of one
+        forward share one load. ``with head.reading(): head.logits(...); head.target_logits(...)``"""
+        offloaded = any(param.device.type == "meta" for param in self.readout.parameters(recurse=False))
+        if self._held or not offloaded or not self._gatherable():
+            yield
+            return
+        with _weights_materialized(self.readout):
+            self._held = True
+            try:
+                yield
+            finally:
+                self._held = False
+
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """All outputs of HoT for ``features`` of shape (..., d): use only on a few positions."""
+        if self._held:  # a plain Linear with its weights already materialized: calling it would load them again
+            weight = self.readout.weight
+            return self._post(F.linear(features.to(weight.device), weight, self.readout.bias)).float()
         return self._post(self.readout(features.to(self.device))).float()
 
     def _target_rows(self, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The readout's weight rows (rows, k, d) and bias (rows, k) for ``targets``, read once per targets
         tensor (one per forward, shared by all layers): reading an offloaded head loads its whole weight."""
         if self._rows is None or self._rows[0] is not targets:
-            with _weights_materialized(self.readout):
+            with contextlib.nullcontext() if self._held else _weights_materialized(self.readout):
                 weight, bias = self.readout.weight, self.readout.bias
                 index = targets.to(weight.device)
                 self._rows = (targets, weight[index], None if bias is None else bias[index])

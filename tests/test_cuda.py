@@ -40,7 +40,7 @@ def test_bnb_4bit_bert_head_on_cuda(tmp_path):
     big.check(model, big.bert_head(model), *big.batch())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
 @pytest.mark.parametrize("family", ["llama", "bert"])
 def test_dtypes_on_cuda(family, dtype):
     model = big.build(family).to("cuda", dtype)
@@ -49,16 +49,20 @@ def test_dtypes_on_cuda(family, dtype):
     big.check(model, hand, *big.batch(), rtol=2e-2 if loose else 1e-4, atol=2e-2 if loose else 1e-5)
 
 
-def test_cuda_cpu_split_scores_on_each_blocks_device():
+def _split_llama():
+    """Block 1 on the CPU, the rest (final norm and lm_head included) on cuda:0. main_device="cpu": the "cpu"
+    block really computes on the CPU instead of being offloaded to run on cuda:0."""
     from accelerate import dispatch_model
 
-    ids, mask = big.batch()
-    ref, _ = _attribute(big.build("llama"), ids, mask)
-    # main_device="cpu": the "cpu" block really computes on the CPU (not offloaded to run on cuda:0).
     device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0, "model.layers.1": "cpu",
                   "model.norm": 0, "lm_head": 0}
-    model = dispatch_model(big.build("llama"), device_map=device_map, main_device="cpu")
-    res, probe = _attribute(model, ids.cuda(), mask.cuda())
+    return dispatch_model(big.build("llama"), device_map=device_map, main_device="cpu")
+
+
+def test_cuda_cpu_split_scores_on_each_blocks_device():
+    ids, mask = big.batch()
+    ref, _ = _attribute(big.build("llama"), ids, mask)
+    res, probe = _attribute(_split_llama(), ids.cuda(), mask.cuda())
     torch.testing.assert_close(res.logat, ref.logat, **ACROSS_DEVICES)
     torch.testing.assert_close(res.normxlogit, ref.normxlogit, **ACROSS_DEVICES)
     # Block 1's output was normed by a CPU copy of the final norm, i.e. its features stayed on the CPU.
@@ -77,3 +81,17 @@ def test_offload_to_cpu_and_disk_executing_on_cuda(tmp_path):
     res, _ = _attribute(model, ids.cuda(), mask.cuda())
     torch.testing.assert_close(res.logat, ref.logat, **ACROSS_DEVICES)
     torch.testing.assert_close(res.normxlogit, ref.normxlogit, **ACROSS_DEVICES)
+
+
+def test_generate_on_cuda_cpu_split():
+    ids, mask = (tensor.flip(-1) for tensor in big.batch())  # left padding, as for generation
+    records = []
+    for model, device in ((big.build("llama"), "cpu"), (_split_llama(), "cuda")):
+        with torch.no_grad(), nxl.attach(model) as probe:
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=3,
+                                 do_sample=False, pad_token_id=0)
+        records.append((out.cpu(), probe.steps))
+    (cpu_out, cpu_steps), (split_out, split_steps) = records
+    assert torch.equal(cpu_out, split_out)
+    for cpu_step, split_step in zip(cpu_steps, split_steps, strict=True):
+        torch.testing.assert_close(split_step.normxlogit, cpu_step.normxlogit, **ACROSS_DEVICES)

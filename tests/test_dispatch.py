@@ -94,3 +94,17 @@ def test_disk_offload_per_family(tmp_path, case_id):
         disk_offload(part, str(tmp_path / str(index)), execution_device="cpu")
     assert all(param.device.type == "meta" for part in parts for param in part.parameters())
     _assert_same(_attribute(model, ids, mask), _attribute(case.build(), ids, mask))
+
+
+def test_generate_with_offloaded_head(tmp_path):
+    """Streaming attribution during generate reads the offloaded head the same way: same tokens, same steps."""
+    ids, mask = (tensor.flip(-1) for tensor in big.batch())  # left padding, as for generation
+    runs = []
+    for model in (big.build("llama"), disk_offload(big.build("llama"), str(tmp_path), execution_device="cpu")):
+        with torch.no_grad(), nxl.attach(model) as probe:
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
+        runs.append((out, probe.steps))
+    (plain_out, plain_steps), (offloaded_out, offloaded_steps) = runs
+    assert torch.equal(plain_out, offloaded_out)
+    for plain_step, offloaded_step in zip(plain_steps, offloaded_steps, strict=True):
+        torch.testing.assert_close(offloaded_step.normxlogit, plain_step.normxlogit, **TOL)

@@ -1,6 +1,6 @@
 """Quantized and reduced-precision models on CPU: bitsandbytes 4-bit (nf4, fp4) and 8-bit, optimum-quanto,
-torchao, and Llama in bf16/fp16. Each is checked against an oracle built from that model's own
-``output_hidden_states`` with its own (quantized) head modules called, never dequantized by hand."""
+torchao, and every registered family in bf16/fp16. Each is checked against an oracle built from that model's
+own ``output_hidden_states``; quantized head modules are called by the oracle, never dequantized by hand."""
 
 from __future__ import annotations
 
