@@ -1,6 +1,6 @@
 """Cost of attributing every generated token while generate runs, versus plain generate (and inseq, if present).
 
-    python benchmarks/bench_generate.py [--repeats 7] [--device cpu] [--out benchmarks/results/generate_cpu.json]
+    python benchmarks/bench_generate.py [--repeats 7] [--threads 1] [--device cpu] [--out benchmarks/results/generate_cpu.json]
 
 Model: random-init Llama, hidden 512, 8 layers, vocab 32000 (as benchmarks/bench_forward.py); a 128-token prompt,
 64 new tokens, greedy. Variants run interleaved in one process (the machine is shared and noisy); medians are
@@ -13,6 +13,7 @@ where ``import inseq`` works (it is no dependency of nxl_hooks; the JSON says wh
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import platform
 import statistics
@@ -71,9 +72,13 @@ def main() -> None:
     parser.add_argument("--no-inseq", action="store_true", help="skip the inseq comparison")
     parser.add_argument("--inseq-repeats", type=int, default=2,
                         help="rounds that also time inseq (it is ~10x slower; its check run is its warm-up)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's); 1 is steadier on a shared machine")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
     device = torch.device(args.device)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
@@ -103,22 +108,23 @@ def main() -> None:
         inseq_run, inseq_note = _inseq_variant(model, tokenizer, prompt, args.new, reference)
         if inseq_run is not None:
             variants["inseq_saliency"] = lambda: _timed(inseq_run, device)
-            inseq_note = f"ran: inseq {getattr(sys.modules.get('inseq'), '__file__', '')}: load_model(model, 'saliency').attribute(prompt, generation_args=greedy)"
+            inseq_note = (f"ran inseq {importlib.metadata.version('inseq')}: load_model(model, 'saliency')"
+                          ".attribute(prompt, generation_args=greedy), the same tokens as plain generate")
 
     times: dict[str, list[float]] = {name: [] for name in variants}
     with torch.no_grad():
         for round_ in range(args.repeats + 1):  # round 0 warms up and is dropped
+            measured = {}
             for name, run in variants.items():
                 if name != "inseq_saliency":
-                    seconds = run()
+                    measured[name] = run()
                 elif 1 <= round_ <= args.inseq_repeats:
                     with torch.enable_grad():  # gradients are inseq's method
-                        seconds = run()
-                else:
-                    continue
-                if round_:
+                        measured[name] = run()
+            if round_:
+                for name, seconds in measured.items():
                     times[name].append(seconds)
-            print(f"round {round_}: " + ", ".join(f"{n} {v[-1]:.2f}s" for n, v in times.items() if v), file=sys.stderr)
+            print(f"round {round_}: " + ", ".join(f"{n} {v:.2f}s" for n, v in measured.items()), file=sys.stderr)
 
     median = {name: statistics.median(values) for name, values in times.items()}
     with nxl.attach(model, layers="all") as probe:

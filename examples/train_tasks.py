@@ -133,7 +133,7 @@ def train_agreement(seed: int = 0, n_train: int = 6000, epochs: int = 2, batch_s
     return _fit(model, sentences, batch, seed, epochs, batch_size, lr), tokenizer
 
 
-def train_agreement_mlm(seed: int = 0, n_train: int = 6000, epochs: int = 3, batch_size: int = 64, lr: float = 3e-3,
+def train_agreement_mlm(seed: int = 0, n_train: int = 6000, epochs: int = 16, batch_size: int = 64, lr: float = 2e-3,
                         mask_rate: float = 0.15):
     """``(model, tokenizer)``: a 2-block BERT masked LM; the verb is always masked, other words at ``mask_rate``."""
     tokenizer = agreement_tokenizer(masked=True)

@@ -12,17 +12,21 @@ CONTRACT (record based, everything JSON-able; the dataset runner shards, resumes
                                                 #   LM token string
               "evidence": [str, ...],           # optional words whose tokens are the known evidence
               "target": int | str,              # optional: what to explain; default the model's prediction
-              "foil": int | str,                # optional: the contrast for "contrastive" (default: runner-up)
+              "foil": int | str,                # optional: the contrast for "contrastive" (default: runner-up);
+                                                #   when given, p and accuracy are over (target, foil), BLiMP-style
               "id": any JSON value}             # optional, copied to the record
 ``rec`` (one dict per example; see :func:`score_example` for every key):
     rec["methods"][name] = {"comprehensiveness": [per K], "sufficiency": [per K],
                             "comp_correct": [per K] | None, "suff_correct": [...] | None,
                             "comp_pred": [per K], "suff_pred": [per K],
-                            "layered": bool, "ap": [per layer] | [one] | None, "dot": same, "seconds": float}
+                            "layered": bool, "ap": [per layer] | [one] | None, "dot": same, "seconds": float | None}
 ``summary`` = aggregate(records): {"n", "ks", "layers", "eval_layer", "kind", "perturbation", "accuracy",
     "pearson", "methods": {name: {"aopc_comprehensiveness", "aopc_sufficiency", "comprehensiveness_curve",
     "sufficiency_curve", "accuracy_comprehensiveness", "accuracy_sufficiency", "pearson_comprehensiveness",
-    "pearson_sufficiency", "layered", "ap", "dot", "ap_eval", "dot_eval", "seconds"}}}
+    "pearson_sufficiency", "layered", "ap", "dot", "ap_eval", "dot_eval", "n_evidence", "seconds"}}}
+
+Methods: random (seeded by seed and text), embed_norm, logat, normxlogit, contrastive (NormXLogit[target] -
+NormXLogit[foil]), grad_norm, grad_x_input, integrated_gradients (captum; :mod:`nxl_hooks.baselines`).
 """
 
 from __future__ import annotations
@@ -232,10 +236,10 @@ def _seed(seed: int, text: str) -> int:
 
 
 def _method_scores(setup: _Setup, methods: Sequence[str], ids: torch.Tensor, position: int, t: _Targets,
-                   seed: int, text: str, ig_steps: int) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+                   seed: int, text: str, ig_steps: int) -> tuple[dict[str, torch.Tensor], dict[str, float | None]]:
     """name -> scores, (layers, seq) for layered methods and (seq,) otherwise; name -> seconds."""
     scores: dict[str, torch.Tensor] = {}
-    seconds: dict[str, float] = {}
+    seconds: dict[str, float | None] = {}
     regression = setup.kind == "regression"
     batch = ids[None].to(setup.device)
     mask = torch.ones_like(batch)

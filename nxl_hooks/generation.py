@@ -8,8 +8,8 @@ How. :func:`~nxl_hooks.attach` sets a thin wrapper as the model instance's ``gen
 text-generation pipeline and ``PeftModel.generate`` both end up in it). The wrapper only marks where a call starts
 and ends and reads generate's return value; the user's call is unchanged. Inside it the probe's hooks see one
 prefill forward with the whole prompt (or several, with ``prefill_chunk_size``), then one forward per new token
-with one position and a KV cache holding everything before it. Each forward's block outputs become head features
-at once (as for a plain forward) and are appended to a per-layer feature cache, so the prefix is never re-run.
+with one position and a KV cache holding everything before it. Each forward's block outputs (all selected layers
+stacked, one head call) become head features and are appended to the feature cache, so the prefix is never re-run.
 The prediction read at the last position explains the token generate emits next. That token is known only at the
 next forward (its ``input_ids``) or, for the last one, which never passes through the blocks, from generate's
 return value; so step t's record is completed when forward t+1 starts (or when generate returns). It explains the
@@ -19,8 +19,12 @@ Memory. The feature cache is the only thing that grows with the context: per sel
 values of ``cache_dtype`` (d: the head's feature size, the hidden size for most decoders; default dtype: the
 model's), e.g. 512 × 4 B = 2 KiB per token per layer for a float32 model with d = 512 at batch 1; plus, per
 token, batch × (4 B embedding norm + 1 B mask). Its capacity doubles as it grows, so at most twice that is
-allocated. ``cache_device="cpu"`` keeps it off the accelerator (each step then moves it to the head's device for
-the dot products). Nothing vocabulary-sized is kept: per step only the emitted token's row of the readout is read.
+allocated. It lives on ``cache_device`` (default: the last selected block's device, where the layers meet under a
+device_map); ``cache_device="cpu"`` keeps it off the accelerator, and the per-step dot products then run on the
+CPU. Nothing vocabulary-sized is kept: per step only the emitted token's row of the readout is read, once for all
+layers (a quantized or adapter-wrapped readout is called instead, which is vocabulary-sized while it runs).
+The records themselves are the caller's: 2 × 4 B × layers × batch × context per step (normxlogit and logat);
+``keep_steps=False`` with ``on_step`` / ``sink`` streams them out without keeping them.
 
 Not supported while attached, with a clear error: beam search (beams are reordered and pruned between steps, so a
 row is not one sequence), assisted / speculative decoding and generate resuming from a filled ``past_key_values``
@@ -38,6 +42,10 @@ from .stream import GenerationCall, Step, _Hub
 
 if TYPE_CHECKING:
     from .capture import Probe, _Pass
+
+
+#: Positions per call of a readout that cannot be gathered row by row: (batch, this, vocabulary) floats at once.
+_CALLED_READOUT_CHUNK = 256
 
 
 class _Growing:
@@ -252,7 +260,10 @@ class _Generation:
         with torch.no_grad():
             features = self._features.view().to(self._compute_dtype)  # (batch, position, layers, d)
             flat = features.reshape(batch, -1, features.shape[-1])  # every layer in one gather of target rows
-            logat = probe.head.target_logits(flat, targets).view(*features.shape[:3], -1).permute(2, 0, 1, 3)
+            # A readout that must be called (quantized, adapter) returns every logit: bound that in chunks.
+            chunk = flat.shape[1] if probe.head._gatherable() else _CALLED_READOUT_CHUNK
+            logat = torch.cat([probe.head.target_logits(part, targets) for part in flat.split(chunk, dim=1)], dim=1)
+            logat = logat.view(*features.shape[:3], -1).permute(2, 0, 1, 3)
             embed = self._embed.view()
             normxlogit = embed.to(logat.device)[None, :, :, None] * logat
         if not probe._label_axis:
@@ -260,9 +271,11 @@ class _Generation:
         if self._finished is None:
             self._finished = torch.zeros(batch, dtype=torch.bool, device=token.device)
         active = ~self._finished
+        # copies, not views of the growing buffers, which a use_cache=False forward rewrites in place
         step = Step(call=call.index, step=position - self._prompt_len, position=position, token=token.cpu(),
-                    target=targets.cpu(), normxlogit=normxlogit.cpu(), logat=logat.cpu(), embed_norm=embed.cpu(),
-                    mask=self._mask.view().cpu(), active=active.cpu(), layers=list(probe.layers))
+                    target=targets.cpu(), normxlogit=normxlogit.cpu(), logat=logat.cpu(),
+                    embed_norm=embed.to("cpu", copy=True), mask=self._mask.view().to("cpu", copy=True),
+                    active=active.cpu(), layers=list(probe.layers))
         self._real.append(active)
         self._finished = self._finished | torch.isin(token, self._eos.to(token.device))
         self._pending = False

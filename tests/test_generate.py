@@ -15,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 import nxl_hooks as nxl
-from oracle import llama, normxlogit, prefix_logits
+from oracle import HandHead, llama, normxlogit, prefix_logits, rms_norm
 
 VOCAB, PAD = 100, 0
 CONFIG = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -41,9 +41,9 @@ def _full_mask(call: nxl.GenerationCall) -> torch.Tensor:
     return torch.cat([call.prompt_mask, torch.ones(call.prompt_mask.shape[0], new, dtype=torch.bool)], dim=1)
 
 
-def _check_call(model, call: nxl.GenerationCall, new_tokens: int) -> list[torch.Tensor]:
+def _check_call(model, call: nxl.GenerationCall, new_tokens: int, hand=None) -> list[torch.Tensor]:
     """Every step of ``call`` equals the no-cache oracle; returns the oracle's own argmax per step."""
-    hand, sequences, attention = llama(model), call.sequences, _full_mask(call)
+    hand, sequences, attention = hand or llama(model), call.sequences, _full_mask(call)
     prompt_len = call.prompt_mask.shape[1]
     assert call.complete and len(call.steps) == new_tokens == sequences.shape[1] - prompt_len
     argmaxes = []
@@ -266,7 +266,7 @@ def test_print_generation_prints_each_token_as_it_is_emitted():
         assert line.split()[0] == str(step.step) and repr(token) in line and "L2 " in line and "L0 " in line
 
 
-def test_pipeline_and_peft_generate_reach_the_probe():
+def test_pipeline_and_peft_generate_reach_the_probe(monkeypatch):
     from peft import LoraConfig, get_peft_model
     from transformers import pipeline
 
@@ -277,11 +277,15 @@ def test_pipeline_and_peft_generate_reach_the_probe():
     with nxl.attach(model, tokenizer=tokenizer) as probe:
         pipeline("text-generation", model=model, tokenizer=tokenizer)("the film was", max_new_tokens=3, do_sample=False)
     _check_call(model, probe.calls[0], 3)
-    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    # LoRA on lm_head too: a readout that is called, not gathered (in chunks of 5 positions here)
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj", "lm_head"],
+                                                  init_lora_weights=False))
+    monkeypatch.setattr(nxl.generation, "_CALLED_READOUT_CHUNK", 5)
     enc = tokenizer("the movie is", return_tensors="pt")
     with nxl.attach(peft_model) as probe:
         peft_model.generate(**enc, max_new_tokens=3, do_sample=False)
-    _check_call(peft_model.get_base_model(), probe.calls[0], 3)  # the oracle runs the LoRA-adjusted model
+    base = peft_model.get_base_model()  # the oracle runs the LoRA-adjusted blocks and calls the LoRA lm_head
+    _check_call(base, probe.calls[0], 3, hand=HandHead(rms_norm(base.model.norm), base.lm_head, last_is_normed=True))
 
 
 def test_fixed_targets_add_a_label_axis_at_every_step(model):
