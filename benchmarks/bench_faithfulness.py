@@ -12,6 +12,7 @@ NormXLogit, contrastive). Figures are means over seeds with the spread (min..max
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import platform
 import sys
@@ -56,6 +57,20 @@ TASKS = {
         "about": "the same agreement sentences with the verb replaced by <mask>; 2-block BERT (hidden 64) masked LM "
                  "trained with the verb and 15% of the other words masked; perturbation = <mask>; p = softmax over "
                  "(target, foil) at the mask",
+    },
+    "agreement_ft": {
+        "train": functools.partial(train_tasks.train_agreement, verb_only=True),
+        "examples": lambda n, seed: train_tasks.agreement_examples(n, seed=train_tasks.HELD_OUT_SEED + seed),
+        "about": "the agreement task under the paper's BLiMP fine-tuning protocol: the same 2-block Llama causal LM "
+                 "trained with the loss only on the verb (correct verb over the foil), nothing else; perturbation = "
+                 "deletion; p = softmax over (target, foil)",
+    },
+    "agreement_mlm_ft": {
+        "train": functools.partial(train_tasks.train_agreement_mlm, mask_rate=0.0),
+        "examples": lambda n, seed: train_tasks.agreement_examples(n, seed=train_tasks.HELD_OUT_SEED + seed, masked=True),
+        "about": "the paper's BLiMP fine-tuning protocol on the masked LM: the same 2-block BERT trained with only the "
+                 "verb masked and the loss only there (correct verb over the foil); perturbation = <mask>; p = softmax "
+                 "over (target, foil) at the mask",
     },
 }
 

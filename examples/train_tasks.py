@@ -115,9 +115,15 @@ def _masked_words(tokenizer, texts: list[str], rate: float, generator: torch.Gen
     return enc, words & (torch.rand(enc["input_ids"].shape, generator=generator) < rate)
 
 
-def train_agreement(seed: int = 0, n_train: int = 6000, epochs: int = 2, batch_size: int = 64, lr: float = 3e-3):
-    """``(model, tokenizer)``: a 2-block Llama trained as a language model on full agreement sentences."""
+def train_agreement(seed: int = 0, n_train: int = 6000, epochs: int = 2, batch_size: int = 64, lr: float = 3e-3,
+                    verb_only: bool = False):
+    """``(model, tokenizer)``: a 2-block Llama trained as a language model on full agreement sentences.
+
+    ``verb_only=True`` is the paper's fine-tuning protocol for BLiMP: the loss is only on the verb, so the
+    model is optimized to pick the correct verb over the foil and learns nothing else.
+    """
     tokenizer = agreement_tokenizer()
+    verbs = torch.tensor(tokenizer.convert_tokens_to_ids(list(VERBS)))
     torch.manual_seed(seed)
     model = LlamaForCausalLM(LlamaConfig(
         vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -127,7 +133,8 @@ def train_agreement(seed: int = 0, n_train: int = 6000, epochs: int = 2, batch_s
 
     def batch(sentences: list[str]) -> dict:
         enc = tokenizer(sentences, padding=True, return_tensors="pt")
-        return {**enc, "labels": enc["input_ids"].masked_fill(enc["attention_mask"] == 0, -100)}
+        scored = torch.isin(enc["input_ids"], verbs) if verb_only else enc["attention_mask"] == 1
+        return {**enc, "labels": enc["input_ids"].masked_fill(~scored, -100)}
 
     sentences = [ex["sentence"] for ex in agreement_examples(n_train, seed=seed)]
     return _fit(model, sentences, batch, seed, epochs, batch_size, lr), tokenizer
