@@ -22,8 +22,6 @@ plain forward's peak: the probe has freed its features by then, so it adds next 
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
 import tempfile
 from pathlib import Path
@@ -32,7 +30,7 @@ import torch
 from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
 import nxl_hooks as nxl
-from bench_forward import _timed
+from _common import device_label, emit, timed
 
 _CONFIG = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
                       num_attention_heads=8, num_key_value_heads=8)
@@ -111,11 +109,11 @@ def _measure(model, ids, device: torch.device, repeats: int) -> dict:
 
     def attached_timed():  # attach/detach outside the timed region, as in a server loop
         with nxl.attach(model, layers="all") as probe:
-            return _timed(lambda: (model(input_ids=ids), probe.result()), device)
+            return timed(lambda: (model(input_ids=ids), probe.result()), device)
 
     times: dict[str, list[float]] = {"plain": [], "attached": []}
     for round_ in range(repeats + 1):  # round 0 warms up (and lets 4-bit CPU Linears repack) and is dropped
-        for name, seconds in (("plain", _timed(plain, device)), ("attached", attached_timed())):
+        for name, seconds in (("plain", timed(plain, device)), ("attached", attached_timed())):
             if round_:
                 times[name].append(seconds)
     median = {name: statistics.median(values) for name, values in times.items()}
@@ -156,8 +154,7 @@ def main() -> None:
 
     report: dict = {
         "benchmark": "big",
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda"
-        else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+        "device": device_label(device),
         "torch": torch.__version__,
         "model": {"arch": "llama", "hidden": 512, "layers": 8, "vocab": 32000, "tokens": args.tokens, "batch": 1},
         "repeats": args.repeats,
@@ -173,11 +170,7 @@ def main() -> None:
             if setup == "offloaded":
                 report[setup]["device_map"] = _offload_map(device)
             del model
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

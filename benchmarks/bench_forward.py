@@ -9,26 +9,14 @@ ratios are of medians measured side by side. Model: random-init Llama, hidden 51
 from __future__ import annotations
 
 import argparse
-import json
-import platform
 import statistics
-import time
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import nxl_hooks as nxl
-
-
-def _timed(fn, device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter() - start
+from _common import device_label, emit, timed
 
 
 def main() -> None:
@@ -57,11 +45,11 @@ def main() -> None:
 
     def attached():  # attach/detach stay outside the timed region, as in a server loop
         with nxl.attach(model, layers="all") as probe:
-            seconds = _timed(lambda: (model(input_ids=ids), probe.result()), device)
+            seconds = timed(lambda: (model(input_ids=ids), probe.result()), device)
         return seconds
 
-    variants = {"plain": lambda: _timed(plain, device), "attached": attached,
-                "logit_lens": lambda: _timed(logit_lens, device)}
+    variants = {"plain": lambda: timed(plain, device), "attached": attached,
+                "logit_lens": lambda: timed(logit_lens, device)}
     times: dict[str, list[float]] = {name: [] for name in variants}
     with torch.no_grad():
         for round_ in range(args.repeats + 1):  # round 0 warms up and is dropped
@@ -73,7 +61,7 @@ def main() -> None:
     median = {name: statistics.median(values) for name, values in times.items()}
     report = {
         "benchmark": "forward",
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+        "device": device_label(device),
         "torch": torch.__version__,
         "model": {"arch": "llama", "hidden": 512, "layers": 8, "vocab": 32000, "tokens": args.tokens, "batch": 1},
         "repeats": args.repeats,
@@ -82,11 +70,7 @@ def main() -> None:
         "logit_lens_over_plain": median["logit_lens"] / median["plain"],
         "goal_attached_over_plain": 1.05,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -14,17 +14,15 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
-import json
-import platform
 import statistics
 import sys
 from pathlib import Path
 
 import torch
-from bench_forward import _timed
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import nxl_hooks as nxl
+from _common import device_label, emit, timed
 
 
 def _word_tokenizer(vocab_size: int):
@@ -96,18 +94,18 @@ def main() -> None:
 
     def attached():  # attach/detach stay outside the timed region, as in a server loop
         with nxl.attach(model, layers="all") as probe:
-            seconds = _timed(lambda: model.generate(**generation), device)
+            seconds = timed(lambda: model.generate(**generation), device)
         assert len(probe.steps) == args.new
         return seconds
 
-    variants = {"plain": lambda: _timed(plain, device), "attached": attached}
+    variants = {"plain": lambda: timed(plain, device), "attached": attached}
     inseq_note = "skipped (--no-inseq)"
     if not args.no_inseq:
         tokenizer = _word_tokenizer(config.vocab_size)
         prompt = " ".join(f"w{int(i)}" for i in ids[0])
         inseq_run, inseq_note = _inseq_variant(model, tokenizer, prompt, args.new, reference)
         if inseq_run is not None:
-            variants["inseq_saliency"] = lambda: _timed(inseq_run, device)
+            variants["inseq_saliency"] = lambda: timed(inseq_run, device)
             inseq_note = (f"ran inseq {importlib.metadata.version('inseq')}: load_model(model, 'saliency')"
                           ".attribute(prompt, generation_args=greedy), the same tokens as plain generate")
 
@@ -132,8 +130,7 @@ def main() -> None:
     cache_bytes = probe.steps[-1].normxlogit.shape[0] * config.hidden_size * 4  # float32 features, batch 1
     report = {
         "benchmark": "generate",
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda"
-        else f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)",
+        "device": device_label(device),
         "torch": torch.__version__,
         "model": {"arch": "llama", "hidden": 512, "layers": 8, "vocab": 32000, "prompt_tokens": args.prompt,
                   "new_tokens": args.new, "batch": 1, "decoding": "greedy"},
@@ -147,11 +144,7 @@ def main() -> None:
         "same_tokens_as_plain": bool(torch.equal(torch.stack([s.token for s in probe.steps], 1).to(device),
                                                  reference[:, args.prompt:])),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

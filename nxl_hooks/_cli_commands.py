@@ -13,7 +13,7 @@ from .attribution import Attribution
 from .capture import attach
 from .cli import CliError
 from .loading import load_model
-from .terminal import render_table, score_matrix
+from .terminal import render_table
 
 _DEMO_HELD_OUT = 200  # sentences behind the demo's summary line; a batch of them takes milliseconds
 

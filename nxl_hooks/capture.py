@@ -20,7 +20,7 @@ from torch import nn
 from .attribution import Attribution
 from .head import Head
 from .generation import _Generation
-from .registry import ArchSpec, _get_path, resolve
+from .registry import _get_path, resolve
 from .stream import GenerationCall, Sink, Step, _Hub, _Subscription
 
 __all__ = ["attach", "Probe", "Target"]
