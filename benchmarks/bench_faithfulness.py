@@ -162,6 +162,10 @@ def _cell(spread: dict | None, digits: int = 3) -> str:
     return f"{spread['mean']:.{digits}f} ({spread['min']:.{digits}f}..{spread['max']:.{digits}f})"
 
 
+def _per_layer(values: list[float]) -> str:
+    return " / ".join(f"{v:.2f}" for v in values)
+
+
 def markdown(result: dict) -> str:
     lines = ["# Faithfulness benchmark (offline, tiny models)", "",
              f"Written by `python benchmarks/bench_faithfulness.py`; {result['device']}. Means over seeds "
@@ -177,9 +181,8 @@ def markdown(result: dict) -> str:
                   "| method | AOPC comp. ↑ | AOPC suff. ↓ | AP last layer ↑ | AP per layer " + str(layers) +
                   " | dot per layer | s / example |", "| --- | --- | --- | --- | --- | --- | --- |"]
         for method, row in task["table"].items():
-            per_layer = lambda key: " / ".join(f"{v:.2f}" for v in row[key])  # noqa: E731
             lines.append(f"| {method} | {_cell(row['aopc_comprehensiveness'])} | {_cell(row['aopc_sufficiency'])} | "
-                         f"{_cell(row['ap_eval'])} | {per_layer('ap_by_layer')} | {per_layer('dot_by_layer')} | "
+                         f"{_cell(row['ap_eval'])} | {_per_layer(row['ap_by_layer'])} | {_per_layer(row['dot_by_layer'])} | "
                          f"{row['seconds']['mean']:.4f} |")
         lines += ["", "AOPC (comprehensiveness / sufficiency) when ranking by each layer's scores:", "",
                   "| method | " + " | ".join(f"layer {layer}" for layer in layers) + " |",

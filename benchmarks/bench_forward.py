@@ -52,8 +52,10 @@ def main() -> None:
                 "logit_lens": lambda: timed(logit_lens, device)}
     times: dict[str, list[float]] = {name: [] for name in variants}
     with torch.no_grad():
+        names = list(variants)
         for round_ in range(args.repeats + 1):  # round 0 warms up and is dropped
-            for name, run in variants.items():
+            for name in names[round_ % 3:] + names[: round_ % 3]:  # rotate: no variant always follows another
+                run = variants[name]
                 seconds = run()
                 if round_:
                     times[name].append(seconds)

@@ -1,6 +1,6 @@
 """Tiny models for the offline faithfulness benchmark, each trained in seconds on 2 CPU cores.
 
-    python examples/train_tasks.py --out /tmp/tasks   # writes /tmp/tasks/{sentiment,agreement,agreement_mlm}/
+    python examples/train_tasks.py --out /tmp/tasks   # /tmp/tasks/{sentiment,agreement,agreement_ft,agreement_mlm}/
 
 - ``sentiment``: the keyword task of ``nxl demo`` (:mod:`nxl_hooks.demo.task`) on a 2-block BERT
   classifier (``build_model`` of ``examples/train_demo.py``), trained here with 15% of the words replaced by
@@ -12,6 +12,9 @@
   ``are`` after a plural one; the attractor nouns N2, N3 have random number. Evidence = the subject N1,
   target = the correct verb, foil = the wrong one. ``agreement_mlm``: the same sentences for a 2-block BERT
   masked LM that fills ``<mask>`` in the verb slot (the paper's BLiMP setting uses masked LMs).
+- ``agreement_ft``: the paper's BLiMP fine-tuning protocol (the model is optimized to pick the correct verb over
+  the foil at the verb slot only): ``train_agreement(verb_only=True)``, the causal LM with the loss on the verb
+  alone. The masked-LM twin is ``train_agreement_mlm(mask_rate=0.0)``: only the verb masked, loss only there.
 
 Deterministic for a seed (single-threaded data generation, fixed torch seed).
 """
@@ -19,6 +22,7 @@ Deterministic for a seed (single-threaded data generation, fixed torch seed).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 import sys
@@ -184,12 +188,14 @@ def sentiment_examples(n: int, seed: int = HELD_OUT_SEED) -> list[dict]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, required=True, help="folder for sentiment/, agreement/, agreement_mlm/")
+    parser.add_argument("--out", type=Path, required=True,
+                        help="folder for sentiment/, agreement/, agreement_ft/, agreement_mlm/")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     torch.set_num_threads(1)  # bit-for-bit reproducible weights
     report = {}
     for name, trainer in (("sentiment", train_sentiment), ("agreement", train_agreement),
+                          ("agreement_ft", functools.partial(train_agreement, verb_only=True)),
                           ("agreement_mlm", train_agreement_mlm)):
         start = time.perf_counter()
         model, tokenizer = trainer(seed=args.seed)
