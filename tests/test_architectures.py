@@ -14,10 +14,10 @@ from typing import Callable
 import pytest
 import torch
 import transformers as tf
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 import nxl_hooks as nxl
 import oracle
+from tiny import word_tokenizer
 
 VOCAB, PAD, MASK = 64, 0, 4
 _SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -29,16 +29,8 @@ _GQA = dict(_DEC, num_key_value_heads=2)
 _ENC = dict(_DEC, max_position_embeddings=32)
 
 
-def _tokenizer():
-    """A 64-token word-level tokenizer: specials 0..4, then words w5..w63."""
-    vocab = {word: i for i, word in enumerate(_SPECIAL + [f"w{i}" for i in range(len(_SPECIAL), VOCAB)])}
-    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return tf.PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]",
-                                      cls_token="[CLS]", sep_token="[SEP]", mask_token="[MASK]")
-
-
-TOK = _tokenizer()
+# A 64-token word-level tokenizer: specials 0..4, then words w5..w63.
+TOK = word_tokenizer(_SPECIAL + [f"w{i}" for i in range(len(_SPECIAL), VOCAB)])
 
 
 @dataclass(frozen=True)

@@ -3,18 +3,12 @@
 import pytest
 import torch
 from safetensors.torch import save_file
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM
 
 import nxl_hooks as nxl
+from tiny import word_tokenizer
 
-WORDS = ["<pad>", "<unk>", "the", "cat", "sat", "on", "mat", "dog", "ran"]
-
-
-def _tokenizer(words=WORDS) -> PreTrainedTokenizerFast:
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", unk_token="<unk>")
+WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "cat", "sat", "on", "mat", "dog", "ran"]
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +21,7 @@ def model():
 
 @pytest.fixture()
 def ids():
-    return torch.tensor([[2, 3, 4, 5, 2, 6]])
+    return torch.tensor([[5, 6, 7, 8, 5, 9]])  # the cat sat on the mat
 
 
 def _hook_count(model) -> int:
@@ -47,10 +41,10 @@ def test_detach_leaves_no_hook_and_identical_outputs(model, ids):
 def test_failing_forward_still_detaches(model):
     with pytest.raises(IndexError):
         with nxl.attach(model):
-            model(input_ids=torch.tensor([[2, 99]]))  # id beyond the vocabulary: the model's own forward raises
+            model(input_ids=torch.tensor([[5, 99]]))  # id beyond the vocabulary: the model's own forward raises
     assert _hook_count(model) == 0
     with nxl.attach(model) as probe:  # and the model can be attached again
-        model(input_ids=torch.tensor([[2, 3]]))
+        model(input_ids=torch.tensor([[5, 6]]))
     assert probe.result().normxlogit.shape == (3, 1, 2)
 
 
@@ -75,8 +69,8 @@ def test_result_before_any_forward(model):
         ({"layers": "middle"}, "use 'all', 'last'"),
         ({"target": len(WORDS)}, f"target {len(WORDS)} is out of range.*{len(WORDS)} outputs"),
         ({"target": "sat"}, "tokenizer=tok"),
-        ({"target": "zebra", "tokenizer": _tokenizer()}, "not a single token in the vocabulary"),
-        ({"tokenizer": _tokenizer(WORDS + ["extra1", "extra2"])}, "does not match the model"),
+        ({"target": "zebra", "tokenizer": word_tokenizer(WORDS)}, "not a single token in the vocabulary"),
+        ({"tokenizer": word_tokenizer(WORDS + ["extra1", "extra2"])}, "does not match the model"),
         ({"embedding": "words"}, "layer_input"),
     ],
 )
@@ -94,7 +88,7 @@ def test_empty_input_is_an_error_and_detaches(model):
 
 
 def test_string_target_resolves_through_tokenizer(model, ids):
-    tok = _tokenizer()
+    tok = word_tokenizer(WORDS)
     with torch.no_grad(), nxl.attach(model, target=["sat", 7], tokenizer=tok) as probe:
         logits = model(input_ids=ids).logits[0, -1]
     res = probe.result()
@@ -105,7 +99,7 @@ def test_string_target_resolves_through_tokenizer(model, ids):
 
 
 def test_save_and_load_round_trip(model, ids, tmp_path):
-    with torch.no_grad(), nxl.attach(model, layers=[0, -1], tokenizer=_tokenizer()) as probe:
+    with torch.no_grad(), nxl.attach(model, layers=[0, -1], tokenizer=word_tokenizer(WORDS)) as probe:
         model(input_ids=ids)
     res = probe.result()
     path = res.save(tmp_path / "a.safetensors")

@@ -8,26 +8,16 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from torch import nn
-from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
 
 from nxl_hooks import evaluate as ev
 from nxl_hooks.baselines import gradient_scores
 from oracle import layer_logits, linear, normxlogit, rms_norm
+from tiny import word_tokenizer
 
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "fine", "plain", "bad", "the", "key", "keys", "is", "are"]
 VOCAB = {w: i for i, w in enumerate(WORDS)}
-
-
-def _tokenizer(template: str) -> PreTrainedTokenizerFast:
-    core = Tokenizer(models.WordLevel(VOCAB, unk_token="[UNK]"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    core.post_processor = processors.TemplateProcessing(
-        single=template, special_tokens=[(t, VOCAB[t]) for t in ("[CLS]", "[SEP]") if t in template]
-    )
-    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
-                                   sep_token="[SEP]", mask_token="[MASK]")
 
 
 # Fake models: class-1 log-odds = sum of WEIGHT over the tokens still present (not masked, not deleted).
@@ -82,7 +72,7 @@ COUNTS = [0, 1, 1, 2, 3, 3, 4, 4, 5]
 
 
 def test_aopc_mask_mode_exact_values():
-    model, tok = FakeForSequenceClassification(), _tokenizer("[CLS] $A [SEP]")
+    model, tok = FakeForSequenceClassification(), word_tokenizer(WORDS, "[CLS] $A [SEP]")
     rec = ev.score_example(model, tok, {"text": "good fine plain bad", "label": 1}, methods=(), custom={"mine": SCORES})
     assert rec["perturbation"] == "mask" and rec["position"] == 0 and rec["counts"] == COUNTS
     p = _sigmoid(2.0)
@@ -99,7 +89,7 @@ def test_aopc_mask_mode_exact_values():
 
 
 def test_aopc_delete_mode_exact_values_and_prediction_token_kept():
-    model, tok = FakeForCausalLM(), _tokenizer("[CLS] $A")
+    model, tok = FakeForCausalLM(), word_tokenizer(WORDS, "[CLS] $A")
     # [CLS] good fine plain bad the (n = 6), prediction at the last token; the same ranking as above.
     rec = ev.score_example(model, tok, {"text": "good fine plain bad the"}, methods=(), custom={"mine": [0.0, 4.0, 3.0, 2.0, 1.0, 99.0]})
     assert rec["perturbation"] == "delete" and rec["position"] == 5
@@ -141,7 +131,7 @@ def test_average_precision_and_dot_hand_computed():
 
 
 def test_evidence_mask_whole_words_via_offsets():
-    tok = _tokenizer("[CLS] $A [SEP]")
+    tok = word_tokenizer(WORDS, "[CLS] $A [SEP]")
     enc = tok("the keys is key", return_offsets_mapping=True)
     mask, missing = ev.evidence_mask("the keys is key", enc["offset_mapping"], ["key", "absent"])
     assert mask.tolist() == [0, 0, 0, 0, 1, 0] and missing == ["absent"]
@@ -197,7 +187,7 @@ def test_gradient_baselines_match_direct_autograd(kind):
 
 
 def test_contrastive_and_normxlogit_match_oracle():
-    model, tok = _tiny_llama(), _tokenizer("[CLS] $A")
+    model, tok = _tiny_llama(), word_tokenizer(WORDS, "[CLS] $A")
     example = {"text": "the key the keys", "target": "is", "foil": "are", "label": "is", "evidence": ["key"]}
     rec = ev.score_example(model, tok, example, methods=("normxlogit", "contrastive"), keep_scores=True)
     ids = torch.tensor([tok(example["text"])["input_ids"]])
@@ -216,7 +206,7 @@ def test_contrastive_and_normxlogit_match_oracle():
 
 
 def test_score_example_and_aggregate_round_trip_json():
-    model, tok = _tiny_bert(), _tokenizer("[CLS] $A [SEP]")
+    model, tok = _tiny_bert(), word_tokenizer(WORDS, "[CLS] $A [SEP]")
     examples = [{"text": "the good key", "label": 1, "evidence": ["good"], "id": 0},
                 {"text": "bad the keys fine", "label": 0, "evidence": ["bad"], "id": 1}]
     records = [ev.score_example(model, tok, ex, ig_steps=5) for ex in examples]
@@ -246,7 +236,7 @@ class FakeRegressionForSequenceClassification(FakeForSequenceClassification):
 
 
 def test_regression_change_and_pearson_after_perturbation():
-    model, tok = FakeRegressionForSequenceClassification(), _tokenizer("[CLS] $A [SEP]")
+    model, tok = FakeRegressionForSequenceClassification(), word_tokenizer(WORDS, "[CLS] $A [SEP]")
     texts, gold = ["good fine plain bad", "fine good bad plain", "bad plain"], [1.5, 3.0, -2.0]
     rankings = {"good fine plain bad": SCORES, "fine good bad plain": [0.0, 3.0, 4.0, 1.0, 2.0, 0.0],
                 "bad plain": [0.0, 2.0, 1.0, 0.0]}

@@ -44,21 +44,23 @@ WORDS = [
 VOCAB = SPECIAL + WORDS
 
 
+def word_tokenizer(words: list[str], template: str | None = None) -> PreTrainedTokenizerFast:
+    """A fast tokenizer with one id per whitespace-separated word of ``words`` (which holds BERT's specials);
+    ``template`` adds special tokens around the text, e.g. ``"[CLS] $A [SEP]"``."""
+    vocab = {w: i for i, w in enumerate(words)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if template:
+        backend.post_processor = processors.TemplateProcessing(
+            single=template, special_tokens=[(t, vocab[t]) for t in ("[CLS]", "[SEP]") if t in template]
+        )
+    return PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                                   sep_token="[SEP]", mask_token="[MASK]")
+
+
 def tokenizer() -> PreTrainedTokenizerFast:
-    """Whitespace word-level tokenizer; adds ``[CLS] ... [SEP]`` like BERT's."""
-    backend = Tokenizer(models.WordLevel({w: i for i, w in enumerate(VOCAB)}, unk_token="[UNK]"))
-    backend.pre_tokenizer = pre_tokenizers.Whitespace()
-    backend.post_processor = processors.TemplateProcessing(
-        single="[CLS] $A [SEP]", special_tokens=[("[CLS]", 2), ("[SEP]", 3)]
-    )
-    return PreTrainedTokenizerFast(
-        tokenizer_object=backend,
-        pad_token="[PAD]",
-        unk_token="[UNK]",
-        cls_token="[CLS]",
-        sep_token="[SEP]",
-        mask_token="[MASK]",
-    )
+    """:data:`VOCAB` word by word; adds ``[CLS] ... [SEP]`` like BERT's."""
+    return word_tokenizer(VOCAB, "[CLS] $A [SEP]")
 
 
 _SIZES = dict(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
