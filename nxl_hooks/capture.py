@@ -382,16 +382,19 @@ class Probe:
             position=positions.cpu(),
             example=examples.cpu(),
             tokens=tokens,
-            meta={
-                "model_type": self.model.config.model_type,
-                "model_class": type(self.model).__name__,
-                "head_kind": self.kind,
-                "embedding": self.embedding,
-                "n_blocks": self.n_blocks,
-                "spec": self.spec.name,
-                "prediction": final.cpu().tolist() if self.kind == "regression" else None,
-            },
+            meta={**self.describe(), "prediction": final.cpu().tolist() if self.kind == "regression" else None},
         )
+
+    def describe(self) -> dict[str, Any]:
+        """What a saved result records about the model and the probe: ``probe.describe()["head_kind"]``."""
+        return {
+            "model_type": self.model.config.model_type,
+            "model_class": type(self.model).__name__,
+            "head_kind": self.kind,
+            "embedding": self.embedding,
+            "n_blocks": self.n_blocks,
+            "spec": self.spec.name,
+        }
 
 
 def attach(

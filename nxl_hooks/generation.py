@@ -226,7 +226,7 @@ class _Generation:
                 self._prompt_ids.append(p.input_ids[:, : self._prompt_len - self._past])
             if self._n >= self._prompt_len:
                 ids = torch.cat(self._prompt_ids, dim=1).cpu() if self._prompt_ids else None
-                self.hub.prompt(self._call, ids, self._mask.view()[:, : self._prompt_len].cpu(), self._meta())
+                self.hub.prompt(self._call, ids, self._mask.view()[:, : self._prompt_len].cpu(), self._probe.describe())
         self._pending = self._n >= self._prompt_len
 
     def _new_mask(self, p: "_Pass", new: int) -> torch.Tensor:
@@ -241,11 +241,6 @@ class _Generation:
             mask = mask.clone()
             mask[:, first_generated - self._past:] &= real
         return mask
-
-    def _meta(self) -> dict:
-        probe = self._probe
-        return {"model_type": probe.model.config.model_type, "model_class": type(probe.model).__name__,
-                "n_blocks": probe.n_blocks, "embedding": probe.embedding, "spec": probe.spec.name}
 
     # -- one record --------------------------------------------------------------------------------------
 
