@@ -43,7 +43,9 @@ class Attribution:
 
     def layer(self, layer: int) -> torch.Tensor:
         """NormXLogit at one layer (negative counts from the end): ``res.layer(-1)`` -> (rows, seq[, k])."""
-        n_blocks = self.meta.get("n_blocks", max(self.layers))
+        n_blocks = self.meta.get("n_blocks")
+        if layer < 0 and n_blocks is None:
+            raise ValueError(f"layer {layer}: this result does not record the model's block count; use one of {self.layers}")
         wanted = layer + n_blocks + 1 if layer < 0 else layer
         if wanted not in self.layers:
             raise ValueError(f"layer {layer} was not captured; captured layers: {self.layers}")

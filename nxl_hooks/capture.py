@@ -74,6 +74,41 @@ class _Pass:
     features: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
+def _check_range(ids: torch.Tensor, n_outputs: int) -> None:
+    bad = ids[(ids < 0) | (ids >= n_outputs)]
+    if bad.numel():
+        raise ValueError(f"target {int(bad[0])} is out of range: the head has {n_outputs} outputs (0..{n_outputs - 1})")
+
+
+def resolve_target_id(model: nn.Module, kind: str, tokenizer: Any, item: str | int, n_outputs: int) -> int:
+    """One target or label -> an output id of the head: an int id (range-checked), a label name
+    (classification), or one token (LM; a vocabulary entry like "Ġis" first, else text that encodes to
+    one known token). ``resolve_target_id(model, "causal_lm", tok, " Paris", len(tok))``; ValueError if bad.
+    """
+    if isinstance(item, bool) or not isinstance(item, (int, str)):
+        raise ValueError(f"target/label {item!r} must be an int id or a string, got {type(item).__name__}")
+    if isinstance(item, int):
+        _check_range(torch.tensor([item]), n_outputs)
+        return item
+    label2id = getattr(model.config, "label2id", None) or {}
+    if kind in ("sequence_classification", "regression") and item in label2id:
+        return int(label2id[item])
+    if kind in ("sequence_classification", "regression"):
+        raise ValueError(f"label {item!r} is not one of the model's labels {sorted(label2id)}; or pass an int id")
+    if tokenizer is None:
+        raise ValueError(f"target {item!r} is a string: pass attach(..., tokenizer=tok) to resolve it, or an int id")
+    vocab = tokenizer.get_vocab()
+    if item in vocab:
+        return int(vocab[item])
+    ids = tokenizer.encode(item, add_special_tokens=False)
+    if len(ids) != 1 or ids[0] == tokenizer.unk_token_id:
+        raise ValueError(
+            f"target {item!r} is not a single token in the vocabulary (it encodes to {len(ids)} id(s) {ids}); "
+            "pass one token (see tokenizer.tokenize(text)) or its int id"
+        )
+    return int(ids[0])
+
+
 class Probe:
     """Hooks of one :func:`attach` call. ``with nxl.attach(model) as probe: model(**enc)``, then ``probe.result()``."""
 
@@ -101,6 +136,9 @@ class Probe:
             raise ValueError(f"embedding={embedding!r}: use 'layer_input' (default) or 'word'")
         self.embedding = embedding
         self.tokenizer = tokenizer
+        if self.kind == "masked_lm" and getattr(tokenizer, "mask_token_id", None) is None:
+            raise ValueError("masked-LM attribution needs attach(..., tokenizer=tok) with a mask token, to find the "
+                             "[MASK] positions it explains")
         self._check_tokenizer()
         self.target = target
         self._fixed_targets = None if self._is_predicted(target) else self._target_ids(target)
@@ -147,12 +185,15 @@ class Probe:
             handle.remove()
         self._handles.clear()
         self._pass = None
-        if self._generation is not None:
-            self._generation.close()
-        _ATTACHED.discard(self._backbone)
+        try:
+            if self._generation is not None:
+                self._generation.close()  # may raise (a sink on a full disk): the model is free all the same
+        finally:
+            _ATTACHED.discard(self._backbone)
 
     @property
     def attached(self) -> bool:
+        """True until :meth:`detach` (or the end of the ``with`` block)."""
         return bool(self._handles)
 
     def __enter__(self) -> "Probe":
@@ -193,6 +234,8 @@ class Probe:
         return hidden if self._generating else self.head.features(hidden)
 
     def _on_word_embedding(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if self._pass is None:  # the embedding called on its own, outside a forward of the model
+            return
         # Gemma-style scaled embeddings multiply inside the module; the paper's norm is of the raw row.
         scale = getattr(module, "embed_scale", None)
         rows = output.detach().float()
@@ -208,11 +251,15 @@ class Probe:
         return hook
 
     def _on_backbone_end(self, module: nn.Module, args: tuple, output: Any) -> None:
-        with torch.no_grad(), self.head.reading():  # an offloaded head is loaded once, not once per layer
-            if self._generating:
+        if self._pass.embed_norm is None:
+            raise ValueError("embedding='word' needs input_ids: the word-embedding module did not run "
+                             "(inputs_embeds given); use embedding='layer_input'")
+        with torch.no_grad():
+            if self._generating:  # features only: the readout is read when the step's token is known
                 self._generation.after_forward(self._pass)
             else:
-                self._last = self._assemble(self._pass)
+                with self.head.reading():  # an offloaded head is loaded once, not once per layer
+                    self._last = self._assemble(self._pass)
         self._pass = None
 
     # -- generation (see nxl_hooks/generation.py) ---------------------------------------------------------
@@ -239,11 +286,13 @@ class Probe:
     def stream(self) -> _Subscription:
         """Iterate over step records as they are made, from another thread than the one running ``generate``.
 
-        Yields the records of the ``generate`` call running now (from its first step) or, if none is, of the
-        next one, and stops when that call returns or raises, or when the probe detaches::
+        Yields the records of the ``generate`` call running now (from its first step; with ``keep_steps=False``
+        from the next step) or, if none is, of the next one, and stops when that call returns or raises, or when
+        the probe detaches. Subscribe before starting the generation, so the stream cannot miss it::
 
+            steps = probe.stream()
             threading.Thread(target=model.generate, kwargs=enc).start()
-            for step in probe.stream(): print(step.step, step.token)
+            for step in steps: print(step.step, step.token)
         """
         if self._generation is None or not self.attached:
             raise RuntimeError("this probe is detached: call probe.stream() inside the `with nxl.attach(...)` block")
@@ -300,37 +349,10 @@ class Probe:
             items = [target] if isinstance(target, (str, int)) else list(target)
             if not items:
                 raise ValueError("target list is empty: give at least one label or token")
-            ids = torch.tensor([[self._one_target_id(item) for item in items]])
-        bad = ids[(ids < 0) | (ids >= self.head.n_outputs)]
-        if bad.numel():
-            raise ValueError(
-                f"target {int(bad[0])} is out of range: the head has {self.head.n_outputs} outputs "
-                f"(0..{self.head.n_outputs - 1})"
-            )
+            n = self.head.n_outputs
+            ids = torch.tensor([[resolve_target_id(self.model, self.kind, self.tokenizer, item, n) for item in items]])
+        _check_range(ids, self.head.n_outputs)
         return ids
-
-    def _one_target_id(self, item: str | int) -> int:
-        if isinstance(item, bool) or not isinstance(item, (int, str)):
-            raise TypeError(f"target items must be int ids or strings, got {type(item).__name__}")
-        if isinstance(item, int):
-            return item
-        label2id = getattr(self.model.config, "label2id", None) or {}
-        if self.kind in ("sequence_classification", "regression") and item in label2id:
-            return int(label2id[item])
-        if self.kind in ("sequence_classification", "regression"):
-            raise ValueError(f"label {item!r} is not one of the model's labels {sorted(label2id)}; or pass an int id")
-        if self.tokenizer is None:
-            raise ValueError(f"target {item!r} is a string: pass attach(..., tokenizer=tok) to resolve it, or an int id")
-        vocab = self.tokenizer.get_vocab()
-        if item in vocab:
-            return int(vocab[item])
-        ids = self.tokenizer.encode(item, add_special_tokens=False)
-        if len(ids) != 1 or ids[0] == self.tokenizer.unk_token_id:
-            raise ValueError(
-                f"target {item!r} is not a single token in the vocabulary (it encodes to {len(ids)} id(s) {ids}); "
-                "pass one token (see tokenizer.tokenize(text)) or its int id"
-            )
-        return int(ids[0])
 
     def _check_tokenizer(self) -> None:
         if self.tokenizer is None:
@@ -348,6 +370,12 @@ class Probe:
         last = p.features[self.n_blocks]  # under a device_map each layer's features stay on its block's device
         final = self.head.logits(last[examples.to(last.device), positions.to(last.device)])  # (rows, outputs)
         scalar = not self._label_axis
+
+        def by_row(values: torch.Tensor) -> torch.Tensor:
+            # Masked LMs explain an example once per [MASK]; every other head explains each example once, and
+            # indexing would copy every layer's features for nothing.
+            return values[examples.to(values.device)] if self.kind == "masked_lm" else values
+
         if self.kind == "regression":
             targets = torch.zeros(len(examples), 1, dtype=torch.long, device=final.device)
         elif self._fixed_targets is None:
@@ -355,23 +383,22 @@ class Probe:
         else:
             targets = self._fixed_targets.to(final.device).expand(len(examples), -1)
         logat = torch.stack(
-            [self.head.target_logits(p.features[layer][examples.to(p.features[layer].device)], targets).to(final.device)
-             for layer in self.layers]
+            [self.head.target_logits(by_row(p.features[layer]), targets).to(final.device) for layer in self.layers]
         )  # (layers, rows, seq, k)
         if self.kind == "regression":
             logat = (logat - final[:, 0][None, :, None, None]).abs()
-        embed_norm = p.embed_norm[examples].to(final.device)
+        embed_norm = by_row(p.embed_norm).to(final.device)
         normxlogit = embed_norm[None, :, :, None] * logat
         if scalar:
             logat, normxlogit, targets = logat[..., 0], normxlogit[..., 0], targets[:, 0]
         mask = (
-            p.attention_mask[examples.to(p.attention_mask.device)].to(final.device).bool()
+            by_row(p.attention_mask).to(final.device).bool()
             if p.attention_mask is not None
             else torch.ones_like(embed_norm, dtype=torch.bool)
         )
         tokens = None
         if self.tokenizer is not None and p.input_ids is not None:
-            tokens = [self.tokenizer.convert_ids_to_tokens(row.tolist()) for row in p.input_ids[examples.cpu()].cpu()]
+            tokens = [self.tokenizer.convert_ids_to_tokens(row.tolist()) for row in by_row(p.input_ids).cpu()]
         return Attribution(
             normxlogit=normxlogit.cpu(),
             logat=logat.cpu(),

@@ -34,6 +34,7 @@ row is not one sequence), assisted / speculative decoding and generate resuming 
 from __future__ import annotations
 
 import functools
+import threading
 from typing import TYPE_CHECKING, Any, Callable
 
 import torch
@@ -91,6 +92,7 @@ class _Generation:
         self._cache_device = torch.device(cache_device) if cache_device is not None else None
         self._restore: tuple[bool, Callable] | None = None
         self._call: GenerationCall | None = None
+        self._owner: int | None = None  # the thread running the tracked generate call
         if probe.kind == "causal_lm" and callable(getattr(probe.model, "generate", None)):
             self._install()
 
@@ -124,8 +126,12 @@ class _Generation:
         self.hub.close()
 
     def _run(self, original: Callable, args: tuple, kwargs: dict) -> Any:
+        if self.active and threading.get_ident() != self._owner:
+            raise RuntimeError("another generate() is running under this probe in another thread: the hooks keep one "
+                               "call's state, so run one generate at a time, or attach a probe per model copy")
         if self.active:  # generate calling generate (custom decoding): the outer call is already tracked
             return original(*args, **kwargs)
+        self._owner = threading.get_ident()
         self._start(args, kwargs)
         try:
             out = original(*args, **kwargs)
@@ -270,7 +276,7 @@ class _Generation:
         step = Step(call=call.index, step=position - self._prompt_len, position=position, token=token.cpu(),
                     target=targets.cpu(), normxlogit=normxlogit.cpu(), logat=logat.cpu(),
                     embed_norm=embed.to("cpu", copy=True), mask=self._mask.view().to("cpu", copy=True),
-                    active=active.cpu(), layers=list(probe.layers))
+                    active=active.cpu(), layers=list(probe.layers), n_blocks=probe.n_blocks)
         self._real.append(active)
         self._finished = self._finished | torch.isin(token, self._eos.to(token.device))
         self._pending = False

@@ -68,10 +68,8 @@ class Step:
     mask: torch.Tensor  #: bool (batch, position): False on left padding and on pad tokens after a row's EOS
     active: torch.Tensor  #: bool (batch,): False where the row had already finished before this step
     layers: list[int]
+    n_blocks: int | None = None  #: the model's block count, for negative layer indices
 
-    @property
-    def context_len(self) -> int:
-        return self.position
 
     def to_attribution(self, tokens: list[list[str]] | None = None) -> Attribution:
         """This step as an :class:`Attribution` (prediction position = ``position - 1``), e.g. for ``.top()``."""
@@ -86,7 +84,7 @@ class Step:
             position=torch.full((batch,), self.position - 1, dtype=torch.long),
             example=torch.arange(batch),
             tokens=tokens,
-            meta={"call": self.call, "step": self.step},
+            meta={"call": self.call, "step": self.step, "n_blocks": self.n_blocks},
         )
 
 
@@ -135,6 +133,7 @@ class _Hub:
         self._lock = threading.Lock()
         self._subscribers: list[_Subscription] = []
         self._running: GenerationCall | None = None
+        self._closed = False  # the probe detached: a late subscriber must not wait for a call that never comes
 
     def begin(self, layers: list[int]) -> GenerationCall:
         call = GenerationCall(index=len(self.calls), layers=list(layers))
@@ -169,6 +168,9 @@ class _Hub:
     def subscribe(self) -> _Subscription:
         subscription = _Subscription()
         with self._lock:
+            if self._closed:
+                subscription.queue.put(_End)
+                return subscription
             if self._running is not None:  # joined mid-call: replay what that call already produced
                 for step in self._running.steps:
                     subscription.queue.put(step)
@@ -183,6 +185,8 @@ class _Hub:
             subscriber.queue.put(_End)
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
         self._release()
         if self._sink is not None:
             self._sink.close()
@@ -224,7 +228,7 @@ class Sink:
     def write_step(self, step: Step) -> None:
         tensors = {name: getattr(step, name) for name in _STEP_TENSORS}
         self._frame(tensors, {"kind": "step", "call": step.call, "step": step.step, "position": step.position,
-                              "layers": step.layers})
+                              "layers": step.layers, "n_blocks": step.n_blocks})
 
     def write_end(self, call: GenerationCall) -> None:
         tensors = {"sequences": call.sequences} if call.sequences is not None else {}
@@ -271,7 +275,8 @@ def read_stream(path: str | Path) -> list[GenerationCall]:
                                           prompt_mask=tensors["prompt_mask"])
         elif kind == "step":
             calls[index].steps.append(Step(call=index, step=header["step"], position=header["position"],
-                                           layers=header["layers"], **{n: tensors[n] for n in _STEP_TENSORS}))
+                                           layers=header["layers"], n_blocks=header.get("n_blocks"),
+                                           **{n: tensors[n] for n in _STEP_TENSORS}))
         elif kind == "end":
             calls[index].sequences = tensors.get("sequences")
             calls[index].complete = bool(header["complete"])
@@ -279,10 +284,11 @@ def read_stream(path: str | Path) -> list[GenerationCall]:
 
 
 def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, layers: Any = "all", top: int = 3,
-                     console: Any = None, sink: "str | Path | None" = None) -> GenerationCall:
+                     embedding: str = "layer_input", console: Any = None,
+                     sink: "str | Path | None" = None) -> GenerationCall:
     """Generate greedily after ``text`` and print each token's attribution as soon as it is emitted: the view of
     ``nxl attribute MODEL TEXT --generate N``. One line per token: the token, then per selected layer the ``top``
-    context tokens by signed NormXLogit. Returns the call's records.
+    context tokens by signed NormXLogit; ``embedding`` goes to :func:`nxl_hooks.attach`. Returns the call's records.
 
     ``print_generation(model, tok, "The capital of France is", 8, layers=[-1])``
     """
@@ -307,7 +313,7 @@ def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, 
         names.append(token)
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    with attach(model, layers=layers, tokenizer=tokenizer, on_step=show, sink=sink) as probe:
+    with attach(model, layers=layers, tokenizer=tokenizer, embedding=embedding, on_step=show, sink=sink) as probe:
         if probe.kind != "causal_lm":
             raise ValueError(f"generating needs a causal LM; {type(probe.model).__name__} is a {probe.kind} model")
         model.generate(**enc, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)

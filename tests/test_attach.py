@@ -115,3 +115,38 @@ def test_load_refuses_foreign_file(tmp_path):
     save_file({"x": torch.zeros(1)}, str(path))
     with pytest.raises(ValueError, match="not an nxl_hooks attribution file"):
         nxl.Attribution.load(path)
+
+
+def test_word_embedding_needs_input_ids(model, ids):
+    embeds = model.get_input_embeddings()(ids)
+    with pytest.raises(ValueError, match="embedding='word' needs input_ids"):
+        with nxl.attach(model, embedding="word"):
+            model(inputs_embeds=embeds)
+    assert _hook_count(model) == 0
+
+
+def test_masked_lm_without_tokenizer_fails_at_attach():
+    from transformers import BertConfig, BertForMaskedLM
+
+    config = BertConfig(vocab_size=len(WORDS), hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                        intermediate_size=64)
+    with pytest.raises(ValueError, match="needs attach\\(..., tokenizer=tok\\) with a mask token"):
+        nxl.attach(BertForMaskedLM(config).eval())
+
+
+def test_stream_opened_after_detach_ends_at_once(model):
+    with nxl.attach(model) as probe:
+        hub = probe._generation.hub
+    # the probe is gone: a subscriber the hub still hands out must not wait for a call that never comes
+    assert list(hub.subscribe()) == []
+    with pytest.raises(RuntimeError, match="detached"):
+        probe.stream()
+
+
+def test_step_records_resolve_negative_layers(model, ids):
+    with torch.no_grad(), nxl.attach(model, layers=[0, 1]) as probe:
+        model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    res = probe.steps[-1].to_attribution()
+    with pytest.raises(ValueError, match="not captured"):
+        res.layer(-1)  # layer 2 = L was not selected: never silently another layer
+    assert torch.equal(res.layer(-2), res.normxlogit[1])
