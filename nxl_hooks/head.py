@@ -150,10 +150,14 @@ class Head:
         self._held = False  # inside reading(): the readout's weights are materialized
         self.readout = readout
         self.n_outputs = self._count_outputs(readout)
+        # Only a plain Linear can be gathered row by row: bitsandbytes' Linear4bit/8bitLt subclass nn.Linear
+        # but store packed weights, torchao keeps nn.Linear with a quantized weight tensor, and PEFT wrappers
+        # route to the active adapter. Checked once: it is asked per layer and per generated token.
+        self._plain_linear = type(readout) is nn.Linear and _plain(readout)
 
     @staticmethod
     def _count_outputs(readout: nn.Module) -> int:
-        for module in (readout, *readout.modules()):
+        for module in readout.modules():
             if isinstance(module, nn.Linear):
                 return module.out_features
         raise ValueError(f"cannot find the output size of the readout {type(readout).__name__}")
@@ -163,10 +167,7 @@ class Head:
         return module_device(self.readout)
 
     def _gatherable(self) -> bool:
-        # Only a plain Linear can be gathered row by row: bitsandbytes' Linear4bit/8bitLt subclass
-        # nn.Linear but store packed weights, torchao keeps nn.Linear with a quantized weight tensor,
-        # and PEFT wrappers route to the active adapter.
-        return type(self.readout) is nn.Linear and _plain(self.readout) and _readable(self.readout)
+        return self._plain_linear and _readable(self.readout)
 
     def _step_on(self, index: int, step: nn.Module, device: torch.device) -> nn.Module:
         """``step`` itself where it computes on ``device``; else a local copy when it is plain (a norm's weights
