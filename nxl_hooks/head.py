@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .registry import ArchSpec, UnknownArchitectureError, _get_path
+from .registry import ArchSpec, UnknownArchitectureError, _get_path, spec_head
 
 _FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "tanh": torch.tanh,
@@ -116,7 +116,7 @@ class Head:
     """HoT of one task model, built from its :class:`ArchSpec`."""
 
     def __init__(self, model: nn.Module, spec: ArchSpec, kind: str) -> None:
-        spec_kind = "sequence_classification" if kind == "regression" else kind
+        spec_kind = spec_head(kind)
         names = list(spec.heads[spec_kind])
         self._post_ops: list[tuple[Callable[[torch.Tensor, float], torch.Tensor], float]] = []
         while names and names[-1].split(":", 1)[0] in _POST:

@@ -30,6 +30,7 @@ __all__ = [
     "register_architecture",
     "register_file",
     "resolve",
+    "spec_head",
     "specs",
 ]
 
@@ -115,6 +116,10 @@ def register_architecture(
         {"blocks": blocks, "heads": heads, "model_types": model_types or (name,), **options},
         source="register_architecture()",
     )
+    return _add(spec)
+
+
+def _add(spec: ArchSpec) -> ArchSpec:
     for model_type in spec.model_types:
         _SPECS[model_type] = spec
     return spec
@@ -128,13 +133,7 @@ def register_file(path: str | Path) -> list[ArchSpec]:
     path = Path(path)
     with path.open("rb") as fh:
         tables = tomllib.load(fh)
-    loaded = []
-    for name, table in tables.items():
-        spec = _spec_from_mapping(name, table, source=str(path))
-        for model_type in spec.model_types:
-            _SPECS[model_type] = spec
-        loaded.append(spec)
-    return loaded
+    return [_add(_spec_from_mapping(name, table, source=str(path))) for name, table in tables.items()]
 
 
 def _registry_dir() -> Path:
@@ -169,6 +168,11 @@ def head_kind(model: nn.Module) -> str:
         f"{name} has no head-on-top that nxl_hooks knows: attach to a *ForCausalLM, *LMHeadModel, "
         "*ForSequenceClassification or *ForMaskedLM model (NormXLogit explains a head's prediction)."
     )
+
+
+def spec_head(kind: str) -> str:
+    """The spec head a head kind reads: regression is a sequence-classification head with one output."""
+    return "sequence_classification" if kind == "regression" else kind
 
 
 def _get_path(root: nn.Module, path: str):
@@ -223,7 +227,7 @@ def _discover(model: nn.Module, kind: str) -> ArchSpec | None:
 def resolve(model: nn.Module) -> tuple[ArchSpec, str]:
     """The spec and head kind for a transformers task model (not a PeftModel: unwrap it first)."""
     kind = head_kind(model)
-    spec_kind = "sequence_classification" if kind == "regression" else kind
+    spec_kind = spec_head(kind)
     model_type = model.config.model_type
     spec = _SPECS.get(model_type)
     if spec is not None and spec_kind in spec.heads and _has_path(model, spec.blocks):
