@@ -55,8 +55,6 @@ def _show(res: Attribution, model: Any, tokenizer: Any, console: Console) -> Non
 def attribute(args: argparse.Namespace) -> int:
     """``nxl attribute MODEL TEXT``: the per-layer table, optionally saved (``--out``) or as HTML (``--html``)."""
     generate = getattr(args, "generate", None)
-    if generate is not None and generate < 1:
-        raise CliError(f"--generate {generate}: N must be at least 1")
     if generate is not None and (args.target != "predicted" or args.html):
         raise CliError("--generate explains each emitted token: drop --target and --html (use --out for a record)")
     model, tokenizer = load_model(args.model, head=args.head)
@@ -64,7 +62,10 @@ def attribute(args: argparse.Namespace) -> int:
     if generate is not None:
         from .stream import print_generation
 
-        print_generation(model, tokenizer, args.text, generate, layers=args.layers, console=console, sink=args.out)
+        print_generation(
+            model, tokenizer, args.text, generate, layers=args.layers, embedding=args.embedding, console=console,
+            sink=args.out,
+        )
         return 0
     res = explain_text(model, tokenizer, args.text, layers=args.layers, target=args.target, embedding=args.embedding)
     _show(res, model, tokenizer, console)

@@ -183,7 +183,7 @@ def _quantization(mode: str) -> Any:
 
     if mode == "8bit":
         return BitsAndBytesConfig(load_in_8bit=True)
-    if mode in ("4bit", "nf4", "fp4"):
+    if mode in ("4bit", "fp4"):
         return BitsAndBytesConfig(
             load_in_4bit=True,
             bnb_4bit_quant_type="fp4" if mode == "fp4" else "nf4",

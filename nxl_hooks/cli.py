@@ -17,7 +17,9 @@ import importlib
 import sys
 from typing import Callable, Sequence
 
-__all__ = ["CliError", "build_parser", "main", "parse_layers", "parse_target"]
+__all__ = ["CliError", "build_parser", "main", "parse_layers", "parse_target", "positive_int"]
+
+_HEADS = ("causal_lm", "sequence_classification", "masked_lm")  # --head: when config.architectures does not say
 
 
 class CliError(Exception):
@@ -34,11 +36,24 @@ def parse_layers(value: str) -> str | list[int]:
         raise argparse.ArgumentTypeError(f"{value!r}: use 'all', 'last' or a comma list of ints like 0,2,-1") from None
 
 
+def positive_int(value: str) -> int:
+    """An int of at least 1 (``--top-k``, ``--limit``, ``--ig-steps``, ``--generate``)."""
+    try:
+        number = int(value)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"{value!r}: give a whole number of at least 1")
+    return number
+
+
 def parse_target(value: str) -> str | int | list[str | int]:
     """``predicted`` | an int id | a token / label string | a comma list of those (one table per target)."""
+    parts = value.split(",") if len(value) > 1 else [value]
+    if len(parts) > 1:  # spaces after commas are separators; a single target keeps them (" Paris" is its own token)
+        parts = [part.strip() for part in parts]
     items: list[str | int] = []
-    for part in value.split(",") if len(value) > 1 else [value]:
-        part = part.strip()
+    for part in parts:
         if not part:
             raise argparse.ArgumentTypeError(f"{value!r}: empty item in the target list")
         items.append(int(part) if part.lstrip("-").isdigit() else part)
@@ -58,13 +73,13 @@ def _add_attribute(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     _add_attribution_options(parser)
     parser.add_argument(
         "--head",
-        choices=("causal_lm", "sequence_classification", "masked_lm"),
+        choices=_HEADS,
         help="which head to load when config.architectures does not say (default: from the config)",
     )
     parser.add_argument("--out", metavar="FILE", help="also save the attribution (safetensors; nxl.Attribution.load)")
     parser.add_argument("--html", metavar="FILE", help="also write a tokens x layers heatmap page (self-contained HTML)")
     parser.add_argument(
-        "--generate", type=int, metavar="N", default=None,
+        "--generate", type=positive_int, metavar="N", default=None,
         help="causal LMs: generate N tokens greedily and print each one's attribution as it appears "
         "(with --out, the records go to that file as a stream: nxl.read_stream)",
     )
@@ -110,8 +125,8 @@ def _add_dataset_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--text-field", default="text", help="column with the text (default: text)")
     parser.add_argument("--label-field", default="label", help="column with the gold label (default: label)")
     parser.add_argument("--evidence-field", default="evidence", help="column with evidence words (default: evidence)")
-    parser.add_argument("--limit", type=int, help="only the first N examples")
-    parser.add_argument("--head", choices=("causal_lm", "sequence_classification", "masked_lm"),
+    parser.add_argument("--limit", type=positive_int, help="only the first N examples")
+    parser.add_argument("--head", choices=_HEADS,
                         help="which head to load when config.architectures does not say")
 
 
@@ -128,7 +143,7 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--layer", type=int, default=-1, help="layer whose scores rank tokens for AOPC (default -1)")
     parser.add_argument("--perturbation", choices=("auto", "mask", "delete"), default="auto",
                         help="auto: mask token for encoders, deletion for decoders (default)")
-    parser.add_argument("--ig-steps", type=int, default=50, help="Integrated Gradients steps (default 50)")
+    parser.add_argument("--ig-steps", type=positive_int, default=50, help="Integrated Gradients steps (default 50)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random baseline (default 0)")
     return parser
 
@@ -146,7 +161,7 @@ def _add_audit(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="instead of --candidate: the reference loaded with bitsandbytes (4bit = nf4)")
     _add_dataset_options(parser)
     parser.add_argument("--layers", type=parse_layers, default="all", help="all (default) | last | comma list")
-    parser.add_argument("--top-k", type=int, default=5, help="k of the top-k overlap (default 5)")
+    parser.add_argument("--top-k", type=positive_int, default=5, help="k of the top-k overlap (default 5)")
     return parser
 
 
@@ -194,4 +209,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # ``python -m nxl_hooks.cli`` runs this file as __main__, a second copy of the module: run the package's
+    # copy, whose CliError is the one the subcommands raise.
+    from nxl_hooks.cli import main as _package_main
+
+    sys.exit(_package_main())

@@ -45,8 +45,12 @@ class SettingsMismatchError(ValueError):
 # -- loading ---------------------------------------------------------------------------------------------
 
 
-def _label(value: Any) -> Any:
-    """CSV cells are strings: "1" -> 1, "0.5" -> 0.5, "positive" stays a label name; "" -> None."""
+def _csv_label(value: Any) -> Any:
+    """A CSV label cell is a string: "1" -> 1, "0.5" -> 0.5, "positive" stays a label name; "" -> None.
+
+    Only for CSV labels: JSON and hub values are typed already, and a ``target`` / ``foil`` token string
+    must stay as written (" 4" and "4" are different tokens).
+    """
     if not isinstance(value, str):
         return value
     value = value.strip()
@@ -123,9 +127,13 @@ def load_examples(
     ``load_examples("sst2.csv", text="sentence")``; ``load_examples("hf:stanfordnlp/sst2:validation",
     text="sentence")`` (needs the ``datasets`` package). Each gets ``text``, and ``label`` / ``evidence`` /
     ``target`` / ``foil`` / ``id`` where the file has them (``id`` defaults to the example's index).
-    CSV labels are read as int, then float, else kept as the label string; evidence is a list of words.
+    CSV labels are read as int, then float, else kept as the label string; every other value (and every
+    JSONL / hub value) is kept as written, whitespace included. Evidence is a list of words.
     """
     source = str(source)
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit {limit}: give a positive number of examples (or no limit)")
+    from_csv = not source.startswith("hf:") and Path(source).suffix.lower() == ".csv"
     rows = _hub_rows(source) if source.startswith("hf:") else _file_rows(Path(source))
     out: list[dict[str, Any]] = []
     for where, row in rows:
@@ -135,12 +143,12 @@ def load_examples(
         identifier = row.get("id")
         example: dict[str, Any] = {"id": len(out) if identifier in (None, "") else identifier, "text": row[text]}
         for key, value in (
-            ("label", _label(row.get(label))),
+            ("label", _csv_label(row.get(label)) if from_csv else row.get(label)),
             ("evidence", _evidence(row.get(evidence))),
-            ("target", _label(row.get("target"))),
-            ("foil", _label(row.get("foil"))),
+            ("target", row.get("target")),
+            ("foil", row.get("foil")),
         ):
-            if value is not None:
+            if value is not None and value != "":  # an empty CSV cell is a missing value
                 example[key] = value
         out.append(example)
         if limit is not None and len(out) >= limit:
@@ -226,20 +234,34 @@ def _state() -> Any:
     return PartialState(cpu=not torch.cuda.is_available())
 
 
-def _check_settings(out_dir: Path, settings: Mapping[str, Any]) -> bool:
-    """True when ``out_dir`` already holds this run's settings; raise when it holds another run's."""
+def _check_settings(out_dir: Path, settings: Mapping[str, Any], *, has_records: bool) -> bool:
+    """True when ``out_dir`` already holds this run's settings; raise when it holds another run's records.
+
+    Another run's settings without records (it failed before its first example) are simply replaced.
+    """
     path = out_dir / _SETTINGS
     if not path.exists():
         return False
     saved = json.loads(path.read_text())
     wanted = json.loads(json.dumps(settings))
-    if saved != wanted:
+    if saved != wanted and has_records:
         changed = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
         raise SettingsMismatchError(
             f"{out_dir} holds a run with other settings (different: {', '.join(changed)}); "
             "use another --out folder, or delete this one to start over"
         )
-    return True
+    return saved == wanted
+
+
+def _stop_all_if_one_failed(state: Any, failed: bool) -> None:
+    """Tell every process whether any failed, so one failure stops all of them instead of leaving the others
+    waiting at a barrier forever. Every process must call it exactly once (it is a collective)."""
+    if state.num_processes == 1:
+        return
+    from accelerate.utils import gather_object
+
+    if any(gather_object([failed])) and not failed:
+        raise RuntimeError("another process failed (its error is printed above); rerun the command to resume")
 
 
 def write_json(path: str | Path, value: Any) -> Path:
@@ -265,7 +287,9 @@ def run_dataset(
 
     ``score`` maps one example to a JSON-able record (``index`` is added: the example's position).
     ``settings`` (JSON-able) identify the run; an ``out_dir`` holding a run with other settings is an
-    error. Returns the merged records on the main process and ``None`` on the others.
+    error (unless it holds no record yet). Returns the merged records on the main process and ``None`` on
+    the others. When ``score`` raises in one process, every process raises (the others a ``RuntimeError``),
+    when each has finished its share; every record written is kept for the rerun.
     """
     from tqdm.auto import tqdm
 
@@ -275,8 +299,9 @@ def run_dataset(
     if state.is_main_process:
         parts.mkdir(parents=True, exist_ok=True)
     state.wait_for_everyone()
-    known = _check_settings(out_dir, settings)  # every process raises alike, before anyone writes
     done = read_records(out_dir)
+    # Every process raises alike, before anyone writes.
+    known = _check_settings(out_dir, settings, has_records=bool(done))
     state.wait_for_everyone()  # all have read the parts before anyone cuts or appends
     if state.is_main_process and not known:
         write_json(out_dir / _SETTINGS, settings)
@@ -294,15 +319,19 @@ def run_dataset(
             postfix={"resumed": len(done)} if done else None,
         ):
             log.append({**score(examples[index]), "index": index})
+    except Exception:
+        _stop_all_if_one_failed(state, failed=True)
+        raise
     finally:
         log.close()
+    _stop_all_if_one_failed(state, failed=False)
     state.wait_for_everyone()
     if not state.is_main_process:
         return None
     merged = read_records(out_dir)
     missing = [i for i in range(len(examples)) if i not in merged]
     if missing:
-        raise RuntimeError(
+        raise ValueError(
             f"records missing for examples {missing[:10]} after every process finished; rerun to fill them in"
         )
     return [merged[i] for i in range(len(examples))]

@@ -130,3 +130,58 @@ def test_demo_ranks_the_keyword_first_at_the_last_layer(capsys):
 def test_demo_sentence_needs_one_keyword(capsys):
     assert main(["demo", "good and terrible"]) == 2
     assert "exactly one sentiment keyword (found 2)" in capsys.readouterr().err
+
+
+def test_single_target_keeps_its_spaces_a_list_is_split_at_commas():
+    from nxl_hooks.cli import parse_target
+
+    assert parse_target(" Paris") == " Paris"  # a different BPE token than "Paris"
+    assert parse_target(" 4") == " 4"
+    assert parse_target("Paris, London") == ["Paris", "London"]
+    assert parse_target("1, LABEL_0") == [1, "LABEL_0"]
+
+
+@pytest.mark.parametrize("option", ["--generate", "--top-k", "--limit", "--ig-steps"])
+@pytest.mark.parametrize("value", ["0", "-3", "x"])
+def test_counts_must_be_positive(tmp_path, capsys, option, value):
+    command = {"--generate": ["attribute", "m", TEXT], "--top-k": ["audit", "--reference", "m", "d", "--out", "o"]}
+    argv = command.get(option, ["evaluate", "m", "d", "--out", str(tmp_path)])
+    assert main([*argv, option, value]) == 2
+    err = capsys.readouterr().err
+    assert f"argument {option}" in err and "at least 1" in err and "Traceback" not in err
+
+
+def test_python_m_cli_prints_cli_errors_as_one_line(saved, tmp_path):
+    import subprocess
+    import sys
+
+    # --generate with --html is refused before the model loads: fast, and a CliError raised by _cli_commands.
+    argv = ["attribute", str(saved[0]), "hi", "--generate", "2", "--html", str(tmp_path / "p.html")]
+    done = subprocess.run([sys.executable, "-m", "nxl_hooks.cli", *argv], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines() == [
+        (
+            "nxl attribute: error: --generate explains each emitted token: drop --target and --html "
+            "(use --out for a record)"
+        )
+    ]
+
+
+def test_generate_honours_embedding(tmp_path, capsys):
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    # Gemma scales the word embedding by sqrt(hidden) before block 1, so the two embedding norms differ.
+    torch.manual_seed(0)
+    config = GemmaConfig(vocab_size=len(tiny.VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0)
+    model = GemmaForCausalLM(config).eval()
+    path = tiny.save_model(tmp_path / "gemma", "llama", model=model)
+    ids = tiny.tokenizer()("the film was", return_tensors="pt")["input_ids"][0]
+    words = model.get_input_embeddings().weight[ids].detach().norm(dim=-1)
+    for embedding, scale in (("word", 1.0), ("layer_input", 32**0.5)):
+        out = tmp_path / f"{embedding}.nxl"
+        assert main(["attribute", str(path), "the film was", "--generate", "1", "--embedding", embedding,
+                     "--out", str(out)]) == 0
+        step = nxl.read_stream(out)[0].steps[0]
+        torch.testing.assert_close(step.embed_norm[0, : len(ids)], words * scale, rtol=1e-4, atol=1e-4)
+    capsys.readouterr()

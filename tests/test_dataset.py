@@ -191,11 +191,13 @@ def test_sigkill_mid_dataset_resumes_to_identical_result(models, tmp_path):
     assert _outputs(tmp_path / "killed") == _outputs(tmp_path / "whole")
 
 
-def test_accelerate_launch_two_processes_equals_one(models, tmp_path):
+def _launch_two() -> list[str]:
+    """`accelerate launch` of two processes, run as a module so no PATH is needed; the program comes after it."""
     pytest.importorskip("accelerate", reason="accelerate is not installed")
-    # `accelerate launch`, run as a module so no PATH is needed. Without GPUs, --multi_gpu starts N CPU
-    # processes (gloo); --cpu would start one.
-    launch = [
+    if torch.cuda.is_available():
+        pytest.skip("this test shards across CPU processes; on a GPU machine accelerate would use the GPUs")
+    # Without GPUs, --multi_gpu starts N CPU processes (gloo); --cpu would start one.
+    return [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
@@ -210,15 +212,13 @@ def test_accelerate_launch_two_processes_equals_one(models, tmp_path):
         "no",
         "--main_process_port",
         str(_free_port()),
-        "-m",
-        "nxl_hooks.cli",
     ]
+
+
+def test_accelerate_launch_two_processes_equals_one(models, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
-    if torch.cuda.is_available():
-        pytest.skip("this test shards across CPU processes; on a GPU machine accelerate would use the GPUs")
-    done = subprocess.run(
-        [*launch, *_audit_args(models, tmp_path / "two")], env=env, capture_output=True, text=True, timeout=180
-    )
+    program = ["-m", "nxl_hooks.cli", *_audit_args(models, tmp_path / "two")]
+    done = subprocess.run([*_launch_two(), *program], env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     parts = sorted((tmp_path / "two" / "parts").glob("part-*.jsonl"))
     shares = [len(p.read_text().splitlines()) for p in parts]
@@ -227,3 +227,46 @@ def test_accelerate_launch_two_processes_equals_one(models, tmp_path):
     torch.set_num_threads(1)  # as accelerate runs each process, so float reductions match bit for bit
     assert main(_audit_args(models, tmp_path / "one")) == 0
     assert _outputs(tmp_path / "two") == _outputs(tmp_path / "one")
+
+
+def test_only_csv_labels_are_coerced(tmp_path):
+    row = {"text": "the capital is", "label": " 4", "target": "7", "foil": " Paris"}
+    (tmp_path / "d.jsonl").write_text(json.dumps(row) + "\n")
+    assert load_examples(tmp_path / "d.jsonl") == [{"id": 0, **row}]
+    (tmp_path / "d.csv").write_text('text,label,target,foil\nthe capital is,1,7," Paris"\n')
+    assert load_examples(tmp_path / "d.csv") == [
+        {"id": 0, "text": "the capital is", "label": 1, "target": "7", "foil": " Paris"}
+    ]
+    with pytest.raises(ValueError, match="positive"):
+        load_examples(tmp_path / "d.csv", limit=0)
+
+
+def test_run_that_failed_before_any_record_does_not_lock_its_folder(tmp_path):
+    def failing(example):
+        raise RuntimeError("injected crash")
+
+    with pytest.raises(RuntimeError, match="injected"):
+        run_dataset([{"n": 0}], failing, tmp_path, settings={"model": "a"})
+    assert run_dataset([{"n": 0}], dict, tmp_path, settings={"model": "b"}) == [{"n": 0, "index": 0}]
+    assert json.loads((tmp_path / "run.json").read_text()) == {"model": "b"}
+    with pytest.raises(SettingsMismatchError, match="model"):  # now it holds a record of model b
+        run_dataset([{"n": 0}], dict, tmp_path, settings={"model": "a"})
+
+
+def test_one_failing_process_stops_both_instead_of_hanging(tmp_path):
+    script = tmp_path / "run.py"
+    script.write_text(
+        "import sys\n"
+        "from nxl_hooks.dataset import _state, run_dataset\n"
+        "def score(example):\n"
+        "    if _state().process_index == 1:\n"
+        "        raise KeyError('injected in process 1')\n"
+        "    return dict(example)\n"
+        "run_dataset([{'n': i} for i in range(6)], score, sys.argv[1], settings={})\n"
+    )
+    done = subprocess.run(
+        [*_launch_two(), str(script), str(tmp_path / "out")], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode != 0
+    assert "injected in process 1" in done.stderr and "another process failed" in done.stderr
+    assert sorted(read_records(tmp_path / "out")) == [0, 2, 4]  # process 0 finished its share, kept for the rerun
