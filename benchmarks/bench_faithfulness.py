@@ -173,7 +173,7 @@ def markdown(result: dict) -> str:
              "AOPC comprehensiveness: higher is better; sufficiency: lower is better (K = 10%..90%, ranking by the "
              "last layer's signed scores). AP and dot: evidence alignment, higher is better; dot uses one "
              "normalization for every method: (s - min s) / sum(s - min s) over the tokens (prediction position "
-             "left out).", ""]
+             "and special tokens left out, as they are never perturbed).", ""]
     for name, task in result["tasks"].items():
         layers = task["layers"]
         lines += [f"## {name}", "", task["about"] + f". Model accuracy {_cell(task['accuracy'])}; "

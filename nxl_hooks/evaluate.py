@@ -41,8 +41,8 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from .baselines import GRADIENT_METHODS, gradient_scores
-from .capture import attach, resolve_layers
+from .baselines import GRADIENT_METHODS, gradient_scores, one_row_only
+from .capture import attach, resolve_layers, resolve_target_id
 from .registry import resolve
 
 __all__ = [
@@ -73,7 +73,7 @@ _Predict = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def average_precision(scores: torch.Tensor, relevant: torch.Tensor) -> float:
     """AP of ranking by signed score, descending: sum_k (R_k - R_{k-1}) P_k. ``average_precision(s, e)``
 
-    ``scores`` and ``relevant`` (0/1) are 1-D over the ranked tokens (drop the prediction position first).
+    ``scores`` and ``relevant`` (0/1) are 1-D over the ranked tokens (drop the prediction position and special tokens first).
     Ties keep token order.
     """
     relevant = relevant.bool()
@@ -110,16 +110,18 @@ def perturb(
     keep_top: bool,
     mode: str,
     mask_id: int | None = None,
+    protected_ids: Sequence[int] = (),
 ) -> tuple[torch.Tensor, int]:
     """One perturbed copy of a 1-D ``input_ids`` and the new prediction position.
 
-    The top-``count`` tokens by signed ``scores`` (the prediction ``position`` excluded) are perturbed
-    (comprehensiveness), or with ``keep_top=True`` every other token is (sufficiency). ``mode``: "mask"
-    replaces with ``mask_id``, "delete" drops the tokens. The prediction position is never touched.
-    ``perturb(ids, 0, s, 3, keep_top=False, mode="mask", mask_id=tok.mask_token_id)``
+    The top-``count`` tokens by signed ``scores`` (the prediction ``position`` and tokens whose id is in
+    ``protected_ids`` excluded) are perturbed (comprehensiveness), or with ``keep_top=True`` every other
+    token is (sufficiency). ``mode``: "mask" replaces with ``mask_id``, "delete" drops the tokens. The
+    prediction position and protected tokens are never touched.
+    ``perturb(ids, 0, s, 3, keep_top=False, mode="mask", mask_id=tok.mask_token_id, protected_ids=tok.all_special_ids)``
     """
     n = input_ids.shape[0]
-    candidates = torch.tensor([i for i in range(n) if i != position], dtype=torch.long)
+    candidates = _candidates(input_ids, position, protected_ids)
     order = candidates[torch.argsort(scores[candidates].float(), descending=True, stable=True)]
     chosen = order[count:] if keep_top else order[:count]
     if mode == "mask":
@@ -133,6 +135,13 @@ def perturb(
         keep[chosen] = False
         return input_ids[keep], int(keep[:position].sum())
     raise ValueError(f"mode={mode!r}: use 'mask' or 'delete'")
+
+
+def _candidates(input_ids: torch.Tensor, position: int, protected_ids: Sequence[int]) -> torch.Tensor:
+    """Positions a method ranks and perturbation may touch: all but the prediction and protected tokens."""
+    free = ~torch.isin(input_ids, torch.tensor(list(protected_ids), dtype=input_ids.dtype))
+    free[position] = False
+    return free.nonzero().flatten()
 
 
 def _run_grouped(predict: _Predict, rows: list[tuple[torch.Tensor, int]], chunk: int = 64) -> torch.Tensor:
@@ -195,6 +204,9 @@ class _Setup:
         if self.mode == "mask" and self.mask_id is None:
             raise ValueError("mask perturbation needs a tokenizer with a mask token; pass perturbation='delete'")
         self.device = next(p.device for p in model.parameters() if p.device.type != "meta")
+        self.chunk = 1 if one_row_only(model, self.kind) else 64
+        # SPEC 5: perturbation never touches CLS/SEP/BOS (nor the prediction position).
+        self.special_ids = list(getattr(tokenizer, "all_special_ids", []))
 
     def predict(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Model outputs at each row's prediction position: (rows, outputs), float32."""
@@ -212,22 +224,10 @@ class _Setup:
             return int(where[0])
         return 0 if self.reads_first else len(ids) - 1
 
-    def label_id(self, value: Any) -> int | float | None:
+    def label_id(self, value: Any, n_outputs: int) -> int | float | None:
         if value is None or self.kind == "regression":
             return None if value is None else float(value)
-        if isinstance(value, bool) or not isinstance(value, (int, str)):
-            raise TypeError(f"label/target/foil must be an int id or a string, got {value!r}")
-        if isinstance(value, int):
-            return value
-        if self.kind == "sequence_classification":
-            label2id = getattr(self.model.config, "label2id", None) or {}
-            if value not in label2id:
-                raise ValueError(f"label {value!r} is not one of the model's labels {sorted(label2id)}; or give an int id")
-            return int(label2id[value])
-        ids = self.tokenizer.encode(value, add_special_tokens=False)
-        if len(ids) != 1:
-            raise ValueError(f"{value!r} is not a single token of this tokenizer ({ids}); give one token or its id")
-        return int(ids[0])
+        return resolve_target_id(self.model, self.kind, self.tokenizer, value, n_outputs)
 
 
 def _seed(seed: int, text: str) -> int:
@@ -264,7 +264,7 @@ def _method_scores(setup: _Setup, methods: Sequence[str], ids: torch.Tensor, pos
         if name in GRADIENT_METHODS:
             start = time.perf_counter()
             scores[name] = gradient_scores(setup.model, batch, mask, position=position, target=t.target,
-                                           method=name, ig_steps=ig_steps).cpu()
+                                           method=name, ig_steps=ig_steps, kind=setup.kind).cpu()
             seconds[name] = time.perf_counter() - start
     return scores, seconds
 
@@ -281,14 +281,15 @@ class _Targets:
 
 
 def _targets(setup: _Setup, example: Mapping[str, Any], original: torch.Tensor) -> _Targets:
+    n = original.shape[-1]
     if setup.kind == "regression":
-        return _Targets(0, None, None, setup.label_id(example.get("label")), float(original[0]))
+        return _Targets(0, None, None, setup.label_id(example.get("label"), n), float(original[0]))
     prediction = int(original.argmax())
     requested = example.get("target")
-    target = prediction if requested in (None, "predicted") else setup.label_id(requested)
-    pair = setup.label_id(example.get("foil"))
+    target = prediction if requested in (None, "predicted") else setup.label_id(requested, n)
+    pair = setup.label_id(example.get("foil"), n)
     runner_up = int(original.topk(2).indices[1]) if prediction == target else prediction
-    return _Targets(target, runner_up if pair is None else pair, pair, setup.label_id(example.get("label")), prediction)
+    return _Targets(target, runner_up if pair is None else pair, pair, setup.label_id(example.get("label"), n), prediction)
 
 
 def _outcome(setup: _Setup, outputs: torch.Tensor, t: _Targets) -> tuple[torch.Tensor, list | None, list]:
@@ -383,17 +384,18 @@ def score_example(
 
     counts = [int(n * k) for k in ks]
     rows = [
-        perturb(ids, position, ranking[name], count, keep_top=keep_top, mode=setup.mode, mask_id=setup.mask_id)
+        perturb(ids, position, ranking[name], count, keep_top=keep_top, mode=setup.mode, mask_id=setup.mask_id,
+                protected_ids=setup.special_ids)
         for name in methods
         for keep_top in (False, True)
         for count in counts
     ]
     p_orig, correct_orig, _ = _outcome(setup, original, t)
-    p_new, correct, predicted = _outcome(setup, _run_grouped(setup.predict, rows), t)
+    p_new, correct, predicted = _outcome(setup, _run_grouped(setup.predict, rows, setup.chunk), t)
     change = p_orig - p_new
     change = change.abs() if setup.kind == "regression" else change
 
-    ranked = torch.tensor([i for i in range(n) if i != position])
+    ranked = _candidates(ids, position, setup.special_ids)
     records: dict[str, Any] = {}
     for index, name in enumerate(methods):
         comp = slice(2 * index * len(counts), (2 * index + 1) * len(counts))
@@ -525,6 +527,6 @@ def aggregate(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "eval_layer": first["eval_layer"],
         "accuracy": None if regression else _mean([float(r["correct"]) for r in labelled]),
         "pearson": _pearson([r["prediction"] for r in labelled], [r["label"] for r in labelled]) if regression else None,
-        "normalization": "min-shift L1 over the ranked tokens (prediction position removed), for every method",
+        "normalization": "min-shift L1 over the ranked tokens (prediction position and special tokens removed), for every method",
         "methods": {name: _method_summary(records, name, first["eval_layer"], regression) for name in names},
     }

@@ -8,13 +8,19 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from oracle import layer_logits, linear, normxlogit, rms_norm
+from tiny import word_tokenizer
 from torch import nn
-from transformers import BertConfig, BertForSequenceClassification, LlamaConfig, LlamaForCausalLM
+from transformers import (
+    BertConfig,
+    BertForSequenceClassification,
+    LlamaConfig,
+    LlamaForCausalLM,
+    LlamaForSequenceClassification,
+)
 
 from nxl_hooks import evaluate as ev
 from nxl_hooks.baselines import gradient_scores
-from oracle import layer_logits, linear, normxlogit, rms_norm
-from tiny import word_tokenizer
 
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "fine", "plain", "bad", "the", "key", "keys", "is", "are"]
 VOCAB = {w: i for i, w in enumerate(WORDS)}
@@ -84,8 +90,8 @@ def test_aopc_mask_mode_exact_values():
     summary = ev.aggregate([rec])
     assert summary["methods"]["mine"]["aopc_comprehensiveness"] == pytest.approx(
         sum(p - _sigmoid(COMP_SUMS[c]) for c in COUNTS) / 9, abs=1e-6)
-    # The CLS position was in every forward, never masked.
-    assert all((ids[:, 0] == VOCAB["[CLS]"]).all() for ids in model.seen)
+    # [CLS] and [SEP] were in every forward, never masked (SPEC 5), though [SEP] ranks above nothing.
+    assert all((ids[:, 0] == VOCAB["[CLS]"]).all() and (ids[:, -1] == VOCAB["[SEP]"]).all() for ids in model.seen)
 
 
 def test_aopc_delete_mode_exact_values_and_prediction_token_kept():
@@ -99,24 +105,32 @@ def test_aopc_delete_mode_exact_values_and_prediction_token_kept():
     assert rec["methods"]["mine"]["comprehensiveness"] == pytest.approx([p - _sigmoid(comp_sums[c]) for c in COUNTS], abs=1e-6)
     assert rec["methods"]["mine"]["sufficiency"] == pytest.approx([p - _sigmoid(suff_sums[c]) for c in COUNTS], abs=1e-6)
     lengths = sorted({ids.shape[1] for ids in model.seen})
-    assert lengths == [1, 2, 3, 4, 5, 6]
+    assert lengths == [2, 3, 4, 5, 6]  # [CLS] and the prediction token always stay
     assert all((ids[:, -1] == VOCAB["the"]).all() for ids in model.seen)  # the highest-scored token is never deleted
+    assert all((ids[:, 0] == VOCAB["[CLS]"]).all() for ids in model.seen)
 
 
 @pytest.mark.parametrize("mode", ["mask", "delete"])
-def test_perturb_never_touches_the_prediction_position(mode):
+def test_perturb_never_touches_the_prediction_position_or_special_tokens(mode):
     generator = torch.Generator().manual_seed(0)
-    ids = torch.arange(10, 20)
-    for position in (0, 4, 9):
+    ids = torch.tensor([1, 11, 12, 13, 2, 15, 16, 17, 18, 2])  # 1, 2: special ids (like [CLS], [SEP])
+    for position in (0, 3, 8, 9):
+        kept = {position, 0, 4, 9}
+        free = 10 - len(kept)
         for _ in range(5):
             scores = torch.rand(10, generator=generator)
-            scores[position] = 100.0  # ranked first if it were a candidate
+            scores[list(kept)] = 100.0  # ranked first if they were candidates
             for count in range(10):
                 for keep_top in (False, True):
-                    out, new_position = ev.perturb(ids, position, scores, count, keep_top=keep_top, mode=mode, mask_id=0)
+                    out, new_position = ev.perturb(ids, position, scores, count, keep_top=keep_top, mode=mode,
+                                                   mask_id=0, protected_ids=[1, 2])
                     assert out[new_position] == ids[position]
                     changed = (out == 0).sum() if mode == "mask" else len(ids) - len(out)
-                    assert changed == (9 - count if keep_top else count)
+                    assert changed == (max(free - count, 0) if keep_top else min(count, free))
+                    if mode == "mask":
+                        assert all(out[i] == ids[i] for i in kept)
+                    else:  # every protected token survives, in order
+                        assert (out == 1).sum() == 1 and (out == 2).sum() == 2
 
 
 def test_average_precision_and_dot_hand_computed():
@@ -199,10 +213,10 @@ def test_contrastive_and_normxlogit_match_oracle():
     torch.testing.assert_close(torch.tensor(rec["methods"]["normxlogit"]["scores"]), nx_is[-1, 0], rtol=1e-4, atol=1e-5)
     contrast = nx_is[:, 0] - nx_are[:, 0]  # (layers, seq)
     torch.testing.assert_close(torch.tensor(rec["methods"]["contrastive"]["scores"]), contrast[-1], rtol=1e-4, atol=1e-5)
-    # Per-layer AP: the evidence "key" is token 2; the prediction position (4) is left out of the ranking.
+    # Per-layer AP: the evidence "key" is token 2; [CLS] (0) and the prediction position (4) are not ranked.
     for layer, ap in enumerate(rec["methods"]["contrastive"]["ap"]):
-        s = contrast[layer, :4]
-        assert ap == pytest.approx(1 / (1 + int((s > s[2]).sum())), abs=1e-6)
+        s = contrast[layer, 1:4]  # positions 1..3: "key" is s[1]
+        assert ap == pytest.approx(1 / (1 + int((s > s[1]).sum())), abs=1e-6)
 
 
 def test_score_example_and_aggregate_round_trip_json():
@@ -253,3 +267,52 @@ def test_regression_change_and_pearson_after_perturbation():
     assert [g is None for g in got] == [e is None for e in expected]
     assert [g for g in got if g is not None] == pytest.approx([e for e in expected if e is not None])
     assert summary["pearson"] == pytest.approx(np.corrcoef([2.0, 2.0, -1.0], gold)[0, 1])
+
+
+@pytest.mark.parametrize("example", [
+    {"text": "the key", "target": "zzz"},  # not in the vocabulary: encodes to [UNK]
+    {"text": "the key", "target": 99},  # the LM has 14 outputs
+    {"text": "the key", "label": True},  # JSON true is not a label id
+    {"text": "the key", "foil": ["is"]},
+])
+def test_bad_lm_targets_are_value_errors(example):
+    model, tok = FakeForCausalLM(), word_tokenizer(WORDS, "[CLS] $A")
+    with pytest.raises(ValueError):
+        ev.score_example(model, tok, example, methods=())
+
+
+def test_lm_target_resolves_through_the_vocabulary():
+    model, tok = FakeForCausalLM(), word_tokenizer(WORDS, "[CLS] $A")
+    rec = ev.score_example(model, tok, {"text": "the key", "target": "is", "foil": "are"}, methods=(),
+                           custom={"mine": [0.0, 1.0, 2.0]})
+    assert rec["target"] == VOCAB["is"] and rec["foil"] == VOCAB["are"]
+
+
+@pytest.mark.parametrize("label", [5, -1, "nonsense"])
+def test_out_of_range_class_label_is_a_value_error(label):
+    model, tok = FakeForSequenceClassification(), word_tokenizer(WORDS, "[CLS] $A [SEP]")
+    with pytest.raises(ValueError):
+        ev.score_example(model, tok, {"text": "good fine", "label": label}, methods=())
+
+
+def test_decoder_classifier_without_pad_token_runs_one_row_at_a_time():
+    # transformers refuses batches > 1 for a decoder classifier whose config has no pad_token_id.
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, num_labels=2, pad_token_id=None)).eval()
+    tok = word_tokenizer(WORDS, "[CLS] $A")
+    scores = [0.0, 4.0, 3.0, 2.0, 1.0, 0.0]  # [CLS] good fine plain bad the
+    rec = ev.score_example(model, tok, {"text": "good fine plain bad the", "label": 1},
+                           methods=("normxlogit", "integrated_gradients"), ig_steps=4, custom={"mine": scores})
+    assert rec["perturbation"] == "delete" and rec["position"] == 5
+    ids = torch.tensor(tok("good fine plain bad the")["input_ids"])
+
+    def p(row):  # one row, by hand
+        with torch.no_grad():
+            return model(input_ids=row[None]).logits[0].softmax(-1)[rec["target"]]
+
+    for count, comp in zip(rec["counts"], rec["methods"]["mine"]["comprehensiveness"]):
+        keep = [0, *range(1 + min(count, 4), 6)]  # drop the top `count` of good > fine > plain > bad
+        assert comp == pytest.approx(float(p(ids) - p(ids[keep])), abs=1e-5)
+    assert len(rec["methods"]["integrated_gradients"]["comprehensiveness"]) == 9
