@@ -24,6 +24,8 @@ from torch import nn
 
 from .attribution import Attribution
 from .capture import attach
+from .evaluate import mean
+from .head import input_device
 
 __all__ = ["SCHEMA", "aggregate", "audit_example", "compare", "most_changed"]
 
@@ -73,16 +75,12 @@ def compare(reference: Attribution, candidate: Attribution, *, row: int = 0, top
     return out
 
 
-def _device(model: nn.Module) -> torch.device:
-    return next(p.device for p in model.parameters() if p.device.type != "meta")
-
-
 def _attribute(
     model: nn.Module, tokenizer: Any, ids: torch.Tensor, target: Any, layers: Any
 ) -> tuple[Attribution, torch.Tensor]:
     """The attribution and the model's own outputs at the prediction position (float32, (outputs,))."""
     with torch.no_grad(), attach(model, layers=layers, target=target, tokenizer=tokenizer) as probe:
-        logits = model(input_ids=ids.to(_device(model))).logits
+        logits = model(input_ids=ids.to(input_device(model))).logits
     res = probe.result()
     if res.meta["head_kind"] == "masked_lm":
         raise ValueError(
@@ -136,11 +134,6 @@ def audit_example(
     }
 
 
-def _mean(values: Sequence[float | None]) -> float | None:
-    kept = [v for v in values if v is not None]
-    return sum(kept) / len(kept) if kept else None
-
-
 def most_changed(records: Sequence[Mapping[str, Any]]) -> list[int]:
     """Positions in ``records``, most changed first: flipped predictions, then lowest last-layer Spearman."""
 
@@ -160,7 +153,7 @@ def aggregate(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     if any(r.get("schema") != SCHEMA or r["layers"] != layers for r in records):
         raise ValueError(f"records must all be {SCHEMA} records with the same layers: aggregate one audit at a time")
     per_layer = {
-        name: [_mean([r[name][i] for r in records]) for i in range(len(layers))]
+        name: [mean([r[name][i] for r in records]) for i in range(len(layers))]
         for name in ("spearman", "kendall", "topk", "drift")
     }
     agreement = [r["agree"] for r in records if r["agree"] is not None]
@@ -171,7 +164,7 @@ def aggregate(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "top_k": records[0]["top_k"],
         "agreement": sum(agreement) / len(agreement) if agreement else None,
         "flipped": sum(1 for a in agreement if not a),
-        "output_change": _mean([abs(r["candidate_output"] - r["reference_output"]) for r in records]),
+        "output_change": mean([abs(r["candidate_output"] - r["reference_output"]) for r in records]),
         "last_layer": {name: values[-1] for name, values in per_layer.items()},
         "per_layer": per_layer,
         "most_changed": [records[i].get("index", i) for i in most_changed(records)],

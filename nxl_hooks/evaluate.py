@@ -43,6 +43,7 @@ from torch import nn
 
 from .baselines import GRADIENT_METHODS, gradient_scores, one_row_only
 from .capture import attach, resolve_layers, resolve_target_id
+from .head import input_device
 from .registry import resolve
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "aggregate",
     "average_precision",
     "evidence_mask",
+    "mean",
     "normalized_dot",
     "perturb",
     "score_example",
@@ -203,7 +205,7 @@ class _Setup:
             raise ValueError(f"perturbation={perturbation!r}: use 'auto', 'mask' or 'delete'")
         if self.mode == "mask" and self.mask_id is None:
             raise ValueError("mask perturbation needs a tokenizer with a mask token; pass perturbation='delete'")
-        self.device = next(p.device for p in model.parameters() if p.device.type != "meta")
+        self.device = input_device(model)
         self.chunk = 1 if one_row_only(model, self.kind) else 64
         # SPEC 5: perturbation never touches CLS/SEP/BOS (nor the prediction position).
         self.special_ids = list(getattr(tokenizer, "all_special_ids", []))
@@ -445,7 +447,8 @@ def score_example(
 # -- many examples ---------------------------------------------------------------------------------------
 
 
-def _mean(values: Sequence[float]) -> float | None:
+def mean(values: Sequence[float | None]) -> float | None:
+    """The mean of the values that are not None (None if there are none): ``mean([1.0, None, 3.0]) == 2.0``."""
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
 
@@ -473,15 +476,15 @@ def _method_summary(records: Sequence[Mapping], name: str, eval_layer: int, regr
     layered = mine[0]["methods"][name]["layered"]
     entry: dict[str, Any] = {
         "n": len(mine),
-        "aopc_comprehensiveness": _mean([_mean(c) for c in comp]),
-        "aopc_sufficiency": _mean([_mean(c) for c in suff]),
-        "comprehensiveness_curve": [_mean(c) for c in comp],
-        "sufficiency_curve": [_mean(c) for c in suff],
+        "aopc_comprehensiveness": mean([mean(c) for c in comp]),
+        "aopc_sufficiency": mean([mean(c) for c in suff]),
+        "comprehensiveness_curve": [mean(c) for c in comp],
+        "sufficiency_curve": [mean(c) for c in suff],
         "layered": layered,
-        "ap": [_mean(c) for c in ap] or None,
-        "dot": [_mean(c) for c in dot] or None,
+        "ap": [mean(c) for c in ap] or None,
+        "dot": [mean(c) for c in dot] or None,
         "n_evidence": len(ap[0]) if ap else 0,
-        "seconds": _mean([r["methods"][name]["seconds"] for r in mine]),
+        "seconds": mean([r["methods"][name]["seconds"] for r in mine]),
     }
     pick = eval_layer if layered else 0
     entry["ap_eval"] = entry["ap"][pick] if entry["ap"] else None
@@ -492,7 +495,7 @@ def _method_summary(records: Sequence[Mapping], name: str, eval_layer: int, regr
             gold = [r["label"] for r in labelled]
             entry[f"pearson_{long}"] = [_pearson(list(c), gold) for c in _columns(labelled, name, f"{part}_pred")] or None
         else:
-            entry[f"accuracy_{long}"] = [_mean([float(v) for v in c]) for c in _columns(labelled, name, f"{part}_correct")] or None
+            entry[f"accuracy_{long}"] = [mean([float(v) for v in c]) for c in _columns(labelled, name, f"{part}_correct")] or None
     return entry
 
 
@@ -525,7 +528,7 @@ def aggregate(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "ks": first["ks"],
         "layers": first["layers"],
         "eval_layer": first["eval_layer"],
-        "accuracy": None if regression else _mean([float(r["correct"]) for r in labelled]),
+        "accuracy": None if regression else mean([float(r["correct"]) for r in labelled]),
         "pearson": _pearson([r["prediction"] for r in labelled], [r["label"] for r in labelled]) if regression else None,
         "normalization": "min-shift L1 over the ranked tokens (prediction position and special tokens removed), for every method",
         "methods": {name: _method_summary(records, name, first["eval_layer"], regression) for name in names},

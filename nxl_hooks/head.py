@@ -45,6 +45,12 @@ def module_device(module: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def input_device(model: nn.Module) -> torch.device:
+    """Where ``model``'s token ids must go: its input embedding's device, also under a device_map."""
+    embeddings = getattr(model, "get_input_embeddings", None)
+    return module_device(embeddings() if callable(embeddings) else model)
+
+
 def _indexed(device: torch.device) -> torch.device:
     # Tensors report "cuda:0", accelerate may say "cuda": compare like with like.
     if device.type == "cuda" and device.index is None:
