@@ -340,10 +340,32 @@ class Probe:
     def _is_predicted(target: Target) -> bool:
         return isinstance(target, str) and target == "predicted"
 
+    def _explained(self, predicted: torch.Tensor) -> torch.Tensor:
+        """The (rows, k) ids a forward or generation step explains: the fixed targets, else ``predicted`` (rows, 1)."""
+        if self._fixed_targets is None:
+            return predicted
+        rows = predicted.shape[0]
+        if self._fixed_targets.shape[0] not in (1, rows):
+            raise ValueError(
+                f"the target tensor has {self._fixed_targets.shape[0]} rows but this forward explains {rows} rows "
+                "(one per example, per [MASK], or per generate row including num_return_sequences)"
+            )
+        return self._fixed_targets.to(predicted.device).expand(rows, -1)
+
+    def _scores(self, logat: torch.Tensor, embed_norm: torch.Tensor, targets: torch.Tensor):
+        """(logat, normxlogit, targets) from LogAt (layers, rows, seq, k) and the embedding norms (rows, seq);
+        the label axis is dropped unless several labels were asked for."""
+        normxlogit = embed_norm.to(logat.device)[None, :, :, None] * logat
+        if self._label_axis:
+            return logat, normxlogit, targets
+        return logat[..., 0], normxlogit[..., 0], targets[:, 0]
+
     def _target_ids(self, target: Target) -> torch.Tensor:
         """Explicit targets as a (1, k) or (rows, k) id tensor, checked against the head's outputs."""
         if isinstance(target, torch.Tensor):
-            ids = target.long()
+            if target.dim() > 2:
+                raise ValueError(f"a target tensor is (rows,) or (rows, k) label ids, got shape {tuple(target.shape)}")
+            ids = target.long().reshape(1, 1) if target.dim() == 0 else target.long()
             ids = ids[:, None] if ids.dim() == 1 else ids
         else:
             items = [target] if isinstance(target, (str, int)) else list(target)
@@ -369,7 +391,6 @@ class Probe:
         examples, positions = self._rows(p, seq)
         last = p.features[self.n_blocks]  # under a device_map each layer's features stay on its block's device
         final = self.head.logits(last[examples.to(last.device), positions.to(last.device)])  # (rows, outputs)
-        scalar = not self._label_axis
 
         def by_row(values: torch.Tensor) -> torch.Tensor:
             # Masked LMs explain an example once per [MASK]; every other head explains each example once, and
@@ -378,19 +399,15 @@ class Probe:
 
         if self.kind == "regression":
             targets = torch.zeros(len(examples), 1, dtype=torch.long, device=final.device)
-        elif self._fixed_targets is None:
-            targets = final.argmax(-1, keepdim=True)
         else:
-            targets = self._fixed_targets.to(final.device).expand(len(examples), -1)
+            targets = self._explained(final.argmax(-1, keepdim=True))
         logat = torch.stack(
             [self.head.target_logits(by_row(p.features[layer]), targets).to(final.device) for layer in self.layers]
         )  # (layers, rows, seq, k)
         if self.kind == "regression":
             logat = (logat - final[:, 0][None, :, None, None]).abs()
         embed_norm = by_row(p.embed_norm).to(final.device)
-        normxlogit = embed_norm[None, :, :, None] * logat
-        if scalar:
-            logat, normxlogit, targets = logat[..., 0], normxlogit[..., 0], targets[:, 0]
+        logat, normxlogit, targets = self._scores(logat, embed_norm, targets)
         mask = (
             by_row(p.attention_mask).to(final.device).bool()
             if p.attention_mask is not None

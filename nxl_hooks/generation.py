@@ -254,10 +254,7 @@ class _Generation:
         probe, position = self._probe, self._n
         token = token.long()
         batch = token.shape[0]
-        if probe._fixed_targets is None:
-            targets = token[:, None]
-        else:
-            targets = probe._fixed_targets.to(token.device).expand(batch, -1)
+        targets = probe._explained(token[:, None])
         with torch.no_grad():
             features = self._features.view().to(self._compute_dtype)  # (batch, position, layers, d)
             flat = features.reshape(batch, -1, features.shape[-1])  # every layer in one gather of target rows
@@ -266,9 +263,7 @@ class _Generation:
             logat = torch.cat([probe.head.target_logits(part, targets) for part in flat.split(chunk, dim=1)], dim=1)
             logat = logat.view(*features.shape[:3], -1).permute(2, 0, 1, 3)
             embed = self._embed.view()
-            normxlogit = embed.to(logat.device)[None, :, :, None] * logat
-        if not probe._label_axis:
-            logat, normxlogit, targets = logat[..., 0], normxlogit[..., 0], targets[:, 0]
+            logat, normxlogit, targets = probe._scores(logat, embed, targets)
         if self._finished is None:
             self._finished = torch.zeros(batch, dtype=torch.bool, device=token.device)
         active = ~self._finished

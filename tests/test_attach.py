@@ -150,3 +150,17 @@ def test_step_records_resolve_negative_layers(model, ids):
     with pytest.raises(ValueError, match="not captured"):
         res.layer(-1)  # layer 2 = L was not selected: never silently another layer
     assert torch.equal(res.layer(-2), res.normxlogit[1])
+
+
+def test_target_tensors(model, ids):
+    with torch.no_grad(), nxl.attach(model, target=torch.tensor(7)) as probe:
+        logits = model(input_ids=ids).logits[0, -1]
+    res = probe.result()
+    assert res.target.tolist() == [7]
+    torch.testing.assert_close(res.logat[-1, 0, -1], logits[7], rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="target tensor has 2 rows but this forward explains 1 rows"):
+        with nxl.attach(model, target=torch.tensor([3, 4])):
+            model(input_ids=ids)
+    with pytest.raises(ValueError, match="got shape"):
+        nxl.attach(model, target=torch.zeros(1, 1, 1, dtype=torch.long))
+    assert _hook_count(model) == 0
