@@ -33,6 +33,20 @@ def models(tmp_path_factory):
     }
 
 
+def _cli(args: list[str], **popen: object) -> subprocess.Popen:
+    """``nxl ARGS`` in a child process with one torch thread. Runs whose records are compared byte for byte
+    all go through here: float reductions depend on the thread count, and this test process's count is
+    whatever the machine has (never changed here: that would leak into later tests)."""
+    return subprocess.Popen([sys.executable, "-m", "nxl_hooks.cli", *args],
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, **popen)
+
+
+def _run_cli(args: list[str]) -> None:
+    child = _cli(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    _, err = child.communicate(timeout=300)
+    assert child.returncode == 0, err.decode()[-3000:]
+
+
 def _outputs(out: Path) -> tuple[dict, list[dict]]:
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     return json.loads((out / "summary.json").read_text()), records
@@ -172,12 +186,7 @@ def _audit_args(models, out: Path) -> list[str]:
 def test_sigkill_mid_dataset_resumes_to_identical_result(models, tmp_path):
     data = tiny.write_jsonl(tmp_path / "long.jsonl", 12)
     args = ["audit", "--reference", str(models["llama"]), "--candidate", str(models["llama2"]), str(data)]
-    child = subprocess.Popen(
-        [sys.executable, "-m", "nxl_hooks.cli", *args, "--out", str(tmp_path / "killed")],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )
+    child = _cli([*args, "--out", str(tmp_path / "killed")], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     part = tmp_path / "killed" / "parts" / "part-0.jsonl"
     deadline = time.monotonic() + 60
     while not (part.exists() and part.read_bytes().count(b"\n") >= 2) and time.monotonic() < deadline:
@@ -186,8 +195,8 @@ def test_sigkill_mid_dataset_resumes_to_identical_result(models, tmp_path):
     child.wait()
     kept = len(read_records(tmp_path / "killed"))
     assert 2 <= kept < 12, "the child must be killed mid-dataset"
-    assert main([*args, "--out", str(tmp_path / "killed")]) == 0
-    assert main([*args, "--out", str(tmp_path / "whole")]) == 0
+    _run_cli([*args, "--out", str(tmp_path / "killed")])
+    _run_cli([*args, "--out", str(tmp_path / "whole")])
     assert _outputs(tmp_path / "killed") == _outputs(tmp_path / "whole")
 
 
@@ -224,8 +233,7 @@ def test_accelerate_launch_two_processes_equals_one(models, tmp_path):
     shares = [len(p.read_text().splitlines()) for p in parts]
     assert [p.name for p in parts] == ["part-0.jsonl", "part-1.jsonl"] and shares == [3, 3]
     assert done.stdout.count("wrote ") == 1  # merged once, by the main process
-    torch.set_num_threads(1)  # as accelerate runs each process, so float reductions match bit for bit
-    assert main(_audit_args(models, tmp_path / "one")) == 0
+    _run_cli(_audit_args(models, tmp_path / "one"))  # one thread, as accelerate runs each process
     assert _outputs(tmp_path / "two") == _outputs(tmp_path / "one")
 
 
