@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "examples"))
 import train_tasks  # noqa: E402
 
-from nxl_hooks import evaluate as ev  # noqa: E402
+from nxl_hooks.eval import faithfulness as ev  # noqa: E402
 
 LAYERED = ("logat", "normxlogit", "contrastive")
 TASKS = {

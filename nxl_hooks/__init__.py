@@ -4,12 +4,16 @@
     with nxl.attach(model, layers="all") as probe:
         model(**enc)
     probe.result().normxlogit   # (layers, rows, seq)
+
+The package in layers, each importing only from the ones above it in this list:
+``arch`` (where things are), ``method`` (what is computed), ``records`` (what comes out), ``hooks`` (when, on a
+live model), ``eval`` (checking), ``apps`` (the command line and views).
 """
 
-from .attribution import Attribution
-from .capture import Probe, attach
-from .registry import ArchSpec, UnknownArchitectureError, register_architecture, register_file
-from .stream import GenerationCall, Sink, Step, read_stream
+from . import _moved
+from .arch import ArchSpec, UnknownArchitectureError, register_architecture, register_file
+from .hooks import Probe, attach, detach_all, explain
+from .records import Attribution, GenerationCall, Sink, Step, read_stream
 
 __all__ = [
     "ArchSpec",
@@ -20,8 +24,21 @@ __all__ = [
     "Step",
     "UnknownArchitectureError",
     "attach",
+    "detach_all",
+    "explain",
     "read_stream",
     "register_architecture",
     "register_file",
 ]
 __version__ = "0.1.0"
+
+_moved.install()
+
+
+def __getattr__(name: str) -> object:
+    # ``nxl.stream``, ``nxl.evaluate``...: the old module names, as attributes of the package too.
+    if name in _moved.MOVED:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -16,6 +16,7 @@ import torch
 import transformers as tf
 
 import nxl_hooks as nxl
+from nxl_hooks.arch import registry
 import oracle
 from tiny import word_tokenizer
 
@@ -332,7 +333,7 @@ def test_layer_subsets(case_id):
 def test_generic_discovery(config, model_cls, hand):
     case = Case(config, model_cls, hand)
     model = case.build()
-    assert model.config.model_type not in nxl.registry.specs()
+    assert model.config.model_type not in registry.specs()
     res = _check_against_oracle(case, model)
     assert res.meta["spec"] == f"discovered:{model.config.model_type}"
 
@@ -340,7 +341,7 @@ def test_generic_discovery(config, model_cls, hand):
 @pytest.fixture
 def private_registry(monkeypatch):
     """Registrations inside a test do not leak into the others."""
-    monkeypatch.setattr(nxl.registry, "_SPECS", nxl.registry.specs())
+    monkeypatch.setattr(registry, "_SPECS", registry.specs())
 
 
 _MPNET = _cfg(tf.MPNetConfig, **_ENC)
@@ -387,12 +388,14 @@ def test_logit_post_processing_blocks_discovery(private_registry):
 
 def test_backbone_bypassed_says_what_to_set(private_registry):
     """OPTForCausalLM calls model.decoder directly: without `backbone` in its entry the probe says so."""
-    entry = nxl.registry.specs()["opt"]
+    entry = registry.specs()["opt"]
     nxl.register_architecture("opt", blocks=entry.blocks, heads=entry.heads)
     model = CASES["opt-lm"].build()
     ids, mask = _batch(CASES["opt-lm"], "causal_lm")
-    with pytest.raises(RuntimeError, match="set `backbone`"), nxl.attach(model):
+    with nxl.attach(model) as probe:
         model(input_ids=ids, attention_mask=mask)
+        with pytest.raises(RuntimeError, match="set `backbone`"):
+            probe.result()
 
 
 def test_variant_without_the_named_head_module():

@@ -80,10 +80,20 @@ def test_bad_arguments_say_what_to_do(model, kwargs, message):
     assert _hook_count(model) == 0
 
 
-def test_empty_input_is_an_error_and_detaches(model):
-    with pytest.raises(ValueError, match="empty input"):
-        with nxl.attach(model):
-            model(input_ids=torch.zeros((1, 0), dtype=torch.long))
+def test_empty_input_is_reported_by_result_and_never_raised_into_the_forward(model):
+    empty = torch.zeros((1, 0), dtype=torch.long)
+    try:
+        plain = model(input_ids=empty).logits
+    except Exception as error:  # whatever the model itself does with an empty input, attached or not
+        plain = type(error)
+    with nxl.attach(model) as probe:
+        try:
+            attached = model(input_ids=empty).logits
+        except Exception as error:
+            attached = type(error)
+        with pytest.raises(ValueError, match="empty input"):
+            probe.result()
+    assert attached is plain if isinstance(plain, type) else torch.equal(attached, plain)
     assert _hook_count(model) == 0
 
 
@@ -119,9 +129,10 @@ def test_load_refuses_foreign_file(tmp_path):
 
 def test_word_embedding_needs_input_ids(model, ids):
     embeds = model.get_input_embeddings()(ids)
-    with pytest.raises(ValueError, match="embedding='word' needs input_ids"):
-        with nxl.attach(model, embedding="word"):
-            model(inputs_embeds=embeds)
+    with nxl.attach(model, embedding="word") as probe:
+        model(inputs_embeds=embeds)  # the forward itself runs as usual
+        with pytest.raises(ValueError, match="embedding='word' needs input_ids"):
+            probe.result()
     assert _hook_count(model) == 0
 
 
@@ -136,7 +147,7 @@ def test_masked_lm_without_tokenizer_fails_at_attach():
 
 def test_stream_opened_after_detach_ends_at_once(model):
     with nxl.attach(model) as probe:
-        hub = probe._generation.hub
+        hub = probe._hub
     # the probe is gone: a subscriber the hub still hands out must not wait for a call that never comes
     assert list(hub.subscribe()) == []
     with pytest.raises(RuntimeError, match="detached"):
@@ -158,9 +169,10 @@ def test_target_tensors(model, ids):
     res = probe.result()
     assert res.target.tolist() == [7]
     torch.testing.assert_close(res.logat[-1, 0, -1], logits[7], rtol=1e-4, atol=1e-6)
-    with pytest.raises(ValueError, match="target tensor has 2 rows but this forward explains 1 rows"):
-        with nxl.attach(model, target=torch.tensor([3, 4])):
-            model(input_ids=ids)
+    with nxl.attach(model, target=torch.tensor([3, 4])) as probe:
+        model(input_ids=ids)
+        with pytest.raises(ValueError, match="target tensor has 2 rows but this forward explains 1 rows"):
+            probe.result()
     with pytest.raises(ValueError, match="got shape"):
         nxl.attach(model, target=torch.zeros(1, 1, 1, dtype=torch.long))
     assert _hook_count(model) == 0

@@ -10,8 +10,8 @@ from transformers import BitsAndBytesConfig, LlamaForCausalLM
 
 import oracle
 import tiny
-from nxl_hooks import audit
-from nxl_hooks.cli import main
+from nxl_hooks.eval import audit
+from nxl_hooks.apps.cli import main
 
 
 def _oracle_scores(model, ids: torch.Tensor, target: int | None = None) -> tuple[torch.Tensor, int, torch.Tensor]:
@@ -102,7 +102,7 @@ def test_report_leads_with_flipped_then_lowest_spearman(tmp_path):
     ]
     summary = audit.aggregate(records)
     assert summary["flipped"] == sum(not r["agree"] for r in records) > 0
-    from nxl_hooks.viz import audit_report
+    from nxl_hooks.apps.reports import audit_report
 
     page = audit_report(summary, records, show=len(records))
     shown = [int(i) for i in re.findall(r'class="example" data-index="(\d+)"', page)]

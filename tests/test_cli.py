@@ -13,7 +13,7 @@ from transformers import AutoTokenizer, LlamaForSequenceClassification
 import nxl_hooks as nxl
 import oracle
 import tiny
-from nxl_hooks.cli import main
+from nxl_hooks.apps.cli import main
 
 TEXT = "the film was very good"
 
@@ -133,7 +133,7 @@ def test_demo_sentence_needs_one_keyword(capsys):
 
 
 def test_single_target_keeps_its_spaces_a_list_is_split_at_commas():
-    from nxl_hooks.cli import parse_target
+    from nxl_hooks.apps.options import parse_target
 
     assert parse_target(" Paris") == " Paris"  # a different BPE token than "Paris"
     assert parse_target(" 4") == " 4"
@@ -157,7 +157,7 @@ def test_python_m_cli_prints_cli_errors_as_one_line(saved, tmp_path):
 
     # --generate with --html is refused before the model loads: fast, and a CliError raised by _cli_commands.
     argv = ["attribute", str(saved[0]), "hi", "--generate", "2", "--html", str(tmp_path / "p.html")]
-    done = subprocess.run([sys.executable, "-m", "nxl_hooks.cli", *argv], capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-m", "nxl_hooks", *argv], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines() == [
         (

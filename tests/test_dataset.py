@@ -14,10 +14,10 @@ import pytest
 import torch
 
 import tiny
-from nxl_hooks import audit
-from nxl_hooks import evaluate as ev
-from nxl_hooks.cli import main
-from nxl_hooks.dataset import SettingsMismatchError, load_examples, read_records, run_dataset
+from nxl_hooks.eval import audit
+from nxl_hooks.eval import faithfulness as ev
+from nxl_hooks.apps.cli import main
+from nxl_hooks.apps.dataset import SettingsMismatchError, load_examples, read_records, run_dataset
 
 TESTS = Path(__file__).resolve().parent
 
@@ -37,7 +37,7 @@ def _cli(args: list[str], **popen: object) -> subprocess.Popen:
     """``nxl ARGS`` in a child process with one torch thread. Runs whose records are compared byte for byte
     all go through here: float reductions depend on the thread count, and this test process's count is
     whatever the machine has (never changed here: that would leak into later tests)."""
-    return subprocess.Popen([sys.executable, "-m", "nxl_hooks.cli", *args],
+    return subprocess.Popen([sys.executable, "-m", "nxl_hooks", *args],
                             env={**os.environ, "OMP_NUM_THREADS": "1"}, **popen)
 
 
@@ -226,7 +226,7 @@ def _launch_two() -> list[str]:
 
 def test_accelerate_launch_two_processes_equals_one(models, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
-    program = ["-m", "nxl_hooks.cli", *_audit_args(models, tmp_path / "two")]
+    program = ["-m", "nxl_hooks", *_audit_args(models, tmp_path / "two")]
     done = subprocess.run([*_launch_two(), *program], env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     parts = sorted((tmp_path / "two" / "parts").glob("part-*.jsonl"))
@@ -265,7 +265,7 @@ def test_one_failing_process_stops_both_instead_of_hanging(tmp_path):
     script = tmp_path / "run.py"
     script.write_text(
         "import sys\n"
-        "from nxl_hooks.dataset import _state, run_dataset\n"
+        "from nxl_hooks.apps.dataset import _state, run_dataset\n"
         "def score(example):\n"
         "    if _state().process_index == 1:\n"
         "        raise KeyError('injected in process 1')\n"

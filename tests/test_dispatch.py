@@ -68,11 +68,11 @@ def test_offloaded_classifier_equals_undispatched(tmp_path, family):
 def test_offloaded_norm_replica_is_materialized_and_hook_free(tmp_path):
     """Under a device_map whose blocks sit elsewhere than the final norm, the norm runs as a local copy on each
     block's device; the copy must hold the real (not meta) weights and leave the offloaded original as it was."""
-    from nxl_hooks.head import _replica
+    from nxl_hooks.method.placement import replica
 
     model = _offload("disk_offload", "llama", big.save(tmp_path / "model", "llama"), tmp_path)
     norm = model.model.norm
-    copy = _replica(norm, torch.device("cpu"))
+    copy = replica(norm, torch.device("cpu"))
     assert not hasattr(copy, "_hf_hook") and copy.weight.device.type == "cpu"
     torch.testing.assert_close(copy.weight, big.build("llama").model.norm.weight, rtol=0, atol=0)
     assert norm.weight.device.type == "meta" and hasattr(norm, "_hf_hook")

@@ -1,4 +1,4 @@
-"""nxl_hooks.evaluate and nxl_hooks.baselines against hand-computed values, fake models whose output is a known
+"""nxl_hooks.eval.faithfulness and nxl_hooks.eval.baselines against hand-computed values, fake models whose output is a known
 function of the tokens left, direct torch.autograd, and the oracle of tests/oracle.py."""
 
 import json
@@ -19,8 +19,8 @@ from transformers import (
     LlamaForSequenceClassification,
 )
 
-from nxl_hooks import evaluate as ev
-from nxl_hooks.baselines import gradient_scores
+from nxl_hooks.eval import faithfulness as ev
+from nxl_hooks.eval.baselines import gradient_scores
 
 WORDS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "good", "fine", "plain", "bad", "the", "key", "keys", "is", "are"]
 VOCAB = {w: i for i, w in enumerate(WORDS)}
@@ -187,17 +187,24 @@ def test_gradient_baselines_match_direct_autograd(kind):
     g = grad(embeds)[0]
     mask = torch.ones_like(ids)
 
-    def run(method):
-        return gradient_scores(model, ids, mask, position=position, target=target, method=method)
+    def run(method, aggregation="l1"):
+        return gradient_scores(model, ids, mask, position=position, target=target, method=method,
+                               aggregation=aggregation)
 
-    torch.testing.assert_close(run("grad_norm"), g.norm(dim=-1), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(run("grad_x_input"), (g * embeds[0]).sum(-1), rtol=1e-5, atol=1e-6)
+    # The paper reduces each token's (d,) attribution by its L1 norm; l2 and the signed sum are options.
+    torch.testing.assert_close(run("grad_norm"), g.abs().sum(-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(run("grad_norm", "l2"), g.norm(dim=-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(run("grad_x_input"), (g * embeds[0]).abs().sum(-1), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(run("grad_x_input", "sum"), (g * embeds[0]).sum(-1), rtol=1e-5, atol=1e-6)
     # Integrated Gradients from a zero baseline with 50 Gauss-Legendre points on [0, 1], written out.
     nodes, weights = np.polynomial.legendre.leggauss(50)
     alphas, weights = (nodes + 1) / 2, weights / 2
     path = grad(torch.tensor(alphas, dtype=torch.float32)[:, None, None] * embeds)  # (50, seq, d), rows independent
     integral = (torch.tensor(weights, dtype=torch.float32)[:, None, None] * path).sum(0)
-    torch.testing.assert_close(run("integrated_gradients"), (integral * embeds[0]).sum(-1), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(run("integrated_gradients"), (integral * embeds[0]).abs().sum(-1), rtol=1e-4,
+                               atol=1e-5)
+    with pytest.raises(ValueError, match="aggregation 'max'"):
+        run("grad_norm", "max")
 
 
 def test_contrastive_and_normxlogit_match_oracle():

@@ -15,6 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 import nxl_hooks as nxl
+from nxl_hooks.method import head as nxl_head
 from oracle import HandHead, llama, normxlogit, prefix_logits, rms_norm
 
 VOCAB, PAD = 100, 0
@@ -157,13 +158,15 @@ def test_no_cache_generate_and_lower_precision_cache(model):
 
 def test_beam_search_is_a_clear_error_and_plain_forward_still_works(model):
     ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(8))
+    plain = model.generate(input_ids=ids, max_new_tokens=3, num_beams=2)
     with nxl.attach(model) as probe:
-        with pytest.raises(ValueError, match="num_beams=1"):
-            model.generate(input_ids=ids, max_new_tokens=3, num_beams=2)
+        beams = model.generate(input_ids=ids, max_new_tokens=3, num_beams=2)  # runs, unrecorded
+        assert torch.equal(beams, plain)
+        assert "num_beams=1" in probe.calls[-1].error and not probe.calls[-1].complete
+        with pytest.raises(RuntimeError, match="not recorded.*num_beams=1"):
+            probe.steps
         model(input_ids=ids)
         res = probe.result()
-        with pytest.raises(RuntimeError, match="generate"):
-            probe.steps
     with torch.no_grad():
         out = model(input_ids=ids, output_hidden_states=True)
     logat, _ = normxlogit(llama(model).layer_logits(out.hidden_states), out.hidden_states[0], res.target)
@@ -258,7 +261,9 @@ def test_print_generation_prints_each_token_as_it_is_emitted():
 
     model, tokenizer = tiny.build_model("llama"), tiny.tokenizer()
     console = Console(record=True, width=500)
-    call = nxl.stream.print_generation(model, tokenizer, "the film was", 4, layers=[0, -1], console=console)
+    from nxl_hooks.apps.terminal import print_generation
+
+    call = print_generation(model, tokenizer, "the film was", 4, layers=[0, -1], console=console)
     lines = console.export_text().strip().splitlines()
     assert 1 <= len(call.steps) <= 4 and len(lines) == 1 + len(call.steps)
     for line, step in zip(lines[1:], call.steps):
@@ -280,7 +285,7 @@ def test_pipeline_and_peft_generate_reach_the_probe(monkeypatch):
     # LoRA on lm_head too: a readout that is called, not gathered (in chunks of 5 positions here)
     peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj", "lm_head"],
                                                   init_lora_weights=False))
-    monkeypatch.setattr(nxl.generation, "_CALLED_READOUT_CHUNK", 5)
+    monkeypatch.setattr(nxl_head, "CALLED_READOUT_CHUNK", 5)
     enc = tokenizer("the movie is", return_tensors="pt")
     with nxl.attach(peft_model) as probe:
         peft_model.generate(**enc, max_new_tokens=3, do_sample=False)
@@ -303,7 +308,7 @@ def test_fixed_targets_add_a_label_axis_at_every_step(model):
 
 
 def test_cli_attribute_generate_streams_and_saves(tmp_path, capsys, monkeypatch):
-    from nxl_hooks.cli import main
+    from nxl_hooks.apps.cli import main
 
     import tiny
 

@@ -7,8 +7,9 @@ import torch
 
 import oracle
 import tiny
-from nxl_hooks import evaluate as ev
-from nxl_hooks.viz import evaluate_report, heatmap, line_chart
+from nxl_hooks.eval import faithfulness as ev
+from nxl_hooks.apps.reports import evaluate_report
+from nxl_hooks.records.html import heatmap, line_chart
 
 TEXTS = ["the film was very good", "bad plot"]
 
@@ -119,7 +120,7 @@ def test_evaluate_report_plots_the_summary():
 
 
 def test_attribute_command_writes_the_heatmap_page(tmp_path, capsys):
-    from nxl_hooks.cli import main
+    from nxl_hooks.apps.cli import main
 
     path = tiny.save_model(tmp_path / "bert", "bert", seed=0)
     assert main(["attribute", str(path), TEXTS[0], "--html", str(tmp_path / "a.html")]) == 0

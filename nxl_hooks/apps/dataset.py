@@ -23,7 +23,6 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 
 __all__ = [
     "SettingsMismatchError",
-    "evaluate_command",
     "examples_from_args",
     "load_examples",
     "place",
@@ -379,47 +378,3 @@ def examples_from_args(args: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]
         "head": args.head,
     }
     return examples, settings
-
-
-def evaluate_command(args: Any) -> int:
-    """``nxl evaluate MODEL DATA --out DIR``: faithfulness of every method on a dataset, JSON + HTML report."""
-    from . import evaluate as ev
-    from .loading import load_model
-    from .viz import evaluate_report
-
-    methods = (
-        list(ev.DEFAULT_METHODS) if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
-    )
-    unknown = sorted(set(methods) - set(ev.DEFAULT_METHODS))
-    if unknown:
-        raise ValueError(f"--methods: unknown {unknown}; choose from {', '.join(ev.DEFAULT_METHODS)} (or 'all')")
-    examples, settings = examples_from_args(args)
-    settings.update(
-        command="evaluate",
-        model=args.model,
-        methods=methods,
-        layer=args.layer,
-        seed=args.seed,
-        perturbation=args.perturbation,
-        ig_steps=args.ig_steps,
-    )
-    model, tokenizer = load_model(args.model, head=args.head)
-    place(model)
-
-    def score(example: Mapping[str, Any]) -> Mapping[str, Any]:
-        return ev.score_example(
-            model,
-            tokenizer,
-            example,
-            methods,
-            layer=args.layer,
-            seed=args.seed,
-            perturbation=args.perturbation,
-            ig_steps=args.ig_steps,
-        )
-
-    records = run_dataset(examples, score, args.out, settings=settings, desc="evaluate")
-    if records is not None:
-        summary = ev.aggregate(records)
-        write_outputs(args.out, records, summary, evaluate_report(summary, title=f"Faithfulness of {args.model}"))
-    return 0

@@ -6,8 +6,9 @@
 Both models explain the same thing: the reference's prediction (or the example's ``target``), so a change
 in the scores is a change in the model, not in the question. Per layer l, over the real tokens:
 
-- ``spearman[l]``, ``kendall[l]``: rank correlation of the two NormXLogit vectors, the prediction
-  position left out (it is never ranked, as in the faithfulness evaluation); ``None`` when either is constant.
+- ``spearman[l]``, ``kendall[l]``: rank correlation of the two NormXLogit vectors over the tokens that rank
+  (:meth:`Attribution.rankable`: no padding, prediction position or special tokens, as everywhere);
+  ``None`` when either is constant.
 - ``topk[l]``: |top-k(reference) ∩ top-k(candidate)| / k by signed score, same tokens ranked.
 - ``drift[l]``: ‖candidate − reference‖₂ / ‖reference‖₂ over all real tokens.
 - ``agree``: the candidate's own prediction equals the reference's (classifiers and causal LMs).
@@ -22,10 +23,11 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from .attribution import Attribution
-from .capture import attach
-from .evaluate import mean
-from .head import input_device
+from ..hooks.probe import attach
+from ..method.placement import input_device
+from ..method.select import order
+from ..records.attribution import Attribution
+from .metrics import mean
 
 __all__ = ["SCHEMA", "aggregate", "audit_example", "compare", "most_changed"]
 
@@ -47,8 +49,9 @@ def _rank_metrics(ref: torch.Tensor, cand: torch.Tensor, top_k: int) -> tuple[fl
         rho = _finite(stats.spearmanr(a, b).statistic)
         tau = _finite(stats.kendalltau(a, b).statistic)
     k = min(top_k, len(ref))
-    top_ref = set(torch.argsort(ref, descending=True, stable=True)[:k].tolist())
-    top_cand = set(torch.argsort(cand, descending=True, stable=True)[:k].tolist())
+    everything = torch.ones_like(ref, dtype=torch.bool)
+    top_ref = set(order(ref, everything)[:k].tolist())
+    top_cand = set(order(cand, everything)[:k].tolist())
     return rho, tau, len(top_ref & top_cand) / k
 
 
@@ -61,9 +64,8 @@ def compare(reference: Attribution, candidate: Attribution, *, row: int = 0, top
         raise ValueError("the two attributions differ in layers or shape: attribute the same text with the same layers")
     if reference.normxlogit.dim() != 3:
         raise ValueError("compare one target at a time (the attributions have a trailing target axis)")
-    real = reference.mask[row].clone()
-    everywhere = real.clone()
-    real[int(reference.position[row])] = False
+    real = reference.rankable(row)
+    everywhere = reference.mask[row].bool()
     out: dict[str, Any] = {"layers": list(reference.layers), "spearman": [], "kendall": [], "topk": [], "drift": []}
     for ref, cand in zip(reference.normxlogit[:, row], candidate.normxlogit[:, row]):
         rho, tau, overlap = _rank_metrics(ref[real], cand[real], top_k)
@@ -169,62 +171,3 @@ def aggregate(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "per_layer": per_layer,
         "most_changed": [records[i].get("index", i) for i in most_changed(records)],
     }
-
-
-def _quantization(mode: str) -> Any:
-    from transformers import BitsAndBytesConfig
-
-    if mode == "8bit":
-        return BitsAndBytesConfig(load_in_8bit=True)
-    if mode in ("4bit", "fp4"):
-        return BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="fp4" if mode == "fp4" else "nf4",
-            bnb_4bit_compute_dtype=torch.float32,
-        )
-    raise ValueError(f"--quantize {mode!r}: use 4bit (nf4), fp4 or 8bit")
-
-
-def audit_command(args: Any) -> int:
-    """``nxl audit --reference MODEL (--candidate MODEL | --quantize 4bit|8bit) DATA --out DIR``."""
-    from .dataset import examples_from_args, place, run_dataset, write_outputs
-    from .loading import load_model
-    from .viz import audit_report
-
-    if (args.candidate is None) == (args.quantize is None):
-        raise ValueError(
-            "give exactly one of --candidate MODEL or --quantize 4bit|8bit (the candidate built from --reference)"
-        )
-    examples, settings = examples_from_args(args)
-    settings.update(
-        command="audit",
-        reference=args.reference,
-        candidate=args.candidate,
-        quantize=args.quantize,
-        layers=args.layers,
-        top_k=args.top_k,
-    )
-    reference, tokenizer = load_model(args.reference, head=args.head)
-    if args.candidate is not None:
-        candidate, candidate_tokenizer = load_model(args.candidate, head=args.head)
-        if candidate_tokenizer.get_vocab() != tokenizer.get_vocab():
-            raise ValueError(
-                "the candidate's tokenizer differs from the reference's: the audit compares token by token, "
-                "so both models must share one tokenizer"
-            )
-    else:
-        candidate, _ = load_model(args.reference, head=args.head, quantization_config=_quantization(args.quantize))
-    place(reference)
-    place(candidate)
-
-    def score(example: Mapping[str, Any]) -> Mapping[str, Any]:
-        return audit_example(reference, candidate, tokenizer, example, layers=args.layers, top_k=args.top_k)
-
-    records = run_dataset(examples, score, args.out, settings=settings, desc="audit")
-    if records is not None:
-        summary = aggregate(records)
-        name = args.candidate or f"{args.reference} ({args.quantize})"
-        write_outputs(
-            args.out, records, summary, audit_report(summary, records, title=f"Audit: {name} vs {args.reference}")
-        )
-    return 0

@@ -26,12 +26,15 @@ __all__ = [
     "ArchSpec",
     "HEAD_KINDS",
     "UnknownArchitectureError",
+    "blocks",
+    "get_path",
     "head_kind",
     "register_architecture",
     "register_file",
     "resolve",
     "spec_head",
     "specs",
+    "unwrap",
 ]
 
 #: The head kinds a spec can describe. Regression is a sequence-classification head with one output.
@@ -137,9 +140,9 @@ def register_file(path: str | Path) -> list[ArchSpec]:
 
 
 def _registry_dir() -> Path:
-    here = Path(__file__).resolve().parent
-    shipped = here / "_registry"  # inside an installed wheel
-    return shipped if shipped.is_dir() else here.parent / "registry"  # source checkout / editable install
+    package = Path(__file__).resolve().parent.parent
+    shipped = package / "_registry"  # inside an installed wheel
+    return shipped if shipped.is_dir() else package.parent / "registry"  # source checkout / editable install
 
 
 def _load_builtin() -> None:
@@ -175,7 +178,8 @@ def spec_head(kind: str) -> str:
     return "sequence_classification" if kind == "regression" else kind
 
 
-def _get_path(root: nn.Module, path: str):
+def get_path(root: nn.Module, path: str):
+    """The object at a dotted spec path (``"model.layers"``, ``"h.0"``); may be None (OPT's ``project_out``)."""
     obj = root
     for part in path.split("."):
         obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
@@ -184,10 +188,21 @@ def _get_path(root: nn.Module, path: str):
 
 def _has_path(root: nn.Module, path: str) -> bool:
     try:
-        _get_path(root, path)
+        get_path(root, path)
     except (AttributeError, IndexError):
         return False
     return True
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model inside a PeftModel (the object PEFT forwards through); any other model as is."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+def blocks(model: nn.Module, spec: "ArchSpec") -> nn.ModuleList:
+    """The blocks a spec names: their count is the model's L everywhere (layers 0..L, negative layer numbers)."""
+    return get_path(model, spec.blocks)
 
 
 def _logit_post_processing(model: nn.Module, kind: str) -> list[str]:
@@ -225,7 +240,7 @@ def _discover(model: nn.Module, kind: str) -> ArchSpec | None:
 
 
 def resolve(model: nn.Module) -> tuple[ArchSpec, str]:
-    """The spec and head kind for a transformers task model (not a PeftModel: unwrap it first)."""
+    """The spec and head kind for a transformers task model (not a PeftModel: :func:`unwrap` it first)."""
     kind = head_kind(model)
     spec_kind = spec_head(kind)
     model_type = model.config.model_type

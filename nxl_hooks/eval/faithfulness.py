@@ -31,8 +31,6 @@ NormXLogit[foil]), grad_norm, grad_x_input, integrated_gradients (captum; :mod:`
 
 from __future__ import annotations
 
-import math
-import re
 import time
 import zlib
 from dataclasses import dataclass
@@ -41,10 +39,12 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
+from ..arch.registry import blocks, resolve, unwrap
+from ..hooks.probe import attach
+from ..method.placement import input_device
+from ..method.select import layer_index, order, prediction_rows, rankable, resolve_layers, resolve_target_id
 from .baselines import GRADIENT_METHODS, gradient_scores, one_row_only
-from .capture import attach, resolve_layers, resolve_target_id
-from .head import input_device
-from .registry import resolve
+from .metrics import average_precision, evidence_mask, mean, normalized_dot, pearson
 
 __all__ = [
     "DEFAULT_KS",
@@ -67,37 +67,6 @@ _LAYERED = ("logat", "normxlogit", "contrastive")
 _KNOWN = set(DEFAULT_METHODS)
 
 _Predict = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-# -- metrics on one score vector -------------------------------------------------------------------------
-
-
-def average_precision(scores: torch.Tensor, relevant: torch.Tensor) -> float:
-    """AP of ranking by signed score, descending: sum_k (R_k - R_{k-1}) P_k. ``average_precision(s, e)``
-
-    ``scores`` and ``relevant`` (0/1) are 1-D over the ranked tokens (drop the prediction position and special tokens first).
-    Ties keep token order.
-    """
-    relevant = relevant.bool()
-    if not relevant.any():
-        raise ValueError("average_precision needs at least one relevant (evidence) token")
-    order = torch.argsort(scores.float(), descending=True, stable=True)
-    hits = relevant[order].float()
-    precision = hits.cumsum(0) / torch.arange(1, len(hits) + 1)
-    return float((precision * hits).sum() / hits.sum())
-
-
-def normalized_dot(scores: torch.Tensor, relevant: torch.Tensor) -> float:
-    """sum_i E_i s'_i with s' = (s - min s) / sum(s - min s): one normalization for every method.
-
-    Min-shift then L1 keeps the signed order (the ranking the paper uses), is invariant to the scale and
-    offset of a method's scores (gradients and logits live on different scales, where a softmax is not
-    fair), and makes s' a distribution over tokens. All-equal scores give the uniform distribution.
-    """
-    shifted = scores.float() - scores.float().min()
-    total = shifted.sum()
-    weights = shifted / total if total > 0 else torch.full_like(shifted, 1.0 / len(shifted))
-    return float((weights * relevant.float()).sum())
 
 
 # -- perturbation ----------------------------------------------------------------------------------------
@@ -123,9 +92,8 @@ def perturb(
     ``perturb(ids, 0, s, 3, keep_top=False, mode="mask", mask_id=tok.mask_token_id, protected_ids=tok.all_special_ids)``
     """
     n = input_ids.shape[0]
-    candidates = _candidates(input_ids, position, protected_ids)
-    order = candidates[torch.argsort(scores[candidates].float(), descending=True, stable=True)]
-    chosen = order[count:] if keep_top else order[:count]
+    ranked = order(scores, _candidates(input_ids, position, protected_ids))
+    chosen = ranked[count:] if keep_top else ranked[:count]
     if mode == "mask":
         if mask_id is None:
             raise ValueError("mode='mask' needs mask_id (the tokenizer's mask_token_id)")
@@ -140,10 +108,10 @@ def perturb(
 
 
 def _candidates(input_ids: torch.Tensor, position: int, protected_ids: Sequence[int]) -> torch.Tensor:
-    """Positions a method ranks and perturbation may touch: all but the prediction and protected tokens."""
-    free = ~torch.isin(input_ids, torch.tensor(list(protected_ids), dtype=input_ids.dtype))
-    free[position] = False
-    return free.nonzero().flatten()
+    """bool (seq,): what a method ranks and perturbation may touch, by the one rule of
+    :func:`nxl_hooks.method.select.rankable` (not the prediction, not the protected special tokens)."""
+    special = torch.isin(input_ids, torch.tensor(list(protected_ids), dtype=input_ids.dtype))
+    return rankable(torch.ones_like(input_ids, dtype=torch.bool), position, special)
 
 
 def _run_grouped(predict: _Predict, rows: list[tuple[torch.Tensor, int]], chunk: int = 64) -> torch.Tensor:
@@ -162,28 +130,6 @@ def _run_grouped(predict: _Predict, rows: list[tuple[torch.Tensor, int]], chunk:
     return torch.stack(out)
 
 
-# -- evidence --------------------------------------------------------------------------------------------
-
-
-def evidence_mask(text: str, offsets: Sequence[tuple[int, int]], words: Sequence[str]) -> tuple[torch.Tensor, list[str]]:
-    """0/1 per token whose character span overlaps a whole-word, case-insensitive match of an evidence word.
-
-    Returns (mask, words that matched no token). ``offsets`` comes from a fast tokenizer
-    (``return_offsets_mapping=True``); special tokens have empty spans and never match.
-    """
-    spans = []
-    missing = []
-    for word in words:
-        found = [m.span() for m in re.finditer(rf"(?<!\w){re.escape(word)}(?!\w)", text, flags=re.IGNORECASE)]
-        spans += found
-        if not found:
-            missing.append(word)
-    mask = torch.tensor(
-        [int(end > start and any(s < end and start < e for s, e in spans)) for start, end in offsets], dtype=torch.long
-    )
-    return mask, missing
-
-
 # -- one example -----------------------------------------------------------------------------------------
 
 
@@ -191,11 +137,12 @@ class _Setup:
     """What score_example needs to know about a model: head kind, perturbation mode, how to read outputs."""
 
     def __init__(self, model: nn.Module, tokenizer: Any, perturbation: str) -> None:
-        inner = model.get_base_model() if callable(getattr(model, "get_base_model", None)) else model
+        inner = unwrap(model)
         spec, self.kind = resolve(inner)
+        self.pooling = spec.pooling
         self.model = model
         self.tokenizer = tokenizer
-        self.n_blocks = inner.config.get_text_config().num_hidden_layers
+        self.n_blocks = len(blocks(inner, spec))
         self.mask_id = getattr(tokenizer, "mask_token_id", None)
         # Encoders that read CLS were trained with [MASK]; decoders see deletion (SPEC 5).
         self.reads_first = spec.pooling == "first" and self.kind in ("sequence_classification", "regression")
@@ -219,12 +166,13 @@ class _Setup:
         return logits.float().cpu()
 
     def position(self, ids: torch.Tensor) -> int:
-        if self.kind == "masked_lm":
-            where = (ids == self.mask_id).nonzero().flatten()
-            if len(where) != 1:
-                raise ValueError(f"a masked-LM example needs exactly one {self.tokenizer.mask_token!r}; found {len(where)}")
-            return int(where[0])
-        return 0 if self.reads_first else len(ids) - 1
+        """Where an unpadded example's prediction is read (the rule attach uses)."""
+        _, positions = prediction_rows(self.kind, self.pooling, ids[None], torch.ones(1, len(ids), dtype=torch.long),
+                                       shape=(1, len(ids)), pad_id=None, mask_id=self.mask_id)
+        if len(positions) != 1:
+            raise ValueError(f"a masked-LM example needs exactly one {self.tokenizer.mask_token!r}; "
+                             f"found {len(positions)}")
+        return int(positions[0])
 
     def label_id(self, value: Any, n_outputs: int) -> int | float | None:
         if value is None or self.kind == "regression":
@@ -238,7 +186,8 @@ def _seed(seed: int, text: str) -> int:
 
 
 def _method_scores(setup: _Setup, methods: Sequence[str], ids: torch.Tensor, position: int, t: _Targets,
-                   seed: int, text: str, ig_steps: int) -> tuple[dict[str, torch.Tensor], dict[str, float | None]]:
+                   seed: int, text: str, ig_steps: int,
+                   aggregation: str) -> tuple[dict[str, torch.Tensor], dict[str, float | None]]:
     """name -> scores, (layers, seq) for layered methods and (seq,) otherwise; name -> seconds."""
     scores: dict[str, torch.Tensor] = {}
     seconds: dict[str, float | None] = {}
@@ -266,7 +215,8 @@ def _method_scores(setup: _Setup, methods: Sequence[str], ids: torch.Tensor, pos
         if name in GRADIENT_METHODS:
             start = time.perf_counter()
             scores[name] = gradient_scores(setup.model, batch, mask, position=position, target=t.target,
-                                           method=name, ig_steps=ig_steps, kind=setup.kind).cpu()
+                                           method=name, ig_steps=ig_steps, kind=setup.kind,
+                                           aggregation=aggregation).cpu()
             seconds[name] = time.perf_counter() - start
     return scores, seconds
 
@@ -337,6 +287,7 @@ def score_example(
     seed: int = 0,
     perturbation: str = "auto",
     ig_steps: int = 50,
+    aggregation: str = "l1",
     keep_scores: bool = False,
     custom: Mapping[str, Sequence[float]] | None = None,
 ) -> dict[str, Any]:
@@ -349,6 +300,7 @@ def score_example(
     - Comprehensiveness per K: ``p_orig[y] - p_new[y]`` with K's top tokens perturbed; sufficiency: the
       same with all but the top tokens perturbed. Regression: ``|out_orig - out_new|``. When the example
       names a ``foil``, p is the softmax over the pair (target, foil) (BLiMP-style minimal pairs).
+    - ``aggregation``: how the gradient baselines reduce a token's (d,) attribution: "l1" (the paper), "l2", "sum".
     - ``contrastive`` contrasts with ``example["foil"]``, else the runner-up output (not for regression).
     - ``keep_scores``: also store each method's per-token scores at ``layer`` (for reports).
     - ``custom``: your own methods, name -> one score per token of ``tokenizer(text)`` (special tokens
@@ -375,13 +327,13 @@ def score_example(
     t = _targets(setup, example, original[0])
     methods = [m for m in methods if not (m == "contrastive" and t.foil is None)]
     evidence, missing = _evidence(example, encoding, position)
-    scores, seconds = _method_scores(setup, methods, ids, position, t, seed, example["text"], ig_steps)
+    scores, seconds = _method_scores(setup, methods, ids, position, t, seed, example["text"], ig_steps, aggregation)
     for name, values in (custom or {}).items():
         if name in _KNOWN or len(values) != n:
             raise ValueError(f"custom method {name!r}: give a new name and one score per token ({n} tokens here)")
         scores[name], seconds[name] = torch.as_tensor(values, dtype=torch.float32), None
         methods.append(name)
-    eval_layer = resolve_layers([layer], setup.n_blocks)[0]
+    eval_layer = layer_index(layer, setup.n_blocks)
     ranking = {name: scores[name][eval_layer] if name in _LAYERED else scores[name] for name in methods}
 
     counts = [int(n * k) for k in ks]
@@ -447,22 +399,6 @@ def score_example(
 # -- many examples ---------------------------------------------------------------------------------------
 
 
-def mean(values: Sequence[float | None]) -> float | None:
-    """The mean of the values that are not None (None if there are none): ``mean([1.0, None, 3.0]) == 2.0``."""
-    values = [v for v in values if v is not None]
-    return sum(values) / len(values) if values else None
-
-
-def _pearson(x: Sequence[float], y: Sequence[float]) -> float | None:
-    if len(x) < 2:
-        return None
-    mx, my = sum(x) / len(x), sum(y) / len(y)
-    sxy = sum((a - mx) * (b - my) for a, b in zip(x, y))
-    sxx = sum((a - mx) ** 2 for a in x)
-    syy = sum((b - my) ** 2 for b in y)
-    return sxy / math.sqrt(sxx * syy) if sxx > 0 and syy > 0 else None
-
-
 def _columns(records: Sequence[Mapping], name: str, key: str) -> list[list]:
     """Per K (or per layer), the values of every record that has them."""
     rows = [r["methods"][name][key] for r in records if name in r["methods"] and r["methods"][name][key] is not None]
@@ -493,7 +429,7 @@ def _method_summary(records: Sequence[Mapping], name: str, eval_layer: int, regr
     for part, long in (("comp", "comprehensiveness"), ("suff", "sufficiency")):
         if regression:
             gold = [r["label"] for r in labelled]
-            entry[f"pearson_{long}"] = [_pearson(list(c), gold) for c in _columns(labelled, name, f"{part}_pred")] or None
+            entry[f"pearson_{long}"] = [pearson(list(c), gold) for c in _columns(labelled, name, f"{part}_pred")] or None
         else:
             entry[f"accuracy_{long}"] = [mean([float(v) for v in c]) for c in _columns(labelled, name, f"{part}_correct")] or None
     return entry
@@ -529,7 +465,7 @@ def aggregate(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "layers": first["layers"],
         "eval_layer": first["eval_layer"],
         "accuracy": None if regression else mean([float(r["correct"]) for r in labelled]),
-        "pearson": _pearson([r["prediction"] for r in labelled], [r["label"] for r in labelled]) if regression else None,
+        "pearson": pearson([r["prediction"] for r in labelled], [r["label"] for r in labelled]) if regression else None,
         "normalization": "min-shift L1 over the ranked tokens (prediction position and special tokens removed), for every method",
         "methods": {name: _method_summary(records, name, first["eval_layer"], regression) for name in names},
     }

@@ -17,10 +17,13 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..method.select import layer_index, order, rankable
+
 __all__ = ["Attribution", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 _TENSORS = ("normxlogit", "logat", "embed_norm", "target", "mask", "position", "example")
+_OPTIONAL_TENSORS = ("special",)  # absent from files written before it existed
 
 
 @dataclass
@@ -40,33 +43,46 @@ class Attribution:
     example: torch.Tensor  #: int64 (rows,): the input row each row explains
     tokens: list[list[str]] | None = None  #: token strings per row, when a tokenizer was given
     meta: dict[str, Any] = field(default_factory=dict)  #: model_type, head kind, embedding, ...
+    special: torch.Tensor | None = None  #: bool (rows, seq), True on the tokenizer's special tokens (when known)
 
     def layer(self, layer: int) -> torch.Tensor:
         """NormXLogit at one layer (negative counts from the end): ``res.layer(-1)`` -> (rows, seq[, k])."""
         n_blocks = self.meta.get("n_blocks")
         if layer < 0 and n_blocks is None:
             raise ValueError(f"layer {layer}: this result does not record the model's block count; use one of {self.layers}")
-        wanted = layer + n_blocks + 1 if layer < 0 else layer
+        wanted = layer_index(layer, n_blocks) if n_blocks is not None else layer
         if wanted not in self.layers:
             raise ValueError(f"layer {layer} was not captured; captured layers: {self.layers}")
         return self.normxlogit[self.layers.index(wanted)]
 
-    def top(self, k: int = 5, layer: int = -1, row: int = 0, label: int = 0) -> list[tuple[int, str, float]]:
-        """The k highest-scoring real tokens of one row, by signed NormXLogit: [(position, token, score)]."""
+    def rankable(self, row: int = 0, *, all_positions: bool = False) -> torch.Tensor:
+        """bool (seq,): the positions of one row that rank (see :func:`nxl_hooks.method.select.rankable`); with
+        ``all_positions`` every real token, the prediction position and special tokens included."""
+        if all_positions:
+            return self.mask[row].bool()
+        special = None if self.special is None else self.special[row]
+        return rankable(self.mask[row], int(self.position[row]), special)
+
+    def top(
+        self, k: int = 5, layer: int = -1, row: int = 0, label: int = 0, *, all_positions: bool = False
+    ) -> list[tuple[int, str, float]]:
+        """The k highest-scoring tokens of one row by signed NormXLogit: [(position, token, score)].
+
+        Padding, the prediction position and special tokens are left out unless ``all_positions``; NaN ranks last.
+        """
         scores = self.layer(layer)[row]
         if scores.dim() == 2:
             scores = scores[:, label]
-        scores = scores.masked_fill(~self.mask[row], float("-inf"))
-        values, index = scores.topk(min(k, int(self.mask[row].sum())))
+        best = order(scores, self.rankable(row, all_positions=all_positions))[:k]
         names = self.tokens[row] if self.tokens else [str(i) for i in range(scores.numel())]
-        return [(int(i), names[int(i)], float(v)) for v, i in zip(values, index)]
+        return [(int(i), names[int(i)], float(scores[i])) for i in best]
 
     def to_html(self, path: str | Path | None = None, **options: Any) -> str:
         """Self-contained tokens x layers heatmap page; also written to ``path`` when given.
 
-        ``res.to_html("a.html")``; ``options`` go to :func:`nxl_hooks.viz.attribution_html` (rows, label, method).
+        ``res.to_html("a.html")``; ``options`` go to :func:`nxl_hooks.records.html.attribution_html` (rows, label, method).
         """
-        from .viz import attribution_html
+        from .html import attribution_html
 
         text = attribution_html(self, **options)
         if path is not None:
@@ -74,7 +90,7 @@ class Attribution:
         return text
 
     def _repr_html_(self) -> str:
-        from .viz import attribution_html
+        from .html import attribution_html
 
         # A notebook cell stays readable: the first rows only (to_html(rows=...) shows any).
         return attribution_html(self, rows=range(min(8, self.normxlogit.shape[1])), full_page=False)
@@ -83,6 +99,8 @@ class Attribution:
         """Write one safetensors file; layers, tokens and meta go in its JSON metadata. ``res.save("a.safetensors")``"""
         path = Path(path)
         tensors = {name: getattr(self, name).detach().cpu().contiguous() for name in _TENSORS}
+        tensors.update({name: getattr(self, name).cpu().contiguous() for name in _OPTIONAL_TENSORS
+                        if getattr(self, name) is not None})
         header = {"format": "nxl_hooks.attribution", "version": FORMAT_VERSION, "layers": self.layers,
                   "tokens": self.tokens, "meta": self.meta}
         save_file(tensors, str(path), metadata={"nxl_hooks": json.dumps(header)})
@@ -99,4 +117,5 @@ class Attribution:
             if header.get("version", 0) > FORMAT_VERSION:
                 raise ValueError(f"{path} has format version {header['version']}; upgrade nxl_hooks to read it")
             tensors = {name: fh.get_tensor(name) for name in _TENSORS}
+            tensors.update({name: fh.get_tensor(name) for name in _OPTIONAL_TENSORS if name in fh.keys()})
         return cls(**tensors, layers=header["layers"], tokens=header["tokens"], meta=header["meta"])

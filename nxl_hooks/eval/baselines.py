@@ -5,6 +5,8 @@ Gradient Norm, Gradient x Input and Integrated Gradients. Each returns one score
 
 The explained scalar is the target's logit at the prediction position (the same quantity LogAt reads at
 the last layer; regression: the model's output). Integrated Gradients uses an all-zero embedding baseline.
+A token's (d,) attribution becomes one score by the L1 norm over the hidden dimension, as the paper aggregates
+all three; ``aggregation="l2"`` or ``"sum"`` (signed) are the other common choices.
 """
 
 from __future__ import annotations
@@ -14,12 +16,18 @@ from typing import Callable
 import torch
 from torch import nn
 
-from .registry import head_kind
+from ..arch.registry import head_kind
 
-__all__ = ["GRADIENT_METHODS", "gradient_scores", "one_row_only"]
+__all__ = ["AGGREGATIONS", "GRADIENT_METHODS", "gradient_scores", "one_row_only"]
 
-#: method name -> what it reduces the (seq, d) attribution to.
 GRADIENT_METHODS = ("grad_norm", "grad_x_input", "integrated_gradients")
+
+#: How a token's (d,) attribution becomes one score: the paper's L1 norm (default), the L2 norm, or the signed sum.
+AGGREGATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "l1": lambda x: x.float().abs().sum(-1),
+    "l2": lambda x: x.float().norm(dim=-1),
+    "sum": lambda x: x.float().sum(-1),
+}
 
 
 def one_row_only(model: nn.Module, kind: str) -> bool:
@@ -52,27 +60,32 @@ def gradient_scores(
     method: str,
     ig_steps: int = 50,
     kind: str | None = None,
+    aggregation: str = "l1",
 ) -> torch.Tensor:
     """One float32 score per token of a single example (``input_ids`` of shape (1, seq)) -> (seq,).
 
-    ``grad_norm``: ``||d f / d e_i||_2``; ``grad_x_input``: ``sum_d e_i * d f / d e_i``;
-    ``integrated_gradients``: captum IG with ``ig_steps`` steps from a zero embedding, summed over d.
-    ``kind``: the head kind when the caller knows it (default: read from the model).
+    ``grad_norm``: the gradient ``d f / d e_i``; ``grad_x_input``: ``e_i * d f / d e_i``;
+    ``integrated_gradients``: captum IG with ``ig_steps`` steps from a zero embedding; each reduced over d by
+    ``aggregation`` (see :data:`AGGREGATIONS`). ``kind``: the head kind when the caller knows it.
     """
     from captum.attr import InputXGradient, IntegratedGradients, Saliency
 
     if method not in GRADIENT_METHODS:
         raise ValueError(f"method {method!r} is not a gradient baseline; use one of {GRADIENT_METHODS}")
+    if aggregation not in AGGREGATIONS:
+        raise ValueError(f"aggregation {aggregation!r}: use one of {', '.join(AGGREGATIONS)}")
+    reduce = AGGREGATIONS[aggregation]
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"gradient_scores explains one example: input_ids must be (1, seq), got {tuple(input_ids.shape)}")
     kind = kind or head_kind(model)
     forward = _target_logit(model, kind, attention_mask, position, target)
     embeds = model.get_input_embeddings()(input_ids).detach().requires_grad_(True)
     if method == "grad_norm":
-        grads = Saliency(forward).attribute(embeds, abs=False)
-        return grads[0].float().norm(dim=-1).detach()
-    if method == "grad_x_input":
-        return InputXGradient(forward).attribute(embeds)[0].float().sum(-1).detach()
-    attributions = IntegratedGradients(forward).attribute(embeds, baselines=torch.zeros_like(embeds), n_steps=ig_steps,
-                                                          internal_batch_size=1 if one_row_only(model, kind) else None)
-    return attributions[0].float().sum(-1).detach()
+        attributions = Saliency(forward).attribute(embeds, abs=False)
+    elif method == "grad_x_input":
+        attributions = InputXGradient(forward).attribute(embeds)
+    else:
+        attributions = IntegratedGradients(forward).attribute(
+            embeds, baselines=torch.zeros_like(embeds), n_steps=ig_steps,
+            internal_batch_size=1 if one_row_only(model, kind) else None)
+    return reduce(attributions[0]).detach()

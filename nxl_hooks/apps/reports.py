@@ -1,0 +1,176 @@
+"""The report pages of ``nxl evaluate`` and ``nxl audit``, from their JSON summaries and records.
+
+    page = evaluate_report(summary)         # AOPC curves per method, per-layer alignment heatmaps
+    page = audit_report(summary, records)   # the examples that changed most first, then per-layer drift
+"""
+
+from __future__ import annotations
+
+import html
+from typing import Any, Mapping, Sequence
+
+from ..records.html import fmt, heatmap, line_chart, page
+
+__all__ = ["audit_report", "evaluate_report"]
+
+
+def _stats_table(header: Sequence[str], rows: Sequence[Sequence[str]], best: Mapping[int, int] | None = None) -> str:
+    """``best`` maps a column to the row index to emphasise."""
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = []
+    for i, row in enumerate(rows):
+        tds = "".join(
+            f"<td{' class=best' if best and best.get(j) == i else ''}>{cell}</td>" for j, cell in enumerate(row)
+        )
+        body.append(f"<tr>{tds}</tr>")
+    return f'<table class="nxl-stats"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
+
+
+def _argbest(values: Sequence[float | None], high: bool) -> int | None:
+    scored = [(v, i) for i, v in enumerate(values) if v is not None]
+    if not scored:
+        return None
+    return (max if high else min)(scored)[1]
+
+
+def evaluate_report(summary: Mapping[str, Any], title: str = "nxl_hooks faithfulness report") -> str:
+    """The page ``nxl evaluate`` writes, from :func:`nxl_hooks.evaluate.aggregate`'s summary."""
+    methods: Mapping[str, Mapping[str, Any]] = summary["methods"]
+    names = list(methods)
+    ks = [round(100 * k) for k in summary["ks"]]
+    columns = [
+        ("aopc_comprehensiveness", "AOPC comp. ↑", True),
+        ("aopc_sufficiency", "AOPC suff. ↓", False),
+        ("ap_eval", "AP ↑", True),
+        ("dot_eval", "dot ↑", True),
+        ("seconds", "s / example", False),
+    ]
+    rows = [[html.escape(n)] + [fmt(methods[n].get(key)) for key, _, _ in columns] for n in names]
+    best = {j + 1: _argbest([methods[n].get(key) for n in names], high) for j, (key, _, high) in enumerate(columns)}
+    accuracy = summary.get("accuracy")
+    facts = (
+        f"{summary['n']} examples · head {summary['kind']} · perturbation: {summary['perturbation']} · "
+        f"ranking layer {summary['eval_layer']}"
+        + (f" · accuracy {accuracy:.3f}" if accuracy is not None else "")
+        + (f" · Pearson {summary['pearson']:.3f}" if summary.get("pearson") is not None else "")
+    )
+    body = [
+        f'<h1>{html.escape(title)}</h1><p class="note">{html.escape(facts)}</p>',
+        "<h2>Summary</h2>",
+        _stats_table(["method"] + [c[1] for c in columns], rows, best),
+        f'<p class="note">AP and dot at the ranking layer; {html.escape(summary.get("normalization", ""))}.</p>',
+        '<h2>AOPC curves</h2><div class="charts">',
+    ]
+    for key, name, ylabel in (
+        ("comprehensiveness_curve", "Comprehensiveness (higher is more faithful)", "p_orig − p_new"),
+        ("sufficiency_curve", "Sufficiency (lower is more faithful)", "p_orig − p_new"),
+        ("accuracy_comprehensiveness", "Accuracy, top-K perturbed (lower is better)", "accuracy"),
+        ("pearson_comprehensiveness", "Pearson, top-K perturbed (lower is better)", "Pearson r"),
+    ):
+        series = {n: methods[n][key] for n in names if methods[n].get(key)}
+        if series:
+            body.append(line_chart(ks, series, title=name, x_label="K (% of tokens)", y_label=ylabel))
+    body.append("</div>")
+    layers = summary["layers"]
+    for key, name in (("ap", "Average precision of the evidence"), ("dot", "Normalized dot product with the evidence")):
+        rows_ = [n for n in names if methods[n].get(key)]
+        if not rows_:
+            continue
+        values = [methods[n][key] if methods[n]["layered"] else methods[n][key] * len(layers) for n in rows_]
+        labels = [n if methods[n]["layered"] else f"{n} (no layers)" for n in rows_]
+        body.append(f"<h2>Per-layer alignment: {html.escape(name)}</h2>")
+        body.append(
+            heatmap(
+                labels,
+                [f"L{layer}" for layer in layers],
+                values,
+                scale="range",
+                corner="method \\ layer",
+                caption="White = the table's lowest value, red = its highest; methods without layers "
+                "repeat their one value.",
+            )
+        )
+    return page(title, "".join(body))
+
+
+def _example_block(record: Mapping[str, Any], rank: int) -> str:
+    agree = record.get("agree")
+    verdict = '<span class="flip">prediction flipped</span>' if agree is False else "same prediction" if agree else ""
+    facts = (
+        f"#{rank} · example {record.get('index', '?')} (id {record.get('id')!r}) · {verdict} · reference → candidate "
+        f"prediction {record.get('reference_prediction')} → {record.get('candidate_prediction')} · explained output "
+        f"{fmt(record['reference_output'])} → {fmt(record['candidate_output'])} · last layer Spearman "
+        f"{fmt(record['spearman'][-1])}, Kendall {fmt(record['kendall'][-1])}, top-{record['top_k']} "
+        f"{fmt(record['topk'][-1])}, drift {fmt(record['drift'][-1])}"
+    )
+    table = heatmap(
+        ["reference", "candidate"],
+        record["tokens"],
+        [record["reference_scores"], record["candidate_scores"]],
+        scale="all",
+        corner="model \\ token",
+    )
+    return (
+        f'<div class="example" data-index="{record.get("index", "")}"><p>{facts}</p>'
+        f'<p class="note">{html.escape(record["text"])}</p>{table}</div>'
+    )
+
+
+def audit_report(
+    summary: Mapping[str, Any],
+    records: Sequence[Mapping[str, Any]],
+    *,
+    show: int = 10,
+    title: str = "nxl_hooks quantization audit",
+) -> str:
+    """The page ``nxl audit`` writes: most-changed examples first, then per-layer agreement and drift."""
+    by_index = {r.get("index", i): r for i, r in enumerate(records)}
+    last = summary["last_layer"]
+    agreement = summary.get("agreement")
+    facts = (
+        f"{summary['n']} examples · prediction agreement "
+        f"{'–' if agreement is None else f'{agreement:.3f}'} ({summary['flipped']} flipped) · "
+        f"mean change of the explained output {fmt(summary['output_change'])} · last layer: Spearman "
+        f"{fmt(last['spearman'])}, Kendall {fmt(last['kendall'])}, top-{summary['top_k']} overlap "
+        f"{fmt(last['topk'])}, drift {fmt(last['drift'])}"
+    )
+    body = [
+        f"<h1>{html.escape(title)}</h1><p>{html.escape(facts)}</p>",
+        f"<h2>The {min(show, summary['n'])} examples that changed most</h2>",
+        '<p class="note">Flipped predictions first, then the lowest last-layer Spearman. Rows: NormXLogit at the '
+        "last layer, both models explaining the reference's prediction; one colour scale per example.</p>",
+    ]
+    body += [_example_block(by_index[index], rank + 1) for rank, index in enumerate(summary["most_changed"][:show])]
+    layers = summary["layers"]
+    per_layer = summary["per_layer"]
+    body.append('<h2>Per layer</h2><div class="charts">')
+    body.append(
+        line_chart(
+            layers,
+            {k: per_layer[k] for k in ("spearman", "kendall", "topk")},
+            title="Agreement of the rankings (1 = unchanged)",
+            x_label="layer",
+            y_label="mean over examples",
+        )
+    )
+    body.append(
+        line_chart(
+            layers,
+            {"drift": per_layer["drift"]},
+            title="Drift ‖cand − ref‖ / ‖ref‖ (0 = unchanged)",
+            x_label="layer",
+            y_label="mean over examples",
+        )
+    )
+    body.append("</div>")
+    body.append(
+        heatmap(
+            ["spearman", "kendall", f"top-{summary['top_k']}", "drift"],
+            [f"L{layer}" for layer in layers],
+            [per_layer["spearman"], per_layer["kendall"], per_layer["topk"], per_layer["drift"]],
+            scale="row",
+            corner="metric \\ layer",
+            caption="Means over examples; colour scaled per row.",
+        )
+    )
+    return page(title, "".join(body))

@@ -1,0 +1,13 @@
+"""When: hooks on a live model.
+
+- :mod:`.probe`: :func:`attach` / :class:`Probe`, the hook lifecycle (handles, detach, guards)
+- :mod:`.plan`: what one attach explains, checked up front
+- :mod:`.forward`: one forward's capture and its attribution
+- :mod:`.generate`: the ``generate`` wrapper and each call's feature cache
+- :mod:`.publish`: where records go (call list, ``on_step``, ``stream()``, sink)
+- :mod:`.guard`: failures stop recording, never the model
+"""
+
+from .probe import Probe, attach, detach_all, explain
+
+__all__ = ["Probe", "attach", "detach_all", "explain"]

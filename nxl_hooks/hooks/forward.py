@@ -1,0 +1,106 @@
+"""One forward's capture, and the attribution assembled from it when the forward returns.
+
+The probe's hooks fill a :class:`Capture` as the model runs (inputs, the embedding norm, a reference to each
+selected layer's hidden states: no copy, no computation in the hooks) and :func:`assemble` turns it into an
+:class:`~nxl_hooks.Attribution`, one layer at a time. Everything here belongs to
+one call, in the thread that made it; the :class:`~nxl_hooks.hooks.plan.Plan` is shared and read-only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..method.scores import regression_logat
+from ..records.attribution import Attribution
+from .plan import Plan
+
+__all__ = ["Capture", "assemble", "open_capture"]
+
+
+@dataclass(eq=False)
+class Capture:
+    """What one backbone forward has captured so far."""
+
+    input_ids: torch.Tensor | None
+    attention_mask: torch.Tensor | None
+    shape: tuple[int, int]  #: (batch, seq) of the input
+    embed_norm: torch.Tensor | None = None  #: (batch, seq) float32
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)  #: layer -> its hidden states, as the model made them
+    last_hidden: torch.Tensor | None = None  #: the last block's output, for final logits the model did not give
+
+
+def open_capture(bound: dict[str, Any]) -> Capture:
+    """A capture for a backbone forward called with ``bound`` arguments; ValueError on an empty input."""
+    input_ids = bound.get("input_ids")
+    reference = input_ids if input_ids is not None else bound.get("inputs_embeds")
+    if reference is None or reference.dim() < 2 or reference.shape[0] == 0 or reference.shape[1] == 0:
+        raise ValueError("empty input: nxl_hooks needs at least one token per row (got a zero-length batch)")
+    return Capture(input_ids=input_ids, attention_mask=bound.get("attention_mask"),
+                   shape=(int(reference.shape[0]), int(reference.shape[1])))
+
+
+def _model_logits(plan: Plan, output: Any, examples: torch.Tensor, positions: torch.Tensor,
+                  seq: int) -> torch.Tensor | None:
+    """The task model's own logits at the explained rows (rows, outputs), float32, when its output has them for
+    every row: a forward never pays twice for its final logits. None otherwise (a tuple output, or a causal LM
+    called with ``logits_to_keep``): then they are computed from the last layer's features."""
+    logits = getattr(output, "logits", None)
+    if not isinstance(logits, torch.Tensor) or logits.shape[-1] != plan.head.n_outputs:
+        return None
+    if plan.kind in ("sequence_classification", "regression"):
+        return logits[examples.to(logits.device)].float() if logits.dim() == 2 else None
+    if logits.dim() != 3 or logits.shape[1] != seq:
+        return None
+    return logits[examples.to(logits.device), positions.to(logits.device)].float()
+
+
+def assemble(plan: Plan, capture: Capture, output: Any = None) -> Attribution:
+    """The :class:`~nxl_hooks.Attribution` of a finished forward; ``output``: the task model's output, if seen."""
+    if capture.embed_norm is None:
+        raise ValueError("embedding='word' needs input_ids: the word-embedding module did not run "
+                         "(inputs_embeds given); use embedding='layer_input'")
+    seq = capture.shape[1]
+    examples, positions = plan.rows(capture.input_ids, capture.attention_mask, capture.shape)
+    with plan.head.reading() as readout:
+        final = _model_logits(plan, output, examples, positions, seq)
+        if final is None:  # HoT of the last layer at the prediction rows only
+            last = capture.last_hidden
+            final = readout.logits(plan.head.features(last[examples.to(last.device), positions.to(last.device)]))
+
+        def by_row(values: torch.Tensor) -> torch.Tensor:
+            # Masked LMs explain an example once per [MASK]; every other head explains each example once, and
+            # indexing would copy every layer's features for nothing.
+            return values[examples.to(values.device)] if plan.kind == "masked_lm" else values
+
+        if plan.kind == "regression":
+            targets = torch.zeros(len(examples), 1, dtype=torch.long, device=final.device)
+        else:
+            targets = plan.explained(final.argmax(-1, keepdim=True))
+        logat = torch.stack([readout.explain(by_row(capture.hidden[layer]), targets).to(final.device)
+                             for layer in plan.layers])  # (layers, rows, seq, k)
+    if plan.kind == "regression":
+        logat = regression_logat(logat, final[:, 0])
+    embed_norm = by_row(capture.embed_norm).to(final.device)
+    logat, normxlogit, targets = plan.scores(logat, embed_norm, targets)
+    mask = (
+        by_row(capture.attention_mask).to(final.device).bool()
+        if capture.attention_mask is not None and capture.attention_mask.dim() == 2
+        else torch.ones_like(embed_norm, dtype=torch.bool)
+    )
+    ids = by_row(capture.input_ids) if capture.input_ids is not None else None
+    return Attribution(
+        normxlogit=normxlogit.cpu(),
+        logat=logat.cpu(),
+        embed_norm=embed_norm.cpu(),
+        layers=list(plan.layers),
+        target=targets.cpu(),
+        mask=mask.cpu(),
+        position=positions,
+        example=examples,
+        tokens=plan.token_strings(ids),
+        meta={**plan.describe(), "prediction": final.cpu().tolist() if plan.kind == "regression" else None},
+        special=plan.special(ids),
+    )

@@ -1,0 +1,327 @@
+"""Attribution while ``model.generate`` runs: one :class:`~nxl_hooks.Step` per emitted token, KV cache kept.
+
+    with nxl.attach(model, tokenizer=tok) as probe:
+        out = model.generate(**enc, max_new_tokens=32)
+    probe.steps[-1].normxlogit    # (len(layers), batch, context_len)
+
+How. :func:`~nxl_hooks.attach` sets a thin wrapper as the model instance's ``generate`` (removed at detach; a
+text-generation pipeline and ``PeftModel.generate`` both end up in it). The wrapper only marks where a call starts
+and ends, in the thread that makes it, and reads generate's return value; the user's call is unchanged. Inside it
+the probe's hooks see one prefill forward with the whole prompt (or several, with ``prefill_chunk_size``), then one
+forward per new token with one position and a KV cache holding everything before it. Each forward's block outputs
+(all selected layers stacked, one head call) become head features and are appended to the call's feature cache,
+so the prefix is never re-run. The prediction read at the last position explains the token generate emits next.
+That token is known only at the next forward (its ``input_ids``) or, for the last one, which never passes through
+the blocks, from generate's return value; so step t's record is completed when forward t+1 starts (or when
+generate returns). It explains the token actually emitted, whatever chose it: greedy, sampling, logits
+processors, a streamer or not.
+
+Threads. Each ``generate`` call has its own :class:`Run`, found through the calling thread, so calls in several
+threads on one attached model are recorded separately; each record says its thread and request.
+
+Memory. The feature cache is the only thing that grows with the context: per selected layer and token, batch × d
+values of ``cache_dtype`` (d: the head's feature size, the hidden size for most decoders; default dtype: the
+model's), e.g. 512 × 4 B = 2 KiB per token per layer for a float32 model with d = 512 at batch 1; plus, per
+token, batch × (4 B embedding norm + 1 B mask). Its capacity doubles as it grows, so at most twice that is
+allocated. It lives on ``cache_device`` (default: the last selected block's device, where the layers meet under a
+device_map); ``cache_device="cpu"`` keeps it off the accelerator, and the per-step dot products then run on the
+CPU. Nothing vocabulary-sized is kept: per step only the emitted token's row of the readout is read, once for all
+layers (a quantized or adapter-wrapped readout is called instead, which is vocabulary-sized while it runs).
+The records themselves are the caller's: 2 × 4 B × layers × batch × context per step (normxlogit and logat);
+``keep_steps=False`` with ``on_step`` / ``sink`` streams them out without keeping them.
+
+Not recorded (the call runs unchanged, ``GenerationCall.error`` says why): beam search (beams are reordered and
+pruned between steps, so a row is not one sequence), assisted / speculative decoding and generate resuming from a
+filled ``past_key_values`` (positions the probe never saw). ``num_return_sequences`` with sampling works: its rows
+are independent sequences.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import functools
+import threading
+import uuid
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..records.steps import GenerationCall, Step
+from .forward import Capture
+from .guard import reason
+from .plan import Plan
+from .publish import Hub
+
+__all__ = ["REQUEST_ID", "Generations", "Run"]
+
+#: The request the current context serves; a server integration sets it (``X-Request-ID``), else calls get an id.
+REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("nxl_hooks_request_id", default=None)
+
+
+class _Growing:
+    """A (batch, n, ...) tensor growing along dim 1; capacity doubles so appends cost amortized O(new)."""
+
+    def __init__(self) -> None:
+        self._buffer: torch.Tensor | None = None
+        self.n = 0
+
+    def truncate(self, n: int) -> None:
+        self.n = min(self.n, n)
+
+    def append(self, values: torch.Tensor) -> None:
+        need = self.n + values.shape[1]
+        buffer = self._buffer
+        if buffer is None or need > buffer.shape[1]:
+            capacity = max(need, 2 * (buffer.shape[1] if buffer is not None else 0), 16)
+            grown = values.new_empty((values.shape[0], capacity, *values.shape[2:]))
+            if buffer is not None:
+                grown[:, : self.n] = buffer[:, : self.n]
+            self._buffer = buffer = grown
+        buffer[:, self.n: need] = values
+        self.n = need
+
+    def view(self) -> torch.Tensor:
+        return self._buffer[:, : self.n]
+
+
+def _cached_length(past: Any) -> int:
+    get = getattr(past, "get_seq_length", None)
+    return int(get()) if callable(get) else 0
+
+
+def _setting(model: nn.Module, kwargs: dict, name: str) -> Any:
+    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    value = kwargs.get(name)
+    return value if value is not None else getattr(config, name, None)
+
+
+def unsupported(model: nn.Module, kwargs: dict) -> str | None:
+    """Why a ``generate`` call cannot be recorded step by step, or None when it can."""
+    if (_setting(model, kwargs, "num_beams") or 1) > 1:
+        return ("beam search (num_beams > 1) cannot be attributed step by step: beams are reordered and pruned "
+                "between steps, so a row is not one sequence; use num_beams=1 (greedy, or do_sample=True)")
+    if kwargs.get("assistant_model") is not None or _setting(model, kwargs, "prompt_lookup_num_tokens"):
+        return ("assisted / speculative decoding feeds several candidate tokens per forward and drops some; "
+                "generate without assistant_model / prompt_lookup_num_tokens")
+    return None
+
+
+class Run:
+    """One recorded sequence batch: its feature cache and its pending step. ``generate`` makes one per call; the
+    probe's hooks feed it each forward (:meth:`before_forward`, :meth:`after_forward`)."""
+
+    def __init__(self, plan: Plan, hub: Hub, call: GenerationCall, *, prompt_len: int | None, eos: Any,
+                 cache_dtype: torch.dtype | None, cache_device: torch.device | None) -> None:
+        self._plan, self._hub, self.call = plan, hub, call
+        self._prompt_len = prompt_len
+        self._eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), dtype=torch.long)
+        self._cache_dtype, self._cache_device = cache_dtype, cache_device
+        self._features = _Growing()  # (batch, n, len(layers), d): all layers in one tensor, one head call per step
+        self._embed, self._mask = _Growing(), _Growing()
+        self._real: list[torch.Tensor] = []  # per generated position: is its token real (row not finished)?
+        self._prompt_ids: list[torch.Tensor] = []
+        self._finished: torch.Tensor | None = None
+        self._compute_dtype: torch.dtype | None = None
+        self._n = self._past = 0
+        self._pending = False
+        self.failed = False
+
+    def fail(self, what: str, error: BaseException) -> None:
+        """Stop recording this call (the generation itself goes on)."""
+        self.failed = True
+        self.call.error = self.call.error or reason(what, error)
+
+    # -- fed by the probe's hooks ------------------------------------------------------------------------
+
+    def before_forward(self, bound: dict) -> None:
+        """Check the forward continues what the run holds; complete the pending step with its first token."""
+        reference = bound.get("input_ids")
+        reference = reference if reference is not None else bound.get("inputs_embeds")
+        past, new, n = _cached_length(bound.get("past_key_values")), reference.shape[1], self._n
+        decoding = self._prompt_len is not None and n >= self._prompt_len
+        continues = past == n and (new == 1 or not decoding)
+        recomputes = past == 0 and (n == 0 or (decoding and new == n + 1))  # first forward, or use_cache=False
+        if not (continues or recomputes):
+            raise RuntimeError(
+                f"generate ran a forward on positions {past}..{past + new - 1} while the probe holds {n} positions: "
+                "resuming from a filled past_key_values, assisted decoding or cache cropping is not supported "
+                "while attached; generate from the full prompt with a fresh cache"
+            )
+        if self._pending:
+            ids = bound.get("input_ids")
+            if ids is None:
+                raise RuntimeError("generate fed embeddings instead of token ids while decoding: cannot tell the "
+                                   "emitted token; pass input_ids to generate")
+            self._emit(ids[:, n - past])
+        self._past = past
+
+    def after_forward(self, capture: Capture) -> None:
+        """Append this forward's features; its last position's prediction is the next pending step."""
+        new = capture.shape[1]
+        for cache in (self._features, self._embed, self._mask):
+            cache.truncate(self._past)
+        layers = self._plan.layers
+        # One head call turns every layer into features (one-token decoding steps would pay the head's overhead
+        # per layer). Under a device_map they meet on the last selected block's device (one position per step moves).
+        device = capture.hidden[layers[-1]].device
+        features = self._plan.head.features(torch.stack([capture.hidden[layer].to(device) for layer in layers],
+                                                        dim=2))
+        self._compute_dtype = features.dtype
+        self._features.append(features.to(device=self._cache_device or features.device,
+                                          dtype=self._cache_dtype or features.dtype))
+        self._embed.append(capture.embed_norm)
+        self._mask.append(self._new_mask(capture, new))
+        if self._prompt_len is None:  # generate started from its bos token, not a prompt we were shown
+            self._prompt_len = new
+        self._n = self._past + new
+        if self.call.prompt_mask is None:  # still in the prefill (which may come in chunks)
+            if capture.input_ids is not None:
+                self._prompt_ids.append(capture.input_ids[:, : self._prompt_len - self._past])
+            if self._n >= self._prompt_len:
+                ids = torch.cat(self._prompt_ids, dim=1).cpu() if self._prompt_ids else None
+                self._hub.prompt(self.call, ids, self._mask.view()[:, : self._prompt_len].cpu(), self._plan.describe())
+        self._pending = self._n >= self._prompt_len
+
+    def _new_mask(self, capture: Capture, new: int) -> torch.Tensor:
+        attention = capture.attention_mask
+        if attention is not None and attention.dim() == 2:
+            mask = attention[:, -new:].bool()
+        else:  # generate drops an all-ones mask
+            mask = torch.ones(capture.shape[0], new, dtype=torch.bool, device=capture.embed_norm.device)
+        first_generated = max(self._prompt_len or new, self._past)
+        if first_generated < self._past + new and self._real:
+            real = torch.stack(self._real[first_generated - self._prompt_len:], dim=1).to(mask.device)
+            mask = mask.clone()
+            mask[:, first_generated - self._past:] &= real
+        return mask
+
+    def finish(self, sequences: torch.Tensor | None) -> None:
+        """generate returned ``sequences`` (None: it raised): the last token's record, then the call's end."""
+        try:
+            if sequences is not None and self._pending and not self.failed:
+                emitted = self._n + 1 - self._prompt_len  # the pending token included
+                # A deferred stop check (mps) may run one forward whose token generate then undoes.
+                if sequences.shape[1] in (self._n + 1, emitted):
+                    self._emit(sequences[:, -1])
+        except Exception as error:  # noqa: BLE001 - never into the host's generate
+            self.fail("the last generated token", error)
+        finally:
+            self._features = self._embed = self._mask = None
+            self._hub.end(self.call, sequences.cpu() if sequences is not None else None)
+
+    # -- one record --------------------------------------------------------------------------------------
+
+    def _emit(self, token: torch.Tensor) -> None:
+        plan, position = self._plan, self._n
+        token = token.long()
+        batch = token.shape[0]
+        targets = plan.explained(token[:, None])
+        with torch.no_grad():
+            features = self._features.view().to(self._compute_dtype)  # (batch, position, layers, d)
+            flat = features.reshape(batch, -1, features.shape[-1])  # every layer in one gather of target rows
+            with plan.head.reading() as readout:
+                logat = readout.target_logits(flat, targets)
+            logat = logat.view(*features.shape[:3], -1).permute(2, 0, 1, 3)
+            embed = self._embed.view()
+            logat, normxlogit, targets = plan.scores(logat, embed, targets)
+        if self._finished is None:
+            self._finished = torch.zeros(batch, dtype=torch.bool, device=token.device)
+        active = ~self._finished
+        # copies, not views of the growing buffers, which a use_cache=False forward rewrites in place
+        step = Step(call=self.call.index, step=position - self._prompt_len, position=position, token=token.cpu(),
+                    target=targets.cpu(), normxlogit=normxlogit.cpu(), logat=logat.cpu(),
+                    embed_norm=embed.to("cpu", copy=True), mask=self._mask.view().to("cpu", copy=True),
+                    active=active.cpu(), layers=list(plan.layers), n_blocks=plan.n_blocks)
+        self._real.append(active)
+        self._finished = self._finished | torch.isin(token, self._eos.to(token.device))
+        self._pending = False
+        self._hub.publish(self.call, step)
+
+
+class Generations:
+    """The ``generate`` wrapper on one model instance, and the :class:`Run` of each thread's running call.
+
+    ``gens.current()`` is what the probe's hooks ask: the calling thread's run, :data:`UNRECORDED` inside a call
+    that is not recorded, or None outside ``generate``.
+    """
+
+    UNRECORDED = object()
+
+    def __init__(self, plan: Plan, hub: Hub, *, cache_dtype: torch.dtype | None,
+                 cache_device: str | torch.device | None) -> None:
+        if cache_dtype is not None and not (isinstance(cache_dtype, torch.dtype) and cache_dtype.is_floating_point):
+            raise ValueError(f"cache_dtype={cache_dtype!r}: use a floating-point dtype (torch.float32, "
+                             "torch.bfloat16, torch.float16) or None for the model's own")
+        self._plan, self._hub = plan, hub
+        self._cache_dtype = cache_dtype
+        self._cache_device = torch.device(cache_device) if cache_device is not None else None
+        self._local = threading.local()
+        self._restore: tuple[bool, Callable] | None = None
+        self._detached = False
+
+    def current(self) -> Any:
+        return getattr(self._local, "run", None)
+
+    # -- the wrapper -------------------------------------------------------------------------------------
+
+    def install(self) -> None:
+        model = self._plan.model
+        original = model.generate
+        own = "generate" in vars(model)
+
+        @functools.wraps(original)
+        def generate(*args: Any, **kwargs: Any) -> Any:
+            return self._track(original, args, kwargs)
+
+        generate.__nxl_hook__ = True  # nxl.detach_all finds it
+        model.generate = generate
+        self._restore = (own, original)
+
+    def uninstall(self) -> None:
+        """Give the model its own ``generate`` back; calls running in other threads finish unrecorded."""
+        self._detached = True
+        if self._restore is not None:
+            own, original = self._restore
+            if own:
+                self._plan.model.generate = original
+            else:
+                vars(self._plan.model).pop("generate", None)
+            self._restore = None
+
+    def _track(self, original: Callable, args: tuple, kwargs: dict) -> Any:
+        if self.current() is not None or self._detached:  # generate calling generate: the outer call is tracked
+            return original(*args, **kwargs)
+        run = self._begin(args, kwargs)
+        self._local.run = run
+        try:
+            out = original(*args, **kwargs)
+        except BaseException:
+            self._local.run = None
+            self._end(run, None)
+            raise
+        self._local.run = None
+        self._end(run, out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None))
+        return out
+
+    def _begin(self, args: tuple, kwargs: dict) -> Any:
+        """A :class:`Run` for this call, or :data:`UNRECORDED` (with a call record saying why)."""
+        plan = self._plan
+        identity = dict(request_id=REQUEST_ID.get() or uuid.uuid4().hex, thread=threading.current_thread().name)
+        try:
+            why = unsupported(plan.model, kwargs)
+            if why is not None:
+                raise ValueError(why)
+            prompt = args[0] if args else next(
+                (kwargs[k] for k in ("inputs", "input_ids", "inputs_embeds") if kwargs.get(k) is not None), None)
+            prompt_len = prompt.shape[1] if isinstance(prompt, torch.Tensor) and prompt.dim() > 1 else None
+            call = self._hub.begin(plan.layers, **identity)
+            return Run(plan, self._hub, call, prompt_len=prompt_len, eos=_setting(plan.model, kwargs, "eos_token_id"),
+                       cache_dtype=self._cache_dtype, cache_device=self._cache_device)
+        except Exception as error:  # noqa: BLE001 - never into the host's generate
+            self._hub.begin(plan.layers, **identity, error=reason("this generate call", error))
+            return self.UNRECORDED
+
+    def _end(self, run: Any, sequences: torch.Tensor | None) -> None:
+        if run is not self.UNRECORDED:
+            run.finish(sequences)

@@ -1,0 +1,20 @@
+"""The probe never harms the host: a failure inside a hook stops recording for that call, is logged once as one
+line on the ``nxl_hooks`` logger, and is kept as the call's reason; the model's own forward or ``generate`` goes
+on unchanged. :meth:`Probe.result` and ``GenerationCall.error`` tell the user what went wrong.
+"""
+
+from __future__ import annotations
+
+import logging
+
+__all__ = ["logger", "reason"]
+
+logger = logging.getLogger("nxl_hooks")
+
+
+def reason(what: str, error: BaseException) -> str:
+    """Log ``error`` (raised while ``what``) as one line and return the text kept with the call."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    logger.warning("nxl_hooks: %s not recorded (%s: %s); the model's own call is unaffected",
+                   what, type(error).__name__, text)
+    return text

@@ -1,0 +1,123 @@
+"""What one :func:`~nxl_hooks.attach` call explains, fixed and checked when it attaches: the model's spec and head,
+the layers, the targets, the embedding norm, and the tokenizer facts the rules need. Shared, read-only, by every
+forward and generate call the probe records, in any thread.
+
+    plan = make_plan(model, layers="all", target="predicted", tokenizer=tok, embedding="layer_input")
+    examples, positions = plan.rows(input_ids, attention_mask, shape=(batch, seq))
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..arch.registry import ArchSpec, blocks, resolve
+from ..method import scores as _scores
+from ..method.head import Head
+from ..method.select import (
+    Target,
+    explained,
+    is_predicted,
+    prediction_rows,
+    resolve_layers,
+    special_mask,
+    target_ids,
+)
+
+__all__ = ["EMBEDDINGS", "Plan", "make_plan"]
+
+#: How the embedding norm is read: the input of block 1 (authors' code), or the raw word-embedding row (paper).
+EMBEDDINGS = ("layer_input", "word")
+
+
+@dataclass(frozen=True, eq=False)
+class Plan:
+    """The fixed part of a probe: what every recorded call explains and how."""
+
+    model: nn.Module  #: the transformers task model (inside a PeftModel, the base model)
+    spec: ArchSpec
+    kind: str  #: causal_lm, sequence_classification, regression or masked_lm
+    head: Head
+    blocks: nn.ModuleList
+    layers: list[int]
+    embedding: str
+    tokenizer: Any
+    fixed_targets: torch.Tensor | None  #: (1 or rows, k) ids, or None for the model's own prediction
+    label_axis: bool  #: scores keep a trailing axis of k labels
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.blocks)
+
+    def rows(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+             shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(example, position) of every explained row (:func:`nxl_hooks.method.select.prediction_rows`), CPU."""
+        return prediction_rows(
+            self.kind, self.spec.pooling, input_ids, attention_mask, shape=shape,
+            pad_id=self.model.config.get_text_config().pad_token_id,
+            mask_id=getattr(self.tokenizer, "mask_token_id", None),
+        )
+
+    def explained(self, predicted: torch.Tensor) -> torch.Tensor:
+        """(rows, k) ids explained, given the (rows, 1) predicted ids."""
+        return explained(self.fixed_targets, predicted)
+
+    def scores(self, logat: torch.Tensor, embed_norm: torch.Tensor, targets: torch.Tensor):
+        """(logat, normxlogit, targets), the label axis kept only when several labels were asked for."""
+        return _scores.scores(logat, embed_norm, targets, label_axis=self.label_axis)
+
+    def token_strings(self, input_ids: torch.Tensor | None) -> list[list[str]] | None:
+        """The token strings of each row, when a tokenizer was given."""
+        if self.tokenizer is None or input_ids is None:
+            return None
+        return [self.tokenizer.convert_ids_to_tokens(row.tolist()) for row in input_ids.cpu()]
+
+    def special(self, input_ids: torch.Tensor | None) -> torch.Tensor | None:
+        """True on the tokenizer's special tokens, when a tokenizer and ids are known."""
+        if self.tokenizer is None or input_ids is None:
+            return None
+        return special_mask(input_ids, self.tokenizer)
+
+    def describe(self) -> dict[str, Any]:
+        """What a saved result records about the model and the probe: ``plan.describe()["head_kind"]``."""
+        return {
+            "model_type": self.model.config.model_type,
+            "model_class": type(self.model).__name__,
+            "head_kind": self.kind,
+            "embedding": self.embedding,
+            "n_blocks": self.n_blocks,
+            "spec": self.spec.name,
+        }
+
+
+def _check_tokenizer(model: nn.Module, tokenizer: Any) -> None:
+    rows = model.get_input_embeddings().num_embeddings
+    if len(tokenizer) > rows:
+        raise ValueError(
+            f"the tokenizer does not match the model: it has {len(tokenizer)} tokens but the model's "
+            f"embedding has {rows} rows; pass the tokenizer saved with this model"
+        )
+
+
+def make_plan(model: nn.Module, *, layers: Any, target: Target, tokenizer: Any, embedding: str) -> Plan:
+    """Resolve and check everything :func:`~nxl_hooks.attach` was given, before any hook goes on.
+
+    ``model``: the transformers task model (unwrapped). Raises ValueError / UnknownArchitectureError.
+    """
+    spec, kind = resolve(model)
+    head = Head(model, spec, kind)
+    block_list = blocks(model, spec)
+    if embedding not in EMBEDDINGS:
+        raise ValueError(f"embedding={embedding!r}: use 'layer_input' (default) or 'word'")
+    if kind == "masked_lm" and getattr(tokenizer, "mask_token_id", None) is None:
+        raise ValueError("masked-LM attribution needs attach(..., tokenizer=tok) with a mask token, to find the "
+                         "[MASK] positions it explains")
+    if tokenizer is not None:
+        _check_tokenizer(model, tokenizer)
+    fixed = None if is_predicted(target) else target_ids(model, kind, tokenizer, target, head.n_outputs)
+    return Plan(model=model, spec=spec, kind=kind, head=head, blocks=block_list,
+                layers=resolve_layers(layers, len(block_list)), embedding=embedding, tokenizer=tokenizer,
+                fixed_targets=fixed, label_axis=_scores.label_axis(target))

@@ -1,0 +1,7 @@
+"""What NormXLogit computes: functions of tensors and the model's own modules, no hooks.
+
+- :mod:`.head`: the head-on-top per token (features, gathered target logits, logit post-processing)
+- :mod:`.placement`: devices, offload, quantized and adapter modules
+- :mod:`.select`: layers, prediction rows, target ids, which tokens rank
+- :mod:`.scores`: LogAt into NormXLogit
+"""

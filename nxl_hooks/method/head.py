@@ -1,0 +1,256 @@
+"""The head-on-top (HoT) applied per token: ``features`` (final norm and any pre-head transform), then a
+readout that gathers only the target rows of the last linear map, then elementwise logit post-processing.
+
+    head = Head(model, spec, kind)
+    with head.reading() as readout:                       # one per forward or generation step
+        readout.explain(hidden, targets)                  # (rows, seq, k) float32, from a layer's hidden states
+        feats = head.features(hidden)                     # (rows, seq, d'): final norm, pooler...
+        readout.target_logits(feats, targets)             # the same, from features already made
+        readout.logits(feats[:, -1])                      # every output, for a few positions
+
+Where the final norm is an RMS norm straight before the readout (Llama, Mistral, Qwen, Gemma, Granite...),
+:meth:`Readout.explain` folds it into the gathered rows: HoT(h)[y] = rsqrt(mean(h²) + eps) · (h · (g ⊙ W[y])), so no
+normalized copy of a whole layer is made. The fold is taken only for float32 norms whose output it reproduces on
+test vectors when the head is built; every other head calls its own modules.
+
+Kept apart from the hooks: everything here is a function of hidden states and the model's own modules. A
+Head holds no per-call state, so calls from several threads can share one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..arch.registry import ArchSpec, UnknownArchitectureError, get_path, spec_head
+from .placement import indexed, module_device, offloaded, plain, readable, replica, weights_materialized
+
+__all__ = ["CALLED_READOUT_CHUNK", "Head", "Readout"]
+
+_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "tanh": torch.tanh,
+    "gelu": F.gelu,
+    "relu": F.relu,
+}
+
+#: Logit post-processing steps after the readout, "<op>:<config attribute>" (see ArchSpec).
+POST_OPS: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
+    "softcap": lambda x, c: torch.tanh(x / c) * c,
+    "scale": lambda x, s: x * s,
+    "divide": lambda x, s: x / s,
+}
+
+#: Positions per call of a readout that cannot be gathered row by row: (rows, this, vocabulary) floats at once.
+CALLED_READOUT_CHUNK = 256
+
+
+def _activation(config, attribute: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    from transformers.activations import ACT2FN
+
+    return ACT2FN[getattr(config, attribute)]
+
+
+@dataclass(frozen=True)
+class _RmsFold:
+    """An RMS norm ``g ⊙ h · rsqrt(mean(h²) + eps)`` (float32), to be folded into the readout's rows."""
+
+    gain: torch.Tensor  #: (d,) float32: the effective weight (Gemma's 1 + w included)
+    eps: float
+
+    @classmethod
+    def of(cls, module: nn.Module) -> "_RmsFold | None":
+        """The fold of ``module`` when it is such a norm, checked against its own output; else None."""
+        eps = next((getattr(module, name) for name in ("variance_epsilon", "eps", "epsilon")
+                    if isinstance(getattr(module, name, None), (int, float))), None)
+        weight = getattr(module, "weight", None)
+        if eps is None or not isinstance(weight, torch.Tensor) or weight.dim() != 1 or weight.dtype != torch.float32 \
+                or not plain(module) or offloaded(module):
+            return None
+        d, device = weight.shape[0], weight.device
+        with torch.no_grad():
+            gain = module(torch.ones(1, d, device=device))[0] * math.sqrt(1.0 + eps)  # mean(1²) = 1
+            probe = torch.randn(8, d, generator=torch.Generator().manual_seed(0)).to(device) * 3.0
+            folded = probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + eps) * gain
+            if gain.dtype != torch.float32 or not torch.allclose(module(probe), folded, rtol=1e-5, atol=1e-6):
+                return None
+        return cls(gain=gain.detach(), eps=float(eps))
+
+    def scale(self, hidden: torch.Tensor) -> torch.Tensor:
+        """rsqrt(mean(h²) + eps) per position: (..., 1)."""
+        norm = torch.linalg.vector_norm(hidden, dim=-1, keepdim=True, dtype=torch.float32)
+        return torch.rsqrt(norm.square() / hidden.shape[-1] + self.eps)
+
+
+class Head:
+    """HoT of one task model, built from its :class:`~nxl_hooks.arch.ArchSpec`."""
+
+    def __init__(self, model: nn.Module, spec: ArchSpec, kind: str) -> None:
+        spec_kind = spec_head(kind)
+        names = list(spec.heads[spec_kind])
+        self._post_ops: list[tuple[Callable[[torch.Tensor, float], torch.Tensor], float]] = []
+        while names and names[-1].split(":", 1)[0] in POST_OPS:
+            op, attribute = names.pop().split(":", 1)
+            value = getattr(model.config, attribute, None)
+            if value is not None:
+                self._post_ops.insert(0, (POST_OPS[op], float(value)))
+        steps: list[nn.Module | Callable] = []
+        for step in names:
+            if step in _FUNCTIONS:
+                steps.append(_FUNCTIONS[step])
+            elif step.startswith("act:"):
+                steps.append(_activation(model.config, step[4:]))
+            else:
+                try:
+                    module = get_path(model, step)
+                except (AttributeError, IndexError):
+                    raise UnknownArchitectureError(
+                        f"{type(model).__name__} has no module {step!r}, which the {spec_kind!r} head of registry "
+                        f"entry {spec.name!r} ({spec.source}) names: this model is a variant the entry does not "
+                        "cover; register it with nxl.register_architecture(...) or fix the registry/*.toml entry"
+                    ) from None
+                if module is not None:
+                    steps.append(module)
+        readout = steps.pop()
+        if not isinstance(readout, nn.Module):
+            raise ValueError(f"spec {spec.name!r}: the last head step must be a module (the readout), got {readout}")
+        self._steps = steps
+        self._replicas: dict[tuple[int, torch.device], nn.Module] = {}
+        self._lock = threading.Lock()  # replicas are made once per device; offloaded weights are loaded one at a time
+        self.readout = readout
+        self.n_outputs = self._count_outputs(readout)
+        #: Only a plain Linear can be gathered row by row: bitsandbytes' Linear4bit/8bitLt subclass nn.Linear but
+        #: store packed weights, torchao keeps nn.Linear with a quantized weight tensor, and PEFT wrappers route to
+        #: the active adapter: those are called. Decided once: it is asked per forward and per generated token.
+        self.gatherable = type(readout) is nn.Linear and plain(readout) and readable(readout)
+        self._offloaded = offloaded(readout)
+        #: the final norm, when it can be folded into gathered rows (see the module docstring)
+        self._fold = _RmsFold.of(steps[0]) if self.gatherable and len(steps) == 1 \
+            and isinstance(steps[0], nn.Module) else None
+
+    @staticmethod
+    def _count_outputs(readout: nn.Module) -> int:
+        for module in readout.modules():
+            if isinstance(module, nn.Linear):
+                return module.out_features
+        raise ValueError(f"cannot find the output size of the readout {type(readout).__name__}")
+
+    @property
+    def device(self) -> torch.device:
+        """Where the readout computes."""
+        return module_device(self.readout)
+
+    def _step_on(self, index: int, step: nn.Module, device: torch.device) -> nn.Module:
+        """``step`` itself where it computes on ``device``; else a local copy when it is plain (a norm's weights
+        cross devices once instead of every hidden state), else ``step`` (quantized, adapter: inputs go to it)."""
+        device = indexed(device)
+        if module_device(step) == device or not (plain(step) and all(readable(sub) for sub in step.modules())):
+            return step
+        key = (index, device)
+        if key not in self._replicas:
+            with self._lock:
+                if key not in self._replicas:
+                    self._replicas[key] = replica(step, device)
+        return self._replicas[key]
+
+    def features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Everything before the readout (final norm, pooler transform...), applied to every position.
+
+        Computed on ``hidden``'s device (the block's own, under a device_map) wherever the steps allow.
+        """
+        for index, step in enumerate(self._steps):
+            if isinstance(step, nn.Module):
+                step = self._step_on(index, step, hidden.device)
+                hidden = hidden.to(module_device(step))
+            hidden = step(hidden)
+        return hidden
+
+    def post(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logit post-processing the task model applies after its readout (softcap, scale, divide)."""
+        for op, value in self._post_ops:
+            logits = op(logits, value)
+        return logits
+
+    @contextlib.contextmanager
+    def reading(self) -> Iterator["Readout"]:
+        """One call's view of the readout: an offloaded readout's weights are loaded once for the whole block
+        (they load on every call or ``align_module_device`` otherwise), and only one thread at a time holds
+        them, since loading swaps the module's parameters in place."""
+        if not self._offloaded:
+            yield Readout(self, held=False)
+            return
+        with self._lock:
+            if not self.gatherable:  # called: accelerate loads the weights inside each call
+                yield Readout(self, held=False)
+                return
+            with weights_materialized(self.readout):
+                yield Readout(self, held=True)
+
+
+class Readout:
+    """The readout of a :class:`Head` inside one :meth:`Head.reading` block; gathered rows are kept per block."""
+
+    def __init__(self, head: Head, *, held: bool) -> None:
+        self._head = head
+        self._held = held
+        self._rows: dict[bool, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}  # folded -> rows
+
+    def logits(self, features: torch.Tensor) -> torch.Tensor:
+        """All outputs of HoT for ``features`` of shape (..., d), float32: use only on a few positions."""
+        head, readout = self._head, self._head.readout
+        if self._held:  # a plain Linear with its weights materialized: calling it would load them again
+            weight = readout.weight
+            return head.post(F.linear(features.to(weight.device), weight, readout.bias)).float()
+        return head.post(readout(features.to(head.device))).float()
+
+    def _target_rows(self, targets: torch.Tensor, *, folded: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The readout's weight rows (rows, k, d) and bias (rows, k) for ``targets`` (``folded``: times the folded
+        norm's gain), read once per targets tensor, shared by every layer scored with it."""
+        cached = self._rows.get(folded)
+        if cached is None or cached[0] is not targets:
+            readout = self._head.readout
+            weight, bias = readout.weight, readout.bias
+            index = targets.to(weight.device)
+            rows = weight[index] * self._head._fold.gain.to(weight.device) if folded else weight[index]
+            cached = self._rows[folded] = (targets, rows, None if bias is None else bias[index])
+        return cached[1], cached[2]
+
+    def _gathered(self, values: torch.Tensor, targets: torch.Tensor, *, folded: bool) -> torch.Tensor:
+        rows, bias = self._target_rows(targets, folded=folded)
+        out = torch.matmul(values, rows.to(values.device, values.dtype).transpose(1, 2))
+        if folded:
+            out = out * self._head._fold.scale(values)
+        if bias is not None:
+            out = out + bias.to(out.device, out.dtype)[:, None, :]
+        return self._head.post(out).float()
+
+    def explain(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """HoT outputs for ``targets`` from a layer's hidden states (rows, seq, d): the folded norm where there is
+        one, else :meth:`target_logits` of the head's features. float32 (rows, seq, k)."""
+        if self._head._fold is not None:
+            return self._gathered(hidden, targets, folded=True)
+        return self.target_logits(self._head.features(hidden), targets)
+
+    def target_logits(self, features: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """HoT outputs for ``targets`` only.
+
+        ``features``: (rows, seq, d); ``targets``: (rows, k) label ids. Returns float32 (rows, seq, k), on
+        ``features``' device when the readout is a plain Linear: only its k target rows travel there, so
+        under a device_map each layer is scored where its block ran and only scores cross devices. A readout
+        that must be called (quantized, adapter) computes every output, CALLED_READOUT_CHUNK positions at a time.
+        """
+        head = self._head
+        if head.gatherable:
+            return self._gathered(features, targets, folded=False)
+        parts = []
+        for part in features.split(CALLED_READOUT_CHUNK, dim=1):
+            full = head.readout(part.to(head.device))
+            parts.append(head.post(full.gather(-1, targets.to(full.device)[:, None, :].expand(-1, full.shape[1], -1)))
+                         .float())
+        return torch.cat(parts, dim=1)

@@ -1,0 +1,104 @@
+"""Where a module computes and whether its weights can be read directly: devices under a device_map,
+accelerate's CPU/disk offload, and quantized or adapter-wrapped modules (SPEC section 3).
+
+    module_device(model.lm_head)     # accelerate's execution device when offloaded, else its weights' device
+    input_device(model)              # where token ids go: the input embedding's device
+    plain(model.lm_head)             # ordinary float weights, no adapter routing: readable row by row
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import torch
+from torch import nn
+
+__all__ = ["input_device", "module_device", "offloaded", "plain", "readable", "replica", "weights_materialized"]
+
+
+def module_device(module: nn.Module) -> torch.device:
+    """Where ``module`` computes: accelerate's execution device when offloaded, else its weights' device."""
+    hook = getattr(module, "_hf_hook", None)
+    hooks = getattr(hook, "hooks", (hook,))  # a SequentialHook holds several
+    execution_device = next((h.execution_device for h in hooks if getattr(h, "execution_device", None) is not None), None)
+    if execution_device is not None:
+        if isinstance(execution_device, int):
+            execution_device = f"cuda:{execution_device}"
+        return indexed(torch.device(execution_device))
+    for tensor in module.parameters():
+        if tensor.device.type != "meta":
+            return tensor.device
+    return torch.device("cpu")
+
+
+def input_device(model: nn.Module) -> torch.device:
+    """Where ``model``'s token ids must go: its input embedding's device, also under a device_map."""
+    embeddings = getattr(model, "get_input_embeddings", None)
+    return module_device(embeddings() if callable(embeddings) else model)
+
+
+def indexed(device: torch.device) -> torch.device:
+    """``device`` with its index: tensors report "cuda:0" where accelerate may say "cuda"; compare like with like."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def plain(module: nn.Module) -> bool:
+    """Only ordinary float weights, no adapter routing: the module can be read row by row or copied.
+
+    bitsandbytes (Params4bit, Int8Params), optimum-quanto and torchao store weights as tensor subclasses,
+    and PEFT wrappers pick the active adapter at call time: those must be called where they live.
+    """
+    return all(
+        type(param) in (nn.Parameter, torch.Tensor) and type(param.data) is torch.Tensor and param.is_floating_point()
+        for param in module.parameters()
+    ) and not any(type(sub).__module__.startswith("peft.") for sub in module.modules())
+
+
+def offloaded(module: nn.Module) -> bool:
+    """Some of its own weights wait on ``meta`` for accelerate to load them at call time."""
+    return any(param.device.type == "meta" for param in module.parameters(recurse=False))
+
+
+def readable(module: nn.Module) -> bool:
+    """Its own weights can be read directly: they are on a real device, or offloaded behind accelerate's offload
+    hook, which :func:`weights_materialized` undoes. (``disk_offload`` on a bare Linear wraps that hook in a
+    SequentialHook, which it does not: such a module is only ever called.)"""
+    if not offloaded(module):
+        return True
+    from accelerate.utils import has_offloaded_params
+
+    return has_offloaded_params(module)
+
+
+def weights_materialized(module: nn.Module):
+    """Offloaded weights sit on ``meta`` outside their forward; this brings them in for a direct read."""
+    if not hasattr(module, "_hf_hook"):
+        return contextlib.nullcontext()
+    from accelerate.utils import align_module_device
+
+    return align_module_device(module)
+
+
+_ACCELERATE_ATTRIBUTES = ("_hf_hook", "_old_forward", "forward")
+
+
+def replica(module: nn.Module, device: torch.device) -> nn.Module:
+    """A hook-free copy of a small plain module (a final norm) on ``device``.
+
+    accelerate's hook attributes are set aside during the copy: deep-copying them would copy the offload map
+    (the whole offloaded state dict); offloaded weights are read under :func:`weights_materialized`.
+    """
+    saved = [(sub, {key: sub.__dict__.pop(key) for key in _ACCELERATE_ATTRIBUTES if key in sub.__dict__})
+             for sub in module.modules()]
+    try:
+        clone = copy.deepcopy(module)
+    finally:
+        for sub, attributes in saved:
+            sub.__dict__.update(attributes)
+    with weights_materialized(module):
+        state = {name: tensor.detach().to(device, copy=True) for name, tensor in module.state_dict().items()}
+    clone.load_state_dict(state, assign=True)
+    return clone.to(device).eval()

@@ -1,0 +1,13 @@
+"""What comes out: attributions of forwards, step records of generations, the files they are saved in.
+
+- :mod:`.attribution`: :class:`Attribution` and its safetensors + JSON file
+- :mod:`.steps`: :class:`Step` and :class:`GenerationCall`
+- :mod:`.sink`: the crash-safe stream file (:class:`Sink`, :func:`read_stream`)
+- :mod:`.html`: self-contained HTML pages of records
+"""
+
+from .attribution import Attribution
+from .sink import Sink, read_stream
+from .steps import GenerationCall, Step
+
+__all__ = ["Attribution", "GenerationCall", "Sink", "Step", "read_stream"]

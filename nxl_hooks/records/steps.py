@@ -1,0 +1,80 @@
+"""Per-token records of a ``generate`` call (or of one request under continuous batching).
+
+    with nxl.attach(model, tokenizer=tok) as probe:
+        model.generate(**enc, max_new_tokens=32)
+    probe.steps[0].normxlogit            # (len(layers), batch, context_len)
+    probe.calls[-1].request_id           # which request the records belong to
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .attribution import Attribution
+
+__all__ = ["GenerationCall", "STEP_TENSORS", "Step"]
+
+#: The tensors of a step record, as the sink stores them.
+STEP_TENSORS = ("token", "target", "normxlogit", "logat", "embed_norm", "mask", "active")
+
+
+@dataclass(eq=False)  # records compare by identity: tensor fields have no single truth value
+class Step:
+    """The attribution of one emitted token: what the context before it contributed to it, per layer.
+
+    ``step.normxlogit[step.layers.index(l), b, i]``: token i's NormXLogit, at layer l, for row b's emitted token.
+    Rows are generate's rows (``num_return_sequences`` rows per prompt). A row that has finished (emitted an
+    EOS token) keeps getting records until the whole batch stops, as generate keeps padding it: those records
+    explain the pad token generate emitted and have ``active`` False; the pad positions have ``mask`` False.
+    """
+
+    call: int  #: index of the generate call under this probe (``GenerationCall.index``)
+    step: int  #: 0 for the first new token
+    position: int  #: index of the emitted token in the full sequence (prompt, left padding included)
+    token: torch.Tensor  #: int64 (batch,): the token id generate emitted (sampled or argmax)
+    target: torch.Tensor  #: int64 (batch,) the explained id (= token unless attach(target=...)), or (batch, k)
+    normxlogit: torch.Tensor  #: float32 (len(layers), batch, position[, k]): every position before the token
+    logat: torch.Tensor  #: float32, same shape: HoT(h_i^l)[target]
+    embed_norm: torch.Tensor  #: float32 (batch, position)
+    mask: torch.Tensor  #: bool (batch, position): False on left padding and on pad tokens after a row's EOS
+    active: torch.Tensor  #: bool (batch,): False where the row had already finished before this step
+    layers: list[int]
+    n_blocks: int | None = None  #: the model's block count, for negative layer indices
+
+    def to_attribution(self, tokens: list[list[str]] | None = None, special: torch.Tensor | None = None) -> Attribution:
+        """This step as an :class:`Attribution` (prediction position = ``position - 1``), e.g. for ``.top()``.
+
+        ``tokens`` / ``special``: the context's token strings and special-token flags per row, when known."""
+        batch = self.token.shape[0]
+        return Attribution(
+            normxlogit=self.normxlogit,
+            logat=self.logat,
+            embed_norm=self.embed_norm,
+            layers=list(self.layers),
+            target=self.target,
+            mask=self.mask,
+            position=torch.full((batch,), self.position - 1, dtype=torch.long),
+            example=torch.arange(batch),
+            tokens=tokens,
+            meta={"call": self.call, "step": self.step, "n_blocks": self.n_blocks},
+            special=special,
+        )
+
+
+@dataclass(eq=False)
+class GenerationCall:
+    """One ``generate`` call (or continuous-batching request) under a probe: its prompt, its step records and,
+    once it returned, its output."""
+
+    index: int  #: counts the probe's calls from 0, in the order they started
+    layers: list[int]
+    prompt_ids: torch.Tensor | None = None  #: int64 (batch, prompt_len) as the first forward saw it
+    prompt_mask: torch.Tensor | None = None  #: bool (batch, prompt_len)
+    steps: list[Step] = field(default_factory=list)  #: empty with attach(keep_steps=False)
+    sequences: torch.Tensor | None = None  #: generate's output ids, set when the call returned
+    complete: bool = False  #: True once generate returned normally (or, read from disk, its end frame exists)
+    request_id: str | None = None  #: the request this call served (X-Request-ID, the server's id, or a generated one)
+    thread: str | None = None  #: the name of the thread that ran it
+    error: str | None = None  #: why recording stopped early (the call itself ran on, unharmed)

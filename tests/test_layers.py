@@ -1,0 +1,127 @@
+"""The package's imports run one way: arch < method < records < hooks < eval < apps, and never in a circle.
+
+Every import counts: module level, inside functions, under TYPE_CHECKING, and module names written as strings
+(importlib). The old module paths (nxl_hooks/_moved.py) still import.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import re
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "nxl_hooks"
+LAYERS = ("arch", "method", "records", "hooks", "eval", "apps")
+#: Modules outside the layers: the public face and entry points (they may import any layer; no layer imports
+#: them), and the shipped demo data (imports nothing of the package).
+OUTSIDE = {"nxl_hooks", "nxl_hooks._moved", "nxl_hooks.__main__", "nxl_hooks.auto"}
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    found = set()
+    package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = ".".join(package[: len(package) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            match = re.fullmatch(r"(nxl_hooks(?:\.\w+)+)(?::\w+)?", node.value)
+            # a string names a module only where it is one ("nxl_hooks.attribution" is a file format's name)
+            targets = [match.group(1)] if match and match.group(1) in modules else []
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def _layer(module: str) -> int | None:
+    parts = module.split(".")
+    return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = _modules()
+    return {name: _imports(name, path, modules) for name, path in modules.items()}
+
+
+def test_every_module_is_in_a_layer():
+    stray = [m for m in _modules() if _layer(m) is None and m not in OUTSIDE and not m.startswith("nxl_hooks.demo")]
+    assert not stray, f"put these modules in one of the layers {LAYERS}: {stray}"
+
+
+def test_imports_only_go_down():
+    upward = []
+    for module, targets in _graph().items():
+        for target in targets:
+            if module.startswith("nxl_hooks.demo"):
+                upward.append((module, target))  # the demo data imports nothing of the package
+            elif _layer(module) is not None and (target in OUTSIDE or _layer(target) is None and
+                                                 not target.startswith("nxl_hooks.demo")):
+                upward.append((module, target))
+            elif _layer(module) is not None and _layer(target) is not None and _layer(target) > _layer(module):
+                upward.append((module, target))
+    assert not upward, "imports that go up a layer: " + ", ".join(f"{a} -> {b}" for a, b in sorted(upward))
+
+
+def test_no_import_cycle():
+    graph = _graph()
+    seen: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(module: str, path: list[str]) -> None:
+        seen[module] = 1
+        for target in graph[module]:
+            if seen.get(target) == 1:
+                pytest.fail("import cycle: " + " -> ".join(path[path.index(target):] + [module, target]))
+            if target not in seen:
+                visit(target, path + [module])
+        seen[module] = 2
+
+    for module in graph:
+        if module not in seen:
+            visit(module, [])
+
+
+def test_the_checker_sees_function_level_and_string_imports(tmp_path, monkeypatch):
+    """The walk itself: an upward import inside a function, and one written as a string, are both found."""
+    modules = {"nxl_hooks.arch.x": tmp_path / "x.py", "nxl_hooks.apps.cli": tmp_path / "cli.py"}
+    modules["nxl_hooks.arch.x"].write_text("def f():\n    from ..apps import cli\n    return 'nxl_hooks.apps.cli:main'\n")
+    assert _imports("nxl_hooks.arch.x", modules["nxl_hooks.arch.x"], modules) == {"nxl_hooks.apps.cli"}
+
+
+@pytest.mark.parametrize("old, name", [("evaluate", "score_example"), ("stream", "read_stream"),
+                                       ("stream", "print_generation"), ("capture", "attach"),
+                                       ("capture", "resolve_layers"), ("registry", "specs"), ("viz", "heatmap"),
+                                       ("viz", "audit_report"), ("cli", "main"), ("head", "module_device")])
+def test_old_module_paths_still_import(old, name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        module = importlib.import_module(f"nxl_hooks.{old}")
+    assert callable(getattr(module, name))
+
+
+def test_old_cli_module_runs_with_python_m():
+    done = subprocess.run([sys.executable, "-m", "nxl_hooks.cli", "--help"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0 and "attribute" in done.stdout and "evaluate" in done.stdout
