@@ -166,6 +166,36 @@ def _per_layer(values: list[float]) -> str:
     return " / ".join(f"{v:.2f}" for v in values)
 
 
+#: The README's summary: one row per task, each cell "AOPC comp. / AOPC suff. / AP at the last layer".
+SUMMARY_METHODS = ("random", "embed_norm", "logat", "normxlogit", "grad_norm", "grad_x_input", "integrated_gradients")
+SUMMARY_TASKS = {
+    "sentiment_demo": "Llama classifier, the demo's recipe",
+    "agreement_ft": "Llama LM, loss only on the verb: the paper's BLiMP protocol",
+    "agreement": "Llama LM, loss on every token",
+    "sentiment": "BERT classifier",
+    "agreement_mlm": "BERT MLM, verb + 15% masked",
+    "agreement_mlm_ft": "BERT MLM, only the verb masked",
+}
+
+
+def summary_table(result: dict) -> str:
+    """The table README.md shows, from the benchmark's JSON (paste it there after a rerun)."""
+    lines = ["| task | " + " | ".join(SUMMARY_METHODS) + " | NormXLogit > random (comp/suff/AP) |",
+             "| --- |" + " --- |" * (len(SUMMARY_METHODS) + 1)]
+    for name, about in SUMMARY_TASKS.items():
+        task = result["tasks"].get(name)
+        if task is None:
+            continue
+        cells = [" / ".join(f"{task['table'][m][key]['mean']:.2f}"
+                            for key in ("aopc_comprehensiveness", "aopc_sufficiency", "ap_eval"))
+                 for m in SUMMARY_METHODS]
+        beats = task["checks"]["normxlogit_beats_random"]
+        verdict = "/".join("yes" if beats[key] else "no"
+                           for key in ("aopc_comprehensiveness", "aopc_sufficiency", "ap_last_layer"))
+        lines.append(f"| {name} ({about}) | " + " | ".join(cells) + f" | {verdict} |")
+    return "\n".join(lines)
+
+
 def markdown(result: dict) -> str:
     lines = ["# Faithfulness benchmark (offline, tiny models)", "",
              f"Written by `python benchmarks/bench_faithfulness.py`; {result['device']}. Means over seeds "
@@ -173,7 +203,10 @@ def markdown(result: dict) -> str:
              "AOPC comprehensiveness: higher is better; sufficiency: lower is better (K = 10%..90%, ranking by the "
              "last layer's signed scores). AP and dot: evidence alignment, higher is better; dot uses one "
              "normalization for every method: (s - min s) / sum(s - min s) over the tokens (prediction position "
-             "and special tokens left out, as they are never perturbed).", ""]
+             "and special tokens left out, as they are never perturbed). Gradient baselines reduce each token's "
+             "vector by its L1 norm, as the paper does.", "",
+             "## Summary (the table in README.md)", "", "Each cell: AOPC comprehensiveness ↑ / sufficiency ↓ / "
+             "evidence AP at the last layer ↑.", "", summary_table(result), ""]
     for name, task in result["tasks"].items():
         layers = task["layers"]
         lines += [f"## {name}", "", task["about"] + f". Model accuracy {_cell(task['accuracy'])}; "
