@@ -142,6 +142,8 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
     if quantize == "8bit":
         # In float32, bitsandbytes logs a cast warning for every Linear at every call: thousands of lines.
         logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    # a copy: from_pretrained rewrites max_memory's sizes in place (into bytes)
+    max_memory = dict(max_memory) if max_memory is not None else None
     placement = {key: value for key, value in (("dtype", dtype), ("device_map", device_map),
                                                ("max_memory", max_memory)) if value is not None}
     quantization = quantization_config(quantize, dtype) if quantize is not None else None

@@ -223,8 +223,8 @@ def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, 
         layer = step.layers[-1]
         if not said["legend"]:
             said["legend"] = True
-            console.print(Text(f"step, token, its probability, top context tokens (position:token score) at layer "
-                               f"{layer} by NormXLogit", style="dim"))
+            console.print(Text(f"step, token, p, top NormXLogit context (position:token score) at L{layer}",
+                               style="dim"))
         spread = res.norm_spread(0)
         if not said["flat"] and flat_norms(spread):
             said["flat"] = True
