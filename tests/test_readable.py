@@ -84,6 +84,8 @@ def test_word_targets_are_the_token_the_model_would_emit_after_the_prompt(model,
         assert int(res.target[0]) == paris and res.target_text == [["␣Paris"]], request
     after_newline = nxl.explain(model, tok, "The capital of France is\n", target="Paris")
     assert int(after_newline.target[0]) == bare  # no space is added after whitespace
+    period = nxl.explain(model, tok, PROMPT + " Paris", target=".")
+    assert int(period.target[0]) == piece_id(tok, ".")  # nor before punctuation
     res = nxl.explain(model, tok, PROMPT, target=parse_target(" are, is"), layers="all")
     are, is_ = piece_id(tok, "Ġare"), piece_id(tok, "Ġis")
     assert res.target.tolist() == [[are, is_]] and res.target_text == [["␣are", "␣is"]]

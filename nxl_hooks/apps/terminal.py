@@ -184,8 +184,7 @@ def show_attribution(res: Attribution, console: Console) -> None:
 def _generation_line(res: Attribution, step: Step, layer: int, top: int, width: int) -> Text:
     """One generated token in one line of at most ``width`` columns: step, token, its probability, the ``top``
     context tokens at ``layer`` (fewer when they do not fit)."""
-    token = step.readable[0] if step.readable else str(int(step.token[0]))
-    line = Text(f"{step.step:>4} ", style="dim") + Text(_short(token).ljust(12), style="bold green")
+    line = Text(f"{step.step:>4} ", style="dim") + Text(_short(step.readable[0]).ljust(12), style="bold green")
     if step.probability is not None:
         line += Text(f" p {fmt(float(step.probability.reshape(-1)[0])):<7}", style="dim")
     line += Text(f" L{layer}:", style="bold")
@@ -213,13 +212,13 @@ def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, 
     prompt = chat_text(tokenizer, text) if chat else text
     enc = tokenizer(prompt, return_tensors="pt").to(input_device(model))
     ids = enc["input_ids"][0].tolist()
-    names, pieces = readable_ids(tokenizer, ids), tokenizer.convert_ids_to_tokens(ids)
+    names = readable_ids(tokenizer, ids)
     console.print(Text(f"prompt ({len(ids)} tokens): ", style="bold") + Text("│", style="dim").join(map(Text, names)))
     said = {"legend": False, "flat": False}
 
     def show(step: Step) -> None:
         special = special_mask(torch.tensor([ids]), tokenizer)
-        res = step.to_attribution(tokens=[list(pieces)], special=special, readable=[list(names)])
+        res = step.to_attribution(special=special, readable=[list(names)])
         layer = step.layers[-1]
         if not said["legend"]:
             said["legend"] = True
@@ -230,10 +229,8 @@ def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, 
             said["flat"] = True
             console.print(Text("note: " + flat_note(spread), style="yellow"))
         console.print(_generation_line(res, step, layer, top, console.width), no_wrap=True, crop=False)
-        token = int(step.token[0])
-        ids.append(token)
-        pieces.append(tokenizer.convert_ids_to_tokens(token))
-        names.append(step.readable[0] if step.readable else readable_ids(tokenizer, [token])[0])
+        ids.append(int(step.token[0]))
+        names.append(step.readable[0])  # attached with the tokenizer: every step has its text
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with attach(model, layers=layers, tokenizer=tokenizer, embedding=embedding, on_step=show, sink=sink) as probe:

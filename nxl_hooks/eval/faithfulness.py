@@ -394,7 +394,7 @@ def score_example(
         "target_probability": None if regression else float(softmax[t.target]),
         "foil_text": None if foil is None else label_text(tokenizer, id2label, setup.kind, foil),
         "foil_probability": None if foil is None else float(softmax[foil]),
-        "notes": setup.notes,
+        "notes": list(dict.fromkeys(setup.notes)),
         "norm_spread": spread,
         "flat_norms": spread is not None and flat_norms(spread),
         "kind": setup.kind,

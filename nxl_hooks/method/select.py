@@ -103,7 +103,8 @@ def _check_range(ids: torch.Tensor, n_outputs: int) -> None:
 
 
 #: After one of these a word follows without a space (an opening bracket or quote); after any other character but
-#: whitespace a target word is a new word: "Paris" after "The capital of France is" is " Paris".
+#: whitespace a target word (one that starts with a letter or digit) is a new word: "Paris" after "The capital of
+#: France is" is " Paris", while "." or "," follow the text directly.
 NO_SPACE_AFTER = "([{\"'“‘«¿¡/-"
 
 
@@ -132,9 +133,9 @@ def _is_piece(tokenizer: Any, item: str, token: int) -> bool:
 
 
 def _after_prompt(tokenizer: Any, prompt: str, word: str) -> list[int]:
-    """The tokens of ``word`` as the tokenizer makes them right after ``prompt`` (with a separating space unless the
-    word starts with whitespace or the prompt ends with whitespace or an opening bracket or quote)."""
-    space = not word[:1].isspace() and prompt and not prompt[-1].isspace() and prompt[-1] not in NO_SPACE_AFTER
+    """The tokens of ``word`` as the tokenizer makes them right after ``prompt``, with a separating space when the word
+    starts with a letter or digit and the prompt ends with neither whitespace nor an opening bracket or quote."""
+    space = word[:1].isalnum() and prompt and not prompt[-1].isspace() and prompt[-1] not in NO_SPACE_AFTER
     addition = (" " if space else "") + word
     before = tokenizer.encode(prompt, add_special_tokens=False)
     after = tokenizer.encode(prompt + addition, add_special_tokens=False)
@@ -153,7 +154,8 @@ def resolve_target(model: nn.Module, kind: str, tokenizer: Any, item: str | int,
        token; without a ``prompt`` (and for masked LMs) any vocabulary entry is;
     4. other text is a word: after the ``prompt`` (causal LMs), the first token the tokenizer makes of it there
        (``prompt + " " + word``: 'Paris' after 'The capital of France is' is ' Paris'; a word that starts with
-       whitespace, or a prompt that ends with whitespace or an opening bracket or quote, takes no added space);
+       anything but a letter or digit (a space, '.', ','), or a prompt that ends with whitespace or an opening
+       bracket or quote, takes no added space);
        without a prompt, the tokens of the text alone. A word of several tokens explains its first
        (:attr:`ResolvedTarget.partial`).
 

@@ -74,7 +74,8 @@ class Attribution:
     def top(
         self, k: int = 5, layer: int = -1, row: int = 0, label: int = 0, *, all_positions: bool = False
     ) -> list[tuple[int, str, float]]:
-        """The k highest-scoring tokens of one row by signed NormXLogit: [(position, token, score)].
+        """The k highest-scoring tokens of one row by signed NormXLogit: [(position, text, score)], the text as
+        :meth:`token_labels` shows it ('␣Paris').
 
         Padding, the prediction position and special tokens are left out unless ``all_positions``; NaN ranks last.
         """

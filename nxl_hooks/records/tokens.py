@@ -148,8 +148,9 @@ def label_text(tokenizer: Any, id2label: dict | None, kind: str, label: int) -> 
 
 
 def target_texts(tokenizer: Any, config: Any, kind: str, targets: Any) -> list[list[str]] | None:
-    """:func:`label_text` of each explained id, (rows,) or (rows, k) ids -> rows x k strings; None for regression."""
-    if kind == "regression":
+    """:func:`label_text` of each explained id, (rows,) or (rows, k) ids -> rows x k strings; None for regression and
+    for an LM without a tokenizer."""
+    if kind == "regression" or (tokenizer is None and kind not in ("sequence_classification",)):
         return None
     id2label = getattr(config, "id2label", None)
     return [[label_text(tokenizer, id2label, kind, label) for label in row]
