@@ -12,7 +12,13 @@ import tempfile
 import pytest
 
 import tiny
-from test_viz import assert_heatmap_matches, evaluate_page, explained  # noqa: F401  (explained is a fixture)
+from test_viz import (  # noqa: F401  (explained and generation are fixtures)
+    assert_heatmap_matches,
+    evaluate_page,
+    explained,
+    generation,
+    generation_cells_match,
+)
 
 BROWSER = next(
     (shutil.which(name) for name in ("chromium", "chromium-browser", "google-chrome") if shutil.which(name)), None
@@ -74,3 +80,13 @@ def test_report_plots_in_chromium_dom_and_pixels(tmp_path):
     pixels = {colour for _, colour in image.open(shot).convert("RGB").getcolors(maxcolors=1 << 24)}
     assert (31, 119, 180) in pixels and (214, 39, 40) in pixels  # the first two series' line colours were painted
     assert len(pixels) > 50  # not a blank page
+
+
+def test_generation_page_layer_selector_in_chromium(generation, tmp_path):  # noqa: F811
+    page, _, expected = generation
+    path = tmp_path / "generation.html"
+    path.write_text(page, encoding="utf-8")
+    generation_cells_match(_chromium("--dump-dom", path.as_uri()), expected, -1)  # as written: the last layer
+    for layer in (0, 2):  # the script picks the layer the address names, and recolours every cell
+        dom = _chromium("--dump-dom", f"{path.as_uri()}#layer={layer}")
+        generation_cells_match(dom, expected, layer)

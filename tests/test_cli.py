@@ -70,7 +70,9 @@ def test_layers_and_target_list(saved, tmp_path, capsys):
     out_file = tmp_path / "b.safetensors"
     assert main(["attribute", str(path), TEXT, "--layers", "0,-1", "--target", "1,LABEL_0", "--out", str(out_file)]) == 0
     printed = capsys.readouterr().out
-    assert printed.count("LABEL_1' (id 1)") == 1 and printed.count("LABEL_0' (id 0)") == 1  # one table per target
+    titles = [line.strip() for line in printed.splitlines() if "NormXLogit of" in line]
+    assert [title.split(" (id")[0] for title in titles] == [  # one table per target, then their contrast
+        "NormXLogit of 'LABEL_1'", "NormXLogit of 'LABEL_0'", "Contrast: NormXLogit of 'LABEL_1'"]
     assert "L1" not in table_rows(printed)
     res = nxl.Attribution.load(out_file)
     assert res.layers == [0, 2] and res.target.tolist() == [[1, 0]]
@@ -132,13 +134,14 @@ def test_demo_sentence_needs_one_keyword(capsys):
     assert "exactly one sentiment keyword (found 2)" in capsys.readouterr().err
 
 
-def test_single_target_keeps_its_spaces_a_list_is_split_at_commas():
+def test_targets_keep_their_spaces_a_list_is_split_at_commas():
     from nxl_hooks.apps.options import parse_target
 
     assert parse_target(" Paris") == " Paris"  # a different BPE token than "Paris"
     assert parse_target(" 4") == " 4"
-    assert parse_target("Paris, London") == ["Paris", "London"]
-    assert parse_target("1, LABEL_0") == [1, "LABEL_0"]
+    assert parse_target(" are, is") == [" are", " is"]  # a comma list keeps the leading spaces too
+    assert parse_target("Paris, London") == ["Paris", " London"]
+    assert parse_target("1,LABEL_0") == [1, "LABEL_0"]
 
 
 @pytest.mark.parametrize("option", ["--generate", "--top-k", "--limit", "--ig-steps"])
@@ -155,16 +158,12 @@ def test_python_m_cli_prints_cli_errors_as_one_line(saved, tmp_path):
     import subprocess
     import sys
 
-    # --generate with --html is refused before the model loads: fast, and a CliError raised by _cli_commands.
-    argv = ["attribute", str(saved[0]), "hi", "--generate", "2", "--html", str(tmp_path / "p.html")]
+    # --generate with --target is refused before the model loads: fast, and a CliError raised by the command.
+    argv = ["attribute", str(saved[0]), "hi", "--generate", "2", "--target", "1"]
     done = subprocess.run([sys.executable, "-m", "nxl_hooks", *argv], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
-    assert done.stderr.strip().splitlines() == [
-        (
-            "nxl attribute: error: --generate explains each emitted token: drop --target and --html "
-            "(use --out for a record)"
-        )
-    ]
+    assert done.stderr.strip().splitlines() == ["nxl attribute: error: --generate explains each emitted token: "
+                                                "drop --target"]
 
 
 def test_generate_honours_embedding(tmp_path, capsys):

@@ -131,3 +131,57 @@ def test_attribute_command_writes_the_heatmap_page(tmp_path, capsys):
         logits = oracle.bert_classifier(model).layer_logits(out.hidden_states)
     _, expected = oracle.normxlogit(logits, out.hidden_states[0], out.logits.argmax(-1))
     assert_heatmap_matches((tmp_path / "a.html").read_text(), expected, enc["attention_mask"].bool())
+
+
+@pytest.fixture(scope="module")
+def generation():
+    """(generation page, its call, oracle NormXLogit per step (L+1, n)) of 4 greedy tokens on a byte-level BPE
+    model, the prompt holding '</script>' and a newline."""
+    import bpe_tiny
+    import nxl_hooks as nxl
+    from nxl_hooks.records.html import generation_html
+
+    tok = bpe_tiny.bpe_tokenizer()
+    model = bpe_tiny.bpe_llama(tok)
+    enc = tok("The capital </script> of\nFrance is", return_tensors="pt")
+    with nxl.attach(model, tokenizer=tok, layers="all") as probe:
+        model.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=2)
+    call = probe.calls[0]
+    expected = []
+    for step in call.steps:
+        n = step.position
+        logits, embeddings = oracle.prefix_logits(model, oracle.llama(model), call.sequences[:, :n],
+                                                  torch.ones(1, n, dtype=torch.bool))
+        expected.append(oracle.normxlogit(logits, embeddings, step.token)[1][:, 0])
+    return generation_html(call), call, expected
+
+
+def generation_cells_match(page: str, expected: list, layer: int) -> None:
+    """Row i holds step i's scores at ``layer`` over its context, blank after it."""
+    cells = tiny.elements(page, "td", "nxl-cell")
+    width = len(cells) // len(expected)
+    assert width * len(expected) == len(cells)
+    for i, scores in enumerate(expected):
+        row = cells[i * width: (i + 1) * width]
+        n = scores.shape[-1]
+        torch.testing.assert_close(torch.tensor([float(c["data-value"]) for c in row[:n]]), scores[layer],
+                                   rtol=1e-4, atol=1e-6)
+        assert all("data-value" not in c for c in row[n:])
+
+
+def test_generation_page_holds_every_layer_of_every_step(generation):
+    import json
+
+    page, call, expected = generation
+    generation_cells_match(page, expected, -1)  # the last layer is shown first
+    data = json.loads(page.split('id="nxl-data">')[1].split("</script>")[0])
+    assert data["layers"] == list(range(4)) and data["columns"][: len(call.readable[0])] == [
+        f"{j}: {name}" for j, name in enumerate(call.readable[0])]
+    for i, scores in enumerate(expected):
+        got = torch.tensor([[v for v in layer[: scores.shape[-1]]] for layer in data["values"][i]])
+        torch.testing.assert_close(got, scores, rtol=1e-4, atol=1e-6)
+        assert data["rows"][i].startswith(f"{i}: {call.steps[i].readable[0]} · p ")
+    assert sum(column.endswith(": ↵") for column in data["columns"]) == 1  # the prompt's one newline, visible
+    assert page.count("</script>") == 2  # the prompt's '</script>' cannot end the data block
+    for external in ("http:", "https:", "//cdn", "src=", "<link", "url(", "@import"):
+        assert external not in page

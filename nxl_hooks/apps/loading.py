@@ -1,18 +1,28 @@
-"""Load a task model and its tokenizer from a local folder or a hub id, picking the head from the config.
+"""Load a task model and its tokenizer from a local folder, a hub id or a GGUF file, picking the head from the
+config, with the loading options every command takes (``nxl ... --dtype --device-map --load-in-8bit ...``).
 
-    model, tokenizer = load_model("./my-model")            # or "org/name" on the hub
-    model, tokenizer = load_model("gpt2", head="causal_lm")
+    model, tokenizer = load_model("./my-model")                          # or "org/name" on the hub
+    model, tokenizer = load_model("gpt2", head="causal_lm", dtype="bfloat16", device_map="auto")
+    model, tokenizer = load_model("./smollm2.Q4_1.gguf", quantize="8bit")  # GGUF, then bitsandbytes 8-bit
 
 A local folder and a hub id both go through ``from_pretrained``; a path that does not exist is an error
 here (not a hub lookup), so a typo in a path fails fast with a clear message.
+
+GGUF (``pip install gguf``): transformers reads the file's config, tokenizer and weights and dequantizes the
+weights into plain tensors (float32 unless ``dtype`` says otherwise). A GGUF file holds a language model, so the
+head defaults to ``causal_lm``. transformers refuses a GGUF file together with a bitsandbytes config, so
+``quantize`` with GGUF loads the dequantized model first and quantizes its weights in memory (``from_pretrained``
+with ``state_dict``): nothing is written to disk, at the cost of holding the dequantized model while its
+quantized copy is built.
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HEAD_CLASSES", "head_from_architectures", "load_model"]
+__all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "head_from_architectures", "load_model", "quantization_config"]
 
 #: The Auto class per head kind the library explains (regression loads as sequence classification).
 HEAD_CLASSES = {
@@ -20,6 +30,10 @@ HEAD_CLASSES = {
     "sequence_classification": "AutoModelForSequenceClassification",
     "masked_lm": "AutoModelForMaskedLM",
 }
+#: ``--dtype`` names; "auto" is the checkpoint's own dtype.
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+#: bitsandbytes modes: 8bit, 4bit (nf4), fp4.
+QUANTIZE = ("8bit", "4bit", "fp4")
 _SUFFIXES = {
     "ForCausalLM": "causal_lm",
     "LMHeadModel": "causal_lm",
@@ -37,12 +51,16 @@ def head_from_architectures(architectures: list[str] | None) -> str | None:
     return None
 
 
-def _check_local(name: str) -> None:
+def _check_local(name: str, gguf_file: str | None) -> None:
     path = Path(name).expanduser()
     if path.exists():
-        if not (path / "config.json").is_file():
+        if gguf_file is not None:
+            if not (path / gguf_file).is_file():
+                raise FileNotFoundError(f"{name} has no file {gguf_file!r}: check --gguf-file (a name inside MODEL)")
+        elif not (path / "config.json").is_file():
             raise FileNotFoundError(
-                f"{name} has no config.json: pass a folder written by model.save_pretrained() (with its tokenizer)"
+                f"{name} has no config.json: pass a folder written by model.save_pretrained() (with its tokenizer), "
+                "or a .gguf file"
             )
         return
     # Hub ids are "name" or "org/name"; anything else that does not exist is a mistyped path.
@@ -50,24 +68,113 @@ def _check_local(name: str) -> None:
         raise FileNotFoundError(f"no model folder at {name}: check the path (or pass a hub id like org/name)")
 
 
-def load_model(name: str, head: str | None = None, **kwargs: Any) -> tuple[Any, Any]:
-    """``(model, tokenizer)`` for a local folder or hub id, in eval mode.
+def _split_gguf(name: str, gguf_file: str | None) -> tuple[str, str | None]:
+    """``model.gguf`` -> (its folder, its file name); a folder or hub id with ``gguf_file`` stays as it is."""
+    if not name.lower().endswith(".gguf"):
+        return name, gguf_file
+    if gguf_file is not None:
+        raise ValueError(f"MODEL {name} is a .gguf file and --gguf-file names {gguf_file!r}: give the file as MODEL, "
+                         "or its folder plus --gguf-file")
+    path = Path(name).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"no GGUF file at {name}: check the path")
+    return str(path.parent), path.name
 
-    ``head``: "causal_lm", "sequence_classification" or "masked_lm"; by default the one
-    ``config.architectures`` names. ``kwargs`` go to the model's ``from_pretrained`` (dtype, device_map, ...).
+
+def quantization_config(mode: str, dtype: Any = None) -> Any:
+    """The bitsandbytes config of a mode: ``8bit``, ``4bit`` (nf4) or ``fp4``; 4-bit computes in ``dtype``
+    (default float32)."""
+    import torch
+    from transformers import BitsAndBytesConfig
+
+    if mode == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    if mode in ("4bit", "fp4"):
+        compute = dtype if isinstance(dtype, torch.dtype) else torch.float32
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4" if mode == "fp4" else "nf4",
+                                  bnb_4bit_compute_dtype=compute)
+    raise ValueError(f"quantize={mode!r}: use one of {', '.join(QUANTIZE)}")
+
+
+def _torch_dtype(dtype: Any) -> Any:
+    import torch
+
+    if dtype is None or dtype == "auto" or isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}: use one of {', '.join(DTYPES)}")
+    return getattr(torch, dtype)
+
+
+def _unmark_gguf(model: Any) -> bool:
+    """Drop the quantized marks of a GGUF model whose weights transformers dequantized into plain tensors (it keeps
+    ``hf_quantizer``, ``is_quantized`` and ``config.quantization_config``, so save_pretrained refuses the model and
+    "is it quantized?" checks are misled). Returns False, leaving the model as it is, when weights stay packed."""
+    quantizer = getattr(model, "hf_quantizer", None)
+    if quantizer is None or getattr(quantizer, "packed_modules", None):
+        return quantizer is None
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return True
+
+
+def load_model(name: str, head: str | None = None, *, gguf_file: str | None = None, dtype: Any = None,
+               device_map: Any = None, max_memory: dict | None = None, quantize: str | None = None,
+               **kwargs: Any) -> tuple[Any, Any]:
+    """``(model, tokenizer)`` for a local folder, hub id or ``.gguf`` file, in eval mode.
+
+    - ``head``: "causal_lm", "sequence_classification" or "masked_lm"; by default the one ``config.architectures``
+      names (a GGUF file: causal_lm).
+    - ``gguf_file``: the GGUF file inside the folder or hub repository ``name`` (or pass the file as ``name``).
+    - ``dtype`` ("auto", "float32", "float16", "bfloat16" or a torch dtype), ``device_map``, ``max_memory``: as
+      ``from_pretrained`` takes them; ``quantize``: bitsandbytes "8bit", "4bit" (nf4) or "fp4".
+    - ``kwargs`` go to the model's ``from_pretrained``.
     """
     import transformers
 
-    _check_local(name)
-    config = transformers.AutoConfig.from_pretrained(name)
-    kind = head or head_from_architectures(getattr(config, "architectures", None))
-    if kind is None:
-        raise ValueError(
-            f"{name}: config.architectures ({getattr(config, 'architectures', None)}) names no head that "
-            f"NormXLogit explains; pass --head with one of {', '.join(HEAD_CLASSES)}"
-        )
+    name, gguf_file = _split_gguf(name, gguf_file)
+    _check_local(name, gguf_file)
+    if max_memory is not None and device_map is None:
+        raise ValueError("max_memory needs a device_map (e.g. device_map='auto'): it caps what each device gets")
+    dtype = _torch_dtype(dtype)
+    if quantize == "8bit":
+        # In float32, bitsandbytes logs a cast warning for every Linear at every call: thousands of lines.
+        logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    # a copy: from_pretrained rewrites max_memory's sizes in place (into bytes)
+    max_memory = dict(max_memory) if max_memory is not None else None
+    placement = {key: value for key, value in (("dtype", dtype), ("device_map", device_map),
+                                               ("max_memory", max_memory)) if value is not None}
+    quantization = quantization_config(quantize, dtype) if quantize is not None else None
+    if gguf_file is not None:
+        kind = head or "causal_lm"  # a GGUF file holds a language model; its config names no architecture
+        config = None
+    else:
+        config = transformers.AutoConfig.from_pretrained(name)
+        kind = head or head_from_architectures(getattr(config, "architectures", None))
+        if kind is None:
+            raise ValueError(
+                f"{name}: config.architectures ({getattr(config, 'architectures', None)}) names no head that "
+                f"NormXLogit explains; pass --head with one of {', '.join(HEAD_CLASSES)}"
+            )
     if kind not in HEAD_CLASSES:
         raise ValueError(f"head {kind!r}: use one of {', '.join(HEAD_CLASSES)}")
-    model = getattr(transformers, HEAD_CLASSES[kind]).from_pretrained(name, config=config, **kwargs)
-    tokenizer = transformers.AutoTokenizer.from_pretrained(name)
+    auto = getattr(transformers, HEAD_CLASSES[kind])
+    if quantization is not None and gguf_file is None:
+        kwargs["quantization_config"] = quantization
+    if gguf_file is None:
+        model = auto.from_pretrained(name, config=config, **placement, **kwargs)
+    elif quantization is None:
+        model = auto.from_pretrained(name, gguf_file=gguf_file, **placement, **kwargs)
+        _unmark_gguf(model)
+    else:
+        plain = auto.from_pretrained(name, gguf_file=gguf_file, **({"dtype": dtype} if dtype else {}), **kwargs)
+        if not _unmark_gguf(plain):
+            raise ValueError(f"{gguf_file}: transformers keeps this file's weights packed in GGUF kernels, so "
+                             "bitsandbytes cannot quantize them; drop --load-in-8bit/--load-in-4bit")
+        model = type(plain).from_pretrained(None, config=plain.config, state_dict=plain.state_dict(),
+                                            quantization_config=quantization, **placement)
+        del plain
+    tokenizer = transformers.AutoTokenizer.from_pretrained(name, **({"gguf_file": gguf_file} if gguf_file else {}))
     return model.eval(), tokenizer

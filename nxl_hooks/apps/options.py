@@ -2,19 +2,27 @@
 groups several commands take.
 
     parser.add_argument("--layers", type=parse_layers, default="all")
-    add_attribution_options(parser); add_dataset_options(parser)
+    add_attribution_options(parser); add_dataset_options(parser); add_loading_options(parser)
+    model, tok = load_model(args.model, **loading_options(args))
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Any
+
+from .loading import DTYPES
 
 __all__ = [
     "HEADS",
     "CliError",
     "add_attribution_options",
     "add_dataset_options",
+    "add_loading_options",
+    "loading_options",
     "parse_layers",
+    "parse_max_memory",
     "parse_target",
     "positive_int",
 ]
@@ -48,18 +56,41 @@ def positive_int(value: str) -> int:
 
 
 def parse_target(value: str) -> str | int | list[str | int]:
-    """``predicted`` | an int id | a token / label string | a comma list of those (one table per target)."""
+    """``predicted`` | an int id | a token / label / word | a comma list of those (one table per target).
+
+    Spaces are kept: a leading space is part of a token (``" are, is"`` -> ``[" are", " is"]``; a word is read
+    after the text in any case, so ``"are,is"`` explains the same tokens); an item of digits alone is an id
+    (``" 4"`` is the token ' 4'; label names match with surrounding spaces ignored).
+    """
     parts = value.split(",") if len(value) > 1 else [value]
-    if len(parts) > 1:  # spaces after commas are separators; a single target keeps them (" Paris" is its own token)
-        parts = [part.strip() for part in parts]
     items: list[str | int] = []
     for part in parts:
-        if not part:
+        if not part.strip():
             raise argparse.ArgumentTypeError(f"{value!r}: empty item in the target list")
         items.append(int(part) if part.lstrip("-").isdigit() else part)
-    if "predicted" in items and len(items) > 1:
+    if "predicted" in [item.strip() if isinstance(item, str) else item for item in items] and len(items) > 1:
         raise argparse.ArgumentTypeError("'predicted' cannot be mixed with other targets; pass it alone")
     return items[0] if len(items) == 1 else items
+
+
+def parse_max_memory(value: str) -> dict[Any, str]:
+    """``--max-memory 0=10GiB,cpu=30GiB`` -> ``{0: "10GiB", "cpu": "30GiB"}`` (accelerate's max_memory)."""
+    limits: dict[Any, str] = {}
+    for part in value.split(","):
+        device, sep, size = part.strip().partition("=")
+        if not sep or not device or not size:
+            raise argparse.ArgumentTypeError(f"{value!r}: use DEVICE=SIZE pairs like 0=10GiB,cpu=30GiB")
+        limits[int(device) if device.isdigit() else device] = size
+    return limits
+
+
+def _device_map(value: str) -> Any:
+    if value.startswith("{"):
+        try:
+            return json.loads(value)
+        except json.JSONDecodeError as error:
+            raise argparse.ArgumentTypeError(f"--device-map {value!r} is not valid JSON: {error}") from None
+    return value
 
 
 def add_attribution_options(parser: argparse.ArgumentParser) -> None:
@@ -71,7 +102,8 @@ def add_attribution_options(parser: argparse.ArgumentParser) -> None:
         "--target",
         type=parse_target,
         default="predicted",
-        help="predicted (default) | an id | a token or label string | comma list (one table each)",
+        help="predicted (default) | an id | a word (read after TEXT: 'Paris' is ' Paris'), a token or a label | "
+        "comma list, spaces kept (one table each; two also show their contrast)",
     )
     parser.add_argument(
         "--embedding",
@@ -91,7 +123,37 @@ def add_dataset_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--label-field", default="label", help="column with the gold label (default: label)")
     parser.add_argument("--evidence-field", default="evidence", help="column with evidence words (default: evidence)")
     parser.add_argument("--limit", type=positive_int, help="only the first N examples")
-    parser.add_argument("--head", choices=HEADS,
-                        help="which head to load when config.architectures does not say")
 
 
+def add_loading_options(parser: argparse.ArgumentParser) -> None:
+    """How every command loads its models (:func:`nxl_hooks.apps.loading.load_model`): --head, --dtype,
+    --device-map, --max-memory, --load-in-8bit / --load-in-4bit, --gguf-file, and --chat for the text."""
+    group = parser.add_argument_group("loading the model")
+    group.add_argument("--head", choices=HEADS,
+                       help="which head to load when config.architectures does not say (a .gguf file: causal_lm)")
+    group.add_argument("--dtype", choices=DTYPES, help="load the weights in this dtype (auto: the checkpoint's)")
+    group.add_argument("--device-map", type=_device_map, metavar="MAP",
+                       help="accelerate placement: auto | balanced | sequential | cpu | cuda:0 | JSON {module: device}")
+    group.add_argument("--max-memory", type=parse_max_memory, metavar="LIMITS",
+                       help="with --device-map: what each device may hold, like 0=10GiB,cpu=30GiB")
+    group.add_argument("--load-in-8bit", action="store_true", help="quantize with bitsandbytes, 8-bit")
+    group.add_argument("--load-in-4bit", action="store_true", help="quantize with bitsandbytes, 4-bit nf4")
+    group.add_argument("--gguf-file", metavar="NAME",
+                       help="the .gguf file inside MODEL (a folder or hub id); or pass the .gguf file as MODEL")
+    group.add_argument("--chat", action="store_true",
+                       help="wrap each text in the tokenizer's chat template as the user's message, with the "
+                       "assistant's turn after it")
+
+
+def loading_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The keyword arguments of :func:`~nxl_hooks.apps.loading.load_model` that ``args`` ask for; a
+    :class:`CliError` for combinations that cannot work."""
+    if args.load_in_8bit and args.load_in_4bit:
+        raise CliError("--load-in-8bit and --load-in-4bit exclude each other: pick one")
+    if args.max_memory is not None and args.device_map is None:
+        raise CliError("--max-memory needs --device-map (e.g. --device-map auto): it caps what each device holds")
+    if args.gguf_file is not None and not args.gguf_file.lower().endswith(".gguf"):
+        raise CliError(f"--gguf-file {args.gguf_file!r}: name the .gguf file inside MODEL")
+    quantize = "8bit" if args.load_in_8bit else "4bit" if args.load_in_4bit else None
+    return {"head": args.head, "dtype": args.dtype, "device_map": args.device_map, "max_memory": args.max_memory,
+            "quantize": quantize, "gguf_file": args.gguf_file}

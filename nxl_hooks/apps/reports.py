@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 from typing import Any, Mapping, Sequence
 
+from ..method.scores import FLAT_NORM_CV
 from ..records.html import fmt, heatmap, line_chart, page
 
 __all__ = ["audit_report", "evaluate_report"]
@@ -56,6 +57,7 @@ def evaluate_report(summary: Mapping[str, Any], title: str = "nxl_hooks faithful
     )
     body = [
         f'<h1>{html.escape(title)}</h1><p class="note">{html.escape(facts)}</p>',
+        _flat_note(summary),
         "<h2>Summary</h2>",
         _stats_table(["method"] + [c[1] for c in columns], rows, best),
         f'<p class="note">AP and dot at the ranking layer; {html.escape(summary.get("normalization", ""))}.</p>',
@@ -93,19 +95,36 @@ def evaluate_report(summary: Mapping[str, Any], title: str = "nxl_hooks faithful
     return page(title, "".join(body))
 
 
+def _flat_note(summary: Mapping[str, Any]) -> str:
+    """The one note a report gives when some examples' embedding norms were flat (NormXLogit ranked as LogAt)."""
+    flat = summary.get("flat_norms")
+    if not flat:
+        return ""
+    return (f'<p class="note warn">note: on {flat} of {summary["n"]} examples the input-embedding norms are nearly '
+            f"equal on the ranked tokens (coefficient of variation below {FLAT_NORM_CV:g}; the model may normalize "
+            "its embeddings): there NormXLogit ranks tokens exactly as LogAt does.</p>")
+
+
+def _named(record: Mapping[str, Any], key: str) -> str:
+    """A prediction as ``'␣Paris' (7042)`` when the record has its text, else its id."""
+    text = record.get(f"{key}_text")
+    return f"{text!r} ({record.get(key)})" if text is not None else str(record.get(key))
+
+
 def _example_block(record: Mapping[str, Any], rank: int) -> str:
     agree = record.get("agree")
     verdict = '<span class="flip">prediction flipped</span>' if agree is False else "same prediction" if agree else ""
     facts = (
         f"#{rank} · example {record.get('index', '?')} (id {record.get('id')!r}) · {verdict} · reference → candidate "
-        f"prediction {record.get('reference_prediction')} → {record.get('candidate_prediction')} · explained output "
+        f"prediction {_named(record, 'reference_prediction')} → {_named(record, 'candidate_prediction')} · "
+        f"explained: {_named(record, 'target')}, output "
         f"{fmt(record['reference_output'])} → {fmt(record['candidate_output'])} · last layer Spearman "
         f"{fmt(record['spearman'][-1])}, Kendall {fmt(record['kendall'][-1])}, top-{record['top_k']} "
         f"{fmt(record['topk'][-1])}, drift {fmt(record['drift'][-1])}"
     )
     table = heatmap(
         ["reference", "candidate"],
-        record["tokens"],
+        record.get("readable") or record["tokens"],
         [record["reference_scores"], record["candidate_scores"]],
         scale="all",
         corner="model \\ token",
@@ -136,6 +155,7 @@ def audit_report(
     )
     body = [
         f"<h1>{html.escape(title)}</h1><p>{html.escape(facts)}</p>",
+        _flat_note(summary),
         f"<h2>The {min(show, summary['n'])} examples that changed most</h2>",
         '<p class="note">Flipped predictions first, then the lowest last-layer Spearman. Rows: NormXLogit at the '
         "last layer, both models explaining the reference's prediction; one colour scale per example.</p>",

@@ -1,35 +1,48 @@
-"""Attributions in the terminal: a rich table of layers × tokens, and one line per generated token.
+"""Attributions in the terminal, always fitted to the console's width.
 
-    render_table(res, Console())
-    print_generation(model, tok, "The capital of France is", 8, layers=[-1])
+    show_attribution(res, Console())                     # header, targets, one view per row and target
+    render_table(res, Console(), row=0)                  # one view; returns which one it picked
+    print_generation(model, tok, "The capital of France is", 8)   # one short line per generated token
 
-Rows are layers and columns tokens while the tokens fit the console's width; otherwise the table is
-transposed (rows = tokens), which stays readable for long texts. Scores are signed NormXLogit values; the
+Views, the first that fits the console's width without truncating a cell:
+
+- ``layers``: rows = layers, columns = tokens (short texts);
+- ``tokens``: rows = tokens, columns = layers (long texts, few layers);
+- ``top``: one line per layer with its top tokens by signed score, as many as fit (any number of layers and tokens;
+  the full numbers are in ``--out`` / ``--html``).
+
+Tokens read as :mod:`nxl_hooks.records.tokens` shows them ('␣Paris', '↵'). Scores are signed NormXLogit values; the
 top token of each layer (by :meth:`Attribution.top`'s rule) is highlighted, special tokens are dimmed.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from rich.console import Console
+from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
 from ..hooks.probe import attach
 from ..method.placement import input_device
+from ..method.scores import flat_norms, flat_note
 from ..method.select import order, special_mask
 from ..records.attribution import Attribution
+from ..records.html import fmt
 from ..records.steps import GenerationCall, Step
+from ..records.tokens import chat_text, readable_ids
 
-__all__ = ["format_score", "label_name", "print_generation", "render_table", "score_matrix"]
+__all__ = ["VIEWS", "format_score", "print_generation", "render_table", "score_matrix",
+           "show_attribution"]
 
+VIEWS = ("layers", "tokens", "top")
 _TOP = "bold black on green"
 _NEGATIVE = "red"
 _SPECIAL = "dim"
-_CELL = 9  # "-1.234e+05" needs 10; most scores print in 6 to 8
+_NAME = 16  # a compact line shows a token's text up to this many characters
 
 
 def format_score(value: float) -> str:
@@ -37,11 +50,8 @@ def format_score(value: float) -> str:
     return f"{value:.4g}"
 
 
-def label_name(model: Any, tokenizer: Any, kind: str, label: int) -> str:
-    """A target id as people read it: the label name of a classifier, the token of an LM."""
-    if kind in ("sequence_classification", "regression"):
-        return str((getattr(model.config, "id2label", None) or {}).get(label, label))
-    return tokenizer.convert_ids_to_tokens(label)
+def _short(name: str) -> str:
+    return name if len(name) <= _NAME else name[: _NAME - 1] + "…"
 
 
 def score_matrix(res: Attribution, row: int = 0, label: int = 0, *, logat: bool = False) -> tuple[torch.Tensor, list[int]]:
@@ -58,6 +68,29 @@ def _cell(value: float, top: bool, special: bool) -> Text:
     return Text(format_score(value), style=style)
 
 
+def _fits(console: Console, table: Table) -> bool:
+    return Measurement.get(console, console.options.update_width(1 << 20), table).maximum <= console.width
+
+
+def _top_lines(scores: torch.Tensor, names: Sequence[str], positions: Sequence[int], eligible: torch.Tensor,
+               layer_names: Sequence[str], width: int) -> list[Text]:
+    """One line per layer: its best tokens by signed score (``position:text score``), as many as fit in ``width``
+    columns (at least one)."""
+    pad = max(len(name) for name in layer_names)
+    lines = []
+    for layer_name, layer_scores in zip(layer_names, scores):
+        line = Text(layer_name.ljust(pad), style="bold")
+        for rank, j in enumerate(order(layer_scores, eligible).tolist()):
+            value = float(layer_scores[j])
+            entry = (Text(f"  {positions[j]}:", style="dim") + Text(_short(names[j]), style=_TOP if rank == 0 else "")
+                     + Text(" " + format_score(value), style=_NEGATIVE if value < 0 else ""))
+            if rank and line.cell_len + entry.cell_len > width:
+                break
+            line += entry
+        lines.append(line)
+    return lines
+
+
 def render_table(
     res: Attribution,
     console: Console,
@@ -65,66 +98,139 @@ def render_table(
     row: int = 0,
     label: int = 0,
     title: str | None = None,
-    transpose: bool | None = None,
-) -> None:
-    """Print one row's per-layer NormXLogit as a table.
-
-    ``transpose``: None picks rows = layers when the tokens fit the console width, else rows = tokens.
-    """
-    scores, positions = score_matrix(res, row, label)
-    names = [res.tokens[row][p] for p in positions] if res.tokens else [str(p) for p in positions]
+    view: str | None = None,
+    scores: torch.Tensor | None = None,
+) -> str:
+    """Print one row's per-layer scores (NormXLogit of ``label``, or ``scores``: (len(layers), n_real)) in the first
+    view of :data:`VIEWS` that fits the console (or ``view``); returns the view's name."""
+    if view is not None and view not in VIEWS:
+        raise ValueError(f"view={view!r}: use one of {', '.join(VIEWS)}")
+    matrix, positions = score_matrix(res, row, label)
+    scores = matrix if scores is None else scores
+    labels = res.token_labels(row)
+    names = [labels[p] for p in positions]
     special = res.special[row, positions].tolist() if res.special is not None else [False] * len(positions)
     eligible = res.rankable(row)[positions]
     top = [int(best[0]) if len(best := order(layer_scores, eligible)) else None for layer_scores in scores]
     layer_names = [f"L{layer}" for layer in res.layers]
-    if transpose is None:
-        widths = sum(max(_CELL, len(name)) + 3 for name in names)
-        transpose = widths + 8 > console.width
-    table = Table(title=title, caption="highlighted: top token per layer")
-    if not transpose:
-        table.add_column("layer", style="bold")
-        for name, dim in zip(names, special):
-            table.add_column(Text(name, style=_SPECIAL if dim else "bold"), justify="right", no_wrap=True)
-        for index, layer_name in enumerate(layer_names):
-            cells = [_cell(float(v), j == top[index], special[j]) for j, v in enumerate(scores[index])]
-            table.add_row(layer_name, *cells)
-    else:
-        table.add_column("pos", justify="right", style="dim")
-        table.add_column("token", style="bold")
-        for layer_name in layer_names:
-            table.add_column(layer_name, justify="right", no_wrap=True)
-        for j, (position, name) in enumerate(zip(positions, names)):
-            cells = [_cell(float(scores[i, j]), j == top[i], special[j]) for i in range(len(layer_names))]
-            table.add_row(str(position), Text(name, style=_SPECIAL if special[j] else ""), *cells)
-    console.print(table)
+    caption = "highlighted: top token per layer"
+    for candidate in ([view] if view else VIEWS):
+        if candidate == "top":
+            if title:
+                console.print(Text(title, style="bold"))
+            console.print(Text(f"top tokens per layer by signed score, as position:token score ({len(names)} tokens "
+                               f"x {len(layer_names)} layers do not fit a table here; --out / --html keep every "
+                               "number)", style="dim"))
+            for line in _top_lines(scores, names, positions, eligible, layer_names, console.width):
+                console.print(line, no_wrap=True, overflow="ignore", crop=False)
+            return "top"
+        table = Table(title=title, caption=caption)
+        if candidate == "layers":
+            table.add_column("layer", style="bold", no_wrap=True)
+            for name, dim in zip(names, special):
+                table.add_column(Text(name, style=_SPECIAL if dim else "bold"), justify="right", no_wrap=True)
+            for index, layer_name in enumerate(layer_names):
+                table.add_row(layer_name, *[_cell(float(v), j == top[index], special[j])
+                                            for j, v in enumerate(scores[index])])
+        else:
+            table.add_column("pos", justify="right", style="dim", no_wrap=True)
+            table.add_column("token", style="bold", no_wrap=True)
+            for layer_name in layer_names:
+                table.add_column(layer_name, justify="right", no_wrap=True)
+            for j, (position, name) in enumerate(zip(positions, names)):
+                cells = [_cell(float(scores[i, j]), j == top[i], special[j]) for i in range(len(layer_names))]
+                table.add_row(str(position), Text(name, style=_SPECIAL if special[j] else ""), *cells)
+        if view or _fits(console, table):
+            console.print(table)
+            return candidate
+    raise AssertionError("unreachable: the top view always fits")
+
+
+def show_attribution(res: Attribution, console: Console) -> None:
+    """Print a header line, then per explained row and target one view (:func:`render_table`) with the target's
+    text, id and probability; two targets add their contrast (target − foil). Notes (a word of several tokens,
+    flat embedding norms) are said once."""
+    kind = res.meta.get("head_kind", "?")
+    console.print(Text(f"{res.meta.get('model_class', '')}", style="bold")
+                  + Text(f"  head: {kind}  blocks: {res.meta.get('n_blocks')}  "
+                         f"embedding norm: {res.meta.get('embedding')}"))
+    spreads = [res.norm_spread(row) for row in range(res.target.shape[0])]
+    flat = [s for s in spreads if flat_norms(s)]
+    if flat:
+        console.print(Text("note: " + flat_note(max(flat)), style="yellow"))
+    noted: set[str] = set()
+    for row in range(res.target.shape[0]):
+        position = int(res.position[row])
+        at = f"read at {res.token_labels(row)[position]!r} (position {position})"
+        labels = res.target_info(row)
+        for label in range(len(labels)):
+            if kind == "regression":
+                title = f"NormXLogit, regression: norm x |HoT(h) - prediction {res.meta['prediction'][row][0]:.4g}|"
+            else:
+                title = f"NormXLogit of {res.target_label(row, label)}"
+            render_table(res, console, row=row, label=label, title=f"{title}, {at}")
+            how = res.resolution(row, label)
+            if how and how.get("note") and how["note"] not in noted:
+                noted.add(how["note"])
+                console.print(Text("note: " + how["note"], style="yellow"))
+        if len(labels) == 2:
+            first, second = res.target_label(row, 0), res.target_label(row, 1)
+            contrast, _ = score_matrix(res, row, 0)
+            contrast = contrast - score_matrix(res, row, 1)[0]
+            render_table(res, console, row=row, scores=contrast,
+                         title=f"Contrast: NormXLogit of {first} minus {second}, {at}")
+
+
+def _generation_line(res: Attribution, step: Step, layer: int, top: int, width: int) -> Text:
+    """One generated token in one line of at most ``width`` columns: step, token, its probability, the ``top``
+    context tokens at ``layer`` (fewer when they do not fit)."""
+    line = Text(f"{step.step:>4} ", style="dim") + Text(_short(step.readable[0]).ljust(12), style="bold green")
+    if step.probability is not None:
+        line += Text(f" p {fmt(float(step.probability.reshape(-1)[0])):<7}", style="dim")
+    line += Text(f" L{layer}:", style="bold")
+    for rank, (position, name, score) in enumerate(res.top(top, layer=layer)):
+        entry = (Text(f" {position}:", style="dim") + Text(_short(name))
+                 + Text(" " + format_score(score), style=_NEGATIVE if score < 0 else ""))
+        if rank and line.cell_len + entry.cell_len > width:
+            break
+        line += entry
+    return line
 
 
 def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, layers: Any = "all", top: int = 3,
-                     embedding: str = "layer_input", console: Any = None,
-                     sink: str | Path | None = None) -> GenerationCall:
+                     embedding: str = "layer_input", console: Any = None, sink: str | Path | None = None,
+                     chat: bool = False) -> GenerationCall:
     """Generate greedily after ``text`` and print each token's attribution as soon as it is emitted: the view of
-    ``nxl attribute MODEL TEXT --generate N``. One line per token: the token, then per selected layer the ``top``
-    context tokens by signed NormXLogit; ``embedding`` goes to :func:`nxl_hooks.attach`. Returns the call's records.
+    ``nxl attribute MODEL TEXT --generate N``. One line per token, fitted to the console: the step, the token, the
+    model's probability of it, and the ``top`` context tokens by signed NormXLogit at the last selected layer
+    (all selected layers are recorded: ``sink`` / the returned call). ``embedding`` goes to
+    :func:`nxl_hooks.attach`; ``chat`` wraps ``text`` in the tokenizer's chat template.
 
     ``print_generation(model, tok, "The capital of France is", 8, layers=[-1])``
     """
     console = console or Console()
-    enc = tokenizer(text, return_tensors="pt").to(input_device(model))
+    prompt = chat_text(tokenizer, text) if chat else text
+    enc = tokenizer(prompt, return_tensors="pt").to(input_device(model))
     ids = enc["input_ids"][0].tolist()
-    names = tokenizer.convert_ids_to_tokens(ids)
-    console.print(Text(f"prompt ({len(names)} tokens): ", style="bold") + Text(" ".join(names)))
+    names = readable_ids(tokenizer, ids)
+    console.print(Text(f"prompt ({len(ids)} tokens): ", style="bold") + Text("│", style="dim").join(map(Text, names)))
+    said = {"legend": False, "flat": False}
 
     def show(step: Step) -> None:
-        token = tokenizer.convert_ids_to_tokens(int(step.token[0]))
         special = special_mask(torch.tensor([ids]), tokenizer)
-        res = step.to_attribution(tokens=[list(names)], special=special)
-        line = Text(f"{step.step:>4} ", style="dim") + Text(f"{token!r:>14}", style="bold green") + Text("  ")
-        for layer in step.layers[::-1]:
-            best = " ".join(f"{name!r}:{score:.3g}" for _, name, score in res.top(top, layer=layer))
-            line += Text(f"L{layer} ", style="bold") + Text(best + "  ")
-        console.print(line, overflow="fold")
-        names.append(token)
+        res = step.to_attribution(special=special, readable=[list(names)])
+        layer = step.layers[-1]
+        if not said["legend"]:
+            said["legend"] = True
+            console.print(Text(f"step, token, p, top NormXLogit context (position:token score) at L{layer}",
+                               style="dim"))
+        spread = res.norm_spread(0)
+        if not said["flat"] and flat_norms(spread):
+            said["flat"] = True
+            console.print(Text("note: " + flat_note(spread), style="yellow"))
+        console.print(_generation_line(res, step, layer, top, console.width), no_wrap=True, crop=False)
         ids.append(int(step.token[0]))
+        names.append(step.readable[0])  # attached with the tokenizer: every step has its text
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with attach(model, layers=layers, tokenizer=tokenizer, embedding=embedding, on_step=show, sink=sink) as probe:

@@ -12,6 +12,9 @@ in the scores is a change in the model, not in the question. Per layer l, over t
 - ``topk[l]``: |top-k(reference) ∩ top-k(candidate)| / k by signed score, same tokens ranked.
 - ``drift[l]``: ‖candidate − reference‖₂ / ‖reference‖₂ over all real tokens.
 - ``agree``: the candidate's own prediction equals the reference's (classifiers and causal LMs).
+
+Records also carry each token's readable text (``readable``), the target's and both predictions' texts, and
+``flat_norms`` (the reference's embedding norms nearly equal on the ranked tokens: NormXLogit ranks as LogAt).
 """
 
 from __future__ import annotations
@@ -23,10 +26,13 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
+from ..arch.registry import resolve, unwrap
 from ..hooks.probe import attach
 from ..method.placement import input_device
-from ..method.select import order
+from ..method.scores import flat_norms
+from ..method.select import order, resolve_target
 from ..records.attribution import Attribution
+from ..records.tokens import describe_target, label_text
 from .metrics import mean
 
 __all__ = ["SCHEMA", "aggregate", "audit_example", "compare", "most_changed"]
@@ -111,21 +117,41 @@ def audit_example(
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"example needs a non-empty 'text' string, got keys {sorted(example)}")
     ids = torch.tensor([tokenizer(text)["input_ids"]], dtype=torch.long)
-    ref, ref_out = _attribute(reference, tokenizer, ids, example.get("target", "predicted"), layers)
+    requested, notes = example.get("target", "predicted"), []
+    if requested != "predicted":  # a word is read after the text, as everywhere
+        inner = unwrap(reference)
+        kind = resolve(inner)[1]
+        resolved = resolve_target(inner, kind, tokenizer, requested, prompt=text)
+        requested = resolved.id
+        if resolved.partial:
+            notes.append(describe_target(tokenizer, inner.config, kind, resolved)["note"])
+    ref, ref_out = _attribute(reference, tokenizer, ids, requested, layers)
     target = int(ref.target[0])
     cand, cand_out = _attribute(candidate, tokenizer, ids, target, layers)
-    regression = ref.meta["head_kind"] == "regression"
+    kind = ref.meta["head_kind"]
+    regression = kind == "regression"
     real = ref.mask[0]
+    id2label = getattr(unwrap(reference).config, "id2label", None)
+
+    def name(label: torch.Tensor) -> str | None:
+        return None if regression else label_text(tokenizer, id2label, kind, int(label))
+
     return {
         "schema": SCHEMA,
         "id": example.get("id"),
         "text": text,
         "tokens": [t for t, keep in zip(ref.tokens[0], real.tolist()) if keep],
+        "readable": [t for t, keep in zip(ref.readable[0], real.tolist()) if keep],
         "position": int(ref.position[0]),
         "target": target,
-        "target_token": tokenizer.convert_ids_to_tokens(target) if ref.meta["head_kind"] == "causal_lm" else None,
+        "target_token": tokenizer.convert_ids_to_tokens(target) if kind == "causal_lm" else None,
+        "target_text": name(ref.target[0]),
+        "notes": notes,
+        "flat_norms": flat_norms(ref.norm_spread(0)),
         "reference_prediction": None if regression else int(ref_out.argmax()),
         "candidate_prediction": None if regression else int(cand_out.argmax()),
+        "reference_prediction_text": name(ref_out.argmax()),
+        "candidate_prediction_text": name(cand_out.argmax()),
         "agree": None if regression else bool(ref_out.argmax() == cand_out.argmax()),
         "reference_output": float(ref_out[0] if regression else ref_out.softmax(-1)[target]),
         "candidate_output": float(cand_out[0] if regression else cand_out.softmax(-1)[target]),
@@ -170,4 +196,5 @@ def aggregate(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "last_layer": {name: values[-1] for name, values in per_layer.items()},
         "per_layer": per_layer,
         "most_changed": [records[i].get("index", i) for i in most_changed(records)],
+        "flat_norms": sum(1 for r in records if r.get("flat_norms")),  # examples where NormXLogit ranks as LogAt
     }

@@ -42,7 +42,9 @@ from torch import nn
 from ..arch.registry import blocks, resolve, unwrap
 from ..hooks.probe import attach
 from ..method.placement import input_device
-from ..method.select import layer_index, order, prediction_rows, rankable, resolve_layers, resolve_target_id
+from ..method.scores import flat_norms, norm_spread
+from ..method.select import layer_index, order, prediction_rows, rankable, resolve_layers, resolve_target
+from ..records.tokens import describe_target, label_text, readable_ids
 from .baselines import GRADIENT_METHODS, gradient_scores, one_row_only
 from .metrics import average_precision, evidence_mask, mean, normalized_dot, pearson
 
@@ -156,6 +158,7 @@ class _Setup:
         self.chunk = 1 if one_row_only(model, self.kind) else 64
         # SPEC 5: perturbation never touches CLS/SEP/BOS (nor the prediction position).
         self.special_ids = list(getattr(tokenizer, "all_special_ids", []))
+        self.notes: list[str] = []  # targets of several tokens, of which the first is explained
 
     def predict(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Model outputs at each row's prediction position: (rows, outputs), float32."""
@@ -174,10 +177,15 @@ class _Setup:
                              f"found {len(positions)}")
         return int(positions[0])
 
-    def label_id(self, value: Any, n_outputs: int) -> int | float | None:
+    def label_id(self, value: Any, n_outputs: int, prompt: str) -> int | float | None:
+        """A target, foil or gold label as an output id: words are read after the example's text (``prompt``); a
+        word of several tokens stands for its first, and :attr:`notes` says so."""
         if value is None or self.kind == "regression":
             return None if value is None else float(value)
-        return resolve_target_id(self.model, self.kind, self.tokenizer, value, n_outputs)
+        resolved = resolve_target(unwrap(self.model), self.kind, self.tokenizer, value, n_outputs, prompt=prompt)
+        if resolved.partial:
+            self.notes.append(describe_target(self.tokenizer, unwrap(self.model).config, self.kind, resolved)["note"])
+        return resolved.id
 
 
 def _seed(seed: int, text: str) -> int:
@@ -233,15 +241,16 @@ class _Targets:
 
 
 def _targets(setup: _Setup, example: Mapping[str, Any], original: torch.Tensor) -> _Targets:
-    n = original.shape[-1]
+    n, text = original.shape[-1], example["text"]
     if setup.kind == "regression":
-        return _Targets(0, None, None, setup.label_id(example.get("label"), n), float(original[0]))
+        return _Targets(0, None, None, setup.label_id(example.get("label"), n, text), float(original[0]))
     prediction = int(original.argmax())
     requested = example.get("target")
-    target = prediction if requested in (None, "predicted") else setup.label_id(requested, n)
-    pair = setup.label_id(example.get("foil"), n)
+    target = prediction if requested in (None, "predicted") else setup.label_id(requested, n, text)
+    pair = setup.label_id(example.get("foil"), n, text)
     runner_up = int(original.topk(2).indices[1]) if prediction == target else prediction
-    return _Targets(target, runner_up if pair is None else pair, pair, setup.label_id(example.get("label"), n), prediction)
+    return _Targets(target, runner_up if pair is None else pair, pair, setup.label_id(example.get("label"), n, text),
+                    prediction)
 
 
 def _outcome(setup: _Setup, outputs: torch.Tensor, t: _Targets) -> tuple[torch.Tensor, list | None, list]:
@@ -306,8 +315,10 @@ def score_example(
     - ``custom``: your own methods, name -> one score per token of ``tokenizer(text)`` (special tokens
       included), measured exactly like the built-in ones (``seconds`` is then None).
 
-    Keys: schema, id, text, tokens, kind, perturbation, position, target, target_token, foil, label,
-    prediction, output (the explained p, or the regression output), probability ("all" outputs, "pair",
+    Keys: schema, id, text, tokens (pieces), readable (each token's text, '␣Paris'), target_text,
+    target_probability / foil_text, foil_probability (the model's softmax over all outputs), notes (a target word
+    of several tokens), norm_spread and flat_norms (embedding norms nearly equal on the ranked tokens: NormXLogit
+    ranks as LogAt), kind, perturbation, position, target, target_token, foil, label, prediction, output (the explained p, or the regression output), probability ("all" outputs, "pair",
     or "output" for regression), correct (None without a label), evidence (0/1 per token, or None),
     evidence_missing (words that matched no token), layers, eval_layer, ks, counts (tokens per K), methods.
     """
@@ -370,17 +381,28 @@ def score_example(
         if keep_scores:
             records[name]["scores"] = ranking[name].tolist()
     regression = setup.kind == "regression"
+    spread = norm_spread(scores["embed_norm"], ranked) if "embed_norm" in scores else None
+    id2label, softmax = getattr(unwrap(model).config, "id2label", None), original[0].float().softmax(-1)
+    foil = t.foil if "contrastive" in methods else t.pair
     return {
         "schema": SCHEMA,
         "id": example.get("id"),
         "text": example["text"],
         "tokens": tokenizer.convert_ids_to_tokens(ids.tolist()),
+        "readable": readable_ids(tokenizer, ids.tolist()),
+        "target_text": None if regression else label_text(tokenizer, id2label, setup.kind, t.target),
+        "target_probability": None if regression else float(softmax[t.target]),
+        "foil_text": None if foil is None else label_text(tokenizer, id2label, setup.kind, foil),
+        "foil_probability": None if foil is None else float(softmax[foil]),
+        "notes": list(dict.fromkeys(setup.notes)),
+        "norm_spread": spread,
+        "flat_norms": spread is not None and flat_norms(spread),
         "kind": setup.kind,
         "perturbation": setup.mode,
         "position": position,
         "target": t.target,
         "target_token": tokenizer.convert_ids_to_tokens(t.target) if setup.kind in ("causal_lm", "masked_lm") else None,
-        "foil": t.foil if "contrastive" in methods else t.pair,
+        "foil": foil,
         "label": t.label,
         "prediction": t.prediction,
         "output": float(p_orig[0]),
@@ -467,5 +489,6 @@ def aggregate(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "accuracy": None if regression else mean([float(r["correct"]) for r in labelled]),
         "pearson": pearson([r["prediction"] for r in labelled], [r["label"] for r in labelled]) if regression else None,
         "normalization": "min-shift L1 over the ranked tokens (prediction position and special tokens removed), for every method",
+        "flat_norms": sum(1 for r in records if r.get("flat_norms")),  # examples where NormXLogit ranks as LogAt
         "methods": {name: _method_summary(records, name, first["eval_layer"], regression) for name in names},
     }

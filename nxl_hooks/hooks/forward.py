@@ -15,6 +15,7 @@ import torch
 
 from ..method.scores import regression_logat
 from ..records.attribution import Attribution
+from ..records.tokens import readable_rows, target_texts
 from .plan import Plan
 
 __all__ = ["Capture", "assemble", "open_capture"]
@@ -83,6 +84,9 @@ def assemble(plan: Plan, capture: Capture, output: Any = None) -> Attribution:
                              for layer in plan.layers])  # (layers, rows, seq, k)
     if plan.kind == "regression":
         logat = regression_logat(logat, final[:, 0])
+        probability = None
+    else:  # the model's own softmax at the prediction rows, for each explained target
+        probability = final.log_softmax(-1).gather(-1, targets.to(final.device)).exp()
     embed_norm = by_row(capture.embed_norm).to(final.device)
     logat, normxlogit, targets = plan.scores(logat, embed_norm, targets)
     mask = (
@@ -103,4 +107,8 @@ def assemble(plan: Plan, capture: Capture, output: Any = None) -> Attribution:
         tokens=plan.token_strings(ids),
         meta={**plan.describe(), "prediction": final.cpu().tolist() if plan.kind == "regression" else None},
         special=plan.special(ids),
+        input_ids=ids.cpu() if ids is not None else None,
+        readable=readable_rows(plan.tokenizer, ids),
+        probability=None if probability is None else (probability if plan.label_axis else probability[:, 0]).cpu(),
+        target_text=target_texts(plan.tokenizer, plan.model.config, plan.kind, targets),
     )

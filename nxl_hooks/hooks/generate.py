@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from ..records.steps import GenerationCall, Step
+from ..records.tokens import readable_ids, readable_rows
 from .forward import Capture
 from .guard import reason
 from .plan import Plan
@@ -125,6 +126,7 @@ class Run:
         self._compute_dtype: torch.dtype | None = None
         self._n = self._past = 0
         self._pending = False
+        self._log_probs: torch.Tensor | None = None  # the model's own log-softmax at the last position of the last forward
         self.failed = False
 
     def fail(self, what: str, error: BaseException) -> None:
@@ -180,8 +182,15 @@ class Run:
                 self._prompt_ids.append(capture.input_ids[:, : self._prompt_len - self._past])
             if self._n >= self._prompt_len:
                 ids = torch.cat(self._prompt_ids, dim=1).cpu() if self._prompt_ids else None
+                self.call.readable = readable_rows(self._plan.tokenizer, ids)
                 self._hub.prompt(self.call, ids, self._mask.view()[:, : self._prompt_len].cpu(), self._plan.describe())
         self._pending = self._n >= self._prompt_len
+
+    def after_task(self, output: Any) -> None:
+        """The task model returned: keep its own logits at the last position, for the pending step's probability."""
+        logits = getattr(output, "logits", None)
+        usable = isinstance(logits, torch.Tensor) and logits.dim() == 3 and logits.shape[-1] == self._plan.head.n_outputs
+        self._log_probs = logits[:, -1].float().log_softmax(-1) if usable else None
 
     def _new_mask(self, capture: Capture, new: int) -> torch.Tensor:
         attention = capture.attention_mask
@@ -217,6 +226,10 @@ class Run:
         token = token.long()
         batch = token.shape[0]
         targets = plan.explained(token[:, None])
+        probability = None
+        if self._log_probs is not None:
+            probability = self._log_probs.gather(-1, targets.to(self._log_probs.device)).exp().cpu()
+            probability = probability if plan.label_axis else probability[:, 0]
         with torch.no_grad():
             features = self._features.view().to(self._compute_dtype)  # (batch, position, layers, d)
             flat = features.reshape(batch, -1, features.shape[-1])  # every layer in one gather of target rows
@@ -232,7 +245,8 @@ class Run:
         step = Step(call=self.call.index, step=position - self._prompt_len, position=position, token=token.cpu(),
                     target=targets.cpu(), normxlogit=normxlogit.cpu(), logat=logat.cpu(),
                     embed_norm=embed.to("cpu", copy=True), mask=self._mask.view().to("cpu", copy=True),
-                    active=active.cpu(), layers=list(plan.layers), n_blocks=plan.n_blocks)
+                    active=active.cpu(), layers=list(plan.layers), n_blocks=plan.n_blocks, probability=probability,
+                    readable=readable_ids(plan.tokenizer, token.tolist()) if plan.tokenizer is not None else None)
         self._real.append(active)
         self._finished = self._finished | torch.isin(token, self._eos.to(token.device))
         self._pending = False

@@ -26,14 +26,15 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..arch.registry import get_path, unwrap
+from ..arch.registry import get_path, resolve, unwrap
 from ..method.placement import input_device
-from ..method.select import Target
+from ..method.select import Target, is_predicted, prompt_targets
 from ..records.attribution import Attribution
 from ..records.sink import Sink
 from ..records.steps import GenerationCall, Step
+from ..records.tokens import chat_text, describe_target
 from .forward import Capture, assemble, open_capture
-from .generate import Generations
+from .generate import Generations, Run
 from .guard import reason
 from .plan import Plan, make_plan
 from .publish import Hub, Subscription
@@ -127,6 +128,11 @@ class _Recorder:
         entry = tasks.pop() if tasks else None
         if isinstance(entry, Capture):
             self._finish(entry, output)
+        elif entry is None and isinstance(run := self._run(), Run) and not run.failed:
+            try:  # a generate step: its logits give the probability of the token it emits
+                run.after_task(output)
+            except Exception as error:  # noqa: BLE001 - never into the host's forward
+                run.fail("this generate call", error)
 
     def on_backbone_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         captures, _ = self._stacks()
@@ -430,12 +436,30 @@ def detach_all(model: nn.Module) -> int:
     return len(finalizers)
 
 
-def explain(model: nn.Module, tokenizer: Any, text: str | list[str], **options: Any) -> Attribution:
+def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, chat: bool = False,
+            **options: Any) -> Attribution:
     """Attach, run one forward on ``text`` (a string or a batch of them, padded), detach: its attribution.
 
-    ``nxl.explain(model, tok, "The capital of France is", layers="all").top(3)``; ``options`` go to :func:`attach`.
+    ``nxl.explain(model, tok, "The capital of France is", layers="all", target="Paris").top(3)``; ``options`` go to
+    :func:`attach`. Target words are read after the text (:func:`~nxl_hooks.method.select.prompt_targets`): "Paris"
+    there explains ' Paris', the token the model would emit; ``res.meta["targets"]`` says how each was read (and
+    when a word is several tokens, of which only the first is explained). ``chat``: each text becomes the user
+    message of the tokenizer's chat template, followed by the assistant's turn.
     """
-    enc = tokenizer(text, return_tensors="pt", padding=True, return_token_type_ids=False).to(input_device(model))
-    with torch.no_grad(), attach(model, tokenizer=tokenizer, **options) as probe:
+    texts = [text] if isinstance(text, str) else list(text)
+    if chat:
+        texts = [chat_text(tokenizer, one) for one in texts]
+    target, resolved = options.pop("target", "predicted"), None
+    if not is_predicted(target) and not isinstance(target, torch.Tensor):
+        inner = unwrap(model)
+        kind = resolve(inner)[1]
+        target, resolved = prompt_targets(inner, kind, tokenizer, target, texts)
+    enc = tokenizer(texts[0] if isinstance(text, str) else texts, return_tensors="pt", padding=True,
+                    return_token_type_ids=False).to(input_device(model))
+    with torch.no_grad(), attach(model, tokenizer=tokenizer, target=target, **options) as probe:
         model(**enc)
-    return probe.result()
+    res = probe.result()
+    if resolved is not None:
+        res.meta["targets"] = [[describe_target(tokenizer, inner.config, kind, one) for one in row] for row in resolved]
+    res.meta["chat"] = chat
+    return res

@@ -3,13 +3,14 @@ the terminal, HTML and :meth:`Attribution.top`.
 
     resolve_layers("all", 8)                      # [0, 1, ..., 8]
     prediction_rows("causal_lm", "last_non_pad", input_ids, attention_mask, pad_id=None, mask_id=None)
-    resolve_target_id(model, "causal_lm", tok, " Paris", len(tok))
+    resolve_target(model, "causal_lm", tok, "Paris", prompt="The capital of France is")   # ' Paris', the next token
     order(scores, rankable(mask, position, special))   # positions by signed score, best first
 
 - Layers: 0 is the input of block 1, L the output of the last block; negative numbers count from the end.
 - Prediction position: the last real token for causal LMs (``attention_mask``), the rightmost non-pad token for
   decoder classifiers (as transformers pools them), CLS for encoders that pool the first token, each mask token
   for masked LMs.
+- Targets: an id, a label name, a vocabulary piece, or a word read after the prompt (:func:`resolve_target`).
 - Ranking: by signed score, descending (authors' code). Padding, the prediction position and special tokens do
   not rank (the authors always drop CLS / [MASK] before ranking); NaN never ranks above a number.
 """
@@ -17,20 +18,25 @@ the terminal, HTML and :meth:`Attribution.top`.
 from __future__ import annotations
 
 import numbers
+from dataclasses import dataclass
 from typing import Any, Sequence, Union
 
 import torch
 from torch import nn
 
 __all__ = [
+    "NO_SPACE_AFTER",
+    "ResolvedTarget",
     "Target",
     "explained",
     "is_predicted",
     "layer_index",
     "order",
     "prediction_rows",
+    "prompt_targets",
     "rankable",
     "resolve_layers",
+    "resolve_target",
     "resolve_target_id",
     "special_mask",
     "target_ids",
@@ -96,34 +102,135 @@ def _check_range(ids: torch.Tensor, n_outputs: int) -> None:
         raise ValueError(f"target {int(bad[0])} is out of range: the head has {n_outputs} outputs (0..{n_outputs - 1})")
 
 
-def resolve_target_id(model: nn.Module, kind: str, tokenizer: Any, item: str | int, n_outputs: int) -> int:
-    """One target or label -> an output id of the head: an int id (range-checked), a label name
-    (classification), or one token (LM; a vocabulary entry like "Ġis" first, else text that encodes to
-    one known token). ``resolve_target_id(model, "causal_lm", tok, " Paris", len(tok))``; ValueError if bad.
+#: After one of these a word follows without a space (an opening bracket or quote); after any other character but
+#: whitespace a target word (one that starts with a letter or digit) is a new word: "Paris" after "The capital of
+#: France is" is " Paris", while "." or "," follow the text directly.
+NO_SPACE_AFTER = "([{\"'“‘«¿¡/-"
+
+
+@dataclass(frozen=True)
+class ResolvedTarget:
+    """What one requested target explains. ``tokens``: every token the request stands for, the explained ``id``
+    first; a request of several tokens (a word the tokenizer splits) explains its first token only."""
+
+    request: str | int  #: as the user wrote it
+    id: int  #: the output id explained
+    tokens: tuple[int, ...]  #: the request's tokens (one, or a word's tokens after the prompt)
+    how: str  #: "id", "label" (a classifier's label name), "token" (a vocabulary entry), "word" (text, tokenized)
+
+    @property
+    def partial(self) -> bool:
+        """True when the request is several tokens and only the first is explained."""
+        return len(self.tokens) > 1
+
+
+def _is_piece(tokenizer: Any, item: str, token: int) -> bool:
+    """A vocabulary entry that is not plain text: a special or added token, or a piece whose text differs ('Ġis',
+    '▁is', '<0x0A>'); 'Paris' (a piece that reads as itself) is a word."""
+    if item in (getattr(tokenizer, "all_special_tokens", None) or ()) or item in tokenizer.get_added_vocab():
+        return True
+    return tokenizer.decode([token]) != item
+
+
+def _after_prompt(tokenizer: Any, prompt: str, word: str) -> list[int]:
+    """The tokens of ``word`` as the tokenizer makes them right after ``prompt``, with a separating space when the word
+    starts with a letter or digit and the prompt ends with neither whitespace nor an opening bracket or quote."""
+    space = word[:1].isalnum() and prompt and not prompt[-1].isspace() and prompt[-1] not in NO_SPACE_AFTER
+    addition = (" " if space else "") + word
+    before = tokenizer.encode(prompt, add_special_tokens=False)
+    after = tokenizer.encode(prompt + addition, add_special_tokens=False)
+    if after[: len(before)] == before:
+        return after[len(before):]
+    return tokenizer.encode(addition, add_special_tokens=False)  # the word merged into the prompt's last token
+
+
+def resolve_target(model: nn.Module, kind: str, tokenizer: Any, item: str | int, n_outputs: int | None = None, *,
+                   prompt: str | None = None) -> ResolvedTarget:
+    """One requested target or label -> what it explains (the rules in order):
+
+    1. an int: that output id (range-checked against ``n_outputs`` when given);
+    2. classifiers: a label name of ``config.label2id`` (surrounding spaces ignored), or a number as an id;
+    3. LMs (a tokenizer is needed): a vocabulary entry that is not plain text ('Ġis', '▁is', a special token) is that
+       token; without a ``prompt`` (and for masked LMs) any vocabulary entry is;
+    4. other text is a word: after the ``prompt`` (causal LMs), the first token the tokenizer makes of it there
+       (``prompt + " " + word``: 'Paris' after 'The capital of France is' is ' Paris'; a word that starts with
+       anything but a letter or digit (a space, '.', ','), or a prompt that ends with whitespace or an opening
+       bracket or quote, takes no added space);
+       without a prompt, the tokens of the text alone. A word of several tokens explains its first
+       (:attr:`ResolvedTarget.partial`).
+
+    ``resolve_target(model, "causal_lm", tok, "Paris", prompt="The capital of France is").id``; ValueError if bad.
     """
     number = _integer(item)
     if number is not None:
-        _check_range(torch.tensor([number]), n_outputs)
-        return number
+        if n_outputs is not None:
+            _check_range(torch.tensor([number]), n_outputs)
+        return ResolvedTarget(item, number, (number,), "id")
     if not isinstance(item, str):
         raise ValueError(f"target/label {item!r} must be an int id or a string, got {type(item).__name__}")
     label2id = getattr(model.config, "label2id", None) or {}
-    if kind in _CLASSIFIERS and item in label2id:
-        return int(label2id[item])
+    if kind in _CLASSIFIERS and item.strip() in label2id:  # " LABEL_0" from a comma list is the label too
+        return ResolvedTarget(item, int(label2id[item.strip()]), (int(label2id[item.strip()]),), "label")
+    if kind in _CLASSIFIERS and item.strip().lstrip("-").isdigit():
+        return resolve_target(model, kind, tokenizer, int(item.strip()), n_outputs)
     if kind in _CLASSIFIERS:
         raise ValueError(f"label {item!r} is not one of the model's labels {sorted(label2id)}; or pass an int id")
     if tokenizer is None:
         raise ValueError(f"target {item!r} is a string: pass attach(..., tokenizer=tok) to resolve it, or an int id")
+    if not item:
+        raise ValueError("target '' is empty: give a word, a token or an id")
+    after = prompt is not None and kind == "causal_lm"
     vocab = tokenizer.get_vocab()
-    if item in vocab:
-        return int(vocab[item])
-    ids = tokenizer.encode(item, add_special_tokens=False)
-    if len(ids) != 1 or ids[0] == tokenizer.unk_token_id:
+    if item in vocab and (not after or _is_piece(tokenizer, item, vocab[item])):
+        return ResolvedTarget(item, int(vocab[item]), (int(vocab[item]),), "token")
+    ids = _after_prompt(tokenizer, prompt, item) if after else tokenizer.encode(item, add_special_tokens=False)
+    if not ids or ids[0] == tokenizer.unk_token_id:
+        raise ValueError(f"target {item!r} is not a single token in the vocabulary (it encodes to {ids}, "
+                         f"{'the unknown token' if ids else 'nothing'}); pass a token (see tokenizer.tokenize(text)) "
+                         "or its int id")
+    if n_outputs is not None:
+        _check_range(torch.tensor(ids[:1]), n_outputs)
+    return ResolvedTarget(item, int(ids[0]), tuple(int(i) for i in ids), "word")
+
+
+def resolve_target_id(model: nn.Module, kind: str, tokenizer: Any, item: str | int, n_outputs: int) -> int:
+    """One target or label -> the output id ``attach`` explains, by :func:`resolve_target`'s rules without a prompt;
+    a word of several tokens is an error here (attach has no prompt to say which token comes next).
+    ``resolve_target_id(model, "causal_lm", tok, "Ġis", len(tok))``"""
+    resolved = resolve_target(model, kind, tokenizer, item, n_outputs)
+    if resolved.partial:
+        pieces = tokenizer.convert_ids_to_tokens(list(resolved.tokens))
         raise ValueError(
-            f"target {item!r} is not a single token in the vocabulary (it encodes to {len(ids)} id(s) {ids}); "
-            "pass one token (see tokenizer.tokenize(text)) or its int id"
+            f"target {item!r} is {len(pieces)} tokens {pieces}: attach explains one token; pass one (here "
+            f"{pieces[0]!r}, id {resolved.id}), or use nxl.explain(model, tok, text, target=...), which reads a "
+            "word after the prompt and explains its first token"
         )
-    return int(ids[0])
+    return resolved.id
+
+
+def _items(target: Target) -> list[str | int]:
+    """A non-tensor target as its list of requests; ValueError when it is none of the accepted forms."""
+    items = [target] if isinstance(target, str) or _integer(target) is not None else target
+    if isinstance(items, (bool, float)) or not isinstance(items, Sequence):
+        raise ValueError(f"target={target!r}: use 'predicted', an int id, a token or label string, a list of "
+                         "them, or a tensor of ids")
+    if not items:
+        raise ValueError("target list is empty: give at least one label or token")
+    return list(items)
+
+
+def prompt_targets(model: nn.Module, kind: str, tokenizer: Any, target: Target,
+                   prompts: Sequence[str]) -> tuple[torch.Tensor, list[list[ResolvedTarget]]]:
+    """Targets as people write them, read after each prompt (:func:`resolve_target`): the id tensor to pass as
+    ``attach(target=...)`` and each row's resolutions. One row per prompt for causal LMs and classifiers (whose
+    labels do not depend on the text), one row for all for masked LMs; (rows,) ids for one target, (rows, k) for a
+    list, so the label axis is as ``target`` asks. ``prompt_targets(model, "causal_lm", tok, ["are", "is"], [text])``
+    """
+    items = _items(target)
+    rows = list(prompts) if kind == "causal_lm" else [None]
+    resolved = [[resolve_target(model, kind, tokenizer, item, prompt=prompt) for item in items] for prompt in rows]
+    ids = torch.tensor([[r.id for r in row] for row in resolved], dtype=torch.long)
+    return (ids if isinstance(target, (list, tuple)) else ids[:, 0]), resolved
 
 
 def target_ids(model: nn.Module, kind: str, tokenizer: Any, target: Target, n_outputs: int) -> torch.Tensor:
@@ -139,13 +246,7 @@ def target_ids(model: nn.Module, kind: str, tokenizer: Any, target: Target, n_ou
         if ids.numel() == 0:
             raise ValueError("the target tensor is empty: give at least one label id per row")
     else:
-        items = [target] if isinstance(target, str) or _integer(target) is not None else target
-        if isinstance(items, (bool, float)) or not isinstance(items, Sequence):
-            raise ValueError(f"target={target!r}: use 'predicted', an int id, a token or label string, a list of "
-                             "them, or a tensor of ids")
-        if not items:
-            raise ValueError("target list is empty: give at least one label or token")
-        ids = torch.tensor([[resolve_target_id(model, kind, tokenizer, item, n_outputs) for item in items]])
+        ids = torch.tensor([[resolve_target_id(model, kind, tokenizer, item, n_outputs) for item in _items(target)]])
     _check_range(ids, n_outputs)
     return ids
 

@@ -17,13 +17,16 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from ..method.scores import norm_spread
 from ..method.select import layer_index, order, rankable
+from .tokens import visible
 
 __all__ = ["Attribution", "FORMAT_VERSION"]
 
 FORMAT_VERSION = 1
 _TENSORS = ("normxlogit", "logat", "embed_norm", "target", "mask", "position", "example")
-_OPTIONAL_TENSORS = ("special",)  # absent from files written before it existed
+_OPTIONAL_TENSORS = ("special", "input_ids", "probability")  # absent from files written before they existed
+_OPTIONAL_HEADER = ("readable", "target_text")  # the same; a reader that predates them ignores them
 
 
 @dataclass
@@ -44,6 +47,11 @@ class Attribution:
     tokens: list[list[str]] | None = None  #: token strings per row, when a tokenizer was given
     meta: dict[str, Any] = field(default_factory=dict)  #: model_type, head kind, embedding, ...
     special: torch.Tensor | None = None  #: bool (rows, seq), True on the tokenizer's special tokens (when known)
+    input_ids: torch.Tensor | None = None  #: int64 (rows, seq): the token ids of each row (when the forward had ids)
+    readable: list[list[str]] | None = None  #: each token's text as people read it ('␣Paris', '↵'; records.tokens)
+    probability: torch.Tensor | None = None  #: float32, shaped like ``target``: the model's softmax probability of
+    #: each explained target at the prediction position (None for regression)
+    target_text: list[list[str]] | None = None  #: (rows, k): each explained target as people read it
 
     def layer(self, layer: int) -> torch.Tensor:
         """NormXLogit at one layer (negative counts from the end): ``res.layer(-1)`` -> (rows, seq[, k])."""
@@ -66,7 +74,8 @@ class Attribution:
     def top(
         self, k: int = 5, layer: int = -1, row: int = 0, label: int = 0, *, all_positions: bool = False
     ) -> list[tuple[int, str, float]]:
-        """The k highest-scoring tokens of one row by signed NormXLogit: [(position, token, score)].
+        """The k highest-scoring tokens of one row by signed NormXLogit: [(position, text, score)], the text as
+        :meth:`token_labels` shows it ('␣Paris').
 
         Padding, the prediction position and special tokens are left out unless ``all_positions``; NaN ranks last.
         """
@@ -74,8 +83,49 @@ class Attribution:
         if scores.dim() == 2:
             scores = scores[:, label]
         best = order(scores, self.rankable(row, all_positions=all_positions))[:k]
-        names = self.tokens[row] if self.tokens else [str(i) for i in range(scores.numel())]
+        names = self.token_labels(row)
         return [(int(i), names[int(i)], float(scores[i])) for i in best]
+
+    def token_labels(self, row: int = 0) -> list[str]:
+        """How each token of a row is shown: its readable text ('␣Paris'), else its piece made visible (files
+        written before readable texts existed), else its position."""
+        if self.readable:
+            return list(self.readable[row])
+        if self.tokens:
+            return [visible(piece) for piece in self.tokens[row]]
+        return [str(i) for i in range(self.mask.shape[-1])]
+
+    def target_info(self, row: int = 0) -> list[dict[str, Any]]:
+        """Each explained target of a row: ``[{"id", "text", "probability"}, ...]`` (text and probability None
+        where unknown); notes on how a request was resolved are in ``meta["targets"]``."""
+        ids = self.target[row].reshape(-1).tolist()
+        probs = self.probability[row].reshape(-1).tolist() if self.probability is not None else [None] * len(ids)
+        texts = self.target_text[row] if self.target_text else [None] * len(ids)
+        return [{"id": int(i), "text": t, "probability": p} for i, t, p in zip(ids, texts, probs)]
+
+    def resolution(self, row: int = 0, label: int = 0) -> dict[str, Any] | None:
+        """How the request behind a target was read (``meta["targets"]``, set by :func:`nxl_hooks.explain`): request,
+        id, text, how, tokens, note; None when the targets were ids or the model's own prediction."""
+        rows = self.meta.get("targets") or []
+        if not rows:
+            return None
+        labels = rows[min(row, len(rows) - 1)]  # masked LMs read a request once for every row
+        return labels[label] if label < len(labels) else None
+
+    def target_label(self, row: int = 0, label: int = 0) -> str:
+        """One explained target as every output names it: ``'Paris' -> '␣Paris' (id 7042, p 0.773)`` (the request
+        is shown when it was read as another text)."""
+        info = self.target_info(row)[label]
+        text = info["text"] if info["text"] is not None else str(info["id"])
+        how = self.resolution(row, label)
+        request = how["request"] if how and isinstance(how["request"], str) and how["request"] != text else None
+        prob = "" if info["probability"] is None else f", p {info['probability']:.3g}"
+        return (f"{request!r} -> " if request is not None else "") + f"{text!r} (id {info['id']}{prob})"
+
+    def norm_spread(self, row: int = 0) -> float:
+        """Coefficient of variation of the embedding norms over the tokens of a row that rank; see
+        :func:`nxl_hooks.method.scores.flat_norms` for what a tiny value means."""
+        return norm_spread(self.embed_norm[row], self.rankable(row))
 
     def to_html(self, path: str | Path | None = None, **options: Any) -> str:
         """Self-contained tokens x layers heatmap page; also written to ``path`` when given.
@@ -102,7 +152,8 @@ class Attribution:
         tensors.update({name: getattr(self, name).cpu().contiguous() for name in _OPTIONAL_TENSORS
                         if getattr(self, name) is not None})
         header = {"format": "nxl_hooks.attribution", "version": FORMAT_VERSION, "layers": self.layers,
-                  "tokens": self.tokens, "meta": self.meta}
+                  "tokens": self.tokens, "meta": self.meta,
+                  **{name: getattr(self, name) for name in _OPTIONAL_HEADER if getattr(self, name) is not None}}
         save_file(tensors, str(path), metadata={"nxl_hooks": json.dumps(header)})
         return path
 
@@ -118,4 +169,5 @@ class Attribution:
                 raise ValueError(f"{path} has format version {header['version']}; upgrade nxl_hooks to read it")
             tensors = {name: fh.get_tensor(name) for name in _TENSORS}
             tensors.update({name: fh.get_tensor(name) for name in _OPTIONAL_TENSORS if name in fh.keys()})
-        return cls(**tensors, layers=header["layers"], tokens=header["tokens"], meta=header["meta"])
+        return cls(**tensors, layers=header["layers"], tokens=header["tokens"], meta=header["meta"],
+                   **{name: header[name] for name in _OPTIONAL_HEADER if name in header})

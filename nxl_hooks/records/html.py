@@ -1,20 +1,26 @@
-"""Self-contained HTML: the page parts (heatmap tables, SVG line charts, a page) and an attribution's heatmap.
+"""Self-contained HTML: the page parts (heatmap tables, SVG line charts, a page), an attribution's heatmap and a
+generation's heatmap.
 
     html = attribution_html(res)            # what res.to_html() returns; res._repr_html_() in notebooks
+    html = generation_html(probe.calls[-1]) # generated tokens x context, a layer selector (nxl attribute --generate --html)
     page("title", heatmap(rows, cols, values) + line_chart(xs, series, title=..., x_label=..., y_label=...))
 
-No external assets: styles are inline and plots are inline SVG, so a page opens offline and can be
-mailed as one file. Heatmap cells carry ``data-value`` (the exact score) and a ``title`` tooltip; plot
-points carry ``data-series``, ``data-x`` and ``data-y``.
+No external assets: styles are inline, plots are inline SVG and the generation page's layer selector is a few
+lines of plain inline JavaScript, so a page opens offline and can be mailed as one file. Heatmap cells carry
+``data-value`` (the exact score) and a ``title`` tooltip; plot points carry ``data-series``, ``data-x`` and
+``data-y``. Tokens read as :mod:`nxl_hooks.records.tokens` shows them ('␣Paris', '↵').
 """
 
 from __future__ import annotations
 
 import html
+import json
 import math
 from typing import Any, Mapping, Sequence
 
-__all__ = ["attribution_html", "fmt", "heatmap", "line_chart", "page"]
+from ..method.scores import flat_norms, flat_note
+
+__all__ = ["attribution_html", "fmt", "generation_html", "heatmap", "line_chart", "page"]
 
 _PALETTE = (
     "#1f77b4",
@@ -45,6 +51,8 @@ _STYLE = """
 .nxl .best{font-weight:700}.nxl .flip{color:#b00;font-weight:700}
 .nxl .charts{display:flex;flex-wrap:wrap;gap:18px}.nxl svg text{font-family:inherit}
 .nxl .example{border-left:3px solid #ccc;padding:2px 10px;margin:10px 0}
+.nxl .warn{color:#8a5a00;background:#fff6e0;padding:3px 8px;border-left:3px solid #e0a000}
+.nxl .prompt{font-family:ui-monospace,monospace;white-space:pre-wrap;background:#f6f6f6;padding:4px 8px}
 """
 
 
@@ -214,23 +222,32 @@ def page(title: str, body: str) -> str:
 # -- one attribution -------------------------------------------------------------------------------------
 
 
+def _notes(notes: Sequence[str]) -> str:
+    return "".join(f'<p class="note warn">note: {html.escape(note)}</p>' for note in dict.fromkeys(notes))
+
+
 def _row_section(res: Any, row: int, label: int, method: str) -> str:
     scores = getattr(res, method)[:, row]
     if scores.dim() == 3:
         scores = scores[..., label]
-    target = res.target[row]
-    target = int(target[label] if target.dim() else target)
     keep = [i for i, real in enumerate(res.mask[row].tolist()) if real]
-    names = res.tokens[row] if res.tokens else [str(i) for i in range(scores.shape[-1])]
+    names = res.token_labels(row)
     position = int(res.position[row])
     rows = [f"{i}: {names[i]}" + (" ◀" if i == position else "") for i in keep]
     values = [[float(scores[layer, i]) for layer in range(len(res.layers))] for i in keep]
-    heading = (
-        f"Row {row} (example {int(res.example[row])}) — target {target}, prediction read at position {position} (◀)"
-    )
-    return f"<h3>{html.escape(heading)}</h3>" + heatmap(
-        rows, [f"L{layer}" for layer in res.layers], values, corner="token \\ layer"
-    )
+    heading = (f"Row {row} (example {int(res.example[row])}) — target {res.target_label(row, label)}, prediction read "
+               f"at position {position} (◀)")
+    how = res.resolution(row, label)
+    section = f"<h3>{html.escape(heading)}</h3>" + _notes([how["note"]] if how and how.get("note") else [])
+    section += heatmap(rows, [f"L{layer}" for layer in res.layers], values, corner="token \\ layer")
+    if getattr(res, method).dim() == 4 and getattr(res, method).shape[-1] == 2 and label == 0:
+        contrast = getattr(res, method)[:, row, :, 0] - getattr(res, method)[:, row, :, 1]
+        section += (f"<h3>{html.escape(f'Row {row} — contrast: {method} of {res.target_label(row, 0)} minus ')}"
+                    f"{html.escape(res.target_label(row, 1))}</h3>")
+        section += heatmap(rows, [f"L{layer}" for layer in res.layers],
+                           [[float(contrast[layer, i]) for layer in range(len(res.layers))] for i in keep],
+                           corner="token \\ layer")
+    return section
 
 
 def attribution_html(
@@ -239,7 +256,8 @@ def attribution_html(
     """Tokens x layers heatmap of an :class:`~nxl_hooks.Attribution`, one table per explained row.
 
     ``attribution_html(res, rows=[0], method="logat")``; ``label`` picks the target when several were
-    explained; ``full_page=False`` gives a fragment (with its style) for notebooks.
+    explained (with two, label 0 also shows the contrast label 0 minus label 1); ``full_page=False`` gives a
+    fragment (with its style) for notebooks.
     """
     if method not in ("normxlogit", "logat"):
         raise ValueError(f"method={method!r}: use 'normxlogit' or 'logat'")
@@ -252,11 +270,117 @@ def attribution_html(
     intro = (
         f'<h2>{html.escape(method)} per token and layer</h2><p class="note">{html.escape(str(res.meta.get("model_class", "")))}'
         f" ({html.escape(kind)}). Colour is scaled per layer (column) by its largest |score|: red positive, "
-        "blue negative; the number is the score, hover for more digits.</p>"
+        "blue negative; the number is the score, hover for more digits. Tokens: ␣ a space, ↵ a newline.</p>"
     )
+    spreads = [res.norm_spread(r) for r in chosen]
+    if method == "normxlogit" and any(flat_norms(s) for s in spreads):
+        intro += _notes([flat_note(max(s for s in spreads if flat_norms(s)))])
     if len(chosen) < total:
         intro += f'<p class="note">Showing {len(chosen)} of {total} rows; pick others with rows=[...].</p>'
     body = intro + "".join(_row_section(res, r, label, method) for r in chosen)
     if not full_page:
         return f'<style>{_STYLE}</style><div class="nxl">{body}</div>'
     return page(f"nxl_hooks {method}", body)
+
+
+# -- one generation --------------------------------------------------------------------------------------
+
+# Recolours the table when another layer is picked (or named in the address: page.html#layer=12).
+_GENERATION_SCRIPT = """
+(function () {
+  var data = JSON.parse(document.getElementById("nxl-data").textContent);
+  var select = document.getElementById("nxl-layer");
+  var cells = document.querySelectorAll("#nxl-generation td.nxl-cell");
+  function fmt(v) {
+    if (v === 0 || Math.abs(v) >= 1e-3) { return String(Number(v.toPrecision(3))); }
+    return v.toExponential(1);
+  }
+  function colour(t) {
+    t = Math.max(-1, Math.min(1, t));
+    var base = t >= 0 ? [214, 39, 40] : [31, 119, 180];
+    var rgb = base.map(function (c) { return Math.round(255 + (c - 255) * Math.abs(t)); });
+    return ["rgb(" + rgb.join(",") + ")", Math.abs(t) > 0.6 ? "#fff" : "#222"];
+  }
+  function show(index) {
+    var peaks = data.values.map(function (row) {
+      return row[index].reduce(function (m, v) { return v === null ? m : Math.max(m, Math.abs(v)); }, 0) || 1;
+    });
+    cells.forEach(function (td) {
+      var i = +td.dataset.row, j = +td.dataset.col, v = data.values[i][index][j];
+      if (v === null || v === undefined) { return; }
+      var c = colour(v / peaks[i]);
+      td.dataset.value = String(v);
+      td.textContent = fmt(v);
+      td.style.background = c[0];
+      td.style.color = c[1];
+      td.title = data.rows[i] + " · " + data.columns[j] + ": " + v;
+    });
+    select.value = String(index);
+  }
+  select.addEventListener("change", function () { show(+select.value); });
+  var wanted = /layer=(-?\\d+)/.exec(window.location.hash);
+  if (wanted) {
+    var layer = +wanted[1], index = data.layers.indexOf(layer < 0 ? data.layers[data.layers.length + layer] : layer);
+    if (index >= 0) { show(index); }
+  }
+})();
+"""
+
+
+def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "normxlogit",
+                    title: str = "nxl_hooks generation") -> str:
+    """Self-contained page of one ``generate`` call (a :class:`~nxl_hooks.GenerationCall`): generated tokens (rows) x context tokens (columns), one layer at
+    a time, picked in a selector (the last layer first; ``page.html#layer=N`` opens layer N). Each row is the
+    attribution of that token over everything before it, coloured by the row's largest |score|; blank cells are
+    positions after the token or padding.
+
+    ``generation_html(probe.calls[-1])``; ``row``: which sequence of the batch; ``label``: which fixed target.
+    """
+    if method not in ("normxlogit", "logat"):
+        raise ValueError(f"method={method!r}: use 'normxlogit' or 'logat'")
+    if call.prompt_mask is None or not call.steps:
+        raise ValueError("this generate call has no recorded steps: nothing to show")
+    steps = call.steps
+    if not 0 <= row < steps[0].token.shape[0]:
+        raise ValueError(f"row {row} out of range: this call generated {steps[0].token.shape[0]} sequence(s)")
+    layers = list(steps[0].layers)
+    prompt_len = call.prompt_mask.shape[1]
+    ids = call.prompt_ids[row].tolist() if call.prompt_ids is not None else [None] * prompt_len
+    context = list(call.readable[row]) if call.readable else [str(i) for i in ids]
+    context += [step.readable[row] if step.readable else str(int(step.token[row])) for step in steps]
+    columns = [f"{j}: {name}" for j, name in enumerate(context)]
+    row_names, values, spreads = [], [], []
+    for step in steps:
+        scores = getattr(step, method)[:, row]
+        scores = scores[..., label] if scores.dim() == 3 else scores
+        mask = step.mask[row].tolist()
+        per_layer = [[float(f"{float(v):.6g}") if mask[j] else None for j, v in enumerate(layer_scores.tolist())]
+                     + [None] * (len(context) - len(mask)) for layer_scores in scores]
+        values.append(per_layer)
+        prob = step.probability
+        p = "" if prob is None else f" · p {fmt(float(prob.reshape(prob.shape[0], -1)[row, label]))}"
+        row_names.append(f"{step.step}: {context[step.position]}{p}")
+        attribution = step.to_attribution()
+        spreads.append(attribution.norm_spread(row))
+    last = len(layers) - 1
+    flat = [s for s in spreads if flat_norms(s)]
+    options = "".join(f'<option value="{i}"{" selected" if i == last else ""}>L{layer}</option>'
+                      for i, layer in enumerate(layers))
+    # "<" escaped: a token reading "</script>" must not end the data block
+    data = json.dumps({"layers": layers, "rows": row_names, "columns": columns, "values": values})
+    data = data.replace("<", "\\u003c")
+    body = (
+        f"<h1>{html.escape(title)}</h1>"
+        f'<p class="note">Prompt ({prompt_len} tokens; ␣ a space, ↵ a newline):</p>'
+        f'<p class="prompt">{html.escape(" ".join(context[:prompt_len]))}</p>'
+        + (_notes([flat_note(max(flat))]) if method == "normxlogit" and flat else "")
+        + f'<p><label>layer <select id="nxl-layer">{options}</select></label> '
+        f'<span class="note">{html.escape(method)} of each generated token (row) over its context (columns); '
+        "colour scaled per row by its largest |score|: red positive, blue negative; hover for the value.</span></p>"
+        f'<div id="nxl-generation" style="overflow-x:auto">'
+        + heatmap(row_names, columns, [v[last] for v in values], scale="row", corner="generated \\ context")
+        + "</div>"
+        + f'<script type="application/json" id="nxl-data">{data}</script>'
+        + f"<script>{_GENERATION_SCRIPT}</script>"
+    )
+    return page(title, body)

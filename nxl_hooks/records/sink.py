@@ -69,12 +69,14 @@ class Sink:
         if call.prompt_ids is not None:
             tensors["prompt_ids"] = call.prompt_ids
         self._frame(tensors, {"kind": "call", "call": call.index, "layers": call.layers, "meta": meta,
-                              "request_id": call.request_id, "thread": call.thread})
+                              "request_id": call.request_id, "thread": call.thread, "readable": call.readable})
 
     def write_step(self, step: Step) -> None:
         tensors = {name: getattr(step, name) for name in STEP_TENSORS}
+        if step.probability is not None:
+            tensors["probability"] = step.probability
         self._frame(tensors, {"kind": "step", "call": step.call, "step": step.step, "position": step.position,
-                              "layers": step.layers, "n_blocks": step.n_blocks})
+                              "layers": step.layers, "n_blocks": step.n_blocks, "readable": step.readable})
 
     def write_end(self, call: GenerationCall) -> None:
         tensors = {"sequences": call.sequences} if call.sequences is not None else {}
@@ -121,10 +123,11 @@ def read_stream(path: str | Path, *, request_id: str | None = None) -> list[Gene
         if kind == "call":
             calls[index] = GenerationCall(index=index, layers=header["layers"], prompt_ids=tensors.get("prompt_ids"),
                                           prompt_mask=tensors["prompt_mask"], request_id=header.get("request_id"),
-                                          thread=header.get("thread"))
+                                          thread=header.get("thread"), readable=header.get("readable"))
         elif kind == "step":
             calls[index].steps.append(Step(call=index, step=header["step"], position=header["position"],
                                            layers=header["layers"], n_blocks=header.get("n_blocks"),
+                                           probability=tensors.get("probability"), readable=header.get("readable"),
                                            **{n: tensors[n] for n in STEP_TENSORS}))
         elif kind == "end":
             calls[index].sequences = tensors.get("sequences")

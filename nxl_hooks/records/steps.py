@@ -42,11 +42,16 @@ class Step:
     active: torch.Tensor  #: bool (batch,): False where the row had already finished before this step
     layers: list[int]
     n_blocks: int | None = None  #: the model's block count, for negative layer indices
+    probability: torch.Tensor | None = None  #: float32, shaped like ``target``: the model's own softmax probability
+    #: of each explained id at this step (before any logits processor or sampling temperature)
+    readable: list[str] | None = None  #: (batch,) the emitted token of each row as people read it ('␣Paris')
 
-    def to_attribution(self, tokens: list[list[str]] | None = None, special: torch.Tensor | None = None) -> Attribution:
+    def to_attribution(self, tokens: list[list[str]] | None = None, special: torch.Tensor | None = None,
+                       readable: list[list[str]] | None = None) -> Attribution:
         """This step as an :class:`Attribution` (prediction position = ``position - 1``), e.g. for ``.top()``.
 
-        ``tokens`` / ``special``: the context's token strings and special-token flags per row, when known."""
+        ``tokens`` / ``special`` / ``readable``: the context's token pieces, special-token flags and readable texts
+        per row, when known."""
         batch = self.token.shape[0]
         return Attribution(
             normxlogit=self.normxlogit,
@@ -60,6 +65,10 @@ class Step:
             tokens=tokens,
             meta={"call": self.call, "step": self.step, "n_blocks": self.n_blocks},
             special=special,
+            readable=readable,
+            probability=self.probability,
+            target_text=[[text] for text in self.readable] if self.readable and self.target.dim() == 1
+            and torch.equal(self.target, self.token) else None,
         )
 
 
@@ -72,6 +81,7 @@ class GenerationCall:
     layers: list[int]
     prompt_ids: torch.Tensor | None = None  #: int64 (batch, prompt_len) as the first forward saw it
     prompt_mask: torch.Tensor | None = None  #: bool (batch, prompt_len)
+    readable: list[list[str]] | None = None  #: the prompt's tokens as people read them, per row (with a tokenizer)
     steps: list[Step] = field(default_factory=list)  #: empty with attach(keep_steps=False)
     sequences: torch.Tensor | None = None  #: generate's output ids, set when the call returned
     complete: bool = False  #: True once generate returned normally (or, read from disk, its end frame exists)

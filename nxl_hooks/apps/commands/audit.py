@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 from typing import Any, Mapping
 
-from ..options import add_dataset_options, parse_layers, positive_int
+from ..loading import QUANTIZE
+
+from ..options import add_dataset_options, add_loading_options, loading_options, parse_layers, positive_int
 
 NAME = "audit"
 
@@ -19,34 +21,22 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="Attribute REFERENCE and CANDIDATE on DATA and compare token by token and layer by layer: "
         "Spearman, Kendall, top-k overlap, prediction agreement, per-layer drift (JSON + HTML report).",
     )
-    parser.add_argument("--reference", required=True, metavar="MODEL", help="the reference model (folder or hub id)")
-    parser.add_argument("--candidate", metavar="MODEL", help="the model to compare (same tokenizer)")
-    parser.add_argument("--quantize", choices=("4bit", "fp4", "8bit"),
+    parser.add_argument("--reference", required=True, metavar="MODEL",
+                        help="the reference model (folder, hub id or .gguf file; --gguf-file names a file inside it)")
+    parser.add_argument("--candidate", metavar="MODEL",
+                        help="the model to compare (same tokenizer): a folder, hub id or .gguf file")
+    parser.add_argument("--quantize", choices=QUANTIZE,
                         help="instead of --candidate: the reference loaded with bitsandbytes (4bit = nf4)")
     add_dataset_options(parser)
+    add_loading_options(parser)
     parser.add_argument("--layers", type=parse_layers, default="all", help="all (default) | last | comma list")
     parser.add_argument("--top-k", type=positive_int, default=5, help="k of the top-k overlap (default 5)")
     return parser
 
 
-def quantization(mode: str) -> Any:
-    """The bitsandbytes config of ``--quantize``: 4bit (nf4), fp4 or 8bit."""
-    import torch
-    from transformers import BitsAndBytesConfig
-
-    if mode == "8bit":
-        return BitsAndBytesConfig(load_in_8bit=True)
-    if mode in ("4bit", "fp4"):
-        return BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="fp4" if mode == "fp4" else "nf4",
-            bnb_4bit_compute_dtype=torch.float32,
-        )
-    raise ValueError(f"--quantize {mode!r}: use 4bit (nf4), fp4 or 8bit")
-
-
 def run(args: argparse.Namespace) -> int:
     from ...eval.audit import aggregate, audit_example
+    from ...records.tokens import chat_text
     from ..dataset import examples_from_args, place, run_dataset, write_outputs
     from ..loading import load_model
     from ..reports import audit_report
@@ -55,6 +45,10 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             "give exactly one of --candidate MODEL or --quantize 4bit|8bit (the candidate built from --reference)"
         )
+    loading = loading_options(args)
+    if args.quantize is not None and loading["quantize"] is not None:
+        raise ValueError("--quantize builds the candidate from an unquantized reference: drop --load-in-8bit / "
+                         "--load-in-4bit (or compare two saved models with --candidate)")
     examples, settings = examples_from_args(args)
     settings.update(
         command=NAME,
@@ -63,19 +57,22 @@ def run(args: argparse.Namespace) -> int:
         quantize=args.quantize,
         layers=args.layers,
         top_k=args.top_k,
+        loading={**loading, "chat": args.chat},
     )
-    reference, tokenizer = load_model(args.reference, head=args.head)
+    reference, tokenizer = load_model(args.reference, **loading)
     if args.candidate is not None:
-        candidate, candidate_tokenizer = load_model(args.candidate, head=args.head)
+        candidate, candidate_tokenizer = load_model(args.candidate, **{**loading, "gguf_file": None})
         if candidate_tokenizer.get_vocab() != tokenizer.get_vocab():
             raise ValueError(
                 "the candidate's tokenizer differs from the reference's: the audit compares token by token, "
                 "so both models must share one tokenizer"
             )
     else:
-        candidate, _ = load_model(args.reference, head=args.head, quantization_config=quantization(args.quantize))
+        candidate, _ = load_model(args.reference, **{**loading, "quantize": args.quantize})
     place(reference)
     place(candidate)
+    if args.chat:  # each text becomes the user's message; evidence words are looked for in the whole prompt
+        examples = [{**example, "text": chat_text(tokenizer, example["text"])} for example in examples]
 
     def score(example: Mapping[str, Any]) -> Mapping[str, Any]:
         return audit_example(reference, candidate, tokenizer, example, layers=args.layers, top_k=args.top_k)

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from ...demo.task import HELD_OUT_SEED, NEGATIVE, POSITIVE, make_examples
     from ...hooks.probe import explain
     from ..loading import load_model
-    from .attribute import show
+    from ..terminal import show_attribution
 
     model, tokenizer = load_model(str(MODEL_DIR))
     keywords = set(POSITIVE) | set(NEGATIVE)
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     console.print(Text("sentence: ", style="bold") + Text(text) + Text(f"   evidence: {text.split()[index]!r}"))
     res = explain(model, tokenizer, text, layers="all")
-    show(res, model, tokenizer, console)
+    show_attribution(res, console)
     positions = _word_positions(tokenizer([text], return_token_type_ids=False), 0)
     ranks = evidence_ranks(res, 0, positions[index])
     n_ranked = int(res.rankable(0).sum())

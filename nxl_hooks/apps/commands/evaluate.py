@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Mapping
 
-from ..options import add_dataset_options, positive_int
+from ..options import add_dataset_options, add_loading_options, loading_options, positive_int
 
 NAME = "evaluate"
 
@@ -19,8 +19,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="AOPC comprehensiveness / sufficiency and per-layer evidence alignment of every method on "
         "DATA. Runs unchanged under `accelerate launch --num_processes N -m nxl_hooks evaluate ...`.",
     )
-    parser.add_argument("model", metavar="MODEL", help="a local model folder or a hub id")
+    parser.add_argument("model", metavar="MODEL", help="a local model folder, a hub id or a .gguf file")
     add_dataset_options(parser)
+    add_loading_options(parser)
     parser.add_argument("--methods", default="all", help="comma list of methods, or all (default)")
     parser.add_argument("--layer", type=int, default=-1, help="layer whose scores rank tokens for AOPC (default -1)")
     parser.add_argument("--perturbation", choices=("auto", "mask", "delete"), default="auto",
@@ -34,6 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from ...eval import faithfulness as ev
+    from ...records.tokens import chat_text
     from ..dataset import examples_from_args, place, run_dataset, write_outputs
     from ..loading import load_model
     from ..reports import evaluate_report
@@ -45,9 +47,11 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise ValueError(f"--methods: unknown {unknown}; choose from {', '.join(ev.DEFAULT_METHODS)} (or 'all')")
     examples, settings = examples_from_args(args)
+    loading = loading_options(args)
     settings.update(
         command=NAME,
         model=args.model,
+        loading={**loading, "chat": args.chat},
         methods=methods,
         layer=args.layer,
         seed=args.seed,
@@ -55,8 +59,10 @@ def run(args: argparse.Namespace) -> int:
         ig_steps=args.ig_steps,
         gradient_aggregation=args.gradient_aggregation,
     )
-    model, tokenizer = load_model(args.model, head=args.head)
+    model, tokenizer = load_model(args.model, **loading)
     place(model)
+    if args.chat:  # each text becomes the user's message; evidence words are looked for in the whole prompt
+        examples = [{**example, "text": chat_text(tokenizer, example["text"])} for example in examples]
 
     def score(example: Mapping[str, Any]) -> Mapping[str, Any]:
         return ev.score_example(model, tokenizer, example, methods, layer=args.layer, seed=args.seed,

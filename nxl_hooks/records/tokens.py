@@ -1,0 +1,187 @@
+"""Tokens as people read them: the one place that turns a token id into the text every output shows.
+
+    readable(tok, 7042)                 # '␣Paris'   (SmolLM2: the piece is 'ĠParis', the text ' Paris')
+    readable_ids(tok, [504, 198])       # ['The', '↵']
+    visible(" a\\tb\\n")                  # '␣a⇥b↵'
+
+A token's text is what it adds to a decoded string (``tokenizer.decode`` of the single id), not its vocabulary
+piece ('ĠParis', '▁Paris', 'Ċ'). Whitespace and invisible characters are shown the same way everywhere (terminal,
+HTML, JSON records, saved files, stream frames):
+
+========================  =====================================================================
+``␣`` (U+2423)            a space at the start or end of a token (' Paris' -> '␣Paris'; '  ' -> '␣␣');
+                          spaces inside a token stay spaces
+``↵`` (U+21B5)            a newline ('\\n\\n' -> '↵↵')
+``⇥`` (U+21E5)            a tab
+``␍`` (U+240D)            a carriage return
+``\\x1b``, ``\\u202e``      any other control or format character (ANSI escape codes, bidi overrides,
+                          zero-width characters): never sent raw to a terminal
+``\\xf0\\x9f``              a byte-level token holding part of a UTF-8 character (it decodes to '�')
+``∅``                     a token that decodes to nothing
+========================  =====================================================================
+
+The raw pieces (``Attribution.tokens``) and ids (``Attribution.input_ids``) stay available; these strings are
+for reading. A text that happens to contain these glyphs itself reads the same as their meaning.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from functools import lru_cache
+from typing import Any, Sequence
+
+from ..method.select import ResolvedTarget
+
+__all__ = ["EMPTY", "describe_target", "NEWLINE", "SPACE", "TAB", "chat_text", "label_text", "readable", "readable_ids",
+           "readable_rows", "target_texts", "token_text", "visible"]
+
+SPACE = "␣"
+NEWLINE = "↵"
+TAB = "⇥"
+EMPTY = "∅"
+_GLYPHS = {"\n": NEWLINE, "\t": TAB, "\r": "␍"}
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
+
+
+@lru_cache(maxsize=1)
+def _byte_of() -> dict[str, int]:
+    """GPT-2's byte-level alphabet reversed (piece character -> byte), as every byte-level BPE tokenizer uses."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+def _escape(char: str) -> str:
+    code = ord(char)
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
+
+
+def visible(text: str) -> str:
+    """``text`` with edge spaces, newlines, tabs and invisible characters shown (the table in the module doc).
+
+    ``visible(" Paris") == "␣Paris"``, ``visible("\\x1b[31m") == "\\\\x1b[31m"``.
+    """
+    if not text:
+        return EMPTY
+    core = text.strip(" ")
+    if not core:
+        return SPACE * len(text)
+    start = len(text) - len(text.lstrip(" "))
+    end = len(text) - len(text.rstrip(" "))
+    out = []
+    for char in core:
+        if char in _GLYPHS:
+            out.append(_GLYPHS[char])
+        elif unicodedata.category(char) in ("Cc", "Cf", "Zl", "Zp", "Cs"):
+            out.append(_escape(char))
+        else:
+            out.append(char)
+    return SPACE * start + "".join(out) + SPACE * end
+
+
+def _undecodable(piece: str) -> str | None:
+    """The bytes of a piece that is only part of a UTF-8 character, as ``\\xf0\\x9f``; None when not known."""
+    byte = _BYTE_PIECE.fullmatch(piece)
+    if byte:
+        return "\\x" + byte.group(1).lower()
+    table = _byte_of()
+    if piece and all(char in table for char in piece):
+        return "".join(f"\\x{table[char]:02x}" for char in piece)
+    return None
+
+
+def token_text(tokenizer: Any, token: int) -> str:
+    """The exact text one token id adds to a decoded string: ``token_text(tok, 7042) == " Paris"``."""
+    return _texts(tokenizer, [token])[0][0]
+
+
+def _texts(tokenizer: Any, ids: Sequence[int]) -> list[tuple[str, str | None]]:
+    """(decoded text, piece) of each id; one call into the tokenizer for all of them."""
+    ids = [int(i) for i in ids]
+    texts = tokenizer.batch_decode([[i] for i in ids], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    pieces = tokenizer.convert_ids_to_tokens(ids)
+    out = []
+    for text, piece in zip(texts, pieces):
+        # SentencePiece decoders drop the space of a sequence's first '▁' token, and one token is always first.
+        if isinstance(piece, str) and piece.startswith("▁") and not text.startswith(" "):
+            text = " " + text
+        out.append((text, piece if isinstance(piece, str) else None))
+    return out
+
+
+def readable_ids(tokenizer: Any, ids: Sequence[int]) -> list[str]:
+    """The readable text of each token id (see the module doc): ``readable_ids(tok, [504, 7042]) == ["The", "␣Paris"]``."""
+    out = []
+    for text, piece in _texts(tokenizer, ids):
+        if "\ufffd" in text and piece is not None and "\ufffd" not in piece:
+            # a byte-level or byte-fallback piece holding part of a character
+            out.append(_undecodable(piece) or visible(piece))
+        else:
+            out.append(visible(text))
+    return out
+
+
+def readable(tokenizer: Any, token: int) -> str:
+    """The readable text of one token id, as every output shows it: ``readable(tok, 198) == "↵"``."""
+    return readable_ids(tokenizer, [token])[0]
+
+
+def readable_rows(tokenizer: Any, ids: Any) -> list[list[str]] | None:
+    """:func:`readable_ids` of each row of a (rows, seq) id tensor; None without a tokenizer or ids."""
+    if tokenizer is None or ids is None:
+        return None
+    return [readable_ids(tokenizer, row) for row in ids.tolist()]
+
+
+def label_text(tokenizer: Any, id2label: dict | None, kind: str, label: int) -> str:
+    """A target id as people read it: a classifier's label name, an LM's readable token (else the id)."""
+    if kind in ("sequence_classification", "regression"):
+        return visible(str((id2label or {}).get(label, label)))
+    return readable(tokenizer, label) if tokenizer is not None else str(label)
+
+
+def target_texts(tokenizer: Any, config: Any, kind: str, targets: Any) -> list[list[str]] | None:
+    """:func:`label_text` of each explained id, (rows,) or (rows, k) ids -> rows x k strings; None for regression and
+    for an LM without a tokenizer."""
+    if kind == "regression" or (tokenizer is None and kind not in ("sequence_classification",)):
+        return None
+    id2label = getattr(config, "id2label", None)
+    return [[label_text(tokenizer, id2label, kind, label) for label in row]
+            for row in targets.reshape(targets.shape[0], -1).tolist()]
+
+
+def describe_target(tokenizer: Any, config: Any, kind: str, resolved: ResolvedTarget) -> dict[str, Any]:
+    """How a requested target was read, JSON-able (``Attribution.meta["targets"]``): request, id, text, how, the
+    request's tokens and their texts, and a note when only the first of several tokens is explained."""
+    texts = [label_text(tokenizer, getattr(config, "id2label", None), kind, token) for token in resolved.tokens]
+    note = None
+    if resolved.partial:
+        note = (f"{resolved.request!r} is {len(texts)} tokens here ({' '.join(texts)}): only the first, {texts[0]}, "
+                "is explained")
+    return {"request": resolved.request, "id": resolved.id, "text": texts[0], "how": resolved.how,
+            "tokens": list(resolved.tokens), "texts": texts, "note": note}
+
+
+def chat_text(tokenizer: Any, text: str) -> str:
+    """``text`` as the one user message of the tokenizer's chat template, followed by the assistant's turn
+    (``add_generation_prompt``), ready to tokenize as usual: when the tokenizer adds its BOS token itself, the
+    template's own leading BOS is left out, so it is not there twice. ValueError without a template.
+
+    ``chat_text(tok, "What is the capital of France?")``
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this tokenizer has no chat template (tokenizer.chat_template is empty): drop --chat, or "
+                         "write the prompt in the model's own format")
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                             tokenize=False)
+    bos, added = tokenizer.bos_token, tokenizer("", add_special_tokens=True)["input_ids"]
+    if bos and rendered.startswith(bos) and added[:1] == [tokenizer.bos_token_id]:
+        rendered = rendered[len(bos):]
+    return rendered

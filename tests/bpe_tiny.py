@@ -1,0 +1,116 @@
+"""A tiny byte-level BPE world for the readable-token tests: a tokenizer trained here on a few sentences (so 'Ġ'
+pieces, newline tokens and words that are one token with and without a leading space appear, as in real
+checkpoints), tiny Llama models over it, a chat template, and a GGUF file written from such a model.
+
+    tok = bpe_tokenizer(); model = bpe_llama(tok)
+    folder = save_bpe(tmp_path / "bpe")                 # model + tokenizer, loadable by the CLI
+    gguf = write_gguf(tmp_path / "tiny.gguf", model, tok)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SENTENCES = [
+    "The capital of France is Paris.\nThe capital of Italy is Rome.",
+    "Paris is a city. Rome is a city. London is a city.",
+    "The keys to the cabinet are on the table.\n\nThe key to the cabinets is on the table.",
+    "They are here and it is there; we are what we are, and it is what it is.",
+    "the film was very good and the plot was great",
+]
+LAYERS = 3
+
+
+def bpe_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE (GPT-2 style, no prefix space) trained on :data:`SENTENCES`, with a ChatML template."""
+    backend = Tokenizer(models.BPE())
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    backend.train_from_iterator(SENTENCES * 20, trainer)
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
+                                  unk_token="<|endoftext|>", pad_token="<|im_end|>")
+    tok.chat_template = CHAT_TEMPLATE
+    return tok
+
+
+def bpe_llama(tok: PreTrainedTokenizerFast, seed: int = 0, layers: int = LAYERS, **config) -> LlamaForCausalLM:
+    """A random tiny Llama causal LM over ``tok``'s vocabulary (tied embeddings, as SmolLM2)."""
+    torch.manual_seed(seed)
+    settings = dict(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=layers,
+                    num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True, bos_token_id=1,
+                    eos_token_id=2, pad_token_id=2, max_position_embeddings=256)
+    model = LlamaForCausalLM(LlamaConfig(**{**settings, **config})).eval()
+    model.generation_config.eos_token_id = None  # random weights: generate the number of tokens asked for
+    return model
+
+
+def save_bpe(path: Path, model: LlamaForCausalLM | None = None, tok: PreTrainedTokenizerFast | None = None) -> Path:
+    tok = tok or bpe_tokenizer()
+    (model or bpe_llama(tok)).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    # llama.cpp stores q/k rows interleaved for its rotary layout; transformers' GGUF loader undoes exactly this.
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_gguf(path: Path, model: LlamaForCausalLM, tok: PreTrainedTokenizerFast) -> Path:
+    """``model`` and ``tok`` as a float32 GGUF file (llama architecture, gpt2 tokenizer, chat template)."""
+    import gguf
+
+    cfg = model.config
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
+    writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    vocab = tok.get_vocab()
+    pieces = sorted(vocab, key=vocab.get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(pieces)
+    merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
+    writer.add_token_types([3 if piece in SPECIALS else 1 for piece in pieces])
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    writer.add_pad_token_id(cfg.pad_token_id)
+    writer.add_unk_token_id(0)
+    writer.add_chat_template(CHAT_TEMPLATE)
+    sd = {name: value.detach().float().numpy() for name, value in model.state_dict().items()}
+    writer.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
+    writer.add_tensor("output_norm.weight", sd["model.norm.weight"])
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        names = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+                 "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
+                 "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
+        for short, long in names.items():
+            writer.add_tensor(f"blk.{i}.{short}.weight", sd[p + long + ".weight"])
+        writer.add_tensor(f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], cfg.num_attention_heads))
+        writer.add_tensor(f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], cfg.num_key_value_heads))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path

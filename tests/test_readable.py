@@ -1,0 +1,219 @@
+"""Tokens and targets as people read and write them: readable token texts in every record, targets read after the
+prompt (' Paris' for "Paris"), each target's probability, and the note when the embedding norms are flat.
+
+A byte-level BPE tokenizer trained in tests/bpe_tiny.py gives real 'Ġ' pieces, newline tokens and words that are
+one token with and without a leading space. Numbers are checked against the oracle (the model's own logits and
+``output_hidden_states=True`` with the head by hand).
+"""
+
+import json
+import unicodedata
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from transformers import PreTrainedTokenizerFast
+
+import bpe_tiny
+import nxl_hooks as nxl
+import oracle
+import tiny
+from nxl_hooks.apps.options import parse_target
+from nxl_hooks.records.tokens import chat_text, readable, readable_ids, visible
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return bpe_tiny.bpe_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    return bpe_tiny.bpe_llama(tok)
+
+
+def piece_id(tok, piece: str) -> int:
+    return tok.convert_tokens_to_ids(piece)
+
+
+def oracle_scores(model, tok, text: str, ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(NormXLogit (L+1, seq, k), the model's own softmax probability (k,)) of ``ids`` after ``text``."""
+    enc = tok(text, return_tensors="pt")
+    with torch.no_grad():
+        out = model(**enc, output_hidden_states=True)
+    logits = oracle.llama(model).layer_logits(out.hidden_states)
+    scores = torch.stack([oracle.normxlogit(logits, out.hidden_states[0], torch.tensor([i]))[1][:, 0] for i in ids], -1)
+    return scores, out.logits[0, -1].softmax(-1)[ids]
+
+
+def test_visible_marks_edge_spaces_newlines_and_invisible_characters():
+    assert visible(" Paris") == "␣Paris" and visible("  ") == "␣␣" and visible(" a b ") == "␣a b␣"
+    assert visible("\n\n") == "↵↵" and visible("\t") == "⇥" and visible("") == "∅"
+    assert visible("\x1b[31mred") == "\\x1b[31mred"  # an ANSI escape never reaches a terminal raw
+    assert visible("\u202eevil") == "\\u202eevil" and visible("a\u200bb") == "a\\u200bb"
+
+
+def test_readable_tokens_of_a_byte_level_bpe(tok):
+    ids = tok("The capital of France is Paris.\nThe 😀 a\x1bb")["input_ids"]
+    assert tok.convert_ids_to_tokens(ids)[:8] == ["The", "Ġcapital", "Ġof", "ĠFrance", "Ġis", "ĠParis", ".", "Ċ"]
+    emoji = [f"\\x{byte:02x}" for byte in "😀".encode()]  # not in the training text: one token per byte
+    assert readable_ids(tok, ids) == ["The", "␣capital", "␣of", "␣France", "␣is", "␣Paris", ".", "↵", "The", "␣",
+                                      *emoji, "␣a", "\\x1b", "b"]
+    assert readable(tok, piece_id(tok, "ĠParis")) == "␣Paris" and readable(tok, piece_id(tok, "Paris")) == "Paris"
+    every = readable_ids(tok, range(len(tok)))  # no control or format character in any token's text
+    assert not [t for t in every if any(unicodedata.category(c) in ("Cc", "Cf") for c in t)]
+
+
+def test_sentencepiece_pieces_keep_their_space_when_decoded_alone():
+    backend = Tokenizer(models.WordLevel({"▁Paris": 0, "Paris": 1, "<unk>": 2, "<0x0A>": 3}, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Strip(" ", 1, 0)])
+    sp = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    assert sp.decode([0]) == "Paris"  # the decoder drops a first token's space...
+    assert readable_ids(sp, [0, 1, 3]) == ["␣Paris", "Paris", "↵"]  # ...the readable text keeps it
+
+
+def test_word_targets_are_the_token_the_model_would_emit_after_the_prompt(model, tok):
+    paris, bare = piece_id(tok, "ĠParis"), piece_id(tok, "Paris")
+    assert paris != bare
+    for request in ("Paris", " Paris", "ĠParis", paris):
+        res = nxl.explain(model, tok, PROMPT, target=request)
+        assert int(res.target[0]) == paris and res.target_text == [["␣Paris"]], request
+    after_newline = nxl.explain(model, tok, "The capital of France is\n", target="Paris")
+    assert int(after_newline.target[0]) == bare  # no space is added after whitespace
+    period = nxl.explain(model, tok, PROMPT + " Paris", target=".")
+    assert int(period.target[0]) == piece_id(tok, ".")  # nor before punctuation
+    res = nxl.explain(model, tok, PROMPT, target=parse_target(" are, is"), layers="all")
+    are, is_ = piece_id(tok, "Ġare"), piece_id(tok, "Ġis")
+    assert res.target.tolist() == [[are, is_]] and res.target_text == [["␣are", "␣is"]]
+    expected, probability = oracle_scores(model, tok, PROMPT, [are, is_])
+    torch.testing.assert_close(res.normxlogit[:, 0], expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(res.probability[0], probability, rtol=1e-4, atol=1e-7)
+    assert res.target_label(0, 0) == f"' are' -> '␣are' (id {are}, p {float(probability[0]):.3g})"
+
+
+def test_a_word_of_several_tokens_explains_the_first_and_says_so(model, tok):
+    res = nxl.explain(model, tok, PROMPT, target="Parisians")
+    assert tok.convert_ids_to_tokens(res.meta["targets"][0][0]["tokens"])[0] == "ĠParis"
+    assert int(res.target[0]) == piece_id(tok, "ĠParis")
+    note = res.meta["targets"][0][0]["note"]
+    assert "'Parisians' is 4 tokens here" in note and "only the first, ␣Paris, is explained" in note
+    with pytest.raises(ValueError, match="attach explains one token"):
+        nxl.attach(model, tokenizer=tok, target="Parisians")
+
+
+def test_classifier_probability_is_the_label_softmax():
+    model, tok = tiny.build_model("bert", 0), tiny.tokenizer()
+    res = nxl.explain(model, tok, ["the film was good", "bad plot"], target=["LABEL_1", " LABEL_0"])
+    enc = tok(["the film was good", "bad plot"], return_tensors="pt", padding=True)
+    with torch.no_grad():
+        expected = model(**enc).logits.softmax(-1)[:, [1, 0]]
+    torch.testing.assert_close(res.probability, expected, rtol=1e-4, atol=1e-7)
+    assert res.target_text == [["LABEL_1", "LABEL_0"]] * 2
+    assert res.readable[0][:3] == ["[CLS]", "the", "film"]
+
+
+def test_generate_steps_carry_probability_and_readable_tokens(model, tok, tmp_path):
+    enc = tok(PROMPT, return_tensors="pt")
+    with nxl.attach(model, tokenizer=tok, layers=[-1], sink=tmp_path / "run.nxl") as probe:
+        out = model.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=2)
+    call = probe.calls[0]
+    assert call.readable == [readable_ids(tok, enc["input_ids"][0])]
+    for step in call.steps:
+        with torch.no_grad():  # the model's own distribution over the whole prefix, without a cache
+            expected = model(out[:, : step.position]).logits[0, -1].softmax(-1)[step.token]
+        torch.testing.assert_close(step.probability, expected, rtol=1e-4, atol=1e-7)
+        assert step.readable == [readable(tok, int(step.token[0]))]
+    (back,) = nxl.read_stream(tmp_path / "run.nxl")  # the stream file keeps both
+    assert back.readable == call.readable
+    for kept, read in zip(call.steps, back.steps):
+        assert read.readable == kept.readable and torch.equal(read.probability, kept.probability)
+
+
+def test_saved_files_keep_texts_and_old_files_still_load(model, tok, tmp_path):
+    res = nxl.explain(model, tok, PROMPT + "\n", target="Paris")
+    back = nxl.Attribution.load(res.save(tmp_path / "a.safetensors"))
+    assert back.readable == res.readable and back.readable[0][-1] == "↵" and back.target_text == res.target_text
+    assert torch.equal(back.input_ids, res.input_ids) and torch.equal(back.probability, res.probability)
+    assert back.meta["targets"] == res.meta["targets"]
+    # A file written before these fields: same tensors and header, without them.
+    header = {"format": "nxl_hooks.attribution", "version": 1, "layers": res.layers, "tokens": res.tokens,
+              "meta": {"head_kind": "causal_lm"}}
+    tensors = {name: getattr(res, name).contiguous() for name in
+               ("normxlogit", "logat", "embed_norm", "target", "mask", "position", "example")}
+    save_file(tensors, str(tmp_path / "old.safetensors"), metadata={"nxl_hooks": json.dumps(header)})
+    old = nxl.Attribution.load(tmp_path / "old.safetensors")
+    assert old.readable is None and old.probability is None and old.input_ids is None
+    assert old.token_labels(0)[-1] == "Ċ" and old.target_info(0) == [
+        {"id": int(res.target[0]), "text": None, "probability": None}]
+
+
+def test_chat_text_uses_the_template_and_never_doubles_bos(tok):
+    text = chat_text(tok, "What is the capital of France?")
+    assert text == "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
+    with pytest.raises(ValueError, match="has no chat template"):
+        chat_text(tiny.tokenizer(), "hi")
+    from tokenizers import processors
+
+    bos_tok = bpe_tiny.bpe_tokenizer()  # a tokenizer that adds its BOS itself, with a template that starts with it
+    bos_tok.bos_token = "<|endoftext|>"
+    bos_tok.backend_tokenizer.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
+                                                                              special_tokens=[("<|endoftext|>", 0)])
+    bos_tok.chat_template = "<|endoftext|>" + bpe_tiny.CHAT_TEMPLATE
+    turns = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert bos_tok(chat_text(bos_tok, "hi"))["input_ids"] == [0] + bos_tok(turns, add_special_tokens=False)["input_ids"]
+
+
+def test_flat_embedding_norms_are_said_once_and_rank_as_logat(tok, tmp_path):
+    from rich.console import Console
+
+    from nxl_hooks.apps.terminal import show_attribution
+    from nxl_hooks.eval import faithfulness as ev
+    from nxl_hooks.method.select import order
+
+    flat = bpe_tiny.bpe_llama(tok, seed=1)
+    with torch.no_grad():  # every embedding row scaled to the same norm, as models that normalize them
+        weight = flat.model.embed_tokens.weight
+        weight.mul_(3.0 / weight.norm(dim=-1, keepdim=True).clamp_min(1e-6))  # the pad row stays zero
+    res = nxl.explain(flat, tok, PROMPT + " a city")
+    assert res.norm_spread(0) < 1e-3
+    eligible = res.rankable(0)
+    for layer in range(len(res.layers)):
+        assert torch.equal(order(res.normxlogit[layer, 0], eligible), order(res.logat[layer, 0], eligible))
+    console = Console(record=True, width=100)
+    show_attribution(res, console)
+    assert " ".join(console.export_text().split()).count("NormXLogit ranks tokens exactly as LogAt does") == 1
+    assert res.to_html().count("NormXLogit ranks tokens exactly as LogAt does") == 1
+    record = ev.score_example(flat, tok, {"text": PROMPT, "target": "Paris"}, methods=["normxlogit"])
+    assert record["flat_norms"] and record["norm_spread"] < 1e-3
+    assert ev.aggregate([record, record])["flat_norms"] == 2
+
+    plain = nxl.explain(bpe_tiny.bpe_llama(tok, seed=1), tok, PROMPT + " a city")  # the same model, unscaled
+    assert plain.norm_spread(0) > 1e-2
+    console = Console(record=True, width=100)
+    show_attribution(plain, console)
+    assert "LogAt does" not in console.export_text() and "LogAt does" not in plain.to_html()
+
+
+def test_evaluate_and_audit_records_read_targets_after_the_text(model, tok):
+    from nxl_hooks.eval import audit
+    from nxl_hooks.eval import faithfulness as ev
+
+    example = {"text": PROMPT, "target": "Paris", "foil": "London"}
+    record = ev.score_example(model, tok, example, methods=["normxlogit", "contrastive"])
+    paris, london = piece_id(tok, "ĠParis"), piece_id(tok, "ĠLondon")
+    _, probability = oracle_scores(model, tok, PROMPT, [paris, london])
+    assert (record["target"], record["foil"]) == (paris, london)
+    assert (record["target_text"], record["foil_text"]) == ("␣Paris", "␣London")
+    assert record["target_probability"] == pytest.approx(float(probability[0]), rel=1e-4)
+    assert record["foil_probability"] == pytest.approx(float(probability[1]), rel=1e-4)
+    assert record["readable"] == readable_ids(tok, tok(PROMPT)["input_ids"]) and record["notes"] == []
+    split = ev.score_example(model, tok, {"text": PROMPT, "target": "Parisians"}, methods=["normxlogit"])
+    assert split["target"] == paris and "only the first, ␣Paris, is explained" in split["notes"][0]
+    rec = audit.audit_example(model, model, tok, {"text": PROMPT, "target": "Paris"})
+    assert rec["target"] == paris and rec["target_text"] == "␣Paris" and rec["readable"][-1] == "␣is"
+    predicted = int(torch.argmax(model(**tok(PROMPT, return_tensors="pt")).logits[0, -1]))
+    assert rec["reference_prediction_text"] == readable(tok, predicted) == rec["candidate_prediction_text"]

@@ -1,0 +1,104 @@
+"""Terminal views fit the console: any number of layers and tokens at 80 and 120 columns, never a cell of '…', and
+one short line per generated token. Printed numbers are checked against the oracle."""
+
+import re
+
+import pytest
+import torch
+from rich.console import Console
+
+import bpe_tiny
+import oracle
+import nxl_hooks as nxl
+from nxl_hooks.apps.terminal import print_generation, render_table
+from nxl_hooks.records.tokens import readable_ids
+
+LONG = ("The keys to the cabinet are on the table.\n\nThe key to the cabinets is on the table. "
+        "Paris is a city and Rome is a city; they are what they are.")
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return bpe_tiny.bpe_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def deep(tok):
+    """A 30-block model, like SmolLM2-135M."""
+    return bpe_tiny.bpe_llama(tok, layers=30)
+
+
+def expected_scores(model, ids: torch.Tensor, target: torch.Tensor | None = None) -> torch.Tensor:
+    """Oracle NormXLogit (L+1, seq) after the (1, seq) ``ids`` of ``target`` (default: the model's prediction)."""
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    logits = oracle.llama(model).layer_logits(out.hidden_states)
+    target = out.logits[:, -1].argmax(-1) if target is None else target
+    return oracle.normxlogit(logits, out.hidden_states[0], target)[1][:, 0]
+
+
+def printed(console: Console) -> list[str]:
+    return console.export_text().rstrip("\n").split("\n")
+
+
+@pytest.mark.parametrize("width", [80, 120])
+def test_thirty_layers_and_a_long_text_fit_as_top_tokens_per_layer(deep, tok, width):
+    res = nxl.explain(deep, tok, LONG)
+    console = Console(record=True, width=width)
+    assert render_table(res, console, title="NormXLogit") == "top"
+    lines = printed(console)
+    assert max(len(line) for line in lines) <= width and "…" not in "".join(lines)
+    layer_lines = [line for line in lines if re.match(r"L\d+ ", line)]
+    assert [line.split()[0] for line in layer_lines] == [f"L{layer}" for layer in range(31)]
+    expected = expected_scores(deep, tok(LONG, return_tensors="pt")["input_ids"])
+    names = readable_ids(tok, tok(LONG)["input_ids"])
+    ranked = res.rankable(0)
+    for layer, line in enumerate(layer_lines):
+        entries = re.findall(r"(\d+):(\S+) (\S+)", line)
+        assert len(entries) >= 3  # several tokens per layer fit even at 80 columns
+        scores = expected[layer].masked_fill(~ranked, float("-inf"))
+        best = scores.argsort(descending=True, stable=True)[: len(entries)].tolist()
+        assert [int(position) for position, _, _ in entries] == best
+        assert [name for _, name, _ in entries] == [names[p] for p in best]
+        torch.testing.assert_close(torch.tensor([float(v) for _, _, v in entries]), expected[layer, best],
+                                   rtol=1e-3, atol=1e-5)
+
+
+def test_tables_are_used_when_they_fit(deep, tok):
+    short = nxl.explain(deep, tok, "The capital of France is")
+    console = Console(record=True, width=80)
+    assert render_table(short, console) == "layers"  # 5 tokens x 31 layers: layers as rows
+    lines = printed(console)
+    assert max(len(line) for line in lines) <= 80 and "…" not in "".join(lines)
+    expected = expected_scores(deep, tok("The capital of France is", return_tensors="pt")["input_ids"])
+    rows = {cells[0]: cells[1:] for line in lines if line.startswith("│")
+            for cells in [[c.strip() for c in line.split("│")[1:-1]]]}
+    for layer in range(31):
+        torch.testing.assert_close(torch.tensor([float(c) for c in rows[f"L{layer}"]]), expected[layer],
+                                   rtol=1e-3, atol=1e-5)
+    shallow = bpe_tiny.bpe_llama(tok, layers=3)
+    console = Console(record=True, width=80)
+    assert render_table(nxl.explain(shallow, tok, LONG), console) == "tokens"  # few layers: tokens as rows
+    assert max(len(line) for line in printed(console)) <= 80
+
+
+def test_generate_prints_one_short_line_per_token(deep, tok):
+    console = Console(record=True, width=80)
+    call = print_generation(deep, tok, "The capital of France is", 6, console=console)
+    lines = printed(console)
+    assert len(call.steps) == 6 and len(lines) == 2 + 6  # the prompt, a legend, one line per token
+    assert max(len(line) for line in lines) <= 80
+    sequence = call.sequences
+    with torch.no_grad():  # causal: one forward over the whole sequence holds every prefix's hidden states
+        out = deep(sequence, output_hidden_states=True)
+    logits = oracle.llama(deep).layer_logits(out.hidden_states)[-1, 0]  # the last layer, (seq, vocab)
+    for line, step in zip(lines[2:], call.steps):
+        n = step.position
+        step_number, token, p_label, probability, layer = line.split()[:5]
+        assert (int(step_number), token, p_label, layer) == (step.step, step.readable[0], "p", "L30:")
+        own = out.logits[0, n - 1].softmax(-1)[step.token[0]]
+        assert float(probability) == pytest.approx(float(own), rel=5e-3)  # printed with 3 digits
+        scores = out.hidden_states[0][0, :n].norm(dim=-1) * logits[:n, step.token[0]]
+        top = [int(p) for p in re.findall(r" (\d+):", line.split("L30:")[1])]
+        scores[n - 1] = float("-inf")  # the prediction position does not rank
+        assert top == scores.argsort(descending=True)[: len(top)].tolist()
