@@ -8,8 +8,10 @@ import time
 
 import pytest
 import torch
-from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers import GenerationConfig
 from transformers.generation.continuous_batching import model_runner
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
+from transformers.generation.continuous_batching.requests import RequestState
 
 import nxl_hooks as nxl
 import tiny
@@ -18,11 +20,7 @@ from oracle import check_call
 NEW = 5
 
 
-def _config(**options) -> ContinuousBatchingConfig:
-    # Sized small: the default cache takes ~60% of the machine's memory. A 24-token batch budget chunks long prompts
-    # and packs prefill chunks beside decodes.
-    options = {"num_blocks": 16, "max_batch_tokens": 24, "page_size": 16, **options}
-    return ContinuousBatchingConfig(**options)
+_config = tiny.cb_config
 
 
 def _greedy(new: int = NEW) -> GenerationConfig:
@@ -72,6 +70,11 @@ def _drain(subscription, timeout: float = 60) -> list:
     return got
 
 
+def _wrapped() -> bool:
+    return any(hasattr(method, "__nxl_hook__") for method in (ContinuousBatchProcessor._generation_step,
+                                                                RequestState.update_and_check_completion))
+
+
 def _tokens(outputs: dict) -> dict:
     return {key: (list(out.prompt_ids), list(out.generated_tokens)) for key, out in outputs.items()}
 
@@ -82,10 +85,12 @@ def test_generate_batch_gives_each_request_its_oracle(model):
     layout = _Layout(model)
     try:
         with nxl.attach(model, layers="all") as probe:
+            assert _wrapped()  # transformers' classes are wrapped while a probe is attached, and only then
             out = model.generate_batch(prompts, generation_config=_greedy(), continuous_batching_config=_config())
             assert probe._hub._running == []  # every request's call ended with its request
     finally:
         layout.remove()
+    assert not _wrapped()
     assert _tokens(out) == _tokens(plain)
     calls = {call.request_id: call for call in probe.calls}
     assert sorted(calls) == sorted(out) == [f"req_{i}" for i in range(5)]

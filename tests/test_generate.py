@@ -296,3 +296,25 @@ def test_cli_attribute_generate_streams_and_saves(tmp_path, capsys, monkeypatch)
     bert = tiny.save_model(tmp_path / "bert", "bert")
     assert main(["attribute", str(bert), "the film was", "--generate", "3"]) == 2  # not a causal LM: one-line error
     assert "causal LM" in capsys.readouterr().err
+
+
+def test_keep_calls_bounds_what_a_long_running_probe_holds(model):
+    import gc
+
+    ids = torch.randint(1, VOCAB, (1, 4), generator=torch.Generator().manual_seed(13))
+    seen: list[int] = []
+    with nxl.attach(model, keep_steps=False, keep_calls=10, on_step=lambda step: seen.append(step.call)) as probe:
+        hub = probe._hub
+        abandoned = probe.stream(follow=True)  # a reader that went away without closing its stream
+        del abandoned
+        gc.collect()
+        with probe.stream(follow=True) as closed:  # and one closed by its reader
+            pass
+        assert list(closed) == []
+        for _ in range(300):
+            model.generate(input_ids=ids, max_new_tokens=2, do_sample=False)
+        kept = probe.calls
+        assert len(kept) == 10 and [c.index for c in kept] == list(range(290, 300))
+        assert all(c.complete and c.steps == [] for c in kept)  # keep_steps=False: streamed, not kept
+        assert len(hub._calls) == 10 and hub._running == [] and len(hub._subscribers) == 0
+    assert len(seen) == 600 and seen[-1] == 299  # every step was still published

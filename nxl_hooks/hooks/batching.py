@@ -104,7 +104,8 @@ def _generation_step(original: Callable) -> Callable:
                 if isinstance(step, _Packed):
                     step.abandon("the manager's forward raised")
                 raise
-        _local.pending = step if isinstance(step, _Packed) else None
+        if isinstance(step, _Packed) and step.awaiting:
+            _local.pending = step  # until the manager has handed out this forward's tokens
         return out
 
     return _generation_step
@@ -183,6 +184,7 @@ class _Packed:
         self._batching, self._table, self.segments = batching, table, segments
         self._ids = {segment.request_id for segment in segments}
         self._fed: set[str] = set()
+        self.awaiting = sum(segment.new_token for segment in segments)  #: tokens the manager has yet to hand out
         self.failed = False
 
     def _runs(self) -> list[tuple[_Segment, Run]]:
@@ -227,6 +229,9 @@ class _Packed:
 
     def settle(self, state: Any, token: Any, *, appended: bool, finished: bool) -> None:
         """The manager gave ``token`` to the request of ``state``: its step record; its end if it ``finished``."""
+        self.awaiting -= 1
+        if self.awaiting <= 0:  # the last one: the thread lets go of this step (and of the model through it)
+            _local.pending = None
         run = self._table.get(state.request_id)
         if run is None or state.request_id not in self._ids:
             if finished:
@@ -273,7 +278,7 @@ class Batching:
         self.unfollowed: str | None = None
         self._tables: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
         self._finalizers: list[weakref.finalize] = []
-        self._told: "weakref.WeakSet[Any]" = weakref.WeakSet()  # processors whose skip was logged
+        self._skipped: "weakref.WeakSet[Any]" = weakref.WeakSet()  # processors not followed (said once, in the log)
         self._caches: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()  # cache -> its sharing
         self._lock = threading.RLock()
 
@@ -309,13 +314,13 @@ class Batching:
 
     def open(self, processor: Any) -> Any:
         """The packed step about to run on ``processor``, or ``Generations.UNRECORDED`` (never raises)."""
+        if processor in self._skipped:
+            return Generations.UNRECORDED
         try:
             why = self._unfollowable(processor)
             if why is not None:
-                if processor not in self._told:
-                    self._told.add(processor)
-                    logger.warning("nxl_hooks: continuous-batching requests are not recorded: %s; they run unchanged",
-                                   why)
+                self._skipped.add(processor)
+                logger.warning("nxl_hooks: continuous-batching requests are not recorded: %s; they run unchanged", why)
                 return Generations.UNRECORDED
             table = self._table(processor)
             segments, start = [], 0
@@ -330,7 +335,8 @@ class Batching:
                 start += length
             return _Packed(self, table, segments)
         except Exception as error:  # noqa: BLE001 - never into the manager's loop
-            reason("this continuous-batching step", error)
+            self._skipped.add(processor)  # said once: this manager's requests are not recorded from now on
+            reason("continuous batching on this manager", error)
             return Generations.UNRECORDED
 
     @staticmethod

@@ -128,9 +128,10 @@ class Hub:
         with self._lock:
             if self._keep:
                 call.steps.append(step)
-            for subscriber in list(self._subscribers):
-                if subscriber.wants(call):
-                    subscriber.queue.put(step)
+            if self._subscribers:  # iterating an empty WeakSet is not free, and this runs once per step
+                for subscriber in list(self._subscribers):
+                    if subscriber.wants(call):
+                        subscriber.queue.put(step)
         self._write("write_step", step)
         if self._on_step is not None:
             self._on_step(step)
