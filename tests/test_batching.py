@@ -117,6 +117,7 @@ def test_manager_with_custom_ids_sampling_stream_and_sink(model, tmp_path):
         manager.start()
         try:
             stream = probe.stream(request_id="client-b")
+            following = probe.stream(request_id="client-c", follow=True)
             for request_id, (prompt, new) in requests.items():
                 manager.add_request(prompt, request_id=request_id, max_new_tokens=new)
             results, deadline = {}, time.monotonic() + 60
@@ -125,6 +126,9 @@ def test_manager_with_custom_ids_sampling_stream_and_sink(model, tmp_path):
                 if result is not None and result.is_finished():
                     results[result.request_id] = result
             streamed = _drain(stream)
+            late = _drain(probe.stream(request_id="client-a"))  # it ended already: its kept steps, then the end
+            following.close()  # a follow stream runs until its reader closes it
+            followed = _drain(following)
         finally:
             manager.stop(block=True, timeout=30)
     assert sorted(results) == sorted(requests)
@@ -138,7 +142,8 @@ def test_manager_with_custom_ids_sampling_stream_and_sink(model, tmp_path):
         argmax_differs |= any(int(a) != int(s.token) for a, s in zip(hand_argmax, call.steps))
         assert call.steps[0].normxlogit.shape == (2, 1, len(prompt))
     assert argmax_differs, "sampling at temperature 3 should leave the argmax at least once"
-    assert streamed == calls["client-b"].steps
+    assert streamed == calls["client-b"].steps and followed == calls["client-c"].steps
+    assert late == calls["client-a"].steps
     (read,) = nxl.read_stream(path, request_id="client-b")
     assert read.complete and torch.equal(read.sequences, calls["client-b"].sequences)
     for disk, memory in zip(read.steps, calls["client-b"].steps, strict=True):
@@ -252,3 +257,19 @@ def test_paths_that_cannot_be_followed_log_once_and_run_unchanged(model, path, m
     assert _tokens(out) == _tokens(plain) and probe.calls == []
     (record,) = [r for r in caplog.records if r.name == "nxl_hooks"]
     assert ("4.57.1" if path == "unknown_version" else "CUDA graphs") in record.getMessage()
+
+
+def test_a_raising_on_step_stops_recording_that_request_only(model, caplog):
+    prompts = _prompts((6, 11))
+    plain = model.generate_batch(prompts, generation_config=_greedy(), continuous_batching_config=_config())
+    def on_step(step: nxl.Step) -> None:
+        if step.position == 12:  # req_1's second step (its prompt has 11 tokens, req_0's only 6)
+            raise ValueError("the user's callback failed")
+
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"), nxl.attach(model, on_step=on_step) as probe:
+        out = model.generate_batch(prompts, generation_config=_greedy(), continuous_batching_config=_config())
+    assert _tokens(out) == _tokens(plain)  # the manager's loop never saw the callback's exception
+    by_id = {c.request_id: c for c in probe.calls}
+    assert "callback failed" in by_id["req_1"].error and len(by_id["req_1"].steps) == 2
+    check_call(model, by_id["req_0"], NEW)
+    assert len([r for r in caplog.records if r.name == "nxl_hooks"]) == 1

@@ -3,9 +3,11 @@
 
 - ``probe.calls`` keeps the last ``keep_calls`` calls (all by default) and, unless ``keep_steps=False``, their steps;
 - ``on_step(step)`` runs in the thread that runs ``generate``; an exception it raises is the caller's own and
-  stops that generation;
+  stops that generation (under continuous batching, it stops recording that request: the manager's loop never
+  sees it);
 - a subscription yields the steps of one call (the one running when it was made, else the next to start, or the
-  one of a given request) or, with ``follow``, of every call until the probe detaches;
+  one of a given request, also after it ended) or, with ``follow``, of every call until the probe detaches or the
+  subscription is closed;
 - the sink gets a ``call`` frame when a prompt is known, a ``step`` frame per record and an ``end`` frame.
 
 After the probe detaches, calls still running in other threads finish in memory only: their sink is closed and
