@@ -273,3 +273,17 @@ def test_a_raising_on_step_stops_recording_that_request_only(model, caplog):
     assert "callback failed" in by_id["req_1"].error and len(by_id["req_1"].steps) == 2
     check_call(model, by_id["req_0"], NEW)
     assert len([r for r in caplog.records if r.name == "nxl_hooks"]) == 1
+
+
+def test_a_packed_plain_forward_is_reported_not_misread(model):
+    ids, cumulative = torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([0, 3, 5], dtype=torch.int32)
+    packed = dict(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 0, 1]]), cu_seq_lens_q=cumulative,
+                  cu_seq_lens_k=cumulative, max_length_q=3, max_length_k=3)  # two sequences in one row
+    with torch.no_grad():
+        plain = model(**packed).logits
+        with nxl.attach(model) as probe:
+            model(input_ids=ids[:, :2])
+            attached = model(**packed).logits
+            with pytest.raises(RuntimeError, match="packed several sequences into one row"):
+                probe.result()  # not the previous forward's record, and not one read as a single sequence
+    assert torch.equal(plain, attached)

@@ -125,9 +125,12 @@ class _Recorder:
         """A packed continuous-batching forward that no followed generation step explains: not recorded. Said once
         per probe: as a warning when continuous batching cannot be followed at all, else (a manager's warmup
         forward, which serves no request) as information."""
+        why = self.batching.unfollowed if self.batching is not None else "this model does not generate"
+        self.results.last = RuntimeError(
+            "the last forward packed several sequences into one row (cu_seq_lens_q: continuous batching, or "
+            f"padding-free inputs), which a plain forward's record cannot explain: {why or 'not recorded'}")
         if not self._told_packed:
             self._told_packed = True
-            why = self.batching.unfollowed if self.batching is not None else "this model does not generate"
             logger.log(logging.WARNING if why else logging.INFO, "nxl_hooks: packed continuous-batching forwards "
                        "are not recorded (%s); the requests run unchanged",
                        why or "a forward outside the manager's generation steps, e.g. its warmup")
@@ -483,11 +486,11 @@ def attach(
             raise
         if gens is not None:
             gens.install()
-        if batching is not None:
-            batching.install()
         attachment = _Attachment(handles, gens, batching, hub, backbone)
         probe = Probe(plan, results, hub, attachment)
         _ATTACHED[backbone] = attachment
+    if batching is not None:  # outside the lock: its own lock is never taken inside this one
+        batching.install()
     return probe
 
 
