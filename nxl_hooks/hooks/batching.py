@@ -246,9 +246,13 @@ class _Packed:
             run.fail("this request", error)
         if finished:
             self._table.pop(state.request_id, None)
-            output = state.to_generation_output()
-            _finish(run, torch.tensor([list(output.prompt_ids) + list(output.generated_tokens)], dtype=torch.long),
-                    None)
+            try:
+                output = state.to_generation_output()
+                sequences = torch.tensor([list(output.prompt_ids) + list(output.generated_tokens)], dtype=torch.long)
+            except Exception as error:  # noqa: BLE001
+                run.fail("the end of this request", error)
+                sequences = None
+            _finish(run, sequences, None)
 
 
 def _finish(run: Run, sequences: torch.Tensor | None, error: str | None) -> None:

@@ -451,7 +451,9 @@ def attach(
     - ``tokenizer``: needed for token-string targets, masked LMs and token strings in the result.
     - ``embedding``: "layer_input" (input of block 1, default) or "word" (the raw word-embedding row).
 
-    While ``generate`` runs (causal LMs; see :mod:`nxl_hooks.hooks.generate` and :mod:`nxl_hooks.hooks.publish`):
+    While ``generate`` runs, or continuous batching (``generate_batch``, ``transformers serve
+    --continuous-batching``: one call per request), in any thread (causal LMs; see :mod:`nxl_hooks.hooks.generate`,
+    :mod:`nxl_hooks.hooks.batching` and :mod:`nxl_hooks.hooks.publish`):
 
     - ``on_step``: called with each :class:`~nxl_hooks.Step` as soon as it is complete;
     - ``sink``: a file path (or :class:`~nxl_hooks.Sink`) the records are appended to, crash-safe;
@@ -462,7 +464,8 @@ def attach(
       per selected layer; e.g. ``torch.bfloat16``, ``"cpu"``).
 
     The probe never raises into the model's forward or ``generate``; hooks are removed by :meth:`Probe.detach`,
-    the end of the ``with`` block, :func:`detach_all`, or when the probe is garbage-collected.
+    the end of the ``with`` block, :func:`detach_all`, or when the probe or the model is garbage-collected (the
+    probe holds the model weakly).
     """
     plan = make_plan(unwrap(model), layers=layers, target=target, tokenizer=tokenizer, embedding=embedding)
     backbone = get_path(plan.model, plan.spec.backbone) if plan.spec.backbone else plan.model.base_model
