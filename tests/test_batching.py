@@ -287,3 +287,43 @@ def test_a_packed_plain_forward_is_reported_not_misread(model):
             with pytest.raises(RuntimeError, match="packed several sequences into one row"):
                 probe.result()  # not the previous forward's record, and not one read as a single sequence
     assert torch.equal(plain, attached)
+
+
+def test_detach_while_the_manager_runs_a_request(model, caplog):
+    prompt = _prompts((8,), 8)[0]
+
+    def serve(attach: bool):
+        manager = model.init_continuous_batching(generation_config=_greedy(40), continuous_batching_config=_config())
+        manager.start()
+        try:
+            if not attach:
+                return _serve(manager, "r", prompt, 40), None
+            inside, resume = threading.Event(), threading.Event()
+
+            def on_step(step: nxl.Step) -> None:
+                if step.step == 3:  # hold the manager's thread inside the request while the probe detaches
+                    inside.set()
+                    resume.wait(timeout=60)
+
+            probe = nxl.attach(model, on_step=on_step)
+            manager.add_request(prompt, request_id="r", max_new_tokens=40)
+            assert inside.wait(timeout=60)
+            probe.detach()
+            resume.set()
+            assert not _wrapped()
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                result = manager.get_result(request_id="r", timeout=1)
+                if result is not None and result.is_finished():
+                    return result.generated_tokens, probe
+            raise AssertionError("the request did not finish after the probe detached")
+        finally:
+            manager.stop(block=True, timeout=30)
+
+    plain, _ = serve(attach=False)
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+        tokens, probe = serve(attach=True)
+    assert tokens == plain and len(tokens) == 40
+    (call,) = probe.calls
+    assert not call.complete and "detached" in call.error and [s.step for s in call.steps] == [0, 1, 2, 3]
+    assert [r for r in caplog.records if r.name == "nxl_hooks"] == []
