@@ -136,6 +136,7 @@ class Run:
         self._real: list[torch.Tensor] = []  # per generated position: is its token real (row not finished)?
         self._prompt_ids: list[torch.Tensor] = []
         self._finished: torch.Tensor | None = None
+        self._partial_from: int | None = None  # the first step where some row had finished (None: none yet)
         self._compute_dtype: torch.dtype | None = None
         self._n = self._past = 0
         self._pending = False
@@ -218,6 +219,8 @@ class Run:
     def _real_mask(self, mask: torch.Tensor, past: int, new: int) -> torch.Tensor:
         """``mask`` with generated positions whose token a finished row only padded switched off."""
         first_generated = max(self._prompt_len, past)
+        if self._partial_from is None or past + new - self._prompt_len <= self._partial_from:
+            return mask  # every row was still running at those steps: nothing to switch off
         if first_generated < past + new and self._real:
             real = torch.stack(self._real[first_generated - self._prompt_len: past + new - self._prompt_len], dim=1)
             mask = mask.clone()
@@ -266,6 +269,8 @@ class Run:
         self._real.append(active)
         if self._eos.numel():
             self._finished = self._finished | torch.isin(token, self._eos.to(token.device))
+            if self._partial_from is None and bool(self._finished.any()):
+                self._partial_from = len(self._real)  # from the next step on, some rows only pad
         self._pending = False
         self._hub.publish(self.call, step)
 

@@ -115,6 +115,8 @@ class _Recorder:
         return captures[-1] if captures else None
 
     def _arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        if not args and self._var_keyword not in kwargs:  # keywords only, as task models call their backbone:
+            return dict(kwargs)  # binding would give the same names, once flattened
         arguments = self._signature.bind_partial(*args, **kwargs).arguments
         extra = arguments.pop(self._var_keyword, None) if self._var_keyword else None
         if extra:
@@ -200,7 +202,7 @@ class _Recorder:
             hidden = (args[0] if args else kwargs["hidden_states"]).detach()
             with torch.no_grad():
                 if self.plan.embedding == "layer_input":
-                    capture.embed_norm = hidden.float().norm(dim=-1)
+                    capture.embed_norm = torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float32)
                 if 0 in self._wanted:
                     capture.hidden[0] = hidden
         except Exception as error:  # noqa: BLE001
@@ -216,7 +218,7 @@ class _Recorder:
             rows = output.detach().float()
             if scale is not None:
                 rows = rows / scale.to(rows.device).float()
-            capture.embed_norm = rows.norm(dim=-1)
+            capture.embed_norm = torch.linalg.vector_norm(rows, dim=-1)
         except Exception as error:  # noqa: BLE001
             self._fail("this forward", error)
 
