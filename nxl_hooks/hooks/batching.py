@@ -280,6 +280,7 @@ class Batching:
     def __init__(self, gens: Generations) -> None:
         self.gens, self.plan = gens, gens.plan
         self.unfollowed: str | None = None
+        self._uninstalled = False
         self._tables: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
         self._finalizers: list[weakref.finalize] = []
         self._skipped: "weakref.WeakSet[Any]" = weakref.WeakSet()  # processors not followed (said once, in the log)
@@ -291,6 +292,8 @@ class Batching:
         if classes is None:
             return
         with _LOCK:
+            if self._uninstalled:  # the probe detached (another thread's detach_all) before it got here
+                return
             if not _INSTALLED:
                 _install(classes)
             _FOLLOWED[self.plan.model] = weakref.ref(self)
@@ -299,6 +302,7 @@ class Batching:
         """Stop following: the model's requests pass straight through from the next forward; prefix sharing comes
         back; the requests in flight end incomplete (their calls are marked by the hub's close)."""
         with _LOCK:
+            self._uninstalled = True
             if _followed(self.plan.model) is self:
                 del _FOLLOWED[self.plan.model]
             if not _FOLLOWED:
