@@ -301,8 +301,9 @@ class Batching:
     def uninstall(self) -> None:
         """Stop following: the model's requests pass straight through from the next forward; prefix sharing comes
         back; the requests in flight end incomplete (their calls are marked by the hub's close)."""
-        with _LOCK:
+        with _LOCK, self._lock:
             self._uninstalled = True
+        with _LOCK:
             if _followed(self.plan.model) is self:
                 del _FOLLOWED[self.plan.model]
             if not _FOLLOWED:
@@ -331,6 +332,8 @@ class Batching:
                 logger.warning("nxl_hooks: continuous-batching requests are not recorded: %s; they run unchanged", why)
                 return Generations.UNRECORDED
             table = self._table(processor)
+            if table is None:  # detached meanwhile
+                return Generations.UNRECORDED
             segments, start = [], 0
             for future in processor.inputs_and_outputs.requests_in_batch:
                 state, length = future.state, future.query_length
@@ -356,9 +359,12 @@ class Batching:
                     "`transformers serve --no-cb-use-cuda-graph`, lets the probe follow it)")
         return None
 
-    def _table(self, processor: Any) -> dict[str, Any]:
-        """``processor``'s runs by request id; first time: prefix sharing off, and a sweep when it goes."""
+    def _table(self, processor: Any) -> dict[str, Any] | None:
+        """``processor``'s runs by request id (None once detached); first time: prefix sharing off, and a sweep
+        when it goes."""
         with self._lock:
+            if self._uninstalled:  # checked under the lock uninstall restores prefix sharing with
+                return None
             table = self._tables.get(processor)
             if table is None:
                 table = self._tables[processor] = {}
