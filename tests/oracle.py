@@ -262,3 +262,32 @@ def prefix_logits(model, hand: HandHead, ids: torch.Tensor, mask: torch.Tensor) 
         out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, output_hidden_states=True,
                     use_cache=False)
     return hand.layer_logits(out.hidden_states), out.hidden_states[0]
+
+
+def full_mask(call) -> torch.Tensor:
+    """The attention mask generate used for a recorded call: the prompt's, then ones for every generated position."""
+    new = call.sequences.shape[1] - call.prompt_mask.shape[1]
+    return torch.cat([call.prompt_mask, torch.ones(call.prompt_mask.shape[0], new, dtype=torch.bool)], dim=1)
+
+
+def check_call(model, call, new_tokens: int, hand: HandHead | None = None) -> list[torch.Tensor]:
+    """Every step record of a finished generation ``call`` (prompt_mask, sequences, steps) equals the no-cache oracle
+    (:func:`prefix_logits` of its own output up to that step), at the layers the call says it holds; returns the
+    oracle's own argmax per step."""
+    hand, sequences, attention = hand or llama(model), call.sequences, full_mask(call)
+    prompt_len = call.prompt_mask.shape[1]
+    assert call.complete and len(call.steps) == new_tokens == sequences.shape[1] - prompt_len
+    argmaxes = []
+    for index, step in enumerate(call.steps):
+        n = step.position
+        assert (step.step, n) == (index, prompt_len + index)
+        torch.testing.assert_close(step.token, sequences[:, n])  # the emitted token, the last one included
+        torch.testing.assert_close(step.target, step.token)
+        logits, embeddings = prefix_logits(model, hand, sequences[:, :n], attention[:, :n])
+        logat, expected = (values[call.layers] for values in normxlogit(logits, embeddings, step.token))
+        real = attention[:, :n].expand_as(step.logat)
+        torch.testing.assert_close(step.logat[real], logat[real], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(step.normxlogit[real], expected[real], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(step.embed_norm[attention[:, :n]], embeddings.norm(dim=-1)[attention[:, :n]])
+        argmaxes.append(logits[-1, :, -1].argmax(-1))
+    return argmaxes

@@ -1,5 +1,7 @@
 """Attach and detach leave the model as it was; bad input gets an error that says what to do."""
 
+import logging
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -176,3 +178,94 @@ def test_target_tensors(model, ids):
     with pytest.raises(ValueError, match="got shape"):
         nxl.attach(model, target=torch.zeros(1, 1, 1, dtype=torch.long))
     assert _hook_count(model) == 0
+
+
+class _Planted(RuntimeError):
+    """An internal failure planted in the probe's own code."""
+
+
+def _host_run(model, path: str):
+    """What the host program gets from one use of ``model`` on ``path``: outputs to compare bit for bit, and how
+    many recorded calls it makes (forwards, generate calls, requests)."""
+    from transformers import GenerationConfig, pipeline
+
+    import tiny
+
+    ids = torch.tensor([[5, 6, 7, 8], [9, 5, 10, 11]])
+    if path == "forward":
+        with torch.no_grad():
+            return [model(input_ids=ids).logits, model(input_ids=ids[:1, :3]).logits], 2
+    if path == "generate":
+        return [model.generate(input_ids=ids, max_new_tokens=3, do_sample=False),
+                model.generate(input_ids=ids[:1], max_new_tokens=2, do_sample=False)], 2
+    if path == "pipeline":
+        generator = pipeline("text-generation", model=model, tokenizer=word_tokenizer(WORDS))
+        return [generator("the cat sat", max_new_tokens=3, do_sample=False)[0]["generated_text"]], 1
+    config = GenerationConfig(do_sample=False, max_new_tokens=3, eos_token_id=-1, pad_token_id=0)
+    out = model.generate_batch([[5, 6, 7], [8, 9, 10, 11, 5, 6], [7, 7]], generation_config=config,
+                               continuous_batching_config=tiny.cb_config())
+    return [{key: value.generated_tokens for key, value in out.items()}], 3
+
+
+@pytest.mark.parametrize("site", ["plan", "head"])
+@pytest.mark.parametrize("path", ["forward", "generate", "pipeline", "batching"])
+def test_an_internal_failure_never_reaches_the_host(model, path, site, monkeypatch, caplog):
+    from nxl_hooks.hooks.plan import Plan
+    from nxl_hooks.method.head import Head, Readout
+
+    model.generation_config.pad_token_id = 0
+    plain, calls = _host_run(model, path)
+
+    def planted(*args, **kwargs):
+        raise _Planted("planted failure")
+
+    if site == "plan":  # every path turns LogAt into NormXLogit here
+        monkeypatch.setattr(Plan, "scores", planted)
+    else:  # the head: its gathered readout for a forward, its features for generation steps
+        monkeypatch.setattr(*(Readout, "explain") if path == "forward" else (Head, "features"), planted)
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"), nxl.attach(model) as probe:
+        attached, _ = _host_run(model, path)
+        if path == "forward":
+            with pytest.raises(_Planted, match="planted failure"):
+                probe.result()  # the reason, for this thread's last forward
+    for before, after in zip(plain, attached, strict=True):
+        assert torch.equal(before, after) if isinstance(before, torch.Tensor) else before == after
+    lines = [r.getMessage() for r in caplog.records if r.name == "nxl_hooks"]
+    assert len(lines) == calls and all("planted failure" in line for line in lines)  # one line per failed call
+    if path != "forward":
+        assert len(probe.calls) == calls
+        assert all(not c.complete and c.error == "planted failure" for c in probe.calls)
+    assert _hook_count(model) == 0
+
+
+def test_a_model_dropped_while_attached_is_freed_and_its_sink_closed(tmp_path):
+    import gc
+    import weakref
+
+    from transformers import GenerationConfig
+
+    import tiny
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
+    model = LlamaForCausalLM(config).eval()
+    sink = nxl.Sink(tmp_path / "dropped.nxl")
+    probe = nxl.attach(model, sink=sink, keep_calls=4)
+    model(input_ids=torch.tensor([[5, 6, 7]]))
+    model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
+    batch = model.generate_batch([[5, 6], [7, 8, 9]], generation_config=GenerationConfig(
+        do_sample=False, max_new_tokens=2, eos_token_id=-1), continuous_batching_config=tiny.cb_config())
+    freed = weakref.ref(model)
+    del model
+    gc.collect()
+    assert freed() is None, "the probe kept the model alive"
+    assert not probe.attached  # it detached when the model went
+    with pytest.raises(RuntimeError, match="is closed"):
+        sink.write_end(probe.calls[0])
+    calls = nxl.read_stream(tmp_path / "dropped.nxl")
+    assert [(c.complete, len(c.steps)) for c in calls] == [(True, 2)] * 3  # the records stay, in memory and on disk
+    assert sorted(c.request_id for c in calls[1:]) == sorted(batch)
+    assert probe.result().normxlogit.shape == (3, 1, 3) and probe.describe()["model_class"] == "LlamaForCausalLM"
+    with pytest.raises(RuntimeError, match="has been freed"):
+        probe.model

@@ -16,7 +16,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import nxl_hooks as nxl
 from nxl_hooks.method import head as nxl_head
-from oracle import HandHead, llama, normxlogit, prefix_logits, rms_norm
+from oracle import HandHead, check_call, llama, normxlogit, prefix_logits, rms_norm
 
 VOCAB, PAD = 100, 0
 CONFIG = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
@@ -36,33 +36,6 @@ def model() -> LlamaForCausalLM:
     return _model()
 
 
-def _full_mask(call: nxl.GenerationCall) -> torch.Tensor:
-    """The attention mask generate used: the prompt's, then ones for every generated position."""
-    new = call.sequences.shape[1] - call.prompt_mask.shape[1]
-    return torch.cat([call.prompt_mask, torch.ones(call.prompt_mask.shape[0], new, dtype=torch.bool)], dim=1)
-
-
-def _check_call(model, call: nxl.GenerationCall, new_tokens: int, hand=None) -> list[torch.Tensor]:
-    """Every step of ``call`` equals the no-cache oracle; returns the oracle's own argmax per step."""
-    hand, sequences, attention = hand or llama(model), call.sequences, _full_mask(call)
-    prompt_len = call.prompt_mask.shape[1]
-    assert call.complete and len(call.steps) == new_tokens == sequences.shape[1] - prompt_len
-    argmaxes = []
-    for index, step in enumerate(call.steps):
-        n = step.position
-        assert (step.step, n) == (index, prompt_len + index)
-        torch.testing.assert_close(step.token, sequences[:, n])  # the emitted token, the last one included
-        torch.testing.assert_close(step.target, step.token)
-        logits, embeddings = prefix_logits(model, hand, sequences[:, :n], attention[:, :n])
-        logat, expected = normxlogit(logits, embeddings, step.token)
-        real = attention[:, :n].expand_as(step.logat)
-        torch.testing.assert_close(step.logat[real], logat[real], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(step.normxlogit[real], expected[real], rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(step.embed_norm[attention[:, :n]], embeddings.norm(dim=-1)[attention[:, :n]])
-        argmaxes.append(logits[-1, :, -1].argmax(-1))
-    return argmaxes
-
-
 def test_greedy_every_step_matches_oracle_and_output_unchanged(model):
     ids = torch.randint(1, VOCAB, (1, 7), generator=torch.Generator().manual_seed(1))
     plain = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
@@ -70,7 +43,7 @@ def test_greedy_every_step_matches_oracle_and_output_unchanged(model):
         out = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
     torch.testing.assert_close(out, plain, rtol=0, atol=0)
     assert "generate" not in vars(model)  # the wrapper is gone after detach
-    argmaxes = _check_call(model, probe.calls[0], 6)
+    argmaxes = check_call(model, probe.calls[0], 6)
     assert all(torch.equal(a, s.token) for a, s in zip(argmaxes, probe.steps))
     assert probe.steps[0].normxlogit.shape == (4, 1, 7) and probe.steps[-1].normxlogit.shape == (4, 1, 12)
     assert all(step.mask.all() and step.active.all() for step in probe.steps)
@@ -109,7 +82,7 @@ def test_left_padded_batch_with_early_eos(model):
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
                              eos_token_id=eos)
     call = probe.calls[0]
-    _check_call(model, call, out.shape[1] - 6)
+    check_call(model, call, out.shape[1] - 6)
     for step in call.steps:
         assert not step.mask[0, :2].any() and step.mask[1].all()  # left pads masked; row 1 always real
         assert bool(step.active[0]) == (step.step <= s)  # row 0 is active up to and including its EOS
@@ -138,8 +111,8 @@ def test_streamer_and_two_calls_grouped(model):
         model.generate(input_ids=first, max_new_tokens=3, do_sample=False, streamer=streamer)
         model.generate(input_ids=second, max_new_tokens=5, do_sample=False)
     assert [c.index for c in probe.calls] == [0, 1] and probe.steps is probe.calls[1].steps
-    _check_call(model, probe.calls[0], 3)
-    _check_call(model, probe.calls[1], 5)
+    check_call(model, probe.calls[0], 3)
+    check_call(model, probe.calls[1], 5)
     streamed = torch.cat([p.view(-1) for p in streamer.puts[1:-1]])  # puts: prompt, each token, end
     assert streamed.tolist() == [int(s.token) for s in probe.calls[0].steps]
     assert all(s.call == 1 for s in probe.steps)
@@ -149,7 +122,7 @@ def test_no_cache_generate_and_lower_precision_cache(model):
     ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(7))
     with nxl.attach(model) as probe:
         model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, use_cache=False)
-    _check_call(model, probe.calls[0], 4)
+    check_call(model, probe.calls[0], 4)
     with nxl.attach(model, cache_dtype=torch.bfloat16, cache_device="cpu") as low:
         model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
     for exact, rough in zip(probe.steps, low.steps):
@@ -281,7 +254,7 @@ def test_pipeline_and_peft_generate_reach_the_probe(monkeypatch):
     model.generation_config.eos_token_id = None
     with nxl.attach(model, tokenizer=tokenizer) as probe:
         pipeline("text-generation", model=model, tokenizer=tokenizer)("the film was", max_new_tokens=3, do_sample=False)
-    _check_call(model, probe.calls[0], 3)
+    check_call(model, probe.calls[0], 3)
     # LoRA on lm_head too: a readout that is called, not gathered (in chunks of 5 positions here)
     peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj", "lm_head"],
                                                   init_lora_weights=False))
@@ -290,7 +263,7 @@ def test_pipeline_and_peft_generate_reach_the_probe(monkeypatch):
     with nxl.attach(peft_model) as probe:
         peft_model.generate(**enc, max_new_tokens=3, do_sample=False)
     base = peft_model.get_base_model()  # the oracle runs the LoRA-adjusted blocks and calls the LoRA lm_head
-    _check_call(base, probe.calls[0], 3, hand=HandHead(rms_norm(base.model.norm), base.lm_head, last_is_normed=True))
+    check_call(base, probe.calls[0], 3, hand=HandHead(rms_norm(base.model.norm), base.lm_head, last_is_normed=True))
 
 
 def test_fixed_targets_add_a_label_axis_at_every_step(model):
@@ -323,3 +296,25 @@ def test_cli_attribute_generate_streams_and_saves(tmp_path, capsys, monkeypatch)
     bert = tiny.save_model(tmp_path / "bert", "bert")
     assert main(["attribute", str(bert), "the film was", "--generate", "3"]) == 2  # not a causal LM: one-line error
     assert "causal LM" in capsys.readouterr().err
+
+
+def test_keep_calls_bounds_what_a_long_running_probe_holds(model):
+    import gc
+
+    ids = torch.randint(1, VOCAB, (1, 4), generator=torch.Generator().manual_seed(13))
+    seen: list[int] = []
+    with nxl.attach(model, keep_steps=False, keep_calls=10, on_step=lambda step: seen.append(step.call)) as probe:
+        hub = probe._hub
+        abandoned = probe.stream(follow=True)  # a reader that went away without closing its stream
+        del abandoned
+        gc.collect()
+        with probe.stream(follow=True) as closed:  # and one closed by its reader
+            pass
+        assert list(closed) == []
+        for _ in range(300):
+            model.generate(input_ids=ids, max_new_tokens=2, do_sample=False)
+        kept = probe.calls
+        assert len(kept) == 10 and [c.index for c in kept] == list(range(290, 300))
+        assert all(c.complete and c.steps == [] for c in kept)  # keep_steps=False: streamed, not kept
+        assert len(hub._calls) == 10 and hub._running == [] and len(hub._subscribers) == 0
+    assert len(seen) == 600 and seen[-1] == 299  # every step was still published

@@ -2,6 +2,7 @@
 small datasets, and an HTML element reader.
 
     path = save_model(tmp_path / "bert", "bert")       # a folder load_model / the CLI can read
+    model.generate_batch(prompts, continuous_batching_config=cb_config())   # a small paged cache
     data = write_jsonl(tmp_path / "data.jsonl", 6)
     cells = elements(page, "td", "nxl-cell")           # [{"tag": "td", "data-value": "0.25", ...}, ...]
 """
@@ -75,6 +76,14 @@ def build_model(kind: str, seed: int = 0) -> torch.nn.Module:
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig(**_SIZES, num_key_value_heads=2)).eval()
     raise ValueError(kind)
+
+
+def cb_config(**options):
+    """A ContinuousBatchingConfig sized for tests: the default cache takes ~60% of the machine's memory. A 24-token
+    batch budget chunks long prompts and packs prefill chunks beside decodes."""
+    from transformers import ContinuousBatchingConfig
+
+    return ContinuousBatchingConfig(**{"num_blocks": 16, "max_batch_tokens": 24, "page_size": 16, **options})
 
 
 def save_model(path: Path, kind: str, seed: int = 0, model: torch.nn.Module | None = None) -> Path:

@@ -38,11 +38,12 @@ are independent sequences.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import threading
 import uuid
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -54,7 +55,7 @@ from .guard import reason
 from .plan import Plan
 from .publish import Hub
 
-__all__ = ["REQUEST_ID", "Generations", "Run"]
+__all__ = ["REQUEST_ID", "Generations", "Run", "stacked_features"]
 
 #: The request the current context serves; a server integration sets it (``X-Request-ID``), else calls get an id.
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("nxl_hooks_request_id", default=None)
@@ -108,9 +109,22 @@ def unsupported(model: nn.Module, kwargs: dict) -> str | None:
     return None
 
 
+def stacked_features(plan: Plan, capture: Capture) -> torch.Tensor:
+    """Every selected layer of a forward as head features, (batch, seq, len(layers), d'), in one head call (one-token
+    decoding steps would pay the head's overhead per layer). Under a device_map the layers meet on the last selected
+    block's device (one position per step moves)."""
+    layers = plan.layers
+    device = capture.hidden[layers[-1]].device
+    return plan.head.features(torch.stack([capture.hidden[layer].to(device) for layer in layers], dim=2))
+
+
 class Run:
-    """One recorded sequence batch: its feature cache and its pending step. ``generate`` makes one per call; the
-    probe's hooks feed it each forward (:meth:`before_forward`, :meth:`after_forward`)."""
+    """One recorded sequence batch: its feature cache and its pending step.
+
+    ``generate`` makes one per call, fed by the probe's hooks (:meth:`before_forward`, :meth:`after_forward`); under
+    continuous batching (:mod:`.batching`) each request has one, fed its slice of every packed forward
+    (:meth:`feed`) and given each token the manager samples for it (:meth:`emit`).
+    """
 
     def __init__(self, plan: Plan, hub: Hub, call: GenerationCall, *, prompt_len: int | None, eos: Any,
                  cache_dtype: torch.dtype | None, cache_device: torch.device | None) -> None:
@@ -123,18 +137,24 @@ class Run:
         self._real: list[torch.Tensor] = []  # per generated position: is its token real (row not finished)?
         self._prompt_ids: list[torch.Tensor] = []
         self._finished: torch.Tensor | None = None
+        self._partial_from: int | None = None  # the first step where some row had finished (None: none yet)
         self._compute_dtype: torch.dtype | None = None
         self._n = self._past = 0
         self._pending = False
         self._log_probs: torch.Tensor | None = None  # the model's own log-softmax at the last position of the last forward
         self.failed = False
 
+    @property
+    def length(self) -> int:
+        """How many positions of the sequence the run holds (the next token's position)."""
+        return self._n
+
     def fail(self, what: str, error: BaseException) -> None:
         """Stop recording this call (the generation itself goes on)."""
         self.failed = True
         self.call.error = self.call.error or reason(what, error)
 
-    # -- fed by the probe's hooks ------------------------------------------------------------------------
+    # -- fed by the probe's hooks under generate ---------------------------------------------------------
 
     def before_forward(self, bound: dict) -> None:
         """Check the forward continues what the run holds; complete the pending step with its first token."""
@@ -155,35 +175,20 @@ class Run:
             if ids is None:
                 raise RuntimeError("generate fed embeddings instead of token ids while decoding: cannot tell the "
                                    "emitted token; pass input_ids to generate")
-            self._emit(ids[:, n - past])
+            self.emit(ids[:, n - past])
         self._past = past
 
     def after_forward(self, capture: Capture) -> None:
         """Append this forward's features; its last position's prediction is the next pending step."""
         new = capture.shape[1]
-        for cache in (self._features, self._embed, self._mask):
-            cache.truncate(self._past)
-        layers = self._plan.layers
-        # One head call turns every layer into features (one-token decoding steps would pay the head's overhead
-        # per layer). Under a device_map they meet on the last selected block's device (one position per step moves).
-        device = capture.hidden[layers[-1]].device
-        features = self._plan.head.features(torch.stack([capture.hidden[layer].to(device) for layer in layers],
-                                                        dim=2))
-        self._compute_dtype = features.dtype
-        self._features.append(features.to(device=self._cache_device or features.device,
-                                          dtype=self._cache_dtype or features.dtype))
-        self._embed.append(capture.embed_norm)
-        self._mask.append(self._new_mask(capture, new))
         if self._prompt_len is None:  # generate started from its bos token, not a prompt we were shown
             self._prompt_len = new
-        self._n = self._past + new
-        if self.call.prompt_mask is None:  # still in the prefill (which may come in chunks)
-            if capture.input_ids is not None:
-                self._prompt_ids.append(capture.input_ids[:, : self._prompt_len - self._past])
-            if self._n >= self._prompt_len:
-                ids = torch.cat(self._prompt_ids, dim=1).cpu() if self._prompt_ids else None
-                self.call.readable = readable_rows(self._plan.tokenizer, ids)
-                self._hub.prompt(self.call, ids, self._mask.view()[:, : self._prompt_len].cpu(), self._plan.describe())
+        attention = capture.attention_mask
+        if attention is not None and attention.dim() == 2:
+            mask = attention[:, -new:].bool()
+        else:  # generate drops an all-ones mask
+            mask = torch.ones(capture.shape[0], new, dtype=torch.bool, device=capture.embed_norm.device)
+        self.feed(self._past, stacked_features(self._plan, capture), capture.embed_norm, mask, capture.input_ids)
         self._pending = self._n >= self._prompt_len
 
     def after_task(self, output: Any) -> None:
@@ -192,36 +197,64 @@ class Run:
         usable = isinstance(logits, torch.Tensor) and logits.dim() == 3 and logits.shape[-1] == self._plan.head.n_outputs
         self._log_probs = logits[:, -1].float().log_softmax(-1) if usable else None
 
-    def _new_mask(self, capture: Capture, new: int) -> torch.Tensor:
-        attention = capture.attention_mask
-        if attention is not None and attention.dim() == 2:
-            mask = attention[:, -new:].bool()
-        else:  # generate drops an all-ones mask
-            mask = torch.ones(capture.shape[0], new, dtype=torch.bool, device=capture.embed_norm.device)
-        first_generated = max(self._prompt_len or new, self._past)
-        if first_generated < self._past + new and self._real:
-            real = torch.stack(self._real[first_generated - self._prompt_len:], dim=1).to(mask.device)
+    # -- shared by generate and continuous batching ------------------------------------------------------
+
+    def feed(self, past: int, features: torch.Tensor, embed_norm: torch.Tensor, mask: torch.Tensor,
+             input_ids: torch.Tensor | None) -> None:
+        """Positions ``past`` .. ``past + new - 1`` of the sequence: their head features (batch, new, layers, d'),
+        embedding norms and attention mask (batch, new), and token ids (for the prompt; None for embeddings).
+        Positions from ``past`` on are replaced (a forward that recomputes them); none may be skipped."""
+        if past > self._n:
+            raise RuntimeError(f"positions {self._n}..{past - 1} of this sequence never ran through the model "
+                               "while the probe watched it, so the context of its tokens is unknown")
+        new = features.shape[1]
+        for cache in (self._features, self._embed, self._mask):
+            cache.truncate(past)
+        self._compute_dtype = features.dtype
+        self._features.append(features.to(device=self._cache_device or features.device,
+                                          dtype=self._cache_dtype or features.dtype))
+        self._embed.append(embed_norm)
+        self._mask.append(self._real_mask(mask, past, new))
+        self._n = past + new
+        if self.call.prompt_mask is None:  # still in the prefill (which may come in chunks)
+            if input_ids is not None:
+                self._prompt_ids.append(input_ids[:, : self._prompt_len - past])
+            if self._n >= self._prompt_len:
+                ids = torch.cat(self._prompt_ids, dim=1).cpu() if self._prompt_ids else None
+                self._prompt_ids = []
+                self.call.readable = readable_rows(self._plan.tokenizer, ids)
+                self._hub.prompt(self.call, ids, self._mask.view()[:, : self._prompt_len].cpu(), self._plan.describe())
+
+    def _real_mask(self, mask: torch.Tensor, past: int, new: int) -> torch.Tensor:
+        """``mask`` with generated positions whose token a finished row only padded switched off."""
+        first_generated = max(self._prompt_len, past)
+        if self._partial_from is None or past + new - self._prompt_len <= self._partial_from:
+            return mask  # every row was still running at those steps: nothing to switch off
+        if first_generated < past + new and self._real:
+            real = torch.stack(self._real[first_generated - self._prompt_len: past + new - self._prompt_len], dim=1)
             mask = mask.clone()
-            mask[:, first_generated - self._past:] &= real
+            mask[:, first_generated - past:] &= real.to(mask.device)
         return mask
 
-    def finish(self, sequences: torch.Tensor | None) -> None:
-        """generate returned ``sequences`` (None: it raised): the last token's record, then the call's end."""
+    def finish(self, sequences: torch.Tensor | None, error: str | None = None) -> None:
+        """generate returned ``sequences`` (None: it raised): the last token's record, then the call's end.
+        ``error``: why the call's records are incomplete, when the host says so (a failed request)."""
         try:
             if sequences is not None and self._pending and not self.failed:
                 emitted = self._n + 1 - self._prompt_len  # the pending token included
                 # A deferred stop check (mps) may run one forward whose token generate then undoes.
                 if sequences.shape[1] in (self._n + 1, emitted):
-                    self._emit(sequences[:, -1])
-        except Exception as error:  # noqa: BLE001 - never into the host's generate
-            self.fail("the last generated token", error)
+                    self.emit(sequences[:, -1])
+        except Exception as failure:  # noqa: BLE001 - never into the host's generate
+            self.fail("the last generated token", failure)
         finally:
             self._features = self._embed = self._mask = None
-            self._hub.end(self.call, sequences.cpu() if sequences is not None else None)
+            self._hub.end(self.call, sequences.cpu() if sequences is not None else None, error)
 
     # -- one record --------------------------------------------------------------------------------------
 
-    def _emit(self, token: torch.Tensor) -> None:
+    def emit(self, token: torch.Tensor) -> None:
+        """The step record of ``token`` (batch,), emitted at the position after the last one fed."""
         plan, position = self._plan, self._n
         token = token.long()
         batch = token.shape[0]
@@ -248,16 +281,20 @@ class Run:
                     active=active.cpu(), layers=list(plan.layers), n_blocks=plan.n_blocks, probability=probability,
                     readable=readable_ids(plan.tokenizer, token.tolist()) if plan.tokenizer is not None else None)
         self._real.append(active)
-        self._finished = self._finished | torch.isin(token, self._eos.to(token.device))
+        if self._eos.numel():
+            self._finished = self._finished | torch.isin(token, self._eos.to(token.device))
+            if self._partial_from is None and bool(self._finished.any()):
+                self._partial_from = len(self._real)  # from the next step on, some rows only pad
         self._pending = False
         self._hub.publish(self.call, step)
 
 
 class Generations:
-    """The ``generate`` wrapper on one model instance, and the :class:`Run` of each thread's running call.
+    """The ``generate`` wrapper on one model instance, and the run of each thread's running call.
 
-    ``gens.current()`` is what the probe's hooks ask: the calling thread's run, :data:`UNRECORDED` inside a call
-    that is not recorded, or None outside ``generate``.
+    ``gens.current()`` is what the probe's hooks ask: the calling thread's run (a :class:`Run` under ``generate``,
+    a packed step under continuous batching), :data:`UNRECORDED` inside a call that is not recorded, or None
+    outside both.
     """
 
     UNRECORDED = object()
@@ -267,9 +304,9 @@ class Generations:
         if cache_dtype is not None and not (isinstance(cache_dtype, torch.dtype) and cache_dtype.is_floating_point):
             raise ValueError(f"cache_dtype={cache_dtype!r}: use a floating-point dtype (torch.float32, "
                              "torch.bfloat16, torch.float16) or None for the model's own")
-        self._plan, self._hub = plan, hub
-        self._cache_dtype = cache_dtype
-        self._cache_device = torch.device(cache_device) if cache_device is not None else None
+        self.plan, self.hub = plan, hub
+        self.cache_dtype = cache_dtype
+        self.cache_device = torch.device(cache_device) if cache_device is not None else None
         self._local = threading.local()
         self._restore: tuple[bool, Callable] | None = None
         self._detached = False
@@ -277,10 +314,31 @@ class Generations:
     def current(self) -> Any:
         return getattr(self._local, "run", None)
 
+    @contextlib.contextmanager
+    def running(self, run: Any) -> Iterator[None]:
+        """``run`` is this thread's current run inside the block: the probe's hooks feed it."""
+        previous = self.current()
+        self._local.run = run
+        try:
+            yield
+        finally:
+            self._local.run = previous
+
+    def new_run(self, *, request_id: str | None, prompt_len: int | None, eos: Any) -> Run:
+        """A recorded call in the calling thread, with a fresh feature cache."""
+        call = self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name)
+        return Run(self.plan, self.hub, call, prompt_len=prompt_len, eos=eos, cache_dtype=self.cache_dtype,
+                   cache_device=self.cache_device)
+
+    def unrecorded(self, request_id: str | None, what: str, error: BaseException) -> None:
+        """A call record that says why this call (or request) is not recorded; logs one line."""
+        self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name,
+                       error=reason(what, error))
+
     # -- the wrapper -------------------------------------------------------------------------------------
 
     def install(self) -> None:
-        model = self._plan.model
+        model = self.plan.model
         original = model.generate
         own = "generate" in vars(model)
 
@@ -298,44 +356,44 @@ class Generations:
         if self._restore is not None:
             own, original = self._restore
             if own:
-                self._plan.model.generate = original
+                self.plan.model.generate = original
             else:
-                vars(self._plan.model).pop("generate", None)
+                vars(self.plan.model).pop("generate", None)
             self._restore = None
 
     def _track(self, original: Callable, args: tuple, kwargs: dict) -> Any:
         if self.current() is not None or self._detached:  # generate calling generate: the outer call is tracked
             return original(*args, **kwargs)
         run = self._begin(args, kwargs)
-        self._local.run = run
-        try:
-            out = original(*args, **kwargs)
-        except BaseException:
-            self._local.run = None
-            self._end(run, None)
-            raise
-        self._local.run = None
+        with self.running(run):
+            try:
+                out = original(*args, **kwargs)
+            except BaseException:
+                self._end(run, None)
+                raise
         self._end(run, out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None))
         return out
 
     def _begin(self, args: tuple, kwargs: dict) -> Any:
         """A :class:`Run` for this call, or :data:`UNRECORDED` (with a call record saying why)."""
-        plan = self._plan
-        identity = dict(request_id=REQUEST_ID.get() or uuid.uuid4().hex, thread=threading.current_thread().name)
+        request_id = REQUEST_ID.get() or uuid.uuid4().hex
         try:
-            why = unsupported(plan.model, kwargs)
+            why = unsupported(self.plan.model, kwargs)
             if why is not None:
                 raise ValueError(why)
             prompt = args[0] if args else next(
                 (kwargs[k] for k in ("inputs", "input_ids", "inputs_embeds") if kwargs.get(k) is not None), None)
             prompt_len = prompt.shape[1] if isinstance(prompt, torch.Tensor) and prompt.dim() > 1 else None
-            call = self._hub.begin(plan.layers, **identity)
-            return Run(plan, self._hub, call, prompt_len=prompt_len, eos=_setting(plan.model, kwargs, "eos_token_id"),
-                       cache_dtype=self._cache_dtype, cache_device=self._cache_device)
+            return self.new_run(request_id=request_id, prompt_len=prompt_len,
+                                eos=_setting(self.plan.model, kwargs, "eos_token_id"))
         except Exception as error:  # noqa: BLE001 - never into the host's generate
-            self._hub.begin(plan.layers, **identity, error=reason("this generate call", error))
+            self.unrecorded(request_id, "this generate call", error)
             return self.UNRECORDED
 
     def _end(self, run: Any, sequences: torch.Tensor | None) -> None:
-        if run is not self.UNRECORDED:
+        if run is self.UNRECORDED:
+            return
+        try:
             run.finish(sequences)
+        except Exception as error:  # noqa: BLE001 - a failing sink or subscriber never reaches the host
+            run.fail("the end of this generate call", error)

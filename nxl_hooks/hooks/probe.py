@@ -11,13 +11,17 @@ garbage-collected; or :func:`detach_all`) removes every one of them.
 
 The hooks never raise into the model's forward or ``generate`` (:mod:`.guard`): what they could not record, they
 say in :meth:`Probe.result` and ``GenerationCall.error``. The state of each call lives with the thread that makes
-it, so forwards and ``generate`` calls in several threads on one attached model are recorded separately.
+it, so forwards and ``generate`` calls in several threads on one attached model are recorded separately; under
+continuous batching (:mod:`.batching`) each request of a packed forward is recorded on its own.
+
+Nothing global holds the model: a model the program drops while a probe is still attached is freed, and the probe
+detaches then (its sink is closed, its records stay readable).
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
+import logging
 import threading
 import weakref
 from pathlib import Path
@@ -33,17 +37,18 @@ from ..records.attribution import Attribution
 from ..records.sink import Sink
 from ..records.steps import GenerationCall, Step
 from ..records.tokens import chat_text, describe_target
+from .batching import Batching, packed
 from .forward import Capture, assemble, open_capture
 from .generate import Generations, Run
-from .guard import reason
+from .guard import logger, reason
 from .plan import Plan, make_plan
 from .publish import Hub, Subscription
 
 __all__ = ["Probe", "attach", "detach_all", "explain"]
 
-_LOCK = threading.Lock()
-#: backbone -> the finalizer that detaches the probe on it: one probe per model at a time.
-_ATTACHED: "weakref.WeakKeyDictionary[nn.Module, weakref.finalize]" = weakref.WeakKeyDictionary()
+_LOCK = threading.RLock()  # reentrant: a model collected while it is held detaches through it too
+#: backbone -> what the probe on it attached: one probe per model at a time.
+_ATTACHED: "weakref.WeakKeyDictionary[nn.Module, _Attachment]" = weakref.WeakKeyDictionary()
 _PENDING = object()  # a task forward whose backbone has not finished yet
 
 
@@ -57,14 +62,27 @@ def _without_traceback(error: BaseException) -> BaseException:
     return error.with_traceback(None)
 
 
+class _Results(threading.local):
+    """The last forward's attribution (or why there is none), per thread. Shared by the probe and its hooks: the
+    probe keeps it after it detaches, without keeping the model."""
+
+    last: Attribution | BaseException | None = None
+
+
 class _Recorder:
     """The hooks, and the per-thread state of the calls they record. The model holds it (through its hooks), never
-    the :class:`Probe`, so a probe dropped without detaching is collected and its finalizer removes the hooks."""
+    the :class:`Probe`, so neither a dropped probe nor a dropped model is kept alive by the other."""
 
-    def __init__(self, plan: Plan, backbone: nn.Module, gens: Generations | None) -> None:
-        self.plan, self.backbone, self.gens = plan, backbone, gens
+    def __init__(self, plan: Plan, backbone: nn.Module, gens: Generations | None, batching: Batching | None,
+                 results: _Results) -> None:
+        self.plan, self.backbone, self.gens, self.batching = plan, backbone, gens, batching
         self._signature = inspect.signature(backbone.forward)
+        # The backbone's **kwargs (flash / continuous-batching arguments arrive there) are read like named ones.
+        self._var_keyword = next((name for name, parameter in self._signature.parameters.items()
+                                  if parameter.kind is inspect.Parameter.VAR_KEYWORD), None)
         self._local = threading.local()
+        self.results = results
+        self._told_packed = False
         # Layers whose features a hook computes; the last block is hooked in any case, for final logits.
         self._wanted = set(plan.layers)
 
@@ -72,12 +90,11 @@ class _Recorder:
 
     def _stacks(self) -> tuple[list, list]:
         local = self._local
-        if not hasattr(local, "captures"):
-            local.captures, local.tasks, local.last = [], [], None
-        return local.captures, local.tasks
-
-    def last(self) -> Attribution | BaseException | None:
-        return getattr(self._local, "last", None)
+        try:
+            return local.captures, local.tasks
+        except AttributeError:
+            local.captures, local.tasks = [], []
+            return local.captures, local.tasks
 
     def _run(self) -> Any:
         return self.gens.current() if self.gens is not None else None
@@ -92,11 +109,34 @@ class _Recorder:
             run.fail(what, error)
         else:
             reason(what, error)
-            self._local.last = _without_traceback(error)
+            self.results.last = _without_traceback(error)
 
     def _current(self) -> Capture | None:
         captures, _ = self._stacks()
         return captures[-1] if captures else None
+
+    def _arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        if not args and self._var_keyword not in kwargs:  # keywords only, as task models call their backbone:
+            return dict(kwargs)  # binding would give the same names, once flattened
+        arguments = self._signature.bind_partial(*args, **kwargs).arguments
+        extra = arguments.pop(self._var_keyword, None) if self._var_keyword else None
+        if extra:
+            arguments.update(extra)
+        return arguments
+
+    def _skip_packed(self) -> None:
+        """A packed continuous-batching forward that no followed generation step explains: not recorded. Said once
+        per probe: as a warning when continuous batching cannot be followed at all, else (a manager's warmup
+        forward, which serves no request) as information."""
+        why = self.batching.unfollowed if self.batching is not None else "this model does not generate"
+        self.results.last = RuntimeError(
+            "the last forward packed several sequences into one row (cu_seq_lens_q: continuous batching, or "
+            f"padding-free inputs), which a plain forward's record cannot explain: {why or 'not recorded'}")
+        if not self._told_packed:
+            self._told_packed = True
+            logger.log(logging.WARNING if why else logging.INFO, "nxl_hooks: packed continuous-batching forwards "
+                       "are not recorded (%s); the requests run unchanged",
+                       why or "a forward outside the manager's generation steps, e.g. its warmup")
 
     # -- hooks -------------------------------------------------------------------------------------------
 
@@ -137,12 +177,14 @@ class _Recorder:
     def on_backbone_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         captures, _ = self._stacks()
         run = self._run()
+        captures.append(None)  # replaced below once the inputs are known; a failure or a skipped call leaves None
         if run is Generations.UNRECORDED or getattr(run, "failed", False):
-            captures.append(None)
             return
-        captures.append(None)  # replaced below once the inputs are known; a failure leaves it None
         try:
-            bound = self._signature.bind_partial(*args, **kwargs).arguments
+            bound = self._arguments(args, kwargs)
+            if run is None and packed(bound):
+                self._skip_packed()
+                return
             capture = open_capture(bound)
             if run is not None:
                 run.before_forward(bound)
@@ -153,7 +195,7 @@ class _Recorder:
     def on_block_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         captures, _ = self._stacks()
         if not captures:
-            self._local.last = _without_traceback(RuntimeError(
+            self.results.last = _without_traceback(RuntimeError(
                 f"{type(self.plan.model).__name__} ran its blocks without calling "
                 f"{type(self.backbone).__name__}.forward, so nxl_hooks saw no input_ids: set `backbone` (the module "
                 f"that takes input_ids and runs the blocks) in the registry entry for "
@@ -166,7 +208,7 @@ class _Recorder:
             hidden = (args[0] if args else kwargs["hidden_states"]).detach()
             with torch.no_grad():
                 if self.plan.embedding == "layer_input":
-                    capture.embed_norm = hidden.float().norm(dim=-1)
+                    capture.embed_norm = torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float32)
                 if 0 in self._wanted:
                     capture.hidden[0] = hidden
         except Exception as error:  # noqa: BLE001
@@ -182,7 +224,7 @@ class _Recorder:
             rows = output.detach().float()
             if scale is not None:
                 rows = rows / scale.to(rows.device).float()
-            capture.embed_norm = rows.norm(dim=-1)
+            capture.embed_norm = torch.linalg.vector_norm(rows, dim=-1)
         except Exception as error:  # noqa: BLE001
             self._fail("this forward", error)
 
@@ -212,14 +254,14 @@ class _Recorder:
         run = self._run()
         if output is None:  # the model's own forward raised (an always_call hook): nothing to record
             if run is None:
-                self._local.last = RuntimeError("the last forward raised inside the model, so nothing was recorded")
+                self.results.last = RuntimeError("the last forward raised inside the model, so nothing was recorded")
             return
         if run is not None:
             try:
                 with torch.no_grad():
                     run.after_forward(capture)
             except Exception as error:  # noqa: BLE001
-                run.fail("this generate call", error)
+                run.fail("this call", error)
         elif tasks and tasks[-1] is _PENDING:
             tasks[-1] = capture  # assembled when the task model returns, with its own logits
         else:
@@ -227,79 +269,110 @@ class _Recorder:
 
     def _finish(self, capture: Capture, output: Any) -> None:
         if output is None:
-            self._local.last = RuntimeError("the last forward raised inside the model, so nothing was recorded")
+            self.results.last = RuntimeError("the last forward raised inside the model, so nothing was recorded")
             return
         try:
             with torch.no_grad():
-                self._local.last = assemble(self.plan, capture, output)
+                self.results.last = assemble(self.plan, capture, output)
         except Exception as error:  # noqa: BLE001
             self._fail("this forward", error)
 
 
-def _detach(handles: list, gens_ref: weakref.ref, hub: Hub, backbone_ref: weakref.ref) -> None:
-    """Everything :class:`Probe` put on the model comes off. Holds no strong reference to the model (finalizers
-    live in a global registry): a model that its program drops is freed, probe and all."""
-    try:
-        for handle in handles:
-            handle.remove()
-        handles.clear()
-        gens = gens_ref()
-        if gens is not None:
-            gens.uninstall()
-    finally:
-        backbone = backbone_ref()
-        with _LOCK:
-            if backbone is not None:
-                _ATTACHED.pop(backbone, None)
-        hub.close()  # may log a failing sink: the model is free all the same
+class _Attachment:
+    """Everything one :func:`attach` put on a model, taken off once: by :meth:`Probe.detach` (the end of the
+    ``with`` block), :func:`detach_all`, or the probe or the model being garbage-collected, whichever comes first.
+    Holds no strong reference to the model, and nothing global holds it strongly after it ran."""
+
+    def __init__(self, handles: list, gens: Generations | None, batching: Batching | None, hub: Hub,
+                 backbone: nn.Module) -> None:
+        self._handles = handles
+        self._gens = weakref.ref(gens) if gens is not None else None
+        self._batching = weakref.ref(batching) if batching is not None else None
+        self._hub = hub
+        self._backbone = weakref.ref(backbone)
+        self._lock = threading.RLock()
+        self.alive = True
+        self._on_model = weakref.finalize(backbone, self)  # a model dropped while attached: detach then
+
+    def __call__(self) -> None:
+        with self._lock:
+            if not self.alive:
+                return
+            self.alive = False
+        # Taken before the hooks go: they may be what keeps these alive.
+        owners = [ref() for ref in (self._gens, self._batching) if ref is not None]
+        try:
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            for owner in owners:
+                if owner is not None:
+                    owner.uninstall()
+        finally:
+            self._on_model.detach()
+            backbone = self._backbone()
+            with _LOCK:
+                if backbone is not None and _ATTACHED.get(backbone) is self:
+                    del _ATTACHED[backbone]
+            self._hub.close()  # may log a failing sink: the model is free all the same
 
 
 class Probe:
     """Hooks of one :func:`attach` call. ``with nxl.attach(model) as probe: model(**enc)``, then ``probe.result()``.
 
-    Made by :func:`attach`; ``detach`` runs when the probe detaches or is garbage-collected, whichever comes first.
+    Made by :func:`attach`. It detaches when asked, or when it or the model is garbage-collected, whichever comes
+    first; it holds the model only weakly, so a server that unloads a model frees it.
     """
 
-    def __init__(self, plan: Plan, recorder: _Recorder, hub: Hub, detach: Callable[[], None]) -> None:
-        self.plan = plan
-        self._recorder, self._hub = recorder, hub
-        self._finalizer = weakref.finalize(self, detach)
+    def __init__(self, plan: Plan, results: _Results, hub: Hub, attachment: _Attachment) -> None:
+        self._plan = weakref.ref(plan)
+        self._model = weakref.ref(plan.model)
+        self.kind = plan.kind  #: causal_lm, sequence_classification, regression or masked_lm
+        self._layers, self._n_blocks, self._describe = list(plan.layers), plan.n_blocks, plan.describe()
+        self._results, self._hub, self._attachment = results, hub, attachment
+        self._finalizer = weakref.finalize(self, attachment)
 
     # -- what the probe explains -------------------------------------------------------------------------
 
     @property
     def model(self) -> nn.Module:
         """The transformers task model the hooks are on (inside a PeftModel, its base model)."""
-        return self.plan.model
+        model = self._model()
+        if model is None:
+            raise RuntimeError("the model this probe was attached to has been freed (the program dropped it)")
+        return model
 
     @property
-    def kind(self) -> str:
-        """causal_lm, sequence_classification, regression or masked_lm."""
-        return self.plan.kind
+    def plan(self) -> Plan:
+        """What the probe explains, while it is attached."""
+        plan = self._plan()
+        if plan is None or not self.attached:
+            raise RuntimeError("this probe is detached: its plan went with its hooks (probe.describe() stays)")
+        return plan
 
     @property
     def layers(self) -> list[int]:
-        return list(self.plan.layers)
+        return list(self._layers)
 
     @property
     def n_blocks(self) -> int:
-        return self.plan.n_blocks
+        return self._n_blocks
 
     def describe(self) -> dict[str, Any]:
         """What a saved result records about the model and the probe: ``probe.describe()["head_kind"]``."""
-        return self.plan.describe()
+        return dict(self._describe)
 
     # -- attach / detach ---------------------------------------------------------------------------------
 
     def detach(self) -> None:
         """Remove every hook of this probe; the model is as it was before :func:`attach`. Calls still running in
         other threads go on unharmed, and their records end incomplete."""
-        self._finalizer()
+        self._attachment()
 
     @property
     def attached(self) -> bool:
-        """True until :meth:`detach` (or the end of the ``with`` block)."""
-        return self._finalizer.alive
+        """True until :meth:`detach` (or the end of the ``with`` block, or the model being freed)."""
+        return self._attachment.alive
 
     def __enter__(self) -> "Probe":
         return self
@@ -314,7 +387,7 @@ class Probe:
 
         Raises the reason when that forward could not be recorded (an empty input, a target that does not fit...).
         """
-        last = self._recorder.last()
+        last = self._results.last
         if last is None:
             raise RuntimeError("no forward has run under this probe yet (in this thread): call the model inside "
                                "the `with` block")
@@ -345,10 +418,12 @@ class Probe:
     def stream(self, *, request_id: str | None = None, follow: bool = False) -> Subscription:
         """Iterate over step records as they are made, from another thread than the one running ``generate``.
 
-        Yields the records of the ``generate`` call running now (from its first step; with ``keep_steps=False``
-        from the next step) or, if none is, of the next one, and stops when that call returns or raises, or when
-        the probe detaches. ``request_id`` picks that request's call; ``follow`` yields every call's steps until
-        the probe detaches. Subscribe before starting the generation, so the stream cannot miss it::
+        Yields the records of the ``generate`` call (or continuous-batching request) running now (from its first
+        step; with ``keep_steps=False`` from the next step) or, if none is, of the next one, and stops when that
+        call returns or raises, or when the probe detaches. ``request_id`` picks that request's call (one that has
+        already ended gives its kept steps, then stops); ``follow`` yields every call's steps (with ``request_id``:
+        every call of that request) until the probe detaches or ``close()`` is called on the iterator. Subscribe
+        before starting the generation, so the stream cannot miss it::
 
             steps = probe.stream()
             threading.Thread(target=model.generate, kwargs=enc).start()
@@ -384,7 +459,9 @@ def attach(
     - ``tokenizer``: needed for token-string targets, masked LMs and token strings in the result.
     - ``embedding``: "layer_input" (input of block 1, default) or "word" (the raw word-embedding row).
 
-    While ``generate`` runs (causal LMs; see :mod:`nxl_hooks.hooks.generate` and :mod:`nxl_hooks.hooks.publish`):
+    While ``generate`` runs, or continuous batching (``generate_batch``, ``transformers serve
+    --continuous-batching``: one call per request), in any thread (causal LMs; see :mod:`nxl_hooks.hooks.generate`,
+    :mod:`nxl_hooks.hooks.batching` and :mod:`nxl_hooks.hooks.publish`):
 
     - ``on_step``: called with each :class:`~nxl_hooks.Step` as soon as it is complete;
     - ``sink``: a file path (or :class:`~nxl_hooks.Sink`) the records are appended to, crash-safe;
@@ -395,7 +472,8 @@ def attach(
       per selected layer; e.g. ``torch.bfloat16``, ``"cpu"``).
 
     The probe never raises into the model's forward or ``generate``; hooks are removed by :meth:`Probe.detach`,
-    the end of the ``with`` block, :func:`detach_all`, or when the probe is garbage-collected.
+    the end of the ``with`` block, :func:`detach_all`, or when the probe or the model is garbage-collected (the
+    probe holds the model weakly).
     """
     plan = make_plan(unwrap(model), layers=layers, target=target, tokenizer=tokenizer, embedding=embedding)
     backbone = get_path(plan.model, plan.spec.backbone) if plan.spec.backbone else plan.model.base_model
@@ -408,18 +486,22 @@ def attach(
         # Only now the sink file is opened: a refused probe never truncates one.
         hub = Hub(on_step=on_step, sink=sink, keep_steps=keep_steps, keep_calls=keep_calls)
         generates = plan.kind == "causal_lm" and callable(getattr(plan.model, "generate", None))
+        results = _Results()
         try:
             gens = Generations(plan, hub, cache_dtype=cache_dtype, cache_device=cache_device) if generates else None
-            recorder = _Recorder(plan, backbone, gens)
+            batching = Batching(gens) if gens is not None else None
+            recorder = _Recorder(plan, backbone, gens, batching, results)
             handles = recorder.register()
         except BaseException:
             hub.close()
             raise
         if gens is not None:
             gens.install()
-        gens_ref = weakref.ref(gens) if gens is not None else (lambda: None)
-        probe = Probe(plan, recorder, hub, functools.partial(_detach, handles, gens_ref, hub, weakref.ref(backbone)))
-        _ATTACHED[backbone] = probe._finalizer
+        attachment = _Attachment(handles, gens, batching, hub, backbone)
+        probe = Probe(plan, results, hub, attachment)
+        _ATTACHED[backbone] = attachment
+    if batching is not None:  # outside the lock: its own lock is never taken inside this one
+        batching.install()
     return probe
 
 
@@ -430,10 +512,10 @@ def detach_all(model: nn.Module) -> int:
     """
     modules = set(unwrap(model).modules())
     with _LOCK:
-        finalizers = [finalizer for backbone, finalizer in _ATTACHED.items() if backbone in modules]
-    for finalizer in finalizers:
-        finalizer()
-    return len(finalizers)
+        attachments = [attachment for backbone, attachment in _ATTACHED.items() if backbone in modules]
+    for attachment in attachments:
+        attachment()
+    return len(attachments)
 
 
 def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, chat: bool = False,

@@ -3,9 +3,11 @@
 
 - ``probe.calls`` keeps the last ``keep_calls`` calls (all by default) and, unless ``keep_steps=False``, their steps;
 - ``on_step(step)`` runs in the thread that runs ``generate``; an exception it raises is the caller's own and
-  stops that generation;
+  stops that generation (under continuous batching, it stops recording that request: the manager's loop never
+  sees it);
 - a subscription yields the steps of one call (the one running when it was made, else the next to start, or the
-  one of a given request) or, with ``follow``, of every call until the probe detaches;
+  one of a given request, also after it ended) or, with ``follow``, of every call until the probe detaches or the
+  subscription is closed;
 - the sink gets a ``call`` frame when a prompt is known, a ``step`` frame per record and an ``end`` frame.
 
 After the probe detaches, calls still running in other threads finish in memory only: their sink is closed and
@@ -17,6 +19,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -34,14 +37,19 @@ class _End:
 
 
 class Subscription:
-    """The iterator :meth:`Probe.stream` returns; registered at creation so no record is missed."""
+    """The iterator :meth:`Probe.stream` returns; registered at creation so no record is missed.
 
-    def __init__(self, *, call: GenerationCall | None = None, request_id: str | None = None,
-                 follow: bool = False) -> None:
+    ``close()`` (or leaving ``with probe.stream(...) as steps:``) ends it from any thread: a reader blocked in it
+    stops at once. The hub holds subscriptions weakly, so one that is dropped unread costs nothing.
+    """
+
+    def __init__(self, hub: "Hub | None" = None, *, call: GenerationCall | None = None,
+                 request_id: str | None = None, follow: bool = False) -> None:
         self.queue: queue.Queue = queue.Queue()
         self.call = call  #: the call it is bound to (None until one starts, or with ``follow``)
         self.request_id = request_id
         self.follow = follow
+        self._hub = hub
 
     def wants(self, call: GenerationCall) -> bool:
         if self.request_id is not None and call.request_id != self.request_id:
@@ -52,12 +60,25 @@ class Subscription:
             self.call = call
         return self.call is call
 
+    def close(self) -> None:
+        """Stop receiving records; a reader iterating it ends after the records already queued."""
+        if self._hub is not None:
+            self._hub.unsubscribe(self)
+        self.queue.put(_End)
+
+    def __enter__(self) -> "Subscription":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def __iter__(self) -> "Subscription":
         return self
 
     def __next__(self) -> Step:
         item = self.queue.get()
         if item is _End:
+            self.queue.put(_End)  # iterating again (or from a second reader) ends too, never blocks
             raise StopIteration
         return item
 
@@ -73,9 +94,14 @@ class Hub:
         self._on_step = on_step
         self._sink = sink if isinstance(sink, Sink) or sink is None else Sink(sink)
         self._keep = keep_steps
-        self._lock = threading.Lock()
+        # Reentrant: a model collected (by a garbage collection any allocation may start) while this thread holds a
+        # lock closes its probe's hub from inside that thread.
+        self._lock = threading.RLock()
+        # Sink writes and the sink's closing, one at a time: a call in another thread never writes into a sink the
+        # probe closed while it ran (and its frames never interleave with the end frames written at detach).
+        self._sink_lock = threading.RLock()
         self._counter = 0
-        self._subscribers: list[Subscription] = []
+        self._subscribers: "weakref.WeakSet[Subscription]" = weakref.WeakSet()
         self._running: list[GenerationCall] = []
         self._closed = False  # the probe detached: a late subscriber must not wait for a call that never comes
 
@@ -98,21 +124,17 @@ class Hub:
 
     def prompt(self, call: GenerationCall, ids: torch.Tensor | None, mask: torch.Tensor, meta: dict) -> None:
         call.prompt_ids, call.prompt_mask = ids, mask
-        with self._lock:
-            sink = None if self._closed else self._sink
-        if sink is not None:
-            self._write(sink.write_call, call, meta)
+        self._write("write_call", call, meta)
 
     def publish(self, call: GenerationCall, step: Step) -> None:
         with self._lock:
             if self._keep:
                 call.steps.append(step)
-            for subscriber in self._subscribers:
-                if subscriber.wants(call):
-                    subscriber.queue.put(step)
-            sink = None if self._closed else self._sink
-        if sink is not None:
-            self._write(sink.write_step, step)
+            if self._subscribers:  # iterating an empty WeakSet is not free, and this runs once per step
+                for subscriber in list(self._subscribers):
+                    if subscriber.wants(call):
+                        subscriber.queue.put(step)
+        self._write("write_step", step)
         if self._on_step is not None:
             self._on_step(step)
 
@@ -125,33 +147,46 @@ class Hub:
             self._running.remove(call)
             call.sequences, call.error = sequences, call.error or error
             call.complete = sequences is not None and call.error is None
-            sink = None if self._closed else self._sink
             ended = self._release(call)
-        if sink is not None and call.prompt_mask is not None:
-            self._write(sink.write_end, call)
+        if call.prompt_mask is not None:
+            self._write("write_end", call)
         for subscriber in ended:
             subscriber.queue.put(_End)
 
     def _release(self, call: GenerationCall) -> list[Subscription]:
         """The subscribers bound to ``call`` alone, taken off the list (caller holds the lock)."""
         ended = [s for s in self._subscribers if not s.follow and s.call is call]
-        self._subscribers = [s for s in self._subscribers if s not in ended]
+        for subscriber in ended:
+            self._subscribers.discard(subscriber)
         return ended
 
     def subscribe(self, *, request_id: str | None = None, follow: bool = False) -> Subscription:
         """A live iterator of step records (see the module docstring)."""
-        subscription = Subscription(request_id=request_id, follow=follow)
+        subscription = Subscription(self, request_id=request_id, follow=follow)
         with self._lock:
             if self._closed:
                 subscription.queue.put(_End)
                 return subscription
             running = [call for call in self._running if subscription.wants(call)]
+            if not running and not follow and request_id is not None:
+                # that request already ended: its kept records, then the end
+                done = next((c for c in reversed(self._calls) if c.request_id == request_id), None)
+                if done is not None:
+                    subscription.call = done
+                    for step in done.steps:
+                        subscription.queue.put(step)
+                    subscription.queue.put(_End)
+                    return subscription
             for call in running if follow else running[:1]:  # joined mid-call: replay what it already produced
                 subscription.call = None if follow else call
                 for step in call.steps:
                     subscription.queue.put(step)
-            self._subscribers.append(subscription)
+            self._subscribers.add(subscription)
         return subscription
+
+    def unsubscribe(self, subscription: Subscription) -> None:
+        with self._lock:
+            self._subscribers.discard(subscription)
 
     def close(self, why: str = "the probe detached while this call ran") -> None:
         """The probe detaches: running calls are marked incomplete (end frames written), streams end, the sink
@@ -161,21 +196,35 @@ class Hub:
                 return
             self._closed = True
             running, self._running = self._running, []
-            subscribers, self._subscribers = self._subscribers, []
-        for call in running:
-            call.error = call.error or why
-            if self._sink is not None and call.prompt_mask is not None:
-                self._write(self._sink.write_end, call)
+            subscribers = list(self._subscribers)
+            self._subscribers = weakref.WeakSet()
+            for call in running:
+                call.error = call.error or why
+        with self._sink_lock:
+            for call in running:
+                if call.prompt_mask is not None:
+                    self._write_locked("write_end", call)
+            if self._sink is not None:
+                self._write_locked("close")
+            self._sink = None
         for subscriber in subscribers:
             subscriber.queue.put(_End)
-        if self._sink is not None:
-            self._write(self._sink.close)
 
-    def _write(self, write: Callable, *args: Any) -> None:
-        """One sink write; a failing sink (a full disk) is dropped with one log line, never raised into the host."""
+    def _write(self, method: str, *args: Any) -> None:
+        """One sink frame, unless the probe has detached (then the records stay in memory only)."""
+        if self._sink is None:
+            return
+        with self._sink_lock:
+            if not self._closed:
+                self._write_locked(method, *args)
+
+    def _write_locked(self, method: str, *args: Any) -> None:
+        """A failing sink (a full disk) is dropped with one log line, never raised into the host."""
+        sink = self._sink
+        if sink is None:
+            return
         try:
-            write(*args)
+            getattr(sink, method)(*args)
         except Exception as error:  # noqa: BLE001 - the host's call goes on; its records stay in memory
-            reason(f"the stream file {getattr(self._sink, 'path', '')}", error)
-            with self._lock:
-                self._sink = None
+            reason(f"the stream file {getattr(sink, 'path', '')}", error)
+            self._sink = None

@@ -1,0 +1,329 @@
+"""Continuous batching (``generate_batch``, a ContinuousBatchingManager as ``transformers serve`` uses it): every
+request gets its own call, each step equal to an uncached oracle of that request alone; the requests run unchanged."""
+
+import logging
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from transformers import GenerationConfig
+from transformers.generation.continuous_batching import model_runner
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
+from transformers.generation.continuous_batching.requests import RequestState
+
+import nxl_hooks as nxl
+import tiny
+from oracle import check_call
+
+NEW = 5
+
+
+_config = tiny.cb_config
+
+
+def _greedy(new: int = NEW) -> GenerationConfig:
+    return GenerationConfig(do_sample=False, max_new_tokens=new, eos_token_id=-1, pad_token_id=0)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny.build_model("llama")
+
+
+def _prompts(lengths, seed: int = 1) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(5, len(tiny.VOCAB), (n,), generator=generator).tolist() for n in lengths]
+
+
+class _Layout:
+    """Test-side tap: (position_ids, cu_seq_lens_q, logits_indices) of every packed forward, to prove which
+    scenarios a test ran through."""
+
+    def __init__(self, model) -> None:
+        self.forwards: list[tuple[list[int], list[int], list[int]]] = []
+        self._handle = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    def _hook(self, module, args, kwargs) -> None:
+        if "cu_seq_lens_q" in kwargs:
+            self.forwards.append((kwargs["position_ids"][0].tolist(), kwargs["cu_seq_lens_q"].tolist(),
+                                  kwargs["logits_indices"].tolist()))
+
+    def remove(self) -> None:
+        self._handle.remove()
+
+    def segments(self) -> list[list[tuple[int, int, bool]]]:
+        """Per forward: (first position, length, yields a token) of each request's slice."""
+        out = []
+        for positions, cumulative, logits in self.forwards:
+            out.append([(positions[a], b - a, b - 1 in logits) for a, b in zip(cumulative, cumulative[1:])])
+        return out
+
+
+def _drain(subscription, timeout: float = 60) -> list:
+    got: list = []
+    reader = threading.Thread(target=lambda: got.extend(subscription))
+    reader.start()
+    reader.join(timeout)
+    assert not reader.is_alive(), "the stream did not end"
+    return got
+
+
+def _wrapped() -> bool:
+    return any(hasattr(method, "__nxl_hook__") for method in (ContinuousBatchProcessor._generation_step,
+                                                                RequestState.update_and_check_completion))
+
+
+def _tokens(outputs: dict) -> dict:
+    return {key: (list(out.prompt_ids), list(out.generated_tokens)) for key, out in outputs.items()}
+
+
+def test_generate_batch_gives_each_request_its_oracle(model):
+    prompts = _prompts((5, 23, 9, 3, 17))
+    plain = model.generate_batch(prompts, generation_config=_greedy(), continuous_batching_config=_config())
+    layout = _Layout(model)
+    try:
+        with nxl.attach(model, layers="all") as probe:
+            assert _wrapped()  # transformers' classes are wrapped while a probe is attached, and only then
+            out = model.generate_batch(prompts, generation_config=_greedy(), continuous_batching_config=_config())
+            assert probe._hub._running == []  # every request's call ended with its request
+    finally:
+        layout.remove()
+    assert not _wrapped()
+    assert _tokens(out) == _tokens(plain)
+    calls = {call.request_id: call for call in probe.calls}
+    assert sorted(calls) == sorted(out) == [f"req_{i}" for i in range(5)]
+    for request_id, call in calls.items():
+        assert call.thread.endswith("(_run_generation_loop)") and call.error is None
+        assert call.prompt_ids.tolist() == [out[request_id].prompt_ids]
+        check_call(model, call, NEW)
+        assert [int(s.token) for s in call.steps] == out[request_id].generated_tokens
+    forwards = layout.segments()
+    # the scenarios this test claims: prefill and decode in one forward, and a prompt prefilled in chunks
+    assert any({length == 1 for _, length, _ in f} == {True, False} for f in forwards)
+    assert any(length > 1 and not new for f in forwards for _, length, new in f)
+
+
+def test_manager_with_custom_ids_sampling_stream_and_sink(model, tmp_path):
+    requests = {"client-a": (_prompts((7,), 2)[0], 3), "client-b": (_prompts((19,), 3)[0], 6),
+                "client-c": (_prompts((4,), 4)[0], 4)}
+    sampling = GenerationConfig(do_sample=True, temperature=3.0, top_k=0, max_new_tokens=8, eos_token_id=-1,
+                                pad_token_id=0)
+    path = tmp_path / "cb.nxl"
+    torch.manual_seed(0)
+    with nxl.attach(model, layers=[0, -1], sink=path) as probe:
+        manager = model.init_continuous_batching(generation_config=sampling, continuous_batching_config=_config())
+        manager.start()
+        try:
+            stream = probe.stream(request_id="client-b")
+            following = probe.stream(request_id="client-c", follow=True)
+            for request_id, (prompt, new) in requests.items():
+                manager.add_request(prompt, request_id=request_id, max_new_tokens=new)
+            results, deadline = {}, time.monotonic() + 60
+            while len(results) < len(requests) and time.monotonic() < deadline:
+                result = manager.get_result(timeout=1)
+                if result is not None and result.is_finished():
+                    results[result.request_id] = result
+            streamed = _drain(stream)
+            late = _drain(probe.stream(request_id="client-a"))  # it ended already: its kept steps, then the end
+            following.close()  # a follow stream runs until its reader closes it
+            followed = _drain(following)
+        finally:
+            manager.stop(block=True, timeout=30)
+    assert sorted(results) == sorted(requests)
+    calls = {call.request_id: call for call in probe.calls}
+    argmax_differs = False
+    for request_id, (prompt, new) in requests.items():
+        call = calls[request_id]
+        assert [int(s.token) for s in call.steps] == results[request_id].generated_tokens
+        assert call.layers == [0, 2]
+        hand_argmax = check_call(model, call, new)
+        argmax_differs |= any(int(a) != int(s.token) for a, s in zip(hand_argmax, call.steps))
+        assert call.steps[0].normxlogit.shape == (2, 1, len(prompt))
+    assert argmax_differs, "sampling at temperature 3 should leave the argmax at least once"
+    assert streamed == calls["client-b"].steps and followed == calls["client-c"].steps
+    assert late == calls["client-a"].steps
+    (read,) = nxl.read_stream(path, request_id="client-b")
+    assert read.complete and torch.equal(read.sequences, calls["client-b"].sequences)
+    for disk, memory in zip(read.steps, calls["client-b"].steps, strict=True):
+        assert torch.equal(disk.normxlogit, memory.normxlogit) and torch.equal(disk.token, memory.token)
+
+
+def _shared_prefix_prompts() -> list[list[int]]:
+    shared = _prompts((37,), 5)[0]  # two full 16-token pages, shareable between requests
+    return [shared + [5, 6], shared + [7], shared + [8, 9, 10]]
+
+
+def test_prefix_sharing_is_off_while_attached_so_every_request_is_whole(model):
+    prompts, config = _shared_prefix_prompts(), dict(max_batch_tokens=40)
+    layout = _Layout(model)
+    try:
+        plain = model.generate_batch(prompts, generation_config=_greedy(3), continuous_batching_config=_config(**config))
+        shared_starts = [s for f in layout.segments() for s in f if s[0] > 0 and s[1] > 1]
+        layout.forwards.clear()
+        with nxl.attach(model) as probe:
+            out = model.generate_batch(prompts, generation_config=_greedy(3),
+                                       continuous_batching_config=_config(**config))
+        starts = [s for f in layout.segments() for s in f if s[0] == 0]
+    finally:
+        layout.remove()
+    assert shared_starts, "unattached, some request should reuse the shared prefix and start mid-sequence"
+    assert len(starts) >= len(prompts)  # attached, every request runs from position 0
+    assert _tokens(out) == _tokens(plain)
+    for call in probe.calls:
+        check_call(model, call, 3)
+
+
+def _serve(manager, request_id: str, prompt: list[int], new: int = 3):
+    manager.add_request(prompt, request_id=request_id, max_new_tokens=new)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        result = manager.get_result(request_id=request_id, timeout=1)
+        if result is not None and result.is_finished():
+            return result.generated_tokens
+    raise AssertionError(f"{request_id} did not finish")
+
+
+def test_attach_to_a_running_manager_whose_cache_shares_a_prefix(model, caplog):
+    first, second = _shared_prefix_prompts()[:2]
+
+    def run(attached: bool):
+        manager = model.init_continuous_batching(generation_config=_greedy(3),
+                                                 continuous_batching_config=_config(max_batch_tokens=40))
+        manager.start()
+        try:
+            tokens = [_serve(manager, "first", first)]
+            cache = manager.batch_processor.cache
+            if not attached:
+                return tokens + [_serve(manager, "second", second)], None
+            with nxl.attach(model) as probe:
+                tokens.append(_serve(manager, "second", second))
+                sharing_while_attached = cache.use_prefix_sharing
+            assert sharing_while_attached is False and cache.use_prefix_sharing is True  # restored at detach
+            return tokens, probe
+        finally:
+            manager.stop(block=True, timeout=30)
+
+    plain, _ = run(attached=False)
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+        tokens, probe = run(attached=True)
+    assert tokens == plain
+    (call,) = probe.calls  # the second request reused the first one's cached prefix before the probe saw the cache
+    assert call.request_id == "second" and not call.complete and "another request" in call.error
+    assert [r.levelno for r in caplog.records if r.name == "nxl_hooks"] == [logging.WARNING]
+
+
+def test_cancelled_request_ends_incomplete_and_frees_its_features(model):
+    prompt = _prompts((6,), 6)[0]
+    with nxl.attach(model) as probe:
+        manager = model.init_continuous_batching(generation_config=_greedy(500), continuous_batching_config=_config())
+        manager.start()
+        try:
+            stream = probe.stream(request_id="long")
+            manager.add_request(prompt, request_id="long", max_new_tokens=500)
+            for _ in zip(range(3), stream):  # three steps of it are recorded: it is running
+                pass
+            manager.cancel_request("long")
+            _serve(manager, "next", _prompts((4,), 7)[0])  # the next forward finds it gone
+            long = next(c for c in probe.calls if c.request_id == "long")
+            assert not long.complete and "left the manager" in long.error and len(long.steps) >= 3
+            assert probe._hub._running == []
+            batching = probe._attachment._batching()
+            assert all(not table for table in batching._tables.values())  # no feature cache left behind
+        finally:
+            manager.stop(block=True, timeout=30)
+
+
+@pytest.mark.parametrize("path", ["unknown_version", "padded_inputs"])
+def test_paths_that_cannot_be_followed_log_once_and_run_unchanged(model, path, monkeypatch, caplog):
+    prompts = _prompts((5, 18, 9))
+    if path == "unknown_version":
+        # the module object transformers' lazy loading puts in sys.modules now (importing a model class swaps it)
+        monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.1")
+    else:  # what CUDA graphs and torch.compile do to the inputs, forced on the CPU
+        original = model_runner.ModelRunner.__init__
+
+        def padding(self, *args, **kwargs):
+            original(self, *args, **kwargs)
+            self.pad_inputs = True
+
+        monkeypatch.setattr(model_runner.ModelRunner, "__init__", padding)
+    plain = model.generate_batch(prompts, generation_config=_greedy(4), continuous_batching_config=_config())
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"), nxl.attach(model) as probe:
+        out = model.generate_batch(prompts, generation_config=_greedy(4), continuous_batching_config=_config())
+        model(input_ids=torch.tensor([prompts[0]]))  # a plain forward is still recorded
+        assert probe.result().normxlogit.shape == (3, 1, 5)
+    assert _tokens(out) == _tokens(plain) and probe.calls == []
+    (record,) = [r for r in caplog.records if r.name == "nxl_hooks"]
+    assert ("4.57.1" if path == "unknown_version" else "CUDA graphs") in record.getMessage()
+
+
+def test_a_raising_on_step_stops_recording_that_request_only(model, caplog):
+    prompts = _prompts((6, 11))
+    plain = model.generate_batch(prompts, generation_config=_greedy(), continuous_batching_config=_config())
+    def on_step(step: nxl.Step) -> None:
+        if step.position == 12:  # req_1's second step (its prompt has 11 tokens, req_0's only 6)
+            raise ValueError("the user's callback failed")
+
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"), nxl.attach(model, on_step=on_step) as probe:
+        out = model.generate_batch(prompts, generation_config=_greedy(), continuous_batching_config=_config())
+    assert _tokens(out) == _tokens(plain)  # the manager's loop never saw the callback's exception
+    by_id = {c.request_id: c for c in probe.calls}
+    assert "callback failed" in by_id["req_1"].error and len(by_id["req_1"].steps) == 2
+    check_call(model, by_id["req_0"], NEW)
+    assert len([r for r in caplog.records if r.name == "nxl_hooks"]) == 1
+
+
+def test_a_packed_plain_forward_is_reported_not_misread(model):
+    ids, cumulative = torch.tensor([[5, 6, 7, 8, 9]]), torch.tensor([0, 3, 5], dtype=torch.int32)
+    packed = dict(input_ids=ids, position_ids=torch.tensor([[0, 1, 2, 0, 1]]), cu_seq_lens_q=cumulative,
+                  cu_seq_lens_k=cumulative, max_length_q=3, max_length_k=3)  # two sequences in one row
+    with torch.no_grad():
+        plain = model(**packed).logits
+        with nxl.attach(model) as probe:
+            model(input_ids=ids[:, :2])
+            attached = model(**packed).logits
+            with pytest.raises(RuntimeError, match="packed several sequences into one row"):
+                probe.result()  # not the previous forward's record, and not one read as a single sequence
+    assert torch.equal(plain, attached)
+
+
+def test_detach_while_the_manager_runs_a_request(model, caplog):
+    prompt = _prompts((8,), 8)[0]
+
+    def serve(attach: bool):
+        manager = model.init_continuous_batching(generation_config=_greedy(40), continuous_batching_config=_config())
+        manager.start()
+        try:
+            if not attach:
+                return _serve(manager, "r", prompt, 40), None
+            inside, resume = threading.Event(), threading.Event()
+
+            def on_step(step: nxl.Step) -> None:
+                if step.step == 3:  # hold the manager's thread inside the request while the probe detaches
+                    inside.set()
+                    resume.wait(timeout=60)
+
+            probe = nxl.attach(model, on_step=on_step)
+            manager.add_request(prompt, request_id="r", max_new_tokens=40)
+            assert inside.wait(timeout=60)
+            probe.detach()
+            resume.set()
+            assert not _wrapped()
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                result = manager.get_result(request_id="r", timeout=1)
+                if result is not None and result.is_finished():
+                    return result.generated_tokens, probe
+            raise AssertionError("the request did not finish after the probe detached")
+        finally:
+            manager.stop(block=True, timeout=30)
+
+    plain, _ = serve(attach=False)
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+        tokens, probe = serve(attach=True)
+    assert tokens == plain and len(tokens) == 40
+    (call,) = probe.calls
+    assert not call.complete and "detached" in call.error and [s.step for s in call.steps] == [0, 1, 2, 3]
+    assert [r for r in caplog.records if r.name == "nxl_hooks"] == []

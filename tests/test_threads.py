@@ -1,0 +1,180 @@
+"""Several threads on one attached model: every forward, generate call and pipeline call recorded separately and
+equal to its single-threaded oracle; the host's outputs unchanged; detaching while another thread generates harms
+nothing."""
+
+import logging
+import threading
+
+import pytest
+import torch
+from transformers import pipeline
+
+import nxl_hooks as nxl
+import tiny
+from nxl_hooks.hooks.generate import REQUEST_ID
+from oracle import check_call, llama, normxlogit
+
+THREADS, CALLS = 4, 25
+
+
+@pytest.fixture(scope="module")
+def model():
+    model = tiny.build_model("llama")
+    model.generation_config.eos_token_id = None  # random weights: every call generates its full length
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _forward_inputs(thread: int, index: int) -> dict[str, torch.Tensor]:
+    """Plain-forward inputs of several batch shapes; two-row batches are right-padded."""
+    generator = torch.Generator().manual_seed(1000 * thread + index)
+    rows, length = 1 + (index + thread) % 3, 3 + (index * 7 + thread) % 8
+    ids = torch.randint(5, len(tiny.VOCAB), (rows, length), generator=generator)
+    mask = torch.ones(rows, length, dtype=torch.long)
+    if rows > 1:
+        mask[0, length - 2:], ids[0, length - 2:] = 0, 0
+    return {"input_ids": ids, "attention_mask": mask}
+
+
+def _prompt(thread: int, index: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(5000 + 1000 * thread + index)
+    return torch.randint(5, len(tiny.VOCAB), (1, 2 + (index + 3 * thread) % 9), generator=generator)
+
+
+_WORDS = ["the film was", "a plot is very", "the movie", "good and bad but quite"]
+
+
+def _kind(thread: int, index: int) -> str:
+    return ("forward", "greedy", "sampled", "pipeline")[(index + thread) % 4]
+
+
+def _generate(model, thread: int, index: int, sampled: bool) -> torch.Tensor:
+    sampling = dict(do_sample=True, temperature=2.0, top_k=0) if sampled else dict(do_sample=False)
+    return model.generate(input_ids=_prompt(thread, index), max_new_tokens=2 + index % 4, **sampling)
+
+
+def _work(model, probe, generator_pipeline, thread: int, index: int) -> tuple[str, object, object]:
+    """Call ``index`` of ``thread``: (kind, host output, the thread's result() for forwards)."""
+    kind = _kind(thread, index)
+    if kind == "forward":
+        with torch.no_grad():
+            logits = model(**_forward_inputs(thread, index)).logits
+        return kind, logits, probe.result()
+    if kind == "pipeline":  # no request id set: the call gets a generated one
+        text = generator_pipeline(_WORDS[index % 4], max_new_tokens=3, do_sample=False)[0]["generated_text"]
+        return kind, text, None
+    token = REQUEST_ID.set(f"t{thread}-c{index}")
+    try:
+        out = _generate(model, thread, index, sampled=kind == "sampled")
+    finally:
+        REQUEST_ID.reset(token)
+    return kind, out, None
+
+
+def test_four_threads_of_mixed_calls_each_equal_their_oracle(model):
+    tokenizer = tiny.tokenizer()
+    # single-threaded references, unattached
+    references: dict = {}
+    refs_pipeline = pipeline("text-generation", model=model, tokenizer=tokenizer)
+    for t in range(THREADS):
+        for i in range(CALLS):
+            kind = _kind(t, i)
+            if kind == "forward":
+                with torch.no_grad():
+                    references[t, i] = model(**_forward_inputs(t, i), output_hidden_states=True)
+            elif kind == "greedy":
+                references[t, i] = _generate(model, t, i, sampled=False)
+            elif kind == "pipeline":
+                references[t, i] = refs_pipeline(_WORDS[i % 4], max_new_tokens=3, do_sample=False)[0]["generated_text"]
+
+    results: dict = {}
+    errors: list[BaseException] = []
+
+    def worker(thread: int) -> None:
+        own_pipeline = pipeline("text-generation", model=model, tokenizer=tokenizer)
+        try:
+            for index in range(CALLS):
+                results[thread, index] = _work(model, probe, own_pipeline, thread, index)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    with nxl.attach(model, layers="all", tokenizer=tokenizer) as probe:
+        workers = [threading.Thread(target=worker, args=(t,), name=f"worker-{t}") for t in range(THREADS)]
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join(timeout=300)
+        assert not any(w.is_alive() for w in workers), "a worker thread hung"
+        with pytest.raises(RuntimeError, match="no forward has run under this probe yet"):
+            probe.result()  # this thread ran none: results belong to the thread that ran the forward
+    assert errors == [] and len(results) == THREADS * CALLS
+
+    hand = llama(model)
+    calls = list(probe.calls)
+    by_request = {call.request_id: call for call in calls}
+    assert len(by_request) == len(calls) == THREADS * CALLS * 3 // 4  # unique ids, every generate-style call kept
+    pipeline_calls = [call for call in calls if not call.request_id.startswith("t")]
+    for (thread, index), (kind, output, attribution) in results.items():
+        if kind == "forward":
+            expected = references[thread, index]
+            assert torch.equal(output, expected.logits)  # the host's own output, unchanged
+            mask = _forward_inputs(thread, index)["attention_mask"]
+            last = mask.sum(dim=1) - 1  # right padding: the last real token predicts
+            rows = torch.arange(mask.shape[0])
+            target = expected.logits[rows, last].argmax(-1)
+            logat, nx = normxlogit(hand.layer_logits(expected.hidden_states), expected.hidden_states[0], target)
+            assert attribution.target.tolist() == target.tolist()
+            assert attribution.position.tolist() == last.tolist()
+            torch.testing.assert_close(attribution.logat, logat, rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(attribution.normxlogit, nx, rtol=1e-4, atol=1e-4)
+        elif kind == "pipeline":
+            assert output == references[thread, index]
+        else:
+            call = by_request[f"t{thread}-c{index}"]
+            assert call.thread == f"worker-{thread}"
+            check_call(model, call, 2 + index % 4, hand)
+            assert torch.equal(call.sequences, output)
+            if kind == "greedy":
+                assert torch.equal(output, references[thread, index])
+    assert len(pipeline_calls) == THREADS * CALLS // 4
+    for call in pipeline_calls:
+        assert call.thread.startswith("worker-") and len(call.request_id) == 32  # a generated uuid4 hex
+        check_call(model, call, 3, hand)
+
+
+def test_detach_while_another_thread_generates(model, tmp_path, caplog):
+    ids = _prompt(0, 99)
+    plain = model.generate(input_ids=ids, max_new_tokens=10, do_sample=False)
+    inside, resume = threading.Event(), threading.Event()
+
+    def on_step(step: nxl.Step) -> None:
+        if step.step == 3:  # hold the generating thread mid-call while the main thread detaches
+            inside.set()
+            resume.wait(timeout=60)
+
+    outcome: dict = {}
+
+    def generate() -> None:
+        try:
+            outcome["out"] = model.generate(input_ids=ids, max_new_tokens=10, do_sample=False)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            outcome["error"] = error
+
+    path = tmp_path / "detached.nxl"
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+        probe = nxl.attach(model, sink=path, on_step=on_step)
+        worker = threading.Thread(target=generate, name="generating")
+        worker.start()
+        assert inside.wait(timeout=60)
+        probe.detach()
+        resume.set()
+        worker.join(timeout=60)
+    assert not worker.is_alive() and "error" not in outcome
+    assert torch.equal(outcome["out"], plain)  # the host's generate finished, unchanged
+    (call,) = probe.calls
+    assert not call.complete and "detached" in call.error and call.thread == "generating"
+    assert [s.step for s in call.steps] == [0, 1, 2, 3] and torch.equal(call.sequences, plain)
+    (read,) = nxl.read_stream(path)  # the sink was closed cleanly and stays readable
+    assert not read.complete and "detached" in read.error and len(read.steps) == 4
+    assert [r for r in caplog.records if r.name == "nxl_hooks"] == []  # nothing failed: no warning
+    assert "generate" not in vars(model)
