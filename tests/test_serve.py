@@ -24,6 +24,7 @@ import torch
 from transformers import AutoTokenizer, LlamaForCausalLM
 
 import nxl_hooks as nxl
+from nxl_hooks.apps.cli import main as cli_main
 from nxl_hooks.apps.serve.settings import Settings, parse_listen
 from oracle import llama, normxlogit, prefix_logits
 from serving import Server, free_port, save_chat_model
@@ -82,10 +83,18 @@ def _nxl(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProce
     return subprocess.run([*NXL, *args], capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
-def _ctl(server: Server, *args: str) -> dict:
-    done = _nxl("ctl", *args, "--run", str(server.run), "--json")
-    assert done.returncode == 0, done.stderr
-    (status,) = [json.loads(line) for line in done.stdout.splitlines()]
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``nxl ARGS`` in this process (the clients import nothing heavy): (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    code = cli_main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _ctl(capsys, server: Server, *args: str) -> dict:
+    code, out, err = _cli(capsys, "ctl", *args, "--run", str(server.run), "--json")
+    assert code == 0, err
+    (status,) = [json.loads(line) for line in out.splitlines()]
     return status
 
 
@@ -176,22 +185,25 @@ def test_serve_requests_recorded_per_request_id_and_match_the_oracle(server, tin
     check_call(tiny, busy_call, "the world is", busy_reply)
 
 
-def test_ctl_pause_resume_attach_detach_change_recording_not_outputs(server, tiny):
+def test_ctl_pause_resume_attach_detach_change_recording_not_outputs(server, tiny, capsys):
     content, expected = "hello you", tiny.text(tiny.generate("hello you", 5))
-    paused = _ctl(server, "pause")
+    paused = _ctl(capsys, server, "pause")
     (model,) = paused["models"]
     assert paused["paused"] and not model["attached"] and model["hooks"] == 0  # zero hooks while paused
     assert server.chat(content, max_tokens=5, request_id="while-paused")["content"] == expected
-    resumed = _ctl(server, "resume")
+    resumed = _ctl(capsys, server, "resume")
     assert resumed["models"][0]["attached"] and resumed["models"][0]["hooks"] > 0
-    last = _ctl(server, "attach", "--layers", "last")
+    code, _, err = _cli(capsys, "ctl", "attach", "--layers", "7", "--run", str(server.run))  # layers 0..2
+    assert code == 2 and "nothing changed" in err
+    assert _ctl(capsys, server, "status")["models"][0]["layers"] == [0, 1, 2]
+    last = _ctl(capsys, server, "attach", "--layers", "last")
     assert last["models"][0]["layers"] == [2] and last["options"]["layers"] == "last"
     reply = server.chat(content, max_tokens=5, request_id="after-attach")
     assert reply["content"] == expected
-    detached = _ctl(server, "detach")
+    detached = _ctl(capsys, server, "detach")
     assert detached["models"][0]["excluded"] and detached["models"][0]["hooks"] == 0
     assert server.chat(content, max_tokens=5, request_id="while-detached")["content"] == expected
-    assert _ctl(server, "attach", "--layers", "all")["models"][0]["layers"] == [0, 1, 2]
+    assert _ctl(capsys, server, "attach", "--layers", "all")["models"][0]["layers"] == [0, 1, 2]
 
     ids = [c.request_id for c in nxl.read_stream(server.run)]
     assert "while-paused" not in ids and "while-detached" not in ids
@@ -244,7 +256,7 @@ def test_endpoint_needs_the_token_and_listens_on_loopback_only(server, tiny):
     assert parse_listen(":8765") == ("127.0.0.1", 8765) and parse_listen("[::1]:9") == ("::1", 9)
 
 
-def test_sigkill_mid_generation_keeps_every_completed_step(tiny, tmp_path):
+def test_sigkill_mid_generation_keeps_every_completed_step(tiny, tmp_path, capsys):
     run = tmp_path / "run"
     generation = json.dumps({"min_new_tokens": 900, "eos_token_id": 2, "pad_token_id": 0, "do_sample": False})
     with Server(tiny.path, nxl=["--sink", str(run), "--layers", "0,-1"], log=tmp_path / "log",
@@ -276,8 +288,8 @@ def test_sigkill_mid_generation_keeps_every_completed_step(tiny, tmp_path):
                                            torch.ones(1, step.position, dtype=torch.bool))
         torch.testing.assert_close(step.normxlogit, normxlogit(logits, embeddings, step.token)[1][[0, 2]],
                                    rtol=1e-4, atol=1e-4)
-    stale = _nxl("ctl", "status", "--run", str(run))  # the killed process left its socket: nobody answers
-    assert stale.returncode == 2 and "no running process" in stale.stderr
+    code, _, err = _cli(capsys, "ctl", "status", "--run", str(run))  # its socket is left: nobody answers
+    assert code == 2 and "no running process" in err
 
 
 @pytest.mark.skipif(importlib.util.find_spec("nxl_hooks.hooks.batching") is None,
@@ -383,10 +395,10 @@ def test_import_auto_attaches_in_code_and_bad_settings_never_harm(tiny, tmp_path
         print("RESULT", out[0].tolist(), None if probe is None else len(probe.steps))
     """)
     env = {**os.environ, "NXL_RUN_DIR": str(tmp_path / "run"), **SERVE_ENV}
-    good = subprocess.run([sys.executable, "-c", code, str(tiny.path)], capture_output=True, text=True, env=env,
-                          timeout=120)
-    bad = subprocess.run([sys.executable, "-c", code, str(tiny.path)], capture_output=True, text=True,
-                         env={**env, "NXL_LAYERS": "one,two"}, timeout=120)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two programs at once: half the wait
+        good, bad = pool.map(lambda extra: subprocess.run([sys.executable, "-c", code, str(tiny.path)],
+                                                          capture_output=True, text=True, env={**env, **extra},
+                                                          timeout=180), [{}, {"NXL_LAYERS": "one,two"}])
     with torch.no_grad():
         plain = tiny.model.generate(input_ids=torch.tensor([[1, 64, 67]]), max_new_tokens=2, do_sample=False)
     assert good.returncode == bad.returncode == 0, good.stderr + bad.stderr
@@ -448,3 +460,24 @@ def test_rotating_sink_rotates_keeps_the_newest_files_and_reads_back_in_order(ti
     assert sorted(f.name for f in folder.iterdir()) == names
     with pytest.raises(ValueError, match="at least 1"):
         nxl.RotatingSink(folder, max_bytes=0)
+
+
+def test_frames_are_safetensors_blobs_of_any_layout_and_dtype(tmp_path):
+    """The sink's own encoder (safetensors.torch.save's checks cost too much per step) writes what safetensors'
+    loader reads back exactly: non-contiguous, half-precision, empty and bool tensors, and the metadata."""
+    from safetensors import safe_open
+    from safetensors.torch import load
+
+    from nxl_hooks.records.sink import _blob
+
+    tensors = {"t": torch.randn(3, 4).t(), "bf16": torch.randn(2, 3).bfloat16(), "f16": torch.randn(5).half(),
+               "empty": torch.zeros(0, 5), "ids": torch.tensor([[1], [2]]), "flags": torch.tensor([True, False])}
+    blob = _blob(tensors, {"nxl_hooks": "{}"})
+    loaded = load(blob)
+    assert set(loaded) == set(tensors)
+    for name, value in tensors.items():
+        assert loaded[name].dtype == value.dtype and torch.equal(loaded[name], value)
+    path = tmp_path / "blob.safetensors"  # safe_open reads a file: the header as written
+    path.write_bytes(blob)
+    with safe_open(str(path), framework="pt") as handle:
+        assert handle.metadata() == {"nxl_hooks": "{}"}

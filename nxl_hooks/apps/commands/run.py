@@ -16,18 +16,9 @@ import os
 import sys
 
 from ..options import CliError, add_attribution_options, positive_int
+from ..serve.settings import whole_number
 
 NAME = "run"
-
-
-def _count(value: str) -> int:
-    try:
-        number = int(value)
-    except ValueError:
-        number = -1
-    if number < 0:
-        raise argparse.ArgumentTypeError(f"{value!r}: give a whole number (0 or more)")
-    return number
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -50,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="let --listen use an address that is not loopback (the token is still required)")
     parser.add_argument("--models", metavar="PATTERN", default="*",
                         help="record only models whose name or path matches these globs (comma list; default *)")
-    parser.add_argument("--keep-calls", type=_count, metavar="N", default=None,
+    parser.add_argument("--keep-calls", type=whole_number, metavar="N", default=None,
                         help="requests kept in memory per model (default 16; older ones are in the sink)")
     parser.add_argument("--sink-file-mb", type=positive_int, metavar="MB", default=64,
                         help="start a new record file past this size (default 64)")

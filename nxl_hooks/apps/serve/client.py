@@ -105,9 +105,10 @@ def _alive(path: Path) -> bool:
 def endpoints(run: str | None = None, token_file: str | None = None) -> list[Endpoint]:
     """The live endpoints of ``run`` (module docstring); CliError saying what to do when there is none."""
     if run is None:
-        run = os.environ.get("NXL_RUN_DIR") or (str(last_run()) if last_run() else None)
-        if run is None:
+        last = os.environ.get("NXL_RUN_DIR") or last_run()
+        if last is None:
             raise CliError("no run given and none started yet: pass --run DIR (the run folder of `nxl run`)")
+        run = str(last)
     if run.startswith(("http://", "https://")):
         if run.startswith("https://"):
             raise CliError(f"{run}: the endpoint speaks plain HTTP on loopback; use http://")

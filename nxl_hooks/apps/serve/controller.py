@@ -27,12 +27,14 @@ import threading
 import weakref
 from typing import Any, Iterator
 
+from ...arch.registry import unwrap
 from ...hooks.guard import reason
+from ...hooks.plan import make_plan
 from ...hooks.probe import Probe, attach
 from ...method.select import special_mask
 from ...records.sink import RotatingSink
 from ...records.steps import GenerationCall, Step
-from .settings import Settings
+from .settings import Settings, matches
 
 __all__ = ["Controller", "Feed", "Watch", "controller", "count_hooks"]
 
@@ -191,7 +193,8 @@ class Controller:
         sink = (RotatingSink(settings.run_dir / watch.slug, max_bytes=settings.sink_max_bytes,
                              max_files=settings.sink_max_files) if settings.sink else None)
         try:
-            probe = attach(model, **self.options, sink=sink, keep_steps=True, keep_calls=settings.keep_calls,
+            probe = attach(model, **self.options, tokenizer=self._tokenizer(watch, self.options), sink=sink,
+                           keep_steps=True, keep_calls=settings.keep_calls,
                            on_step=functools.partial(self._on_step, watch))
         except Exception as error:  # noqa: BLE001 - an unsupported model runs unrecorded
             if sink is not None:
@@ -204,6 +207,14 @@ class Controller:
             return
         vars(model)[_PROBE] = probe  # the model's own: freed with it
         watch.error = None
+
+    @staticmethod
+    def _tokenizer(watch: Watch, options: dict) -> Any:
+        """The model's tokenizer when the target names tokens (``--target " Paris"``), else None: loading one
+        costs start-up time the other targets do not need."""
+        target = options.get("target")
+        items = target if isinstance(target, list) else [target]
+        return watch.texts.tokenizer if any(isinstance(t, str) and t != "predicted" for t in items) else None
 
     def _detach(self, watch: Watch) -> None:
         # caller holds the lock
@@ -218,9 +229,8 @@ class Controller:
     # -- what `nxl ctl` changes --------------------------------------------------------------------------
 
     def _each(self, models: str | None) -> Iterator[Watch]:
-        for watch in self.watches():
-            if models is None or Settings(run_dir=self.settings.run_dir, models=models.split(",")).selects(watch.name):
-                yield watch
+        globs = [glob.strip() for glob in (models or "*").split(",") if glob.strip()] or ["*"]
+        return (watch for watch in self.watches() if matches(watch.name, globs))
 
     def pause(self) -> None:
         """Detach every probe: the models carry zero hooks until :meth:`resume`."""
@@ -240,10 +250,21 @@ class Controller:
 
     def configure(self, *, models: str | None = None, **options: Any) -> None:
         """Record the models matching ``models`` (all by default) with new attach ``options`` (layers, target,
-        embedding); the others keep theirs. Unpaused, they are re-attached now."""
+        embedding), which become the process's options; unpaused, those models are re-attached now.
+
+        Options that do not fit a selected model (a layer out of range...) raise ValueError and change nothing."""
         with self._lock:
-            self.options = {**self.options, **{k: v for k, v in options.items() if v is not None}}
-            for watch in self._each(models):
+            wanted = {**self.options, **{k: v for k, v in options.items() if v is not None}}
+            selected = list(self._each(models))
+            for watch in selected:  # check first: a typo must not stop the recording
+                model = watch.ref()
+                if model is not None:
+                    try:
+                        make_plan(unwrap(model), **wanted, tokenizer=self._tokenizer(watch, wanted))
+                    except Exception as error:  # noqa: BLE001 - said to the operator, nothing changed
+                        raise ValueError(f"{watch.name}: {' '.join(str(error).split())}; nothing changed") from None
+            self.options = wanted
+            for watch in selected:
                 watch.excluded = False
                 self._detach(watch)
                 model = watch.ref()
@@ -317,16 +338,16 @@ class Controller:
             self.endpoint.start()
         except Exception as error:  # noqa: BLE001 - recording goes on without a live readout
             self.endpoint = None
-            reason("the control endpoint (nxl tail / nxl ctl)", error)
+            _log.warning("nxl_hooks: no control endpoint in process %d (%s: %s); records are kept all the same",
+                         os.getpid(), type(error).__name__, " ".join(str(error).split()))
 
     def after_fork(self) -> None:
-        """In a child the program forked: fresh locks and its own endpoint (the parent's threads are not here).
-        The probes it inherited keep recording in memory; their files belong to the parent and are not written."""
+        """In a child the program forked: fresh locks, and an endpoint of its own once it loads a model (the
+        parent's threads are not here). The probes it inherited keep recording in memory; their files belong to
+        the parent and are not written (:class:`~nxl_hooks.records.sink.RotatingSink`)."""
         self._lock = threading.RLock()
         self._feeds = ()
         self.endpoint, self._endpoint_tried = None, False
-        if self._watches:
-            self._ensure_endpoint()
 
 
 _CONTROLLER: Controller | None = None

@@ -25,6 +25,7 @@ import hmac
 import json
 import logging
 import os
+import queue
 import socket
 import socketserver
 import struct
@@ -270,7 +271,10 @@ class ControlServer:
         elif action == "resume":
             controller.resume()
         elif action == "attach":
-            controller.configure(models=models, **options)
+            try:
+                controller.configure(models=models, **options)
+            except ValueError as error:
+                raise _BadRequest(400, str(error)) from None
         elif action == "detach":
             controller.exclude(models)
         else:
@@ -313,7 +317,7 @@ class ControlServer:
                             send_step(*watched, step)
                 try:
                     watch, call, step = feed.queue.get(timeout=0.25)
-                except Exception:  # noqa: BLE001 - queue.Empty: nothing new
+                except queue.Empty:
                     if watched is not None and ended(watched[1]):
                         emit("end", summary(*watched))
                         return

@@ -16,7 +16,7 @@ import torch
 
 from ...records.steps import GenerationCall, Step
 
-__all__ = ["call_view", "ended", "step_view", "summary"]
+__all__ = ["Context", "call_view", "ended", "step_view", "summary"]
 
 
 def ended(call: GenerationCall) -> bool:
@@ -32,28 +32,38 @@ def summary(watch: Any, call: GenerationCall) -> dict:
             "layers": call.layers}
 
 
-def _context(call: GenerationCall, row: int) -> list[int]:
-    prompt = call.prompt_ids[row].tolist() if call.prompt_ids is not None else []
-    return prompt + [int(step.token[row]) for step in list(call.steps)]
-
-
 def _number(value: float) -> float | None:
     return None if math.isnan(value) else value
 
 
+class Context:
+    """A call's known token ids for one row (prompt, then each step's token) as text, with special-token flags:
+    computed once for every step of a call view."""
+
+    def __init__(self, texts: Any, call: GenerationCall | None, row: int = 0) -> None:
+        prompt = call.prompt_ids[row].tolist() if call is not None and call.prompt_ids is not None else []
+        steps = list(call.steps) if call is not None else []
+        self.ids = prompt + [int(step.token[row]) for step in steps]
+        self.names = [texts.text(i) for i in self.ids]
+        self.special = texts.special(self.ids)
+
+    def upto(self, n: int) -> tuple[list[str], list[bool] | None]:
+        """Names and flags of positions 0..n-1 (positions not known, say a call read from a trimmed sink, by
+        number)."""
+        missing = range(len(self.names), n)
+        names = self.names[:n] + [f"@{i}" for i in missing]
+        return names, None if self.special is None else self.special[:n] + [False] * len(missing)
+
+
 def step_view(texts: Any, call: GenerationCall | None, step: Step, *, k: int = 5, row: int = 0,
-              layers: list[int] | None = None) -> dict:
+              context: Context | None = None) -> dict:
     """One step: the emitted token and, per layer, the ``k`` context tokens that drove it most."""
-    ids = _context(call, row)[: step.position] if call is not None else []
-    names = [texts.text(i) for i in ids] + [f"@{i}" for i in range(len(ids), step.position)]
-    special = texts.special(ids)
+    names, special = (context or Context(texts, call, row)).upto(step.position)
     batch = step.token.shape[0]
-    flags = None
-    if special is not None:
-        flags = torch.tensor([special + [False] * (step.position - len(special))] * batch, dtype=torch.bool)
+    flags = torch.tensor([special] * batch, dtype=torch.bool) if special is not None else None
     res = step.to_attribution(tokens=[names] * batch, special=flags)
     top = {str(layer): [[position, name, _number(score)] for position, name, score in res.top(k, layer=layer, row=row)]
-           for layer in (layers if layers is not None else step.layers)}
+           for layer in step.layers}
     token = int(step.token[row])
     return {"step": step.step, "position": step.position, "token_id": token, "token": texts.text(token),
             "active": bool(step.active[row]), "top": top}
@@ -61,8 +71,8 @@ def step_view(texts: Any, call: GenerationCall | None, step: Step, *, k: int = 5
 
 def call_view(watch: Any, call: GenerationCall, *, k: int = 5, row: int = 0) -> dict:
     """One request: its summary, prompt tokens and every kept step."""
-    texts = watch.texts
+    texts, steps = watch.texts, list(call.steps)
+    context = Context(texts, call, row)
     prompt = call.prompt_ids[row].tolist() if call.prompt_ids is not None else []
-    steps = list(call.steps)
     return {**summary(watch, call), "prompt": [texts.text(i) for i in prompt],
-            "steps": [step_view(texts, call, step, k=k, row=row) for step in steps]}
+            "steps": [step_view(texts, call, step, k=k, row=row, context=context) for step in steps]}

@@ -26,7 +26,7 @@ from typing import Mapping
 
 from ..options import parse_layers, parse_target
 
-__all__ = ["DEFAULT_KEEP_CALLS", "Settings", "parse_listen"]
+__all__ = ["DEFAULT_KEEP_CALLS", "Settings", "matches", "parse_listen", "whole_number"]
 
 DEFAULT_KEEP_CALLS = 16  #: bounded by default: a server runs for weeks
 
@@ -57,14 +57,25 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def _positive(name: str, text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
+def whole_number(text: str) -> int:
+    """An int of 0 or more (ValueError otherwise): ``--keep-calls``, the NXL_* counts."""
+    value = int(text)
     if value < 0:
-        raise ValueError(f"{name}={text!r}: give a whole number (0 or more)")
+        raise ValueError(f"{text!r} is negative")
     return value
+
+
+def _count(name: str, text: str) -> int:
+    try:
+        return whole_number(text)
+    except ValueError:
+        raise ValueError(f"{name}={text!r}: give a whole number (0 or more)") from None
+
+
+def matches(name: str, globs: list[str]) -> bool:
+    """Whether a model loaded from ``name`` (a path or hub id) matches a glob, itself or its last part."""
+    tail = name.rstrip("/").rpartition("/")[2]
+    return any(fnmatch.fnmatchcase(name, glob) or fnmatch.fnmatchcase(tail, glob) for glob in globs)
 
 
 @dataclass
@@ -84,9 +95,8 @@ class Settings:
     sink_max_files: int = 16
 
     def selects(self, name: str) -> bool:
-        """Whether a model loaded from ``name`` (a path or hub id) is recorded: a glob matches it or its last part."""
-        tail = name.rstrip("/").rpartition("/")[2]
-        return any(fnmatch.fnmatchcase(name, glob) or fnmatch.fnmatchcase(tail, glob) for glob in self.models)
+        """Whether a model loaded from ``name`` is recorded (:func:`matches` one of ``models``)."""
+        return matches(name, self.models)
 
     def attach_options(self) -> dict:
         """What goes to :func:`nxl_hooks.attach` besides the sink."""
@@ -134,10 +144,10 @@ class Settings:
         settings = cls(
             run_dir=Path(folder), sink=get("NXL_SINK", "0") == "1", layers=layers, target=target, embedding=embedding,
             models=[glob.strip() for glob in get("NXL_MODELS", "*").split(",") if glob.strip()] or ["*"],
-            keep_calls=_positive("NXL_KEEP_CALLS", get("NXL_KEEP_CALLS", str(DEFAULT_KEEP_CALLS))),
+            keep_calls=_count("NXL_KEEP_CALLS", get("NXL_KEEP_CALLS", str(DEFAULT_KEEP_CALLS))),
             listen=listen, allow_remote=allow_remote,
-            sink_max_bytes=_positive("NXL_SINK_MAX_BYTES", get("NXL_SINK_MAX_BYTES", str(64 << 20))),
-            sink_max_files=_positive("NXL_SINK_MAX_FILES", get("NXL_SINK_MAX_FILES", "16")),
+            sink_max_bytes=_count("NXL_SINK_MAX_BYTES", get("NXL_SINK_MAX_BYTES", str(64 << 20))),
+            sink_max_files=_count("NXL_SINK_MAX_FILES", get("NXL_SINK_MAX_FILES", "16")),
         )
         if settings.sink_max_bytes < 1 or settings.sink_max_files < 1:
             raise ValueError("NXL_SINK_MAX_BYTES and NXL_SINK_MAX_FILES must be at least 1")
