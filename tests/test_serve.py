@@ -419,6 +419,59 @@ def test_settings_round_trip_through_the_environment(tmp_path):
         Settings.from_env({"NXL_RUN_DIR": "r", "NXL_LISTEN": "10.0.0.1:80"})
 
 
+def test_classifier_forwards_are_kept_per_request_and_match_the_oracle(tmp_path):
+    """A model that does not generate (here a classifier): each forward is a request, kept (bounded) with its id,
+    and read over the endpoint as the top-k tokens per layer of the oracle."""
+    import tiny as tiny_models
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from nxl_hooks.apps.serve.client import endpoints
+    from nxl_hooks.apps.serve.controller import Controller, count_hooks
+    from nxl_hooks.hooks.generate import REQUEST_ID
+
+    path = tmp_path / "cls"
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(tiny_models.VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, num_labels=3)).save_pretrained(path)
+    tiny_models.tokenizer().save_pretrained(path)
+    served, reference = (LlamaForSequenceClassification.from_pretrained(path).eval() for _ in range(2))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    texts = ["the film was good", "a very bad plot", "the movie is great and the plot good"]
+    controller = Controller(Settings(run_dir=tmp_path / "run", keep_calls=2))
+    controller.adopt(served, str(path))
+    try:
+        for index, text in enumerate(texts):
+            token = REQUEST_ID.set(f"cls-{index}")
+            with torch.no_grad():
+                served(**tokenizer(text, return_tensors="pt", return_token_type_ids=False))
+            REQUEST_ID.reset(token)
+        (endpoint,) = endpoints(str(tmp_path / "run"))
+        listed = endpoint.json("GET", "/v1/requests")["requests"]
+        assert [(r["request_id"], r["kind"]) for r in listed] == [("cls-1", "forward"), ("cls-2", "forward")]
+        (row,) = endpoint.json("GET", "/v1/requests/cls-2?k=3")["explained"]
+        enc = tokenizer(texts[2], return_tensors="pt", return_token_type_ids=False)
+        with torch.no_grad():
+            out = reference(**enc, output_hidden_states=True)
+        target = out.logits[0].argmax()
+        _, expected = normxlogit(llama(reference).layer_logits(out.hidden_states), out.hidden_states[0],
+                                 target.view(1))
+        ids, seq = enc["input_ids"][0].tolist(), enc["input_ids"].shape[1]
+        eligible = [i for i in range(seq) if i != seq - 1 and ids[i] not in tokenizer.all_special_ids]
+        assert row["position"] == seq - 1 and row["target"] == [int(target)]
+        assert row["tokens"] == tokenizer.convert_ids_to_tokens(ids)
+        for layer, top in row["top"].items():
+            scores = expected[int(layer), 0]
+            best = sorted(eligible, key=lambda i: -float(scores[i]))[:3]
+            assert [entry[0] for entry in top] == best
+            torch.testing.assert_close(torch.tensor([entry[2] for entry in top]), scores[best], rtol=1e-4, atol=1e-5)
+        controller.pause()
+        assert count_hooks(served) == 0  # paused: no hook of the probe, nor the one that keeps forwards
+    finally:
+        controller.close()
+    assert not list((tmp_path / "run").glob("*.sock"))  # closed: its socket is gone
+
+
 # -- the rotating sink ----------------------------------------------------------------------------------------
 
 def _records(calls: list[nxl.GenerationCall]) -> list[tuple]:

@@ -71,11 +71,12 @@ def _blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
 
 def _encode(tensors: dict[str, torch.Tensor], header: dict) -> bytes:
     """One frame: magic, length, CRC-32, then the safetensors payload whose metadata holds ``header``."""
-    # copies: a step's target is a view of its token, and the caller's tensors may live on an accelerator
-    tensors = {name: value.detach().to("cpu", copy=True).contiguous() for name, value in tensors.items()}
     metadata = {"nxl_hooks": json.dumps(header)}
-    fast = sys.byteorder == "little" and all(value.dtype in _DTYPES for value in tensors.values())
-    payload = _blob(tensors, metadata) if fast else _save_blob(tensors, metadata=metadata)
+    tensors = {name: value.detach().cpu() for name, value in tensors.items()}
+    if sys.byteorder == "little" and all(value.dtype in _DTYPES for value in tensors.values()):
+        payload = _blob(tensors, metadata)
+    else:  # copies: safetensors refuses tensors that share storage (a step's target is a view of its token)
+        payload = _save_blob({name: value.clone().contiguous() for name, value in tensors.items()}, metadata=metadata)
     return _FRAME.pack(_FRAME_MAGIC, len(payload), zlib.crc32(payload)) + payload
 
 

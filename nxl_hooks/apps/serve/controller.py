@@ -4,7 +4,10 @@
     ctl.adopt(model, "./my-model")          # what the from_pretrained patch calls: attached unless paused/excluded
     ctl.pause(); ctl.resume()               # paused: zero hooks on every model
     ctl.configure(layers="last")            # re-attach with other options
-    ctl.records()                           # [(watch, call, meta)] of every model, oldest first
+    ctl.records()                           # [(watch, record, meta)] of every model, oldest first
+
+Records: a ``GenerationCall`` per ``generate`` call (or continuous-batching request) of a causal LM, and for the
+other heads (classifiers, masked LMs), whose requests are plain forwards, a :class:`Forward` per forward.
 
 Lifetimes. The probe lives on the model object (``model._nxl_probe``) and nowhere else: when the program drops a
 model (``transformers serve --model-timeout``), model and probe are freed together and the probe's finalizer
@@ -24,19 +27,23 @@ import os
 import queue
 import re
 import threading
+import uuid
 import weakref
+from dataclasses import dataclass
 from typing import Any, Iterator
 
 from ...arch.registry import unwrap
+from ...hooks.generate import REQUEST_ID
 from ...hooks.guard import reason
 from ...hooks.plan import make_plan
 from ...hooks.probe import Probe, attach
 from ...method.select import special_mask
+from ...records.attribution import Attribution
 from ...records.sink import RotatingSink
 from ...records.steps import GenerationCall, Step
 from .settings import Settings, matches
 
-__all__ = ["Controller", "Feed", "Watch", "controller", "count_hooks"]
+__all__ = ["Controller", "Feed", "Forward", "Watch", "controller", "count_hooks"]
 
 _log = logging.getLogger("nxl_hooks")
 _PROBE = "_nxl_probe"  #: the attribute of a model that holds its probe
@@ -93,6 +100,15 @@ class Texts:
         return mask[0].tolist() if mask is not None else None
 
 
+@dataclass(eq=False)
+class Forward:
+    """One forward of a model that does not generate (a classifier): the request it served and its attribution."""
+
+    request_id: str  #: REQUEST_ID where the program set it, else a generated id
+    thread: str
+    attribution: Attribution
+
+
 class Watch:
     """One model the program loaded: a weak reference to it, its name, why it is not attached, and the calls of
     its earlier probes (each re-attach starts a new probe)."""
@@ -105,17 +121,19 @@ class Watch:
         self.error: str | None = None  #: why the last attach failed
         self.texts = Texts(name)
         self.retired: collections.deque[tuple[GenerationCall, dict]] = collections.deque(maxlen=keep_calls)
+        self.forwards: collections.deque[Forward] = collections.deque(maxlen=keep_calls)
+        self.hook: Any = None  #: the forward hook that keeps :attr:`forwards`, while attached
 
     @property
     def probe(self) -> Probe | None:
         model = self.ref()
         return vars(model).get(_PROBE) if model is not None else None
 
-    def records(self) -> list[tuple[GenerationCall, dict]]:
-        """(call, meta) of this model's calls in memory, oldest first."""
+    def records(self) -> list[tuple[GenerationCall | Forward, dict]]:
+        """(record, meta) of this model's calls and forwards in memory, oldest first."""
         probe = self.probe
         live = [(call, probe.describe()) for call in probe.calls] if probe is not None else []
-        return list(self.retired) + live
+        return list(self.retired) + live + [(forward, forward.attribution.meta) for forward in self.forwards]
 
     def describe(self) -> dict:
         model, probe = self.ref(), self.probe
@@ -207,19 +225,41 @@ class Controller:
             return
         vars(model)[_PROBE] = probe  # the model's own: freed with it
         watch.error = None
+        if probe.kind != "causal_lm":  # requests are plain forwards: keep each one's attribution
+            watch.hook = probe.model.register_forward_hook(functools.partial(self._on_forward, watch))
+
+    @staticmethod
+    def _on_forward(watch: Watch, module: Any, args: tuple, output: Any) -> None:
+        """After each forward of a non-generating model, in the host's thread, once the probe's own hook (put on
+        before this one) has assembled it: keep its attribution with the request it served."""
+        probe = watch.probe
+        if probe is None:
+            return
+        try:
+            result = probe.result()
+        except Exception:  # noqa: BLE001 - a forward the probe could not record; its reason was logged
+            return
+        request_id = REQUEST_ID.get() or uuid.uuid4().hex
+        watch.forwards.append(Forward(request_id, threading.current_thread().name, result))
 
     @staticmethod
     def _tokenizer(watch: Watch, options: dict) -> Any:
-        """The model's tokenizer when the target names tokens (``--target " Paris"``), else None: loading one
-        costs start-up time the other targets do not need."""
+        """The model's tokenizer when the target names tokens (``--target " Paris"``) or the model does not
+        generate (its forward records show token strings), else None: loading one costs start-up time."""
         target = options.get("target")
         items = target if isinstance(target, list) else [target]
-        return watch.texts.tokenizer if any(isinstance(t, str) and t != "predicted" for t in items) else None
+        model = watch.ref()
+        forwards = model is not None and not (hasattr(model, "can_generate") and model.can_generate())
+        named = any(isinstance(t, str) and t != "predicted" for t in items)
+        return watch.texts.tokenizer if named or forwards else None  # forwards: token strings in each result
 
     def _detach(self, watch: Watch) -> None:
         # caller holds the lock
         model = watch.ref()
         probe = vars(model).pop(_PROBE, None) if model is not None else None
+        if watch.hook is not None:
+            watch.hook.remove()
+            watch.hook = None
         if probe is not None:
             meta = probe.describe()
             calls = probe.calls
@@ -278,6 +318,14 @@ class Controller:
                 watch.excluded = True
                 self._detach(watch)
 
+    def close(self) -> None:
+        """Detach every probe and close the endpoint: recording ends for good (``nxl_hooks.auto.controller()
+        .close()``)."""
+        self.pause()
+        if self.endpoint is not None:
+            self.endpoint.stop()
+            self.endpoint = None
+
     def status(self) -> dict:
         with self._lock:
             options = dict(self.options)
@@ -288,14 +336,14 @@ class Controller:
 
     # -- records -----------------------------------------------------------------------------------------
 
-    def records(self) -> list[tuple[Watch, GenerationCall, dict]]:
-        return [(watch, call, meta) for watch in self.watches() for call, meta in watch.records()]
+    def records(self) -> list[tuple[Watch, GenerationCall | Forward, dict]]:
+        return [(watch, record, meta) for watch in self.watches() for record, meta in watch.records()]
 
-    def find(self, request_id: str) -> tuple[Watch, GenerationCall, dict] | None:
-        """The newest call in memory that served ``request_id``."""
-        for watch, call, meta in reversed(self.records()):
-            if call.request_id == request_id:
-                return watch, call, meta
+    def find(self, request_id: str) -> tuple[Watch, GenerationCall | Forward, dict] | None:
+        """The newest call or forward in memory that served ``request_id``."""
+        for watch, record, meta in reversed(self.records()):
+            if record.request_id == request_id:
+                return watch, record, meta
         return None
 
     # -- live steps --------------------------------------------------------------------------------------

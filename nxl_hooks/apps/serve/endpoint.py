@@ -2,7 +2,8 @@
 
     GET  /v1/status                      the process, its models, hooks and options
     GET  /v1/requests                    the requests in memory, oldest first ({"requests": [...]})
-    GET  /v1/requests/ID?k=5             one request: per step, the top-k context tokens of every layer
+    GET  /v1/requests/ID?k=5             one request: per step, the top-k context tokens of every layer (a
+                                         classifier's: per explained row)
     GET  /v1/requests/ID/frames          one request as a stream file (nxl.read_stream reads it)
     GET  /v1/stream[?request_id=ID&k=3]  steps as they are made, as server-sent events (event: step | end)
     POST /v1/control                     {"action": "pause" | "resume" | "attach" | "detach", "layers": ...,
@@ -38,8 +39,9 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ...records.sink import read_stream, stream_bytes
+from ...records.steps import GenerationCall
 from ..options import parse_layers, parse_target
-from .readout import call_view, ended, step_view, summary
+from .readout import call_view, ended, forward_view, step_view, summary
 from .runs import read_token, socket_path
 from .settings import parse_listen
 
@@ -161,7 +163,8 @@ def _int(query: dict, name: str, default: int, low: int = 0, high: int = 1000) -
 
 
 class ControlServer:
-    """The endpoint of one controller (module docstring): ``ControlServer(controller).start()``; ``stop()``."""
+    """The endpoint of one controller (module docstring): ``ControlServer(controller).start()``. Its threads are
+    daemons: they end with the program, and the socket file is removed at a normal exit."""
 
     def __init__(self, controller: Any) -> None:
         self.controller = controller
@@ -189,6 +192,8 @@ class ControlServer:
         try:
             host, port = parse_listen(self.settings.listen, allow_remote=self.settings.allow_remote)
             token = read_token(self.settings.run_dir)
+            if len(token) < 16:
+                raise ValueError(f"the token in {self.settings.run_dir} is too short to guard anything")
             server = _TCPServer((host, port), _Handler)
         except Exception as error:  # noqa: BLE001 - another worker has the port: the Unix socket still works
             _log.warning("nxl_hooks: no HTTP control endpoint in process %d (%s: %s); its Unix socket is %s",
@@ -205,6 +210,7 @@ class ControlServer:
         self._servers.append(server)
 
     def stop(self) -> None:
+        """Close the endpoint: its listening sockets, its threads, the socket file."""
         for server in self._servers:
             server.shutdown()
             server.server_close()
@@ -226,8 +232,11 @@ class ControlServer:
             records = self.controller.records()[-_int(query, "limit", 1000, 1, 100000):]
             return handler._json(200, {"requests": [summary(watch, call) for watch, call, _ in records]})
         if method == "GET" and len(rest) == 2 and rest[0] == "requests":
-            watch, call, _ = self._find(rest[1])
-            return handler._json(200, call_view(watch, call, k=_int(query, "k", 5, 1), row=_int(query, "row", 0)))
+            watch, record, _ = self._find(rest[1])
+            k = _int(query, "k", 5, 1)
+            view = (call_view(watch, record, k=k, row=_int(query, "row", 0)) if isinstance(record, GenerationCall)
+                    else forward_view(watch, record, k=k))
+            return handler._json(200, view)
         if method == "GET" and len(rest) == 3 and rest[0] == "requests" and rest[2] == "frames":
             return handler._send(200, self._frames(rest[1]), "application/octet-stream")
         if method == "GET" and rest == ["stream"]:
@@ -245,6 +254,9 @@ class ControlServer:
 
     def _frames(self, request_id: str) -> bytes:
         found = self.controller.find(request_id)
+        if found is not None and not isinstance(found[1], GenerationCall):
+            raise _BadRequest(404, f"{request_id!r} was a forward, not a generation: its record is "
+                                   f"/v1/requests/{request_id}")
         if found is not None and found[1].prompt_mask is not None:
             return stream_bytes(found[1], found[2])
         if self.settings.sink:  # no longer in memory: this process's files
@@ -311,7 +323,7 @@ class ControlServer:
             while True:
                 if request_id is not None and watched is None:
                     found = controller.find(request_id)
-                    if found is not None:
+                    if found is not None and isinstance(found[1], GenerationCall):
                         watched = found[:2]
                         for step in list(watched[1].steps):  # joined mid-request (or after): replay
                             send_step(*watched, step)
