@@ -14,6 +14,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -233,8 +234,10 @@ def test_tail_prints_one_line_per_token_of_a_request(server, tiny):
         assert (request_id, int(step), shown) == ("tail-1", index, repr(token)) and rest.startswith("L2: ")
 
 
-def test_endpoint_needs_the_token_and_listens_on_loopback_only(server, tiny):
+def test_endpoint_needs_the_token_streams_and_listens_on_loopback_only(server, tiny):
     import psutil
+
+    from nxl_hooks.apps.serve.client import Endpoint
 
     status = json.loads(_endpoint(server, "/v1/status"))
     sock = Path(status["endpoint"]["socket"])
@@ -245,6 +248,27 @@ def test_endpoint_needs_the_token_and_listens_on_loopback_only(server, tiny):
             request = urllib.request.Request(f"http://{server.listen}{path}", headers=headers)
             with pytest.raises(urllib.error.HTTPError, match="401"):
                 urllib.request.urlopen(request, timeout=10)
+    live, seen = Endpoint(url=f"http://{server.listen}", token=(server.run / "token").read_text().strip()), []
+
+    def follow() -> None:  # every request's steps, as server-sent events
+        for event, data in live.events("/v1/stream?k=1", timeout=60):
+            seen.append((event, data))
+            if len(seen) == 3:
+                return
+
+    reader = threading.Thread(target=follow, daemon=True)
+    reader.start()
+    for attempt in range(10):  # the first request may start before the stream is subscribed
+        server.chat("hello world", max_tokens=4, request_id=f"live-{attempt}")
+        reader.join(timeout=1)
+        if not reader.is_alive():
+            break
+    assert len(seen) == 3 and all(event == "step" and data["request_id"].startswith("live-") for event, data in seen)
+    for first, second in zip(seen, seen[1:]):  # in order: the next step of a request, or a later request's first
+        same = first[1]["request_id"] == second[1]["request_id"]
+        assert second[1]["step"] == (first[1]["step"] + 1 if same else 0)
+    assert all(len(top) == 1 and set(data["top"]) == {"0", "1", "2"} for _, data in seen for top in data["top"].values())
+
     listening = {c.laddr.ip for c in psutil.Process(server.pid).net_connections("inet") if c.status == "LISTEN"}
     assert listening == {"127.0.0.1"}
     refused = _nxl("run", "--listen", f"0.0.0.0:{free_port()}", "--", sys.executable, "-c", "print('ran')")
