@@ -13,13 +13,14 @@ live model), ``eval`` (checking), ``apps`` (the command line and views).
 from . import _moved
 from .arch import ArchSpec, UnknownArchitectureError, register_architecture, register_file
 from .hooks import Probe, attach, detach_all, explain
-from .records import Attribution, GenerationCall, Sink, Step, read_stream
+from .records import Attribution, GenerationCall, RotatingSink, Sink, Step, read_stream
 
 __all__ = [
     "ArchSpec",
     "Attribution",
     "GenerationCall",
     "Probe",
+    "RotatingSink",
     "Sink",
     "Step",
     "UnknownArchitectureError",

@@ -1,0 +1,254 @@
+"""Cost of ``nxl run`` on a real server: request latency and throughput of ``transformers serve``, plain and
+under ``nxl run`` (``--layers last`` and ``--layers all``, records written to a sink), with 1 and 4 concurrent
+clients; and a soak of many requests showing the server's memory and the state nxl keeps staying flat.
+
+    python benchmarks/bench_serve.py [--models tiny,smollm2] [--rounds N] [--soak 1000] \\
+        [--out benchmarks/results/serve_cpu.json] [--readme README.md]
+    python benchmarks/bench_serve.py --render benchmarks/results/serve_cpu.json --readme README.md   # table only
+
+The three servers of a model run side by side on 127.0.0.1 and are measured in interleaved rounds (the order
+rotates each round), so the machine's noise falls on all of them alike; ratios are of medians measured in one run.
+Requests are non-streaming chat completions, greedy, a fixed ``max_tokens``; every variant must answer with the
+same text (checked). Without continuous batching serve runs one request at a time, so 4 clients mostly measure
+queueing: throughput is the figure to read there. Models: the tiny chat model of tests/serving.py, and
+SmolLM2-135M-Instruct (tests/real_model.py fetches it; ``--smollm2 DIR`` or ``$NXL_TEST_CACHE`` point at a converted
+folder; the JSON says why it did not run otherwise). The soak (tiny model) interleaves a plain and an
+``nxl run --layers all`` server, prompts and lengths varying, and samples the server's RSS, the calls nxl keeps in
+memory and the bytes in its sink. ``--readme`` rewrites the table between the ``bench_serve`` markers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import json
+import os
+import platform
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+from _common import emit  # noqa: E402
+from serving import Server, save_chat_model  # noqa: E402
+
+QUESTION = {"tiny": "hello world how are you", "smollm2": "Write a short story about a robot who learns to paint."}
+ROUNDS, MAX_TOKENS = {"tiny": 30, "smollm2": 10}, {"tiny": 32, "smollm2": 24}
+VARIANTS = {"plain": None, "nxl_last": ["--layers", "last"], "nxl_all": ["--layers", "all"]}
+MARKERS = ("<!-- bench_serve:begin -->", "<!-- bench_serve:end -->")
+
+
+def _smollm2(folder: str | None) -> tuple[Path | None, str | None]:
+    """The SmolLM2 folder, or None and why not."""
+    if folder:
+        return Path(folder), None
+    try:
+        from real_model import smollm2_dir  # tests/real_model.py: fetched once into the cache
+
+        return smollm2_dir(), None
+    except ImportError:
+        cache = Path(os.environ.get("NXL_TEST_CACHE", Path.home() / ".cache" / "nxl_hooks")) / "smollm2-0.1.2" / "hf"
+        if (cache / "model.safetensors").exists():
+            return cache, None
+        return None, f"no converted SmolLM2 folder at {cache} and no tests/real_model.py to fetch one"
+    except Exception as error:  # noqa: BLE001 - offline: say so in the JSON
+        return None, f"{type(error).__name__}: {error}"
+
+
+THREADS = {"OMP_NUM_THREADS": "1"}  # set by main(): torch threads of each server
+
+
+def _start(model: Path, variant: str, work: Path, extra: list[str] = (), tag: str = "") -> Server:
+    """A server of ``variant``; under nxl run its run folder is ``work/run-<variant>-<model><tag>``."""
+    nxl = VARIANTS[variant]
+    if nxl is not None:
+        nxl = [*nxl, "--sink", str(work / f"run-{variant}-{model.name}{tag}"), *extra]
+    return Server(model, nxl=nxl, log=work / f"{variant}-{model.name}{tag}.log", env=THREADS).start()
+
+
+def _timed(server: Server, content: str, max_tokens: int) -> tuple[float, str]:
+    start = time.perf_counter()
+    reply = server.chat(content, max_tokens=max_tokens)
+    return time.perf_counter() - start, reply["content"]
+
+
+def measure(servers: dict[str, Server], content: str, max_tokens: int, clients: int, rounds: int) -> dict:
+    """Latency and throughput per variant; ratios to plain. A round sends one batch of ``clients`` concurrent
+    requests to each variant in turn (the order rotates), so slow spells of a shared machine hit all alike."""
+    latencies: dict[str, list[float]] = {name: [] for name in servers}
+    throughput: dict[str, list[float]] = {name: [] for name in servers}
+    answers: dict[str, set[str]] = {name: set() for name in servers}
+    names = list(servers)
+    for index in range(rounds):
+        for name in names[index % len(names):] + names[: index % len(names)]:
+            start = time.perf_counter()
+            with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+                done = list(pool.map(lambda _: _timed(servers[name], content, max_tokens), range(clients)))
+            throughput[name].append(clients / (time.perf_counter() - start))
+            latencies[name] += [seconds for seconds, _ in done]
+            answers[name] |= {text for _, text in done}
+    if len({frozenset(a) for a in answers.values()}) != 1 or len(answers["plain"]) != 1:
+        raise AssertionError(f"the variants answered differently: {answers}")
+    out = {}
+    for name in names:
+        lat = sorted(latencies[name])
+        out[name] = {"latency_median_s": statistics.median(lat), "latency_min_s": lat[0],
+                     "latency_p90_s": lat[int(0.9 * (len(lat) - 1))],
+                     "throughput_rps": statistics.median(throughput[name]), "requests": len(lat)}
+    for name in names[1:]:
+        out[name]["latency_ratio"] = out[name]["latency_median_s"] / out["plain"]["latency_median_s"]
+        # the fastest request of each: the least disturbed by the machine's other work
+        out[name]["latency_min_ratio"] = out[name]["latency_min_s"] / out["plain"]["latency_min_s"]
+        out[name]["throughput_ratio"] = out[name]["throughput_rps"] / out["plain"]["throughput_rps"]
+    return out
+
+
+def _tree_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) if folder.exists() else 0
+
+
+def soak(model: Path, work: Path, total: int, block: int = 50) -> dict:
+    """``total`` requests to a plain and an ``nxl run --layers all`` server, interleaved in blocks; samples of
+    RSS (MiB), kept calls and sink bytes every ``4 * block`` requests."""
+    extra = ["--sink-file-mb", "1", "--sink-files", "4"]
+    servers = {"plain": _start(model, "plain", work, tag="-soak"),
+               "nxl_all": _start(model, "nxl_all", work, extra, tag="-soak")}
+    sink = work / f"run-nxl_all-{model.name}-soak"
+    rng = random.Random(0)
+    words = [f"w{i}" for i in range(60)] + ["hello", "world", "how", "are", "you", "the"]
+    samples: list[dict] = []
+    try:
+        for done in range(0, total, block):
+            asks = [(" ".join(rng.choices(words, k=rng.randint(2, 30))), rng.randint(4, 24)) for _ in range(block)]
+            for server in servers.values():
+                with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                    list(pool.map(lambda ask: server.chat(ask[0], max_tokens=ask[1]), asks))
+            if (done + block) % (4 * block) == 0:
+                status = _status(sink)
+                samples.append({"requests": done + block,
+                                **{f"rss_mib_{name}": psutil.Process(s.pid).memory_info().rss / 2**20
+                                   for name, s in servers.items()},
+                                "kept_calls": sum(m["calls"] for m in status["models"]),
+                                "sink_bytes": _tree_bytes(sink)})
+    finally:
+        for server in servers.values():
+            server.stop()
+    first, last = samples[0], samples[-1]
+    return {"requests_per_server": total, "samples": samples,
+            "rss_growth_mib": {name: last[f"rss_mib_{name}"] - first[f"rss_mib_{name}"] for name in servers},
+            "kept_calls_max": max(s["kept_calls"] for s in samples), "sink_bytes_max": max(s["sink_bytes"] for s in samples)}
+
+
+def _status(run: Path) -> dict:
+    from nxl_hooks.apps.serve.client import endpoints
+
+    (endpoint,) = endpoints(str(run))
+    return endpoint.json("GET", "/v1/status")
+
+
+def table(report: dict) -> str:
+    """The README table of a report."""
+    lines = ["| model | clients | plain: median latency, throughput | nxl run --layers last (ratio to plain) "
+             "| nxl run --layers all |",
+             "| --- | --- | --- | --- | --- |"]
+    for key, result in report["latency"].items():
+        model, clients = key.rsplit("/", 1)
+        plain = result["plain"]
+        cells = [f"{plain['latency_median_s'] * 1000:.0f} ms, {plain['throughput_rps']:.2f} req/s"]
+        for name in ("nxl_last", "nxl_all"):
+            r = result[name]
+            cells.append(f"{r['latency_median_s'] * 1000:.0f} ms (**{r['latency_ratio']:.2f}x**), "
+                         f"{r['throughput_rps']:.2f} req/s ({r['throughput_ratio']:.2f}x)")
+        lines.append(f"| {model} | {clients.removeprefix('clients=')} | " + " | ".join(cells) + " |")
+    if report.get("soak"):
+        s = report["soak"]
+        growth = s["rss_growth_mib"]
+        lines.append("")
+        lines.append(f"Soak ({s['requests_per_server']} requests per server, tiny model, 4 clients): RSS growth from "
+                     f"request {s['samples'][0]['requests']} to {s['samples'][-1]['requests']}: plain "
+                     f"{growth['plain']:+.1f} MiB, nxl run --layers all {growth['nxl_all']:+.1f} MiB; calls kept in "
+                     f"memory at most {s['kept_calls_max']} (the default bound, 16); sink at most "
+                     f"{s['sink_bytes_max'] / 2**20:.1f} MiB (4 files of 1 MiB).")
+    return "\n".join(lines)
+
+
+def _rewrite_readme(path: Path, text: str) -> None:
+    readme = path.read_text()
+    begin, end = readme.index(MARKERS[0]) + len(MARKERS[0]), readme.index(MARKERS[1])
+    path.write_text(readme[:begin] + "\n" + text + "\n" + readme[end:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", default="tiny,smollm2", help="comma list: tiny, smollm2")
+    parser.add_argument("--smollm2", metavar="DIR", help="a converted SmolLM2-135M-Instruct folder")
+    parser.add_argument("--rounds", type=int, help="rounds per model and client count (default: tiny 30, smollm2 10)")
+    parser.add_argument("--max-tokens", type=int, help="new tokens per request (default: tiny 32, smollm2 24)")
+    parser.add_argument("--soak", type=int, default=1000, help="requests per server in the soak (0: none)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per server (default 1: the servers "
+                        "share the machine's cores with each other and the clients)")
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--readme", type=Path, help="rewrite the table between the bench_serve markers")
+    parser.add_argument("--render", type=Path, metavar="JSON",
+                        help="measure nothing: redo the table of a saved report (in it, and in --readme)")
+    args = parser.parse_args()
+    if args.render:
+        report = json.loads(args.render.read_text())
+        report["table"] = table(report)
+        args.render.write_text(json.dumps(report, indent=2) + "\n")
+        print(report["table"])
+        if args.readme:
+            _rewrite_readme(args.readme, report["table"])
+        return
+    THREADS["OMP_NUM_THREADS"] = str(args.threads)
+    report: dict[str, Any] = {
+        "benchmark": "serve", "device": f"cpu ({platform.processor() or platform.machine()})", "cpus": os.cpu_count(),
+        "machine_note": "a VM with 2 cores shared with other sessions: figures are noisy; ratios are of medians "
+                        "measured side by side in one run",
+        "settings": {"server_threads": args.threads, "rounds": {m: args.rounds or ROUNDS[m] for m in ROUNDS},
+                     "max_tokens": {m: args.max_tokens or MAX_TOKENS[m] for m in MAX_TOKENS},
+                     "request": "non-streaming chat completion, temperature 0", "sink": "on for nxl run"},
+        "latency": {}, "skipped": {}}
+    with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
+        work = Path(tmp)
+        folders = {"tiny": save_chat_model(work / "tiny")}
+        if "smollm2" in args.models:
+            folder, why = _smollm2(args.smollm2)
+            if folder is None:
+                report["skipped"]["smollm2"] = why
+            else:
+                folders["smollm2"] = folder
+        for name, folder in folders.items():
+            if name not in args.models.split(","):
+                continue
+            servers = {variant: _start(folder, variant, work) for variant in VARIANTS}
+            try:
+                max_tokens = args.max_tokens or MAX_TOKENS[name]
+                for server in servers.values():  # warm up: first requests load kernels, tokenizers, caches
+                    for _ in range(3):
+                        server.chat(QUESTION[name], max_tokens=max_tokens)
+                for clients in (1, 4):
+                    report["latency"][f"{name}/clients={clients}"] = measure(
+                        servers, QUESTION[name], max_tokens, clients, args.rounds or ROUNDS[name])
+                    print(f"{name} clients={clients}: {report['latency'][f'{name}/clients={clients}']}",
+                          file=sys.stderr, flush=True)
+            finally:
+                for server in servers.values():
+                    server.stop()
+        if args.soak:
+            report["soak"] = soak(folders["tiny"], work, args.soak)
+    report["table"] = table(report)
+    emit(report, args.out)
+    if args.readme:
+        _rewrite_readme(args.readme, report["table"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""``nxl tail [--request-id ID]``: one short line per generated token of a running program, as it is made.
+
+    nxl tail                         # every request of the last `nxl run`
+    nxl tail --run runs/ --request-id my-req-1 --layer -1 -k 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import shutil
+import threading
+from urllib.parse import urlencode
+
+from ..options import CliError, positive_int
+
+NAME = "tail"
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """--run and --token-file: which running program to talk to (shared with nxl ctl)."""
+    parser.add_argument("--run", metavar="RUN",
+                        help="the run folder nxl run printed, a control socket, or http://127.0.0.1:PORT "
+                             "(default: the last nxl run)")
+    parser.add_argument("--token-file", metavar="FILE", help="the bearer token file, for an http:// run")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = sub.add_parser(NAME, help="follow a running program's generated tokens live (one line each)",
+                            description="Print one line per generated token: request, step, token, and the "
+                                        "context tokens that drove it most at one layer.")
+    add_run_options(parser)
+    parser.add_argument("--request-id", metavar="ID", help="only this request (from its first token; ends with it)")
+    parser.add_argument("--layer", type=int, default=None, help="which recorded layer to show (default: the last)")
+    parser.add_argument("-k", type=positive_int, default=3, help="context tokens per line (default 3)")
+    parser.add_argument("--count", type=positive_int, metavar="N", help="stop after N tokens")
+    return parser
+
+
+def line(data: dict, layer: int | None, width: int) -> str:
+    """One step as a short line: ``req  step  'token'  L2: 'a' 0.41  'b' 0.33``."""
+    top = data["top"]
+    key = str(layer) if layer is not None and str(layer) in top else max(top, key=int)
+    best = "  ".join(f"{name!r} {score:.3g}" if score is not None else f"{name!r} nan" for _, name, score in top[key])
+    text = f"{str(data['request_id'])[:16]:<16} {data['step']:>4} {data['token']!r:>12}  L{key}: {best}"
+    return text if len(text) <= width else text[: max(width - 1, 8)] + "…"
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..serve.client import endpoints
+
+    targets = endpoints(args.run, args.token_file)
+    query = {"k": args.k, **({"request_id": args.request_id} if args.request_id else {})}
+    items: queue.Queue = queue.Queue()
+
+    def follow(endpoint) -> None:
+        try:
+            for event, data in endpoint.events(f"/v1/stream?{urlencode(query)}"):
+                items.put((event, data))
+        except Exception as error:  # noqa: BLE001 - reported by the main thread
+            items.put(("error", {"error": f"{endpoint.name}: {error}"}))
+        items.put(("closed", {}))
+
+    for endpoint in targets:
+        threading.Thread(target=follow, args=(endpoint,), daemon=True).start()
+    width, shown, open_streams = shutil.get_terminal_size((120, 20)).columns, 0, len(targets)
+    while open_streams:
+        event, data = items.get()
+        if event == "step":
+            print(line(data, args.layer, width), flush=True)
+            shown += 1
+            if args.count and shown >= args.count:
+                return 0
+        elif event == "end":
+            print(f"{data['request_id']}: ended after {data['steps']} tokens"
+                  + (f" ({data['error']})" if data.get("error") else ""), flush=True)
+            return 0
+        elif event == "error":
+            raise CliError(data["error"])
+        elif event == "closed":
+            open_streams -= 1
+    return 0

@@ -1,0 +1,129 @@
+"""Talk to the control endpoints of a run: what ``nxl tail`` and ``nxl ctl`` use.
+
+    for endpoint in endpoints("runs/"):                      # one per live process of the run
+        endpoint.json("GET", "/v1/status")
+    for event, data in endpoint.events("/v1/stream"): ...    # server-sent events
+
+A run is a run folder (every ``<pid>.sock`` in it), one socket file, or ``http://127.0.0.1:PORT`` with a token
+(``--token-file``, or the ``token`` file of the run folder). Without one, the last run this user started.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Any, Iterator
+from urllib.parse import urlsplit
+
+from ..options import CliError
+from .runs import last_run, read_token
+
+__all__ = ["Endpoint", "endpoints"]
+
+
+class _UnixConnection(http.client.HTTPConnection):
+    def __init__(self, path: str, timeout: float | None) -> None:
+        super().__init__("localhost", timeout=timeout)
+        self._path = path
+
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        sock.connect(self._path)
+        self.sock = sock
+
+
+class Endpoint:
+    """One process's control endpoint: a Unix socket, or an HTTP address and its bearer token."""
+
+    def __init__(self, *, socket_path: Path | None = None, url: str | None = None, token: str | None = None) -> None:
+        self.socket_path, self.url, self.token = socket_path, url, token
+        self.name = socket_path.stem if socket_path is not None else url
+
+    def _connection(self, timeout: float | None) -> http.client.HTTPConnection:
+        if self.socket_path is not None:
+            return _UnixConnection(str(self.socket_path), timeout)
+        parts = urlsplit(self.url)
+        return http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
+
+    def _open(self, method: str, path: str, body: dict | None, timeout: float | None) -> http.client.HTTPResponse:
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        connection = self._connection(timeout)
+        connection.request(method, path, body=json.dumps(body) if body is not None else None, headers=headers)
+        return connection.getresponse()
+
+    def get(self, method: str, path: str, body: dict | None = None, timeout: float = 30) -> tuple[int, bytes]:
+        """(status, body bytes) of one request."""
+        response = self._open(method, path, body, timeout)
+        return response.status, response.read()
+
+    def json(self, method: str, path: str, body: dict | None = None, timeout: float = 30) -> Any:
+        """The JSON answer of one request; CliError with the endpoint's message when it is not a success."""
+        status, data = self.get(method, path, body, timeout)
+        value = json.loads(data or b"null")
+        if status != 200:
+            message = value.get("error") if isinstance(value, dict) else data[:200]
+            raise CliError(f"{self.name}: {status} {message}")
+        return value
+
+    def events(self, path: str, timeout: float | None = None) -> Iterator[tuple[str, dict]]:
+        """(event, data) of a server-sent event stream, until the endpoint closes it."""
+        response = self._open("GET", path, None, timeout)
+        if response.status != 200:
+            value = json.loads(response.read() or b"null")
+            raise CliError(f"{self.name}: {response.status} {value.get('error') if isinstance(value, dict) else ''}")
+        event, data = "message", []
+        for raw in response:
+            line = raw.decode().rstrip("\r\n")
+            if not line:
+                if data:
+                    yield event, json.loads("\n".join(data))
+                event, data = "message", []
+            elif line.startswith("event:"):
+                event = line[6:].strip()
+            elif line.startswith("data:"):
+                data.append(line[5:].strip())
+
+
+def _alive(path: Path) -> bool:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(2)
+    try:
+        sock.connect(str(path))
+        return True
+    except OSError:  # a process that ended without removing its socket (SIGKILL)
+        return False
+    finally:
+        sock.close()
+
+
+def endpoints(run: str | None = None, token_file: str | None = None) -> list[Endpoint]:
+    """The live endpoints of ``run`` (module docstring); CliError saying what to do when there is none."""
+    if run is None:
+        last = os.environ.get("NXL_RUN_DIR") or last_run()
+        if last is None:
+            raise CliError("no run given and none started yet: pass --run DIR (the run folder of `nxl run`)")
+        run = str(last)
+    if run.startswith(("http://", "https://")):
+        if run.startswith("https://"):
+            raise CliError(f"{run}: the endpoint speaks plain HTTP on loopback; use http://")
+        token = os.environ.get("NXL_TOKEN")
+        if token_file or not token:
+            if not token_file:
+                raise CliError(f"{run} needs its bearer token: pass --token-file RUN_FOLDER/token (or set NXL_TOKEN)")
+            token = read_token(Path(token_file))
+        return [Endpoint(url=run.rstrip("/"), token=token)]
+    path = Path(run).expanduser()
+    if path.is_socket():
+        return [Endpoint(socket_path=path)]
+    if not path.is_dir():
+        raise CliError(f"{run}: no run folder or control socket there (give the folder `nxl run` printed)")
+    live = [Endpoint(socket_path=sock) for sock in sorted(path.glob("*.sock")) if _alive(sock)]
+    if not live:
+        raise CliError(f"{run}: no running process has a control socket there (has the program loaded a model yet?)")
+    return live

@@ -1,0 +1,418 @@
+"""The models a running program loaded, their probes, and what the control endpoint changes at run time.
+
+    ctl = controller()                      # this process's, from the NXL_* environment (made on first use)
+    ctl.adopt(model, "./my-model")          # what the from_pretrained patch calls: attached unless paused/excluded
+    ctl.pause(); ctl.resume()               # paused: zero hooks on every model
+    ctl.configure(layers="last")            # re-attach with other options
+    ctl.records()                           # [(watch, record, meta)] of every model, oldest first
+
+Records: a ``GenerationCall`` per ``generate`` call (or continuous-batching request) of a causal LM, and for the
+other heads (classifiers, masked LMs), whose requests are plain forwards, a :class:`Forward` per forward.
+
+Lifetimes. The probe lives on the model object (``model._nxl_probe``) and nowhere else: when the program drops a
+model (``transformers serve --model-timeout``), model and probe are freed together and the probe's finalizer
+closes its sink. The controller holds models only through weak references, and what ``attach`` keeps globally
+(its ``on_step`` callback) holds no model either.
+
+Never harm the host: every entry point here catches its own failures and logs one line on the ``nxl_hooks``
+logger; ``on_step`` runs in the host's generation thread and only hands the step to bounded queues.
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import logging
+import os
+import queue
+import re
+import threading
+import uuid
+import weakref
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+from ...arch.registry import unwrap
+from ...hooks.generate import REQUEST_ID
+from ...hooks.guard import reason
+from ...hooks.plan import make_plan
+from ...hooks.probe import Probe, attach
+from ...method.select import special_mask
+from ...records.attribution import Attribution
+from ...records.sink import RotatingSink
+from ...records.steps import GenerationCall, Step
+from .settings import Settings, matches
+
+__all__ = ["Controller", "Feed", "Forward", "Watch", "controller", "count_hooks"]
+
+_log = logging.getLogger("nxl_hooks")
+_PROBE = "_nxl_probe"  #: the attribute of a model that holds its probe
+
+
+def count_hooks(model: Any) -> int:
+    """Forward hooks and pre-hooks on every module of ``model``, plus one for a wrapped instance ``generate``:
+    what an attached probe adds (zero on a model nobody hooked)."""
+    total = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    return total + int("generate" in vars(model))
+
+
+class Texts:
+    """Token ids as people read them: ``tokenizer.decode`` of the single id (not raw BPE pieces), cached."""
+
+    def __init__(self, name: str) -> None:
+        self._name = name
+        self._tokenizer: Any = None
+        self._loaded = False
+        self._cache: dict[int, str] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def tokenizer(self) -> Any:
+        """The model's tokenizer, loaded from local files on first use (None when there is none)."""
+        with self._lock:
+            if not self._loaded:
+                self._loaded = True
+                try:
+                    from transformers import AutoTokenizer
+
+                    self._tokenizer = AutoTokenizer.from_pretrained(self._name, local_files_only=True)
+                except Exception as error:  # noqa: BLE001 - ids are shown instead
+                    _log.warning("nxl_hooks: no tokenizer for %s (%s); token ids are shown instead", self._name,
+                                 " ".join(str(error).split())[:200])
+            return self._tokenizer
+
+    def text(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            tokenizer = self.tokenizer
+            text = tokenizer.decode([token_id]) if tokenizer is not None else f"#{token_id}"
+            if len(self._cache) < 1 << 18:  # a vocabulary at most
+                self._cache[token_id] = text
+        return text
+
+    def special(self, ids: list[int]) -> list[bool] | None:
+        tokenizer = self.tokenizer
+        if tokenizer is None or not ids:
+            return None
+        import torch
+
+        mask = special_mask(torch.tensor([ids]), tokenizer)
+        return mask[0].tolist() if mask is not None else None
+
+
+@dataclass(eq=False)
+class Forward:
+    """One forward of a model that does not generate (a classifier): the request it served and its attribution."""
+
+    request_id: str  #: REQUEST_ID where the program set it, else a generated id
+    thread: str
+    attribution: Attribution
+
+
+class Watch:
+    """One model the program loaded: a weak reference to it, its name, why it is not attached, and the calls of
+    its earlier probes (each re-attach starts a new probe)."""
+
+    def __init__(self, model: Any, name: str, slug: str, *, excluded: bool, keep_calls: int) -> None:
+        self.ref = weakref.ref(model)
+        self.name, self.slug = name, slug
+        self.model_class = type(model).__name__
+        self.excluded = excluded  #: not recorded: --models did not select it, or `nxl ctl detach` took it off
+        self.error: str | None = None  #: why the last attach failed
+        self.texts = Texts(name)
+        self.retired: collections.deque[tuple[GenerationCall, dict]] = collections.deque(maxlen=keep_calls)
+        self.forwards: collections.deque[Forward] = collections.deque(maxlen=keep_calls)
+        self.hook: Any = None  #: the forward hook that keeps :attr:`forwards`, while attached
+
+    @property
+    def probe(self) -> Probe | None:
+        model = self.ref()
+        return vars(model).get(_PROBE) if model is not None else None
+
+    def records(self) -> list[tuple[GenerationCall | Forward, dict]]:
+        """(record, meta) of this model's calls and forwards in memory, oldest first."""
+        probe = self.probe
+        live = [(call, probe.describe()) for call in probe.calls] if probe is not None else []
+        return list(self.retired) + live + [(forward, forward.attribution.meta) for forward in self.forwards]
+
+    def describe(self) -> dict:
+        model, probe = self.ref(), self.probe
+        return {"name": self.name, "folder": self.slug, "class": self.model_class, "alive": model is not None,
+                "attached": probe is not None, "excluded": self.excluded, "error": self.error,
+                "layers": probe.layers if probe is not None else None,
+                "hooks": count_hooks(model) if model is not None else 0,
+                "calls": len(self.records())}
+
+
+class Feed:
+    """One live reader's queue of (watch, call, step); bounded: a slow reader loses steps, never the host time."""
+
+    def __init__(self, request_id: str | None, size: int = 4096) -> None:
+        self.request_id = request_id
+        self.queue: queue.Queue = queue.Queue(maxsize=size)
+        self.dropped = 0
+
+    def offer(self, item: tuple) -> None:
+        try:
+            self.queue.put_nowait(item)
+        except queue.Full:
+            self.dropped += 1
+
+
+class Controller:
+    """This process's watched models and the options they are recorded with (module docstring)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.options = settings.attach_options()
+        self.paused = False
+        self._lock = threading.RLock()
+        self._watches: list[Watch] = []
+        self._feeds: tuple[Feed, ...] = ()  # replaced, never mutated: on_step reads it without the lock
+        self.endpoint: Any = None
+        self._endpoint_tried = False
+
+    # -- models ------------------------------------------------------------------------------------------
+
+    def adopt(self, model: Any, name: str) -> None:
+        """A model the program just loaded from ``name``: watched, and attached unless paused or not selected."""
+        try:
+            with self._lock:
+                if any(watch.ref() is model for watch in self._watches):
+                    return
+                watch = Watch(model, name, self._slug(name), excluded=not self.settings.selects(name),
+                              keep_calls=self.settings.keep_calls)
+                self._watches.append(watch)
+                if not (self.paused or watch.excluded):
+                    self._attach(watch, model)
+            self._ensure_endpoint()
+        except Exception as error:  # noqa: BLE001 - never into the program's from_pretrained
+            reason(f"model {name}", error)
+
+    def _slug(self, name: str) -> str:
+        tail = re.sub(r"[^A-Za-z0-9._-]+", "_", name.rstrip("/").rpartition("/")[2])[:48] or "model"
+        base = f"{os.getpid()}-{tail}"
+        taken = {watch.slug for watch in self._watches}
+        slug, n = base, 1
+        while slug in taken:
+            n += 1
+            slug = f"{base}-{n}"
+        return slug
+
+    def watches(self) -> list[Watch]:
+        """The models still alive (dead ones are dropped here)."""
+        with self._lock:
+            self._watches = [watch for watch in self._watches if watch.ref() is not None]
+            return list(self._watches)
+
+    def _attach(self, watch: Watch, model: Any) -> None:
+        # caller holds the lock
+        settings = self.settings
+        sink = (RotatingSink(settings.run_dir / watch.slug, max_bytes=settings.sink_max_bytes,
+                             max_files=settings.sink_max_files) if settings.sink else None)
+        try:
+            probe = attach(model, **self.options, tokenizer=self._tokenizer(watch, self.options), sink=sink,
+                           keep_steps=True, keep_calls=settings.keep_calls,
+                           on_step=functools.partial(self._on_step, watch))
+        except Exception as error:  # noqa: BLE001 - an unsupported model runs unrecorded
+            if sink is not None:
+                sink.close()  # removes its empty file
+                try:
+                    sink.folder.rmdir()
+                except OSError:  # not empty: earlier records of this model
+                    pass
+            watch.error = reason(f"model {watch.name}", error)
+            return
+        vars(model)[_PROBE] = probe  # the model's own: freed with it
+        watch.error = None
+        if probe.kind != "causal_lm":  # requests are plain forwards: keep each one's attribution
+            watch.hook = probe.model.register_forward_hook(functools.partial(self._on_forward, watch))
+
+    @staticmethod
+    def _on_forward(watch: Watch, module: Any, args: tuple, output: Any) -> None:
+        """After each forward of a non-generating model, in the host's thread, once the probe's own hook (put on
+        before this one) has assembled it: keep its attribution with the request it served."""
+        probe = watch.probe
+        if probe is None:
+            return
+        try:
+            result = probe.result()
+        except Exception:  # noqa: BLE001 - a forward the probe could not record; its reason was logged
+            return
+        request_id = REQUEST_ID.get() or uuid.uuid4().hex
+        watch.forwards.append(Forward(request_id, threading.current_thread().name, result))
+
+    @staticmethod
+    def _tokenizer(watch: Watch, options: dict) -> Any:
+        """The model's tokenizer when the target names tokens (``--target " Paris"``) or the model does not
+        generate (its forward records show token strings), else None: loading one costs start-up time."""
+        target = options.get("target")
+        items = target if isinstance(target, list) else [target]
+        model = watch.ref()
+        forwards = model is not None and not (hasattr(model, "can_generate") and model.can_generate())
+        named = any(isinstance(t, str) and t != "predicted" for t in items)
+        return watch.texts.tokenizer if named or forwards else None  # forwards: token strings in each result
+
+    def _detach(self, watch: Watch) -> None:
+        # caller holds the lock
+        model = watch.ref()
+        probe = vars(model).pop(_PROBE, None) if model is not None else None
+        if watch.hook is not None:
+            watch.hook.remove()
+            watch.hook = None
+        if probe is not None:
+            meta = probe.describe()
+            calls = probe.calls
+            probe.detach()
+            watch.retired.extend((call, meta) for call in calls)
+
+    # -- what `nxl ctl` changes --------------------------------------------------------------------------
+
+    def _each(self, models: str | None) -> Iterator[Watch]:
+        globs = [glob.strip() for glob in (models or "*").split(",") if glob.strip()] or ["*"]
+        return (watch for watch in self.watches() if matches(watch.name, globs))
+
+    def pause(self) -> None:
+        """Detach every probe: the models carry zero hooks until :meth:`resume`."""
+        with self._lock:
+            self.paused = True
+            for watch in self.watches():
+                self._detach(watch)
+
+    def resume(self) -> None:
+        """Attach again every model that is selected, with the current options."""
+        with self._lock:
+            self.paused = False
+            for watch in self.watches():
+                model = watch.ref()
+                if not watch.excluded and watch.probe is None and model is not None:
+                    self._attach(watch, model)
+
+    def configure(self, *, models: str | None = None, **options: Any) -> None:
+        """Record the models matching ``models`` (all by default) with new attach ``options`` (layers, target,
+        embedding), which become the process's options; unpaused, those models are re-attached now.
+
+        Options that do not fit a selected model (a layer out of range...) raise ValueError and change nothing."""
+        with self._lock:
+            wanted = {**self.options, **{k: v for k, v in options.items() if v is not None}}
+            selected = list(self._each(models))
+            for watch in selected:  # check first: a typo must not stop the recording
+                model = watch.ref()
+                if model is not None:
+                    try:
+                        make_plan(unwrap(model), **wanted, tokenizer=self._tokenizer(watch, wanted))
+                    except Exception as error:  # noqa: BLE001 - said to the operator, nothing changed
+                        raise ValueError(f"{watch.name}: {' '.join(str(error).split())}; nothing changed") from None
+            self.options = wanted
+            for watch in selected:
+                watch.excluded = False
+                self._detach(watch)
+                model = watch.ref()
+                if not self.paused and model is not None:
+                    self._attach(watch, model)
+
+    def exclude(self, models: str | None = None) -> None:
+        """Stop recording the models matching ``models`` (all by default) until :meth:`configure` takes them."""
+        with self._lock:
+            for watch in self._each(models):
+                watch.excluded = True
+                self._detach(watch)
+
+    def close(self) -> None:
+        """Detach every probe and close the endpoint: recording ends for good (``nxl_hooks.auto.controller()
+        .close()``)."""
+        self.pause()
+        if self.endpoint is not None:
+            self.endpoint.stop()
+            self.endpoint = None
+
+    def status(self) -> dict:
+        with self._lock:
+            options = dict(self.options)
+        return {"pid": os.getpid(), "paused": self.paused, "options": options,
+                "sink": str(self.settings.run_dir) if self.settings.sink else None,
+                "keep_calls": self.settings.keep_calls, "models": [watch.describe() for watch in self.watches()],
+                "endpoint": self.endpoint.describe() if self.endpoint is not None else None}
+
+    # -- records -----------------------------------------------------------------------------------------
+
+    def records(self) -> list[tuple[Watch, GenerationCall | Forward, dict]]:
+        return [(watch, record, meta) for watch in self.watches() for record, meta in watch.records()]
+
+    def find(self, request_id: str) -> tuple[Watch, GenerationCall | Forward, dict] | None:
+        """The newest call or forward in memory that served ``request_id``."""
+        for watch, record, meta in reversed(self.records()):
+            if record.request_id == request_id:
+                return watch, record, meta
+        return None
+
+    # -- live steps --------------------------------------------------------------------------------------
+
+    def subscribe(self, request_id: str | None = None) -> Feed:
+        feed = Feed(request_id)
+        with self._lock:
+            self._feeds = (*self._feeds, feed)
+        return feed
+
+    def unsubscribe(self, feed: Feed) -> None:
+        with self._lock:
+            self._feeds = tuple(each for each in self._feeds if each is not feed)
+
+    def _on_step(self, watch: Watch, step: Step) -> None:
+        """attach's ``on_step``, in the host's generation thread: hand the step to the live readers, if any."""
+        feeds = self._feeds
+        if not feeds:
+            return
+        try:
+            probe = watch.probe
+            call = next((c for c in reversed(probe.calls) if c.index == step.call), None) if probe else None
+            for feed in feeds:
+                if feed.request_id is None or (call is not None and call.request_id == feed.request_id):
+                    feed.offer((watch, call, step))
+        except Exception as error:  # noqa: BLE001 - a live view must never stop a generation
+            _log.warning("nxl_hooks: a live step was not handed out (%s: %s)", type(error).__name__, error)
+
+    # -- the control endpoint ----------------------------------------------------------------------------
+
+    def _ensure_endpoint(self) -> None:
+        with self._lock:
+            if self._endpoint_tried:
+                return
+            self._endpoint_tried = True
+        try:
+            from .endpoint import ControlServer
+
+            self.endpoint = ControlServer(self)
+            self.endpoint.start()
+        except Exception as error:  # noqa: BLE001 - recording goes on without a live readout
+            self.endpoint = None
+            _log.warning("nxl_hooks: no control endpoint in process %d (%s: %s); records are kept all the same",
+                         os.getpid(), type(error).__name__, " ".join(str(error).split()))
+
+    def after_fork(self) -> None:
+        """In a child the program forked: fresh locks, and an endpoint of its own once it loads a model (the
+        parent's threads are not here). The probes it inherited keep recording in memory; their files belong to
+        the parent and are not written (:class:`~nxl_hooks.records.sink.RotatingSink`)."""
+        self._lock = threading.RLock()
+        self._feeds = ()
+        self.endpoint, self._endpoint_tried = None, False
+
+
+_CONTROLLER: Controller | None = None
+_CONTROLLER_LOCK = threading.Lock()
+
+
+def controller() -> Controller:
+    """This process's controller, made on first use from the ``NXL_*`` environment (a private temporary run folder
+    when ``NXL_RUN_DIR`` is not set, as under a plain ``import nxl_hooks.auto``)."""
+    global _CONTROLLER
+    with _CONTROLLER_LOCK:
+        if _CONTROLLER is None:
+            run_dir = None
+            if not os.environ.get("NXL_RUN_DIR"):
+                from .runs import private_run_dir
+
+                run_dir = private_run_dir()
+            _CONTROLLER = Controller(Settings.from_env(os.environ, run_dir=run_dir))
+            os.register_at_fork(after_in_child=_CONTROLLER.after_fork)
+        return _CONTROLLER

@@ -1,0 +1,97 @@
+"""Records as the control endpoint hands them out: JSON a person (or ``nxl tail``) can read.
+
+    summary(watch, call)                       # {"request_id", "model", "kind", "steps", "complete", ...}
+    step_view(watch.texts, call, step, k=5)    # {"step", "token", "top": {"30": [[position, "token", score], ...]}}
+    forward_view(watch, forward, k=5)          # a classifier's forward: per explained row, the top-k per layer
+
+Top-k follows :meth:`nxl_hooks.Attribution.top` (signed NormXLogit; padding, the prediction position and special
+tokens do not rank). Token text is ``tokenizer.decode`` of the single id.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from ...records.steps import GenerationCall, Step
+
+__all__ = ["Context", "call_view", "ended", "forward_view", "step_view", "summary"]
+
+
+def ended(call: GenerationCall) -> bool:
+    """Whether the call has returned or stopped being recorded (no more steps will come)."""
+    return call.complete or call.error is not None or call.sequences is not None
+
+
+def summary(watch: Any, record: Any) -> dict:
+    """One line of the request list: a generation call, or a forward of a model that does not generate."""
+    common = {"request_id": record.request_id, "model": watch.name, "thread": record.thread}
+    if not isinstance(record, GenerationCall):
+        res = record.attribution
+        return {**common, "kind": "forward", "rows": int(res.normxlogit.shape[1]), "complete": True, "ended": True,
+                "error": None, "layers": res.layers}
+    return {**common, "kind": "generate", "call": record.index, "steps": len(record.steps),
+            "complete": record.complete, "ended": ended(record), "error": record.error,
+            "prompt_tokens": int(record.prompt_mask.shape[1]) if record.prompt_mask is not None else None,
+            "layers": record.layers}
+
+
+def _number(value: float) -> float | None:
+    return None if math.isnan(value) else value
+
+
+def _top(res: Any, k: int, row: int) -> dict:
+    return {str(layer): [[position, name, _number(score)] for position, name, score in res.top(k, layer=layer, row=row)]
+            for layer in res.layers}
+
+
+class Context:
+    """A call's known token ids for one row (prompt, then each step's token) as text, with special-token flags:
+    computed once for every step of a call view."""
+
+    def __init__(self, texts: Any, call: GenerationCall | None, row: int = 0) -> None:
+        prompt = call.prompt_ids[row].tolist() if call is not None and call.prompt_ids is not None else []
+        steps = list(call.steps) if call is not None else []
+        self.ids = prompt + [int(step.token[row]) for step in steps]
+        self.names = [texts.text(i) for i in self.ids]
+        self.special = texts.special(self.ids)
+
+    def upto(self, n: int) -> tuple[list[str], list[bool] | None]:
+        """Names and flags of positions 0..n-1 (positions not known, say a call read from a trimmed sink, by
+        number)."""
+        missing = range(len(self.names), n)
+        names = self.names[:n] + [f"@{i}" for i in missing]
+        return names, None if self.special is None else self.special[:n] + [False] * len(missing)
+
+
+def step_view(texts: Any, call: GenerationCall | None, step: Step, *, k: int = 5, row: int = 0,
+              context: Context | None = None) -> dict:
+    """One step: the emitted token and, per layer, the ``k`` context tokens that drove it most."""
+    names, special = (context or Context(texts, call, row)).upto(step.position)
+    batch = step.token.shape[0]
+    flags = torch.tensor([special] * batch, dtype=torch.bool) if special is not None else None
+    res = step.to_attribution(tokens=[names] * batch, special=flags)
+    token = int(step.token[row])
+    return {"step": step.step, "position": step.position, "token_id": token, "token": texts.text(token),
+            "active": bool(step.active[row]), "top": _top(res, k, row)}
+
+
+def call_view(watch: Any, call: GenerationCall, *, k: int = 5, row: int = 0) -> dict:
+    """One request: its summary, prompt tokens and every kept step."""
+    texts, steps = watch.texts, list(call.steps)
+    context = Context(texts, call, row)
+    prompt = call.prompt_ids[row].tolist() if call.prompt_ids is not None else []
+    return {**summary(watch, call), "prompt": [texts.text(i) for i in prompt],
+            "steps": [step_view(texts, call, step, k=k, row=row, context=context) for step in steps]}
+
+
+def forward_view(watch: Any, forward: Any, *, k: int = 5) -> dict:
+    """One forward: per explained row (an example, or a [MASK]), its target and the ``k`` tokens of each layer
+    that drove it most (``Attribution.top``; token strings as the tokenizer names them)."""
+    res = forward.attribution
+    rows = [{"row": row, "example": int(res.example[row]), "position": int(res.position[row]),
+             "target": res.target[row].reshape(-1).tolist(), "tokens": res.tokens[row] if res.tokens else None,
+             "top": _top(res, k, row)} for row in range(res.normxlogit.shape[1])]
+    return {**summary(watch, forward), "explained": rows}

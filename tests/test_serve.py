@@ -1,0 +1,560 @@
+"""Attaching to running programs: ``nxl run``, ``import nxl_hooks.auto``, the control endpoint, ``nxl tail`` /
+``nxl ctl``, and the rotating sink. Real parts started by the tests (``transformers serve`` on a tiny model saved
+to a temp folder), loopback only, bounded waits, every process stopped. Numbers are checked against the
+uncached oracle of tests/oracle.py."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import importlib.util
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+import nxl_hooks as nxl
+from nxl_hooks.apps.cli import main as cli_main
+from nxl_hooks.apps.serve.settings import Settings, parse_listen
+from oracle import llama, normxlogit, prefix_logits
+from serving import Server, free_port, save_chat_model
+
+NXL = [sys.executable, "-m", "nxl_hooks"]
+SERVE_ENV = {"OMP_NUM_THREADS": "1"}
+CB_FLAGS = ["--continuous-batching", "--cb-num-blocks", "64", "--cb-max-batch-tokens", "256", "--cb-block-size", "16"]
+
+
+# -- fixtures ----------------------------------------------------------------------------------------------
+
+class Tiny:
+    """The saved chat model, loaded here too: the oracle and the reference outputs."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.model = LlamaForCausalLM.from_pretrained(path).eval()
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.hand = llama(self.model)
+
+    def prompt(self, content: str) -> torch.Tensor:
+        """The ids serve generates from: the chat template with the generation prompt."""
+        text = self.tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
+                                                  add_generation_prompt=True)
+        return self.tokenizer(text, return_tensors="pt")["input_ids"]
+
+    def generate(self, content: str, max_tokens: int) -> list[int]:
+        """The unattached model's own greedy tokens for a chat request."""
+        ids = self.prompt(content)
+        with torch.no_grad():
+            out = self.model.generate(input_ids=ids, max_new_tokens=max_tokens, do_sample=False)
+        return out[0, ids.shape[1]:].tolist()
+
+    def text(self, tokens: list[int]) -> str:
+        return self.tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Tiny:
+    return Tiny(save_chat_model(tmp_path_factory.mktemp("serve") / "tiny"))
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    """One ``transformers serve`` under ``nxl run`` for the module: records to a run folder, HTTP endpoint too."""
+    run = tmp_path_factory.mktemp("run") / "run"
+    listen = f"127.0.0.1:{free_port()}"
+    srv = Server(tiny.path, nxl=["--sink", str(run), "--listen", listen, "--keep-calls", "8"],
+                 log=run.parent / "server.log", env=SERVE_ENV)
+    srv.run, srv.listen = run, listen
+    with srv:
+        yield srv
+
+
+def _nxl(*args: str, timeout: float = 60, **kwargs) -> subprocess.CompletedProcess:
+    return subprocess.run([*NXL, *args], capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    """``nxl ARGS`` in this process (the clients import nothing heavy): (exit code, stdout, stderr)."""
+    capsys.readouterr()
+    code = cli_main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _ctl(capsys, server: Server, *args: str) -> dict:
+    code, out, err = _cli(capsys, "ctl", *args, "--run", str(server.run), "--json")
+    assert code == 0, err
+    (status,) = [json.loads(line) for line in out.splitlines()]
+    return status
+
+
+def _endpoint(server: Server, path: str) -> bytes:
+    """GET over the HTTP endpoint, with the run's token."""
+    token = (server.run / "token").read_text().strip()
+    request = urllib.request.Request(f"http://{server.listen}{path}", headers={"Authorization": f"Bearer {token}"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return response.read()
+
+
+# -- what every recorded request must satisfy ---------------------------------------------------------------
+
+def check_call(tiny: Tiny, call: nxl.GenerationCall, content: str, reply: dict) -> list[int]:
+    """The call's prompt is the chat prompt, its steps are the response's tokens (count and text) and the
+    unattached model's own greedy tokens, and every step equals the uncached oracle. Returns the tokens."""
+    prompt = tiny.prompt(content)
+    assert call.prompt_ids.tolist() == prompt.tolist()  # (continuous batching feeds int32 ids)
+    tokens = [int(step.token[0]) for step in call.steps]
+    assert len(tokens) == reply["usage"]["completion_tokens"]
+    assert tiny.text(tokens) == reply["content"]
+    assert tokens == tiny.generate(content, len(tokens))  # the host's outputs are those of an unattached model
+    sequence = torch.cat([prompt, torch.tensor([tokens])], dim=1)
+    rows = torch.tensor(call.layers)
+    for index, step in enumerate(call.steps):
+        assert (step.step, step.position) == (index, prompt.shape[1] + index)
+        logits, embeddings = prefix_logits(tiny.model, tiny.hand, sequence[:, : step.position],
+                                           torch.ones(1, step.position, dtype=torch.bool))
+        logat, expected = normxlogit(logits, embeddings, step.token)
+        torch.testing.assert_close(step.logat, logat[rows], rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(step.normxlogit, expected[rows], rtol=1e-4, atol=1e-4)
+    return tokens
+
+
+def check_view(tiny: Tiny, view: dict, content: str, tokens: list[int], k: int) -> None:
+    """The endpoint's JSON readout: per step the emitted token's text and, per layer, the k best context tokens
+    by the oracle's NormXLogit (the prediction position and special tokens do not rank)."""
+    sequence = torch.cat([tiny.prompt(content), torch.tensor([tokens])], dim=1)
+    special = set(tiny.tokenizer.all_special_ids)
+    assert [s["token_id"] for s in view["steps"]] == tokens
+    assert [s["token"] for s in view["steps"]] == [tiny.tokenizer.decode([t]) for t in tokens]
+    for step in view["steps"]:
+        position = step["position"]
+        logits, embeddings = prefix_logits(tiny.model, tiny.hand, sequence[:, :position],
+                                           torch.ones(1, position, dtype=torch.bool))
+        _, expected = normxlogit(logits, embeddings, torch.tensor([step["token_id"]]))
+        eligible = [i for i in range(position) if i != position - 1 and int(sequence[0, i]) not in special]
+        for layer, top in step["top"].items():
+            scores = expected[int(layer), 0]
+            best = sorted(eligible, key=lambda i: -float(scores[i]))[:k]
+            assert [entry[0] for entry in top] == best
+            assert [entry[1] for entry in top] == [tiny.tokenizer.decode([int(sequence[0, i])]) for i in best]
+            torch.testing.assert_close(torch.tensor([entry[2] for entry in top]), scores[best], rtol=1e-4, atol=1e-5)
+
+
+# -- transformers serve under nxl run -----------------------------------------------------------------------
+
+def test_serve_requests_recorded_per_request_id_and_match_the_oracle(server, tiny, tmp_path):
+    asks = [("plain-1", "hello world how are you", 6, False), ("sse-1", "hello world", 5, True),
+            (None, "how are you", 4, False)]
+    replies = {}
+    for request_id, content, max_tokens, stream in asks:
+        reply = server.chat(content, max_tokens=max_tokens, request_id=request_id, stream=stream)
+        assert reply["id"] == reply["request_id"] == (request_id or reply["id"])  # serve's own id otherwise
+        replies[reply["id"]] = (content, reply)
+    assert replies["sse-1"][1]["chunks"] > 2  # it really streamed
+
+    # while the server keeps serving another request, read the records over the endpoint and from the sink
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        busy = pool.submit(server.chat, "the world is", max_tokens=40, request_id="busy-1", stream=True)
+        listed = json.loads(_endpoint(server, "/v1/requests"))["requests"]
+        assert {"plain-1", "sse-1"} <= {entry["request_id"] for entry in listed}
+        for request_id, (content, reply) in replies.items():
+            (call,) = nxl.read_stream(server.run, request_id=request_id)
+            assert call.complete and call.thread and call.request_id == request_id
+            tokens = check_call(tiny, call, content, reply)
+            view = json.loads(_endpoint(server, f"/v1/requests/{request_id}?k=2"))
+            assert view["complete"] and view["steps"] and len(view["steps"]) == len(tokens)
+            assert view["prompt"] == [tiny.tokenizer.decode([t]) for t in tiny.prompt(content)[0].tolist()]
+            check_view(tiny, view, content, tokens, k=2)
+            frames = tmp_path / f"{request_id}.nxl"  # one request's frames, handed out: a stream file
+            frames.write_bytes(_endpoint(server, f"/v1/requests/{request_id}/frames"))
+            (handed,) = nxl.read_stream(frames)
+            assert [int(s.token[0]) for s in handed.steps] == tokens and handed.request_id == request_id
+            assert all(torch.equal(a.normxlogit, b.normxlogit) for a, b in zip(handed.steps, call.steps))
+        busy_reply = busy.result(timeout=120)
+    (busy_call,) = nxl.read_stream(server.run, request_id="busy-1")
+    check_call(tiny, busy_call, "the world is", busy_reply)
+
+
+def test_ctl_pause_resume_attach_detach_change_recording_not_outputs(server, tiny, capsys):
+    content, expected = "hello you", tiny.text(tiny.generate("hello you", 5))
+    paused = _ctl(capsys, server, "pause")
+    (model,) = paused["models"]
+    assert paused["paused"] and not model["attached"] and model["hooks"] == 0  # zero hooks while paused
+    assert server.chat(content, max_tokens=5, request_id="while-paused")["content"] == expected
+    resumed = _ctl(capsys, server, "resume")
+    assert resumed["models"][0]["attached"] and resumed["models"][0]["hooks"] > 0
+    code, _, err = _cli(capsys, "ctl", "attach", "--layers", "7", "--run", str(server.run))  # layers 0..2
+    assert code == 2 and "nothing changed" in err
+    assert _ctl(capsys, server, "status")["models"][0]["layers"] == [0, 1, 2]
+    last = _ctl(capsys, server, "attach", "--layers", "last")
+    assert last["models"][0]["layers"] == [2] and last["options"]["layers"] == "last"
+    reply = server.chat(content, max_tokens=5, request_id="after-attach")
+    assert reply["content"] == expected
+    detached = _ctl(capsys, server, "detach")
+    assert detached["models"][0]["excluded"] and detached["models"][0]["hooks"] == 0
+    assert server.chat(content, max_tokens=5, request_id="while-detached")["content"] == expected
+    assert _ctl(capsys, server, "attach", "--layers", "all")["models"][0]["layers"] == [0, 1, 2]
+
+    ids = [c.request_id for c in nxl.read_stream(server.run)]
+    assert "while-paused" not in ids and "while-detached" not in ids
+    (call,) = nxl.read_stream(server.run, request_id="after-attach")
+    assert call.layers == [2]
+    check_call(tiny, call, content, reply)
+
+
+def test_tail_prints_one_line_per_token_of_a_request(server, tiny):
+    tail = subprocess.Popen([*NXL, "tail", "--run", str(server.run), "--request-id", "tail-1", "-k", "2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.0)  # usually subscribed before the request starts; if not, it replays the request's steps
+        reply = server.chat("are you the world", max_tokens=6, request_id="tail-1", stream=True)
+        out, err = tail.communicate(timeout=60)
+    finally:
+        if tail.poll() is None:
+            tail.kill()
+    assert tail.returncode == 0, err
+    lines = out.splitlines()
+    steps, end = lines[:-1], lines[-1]
+    assert len(steps) == reply["usage"]["completion_tokens"] and end == f"tail-1: ended after {len(steps)} tokens"
+    (call,) = nxl.read_stream(server.run, request_id="tail-1")
+    tokens = [tiny.tokenizer.decode([int(s.token[0])]) for s in call.steps]
+    for index, (text, token) in enumerate(zip(steps, tokens)):
+        request_id, step, shown, rest = text.split(maxsplit=3)
+        assert (request_id, int(step), shown) == ("tail-1", index, repr(token)) and rest.startswith("L2: ")
+
+
+def test_endpoint_needs_the_token_streams_and_listens_on_loopback_only(server, tiny):
+    import psutil
+
+    from nxl_hooks.apps.serve.client import Endpoint
+
+    status = json.loads(_endpoint(server, "/v1/status"))
+    sock = Path(status["endpoint"]["socket"])
+    assert stat.S_IMODE(sock.stat().st_mode) == 0o600 and sock.parent == server.run.resolve()
+    assert stat.S_IMODE((server.run / "token").stat().st_mode) == 0o600
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Basic abc"}):
+        for path in ("/v1/status", "/v1/requests", "/v1/requests/plain-1", "/v1/stream"):
+            request = urllib.request.Request(f"http://{server.listen}{path}", headers=headers)
+            with pytest.raises(urllib.error.HTTPError, match="401"):
+                urllib.request.urlopen(request, timeout=10)
+    live, seen = Endpoint(url=f"http://{server.listen}", token=(server.run / "token").read_text().strip()), []
+
+    def follow() -> None:  # every request's steps, as server-sent events
+        for event, data in live.events("/v1/stream?k=1", timeout=60):
+            seen.append((event, data))
+            if len(seen) == 3:
+                return
+
+    reader = threading.Thread(target=follow, daemon=True)
+    reader.start()
+    for attempt in range(10):  # the first request may start before the stream is subscribed
+        server.chat("hello world", max_tokens=4, request_id=f"live-{attempt}")
+        reader.join(timeout=1)
+        if not reader.is_alive():
+            break
+    assert len(seen) == 3 and all(event == "step" and data["request_id"].startswith("live-") for event, data in seen)
+    for first, second in zip(seen, seen[1:]):  # in order: the next step of a request, or a later request's first
+        same = first[1]["request_id"] == second[1]["request_id"]
+        assert second[1]["step"] == (first[1]["step"] + 1 if same else 0)
+    assert all(len(top) == 1 and set(data["top"]) == {"0", "1", "2"} for _, data in seen for top in data["top"].values())
+
+    listening = {c.laddr.ip for c in psutil.Process(server.pid).net_connections("inet") if c.status == "LISTEN"}
+    assert listening == {"127.0.0.1"}
+    refused = _nxl("run", "--listen", f"0.0.0.0:{free_port()}", "--", sys.executable, "-c", "print('ran')")
+    assert refused.returncode == 2 and "ran" not in refused.stdout
+    assert "not a loopback address" in refused.stderr and "--allow-remote" in refused.stderr
+    with pytest.raises(ValueError, match="not a loopback address"):
+        parse_listen("192.168.1.5:80")
+    assert parse_listen("192.168.1.5:80", allow_remote=True) == ("192.168.1.5", 80)
+    assert parse_listen(":8765") == ("127.0.0.1", 8765) and parse_listen("[::1]:9") == ("::1", 9)
+
+
+def test_sigkill_mid_generation_keeps_every_completed_step(tiny, tmp_path, capsys):
+    run = tmp_path / "run"
+    generation = json.dumps({"min_new_tokens": 900, "eos_token_id": 2, "pad_token_id": 0, "do_sample": False})
+    with Server(tiny.path, nxl=["--sink", str(run), "--layers", "0,-1"], log=tmp_path / "log",
+                env=SERVE_ENV) as server:
+        body = json.dumps({"messages": [{"role": "user", "content": "hello world"}], "max_tokens": 900,
+                           "stream": True, "generation_config": generation}).encode()
+        request = urllib.request.Request(server.base + "/v1/chat/completions", data=body, method="POST",
+                                         headers={"Content-Type": "application/json", "X-Request-ID": "killed-1"})
+        streamed = []
+        with urllib.request.urlopen(request, timeout=60) as response:
+            for raw in response:
+                line = raw.decode().strip()
+                if line.startswith("data:"):
+                    delta = json.loads(line[5:])["choices"][0]["delta"].get("content")
+                    streamed += [delta] if delta else []
+                if len(streamed) >= 30:
+                    os.killpg(server.pid, signal.SIGKILL)
+                    break
+        assert server.process.wait(timeout=30) == -signal.SIGKILL
+    (call,) = nxl.read_stream(run, request_id="killed-1")
+    assert not call.complete and call.layers == [0, 2] and len(call.steps) < 900
+    assert [s.step for s in call.steps] == list(range(len(call.steps)))
+    tokens = [int(s.token[0]) for s in call.steps]
+    words, seen = tiny.text(tokens).split(), "".join(streamed).split()
+    assert len(words) >= len(seen) - 1 and words[: len(seen) - 1] == seen[: len(seen) - 1]  # all but the last
+    sequence = torch.cat([tiny.prompt("hello world"), torch.tensor([tokens])], dim=1)
+    for step in (call.steps[0], call.steps[-1]):
+        logits, embeddings = prefix_logits(tiny.model, tiny.hand, sequence[:, : step.position],
+                                           torch.ones(1, step.position, dtype=torch.bool))
+        torch.testing.assert_close(step.normxlogit, normxlogit(logits, embeddings, step.token)[1][[0, 2]],
+                                   rtol=1e-4, atol=1e-4)
+    code, _, err = _cli(capsys, "ctl", "status", "--run", str(run))  # its socket is left: nobody answers
+    assert code == 2 and "no running process" in err
+
+
+@pytest.mark.skipif(importlib.util.find_spec("nxl_hooks.hooks.batching") is None,
+                    reason="continuous-batching recording (nxl_hooks/hooks/batching.py) is not in this branch yet")
+def test_continuous_batching_three_concurrent_clients(tiny, tmp_path):
+    run = tmp_path / "run"
+    asks = [("cb-0", "hello world how are you", 6, True), ("cb-1", "w1 w2 w3 w4 w5 w6 w7 w8 w9", 9, False),
+            ("cb-2", "the world", 4, True)]
+    with Server(tiny.path, nxl=["--sink", str(run)], serve=CB_FLAGS, log=tmp_path / "log", env=SERVE_ENV) as server:
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            futures = {rid: pool.submit(server.chat, content, max_tokens=n, request_id=rid, stream=stream)
+                       for rid, content, n, stream in asks}
+            replies = {rid: future.result(timeout=120) for rid, future in futures.items()}
+        for request_id, content, _, _ in asks:  # read while the server still runs
+            (call,) = nxl.read_stream(run, request_id=request_id)
+            assert call.request_id == replies[request_id]["request_id"] == request_id
+            check_call(tiny, call, content, replies[request_id])
+
+
+# -- nxl run / import nxl_hooks.auto on a plain Python program ----------------------------------------------
+
+_PROGRAM = textwrap.dedent("""
+    import gc, json, multiprocessing, os, sys, weakref
+    facts = {"chained": os.environ.get("CHAINED_MARK"),
+             "heavy_at_start": sorted(m for m in ("torch", "transformers", "nxl_hooks") if m in sys.modules)}
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+    from nxl_hooks.hooks.generate import REQUEST_ID
+
+    def work(path):
+        model = AutoModelForCausalLM.from_pretrained(path)
+        model.generate(input_ids=torch.tensor([[1, 64, 67]]), max_new_tokens=2, do_sample=False)
+
+    if __name__ == "__main__":
+        kept = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+        other = AutoModelForCausalLM.from_pretrained(sys.argv[2])
+        base = AutoModel.from_pretrained(sys.argv[1])           # no head: not attachable, one log line
+        probe = vars(kept).get("_nxl_probe")
+        facts["attached"] = [probe is not None, "_nxl_probe" in vars(other), "_nxl_probe" in vars(base)]
+        ids = torch.tensor([[1, 64, 67, 68]])
+        outs = []
+        for i in range(20):
+            token = REQUEST_ID.set(f"req-{i}") if i % 2 else None
+            outs.append(kept.generate(input_ids=ids, max_new_tokens=3, do_sample=False)[0].tolist())
+            if token is not None:
+                REQUEST_ID.reset(token)
+        facts["outputs"] = outs
+        facts["kept_calls"] = [c.request_id for c in probe.calls]
+        process = multiprocessing.get_context("spawn").Process(target=work, args=(sys.argv[1],))
+        process.start(); process.join(120)
+        facts["worker"] = [process.exitcode, process.pid]
+        ref = weakref.ref(kept)
+        del kept, probe
+        gc.collect()
+        facts["freed"] = ref() is None
+        print("FACTS " + json.dumps(facts))
+""")
+
+
+def test_nxl_run_attaches_an_unmodified_program_bounded_and_weakly(tiny, tmp_path):
+    (tmp_path / "app.py").write_text(_PROGRAM)
+    chained = tmp_path / "own_site"
+    chained.mkdir()
+    (chained / "sitecustomize.py").write_text("import os\nos.environ['CHAINED_MARK'] = 'yes'\n")
+    other = save_chat_model(tmp_path / "other-model", seed=1)
+    run = tmp_path / "run"
+    done = _nxl("run", "--sink", str(run), "--models", "tiny*", "--layers", "last", "--",
+                sys.executable, str(tmp_path / "app.py"), str(tiny.path), str(other),
+                env={**os.environ, "PYTHONPATH": os.pathsep.join([str(chained), os.environ.get("PYTHONPATH", "")]),
+                     **SERVE_ENV}, timeout=300)
+    assert done.returncode == 0, done.stderr
+    facts = json.loads(done.stdout.split("FACTS ", 1)[1])
+    assert facts["chained"] == "yes" and facts["heavy_at_start"] == []
+    assert facts["attached"] == [True, False, False]
+    assert sum("nxl_hooks:" in line for line in done.stderr.splitlines()) == 1  # the headless model, one line
+    assert "LlamaModel" in done.stderr or "not recorded" in done.stderr
+    ids = torch.tensor([[1, 64, 67, 68]])
+    with torch.no_grad():
+        plain = tiny.model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)[0].tolist()
+    assert facts["outputs"] == [plain] * 20
+    kept = facts["kept_calls"]  # 16 by default under nxl run: the last 16 of 20
+    assert len(kept) == 16 and kept[-1] == "req-19" and kept[1] == "req-5" and len(kept[0]) == 32
+    assert facts["freed"]
+    exitcode, worker = facts["worker"]
+    assert exitcode == 0
+    folders = {p.name for p in run.iterdir() if p.is_dir()}  # each process its own files, pid in names
+    (parent,) = {name.split("-")[0] for name in folders} - {str(worker)}
+    assert folders == {f"{parent}-tiny", f"{worker}-tiny"}
+    (child_call,) = nxl.read_stream(run / f"{worker}-tiny")
+    assert child_call.complete and len(child_call.steps) == 2 and child_call.layers == [2]
+    calls = nxl.read_stream(run / f"{parent}-tiny")
+    assert len(calls) == 20 and calls[1].request_id == "req-1" and len(calls[0].request_id) == 32
+
+
+def test_import_auto_attaches_in_code_and_bad_settings_never_harm(tiny, tmp_path):
+    code = textwrap.dedent("""
+        import sys, torch
+        from transformers import AutoModelForCausalLM     # imported before nxl_hooks.auto: still patched
+        import nxl_hooks.auto
+        model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+        out = model.generate(input_ids=torch.tensor([[1, 64, 67]]), max_new_tokens=2, do_sample=False)
+        probe = nxl_hooks.auto.probe(model)
+        print("RESULT", out[0].tolist(), None if probe is None else len(probe.steps))
+    """)
+    env = {**os.environ, "NXL_RUN_DIR": str(tmp_path / "run"), **SERVE_ENV}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # two programs at once: half the wait
+        good, bad = pool.map(lambda extra: subprocess.run([sys.executable, "-c", code, str(tiny.path)],
+                                                          capture_output=True, text=True, env={**env, **extra},
+                                                          timeout=180), [{}, {"NXL_LAYERS": "one,two"}])
+    with torch.no_grad():
+        plain = tiny.model.generate(input_ids=torch.tensor([[1, 64, 67]]), max_new_tokens=2, do_sample=False)
+    assert good.returncode == bad.returncode == 0, good.stderr + bad.stderr
+    assert good.stdout.split("RESULT ")[1].strip() == f"{plain[0].tolist()} 2"
+    assert bad.stdout.split("RESULT ")[1].strip() == f"{plain[0].tolist()} None"  # runs unrecorded
+    lines = [line for line in bad.stderr.splitlines() if "nxl_hooks" in line]
+    assert len(lines) == 1 and "NXL_LAYERS" in lines[0]
+
+
+def test_settings_round_trip_through_the_environment(tmp_path):
+    settings = Settings(run_dir=tmp_path, sink=True, layers=[0, -1], target=["a", 3], models=["x*", "y"],
+                        keep_calls=4, listen="127.0.0.1:9", sink_max_bytes=100, sink_max_files=2)
+    assert Settings.from_env(settings.to_env()) == settings
+    assert settings.selects("/models/x-large") and settings.selects("org/y") and not settings.selects("z")
+    with pytest.raises(ValueError, match="NXL_KEEP_CALLS"):
+        Settings.from_env({"NXL_RUN_DIR": "r", "NXL_KEEP_CALLS": "-1"})
+    with pytest.raises(ValueError, match="not a loopback address"):
+        Settings.from_env({"NXL_RUN_DIR": "r", "NXL_LISTEN": "10.0.0.1:80"})
+
+
+def test_classifier_forwards_are_kept_per_request_and_match_the_oracle(tmp_path):
+    """A model that does not generate (here a classifier): each forward is a request, kept (bounded) with its id,
+    and read over the endpoint as the top-k tokens per layer of the oracle."""
+    import tiny as tiny_models
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    from nxl_hooks.apps.serve.client import endpoints
+    from nxl_hooks.apps.serve.controller import Controller, count_hooks
+    from nxl_hooks.hooks.generate import REQUEST_ID
+
+    path = tmp_path / "cls"
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(tiny_models.VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, num_labels=3)).save_pretrained(path)
+    tiny_models.tokenizer().save_pretrained(path)
+    served, reference = (LlamaForSequenceClassification.from_pretrained(path).eval() for _ in range(2))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    texts = ["the film was good", "a very bad plot", "the movie is great and the plot good"]
+    controller = Controller(Settings(run_dir=tmp_path / "run", keep_calls=2))
+    controller.adopt(served, str(path))
+    try:
+        for index, text in enumerate(texts):
+            token = REQUEST_ID.set(f"cls-{index}")
+            with torch.no_grad():
+                served(**tokenizer(text, return_tensors="pt", return_token_type_ids=False))
+            REQUEST_ID.reset(token)
+        (endpoint,) = endpoints(str(tmp_path / "run"))
+        listed = endpoint.json("GET", "/v1/requests")["requests"]
+        assert [(r["request_id"], r["kind"]) for r in listed] == [("cls-1", "forward"), ("cls-2", "forward")]
+        (row,) = endpoint.json("GET", "/v1/requests/cls-2?k=3")["explained"]
+        enc = tokenizer(texts[2], return_tensors="pt", return_token_type_ids=False)
+        with torch.no_grad():
+            out = reference(**enc, output_hidden_states=True)
+        target = out.logits[0].argmax()
+        _, expected = normxlogit(llama(reference).layer_logits(out.hidden_states), out.hidden_states[0],
+                                 target.view(1))
+        ids, seq = enc["input_ids"][0].tolist(), enc["input_ids"].shape[1]
+        eligible = [i for i in range(seq) if i != seq - 1 and ids[i] not in tokenizer.all_special_ids]
+        assert row["position"] == seq - 1 and row["target"] == [int(target)]
+        assert row["tokens"] == tokenizer.convert_ids_to_tokens(ids)
+        for layer, top in row["top"].items():
+            scores = expected[int(layer), 0]
+            best = sorted(eligible, key=lambda i: -float(scores[i]))[:3]
+            assert [entry[0] for entry in top] == best
+            torch.testing.assert_close(torch.tensor([entry[2] for entry in top]), scores[best], rtol=1e-4, atol=1e-5)
+        controller.pause()
+        assert count_hooks(served) == 0  # paused: no hook of the probe, nor the one that keeps forwards
+    finally:
+        controller.close()
+    assert not list((tmp_path / "run").glob("*.sock"))  # closed: its socket is gone
+
+
+# -- the rotating sink ----------------------------------------------------------------------------------------
+
+def _records(calls: list[nxl.GenerationCall]) -> list[tuple]:
+    return [(c.request_id, c.complete, [(s.step, s.position, int(s.token[0])) for s in c.steps]) for c in calls]
+
+
+def test_rotating_sink_rotates_keeps_the_newest_files_and_reads_back_in_order(tiny, tmp_path):
+    folder = tmp_path / "records"
+    ids = tiny.prompt("hello world how are you")
+    sink = nxl.RotatingSink(folder, max_bytes=6000, max_files=1000)
+    from nxl_hooks.hooks.generate import REQUEST_ID
+
+    with nxl.attach(tiny.model, sink=sink) as probe:
+        for i in range(3):
+            token = REQUEST_ID.set(f"r{i}")
+            tiny.model.generate(input_ids=ids, max_new_tokens=12, do_sample=False)
+            REQUEST_ID.reset(token)
+    files = sorted(folder.iterdir())
+    assert len(files) > 3 and all(f.name.endswith(f"-{1:08d}.nxl") for f in files)
+    assert all(f.stat().st_size <= 6000 for f in files) and stat.S_IMODE(files[0].stat().st_mode) == 0o600
+    assert _records(nxl.read_stream(folder)) == _records(probe.calls)  # one call spans several files
+    for file in files[1:]:  # every rotated file reads on its own: the running call's frame is written again
+        assert nxl.read_stream(file)
+
+    second = nxl.RotatingSink(folder, max_bytes=6000, max_files=3)  # a new writer: numbers go on, oldest go
+    with nxl.attach(tiny.model, sink=second) as probe2:
+        tiny.model.generate(input_ids=ids, max_new_tokens=24, do_sample=False)
+    names = sorted(f.name for f in folder.iterdir())
+    assert len(names) == 3 and int(names[0][:8]) > len(files)
+    assert all(name.endswith(f"-{len(files) + 1:08d}.nxl") for name in names)
+    (kept,) = nxl.read_stream(folder)  # the first writer's files are gone; the call starts at its first kept step
+    expected = _records(probe2.calls)[0]
+    assert kept.complete and kept.steps[-1].step == 23 and kept.steps[0].step > 0
+    assert _records([kept])[0][2] == expected[2][kept.steps[0].step:]
+    assert all(torch.equal(a.normxlogit, b.normxlogit) for a, b in zip(kept.steps, probe2.calls[0].steps[kept.steps[0].step:]))
+
+    empty = nxl.RotatingSink(folder, max_bytes=6000, max_files=3)  # nothing recorded: its file is removed
+    empty.close()
+    assert sorted(f.name for f in folder.iterdir()) == names
+    with pytest.raises(ValueError, match="at least 1"):
+        nxl.RotatingSink(folder, max_bytes=0)
+
+
+def test_frames_are_safetensors_blobs_of_any_layout_and_dtype(tmp_path):
+    """The sink's own encoder (safetensors.torch.save's checks cost too much per step) writes what safetensors'
+    loader reads back exactly: non-contiguous, half-precision, empty and bool tensors, and the metadata."""
+    from safetensors import safe_open
+    from safetensors.torch import load
+
+    from nxl_hooks.records.sink import _blob
+
+    tensors = {"t": torch.randn(3, 4).t(), "bf16": torch.randn(2, 3).bfloat16(), "f16": torch.randn(5).half(),
+               "empty": torch.zeros(0, 5), "ids": torch.tensor([[1], [2]]), "flags": torch.tensor([True, False])}
+    blob = _blob(tensors, {"nxl_hooks": "{}"})
+    loaded = load(blob)
+    assert set(loaded) == set(tensors)
+    for name, value in tensors.items():
+        assert loaded[name].dtype == value.dtype and torch.equal(loaded[name], value)
+    path = tmp_path / "blob.safetensors"  # safe_open reads a file: the header as written
+    path.write_bytes(blob)
+    with safe_open(str(path), framework="pt") as handle:
+        assert handle.metadata() == {"nxl_hooks": "{}"}
