@@ -41,6 +41,7 @@ from ...method.select import special_mask
 from ...records.attribution import Attribution
 from ...records.sink import RotatingSink
 from ...records.steps import GenerationCall, Step
+from ...records.tokens import readable
 from .settings import Settings, matches
 
 __all__ = ["Controller", "Feed", "Forward", "Watch", "controller", "count_hooks"]
@@ -57,7 +58,7 @@ def count_hooks(model: Any) -> int:
 
 
 class Texts:
-    """Token ids as people read them: ``tokenizer.decode`` of the single id (not raw BPE pieces), cached."""
+    """Token ids as people read them (:func:`nxl_hooks.records.tokens.readable`, not raw BPE pieces), cached."""
 
     def __init__(self, name: str) -> None:
         self._name = name
@@ -85,7 +86,7 @@ class Texts:
         text = self._cache.get(token_id)
         if text is None:
             tokenizer = self.tokenizer
-            text = tokenizer.decode([token_id]) if tokenizer is not None else f"#{token_id}"
+            text = readable(tokenizer, token_id) if tokenizer is not None else f"#{token_id}"
             if len(self._cache) < 1 << 18:  # a vocabulary at most
                 self._cache[token_id] = text
         return text
