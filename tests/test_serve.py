@@ -432,9 +432,30 @@ def test_import_auto_attaches_in_code_and_bad_settings_never_harm(tiny, tmp_path
     assert len(lines) == 1 and "NXL_LAYERS" in lines[0]
 
 
+def test_nxl_run_loading_options_reach_the_programs_own_loads(tiny, tmp_path):
+    """--dtype and --load-in-8bit become defaults of the program's from_pretrained for the models --models picks;
+    what the program sets itself wins; a GGUF file with bitsandbytes is refused before the program starts."""
+    code = textwrap.dedent("""
+        import sys, torch
+        from transformers import AutoModelForCausalLM
+        picked = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+        own = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+        print("FACTS", picked.model.norm.weight.dtype, type(picked.model.layers[0].self_attn.q_proj).__name__,
+              own.model.norm.weight.dtype)
+    """)
+    done = _nxl("run", "--dtype", "bfloat16", "--load-in-8bit", "--models", "tiny*", "--", sys.executable, "-c",
+                code, str(tiny.path), env={**os.environ, **SERVE_ENV}, timeout=300)
+    assert done.returncode == 0, done.stderr
+    # the first load takes both defaults; the second sets its own dtype (8-bit still applies: it did not set that)
+    assert done.stdout.split("FACTS ")[1].split() == ["torch.bfloat16", "Linear8bitLt", "torch.float32"]
+    refused = _nxl("run", "--gguf-file", "m.gguf", "--load-in-4bit", "--", sys.executable, "-c", "print('ran')")
+    assert refused.returncode == 2 and "ran" not in refused.stdout and "transformers refuses" in refused.stderr
+
+
 def test_settings_round_trip_through_the_environment(tmp_path):
     settings = Settings(run_dir=tmp_path, sink=True, layers=[0, -1], target=["a", 3], models=["x*", "y"],
-                        keep_calls=4, listen="127.0.0.1:9", sink_max_bytes=100, sink_max_files=2)
+                        keep_calls=4, listen="127.0.0.1:9", sink_max_bytes=100, sink_max_files=2,
+                        load={"dtype": "bfloat16", "quantize": "8bit", "max_memory": {"cpu": "1GiB"}})
     assert Settings.from_env(settings.to_env()) == settings
     assert settings.selects("/models/x-large") and settings.selects("org/y") and not settings.selects("z")
     with pytest.raises(ValueError, match="NXL_KEEP_CALLS"):

@@ -22,7 +22,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "head_from_architectures", "load_model", "quantization_config"]
+__all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "head_from_architectures", "load_model", "program_defaults",
+           "quantization_config"]
 
 #: The Auto class per head kind the library explains (regression loads as sequence classification).
 HEAD_CLASSES = {
@@ -94,6 +95,18 @@ def quantization_config(mode: str, dtype: Any = None) -> Any:
         return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="fp4" if mode == "fp4" else "nf4",
                                   bnb_4bit_compute_dtype=compute)
     raise ValueError(f"quantize={mode!r}: use one of {', '.join(QUANTIZE)}")
+
+
+def program_defaults(load: dict[str, Any]) -> dict[str, Any]:
+    """The ``from_pretrained`` keyword arguments of the loading options ``nxl run`` gives a program's own loads
+    (``load``: dtype, device_map, max_memory, quantize, gguf_file as :func:`loading_options` returns them)."""
+    kwargs = {key: load[key] for key in ("device_map", "max_memory", "gguf_file") if load.get(key) is not None}
+    dtype = _torch_dtype(load.get("dtype"))
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    if load.get("quantize") is not None:
+        kwargs["quantization_config"] = quantization_config(load["quantize"], dtype)
+    return kwargs
 
 
 def _torch_dtype(dtype: Any) -> Any:

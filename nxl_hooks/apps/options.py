@@ -125,12 +125,15 @@ def add_dataset_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=positive_int, help="only the first N examples")
 
 
-def add_loading_options(parser: argparse.ArgumentParser) -> None:
+def add_loading_options(parser: argparse.ArgumentParser, *, program_loads: bool = False) -> None:
     """How every command loads its models (:func:`nxl_hooks.apps.loading.load_model`): --head, --dtype,
-    --device-map, --max-memory, --load-in-8bit / --load-in-4bit, --gguf-file, and --chat for the text."""
-    group = parser.add_argument_group("loading the model")
-    group.add_argument("--head", choices=HEADS,
-                       help="which head to load when config.architectures does not say (a .gguf file: causal_lm)")
+    --device-map, --max-memory, --load-in-8bit / --load-in-4bit, --gguf-file, and --chat for the text.
+    ``program_loads``: the models are the program's own (``nxl run``): no --head and no --chat."""
+    group = parser.add_argument_group("loading the model" if not program_loads else
+                                      "loading the program's models (defaults for its from_pretrained calls)")
+    if not program_loads:
+        group.add_argument("--head", choices=HEADS,
+                           help="which head to load when config.architectures does not say (a .gguf file: causal_lm)")
     group.add_argument("--dtype", choices=DTYPES, help="load the weights in this dtype (auto: the checkpoint's)")
     group.add_argument("--device-map", type=_device_map, metavar="MAP",
                        help="accelerate placement: auto | balanced | sequential | cpu | cuda:0 | JSON {module: device}")
@@ -140,9 +143,10 @@ def add_loading_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--load-in-4bit", action="store_true", help="quantize with bitsandbytes, 4-bit nf4")
     group.add_argument("--gguf-file", metavar="NAME",
                        help="the .gguf file inside MODEL (a folder or hub id); or pass the .gguf file as MODEL")
-    group.add_argument("--chat", action="store_true",
-                       help="wrap each text in the tokenizer's chat template as the user's message, with the "
-                       "assistant's turn after it")
+    if not program_loads:
+        group.add_argument("--chat", action="store_true",
+                           help="wrap each text in the tokenizer's chat template as the user's message, with the "
+                           "assistant's turn after it")
 
 
 def loading_options(args: argparse.Namespace) -> dict[str, Any]:
@@ -155,5 +159,5 @@ def loading_options(args: argparse.Namespace) -> dict[str, Any]:
     if args.gguf_file is not None and not args.gguf_file.lower().endswith(".gguf"):
         raise CliError(f"--gguf-file {args.gguf_file!r}: name the .gguf file inside MODEL")
     quantize = "8bit" if args.load_in_8bit else "4bit" if args.load_in_4bit else None
-    return {"head": args.head, "dtype": args.dtype, "device_map": args.device_map, "max_memory": args.max_memory,
-            "quantize": quantize, "gguf_file": args.gguf_file}
+    return {"head": getattr(args, "head", None), "dtype": args.dtype, "device_map": args.device_map,
+            "max_memory": args.max_memory, "quantize": quantize, "gguf_file": args.gguf_file}

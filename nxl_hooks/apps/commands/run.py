@@ -15,7 +15,7 @@ import argparse
 import os
 import sys
 
-from ..options import CliError, add_attribution_options, positive_int
+from ..options import CliError, add_attribution_options, add_loading_options, loading_options, positive_int
 from ..serve.settings import whole_number
 
 NAME = "run"
@@ -47,6 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="start a new record file past this size (default 64)")
     parser.add_argument("--sink-files", type=positive_int, metavar="N", default=16,
                         help="record files kept per process and model; older ones are deleted (default 16)")
+    add_loading_options(parser, program_loads=True)
     parser.add_argument("program", nargs=argparse.REMAINDER, metavar="-- COMMAND ARGS",
                         help="the program to run, after --")
     return parser
@@ -68,6 +69,10 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("give the program to run after --, e.g. nxl run -- transformers serve ./model")
     if args.listen:
         parse_listen(args.listen, allow_remote=args.allow_remote)
+    load = {key: value for key, value in loading_options(args).items() if key != "head" and value is not None}
+    if load.get("gguf_file") and load.get("quantize"):
+        raise CliError("--gguf-file with --load-in-8bit/--load-in-4bit: transformers refuses that combination in "
+                       "the program's own from_pretrained; load the GGUF, save it, and quantize the saved folder")
     if args.sink:
         folder = make_run_dir(args.sink)
         remember(folder)
@@ -77,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
                         embedding=args.embedding, models=[g.strip() for g in args.models.split(",") if g.strip()],
                         keep_calls=DEFAULT_KEEP_CALLS if args.keep_calls is None else args.keep_calls,
                         listen=args.listen, allow_remote=args.allow_remote,
-                        sink_max_bytes=args.sink_file_mb << 20, sink_max_files=args.sink_files)
+                        sink_max_bytes=args.sink_file_mb << 20, sink_max_files=args.sink_files, load=load)
     if args.listen:
         write_token(folder)
     env = {**os.environ, **settings.to_env()}

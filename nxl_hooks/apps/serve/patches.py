@@ -46,6 +46,8 @@ def patch_modeling_utils(module: ModuleType) -> None:
     @functools.wraps(original)
     def from_pretrained(klass: type, *args: Any, **kwargs: Any) -> Any:
         depth = getattr(_loading, "depth", 0)
+        if depth == 0:
+            kwargs = _with_defaults(args, kwargs)
         _loading.depth = depth + 1
         try:
             model = original(klass, *args, **kwargs)
@@ -58,6 +60,22 @@ def patch_modeling_utils(module: ModuleType) -> None:
 
     setattr(from_pretrained, _MARK, True)
     cls.from_pretrained = classmethod(from_pretrained)
+
+
+def _with_defaults(args: tuple, kwargs: dict) -> dict:
+    """``kwargs`` plus the loading options of ``nxl run`` (--dtype, --load-in-8bit...) the program did not set
+    itself, for the models ``--models`` selects."""
+    try:
+        settings = controller().settings
+        name = str(args[0] if args else kwargs.get("pretrained_model_name_or_path", ""))
+        if not settings.load or not settings.selects(name):
+            return kwargs
+        from ..loading import program_defaults
+
+        return {**program_defaults(settings.load), **kwargs}
+    except Exception as error:  # noqa: BLE001 - the program loads as it asked
+        reason("the loading options of nxl run", error)
+        return kwargs
 
 
 def _adopt(model: Any, name: str) -> None:

@@ -13,6 +13,7 @@ bootstrap in every process the program starts reads them.
 | ``NXL_KEEP_CALLS`` | calls kept in memory per model | 16 |
 | ``NXL_LISTEN`` / ``NXL_ALLOW_REMOTE`` | loopback HTTP control endpoint ``HOST:PORT``; ``1`` to allow another address | off / off |
 | ``NXL_SINK_MAX_BYTES`` / ``NXL_SINK_MAX_FILES`` | rotation: bytes per file, files kept per process and model | 64 MiB / 16 |
+| ``NXL_LOAD`` | JSON: loading options (dtype, device_map, max_memory, quantize, gguf_file) the program's own ``from_pretrained`` calls get where they do not set them | none |
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import ipaddress
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Mapping
@@ -72,6 +74,16 @@ def _count(name: str, text: str) -> int:
         raise ValueError(f"{name}={text!r}: give a whole number (0 or more)") from None
 
 
+def _load(text: str) -> dict:
+    try:
+        load = json.loads(text)
+    except ValueError:
+        load = None
+    if not isinstance(load, dict) or set(load) - {"dtype", "device_map", "max_memory", "quantize", "gguf_file"}:
+        raise ValueError(f"NXL_LOAD={text!r}: a JSON object of dtype, device_map, max_memory, quantize, gguf_file")
+    return {key: value for key, value in load.items() if value is not None}
+
+
 def matches(name: str, globs: list[str]) -> bool:
     """Whether a model loaded from ``name`` (a path or hub id) matches a glob, itself or its last part."""
     tail = name.rstrip("/").rpartition("/")[2]
@@ -93,6 +105,7 @@ class Settings:
     allow_remote: bool = False
     sink_max_bytes: int = 64 << 20
     sink_max_files: int = 16
+    load: dict = field(default_factory=dict)  #: loading options for the program's own from_pretrained calls
 
     def selects(self, name: str) -> bool:
         """Whether a model loaded from ``name`` is recorded (:func:`matches` one of ``models``)."""
@@ -117,6 +130,8 @@ class Settings:
         }
         if self.listen:
             env["NXL_LISTEN"] = self.listen
+        if self.load:
+            env["NXL_LOAD"] = json.dumps(self.load)
         return env
 
     @classmethod
@@ -148,6 +163,7 @@ class Settings:
             listen=listen, allow_remote=allow_remote,
             sink_max_bytes=_count("NXL_SINK_MAX_BYTES", get("NXL_SINK_MAX_BYTES", str(64 << 20))),
             sink_max_files=_count("NXL_SINK_MAX_FILES", get("NXL_SINK_MAX_FILES", "16")),
+            load=_load(get("NXL_LOAD", "{}")),
         )
         if settings.sink_max_bytes < 1 or settings.sink_max_files < 1:
             raise ValueError("NXL_SINK_MAX_BYTES and NXL_SINK_MAX_FILES must be at least 1")
