@@ -35,7 +35,7 @@ from ..records.steps import GenerationCall, Step
 from .forward import Capture, assemble, open_capture
 from .generate import Generations
 from .guard import reason
-from .plan import Plan, make_plan
+from .plan import Plan, check_recording, make_plan, run_eagerly
 from .publish import Hub, Subscription
 
 __all__ = ["Probe", "attach", "detach_all", "explain"]
@@ -43,7 +43,8 @@ __all__ = ["Probe", "attach", "detach_all", "explain"]
 _LOCK = threading.Lock()
 #: backbone -> the finalizer that detaches the probe on it: one probe per model at a time.
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, weakref.finalize]" = weakref.WeakKeyDictionary()
-_PENDING = object()  # a task forward whose backbone has not finished yet
+_PENDING = object()  # a task forward whose blocks have not run (eagerly) yet
+_RAN = object()  # a task forward whose blocks ran, whose backbone has not finished yet
 
 
 def _hidden(output: Any) -> torch.Tensor:
@@ -127,6 +128,12 @@ class _Recorder:
         entry = tasks.pop() if tasks else None
         if isinstance(entry, Capture):
             self._finish(entry, output)
+        elif entry is _PENDING and output is not None:  # its hooks ran, those of its blocks did not: compiled code
+            self._local.last = RuntimeError(
+                f"{type(self.plan.model).__name__} ran, but its blocks never reached the probe's hooks: the call ran "
+                "code compiled by torch.compile, which skips hooks added after it was compiled (or traces them). "
+                "Attach to the compiled model itself (nxl.attach(compiled) runs it eagerly while attached), call the "
+                "uncompiled module, or run the call under `with torch.compiler.set_stance('force_eager'):`")
 
     def on_backbone_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         captures, _ = self._stacks()
@@ -145,7 +152,9 @@ class _Recorder:
             self._fail("this forward", error)
 
     def on_block_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        captures, _ = self._stacks()
+        captures, tasks = self._stacks()
+        if tasks and tasks[-1] is _PENDING:
+            tasks[-1] = _RAN
         if not captures:
             self._local.last = _without_traceback(RuntimeError(
                 f"{type(self.plan.model).__name__} ran its blocks without calling "
@@ -214,7 +223,7 @@ class _Recorder:
                     run.after_forward(capture)
             except Exception as error:  # noqa: BLE001
                 run.fail("this generate call", error)
-        elif tasks and tasks[-1] is _PENDING:
+        elif tasks and tasks[-1] is _RAN:
             tasks[-1] = capture  # assembled when the task model returns, with its own logits
         else:
             self._finish(capture, None)
@@ -230,10 +239,12 @@ class _Recorder:
             self._fail("this forward", error)
 
 
-def _detach(handles: list, gens_ref: weakref.ref, hub: Hub, backbone_ref: weakref.ref) -> None:
+def _detach(handles: list, gens_ref: weakref.ref, hub: Hub, backbone_ref: weakref.ref,
+            restore_compiled: Callable[[], None]) -> None:
     """Everything :class:`Probe` put on the model comes off. Holds no strong reference to the model (finalizers
     live in a global registry): a model that its program drops is freed, probe and all."""
     try:
+        restore_compiled()
         for handle in handles:
             handle.remove()
         handles.clear()
@@ -311,7 +322,8 @@ class Probe:
         last = self._recorder.last()
         if last is None:
             raise RuntimeError("no forward has run under this probe yet (in this thread): call the model inside "
-                               "the `with` block")
+                               "the `with` block (a model compiled by torch.compile after attach skips the hooks: "
+                               "attach to the compiled model instead)")
         if isinstance(last, BaseException):
             raise last
         return last
@@ -392,6 +404,8 @@ def attach(
     the end of the ``with`` block, :func:`detach_all`, or when the probe is garbage-collected.
     """
     plan = make_plan(unwrap(model), layers=layers, target=target, tokenizer=tokenizer, embedding=embedding)
+    check_recording(plan, on_step=on_step, sink=sink, keep_calls=keep_calls, cache_dtype=cache_dtype,
+                    cache_device=cache_device)
     backbone = get_path(plan.model, plan.spec.backbone) if plan.spec.backbone else plan.model.base_model
     with _LOCK:
         if backbone in _ATTACHED:
@@ -401,9 +415,8 @@ def attach(
             )
         # Only now the sink file is opened: a refused probe never truncates one.
         hub = Hub(on_step=on_step, sink=sink, keep_steps=keep_steps, keep_calls=keep_calls)
-        generates = plan.kind == "causal_lm" and callable(getattr(plan.model, "generate", None))
         try:
-            gens = Generations(plan, hub, cache_dtype=cache_dtype, cache_device=cache_device) if generates else None
+            gens = Generations(plan, hub, cache_dtype=cache_dtype, cache_device=cache_device) if plan.generates else None
             recorder = _Recorder(plan, backbone, gens)
             handles = recorder.register()
         except BaseException:
@@ -412,7 +425,8 @@ def attach(
         if gens is not None:
             gens.install()
         gens_ref = weakref.ref(gens) if gens is not None else (lambda: None)
-        probe = Probe(plan, recorder, hub, functools.partial(_detach, handles, gens_ref, hub, weakref.ref(backbone)))
+        probe = Probe(plan, recorder, hub, functools.partial(_detach, handles, gens_ref, hub, weakref.ref(backbone),
+                                                             run_eagerly(model)))
         _ATTACHED[backbone] = probe._finalizer
     return probe
 
