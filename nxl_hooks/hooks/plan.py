@@ -114,6 +114,14 @@ def _check_tokenizer(model: nn.Module, tokenizer: Any) -> None:
         )
 
 
+def _from_numpy(value: Any) -> Any:
+    """A numpy array of ids as the tensor it stands for (strings as a list); anything else (numpy scalars included,
+    which are ints already) as is."""
+    if type(value).__module__ != "numpy" or not getattr(value, "ndim", 0):
+        return value
+    return value.tolist() if value.dtype.kind in "USO" else torch.as_tensor(value)
+
+
 def make_plan(model: nn.Module, *, layers: Any, target: Target, tokenizer: Any, embedding: str) -> Plan:
     """Resolve and check everything :func:`~nxl_hooks.attach` was given, before any hook goes on.
 
@@ -129,6 +137,7 @@ def make_plan(model: nn.Module, *, layers: Any, target: Target, tokenizer: Any, 
                          "[MASK] positions it explains")
     if tokenizer is not None:
         _check_tokenizer(model, tokenizer)
+    target, layers = _from_numpy(target), _from_numpy(layers)
     fixed = None if is_predicted(target) else target_ids(model, kind, tokenizer, target, head.n_outputs)
     return Plan(model=model, spec=spec, kind=kind, head=head, blocks=block_list,
                 layers=resolve_layers(layers, len(block_list)), embedding=embedding, tokenizer=tokenizer,
