@@ -319,8 +319,8 @@ def _logit_post_processing(model: nn.Module, kind: str) -> list[str]:
 def _final_norm(model: nn.Module) -> tuple[str, nn.Module] | None:
     """(path, module) of the final norm a decoder keeps right under its base model (``model.norm``,
     ``transformer.ln_f``...), when it has one of the known names."""
-    base = model.base_model
-    prefix = next((n for n, m in model.named_children() if m is base), None)
+    base = getattr(model, "base_model", None)
+    prefix = next((n for n, m in model.named_children() if m is base), None) if isinstance(base, nn.Module) else None
     for name in _FINAL_NORM_NAMES if prefix is not None else ():
         module = getattr(base, name, None)
         if isinstance(module, nn.Module):
