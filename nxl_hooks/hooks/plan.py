@@ -161,6 +161,9 @@ def check_recording(plan: Plan, *, on_step: Any, sink: Any, keep_calls: Any, cac
         raise ValueError(f"sink={sink!r}: give a file path or an nxl.Sink")
     if keep_calls is not None and (isinstance(keep_calls, bool) or not isinstance(keep_calls, int)):
         raise ValueError(f"keep_calls={keep_calls!r}: give a whole number of calls to keep, or None for all")
+    if cache_dtype is not None and not (isinstance(cache_dtype, torch.dtype) and cache_dtype.is_floating_point):
+        raise ValueError(f"cache_dtype={cache_dtype!r}: use a floating-point dtype (torch.float32, torch.bfloat16, "
+                         "torch.float16) or None for the model's own")
     if cache_device is not None:
         try:
             torch.device(cache_device)

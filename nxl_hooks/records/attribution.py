@@ -130,8 +130,9 @@ class Attribution:
     def layer(self, layer: int) -> torch.Tensor:
         """NormXLogit at one layer (negative counts from the end): ``res.layer(-1)`` -> (rows, seq[, k])."""
         n_blocks = self.meta.get("n_blocks")
-        if layer < 0 and n_blocks is None:
-            raise ValueError(f"layer {layer}: this result does not record the model's block count; use one of {self.layers}")
+        if n_blocks is None and not (_int(layer) and layer >= 0):
+            raise ValueError(f"layer {layer!r}: this result does not record the model's block count; use one of "
+                             f"{self.layers}")
         wanted = layer_index(layer, n_blocks) if n_blocks is not None else layer
         if wanted not in self.layers:
             raise ValueError(f"layer {layer} was not captured; captured layers: {self.layers}")
