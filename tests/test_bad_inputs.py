@@ -21,6 +21,7 @@ from safetensors.torch import save as save_blob
 from safetensors.torch import save_file
 
 import nxl_hooks as nxl
+import oracle
 import tiny
 from nxl_hooks.apps import dataset
 from nxl_hooks.arch import registry
@@ -161,6 +162,22 @@ def test_models_without_a_head(lm, model, message):
     with pytest.raises(nxl.UnknownArchitectureError, match=message):
         nxl.attach(lm.model if isinstance(model, str) and model == "BASE" else model)
     assert _hooks(lm) == 0
+
+
+def test_numpy_integers_are_fine_layers_and_targets(lm):
+    """The other side of the catalogue: numpy ints and int arrays mean what Python ints and id tensors mean."""
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    with torch.no_grad():
+        out = lm(input_ids=ids, output_hidden_states=True)
+        logits = oracle.llama(lm).layer_logits(out.hidden_states)
+    for layers, target, per_row in (([np.int64(0), np.int32(-1)], np.int64(7), [7, 7]),
+                                    (np.array([0, 2]), np.array([3, 11]), [3, 11])):
+        with torch.no_grad(), nxl.attach(lm, layers=layers, target=target) as probe:
+            lm(input_ids=ids)
+        res = probe.result()
+        assert res.layers == [0, 2] and res.target.tolist() == per_row
+        expected = oracle.normxlogit(logits, out.hidden_states[0], torch.tensor(per_row))[1]
+        torch.testing.assert_close(res.normxlogit, expected[[0, 2]], rtol=1e-4, atol=1e-5)
 
 
 def test_masked_lm_without_tokenizer_and_attach_twice(lm, existing):
