@@ -11,17 +11,20 @@ live model), ``eval`` (checking), ``apps`` (the command line and views).
 """
 
 from . import _moved
-from .arch import ArchSpec, UnknownArchitectureError, register_architecture, register_file
+from .arch import ArchSpec, RegistryError, UnknownArchitectureError, register_architecture, register_file
 from .hooks import Probe, attach, detach_all, explain
-from .records import Attribution, GenerationCall, Sink, Step, read_stream
+from .records import Attribution, GenerationCall, RecordError, Sink, Step, StreamError, read_stream
 
 __all__ = [
     "ArchSpec",
     "Attribution",
     "GenerationCall",
     "Probe",
+    "RecordError",
+    "RegistryError",
     "Sink",
     "Step",
+    "StreamError",
     "UnknownArchitectureError",
     "attach",
     "detach_all",
