@@ -13,8 +13,9 @@ compute, record and compare (method/, records/ but html, hooks/forward.py, eval/
 checked by the in-process tests. Reruns reuse finished results; ``rm -rf mutants`` starts over.
 
 The script prints one JSON object: mutants per status, the kill rate (killed / (killed + survived); timeouts and
-segfaults count as killed, as mutmut counts them) overall and per module, and the surviving mutants' names
-(``mutmut show NAME`` prints one's diff: either a test is missing, or the mutant does not change behaviour).
+segfaults count as killed, as mutmut counts them) overall and per module, the same with mutants that no selected
+test reaches counted as survivors (``kill_rate_with_untested``), and the surviving mutants' names (``mutmut show
+NAME`` prints one's diff: either a test is missing, or the mutant does not change behaviour).
 """
 
 from __future__ import annotations
@@ -64,9 +65,9 @@ def report(names: list[str] | None = None) -> dict:
         if status == "survived":
             survivors.append(name)
 
-    def rate(counts: collections.Counter) -> float | None:
+    def rate(counts: collections.Counter, *, untested: bool = False) -> float | None:
         killed = sum(counts[s] for s in KILLED)
-        tested = killed + counts["survived"]
+        tested = killed + counts["survived"] + (counts["no tests"] if untested else 0)
         return round(killed / tested, 3) if tested else None
 
     total = sum(by_module.values(), collections.Counter())
@@ -74,6 +75,7 @@ def report(names: list[str] | None = None) -> dict:
         "mutants": sum(total.values()),
         "statuses": dict(total),
         "kill_rate": rate(total),
+        "kill_rate_with_untested": rate(total, untested=True),
         "by_module": {module: {"mutants": sum(c.values()), "kill_rate": rate(c), **c}
                       for module, c in sorted(by_module.items())},
         "survived": survivors,

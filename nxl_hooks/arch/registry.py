@@ -113,7 +113,14 @@ class ArchSpec:
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
-        """Check every field against the schema (README, 'Adding an architecture'); :class:`RegistryError` if bad."""
+        """Check every field against the schema (README, 'Adding an architecture'); :class:`RegistryError` if bad.
+        Lists (TOML arrays) become tuples; a lone string stays one, to be refused: ``tuple("llama")`` would be
+        five one-letter model types."""
+        if isinstance(self.model_types, list):
+            object.__setattr__(self, "model_types", tuple(self.model_types))
+        if isinstance(self.heads, Mapping):
+            object.__setattr__(self, "heads", {kind: tuple(steps) if isinstance(steps, list) else steps
+                                               for kind, steps in self.heads.items()})
         if not isinstance(self.name, str) or not self.name:
             raise RegistryError(f"registry entry name {self.name!r} in {self.source}: use a non-empty string")
         if not isinstance(self.model_types, tuple) or not self.model_types or not all(
@@ -164,12 +171,6 @@ class ArchSpec:
 _SPECS: dict[str, ArchSpec] = {}
 
 
-def _strings(value: Any) -> Any:
-    """A TOML array / Python list or tuple as a tuple; anything else (a lone string included) as is, for
-    :class:`ArchSpec` to reject: ``tuple("llama")`` would be five one-letter model types."""
-    return tuple(value) if isinstance(value, (list, tuple)) else value
-
-
 def _spec_from_mapping(name: str, data: Any, source: str) -> ArchSpec:
     where = f"registry entry [{name}] in {source}"
     if not isinstance(data, Mapping):
@@ -181,11 +182,8 @@ def _spec_from_mapping(name: str, data: Any, source: str) -> ArchSpec:
         raise RegistryError(f"{where}: unknown key {unknown[0]!r}{hint}; the keys are {_KEYS}")
     if "blocks" not in data or "heads" not in data:
         raise RegistryError(f"{where}: key {'blocks' if 'blocks' not in data else 'heads'!r} is missing")
-    heads = data["heads"]
-    if isinstance(heads, Mapping):
-        heads = {kind: _strings(steps) for kind, steps in heads.items()}
-    return ArchSpec(name=name, model_types=_strings(data.get("model_types", (name,))), blocks=data["blocks"],
-                    heads=heads, pooling=data.get("pooling", "last_non_pad"), backbone=data.get("backbone"),
+    return ArchSpec(name=name, model_types=data.get("model_types", (name,)), blocks=data["blocks"],
+                    heads=data["heads"], pooling=data.get("pooling", "last_non_pad"), backbone=data.get("backbone"),
                     source=source)
 
 
