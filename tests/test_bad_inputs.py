@@ -261,6 +261,24 @@ def test_bad_result_calls(result, call, message):
         call(result)
 
 
+def test_top_ranks_each_rows_own_tokens(result):
+    """Row 1 ("[CLS] bad plot [SEP]" and two pads): only its two words rank, by its own scores."""
+    scores = result.normxlogit[-1, 1]
+    expected = sorted((1, 2), key=lambda i: -float(scores[i]))
+    assert [p for p, _, _ in result.top(5, row=1)] == expected
+    assert [name for _, name, _ in result.top(5, row=1)] == [result.tokens[1][i] for i in expected]
+    everything = [p for p, _, _ in result.top(9, row=1, all_positions=True)]
+    assert sorted(everything) == [0, 1, 2, 3]
+
+
+def test_several_targets_round_trip(lm, tmp_path):
+    res = nxl.explain(lm, tiny.tokenizer(), ["the film was good", "bad plot"], layers=[0, 2], target=["good", "bad"])
+    back = nxl.Attribution.load(res.save(tmp_path / "k.safetensors"))
+    ids = [tiny.VOCAB.index("good"), tiny.VOCAB.index("bad")]
+    assert back.normxlogit.shape == (2, 2, 6, 2) and back.target.tolist() == [ids, ids]
+    assert back.top(2, row=1, label=1) == res.top(2, row=1, label=1)
+
+
 def test_nan_scores_rank_last(result):
     res = nxl.Attribution(**{**vars(result), "normxlogit": result.normxlogit.clone()})
     res.normxlogit[-1, 0, 1] = float("nan")  # "the"
@@ -496,17 +514,21 @@ def test_damaged_streams_warn_or_raise_and_say_where(stream_bytes, tmp_path, mak
     assert calls.damage.steps_recovered == max(0, min(frame - 1, 4)) == sum(len(c.steps) for c in calls)
 
 
-@pytest.mark.parametrize("cut", cases(*[(f"torn {n} bytes", n) for n in (1, 3, 10, 17, 60, 200)]))
+@pytest.mark.parametrize("cut", cases(*[(f"torn {n} bytes", n) for n in (1, 3, 10, 17, 60, 200)],
+                                     *[(f"a new frame's first {n} bytes", -n) for n in (1, 3, 4, 15)]))
 def test_a_torn_last_frame_is_quiet(stream_bytes, tmp_path, cut):
     path = tmp_path / "run.nxl"
     last = _offsets(stream_bytes)[-1]
-    path.write_bytes(stream_bytes[: max(last + 1, len(stream_bytes) - cut)])
+    if cut < 0:  # the writer was killed right as it began the frame after the end frame
+        last = len(stream_bytes)
+        stream_bytes += (stream._FRAME_MAGIC + bytes(12))[:-cut]
+    path.write_bytes(stream_bytes[: max(last + 1, len(stream_bytes) - max(cut, 0))])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning at all
         (call,) = nxl.read_stream(path, strict=True)
         calls = nxl.read_stream(path)
-    assert len(call.steps) == 4 and not call.complete
-    assert calls.damage.torn and calls.damage.frame == 5 and calls.damage.offset == last
+    assert len(call.steps) == 4 and call.complete == (cut < 0)
+    assert calls.damage.torn and calls.damage.frame == (6 if cut < 0 else 5) and calls.damage.offset == last
 
 
 def _frame(payload: bytes) -> bytes:
@@ -580,6 +602,16 @@ def test_crafted_frames_with_a_valid_checksum(stream_bytes, tmp_path, payload, m
                                                      f"{message}"):
             nxl.read_stream(path, strict=strict)
     assert path.read_bytes() == before
+
+
+def test_a_call_frame_whose_prompt_ids_and_mask_differ(stream_bytes, tmp_path):
+    offsets = _offsets(stream_bytes)
+    call = _record({"prompt_mask": torch.ones(1, 4, dtype=torch.bool), "prompt_ids": torch.ones(1, 3, dtype=torch.long)},
+                   {"kind": "call", "call": 0, "layers": [0, 1, 2]})
+    path = tmp_path / "run.nxl"
+    path.write_bytes(stream_bytes[: offsets[0]] + _frame(call) + stream_bytes[offsets[1]:])
+    with pytest.raises(stream.StreamError, match=r"frame 0 at byte .*prompt_ids \(1, 3\) and prompt_mask \(1, 4\)"):
+        nxl.read_stream(path)
 
 
 STREAM_FILES = cases(

@@ -100,6 +100,7 @@ def test_read_stream_refuses_a_frame_with_a_flipped_payload_byte(lm, tmp_path):
     assert len(call.steps) == 3 and not call.complete
     assert (calls.damage.frame, calls.damage.offset, calls.damage.steps_recovered) == (index, offset, 3)
     assert not calls.damage.torn and calls.damage.frames_after == len(frames) - index - 1
+    assert (call.thread, call.request_id) == (probe.calls[0].thread, probe.calls[0].request_id)
     for read, kept in zip(call.steps, probe.steps):  # what comes before the damage is exact
         assert torch.equal(read.normxlogit, kept.normxlogit)
     with pytest.raises(sink_format.StreamError, match=f"damaged: frame {index} at byte {offset}"):
