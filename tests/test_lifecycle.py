@@ -15,10 +15,7 @@ import tiny
 IDS = torch.tensor([[5, 6, 7, 8, 9]])
 
 
-def _hooks(model: torch.nn.Module) -> int:
-    """nxl_hooks' hooks on the model (transformers adds its own for output_hidden_states and keeps them)."""
-    return sum(getattr(hook, "__module__", "").startswith("nxl_hooks") for m in model.modules()
-               for hook in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()))
+_hooks = tiny.nxl_hooks_on
 
 
 def _expected(model: torch.nn.Module) -> torch.Tensor:
