@@ -11,18 +11,21 @@ live model), ``eval`` (checking), ``apps`` (the command line and views).
 """
 
 from . import _moved
-from .arch import ArchSpec, UnknownArchitectureError, register_architecture, register_file
+from .arch import ArchSpec, RegistryError, UnknownArchitectureError, register_architecture, register_file
 from .hooks import Probe, attach, detach_all, explain
-from .records import Attribution, GenerationCall, RotatingSink, Sink, Step, read_stream
+from .records import Attribution, GenerationCall, RecordError, RotatingSink, Sink, Step, StreamError, read_stream
 
 __all__ = [
     "ArchSpec",
     "Attribution",
     "GenerationCall",
     "Probe",
+    "RecordError",
+    "RegistryError",
     "RotatingSink",
     "Sink",
     "Step",
+    "StreamError",
     "UnknownArchitectureError",
     "attach",
     "detach_all",

@@ -367,7 +367,7 @@ def test_register_file(private_registry, tmp_path):
     )
     case = Case(_MPNET, tf.MPNetForMaskedLM, oracle.roberta_lm, decoder=False)
     model = case.build()
-    with pytest.raises(nxl.UnknownArchitectureError):
+    with pytest.raises(nxl.UnknownArchitectureError, match="model_type 'mpnet'.*is not supported"):
         nxl.attach(model, tokenizer=TOK)
     (spec,) = nxl.register_file(path)
     assert spec.model_types == ("mpnet",) and spec.source == str(path)

@@ -41,7 +41,7 @@ def test_detach_leaves_no_hook_and_identical_outputs(model, ids):
 
 
 def test_failing_forward_still_detaches(model):
-    with pytest.raises(IndexError):
+    with pytest.raises(IndexError, match="index out of range"):
         with nxl.attach(model):
             model(input_ids=torch.tensor([[5, 99]]))  # id beyond the vocabulary: the model's own forward raises
     assert _hook_count(model) == 0

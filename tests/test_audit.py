@@ -26,10 +26,11 @@ def _oracle_scores(model, ids: torch.Tensor, target: int | None = None) -> tuple
 
 
 def _by_hand(ref: torch.Tensor, cand: torch.Tensor, top_k: int) -> dict:
-    """Metrics per layer over the real tokens; the prediction position (the last token) is left out of rankings."""
+    """Metrics per layer over the real tokens; [CLS] (a special token) and the prediction position (the last token,
+    [SEP]) are left out of rankings."""
     out = {"spearman": [], "kendall": [], "topk": [], "drift": []}
     for r, c in zip(ref, cand):
-        a, b = r[:-1].double().numpy(), c[:-1].double().numpy()
+        a, b = r[1:-1].double().numpy(), c[1:-1].double().numpy()
         out["spearman"].append(stats.spearmanr(a, b).statistic)
         out["kendall"].append(stats.kendalltau(a, b).statistic)
         k = min(top_k, len(a))
@@ -84,15 +85,28 @@ def test_quantized_audit_matches_oracle(tmp_path):
     )
 
 
-def test_same_weights_show_no_change():
+def test_same_weights_show_no_change_and_a_changed_block_changes_only_the_layers_after_it():
     model, twin = tiny.build_model("bert", 0), tiny.build_model("bert", 0)
-    record = audit.audit_example(model, twin, tiny.tokenizer(), {"text": "the film was very good"})
-    assert (
-        record["agree"]
-        and record["spearman"] == pytest.approx([1.0] * 3)
-        and record["kendall"] == pytest.approx([1.0] * 3)
-    )
-    assert record["topk"] == [1.0] * 3 and record["drift"] == [0.0] * 3
+    tok, example = tiny.tokenizer(), {"text": "the film was very good"}
+    record = audit.audit_example(model, twin, tok, example)
+    assert record["agree"] and record["spearman"] == pytest.approx([1.0] * 3)
+    assert record["kendall"] == pytest.approx([1.0] * 3) and record["topk"] == [1.0] * 3 and record["drift"] == [0.0] * 3
+    with torch.no_grad():  # the last block's output projection changes: layers 0 and 1 stay, layer 2 moves
+        weight = twin.bert.encoder.layer[1].output.dense.weight
+        weight.add_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(0)))
+    record = audit.audit_example(model, twin, tok, example)
+    ids = torch.tensor([tok(example["text"])["input_ids"]])
+    scores = []
+    for m in (model, twin):
+        with torch.no_grad():
+            out = m(input_ids=ids, output_hidden_states=True)
+            logits = oracle.bert_classifier(m).layer_logits(out.hidden_states)
+        scores.append(oracle.normxlogit(logits, out.hidden_states[0], torch.tensor([record["target"]]))[1][:, 0])
+    ref, cand = scores
+    expected = [float((c - r).norm() / r.norm()) for r, c in zip(ref, cand)]
+    assert record["drift"][:2] == [0.0, 0.0] and expected[2] > 0.01
+    assert record["drift"] == pytest.approx(expected, rel=1e-4, abs=1e-7)
+    assert record["spearman"][:2] == pytest.approx([1.0, 1.0])
 
 
 def test_report_leads_with_flipped_then_lowest_spearman(tmp_path):

@@ -17,7 +17,7 @@ import tiny
 from nxl_hooks.eval import audit
 from nxl_hooks.eval import faithfulness as ev
 from nxl_hooks.apps.cli import main
-from nxl_hooks.apps.dataset import SettingsMismatchError, load_examples, read_records, run_dataset
+from nxl_hooks.apps.dataset import SettingsMismatchError, load_examples, read_records, run_dataset, run_id
 
 TESTS = Path(__file__).resolve().parent
 
@@ -90,13 +90,17 @@ def test_torn_last_line_is_ignored_then_cut(tmp_path):
     items = [{"n": i} for i in range(4)]
     (tmp_path / "parts").mkdir()
     part = tmp_path / "parts" / "part-0.jsonl"
-    part.write_text('{"n": 0, "index": 0}\n{"n": 1, "index": 1}\n{"n": 2, "ind')  # killed mid-write
+    ours = run_id({"k": 1})
+    part.write_text(f'{{"n": 0, "index": 0, "run_id": "{ours}"}}\n{{"n": 1, "index": 1, "run_id": "{ours}"}}\n'
+                    '{"n": 2, "ind')  # killed mid-write
     assert sorted(read_records(tmp_path)) == [0, 1]
     calls = []
     records = run_dataset(items, lambda ex: calls.append(ex["n"]) or dict(ex), tmp_path, settings={"k": 1})
     assert calls == [2, 3]
     assert records == [{"n": i, "index": i} for i in range(4)]
-    assert [json.loads(line) for line in part.read_text().splitlines()] == records
+    lines = [json.loads(line) for line in part.read_text().splitlines()]
+    assert [{k: v for k, v in line.items() if k != "run_id"} for line in lines] == records
+    assert [line["run_id"] for line in lines] == [ours] * 4
 
 
 def test_other_settings_are_refused(tmp_path):
@@ -124,7 +128,7 @@ def test_exception_after_n_records_resumes_to_identical_result(models, tmp_path)
         return score(example)
 
     with pytest.raises(RuntimeError, match="injected"):
-        run_dataset(examples, crashing, tmp_path / "resumed", settings={})
+        run_dataset(examples, crashing, tmp_path / "resumed", settings={}, record_failures=False)
     assert len(read_records(tmp_path / "resumed")) == 3
     redone = []
     resumed = run_dataset(examples, lambda ex: redone.append(ex["id"]) or score(ex), tmp_path / "resumed", settings={})
@@ -254,7 +258,7 @@ def test_run_that_failed_before_any_record_does_not_lock_its_folder(tmp_path):
         raise RuntimeError("injected crash")
 
     with pytest.raises(RuntimeError, match="injected"):
-        run_dataset([{"n": 0}], failing, tmp_path, settings={"model": "a"})
+        run_dataset([{"n": 0}], failing, tmp_path, settings={"model": "a"}, record_failures=False)
     assert run_dataset([{"n": 0}], dict, tmp_path, settings={"model": "b"}) == [{"n": 0, "index": 0}]
     assert json.loads((tmp_path / "run.json").read_text()) == {"model": "b"}
     with pytest.raises(SettingsMismatchError, match="model"):  # now it holds a record of model b
@@ -270,7 +274,7 @@ def test_one_failing_process_stops_both_instead_of_hanging(tmp_path):
         "    if _state().process_index == 1:\n"
         "        raise KeyError('injected in process 1')\n"
         "    return dict(example)\n"
-        "run_dataset([{'n': i} for i in range(6)], score, sys.argv[1], settings={})\n"
+        "run_dataset([{'n': i} for i in range(6)], score, sys.argv[1], settings={}, record_failures=False)\n"
     )
     done = subprocess.run(
         [*_launch_two(), str(script), str(tmp_path / "out")], capture_output=True, text=True, timeout=120

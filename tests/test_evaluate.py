@@ -276,15 +276,15 @@ def test_regression_change_and_pearson_after_perturbation():
     assert summary["pearson"] == pytest.approx(np.corrcoef([2.0, 2.0, -1.0], gold)[0, 1])
 
 
-@pytest.mark.parametrize("example", [
-    {"text": "the key", "target": "zzz"},  # not in the vocabulary: encodes to [UNK]
-    {"text": "the key", "target": 99},  # the LM has 14 outputs
-    {"text": "the key", "label": True},  # JSON true is not a label id
-    {"text": "the key", "foil": ["is"]},
+@pytest.mark.parametrize("example, message", [
+    ({"text": "the key", "target": "zzz"}, "'zzz' is not a single token"),  # not in the vocabulary: [UNK]
+    ({"text": "the key", "target": 99}, "target 99 is out of range.*14 outputs"),  # the LM has 14 outputs
+    ({"text": "the key", "label": True}, "True must be an int id or a string"),  # JSON true is not a label id
+    ({"text": "the key", "foil": ["is"]}, r"\['is'\] must be an int id or a string"),
 ])
-def test_bad_lm_targets_are_value_errors(example):
+def test_bad_lm_targets_are_value_errors(example, message):
     model, tok = FakeForCausalLM(), word_tokenizer(WORDS, "[CLS] $A")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=message):
         ev.score_example(model, tok, example, methods=())
 
 
@@ -295,10 +295,11 @@ def test_lm_target_resolves_through_the_vocabulary():
     assert rec["target"] == VOCAB["is"] and rec["foil"] == VOCAB["are"]
 
 
-@pytest.mark.parametrize("label", [5, -1, "nonsense"])
-def test_out_of_range_class_label_is_a_value_error(label):
+@pytest.mark.parametrize("label, message", [(5, "target 5 is out of range"), (-1, "target -1 is out of range"),
+                                            ("nonsense", "'nonsense' is not one of the model's labels")])
+def test_out_of_range_class_label_is_a_value_error(label, message):
     model, tok = FakeForSequenceClassification(), word_tokenizer(WORDS, "[CLS] $A [SEP]")
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=message):
         ev.score_example(model, tok, {"text": "good fine", "label": label}, methods=())
 
 

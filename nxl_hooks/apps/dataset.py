@@ -9,6 +9,12 @@
 file in ``out/parts/`` (flushed and fsynced, so a killed run keeps every completed record; a torn last
 line is ignored and cut off), and the main process merges all parts once, in dataset order. Rerunning
 the same command on the same ``out/`` resumes: finished examples are read back, not recomputed.
+
+Every line carries the run's identity (``run_id``, a hash of its settings: model, data, options), so a resumed
+run never mixes in another run's records, even when ``run.json`` was deleted. An example whose scoring raises
+is recorded as failed, with its reason (``{"index", "id", "error"}``), and the run goes on; a resumed run does
+not retry it. :func:`scored` splits the failures off for the summary. Output files are written under a
+temporary name and renamed, so a failed write never destroys an earlier result.
 """
 
 from __future__ import annotations
@@ -18,8 +24,12 @@ import hashlib
 import json
 import os
 import re
+import shutil
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from ..records.files import replacing, write_text
 
 __all__ = [
     "SettingsMismatchError",
@@ -28,12 +38,14 @@ __all__ = [
     "place",
     "read_records",
     "run_dataset",
+    "scored",
     "write_json",
     "write_outputs",
 ]
 
 _PARTS = "parts"
 _SETTINGS = "run.json"
+_RUN_ID = "run_id"
 _INT = re.compile(r"-?\d+")
 
 
@@ -157,9 +169,10 @@ def load_examples(
     return out
 
 
-def _digest(examples: Sequence[Mapping[str, Any]]) -> str:
-    """sha256 of the examples: part of a run's settings, so a resumed run is known to read the same data."""
-    return hashlib.sha256(json.dumps(list(examples), sort_keys=True).encode("utf-8")).hexdigest()
+def _digest(value: Any) -> str:
+    """sha256 of a JSON-able value (the examples: part of a run's settings, so a resumed run is known to read the
+    same data; the settings: the run's identity)."""
+    return hashlib.sha256(json.dumps(value, sort_keys=True).encode("utf-8")).hexdigest()
 
 
 # -- append-only record logs -----------------------------------------------------------------------------
@@ -173,11 +186,15 @@ def _complete_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
     for number, line in enumerate(data[:end].splitlines(), start=1):
         if line.strip():
             try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
+                record = json.loads(line)
+            except (ValueError, RecursionError):
+                record = None
+            if not isinstance(record, dict) or not isinstance(record.get("index"), int):
                 raise ValueError(
-                    f"{path}:{number} is corrupt (not JSON): delete that line or the folder to redo it"
-                ) from None
+                    f"{path}:{number} is corrupt (not a JSON record with an index): delete that line or the folder "
+                    "to redo it"
+                )
+            records.append(record)
     return records, end
 
 
@@ -233,23 +250,41 @@ def _state() -> Any:
     return PartialState(cpu=not torch.cuda.is_available())
 
 
-def _check_settings(out_dir: Path, settings: Mapping[str, Any], *, has_records: bool) -> bool:
-    """True when ``out_dir`` already holds this run's settings; raise when it holds another run's records.
+def run_id(settings: Mapping[str, Any]) -> str:
+    """The identity of a run with these (JSON-able) settings, carried by each of its records."""
+    return _digest(dict(settings))[:16]
 
-    Another run's settings without records (it failed before its first example) are simply replaced.
-    """
+
+def _check_run(out_dir: Path, settings: Mapping[str, Any], done: Mapping[int, Mapping[str, Any]]) -> str:
+    """Whether ``out_dir`` holds this run ("resume"), nothing of use ("fresh": no record, or only failures of
+    another run), or another run's results (:class:`SettingsMismatchError`). Judged by the records' own
+    ``run_id``; ``run.json`` only names what differs (records from before run ids count when it matches)."""
     path = out_dir / _SETTINGS
-    if not path.exists():
-        return False
-    saved = json.loads(path.read_text())
+    try:
+        saved = json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
+    except (ValueError, UnicodeDecodeError):
+        saved = None  # unreadable: the records say whose they are
     wanted = json.loads(json.dumps(settings))
-    if saved != wanted and has_records:
+    ours = run_id(settings)
+
+    def foreign(record: Mapping[str, Any]) -> bool:
+        if _RUN_ID in record:
+            return record[_RUN_ID] != ours
+        return saved != wanted  # written before run ids: this run's only when run.json says so
+
+    others = [r for r in done.values() if foreign(r)]
+    if not others:
+        return "resume" if done else "fresh"
+    if all("error" in r for r in others):
+        return "fresh"  # every record of the other run failed: nothing is lost by starting over
+    if isinstance(saved, dict) and saved != wanted:
         changed = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
-        raise SettingsMismatchError(
-            f"{out_dir} holds a run with other settings (different: {', '.join(changed)}); "
-            "use another --out folder, or delete this one to start over"
-        )
-    return saved == wanted
+        why = f"(different: {', '.join(changed)})"
+    else:
+        why = f"({len(others)} of its records carry another run's identity: other model, data or options)"
+    raise SettingsMismatchError(
+        f"{out_dir} holds a run with other settings {why}; use another --out folder, or delete this one to start over"
+    )
 
 
 def _stop_all_if_one_failed(state: Any, failed: bool) -> None:
@@ -265,11 +300,13 @@ def _stop_all_if_one_failed(state: Any, failed: bool) -> None:
 
 def write_json(path: str | Path, value: Any) -> Path:
     """Write JSON atomically (temp file + rename), so a reader never sees half a file."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(value, indent=1) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
-    return path
+    return write_text(path, json.dumps(value, indent=1) + "\n")
+
+
+def _failure(example: Mapping[str, Any], error: Exception) -> dict[str, Any]:
+    """The record of an example whose scoring raised: its id and the reason, on one line."""
+    reason = " ".join(str(error).split()) or "(no message)"
+    return {"id": example.get("id"), "error": f"{type(error).__name__}: {reason}"[:2000]}
 
 
 def run_dataset(
@@ -279,16 +316,19 @@ def run_dataset(
     *,
     settings: Mapping[str, Any],
     desc: str = "examples",
+    record_failures: bool = True,
 ) -> list[dict[str, Any]] | None:
     """Score every example once, sharded and resumable; all records in dataset order on the main process.
 
     ``records = run_dataset(examples, lambda ex: ev.score_example(model, tok, ex), "out", settings={...})``
 
     ``score`` maps one example to a JSON-able record (``index`` is added: the example's position).
-    ``settings`` (JSON-able) identify the run; an ``out_dir`` holding a run with other settings is an
-    error (unless it holds no record yet). Returns the merged records on the main process and ``None`` on
-    the others. When ``score`` raises in one process, every process raises (the others a ``RuntimeError``),
-    when each has finished its share; every record written is kept for the rerun.
+    ``settings`` (JSON-able) identify the run; an ``out_dir`` holding another run's records is an error
+    (unless they all failed). When ``score`` raises (an Exception), the example's record is
+    ``{"index", "id", "error"}`` and the run goes on; a rerun does not retry it (:func:`scored` separates them).
+    With ``record_failures=False`` the run stops instead: every process raises (the others a ``RuntimeError``)
+    when each has finished its share, and every record written is kept for the rerun. Returns the merged
+    records on the main process and ``None`` on the others.
     """
     from tqdm.auto import tqdm
 
@@ -300,10 +340,17 @@ def run_dataset(
     state.wait_for_everyone()
     done = read_records(out_dir)
     # Every process raises alike, before anyone writes.
-    known = _check_settings(out_dir, settings, has_records=bool(done))
+    status = _check_run(out_dir, settings, done)
     state.wait_for_everyone()  # all have read the parts before anyone cuts or appends
-    if state.is_main_process and not known:
+    if status == "fresh" and done:  # only failures of another run: start over
+        done = {}
+        if state.is_main_process:
+            shutil.rmtree(parts)
+            parts.mkdir()
+        state.wait_for_everyone()
+    if state.is_main_process:
         write_json(out_dir / _SETTINGS, settings)
+    identity = {_RUN_ID: run_id(settings)}
     todo = [i for i in range(len(examples)) if i not in done]
     mine = todo[state.process_index :: state.num_processes]
     log = _Log(parts / f"part-{state.process_index}.jsonl")
@@ -317,7 +364,14 @@ def run_dataset(
             dynamic_ncols=True,
             postfix={"resumed": len(done)} if done else None,
         ):
-            log.append({**score(examples[index]), "index": index})
+            try:
+                record = score(examples[index])
+            except Exception as error:  # noqa: BLE001 - one failing example is recorded, the run goes on
+                if not record_failures:
+                    raise
+                record = _failure(examples[index], error)
+                tqdm.write(f"{desc}: example {index} failed, recorded: {record['error']}", file=sys.stderr)
+            log.append({**record, "index": index, **identity})
     except Exception:
         _stop_all_if_one_failed(state, failed=True)
         raise
@@ -333,7 +387,20 @@ def run_dataset(
         raise ValueError(
             f"records missing for examples {missing[:10]} after every process finished; rerun to fill them in"
         )
-    return [merged[i] for i in range(len(examples))]
+    return [{k: v for k, v in merged[i].items() if k != _RUN_ID} for i in range(len(examples))]
+
+
+def scored(
+    records: Sequence[Mapping[str, Any]], aggregate: Callable[[Sequence[Mapping[str, Any]]], dict[str, Any]]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """(the records of the examples that scored, their summary): ``aggregate`` of them plus ``failed``, the index,
+    id and reason of each example that failed. ValueError when none scored. ``ok, summary = scored(records, agg)``"""
+    ok = [dict(r) for r in records if "error" not in r]
+    failed = [{"index": r["index"], "id": r.get("id"), "error": r["error"]} for r in records if "error" in r]
+    if not ok:
+        raise ValueError(f"every example failed ({len(failed)}); the first: example {failed[0]['index']}: "
+                         f"{failed[0]['error']}")
+    return ok, {**aggregate(ok), "failed": failed}
 
 
 # -- the commands built on it ----------------------------------------------------------------------------
@@ -355,13 +422,11 @@ def write_outputs(
 ) -> None:
     """The merged results of a run: ``records.jsonl`` (dataset order), ``summary.json``, ``report.html``."""
     out_dir = Path(out_dir)
-    tmp = out_dir / "records.jsonl.tmp"
-    with tmp.open("w", encoding="utf-8") as fh:
+    with replacing(out_dir / "records.jsonl") as fh:
         for record in records:
-            fh.write(json.dumps(record) + "\n")
-    os.replace(tmp, out_dir / "records.jsonl")
+            fh.write(json.dumps(record).encode("utf-8") + b"\n")
     write_json(out_dir / "summary.json", summary)
-    (out_dir / "report.html").write_text(report, encoding="utf-8")
+    write_text(out_dir / "report.html", report)
     print(f"wrote {out_dir / 'summary.json'}, {out_dir / 'records.jsonl'} and {out_dir / 'report.html'}")
 
 
@@ -372,7 +437,7 @@ def examples_from_args(args: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]
     )
     settings = {
         "data": str(args.data),
-        "examples_sha256": _digest(examples),
+        "examples_sha256": _digest(list(examples)),
         "fields": [args.text_field, args.label_field, args.evidence_field],
         "limit": args.limit,
         "head": args.head,

@@ -10,11 +10,15 @@ one; otherwise :class:`UnknownArchitectureError` says how to register it::
 
 from __future__ import annotations
 
+import difflib
+import re
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
 if sys.version_info >= (3, 11):
@@ -24,11 +28,16 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 __all__ = [
     "ArchSpec",
+    "FUNCTION_STEPS",
     "HEAD_KINDS",
+    "POST_STEPS",
+    "RegistryError",
     "UnknownArchitectureError",
     "blocks",
+    "compiled_original",
     "get_path",
     "head_kind",
+    "load_file",
     "register_architecture",
     "register_file",
     "resolve",
@@ -48,8 +57,29 @@ _FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "nor
 _LOGIT_POST_ATTRIBUTES = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
 
 
+#: Head steps that are functions, by name.
+FUNCTION_STEPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"tanh": torch.tanh, "gelu": F.gelu, "relu": F.relu}
+
+#: Logit post-processing steps after the readout, ``"<op>:<config attribute>"`` (see :class:`ArchSpec`).
+POST_STEPS: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
+    "softcap": lambda x, c: torch.tanh(x / c) * c,
+    "scale": lambda x, s: x * s,
+    "divide": lambda x, s: x / s,
+}
+
+_KEYS = ("model_types", "blocks", "heads", "pooling", "backbone")
+_POOLINGS = ("first", "last_non_pad")
+_PATH = re.compile(r"[A-Za-z_]\w*(\.([A-Za-z_]\w*|\d+))*")
+_ATTRIBUTE = re.compile(r"[A-Za-z_]\w*")
+
+
 class UnknownArchitectureError(LookupError):
     """The model's architecture is neither registered nor discoverable."""
+
+
+class RegistryError(ValueError):
+    """A registry entry (a ``registry/*.toml`` table or a :func:`register_architecture` call) that breaks the schema,
+    or that does not fit the model it is resolved for. The message names the file, the entry and the key."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +94,10 @@ class ArchSpec:
     elementwise logit post-processing by a config value, skipped when that value is ``None``:
     ``"softcap:<attr>"`` (tanh(x / c) * c), ``"scale:<attr>"`` (x * s), ``"divide:<attr>"`` (x / s).
     They sit per head kind because transformers applies them in ``*ForCausalLM`` only.
+
+    Every field is checked when the spec is made (:class:`RegistryError` names the file, entry and key); what only
+    a model can tell (its config has each attribute a step names; a head keeps the model's final norm) is checked
+    when the spec is resolved for a model.
     """
 
     name: str
@@ -79,27 +113,78 @@ class ArchSpec:
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
-        unknown = set(self.heads) - set(HEAD_KINDS)
-        if unknown:
-            raise ValueError(f"spec {self.name!r}: unknown head kind(s) {sorted(unknown)}; use {HEAD_KINDS}")
-        if self.pooling not in ("first", "last_non_pad"):
-            raise ValueError(f"spec {self.name!r}: pooling must be 'first' or 'last_non_pad'")
+        """Check every field against the schema (README, 'Adding an architecture'); :class:`RegistryError` if bad.
+        Lists (TOML arrays) become tuples; a lone string stays one, to be refused: ``tuple("llama")`` would be
+        five one-letter model types."""
+        if isinstance(self.model_types, list):
+            object.__setattr__(self, "model_types", tuple(self.model_types))
+        if isinstance(self.heads, Mapping):
+            object.__setattr__(self, "heads", {kind: tuple(steps) if isinstance(steps, list) else steps
+                                               for kind, steps in self.heads.items()})
+        if not isinstance(self.name, str) or not self.name:
+            raise RegistryError(f"registry entry name {self.name!r} in {self.source}: use a non-empty string")
+        if not isinstance(self.model_types, tuple) or not self.model_types or not all(
+                isinstance(t, str) and t for t in self.model_types):
+            hint = f": write [{self.model_types!r}]" if isinstance(self.model_types, str) else ""
+            self._bad("model_types", f"must be a non-empty list of model_type strings, got {self.model_types!r}{hint}")
+        self._check_path("blocks", self.blocks)
+        if self.backbone is not None:
+            self._check_path("backbone", self.backbone)
+        if self.pooling not in _POOLINGS:
+            self._bad("pooling", f"must be one of {_POOLINGS}, got {self.pooling!r}")
+        if not isinstance(self.heads, Mapping) or not self.heads:
+            self._bad("heads", f"must be a table of head kinds {HEAD_KINDS} to lists of steps, got {self.heads!r}")
         for kind, steps in self.heads.items():
-            if not steps:
-                raise ValueError(f"spec {self.name!r}: head {kind!r} has no steps")
+            if kind not in HEAD_KINDS:
+                self._bad(f"heads.{kind}", f"is not a head kind; use {HEAD_KINDS}")
+            self._check_steps(f"heads.{kind}", steps)
+
+    def _bad(self, key: str, problem: str) -> None:
+        raise RegistryError(f"registry entry [{self.name}] in {self.source}: key {key!r} {problem}")
+
+    def _check_path(self, key: str, path: object) -> None:
+        if not isinstance(path, str) or not _PATH.fullmatch(path):
+            self._bad(key, f"must be a dotted module path like \"model.layers\", got {path!r}")
+
+    def _check_steps(self, key: str, steps: object) -> None:
+        """Module paths and functions, the readout (the last module path), then only post-processing steps."""
+        if not isinstance(steps, tuple) or not steps or not all(isinstance(step, str) for step in steps):
+            self._bad(key, f"must be a non-empty list of step strings, got {steps!r}")
+        post = 0
+        while post < len(steps) and steps[-1 - post].split(":", 1)[0] in POST_STEPS:
+            post += 1
+        body = steps[: len(steps) - post]
+        for step in steps:
+            op, colon, attribute = step.partition(":")
+            if op in (*POST_STEPS, "act") and colon:
+                if not _ATTRIBUTE.fullmatch(attribute):
+                    self._bad(key, f"step {step!r}: name a config attribute after {op + ':'!r}")
+                if op in POST_STEPS and step in body:
+                    self._bad(key, f"step {step!r}: logit post-processing comes after the readout (the last module)")
+            elif step not in FUNCTION_STEPS and not _PATH.fullmatch(step):
+                self._bad(key, f"step {step!r} is neither a module path, a function {tuple(FUNCTION_STEPS)}, "
+                               f"'act:<attr>' nor post-processing {tuple(p + ':<attr>' for p in POST_STEPS)}")
+        if not body or not _PATH.fullmatch(body[-1]) or body[-1] in FUNCTION_STEPS:
+            self._bad(key, f"must end with the readout module (then post-processing steps only), got {list(steps)}")
 
 
 _SPECS: dict[str, ArchSpec] = {}
 
 
-def _spec_from_mapping(name: str, data: Mapping, source: str) -> ArchSpec:
-    data = dict(data)
-    heads = {kind: tuple(steps) for kind, steps in data.pop("heads", {}).items()}
-    model_types = tuple(data.pop("model_types", (name,)))
-    try:
-        return ArchSpec(name=name, model_types=model_types, heads=heads, source=source, **data)
-    except TypeError as err:
-        raise ValueError(f"registry entry {name!r} in {source}: {err}") from None
+def _spec_from_mapping(name: str, data: Any, source: str) -> ArchSpec:
+    where = f"registry entry [{name}] in {source}"
+    if not isinstance(data, Mapping):
+        raise RegistryError(f"{where}: must be a table of keys {_KEYS}, got {type(data).__name__} {data!r}")
+    unknown = [key for key in data if key not in _KEYS]
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), _KEYS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise RegistryError(f"{where}: unknown key {unknown[0]!r}{hint}; the keys are {_KEYS}")
+    if "blocks" not in data or "heads" not in data:
+        raise RegistryError(f"{where}: key {'blocks' if 'blocks' not in data else 'heads'!r} is missing")
+    return ArchSpec(name=name, model_types=data.get("model_types", (name,)), blocks=data["blocks"],
+                    heads=data["heads"], pooling=data.get("pooling", "last_non_pad"), backbone=data.get("backbone"),
+                    source=source)
 
 
 def register_architecture(
@@ -113,13 +198,12 @@ def register_architecture(
     """Register (or replace) an architecture at run time; same fields as a ``registry/*.toml`` entry.
 
     ``nxl.register_architecture("mymodel", blocks="model.layers", heads={"causal_lm": ["model.norm", "lm_head"]})``
+    Raises :class:`RegistryError` for an entry that breaks the schema.
     """
-    spec = _spec_from_mapping(
-        name,
-        {"blocks": blocks, "heads": heads, "model_types": model_types or (name,), **options},
-        source="register_architecture()",
-    )
-    return _add(spec)
+    fields = {"blocks": blocks, "heads": heads, **options}
+    if model_types is not None:
+        fields["model_types"] = model_types
+    return _add(_spec_from_mapping(name, fields, source="register_architecture()"))
 
 
 def _add(spec: ArchSpec) -> ArchSpec:
@@ -128,15 +212,25 @@ def _add(spec: ArchSpec) -> ArchSpec:
     return spec
 
 
-def register_file(path: str | Path) -> list[ArchSpec]:
-    """Load every ``[name]`` table of a TOML file as an architecture spec.
+def load_file(path: str | Path) -> list[ArchSpec]:
+    """The specs of every ``[name]`` table of a TOML file, checked, not registered: ``load_file("my_arch.toml")``.
 
-    ``nxl.register_file("my_arch.toml")``
+    Raises :class:`RegistryError` (file, entry and key named) for a file that is not TOML or breaks the schema.
     """
     path = Path(path)
-    with path.open("rb") as fh:
-        tables = tomllib.load(fh)
-    return [_add(_spec_from_mapping(name, table, source=str(path))) for name, table in tables.items()]
+    try:
+        tables = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
+        raise RegistryError(f"{path} is not a valid TOML registry file: {err}") from None
+    return [_spec_from_mapping(name, table, source=str(path)) for name, table in tables.items()]
+
+
+def register_file(path: str | Path) -> list[ArchSpec]:
+    """Load every ``[name]`` table of a TOML file as an architecture spec (all or none of them).
+
+    ``nxl.register_file("my_arch.toml")``; raises :class:`RegistryError` as :func:`load_file`.
+    """
+    return [_add(spec) for spec in load_file(path)]
 
 
 def _registry_dir() -> Path:
@@ -189,13 +283,21 @@ def get_path(root: nn.Module, path: str):
 def _has_path(root: nn.Module, path: str) -> bool:
     try:
         get_path(root, path)
-    except (AttributeError, IndexError):
+    except (AttributeError, IndexError, TypeError):
         return False
     return True
 
 
+def compiled_original(model: nn.Module) -> nn.Module | None:
+    """The module ``torch.compile(module)`` wrapped (its ``_orig_mod``), when ``model`` is such a wrapper; else None."""
+    inner = model._modules.get("_orig_mod") if type(model).__name__ == "OptimizedModule" else None
+    return inner if isinstance(inner, nn.Module) else None
+
+
 def unwrap(model: nn.Module) -> nn.Module:
-    """The transformers model inside a PeftModel (the object PEFT forwards through); any other model as is."""
+    """The transformers model inside a ``torch.compile`` wrapper and/or a PeftModel (the object PEFT forwards
+    through); any other model as is. ``unwrap(torch.compile(peft_model)) is peft_model.get_base_model()``"""
+    model = compiled_original(model) or model
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
 
@@ -212,40 +314,83 @@ def _logit_post_processing(model: nn.Module, kind: str) -> list[str]:
     return [f"{name}={value}" for name, value in found if value is not None]
 
 
+def _final_norm(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """(path, module) of the final norm a decoder keeps right under its base model (``model.norm``,
+    ``transformer.ln_f``...), when it has one of the known names."""
+    base = getattr(model, "base_model", None)
+    prefix = next((n for n, m in model.named_children() if m is base), None) if isinstance(base, nn.Module) else None
+    for name in _FINAL_NORM_NAMES if prefix is not None else ():
+        module = getattr(base, name, None)
+        if isinstance(module, nn.Module):
+            return f"{prefix}.{name}", module
+    return None
+
+
+def _check_fits(model: nn.Module, spec: ArchSpec, spec_kind: str) -> None:
+    """What only the model can tell about a registry head: every config attribute a step names exists (a typo would
+    silently skip the step), post-processing values are numbers, and the head applies the model's final norm."""
+    key, steps, config = f"heads.{spec_kind}", spec.heads[spec_kind], model.config
+    for step in steps:
+        op, colon, attribute = step.partition(":")
+        if not colon:
+            continue
+        if not hasattr(config, attribute):
+            close = difflib.get_close_matches(attribute, [n for n in dir(config) if not n.startswith("_")], n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            spec._bad(key, f"step {step!r}: {type(config).__name__} has no attribute {attribute!r}{hint}")
+        value = getattr(config, attribute)
+        if op in POST_STEPS and value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            spec._bad(key, f"step {step!r}: config.{attribute} is {value!r}, not a number (or None to skip the step)")
+    norm = _final_norm(model)
+    if norm is None:
+        return
+    path, module = norm
+    for step in steps:  # a path a variant lacks is skipped here: Head says so, naming the step
+        found = get_path(model, step) if step not in FUNCTION_STEPS and _has_path(model, step) else None
+        if isinstance(found, nn.Module) and any(sub is module for sub in found.modules()):
+            return
+    spec._bad(key, f"leaves out the model's final norm {path!r} ({type(module).__name__}): the head-on-top applies it "
+                   f"before the readout; add {path!r} as the first step")
+
+
 def _discover(model: nn.Module, kind: str) -> ArchSpec | None:
     """The common decoder layout: one ModuleList of num_hidden_layers blocks, a final norm, a Linear head."""
     config = model.config
     if _logit_post_processing(model, kind):
         return None
     n_layers = getattr(config.get_text_config(), "num_hidden_layers", None)
-    base = model.base_model
-    prefix = next((n for n, m in model.named_children() if m is base), None)
-    if n_layers is None or prefix is None:
+    norm = _final_norm(model)
+    if n_layers is None or norm is None:
         return None
+    prefix = norm[0].split(".")[0]
     blocks = next(
-        (f"{prefix}.{n}" for n, m in base.named_modules() if isinstance(m, nn.ModuleList) and len(m) == n_layers),
+        (f"{prefix}.{n}" for n, m in model.base_model.named_modules()
+         if isinstance(m, nn.ModuleList) and len(m) == n_layers),
         None,
     )
-    norm = next((f"{prefix}.{n}" for n in _FINAL_NORM_NAMES if isinstance(getattr(base, n, None), nn.Module)), None)
     head_name = {"causal_lm": "lm_head", "sequence_classification": "score"}.get(kind)
-    if blocks is None or norm is None or not isinstance(getattr(model, head_name or "", None), nn.Linear):
+    if blocks is None or not isinstance(getattr(model, head_name or "", None), nn.Linear):
         return None
     return ArchSpec(
         name=f"discovered:{config.model_type}",
         model_types=(config.model_type,),
         blocks=blocks,
-        heads={kind: (norm, head_name)},
+        heads={kind: (norm[0], head_name)},
         source="generic discovery",
     )
 
 
 def resolve(model: nn.Module) -> tuple[ArchSpec, str]:
-    """The spec and head kind for a transformers task model (not a PeftModel: :func:`unwrap` it first)."""
+    """The spec and head kind for a transformers task model (not a PeftModel: :func:`unwrap` it first).
+
+    Raises :class:`UnknownArchitectureError` when nothing fits, :class:`RegistryError` when the registry entry for
+    this model_type names config attributes the model lacks or leaves out its final norm."""
     kind = head_kind(model)
     spec_kind = spec_head(kind)
     model_type = model.config.model_type
     spec = _SPECS.get(model_type)
     if spec is not None and spec_kind in spec.heads and _has_path(model, spec.blocks):
+        _check_fits(model, spec, spec_kind)
         return spec, kind
     discovered = _discover(model, spec_kind)
     if discovered is not None:

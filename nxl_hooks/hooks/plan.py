@@ -4,19 +4,24 @@ forward and generate call the probe records, in any thread.
 
     plan = make_plan(model, layers="all", target="predicted", tokenizer=tok, embedding="layer_input")
     examples, positions = plan.rows(input_ids, attention_mask, shape=(batch, seq))
+    check_recording(plan, on_step=None, sink="run.nxl", keep_calls=None, cache_dtype=None, cache_device=None)
+    restore = run_eagerly(model)          # a torch.compile'd model runs its hooked Python modules while attached
 """
 
 from __future__ import annotations
 
+import os
+import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from ..arch.registry import ArchSpec, blocks, resolve
+from ..arch.registry import ArchSpec, blocks, compiled_original, resolve
 from ..method import scores as _scores
 from ..method.head import Head
+from ..records.sink import Sink
 from ..method.select import (
     Target,
     explained,
@@ -27,7 +32,9 @@ from ..method.select import (
     target_ids,
 )
 
-__all__ = ["EMBEDDINGS", "Plan", "make_plan"]
+__all__ = ["EMBEDDINGS", "Plan", "check_recording", "make_plan", "run_eagerly"]
+
+_KEPT = "_nxl_hooks_compiled_"  # where run_eagerly keeps a module's compiled callable while attached
 
 #: How the embedding norm is read: the input of block 1 (authors' code), or the raw word-embedding row (paper).
 EMBEDDINGS = ("layer_input", "word")
@@ -51,6 +58,11 @@ class Plan:
     @property
     def n_blocks(self) -> int:
         return len(self.blocks)
+
+    @property
+    def generates(self) -> bool:
+        """Whether the model has a ``generate`` whose steps the probe records (causal LMs)."""
+        return self.kind == "causal_lm" and callable(getattr(self.model, "generate", None))
 
     def rows(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
              shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -102,6 +114,14 @@ def _check_tokenizer(model: nn.Module, tokenizer: Any) -> None:
         )
 
 
+def _from_numpy(value: Any) -> Any:
+    """A numpy array of ids as the tensor it stands for (strings as a list); anything else (numpy scalars included,
+    which are ints already) as is."""
+    if type(value).__module__ != "numpy" or not getattr(value, "ndim", 0):
+        return value
+    return value.tolist() if value.dtype.kind in "USO" else torch.as_tensor(value)
+
+
 def make_plan(model: nn.Module, *, layers: Any, target: Target, tokenizer: Any, embedding: str) -> Plan:
     """Resolve and check everything :func:`~nxl_hooks.attach` was given, before any hook goes on.
 
@@ -117,7 +137,68 @@ def make_plan(model: nn.Module, *, layers: Any, target: Target, tokenizer: Any, 
                          "[MASK] positions it explains")
     if tokenizer is not None:
         _check_tokenizer(model, tokenizer)
+    target, layers = _from_numpy(target), _from_numpy(layers)
     fixed = None if is_predicted(target) else target_ids(model, kind, tokenizer, target, head.n_outputs)
     return Plan(model=model, spec=spec, kind=kind, head=head, blocks=block_list,
                 layers=resolve_layers(layers, len(block_list)), embedding=embedding, tokenizer=tokenizer,
                 fixed_targets=fixed, label_axis=_scores.label_axis(target))
+
+
+def check_recording(plan: Plan, *, on_step: Any, sink: Any, keep_calls: Any, cache_dtype: Any,
+                    cache_device: Any) -> None:
+    """Check what :func:`~nxl_hooks.attach` was given for ``generate`` records, before any file is opened: a refused
+    probe never truncates an existing sink file. ValueError says what to change."""
+    given = [name for name, value in (("on_step", on_step), ("sink", sink), ("cache_dtype", cache_dtype),
+                                      ("cache_device", cache_device)) if value is not None]
+    if given and not plan.generates:
+        raise ValueError(
+            f"{', '.join(given)}: these record generate() steps, but {type(plan.model).__name__} is a {plan.kind} "
+            "model, not a causal LM that generates; drop them (a forward's result: probe.result(), Attribution.save)"
+        )
+    if on_step is not None and not callable(on_step):
+        raise ValueError(f"on_step={on_step!r}: give a function that takes a Step")
+    if sink is not None and not isinstance(sink, (str, os.PathLike, Sink)):
+        raise ValueError(f"sink={sink!r}: give a file path or an nxl.Sink")
+    if keep_calls is not None and (isinstance(keep_calls, bool) or not isinstance(keep_calls, int)):
+        raise ValueError(f"keep_calls={keep_calls!r}: give a whole number of calls to keep, or None for all")
+    if cache_dtype is not None and not (isinstance(cache_dtype, torch.dtype) and cache_dtype.is_floating_point):
+        raise ValueError(f"cache_dtype={cache_dtype!r}: use a floating-point dtype (torch.float32, torch.bfloat16, "
+                         "torch.float16) or None for the model's own")
+    if cache_device is not None:
+        try:
+            torch.device(cache_device)
+        except (RuntimeError, TypeError, ValueError):
+            raise ValueError(f"cache_device={cache_device!r} is not a device: use e.g. 'cpu' or 'cuda:0'") from None
+
+
+def run_eagerly(model: nn.Module) -> Callable[[], None]:
+    """Make a ``torch.compile``'d ``model`` run its own Python modules while attached; returns the undo.
+
+    Compiled code does not call hooks added after it was compiled (dynamo does not guard on module hooks), and
+    tracing would run the hooks on fake tensors. So while attached, a ``torch.compile(model)`` wrapper calls its
+    original module and modules compiled in place (``module.compile()``) their uncompiled call: the forward runs
+    eagerly, recorded; after detach the compiled code runs again, as it was. The undo holds weak references only
+    (the compiled callables are kept on their modules), so a dropped model is still freed.
+    """
+    changed: list[tuple[weakref.ref, str]] = []
+    wrapper = model
+    while (inner := compiled_original(wrapper)) is not None:
+        vars(wrapper)[_KEPT + "forward"] = wrapper.forward
+        wrapper.forward = inner.__call__
+        changed.append((weakref.ref(wrapper), "forward"))
+        wrapper = inner
+    for module in model.modules():
+        compiled = getattr(module, "_compiled_call_impl", None)
+        if compiled is not None:
+            vars(module)[_KEPT + "_compiled_call_impl"] = compiled
+            module._compiled_call_impl = None
+            changed.append((weakref.ref(module), "_compiled_call_impl"))
+
+    def restore() -> None:
+        while changed:
+            ref, name = changed.pop()
+            module = ref()
+            if module is not None:
+                setattr(module, name, vars(module).pop(_KEPT + name))
+
+    return restore

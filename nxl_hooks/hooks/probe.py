@@ -41,7 +41,7 @@ from .batching import Batching, packed
 from .forward import Capture, assemble, open_capture
 from .generate import Generations, Run
 from .guard import logger, reason
-from .plan import Plan, make_plan
+from .plan import Plan, check_recording, make_plan, run_eagerly
 from .publish import Hub, Subscription
 
 __all__ = ["Probe", "attach", "detach_all", "explain"]
@@ -49,7 +49,8 @@ __all__ = ["Probe", "attach", "detach_all", "explain"]
 _LOCK = threading.RLock()  # reentrant: a model collected while it is held detaches through it too
 #: backbone -> what the probe on it attached: one probe per model at a time.
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, _Attachment]" = weakref.WeakKeyDictionary()
-_PENDING = object()  # a task forward whose backbone has not finished yet
+_PENDING = object()  # a task forward whose blocks have not run (eagerly) yet
+_RAN = object()  # a task forward whose blocks ran, whose backbone has not finished yet
 
 
 def _hidden(output: Any) -> torch.Tensor:
@@ -173,6 +174,12 @@ class _Recorder:
                 run.after_task(output)
             except Exception as error:  # noqa: BLE001 - never into the host's forward
                 run.fail("this generate call", error)
+        elif entry is _PENDING and output is not None:  # its hooks ran, those of its blocks did not: compiled code
+            self.results.last = RuntimeError(
+                f"{type(self.plan.model).__name__} ran, but its blocks never reached the probe's hooks: the call ran "
+                "code compiled by torch.compile, which skips hooks added after it was compiled (or traces them). "
+                "Attach to the compiled model itself (nxl.attach(compiled) runs it eagerly while attached), call the "
+                "uncompiled module, or run the call under `with torch.compiler.set_stance('force_eager'):`")
 
     def on_backbone_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         captures, _ = self._stacks()
@@ -193,7 +200,9 @@ class _Recorder:
             self._fail("this forward", error)
 
     def on_block_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        captures, _ = self._stacks()
+        captures, tasks = self._stacks()
+        if tasks and tasks[-1] is _PENDING:
+            tasks[-1] = _RAN
         if not captures:
             self.results.last = _without_traceback(RuntimeError(
                 f"{type(self.plan.model).__name__} ran its blocks without calling "
@@ -262,7 +271,7 @@ class _Recorder:
                     run.after_forward(capture)
             except Exception as error:  # noqa: BLE001
                 run.fail("this call", error)
-        elif tasks and tasks[-1] is _PENDING:
+        elif tasks and tasks[-1] is _RAN:
             tasks[-1] = capture  # assembled when the task model returns, with its own logits
         else:
             self._finish(capture, None)
@@ -284,8 +293,9 @@ class _Attachment:
     Holds no strong reference to the model, and nothing global holds it strongly after it ran."""
 
     def __init__(self, handles: list, gens: Generations | None, batching: Batching | None, hub: Hub,
-                 backbone: nn.Module) -> None:
+                 backbone: nn.Module, restore_compiled: Callable[[], None]) -> None:
         self._handles = handles
+        self._restore_compiled = restore_compiled
         self._gens = weakref.ref(gens) if gens is not None else None
         self._batching = weakref.ref(batching) if batching is not None else None
         self._hub = hub
@@ -302,6 +312,7 @@ class _Attachment:
         # Taken before the hooks go: they may be what keeps these alive.
         owners = [ref() for ref in (self._gens, self._batching) if ref is not None]
         try:
+            self._restore_compiled()
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
@@ -390,7 +401,8 @@ class Probe:
         last = self._results.last
         if last is None:
             raise RuntimeError("no forward has run under this probe yet (in this thread): call the model inside "
-                               "the `with` block")
+                               "the `with` block (a model compiled by torch.compile after attach skips the hooks: "
+                               "attach to the compiled model instead)")
         if isinstance(last, BaseException):
             raise last
         return last
@@ -476,6 +488,8 @@ def attach(
     probe holds the model weakly).
     """
     plan = make_plan(unwrap(model), layers=layers, target=target, tokenizer=tokenizer, embedding=embedding)
+    check_recording(plan, on_step=on_step, sink=sink, keep_calls=keep_calls, cache_dtype=cache_dtype,
+                    cache_device=cache_device)
     backbone = get_path(plan.model, plan.spec.backbone) if plan.spec.backbone else plan.model.base_model
     with _LOCK:
         if backbone in _ATTACHED:
@@ -485,10 +499,9 @@ def attach(
             )
         # Only now the sink file is opened: a refused probe never truncates one.
         hub = Hub(on_step=on_step, sink=sink, keep_steps=keep_steps, keep_calls=keep_calls)
-        generates = plan.kind == "causal_lm" and callable(getattr(plan.model, "generate", None))
         results = _Results()
         try:
-            gens = Generations(plan, hub, cache_dtype=cache_dtype, cache_device=cache_device) if generates else None
+            gens = Generations(plan, hub, cache_dtype=cache_dtype, cache_device=cache_device) if plan.generates else None
             batching = Batching(gens) if gens is not None else None
             recorder = _Recorder(plan, backbone, gens, batching, results)
             handles = recorder.register()
@@ -497,7 +510,7 @@ def attach(
             raise
         if gens is not None:
             gens.install()
-        attachment = _Attachment(handles, gens, batching, hub, backbone)
+        attachment = _Attachment(handles, gens, batching, hub, backbone, run_eagerly(model))
         probe = Probe(plan, results, hub, attachment)
         _ATTACHED[backbone] = attachment
     if batching is not None:  # outside the lock: its own lock is never taken inside this one

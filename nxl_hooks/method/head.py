@@ -29,23 +29,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..arch.registry import ArchSpec, UnknownArchitectureError, get_path, spec_head
+from ..arch.registry import FUNCTION_STEPS, POST_STEPS, ArchSpec, UnknownArchitectureError, get_path, spec_head
 from .placement import indexed, module_device, offloaded, plain, readable, replica, weights_materialized
 
 __all__ = ["CALLED_READOUT_CHUNK", "Head", "Readout"]
-
-_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "tanh": torch.tanh,
-    "gelu": F.gelu,
-    "relu": F.relu,
-}
-
-#: Logit post-processing steps after the readout, "<op>:<config attribute>" (see ArchSpec).
-POST_OPS: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
-    "softcap": lambda x, c: torch.tanh(x / c) * c,
-    "scale": lambda x, s: x * s,
-    "divide": lambda x, s: x / s,
-}
 
 #: Positions per call of a readout that cannot be gathered row by row: (rows, this, vocabulary) floats at once.
 CALLED_READOUT_CHUNK = 256
@@ -95,15 +82,15 @@ class Head:
         spec_kind = spec_head(kind)
         names = list(spec.heads[spec_kind])
         self._post_ops: list[tuple[Callable[[torch.Tensor, float], torch.Tensor], float]] = []
-        while names and names[-1].split(":", 1)[0] in POST_OPS:
+        while names and names[-1].split(":", 1)[0] in POST_STEPS:
             op, attribute = names.pop().split(":", 1)
             value = getattr(model.config, attribute, None)
             if value is not None:
-                self._post_ops.insert(0, (POST_OPS[op], float(value)))
+                self._post_ops.insert(0, (POST_STEPS[op], float(value)))
         steps: list[nn.Module | Callable] = []
         for step in names:
-            if step in _FUNCTIONS:
-                steps.append(_FUNCTIONS[step])
+            if step in FUNCTION_STEPS:
+                steps.append(FUNCTION_STEPS[step])
             elif step.startswith("act:"):
                 steps.append(_activation(model.config, step[4:]))
             else:

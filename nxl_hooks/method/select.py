@@ -81,7 +81,7 @@ def resolve_layers(layers: str | int | Sequence[int], n_blocks: int) -> list[int
         layers = layers.tolist()
     if _integer(layers) is not None:
         layers = [layers]
-    if isinstance(layers, bool) or not isinstance(layers, Sequence):
+    if isinstance(layers, (bool, bytes, bytearray)) or not isinstance(layers, Sequence):
         raise ValueError(f"layers={layers!r}: use 'all', 'last', an int or a list of ints in 0..{n_blocks}")
     if not layers:
         raise ValueError("layers is empty: use 'all', 'last' or a list of ints")
@@ -211,7 +211,7 @@ def resolve_target_id(model: nn.Module, kind: str, tokenizer: Any, item: str | i
 def _items(target: Target) -> list[str | int]:
     """A non-tensor target as its list of requests; ValueError when it is none of the accepted forms."""
     items = [target] if isinstance(target, str) or _integer(target) is not None else target
-    if isinstance(items, (bool, float)) or not isinstance(items, Sequence):
+    if isinstance(items, (bool, float, bytes, bytearray)) or not isinstance(items, Sequence):
         raise ValueError(f"target={target!r}: use 'predicted', an int id, a token or label string, a list of "
                          "them, or a tensor of ids")
     if not items:
@@ -284,6 +284,8 @@ def prediction_rows(
     """
     batch, seq = shape
     examples = torch.arange(batch)
+    if attention_mask is not None and attention_mask.dim() == 2:
+        _no_empty_rows(attention_mask.cpu().bool())  # any head: nothing real to explain, whatever it pools
     if kind == "masked_lm":
         if mask_id is None or input_ids is None:
             raise ValueError("masked-LM attribution needs input_ids and attach(..., tokenizer=tok) with a mask token")
@@ -298,12 +300,16 @@ def prediction_rows(
             real = input_ids.cpu() != pad_id  # as transformers pools decoder classifiers
         else:
             return examples, torch.full((batch,), seq - 1)
-        empty = (~real.any(-1)).nonzero().flatten()
-        if empty.numel():
-            raise ValueError(f"row {int(empty[0])} has no real token (its attention mask is all zeros): there is "
-                             "no prediction to explain; drop empty rows")
+        _no_empty_rows(real)
         return examples, (torch.arange(seq) * real).argmax(-1)
     return examples, torch.zeros(batch, dtype=torch.long)
+
+
+def _no_empty_rows(real: torch.Tensor) -> None:
+    empty = (~real.any(-1)).nonzero().flatten()
+    if empty.numel():
+        raise ValueError(f"row {int(empty[0])} has no real token (its attention mask is all zeros, or it is all "
+                         "padding): there is no prediction to explain; drop empty rows")
 
 
 # -- what ranks ------------------------------------------------------------------------------------------

@@ -3,11 +3,15 @@
 - :mod:`.attribution`: :class:`Attribution` and its safetensors + JSON file
 - :mod:`.steps`: :class:`Step` and :class:`GenerationCall`
 - :mod:`.sink`: the crash-safe stream file (:class:`Sink`, :class:`RotatingSink`, :func:`read_stream`)
+- :mod:`.files`: whole files written under a temporary name and renamed
 - :mod:`.html`: self-contained HTML pages of records
+
+A file that does not hold together raises :class:`RecordError` (a ValueError); a stream file, :class:`StreamError`.
 """
 
-from .attribution import Attribution
-from .sink import RotatingSink, Sink, read_stream
+from .attribution import Attribution, RecordError
+from .sink import Damage, RotatingSink, Sink, StreamDamageWarning, StreamError, read_stream
 from .steps import GenerationCall, Step
 
-__all__ = ["Attribution", "GenerationCall", "RotatingSink", "Sink", "Step", "read_stream"]
+__all__ = ["Attribution", "Damage", "GenerationCall", "RecordError", "RotatingSink", "Sink", "Step",
+           "StreamDamageWarning", "StreamError", "read_stream"]

@@ -4,6 +4,12 @@ Layout. Rows are what is explained: one per input example for causal LMs and cla
 ``[MASK]`` position for masked LMs (``example`` says which input row a row came from, ``position``
 where its prediction is read). With ``target`` a list of k labels, ``normxlogit`` and ``logat`` get a
 trailing axis of size k, in the order given.
+
+Files. :meth:`Attribution.save` writes one safetensors file (tensors + a JSON ``nxl_hooks`` metadata entry)
+under a temporary name and renames it over the target, so a failed save never destroys an existing file.
+:meth:`Attribution.load` checks the header, the metadata, the dtypes and the shapes against each other
+(:meth:`Attribution.check`) and raises :class:`RecordError` (a ValueError) naming the file and the field for
+anything that does not fit: what it accepts works in ``top()``, ``layer()``, ``to_html()`` and the terminal.
 """
 
 from __future__ import annotations
@@ -15,18 +21,50 @@ from typing import Any
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save as _save_blob
 
 from ..method.scores import norm_spread
 from ..method.select import layer_index, order, rankable
+from .files import write_bytes, write_text
 from .tokens import visible
 
-__all__ = ["Attribution", "FORMAT_VERSION"]
+__all__ = ["Attribution", "FORMAT_VERSION", "RecordError"]
 
 FORMAT_VERSION = 1
+_FORMAT = "nxl_hooks.attribution"
 _TENSORS = ("normxlogit", "logat", "embed_norm", "target", "mask", "position", "example")
 _OPTIONAL_TENSORS = ("special", "input_ids", "probability")  # absent from files written before they existed
 _OPTIONAL_HEADER = ("readable", "target_text")  # the same; a reader that predates them ignores them
+#: Types of the metadata entries something reads back (the CLI, the HTML page); other entries are free JSON.
+_META_TYPES: dict[str, type] = {
+    "model_type": str, "model_class": str, "head_kind": str, "embedding": str, "spec": str, "n_blocks": int,
+    "call": int, "step": int,
+}
+
+
+class RecordError(ValueError):
+    """A record that does not hold together: a file nxl_hooks did not write (or a damaged one), or fields that
+    contradict each other. The message names the file (when there is one), the field and what is wrong."""
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _integer_dtype(tensor: torch.Tensor) -> bool:
+    return not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
+
+
+def _strings(value: Any, rows: int, width: int) -> bool:
+    """``value`` is ``rows`` lists of ``width`` strings."""
+    return isinstance(value, list) and len(value) == rows and all(
+        isinstance(items, list) and len(items) == width and all(isinstance(item, str) for item in items)
+        for items in value)
+
+
+def _require(condition: bool, problem: str) -> None:
+    if not condition:
+        raise RecordError(problem)
 
 
 @dataclass
@@ -53,11 +91,74 @@ class Attribution:
     #: each explained target at the prediction position (None for regression)
     target_text: list[list[str]] | None = None  #: (rows, k): each explained target as people read it
 
+    def check(self) -> None:
+        """Raise :class:`RecordError` when the fields do not fit each other (dtypes, shapes, ranges, tokens, meta);
+        :meth:`load` runs it on every file. ``res.check()``"""
+        tensors = {name: getattr(self, name) for name in _TENSORS}
+        for name, value in tensors.items():
+            _require(isinstance(value, torch.Tensor), f"{name} is a {type(value).__name__}, not a tensor")
+        scores = self.normxlogit
+        _require(scores.dim() in (3, 4) and scores.numel() > 0,
+                 f"normxlogit has shape {tuple(scores.shape)}: expected (layers, rows, seq) or (layers, rows, seq, k), "
+                 "none of them 0")
+        for name in ("normxlogit", "logat", "embed_norm"):
+            _require(tensors[name].is_floating_point(), f"{name} has dtype {tensors[name].dtype}, not a float dtype")
+        n_layers, rows, seq = scores.shape[:3]
+        _require(self.logat.shape == scores.shape,
+                 f"logat has shape {tuple(self.logat.shape)} but normxlogit {tuple(scores.shape)}")
+        target_shape = (rows,) if scores.dim() == 3 else (rows, scores.shape[3])
+        expected = {"embed_norm": (rows, seq), "mask": (rows, seq), "target": target_shape, "position": (rows,),
+                    "example": (rows,)}
+        for name, shape in expected.items():
+            _require(tuple(tensors[name].shape) == shape, f"{name} has shape {tuple(tensors[name].shape)}, expected "
+                     f"{shape} for normxlogit of shape {tuple(scores.shape)}")
+        for name in ("target", "position", "example"):
+            _require(_integer_dtype(tensors[name]), f"{name} has dtype {tensors[name].dtype}, not an integer dtype")
+        _require(self.mask.dtype == torch.bool, f"mask has dtype {self.mask.dtype}, not torch.bool")
+        _require(bool((self.target >= 0).all()), "target holds negative label ids")
+        _require(bool(((self.position >= 0) & (self.position < seq)).all()), f"position is outside 0..{seq - 1}")
+        _require(bool((self.example >= 0).all()), "example holds negative row numbers")
+        if self.special is not None:
+            _require(isinstance(self.special, torch.Tensor) and self.special.dtype == torch.bool
+                     and tuple(self.special.shape) == (rows, seq), f"special must be a bool tensor of shape {(rows, seq)}")
+        _require(isinstance(self.meta, dict), f"meta is a {type(self.meta).__name__}, not a JSON object")
+        for key, kind in _META_TYPES.items():
+            value = self.meta.get(key)
+            _require(value is None or (isinstance(value, kind) and not isinstance(value, bool)),
+                     f"meta[{key!r}] is {value!r}, not a {kind.__name__}")
+        n_blocks = self.meta.get("n_blocks")
+        _require(n_blocks is None or n_blocks >= 0, f"meta['n_blocks'] is {n_blocks}, a negative block count")
+        _require(isinstance(self.layers, list) and len(self.layers) == n_layers and all(map(_int, self.layers)),
+                 f"layers is {self.layers!r}: expected a list of {n_layers} ints, one per normxlogit layer")
+        _require(self.layers == sorted(set(self.layers)) and self.layers[0] >= 0
+                 and (n_blocks is None or self.layers[-1] <= n_blocks),
+                 f"layers {self.layers} must be distinct, increasing and in 0..{'L' if n_blocks is None else n_blocks}")
+        prediction = self.meta.get("prediction")
+        _require(prediction is None or (isinstance(prediction, list) and len(prediction) == rows and all(
+            isinstance(p, list) and p and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in p)
+            for p in prediction)), f"meta['prediction'] must be one list of numbers per row ({rows} rows)")
+        for name in ("tokens", "readable"):
+            rows_of = getattr(self, name)
+            _require(rows_of is None or _strings(rows_of, rows, seq),
+                     f"{name} must be {rows} list(s) of {seq} token strings, one per position")
+        k = 1 if self.target.dim() == 1 else self.target.shape[1]
+        _require(self.target_text is None or _strings(self.target_text, rows, k),
+                 f"target_text must be {rows} list(s) of {k} strings, one per explained target")
+        if self.input_ids is not None:
+            _require(isinstance(self.input_ids, torch.Tensor) and _integer_dtype(self.input_ids)
+                     and tuple(self.input_ids.shape) == (rows, seq),
+                     f"input_ids must be an integer tensor of shape {(rows, seq)}")
+        if self.probability is not None:
+            _require(isinstance(self.probability, torch.Tensor) and self.probability.is_floating_point()
+                     and self.probability.shape == self.target.shape,
+                     f"probability must be a float tensor shaped like target {tuple(self.target.shape)}")
+
     def layer(self, layer: int) -> torch.Tensor:
         """NormXLogit at one layer (negative counts from the end): ``res.layer(-1)`` -> (rows, seq[, k])."""
         n_blocks = self.meta.get("n_blocks")
-        if layer < 0 and n_blocks is None:
-            raise ValueError(f"layer {layer}: this result does not record the model's block count; use one of {self.layers}")
+        if n_blocks is None and not (_int(layer) and layer >= 0):
+            raise ValueError(f"layer {layer!r}: this result does not record the model's block count; use one of "
+                             f"{self.layers}")
         wanted = layer_index(layer, n_blocks) if n_blocks is not None else layer
         if wanted not in self.layers:
             raise ValueError(f"layer {layer} was not captured; captured layers: {self.layers}")
@@ -79,6 +180,11 @@ class Attribution:
 
         Padding, the prediction position and special tokens are left out unless ``all_positions``; NaN ranks last.
         """
+        rows, labels = self.normxlogit.shape[1], (self.normxlogit.shape[3] if self.normxlogit.dim() == 4 else 1)
+        if not _int(row) or not 0 <= row < rows:
+            raise ValueError(f"row {row!r} is out of range: this attribution has {rows} row(s)")
+        if not _int(label) or not 0 <= label < labels:
+            raise ValueError(f"label {label!r} is out of range: this attribution explains {labels} target(s) per row")
         scores = self.layer(layer)[row]
         if scores.dim() == 2:
             scores = scores[:, label]
@@ -136,7 +242,7 @@ class Attribution:
 
         text = attribution_html(self, **options)
         if path is not None:
-            Path(path).write_text(text, encoding="utf-8")
+            write_text(path, text)
         return text
 
     def _repr_html_(self) -> str:
@@ -146,28 +252,54 @@ class Attribution:
         return attribution_html(self, rows=range(min(8, self.normxlogit.shape[1])), full_page=False)
 
     def save(self, path: str | Path) -> Path:
-        """Write one safetensors file; layers, tokens and meta go in its JSON metadata. ``res.save("a.safetensors")``"""
-        path = Path(path)
+        """Write one safetensors file; layers, tokens and meta go in its JSON metadata. ``res.save("a.safetensors")``
+
+        Written under a temporary name and renamed: a failed save leaves an existing file as it was."""
         tensors = {name: getattr(self, name).detach().cpu().contiguous() for name in _TENSORS}
         tensors.update({name: getattr(self, name).cpu().contiguous() for name in _OPTIONAL_TENSORS
                         if getattr(self, name) is not None})
-        header = {"format": "nxl_hooks.attribution", "version": FORMAT_VERSION, "layers": self.layers,
-                  "tokens": self.tokens, "meta": self.meta,
+        header = {"format": _FORMAT, "version": FORMAT_VERSION, "layers": self.layers, "tokens": self.tokens,
+                  "meta": self.meta,
                   **{name: getattr(self, name) for name in _OPTIONAL_HEADER if getattr(self, name) is not None}}
-        save_file(tensors, str(path), metadata={"nxl_hooks": json.dumps(header)})
-        return path
+        return write_bytes(path, _save_blob(tensors, metadata={"nxl_hooks": json.dumps(header)}))
 
     @classmethod
     def load(cls, path: str | Path) -> "Attribution":
-        """Read a file written by :meth:`save` (no pickle involved). ``nxl.Attribution.load("a.safetensors")``"""
-        with safe_open(str(path), framework="pt") as fh:
-            metadata = fh.metadata() or {}
-            if "nxl_hooks" not in metadata:
-                raise ValueError(f"{path} is not an nxl_hooks attribution file (no 'nxl_hooks' metadata)")
-            header = json.loads(metadata["nxl_hooks"])
-            if header.get("version", 0) > FORMAT_VERSION:
-                raise ValueError(f"{path} has format version {header['version']}; upgrade nxl_hooks to read it")
-            tensors = {name: fh.get_tensor(name) for name in _TENSORS}
-            tensors.update({name: fh.get_tensor(name) for name in _OPTIONAL_TENSORS if name in fh.keys()})
-        return cls(**tensors, layers=header["layers"], tokens=header["tokens"], meta=header["meta"],
-                   **{name: header[name] for name in _OPTIONAL_HEADER if name in header})
+        """Read a file written by :meth:`save` (no pickle involved). ``nxl.Attribution.load("a.safetensors")``
+
+        Raises :class:`RecordError` (a ValueError) naming the file and what does not fit, OSError when it cannot be read.
+        """
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                header = _header(fh.metadata() or {})
+                names = set(fh.keys())
+                missing = [name for name in _TENSORS if name not in names]
+                if missing:
+                    raise RecordError(f"tensor {missing[0]!r} is missing (an attribution file holds {_TENSORS})")
+                tensors = {name: fh.get_tensor(name) for name in (*_TENSORS, *_OPTIONAL_TENSORS) if name in names}
+            res = cls(**tensors, layers=header.get("layers"), tokens=header.get("tokens"), meta=header.get("meta", {}),
+                      **{name: header[name] for name in _OPTIONAL_HEADER if name in header})
+            res.check()
+        except RecordError as err:
+            raise RecordError(f"{path}: {err}") from None
+        except OSError:
+            raise
+        except Exception as err:  # noqa: BLE001 - safetensors' own parse errors, unsupported dtypes...
+            raise RecordError(f"{path} is not a safetensors file nxl_hooks can read ({type(err).__name__}: {err})") from None
+        return res
+
+
+def _header(metadata: dict[str, str]) -> dict[str, Any]:
+    """The ``nxl_hooks`` JSON entry of an attribution file's metadata, checked for format and version."""
+    _require("nxl_hooks" in metadata, "not an nxl_hooks attribution file (no 'nxl_hooks' metadata); "
+             "nxl.Attribution.save writes one")
+    try:
+        header = json.loads(metadata["nxl_hooks"])
+    except (ValueError, RecursionError) as err:
+        raise RecordError(f"its 'nxl_hooks' metadata is not valid JSON ({type(err).__name__})") from None
+    _require(isinstance(header, dict) and header.get("format", _FORMAT) == _FORMAT,
+             "its 'nxl_hooks' metadata is not an attribution header (written by something else?)")
+    version = header.get("version", 0)
+    _require(_int(version), f"format version {version!r} is not an int")
+    _require(version <= FORMAT_VERSION, f"format version {version}; upgrade nxl_hooks to read it")
+    return header

@@ -8,8 +8,18 @@ Format (no pickle): the line ``nxl_hooks.stream/1\\n``, then frames. A frame is 
 length (uint64 little-endian), its CRC-32 (uint32 little-endian) and the payload: a safetensors blob whose
 ``nxl_hooks`` metadata entry is JSON with a ``kind`` of ``call`` (prompt), ``step`` or ``end`` (sequences).
 Each frame is written with one ``write`` call before the next decoding step starts, so a process killed with
-SIGKILL leaves every completed step readable; a torn last frame fails its length or CRC check and is ignored.
-``Sink(path, fsync=True)`` also survives power loss, at the cost of an fsync per step.
+SIGKILL leaves every completed step readable. ``Sink(path, fsync=True)`` also survives power loss, at the cost of
+an fsync per step. A sink refuses to write through a symbolic link unless ``Sink(path, follow_symlinks=True)``.
+
+Reading (:func:`read_stream`) stops at the first frame it cannot use and says so in the returned list's
+``damage`` (a :class:`Damage`: which frame, at what offset, why, how many steps were recovered):
+
+- a torn last frame (the writer was killed mid-write, or is still writing it) is the normal end of a killed run:
+  it is left out quietly (``damage.torn`` True);
+- any other damage (a flipped byte, a frame cut out, garbage) warns with :class:`StreamDamageWarning` and returns
+  what comes before it; ``read_stream(path, strict=True)`` raises :class:`StreamError` instead;
+- a frame whose checksum is right but whose content nxl_hooks did not write raises :class:`StreamError` (a
+  ValueError), naming the frame and its offset, in either mode.
 
 A server that runs for weeks writes to a :class:`RotatingSink`: a folder of numbered files, a new one when the
 current one would pass ``max_bytes``, the oldest deleted beyond ``max_files``. Every file is a stream file of its
@@ -22,24 +32,28 @@ them in order::
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import struct
 import sys
 import threading
+import warnings
 import zlib
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 from safetensors.torch import load as _load_blob
 from safetensors.torch import save as _save_blob
 
+from .attribution import RecordError
 from .steps import STEP_TENSORS, GenerationCall, Step
 
-__all__ = ["RotatingSink", "Sink", "encode_call", "encode_end", "encode_step", "read_stream",
-           "stream_bytes"]
+__all__ = ["Damage", "RotatingSink", "Sink", "Stream", "StreamDamageWarning", "StreamError", "encode_call",
+           "encode_end", "encode_step", "read_stream", "stream_bytes"]
 
 _FILE_MAGIC = b"nxl_hooks.stream/1\n"
 _FRAME = struct.Struct("<4sQI")
@@ -114,9 +128,17 @@ def stream_bytes(call: GenerationCall, meta: dict) -> bytes:
                      encode_end(call) if ended else b""])
 
 
-def _open(path: Path, mode: int) -> int:
-    """A new (or truncated) stream file holding only the file magic."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND, mode)
+def _open(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
+    """A new (or truncated) stream file holding only the file magic. A symbolic link is refused (ValueError) unless
+    ``follow_symlinks``: O_NOFOLLOW makes the check and the open one step, with no window to swap a link in."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | (0 if follow_symlinks else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags, mode)
+    except OSError as err:
+        if err.errno == errno.ELOOP and not follow_symlinks:
+            raise ValueError(f"{path} is a symbolic link: nxl_hooks does not write a stream through a link unless "
+                             "told to; give the real path, or Sink(path, follow_symlinks=True)") from None
+        raise
     _write_all(fd, _FILE_MAGIC)
     return fd
 
@@ -130,16 +152,19 @@ def _write_all(fd: int, data: bytes) -> None:
 class Sink:
     """Append-only, crash-safe record file (format in the module docstring). ``attach(..., sink=Sink(p, fsync=True))``
 
-    The file is created (or truncated) when the probe attaches; read it with :func:`read_stream`.
+    The file is created (or truncated) when the probe attaches; read it with :func:`read_stream`. A path that is a
+    symbolic link is refused (ValueError), so that a link planted where the file goes cannot redirect the records
+    (and the truncation) onto another file; ``follow_symlinks=True`` writes through it.
     """
 
     _mode = 0o644
 
-    def __init__(self, path: str | Path, *, fsync: bool = False) -> None:
+    def __init__(self, path: str | Path, *, fsync: bool = False, follow_symlinks: bool = False) -> None:
         self.path = Path(path)
         self._fsync = fsync
+        self._follow = follow_symlinks
         self._lock = threading.Lock()  # calls in several threads share one file: one frame at a time
-        self._fd: int | None = _open(self.path, self._mode)
+        self._fd: int | None = _open(self.path, self._mode, follow_symlinks=follow_symlinks)
 
     def _put(self, frame: bytes, *, opens: int | None = None, closes: int | None = None) -> None:
         """Append one frame; ``opens`` / ``closes``: the index of the call it starts or ends."""
@@ -246,7 +271,7 @@ class RotatingSink(Sink):
         self._fd = None
         self._number += 1
         self.path = self._name()
-        self._fd = _open(self.path, self._mode)
+        self._fd = _open(self.path, self._mode, follow_symlinks=self._follow)
         self._size = len(_FILE_MAGIC)
         for frame in self._running.values():
             self._append(frame)
@@ -272,47 +297,219 @@ class RotatingSink(Sink):
                 path.unlink(missing_ok=True)
 
 
-def _frames(data: bytes) -> Iterator[tuple[dict, dict[str, torch.Tensor]]]:
-    offset = len(_FILE_MAGIC)
-    while offset + _FRAME.size <= len(data):
-        magic, length, crc = _FRAME.unpack_from(data, offset)
-        payload = data[offset + _FRAME.size: offset + _FRAME.size + length]
-        if magic != _FRAME_MAGIC or len(payload) != length or zlib.crc32(payload) != crc:
-            return  # a torn last frame (the writer was killed mid-write): everything before it is whole
-        header = json.loads(_metadata(payload)["nxl_hooks"])  # safetensors' load() drops the metadata
-        yield header, _load_blob(payload)
-        offset += _FRAME.size + length
+class StreamError(RecordError):
+    """A stream file nxl_hooks cannot read: not a stream file, a frame with a valid checksum but content nxl_hooks
+    did not write, or (``read_stream(..., strict=True)``) damage. Names the frame and its byte offset."""
 
 
-def _metadata(payload: bytes) -> dict[str, str]:
-    # safetensors layout: uint64 header size, then the JSON header whose "__metadata__" holds our entry.
-    (size,) = struct.unpack_from("<Q", payload, 0)
-    return json.loads(payload[8: 8 + size]).get("__metadata__", {})
+class StreamDamageWarning(UserWarning):
+    """:func:`read_stream` stopped early at a damaged frame (not a torn last frame); see ``damage`` on its result."""
 
 
-def _read(data: bytes, path: str | Path, calls: dict[int, GenerationCall]) -> None:
-    """Add the records of one stream file to ``calls`` (those of one writer so far)."""
+@dataclass(frozen=True)
+class Damage:
+    """Where and why :func:`read_stream` stopped before the end of a file. ``calls.damage.frame``"""
+
+    frame: int  #: index of the first frame not read (0 = the first frame after the file header)
+    offset: int  #: its byte offset in the file
+    reason: str  #: what is wrong with it
+    torn: bool  #: a torn last frame (a writer killed mid-write): the normal end of a killed run, not corruption
+    steps_recovered: int  #: step records read before it (all of them returned)
+    frames_after: int  #: intact frames found after it, not returned (a gap would make the calls lie)
+    bytes_dropped: int  #: from ``offset`` to the end of the file
+    path: str = ""  #: the file (one of a folder's, when read_stream was given a folder)
+
+    def describe(self) -> str:
+        """One line: ``frame 3 at byte 1234: CRC mismatch; 2 step records recovered before it, ...``"""
+        lost = f", {self.frames_after} intact frame(s) after it not read" if self.frames_after else ""
+        return (f"frame {self.frame} at byte {self.offset}: {self.reason}; {self.steps_recovered} step record(s) "
+                f"recovered before it{lost} ({self.bytes_dropped} bytes left out)")
+
+
+class Stream(list):
+    """What :func:`read_stream` returns: a list of :class:`GenerationCall`, and ``damage`` (None when every file ends
+    on a complete frame; else the first damaged file's)."""
+
+    damage: Damage | None = None
+
+
+def _frame_at(data: bytes, offset: int) -> tuple[bytes | None, str]:
+    """(payload, "") for an intact frame at ``offset``, else (None, why not)."""
+    if offset + _FRAME.size > len(data):
+        return None, f"only {len(data) - offset} bytes of a {_FRAME.size}-byte frame header"
+    magic, length, crc = _FRAME.unpack_from(data, offset)
+    if magic != _FRAME_MAGIC:
+        return None, f"no frame marker ({magic!r} instead of {_FRAME_MAGIC!r})"
+    payload = data[offset + _FRAME.size: offset + _FRAME.size + length]
+    if len(payload) != length:
+        return None, f"the frame announces {length} bytes but only {len(payload)} follow"
+    if zlib.crc32(payload) != crc:
+        return None, "checksum (CRC-32) mismatch: the frame was altered after it was written"
+    return payload, ""
+
+
+def _torn(data: bytes, offset: int) -> bool:
+    """Whether the bad frame at ``offset`` looks like a torn last frame: a prefix of a frame that runs past the end
+    of the file (a flipped length byte also runs past the end: the caller checks that no intact frame follows)."""
+    rest = data[offset:]
+    if len(rest) < len(_FRAME_MAGIC):
+        return _FRAME_MAGIC.startswith(rest)
+    if not rest.startswith(_FRAME_MAGIC):
+        return False
+    if len(rest) >= _FRAME.size:
+        _, length, _ = _FRAME.unpack_from(rest, 0)
+        if _FRAME.size + length <= len(rest):
+            return False  # complete, so its checksum failed: altered, not torn
+    return True
+
+
+def _intact_after(data: bytes, offset: int) -> int:
+    """How many intact frames start after ``offset`` (found by their marker and checksum)."""
+    count, start = 0, data.find(_FRAME_MAGIC, offset + 1)
+    while start != -1:
+        payload, _ = _frame_at(data, start)
+        if payload is not None:
+            count += 1
+            start = data.find(_FRAME_MAGIC, start + _FRAME.size + len(payload))
+        else:
+            start = data.find(_FRAME_MAGIC, start + 1)
+    return count
+
+
+def _frames(data: bytes) -> Iterator[tuple[int, int, bytes | None, str]]:
+    """(index, offset, payload, "") per intact frame; the first bad one comes as (index, offset, None, why), last."""
+    offset, index = len(_FILE_MAGIC), 0
+    while offset < len(data):
+        payload, why = _frame_at(data, offset)
+        yield index, offset, payload, why
+        if payload is None:
+            return
+        offset += _FRAME.size + len(payload)
+        index += 1
+
+
+def _decode(payload: bytes) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A frame's header (its ``nxl_hooks`` metadata) and tensors; ValueError when it is not such a blob."""
+    (size,) = struct.unpack_from("<Q", payload, 0) if len(payload) >= 8 else (None,)
+    if size is None or size > len(payload) - 8:
+        raise ValueError("not a safetensors blob")
+    metadata = json.loads(payload[8: 8 + size]).get("__metadata__") or {}  # safetensors' load() drops it
+    header = json.loads(metadata["nxl_hooks"]) if isinstance(metadata, dict) and "nxl_hooks" in metadata else None
+    if not isinstance(header, dict):
+        raise ValueError("no nxl_hooks record header in its metadata")
+    return header, _load_blob(payload)
+
+
+def _field(header: dict, name: str, kinds: tuple[type, ...], *, optional: bool = False) -> Any:
+    value = header.get(name)
+    if (value is None and optional) or (isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool))):
+        return value
+    raise ValueError(f"{name!r} is {value!r}, expected {' or '.join(k.__name__ for k in kinds)}")
+
+
+def _tensor(tensors: dict[str, torch.Tensor], name: str, dim: int, *, boolean: bool = False,
+            optional: bool = False) -> torch.Tensor | None:
+    value = tensors.get(name)
+    if value is None and optional:
+        return None
+    ok = value is not None and value.dim() == dim and (
+        value.dtype == torch.bool if boolean else not (value.is_floating_point() or value.dtype == torch.bool))
+    if not ok:
+        want = f"a {dim}-D {'bool' if boolean else 'integer'} tensor"
+        raise ValueError(f"tensor {name!r} is {'missing' if value is None else f'{value.dtype} {tuple(value.shape)}'}"
+                         f", expected {want}")
+    return value
+
+
+def _layers(header: dict) -> list[int]:
+    layers = header.get("layers")
+    if not isinstance(layers, list) or not layers or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                             for x in layers):
+        raise ValueError(f"'layers' is {layers!r}, expected a list of ints")
+    return layers
+
+
+def _strings(header: dict, name: str) -> Any:
+    """An optional list of strings, or of lists of strings (readable token texts)."""
+    value = header.get(name)
+    flat = value if value is None or not value or not isinstance(value[0], list) else [t for row in value for t in row]
+    if value is None or (isinstance(value, list) and all(isinstance(text, str) for text in flat)):
+        return value
+    raise ValueError(f"{name!r} is {value!r}, expected a list of token texts")
+
+
+def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, torch.Tensor], *,
+           rotated: bool) -> bool:
+    """Add one frame's record to ``calls``; True for a step record. ValueError when it does not fit. ``rotated``: a
+    file of a RotatingSink, where a running call's frame comes again at the top of each file and the first files
+    (with the call frames of older calls) may have been deleted."""
+    kind, index = header.get("kind"), _field(header, "call", (int,))
+    if kind == "call":
+        if index in calls and rotated:
+            return False  # written again at the top of a rotated file: the call goes on
+        if index in calls:
+            raise ValueError(f"a second 'call' frame for call {index}")
+        mask = _tensor(tensors, "prompt_mask", 2, boolean=True)
+        ids = _tensor(tensors, "prompt_ids", 2, optional=True)
+        if ids is not None and ids.shape != mask.shape:
+            raise ValueError(f"prompt_ids {tuple(ids.shape)} and prompt_mask {tuple(mask.shape)} differ in shape")
+        calls[index] = GenerationCall(index=index, layers=_layers(header), prompt_ids=ids, prompt_mask=mask,
+                                      request_id=_field(header, "request_id", (str,), optional=True),
+                                      thread=_field(header, "thread", (str,), optional=True),
+                                      readable=_strings(header, "readable"))
+        return False
+    if index not in calls and rotated:
+        return False  # its call frame was in a file deleted by the RotatingSink's retention
+    if index not in calls:
+        raise ValueError(f"a {kind!r} frame for call {index}, which no 'call' frame opened")
+    call = calls[index]
+    if kind == "step":
+        step = Step(call=index, step=_field(header, "step", (int,)), position=_field(header, "position", (int,)),
+                    layers=_layers(header), n_blocks=_field(header, "n_blocks", (int,), optional=True),
+                    probability=tensors.get("probability"), readable=_strings(header, "readable"),
+                    **{name: tensors.get(name) for name in STEP_TENSORS})
+        _check_step(step, call)
+        call.steps.append(step)
+        return True
+    if kind == "end":
+        call.sequences = _tensor(tensors, "sequences", 2, optional=True)
+        call.complete = _field(header, "complete", (bool,))
+        call.error = _field(header, "error", (str,), optional=True)
+        return False
+    raise ValueError(f"unknown record kind {kind!r} (expected 'call', 'step' or 'end')")
+
+
+def _check_step(step: Step, call: GenerationCall) -> None:
+    """A step record whose tensors fit each other, its call's batch and its position."""
+    batch = call.prompt_mask.shape[0]
+    token, active = _tensor(vars(step), "token", 1), _tensor(vars(step), "active", 1, boolean=True)
+    if token.shape[0] != batch or active.shape[0] != batch:
+        raise ValueError(f"step {step.step}: token / active have {token.shape[0]} / {active.shape[0]} rows, "
+                         f"the call's prompt {batch}")
+    scores = step.normxlogit
+    if scores is None or scores.dim() < 3 or scores.shape[1:3] != (batch, step.position) or step.position < 1:
+        raise ValueError(f"step {step.step}: normxlogit {None if scores is None else tuple(scores.shape)} does not "
+                         f"cover {batch} row(s) x {step.position} positions")
+    step.to_attribution().check()  # every other field, by the one set of rules of Attribution
+
+
+def _read(data: bytes, path: Path, calls: dict[int, GenerationCall], *, rotated: bool) -> tuple[int, Damage | None]:
+    """Add the records of one stream file to ``calls`` (those of one writer so far): (steps read, damage or None)."""
     if not data.startswith(_FILE_MAGIC):
-        raise ValueError(f"{path} is not an nxl_hooks stream file (written by attach(..., sink=path))")
-    for header, tensors in _frames(data):
-        kind, index = header["kind"], header["call"]
-        if kind == "call":
-            if index in calls:  # written again at the top of a rotated file: the call goes on
-                continue
-            calls[index] = GenerationCall(index=index, layers=header["layers"], prompt_ids=tensors.get("prompt_ids"),
-                                          prompt_mask=tensors["prompt_mask"], request_id=header.get("request_id"),
-                                          thread=header.get("thread"), readable=header.get("readable"))
-        elif index not in calls:
-            continue  # its call frame was in a file deleted by a RotatingSink's retention
-        elif kind == "step":
-            calls[index].steps.append(Step(call=index, step=header["step"], position=header["position"],
-                                           layers=header["layers"], n_blocks=header.get("n_blocks"),
-                                           probability=tensors.get("probability"), readable=header.get("readable"),
-                                           **{n: tensors[n] for n in STEP_TENSORS}))
-        elif kind == "end":
-            calls[index].sequences = tensors.get("sequences")
-            calls[index].complete = bool(header["complete"])
-            calls[index].error = header.get("error")
+        raise StreamError(f"{path} is not an nxl_hooks stream file (written by attach(..., sink=path))")
+    steps = 0
+    for index, offset, payload, why in _frames(data):
+        if payload is None:
+            after = _intact_after(data, offset)
+            return steps, Damage(frame=index, offset=offset, reason=why, torn=not after and _torn(data, offset),
+                                 steps_recovered=steps, frames_after=after, bytes_dropped=len(data) - offset,
+                                 path=str(path))
+        try:
+            steps += _apply(calls, *_decode(payload), rotated=rotated)
+        except Exception as err:  # noqa: BLE001 - any parse failure of a frame whose checksum holds is one error
+            raise StreamError(f"{path}: frame {index} at byte {offset} has a valid checksum but is not a record "
+                              f"nxl_hooks wrote ({type(err).__name__}: {err})") from None
+    return steps, None
 
 
 def _writers(folder: Path) -> list[list[Path]]:
@@ -325,23 +522,36 @@ def _writers(folder: Path) -> list[list[Path]]:
     return [groups[key] for key in sorted(groups)]
 
 
-def read_stream(path: str | Path, *, request_id: str | None = None) -> list[GenerationCall]:
-    """Every call and step record in a sink file, up to the last complete frame. ``nxl.read_stream("run.nxl")``
+def read_stream(path: str | Path, *, request_id: str | None = None, strict: bool = False) -> Stream:
+    """Every call and step record in a sink file, up to the first frame that cannot be read. ``nxl.read_stream(p)``
 
     A call whose ``end`` frame is missing (the writer was killed) has ``complete`` False and no ``sequences``.
     ``path`` may be a folder: every stream file below it, a :class:`RotatingSink`'s files joined in order (calls
     of one writer, then the next; a call whose first file was deleted starts at its first kept step).
-    ``request_id``: only the calls of that request.
+    ``request_id``: only the calls of that request. The result is a list with a ``damage`` attribute (see the module
+    docstring): None for whole files; a torn last frame is left out quietly; other damage warns
+    (:class:`StreamDamageWarning`), or raises :class:`StreamError` with ``strict=True``. A frame with a valid checksum
+    that nxl_hooks did not write raises :class:`StreamError`.
     """
     path = Path(path)
-    out: list[GenerationCall] = []
+    out, damage = Stream(), None
     for files in _writers(path) if path.is_dir() else [[path]]:
         calls: dict[int, GenerationCall] = {}
         for file in files:
             try:
                 data = file.read_bytes()
-            except FileNotFoundError:  # deleted by the writer's retention while we read
-                continue
-            _read(data, file, calls)
+            except FileNotFoundError:
+                if len(files) > 1:  # deleted by the writer's retention while we read
+                    continue
+                raise
+            _, found = _read(data, file, calls, rotated=bool(_ROTATED.fullmatch(file.name)))
+            if found is not None and not found.torn:
+                if strict:
+                    raise StreamError(f"{file} is damaged: {found.describe()}")
+                warnings.warn(f"{file} is damaged, read up to the damage: {found.describe()}", StreamDamageWarning,
+                              stacklevel=2)
+            damage = damage or found
         out.extend(calls[index] for index in sorted(calls))
-    return [call for call in out if request_id is None or call.request_id == request_id]
+    out[:] = [call for call in out if request_id is None or call.request_id == request_id]
+    out.damage = damage
+    return out

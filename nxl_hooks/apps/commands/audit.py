@@ -37,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from ...eval.audit import aggregate, audit_example
     from ...records.tokens import chat_text
-    from ..dataset import examples_from_args, place, run_dataset, write_outputs
+    from ..dataset import examples_from_args, place, run_dataset, scored, write_outputs
     from ..loading import load_model
     from ..reports import audit_report
 
@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
 
     records = run_dataset(examples, score, args.out, settings=settings, desc=NAME)
     if records is not None:
-        summary = aggregate(records)
+        records, summary = scored(records, aggregate)
         name = args.candidate or f"{args.reference} ({args.quantize})"
         write_outputs(
             args.out, records, summary, audit_report(summary, records, title=f"Audit: {name} vs {args.reference}")

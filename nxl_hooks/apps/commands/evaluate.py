@@ -36,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from ...eval import faithfulness as ev
     from ...records.tokens import chat_text
-    from ..dataset import examples_from_args, place, run_dataset, write_outputs
+    from ..dataset import examples_from_args, place, run_dataset, scored, write_outputs
     from ..loading import load_model
     from ..reports import evaluate_report
 
@@ -71,6 +71,6 @@ def run(args: argparse.Namespace) -> int:
 
     records = run_dataset(examples, score, args.out, settings=settings, desc=NAME)
     if records is not None:
-        summary = ev.aggregate(records)
+        records, summary = scored(records, ev.aggregate)
         write_outputs(args.out, records, summary, evaluate_report(summary, title=f"Faithfulness of {args.model}"))
     return 0

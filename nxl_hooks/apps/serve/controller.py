@@ -32,7 +32,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator
 
-from ...arch.registry import unwrap
+from ...arch.registry import head_kind, unwrap
 from ...hooks.generate import REQUEST_ID
 from ...hooks.guard import reason
 from ...hooks.plan import make_plan
@@ -209,12 +209,16 @@ class Controller:
     def _attach(self, watch: Watch, model: Any) -> None:
         # caller holds the lock
         settings = self.settings
-        sink = (RotatingSink(settings.run_dir / watch.slug, max_bytes=settings.sink_max_bytes,
-                             max_files=settings.sink_max_files) if settings.sink else None)
+        sink = None
         try:
+            # generate records (steps, a sink) only for models that generate; a classifier keeps its forwards
+            generates = head_kind(unwrap(model)) == "causal_lm"
+            if generates and settings.sink:
+                sink = RotatingSink(settings.run_dir / watch.slug, max_bytes=settings.sink_max_bytes,
+                                    max_files=settings.sink_max_files)
             probe = attach(model, **self.options, tokenizer=self._tokenizer(watch, self.options), sink=sink,
                            keep_steps=True, keep_calls=settings.keep_calls,
-                           on_step=functools.partial(self._on_step, watch))
+                           on_step=functools.partial(self._on_step, watch) if generates else None)
         except Exception as error:  # noqa: BLE001 - an unsupported model runs unrecorded
             if sink is not None:
                 sink.close()  # removes its empty file

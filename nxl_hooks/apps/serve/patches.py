@@ -67,9 +67,12 @@ def _with_defaults(args: tuple, kwargs: dict) -> dict:
     itself, for the models ``--models`` selects."""
     try:
         settings = controller().settings
-        name = str(args[0] if args else kwargs.get("pretrained_model_name_or_path", ""))
-        if not settings.load or not settings.selects(name):
-            return kwargs
+    except Exception:  # noqa: BLE001 - bad NXL_* settings: _adopt says so, once
+        return kwargs
+    name = str(args[0] if args else kwargs.get("pretrained_model_name_or_path", ""))
+    if not settings.load or not settings.selects(name):
+        return kwargs
+    try:
         from ..loading import program_defaults
 
         return {**program_defaults(settings.load), **kwargs}

@@ -1,0 +1,846 @@
+"""A catalogue of bad inputs to the library (issue 12): attach arguments, forwards, result methods, crafted and
+damaged attribution and stream files, registry entries, sinks, dataset runs. Each case asserts the documented
+error type and its message (what is wrong, what to do), that no hook is left on the model, and that no existing
+file was changed. The CLI's own catalogue lives with the CLI tests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import struct
+import warnings
+import zlib
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import save as save_blob
+from safetensors.torch import save_file
+
+import nxl_hooks as nxl
+import oracle
+import tiny
+from nxl_hooks.apps import dataset
+from nxl_hooks.arch import registry
+from nxl_hooks.records import files
+from nxl_hooks.records import sink as stream
+from nxl_hooks.records.attribution import RecordError
+
+CATALOGUE: list[str] = []  # every case id, counted by test_catalogue_size
+
+
+def cases(*items):
+    """pytest params with ids, recorded in the catalogue."""
+    CATALOGUE.extend(item[0] for item in items)
+    return [pytest.param(*item[1:], id=item[0]) for item in items]
+
+
+_hooks = tiny.nxl_hooks_on
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny.build_model("llama")
+
+
+@pytest.fixture(scope="module")
+def bert():
+    return tiny.build_model("bert")
+
+
+@pytest.fixture()
+def existing(tmp_path) -> Path:
+    """A file with content that no failed call may change."""
+    path = tmp_path / "existing.nxl"
+    path.write_bytes(b"precious bytes\n" * 10)
+    return path
+
+
+# -- attach arguments ------------------------------------------------------------------------------------
+
+_VOCAB = len(tiny.VOCAB)
+
+ATTACH = cases(
+    ("layers=True", {"layers": True}, "layers=True: use 'all', 'last'"),
+    ("layers=False", {"layers": False}, "layers=False: use 'all', 'last'"),
+    ("layers=1.5", {"layers": 1.5}, "layers=1.5: use"),
+    ("layers=[1.0]", {"layers": [1.0]}, "layer 1.0 is not an int"),
+    ("layers=None", {"layers": None}, "layers=None: use"),
+    ("layers=[None]", {"layers": [None]}, "layer None is not an int"),
+    ("layers='middle'", {"layers": "middle"}, "layers='middle': use 'all', 'last'"),
+    ("layers=''", {"layers": ""}, "layers='': use 'all', 'last'"),
+    ("layers=[]", {"layers": []}, "layers is empty"),
+    ("layers=[3]", {"layers": [3]}, r"layer 3 is out of range: this model has 2 blocks, so layers are 0..2"),
+    ("layers=[-4]", {"layers": [-4]}, "layer -4 is out of range"),
+    ("layers=bytes", {"layers": b"\x01"}, "layers=b'\\\\x01': use"),
+    ("layers=dict", {"layers": {0: 1}}, "layers={0: 1}: use"),
+    ("layers=set", {"layers": {0, 1}}, "layers={0, 1}: use"),
+    ("layers=['0']", {"layers": ["0"]}, "layer '0' is not an int"),
+    ("layers=float tensor", {"layers": torch.tensor([0.5])}, "layer 0.5 is not an int"),
+    ("layers=float numpy", {"layers": np.array([1.5])}, "layer 1.5 is not an int"),
+    ("layers=[True]", {"layers": [True]}, "layer True is not an int"),
+    ("target=None", {"target": None}, "target=None: use 'predicted'"),
+    ("target=1.5", {"target": 1.5}, "target=1.5: use 'predicted'"),
+    ("target=[1.5]", {"target": [1.5]}, "target/label 1.5 must be an int id or a string"),
+    ("target=True", {"target": True}, "target=True: use"),
+    ("target=[True]", {"target": [True]}, "target/label True must be an int id"),
+    ("target=[None]", {"target": [None]}, "target/label None must be an int id"),
+    ("target={}", {"target": {}}, r"target=\{\}: use"),
+    ("target=bytes", {"target": b"ab"}, "target=b'ab': use"),
+    ("target=[]", {"target": []}, "target list is empty"),
+    ("target=float tensor", {"target": torch.tensor([1.5])}, "integer label ids, got dtype torch.float32"),
+    ("target=bool tensor", {"target": torch.tensor([True])}, "integer label ids, got dtype torch.bool"),
+    ("target=3-D tensor", {"target": torch.zeros(1, 1, 1, dtype=torch.long)}, r"got shape \(1, 1, 1\)"),
+    ("target=empty tensor", {"target": torch.zeros(0, dtype=torch.long)}, "target tensor is empty"),
+    ("target=float numpy", {"target": np.array([2.5])}, "integer label ids, got dtype torch.float64"),
+    ("target=vocab size", {"target": _VOCAB}, f"target {_VOCAB} is out of range: the head has {_VOCAB} outputs"),
+    ("target=-1", {"target": -1}, "target -1 is out of range"),
+    ("target tensor out of range", {"target": torch.tensor([0, 99])}, "target 99 is out of range"),
+    ("target string without tokenizer", {"target": "film"}, r"pass attach\(..., tokenizer=tok\)"),
+    ("target two-token string", {"target": "film was", "tokenizer": tiny.tokenizer()}, "is 2 tokens.*attach explains one token"),
+    ("embedding=None", {"embedding": None}, "embedding=None: use 'layer_input'"),
+    ("embedding='words'", {"embedding": "words"}, "embedding='words': use 'layer_input'"),
+    ("tokenizer too big", {"tokenizer": tiny.word_tokenizer(tiny.VOCAB + ["x", "y"])}, "does not match the model"),
+    ("on_step=3", {"on_step": 3}, "on_step=3: give a function"),
+    ("on_step='print'", {"on_step": "print"}, "on_step='print': give a function"),
+    ("sink=3", {"sink": 3}, "sink=3: give a file path"),
+    ("sink=list", {"sink": ["a"]}, r"sink=\['a'\]: give a file path"),
+    ("keep_calls=-1", {"keep_calls": -1}, "keep_calls=-1: give a number"),
+    ("keep_calls=1.5", {"keep_calls": 1.5}, "keep_calls=1.5: give a whole number"),
+    ("keep_calls=True", {"keep_calls": True}, "keep_calls=True: give a whole number"),
+    ("keep_calls='2'", {"keep_calls": "2"}, "keep_calls='2': give a whole number"),
+    ("cache_dtype=int8", {"cache_dtype": torch.int8}, "cache_dtype=torch.int8: use a floating-point dtype"),
+    ("cache_dtype=bool", {"cache_dtype": torch.bool}, "cache_dtype=torch.bool: use a floating-point dtype"),
+    ("cache_dtype='float16'", {"cache_dtype": "float16"}, "cache_dtype='float16': use a floating-point dtype"),
+    ("cache_dtype=float", {"cache_dtype": float}, "cache_dtype=<class 'float'>: use a floating-point"),
+    ("cache_device='nodev'", {"cache_device": "nodev"}, "cache_device='nodev' is not a device"),
+    ("cache_device=3.5", {"cache_device": 3.5}, "cache_device=3.5 is not a device"),
+)
+
+
+@pytest.mark.parametrize("kwargs, message", ATTACH)
+def test_bad_attach_arguments(lm, existing, kwargs, message):
+    before = existing.read_bytes()
+    with pytest.raises(ValueError, match=message):
+        nxl.attach(lm, **kwargs, **({} if "sink" in kwargs else {"sink": existing}))
+    assert _hooks(lm) == 0 and "generate" not in vars(lm)
+    assert existing.read_bytes() == before  # a refused probe never opens (nor truncates) its sink
+
+
+CLASSIFIER = cases(
+    ("classifier sink", {"sink": "SINK"}, "sink: these record generate\\(\\) steps, but BertForSequenceClassification"),
+    ("classifier on_step", {"on_step": print}, "on_step: these record generate\\(\\) steps.*not a causal LM"),
+    ("classifier cache_dtype", {"cache_dtype": torch.bfloat16}, "cache_dtype: these record generate"),
+    ("classifier cache_device", {"cache_device": "cpu"}, "cache_device: these record generate"),
+    ("classifier label name", {"target": "positive"}, "label 'positive' is not one of the model's labels"),
+    ("classifier label id", {"target": 2}, "target 2 is out of range: the head has 2 outputs"),
+)
+
+
+@pytest.mark.parametrize("kwargs, message", CLASSIFIER)
+def test_bad_classifier_arguments(bert, existing, kwargs, message):
+    before = existing.read_bytes()
+    kwargs = {k: existing if v == "SINK" else v for k, v in kwargs.items()}
+    with pytest.raises(ValueError, match=message):
+        nxl.attach(bert, **kwargs)
+    assert _hooks(bert) == 0 and existing.read_bytes() == before
+
+
+MODELS = cases(
+    ("a string", "model", "str has no head-on-top"),
+    ("a bare Linear", torch.nn.Linear(2, 2), "Linear has no head-on-top"),
+    ("a base model without head", "BASE", "LlamaModel has no head-on-top"),
+)
+
+
+@pytest.mark.parametrize("model, message", MODELS)
+def test_models_without_a_head(lm, model, message):
+    with pytest.raises(nxl.UnknownArchitectureError, match=message):
+        nxl.attach(lm.model if isinstance(model, str) and model == "BASE" else model)
+    assert _hooks(lm) == 0
+
+
+def test_numpy_integers_are_fine_layers_and_targets(lm):
+    """The other side of the catalogue: numpy ints and int arrays mean what Python ints and id tensors mean."""
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    with torch.no_grad():
+        out = lm(input_ids=ids, output_hidden_states=True)
+        logits = oracle.llama(lm).layer_logits(out.hidden_states)
+    for layers, target, per_row in (([np.int64(0), np.int32(-1)], np.int64(7), [7, 7]),
+                                    (np.array([0, 2]), np.array([3, 11]), [3, 11])):
+        with torch.no_grad(), nxl.attach(lm, layers=layers, target=target) as probe:
+            lm(input_ids=ids)
+        res = probe.result()
+        assert res.layers == [0, 2] and res.target.tolist() == per_row
+        expected = oracle.normxlogit(logits, out.hidden_states[0], torch.tensor(per_row))[1]
+        torch.testing.assert_close(res.normxlogit, expected[[0, 2]], rtol=1e-4, atol=1e-5)
+
+
+def test_masked_lm_without_tokenizer_and_attach_twice(lm, existing):
+    from transformers import BertConfig, BertForMaskedLM
+
+    mlm = BertForMaskedLM(BertConfig(vocab_size=_VOCAB, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=32)).eval()
+    with pytest.raises(ValueError, match="masked-LM attribution needs attach"):
+        nxl.attach(mlm)
+    before = existing.read_bytes()
+    with nxl.attach(lm):
+        with pytest.raises(RuntimeError, match="already attached"):
+            nxl.attach(lm, sink=existing)
+        assert existing.read_bytes() == before
+    assert _hooks(lm) == 0
+
+
+# -- what a forward cannot explain: said by result(), never raised into the forward -----------------------
+
+FORWARDS = cases(
+    ("empty input", "lm", {"input_ids": torch.zeros(1, 0, dtype=torch.long)}, "empty input"),
+    ("zero mask row (LM)", "lm", {"input_ids": torch.tensor([[5, 6, 7], [5, 6, 7]]),
+                                  "attention_mask": torch.tensor([[1, 1, 1], [0, 0, 0]])}, "row 1 has no real token"),
+    ("zero mask row (encoder)", "bert", {"input_ids": torch.tensor([[2, 6, 3], [2, 6, 3]]),
+                                         "attention_mask": torch.tensor([[1, 1, 1], [0, 0, 0]])},
+     "row 1 has no real token"),
+    ("zero mask, one row", "lm", {"input_ids": torch.tensor([[5, 6]]), "attention_mask": torch.tensor([[0, 0]])},
+     "row 0 has no real token"),
+)
+
+
+@pytest.mark.parametrize("which, inputs, message", FORWARDS)
+def test_forwards_that_cannot_be_explained(lm, bert, which, inputs, message):
+    model = lm if which == "lm" else bert
+    try:
+        plain = model(**inputs).logits
+    except Exception as error:  # whatever the model does itself, attached or not
+        plain = type(error)
+    with nxl.attach(model) as probe:
+        try:
+            attached = model(**inputs).logits
+        except Exception as error:
+            attached = type(error)
+        with pytest.raises(ValueError, match=message):
+            probe.result()
+    assert attached is plain if isinstance(plain, type) else torch.equal(attached, plain)
+    assert _hooks(model) == 0
+
+
+def test_per_row_target_tensor_with_the_wrong_row_count(lm):
+    with nxl.attach(lm, target=torch.tensor([3, 4, 5])) as probe:
+        lm(input_ids=torch.tensor([[5, 6], [7, 8]]))
+        with pytest.raises(ValueError, match="target tensor has 3 rows but this forward explains 2 rows"):
+            probe.result()
+
+
+# -- methods of a result ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def result(lm):
+    return nxl.explain(lm, tiny.tokenizer(), ["the film was good", "bad plot"], layers=[0, 2])
+
+
+RESULT_CALLS = cases(
+    ("top row 2", lambda r: r.top(row=2), "row 2 is out of range: this attribution has 2 row"),
+    ("top row -1", lambda r: r.top(row=-1), "row -1 is out of range"),
+    ("top row 1.0", lambda r: r.top(row=1.0), "row 1.0 is out of range"),
+    ("top label 1", lambda r: r.top(label=1), "label 1 is out of range: this attribution explains 1 target"),
+    ("top layer 1", lambda r: r.top(layer=1), r"layer 1 was not captured; captured layers: \[0, 2\]"),
+    ("top layer 'x'", lambda r: r.top(layer="x"), "layer 'x' is not an int"),
+    ("layer 3", lambda r: r.layer(3), "layer 3 is out of range"),
+    ("to_html rows", lambda r: r.to_html(rows=[5]), r"rows \[5\] out of range"),
+    ("to_html method", lambda r: r.to_html(method="gradient"), "method='gradient': use 'normxlogit' or 'logat'"),
+)
+
+
+@pytest.mark.parametrize("call, message", RESULT_CALLS)
+def test_bad_result_calls(result, call, message):
+    with pytest.raises(ValueError, match=message):
+        call(result)
+
+
+def test_top_ranks_each_rows_own_tokens(result):
+    """Row 1 ("[CLS] bad plot [SEP]" and two pads): only its two words rank, by its own scores."""
+    scores = result.normxlogit[-1, 1]
+    expected = sorted((1, 2), key=lambda i: -float(scores[i]))
+    assert [p for p, _, _ in result.top(5, row=1)] == expected
+    assert [name for _, name, _ in result.top(5, row=1)] == [result.tokens[1][i] for i in expected]
+    everything = [p for p, _, _ in result.top(9, row=1, all_positions=True)]
+    assert sorted(everything) == [0, 1, 2, 3]
+
+
+def test_several_targets_round_trip(lm, tmp_path):
+    res = nxl.explain(lm, tiny.tokenizer(), ["the film was good", "bad plot"], layers=[0, 2], target=["good", "bad"])
+    back = nxl.Attribution.load(res.save(tmp_path / "k.safetensors"))
+    ids = [tiny.VOCAB.index("good"), tiny.VOCAB.index("bad")]
+    assert back.normxlogit.shape == (2, 2, 6, 2) and back.target.tolist() == [ids, ids]
+    assert back.top(2, row=1, label=1) == res.top(2, row=1, label=1)
+
+
+def test_nan_scores_rank_last(result):
+    res = nxl.Attribution(**{**vars(result), "normxlogit": result.normxlogit.clone()})
+    res.normxlogit[-1, 0, 1] = float("nan")  # "the"
+    top = res.top(10, row=0)
+    assert [p for p, _, _ in top][-1] == 1 and all(s == s for _, _, s in top[:-1])
+
+
+# -- Attribution files -----------------------------------------------------------------------------------
+
+
+def _parts(result) -> tuple[dict, dict]:
+    tensors = {name: getattr(result, name).clone() for name in
+               ("normxlogit", "logat", "embed_norm", "target", "mask", "position", "example", "special")}
+    header = {"format": "nxl_hooks.attribution", "version": 1, "layers": list(result.layers),
+              "tokens": [list(t) for t in result.tokens], "meta": dict(result.meta)}
+    return tensors, header
+
+
+def _edit(**changes):
+    def apply(tensors: dict, header: dict) -> None:
+        for key, value in changes.items():
+            if key in header or key in ("layers", "tokens", "meta", "version", "format"):
+                header[key] = value(header[key]) if callable(value) else value
+            elif value is None:
+                tensors.pop(key)
+            else:
+                tensors[key] = value(tensors[key])
+    return apply
+
+
+def _meta(**entries):
+    return _edit(meta=lambda meta: {**meta, **entries})
+
+
+CRAFTED = cases(
+    *[(f"missing {name}", _edit(**{name: None}), f"tensor '{name}' is missing") for name in
+      ("normxlogit", "logat", "embed_norm", "target", "mask", "position", "example")],
+    ("normxlogit 2-D", _edit(normxlogit=lambda t: t[0], logat=lambda t: t[0]), r"normxlogit has shape \(2, 6\)"),
+    ("normxlogit int", _edit(normxlogit=lambda t: t.long()), "normxlogit has dtype torch.int64, not a float"),
+    ("normxlogit 0 rows", _edit(normxlogit=lambda t: t[:, :0], logat=lambda t: t[:, :0]), "none of them 0"),
+    ("logat shape", _edit(logat=lambda t: t[:1]), r"logat has shape \(1, 2, 6\) but normxlogit \(2, 2, 6\)"),
+    ("logat int", _edit(logat=lambda t: t.int()), "logat has dtype torch.int32"),
+    ("embed_norm shape", _edit(embed_norm=lambda t: t[:, :3]), r"embed_norm has shape \(2, 3\), expected \(2, 6\)"),
+    ("embed_norm bool", _edit(embed_norm=lambda t: t > 0), "embed_norm has dtype torch.bool"),
+    ("mask float", _edit(mask=lambda t: t.float()), "mask has dtype torch.float32, not torch.bool"),
+    ("mask shape", _edit(mask=lambda t: t[:, :2]), r"mask has shape \(2, 2\)"),
+    ("target float", _edit(target=lambda t: t.float()), "target has dtype torch.float32, not an integer"),
+    ("target rows", _edit(target=lambda t: t[:1]), r"target has shape \(1,\), expected \(2,\)"),
+    ("target k axis", _edit(target=lambda t: t[:, None]), r"target has shape \(2, 1\), expected \(2,\)"),
+    ("target negative", _edit(target=lambda t: t - 100), "target holds negative label ids"),
+    ("position = seq", _edit(position=lambda t: t * 0 + 6), r"position is outside 0..5"),
+    ("position negative", _edit(position=lambda t: t * 0 - 1), r"position is outside 0..5"),
+    ("position float", _edit(position=lambda t: t.float()), "position has dtype torch.float32"),
+    ("position bool", _edit(position=lambda t: t > 0), "position has dtype torch.bool"),
+    ("example negative", _edit(example=lambda t: t - 5), "example holds negative row numbers"),
+    ("example 2-D", _edit(example=lambda t: t[:, None]), r"example has shape \(2, 1\)"),
+    ("special float", _edit(special=lambda t: t.float()), "special must be a bool tensor"),
+    ("special shape", _edit(special=lambda t: t[:1]), "special must be a bool tensor of shape"),
+    ("layers missing", _edit(layers=None), "layers is None: expected a list of 2 ints"),
+    ("layers too short", _edit(layers=[0]), r"layers is \[0\]: expected a list of 2 ints"),
+    ("layers unsorted", _edit(layers=[2, 0]), r"layers \[2, 0\] must be distinct, increasing"),
+    ("layers repeated", _edit(layers=[2, 2]), r"layers \[2, 2\] must be distinct"),
+    ("layers negative", _edit(layers=[-1, 2]), r"must be distinct, increasing and in 0..2"),
+    ("layers beyond L", _edit(layers=[0, 7]), r"layers \[0, 7\] must be .* in 0..2"),
+    ("layers bools", _edit(layers=[False, True]), "expected a list of 2 ints"),
+    ("layers strings", _edit(layers=["0", "2"]), "expected a list of 2 ints"),
+    ("tokens row count", _edit(tokens=lambda t: t[:1]), "tokens must be 2 list"),
+    ("tokens length", _edit(tokens=lambda t: [row[:3] for row in t]), "tokens must be 2 list.*of 6 token strings"),
+    ("tokens not strings", _edit(tokens=lambda t: [[1] * 6 for _ in t]), "tokens must be"),
+    ("tokens a string", _edit(tokens="the film"), "tokens must be"),
+    ("meta a list", _edit(meta=[1, 2]), "meta is a list, not a JSON object"),
+    ("meta head_kind int", _meta(head_kind=3), "meta\\['head_kind'\\] is 3, not a str"),
+    ("meta model_class list", _meta(model_class=["x"]), "meta\\['model_class'\\]"),
+    ("meta n_blocks str", _meta(n_blocks="2"), "meta\\['n_blocks'\\] is '2', not a int"),
+    ("meta n_blocks bool", _meta(n_blocks=True), "meta\\['n_blocks'\\] is True"),
+    ("meta n_blocks negative", _meta(n_blocks=-3), "a negative block count"),
+    ("meta prediction", _meta(prediction=[1.0, 2.0]), "meta\\['prediction'\\] must be one list of numbers per row"),
+    ("meta prediction strings", _meta(prediction=[["a"], ["b"]]), "meta\\['prediction'\\] must be"),
+    ("format other", _edit(format="something.else"), "is not an attribution header"),
+    ("version 99", _edit(version=99), "format version 99; upgrade nxl_hooks"),
+    ("version string", _edit(version="1"), "format version '1' is not an int"),
+)
+
+
+@pytest.mark.parametrize("mutate, message", CRAFTED)
+def test_crafted_attribution_files(result, tmp_path, mutate, message):
+    tensors, header = _parts(result)
+    mutate(tensors, header)
+    path = tmp_path / "a.safetensors"
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata={"nxl_hooks": json.dumps(header)})
+    before = path.read_bytes()
+    with pytest.raises(RecordError, match=f"{re.escape(str(path))}: .*{message}"):
+        nxl.Attribution.load(path)
+    assert path.read_bytes() == before
+
+
+def _valid_bytes(result, tmp_path) -> bytes:
+    return result.save(tmp_path / "valid.safetensors").read_bytes()
+
+
+RAW = cases(
+    ("empty file", lambda good: b"", "is not a safetensors file nxl_hooks can read"),
+    ("seven bytes", lambda good: b"1234567", "is not a safetensors file"),
+    ("junk", lambda good: os.urandom(64), "is not a safetensors file"),
+    ("huge header size", lambda good: struct.pack("<Q", 2**60) + good[8:], "is not a safetensors file"),
+    ("truncated data", lambda good: good[:-10], "is not a safetensors file"),
+    ("truncated header", lambda good: good[:40], "is not a safetensors file"),
+    ("header not JSON", lambda good: good[:8] + b"\x00" * (len(good) - 8), "is not a safetensors file"),
+    ("no nxl_hooks metadata", lambda good: save_blob({"x": torch.zeros(1)}), "not an nxl_hooks attribution file"),
+    ("metadata not JSON", lambda good: save_blob({"x": torch.zeros(1)}, metadata={"nxl_hooks": "{oops"}),
+     "'nxl_hooks' metadata is not valid JSON"),
+    ("metadata too deep", lambda good: save_blob({"x": torch.zeros(1)}, metadata={"nxl_hooks": "[" * 100000}),
+     "'nxl_hooks' metadata is not valid JSON"),
+    ("metadata a list", lambda good: save_blob({"x": torch.zeros(1)}, metadata={"nxl_hooks": "[1]"}),
+     "is not an attribution header"),
+)
+
+
+@pytest.mark.parametrize("make, message", RAW)
+def test_files_that_are_not_attributions(result, tmp_path, make, message):
+    path = tmp_path / "a.safetensors"
+    path.write_bytes(make(_valid_bytes(result, tmp_path)))
+    with pytest.raises(RecordError, match=message):
+        nxl.Attribution.load(path)
+
+
+def test_a_missing_file_is_an_os_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="nothing.safetensors"):
+        nxl.Attribution.load(tmp_path / "nothing.safetensors")
+
+
+def test_failed_saves_leave_the_existing_file(result, tmp_path, monkeypatch):
+    path = result.save(tmp_path / "a.safetensors")
+    before = path.read_bytes()
+    bad = nxl.Attribution(**{**vars(result), "meta": {**result.meta, "x": object()}})
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        bad.save(path)
+
+    class FullDisk:  # the os module, but the final rename fails
+        def __getattr__(self, name):
+            return getattr(os, name)
+
+        def replace(self, src, dst):
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(files, "os", FullDisk())
+    with pytest.raises(OSError, match="No space left"):
+        result.save(path)
+    with pytest.raises(OSError, match="No space left"):
+        result.to_html(path)
+    assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]
+
+
+# -- stream files ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def stream_bytes(lm, tmp_path_factory) -> bytes:
+    path = tmp_path_factory.mktemp("stream") / "run.nxl"
+    lm.generation_config.eos_token_id = None
+    ids = torch.tensor([[5, 6, 7, 8]])
+    with nxl.attach(lm, sink=path):
+        lm.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    return path.read_bytes()
+
+
+def _offsets(data: bytes) -> list[int]:
+    return [offset for _, offset, _, _ in stream._frames(data)]
+
+
+def _flip(frame: int, where: int):
+    """One bit flipped ``where`` bytes into a frame (negative: from the frame's end)."""
+    def make(data: bytes) -> bytes:
+        offsets = [*_offsets(data), len(data)]
+        out = bytearray(data)
+        out[(offsets[frame] if where >= 0 else offsets[frame + 1]) + where] ^= 0x10
+        return bytes(out)
+    return make
+
+
+def _length(frame: int, delta: int):
+    """A frame's announced payload length changed by ``delta``."""
+    def make(data: bytes) -> bytes:
+        offset = _offsets(data)[frame]
+        magic, length, crc = stream._FRAME.unpack_from(data, offset)
+        return data[:offset] + stream._FRAME.pack(magic, length + delta, crc) + data[offset + stream._FRAME.size:]
+    return make
+
+
+def _cut_out(frame: int, size: int):
+    def make(data: bytes) -> bytes:
+        start = _offsets(data)[frame] + 40
+        return data[:start] + data[start + size:]
+    return make
+
+
+def _insert(frame: int, junk: bytes):
+    def make(data: bytes) -> bytes:
+        start = _offsets(data)[frame]
+        return data[:start] + junk + data[start:]
+    return make
+
+
+# frames: 0 = call, 1..4 = steps, 5 = end
+DAMAGED = cases(
+    ("call frame payload", _flip(0, 100), 0, "checksum"),
+    ("step payload byte", _flip(2, 300), 2, "checksum"),
+    ("step tensor data", _flip(3, -20), 3, "checksum"),
+    ("step tensor last byte", _flip(4, -1), 4, "checksum"),
+    ("end frame payload", _flip(5, 30), 5, "checksum"),
+    ("frame marker", _flip(2, 0), 2, "no frame marker"),
+    ("length grown past the end", _length(2, 10**6), 2, "announces"),
+    ("length grown", _length(2, 7), 2, "checksum"),
+    ("length shrunk", _length(2, -7), 2, "checksum"),
+    ("checksum field", _flip(3, 13), 3, "checksum"),
+    ("bytes cut out", _cut_out(1, 10), 1, "announces|checksum"),
+    ("junk between frames", _insert(3, b"garbage!"), 3, "no frame marker"),
+    ("zeros between frames", _insert(2, b"\x00" * 32), 2, "no frame marker"),
+    ("a frame marker alone", _insert(4, b"NXLF"), 4, "announces|checksum"),
+)
+
+
+@pytest.mark.parametrize("make, frame, reason", DAMAGED)
+def test_damaged_streams_warn_or_raise_and_say_where(stream_bytes, tmp_path, make, frame, reason):
+    path = tmp_path / "run.nxl"
+    path.write_bytes(make(stream_bytes))
+    offset = _offsets(path.read_bytes())[frame] if frame < len(_offsets(path.read_bytes())) else None
+    with pytest.raises(stream.StreamError, match=f"damaged: frame {frame} at byte {offset}: .*({reason})"):
+        nxl.read_stream(path, strict=True)
+    with pytest.warns(stream.StreamDamageWarning, match=f"frame {frame} at byte"):
+        calls = nxl.read_stream(path)
+    assert calls.damage.frame == frame and not calls.damage.torn
+    assert calls.damage.steps_recovered == max(0, min(frame - 1, 4)) == sum(len(c.steps) for c in calls)
+
+
+@pytest.mark.parametrize("cut", cases(*[(f"torn {n} bytes", n) for n in (1, 3, 10, 17, 60, 200)],
+                                     *[(f"a new frame's first {n} bytes", -n) for n in (1, 3, 4, 15)]))
+def test_a_torn_last_frame_is_quiet(stream_bytes, tmp_path, cut):
+    path = tmp_path / "run.nxl"
+    last = _offsets(stream_bytes)[-1]
+    if cut < 0:  # the writer was killed right as it began the frame after the end frame
+        last = len(stream_bytes)
+        stream_bytes += (stream._FRAME_MAGIC + bytes(12))[:-cut]
+    path.write_bytes(stream_bytes[: max(last + 1, len(stream_bytes) - max(cut, 0))])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning at all
+        (call,) = nxl.read_stream(path, strict=True)
+        calls = nxl.read_stream(path)
+    assert len(call.steps) == 4 and call.complete == (cut < 0)
+    assert calls.damage.torn and calls.damage.frame == (6 if cut < 0 else 5) and calls.damage.offset == last
+
+
+def _frame(payload: bytes) -> bytes:
+    return stream._FRAME.pack(stream._FRAME_MAGIC, len(payload), zlib.crc32(payload)) + payload
+
+
+def _record(tensors: dict, header) -> bytes:
+    return save_blob({k: v.contiguous() for k, v in tensors.items()},
+                     metadata={"nxl_hooks": header if isinstance(header, str) else json.dumps(header)})
+
+
+def _step(**changes) -> bytes:
+    tensors = {"token": torch.tensor([9]), "target": torch.tensor([9]), "normxlogit": torch.zeros(3, 1, 4),
+               "logat": torch.zeros(3, 1, 4), "embed_norm": torch.ones(1, 4), "mask": torch.ones(1, 4, dtype=torch.bool),
+               "active": torch.tensor([True])}
+    header = {"kind": "step", "call": 0, "step": 0, "position": 4, "layers": [0, 1, 2], "n_blocks": 2}
+    for key, value in changes.items():
+        if key in header:
+            header[key] = value
+        elif value is None:
+            tensors.pop(key)
+        else:
+            tensors[key] = value
+    return _record(tensors, header)
+
+
+CRAFTED_FRAMES = cases(
+    ("not safetensors", b"hello world", "not a safetensors blob"),
+    ("empty payload", b"", "not a safetensors blob"),
+    ("no metadata", save_blob({"x": torch.zeros(1)}), "no nxl_hooks record header"),
+    ("header not JSON", _record({"x": torch.zeros(1)}, "{nope"), "JSONDecodeError"),
+    ("header a list", _record({"x": torch.zeros(1)}, "[1, 2]"), "no nxl_hooks record header"),
+    ("header too deep", _record({"x": torch.zeros(1)}, "[" * 100000), "RecursionError"),
+    ("unknown kind", _record({}, {"kind": "banana", "call": 0}), "unknown record kind 'banana'"),
+    ("call index missing", _record({}, {"kind": "end"}), "'call' is None, expected int"),
+    ("call index a string", _record({}, {"kind": "end", "call": "0"}), "'call' is '0', expected int"),
+    ("end of an unknown call", _record({}, {"kind": "end", "call": 7, "complete": True}),
+     "'end' frame for call 7, which no 'call' frame opened"),
+    ("second call frame", _record({"prompt_mask": torch.ones(1, 4, dtype=torch.bool)},
+                                  {"kind": "call", "call": 0, "layers": [0, 1, 2]}), "a second 'call' frame"),
+    ("end complete not bool", _record({}, {"kind": "end", "call": 0, "complete": "yes"}), "'complete' is 'yes'"),
+    ("end sequences float", _record({"sequences": torch.zeros(1, 5)}, {"kind": "end", "call": 0, "complete": True}),
+     "tensor 'sequences' is torch.float32"),
+    ("step token missing", _step(token=None), "tensor 'token' is missing"),
+    ("step token float", _step(token=torch.tensor([9.0])), "tensor 'token' is torch.float32"),
+    ("step token rows", _step(token=torch.tensor([9, 9])), "token / active have 2 / 1 rows, the call's prompt 1"),
+    ("step active int", _step(active=torch.tensor([1])), "tensor 'active' is torch.int64"),
+    ("step normxlogit missing", _step(normxlogit=None), "normxlogit None does not cover"),
+    ("step normxlogit wrong position", _step(position=9), r"normxlogit \(3, 1, 4\) does not cover 1 row\(s\) x 9"),
+    ("step position zero", _step(position=0, normxlogit=torch.zeros(3, 1, 0)), "does not cover"),
+    ("step logat shape", _step(logat=torch.zeros(2, 1, 4)), "logat has shape"),
+    ("step mask float", _step(mask=torch.ones(1, 4)), "mask has dtype torch.float32"),
+    ("step target float", _step(target=torch.tensor([9.0])), "target has dtype torch.float32"),
+    ("step layers unsorted", _step(layers=[2, 0, 1]), "must be distinct, increasing"),
+    ("step layers beyond L", _step(layers=[0, 1, 5]), "must be distinct, increasing and in 0..2"),
+    ("step layers strings", _step(layers="all"), "'layers' is 'all', expected a list of ints"),
+    ("step index a float", _step(step=0.5), "'step' is 0.5, expected int"),
+    ("step n_blocks string", _step(n_blocks="2"), "'n_blocks' is '2'"),
+)
+
+
+@pytest.mark.parametrize("payload, message", CRAFTED_FRAMES)
+def test_crafted_frames_with_a_valid_checksum(stream_bytes, tmp_path, payload, message):
+    """The crafted frame replaces frame 1 (the first step), after a genuine call frame."""
+    offsets = _offsets(stream_bytes)
+    path = tmp_path / "run.nxl"
+    path.write_bytes(stream_bytes[: offsets[1]] + _frame(payload) + stream_bytes[offsets[2]:])
+    before = path.read_bytes()
+    for strict in (False, True):
+        with pytest.raises(stream.StreamError, match=f"frame 1 at byte {offsets[1]} has a valid checksum but .*"
+                                                     f"{message}"):
+            nxl.read_stream(path, strict=strict)
+    assert path.read_bytes() == before
+
+
+def test_a_call_frame_whose_prompt_ids_and_mask_differ(stream_bytes, tmp_path):
+    offsets = _offsets(stream_bytes)
+    call = _record({"prompt_mask": torch.ones(1, 4, dtype=torch.bool), "prompt_ids": torch.ones(1, 3, dtype=torch.long)},
+                   {"kind": "call", "call": 0, "layers": [0, 1, 2]})
+    path = tmp_path / "run.nxl"
+    path.write_bytes(stream_bytes[: offsets[0]] + _frame(call) + stream_bytes[offsets[1]:])
+    with pytest.raises(stream.StreamError, match=r"frame 0 at byte .*prompt_ids \(1, 3\) and prompt_mask \(1, 4\)"):
+        nxl.read_stream(path)
+
+
+STREAM_FILES = cases(
+    ("empty file", b"", "is not an nxl_hooks stream file"),
+    ("an attribution file", save_blob({"x": torch.zeros(1)}), "is not an nxl_hooks stream file"),
+    ("magic line only", stream._FILE_MAGIC, None),
+)
+
+
+@pytest.mark.parametrize("content, message", STREAM_FILES)
+def test_files_that_are_not_streams(tmp_path, content, message):
+    path = tmp_path / "run.nxl"
+    path.write_bytes(content)
+    if message is None:  # an attached probe that never generated: an empty, whole stream
+        calls = nxl.read_stream(path, strict=True)
+        assert calls == [] and calls.damage is None
+        return
+    with pytest.raises(stream.StreamError, match=message):
+        nxl.read_stream(path)
+
+
+# -- sinks -----------------------------------------------------------------------------------------------
+
+
+def test_a_sink_refuses_a_symlink_unless_told(lm, tmp_path, existing):
+    link = tmp_path / "run.nxl"
+    link.symlink_to(existing)
+    before = existing.read_bytes()
+    with pytest.raises(ValueError, match="run.nxl is a symbolic link.*follow_symlinks=True"):
+        nxl.attach(lm, sink=link)
+    with pytest.raises(ValueError, match="is a symbolic link"):
+        nxl.Sink(link)
+    assert existing.read_bytes() == before and _hooks(lm) == 0
+    with nxl.attach(lm, sink=nxl.Sink(link, follow_symlinks=True)):
+        lm.generate(input_ids=torch.tensor([[5, 6]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    (call,) = nxl.read_stream(existing)  # written through the link, as asked
+    assert len(call.steps) == 2 and link.is_symlink()
+
+
+SINK_PATHS = cases(
+    ("a directory", "DIR", IsADirectoryError, "Is a directory"),
+    ("a missing folder", "missing/run.nxl", FileNotFoundError, "No such file or directory"),
+)
+
+
+@pytest.mark.parametrize("where, error, message", SINK_PATHS)
+def test_sink_paths_that_cannot_be_written(lm, tmp_path, where, error, message):
+    with pytest.raises(error, match=message):
+        nxl.attach(lm, sink=tmp_path if where == "DIR" else tmp_path / where)
+    assert _hooks(lm) == 0
+
+
+# -- the registry ----------------------------------------------------------------------------------------
+
+_HEAD = 'heads.causal_lm = ["model.norm", "lm_head"]\n'
+TOML = cases(
+    ("model_types a string", '[x]\nmodel_types = "llama"\nblocks = "model.layers"\n' + _HEAD,
+     r"\[x\] in .*x.toml: key 'model_types' must be a non-empty list.*write \['llama'\]"),
+    ("model_types empty", '[x]\nmodel_types = []\nblocks = "model.layers"\n' + _HEAD, "key 'model_types'"),
+    ("model_types ints", '[x]\nmodel_types = [1]\nblocks = "model.layers"\n' + _HEAD, "key 'model_types'"),
+    ("blocks an int", '[x]\nblocks = 5\n' + _HEAD, "key 'blocks' must be a dotted module path.*got 5"),
+    ("blocks a list", '[x]\nblocks = ["model.layers"]\n' + _HEAD, "key 'blocks' must be a dotted module path"),
+    ("blocks not a path", '[x]\nblocks = "model/layers"\n' + _HEAD, "key 'blocks' must be a dotted module path"),
+    ("blocks missing", '[x]\n' + _HEAD, "key 'blocks' is missing"),
+    ("heads missing", '[x]\nblocks = "model.layers"\n', "key 'heads' is missing"),
+    ("unknown key", '[x]\nblock = "model.layers"\n' + _HEAD, "unknown key 'block' \\(did you mean 'blocks'\\?\\)"),
+    ("unknown key 2", '[x]\nblocks = "model.layers"\nhead = 1\n' + _HEAD, "unknown key 'head'"),
+    ("pooling", '[x]\nblocks = "model.layers"\npooling = "cls"\n' + _HEAD, "key 'pooling' must be one of"),
+    ("backbone an int", '[x]\nblocks = "model.layers"\nbackbone = 1\n' + _HEAD, "key 'backbone' must be a dotted"),
+    ("heads a string", '[x]\nblocks = "model.layers"\nheads = "lm_head"\n', "key 'heads' must be a table"),
+    ("heads empty", '[x]\nblocks = "model.layers"\nheads = {}\n', "key 'heads' must be a table"),
+    ("head kind", '[x]\nblocks = "model.layers"\nheads.lm = ["lm_head"]\n', "key 'heads.lm' is not a head kind"),
+    ("head steps a string", '[x]\nblocks = "model.layers"\nheads.causal_lm = "lm_head"\n',
+     "key 'heads.causal_lm' must be a non-empty list of step strings"),
+    ("head steps empty", '[x]\nblocks = "model.layers"\nheads.causal_lm = []\n', "must be a non-empty list"),
+    ("head step an int", '[x]\nblocks = "model.layers"\nheads.causal_lm = ["model.norm", 3]\n',
+     "must be a non-empty list of step strings"),
+    ("head step unknown", '[x]\nblocks = "model.layers"\nheads.causal_lm = ["model.norm", "lm head"]\n',
+     "step 'lm head' is neither a module path"),
+    ("post-processing first", '[x]\nblocks = "model.layers"\nheads.causal_lm = ["softcap:c", "lm_head"]\n',
+     "step 'softcap:c': logit post-processing comes after the readout"),
+    ("post-processing without attribute", '[x]\nblocks = "model.layers"\nheads.causal_lm = ["lm_head", "scale:"]\n',
+     "step 'scale:': name a config attribute"),
+    ("act without attribute", '[x]\nblocks = "model.layers"\nheads.causal_lm = ["act:", "lm_head"]\n',
+     "step 'act:': name a config attribute"),
+    ("ends with a function", '[x]\nblocks = "model.layers"\nheads.causal_lm = ["model.norm", "lm_head", "tanh"]\n',
+     "must end with the readout module"),
+    ("only post-processing", '[x]\nblocks = "model.layers"\nheads.causal_lm = ["scale:s"]\n',
+     "must end with the readout module"),
+    ("a table of scalars", 'x = 3\n', r"\[x\] .*must be a table of keys"),
+    ("not TOML", '[x\nblocks = 1', "is not a valid TOML registry file"),
+    ("not UTF-8", b"\xff\xfe[x]", "is not a valid TOML registry file"),
+)
+
+
+@pytest.mark.parametrize("text, message", TOML)
+def test_bad_registry_files(tmp_path, text, message):
+    path = tmp_path / "x.toml"
+    good = "[good]\nblocks = 'a.b'\n" + _HEAD  # comes first: a file registers all of its entries or none
+    text = text if isinstance(text, bytes) else (good + text if text.startswith("[") else text + good).encode()
+    path.write_bytes(text)
+    before = registry.specs()
+    with pytest.raises(registry.RegistryError, match=message):
+        nxl.register_file(path)
+    assert registry.specs() == before  # all of a file or none of it
+
+
+REGISTER = cases(
+    ("model_types a string", {"model_types": "llama"}, "key 'model_types' must be a non-empty list"),
+    ("blocks a number", {"blocks": 5}, "key 'blocks' must be a dotted module path"),
+    ("heads a list", {"heads": ["lm_head"]}, "key 'heads' must be a table"),
+    ("steps a string", {"heads": {"causal_lm": "lm_head"}}, "must be a non-empty list of step strings"),
+    ("unknown option", {"pooler": "first"}, "unknown key 'pooler'"),
+    ("pooling", {"pooling": "mean"}, "key 'pooling' must be one of"),
+)
+
+
+@pytest.mark.parametrize("changes, message", REGISTER)
+def test_bad_register_architecture_calls(changes, message):
+    before = registry.specs()
+    with pytest.raises(registry.RegistryError, match=r"\[q\] in register_architecture\(\): .*" + message):
+        nxl.register_architecture("q", **{"blocks": "model.layers", "heads": {"causal_lm": ["lm_head"]}, **changes})
+    assert registry.specs() == before
+
+
+RESOLVE = cases(
+    ("attribute typo", ["model.norm", "lm_head", "softcap:final_logit_softcaping"],
+     "step 'softcap:final_logit_softcaping': LlamaConfig has no attribute"),
+    ("act typo", ["model.norm", "act:hiden_act", "lm_head"], "step 'act:hiden_act'.*did you mean 'hidden_act'"),
+    ("not a number", ["model.norm", "lm_head", "scale:model_type"],
+     "step 'scale:model_type': config.model_type is 'llama', not a number"),
+    ("final norm left out", ["lm_head"], "leaves out the model's final norm 'model.norm' \\(LlamaRMSNorm\\)"),
+)
+
+
+@pytest.mark.parametrize("steps, message", RESOLVE)
+def test_registry_heads_that_do_not_fit_the_model(lm, monkeypatch, tmp_path, steps, message):
+    monkeypatch.setattr(registry, "_SPECS", registry.specs())
+    path = tmp_path / "llama.toml"
+    path.write_text(f'[llama]\nblocks = "model.layers"\nheads.causal_lm = {json.dumps(steps)}\n')
+    nxl.register_file(path)
+    where = rf"\[llama\] in {re.escape(str(path))}: key 'heads.causal_lm' "
+    with pytest.raises(registry.RegistryError, match=where + message):
+        nxl.attach(lm)
+    assert _hooks(lm) == 0
+
+
+# -- dataset runs ----------------------------------------------------------------------------------------
+
+
+def test_a_failing_example_is_recorded_and_not_retried(tmp_path):
+    calls = []
+
+    def score(example):
+        calls.append(example["n"])
+        if example["n"] == 1:
+            raise IndexError("index out of range in self (text longer than the model's positions?)")
+        return {"n": example["n"]}
+
+    items = [{"n": i, "id": f"e{i}"} for i in range(3)]
+    records = dataset.run_dataset(items, score, tmp_path, settings={"m": 1})
+    assert records[1] == {"id": "e1", "index": 1,
+                          "error": "IndexError: index out of range in self (text longer than the model's positions?)"}
+    assert dataset.run_dataset(items, score, tmp_path, settings={"m": 1}) == records and calls == [0, 1, 2]
+    ok, summary = dataset.scored(records, lambda rs: {"n": len(rs)})
+    assert ok == [records[0], records[2]] and summary == {"n": 2, "failed": [
+        {"index": 1, "id": "e1", "error": records[1]["error"]}]}
+    with pytest.raises(ValueError, match="every example failed \\(1\\); the first: example 1: IndexError"):
+        dataset.scored([records[1]], len)
+
+
+RUNS = cases(
+    ("run.json deleted", "delete", "2 of its records carry another run's identity"),
+    ("run.json replaced", "replace", "different: model"),
+    ("run.json not JSON", "garble", "carry another run's identity"),
+)
+
+
+@pytest.mark.parametrize("how, message", RUNS)
+def test_resume_checks_the_run_identity_in_the_records(tmp_path, how, message):
+    dataset.run_dataset([{"n": 0}, {"n": 1}], dict, tmp_path, settings={"model": "a"})
+    run = tmp_path / "run.json"
+    {"delete": run.unlink, "replace": lambda: run.write_text('{"model": "c"}'),
+     "garble": lambda: run.write_text("{")}[how]()
+    part = tmp_path / "parts" / "part-0.jsonl"
+    before = part.read_bytes()
+    with pytest.raises(dataset.SettingsMismatchError, match=message):
+        dataset.run_dataset([{"n": 0}, {"n": 1}], dict, tmp_path, settings={"model": "b"})
+    assert part.read_bytes() == before
+    # the same run resumes without its run.json: the records say whose they are
+    assert dataset.run_dataset([{"n": 0}, {"n": 1}], dict, tmp_path, settings={"model": "a"}) == [
+        {"n": 0, "index": 0}, {"n": 1, "index": 1}]
+
+
+def test_records_without_identity_need_a_matching_run_json(tmp_path):
+    (tmp_path / "parts").mkdir()
+    (tmp_path / "parts" / "part-0.jsonl").write_text('{"n": 0, "index": 0}\n')  # written before run ids
+    with pytest.raises(dataset.SettingsMismatchError, match="another run's identity"):
+        dataset.run_dataset([{"n": 0}], dict, tmp_path, settings={"model": "a"})
+    (tmp_path / "run.json").write_text('{"model": "a"}')
+    assert dataset.run_dataset([{"n": 0}], dict, tmp_path, settings={"model": "a"}) == [{"n": 0, "index": 0}]
+
+
+PARTS = cases(
+    ("not JSON", "{oops\n", "part-0.jsonl:2 is corrupt"),
+    ("JSON without index", '{"n": 1}\n', "part-0.jsonl:2 is corrupt \\(not a JSON record with an index\\)"),
+    ("index a string", '{"index": "1"}\n', "part-0.jsonl:2 is corrupt"),
+    ("a list", "[1, 2]\n", "part-0.jsonl:2 is corrupt"),
+)
+
+
+@pytest.mark.parametrize("line, message", PARTS)
+def test_corrupt_part_files(tmp_path, line, message):
+    dataset.run_dataset([{"n": 0}], dict, tmp_path, settings={})
+    part = tmp_path / "parts" / "part-0.jsonl"
+    part.write_text(part.read_text() + line)
+    with pytest.raises(ValueError, match=message):
+        dataset.run_dataset([{"n": 0}, {"n": 1}], dict, tmp_path, settings={})
+
+
+def test_outputs_are_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
+    dataset.write_outputs(tmp_path, [{"a": 1}], {"n": 1}, "<p>old</p>")
+    before = {name: (tmp_path / name).read_bytes() for name in ("records.jsonl", "summary.json", "report.html")}
+
+    with pytest.raises(TypeError, match="not JSON serializable"):
+        dataset.write_outputs(tmp_path, [{"a": 1}, {"b": object()}], {"n": 2}, "<p>new</p>")
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before)
+
+
+def test_catalogue_size():
+    """The figure README quotes for the library part of the catalogue."""
+    assert len(CATALOGUE) >= 150, len(CATALOGUE)

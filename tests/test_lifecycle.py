@@ -1,0 +1,138 @@
+"""Hooks come off in every way a probe can end (detach, garbage collection, nxl.detach_all), and attach works on
+torch.compile'd models (issue 12). Compiled with the "eager" backend: whether hooks run is decided by dynamo,
+before any backend, and inductor would only add minutes of C++ compilation."""
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+import nxl_hooks as nxl
+import oracle
+import tiny
+
+IDS = torch.tensor([[5, 6, 7, 8, 9]])
+
+
+_hooks = tiny.nxl_hooks_on
+
+
+def _expected(model: torch.nn.Module) -> torch.Tensor:
+    """NormXLogit (L+1, 1, seq) at the model's own prediction, from the oracle."""
+    with torch.no_grad():
+        out = model(input_ids=IDS, output_hidden_states=True)
+        logits = oracle.llama(model).layer_logits(out.hidden_states)
+        return oracle.normxlogit(logits, out.hidden_states[0], out.logits[0, -1].argmax()[None])[1]
+
+
+# -- the end of a probe ------------------------------------------------------------------------------------
+
+
+def test_a_probe_dropped_without_detaching_takes_its_hooks_with_it():
+    model = tiny.build_model("llama")
+    probe = nxl.attach(model)
+    model.generate(input_ids=IDS, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    assert _hooks(model) > 0 and "generate" in vars(model)
+    ref = weakref.ref(probe)
+    del probe
+    gc.collect()
+    assert ref() is None and _hooks(model) == 0 and "generate" not in vars(model)
+    with nxl.attach(model) as again:  # and the model is free to attach again
+        model(input_ids=IDS)
+    torch.testing.assert_close(again.result().normxlogit, _expected(model), rtol=1e-4, atol=1e-5)
+
+
+def test_a_dropped_model_is_freed_with_its_probe():
+    model = tiny.build_model("llama")
+    nxl.attach(model)  # never detached, never kept
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None
+
+
+def test_detach_all_removes_every_hook_of_a_probe_still_referenced():
+    model = tiny.build_model("llama")
+    probe = nxl.attach(model, sink=None)
+    assert nxl.detach_all(model) == 1
+    assert _hooks(model) == 0 and "generate" not in vars(model) and not probe.attached
+    assert nxl.detach_all(model) == 0
+    probe.detach()  # detaching again is harmless
+    with pytest.raises(RuntimeError, match="detached"):
+        probe.stream()
+
+
+def test_detach_all_through_a_peft_wrapper_and_a_compile_wrapper():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(tiny.build_model("llama"), LoraConfig(r=2, target_modules=["q_proj"]))
+    compiled = torch.compile(model, backend="eager")
+    probe = nxl.attach(model)
+    assert _hooks(model) > 0
+    assert nxl.detach_all(compiled) == 1 and _hooks(model) == 0 and not probe.attached
+
+
+# -- torch.compile -----------------------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()  # compiled code of one test must not decide what another one sees
+    yield
+    torch._dynamo.reset()
+
+
+def test_attach_to_a_compiled_wrapper_records_and_gives_the_compiled_code_back():
+    model = tiny.build_model("llama")
+    compiled = torch.compile(model, backend="eager")
+    plain = compiled(input_ids=IDS).logits  # compiled (and run) before attaching
+    with nxl.attach(compiled, tokenizer=tiny.tokenizer()) as probe:
+        during = compiled(input_ids=IDS).logits
+    torch.testing.assert_close(probe.result().normxlogit, _expected(model), rtol=1e-4, atol=1e-5)
+    assert torch.equal(plain, during)
+    assert _hooks(model) == 0 and "forward" in vars(compiled) and vars(compiled)["forward"] is not model.__call__
+    assert not any(name.startswith("_nxl_hooks") for name in vars(compiled))
+    torch.testing.assert_close(compiled(input_ids=IDS).logits, plain)
+
+
+def test_a_model_compiled_in_place_and_run_before_attaching_is_recorded():
+    model = tiny.build_model("llama")
+    model.compile(backend="eager")
+    compiled_call = model._compiled_call_impl
+    model(input_ids=IDS)  # dynamo compiled the forward without hooks: that code would never call them
+    with nxl.attach(model) as probe:
+        model(input_ids=IDS)
+        assert model._compiled_call_impl is None  # eager while attached
+    torch.testing.assert_close(probe.result().normxlogit, _expected(model), rtol=1e-4, atol=1e-5)
+    assert model._compiled_call_impl is compiled_call
+
+
+def test_compiled_code_that_skips_the_hooks_is_named_in_result():
+    """A compiled wrapper made elsewhere (the probe cannot see it) and run before attach: the task model's own hooks
+    run (outside dynamo), its blocks' do not. result() says so and what to do."""
+    model = tiny.build_model("llama")
+    compiled = torch.compile(model, backend="eager")
+    compiled(input_ids=IDS)
+    with nxl.attach(model) as probe:
+        compiled(input_ids=IDS)
+        with pytest.raises(RuntimeError, match="blocks never reached the probe's hooks.*torch.compile.*"
+                                               "nxl.attach\\(compiled\\).*force_eager"):
+            probe.result()
+        with torch.compiler.set_stance("force_eager"):  # what the message suggests
+            compiled(input_ids=IDS)
+        torch.testing.assert_close(probe.result().normxlogit, _expected(model), rtol=1e-4, atol=1e-5)
+
+
+def test_generate_on_a_compiled_wrapper_is_recorded():
+    model = tiny.build_model("llama")
+    compiled = torch.compile(model, backend="eager")
+    with nxl.attach(compiled) as probe:
+        out = compiled.generate(input_ids=IDS, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    assert [int(s.token) for s in probe.steps] == out[0, 5:].tolist()
+    hand = oracle.llama(model)
+    for step in probe.steps:
+        logits, embeddings = oracle.prefix_logits(model, hand, out[:, : step.position],
+                                                  torch.ones(1, step.position, dtype=torch.bool))
+        torch.testing.assert_close(step.normxlogit, oracle.normxlogit(logits, embeddings, step.token)[1],
+                                   rtol=1e-4, atol=1e-4)
