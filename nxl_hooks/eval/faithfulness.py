@@ -31,6 +31,7 @@ NormXLogit[foil]), grad_norm, grad_x_input, integrated_gradients (captum; :mod:`
 
 from __future__ import annotations
 
+import inspect
 import time
 import zlib
 from dataclasses import dataclass
@@ -43,7 +44,7 @@ from ..arch.registry import blocks, resolve, unwrap
 from ..hooks.probe import attach
 from ..method.placement import input_device
 from ..method.select import layer_index, order, prediction_rows, rankable, resolve_layers, resolve_target_id
-from .baselines import GRADIENT_METHODS, gradient_scores, one_row_only
+from .baselines import GRADIENT_METHODS, gradient_scores_many, one_row_only
 from .metrics import average_precision, evidence_mask, mean, normalized_dot, pearson
 
 __all__ = [
@@ -55,6 +56,7 @@ __all__ = [
     "mean",
     "normalized_dot",
     "perturb",
+    "run_padded",
     "score_example",
 ]
 
@@ -66,7 +68,7 @@ DEFAULT_METHODS = ("random", "embed_norm", "logat", "normxlogit", "contrastive",
 _LAYERED = ("logat", "normxlogit", "contrastive")
 _KNOWN = set(DEFAULT_METHODS)
 
-_Predict = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+_Predict = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 # -- perturbation ----------------------------------------------------------------------------------------
@@ -114,20 +116,35 @@ def _candidates(input_ids: torch.Tensor, position: int, protected_ids: Sequence[
     return rankable(torch.ones_like(input_ids, dtype=torch.bool), position, special)
 
 
-def _run_grouped(predict: _Predict, rows: list[tuple[torch.Tensor, int]], chunk: int = 64) -> torch.Tensor:
-    """Outputs (len(rows), outputs) for variable-length rows: batched by length, so nothing is padded."""
-    out: list[torch.Tensor | None] = [None] * len(rows)
-    by_length: dict[int, list[int]] = {}
-    for index, (ids, _) in enumerate(rows):
-        by_length.setdefault(len(ids), []).append(index)
-    for indices in by_length.values():
-        for start in range(0, len(indices), chunk):
-            part = indices[start : start + chunk]
-            ids = torch.stack([rows[i][0] for i in part])
-            positions = torch.tensor([rows[i][1] for i in part])
-            for i, value in zip(part, predict(ids, positions)):
-                out[i] = value
-    return torch.stack(out)
+def run_padded(predict: _Predict, rows: Sequence[tuple[torch.Tensor, int]], *, pad_id: int, max_rows: int = 64,
+               max_tokens: int = 4096, known: tuple[torch.Tensor, int, torch.Tensor] | None = None) -> torch.Tensor:
+    """Outputs (len(rows), outputs) of variable-length ``(ids, position)`` rows, in few padded forwards.
+
+    Identical rows run once, and a row equal to ``known`` = (ids, position, output) not at all (sufficiency
+    keeps every token once K covers them all: that row is the unperturbed input). The others are sorted by
+    length and cut into batches of at most ``max_rows`` rows and ``max_tokens`` padded tokens; each batch is right-padded with ``pad_id`` and an attention mask of 0 on
+    the padding. Right padding leaves every real token where it was (positions 0..n-1, the prediction position
+    unchanged) and a causal decoder never lets a real token see a later pad, so no position ids are needed;
+    encoders mask the padding out. ``predict(ids, mask, positions)`` reads each row's output.
+    ``run_padded(setup.predict, [(ids, 4), (ids[1:], 3)], pad_id=0)``
+    """
+    keys = [(tuple(ids.tolist()), int(position)) for ids, position in rows]
+    done = {} if known is None else {(tuple(known[0].tolist()), int(known[1])): known[2]}
+    todo = sorted((key for key in dict.fromkeys(keys) if key not in done), key=lambda key: len(key[0]))
+    start = 0
+    while start < len(todo):
+        stop = start + 1  # sorted by length: the last row of a batch is its widest
+        while stop < len(todo) and stop - start < max_rows and (stop + 1 - start) * len(todo[stop][0]) <= max_tokens:
+            stop += 1
+        part = todo[start:stop]
+        ids = torch.full((len(part), len(part[-1][0])), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, (tokens, _) in enumerate(part):
+            ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            mask[row, : len(tokens)] = 1
+        done.update(zip(part, predict(ids, mask, torch.tensor([position for _, position in part]))))
+        start = stop
+    return torch.stack([done[key] for key in keys])
 
 
 # -- one example -----------------------------------------------------------------------------------------
@@ -153,16 +170,28 @@ class _Setup:
         if self.mode == "mask" and self.mask_id is None:
             raise ValueError("mask perturbation needs a tokenizer with a mask token; pass perturbation='delete'")
         self.device = input_device(model)
-        self.chunk = 1 if one_row_only(model, self.kind) else 64
+        self.max_rows = 1 if one_row_only(model, self.kind) else 64
+        # Decoder classifiers pool the last token that is not config.pad_token_id: pad with exactly that id.
+        pad_id = getattr(model.config, "pad_token_id", None)
+        pad_id = getattr(tokenizer, "pad_token_id", None) if pad_id is None else pad_id
+        self.pad_id = 0 if pad_id is None else int(pad_id)
+        # A causal LM that takes logits_to_keep applies its head only where predictions are read.
+        self.keeps_logits = self.kind == "causal_lm" and "logits_to_keep" in inspect.signature(inner.forward).parameters
         # SPEC 5: perturbation never touches CLS/SEP/BOS (nor the prediction position).
         self.special_ids = list(getattr(tokenizer, "all_special_ids", []))
 
-    def predict(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Model outputs at each row's prediction position: (rows, outputs), float32."""
+    def predict(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Model outputs at each row's prediction position: (rows, outputs), float32. ``mask``: 0 on padding."""
+        extra: dict[str, Any] = {}
+        columns = positions
+        if self.keeps_logits:
+            keep = positions.unique()  # sorted: row r's output is at searchsorted(keep, positions[r])
+            extra["logits_to_keep"] = keep.to(self.device)
+            columns = torch.searchsorted(keep, positions)
         with torch.no_grad():
-            logits = self.model(input_ids=ids.to(self.device), attention_mask=torch.ones_like(ids).to(self.device)).logits
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **extra).logits
         if self.kind in ("causal_lm", "masked_lm"):
-            logits = logits[torch.arange(len(ids)), positions.to(logits.device)]
+            logits = logits[torch.arange(len(ids)), columns.to(logits.device)]
         return logits.float().cpu()
 
     def position(self, ids: torch.Tensor) -> int:
@@ -211,13 +240,12 @@ def _method_scores(setup: _Setup, methods: Sequence[str], ids: torch.Tensor, pos
         generator = torch.Generator().manual_seed(_seed(seed, text))
         scores["random"] = torch.rand(len(ids), generator=generator)
         seconds["random"] = 0.0
-    for name in methods:
-        if name in GRADIENT_METHODS:
-            start = time.perf_counter()
-            scores[name] = gradient_scores(setup.model, batch, mask, position=position, target=t.target,
-                                           method=name, ig_steps=ig_steps, kind=setup.kind,
-                                           aggregation=aggregation).cpu()
-            seconds[name] = time.perf_counter() - start
+    wanted = [name for name in methods if name in GRADIENT_METHODS]
+    if wanted:
+        found = gradient_scores_many(setup.model, batch, mask, position=position, target=t.target, methods=wanted,
+                                     ig_steps=ig_steps, kind=setup.kind, aggregation=aggregation)
+        for name, (values, elapsed) in found.items():
+            scores[name], seconds[name] = values.cpu(), elapsed
     return scores, seconds
 
 
@@ -323,7 +351,7 @@ def score_example(
     if n < 2:
         raise ValueError(f"example {example['text']!r} has {n} token(s): perturbation needs at least 2")
     position = setup.position(ids)
-    original = setup.predict(ids[None], torch.tensor([position]))
+    original = setup.predict(ids[None], torch.ones(1, n, dtype=torch.long), torch.tensor([position]))
     t = _targets(setup, example, original[0])
     methods = [m for m in methods if not (m == "contrastive" and t.foil is None)]
     evidence, missing = _evidence(example, encoding, position)
@@ -345,7 +373,9 @@ def score_example(
         for count in counts
     ]
     p_orig, correct_orig, _ = _outcome(setup, original, t)
-    p_new, correct, predicted = _outcome(setup, _run_grouped(setup.predict, rows, setup.chunk), t)
+    outputs = run_padded(setup.predict, rows, pad_id=setup.pad_id, max_rows=setup.max_rows,
+                         known=(ids, position, original[0]))
+    p_new, correct, predicted = _outcome(setup, outputs, t)
     change = p_orig - p_new
     change = change.abs() if setup.kind == "regression" else change
 
