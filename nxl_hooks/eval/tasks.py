@@ -118,10 +118,10 @@ def make_task(name: str, n: int, seed: int = 0) -> list[dict[str, Any]]:
         raise ValueError(f"unknown task {name!r}: choose from {', '.join(TASKS)}")
     rng = random.Random(f"{name}:{seed}")
     out: dict[str, dict[str, Any]] = {}
-    for _ in range(100 * n):
-        if len(out) == n:
-            break
+    misses = 0  # draws in a row that gave a prompt already drawn: the templates are running out
+    while len(out) < n and misses < 10_000:
         example = TASKS[name](rng)
+        misses = misses + 1 if example["text"] in out else 0
         out.setdefault(example["text"], example)
     if len(out) < n:
         raise ValueError(f"task {name!r} has fewer than {n} distinct prompts; ask for fewer")
