@@ -9,18 +9,17 @@ Skipped when the package index cannot be reached, except under CI (see conftest)
 
 from __future__ import annotations
 
-import json
 import logging
 
 import pytest
 import torch
 import transformers
-from test_audit import _by_hand, _oracle_scores
+from test_audit import _by_hand
 from test_generate import _full_mask
 
 import nxl_hooks as nxl
 import oracle
-from nxl_hooks.apps.cli import main
+from nxl_hooks.eval import audit
 from nxl_hooks.eval import faithfulness as ev
 from nxl_hooks.eval.metrics import evidence_mask
 from nxl_hooks.eval.tasks import TASKS, make_task
@@ -36,18 +35,34 @@ def _id(tok, text: str) -> int:
     return ids[0]
 
 
+def _normed(model) -> oracle.HandHead:
+    """Llama's head by hand up to the readout: the final RMSNorm (already applied to ``hidden_states[-1]``). The
+    tests multiply by the readout rows of the tokens they explain: all 49,152 outputs at 31 layers and every
+    position would cost more than the model's own forward."""
+    return oracle.HandHead(oracle.rms_norm(model.model.norm), lambda h: h.float(), last_is_normed=True)
+
+
+def _oracle_scores(model, ids: torch.Tensor, target: int | None = None) -> tuple[torch.Tensor, int, torch.Tensor]:
+    """(NormXLogit (L+1, seq), target, logits at the last position) of one row from output_hidden_states; the
+    target defaults to the model's prediction."""
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+        final = out.logits[0, -1].float()
+        target = int(final.argmax()) if target is None else target
+        logat = _normed(model).layer_logits(out.hidden_states)[:, 0] @ model.lm_head.weight[target].float()
+    return out.hidden_states[0][0].float().norm(dim=-1) * logat, target, final
+
+
 def _check_steps(model, call: nxl.GenerationCall) -> None:
     """Every step of a greedy generate call against an uncached re-run of its whole prefix (oracle.prefix_logits):
     the emitted token is the re-run's argmax, and LogAt / NormXLogit at every layer and position equal the
-    hand-written head (final RMSNorm, then the emitted token's row of the tied readout). The head is read at that
-    one token: all 49,152 outputs at 31 layers and every position would cost more than the model's forward."""
-    normed_only = oracle.HandHead(oracle.rms_norm(model.model.norm), lambda h: h.float(), last_is_normed=True)
-    weight, mask = model.lm_head.weight.float(), _full_mask(call)
+    hand-written head (final RMSNorm, then the emitted token's row of the tied readout)."""
+    weight, mask = model.lm_head.weight.detach().float(), _full_mask(call)
     assert call.complete and len(call.steps) == call.sequences.shape[1] - call.prompt_mask.shape[1]
     for index, step in enumerate(call.steps):
         n = step.position
         assert (step.step, n) == (index, call.prompt_mask.shape[1] + index)
-        normed, embeddings = oracle.prefix_logits(model, normed_only, call.sequences[:, :n], mask[:, :n])
+        normed, embeddings = oracle.prefix_logits(model, _normed(model), call.sequences[:, :n], mask[:, :n])
         assert torch.equal((normed[-1, :, -1] @ weight.T).argmax(-1), step.token)  # greedy: the re-run's choice
         torch.testing.assert_close(step.token, call.sequences[:, n])
         logat = torch.einsum("lbnd,bd->lbn", normed, weight[step.token])
@@ -70,10 +85,11 @@ def test_every_layer_matches_the_oracle_and_the_last_layer_is_the_models_logit(s
     assert res.layers == list(range(31)) and res.target.tolist() == [[paris, london]]
     # Parity: at the last layer and the prediction position LogAt is the model's own logit.
     torch.testing.assert_close(res.logat[-1, 0, -1], out.logits[0, -1, [paris, london]], rtol=1e-5, atol=1e-4)
-    logits = oracle.llama(model).layer_logits(out.hidden_states)  # (31, 1, seq, vocab)
+    normed = _normed(model).layer_logits(out.hidden_states)  # (31, 1, seq, hidden)
     for k, target in enumerate((paris, london)):
-        logat, expected = oracle.normxlogit(logits, out.hidden_states[0], torch.tensor([target]))
+        logat = normed @ model.lm_head.weight.detach()[target].float()
         torch.testing.assert_close(res.logat[..., k], logat, rtol=1e-4, atol=1e-4)
+        expected = out.hidden_states[0].float().norm(dim=-1) * logat
         torch.testing.assert_close(res.normxlogit[..., k], expected, rtol=1e-4, atol=1e-4)
 
 
@@ -90,7 +106,7 @@ def test_left_padded_generate_matches_the_uncached_oracle_at_every_step(smollm2)
 
 def test_pipeline_with_chat_template_records_every_emitted_token(smollm2):
     model, tok = smollm2
-    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Capital of France?"}]
     pipe = transformers.pipeline("text-generation", model=model, tokenizer=tok)
     with nxl.attach(model, layers="all", tokenizer=tok) as probe:
         out = pipe(messages, max_new_tokens=10, do_sample=False)
@@ -113,7 +129,8 @@ def test_batched_perturbation_equals_one_forward_per_row_on_30_layers(smollm2):
     ids = torch.tensor(tok(example["text"])["input_ids"])
     n = len(ids)
     scores = torch.randperm(n, generator=torch.Generator().manual_seed(0)).float().tolist()
-    rec = ev.score_example(model, tok, example, methods=(), custom={"mine": scores})
+    # Three of the nine K: six perturbed inputs of different lengths, each also run alone below.
+    rec = ev.score_example(model, tok, example, methods=(), ks=(0.1, 0.5, 0.9), custom={"mine": scores})
     target, foil = _id(tok, example["target"]), _id(tok, example["foil"])
     ranked = sorted(range(n - 1), key=lambda i: -scores[i])  # no special tokens; the last token is the prediction
 
@@ -152,23 +169,18 @@ def quiet_bitsandbytes():
     logger.setLevel(level)
 
 
-def test_8bit_audit_from_the_cli_matches_the_oracle(smollm2, smollm2_dir, tmp_path, quiet_bitsandbytes):
+def test_8bit_audit_matches_the_oracle(smollm2, smollm2_dir, quiet_bitsandbytes):
     import bitsandbytes as bnb
 
     model, tok = smollm2
-    data = tmp_path / "data.jsonl"
-    texts = [CAPITAL]
-    data.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
-    argv = ["audit", "--reference", str(smollm2_dir), "--quantize", "8bit", str(data), "--out", str(tmp_path / "out")]
-    assert main(argv) == 0
-    records = [json.loads(line) for line in (tmp_path / "out" / "records.jsonl").read_text().splitlines()]
-    # The oracle on an 8-bit model of its own, loaded from the same folder (quantization is deterministic).
+    # bitsandbytes on the CPU, from the converted folder (a GGUF file cannot be combined with a quantization config).
     candidate = transformers.AutoModelForCausalLM.from_pretrained(
         smollm2_dir, quantization_config=transformers.BitsAndBytesConfig(load_in_8bit=True)).eval()
     assert isinstance(candidate.model.layers[0].mlp.down_proj, bnb.nn.Linear8bitLt)
-    for text, rec in zip(texts, records):
-        ids = tok([text], return_tensors="pt")["input_ids"]
-        ref, target, ref_logits = _oracle_scores(model, ids)
+    records = [audit.audit_example(model, candidate, tok, {"text": text}) for text in (CAPITAL, "The keys to the")]
+    for rec in records:
+        ids = tok([rec["text"]], return_tensors="pt")["input_ids"]
+        ref, target, _ = _oracle_scores(model, ids)
         cand, _, cand_logits = _oracle_scores(candidate, ids, target)
         assert rec["target"] == target and rec["agree"] == (int(cand_logits.argmax()) == target)
         torch.testing.assert_close(torch.tensor(rec["candidate_scores"]), cand[-1], rtol=1e-4, atol=1e-4)
