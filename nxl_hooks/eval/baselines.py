@@ -11,15 +11,18 @@ all three; ``aggregation="l2"`` or ``"sum"`` (signed) are the other common choic
 
 from __future__ import annotations
 
+import inspect
 import time
 from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
-from ..arch.registry import head_kind
+from ..arch.registry import head_kind, unwrap
 
-__all__ = ["AGGREGATIONS", "GRADIENT_METHODS", "gradient_scores", "gradient_scores_many", "one_row_only"]
+__all__ = [
+    "AGGREGATIONS", "GRADIENT_METHODS", "gradient_scores", "gradient_scores_many", "keeps_logits", "one_row_only"
+]
 
 GRADIENT_METHODS = ("grad_norm", "grad_x_input", "integrated_gradients")
 
@@ -38,14 +41,22 @@ def one_row_only(model: nn.Module, kind: str) -> bool:
     return kind in ("sequence_classification", "regression") and getattr(model.config, "pad_token_id", None) is None
 
 
+def keeps_logits(model: nn.Module, kind: str) -> bool:
+    """Whether a causal LM takes ``logits_to_keep``, so that its head runs only where predictions are read:
+    ``model(input_ids=ids, logits_to_keep=torch.tensor([4])).logits`` is (rows, 1, vocab), position 4's."""
+    return kind == "causal_lm" and "logits_to_keep" in inspect.signature(unwrap(model).forward).parameters
+
+
 def _target_logit(model: nn.Module, kind: str, attention_mask: torch.Tensor, position: int, target: int) -> Callable:
     """f(inputs_embeds) -> (rows,) the explained logit, for captum (which expands the batch itself)."""
+    keep = keeps_logits(model, kind)
 
     def forward(embeds: torch.Tensor) -> torch.Tensor:
         mask = attention_mask.expand(embeds.shape[0], -1)
-        logits = model(inputs_embeds=embeds, attention_mask=mask).logits
+        extra = {"logits_to_keep": torch.tensor([position], device=embeds.device)} if keep else {}
+        logits = model(inputs_embeds=embeds, attention_mask=mask, **extra).logits
         if kind in ("causal_lm", "masked_lm"):
-            logits = logits[:, position]
+            logits = logits[:, 0 if keep else position]
         return logits[:, 0] if kind == "regression" else logits[:, target]
 
     return forward

@@ -31,7 +31,6 @@ NormXLogit[foil]), grad_norm, grad_x_input, integrated_gradients (captum; :mod:`
 
 from __future__ import annotations
 
-import inspect
 import time
 import zlib
 from dataclasses import dataclass
@@ -44,7 +43,7 @@ from ..arch.registry import blocks, resolve, unwrap
 from ..hooks.probe import attach
 from ..method.placement import input_device
 from ..method.select import layer_index, order, prediction_rows, rankable, resolve_layers, resolve_target_id
-from .baselines import GRADIENT_METHODS, gradient_scores_many, one_row_only
+from .baselines import GRADIENT_METHODS, gradient_scores_many, keeps_logits, one_row_only
 from .metrics import average_precision, evidence_mask, mean, normalized_dot, pearson
 
 __all__ = [
@@ -175,8 +174,7 @@ class _Setup:
         pad_id = getattr(model.config, "pad_token_id", None)
         pad_id = getattr(tokenizer, "pad_token_id", None) if pad_id is None else pad_id
         self.pad_id = 0 if pad_id is None else int(pad_id)
-        # A causal LM that takes logits_to_keep applies its head only where predictions are read.
-        self.keeps_logits = self.kind == "causal_lm" and "logits_to_keep" in inspect.signature(inner.forward).parameters
+        self.keeps_logits = keeps_logits(model, self.kind)
         # SPEC 5: perturbation never touches CLS/SEP/BOS (nor the prediction position).
         self.special_ids = list(getattr(tokenizer, "all_special_ids", []))
 
