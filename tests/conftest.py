@@ -29,7 +29,8 @@ def _thread_count_unchanged():
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
     """The converted SmolLM2-135M-Instruct folder; skipped when the package index cannot be reached, except
-    under CI (the environment variable CI set, and not to 0/false/no), where the tier must run rather than pass without it."""
+    under CI (the environment variable CI set, and not to 0/false/no), where the tier must run rather than pass
+    without it."""
     import real_model
 
     try:

@@ -18,12 +18,14 @@ def _count(word: str, text: str) -> int:
 def test_examples_are_distinct_seeded_and_name_evidence_in_the_text(name):
     examples = tasks.make_task(name, 40, seed=3)
     assert examples == tasks.make_task(name, 40, seed=3) and examples != tasks.make_task(name, 40, seed=4)
-    assert len({e["text"] for e in examples}) == 40 and [e["id"] for e in examples] == [f"{name}-{i}" for i in range(40)]
+    assert len({e["text"] for e in examples}) == 40
+    assert [e["id"] for e in examples] == [f"{name}-{i}" for i in range(40)]
     for e in examples:
         assert e["task"] == name and e["label"] == e["target"] != e["foil"]
         assert e["target"].startswith(" ") and e["foil"].startswith(" ") and not e["text"].endswith(" ")
         assert all(_count(word, e["text"]) >= 1 for word in e["evidence"])
-        assert not e["text"].split()[-1].strip(".,?").lower() in [w.lower() for w in e["evidence"]]  # not the prediction
+        last = e["text"].split()[-1].strip(".,?").lower()
+        assert last not in [w.lower() for w in e["evidence"]]  # the evidence is not the prediction position
 
 
 def test_agreement_verb_agrees_with_the_subject_and_attractors_disagree():

@@ -85,7 +85,8 @@ def outside_training(text: str) -> list[str]:
     words = text.split()
     notes = []
     if not MIN_WORDS <= len(words) <= MAX_WORDS:
-        notes.append(f"{len(words)} word{'s' * (len(words) != 1)}; the training sentences have {MIN_WORDS} to {MAX_WORDS}")
+        plural = "s" * (len(words) != 1)
+        notes.append(f"{len(words)} word{plural}; the training sentences have {MIN_WORDS} to {MAX_WORDS}")
     known = set(vocabulary()) - set(SPECIAL_TOKENS)
     unknown = sorted({word for word in words if word not in known})
     if unknown:

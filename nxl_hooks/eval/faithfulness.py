@@ -121,8 +121,8 @@ def run_padded(predict: _Predict, rows: Sequence[tuple[torch.Tensor, int]], *, p
 
     Identical rows run once, and a row equal to ``known`` = (ids, position, output) not at all (sufficiency
     keeps every token once K covers them all: that row is the unperturbed input). The others are sorted by
-    length and cut into batches of at most ``max_rows`` rows and ``max_tokens`` padded tokens; each batch is right-padded with ``pad_id`` and an attention mask of 0 on
-    the padding. Right padding leaves every real token where it was (positions 0..n-1, the prediction position
+    length and cut into batches of at most ``max_rows`` rows and ``max_tokens`` padded tokens; each batch is
+    right-padded with ``pad_id`` and an attention mask of 0 on the padding. Right padding leaves every real token where it was (positions 0..n-1, the prediction position
     unchanged) and a causal decoder never lets a real token see a later pad, so no position ids are needed;
     encoders mask the padding out. ``predict(ids, mask, positions)`` reads each row's output.
     ``run_padded(setup.predict, [(ids, 4), (ids[1:], 3)], pad_id=0)``

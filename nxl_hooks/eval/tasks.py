@@ -92,7 +92,8 @@ def _factual(rng: random.Random) -> dict[str, Any]:
 def _ioi(rng: random.Random) -> dict[str, Any]:
     receiver, giver = rng.sample(_NAMES, 2)
     first, second = (receiver, giver) if rng.random() < 0.5 else (giver, receiver)  # ABB and BAB orders
-    text = rng.choice(_IOI).format(a=first, b=second, giver=giver, place=rng.choice(_PLACES), thing=rng.choice(_OBJECTS))
+    template = rng.choice(_IOI)  # drawn before place and object: the prompt sets stay as committed
+    text = template.format(a=first, b=second, giver=giver, place=rng.choice(_PLACES), thing=rng.choice(_OBJECTS))
     return {"text": text, "target": " " + receiver, "foil": " " + giver, "evidence": [receiver]}
 
 
@@ -129,7 +130,10 @@ def make_task(name: str, n: int, seed: int = 0) -> list[dict[str, Any]]:
 
 
 def write_jsonl(examples: Sequence[dict[str, Any]], path: str | Path) -> Path:
-    """One JSON object per line, the format ``nxl evaluate`` reads. ``write_jsonl(make_task("ioi", 20), "ioi.jsonl")``"""
+    """One JSON object per line, the format ``nxl evaluate`` reads.
+
+    ``write_jsonl(make_task("ioi", 20), "ioi.jsonl")``
+    """
     path = Path(path)
     path.write_text("".join(json.dumps(example) + "\n" for example in examples), encoding="utf-8")
     return path
