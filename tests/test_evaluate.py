@@ -385,3 +385,29 @@ def test_batched_perturbation_equals_one_forward_per_row(build, kind):
     # It was batched: one forward for the original, then fewer forwards than distinct rows, with padding.
     batched = [mask for mask in shapes if mask is not None][1:]  # the by-hand forwards above pass no mask
     assert len(batched) < len(set(rec["counts"])) and any((mask == 0).any() for mask in batched)
+
+
+def test_batches_are_the_cheapest_cut_of_the_sorted_rows():
+    """Against every way to cut sorted rows into contiguous batches, by brute force: the cost is the padded tokens
+    plus FORWARD_TOKENS per forward, within the row and token caps."""
+    import itertools
+    import random
+
+    from nxl_hooks.eval.faithfulness import FORWARD_TOKENS, _batches
+
+    rng = random.Random(0)
+    for _ in range(40):
+        lengths = sorted(rng.randint(1, 40) for _ in range(rng.randint(1, 9)))
+        max_rows, max_tokens = rng.randint(1, 6), rng.randint(20, 120)
+
+        def cost(cuts):
+            if any(stop - start > max_rows or (stop - start > 1 and (stop - start) * lengths[stop - 1] > max_tokens)
+                   for start, stop in cuts):
+                return float("inf")
+            return sum((stop - start) * lengths[stop - 1] + FORWARD_TOKENS for start, stop in cuts)
+
+        n = len(lengths)
+        best = min(cost(list(zip((0, *ends), (*ends, n)))) for k in range(n)
+                   for ends in itertools.combinations(range(1, n), k))
+        chosen = _batches(lengths, max_rows, max_tokens)
+        assert [c for cut in chosen for c in range(*cut)] == list(range(n)) and cost(chosen) == best
