@@ -138,9 +138,10 @@ def markdown(result: dict[str, Any]) -> str:
                  for m in (summary["methods"][name] for name in methods)]
         lines.append(f"| {task} ({summary['accuracy']:.2f}) | " + " | ".join(cells) + " |")
     lines += ["", "Evidence AP per layer for the layered methods (random and Gradient Norm, one value each, for "
-              "reference), and the best layer from L1 on: at L0 LogAt is the input embedding read by the tied "
-              "readout, i.e. how similar a token is to the target token, which puts the copied name or word first "
-              "in IOI and induction and the country next to its capital in factual recall.", "",
+              "reference), and the best layer from L1 on. At L0 LogAt is the input embedding read by the tied "
+              "readout: how similar a token's embedding is to the target's. In IOI and induction the evidence is "
+              "the target token itself, and a country's embedding is close to its capital's, so L0 ranks the "
+              "evidence first there without any computation of the model.", "",
               "| task | method | " + " | ".join(f"L{layer}" for layer in SHOWN_LAYERS) + " | best from L1 |",
               "| --- | --- |" + " --- |" * (len(SHOWN_LAYERS) + 1)]
     for task, summary in result["tasks"].items():
@@ -148,8 +149,9 @@ def markdown(result: dict[str, Any]) -> str:
             ap = summary["methods"][name]["ap"]
             per_layer = ap if len(ap) > 1 else ap * len(summary["layers"])
             best = max(range(1, len(per_layer)), key=per_layer.__getitem__)
+            best_cell = f"{_f(per_layer[best])} (L{summary['layers'][best]})" if len(ap) > 1 else "-"
             lines.append(f"| {task} | {name} | " + " | ".join(_f(per_layer[layer]) for layer in SHOWN_LAYERS) +
-                         f" | {_f(per_layer[best])} (L{summary['layers'][best]}) |")
+                         f" | {best_cell} |")
     t = result["timing"]
     lines += ["", f"Seconds per example, median of {t['examples']} prompts of {t['tokens_per_prompt']['min']}.."
               f"{t['tokens_per_prompt']['max']} tokens, {t['threads']} torch thread(s); wall clock and this process's CPU "
