@@ -71,12 +71,10 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def timing(folder: Path, per_task: int, seed: int) -> dict[str, Any]:
+def timing(model: Any, tok: Any, per_task: int, seed: int) -> dict[str, Any]:
     """Seconds per example of score_example: every method, every method but Integrated Gradients, each method
     alone, and every method but IG with per-length forwards instead of padded batches. The settings take turns
     on each example, so that the load of a shared machine falls on all of them alike."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
-    tok = transformers.AutoTokenizer.from_pretrained(folder)
     all_methods = list(ev.DEFAULT_METHODS)
     no_ig = [m for m in all_methods if m != "integrated_gradients"]
     settings: dict[str, list[str]] = {"all": all_methods, "all but integrated_gradients": no_ig,
@@ -152,16 +150,22 @@ def markdown(result: dict[str, Any]) -> str:
             best_cell = f"{_f(per_layer[best])} (L{summary['layers'][best]})" if len(ap) > 1 else "-"
             lines.append(f"| {task} | {name} | " + " | ".join(_f(per_layer[layer]) for layer in SHOWN_LAYERS) +
                          f" | {best_cell} |")
-    t = result["timing"]
-    lines += ["", f"Seconds per example, median of {t['examples']} prompts of {t['tokens_per_prompt']['min']}.."
-              f"{t['tokens_per_prompt']['max']} tokens, {t['threads']} torch thread(s); wall clock and this process's CPU "
-              f"time (1-minute load average {t['load_average_1min']['min']:.1f}..{t['load_average_1min']['max']:.1f} "
-              "on the shared 2-core machine: other processes' load lengthens the wall clock, much less the CPU time):",
-              "", "| setting | wall s / example | CPU s / example |", "| --- | --- | --- |"]
-    lines += [f"| {name} | {seconds:.2f} | {t['median_cpu_seconds'][name]:.2f} |"
-              for name, seconds in t["median_seconds"].items()]
-    lines += ["", f"Padded batches against per-length forwards (all but IG): {t['padded_speedup']:.2f}x the speed "
-              f"(wall), {t['padded_speedup_cpu']:.2f}x (CPU).", ""]
+    timings = result["timing"]
+    first = next(iter(timings.values()))
+    loads = [t["load_average_1min"][end] for t in timings.values() for end in ("min", "max")]
+    lines += ["", f"Seconds per example of `score_example` (what `nxl evaluate` runs per example), median of "
+              f"{first['examples']} prompts of {first['tokens_per_prompt']['min']}..{first['tokens_per_prompt']['max']} "
+              f"tokens: wall clock and this process's CPU time, per torch thread count. The machine has 2 cores shared "
+              f"with other work (1-minute load average {min(loads):.1f}..{max(loads):.1f}): their load lengthens the "
+              "wall clock, much less the CPU time.", "",
+              "| setting | " + " | ".join(f"{n} thread(s): wall / CPU s" for n in timings) + " |",
+              "| --- |" + " --- |" * len(timings)]
+    for name in first["median_seconds"]:
+        lines.append(f"| {name} | " + " | ".join(f"{t['median_seconds'][name]:.2f} / {t['median_cpu_seconds'][name]:.2f}"
+                                               for t in timings.values()) + " |")
+    lines += ["", "Padded batches against per-length forwards (all but IG), speed-up: " + ", ".join(
+        f"{n} thread(s) {t['padded_speedup']:.2f}x wall, {t['padded_speedup_cpu']:.2f}x CPU" for n, t in timings.items())
+        + ".", ""]
     return "\n".join(lines)
 
 
@@ -172,7 +176,9 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=30, help="prompts per task (default 30)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timing", type=int, default=2, help="prompts per task for the timings (default 2)")
-    parser.add_argument("--threads", type=int, help="torch threads (default: torch's own choice)")
+    parser.add_argument("--threads", type=int, help="torch threads for nxl evaluate (default: torch's own choice)")
+    parser.add_argument("--timing-threads", type=int, nargs="+", default=[1, 2],
+                        help="torch thread counts to time, one after the other (default: 1 2)")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_real", help="nxl evaluate outputs")
     parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "real_smollm2.json")
     args = parser.parse_args()
@@ -191,14 +197,19 @@ def main() -> None:
         "methods": list(ev.DEFAULT_METHODS),
         "tasks": {task: evaluate(folder, task, args.n, args.seed, args.work) for task in args.tasks},
     }
-    result["timing"] = timing(folder, args.timing, args.seed)
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    tok = transformers.AutoTokenizer.from_pretrained(folder)
+    result["timing"] = {}
+    for threads in args.timing_threads:
+        torch.set_num_threads(threads)
+        result["timing"][str(threads)] = timing(model, tok, args.timing, args.seed)
     result["total_seconds"] = time.perf_counter() - start
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     args.out.with_suffix(".md").write_text(markdown(result))
     print(json.dumps({"tasks": {t: {"accuracy": s["accuracy"], "methods": {
         m: [v["aopc_comprehensiveness"], v["aopc_sufficiency"], v["ap_eval"]] for m, v in s["methods"].items()}}
-        for t, s in result["tasks"].items()}, "timing": result["timing"]["median_cpu_seconds"]}, indent=1))
+        for t, s in result["tasks"].items()}, "timing": {threads: t["median_seconds"] for threads, t in result["timing"].items()}}, indent=1))
 
 
 if __name__ == "__main__":
