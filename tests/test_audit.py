@@ -25,12 +25,12 @@ def _oracle_scores(model, ids: torch.Tensor, target: int | None = None) -> tuple
     return scores[:, 0], target, final
 
 
-def _by_hand(ref: torch.Tensor, cand: torch.Tensor, top_k: int) -> dict:
-    """Metrics per layer over the real tokens; [CLS] (a special token) and the prediction position (the last token,
-    [SEP]) are left out of rankings."""
+def _by_hand(ref: torch.Tensor, cand: torch.Tensor, top_k: int, ranked: slice = slice(1, -1)) -> dict:
+    """Metrics per layer over the ``ranked`` positions: by default [CLS] (a special token) and the prediction position
+    (the last token, [SEP]) are left out of rankings."""
     out = {"spearman": [], "kendall": [], "topk": [], "drift": []}
     for r, c in zip(ref, cand):
-        a, b = r[1:-1].double().numpy(), c[1:-1].double().numpy()
+        a, b = r[ranked].double().numpy(), c[ranked].double().numpy()
         out["spearman"].append(stats.spearmanr(a, b).statistic)
         out["kendall"].append(stats.kendalltau(a, b).statistic)
         k = min(top_k, len(a))

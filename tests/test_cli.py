@@ -6,6 +6,7 @@ against the library.
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoTokenizer, LlamaForSequenceClassification
@@ -103,30 +104,83 @@ def test_missing_model_path_exits_2(tmp_path, capsys):
     assert "no model folder at" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
-def test_demo_ranks_the_keyword_first_at_the_last_layer(capsys):
+@pytest.fixture(scope="module")
+def demo_by_hand():
+    """The shipped demo model by hand on the 1000 held-out sentences the summary uses: per sentence and layer, the
+    keyword's rank among the sentence's words by the oracle's NormXLogit of the predicted label."""
     from nxl_hooks.demo import MODEL_DIR
     from nxl_hooks.demo.task import HELD_OUT_SEED, make_examples
 
-    assert main(["demo"]) == 0
-    printed = capsys.readouterr().out
-    # Independently: the shipped model's last layer by hand, the keyword must top the sentence's words.
-    example = make_examples(1, seed=HELD_OUT_SEED)[0]
     model = LlamaForSequenceClassification.from_pretrained(MODEL_DIR).eval()
     tok = AutoTokenizer.from_pretrained(MODEL_DIR)
-    enc = tok(example.text, return_tensors="pt", return_token_type_ids=False)
-    with torch.no_grad():
-        out = model(**enc, output_hidden_states=True)
-    assert out.logits.argmax(-1).item() == example.label
-    logits = oracle.llama(model).layer_logits(out.hidden_states)
-    _, expected = oracle.normxlogit(logits, out.hidden_states[0], out.logits.argmax(-1))
-    words = expected[-1, 0, :-1]  # the last token is the [SEP] the classifier reads
-    assert words.argmax().item() == example.evidence_index
+
+    def ranks(texts: list[str], keyword_index: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        # Right padding under causal attention: a sentence's hidden states do not see the pads after it.
+        enc = tok(texts, padding=True, return_tensors="pt", return_token_type_ids=False)
+        with torch.no_grad():
+            out = model(**enc, output_hidden_states=True)
+        _, scores = oracle.normxlogit(oracle.llama(model).layer_logits(out.hidden_states), out.hidden_states[0],
+                                      out.logits.argmax(-1))  # (3 layers, sentences, seq)
+        rows = []
+        for row, (text, index) in enumerate(zip(texts, keyword_index)):
+            words = scores[:, row, : len(text.split())]  # the words; the [SEP] read by the classifier and pads follow
+            rows.append(1 + (words > words[:, index : index + 1]).sum(-1))
+        return torch.stack(rows), scores
+
+    examples = make_examples(1000, seed=HELD_OUT_SEED)
+    held_out, _ = ranks([e.text for e in examples], [e.evidence_index for e in examples])
+    return examples, held_out, ranks
+
+
+def _printed_spread(printed: str) -> dict[int, list[float]]:
+    """{layer: [first %, top-2 %, median, q1, q3]} from the summary lines of nxl demo."""
+    found = re.findall(r"L(\d)  first +([\d.]+)%  top-2 +([\d.]+)%  median rank ([\d.]+)  quartiles ([\d.]+)-([\d.]+)",
+                       printed)
+    return {int(layer): [float(first), float(top2), float(median), float(q1), float(q3)]
+            for layer, first, top2, median, q1, q3 in found}
+
+
+def test_demo_shows_a_typical_sentence_and_the_spread_of_ranks(capsys, demo_by_hand):
+    examples, ranks, by_hand = demo_by_hand
+    assert main(["demo"]) == 0
+    printed = capsys.readouterr().out
+    # The spread per layer, by hand: share ranked first and in the top 2, quartiles (linear interpolation).
+    spread = _printed_spread(printed)
+    assert sorted(spread) == [0, 1, 2]
+    for layer in range(3):
+        column = ranks[:, layer].double().numpy()
+        q1, median, q3 = np.percentile(column, [25, 50, 75])
+        assert spread[layer] == pytest.approx([100 * (column == 1).mean(), 100 * (column <= 2).mean(), median, q1, q3],
+                                              abs=0.051)
+    assert spread[2][0] > 85.0 and spread[0][0] < 50.0  # the keyword stands out at the last layer, not at the input
+    # The sentence shown is typical: no held-out sentence has ranks closer to the median rank of every layer.
+    shown = int(re.search(r"held-out sentence (\d+) \(typical", printed).group(1))
+    distance = (ranks.double() - ranks.double().median(dim=0).values).abs().sum(-1)
+    assert distance[shown] == distance.min() and examples[shown].text in printed
+    own, scores = by_hand([examples[shown].text], [examples[shown].evidence_index])
+    n = len(examples[shown].words)
+    assert f"L0 {own[0, 0]}/{n}  L1 {own[0, 1]}/{n}  L2 {own[0, 2]}/{n}" in printed
     rows = table_rows(printed)
-    torch.testing.assert_close(torch.tensor([float(c) for c in rows["L2"]]), expected[-1, 0], rtol=1e-3, atol=1e-4)
-    match = re.search(rf"evidence '{example.evidence}' ranks per layer: .*L2 (\d+)/(\d+)", printed)
-    assert match and match.groups() == ("1", str(len(example.words)))
-    share = float(re.search(r"at the last layer in ([\d.]+)%", printed).group(1))
-    assert share >= 85.0
+    torch.testing.assert_close(torch.tensor([float(c) for c in rows["L2"]]), scores[-1, 0], rtol=1e-3, atol=1e-4)
+    assert "outside the training data" not in printed
+
+
+def test_demo_on_your_sentence_says_what_lies_outside_training(capsys, demo_by_hand):
+    examples, ranks, by_hand = demo_by_hand
+    # README's own example: inside the training distribution, yet 'superb' ranks last of 4 at the last layer; the
+    # summary says how often 'superb' ranks first on the held-out sentences that have it.
+    assert main(["demo", "the plot was superb"]) == 0
+    printed = capsys.readouterr().out
+    own, _ = by_hand(["the plot was superb"], [3])
+    assert own[0].tolist()[2] == 4 and f"L2 {own[0, 2]}/4" in printed and "outside the training data" not in printed
+    rows = [i for i, e in enumerate(examples) if e.evidence == "superb"]
+    share = float((ranks[rows, 2] == 1).double().mean())
+    assert f"'superb' alone: first at the last layer in {share:.1%} of the {len(rows)} held-out" in printed
+    assert main(["demo", "The plot was superb indeed"]) == 0
+    assert "outside the training data: words outside the demo vocabulary, read as [UNK]: The, indeed" in (
+        capsys.readouterr().out)
+    assert main(["demo", "superb"]) == 0
+    assert "outside the training data: 1 word; the training sentences have 4 to 12" in capsys.readouterr().out
 
 
 def test_demo_sentence_needs_one_keyword(capsys):

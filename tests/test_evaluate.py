@@ -44,7 +44,9 @@ class FakeForSequenceClassification(nn.Module):
         self.seen = []
 
     def forward(self, input_ids, attention_mask=None):
-        self.seen.append(input_ids.clone())
+        # Each row's real tokens (attention mask 1): perturbed rows are batched with right padding.
+        mask = torch.ones_like(input_ids) if attention_mask is None else attention_mask
+        self.seen += [ids[keep.bool()] for ids, keep in zip(input_ids, mask)]
         log_odds = WEIGHT[input_ids].sum(-1)
         return SimpleNamespace(logits=torch.stack([torch.zeros_like(log_odds), log_odds], -1))
 
@@ -59,7 +61,7 @@ class FakeForCausalLM(FakeForSequenceClassification):
         self.model.layers = nn.ModuleList([nn.Identity()])
 
     def forward(self, input_ids, attention_mask=None):
-        two = super().forward(input_ids).logits
+        two = super().forward(input_ids, attention_mask).logits
         logits = torch.full((*input_ids.shape, len(WORDS)), -1e4)
         logits[..., :2] = two[:, None, :]
         return SimpleNamespace(logits=logits)
@@ -91,7 +93,7 @@ def test_aopc_mask_mode_exact_values():
     assert summary["methods"]["mine"]["aopc_comprehensiveness"] == pytest.approx(
         sum(p - _sigmoid(COMP_SUMS[c]) for c in COUNTS) / 9, abs=1e-6)
     # [CLS] and [SEP] were in every forward, never masked (SPEC 5), though [SEP] ranks above nothing.
-    assert all((ids[:, 0] == VOCAB["[CLS]"]).all() and (ids[:, -1] == VOCAB["[SEP]"]).all() for ids in model.seen)
+    assert all(ids[0] == VOCAB["[CLS]"] and ids[-1] == VOCAB["[SEP]"] for ids in model.seen)
 
 
 def test_aopc_delete_mode_exact_values_and_prediction_token_kept():
@@ -104,10 +106,10 @@ def test_aopc_delete_mode_exact_values_and_prediction_token_kept():
     suff_sums = {0: 0.0, 1: 2.0, 2: 3.0, 3: 3.0, 4: 2.0, 5: 2.0}
     assert rec["methods"]["mine"]["comprehensiveness"] == pytest.approx([p - _sigmoid(comp_sums[c]) for c in COUNTS], abs=1e-6)
     assert rec["methods"]["mine"]["sufficiency"] == pytest.approx([p - _sigmoid(suff_sums[c]) for c in COUNTS], abs=1e-6)
-    lengths = sorted({ids.shape[1] for ids in model.seen})
+    lengths = sorted({len(ids) for ids in model.seen})
     assert lengths == [2, 3, 4, 5, 6]  # [CLS] and the prediction token always stay
-    assert all((ids[:, -1] == VOCAB["the"]).all() for ids in model.seen)  # the highest-scored token is never deleted
-    assert all((ids[:, 0] == VOCAB["[CLS]"]).all() for ids in model.seen)
+    assert all(ids[-1] == VOCAB["the"] for ids in model.seen)  # the highest-scored token is never deleted
+    assert all(ids[0] == VOCAB["[CLS]"] for ids in model.seen)
 
 
 @pytest.mark.parametrize("mode", ["mask", "delete"])
@@ -324,3 +326,89 @@ def test_decoder_classifier_without_pad_token_runs_one_row_at_a_time():
         keep = [0, *range(1 + min(count, 4), 6)]  # drop the top `count` of good > fine > plain > bad
         assert comp == pytest.approx(float(p(ids) - p(ids[keep])), abs=1e-5)
     assert len(rec["methods"]["integrated_gradients"]["comprehensiveness"]) == 9
+
+
+def _tiny_gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    return GPT2LMHeadModel(GPT2Config(vocab_size=len(WORDS), n_embd=16, n_layer=2, n_head=2, n_positions=32)).eval()
+
+
+def _tiny_llama_classifier():
+    torch.manual_seed(0)
+    return LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, num_labels=2, pad_token_id=VOCAB["[PAD]"])).eval()
+
+
+@pytest.mark.parametrize("build, kind", [(_tiny_llama, "lm"), (_tiny_gpt2, "lm"), (_tiny_llama_classifier, "cls"),
+                                         (_tiny_bert, "cls")], ids=["llama-lm", "gpt2-lm", "llama-cls", "bert-cls"])
+def test_batched_perturbation_equals_one_forward_per_row(build, kind):
+    """Every perturbed row is scored in right-padded batches; each must give what it gives alone, unpadded.
+
+    GPT-2 checks learned absolute positions (right padding must not shift them), the Llama classifier the pooling
+    of the last non-pad token, BERT (deletion forced) bidirectional attention, which must mask the padding out.
+    Tolerance 1e-5 on probabilities: the masked attention gives padding exactly zero weight, so the only difference
+    left is float32 summation order in the batched matrix products (about 1e-7 relative at these sizes).
+    """
+    model = build()
+    tok = word_tokenizer(WORDS, "[CLS] $A [SEP]" if kind == "cls" and "Bert" in type(model).__name__ else "[CLS] $A")
+    text = "the keys fine plain good bad the key is good the"
+    ids = torch.tensor(tok(text)["input_ids"])
+    n = len(ids)
+    position = 0 if "Bert" in type(model).__name__ else n - 1
+    scores = torch.randperm(n, generator=torch.Generator().manual_seed(3)).float().tolist()
+    shapes = []
+    model.register_forward_pre_hook(lambda module, args, kwargs: shapes.append(kwargs.get("attention_mask")),
+                                    with_kwargs=True)
+    rec = ev.score_example(model, tok, {"text": text, "target": 1}, methods=(), perturbation="delete",
+                           custom={"mine": scores})
+    assert rec["position"] == position
+    # Alone: drop the top-c ranked tokens (comprehensiveness) or keep only them (sufficiency), one forward each.
+    free = [i for i in range(n) if i != position and int(ids[i]) not in tok.all_special_ids]
+    ranked = sorted(free, key=lambda i: -scores[i])
+
+    def p_alone(keep: list[int]) -> float:
+        row = ids[sorted(keep)]
+        with torch.no_grad():
+            logits = model(input_ids=row[None]).logits[0]
+        logits = logits[-1] if kind == "lm" else logits
+        return float(logits.softmax(-1)[1])
+
+    everything = list(range(n))
+    p = p_alone(everything)
+    for count, comp, suff in zip(rec["counts"], rec["methods"]["mine"]["comprehensiveness"],
+                                 rec["methods"]["mine"]["sufficiency"]):
+        dropped, kept = set(ranked[:count]), set(ranked[count:])
+        assert comp == pytest.approx(p - p_alone([i for i in everything if i not in dropped]), abs=1e-5)
+        assert suff == pytest.approx(p - p_alone([i for i in everything if i not in kept]), abs=1e-5)
+    # It was batched: one forward for the original, then fewer forwards than distinct rows, with padding.
+    batched = [mask for mask in shapes if mask is not None][1:]  # the by-hand forwards above pass no mask
+    assert len(batched) < len(set(rec["counts"])) and any((mask == 0).any() for mask in batched)
+
+
+def test_batches_are_the_cheapest_cut_of_the_sorted_rows():
+    """Against every way to cut sorted rows into contiguous batches, by brute force: the cost is the padded tokens
+    plus FORWARD_TOKENS per forward, within the row and token caps."""
+    import itertools
+    import random
+
+    from nxl_hooks.eval.faithfulness import FORWARD_TOKENS, _batches
+
+    rng = random.Random(0)
+    for _ in range(40):
+        lengths = sorted(rng.randint(1, 40) for _ in range(rng.randint(1, 9)))
+        max_rows, max_tokens = rng.randint(1, 6), rng.randint(20, 120)
+
+        def cost(cuts):
+            if any(stop - start > max_rows or (stop - start > 1 and (stop - start) * lengths[stop - 1] > max_tokens)
+                   for start, stop in cuts):
+                return float("inf")
+            return sum((stop - start) * lengths[stop - 1] + FORWARD_TOKENS for start, stop in cuts)
+
+        n = len(lengths)
+        best = min(cost(list(zip((0, *ends), (*ends, n)))) for k in range(n)
+                   for ends in itertools.combinations(range(1, n), k))
+        chosen = _batches(lengths, max_rows, max_tokens)
+        assert [c for cut in chosen for c in range(*cut)] == list(range(n)) and cost(chosen) == best

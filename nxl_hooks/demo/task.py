@@ -15,8 +15,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-__all__ = ["Example", "FILLER", "LABELS", "NEGATIVE", "NEUTRAL", "POSITIVE", "SPECIAL_TOKENS", "make_examples",
-           "vocabulary"]
+__all__ = ["Example", "FILLER", "LABELS", "MAX_WORDS", "MIN_WORDS", "NEGATIVE", "NEUTRAL", "POSITIVE", "SPECIAL_TOKENS",
+           "make_examples", "outside_training", "vocabulary"]
 
 LABELS = ("negative", "positive", "neutral")  #: label ids 0, 1, 2
 NEUTRAL = 2  #: the label of a sentence without keyword
@@ -31,6 +31,8 @@ FILLER = ("the", "a", "movie", "film", "was", "is", "this", "it", "plot", "actor
 SPECIAL_TOKENS = ("[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]")  # [PAD] is id 0
 #: Held-out sentences come from this seed offset on, so training seeds (below it) never overlap them.
 HELD_OUT_SEED = 10_000
+#: Sentence lengths in words (keyword included) that make_examples draws by default, as the demo model was trained.
+MIN_WORDS, MAX_WORDS = 4, 12
 
 
 @dataclass(frozen=True)
@@ -54,7 +56,7 @@ def vocabulary() -> list[str]:
 
 
 def make_examples(
-    n: int, seed: int = 0, *, min_words: int = 4, max_words: int = 12, neutral: float = 0.0
+    n: int, seed: int = 0, *, min_words: int = MIN_WORDS, max_words: int = MAX_WORDS, neutral: float = 0.0
 ) -> list[Example]:
     """``n`` sentences of ``min_words``..``max_words`` words: a share ``neutral`` without keyword, the rest
     with one keyword, positive and negative balanced in expectation."""
@@ -72,3 +74,21 @@ def make_examples(
         words.insert(index, keyword)
         out.append(Example(text=" ".join(words), label=label, evidence=keyword, evidence_index=index))
     return out
+
+
+def outside_training(text: str) -> list[str]:
+    """How ``text`` differs from every sentence :func:`make_examples` draws with its defaults (the shipped model's
+    training data): one line per difference, none when it could have been drawn. Word order is no difference:
+    fillers and the keyword are drawn in any order. ``outside_training("The plot was superb")`` -> ["words
+    outside the demo vocabulary, read as [UNK]: The"]
+    """
+    words = text.split()
+    notes = []
+    if not MIN_WORDS <= len(words) <= MAX_WORDS:
+        plural = "s" * (len(words) != 1)
+        notes.append(f"{len(words)} word{plural}; the training sentences have {MIN_WORDS} to {MAX_WORDS}")
+    known = set(vocabulary()) - set(SPECIAL_TOKENS)
+    unknown = sorted({word for word in words if word not in known})
+    if unknown:
+        notes.append(f"words outside the demo vocabulary, read as {SPECIAL_TOKENS[1]}: {', '.join(unknown)}")
+    return notes

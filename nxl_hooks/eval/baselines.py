@@ -11,14 +11,18 @@ all three; ``aggregation="l2"`` or ``"sum"`` (signed) are the other common choic
 
 from __future__ import annotations
 
-from typing import Callable
+import inspect
+import time
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
 
-from ..arch.registry import head_kind
+from ..arch.registry import head_kind, unwrap
 
-__all__ = ["AGGREGATIONS", "GRADIENT_METHODS", "gradient_scores", "one_row_only"]
+__all__ = [
+    "AGGREGATIONS", "GRADIENT_METHODS", "gradient_scores", "gradient_scores_many", "keeps_logits", "one_row_only"
+]
 
 GRADIENT_METHODS = ("grad_norm", "grad_x_input", "integrated_gradients")
 
@@ -37,14 +41,22 @@ def one_row_only(model: nn.Module, kind: str) -> bool:
     return kind in ("sequence_classification", "regression") and getattr(model.config, "pad_token_id", None) is None
 
 
+def keeps_logits(model: nn.Module, kind: str) -> bool:
+    """Whether a causal LM takes ``logits_to_keep``, so that its head runs only where predictions are read:
+    ``model(input_ids=ids, logits_to_keep=torch.tensor([4])).logits`` is (rows, 1, vocab), position 4's."""
+    return kind == "causal_lm" and "logits_to_keep" in inspect.signature(unwrap(model).forward).parameters
+
+
 def _target_logit(model: nn.Module, kind: str, attention_mask: torch.Tensor, position: int, target: int) -> Callable:
     """f(inputs_embeds) -> (rows,) the explained logit, for captum (which expands the batch itself)."""
+    keep = keeps_logits(model, kind)
 
     def forward(embeds: torch.Tensor) -> torch.Tensor:
         mask = attention_mask.expand(embeds.shape[0], -1)
-        logits = model(inputs_embeds=embeds, attention_mask=mask).logits
+        extra = {"logits_to_keep": torch.tensor([position], device=embeds.device)} if keep else {}
+        logits = model(inputs_embeds=embeds, attention_mask=mask, **extra).logits
         if kind in ("causal_lm", "masked_lm"):
-            logits = logits[:, position]
+            logits = logits[:, 0 if keep else position]
         return logits[:, 0] if kind == "regression" else logits[:, target]
 
     return forward
@@ -68,10 +80,33 @@ def gradient_scores(
     ``integrated_gradients``: captum IG with ``ig_steps`` steps from a zero embedding; each reduced over d by
     ``aggregation`` (see :data:`AGGREGATIONS`). ``kind``: the head kind when the caller knows it.
     """
-    from captum.attr import InputXGradient, IntegratedGradients, Saliency
+    return gradient_scores_many(model, input_ids, attention_mask, position=position, target=target, methods=[method],
+                                ig_steps=ig_steps, kind=kind, aggregation=aggregation)[method][0]
 
-    if method not in GRADIENT_METHODS:
-        raise ValueError(f"method {method!r} is not a gradient baseline; use one of {GRADIENT_METHODS}")
+
+def gradient_scores_many(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    position: int,
+    target: int,
+    methods: Sequence[str],
+    ig_steps: int = 50,
+    kind: str | None = None,
+    aggregation: str = "l1",
+) -> dict[str, tuple[torch.Tensor, float]]:
+    """:func:`gradient_scores` of several ``methods`` at once: name -> (scores (seq,), seconds).
+
+    ``grad_norm`` and ``grad_x_input`` share one backward pass (the second is the first times the input), so
+    each reports the seconds of that one pass. ``gradient_scores_many(model, ids, mask, position=4, target=7,
+    methods=GRADIENT_METHODS)``
+    """
+    from captum.attr import IntegratedGradients, Saliency
+
+    unknown = [m for m in methods if m not in GRADIENT_METHODS]
+    if unknown:
+        raise ValueError(f"method {unknown[0]!r} is not a gradient baseline; use one of {GRADIENT_METHODS}")
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation {aggregation!r}: use one of {', '.join(AGGREGATIONS)}")
     reduce = AGGREGATIONS[aggregation]
@@ -80,12 +115,17 @@ def gradient_scores(
     kind = kind or head_kind(model)
     forward = _target_logit(model, kind, attention_mask, position, target)
     embeds = model.get_input_embeddings()(input_ids).detach().requires_grad_(True)
-    if method == "grad_norm":
-        attributions = Saliency(forward).attribute(embeds, abs=False)
-    elif method == "grad_x_input":
-        attributions = InputXGradient(forward).attribute(embeds)
-    else:
+    out: dict[str, tuple[torch.Tensor, float]] = {}
+    if any(m in ("grad_norm", "grad_x_input") for m in methods):
+        start = time.perf_counter()
+        gradient = Saliency(forward).attribute(embeds, abs=False)[0]
+        seconds = time.perf_counter() - start
+        products = {"grad_norm": gradient, "grad_x_input": gradient * embeds[0]}
+        out.update({m: (reduce(products[m]).detach(), seconds) for m in methods if m in products})
+    if "integrated_gradients" in methods:
+        start = time.perf_counter()
         attributions = IntegratedGradients(forward).attribute(
             embeds, baselines=torch.zeros_like(embeds), n_steps=ig_steps,
             internal_batch_size=1 if one_row_only(model, kind) else None)
-    return reduce(attributions[0]).detach()
+        out["integrated_gradients"] = (reduce(attributions[0]).detach(), time.perf_counter() - start)
+    return out

@@ -45,7 +45,7 @@ from ..method.placement import input_device
 from ..method.scores import flat_norms, norm_spread
 from ..method.select import layer_index, order, prediction_rows, rankable, resolve_layers, resolve_target
 from ..records.tokens import describe_target, label_text, readable_ids
-from .baselines import GRADIENT_METHODS, gradient_scores, one_row_only
+from .baselines import GRADIENT_METHODS, gradient_scores_many, keeps_logits, one_row_only
 from .metrics import average_precision, evidence_mask, mean, normalized_dot, pearson
 
 __all__ = [
@@ -57,6 +57,7 @@ __all__ = [
     "mean",
     "normalized_dot",
     "perturb",
+    "run_padded",
     "score_example",
 ]
 
@@ -68,7 +69,7 @@ DEFAULT_METHODS = ("random", "embed_norm", "logat", "normxlogit", "contrastive",
 _LAYERED = ("logat", "normxlogit", "contrastive")
 _KNOWN = set(DEFAULT_METHODS)
 
-_Predict = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+_Predict = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 # -- perturbation ----------------------------------------------------------------------------------------
@@ -116,20 +117,56 @@ def _candidates(input_ids: torch.Tensor, position: int, protected_ids: Sequence[
     return rankable(torch.ones_like(input_ids, dtype=torch.bool), position, special)
 
 
-def _run_grouped(predict: _Predict, rows: list[tuple[torch.Tensor, int]], chunk: int = 64) -> torch.Tensor:
-    """Outputs (len(rows), outputs) for variable-length rows: batched by length, so nothing is padded."""
-    out: list[torch.Tensor | None] = [None] * len(rows)
-    by_length: dict[int, list[int]] = {}
-    for index, (ids, _) in enumerate(rows):
-        by_length.setdefault(len(ids), []).append(index)
-    for indices in by_length.values():
-        for start in range(0, len(indices), chunk):
-            part = indices[start : start + chunk]
-            ids = torch.stack([rows[i][0] for i in part])
-            positions = torch.tensor([rows[i][1] for i in part])
-            for i, value in zip(part, predict(ids, positions)):
-                out[i] = value
-    return torch.stack(out)
+#: What one more forward costs, in padded tokens: on a CPU a forward of a few short rows is bound by reading every
+#: weight once (SmolLM2-135M: about 50 ms for one token, then 1.8 ms per token more, with one thread).
+FORWARD_TOKENS = 32
+
+
+def _batches(lengths: Sequence[int], max_rows: int, max_tokens: int) -> list[tuple[int, int]]:
+    """(start, stop) batches of rows sorted by length, cheapest in padded tokens plus FORWARD_TOKENS per forward
+    (dynamic programming over where batches end); a batch holds at most ``max_rows`` rows and, unless it is one
+    row, ``max_tokens`` padded tokens."""
+    best = [0.0] + [float("inf")] * len(lengths)
+    start_of = [0] * (len(lengths) + 1)
+    for stop in range(1, len(lengths) + 1):
+        for start in range(max(0, stop - max_rows), stop):
+            padded = (stop - start) * lengths[stop - 1]  # sorted: the last row is the widest
+            if padded > max_tokens and stop - start > 1:
+                continue
+            cost = best[start] + padded + FORWARD_TOKENS
+            if cost < best[stop]:
+                best[stop], start_of[stop] = cost, start
+    cuts, stop = [], len(lengths)
+    while stop:
+        cuts.append((start_of[stop], stop))
+        stop = start_of[stop]
+    return cuts[::-1]
+
+
+def run_padded(predict: _Predict, rows: Sequence[tuple[torch.Tensor, int]], *, pad_id: int, max_rows: int = 64,
+               max_tokens: int = 4096, known: tuple[torch.Tensor, int, torch.Tensor] | None = None) -> torch.Tensor:
+    """Outputs (len(rows), outputs) of variable-length ``(ids, position)`` rows, in few padded forwards.
+
+    Identical rows run once, and a row equal to ``known`` = (ids, position, output) not at all (sufficiency
+    keeps every token once K covers them all: that row is the unperturbed input). The others are sorted by
+    length and cut into batches (:func:`_batches`: few forwards, little padding); each batch is right-padded
+    with ``pad_id`` and an attention mask of 0 on the padding. Right padding leaves every real token where it
+    was (positions 0..n-1, the prediction position unchanged) and a causal decoder never lets a real token see
+    a later pad, so no position ids are needed; encoders mask the padding out. ``predict(ids, mask, positions)``
+    reads each row's output. ``run_padded(setup.predict, [(ids, 4), (ids[1:], 3)], pad_id=0)``
+    """
+    keys = [(tuple(ids.tolist()), int(position)) for ids, position in rows]
+    done = {} if known is None else {(tuple(known[0].tolist()), int(known[1])): known[2]}
+    todo = sorted((key for key in dict.fromkeys(keys) if key not in done), key=lambda key: len(key[0]))
+    for start, stop in _batches([len(tokens) for tokens, _ in todo], max_rows, max_tokens):
+        part = todo[start:stop]
+        ids = torch.full((len(part), len(part[-1][0])), pad_id, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        for row, (tokens, _) in enumerate(part):
+            ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            mask[row, : len(tokens)] = 1
+        done.update(zip(part, predict(ids, mask, torch.tensor([position for _, position in part]))))
+    return torch.stack([done[key] for key in keys])
 
 
 # -- one example -----------------------------------------------------------------------------------------
@@ -155,17 +192,28 @@ class _Setup:
         if self.mode == "mask" and self.mask_id is None:
             raise ValueError("mask perturbation needs a tokenizer with a mask token; pass perturbation='delete'")
         self.device = input_device(model)
-        self.chunk = 1 if one_row_only(model, self.kind) else 64
+        self.max_rows = 1 if one_row_only(model, self.kind) else 64
+        # Decoder classifiers pool the last token that is not config.pad_token_id: pad with exactly that id.
+        pad_id = getattr(model.config, "pad_token_id", None)
+        pad_id = getattr(tokenizer, "pad_token_id", None) if pad_id is None else pad_id
+        self.pad_id = 0 if pad_id is None else int(pad_id)
+        self.keeps_logits = keeps_logits(model, self.kind)
         # SPEC 5: perturbation never touches CLS/SEP/BOS (nor the prediction position).
         self.special_ids = list(getattr(tokenizer, "all_special_ids", []))
         self.notes: list[str] = []  # targets of several tokens, of which the first is explained
 
-    def predict(self, ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Model outputs at each row's prediction position: (rows, outputs), float32."""
+    def predict(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Model outputs at each row's prediction position: (rows, outputs), float32. ``mask``: 0 on padding."""
+        extra: dict[str, Any] = {}
+        columns = positions
+        if self.keeps_logits:
+            keep = positions.unique()  # sorted: row r's output is at searchsorted(keep, positions[r])
+            extra["logits_to_keep"] = keep.to(self.device)
+            columns = torch.searchsorted(keep, positions)
         with torch.no_grad():
-            logits = self.model(input_ids=ids.to(self.device), attention_mask=torch.ones_like(ids).to(self.device)).logits
+            logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **extra).logits
         if self.kind in ("causal_lm", "masked_lm"):
-            logits = logits[torch.arange(len(ids)), positions.to(logits.device)]
+            logits = logits[torch.arange(len(ids)), columns.to(logits.device)]
         return logits.float().cpu()
 
     def position(self, ids: torch.Tensor) -> int:
@@ -219,13 +267,12 @@ def _method_scores(setup: _Setup, methods: Sequence[str], ids: torch.Tensor, pos
         generator = torch.Generator().manual_seed(_seed(seed, text))
         scores["random"] = torch.rand(len(ids), generator=generator)
         seconds["random"] = 0.0
-    for name in methods:
-        if name in GRADIENT_METHODS:
-            start = time.perf_counter()
-            scores[name] = gradient_scores(setup.model, batch, mask, position=position, target=t.target,
-                                           method=name, ig_steps=ig_steps, kind=setup.kind,
-                                           aggregation=aggregation).cpu()
-            seconds[name] = time.perf_counter() - start
+    wanted = [name for name in methods if name in GRADIENT_METHODS]
+    if wanted:
+        found = gradient_scores_many(setup.model, batch, mask, position=position, target=t.target, methods=wanted,
+                                     ig_steps=ig_steps, kind=setup.kind, aggregation=aggregation)
+        for name, (values, elapsed) in found.items():
+            scores[name], seconds[name] = values.cpu(), elapsed
     return scores, seconds
 
 
@@ -334,7 +381,7 @@ def score_example(
     if n < 2:
         raise ValueError(f"example {example['text']!r} has {n} token(s): perturbation needs at least 2")
     position = setup.position(ids)
-    original = setup.predict(ids[None], torch.tensor([position]))
+    original = setup.predict(ids[None], torch.ones(1, n, dtype=torch.long), torch.tensor([position]))
     t = _targets(setup, example, original[0])
     methods = [m for m in methods if not (m == "contrastive" and t.foil is None)]
     evidence, missing = _evidence(example, encoding, position)
@@ -356,7 +403,9 @@ def score_example(
         for count in counts
     ]
     p_orig, correct_orig, _ = _outcome(setup, original, t)
-    p_new, correct, predicted = _outcome(setup, _run_grouped(setup.predict, rows, setup.chunk), t)
+    outputs = run_padded(setup.predict, rows, pad_id=setup.pad_id, max_rows=setup.max_rows,
+                         known=(ids, position, original[0]))
+    p_new, correct, predicted = _outcome(setup, outputs, t)
     change = p_orig - p_new
     change = change.abs() if setup.kind == "regression" else change
 

@@ -1,18 +1,20 @@
-"""``nxl demo [TEXT]``: the tiny sentiment classifier shipped in :mod:`nxl_hooks.demo` on one sentence, and
-where its keyword ranks per layer; offline.
+"""``nxl demo [TEXT]``: the tiny sentiment classifier shipped in :mod:`nxl_hooks.demo` on one sentence, where its
+keyword ranks per layer, and how that rank spreads over held-out sentences; offline.
 
-    nxl demo "the plot was superb"
+    nxl demo                          # a typical held-out sentence
+    nxl demo "the plot was superb"    # your own (one keyword, words of the demo vocabulary)
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
+from typing import Any, Sequence
 
 from ..options import CliError
 
 NAME = "demo"
-_HELD_OUT = 200  # sentences behind the demo's summary line; a batch of them takes milliseconds
+#: Held-out sentences behind the summary: one padded batch through the 2-block model, well under a second.
+HELD_OUT = 1000
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -20,10 +22,13 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         NAME,
         help="offline demo on the tiny sentiment model shipped in the package",
         description="Attribute a sentence of neutral filler words with one sentiment keyword (the evidence) "
-        "with the tiny Llama classifier shipped in nxl_hooks/demo, and show where the keyword ranks per layer.",
+        "with the tiny Llama classifier shipped in nxl_hooks/demo, show where the keyword ranks per layer, and "
+        f"how that rank spreads over {HELD_OUT} held-out sentences.",
     )
-    parser.add_argument("text", metavar="TEXT", nargs="?", help="your own sentence (default: a held-out example)")
-    parser.add_argument("--seed", type=int, default=0, help="which held-out example to show (default 0)")
+    parser.add_argument("text", metavar="TEXT", nargs="?",
+                        help="your own sentence (default: a typical held-out sentence)")
+    parser.add_argument("--example", type=int, metavar="N",
+                        help=f"show held-out sentence N (0..{HELD_OUT - 1}) instead of a typical one")
     return parser
 
 
@@ -42,52 +47,92 @@ def _word_positions(enc: Any, row: int) -> list[int]:
     return [i for i, word in enumerate(enc.word_ids(row)) if word is not None]
 
 
+def held_out_ranks(model: Any, tokenizer: Any, examples: Sequence[Any]) -> Any:
+    """int64 (len(examples), layers): the keyword's rank among its sentence's words at each layer 0..L."""
+    import torch
+
+    from ...hooks.probe import explain
+
+    texts = [example.text for example in examples]
+    res = explain(model, tokenizer, texts, layers="all")
+    enc = tokenizer(texts, padding=True, return_token_type_ids=False)
+    return torch.tensor([evidence_ranks(res, row, _word_positions(enc, row)[example.evidence_index])
+                         for row, example in enumerate(examples)])
+
+
+def spread(ranks: Any) -> list[dict[str, float]]:
+    """Per layer: the share of sentences whose keyword ranks first and in the top 2, and the rank's quartiles
+    (``q1``, ``median``, ``q3``; linear interpolation between ranks)."""
+    import torch
+
+    quartiles = torch.quantile(ranks.double(), torch.tensor([0.25, 0.5, 0.75], dtype=torch.double), dim=0)
+    return [{"first": float((column == 1).double().mean()), "top2": float((column <= 2).double().mean()),
+             "q1": float(q1), "median": float(median), "q3": float(q3)}
+            for column, (q1, median, q3) in zip(ranks.T, quartiles.T)]
+
+
+def typical(ranks: Any) -> int:
+    """The first sentence whose keyword ranks closest to the median rank at every layer (sum of distances)."""
+    medians = ranks.double().median(dim=0).values
+    return int((ranks.double() - medians).abs().sum(-1).argmin())
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.text import Text
 
     from ...demo import MODEL_DIR
-    from ...demo.task import HELD_OUT_SEED, NEGATIVE, POSITIVE, make_examples
+    from ...demo.task import HELD_OUT_SEED, MAX_WORDS, MIN_WORDS, NEGATIVE, POSITIVE, make_examples, outside_training
     from ...hooks.probe import explain
     from ..loading import load_model
     from ..terminal import show_attribution
 
     model, tokenizer = load_model(str(MODEL_DIR))
+    held_out = make_examples(HELD_OUT, seed=HELD_OUT_SEED)
+    ranks = held_out_ranks(model, tokenizer, held_out)
     keywords = set(POSITIVE) | set(NEGATIVE)
+    notes: list[str] = []
     if args.text:
         words = args.text.split()
         hits = [i for i, word in enumerate(words) if word in keywords]
         if len(hits) != 1:
             raise CliError(
-                f"the demo sentence needs exactly one sentiment keyword (found {len(hits)}); keywords: "
-                f"{', '.join(sorted(keywords))}"
+                f"the demo sentence needs exactly one sentiment keyword (found {len(hits)}), as the training "
+                f"sentences that have one; keywords: {', '.join(sorted(keywords))}"
             )
         text, index = args.text, hits[0]
-        unknown = sorted({word for word in words if word not in tokenizer.get_vocab()})
-        if unknown:
-            print(f"note: words outside the demo vocabulary read as {tokenizer.unk_token}: {', '.join(unknown)}")
+        notes = outside_training(text)
+        intro = "your sentence"
     else:
-        example = make_examples(1, seed=HELD_OUT_SEED + args.seed)[0]
-        text, index = example.text, example.evidence_index
+        if args.example is not None and not 0 <= args.example < HELD_OUT:
+            raise CliError(f"--example {args.example}: choose 0..{HELD_OUT - 1}")
+        chosen = typical(ranks) if args.example is None else args.example
+        text, index = held_out[chosen].text, held_out[chosen].evidence_index
+        intro = f"held-out sentence {chosen}" + ("" if args.example is not None else " (typical: its keyword's "
+                                                 "ranks are the closest to the median ranks)")
+    keyword = text.split()[index]
     console = Console()
-    console.print(Text("sentence: ", style="bold") + Text(text) + Text(f"   evidence: {text.split()[index]!r}"))
+    console.print(Text(f"{intro}: ", style="bold") + Text(text) + Text(f"   evidence: {keyword!r}"))
+    for note in notes:
+        console.print(Text("outside the training data: ", style="yellow") + Text(note))
     res = explain(model, tokenizer, text, layers="all")
     show_attribution(res, console)
     positions = _word_positions(tokenizer([text], return_token_type_ids=False), 0)
-    ranks = evidence_ranks(res, 0, positions[index])
+    mine = evidence_ranks(res, 0, positions[index])
     n_ranked = int(res.rankable(0).sum())
     console.print(
-        Text(f"evidence {text.split()[index]!r} ranks per layer: ", style="bold")
-        + Text("  ".join(f"L{layer} {rank}/{n_ranked}" for layer, rank in zip(res.layers, ranks)))
+        Text(f"evidence {keyword!r} ranks per layer: ", style="bold")
+        + Text("  ".join(f"L{layer} {rank}/{n_ranked}" for layer, rank in zip(res.layers, mine)))
         + Text("  (1 = top among the words)", style="dim")
     )
-    held_out = make_examples(_HELD_OUT, seed=HELD_OUT_SEED)
-    batch = explain(model, tokenizer, [ex.text for ex in held_out], layers="last")
-    enc = tokenizer([ex.text for ex in held_out], padding=True, return_token_type_ids=False)
-    first = sum(evidence_ranks(batch, row, _word_positions(enc, row)[ex.evidence_index])[0] == 1
-                for row, ex in enumerate(held_out))
-    console.print(
-        f"on {len(held_out)} held-out sentences the keyword ranks first at the last layer in "
-        f"{first / len(held_out):.1%} of them (examples/train_demo.py checks the same by hand)"
-    )
+    console.print(Text(f"the keyword's rank in {HELD_OUT} held-out sentences ({MIN_WORDS}-{MAX_WORDS} words, one "
+                       "keyword), per layer:", style="bold"))
+    for layer, row in zip(res.layers, spread(ranks)):
+        console.print(f"  L{layer}  first {row['first']:6.1%}  top-2 {row['top2']:6.1%}  median rank {row['median']:g}"
+                      f"  quartiles {row['q1']:g}-{row['q3']:g}")
+    same = [row for row, example in enumerate(held_out) if example.evidence == keyword]
+    if same:
+        first = float((ranks[same, -1] == 1).double().mean())
+        console.print(f"'{keyword}' alone: first at the last layer in {first:.1%} of the {len(same)} held-out "
+                      "sentences that have it")
     return 0
