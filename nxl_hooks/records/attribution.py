@@ -62,6 +62,23 @@ def _strings(value: Any, rows: int, width: int) -> bool:
         for items in value)
 
 
+# meta["targets"] entries (records.tokens.describe_target): each key and the types its value may have.
+_TARGET_NOTE: dict[str, tuple[type, ...]] = {
+    "request": (str, int), "id": (int,), "text": (str,), "how": (str,), "tokens": (list,), "texts": (list,),
+    "note": (str, type(None)),
+}
+
+
+def _target_notes(value: Any, rows: int, k: int) -> bool:
+    """``value`` is one list of ``k`` target notes per row (or one list for every row, as masked LMs write it)."""
+    return isinstance(value, list) and len(value) in (1, rows) and all(
+        isinstance(labels, list) and len(labels) == k and all(
+            isinstance(note, dict) and all(isinstance(note.get(key), kinds) and not isinstance(note.get(key), bool)
+                                           for key, kinds in _TARGET_NOTE.items())
+            for note in labels)
+        for labels in value)
+
+
 def _require(condition: bool, problem: str) -> None:
     if not condition:
         raise RecordError(problem)
@@ -144,6 +161,10 @@ class Attribution:
         k = 1 if self.target.dim() == 1 else self.target.shape[1]
         _require(self.target_text is None or _strings(self.target_text, rows, k),
                  f"target_text must be {rows} list(s) of {k} strings, one per explained target")
+        targets = self.meta.get("targets")
+        _require(targets is None or _target_notes(targets, rows, k),
+                 f"meta['targets'] must be {rows} list(s) (or one) of {k} objects with the keys "
+                 f"{', '.join(_TARGET_NOTE)}, one per explained target")
         if self.input_ids is not None:
             _require(isinstance(self.input_ids, torch.Tensor) and _integer_dtype(self.input_ids)
                      and tuple(self.input_ids.shape) == (rows, seq),
