@@ -15,7 +15,14 @@ import argparse
 import os
 import sys
 
-from ..options import CliError, add_attribution_options, add_loading_options, loading_options, positive_int
+from ..options import (
+    CliError,
+    add_attribution_options,
+    add_loading_options,
+    check_output_folder,
+    loading_options,
+    positive_int,
+)
 from ..serve.settings import whole_number
 
 NAME = "run"
@@ -74,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--gguf-file with --load-in-8bit/--load-in-4bit: transformers refuses that combination in "
                        "the program's own from_pretrained; load the GGUF, save it, and quantize the saved folder")
     if args.sink:
+        check_output_folder(args.sink, "--sink")
         folder = make_run_dir(args.sink)
         remember(folder)
     else:
