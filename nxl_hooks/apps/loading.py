@@ -242,6 +242,11 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
     if kind not in HEAD_CLASSES:
         raise ValueError(f"head {kind!r}: use one of {', '.join(HEAD_CLASSES)}")
     auto = getattr(transformers, HEAD_CLASSES[kind])
+    try:  # first: a damaged tokenizer costs no model load
+        tokenizer = transformers.AutoTokenizer.from_pretrained(name, **({"gguf_file": gguf_file} if gguf_file else {}))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{name}: its tokenizer cannot be read ({type(err).__name__}: {err}); save it again with "
+                         "tokenizer.save_pretrained(folder)") from err
     if quantization is not None and gguf_file is None:
         kwargs["quantization_config"] = quantization
     if gguf_file is None:
@@ -259,5 +264,4 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
         model = type(plain).from_pretrained(None, config=plain.config, state_dict=plain.state_dict(),
                                             quantization_config=quantization, **placement)
         del plain
-    tokenizer = transformers.AutoTokenizer.from_pretrained(name, **({"gguf_file": gguf_file} if gguf_file else {}))
     return model.eval(), tokenizer
