@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 
 from ..options import (
@@ -74,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
     if not program:
         raise CliError("give the program to run after --, e.g. nxl run -- transformers serve ./model")
+    if shutil.which(program[0]) is None:  # before any run folder is made or remembered
+        raise CliError(f"{program[0]}: command not found (or not executable)")
     if args.listen:
         parse_listen(args.listen, allow_remote=args.allow_remote)
     load = {key: value for key, value in loading_options(args).items() if key != "head" and value is not None}
