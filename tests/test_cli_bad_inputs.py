@@ -233,7 +233,8 @@ def test_readme_states_the_catalogue():
     error (each test above asserts it)."""
     readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
     total = len(LIBRARY_CATALOGUE) + len(CLI_CATALOGUE)
-    sentence = r"(\d+) bad inputs \((\d+) to the library and files, (\d+) to the command line\): all (\d+) give a clear error"
+    sentence = (r"(\d+) bad inputs \((\d+) to the library and files, (\d+) to the command line\): all (\d+) "
+                r"give a clear error")
     found = re.search(sentence.replace(" ", r"\s+"), readme)  # README wraps its lines anywhere
     assert found, "README's bad-input figures are missing"
     assert [int(n) for n in found.groups()] == [total, len(LIBRARY_CATALOGUE), len(CLI_CATALOGUE), total]

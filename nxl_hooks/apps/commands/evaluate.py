@@ -53,8 +53,8 @@ def run(args: argparse.Namespace) -> int:
     )
     unknown = sorted(set(methods) - set(ev.DEFAULT_METHODS))
     if unknown or not methods:
-        raise CliError(f"--methods {args.methods!r} " + (f"names unknown {unknown}; " if unknown else "names no method; ")
-                       + f"choose from {', '.join(ev.DEFAULT_METHODS)} (or 'all')")
+        what = f"names unknown {unknown}" if unknown else "names no method"
+        raise CliError(f"--methods {args.methods!r} {what}; choose from {', '.join(ev.DEFAULT_METHODS)} (or 'all')")
     check_output_folder(args.out)
     examples, settings = examples_from_args(args)
     loading = loading_options(args)
