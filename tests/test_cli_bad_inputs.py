@@ -237,5 +237,8 @@ def test_readme_states_the_catalogue():
                 r"give a clear error")
     found = re.search(sentence.replace(" ", r"\s+"), readme)  # README wraps its lines anywhere
     assert found, "README's bad-input figures are missing"
-    assert [int(n) for n in found.groups()] == [total, len(LIBRARY_CATALOGUE), len(CLI_CATALOGUE), total]
+    expected = [total, len(LIBRARY_CATALOGUE), len(CLI_CATALOGUE), total]
+    assert [int(n) for n in found.groups()] == expected, (
+        f"README should say: {total} bad inputs ({expected[1]} to the library and files, {expected[2]} to the "
+        f"command line): all {total} give a clear error")
     assert len(set(CLI_CATALOGUE)) == len(CLI_CATALOGUE)
