@@ -12,17 +12,42 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Sequence
+from typing import NoReturn, Sequence
 
 from .commands import COMMANDS
 from .options import CliError, parse_layers, parse_target, positive_int
 
-__all__ = ["CliError", "build_parser", "main", "parse_layers", "parse_target", "positive_int"]
+__all__ = ["CliError", "build_parser", "main", "one_line", "parse_layers", "parse_target", "positive_int"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as one line (the usage is one ``--help`` away) like every other ``nxl`` error."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, one_line(f"{self.prog}: error: {message} (see {self.prog} --help)") + "\n")
+
+
+def one_line(message: str) -> str:
+    """``message`` on one line that any terminal can print: whitespace runs become one space, and what cannot be
+    encoded (a command-line byte that is not UTF-8, kept by Python as a lone surrogate) is shown escaped."""
+    return " ".join(message.split()).encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+def _not_utf8(argv: Sequence[str]) -> str | None:
+    """The first argument that is not UTF-8 text (Python decodes such bytes to lone surrogates), shown as bytes."""
+    for arg in argv:
+        try:
+            arg.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raw = arg.encode("utf-8", "surrogateescape")
+            return (f"argument {raw!r} is not UTF-8 text (byte {raw[err.start:err.start + 1]!r}): pass UTF-8 "
+                    "(check the terminal's encoding and LANG / LC_ALL)")
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``nxl`` argument parser, one subparser per command module."""
-    parser = argparse.ArgumentParser(prog="nxl", description="Per-layer NormXLogit token attribution.")
+    parser = _Parser(prog="nxl", description="Per-layer NormXLogit token attribution.")
     parser.add_argument("--traceback", action="store_true", help="show the full traceback on errors")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS:
@@ -38,12 +63,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except SystemExit as exit_:  # argparse already printed usage and the error
         return int(exit_.code or 0)
     try:
+        bad = _not_utf8(sys.argv[1:] if argv is None else argv)
+        if bad is not None:
+            raise CliError(bad)
         return int(args._run(args) or 0)
     except (CliError, ValueError, LookupError, OSError) as err:
         if args.traceback:
             raise
-        message = " ".join(str(err).split()) or type(err).__name__
-        print(f"nxl {args.command}: error: {message}", file=sys.stderr)
+        print(one_line(f"nxl {args.command}: error: {str(err) or type(err).__name__}"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import io
 import json
 import os
 import re
@@ -82,7 +83,7 @@ def _evidence(value: Any) -> list[str] | None:
     if isinstance(value, str):
         text = value.strip()
         if text.startswith("["):
-            value = json.loads(text)
+            value = _json(text)
         else:
             return [word for word in re.split(r"[\s,|]+", text) if word]
     if not isinstance(value, list) or not all(isinstance(word, str) for word in value):
@@ -90,23 +91,49 @@ def _evidence(value: Any) -> list[str] | None:
     return value or None
 
 
+def _json(text: str | bytes) -> Any:
+    """``json.loads``, with a nesting too deep for Python's parser as a ValueError like any other bad JSON."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply to read") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(err.msg) from None
+
+
+def _file_text(path: Path) -> str:
+    """The whole dataset file as text; a byte that is not UTF-8 is named with its line."""
+    data = path.read_bytes()
+    try:
+        return data.decode("utf-8-sig")  # a byte-order mark, as spreadsheet programs write, is no content
+    except UnicodeDecodeError as err:
+        line = data[: err.start].count(b"\n") + 1
+        raise ValueError(f"{path}:{line} is not UTF-8 text (byte {data[err.start:err.start + 1]!r}): save the file "
+                         "as UTF-8") from None
+
+
 def _file_rows(path: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
     if not path.is_file():
         raise FileNotFoundError(
             f"no dataset at {path}: give a .jsonl (one JSON object per line) or .csv file, or hf:NAME:SPLIT"
         )
+    text = _file_text(path)
     if path.suffix.lower() == ".csv":
-        with path.open(newline="", encoding="utf-8") as fh:
-            for line, row in enumerate(csv.DictReader(fh), start=2):
-                yield f"{path}:{line}", row
+        reader = csv.DictReader(io.StringIO(text, newline=""))
+        for row in reader:
+            where = f"{path}:{reader.line_num}"
+            if None in row:  # DictReader keeps the cells beyond the header under the key None
+                raise ValueError(f"{where} has {len(reader.fieldnames) + len(row[None])} cells but the header names "
+                                 f"{len(reader.fieldnames)}: quote cells that hold a comma")
+            yield where, row
         return
-    with path.open(encoding="utf-8") as fh:
-        for line, text in enumerate(fh, start=1):
-            if text.strip():
-                try:
-                    yield f"{path}:{line}", json.loads(text)
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"{path}:{line} is not valid JSON ({err.msg}); one JSON object per line") from None
+    # Lines end at "\n" only: a JSON string may hold U+2028 and other characters that str.splitlines() breaks at.
+    for line, content in enumerate(text.split("\n"), start=1):
+        if content.strip():
+            try:
+                yield f"{path}:{line}", _json(content)
+            except ValueError as err:
+                raise ValueError(f"{path}:{line} is not valid JSON ({err}); one JSON object per line") from None
 
 
 def _hub_rows(source: str) -> Iterator[tuple[str, Mapping[str, Any]]]:
@@ -153,9 +180,13 @@ def load_examples(
             raise ValueError(f"{where} has no non-empty {text!r} field (it has {columns}); pick it with --text-field")
         identifier = row.get("id")
         example: dict[str, Any] = {"id": len(out) if identifier in (None, "") else identifier, "text": row[text]}
+        try:
+            words = _evidence(row.get(evidence))
+        except ValueError as err:
+            raise ValueError(f"{where}: field {evidence!r}: {err}") from None
         for key, value in (
             ("label", _csv_label(row.get(label)) if from_csv else row.get(label)),
-            ("evidence", _evidence(row.get(evidence))),
+            ("evidence", words),
             ("target", row.get("target")),
             ("foil", row.get("foil")),
         ):
@@ -165,7 +196,8 @@ def load_examples(
         if limit is not None and len(out) >= limit:
             break
     if not out:
-        raise ValueError(f"{source} holds no examples")
+        raise ValueError(f"{source} holds no examples: give one JSON object per line (.jsonl) or a header row and "
+                         "one row per example (.csv)")
     return out
 
 

@@ -22,8 +22,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "head_from_architectures", "load_model", "program_defaults",
-           "quantization_config"]
+__all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "check_length", "head_from_architectures", "load_model",
+           "position_limit", "program_defaults", "quantization_config"]
 
 #: The Auto class per head kind the library explains (regression loads as sequence classification).
 HEAD_CLASSES = {
@@ -35,6 +35,10 @@ HEAD_CLASSES = {
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 #: bitsandbytes modes: 8bit, 4bit (nf4), fp4.
 QUANTIZE = ("8bit", "4bit", "fp4")
+#: Files one of which a folder's tokenizer is read from; without any, transformers builds an empty-vocabulary
+#: tokenizer that reads every word as unknown, silently.
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model",
+                    "spiece.model", "sentencepiece.bpe.model")
 _SUFFIXES = {
     "ForCausalLM": "causal_lm",
     "LMHeadModel": "causal_lm",
@@ -63,10 +67,74 @@ def _check_local(name: str, gguf_file: str | None) -> None:
                 f"{name} has no config.json: pass a folder written by model.save_pretrained() (with its tokenizer), "
                 "or a .gguf file"
             )
+        elif not any((path / file).is_file() for file in _TOKENIZER_FILES):
+            raise FileNotFoundError(
+                f"{name} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}): save it beside the model with "
+                "tokenizer.save_pretrained(folder)"
+            )
         return
     # Hub ids are "name" or "org/name"; anything else that does not exist is a mistyped path.
     if name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name:
         raise FileNotFoundError(f"no model folder at {name}: check the path (or pass a hub id like org/name)")
+
+
+def _check_weights(folder: Path, auto: Any, config: Any) -> None:
+    """Every ``*.safetensors`` file of a local model folder is whole, and each tensor it shares with the model that
+    ``config`` describes has that model's shape: a truncated or damaged file, or a config.json that does not fit the
+    weights, is named here in one line (from_pretrained would print a report and raise deep inside)."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    stored: dict[str, tuple[tuple[int, ...], str]] = {}
+    for file in sorted(folder.glob("*.safetensors")):
+        try:
+            with safe_open(file, "pt") as fh:
+                for key in fh.keys():
+                    stored[key] = (tuple(fh.get_slice(key).get_shape()), file.name)
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"{file} is damaged ({err}): it is truncated or not a safetensors file; copy it again "
+                             "or save the model again") from None
+    if not stored or getattr(config, "quantization_config", None) is not None:
+        return  # nothing to compare, or weights saved packed (their shapes are the quantizer's, not the config's)
+    with torch.device("meta"):  # the model's shapes without its memory
+        skeleton = auto.from_config(config)
+    prefix = f"{skeleton.base_model_prefix}."
+    for key, tensor in skeleton.state_dict().items():
+        found = stored.get(key) or stored.get(key.removeprefix(prefix))  # a checkpoint of the base model alone
+        if found is not None and found[0] != tuple(tensor.shape):
+            raise ValueError(
+                f"{folder / 'config.json'} does not match the weights: {key} is {list(found[0])} in {found[1]} but "
+                f"{list(tensor.shape)} for the config; use the config.json saved with these weights"
+            )
+
+
+def position_limit(model: Any) -> int | None:
+    """The most tokens one input of ``model`` may have: ``config.max_position_embeddings``, less the positions a
+    padding-offset position table (RoBERTa's: positions start after ``padding_idx``) never uses; None if unknown."""
+    import torch
+
+    for name, module in model.named_modules():
+        if (name.endswith("position_embeddings") and isinstance(module, torch.nn.Embedding)
+                and module.padding_idx is not None):
+            return module.num_embeddings - module.padding_idx - 1
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    limit = getattr(config, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def check_length(tokenizer: Any, text: str, limit: int | None, *, more: int = 0, what: str = "the text") -> None:
+    """A ValueError when ``text`` (as the tokenizer encodes it, special tokens included) plus ``more`` tokens to
+    generate exceeds ``limit`` (:func:`position_limit`): the model has no position for the rest.
+
+    ``check_length(tok, text, position_limit(model), more=16)``
+    """
+    if limit is None:
+        return
+    count = len(tokenizer(text)["input_ids"])
+    if count + more > limit:
+        extra = f" plus {more} to generate" if more else ""
+        raise ValueError(f"{what} is {count} tokens{extra}, but the model reads at most {limit} "
+                         "(config.max_position_embeddings): shorten it")
 
 
 def _split_gguf(name: str, gguf_file: str | None) -> tuple[str, str | None]:
@@ -174,9 +242,16 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
     if kind not in HEAD_CLASSES:
         raise ValueError(f"head {kind!r}: use one of {', '.join(HEAD_CLASSES)}")
     auto = getattr(transformers, HEAD_CLASSES[kind])
+    try:  # first: a damaged tokenizer costs no model load
+        tokenizer = transformers.AutoTokenizer.from_pretrained(name, **({"gguf_file": gguf_file} if gguf_file else {}))
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{name}: its tokenizer cannot be read ({type(err).__name__}: {err}); save it again with "
+                         "tokenizer.save_pretrained(folder)") from err
     if quantization is not None and gguf_file is None:
         kwargs["quantization_config"] = quantization
     if gguf_file is None:
+        if Path(name).expanduser().is_dir():
+            _check_weights(Path(name).expanduser(), auto, config)
         model = auto.from_pretrained(name, config=config, **placement, **kwargs)
     elif quantization is None:
         model = auto.from_pretrained(name, gguf_file=gguf_file, **placement, **kwargs)
@@ -189,5 +264,4 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
         model = type(plain).from_pretrained(None, config=plain.config, state_dict=plain.state_dict(),
                                             quantization_config=quantization, **placement)
         del plain
-    tokenizer = transformers.AutoTokenizer.from_pretrained(name, **({"gguf_file": gguf_file} if gguf_file else {}))
     return model.eval(), tokenizer

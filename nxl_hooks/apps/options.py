@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 from typing import Any
 
 from .loading import DTYPES
@@ -20,6 +21,8 @@ __all__ = [
     "add_attribution_options",
     "add_dataset_options",
     "add_loading_options",
+    "check_output_file",
+    "check_output_folder",
     "loading_options",
     "parse_layers",
     "parse_max_memory",
@@ -32,6 +35,31 @@ HEADS = ("causal_lm", "sequence_classification", "masked_lm")  # --head: when co
 
 class CliError(Exception):
     """Bad command-line input: printed as one line, exit code 2."""
+
+
+def check_output_file(path: str | None, option: str) -> None:
+    """A :class:`CliError` unless ``path`` (given with ``option``) can be written as a whole file: its folder
+    exists and it is not itself a folder. Checked before any model loads, so a typo costs nothing."""
+    if path is None:
+        return
+    target = Path(path).expanduser()
+    if target.is_dir():
+        raise CliError(f"{option} {path} is a folder, not a file: give a file name (a file in it, or elsewhere)")
+    folder = target.parent
+    if not folder.is_dir():
+        what = "is a file, not a folder" if folder.exists() else "does not exist"
+        raise CliError(f"{option} {path}: the folder {folder} {what}; create the folder or pick another path")
+
+
+def check_output_folder(path: str, option: str = "--out") -> None:
+    """A :class:`CliError` when ``path`` cannot be an output folder: it, or a folder above it, is a file."""
+    target = Path(path).expanduser()
+    for where in (target, *target.parents):
+        if where.exists():
+            if not where.is_dir():
+                raise CliError(f"{option} {path}: {where} is a file, not a folder; give a folder (it is created "
+                               "when missing)")
+            return
 
 
 def parse_layers(value: str) -> str | list[int]:

@@ -112,10 +112,13 @@ def _named(record: Mapping[str, Any], key: str) -> str:
 
 
 def _example_block(record: Mapping[str, Any], rank: int) -> str:
+    """One audited example; every text from the data or the models (id, text, tokens, predictions) escaped."""
     agree = record.get("agree")
     verdict = '<span class="flip">prediction flipped</span>' if agree is False else "same prediction" if agree else ""
-    facts = (
-        f"#{rank} · example {record.get('index', '?')} (id {record.get('id')!r}) · {verdict} · reference → candidate "
+    facts = html.escape(
+        f"#{rank} · example {record.get('index', '?')} (id {record.get('id')!r}) · "
+    ) + verdict + html.escape(
+        f" · reference → candidate "
         f"prediction {_named(record, 'reference_prediction')} → {_named(record, 'candidate_prediction')} · "
         f"explained: {_named(record, 'target')}, output "
         f"{fmt(record['reference_output'])} → {fmt(record['candidate_output'])} · last layer Spearman "
@@ -130,7 +133,7 @@ def _example_block(record: Mapping[str, Any], rank: int) -> str:
         corner="model \\ token",
     )
     return (
-        f'<div class="example" data-index="{record.get("index", "")}"><p>{facts}</p>'
+        f'<div class="example" data-index="{html.escape(str(record.get("index", "")), quote=True)}"><p>{facts}</p>'
         f'<p class="note">{html.escape(record["text"])}</p>{table}</div>'
     )
 

@@ -269,7 +269,7 @@ def attribution_html(
     kind = res.meta.get("head_kind", "?")
     intro = (
         f'<h2>{html.escape(method)} per token and layer</h2><p class="note">{html.escape(str(res.meta.get("model_class", "")))}'
-        f" ({html.escape(kind)}). Colour is scaled per layer (column) by its largest |score|: red positive, "
+        f" ({html.escape(str(kind))}). Colour is scaled per layer (column) by its largest |score|: red positive, "
         "blue negative; the number is the score, hover for more digits. Tokens: ␣ a space, ↵ a newline.</p>"
     )
     spreads = [res.norm_spread(r) for r in chosen]

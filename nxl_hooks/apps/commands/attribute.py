@@ -9,7 +9,14 @@
 from __future__ import annotations
 
 import argparse
-from ..options import CliError, add_attribution_options, add_loading_options, loading_options, positive_int
+from ..options import (
+    CliError,
+    add_attribution_options,
+    add_loading_options,
+    check_output_file,
+    loading_options,
+    positive_int,
+)
 
 NAME = "attribute"
 
@@ -38,25 +45,29 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pathlib import Path
-
     from rich.console import Console
 
     from ...hooks.probe import explain
+    from ...records.files import write_text
     from ...records.html import generation_html
-    from ..loading import load_model
+    from ...records.tokens import chat_text
+    from ..loading import check_length, load_model, position_limit
     from ..terminal import print_generation, show_attribution
 
     generate = args.generate
     if generate is not None and args.target != "predicted":
         raise CliError("--generate explains each emitted token: drop --target")
+    check_output_file(args.out, "--out")  # before the model loads, and before the sink opens (it truncates)
+    check_output_file(args.html, "--html")
     model, tokenizer = load_model(args.model, **loading_options(args))
+    check_length(tokenizer, chat_text(tokenizer, args.text) if args.chat else args.text, position_limit(model),
+                 more=generate or 0, what="TEXT")
     console = Console()
     if generate is not None:
         call = print_generation(model, tokenizer, args.text, generate, layers=args.layers, embedding=args.embedding,
                                 console=console, sink=args.out, chat=args.chat)
         if args.html:
-            Path(args.html).write_text(generation_html(call, title=f"{args.model}: {args.text}"), encoding="utf-8")
+            write_text(args.html, generation_html(call, title=f"{args.model}: {args.text}"))
             console.print(f"wrote {args.html}")
         return 0
     res = explain(model, tokenizer, args.text, layers=args.layers, target=args.target, embedding=args.embedding,

@@ -9,7 +9,14 @@ from typing import Any, Mapping
 
 from ..loading import QUANTIZE
 
-from ..options import add_dataset_options, add_loading_options, loading_options, parse_layers, positive_int
+from ..options import (
+    add_dataset_options,
+    add_loading_options,
+    check_output_folder,
+    loading_options,
+    parse_layers,
+    positive_int,
+)
 
 NAME = "audit"
 
@@ -36,9 +43,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from ...eval.audit import aggregate, audit_example
+    from ...hooks.probe import attach
     from ...records.tokens import chat_text
     from ..dataset import examples_from_args, place, run_dataset, scored, write_outputs
-    from ..loading import load_model
+    from ..loading import check_length, load_model, position_limit
     from ..reports import audit_report
 
     if (args.candidate is None) == (args.quantize is None):
@@ -49,6 +57,7 @@ def run(args: argparse.Namespace) -> int:
     if args.quantize is not None and loading["quantize"] is not None:
         raise ValueError("--quantize builds the candidate from an unquantized reference: drop --load-in-8bit / "
                          "--load-in-4bit (or compare two saved models with --candidate)")
+    check_output_folder(args.out)
     examples, settings = examples_from_args(args)
     settings.update(
         command=NAME,
@@ -69,12 +78,16 @@ def run(args: argparse.Namespace) -> int:
             )
     else:
         candidate, _ = load_model(args.reference, **{**loading, "quantize": args.quantize})
+    with attach(reference, layers=args.layers):  # --layers checked once here, not failed on every example
+        pass
     place(reference)
     place(candidate)
+    limit = min((n for n in (position_limit(reference), position_limit(candidate)) if n is not None), default=None)
     if args.chat:  # each text becomes the user's message; evidence words are looked for in the whole prompt
         examples = [{**example, "text": chat_text(tokenizer, example["text"])} for example in examples]
 
     def score(example: Mapping[str, Any]) -> Mapping[str, Any]:
+        check_length(tokenizer, example["text"], limit)  # recorded as this example's failure; the run goes on
         return audit_example(reference, candidate, tokenizer, example, layers=args.layers, top_k=args.top_k)
 
     records = run_dataset(examples, score, args.out, settings=settings, desc=NAME)

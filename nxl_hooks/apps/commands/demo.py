@@ -87,25 +87,24 @@ def run(args: argparse.Namespace) -> int:
     from ..loading import load_model
     from ..terminal import show_attribution
 
+    keywords = set(POSITIVE) | set(NEGATIVE)
+    hits = [i for i, word in enumerate(args.text.split()) if word in keywords] if args.text else []
+    if args.text and len(hits) != 1:  # the arguments are checked before the model loads
+        raise CliError(
+            f"the demo sentence needs exactly one sentiment keyword (found {len(hits)}), as the training "
+            f"sentences that have one; keywords: {', '.join(sorted(keywords))}"
+        )
+    if args.example is not None and not 0 <= args.example < HELD_OUT:
+        raise CliError(f"--example {args.example}: choose 0..{HELD_OUT - 1}")
     model, tokenizer = load_model(str(MODEL_DIR))
     held_out = make_examples(HELD_OUT, seed=HELD_OUT_SEED)
     ranks = held_out_ranks(model, tokenizer, held_out)
-    keywords = set(POSITIVE) | set(NEGATIVE)
     notes: list[str] = []
     if args.text:
-        words = args.text.split()
-        hits = [i for i, word in enumerate(words) if word in keywords]
-        if len(hits) != 1:
-            raise CliError(
-                f"the demo sentence needs exactly one sentiment keyword (found {len(hits)}), as the training "
-                f"sentences that have one; keywords: {', '.join(sorted(keywords))}"
-            )
         text, index = args.text, hits[0]
         notes = outside_training(text)
         intro = "your sentence"
     else:
-        if args.example is not None and not 0 <= args.example < HELD_OUT:
-            raise CliError(f"--example {args.example}: choose 0..{HELD_OUT - 1}")
         chosen = typical(ranks) if args.example is None else args.example
         text, index = held_out[chosen].text, held_out[chosen].evidence_index
         intro = f"held-out sentence {chosen}" + ("" if args.example is not None else " (typical: its keyword's "

@@ -7,7 +7,14 @@ from __future__ import annotations
 import argparse
 from typing import Any, Mapping
 
-from ..options import add_dataset_options, add_loading_options, loading_options, positive_int
+from ..options import (
+    CliError,
+    add_dataset_options,
+    add_loading_options,
+    check_output_folder,
+    loading_options,
+    positive_int,
+)
 
 NAME = "evaluate"
 
@@ -35,17 +42,20 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from ...eval import faithfulness as ev
+    from ...hooks.probe import attach
     from ...records.tokens import chat_text
     from ..dataset import examples_from_args, place, run_dataset, scored, write_outputs
-    from ..loading import load_model
+    from ..loading import check_length, load_model, position_limit
     from ..reports import evaluate_report
 
     methods = (
         list(ev.DEFAULT_METHODS) if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
     )
     unknown = sorted(set(methods) - set(ev.DEFAULT_METHODS))
-    if unknown:
-        raise ValueError(f"--methods: unknown {unknown}; choose from {', '.join(ev.DEFAULT_METHODS)} (or 'all')")
+    if unknown or not methods:
+        what = f"names unknown {unknown}" if unknown else "names no method"
+        raise CliError(f"--methods {args.methods!r} {what}; choose from {', '.join(ev.DEFAULT_METHODS)} (or 'all')")
+    check_output_folder(args.out)
     examples, settings = examples_from_args(args)
     loading = loading_options(args)
     settings.update(
@@ -60,11 +70,15 @@ def run(args: argparse.Namespace) -> int:
         gradient_aggregation=args.gradient_aggregation,
     )
     model, tokenizer = load_model(args.model, **loading)
+    with attach(model, layers=[args.layer]):  # --layer checked once here, not failed on every example
+        pass
     place(model)
+    limit = position_limit(model)
     if args.chat:  # each text becomes the user's message; evidence words are looked for in the whole prompt
         examples = [{**example, "text": chat_text(tokenizer, example["text"])} for example in examples]
 
     def score(example: Mapping[str, Any]) -> Mapping[str, Any]:
+        check_length(tokenizer, example["text"], limit)  # recorded as this example's failure; the run goes on
         return ev.score_example(model, tokenizer, example, methods, layer=args.layer, seed=args.seed,
                                 perturbation=args.perturbation, ig_steps=args.ig_steps,
                                 aggregation=args.gradient_aggregation)

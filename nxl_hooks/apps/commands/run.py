@@ -13,9 +13,17 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 
-from ..options import CliError, add_attribution_options, add_loading_options, loading_options, positive_int
+from ..options import (
+    CliError,
+    add_attribution_options,
+    add_loading_options,
+    check_output_folder,
+    loading_options,
+    positive_int,
+)
 from ..serve.settings import whole_number
 
 NAME = "run"
@@ -67,6 +75,8 @@ def run(args: argparse.Namespace) -> int:
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
     if not program:
         raise CliError("give the program to run after --, e.g. nxl run -- transformers serve ./model")
+    if shutil.which(program[0]) is None:  # before any run folder is made or remembered
+        raise CliError(f"{program[0]}: command not found (or not executable)")
     if args.listen:
         parse_listen(args.listen, allow_remote=args.allow_remote)
     load = {key: value for key, value in loading_options(args).items() if key != "head" and value is not None}
@@ -74,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--gguf-file with --load-in-8bit/--load-in-4bit: transformers refuses that combination in "
                        "the program's own from_pretrained; load the GGUF, save it, and quantize the saved folder")
     if args.sink:
+        check_output_folder(args.sink, "--sink")
         folder = make_run_dir(args.sink)
         remember(folder)
     else:

@@ -76,4 +76,7 @@ def write_token(folder: Path) -> str:
 def read_token(path: Path) -> str:
     """The token in a token file (or in ``path/token`` for a run folder)."""
     path = path / TOKEN if path.is_dir() else path
+    if not path.is_file():
+        raise FileNotFoundError(f"no token file at {path}: give the token file of the run (RUN_FOLDER/{TOKEN}, "
+                                "written by nxl run --listen)")
     return path.read_text().strip()

@@ -1,0 +1,244 @@
+"""The command line's catalogue of bad inputs (issue 12): each case exits with code 2 and one stderr line that names
+the real cause (matched like ``pytest.raises(match=...)``), never a traceback, and leaves every file that was
+there byte for byte as it was (models, datasets, earlier outputs the failed command was pointed at).
+
+The library's catalogue is tests/test_bad_inputs.py; :func:`test_readme_states_the_catalogue` checks README's
+figures against both.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import transformers
+
+import tiny
+from nxl_hooks.apps.cli import main
+from test_bad_inputs import CATALOGUE as LIBRARY_CATALOGUE
+
+TEXT = "the film was good"
+LONG = " ".join(["film"] * 100)  # 102 tokens with [CLS] and [SEP]: the tiny BERT has 64 positions
+LAYERS = r"layer 9 is out of range: this model has 2 blocks"
+
+CASES = [
+    # attribute: where the results go, checked before the model loads
+    ("out in a missing folder", ["attribute", "{bert}", TEXT, "--out", "{root}/nope/a.safetensors"],
+     r"--out .*/nope/a.safetensors: the folder .*/nope does not exist"),
+    ("out is a folder", ["attribute", "{bert}", TEXT, "--out", "{outdir}"], r"--out .*/outdir is a folder, not a file"),
+    ("html in a missing folder", ["attribute", "{bert}", TEXT, "--html", "{root}/nope/a.html"],
+     r"--html .*/nope/a.html: the folder .*/nope does not exist"),
+    ("html is a folder", ["attribute", "{bert}", TEXT, "--html", "{outdir}"], r"--html .*/outdir is a folder"),
+    ("out below a file", ["attribute", "{bert}", TEXT, "--out", "{existing_html}/a.safetensors"],
+     r"the folder .*existing.html is a file, not a folder"),
+    # attribute: the model folder
+    ("truncated weights", ["attribute", "{truncated}", TEXT, "--out", "{existing_st}"],
+     r"truncated/model.safetensors is damaged \(.*incomplete metadata.*\): it is truncated or not a safetensors"),
+    ("zeroed weights", ["attribute", "{zeroed}", TEXT], r"zeroed/model.safetensors is damaged \(.*invalid JSON"),
+    ("config does not match the weights", ["attribute", "{mismatch}", TEXT],
+     r"mismatch/config.json does not match the weights: bert.embeddings.word_embeddings.weight is \[20, 32\] in "
+     r"model.safetensors but \[20, 64\] for the config"),
+    ("config not JSON", ["attribute", "{badconfig}", TEXT], r"config file at '.*badconfig/config.json' is not a valid"),
+    ("no tokenizer", ["attribute", "{notokenizer}", TEXT], r"notokenizer has no tokenizer \(none of tokenizer.json"),
+    ("damaged tokenizer", ["attribute", "{badtokenizer}", TEXT],
+     r"badtokenizer: its tokenizer cannot be read \(JSONDecodeError"),
+    ("no model folder", ["attribute", "{root}/nope", TEXT], r"no model folder at .*/nope: check the path"),
+    ("gguf file not there", ["attribute", "{bert}", TEXT, "--gguf-file", "x.gguf"], r"has no file 'x.gguf'"),
+    ("gguf MODEL not there", ["attribute", "{root}/x.gguf", TEXT], r"no GGUF file at .*/x.gguf"),
+    # attribute: the text and the options
+    ("text beyond the positions", ["attribute", "{bert}", LONG],
+     r"TEXT is 102 tokens, but the model reads at most 64 \(config.max_position_embeddings\)"),
+    ("text beyond the positions, --out existing", ["attribute", "{bert}", LONG, "--out", "{existing_st}",
+                                                   "--html", "{existing_html}"], r"TEXT is 102 tokens"),
+    ("generate beyond the positions", ["attribute", "{llama}", TEXT, "--generate", "3000", "--out", "{existing_nxl}"],
+     r"TEXT is 6 tokens plus 3000 to generate, but the model reads at most 2048"),
+    ("text not UTF-8", ["attribute", "{bert}", "caf\udce9 film"], r"argument b'caf\\xe9 film' is not UTF-8 text"),
+    ("generate on a classifier, --out existing", ["attribute", "{bert}", TEXT, "--generate", "2", "--out",
+                                                  "{existing_nxl}"],
+     r"sink: these record generate\(\) steps, but BertForSequenceClassification"),
+    ("target not in the vocabulary", ["attribute", "{llama}", TEXT, "--target", "zebra"],
+     r"target 'zebra' is not a single token in the vocabulary"),
+    ("label not the model's", ["attribute", "{bert}", TEXT, "--target", "joyful"],
+     r"label 'joyful' is not one of the model's labels"),
+    ("layer out of range", ["attribute", "{bert}", TEXT, "--layers", "9"], LAYERS),
+    ("layers not a list", ["attribute", "{bert}", TEXT, "--layers", "x"],
+     r"argument --layers: 'x': use 'all', 'last' or a comma list"),
+    ("generate with target", ["attribute", "{llama}", TEXT, "--generate", "2", "--target", "1"],
+     r"--generate explains each emitted token: drop --target"),
+    ("chat without a template", ["attribute", "{bert}", TEXT, "--chat"], r"this tokenizer has no chat template"),
+    ("8bit and 4bit", ["attribute", "{bert}", TEXT, "--load-in-8bit", "--load-in-4bit"],
+     r"--load-in-8bit and --load-in-4bit exclude each other"),
+    ("unknown option", ["attribute", "{bert}", TEXT, "--colour", "1"], r"unrecognized arguments: --colour 1"),
+    # evaluate: the dataset
+    ("csv row with extra cells", ["evaluate", "{bert}", "{extra_csv}", "--out", "{root}/o"],
+     r"extra.csv:3 has 3 cells but the header names 2: quote cells that hold a comma"),
+    ("deeply nested JSON line", ["evaluate", "{bert}", "{nested}", "--out", "{root}/o"],
+     r"nested.jsonl:2 is not valid JSON \(nested too deeply to read\)"),
+    ("dataset not UTF-8", ["evaluate", "{bert}", "{latin1}", "--out", "{root}/o"],
+     r"latin1.jsonl:2 is not UTF-8 text \(byte b'\\xe9'\): save the file as UTF-8"),
+    ("empty dataset", ["evaluate", "{bert}", "{empty}", "--out", "{root}/o"], r"empty.jsonl holds no examples"),
+    ("line without text", ["evaluate", "{bert}", "{notext}", "--out", "{root}/o"],
+     r"notext.jsonl:1 has no non-empty 'text' field \(it has \['sentence'\]\); pick it with --text-field"),
+    ("line not JSON", ["evaluate", "{bert}", "{badline}", "--out", "{root}/o"], r"badline.jsonl:2 is not valid JSON"),
+    ("csv evidence not JSON", ["evaluate", "{bert}", "{badevidence}", "--out", "{root}/o"],
+     r"badevidence.csv:2: field 'evidence': Expecting value"),
+    ("no dataset", ["evaluate", "{bert}", "{root}/nope.jsonl", "--out", "{root}/o"], r"no dataset at .*nope.jsonl"),
+    ("dataset is a folder", ["evaluate", "{bert}", "{outdir}", "--out", "{root}/o"], r"no dataset at .*outdir"),
+    ("hub dataset spec", ["evaluate", "{bert}", "hf:x", "--out", "{root}/o"], r"'hf:x': write a hub dataset as"),
+    # evaluate: options and the output folder
+    ("methods empty", ["evaluate", "{bert}", "{data}", "--out", "{root}/o", "--methods", ""],
+     r"--methods '' names no method; choose from random"),
+    ("methods unknown", ["evaluate", "{bert}", "{data}", "--out", "{root}/o", "--methods", "logat,shap"],
+     r"--methods 'logat,shap' names unknown \['shap'\]"),
+    ("evaluate out is a file", ["evaluate", "{bert}", "{data}", "--out", "{existing_html}"],
+     r"--out .*existing.html: .*existing.html is a file, not a folder"),
+    ("evaluate layer out of range", ["evaluate", "{bert}", "{data}", "--out", "{outdir}", "--layer", "9"], LAYERS),
+    ("evaluate damaged weights", ["evaluate", "{truncated}", "{data}", "--out", "{outdir}"],
+     r"truncated/model.safetensors is damaged"),
+    ("evaluate limit 0", ["evaluate", "{bert}", "{data}", "--out", "{outdir}", "--limit", "0"],
+     r"argument --limit: '0': give a whole number of at least 1"),
+    # audit
+    ("audit without a candidate", ["audit", "--reference", "{bert}", "{data}", "--out", "{outdir}"],
+     r"give exactly one of --candidate MODEL or --quantize"),
+    ("audit candidate without tokenizer", ["audit", "--reference", "{bert}", "--candidate", "{notokenizer}", "{data}",
+                                           "--out", "{outdir}"], r"notokenizer has no tokenizer"),
+    ("audit candidate config mismatch", ["audit", "--reference", "{bert}", "--candidate", "{mismatch}", "{data}",
+                                         "--out", "{outdir}"], r"config.json does not match the weights"),
+    ("audit layers out of range", ["audit", "--reference", "{bert}", "--candidate", "{bert}", "{data}", "--out",
+                                   "{outdir}", "--layers", "9"], LAYERS),
+    ("audit out is a file", ["audit", "--reference", "{bert}", "--candidate", "{bert}", "{data}", "--out",
+                             "{existing_html}"], r"existing.html is a file, not a folder"),
+    ("audit csv extra cells", ["audit", "--reference", "{bert}", "--quantize", "8bit", "{extra_csv}", "--out",
+                               "{outdir}"], r"extra.csv:3 has 3 cells"),
+    # demo: the arguments are checked before its model loads
+    ("demo text not UTF-8", ["demo", "the plot was \udcff good"], r"argument b'the plot was \\xff good' is not UTF-8"),
+    ("demo two keywords", ["demo", "good and terrible"], r"exactly one sentiment keyword \(found 2\)"),
+    ("demo example out of range", ["demo", "--example", "5000"], r"--example 5000: choose 0..999"),
+    # run, tail, ctl
+    ("run sink is a file", ["run", "--sink", "{existing_html}", "--", "true"],
+     r"--sink .*existing.html: .*existing.html is a file, not a folder"),
+    ("run without a program", ["run", "--sink", "{outdir}"], r"give the program to run after --"),
+    ("run program not found", ["run", "--", "{root}/no-such-program"],
+     r"no-such-program: command not found \(or not executable\)"),
+    ("tail run not there", ["tail", "--run", "{root}/nope"], r"nope: no run folder or control socket there"),
+    ("tail run without sockets", ["tail", "--run", "{outdir}"], r"outdir: no running process has a control socket"),
+    ("tail http without token", ["tail", "--run", "http://127.0.0.1:9"], r"needs its bearer token: pass --token-file"),
+    ("tail token file not there", ["tail", "--run", "http://127.0.0.1:9", "--token-file", "{root}/nope"],
+     r"no token file at .*nope: give the token file of the run"),
+    ("ctl run is a file", ["ctl", "status", "--run", "{existing_html}"], r"no run folder or control socket there"),
+    ("ctl https", ["ctl", "pause", "--run", "https://127.0.0.1:9"], r"speaks plain HTTP on loopback; use http://"),
+    ("ctl unknown action", ["ctl", "stop"], r"argument action: invalid choice: 'stop'"),
+]
+CLI_CATALOGUE = [case[0] for case in CASES]
+
+
+@pytest.fixture(scope="module")
+def where(tmp_path_factory) -> dict[str, str]:
+    """The files the cases use: tiny models (whole, damaged, mismatched), datasets, and earlier outputs."""
+    root = tmp_path_factory.mktemp("cli")
+    bert = tiny.save_model(root / "bert", "bert")
+    llama = tiny.save_model(root / "llama", "llama")
+    weights = (bert / "model.safetensors").read_bytes()
+    damaged = {
+        "truncated": lambda p: (p / "model.safetensors").write_bytes(weights[: len(weights) // 2]),
+        "zeroed": lambda p: (p / "model.safetensors").write_bytes(bytes(len(weights))),
+        "mismatch": lambda p: (p / "config.json").write_text(json.dumps(
+            {**json.loads((p / "config.json").read_text()), "hidden_size": 64, "intermediate_size": 128})),
+        "badconfig": lambda p: (p / "config.json").write_text("{oops"),
+        "notokenizer": lambda p: [(p / f).unlink() for f in ("tokenizer.json", "tokenizer_config.json")],
+        "badtokenizer": lambda p: (p / "tokenizer.json").write_text("{oops"),
+    }
+    paths = {"root": str(root), "bert": str(bert), "llama": str(llama)}
+    for name, damage in damaged.items():
+        shutil.copytree(bert, root / name)
+        damage(root / name)
+        paths[name] = str(root / name)
+    good = '{"text": "the film was good", "label": 1}\n'
+    datasets = {  # key in the cases: file name, content
+        "data": ("data.jsonl", good * 2),
+        "extra_csv": ("extra.csv", "text,label\nthe film,1\nthe plot,0,oops\n"),
+        "nested": ("nested.jsonl", good + '{"text": "a", "x": ' + "[" * 100_000 + "]" * 100_000 + "}\n"),
+        "latin1": ("latin1.jsonl", good.encode() + '{"text": "café"}\n'.encode("latin-1")),
+        "empty": ("empty.jsonl", "\n\n"),
+        "notext": ("notext.jsonl", '{"sentence": "the film"}\n'),
+        "badline": ("badline.jsonl", good + "{oops\n"),
+        "badevidence": ("badevidence.csv", 'text,evidence\nthe film,"[oops"\n'),
+    }
+    for key, (name, content) in datasets.items():
+        (root / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+        paths[key] = str(root / name)
+    outdir = root / "outdir"  # an earlier run's folder, and earlier single-file outputs
+    outdir.mkdir()
+    (outdir / "summary.json").write_text('{"n": 1}\n')
+    for key, name in (("existing_st", "existing.safetensors"), ("existing_html", "existing.html"),
+                      ("existing_nxl", "existing.nxl")):
+        (root / name).write_bytes(f"precious {name}\n".encode() * 8)
+        paths[key] = str(root / name)
+    paths["outdir"] = str(outdir)
+    return paths
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture()
+def quiet():
+    """No progress bars on stderr: what is left there is what nxl itself says."""
+    transformers.utils.logging.disable_progress_bar()
+    yield
+    transformers.utils.logging.enable_progress_bar()
+
+
+@pytest.mark.parametrize("argv, message", [pytest.param(*case[1:], id=case[0]) for case in CASES])
+def test_bad_cli_input(where, quiet, capsys, monkeypatch, argv, message):
+    monkeypatch.setenv("NXL_TOKEN", "")
+    root = Path(where["root"])
+    before = _tree(root)
+    assert main([arg.format(**where) for arg in argv]) == 2
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert re.match(r"nxl( \w+)?: error: ", lines[0]) and re.search(message, lines[0]), lines[0]
+    assert _tree(root) == before  # nothing created, nothing changed, nothing removed
+
+
+def test_evaluate_records_a_text_too_long_and_goes_on(where, quiet, tmp_path, capsys):
+    """One text beyond the model's positions: recorded as failed with its reason, the others scored; a rerun
+    resumes without retrying it (the records on disk stay as they were)."""
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(e) + "\n" for e in [{"id": "a", "text": "the film was good", "label": 1},
+                                                             {"id": "long", "text": LONG, "label": 0},
+                                                             {"id": "c", "text": "bad plot", "label": 0}]))
+    argv = ["evaluate", where["bert"], str(data), "--out", str(tmp_path / "out"), "--methods", "logat,random"]
+    assert main(argv) == 0
+    summary = json.loads((tmp_path / "out" / "summary.json").read_text())
+    assert summary["n"] == 2 and summary["failed"] == [
+        {"index": 1, "id": "long", "error": "ValueError: the text is 102 tokens, but the model reads at most 64 "
+                                            "(config.max_position_embeddings): shorten it"}]
+    assert [r["id"] for r in map(json.loads, (tmp_path / "out" / "records.jsonl").read_text().splitlines())] == [
+        "a", "c"]
+    part = tmp_path / "out" / "parts" / "part-0.jsonl"
+    before = part.read_bytes()
+    assert "example 1 failed, recorded" in capsys.readouterr().err
+    assert main(argv) == 0
+    assert part.read_bytes() == before and "failed, recorded" not in capsys.readouterr().err  # not retried
+
+
+def test_readme_states_the_catalogue():
+    """README's figures are the collected catalogues: the library's and the command line's, every case a clear
+    error (each test above asserts it)."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    total = len(LIBRARY_CATALOGUE) + len(CLI_CATALOGUE)
+    sentence = (r"(\d+) bad inputs \((\d+) to the library and files, (\d+) to the command line\): all (\d+) "
+                r"give a clear error")
+    found = re.search(sentence.replace(" ", r"\s+"), readme)  # README wraps its lines anywhere
+    assert found, "README's bad-input figures are missing"
+    expected = [total, len(LIBRARY_CATALOGUE), len(CLI_CATALOGUE), total]
+    assert [int(n) for n in found.groups()] == expected, (
+        f"README should say: {total} bad inputs ({expected[1]} to the library and files, {expected[2]} to the "
+        f"command line): all {total} give a clear error")
+    assert len(set(CLI_CATALOGUE)) == len(CLI_CATALOGUE)
