@@ -6,11 +6,14 @@ one token with and without a leading space. Numbers are checked against the orac
 ``output_hidden_states=True`` with the head by hand).
 """
 
+import io
 import json
 import unicodedata
 
 import pytest
 import torch
+from rich.console import Console
+from safetensors import safe_open
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
@@ -20,6 +23,7 @@ import nxl_hooks as nxl
 import oracle
 import tiny
 from nxl_hooks.apps.options import parse_target
+from nxl_hooks.apps.terminal import show_attribution
 from nxl_hooks.records.tokens import chat_text, readable, readable_ids, visible
 
 PROMPT = "The capital of France is"
@@ -149,6 +153,22 @@ def test_saved_files_keep_texts_and_old_files_still_load(model, tok, tmp_path):
     assert old.readable is None and old.probability is None and old.input_ids is None
     assert old.token_labels(0)[-1] == "Ċ" and old.target_info(0) == [
         {"id": int(res.target[0]), "text": None, "probability": None}]
+
+
+def test_a_target_record_without_its_request_loads_and_renders(model, tok, tmp_path):
+    """A file whose ``meta["targets"]`` records lack their request (a damaged key, found by tests/test_fuzz.py; or
+    written by another tool): each target is named by its own text, id and probability."""
+    res = nxl.explain(model, tok, PROMPT, target=parse_target(" are, is"))
+    with safe_open(str(res.save(tmp_path / "a.safetensors")), framework="pt") as fh:
+        header, tensors = json.loads(fh.metadata()["nxl_hooks"]), {name: fh.get_tensor(name) for name in fh.keys()}
+    header["meta"]["targets"] = [[{"sequest": " are"}, {"request": 5, "note": None}]]
+    save_file(tensors, str(tmp_path / "damaged.safetensors"), metadata={"nxl_hooks": json.dumps(header)})
+    back = nxl.Attribution.load(tmp_path / "damaged.safetensors")
+    probability = res.probability[0].tolist()
+    for k, (token, text) in enumerate(zip(res.target[0].tolist(), ("␣are", "␣is"))):
+        assert back.target_label(0, k) == f"{text!r} (id {token}, p {probability[k]:.3g})"
+    assert "␣are" in back.to_html()  # the page and the terminal still render
+    show_attribution(back, Console(file=io.StringIO(), width=200))
 
 
 def test_chat_text_uses_the_template_and_never_doubles_bos(tok):

@@ -137,11 +137,17 @@ class Attribution:
         _require(prediction is None or (isinstance(prediction, list) and len(prediction) == rows and all(
             isinstance(p, list) and p and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in p)
             for p in prediction)), f"meta['prediction'] must be one list of numbers per row ({rows} rows)")
+        k = 1 if self.target.dim() == 1 else self.target.shape[1]
+        targets = self.meta.get("targets")  # how requests were read: one list per row, or one for all rows
+        _require(targets is None or (isinstance(targets, list) and len(targets) in (1, rows) and all(
+            isinstance(row, list) and len(row) == k and all(
+                isinstance(one, dict) and isinstance(one.get("note"), (str, type(None))) for one in row)
+            for row in targets)), f"meta['targets'] must be a list of {k} target record(s) (JSON objects, 'note' a "
+                 f"string or null) per row, for 1 or {rows} rows")
         for name in ("tokens", "readable"):
             rows_of = getattr(self, name)
             _require(rows_of is None or _strings(rows_of, rows, seq),
                      f"{name} must be {rows} list(s) of {seq} token strings, one per position")
-        k = 1 if self.target.dim() == 1 else self.target.shape[1]
         _require(self.target_text is None or _strings(self.target_text, rows, k),
                  f"target_text must be {rows} list(s) of {k} strings, one per explained target")
         if self.input_ids is not None:
@@ -224,7 +230,8 @@ class Attribution:
         info = self.target_info(row)[label]
         text = info["text"] if info["text"] is not None else str(info["id"])
         how = self.resolution(row, label)
-        request = how["request"] if how and isinstance(how["request"], str) and how["request"] != text else None
+        request = how.get("request") if how else None  # any JSON (an id, a word), or absent from a foreign file
+        request = request if isinstance(request, str) and request != text else None
         prob = "" if info["probability"] is None else f", p {info['probability']:.3g}"
         return (f"{request!r} -> " if request is not None else "") + f"{text!r} (id {info['id']}{prob})"
 
