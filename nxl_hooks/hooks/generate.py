@@ -257,11 +257,27 @@ class Run:
 
     def emit(self, token: torch.Tensor) -> None:
         """The step record of ``token`` (batch,), emitted at the position after the last one fed."""
-        plan, position = self._plan, self._n
         token = token.long()
-        batch = token.shape[0]
         token_cpu = token.cpu()
         ids = token_cpu.tolist()  # once per step: the readable texts and the EOS check read it
+        active = self._active
+        if active is None:
+            active = self._active = torch.ones(token.shape[0], dtype=torch.bool, device=token.device)
+        # Nobody to hand it to (keep_steps=False, no on_step, sink or subscriber): the record is not made.
+        step = self._record(token, token_cpu, ids, active) if self._hub.listened else None
+        self._real.append(active)
+        if self._eos:
+            ended = [i in self._eos for i in ids]
+            if any(ended):
+                self._active = active & ~torch.tensor(ended, device=active.device)
+                if self._partial_from is None:
+                    self._partial_from = len(self._real)  # from the next step on, some rows only pad
+        self._pending = False
+        if step is not None:
+            self._hub.publish(self.call, step)
+
+    def _record(self, token: torch.Tensor, token_cpu: torch.Tensor, ids: list[int], active: torch.Tensor) -> Step:
+        plan, position, batch = self._plan, self._n, token.shape[0]
         targets = plan.explained(token[:, None])
         probability = None
         if self._log_probs is not None:
@@ -275,24 +291,12 @@ class Run:
             logat = logat.view(*features.shape[:3], -1).permute(2, 0, 1, 3)
             embed = self._embed.view()
             logat, normxlogit, targets = plan.scores(logat, embed, targets)
-        active = self._active
-        if active is None:
-            active = self._active = torch.ones(batch, dtype=torch.bool, device=token.device)
         # copies, not views of the growing buffers, which a use_cache=False forward rewrites in place
-        step = Step(call=self.call.index, step=position - self._prompt_len, position=position, token=token_cpu,
+        return Step(call=self.call.index, step=position - self._prompt_len, position=position, token=token_cpu,
                     target=targets.cpu(), normxlogit=normxlogit.cpu(), logat=logat.cpu(),
                     embed_norm=embed.to("cpu", copy=True), mask=self._mask.view().to("cpu", copy=True),
                     active=active.to("cpu", copy=True), layers=list(plan.layers), n_blocks=plan.n_blocks,
                     probability=probability, readable=plan.readable(ids))
-        self._real.append(active)
-        if self._eos:
-            ended = [i in self._eos for i in ids]
-            if any(ended):
-                self._active = active & ~torch.tensor(ended, device=active.device)
-                if self._partial_from is None:
-                    self._partial_from = len(self._real)  # from the next step on, some rows only pad
-        self._pending = False
-        self._hub.publish(self.call, step)
 
 
 class Generations:
