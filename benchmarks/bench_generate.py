@@ -3,9 +3,12 @@
     python benchmarks/bench_generate.py [--repeats 7] [--threads 1] [--device cpu] [--out benchmarks/results/generate_cpu.json]
 
 Model: random-init Llama, hidden 512, 8 layers, vocab 32000 (as benchmarks/bench_forward.py); a 128-token prompt,
-64 new tokens, greedy. Variants run interleaved in one process (the machine is shared and noisy); medians are
-reported and ratios are of medians measured side by side. "attached": generate under ``nxl.attach(layers="all")``,
-which builds one record per new token (all 9 layers × the whole context). "inseq_saliency": inseq's ``saliency``
+64 new tokens, greedy. Every round runs the variants back to back in a rotating order and each ratio is taken
+against the plain generate of the same round; the report gives the median of those paired ratios (the machine is
+shared and noisy: medians of separate series swing by 5%). "attached": generate under
+``nxl.attach(layers="all")``, which builds one record per new token (all 9 layers × the whole context);
+"attached_sink": the same, every record also written to a sink file (as ``nxl run --sink`` does).
+"inseq_saliency": inseq's ``saliency``
 on the same prompt, generating the same 64 tokens itself and attributing each with a gradient pass; it runs only
 where ``import inseq`` works (it is no dependency of nxl_hooks; the JSON says why it did not run otherwise).
 """
@@ -16,6 +19,7 @@ import argparse
 import importlib.metadata
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -98,7 +102,15 @@ def main() -> None:
         assert len(probe.steps) == args.new
         return seconds
 
-    variants = {"plain": lambda: timed(plain, device), "attached": attached}
+    sink_folder = tempfile.TemporaryDirectory()
+
+    def attached_sink():
+        with nxl.attach(model, layers="all", sink=Path(sink_folder.name) / "run.nxl") as probe:
+            seconds = timed(lambda: model.generate(**generation), device)
+        assert len(probe.steps) == args.new
+        return seconds
+
+    variants = {"plain": lambda: timed(plain, device), "attached": attached, "attached_sink": attached_sink}
     inseq_note = "skipped (--no-inseq)"
     if not args.no_inseq:
         tokenizer = _word_tokenizer(config.vocab_size)
@@ -110,21 +122,28 @@ def main() -> None:
                           ".attribute(prompt, generation_args=greedy), the same tokens as plain generate")
 
     times: dict[str, list[float]] = {name: [] for name in variants}
+    ratios: dict[str, list[float]] = {name: [] for name in variants if name != "plain"}
+    names = list(variants)
     with torch.no_grad():
         for round_ in range(args.repeats + 1):  # round 0 warms up and is dropped
             measured = {}
-            for name, run in variants.items():
+            shift = round_ % len(names)
+            for name in names[shift:] + names[:shift]:
                 if name != "inseq_saliency":
-                    measured[name] = run()
+                    measured[name] = variants[name]()
                 elif 1 <= round_ <= args.inseq_repeats:
                     with torch.enable_grad():  # gradients are inseq's method
-                        measured[name] = run()
+                        measured[name] = variants[name]()
             if round_:
                 for name, seconds in measured.items():
                     times[name].append(seconds)
+                    if name != "plain":
+                        ratios[name].append(seconds / measured["plain"])
             print(f"round {round_}: " + ", ".join(f"{n} {v:.2f}s" for n, v in measured.items()), file=sys.stderr)
 
+    sink_folder.cleanup()
     median = {name: statistics.median(values) for name, values in times.items()}
+    paired = {name: statistics.median(values) for name, values in ratios.items() if values}
     with nxl.attach(model, layers="all") as probe:
         model.generate(**generation)
     cache_bytes = probe.steps[-1].normxlogit.shape[0] * config.hidden_size * 4  # float32 features, batch 1
@@ -136,9 +155,11 @@ def main() -> None:
                   "new_tokens": args.new, "batch": 1, "decoding": "greedy"},
         "repeats": {name: len(values) for name, values in times.items()},
         "median_seconds": median,
-        "attached_over_plain": median["attached"] / median["plain"],
-        "goal_attached_over_plain": 1.10,
-        "inseq_saliency_over_plain": median["inseq_saliency"] / median["plain"] if "inseq_saliency" in median else None,
+        "paired_ratio_medians": paired,
+        "attached_over_plain": paired["attached"],
+        "attached_sink_over_plain": paired["attached_sink"],
+        "goal_attached_over_plain": 1.05,
+        "inseq_saliency_over_plain": paired.get("inseq_saliency"),
         "inseq": inseq_note,
         "feature_cache_bytes_per_token_all_layers": cache_bytes,
         "same_tokens_as_plain": bool(torch.equal(torch.stack([s.token for s in probe.steps], 1).to(device),
