@@ -1,6 +1,7 @@
 """Cost of attributing every generated token while generate runs, versus plain generate (and inseq, if present).
 
-    python benchmarks/bench_generate.py [--repeats 7] [--threads 1] [--device cpu] [--out benchmarks/results/generate_cpu.json]
+    python benchmarks/bench_generate.py [--repeats 7] [--threads 1] [--clock wall|cpu] [--device cpu] \\
+        [--out benchmarks/results/generate_cpu.json]
 
 Model: random-init Llama, hidden 512, 8 layers, vocab 32000 (as benchmarks/bench_forward.py); a 128-token prompt,
 64 new tokens, greedy. Every round runs the variants back to back in a rotating order and each ratio is taken
@@ -26,7 +27,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import nxl_hooks as nxl
-from _common import device_label, emit, timed
+from _common import CLOCKS, device_label, emit, load_average, timed
 
 
 def _word_tokenizer(vocab_size: int):
@@ -76,9 +77,12 @@ def main() -> None:
                         help="rounds that also time inseq (it is ~10x slower; its check run is its warm-up)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's); 1 is steadier on a shared machine")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall seconds, or this process's CPU seconds (steadier on a busy shared machine)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
     device = torch.device(args.device)
+    load_before = load_average()
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -98,7 +102,7 @@ def main() -> None:
 
     def attached():  # attach/detach stay outside the timed region, as in a server loop
         with nxl.attach(model, layers="all") as probe:
-            seconds = timed(lambda: model.generate(**generation), device)
+            seconds = timed(lambda: model.generate(**generation), device, args.clock)
         assert len(probe.steps) == args.new
         return seconds
 
@@ -106,18 +110,18 @@ def main() -> None:
 
     def attached_sink():
         with nxl.attach(model, layers="all", sink=Path(sink_folder.name) / "run.nxl") as probe:
-            seconds = timed(lambda: model.generate(**generation), device)
+            seconds = timed(lambda: model.generate(**generation), device, args.clock)
         assert len(probe.steps) == args.new
         return seconds
 
-    variants = {"plain": lambda: timed(plain, device), "attached": attached, "attached_sink": attached_sink}
+    variants = {"plain": lambda: timed(plain, device, args.clock), "attached": attached, "attached_sink": attached_sink}
     inseq_note = "skipped (--no-inseq)"
     if not args.no_inseq:
         tokenizer = _word_tokenizer(config.vocab_size)
         prompt = " ".join(f"w{int(i)}" for i in ids[0])
         inseq_run, inseq_note = _inseq_variant(model, tokenizer, prompt, args.new, reference)
         if inseq_run is not None:
-            variants["inseq_saliency"] = lambda: timed(inseq_run, device)
+            variants["inseq_saliency"] = lambda: timed(inseq_run, device, args.clock)
             inseq_note = (f"ran inseq {importlib.metadata.version('inseq')}: load_model(model, 'saliency')"
                           ".attribute(prompt, generation_args=greedy), the same tokens as plain generate")
 
@@ -151,6 +155,8 @@ def main() -> None:
         "benchmark": "generate",
         "device": device_label(device),
         "torch": torch.__version__,
+        "clock": args.clock,
+        "load_average": {"before": load_before, "after": load_average()},
         "model": {"arch": "llama", "hidden": 512, "layers": 8, "vocab": 32000, "prompt_tokens": args.prompt,
                   "new_tokens": args.new, "batch": 1, "decoding": "greedy"},
         "repeats": {name: len(values) for name, values in times.items()},

@@ -14,7 +14,8 @@ import copy
 import torch
 from torch import nn
 
-__all__ = ["DeviceOf", "input_device", "module_device", "offloaded", "plain", "readable", "replica", "weights_materialized"]
+__all__ = ["DeviceOf", "input_device", "module_device", "offloaded", "plain", "readable", "replica",
+           "weights_materialized"]
 
 
 def module_device(module: nn.Module) -> torch.device:

@@ -76,7 +76,8 @@ def _blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
         data = (value.view(torch.int16) if value.dtype == torch.bfloat16 else value).numpy().tobytes()  # C order
         end = offset + len(data)
         shape = ",".join(map(str, value.shape))
-        entries.append(f'"{name}":{{"dtype":"{_DTYPES[value.dtype]}","shape":[{shape}],"data_offsets":[{offset},{end}]}}')
+        entries.append(f'"{name}":{{"dtype":"{_DTYPES[value.dtype]}","shape":[{shape}],'
+                       f'"data_offsets":[{offset},{end}]}}')
         parts.append(data)
         offset = end
     text = ",".join([f'"__metadata__":{json.dumps(metadata, separators=(",", ":"))}', *entries]).join("{}").encode()
