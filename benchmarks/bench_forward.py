@@ -16,6 +16,7 @@ of separate series, or best-of, swing by 5%). Model: random-init Llama, hidden 5
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 from pathlib import Path
 
@@ -97,6 +98,7 @@ def main() -> None:
         "torch": torch.__version__,
         "clock": args.clock,
         "load_average": {"before": load_before, "after": load_average()},
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),  # PASSIVE: idle threads sleep, CPU time = work
         "model": {"arch": "llama", "hidden": 512, "layers": 8, "vocab": 32000, "tokens": args.tokens, "batch": 1},
         "repeats": args.repeats,
         "median_seconds": median,

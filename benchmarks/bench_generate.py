@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import statistics
 import sys
 import tempfile
@@ -157,6 +158,7 @@ def main() -> None:
         "torch": torch.__version__,
         "clock": args.clock,
         "load_average": {"before": load_before, "after": load_average()},
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),  # PASSIVE: idle threads sleep, CPU time = work
         "model": {"arch": "llama", "hidden": 512, "layers": 8, "vocab": 32000, "prompt_tokens": args.prompt,
                   "new_tokens": args.new, "batch": 1, "decoding": "greedy"},
         "repeats": {name: len(values) for name, values in times.items()},
