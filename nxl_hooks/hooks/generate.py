@@ -28,7 +28,8 @@ device_map); ``cache_device="cpu"`` keeps it off the accelerator, and the per-st
 CPU. Nothing vocabulary-sized is kept: per step only the emitted token's row of the readout is read, once for all
 layers (a quantized or adapter-wrapped readout is called instead, which is vocabulary-sized while it runs).
 The records themselves are the caller's: 2 × 4 B × layers × batch × context per step (normxlogit and logat);
-``keep_steps=False`` with ``on_step`` / ``sink`` streams them out without keeping them.
+``keep_steps=False`` with ``on_step`` / ``sink`` streams them out without keeping them (and with none of those,
+nor a :meth:`~nxl_hooks.Probe.stream` subscriber, a step's record is not even made).
 
 Not recorded (the call runs unchanged, ``GenerationCall.error`` says why): beam search (beams are reordered and
 pruned between steps, so a row is not one sequence), assisted / speculative decoding and generate resuming from a
