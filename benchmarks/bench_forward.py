@@ -1,6 +1,7 @@
 """Cost of an attached forward versus a plain one, and versus a full-vocabulary logit lens.
 
-    python benchmarks/bench_forward.py [--repeats 30] [--device cpu] [--out benchmarks/results/forward_cpu.json]
+    python benchmarks/bench_forward.py [--repeats 30] [--threads 2] [--clock wall|cpu] [--device cpu] \\
+        [--out benchmarks/results/forward_cpu.json]
 
 Two ways of using the probe are timed, each with ``result()``:
 
@@ -15,6 +16,7 @@ of separate series, or best-of, swing by 5%). Model: random-init Llama, hidden 5
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 from pathlib import Path
 
@@ -22,7 +24,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import nxl_hooks as nxl
-from _common import device_label, emit, timed
+from _common import CLOCKS, device_label, emit, load_average, timed
 
 
 def main() -> None:
@@ -30,9 +32,15 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall seconds, or this process's CPU seconds (steadier on a busy shared machine)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
     device = torch.device(args.device)
+    load_before = load_average()
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
@@ -51,7 +59,7 @@ def main() -> None:
 
     def server():  # attach/detach stay outside the timed region, as in a server loop
         with nxl.attach(model, layers="all") as probe:
-            return timed(lambda: (model(input_ids=ids), probe.result()), device)
+            return timed(lambda: (model(input_ids=ids), probe.result()), device, args.clock)
 
     def once():
         def run():
@@ -59,7 +67,7 @@ def main() -> None:
                 model(input_ids=ids)
             probe.result()
 
-        return timed(run, device)
+        return timed(run, device, args.clock)
 
     def measure(variants: dict) -> tuple[dict[str, list[float]], dict[str, list[float]]]:
         times: dict[str, list[float]] = {name: [] for name in variants}
@@ -76,10 +84,10 @@ def main() -> None:
         return times, ratios
 
     with torch.no_grad():
-        times, ratios = measure({"plain": lambda: timed(plain, device), "server": server, "once": once})
+        times, ratios = measure({"plain": lambda: timed(plain, device, args.clock), "server": server, "once": once})
         # Apart: the lens allocates layers x tokens x vocabulary floats, which would disturb whatever runs next.
-        lens_times, lens_ratios = measure({"plain": lambda: timed(plain, device),
-                                           "logit_lens": lambda: timed(logit_lens, device)})
+        lens_times, lens_ratios = measure({"plain": lambda: timed(plain, device, args.clock),
+                                           "logit_lens": lambda: timed(logit_lens, device, args.clock)})
     times["logit_lens"], ratios["logit_lens"] = lens_times["logit_lens"], lens_ratios["logit_lens"]
 
     median = {name: statistics.median(values) for name, values in times.items()}
@@ -88,6 +96,9 @@ def main() -> None:
         "benchmark": "forward",
         "device": device_label(device),
         "torch": torch.__version__,
+        "clock": args.clock,
+        "load_average": {"before": load_before, "after": load_average()},
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),  # PASSIVE: idle threads sleep, CPU time = work
         "model": {"arch": "llama", "hidden": 512, "layers": 8, "vocab": 32000, "tokens": args.tokens, "batch": 1},
         "repeats": args.repeats,
         "median_seconds": median,

@@ -1,11 +1,15 @@
 """Cost of attributing every generated token while generate runs, versus plain generate (and inseq, if present).
 
-    python benchmarks/bench_generate.py [--repeats 7] [--threads 1] [--device cpu] [--out benchmarks/results/generate_cpu.json]
+    python benchmarks/bench_generate.py [--repeats 7] [--threads 1] [--clock wall|cpu] [--device cpu] \\
+        [--out benchmarks/results/generate_cpu.json]
 
 Model: random-init Llama, hidden 512, 8 layers, vocab 32000 (as benchmarks/bench_forward.py); a 128-token prompt,
-64 new tokens, greedy. Variants run interleaved in one process (the machine is shared and noisy); medians are
-reported and ratios are of medians measured side by side. "attached": generate under ``nxl.attach(layers="all")``,
-which builds one record per new token (all 9 layers × the whole context). "inseq_saliency": inseq's ``saliency``
+64 new tokens, greedy. Every round runs the variants back to back in a rotating order and each ratio is taken
+against the plain generate of the same round; the report gives the median of those paired ratios (the machine is
+shared and noisy: medians of separate series swing by 5%). "attached": generate under
+``nxl.attach(layers="all")``, which builds one record per new token (all 9 layers × the whole context);
+"attached_sink": the same, every record also written to a sink file (as ``nxl run --sink`` does).
+"inseq_saliency": inseq's ``saliency``
 on the same prompt, generating the same 64 tokens itself and attributing each with a gradient pass; it runs only
 where ``import inseq`` works (it is no dependency of nxl_hooks; the JSON says why it did not run otherwise).
 """
@@ -14,15 +18,17 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import os
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import nxl_hooks as nxl
-from _common import device_label, emit, timed
+from _common import CLOCKS, device_label, emit, load_average, timed
 
 
 def _word_tokenizer(vocab_size: int):
@@ -72,9 +78,12 @@ def main() -> None:
                         help="rounds that also time inseq (it is ~10x slower; its check run is its warm-up)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch CPU threads (default: torch's); 1 is steadier on a shared machine")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall seconds, or this process's CPU seconds (steadier on a busy shared machine)")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
     device = torch.device(args.device)
+    load_before = load_average()
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -94,37 +103,52 @@ def main() -> None:
 
     def attached():  # attach/detach stay outside the timed region, as in a server loop
         with nxl.attach(model, layers="all") as probe:
-            seconds = timed(lambda: model.generate(**generation), device)
+            seconds = timed(lambda: model.generate(**generation), device, args.clock)
         assert len(probe.steps) == args.new
         return seconds
 
-    variants = {"plain": lambda: timed(plain, device), "attached": attached}
+    sink_folder = tempfile.TemporaryDirectory()
+
+    def attached_sink():
+        with nxl.attach(model, layers="all", sink=Path(sink_folder.name) / "run.nxl") as probe:
+            seconds = timed(lambda: model.generate(**generation), device, args.clock)
+        assert len(probe.steps) == args.new
+        return seconds
+
+    variants = {"plain": lambda: timed(plain, device, args.clock), "attached": attached, "attached_sink": attached_sink}
     inseq_note = "skipped (--no-inseq)"
     if not args.no_inseq:
         tokenizer = _word_tokenizer(config.vocab_size)
         prompt = " ".join(f"w{int(i)}" for i in ids[0])
         inseq_run, inseq_note = _inseq_variant(model, tokenizer, prompt, args.new, reference)
         if inseq_run is not None:
-            variants["inseq_saliency"] = lambda: timed(inseq_run, device)
+            variants["inseq_saliency"] = lambda: timed(inseq_run, device, args.clock)
             inseq_note = (f"ran inseq {importlib.metadata.version('inseq')}: load_model(model, 'saliency')"
                           ".attribute(prompt, generation_args=greedy), the same tokens as plain generate")
 
     times: dict[str, list[float]] = {name: [] for name in variants}
+    ratios: dict[str, list[float]] = {name: [] for name in variants if name != "plain"}
+    names = list(variants)
     with torch.no_grad():
         for round_ in range(args.repeats + 1):  # round 0 warms up and is dropped
             measured = {}
-            for name, run in variants.items():
+            shift = round_ % len(names)
+            for name in names[shift:] + names[:shift]:
                 if name != "inseq_saliency":
-                    measured[name] = run()
+                    measured[name] = variants[name]()
                 elif 1 <= round_ <= args.inseq_repeats:
                     with torch.enable_grad():  # gradients are inseq's method
-                        measured[name] = run()
+                        measured[name] = variants[name]()
             if round_:
                 for name, seconds in measured.items():
                     times[name].append(seconds)
+                    if name != "plain":
+                        ratios[name].append(seconds / measured["plain"])
             print(f"round {round_}: " + ", ".join(f"{n} {v:.2f}s" for n, v in measured.items()), file=sys.stderr)
 
+    sink_folder.cleanup()
     median = {name: statistics.median(values) for name, values in times.items()}
+    paired = {name: statistics.median(values) for name, values in ratios.items() if values}
     with nxl.attach(model, layers="all") as probe:
         model.generate(**generation)
     cache_bytes = probe.steps[-1].normxlogit.shape[0] * config.hidden_size * 4  # float32 features, batch 1
@@ -132,13 +156,18 @@ def main() -> None:
         "benchmark": "generate",
         "device": device_label(device),
         "torch": torch.__version__,
+        "clock": args.clock,
+        "load_average": {"before": load_before, "after": load_average()},
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),  # PASSIVE: idle threads sleep, CPU time = work
         "model": {"arch": "llama", "hidden": 512, "layers": 8, "vocab": 32000, "prompt_tokens": args.prompt,
                   "new_tokens": args.new, "batch": 1, "decoding": "greedy"},
         "repeats": {name: len(values) for name, values in times.items()},
         "median_seconds": median,
-        "attached_over_plain": median["attached"] / median["plain"],
-        "goal_attached_over_plain": 1.10,
-        "inseq_saliency_over_plain": median["inseq_saliency"] / median["plain"] if "inseq_saliency" in median else None,
+        "paired_ratio_medians": paired,
+        "attached_over_plain": paired["attached"],
+        "attached_sink_over_plain": paired["attached_sink"],
+        "goal_attached_over_plain": 1.05,
+        "inseq_saliency_over_plain": paired.get("inseq_saliency"),
         "inseq": inseq_note,
         "feature_cache_bytes_per_token_all_layers": cache_bytes,
         "same_tokens_as_plain": bool(torch.equal(torch.stack([s.token for s in probe.steps], 1).to(device),

@@ -84,14 +84,19 @@ def measure(servers: dict[str, Server], content: str, max_tokens: int, clients: 
     requests to each variant in turn (the order rotates), so slow spells of a shared machine hit all alike."""
     latencies: dict[str, list[float]] = {name: [] for name in servers}
     throughput: dict[str, list[float]] = {name: [] for name in servers}
+    # The server's own CPU seconds per request: what the probe adds to the work, whatever else the machine runs
+    # (wall latency on a shared machine also carries the other processes' load).
+    cpu: dict[str, list[float]] = {name: [] for name in servers}
+    processes = {name: psutil.Process(server.pid) for name, server in servers.items()}
     answers: dict[str, set[str]] = {name: set() for name in servers}
     names = list(servers)
     for index in range(rounds):
         for name in names[index % len(names):] + names[: index % len(names)]:
-            start = time.perf_counter()
+            start, busy = time.perf_counter(), sum(processes[name].cpu_times()[:2])
             with concurrent.futures.ThreadPoolExecutor(clients) as pool:
                 done = list(pool.map(lambda _: _timed(servers[name], content, max_tokens), range(clients)))
             throughput[name].append(clients / (time.perf_counter() - start))
+            cpu[name].append((sum(processes[name].cpu_times()[:2]) - busy) / clients)
             latencies[name] += [seconds for seconds, _ in done]
             answers[name] |= {text for _, text in done}
     if len({frozenset(a) for a in answers.values()}) != 1 or len(answers["plain"]) != 1:
@@ -101,12 +106,14 @@ def measure(servers: dict[str, Server], content: str, max_tokens: int, clients: 
         lat = sorted(latencies[name])
         out[name] = {"latency_median_s": statistics.median(lat), "latency_min_s": lat[0],
                      "latency_p90_s": lat[int(0.9 * (len(lat) - 1))],
-                     "throughput_rps": statistics.median(throughput[name]), "requests": len(lat)}
+                     "throughput_rps": statistics.median(throughput[name]), "requests": len(lat),
+                     "cpu_per_request_s": statistics.median(cpu[name])}
     for name in names[1:]:
         out[name]["latency_ratio"] = out[name]["latency_median_s"] / out["plain"]["latency_median_s"]
         # the fastest request of each: the least disturbed by the machine's other work
         out[name]["latency_min_ratio"] = out[name]["latency_min_s"] / out["plain"]["latency_min_s"]
         out[name]["throughput_ratio"] = out[name]["throughput_rps"] / out["plain"]["throughput_rps"]
+        out[name]["cpu_ratio"] = out[name]["cpu_per_request_s"] / out["plain"]["cpu_per_request_s"]
     return out
 
 
@@ -155,17 +162,19 @@ def _status(run: Path) -> dict:
 
 def table(report: dict) -> str:
     """The README table of a report."""
-    lines = ["| model | clients | plain: median latency, throughput | nxl run --layers last (ratio to plain) "
-             "| nxl run --layers all |",
+    lines = ["| model | clients | plain: median latency, throughput, server CPU per request "
+             "| nxl run --layers last (ratio to plain) | nxl run --layers all |",
              "| --- | --- | --- | --- | --- |"]
     for key, result in report["latency"].items():
         model, clients = key.rsplit("/", 1)
         plain = result["plain"]
-        cells = [f"{plain['latency_median_s'] * 1000:.0f} ms, {plain['throughput_rps']:.2f} req/s"]
+        cells = [f"{plain['latency_median_s'] * 1000:.0f} ms, {plain['throughput_rps']:.2f} req/s, "
+                 f"CPU {_cpu_ms(plain)}"]
         for name in ("nxl_last", "nxl_all"):
             r = result[name]
+            cpu = f", CPU {_cpu_ms(r)} ({r['cpu_ratio']:.2f}x)" if "cpu_ratio" in r else ""
             cells.append(f"{r['latency_median_s'] * 1000:.0f} ms (**{r['latency_ratio']:.2f}x**), "
-                         f"{r['throughput_rps']:.2f} req/s ({r['throughput_ratio']:.2f}x)")
+                         f"{r['throughput_rps']:.2f} req/s ({r['throughput_ratio']:.2f}x){cpu}")
         lines.append(f"| {model} | {clients.removeprefix('clients=')} | " + " | ".join(cells) + " |")
     if report.get("soak"):
         s = report["soak"]
@@ -179,17 +188,33 @@ def table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def _cpu_ms(result: dict) -> str:
+    return f"{result['cpu_per_request_s'] * 1000:.0f} ms" if "cpu_per_request_s" in result else "not measured"
+
+
 def _rewrite_readme(path: Path, text: str) -> None:
     readme = path.read_text()
     begin, end = readme.index(MARKERS[0]) + len(MARKERS[0]), readme.index(MARKERS[1])
     path.write_text(readme[:begin] + "\n" + text + "\n" + readme[end:])
 
 
+def _rounds(text: str) -> dict[str, int]:
+    """``--rounds``: "6" (every model) or "tiny=30,smollm2=6"."""
+    if text.isdigit():
+        return dict.fromkeys(ROUNDS, int(text))
+    pairs = [part.split("=", 1) for part in text.split(",")]
+    if not all(len(pair) == 2 and pair[0] in ROUNDS and pair[1].isdigit() for pair in pairs):
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number, or model=number pairs ({', '.join(ROUNDS)})")
+    return {model: int(count) for model, count in pairs}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default="tiny,smollm2", help="comma list: tiny, smollm2")
     parser.add_argument("--smollm2", metavar="DIR", help="a converted SmolLM2-135M-Instruct folder")
-    parser.add_argument("--rounds", type=int, help="rounds per model and client count (default: tiny 30, smollm2 10)")
+    parser.add_argument("--rounds", type=_rounds, default={},
+                        help="rounds per model and client count: N for every model, or e.g. tiny=30,smollm2=6 "
+                             "(default: tiny 30, smollm2 10)")
     parser.add_argument("--max-tokens", type=int, help="new tokens per request (default: tiny 32, smollm2 24)")
     parser.add_argument("--soak", type=int, default=1000, help="requests per server in the soak (0: none)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per server (default 1: the servers "
@@ -212,10 +237,10 @@ def main() -> None:
         "benchmark": "serve", "device": f"cpu ({platform.processor() or platform.machine()})", "cpus": os.cpu_count(),
         "machine_note": "a VM with 2 cores shared with other sessions: figures are noisy; ratios are of medians "
                         "measured side by side in one run",
-        "settings": {"server_threads": args.threads, "rounds": {m: args.rounds or ROUNDS[m] for m in ROUNDS},
+        "settings": {"server_threads": args.threads, "rounds": {m: args.rounds.get(m, ROUNDS[m]) for m in ROUNDS},
                      "max_tokens": {m: args.max_tokens or MAX_TOKENS[m] for m in MAX_TOKENS},
                      "request": "non-streaming chat completion, temperature 0", "sink": "on for nxl run"},
-        "latency": {}, "skipped": {}}
+        "load_average_before": [round(value, 2) for value in os.getloadavg()], "latency": {}, "skipped": {}}
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         work = Path(tmp)
         folders = {"tiny": save_chat_model(work / "tiny")}
@@ -236,7 +261,7 @@ def main() -> None:
                         server.chat(QUESTION[name], max_tokens=max_tokens)
                 for clients in (1, 4):
                     report["latency"][f"{name}/clients={clients}"] = measure(
-                        servers, QUESTION[name], max_tokens, clients, args.rounds or ROUNDS[name])
+                        servers, QUESTION[name], max_tokens, clients, args.rounds.get(name, ROUNDS[name]))
                     print(f"{name} clients={clients}: {report['latency'][f'{name}/clients={clients}']}",
                           file=sys.stderr, flush=True)
             finally:
@@ -244,6 +269,7 @@ def main() -> None:
                     server.stop()
         if args.soak:
             report["soak"] = soak(folders["tiny"], work, args.soak)
+    report["load_average_after"] = [round(value, 2) for value in os.getloadavg()]
     report["table"] = table(report)
     emit(report, args.out)
     if args.readme:

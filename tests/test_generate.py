@@ -320,3 +320,44 @@ def test_keep_calls_bounds_what_a_long_running_probe_holds(model):
         assert all(c.complete and c.steps == [] for c in kept)  # keep_steps=False: streamed, not kept
         assert len(hub._calls) == 10 and hub._running == [] and len(hub._subscribers) == 0
     assert len(seen) == 600 and seen[-1] == 299  # every step was still published
+
+
+class _SubscribeAt(BaseStreamer):
+    """Subscribes to the probe's stream when generate hands it the ``at``-th new token (0-based)."""
+
+    def __init__(self, probe, at: int) -> None:
+        self.probe, self.at, self.puts, self.stream = probe, at, -1, None
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.puts == self.at:
+            self.stream = self.probe.stream()
+        self.puts += 1
+
+    def end(self) -> None:
+        pass
+
+
+def test_steps_nobody_listens_to_are_skipped_and_later_ones_still_right(model):
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    ids[0, :2], mask[0, :2] = PAD, 0
+    reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)[:, 6:]
+    s, eos = next((s, int(t)) for s, t in enumerate(reference[0, 1:-1].tolist(), start=1)
+                  if t not in reference[1].tolist() and t not in reference[0, :s].tolist())
+    options = dict(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False, eos_token_id=eos)
+    with nxl.attach(model) as probe:
+        model.generate(**options)
+    kept = probe.calls[0].steps
+    assert len(kept) > s + 1
+    # Nothing takes records until a subscriber joins after row 0's EOS: the records before it are never made, yet
+    # the EOS bookkeeping of those steps (row 0 inactive, its pads masked) holds in every later record.
+    with nxl.attach(model, keep_steps=False) as probe:
+        streamer = _SubscribeAt(probe, s + 1)
+        model.generate(**options, streamer=streamer)
+        late = list(streamer.stream)
+    assert probe.calls[0].complete and probe.calls[0].steps == []
+    assert [step.step for step in late] == [step.step for step in kept[s + 1:]]
+    for got, want in zip(late, kept[s + 1:]):
+        assert not bool(got.active[0]) and not got.mask[0, 6 + s + 1:].any()
+        for name in ("token", "normxlogit", "logat", "mask", "active", "embed_norm"):
+            assert torch.equal(getattr(got, name), getattr(want, name)), name

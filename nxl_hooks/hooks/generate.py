@@ -28,7 +28,8 @@ device_map); ``cache_device="cpu"`` keeps it off the accelerator, and the per-st
 CPU. Nothing vocabulary-sized is kept: per step only the emitted token's row of the readout is read, once for all
 layers (a quantized or adapter-wrapped readout is called instead, which is vocabulary-sized while it runs).
 The records themselves are the caller's: 2 × 4 B × layers × batch × context per step (normxlogit and logat);
-``keep_steps=False`` with ``on_step`` / ``sink`` streams them out without keeping them.
+``keep_steps=False`` with ``on_step`` / ``sink`` streams them out without keeping them (and with none of those,
+nor a :meth:`~nxl_hooks.Probe.stream` subscriber, a step's record is not even made).
 
 Not recorded (the call runs unchanged, ``GenerationCall.error`` says why): beam search (beams are reordered and
 pruned between steps, so a row is not one sequence), assisted / speculative decoding and generate resuming from a
@@ -49,7 +50,7 @@ import torch
 from torch import nn
 
 from ..records.steps import GenerationCall, Step
-from ..records.tokens import readable_ids, readable_rows
+from ..records.tokens import readable_rows
 from .forward import Capture
 from .guard import reason
 from .plan import Plan
@@ -71,20 +72,22 @@ class _Growing:
     def truncate(self, n: int) -> None:
         self.n = min(self.n, n)
 
+    # narrow + copy_, not slice indexing: the same two ops without the indexing machinery, once per step
     def append(self, values: torch.Tensor) -> None:
-        need = self.n + values.shape[1]
+        new = values.shape[1]
+        need = self.n + new
         buffer = self._buffer
         if buffer is None or need > buffer.shape[1]:
             capacity = max(need, 2 * (buffer.shape[1] if buffer is not None else 0), 16)
             grown = values.new_empty((values.shape[0], capacity, *values.shape[2:]))
             if buffer is not None:
-                grown[:, : self.n] = buffer[:, : self.n]
+                grown.narrow(1, 0, self.n).copy_(buffer.narrow(1, 0, self.n))
             self._buffer = buffer = grown
-        buffer[:, self.n: need] = values
+        buffer.narrow(1, self.n, new).copy_(values)
         self.n = need
 
     def view(self) -> torch.Tensor:
-        return self._buffer[:, : self.n]
+        return self._buffer.narrow(1, 0, self.n)
 
 
 def _cached_length(past: Any) -> int:
@@ -113,9 +116,9 @@ def stacked_features(plan: Plan, capture: Capture) -> torch.Tensor:
     """Every selected layer of a forward as head features, (batch, seq, len(layers), d'), in one head call (one-token
     decoding steps would pay the head's overhead per layer). Under a device_map the layers meet on the last selected
     block's device (one position per step moves)."""
-    layers = plan.layers
-    device = capture.hidden[layers[-1]].device
-    return plan.head.features(torch.stack([capture.hidden[layer].to(device) for layer in layers], dim=2))
+    hidden = [capture.hidden[layer] for layer in plan.layers]
+    device = hidden[-1].device
+    return plan.head.features(torch.stack([h if h.device == device else h.to(device) for h in hidden], dim=2))
 
 
 class Run:
@@ -130,13 +133,13 @@ class Run:
                  cache_dtype: torch.dtype | None, cache_device: torch.device | None) -> None:
         self._plan, self._hub, self.call = plan, hub, call
         self._prompt_len = prompt_len
-        self._eos = torch.tensor([eos] if isinstance(eos, int) else list(eos or []), dtype=torch.long)
+        self._eos = frozenset(torch.as_tensor(eos).reshape(-1).tolist() if eos is not None else ())
         self._cache_dtype, self._cache_device = cache_dtype, cache_device
         self._features = _Growing()  # (batch, n, len(layers), d): all layers in one tensor, one head call per step
         self._embed, self._mask = _Growing(), _Growing()
         self._real: list[torch.Tensor] = []  # per generated position: is its token real (row not finished)?
         self._prompt_ids: list[torch.Tensor] = []
-        self._finished: torch.Tensor | None = None
+        self._active: torch.Tensor | None = None  # rows that have not emitted an EOS token (a new tensor on change)
         self._partial_from: int | None = None  # the first step where some row had finished (None: none yet)
         self._compute_dtype: torch.dtype | None = None
         self._n = self._past = 0
@@ -255,9 +258,27 @@ class Run:
 
     def emit(self, token: torch.Tensor) -> None:
         """The step record of ``token`` (batch,), emitted at the position after the last one fed."""
-        plan, position = self._plan, self._n
         token = token.long()
-        batch = token.shape[0]
+        token_cpu = token.cpu()
+        ids = token_cpu.tolist()  # once per step: the readable texts and the EOS check read it
+        active = self._active
+        if active is None:
+            active = self._active = torch.ones(token.shape[0], dtype=torch.bool, device=token.device)
+        # Nobody to hand it to (keep_steps=False, no on_step, sink or subscriber): the record is not made.
+        step = self._record(token, token_cpu, ids, active) if self._hub.listened else None
+        self._real.append(active)
+        if self._eos:
+            ended = [i in self._eos for i in ids]
+            if any(ended):
+                self._active = active & ~torch.tensor(ended, device=active.device)
+                if self._partial_from is None:
+                    self._partial_from = len(self._real)  # from the next step on, some rows only pad
+        self._pending = False
+        if step is not None:
+            self._hub.publish(self.call, step)
+
+    def _record(self, token: torch.Tensor, token_cpu: torch.Tensor, ids: list[int], active: torch.Tensor) -> Step:
+        plan, position, batch = self._plan, self._n, token.shape[0]
         targets = plan.explained(token[:, None])
         probability = None
         if self._log_probs is not None:
@@ -271,22 +292,12 @@ class Run:
             logat = logat.view(*features.shape[:3], -1).permute(2, 0, 1, 3)
             embed = self._embed.view()
             logat, normxlogit, targets = plan.scores(logat, embed, targets)
-        if self._finished is None:
-            self._finished = torch.zeros(batch, dtype=torch.bool, device=token.device)
-        active = ~self._finished
         # copies, not views of the growing buffers, which a use_cache=False forward rewrites in place
-        step = Step(call=self.call.index, step=position - self._prompt_len, position=position, token=token.cpu(),
+        return Step(call=self.call.index, step=position - self._prompt_len, position=position, token=token_cpu,
                     target=targets.cpu(), normxlogit=normxlogit.cpu(), logat=logat.cpu(),
                     embed_norm=embed.to("cpu", copy=True), mask=self._mask.view().to("cpu", copy=True),
-                    active=active.cpu(), layers=list(plan.layers), n_blocks=plan.n_blocks, probability=probability,
-                    readable=readable_ids(plan.tokenizer, token.tolist()) if plan.tokenizer is not None else None)
-        self._real.append(active)
-        if self._eos.numel():
-            self._finished = self._finished | torch.isin(token, self._eos.to(token.device))
-            if self._partial_from is None and bool(self._finished.any()):
-                self._partial_from = len(self._real)  # from the next step on, some rows only pad
-        self._pending = False
-        self._hub.publish(self.call, step)
+                    active=active.to("cpu", copy=True), layers=list(plan.layers), n_blocks=plan.n_blocks,
+                    probability=probability, readable=plan.readable(ids))
 
 
 class Generations:

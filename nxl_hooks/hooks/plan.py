@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -22,6 +22,7 @@ from ..arch.registry import ArchSpec, blocks, compiled_original, resolve
 from ..method import scores as _scores
 from ..method.head import Head
 from ..records.sink import Sink
+from ..records.tokens import readable_ids
 from ..method.select import (
     Target,
     explained,
@@ -35,6 +36,8 @@ from ..method.select import (
 __all__ = ["EMBEDDINGS", "Plan", "check_recording", "make_plan", "run_eagerly"]
 
 _KEPT = "_nxl_hooks_compiled_"  # where run_eagerly keeps a module's compiled callable while attached
+
+_READABLE_KEPT = 1 << 18  # token texts a plan remembers at most (more than most vocabularies)
 
 #: How the embedding norm is read: the input of block 1 (authors' code), or the raw word-embedding row (paper).
 EMBEDDINGS = ("layer_input", "word")
@@ -54,6 +57,7 @@ class Plan:
     tokenizer: Any
     fixed_targets: torch.Tensor | None  #: (1 or rows, k) ids, or None for the model's own prediction
     label_axis: bool  #: scores keep a trailing axis of k labels
+    _readable: dict[int, str] = field(default_factory=dict, repr=False)  #: token id -> its readable text
 
     @property
     def n_blocks(self) -> int:
@@ -92,6 +96,22 @@ class Plan:
         if self.tokenizer is None or input_ids is None:
             return None
         return special_mask(input_ids, self.tokenizer)
+
+    def readable(self, ids: list[int]) -> list[str] | None:
+        """The readable text of each token id (:func:`~nxl_hooks.records.tokens.readable_ids`), None without a
+        tokenizer. Remembered per id: a generation step asks for one per emitted token, and a token's text does
+        not depend on its context."""
+        if self.tokenizer is None:
+            return None
+        known = self._readable  # shared by every thread: read and added to, never cleared
+        found = {i: known.get(i) for i in ids}
+        missing = [i for i, text in found.items() if text is None]
+        if missing:
+            texts = dict(zip(missing, readable_ids(self.tokenizer, missing)))
+            found.update(texts)
+            if len(known) < _READABLE_KEPT:
+                known.update(texts)
+        return [found[i] for i in ids]
 
     def describe(self) -> dict[str, Any]:
         """What a saved result records about the model and the probe: ``plan.describe()["head_kind"]``."""

@@ -214,7 +214,9 @@ class _Recorder:
         if capture is None:
             return
         try:
-            hidden = (args[0] if args else kwargs["hidden_states"]).detach()
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if hidden.requires_grad:
+                hidden = hidden.detach()
             with torch.no_grad():
                 if self.plan.embedding == "layer_input":
                     capture.embed_norm = torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float32)
@@ -238,15 +240,18 @@ class _Recorder:
             self._fail("this forward", error)
 
     def _block_hook(self, index: int) -> Callable:
-        wanted = index in self._wanted
+        # Decided once: this runs for every block of every forward, one-token decoding steps included.
+        wanted, last = index in self._wanted, index == self.plan.n_blocks
 
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
             capture = self._current()
             if capture is None:
                 return
             try:
-                hidden = _hidden(output).detach()
-                if index == self.plan.n_blocks:
+                hidden = _hidden(output)
+                if hidden.requires_grad:  # under no_grad (serving, generate) there is nothing to detach from
+                    hidden = hidden.detach()
+                if last:
                     capture.last_hidden = hidden
                 if wanted:
                     capture.hidden[index] = hidden

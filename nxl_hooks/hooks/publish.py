@@ -122,6 +122,11 @@ class Hub:
                 self._running.append(call)
         return call
 
+    @property
+    def listened(self) -> bool:
+        """Whether a step record made now goes anywhere: kept, a callback, a subscriber or a sink."""
+        return self._keep or self._on_step is not None or self._sink is not None or bool(self._subscribers)
+
     def prompt(self, call: GenerationCall, ids: torch.Tensor | None, mask: torch.Tensor, meta: dict) -> None:
         call.prompt_ids, call.prompt_mask = ids, mask
         self._write("write_call", call, meta)

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..arch.registry import FUNCTION_STEPS, POST_STEPS, ArchSpec, UnknownArchitectureError, get_path, spec_head
-from .placement import indexed, module_device, offloaded, plain, readable, replica, weights_materialized
+from .placement import DeviceOf, indexed, module_device, offloaded, plain, readable, replica, weights_materialized
 
 __all__ = ["CALLED_READOUT_CHUNK", "Head", "Readout"]
 
@@ -108,6 +108,7 @@ class Head:
         if not isinstance(readout, nn.Module):
             raise ValueError(f"spec {spec.name!r}: the last head step must be a module (the readout), got {readout}")
         self._steps = steps
+        self._where = {index: DeviceOf(step) for index, step in enumerate(steps) if isinstance(step, nn.Module)}
         self._replicas: dict[tuple[int, torch.device], nn.Module] = {}
         self._lock = threading.Lock()  # replicas are made once per device; offloaded weights are loaded one at a time
         self.readout = readout
@@ -134,10 +135,9 @@ class Head:
         return module_device(self.readout)
 
     def _step_on(self, index: int, step: nn.Module, device: torch.device) -> nn.Module:
-        """``step`` itself where it computes on ``device``; else a local copy when it is plain (a norm's weights
+        """For a ``step`` that computes elsewhere than ``device``: a local copy when it is plain (a norm's weights
         cross devices once instead of every hidden state), else ``step`` (quantized, adapter: inputs go to it)."""
-        device = indexed(device)
-        if module_device(step) == device or not (plain(step) and all(readable(sub) for sub in step.modules())):
+        if not (plain(step) and all(readable(sub) for sub in step.modules())):
             return step
         key = (index, device)
         if key not in self._replicas:
@@ -153,8 +153,10 @@ class Head:
         """
         for index, step in enumerate(self._steps):
             if isinstance(step, nn.Module):
-                step = self._step_on(index, step, hidden.device)
-                hidden = hidden.to(module_device(step))
+                device = indexed(hidden.device)
+                if self._where[index]() != device:
+                    step = self._step_on(index, step, device)
+                    hidden = hidden.to(module_device(step))
             hidden = step(hidden)
         return hidden
 

@@ -14,7 +14,8 @@ import copy
 import torch
 from torch import nn
 
-__all__ = ["input_device", "module_device", "offloaded", "plain", "readable", "replica", "weights_materialized"]
+__all__ = ["DeviceOf", "input_device", "module_device", "offloaded", "plain", "readable", "replica",
+           "weights_materialized"]
 
 
 def module_device(module: nn.Module) -> torch.device:
@@ -30,6 +31,26 @@ def module_device(module: nn.Module) -> torch.device:
         if tensor.device.type != "meta":
             return tensor.device
     return torch.device("cpu")
+
+
+class DeviceOf:
+    """:func:`module_device` of one module, looked up again only when its first parameter moves or accelerate's hook
+    on it changes: asked on every forward and every generated token, where the full lookup walks the parameters.
+
+    ``where = DeviceOf(model.model.norm); where()``
+    """
+
+    def __init__(self, module: nn.Module) -> None:
+        self._module = module
+        self._anchor = next(module.parameters(), None)
+        self._key: tuple | None = None
+        self._device = torch.device("cpu")
+
+    def __call__(self) -> torch.device:
+        key = (vars(self._module).get("_hf_hook"), None if self._anchor is None else self._anchor.device)
+        if key != self._key:
+            self._key, self._device = key, module_device(self._module)
+        return self._device
 
 
 def input_device(model: nn.Module) -> torch.device:

@@ -34,10 +34,11 @@ def scores(
     logat: torch.Tensor, embed_norm: torch.Tensor, targets: torch.Tensor, *, label_axis: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(logat, normxlogit, targets): NormXLogit = ‖x_i^0‖₂ × LogAt; the label axis is dropped unless kept."""
-    normxlogit = embed_norm.to(logat.device, logat.dtype)[None, :, :, None] * logat
+    embed_norm = embed_norm.to(logat.device, logat.dtype)
     if label_axis:
-        return logat, normxlogit, targets
-    return logat[..., 0], normxlogit[..., 0], targets[:, 0]
+        return logat, embed_norm[None, :, :, None] * logat, targets
+    logat = logat[..., 0]  # dropped first: one product fewer views, once per generated token
+    return logat, embed_norm * logat, targets[:, 0]
 
 
 def norm_spread(embed_norm: torch.Tensor, eligible: torch.Tensor) -> float:

@@ -69,16 +69,18 @@ def _blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
     """A safetensors blob of small CPU tensors, as ``safetensors.torch.save`` writes it (8-byte header length, the
     JSON header, 8-byte aligned, then the raw little-endian data), without its checks for shared and sparse
     storage: these tensors are fresh copies, and the checks cost five times the encoding on the generation thread
-    (one frame per step). Read back with safetensors' own ``load``."""
-    header: dict = {"__metadata__": metadata}
-    parts, offset = [], 0
+    (one frame per step). Read back with safetensors' own ``load``. ``tensors``' names are nxl_hooks' own (plain
+    identifiers), so the header is written directly; only the metadata goes through ``json``."""
+    entries, parts, offset = [], [], 0
     for name, value in tensors.items():
         data = (value.view(torch.int16) if value.dtype == torch.bfloat16 else value).numpy().tobytes()  # C order
-        header[name] = {"dtype": _DTYPES[value.dtype], "shape": list(value.shape),
-                        "data_offsets": [offset, offset + len(data)]}
+        end = offset + len(data)
+        shape = ",".join(map(str, value.shape))
+        entries.append(f'"{name}":{{"dtype":"{_DTYPES[value.dtype]}","shape":[{shape}],'
+                       f'"data_offsets":[{offset},{end}]}}')
         parts.append(data)
-        offset += len(data)
-    text = json.dumps(header, separators=(",", ":")).encode()
+        offset = end
+    text = ",".join([f'"__metadata__":{json.dumps(metadata, separators=(",", ":"))}', *entries]).join("{}").encode()
     text += b" " * (-len(text) % 8)
     return b"".join([struct.pack("<Q", len(text)), text, *parts])
 
@@ -86,7 +88,9 @@ def _blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
 def _encode(tensors: dict[str, torch.Tensor], header: dict) -> bytes:
     """One frame: magic, length, CRC-32, then the safetensors payload whose metadata holds ``header``."""
     metadata = {"nxl_hooks": json.dumps(header)}
-    tensors = {name: value.detach().cpu() for name, value in tensors.items()}
+    # records hold CPU tensors outside autograd already (a step's): detach / copy only what is not
+    tensors = {name: value if value.device.type == "cpu" and not value.requires_grad else value.detach().cpu()
+               for name, value in tensors.items()}
     if sys.byteorder == "little" and all(value.dtype in _DTYPES for value in tensors.values()):
         payload = _blob(tensors, metadata)
     else:  # copies: safetensors refuses tensors that share storage (a step's target is a view of its token)
