@@ -247,7 +247,7 @@ def main() -> None:
                   f"transformers {transformers.__version__}",
         "seeds": args.seeds,
         "n_examples": args.n,
-        "methods": list(ev.DEFAULT_METHODS),
+        "methods": list(ev.METHODS),
         "tasks": {name: run_task(name, args.seeds, args.n) for name in args.tasks},
     }
     result["total_seconds"] = time.perf_counter() - start

@@ -75,7 +75,7 @@ def timing(model: Any, tok: Any, per_task: int, seed: int) -> dict[str, Any]:
     """Seconds per example of score_example: every method, every method but Integrated Gradients, each method
     alone, and every method but IG with per-length forwards instead of padded batches. The settings take turns
     on each example, so that the load of a shared machine falls on all of them alike."""
-    all_methods = list(ev.DEFAULT_METHODS)
+    all_methods = list(ev.METHODS)
     no_ig = [m for m in all_methods if m != "integrated_gradients"]
     settings: dict[str, list[str]] = {"all": all_methods, "all but integrated_gradients": no_ig,
                                       **{m: [m] for m in all_methods}}
@@ -194,7 +194,7 @@ def main() -> None:
                   f"torch {torch.__version__}, transformers {transformers.__version__}",
         "n": args.n,
         "seed": args.seed,
-        "methods": list(ev.DEFAULT_METHODS),
+        "methods": list(ev.METHODS),
         "tasks": {task: evaluate(folder, task, args.n, args.seed, args.work) for task in args.tasks},
     }
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()

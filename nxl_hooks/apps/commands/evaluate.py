@@ -29,7 +29,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("model", metavar="MODEL", help="a local model folder, a hub id or a .gguf file")
     add_dataset_options(parser)
     add_loading_options(parser)
-    parser.add_argument("--methods", default="all", help="comma list of methods, or all (default)")
+    parser.add_argument("--methods", default="default",
+                        help="comma list of methods; default: every one but integrated_gradients (the slowest by far); "
+                        "all: every one")
     parser.add_argument("--layer", type=int, default=-1, help="layer whose scores rank tokens for AOPC (default -1)")
     parser.add_argument("--perturbation", choices=("auto", "mask", "delete"), default="auto",
                         help="auto: mask token for encoders, deletion for decoders (default)")
@@ -48,13 +50,13 @@ def run(args: argparse.Namespace) -> int:
     from ..loading import check_length, load_model, position_limit
     from ..reports import evaluate_report
 
-    methods = (
-        list(ev.DEFAULT_METHODS) if args.methods == "all" else [m.strip() for m in args.methods.split(",") if m.strip()]
-    )
-    unknown = sorted(set(methods) - set(ev.DEFAULT_METHODS))
+    named = {"all": ev.METHODS, "default": ev.DEFAULT_METHODS}
+    methods = list(named.get(args.methods) or [m.strip() for m in args.methods.split(",") if m.strip()])
+    unknown = sorted(set(methods) - set(ev.METHODS))
     if unknown or not methods:
         what = f"names unknown {unknown}" if unknown else "names no method"
-        raise CliError(f"--methods {args.methods!r} {what}; choose from {', '.join(ev.DEFAULT_METHODS)} (or 'all')")
+        raise CliError(f"--methods {args.methods!r} {what}; choose from {', '.join(ev.METHODS)} (or 'all', "
+                       "'default')")
     check_output_folder(args.out)
     examples, settings = examples_from_args(args)
     loading = loading_options(args)
