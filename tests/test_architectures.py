@@ -403,3 +403,36 @@ def test_variant_without_the_named_head_module():
     model = CASES["deberta_v2-mlm"].build(legacy=False)
     with pytest.raises(nxl.UnknownArchitectureError, match="no module 'cls.predictions.transform'"):
         nxl.attach(model, tokenizer=TOK)
+
+
+@pytest.mark.parametrize("make, one_plus", [(_LLAMA, False), (_GEMMA2, True)], ids=["llama", "gemma2"])
+def test_a_float32_rms_norm_is_folded_into_the_readout_with_its_own_gain_and_eps(make, one_plus):
+    """The final RMS norm of a float32 decoder is folded (the readout rows scaled by its gain once, the per-token
+    rsqrt applied after the gather): gain and eps equal the module's own, written by hand. Without the fold the
+    numbers stay right (other tests), only slower; this test is what notices a fold that quietly turned off."""
+    from nxl_hooks.arch.registry import resolve
+    from nxl_hooks.method.head import Head
+
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(make()).eval()
+    norm = model.model.norm
+    with torch.no_grad():
+        norm.weight.normal_(0.0, 0.5)  # a gain that is not all ones (or zeros, for Gemma's 1 + w)
+    spec, kind = resolve(model)
+    fold = Head(model, spec, kind)._fold
+    assert fold is not None
+    expected = (1.0 + norm.weight) if one_plus else norm.weight
+    torch.testing.assert_close(fold.gain, expected.detach().float(), rtol=1e-5, atol=1e-6)
+    assert fold.eps == pytest.approx(model.config.rms_norm_eps)
+    hidden = torch.randn(3, model.config.hidden_size) * 4
+    by_hand = 1.0 / torch.sqrt(hidden.pow(2).mean(-1, keepdim=True) + model.config.rms_norm_eps)
+    torch.testing.assert_close(fold.scale(hidden), by_hand, rtol=1e-5, atol=1e-6)
+
+
+def test_a_layer_norm_is_not_folded():
+    from nxl_hooks.arch.registry import resolve
+    from nxl_hooks.method.head import Head
+
+    model = tf.AutoModelForCausalLM.from_config(_GPT2()).eval()
+    spec, kind = resolve(model)
+    assert Head(model, spec, kind)._fold is None
