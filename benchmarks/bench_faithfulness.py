@@ -91,7 +91,7 @@ def run_task(name: str, seeds: list[int], n: int) -> dict:
         train_seconds = time.perf_counter() - start
         examples = task["examples"](n, seed)
         start = time.perf_counter()
-        summary = ev.aggregate([ev.score_example(model, tokenizer, ex, seed=seed) for ex in examples])
+        summary = ev.aggregate([ev.score_example(model, tokenizer, ex, ev.METHODS, seed=seed) for ex in examples])
         eval_seconds = time.perf_counter() - start
         by_layer = {}
         for layer in summary["layers"][:-1]:

@@ -117,6 +117,8 @@ CASES = [
     ("demo text not UTF-8", ["demo", "the plot was \udcff good"], r"argument b'the plot was \\xff good' is not UTF-8"),
     ("demo two keywords", ["demo", "good and terrible"], r"exactly one sentiment keyword \(found 2\)"),
     ("demo example out of range", ["demo", "--example", "5000"], r"--example 5000: choose 0..999"),
+    ("demo sentence and example", ["demo", "the plot was good", "--example", "3"],
+     r"either a sentence or --example N \(a held-out sentence\), not both"),
     # run, tail, ctl
     ("run sink is a file", ["run", "--sink", "{existing_html}", "--", "true"],
      r"--sink .*existing.html: .*existing.html is a file, not a folder"),

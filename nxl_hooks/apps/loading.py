@@ -245,8 +245,9 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
     try:  # first: a damaged tokenizer costs no model load
         tokenizer = transformers.AutoTokenizer.from_pretrained(name, **({"gguf_file": gguf_file} if gguf_file else {}))
     except (OSError, ValueError) as err:
-        raise ValueError(f"{name}: its tokenizer cannot be read ({type(err).__name__}: {err}); save it again with "
-                         "tokenizer.save_pretrained(folder)") from err
+        fix = ("save it again with tokenizer.save_pretrained(folder)" if Path(name).expanduser().exists() else
+               "check the hub id and your access to it (or save the model and tokenizer to a folder)")
+        raise ValueError(f"{name}: its tokenizer cannot be read ({type(err).__name__}: {err}); {fix}") from err
     if quantization is not None and gguf_file is None:
         kwargs["quantization_config"] = quantization
     if gguf_file is None:

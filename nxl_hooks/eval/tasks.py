@@ -1,8 +1,8 @@
 """Prompt sets with a known answer, a foil and known evidence, for faithfulness on pretrained causal LMs.
 
     from nxl_hooks.eval.tasks import make_task, write_jsonl
-    examples = make_task("agreement", 40, seed=0)   # [{"text": "The keys to the old cabinet", "target": " are",
-                                                    #   "foil": " is", "label": " are", "evidence": ["keys"], ...}]
+    examples = make_task("agreement", 40, seed=0)   # [{"text": "The author next to the songs", "target": " is",
+                                                    #   "foil": " are", "label": " is", "evidence": ["author"], ...}]
     write_jsonl(examples, "agreement.jsonl")        # then: nxl evaluate MODEL agreement.jsonl --out eval/
 
 Each example is a prompt a causal LM continues: ``target`` is the right next token and ``foil`` a wrong one
@@ -11,8 +11,8 @@ Each example is a prompt a causal LM continues: ``target`` is the right next tok
 first. Everything is drawn from the templates and word lists below with a seeded generator: no downloads.
 
 - ``agreement``: subject-verb number agreement across one or two prepositional phrases whose nouns
-  (attractors) have the other number: "The keys to the cabinet near the door" -> " are" over " is"; evidence:
-  the subject noun.
+  (attractors) have the other number: "The friend of the doors with the authors" -> " was" over " were";
+  evidence: the subject noun.
 - ``factual``: factual recall, a country's capital, sometimes after another country (a distractor whose capital
   is the foil): "My friend from Spain told me that the capital of France is" -> " Paris" over " Madrid";
   evidence: the country asked about.
@@ -32,6 +32,8 @@ import json
 import random
 from pathlib import Path
 from typing import Any, Callable, Sequence
+
+from ..records.files import write_text
 
 __all__ = ["TASKS", "make_task", "write_jsonl"]
 
@@ -134,6 +136,4 @@ def write_jsonl(examples: Sequence[dict[str, Any]], path: str | Path) -> Path:
 
     ``write_jsonl(make_task("ioi", 20), "ioi.jsonl")``
     """
-    path = Path(path)
-    path.write_text("".join(json.dumps(example) + "\n" for example in examples), encoding="utf-8")
-    return path
+    return write_text(path, "".join(json.dumps(example) + "\n" for example in examples))  # whole or not at all

@@ -94,6 +94,8 @@ def run(args: argparse.Namespace) -> int:
             f"the demo sentence needs exactly one sentiment keyword (found {len(hits)}), as the training "
             f"sentences that have one; keywords: {', '.join(sorted(keywords))}"
         )
+    if args.text and args.example is not None:
+        raise CliError("give either a sentence or --example N (a held-out sentence), not both")
     if args.example is not None and not 0 <= args.example < HELD_OUT:
         raise CliError(f"--example {args.example}: choose 0..{HELD_OUT - 1}")
     model, tokenizer = load_model(str(MODEL_DIR))

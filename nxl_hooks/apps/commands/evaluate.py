@@ -23,8 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = sub.add_parser(
         NAME,
         help="faithfulness of NormXLogit and baselines on a dataset (JSON + HTML report)",
-        description="AOPC comprehensiveness / sufficiency and per-layer evidence alignment of every method on "
-        "DATA. Runs unchanged under `accelerate launch --num_processes N -m nxl_hooks evaluate ...`.",
+        description="AOPC comprehensiveness / sufficiency and per-layer evidence alignment of every method "
+        "(but integrated_gradients unless --methods names it) on DATA. Runs unchanged under `accelerate launch --num_processes N -m nxl_hooks evaluate ...`.",
     )
     parser.add_argument("model", metavar="MODEL", help="a local model folder, a hub id or a .gguf file")
     add_dataset_options(parser)
