@@ -168,6 +168,31 @@ def test_evaluate_command_writes_records_summary_and_report(models, tmp_path):
     assert page.count('class="nxl-point"') >= 3 * 9 and "Per-layer alignment" in page
 
 
+def test_evaluate_command_runs_on_a_masked_lm(tmp_path):
+    """The checks evaluate runs once before the dataset (architecture, layer, tokenizer) take the tokenizer a masked
+    LM needs to find its [MASK]: every example scores, as score_example scores it directly."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    torch.manual_seed(0)
+    model = BertForMaskedLM(BertConfig(**tiny._SIZES, max_position_embeddings=64)).eval()
+    path = tiny.save_model(tmp_path / "mlm", "bert", model=model)
+    examples = [{"text": "the film was [MASK]", "label": "good", "id": 0},
+                {"text": "a [MASK] plot and a bad movie", "label": "great", "id": 1}]
+    data = tmp_path / "mlm.jsonl"
+    data.write_text("".join(json.dumps(example) + "\n" for example in examples))
+    methods = "random,normxlogit"
+    assert main(["evaluate", str(path), str(data), "--out", str(tmp_path / "ev"), "--methods", methods,
+                 "--layer", "-1"]) == 0
+    summary, records = _outputs(tmp_path / "ev")
+    assert summary["n"] == 2 and summary["failed"] == []
+    for index, example in enumerate(examples):
+        direct = ev.score_example(model, tiny.tokenizer(), example, methods.split(","))
+        for rec in (direct, records[index]):
+            for entry in rec["methods"].values():
+                entry.pop("seconds")
+        assert {**direct, "index": index} == records[index]
+
+
 def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

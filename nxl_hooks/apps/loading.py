@@ -22,8 +22,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "check_length", "head_from_architectures", "load_model",
-           "position_limit", "program_defaults", "quantization_config"]
+__all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "check_explainable", "check_length", "head_from_architectures",
+           "load_model", "position_limit", "program_defaults", "quantization_config"]
 
 #: The Auto class per head kind the library explains (regression loads as sequence classification).
 HEAD_CLASSES = {
@@ -120,6 +120,16 @@ def position_limit(model: Any) -> int | None:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     limit = getattr(config, "max_position_embeddings", None)
     return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def check_explainable(model: Any, tokenizer: Any, layers: Any) -> None:
+    """Raise what ``attach(model, layers, tokenizer=tokenizer)`` would refuse (an unknown architecture, a registry
+    head that does not fit, a layer out of range, a tokenizer that does not match the model), once before a dataset
+    runs rather than for every example; no hook goes on. ``check_explainable(model, tok, [-1])``"""
+    from ..arch.registry import unwrap
+    from ..hooks.plan import make_plan
+
+    make_plan(unwrap(model), layers=layers, target="predicted", tokenizer=tokenizer, embedding="layer_input")
 
 
 def check_length(tokenizer: Any, text: str, limit: int | None, *, more: int = 0, what: str = "the text") -> None:

@@ -43,10 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from ...eval.audit import aggregate, audit_example
-    from ...hooks.probe import attach
     from ...records.tokens import chat_text
     from ..dataset import examples_from_args, place, run_dataset, scored, write_outputs
-    from ..loading import check_length, load_model, position_limit
+    from ..loading import check_explainable, check_length, load_model, position_limit
     from ..reports import audit_report
 
     if (args.candidate is None) == (args.quantize is None):
@@ -78,8 +77,7 @@ def run(args: argparse.Namespace) -> int:
             )
     else:
         candidate, _ = load_model(args.reference, **{**loading, "quantize": args.quantize})
-    with attach(reference, layers=args.layers):  # --layers checked once here, not failed on every example
-        pass
+    check_explainable(reference, tokenizer, args.layers)
     place(reference)
     place(candidate)
     limit = min((n for n in (position_limit(reference), position_limit(candidate)) if n is not None), default=None)

@@ -44,10 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from ...eval import faithfulness as ev
-    from ...hooks.probe import attach
     from ...records.tokens import chat_text
     from ..dataset import examples_from_args, place, run_dataset, scored, write_outputs
-    from ..loading import check_length, load_model, position_limit
+    from ..loading import check_explainable, check_length, load_model, position_limit
     from ..reports import evaluate_report
 
     named = {"all": ev.METHODS, "default": ev.DEFAULT_METHODS}
@@ -72,8 +71,7 @@ def run(args: argparse.Namespace) -> int:
         gradient_aggregation=args.gradient_aggregation,
     )
     model, tokenizer = load_model(args.model, **loading)
-    with attach(model, layers=[args.layer]):  # --layer checked once here, not failed on every example
-        pass
+    check_explainable(model, tokenizer, [args.layer])
     place(model)
     limit = position_limit(model)
     if args.chat:  # each text becomes the user's message; evidence words are looked for in the whole prompt
