@@ -225,7 +225,7 @@ class _Packed:
         for segment in self.segments:
             run = self._table.pop(segment.request_id, None)
             if run is not None:
-                _finish(run, None, why)
+                run.finish(None, why, what="this request")
 
     def settle(self, state: Any, token: Any, *, appended: bool, finished: bool) -> None:
         """The manager gave ``token`` to the request of ``state``: its step record; its end if it ``finished``."""
@@ -252,14 +252,7 @@ class _Packed:
             except Exception as error:  # noqa: BLE001
                 run.fail("the end of this request", error)
                 sequences = None
-            _finish(run, sequences, None)
-
-
-def _finish(run: Run, sequences: torch.Tensor | None, error: str | None) -> None:
-    try:
-        run.finish(sequences, error)
-    except Exception as failure:  # noqa: BLE001 - a failing sink or subscriber never reaches the manager
-        run.fail("the end of this request", failure)
+            run.finish(sequences, what="this request")
 
 
 def _abandon(table: dict[str, Any], why: str) -> None:
@@ -267,7 +260,7 @@ def _abandon(table: dict[str, Any], why: str) -> None:
     while table:
         _, run = table.popitem()
         if run is not None:
-            _finish(run, None, why)
+            run.finish(None, why, what="this request")
 
 
 class Batching:
@@ -381,7 +374,8 @@ class Batching:
                            and r not in scheduler.waiting_requests]:
             run = table.pop(request_id, None)
             if run is not None:  # cancelled, or failed by the manager: it left without finishing
-                _finish(run, None, "the request left the manager before it finished (cancelled or failed)")
+                run.finish(None, "the request left the manager before it finished (cancelled or failed)",
+                           what="this request")
         return table
 
     def _begin(self, state: Any) -> Run | None:

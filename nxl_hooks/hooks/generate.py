@@ -239,9 +239,11 @@ class Run:
             mask[:, first_generated - past:] &= real.to(mask.device)
         return mask
 
-    def finish(self, sequences: torch.Tensor | None, error: str | None = None) -> None:
+    def finish(self, sequences: torch.Tensor | None, error: str | None = None, *, what: str = "this generate call"
+               ) -> None:
         """generate returned ``sequences`` (None: it raised): the last token's record, then the call's end.
-        ``error``: why the call's records are incomplete, when the host says so (a failed request)."""
+        ``error``: why the call's records are incomplete, when the host says so (a failed request); ``what`` names
+        the call in the reason recorded when its end cannot be published. Never raises."""
         try:
             if sequences is not None and self._pending and not self.failed:
                 emitted = self._n + 1 - self._prompt_len  # the pending token included
@@ -252,7 +254,10 @@ class Run:
             self.fail("the last generated token", failure)
         finally:
             self._features = self._embed = self._mask = None
-            self._hub.end(self.call, sequences.cpu() if sequences is not None else None, error)
+            try:
+                self._hub.end(self.call, sequences.cpu() if sequences is not None else None, error)
+            except Exception as failure:  # noqa: BLE001 - a failing sink or subscriber never reaches the host
+                self.fail(f"the end of {what}", failure)
 
     # -- one record --------------------------------------------------------------------------------------
 
@@ -312,9 +317,7 @@ class Generations:
 
     def __init__(self, plan: Plan, hub: Hub, *, cache_dtype: torch.dtype | None,
                  cache_device: str | torch.device | None) -> None:
-        if cache_dtype is not None and not (isinstance(cache_dtype, torch.dtype) and cache_dtype.is_floating_point):
-            raise ValueError(f"cache_dtype={cache_dtype!r}: use a floating-point dtype (torch.float32, "
-                             "torch.bfloat16, torch.float16) or None for the model's own")
+        # cache_dtype and cache_device were checked by plan.check_recording, before attach built this
         self.plan, self.hub = plan, hub
         self.cache_dtype = cache_dtype
         self.cache_device = torch.device(cache_device) if cache_device is not None else None
@@ -402,9 +405,5 @@ class Generations:
             return self.UNRECORDED
 
     def _end(self, run: Any, sequences: torch.Tensor | None) -> None:
-        if run is self.UNRECORDED:
-            return
-        try:
+        if run is not self.UNRECORDED:
             run.finish(sequences)
-        except Exception as error:  # noqa: BLE001 - a failing sink or subscriber never reaches the host
-            run.fail("the end of this generate call", error)
