@@ -37,6 +37,7 @@ __all__ = [
     "compiled_original",
     "get_path",
     "head_kind",
+    "split_post_steps",
     "load_file",
     "register_architecture",
     "register_file",
@@ -66,6 +67,17 @@ POST_STEPS: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
     "scale": lambda x, s: x * s,
     "divide": lambda x, s: x / s,
 }
+
+
+
+def split_post_steps(steps: Sequence[str]) -> tuple[list[str], list[str]]:
+    """A head's steps as (the steps up to the readout, the logit post-processing steps after it, in order):
+    ``split_post_steps(["model.norm", "lm_head", "softcap:final_logit_softcapping"])``."""
+    cut = len(steps)
+    while cut and steps[cut - 1].split(":", 1)[0] in POST_STEPS:
+        cut -= 1
+    return list(steps[:cut]), list(steps[cut:])
+
 
 _KEYS = ("model_types", "blocks", "heads", "pooling", "backbone")
 _POOLINGS = ("first", "last_non_pad")
@@ -150,10 +162,7 @@ class ArchSpec:
         """Module paths and functions, the readout (the last module path), then only post-processing steps."""
         if not isinstance(steps, tuple) or not steps or not all(isinstance(step, str) for step in steps):
             self._bad(key, f"must be a non-empty list of step strings, got {steps!r}")
-        post = 0
-        while post < len(steps) and steps[-1 - post].split(":", 1)[0] in POST_STEPS:
-            post += 1
-        body = steps[: len(steps) - post]
+        body, _ = split_post_steps(steps)
         for step in steps:
             op, colon, attribute = step.partition(":")
             if op in (*POST_STEPS, "act") and colon:

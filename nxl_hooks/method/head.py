@@ -29,7 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..arch.registry import FUNCTION_STEPS, POST_STEPS, ArchSpec, UnknownArchitectureError, get_path, spec_head
+from ..arch.registry import (FUNCTION_STEPS, POST_STEPS, ArchSpec, UnknownArchitectureError, get_path, spec_head,
+                             split_post_steps)
 from .placement import DeviceOf, indexed, module_device, offloaded, plain, readable, replica, weights_materialized
 
 __all__ = ["CALLED_READOUT_CHUNK", "Head", "Readout"]
@@ -80,13 +81,13 @@ class Head:
 
     def __init__(self, model: nn.Module, spec: ArchSpec, kind: str) -> None:
         spec_kind = spec_head(kind)
-        names = list(spec.heads[spec_kind])
+        names, post = split_post_steps(spec.heads[spec_kind])
         self._post_ops: list[tuple[Callable[[torch.Tensor, float], torch.Tensor], float]] = []
-        while names and names[-1].split(":", 1)[0] in POST_STEPS:
-            op, attribute = names.pop().split(":", 1)
+        for step in post:
+            op, attribute = step.split(":", 1)
             value = getattr(model.config, attribute, None)
             if value is not None:
-                self._post_ops.insert(0, (POST_STEPS[op], float(value)))
+                self._post_ops.append((POST_STEPS[op], float(value)))
         steps: list[nn.Module | Callable] = []
         for step in names:
             if step in FUNCTION_STEPS:
