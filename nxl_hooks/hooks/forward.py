@@ -15,7 +15,7 @@ import torch
 
 from ..method.scores import regression_logat
 from ..records.attribution import Attribution
-from ..records.tokens import readable_rows, target_texts
+from ..records.tokens import target_texts
 from .plan import Plan
 
 __all__ = ["Capture", "assemble", "open_capture"]
@@ -108,7 +108,7 @@ def assemble(plan: Plan, capture: Capture, output: Any = None) -> Attribution:
         meta={**plan.describe(), "prediction": final.cpu().tolist() if plan.kind == "regression" else None},
         special=plan.special(ids),
         input_ids=ids.cpu() if ids is not None else None,
-        readable=readable_rows(plan.tokenizer, ids),
+        readable=plan.readable_rows(ids),
         probability=None if probability is None else (probability if plan.label_axis else probability[:, 0]).cpu(),
         target_text=target_texts(plan.tokenizer, plan.model.config, plan.kind, targets),
     )

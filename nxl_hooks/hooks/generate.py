@@ -50,7 +50,6 @@ import torch
 from torch import nn
 
 from ..records.steps import GenerationCall, Step
-from ..records.tokens import readable_rows
 from .forward import Capture
 from .guard import reason
 from .plan import Plan
@@ -225,7 +224,7 @@ class Run:
             if self._n >= self._prompt_len:
                 ids = torch.cat(self._prompt_ids, dim=1).cpu() if self._prompt_ids else None
                 self._prompt_ids = []
-                self.call.readable = readable_rows(self._plan.tokenizer, ids)
+                self.call.readable = self._plan.readable_rows(ids)
                 self._hub.prompt(self.call, ids, self._mask.view()[:, : self._prompt_len].cpu(), self._plan.describe())
 
     def _real_mask(self, mask: torch.Tensor, past: int, new: int) -> torch.Tensor:

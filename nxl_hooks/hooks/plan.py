@@ -113,6 +113,12 @@ class Plan:
                 known.update(texts)
         return [found[i] for i in ids]
 
+    def readable_rows(self, ids: torch.Tensor | None) -> list[list[str]] | None:
+        """:meth:`readable` of each row of a (rows, seq) id tensor; None without a tokenizer or ids."""
+        if self.tokenizer is None or ids is None:
+            return None
+        return [self.readable(row) for row in ids.tolist()]
+
     def describe(self) -> dict[str, Any]:
         """What a saved result records about the model and the probe: ``plan.describe()["head_kind"]``."""
         return {

@@ -34,7 +34,7 @@ from typing import Any, Sequence
 from ..method.select import ResolvedTarget
 
 __all__ = ["EMPTY", "describe_target", "NEWLINE", "SPACE", "TAB", "chat_text", "label_text", "readable", "readable_ids",
-           "readable_rows", "target_texts", "token_text", "visible"]
+           "target_texts", "visible"]
 
 SPACE = "␣"
 NEWLINE = "↵"
@@ -97,11 +97,6 @@ def _undecodable(piece: str) -> str | None:
     return None
 
 
-def token_text(tokenizer: Any, token: int) -> str:
-    """The exact text one token id adds to a decoded string: ``token_text(tok, 7042) == " Paris"``."""
-    return _texts(tokenizer, [token])[0][0]
-
-
 def _texts(tokenizer: Any, ids: Sequence[int]) -> list[tuple[str, str | None]]:
     """(decoded text, piece) of each id; one call into the tokenizer for all of them."""
     ids = [int(i) for i in ids]
@@ -131,13 +126,6 @@ def readable_ids(tokenizer: Any, ids: Sequence[int]) -> list[str]:
 def readable(tokenizer: Any, token: int) -> str:
     """The readable text of one token id, as every output shows it: ``readable(tok, 198) == "↵"``."""
     return readable_ids(tokenizer, [token])[0]
-
-
-def readable_rows(tokenizer: Any, ids: Any) -> list[list[str]] | None:
-    """:func:`readable_ids` of each row of a (rows, seq) id tensor; None without a tokenizer or ids."""
-    if tokenizer is None or ids is None:
-        return None
-    return [readable_ids(tokenizer, row) for row in ids.tolist()]
 
 
 def label_text(tokenizer: Any, id2label: dict | None, kind: str, label: int) -> str:
