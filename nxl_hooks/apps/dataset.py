@@ -218,8 +218,8 @@ def _complete_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
     for number, line in enumerate(data[:end].splitlines(), start=1):
         if line.strip():
             try:
-                record = json.loads(line)
-            except (ValueError, RecursionError):
+                record = _json(line)
+            except ValueError:
                 record = None
             if not isinstance(record, dict) or not isinstance(record.get("index"), int):
                 raise ValueError(

@@ -13,6 +13,8 @@ import stat
 import tempfile
 from pathlib import Path
 
+from ...records.files import write_text
+
 __all__ = ["last_run", "make_run_dir", "private_run_dir", "read_token", "remember", "socket_path", "write_token"]
 
 TOKEN = "token"
@@ -44,10 +46,7 @@ def private_run_dir() -> Path:
 
 def remember(folder: Path) -> None:
     """Make ``folder`` what ``nxl tail`` / ``nxl ctl`` talk to when given no run."""
-    pointer = _user_dir() / "last-run"
-    temporary = pointer.with_name(f".last-run.{os.getpid()}")
-    temporary.write_text(str(folder))
-    os.replace(temporary, pointer)
+    write_text(_user_dir() / "last-run", str(folder))
 
 
 def last_run() -> Path | None:
@@ -65,11 +64,7 @@ def socket_path(folder: Path, pid: int) -> Path:
 def write_token(folder: Path) -> str:
     """A new random bearer token in ``folder/token`` (0600, replacing an old one)."""
     token = secrets.token_urlsafe(32)
-    temporary = folder / f".{TOKEN}.{os.getpid()}"
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as out:
-        out.write(token + "\n")
-    os.replace(temporary, folder / TOKEN)
+    write_text(folder / TOKEN, token + "\n", mode=0o600)
     return token
 
 
