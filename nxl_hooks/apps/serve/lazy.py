@@ -12,13 +12,14 @@ this file by path before the program starts (importing the package would import 
 from __future__ import annotations
 
 import importlib
-import logging
 import sys
 import threading
-from importlib.abc import MetaPathFinder
-from importlib.machinery import ModuleSpec
 from types import ModuleType
-from typing import Any, Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # not at run time: with importlib.abc and logging they doubled the bootstrap's start-up
+    from importlib.machinery import ModuleSpec
+    from typing import Any, Sequence
 
 __all__ = ["HOOKS", "install", "when_imported"]
 
@@ -26,22 +27,22 @@ __all__ = ["HOOKS", "install", "when_imported"]
 HOOKS = (("transformers.modeling_utils", "nxl_hooks.apps.serve.patches:patch_modeling_utils"),
          ("transformers.cli.serving.utils", "nxl_hooks.apps.serve.patches:patch_serving"))
 
-_log = logging.getLogger("nxl_hooks")
-
-
 def _call(target: str, module: ModuleType) -> None:
     try:
         name, _, function = target.partition(":")
         getattr(importlib.import_module(name), function)(module)
     except Exception as error:  # noqa: BLE001 - the program's import must go on
+        import logging
+
         text = " ".join(str(error).split()) or type(error).__name__
-        _log.warning("nxl_hooks: could not hook %s (%s: %s); the program runs unrecorded", module.__name__,
-                     type(error).__name__, text)
+        logging.getLogger("nxl_hooks").warning("nxl_hooks: could not hook %s (%s: %s); the program runs unrecorded",
+                                               module.__name__, type(error).__name__, text)
 
 
-class _PostImportFinder(MetaPathFinder):
+class _PostImportFinder:
     """First on ``sys.meta_path``: for a watched module, finds its spec with the other finders and runs the
-    targets right after the module's own code."""
+    targets right after the module's own code. (``find_spec`` is all the import system asks of a meta path finder;
+    the ``importlib.abc.MetaPathFinder`` base would only add its import time.)"""
 
     nxl_post_import = True  # how a second copy of this module recognises the finder
 
