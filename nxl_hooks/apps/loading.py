@@ -178,7 +178,9 @@ def quantization_config(mode: str, dtype: Any = None) -> Any:
 def program_defaults(load: dict[str, Any]) -> dict[str, Any]:
     """The ``from_pretrained`` keyword arguments of the loading options ``nxl run`` gives a program's own loads
     (``load``: dtype, device_map, max_memory, quantize, gguf_file as :func:`loading_options` returns them)."""
-    kwargs = {key: load[key] for key in ("device_map", "max_memory", "gguf_file") if load.get(key) is not None}
+    kwargs = {key: load[key] for key in ("device_map", "gguf_file") if load.get(key) is not None}
+    if load.get("max_memory") is not None:
+        kwargs["max_memory"] = dict(load["max_memory"])  # a copy per load: from_pretrained rewrites its sizes in place
     dtype = _torch_dtype(load.get("dtype"))
     if dtype is not None:
         kwargs["dtype"] = dtype
@@ -229,15 +231,13 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
     _check_local(name, gguf_file)
     if max_memory is not None and device_map is None:
         raise ValueError("max_memory needs a device_map (e.g. device_map='auto'): it caps what each device gets")
-    dtype = _torch_dtype(dtype)
     if quantize == "8bit":
         # In float32, bitsandbytes logs a cast warning for every Linear at every call: thousands of lines.
         logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    # a copy: from_pretrained rewrites max_memory's sizes in place (into bytes)
-    max_memory = dict(max_memory) if max_memory is not None else None
-    placement = {key: value for key, value in (("dtype", dtype), ("device_map", device_map),
-                                               ("max_memory", max_memory)) if value is not None}
-    quantization = quantization_config(quantize, dtype) if quantize is not None else None
+    placement = program_defaults({"dtype": dtype, "device_map": device_map, "max_memory": max_memory,
+                                  "quantize": quantize})
+    quantization = placement.pop("quantization_config", None)
+    dtype = placement.get("dtype")
     if gguf_file is not None:
         kind = head or "causal_lm"  # a GGUF file holds a language model; its config names no architecture
         config = None
