@@ -4,7 +4,7 @@ tasks with a known evidence token (examples/train_tasks.py). Prints JSON and wri
     python benchmarks/bench_faithfulness.py                  # 3 seeds x 100 held-out examples per task
     python benchmarks/bench_faithfulness.py --seeds 0 --n 30 # a quick look
 
-For each task and seed: train the model, score held-out examples with nxl_hooks.evaluate (AOPC at the last
+For each task and seed: train the model, score held-out examples with nxl_hooks.eval.faithfulness (AOPC at the last
 layer, alignment at every layer), and AOPC again at every other layer for the layered methods (LogAt,
 NormXLogit, contrastive). Figures are means over seeds with the spread (min..max) across seeds.
 """

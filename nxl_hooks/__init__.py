@@ -7,10 +7,10 @@
 
 The package in layers, each importing only from the ones above it in this list:
 ``arch`` (where things are), ``method`` (what is computed), ``records`` (what comes out), ``hooks`` (when, on a
-live model), ``eval`` (checking), ``apps`` (the command line and views).
+live model), ``eval`` (checking), ``apps`` (the command line and views). The module paths of 0.1
+(``nxl_hooks.evaluate``, ``nxl_hooks.stream``, ...) were removed in 0.2.0: CHANGELOG.md says where each went.
 """
 
-from . import _moved
 from .arch import ArchSpec, RegistryError, UnknownArchitectureError, register_architecture, register_file
 from .hooks import Probe, attach, detach_all, explain
 from .records import Attribution, GenerationCall, RecordError, RotatingSink, Sink, Step, StreamError, read_stream
@@ -34,15 +34,4 @@ __all__ = [
     "register_architecture",
     "register_file",
 ]
-__version__ = "0.1.0"
-
-_moved.install()
-
-
-def __getattr__(name: str) -> object:
-    # ``nxl.stream``, ``nxl.evaluate``...: the old module names, as attributes of the package too.
-    if name in _moved.MOVED:
-        import importlib
-
-        return importlib.import_module(f"{__name__}.{name}")
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__version__ = "0.2.0"

@@ -2,8 +2,8 @@
 the real cause (matched like ``pytest.raises(match=...)``), never a traceback, and leaves every file that was
 there byte for byte as it was (models, datasets, earlier outputs the failed command was pointed at).
 
-The library's catalogue is tests/test_bad_inputs.py; :func:`test_readme_states_the_catalogue` checks README's
-figures against both.
+The library's catalogue is tests/test_bad_inputs.py; :func:`test_docs_state_the_catalogue` checks the figures in
+docs/testing.md against both.
 """
 
 from __future__ import annotations
@@ -230,17 +230,17 @@ def test_evaluate_records_a_text_too_long_and_goes_on(where, quiet, tmp_path, ca
     assert part.read_bytes() == before and "failed, recorded" not in capsys.readouterr().err  # not retried
 
 
-def test_readme_states_the_catalogue():
-    """README's figures are the collected catalogues: the library's and the command line's, every case a clear
-    error (each test above asserts it)."""
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+def test_docs_state_the_catalogue():
+    """The figures in docs/testing.md are the collected catalogues: the library's and the command line's, every
+    case a clear error (each test above asserts it)."""
+    page = (Path(__file__).resolve().parent.parent / "docs" / "testing.md").read_text(encoding="utf-8")
     total = len(LIBRARY_CATALOGUE) + len(CLI_CATALOGUE)
     sentence = (r"(\d+) bad inputs \((\d+) to the library and files, (\d+) to the command line\): all (\d+) "
                 r"give a clear error")
-    found = re.search(sentence.replace(" ", r"\s+"), readme)  # README wraps its lines anywhere
-    assert found, "README's bad-input figures are missing"
+    found = re.search(sentence.replace(" ", r"\s+"), page)  # the page wraps its lines anywhere
+    assert found, "docs/testing.md's bad-input figures are missing"
     expected = [total, len(LIBRARY_CATALOGUE), len(CLI_CATALOGUE), total]
     assert [int(n) for n in found.groups()] == expected, (
-        f"README should say: {total} bad inputs ({expected[1]} to the library and files, {expected[2]} to the "
-        f"command line): all {total} give a clear error")
+        f"docs/testing.md should say: {total} bad inputs ({expected[1]} to the library and files, {expected[2]} "
+        f"to the command line): all {total} give a clear error")
     assert len(set(CLI_CATALOGUE)) == len(CLI_CATALOGUE)

@@ -1,17 +1,13 @@
 """The package's imports run one way: arch < method < records < hooks < eval < apps, and never in a circle.
 
 Every import counts: module level, inside functions, under TYPE_CHECKING, and module names written as strings
-(importlib). The old module paths (nxl_hooks/_moved.py) still import.
+(importlib).
 """
 
 from __future__ import annotations
 
 import ast
-import importlib
 import re
-import subprocess
-import sys
-import warnings
 from pathlib import Path
 
 import pytest
@@ -20,7 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "nxl_hooks"
 LAYERS = ("arch", "method", "records", "hooks", "eval", "apps")
 #: Modules outside the layers: the public face and entry points (they may import any layer; no layer imports
 #: them), and the shipped demo data (imports nothing of the package).
-OUTSIDE = {"nxl_hooks", "nxl_hooks._moved", "nxl_hooks.__main__", "nxl_hooks.auto"}
+OUTSIDE = {"nxl_hooks", "nxl_hooks.__main__", "nxl_hooks.auto"}
 
 
 def _modules() -> dict[str, Path]:
@@ -108,20 +104,3 @@ def test_the_checker_sees_function_level_and_string_imports(tmp_path, monkeypatc
     modules = {"nxl_hooks.arch.x": tmp_path / "x.py", "nxl_hooks.apps.cli": tmp_path / "cli.py"}
     modules["nxl_hooks.arch.x"].write_text("def f():\n    from ..apps import cli\n    return 'nxl_hooks.apps.cli:main'\n")
     assert _imports("nxl_hooks.arch.x", modules["nxl_hooks.arch.x"], modules) == {"nxl_hooks.apps.cli"}
-
-
-@pytest.mark.parametrize("old, name", [("evaluate", "score_example"), ("stream", "read_stream"),
-                                       ("stream", "print_generation"), ("capture", "attach"),
-                                       ("capture", "resolve_layers"), ("registry", "specs"), ("viz", "heatmap"),
-                                       ("viz", "audit_report"), ("cli", "main"), ("head", "module_device")])
-def test_old_module_paths_still_import(old, name):
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        module = importlib.import_module(f"nxl_hooks.{old}")
-    assert callable(getattr(module, name))
-
-
-def test_old_cli_module_runs_with_python_m():
-    done = subprocess.run([sys.executable, "-m", "nxl_hooks.cli", "--help"], capture_output=True, text=True,
-                          timeout=120)
-    assert done.returncode == 0 and "attribute" in done.stdout and "evaluate" in done.stdout

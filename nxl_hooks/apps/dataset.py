@@ -160,7 +160,8 @@ def load_examples(
     evidence: str = "evidence",
     limit: int | None = None,
 ) -> list[dict[str, Any]]:
-    """Examples of a ``.jsonl`` / ``.csv`` file or a hub dataset as dicts for :func:`nxl_hooks.evaluate.score_example`.
+    """Examples of a ``.jsonl`` / ``.csv`` file or a hub dataset as dicts for
+    :func:`nxl_hooks.eval.faithfulness.score_example`.
 
     ``load_examples("sst2.csv", text="sentence")``; ``load_examples("hf:stanfordnlp/sst2:validation",
     text="sentence")`` (needs the ``datasets`` package). Each gets ``text``, and ``label`` / ``evidence`` /

@@ -35,7 +35,7 @@ def _argbest(values: Sequence[float | None], high: bool) -> int | None:
 
 
 def evaluate_report(summary: Mapping[str, Any], title: str = "nxl_hooks faithfulness report") -> str:
-    """The page ``nxl evaluate`` writes, from :func:`nxl_hooks.evaluate.aggregate`'s summary."""
+    """The page ``nxl evaluate`` writes, from :func:`nxl_hooks.eval.faithfulness.aggregate`'s summary."""
     methods: Mapping[str, Mapping[str, Any]] = summary["methods"]
     names = list(methods)
     ks = [round(100 * k) for k in summary["ks"]]

@@ -254,7 +254,7 @@ def _load_builtin() -> None:
 
 
 def specs() -> dict[str, ArchSpec]:
-    """All registered specs by ``model_type``. ``nxl.registry.specs()["llama"].blocks``"""
+    """All registered specs by ``model_type``. ``nxl_hooks.arch.registry.specs()["llama"].blocks``"""
     return dict(_SPECS)
 
 

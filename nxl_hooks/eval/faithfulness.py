@@ -3,7 +3,7 @@ Pearson after perturbation, and per-layer evidence alignment, for several method
 
 CONTRACT (record based, everything JSON-able; the dataset runner shards, resumes and merges these)::
 
-    from nxl_hooks import evaluate as ev
+    from nxl_hooks.eval import faithfulness as ev
     rec = ev.score_example(model, tokenizer, example, methods=ev.DEFAULT_METHODS, layer=-1, seed=0)
     summary = ev.aggregate(records)
 
@@ -26,7 +26,7 @@ CONTRACT (record based, everything JSON-able; the dataset runner shards, resumes
     "pearson_sufficiency", "layered", "ap", "dot", "ap_eval", "dot_eval", "n_evidence", "seconds"}}}
 
 Methods: random (seeded by seed and text), embed_norm, logat, normxlogit, contrastive (NormXLogit[target] -
-NormXLogit[foil]), grad_norm, grad_x_input, integrated_gradients (captum; :mod:`nxl_hooks.baselines`).
+NormXLogit[foil]), grad_norm, grad_x_input, integrated_gradients (captum; :mod:`nxl_hooks.eval.baselines`).
 """
 
 from __future__ import annotations

@@ -1,0 +1,146 @@
+"""The documentation holds together: the MkDocs site builds in strict mode (a broken link, a missing page in the nav
+or an API reference that names nothing fails), every public name is in the API reference, README's links and
+anchors lead somewhere, README keeps the test command CI runs, the changelog's table of removed module paths is
+true of the code, and the version is one number everywhere.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import nxl_hooks
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parent.parent
+#: What the 0.1 redirect table held for these names (tests/test_layers.py checked them through the redirect): the
+#: changelog must send each old path to a module that really has the name.
+OLD_NAMES = [("evaluate", "score_example"), ("stream", "read_stream"), ("stream", "print_generation"),
+             ("capture", "attach"), ("capture", "resolve_layers"), ("registry", "specs"), ("viz", "heatmap"),
+             ("viz", "audit_report"), ("cli", "main"), ("head", "module_device")]
+
+
+def _build(config: Path, site: Path) -> subprocess.CompletedProcess:
+    # In a child process: mkdocstrings imports and inspects the package, and the snippets extension reads
+    # CHANGELOG.md relative to the working directory.
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(site)],
+                          cwd=config.parent, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory) -> Path:
+    pytest.importorskip("mkdocs", reason="pip install -e '.[docs]'")
+    out = tmp_path_factory.mktemp("site")
+    done = _build(ROOT / "mkdocs.yml", out)
+    assert done.returncode == 0, f"mkdocs build --strict failed:\n{done.stderr[-4000:]}"
+    return out
+
+
+def _copy_of_the_docs(tmp_path: Path) -> Path:
+    for name in ("mkdocs.yml", "CHANGELOG.md"):
+        shutil.copy(ROOT / name, tmp_path / name)
+    shutil.copytree(ROOT / "docs", tmp_path / "docs")
+    return tmp_path / "mkdocs.yml"
+
+
+def test_site_builds_in_strict_mode(site):
+    pages = {path.parent.name for path in site.glob("*/index.html")}
+    assert {"command-line", "python", "server", "benchmarks", "api", "changelog", "testing"} <= pages
+    assert "0.2.0" in (site / "changelog" / "index.html").read_text(encoding="utf-8")  # the snippet was included
+
+
+@pytest.mark.parametrize("plant, says", [
+    ("[gone](no-such-page.md)", "no-such-page.md"),
+    ("::: nxl_hooks.no_such_name", "no_such_name"),
+])
+def test_strict_build_fails_on_a_broken_link_or_reference(tmp_path, plant, says):
+    """The check itself: the same configuration refuses a page with a dead link or an API entry naming nothing."""
+    pytest.importorskip("mkdocs", reason="pip install -e '.[docs]'")
+    config = _copy_of_the_docs(tmp_path)
+    page = tmp_path / "docs" / "python.md"
+    page.write_text(page.read_text(encoding="utf-8") + f"\n{plant}\n", encoding="utf-8")
+    done = _build(config, tmp_path / "site")
+    assert done.returncode != 0 and says in done.stderr, done.stderr[-2000:]
+
+
+def test_every_public_name_is_in_the_api_reference(site):
+    api = (site / "api" / "index.html").read_text(encoding="utf-8")
+    missing = [name for name in nxl_hooks.__all__ if f'id="nxl_hooks.{name}"' not in api]
+    assert not missing, f"add '::: nxl_hooks.NAME' to docs/api.md for: {', '.join(missing)}"
+
+
+def test_readme_links_and_anchors_lead_somewhere(site):
+    for document in ("README.md", "CHANGELOG.md"):
+        text = (ROOT / document).read_text(encoding="utf-8")
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue  # a web address
+            path, _, anchor = target.partition("#")
+            if not path:  # an anchor on the same page
+                slugs = {re.sub(r"[^\w\- ]", "", h).strip().lower().replace(" ", "-")
+                         for h in re.findall(r"^#+ (.+)$", text, re.M)}
+                assert anchor in slugs, f"{document}: no heading for #{anchor}"
+                continue
+            assert (ROOT / path).exists(), f"{document} links to {path}, which does not exist"
+            if anchor and path.startswith("docs/"):
+                html = (site / Path(path).relative_to("docs").with_suffix("") / "index.html").read_text("utf-8")
+                assert f'id="{anchor}"' in html, f"{document}: {path} has no heading #{anchor}"
+
+
+def test_readme_keeps_the_test_command_ci_runs():
+    """.ci/run runs README's test command literally: the line must stay in both, the same."""
+    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").strip().splitlines()[-1]
+    assert ci == 'pip install -e ".[test]" && python -m pytest -n 2 tests'
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    assert f"```bash\n{ci}\n```" in readme
+
+
+def _changelog_moves() -> dict[str, list[str]]:
+    text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| `nxl_hooks\.(\w+)` \| (.+) \|$", text, re.M)
+    return {old: re.findall(r"`(nxl_hooks[\w.]+)`", new) for old, new in rows}
+
+
+def test_changelog_says_where_each_old_module_path_went():
+    moves = _changelog_moves()
+    assert len(moves) == 14 and {old for old, _ in OLD_NAMES} <= set(moves)
+    for old, new in moves.items():
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(f"nxl_hooks.{old}")
+        assert not hasattr(nxl_hooks, old)
+        for module in new:
+            importlib.import_module(module)  # each named home exists
+    for old, name in OLD_NAMES:
+        assert any(callable(getattr(importlib.import_module(m), name, None)) for m in moves[old]), (old, name)
+
+
+def test_old_cli_module_is_gone_and_the_package_runs_instead():
+    gone = subprocess.run([sys.executable, "-m", "nxl_hooks.cli", "--help"], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
+    assert gone.returncode != 0 and "No module named nxl_hooks.cli" in gone.stderr
+    changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
+    assert "`python -m nxl_hooks.cli ...` becomes `python -m nxl_hooks ...`" in changelog
+
+
+def test_one_version_everywhere():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["version"]
+    latest = re.search(r"^## (\S+)", (ROOT / "CHANGELOG.md").read_text(encoding="utf-8"), re.M).group(1)
+    assert project == nxl_hooks.__version__ == latest
+
+
+def test_tests_readme_sorts_every_test_file_into_a_tier():
+    listed = (ROOT / "tests" / "README.md").read_text(encoding="utf-8")
+    unlisted = [p.name for p in sorted((ROOT / "tests").glob("test_*.py")) if f"`{p.name}`" not in listed]
+    assert not unlisted, f"tests/README.md: put these in a tier: {', '.join(unlisted)}"
