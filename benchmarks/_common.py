@@ -1,16 +1,22 @@
-"""What every benchmark script shares: a synchronized timer, the device's name, and the JSON it prints.
+"""What every benchmark script shares: a synchronized timer, the device's name, the JSON it prints, and ``--smoke``.
 
 ``timed(fn, device, clock="cpu")`` counts the CPU seconds of this process instead of wall seconds: on a shared
 machine other processes stretch wall time by whatever they run, not the CPU time spent on the work itself (with
 one torch thread it is exactly the work; with several it also counts their spin-waits). ``load_average()`` goes
 into every report, so a reader can see how busy the machine was.
+
+``--smoke`` (every script): tiny sizes, one round, no goal, the JSON written outside ``benchmarks/results/``. The
+test suite runs each script so on the CPU (tests/test_benchmarks_smoke.py): a benchmark that stops running fails
+CI, and one whose figures are still to be taken on a GPU keeps working until then.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -19,6 +25,7 @@ import torch
 
 
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def timed(fn: Callable[[], Any], device: torch.device, clock: str = "wall") -> float:
@@ -53,3 +60,20 @@ def emit(report: dict, out: Path | None) -> None:
     if out:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(text + "\n")
+
+
+def add_smoke_option(parser: argparse.ArgumentParser) -> None:
+    """``--smoke``: the script's own code on tiny sizes, for CI (``parser.add_argument`` once, the same help)."""
+    parser.add_argument("--smoke", action="store_true",
+                        help="check that the script runs: tiny sizes, one round, no goal; the JSON goes to --out or a "
+                             "temporary file, never to benchmarks/results/")
+
+
+def smoke_out(parser: argparse.ArgumentParser, out: Path | None, name: str) -> Path:
+    """Where a ``--smoke`` run writes its JSON: ``out``, or a new temporary file; never under benchmarks/results/
+    (a smoke run's figures mean nothing), which is a usage error (exit 2)."""
+    if out is None:
+        return Path(tempfile.mkdtemp(prefix="nxl-smoke-")) / f"{name}.json"
+    if out.resolve().is_relative_to(RESULTS):
+        parser.error(f"--smoke writes no figures: give --out outside {RESULTS}, or none")
+    return out
