@@ -3,6 +3,7 @@ tasks with a known evidence token (examples/train_tasks.py). Prints JSON and wri
 
     python benchmarks/bench_faithfulness.py                  # 3 seeds x 100 held-out examples per task
     python benchmarks/bench_faithfulness.py --seeds 0 --n 30 # a quick look
+    python benchmarks/bench_faithfulness.py --smoke          # every task on a few sentences: does it still run (CI)
 
 For each task and seed: train the model, score held-out examples with nxl_hooks.eval.faithfulness (AOPC at the last
 layer, alignment at every layer), and AOPC again at every other layer for the layered methods (LogAt,
@@ -27,6 +28,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 import train_tasks  # noqa: E402
 
 from nxl_hooks.eval import faithfulness as ev  # noqa: E402
+from _common import add_smoke_option, smoke_out  # noqa: E402
 
 LAYERED = ("logat", "normxlogit", "contrastive")
 TASKS = {
@@ -82,12 +84,14 @@ def _spread(values: list[float | None]) -> dict | None:
     return {"mean": sum(values) / len(values), "min": min(values), "max": max(values)}
 
 
-def run_task(name: str, seeds: list[int], n: int) -> dict:
+def run_task(name: str, seeds: list[int], n: int, training: dict | None = None) -> dict:
+    """One task: train a model per seed (``training`` overrides the recipe's sizes: ``--smoke``), score ``n``
+    held-out examples with every method."""
     task = TASKS[name]
     per_seed = []
     for seed in seeds:
         start = time.perf_counter()
-        model, tokenizer = task["train"](seed=seed)
+        model, tokenizer = task["train"](seed=seed, **(training or {}))
         train_seconds = time.perf_counter() - start
         examples = task["examples"](n, seed)
         start = time.perf_counter()
@@ -166,7 +170,7 @@ def _per_layer(values: list[float]) -> str:
     return " / ".join(f"{v:.2f}" for v in values)
 
 
-#: The README's summary: one row per task, each cell "AOPC comp. / AOPC suff. / AP at the last layer".
+#: The summary in docs/benchmarks.md: one row per task, each cell "AOPC comp. / AOPC suff. / AP at the last layer".
 SUMMARY_METHODS = ("random", "embed_norm", "logat", "normxlogit", "grad_norm", "grad_x_input", "integrated_gradients")
 SUMMARY_TASKS = {
     "sentiment_demo": "Llama classifier, the demo's recipe",
@@ -179,7 +183,7 @@ SUMMARY_TASKS = {
 
 
 def summary_table(result: dict) -> str:
-    """The table README.md shows, from the benchmark's JSON (paste it there after a rerun)."""
+    """The table docs/benchmarks.md shows, from the benchmark's JSON (paste it there after a rerun)."""
     lines = ["| task | " + " | ".join(SUMMARY_METHODS) + " | NormXLogit > random (comp/suff/AP) |",
              "| --- |" + " --- |" * (len(SUMMARY_METHODS) + 1)]
     for name, about in SUMMARY_TASKS.items():
@@ -205,7 +209,7 @@ def markdown(result: dict) -> str:
              "normalization for every method: (s - min s) / sum(s - min s) over the tokens (prediction position "
              "and special tokens left out, as they are never perturbed). Gradient baselines reduce each token's "
              "vector by its L1 norm, as the paper does.", "",
-             "## Summary (the table in README.md)", "", "Each cell: AOPC comprehensiveness ↑ / sufficiency ↓ / "
+             "## Summary (the table in docs/benchmarks.md)", "", "Each cell: AOPC comprehensiveness ↑ / sufficiency ↓ / "
              "evidence AP at the last layer ↑.", "", summary_table(result), ""]
     for name, task in result["tasks"].items():
         layers = task["layers"]
@@ -237,8 +241,14 @@ def main() -> None:
     parser.add_argument("--n", type=int, default=100, help="held-out examples per task and seed")
     parser.add_argument("--tasks", nargs="+", default=list(TASKS), choices=list(TASKS))
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "faithfulness.json")
+    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/faithfulness.json")
+    add_smoke_option(parser)
     args = parser.parse_args()
+    # --smoke: each task's model trained on 64 sentences for one epoch, 3 held-out examples, one seed
+    training = {"n_train": 64, "epochs": 1} if args.smoke else None
+    if args.smoke:
+        args.seeds, args.n, args.out = [0], 3, smoke_out(parser, args.out, "faithfulness")
+    args.out = args.out or ROOT / "benchmarks" / "results" / "faithfulness.json"
     torch.set_num_threads(args.threads)
     start = time.perf_counter()
     result = {
@@ -248,7 +258,8 @@ def main() -> None:
         "seeds": args.seeds,
         "n_examples": args.n,
         "methods": list(ev.METHODS),
-        "tasks": {name: run_task(name, args.seeds, args.n) for name in args.tasks},
+        "smoke": args.smoke,
+        "tasks": {name: run_task(name, args.seeds, args.n, training) for name in args.tasks},
     }
     result["total_seconds"] = time.perf_counter() - start
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -46,7 +46,8 @@ def main() -> None:
     add_smoke_option(parser)
     args = parser.parse_args()
     if args.smoke:
-        args.repeats, args.tokens, args.out = 1, 16, smoke_out(parser, args.out, "forward")
+        args.repeats, args.tokens, args.threads = 1, 16, 1  # one thread: no spin-waits beside other tests
+        args.out = smoke_out(parser, args.out, "forward")
     device = torch.device(args.device)
     load_before = load_average()
     if args.threads:

@@ -86,7 +86,7 @@ def main() -> None:
     add_smoke_option(parser)
     args = parser.parse_args()
     if args.smoke:
-        args.repeats, args.prompt, args.new, args.inseq_repeats = 1, 8, 4, 1
+        args.repeats, args.prompt, args.new, args.inseq_repeats, args.threads = 1, 8, 4, 1, 1
         args.out = smoke_out(parser, args.out, "generate")
     device = torch.device(args.device)
     load_before = load_average()

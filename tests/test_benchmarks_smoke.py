@@ -1,0 +1,109 @@
+"""Every benchmark script still runs: each one with ``--smoke`` (tiny sizes, one round, no goal) on the CPU, in a
+child process, as a user would start it. Its JSON must hold what the script promises, and nothing under
+benchmarks/results/ (the committed figures) may change. A new script in benchmarks/ is picked up by the glob and
+fails here until it has a check below.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCHMARKS = ROOT / "benchmarks"
+SCRIPTS = sorted(BENCHMARKS.glob("bench_*.py"))
+
+
+def _forward(report: dict, out: Path) -> None:
+    assert report["model"]["layers"] == 2 and report["repeats"] == 1 and "goals" not in report
+    assert all(report["paired_ratio_medians"][name] > 0 for name in ("server", "once", "logit_lens"))
+
+
+def _generate(report: dict, out: Path) -> None:
+    # the attached generate emitted exactly the plain generate's tokens, one record per token
+    assert report["same_tokens_as_plain"] is True and report["goal_attached_over_plain"] is None
+    assert report["attached_over_plain"] > 0 and report["attached_sink_over_plain"] > 0
+
+
+def _big(report: dict, out: Path) -> None:
+    hidden = report["model"]["hidden"]
+    for setup in ("bnb_4bit", "offloaded"):
+        memory = report[setup]["memory"]
+        # what the probe holds at the backbone's return is the formula (features + embedding norms), plus at most
+        # one float32 vector of the model's width held once per attach
+        assert 0 <= memory["kept_bytes"] - memory["formula_bytes"] <= hidden * 4, memory
+        assert report[setup]["attached_over_plain"] > 0
+
+
+def _faithfulness(report: dict, out: Path) -> None:
+    # the script's TASKS, read from its source (importing it would put examples/ on this process's sys.path)
+    source = ast.parse((BENCHMARKS / "bench_faithfulness.py").read_text(encoding="utf-8"))
+    (tasks,) = [node.value for node in source.body if isinstance(node, ast.Assign)
+                and getattr(node.targets[0], "id", None) == "TASKS"]
+    assert set(report["tasks"]) == {key.value for key in tasks.keys}
+    for task in report["tasks"].values():
+        assert set(task["table"]) == set(report["methods"]) and task["n_examples"] == 3
+    assert "## Summary" in out.with_suffix(".md").read_text(encoding="utf-8")
+
+
+def _real(report: dict, out: Path) -> None:
+    from nxl_hooks.eval.tasks import TASKS
+
+    assert set(report["tasks"]) == set(TASKS) and list(report["timing"]) == ["1"]
+    for summary in report["tasks"].values():
+        assert set(summary["methods"]) == set(report["methods"])
+    assert "| task (accuracy) |" in out.with_suffix(".md").read_text(encoding="utf-8")
+
+
+def _serve(report: dict, out: Path) -> None:
+    assert set(report["latency"]) == {"tiny/clients=1", "tiny/clients=4"} and "soak" not in report
+    for result in report["latency"].values():
+        assert set(result) == {"plain", "nxl_last", "nxl_all"}  # every variant answered, with the same text
+        assert result["plain"]["requests"] >= 1
+    assert report["table"].count("| tiny |") == 2
+
+
+CHECKS = {"bench_forward": _forward, "bench_generate": _generate, "bench_big": _big,
+          "bench_faithfulness": _faithfulness, "bench_real": _real, "bench_serve": _serve}
+
+
+def _results() -> dict[str, bytes]:
+    return {path.name: path.read_bytes() for path in sorted((BENCHMARKS / "results").iterdir())}
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[script.stem for script in SCRIPTS])
+def test_benchmark_runs_in_smoke_mode(script, tmp_path, monkeypatch):
+    assert script.stem in CHECKS, f"{script.name} has no --smoke check in {Path(__file__).name}: add one"
+    before = _results()
+    out = tmp_path / f"{script.stem}.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+           "CUDA_VISIBLE_DEVICES": ""}  # the CPU, where CI runs it
+    done = subprocess.run([sys.executable, str(script), "--smoke", "--out", str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, f"{script.name} --smoke failed:\n{done.stderr[-4000:]}"
+    report = json.loads(out.read_text(encoding="utf-8"))
+    assert report.get("smoke", True) is True  # bench_serve's report has no such key
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    CHECKS[script.stem](report, out)
+    assert _results() == before, "a --smoke run changed benchmarks/results/"
+
+
+def test_smoke_runs_refuse_to_write_into_results(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    from _common import smoke_out
+
+    parser = argparse.ArgumentParser(prog="bench_x.py")
+    with pytest.raises(SystemExit) as exit_:
+        smoke_out(parser, BENCHMARKS / "results" / "forward_cpu.json", "forward")
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("bench_x.py: error: --smoke writes no figures")
+    elsewhere = smoke_out(parser, None, "forward")
+    assert elsewhere.name == "forward.json" and not elsewhere.resolve().is_relative_to(BENCHMARKS.resolve())
+    elsewhere.parent.rmdir()
