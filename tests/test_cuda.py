@@ -1,7 +1,11 @@
 """CUDA paths, run whenever a GPU is present and skipped otherwise: bitsandbytes on CUDA, fp16/bf16, and a
-device_map split between cuda:0 and cpu (scores computed on each block's own device)."""
+device_map split between cuda:0 and cpu (scores computed on each block's own device). Public behaviour only: what
+the library returns, and what torch reports about memory (CI has no GPU, so a private name here would rot unseen).
+"""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -59,14 +63,56 @@ def _split_llama():
     return dispatch_model(big.build("llama"), device_map=device_map, main_device="cpu")
 
 
+def _cpu_tensor_bytes() -> int:
+    """Bytes of every distinct CPU tensor storage that Python objects hold now."""
+    storages = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
+            storage = obj.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def _held_by_the_probe(model, ids, mask) -> tuple[int, int]:
+    """(CUDA bytes, CPU bytes) the attached forward holds beyond the plain one when the backbone returns (seen by a
+    forward hook of our own on it): where the probe keeps each selected layer's hidden states until it scores them."""
+    held = {}
+
+    def look(module, args, output) -> None:
+        torch.cuda.synchronize()
+        held["now"] = (torch.cuda.memory_allocated(), _cpu_tensor_bytes())
+
+    def at_return(attached: bool) -> tuple[int, int]:
+        gc.collect()
+        handle = model.base_model.register_forward_hook(look)
+        try:
+            if attached:
+                _attribute(model, ids, mask)
+            else:
+                with torch.no_grad():
+                    model(input_ids=ids, attention_mask=mask)
+        finally:
+            handle.remove()
+        return held["now"]
+
+    plain, attached = at_return(False), at_return(True)
+    return attached[0] - plain[0], attached[1] - plain[1]
+
+
 def test_cuda_cpu_split_scores_on_each_blocks_device():
     ids, mask = big.batch()
     ref, _ = _attribute(big.build("llama"), ids, mask)
-    res, probe = _attribute(_split_llama(), ids.cuda(), mask.cuda())
+    split = _split_llama()
+    res, _ = _attribute(split, ids.cuda(), mask.cuda())
     torch.testing.assert_close(res.logat, ref.logat, **ACROSS_DEVICES)
     torch.testing.assert_close(res.normxlogit, ref.normxlogit, **ACROSS_DEVICES)
-    # Block 1's output was normed by a CPU copy of the final norm, i.e. its features stayed on the CPU.
-    assert {device.type for _, device in probe.head._replicas} == {"cpu"}
+    # Block 1 ran on the CPU: its output stays there until it is scored, instead of crossing to the GPU. Against the
+    # same model wholly on cuda:0, the probe holds at least one layer's hidden states less on the GPU, and the split
+    # model's probe holds them on the CPU.
+    layer = ids.numel() * split.config.hidden_size * 4  # one layer's hidden states, float32
+    on_gpu, _ = _held_by_the_probe(big.build("llama").cuda(), ids.cuda(), mask.cuda())
+    split_gpu, split_cpu = _held_by_the_probe(split, ids.cuda(), mask.cuda())
+    assert on_gpu - split_gpu >= layer and split_cpu >= layer, (on_gpu, split_gpu, split_cpu, layer)
 
 
 def test_offload_to_cpu_and_disk_executing_on_cuda(tmp_path):
