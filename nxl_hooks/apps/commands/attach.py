@@ -15,6 +15,7 @@ import argparse
 import os
 import shutil
 import sys
+from pathlib import Path
 
 from ..options import CliError
 from .run import add_run_options, prepare_run
@@ -48,8 +49,9 @@ def run(args: argparse.Namespace) -> int:
     target = inspect_target(args.pid)
     if target.uid != os.geteuid() and not args.sink:
         raise CliError(f"process {args.pid} runs as uid {target.uid}: pass --sink DIR, a run folder it will own")
+    made = not args.sink or not Path(args.sink).expanduser().exists()
     settings = prepare_run(args, {})
-    folder, made = settings.run_dir, not any(settings.run_dir.iterdir())
+    folder = settings.run_dir
     if target.uid != os.geteuid():
         for path in (folder, *folder.iterdir()):
             os.chown(path, target.uid, target.gid)
@@ -70,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _forget(folder, made: bool) -> None:
+def _forget(folder: Path, made: bool) -> None:
     """A refused attach leaves no run folder of its own behind (a --sink folder that held files stays)."""
     if made:
         shutil.rmtree(folder, ignore_errors=True)

@@ -113,22 +113,25 @@ def permission_refusal(pid: int, target_uid: int, *, euid: int, ptrace_cap: bool
     return None
 
 
-def _interpreter(pid: int, executable: str, argv: list[str], environ: dict[str, str], cwd: str) -> list[str]:
+def _interpreter(executable: str, argv: list[str], environ: dict[str, str], cwd: str) -> tuple[list[str], str]:
     """The target's interpreter as it was started (its argv[0], which decides its virtual environment, when that
-    is the same file as its executable) and the options that change its imports."""
+    is the same file as its executable) with the options that change its imports, and the folder its
+    ``sys.path[0]`` names (a script's own folder, else the working folder)."""
     first = argv[0] if argv else ""
     found = first if "/" in first else shutil.which(first, path=environ.get("PATH", os.defpath)) if first else None
     path = os.path.join(cwd, found) if found else None
     same = path is not None and os.path.exists(path) and os.path.realpath(path) == os.path.realpath(executable)
     flags: list[str] = []
-    rest = iter(argv[1:])
+    home, rest = cwd, iter(argv[1:])
     for arg in rest:
         if not arg.startswith("-") or arg in ("-", "-c", "-m") or arg.startswith(("-c", "-m")):
+            if not arg.startswith("-"):
+                home = os.path.dirname(os.path.realpath(os.path.join(cwd, arg)))
             break
         flags.append(arg)
         if arg in _FLAG_WITH_VALUE:
             flags.append(next(rest, ""))
-    return [path if same else executable, *flags]
+    return [path if same else executable, *flags], home
 
 
 _CHECK = ("import importlib.util, json, sys; spec = importlib.util.find_spec('nxl_hooks'); "
@@ -166,8 +169,8 @@ def inspect_target(pid: int) -> Target:
         raise CliError(f"process {pid} runs in another mount namespace (a container): run nxl attach inside it")
     if not (_PYTHON.search(os.path.basename(executable)) or "/libpython3" in maps):
         raise CliError(f"process {pid} ({os.path.basename(executable)}) is not a Python process")
-    if environ.get("PYTHON_DISABLE_REMOTE_DEBUG") or any(
-            arg in ("disable_remote_debug", "-Xdisable_remote_debug") for arg in argv):
+    interpreter, home = _interpreter(executable, argv, environ, cwd)
+    if environ.get("PYTHON_DISABLE_REMOTE_DEBUG") or "disable_remote_debug" in " ".join(interpreter[1:]):
         raise CliError(f"process {pid} disabled remote debugging (PYTHON_DISABLE_REMOTE_DEBUG or -X "
                        "disable_remote_debug): restart it without that to attach, or use nxl run")
     if environ.get("NXL_RUN_DIR"):
@@ -176,8 +179,7 @@ def inspect_target(pid: int) -> Target:
     tracer = int(status.get("TracerPid", "0") or 0)
     if tracer:
         raise CliError(f"process {pid} is being traced by process {tracer} (a debugger): detach that first")
-    interpreter = _interpreter(pid, executable, argv, environ, cwd)
-    found = _check_interpreter(pid, interpreter, environ, cwd, uid, gid)
+    found = _check_interpreter(pid, interpreter, environ, home, uid, gid)
     version = tuple(found["version"])
     if version < (3, 10):
         raise CliError(f"process {pid} runs Python {version[0]}.{version[1]}: nxl_hooks needs 3.10 or newer")
@@ -191,13 +193,13 @@ def inspect_target(pid: int) -> Target:
     return target
 
 
-def _check_interpreter(pid: int, interpreter: list[str], environ: dict[str, str], cwd: str, uid: int,
+def _check_interpreter(pid: int, interpreter: list[str], environ: dict[str, str], home: str, uid: int,
                        gid: int) -> dict:
-    """Run the target's interpreter, as its user, in its environment and folder, to ask its version and where it
-    finds nxl_hooks (``find_spec``: importing nxl_hooks would import torch, seconds for nothing)."""
+    """Run the target's interpreter, as its user, in its environment and from the folder of its ``sys.path[0]``,
+    to ask its version and where it finds nxl_hooks (``find_spec``: importing nxl_hooks would import torch, seconds for nothing)."""
     other = uid != os.geteuid()
     try:
-        done = subprocess.run([*interpreter, "-c", _CHECK], env=environ, cwd=cwd, capture_output=True, text=True,
+        done = subprocess.run([*interpreter, "-c", _CHECK], env=environ, cwd=home, capture_output=True, text=True,
                               timeout=60, user=uid if other else None, group=gid if other else None)
         return json.loads(done.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError, KeyError):
@@ -229,13 +231,22 @@ def report(outcome):
 
 def work():
     try:
+        with open(TAKEN) as fh:
+            request = json.load(fh)
+        # Nothing is imported into a process that has nothing to detach or no model to attach.
+        if request["action"] == "detach" and "nxl_hooks.apps.serve.remote" not in sys.modules:
+            return report({{"ok": False, "code": "not-attached",
+                            "error": "process %d is not attached by nxl attach" % os.getpid()}})
+        if request["action"] == "attach" and not request.get("wait") and "transformers.modeling_utils" not in sys.modules:
+            return report({{"ok": False, "code": "no-model", "error": "transformers is not imported in process %d: "
+                            "no model to attach yet; try again once it is, or with --wait SECONDS" % os.getpid()}})
         try:
             from nxl_hooks.apps.serve.remote import handle
         except BaseException as error:
             return report({{"ok": False, "code": "import", "executable": sys.executable,
                             "error": "nxl_hooks is not importable in process %d (%s: %s)"
                                      % (os.getpid(), type(error).__name__, error)}})
-        report(handle(TAKEN))
+        report(handle(request))
     except BaseException as error:
         report({{"ok": False, "code": "failed", "error": "%s: %s" % (type(error).__name__, error)}})
 
@@ -251,7 +262,9 @@ def injector_command(target: Target, bootstrap: Path) -> list[str]:
         return [*target.interpreter[:1], "-I", "-S", "-c",
                 f"import sys; sys.remote_exec({target.pid}, {str(bootstrap)!r})"]
     commands = bootstrap.with_suffix(".gdb")
-    commands.write_text(
+    commands.write_text(  # symbols of libc and libpython only: libtorch's alone take gdb half a minute
+        "sharedlibrary libc\\.\n"
+        "sharedlibrary libpython\n"
         "set $nxl_page = (void *) mmap((void *) 0, (unsigned long) %d, 3, 34, -1, (long) 0)\n"
         "if $nxl_page == (void *) -1\n"
         "  printf \"NXL_FAILED mmap\\n\"\n"
@@ -262,7 +275,7 @@ def injector_command(target: Target, bootstrap: Path) -> list[str]:
         "end\n"
         "detach\n" % (PAGE, bootstrap))
     return ["gdb", "-p", str(target.pid), "--batch", "-nx", "-q", "-iex", "set auto-load off",
-            "-iex", "set debuginfod enabled off", "-iex", "set confirm off", "-iex", "set pagination off",
+            "-iex", "set auto-solib-add off", "-iex", "set debuginfod enabled off", "-iex", "set confirm off", "-iex", "set pagination off",
             "-iex", "set unwindonsignal on", "-x", str(commands)]
 
 

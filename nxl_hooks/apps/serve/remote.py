@@ -1,6 +1,6 @@
 """What ``nxl attach PID`` and ``nxl detach PID`` do inside the target process (:mod:`.inject` gets them there).
 
-    handle("/tmp/nxl-attach-x/request.json.taken")   # -> {"ok": True, "status": {...}} or {"ok": False, ...}
+    handle({"action": "attach", "env": settings.to_env(), "wait": 0})   # -> {"ok": True, "status": {...}} | {"ok": False, ...}
 
 Attach: the live transformers models of the process (every ``PreTrainedModel`` the garbage collector tracks that is
 not part of another one, named by the path or hub id it was loaded from) are handed to the same controller as
@@ -16,12 +16,10 @@ from __future__ import annotations
 
 import gc
 import importlib
-import json
 import os
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 from .controller import Controller, count_hooks, start, stop
@@ -35,11 +33,10 @@ _LOCK = threading.Lock()
 _ATTACHED: Controller | None = None  #: the controller ``nxl attach`` started here, until ``nxl detach``
 
 
-def handle(path: str) -> dict:
-    """Carry out the request in file ``path`` (``{"action": "attach", "env": {NXL_*}, "wait": s}`` or
-    ``{"action": "detach"}``) and return its outcome."""
+def handle(request: dict) -> dict:
+    """Carry out ``request`` (``{"action": "attach", "env": {NXL_*}, "wait": s}`` or ``{"action": "detach"}``) and
+    return its outcome."""
     try:
-        request = json.loads(Path(path).read_text())
         with _LOCK:
             if request.get("action") == "detach":
                 return _detach()
