@@ -17,9 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 import nxl_hooks as nxl
 from nxl_hooks.apps.serve.inject import Target, bootstrap_source, injector_command, permission_refusal
+from oracle import normxlogit, prefix_logits
 from serving import Server
 from test_serve import CB_FLAGS, SERVE_ENV, Tiny, _cli, check_call, tiny  # noqa: F401 - tiny: the fixture
 
@@ -179,7 +181,17 @@ def test_a_plain_script_waited_for_attached_recorded_detached(tiny, tmp_path, ca
     printed = [line for line in log.read_text().splitlines() if line.startswith("[")]
     assert printed and all(line == str(tokens) for line in printed)  # outputs identical before, during, after
     assert len(nxl.read_stream(run)) == len(calls)  # nothing recorded after the detach
-    assert all(call.layers == [0, 2] and [int(s.token[0]) for s in call.steps] == tokens for call in calls)
+    complete = [call for call in calls if call.complete]
+    assert len(complete) >= 3 and all(call.layers == [0, 2] for call in calls)
+    for call in calls:  # one cut by the detach ends incomplete, with the steps it made
+        assert [int(s.token[0]) for s in call.steps] == tokens[: len(call.steps)]
+        assert call.prompt_ids.tolist() == ids.tolist()
+    sequence = torch.cat([ids, torch.tensor([tokens])], dim=1)
+    for step in complete[-1].steps:  # each step equal to the uncached oracle
+        logits, embeddings = prefix_logits(tiny.model, tiny.hand, sequence[:, : step.position],
+                                           torch.ones(1, step.position, dtype=torch.bool))
+        torch.testing.assert_close(step.normxlogit, normxlogit(logits, embeddings, step.token)[1][[0, 2]],
+                                   rtol=1e-4, atol=1e-4)
 
 
 # -- refusals: one line, exit code 2, nothing injected ---------------------------------------------------------
