@@ -34,7 +34,7 @@ class Clients:
     """One client thread sending chat requests one after the other (ids r0, r1, ...) until stopped: (id, content,
     started, ended, reply or exception) per request."""
 
-    def __init__(self, server: Server, limit: int = 200) -> None:
+    def __init__(self, server: Server, limit: int = 2000) -> None:
         self.server, self.limit, self.done = server, limit, []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -50,6 +50,7 @@ class Clients:
             except Exception as error:  # noqa: BLE001 - asserted by the test
                 reply = error
             self.done.append((f"r{n}", content, started, time.monotonic(), reply))
+            time.sleep(0.05)  # a steady load, not a flood, on a small CI machine
 
     def started_after(self, moment: float) -> list[tuple]:
         return [entry for entry in list(self.done) if entry[2] > moment]
@@ -78,15 +79,16 @@ def _attach_and_detach_under_load(tiny: Tiny, tmp_path: Path, capsys, serve: lis
         attached = time.monotonic()
         assert f"process {server.pid} recorded" in err and str(run) in err
         clients.wait_for(attached, 3)
+        detaching = time.monotonic()
         code, _, err = _cli(capsys, "detach", str(server.pid))
-        assert code == 0 and "runs unrecorded" in err, err
+        assert code == 0 and "runs unrecorded" in err and " left: " not in err, err  # no hook, no nxl thread
         detached = time.monotonic()
         clients.wait_for(detached, 2)
     for request_id, content, _, _, reply in clients.done:  # no request failed, none changed
         assert isinstance(reply, dict), f"{request_id}: {reply!r}"
         assert reply["content"] == expected[content] and reply["request_id"] == request_id
     calls = {call.request_id: call for call in nxl.read_stream(run)}
-    during = [entry for entry in clients.started_after(attached) if entry[3] < detached]
+    during = [entry for entry in clients.started_after(attached) if entry[3] < detaching]
     assert len(during) >= 3
     for request_id, content, _, _, reply in during:  # every request that started after the attach
         assert calls[request_id].complete

@@ -29,7 +29,8 @@ def run(args: argparse.Namespace) -> int:
     outcome = inject(inspect_target(args.pid), {"action": "detach"}, timeout=args.timeout)
     if not outcome.get("ok"):
         raise CliError(f"process {args.pid}: {outcome.get('error')}")
-    left = f"; {outcome['hooks']} hooks left" if outcome["hooks"] else ""
+    left = "".join(f"; {what} left: {outcome[key]}" for key, what in (("hooks", "hooks"), ("threads", "nxl threads"))
+                   if outcome[key])
     print(f"nxl detach: process {args.pid} runs unrecorded ({outcome['patches']} patches given back{left}); its "
           f"records stay in {outcome['run_dir']}", file=sys.stderr, flush=True)
     return 0
