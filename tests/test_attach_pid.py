@@ -25,7 +25,7 @@ from oracle import normxlogit, prefix_logits
 from serving import Server
 from test_serve import CB_FLAGS, SERVE_ENV, Tiny, _cli, check_call, tiny  # noqa: F401 - tiny: the fixture
 
-pytestmark = pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed (apt-get install gdb)")
+needs_gdb = pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed (apt-get install gdb)")
 
 CONTENTS = ("hello world how are you", "the world is", "w1 w2 w3")
 
@@ -97,10 +97,12 @@ def _attach_and_detach_under_load(tiny: Tiny, tmp_path: Path, capsys, serve: lis
     assert not (run / f"{server.pid}.sock").exists()  # the endpoint is closed
 
 
+@needs_gdb
 def test_attach_and_detach_transformers_serve_while_it_serves(tiny, tmp_path, capsys):
     _attach_and_detach_under_load(tiny, tmp_path, capsys, [])
 
 
+@needs_gdb
 def test_attach_and_detach_transformers_serve_continuous_batching(tiny, tmp_path, capsys):
     _attach_and_detach_under_load(tiny, tmp_path, capsys, CB_FLAGS)
 
@@ -149,6 +151,7 @@ def _stop(process: subprocess.Popen) -> None:
             process.wait(timeout=30)
 
 
+@needs_gdb
 def test_a_plain_script_waited_for_attached_recorded_detached(tiny, tmp_path, capsys):
     go, run, log = tmp_path / "go", tmp_path / "run", tmp_path / "target.log"
     process = _start(tmp_path, _SCRIPT, str(tiny.path), str(go))
@@ -287,6 +290,7 @@ def test_python_314_goes_through_remote_exec_with_the_bootstrap_file(tmp_path):
 _HIDDEN = "import sys, time\nsys.modules['nxl_hooks'] = None\n" + _LOOP.replace("time.sleep", "print(_, flush=True); time.sleep")
 
 
+@needs_gdb
 def test_an_injection_that_fails_inside_the_target_leaves_it_running(tmp_path, capsys):
     # nxl_hooks is found by the check (a fresh interpreter), but hidden inside the running process
     process = _start(tmp_path, _HIDDEN)
