@@ -281,13 +281,15 @@ def test_python_314_goes_through_remote_exec_with_the_bootstrap_file(tmp_path):
     script = tmp_path / "script.py"
     script.write_text("raise SystemExit(3)")
     probe = ("import __main__, pathlib; source = pathlib.Path(%r).read_text(); before = set(vars(__main__)); "
-             "exec(compile(source, 'b', 'exec'), vars(__main__)); print(sorted(set(vars(__main__)) - before - {'before'}))")
+             "exec(compile(source, 'b', 'exec'), vars(__main__)); "
+             "print(sorted(set(vars(__main__)) - before - {'before'}))")
     bootstrap.write_text(bootstrap_source(str(script)))
     done = subprocess.run([sys.executable, "-c", probe % str(bootstrap)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
 
 
-_HIDDEN = "import sys, time\nsys.modules['nxl_hooks'] = None\n" + _LOOP.replace("time.sleep", "print(_, flush=True); time.sleep")
+_HIDDEN = ("import sys, time\nsys.modules['nxl_hooks'] = None\n"
+           + _LOOP.replace("time.sleep", "print(_, flush=True); time.sleep"))
 
 
 @needs_gdb

@@ -164,7 +164,8 @@ def inspect_target(pid: int) -> Target:
     except FileNotFoundError:
         raise CliError(f"process {pid} ended while nxl attach looked at it") from None
     except PermissionError as error:
-        raise CliError(f"process {pid}: {error.strerror} reading {error.filename} (tracing it is not allowed here)")
+        raise CliError(f"process {pid}: {error.strerror} reading {error.filename} (tracing it is not allowed "
+                       "here)") from None
     if not same_root:
         raise CliError(f"process {pid} runs in another mount namespace (a container): run nxl attach inside it")
     if not (_PYTHON.search(os.path.basename(executable)) or "/libpython3" in maps):
@@ -196,7 +197,8 @@ def inspect_target(pid: int) -> Target:
 def _check_interpreter(pid: int, interpreter: list[str], environ: dict[str, str], home: str, uid: int,
                        gid: int) -> dict:
     """Run the target's interpreter, as its user, in its environment and from the folder of its ``sys.path[0]``,
-    to ask its version and where it finds nxl_hooks (``find_spec``: importing nxl_hooks would import torch, seconds for nothing)."""
+    to ask its version and where it finds nxl_hooks (``find_spec``: importing nxl_hooks would import torch,
+    seconds for nothing; the import inside the target is the final word)."""
     other = uid != os.geteuid()
     try:
         done = subprocess.run([*interpreter, "-c", _CHECK], env=environ, cwd=home, capture_output=True, text=True,
@@ -237,7 +239,8 @@ def work():
         if request["action"] == "detach" and "nxl_hooks.apps.serve.remote" not in sys.modules:
             return report({{"ok": False, "code": "not-attached",
                             "error": "process %d is not attached by nxl attach" % os.getpid()}})
-        if request["action"] == "attach" and not request.get("wait") and "transformers.modeling_utils" not in sys.modules:
+        if (request["action"] == "attach" and not request.get("wait")
+                and "transformers.modeling_utils" not in sys.modules):
             return report({{"ok": False, "code": "no-model", "error": "transformers is not imported in process %d: "
                             "no model to attach yet; try again once it is, or with --wait SECONDS" % os.getpid()}})
         try:
@@ -274,9 +277,10 @@ def injector_command(target: Target, bootstrap: Path) -> list[str]:
         "  printf \"NXL_QUEUED %%d\\n\", $nxl_rc\n"
         "end\n"
         "detach\n" % (PAGE, bootstrap))
-    return ["gdb", "-p", str(target.pid), "--batch", "-nx", "-q", "-iex", "set auto-load off",
-            "-iex", "set auto-solib-add off", "-iex", "set debuginfod enabled off", "-iex", "set confirm off", "-iex", "set pagination off",
-            "-iex", "set unwindonsignal on", "-x", str(commands)]
+    settings = ("auto-load off", "auto-solib-add off", "debuginfod enabled off", "confirm off", "pagination off",
+                "unwindonsignal on")  # an unknown one (debuginfod on an older gdb) is reported, not fatal
+    return ["gdb", "-p", str(target.pid), "--batch", "-nx", "-q",
+            *(item for setting in settings for item in ("-iex", f"set {setting}")), "-x", str(commands)]
 
 
 def _queue(target: Target, bootstrap: Path) -> None:

@@ -1,6 +1,6 @@
 """What ``nxl attach PID`` and ``nxl detach PID`` do inside the target process (:mod:`.inject` gets them there).
 
-    handle({"action": "attach", "env": settings.to_env(), "wait": 0})   # -> {"ok": True, "status": {...}} | {"ok": False, ...}
+    handle({"action": "attach", "env": settings.to_env(), "wait": 0})   # {"ok": True, "status": {...}} or an error
 
 Attach: the live transformers models of the process (every ``PreTrainedModel`` the garbage collector tracks that is
 not part of another one, named by the path or hub id it was loaded from) are handed to the same controller as
