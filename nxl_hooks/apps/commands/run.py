@@ -24,7 +24,7 @@ from ..options import (
     loading_options,
     positive_int,
 )
-from ..serve.settings import whole_number
+from ..serve.settings import Settings, whole_number
 
 NAME = "run"
 
@@ -37,6 +37,16 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "nxl tail / nxl ctl.",
         usage="nxl run [options] -- COMMAND [ARGS ...]",
     )
+    add_run_options(parser)
+    add_loading_options(parser, program_loads=True)
+    parser.add_argument("program", nargs=argparse.REMAINDER, metavar="-- COMMAND ARGS",
+                        help="the program to run, after --")
+    return parser
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """What ``nxl run`` and ``nxl attach`` both take: what is explained, the run folder and its rotation, the
+    endpoint, which models."""
     add_attribution_options(parser)
     parser.add_argument("--sink", metavar="DIR",
                         help="the run folder: records are written there (rotated files, one folder per process "
@@ -55,10 +65,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="start a new record file past this size (default 64)")
     parser.add_argument("--sink-files", type=positive_int, metavar="N", default=16,
                         help="record files kept per process and model; older ones are deleted (default 16)")
-    add_loading_options(parser, program_loads=True)
-    parser.add_argument("program", nargs=argparse.REMAINDER, metavar="-- COMMAND ARGS",
-                        help="the program to run, after --")
-    return parser
 
 
 def bootstrap_dir() -> str:
@@ -68,21 +74,14 @@ def bootstrap_dir() -> str:
     return os.path.join(os.path.dirname(lazy.__file__), "bootstrap")
 
 
-def run(args: argparse.Namespace) -> int:
+def prepare_run(args: argparse.Namespace, load: dict) -> Settings:
+    """The run folder of ``args`` (``--sink DIR``, else a private one; remembered for ``nxl tail``; the token for
+    ``--listen`` written) and the run's Settings: how ``nxl run`` and ``nxl attach`` start a run."""
     from ..serve.runs import make_run_dir, private_run_dir, remember, write_token
-    from ..serve.settings import DEFAULT_KEEP_CALLS, Settings, parse_listen
+    from ..serve.settings import DEFAULT_KEEP_CALLS, parse_listen
 
-    program = args.program[1:] if args.program[:1] == ["--"] else args.program
-    if not program:
-        raise CliError("give the program to run after --, e.g. nxl run -- transformers serve ./model")
-    if shutil.which(program[0]) is None:  # before any run folder is made or remembered
-        raise CliError(f"{program[0]}: command not found (or not executable)")
     if args.listen:
         parse_listen(args.listen, allow_remote=args.allow_remote)
-    load = {key: value for key, value in loading_options(args).items() if key != "head" and value is not None}
-    if load.get("gguf_file") and load.get("quantize"):
-        raise CliError("--gguf-file with --load-in-8bit/--load-in-4bit: transformers refuses that combination in "
-                       "the program's own from_pretrained; load the GGUF, save it, and quantize the saved folder")
     if args.sink:
         check_output_folder(args.sink, "--sink")
         folder = make_run_dir(args.sink)
@@ -96,6 +95,21 @@ def run(args: argparse.Namespace) -> int:
                         sink_max_bytes=args.sink_file_mb << 20, sink_max_files=args.sink_files, load=load)
     if args.listen:
         write_token(folder)
+    return settings
+
+
+def run(args: argparse.Namespace) -> int:
+    program = args.program[1:] if args.program[:1] == ["--"] else args.program
+    if not program:
+        raise CliError("give the program to run after --, e.g. nxl run -- transformers serve ./model")
+    if shutil.which(program[0]) is None:  # before any run folder is made or remembered
+        raise CliError(f"{program[0]}: command not found (or not executable)")
+    load = {key: value for key, value in loading_options(args).items() if key != "head" and value is not None}
+    if load.get("gguf_file") and load.get("quantize"):
+        raise CliError("--gguf-file with --load-in-8bit/--load-in-4bit: transformers refuses that combination in "
+                       "the program's own from_pretrained; load the GGUF, save it, and quantize the saved folder")
+    settings = prepare_run(args, load)
+    folder = settings.run_dir
     env = {**os.environ, **settings.to_env()}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (bootstrap_dir(), os.environ.get("PYTHONPATH")) if p)
     print(f"nxl run: run folder {folder} (live view: nxl tail --run {folder})", file=sys.stderr, flush=True)

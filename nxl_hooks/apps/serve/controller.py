@@ -44,7 +44,7 @@ from ...records.steps import GenerationCall, Step
 from ...records.tokens import readable
 from .settings import Settings, matches
 
-__all__ = ["Controller", "Feed", "Forward", "Watch", "controller", "count_hooks"]
+__all__ = ["Controller", "Feed", "Forward", "Watch", "controller", "count_hooks", "start", "stop"]
 
 _log = logging.getLogger("nxl_hooks")
 _PROBE = "_nxl_probe"  #: the attribute of a model that holds its probe
@@ -421,3 +421,34 @@ def controller() -> Controller:
             _CONTROLLER = Controller(Settings.from_env(os.environ, run_dir=run_dir))
             os.register_at_fork(after_in_child=_CONTROLLER.after_fork)
         return _CONTROLLER
+
+
+def start(settings: Settings) -> Controller:
+    """Make this process's controller from ``settings`` instead of the environment: what ``nxl attach`` does inside
+    a running process. RuntimeError when the process has one already (``nxl run``, ``import nxl_hooks.auto``, an
+    earlier ``nxl attach``).
+
+        ctl = start(Settings(run_dir=folder, layers="last")); ctl.adopt(model, "./my-model"); ...; stop(ctl)
+    """
+    global _CONTROLLER
+    with _CONTROLLER_LOCK:
+        if _CONTROLLER is not None:
+            raise RuntimeError(f"process {os.getpid()} is recorded already (run folder {_CONTROLLER.settings.run_dir})")
+        _CONTROLLER = Controller(settings)
+        os.register_at_fork(after_in_child=_after_fork)  # the module's function: holds no controller once stopped
+        return _CONTROLLER
+
+
+def stop(ctl: Controller) -> None:
+    """Close ``ctl`` (every probe detached, the endpoint closed) and forget it if it is this process's controller,
+    so that nothing of it stays: ``nxl detach``."""
+    global _CONTROLLER
+    with _CONTROLLER_LOCK:
+        if _CONTROLLER is ctl:
+            _CONTROLLER = None
+    ctl.close()
+
+
+def _after_fork() -> None:
+    if _CONTROLLER is not None:
+        _CONTROLLER.after_fork()

@@ -215,6 +215,7 @@ class ControlServer:
             server.shutdown()
             server.server_close()
         self._remove_socket(os.getpid())
+        atexit.unregister(self._remove_socket)  # nothing of a stopped endpoint stays referenced (nxl detach)
 
     def _remove_socket(self, pid: int) -> None:
         if self.socket is not None and pid == os.getpid():  # not from a forked child's exit

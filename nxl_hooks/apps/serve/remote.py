@@ -1,0 +1,127 @@
+"""What ``nxl attach PID`` and ``nxl detach PID`` do inside the target process (:mod:`.inject` gets them there).
+
+    handle({"action": "attach", "env": settings.to_env(), "wait": 0})   # {"ok": True, "status": {...}} or an error
+
+Attach: the live transformers models of the process (every ``PreTrainedModel`` the garbage collector tracks that is
+not part of another one, named by the path or hub id it was loaded from) are handed to the same controller as
+under ``nxl run`` (:func:`.controller.start`), with the same selection rules (``--models``), run folder, sink and
+control endpoint; the same patches of transformers are applied to the modules already imported (models loaded
+later are recorded too, and ``transformers serve`` passes each request's id). Detach: the controller is closed
+(every probe off, endpoint and its threads ended) and forgotten, and every patched method is given back.
+
+Runs in a short-lived thread of the target (never its main thread); every outcome is a dict, nothing raises.
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+from .controller import Controller, count_hooks, start, stop
+from .lazy import HOOKS
+from .settings import Settings
+
+__all__ = ["handle", "live_models"]
+
+_MARK = "__nxl_patched__"  #: what :mod:`.patches` sets on each wrapper it installs (the original is ``__wrapped__``)
+_LOCK = threading.Lock()
+_ATTACHED: Controller | None = None  #: the controller ``nxl attach`` started here, until ``nxl detach``
+
+
+def handle(request: dict) -> dict:
+    """Carry out ``request`` (``{"action": "attach", "env": {NXL_*}, "wait": s}`` or ``{"action": "detach"}``) and
+    return its outcome."""
+    try:
+        with _LOCK:
+            if request.get("action") == "detach":
+                return _detach()
+            return _attach(request.get("env", {}), float(request.get("wait", 0)))
+    except Exception as error:  # noqa: BLE001 - said to nxl attach, never raised in the target
+        return {"ok": False, "code": "failed", "error": f"{type(error).__name__}: {' '.join(str(error).split())}"}
+
+
+def live_models(wait: float = 0.0, selects: Any = None) -> list[tuple[Any, str]]:
+    """(model, name) of every top-level transformers model alive in this process, polled for up to ``wait`` s
+    until one that ``selects(name)`` is found (``selects``: None takes any)."""
+    deadline = time.monotonic() + wait
+    while True:
+        found = _scan()
+        if any(selects is None or selects(name) for _, name in found) or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.5)
+
+
+def _scan() -> list[tuple[Any, str]]:
+    modeling = sys.modules.get("transformers.modeling_utils")
+    if modeling is None:  # transformers not imported: no model, and nothing to import here
+        return []
+    models = [obj for obj in gc.get_objects() if isinstance(obj, modeling.PreTrainedModel)]
+    inner = {id(sub) for model in models for sub in model.modules() if sub is not model}
+    return [(model, str(getattr(model, "name_or_path", "") or type(model).__name__))
+            for model in models if id(model) not in inner]
+
+
+def _attach(env: dict[str, str], wait: float) -> dict:
+    global _ATTACHED
+    settings = Settings.from_env(env)
+    found = live_models(wait, settings.selects)
+    names = sorted({name for _, name in found})
+    if not any(settings.selects(name) for name in names):
+        what = (f"no model matches --models {','.join(settings.models)} (found: {', '.join(names)})" if names else
+                "no transformers model is loaded in this process yet")
+        return {"ok": False, "code": "no-model", "error": f"{what}; try again once it is, or with --wait SECONDS"}
+    try:
+        ctl = start(settings)
+    except RuntimeError as error:
+        return {"ok": False, "code": "attached", "error": f"{error}: see nxl ctl status, or nxl detach {os.getpid()}"}
+    _ATTACHED = ctl
+    _patch()
+    for model, name in found:
+        ctl.adopt(model, name)
+    return {"ok": True, "status": ctl.status()}
+
+
+def _patch() -> None:
+    """Apply nxl run's patches to the modules already imported (none is waited for: nothing stays behind on
+    ``sys.meta_path``)."""
+    for name, target in HOOKS:
+        module = sys.modules.get(name)
+        if module is not None:
+            where, _, function = target.partition(":")
+            getattr(importlib.import_module(where), function)(module)
+
+
+def _unpatch() -> int:
+    """Give back every original the patches replaced in the hooked modules' classes; how many."""
+    restored = 0
+    for name, _ in HOOKS:
+        module = sys.modules.get(name)
+        for cls in [value for value in vars(module).values() if isinstance(value, type)] if module else []:
+            for attr, value in list(vars(cls).items()):
+                function = value.__func__ if isinstance(value, classmethod) else value
+                if getattr(function, _MARK, False):
+                    original = function.__wrapped__
+                    setattr(cls, attr, classmethod(original) if isinstance(value, classmethod) else original)
+                    restored += 1
+    return restored
+
+
+def _detach() -> dict:
+    global _ATTACHED
+    ctl = _ATTACHED
+    if ctl is None:
+        return {"ok": False, "code": "not-attached",
+                "error": f"process {os.getpid()} was not attached by nxl attach (nothing to detach)"}
+    models = [model for model in (watch.ref() for watch in ctl.watches()) if model is not None]
+    run_dir = str(ctl.settings.run_dir)
+    stop(ctl)
+    _ATTACHED = None
+    restored = _unpatch()
+    return {"ok": True, "run_dir": run_dir, "patches": restored, "hooks": sum(count_hooks(m) for m in models),
+            "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("nxl-")
+                              and t is not threading.current_thread())}

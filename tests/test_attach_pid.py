@@ -1,0 +1,308 @@
+"""``nxl attach PID`` / ``nxl detach PID`` on real processes started without nxl: ``transformers serve`` (plain and
+continuous batching) under a client loop, and a plain script holding a model in a loop; every refusal the CI
+machine can produce; an injection that fails inside the target. Loopback only, bounded loops, every process
+stopped by PID. Recorded steps are checked against the uncached oracle (tests/oracle.py, via test_serve's
+check_call); answers against the unattached model."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import nxl_hooks as nxl
+from nxl_hooks.apps.serve.inject import Target, bootstrap_source, injector_command, permission_refusal
+from oracle import normxlogit, prefix_logits
+from serving import Server
+from test_serve import CB_FLAGS, SERVE_ENV, Tiny, _cli, check_call, tiny  # noqa: F401 - tiny: the fixture
+
+needs_gdb = pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed (apt-get install gdb)")
+
+CONTENTS = ("hello world how are you", "the world is", "w1 w2 w3")
+
+
+class Clients:
+    """One client thread sending chat requests one after the other (ids r0, r1, ...) until stopped: (id, content,
+    started, ended, reply or exception) per request."""
+
+    def __init__(self, server: Server, limit: int = 2000) -> None:
+        self.server, self.limit, self.done = server, limit, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        for n in range(self.limit):
+            if self._stop.is_set():
+                return
+            content = CONTENTS[n % len(CONTENTS)]
+            started = time.monotonic()
+            try:
+                reply = self.server.chat(content, max_tokens=4, request_id=f"r{n}", stream=n % 2 == 1)
+            except Exception as error:  # noqa: BLE001 - asserted by the test
+                reply = error
+            self.done.append((f"r{n}", content, started, time.monotonic(), reply))
+            time.sleep(0.05)  # a steady load, not a flood, on a small CI machine
+
+    def started_after(self, moment: float) -> list[tuple]:
+        return [entry for entry in list(self.done) if entry[2] > moment]
+
+    def wait_for(self, moment: float, count: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while len(self.started_after(moment)) < count:
+            assert time.monotonic() < deadline and self._thread.is_alive(), "the client loop stalled"
+            time.sleep(0.1)
+
+    def __enter__(self) -> "Clients":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=120)
+
+
+def _attach_and_detach_under_load(tiny: Tiny, tmp_path: Path, capsys, serve: list[str]) -> None:
+    run, expected = tmp_path / "run", {c: tiny.text(tiny.generate(c, 4)) for c in CONTENTS}
+    with Server(tiny.path, serve=serve, log=tmp_path / "log", env=SERVE_ENV) as server, Clients(server) as clients:
+        clients.wait_for(0, 2)
+        code, _, err = _cli(capsys, "attach", str(server.pid), "--layers", "all", "--sink", str(run))
+        assert code == 0, err
+        attached = time.monotonic()
+        assert f"process {server.pid} recorded" in err and str(run) in err
+        clients.wait_for(attached, 3)
+        detaching = time.monotonic()
+        code, _, err = _cli(capsys, "detach", str(server.pid))
+        assert code == 0 and "runs unrecorded" in err and " left: " not in err, err  # no hook, no nxl thread
+        detached = time.monotonic()
+        clients.wait_for(detached, 2)
+    for request_id, content, _, _, reply in clients.done:  # no request failed, none changed
+        assert isinstance(reply, dict), f"{request_id}: {reply!r}"
+        assert reply["content"] == expected[content] and reply["request_id"] == request_id
+    calls = {call.request_id: call for call in nxl.read_stream(run)}
+    during = [entry for entry in clients.started_after(attached) if entry[3] < detaching]
+    assert len(during) >= 3
+    for request_id, content, _, _, reply in during:  # every request that started after the attach
+        assert calls[request_id].complete
+        check_call(tiny, calls[request_id], content, reply)
+    assert not {entry[0] for entry in clients.started_after(detached)} & set(calls)
+    assert not (run / f"{server.pid}.sock").exists()  # the endpoint is closed
+
+
+@needs_gdb
+def test_attach_and_detach_transformers_serve_while_it_serves(tiny, tmp_path, capsys):
+    _attach_and_detach_under_load(tiny, tmp_path, capsys, [])
+
+
+@needs_gdb
+def test_attach_and_detach_transformers_serve_continuous_batching(tiny, tmp_path, capsys):
+    _attach_and_detach_under_load(tiny, tmp_path, capsys, CB_FLAGS)
+
+
+_SCRIPT = textwrap.dedent("""
+    import json, os, sys, time
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    folder, go = sys.argv[1], sys.argv[2]
+    print("ready", flush=True)
+    for _ in range(600):  # no model until the test says so: nxl attach finds none yet
+        if os.path.exists(go):
+            break
+        time.sleep(0.05)
+    model = LlamaForCausalLM.from_pretrained(folder).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    ids = tokenizer("hello world how are you", return_tensors="pt")["input_ids"]
+    for n in range(1500):
+        if os.path.exists(go + ".stop"):
+            break
+        out = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+        print(json.dumps(out[0, ids.shape[1]:].tolist()), flush=True)
+        time.sleep(0.05)
+""")
+
+
+def _start(tmp_path: Path, code: str, *args: str, env: dict | None = None, python: list[str] | None = None):
+    script = tmp_path / "target.py"
+    script.write_text(code)
+    out = open(tmp_path / "target.log", "w")
+    process = subprocess.Popen([*(python or [sys.executable]), str(script), *args], stdout=out,
+                               stderr=subprocess.STDOUT, text=True, env={**os.environ, **(env or {})})
+    deadline = time.monotonic() + 120
+    while "ready" not in (tmp_path / "target.log").read_text():
+        assert process.poll() is None and time.monotonic() < deadline, (tmp_path / "target.log").read_text()
+        time.sleep(0.1)
+    return process
+
+
+def _stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=30)
+
+
+@needs_gdb
+def test_a_plain_script_waited_for_attached_recorded_detached(tiny, tmp_path, capsys):
+    go, run, log = tmp_path / "go", tmp_path / "run", tmp_path / "target.log"
+    process = _start(tmp_path, _SCRIPT, str(tiny.path), str(go))
+    try:
+        pid = str(process.pid)
+        code, _, err = _cli(capsys, "attach", pid)  # transformers imported, no model yet
+        assert code == 2 and len(err.splitlines()) == 1 and "no transformers model" in err and "--wait" in err
+        go.touch()
+        code, _, err = _cli(capsys, "attach", pid, "--wait", "90", "--layers", "0,-1", "--sink", str(run))
+        assert code == 0, err
+        code, _, err = _cli(capsys, "attach", pid)
+        assert code == 2 and "recorded already" in err and len(err.splitlines()) == 1
+        deadline = time.monotonic() + 120
+        while len(nxl.read_stream(run) if run.exists() else []) < 3:
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.2)
+        code, _, err = _cli(capsys, "detach", pid)
+        assert code == 0, err
+        lines = len(log.read_text().splitlines())
+        calls = nxl.read_stream(run)
+        code, _, err = _cli(capsys, "detach", pid)
+        assert code == 2 and "not attached" in err
+        while len(log.read_text().splitlines()) < lines + 3:  # it goes on, unrecorded
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.2)
+        go.with_suffix(".stop").touch()
+        assert process.wait(timeout=60) == 0
+    finally:
+        _stop(process)
+    ids = tiny.tokenizer("hello world how are you", return_tensors="pt")["input_ids"]
+    tokens = tiny.model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)[0, ids.shape[1]:].tolist()
+    printed = [line for line in log.read_text().splitlines() if line.startswith("[")]
+    assert printed and all(line == str(tokens) for line in printed)  # outputs identical before, during, after
+    assert len(nxl.read_stream(run)) == len(calls)  # nothing recorded after the detach
+    complete = [call for call in calls if call.complete]
+    assert len(complete) >= 3 and all(call.layers == [0, 2] for call in calls)
+    for call in calls:  # one cut by the detach ends incomplete, with the steps it made
+        assert [int(s.token[0]) for s in call.steps] == tokens[: len(call.steps)]
+        assert call.prompt_ids.tolist() == ids.tolist()
+    sequence = torch.cat([ids, torch.tensor([tokens])], dim=1)
+    for step in complete[-1].steps:  # each step equal to the uncached oracle
+        logits, embeddings = prefix_logits(tiny.model, tiny.hand, sequence[:, : step.position],
+                                           torch.ones(1, step.position, dtype=torch.bool))
+        torch.testing.assert_close(step.normxlogit, normxlogit(logits, embeddings, step.token)[1][[0, 2]],
+                                   rtol=1e-4, atol=1e-4)
+
+
+# -- refusals: one line, exit code 2, nothing injected ---------------------------------------------------------
+
+_LOOP = "import sys, time\nprint('ready', flush=True)\nfor _ in range(1200):\n    time.sleep(0.05)\n"
+
+
+def _refused(capsys, *args: str) -> str:
+    code, out, err = _cli(capsys, *args)
+    assert code == 2 and not out and len(err.splitlines()) == 1, (code, out, err)
+    return err
+
+
+def test_refusals_before_anything_is_injected(tmp_path, capsys, monkeypatch):
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert f"no process {gone.pid}" in _refused(capsys, "attach", str(gone.pid))
+    sleeper = subprocess.Popen(["sleep", "60"])
+    try:
+        assert "is not a Python process" in _refused(capsys, "attach", str(sleeper.pid))
+    finally:
+        _stop(sleeper)
+    cases = [({"PYTHON_DISABLE_REMOTE_DEBUG": "1"}, None, "disabled remote debugging"),
+             ({}, [sys.executable, "-X", "disable_remote_debug"], "disabled remote debugging"),
+             ({"NXL_RUN_DIR": str(tmp_path)}, None, "runs under nxl run already"),
+             # no site and no PYTHONPATH: the target's interpreter cannot find nxl_hooks
+             ({"PYTHONPATH": ""}, [sys.executable, "-S"], "-m pip install nxl_hooks")]
+    for n, (env, python, message) in enumerate(cases):
+        folder = tmp_path / str(n)
+        folder.mkdir()
+        process = _start(folder, _LOOP, env=env, python=python)
+        try:
+            err = _refused(capsys, "attach", str(process.pid))
+            assert message in err and process.poll() is None
+            if "pip" in message:
+                assert f"{sys.executable} -m pip install nxl_hooks" in err
+        finally:
+            _stop(process)
+    process = _start(tmp_path, _LOOP)
+    try:
+        monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no gdb on PATH
+        assert "apt-get install gdb" in _refused(capsys, "attach", str(process.pid))
+        monkeypatch.undo()
+        assert process.poll() is None
+    finally:
+        _stop(process)
+
+
+def test_no_ptrace_capability_for_another_users_process_is_refused(tmp_path):
+    if os.geteuid() != 0 or shutil.which("capsh") is None:
+        pytest.skip("needs root and capsh to drop CAP_SYS_PTRACE")
+    other = subprocess.Popen(["sleep", "60"], user=65534, group=65534)
+    try:
+        done = subprocess.run(["capsh", "--drop=cap_sys_ptrace", "--", "-c",
+                               f"{sys.executable} -m nxl_hooks attach {other.pid}"],
+                              capture_output=True, text=True, timeout=180)
+    finally:
+        _stop(other)
+    assert done.returncode == 2 and len(done.stderr.splitlines()) == 1, done.stderr
+    assert "lacks CAP_SYS_PTRACE" in done.stderr and "uid 65534" in done.stderr
+
+
+def test_permission_rules_owner_or_root_and_ptrace_scope():
+    assert "only its owner or root" in permission_refusal(7, 1000, euid=1001, ptrace_cap=False, scope=None)
+    assert permission_refusal(7, 1000, euid=1000, ptrace_cap=False, scope=0) is None
+    assert permission_refusal(7, 1000, euid=0, ptrace_cap=True, scope=1) is None
+    assert "ptrace_scope is 1" in permission_refusal(7, 1000, euid=1000, ptrace_cap=False, scope=1)
+    assert "ptrace_scope is 2" in permission_refusal(7, 1000, euid=0, ptrace_cap=False, scope=2)
+    assert "ptrace_scope is 3" in permission_refusal(7, 1000, euid=0, ptrace_cap=True, scope=3)
+    assert "CAP_SYS_PTRACE" in permission_refusal(7, 1000, euid=0, ptrace_cap=False, scope=None)
+
+
+def test_python_314_goes_through_remote_exec_with_the_bootstrap_file(tmp_path):
+    bootstrap = tmp_path / "bootstrap.py"
+    target = Target(4242, 0, 0, "/usr/bin/python3.14", ["/venv/bin/python", "-I"], {}, "/", (3, 14), "x")
+    command = injector_command(target, bootstrap)
+    assert target.route == "remote_exec" and not bootstrap.with_suffix(".gdb").exists()
+    assert command == ["/venv/bin/python", "-I", "-S", "-c", f"import sys; sys.remote_exec(4242, {str(bootstrap)!r})"]
+    older = Target(4242, 0, 0, "/usr/bin/python3.13", ["/usr/bin/python3.13"], {}, "/", (3, 13), "x")
+    assert older.route == "gdb" and injector_command(older, bootstrap)[:3] == ["gdb", "-p", "4242"]
+    # the bootstrap never raises and leaves __main__ as it was, whatever its script does
+    script = tmp_path / "script.py"
+    script.write_text("raise SystemExit(3)")
+    probe = ("import __main__, pathlib; source = pathlib.Path(%r).read_text(); before = set(vars(__main__)); "
+             "exec(compile(source, 'b', 'exec'), vars(__main__)); "
+             "print(sorted(set(vars(__main__)) - before - {'before'}))")
+    bootstrap.write_text(bootstrap_source(str(script)))
+    done = subprocess.run([sys.executable, "-c", probe % str(bootstrap)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
+
+
+_HIDDEN = ("import sys, time\nsys.modules['nxl_hooks'] = None\n"
+           + _LOOP.replace("time.sleep", "print(_, flush=True); time.sleep"))
+
+
+@needs_gdb
+def test_an_injection_that_fails_inside_the_target_leaves_it_running(tmp_path, capsys):
+    # nxl_hooks is found by the check (a fresh interpreter), but hidden inside the running process
+    process = _start(tmp_path, _HIDDEN)
+    try:
+        err = _refused(capsys, "attach", str(process.pid), "--wait", "1")
+        assert f"nxl_hooks is not importable in process {process.pid}" in err
+        seen = len((tmp_path / "target.log").read_text().splitlines())
+        deadline = time.monotonic() + 60
+        while len((tmp_path / "target.log").read_text().splitlines()) < seen + 5:
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        _stop(process)
