@@ -229,7 +229,7 @@ def test_cancelled_request_ends_incomplete_and_frees_its_features(model):
             long = next(c for c in probe.calls if c.request_id == "long")
             assert not long.complete and "left the manager" in long.error and len(long.steps) >= 3
             assert probe._hub._running == []
-            batching = probe._attachment._batching()
+            (batching,) = [ref() for ref in probe._attachment._engines]
             assert all(not table for table in batching._tables.values())  # no feature cache left behind
         finally:
             manager.stop(block=True, timeout=30)
@@ -254,9 +254,17 @@ def test_paths_that_cannot_be_followed_log_once_and_run_unchanged(model, path, m
         out = model.generate_batch(prompts, generation_config=_greedy(4), continuous_batching_config=_config())
         model(input_ids=torch.tensor([prompts[0]]))  # a plain forward is still recorded
         assert probe.result().normxlogit.shape == (3, 1, 5)
-    assert _tokens(out) == _tokens(plain) and probe.calls == []
+    assert _tokens(out) == _tokens(plain)
     (record,) = [r for r in caplog.records if r.name == "nxl_hooks"]
     assert ("4.57.1" if path == "unknown_version" else "CUDA graphs") in record.getMessage()
+    if path == "unknown_version":  # transformers' classes are not even wrapped: no request is seen
+        assert probe.calls == [] and "4.57.1" in probe.unrecorded
+    else:  # never silent: each request's call record says why, and what makes it recordable
+        assert sorted(c.request_id for c in probe.calls) == sorted(out)
+        for call in probe.calls:
+            assert call.steps == [] and call.error.startswith("not recorded: ") and "CUDA graphs" in call.error
+            assert "NXL_NO_CUDA_GRAPHS=1" in call.error and "use_cuda_graph=False" in call.error
+        assert probe.unrecorded == probe.calls[0].error
 
 
 def test_a_raising_on_step_stops_recording_that_request_only(model, caplog):
@@ -327,3 +335,25 @@ def test_detach_while_the_manager_runs_a_request(model, caplog):
     (call,) = probe.calls
     assert not call.complete and "detached" in call.error and [s.step for s in call.steps] == [0, 1, 2, 3]
     assert [r for r in caplog.records if r.name == "nxl_hooks"] == []
+
+
+def test_every_step_has_the_probability_of_the_unbatched_oracle(model):
+    prompts = _prompts((5, 23, 9))
+    with nxl.attach(model, layers="last") as probe:
+        out = model.generate_batch(prompts, generation_config=_greedy(), continuous_batching_config=_config())
+    calls = {call.request_id: call for call in probe.calls}
+    assert sorted(calls) == sorted(out)
+    for request_id, call in calls.items():
+        sequence = call.sequences
+        for step in call.steps:
+            with torch.no_grad():  # the model alone, uncached and unbatched, on the prefix before this token
+                logits = model(input_ids=sequence[:, : step.position]).logits[:, -1].float()
+            expected = logits.softmax(-1)[0, int(step.token)]
+            assert step.probability is not None and step.probability.shape == (1,)
+            torch.testing.assert_close(step.probability[0], expected, rtol=1e-4, atol=1e-6)
+        # and the same as generate's own record of that request alone (greedy: the same tokens)
+        with nxl.attach(model, layers="last") as alone:
+            model.generate(input_ids=sequence[:, : len(out[request_id].prompt_ids)], max_new_tokens=NEW,
+                           do_sample=False, eos_token_id=-1, pad_token_id=0)
+        generated = torch.stack([s.probability for s in alone.steps])
+        torch.testing.assert_close(torch.stack([s.probability for s in call.steps]), generated, rtol=1e-4, atol=1e-6)

@@ -316,8 +316,6 @@ def test_sigkill_mid_generation_keeps_every_completed_step(tiny, tmp_path, capsy
     assert code == 2 and "no running process" in err
 
 
-@pytest.mark.skipif(importlib.util.find_spec("nxl_hooks.hooks.batching") is None,
-                    reason="continuous-batching recording (nxl_hooks/hooks/batching.py) is not in this branch yet")
 def test_continuous_batching_three_concurrent_clients(tiny, tmp_path):
     run = tmp_path / "run"
     asks = [("cb-0", "hello world how are you", 6, True), ("cb-1", "w1 w2 w3 w4 w5 w6 w7 w8 w9", 9, False),

@@ -4,7 +4,8 @@
 - :mod:`.plan`: what one attach explains, checked up front
 - :mod:`.forward`: one forward's capture and its attribution
 - :mod:`.generate`: the ``generate`` wrapper and each call's feature cache
-- :mod:`.batching`: continuous batching (``generate_batch``, ``transformers serve --continuous-batching``), per request
+- :mod:`.recording`: what the hooks feed during a call (a `Recording`; `NOT_RECORDED`)
+- :mod:`.engines`: serving engines (the `Engine` protocol, its registry; transformers' continuous batching), per request
 - :mod:`.publish`: where records go (call list, ``on_step``, ``stream()``, sink)
 - :mod:`.guard`: failures stop recording, never the model
 """

@@ -50,12 +50,13 @@ import torch
 from torch import nn
 
 from ..records.steps import GenerationCall, Step
+from .recording import NOT_RECORDED, Recording
 from .forward import Capture
-from .guard import reason
+from .guard import one_line, reason
 from .plan import Plan
 from .publish import Hub
 
-__all__ = ["REQUEST_ID", "Generations", "Run", "stacked_features"]
+__all__ = ["REQUEST_ID", "Generations", "Notice", "Run", "stacked_features"]
 
 #: The request the current context serves; a server integration sets it (``X-Request-ID``), else calls get an id.
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("nxl_hooks_request_id", default=None)
@@ -196,8 +197,13 @@ class Run:
     def after_task(self, output: Any) -> None:
         """The task model returned: keep its own logits at the last position, for the pending step's probability."""
         logits = getattr(output, "logits", None)
-        usable = isinstance(logits, torch.Tensor) and logits.dim() == 3 and logits.shape[-1] == self._plan.head.n_outputs
-        self._log_probs = logits[:, -1].float().log_softmax(-1) if usable else None
+        usable = isinstance(logits, torch.Tensor) and logits.dim() == 3
+        self.predicted(logits[:, -1].float().log_softmax(-1) if usable else None)
+
+    def predicted(self, log_probs: torch.Tensor | None) -> None:
+        """The model's own log-probabilities (batch, vocabulary) for the next token: its step's ``probability``."""
+        usable = log_probs is not None and log_probs.shape[-1] == self._plan.head.n_outputs
+        self._log_probs = log_probs if usable else None
 
     # -- shared by generate and continuous batching ------------------------------------------------------
 
@@ -304,32 +310,38 @@ class Run:
                     probability=probability, readable=plan.readable(ids))
 
 
-class Generations:
-    """The ``generate`` wrapper on one model instance, and the run of each thread's running call.
+class Notice:
+    """The last reason a call could not be recorded (``not recorded: why; what to do``), or None: shared by the
+    probe (``Probe.unrecorded``, which outlives the model) and its hooks."""
 
-    ``gens.current()`` is what the probe's hooks ask: the calling thread's run (a :class:`Run` under ``generate``,
-    a packed step under continuous batching), :data:`UNRECORDED` inside a call that is not recorded, or None
-    outside both.
+    text: str | None = None
+
+
+class Generations:
+    """The ``generate`` wrapper on one model instance, and the :class:`~nxl_hooks.hooks.engines.Recording` of each
+    thread's running call.
+
+    ``gens.current()`` is what the probe's hooks ask: the calling thread's recording (a :class:`Run` under
+    ``generate``, an engine's step under continuous batching, :data:`~nxl_hooks.hooks.engines.NOT_RECORDED` inside
+    a call that is not recorded), or None outside every call.
     """
 
-    UNRECORDED = object()
-
-    def __init__(self, plan: Plan, hub: Hub, *, cache_dtype: torch.dtype | None,
+    def __init__(self, plan: Plan, hub: Hub, notice: Notice, *, cache_dtype: torch.dtype | None,
                  cache_device: str | torch.device | None) -> None:
         # cache_dtype and cache_device were checked by plan.check_recording, before attach built this
-        self.plan, self.hub = plan, hub
+        self.plan, self.hub, self.notice = plan, hub, notice
         self.cache_dtype = cache_dtype
         self.cache_device = torch.device(cache_device) if cache_device is not None else None
         self._local = threading.local()
         self._restore: tuple[bool, Callable] | None = None
         self._detached = False
 
-    def current(self) -> Any:
+    def current(self) -> Recording | None:
         return getattr(self._local, "run", None)
 
     @contextlib.contextmanager
-    def running(self, run: Any) -> Iterator[None]:
-        """``run`` is this thread's current run inside the block: the probe's hooks feed it."""
+    def running(self, run: Recording) -> Iterator[None]:
+        """``run`` is this thread's current recording inside the block: the probe's hooks feed it."""
         previous = self.current()
         self._local.run = run
         try:
@@ -343,10 +355,12 @@ class Generations:
         return Run(self.plan, self.hub, call, prompt_len=prompt_len, eos=eos, cache_dtype=self.cache_dtype,
                    cache_device=self.cache_device)
 
-    def unrecorded(self, request_id: str | None, what: str, error: BaseException) -> None:
-        """A call record that says why this call (or request) is not recorded; logs one line."""
-        self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name,
-                       error=reason(what, error))
+    def unrecorded(self, request_id: str | None, what: str, error: BaseException, *, log: bool = True) -> None:
+        """A call record whose error says ``not recorded: why`` (``why``: ``error``, which names what makes it
+        recordable); logs one line unless ``log`` is False (the caller said it once for many calls). The same
+        text becomes :attr:`notice`'s."""
+        text = self.notice.text = f"not recorded: {reason(what, error) if log else one_line(error)}"
+        self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name, error=text)
 
     # -- the wrapper -------------------------------------------------------------------------------------
 
@@ -387,8 +401,9 @@ class Generations:
         self._end(run, out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None))
         return out
 
-    def _begin(self, args: tuple, kwargs: dict) -> Any:
-        """A :class:`Run` for this call, or :data:`UNRECORDED` (with a call record saying why)."""
+    def _begin(self, args: tuple, kwargs: dict) -> Recording:
+        """A :class:`Run` for this call, or :data:`~nxl_hooks.hooks.engines.NOT_RECORDED` (with a call record saying
+        why)."""
         request_id = REQUEST_ID.get() or uuid.uuid4().hex
         try:
             why = unsupported(self.plan.model, kwargs)
@@ -401,8 +416,8 @@ class Generations:
                                 eos=_setting(self.plan.model, kwargs, "eos_token_id"))
         except Exception as error:  # noqa: BLE001 - never into the host's generate
             self.unrecorded(request_id, "this generate call", error)
-            return self.UNRECORDED
+            return NOT_RECORDED
 
-    def _end(self, run: Any, sequences: torch.Tensor | None) -> None:
-        if run is not self.UNRECORDED:
+    def _end(self, run: Recording, sequences: torch.Tensor | None) -> None:
+        if isinstance(run, Run):
             run.finish(sequences)

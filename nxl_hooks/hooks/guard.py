@@ -7,14 +7,19 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["logger", "reason"]
+__all__ = ["logger", "one_line", "reason"]
 
 logger = logging.getLogger("nxl_hooks")
 
 
+def one_line(error: BaseException) -> str:
+    """``error``'s message on one line (its type's name when it has none): the text kept with a call."""
+    return " ".join(str(error).split()) or type(error).__name__
+
+
 def reason(what: str, error: BaseException) -> str:
     """Log ``error`` (raised while ``what``) as one line and return the text kept with the call."""
-    text = " ".join(str(error).split()) or type(error).__name__
+    text = one_line(error)
     logger.warning("nxl_hooks: %s not recorded (%s: %s); the model's own call is unaffected",
                    what, type(error).__name__, text)
     return text

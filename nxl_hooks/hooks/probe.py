@@ -12,7 +12,8 @@ garbage-collected; or :func:`detach_all`) removes every one of them.
 The hooks never raise into the model's forward or ``generate`` (:mod:`.guard`): what they could not record, they
 say in :meth:`Probe.result` and ``GenerationCall.error``. The state of each call lives with the thread that makes
 it, so forwards and ``generate`` calls in several threads on one attached model are recorded separately; under
-continuous batching (:mod:`.batching`) each request of a packed forward is recorded on its own.
+continuous batching and other serving engines (:mod:`.engines`) each request of a packed forward is recorded on its
+own.
 
 Nothing global holds the model: a model the program drops while a probe is still attached is freed, and the probe
 detaches then (its sink is closed, its records stay readable).
@@ -37,11 +38,12 @@ from ..records.attribution import Attribution
 from ..records.sink import Sink
 from ..records.steps import GenerationCall, Step
 from ..records.tokens import chat_text, describe_target
-from .batching import Batching, packed
+from .engines import Engine, engines_for
 from .forward import Capture, assemble, open_capture
-from .generate import Generations, Run
+from .generate import Generations, Notice
 from .guard import logger, reason
 from .plan import Plan, check_recording, make_plan, run_eagerly
+from .recording import Recording
 from .publish import Hub, Subscription
 
 __all__ = ["Probe", "attach", "detach_all", "explain"]
@@ -49,8 +51,6 @@ __all__ = ["Probe", "attach", "detach_all", "explain"]
 _LOCK = threading.RLock()  # reentrant: a model collected while it is held detaches through it too
 #: backbone -> what the probe on it attached: one probe per model at a time.
 _ATTACHED: "weakref.WeakKeyDictionary[nn.Module, _Attachment]" = weakref.WeakKeyDictionary()
-_PENDING = object()  # a task forward whose blocks have not run (eagerly) yet
-_RAN = object()  # a task forward whose blocks ran, whose backbone has not finished yet
 
 
 def _hidden(output: Any) -> torch.Tensor:
@@ -70,26 +70,38 @@ class _Results(threading.local):
     last: Attribution | BaseException | None = None
 
 
+class _Task:
+    """One task-model forward running in this thread: whether it is a step of a recorded call, whether its blocks
+    reached the hooks, and (a plain forward) its backbone's capture, assembled when the task model returns."""
+
+    __slots__ = ("in_call", "blocks_ran", "capture")
+
+    def __init__(self, in_call: bool) -> None:
+        self.in_call, self.blocks_ran = in_call, False
+        self.capture: Capture | None = None
+
+
 class _Recorder:
     """The hooks, and the per-thread state of the calls they record. The model holds it (through its hooks), never
     the :class:`Probe`, so neither a dropped probe nor a dropped model is kept alive by the other."""
 
-    def __init__(self, plan: Plan, backbone: nn.Module, gens: Generations | None, batching: Batching | None,
-                 results: _Results) -> None:
-        self.plan, self.backbone, self.gens, self.batching = plan, backbone, gens, batching
+    def __init__(self, plan: Plan, backbone: nn.Module, gens: Generations | None, engines: list[Engine],
+                 results: _Results, notice: Notice) -> None:
+        self.plan, self.backbone, self.gens, self.engines = plan, backbone, gens, engines
+        self.notice = notice
         self._signature = inspect.signature(backbone.forward)
         # The backbone's **kwargs (flash / continuous-batching arguments arrive there) are read like named ones.
         self._var_keyword = next((name for name, parameter in self._signature.parameters.items()
                                   if parameter.kind is inspect.Parameter.VAR_KEYWORD), None)
         self._local = threading.local()
         self.results = results
-        self._told_packed = False
+        self._told_stray = False
         # Layers whose features a hook computes; the last block is hooked in any case, for final logits.
         self._wanted = set(plan.layers)
 
     # -- per-thread state --------------------------------------------------------------------------------
 
-    def _stacks(self) -> tuple[list, list]:
+    def _stacks(self) -> tuple[list[Capture | None], list[_Task]]:
         local = self._local
         try:
             return local.captures, local.tasks
@@ -97,7 +109,7 @@ class _Recorder:
             local.captures, local.tasks = [], []
             return local.captures, local.tasks
 
-    def _run(self) -> Any:
+    def _run(self) -> Recording | None:
         return self.gens.current() if self.gens is not None else None
 
     def _fail(self, what: str, error: BaseException) -> None:
@@ -106,7 +118,7 @@ class _Recorder:
         if captures:
             captures[-1] = None
         run = self._run()
-        if run is not None and run is not Generations.UNRECORDED:
+        if run is not None:
             run.fail(what, error)
         else:
             reason(what, error)
@@ -125,19 +137,30 @@ class _Recorder:
             arguments.update(extra)
         return arguments
 
-    def _skip_packed(self) -> None:
-        """A packed continuous-batching forward that no followed generation step explains: not recorded. Said once
-        per probe: as a warning when continuous batching cannot be followed at all, else (a manager's warmup
-        forward, which serves no request) as information."""
-        why = self.batching.unfollowed if self.batching is not None else "this model does not generate"
-        self.results.last = RuntimeError(
-            "the last forward packed several sequences into one row (cu_seq_lens_q: continuous batching, or "
-            f"padding-free inputs), which a plain forward's record cannot explain: {why or 'not recorded'}")
-        if not self._told_packed:
-            self._told_packed = True
-            logger.log(logging.WARNING if why else logging.INFO, "nxl_hooks: packed continuous-batching forwards "
-                       "are not recorded (%s); the requests run unchanged",
-                       why or "a forward outside the manager's generation steps, e.g. its warmup")
+    def _stray(self, arguments: dict[str, Any]) -> bool:
+        """Whether a forward outside every recorded call is an engine's own (its warmup, or a step it cannot
+        follow), which a plain forward's record cannot explain: then it is not recorded, and the result says why.
+        Said once per probe: as a warning when the engine cannot follow its host at all (also kept as
+        ``Probe.unrecorded``), else as information."""
+        for engine in self.engines:
+            why = engine.stray(arguments)
+            if why is None:
+                continue
+            self.results.last = RuntimeError(why)
+            if engine.unfollowed:
+                self.notice.text = f"not recorded: {engine.unfollowed}"
+            if not self._told_stray:
+                self._told_stray = True
+                logger.log(logging.WARNING if engine.unfollowed else logging.INFO,
+                           "nxl_hooks: %s forwards are not recorded (%s); they run unchanged", engine.name,
+                           engine.unfollowed or "a forward outside its generation steps, e.g. a warmup")
+            return True
+        if arguments.get("cu_seq_lens_q") is not None:  # padding-free inputs, in a model no engine follows
+            self.results.last = RuntimeError(
+                "the last forward packed several sequences into one row (cu_seq_lens_q: padding-free inputs), which "
+                "a plain forward's record cannot explain; pass a padded batch")
+            return True
+        return False
 
     # -- hooks -------------------------------------------------------------------------------------------
 
@@ -162,19 +185,23 @@ class _Recorder:
 
     def on_task_start(self, module: nn.Module, args: tuple) -> None:
         _, tasks = self._stacks()
-        tasks.append(None if self._run() is not None else _PENDING)
+        tasks.append(_Task(in_call=self._run() is not None))
 
     def on_task_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         _, tasks = self._stacks()
-        entry = tasks.pop() if tasks else None
-        if isinstance(entry, Capture):
-            self._finish(entry, output)
-        elif entry is None and isinstance(run := self._run(), Run) and not run.failed:
-            try:  # a generate step: its logits give the probability of the token it emits
-                run.after_task(output)
-            except Exception as error:  # noqa: BLE001 - never into the host's forward
-                run.fail("this generate call", error)
-        elif entry is _PENDING and output is not None:  # its hooks ran, those of its blocks did not: compiled code
+        if not tasks:
+            return
+        task = tasks.pop()
+        if task.capture is not None:
+            self._finish(task.capture, output)
+        elif task.in_call:
+            run = self._run()
+            if run is not None and not run.failed and output is not None:
+                try:  # a step of a call: its logits give the probability of the token it emits
+                    run.after_task(output)
+                except Exception as error:  # noqa: BLE001 - never into the host's forward
+                    run.fail("this call", error)
+        elif not task.blocks_ran and output is not None:  # its hooks ran, those of its blocks did not: compiled code
             self.results.last = RuntimeError(
                 f"{type(self.plan.model).__name__} ran, but its blocks never reached the probe's hooks: the call ran "
                 "code compiled by torch.compile, which skips hooks added after it was compiled (or traces them). "
@@ -185,12 +212,11 @@ class _Recorder:
         captures, _ = self._stacks()
         run = self._run()
         captures.append(None)  # replaced below once the inputs are known; a failure or a skipped call leaves None
-        if run is Generations.UNRECORDED or getattr(run, "failed", False):
+        if run is not None and run.failed:
             return
         try:
             bound = self._arguments(args, kwargs)
-            if run is None and packed(bound):
-                self._skip_packed()
+            if run is None and self._stray(bound):
                 return
             capture = open_capture(bound)
             if run is not None:
@@ -201,8 +227,8 @@ class _Recorder:
 
     def on_block_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         captures, tasks = self._stacks()
-        if tasks and tasks[-1] is _PENDING:
-            tasks[-1] = _RAN
+        if tasks:
+            tasks[-1].blocks_ran = True
         if not captures:
             self.results.last = _without_traceback(RuntimeError(
                 f"{type(self.plan.model).__name__} ran its blocks without calling "
@@ -276,8 +302,8 @@ class _Recorder:
                     run.after_forward(capture)
             except Exception as error:  # noqa: BLE001
                 run.fail("this call", error)
-        elif tasks and tasks[-1] is _RAN:
-            tasks[-1] = capture  # assembled when the task model returns, with its own logits
+        elif tasks and not tasks[-1].in_call and tasks[-1].blocks_ran:
+            tasks[-1].capture = capture  # assembled when the task model returns, with its own logits
         else:
             self._finish(capture, None)
 
@@ -297,12 +323,12 @@ class _Attachment:
     ``with`` block), :func:`detach_all`, or the probe or the model being garbage-collected, whichever comes first.
     Holds no strong reference to the model, and nothing global holds it strongly after it ran."""
 
-    def __init__(self, handles: list, gens: Generations | None, batching: Batching | None, hub: Hub,
+    def __init__(self, handles: list, gens: Generations | None, engines: list[Engine], hub: Hub,
                  backbone: nn.Module, restore_compiled: Callable[[], None]) -> None:
         self._handles = handles
         self._restore_compiled = restore_compiled
         self._gens = weakref.ref(gens) if gens is not None else None
-        self._batching = weakref.ref(batching) if batching is not None else None
+        self._engines = [weakref.ref(engine) for engine in engines]  # the hooks (the recorder) keep them alive
         self._hub = hub
         self._backbone = weakref.ref(backbone)
         self._lock = threading.RLock()
@@ -315,15 +341,21 @@ class _Attachment:
                 return
             self.alive = False
         # Taken before the hooks go: they may be what keeps these alive.
-        owners = [ref() for ref in (self._gens, self._batching) if ref is not None]
+        gens = self._gens() if self._gens is not None else None
+        engines = [ref() for ref in self._engines]
         try:
             self._restore_compiled()
             for handle in self._handles:
                 handle.remove()
             self._handles.clear()
-            for owner in owners:
-                if owner is not None:
-                    owner.uninstall()
+            if gens is not None:
+                gens.uninstall()
+            for engine in engines:
+                if engine is not None:
+                    try:
+                        engine.uninstall()
+                    except Exception as error:  # noqa: BLE001 - a broken engine never keeps the model hooked
+                        reason(f"detaching engine {engine.name!r}", error)
         finally:
             self._on_model.detach()
             backbone = self._backbone()
@@ -340,12 +372,12 @@ class Probe:
     first; it holds the model only weakly, so a server that unloads a model frees it.
     """
 
-    def __init__(self, plan: Plan, results: _Results, hub: Hub, attachment: _Attachment) -> None:
+    def __init__(self, plan: Plan, results: _Results, hub: Hub, attachment: _Attachment, notice: Notice) -> None:
         self._plan = weakref.ref(plan)
         self._model = weakref.ref(plan.model)
         self.kind = plan.kind  #: causal_lm, sequence_classification, regression or masked_lm
         self._layers, self._n_blocks, self._describe = list(plan.layers), plan.n_blocks, plan.describe()
-        self._results, self._hub, self._attachment = results, hub, attachment
+        self._results, self._hub, self._attachment, self._notice = results, hub, attachment, notice
         self._finalizer = weakref.finalize(self, attachment)
 
     # -- what the probe explains -------------------------------------------------------------------------
@@ -413,6 +445,13 @@ class Probe:
         return last
 
     @property
+    def unrecorded(self) -> str | None:
+        """Why the last call that could not be followed is not recorded, and what makes it recordable (``"not
+        recorded: this manager pads its inputs for CUDA graphs ...; set NXL_NO_CUDA_GRAPHS=1 ..."``); None while
+        every call was followed. The same text is that call's ``GenerationCall.error``."""
+        return self._notice.text
+
+    @property
     def calls(self) -> list[GenerationCall]:
         """The ``generate`` calls run while attached, in the order they started, each with its step records
         (the last ``keep_calls`` of them)."""
@@ -477,8 +516,9 @@ def attach(
     - ``embedding``: "layer_input" (input of block 1, default) or "word" (the raw word-embedding row).
 
     While ``generate`` runs, or continuous batching (``generate_batch``, ``transformers serve
-    --continuous-batching``: one call per request), in any thread (causal LMs; see :mod:`nxl_hooks.hooks.generate`,
-    :mod:`nxl_hooks.hooks.batching` and :mod:`nxl_hooks.hooks.publish`):
+    --continuous-batching``: one call per request; any engine registered with
+    :func:`~nxl_hooks.hooks.engines.register_engine`), in any thread (causal LMs; see :mod:`nxl_hooks.hooks.generate`,
+    :mod:`nxl_hooks.hooks.engines` and :mod:`nxl_hooks.hooks.publish`):
 
     - ``on_step``: called with each :class:`~nxl_hooks.Step` as soon as it is complete;
     - ``sink``: a file path (or :class:`~nxl_hooks.Sink`) the records are appended to, crash-safe;
@@ -496,6 +536,7 @@ def attach(
     check_recording(plan, on_step=on_step, sink=sink, keep_calls=keep_calls, cache_dtype=cache_dtype,
                     cache_device=cache_device)
     backbone = get_path(plan.model, plan.spec.backbone) if plan.spec.backbone else plan.model.base_model
+    engines = engines_for(plan.model) if plan.generates else []  # before the lock: may import an engine's module
     with _LOCK:
         if backbone in _ATTACHED:
             raise RuntimeError(
@@ -504,22 +545,26 @@ def attach(
             )
         # Only now the sink file is opened: a refused probe never truncates one.
         hub = Hub(on_step=on_step, sink=sink, keep_steps=keep_steps, keep_calls=keep_calls)
-        results = _Results()
+        results, notice = _Results(), Notice()
         try:
-            gens = Generations(plan, hub, cache_dtype=cache_dtype, cache_device=cache_device) if plan.generates else None
-            batching = Batching(gens) if gens is not None else None
-            recorder = _Recorder(plan, backbone, gens, batching, results)
+            gens = None
+            if plan.generates:
+                gens = Generations(plan, hub, notice, cache_dtype=cache_dtype, cache_device=cache_device)
+            recorder = _Recorder(plan, backbone, gens, engines, results, notice)
             handles = recorder.register()
         except BaseException:
             hub.close()
             raise
         if gens is not None:
             gens.install()
-        attachment = _Attachment(handles, gens, batching, hub, backbone, run_eagerly(model))
-        probe = Probe(plan, results, hub, attachment)
+        attachment = _Attachment(handles, gens, engines, hub, backbone, run_eagerly(model))
+        probe = Probe(plan, results, hub, attachment, notice)
         _ATTACHED[backbone] = attachment
-    if batching is not None:  # outside the lock: its own lock is never taken inside this one
-        batching.install()
+    for engine in engines:  # outside the lock: their own locks are never taken inside this one
+        try:
+            engine.install(gens)
+        except Exception as error:  # noqa: BLE001 - a broken engine never breaks attach
+            engine.unfollowed = f"engine {engine.name!r} failed to install ({reason(engine.name, error)})"
     return probe
 
 

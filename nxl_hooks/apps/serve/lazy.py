@@ -24,8 +24,10 @@ if TYPE_CHECKING:  # not at run time: with importlib.abc and logging they double
 __all__ = ["HOOKS", "install", "when_imported"]
 
 #: What ``nxl run`` and ``import nxl_hooks.auto`` hook: (module, "module:function" called with it once imported).
+#: The one list of import-time patches: an engine that must patch its host before a model exists (a server's
+#: request ids) names its function here, as a string, since importing an engine would import torch at start-up.
 HOOKS = (("transformers.modeling_utils", "nxl_hooks.apps.serve.patches:patch_modeling_utils"),
-         ("transformers.cli.serving.utils", "nxl_hooks.apps.serve.patches:patch_serving"))
+         ("transformers.cli.serving.utils", "nxl_hooks.hooks.engines.transformers_cb:patch_serving"))
 
 def _call(target: str, module: ModuleType) -> None:
     try:

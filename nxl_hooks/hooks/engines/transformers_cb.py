@@ -1,4 +1,5 @@
-"""Continuous batching: every request its own :class:`~nxl_hooks.GenerationCall`, one Step per generated token.
+"""The engine for transformers' continuous batching: every request its own :class:`~nxl_hooks.GenerationCall`,
+one Step per generated token.
 
     with nxl.attach(model, layers="all") as probe:
         out = model.generate_batch(prompts, generation_config=config)   # or a ContinuousBatchingManager, or
@@ -10,7 +11,7 @@ several requests at once (prefill chunks and one-token decodes side by side, eac
 over a paged KV cache), then gives a token to every request whose prompt is done. ``request_id`` is the manager's
 id for the request (under ``transformers serve``, the ``X-Request-ID`` header, else the server's own id).
 
-How. While a probe of a causal LM is attached, two methods of transformers' classes are wrapped (class-level, for
+How. While a probe of a causal LM is attached, three methods of transformers' classes are wrapped (class-level, for
 every model; requests of a model with no probe pass straight through; the originals come back when the last such
 probe detaches):
 
@@ -18,54 +19,75 @@ probe detaches):
   slice of the packed input, from which position) is read from the scheduler's list of the batch; the probe's
   hooks check it against the forward's own ``cu_seq_lens_q``, ``position_ids`` and ``logits_indices``, then append
   each slice's features to that request's feature cache (a :class:`~nxl_hooks.hooks.generate.Run`, as under
-  ``generate``: the prefix is never re-run);
+  ``generate``: the prefix is never re-run), and keep the model's own probabilities at the rows it samples from;
 - ``RequestState.update_and_check_completion``: the token the manager gives a request becomes that request's step
-  record, and a request that finishes ends its call, before the manager hands the result to its caller.
+  record, and a request that finishes ends its call, before the manager hands the result to its caller;
+- ``ContinuousBatchingManager.__init__``, only with ``NXL_NO_CUDA_GRAPHS=1`` in the environment (``nxl run
+  --no-cuda-graphs``): managers of followed models are made with ``use_cuda_graph=False``, so they can be recorded.
 
-Not followed (requests run unchanged; one log line says why): a manager that pads its inputs for CUDA graphs or
-torch.compile (hooks do not run when a graph replays; ``ContinuousBatchingConfig(use_cuda_graph=False)``, or
-``transformers serve --no-cb-use-cuda-graph``, makes it followable), and transformers versions outside
-:data:`VERSIONS`. While attached, prefix sharing is off on the paged caches the probe sees (a prefix shared from
-another request's cache never runs for the request that reuses it, so that request's attribution could not be
-computed); each cache gets its setting back at detach. A request that started mid-sequence anyway (it reused a
-prefix before the probe attached, or it is a forked ``num_return_sequences`` child), or that had generated tokens
-before the probe saw it, is marked not recorded. A request that leaves the manager unfinished (cancelled, failed,
-or the manager stopped) ends incomplete.
+Not followed (requests run unchanged; each request's call record says ``not recorded: why; what to do``, logged
+once): a manager that pads its inputs for CUDA graphs or torch.compile (hooks do not run when a graph replays;
+``ContinuousBatchingConfig(use_cuda_graph=False)``, ``transformers serve --no-cb-use-cuda-graph`` or
+``NXL_NO_CUDA_GRAPHS=1`` makes it followable), and transformers versions outside :data:`VERSIONS`. While attached,
+prefix sharing is off on the paged caches the probe sees (a prefix shared from another request's cache never runs
+for the request that reuses it, so that request's attribution could not be computed); each cache gets its setting
+back at detach. A request that started mid-sequence anyway (it reused a prefix before the probe attached, or it is a
+forked ``num_return_sequences`` child), or that had generated tokens before the probe saw it, is marked not
+recorded. A request that leaves the manager unfinished (cancelled, failed, or the manager stopped) ends incomplete.
+
+Also here: :func:`patch_serving`, which carries each request's id from ``transformers serve``'s handler to the
+``generate`` call that serves it when serve runs without continuous batching (``nxl run`` applies it when
+``transformers.cli.serving.utils`` is imported).
 """
 
 from __future__ import annotations
 
+import contextvars
+import copy
+import functools
+import inspect
+import os
 import threading
 import weakref
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from .forward import Capture
-from .generate import Generations, Run, stacked_features
-from .guard import logger, reason
+from ..forward import Capture
+from ..generate import REQUEST_ID, Generations, Run, stacked_features
+from ..guard import logger, reason
+from ..recording import NOT_RECORDED
 
-__all__ = ["Batching", "VERSIONS", "packed"]
+__all__ = ["NO_CUDA_GRAPHS", "VERSIONS", "ContinuousBatching", "patch_serving"]
+
+#: The environment variable that makes managers of followed models run without CUDA graphs (``"1"``).
+NO_CUDA_GRAPHS = "NXL_NO_CUDA_GRAPHS"
+#: What makes a manager that uses CUDA graphs recordable (said in each of its requests' call records).
+_GRAPHS_OFF = (f"set {NO_CUDA_GRAPHS}=1 (nxl run --no-cuda-graphs), pass "
+               "ContinuousBatchingConfig(use_cuda_graph=False) without compile configs, or run "
+               "`transformers serve --no-cb-use-cuda-graph`")
 
 #: transformers versions whose continuous-batching internals were checked: (major, minor) from .. below.
 VERSIONS = ((5, 23), (6, 0))
 
 _LOCK = threading.RLock()  # reentrant: a model collected while the lock is held detaches through here too
 #: task model -> its probe's Batching (weakly both ways: the model's hooks keep the Batching alive)
-_FOLLOWED: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[Batching]]" = weakref.WeakKeyDictionary()
+_FOLLOWED: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[ContinuousBatching]]" = weakref.WeakKeyDictionary()
 _INSTALLED: list[tuple[type, str, Callable, Callable]] = []  # (class, name, original, wrapper)
 _local = threading.local()  # .pending: this thread's last packed step, whose tokens the manager hands out next
 
 
-def packed(arguments: dict[str, Any]) -> bool:
+def _packed(arguments: dict[str, Any]) -> bool:
     """Whether a backbone forward called with ``arguments`` is a packed continuous-batching forward."""
     return "cu_seq_lens_q" in arguments or "logits_indices" in arguments
 
 
-def _classes() -> tuple[tuple[type, type] | None, str | None]:
-    """(ContinuousBatchProcessor, RequestState), or None and why continuous batching cannot be followed here."""
+def _classes() -> tuple[tuple[type, type, type] | None, str | None]:
+    """(ContinuousBatchProcessor, RequestState, ContinuousBatchingManager), or None and why continuous batching
+    cannot be followed here."""
     try:
         import transformers
         from packaging.version import Version
@@ -78,14 +100,16 @@ def _classes() -> tuple[tuple[type, type] | None, str | None]:
                       f"internals nxl_hooks checked ({'.'.join(map(str, VERSIONS[0]))} up to "
                       f"{'.'.join(map(str, VERSIONS[1]))})")
     processor, state = continuous_api.ContinuousBatchProcessor, requests.RequestState
-    missing = [name for owner, name in ((processor, "_generation_step"), (state, "update_and_check_completion"))
+    manager = continuous_api.ContinuousBatchingManager
+    missing = [name for owner, name in ((processor, "_generation_step"), (state, "update_and_check_completion"),
+                                        (manager, "__init__"))
                if not callable(vars(owner).get(name))]
     if missing:
         return None, f"transformers {transformers.__version__} has no {', '.join(missing)}"
-    return (processor, state), None
+    return (processor, state, manager), None
 
 
-def _followed(model: nn.Module) -> "Batching | None":
+def _followed(model: nn.Module) -> "ContinuousBatching | None":
     ref = _FOLLOWED.get(model)
     return ref() if ref is not None else None
 
@@ -96,15 +120,15 @@ def _generation_step(original: Callable) -> Callable:
         _local.pending = None
         if batching is None:
             return original(self, model, *args, **kwargs)
-        step = batching.open(self)  # never raises
-        with batching.gens.running(step):
+        step = batching.open(self)  # never raises; None: this step is not recorded
+        with batching.gens.running(step if step is not None else NOT_RECORDED):
             try:
                 out = original(self, model, *args, **kwargs)
             except BaseException:
-                if isinstance(step, _Packed):
+                if step is not None:
                     step.abandon("the manager's forward raised")
                 raise
-        if isinstance(step, _Packed) and step.awaiting:
+        if step is not None and step.awaiting:
             _local.pending = step  # until the manager has handed out this forward's tokens
         return out
 
@@ -124,11 +148,26 @@ def _update_and_check_completion(original: Callable) -> Callable:
     return update_and_check_completion
 
 
-def _install(classes: tuple[type, type]) -> None:
-    """Wrap the two methods (caller holds the lock)."""
-    processor, state = classes
+def _manager_init(original: Callable) -> Callable:
+    def __init__(self: Any, model: Any, generation_config: Any, continuous_batching_config: Any, *args: Any,
+                 **kwargs: Any) -> Any:
+        if os.environ.get(NO_CUDA_GRAPHS) == "1" and _followed(model) is not None:
+            try:  # a copy: the caller's config object stays as it wrote it
+                continuous_batching_config = copy.copy(continuous_batching_config)
+                continuous_batching_config.use_cuda_graph = False
+            except Exception as error:  # noqa: BLE001 - the manager is made as asked
+                reason(f"{NO_CUDA_GRAPHS} on this manager", error)
+        return original(self, model, generation_config, continuous_batching_config, *args, **kwargs)
+
+    return __init__
+
+
+def _install(classes: tuple[type, type, type]) -> None:
+    """Wrap the three methods (caller holds the lock)."""
+    processor, state, manager = classes
     for owner, name, wrap in ((processor, "_generation_step", _generation_step),
-                              (state, "update_and_check_completion", _update_and_check_completion)):
+                              (state, "update_and_check_completion", _update_and_check_completion),
+                              (manager, "__init__", _manager_init)):
         original = vars(owner)[name]
         wrapper = wrap(original)
         wrapper.__wrapped__ = original
@@ -158,8 +197,9 @@ class _Segment:
     run: Any  #: the request's Run, or None when it is not recorded
 
 
-def _check_layout(arguments: dict[str, Any], segments: list[_Segment]) -> None:
-    """The forward's own packing equals the layout read from the scheduler; ValueError otherwise."""
+def _check_layout(arguments: dict[str, Any], segments: list[_Segment]) -> int:
+    """The forward's own packing equals the layout read from the scheduler (ValueError otherwise); returns the packed
+    length."""
     cumulative = arguments.get("cu_seq_lens_q")
     positions, ids = arguments.get("position_ids"), arguments.get("input_ids")
     if cumulative is None or positions is None or ids is None:
@@ -174,24 +214,45 @@ def _check_layout(arguments: dict[str, Any], segments: list[_Segment]) -> None:
             or (logits is not None and logits.tolist()[: len(emitting)] != emitting)):
         raise ValueError(f"the packed forward (cu_seq_lens_q {cumulative.tolist()}) does not match the batch the "
                          f"manager scheduled ({expected}): the layout of this transformers version is not understood")
+    return expected[-1]
 
 
 class _Packed:
-    """One packed forward and the tokens it yields: the run the probe's hooks feed in the manager's thread (the same
-    protocol as :class:`~nxl_hooks.hooks.generate.Run`: ``before_forward``, ``after_forward``, ``fail``)."""
+    """One packed forward and the tokens it yields: the :class:`~nxl_hooks.hooks.engines.Recording` the probe's
+    hooks feed in the manager's thread."""
 
-    def __init__(self, batching: "Batching", table: dict[str, Any], segments: list[_Segment]) -> None:
+    def __init__(self, batching: "ContinuousBatching", table: dict[str, Any], segments: list[_Segment]) -> None:
         self._batching, self._table, self.segments = batching, table, segments
         self._ids = {segment.request_id for segment in segments}
         self._fed: set[str] = set()
         self.awaiting = sum(segment.new_token for segment in segments)  #: tokens the manager has yet to hand out
         self.failed = False
+        self._length = 0  # of the packed input, once checked
 
     def _runs(self) -> list[tuple[_Segment, Run]]:
         return [(s, s.run) for s in self.segments if s.run is not None and not s.run.failed]
 
     def before_forward(self, arguments: dict[str, Any]) -> None:
-        _check_layout(arguments, self.segments)
+        self._length = _check_layout(arguments, self.segments)
+
+    def after_task(self, output: Any) -> None:
+        """The model's own log-probabilities at each sampled row go to that request's run (its step's
+        ``probability``), all rows in one log-softmax. The logits are the whole packed input's, or (with
+        ``logits_to_keep``) those of the sampled rows in batch order."""
+        logits = getattr(output, "logits", None)
+        emitting = [s for s in self.segments if s.new_token]
+        if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or not emitting:
+            return
+        if logits.shape[1] == self._length:
+            rows = torch.tensor([s.start + s.length - 1 for s in emitting], device=logits.device)
+        elif logits.shape[1] >= len(emitting):
+            rows = torch.arange(len(emitting), device=logits.device)
+        else:
+            return
+        log_probs = logits[0, rows].float().log_softmax(-1)
+        for index, segment in enumerate(emitting):
+            if segment.run is not None and not segment.run.failed:
+                segment.run.predicted(log_probs[index: index + 1])
 
     def after_forward(self, capture: Capture) -> None:
         """Each request's slice of the forward into its own feature cache."""
@@ -263,24 +324,31 @@ def _abandon(table: dict[str, Any], why: str) -> None:
             run.finish(None, why, what="this request")
 
 
-class Batching:
-    """One probe's view of continuous batching: the runs of the requests of its model's batch processors.
+class ContinuousBatching:
+    """The :class:`~nxl_hooks.hooks.engines.Engine` of transformers' continuous batching, for one probe: the runs of
+    the requests of its model's batch processors.
 
     Made by :func:`~nxl_hooks.attach` for causal LMs; :meth:`install` follows the model, :meth:`uninstall` (at
     detach) stops. ``unfollowed``: why continuous batching is not followed, or None.
     """
 
-    def __init__(self, gens: Generations) -> None:
-        self.gens, self.plan = gens, gens.plan
+    name = "transformers-continuous-batching"
+
+    def __init__(self) -> None:
         self.unfollowed: str | None = None
         self._uninstalled = False
         self._tables: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
         self._finalizers: list[weakref.finalize] = []
-        self._skipped: "weakref.WeakSet[Any]" = weakref.WeakSet()  # processors not followed (said once, in the log)
+        #: processors not followed (said once in the log) -> why, and the ids of their requests marked not recorded
+        self._skipped: "weakref.WeakKeyDictionary[Any, tuple[str, set[str]]]" = weakref.WeakKeyDictionary()
         self._caches: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()  # cache -> its sharing
         self._lock = threading.RLock()
 
-    def install(self) -> None:
+    def claims(self, model: nn.Module) -> bool:
+        return callable(getattr(model, "init_continuous_batching", None))
+
+    def install(self, gens: Generations) -> None:
+        self.gens, self.plan = gens, gens.plan
         classes, self.unfollowed = _classes()
         if classes is None:
             return
@@ -296,9 +364,10 @@ class Batching:
         back; the requests in flight end incomplete (their calls are marked by the hub's close)."""
         with _LOCK, self._lock:
             self._uninstalled = True
+        plan = getattr(self, "plan", None)
         with _LOCK:
-            if _followed(self.plan.model) is self:
-                del _FOLLOWED[self.plan.model]
+            if plan is not None and _followed(plan.model) is self:
+                del _FOLLOWED[plan.model]
             if not _FOLLOWED:
                 _uninstall()
         with self._lock:
@@ -312,21 +381,30 @@ class Batching:
         for table in tables:
             table.clear()  # the features of requests in flight are freed now, not when their manager goes
 
+    def stray(self, arguments: dict[str, Any]) -> str | None:
+        if not _packed(arguments):
+            return None
+        return ("the last forward packed several sequences into one row (cu_seq_lens_q: continuous batching, or "
+                "padding-free inputs), which a plain forward's record cannot explain: "
+                + (self.unfollowed or "a forward outside the manager's generation steps, e.g. its warmup"))
+
     # -- in the manager's thread -------------------------------------------------------------------------
 
-    def open(self, processor: Any) -> Any:
-        """The packed step about to run on ``processor``, or ``Generations.UNRECORDED`` (never raises)."""
+    def open(self, processor: Any) -> _Packed | None:
+        """The packed step about to run on ``processor``, or None when it is not recorded (never raises)."""
         if processor in self._skipped:
-            return Generations.UNRECORDED
+            self._mark(processor)
+            return None
         try:
             why = self._unfollowable(processor)
             if why is not None:
-                self._skipped.add(processor)
+                self._skipped[processor] = (why, set())
                 logger.warning("nxl_hooks: continuous-batching requests are not recorded: %s; they run unchanged", why)
-                return Generations.UNRECORDED
+                self._mark(processor)
+                return None
             table = self._table(processor)
             if table is None:  # detached meanwhile
-                return Generations.UNRECORDED
+                return None
             segments, start = [], 0
             for future in processor.inputs_and_outputs.requests_in_batch:
                 state, length = future.state, future.query_length
@@ -339,17 +417,32 @@ class Batching:
                 start += length
             return _Packed(self, table, segments)
         except Exception as error:  # noqa: BLE001 - never into the manager's loop
-            self._skipped.add(processor)  # said once: this manager's requests are not recorded from now on
-            reason("continuous batching on this manager", error)
-            return Generations.UNRECORDED
+            # said once: this manager's requests are not recorded from now on
+            self._skipped[processor] = (reason("continuous batching on this manager", error), set())
+            self._mark(processor)
+            return None
+
+    def _mark(self, processor: Any) -> None:
+        """Each request of ``processor``'s batch not seen before gets a call record saying it is not recorded
+        (already said in the log). Never raises."""
+        try:
+            why, marked = self._skipped[processor]
+            scheduler = processor.scheduler
+            marked.intersection_update(set(scheduler.active_requests) | set(scheduler.waiting_requests))
+            for future in processor.inputs_and_outputs.requests_in_batch:
+                request_id = str(future.state.request_id)
+                if request_id not in marked:
+                    marked.add(request_id)
+                    self.gens.unrecorded(request_id, "this request", RuntimeError(why), log=False)
+        except Exception as error:  # noqa: BLE001 - never into the manager's loop
+            reason("the records of a continuous-batching manager that is not followed", error)
 
     @staticmethod
     def _unfollowable(processor: Any) -> str | None:
         runner = processor.model_runner
         if getattr(runner, "pad_inputs", True) or hasattr(processor.inputs_and_outputs, "io_pairs"):
             return ("this manager pads its inputs for CUDA graphs or torch.compile, and hooks do not run when a graph "
-                    "replays (ContinuousBatchingConfig(use_cuda_graph=False) without compile configs, or "
-                    "`transformers serve --no-cb-use-cuda-graph`, lets the probe follow it)")
+                    f"replays; {_GRAPHS_OFF}")
         return None
 
     def _table(self, processor: Any) -> dict[str, Any] | None:
@@ -389,3 +482,79 @@ class Batching:
         except Exception as error:  # noqa: BLE001
             self.gens.unrecorded(request_id, "this request", error)
             return None
+
+
+# -- transformers serve without continuous batching: request ids ------------------------------------------
+
+_MARK = "__nxl_patched__"
+
+
+def _patched(function: Any) -> bool:
+    return getattr(function, _MARK, False)
+
+
+def _request_id(signature: inspect.Signature, args: tuple, kwargs: dict) -> str | None:
+    try:
+        value = signature.bind_partial(*args, **kwargs).arguments.get("request_id")
+    except TypeError:
+        return None
+    return value if isinstance(value, str) and value else None
+
+
+def _tag(original: Callable) -> Callable:
+    """``original`` (sync or async) run with REQUEST_ID set to its ``request_id`` argument."""
+    signature = inspect.signature(original)
+    if inspect.iscoroutinefunction(original):
+        @functools.wraps(original)
+        async def tagged(*args: Any, **kwargs: Any) -> Any:
+            token = REQUEST_ID.set(_request_id(signature, args, kwargs))
+            try:
+                return await original(*args, **kwargs)
+            finally:
+                REQUEST_ID.reset(token)
+    else:
+        @functools.wraps(original)
+        def tagged(*args: Any, **kwargs: Any) -> Any:
+            token = REQUEST_ID.set(_request_id(signature, args, kwargs))
+            try:
+                return original(*args, **kwargs)
+            finally:
+                REQUEST_ID.reset(token)
+    setattr(tagged, _MARK, True)
+    return tagged
+
+
+def _in_context(original: Callable) -> Callable:
+    """``submit(fn, ...)`` whose ``fn`` runs, in the other thread, in a copy of the submitter's context."""
+    @functools.wraps(original)
+    def submit(self: Any, fn: Callable, *args: Any, **kwargs: Any) -> Any:
+        if REQUEST_ID.get() is not None:
+            fn = functools.partial(contextvars.copy_context().run, fn)
+        return original(self, fn, *args, **kwargs)
+
+    setattr(submit, _MARK, True)
+    return submit
+
+
+def patch_serving(module: ModuleType) -> None:
+    """Carry each request's id from ``transformers serve``'s handler to the ``generate`` call that serves it.
+
+    ``transformers serve`` without continuous batching runs ``model.generate`` on its inference thread and does not
+    pass the request id along. ``GenerateManager.generate_streaming`` / ``generate_non_streaming`` now set
+    :data:`~nxl_hooks.hooks.generate.REQUEST_ID` to the request's id (the ``X-Request-ID`` header, or the uuid serve
+    made), and what they submit to the inference thread runs in a copy of that context, so the ``generate`` call of
+    the request carries its id. (Under continuous batching the manager has the id itself.) Applied once per class
+    (a marker on the wrapper); never raises into the program."""
+    manager = getattr(module, "GenerateManager", None)
+    names = ("generate_streaming", "generate_non_streaming", "submit", "async_submit")
+    if manager is None or not all(callable(getattr(manager, name, None)) for name in names):
+        reason("request ids of transformers serve", RuntimeError(
+            "this transformers version has no GenerateManager with " + ", ".join(names) +
+            "; calls get generated ids"))
+        return
+    if _patched(manager.generate_streaming):
+        return
+    for name in ("generate_streaming", "generate_non_streaming"):
+        setattr(manager, name, _tag(getattr(manager, name)))
+    for name in ("submit", "async_submit"):
+        setattr(manager, name, _in_context(getattr(manager, name)))

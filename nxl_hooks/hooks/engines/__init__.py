@@ -1,0 +1,136 @@
+"""Serving engines: generation that does not go through ``model.generate``, followed request by request.
+
+    from nxl_hooks.hooks.engines import register_engine
+    register_engine("my-engine", MyEngine)          # or an entry point in the group ``nxl_hooks.engines``
+
+:func:`~nxl_hooks.attach` builds one :class:`Engine` per registered factory for each probe of a model that
+generates, keeps those that :meth:`~Engine.claims` the model, calls :meth:`~Engine.install` with the probe's
+:class:`~nxl_hooks.hooks.generate.Generations` and :meth:`~Engine.uninstall` at detach. An engine makes a
+:class:`~nxl_hooks.hooks.recording.Recording` for each step its host runs (a packed batch of requests, say) and puts it as the thread's current
+recording (``gens.running(recording)``) around the host's forward; the probe's hooks then feed it that forward.
+
+Built in: transformers' continuous batching (:mod:`.transformers_cb`). Third parties add an engine in one module
+and declare it in their package metadata::
+
+    [project.entry-points."nxl_hooks.engines"]
+    my-engine = "my_package.nxl_engine:MyEngine"
+
+Entry points are read once, at the first attach that asks for the engines (``importlib.metadata``), never at
+import: ``nxl run``'s bootstrap stays torch-free and cheap.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, Any, Callable, Protocol
+
+from ..guard import reason
+from ..recording import NOT_RECORDED, Recording
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from ..generate import Generations
+
+__all__ = ["GROUP", "NOT_RECORDED", "Engine", "Recording", "engines_for", "register_engine"]
+
+#: The entry-point group third-party engines are declared in.
+GROUP = "nxl_hooks.engines"
+
+
+class Engine(Protocol):
+    """One way a model generates outside ``generate``, followed for one probe. Made per attach by a factory
+    registered with :func:`register_engine` (cheap to make: nothing happens before :meth:`install`).
+
+    ``name``: the registered name. ``unfollowed``: why the engine cannot follow its host here (a version it does
+    not know, CUDA graphs...), or None; shown by ``Probe.unrecorded`` once the host ran such a step.
+    """
+
+    name: str
+    unfollowed: str | None
+
+    def claims(self, model: nn.Module) -> bool:
+        """Whether this engine follows ``model`` (a transformers task model that generates)."""
+        ...
+
+    def install(self, gens: Generations) -> None:
+        """Start following: ``gens`` makes the records (``gens.new_run``, ``gens.unrecorded``, ``gens.running``)."""
+        ...
+
+    def uninstall(self) -> None:
+        """Stop following (the probe detaches); runs in flight end incomplete. Never raises."""
+        ...
+
+    def stray(self, arguments: dict[str, Any]) -> str | None:
+        """Why a forward called with ``arguments`` outside every recorded call is this engine's own (its warmup, a
+        step it cannot follow) and cannot be read as a plain forward; None when it is not the engine's."""
+        ...
+
+
+EngineFactory = Callable[[], Engine]
+
+_LOCK = threading.Lock()
+#: name -> factory; "module:attribute" strings are imported at first use
+_FACTORIES: dict[str, EngineFactory | str] = {
+    "transformers-continuous-batching": "nxl_hooks.hooks.engines.transformers_cb:ContinuousBatching"}
+_discovered = False
+
+
+def register_engine(name: str, factory: EngineFactory) -> None:
+    """Make ``factory()`` (an :class:`Engine`) part of every later :func:`~nxl_hooks.attach`; a name registered
+    before is replaced. ``register_engine("my-engine", MyEngine)``"""
+    if not isinstance(name, str) or not name:
+        raise ValueError("register_engine needs a non-empty name, e.g. register_engine('my-engine', MyEngine)")
+    if not callable(factory):
+        raise TypeError(f"register_engine({name!r}, ...) needs a callable that makes an Engine (a class, say), "
+                        f"not {type(factory).__name__}")
+    with _LOCK:
+        _FACTORIES[name] = factory
+
+
+def _discover() -> None:
+    """Read the entry points of :data:`GROUP` once (caller holds the lock); a name registered in code wins."""
+    global _discovered
+    if _discovered:
+        return
+    _discovered = True
+    from importlib import metadata
+
+    try:
+        points = metadata.entry_points(group=GROUP)
+    except Exception as error:  # noqa: BLE001 - broken package metadata: the built-in engines still work
+        reason(f"the entry points of {GROUP}", error)
+        return
+    for point in points:
+        _FACTORIES.setdefault(point.name, point.value)
+
+
+def _load(target: str) -> EngineFactory:
+    import importlib
+
+    module, _, attribute = target.partition(":")
+    factory: Any = importlib.import_module(module)
+    for part in attribute.split("."):
+        factory = getattr(factory, part)
+    return factory
+
+
+def engines_for(model: nn.Module) -> list[Engine]:
+    """One new engine per registered factory that claims ``model``, in registration order. An engine that fails to
+    load, build or answer is left out with one log line: attaching never fails because of an engine."""
+    with _LOCK:
+        _discover()
+        named = list(_FACTORIES.items())
+    chosen = []
+    for name, factory in named:
+        try:
+            if isinstance(factory, str):
+                factory = _load(factory)
+                with _LOCK:
+                    _FACTORIES[name] = factory  # loaded once
+            engine = factory()
+            if engine.claims(model):
+                chosen.append(engine)
+        except Exception as error:  # noqa: BLE001 - a broken third-party engine never breaks attach
+            reason(f"engine {name!r}", error)
+    return chosen
