@@ -24,8 +24,11 @@ from ..method.head import Head
 from ..records.sink import Sink
 from ..records.tokens import readable_ids
 from ..method.select import (
+    EMBEDDINGS,
     Target,
     explained,
+    from_numpy,
+    parse_embedding,
     is_predicted,
     prediction_rows,
     resolve_layers,
@@ -38,9 +41,6 @@ __all__ = ["EMBEDDINGS", "Plan", "check_recording", "make_plan", "run_eagerly"]
 _KEPT = "_nxl_hooks_compiled_"  # where run_eagerly keeps a module's compiled callable while attached
 
 _READABLE_KEPT = 1 << 18  # token texts a plan remembers at most (more than most vocabularies)
-
-#: How the embedding norm is read: the input of block 1 (authors' code), or the raw word-embedding row (paper).
-EMBEDDINGS = ("layer_input", "word")
 
 
 @dataclass(frozen=True, eq=False)
@@ -140,14 +140,6 @@ def _check_tokenizer(model: nn.Module, tokenizer: Any) -> None:
         )
 
 
-def _from_numpy(value: Any) -> Any:
-    """A numpy array of ids as the tensor it stands for (strings as a list); anything else (numpy scalars included,
-    which are ints already) as is."""
-    if type(value).__module__ != "numpy" or not getattr(value, "ndim", 0):
-        return value
-    return value.tolist() if value.dtype.kind in "USO" else torch.as_tensor(value)
-
-
 def make_plan(model: nn.Module, *, layers: Any, target: Target, tokenizer: Any, embedding: str) -> Plan:
     """Resolve and check everything :func:`~nxl_hooks.attach` was given, before any hook goes on.
 
@@ -156,14 +148,13 @@ def make_plan(model: nn.Module, *, layers: Any, target: Target, tokenizer: Any, 
     spec, kind = resolve(model)
     head = Head(model, spec, kind)
     block_list = blocks(model, spec)
-    if embedding not in EMBEDDINGS:
-        raise ValueError(f"embedding={embedding!r}: use 'layer_input' (default) or 'word'")
+    parse_embedding(embedding)
     if kind == "masked_lm" and getattr(tokenizer, "mask_token_id", None) is None:
         raise ValueError("masked-LM attribution needs attach(..., tokenizer=tok) with a mask token, to find the "
                          "[MASK] positions it explains")
     if tokenizer is not None:
         _check_tokenizer(model, tokenizer)
-    target, layers = _from_numpy(target), _from_numpy(layers)
+    target, layers = from_numpy(target), from_numpy(layers)
     fixed = None if is_predicted(target) else target_ids(model, kind, tokenizer, target, head.n_outputs)
     return Plan(model=model, spec=spec, kind=kind, head=head, blocks=block_list,
                 layers=resolve_layers(layers, len(block_list)), embedding=embedding, tokenizer=tokenizer,

@@ -12,19 +12,14 @@ the exit code are the program's own. See :mod:`nxl_hooks.apps.serve`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
+from pathlib import Path
 
-from ..options import (
-    CliError,
-    add_attribution_options,
-    add_loading_options,
-    check_output_folder,
-    loading_options,
-    positive_int,
-)
-from ..serve.settings import whole_number
+from ..options import CliError, add_loading_options, check_output_folder, loading_options
+from ..serve.settings import add_run_options
 
 NAME = "run"
 
@@ -37,24 +32,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "nxl tail / nxl ctl.",
         usage="nxl run [options] -- COMMAND [ARGS ...]",
     )
-    add_attribution_options(parser)
-    parser.add_argument("--sink", metavar="DIR",
-                        help="the run folder: records are written there (rotated files, one folder per process "
-                             "and model) next to the control sockets; default: a private temporary folder, "
-                             "records in memory only")
-    parser.add_argument("--listen", metavar="ADDR",
-                        help="also serve the control endpoint over HTTP on HOST:PORT (loopback only, bearer token "
-                             "in RUN_FOLDER/token)")
-    parser.add_argument("--allow-remote", action="store_true",
-                        help="let --listen use an address that is not loopback (the token is still required)")
-    parser.add_argument("--models", metavar="PATTERN", default="*",
-                        help="record only models whose name or path matches these globs (comma list; default *)")
-    parser.add_argument("--keep-calls", type=whole_number, metavar="N", default=None,
-                        help="requests kept in memory per model (default 16; older ones are in the sink)")
-    parser.add_argument("--sink-file-mb", type=positive_int, metavar="MB", default=64,
-                        help="start a new record file past this size (default 64)")
-    parser.add_argument("--sink-files", type=positive_int, metavar="N", default=16,
-                        help="record files kept per process and model; older ones are deleted (default 16)")
+    add_run_options(parser)
     add_loading_options(parser, program_loads=True)
     parser.add_argument("program", nargs=argparse.REMAINDER, metavar="-- COMMAND ARGS",
                         help="the program to run, after --")
@@ -70,30 +48,25 @@ def bootstrap_dir() -> str:
 
 def run(args: argparse.Namespace) -> int:
     from ..serve.runs import make_run_dir, private_run_dir, remember, write_token
-    from ..serve.settings import DEFAULT_KEEP_CALLS, Settings, parse_listen
+    from ..serve.settings import Settings
 
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
     if not program:
         raise CliError("give the program to run after --, e.g. nxl run -- transformers serve ./model")
     if shutil.which(program[0]) is None:  # before any run folder is made or remembered
         raise CliError(f"{program[0]}: command not found (or not executable)")
-    if args.listen:
-        parse_listen(args.listen, allow_remote=args.allow_remote)
     load = {key: value for key, value in loading_options(args).items() if key != "head" and value is not None}
     if load.get("gguf_file") and load.get("quantize"):
         raise CliError("--gguf-file with --load-in-8bit/--load-in-4bit: transformers refuses that combination in "
                        "the program's own from_pretrained; load the GGUF, save it, and quantize the saved folder")
+    settings = Settings.from_args(args, run_dir=Path(), load=load)  # checked before any folder is made
     if args.sink:
         check_output_folder(args.sink, "--sink")
         folder = make_run_dir(args.sink)
         remember(folder)
     else:
         folder = private_run_dir()
-    settings = Settings(run_dir=folder, sink=bool(args.sink), layers=args.layers, target=args.target,
-                        embedding=args.embedding, models=[g.strip() for g in args.models.split(",") if g.strip()],
-                        keep_calls=DEFAULT_KEEP_CALLS if args.keep_calls is None else args.keep_calls,
-                        listen=args.listen, allow_remote=args.allow_remote,
-                        sink_max_bytes=args.sink_file_mb << 20, sink_max_files=args.sink_files, load=load)
+    settings = dataclasses.replace(settings, run_dir=folder)
     if args.listen:
         write_token(folder)
     env = {**os.environ, **settings.to_env()}

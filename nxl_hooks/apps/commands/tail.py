@@ -17,7 +17,7 @@ from ..options import CliError, positive_int
 NAME = "tail"
 
 
-def add_run_options(parser: argparse.ArgumentParser) -> None:
+def add_connect_options(parser: argparse.ArgumentParser) -> None:
     """--run and --token-file: which running program to talk to (shared with nxl ctl)."""
     parser.add_argument("--run", metavar="RUN",
                         help="the run folder nxl run printed, a control socket, or http://127.0.0.1:PORT "
@@ -29,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = sub.add_parser(NAME, help="follow a running program's generated tokens live (one line each)",
                             description="Print one line per generated token: request, step, token, and the "
                                         "context tokens that drove it most at one layer.")
-    add_run_options(parser)
+    add_connect_options(parser)
     parser.add_argument("--request-id", metavar="ID", help="only this request (from its first token; ends with it)")
     parser.add_argument("--layer", type=int, default=None, help="which recorded layer to show (default: the last)")
     parser.add_argument("-k", type=positive_int, default=3, help="context tokens per line (default 3)")
