@@ -340,6 +340,11 @@ class Probe:
     first; it holds the model only weakly, so a server that unloads a model frees it.
     """
 
+    #: Placeholders the record-sink and engines work replace (why the sink stopped writing; which calls run
+    #: unrecorded and why): ``nxl run``'s status reads them. None: nothing to report.
+    sink_fault: str | None = None
+    unrecorded: str | None = None
+
     def __init__(self, plan: Plan, results: _Results, hub: Hub, attachment: _Attachment) -> None:
         self._plan = weakref.ref(plan)
         self._model = weakref.ref(plan.model)
