@@ -12,8 +12,9 @@ from __future__ import annotations
 import argparse
 import json
 
+from ...records.tokens import visible
 from ..serve.settings import OPTIONS, add_run_options
-from .tail import add_connect_options
+from .tail import add_connect_options, faults
 
 NAME = "ctl"
 ACTIONS = ("status", "pause", "resume", "attach", "detach")
@@ -32,13 +33,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def describe(status: dict) -> str:
-    """One line per process: its state and each model's."""
+    """One line per process: its state and each model's, with what it does not record; escaped for a terminal
+    (:func:`~nxl_hooks.records.tokens.visible`: names and errors may hold anything)."""
     models = "; ".join(
         f"{m['name']}: " + ("attached, layers " + ",".join(map(str, m["layers"])) if m["attached"]
                             else ("excluded" if m["excluded"] else "not attached") + (f" ({m['error']})" if m["error"] else ""))
-        + f", {m['hooks']} hooks, {m['calls']} requests in memory"
+        + f", {m['hooks']} hooks, {m['calls']} requests in memory" + "".join(f"; {fault}" for fault in faults(m))
         for m in status["models"]) or "no model loaded"
-    return f"pid {status['pid']}: {'paused' if status['paused'] else 'recording'}; {models}"
+    return visible(f"pid {status['pid']}: {'paused' if status['paused'] else 'recording'}; {models}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,5 +53,5 @@ def run(args: argparse.Namespace) -> int:
     for endpoint in endpoints(args.run, args.token_file):
         status = (endpoint.json("GET", "/v1/status") if body is None
                   else endpoint.json("POST", "/v1/control", body))
-        print(json.dumps(status) if args.json else describe(status), flush=True)
+        print(json.dumps(status) if args.json else describe(status), flush=True)  # JSON escapes every control
     return 0
