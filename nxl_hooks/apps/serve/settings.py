@@ -145,7 +145,8 @@ class Option:
         """The help, and the default as the flag takes it (``default``: when there is one worth saying)."""
         if not default or self.required or (self.shown is None and self.default in (None, False)):
             return self.help
-        return f"{self.help} (default: {(self.shown or self.text)(self.default)})"
+        shown = (self.shown or self.text)(self.default)
+        return f"{self.help} (default: {shown})" if shown else self.help
 
 
 def _setting(default: Any, option: Option) -> Any:
@@ -276,9 +277,11 @@ def add_run_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *
 def markdown_table() -> str:
     """:data:`OPTIONS` as a markdown table (flag, variable, what it does and its default): the one in
     ``docs/nxl-run-options.md``."""
-    rows = ["| flag | variable | what it sets |", "| --- | --- | --- |"]
+    rows = ["| flag | variable | the variable's default | what it sets |", "| --- | --- | --- | --- |"]
     for option in OPTIONS:
         flag = f"`{option.flag} {option.metavar}`" if option.flag and option.metavar else (
             f"`{option.flag}`" if option.flag else "(set by nxl run)")
-        rows.append(f"| {flag} | `{option.env}` | {option.describe().replace('|', '&#124;')} |")
+        value = "" if option.required else option.text(option.default)
+        rows.append(f"| {flag} | `{option.env}` | {f'`{value}`' if value else '(empty)'} | "
+                    f"{option.describe().replace('|', '&#124;')} |")
     return "\n".join(rows) + "\n"
