@@ -82,13 +82,13 @@ def test_all_flags_at_once_and_defaults_when_left_out():
 
 
 @pytest.mark.parametrize("env, message", [
-    ({"NXL_SINK": "yes"}, r"NXL_SINK='yes': 'yes': use 1 \(on\) or 0 \(off\)"),
-    ({"NXL_EMBEDDING": "words"}, r"NXL_EMBEDDING='words': embedding='words': use layer_input or word"),
-    ({"NXL_LAYERS": "one,two"}, r"NXL_LAYERS='one,two'"),
-    ({"NXL_TARGET": "a,,b"}, r"NXL_TARGET='a,,b': 'a,,b': empty item"),
-    ({"NXL_SINK_MAX_FILES": "0"}, r"NXL_SINK_MAX_FILES='0': '0': give a whole number of at least 1"),
-    ({"NXL_KEEP_CALLS": "many"}, r"NXL_KEEP_CALLS='many'"),
-    ({"NXL_LOAD": '{"dtype": 1, "head": "x"}'}, r"NXL_LOAD=.*a JSON object of dtype"),
+    ({"NXL_SINK": "yes"}, r"NXL_SINK: 'yes': use 1 \(on\) or 0 \(off\)"),
+    ({"NXL_EMBEDDING": "words"}, r"NXL_EMBEDDING: embedding='words': use layer_input or word"),
+    ({"NXL_LAYERS": "one,two"}, r"NXL_LAYERS: 'one,two': use 'all', 'last'"),
+    ({"NXL_TARGET": "a,,b"}, r"NXL_TARGET: 'a,,b': empty item"),
+    ({"NXL_SINK_MAX_FILES": "0"}, r"NXL_SINK_MAX_FILES: '0': give a whole number of at least 1"),
+    ({"NXL_KEEP_CALLS": "many"}, r"NXL_KEEP_CALLS: 'many': give a whole number"),
+    ({"NXL_LOAD": '{"dtype": 1, "head": "x"}'}, r"NXL_LOAD: .*a JSON object of dtype"),
     ({"NXL_LISTEN": "10.0.0.1:80"}, r"not a loopback address"),
 ])
 def test_a_bad_variable_is_named(env, message):

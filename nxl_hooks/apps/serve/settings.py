@@ -139,7 +139,7 @@ class Option:
         try:
             return self.parse(text)
         except ValueError as error:
-            raise ValueError(f"{self.env}={text!r}: {error}") from None
+            raise ValueError(f"{self.env}: {error}") from None  # the parsers quote the text
 
     def describe(self, *, default: bool = True) -> str:
         """The help, and the default as the flag takes it (``default``: when there is one worth saying)."""
