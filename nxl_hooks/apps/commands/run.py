@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from ..options import CliError, add_loading_options, check_output_folder, loading_options
-from ..serve.settings import add_run_options
+from ..serve.settings import Settings, add_run_options
 
 NAME = "run"
 
@@ -46,10 +46,25 @@ def bootstrap_dir() -> str:
     return os.path.join(os.path.dirname(lazy.__file__), "bootstrap")
 
 
-def run(args: argparse.Namespace) -> int:
+def prepare_run(args: argparse.Namespace, load: dict) -> Settings:
+    """The run's :class:`~nxl_hooks.apps.serve.settings.Settings` from parsed ``add_run_options`` flags (checked
+    before anything is made), and its run folder: ``--sink DIR`` (remembered for ``nxl tail``) or a private one,
+    with the token for ``--listen`` written. How ``nxl run`` and ``nxl attach`` start a run."""
     from ..serve.runs import make_run_dir, private_run_dir, remember, write_token
-    from ..serve.settings import Settings
 
+    settings = Settings.from_args(args, run_dir=Path(), load=load)  # a bad flag makes no folder
+    if args.sink:
+        check_output_folder(args.sink, "--sink")
+        folder = make_run_dir(args.sink)
+        remember(folder)
+    else:
+        folder = private_run_dir()
+    if settings.listen:
+        write_token(folder)
+    return dataclasses.replace(settings, run_dir=folder)
+
+
+def run(args: argparse.Namespace) -> int:
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
     if not program:
         raise CliError("give the program to run after --, e.g. nxl run -- transformers serve ./model")
@@ -59,16 +74,8 @@ def run(args: argparse.Namespace) -> int:
     if load.get("gguf_file") and load.get("quantize"):
         raise CliError("--gguf-file with --load-in-8bit/--load-in-4bit: transformers refuses that combination in "
                        "the program's own from_pretrained; load the GGUF, save it, and quantize the saved folder")
-    settings = Settings.from_args(args, run_dir=Path(), load=load)  # checked before any folder is made
-    if args.sink:
-        check_output_folder(args.sink, "--sink")
-        folder = make_run_dir(args.sink)
-        remember(folder)
-    else:
-        folder = private_run_dir()
-    settings = dataclasses.replace(settings, run_dir=folder)
-    if args.listen:
-        write_token(folder)
+    settings = prepare_run(args, load)
+    folder = settings.run_dir
     env = {**os.environ, **settings.to_env()}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (bootstrap_dir(), os.environ.get("PYTHONPATH")) if p)
     print(f"nxl run: run folder {folder} (live view: nxl tail --run {folder})", file=sys.stderr, flush=True)
