@@ -234,6 +234,27 @@ def test_tail_prints_one_line_per_token_of_a_request(server, tiny):
         assert (request_id, int(step), shown) == ("tail-1", index, repr(token)) and rest.startswith("L2: ")
 
 
+def test_tail_shows_a_hostile_request_id_escaped(server, tiny):
+    """An X-Request-ID with a title change, a screen clear and a C1 byte is accepted by serve; nxl tail and
+    nxl ctl show it escaped and never write a control character to the operator's terminal."""
+    hostile = "\x1b]0;owned\x07\x1b[2Jx\x9b"
+    tail = subprocess.Popen([*NXL, "tail", "--run", str(server.run), "--request-id", hostile, "-k", "1"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(1.0)
+        reply = server.chat("hello world", max_tokens=3, request_id=hostile, stream=True)
+        out, err = tail.communicate(timeout=60)
+    finally:
+        if tail.poll() is None:
+            tail.kill()
+    assert tail.returncode == 0, err
+    assert reply["request_id"] == hostile  # serve took it as it came
+    lines = out.splitlines()
+    assert len(lines) == 4 and lines[-1] == "\\x1b]0;owned\\x07\\x1b[2Jx\\x9b: ended after 3 tokens"
+    assert all(line.startswith("\\x1b]0;owned\\x07") for line in lines)
+    assert not any(char in out + err for char in "\x1b\x07\x9b")
+
+
 def test_endpoint_needs_the_token_streams_and_listens_on_loopback_only(server, tiny):
     import psutil
 

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import NoReturn, Sequence
+from typing import Any, NoReturn, Sequence
+
+from ..records.tokens import visible
 
 from .commands import COMMANDS
 from .options import CliError, parse_layers, parse_target, positive_int
@@ -21,16 +23,22 @@ __all__ = ["CliError", "build_parser", "main", "one_line", "parse_layers", "pars
 
 
 class _Parser(argparse.ArgumentParser):
-    """argparse, with its errors as one line (the usage is one ``--help`` away) like every other ``nxl`` error."""
+    """argparse, with its errors as one line (the usage is one ``--help`` away) like every other ``nxl`` error, and
+    no abbreviations (``--layer`` is not ``--layers``): every subcommand's parser is one of these."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **{"allow_abbrev": False, **kwargs})
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, one_line(f"{self.prog}: error: {message} (see {self.prog} --help)") + "\n")
 
 
 def one_line(message: str) -> str:
-    """``message`` on one line that any terminal can print: whitespace runs become one space, and what cannot be
-    encoded (a command-line byte that is not UTF-8, kept by Python as a lone surrogate) is shown escaped."""
-    return " ".join(message.split()).encode("utf-8", "backslashreplace").decode("utf-8")
+    """``message`` on one line that any terminal can print: whitespace runs become one space, and control, format
+    and bidi characters, and what cannot be encoded (a command-line byte that is not UTF-8, kept by Python as a
+    lone surrogate), are shown escaped (:func:`~nxl_hooks.records.tokens.visible`): an error may quote a request
+    id or a server's answer."""
+    return visible(" ".join(message.split()))
 
 
 def _not_utf8(argv: Sequence[str]) -> str | None:

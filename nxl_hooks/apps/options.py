@@ -9,10 +9,12 @@ groups several commands take.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
+from ..method import select
 from .loading import DTYPES
 
 __all__ = [
@@ -21,6 +23,7 @@ __all__ = [
     "add_attribution_options",
     "add_dataset_options",
     "add_loading_options",
+    "argument_type",
     "check_output_file",
     "check_output_folder",
     "loading_options",
@@ -62,16 +65,6 @@ def check_output_folder(path: str, option: str = "--out") -> None:
             return
 
 
-def parse_layers(value: str) -> str | list[int]:
-    """``all`` | ``last`` | a comma list of ints (negative from the end): ``"0,2,-1"`` -> ``[0, 2, -1]``."""
-    if value in ("all", "last"):
-        return value
-    try:
-        return [int(part) for part in value.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r}: use 'all', 'last' or a comma list of ints like 0,2,-1") from None
-
-
 def positive_int(value: str) -> int:
     """An int of at least 1 (``--top-k``, ``--limit``, ``--ig-steps``, ``--generate``)."""
     try:
@@ -83,22 +76,23 @@ def positive_int(value: str) -> int:
     return number
 
 
-def parse_target(value: str) -> str | int | list[str | int]:
-    """``predicted`` | an int id | a token / label / word | a comma list of those (one table per target).
+def argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """``parse`` (a ValueError says what is wrong) as an argparse ``type``, its message kept as argparse's error:
+    ``parser.add_argument("--layers", type=argument_type(select.parse_layers))``."""
 
-    Spaces are kept: a leading space is part of a token (``" are, is"`` -> ``[" are", " is"]``; a word is read
-    after the text in any case, so ``"are,is"`` explains the same tokens); an item of digits alone is an id
-    (``" 4"`` is the token ' 4'; label names match with surrounding spaces ignored).
-    """
-    parts = value.split(",") if len(value) > 1 else [value]
-    items: list[str | int] = []
-    for part in parts:
-        if not part.strip():
-            raise argparse.ArgumentTypeError(f"{value!r}: empty item in the target list")
-        items.append(int(part) if part.lstrip("-").isdigit() else part)
-    if "predicted" in [item.strip() if isinstance(item, str) else item for item in items] and len(items) > 1:
-        raise argparse.ArgumentTypeError("'predicted' cannot be mixed with other targets; pass it alone")
-    return items[0] if len(items) == 1 else items
+    @functools.wraps(parse)
+    def read(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
+
+    return read
+
+
+#: :func:`nxl_hooks.method.select.parse_layers` and ``parse_target`` as argparse types.
+parse_layers = argument_type(select.parse_layers)
+parse_target = argument_type(select.parse_target)
 
 
 def parse_max_memory(value: str) -> dict[Any, str]:
@@ -135,7 +129,7 @@ def add_attribution_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--embedding",
-        choices=("layer_input", "word"),
+        choices=select.EMBEDDINGS,
         default="layer_input",
         help="embedding norm: input of block 1 (default) or the raw word-embedding row",
     )

@@ -11,6 +11,7 @@ forward and generate call the probe records, in any thread.
 from __future__ import annotations
 
 import os
+import threading
 import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -24,8 +25,11 @@ from ..method.head import Head
 from ..records.sink import Sink
 from ..records.tokens import readable_ids
 from ..method.select import (
+    EMBEDDINGS,
     Target,
     explained,
+    from_numpy,
+    parse_embedding,
     is_predicted,
     prediction_rows,
     resolve_layers,
@@ -33,14 +37,49 @@ from ..method.select import (
     target_ids,
 )
 
-__all__ = ["EMBEDDINGS", "Plan", "check_recording", "make_plan", "run_eagerly"]
+__all__ = ["EMBEDDINGS", "Plan", "TokenTexts", "check_recording", "make_plan", "run_eagerly", "token_texts"]
 
 _KEPT = "_nxl_hooks_compiled_"  # where run_eagerly keeps a module's compiled callable while attached
 
 _READABLE_KEPT = 1 << 18  # token texts a plan remembers at most (more than most vocabularies)
 
-#: How the embedding norm is read: the input of block 1 (authors' code), or the raw word-embedding row (paper).
-EMBEDDINGS = ("layer_input", "word")
+
+class TokenTexts:
+    """The readable text of a tokenizer's token ids (:func:`~nxl_hooks.records.tokens.readable_ids`), remembered
+    per id: a generation step asks for one per emitted token, and a token's text does not depend on its context.
+    One per tokenizer (:func:`token_texts`), shared by every plan and by ``nxl run``'s live view, in any thread.
+
+        token_texts(tok)([504, 7042])     # ['The', '␣Paris']
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self._known: dict[int, str] = {}  # read and added to by every thread, never cleared
+
+    def __call__(self, ids: list[int]) -> list[str]:
+        known = self._known
+        found = {i: known.get(i) for i in ids}
+        missing = [i for i, text in found.items() if text is None]
+        if missing:
+            texts = dict(zip(missing, readable_ids(self.tokenizer, missing)))
+            found.update(texts)
+            if len(known) < _READABLE_KEPT:
+                known.update(texts)
+        return [found[i] for i in ids]
+
+
+_TEXTS: weakref.WeakValueDictionary[int, TokenTexts] = weakref.WeakValueDictionary()  # id(tokenizer) -> its texts
+_TEXTS_LOCK = threading.Lock()
+
+
+def token_texts(tokenizer: Any) -> TokenTexts:
+    """The one :class:`TokenTexts` of ``tokenizer`` while anything holds it (it holds the tokenizer, so the id is
+    not reused meanwhile)."""
+    with _TEXTS_LOCK:
+        texts = _TEXTS.get(id(tokenizer))
+        if texts is None:
+            texts = _TEXTS[id(tokenizer)] = TokenTexts(tokenizer)
+        return texts
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,7 +96,7 @@ class Plan:
     tokenizer: Any
     fixed_targets: torch.Tensor | None  #: (1 or rows, k) ids, or None for the model's own prediction
     label_axis: bool  #: scores keep a trailing axis of k labels
-    _readable: dict[int, str] = field(default_factory=dict, repr=False)  #: token id -> its readable text
+    texts: TokenTexts | None = field(default=None, repr=False)  #: the tokenizer's readable texts (shared)
 
     @property
     def n_blocks(self) -> int:
@@ -98,20 +137,8 @@ class Plan:
         return special_mask(input_ids, self.tokenizer)
 
     def readable(self, ids: list[int]) -> list[str] | None:
-        """The readable text of each token id (:func:`~nxl_hooks.records.tokens.readable_ids`), None without a
-        tokenizer. Remembered per id: a generation step asks for one per emitted token, and a token's text does
-        not depend on its context."""
-        if self.tokenizer is None:
-            return None
-        known = self._readable  # shared by every thread: read and added to, never cleared
-        found = {i: known.get(i) for i in ids}
-        missing = [i for i, text in found.items() if text is None]
-        if missing:
-            texts = dict(zip(missing, readable_ids(self.tokenizer, missing)))
-            found.update(texts)
-            if len(known) < _READABLE_KEPT:
-                known.update(texts)
-        return [found[i] for i in ids]
+        """The readable text of each token id (:class:`TokenTexts`), None without a tokenizer."""
+        return self.texts(ids) if self.texts is not None else None
 
     def readable_rows(self, ids: torch.Tensor | None) -> list[list[str]] | None:
         """:meth:`readable` of each row of a (rows, seq) id tensor; None without a tokenizer or ids."""
@@ -140,14 +167,6 @@ def _check_tokenizer(model: nn.Module, tokenizer: Any) -> None:
         )
 
 
-def _from_numpy(value: Any) -> Any:
-    """A numpy array of ids as the tensor it stands for (strings as a list); anything else (numpy scalars included,
-    which are ints already) as is."""
-    if type(value).__module__ != "numpy" or not getattr(value, "ndim", 0):
-        return value
-    return value.tolist() if value.dtype.kind in "USO" else torch.as_tensor(value)
-
-
 def make_plan(model: nn.Module, *, layers: Any, target: Target, tokenizer: Any, embedding: str) -> Plan:
     """Resolve and check everything :func:`~nxl_hooks.attach` was given, before any hook goes on.
 
@@ -156,18 +175,18 @@ def make_plan(model: nn.Module, *, layers: Any, target: Target, tokenizer: Any, 
     spec, kind = resolve(model)
     head = Head(model, spec, kind)
     block_list = blocks(model, spec)
-    if embedding not in EMBEDDINGS:
-        raise ValueError(f"embedding={embedding!r}: use 'layer_input' (default) or 'word'")
+    parse_embedding(embedding)
     if kind == "masked_lm" and getattr(tokenizer, "mask_token_id", None) is None:
         raise ValueError("masked-LM attribution needs attach(..., tokenizer=tok) with a mask token, to find the "
                          "[MASK] positions it explains")
     if tokenizer is not None:
         _check_tokenizer(model, tokenizer)
-    target, layers = _from_numpy(target), _from_numpy(layers)
+    target, layers = from_numpy(target), from_numpy(layers)
     fixed = None if is_predicted(target) else target_ids(model, kind, tokenizer, target, head.n_outputs)
     return Plan(model=model, spec=spec, kind=kind, head=head, blocks=block_list,
                 layers=resolve_layers(layers, len(block_list)), embedding=embedding, tokenizer=tokenizer,
-                fixed_targets=fixed, label_axis=_scores.label_axis(target))
+                fixed_targets=fixed, label_axis=_scores.label_axis(target),
+                texts=token_texts(tokenizer) if tokenizer is not None else None)
 
 
 def check_recording(plan: Plan, *, on_step: Any, sink: Any, keep_calls: Any, cache_dtype: Any,

@@ -25,13 +25,19 @@ import torch
 from torch import nn
 
 __all__ = [
+    "EMBEDDINGS",
     "NO_SPACE_AFTER",
     "ResolvedTarget",
     "Target",
     "explained",
+    "from_numpy",
     "is_predicted",
     "layer_index",
+    "option_text",
     "order",
+    "parse_embedding",
+    "parse_layers",
+    "parse_target",
     "prediction_rows",
     "prompt_targets",
     "rankable",
@@ -86,6 +92,62 @@ def resolve_layers(layers: str | int | Sequence[int], n_blocks: int) -> list[int
     if not layers:
         raise ValueError("layers is empty: use 'all', 'last' or a list of ints")
     return sorted({layer_index(layer, n_blocks) for layer in layers})
+
+
+# -- options as text: the command line, the NXL_* variables, the control endpoint ---------------------------
+
+#: How the embedding norm is read: the input of block 1 (authors' code), or the raw word-embedding row (paper).
+EMBEDDINGS = ("layer_input", "word")
+
+
+def parse_layers(value: str) -> str | list[int]:
+    """``all`` | ``last`` | a comma list of ints (negative from the end): ``"0,2,-1"`` -> ``[0, 2, -1]``.
+    ValueError otherwise."""
+    if value in ("all", "last"):
+        return value
+    try:
+        return [int(part) for part in value.split(",")]
+    except ValueError:
+        raise ValueError(f"{value!r}: use 'all', 'last' or a comma list of ints like 0,2,-1") from None
+
+
+def parse_target(value: str) -> str | int | list[str | int]:
+    """``predicted`` | an int id | a token / label / word | a comma list of those (one table per target).
+
+    Spaces are kept: a leading space is part of a token (``" are, is"`` -> ``[" are", " is"]``; a word is read
+    after the text in any case, so ``"are,is"`` explains the same tokens); an item of digits alone is an id
+    (``" 4"`` is the token ' 4'; label names match with surrounding spaces ignored). ValueError on an empty item.
+    """
+    parts = value.split(",") if len(value) > 1 else [value]
+    items: list[str | int] = []
+    for part in parts:
+        if not part.strip():
+            raise ValueError(f"{value!r}: empty item in the target list")
+        items.append(int(part) if part.lstrip("-").isdigit() else part)
+    if "predicted" in [item.strip() if isinstance(item, str) else item for item in items] and len(items) > 1:
+        raise ValueError("'predicted' cannot be mixed with other targets; pass it alone")
+    return items[0] if len(items) == 1 else items
+
+
+def parse_embedding(value: str) -> str:
+    """One of :data:`EMBEDDINGS` (ValueError otherwise): ``parse_embedding("word") == "word"``."""
+    if value not in EMBEDDINGS:
+        raise ValueError(f"embedding={value!r}: use {' or '.join(EMBEDDINGS)}")
+    return value
+
+
+def option_text(value: str | int | Sequence[str | int]) -> str:
+    """Layers or targets as :func:`parse_layers` / :func:`parse_target` read them back:
+    ``option_text([0, -1]) == "0,-1"``, ``option_text("last") == "last"``."""
+    return value if isinstance(value, str) else str(value) if _integer(value) is not None else ",".join(map(str, value))
+
+
+def from_numpy(value: Any) -> Any:
+    """A numpy array of layers or target ids as the tensor it stands for (strings as a list); anything else (numpy
+    scalars included, which are ints already) as is: ``attach(target=np.array([5, 7]))``."""
+    if type(value).__module__ != "numpy" or not getattr(value, "ndim", 0):
+        return value
+    return value.tolist() if value.dtype.kind in "USO" else torch.as_tensor(value)
 
 
 # -- targets ---------------------------------------------------------------------------------------------

@@ -12,19 +12,14 @@ the exit code are the program's own. See :mod:`nxl_hooks.apps.serve`.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import shutil
 import sys
+from pathlib import Path
 
-from ..options import (
-    CliError,
-    add_attribution_options,
-    add_loading_options,
-    check_output_folder,
-    loading_options,
-    positive_int,
-)
-from ..serve.settings import Settings, whole_number
+from ..options import CliError, add_loading_options, check_output_folder, loading_options
+from ..serve.settings import Settings, add_run_options
 
 NAME = "run"
 
@@ -44,29 +39,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return parser
 
 
-def add_run_options(parser: argparse.ArgumentParser) -> None:
-    """What ``nxl run`` and ``nxl attach`` both take: what is explained, the run folder and its rotation, the
-    endpoint, which models."""
-    add_attribution_options(parser)
-    parser.add_argument("--sink", metavar="DIR",
-                        help="the run folder: records are written there (rotated files, one folder per process "
-                             "and model) next to the control sockets; default: a private temporary folder, "
-                             "records in memory only")
-    parser.add_argument("--listen", metavar="ADDR",
-                        help="also serve the control endpoint over HTTP on HOST:PORT (loopback only, bearer token "
-                             "in RUN_FOLDER/token)")
-    parser.add_argument("--allow-remote", action="store_true",
-                        help="let --listen use an address that is not loopback (the token is still required)")
-    parser.add_argument("--models", metavar="PATTERN", default="*",
-                        help="record only models whose name or path matches these globs (comma list; default *)")
-    parser.add_argument("--keep-calls", type=whole_number, metavar="N", default=None,
-                        help="requests kept in memory per model (default 16; older ones are in the sink)")
-    parser.add_argument("--sink-file-mb", type=positive_int, metavar="MB", default=64,
-                        help="start a new record file past this size (default 64)")
-    parser.add_argument("--sink-files", type=positive_int, metavar="N", default=16,
-                        help="record files kept per process and model; older ones are deleted (default 16)")
-
-
 def bootstrap_dir() -> str:
     """The folder that holds the bootstrap's sitecustomize.py."""
     from ..serve import lazy
@@ -75,27 +47,21 @@ def bootstrap_dir() -> str:
 
 
 def prepare_run(args: argparse.Namespace, load: dict) -> Settings:
-    """The run folder of ``args`` (``--sink DIR``, else a private one; remembered for ``nxl tail``; the token for
-    ``--listen`` written) and the run's Settings: how ``nxl run`` and ``nxl attach`` start a run."""
+    """The run's :class:`~nxl_hooks.apps.serve.settings.Settings` from parsed ``add_run_options`` flags (checked
+    before anything is made), and its run folder: ``--sink DIR`` (remembered for ``nxl tail``) or a private one,
+    with the token for ``--listen`` written. How ``nxl run`` and ``nxl attach`` start a run."""
     from ..serve.runs import make_run_dir, private_run_dir, remember, write_token
-    from ..serve.settings import DEFAULT_KEEP_CALLS, parse_listen
 
-    if args.listen:
-        parse_listen(args.listen, allow_remote=args.allow_remote)
+    settings = Settings.from_args(args, run_dir=Path(), load=load)  # a bad flag makes no folder
     if args.sink:
         check_output_folder(args.sink, "--sink")
         folder = make_run_dir(args.sink)
         remember(folder)
     else:
         folder = private_run_dir()
-    settings = Settings(run_dir=folder, sink=bool(args.sink), layers=args.layers, target=args.target,
-                        embedding=args.embedding, models=[g.strip() for g in args.models.split(",") if g.strip()],
-                        keep_calls=DEFAULT_KEEP_CALLS if args.keep_calls is None else args.keep_calls,
-                        listen=args.listen, allow_remote=args.allow_remote,
-                        sink_max_bytes=args.sink_file_mb << 20, sink_max_files=args.sink_files, load=load)
-    if args.listen:
+    if settings.listen:
         write_token(folder)
-    return settings
+    return dataclasses.replace(settings, run_dir=folder)
 
 
 def run(args: argparse.Namespace) -> int:

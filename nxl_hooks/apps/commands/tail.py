@@ -2,6 +2,11 @@
 
     nxl tail                         # every request of the last `nxl run`
     nxl tail --run runs/ --request-id my-req-1 --layer -1 -k 3
+
+What a process does not record (its sink stopped writing, calls that run unrecorded) is a line of its own, ``!``
+first, as soon as its status says so. Every line goes through
+:func:`~nxl_hooks.records.tokens.visible` before the terminal sees it: request ids come from the network, and an
+escape sequence in one is shown, never run.
 """
 
 from __future__ import annotations
@@ -12,12 +17,15 @@ import shutil
 import threading
 from urllib.parse import urlencode
 
+from ...records.tokens import visible
 from ..options import CliError, positive_int
 
 NAME = "tail"
+_FAULT_POLL = 2.0  #: seconds between two looks at each process's status for faults
+_FAULTS = (("sink_fault", "records not written to the sink"), ("unrecorded", "calls not recorded"))
 
 
-def add_run_options(parser: argparse.ArgumentParser) -> None:
+def add_connect_options(parser: argparse.ArgumentParser) -> None:
     """--run and --token-file: which running program to talk to (shared with nxl ctl)."""
     parser.add_argument("--run", metavar="RUN",
                         help="the run folder nxl run printed, a control socket, or http://127.0.0.1:PORT "
@@ -29,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = sub.add_parser(NAME, help="follow a running program's generated tokens live (one line each)",
                             description="Print one line per generated token: request, step, token, and the "
                                         "context tokens that drove it most at one layer.")
-    add_run_options(parser)
+    add_connect_options(parser)
     parser.add_argument("--request-id", metavar="ID", help="only this request (from its first token; ends with it)")
     parser.add_argument("--layer", type=int, default=None, help="which recorded layer to show (default: the last)")
     parser.add_argument("-k", type=positive_int, default=3, help="context tokens per line (default 3)")
@@ -37,12 +45,20 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     return parser
 
 
+def faults(model: dict) -> list[str]:
+    """What one model of a status (``/v1/status``'s ``models``) does not record, one phrase each:
+    ``["records not written to the sink: disk full"]``; empty while everything is recorded."""
+    return [f"{what}: {model[key]}" for key, what in _FAULTS if model.get(key)]
+
+
 def line(data: dict, layer: int | None, width: int) -> str:
-    """One step as a short line: ``req  step  'token'  L2: 'a' 0.41  'b' 0.33``."""
+    """One step as a short line: ``req  step  'token'  L2: 'a' 0.41  '␣b' 0.33``. Tokens are readable texts
+    (:mod:`nxl_hooks.records.tokens`), quoted as they are: a byte token reads ``'\\xf0\\x9f'``, escaped once."""
     top = data["top"]
     key = str(layer) if layer is not None and str(layer) in top else max(top, key=int)
-    best = "  ".join(f"{name!r} {score:.3g}" if score is not None else f"{name!r} nan" for _, name, score in top[key])
-    text = f"{str(data['request_id'])[:16]:<16} {data['step']:>4} {data['token']!r:>12}  L{key}: {best}"
+    best = "  ".join(f"'{name}' {score:.3g}" if score is not None else f"'{name}' nan" for _, name, score in top[key])
+    token = f"'{data['token']}'"
+    text = visible(f"{visible(str(data['request_id']))[:16]:<16} {data['step']:>4} {token:>12}  L{key}: {best}")
     return text if len(text) <= width else text[: max(width - 1, 8)] + "…"
 
 
@@ -61,9 +77,35 @@ def run(args: argparse.Namespace) -> int:
             items.put(("error", {"error": f"{endpoint.name}: {error}"}))
         items.put(("closed", {}))
 
+    def watch_faults(endpoint) -> None:
+        said: set[str] = set()
+        while True:
+            try:
+                status = endpoint.json("GET", "/v1/status", timeout=10)
+            except Exception:  # noqa: BLE001 - the stream reports a process that went away
+                return
+            for model in status.get("models", []):
+                for fault in faults(model):
+                    text = f"! pid {status.get('pid')} {model.get('name')}: {fault}"
+                    if text not in said:
+                        said.add(text)
+                        items.put(("fault", {"text": text}))
+            stop.wait(_FAULT_POLL)
+
+    stop = threading.Event()
     for endpoint in targets:
         threading.Thread(target=follow, args=(endpoint,), daemon=True).start()
-    width, shown, open_streams = shutil.get_terminal_size((120, 20)).columns, 0, len(targets)
+        threading.Thread(target=watch_faults, args=(endpoint,), daemon=True).start()
+    try:
+        return _show(items, args, len(targets))
+    finally:
+        stop.set()
+
+
+def _show(items: queue.Queue, args: argparse.Namespace, open_streams: int) -> int:
+    """Print what the follower threads put in ``items`` until the request ends, ``--count`` is reached or every
+    stream has closed."""
+    width, shown = shutil.get_terminal_size((120, 20)).columns, 0
     while open_streams:
         event, data = items.get()
         if event == "step":
@@ -72,9 +114,11 @@ def run(args: argparse.Namespace) -> int:
             if args.count and shown >= args.count:
                 return 0
         elif event == "end":
-            print(f"{data['request_id']}: ended after {data['steps']} tokens"
-                  + (f" ({data['error']})" if data.get("error") else ""), flush=True)
+            print(visible(f"{data['request_id']}: ended after {data['steps']} tokens"
+                          + (f" ({data['error']})" if data.get("error") else "")), flush=True)
             return 0
+        elif event == "fault":
+            print(visible(data["text"]), flush=True)
         elif event == "error":
             raise CliError(data["error"])
         elif event == "closed":

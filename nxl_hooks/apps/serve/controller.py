@@ -30,21 +30,21 @@ import threading
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable
 
 from ...arch.registry import head_kind, unwrap
 from ...hooks.generate import REQUEST_ID
 from ...hooks.guard import reason
-from ...hooks.plan import make_plan
+from ...hooks.plan import TokenTexts, make_plan, token_texts
 from ...hooks.probe import Probe, attach
 from ...method.select import special_mask
 from ...records.attribution import Attribution
 from ...records.sink import RotatingSink
 from ...records.steps import GenerationCall, Step
-from ...records.tokens import readable
 from .settings import Settings, matches
 
-__all__ = ["Controller", "Feed", "Forward", "Watch", "controller", "count_hooks", "start", "stop"]
+__all__ = ["Controller", "Feed", "Forward", "Live", "Models", "Rules", "Texts", "Watch", "controller", "count_hooks",
+           "start", "stop"]
 
 _log = logging.getLogger("nxl_hooks")
 _PROBE = "_nxl_probe"  #: the attribute of a model that holds its probe
@@ -58,13 +58,14 @@ def count_hooks(model: Any) -> int:
 
 
 class Texts:
-    """Token ids as people read them (:func:`nxl_hooks.records.tokens.readable`, not raw BPE pieces), cached."""
+    """A watched model's token ids as people read them: its tokenizer, loaded on first use, and the readable-text
+    cache every probe with that tokenizer shares (:func:`~nxl_hooks.hooks.plan.token_texts`)."""
 
     def __init__(self, name: str) -> None:
         self._name = name
         self._tokenizer: Any = None
+        self._texts: TokenTexts | None = None  # held here: the shared cache lives while a holder does
         self._loaded = False
-        self._cache: dict[int, str] = {}
         self._lock = threading.Lock()
 
     @property
@@ -77,19 +78,16 @@ class Texts:
                     from transformers import AutoTokenizer
 
                     self._tokenizer = AutoTokenizer.from_pretrained(self._name, local_files_only=True)
+                    self._texts = token_texts(self._tokenizer)
                 except Exception as error:  # noqa: BLE001 - ids are shown instead
                     _log.warning("nxl_hooks: no tokenizer for %s (%s); token ids are shown instead", self._name,
                                  " ".join(str(error).split())[:200])
             return self._tokenizer
 
     def text(self, token_id: int) -> str:
-        text = self._cache.get(token_id)
-        if text is None:
-            tokenizer = self.tokenizer
-            text = readable(tokenizer, token_id) if tokenizer is not None else f"#{token_id}"
-            if len(self._cache) < 1 << 18:  # a vocabulary at most
-                self._cache[token_id] = text
-        return text
+        """``readable`` text of ``token_id`` (``#ID`` without a tokenizer)."""
+        self.tokenizer  # noqa: B018 - loads it (and its texts) on first use
+        return self._texts([token_id])[0] if self._texts is not None else f"#{token_id}"
 
     def special(self, ids: list[int]) -> list[bool] | None:
         tokenizer = self.tokenizer
@@ -137,12 +135,17 @@ class Watch:
         return list(self.retired) + live + [(forward, forward.attribution.meta) for forward in self.forwards]
 
     def describe(self) -> dict:
+        """The model as status shows it. ``sink_fault``: why its records stopped reaching the sink (disk full,
+        read-only, folder removed); ``unrecorded``: which of its calls run unrecorded and why; both None while
+        everything is recorded, and both read from the probe."""
         model, probe = self.ref(), self.probe
         return {"name": self.name, "folder": self.slug, "class": self.model_class, "alive": model is not None,
                 "attached": probe is not None, "excluded": self.excluded, "error": self.error,
                 "layers": probe.layers if probe is not None else None,
                 "hooks": count_hooks(model) if model is not None else 0,
-                "calls": len(self.records())}
+                "calls": len(self.records()),
+                "sink_fault": probe.sink_fault if probe is not None else None,
+                "unrecorded": probe.unrecorded if probe is not None else None}
 
 
 class Feed:
@@ -160,37 +163,25 @@ class Feed:
             self.dropped += 1
 
 
-class Controller:
-    """This process's watched models and the options they are recorded with (module docstring)."""
+class Models:
+    """The models this process loaded, held weakly, in load order: found by name, with their records in memory."""
 
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.options = settings.attach_options()
-        self.paused = False
-        self._lock = threading.RLock()
+    def __init__(self, keep_calls: int) -> None:
+        self.keep_calls = keep_calls
+        self._lock = threading.Lock()
         self._watches: list[Watch] = []
-        self._feeds: tuple[Feed, ...] = ()  # replaced, never mutated: on_step reads it without the lock
-        self.endpoint: Any = None
-        self._endpoint_tried = False
 
-    # -- models ------------------------------------------------------------------------------------------
-
-    def adopt(self, model: Any, name: str) -> None:
-        """A model the program just loaded from ``name``: watched, and attached unless paused or not selected."""
-        try:
-            with self._lock:
-                if any(watch.ref() is model for watch in self._watches):
-                    return
-                watch = Watch(model, name, self._slug(name), excluded=not self.settings.selects(name),
-                              keep_calls=self.settings.keep_calls)
-                self._watches.append(watch)
-                if not (self.paused or watch.excluded):
-                    self._attach(watch, model)
-            self._ensure_endpoint()
-        except Exception as error:  # noqa: BLE001 - never into the program's from_pretrained
-            reason(f"model {name}", error)
+    def add(self, model: Any, name: str, *, excluded: bool) -> Watch | None:
+        """Watch ``model`` (loaded from ``name``); None when it is watched already."""
+        with self._lock:
+            if any(watch.ref() is model for watch in self._watches):
+                return None
+            watch = Watch(model, name, self._slug(name), excluded=excluded, keep_calls=self.keep_calls)
+            self._watches.append(watch)
+            return watch
 
     def _slug(self, name: str) -> str:
+        # caller holds the lock
         tail = re.sub(r"[^A-Za-z0-9._-]+", "_", name.rstrip("/").rpartition("/")[2])[:48] or "model"
         base = f"{os.getpid()}-{tail}"
         taken = {watch.slug for watch in self._watches}
@@ -200,11 +191,45 @@ class Controller:
             slug = f"{base}-{n}"
         return slug
 
-    def watches(self) -> list[Watch]:
-        """The models still alive (dead ones are dropped here)."""
+    def alive(self, models: str | None = None) -> list[Watch]:
+        """The models still alive (dead ones are dropped here), only those whose name matches the comma list of
+        globs ``models`` when given."""
+        globs = [glob.strip() for glob in (models or "*").split(",") if glob.strip()] or ["*"]
         with self._lock:
             self._watches = [watch for watch in self._watches if watch.ref() is not None]
-            return list(self._watches)
+            return [watch for watch in self._watches if matches(watch.name, globs)]
+
+    def records(self) -> list[tuple[Watch, GenerationCall | Forward, dict]]:
+        return [(watch, record, meta) for watch in self.alive() for record, meta in watch.records()]
+
+    def find(self, request_id: str) -> tuple[Watch, GenerationCall | Forward, dict] | None:
+        """The newest call or forward in memory that served ``request_id``."""
+        for watch, record, meta in reversed(self.records()):
+            if record.request_id == request_id:
+                return watch, record, meta
+        return None
+
+    def after_fork(self) -> None:
+        self._lock = threading.Lock()
+
+
+class Rules:
+    """When and how a watched model carries a probe: attached with the current options unless paused or excluded;
+    detached keeps its calls. Every change holds one lock, so a model loaded meanwhile gets the new rule."""
+
+    def __init__(self, settings: Settings, on_step: Callable[[Watch, Step], None]) -> None:
+        self.settings = settings
+        self.options = settings.attach_options()  #: layers, target, embedding: what `nxl ctl attach` changes
+        self.paused = False
+        self._on_step = on_step
+        self._lock = threading.RLock()
+
+    def adopt(self, watch: Watch) -> None:
+        """A model just watched: attached unless paused or excluded."""
+        with self._lock:
+            model = watch.ref()
+            if not (self.paused or watch.excluded) and watch.probe is None and model is not None:
+                self._attach(watch, model)
 
     def _attach(self, watch: Watch, model: Any) -> None:
         # caller holds the lock
@@ -271,37 +296,27 @@ class Controller:
             probe.detach()
             watch.retired.extend((call, meta) for call in calls)
 
-    # -- what `nxl ctl` changes --------------------------------------------------------------------------
-
-    def _each(self, models: str | None) -> Iterator[Watch]:
-        globs = [glob.strip() for glob in (models or "*").split(",") if glob.strip()] or ["*"]
-        return (watch for watch in self.watches() if matches(watch.name, globs))
-
-    def pause(self) -> None:
+    def pause(self, watches: list[Watch]) -> None:
         """Detach every probe: the models carry zero hooks until :meth:`resume`."""
         with self._lock:
             self.paused = True
-            for watch in self.watches():
+            for watch in watches:
                 self._detach(watch)
 
-    def resume(self) -> None:
-        """Attach again every model that is selected, with the current options."""
+    def resume(self, watches: list[Watch]) -> None:
+        """Attach again every model that is not excluded, with the current options."""
         with self._lock:
             self.paused = False
-            for watch in self.watches():
-                model = watch.ref()
-                if not watch.excluded and watch.probe is None and model is not None:
-                    self._attach(watch, model)
+            for watch in watches:
+                self.adopt(watch)
 
-    def configure(self, *, models: str | None = None, **options: Any) -> None:
-        """Record the models matching ``models`` (all by default) with new attach ``options`` (layers, target,
-        embedding), which become the process's options; unpaused, those models are re-attached now.
-
-        Options that do not fit a selected model (a layer out of range...) raise ValueError and change nothing."""
+    def configure(self, watches: list[Watch], **options: Any) -> None:
+        """Record ``watches`` with new attach ``options`` (layers, target, embedding), which become the process's
+        options; unpaused, they are re-attached now. Options that do not fit one of them (a layer out of range...)
+        raise ValueError and change nothing."""
         with self._lock:
             wanted = {**self.options, **{k: v for k, v in options.items() if v is not None}}
-            selected = list(self._each(models))
-            for watch in selected:  # check first: a typo must not stop the recording
+            for watch in watches:  # check first: a typo must not stop the recording
                 model = watch.ref()
                 if model is not None:
                     try:
@@ -309,49 +324,29 @@ class Controller:
                     except Exception as error:  # noqa: BLE001 - said to the operator, nothing changed
                         raise ValueError(f"{watch.name}: {' '.join(str(error).split())}; nothing changed") from None
             self.options = wanted
-            for watch in selected:
+            for watch in watches:
                 watch.excluded = False
                 self._detach(watch)
-                model = watch.ref()
-                if not self.paused and model is not None:
-                    self._attach(watch, model)
+                self.adopt(watch)
 
-    def exclude(self, models: str | None = None) -> None:
-        """Stop recording the models matching ``models`` (all by default) until :meth:`configure` takes them."""
+    def exclude(self, watches: list[Watch]) -> None:
+        """Stop recording ``watches`` until :meth:`configure` takes them."""
         with self._lock:
-            for watch in self._each(models):
+            for watch in watches:
                 watch.excluded = True
                 self._detach(watch)
 
-    def close(self) -> None:
-        """Detach every probe and close the endpoint: recording ends for good (``nxl_hooks.auto.controller()
-        .close()``)."""
-        self.pause()
-        if self.endpoint is not None:
-            self.endpoint.stop()
-            self.endpoint = None
+    def after_fork(self) -> None:
+        self._lock = threading.RLock()
 
-    def status(self) -> dict:
-        with self._lock:
-            options = dict(self.options)
-        return {"pid": os.getpid(), "paused": self.paused, "options": options,
-                "sink": str(self.settings.run_dir) if self.settings.sink else None,
-                "keep_calls": self.settings.keep_calls, "models": [watch.describe() for watch in self.watches()],
-                "endpoint": self.endpoint.describe() if self.endpoint is not None else None}
 
-    # -- records -----------------------------------------------------------------------------------------
+class Live:
+    """The live readers (``nxl tail``, ``/v1/stream``): each step the host makes goes to every reader's bounded
+    :class:`Feed` that wants its request."""
 
-    def records(self) -> list[tuple[Watch, GenerationCall | Forward, dict]]:
-        return [(watch, record, meta) for watch in self.watches() for record, meta in watch.records()]
-
-    def find(self, request_id: str) -> tuple[Watch, GenerationCall | Forward, dict] | None:
-        """The newest call or forward in memory that served ``request_id``."""
-        for watch, record, meta in reversed(self.records()):
-            if record.request_id == request_id:
-                return watch, record, meta
-        return None
-
-    # -- live steps --------------------------------------------------------------------------------------
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._feeds: tuple[Feed, ...] = ()  # replaced, never mutated: on_step reads it without the lock
 
     def subscribe(self, request_id: str | None = None) -> Feed:
         feed = Feed(request_id)
@@ -363,7 +358,7 @@ class Controller:
         with self._lock:
             self._feeds = tuple(each for each in self._feeds if each is not feed)
 
-    def _on_step(self, watch: Watch, step: Step) -> None:
+    def on_step(self, watch: Watch, step: Step) -> None:
         """attach's ``on_step``, in the host's generation thread: hand the step to the live readers, if any."""
         feeds = self._feeds
         if not feeds:
@@ -377,10 +372,96 @@ class Controller:
         except Exception as error:  # noqa: BLE001 - a live view must never stop a generation
             _log.warning("nxl_hooks: a live step was not handed out (%s: %s)", type(error).__name__, error)
 
-    # -- the control endpoint ----------------------------------------------------------------------------
+    def after_fork(self) -> None:
+        self._lock = threading.Lock()
+        self._feeds = ()
+
+
+class Controller:
+    """This process's :class:`Models`, the :class:`Rules` they are recorded by, its :class:`Live` readers and its
+    control endpoint (module docstring). What the endpoint calls is here, each handed to the part that does it."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.models = Models(settings.keep_calls)
+        self.live = Live()
+        self.rules = Rules(settings, self.live.on_step)
+        self.endpoint: Any = None
+        self._endpoint_lock = threading.Lock()
+        self._endpoint_tried = False
+
+    @property
+    def options(self) -> dict:
+        """The attach options models are recorded with now."""
+        return self.rules.options
+
+    @property
+    def paused(self) -> bool:
+        return self.rules.paused
+
+    def adopt(self, model: Any, name: str) -> None:
+        """A model the program just loaded from ``name``: watched, and attached unless paused or not selected."""
+        try:
+            watch = self.models.add(model, name, excluded=not self.settings.selects(name))
+            if watch is not None:
+                self.rules.adopt(watch)
+            self._ensure_endpoint()
+        except Exception as error:  # noqa: BLE001 - never into the program's from_pretrained
+            reason(f"model {name}", error)
+
+    def watches(self) -> list[Watch]:
+        """The models still alive."""
+        return self.models.alive()
+
+    def pause(self) -> None:
+        """Detach every probe: the models carry zero hooks until :meth:`resume`."""
+        self.rules.pause(self.models.alive())
+
+    def resume(self) -> None:
+        """Attach again every model that is selected, with the current options."""
+        self.rules.resume(self.models.alive())
+
+    def configure(self, *, models: str | None = None, **options: Any) -> None:
+        """Record the models matching ``models`` (all by default) with new attach ``options`` (:meth:`Rules.configure`)."""
+        self.rules.configure(self.models.alive(models), **options)
+
+    def exclude(self, models: str | None = None) -> None:
+        """Stop recording the models matching ``models`` (all by default) until :meth:`configure` takes them."""
+        self.rules.exclude(self.models.alive(models))
+
+    def records(self) -> list[tuple[Watch, GenerationCall | Forward, dict]]:
+        """(watch, record, meta) of every model's calls and forwards in memory, oldest first per model."""
+        return self.models.records()
+
+    def find(self, request_id: str) -> tuple[Watch, GenerationCall | Forward, dict] | None:
+        """The newest call or forward in memory that served ``request_id``."""
+        return self.models.find(request_id)
+
+    def subscribe(self, request_id: str | None = None) -> Feed:
+        """A live reader of every step made from now on (only ``request_id``'s, when given)."""
+        return self.live.subscribe(request_id)
+
+    def unsubscribe(self, feed: Feed) -> None:
+        self.live.unsubscribe(feed)
+
+    def status(self) -> dict:
+        """This process as ``/v1/status`` and ``nxl ctl status`` show it; each model's ``sink_fault`` and
+        ``unrecorded`` say what is not being recorded and why."""
+        return {"pid": os.getpid(), "paused": self.paused, "options": dict(self.options),
+                "sink": str(self.settings.run_dir) if self.settings.sink else None,
+                "keep_calls": self.settings.keep_calls, "models": [watch.describe() for watch in self.watches()],
+                "endpoint": self.endpoint.describe() if self.endpoint is not None else None}
+
+    def close(self) -> None:
+        """Detach every probe and close the endpoint: recording ends for good (``nxl_hooks.auto.controller()
+        .close()``)."""
+        self.pause()
+        if self.endpoint is not None:
+            self.endpoint.stop()
+            self.endpoint = None
 
     def _ensure_endpoint(self) -> None:
-        with self._lock:
+        with self._endpoint_lock:
             if self._endpoint_tried:
                 return
             self._endpoint_tried = True
@@ -398,8 +479,9 @@ class Controller:
         """In a child the program forked: fresh locks, and an endpoint of its own once it loads a model (the
         parent's threads are not here). The probes it inherited keep recording in memory; their files belong to
         the parent and are not written (:class:`~nxl_hooks.records.sink.RotatingSink`)."""
-        self._lock = threading.RLock()
-        self._feeds = ()
+        for part in (self.models, self.rules, self.live):
+            part.after_fork()
+        self._endpoint_lock = threading.Lock()
         self.endpoint, self._endpoint_tried = None, False
 
 

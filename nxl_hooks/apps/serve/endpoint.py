@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from ...method.select import parse_embedding
 from ...records.sink import read_stream, stream_bytes
 from ...records.steps import GenerationCall
 from ..options import parse_layers, parse_target
@@ -273,11 +274,10 @@ class ControlServer:
         try:
             options = {"layers": parse_layers(str(body["layers"])) if body.get("layers") is not None else None,
                        "target": parse_target(str(body["target"])) if body.get("target") is not None else None,
-                       "embedding": body.get("embedding")}
+                       "embedding": parse_embedding(str(body["embedding"])) if body.get("embedding") is not None
+                       else None}
         except Exception as error:  # noqa: BLE001 - argparse's own message says what is wrong
             raise _BadRequest(400, str(error)) from None
-        if options["embedding"] not in (None, "layer_input", "word"):
-            raise _BadRequest(400, f"embedding={options['embedding']!r}: use layer_input or word")
         models = body.get("models")
         if action == "pause":
             controller.pause()

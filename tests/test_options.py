@@ -1,0 +1,237 @@
+"""``nxl run``'s option schema (apps/serve/settings.py): every option goes flag -> Settings -> NXL_* -> Settings
+unchanged, the docs list every option, no nxl parser takes abbreviations, and what nxl tail / nxl ctl print reaches
+the terminal escaped (request ids, tokens, names, errors, faults)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from nxl_hooks.apps.cli import build_parser, main as cli_main, one_line
+from nxl_hooks.apps.commands import ctl, tail
+from nxl_hooks.apps.serve.settings import OPTIONS, Settings, add_run_options, markdown_table
+from nxl_hooks.method.select import option_text, parse_layers, parse_target
+
+DOC = Path(__file__).resolve().parent.parent / "docs" / "nxl-run-options.md"
+
+#: For each option with a flag: what a user types, and the value it stands for (written by hand, not by the schema).
+#: Every value differs from the default, so a flag that is dropped on the way fails.
+TYPED = {
+    "sink": (["--sink", "runs/"], True),
+    "layers": (["--layers", "0,2,-1"], [0, 2, -1]),
+    "target": (["--target", " are, is,7"], [" are", " is", 7]),
+    "embedding": (["--embedding", "word"], "word"),
+    "models": (["--models", "tiny*, org/other"], ["tiny*", "org/other"]),
+    "keep_calls": (["--keep-calls", "0"], 0),
+    "listen": (["--listen", "127.0.0.1:8765"], "127.0.0.1:8765"),
+    "allow_remote": (["--allow-remote"], True),
+    "sink_max_bytes": (["--sink-file-mb", "3"], 3 * 1024 * 1024),
+    "sink_max_files": (["--sink-files", "2"], 2),
+}
+#: The options nxl run sets itself (no flag), as their variables hold them.
+SET_BY_RUN = {"run_dir": ("runs/1-abc", Path("runs/1-abc")),
+              "load": ('{"dtype": "bfloat16", "max_memory": {"cpu": "1GiB"}}',
+                       {"dtype": "bfloat16", "max_memory": {"cpu": "1GiB"}})}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_run_options(parser)
+    return parser
+
+
+def test_every_option_is_sampled_here():
+    assert {o.name for o in OPTIONS if o.flag} == set(TYPED)
+    assert {o.name for o in OPTIONS if not o.flag} == set(SET_BY_RUN)
+    assert [o.name for o in OPTIONS] == [f.name for f in dataclasses.fields(Settings)]
+    assert len({o.env for o in OPTIONS}) == len(OPTIONS) and all(o.env.startswith("NXL_") for o in OPTIONS)
+
+
+@pytest.mark.parametrize("name", sorted(TYPED))
+def test_each_flag_round_trips_through_settings_and_the_environment(name):
+    argv, value = TYPED[name]
+    settings = Settings.from_args(_parser().parse_args(argv), run_dir=Path("r"))
+    assert getattr(settings, name) == value != getattr(Settings(run_dir=Path("r")), name)
+    env = settings.to_env()
+    assert Settings.from_env(env) == settings
+    # every other field kept its default on the way
+    assert {o.name for o in OPTIONS if getattr(settings, o.name) != o.default} == {name, "run_dir"}
+
+
+@pytest.mark.parametrize("name", sorted(SET_BY_RUN))
+def test_options_nxl_run_sets_round_trip_through_the_environment(name):
+    text, value = SET_BY_RUN[name]
+    (option,) = [o for o in OPTIONS if o.name == name]
+    settings = Settings.from_env({"NXL_RUN_DIR": "r", option.env: text})
+    assert getattr(settings, name) == value
+    assert Settings.from_env(settings.to_env()) == settings
+
+
+def test_all_flags_at_once_and_defaults_when_left_out():
+    argv = [arg for typed, _ in TYPED.values() for arg in typed]
+    settings = Settings.from_args(_parser().parse_args(argv), run_dir=Path("r"))
+    assert {name: getattr(settings, name) for name in TYPED} == {name: value for name, (_, value) in TYPED.items()}
+    assert Settings.from_env(settings.to_env()) == settings
+    plain = Settings.from_args(_parser().parse_args([]), run_dir=Path("r"))
+    assert plain == Settings(run_dir=Path("r")) == Settings.from_env({"NXL_RUN_DIR": "r"})
+    assert (plain.layers, plain.target, plain.models, plain.keep_calls, plain.sink_max_bytes) == (
+        "all", "predicted", ["*"], 16, 64 << 20)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"NXL_SINK": "yes"}, r"NXL_SINK: 'yes': use 1 \(on\) or 0 \(off\)"),
+    ({"NXL_EMBEDDING": "words"}, r"NXL_EMBEDDING: embedding='words': use layer_input or word"),
+    ({"NXL_LAYERS": "one,two"}, r"NXL_LAYERS: 'one,two': use 'all', 'last'"),
+    ({"NXL_TARGET": "a,,b"}, r"NXL_TARGET: 'a,,b': empty item"),
+    ({"NXL_SINK_MAX_FILES": "0"}, r"NXL_SINK_MAX_FILES: '0': give a whole number of at least 1"),
+    ({"NXL_KEEP_CALLS": "many"}, r"NXL_KEEP_CALLS: 'many': give a whole number"),
+    ({"NXL_LOAD": '{"dtype": 1, "head": "x"}'}, r"NXL_LOAD: .*a JSON object of dtype"),
+    ({"NXL_LISTEN": "10.0.0.1:80"}, r"not a loopback address"),
+])
+def test_a_bad_variable_is_named(env, message):
+    with pytest.raises(ValueError, match=message):
+        Settings.from_env({"NXL_RUN_DIR": "r", **env})
+
+
+def test_a_run_folder_is_needed():
+    with pytest.raises(ValueError, match="NXL_RUN_DIR is not set"):
+        Settings.from_env({})
+    assert Settings.from_env({}, run_dir=Path("elsewhere")).run_dir == Path("elsewhere")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--sink-files", "0"], "'0': give a whole number of at least 1"),
+    (["--embedding", "words"], "invalid choice: 'words'"),
+    (["--layers", "first"], "'first': use 'all', 'last' or a comma list of ints"),
+])
+def test_a_bad_flag_is_one_line_with_exit_2(capsys, argv, message):
+    code = cli_main(["run", *argv, "--", "true"])
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("value", ["all", "last", [0, -1], [3], "predicted", " Paris", 7, [" are", " is"],
+                                   ["Paris", 3], ","])
+def test_layers_and_targets_read_back_from_their_text(value):
+    parse = parse_layers if value in ("all", "last") or (isinstance(value, list) and
+                                                         all(isinstance(v, int) for v in value)) else parse_target
+    assert parse(option_text(value)) == value
+
+
+def test_the_docs_list_every_option():
+    text = DOC.read_text()
+    assert markdown_table() in text, "regenerate the table: python -c 'from nxl_hooks.apps.serve.settings import " \
+                                     "markdown_table; print(markdown_table())'"
+    for option in OPTIONS:
+        assert f"`{option.env}`" in text and (option.flag is None or f"`{option.flag}" in text)
+
+
+def test_nxl_run_help_lists_every_flag(capsys):
+    assert cli_main(["run", "--help"]) == 0
+    out = capsys.readouterr().out
+    for option in OPTIONS:
+        assert option.flag is None or option.flag in out
+
+
+# -- no abbreviations ------------------------------------------------------------------------------------------
+
+def _parsers(parser: argparse.ArgumentParser):
+    yield parser
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for child in action.choices.values():
+                yield from _parsers(child)
+
+
+def test_no_parser_takes_abbreviations(capsys):
+    parsers = list(_parsers(build_parser()))
+    assert len(parsers) > 7 and all(parser.allow_abbrev is False for parser in parsers)
+    code = cli_main(["run", "--keep", "3", "--", "true"])  # --keep-calls, abbreviated
+    err = capsys.readouterr().err
+    assert code == 2 and "unrecognized arguments: --keep" in err
+    code = cli_main(["attribute", "m", "text", "--layer", "all"])
+    err = capsys.readouterr().err
+    assert code == 2 and "unrecognized arguments: --layer" in err
+
+
+# -- what reaches the operator's terminal ------------------------------------------------------------------
+
+HOSTILE = "\x1b]0;owned\x07\x1b[2Jx\x9b31m\u202e"  # a title change, a screen clear, a C1 CSI, a bidi override
+RAW = ("\x1b", "\x07", "\x9b", "\u202e")
+
+
+def _step(request_id: str, token: str, name: str) -> dict:
+    return {"request_id": request_id, "step": 3, "token": token, "top": {"2": [[0, name, 0.5], [1, "b", -0.25]]}}
+
+
+def test_tail_shows_a_byte_token_escaped_once():
+    text = tail.line(_step("r1", "\\xf0\\x9f", "␣Paris"), None, 200)
+    assert "'\\xf0\\x9f'" in text and "\\\\x" not in text  # one backslash each, as the token's text has it
+    assert text.split() == ["r1", "3", "'\\xf0\\x9f'", "L2:", "'␣Paris'", "0.5", "'b'", "-0.25"]
+
+
+def test_tail_and_ctl_escape_what_comes_from_the_network():
+    line = tail.line(_step(HOSTILE, HOSTILE, HOSTILE), None, 500)
+    status = {"pid": 7, "paused": False, "models": [{
+        "name": HOSTILE, "attached": False, "excluded": False, "error": HOSTILE, "hooks": 0, "calls": 0,
+        "sink_fault": HOSTILE, "unrecorded": None}]}
+    for text in (line, ctl.describe(status), one_line(f"server said {HOSTILE}")):
+        assert not any(char in text for char in RAW), repr(text)
+        assert "\\x1b]0;owned\\x07\\x1b[2Jx\\x9b31m\\u202e" in text
+
+
+def test_faults_are_named_in_status_ctl_and_tail(tmp_path):
+    """Status reads each probe's ``sink_fault`` and ``unrecorded``; ctl and tail say them."""
+    import tiny as tiny_models
+
+    from nxl_hooks.apps.serve.controller import Controller
+
+    path = tiny_models.save_model(tmp_path / "lm", "llama")
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    controller = Controller(Settings(run_dir=tmp_path / "run"))
+    controller.adopt(model, str(path))
+    try:
+        (healthy,) = controller.status()["models"]
+        assert healthy["attached"] and healthy["sink_fault"] is None and healthy["unrecorded"] is None
+        assert tail.faults(healthy) == [] and "sink" not in ctl.describe(controller.status())
+        probe = controller.watches()[0].probe
+        probe.sink_fault = "[Errno 28] No space left on device: 'runs/1-lm/0001.nxl'"
+        probe.unrecorded = "2 calls under a static cache"
+        status = controller.status()
+        (model_status,) = status["models"]
+        assert model_status["sink_fault"] == probe.sink_fault and model_status["unrecorded"] == probe.unrecorded
+        assert tail.faults(model_status) == [f"records not written to the sink: {probe.sink_fault}",
+                                             "calls not recorded: 2 calls under a static cache"]
+        said = ctl.describe(status)
+        assert said.endswith(f"; records not written to the sink: {probe.sink_fault}; calls not recorded: 2 calls "
+                             "under a static cache")
+    finally:
+        controller.close()
+
+
+def test_the_controller_and_the_plan_share_one_text_cache(tmp_path):
+    import tiny as tiny_models
+    from transformers import AutoModelForCausalLM
+
+    from nxl_hooks.apps.serve.controller import Controller
+    from nxl_hooks.records.tokens import visible
+
+    path = tiny_models.save_model(tmp_path / "lm", "llama")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    controller = Controller(Settings(run_dir=tmp_path / "run", target=" film"))  # a named target: tokenizer given
+    controller.adopt(model, str(path))
+    try:
+        (watch,) = controller.watches()
+        plan = watch.probe.plan
+        assert plan.tokenizer is watch.texts.tokenizer and plan.texts is watch.texts._texts
+        ids = watch.texts.tokenizer(" the film", add_special_tokens=False)["input_ids"]
+        assert plan.readable(ids) == [visible(watch.texts.tokenizer.decode([i])) for i in ids]
+        assert set(ids) <= set(plan.texts._known)  # what the plan read is what the controller's view reads
+        assert [watch.texts.text(i) for i in ids] == plan.readable(ids)
+    finally:
+        controller.close()
