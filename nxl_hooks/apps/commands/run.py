@@ -69,13 +69,13 @@ def bootstrap_dir() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..serve.runs import make_run_dir, private_run_dir, remember, write_token
+    from ..serve.runs import make_run_dir, private_run_dir, write_token
     from ..serve.settings import DEFAULT_KEEP_CALLS, Settings, parse_listen
 
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
     if not program:
         raise CliError("give the program to run after --, e.g. nxl run -- transformers serve ./model")
-    if shutil.which(program[0]) is None:  # before any run folder is made or remembered
+    if shutil.which(program[0]) is None:  # before any run folder is made
         raise CliError(f"{program[0]}: command not found (or not executable)")
     if args.listen:
         parse_listen(args.listen, allow_remote=args.allow_remote)
@@ -86,7 +86,6 @@ def run(args: argparse.Namespace) -> int:
     if args.sink:
         check_output_folder(args.sink, "--sink")
         folder = make_run_dir(args.sink)
-        remember(folder)
     else:
         folder = private_run_dir()
     settings = Settings(run_dir=folder, sink=bool(args.sink), layers=args.layers, target=args.target,
