@@ -22,22 +22,20 @@ __all__ = ["replacing", "write_bytes", "write_text"]
 
 
 @contextlib.contextmanager
-def replacing(path: str | Path, *, durable: bool = True, mode: int | None = None) -> Iterator[BinaryIO]:
+def replacing(path: str | Path, *, durable: bool = True) -> Iterator[BinaryIO]:
     """A binary file handle whose content replaces ``path`` when the block ends without an error.
 
     ``durable``: fsync the data before the rename, so that a power loss cannot leave an empty file in place
-    of the old one. ``mode``: the new file's permissions; by default the old one's (0644 for a new file). The
-    temporary file is 0600 from its creation, so a private file is never readable by others on the way.
+    of the old one. The new file keeps the old one's permissions (0644 for a new file).
     """
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
-            if mode is None:
-                try:
-                    mode = stat.S_IMODE(os.stat(path).st_mode)
-                except FileNotFoundError:
-                    mode = 0o644
+            try:
+                mode = stat.S_IMODE(os.stat(path).st_mode)
+            except FileNotFoundError:
+                mode = 0o644
             os.fchmod(fh.fileno(), mode)
             yield fh
             fh.flush()
@@ -50,13 +48,13 @@ def replacing(path: str | Path, *, durable: bool = True, mode: int | None = None
         raise
 
 
-def write_bytes(path: str | Path, data: bytes, *, mode: int | None = None) -> Path:
-    """``data`` as the whole content of ``path``, via :func:`replacing` (``mode``: as there)."""
-    with replacing(path, mode=mode) as fh:
+def write_bytes(path: str | Path, data: bytes) -> Path:
+    """``data`` as the whole content of ``path``, via :func:`replacing`."""
+    with replacing(path) as fh:
         fh.write(data)
     return Path(path)
 
 
-def write_text(path: str | Path, text: str, *, mode: int | None = None) -> Path:
-    """``text`` (UTF-8) as the whole content of ``path``, via :func:`replacing` (``mode``: as there)."""
-    return write_bytes(path, text.encode("utf-8"), mode=mode)
+def write_text(path: str | Path, text: str) -> Path:
+    """``text`` (UTF-8) as the whole content of ``path``, via :func:`replacing`."""
+    return write_bytes(path, text.encode("utf-8"))

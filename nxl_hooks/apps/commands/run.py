@@ -48,15 +48,14 @@ def bootstrap_dir() -> str:
 
 def prepare_run(args: argparse.Namespace, load: dict) -> Settings:
     """The run's :class:`~nxl_hooks.apps.serve.settings.Settings` from parsed ``add_run_options`` flags (checked
-    before anything is made), and its run folder: ``--sink DIR`` (remembered for ``nxl tail``) or a private one,
+    before anything is made), and its run folder: ``--sink DIR`` or a private one,
     with the token for ``--listen`` written. How ``nxl run`` and ``nxl attach`` start a run."""
-    from ..serve.runs import make_run_dir, private_run_dir, remember, write_token
+    from ..serve.runs import make_run_dir, private_run_dir, write_token
 
     settings = Settings.from_args(args, run_dir=Path(), load=load)  # a bad flag makes no folder
     if args.sink:
         check_output_folder(args.sink, "--sink")
         folder = make_run_dir(args.sink)
-        remember(folder)
     else:
         folder = private_run_dir()
     if settings.listen:
@@ -68,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
     if not program:
         raise CliError("give the program to run after --, e.g. nxl run -- transformers serve ./model")
-    if shutil.which(program[0]) is None:  # before any run folder is made or remembered
+    if shutil.which(program[0]) is None:  # before any run folder is made
         raise CliError(f"{program[0]}: command not found (or not executable)")
     load = {key: value for key, value in loading_options(args).items() if key != "head" and value is not None}
     if load.get("gguf_file") and load.get("quantize"):

@@ -29,7 +29,7 @@ def add_connect_options(parser: argparse.ArgumentParser) -> None:
     """--run and --token-file: which running program to talk to (shared with nxl ctl)."""
     parser.add_argument("--run", metavar="RUN",
                         help="the run folder nxl run printed, a control socket, or http://127.0.0.1:PORT "
-                             "(default: the last nxl run)")
+                             "(default: your one live run)")
     parser.add_argument("--token-file", metavar="FILE", help="the bearer token file, for an http:// run")
 
 

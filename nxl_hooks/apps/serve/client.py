@@ -5,7 +5,10 @@
     for event, data in endpoint.events("/v1/stream"): ...    # server-sent events
 
 A run is a run folder (every ``<pid>.sock`` in it), one socket file, or ``http://127.0.0.1:PORT`` with a token
-(``--token-file``, or the ``token`` file of the run folder). Without one, the last run this user started.
+(``--token-file``, or the ``token`` file of the run folder). Without one: ``NXL_RUN_DIR`` if set (a program under
+``nxl run``), else this user's live run (:func:`choose_run`). What it connects to is checked first: a Unix
+socket must be served by this user or root (the peer's credentials), a token file must be this user's, mode 0600
+(:func:`~nxl_hooks.apps.serve.runs.read_token`).
 """
 
 from __future__ import annotations
@@ -13,15 +16,35 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shlex
 import socket
+import sys
+import time
 from pathlib import Path
 from typing import Any, Iterator
 from urllib.parse import urlsplit
 
 from ..options import CliError
-from .runs import last_run, read_token
+from .runs import live_sockets, peer_uid, read_token
 
-__all__ = ["Endpoint", "endpoints"]
+__all__ = ["Endpoint", "choose_run", "connect_unix", "endpoints"]
+
+
+def connect_unix(path: Path | str, timeout: float | None) -> socket.socket:
+    """A connected Unix socket, once the process serving it proved to be this user's or root's (SO_PEERCRED):
+    a socket another user put in the run folder is refused with PermissionError, before a byte is sent."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.settimeout(timeout)
+        sock.connect(str(path))
+        uid = peer_uid(sock)
+        if uid is not None and uid not in (os.getuid(), 0):
+            raise PermissionError(f"{path} is served by uid {uid}, not by you (uid {os.getuid()}) or root: not "
+                                  "talking to it (someone else's socket in the run folder)")
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -30,10 +53,7 @@ class _UnixConnection(http.client.HTTPConnection):
         self._path = path
 
     def connect(self) -> None:
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(self.timeout)
-        sock.connect(self._path)
-        self.sock = sock
+        self.sock = connect_unix(self._path, self.timeout)
 
 
 class Endpoint:
@@ -90,25 +110,42 @@ class Endpoint:
                 data.append(line[5:].strip())
 
 
-def _alive(path: Path) -> bool:
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(2)
+def _answers(path: Path) -> bool:
+    """Whether a process of this user (or root) answers on the socket (False for a dead process's leftover)."""
     try:
-        sock.connect(str(path))
+        connect_unix(path, 2).close()
         return True
+    except PermissionError:
+        raise
     except OSError:  # a process that ended without removing its socket (SIGKILL)
         return False
-    finally:
-        sock.close()
+
+
+def choose_run() -> Path:
+    """The run folder of this user's one live run: a process alive whose socket answers (dead ones are never
+    picked). With several, each is printed on its own line (newest first) and CliError says to pass one."""
+    runs: dict[Path, list[tuple[int, float]]] = {}
+    for sock, started in live_sockets():
+        try:
+            if _answers(sock):
+                runs.setdefault(sock.parent, []).append((int(sock.stem), started))
+        except PermissionError:  # not this user's process: not a run to choose
+            continue
+    if not runs:
+        raise CliError("no live run of yours (start one with nxl run, or pass --run DIR, the folder nxl run printed)")
+    if len(runs) > 1:
+        for folder, processes in runs.items():
+            pids = ",".join(str(pid) for pid, _ in processes)
+            started = time.strftime("%H:%M:%S", time.localtime(max(when for _, when in processes)))
+            print(f"--run {shlex.quote(str(folder))}    (pid {pids}, started {started})", file=sys.stderr)
+        raise CliError(f"{len(runs)} of your runs are live (listed above, newest first): pass one with --run")
+    return next(iter(runs))
 
 
 def endpoints(run: str | None = None, token_file: str | None = None) -> list[Endpoint]:
     """The live endpoints of ``run`` (module docstring); CliError saying what to do when there is none."""
     if run is None:
-        last = os.environ.get("NXL_RUN_DIR") or last_run()
-        if last is None:
-            raise CliError("no run given and none started yet: pass --run DIR (the run folder of `nxl run`)")
-        run = str(last)
+        run = os.environ.get("NXL_RUN_DIR") or str(choose_run())
     if run.startswith(("http://", "https://")):
         if run.startswith("https://"):
             raise CliError(f"{run}: the endpoint speaks plain HTTP on loopback; use http://")
@@ -123,7 +160,7 @@ def endpoints(run: str | None = None, token_file: str | None = None) -> list[End
         return [Endpoint(socket_path=path)]
     if not path.is_dir():
         raise CliError(f"{run}: no run folder or control socket there (give the folder `nxl run` printed)")
-    live = [Endpoint(socket_path=sock) for sock in sorted(path.glob("*.sock")) if _alive(sock)]
+    live = [Endpoint(socket_path=sock) for sock in sorted(path.glob("*.sock")) if _answers(sock)]
     if not live:
         raise CliError(f"{run}: no running process has a control socket there (has the program loaded a model yet?)")
     return live

@@ -9,27 +9,39 @@
     POST /v1/control                     {"action": "pause" | "resume" | "attach" | "detach", "layers": ...,
                                           "target": ..., "embedding": ..., "models": "GLOB"}
 
-Secure by default. It always listens on a Unix socket ``<run folder>/<pid>.sock``, mode 0600, and also checks the
-peer's uid: only the user who started the program gets in. With ``--listen HOST:PORT`` it also serves HTTP, on
-loopback unless ``--allow-remote`` was given, and every request there needs ``Authorization: Bearer <token>``
-with the token of ``<run folder>/token`` (0600). Prompts are user data: nothing is served without one of the two.
+Secure by default. It always listens on a Unix socket ``<run folder>/<pid>.sock``, mode 0600 in a run folder
+that :func:`~nxl_hooks.apps.serve.runs.check_private` accepted, and checks the peer's uid at accept: only the
+user who started the program (or root) gets in. With ``--listen HOST:PORT`` it also serves HTTP, on loopback
+unless ``--allow-remote`` was given, and every request there needs ``Authorization: Bearer <token>`` with the
+token of ``<run folder>/token`` (0600). Prompts are user data: nothing is served without one of the two.
+
+It never starves the host (docs/security.md): each listener serves at most :data:`MAX_CONNECTIONS` connections at
+once, one thread each, and closes any connection over that at once (the Unix socket has its own bound, so the
+owner gets in while the TCP port is flooded); a request must arrive whole within :data:`REQUEST_SECONDS`; a body
+needs a valid ``Content-Length`` of at most :data:`MAX_BODY` bytes; a reader that stops reading is dropped after
+:data:`WRITE_SECONDS`. Every error is ``{"error": "..."}`` with a 4xx status, or a 500 that names no Python
+internals (the program's log has them).
 
 Why the standard library's ``http.server`` and not uvicorn/starlette: the endpoint runs inside any Python program
-(not only servers that ship uvicorn), in its own daemon threads, and must not touch the program's event loop or
-signal handlers; a control plane for one operator needs no more than a thread per connection.
+(not only servers that ship uvicorn), in its own daemon threads, and must not touch the program's event loop; a
+control plane for one operator needs no more than a thread per connection. Its one signal handler goes only where
+SIGTERM/SIGHUP still have their default action (the process dies): it removes the socket, then dies the same way.
 """
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import hmac
+import io
 import json
 import logging
 import os
 import queue
+import signal
 import socket
 import socketserver
-import struct
+import stat
 import sys
 import threading
 import time
@@ -43,13 +55,17 @@ from ...records.sink import read_stream, stream_bytes
 from ...records.steps import GenerationCall
 from ..options import parse_layers, parse_target
 from .readout import call_view, ended, forward_view, step_view, summary
-from .runs import read_token, socket_path
+from .runs import check_private, enlist, peer_uid, read_token, socket_path
 from .settings import parse_listen
 
-__all__ = ["ControlServer"]
+__all__ = ["MAX_BODY", "MAX_CONNECTIONS", "REQUEST_SECONDS", "WRITE_SECONDS", "ControlServer", "bind_socket"]
 
 _log = logging.getLogger("nxl_hooks")
 _KEEPALIVE = 10.0  # seconds between SSE comments: a reader that left is noticed within that time
+MAX_CONNECTIONS = 16  #: connections (and handler threads) per listener; one more is closed at once
+REQUEST_SECONDS = 5.0  #: a request (line, headers, body) must arrive whole within this time, or is dropped
+WRITE_SECONDS = 30.0  #: a reader that takes no bytes for this long is dropped
+MAX_BODY = 64 << 10  #: bytes of a request body (a control action is a few hundred)
 
 
 class _BadRequest(Exception):
@@ -58,23 +74,49 @@ class _BadRequest(Exception):
         self.status = status
 
 
+class _Deadline(io.RawIOBase):
+    """A socket's reading side that gives up once ``deadline`` (time.monotonic) has passed: a client that sends
+    a byte every few seconds cannot hold a handler thread longer than a client that sends nothing."""
+
+    def __init__(self, sock: socket.socket, deadline: float) -> None:
+        self.sock, self.deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("the request did not arrive in time")
+        self.sock.settimeout(left)
+        return self.sock.recv_into(buffer)
+
+
 class _Handler(BaseHTTPRequestHandler):
     server_version = "nxl_hooks"
     protocol_version = "HTTP/1.0"  # one request per connection; an event stream ends when the connection closes
 
     # -- plumbing ----------------------------------------------------------------------------------------
 
+    def setup(self) -> None:
+        super().setup()
+        self.rfile = io.BufferedReader(_Deadline(self.connection, time.monotonic() + REQUEST_SECONDS))
+
     def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the host's stderr stays quiet
         pass
 
+    def send_error(self, code: int, message: str | None = None, explain: str | None = None) -> None:
+        """http.server's own refusals (a malformed request line, a header too long, an unknown method) as JSON."""
+        self.close_connection = True
+        try:
+            self._json(code, {"error": message or self.responses.get(code, ("error",))[0]})
+        except OSError:
+            pass
+
     def _authorized(self) -> bool:
         token = self.server.token
-        if token is None:  # the Unix socket: file mode 0600, and the peer must be this user
-            if not hasattr(socket, "SO_PEERCRED"):
-                return True
-            creds = self.connection.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-            _, uid, _ = struct.unpack("3i", creds)
-            return uid in (os.getuid(), 0)
+        if token is None:  # the Unix socket: its peer was checked at accept (_Listener.verify_request)
+            return True
         given = self.headers.get("Authorization", "")
         return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
 
@@ -91,8 +133,30 @@ class _Handler(BaseHTTPRequestHandler):
     def _json(self, status: int, value: Any) -> None:
         self._send(status, json.dumps(value).encode())
 
+    def _read_body(self) -> bytes:
+        """The whole body, as its Content-Length declares it (checked: a number, at most MAX_BODY, all of it
+        within the request's time)."""
+        if "Transfer-Encoding" in self.headers:
+            raise _BadRequest(411, "send the body with a Content-Length, not a Transfer-Encoding")
+        declared = self.headers.get_all("Content-Length") or ["0"]
+        if len(set(declared)) != 1 or not declared[0].strip().isdigit() or not declared[0].strip().isascii():
+            raise _BadRequest(400, f"Content-Length {', '.join(declared)!r}: give the body's size in bytes, once")
+        length = int(declared[0])
+        if length > MAX_BODY:
+            raise _BadRequest(413, f"a body of {length} bytes: the control endpoint takes at most {MAX_BODY}")
+        try:
+            body = self.rfile.read(length)
+        except TimeoutError:
+            body = None
+        if body is None or len(body) < length:
+            raise _BadRequest(400, f"the body is shorter than its Content-Length ({length} bytes) or came too "
+                                   f"slowly: send all of it within {REQUEST_SECONDS:g} s")
+        return body
+
     def _dispatch(self, method: str) -> None:
         try:
+            self.request_body = self._read_body()
+            self.connection.settimeout(WRITE_SECONDS)  # read whole: from now on, only a reader that stalls
             if not self._authorized():
                 raise _BadRequest(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>' with "
                                        "the token in the run folder's token file")
@@ -101,13 +165,18 @@ class _Handler(BaseHTTPRequestHandler):
             parts = [unquote(part) for part in url.path.strip("/").split("/")]
             self.server.app.route(self, method, parts, query)
         except _BadRequest as error:
-            self._json(error.status, {"error": str(error)})
-        except (BrokenPipeError, ConnectionResetError):
-            pass
-        except Exception as error:  # noqa: BLE001 - a failing readout is the reader's problem, not the host's
-            _log.warning("nxl_hooks: control endpoint: %s: %s", type(error).__name__, error)
+            self.close_connection = True
             try:
-                self._json(500, {"error": f"{type(error).__name__}: {error}"})
+                self._json(error.status, {"error": str(error)})
+            except OSError:
+                pass
+        except OSError:  # the reader left or stalled (BrokenPipe, ConnectionReset, a write that timed out)
+            self.close_connection = True
+        except Exception as error:  # noqa: BLE001 - a failing readout is the reader's problem, not the host's
+            _log.warning("nxl_hooks: control endpoint: %s %s: %s: %s", method, self.path.split("?")[0],
+                         type(error).__name__, error)
+            try:
+                self._json(500, {"error": "the control endpoint failed on this request; the program's log says why"})
             except OSError:
                 pass
 
@@ -118,54 +187,157 @@ class _Handler(BaseHTTPRequestHandler):
         self._dispatch("POST")
 
     def body(self) -> dict:
-        length = int(self.headers.get("Content-Length") or 0)
-        if length > 1 << 20:
-            raise _BadRequest(413, "request body too large")
+        """The request body as a JSON object (400 when it is not one)."""
         try:
-            value = json.loads(self.rfile.read(length) or b"{}")
-        except json.JSONDecodeError as error:
-            raise _BadRequest(400, f"the body is not JSON: {error}") from None
+            value = json.loads(self.request_body or b"{}")
+        except (ValueError, RecursionError) as error:  # ValueError: not JSON, not UTF-8; RecursionError: nested
+            reason = error.msg if isinstance(error, json.JSONDecodeError) else "not UTF-8 text, or nested too deep"
+            raise _BadRequest(400, f"the body is not a JSON object: {reason}") from None
         if not isinstance(value, dict):
             raise _BadRequest(400, "the body must be a JSON object")
         return value
 
 
-class _UnixServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+class _Listener:
+    """What both listeners share: at most MAX_CONNECTIONS connections at once, one daemon thread each; one more
+    gets a short 503 and is closed at once, without a thread."""
+
     daemon_threads = True
     block_on_close = False
+    request_queue_size = 64  # the kernel's backlog: a burst of connections is refused by us, not by SYN drops
 
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        super().__init__(*args, **kwargs)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            try:
+                request.setblocking(False)
+                body = json.dumps({"error": f"the control endpoint is serving {MAX_CONNECTIONS} connections "
+                                            "already; try again shortly"}).encode()
+                request.send(b"HTTP/1.0 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                             b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        error = sys.exc_info()[1]
+        _log.warning("nxl_hooks: control endpoint: %s: %s", type(error).__name__, error)
+
+
+class _UnixServer(_Listener, socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     def server_bind(self) -> None:
-        path = Path(self.server_address)
-        if path.exists() or path.is_symlink():
-            path.unlink()  # our pid's socket from an earlier process with the same pid
-        super().server_bind()
-        os.chmod(path, 0o600)  # before listen(): nobody else connects, ever
+        bind_socket(Path(self.server_address), self.socket)
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        _log.warning("nxl_hooks: control endpoint: %s", sys.exc_info()[1])
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        uid = peer_uid(request)  # before a slot or a thread: only this user, or root, is served
+        return uid is None or uid in (os.getuid(), 0)
 
 
-class _TCPServer(ThreadingHTTPServer):
-    daemon_threads = True
-    block_on_close = False
+class _TCPServer(_Listener, ThreadingHTTPServer):
+    pass
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        _log.warning("nxl_hooks: control endpoint: %s", sys.exc_info()[1])
+
+def bind_socket(path: Path, sock: socket.socket) -> None:
+    """Bind ``sock`` (AF_UNIX) to ``path`` in a checked run folder, mode 0600 before it listens. bind() never
+    replaces a file; the one file removed first is a socket of this user left by an earlier process with this
+    pid (dead, since the pid is ours now). Anything else there is refused with PermissionError."""
+    try:
+        info = os.lstat(path)
+    except FileNotFoundError:
+        info = None
+    if info is not None:
+        if not stat.S_ISSOCK(info.st_mode) or info.st_uid != os.getuid():
+            raise PermissionError(f"{path} is there already and is not a socket of this user: not replacing it")
+        path.unlink()
+    sock.bind(str(path))
+    os.chmod(path, 0o600)  # before listen(): nobody connects before it is private
+    info = os.lstat(path)
+    if not stat.S_ISSOCK(info.st_mode) or info.st_uid != os.getuid():
+        raise PermissionError(f"{path} changed under the endpoint: not serving there")
+
+
+# -- stale sockets: removed at exit, SIGTERM and SIGHUP included ---------------------------------------------------
+
+_CLEANUP: list[tuple[int, Path]] = []  # (pid, file): removed by that process only (a forked child keeps its parent's)
+_CLEANUP_LOCK = threading.Lock()
+
+
+def _clean_up() -> None:
+    with _CLEANUP_LOCK:
+        mine = [path for pid, path in _CLEANUP if pid == os.getpid()]
+        _CLEANUP[:] = [(pid, path) for pid, path in _CLEANUP if pid != os.getpid()]
+    for path in mine:
+        _remove(path)
+
+
+def _remove(path: Path) -> None:
+    try:
+        path.unlink()
+    except OSError:  # gone already, or the folder with it
+        pass
+
+
+def _die(signum: int, frame: Any) -> None:
+    """SIGTERM/SIGHUP where the program left the default action: remove the files, then die of the signal."""
+    _clean_up()
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+def _forget(*paths: Path | None) -> None:
+    with _CLEANUP_LOCK:
+        _CLEANUP[:] = [(pid, path) for pid, path in _CLEANUP if path not in paths]
+
+
+def _remove_at_exit(*paths: Path) -> None:
+    with _CLEANUP_LOCK:
+        first = not _CLEANUP
+        _CLEANUP.extend((os.getpid(), path) for path in paths)
+    if first:
+        atexit.register(_clean_up)
+    if threading.current_thread() is not threading.main_thread():
+        return  # only the main thread sets handlers: a graceful exit still runs atexit
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) == signal.SIG_DFL:  # the program's own handler stays (it exits via atexit)
+            signal.signal(signum, _die)
 
 
 def _int(query: dict, name: str, default: int, low: int = 0, high: int = 1000) -> int:
     try:
         value = int(query.get(name, default))
     except ValueError:
-        raise _BadRequest(400, f"{name}={query.get(name)!r}: give a whole number") from None
+        raise _BadRequest(400, f"{name}={query.get(name)!r:.80}: give a whole number") from None
     if not low <= value <= high:
         raise _BadRequest(400, f"{name}={value}: give a number from {low} to {high}")
     return value
 
 
+def _rows(call: GenerationCall) -> int:
+    """The rows (batch size) of a call: what ``?row=`` may pick from."""
+    if call.prompt_ids is not None:
+        return int(call.prompt_ids.shape[0])
+    steps = list(call.steps)
+    return int(steps[0].token.shape[0]) if steps else 1
+
+
 class ControlServer:
     """The endpoint of one controller (module docstring): ``ControlServer(controller).start()``. Its threads are
-    daemons: they end with the program, and the socket file is removed at a normal exit."""
+    daemons: they end with the program, and the socket file is removed at exit (SIGTERM included)."""
 
     def __init__(self, controller: Any) -> None:
         self.controller = controller
@@ -173,19 +345,24 @@ class ControlServer:
         self.socket: Path | None = None
         self.address: tuple[str, int] | None = None
         self._servers: list[socketserver.BaseServer] = []
+        self._entry: Path | None = None
 
     def describe(self) -> dict:
         return {"socket": str(self.socket) if self.socket else None,
                 "http": f"{self.address[0]}:{self.address[1]}" if self.address else None}
 
     def start(self) -> None:
-        run_dir = self.settings.run_dir
+        """Serve on ``<run folder>/<pid>.sock`` (and ``--listen``'s address), once the run folder passed
+        :func:`~nxl_hooks.apps.serve.runs.check_private`; enlisted as one of this user's live runs."""
+        run_dir = self.settings.run_dir.resolve()
         run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        check_private(run_dir)
         path = socket_path(run_dir, os.getpid())
         server = _UnixServer(str(path), _Handler)
-        self._serve(server, token=None)
         self.socket = path
-        atexit.register(self._remove_socket, os.getpid())
+        self._entry = enlist(path)
+        _remove_at_exit(path, self._entry)
+        self._serve(server, token=None)
         if self.settings.listen:
             self._listen()
 
@@ -211,16 +388,14 @@ class ControlServer:
         self._servers.append(server)
 
     def stop(self) -> None:
-        """Close the endpoint: its listening sockets, its threads, the socket file."""
+        """Close the endpoint: its listening sockets, its threads, the socket file and the live-run entry."""
         for server in self._servers:
             server.shutdown()
             server.server_close()
-        self._remove_socket(os.getpid())
-        atexit.unregister(self._remove_socket)  # nothing of a stopped endpoint stays referenced (nxl detach)
-
-    def _remove_socket(self, pid: int) -> None:
-        if self.socket is not None and pid == os.getpid():  # not from a forked child's exit
-            self.socket.unlink(missing_ok=True)
+        for path in (self.socket, self._entry):
+            if path is not None:
+                _remove(path)
+        _forget(self.socket, self._entry)  # nothing of a stopped endpoint stays referenced (nxl detach)
 
     # -- routes ------------------------------------------------------------------------------------------
 
@@ -236,8 +411,10 @@ class ControlServer:
         if method == "GET" and len(rest) == 2 and rest[0] == "requests":
             watch, record, _ = self._find(rest[1])
             k = _int(query, "k", 5, 1)
-            view = (call_view(watch, record, k=k, row=_int(query, "row", 0)) if isinstance(record, GenerationCall)
-                    else forward_view(watch, record, k=k))
+            if isinstance(record, GenerationCall):
+                view = call_view(watch, record, k=k, row=_int(query, "row", 0, 0, _rows(record) - 1))
+            else:
+                view = forward_view(watch, record, k=k)
             return handler._json(200, view)
         if method == "GET" and len(rest) == 3 and rest[0] == "requests" and rest[2] == "frames":
             return handler._send(200, self._frames(rest[1]), "application/octet-stream")
@@ -271,14 +448,17 @@ class ControlServer:
 
     def _control(self, body: dict) -> dict:
         action, controller = body.get("action"), self.controller
+        for name in ("layers", "target", "embedding", "models"):  # what nxl ctl sends: text, or nothing
+            if not isinstance(body.get(name), (str, int, type(None))) or isinstance(body.get(name), bool):
+                raise _BadRequest(400, f"{name}={body[name]!r:.80}: give a string (or leave it out)")
         try:
             options = {"layers": parse_layers(str(body["layers"])) if body.get("layers") is not None else None,
                        "target": parse_target(str(body["target"])) if body.get("target") is not None else None,
                        "embedding": parse_embedding(str(body["embedding"])) if body.get("embedding") is not None
                        else None}
-        except Exception as error:  # noqa: BLE001 - argparse's own message says what is wrong
+        except (argparse.ArgumentTypeError, ValueError) as error:  # the CLI's own message says what is wrong
             raise _BadRequest(400, str(error)) from None
-        models = body.get("models")
+        models = None if body.get("models") is None else str(body["models"])
         if action == "pause":
             controller.pause()
         elif action == "resume":
@@ -291,7 +471,7 @@ class ControlServer:
         elif action == "detach":
             controller.exclude(models)
         else:
-            raise _BadRequest(400, f"action={action!r}: use pause, resume, attach or detach")
+            raise _BadRequest(400, f"action={action!r:.80}: use pause, resume, attach or detach")
         return controller.status()
 
     def _stream(self, handler: _Handler, request_id: str | None, k: int) -> None:

@@ -1,23 +1,34 @@
-"""Run folders: where a run's control sockets, token and records live, and how the clients find the last one.
+"""Run folders: where a run's control sockets, token and records live, who may use them, and which runs are live.
 
-    folder = make_run_dir("runs/")            # 0700 when created here
-    token = write_token(folder)               # runs/token, 0600: the HTTP endpoint's bearer token
-    last_run()                                # the folder of the last `nxl run` of this user, for `nxl tail`
+    folder = make_run_dir("runs/")            # created 0700; refused unless private to this user
+    token = write_token(folder)               # runs/token, created 0600, never over another's file
+    token = read_token(folder)                # refused unless a regular file of this user that nobody else reads
+    enlist(socket_path(folder, os.getpid()))  # what `nxl tail` / `nxl ctl` without --run choose from
+    live_sockets()                            # [(socket, started)] of this user's processes, newest first
+
+Trust rule (as ssh's StrictModes): a run folder is used only if it is a directory owned by the caller that group
+and others cannot write, and every folder above it is owned by the caller or root and writable by others only
+with the sticky bit (as /tmp). Otherwise another user could swap the token or the socket under it. Breaking the
+rule is a :class:`PermissionError` that says why and what to do (``nxl`` prints it as one line, exit 2).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
 import secrets
+import socket
 import stat
+import struct
 import tempfile
 from pathlib import Path
 
-from ...records.files import write_text
-
-__all__ = ["last_run", "make_run_dir", "private_run_dir", "read_token", "remember", "socket_path", "write_token"]
+__all__ = ["check_private", "enlist", "live_sockets", "make_run_dir", "peer_uid", "private_run_dir", "read_token",
+           "socket_path", "write_token"]
 
 TOKEN = "token"
+_TOKEN_BYTES = 4096  # a token file is one line; a larger one is not a token
 
 
 def _user_dir() -> Path:
@@ -30,30 +41,50 @@ def _user_dir() -> Path:
     return folder
 
 
-def make_run_dir(path: str | Path) -> Path:
-    """``path`` as a run folder (created 0700 if missing)."""
-    folder = Path(path).expanduser().resolve()
-    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+def check_private(folder: Path) -> Path:
+    """``folder`` if this user may trust it as a run folder (module docstring), else PermissionError saying why
+    and what to do. ``check_private(Path("runs").resolve())``"""
+    uid = os.getuid()
+    info = os.lstat(folder)
+    if not stat.S_ISDIR(info.st_mode):
+        raise PermissionError(f"run folder {folder} is not a directory: give a folder of your own")
+    if info.st_uid != uid:
+        raise PermissionError(f"run folder {folder} belongs to uid {info.st_uid}, not to you (uid {uid}): its token "
+                              "and sockets could be swapped by its owner; use a folder you created")
+    if info.st_mode & 0o022:
+        raise PermissionError(f"run folder {folder} is writable by group or others (mode "
+                              f"{stat.S_IMODE(info.st_mode):o}): run chmod go-w {folder}, or use another folder")
+    for parent in folder.parents:
+        above = os.stat(parent)
+        if above.st_uid not in (uid, 0):
+            raise PermissionError(f"run folder {folder} lies in {parent}, which belongs to uid {above.st_uid}: "
+                                  "its owner could replace the run folder; use a folder under your own")
+        if above.st_mode & 0o022 and not above.st_mode & stat.S_ISVTX:
+            raise PermissionError(f"run folder {folder} lies in {parent}, which others can write (mode "
+                                  f"{stat.S_IMODE(above.st_mode):o}, no sticky bit): they could replace the run "
+                                  "folder; use a folder under a private one")
     return folder
+
+
+def make_run_dir(path: str | Path) -> Path:
+    """``path`` as a run folder: created 0700 (and each missing folder above it), then :func:`check_private`."""
+    folder = Path(path).expanduser().resolve()
+    for missing in reversed([each for each in (folder, *folder.parents) if not each.exists()]):
+        missing.mkdir(mode=0o700, exist_ok=True)
+    return check_private(folder)
 
 
 def private_run_dir() -> Path:
-    """A new private run folder in this user's temporary folder, remembered as the last run."""
-    folder = Path(tempfile.mkdtemp(prefix="run-", dir=_user_dir()))
-    remember(folder)
-    return folder
+    """A new private run folder in this user's temporary folder."""
+    return Path(tempfile.mkdtemp(prefix="run-", dir=_user_dir()))
 
 
-def remember(folder: Path) -> None:
-    """Make ``folder`` what ``nxl tail`` / ``nxl ctl`` talk to when given no run."""
-    write_text(_user_dir() / "last-run", str(folder))
-
-
-def last_run() -> Path | None:
-    try:
-        return Path((_user_dir() / "last-run").read_text().strip())
-    except (OSError, PermissionError):
+def peer_uid(sock: socket.socket) -> int | None:
+    """The uid of the process at the other end of a Unix socket (None where the system cannot tell)."""
+    if not hasattr(socket, "SO_PEERCRED"):
         return None
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    return struct.unpack("3i", creds)[1]
 
 
 def socket_path(folder: Path, pid: int) -> Path:
@@ -61,17 +92,99 @@ def socket_path(folder: Path, pid: int) -> Path:
     return folder / f"{pid}.sock"
 
 
+def _check_secret(path: Path, info: os.stat_result) -> None:
+    """A token file must be a regular file of this user that only this user can read or write."""
+    if not stat.S_ISREG(info.st_mode):
+        raise PermissionError(f"{path} is not a regular file: not a token; remove it")
+    if info.st_uid != os.getuid():
+        raise PermissionError(f"{path} belongs to uid {info.st_uid}, not to you (uid {os.getuid()}): not using it "
+                              "as a token; remove it")
+    if info.st_mode & 0o077:
+        raise PermissionError(f"{path} has mode {stat.S_IMODE(info.st_mode):o}, so others may have read it: not "
+                              f"using it as a token; remove it (nxl run --listen writes a new one, mode 600)")
+
+
 def write_token(folder: Path) -> str:
-    """A new random bearer token in ``folder/token`` (0600, replacing an old one)."""
+    """A new random bearer token in ``folder/token``, created 0600 with O_EXCL (never through a link, never over
+    another's file). A token this user left there (an earlier run in the same folder) is replaced; anything else
+    there is refused with PermissionError."""
+    path = folder / TOKEN
+    with contextlib.suppress(FileNotFoundError):
+        _check_secret(path, os.lstat(path))
+        path.unlink()  # our own token from an earlier run: a new run gets a new token
     token = secrets.token_urlsafe(32)
-    write_text(folder / TOKEN, token + "\n", mode=0o600)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        raise PermissionError(f"{path} appeared while nxl wrote it: someone else writes in {folder}") from None
+    with os.fdopen(fd, "w") as fh:
+        os.fchmod(fh.fileno(), 0o600)  # whatever the umask
+        fh.write(token + "\n")
     return token
 
 
 def read_token(path: Path) -> str:
-    """The token in a token file (or in ``path/token`` for a run folder)."""
+    """The token in a token file (or in ``path/token`` for a run folder), once it passed the checks of
+    :func:`write_token` (this user's regular file, mode 0600) on the very file opened."""
     path = path / TOKEN if path.is_dir() else path
-    if not path.is_file():
+    try:  # O_NONBLOCK: a FIFO put there does not hang the open; O_NOFOLLOW: a link is not followed
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
         raise FileNotFoundError(f"no token file at {path}: give the token file of the run (RUN_FOLDER/{TOKEN}, "
-                                "written by nxl run --listen)")
-    return path.read_text().strip()
+                                "written by nxl run --listen)") from None
+    except OSError as error:
+        if error.errno != errno.ELOOP:
+            raise
+        raise PermissionError(f"{path} is a symbolic link: not following it to a token; give the file itself") from None
+    with os.fdopen(fd, "rb") as fh:
+        _check_secret(path, os.fstat(fh.fileno()))
+        return fh.read(_TOKEN_BYTES).decode("utf-8", "replace").strip()
+
+
+# -- live processes: what the clients choose from without --run -------------------------------------------------
+
+def _live_dir() -> Path:
+    folder = _user_dir() / "live"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    return folder
+
+
+def enlist(sock: Path) -> Path:
+    """Note this process's control socket among this user's live ones (a link ``<pid>`` to it in a private
+    folder); the endpoint removes it at exit. Returns the entry."""
+    entry = _live_dir() / str(os.getpid())
+    with contextlib.suppress(FileNotFoundError):
+        entry.unlink()  # an earlier process with this pid: dead, since the pid is ours now
+    os.symlink(sock, entry)
+    return entry
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's: not ours, but not dead either
+        return True
+    return True
+
+
+def live_sockets() -> list[tuple[Path, float]]:
+    """(socket, time enlisted) of this user's processes that are alive and whose socket is there, newest first.
+    Entries of dead processes are removed here. Whether a socket answers is the client's check."""
+    try:
+        entries = list(_live_dir().iterdir())
+    except PermissionError:
+        return []
+    found = []
+    for entry in entries:
+        try:
+            sock, started = Path(os.readlink(entry)), os.lstat(entry).st_mtime
+        except OSError:
+            continue
+        if not entry.name.isdigit() or not _alive(int(entry.name)) or not sock.is_socket():
+            with contextlib.suppress(OSError):
+                entry.unlink()
+            continue
+        found.append((sock, started))
+    return sorted(found, key=lambda item: -item[1])
