@@ -473,6 +473,7 @@ def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, to
                     probability=tensors.get("probability"), readable=_strings(header, "readable"),
                     **{name: tensors.get(name) for name in STEP_TENSORS})
         _check_step(step, call)
+        call.link(step)
         call.steps.append(step)
         return True
     if kind == "end":

@@ -40,8 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     add_attribution_options(parser)
     parser.add_argument("--sink", metavar="DIR",
                         help="the run folder: records are written there (rotated files, one folder per process "
-                             "and model) next to the control sockets; default: a private temporary folder, "
-                             "records in memory only")
+                             "and model) next to the control sockets; or NAME:ARG, a registered sink kind "
+                             "(parquet:out.parquet; {model} in ARG: the model's name); default: a private "
+                             "temporary folder, records in memory only")
     parser.add_argument("--listen", metavar="ADDR",
                         help="also serve the control endpoint over HTTP on HOST:PORT (loopback only, bearer token "
                              "in RUN_FOLDER/token)")
@@ -68,6 +69,15 @@ def bootstrap_dir() -> str:
     return os.path.join(os.path.dirname(lazy.__file__), "bootstrap")
 
 
+def _is_kind(value: str) -> bool:
+    """Whether ``--sink`` names a registered sink kind (``NAME:ARG``), checked here so a wrong one is one line."""
+    if ":" not in value or os.path.exists(value):
+        return False
+    from ...records.sinks import kind_name  # imports torch: only for what may be a NAME:ARG sink
+
+    return kind_name(value) is not None
+
+
 def run(args: argparse.Namespace) -> int:
     from ..serve.runs import make_run_dir, private_run_dir, remember, write_token
     from ..serve.settings import DEFAULT_KEEP_CALLS, Settings, parse_listen
@@ -83,13 +93,14 @@ def run(args: argparse.Namespace) -> int:
     if load.get("gguf_file") and load.get("quantize"):
         raise CliError("--gguf-file with --load-in-8bit/--load-in-4bit: transformers refuses that combination in "
                        "the program's own from_pretrained; load the GGUF, save it, and quantize the saved folder")
-    if args.sink:
+    spec = args.sink if args.sink and _is_kind(args.sink) else None
+    if args.sink and not spec:
         check_output_folder(args.sink, "--sink")
         folder = make_run_dir(args.sink)
         remember(folder)
     else:
         folder = private_run_dir()
-    settings = Settings(run_dir=folder, sink=bool(args.sink), layers=args.layers, target=args.target,
+    settings = Settings(run_dir=folder, sink=bool(args.sink) and not spec, sink_spec=spec, layers=args.layers, target=args.target,
                         embedding=args.embedding, models=[g.strip() for g in args.models.split(",") if g.strip()],
                         keep_calls=DEFAULT_KEEP_CALLS if args.keep_calls is None else args.keep_calls,
                         listen=args.listen, allow_remote=args.allow_remote,

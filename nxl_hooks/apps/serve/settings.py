@@ -8,6 +8,7 @@ bootstrap in every process the program starts reads them.
 | --- | --- | --- |
 | ``NXL_RUN_DIR`` | the run folder: control sockets, token, records (``--sink DIR``) | none: the bootstrap is off |
 | ``NXL_SINK`` | ``1``: write records to the run folder (rotated files) | off: records in memory only |
+| ``NXL_SINK_SPEC`` | ``NAME:ARG``: write records to that registered sink kind instead (``--sink parquet:out.parquet``; ``{model}`` in ARG: the model's folder name) | none |
 | ``NXL_LAYERS`` / ``NXL_TARGET`` / ``NXL_EMBEDDING`` | what is explained, as ``nxl attribute`` takes them | all / predicted / layer_input |
 | ``NXL_MODELS`` | comma list of globs on the name or path a model is loaded from | ``*`` |
 | ``NXL_KEEP_CALLS`` | calls kept in memory per model | 16 |
@@ -96,6 +97,7 @@ class Settings:
 
     run_dir: Path
     sink: bool = False
+    sink_spec: str | None = None  #: NAME:ARG of a registered sink kind, used instead of the run folder's files
     layers: str | list[int] = "all"
     target: str | int | list[str | int] = "predicted"
     embedding: str = "layer_input"
@@ -130,6 +132,8 @@ class Settings:
         }
         if self.listen:
             env["NXL_LISTEN"] = self.listen
+        if self.sink_spec:
+            env["NXL_SINK_SPEC"] = self.sink_spec
         if self.load:
             env["NXL_LOAD"] = json.dumps(self.load)
         return env
@@ -157,7 +161,8 @@ class Settings:
         if listen:
             parse_listen(listen, allow_remote=allow_remote)
         settings = cls(
-            run_dir=Path(folder), sink=get("NXL_SINK", "0") == "1", layers=layers, target=target, embedding=embedding,
+            run_dir=Path(folder), sink=get("NXL_SINK", "0") == "1", sink_spec=env.get("NXL_SINK_SPEC") or None,
+            layers=layers, target=target, embedding=embedding,
             models=[glob.strip() for glob in get("NXL_MODELS", "*").split(",") if glob.strip()] or ["*"],
             keep_calls=_count("NXL_KEEP_CALLS", get("NXL_KEEP_CALLS", str(DEFAULT_KEEP_CALLS))),
             listen=listen, allow_remote=allow_remote,
