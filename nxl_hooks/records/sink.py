@@ -523,13 +523,17 @@ def _next_step(call: GenerationCall, number: int, *, rotated: bool) -> None:
     index = call.index
     if last is None:
         if number != 0 and not rotated:  # a rotated file may start a call whose first steps were deleted
-            raise _Gap(f"call {index}: its first step record is step {number} (step(s) 0-{number - 1} missing)", index)
+            raise _Gap(f"call {index}: its first step record is step {number} ({_steps(0, number)} missing)", index)
     elif number == last:
         raise _Gap(f"call {index}: step {number} recorded twice", index)
     elif number < last:
         raise _Gap(f"call {index}: step {number} comes after step {last} (out of order)", index)
     elif number > last + 1:
-        raise _Gap(f"call {index}: step {number} follows step {last} (step(s) {last + 1}-{number - 1} missing)", index)
+        raise _Gap(f"call {index}: step {number} follows step {last} ({_steps(last + 1, number)} missing)", index)
+
+
+def _steps(first: int, end: int) -> str:
+    return f"step {first}" if end == first + 1 else f"steps {first}-{end - 1}"
 
 
 def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, torch.Tensor], *,
@@ -562,7 +566,6 @@ def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, to
                     layers=_layers(header), n_blocks=_field(header, "n_blocks", (int,), optional=True),
                     probability=tensors.get("probability"), readable=_strings(header, "readable"),
                     **{name: tensors.get(name) for name in STEP_TENSORS})
-        _next_step(call, step.step, rotated=rotated)
         _check_step(step, call)
         call.link(step)
         call.steps.append(step)
@@ -606,6 +609,9 @@ def _read(data: bytearray, path: Path, calls: dict[int, GenerationCall], *, name
                 raise _Gap(why)
             try:
                 header, tensors = _decode(payload)
+                call = calls.get(header.get("call")) if header.get("kind") == "step" else None
+                if call is not None:  # a step that does not follow its call's last one: say which call, which steps
+                    _next_step(call, header.get("step"), rotated=name is not None)
                 if numbered and header.get("seq") != index:
                     raise _Gap(f"frame number {header.get('seq')!r} where {index} was expected: a frame is missing, "
                                "repeated or out of order")
