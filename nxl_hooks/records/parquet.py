@@ -13,7 +13,7 @@ One row per (call, batch row, step, layer, context position[, explained target])
 ``step``             0 for the first new token; ``emitted_position``: that token's index in the sequence
 ``emitted_id``       the token generate emitted at this step; ``emitted_text`` as people read it ('␣Paris')
 ``active``           False where the row had already ended (the step explains a pad token)
-``layer``            the layer index as recorded (negative: counted from the end, as asked)
+``layer``            the layer index (0..L, negative indices given to attach resolved)
 ``position``         the context position scored; ``token_id`` / ``token_text``: the token there
 ``target_index``     0, or which of the k explained ids (``attach(target=[...])``)
 ``target_id``        the explained id; ``target_text`` its text when known; ``probability`` the model's own

@@ -4,9 +4,12 @@
         model.generate(**enc, max_new_tokens=32)
     nxl.read_stream("run.nxl")[0].steps      # the records, read back from disk
 
-Format (no pickle): the line ``nxl_hooks.stream/1\\n``, then frames. A frame is ``b"NXLF"``, the payload
+Format (no pickle): the line ``nxl_hooks.stream/2\\n``, then frames. A frame is ``b"NXLF"``, the payload
 length (uint64 little-endian), its CRC-32 (uint32 little-endian) and the payload: a safetensors blob whose
-``nxl_hooks`` metadata entry is JSON with a ``kind`` of ``call`` (prompt), ``step`` or ``end`` (sequences).
+``nxl_hooks`` metadata entry is JSON with a ``kind`` of ``call`` (prompt), ``step`` or ``end`` (sequences), and
+``seq``, the frame's number in its file (0, 1, 2...). A step frame names its call and step index; a rotated file's
+first frame (``kind`` ``file``) names the file's number and its writer. Files of format 1 (nxl_hooks 0.1: no
+``seq``, no ``file`` frame) still read, with the step checks below.
 Each frame is written with one ``write`` call before the next decoding step starts, so a process killed with
 SIGKILL leaves every completed step readable. ``Sink(path, fsync=True)`` also survives power loss, at the cost of
 an fsync per step. A sink refuses to write through a symbolic link unless ``Sink(path, follow_symlinks=True)``.
@@ -16,6 +19,9 @@ Reading (:func:`read_stream`) stops at the first frame it cannot use and says so
 
 - a torn last frame (the writer was killed mid-write, or is still writing it) is the normal end of a killed run:
   it is left out quietly (``damage.torn`` True);
+- frames whose checksums hold but whose order does not are damage too: a frame number out of sequence, a step
+  that does not follow its call's last one (missing, repeated, out of order: ``damage.call`` and the reason name
+  the call and the steps), a rotated file missing between two kept ones, or renamed;
 - any other damage (a flipped byte, a frame cut out, garbage) warns with :class:`StreamDamageWarning` and returns
   what comes before it; ``read_stream(path, strict=True)`` raises :class:`StreamError` instead;
 - a frame whose checksum is right but whose content nxl_hooks did not write raises :class:`StreamError` (a
@@ -659,9 +665,11 @@ def read_stream(path: str | Path, *, request_id: str | None = None, strict: bool
     ``path`` may be a folder: every stream file below it, a :class:`RotatingSink`'s files joined in order (calls
     of one writer, then the next; a call whose first file was deleted starts at its first kept step).
     ``request_id``: only the calls of that request. The result is a list with a ``damage`` attribute (see the module
-    docstring): None for whole files; a torn last frame is left out quietly; other damage warns
-    (:class:`StreamDamageWarning`), or raises :class:`StreamError` with ``strict=True``. A frame with a valid checksum
-    that nxl_hooks did not write raises :class:`StreamError`.
+    docstring): None for whole files; a torn last frame is left out quietly; other damage (a missing, repeated or
+    moved frame or file included) warns (:class:`StreamDamageWarning`), or raises :class:`StreamError` with
+    ``strict=True``; a writer's records stop at its first damage, so what is returned has no gap. A frame with a
+    valid checksum that nxl_hooks did not write raises :class:`StreamError`. What is not a regular file (a FIFO,
+    a device, a socket) is refused before it is opened; Ctrl-C interrupts a long read.
     """
     path = Path(path)
     out, damage = Stream(), None
