@@ -13,7 +13,8 @@ live model), ``eval`` (checking), ``apps`` (the command line and views). The mod
 
 from .arch import ArchSpec, RegistryError, UnknownArchitectureError, register_architecture, register_file
 from .hooks import Probe, attach, detach_all, explain
-from .records import Attribution, GenerationCall, RecordError, RotatingSink, Sink, Step, StreamError, read_stream
+from .records import (Attribution, GenerationCall, RecordError, RecordSink, RotatingSink, Sink, Step, StreamError,
+                      make_sink, read_stream, register_sink)
 
 __all__ = [
     "ArchSpec",
@@ -21,6 +22,7 @@ __all__ = [
     "GenerationCall",
     "Probe",
     "RecordError",
+    "RecordSink",
     "RegistryError",
     "RotatingSink",
     "Sink",
@@ -30,8 +32,10 @@ __all__ = [
     "attach",
     "detach_all",
     "explain",
+    "make_sink",
     "read_stream",
     "register_architecture",
     "register_file",
+    "register_sink",
 ]
 __version__ = "0.2.0"

@@ -661,15 +661,16 @@ def test_a_sink_refuses_a_symlink_unless_told(lm, tmp_path, existing):
 
 
 SINK_PATHS = cases(
-    ("a directory", "DIR", IsADirectoryError, "Is a directory"),
+    ("a file as its folder", "FILE/run.nxl", NotADirectoryError, "Not a directory"),  # a folder: rotating files
     ("a missing folder", "missing/run.nxl", FileNotFoundError, "No such file or directory"),
 )
 
 
 @pytest.mark.parametrize("where, error, message", SINK_PATHS)
 def test_sink_paths_that_cannot_be_written(lm, tmp_path, where, error, message):
+    (tmp_path / "FILE").write_text("")
     with pytest.raises(error, match=message):
-        nxl.attach(lm, sink=tmp_path if where == "DIR" else tmp_path / where)
+        nxl.attach(lm, sink=tmp_path / where)
     assert _hooks(lm) == 0
 
 

@@ -22,7 +22,7 @@ from torch import nn
 from ..arch.registry import ArchSpec, blocks, compiled_original, resolve
 from ..method import scores as _scores
 from ..method.head import Head
-from ..records.sink import Sink
+from ..records.sinks import sink_factory
 from ..records.tokens import readable_ids
 from ..method.select import (
     EMBEDDINGS,
@@ -202,8 +202,8 @@ def check_recording(plan: Plan, *, on_step: Any, sink: Any, keep_calls: Any, cac
         )
     if on_step is not None and not callable(on_step):
         raise ValueError(f"on_step={on_step!r}: give a function that takes a Step")
-    if sink is not None and not isinstance(sink, (str, os.PathLike, Sink)):
-        raise ValueError(f"sink={sink!r}: give a file path or an nxl.Sink")
+    if sink is not None:
+        sink_factory(sink)  # a spec that names no sink kind is refused here, before any file is opened
     if keep_calls is not None and (isinstance(keep_calls, bool) or not isinstance(keep_calls, int)):
         raise ValueError(f"keep_calls={keep_calls!r}: give a whole number of calls to keep, or None for all")
     if cache_dtype is not None and not (isinstance(cache_dtype, torch.dtype) and cache_dtype.is_floating_point):

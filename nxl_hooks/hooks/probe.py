@@ -35,7 +35,7 @@ from ..arch.registry import get_path, resolve, unwrap
 from ..method.placement import input_device
 from ..method.select import Target, is_predicted, prompt_targets
 from ..records.attribution import Attribution
-from ..records.sink import Sink
+from ..records.sinks import RecordSink
 from ..records.steps import GenerationCall, Step
 from ..records.tokens import chat_text, describe_target
 from .engines import Engine, engines_for
@@ -452,6 +452,12 @@ class Probe:
         return self._notice.text
 
     @property
+    def sink_fault(self) -> str | None:
+        """Why the records sink stopped getting records (one line: disk full, read-only), else None.
+        ``if probe.sink_fault: print(probe.sink_fault)``"""
+        return self._hub.sink_fault
+
+    @property
     def calls(self) -> list[GenerationCall]:
         """The ``generate`` calls run while attached, in the order they started, each with its step records
         (the last ``keep_calls`` of them)."""
@@ -498,7 +504,7 @@ def attach(
     tokenizer: Any = None,
     embedding: str = "layer_input",
     on_step: Callable[[Step], Any] | None = None,
-    sink: str | Path | Sink | None = None,
+    sink: str | Path | RecordSink | None = None,
     keep_steps: bool = True,
     keep_calls: int | None = None,
     cache_dtype: torch.dtype | None = None,
@@ -521,8 +527,9 @@ def attach(
     :mod:`nxl_hooks.hooks.engines` and :mod:`nxl_hooks.hooks.publish`):
 
     - ``on_step``: called with each :class:`~nxl_hooks.Step` as soon as it is complete;
-    - ``sink``: a file path (or :class:`~nxl_hooks.Sink`) the records are appended to, crash-safe;
-      read it with ``nxl.read_stream(path)``;
+    - ``sink``: where the records go, through :func:`~nxl_hooks.make_sink`: a file path (crash-safe stream file;
+      read it with ``nxl.read_stream(path)``), a folder (rotating files), ``"NAME:ARG"`` (``"parquet:out.parquet"``,
+      a registered kind) or a :class:`~nxl_hooks.RecordSink`; ``probe.sink_fault`` says why it stopped, if it did;
     - ``keep_steps``: keep the records in ``probe.calls`` / ``probe.steps`` (set False to stream them only);
       ``keep_calls``: keep only the last N calls (None: all);
     - ``cache_dtype`` / ``cache_device``: where the per-layer feature cache lives (batch × d values per token

@@ -20,12 +20,11 @@ import collections
 import queue
 import threading
 import weakref
-from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
-from ..records.sink import Sink
+from ..records.sinks import RecordSink, make_sink
 from ..records.steps import GenerationCall, Step
 from .guard import reason
 
@@ -86,13 +85,16 @@ class Subscription:
 class Hub:
     """Hands every finished record to the call list, the callback, the subscribers and the sink."""
 
-    def __init__(self, *, on_step: Callable[[Step], Any] | None, sink: "str | Path | Sink | None",
-                 keep_steps: bool, keep_calls: int | None = None) -> None:
+    def __init__(self, *, on_step: Callable[[Step], Any] | None, sink: Any, keep_steps: bool,
+                 keep_calls: int | None = None) -> None:
+        """``sink``: anything :func:`~nxl_hooks.records.sinks.make_sink` takes, or None."""
         if keep_calls is not None and keep_calls < 0:
             raise ValueError(f"keep_calls={keep_calls}: give a number of calls to keep (0 or more), or None for all")
         self._calls: collections.deque[GenerationCall] = collections.deque(maxlen=keep_calls)
         self._on_step = on_step
-        self._sink = sink if isinstance(sink, Sink) or sink is None else Sink(sink)
+        self._sink: RecordSink | None = None if sink is None else make_sink(sink)
+        #: why the sink stopped getting records (one line), None while it is healthy or when there is none
+        self.sink_fault: str | None = None
         self._keep = keep_steps
         # Reentrant: a model collected (by a garbage collection any allocation may start) while this thread holds a
         # lock closes its probe's hub from inside that thread.
@@ -116,6 +118,8 @@ class Hub:
         with self._lock:
             call = GenerationCall(index=self._counter, layers=list(layers), request_id=request_id, thread=thread,
                                   error=error)
+            if self.sink_fault is not None:
+                call.notes.append(self._fault_note())
             self._counter += 1
             self._calls.append(call)
             if error is None and not self._closed:
@@ -129,9 +133,10 @@ class Hub:
 
     def prompt(self, call: GenerationCall, ids: torch.Tensor | None, mask: torch.Tensor, meta: dict) -> None:
         call.prompt_ids, call.prompt_mask = ids, mask
-        self._write("write_call", call, meta)
+        self._write(lambda sink: sink.write_call(call, meta), call)
 
     def publish(self, call: GenerationCall, step: Step) -> None:
+        call.link(step)  # the step's context texts, for to_attribution() wherever the step goes
         with self._lock:
             if self._keep:
                 call.steps.append(step)
@@ -139,7 +144,7 @@ class Hub:
                 for subscriber in list(self._subscribers):
                     if subscriber.wants(call):
                         subscriber.queue.put(step)
-        self._write("write_step", step)
+        self._write(lambda sink: sink.write_step(step), call)
         if self._on_step is not None:
             self._on_step(step)
 
@@ -154,7 +159,7 @@ class Hub:
             call.complete = sequences is not None and call.error is None
             ended = self._release(call)
         if call.prompt_mask is not None:
-            self._write("write_end", call)
+            self._write(lambda sink: sink.write_end(call), call)
         for subscriber in ended:
             subscriber.queue.put(_End)
 
@@ -208,28 +213,39 @@ class Hub:
         with self._sink_lock:
             for call in running:
                 if call.prompt_mask is not None:
-                    self._write_locked("write_end", call)
-            if self._sink is not None:
-                self._write_locked("close")
+                    self._write_locked(lambda sink, call=call: sink.write_end(call), call)
+            self._write_locked(lambda sink: sink.close())
             self._sink = None
         for subscriber in subscribers:
             subscriber.queue.put(_End)
 
-    def _write(self, method: str, *args: Any) -> None:
+    def _write(self, action: Callable[[RecordSink], None], call: GenerationCall) -> None:
         """One sink frame, unless the probe has detached (then the records stay in memory only)."""
         if self._sink is None:
             return
         with self._sink_lock:
             if not self._closed:
-                self._write_locked(method, *args)
+                self._write_locked(action, call)
 
-    def _write_locked(self, method: str, *args: Any) -> None:
-        """A failing sink (a full disk) is dropped with one log line, never raised into the host."""
+    def _write_locked(self, action: Callable[[RecordSink], None], call: GenerationCall | None = None) -> None:
+        """``action`` (one call of a RecordSink method, for ``call``) on the sink. A failing sink (a full disk, a read-only folder) is
+        dropped: its fault is kept in :attr:`sink_fault`, noted on every call it leaves in memory only, and logged
+        once; it is never raised into the host."""
         sink = self._sink
         if sink is None:
             return
         try:
-            getattr(sink, method)(*args)
+            action(sink)
+            fault = getattr(sink, "fault", None)  # a sink may stop writing by itself, saying why
         except Exception as error:  # noqa: BLE001 - the host's call goes on; its records stay in memory
-            reason(f"the stream file {getattr(sink, 'path', '')}", error)
-            self._sink = None
+            where = getattr(sink, "path", None) or type(sink).__name__
+            fault = f"{type(error).__name__}: {reason(f'records sent to the sink {where}', error)}"
+        if fault is None:
+            return
+        self._sink, self.sink_fault = None, str(fault)
+        with self._lock:
+            for affected in {id(c): c for c in [*self._running, *([call] if call else [])]}.values():
+                affected.notes.append(self._fault_note())
+
+    def _fault_note(self) -> str:
+        return f"not written to the sink, which stopped: {self.sink_fault}"

@@ -15,17 +15,18 @@ anything that does not fit: what it accepts works in ``top()``, ``layer()``, ``t
 from __future__ import annotations
 
 import json
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors.torch import load as _load_blob
 from safetensors.torch import save as _save_blob
 
 from ..method.scores import norm_spread
 from ..method.select import layer_index, order, rankable
-from .files import write_bytes, write_text
+from .files import read_regular, write_bytes, write_text
 from .tokens import visible
 
 __all__ = ["Attribution", "FORMAT_VERSION", "RecordError"]
@@ -290,14 +291,17 @@ class Attribution:
 
         Raises :class:`RecordError` (a ValueError) naming the file and what does not fit, OSError when it cannot be read.
         """
+        data = read_regular(path, RecordError)  # a FIFO or device refused; no more than the file's size read
         try:
-            with safe_open(str(path), framework="pt") as fh:
-                header = _header(fh.metadata() or {})
-                names = set(fh.keys())
-                missing = [name for name in _TENSORS if name not in names]
-                if missing:
-                    raise RecordError(f"tensor {missing[0]!r} is missing (an attribution file holds {_TENSORS})")
-                tensors = {name: fh.get_tensor(name) for name in (*_TENSORS, *_OPTIONAL_TENSORS) if name in names}
+            (size,) = struct.unpack_from("<Q", data, 0) if len(data) >= 8 else (len(data),)
+            if size > len(data) - 8:
+                raise ValueError("the file is shorter than its header says: truncated, or not a safetensors file")
+            header = _header(json.loads(bytes(data[8: 8 + size])).get("__metadata__") or {})
+            stored = _load_blob(bytes(data))
+            missing = [name for name in _TENSORS if name not in stored]
+            if missing:
+                raise RecordError(f"tensor {missing[0]!r} is missing (an attribution file holds {_TENSORS})")
+            tensors = {name: stored[name] for name in (*_TENSORS, *_OPTIONAL_TENSORS) if name in stored}
             res = cls(**tensors, layers=header.get("layers"), tokens=header.get("tokens"), meta=header.get("meta", {}),
                       **{name: header[name] for name in _OPTIONAL_HEADER if name in header})
             res.check()

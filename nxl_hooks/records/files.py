@@ -1,5 +1,5 @@
 """Whole files written so that a failure never destroys what was there: a temporary name beside the target, then
-one rename over it.
+one rename over it; and user files read safely (:func:`read_regular`).
 
     with replacing("a.safetensors") as fh:
         fh.write(blob)                   # on any error the old a.safetensors is left as it was
@@ -18,7 +18,10 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-__all__ = ["replacing", "write_bytes", "write_text"]
+__all__ = ["CHUNK", "read_regular", "replacing", "write_bytes", "write_text"]
+
+#: Bytes per read (and per checksum) of a user file: Ctrl-C is seen between two chunks, never after a huge one.
+CHUNK = 8 << 20
 
 
 @contextlib.contextmanager
@@ -58,3 +61,42 @@ def write_bytes(path: str | Path, data: bytes) -> Path:
 def write_text(path: str | Path, text: str) -> Path:
     """``text`` (UTF-8) as the whole content of ``path``, via :func:`replacing`."""
     return write_bytes(path, text.encode("utf-8"))
+
+
+def read_regular(path: str | Path, error: type[Exception] = ValueError) -> bytearray:
+    """The whole content of ``path``, which must be a regular file. ``data = read_regular("run.nxl")``
+
+    A FIFO, device or socket is refused (``error``, one line) before it is opened, so a reader never blocks on a
+    FIFO nor reads ``/dev/zero`` forever; the file is opened non-blocking and checked again (it may have been
+    swapped), the buffer is the file's real size, and it is read in :data:`CHUNK` pieces so that Ctrl-C
+    interrupts a long read. A file that grows meanwhile is read up to the size it had when opened."""
+    kind = _kind(os.stat(path).st_mode)
+    if kind:
+        raise error(f"{path} is {kind}, not a regular file: nxl_hooks reads records only from regular files")
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        kind = _kind(info.st_mode)
+        if kind:
+            raise error(f"{path} is {kind}, not a regular file: nxl_hooks reads records only from regular files")
+        data, done = bytearray(info.st_size), 0
+        with memoryview(data) as view, os.fdopen(fd, "rb", buffering=0, closefd=False) as fh:
+            while done < len(data):
+                got = fh.readinto(view[done: done + CHUNK])
+                if not got:
+                    break
+                done += got
+        del data[done:]  # a file that shrank while being read: what it holds now
+        return data
+    finally:
+        os.close(fd)
+
+
+def _kind(mode: int) -> str:
+    """'' for a regular file, else what it is, in words."""
+    for test, name in ((stat.S_ISREG, ""), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a file"

@@ -45,14 +45,19 @@ class Step:
     probability: torch.Tensor | None = None  #: float32, shaped like ``target``: the model's own softmax probability
     #: of each explained id at this step (before any logits processor or sampling temperature)
     readable: list[str] | None = None  #: (batch,) the emitted token of each row as people read it ('␣Paris')
+    #: per row, the readable texts of the call's tokens (prompt, then emitted), shared by the call's steps and
+    #: read up to ``position``; set by :meth:`GenerationCall.link` (None where the texts are not known)
+    context: list[list[str]] | None = field(default=None, repr=False)
 
     def to_attribution(self, tokens: list[list[str]] | None = None, special: torch.Tensor | None = None,
                        readable: list[list[str]] | None = None) -> Attribution:
         """This step as an :class:`Attribution` (prediction position = ``position - 1``), e.g. for ``.top()``.
 
         ``tokens`` / ``special`` / ``readable``: the context's token pieces, special-token flags and readable texts
-        per row, when known."""
+        per row, when known; ``readable`` defaults to the context's texts the step was recorded with."""
         batch = self.token.shape[0]
+        if readable is None and self.context is not None:
+            readable = [row[:self.position] for row in self.context]
         return Attribution(
             normxlogit=self.normxlogit,
             logat=self.logat,
@@ -88,3 +93,21 @@ class GenerationCall:
     request_id: str | None = None  #: the request this call served (X-Request-ID, the server's id, or a generated one)
     thread: str | None = None  #: the name of the thread that ran it
     error: str | None = None  #: why recording stopped early (the call itself ran on, unharmed)
+    _context: list[list[str]] | None = field(default=None, init=False, repr=False)  # what link() hands out
+    #: what else went wrong with its records, e.g. that the sink stopped and they are in memory only
+    notes: list[str] = field(default_factory=list)
+
+    def link(self, step: Step) -> None:
+        """Give ``step`` the readable texts of its context (the prompt's, then each earlier step's token) and add
+        its own token's: ``step.to_attribution().top(3)`` then names tokens by their text. Called once per step,
+        in order, by the probe's hub and by :func:`~nxl_hooks.records.sink.read_stream`."""
+        if self.readable is None or step.readable is None or len(step.readable) != len(self.readable):
+            return
+        if self._context is None:
+            self._context = [list(row) for row in self.readable]
+        if any(len(row) < step.position for row in self._context):
+            return  # earlier steps were not seen (a rotated file deleted): their texts are unknown
+        for row, text in zip(self._context, step.readable):
+            del row[step.position:]
+            row.append(text)
+        step.context = self._context

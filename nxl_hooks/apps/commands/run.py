@@ -46,6 +46,15 @@ def bootstrap_dir() -> str:
     return os.path.join(os.path.dirname(lazy.__file__), "bootstrap")
 
 
+def _is_kind(value: str) -> bool:
+    """Whether ``--sink`` names a registered sink kind (``NAME:ARG``), checked here so a wrong one is one line."""
+    if ":" not in value or os.path.exists(value):
+        return False
+    from ...records.sinks import kind_name  # imports torch: only for what may be a NAME:ARG sink
+
+    return kind_name(value) is not None
+
+
 def prepare_run(args: argparse.Namespace, load: dict) -> Settings:
     """The run's :class:`~nxl_hooks.apps.serve.settings.Settings` from parsed ``add_run_options`` flags (checked
     before anything is made), and its run folder: ``--sink DIR`` or a private one,
@@ -53,14 +62,15 @@ def prepare_run(args: argparse.Namespace, load: dict) -> Settings:
     from ..serve.runs import make_run_dir, private_run_dir, write_token
 
     settings = Settings.from_args(args, run_dir=Path(), load=load)  # a bad flag makes no folder
-    if args.sink:
+    spec = args.sink if args.sink and _is_kind(args.sink) else None
+    if args.sink and not spec:
         check_output_folder(args.sink, "--sink")
         folder = make_run_dir(args.sink)
     else:
         folder = private_run_dir()
     if settings.listen:
         write_token(folder)
-    return dataclasses.replace(settings, run_dir=folder)
+    return dataclasses.replace(settings, run_dir=folder, sink=bool(args.sink) and not spec, sink_spec=spec)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -40,6 +40,7 @@ from ...hooks.probe import Probe, attach
 from ...method.select import special_mask
 from ...records.attribution import Attribution
 from ...records.sink import RotatingSink
+from ...records.sinks import make_sink
 from ...records.steps import GenerationCall, Step
 from .settings import Settings, matches
 
@@ -238,15 +239,18 @@ class Rules:
         try:
             # generate records (steps, a sink) only for models that generate; a classifier keeps its forwards
             generates = head_kind(unwrap(model)) == "causal_lm"
-            if generates and settings.sink:
-                sink = RotatingSink(settings.run_dir / watch.slug, max_bytes=settings.sink_max_bytes,
-                                    max_files=settings.sink_max_files)
+            if generates and settings.sink_spec:
+                sink = make_sink(settings.sink_spec.replace("{model}", watch.slug))
+            elif generates and settings.sink:
+                sink = make_sink(f"folder:{settings.run_dir / watch.slug}", max_bytes=settings.sink_max_bytes,
+                                 max_files=settings.sink_max_files)
             probe = attach(model, **self.options, tokenizer=self._tokenizer(watch, self.options), sink=sink,
                            keep_steps=True, keep_calls=settings.keep_calls,
                            on_step=functools.partial(self._on_step, watch) if generates else None)
         except Exception as error:  # noqa: BLE001 - an unsupported model runs unrecorded
             if sink is not None:
-                sink.close()  # removes its empty file
+                sink.close()  # a RotatingSink removes its empty file
+            if isinstance(sink, RotatingSink):
                 try:
                     sink.folder.rmdir()
                 except OSError:  # not empty: earlier records of this model
@@ -448,7 +452,7 @@ class Controller:
         """This process as ``/v1/status`` and ``nxl ctl status`` show it; each model's ``sink_fault`` and
         ``unrecorded`` say what is not being recorded and why."""
         return {"pid": os.getpid(), "paused": self.paused, "options": dict(self.options),
-                "sink": str(self.settings.run_dir) if self.settings.sink else None,
+                "sink": self.settings.sink_spec or (str(self.settings.run_dir) if self.settings.sink else None),
                 "keep_calls": self.settings.keep_calls, "models": [watch.describe() for watch in self.watches()],
                 "endpoint": self.endpoint.describe() if self.endpoint is not None else None}
 

@@ -167,9 +167,14 @@ class Settings:
         "NXL_RUN_DIR", Path, "the run folder: control sockets, token, records (nxl run makes it, in --sink DIR or "
         "a private temporary folder); unset: the bootstrap is off"))
     sink: bool = _setting(False, Option(
-        "NXL_SINK", _switch, "write records to the run folder (rotated files, one folder per process and model) "
-        "next to the control sockets; without it: a private temporary folder, records in memory only",
+        "NXL_SINK", _switch, "write records to the run folder DIR (rotated files, one folder per process and model) "
+        "next to the control sockets, or NAME:ARG, a registered sink kind (parquet:out.parquet; {model} in ARG: "
+        "the model's name); without it: a private temporary folder, records in memory only",
         text=lambda on: "1" if on else "0", flag="--sink", metavar="DIR", arg=str))
+    sink_spec: str | None = _setting(None, Option(
+        "NXL_SINK_SPEC", str, "NAME:ARG: write records to that registered sink kind instead of the run folder's "
+        "files (nxl run sets it from --sink parquet:out.parquet; {model} in ARG: the model's folder name)",
+        text=lambda value: value or ""))
     layers: str | list[int] = _setting("all", Option(
         "NXL_LAYERS", parse_layers, "layers explained: all | last | comma list like 0,2,-1",
         text=option_text, flag="--layers", metavar="LAYERS"))

@@ -1,0 +1,208 @@
+"""Step records as tidy Parquet rows, for pandas, Polars or DuckDB (needs ``pip install "nxl_hooks[parquet]"``).
+
+    nxl.attach(model, tokenizer=tok, sink="parquet:scores.parquet")     # live, written at detach
+    nxl export runs/ scores.parquet                                     # offline, from stream files
+    pandas.read_parquet("scores.parquet").query("layer == -1 and step == 0")
+
+One row per (call, batch row, step, layer, context position[, explained target]) where the position is real
+(``mask`` True: left padding and pads after a row's end are left out). Columns (:data:`SCHEMA`):
+
+===================  ==========================================================================================
+``request_id``       the request the call served (None outside a server)
+``call``, ``row``    the call's index under its probe, generate's batch row
+``step``             0 for the first new token; ``emitted_position``: that token's index in the sequence
+``emitted_id``       the token generate emitted at this step; ``emitted_text`` as people read it ('␣Paris')
+``active``           False where the row had already ended (the step explains a pad token)
+``layer``            the layer index (0..L, negative indices given to attach resolved)
+``position``         the context position scored; ``token_id`` / ``token_text``: the token there
+``target_index``     0, or which of the k explained ids (``attach(target=[...])``)
+``target_id``        the explained id; ``target_text`` its text when known; ``probability`` the model's own
+``normxlogit``       the score; ``logat`` (HoT(h_i^l)[target]) and ``embed_norm`` (‖e_i‖) it is made of
+===================  ==========================================================================================
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from .steps import GenerationCall, Step
+
+__all__ = ["INSTALL", "ParquetSink", "export_parquet"]
+
+#: What to run when pyarrow is missing.
+INSTALL = 'pip install "nxl_hooks[parquet]"'
+
+
+def _pyarrow() -> Any:
+    try:
+        import pyarrow
+        import pyarrow.parquet  # noqa: F401 - the submodule ParquetSink writes with
+    except ImportError:
+        raise ImportError(f"Parquet export needs pyarrow: {INSTALL}") from None
+    return pyarrow
+
+
+def schema() -> Any:
+    """The Arrow schema of the rows (see the module docstring)."""
+    pa = _pyarrow()
+    return pa.schema([
+        ("request_id", pa.string()), ("call", pa.int64()), ("row", pa.int32()), ("step", pa.int32()),
+        ("emitted_position", pa.int32()), ("emitted_id", pa.int64()), ("emitted_text", pa.string()),
+        ("active", pa.bool_()), ("layer", pa.int32()), ("position", pa.int32()), ("token_id", pa.int64()),
+        ("token_text", pa.string()), ("target_index", pa.int32()), ("target_id", pa.int64()),
+        ("target_text", pa.string()), ("probability", pa.float32()), ("normxlogit", pa.float32()),
+        ("logat", pa.float32()), ("embed_norm", pa.float32()),
+    ])
+
+
+class _Context:
+    """A running call's context so far: token ids (-1 where unknown) and texts per row, grown by each step."""
+
+    def __init__(self, call: GenerationCall) -> None:
+        self.request_id = call.request_id
+        mask = call.prompt_mask
+        self.ids = call.prompt_ids.long() if call.prompt_ids is not None else torch.full(mask.shape, -1)
+        self.texts: list[list[str | None]] = ([list(row) for row in call.readable] if call.readable
+                                              else [[None] * mask.shape[1] for _ in range(mask.shape[0])])
+
+    def reach(self, position: int) -> None:
+        """Unknown tokens up to ``position`` (the steps before it were not seen: a rotated file deleted)."""
+        missing = position - self.ids.shape[1]
+        if missing > 0:
+            self.ids = torch.cat([self.ids, torch.full((self.ids.shape[0], missing), -1)], dim=1)
+            for texts in self.texts:
+                texts.extend([None] * missing)
+
+    def grow(self, step: Step) -> None:
+        self.ids = torch.cat([self.ids[:, :step.position], step.token.long().view(-1, 1)], dim=1)
+        for row, texts in enumerate(self.texts):
+            del texts[step.position:]
+            texts.append(step.readable[row] if step.readable else None)
+
+
+def _rows(context: _Context, step: Step) -> dict[str, Any]:
+    """The columns of one step's rows (numpy arrays and lists), real context positions only."""
+    import numpy as np
+
+    scores = step.normxlogit
+    k = scores.shape[3] if scores.dim() == 4 else 1
+    n_layers, batch, n = scores.shape[:3]
+    grid = [t.reshape(-1) for t in torch.meshgrid(torch.arange(n_layers), torch.arange(batch), torch.arange(n),
+                                                   torch.arange(k), indexing="ij")]
+    layer_i, row, position, target_index = grid
+    keep = step.mask[row, position].numpy()
+    pick = lambda t: t.numpy()[keep]  # noqa: E731 - one filter for every column
+    targets = step.target.long().view(batch, -1)
+    texts = np.array(context.texts, dtype=object).reshape(batch, -1)
+    same = step.readable and torch.equal(targets[:, 0], step.token.long()) and k == 1
+    emitted_text = np.array(step.readable if step.readable else [None] * batch, dtype=object)
+    prob = step.probability.float().view(batch, -1)[row, target_index] if step.probability is not None else None
+    row_k, pos_k = pick(row), pick(position)
+    return {
+        "request_id": [context.request_id] * int(keep.sum()),
+        "call": np.full(int(keep.sum()), step.call, dtype=np.int64),
+        "row": row_k.astype(np.int32),
+        "step": np.full(len(row_k), step.step, dtype=np.int32),
+        "emitted_position": np.full(len(row_k), step.position, dtype=np.int32),
+        "emitted_id": step.token.long().numpy()[row_k],
+        "emitted_text": list(emitted_text[row_k]),
+        "active": step.active.numpy()[row_k],
+        "layer": np.asarray(step.layers, dtype=np.int32)[pick(layer_i)],
+        "position": pos_k.astype(np.int32),
+        "token_id": context.ids[:, :n].numpy()[row_k, pos_k],
+        "token_text": list(texts[row_k, pos_k]),
+        "target_index": pick(target_index).astype(np.int32),
+        "target_id": pick(targets[row, target_index]),
+        "target_text": list(emitted_text[row_k]) if same else [None] * len(row_k),
+        "probability": pick(prob).astype(np.float32) if prob is not None else None,
+        **{name: pick(getattr(step, name).float().reshape(n_layers, batch, n, k)[layer_i, row, position, target_index])
+           for name in ("normxlogit", "logat")},
+        "embed_norm": step.embed_norm.float().numpy()[row_k, pos_k],
+    }
+
+
+class ParquetSink:
+    """A :class:`~nxl_hooks.records.sinks.RecordSink` writing tidy Parquet rows (see the module docstring).
+
+    ``nxl.attach(model, tokenizer=tok, sink="parquet:out.parquet")`` or ``ParquetSink("out.parquet")``.
+
+    Rows are buffered and written as a row group every ``row_group_rows`` rows, to ``out.parquet.partial``;
+    ``close()`` (the probe detaching) writes the rest and the file's footer and renames it to ``out.parquet``.
+    Parquet is not append-safe: a file without its footer cannot be read, so a process that dies before the
+    probe detaches (a crash, SIGKILL) loses every row of this sink, and ``out.parquet.partial`` is left behind.
+    Where that matters, record to the crash-safe stream file (``sink="run.nxl"``) and convert it afterwards
+    with ``nxl export run.nxl out.parquet`` (:func:`export_parquet`).
+    """
+
+    def __init__(self, path: str | os.PathLike, *, row_group_rows: int = 1 << 17) -> None:
+        pa = _pyarrow()
+        self.path = Path(path)
+        self._partial = self.path.with_name(self.path.name + ".partial")
+        self._schema = schema()
+        self._writer = pa.parquet.ParquetWriter(self._partial, self._schema)
+        self._row_group_rows = row_group_rows
+        self._buffer: list[dict[str, Any]] = []
+        self._buffered = 0
+        self._calls: dict[int, _Context] = {}
+        self.rows = 0  #: rows written so far (in row groups or buffered)
+
+    def write_call(self, call: GenerationCall, meta: dict) -> None:
+        self._calls[call.index] = _Context(call)
+
+    def write_step(self, step: Step) -> None:
+        context = self._calls.get(step.call)
+        if context is None:
+            return  # its call frame never came (the call started before the sink): no context to name
+        context.reach(step.position)
+        columns = _rows(context, step)
+        context.grow(step)
+        count = len(columns["row"])
+        self._buffer.append(columns)
+        self._buffered += count
+        self.rows += count
+        if self._buffered >= self._row_group_rows:
+            self._flush()
+
+    def write_end(self, call: GenerationCall) -> None:
+        self._calls.pop(call.index, None)
+
+    def _flush(self) -> None:
+        if not self._buffer:
+            return
+        pa = _pyarrow()
+        arrays = []
+        for field in self._schema:
+            parts = [chunk[field.name] for chunk in self._buffer]
+            if field.name == "probability":
+                parts = [[None] * len(chunk["row"]) if part is None else part
+                         for part, chunk in zip(parts, self._buffer)]
+            arrays.append(pa.chunked_array([pa.array(part, type=field.type) for part in parts], type=field.type))
+        self._writer.write_table(pa.Table.from_arrays(arrays, schema=self._schema))
+        self._buffer, self._buffered = [], 0
+
+    def close(self) -> None:
+        if self._writer is None:
+            return
+        self._flush()
+        self._writer.close()
+        self._writer = None
+        os.replace(self._partial, self.path)
+
+
+def export_parquet(calls: Iterable[GenerationCall], out: str | os.PathLike) -> int:
+    """Write the step records of ``calls`` (e.g. ``read_stream(path)``) as Parquet rows; returns the row count.
+    ``export_parquet(nxl.read_stream("runs/"), "out.parquet")``"""
+    sink = ParquetSink(out)
+    for call in calls:
+        if call.prompt_mask is None:
+            continue
+        sink.write_call(call, {})
+        for step in call.steps:
+            sink.write_step(step)
+        sink.write_end(call)
+    sink.close()
+    return sink.rows

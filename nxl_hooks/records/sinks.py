@@ -1,0 +1,170 @@
+"""Where generation records go: the :class:`RecordSink` protocol, the registry of sink kinds and :func:`make_sink`.
+
+    sink = make_sink("runs/llm/")                      # a folder: rotating stream files
+    sink = make_sink("parquet:out.parquet")            # a registered kind, "NAME:ARG"
+    register_sink("mykind", lambda arg, **options: MySink(arg))
+    nxl.attach(model, sink="mykind:somewhere")         # attach builds it through make_sink
+
+A probe's hub calls the four methods of the protocol, in one thread at a time: ``write_call`` when a call's prompt
+is known, ``write_step`` per step record, ``write_end`` when the call ends, ``close`` when the probe detaches. A
+sink that raises stops getting records (the host's call goes on); a sink that stops writing by itself (a full
+disk) says why in its ``fault``.
+
+Third-party kinds register through the entry-point group ``nxl_hooks.sinks`` (name: the kind, value: a factory
+``factory(arg: str, **options) -> RecordSink``); they are looked up once, when a spec names a kind that is not
+registered in the process, and only the one named is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import threading
+from importlib import metadata
+from typing import Any, Callable, Protocol, runtime_checkable
+
+from .steps import GenerationCall, Step
+
+__all__ = ["ENTRY_POINT_GROUP", "RecordSink", "kind_name", "make_sink", "register_sink", "sink_factory"]
+
+#: The entry-point group through which installed distributions register sink kinds.
+ENTRY_POINT_GROUP = "nxl_hooks.sinks"
+
+
+@runtime_checkable
+class RecordSink(Protocol):
+    """A destination of generation records. ``class MySink: def write_call(self, call, meta): ...`` and the rest.
+
+    ``fault`` (optional attribute): one line saying why the sink stopped writing (disk full, read-only, folder
+    removed), None while it is healthy.
+    """
+
+    def write_call(self, call: GenerationCall, meta: dict) -> None:
+        """A call whose prompt is known (``meta``: what the probe explains, ``Probe.describe()``)."""
+
+    def write_step(self, step: Step) -> None:
+        """One step record of a call opened by ``write_call``."""
+
+    def write_end(self, call: GenerationCall) -> None:
+        """The call returned (``complete``, ``sequences``) or stopped being recorded (``error``)."""
+
+    def close(self) -> None:
+        """No more records: flush and release what the sink holds."""
+
+
+Factory = Callable[..., RecordSink]
+
+_KINDS: dict[str, Factory] = {}
+_lock = threading.Lock()
+_entry_points: dict[str, metadata.EntryPoint] | None = None  # read once, on the first unknown kind
+#: "NAME:ARG": a kind's name is a word of two or more characters (one letter would be a Windows drive)
+_SPEC = re.compile(r"([A-Za-z][\w.-]+):(.*)", re.DOTALL)
+
+
+def register_sink(name: str, factory: Factory) -> None:
+    """Make ``make_sink("NAME:ARG", **options)`` call ``factory(ARG, **options)``. ``register_sink("pq", PqSink)``
+
+    A name registered again replaces the earlier factory (the last registration wins)."""
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z][\w.-]+", name):
+        raise ValueError(f"sink kind {name!r}: use a name of two or more letters, digits, '_', '.' or '-', "
+                         "starting with a letter")
+    if not callable(factory):
+        raise ValueError(f"sink kind {name!r}: the factory {factory!r} is not callable")
+    with _lock:
+        _KINDS[name] = factory
+
+
+def _installed() -> dict[str, metadata.EntryPoint]:
+    global _entry_points
+    with _lock:
+        if _entry_points is None:
+            _entry_points = {point.name: point for point in metadata.entry_points(group=ENTRY_POINT_GROUP)}
+        return _entry_points
+
+
+def _kind(name: str) -> Factory | None:
+    """The factory registered as ``name``: in this process, else through an installed entry point."""
+    with _lock:
+        factory = _KINDS.get(name)
+    if factory is not None:
+        return factory
+    point = _installed().get(name)
+    if point is None:
+        return None
+    try:
+        factory = point.load()
+    except Exception as error:  # noqa: BLE001 - a broken plugin is the user's one line, not a traceback
+        raise ValueError(f"sink kind {name!r} from entry point {point.value!r} failed to load "
+                         f"({type(error).__name__}: {error})") from None
+    register_sink(name, factory)
+    return factory
+
+
+_BUILTIN = ("file", "folder", "parquet")
+
+
+def _builtin(name: str) -> Factory:
+    # imported here: the Parquet exporter needs pyarrow only when it is used
+    if name == "parquet":
+        from .parquet import ParquetSink
+
+        return ParquetSink
+    from .sink import RotatingSink, Sink
+
+    return {"file": Sink, "folder": RotatingSink}[name]
+
+
+def kind_name(spec: Any) -> str | None:
+    """The kind a ``"NAME:ARG"`` string names (None: a path, or not a string); ValueError for a kind that nobody
+    registered. A string that is an existing path is a path."""
+    match = _SPEC.fullmatch(spec) if isinstance(spec, str) else None
+    if match is None:
+        return None
+    name = match.group(1)
+    if name in _BUILTIN or _kind(name) is not None:
+        return name
+    if os.path.exists(spec):
+        return None
+    known = sorted({*_BUILTIN, *_KINDS, *_installed()})
+    raise ValueError(f"sink {spec!r}: no sink kind {name!r} is registered (known: {', '.join(known)}); for a file "
+                     "or folder whose name holds a colon, write it as ./NAME")
+
+
+def sink_factory(spec: Any) -> tuple[Factory, str] | None:
+    """The factory and argument ``make_sink(spec)`` would use (None: ``spec`` already is a sink), without making
+    the sink: for checking a value before any file is opened. ValueError for a spec that names no sink."""
+    if isinstance(spec, RecordSink):
+        return None
+    name = kind_name(spec)
+    if name is not None:
+        return _kind(name) or _builtin(name), spec.partition(":")[2]
+    if isinstance(spec, (str, os.PathLike)):
+        path = os.fspath(spec)
+        if not path:
+            raise ValueError("sink='': give a file path, a folder, or NAME:ARG")
+        folder = os.path.isdir(path) or path.endswith(os.sep)
+        return _builtin("folder" if folder else "file"), path
+    raise ValueError(f"sink={spec!r}: give a file path, a folder, 'NAME:ARG' for a registered kind "
+                     "(e.g. 'parquet:out.parquet'), or an object with write_call, write_step, write_end and close")
+
+
+def make_sink(spec: Any, **options: Any) -> RecordSink:
+    """A record sink from what a user gave. ``make_sink("runs/", max_bytes=1 << 20)``
+
+    ``spec``: an object that already is a :class:`RecordSink` (returned as it is; no ``options``); a file path (the
+    crash-safe stream file, :class:`~nxl_hooks.records.sink.Sink`); an existing folder or a path ending in ``/``
+    (rotating stream files, :class:`~nxl_hooks.records.sink.RotatingSink`); or ``"NAME:ARG"`` for a registered kind
+    (``file:``, ``folder:``, ``parquet:`` built in; others through :func:`register_sink` or the entry-point group
+    ``nxl_hooks.sinks``). ``options`` go to the kind's factory. A :class:`pathlib.Path` is always a path."""
+    found = sink_factory(spec)
+    if found is None:
+        if options:
+            raise ValueError(f"sink options {sorted(options)} given with a sink object: set them where it is made")
+        return spec
+    factory, arg = found
+    sink = factory(arg, **options)
+    if not isinstance(sink, RecordSink):
+        raise ValueError(f"sink {spec!r}: its factory returned {type(sink).__name__}, which lacks write_call, "
+                         "write_step, write_end or close")
+    return sink
+

@@ -1,0 +1,294 @@
+"""Record sinks: the RecordSink protocol, the registry (in-process and through an entry point), the Parquet
+exporter (live and ``nxl export``), records read back complete (texts and probabilities), and sink faults.
+Parquet values are checked against the stream's records and against the uncached oracle of tests/oracle.py."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+
+import nxl_hooks as nxl
+from nxl_hooks.apps.cli import main as cli_main
+from oracle import check_call
+from serving import save_chat_model
+
+pq = pytest.importorskip("pyarrow.parquet")
+
+PROMPTS = ["hello world how are you", "the w3 is a"]
+
+
+@pytest.fixture(scope="module")
+def chat(tmp_path_factory):
+    path = save_chat_model(tmp_path_factory.mktemp("sinks") / "tiny")
+    model = LlamaForCausalLM.from_pretrained(path).eval()
+    model.generation_config.eos_token_id = None  # every row runs max_new_tokens
+    return path, model, AutoTokenizer.from_pretrained(path)
+
+
+def _generate(model, tokenizer, sink, *, layers="all", new=4, prompts=PROMPTS):
+    tokenizer.padding_side = "left"
+    enc = tokenizer(prompts, return_tensors="pt", padding=True)
+    with nxl.attach(model, layers=layers, tokenizer=tokenizer, sink=sink) as probe:
+        model.generate(**enc, max_new_tokens=new, do_sample=False)
+    return probe
+
+
+def _table(path) -> dict[str, list]:
+    return pq.read_table(path).to_pydict()
+
+
+def _from_rows(columns: dict[str, list], call, layers) -> nxl.GenerationCall:
+    """A GenerationCall rebuilt from Parquet rows alone (no record object), for the oracle."""
+    rows = [dict(zip(columns, values)) for values in zip(*columns.values())]
+    batch, prompt_len = call.prompt_mask.shape
+    steps = []
+    for index in sorted({r["step"] for r in rows}):
+        mine = [r for r in rows if r["step"] == index]
+        n = mine[0]["emitted_position"]
+        shape = (len(layers), batch, n)
+        score, logat = torch.zeros(shape), torch.zeros(shape)
+        embed, mask = torch.zeros(batch, n), torch.zeros(batch, n, dtype=torch.bool)
+        token = torch.zeros(batch, dtype=torch.long)
+        for r in mine:
+            at = (layers.index(r["layer"]), r["row"], r["position"])
+            score[at], logat[at] = r["normxlogit"], r["logat"]
+            embed[r["row"], r["position"]], mask[r["row"], r["position"]] = r["embed_norm"], True
+            token[r["row"]] = r["emitted_id"]
+        steps.append(nxl.Step(call=0, step=index, position=n, token=token, target=token.clone(), normxlogit=score,
+                              logat=logat, embed_norm=embed, mask=mask, active=torch.ones(batch, dtype=torch.bool),
+                              layers=layers))
+    ids = torch.zeros(batch, prompt_len + len(steps), dtype=torch.long)
+    for r in rows:  # every context token the rows name, prompt and generated
+        ids[r["row"], r["position"]] = r["token_id"] if r["token_id"] is not None else 0
+    for step in steps:
+        ids[:, step.position] = step.token
+    return nxl.GenerationCall(index=0, layers=layers, prompt_ids=ids[:, :prompt_len], prompt_mask=call.prompt_mask,
+                              steps=steps, sequences=ids, complete=True)
+
+
+def test_parquet_live_and_exported_rows_equal_the_stream_records_and_the_oracle(chat, tmp_path):
+    path, model, tokenizer = chat
+    live = _generate(model, tokenizer, f"parquet:{tmp_path / 'live.parquet'}", layers=[0, 1, -1])
+    assert live.sink_fault is None and not (tmp_path / "live.parquet.partial").exists()
+    stream = _generate(model, tokenizer, tmp_path / "run.nxl", layers=[0, 1, -1])
+    (call,) = nxl.read_stream(tmp_path / "run.nxl")
+    code = cli_main(["export", str(tmp_path / "run.nxl"), str(tmp_path / "export.parquet")])
+    assert code == 0
+    columns, exported = _table(tmp_path / "live.parquet"), _table(tmp_path / "export.parquet")
+    assert {k: v for k, v in columns.items() if k != "request_id"} == \
+        {k: v for k, v in exported.items() if k != "request_id"}  # the live sink and nxl export write one format
+    # every row is the stream's record at that place, and every real position of every step has its row
+    mask_total = sum(int(s.mask.sum()) * len(s.layers) for s in call.steps)
+    assert len(columns["row"]) == mask_total
+    texts = [row + [s.readable[b] for s in call.steps] for b, row in enumerate(call.readable)]
+    ids = torch.cat([call.prompt_ids, torch.stack([s.token for s in call.steps], 1)], 1)
+    for i in range(0, len(columns["row"]), 7):
+        r = {k: v[i] for k, v in columns.items()}
+        step = call.steps[r["step"]]
+        at = (step.layers.index(r["layer"]), r["row"], r["position"])
+        assert r["normxlogit"] == pytest.approx(float(step.normxlogit[at]), rel=1e-6)
+        assert r["logat"] == pytest.approx(float(step.logat[at]), rel=1e-6)
+        assert r["embed_norm"] == pytest.approx(float(step.embed_norm[r["row"], r["position"]]), rel=1e-6)
+        assert r["probability"] == pytest.approx(float(step.probability[r["row"]]), rel=1e-6)
+        assert r["token_id"] == int(ids[r["row"], r["position"]])
+        assert r["token_text"] == texts[r["row"]][r["position"]]
+        assert r["emitted_text"] == r["target_text"] == step.readable[r["row"]]
+        assert r["request_id"] == live.calls[0].request_id
+    assert columns["token_text"][0] in ("<pad>", "hello") and "hello" in columns["token_text"]
+    # the oracle, from the Parquet rows alone: each step's scores and the emitted tokens
+    check_call(model, _from_rows(columns, stream.calls[0], [0, 1, 2]), 4)
+
+
+class _ListSink:
+    """A sink written in a test file: keeps every record it gets."""
+
+    made: list["_ListSink"] = []
+
+    def __init__(self, arg: str, **options) -> None:
+        self.arg, self.options, self.records = arg, options, []
+        _ListSink.made.append(self)
+
+    def write_call(self, call, meta):
+        self.records.append(("call", call.index, sorted(meta)))
+
+    def write_step(self, step):
+        self.records.append(("step", step.call, step.step, step.normxlogit.clone()))
+
+    def write_end(self, call):
+        self.records.append(("end", call.index, call.complete))
+
+    def close(self):
+        self.records.append(("close",))
+
+
+def test_a_sink_kind_registered_in_a_test_file_is_used_by_attach(chat):
+    _, model, tokenizer = chat
+    nxl.register_sink("listsink", _ListSink)
+    probe = _generate(model, tokenizer, "listsink:somewhere", layers="last", new=3, prompts=PROMPTS[:1])
+    (sink,) = [s for s in _ListSink.made if s.arg == "somewhere"]
+    kinds = [r[0] for r in sink.records]
+    assert kinds == ["call", "step", "step", "step", "end", "close"]
+    assert sink.records[-2] == ("end", 0, True)
+    for record, step in zip(sink.records[1:4], probe.steps, strict=True):
+        assert record[2] == step.step and torch.equal(record[3], step.normxlogit)
+    assert isinstance(sink, nxl.RecordSink)
+    assert nxl.make_sink(sink) is sink
+
+
+def test_sink_specs_name_what_is_wrong(chat, tmp_path):
+    _, model, _ = chat
+    with pytest.raises(ValueError, match="no sink kind 'nosuchkind' is registered"):
+        nxl.attach(model, sink="nosuchkind:x")
+    with pytest.raises(ValueError, match="write_call, write_step, write_end and close"):
+        nxl.attach(model, sink=42)
+    with pytest.raises(ValueError, match="starting with a letter"):
+        nxl.register_sink("1x", _ListSink)
+    assert not list(tmp_path.iterdir())  # refused before any file was made
+    assert isinstance(nxl.make_sink(tmp_path / "a.nxl"), nxl.Sink)
+    folder = nxl.make_sink(f"{tmp_path}/rot/", max_bytes=1000)
+    assert isinstance(folder, nxl.RotatingSink) and folder.max_bytes == 1000
+    folder.close()
+    (tmp_path / "x:y").mkdir()
+    assert isinstance(nxl.make_sink(str(tmp_path / "x:y")), nxl.RotatingSink)  # a path with a colon stays a path
+
+
+_PLUGIN = '''
+import json
+from pathlib import Path
+
+
+class JsonLinesSink:
+    """A third party's sink: one JSON line per record."""
+
+    def __init__(self, arg, **options):
+        self.path = Path(arg)
+        self.fh = self.path.open("a")
+
+    def write_call(self, call, meta):
+        self.fh.write(json.dumps({"kind": "call", "call": call.index, "prompt": call.prompt_ids.tolist()}) + "\\n")
+
+    def write_step(self, step):
+        self.fh.write(json.dumps({"kind": "step", "call": step.call, "step": step.step,
+                                  "token": step.token.tolist(), "score": step.normxlogit.tolist()}) + "\\n")
+        self.fh.flush()
+
+    def write_end(self, call):
+        self.fh.write(json.dumps({"kind": "end", "call": call.index, "complete": call.complete}) + "\\n")
+
+    def close(self):
+        self.fh.close()
+'''
+
+_APP = '''
+import sys, torch
+from transformers import LlamaForCausalLM
+model = LlamaForCausalLM.from_pretrained(sys.argv[1]).eval()
+out = model.generate(input_ids=torch.tensor([[1, 64, 67, 68]]), max_new_tokens=3, do_sample=False)
+print("OUT", out[0].tolist())
+'''
+
+
+def test_a_sink_kind_from_an_installed_entry_point_is_used_by_nxl_run(chat, tmp_path):
+    path, model, _ = chat
+    site = tmp_path / "site"
+    (site / "jsonl_sink_plugin-1.0.dist-info").mkdir(parents=True)
+    (site / "jsonl_sink_plugin.py").write_text(_PLUGIN)
+    (site / "jsonl_sink_plugin-1.0.dist-info" / "METADATA").write_text(
+        "Metadata-Version: 2.1\nName: jsonl-sink-plugin\nVersion: 1.0\n")
+    (site / "jsonl_sink_plugin-1.0.dist-info" / "entry_points.txt").write_text(
+        "[nxl_hooks.sinks]\njsonl = jsonl_sink_plugin:JsonLinesSink\n")
+    (tmp_path / "app.py").write_text(_APP)
+    out = tmp_path / "records-{model}.jsonl"
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "nxl_hooks", "run", "--sink", f"jsonl:{out}", "--layers", "all",
+                           "--", sys.executable, str(tmp_path / "app.py"), str(path)],
+                          capture_output=True, text=True, timeout=300, env=env)
+    assert done.returncode == 0, done.stderr
+    (written,) = tmp_path.glob("records-*-tiny.jsonl")  # {model}: the process's model folder name
+    records = [json.loads(line) for line in written.read_text().splitlines()]
+    assert [r["kind"] for r in records] == ["call", "step", "step", "step", "end"]
+    assert records[-1]["complete"] is True
+    emitted = json.loads(done.stdout.split("OUT ", 1)[1])
+    assert [r["token"][0] for r in records[1:4]] == emitted[4:]
+    with nxl.attach(model, layers="all") as probe:  # the same request in this process
+        model.generate(input_ids=torch.tensor([[1, 64, 67, 68]]), max_new_tokens=3, do_sample=False)
+    for record, step in zip(records[1:4], probe.steps, strict=True):
+        torch.testing.assert_close(torch.tensor(record["score"]), step.normxlogit, rtol=1e-5, atol=1e-6)
+    refused = subprocess.run([sys.executable, "-m", "nxl_hooks", "run", "--sink", "nokind:x", "--", "true"],
+                             capture_output=True, text=True, timeout=120, env=env)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "no sink kind 'nokind'" in refused.stderr
+
+
+def test_records_read_back_equal_the_live_ones_field_by_field_with_texts(chat, tmp_path):
+    _, model, tokenizer = chat
+    probe = _generate(model, tokenizer, tmp_path / "run.nxl", new=3)
+    (disk,) = nxl.read_stream(tmp_path / "run.nxl")
+    live = probe.calls[0]
+    assert disk.readable == live.readable and disk.request_id == live.request_id
+    for a, b in zip(live.steps, disk.steps, strict=True):
+        assert (a.call, a.step, a.position, a.layers, a.n_blocks) == (b.call, b.step, b.position, b.layers, b.n_blocks)
+        for name in ("token", "target", "normxlogit", "logat", "embed_norm", "mask", "active", "probability"):
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
+        assert a.readable == b.readable and a.readable is not None
+        assert a.to_attribution().top(3) == b.to_attribution().top(3)
+    step = disk.steps[-1]
+    texts = tokenizer.convert_ids_to_tokens(torch.cat([live.prompt_ids[0], torch.stack(
+        [s.token[0] for s in live.steps[:-1]])]).tolist())
+    for position, text, score in step.to_attribution().top(3):
+        assert text == texts[position] and score == pytest.approx(float(step.normxlogit[-1, 0, position]))
+
+
+class _FullDisk(_ListSink):
+    def write_step(self, step):
+        if step.step == 1:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        super().write_step(step)
+
+
+def test_a_full_sink_sets_sink_fault_and_notes_each_call_it_affects(chat, tmp_path):
+    _, model, tokenizer = chat
+    nxl.register_sink("fulldisk", _FullDisk)
+    enc = tokenizer(PROMPTS[:1], return_tensors="pt")
+    with nxl.attach(model, tokenizer=tokenizer, sink="fulldisk:x") as probe:
+        model.generate(**enc, max_new_tokens=3, do_sample=False)
+        assert probe.sink_fault == "OSError: [Errno 28] No space left on device"
+        model.generate(**enc, max_new_tokens=2, do_sample=False)
+    first, second = probe.calls
+    assert len(first.steps) == 3 and first.complete  # the host's call and its records in memory are unharmed
+    assert first.notes == second.notes == ["not written to the sink, which stopped: OSError: [Errno 28] No space "
+                                           "left on device"]
+    (sink,) = [s for s in _ListSink.made if isinstance(s, _FullDisk)]
+    assert [r[0] for r in sink.records] == ["call", "step"]  # nothing after the fault
+
+
+@pytest.mark.parametrize("how", ["read-only", "removed"])
+def test_a_read_only_or_removed_folder_is_a_sink_fault(chat, tmp_path, how):
+    _, model, tokenizer = chat
+    folder = tmp_path / "rotated"
+    folder.mkdir()
+    sink = nxl.RotatingSink(folder, max_bytes=1)  # every frame its own file: the second one cannot be made
+    if how == "removed":
+        (folder / "00000001-00000001.nxl").unlink()
+        folder.rmdir()
+    else:
+        folder.chmod(0o500)
+    try:
+        if how == "read-only" and os.access(folder, os.W_OK):
+            pytest.skip("running as a user that writes into read-only folders (root)")
+        probe = _generate(model, tokenizer, sink, new=2, prompts=PROMPTS[:1])
+    finally:
+        if folder.exists():
+            folder.chmod(0o700)
+    expected = "Permission denied" if how == "read-only" else "No such file or directory"
+    assert probe.sink_fault is not None and expected in probe.sink_fault and "\n" not in probe.sink_fault
+    assert probe.calls[0].notes == [f"not written to the sink, which stopped: {probe.sink_fault}"]
+    assert probe.calls[0].complete and len(probe.calls[0].steps) == 2  # the records in memory are whole

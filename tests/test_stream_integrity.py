@@ -1,0 +1,254 @@
+"""Stream files that cannot read back wrong without a word, and readers that cannot hang (issue 19, items 1-2).
+
+Every frame's checksum holds in the ordering cases: a step frame removed, written twice, two swapped, a rotated file
+deleted from the middle of a folder. Each is damage that names the call and the steps, keeps what comes before,
+and raises with ``strict=True``. Readers refuse FIFOs, devices and sockets before opening them, the damage scan
+examines a number of bytes linear in the file's size, Ctrl-C interrupts a long read, and 0.1's files still read.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import nxl_hooks as nxl
+from nxl_hooks.records import sink as stream
+from oracle import llama, normxlogit, prefix_logits
+from test_generate import _model
+
+DATA = Path(__file__).parent / "data"
+
+
+@pytest.fixture(scope="module")
+def model():
+    return _model()
+
+
+@pytest.fixture(scope="module")
+def recorded(model, tmp_path_factory):
+    """A stream file of one call with 4 steps, and the probe that wrote it."""
+    path = tmp_path_factory.mktemp("integrity") / "run.nxl"
+    ids = torch.randint(1, 100, (1, 5), generator=torch.Generator().manual_seed(4))
+    with nxl.attach(model, layers=[0, -1], sink=path) as probe:
+        model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    return path.read_bytes(), probe
+
+
+def _split(data: bytes) -> tuple[bytes, list[bytes]]:
+    """The magic line and the frames of a stream file."""
+    magic, offset, frames = data[:19], 19, []
+    while offset < len(data):
+        (length,) = struct.unpack_from("<Q", data, offset + 4)
+        frames.append(data[offset: offset + 16 + length])
+        offset += 16 + length
+    return magic, frames
+
+
+def _damaged(path: Path, strict_match: str) -> nxl.read_stream:
+    with pytest.raises(nxl.StreamError, match=strict_match):
+        nxl.read_stream(path, strict=True)
+    with pytest.warns(stream.StreamDamageWarning, match=strict_match):
+        return nxl.read_stream(path)
+
+
+@pytest.mark.parametrize("how, frames, reason, kept", [
+    ("a middle step removed", lambda f: f[:2] + f[3:], r"call 0: step 2 follows step 0 \(step 1 missing\)", [0]),
+    ("a step written twice", lambda f: f[:3] + f[2:], r"call 0: step 1 recorded twice", [0, 1]),
+    ("two steps swapped", lambda f: f[:2] + [f[3], f[2]] + f[4:], r"call 0: step 2 follows step 0 \(step 1 missing\)",
+     [0]),
+    ("the first steps swapped", lambda f: f[:1] + [f[2], f[1]] + f[3:],
+     r"call 0: its first step record is step 1 \(step 0 missing\)", []),
+    ("the end frame repeated", lambda f: f + f[-1:], r"frame number 5 where 6 was expected", [0, 1, 2, 3]),
+])
+def test_frames_missing_repeated_or_moved_are_damage_naming_call_and_steps(recorded, tmp_path, how, frames, reason,
+                                                                         kept):
+    data, probe = recorded
+    magic, whole = _split(data)
+    assert len(whole) == 6  # call, 4 steps, end
+    path = tmp_path / "bad.nxl"
+    path.write_bytes(magic + b"".join(frames(whole)))
+    calls = _damaged(path, reason)
+    (call,) = calls
+    assert [s.step for s in call.steps] == kept and calls.damage.steps_recovered == len(kept)
+    assert not calls.damage.torn and (calls.damage.call == 0 or "frame number" in reason)
+    for read, live in zip(call.steps, probe.steps):  # what was kept is exact
+        assert torch.equal(read.normxlogit, live.normxlogit)
+
+
+def test_a_rotated_file_missing_from_the_middle_is_damage(model, tmp_path):
+    folder = tmp_path / "rot"
+    ids = torch.randint(1, 100, (1, 5), generator=torch.Generator().manual_seed(6))
+    with nxl.attach(model, layers="last", sink=nxl.RotatingSink(folder, max_bytes=1500)) as probe:
+        model.generate(input_ids=ids, max_new_tokens=12, do_sample=False)
+    files = sorted(folder.iterdir())
+    assert len(files) >= 4
+    whole = nxl.read_stream(folder)
+    assert whole.damage is None and [s.step for s in whole[0].steps] == list(range(12))
+    lost = files[2]
+    before = nxl.read_stream(files[1])[0].steps[-1].step  # the last step of the file before the lost one
+    lost.unlink()
+    calls = _damaged(folder, rf"{lost.name} is missing \(deleted or lost\) between {files[1].name} and "
+                             rf"{files[3].name}; records of call 0 \(after step {before}\) break off there")
+    assert [s.step for s in calls[0].steps] == list(range(before + 1)) and not calls[0].complete
+    assert calls.damage.steps_recovered == before + 1
+    assert all(torch.equal(a.normxlogit, b.normxlogit) for a, b in zip(calls[0].steps, probe.steps))
+    files[0].unlink()  # the oldest gone too: retention, not damage, before the first kept file
+    assert nxl.read_stream(files[1])[0].steps  # one rotated file still reads on its own
+    renamed = folder / f"{int(files[3].name[:8]) + 5:08d}-{files[3].name[9:]}"
+    files[3].rename(renamed)
+    with pytest.raises(nxl.StreamError, match="renamed or copied"):
+        nxl.read_stream(renamed, strict=True)
+
+
+def _in_thread(fn) -> BaseException | None:
+    """Run ``fn`` in a thread for at most 10 s; the exception it raised (a hang fails the test)."""
+    out: list = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as error:  # noqa: BLE001 - handed back to the test
+            out.append(error)
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "the reader blocked"
+    return out[0] if out else None
+
+
+@pytest.mark.parametrize("reader, error", [(nxl.read_stream, nxl.StreamError),
+                                           (nxl.Attribution.load, nxl.RecordError)])
+def test_readers_refuse_a_fifo_a_device_and_a_socket_before_opening(tmp_path, reader, error):
+    fifo = tmp_path / "run.nxl"
+    os.mkfifo(fifo)
+    failed = _in_thread(lambda: reader(fifo))
+    assert isinstance(failed, error) and "is a FIFO (named pipe), not a regular file" in str(failed)
+    start = time.monotonic()
+    failed = _in_thread(lambda: reader("/dev/zero"))
+    assert isinstance(failed, error) and "/dev/zero is a character device, not a regular file" in str(failed)
+    assert time.monotonic() - start < 2  # refused at once, nothing read
+    with socket.socket(socket.AF_UNIX) as server:
+        server.bind(str(tmp_path / "s.nxl"))
+        failed = _in_thread(lambda: reader(tmp_path / "s.nxl"))
+    assert isinstance(failed, error) and "is a socket, not a regular file" in str(failed)
+    assert nxl.read_stream(tmp_path) == []  # a folder walk skips what is not a regular file
+
+
+def _counting(monkeypatch) -> list[int]:
+    """Count the payload bytes the reader checksums."""
+    seen, crc = [0], stream._crc
+    monkeypatch.setattr(stream, "_crc", lambda view: seen.__setitem__(0, seen[0] + len(view)) or crc(view))
+    return seen
+
+
+def _crafted(size: int, kind: str) -> bytes:
+    """A stream file of about ``size`` bytes built to make a naive damage scan quadratic."""
+    body = bytearray()
+    if kind == "markers":  # frame markers everywhere, each announcing what runs past the end
+        body = bytearray(b"NXLF" * (size // 4))
+    else:  # candidates that fit, each announcing the rest of the file, with wrong checksums
+        step = 32
+        count = size // step
+        for i in range(count):
+            rest = (count - i) * step - 16
+            body += struct.pack("<4sQI", b"NXLF", rest, 0) + bytes(step - 16)
+    return stream._FILE_MAGIC + bytes(body)
+
+
+@pytest.mark.parametrize("kind", ["markers", "fitting"])
+def test_the_damage_scan_examines_bytes_linear_in_the_file_size(tmp_path, monkeypatch, kind):
+    seen = _counting(monkeypatch)
+    examined = []
+    for size in (1 << 14, 1 << 15, 1 << 16, 1 << 17):
+        path = tmp_path / f"{kind}-{size}.nxl"
+        path.write_bytes(_crafted(size, kind))
+        seen[0] = 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", stream.StreamDamageWarning)
+            calls = nxl.read_stream(path)
+        assert calls == [] and calls.damage is not None and calls.damage.frame == 0
+        examined.append(seen[0])
+        assert seen[0] <= 2 * path.stat().st_size  # at most twice the file: a quadratic scan passes this at 16 KiB
+    if kind == "fitting":
+        assert examined[-1] > 0
+
+
+def test_a_real_damaged_file_is_scanned_once_and_frames_after_are_counted(recorded, tmp_path, monkeypatch):
+    data, _ = recorded
+    magic, frames = _split(data)
+    big = bytearray(magic + b"".join(frames[:1] + frames[1:5] * 1 + frames[5:]))
+    big[len(magic) + len(frames[0]) + 40] ^= 0xFF  # step 0's payload altered
+    path = tmp_path / "flipped.nxl"
+    path.write_bytes(bytes(big))
+    seen = _counting(monkeypatch)
+    with pytest.warns(stream.StreamDamageWarning, match="checksum"):
+        calls = nxl.read_stream(path)
+    assert calls.damage.frames_after == 4 and calls.damage.frame == 1
+    assert seen[0] <= len(big)
+
+
+_CTRL_C = textwrap.dedent("""
+    import sys, time, warnings
+    import nxl_hooks as nxl
+    warnings.simplefilter("ignore")
+    print("start", flush=True)
+    started = time.monotonic()
+    try:
+        for _ in range(50):
+            nxl.read_stream(sys.argv[1])
+    except KeyboardInterrupt:
+        print(f"interrupted {time.monotonic() - started:.2f}", flush=True)
+        sys.exit(7)
+    print("finished", flush=True)
+""")
+
+
+def test_ctrl_c_interrupts_a_long_read(tmp_path):
+    path = tmp_path / "huge.nxl"
+    size = 256 << 20
+    with path.open("wb") as fh:  # one frame announcing a 256 MiB payload: read, then checksummed, in pieces
+        fh.write(stream._FILE_MAGIC + struct.pack("<4sQI", b"NXLF", size, 1))
+        fh.truncate(len(stream._FILE_MAGIC) + 16 + size)  # sparse: no disk used
+    child = subprocess.Popen([sys.executable, "-c", _CTRL_C, str(path)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert child.stdout.readline().strip() == "start"
+        time.sleep(1.0)  # well inside the 50 reads
+        child.send_signal(signal.SIGINT)
+        sent = time.monotonic()
+        out, _ = child.communicate(timeout=30)
+        assert time.monotonic() - sent < 5
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
+    assert child.returncode == 7 and out.startswith("interrupted"), out
+
+
+def test_a_stream_file_written_by_0_1_still_reads(model):
+    """tests/data/stream-v1.nxl: written by nxl_hooks 0.1 (format 1, no frame numbers): generate on test_generate's
+    model, ids from seed 5, layers [0, -1], 3 new tokens. Its records equal the oracle's."""
+    (call,) = nxl.read_stream(DATA / "stream-v1.nxl", strict=True)
+    assert (DATA / "stream-v1.nxl").read_bytes().startswith(b"nxl_hooks.stream/1\n")
+    assert call.complete and len(call.steps) == 3 and call.layers == [0, 3]
+    ids = torch.randint(1, 100, (2, 5), generator=torch.Generator().manual_seed(5))
+    assert torch.equal(call.prompt_ids, ids)
+    hand = llama(model)
+    for step in call.steps:
+        n = step.position
+        logits, embeddings = prefix_logits(model, hand, call.sequences[:, :n], torch.ones(2, n, dtype=torch.bool))
+        torch.testing.assert_close(step.normxlogit, normxlogit(logits, embeddings, step.token)[1][[0, 3]],
+                                   rtol=1e-4, atol=1e-4)
+        assert torch.equal(step.token, call.sequences[:, n])
