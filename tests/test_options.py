@@ -9,6 +9,7 @@ import dataclasses
 from pathlib import Path
 
 import pytest
+import torch
 
 from nxl_hooks.apps.cli import build_parser, main as cli_main, one_line
 from nxl_hooks.apps.commands import ctl, tail
@@ -33,6 +34,7 @@ TYPED = {
 }
 #: The options nxl run sets itself (no flag), as their variables hold them.
 SET_BY_RUN = {"run_dir": ("runs/1-abc", Path("runs/1-abc")),
+              "sink_spec": ("parquet:out-{model}.parquet", "parquet:out-{model}.parquet"),
               "load": ('{"dtype": "bfloat16", "max_memory": {"cpu": "1GiB"}}',
                        {"dtype": "bfloat16", "max_memory": {"cpu": "1GiB"}})}
 
@@ -183,33 +185,52 @@ def test_tail_and_ctl_escape_what_comes_from_the_network():
         assert "\\x1b]0;owned\\x07\\x1b[2Jx\\x9b31m\\u202e" in text
 
 
-def test_faults_are_named_in_status_ctl_and_tail(tmp_path):
-    """Status reads each probe's ``sink_fault`` and ``unrecorded``; ctl and tail say them."""
-    import tiny as tiny_models
+class _NoSpace:
+    """A registered sink kind whose disk is full: its first frame fails as a full disk does."""
 
+    def __init__(self, arg: str) -> None:
+        self.arg = arg
+
+    def write_call(self, call, meta) -> None:
+        raise OSError(28, "No space left on device")
+
+    write_step = write_end = write_call
+
+    def close(self) -> None:
+        pass
+
+
+def test_faults_are_named_in_status_ctl_and_tail(tmp_path):
+    """A real sink fault (a full disk) and a real unrecorded call (beam search) show in status, ctl and tail."""
+    import tiny as tiny_models
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import nxl_hooks as nxl
     from nxl_hooks.apps.serve.controller import Controller
 
     path = tiny_models.save_model(tmp_path / "lm", "llama")
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(path)
-    controller = Controller(Settings(run_dir=tmp_path / "run"))
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    nxl.register_sink("nospace-options-test", _NoSpace)
+    controller = Controller(Settings(run_dir=tmp_path / "run", sink_spec="nospace-options-test:x"))
     controller.adopt(model, str(path))
     try:
         (healthy,) = controller.status()["models"]
         assert healthy["attached"] and healthy["sink_fault"] is None and healthy["unrecorded"] is None
         assert tail.faults(healthy) == [] and "sink" not in ctl.describe(controller.status())
+        ids = torch.tensor([[1, 5, 7, 9]])
+        model.generate(ids, max_new_tokens=2, do_sample=False)  # the sink fails at the call's first frame
+        model.generate(ids, max_new_tokens=2, do_sample=False, num_beams=2)  # beam search: not recorded
         probe = controller.watches()[0].probe
-        probe.sink_fault = "[Errno 28] No space left on device: 'runs/1-lm/0001.nxl'"
-        probe.unrecorded = "2 calls under a static cache"
+        assert probe.sink_fault and "No space left on device" in probe.sink_fault
+        assert probe.unrecorded and "beam search" in probe.unrecorded
         status = controller.status()
         (model_status,) = status["models"]
         assert model_status["sink_fault"] == probe.sink_fault and model_status["unrecorded"] == probe.unrecorded
         assert tail.faults(model_status) == [f"records not written to the sink: {probe.sink_fault}",
-                                             "calls not recorded: 2 calls under a static cache"]
+                                             f"calls not recorded: {probe.unrecorded}"]
         said = ctl.describe(status)
-        assert said.endswith(f"; records not written to the sink: {probe.sink_fault}; calls not recorded: 2 calls "
-                             "under a static cache")
+        assert said.endswith(f"; records not written to the sink: {probe.sink_fault}; calls not recorded: "
+                             f"{probe.unrecorded}")
     finally:
         controller.close()
 
