@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import tempfile
 import os
 import platform
 import statistics
@@ -192,7 +191,8 @@ def main() -> None:
         import bpe_tiny
 
         args.n, args.timing, args.timing_threads, args.threads = 1, 1, [1], 1
-        args.work, args.out = Path(tempfile.mkdtemp(prefix="nxl-smoke-")), smoke_out(parser, args.out, "real")
+        args.out = smoke_out(parser, args.out, "real")
+        args.work = args.out.parent / f"{args.out.stem}-work"  # beside the JSON: gone with it
         args.model = bpe_tiny.save_bpe(args.work / "model")
     args.out = args.out or ROOT / "benchmarks" / "results" / "real_smollm2.json"
     if args.threads:

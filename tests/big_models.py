@@ -28,7 +28,7 @@ FAMILIES = {
 }
 
 
-#: One test_architectures case per registered family: the rows of the README support matrix.
+#: One test_architectures case per registered family: the rows of the support matrix (docs/supported-models.md).
 ONE_PER_FAMILY = ["llama-lm", "gemma2-lm", "phi-lm", "gpt2-lm", "gpt_neox-lm", "opt-lm", "falcon-lm", "cohere-lm",
                   "granite-lm", "bert-cls", "roberta-cls", "deberta_v2-cls"]
 

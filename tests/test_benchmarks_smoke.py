@@ -63,11 +63,12 @@ def _real(report: dict, out: Path) -> None:
 
 
 def _serve(report: dict, out: Path) -> None:
-    assert set(report["latency"]) == {"tiny/clients=1", "tiny/clients=4"} and "soak" not in report
+    assert {"tiny/clients=1", "tiny/clients=4"} <= set(report["latency"]) and "soak" not in report
     for result in report["latency"].values():
-        assert set(result) == {"plain", "nxl_last", "nxl_all"}  # every variant answered, with the same text
-        assert result["plain"]["requests"] >= 1
-    assert report["table"].count("| tiny |") == 2
+        # plain and nxl run answered (the script checks that every variant gave the same text)
+        assert {"plain", "nxl_last", "nxl_all"} <= set(result)
+        assert all(variant["requests"] >= 1 and variant["throughput_rps"] > 0 for variant in result.values())
+    assert report["table"].count("| tiny |") == len(report["latency"])
 
 
 CHECKS = {"bench_forward": _forward, "bench_generate": _generate, "bench_big": _big,

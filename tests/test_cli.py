@@ -5,6 +5,7 @@ against the library.
 """
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -15,6 +16,8 @@ import nxl_hooks as nxl
 import oracle
 import tiny
 from nxl_hooks.apps.cli import main
+
+ROOT = Path(__file__).resolve().parent.parent
 
 TEXT = "the film was very good"
 
@@ -153,6 +156,10 @@ def test_demo_shows_a_typical_sentence_and_the_spread_of_ranks(capsys, demo_by_h
         assert spread[layer] == pytest.approx([100 * (column == 1).mean(), 100 * (column <= 2).mean(), median, q1, q3],
                                               abs=0.051)
     assert spread[2][0] > 85.0 and spread[0][0] < 50.0  # the keyword stands out at the last layer, not at the input
+    # README and docs/command-line.md quote the spread: their lines are the ones the demo prints
+    for page in ("README.md", "docs/command-line.md"):
+        quoted = re.findall(r"^  L\d  first .+$", (ROOT / page).read_text(encoding="utf-8"), re.M)
+        assert len(quoted) == 3 and all(line in printed for line in quoted), page
     # The sentence shown is typical: no held-out sentence has ranks closer to the median rank of every layer.
     shown = int(re.search(r"held-out sentence (\d+) \(typical", printed).group(1))
     distance = (ranks.double() - ranks.double().median(dim=0).values).abs().sum(-1)
@@ -167,8 +174,8 @@ def test_demo_shows_a_typical_sentence_and_the_spread_of_ranks(capsys, demo_by_h
 
 def test_demo_on_your_sentence_says_what_lies_outside_training(capsys, demo_by_hand):
     examples, ranks, by_hand = demo_by_hand
-    # README's own example: inside the training distribution, yet 'superb' ranks last of 4 at the last layer; the
-    # summary says how often 'superb' ranks first on the held-out sentences that have it.
+    # The example of README and docs/command-line.md: inside the training distribution, yet 'superb' ranks last of
+    # 4 at the last layer; the summary says how often 'superb' ranks first on the held-out sentences that have it.
     assert main(["demo", "the plot was superb"]) == 0
     printed = capsys.readouterr().out
     own, _ = by_hand(["the plot was superb"], [3])
@@ -176,6 +183,8 @@ def test_demo_on_your_sentence_says_what_lies_outside_training(capsys, demo_by_h
     rows = [i for i, e in enumerate(examples) if e.evidence == "superb"]
     share = float((ranks[rows, 2] == 1).double().mean())
     assert f"'superb' alone: first at the last layer in {share:.1%} of the {len(rows)} held-out" in printed
+    page = " ".join((ROOT / "docs" / "command-line.md").read_text(encoding="utf-8").split())
+    assert f"first in {share:.0%} of the {len(rows)} held-out sentences that have it" in page  # what the docs quote
     assert main(["demo", "The plot was superb indeed"]) == 0
     assert "outside the training data: words outside the demo vocabulary, read as [UNK]: The, indeed" in (
         capsys.readouterr().out)

@@ -125,7 +125,7 @@ class ArchSpec:
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
-        """Check every field against the schema (README, 'Adding an architecture'); :class:`RegistryError` if bad.
+        """Check every field against the schema (docs/adding-an-architecture.md); :class:`RegistryError` if bad.
         Lists (TOML arrays) become tuples; a lone string stays one, to be refused: ``tuple("llama")`` would be
         five one-letter model types."""
         if isinstance(self.model_types, list):
@@ -418,7 +418,7 @@ def resolve(model: nn.Module) -> tuple[ArchSpec, str]:
         f"model_type {model_type!r} ({type(model).__name__}) is not supported: {reason}. Register it with "
         f"nxl.register_architecture({model_type!r}, blocks='<path to the ModuleList of blocks>', "
         f"heads={{{spec_kind!r}: ['<final norm path>', '<head path>']}}), or add a registry/*.toml entry "
-        "(see README, 'Adding an architecture')."
+        "(see docs/adding-an-architecture.md)."
     )
 
 
