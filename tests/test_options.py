@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
+import torch
 
 from nxl_hooks.apps.cli import build_parser, main as cli_main, one_line
 from nxl_hooks.apps.commands import ctl, tail
@@ -183,17 +185,22 @@ def test_tail_and_ctl_escape_what_comes_from_the_network():
         assert "\\x1b]0;owned\\x07\\x1b[2Jx\\x9b31m\\u202e" in text
 
 
-def test_faults_are_named_in_status_ctl_and_tail(tmp_path):
-    """Status reads each probe's ``sink_fault`` and ``unrecorded``; ctl and tail say them."""
-    import tiny as tiny_models
+def test_faults_are_named_in_status_ctl_and_tail(tmp_path, capsys):
+    """Status reads each probe's ``sink_fault`` and ``unrecorded``; /v1/status hands them out, nxl ctl says them
+    and nxl tail prints each as a line of its own."""
+    import threading
+    import time
 
+    import tiny as tiny_models
+    from transformers import AutoModelForCausalLM
+
+    from nxl_hooks.apps.serve.client import endpoints
     from nxl_hooks.apps.serve.controller import Controller
 
     path = tiny_models.save_model(tmp_path / "lm", "llama")
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_pretrained(path)
-    controller = Controller(Settings(run_dir=tmp_path / "run"))
+    run = tmp_path / "run"
+    controller = Controller(Settings(run_dir=run))
     controller.adopt(model, str(path))
     try:
         (healthy,) = controller.status()["models"]
@@ -202,14 +209,30 @@ def test_faults_are_named_in_status_ctl_and_tail(tmp_path):
         probe = controller.watches()[0].probe
         probe.sink_fault = "[Errno 28] No space left on device: 'runs/1-lm/0001.nxl'"
         probe.unrecorded = "2 calls under a static cache"
-        status = controller.status()
-        (model_status,) = status["models"]
+        (endpoint,) = endpoints(str(run))
+        (model_status,) = endpoint.json("GET", "/v1/status")["models"]
         assert model_status["sink_fault"] == probe.sink_fault and model_status["unrecorded"] == probe.unrecorded
         assert tail.faults(model_status) == [f"records not written to the sink: {probe.sink_fault}",
                                              "calls not recorded: 2 calls under a static cache"]
-        said = ctl.describe(status)
+        capsys.readouterr()
+        assert cli_main(["ctl", "status", "--run", str(run)]) == 0
+        said = capsys.readouterr().out.strip()
         assert said.endswith(f"; records not written to the sink: {probe.sink_fault}; calls not recorded: 2 calls "
                              "under a static cache")
+
+        codes: list[int] = []
+        follower = threading.Thread(target=lambda: codes.append(cli_main(["tail", "--run", str(run), "--count", "2"])),
+                                    daemon=True)
+        follower.start()
+        time.sleep(1.0)  # subscribed by then: tail follows steps from now on
+        model.generate(input_ids=torch.tensor([[1, 5, 6]]), max_new_tokens=4, do_sample=False)
+        follower.join(timeout=60)
+        assert codes == [0]
+        lines = capsys.readouterr().out.splitlines()
+        pid = f"! pid {os.getpid()} {path}"
+        assert f"{pid}: records not written to the sink: {probe.sink_fault}" in lines
+        assert f"{pid}: calls not recorded: 2 calls under a static cache" in lines
+        assert len([line for line in lines if not line.startswith("!")]) == 2  # the two steps asked for
     finally:
         controller.close()
 
