@@ -85,7 +85,7 @@ def test_all_flags_at_once_and_defaults_when_left_out():
 
 @pytest.mark.parametrize("env, message", [
     ({"NXL_SINK": "yes"}, r"NXL_SINK: 'yes': use 1 \(on\) or 0 \(off\)"),
-    ({"NXL_EMBEDDING": "words"}, r"NXL_EMBEDDING: embedding='words': use layer_input or word"),
+    ({"NXL_EMBEDDING": "words"}, r"NXL_EMBEDDING: embedding='words': use 'layer_input' \(default\) or 'word'"),
     ({"NXL_LAYERS": "one,two"}, r"NXL_LAYERS: 'one,two': use 'all', 'last'"),
     ({"NXL_TARGET": "a,,b"}, r"NXL_TARGET: 'a,,b': empty item"),
     ({"NXL_SINK_MAX_FILES": "0"}, r"NXL_SINK_MAX_FILES: '0': give a whole number of at least 1"),
