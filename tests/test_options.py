@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -85,7 +86,7 @@ def test_all_flags_at_once_and_defaults_when_left_out():
 
 @pytest.mark.parametrize("env, message", [
     ({"NXL_SINK": "yes"}, r"NXL_SINK: 'yes': use 1 \(on\) or 0 \(off\)"),
-    ({"NXL_EMBEDDING": "words"}, r"NXL_EMBEDDING: embedding='words': use layer_input or word"),
+    ({"NXL_EMBEDDING": "words"}, r"NXL_EMBEDDING: embedding='words': use 'layer_input' \(default\) or 'word'"),
     ({"NXL_LAYERS": "one,two"}, r"NXL_LAYERS: 'one,two': use 'all', 'last'"),
     ({"NXL_TARGET": "a,,b"}, r"NXL_TARGET: 'a,,b': empty item"),
     ({"NXL_SINK_MAX_FILES": "0"}, r"NXL_SINK_MAX_FILES: '0': give a whole number of at least 1"),
@@ -200,18 +201,24 @@ class _NoSpace:
         pass
 
 
-def test_faults_are_named_in_status_ctl_and_tail(tmp_path):
-    """A real sink fault (a full disk) and a real unrecorded call (beam search) show in status, ctl and tail."""
+def test_faults_are_named_in_status_ctl_and_tail(tmp_path, capsys):
+    """A real sink fault (a full disk) and a real unrecorded call (beam search): /v1/status hands them out, nxl ctl
+    says them and nxl tail prints each as a line of its own."""
+    import threading
+    import time
+
     import tiny as tiny_models
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
 
     import nxl_hooks as nxl
+    from nxl_hooks.apps.serve.client import endpoints
     from nxl_hooks.apps.serve.controller import Controller
 
     path = tiny_models.save_model(tmp_path / "lm", "llama")
-    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    model = AutoModelForCausalLM.from_pretrained(path)
+    run = tmp_path / "run"
     nxl.register_sink("nospace-options-test", _NoSpace)
-    controller = Controller(Settings(run_dir=tmp_path / "run", sink_spec="nospace-options-test:x"))
+    controller = Controller(Settings(run_dir=run, sink_spec="nospace-options-test:x"))
     controller.adopt(model, str(path))
     try:
         (healthy,) = controller.status()["models"]
@@ -223,14 +230,30 @@ def test_faults_are_named_in_status_ctl_and_tail(tmp_path):
         probe = controller.watches()[0].probe
         assert probe.sink_fault and "No space left on device" in probe.sink_fault
         assert probe.unrecorded and "beam search" in probe.unrecorded
-        status = controller.status()
-        (model_status,) = status["models"]
+        (endpoint,) = endpoints(str(run))
+        (model_status,) = endpoint.json("GET", "/v1/status")["models"]
         assert model_status["sink_fault"] == probe.sink_fault and model_status["unrecorded"] == probe.unrecorded
         assert tail.faults(model_status) == [f"records not written to the sink: {probe.sink_fault}",
                                              f"calls not recorded: {probe.unrecorded}"]
-        said = ctl.describe(status)
+        capsys.readouterr()
+        assert cli_main(["ctl", "status", "--run", str(run)]) == 0
+        said = capsys.readouterr().out.strip()
         assert said.endswith(f"; records not written to the sink: {probe.sink_fault}; calls not recorded: "
                              f"{probe.unrecorded}")
+
+        codes: list[int] = []
+        follower = threading.Thread(target=lambda: codes.append(cli_main(["tail", "--run", str(run), "--count", "2"])),
+                                    daemon=True)
+        follower.start()
+        time.sleep(1.0)  # subscribed by then: tail follows steps from now on
+        model.generate(input_ids=torch.tensor([[1, 5, 6]]), max_new_tokens=4, do_sample=False)
+        follower.join(timeout=60)
+        assert codes == [0]
+        lines = capsys.readouterr().out.splitlines()
+        pid = f"! pid {os.getpid()} {path}"
+        assert f"{pid}: records not written to the sink: {probe.sink_fault}" in lines
+        assert f"{pid}: calls not recorded: {probe.unrecorded}" in lines
+        assert len([line for line in lines if not line.startswith("!")]) == 2  # the two steps asked for
     finally:
         controller.close()
 

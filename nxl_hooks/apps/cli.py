@@ -15,7 +15,6 @@ import sys
 from typing import Any, NoReturn, Sequence
 
 from ..records.tokens import visible
-
 from .commands import COMMANDS
 from .options import CliError, parse_layers, parse_target, positive_int
 

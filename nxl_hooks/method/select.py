@@ -132,7 +132,7 @@ def parse_target(value: str) -> str | int | list[str | int]:
 def parse_embedding(value: str) -> str:
     """One of :data:`EMBEDDINGS` (ValueError otherwise): ``parse_embedding("word") == "word"``."""
     if value not in EMBEDDINGS:
-        raise ValueError(f"embedding={value!r}: use {' or '.join(EMBEDDINGS)}")
+        raise ValueError(f"embedding={value!r}: use 'layer_input' (default) or 'word'")
     return value
 
 

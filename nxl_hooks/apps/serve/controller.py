@@ -6,6 +6,10 @@
     ctl.configure(layers="last")            # re-attach with other options
     ctl.records()                           # [(watch, record, meta)] of every model, oldest first
 
+Three parts, each with its own lock: :class:`Models` (the watched models and their records in memory),
+:class:`Rules` (when a model carries a probe: attach, detach, pause, re-attach with other options) and
+:class:`Live` (the live readers' feeds). :class:`Controller` holds the three and the control endpoint.
+
 Records: a ``GenerationCall`` per ``generate`` call (or continuous-batching request) of a causal LM, and for the
 other heads (classifiers, masked LMs), whose requests are plain forwards, a :class:`Forward` per forward.
 

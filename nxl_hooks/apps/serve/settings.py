@@ -15,6 +15,7 @@ an :class:`Option` with its variable, its parser, its flag and its help. :data:`
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
 import fnmatch
 import ipaddress
@@ -86,6 +87,10 @@ def _switch(text: str) -> bool:
     return text == "1"
 
 
+def _switch_text(on: bool) -> str:
+    return "1" if on else "0"
+
+
 def _globs(text: str) -> list[str]:
     return [glob.strip() for glob in text.split(",") if glob.strip()] or ["*"]
 
@@ -135,7 +140,7 @@ class Option:
         if not text:
             if self.required:
                 raise ValueError(f"{self.env} is not set: give {self.help.split(':')[0]}")
-            return self.default
+            return copy.copy(self.default)  # a list or dict of one's own
         try:
             return self.parse(text)
         except ValueError as error:
@@ -170,7 +175,7 @@ class Settings:
         "NXL_SINK", _switch, "write records to the run folder DIR (rotated files, one folder per process and model) "
         "next to the control sockets, or NAME:ARG, a registered sink kind (parquet:out.parquet; {model} in ARG: "
         "the model's name); without it: a private temporary folder, records in memory only",
-        text=lambda on: "1" if on else "0", flag="--sink", metavar="DIR", arg=str))
+        text=_switch_text, flag="--sink", metavar="DIR", arg=str))
     sink_spec: str | None = _setting(None, Option(
         "NXL_SINK_SPEC", str, "NAME:ARG: write records to that registered sink kind instead of the run folder's "
         "files (nxl run sets it from --sink parquet:out.parquet; {model} in ARG: the model's folder name)",
@@ -194,7 +199,7 @@ class Settings:
         "RUN_FOLDER/token", text=lambda value: value or "", flag="--listen", metavar="ADDR", shown=lambda _: "off"))
     allow_remote: bool = _setting(False, Option(
         "NXL_ALLOW_REMOTE", _switch, "let --listen use an address that is not loopback (the token is still "
-        "required)", text=lambda on: "1" if on else "0", flag="--allow-remote"))
+        "required)", text=_switch_text, flag="--allow-remote"))
     sink_max_bytes: int = _setting(64 << 20, Option(
         "NXL_SINK_MAX_BYTES", _positive, "start a new record file past this size in MB",
         flag="--sink-file-mb", metavar="MB", arg=_megabytes, shown=lambda size: str(size >> 20)))
