@@ -615,16 +615,19 @@ def _read(data: bytearray, path: Path, calls: dict[int, GenerationCall], *, name
                 raise _Gap(why)
             try:
                 header, tensors = _decode(payload)
+                number, seq = header.get("step"), header.get("seq")
                 call = calls.get(header.get("call")) if header.get("kind") == "step" else None
-                if call is not None:  # a step that does not follow its call's last one: say which call, which steps
-                    _next_step(call, header.get("step"), rotated=name is not None)
-                if numbered and header.get("seq") != index:
-                    raise _Gap(f"frame number {header.get('seq')!r} where {index} was expected: a frame is missing, "
-                               "repeated or out of order")
+                if call is not None and type(number) is int:  # a step that does not follow its call's last one
+                    _next_step(call, number, rotated=name is not None)
+                if numbered and seq is not None and seq != index:
+                    raise _Gap(f"frame number {seq!r} where {index} was expected: a frame is missing, repeated or "
+                               "out of order")
                 if header.get("kind") == "file":
                     _check_file(header, index, name)
                 else:
                     steps += _apply(calls, header, tensors, rotated=name is not None)
+                if numbered and seq is None:
+                    raise ValueError("no frame number ('seq'), which every frame of a format 2 file has")
             except _Gap:
                 raise
             except Exception as err:  # noqa: BLE001 - any parse failure of a frame whose checksum holds is one error
