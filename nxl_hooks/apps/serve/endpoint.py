@@ -95,6 +95,7 @@ class _Deadline(io.RawIOBase):
 class _Handler(BaseHTTPRequestHandler):
     server_version = "nxl_hooks"
     protocol_version = "HTTP/1.0"  # one request per connection; an event stream ends when the connection closes
+    default_request_version = "HTTP/1.0"  # a garbled request line still gets a status line and a JSON error
 
     # -- plumbing ----------------------------------------------------------------------------------------
 
@@ -153,7 +154,21 @@ class _Handler(BaseHTTPRequestHandler):
                                    f"slowly: send all of it within {REQUEST_SECONDS:g} s")
         return body
 
+    def _discard_input(self) -> None:
+        """After refusing a body unread: end our side, then read what the client still sends (at most one second,
+        1 MiB), so that closing does not reset the connection and lose the answer on its way."""
+        self.wfile.flush()
+        self.connection.shutdown(socket.SHUT_WR)
+        deadline, left = time.monotonic() + 1.0, 1 << 20
+        while left > 0 and (wait := deadline - time.monotonic()) > 0:
+            self.connection.settimeout(wait)
+            chunk = self.connection.recv(min(left, 65536))
+            if not chunk:
+                return
+            left -= len(chunk)
+
     def _dispatch(self, method: str) -> None:
+        self.request_body: bytes | None = None
         try:
             self.request_body = self._read_body()
             self.connection.settimeout(WRITE_SECONDS)  # read whole: from now on, only a reader that stalls
@@ -168,6 +183,8 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             try:
                 self._json(error.status, {"error": str(error)})
+                if self.request_body is None:
+                    self._discard_input()
             except OSError:
                 pass
         except OSError:  # the reader left or stalled (BrokenPipe, ConnectionReset, a write that timed out)
@@ -204,7 +221,7 @@ class _Listener:
 
     daemon_threads = True
     block_on_close = False
-    request_queue_size = 64  # the kernel's backlog: a burst of connections is refused by us, not by SYN drops
+    request_queue_size = 128  # the kernel's backlog: a burst of connections is refused by us, not by SYN drops
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
@@ -448,9 +465,10 @@ class ControlServer:
 
     def _control(self, body: dict) -> dict:
         action, controller = body.get("action"), self.controller
-        for name in ("layers", "target", "embedding", "models"):  # what nxl ctl sends: text, or nothing
-            if not isinstance(body.get(name), (str, int, type(None))) or isinstance(body.get(name), bool):
-                raise _BadRequest(400, f"{name}={body[name]!r:.80}: give a string (or leave it out)")
+        for name, kinds in (("layers", (str, int)), ("target", (str, int)), ("embedding", (str,)), ("models", (str,))):
+            value = body.get(name)  # what nxl ctl sends: text (a layer or token id may be a number), or nothing
+            if value is not None and (not isinstance(value, kinds) or isinstance(value, bool)):
+                raise _BadRequest(400, f"{name}={value!r:.80}: give a string (or leave it out)")
         try:
             options = {"layers": parse_layers(str(body["layers"])) if body.get("layers") is not None else None,
                        "target": parse_target(str(body["target"])) if body.get("target") is not None else None,
@@ -458,7 +476,7 @@ class ControlServer:
                        else None}
         except (argparse.ArgumentTypeError, ValueError) as error:  # the CLI's own message says what is wrong
             raise _BadRequest(400, str(error)) from None
-        models = None if body.get("models") is None else str(body["models"])
+        models = body.get("models")  # a string or None: checked above
         if action == "pause":
             controller.pause()
         elif action == "resume":

@@ -1,0 +1,473 @@
+"""The control endpoint under abuse (issue 19, items 5-7) and the run that ``nxl tail`` / ``nxl ctl`` choose
+without ``--run`` (issue 18, item 5).
+
+Each test starts real ``nxl run`` programs (a script that loads a tiny model, records one generate, then waits)
+on 127.0.0.1, with their own temporary folder (TMPDIR), and stops them by PID. Run folder and token rules need
+a second uid: they run as root (as CI does) and use uid 65534 (nobody); as another user they are skipped.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from nxl_hooks.apps.cli import main as cli_main
+from nxl_hooks.apps.serve.client import Endpoint, connect_unix
+from nxl_hooks.apps.serve.endpoint import MAX_BODY, MAX_CONNECTIONS, REQUEST_SECONDS
+from nxl_hooks.apps.serve.runs import read_token
+from serving import free_port, save_chat_model
+
+NXL = [sys.executable, "-m", "nxl_hooks"]
+NOBODY = 65534
+as_root = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make files of another uid (65534)")
+
+PROGRAM = """
+import os, signal, sys, time
+import torch
+from transformers import AutoModelForCausalLM
+if os.environ.get("OWN_SIGTERM"):  # the program's own handler: nxl must leave it in charge
+    signal.signal(signal.SIGTERM, lambda *_: (print("OWN HANDLER", flush=True), sys.exit(3)))
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+with torch.no_grad():
+    model.generate(input_ids=torch.tensor([[1, 64, 67]]), max_new_tokens=2, do_sample=False)
+print("READY", flush=True)
+while True:
+    time.sleep(0.1)
+"""
+
+
+class Held:
+    """``nxl run [--listen] --sink RUN -- python PROGRAM MODEL``: a program holding a recorded model until
+    stopped; ready once its Unix socket answers."""
+
+    def __init__(self, model: Path, run: Path, tmpdir: Path, *, listen: bool = False, env: dict | None = None):
+        self.run, self.listen = run, f"127.0.0.1:{free_port()}" if listen else None
+        script = tmpdir / "program.py"
+        script.write_text(PROGRAM)
+        command = [*NXL, "run", "--sink", str(run), *(["--listen", self.listen] if listen else []), "--",
+                   sys.executable, str(script), str(model)]
+        self.log = run.parent / f"{run.name}.log"
+        self.process = subprocess.Popen(
+            command, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "TMPDIR": str(tmpdir), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", **(env or {})})
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def socket(self) -> Path:
+        return self.run.resolve() / f"{self.pid}.sock"
+
+    def wait_ready(self, timeout: float = 240) -> "Held":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log.read_text(errors="replace")[-3000:]
+            if "READY" in self.log.read_text(errors="replace") and self.socket.is_socket():
+                return self
+            time.sleep(0.2)
+        self.stop()
+        raise TimeoutError(self.log.read_text(errors="replace")[-3000:])
+
+    def status(self) -> dict:
+        return Endpoint(socket_path=self.socket).json("GET", "/v1/status", timeout=10)
+
+    def token(self) -> str:
+        return (self.run / "token").read_text().strip()
+
+    def stop(self, sig: int = signal.SIGTERM) -> int | None:
+        if self.process.poll() is None:
+            os.kill(self.pid, sig)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.kill(self.pid, signal.SIGKILL)
+                self.process.wait(timeout=30)
+        return self.process.returncode
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return save_chat_model(tmp_path_factory.mktemp("model") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def held(model, tmp_path_factory):
+    """One program under ``nxl run --listen`` for the module's endpoint tests."""
+    base = tmp_path_factory.mktemp("held")
+    (base / "tmp").mkdir()
+    program = Held(model, base / "run", base / "tmp", listen=True)
+    try:
+        yield program.wait_ready()
+    finally:
+        program.stop()
+
+
+def _cli(capsys, *args: str) -> tuple[int, str, str]:
+    capsys.readouterr()
+    code = cli_main(list(args))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def _raw(address: str | Path, data: bytes, *, half_close: bool = True, timeout: float = 20) -> tuple[int, dict, bytes]:
+    """One raw exchange (TCP ``host:port`` or a Unix socket path): (status, headers, body) of the answer."""
+    if isinstance(address, Path):
+        sock = connect_unix(address, timeout)
+    else:
+        host, port = address.rsplit(":", 1)
+        sock = socket.create_connection((host, int(port)), timeout=timeout)
+    with sock:
+        sock.sendall(data)
+        if half_close:
+            sock.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    lines = head.decode("latin-1").split("\r\n")
+    headers = dict(line.split(": ", 1) for line in lines[1:] if ": " in line)
+    return int(lines[0].split()[1]), headers, body
+
+
+def _request(method: str, path: str, token: str | None, *, body: bytes | None = None, headers: str = "") -> bytes:
+    auth = f"Authorization: Bearer {token}\r\n" if token else ""
+    length = f"Content-Length: {len(body)}\r\n" if body is not None and "Content-Length" not in headers else ""
+    return f"{method} {path} HTTP/1.1\r\nHost: x\r\n{auth}{length}{headers}\r\n".encode() + (body or b"")
+
+
+INTERNALS = ("Traceback", "Error:", "IndexError", "AttributeError", "RecursionError", "KeyError", "TypeError",
+             'File "', "line ")
+
+
+def _assert_json_error(status: int, headers: dict, body: bytes, expected: int, case: str = "") -> str:
+    assert status == expected, (case, body)
+    assert headers.get("Content-Type") == "application/json"
+    value = json.loads(body)
+    assert set(value) == {"error"} and isinstance(value["error"], str) and value["error"]
+    assert not any(word in value["error"] for word in INTERNALS), value["error"]
+    return value["error"]
+
+
+def _wait_closed(sock: socket.socket, timeout: float) -> float | None:
+    """Seconds until the endpoint closed ``sock`` (EOF or reset), None if it was still open after ``timeout``."""
+    start = time.monotonic()
+    while (left := timeout - (time.monotonic() - start)) > 0:
+        readable, _, _ = select.select([sock], [], [], left)
+        if readable:
+            try:
+                if not sock.recv(4096):
+                    return time.monotonic() - start
+            except OSError:
+                return time.monotonic() - start
+    return None
+
+
+# -- A: bounded connections, timeouts, JSON errors ---------------------------------------------------------------
+
+def test_idle_connections_are_bounded_closed_and_never_starve_the_owner(held):
+    process, port = psutil.Process(held.pid), int(held.listen.rsplit(":", 1)[1])
+    threads, files = process.num_threads(), process.num_fds()
+    flood = []
+    try:
+        for index in range(300):  # another local user without the token, sending nothing
+            sock = socket.socket()
+            sock.setblocking(False)
+            sock.connect_ex(("127.0.0.1", port))
+            flood.append(sock)
+            if index % 25 == 24:
+                time.sleep(0.05)  # paced within the kernel's accept backlog: beyond it, connections hang unaccepted
+        time.sleep(1.5)
+        assert process.num_threads() <= threads + MAX_CONNECTIONS
+        assert process.num_fds() <= files + MAX_CONNECTIONS + 2
+        served = [c for c in process.net_connections("tcp") if c.laddr.port == port and c.status == "ESTABLISHED"]
+        assert len(served) <= MAX_CONNECTIONS
+        start = time.monotonic()  # the owner's Unix socket answers at once, whatever the TCP port carries
+        assert held.status()["pid"] == held.pid and time.monotonic() - start < 3
+        status, headers, body = _raw(held.listen, b"", half_close=False)  # over the bound: refused, not queued
+        assert "already" in _assert_json_error(status, headers, body, 503)
+        deadline = time.monotonic() + 60
+        for sock in flood:  # every connection that sent nothing is closed by the endpoint, sooner or later
+            sock.setblocking(True)
+            assert _wait_closed(sock, max(deadline - time.monotonic(), 0.1)) is not None
+    finally:
+        for sock in flood:
+            sock.close()
+    deadline = time.monotonic() + 10
+    while process.num_threads() > threads and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert process.num_threads() <= threads
+    status, _, body = _raw(held.listen, _request("GET", "/v1/status", held.token()))
+    assert status == 200 and json.loads(body)["pid"] == held.pid
+
+    with socket.create_connection(("127.0.0.1", port)) as quiet:  # one idle connection alone: closed after REQUEST_SECONDS
+        waited = _wait_closed(quiet, REQUEST_SECONDS + 5)
+        assert waited is not None and REQUEST_SECONDS - 0.5 <= waited <= REQUEST_SECONDS + 3
+    with socket.create_connection(("127.0.0.1", port)) as drip:
+        start = time.monotonic()  # a byte a second keeps no connection past the request's deadline
+        for byte in b"GET /v1/status HTTP/1.1\r\nX-Slow: " + b"a" * 100:
+            try:
+                drip.send(bytes([byte]))
+            except OSError:
+                break
+            if _wait_closed(drip, 1.0) is not None:
+                break
+        assert time.monotonic() - start <= REQUEST_SECONDS + 3
+    assert held.process.poll() is None
+
+
+def test_malformed_requests_get_a_json_4xx_without_python_internals(held):
+    token = held.token()
+    (request,) = Endpoint(socket_path=held.socket).json("GET", "/v1/requests")["requests"]
+    rid = request["request_id"]
+    control = "/v1/control"
+    cases = {
+        "row out of range": (_request("GET", f"/v1/requests/{rid}?row=1", token), 400),
+        "row not a number": (_request("GET", f"/v1/requests/{rid}?row=x", token), 400),
+        "k huge": (_request("GET", f"/v1/requests/{rid}?k={'9' * 5000}", token), 400),
+        "models not text": (_request("POST", control, token, body=b'{"action":"detach","models":5}'), 400),
+        "layers a list": (_request("POST", control, token, body=b'{"action":"attach","layers":[[1]]}'), 400),
+        "action a list": (_request("POST", control, token, body=b'{"action":["pause"]}'), 400),
+        "200k nested [": (_request("POST", control, token, body=b"[" * 200_000), 413),
+        "50k nested [": (_request("POST", control, token, body=b"[" * 50_000), 400),
+        "not UTF-8": (_request("POST", control, token, body=b'{"action": "\xff"}'), 400),
+        "not an object": (_request("POST", control, token, body=b"[1]"), 400),
+        "Content-Length abc": (_request("POST", control, token, headers="Content-Length: abc\r\n"), 400),
+        "Content-Length -1": (_request("POST", control, token, headers="Content-Length: -1\r\n"), 400),
+        "Content-Length huge": (_request("POST", control, token, headers=f"Content-Length: {10 ** 12}\r\n"), 413),
+        "Content-Length twice": (_request("POST", control, token, headers="Content-Length: 2\r\nContent-Length: 3"
+                                          "\r\n", body=b"{}"), 400),
+        "GET Content-Length abc": (_request("GET", "/v1/status", token, headers="Content-Length: abc\r\n"), 400),
+        "chunked": (_request("POST", control, token, headers="Transfer-Encoding: chunked\r\n"), 411),
+        "body cut short (closed)": (_request("POST", control, token, headers="Content-Length: 100\r\n")
+                                    + b'{"action"', 400),
+        "garbage request line": (b"HELLO\r\n\r\n", 400),
+        "header line too long": (b"GET /v1/status HTTP/1.1\r\nX: " + b"a" * 70_000 + b"\r\n\r\n", 431),
+        "unknown path": (_request("GET", "/etc/passwd", token), 404),
+        "no token": (_request("GET", "/v1/status", None), 401),
+    }
+    for name, (data, expected) in cases.items():
+        _assert_json_error(*_raw(held.listen, data), expected, name)
+    for name in ("Content-Length abc", "row out of range", "200k nested ["):  # the Unix socket answers alike
+        data, expected = cases[name]
+        _assert_json_error(*_raw(held.socket, data.replace(f"Bearer {token}".encode(), b"Bearer -")), expected)
+
+    start = time.monotonic()  # a body shorter than declared, the connection left open: answered, not held
+    status, headers, body = _raw(held.listen, _request("POST", control, token, headers="Content-Length: 100\r\n")
+                                 + b"{", half_close=False)
+    assert "shorter" in _assert_json_error(status, headers, body, 400)
+    assert REQUEST_SECONDS - 0.5 <= time.monotonic() - start <= REQUEST_SECONDS + 3
+    status, _, body = _raw(held.listen, _request("PUT", "/v1/status", token))
+    assert status == 501 and "PUT" in json.loads(body)["error"]
+    assert MAX_BODY < 200_000
+    (model,) = held.status()["models"]  # none of it changed what is recorded
+    assert model["attached"] and not model["excluded"] and held.process.poll() is None
+
+
+# -- B: run folders, tokens, sockets -----------------------------------------------------------------------------
+
+def _nxl_run(*args: str, tmpdir: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([*NXL, "run", *args, "--", sys.executable, "-c", "print('ran')"], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmpdir)})
+
+
+@as_root
+def test_run_folders_of_others_or_open_to_others_are_refused(tmp_path):
+    open_to_all = tmp_path / "open"
+    open_to_all.mkdir(mode=0o700)
+    open_to_all.chmod(0o777)
+    others = tmp_path / "others"
+    others.mkdir()
+    others.chmod(0o755)
+    os.chown(others, NOBODY, NOBODY)
+    below_others = others / "mine"  # made by root inside nobody's folder: nobody could swap it
+    below_others.mkdir(mode=0o700)
+    for folder, why in ((open_to_all, "writable by group or others"), (others, f"belongs to uid {NOBODY}"),
+                        (below_others, f"which belongs to uid {NOBODY}")):
+        done = _nxl_run("--sink", str(folder), "--listen", f"127.0.0.1:{free_port()}", tmpdir=tmp_path)
+        assert done.returncode == 2 and "ran" not in done.stdout, done.stderr
+        (line,) = done.stderr.splitlines()[-1:]
+        assert len(done.stderr.splitlines()) == 1 and why in line and str(folder) in line
+        assert not (folder / "token").exists()
+    assert "chmod go-w" in _nxl_run("--sink", str(open_to_all), tmpdir=tmp_path).stderr
+    made = tmp_path / "new" / "deeper" / "run"  # missing folders are made private, and accepted
+    done = _nxl_run("--sink", str(made), tmpdir=tmp_path)
+    assert done.returncode == 0 and done.stdout.strip() == "ran", done.stderr
+    assert stat.S_IMODE(made.stat().st_mode) == stat.S_IMODE(made.parent.stat().st_mode) == 0o700
+
+
+@as_root
+def test_a_token_already_there_is_never_silently_replaced_and_readers_check_it(tmp_path, capsys):
+    listen = ["--listen", f"127.0.0.1:{free_port()}"]
+    run = tmp_path / "run"
+    run.mkdir(mode=0o700)
+    token = run / "token"
+    planted = {"nobody's": (0o600, NOBODY, f"belongs to uid {NOBODY}"), "readable": (0o644, 0, "mode 644")}
+    for name, (mode, owner, why) in planted.items():
+        token.write_text(f"planted-{name}-token-0123456789\n")
+        token.chmod(mode)
+        os.chown(token, owner, owner)
+        done = _nxl_run("--sink", str(run), *listen, tmpdir=tmp_path)
+        assert done.returncode == 2 and "ran" not in done.stdout and why in done.stderr, done.stderr
+        assert token.read_text() == f"planted-{name}-token-0123456789\n" and token.stat().st_uid == owner
+        with pytest.raises(PermissionError, match=why):
+            read_token(run)
+        code, _, err = _cli(capsys, "ctl", "status", "--run", "http://127.0.0.1:9", "--token-file", str(token))
+        assert code == 2 and why in err  # the client refuses it before connecting
+        token.unlink()
+    target = tmp_path / "elsewhere"
+    target.write_text("not a token\n")
+    token.symlink_to(target)
+    done = _nxl_run("--sink", str(run), *listen, tmpdir=tmp_path)
+    assert done.returncode == 2 and "not a regular file" in done.stderr and target.read_text() == "not a token\n"
+    with pytest.raises(PermissionError, match="symbolic link"):
+        read_token(token)
+    token.unlink()
+    os.mkfifo(token, 0o600)  # a FIFO is refused at once, not waited on
+    with pytest.raises(PermissionError, match="not a regular file"):
+        read_token(run / "token")
+    token.unlink()
+    token.write_text("an-earlier-run-of-mine-0123456789\n")  # this user's own 0600 token: a new run, a new token
+    token.chmod(0o600)
+    done = _nxl_run("--sink", str(run), *listen, tmpdir=tmp_path)
+    assert done.returncode == 0 and done.stdout.strip() == "ran", done.stderr
+    fresh = read_token(run)
+    assert len(fresh) >= 40 and fresh != "an-earlier-run-of-mine-0123456789"
+    assert stat.S_IMODE(token.stat().st_mode) == 0o600 and token.stat().st_uid == os.getuid()
+
+
+@pytest.fixture
+def shared():
+    """A folder every uid can reach and write (pytest's own temporary folders are private to root)."""
+    folder = Path(tempfile.mkdtemp(prefix="nxl-test-"))
+    folder.chmod(0o777)
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def nobody_python() -> str:
+    """A Python that uid 65534 can run (this environment's may sit in root's private home)."""
+    for candidate in (sys.executable, "/usr/bin/python3", "/usr/local/bin/python3"):
+        try:
+            if subprocess.run([candidate, "-c", "pass"], user=NOBODY, capture_output=True, timeout=60).returncode == 0:
+                return candidate
+        except OSError:
+            continue
+    pytest.skip("no Python interpreter that uid 65534 may run")
+
+
+@as_root
+def test_sockets_are_checked_on_both_ends(held, shared, nobody_python, capsys):
+    """The client talks only to a socket served by its own uid (or root); the endpoint serves only those."""
+    fake = shared / "4242.sock"
+    serve = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\ns.bind(sys.argv[1])\ns.listen()\n"
+             "print('up', flush=True)\nwhile True:\n    c, _ = s.accept()\n    try:\n"
+             "        c.sendall(b'HTTP/1.0 200 OK\\r\\n\\r\\n{\"paused\": true}')\n    except OSError:\n        pass\n"
+             "    c.close()\n")
+    impostor = subprocess.Popen([nobody_python, "-c", serve, str(fake)], user=NOBODY, stdout=subprocess.PIPE)
+    try:
+        assert impostor.stdout.readline().strip() == b"up"
+        with pytest.raises(PermissionError, match=f"served by uid {NOBODY}"):
+            connect_unix(fake, 5)
+        code, out, err = _cli(capsys, "ctl", "pause", "--run", str(fake))
+        assert code == 2 and "paused" not in out and f"uid {NOBODY}" in err
+    finally:
+        impostor.kill()
+        impostor.wait(timeout=30)
+
+    from nxl_hooks.apps.serve.endpoint import bind_socket
+
+    blocker = shared / "blocker.sock"  # the endpoint's bind: a file there is never replaced
+    blocker.write_text("someone's file")
+    with socket.socket(socket.AF_UNIX) as sock, pytest.raises(PermissionError, match="not a socket of this user"):
+        bind_socket(blocker, sock)
+    assert blocker.read_text() == "someone's file"
+
+    sock_mode = held.socket.stat().st_mode
+    reachable = shared / "link.sock"  # the endpoint's own socket (a hard link), where every uid can reach it
+    os.link(held.socket, reachable)
+    try:  # open to everyone: the endpoint still lets only this user (or root) in
+        held.socket.chmod(0o666)
+        probe = ("import socket, sys\ns = socket.socket(socket.AF_UNIX)\ns.settimeout(10)\ns.connect(sys.argv[1])\n"
+                 "s.sendall(b'GET /v1/status HTTP/1.0\\r\\n\\r\\n')\nprint(repr(s.recv(100)))\n")
+        done = subprocess.run([nobody_python, "-c", probe, str(reachable)], user=NOBODY, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode in (0, 1) and "200" not in done.stdout and "pid" not in done.stdout
+        assert done.stdout.strip() == "b''" or "ConnectionResetError" in done.stderr or "BrokenPipe" in done.stderr
+    finally:
+        held.socket.chmod(stat.S_IMODE(sock_mode))
+        reachable.unlink()
+    assert held.status()["pid"] == held.pid
+
+
+def test_sigterm_removes_the_socket_and_keeps_the_programs_own_handling(model, tmp_path):
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    plain = Held(model, tmp_path / "plain", tmpdir)
+    own = Held(model, tmp_path / "own", tmpdir, env={"OWN_SIGTERM": "1"})
+    try:
+        for program in (plain, own):
+            program.wait_ready()
+        live = tmpdir / f"nxl-{os.getuid()}" / "live"
+        assert {p.name for p in live.iterdir()} == {str(plain.pid), str(own.pid)}
+        assert plain.stop(signal.SIGTERM) == -signal.SIGTERM  # died of SIGTERM, as it would without nxl
+        assert own.stop(signal.SIGTERM) == 3 and "OWN HANDLER" in own.log.read_text()
+        for program in (plain, own):
+            assert not program.socket.exists() and not list(program.run.glob("*.sock"))
+        assert not list(live.iterdir())
+    finally:
+        plain.stop(signal.SIGKILL)
+        own.stop(signal.SIGKILL)
+
+
+# -- C: which run nxl tail / nxl ctl talk to without --run ---------------------------------------------------------
+
+def test_without_run_the_callers_one_live_run_is_chosen_never_a_dead_one(model, tmp_path, capsys, monkeypatch):
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))  # this test's runs only, not other sessions' on the machine
+    monkeypatch.delenv("NXL_RUN_DIR", raising=False)
+    first, dead = Held(model, tmp_path / "first", tmpdir), Held(model, tmp_path / "dead", tmpdir)
+    second = None
+    try:
+        first.wait_ready()
+        dead.wait_ready()
+        assert dead.stop(signal.SIGKILL) == -signal.SIGKILL and dead.socket.is_socket()  # left behind
+        code, out, err = _cli(capsys, "ctl", "status", "--json")
+        assert code == 0, err
+        assert [json.loads(line)["pid"] for line in out.splitlines()] == [first.pid]
+        second = Held(model, tmp_path / "second", tmpdir).wait_ready()
+        for command in (["ctl", "status"], ["tail", "--count", "1"]):
+            code, out, err = _cli(capsys, *command)
+            lines = err.splitlines()
+            assert code == 2 and out == "" and len(lines) == 3, err
+            assert lines[0].startswith(f"--run {second.run.resolve()} ") and f"pid {second.pid}" in lines[0]
+            assert lines[1].startswith(f"--run {first.run.resolve()} ") and f"pid {first.pid}" in lines[1]
+            assert "2 of your runs are live" in lines[2] and str(dead.run) not in err
+        code, out, _ = _cli(capsys, "ctl", "status", "--json", "--run", str(second.run))
+        assert code == 0 and json.loads(out)["pid"] == second.pid
+        second.stop()
+        code, out, _ = _cli(capsys, "ctl", "status", "--json")
+        assert code == 0 and json.loads(out)["pid"] == first.pid
+        first.stop()
+        code, out, err = _cli(capsys, "ctl", "status")
+        assert code == 2 and "no live run of yours" in err and len(err.splitlines()) == 1
+        assert not list((tmpdir / f"nxl-{os.getuid()}" / "live").iterdir())  # the dead one's entry pruned too
+    finally:
+        for program in (first, dead, second):
+            if program is not None:
+                program.stop(signal.SIGKILL)
