@@ -160,7 +160,9 @@ def test_a_plain_script_waited_for_attached_recorded_detached(tiny, tmp_path, ca
         code, _, err = _cli(capsys, "attach", pid)  # transformers imported, no model yet
         assert code == 2 and len(err.splitlines()) == 1 and "no transformers model" in err and "--wait" in err
         go.touch()
-        code, _, err = _cli(capsys, "attach", pid, "--wait", "90", "--layers", "0,-1", "--sink", str(run))
+        code, _, err = _cli(capsys, "attach", pid, "--wait", "90", "--layers", "7")  # blocks 0..2 only
+        assert code == 2 and len(err.splitlines()) == 1 and "no model could be attached" in err, err
+        code, _, err = _cli(capsys, "attach", pid, "--layers", "0,-1", "--sink", str(run))  # nothing was left
         assert code == 0, err
         code, _, err = _cli(capsys, "attach", pid)
         assert code == 2 and "recorded already" in err and len(err.splitlines()) == 1
