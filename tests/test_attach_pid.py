@@ -6,9 +6,11 @@ check_call); answers against the unattached model."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -78,6 +80,11 @@ def _attach_and_detach_under_load(tiny: Tiny, tmp_path: Path, capsys, serve: lis
         assert code == 0, err
         attached = time.monotonic()
         assert f"process {server.pid} recorded" in err and str(run) in err
+        code, out, err = _cli(capsys, "ctl", "status", "--run", str(run), "--json")  # nxl ctl works as under nxl run
+        (model,) = json.loads(out)["models"]
+        assert code == 0 and model["attached"] and model["hooks"] > 0 and model["layers"] == [0, 1, 2], err
+        for path, mode in ((run, 0o700), (run / f"{server.pid}.sock", 0o600)):  # owner-only, as under nxl run
+            assert stat.S_IMODE(path.stat().st_mode) == mode
         clients.wait_for(attached, 3)
         detaching = time.monotonic()
         code, _, err = _cli(capsys, "detach", str(server.pid))
@@ -308,3 +315,25 @@ def test_an_injection_that_fails_inside_the_target_leaves_it_running(tmp_path, c
             time.sleep(0.1)
     finally:
         _stop(process)
+
+
+_BLOCKED = """
+import threading, time
+done = threading.Event()
+threading.Timer(8.0, done.set).start()
+print("ready", flush=True)
+done.wait()  # the main thread runs no Python code until then
+print("main thread back", flush=True)
+"""
+
+
+@needs_gdb
+def test_a_request_the_main_thread_does_not_pick_up_is_withdrawn_and_never_runs(tmp_path, capsys):
+    process = _start(tmp_path, _BLOCKED)
+    try:
+        err = _refused(capsys, "attach", str(process.pid), "--timeout", "2")
+        assert "did not run the request within 2 s" in err and "withdrawn" in err
+        assert process.wait(timeout=60) == 0  # the queued bootstrap ran once the main thread woke, and did nothing
+    finally:
+        _stop(process)
+    assert (tmp_path / "target.log").read_text().splitlines() == ["ready", "main thread back"]
