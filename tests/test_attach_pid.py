@@ -22,6 +22,7 @@ import pytest
 import torch
 
 import nxl_hooks as nxl
+from nxl_hooks.apps.serve.client import Endpoint
 from nxl_hooks.apps.serve.inject import Target, bootstrap_source, injector_command, permission_refusal
 from oracle import normxlogit, prefix_logits
 from serving import Server
@@ -177,8 +178,13 @@ def test_a_plain_script_waited_for_attached_recorded_detached(tiny, tmp_path, ca
         while len(nxl.read_stream(run) if run.exists() else []) < 3:
             assert time.monotonic() < deadline and process.poll() is None
             time.sleep(0.2)
+        live = Endpoint(socket_path=run / f"{pid}.sock")
+        reader = threading.Thread(target=lambda: list(live.events("/v1/stream", timeout=60)), daemon=True)
+        reader.start()  # a live reader (nxl tail) connected at the detach
         code, _, err = _cli(capsys, "detach", pid)
-        assert code == 0, err
+        assert code == 0 and " left: " not in err, err
+        reader.join(timeout=10)
+        assert not reader.is_alive()  # its stream was closed with the endpoint
         lines = len(log.read_text().splitlines())
         calls = nxl.read_stream(run)
         code, _, err = _cli(capsys, "detach", pid)
