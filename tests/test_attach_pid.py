@@ -6,9 +6,11 @@ check_call); answers against the unattached model."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
+import stat
 import subprocess
 import sys
 import textwrap
@@ -20,6 +22,7 @@ import pytest
 import torch
 
 import nxl_hooks as nxl
+from nxl_hooks.apps.serve.client import Endpoint
 from nxl_hooks.apps.serve.inject import Target, bootstrap_source, injector_command, permission_refusal
 from oracle import normxlogit, prefix_logits
 from serving import Server
@@ -78,6 +81,11 @@ def _attach_and_detach_under_load(tiny: Tiny, tmp_path: Path, capsys, serve: lis
         assert code == 0, err
         attached = time.monotonic()
         assert f"process {server.pid} recorded" in err and str(run) in err
+        code, out, err = _cli(capsys, "ctl", "status", "--run", str(run), "--json")  # nxl ctl works as under nxl run
+        (model,) = json.loads(out)["models"]
+        assert code == 0 and model["attached"] and model["hooks"] > 0 and model["layers"] == [0, 1, 2], err
+        for path, mode in ((run, 0o700), (run / f"{server.pid}.sock", 0o600)):  # owner-only, as under nxl run
+            assert stat.S_IMODE(path.stat().st_mode) == mode
         clients.wait_for(attached, 3)
         detaching = time.monotonic()
         code, _, err = _cli(capsys, "detach", str(server.pid))
@@ -160,7 +168,9 @@ def test_a_plain_script_waited_for_attached_recorded_detached(tiny, tmp_path, ca
         code, _, err = _cli(capsys, "attach", pid)  # transformers imported, no model yet
         assert code == 2 and len(err.splitlines()) == 1 and "no transformers model" in err and "--wait" in err
         go.touch()
-        code, _, err = _cli(capsys, "attach", pid, "--wait", "90", "--layers", "0,-1", "--sink", str(run))
+        code, _, err = _cli(capsys, "attach", pid, "--wait", "90", "--layers", "7")  # blocks 0..2 only
+        assert code == 2 and len(err.splitlines()) == 1 and "no model could be attached" in err, err
+        code, _, err = _cli(capsys, "attach", pid, "--layers", "0,-1", "--sink", str(run))  # nothing was left
         assert code == 0, err
         code, _, err = _cli(capsys, "attach", pid)
         assert code == 2 and "recorded already" in err and len(err.splitlines()) == 1
@@ -168,8 +178,13 @@ def test_a_plain_script_waited_for_attached_recorded_detached(tiny, tmp_path, ca
         while len(nxl.read_stream(run) if run.exists() else []) < 3:
             assert time.monotonic() < deadline and process.poll() is None
             time.sleep(0.2)
+        live = Endpoint(socket_path=run / f"{pid}.sock")
+        reader = threading.Thread(target=lambda: list(live.events("/v1/stream", timeout=60)), daemon=True)
+        reader.start()  # a live reader (nxl tail) connected at the detach
         code, _, err = _cli(capsys, "detach", pid)
-        assert code == 0, err
+        assert code == 0 and " left: " not in err, err
+        reader.join(timeout=10)
+        assert not reader.is_alive()  # its stream was closed with the endpoint
         lines = len(log.read_text().splitlines())
         calls = nxl.read_stream(run)
         code, _, err = _cli(capsys, "detach", pid)
@@ -306,3 +321,25 @@ def test_an_injection_that_fails_inside_the_target_leaves_it_running(tmp_path, c
             time.sleep(0.1)
     finally:
         _stop(process)
+
+
+_BLOCKED = """
+import threading, time
+done = threading.Event()
+threading.Timer(8.0, done.set).start()
+print("ready", flush=True)
+done.wait()  # the main thread runs no Python code until then
+print("main thread back", flush=True)
+"""
+
+
+@needs_gdb
+def test_a_request_the_main_thread_does_not_pick_up_is_withdrawn_and_never_runs(tmp_path, capsys):
+    process = _start(tmp_path, _BLOCKED)
+    try:
+        err = _refused(capsys, "attach", str(process.pid), "--timeout", "2")
+        assert "did not run the request within 2 s" in err and "withdrawn" in err
+        assert process.wait(timeout=60) == 0  # the queued bootstrap ran once the main thread woke, and did nothing
+    finally:
+        _stop(process)
+    assert (tmp_path / "target.log").read_text().splitlines() == ["ready", "main thread back"]

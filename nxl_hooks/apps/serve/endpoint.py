@@ -529,6 +529,8 @@ class ControlServer:
                 try:
                     watch, call, step = feed.queue.get(timeout=0.25)
                 except queue.Empty:
+                    if controller.endpoint is not self:  # closed (nxl detach): no reader keeps a thread here
+                        return
                     if watched is not None and ended(watched[1]):
                         emit("end", summary(*watched))
                         return

@@ -80,10 +80,18 @@ def _attach(env: dict[str, str], wait: float) -> dict:
     except RuntimeError as error:
         return {"ok": False, "code": "attached", "error": f"{error}: see nxl ctl status, or nxl detach {os.getpid()}"}
     _ATTACHED = ctl
-    _patch()
-    for model, name in found:
-        ctl.adopt(model, name)
-    return {"ok": True, "status": ctl.status()}
+    try:
+        _patch()
+        for model, name in found:
+            ctl.adopt(model, name)
+        status = ctl.status()
+        if not any(model["attached"] for model in status["models"]):
+            raise ValueError("no model could be attached (" + "; ".join(
+                f"{model['name']}: {model['error'] or 'not selected'}" for model in status["models"]) + ")")
+    except BaseException:
+        _detach()  # all or nothing: a failed attach leaves no hook, patch or endpoint behind
+        raise
+    return {"ok": True, "status": status}
 
 
 def _patch() -> None:
