@@ -18,7 +18,8 @@ import sys
 from pathlib import Path
 
 from ..options import CliError
-from .run import add_run_options, prepare_run
+from ..serve.settings import add_run_options
+from .run import prepare_run
 
 NAME = "attach"
 
