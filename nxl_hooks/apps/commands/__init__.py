@@ -3,7 +3,7 @@
 Heavy imports (torch, transformers) happen inside ``run``, so ``nxl --help`` stays fast.
 """
 
-from . import attribute, audit, ctl, demo, evaluate, run, tail
+from . import attribute, audit, convert, ctl, demo, evaluate, run, tail
 
 #: The subcommands, in the order ``nxl --help`` lists them.
-COMMANDS = (attribute, demo, evaluate, audit, run, tail, ctl)
+COMMANDS = (attribute, demo, evaluate, audit, run, tail, ctl, convert)

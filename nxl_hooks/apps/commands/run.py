@@ -69,6 +69,7 @@ def bootstrap_dir() -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..loading import gguf_serve_refusal
     from ..serve.runs import make_run_dir, private_run_dir, remember, write_token
     from ..serve.settings import DEFAULT_KEEP_CALLS, Settings, parse_listen
 
@@ -80,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
     if args.listen:
         parse_listen(args.listen, allow_remote=args.allow_remote)
     load = {key: value for key, value in loading_options(args).items() if key != "head" and value is not None}
+    if (refusal := gguf_serve_refusal(program, load.get("gguf_file"))) is not None:  # loading-option hook (registry)
+        raise CliError(refusal)
     if load.get("gguf_file") and load.get("quantize"):
         raise CliError("--gguf-file with --load-in-8bit/--load-in-4bit: transformers refuses that combination in "
                        "the program's own from_pretrained; load the GGUF, save it, and quantize the saved folder")
