@@ -18,7 +18,7 @@ import torch
 import nxl_hooks as nxl
 from nxl_hooks.arch import registry
 from nxl_hooks.method import verify
-from test_architectures import CASES, TOK, _check_against_oracle
+from test_architectures import CASES, TOK, _check_against_oracle, private_registry  # noqa: F401 - a fixture
 from tiny import nxl_hooks_on
 
 _MODELS: dict[str, torch.nn.Module] = {}
@@ -29,12 +29,6 @@ def _model(case_id: str) -> torch.nn.Module:
     if case_id not in _MODELS:
         _MODELS[case_id] = CASES[case_id].build()
     return _MODELS[case_id]
-
-
-@pytest.fixture
-def private_registry(monkeypatch):
-    """Registrations inside a test do not leak into the others."""
-    monkeypatch.setattr(registry, "_SPECS", registry.specs())
 
 
 def H(kind: str, *steps: str) -> dict:

@@ -70,7 +70,7 @@ def test_tp_plan_auto_under_torchrun_equals_one_process_and_the_oracle(folder, t
     model, single, out = _one_process(folder)
     hand = oracle.llama(model)
     logits = hand.layer_logits(out.hidden_states)  # (L+1, batch, seq, vocab) from the unsharded model
-    expected, _ = oracle.normxlogit(logits, out.hidden_states[0], single.target)
+    logat, expected = oracle.normxlogit(logits, out.hidden_states[0], single.target)
     mask = torch.tensor(MASK).bool()
     for rank in (0, 1):
         facts = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -80,6 +80,7 @@ def test_tp_plan_auto_under_torchrun_equals_one_process_and_the_oracle(folder, t
         for layer in range(3):  # per layer: NormXLogit against one process, and against the oracle
             torch.testing.assert_close(res.normxlogit[layer][mask], single.normxlogit[layer][mask], **TOL)
             torch.testing.assert_close(res.normxlogit[layer][mask], expected[layer][mask], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(res.logat[layer][mask], logat[layer][mask], rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(res.embed_norm[mask], single.embed_norm[mask], **TOL)
 
 
