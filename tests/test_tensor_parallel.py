@@ -100,6 +100,33 @@ def test_nxl_attribute_tp_under_torchrun_equals_one_process(folder, tmp_path):
     torch.testing.assert_close(mine.normxlogit, theirs.normxlogit, **TOL)
 
 
+PROGRAM = """import sys, torch, transformers
+model = transformers.AutoModelForCausalLM.from_pretrained(
+    sys.argv[1], distributed_config=transformers.DistributedConfig(tp_plan="auto")).eval()
+model.generate(torch.tensor([[5, 9, 12, 7]]), max_new_tokens=3, do_sample=False)
+"""
+
+
+def test_nxl_run_records_a_tp_program_on_every_rank(folder, tmp_path):
+    """``torchrun ... -m nxl_hooks run --sink runs/ -- python prog.py``: nxl run execs the program in each rank's
+    process, the program's own tp_plan load is attached, and each rank records the call, equal to the no-cache
+    oracle on the unsharded model."""
+    import transformers
+
+    from oracle import check_call
+
+    (tmp_path / "prog.py").write_text(PROGRAM)
+    done = _torchrun("-m", "nxl_hooks", "run", "--sink", "runs", "--", sys.executable, "prog.py", str(folder),
+                     cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(list((tmp_path / "runs").iterdir())) == 2  # one run folder per rank's process
+    calls = nxl.read_stream(tmp_path / "runs")
+    assert len(calls) == 2
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    for call in calls:
+        check_call(model, call, 3)
+
+
 def test_tp_outside_torchrun_is_one_line(folder, capsys, monkeypatch):
     from nxl_hooks.apps.cli import main
 
