@@ -191,4 +191,4 @@ def loading_options(args: argparse.Namespace) -> dict[str, Any]:
     quantize = "8bit" if args.load_in_8bit else "4bit" if args.load_in_4bit else None
     return {"head": getattr(args, "head", None), "dtype": args.dtype, "device_map": args.device_map,
             "max_memory": args.max_memory, "quantize": quantize, "gguf_file": args.gguf_file,
-            "tp": getattr(args, "tp", False) or None}
+            **({"tp": True} if getattr(args, "tp", False) else {})}
