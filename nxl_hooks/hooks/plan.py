@@ -22,6 +22,7 @@ from torch import nn
 from ..arch.registry import ArchSpec, blocks, compiled_original, resolve
 from ..method import scores as _scores
 from ..method.head import Head
+from ..method.verify import check_numbers
 from ..records.sinks import sink_factory
 from ..records.tokens import readable_ids
 from ..method.select import (
@@ -175,6 +176,7 @@ def make_plan(model: nn.Module, *, layers: Any, target: Target, tokenizer: Any, 
     spec, kind = resolve(model)
     head = Head(model, spec, kind)
     block_list = blocks(model, spec)
+    check_numbers(model, spec, kind, head, block_list)  # a user's registry entry, once: refused if its numbers are off
     parse_embedding(embedding)
     if kind == "masked_lm" and getattr(tokenizer, "mask_token_id", None) is None:
         raise ValueError("masked-LM attribution needs attach(..., tokenizer=tok) with a mask token, to find the "

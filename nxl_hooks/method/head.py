@@ -29,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..arch.registry import (FUNCTION_STEPS, POST_STEPS, ArchSpec, UnknownArchitectureError, get_path, spec_head,
-                             split_post_steps)
+from ..arch.registry import (FUNCTION_STEPS, POST_STEPS, ArchSpec, UnknownArchitectureError, get_path,
+                             readout_outputs, spec_head, split_post_steps)
 from .placement import DeviceOf, indexed, module_device, offloaded, plain, readable, replica, weights_materialized
 
 __all__ = ["CALLED_READOUT_CHUNK", "Head", "Readout"]
@@ -125,10 +125,10 @@ class Head:
 
     @staticmethod
     def _count_outputs(readout: nn.Module) -> int:
-        for module in readout.modules():
-            if isinstance(module, nn.Linear):
-                return module.out_features
-        raise ValueError(f"cannot find the output size of the readout {type(readout).__name__}")
+        outputs = readout_outputs(readout)
+        if outputs is None:
+            raise ValueError(f"cannot find the output size of the readout {type(readout).__name__}")
+        return outputs
 
     @property
     def device(self) -> torch.device:

@@ -3,7 +3,7 @@
 Heavy imports (torch, transformers) happen inside ``run``, so ``nxl --help`` stays fast.
 """
 
-from . import attach, attribute, audit, ctl, demo, detach, evaluate, export, run, tail
+from . import attach, attribute, audit, convert, ctl, demo, detach, evaluate, export, run, tail
 
 #: The subcommands, in the order ``nxl --help`` lists them.
-COMMANDS = (attribute, demo, evaluate, audit, run, tail, ctl, attach, detach, export)
+COMMANDS = (attribute, demo, evaluate, audit, run, tail, ctl, attach, detach, export, convert)

@@ -51,9 +51,10 @@ def run(args: argparse.Namespace) -> int:
     from ...records.files import write_text
     from ...records.html import generation_html
     from ...records.tokens import chat_text
-    from ..loading import check_length, load_model, position_limit
+    from ..loading import check_length, load_model, position_limit, tp_outputs
     from ..terminal import print_generation, show_attribution
 
+    tp_outputs(args, "out", "html")  # --tp (registry): rank 0 alone prints and writes
     generate = args.generate
     if generate is not None and args.target != "predicted":
         raise CliError("--generate explains each emitted token: drop --target")

@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from ...eval.audit import aggregate, audit_example
     from ...records.tokens import chat_text
     from ..dataset import examples_from_args, place, run_dataset, scored, write_outputs
-    from ..loading import check_explainable, check_length, load_model, position_limit
+    from ..loading import check_explainable, check_length, load_model, position_limit, tp_outputs
     from ..reports import audit_report
 
     if (args.candidate is None) == (args.quantize is None):
@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
     if args.quantize is not None and loading["quantize"] is not None:
         raise ValueError("--quantize builds the candidate from an unquantized reference: drop --load-in-8bit / "
                          "--load-in-4bit (or compare two saved models with --candidate)")
+    tp_outputs(args, "out")  # --tp (registry): rank 0 alone prints and writes
     check_output_folder(args.out)
     examples, settings = examples_from_args(args)
     settings.update(

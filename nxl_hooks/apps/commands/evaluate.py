@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     from ...eval import faithfulness as ev
     from ...records.tokens import chat_text
     from ..dataset import examples_from_args, place, run_dataset, scored, write_outputs
-    from ..loading import check_explainable, check_length, load_model, position_limit
+    from ..loading import check_explainable, check_length, load_model, position_limit, tp_outputs
     from ..reports import evaluate_report
 
     named = {"all": ev.METHODS, "default": ev.DEFAULT_METHODS}
@@ -56,6 +56,7 @@ def run(args: argparse.Namespace) -> int:
         what = f"names unknown {unknown}" if unknown else "names no method"
         raise CliError(f"--methods {args.methods!r} {what}; choose from {', '.join(ev.METHODS)} (or 'all', "
                        "'default')")
+    tp_outputs(args, "out")  # --tp (registry): rank 0 alone prints and writes
     check_output_folder(args.out)
     examples, settings = examples_from_args(args)
     loading = loading_options(args)

@@ -74,12 +74,16 @@ def prepare_run(args: argparse.Namespace, load: dict) -> Settings:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..loading import gguf_serve_refusal
+
     program = args.program[1:] if args.program[:1] == ["--"] else args.program
     if not program:
         raise CliError("give the program to run after --, e.g. nxl run -- transformers serve ./model")
     if shutil.which(program[0]) is None:  # before any run folder is made
         raise CliError(f"{program[0]}: command not found (or not executable)")
     load = {key: value for key, value in loading_options(args).items() if key != "head" and value is not None}
+    if (refusal := gguf_serve_refusal(program, load.get("gguf_file"))) is not None:  # serve cannot load a GGUF file
+        raise CliError(refusal)
     if load.get("gguf_file") and load.get("quantize"):
         raise CliError("--gguf-file with --load-in-8bit/--load-in-4bit: transformers refuses that combination in "
                        "the program's own from_pretrained; load the GGUF, save it, and quantize the saved folder")

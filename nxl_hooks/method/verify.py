@@ -1,0 +1,144 @@
+"""The registry oracle: a user's registry entry is run once against the model it describes before anything is
+recorded with it, so an entry that gives wrong numbers is refused rather than recorded.
+
+    check_numbers(model, spec, kind, head, block_list)   # RegistryError naming the entry and key, else None
+
+On a small random input (one row of 6 tokens, no pad token) the model runs once with a forward hook on every
+block: each block must run exactly once, and the head-on-top the entry describes (:class:`~.head.Head`, applied to
+the last block's raw output) must equal the model's own logits. The shipped ``registry/*.toml`` entries and generic
+discovery are tested per family against a hand-written oracle (tests/oracle.py) and are not run here, so attach
+stays cheap for them; a user's entry is run at its first attach per model class and head kind.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+from torch import nn
+
+from ..arch.registry import ArchSpec, RegistryError, is_shipped, spec_head, split_post_steps
+from .head import Head
+
+__all__ = ["check_numbers"]
+
+_SEQ = 6  #: tokens of the random input
+#: max |HoT - model logits| allowed, relative to (1 + max |logit|): float32 runs agree to ~1e-6; 16-bit weights
+#: round each step to ~3 significant digits. A wrong module or config value misses by the logits' own scale.
+_TOLERANCE = {torch.float32: 1e-3, torch.float64: 1e-6}
+_TOLERANCE_16BIT = 5e-2
+
+_POOLED = {"first": 0, "last_non_pad": -1}  # the random input has no pad token
+_POOLED_AT = {"first": "first token (CLS)", "last_non_pad": "last non-pad token"}
+
+_checked: set[tuple[int, type, str]] = set()  # (id of a kept spec, model class, head kind) that passed
+_kept: dict[int, ArchSpec] = {}  # the specs checked, so that their ids stay theirs
+_lock = threading.Lock()
+
+
+def _block_output(output: object) -> torch.Tensor | None:
+    """A block's hidden states: its output, or the first element of the tuple some blocks return (GPT-J, Falcon)."""
+    if isinstance(output, (tuple, list)) and output:
+        output = output[0]
+    return output if isinstance(output, torch.Tensor) else None
+
+
+def _random_input(model: nn.Module) -> torch.Tensor | None:
+    """(1, _SEQ) token ids without the pad token, on the embedding's device; None when the weights are not there
+    (meta tensors: an empty-weights model cannot run)."""
+    embedding = model.get_input_embeddings()
+    weight = getattr(embedding, "weight", None)
+    rows = getattr(embedding, "num_embeddings", None)
+    if not isinstance(weight, torch.Tensor) or weight.is_meta or not isinstance(rows, int) or rows < 2:
+        return None
+    ids = torch.randint(0, rows, (1, _SEQ), generator=torch.Generator().manual_seed(0))
+    pad = model.config.pad_token_id
+    if isinstance(pad, int):
+        ids[ids == pad] = (pad + 1) % rows
+    return ids.to(weight.device)
+
+
+def check_numbers(model: nn.Module, spec: ArchSpec, kind: str, head: Head, block_list: nn.ModuleList) -> None:
+    """Run a user's registry entry once against ``model`` (the task model), see the module docstring.
+
+    Raises :class:`~nxl_hooks.RegistryError` (one line: entry, key, what was found, what was expected)."""
+    key = (id(spec), type(model), kind)
+    if is_shipped(spec) or key in _checked:
+        return
+    ids = _random_input(model)
+    if ids is None:
+        return
+    counts = [0] * len(block_list)
+    last: list[torch.Tensor | None] = [None]
+
+    def counter(index: int):
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            counts[index] += 1
+            if index == len(block_list) - 1:
+                last[0] = _block_output(output)
+        return hook
+
+    handles = [block.register_forward_hook(counter(index)) for index, block in enumerate(block_list)]
+    training = {module: module.training for module in model.modules()}
+    model.eval()  # dropout would make the model's logits differ from a head applied by hand
+    try:
+        with torch.no_grad():
+            output = model(input_ids=ids, attention_mask=torch.ones_like(ids))
+    finally:
+        for handle in handles:
+            handle.remove()
+        for module, mode in training.items():
+            module.training = mode
+    _compare(model, spec, kind, head, counts, last[0], getattr(output, "logits", None))
+    with _lock:
+        _kept[id(spec)] = spec
+        _checked.add(key)
+
+
+def _differs(got: torch.Tensor, expected: torch.Tensor, head: Head) -> float | bool:
+    """False when ``got`` equals ``expected`` within the tolerance of the readout's dtype; else how far apart they
+    are (inf for another shape or a value that is not finite)."""
+    if got.shape != expected.shape or not torch.isfinite(got).all():
+        return float("inf")
+    tolerance = _TOLERANCE.get(next(head.readout.parameters(), expected).dtype, _TOLERANCE_16BIT)
+    difference = float((got.to(expected.device) - expected).abs().max())
+    return False if difference <= tolerance * (1.0 + float(expected.abs().max())) else difference
+
+
+def _compare(model: nn.Module, spec: ArchSpec, kind: str, head: Head, counts: list[int],
+             hidden: torch.Tensor | None, logits: object) -> None:
+    where = f"registry entry [{spec.name}] in {spec.source}"
+    name, heads_key = type(model).__name__, f"heads.{spec_head(kind)}"
+    wrong = next(((index, n) for index, n in enumerate(counts) if n != 1), None)
+    if wrong is not None:
+        raise RegistryError(f"{where}: key 'blocks' names {spec.blocks!r}, whose block {wrong[0]} ran {wrong[1]} times "
+                            f"in one forward of {name}; expected the ModuleList of blocks that each run once")
+    if hidden is None or not isinstance(logits, torch.Tensor):
+        return  # nothing to compare with: the model returns no logits tensor (the probe says what it records)
+    steps = list(spec.heads[spec_head(kind)])
+    try:
+        with torch.no_grad(), head.reading() as readout:
+            got = readout.logits(head.features(hidden))
+    except (RuntimeError, TypeError, ValueError) as error:  # shapes that do not chain: a step of another width
+        first = str(error).splitlines()[0] if str(error) else type(error).__name__
+        raise RegistryError(f"{where}: key {heads_key!r} ({steps}) cannot be applied to the output of the last block "
+                            f"of {name} ({first}); expected the modules of its head-on-top, in order") from None
+    expected = logits.float()
+    if kind in ("sequence_classification", "regression"):
+        other, pooled = ("last_non_pad" if spec.pooling == "first" else "first"), got[:, _POOLED[spec.pooling]]
+        if _differs(pooled, expected, head) is not False and _differs(got[:, _POOLED[other]], expected, head) is False:
+            raise RegistryError(f"{where}: key 'pooling' is {spec.pooling!r}, but {name} reads its prediction at "
+                                f"the {_POOLED_AT[other]}; expected {other!r}")
+        got = pooled
+    if got.shape != expected.shape:
+        raise RegistryError(f"{where}: key {heads_key!r} ({steps}) gives outputs of shape {tuple(got.shape)}; "
+                            f"expected {name}'s own logits' shape {tuple(expected.shape)}")
+    difference = _differs(got, expected, head)
+    if difference is not False:
+        scale = 1.0 + float(expected.abs().max())
+        body, post = split_post_steps(steps)
+        raise RegistryError(
+            f"{where}: key {heads_key!r} ({steps}) gives logits that differ from {name}'s own by {difference:.3g} "
+            f"(largest logit {scale - 1:.3g}) on a random input; expected the model's head-on-top: the blocks' "
+            f"output through {' -> '.join(body)}{' then ' + ', '.join(post) if post else ''} must reproduce them "
+            "(a wrong module, a wrong config value or a missing step)")

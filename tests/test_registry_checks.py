@@ -1,0 +1,278 @@
+"""Registry entries are checked against the model they describe (issue 19, item 3).
+
+A table of wrong user entries, each registered with ``nxl.register_architecture`` (or a TOML file) and attached to
+a tiny model of its family: every one is refused at attach with one line naming the entry, the key, what was found
+and what was expected, and leaves no hook behind. Some are wrong in kind (blocks that are no ModuleList, head steps
+that are no module, a config value that is a token id), found by looking; the rest look fine and give wrong numbers,
+found by the registry oracle that runs a user's entry once against the model's own logits. Valid user entries still
+attach and equal the hand-written oracle of tests/oracle.py; shipped entries are not run at attach.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import nxl_hooks as nxl
+from nxl_hooks.arch import registry
+from nxl_hooks.method import verify
+from test_architectures import CASES, TOK, _check_against_oracle, private_registry  # noqa: F401 - a fixture
+from tiny import nxl_hooks_on
+
+_MODELS: dict[str, torch.nn.Module] = {}
+
+
+def _model(case_id: str) -> torch.nn.Module:
+    """The tiny model of a test_architectures case, built once (attach leaves it unchanged)."""
+    if case_id not in _MODELS:
+        _MODELS[case_id] = CASES[case_id].build()
+    return _MODELS[case_id]
+
+
+def H(kind: str, *steps: str) -> dict:
+    """A ``heads`` change: one head kind and its steps."""
+    return {"heads": {kind: list(steps)}}
+
+
+LM, CLS, MLM = "causal_lm", "sequence_classification", "masked_lm"
+NORM = "model.norm"
+_LIST = "expected the ModuleList of the model's blocks"
+_MODULE = "expected a module of the head-on-top"
+_INSIDE = "inside the blocks 'model.layers'; expected a module of the head-on-top"
+_FLOAT = r"an integer \(a token id, count or size\); expected a float"
+_NUMBERS = r"gives logits that differ from \w+'s own by [0-9.e+-]+ .* on a random input; expected the model's head"
+_BACKBONE = "expected the module that takes input_ids and runs the blocks"
+
+# (model case, changes to the shipped entry of its model type, the key named, what the line says)
+BAD = {
+    # -- blocks: not a ModuleList of blocks
+    "blocks final norm": ("llama-lm", {"blocks": NORM}, "blocks", f"names 'model.norm', a LlamaRMSNorm; {_LIST}"),
+    "blocks lm_head": ("llama-lm", {"blocks": "lm_head"}, "blocks", f"a Linear; {_LIST}"),
+    "blocks one block": ("llama-lm", {"blocks": "model.layers.0"}, "blocks", f"a LlamaDecoderLayer; {_LIST}"),
+    "blocks attention": ("llama-lm", {"blocks": "model.layers.1.self_attn"}, "blocks", f"a LlamaAttention; {_LIST}"),
+    "blocks embedding": ("llama-lm", {"blocks": "model.embed_tokens"}, "blocks", f"an? Embedding; {_LIST}"),
+    "blocks backbone": ("llama-lm", {"blocks": "model"}, "blocks", f"a LlamaModel; {_LIST}"),
+    "blocks rotary": ("llama-lm", {"blocks": "model.rotary_emb"}, "blocks", f"RotaryEmbedding; {_LIST}"),
+    "blocks a tensor": ("llama-lm", {"blocks": "lm_head.weight"}, "blocks", r"a Parameter of shape \(64, 32\), not a"),
+    "blocks a tensor 2": ("llama-lm", {"blocks": "model.embed_tokens.weight"}, "blocks", "a Parameter of shape"),
+    "blocks config": ("llama-lm", {"blocks": "config"}, "blocks", f"a LlamaConfig, not a module; {_LIST}"),
+    "blocks forward": ("llama-lm", {"blocks": "forward"}, "blocks", "the method/function 'forward', not a module"),
+    "blocks dtype": ("llama-lm", {"blocks": "dtype"}, "blocks", "a dtype, not a module"),
+    "blocks missing": ("llama-lm", {"blocks": "model.layerz"}, "blocks", "which LlamaForCausalLM does not have"),
+    "blocks index": ("llama-lm", {"blocks": "model.layers.7"}, "blocks", "which LlamaForCausalLM does not have"),
+    "blocks gpt2 block": ("gpt2-lm", {"blocks": "transformer.h.0"}, "blocks", f"a GPT2Block; {_LIST}"),
+    "blocks gpt2 wte": ("gpt2-lm", {"blocks": "transformer.wte"}, "blocks", f"an? Embedding; {_LIST}"),
+    "blocks bert encoder": ("bert-cls", {"blocks": "bert.encoder"}, "blocks", f"a BertEncoder; {_LIST}"),
+    "blocks bert pooler": ("bert-cls", {"blocks": "bert.pooler"}, "blocks", f"a BertPooler; {_LIST}"),
+    # -- head steps that are not modules
+    "step a tensor": ("llama-lm", H(LM, NORM, "lm_head.weight"), "heads.causal_lm", f"a Parameter .*; {_MODULE}"),
+    "step norm weight": ("llama-lm", H(LM, "model.norm.weight", "lm_head"), "heads.causal_lm", "a Parameter"),
+    "step config": ("llama-lm", H(LM, NORM, "config"), "heads.causal_lm", f"a LlamaConfig, not a module; {_MODULE}"),
+    "step forward": ("llama-lm", H(LM, NORM, "forward"), "heads.causal_lm", "the method/function 'forward'"),
+    "step dtype": ("llama-lm", H(LM, NORM, "dtype", "lm_head"), "heads.causal_lm", "a dtype, not a module"),
+    # -- head steps that are modules of the wrong kind or place
+    "readout up_proj": ("llama-lm", H(LM, NORM, "model.layers.0.mlp.up_proj"), "heads.causal_lm",
+                        f"'model.layers.0.mlp.up_proj' is a Linear {_INSIDE}"),
+    "readout q_proj": ("llama-lm", H(LM, NORM, "model.layers.0.self_attn.q_proj"), "heads.causal_lm", _INSIDE),
+    "readout down_proj": ("llama-lm", H(LM, NORM, "model.layers.1.mlp.down_proj"), "heads.causal_lm", _INSIDE),
+    "step a block": ("llama-lm", H(LM, NORM, "model.layers.1", "lm_head"), "heads.causal_lm", _INSIDE),
+    "step the blocks": ("llama-lm", H(LM, NORM, "model.layers", "lm_head"), "heads.causal_lm", "the blocks"),
+    "step the backbone": ("llama-lm", H(LM, NORM, "model", "lm_head"), "heads.causal_lm", "contains the blocks"),
+    "readout embedding": ("llama-lm", H(LM, NORM, "model.embed_tokens"), "heads.causal_lm",
+                          "readout 'model.embed_tokens' .*has no Linear layer; expected the vocabulary size 64"),
+    "readout the norm": ("llama-lm", H(LM, NORM), "heads.causal_lm", "readout 'model.norm' .*has no Linear layer"),
+    "final norm left out": ("llama-lm", H(LM, "lm_head"), "heads.causal_lm", "leaves out the model's final norm"),
+    "readout twice": ("llama-lm", H(LM, NORM, "lm_head", "lm_head"), "heads.causal_lm",
+                      "cannot be applied to the output of the last block"),
+    "bert readout pooler": ("bert-cls", H(CLS, "bert.pooler.dense"), "heads.sequence_classification",
+                            r"readout 'bert.pooler.dense' \(Linear\) gives 32 values per position; expected num_labels = 2"),
+    "bert readout pooler 2": ("bert-cls", H(CLS, "bert.pooler.dense", "tanh", "bert.pooler.dense"),
+                              "heads.sequence_classification", "gives 32 values per position; expected num_labels"),
+    "bert step in blocks": ("bert-cls", H(CLS, "bert.encoder.layer.1.output.dense", "classifier"),
+                            "heads.sequence_classification", "inside the blocks 'bert.encoder.layer'"),
+    "mlm readout transform": ("bert-mlm", H(MLM, "cls.predictions.transform"), "heads.masked_lm",
+                              "gives 32 values per position; expected the vocabulary size 64"),
+    "llama-cls readout in blocks": ("llama-cls", H(CLS, NORM, "model.layers.1.mlp.gate_proj"),
+                                    "heads.sequence_classification", _INSIDE),
+    "gpt2 readout conv1d": ("gpt2-lm", H(LM, "transformer.ln_f", "transformer.h.1.mlp.c_fc"), "heads.causal_lm",
+                            "inside the blocks 'transformer.h'"),
+    # -- config values of the wrong kind
+    "divide by pad id": ("llama-lm", H(LM, NORM, "lm_head", "divide:pad_token_id"), "heads.causal_lm",
+                         f"step 'divide:pad_token_id': config.pad_token_id is 0, {_FLOAT} scale"),
+    "softcap by pad id": ("llama-lm", H(LM, NORM, "lm_head", "softcap:pad_token_id"), "heads.causal_lm",
+                          f"config.pad_token_id is 0, {_FLOAT} cap"),
+    "softcap by bos id": ("llama-lm", H(LM, NORM, "lm_head", "softcap:bos_token_id"), "heads.causal_lm", _FLOAT),
+    "scale by vocab": ("llama-lm", H(LM, NORM, "lm_head", "scale:vocab_size"), "heads.causal_lm", _FLOAT),
+    "scale by layers": ("llama-lm", H(LM, NORM, "lm_head", "scale:num_hidden_layers"), "heads.causal_lm", _FLOAT),
+    "scale by a string": ("llama-lm", H(LM, NORM, "lm_head", "scale:model_type"), "heads.causal_lm",
+                          "config.model_type is 'llama', not a number"),
+    "divide by an activation": ("llama-lm", H(LM, NORM, "lm_head", "divide:hidden_act"), "heads.causal_lm",
+                                "config.hidden_act is 'silu', not a number"),
+    "softcap by a bool": ("llama-lm", H(LM, NORM, "lm_head", "softcap:tie_word_embeddings"), "heads.causal_lm",
+                          "config.tie_word_embeddings is False, not a number"),
+    "divide by zero": ("llama-lm", H(LM, NORM, "lm_head", "divide:attention_dropout"), "heads.causal_lm",
+                       "config.attention_dropout is 0.0; expected a finite non-zero float"),
+    "scale typo": ("llama-lm", H(LM, NORM, "lm_head", "scale:logit_scael"), "heads.causal_lm",
+                   "LlamaConfig has no attribute 'logit_scael'"),
+    "act a token id": ("llama-lm", H(LM, NORM, "act:pad_token_id", "lm_head"), "heads.causal_lm",
+                       "config.pad_token_id is 0; expected the name of an activation function"),
+    "act a model type": ("llama-lm", H(LM, NORM, "act:model_type", "lm_head"), "heads.causal_lm",
+                         "config.model_type is 'llama'; expected the name of an activation"),
+    # -- wrong numbers, found by the registry oracle
+    "scale by eps": ("llama-lm", H(LM, NORM, "lm_head", "scale:rms_norm_eps"), "heads.causal_lm", _NUMBERS),
+    "softcap by init range": ("llama-lm", H(LM, NORM, "lm_head", "softcap:initializer_range"), "heads.causal_lm",
+                              _NUMBERS),
+    "norm twice": ("llama-lm", H(LM, NORM, NORM, "lm_head"), "heads.causal_lm", _NUMBERS),
+    "activation added": ("llama-lm", H(LM, NORM, "act:hidden_act", "lm_head"), "heads.causal_lm", _NUMBERS),
+    "tanh added": ("llama-lm", H(LM, NORM, "tanh", "lm_head"), "heads.causal_lm", _NUMBERS),
+    "llama-cls pooling first": ("llama-cls", {"pooling": "first"}, "pooling",
+                                "is 'first', but LlamaForSequenceClassification reads its prediction at the last "
+                                "non-pad token; expected 'last_non_pad'"),
+    "bert pooling last": ("bert-cls", {"pooling": "last_non_pad"}, "pooling", r"the first token \(CLS\); expected 'first'"),
+    "bert no tanh": ("bert-cls", H(CLS, "bert.pooler.dense", "classifier"), "heads.sequence_classification",
+                     _NUMBERS),
+    "bert no pooler": ("bert-cls", H(CLS, "tanh", "classifier"), "heads.sequence_classification", _NUMBERS),
+    "mlm no transform": ("bert-mlm", H(MLM, "cls.predictions.decoder"), "heads.masked_lm", _NUMBERS),
+    "mlm transform dense only": ("bert-mlm", H(MLM, "cls.predictions.transform.dense", "cls.predictions.decoder"),
+                                 "heads.masked_lm", _NUMBERS),
+    "gpt2 scale by eps": ("gpt2-lm", H(LM, "transformer.ln_f", "lm_head", "scale:layer_norm_epsilon"),
+                          "heads.causal_lm", _NUMBERS),
+    "gemma2 softcap left out": ("gemma2-lm", H(LM, NORM, "lm_head"), "heads.causal_lm", _NUMBERS),
+    "gemma2 softcap twice": ("gemma2-lm", H(LM, NORM, "lm_head", "softcap:final_logit_softcapping",
+                                            "softcap:final_logit_softcapping"), "heads.causal_lm", _NUMBERS),
+    "gemma2 divide not softcap": ("gemma2-lm", H(LM, NORM, "lm_head", "divide:final_logit_softcapping"),
+                                  "heads.causal_lm", _NUMBERS),
+    # -- backbone
+    "backbone final norm": ("llama-lm", {"backbone": NORM}, "backbone",
+                            f"a LlamaRMSNorm that does not contain the blocks 'model.layers'; {_BACKBONE}"),
+    "backbone lm_head": ("llama-lm", {"backbone": "lm_head"}, "backbone", "does not contain the blocks"),
+    "backbone embedding": ("llama-lm", {"backbone": "model.embed_tokens"}, "backbone", "does not contain the blocks"),
+    "backbone the blocks": ("llama-lm", {"backbone": "model.layers"}, "backbone",
+                            f"a ModuleList whose forward takes no input_ids or inputs_embeds; {_BACKBONE}"),
+    "backbone one block": ("llama-lm", {"backbone": "model.layers.0"}, "backbone", "does not contain the blocks"),
+    "backbone config": ("llama-lm", {"backbone": "config"}, "backbone", "a LlamaConfig, not a module"),
+    "backbone a tensor": ("llama-lm", {"backbone": "lm_head.weight"}, "backbone", "a Parameter of shape"),
+    "backbone missing": ("llama-lm", {"backbone": "model.decoder"}, "backbone", "which LlamaForCausalLM does not have"),
+    "backbone bert encoder": ("bert-cls", {"backbone": "bert.encoder"}, "backbone",
+                              "a BertEncoder whose forward takes no input_ids"),
+    "backbone opt layers": ("opt-lm", {"backbone": "model.decoder.layers"}, "backbone", "whose forward takes no"),
+    "backbone opt embedding": ("opt-lm", {"backbone": "model.decoder.embed_tokens"}, "backbone",
+                               "does not contain the blocks"),
+}
+
+
+def _register(name: str, model: torch.nn.Module, changes: dict) -> registry.ArchSpec:
+    """A user entry for the model's type: its shipped entry's fields with ``changes``."""
+    shipped = registry.specs()[model.config.model_type]
+    fields = {"blocks": shipped.blocks, "heads": dict(shipped.heads), "pooling": shipped.pooling,
+              "backbone": shipped.backbone, **changes}
+    return nxl.register_architecture(name, model_types=[model.config.model_type], **fields)
+
+
+def _refused(model: torch.nn.Module, entry: str, key: str, message: str, source: str = "register_architecture()"):
+    with pytest.raises(nxl.RegistryError) as error:
+        nxl.attach(model, tokenizer=TOK)
+    text = str(error.value)
+    assert "\n" not in text and len(text) < 600, text
+    assert text.startswith(f"registry entry [{entry}] in {source}: key {key!r} "), text
+    assert re.search(message, text), text
+    assert nxl_hooks_on(model) == 0
+
+
+def test_the_table_holds_the_47_kinds_of_failure():
+    assert len(BAD) >= 47
+    kinds = {key.split(".")[0] for _, _, key, _ in BAD.values()}
+    assert kinds == {"blocks", "heads", "backbone", "pooling"}
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_a_wrong_entry_is_refused_in_one_line(private_registry, name):
+    case_id, changes, key, message = BAD[name]
+    model = _model(case_id)
+    entry = "user_" + re.sub(r"\W", "_", name)
+    _register(entry, model, changes)
+    _refused(model, entry, key, message)
+
+
+def test_blocks_that_do_not_all_run_are_refused(private_registry):
+    """A ModuleList of which the forward runs only a part (num_hidden_layers cut to 1): block 1 never runs."""
+    model = CASES["llama-lm"].build()
+    model.config.num_hidden_layers = 1
+    _register("half", model, {})
+    _refused(model, "half", "blocks", "names 'model.layers', whose block 1 ran 0 times in one forward")
+
+
+def test_a_wrong_toml_entry_names_its_file(private_registry, tmp_path):
+    path = tmp_path / "mine.toml"
+    path.write_text('[mine]\nmodel_types = ["llama"]\nblocks = "model.layers"\n'
+                    'heads.causal_lm = ["model.norm", "lm_head", "divide:pad_token_id"]\n')
+    nxl.register_file(path)
+    _refused(_model("llama-lm"), "mine", "heads.causal_lm", _FLOAT, source=str(path))
+
+
+@pytest.mark.parametrize("value, where", [
+    ("[" * 5000 + "]" * 5000, "too deeply to parse"),
+    ("[" * 60 + '"lm_head"' + "]" * 60, "too deeply to parse|nests deeper than 4 levels"),
+    ('[[[["model.norm"], "lm_head"]]]', r"\[deep\] in .*: key 'heads' nests deeper than 4 levels"),
+    ("{a = {b = {c = {d = {e = 1}}}}}", r"\[deep\] in .*: key 'heads' nests deeper than 4 levels"),
+], ids=["5000 arrays", "60 arrays", "5 arrays", "5 tables"])
+def test_deeply_nested_toml_is_one_line(tmp_path, value, where):
+    path = tmp_path / "deep.toml"
+    text = '[deep]\nblocks = "model.layers"\nheads.causal_lm = ' + value + "\n"
+    path.write_text(text if not value.startswith("{") else text.replace("heads.causal_lm", "heads"))
+    before = registry.specs()
+    with pytest.raises(nxl.RegistryError) as error:
+        nxl.register_file(path)
+    assert "\n" not in str(error.value) and re.search(where, str(error.value)), str(error.value)
+    assert registry.specs() == before
+
+
+def test_deeply_nested_register_call_is_one_line():
+    steps: list = ["lm_head"]
+    for _ in range(10000):
+        steps = [steps]
+    with pytest.raises(nxl.RegistryError, match=r"^registry entry \[q\] in register_architecture\(\): key 'heads' "
+                                                r"nests deeper than 4 levels"):
+        nxl.register_architecture("q", blocks="model.layers", heads={"causal_lm": steps})
+
+
+# -- what still works ----------------------------------------------------------------------------------------
+
+GOOD = ["llama-lm", "llama-cls", "llama-reg", "gemma2-lm", "gpt2-lm", "opt_proj-lm", "falcon-lm", "granite-lm",
+        "cohere-lm", "bert-cls", "bert-mlm", "roberta-cls", "distilbert-mlm", "deberta_v2-cls"]
+
+
+@pytest.mark.parametrize("case_id", GOOD)
+def test_a_valid_user_entry_attaches_and_equals_the_oracle(private_registry, case_id):
+    """The shipped entry registered again as a user's: the registry oracle runs once, accepts it, and the
+    attribution equals tests/oracle.py's hand-written head."""
+    case = CASES[case_id]
+    model = case.build()
+    spec = _register("mine", model, {})
+    assert not registry.is_shipped(spec)
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    _check_against_oracle(case, model)  # one attach, one recorded forward
+    assert len(forwards) == 2  # the registry oracle's forward at attach, then the test's own
+    _check_against_oracle(case, model)
+    assert len(forwards) == 3  # checked once per entry, model class and head kind: not again
+
+
+def test_shipped_entries_run_no_forward_at_attach():
+    model = CASES["llama-lm"].build()
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    assert registry.is_shipped(registry.resolve(model)[0])
+    with nxl.attach(model):
+        pass
+    assert forwards == []
+
+
+def test_the_oracle_restores_training_mode(private_registry):
+    model = CASES["bert-cls"].build().train()
+    _register("mine", model, {})
+    with nxl.attach(model, tokenizer=TOK):
+        pass
+    assert all(module.training for module in model.modules())

@@ -1,0 +1,171 @@
+"""Tensor parallel (issue 18, item 7): transformers' ``tp_plan="auto"`` under ``torchrun --nproc-per-node 2`` (gloo,
+CPU) on a tiny Llama saved to a folder, with nxl attached on every rank, against one process and the oracle; and
+``nxl attribute --tp`` launched by torchrun against ``nxl attribute`` in one process.
+
+Tolerance: the shards compute the same float32 operations, but the row-parallel layers (o_proj, down_proj) sum
+partial products per rank and all-reduce them, so sums are reassociated: a few float32 roundings (~1e-7 relative)
+per block. 1e-5 relative / 1e-6 absolute is ten times that over two blocks and far below any real difference
+(a wrong or missing shard changes the scores by their own size); by hand the difference was 1.5e-8.
+
+Run as a script, this file is the torchrun worker: ``python tests/test_tensor_parallel.py FOLDER OUT``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import nxl_hooks as nxl
+
+TOL = dict(rtol=1e-5, atol=1e-6)
+TEXT = "w5 w9 w12 w7 w30"
+#: two rows, the first left-padded: pad positions and per-row prediction positions go through the shards too
+IDS = [[0, 0, 5, 9, 12, 7], [33, 8, 41, 20, 17, 6]]
+MASK = [[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]
+
+
+def _torchrun(*args: str, cwd: Path, timeout: float = 420) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node 2`` on 127.0.0.1 with a free port, gloo (the CPU), one thread per rank."""
+    from serving import free_port
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
+        [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+               "--master-port", str(free_port()), *args]
+    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    """A tiny GQA Llama (4 heads, 2 key/value heads: both split over 2 ranks) with random weights everywhere."""
+    from test_architectures import CASES, TOK
+
+    path = tmp_path_factory.mktemp("tp") / "llama"
+    CASES["llama-lm"].build().save_pretrained(path)
+    TOK.save_pretrained(path)
+    return path
+
+
+def _one_process(folder: Path):
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    ids, mask = torch.tensor(IDS), torch.tensor(MASK)
+    with torch.no_grad(), nxl.attach(model, layers="all") as probe:
+        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    return model, probe.result(), out
+
+
+def test_tp_plan_auto_under_torchrun_equals_one_process_and_the_oracle(folder, tmp_path):
+    import oracle
+
+    done = _torchrun(__file__, str(folder), str(tmp_path), cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    model, single, out = _one_process(folder)
+    hand = oracle.llama(model)
+    logits = hand.layer_logits(out.hidden_states)  # (L+1, batch, seq, vocab) from the unsharded model
+    logat, expected = oracle.normxlogit(logits, out.hidden_states[0], single.target)
+    mask = torch.tensor(MASK).bool()
+    for rank in (0, 1):
+        facts = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert facts == {"world_size": 2, "sharded": True, "q_proj_rows": 16, "layers": [0, 1, 2]}
+        res = nxl.Attribution.load(tmp_path / f"rank{rank}.safetensors")
+        assert res.target.tolist() == single.target.tolist() and res.position.tolist() == single.position.tolist()
+        for layer in range(3):  # per layer: NormXLogit against one process, and against the oracle
+            torch.testing.assert_close(res.normxlogit[layer][mask], single.normxlogit[layer][mask], **TOL)
+            torch.testing.assert_close(res.normxlogit[layer][mask], expected[layer][mask], rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(res.logat[layer][mask], logat[layer][mask], rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(res.embed_norm[mask], single.embed_norm[mask], **TOL)
+
+
+def test_nxl_attribute_tp_under_torchrun_equals_one_process(folder, tmp_path):
+    from nxl_hooks.apps.cli import main
+
+    single = tmp_path / "single.safetensors"
+    assert main(["attribute", str(folder), TEXT, "--layers", "all", "--out", str(single)]) == 0
+    (tmp_path / "tp").mkdir()
+    done = _torchrun("-m", "nxl_hooks", "attribute", str(folder), TEXT, "--layers", "all", "--tp",
+                     "--out", "tp.safetensors", "--html", "tp.html", cwd=tmp_path / "tp")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "tp").iterdir()) == ["tp.html", "tp.safetensors"]  # rank 0's only
+    assert done.stdout.count("NormXLogit of") == 1  # rank 1 computes with rank 0 but prints nothing
+    mine, theirs = nxl.Attribution.load(tmp_path / "tp" / "tp.safetensors"), nxl.Attribution.load(single)
+    assert mine.layers == theirs.layers == [0, 1, 2] and mine.target.tolist() == theirs.target.tolist()
+    torch.testing.assert_close(mine.normxlogit, theirs.normxlogit, **TOL)
+
+
+PROGRAM = """import sys, torch, transformers
+model = transformers.AutoModelForCausalLM.from_pretrained(
+    sys.argv[1], distributed_config=transformers.DistributedConfig(tp_plan="auto")).eval()
+model.generate(torch.tensor([[5, 9, 12, 7]]), max_new_tokens=3, do_sample=False)
+"""
+
+
+def test_nxl_run_records_a_tp_program_on_every_rank(folder, tmp_path):
+    """``torchrun ... -m nxl_hooks run --sink runs/ -- python prog.py``: nxl run execs the program in each rank's
+    process, the program's own tp_plan load is attached, and each rank records the call, equal to the no-cache
+    oracle on the unsharded model."""
+    import transformers
+
+    from oracle import check_call
+
+    (tmp_path / "prog.py").write_text(PROGRAM)
+    done = _torchrun("-m", "nxl_hooks", "run", "--sink", "runs", "--", sys.executable, "prog.py", str(folder),
+                     cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(list((tmp_path / "runs").iterdir())) == 2  # one run folder per rank's process
+    calls = nxl.read_stream(tmp_path / "runs")
+    assert len(calls) == 2
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    for call in calls:
+        check_call(model, call, 3)
+
+
+def test_tp_outside_torchrun_is_one_line(folder, capsys, monkeypatch):
+    from nxl_hooks.apps.cli import main
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert main(["attribute", str(folder), TEXT, "--tp"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "was not launched by torchrun (RANK, WORLD_SIZE" in err
+    assert "run torchrun --nproc-per-node N -m nxl_hooks ... --tp" in err
+
+
+def test_tp_with_a_device_map_is_one_line(folder, capsys, monkeypatch):
+    for name, value in (("RANK", "0"), ("WORLD_SIZE", "2"), ("LOCAL_RANK", "0"), ("MASTER_ADDR", "127.0.0.1"),
+                        ("MASTER_PORT", "1")):
+        monkeypatch.setenv(name, value)
+    from nxl_hooks.apps.cli import main
+
+    assert main(["attribute", str(folder), TEXT, "--tp", "--device-map", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--tp with device_map: tensor parallel places one shard per torchrun" in err
+
+
+def _worker(folder: str, out: str) -> None:
+    """One torchrun rank: load with tp_plan="auto", attach, one padded forward, save the attribution."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, distributed_config=transformers.DistributedConfig(tp_plan="auto")).eval()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    q_proj = model.model.layers[0].self_attn.q_proj.weight
+    local = q_proj.to_local() if hasattr(q_proj, "to_local") else q_proj
+    with torch.no_grad(), nxl.attach(model, layers="all") as probe:
+        model(input_ids=torch.tensor(IDS), attention_mask=torch.tensor(MASK))
+    res = probe.result()
+    res.save(Path(out) / f"rank{rank}.safetensors")
+    facts = {"world_size": world, "sharded": hasattr(q_proj, "to_local"), "q_proj_rows": local.shape[0],
+             "layers": res.layers}
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(facts))
+
+
+if __name__ == "__main__":
+    _worker(*sys.argv[1:3])
