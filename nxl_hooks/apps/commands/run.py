@@ -100,8 +100,8 @@ def run(args: argparse.Namespace) -> int:
         remember(folder)
     else:
         folder = private_run_dir()
-    settings = Settings(run_dir=folder, sink=bool(args.sink) and not spec, sink_spec=spec, layers=args.layers, target=args.target,
-                        embedding=args.embedding, models=[g.strip() for g in args.models.split(",") if g.strip()],
+    settings = Settings(run_dir=folder, sink=bool(args.sink) and not spec, sink_spec=spec, layers=args.layers,
+                        target=args.target, embedding=args.embedding, models=[g.strip() for g in args.models.split(",") if g.strip()],
                         keep_calls=DEFAULT_KEEP_CALLS if args.keep_calls is None else args.keep_calls,
                         listen=args.listen, allow_remote=args.allow_remote,
                         sink_max_bytes=args.sink_file_mb << 20, sink_max_files=args.sink_files, load=load)
