@@ -292,3 +292,17 @@ def test_a_read_only_or_removed_folder_is_a_sink_fault(chat, tmp_path, how):
     assert probe.sink_fault is not None and expected in probe.sink_fault and "\n" not in probe.sink_fault
     assert probe.calls[0].notes == [f"not written to the sink, which stopped: {probe.sink_fault}"]
     assert probe.calls[0].complete and len(probe.calls[0].steps) == 2  # the records in memory are whole
+
+
+def test_without_pyarrow_export_and_the_parquet_sink_name_the_extra(chat, tmp_path, monkeypatch, capsys):
+    _, model, tokenizer = chat
+    _generate(model, tokenizer, tmp_path / "run.nxl", new=1, prompts=PROMPTS[:1])
+    for name in [m for m in sys.modules if m == "pyarrow" or m.startswith("pyarrow.")]:
+        monkeypatch.setitem(sys.modules, name, None)  # import pyarrow now raises ImportError
+    capsys.readouterr()
+    assert cli_main(["export", str(tmp_path / "run.nxl"), str(tmp_path / "out.parquet")]) == 2
+    err = capsys.readouterr().err
+    assert err == 'nxl export: error: Parquet export needs pyarrow: pip install "nxl_hooks[parquet]"\n'
+    with pytest.raises(ImportError, match=r'pip install "nxl_hooks\[parquet\]"'):
+        nxl.attach(model, sink=f"parquet:{tmp_path / 'live.parquet'}")
+    assert not list(tmp_path.glob("*.parquet*"))

@@ -228,15 +228,15 @@ class Hub:
                 self._write_locked(action, call)
 
     def _write_locked(self, action: Callable[[RecordSink], None], call: GenerationCall | None = None) -> None:
-        """``action`` (one call of a RecordSink method, for ``call``) on the sink. A failing sink (a full disk, a read-only folder) is
-        dropped: its fault is kept in :attr:`sink_fault`, noted on every call it leaves in memory only, and logged
-        once; it is never raised into the host."""
+        """``action`` (one call of a RecordSink method, for ``call``) on the sink. A failing sink (a full disk, a
+        read-only folder) is dropped: its fault is kept in :attr:`sink_fault`, noted on every call it leaves in
+        memory only, and logged once; it is never raised into the host."""
         sink = self._sink
         if sink is None:
             return
         try:
             action(sink)
-            fault = getattr(sink, "fault", None)  # a sink may stop writing by itself, saying why
+            fault = getattr(sink, "fault", None)  # optional in the protocol: a sink that stopped by itself says why
         except Exception as error:  # noqa: BLE001 - the host's call goes on; its records stay in memory
             where = getattr(sink, "path", None) or type(sink).__name__
             fault = f"{type(error).__name__}: {reason(f'records sent to the sink {where}', error)}"
@@ -244,8 +244,11 @@ class Hub:
             return
         self._sink, self.sink_fault = None, str(fault)
         with self._lock:
-            for affected in {id(c): c for c in [*self._running, *([call] if call else [])]}.values():
-                affected.notes.append(self._fault_note())
+            affected = list(self._running)
+            if call is not None and call not in affected:  # a call that just ended
+                affected.append(call)
+            for each in affected:
+                each.notes.append(self._fault_note())
 
     def _fault_note(self) -> str:
         return f"not written to the sink, which stopped: {self.sink_fault}"
