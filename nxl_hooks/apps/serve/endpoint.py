@@ -295,7 +295,7 @@ def bind_socket(path: Path, sock: socket.socket) -> None:
 # -- stale sockets: removed at exit, SIGTERM and SIGHUP included ---------------------------------------------------
 
 _CLEANUP: list[tuple[int, Path]] = []  # (pid, file): removed by that process only (a forked child keeps its parent's)
-_CLEANUP_LOCK = threading.Lock()
+_CLEANUP_LOCK = threading.RLock()  # re-entrant: the signal handler may run while the main thread holds it
 
 
 def _clean_up() -> None:
