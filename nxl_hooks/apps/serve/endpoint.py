@@ -330,7 +330,10 @@ def _remove_at_exit(*paths: Path) -> None:
         return  # only the main thread sets handlers: a graceful exit still runs atexit
     for signum in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(signum) == signal.SIG_DFL:  # the program's own handler stays (it exits via atexit)
-            signal.signal(signum, _die)
+            try:
+                signal.signal(signum, _die)
+            except (OSError, ValueError):  # an interpreter without signal support: atexit still removes them
+                pass
 
 
 def _int(query: dict, name: str, default: int, low: int = 0, high: int = 1000) -> int:
