@@ -6,7 +6,7 @@
 
 Every model loaded through ``from_pretrained`` from then on is attached with the options of the ``NXL_*``
 environment variables (:mod:`nxl_hooks.apps.serve.settings`; without ``NXL_RUN_DIR``, records stay in memory and
-the control socket goes to a private temporary folder, which ``nxl tail`` finds as the last run), and
+the control socket goes to a private temporary folder, which ``nxl tail`` finds as a live run), and
 ``transformers serve`` passes request ids. Models loaded before the import are not attached. Nothing raises into
 the program: a failure logs one line on the ``nxl_hooks`` logger.
 """

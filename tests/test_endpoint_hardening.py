@@ -213,7 +213,7 @@ def test_idle_connections_are_bounded_closed_and_never_starve_the_owner(held):
     status, _, body = _raw(held.listen, _request("GET", "/v1/status", held.token()))
     assert status == 200 and json.loads(body)["pid"] == held.pid
 
-    with socket.create_connection(("127.0.0.1", port)) as quiet:  # one idle connection alone: closed after REQUEST_SECONDS
+    with socket.create_connection(("127.0.0.1", port)) as quiet:  # one idle connection alone: closed in time
         waited = _wait_closed(quiet, REQUEST_SECONDS + 5)
         assert waited is not None and REQUEST_SECONDS - 0.5 <= waited <= REQUEST_SECONDS + 3
     with socket.create_connection(("127.0.0.1", port)) as drip:

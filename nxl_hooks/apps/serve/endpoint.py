@@ -134,17 +134,20 @@ class _Handler(BaseHTTPRequestHandler):
     def _json(self, status: int, value: Any) -> None:
         self._send(status, json.dumps(value).encode())
 
-    def _read_body(self) -> bytes:
-        """The whole body, as its Content-Length declares it (checked: a number, at most MAX_BODY, all of it
-        within the request's time)."""
+    def _body_length(self) -> int:
+        """The body's size as its Content-Length declares it: a number, given once, at most MAX_BODY."""
         if "Transfer-Encoding" in self.headers:
             raise _BadRequest(411, "send the body with a Content-Length, not a Transfer-Encoding")
         declared = self.headers.get_all("Content-Length") or ["0"]
         if len(set(declared)) != 1 or not declared[0].strip().isdigit() or not declared[0].strip().isascii():
-            raise _BadRequest(400, f"Content-Length {', '.join(declared)!r}: give the body's size in bytes, once")
+            raise _BadRequest(400, f"Content-Length {', '.join(declared)!r:.80}: give the body's size in bytes, once")
         length = int(declared[0])
         if length > MAX_BODY:
             raise _BadRequest(413, f"a body of {length} bytes: the control endpoint takes at most {MAX_BODY}")
+        return length
+
+    def _read_body(self, length: int) -> bytes:
+        """The whole body, all of it within the request's time."""
         try:
             body = self.rfile.read(length)
         except TimeoutError:
@@ -170,11 +173,12 @@ class _Handler(BaseHTTPRequestHandler):
     def _dispatch(self, method: str) -> None:
         self.request_body: bytes | None = None
         try:
-            self.request_body = self._read_body()
-            self.connection.settimeout(WRITE_SECONDS)  # read whole: from now on, only a reader that stalls
-            if not self._authorized():
+            length = self._body_length()
+            if not self._authorized():  # before the body: a stranger's bytes are not read
                 raise _BadRequest(401, "missing or wrong bearer token: send 'Authorization: Bearer <token>' with "
                                        "the token in the run folder's token file")
+            self.request_body = self._read_body(length)
+            self.connection.settimeout(WRITE_SECONDS)  # read whole: from now on, only a reader that stalls
             url = urlsplit(self.path)
             query = {key: values[-1] for key, values in parse_qs(url.query).items()}
             parts = [unquote(part) for part in url.path.strip("/").split("/")]
@@ -253,7 +257,8 @@ class _Listener:
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         error = sys.exc_info()[1]
-        _log.warning("nxl_hooks: control endpoint: %s: %s", type(error).__name__, error)
+        if not isinstance(error, OSError):  # a client that reset its connection is no news for the host's log
+            _log.warning("nxl_hooks: control endpoint: %s: %s", type(error).__name__, error)
 
 
 class _UnixServer(_Listener, socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -291,7 +296,7 @@ def bind_socket(path: Path, sock: socket.socket) -> None:
 # -- stale sockets: removed at exit, SIGTERM and SIGHUP included ---------------------------------------------------
 
 _CLEANUP: list[tuple[int, Path]] = []  # (pid, file): removed by that process only (a forked child keeps its parent's)
-_CLEANUP_LOCK = threading.Lock()
+_CLEANUP_LOCK = threading.RLock()  # re-entrant: the signal handler may run while the main thread holds it
 
 
 def _clean_up() -> None:
@@ -331,7 +336,10 @@ def _remove_at_exit(*paths: Path) -> None:
         return  # only the main thread sets handlers: a graceful exit still runs atexit
     for signum in (signal.SIGTERM, signal.SIGHUP):
         if signal.getsignal(signum) == signal.SIG_DFL:  # the program's own handler stays (it exits via atexit)
-            signal.signal(signum, _die)
+            try:
+                signal.signal(signum, _die)
+            except (OSError, ValueError):  # an interpreter without signal support: atexit still removes them
+                pass
 
 
 def _int(query: dict, name: str, default: int, low: int = 0, high: int = 1000) -> int:
