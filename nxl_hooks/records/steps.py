@@ -47,11 +47,11 @@ class Step:
     readable: list[str] | None = None  #: (batch,) the emitted token of each row as people read it ('␣Paris')
 
     def to_attribution(self, tokens: list[list[str]] | None = None, special: torch.Tensor | None = None,
-                       readable: list[list[str]] | None = None) -> Attribution:
+                       readable: list[list[str]] | None = None, template: torch.Tensor | None = None) -> Attribution:
         """This step as an :class:`Attribution` (prediction position = ``position - 1``), e.g. for ``.top()``.
 
-        ``tokens`` / ``special`` / ``readable``: the context's token pieces, special-token flags and readable texts
-        per row, when known."""
+        ``tokens`` / ``special`` / ``readable`` / ``template``: the context's token pieces, special-token flags,
+        readable texts and chat-template flags per row, when known (``call.context_template(step.position)``)."""
         batch = self.token.shape[0]
         return Attribution(
             normxlogit=self.normxlogit,
@@ -66,6 +66,7 @@ class Step:
             meta={"call": self.call, "step": self.step, "n_blocks": self.n_blocks},
             special=special,
             readable=readable,
+            template=template,
             probability=self.probability,
             target_text=[[text] for text in self.readable] if self.readable and self.target.dim() == 1
             and torch.equal(self.target, self.token) else None,
@@ -88,3 +89,13 @@ class GenerationCall:
     request_id: str | None = None  #: the request this call served (X-Request-ID, the server's id, or a generated one)
     thread: str | None = None  #: the name of the thread that ran it
     error: str | None = None  #: why recording stopped early (the call itself ran on, unharmed)
+    prompt_template: torch.Tensor | None = None  #: bool (batch, prompt_len): True on the chat template's own tokens
+    #: of the prompt (markers, system prompt; :mod:`nxl_hooks.method.chat`), which do not rank; None when unknown
+
+    def context_template(self, length: int) -> torch.Tensor | None:
+        """bool (batch, length): the chat-template flags of a step's context (``length`` = ``step.position``): the
+        prompt's, then False on every generated token. ``step.to_attribution(template=call.context_template(n))``"""
+        if self.prompt_template is None:
+            return None
+        flags = self.prompt_template.bool()[:, :length]
+        return torch.cat([flags, flags.new_zeros(flags.shape[0], length - flags.shape[1])], 1)
