@@ -22,6 +22,7 @@ from ..arch.registry import ArchSpec, blocks, compiled_original, resolve
 from ..method import scores as _scores
 from ..method.head import Head
 from ..records.sink import Sink
+from ..method.chat import locate_template
 from ..records.tokens import readable_ids
 from ..method.select import (
     Target,
@@ -96,6 +97,19 @@ class Plan:
         if self.tokenizer is None or input_ids is None:
             return None
         return special_mask(input_ids, self.tokenizer)
+
+    def template(self, input_ids: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
+        """bool (rows, seq): True on the chat template's own tokens of each row's real tokens
+        (:func:`~nxl_hooks.method.chat.locate_template`), which do not rank; None without a tokenizer that has a
+        chat template, or when no row is a chat-templated prompt."""
+        if self.tokenizer is None or input_ids is None or not getattr(self.tokenizer, "chat_template", None):
+            return None
+        flags, found = torch.zeros(input_ids.shape, dtype=torch.bool), False
+        for row, real in enumerate(mask.bool()):
+            located = locate_template(self.tokenizer, input_ids[row][real].tolist())
+            if located is not None:
+                flags[row, real], found = located, True
+        return flags if found else None
 
     def readable(self, ids: list[int]) -> list[str] | None:
         """The readable text of each token id (:func:`~nxl_hooks.records.tokens.readable_ids`), None without a
