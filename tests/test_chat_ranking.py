@@ -133,3 +133,20 @@ def test_smollm2_chat_ranks_france_for_paris(smollm2_dir, tmp_path, capsys):
     top = [text for _, text, _ in res.top(3)]
     assert "␣France" in top
     assert {"system", "istant", "↵"}.isdisjoint(top)
+
+
+def test_evaluate_never_perturbs_the_template_and_counts_the_message(world):
+    from nxl_hooks.eval import faithfulness as ev
+
+    model, tok, _ = world
+    ids, ranked = by_hand(tok, USER_TURN)
+    ids = torch.tensor(ids)
+    template = locate_template(tok, ids.tolist())
+    scores = torch.arange(len(ids), dtype=torch.float32).flip(0)  # the template's first markers score highest
+    position = len(ids) - 1
+    perturbed, _ = ev.perturb(ids, position, scores, 3, keep_top=False, mode="delete", template=template)
+    kept = set(range(len(ids))) - set(sorted(ranked)[:3])  # the highest-scoring ranked tokens are the first ones
+    assert perturbed.tolist() == [int(ids[i]) for i in sorted(kept)]
+    record = ev.score_example(model, tok, {"text": chat_prompt(tok, QUESTION).text}, methods=["normxlogit"],
+                              ks=(0.5,))
+    assert record["counts"] == [int(len(ranked) * 0.5)]
