@@ -15,7 +15,9 @@ import argparse
 import os
 import shutil
 import sys
+from pathlib import Path
 
+from ..extras import SERVE_MODULES, require_extra
 from ..options import (
     CliError,
     add_attribution_options,
@@ -77,6 +79,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("give the program to run after --, e.g. nxl run -- transformers serve ./model")
     if shutil.which(program[0]) is None:  # before any run folder is made or remembered
         raise CliError(f"{program[0]}: command not found (or not executable)")
+    if Path(program[0]).name == "transformers" and program[1:2] == ["serve"]:
+        require_extra("serve", SERVE_MODULES, "transformers serve")
     if args.listen:
         parse_listen(args.listen, allow_remote=args.allow_remote)
     load = {key: value for key, value in loading_options(args).items() if key != "head" and value is not None}
