@@ -111,6 +111,22 @@ class Attribution:
     #: the system prompt; :mod:`nxl_hooks.method.chat`), which do not rank; None for a prompt without a template
     #: (or one whose template could not be located: ``meta["template"]`` then says why)
 
+    def __repr__(self) -> str:
+        """A summary, never the tensors: shape, layers, and per row (the first three) the target with its text, id
+        and probability and the top tokens at the last layer. ``print(res)``"""
+        n_layers, rows, seq = self.normxlogit.shape[:3]
+        k = self.target.shape[1] if self.target.dim() == 2 else 1
+        head = (f"<Attribution {self.meta.get('model_class') or ''} {self.meta.get('head_kind') or ''}: {rows} row(s) x "
+                f"{seq} tokens, layers {layers_text(self.layers)}" + (f", {k} targets per row" if k > 1 else "")
+                + (", chat template left out of rankings" if self.template is not None else ""))
+        lines = [" ".join(head.split()).replace("<Attribution :", "<Attribution:")]
+        for row in range(min(rows, 3)):  # readable texts are escaped already: quoted as they are, not repr'd
+            top = ", ".join(f"{p}:'{text}' {score:.4g}" for p, text, score in self.top(3, layer=self.layers[-1], row=row))
+            lines.append(f"  row {row}: target {self.target_label(row)}; top at L{self.layers[-1]}: {top}")
+        if rows > 3:
+            lines.append(f"  ... {rows - 3} more row(s)")
+        return "\n".join(lines) + ">"
+
     def check(self) -> None:
         """Raise :class:`RecordError` when the fields do not fit each other (dtypes, shapes, ranges, tokens, meta);
         :meth:`load` runs it on every file. ``res.check()``"""
@@ -314,6 +330,13 @@ class Attribution:
         except Exception as err:  # noqa: BLE001 - safetensors' own parse errors, unsupported dtypes...
             raise RecordError(f"{path} is not a safetensors file nxl_hooks can read ({type(err).__name__}: {err})") from None
         return res
+
+
+def layers_text(layers: list[int]) -> str:
+    """Layer indices in a few characters: ``0..30 (31)`` when consecutive, else the list."""
+    if len(layers) > 2 and layers == list(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}..{layers[-1]} ({len(layers)})"
+    return str(layers)
 
 
 def _header(metadata: dict[str, str]) -> dict[str, Any]:

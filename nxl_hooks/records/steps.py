@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attribution import Attribution
+from ..method.select import order, rankable
+from .attribution import Attribution, layers_text
 
 __all__ = ["GenerationCall", "STEP_TENSORS", "Step"]
 
@@ -45,6 +46,20 @@ class Step:
     probability: torch.Tensor | None = None  #: float32, shaped like ``target``: the model's own softmax probability
     #: of each explained id at this step (before any logits processor or sampling temperature)
     readable: list[str] | None = None  #: (batch,) the emitted token of each row as people read it ('␣Paris')
+
+    def __repr__(self) -> str:
+        """A summary, never the tensors: the emitted token(s), probability, context length, layers and the top
+        context positions of row 0 at the last layer. ``print(step)``"""
+        batch = self.token.shape[0]
+        texts = self.readable or [f"#{int(t)}" for t in self.token]
+        prob = "" if self.probability is None else f", p {float(self.probability.reshape(batch, -1)[0, 0]):.3g}"
+        scores = self.normxlogit[-1, 0]
+        scores = scores[:, 0] if scores.dim() == 2 else scores
+        top = order(scores, rankable(self.mask[0], self.position - 1)).tolist()[:3]
+        return (f"<Step call {self.call} step {self.step}: token '{texts[0]}' (id {int(self.token[0])}{prob})"
+                + (f" and {batch - 1} more row(s)" if batch > 1 else "")
+                + f" at position {self.position}, layers {layers_text(self.layers)}; top context positions at "
+                f"L{self.layers[-1]}: " + ", ".join(f"{p} {float(scores[p]):.4g}" for p in top) + ">")
 
     def to_attribution(self, tokens: list[list[str]] | None = None, special: torch.Tensor | None = None,
                        readable: list[list[str]] | None = None, template: torch.Tensor | None = None) -> Attribution:
@@ -91,6 +106,17 @@ class GenerationCall:
     error: str | None = None  #: why recording stopped early (the call itself ran on, unharmed)
     prompt_template: torch.Tensor | None = None  #: bool (batch, prompt_len): True on the chat template's own tokens
     #: of the prompt (markers, system prompt; :mod:`nxl_hooks.method.chat`), which do not rank; None when unknown
+
+    def __repr__(self) -> str:
+        """A summary, never the tensors: request, prompt size, steps, state and row 0's generated text.
+        ``print(call)``"""
+        prompt = "?" if self.prompt_mask is None else f"{self.prompt_mask.shape[0]} x {self.prompt_mask.shape[1]}"
+        text = "".join(step.readable[0] if step.readable else f"#{int(step.token[0])}" for step in self.steps[:40])
+        state = "complete" if self.complete else ("stopped: " + self.error if self.error else "running")
+        return (f"<GenerationCall {self.index} request {self.request_id!r}: prompt {prompt} tokens, "
+                f"{len(self.steps)} step(s), {state}, layers {layers_text(self.layers)}"
+                + (", chat template located" if self.prompt_template is not None else "")
+                + f"; generated '{text}" + ("…" if len(self.steps) > 40 else "") + "'>")
 
     def context_template(self, length: int) -> torch.Tensor | None:
         """bool (batch, length): the chat-template flags of a step's context (``length`` = ``step.position``): the
