@@ -150,3 +150,21 @@ def test_evaluate_never_perturbs_the_template_and_counts_the_message(world):
     record = ev.score_example(model, tok, {"text": chat_prompt(tok, QUESTION).text}, methods=["normxlogit"],
                               ks=(0.5,))
     assert record["counts"] == [int(len(ranked) * 0.5)]
+
+
+def test_a_pipeline_with_chat_messages_records_where_the_template_is(world):
+    from transformers import pipeline
+
+    model, tok, _ = world
+    messages = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": QUESTION}]
+    ids, ranked = by_hand(tok, [("<|im_start|>system\n", False), ("Answer in one word.", False),
+                                ("<|im_end|>\n<|im_start|>user\n", False), (QUESTION, True),
+                                ("<|im_end|>\n<|im_start|>assistant\n", False)])
+    with nxl.attach(model, tokenizer=tok, layers="last") as probe:
+        pipeline("text-generation", model=model, tokenizer=tok)(messages, max_new_tokens=2, do_sample=False)
+    call = probe.calls[-1]
+    assert call.prompt_ids[0].tolist() == ids
+    assert set((~call.prompt_template[0]).nonzero().flatten().tolist()) == ranked
+    step = call.steps[-1]
+    res = step.to_attribution(template=call.context_template(step.position))
+    assert {p for p, _, _ in res.top(100)} == ranked | set(range(len(ids), step.position - 1))
