@@ -168,3 +168,11 @@ def test_a_pipeline_with_chat_messages_records_where_the_template_is(world):
     step = call.steps[-1]
     res = step.to_attribution(template=call.context_template(step.position))
     assert {p for p, _, _ in res.top(100)} == ranked | set(range(len(ids), step.position - 1))
+
+
+def test_a_template_of_the_wrong_shape_is_refused(world):
+    model, tok, _ = world
+    res = nxl.explain(model, tok, QUESTION, chat=True)
+    res.template = res.template[:, :3]
+    with pytest.raises(nxl.RecordError, match=r"template must be a bool tensor of shape \(1, 20\)"):
+        res.check()

@@ -16,25 +16,23 @@ from pathlib import Path
 
 import pytest
 
-import bpe_tiny
 from nxl_hooks.apps.extras import NOISE, quiet_library_noise
+from test_loading import world  # noqa: F401 - the fixture: (model, tokenizer, its folder, its GGUF file)
 
 TEXT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def files(tmp_path_factory):
+def files(world, tmp_path_factory):  # noqa: F811 - world is test_loading's fixture
     root = tmp_path_factory.mktemp("extras")
-    tok = bpe_tiny.bpe_tokenizer()
-    model = bpe_tiny.bpe_llama(tok)
-    folder = bpe_tiny.save_bpe(root / "hf", model, tok)
+    _, _, folder, gguf = world
     quanto = shutil.copytree(folder, root / "quanto")  # a checkpoint saved by optimum-quanto, as its config says
     config = json.loads((quanto / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "quanto", "weights": "int8", "activations": None}
     (quanto / "config.json").write_text(json.dumps(config))
     data = root / "data.jsonl"
     data.write_text(json.dumps({"text": TEXT}) + "\n")
-    return {"folder": folder, "gguf": bpe_tiny.write_gguf(root / "tiny.gguf", model, tok), "quanto": quanto,
+    return {"folder": folder, "gguf": gguf, "quanto": quanto,
             "data": data, "out": root}
 
 

@@ -17,15 +17,9 @@ import nxl_hooks as nxl
 import oracle
 from nxl_hooks.apps.cli import main
 from nxl_hooks.apps.terminal import print_generation
+from test_chat_ranking import world  # noqa: F401 - the fixture: (model, tokenizer, its folder)
 
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    tok = bpe_tiny.bpe_tokenizer()
-    model = bpe_tiny.bpe_llama(tok)
-    return model, tok, bpe_tiny.save_bpe(tmp_path_factory.mktemp("repr") / "hf", model, tok)
 
 
 def oracle_scores(model, tok, text: str, target: int) -> torch.Tensor:
