@@ -20,9 +20,9 @@ from torch import nn
 
 from ..arch.registry import ArchSpec, blocks, compiled_original, resolve
 from ..method import scores as _scores
+from ..method.chat import locate_template
 from ..method.head import Head
 from ..records.sink import Sink
-from ..method.chat import locate_template
 from ..records.tokens import readable_ids
 from ..method.select import (
     Target,
@@ -106,7 +106,10 @@ class Plan:
             return None
         flags, found = torch.zeros(input_ids.shape, dtype=torch.bool), False
         for row, real in enumerate(mask.bool()):
-            located = locate_template(self.tokenizer, input_ids[row][real].tolist())
+            try:
+                located = locate_template(self.tokenizer, input_ids[row][real].tolist())
+            except Exception:  # noqa: BLE001 - a tokenizer's own error: rank every token rather than stop recording
+                located = None
             if located is not None:
                 flags[row, real], found = located, True
         return flags if found else None
