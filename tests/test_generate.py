@@ -240,7 +240,8 @@ def test_print_generation_prints_each_token_as_it_is_emitted():
 
     call = print_generation(model, tokenizer, "the film was", 4, layers=[0, -1], console=console)
     lines = console.export_text().strip().splitlines()
-    assert 1 <= len(call.steps) <= 4 and len(lines) == 2 + len(call.steps)  # prompt, legend, one line per token
+    # prompt, legend, one line per token, why it stopped
+    assert 1 <= len(call.steps) <= 4 and len(lines) == 3 + len(call.steps) and lines[-1].startswith("stopped")
     for line, step in zip(lines[2:], call.steps):
         token = tokenizer.convert_ids_to_tokens(int(step.token[0]))
         assert line.split()[:2] == [str(step.step), token] and "L2:" in line  # the last selected layer
@@ -293,7 +294,8 @@ def test_cli_attribute_generate_streams_and_saves(tmp_path, capsys, monkeypatch)
     assert main(["attribute", str(path), "the film was", "--generate", "3", "--layers", "last", "--out", str(out)]) == 0
     (call,) = nxl.read_stream(out)
     printed = capsys.readouterr().out.strip().splitlines()
-    assert call.complete and 1 <= len(call.steps) <= 3 and len(printed) == 2 + len(call.steps)
+    assert call.complete and 1 <= len(call.steps) <= 3 and len(printed) == 3 + len(call.steps)
+    assert printed[-1].startswith("stopped: ")
     assert all(line.split()[0] == str(s.step) and "L2:" in line for line, s in zip(printed[2:], call.steps))
     bert = tiny.save_model(tmp_path / "bert", "bert")
     assert main(["attribute", str(bert), "the film was", "--generate", "3"]) == 2  # not a causal LM: one-line error

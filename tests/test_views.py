@@ -86,7 +86,8 @@ def test_generate_prints_one_short_line_per_token(deep, tok):
     console = Console(record=True, width=80)
     call = print_generation(deep, tok, "The capital of France is", 6, console=console)
     lines = printed(console)
-    assert len(call.steps) == 6 and len(lines) == 2 + 6  # the prompt, a legend, one line per token
+    assert len(call.steps) == 6 and len(lines) == 3 + 6  # the prompt, a legend, one line per token, why it stopped
+    assert lines[-1] == "stopped: 6 token(s) generated, as many as asked for (--generate 6)"
     assert max(len(line) for line in lines) <= 80
     sequence = call.sequences
     with torch.no_grad():  # causal: one forward over the whole sequence holds every prefix's hidden states

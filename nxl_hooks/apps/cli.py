@@ -2,7 +2,8 @@
 
 Bad input raises :class:`~nxl_hooks.apps.options.CliError` (or a ``ValueError``/``LookupError``/``OSError`` from
 the library or transformers): :func:`main` prints one line and returns exit code 2; ``--traceback`` shows the
-full trace instead.
+full trace instead. A missing optional package (an ImportError, or transformers' "please install ...") is that one
+line naming the ``pip install "nxl_hooks[EXTRA]"`` to run (:mod:`nxl_hooks.apps.extras`).
 
     nxl attribute ./my-model "The movie was great" --layers all --target predicted --out a.safetensors
     nxl demo
@@ -16,6 +17,7 @@ from typing import Any, NoReturn, Sequence
 
 from ..records.tokens import visible
 from .commands import COMMANDS
+from .extras import extra_hint, quiet_library_noise
 from .options import CliError, parse_layers, parse_target, positive_int
 
 __all__ = ["CliError", "build_parser", "main", "one_line", "parse_layers", "parse_target", "positive_int"]
@@ -64,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``nxl`` with ``argv`` (default: ``sys.argv[1:]``) and return the exit code."""
+    quiet_library_noise()
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -74,10 +77,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if bad is not None:
             raise CliError(bad)
         return int(args._run(args) or 0)
-    except (CliError, ValueError, LookupError, OSError) as err:
-        if args.traceback:
-            raise
-        print(one_line(f"nxl {args.command}: error: {str(err) or type(err).__name__}"), file=sys.stderr)
+    except (CliError, ValueError, LookupError, OSError, ImportError) as err:
+        hint = None if isinstance(err, CliError) else extra_hint(err)  # a missing optional package: its extra
+        if args.traceback or (isinstance(err, ImportError) and hint is None):
+            raise  # an ImportError of no extra's package is a bug or a broken install: show where
+        print(one_line(f"nxl {args.command}: error: {hint or str(err) or type(err).__name__}"), file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

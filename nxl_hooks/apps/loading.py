@@ -19,6 +19,7 @@ quantized copy is built.
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import logging
 import os
 import secrets
@@ -287,6 +288,9 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
                                   "quantize": quantize})
     quantization = placement.pop("quantization_config", None)
     dtype = placement.get("dtype")
+    if gguf_file is not None and importlib.util.find_spec("gguf") is None:  # before transformers logs its own advice
+        raise ModuleNotFoundError('reading a .gguf file needs the gguf package: pip install "nxl_hooks[gguf]"',
+                                  name="gguf")
     if gguf_file is not None:
         kind = head or "causal_lm"  # a GGUF file holds a language model; its config names no architecture
         config = None

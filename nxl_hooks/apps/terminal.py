@@ -28,15 +28,16 @@ from rich.text import Text
 
 from ..hooks.probe import attach
 from ..method.placement import input_device
+from ..method.chat import chat_prompt, template_rows
 from ..method.scores import flat_norms, flat_note
 from ..method.select import order, special_mask
 from ..records.attribution import Attribution
 from ..records.html import fmt
 from ..records.steps import GenerationCall, Step
-from ..records.tokens import chat_text, readable_ids
+from ..records.tokens import readable_ids
 
-__all__ = ["VIEWS", "format_score", "print_generation", "render_table", "score_matrix",
-           "show_attribution"]
+__all__ = ["VIEWS", "format_score", "print_generation", "ranking_note", "render_table", "score_matrix",
+           "show_attribution", "stop_reason"]
 
 VIEWS = ("layers", "tokens", "top")
 _TOP = "bold black on green"
@@ -100,17 +101,21 @@ def render_table(
     title: str | None = None,
     view: str | None = None,
     scores: torch.Tensor | None = None,
+    all_positions: bool = False,
 ) -> str:
     """Print one row's per-layer scores (NormXLogit of ``label``, or ``scores``: (len(layers), n_real)) in the first
-    view of :data:`VIEWS` that fits the console (or ``view``); returns the view's name."""
+    view of :data:`VIEWS` that fits the console (or ``view``); returns the view's name. What ranks (the highlighted
+    top tokens): :meth:`Attribution.rankable`, every real token with ``all_positions``; special and chat-template
+    tokens are dimmed."""
     if view is not None and view not in VIEWS:
         raise ValueError(f"view={view!r}: use one of {', '.join(VIEWS)}")
     matrix, positions = score_matrix(res, row, label)
     scores = matrix if scores is None else scores
     labels = res.token_labels(row)
     names = [labels[p] for p in positions]
-    special = res.special[row, positions].tolist() if res.special is not None else [False] * len(positions)
-    eligible = res.rankable(row)[positions]
+    dimmed = [flags[row, positions] for flags in (res.special, res.template) if flags is not None]
+    special = torch.stack(dimmed).any(0).tolist() if dimmed else [False] * len(positions)
+    eligible = res.rankable(row, all_positions=all_positions)[positions]
     top = [int(best[0]) if len(best := order(layer_scores, eligible)) else None for layer_scores in scores]
     layer_names = [f"L{layer}" for layer in res.layers]
     caption = "highlighted: top token per layer"
@@ -146,10 +151,11 @@ def render_table(
     raise AssertionError("unreachable: the top view always fits")
 
 
-def show_attribution(res: Attribution, console: Console) -> None:
+def show_attribution(res: Attribution, console: Console, *, all_positions: bool = False) -> None:
     """Print a header line, then per explained row and target one view (:func:`render_table`) with the target's
     text, id and probability; two targets add their contrast (target − foil). Notes (a word of several tokens,
-    flat embedding norms) are said once."""
+    flat embedding norms, what ranks in a chat prompt) are said once, above the tables they are about.
+    ``all_positions``: every real token ranks (template, system prompt, special tokens, the prediction)."""
     kind = res.meta.get("head_kind", "?")
     console.print(Text(f"{res.meta.get('model_class', '')}", style="bold")
                   + Text(f"  head: {kind}  blocks: {res.meta.get('n_blocks')}  "
@@ -158,6 +164,9 @@ def show_attribution(res: Attribution, console: Console) -> None:
     flat = [s for s in spreads if flat_norms(s)]
     if flat:
         console.print(Text("note: " + flat_note(max(flat)), style="yellow"))
+    template = ranking_note(res, all_positions)
+    if template:
+        console.print(Text(template, style="dim"))
     noted: set[str] = set()
     for row in range(res.target.shape[0]):
         position = int(res.position[row])
@@ -168,27 +177,38 @@ def show_attribution(res: Attribution, console: Console) -> None:
                 title = f"NormXLogit, regression: norm x |HoT(h) - prediction {res.meta['prediction'][row][0]:.4g}|"
             else:
                 title = f"NormXLogit of {res.target_label(row, label)}"
-            render_table(res, console, row=row, label=label, title=f"{title}, {at}")
             how = res.resolution(row, label)
-            if how and how.get("note") and how["note"] not in noted:
+            if how and how.get("note") and how["note"] not in noted:  # above the table: it changes what it means
                 noted.add(how["note"])
-                console.print(Text("note: " + how["note"], style="yellow"))
+                console.print(Text("warning: " + how["note"], style="bold yellow"))
+            render_table(res, console, row=row, label=label, title=f"{title}, {at}", all_positions=all_positions)
         if len(labels) == 2:
             first, second = res.target_label(row, 0), res.target_label(row, 1)
             contrast, _ = score_matrix(res, row, 0)
             contrast = contrast - score_matrix(res, row, 1)[0]
-            render_table(res, console, row=row, scores=contrast,
+            render_table(res, console, row=row, scores=contrast, all_positions=all_positions,
                          title=f"Contrast: NormXLogit of {first} minus {second}, {at}")
 
 
-def _generation_line(res: Attribution, step: Step, layer: int, top: int, width: int) -> Text:
+def ranking_note(res: Attribution, all_positions: bool = False) -> str | None:
+    """One line on what ranks in a chat-templated prompt (None for other prompts): the user's text, or why every
+    token does."""
+    if all_positions or not res.meta.get("chat"):
+        return None
+    if res.template is None:
+        return f"note: chat template {res.meta.get('template', 'not located: every token ranks')}"
+    return ("ranked: the user's message (chat template markers and the system prompt are dimmed and left out; "
+            "--all-positions ranks them too)")
+
+
+def _generation_line(res: Attribution, step: Step, layer: int, top: int, width: int, all_positions: bool) -> Text:
     """One generated token in one line of at most ``width`` columns: step, token, its probability, the ``top``
     context tokens at ``layer`` (fewer when they do not fit)."""
     line = Text(f"{step.step:>4} ", style="dim") + Text(_short(step.readable[0]).ljust(12), style="bold green")
     if step.probability is not None:
         line += Text(f" p {fmt(float(step.probability.reshape(-1)[0])):<7}", style="dim")
     line += Text(f" L{layer}:", style="bold")
-    for rank, (position, name, score) in enumerate(res.top(top, layer=layer)):
+    for rank, (position, name, score) in enumerate(res.top(top, layer=layer, all_positions=all_positions)):
         entry = (Text(f" {position}:", style="dim") + Text(_short(name))
                  + Text(" " + format_score(score), style=_NEGATIVE if score < 0 else ""))
         if rank and line.cell_len + entry.cell_len > width:
@@ -199,26 +219,34 @@ def _generation_line(res: Attribution, step: Step, layer: int, top: int, width: 
 
 def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, layers: Any = "all", top: int = 3,
                      embedding: str = "layer_input", console: Any = None, sink: str | Path | None = None,
-                     chat: bool = False) -> GenerationCall:
+                     chat: bool = False, all_positions: bool = False) -> GenerationCall:
     """Generate greedily after ``text`` and print each token's attribution as soon as it is emitted: the view of
     ``nxl attribute MODEL TEXT --generate N``. One line per token, fitted to the console: the step, the token, the
     model's probability of it, and the ``top`` context tokens by signed NormXLogit at the last selected layer
     (all selected layers are recorded: ``sink`` / the returned call). ``embedding`` goes to
-    :func:`nxl_hooks.attach`; ``chat`` wraps ``text`` in the tokenizer's chat template.
+    :func:`nxl_hooks.attach`; ``chat`` wraps ``text`` in the tokenizer's chat template, whose markers and system
+    prompt then do not rank unless ``all_positions``. The last line says why generation stopped.
 
     ``print_generation(model, tok, "The capital of France is", 8, layers=[-1])``
     """
     console = console or Console()
-    prompt = chat_text(tokenizer, text) if chat else text
-    enc = tokenizer(prompt, return_tensors="pt").to(input_device(model))
+    prompt = chat_prompt(tokenizer, text) if chat else None
+    enc = tokenizer(prompt.text if prompt else text, return_tensors="pt").to(input_device(model))
     ids = enc["input_ids"][0].tolist()
+    template = template_rows(tokenizer, [prompt], enc["input_ids"]) if prompt else None
+    if prompt and not all_positions:
+        console.print(Text("ranked: the user's message and the generated text (chat template markers and the system "
+                           "prompt are left out; --all-positions ranks them too)" if template is not None else
+                           "note: the chat template could not be located in the prompt: every token ranks",
+                           style="dim"))
     names = readable_ids(tokenizer, ids)
     console.print(Text(f"prompt ({len(ids)} tokens): ", style="bold") + Text("│", style="dim").join(map(Text, names)))
     said = {"legend": False, "flat": False}
 
     def show(step: Step) -> None:
         special = special_mask(torch.tensor([ids]), tokenizer)
-        res = step.to_attribution(special=special, readable=[list(names)])
+        flags = None if template is None else torch.cat([template, template.new_zeros(1, len(ids) - template.shape[1])], 1)
+        res = step.to_attribution(special=special, readable=[list(names)], template=flags)
         layer = step.layers[-1]
         if not said["legend"]:
             said["legend"] = True
@@ -228,7 +256,7 @@ def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, 
         if not said["flat"] and flat_norms(spread):
             said["flat"] = True
             console.print(Text("note: " + flat_note(spread), style="yellow"))
-        console.print(_generation_line(res, step, layer, top, console.width), no_wrap=True, crop=False)
+        console.print(_generation_line(res, step, layer, top, console.width, all_positions), no_wrap=True, crop=False)
         ids.append(int(step.token[0]))
         names.append(step.readable[0])  # attached with the tokenizer: every step has its text
 
@@ -237,4 +265,22 @@ def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, 
         if probe.kind != "causal_lm":
             raise ValueError(f"generating needs a causal LM; {type(probe.model).__name__} is a {probe.kind} model")
         model.generate(**enc, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
-    return probe.calls[-1]
+    call = probe.calls[-1]
+    call.prompt_template = template
+    console.print(Text(stop_reason(model, tokenizer, call, new_tokens), style="dim"))
+    return call
+
+
+def stop_reason(model: Any, tokenizer: Any, call: GenerationCall, new_tokens: int) -> str:
+    """Why a one-row generation ended: at an end-of-sequence / end-of-turn token (which one), or after the tokens
+    asked for. ``stop_reason(model, tok, probe.calls[-1], 8)``"""
+    steps = call.steps
+    last = int(steps[-1].token[0]) if steps else None
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    eos = {int(i) for i in torch.as_tensor(eos).reshape(-1).tolist()} if eos is not None else set()
+    if last is not None and last in eos:
+        return (f"stopped: the model emitted {readable_ids(tokenizer, [last])[0]!r} (id {last}), an end token of its "
+                f"generation config (end of turn / EOS), after {len(steps)} token(s)")
+    if len(steps) >= new_tokens:
+        return f"stopped: {new_tokens} token(s) generated, as many as asked for (--generate {new_tokens})"
+    return f"stopped after {len(steps)} of {new_tokens} token(s) (a stopping criterion of the model's generation config)"

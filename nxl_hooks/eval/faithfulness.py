@@ -41,6 +41,7 @@ from torch import nn
 
 from ..arch.registry import blocks, resolve, unwrap
 from ..hooks.probe import attach
+from ..method.chat import locate_template
 from ..method.placement import input_device
 from ..method.scores import flat_norms, norm_spread
 from ..method.select import layer_index, order, prediction_rows, rankable, resolve_layers, resolve_target
@@ -88,17 +89,19 @@ def perturb(
     mode: str,
     mask_id: int | None = None,
     protected_ids: Sequence[int] = (),
+    template: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, int]:
     """One perturbed copy of a 1-D ``input_ids`` and the new prediction position.
 
     The top-``count`` tokens by signed ``scores`` (the prediction ``position`` and tokens whose id is in
     ``protected_ids`` excluded) are perturbed (comprehensiveness), or with ``keep_top=True`` every other
     token is (sufficiency). ``mode``: "mask" replaces with ``mask_id``, "delete" drops the tokens. The
-    prediction position and protected tokens are never touched.
+    prediction position, protected tokens and a chat ``template``'s tokens (bool (seq,),
+    :func:`nxl_hooks.method.chat.locate_template`) are never touched.
     ``perturb(ids, 0, s, 3, keep_top=False, mode="mask", mask_id=tok.mask_token_id, protected_ids=tok.all_special_ids)``
     """
     n = input_ids.shape[0]
-    ranked = order(scores, _candidates(input_ids, position, protected_ids))
+    ranked = order(scores, _candidates(input_ids, position, protected_ids, template))
     chosen = ranked[count:] if keep_top else ranked[:count]
     if mode == "mask":
         if mask_id is None:
@@ -113,11 +116,13 @@ def perturb(
     raise ValueError(f"mode={mode!r}: use 'mask' or 'delete'")
 
 
-def _candidates(input_ids: torch.Tensor, position: int, protected_ids: Sequence[int]) -> torch.Tensor:
+def _candidates(input_ids: torch.Tensor, position: int, protected_ids: Sequence[int],
+                template: torch.Tensor | None = None) -> torch.Tensor:
     """bool (seq,): what a method ranks and perturbation may touch, by the one rule of
-    :func:`nxl_hooks.method.select.rankable` (not the prediction, not the protected special tokens)."""
+    :func:`nxl_hooks.method.select.rankable` (not the prediction, not the protected special tokens, not a chat
+    template's markers and system prompt)."""
     special = torch.isin(input_ids, torch.tensor(list(protected_ids), dtype=input_ids.dtype))
-    return rankable(torch.ones_like(input_ids, dtype=torch.bool), position, special)
+    return rankable(torch.ones_like(input_ids, dtype=torch.bool), position, special, template)
 
 
 #: What one more forward costs, in padded tokens: on a CPU a forward of a few short rows is bound by reading every
@@ -397,10 +402,12 @@ def score_example(
     eval_layer = layer_index(layer, setup.n_blocks)
     ranking = {name: scores[name][eval_layer] if name in _LAYERED else scores[name] for name in methods}
 
-    counts = [int(n * k) for k in ks]
+    # A chat-templated text (nxl evaluate --chat): its template's tokens neither rank nor count towards K.
+    template = locate_template(tokenizer, ids.tolist())
+    counts = [int((n if template is None else n - int(template.sum())) * k) for k in ks]
     rows = [
         perturb(ids, position, ranking[name], count, keep_top=keep_top, mode=setup.mode, mask_id=setup.mask_id,
-                protected_ids=setup.special_ids)
+                protected_ids=setup.special_ids, template=template)
         for name in methods
         for keep_top in (False, True)
         for count in counts
@@ -412,7 +419,7 @@ def score_example(
     change = p_orig - p_new
     change = change.abs() if setup.kind == "regression" else change
 
-    ranked = _candidates(ids, position, setup.special_ids)
+    ranked = _candidates(ids, position, setup.special_ids, template)
     records: dict[str, Any] = {}
     for index, name in enumerate(methods):
         comp = slice(2 * index * len(counts), (2 * index + 1) * len(counts))

@@ -231,6 +231,7 @@ class Run:
                 ids = torch.cat(self._prompt_ids, dim=1).cpu() if self._prompt_ids else None
                 self._prompt_ids = []
                 self.call.readable = self._plan.readable_rows(ids)
+                self.call.prompt_template = self._plan.template(ids, self._mask.view()[:, : self._prompt_len].cpu())
                 self._hub.prompt(self.call, ids, self._mask.view()[:, : self._prompt_len].cpu(), self._plan.describe())
 
     def _real_mask(self, mask: torch.Tensor, past: int, new: int) -> torch.Tensor:

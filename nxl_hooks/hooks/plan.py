@@ -21,6 +21,7 @@ from torch import nn
 
 from ..arch.registry import ArchSpec, blocks, compiled_original, resolve
 from ..method import scores as _scores
+from ..method.chat import locate_template
 from ..method.head import Head
 from ..method.verify import check_numbers
 from ..records.sinks import sink_factory
@@ -136,6 +137,22 @@ class Plan:
         if self.tokenizer is None or input_ids is None:
             return None
         return special_mask(input_ids, self.tokenizer)
+
+    def template(self, input_ids: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
+        """bool (rows, seq): True on the chat template's own tokens of each row's real tokens
+        (:func:`~nxl_hooks.method.chat.locate_template`), which do not rank; None without a tokenizer that has a
+        chat template, or when no row is a chat-templated prompt."""
+        if self.tokenizer is None or input_ids is None or not getattr(self.tokenizer, "chat_template", None):
+            return None
+        flags, found = torch.zeros(input_ids.shape, dtype=torch.bool), False
+        for row, real in enumerate(mask.bool()):
+            try:
+                located = locate_template(self.tokenizer, input_ids[row][real].tolist())
+            except Exception:  # noqa: BLE001 - a tokenizer's own error: rank every token rather than stop recording
+                located = None
+            if located is not None:
+                flags[row, real], found = located, True
+        return flags if found else None
 
     def readable(self, ids: list[int]) -> list[str] | None:
         """The readable text of each token id (:class:`TokenTexts`), None without a tokenizer."""

@@ -32,12 +32,13 @@ import torch
 from torch import nn
 
 from ..arch.registry import get_path, resolve, unwrap
+from ..method.chat import chat_prompt, template_rows
 from ..method.placement import input_device
 from ..method.select import Target, is_predicted, prompt_targets
 from ..records.attribution import Attribution
 from ..records.sinks import RecordSink
 from ..records.steps import GenerationCall, Step
-from ..records.tokens import chat_text, describe_target
+from ..records.tokens import describe_target
 from .engines import Engine, engines_for
 from .forward import Capture, assemble, open_capture
 from .generate import Generations, Notice
@@ -599,8 +600,8 @@ def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, chat: bo
     message of the tokenizer's chat template, followed by the assistant's turn.
     """
     texts = [text] if isinstance(text, str) else list(text)
-    if chat:
-        texts = [chat_text(tokenizer, one) for one in texts]
+    prompts = [chat_prompt(tokenizer, one) for one in texts] if chat else []
+    texts = [prompt.text for prompt in prompts] or texts
     target, resolved = options.pop("target", "predicted"), None
     if not is_predicted(target) and not isinstance(target, torch.Tensor):
         inner = unwrap(model)
@@ -614,4 +615,8 @@ def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, chat: bo
     if resolved is not None:
         res.meta["targets"] = [[describe_target(tokenizer, inner.config, kind, one) for one in row] for row in resolved]
     res.meta["chat"] = chat
+    if chat:  # the template's markers and system prompt do not rank (method.select.rankable)
+        template = template_rows(tokenizer, prompts, enc["input_ids"])
+        res.template = None if template is None else template[res.example]
+        res.meta["template"] = "located" if template is not None else "not located: every token ranks"
     return res

@@ -3,5 +3,6 @@
 - :mod:`.head`: the head-on-top per token (features, gathered target logits, logit post-processing)
 - :mod:`.placement`: devices, offload, quantized and adapter modules
 - :mod:`.select`: layers, prediction rows, target ids, which tokens rank
+- :mod:`.chat`: which tokens of a chat-templated prompt the template put there (they do not rank)
 - :mod:`.scores`: LogAt into NormXLogit
 """

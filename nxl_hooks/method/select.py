@@ -11,8 +11,9 @@ the terminal, HTML and :meth:`Attribution.top`.
   decoder classifiers (as transformers pools them), CLS for encoders that pool the first token, each mask token
   for masked LMs.
 - Targets: an id, a label name, a vocabulary piece, or a word read after the prompt (:func:`resolve_target`).
-- Ranking: by signed score, descending (authors' code). Padding, the prediction position and special tokens do
-  not rank (the authors always drop CLS / [MASK] before ranking); NaN never ranks above a number.
+- Ranking: by signed score, descending (authors' code). Padding, the prediction position, special tokens and a
+  chat template's own tokens (its markers and the system prompt) do not rank (the authors always drop CLS / [MASK]
+  before ranking; a user asks about their message, not the template around it); NaN never ranks above a number.
 """
 
 from __future__ import annotations
@@ -385,9 +386,12 @@ def special_mask(input_ids: torch.Tensor, tokenizer: Any) -> torch.Tensor | None
     return torch.isin(input_ids.cpu(), torch.tensor(sorted(set(special)), dtype=input_ids.dtype))
 
 
-def rankable(mask: torch.Tensor, position: torch.Tensor | int, special: torch.Tensor | None = None) -> torch.Tensor:
-    """Which positions take part in a ranking: real tokens (``mask``), but not the prediction ``position`` and not
-    ``special`` tokens. Shapes: (seq,) with an int position, or (rows, seq) with (rows,) positions.
+def rankable(mask: torch.Tensor, position: torch.Tensor | int, special: torch.Tensor | None = None,
+             template: torch.Tensor | None = None) -> torch.Tensor:
+    """Which positions take part in a ranking: real tokens (``mask``), but not the prediction ``position``, not
+    ``special`` tokens and not a chat ``template``'s tokens (its markers and the system prompt,
+    :mod:`nxl_hooks.method.chat`): what ranks is the user's text and the generated text. Shapes: (seq,) with an
+    int position, or (rows, seq) with (rows,) positions.
 
     When nothing would be left (a text of special tokens only), the real tokens but the prediction rank instead.
     """
@@ -397,10 +401,11 @@ def rankable(mask: torch.Tensor, position: torch.Tensor | int, special: torch.Te
         eligible[int(position)] = False
     else:
         eligible[torch.arange(eligible.shape[0]), position] = False
-    if special is None:
+    left_out = [flags.bool() for flags in (special, template) if flags is not None]
+    if not left_out:
         return eligible
-    kept = eligible & ~special.bool()
-    fallback = ~kept.any(-1, keepdim=True)  # only special tokens besides the prediction: rank them after all
+    kept = eligible & ~torch.stack(left_out).any(0)
+    fallback = ~kept.any(-1, keepdim=True)  # only special or template tokens besides the prediction: rank them
     return torch.where(fallback, eligible, kept)
 
 

@@ -34,7 +34,7 @@ __all__ = ["Attribution", "FORMAT_VERSION", "RecordError"]
 FORMAT_VERSION = 1
 _FORMAT = "nxl_hooks.attribution"
 _TENSORS = ("normxlogit", "logat", "embed_norm", "target", "mask", "position", "example")
-_OPTIONAL_TENSORS = ("special", "input_ids", "probability")  # absent from files written before they existed
+_OPTIONAL_TENSORS = ("special", "input_ids", "probability", "template")  # absent from files written before they existed
 _OPTIONAL_HEADER = ("readable", "target_text")  # the same; a reader that predates them ignores them
 #: Types of the metadata entries something reads back (the CLI, the HTML page); other entries are free JSON.
 _META_TYPES: dict[str, type] = {
@@ -108,6 +108,25 @@ class Attribution:
     probability: torch.Tensor | None = None  #: float32, shaped like ``target``: the model's softmax probability of
     #: each explained target at the prediction position (None for regression)
     target_text: list[list[str]] | None = None  #: (rows, k): each explained target as people read it
+    template: torch.Tensor | None = None  #: bool (rows, seq), True on a chat template's own tokens (its markers and
+    #: the system prompt; :mod:`nxl_hooks.method.chat`), which do not rank; None for a prompt without a template
+    #: (or one whose template could not be located: ``meta["template"]`` then says why)
+
+    def __repr__(self) -> str:
+        """A summary, never the tensors: shape, layers, and per row (the first three) the target with its text, id
+        and probability and the top tokens at the last layer. ``print(res)``"""
+        n_layers, rows, seq = self.normxlogit.shape[:3]
+        k = self.target.shape[1] if self.target.dim() == 2 else 1
+        head = (f"<Attribution {self.meta.get('model_class') or ''} {self.meta.get('head_kind') or ''}: {rows} row(s) x "
+                f"{seq} tokens, layers {layers_text(self.layers)}" + (f", {k} targets per row" if k > 1 else "")
+                + (", chat template left out of rankings" if self.template is not None else ""))
+        lines = [" ".join(head.split()).replace("<Attribution :", "<Attribution:")]
+        for row in range(min(rows, 3)):  # readable texts are escaped already: quoted as they are, not repr'd
+            top = ", ".join(f"{p}:'{text}' {score:.4g}" for p, text, score in self.top(3, layer=self.layers[-1], row=row))
+            lines.append(f"  row {row}: target {self.target_label(row)}; top at L{self.layers[-1]}: {top}")
+        if rows > 3:
+            lines.append(f"  ... {rows - 3} more row(s)")
+        return "\n".join(lines) + ">"
 
     def check(self) -> None:
         """Raise :class:`RecordError` when the fields do not fit each other (dtypes, shapes, ranges, tokens, meta);
@@ -136,9 +155,11 @@ class Attribution:
         _require(bool((self.target >= 0).all()), "target holds negative label ids")
         _require(bool(((self.position >= 0) & (self.position < seq)).all()), f"position is outside 0..{seq - 1}")
         _require(bool((self.example >= 0).all()), "example holds negative row numbers")
-        if self.special is not None:
-            _require(isinstance(self.special, torch.Tensor) and self.special.dtype == torch.bool
-                     and tuple(self.special.shape) == (rows, seq), f"special must be a bool tensor of shape {(rows, seq)}")
+        for name in ("special", "template"):
+            flags = getattr(self, name)
+            _require(flags is None or (isinstance(flags, torch.Tensor) and flags.dtype == torch.bool
+                                       and tuple(flags.shape) == (rows, seq)),
+                     f"{name} must be a bool tensor of shape {(rows, seq)}")
         _require(isinstance(self.meta, dict), f"meta is a {type(self.meta).__name__}, not a JSON object")
         for key, kind in _META_TYPES.items():
             value = self.meta.get(key)
@@ -187,12 +208,12 @@ class Attribution:
         return self.normxlogit[self.layers.index(wanted)]
 
     def rankable(self, row: int = 0, *, all_positions: bool = False) -> torch.Tensor:
-        """bool (seq,): the positions of one row that rank (see :func:`nxl_hooks.method.select.rankable`); with
-        ``all_positions`` every real token, the prediction position and special tokens included."""
+        """bool (seq,): the positions of one row that rank (see :func:`nxl_hooks.method.select.rankable`): not the
+        prediction position, special tokens or a chat template's tokens; with ``all_positions`` every real token."""
         if all_positions:
             return self.mask[row].bool()
-        special = None if self.special is None else self.special[row]
-        return rankable(self.mask[row], int(self.position[row]), special)
+        special, template = (None if flags is None else flags[row] for flags in (self.special, self.template))
+        return rankable(self.mask[row], int(self.position[row]), special, template)
 
     def top(
         self, k: int = 5, layer: int = -1, row: int = 0, label: int = 0, *, all_positions: bool = False
@@ -200,7 +221,8 @@ class Attribution:
         """The k highest-scoring tokens of one row by signed NormXLogit: [(position, text, score)], the text as
         :meth:`token_labels` shows it ('␣Paris').
 
-        Padding, the prediction position and special tokens are left out unless ``all_positions``; NaN ranks last.
+        Padding, the prediction position, special tokens and a chat template's tokens (markers, system prompt) are
+        left out unless ``all_positions``; NaN ranks last.
         """
         rows, labels = self.normxlogit.shape[1], (self.normxlogit.shape[3] if self.normxlogit.dim() == 4 else 1)
         if not _int(row) or not 0 <= row < rows:
@@ -312,6 +334,13 @@ class Attribution:
         except Exception as err:  # noqa: BLE001 - safetensors' own parse errors, unsupported dtypes...
             raise RecordError(f"{path} is not a safetensors file nxl_hooks can read ({type(err).__name__}: {err})") from None
         return res
+
+
+def layers_text(layers: list[int]) -> str:
+    """Layer indices in a few characters: ``0..30 (31)`` when consecutive, else the list."""
+    if len(layers) > 2 and layers == list(range(layers[0], layers[-1] + 1)):
+        return f"{layers[0]}..{layers[-1]} ({len(layers)})"
+    return str(layers)
 
 
 def _header(metadata: dict[str, str]) -> dict[str, Any]:

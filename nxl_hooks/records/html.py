@@ -41,8 +41,12 @@ _STYLE = """
 .nxl{font-family:system-ui,-apple-system,"Segoe UI",sans-serif;color:#222;font-size:14px;line-height:1.4}
 .nxl h1{font-size:22px;margin:8px 0}.nxl h2{font-size:18px;margin:22px 0 6px}.nxl h3{font-size:15px;margin:14px 0 4px}
 .nxl .note{color:#555;font-size:12.5px;margin:2px 0 8px}
+.nxl .nxl-scroll{max-width:100%;overflow-x:auto}
 .nxl table.nxl-heatmap{border-collapse:collapse;font-size:12px;margin:4px 0 12px}
 .nxl table.nxl-heatmap th{font-weight:600;padding:2px 6px;text-align:right;white-space:nowrap;background:#f4f4f4}
+.nxl table.nxl-heatmap tbody th{position:sticky;left:0;z-index:1}
+.nxl table.nxl-compact{font-size:11px}.nxl table.nxl-compact td.nxl-cell{padding:1px 3px;min-width:0}
+.nxl table.nxl-compact th{padding:1px 3px}
 .nxl table.nxl-heatmap thead th{text-align:center}
 .nxl td.nxl-cell{padding:2px 6px;text-align:right;font-variant-numeric:tabular-nums;min-width:38px;border:1px solid #fff}
 .nxl table.nxl-stats{border-collapse:collapse;margin:6px 0 12px}
@@ -68,6 +72,10 @@ def _colour(scaled: float) -> tuple[str, str]:
     base = _POSITIVE if t >= 0 else _NEGATIVE
     rgb = [round(255 + (c - 255) * abs(t)) for c in base]
     return f"rgb({rgb[0]},{rgb[1]},{rgb[2]})", "#fff" if abs(t) > 0.6 else "#222"
+
+
+#: Above this many columns a heatmap's cells are compact (smaller type, less padding).
+_COMPACT_COLUMNS = 16
 
 
 def heatmap(
@@ -122,9 +130,12 @@ def heatmap(
             )
         body.append(f"<tr><th>{html.escape(str(label))}</th>{''.join(tds)}</tr>")
     cap = f'<caption class="note">{html.escape(caption)}</caption>' if caption else ""
+    # Never wider than the page: many columns (31 layers) get compact cells, and what still does not fit scrolls
+    # inside its own box, the row labels staying in view, while the page itself never scrolls sideways.
+    compact = " nxl-compact" if len(col_labels) > _COMPACT_COLUMNS else ""
     return (
-        f'<table class="nxl-heatmap">{cap}<thead><tr><th>{html.escape(corner)}</th>{head}</tr></thead>'
-        f"<tbody>{''.join(body)}</tbody></table>"
+        f'<div class="nxl-scroll"><table class="nxl-heatmap{compact}">{cap}<thead><tr><th>{html.escape(corner)}</th>'
+        f"{head}</tr></thead><tbody>{''.join(body)}</tbody></table></div>"
     )
 
 
@@ -233,12 +244,16 @@ def _row_section(res: Any, row: int, label: int, method: str) -> str:
     keep = [i for i, real in enumerate(res.mask[row].tolist()) if real]
     names = res.token_labels(row)
     position = int(res.position[row])
-    rows = [f"{i}: {names[i]}" + (" ◀" if i == position else "") for i in keep]
+    template = res.template[row].tolist() if res.template is not None else [False] * len(names)
+    rows = [("▫ " if template[i] else "") + f"{i}: {names[i]}" + (" ◀" if i == position else "") for i in keep]
     values = [[float(scores[layer, i]) for layer in range(len(res.layers))] for i in keep]
     heading = (f"Row {row} (example {int(res.example[row])}) — target {res.target_label(row, label)}, prediction read "
                f"at position {position} (◀)")
     how = res.resolution(row, label)
     section = f"<h3>{html.escape(heading)}</h3>" + _notes([how["note"]] if how and how.get("note") else [])
+    if any(template):
+        section += ('<p class="note">▫ the chat template\'s own tokens (its markers and the system prompt): they do '
+                    "not rank (Attribution.top(all_positions=True) ranks them too).</p>")
     section += heatmap(rows, [f"L{layer}" for layer in res.layers], values, corner="token \\ layer")
     if getattr(res, method).dim() == 4 and getattr(res, method).shape[-1] == 2 and label == 0:
         contrast = getattr(res, method)[:, row, :, 0] - getattr(res, method)[:, row, :, 1]

@@ -117,6 +117,8 @@ def encode_call(call: GenerationCall, meta: dict, *, seq: int | None = None) -> 
     tensors = {"prompt_mask": call.prompt_mask}
     if call.prompt_ids is not None:
         tensors["prompt_ids"] = call.prompt_ids
+    if call.prompt_template is not None:
+        tensors["prompt_template"] = call.prompt_template
     return _encode(tensors, {"kind": "call", "call": call.index, "layers": call.layers, "meta": meta,
                              "request_id": call.request_id, "thread": call.thread, "readable": call.readable}, seq)
 
@@ -555,12 +557,14 @@ def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, to
             raise ValueError(f"a second 'call' frame for call {index}")
         mask = _tensor(tensors, "prompt_mask", 2, boolean=True)
         ids = _tensor(tensors, "prompt_ids", 2, optional=True)
-        if ids is not None and ids.shape != mask.shape:
-            raise ValueError(f"prompt_ids {tuple(ids.shape)} and prompt_mask {tuple(mask.shape)} differ in shape")
+        template = _tensor(tensors, "prompt_template", 2, boolean=True, optional=True)
+        for name, value in (("prompt_ids", ids), ("prompt_template", template)):
+            if value is not None and value.shape != mask.shape:
+                raise ValueError(f"{name} {tuple(value.shape)} and prompt_mask {tuple(mask.shape)} differ in shape")
         calls[index] = GenerationCall(index=index, layers=_layers(header), prompt_ids=ids, prompt_mask=mask,
                                       request_id=_field(header, "request_id", (str,), optional=True),
                                       thread=_field(header, "thread", (str,), optional=True),
-                                      readable=_strings(header, "readable"))
+                                      readable=_strings(header, "readable"), prompt_template=template)
         return False
     if index not in calls and rotated:
         return False  # its call frame was in a file deleted by the RotatingSink's retention

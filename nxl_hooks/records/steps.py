@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .attribution import Attribution
+from ..method.select import order, rankable
+from .attribution import Attribution, layers_text
 
 __all__ = ["GenerationCall", "STEP_TENSORS", "Step"]
 
@@ -49,12 +50,27 @@ class Step:
     #: read up to ``position``; set by :meth:`GenerationCall.link` (None where the texts are not known)
     context: list[list[str]] | None = field(default=None, repr=False)
 
+    def __repr__(self) -> str:
+        """A summary, never the tensors: the emitted token(s), probability, context length, layers and the top
+        context positions of row 0 at the last layer. ``print(step)``"""
+        batch = self.token.shape[0]
+        texts = self.readable or [f"#{int(t)}" for t in self.token]
+        prob = "" if self.probability is None else f", p {float(self.probability.reshape(batch, -1)[0, 0]):.3g}"
+        scores = self.normxlogit[-1, 0]
+        scores = scores[:, 0] if scores.dim() == 2 else scores
+        top = order(scores, rankable(self.mask[0], self.position - 1)).tolist()[:3]
+        return (f"<Step call {self.call} step {self.step}: token '{texts[0]}' (id {int(self.token[0])}{prob})"
+                + (f" and {batch - 1} more row(s)" if batch > 1 else "")
+                + f" at position {self.position}, layers {layers_text(self.layers)}; top context positions at "
+                f"L{self.layers[-1]}: " + ", ".join(f"{p} {float(scores[p]):.4g}" for p in top) + ">")
+
     def to_attribution(self, tokens: list[list[str]] | None = None, special: torch.Tensor | None = None,
-                       readable: list[list[str]] | None = None) -> Attribution:
+                       readable: list[list[str]] | None = None, template: torch.Tensor | None = None) -> Attribution:
         """This step as an :class:`Attribution` (prediction position = ``position - 1``), e.g. for ``.top()``.
 
-        ``tokens`` / ``special`` / ``readable``: the context's token pieces, special-token flags and readable texts
-        per row, when known; ``readable`` defaults to the context's texts the step was recorded with."""
+        ``tokens`` / ``special`` / ``readable`` / ``template``: the context's token pieces, special-token flags,
+        readable texts and chat-template flags per row, when known (``call.context_template(step.position)``);
+        ``readable`` defaults to the context's texts the step was recorded with."""
         batch = self.token.shape[0]
         if readable is None and self.context is not None:
             readable = [row[:self.position] for row in self.context]
@@ -71,6 +87,7 @@ class Step:
             meta={"call": self.call, "step": self.step, "n_blocks": self.n_blocks},
             special=special,
             readable=readable,
+            template=template,
             probability=self.probability,
             target_text=[[text] for text in self.readable] if self.readable and self.target.dim() == 1
             and torch.equal(self.target, self.token) else None,
@@ -96,6 +113,29 @@ class GenerationCall:
     _context: list[list[str]] | None = field(default=None, init=False, repr=False)  # what link() hands out
     #: what else went wrong with its records, e.g. that the sink stopped and they are in memory only
     notes: list[str] = field(default_factory=list)
+
+    prompt_template: torch.Tensor | None = None  #: bool (batch, prompt_len): True on the chat template's own tokens
+    #: of the prompt (markers, system prompt; :mod:`nxl_hooks.method.chat`), which do not rank; None when unknown
+
+
+    def __repr__(self) -> str:
+        """A summary, never the tensors: request, prompt size, steps, state and row 0's generated text.
+        ``print(call)``"""
+        prompt = "?" if self.prompt_mask is None else f"{self.prompt_mask.shape[0]} x {self.prompt_mask.shape[1]}"
+        text = "".join(step.readable[0] if step.readable else f"#{int(step.token[0])}" for step in self.steps[:40])
+        state = "complete" if self.complete else ("stopped: " + self.error if self.error else "running")
+        return (f"<GenerationCall {self.index} request {self.request_id!r}: prompt {prompt} tokens, "
+                f"{len(self.steps)} step(s), {state}, layers {layers_text(self.layers)}"
+                + (", chat template located" if self.prompt_template is not None else "")
+                + f"; generated '{text}" + ("…" if len(self.steps) > 40 else "") + "'>")
+
+    def context_template(self, length: int) -> torch.Tensor | None:
+        """bool (batch, length): the chat-template flags of a step's context (``length`` = ``step.position``): the
+        prompt's, then False on every generated token. ``step.to_attribution(template=call.context_template(n))``"""
+        if self.prompt_template is None:
+            return None
+        flags = self.prompt_template.bool()[:, :length]
+        return torch.cat([flags, flags.new_zeros(flags.shape[0], length - flags.shape[1])], 1)
 
     def link(self, step: Step) -> None:
         """Give ``step`` the readable texts of its context (the prompt's, then each earlier step's token) and add

@@ -31,6 +31,7 @@ import unicodedata
 from functools import lru_cache
 from typing import Any, Sequence
 
+from ..method.chat import chat_prompt
 from ..method.select import ResolvedTarget
 
 __all__ = ["EMPTY", "describe_target", "NEWLINE", "SPACE", "TAB", "chat_text", "label_text", "readable", "readable_ids",
@@ -158,18 +159,9 @@ def describe_target(tokenizer: Any, config: Any, kind: str, resolved: ResolvedTa
 
 
 def chat_text(tokenizer: Any, text: str) -> str:
-    """``text`` as the one user message of the tokenizer's chat template, followed by the assistant's turn
-    (``add_generation_prompt``), ready to tokenize as usual: when the tokenizer adds its BOS token itself, the
-    template's own leading BOS is left out, so it is not there twice. ValueError without a template.
+    """``text`` as the one user message of the tokenizer's chat template, followed by the assistant's turn, ready to
+    tokenize as usual (:func:`nxl_hooks.method.chat.chat_prompt`). ValueError without a template.
 
     ``chat_text(tok, "What is the capital of France?")``
     """
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this tokenizer has no chat template (tokenizer.chat_template is empty): drop --chat, or "
-                         "write the prompt in the model's own format")
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
-                                             tokenize=False)
-    bos, added = tokenizer.bos_token, tokenizer("", add_special_tokens=True)["input_ids"]
-    if bos and rendered.startswith(bos) and added[:1] == [tokenizer.bos_token_id]:
-        rendered = rendered[len(bos):]
-    return rendered
+    return chat_prompt(tokenizer, text).text

@@ -41,6 +41,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="causal LMs: generate N tokens greedily and print one line per token as it appears "
         "(with --out, the records go to that file as a stream: nxl.read_stream)",
     )
+    parser.add_argument("--all-positions", action="store_true",
+                        help="rank every token: with --chat also the chat template's markers and the system prompt "
+                        "(by default only the user's message and the generated text rank), special tokens and the "
+                        "prediction position")
     return parser
 
 
@@ -66,14 +70,14 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if generate is not None:
         call = print_generation(model, tokenizer, args.text, generate, layers=args.layers, embedding=args.embedding,
-                                console=console, sink=args.out, chat=args.chat)
+                                console=console, sink=args.out, chat=args.chat, all_positions=args.all_positions)
         if args.html:
             write_text(args.html, generation_html(call, title=f"{args.model}: {args.text}"))
             console.print(f"wrote {args.html}")
         return 0
     res = explain(model, tokenizer, args.text, layers=args.layers, target=args.target, embedding=args.embedding,
                   chat=args.chat)
-    show_attribution(res, console)
+    show_attribution(res, console, all_positions=args.all_positions)
     if args.out:
         console.print(f"saved {res.save(args.out)}")
     if args.html:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Mapping
 
+from ..extras import require_extra
 from ..loading import QUANTIZE
-
 from ..options import (
     add_dataset_options,
     add_loading_options,
@@ -52,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             "give exactly one of --candidate MODEL or --quantize 4bit|8bit (the candidate built from --reference)"
         )
+    require_extra("eval", ["scipy"], "nxl audit")  # its rank correlations; before the models load
     loading = loading_options(args)
     if args.quantize is not None and loading["quantize"] is not None:
         raise ValueError("--quantize builds the candidate from an unquantized reference: drop --load-in-8bit / "

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Mapping
 
+from ..extras import require_extra
 from ..options import (
     CliError,
     add_dataset_options,
@@ -56,7 +57,10 @@ def run(args: argparse.Namespace) -> int:
         what = f"names unknown {unknown}" if unknown else "names no method"
         raise CliError(f"--methods {args.methods!r} {what}; choose from {', '.join(ev.METHODS)} (or 'all', "
                        "'default')")
-    tp_outputs(args, "out")  # --tp (registry): rank 0 alone prints and writes
+    tp_outputs(args, "out")  # under --tp, rank 0 alone prints and writes
+    gradient = [m for m in methods if m in ev.GRADIENT_METHODS]
+    if gradient:  # before the model loads: each example would fail on its own, one by one
+        require_extra("eval", ["captum"], f"--methods {','.join(gradient)}")
     check_output_folder(args.out)
     examples, settings = examples_from_args(args)
     loading = loading_options(args)

@@ -18,6 +18,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from ..extras import SERVE_MODULES, require_extra
 from ..options import CliError, add_loading_options, check_output_folder, loading_options
 from ..serve.settings import Settings, add_run_options
 
@@ -81,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("give the program to run after --, e.g. nxl run -- transformers serve ./model")
     if shutil.which(program[0]) is None:  # before any run folder is made
         raise CliError(f"{program[0]}: command not found (or not executable)")
+    if Path(program[0]).name == "transformers" and program[1:2] == ["serve"]:
+        require_extra("serve", SERVE_MODULES, "transformers serve")
     load = {key: value for key, value in loading_options(args).items() if key != "head" and value is not None}
     if (refusal := gguf_serve_refusal(program, load.get("gguf_file"))) is not None:  # serve cannot load a GGUF file
         raise CliError(refusal)

@@ -72,7 +72,8 @@ def step_view(texts: Any, call: GenerationCall | None, step: Step, *, k: int = 5
     names, special = (context or Context(texts, call, row)).upto(step.position)
     batch = step.token.shape[0]
     flags = torch.tensor([special] * batch, dtype=torch.bool) if special is not None else None
-    res = step.to_attribution(tokens=[names] * batch, special=flags)
+    template = call.context_template(step.position) if call is not None else None  # the chat template does not rank
+    res = step.to_attribution(tokens=[names] * batch, special=flags, template=template)
     token = int(step.token[row])
     return {"step": step.step, "position": step.position, "token_id": token, "token": texts.text(token),
             "active": bool(step.active[row]), "top": _top(res, k, row)}

@@ -1,0 +1,172 @@
+"""Which tokens of a chat-templated prompt the template put there: the role markers, the turn separators, the
+system prompt (the template's default one included). What is left ranks: the messages' own text (the user's, and
+earlier assistant turns), and what the model generates after the prompt (:func:`nxl_hooks.method.select.rankable`).
+
+    prompt = chat_prompt(tok, "What is the capital of France?")    # .text to tokenize, .spans of the user's text
+    template = template_rows(tok, [prompt], ids)                    # bool (rows, seq): True on template tokens
+    template = locate_template(tok, ids)                            # from token ids alone (a served request)
+
+How: the template is rendered with the messages, each message's content is found in the rendered text (in order),
+and a token is the template's when its character span (the fast tokenizer's offsets) overlaps no ranked message's
+content. From ids alone, the template is rendered with placeholder contents for a few conversation shapes (a user
+message; a system and a user message; then more turns); the decoded prompt is matched against the placeholders'
+surroundings and, to be sure, the found messages are rendered and tokenized again and must give the same ids.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import torch
+
+__all__ = ["ChatPrompt", "NOT_RANKED_ROLES", "chat_prompt", "locate_template", "template_rows"]
+
+#: Messages of these roles are the template's as much as its markers are: they never rank.
+NOT_RANKED_ROLES = ("system", "developer")
+#: How many messages a conversation :func:`locate_template` tries to read from ids alone may hold.
+_MAX_TURNS = 15
+_PLACEHOLDER = "\x00nxl{}\x00"
+
+
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A conversation rendered by the tokenizer's chat template. ``spans``: (start, end) characters of the text of
+    each message that ranks (not system); None when a message's text is not in the rendered prompt as written (a
+    template that rewrites it): then nothing is known to be the template's."""
+
+    text: str
+    spans: tuple[tuple[int, int], ...] | None
+
+
+def _render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], generation: bool) -> str:
+    return tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation, tokenize=False)
+
+
+def _adds_bos(tokenizer: Any) -> bool:
+    return tokenizer("", add_special_tokens=True)["input_ids"][:1] == [tokenizer.bos_token_id]
+
+
+def chat_prompt(tokenizer: Any, messages: str | Sequence[Mapping[str, Any]], *,
+                add_generation_prompt: bool = True) -> ChatPrompt:
+    """``messages`` (or one text, as the user's message) through the tokenizer's chat template, followed by the
+    assistant's turn, ready to tokenize as usual: when the tokenizer adds its BOS token itself, the template's own
+    leading BOS is left out, so it is not there twice. ValueError without a template.
+
+    ``chat_prompt(tok, "What is the capital of France?").text``
+    """
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this tokenizer has no chat template (tokenizer.chat_template is empty): drop --chat, or "
+                         "write the prompt in the model's own format")
+    if isinstance(messages, str):
+        messages = [{"role": "user", "content": messages}]
+    rendered = _render(tokenizer, messages, add_generation_prompt)
+    bos = tokenizer.bos_token
+    if bos and rendered.startswith(bos) and _adds_bos(tokenizer):
+        rendered = rendered[len(bos):]
+    spans, cursor = [], 0
+    for message in messages:
+        content = message.get("content")
+        if not isinstance(content, str):  # multimodal parts: their text cannot be told from the template's
+            return ChatPrompt(rendered, None)
+        start = rendered.find(content, cursor)
+        if start < 0:
+            return ChatPrompt(rendered, None)
+        cursor = start + len(content)
+        if message.get("role") not in NOT_RANKED_ROLES and content:
+            spans.append((start, cursor))
+    return ChatPrompt(rendered, tuple(spans))
+
+
+def _offsets(tokenizer: Any, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(ids, offsets) of ``texts`` tokenized as :func:`nxl_hooks.explain` does (padded); None without offsets (a
+    slow tokenizer)."""
+    try:
+        enc = tokenizer(texts, padding=True, return_offsets_mapping=True, return_token_type_ids=False,
+                        return_tensors="pt")
+    except Exception:  # noqa: BLE001 - slow tokenizers refuse offsets; a hook must not raise into the host either
+        return None
+    return enc["input_ids"], enc["offset_mapping"]
+
+
+def template_rows(tokenizer: Any, prompts: Sequence[ChatPrompt], input_ids: torch.Tensor) -> torch.Tensor | None:
+    """bool (rows, seq): True on the tokens of ``input_ids`` (the padded encoding of the prompts' texts) that the
+    chat template put there (markers, system prompt, the tokenizer's added BOS), False on the messages' text.
+    A token that straddles a message's edge counts as the message's. None when it cannot be told: a prompt's
+    spans are unknown, the tokenizer gives no offsets, or its encoding differs from ``input_ids``.
+
+    ``template_rows(tok, [chat_prompt(tok, text)], enc["input_ids"])``
+    """
+    if not prompts or any(prompt.spans is None for prompt in prompts):
+        return None
+    found = _offsets(tokenizer, [prompt.text for prompt in prompts])
+    if found is None or not torch.equal(found[0], input_ids.cpu()):
+        return None
+    starts, ends = found[1][..., 0], found[1][..., 1]
+    template = torch.ones(input_ids.shape, dtype=torch.bool)
+    for row, prompt in enumerate(prompts):
+        for start, end in prompt.spans:
+            template[row] &= ~((starts[row] < end) & (ends[row] > start))
+    return template
+
+
+def _shapes() -> list[list[str]]:
+    """Conversation shapes tried from ids alone, shortest first: user; system, user; user, assistant, user; ..."""
+    shapes = []
+    for turns in range(1, _MAX_TURNS + 1, 2):
+        roles = ["user" if i % 2 == 0 else "assistant" for i in range(turns)]
+        shapes += [roles, ["system", *roles]]
+    return shapes
+
+
+def _read_messages(tokenizer: Any, text: str, roles: list[str], generation: bool) -> list[dict[str, str]] | None:
+    """The messages of the conversation shape ``roles`` whose rendering is ``text``, read between the placeholders'
+    surroundings; None when the template refuses the shape or ``text`` does not have it."""
+    placeholders = [_PLACEHOLDER.format(i) for i in range(len(roles))]
+    try:
+        skeleton = _render(tokenizer, [{"role": role, "content": p} for role, p in zip(roles, placeholders)],
+                           generation)
+    except Exception:  # noqa: BLE001 - templates raise their own errors for shapes they refuse
+        return None
+    pieces, rest = [], skeleton
+    for placeholder in placeholders:
+        before, found, rest = rest.partition(placeholder)
+        if not found:
+            return None
+        pieces.append(re.escape(before))
+    pattern = "(.*?)".join([*pieces, re.escape(rest)])
+    match = re.fullmatch(pattern, text, flags=re.DOTALL)
+    markers = [special for special in getattr(tokenizer, "all_special_tokens", None) or () if special]
+    if match is None or any(marker in content for content in match.groups() for marker in markers):
+        return None  # a message never holds a special token's text: that is where a longer conversation's turns are
+    return [{"role": role, "content": content} for role, content in zip(roles, match.groups())]
+
+
+def locate_template(tokenizer: Any, ids: Sequence[int],
+                    messages: Sequence[Mapping[str, Any]] | None = None) -> torch.Tensor | None:
+    """bool (len(ids),): True on the chat template's tokens of a prompt known only as token ids (a served request),
+    False on its messages' text; None when no chat template is found that gives exactly these ids (a prompt that
+    is not chat-templated, a tokenizer without template or offsets). ``messages``: the request's messages, when
+    known; else a few conversation shapes are tried (:func:`_shapes`).
+
+    ``locate_template(tok, request_ids)``
+    """
+    if not getattr(tokenizer, "chat_template", None) or not len(ids):
+        return None
+    ids = torch.as_tensor(list(ids), dtype=torch.long)[None]
+    text = tokenizer.decode(ids[0].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    for generation in (True, False):
+        candidates = [messages] if messages is not None else (
+            _read_messages(tokenizer, text, roles, generation) for roles in _shapes())
+        for candidate in candidates:
+            if candidate is None:
+                continue
+            try:
+                prompt = chat_prompt(tokenizer, candidate, add_generation_prompt=generation)
+            except Exception:  # noqa: BLE001 - the template refused these messages
+                continue
+            template = template_rows(tokenizer, [prompt], ids)
+            if template is not None:
+                return template[0]
+    return None

@@ -1,0 +1,178 @@
+"""Chat-aware ranking: a chat template's own tokens (markers, the system prompt) do not rank; the user's message and
+the generated text do. The oracle for which positions are the template's is the rendered strings cut by hand: each
+piece of the conversation (template text, message text) tokenized on its own, in order, gives the positions of its
+tokens (the tiny byte-level BPE splits at every special token and before every newline, so the pieces' tokens are
+the prompt's tokens). The real-model test asks SmolLM2 the question of issue 18."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bpe_tiny
+import nxl_hooks as nxl
+from nxl_hooks.apps.cli import main
+from nxl_hooks.method.chat import chat_prompt, locate_template
+from nxl_hooks.method.select import rankable
+from nxl_hooks.records.sink import read_stream
+
+QUESTION = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory):
+    tok = bpe_tiny.bpe_tokenizer()
+    model = bpe_tiny.bpe_llama(tok)
+    return model, tok, bpe_tiny.save_bpe(tmp_path_factory.mktemp("chat") / "hf", model, tok)
+
+
+def by_hand(tok, pieces: list[tuple[str, bool]]) -> tuple[list[int], set[int]]:
+    """The ids of the concatenated ``pieces`` (text, is it a message's text that ranks) and the positions of the
+    ranked pieces' tokens."""
+    ids, ranked = [], set()
+    for text, ranks in pieces:
+        piece = tok(text, add_special_tokens=False)["input_ids"]
+        if ranks:
+            ranked |= set(range(len(ids), len(ids) + len(piece)))
+        ids += piece
+    return ids, ranked
+
+
+USER_TURN = [("<|im_start|>user\n", False), (QUESTION, True), ("<|im_end|>\n<|im_start|>assistant\n", False)]
+
+
+def test_explain_ranks_exactly_the_users_message(world):
+    model, tok, _ = world
+    ids, ranked = by_hand(tok, USER_TURN)
+    res = nxl.explain(model, tok, QUESTION, chat=True)
+    assert res.input_ids[0].tolist() == ids and res.meta["template"] == "located"
+    assert {p for p, _, _ in res.top(len(ids))} == ranked
+    assert set(res.rankable(0).nonzero().flatten().tolist()) == ranked
+    # everything ranks on request: the template's markers too
+    assert {p for p, _, _ in res.top(len(ids), all_positions=True)} == set(range(len(ids)))
+    without = nxl.explain(model, tok, QUESTION)
+    assert without.template is None and "template" not in without.meta
+
+
+def test_the_template_flags_survive_a_file(world, tmp_path):
+    model, tok, _ = world
+    res = nxl.explain(model, tok, [QUESTION, "Paris is a city."], chat=True)
+    loaded = nxl.Attribution.load(res.save(tmp_path / "a.safetensors"))
+    assert torch.equal(loaded.template, res.template) and loaded.top(50, row=1) == res.top(50, row=1)
+    _, ranked = by_hand(tok, [("<|im_start|>user\n", False), ("Paris is a city.", True)])
+    offset = int((~res.mask[1]).sum()) if tok.padding_side == "left" else 0
+    assert {p - offset for p, _, _ in res.top(50, row=1)} == ranked
+
+
+def test_located_from_ids_alone_system_prompt_and_earlier_turns(world):
+    _, tok, _ = world
+    pieces = [("<|im_start|>system\n", False), ("Answer in one word.", False), ("<|im_end|>\n<|im_start|>user\n", False),
+              ("Rome is a city.", True), ("<|im_end|>\n<|im_start|>assistant\n", False), ("The key.", True),
+              ("<|im_end|>\n<|im_start|>user\n", False), (QUESTION, True), ("<|im_end|>\n<|im_start|>assistant\n", False)]
+    ids, ranked = by_hand(tok, pieces)
+    template = locate_template(tok, ids)
+    assert set((~template).nonzero().flatten().tolist()) == ranked
+    # with the request's messages given, the same
+    messages = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Rome is a city."},
+                {"role": "assistant", "content": "The key."}, {"role": "user", "content": QUESTION}]
+    assert torch.equal(locate_template(tok, ids, messages), template)
+    # a prompt that is no chat conversation: nothing is located (everything ranks)
+    assert locate_template(tok, tok(QUESTION)["input_ids"]) is None
+    assert locate_template(tok, ids, [{"role": "user", "content": "something else"}]) is None
+
+
+def test_a_template_that_rewrites_the_message_is_said_and_everything_ranks(world):
+    model, tok, _ = world
+    upper = bpe_tiny.bpe_tokenizer()
+    upper.chat_template = bpe_tiny.CHAT_TEMPLATE.replace("m['content']", "m['content'] | upper")
+    assert chat_prompt(upper, QUESTION).spans is None
+    res = nxl.explain(model, upper, QUESTION, chat=True)
+    assert res.template is None and res.meta["template"].startswith("not located")
+    real = res.mask[0].clone()
+    real[int(res.position[0])] = False
+    assert torch.equal(res.rankable(0), real & ~res.special[0] if res.special is not None else real)
+
+
+def test_rankable_falls_back_when_only_template_is_left():
+    mask = torch.ones(4, dtype=torch.bool)
+    template = torch.tensor([True, True, True, False])
+    assert rankable(mask, 3, None, template).tolist() == [True, True, True, False]
+    assert rankable(mask, 3, None, torch.tensor([True, False, True, False])).tolist() == [False, True, False, False]
+
+
+def test_generate_ranks_the_message_and_generated_tokens_and_says_why_it_stopped(world, tmp_path, capsys):
+    _, tok, folder = world
+    stream = tmp_path / "run.nxl"
+    assert main(["attribute", str(folder), QUESTION, "--chat", "--generate", "3", "--layers", "last",
+                 "--out", str(stream)]) == 0
+    out = capsys.readouterr().out
+    assert "ranked: the user's message and the generated text" in out
+    assert "stopped: 3 token(s) generated" in out
+    ids, ranked = by_hand(tok, USER_TURN)
+    call = read_stream(stream)[0]
+    assert call.prompt_ids[0].tolist() == ids
+    assert set((~call.prompt_template[0]).nonzero().flatten().tolist()) == ranked
+    for step in call.steps:
+        res = step.to_attribution(template=call.context_template(step.position))
+        generated = set(range(len(ids), step.position - 1))  # the token being read from is the prediction
+        assert {p for p, _, _ in res.top(100)} == ranked | generated
+    # every printed top position is the user's text or a generated token
+    lines = [line for line in out.splitlines() if line.strip()[:1].isdigit() and " L" in line]
+    positions = {int(part.split(":")[0]) for line in lines for part in line.split(":", 1)[1].split()
+                 if part.split(":")[0].isdigit()}
+    assert len(lines) == 3 and positions and positions <= ranked | set(range(len(ids), len(ids) + 3))
+
+
+@pytest.mark.real_model
+def test_smollm2_chat_ranks_france_for_paris(smollm2_dir, tmp_path, capsys):
+    out = tmp_path / "chat.safetensors"
+    assert main(["attribute", str(smollm2_dir), "What is the capital of France?", "--chat", "--target", " Paris",
+                 "--layers", "last", "--out", str(out)]) == 0
+    capsys.readouterr()
+    res = nxl.Attribution.load(out)
+    top = [text for _, text, _ in res.top(3)]
+    assert "␣France" in top
+    assert {"system", "istant", "↵"}.isdisjoint(top)
+
+
+def test_evaluate_never_perturbs_the_template_and_counts_the_message(world):
+    from nxl_hooks.eval import faithfulness as ev
+
+    model, tok, _ = world
+    ids, ranked = by_hand(tok, USER_TURN)
+    ids = torch.tensor(ids)
+    template = locate_template(tok, ids.tolist())
+    scores = torch.arange(len(ids), dtype=torch.float32).flip(0)  # the template's first markers score highest
+    position = len(ids) - 1
+    perturbed, _ = ev.perturb(ids, position, scores, 3, keep_top=False, mode="delete", template=template)
+    kept = set(range(len(ids))) - set(sorted(ranked)[:3])  # the highest-scoring ranked tokens are the first ones
+    assert perturbed.tolist() == [int(ids[i]) for i in sorted(kept)]
+    record = ev.score_example(model, tok, {"text": chat_prompt(tok, QUESTION).text}, methods=["normxlogit"],
+                              ks=(0.5,))
+    assert record["counts"] == [int(len(ranked) * 0.5)]
+
+
+def test_a_pipeline_with_chat_messages_records_where_the_template_is(world):
+    from transformers import pipeline
+
+    model, tok, _ = world
+    messages = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": QUESTION}]
+    ids, ranked = by_hand(tok, [("<|im_start|>system\n", False), ("Answer in one word.", False),
+                                ("<|im_end|>\n<|im_start|>user\n", False), (QUESTION, True),
+                                ("<|im_end|>\n<|im_start|>assistant\n", False)])
+    with nxl.attach(model, tokenizer=tok, layers="last") as probe:
+        pipeline("text-generation", model=model, tokenizer=tok)(messages, max_new_tokens=2, do_sample=False)
+    call = probe.calls[-1]
+    assert call.prompt_ids[0].tolist() == ids
+    assert set((~call.prompt_template[0]).nonzero().flatten().tolist()) == ranked
+    step = call.steps[-1]
+    res = step.to_attribution(template=call.context_template(step.position))
+    assert {p for p, _, _ in res.top(100)} == ranked | set(range(len(ids), step.position - 1))
+
+
+def test_a_template_of_the_wrong_shape_is_refused(world):
+    model, tok, _ = world
+    res = nxl.explain(model, tok, QUESTION, chat=True)
+    res.template = res.template[:, :3]
+    with pytest.raises(nxl.RecordError, match=r"template must be a bool tensor of shape \(1, 20\)"):
+        res.check()

@@ -1,0 +1,94 @@
+"""Each optional extra missing: the command that needs it says, in one line and with exit code 2, which
+``pip install "nxl_hooks[...]"`` to run. A package is hidden in a child process the way Python itself knows a
+module to be absent (``sys.modules[name] = None``: ``import`` fails and ``importlib.util.find_spec`` finds nothing,
+so transformers' own availability checks see it missing too). Also: the CLI silences exactly the library-load
+noise it knows, and no other warning of those libraries."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nxl_hooks.apps.extras import NOISE, quiet_library_noise
+from test_loading import world  # noqa: F401 - the fixture: (model, tokenizer, its folder, its GGUF file)
+
+TEXT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def files(world, tmp_path_factory):  # noqa: F811 - world is test_loading's fixture
+    root = tmp_path_factory.mktemp("extras")
+    _, _, folder, gguf = world
+    quanto = shutil.copytree(folder, root / "quanto")  # a checkpoint saved by optimum-quanto, as its config says
+    config = json.loads((quanto / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "quanto", "weights": "int8", "activations": None}
+    (quanto / "config.json").write_text(json.dumps(config))
+    data = root / "data.jsonl"
+    data.write_text(json.dumps({"text": TEXT}) + "\n")
+    return {"folder": folder, "gguf": gguf, "quanto": quanto,
+            "data": data, "out": root}
+
+
+def run_hidden(hidden: list[str], argv: list[str]) -> subprocess.CompletedProcess:
+    code = ("import sys\n"
+            f"for name in {hidden!r}:\n    sys.modules[name] = None\n"
+            "from nxl_hooks.apps.cli import main\n"
+            f"sys.exit(main({argv!r}))\n")
+    env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+
+
+CASES = {  # id: (hidden modules, extra, package named, argv)
+    "gguf": (["gguf"], "gguf", "gguf", lambda f: ["attribute", str(f["gguf"]), TEXT]),
+    "big-bitsandbytes": (["bitsandbytes"], "big", "bitsandbytes",
+                         lambda f: ["attribute", str(f["folder"]), TEXT, "--load-in-4bit"]),
+    "big-accelerate": (["accelerate"], "big", "accelerate",
+                       lambda f: ["attribute", str(f["folder"]), TEXT, "--device-map", "auto"]),
+    "eval-captum": (["captum"], "eval", "captum",
+                    lambda f: ["evaluate", str(f["folder"]), str(f["data"]), "--out", str(f["out"] / "ev")]),
+    "eval-scipy": (["scipy"], "eval", "scipy",
+                   lambda f: ["audit", "--reference", str(f["folder"]), "--candidate", str(f["folder"]),
+                              str(f["data"]), "--out", str(f["out"] / "au")]),
+    "quant": (["optimum", "optimum.quanto"], "quant", "optimum-quanto",
+              lambda f: ["attribute", str(f["quanto"]), TEXT]),
+    "serve": (["fastapi"], "serve", "fastapi", lambda f: ["run", "--", "transformers", "serve", str(f["folder"])]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_missing_extra_is_one_line_naming_the_install(files, case):
+    hidden, extra, package, argv = CASES[case]
+    done = run_hidden(hidden, argv(files))
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr
+    errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
+    assert errors == [done.stderr.strip().splitlines()[-1]]  # one line, the last
+    assert errors[0].startswith(f"nxl {argv(files)[0]}: error: ")
+    assert f"this needs {package}" in errors[0] and errors[0].endswith(f'pip install "nxl_hooks[{extra}]"')
+
+
+def test_an_import_error_of_no_extra_still_shows_its_traceback(files):
+    done = run_hidden(["rich"], ["attribute", str(files["folder"]), TEXT])  # a required package: a broken install
+    assert done.returncode == 1 and "Traceback" in done.stderr and "nxl_hooks[" not in done.stderr
+
+
+def test_only_the_known_library_noise_is_silenced(caplog):
+    quiet_library_noise()
+    quiet_library_noise()  # idempotent: one filter per logger
+    with caplog.at_level(logging.WARNING):
+        logging.getLogger("torchao").warning("Failed to load /x/_C_mxfp8.so: Could not load this library")
+        logging.getLogger("torchao").warning("a real torchao warning")
+        logging.getLogger("torch.utils._pytree").warning(NOISE["torch.utils._pytree"] + " as an opaque value type",
+                                                         "<enum 'KernelPreference'>")
+        logging.getLogger("torch.utils._pytree").warning("another pytree warning")
+        logging.getLogger("other").warning("Failed to load something else")
+    assert [r.getMessage() for r in caplog.records] == [
+        "a real torchao warning", "another pytree warning", "Failed to load something else"]
+    assert sum(len(logging.getLogger(name).filters) for name in NOISE) == len(NOISE)

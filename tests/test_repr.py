@@ -1,0 +1,135 @@
+"""Issue 18's smaller surprises: a summary repr for results, steps and calls (never raw tensors); a target word the
+tokenizer splits is explained as its first token with a warning line above the table; the heatmap page never
+scrolls sideways at 31 layers and marks the chat template's rows; a generation says why it stopped. The numbers a
+repr shows are checked against the oracle (hidden states and Llama's head by hand)."""
+
+from __future__ import annotations
+
+import re
+from html.parser import HTMLParser
+
+import pytest
+import torch
+from rich.console import Console
+
+import bpe_tiny
+import nxl_hooks as nxl
+import oracle
+from nxl_hooks.apps.cli import main
+from nxl_hooks.apps.terminal import print_generation
+from test_chat_ranking import world  # noqa: F401 - the fixture: (model, tokenizer, its folder)
+
+PROMPT = "The capital of France is"
+
+
+def oracle_scores(model, tok, text: str, target: int) -> torch.Tensor:
+    """(layers, seq) NormXLogit of ``target`` by hand: each token's embedding norm times its layer logit."""
+    enc = tok(text, return_tensors="pt")
+    with torch.no_grad():
+        out = model(**enc, output_hidden_states=True)
+        logits = oracle.llama(model).layer_logits(out.hidden_states)
+    return oracle.normxlogit(logits, out.hidden_states[0], torch.tensor([target]))[1][:, 0]
+
+
+def test_attribution_repr_is_a_summary_with_the_oracles_top_tokens(world):
+    model, tok, _ = world
+    res = nxl.explain(model, tok, [PROMPT, "Paris is a city."], target="Paris")
+    text = repr(res)
+    assert text == str(res) and "tensor(" not in text and len(text.splitlines()) == 3
+    seq = res.normxlogit.shape[2]
+    assert f"2 row(s) x {seq} tokens" in text and "layers 0..3 (4)" in text
+    row0 = text.splitlines()[1]
+    assert f"(id {int(res.target[0])}, p " in row0
+    expected = oracle_scores(model, tok, PROMPT, int(res.target[0]))[-1]
+    expected[-1] = float("-inf")  # the prediction position does not rank
+    best = [int(i) for i in expected.argsort(descending=True)[:3]]
+    shown = [int(p) for p in re.findall(r"(\d+):'", row0.split("top at L3:")[1])]
+    offset = int((~res.mask[0]).sum()) if tok.padding_side == "left" else 0
+    assert [p - offset for p in shown] == best
+    assert f"{float(expected[best[0]]):.4g}" in row0
+
+
+def test_step_and_call_reprs_are_summaries(world):
+    model, tok, _ = world
+    with nxl.attach(model, tokenizer=tok) as probe:
+        model.generate(**tok(PROMPT, return_tensors="pt"), max_new_tokens=3, do_sample=False)
+    call = probe.calls[-1]
+    step = call.steps[1]
+    assert "tensor(" not in repr(step) + repr(call)
+    assert f"token '{step.readable[0]}' (id {int(step.token[0])}, p {float(step.probability[0]):.3g})" in repr(step)
+    generated = "".join(s.readable[0] for s in call.steps)
+    assert repr(call).endswith(f"generated '{generated}'>") and "3 step(s), complete" in repr(call)
+    # the top context positions of the step: the oracle's best positions at the last layer
+    scores = step.normxlogit[-1, 0].clone()
+    scores[step.position - 1] = float("-inf")
+    assert repr(step).split("L3: ")[1].startswith(f"{int(scores.argmax())} ")
+
+
+def test_a_split_target_word_warns_above_the_table(world, capsys, monkeypatch):
+    _, tok, folder = world
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["attribute", str(folder), PROMPT, "--target", "Pariss", "--layers", "last"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    pieces = tok.convert_ids_to_tokens(tok(PROMPT + " Pariss", add_special_tokens=False)["input_ids"][5:])
+    assert len(pieces) == 2  # ' Paris' + 's': the request is two tokens, the first is explained
+    warning = next(i for i, line in enumerate(lines) if line.startswith("warning: 'Pariss' is 2 tokens here"))
+    table = next(i for i, line in enumerate(lines) if "NormXLogit of 'Pariss' -> '␣Paris'" in line)
+    assert warning < table
+
+
+class _Page(HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.stack, self.tables, self.row_labels, self.in_th = [], [], [], False
+
+    def handle_starttag(self, tag, attrs):
+        attrs = dict(attrs)
+        if tag == "table":
+            self.tables.append((attrs.get("class", ""), self.stack[-1] if self.stack else None))
+        if tag == "th" and self.stack and self.stack[-1][0] == "tr" and "tbody" in [t for t, _ in self.stack]:
+            self.in_th = True
+            self.row_labels.append("")
+        self.stack.append((tag, attrs.get("class", "")))
+
+    def handle_endtag(self, tag):
+        while self.stack and self.stack.pop()[0] != tag:
+            pass
+        if tag == "th":
+            self.in_th = False
+
+    def handle_data(self, data):
+        if self.in_th:
+            self.row_labels[-1] += data
+
+
+def test_a_31_layer_heatmap_fits_the_page_and_marks_the_template(world):
+    _, tok, _ = world
+    model = bpe_tiny.bpe_llama(tok, layers=30)
+    res = nxl.explain(model, tok, PROMPT, chat=True)
+    assert len(res.layers) == 31
+    page = res.to_html()
+    parsed = _Page()
+    parsed.feed(page)
+    # the layout rule: every heatmap sits alone in a box that scrolls by itself (never the page), with compact cells
+    assert parsed.tables and all(parent == ("div", "nxl-scroll") for _, parent in parsed.tables)
+    assert all("nxl-compact" in cls for cls, _ in parsed.tables)
+    assert ".nxl .nxl-scroll{max-width:100%;overflow-x:auto}" in page
+    marked = [label.startswith("▫") for label in parsed.row_labels]
+    assert marked == res.template[0][res.mask[0]].tolist() and any(marked) and not all(marked)
+
+
+def test_generation_says_it_stopped_at_the_end_token(world):
+    model, tok, _ = world
+    enc = tok(PROMPT, return_tensors="pt")
+    with torch.no_grad():
+        first = int(model(**enc).logits[0, -1].argmax())
+    model.generation_config.eos_token_id = first  # the greedy first token ends the generation
+    try:
+        console = Console(record=True, width=300)
+        call = print_generation(model, tok, PROMPT, 5, layers="last", console=console)
+    finally:
+        model.generation_config.eos_token_id = None
+    last = console.export_text().strip().splitlines()[-1]
+    assert len(call.steps) == 1
+    assert last == (f"stopped: the model emitted '{call.steps[0].readable[0]}' (id {first}), an end token of its "
+                    "generation config (end of turn / EOS), after 1 token(s)")
