@@ -6,7 +6,7 @@ one torch thread it is exactly the work; with several it also counts their spin-
 into every report, so a reader can see how busy the machine was.
 
 ``--smoke`` (every script): tiny sizes, one round, no goal, the JSON written outside ``benchmarks/results/``. The
-test suite runs each script so on the CPU (tests/test_benchmarks_smoke.py): a benchmark that stops running fails
+test suite runs each script so on the CPU (tests/process/test_benchmarks_smoke.py): a benchmark that stops running fails
 CI, and one whose figures are still to be taken on a GPU keeps working until then.
 """
 

@@ -7,7 +7,7 @@ partial products per rank and all-reduce them, so sums are reassociated: a few f
 per block. 1e-5 relative / 1e-6 absolute is ten times that over two blocks and far below any real difference
 (a wrong or missing shard changes the scores by their own size); by hand the difference was 1.5e-8.
 
-Run as a script, this file is the torchrun worker: ``python tests/test_tensor_parallel.py FOLDER OUT``.
+Run as a script, this file is the torchrun worker: ``python tests/process/test_tensor_parallel.py FOLDER OUT``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def _torchrun(*args: str, cwd: Path, timeout: float = 420) -> subprocess.Complet
     from serving import free_port
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).resolve().parent.parent), os.environ.get("PYTHONPATH", "")])}
+        [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(free_port()), *args]
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)

@@ -19,7 +19,7 @@ from nxl_hooks.eval import faithfulness as ev
 from nxl_hooks.apps.cli import main
 from nxl_hooks.apps.dataset import SettingsMismatchError, load_examples, read_records, run_dataset, run_id
 
-TESTS = Path(__file__).resolve().parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(scope="module")
@@ -254,7 +254,7 @@ def _launch_two() -> list[str]:
 
 
 def test_accelerate_launch_two_processes_equals_one(models, tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(TESTS.parent)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
     program = ["-m", "nxl_hooks", *_audit_args(models, tmp_path / "two")]
     done = subprocess.run([*_launch_two(), *program], env=env, capture_output=True, text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -190,7 +190,7 @@ def test_sink_round_trip_and_torn_tail(model, tmp_path):
 
 _CHILD = textwrap.dedent("""
     import sys, time, torch
-    sys.path.insert(0, {tests!r})
+    sys.path[:0] = [{tests!r}, {helpers!r}]
     from test_generate import _model
     import nxl_hooks as nxl
     torch.set_num_threads(1)
@@ -203,7 +203,7 @@ _CHILD = textwrap.dedent("""
 
 def test_sink_readable_after_sigkill(model, tmp_path):
     path = tmp_path / "killed.nxl"
-    code = _CHILD.format(tests=str(Path(__file__).parent), path=str(path))
+    code = _CHILD.format(tests=str(Path(__file__).parent), helpers=str(Path(__file__).parents[1]), path=str(path))
     child = subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         deadline = time.monotonic() + 60

@@ -17,7 +17,7 @@ import oracle
 import tiny
 from nxl_hooks.apps.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 TEXT = "the film was very good"
 

@@ -4,7 +4,7 @@ the terminal table; every step of a stream; a spec that resolves against a model
 documented ValueError subclass (RecordError, StreamError, RegistryError), never another exception.
 
 Deterministic and small in CI (``derandomize``, a few dozen examples each, about 20 s in all); for a longer hunt:
-``NXL_FUZZ_EXAMPLES=2000 python -m pytest tests/test_fuzz.py`` (then random, a new search every run).
+``NXL_FUZZ_EXAMPLES=2000 python -m pytest tests/unit/test_fuzz.py`` (then random, a new search every run).
 """
 
 from __future__ import annotations

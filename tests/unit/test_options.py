@@ -17,7 +17,7 @@ from nxl_hooks.apps.commands import ctl, tail
 from nxl_hooks.apps.serve.settings import OPTIONS, Settings, add_run_options, markdown_table
 from nxl_hooks.method.select import option_text, parse_layers, parse_target
 
-DOC = Path(__file__).resolve().parent.parent / "docs" / "nxl-run-options.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "nxl-run-options.md"
 
 #: For each option with a flag: what a user types, and the value it stands for (written by hand, not by the schema).
 #: Every value differs from the default, so a flag that is dropped on the way fails.

@@ -22,7 +22,7 @@ from nxl_hooks.apps.cli import main
 from serving import Server, transformers_cli
 
 NXL = [sys.executable, "-m", "nxl_hooks"]
-DOC = Path(__file__).resolve().parent.parent / "docs" / "real-model-quickstart.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "real-model-quickstart.md"
 QUESTION = "What is the capital of France?"
 
 

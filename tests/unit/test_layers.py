@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-PACKAGE = Path(__file__).resolve().parent.parent / "nxl_hooks"
+PACKAGE = Path(__file__).resolve().parents[2] / "nxl_hooks"
 LAYERS = ("arch", "method", "records", "hooks", "eval", "apps")
 #: Modules outside the layers: the public face and entry points (they may import any layer; no layer imports
 #: them), and the shipped demo data (imports nothing of the package).

@@ -1,5 +1,5 @@
 """The prompt sets of nxl_hooks.eval.tasks, checked against what each task claims, word by word (no model:
-tests/test_real_model.py checks them against a real tokenizer)."""
+tests/real/test_real_model.py checks them against a real tokenizer)."""
 
 import json
 import re

@@ -2,7 +2,7 @@
 the real cause (matched like ``pytest.raises(match=...)``), never a traceback, and leaves every file that was
 there byte for byte as it was (models, datasets, earlier outputs the failed command was pointed at).
 
-The library's catalogue is tests/test_bad_inputs.py; :func:`test_docs_state_the_catalogue` checks the figures in
+The library's catalogue is tests/unit/test_bad_inputs.py; :func:`test_docs_state_the_catalogue` checks the figures in
 docs/testing.md against both.
 """
 
@@ -233,7 +233,7 @@ def test_evaluate_records_a_text_too_long_and_goes_on(where, quiet, tmp_path, ca
 def test_docs_state_the_catalogue():
     """The figures in docs/testing.md are the collected catalogues: the library's and the command line's, every
     case a clear error (each test above asserts it)."""
-    page = (Path(__file__).resolve().parent.parent / "docs" / "testing.md").read_text(encoding="utf-8")
+    page = (Path(__file__).resolve().parents[2] / "docs" / "testing.md").read_text(encoding="utf-8")
     total = len(LIBRARY_CATALOGUE) + len(CLI_CATALOGUE)
     sentence = (r"(\d+) bad inputs \((\d+) to the library and files, (\d+) to the command line\): all (\d+) "
                 r"give a clear error")

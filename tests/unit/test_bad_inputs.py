@@ -854,5 +854,5 @@ def test_outputs_are_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
 
 def test_catalogue_size():
     """The library part of the catalogue is at least what issue 12 asks; docs/testing.md quotes the exact figure
-    (tests/test_cli_bad_inputs.py::test_docs_state_the_catalogue)."""
+    (tests/process/test_cli_bad_inputs.py::test_docs_state_the_catalogue)."""
     assert len(CATALOGUE) >= 150, len(CATALOGUE)

@@ -28,7 +28,7 @@ from nxl_hooks.records import sink as stream
 from oracle import llama, normxlogit, prefix_logits
 from test_generate import _model
 
-DATA = Path(__file__).parent / "data"
+DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 @pytest.fixture(scope="module")

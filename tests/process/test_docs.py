@@ -24,8 +24,8 @@ try:
 except ModuleNotFoundError:  # Python 3.10
     import tomli as tomllib
 
-ROOT = Path(__file__).resolve().parent.parent
-#: What the 0.1 redirect table held for these names (tests/test_layers.py checked them through the redirect): the
+ROOT = Path(__file__).resolve().parents[2]
+#: What the 0.1 redirect table held for these names (tests/unit/test_layers.py checked them through the redirect): the
 #: changelog must send each old path to a module that really has the name.
 OLD_NAMES = [("evaluate", "score_example"), ("stream", "read_stream"), ("stream", "print_generation"),
              ("capture", "attach"), ("capture", "resolve_layers"), ("registry", "specs"), ("viz", "heatmap"),
@@ -126,7 +126,7 @@ def test_changelog_says_where_each_old_module_path_went():
 
 
 def test_old_cli_module_is_gone_and_the_package_runs_instead():
-    # what `python -m nxl_hooks.cli` looks up (tests/test_cli.py runs `python -m nxl_hooks`)
+    # what `python -m nxl_hooks.cli` looks up (tests/process/test_cli.py runs `python -m nxl_hooks`)
     assert importlib.util.find_spec("nxl_hooks.cli") is None and importlib.util.find_spec("nxl_hooks.__main__")
     changelog = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
     assert "`python -m nxl_hooks.cli ...` becomes `python -m nxl_hooks ...`" in changelog
@@ -139,6 +139,10 @@ def test_one_version_everywhere():
 
 
 def test_tests_readme_sorts_every_test_file_into_a_tier():
-    listed = (ROOT / "tests" / "README.md").read_text(encoding="utf-8")
-    unlisted = [p.name for p in sorted((ROOT / "tests").glob("test_*.py")) if f"`{p.name}`" not in listed]
-    assert not unlisted, f"tests/README.md: put these in a tier: {', '.join(unlisted)}"
+    """Every test file lives in a tier's folder and tests/README.md lists it there, by its path."""
+    tests = ROOT / "tests"
+    assert not sorted(p.name for p in tests.glob("test_*.py")), "put each test file in a tier folder (tests/README.md)"
+    listed = (tests / "README.md").read_text(encoding="utf-8")
+    unlisted = [str(p.relative_to(tests)) for p in sorted(tests.glob("*/test_*.py"))
+                if f"`{p.relative_to(tests)}`" not in listed]
+    assert not unlisted, f"tests/README.md: list these in the table of their tier: {', '.join(unlisted)}"
