@@ -266,7 +266,9 @@ class Run:
         ``error``: why the call's records are incomplete, when the host says so (a failed request); ``what`` names
         the call in the reason recorded when its end cannot be published. Never raises."""
         try:
-            missed = self._missed(sequences) if sequences is not None and not self.failed else None
+            # (a call the probe detached from mid-way already says so: its later forwards ran unhooked on purpose)
+            missed = (self._missed(sequences) if sequences is not None and not self.failed and self.call.error is None
+                      else None)
             if missed is not None:
                 self.failed, self.call.error = True, missed
                 if self._notice is not None:

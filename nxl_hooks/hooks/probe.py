@@ -43,8 +43,8 @@ from .forward import Capture, assemble, open_capture
 from .generate import Generations, Notice
 from .guard import logger, reason
 from .plan import Plan, check_recording, make_plan, run_eagerly
-from .recording import Recording
 from .publish import Hub, Subscription
+from .recording import Recording
 
 __all__ = ["Probe", "attach", "detach_all", "explain"]
 
