@@ -6,6 +6,7 @@ clients; and a soak of many requests showing the server's memory and the state n
         [--out benchmarks/results/serve_cpu.json] [--readme docs/benchmarks.md]
     python benchmarks/bench_serve.py --render benchmarks/results/serve_cpu.json --readme docs/benchmarks.md  # table
     python benchmarks/bench_serve.py --smoke        # the tiny model, one round, no soak: does it still run (CI)
+    python benchmarks/bench_serve.py --load16 --out benchmarks/results/serve_cpu_16clients.json   # 16 clients only
 
 The three servers of a model run side by side on 127.0.0.1 and are measured in interleaved rounds (the order
 rotates each round), so the machine's noise falls on all of them alike; ratios are of medians measured in one run.
@@ -16,6 +17,12 @@ SmolLM2-135M-Instruct (tests/real_model.py fetches it; ``--smollm2 DIR`` or ``$N
 folder; the JSON says why it did not run otherwise). The soak (tiny model) interleaves a plain and an
 ``nxl run --layers all`` server, prompts and lengths varying, and samples the server's RSS, the calls nxl keeps in
 memory and the bytes in its sink. ``--readme`` rewrites the table between the ``bench_serve`` markers.
+
+``--load16`` measures only the load of many clients under continuous batching: SmolLM2 served with
+``--continuous-batching``, plain and under ``nxl run --layers all`` (sink on), 16 clients sending 64 requests per
+round, the two servers in alternating rounds (paired ratios: each nxl round against the plain round beside it);
+the server's RSS after warm-up and after every round, the machine's load averages around every round, and the size
+the probe's per-request feature caches reach (the formula of docs/engines.md) next to the RSS growth.
 """
 
 from __future__ import annotations
@@ -116,6 +123,81 @@ def measure(servers: dict[str, Server], content: str, max_tokens: int, clients: 
         out[name]["throughput_ratio"] = out[name]["throughput_rps"] / out["plain"]["throughput_rps"]
         out[name]["cpu_ratio"] = out[name]["cpu_per_request_s"] / out["plain"]["cpu_per_request_s"]
     return out
+
+
+CB_SERVE = ["--continuous-batching", "--cb-num-blocks", "256", "--cb-block-size", "16", "--cb-max-batch-tokens",
+            "256"]
+
+
+def _rss_mib(server: Server) -> float:
+    return psutil.Process(server.pid).memory_info().rss / 2**20
+
+
+def load16(model: Path, work: Path, rounds: int, max_tokens: int, clients: int = 16, requests: int = 64) -> dict:
+    """``requests`` chat completions from ``clients`` threads per round, plain and ``nxl run --layers all`` under
+    continuous batching, in alternating rounds; throughput, RSS and load averages per round, paired ratios."""
+    servers = {}
+    for variant, nxl in (("plain", None), ("nxl_all", ["--layers", "all", "--sink", str(work / "run-load16")])):
+        servers[variant] = Server(model, nxl=nxl, serve=CB_SERVE, log=work / f"load16-{variant}.log",
+                                  env=THREADS).start()
+    prompts = [f"{QUESTION['smollm2']} Number {index}." for index in range(requests)]
+    rounds_out: list[dict] = []
+    try:
+        answers = {}
+        for name, server in servers.items():  # warm-up: kernels, tokenizer, the manager's first batch
+            with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+                answers[name] = list(pool.map(lambda p: server.chat(p, max_tokens=max_tokens)["content"],
+                                              prompts[:clients]))
+        if answers["plain"] != answers["nxl_all"]:
+            raise AssertionError("the servers answered differently under continuous batching")
+        rss_start = {name: _rss_mib(server) for name, server in servers.items()}
+        order = list(servers)
+        for index in range(rounds):
+            for name in order if index % 2 == 0 else order[::-1]:
+                load_before = os.getloadavg()[0]
+                start = time.perf_counter()
+                with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+                    replies = list(pool.map(lambda p: servers[name].chat(p, max_tokens=max_tokens), prompts))
+                seconds = time.perf_counter() - start
+                rounds_out.append({"round": index, "variant": name, "seconds": seconds,
+                                   "throughput_rps": requests / seconds,
+                                   "tokens": sum(r["usage"]["completion_tokens"] for r in replies),
+                                   "rss_mib": _rss_mib(servers[name]), "load_average_1min_before": load_before,
+                                   "load_average_1min_after": os.getloadavg()[0]})
+                print(f"load16 round {index} {name}: {seconds:.1f} s, RSS {rounds_out[-1]['rss_mib']:.0f} MiB",
+                      file=sys.stderr, flush=True)
+    finally:
+        for server in servers.values():
+            server.stop()
+    import nxl_hooks as nxl
+
+    (folder,) = [p for p in (work / "run-load16").iterdir() if p.is_dir()]
+    calls = nxl.read_stream(folder)
+    # every request of the warm-up and the rounds: one complete call, one step per completion token
+    recorded = {"calls": len(calls), "requests_sent": clients + rounds * requests,
+                "complete_with_every_step": sum(c.complete and len(c.steps) == c.sequences.shape[1] - c.prompt_ids.shape[1]
+                                                for c in calls),
+                "steps_with_probability": sum(s.probability is not None for c in calls for s in c.steps),
+                "steps": sum(len(c.steps) for c in calls)}
+    by = {name: [r for r in rounds_out if r["variant"] == name] for name in servers}
+    paired = [n["throughput_rps"] / p["throughput_rps"] for p, n in zip(by["plain"], by["nxl_all"])]
+    config = json.loads((model / "config.json").read_text())
+    layers, width = config["num_hidden_layers"] + 1, config["hidden_size"]
+    return {
+        "model": model.name, "clients": clients, "requests_per_round": requests, "rounds": rounds,
+        "max_tokens": max_tokens, "serve_flags": CB_SERVE, "nxl_flags": ["--layers", "all", "--sink", "DIR"],
+        "rounds_detail": rounds_out,
+        "throughput_rps_median": {name: statistics.median(r["throughput_rps"] for r in rs) for name, rs in by.items()},
+        "seconds_median": {name: statistics.median(r["seconds"] for r in rs) for name, rs in by.items()},
+        "throughput_ratio_paired": paired, "throughput_ratio_median": statistics.median(paired),
+        "rss_mib_after_warmup": rss_start,
+        "rss_growth_mib": {name: rs[-1]["rss_mib"] - rss_start[name] for name, rs in by.items()},
+        "recorded": recorded,
+        # what the probe allocates per request while it runs: every layer's features of every position, float32,
+        # capacity doubled from 16 positions (docs/engines.md, "Memory")
+        "feature_cache_mib_per_request_at_64_positions": layers * width * 4 * 64 / 2**20,
+        "feature_cache_mib_16_concurrent_at_128_capacity": clients * layers * width * 4 * 128 / 2**20,
+    }
 
 
 def _tree_bytes(folder: Path) -> int:
@@ -220,6 +302,8 @@ def main() -> None:
     parser.add_argument("--soak", type=int, default=1000, help="requests per server in the soak (0: none)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per server (default 1: the servers "
                         "share the machine's cores with each other and the clients)")
+    parser.add_argument("--load16", action="store_true",
+                        help="only the 16-client continuous-batching load on SmolLM2 (see above)")
     parser.add_argument("--out", type=Path)
     parser.add_argument("--readme", type=Path, help="rewrite the table between the bench_serve markers of this page "
                         "(docs/benchmarks.md)")
@@ -249,6 +333,16 @@ def main() -> None:
                      "max_tokens": {m: args.max_tokens or MAX_TOKENS[m] for m in MAX_TOKENS},
                      "request": "non-streaming chat completion, temperature 0", "sink": "on for nxl run"},
         "load_average_before": [round(value, 2) for value in os.getloadavg()], "latency": {}, "skipped": {}}
+    if args.load16:
+        folder, why = _smollm2(args.smollm2)
+        if folder is None:
+            raise SystemExit(f"--load16 needs SmolLM2: {why}")
+        with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
+            report["load16"] = load16(folder, Path(tmp), args.rounds.get("smollm2", 3),
+                                      args.max_tokens or MAX_TOKENS["smollm2"])
+        report["load_average_after"] = [round(value, 2) for value in os.getloadavg()]
+        emit(report, args.out)
+        return
     with tempfile.TemporaryDirectory(prefix="bench-serve-") as tmp:
         work = Path(tmp)
         folders = {"tiny": save_chat_model(work / "tiny")}

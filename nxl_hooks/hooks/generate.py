@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import os
 import threading
 import uuid
 from typing import Any, Callable, Iterator
@@ -52,11 +53,17 @@ from torch import nn
 from ..records.steps import GenerationCall, Step
 from .recording import NOT_RECORDED, Recording
 from .forward import Capture
-from .guard import one_line, reason
+from .guard import logger, one_line, reason
 from .plan import Plan
 from .publish import Hub
 
-__all__ = ["REQUEST_ID", "Generations", "Notice", "Run", "stacked_features"]
+__all__ = ["EAGER", "REQUEST_ID", "Generations", "Notice", "Run", "eager", "stacked_features"]
+
+#: The environment variable (``"1"``, ``nxl run --eager``) that makes recorded calls run eagerly: ``generate``
+#: without its automatic torch.compile (``disable_compile=True``), continuous-batching managers without CUDA graphs.
+EAGER = "NXL_EAGER"
+#: What makes a call that ran through compiled code or CUDA graphs recordable.
+MAKE_EAGER = f"set {EAGER}=1 (nxl run --eager)"
 
 #: The request the current context serves; a server integration sets it (``X-Request-ID``), else calls get an id.
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("nxl_hooks_request_id", default=None)
@@ -101,6 +108,11 @@ def _setting(model: nn.Module, kwargs: dict, name: str) -> Any:
     return value if value is not None else getattr(config, name, None)
 
 
+def eager() -> bool:
+    """Whether this recording session asked for eager calls (:data:`EAGER`)."""
+    return os.environ.get(EAGER) == "1"
+
+
 def unsupported(model: nn.Module, kwargs: dict) -> str | None:
     """Why a ``generate`` call cannot be recorded step by step, or None when it can."""
     if (_setting(model, kwargs, "num_beams") or 1) > 1:
@@ -130,8 +142,10 @@ class Run:
     """
 
     def __init__(self, plan: Plan, hub: Hub, call: GenerationCall, *, prompt_len: int | None, eos: Any,
-                 cache_dtype: torch.dtype | None, cache_device: torch.device | None) -> None:
-        self._plan, self._hub, self.call = plan, hub, call
+                 cache_dtype: torch.dtype | None, cache_device: torch.device | None,
+                 notice: Notice | None = None) -> None:
+        self._plan, self._hub, self.call, self._notice = plan, hub, call, notice
+        self._ids_fed = False  # the prompt came as token ids (generate's sequences then hold it)
         self._prompt_len = prompt_len
         self._eos = frozenset(torch.as_tensor(eos).reshape(-1).tolist() if eos is not None else ())
         self._cache_dtype, self._cache_device = cache_dtype, cache_device
@@ -219,6 +233,8 @@ class Run:
         for cache in (self._features, self._embed, self._mask):
             cache.truncate(past)
         self._compute_dtype = features.dtype
+        if past == 0:
+            self._ids_fed = input_ids is not None
         self._features.append(features.to(device=self._cache_device or features.device,
                                           dtype=self._cache_dtype or features.dtype))
         self._embed.append(embed_norm)
@@ -251,6 +267,13 @@ class Run:
         ``error``: why the call's records are incomplete, when the host says so (a failed request); ``what`` names
         the call in the reason recorded when its end cannot be published. Never raises."""
         try:
+            # (a call the probe detached from mid-way already says so: its later forwards ran unhooked on purpose)
+            missed = (self._missed(sequences) if sequences is not None and not self.failed and self.call.error is None
+                      else None)
+            if missed is not None:
+                self.failed, self.call.error = True, missed
+                if self._notice is not None:
+                    self._notice.say(missed)
             if sequences is not None and self._pending and not self.failed:
                 emitted = self._n + 1 - self._prompt_len  # the pending token included
                 # A deferred stop check (mps) may run one forward whose token generate then undoes.
@@ -264,6 +287,18 @@ class Run:
                 self._hub.end(self.call, sequences.cpu() if sequences is not None else None, error)
             except Exception as failure:  # noqa: BLE001 - a failing sink or subscriber never reaches the host
                 self.fail(f"the end of {what}", failure)
+
+    def _missed(self, sequences: torch.Tensor) -> str | None:
+        """``not recorded: ...`` when the host returned tokens from forwards the hooks never saw, else None. Such
+        forwards ran compiled code: ``generate`` with a static cache compiles its decoding steps itself."""
+        seen = self._n + 1 - (0 if self._ids_fed else self._prompt_len or 0)  # with the pending token
+        if self._n and sequences.shape[1] <= seen:
+            return None
+        missing = sequences.shape[1] - max(seen, 1) if self._n else sequences.shape[1]
+        return (f"not recorded: {missing} of the generated tokens came from forwards that never reached the probe's "
+                "hooks: code compiled by torch.compile (generate compiles its decoding steps with a static cache, "
+                "cache_implementation='static') or a CUDA graph; pass disable_compile=True to generate, or "
+                f"{MAKE_EAGER}")
 
     # -- one record --------------------------------------------------------------------------------------
 
@@ -317,6 +352,12 @@ class Notice:
 
     text: str | None = None
 
+    def say(self, text: str) -> None:
+        """``text`` is the reason now; logged once (as one line) while it stays the same."""
+        if text != self.text:
+            self.text = text
+            logger.warning("nxl_hooks: %s; the model's own call is unaffected", text)
+
 
 class Generations:
     """The ``generate`` wrapper on one model instance, and the :class:`~nxl_hooks.hooks.engines.Recording` of each
@@ -354,7 +395,7 @@ class Generations:
         """A recorded call in the calling thread, with a fresh feature cache."""
         call = self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name)
         return Run(self.plan, self.hub, call, prompt_len=prompt_len, eos=eos, cache_dtype=self.cache_dtype,
-                   cache_device=self.cache_device)
+                   cache_device=self.cache_device, notice=self.notice)
 
     def unrecorded(self, request_id: str | None, what: str, error: BaseException, *, log: bool = True) -> None:
         """A call record whose error says ``not recorded: why`` (``why``: ``error``, which names what makes it
@@ -393,6 +434,8 @@ class Generations:
         if self.current() is not None or self._detached:  # generate calling generate: the outer call is tracked
             return original(*args, **kwargs)
         run = self._begin(args, kwargs)
+        if eager() and isinstance(run, Run):  # a recording session: generate's own compile would skip the hooks
+            kwargs = {"disable_compile": True, **kwargs}
         with self.running(run):
             try:
                 out = original(*args, **kwargs)

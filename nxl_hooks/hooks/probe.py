@@ -44,8 +44,8 @@ from .forward import Capture, assemble, open_capture
 from .generate import Generations, Notice
 from .guard import logger, reason
 from .plan import Plan, check_recording, make_plan, run_eagerly
-from .recording import Recording
 from .publish import Hub, Subscription
+from .recording import Recording
 
 __all__ = ["Probe", "attach", "detach_all", "explain"]
 
@@ -448,7 +448,7 @@ class Probe:
     @property
     def unrecorded(self) -> str | None:
         """Why the last call that could not be followed is not recorded, and what makes it recordable (``"not
-        recorded: this manager pads its inputs for CUDA graphs ...; set NXL_NO_CUDA_GRAPHS=1 ..."``); None while
+        recorded: this manager pads its inputs for CUDA graphs ...; set NXL_EAGER=1 ..."``); None while
         every call was followed. The same text is that call's ``GenerationCall.error``."""
         return self._notice.text
 

@@ -263,7 +263,7 @@ def test_paths_that_cannot_be_followed_log_once_and_run_unchanged(model, path, m
         assert sorted(c.request_id for c in probe.calls) == sorted(out)
         for call in probe.calls:
             assert call.steps == [] and call.error.startswith("not recorded: ") and "CUDA graphs" in call.error
-            assert "NXL_NO_CUDA_GRAPHS=1" in call.error and "use_cuda_graph=False" in call.error
+            assert "NXL_EAGER=1" in call.error and "use_cuda_graph=False" in call.error
         assert probe.unrecorded == probe.calls[0].error
 
 
@@ -357,3 +357,24 @@ def test_every_step_has_the_probability_of_the_unbatched_oracle(model):
                            do_sample=False, eos_token_id=-1, pad_token_id=0)
         generated = torch.stack([s.probability for s in alone.steps])
         torch.testing.assert_close(torch.stack([s.probability for s in call.steps]), generated, rtol=1e-4, atol=1e-6)
+
+
+def test_nxl_eager_makes_managers_of_followed_models_without_cuda_graphs(model, monkeypatch):
+    from transformers import ContinuousBatchingConfig
+    from transformers.generation.continuous_batching import continuous_api
+
+    seen = []
+    original = continuous_api.resolve_continuous_batching_config
+
+    def resolve(config, cb_config, *args, **kwargs):  # what the manager is made with
+        seen.append(cb_config.use_cuda_graph)
+        return original(config, cb_config, *args, **kwargs)
+
+    monkeypatch.setattr(continuous_api, "resolve_continuous_batching_config", resolve)
+    asked = ContinuousBatchingConfig(use_cuda_graph=True)
+    for eager in ("0", "1"):
+        monkeypatch.setenv("NXL_EAGER", eager)
+        with nxl.attach(model):
+            continuous_api.ContinuousBatchingManager(model, _greedy(), asked)
+    continuous_api.ContinuousBatchingManager(model, _greedy(), asked)  # no probe: as asked
+    assert seen == [True, False, True] and asked.use_cuda_graph is True  # the caller's object is left as written

@@ -138,6 +138,7 @@ def test_beam_search_is_a_clear_error_and_plain_forward_still_works(model):
         beams = model.generate(input_ids=ids, max_new_tokens=3, num_beams=2)  # runs, unrecorded
         assert torch.equal(beams, plain)
         assert "num_beams=1" in probe.calls[-1].error and not probe.calls[-1].complete
+        assert probe.calls[-1].error.startswith("not recorded: ") and probe.unrecorded == probe.calls[-1].error
         with pytest.raises(RuntimeError, match="not recorded.*num_beams=1"):
             probe.steps
         model(input_ids=ids)
@@ -363,3 +364,42 @@ def test_steps_nobody_listens_to_are_skipped_and_later_ones_still_right(model):
         assert not bool(got.active[0]) and not got.mask[0, 6 + s + 1:].any()
         for name in ("token", "normxlogit", "logat", "mask", "active", "embed_norm"):
             assert torch.equal(getattr(got, name), getattr(want, name)), name
+
+
+def _compiled_static(model, ids, **options):
+    """generate with a static cache, which transformers compiles itself (on the CPU too, with _compile_all_devices;
+    the eager backend keeps compiling cheap: the hooks are skipped all the same)."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(backend="eager")
+    config._compile_all_devices = True
+    return model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, cache_implementation="static",
+                          compile_config=config, **options)
+
+
+def test_compiled_static_cache_generate_is_never_silent_and_eager_is_recorded(monkeypatch):
+    model = _model(seed=3)  # compiled here first, before any probe
+    ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(21))
+    plain = _compiled_static(model, ids)
+    with nxl.attach(model) as probe:
+        out = _compiled_static(model, ids)
+    assert torch.equal(out, plain)
+    (call,) = probe.calls
+    # its decoding steps ran compiled code (the first ones run eagerly): the call says why and what to do
+    assert len(call.steps) < 4 and not call.complete
+    assert call.error.startswith("not recorded: ") and "disable_compile=True" in call.error
+    assert "NXL_EAGER=1" in call.error and probe.unrecorded == call.error
+    monkeypatch.setenv("NXL_EAGER", "1")  # a recording session: generate runs eagerly, every step recorded
+    with nxl.attach(model) as probe:
+        out = _compiled_static(model, ids)
+    assert torch.equal(out, plain) and probe.unrecorded is None
+    check_call(model, probe.calls[0], 4)
+    monkeypatch.delenv("NXL_EAGER")
+    for _ in range(2):  # compiled again while attached (dynamo may now trace the hooks): right, or said so
+        with nxl.attach(model) as probe:
+            assert torch.equal(_compiled_static(model, ids), plain)
+        (call,) = probe.calls
+        if call.error is None:
+            check_call(model, call, 4)
+        else:
+            assert call.error.startswith("not recorded: ") and "disable_compile=True" in call.error

@@ -22,13 +22,13 @@ probe detaches):
   ``generate``: the prefix is never re-run), and keep the model's own probabilities at the rows it samples from;
 - ``RequestState.update_and_check_completion``: the token the manager gives a request becomes that request's step
   record, and a request that finishes ends its call, before the manager hands the result to its caller;
-- ``ContinuousBatchingManager.__init__``, only with ``NXL_NO_CUDA_GRAPHS=1`` in the environment (``nxl run
-  --no-cuda-graphs``): managers of followed models are made with ``use_cuda_graph=False``, so they can be recorded.
+- ``ContinuousBatchingManager.__init__``: with ``NXL_EAGER=1`` in the environment (``nxl run --eager``), managers
+  of followed models are made with ``use_cuda_graph=False``, so they can be recorded.
 
 Not followed (requests run unchanged; each request's call record says ``not recorded: why; what to do``, logged
 once): a manager that pads its inputs for CUDA graphs or torch.compile (hooks do not run when a graph replays;
 ``ContinuousBatchingConfig(use_cuda_graph=False)``, ``transformers serve --no-cb-use-cuda-graph`` or
-``NXL_NO_CUDA_GRAPHS=1`` makes it followable), and transformers versions outside :data:`VERSIONS`. While attached,
+``NXL_EAGER=1`` makes it followable), and transformers versions outside :data:`VERSIONS`. While attached,
 prefix sharing is off on the paged caches the probe sees (a prefix shared from another request's cache never runs
 for the request that reuses it, so that request's attribution could not be computed); each cache gets its setting
 back at detach. A request that started mid-sequence anyway (it reused a prefix before the probe attached, or it is a
@@ -46,7 +46,6 @@ import contextvars
 import copy
 import functools
 import inspect
-import os
 import threading
 import weakref
 from dataclasses import dataclass
@@ -57,17 +56,14 @@ import torch
 from torch import nn
 
 from ..forward import Capture
-from ..generate import REQUEST_ID, Generations, Run, stacked_features
+from ..generate import EAGER, MAKE_EAGER, REQUEST_ID, Generations, Run, eager, stacked_features
 from ..guard import logger, reason
 from ..recording import NOT_RECORDED
 
-__all__ = ["NO_CUDA_GRAPHS", "VERSIONS", "ContinuousBatching", "patch_serving"]
+__all__ = ["VERSIONS", "ContinuousBatching", "patch_serving"]
 
-#: The environment variable that makes managers of followed models run without CUDA graphs (``"1"``).
-NO_CUDA_GRAPHS = "NXL_NO_CUDA_GRAPHS"
 #: What makes a manager that uses CUDA graphs recordable (said in each of its requests' call records).
-_GRAPHS_OFF = (f"set {NO_CUDA_GRAPHS}=1 (nxl run --no-cuda-graphs), pass "
-               "ContinuousBatchingConfig(use_cuda_graph=False) without compile configs, or run "
+_GRAPHS_OFF = (f"{MAKE_EAGER}, pass ContinuousBatchingConfig(use_cuda_graph=False) without compile configs, or run "
                "`transformers serve --no-cb-use-cuda-graph`")
 
 #: transformers versions whose continuous-batching internals were checked: (major, minor) from .. below.
@@ -151,12 +147,12 @@ def _update_and_check_completion(original: Callable) -> Callable:
 def _manager_init(original: Callable) -> Callable:
     def __init__(self: Any, model: Any, generation_config: Any, continuous_batching_config: Any, *args: Any,
                  **kwargs: Any) -> Any:
-        if os.environ.get(NO_CUDA_GRAPHS) == "1" and _followed(model) is not None:
+        if eager() and _followed(model) is not None:
             try:  # a copy: the caller's config object stays as it wrote it
                 continuous_batching_config = copy.copy(continuous_batching_config)
                 continuous_batching_config.use_cuda_graph = False
             except Exception as error:  # noqa: BLE001 - the manager is made as asked
-                reason(f"{NO_CUDA_GRAPHS} on this manager", error)
+                reason(f"{EAGER} on this manager", error)
         return original(self, model, generation_config, continuous_batching_config, *args, **kwargs)
 
     return __init__
