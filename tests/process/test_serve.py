@@ -127,7 +127,29 @@ def check_call(tiny: Tiny, call: nxl.GenerationCall, content: str, reply: dict) 
         logat, expected = normxlogit(logits, embeddings, step.token)
         torch.testing.assert_close(step.logat, logat[rows], rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(step.normxlogit, expected[rows], rtol=1e-4, atol=1e-4)
+        # the model's own probability of the emitted token, and its text, are in the record (also under
+        # continuous batching, and read back from disk)
+        probability = torch.softmax(logits[-1, 0, step.position - 1].float(), -1)[tokens[index]]
+        assert step.probability is not None and step.readable is not None and len(step.readable) == 1
+        torch.testing.assert_close(step.probability.reshape(-1)[0], probability, rtol=1e-4, atol=1e-6)
+    assert "".join(step.readable[0] for step in call.steps).replace("␣", " ").replace("↵", "\n") == tiny.text(tokens)
     return tokens
+
+
+def same_views(server: "Server", request_id: str, tmp_path: Path) -> None:
+    """One request seen three ways: its live JSON view (memory), its frames handed out by the endpoint, and the
+    sink on disk. The texts and probabilities are the same in each."""
+    (disk,) = nxl.read_stream(server.run, request_id=request_id)
+    frames = tmp_path / f"{request_id}-views.nxl"
+    frames.write_bytes(_endpoint(server, f"/v1/requests/{request_id}/frames"))
+    (handed,) = nxl.read_stream(frames)
+    live = json.loads(_endpoint(server, f"/v1/requests/{request_id}?k=1"))["steps"]
+    assert len(disk.steps) == len(handed.steps) == len(live) > 0
+    for on_disk, from_endpoint, shown in zip(disk.steps, handed.steps, live):
+        assert on_disk.readable == from_endpoint.readable and on_disk.readable[0].replace("␣", " ") == shown["token"]
+        assert torch.equal(on_disk.probability, from_endpoint.probability)
+        assert shown["probability"] == pytest.approx(float(on_disk.probability.reshape(-1)[0]), rel=1e-6)
+        assert on_disk.to_attribution().top(1, layer=-1) == from_endpoint.to_attribution().top(1, layer=-1)
 
 
 def check_view(tiny: Tiny, view: dict, content: str, tokens: list[int], k: int) -> None:
@@ -181,6 +203,7 @@ def test_serve_requests_recorded_per_request_id_and_match_the_oracle(server, tin
             (handed,) = nxl.read_stream(frames)
             assert [int(s.token[0]) for s in handed.steps] == tokens and handed.request_id == request_id
             assert all(torch.equal(a.normxlogit, b.normxlogit) for a, b in zip(handed.steps, call.steps))
+            same_views(server, request_id, tmp_path)
         busy_reply = busy.result(timeout=120)
     (busy_call,) = nxl.read_stream(server.run, request_id="busy-1")
     check_call(tiny, busy_call, "the world is", busy_reply)
@@ -350,6 +373,7 @@ def test_continuous_batching_three_concurrent_clients(tiny, tmp_path):
             (call,) = nxl.read_stream(run, request_id=request_id)
             assert call.request_id == replies[request_id]["request_id"] == request_id
             check_call(tiny, call, content, replies[request_id])
+            same_views(server, request_id, tmp_path)
 
 
 # -- nxl run / import nxl_hooks.auto on a plain Python program ----------------------------------------------

@@ -75,7 +75,9 @@ def step_view(texts: Any, call: GenerationCall | None, step: Step, *, k: int = 5
     template = call.context_template(step.position) if call is not None else None  # the chat template does not rank
     res = step.to_attribution(tokens=[names] * batch, special=flags, template=template)
     token = int(step.token[row])
+    probability = None if step.probability is None else float(step.probability.reshape(batch, -1)[row, 0])
     return {"step": step.step, "position": step.position, "token_id": token, "token": texts.text(token),
+            "probability": probability,
             "active": bool(step.active[row]), "top": _top(res, k, row)}
 
 
