@@ -2,6 +2,7 @@
 the tiny chat model of tests/serving.py, one client sending requests one after the other).
 
     python benchmarks/bench_attach.py [--rounds 3] [--out benchmarks/results/attach_cpu.json]
+    python benchmarks/bench_attach.py --smoke        # one round: does it still run (CI)
 
 Per round: ``nxl attach PID --layers all --sink DIR`` as a fresh command (what a user types: its interpreter
 start and imports included), timed from the command's start to its return, and to the first request recorded in
@@ -25,7 +26,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
-from _common import emit, load_average  # noqa: E402
+from _common import add_smoke_option, emit, load_average, smoke_out  # noqa: E402
 from serving import Server, save_chat_model  # noqa: E402
 
 import nxl_hooks as nxl  # noqa: E402
@@ -56,8 +57,10 @@ def _api(pid: int, request: dict) -> tuple[float, float]:
 
 
 def _recorded(run: Path, start: float, since: int = 0) -> float:
-    """Seconds from ``start`` until ``run`` holds more than ``since`` recorded requests."""
+    """Seconds from ``start`` until ``run`` holds more than ``since`` recorded requests (at most 300 s)."""
     while len(nxl.read_stream(run)) <= since:
+        if time.perf_counter() - start > 300:
+            raise SystemExit(f"nothing recorded in {run} within 300 s of the attach")
         time.sleep(0.01)
     return time.perf_counter() - start
 
@@ -65,8 +68,13 @@ def _recorded(run: Path, start: float, since: int = 0) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "attach_cpu.json")
+    parser.add_argument("--out", type=Path)
+    add_smoke_option(parser)
     args = parser.parse_args()
+    if args.smoke:  # the same commands and checks, one round
+        args.rounds, args.out = 1, smoke_out(parser, args.out, "attach")
+    elif args.out is None:
+        args.out = ROOT / "benchmarks" / "results" / "attach_cpu.json"
     work = Path(tempfile.mkdtemp(prefix="bench-attach-"))
     model = save_chat_model(work / "tiny")
     rounds, answers, stop = [], [], threading.Event()
@@ -105,7 +113,7 @@ def main() -> None:
         loop.join(timeout=120)
     assert answers and all(answer == answers[0] for answer in answers), "an answer changed"
     report = {
-        "benchmark": "attach", "device": "cpu", "machine_note": "a VM with 2 cores shared with other sessions",
+        "benchmark": "attach", "smoke": args.smoke, "device": "cpu", "machine_note": "a VM with 2 cores shared with other sessions",
         "python": sys.version.split()[0], "requests_answered": len(answers), "load_average_before": before,
         "load_average_after": load_average(), "rounds": rounds,
         "median": {key: statistics.median(r[key] for r in rounds) for key in rounds[0]},

@@ -30,6 +30,7 @@ TYPED = {
     "keep_calls": (["--keep-calls", "0"], 0),
     "listen": (["--listen", "127.0.0.1:8765"], "127.0.0.1:8765"),
     "allow_remote": (["--allow-remote"], True),
+    "eager": (["--eager"], True),
     "sink_max_bytes": (["--sink-file-mb", "3"], 3 * 1024 * 1024),
     "sink_max_files": (["--sink-files", "2"], 2),
 }

@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Any
 
+from ...hooks.generate import EAGER
 from .controller import Controller, count_hooks, start, stop
 from .lazy import HOOKS
 from .settings import Settings
@@ -31,6 +32,7 @@ __all__ = ["handle", "live_models"]
 _MARK = "__nxl_patched__"  #: what :mod:`.patches` sets on each wrapper it installs (the original is ``__wrapped__``)
 _LOCK = threading.Lock()
 _ATTACHED: Controller | None = None  #: the controller ``nxl attach`` started here, until ``nxl detach``
+_EAGER_BEFORE: list[str | None] = []  #: NXL_EAGER as it was before an ``nxl attach --eager``, given back at detach
 
 
 def handle(request: dict) -> dict:
@@ -81,6 +83,9 @@ def _attach(env: dict[str, str], wait: float) -> dict:
         return {"ok": False, "code": "attached", "error": f"{error}: see nxl ctl status, or nxl detach {os.getpid()}"}
     _ATTACHED = ctl
     try:
+        if settings.eager:  # what nxl run --eager sets in the program's environment, the engines read it there
+            _EAGER_BEFORE.append(os.environ.get(EAGER))
+            os.environ[EAGER] = "1"
         _patch()
         for model, name in found:
             ctl.adopt(model, name)
@@ -129,6 +134,12 @@ def _detach() -> dict:
     run_dir = str(ctl.settings.run_dir)
     stop(ctl)
     _ATTACHED = None
+    while _EAGER_BEFORE:  # the environment as it was before the attach
+        before = _EAGER_BEFORE.pop()
+        if before is None:
+            os.environ.pop(EAGER, None)
+        else:
+            os.environ[EAGER] = before
     restored = _unpatch()
     return {"ok": True, "run_dir": run_dir, "patches": restored, "hooks": sum(count_hooks(m) for m in models),
             "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("nxl-")

@@ -200,6 +200,10 @@ class Settings:
     allow_remote: bool = _setting(False, Option(
         "NXL_ALLOW_REMOTE", _switch, "let --listen use an address that is not loopback (the token is still "
         "required)", text=_switch_text, flag="--allow-remote"))
+    eager: bool = _setting(False, Option(
+        "NXL_EAGER", _switch, "run recorded calls eagerly so that each is recorded: continuous-batching managers "
+        "without CUDA graphs, generate without its automatic torch.compile (slower; without it such calls run at "
+        "full speed and their records say 'not recorded')", text=_switch_text, flag="--eager"))
     sink_max_bytes: int = _setting(64 << 20, Option(
         "NXL_SINK_MAX_BYTES", _positive, "start a new record file past this size in MB",
         flag="--sink-file-mb", metavar="MB", arg=_megabytes, shown=lambda size: str(size >> 20)))
