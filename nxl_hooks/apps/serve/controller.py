@@ -248,7 +248,9 @@ class Rules:
             elif generates and settings.sink:
                 sink = make_sink(f"folder:{settings.run_dir / watch.slug}", max_bytes=settings.sink_max_bytes,
                                  max_files=settings.sink_max_files)
-            probe = attach(model, **self.options, tokenizer=self._tokenizer(watch, self.options), sink=sink,
+            # the model's own tokenizer (loaded once, shared with the live view): every record, live or on disk,
+            # carries its tokens' texts, and word targets (--target " Paris") resolve
+            probe = attach(model, **self.options, tokenizer=watch.texts.tokenizer, sink=sink,
                            keep_steps=True, keep_calls=settings.keep_calls,
                            on_step=functools.partial(self._on_step, watch) if generates else None)
         except Exception as error:  # noqa: BLE001 - an unsupported model runs unrecorded
@@ -279,17 +281,6 @@ class Rules:
             return
         request_id = REQUEST_ID.get() or uuid.uuid4().hex
         watch.forwards.append(Forward(request_id, threading.current_thread().name, result))
-
-    @staticmethod
-    def _tokenizer(watch: Watch, options: dict) -> Any:
-        """The model's tokenizer when the target names tokens (``--target " Paris"``) or the model does not
-        generate (its forward records show token strings), else None: loading one costs start-up time."""
-        target = options.get("target")
-        items = target if isinstance(target, list) else [target]
-        model = watch.ref()
-        forwards = model is not None and not (hasattr(model, "can_generate") and model.can_generate())
-        named = any(isinstance(t, str) and t != "predicted" for t in items)
-        return watch.texts.tokenizer if named or forwards else None  # forwards: token strings in each result
 
     def _detach(self, watch: Watch) -> None:
         # caller holds the lock
@@ -328,7 +319,7 @@ class Rules:
                 model = watch.ref()
                 if model is not None:
                     try:
-                        make_plan(unwrap(model), **wanted, tokenizer=self._tokenizer(watch, wanted))
+                        make_plan(unwrap(model), **wanted, tokenizer=watch.texts.tokenizer)
                     except Exception as error:  # noqa: BLE001 - said to the operator, nothing changed
                         raise ValueError(f"{watch.name}: {' '.join(str(error).split())}; nothing changed") from None
             self.options = wanted
