@@ -7,6 +7,7 @@ Every import counts: module level, inside functions, under TYPE_CHECKING, and mo
 from __future__ import annotations
 
 import ast
+import importlib
 import re
 from pathlib import Path
 
@@ -79,6 +80,22 @@ def test_imports_only_go_down():
             elif _layer(module) is not None and _layer(target) is not None and _layer(target) > _layer(module):
                 upward.append((module, target))
     assert not upward, "imports that go up a layer: " + ", ".join(f"{a} -> {b}" for a, b in sorted(upward))
+
+
+#: The rooms a contributor adds to (a sink, a serving engine, a recording path): each is a typing.Protocol in the
+#: layer named by its module, walked by the checks above like every other module.
+ROOMS = {"nxl_hooks.records.sinks": "RecordSink", "nxl_hooks.hooks.engines": "Engine",
+         "nxl_hooks.hooks.recording": "Recording"}
+
+
+def test_the_extension_rooms_are_protocols_in_their_layers():
+    graph = _graph()
+    for module, protocol in ROOMS.items():
+        assert module in graph and _layer(module) is not None, module
+        cls = getattr(importlib.import_module(module), protocol)
+        assert getattr(cls, "_is_protocol", False), f"{module}.{protocol} is not a typing.Protocol"
+        # a room imports nothing above its own layer (a sink knows no hook, an engine no command)
+        assert all(_layer(target) is None or _layer(target) <= _layer(module) for target in graph[module]), module
 
 
 def test_no_import_cycle():
