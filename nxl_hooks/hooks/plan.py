@@ -39,7 +39,8 @@ from ..method.select import (
     target_ids,
 )
 
-__all__ = ["EMBEDDINGS", "Plan", "TokenTexts", "check_recording", "make_plan", "run_eagerly", "token_texts"]
+__all__ = ["EMBEDDINGS", "Plan", "TokenTexts", "check_recording", "make_plan", "run_eagerly", "token_texts",
+           "tokenizer_mismatch"]
 
 _KEPT = "_nxl_hooks_compiled_"  # where run_eagerly keeps a module's compiled callable while attached
 
@@ -176,13 +177,13 @@ class Plan:
         }
 
 
-def _check_tokenizer(model: nn.Module, tokenizer: Any) -> None:
+def tokenizer_mismatch(model: nn.Module, tokenizer: Any) -> str | None:
+    """Why ``tokenizer`` cannot be ``model``'s (more tokens than embedding rows), or None when it may be."""
     rows = model.get_input_embeddings().num_embeddings
     if len(tokenizer) > rows:
-        raise ValueError(
-            f"the tokenizer does not match the model: it has {len(tokenizer)} tokens but the model's "
-            f"embedding has {rows} rows; pass the tokenizer saved with this model"
-        )
+        return (f"the tokenizer does not match the model: it has {len(tokenizer)} tokens but the model's "
+                f"embedding has {rows} rows; pass the tokenizer saved with this model")
+    return None
 
 
 def make_plan(model: nn.Module, *, layers: Any, target: Target, tokenizer: Any, embedding: str) -> Plan:
@@ -198,8 +199,8 @@ def make_plan(model: nn.Module, *, layers: Any, target: Target, tokenizer: Any, 
     if kind == "masked_lm" and getattr(tokenizer, "mask_token_id", None) is None:
         raise ValueError("masked-LM attribution needs attach(..., tokenizer=tok) with a mask token, to find the "
                          "[MASK] positions it explains")
-    if tokenizer is not None:
-        _check_tokenizer(model, tokenizer)
+    if tokenizer is not None and (mismatch := tokenizer_mismatch(model, tokenizer)):
+        raise ValueError(mismatch)
     target, layers = from_numpy(target), from_numpy(layers)
     fixed = None if is_predicted(target) else target_ids(model, kind, tokenizer, target, head.n_outputs)
     return Plan(model=model, spec=spec, kind=kind, head=head, blocks=block_list,

@@ -143,7 +143,14 @@ class ParquetSink:
         self.path = Path(path)
         self._partial = self.path.with_name(self.path.name + ".partial")
         self._schema = schema()
-        self._writer = pa.parquet.ParquetWriter(self._partial, self._schema)
+        try:  # one writer per file: two models or processes on one path would clobber each other's rows
+            fd = os.open(self._partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
+        except FileExistsError:
+            raise ValueError(f"{self._partial} exists: another writer (a second model or process) has this file, or "
+                             "one died writing it; give each its own path (under nxl run: {model} in the path) or "
+                             "remove the stale file") from None
+        self._file = os.fdopen(fd, "wb")
+        self._writer = pa.parquet.ParquetWriter(self._file, self._schema)
         self._row_group_rows = row_group_rows
         self._buffer: list[dict[str, Any]] = []
         self._buffered = 0
@@ -190,6 +197,7 @@ class ParquetSink:
         self._flush()
         self._writer.close()
         self._writer = None
+        self._file.close()
         os.replace(self._partial, self.path)
 
 

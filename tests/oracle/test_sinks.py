@@ -306,3 +306,16 @@ def test_without_pyarrow_export_and_the_parquet_sink_name_the_extra(chat, tmp_pa
     with pytest.raises(ImportError, match=r'pip install "nxl_hooks\[parquet\]"'):
         nxl.attach(model, sink=f"parquet:{tmp_path / 'live.parquet'}")
     assert not list(tmp_path.glob("*.parquet*"))
+
+
+def test_a_second_parquet_writer_on_one_file_is_refused(tmp_path):
+    """Two models (or processes) given one parquet path: the second is refused, the first's rows stay whole."""
+    from nxl_hooks.records.parquet import ParquetSink
+
+    first = ParquetSink(tmp_path / "out.parquet")
+    with pytest.raises(ValueError, match="another writer .* give each its own path"):
+        ParquetSink(tmp_path / "out.parquet")
+    first.close()
+    assert (tmp_path / "out.parquet").is_file() and not (tmp_path / "out.parquet.partial").exists()
+    ParquetSink(tmp_path / "out.parquet").close()  # the file is free again once the first is done
+

@@ -39,7 +39,7 @@ from typing import Any, Callable
 from ...arch.registry import head_kind, unwrap
 from ...hooks.generate import REQUEST_ID
 from ...hooks.guard import reason
-from ...hooks.plan import TokenTexts, make_plan, token_texts
+from ...hooks.plan import TokenTexts, make_plan, token_texts, tokenizer_mismatch
 from ...hooks.probe import Probe, attach
 from ...method.select import special_mask
 from ...records.attribution import Attribution
@@ -250,7 +250,7 @@ class Rules:
                                  max_files=settings.sink_max_files)
             # the model's own tokenizer (loaded once, shared with the live view): every record, live or on disk,
             # carries its tokens' texts, and word targets (--target " Paris") resolve
-            probe = attach(model, **self.options, tokenizer=watch.texts.tokenizer, sink=sink,
+            probe = attach(model, **self.options, tokenizer=self._tokenizer(watch, model, self.options), sink=sink,
                            keep_steps=True, keep_calls=settings.keep_calls,
                            on_step=functools.partial(self._on_step, watch) if generates else None)
         except Exception as error:  # noqa: BLE001 - an unsupported model runs unrecorded
@@ -281,6 +281,18 @@ class Rules:
             return
         request_id = REQUEST_ID.get() or uuid.uuid4().hex
         watch.forwards.append(Forward(request_id, threading.current_thread().name, result))
+
+    @staticmethod
+    def _tokenizer(watch: Watch, model: Any, options: dict) -> Any:
+        """The model's own tokenizer, so that every record carries its tokens' texts; None (ids recorded) when it
+        does not fit the model (a program that added tokens and resized after loading) and no target names a
+        token, rather than leave the model unrecorded."""
+        tokenizer = watch.texts.tokenizer
+        target = options.get("target")
+        named = any(isinstance(t, str) and t != "predicted" for t in (target if isinstance(target, list) else [target]))
+        if tokenizer is not None and not named and tokenizer_mismatch(unwrap(model), tokenizer):
+            return None
+        return tokenizer
 
     def _detach(self, watch: Watch) -> None:
         # caller holds the lock
@@ -319,7 +331,7 @@ class Rules:
                 model = watch.ref()
                 if model is not None:
                     try:
-                        make_plan(unwrap(model), **wanted, tokenizer=watch.texts.tokenizer)
+                        make_plan(unwrap(model), **wanted, tokenizer=self._tokenizer(watch, model, wanted))
                     except Exception as error:  # noqa: BLE001 - said to the operator, nothing changed
                         raise ValueError(f"{watch.name}: {' '.join(str(error).split())}; nothing changed") from None
             self.options = wanted
@@ -486,6 +498,8 @@ class Controller:
 
 _CONTROLLER: Controller | None = None
 _CONTROLLER_LOCK = threading.Lock()
+_ENDED = False  #: nxl detach stopped this process's controller (nxl attach's start() clears it)
+_FORK_HOOKED = False  #: start() registered _after_fork
 
 
 def controller() -> Controller:
@@ -493,6 +507,8 @@ def controller() -> Controller:
     when ``NXL_RUN_DIR`` is not set, as under a plain ``import nxl_hooks.auto``)."""
     global _CONTROLLER
     with _CONTROLLER_LOCK:
+        if _CONTROLLER is None and _ENDED:
+            raise RuntimeError(f"recording in process {os.getpid()} was ended by nxl detach")
         if _CONTROLLER is None:
             run_dir = None
             if not os.environ.get("NXL_RUN_DIR"):
@@ -511,22 +527,24 @@ def start(settings: Settings) -> Controller:
 
         ctl = start(Settings(run_dir=folder, layers="last")); ctl.adopt(model, "./my-model"); ...; stop(ctl)
     """
-    global _CONTROLLER
+    global _CONTROLLER, _ENDED, _FORK_HOOKED
     with _CONTROLLER_LOCK:
         if _CONTROLLER is not None:
             raise RuntimeError(f"process {os.getpid()} is recorded already (run folder {_CONTROLLER.settings.run_dir})")
-        _CONTROLLER = Controller(settings)
-        os.register_at_fork(after_in_child=_after_fork)  # the module's function: holds no controller once stopped
+        _CONTROLLER, _ENDED = Controller(settings), False
+        if not _FORK_HOOKED:  # once per process: fork hooks cannot be removed, the module's function holds none
+            os.register_at_fork(after_in_child=_after_fork)
+            _FORK_HOOKED = True
         return _CONTROLLER
 
 
 def stop(ctl: Controller) -> None:
     """Close ``ctl`` (every probe detached, the endpoint closed) and forget it if it is this process's controller,
     so that nothing of it stays: ``nxl detach``."""
-    global _CONTROLLER
+    global _CONTROLLER, _ENDED
     with _CONTROLLER_LOCK:
         if _CONTROLLER is ctl:
-            _CONTROLLER = None
+            _CONTROLLER, _ENDED = None, True  # a late patched call must not start a new one (controller())
     ctl.close()
 
 

@@ -34,6 +34,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
@@ -191,7 +192,21 @@ def inspect_target(pid: int) -> Target:
     if target.route == "gdb" and shutil.which("gdb") is None:
         raise CliError(f"gdb is not installed (nxl attach needs it for Python {version[0]}.{version[1]}): "
                        "apt-get install gdb")
+    if target.route == "remote_exec" and uid != os.geteuid():
+        _check_trusted(pid, target.interpreter[0])
     return target
+
+
+def _check_trusted(pid: int, interpreter: str) -> None:
+    """On Python 3.14+ the injector is the target's own interpreter; for another user's process (nxl attach as
+    root) it runs only if that file is root's and nobody else may change it."""
+    try:
+        info = os.stat(os.path.realpath(shutil.which(interpreter) or interpreter))
+    except OSError:
+        info = None
+    if info is None or info.st_uid != 0 or info.st_mode & 0o022:
+        raise CliError(f"process {pid}'s interpreter {interpreter} is not root's own file (owned by root, writable "
+                       "by nobody else): root will not run it to inject; attach as the process's own user")
 
 
 def _check_interpreter(pid: int, interpreter: list[str], environ: dict[str, str], home: str, uid: int,
@@ -202,7 +217,8 @@ def _check_interpreter(pid: int, interpreter: list[str], environ: dict[str, str]
     other = uid != os.geteuid()
     try:
         done = subprocess.run([*interpreter, "-c", _CHECK], env=environ, cwd=home, capture_output=True, text=True,
-                              timeout=60, user=uid if other else None, group=gid if other else None)
+                              timeout=60, user=uid if other else None, group=gid if other else None,
+                              extra_groups=[] if other else None)
         return json.loads(done.stdout.strip().splitlines()[-1])
     except (OSError, subprocess.SubprocessError, ValueError, IndexError, KeyError):
         raise CliError(f"process {pid}: its interpreter {interpreter[0]} could not be run to check it "
@@ -319,9 +335,13 @@ def inject(target: Target, request: dict, *, timeout: float, wait: float = 0.0) 
     ``timeout``: how long the target's main thread may take to reach Python code and claim the request (a
     thread blocked in a system call does not); past it the request is withdrawn and CliError says so. ``wait``:
     how long the work itself may look for a model, on top of the import of nxl_hooks."""
-    folder = Path(tempfile.mkdtemp(prefix="nxl-attach-"))  # 0700
+    folder = Path(tempfile.mkdtemp(prefix="nxl-attach-"))  # 0700; the target's own when it is another user's
+    private = Path(tempfile.mkdtemp(prefix="nxl-attach-"))  # 0700, never handed over: what gdb (root) reads
     try:
-        request_file, script, bootstrap = folder / "request.json", folder / "script.py", folder / "bootstrap.py"
+        request_file, script = folder / "request.json", folder / "script.py"
+        # sys.remote_exec makes the target read the bootstrap itself; gdb reads it, so it stays out of the
+        # target owner's reach (a file they could swap or link elsewhere would be read, or run, by root)
+        bootstrap = (folder if target.route == "remote_exec" else private) / "bootstrap.py"
         for path, text in ((request_file, json.dumps(request)), (script, script_source(str(request_file))),
                            (bootstrap, bootstrap_source(str(script)))):
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -353,6 +373,24 @@ def inject(target: Target, request: dict, *, timeout: float, wait: float = 0.0) 
             if not Path(f"/proc/{target.pid}").exists():
                 raise CliError(f"process {target.pid} ended before it answered")
             time.sleep(0.02)
-        return json.loads(result.read_text())
+        return _answer(result)
     finally:
         shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(private, ignore_errors=True)
+
+
+def _answer(path: Path) -> dict:
+    """The target's answer: a small regular file, not followed through a link (the folder may be the target
+    owner's, and this may run as root)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        with os.fdopen(fd, "rb") as fh:
+            info = os.fstat(fh.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_size > 1 << 20:
+                raise ValueError("not a small regular file")
+            answer = json.loads(fh.read(1 << 20))
+        if not isinstance(answer, dict):
+            raise ValueError("not a JSON object")
+        return answer
+    except (OSError, ValueError) as error:
+        raise CliError(f"the answer of the attached process could not be read ({error}); see nxl ctl status") from None

@@ -132,6 +132,7 @@ def _detach() -> dict:
                 "error": f"process {os.getpid()} was not attached by nxl attach (nothing to detach)"}
     models = [model for model in (watch.ref() for watch in ctl.watches()) if model is not None]
     run_dir = str(ctl.settings.run_dir)
+    restored = _unpatch()  # first: a from_pretrained returning meanwhile must not adopt into a new controller
     stop(ctl)
     _ATTACHED = None
     while _EAGER_BEFORE:  # the environment as it was before the attach
@@ -140,7 +141,6 @@ def _detach() -> dict:
             os.environ.pop(EAGER, None)
         else:
             os.environ[EAGER] = before
-    restored = _unpatch()
     return {"ok": True, "run_dir": run_dir, "patches": restored, "hooks": sum(count_hooks(m) for m in models),
             "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("nxl-")
                               and t is not threading.current_thread())}
