@@ -280,3 +280,32 @@ def test_the_controller_and_the_plan_share_one_text_cache(tmp_path):
         assert [watch.texts.text(i) for i in ids] == plan.readable(ids)
     finally:
         controller.close()
+
+
+def test_a_tokenizer_that_does_not_fit_the_model_leaves_ids_recorded(tmp_path):
+    """Under nxl run every model is attached with its own tokenizer (texts in every record), but one with more
+    tokens than the model's embedding rows (tokens added, the model not resized) must not leave it unrecorded."""
+    import tiny as tiny_models
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from nxl_hooks.apps.serve.controller import Controller
+
+    path = tiny_models.save_model(tmp_path / "lm", "llama")
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    grown = AutoTokenizer.from_pretrained(path)
+    rows = model.get_input_embeddings().num_embeddings
+    grown.add_tokens([f"extra{i}" for i in range(rows + 1 - len(grown))])
+    grown.save_pretrained(path)
+    assert len(AutoTokenizer.from_pretrained(path)) > rows
+    controller = Controller(Settings(run_dir=tmp_path / "run"))
+    controller.adopt(model, str(path))
+    try:
+        (watch,) = controller.watches()
+        assert watch.error is None and watch.probe is not None
+        model.generate(torch.tensor([[1, 5, 7]]), max_new_tokens=2, do_sample=False)
+        (call,) = watch.probe.calls
+        assert len(call.steps) == 2 and call.readable is None  # recorded, with ids instead of texts
+        with pytest.raises(ValueError, match="tokenizer does not match"):  # a named target needs it: said so
+            controller.configure(target=" film")
+    finally:
+        controller.close()
