@@ -63,22 +63,28 @@ def write_text(path: str | Path, text: str) -> Path:
     return write_bytes(path, text.encode("utf-8"))
 
 
-def read_regular(path: str | Path, error: type[Exception] = ValueError) -> bytearray:
+def read_regular(path: str | Path, error: type[Exception] = ValueError, *, follow_symlinks: bool = True,
+                 max_bytes: int | None = None) -> bytearray:
     """The whole content of ``path``, which must be a regular file. ``data = read_regular("run.nxl")``
 
     A FIFO, device or socket is refused (``error``, one line) before it is opened, so a reader never blocks on a
     FIFO nor reads ``/dev/zero`` forever; the file is opened non-blocking and checked again (it may have been
     swapped), the buffer is the file's real size, and it is read in :data:`CHUNK` pieces so that Ctrl-C
-    interrupts a long read. A file that grows meanwhile is read up to the size it had when opened."""
-    kind = _kind(os.stat(path).st_mode)
+    interrupts a long read. A file that grows meanwhile is read up to the size it had when opened.
+    ``follow_symlinks=False``: a symbolic link is refused too (a file in a folder someone else may write);
+    ``max_bytes``: a larger file is refused before anything is read."""
+    kind = _kind((os.stat if follow_symlinks else os.lstat)(path).st_mode)
     if kind:
         raise error(f"{path} is {kind}, not a regular file: nxl_hooks reads records only from regular files")
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    nofollow = 0 if follow_symlinks else os.O_NOFOLLOW
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | nofollow | getattr(os, "O_CLOEXEC", 0))
     try:
         info = os.fstat(fd)
         kind = _kind(info.st_mode)
         if kind:
             raise error(f"{path} is {kind}, not a regular file: nxl_hooks reads records only from regular files")
+        if max_bytes is not None and info.st_size > max_bytes:
+            raise error(f"{path} holds {info.st_size} bytes, more than the {max_bytes} expected there")
         data, done = bytearray(info.st_size), 0
         with memoryview(data) as view, os.fdopen(fd, "rb", buffering=0, closefd=False) as fh:
             while done < len(data):
@@ -94,7 +100,7 @@ def read_regular(path: str | Path, error: type[Exception] = ValueError) -> bytea
 
 def _kind(mode: int) -> str:
     """'' for a regular file, else what it is, in words."""
-    for test, name in ((stat.S_ISREG, ""), (stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+    for test, name in ((stat.S_ISREG, ""), (stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
                        (stat.S_ISSOCK, "a socket")):
         if test(mode):

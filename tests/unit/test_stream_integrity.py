@@ -252,3 +252,17 @@ def test_a_stream_file_written_by_0_1_still_reads(model):
         torch.testing.assert_close(step.normxlogit, normxlogit(logits, embeddings, step.token)[1][[0, 3]],
                                    rtol=1e-4, atol=1e-4)
         assert torch.equal(step.token, call.sequences[:, n])
+
+
+def test_read_regular_can_refuse_links_and_files_over_a_bound(tmp_path):
+    """What nxl attach reads from a folder another user may write: no symbolic link followed, no size unbounded."""
+    from nxl_hooks.records.files import read_regular
+
+    (tmp_path / "answer").write_bytes(b"{}")
+    (tmp_path / "link").symlink_to(tmp_path / "answer")
+    assert read_regular(tmp_path / "link") == b"{}"  # followed by default, as every stream reader does
+    with pytest.raises(ValueError, match="is a symbolic link, not a regular file"):
+        read_regular(tmp_path / "link", follow_symlinks=False)
+    assert read_regular(tmp_path / "answer", follow_symlinks=False, max_bytes=2) == b"{}"
+    with pytest.raises(ValueError, match="holds 2 bytes, more than the 1 expected"):
+        read_regular(tmp_path / "answer", max_bytes=1)
