@@ -52,6 +52,7 @@ from torch import nn
 
 from ..records.steps import GenerationCall, Step
 from .recording import NOT_RECORDED, Recording
+from .conventions import UnfollowedForward, positions
 from .forward import Capture
 from .guard import logger, one_line, reason
 from .plan import Plan
@@ -95,11 +96,6 @@ class _Growing:
 
     def view(self) -> torch.Tensor:
         return self._buffer.narrow(1, 0, self.n)
-
-
-def _cached_length(past: Any) -> int:
-    get = getattr(past, "get_seq_length", None)
-    return int(get()) if callable(get) else 0
 
 
 def _setting(model: nn.Module, kwargs: dict, name: str) -> Any:
@@ -175,17 +171,17 @@ class Run:
 
     def before_forward(self, bound: dict) -> None:
         """Check the forward continues what the run holds; complete the pending step with its first token."""
-        reference = bound.get("input_ids")
-        reference = reference if reference is not None else bound.get("inputs_embeds")
-        past, new, n = _cached_length(bound.get("past_key_values")), reference.shape[1], self._n
+        where = positions(bound)
+        past, new, n = where.past, where.new, self._n
         decoding = self._prompt_len is not None and n >= self._prompt_len
         continues = past == n and (new == 1 or not decoding)
         recomputes = past == 0 and (n == 0 or (decoding and new == n + 1))  # first forward, or use_cache=False
         if not (continues or recomputes):
-            raise RuntimeError(
-                f"generate ran a forward on positions {past}..{past + new - 1} while the probe holds {n} positions: "
-                "resuming from a filled past_key_values, assisted decoding or cache cropping is not supported "
-                "while attached; generate from the full prompt with a fresh cache"
+            raise UnfollowedForward(
+                f"a forward of this call ran positions {past}..{past + new - 1} (from its {where.source}) while the "
+                f"call's record holds positions 0..{n - 1}: a forward that neither continues the record by one token "
+                "nor recomputes it from position 0 cannot be followed (a cache filled before the call, several "
+                "candidate tokens per forward, or a cropped cache)"
             )
         if self._pending:
             ids = bound.get("input_ids")
