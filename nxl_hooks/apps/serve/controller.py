@@ -141,8 +141,8 @@ class Watch:
 
     def describe(self) -> dict:
         """The model as status shows it. ``sink_fault``: why its records stopped reaching the sink (disk full,
-        read-only, folder removed); ``unrecorded``: which of its calls run unrecorded and why; both None while
-        everything is recorded, and both read from the probe."""
+        read-only, folder removed); ``unrecorded``: why the last of its calls that ran unrecorded was not recorded,
+        and ``unrecorded_calls`` how many did; None (and 0) while everything is recorded, all read from the probe."""
         model, probe = self.ref(), self.probe
         return {"name": self.name, "folder": self.slug, "class": self.model_class, "alive": model is not None,
                 "attached": probe is not None, "excluded": self.excluded, "error": self.error,
@@ -150,7 +150,8 @@ class Watch:
                 "hooks": count_hooks(model) if model is not None else 0,
                 "calls": len(self.records()),
                 "sink_fault": probe.sink_fault if probe is not None else None,
-                "unrecorded": probe.unrecorded if probe is not None else None}
+                "unrecorded": probe.unrecorded if probe is not None else None,
+                "unrecorded_calls": probe.unrecorded_calls if probe is not None else 0}
 
 
 class Feed:
