@@ -276,7 +276,7 @@ def stop_reason(model: Any, tokenizer: Any, call: GenerationCall, new_tokens: in
     asked for. ``stop_reason(model, tok, probe.calls[-1], 8)``"""
     steps = call.steps
     if call.error is not None:  # the library's own reason, not a guess about the generation config
-        return f"not recorded after {len(steps)} of {new_tokens} token(s): {call.error}"
+        return f"not recorded after {len(steps)} of {new_tokens} token(s): {call.error.removeprefix('not recorded: ')}"
     last = int(steps[-1].token[0]) if steps else None
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos = {int(i) for i in torch.as_tensor(eos).reshape(-1).tolist()} if eos is not None else set()
