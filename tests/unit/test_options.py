@@ -351,7 +351,8 @@ def test_a_forward_the_recorder_cannot_follow_is_reported_everywhere(tmp_path, c
         assert model_status["unrecorded_calls"] == 1 and model_status["unrecorded"] == probe.unrecorded
         capsys.readouterr()
         assert cli_main(["ctl", "status", "--run", str(run)]) == 0
-        assert capsys.readouterr().out.strip().endswith(f"; 1 call {probe.unrecorded}")
+        said = capsys.readouterr().out.strip()
+        assert said.startswith(f"pid {os.getpid()}: not recording; ") and said.endswith(f"; 1 call {probe.unrecorded}")
 
         codes: list[int] = []
         follower = threading.Thread(target=lambda: codes.append(cli_main(["tail", "--run", str(run), "--count", "1"])),
