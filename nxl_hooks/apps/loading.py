@@ -343,9 +343,10 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
                                   "quantize": quantize})
     quantization = placement.pop("quantization_config", None)
     dtype = placement.get("dtype")
-    if gguf_file is not None and importlib.util.find_spec("gguf") is None:  # before transformers logs its own advice
-        raise ModuleNotFoundError('reading a .gguf file needs the gguf package: pip install "nxl_hooks[gguf]"',
-                                  name="gguf")
+    for package in ("gguf", "accelerate") if gguf_file is not None else ():  # before transformers' own advice
+        if importlib.util.find_spec(package) is None:  # (which names accelerate alone, or [big] through it)
+            raise ModuleNotFoundError(f'reading a .gguf file needs {package}: pip install "nxl_hooks[gguf]"',
+                                      name=package)
     if gguf_file is not None:
         kind = head or "causal_lm"  # a GGUF file holds a language model; its config names no architecture
         config = None
