@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -430,3 +431,27 @@ def test_exporting_a_damaged_stream_prints_one_nxl_line(chat, tmp_path):
     assert done.returncode == 0 and done.stderr == "", done.stderr
     (line,) = done.stdout.splitlines()
     assert line.startswith(f"{tmp_path / 'o.parquet'}: ") and "; damaged, read up to: " in line, line
+
+
+@pytest.mark.parametrize("spec, what", [
+    ("raise", "a bare name is no file path, folder or sink kind"),
+    (":x", "'' before ':' is no sink kind"),
+    ("x:y", "'x' before ':' is no sink kind"),
+])
+def test_a_bare_word_is_no_sink(chat, tmp_path, monkeypatch, spec, what):
+    """make_sink(":x") and make_sink("raise") made stream files named ':x' and 'raise' (issue 24, item 7): a bare
+    word is as likely a kind without its ':ARG' as a file name, so it is refused, in attach too, before any file."""
+    _, model, tokenizer = chat
+    monkeypatch.chdir(tmp_path)
+    expected = (f"sink {spec!r}: {what}; write a stream file as NAME.nxl or ./NAME, a folder as NAME/, or a "
+                "registered kind as KIND:ARG (known: ")
+    with pytest.raises(ValueError) as error:
+        nxl.make_sink(spec)
+    assert str(error.value).startswith(expected) and "parquet" in str(error.value)
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        nxl.attach(model, tokenizer=tokenizer, sink=spec)
+    assert list(tmp_path.iterdir()) == []
+    for path in (f"./{spec}", f"{spec}.nxl", Path(spec)):  # written as paths, they are paths
+        sink = nxl.make_sink(path)
+        assert isinstance(sink, nxl.Sink) and sink.path == Path(path)
+        sink.close()
