@@ -69,26 +69,34 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def write_gguf(path: Path, model: LlamaForCausalLM, tok: PreTrainedTokenizerFast) -> Path:
-    """``model`` and ``tok`` as a float32 GGUF file (llama architecture, gpt2 tokenizer, chat template)."""
+def write_gguf(path: Path, model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, *, header: dict | None = None,
+               drop: tuple[str, ...] = (), transpose: tuple[str, ...] = ()) -> Path:
+    """``model`` and ``tok`` as a float32 GGUF file (llama architecture, gpt2 tokenizer, chat template).
+
+    A crafted file for the refusal tests: ``header`` overrides ``block_count``, ``embedding_length``,
+    ``head_count`` or ``tokens`` (None: left out); the tensors named in ``drop`` are left out, those in
+    ``transpose`` written transposed. ``write_gguf(p, m, t, header={"block_count": 10**6})``"""
     import gguf
 
     cfg = model.config
+    vocab = tok.get_vocab()
+    pieces = sorted(vocab, key=vocab.get)
+    given = {"block_count": cfg.num_hidden_layers, "embedding_length": cfg.hidden_size,
+             "head_count": cfg.num_attention_heads, "tokens": pieces, **(header or {})}
     writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_block_count(given["block_count"])
     writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_embedding_length(given["embedding_length"])
     writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count(given["head_count"])
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    vocab = tok.get_vocab()
-    pieces = sorted(vocab, key=vocab.get)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
-    writer.add_token_list(pieces)
+    if given["tokens"] is not None:
+        writer.add_token_list(given["tokens"])
     merges = json.loads(tok.backend_tokenizer.to_str())["model"]["merges"]
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in merges])
     writer.add_token_types([3 if piece in SPECIALS else 1 for piece in pieces])
@@ -98,17 +106,22 @@ def write_gguf(path: Path, model: LlamaForCausalLM, tok: PreTrainedTokenizerFast
     writer.add_unk_token_id(0)
     writer.add_chat_template(CHAT_TEMPLATE)
     sd = {name: value.detach().float().numpy() for name, value in model.state_dict().items()}
-    writer.add_tensor("token_embd.weight", sd["model.embed_tokens.weight"])
-    writer.add_tensor("output_norm.weight", sd["model.norm.weight"])
+
+    def add(name: str, value: np.ndarray) -> None:
+        if name not in drop:
+            writer.add_tensor(name, np.ascontiguousarray(value.T) if name in transpose else value)
+
+    add("token_embd.weight", sd["model.embed_tokens.weight"])
+    add("output_norm.weight", sd["model.norm.weight"])
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         names = {"attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
                  "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj",
                  "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj"}
         for short, long in names.items():
-            writer.add_tensor(f"blk.{i}.{short}.weight", sd[p + long + ".weight"])
-        writer.add_tensor(f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], cfg.num_attention_heads))
-        writer.add_tensor(f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], cfg.num_key_value_heads))
+            add(f"blk.{i}.{short}.weight", sd[p + long + ".weight"])
+        add(f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], cfg.num_attention_heads))
+        add(f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], cfg.num_key_value_heads))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

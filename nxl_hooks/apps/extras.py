@@ -18,7 +18,8 @@ from .options import CliError
 
 __all__ = ["EXTRAS", "NOISE", "SERVE_MODULES", "extra_hint", "quiet_library_noise", "require_extra"]
 
-#: Each optional package (as imported, or as pip names it) -> the nxl_hooks extra that installs it (pyproject.toml).
+#: Each optional package (as imported, or as pip names it) -> the nxl_hooks extra that installs it (pyproject.toml);
+#: accelerate is in [gguf] too, which an ImportError for GGUF reading names itself.
 EXTRAS = {
     "gguf": "gguf",
     "accelerate": "big", "bitsandbytes": "big", "peft": "big",
@@ -29,6 +30,7 @@ EXTRAS = {
 }
 #: What ``transformers serve`` imports (transformers' own ``serving`` extra, which nxl_hooks[serve] installs).
 SERVE_MODULES = ("fastapi", "uvicorn", "openai", "pydantic", "starlette")
+_NAMED = re.compile(r'pip install "nxl_hooks\[(\w+)\]"')
 _WORD = re.compile(r"(?<![\w.-])(" + "|".join(sorted(map(re.escape, EXTRAS), key=len, reverse=True)) + r")(?![\w-])")
 
 
@@ -42,9 +44,10 @@ def extra_hint(error: BaseException) -> str | None:
     name = getattr(error, "name", None) if isinstance(error, ImportError) else None
     if name:
         top = name.split(".")[0]
+        named = _NAMED.search(str(error))  # a package several extras carry: the error knows which one it needs
         for candidate in (name, top):
             if candidate in EXTRAS:
-                return _line(candidate, EXTRAS[candidate])
+                return _line(candidate, named.group(1) if named else EXTRAS[candidate])
     message = str(error)
     if not isinstance(error, ImportError) and "install" not in message:
         return None  # a ValueError that only mentions a package is about something else

@@ -22,14 +22,16 @@ import atexit
 import importlib.util
 import logging
 import os
+import re
 import secrets
 import shutil
+import stat
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "check_explainable", "check_length", "convert_gguf",
+__all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "check_explainable", "check_gguf", "check_length", "convert_gguf",
            "gguf_serve_refusal", "head_from_architectures", "load_model", "position_limit", "program_defaults",
            "quantization_config"]
 
@@ -253,9 +255,58 @@ def tp_outputs(args: Any, *names: str) -> None:
     os.close(devnull)
 
 
+_GGUF_FIX = "the file is damaged or was written wrong: download or convert it again"
+
+
+def _gguf_int(reader: Any, key: str) -> Any:
+    """The scalar a GGUF header holds at ``key`` (None when absent); an array or string is returned as found."""
+    from transformers.modeling_gguf_pytorch_utils import read_field
+
+    value = read_field(reader, key)
+    return value[0] if len(value) == 1 else value or None
+
+
+def check_gguf(path: str | Path) -> None:
+    """Refuse, in one line (ValueError), a GGUF file whose header does not describe the tensors it holds, from the
+    header alone (memory-mapped: nothing is allocated, however large the numbers it claims): no vocabulary, a block
+    count other than the blocks its tensors hold, a zero head count or embedding length, a token embedding that is
+    not (vocabulary x embedding length). ``check_gguf("smollm2.Q4_1.gguf")``; :func:`load_model` calls it before
+    reading a local GGUF file, and refuses a tensor the model needs that the file lacks after loading it."""
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as err:  # noqa: BLE001 - gguf raises what a cut or crafted file makes numpy/struct raise
+        raise ValueError(f"{path} is not a readable GGUF file ({type(err).__name__}: {err}); {_GGUF_FIX}") from None
+    arch = _gguf_int(reader, "general.architecture")
+    tokens = reader.fields.get("tokenizer.ggml.tokens")
+    count = len(tokens.data) if tokens is not None else 0
+    if not count:
+        raise ValueError(f"{path} has no vocabulary (tokenizer.ggml.tokens is missing or empty), so no tokenizer can "
+                         f"be built from it; {_GGUF_FIX}")
+    found = {int(t.name.split(".")[1]) for t in reader.tensors if re.fullmatch(r"blk\.\d+\..+", t.name)}
+    blocks = _gguf_int(reader, f"{arch}.block_count")
+    if not isinstance(blocks, int) or found != set(range(blocks)):
+        held = f"blocks 0..{max(found)} ({len(found)} blocks)" if found else "no block"
+        raise ValueError(f"{path}: its header says {arch}.block_count = {blocks!r} but its tensors hold {held}; "
+                         f"{_GGUF_FIX}")
+    width = _gguf_int(reader, f"{arch}.embedding_length")
+    for key, value in (("embedding_length", width), ("attention.head_count", _gguf_int(reader, f"{arch}."
+                                                                                        "attention.head_count"))):
+        values = value if isinstance(value, list) else [value]
+        if value is not None and not all(isinstance(v, int) and v > 0 for v in values):
+            raise ValueError(f"{path}: its header says {arch}.{key} = {value!r}; expected a positive number, so "
+                             f"{_GGUF_FIX}")
+    embedding = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    if embedding is not None and list(embedding.shape) != [width, count]:
+        rows, cols = list(reversed(embedding.shape)) + [None] * (2 - len(embedding.shape))
+        raise ValueError(f"{path}: its token embedding is {rows} x {cols}, but the header gives {count} tokens of "
+                         f"width {width} ({arch}.embedding_length), so it should be {count} x {width}; {_GGUF_FIX}")
+
+
 def load_model(name: str, head: str | None = None, *, gguf_file: str | None = None, dtype: Any = None,
                device_map: Any = None, max_memory: dict | None = None, quantize: str | None = None,
-               tp: bool | None = None, **kwargs: Any) -> tuple[Any, Any]:
+               tp: bool | None = None, chat: bool = False, **kwargs: Any) -> tuple[Any, Any]:
     """``(model, tokenizer)`` for a local folder, hub id or ``.gguf`` file, in eval mode.
 
     - ``head``: "causal_lm", "sequence_classification" or "masked_lm"; by default the one ``config.architectures``
@@ -265,9 +316,13 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
       ``from_pretrained`` takes them; ``quantize``: bitsandbytes "8bit", "4bit" (nf4) or "fp4".
     - ``tp``: tensor parallel, for a process launched by torchrun: ``tp_plan="auto"`` shards the weights over its
       ranks (each rank calls this and runs every forward); excludes device_map, max_memory, quantize and GGUF.
+    - ``chat``: the texts go through the tokenizer's chat template (``--chat``): a tokenizer without one, or whose
+      template fails, is refused before the weights load.
     - ``kwargs`` go to the model's ``from_pretrained``.
     """
     import transformers
+
+    from ..method.chat import chat_prompt
 
     name, gguf_file = _split_gguf(name, gguf_file)
     _check_local(name, gguf_file)
@@ -288,9 +343,10 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
                                   "quantize": quantize})
     quantization = placement.pop("quantization_config", None)
     dtype = placement.get("dtype")
-    if gguf_file is not None and importlib.util.find_spec("gguf") is None:  # before transformers logs its own advice
-        raise ModuleNotFoundError('reading a .gguf file needs the gguf package: pip install "nxl_hooks[gguf]"',
-                                  name="gguf")
+    for package in ("gguf", "accelerate") if gguf_file is not None else ():  # before transformers' own advice
+        if importlib.util.find_spec(package) is None:  # (which names accelerate alone, or [big] through it)
+            raise ModuleNotFoundError(f'reading a .gguf file needs {package}: pip install "nxl_hooks[gguf]"',
+                                      name=package)
     if gguf_file is not None:
         kind = head or "causal_lm"  # a GGUF file holds a language model; its config names no architecture
         config = None
@@ -305,12 +361,16 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
     if kind not in HEAD_CLASSES:
         raise ValueError(f"head {kind!r}: use one of {', '.join(HEAD_CLASSES)}")
     auto = getattr(transformers, HEAD_CLASSES[kind])
+    if gguf_file is not None and (Path(name).expanduser() / gguf_file).is_file():
+        check_gguf(Path(name).expanduser() / gguf_file)  # before the tokenizer and model are built from its header
     try:  # first: a damaged tokenizer costs no model load
         tokenizer = transformers.AutoTokenizer.from_pretrained(name, **({"gguf_file": gguf_file} if gguf_file else {}))
     except (OSError, ValueError) as err:
         fix = ("save it again with tokenizer.save_pretrained(folder)" if Path(name).expanduser().exists() else
                "check the hub id and your access to it (or save the model and tokenizer to a folder)")
         raise ValueError(f"{name}: its tokenizer cannot be read ({type(err).__name__}: {err}); {fix}") from err
+    if chat:  # a minute of loading weights is not spent on a template that is missing or fails
+        chat_prompt(tokenizer, "Hello")
     if quantization is not None and gguf_file is None:
         kwargs["quantization_config"] = quantization
     if gguf_file is None:
@@ -318,10 +378,10 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
             _check_weights(Path(name).expanduser(), auto, config)
         model = auto.from_pretrained(name, config=config, **placement, **kwargs)
     elif quantization is None:
-        model = auto.from_pretrained(name, gguf_file=gguf_file, **placement, **kwargs)
+        model = _from_gguf(auto, name, gguf_file, {**placement, **kwargs})
         _unmark_gguf(model)
     else:
-        plain = auto.from_pretrained(name, gguf_file=gguf_file, **({"dtype": dtype} if dtype else {}), **kwargs)
+        plain = _from_gguf(auto, name, gguf_file, {**({"dtype": dtype} if dtype else {}), **kwargs})
         if not _unmark_gguf(plain):
             raise ValueError(f"{gguf_file}: transformers keeps this file's weights packed in GGUF kernels, so "
                              "bitsandbytes cannot quantize them; drop --load-in-8bit/--load-in-4bit")
@@ -329,6 +389,29 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
                                             quantization_config=quantization, **placement)
         del plain
     return model.eval(), tokenizer
+
+
+def _from_gguf(auto: Any, name: str, gguf_file: str, kwargs: dict[str, Any]) -> Any:
+    """``auto.from_pretrained`` of a GGUF file, refusing (one line) a file that lacks a tensor the model needs:
+    transformers would fill it with random numbers and only log a report (which is kept quiet here: this says it)."""
+    logger = logging.getLogger("transformers.modeling_utils")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        model, info = auto.from_pretrained(name, gguf_file=gguf_file, output_loading_info=True, **kwargs)
+    except RuntimeError as err:
+        if "mismatched" not in str(err) and "size mismatch" not in str(err):
+            raise
+        raise ValueError(f"{os.path.join(name, gguf_file)}: its tensors do not have the shapes its header gives "
+                         f"the model; {_GGUF_FIX}") from None
+    finally:
+        logger.setLevel(level)
+    missing = sorted(info["missing_keys"])
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ValueError(f"{os.path.join(name, gguf_file)} lacks tensors the model needs ({', '.join(missing[:3])}"
+                         f"{more}): they would be random numbers; {_GGUF_FIX}")
+    return model
 
 
 def convert_gguf(gguf: str | Path, out: str | Path, *, gguf_file: str | None = None, dtype: Any = "float32") -> Path:
@@ -356,6 +439,10 @@ def convert_gguf(gguf: str | Path, out: str | Path, *, gguf_file: str | None = N
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)  # tokenizer.json, its config and chat_template.jinja when the file has one
+        # safetensors writes its files 0600 whatever the umask; the rest are the user's umask (config.json's mode)
+        mode = stat.S_IMODE((tmp / "config.json").stat().st_mode)
+        for weights in tmp.glob("*.safetensors"):
+            weights.chmod(mode)
         if out.exists():
             out.rmdir()  # empty, checked above
         os.replace(tmp, out)

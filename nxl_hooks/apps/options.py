@@ -185,4 +185,5 @@ def loading_options(args: argparse.Namespace) -> dict[str, Any]:
     quantize = "8bit" if args.load_in_8bit else "4bit" if args.load_in_4bit else None
     return {"head": getattr(args, "head", None), "dtype": args.dtype, "device_map": args.device_map,
             "max_memory": args.max_memory, "quantize": quantize, "gguf_file": args.gguf_file,
-            **({"tp": True} if getattr(args, "tp", False) else {})}
+            **({"tp": True} if getattr(args, "tp", False) else {}),
+            **({"chat": True} if getattr(args, "chat", False) else {})}

@@ -1,6 +1,7 @@
 """The report pages of ``nxl evaluate`` and ``nxl audit``, from their JSON summaries and records.
 
     page = evaluate_report(summary)         # AOPC curves per method, per-layer alignment heatmaps
+    print(evaluate_summary(summary))        # the methods' table, as nxl evaluate prints it
     page = audit_report(summary, records)   # the examples that changed most first, then per-layer drift
 """
 
@@ -9,10 +10,11 @@ from __future__ import annotations
 import html
 from typing import Any, Mapping, Sequence
 
+from ..eval.faithfulness import BASELINES
 from ..method.scores import FLAT_NORM_CV
 from ..records.html import fmt, heatmap, line_chart, page
 
-__all__ = ["audit_report", "evaluate_report"]
+__all__ = ["audit_report", "evaluate_report", "evaluate_summary"]
 
 
 def _stats_table(header: Sequence[str], rows: Sequence[Sequence[str]], best: Mapping[int, int] | None = None) -> str:
@@ -34,20 +36,47 @@ def _argbest(values: Sequence[float | None], high: bool) -> int | None:
     return (max if high else min)(scored)[1]
 
 
+#: The summary table's columns: (summary key, heading, higher is better).
+_COLUMNS = (
+    ("aopc_comprehensiveness", "AOPC comp. ↑", True),
+    ("aopc_sufficiency", "AOPC suff. ↓", False),
+    ("ap_eval", "AP ↑", True),
+    ("dot_eval", "dot ↑", True),
+    ("seconds", "s / example", False),
+)
+_BEST_NOTE = "best among the methods; a baseline (random) is a floor to beat, never best"
+
+
+def _summary_table(summary: Mapping[str, Any]) -> tuple[list[str], list[list[str]], dict[int, int | None]]:
+    """(header, rows of formatted cells, column -> the row that is best) of the methods: each method's own
+    numbers (``seconds``: its own time per example); a baseline is labelled so and never best."""
+    methods: Mapping[str, Mapping[str, Any]] = summary["methods"]
+    names = list(methods)
+    rows = [[f"{n} (baseline)" if n in BASELINES else n] + [fmt(methods[n].get(key)) for key, _, _ in _COLUMNS]
+            for n in names]
+    best = {j + 1: _argbest([None if n in BASELINES else methods[n].get(key) for n in names], high)
+            for j, (key, _, high) in enumerate(_COLUMNS)}
+    return ["method"] + [heading for _, heading, _ in _COLUMNS], rows, best
+
+
+def evaluate_summary(summary: Mapping[str, Any]) -> str:
+    """The summary table ``nxl evaluate`` prints in the terminal (plain text, best marked ``*``)."""
+    header, rows, best = _summary_table(summary)
+    cells = [header] + [[cell + ("*" if best.get(j) == i else "") for j, cell in enumerate(row)]
+                        for i, row in enumerate(rows)]
+    widths = [max(len(row[j]) for row in cells) for j in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells]
+    return "\n".join([f"{summary['n']} examples, ranking layer {summary['eval_layer']}:", *lines,
+                      f"* {_BEST_NOTE}"])
+
+
 def evaluate_report(summary: Mapping[str, Any], title: str = "nxl_hooks faithfulness report") -> str:
     """The page ``nxl evaluate`` writes, from :func:`nxl_hooks.eval.faithfulness.aggregate`'s summary."""
     methods: Mapping[str, Mapping[str, Any]] = summary["methods"]
     names = list(methods)
     ks = [round(100 * k) for k in summary["ks"]]
-    columns = [
-        ("aopc_comprehensiveness", "AOPC comp. ↑", True),
-        ("aopc_sufficiency", "AOPC suff. ↓", False),
-        ("ap_eval", "AP ↑", True),
-        ("dot_eval", "dot ↑", True),
-        ("seconds", "s / example", False),
-    ]
-    rows = [[html.escape(n)] + [fmt(methods[n].get(key)) for key, _, _ in columns] for n in names]
-    best = {j + 1: _argbest([methods[n].get(key) for n in names], high) for j, (key, _, high) in enumerate(columns)}
+    header, cells, best = _summary_table(summary)
+    rows = [[html.escape(cell) for cell in row] for row in cells]
     accuracy = summary.get("accuracy")
     facts = (
         f"{summary['n']} examples · head {summary['kind']} · perturbation: {summary['perturbation']} · "
@@ -59,8 +88,9 @@ def evaluate_report(summary: Mapping[str, Any], title: str = "nxl_hooks faithful
         f'<h1>{html.escape(title)}</h1><p class="note">{html.escape(facts)}</p>',
         _flat_note(summary),
         "<h2>Summary</h2>",
-        _stats_table(["method"] + [c[1] for c in columns], rows, best),
-        f'<p class="note">AP and dot at the ranking layer; {html.escape(summary.get("normalization", ""))}.</p>',
+        _stats_table(header, rows, best),
+        f'<p class="note">Bold: {_BEST_NOTE}. s / example: each method\'s own time. AP and dot at the ranking '
+        f'layer; {html.escape(summary.get("normalization", ""))}.</p>',
         '<h2>AOPC curves</h2><div class="charts">',
     ]
     for key, name, ylabel in (

@@ -548,12 +548,42 @@ def _discover(model: nn.Module, kind: str) -> ArchSpec | None:
     )
 
 
+def _check_acyclic(model: nn.Module) -> None:
+    """A ValueError (one line) when a module holds, as a submodule, a module that contains it (a back-reference such
+    as ``block.owner = model``): torch's own ``train()``, ``eval()``, ``state_dict()`` and ``repr`` recurse forever on
+    such a graph, and "inside the blocks" has no meaning. Walked without recursion: depth-first, each module's
+    children once, with the modules on the current path kept to tell a cycle from a module shared by two parents."""
+    on_path: set[int] = set()
+    done: set[int] = set()
+    stack: list[tuple[str, nn.Module, bool]] = [("", model, False)]
+    while stack:
+        name, module, leaving = stack.pop()
+        if leaving:
+            on_path.discard(id(module))
+            done.add(id(module))
+            continue
+        if id(module) in on_path:
+            raise ValueError(
+                f"{type(model).__name__} has a cycle of submodules: {name} is a {type(module).__name__} that "
+                "contains it, so torch's train(), eval() and state_dict() recurse forever; keep such a "
+                "back-reference outside the module tree (a weakref, or object.__setattr__(obj, name, value))")
+        if id(module) in done:
+            continue  # shared by two parents (tied modules): walked once
+        on_path.add(id(module))
+        stack.append((name, module, True))
+        for child_name, child in module._modules.items():
+            if child is not None:
+                stack.append((f"{name}.{child_name}" if name else child_name, child, False))
+
+
 def resolve(model: nn.Module) -> tuple[ArchSpec, str]:
     """The spec and head kind for a transformers task model (not a PeftModel: :func:`unwrap` it first).
 
     Raises :class:`UnknownArchitectureError` when nothing fits, :class:`RegistryError` when the registry entry for
     this model_type does not fit the model (see :func:`_check_fits`). A shipped entry whose ``blocks`` a variant
-    lacks gives way to generic discovery; a user's entry is refused."""
+    lacks gives way to generic discovery; a user's entry is refused. A module graph with a cycle is a ValueError
+    (:func:`_check_acyclic`)."""
+    _check_acyclic(model)
     kind = head_kind(model)
     spec_kind = spec_head(kind)
     model_type = model.config.model_type

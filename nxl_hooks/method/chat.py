@@ -41,7 +41,14 @@ class ChatPrompt:
 
 
 def _render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], generation: bool) -> str:
-    return tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation, tokenize=False)
+    """The rendered conversation; a ValueError (one line) when the template fails: it is the model's text, run in
+    jinja2's sandbox, which refuses unsafe attribute access (SecurityError) and huge ranges (OverflowError); a
+    template may also raise, divide by zero, recurse or ask for more memory than there is."""
+    try:
+        return tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation, tokenize=False)
+    except Exception as err:  # noqa: BLE001 - whatever the template does is the template's fault, said in one line
+        raise ValueError(f"the tokenizer's chat template failed ({type(err).__name__}: {err or 'no message'}): fix "
+                         "chat_template (in tokenizer_config.json or chat_template.jinja), or drop --chat") from None
 
 
 def _adds_bos(tokenizer: Any) -> bool:

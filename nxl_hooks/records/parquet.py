@@ -23,6 +23,7 @@ One row per (call, batch row, step, layer, context position[, explained target])
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any, Iterable
@@ -135,7 +136,9 @@ class ParquetSink:
     Parquet is not append-safe: a file without its footer cannot be read, so a process that dies before the
     probe detaches (a crash, SIGKILL) loses every row of this sink, and ``out.parquet.partial`` is left behind.
     Where that matters, record to the crash-safe stream file (``sink="run.nxl"``) and convert it afterwards
-    with ``nxl export run.nxl out.parquet`` (:func:`export_parquet`).
+    with ``nxl export run.nxl out.parquet`` (:func:`export_parquet`). A write that fails (a full disk) removes
+    ``out.parquet.partial`` before it raises: its rows are lost either way, and the path stays free for the next
+    writer.
     """
 
     def __init__(self, path: str | os.PathLike, *, row_group_rows: int = 1 << 17) -> None:
@@ -172,7 +175,7 @@ class ParquetSink:
         self._buffered += count
         self.rows += count
         if self._buffered >= self._row_group_rows:
-            self._flush()
+            self._failing(self._flush)
 
     def write_end(self, call: GenerationCall) -> None:
         self._calls.pop(call.index, None)
@@ -194,23 +197,48 @@ class ParquetSink:
     def close(self) -> None:
         if self._writer is None:
             return
+        self._failing(self._finish)
+        os.replace(self._partial, self.path)
+
+    def _finish(self) -> None:
         self._flush()
         self._writer.close()
         self._writer = None
         self._file.close()
-        os.replace(self._partial, self.path)
+
+    def _failing(self, write: Any) -> None:
+        """``write()``; when it raises (a full disk, Ctrl-C), the partial file is closed and removed first."""
+        try:
+            write()
+        except BaseException:
+            self.abandon()
+            raise
+
+    def abandon(self) -> None:
+        """Stop without writing the file: ``out.parquet.partial`` is closed and removed, ``out.parquet`` untouched."""
+        writer, self._writer = self._writer, None
+        with contextlib.suppress(Exception):  # the disk that failed may fail the footer too: the file goes anyway
+            if writer is not None:
+                writer.close()
+        with contextlib.suppress(OSError):
+            self._file.close()
+        self._partial.unlink(missing_ok=True)
 
 
 def export_parquet(calls: Iterable[GenerationCall], out: str | os.PathLike) -> int:
     """Write the step records of ``calls`` (e.g. ``read_stream(path)``) as Parquet rows; returns the row count.
     ``export_parquet(nxl.read_stream("runs/"), "out.parquet")``"""
     sink = ParquetSink(out)
-    for call in calls:
-        if call.prompt_mask is None:
-            continue
-        sink.write_call(call, {})
-        for step in call.steps:
-            sink.write_step(step)
-        sink.write_end(call)
+    try:
+        for call in calls:
+            if call.prompt_mask is None:
+                continue
+            sink.write_call(call, {})
+            for step in call.steps:
+                sink.write_step(step)
+            sink.write_end(call)
+    except BaseException:
+        sink.abandon()
+        raise
     sink.close()
     return sink.rows

@@ -163,8 +163,20 @@ def _open(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
             raise ValueError(f"{path} is a symbolic link: nxl_hooks does not write a stream through a link unless "
                              "told to; give the real path, or Sink(path, follow_symlinks=True)") from None
         raise
-    _write_all(fd, _FILE_MAGIC)
+    try:
+        _write_all(fd, _FILE_MAGIC)
+    except BaseException:
+        os.close(fd)  # a full disk at the first byte: no descriptor kept on a file nothing will write
+        raise
     return fd
+
+
+def _finish(fd: int) -> None:
+    """fsync and close a stream file's descriptor; closed even when fsync fails (a full disk, an I/O error)."""
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -203,11 +215,19 @@ class Sink:
     def _append(self, data: bytes) -> int:
         """Write one frame made with number ``self._seq``; its size. Caller holds the lock."""
         if self._fd is None:
-            raise RuntimeError(f"sink {self.path} is closed: the probe it belonged to has detached")
-        _write_all(self._fd, data)
+            raise RuntimeError(f"sink {self.path} is closed: the probe it belonged to has detached, or a write to "
+                               "it failed")
+        try:
+            _write_all(self._fd, data)
+            if self._fsync:
+                os.fsync(self._fd)
+        except OSError:
+            # A full disk (or an I/O error): the probe drops this sink (its fault), so nothing writes here again;
+            # the descriptor goes now, or the file system could not be unmounted while the host runs.
+            os.close(self._fd)
+            self._fd = None
+            raise
         self._seq += 1
-        if self._fsync:
-            os.fsync(self._fd)
         return len(data)
 
     def write_call(self, call: GenerationCall, meta: dict) -> None:
@@ -222,9 +242,8 @@ class Sink:
     def close(self) -> None:
         with self._lock:
             if self._fd is not None:
-                os.fsync(self._fd)
-                os.close(self._fd)
-                self._fd = None
+                fd, self._fd = self._fd, None
+                _finish(fd)
 
 
 def _numbered(encode: Callable[..., bytes], *args: Any) -> Frame:
@@ -312,9 +331,8 @@ class RotatingSink(Sink):
 
     def _rotate(self) -> None:
         # caller holds the lock
-        os.fsync(self._fd)
-        os.close(self._fd)
-        self._fd = None
+        fd, self._fd = self._fd, None
+        _finish(fd)
         self._number += 1
         self.path = self._name()
         self._fd = _open(self.path, self._mode, follow_symlinks=self._follow)

@@ -130,6 +130,19 @@ def kind_name(spec: Any) -> str | None:
                      "or folder whose name holds a colon, write it as ./NAME")
 
 
+def _check_path(spec: str) -> None:
+    """A string that is no ``NAME:ARG`` is a path only when it reads as one: it exists, has a folder part, or its
+    name has a suffix (``run.nxl``). A bare word (``"raise"``, ``":x"``) is as likely a kind without its ``:ARG``
+    or a typo as a file name, so it is refused rather than made into a stream file of that name."""
+    if os.path.exists(spec) or "/" in spec or os.sep in spec or os.path.splitext(spec)[1]:
+        return
+    known = ", ".join(sorted({*_BUILTIN, *_KINDS, *_installed()}))
+    head, colon, _ = spec.partition(":")
+    what = (f"{head!r} before ':' is no sink kind" if colon else "a bare name is no file path, folder or sink kind")
+    raise ValueError(f"sink {spec!r}: {what}; write a stream file as NAME.nxl or ./NAME, a folder as NAME/, or a "
+                     f"registered kind as KIND:ARG (known: {known})")
+
+
 def sink_factory(spec: Any) -> tuple[Factory, str] | None:
     """The factory and argument ``make_sink(spec)`` would use (None: ``spec`` already is a sink), without making
     the sink: for checking a value before any file is opened. ValueError for a spec that names no sink."""
@@ -142,6 +155,8 @@ def sink_factory(spec: Any) -> tuple[Factory, str] | None:
         path = os.fspath(spec)
         if not path:
             raise ValueError("sink='': give a file path, a folder, or NAME:ARG")
+        if isinstance(spec, str):
+            _check_path(path)
         folder = os.path.isdir(path) or path.endswith(os.sep)
         return _builtin("folder" if folder else "file"), path
     raise ValueError(f"sink={spec!r}: give a file path, a folder, 'NAME:ARG' for a registered kind "
@@ -155,7 +170,8 @@ def make_sink(spec: Any, **options: Any) -> RecordSink:
     crash-safe stream file, :class:`~nxl_hooks.records.sink.Sink`); an existing folder or a path ending in ``/``
     (rotating stream files, :class:`~nxl_hooks.records.sink.RotatingSink`); or ``"NAME:ARG"`` for a registered kind
     (``file:``, ``folder:``, ``parquet:`` built in; others through :func:`register_sink` or the entry-point group
-    ``nxl_hooks.sinks``). ``options`` go to the kind's factory. A :class:`pathlib.Path` is always a path."""
+    ``nxl_hooks.sinks``). ``options`` go to the kind's factory. A :class:`pathlib.Path` is always a path; a string
+    that is a bare word (``"raise"``, ``":x"``: no folder part, no suffix, not an existing path) is refused."""
     found = sink_factory(spec)
     if found is None:
         if options:

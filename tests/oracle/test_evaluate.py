@@ -209,16 +209,22 @@ def test_gradient_baselines_match_direct_autograd(kind):
         run("grad_norm", "max")
 
 
+def _llama_oracle(model, tok, text: str) -> tuple[torch.Tensor, ...]:
+    """(embeddings, LogAt['is'], NormXLogit['is'], NormXLogit['are']) of the tiny Llama by hand, per layer."""
+    ids = torch.tensor([tok(text)["input_ids"]])
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    logits = layer_logits(out.hidden_states, rms_norm(model.model.norm), linear(model.lm_head), last_is_normed=True)
+    logat, nx_is = normxlogit(logits, out.hidden_states[0], torch.tensor([VOCAB["is"]]))
+    _, nx_are = normxlogit(logits, out.hidden_states[0], torch.tensor([VOCAB["are"]]))
+    return out.hidden_states[0], logat, nx_is, nx_are
+
+
 def test_contrastive_and_normxlogit_match_oracle():
     model, tok = _tiny_llama(), word_tokenizer(WORDS, "[CLS] $A")
     example = {"text": "the key the keys", "target": "is", "foil": "are", "label": "is", "evidence": ["key"]}
     rec = ev.score_example(model, tok, example, methods=("normxlogit", "contrastive"), keep_scores=True)
-    ids = torch.tensor([tok(example["text"])["input_ids"]])
-    with torch.no_grad():
-        out = model(input_ids=ids, output_hidden_states=True)
-    logits = layer_logits(out.hidden_states, rms_norm(model.model.norm), linear(model.lm_head), last_is_normed=True)
-    _, nx_is = normxlogit(logits, out.hidden_states[0], torch.tensor([VOCAB["is"]]))
-    _, nx_are = normxlogit(logits, out.hidden_states[0], torch.tensor([VOCAB["are"]]))
+    _, _, nx_is, nx_are = _llama_oracle(model, tok, example["text"])
     torch.testing.assert_close(torch.tensor(rec["methods"]["normxlogit"]["scores"]), nx_is[-1, 0], rtol=1e-4, atol=1e-5)
     contrast = nx_is[:, 0] - nx_are[:, 0]  # (layers, seq)
     torch.testing.assert_close(torch.tensor(rec["methods"]["contrastive"]["scores"]), contrast[-1], rtol=1e-4, atol=1e-5)
@@ -412,3 +418,31 @@ def test_batches_are_the_cheapest_cut_of_the_sorted_rows():
                    for ends in itertools.combinations(range(1, n), k))
         chosen = _batches(lengths, max_rows, max_tokens)
         assert [c for cut in chosen for c in range(*cut)] == list(range(n)) and cost(chosen) == best
+
+
+def test_each_probe_method_is_timed_on_its_own_forward(monkeypatch):
+    """Issue 24, item 16: embed_norm, logat, normxlogit and contrastive shared one timed forward, so the report's
+    "s / example" showed one number for four methods. A clock that only moves in the model's forwards, by 10**k on
+    the k-th: each method's seconds is then exactly one forward of its own (a distinct power of ten), and its scores
+    are still the oracle's."""
+    model, tok = _tiny_llama(), word_tokenizer(WORDS, "[CLS] $A")
+    clock = SimpleNamespace(now=0.0, forwards=0)
+
+    def forward(*_):
+        clock.now += 10.0 ** clock.forwards
+        clock.forwards += 1
+
+    model.register_forward_hook(forward)
+    monkeypatch.setattr(ev, "time", SimpleNamespace(perf_counter=lambda: clock.now))
+    example = {"text": "the key the keys", "target": "is", "foil": "are", "label": "is", "evidence": ["key"]}
+    names = ("embed_norm", "logat", "normxlogit", "contrastive")
+    rec = ev.score_example(model, tok, example, methods=names, keep_scores=True)
+    seconds = {name: rec["methods"][name]["seconds"] for name in names}
+    powers = {name: math.log10(value) for name, value in seconds.items()}
+    assert all(power.is_integer() for power in powers.values()) and len(set(powers.values())) == 4, seconds
+    embeddings, logat, nx_is, nx_are = _llama_oracle(model, tok, example["text"])
+    expected = {"embed_norm": embeddings[0].norm(dim=-1), "logat": logat[-1, 0], "normxlogit": nx_is[-1, 0],
+                "contrastive": nx_is[-1, 0] - nx_are[-1, 0]}
+    for name in names:
+        torch.testing.assert_close(torch.tensor(rec["methods"][name]["scores"]), expected[name], rtol=1e-4,
+                                   atol=1e-5)

@@ -4,6 +4,11 @@ cannot work. A tiny GGUF file is written here from a random Llama (tests/bpe_tin
 the oracle on the original model."""
 
 import json
+import os
+import re
+import stat
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -172,3 +177,118 @@ def test_gguf_file_twice_and_audit_quantize_twice_are_one_line_errors(world, tmp
                  "--out", str(tmp_path / "o")]) == 2
     err = capsys.readouterr().err
     assert "--quantize builds the candidate from an unquantized reference" in err and len(err.splitlines()) == 1
+
+
+# -- crafted GGUF files and hostile chat templates (issue 24, items 4, 14, 16) -------------------------------------
+
+_FIX = "the file is damaged or was written wrong: download or convert it again"
+CRAFTED = {  # id: (write_gguf changes, what the one line says)
+    "a million blocks": ({"header": {"block_count": 1_000_000}},
+                         r"llama.block_count = 1000000 but its tensors hold blocks 0..2 \(3 blocks\)"),
+    "no heads": ({"header": {"head_count": 0}}, r"llama.attention.head_count = 0; expected a positive number"),
+    "2**31 wide": ({"header": {"embedding_length": 2 ** 31}},
+                   r"its token embedding is \d+ x 64, but the header gives \d+ tokens of width 2147483648"),
+    "transposed embedding": ({"transpose": ("token_embd.weight",)},
+                             r"its token embedding is 64 x (\d+), but the header gives \1 tokens of width 64"),
+    "no tokens": ({"header": {"tokens": None}}, r"has no vocabulary \(tokenizer.ggml.tokens is missing or empty\)"),
+    "a missing tensor": ({"drop": ("blk.0.ffn_up.weight",)},
+                         r"lacks tensors the model needs \(model.layers.0.mlp.up_proj.weight\): they would be random"),
+}
+
+
+def _errors(err: str) -> list[str]:
+    """The error lines of stderr, which must end it and hold no traceback (transformers' loading progress bars may
+    come first)."""
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert errors and err.rstrip().endswith(errors[-1]) and "Traceback" not in err, err
+    return errors
+
+
+@pytest.mark.parametrize("case, out", [(case, "new") for case in CRAFTED] + [("a missing tensor", "empty")])
+def test_a_crafted_gguf_file_is_refused_in_one_line_and_nothing_is_written(world, tmp_path, case, out):
+    """Each refused from its header (a million blocks ran for minutes, the rest were tracebacks, a missing tensor
+    converted with exit 0 into a random weight), before any folder is made; an empty OUT given is left as it was.
+    A child process, so that a conversion that runs on is cut off (and fails here) after 120 s."""
+    model, tok, _, _ = world
+    changes, message = CRAFTED[case]
+    crafted = bpe_tiny.write_gguf(tmp_path / "crafted.gguf", model, tok, **changes)
+    target = tmp_path / "out"
+    if out == "empty":
+        target.mkdir()
+    done = subprocess.run([sys.executable, "-m", "nxl_hooks", "convert", str(crafted), str(target)],
+                          capture_output=True, text=True, timeout=120)
+    errors = _errors(done.stderr)
+    assert done.returncode == 2 and len(errors) == 1 and errors[0].startswith("nxl convert: error: "), done.stderr
+    assert re.search(message, errors[0]) and errors[0].endswith(_FIX), errors[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == (["crafted.gguf", "out"] if out == "empty"
+                                                          else ["crafted.gguf"])
+    assert out == "new" or list(target.iterdir()) == []
+
+
+def test_a_crafted_gguf_file_is_refused_by_attribute_too(world, tmp_path, capsys):
+    model, tok, _, _ = world
+    crafted = bpe_tiny.write_gguf(tmp_path / "crafted.gguf", model, tok, drop=("blk.1.attn_v.weight",))
+    capsys.readouterr()
+    assert main(["attribute", str(crafted), PROMPT]) == 2
+    (line,) = _errors(capsys.readouterr().err)
+    assert line.startswith("nxl attribute: error: ") and "model.layers.1.self_attn.v_proj.weight" in line
+
+
+def test_convert_writes_the_weights_with_the_mode_of_its_other_files(world, tmp_path):
+    """0644 under the usual umask 022 (safetensors wrote 0600), and the umask is respected (077: 0600 for all)."""
+    _, _, _, gguf = world
+    old = os.umask(0o022)
+    try:
+        assert main(["convert", str(gguf), str(tmp_path / "a")]) == 0
+        os.umask(0o077)
+        assert main(["convert", str(gguf), str(tmp_path / "b")]) == 0
+    finally:
+        os.umask(old)
+    for folder, mode in (("a", 0o644), ("b", 0o600)):
+        modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (tmp_path / folder).iterdir()}
+        assert "model.safetensors" in modes and set(modes.values()) == {mode}, modes
+
+
+HOSTILE = {
+    "huge string": "{{ 'a' * 10**20 }}",
+    "sandbox escape": "{{ ''.__class__.__mro__[1].__subclasses__() }}",
+    "globals": "{{ cycler.__init__.__globals__.os.system('id') }}",
+    "huge range": "{% for i in range(10**10) %}x{% endfor %}",
+    "endless recursion": "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}",
+}
+
+
+@pytest.mark.parametrize("case", list(HOSTILE))
+def test_a_hostile_chat_template_is_one_line_before_the_weights_load(world, tmp_path, capsys, case):
+    """jinja2's sandbox refuses these (SecurityError, OverflowError) or Python does (RecursionError): each was a
+    traceback out of nxl attribute --chat; now one line, exit 2, said before the weights are read."""
+    model, tok, _, _ = world
+    folder = bpe_tiny.save_bpe(tmp_path / "m", model, tok)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "chat_template.jinja").write_text(HOSTILE[case])
+    (folder / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in config.items()
+                                                              if k != "chat_template"}))
+    (folder / "model.safetensors").write_bytes(b"not weights")  # read them and the error would be about them
+    capsys.readouterr()
+    assert main(["attribute", str(folder), PROMPT, "--chat"]) == 2
+    err = capsys.readouterr().err
+    (line,) = _errors(err)
+    assert line.startswith("nxl attribute: error: the tokenizer's chat template failed (") and line.endswith(
+        "fix chat_template (in tokenizer_config.json or chat_template.jinja), or drop --chat"), line
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", ["attribute", "evaluate"])
+def test_chat_without_a_template_is_refused_before_the_weights_load(tmp_path, capsys, command):
+    """Item 14: the refusal came after the whole load (1 min 42 s for Gemma 3). The weights file here is garbage:
+    had it been read, the one line would be about it, not about the template."""
+    folder = tiny.save_model(tmp_path / "bert", "bert")  # the word-level tokenizer has no chat template
+    (folder / "model.safetensors").write_bytes(b"\0" * 64)
+    data = tiny.write_jsonl(tmp_path / "d.jsonl", 2)
+    argv = {"attribute": ["attribute", str(folder), "the film"],
+            "evaluate": ["evaluate", str(folder), str(data), "--out", str(tmp_path / "o")]}[command]
+    capsys.readouterr()
+    assert main([*argv, "--chat"]) == 2
+    (line,) = _errors(capsys.readouterr().err)
+    assert line == (f"nxl {command}: error: this tokenizer has no chat template (tokenizer.chat_template is empty): "
+                    "drop --chat, or write the prompt in the model's own format")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -319,3 +320,138 @@ def test_a_second_parquet_writer_on_one_file_is_refused(tmp_path):
     assert (tmp_path / "out.parquet").is_file() and not (tmp_path / "out.parquet.partial").exists()
     ParquetSink(tmp_path / "out.parquet").close()  # the file is free again once the first is done
 
+
+
+# -- a full disk and other write faults (issue 24, items 5 and 6) -------------------------------------------------
+# A full disk is simulated without root or a mount: a child process whose file-size limit (RLIMIT_FSIZE) stops its
+# writes past a few KB, with SIGXFSZ ignored so that the write fails with an OSError (EFBIG), as on a full disk.
+
+_FULL_DISK = '''
+import json, os, resource, signal, sys, torch
+from transformers import AutoTokenizer, LlamaForCausalLM
+import nxl_hooks as nxl
+model_dir, spec, watched, limit = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+model = LlamaForCausalLM.from_pretrained(model_dir).eval()
+model.generation_config.eos_token_id = None
+tok = AutoTokenizer.from_pretrained(model_dir)
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+def open_on(name):  # this process's descriptors on the watched file
+    return [fd for fd in os.listdir("/proc/self/fd") if os.path.realpath(f"/proc/self/fd/{fd}").startswith(name)]
+
+enc = tok(["hello world how are you"], return_tensors="pt")
+with nxl.attach(model, tokenizer=tok, sink=spec) as probe:
+    model.generate(**enc, max_new_tokens=12, do_sample=False)
+    attached = open_on(watched)
+print(json.dumps({"fault": probe.sink_fault, "attached": attached, "detached": open_on(watched),
+                  "steps": len(probe.calls[0].steps)}))
+'''
+
+
+def _full_disk(chat, tmp_path, spec: str, watched: Path, limit: int) -> dict:
+    path, _, _ = chat
+    done = subprocess.run([sys.executable, "-c", _FULL_DISK, str(path), spec, str(watched), str(limit)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_a_stream_sink_on_a_full_disk_closes_its_file(chat, tmp_path):
+    """The write that fails is the sink's fault; its descriptor is closed then (the folder could not be unmounted
+    while the host ran on), the host's generate and its records in memory are whole, and the file reads back up to
+    its last whole record."""
+    stream = tmp_path / "run.nxl"
+    found = _full_disk(chat, tmp_path, str(stream), stream, 3000)
+    assert found["fault"] is not None and "File too large" in found["fault"], found
+    assert found["attached"] == [] and found["detached"] == [], found
+    assert found["steps"] == 12
+    (call,) = nxl.read_stream(stream)
+    assert 0 < len(call.steps) < 12 and not call.complete
+
+
+def test_a_live_parquet_sink_on_a_full_disk_leaves_no_partial_file(chat, tmp_path):
+    out = tmp_path / "live.parquet"
+    found = _full_disk(chat, tmp_path, f"parquet:{out}", tmp_path / "live.parquet", 1500)
+    assert found["fault"] is not None and "File too large" in found["fault"], found
+    assert found["detached"] == [] and found["steps"] == 12
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither live.parquet nor live.parquet.partial
+
+
+def _limited(limit: int):
+    def apply() -> None:
+        import resource
+        import signal
+
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an ignored signal stays ignored across exec
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    return apply
+
+
+def test_export_on_a_full_disk_leaves_nothing_and_the_next_export_works(chat, tmp_path):
+    _, model, tokenizer = chat
+    _generate(model, tokenizer, tmp_path / "run.nxl", new=6)
+    out = tmp_path / "out" / "scores.parquet"
+    out.parent.mkdir()
+    done = subprocess.run([sys.executable, "-m", "nxl_hooks", "export", str(tmp_path / "run.nxl"), str(out)],
+                          capture_output=True, text=True, timeout=300, preexec_fn=_limited(2048))
+    assert done.returncode == 2 and done.stdout == "", done.stderr
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith(f"nxl export: error: writing {out} failed (File "
+                                                                   "too large); nothing was written"), done.stderr
+    assert list(out.parent.iterdir()) == []  # no scores.parquet.partial
+    assert cli_main(["export", str(tmp_path / "run.nxl"), str(out)]) == 0  # not "another writer"
+    assert len(_table(out)["row"]) > 0
+
+
+def test_export_does_not_replace_an_existing_file_without_force(chat, tmp_path, capsys):
+    _, model, tokenizer = chat
+    _generate(model, tokenizer, tmp_path / "run.nxl", new=2, prompts=PROMPTS[:1])
+    mine = tmp_path / "existing.parquet"
+    mine.write_text("someone's table")
+    capsys.readouterr()
+    assert cli_main(["export", str(tmp_path / "run.nxl"), str(mine)]) == 2
+    assert capsys.readouterr().err == (f"nxl export: error: {mine} exists: nxl export does not replace a file unless "
+                                       "told to; pick a new name, or add --force to replace it\n")
+    assert mine.read_text() == "someone's table" and sorted(p.name for p in tmp_path.iterdir()) == [
+        "existing.parquet", "run.nxl"]
+    assert cli_main(["export", str(tmp_path / "run.nxl"), str(mine), "--force"]) == 0
+    assert len(_table(mine)["row"]) > 0
+
+
+def test_exporting_a_damaged_stream_prints_one_nxl_line(chat, tmp_path):
+    """Not the warnings machinery's two lines (the warning, then a line of nxl_hooks' source)."""
+    _, model, tokenizer = chat
+    stream = tmp_path / "run.nxl"
+    _generate(model, tokenizer, stream, new=4, prompts=PROMPTS[:1])
+    data = bytearray(stream.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # a flipped byte in a middle frame: whole frames follow it
+    stream.write_bytes(bytes(data))
+    done = subprocess.run([sys.executable, "-m", "nxl_hooks", "export", str(stream), str(tmp_path / "o.parquet")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stderr == "", done.stderr
+    (line,) = done.stdout.splitlines()
+    assert line.startswith(f"{tmp_path / 'o.parquet'}: ") and "; damaged, read up to: " in line, line
+
+
+@pytest.mark.parametrize("spec, what", [
+    ("raise", "a bare name is no file path, folder or sink kind"),
+    (":x", "'' before ':' is no sink kind"),
+    ("x:y", "'x' before ':' is no sink kind"),
+])
+def test_a_bare_word_is_no_sink(chat, tmp_path, monkeypatch, spec, what):
+    """make_sink(":x") and make_sink("raise") made stream files named ':x' and 'raise' (issue 24, item 7): a bare
+    word is as likely a kind without its ':ARG' as a file name, so it is refused, in attach too, before any file."""
+    _, model, tokenizer = chat
+    monkeypatch.chdir(tmp_path)
+    expected = (f"sink {spec!r}: {what}; write a stream file as NAME.nxl or ./NAME, a folder as NAME/, or a "
+                "registered kind as KIND:ARG (known: ")
+    with pytest.raises(ValueError) as error:
+        nxl.make_sink(spec)
+    assert str(error.value).startswith(expected) and "parquet" in str(error.value)
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        nxl.attach(model, tokenizer=tokenizer, sink=spec)
+    assert list(tmp_path.iterdir()) == []
+    for path in (f"./{spec}", f"{spec}.nxl", Path(spec)):  # written as paths, they are paths
+        sink = nxl.make_sink(path)
+        assert isinstance(sink, nxl.Sink) and sink.path == Path(path)
+        sink.close()

@@ -1,5 +1,6 @@
 """HTML heatmaps and report pages show the right numbers, and need nothing from the network."""
 
+import json
 import re
 
 import pytest
@@ -116,7 +117,64 @@ def test_evaluate_report_plots_the_summary():
     cells = [float(c["data-value"]) for c in tiny.elements(ap_table, "td", "nxl-cell")]
     layers = len(summary["layers"])
     assert cells == curves["random"]["ap"] * layers + curves["normxlogit"]["ap"]
-    assert re.search(r"<td>random</td>", page) and re.search(r"<td>normxlogit</td>", page)
+    assert re.search(r"<td>random \(baseline\)</td>", page) and re.search(r"<td>normxlogit</td>", page)
+
+
+def _summary_rows(page: str) -> dict[str, list[tuple[str, bool]]]:
+    """The summary table of an evaluate page: method -> its cells as (text, bold)."""
+    table = page[page.index('<table class="nxl-stats">'):]
+    table = table[:table.index("</table>")]
+    rows = {}
+    for row in re.findall(r"<tr>(.*?)</tr>", table.split("<tbody>")[1]):
+        cells = re.findall(r"<td( class=best)?>(.*?)</td>", row)
+        rows[cells[0][1]] = [(text, bool(bold)) for bold, text in cells[1:]]
+    return rows
+
+
+def test_the_random_baseline_is_never_best():
+    """Issue 24, item 16: random's 0 s / example (and any score it wins by chance) was bolded as best; best is now
+    among the real methods, and random is labelled a baseline."""
+    page, summary = evaluate_page()
+    rows = _summary_rows(page)
+    assert set(rows) == {"random (baseline)", "normxlogit"}
+    assert summary["methods"]["random"]["seconds"] == 0.0 < summary["methods"]["normxlogit"]["seconds"]
+    assert not any(bold for _, bold in rows["random (baseline)"])
+    assert all(bold for text, bold in rows["normxlogit"] if text != "–")  # the only real method: best everywhere
+    assert "never best" in page
+
+
+def test_nxl_evaluate_prints_its_summary_with_each_methods_own_time(tmp_path, capsys):
+    """It printed only where it wrote; now the table too, each number the summary's, best marked among the real
+    methods."""
+    from nxl_hooks.apps.cli import main
+    from nxl_hooks.records.html import fmt
+
+    path = tiny.save_model(tmp_path / "bert", "bert", seed=0)
+    data = tiny.write_jsonl(tmp_path / "d.jsonl", 3)
+    assert main(["evaluate", str(path), str(data), "--out", str(tmp_path / "o"), "--methods",
+                 "random,embed_norm,logat,normxlogit"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    summary = json.loads((tmp_path / "o" / "summary.json").read_text())
+    start = out.index(f"{summary['n']} examples, ranking layer {summary['eval_layer']}:")
+    header, *rows, note = out[start + 1:start + 7]
+    assert header.split() == ["method", "AOPC", "comp.", "↑", "AOPC", "suff.", "↓", "AP", "↑", "dot", "↑", "s", "/",
+                              "example"]
+    assert note == "* best among the methods; a baseline (random) is a floor to beat, never best"
+    keys = ("aopc_comprehensiveness", "aopc_sufficiency", "ap_eval", "dot_eval", "seconds")
+    real = [n for n in summary["methods"] if n != "random"]
+    for line, name in zip(rows, summary["methods"], strict=True):
+        label = "random (baseline)" if name == "random" else name
+        assert line.startswith(label)
+        values = line[len(label):].split()
+        numbers = summary["methods"][name]
+        assert [v.rstrip("*") for v in values] == [fmt(numbers.get(key)) for key in keys], line
+        for value, key, high in zip(values, keys, (True, False, True, True, False)):
+            candidates = [numbers_[key] for n, numbers_ in summary["methods"].items() if n in real
+                          and numbers_.get(key) is not None]
+            best = numbers.get(key) is not None and name in real and numbers[key] == (max if high else min)(candidates)
+            assert value.endswith("*") == best, (line, key)
+    seconds = [summary["methods"][n]["seconds"] for n in real]
+    assert len(set(seconds)) == len(seconds)  # each method's own time, not one number for three
 
 
 def test_attribute_command_writes_the_heatmap_page(tmp_path, capsys):

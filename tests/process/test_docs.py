@@ -151,3 +151,11 @@ def test_tests_readme_sorts_every_test_file_into_a_tier():
     unlisted = [str(p.relative_to(tests)) for p in sorted(tests.glob("*/test_*.py"))
                 if f"`{p.relative_to(tests)}`" not in listed]
     assert not unlisted, f"tests/README.md: list these in the table of their tier: {', '.join(unlisted)}"
+
+
+def test_the_built_site_is_git_ignored():
+    """``mkdocs build`` writes ./site/ by default (mkdocs.yml names no site_dir): a build must not leave hundreds of
+    untracked files in the checkout (issue 24, item 16)."""
+    assert "site_dir" not in (ROOT / "mkdocs.yml").read_text()
+    ignored = {line.strip() for line in (ROOT / ".gitignore").read_text().splitlines()}
+    assert ignored & {"site/", "/site/", "site"}

@@ -47,6 +47,8 @@ def run_hidden(hidden: list[str], argv: list[str]) -> subprocess.CompletedProces
 
 CASES = {  # id: (hidden modules, extra, package named, argv)
     "gguf": (["gguf"], "gguf", "gguf", lambda f: ["attribute", str(f["gguf"]), TEXT]),
+    # issue 24, item 11: a GGUF file needs accelerate too, which [gguf] now carries (it asked for [big])
+    "gguf-accelerate": (["accelerate"], "gguf", "accelerate", lambda f: ["attribute", str(f["gguf"]), TEXT]),
     "big-bitsandbytes": (["bitsandbytes"], "big", "bitsandbytes",
                          lambda f: ["attribute", str(f["folder"]), TEXT, "--load-in-4bit"]),
     "big-accelerate": (["accelerate"], "big", "accelerate",
@@ -92,3 +94,13 @@ def test_only_the_known_library_noise_is_silenced(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "a real torchao warning", "another pytree warning", "Failed to load something else"]
     assert sum(len(logging.getLogger(name).filters) for name in NOISE) == len(NOISE)
+
+
+def test_the_gguf_extra_carries_what_reading_a_gguf_file_needs():
+    """pip install "nxl_hooks[gguf]" alone attributes a GGUF file: the packages load_model checks for are in it."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    names = {re.match(r"[\w.-]+", spec).group(0) for spec in project["optional-dependencies"]["gguf"]}
+    assert {"gguf", "accelerate"} <= names

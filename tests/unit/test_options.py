@@ -117,6 +117,52 @@ def test_a_bad_flag_is_one_line_with_exit_2(capsys, argv, message):
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
 
 
+# -- settings accepted silently before (issue 24, item 7): one rule each, the same for the flag and the variable --
+
+@pytest.mark.parametrize("env, message", [
+    ({"NXL_TARGET": ""}, r"^NXL_TARGET: '' is empty: leave it out for the default \(predicted\)"),
+    ({"NXL_MODELS": ""}, r"^NXL_MODELS: '' is empty: leave it out for the default \(\*\)"),
+    ({"NXL_LAYERS": ""}, r"^NXL_LAYERS: '' is empty: leave it out for the default \(all\)"),
+    ({"NXL_MODELS": ","}, r"^NXL_MODELS: ',': give at least one glob"),
+    ({"NXL_MODELS": "[*"}, r"^NXL_MODELS: '\[\*': in '\[\*' a '\[' opens a character class that is never closed"),
+    ({"NXL_MODELS": "tiny*,gpt[2"}, r"in 'gpt\[2' a '\[' opens a character class"),
+    ({"NXL_SINK_SPEC": "parquet:x.parquet", "NXL_SINK_MAX_FILES": "3"},
+     r"^--sink-files \(NXL_SINK_MAX_FILES\) size the run folder's rotated record files, but --sink parquet:x.parquet "
+     r"writes to that sink kind instead; drop them"),
+], ids=["target", "models", "layers", "models comma", "unclosed class", "unclosed class 2", "sink kind sized"])
+def test_a_setting_that_would_be_read_silently_is_refused(env, message):
+    """NXL_TARGET='' meant "predicted" while --target '' was refused; NXL_MODELS='[*' matched no model and
+    recorded nothing without a word; an empty --models meant every model."""
+    with pytest.raises(ValueError, match=message):
+        Settings.from_env({"NXL_RUN_DIR": "r", **env})
+
+
+def test_an_empty_variable_is_still_the_default_where_the_default_is_written_empty():
+    settings = Settings.from_env({"NXL_RUN_DIR": "r", "NXL_LISTEN": "", "NXL_LOAD": "", "NXL_SINK_SPEC": ""})
+    assert settings == Settings(run_dir=Path("r")) == Settings.from_env(Settings(run_dir=Path("r")).to_env())
+    assert Settings.from_env({"NXL_RUN_DIR": "r", "NXL_MODELS": "[[]x*,a[!]]"}).models == ["[[]x*", "a[!]]"]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--models", ""], "argument --models: '' is empty: leave it out for the default (*)"),
+    (["--models", " , "], "argument --models: ' , ': give at least one glob"),
+    (["--models", "[*"], "argument --models: '[*': in '[*' a '[' opens a character class that is never closed"),
+    (["--target", ""], "argument --target: '' is empty: leave it out for the default (predicted)"),
+    (["--sink", "parquet:{tmp}/x.parquet", "--sink-files", "3"],
+     "--sink-files (NXL_SINK_MAX_FILES) size the run folder's rotated record files, but --sink parquet:"),
+    (["--sink", "parquet:{tmp}/x.parquet", "--sink-file-mb", "2"], "--sink-file-mb (NXL_SINK_MAX_BYTES) size the"),
+], ids=["models empty", "models blank", "models unclosed", "target empty", "sink-files", "sink-file-mb"])
+def test_nxl_run_refuses_them_in_one_line_before_any_folder(capsys, tmp_path, monkeypatch, argv, message):
+    def started(*_):  # accepted: nxl run would replace this test process with the program
+        raise AssertionError(f"nxl run {argv} started the program")
+
+    monkeypatch.setattr(os, "execvpe", started)
+    code = cli_main(["run", *[arg.replace("{tmp}", str(tmp_path)) for arg in argv], "--", "true"])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
+    assert list(tmp_path.iterdir()) == []
+
+
 @pytest.mark.parametrize("value", ["all", "last", [0, -1], [3], "predicted", " Paris", 7, [" are", " is"],
                                    ["Paris", 3], ","])
 def test_layers_and_targets_read_back_from_their_text(value):

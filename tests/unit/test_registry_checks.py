@@ -276,3 +276,33 @@ def test_the_oracle_restores_training_mode(private_registry):
     with nxl.attach(model, tokenizer=TOK):
         pass
     assert all(module.training for module in model.modules())
+
+
+@pytest.mark.parametrize("back", ["model.layers.0.owner=.", "model.layers.1.prev=model.layers",
+                                  "model.layers.0.mlp.up=model.layers.0"], ids=["to the model", "to the list",
+                                                                               "to the block"])
+def test_a_cycle_of_submodules_is_one_line(private_registry, back):
+    """A back-reference registered as a submodule (issue 24, item 8): torch's own eval() recursed forever at attach
+    (RecursionError); now one line naming the module that closes the cycle, and no hook left behind."""
+    model = CASES["llama-lm"].build()
+    _register("cyc", model, {})
+    where, target = back.split("=")
+    parent, _, name = where.rpartition(".")
+    registry.get_path(model, parent).add_module(name, model if target == "." else registry.get_path(model, target))
+    with pytest.raises(ValueError) as error:
+        nxl.attach(model, tokenizer=TOK)
+    text = str(error.value)
+    assert "\n" not in text and len(text) < 400, text
+    assert text.startswith(f"LlamaForCausalLM has a cycle of submodules: {where} is a "), text
+    assert "keep such a back-reference outside the module tree" in text
+    assert nxl_hooks_on(model) == 0
+
+
+def test_a_module_shared_by_two_parents_is_no_cycle(private_registry):
+    """A shared (tied) submodule reached twice is not a cycle: the entry still attaches."""
+    model = CASES["llama-lm"].build()
+    _register("shared", model, {})
+    model.model.layers[1].add_module("twin", model.model.layers[0].mlp)
+    with nxl.attach(model, tokenizer=TOK):
+        pass
+    assert nxl_hooks_on(model) == 0

@@ -9,6 +9,8 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
 from ..options import (
     CliError,
     add_attribution_options,
@@ -69,8 +71,9 @@ def run(args: argparse.Namespace) -> int:
                  more=generate or 0, what="TEXT")
     console = Console()
     if generate is not None:
+        sink = Path(args.out) if args.out else None  # --out is a file path, whatever its name: never a sink kind
         call = print_generation(model, tokenizer, args.text, generate, layers=args.layers, embedding=args.embedding,
-                                console=console, sink=args.out, chat=args.chat, all_positions=args.all_positions)
+                                console=console, sink=sink, chat=args.chat, all_positions=args.all_positions)
         if args.html:
             write_text(args.html, generation_html(call, title=f"{args.model}: {args.text}"))
             console.print(f"wrote {args.html}")

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from ...records.tokens import chat_text
     from ..dataset import examples_from_args, place, run_dataset, scored, write_outputs
     from ..loading import check_explainable, check_length, load_model, position_limit, tp_outputs
-    from ..reports import evaluate_report
+    from ..reports import evaluate_report, evaluate_summary
 
     named = {"all": ev.METHODS, "default": ev.DEFAULT_METHODS}
     methods = list(named.get(args.methods) or [m.strip() for m in args.methods.split(",") if m.strip()])
@@ -92,4 +92,5 @@ def run(args: argparse.Namespace) -> int:
     if records is not None:
         records, summary = scored(records, ev.aggregate)
         write_outputs(args.out, records, summary, evaluate_report(summary, title=f"Faithfulness of {args.model}"))
+        print(evaluate_summary(summary))
     return 0

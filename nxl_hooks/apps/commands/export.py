@@ -2,6 +2,7 @@
 
     nxl export runs/ scores.parquet           # every stream file below runs/ (an nxl run folder)
     nxl export run.nxl scores.parquet         # one file written by attach(..., sink="run.nxl")
+    nxl export run.nxl scores.parquet --force # replace an existing scores.parquet (refused without --force)
 
 Columns: :mod:`nxl_hooks.records.parquet`. Needs ``pip install "nxl_hooks[parquet]"``.
 """
@@ -9,6 +10,8 @@ Columns: :mod:`nxl_hooks.records.parquet`. Needs ``pip install "nxl_hooks[parque
 from __future__ import annotations
 
 import argparse
+import os
+import warnings
 
 from ..options import CliError
 
@@ -23,19 +26,34 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("out", metavar="OUT.parquet", help="the Parquet file to write")
     parser.add_argument("--strict", action="store_true", help="refuse a damaged stream instead of exporting up to "
                                                               "the damage")
+    parser.add_argument("--force", action="store_true", help="replace OUT.parquet when it exists (by default an "
+                                                             "existing file is left alone and the export refused)")
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     from ...records.parquet import export_parquet
-    from ...records.sink import read_stream
+    from ...records.sink import StreamDamageWarning, read_stream
+    from ..options import check_output_file
 
     try:
         import pyarrow  # noqa: F401 - checked before the records are read
     except ImportError:
         raise CliError('Parquet export needs pyarrow: pip install "nxl_hooks[parquet]"') from None
-    calls = read_stream(args.source, strict=args.strict)
-    rows = export_parquet(calls, args.out)
+    check_output_file(args.out, "OUT.parquet")
+    # The file is replaced whole at the end; an existing one may be anyone's (a typo, a table from elsewhere), and
+    # Parquet is not ours to recognise, so only --force replaces it.
+    if os.path.lexists(args.out) and not args.force:
+        raise CliError(f"{args.out} exists: nxl export does not replace a file unless told to; pick a new name, or "
+                       "add --force to replace it")
+    with warnings.catch_warnings():  # the damage is said once, in the summary line below
+        warnings.simplefilter("ignore", StreamDamageWarning)
+        calls = read_stream(args.source, strict=args.strict)
+    try:
+        rows = export_parquet(calls, args.out)
+    except OSError as err:
+        raise CliError(f"writing {args.out} failed ({err.strerror or err}); nothing was written and no partial file "
+                       "is left: free some space (or pick another folder) and export again") from None
     damage = f"; damaged, read up to: {calls.damage.describe()}" if calls.damage else ""
     print(f"{args.out}: {rows} rows from {len(calls)} call(s){damage}")
     return 0

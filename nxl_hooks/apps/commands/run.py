@@ -62,8 +62,8 @@ def prepare_run(args: argparse.Namespace, load: dict) -> Settings:
     with the token for ``--listen`` written. How ``nxl run`` and ``nxl attach`` start a run."""
     from ..serve.runs import make_run_dir, private_run_dir, write_token
 
-    settings = Settings.from_args(args, run_dir=Path(), load=load)  # a bad flag makes no folder
     spec = args.sink if args.sink and _is_kind(args.sink) else None
+    settings = Settings.from_args(args, run_dir=Path(), load=load, sink_spec=spec)  # a bad flag makes no folder
     if args.sink and not spec:
         check_output_folder(args.sink, "--sink")
         folder = make_run_dir(args.sink)

@@ -92,7 +92,29 @@ def _switch_text(on: bool) -> str:
 
 
 def _globs(text: str) -> list[str]:
-    return [glob.strip() for glob in text.split(",") if glob.strip()] or ["*"]
+    globs = [glob.strip() for glob in text.split(",") if glob.strip()]
+    if not globs:
+        raise ValueError(f"{text!r}: give at least one glob, like * or *llama*,gpt2")
+    for glob in globs:
+        if _unclosed(glob):
+            raise ValueError(f"{text!r}: in {glob!r} a '[' opens a character class that is never closed, so it "
+                             "would match a literal '[' and most likely no model; close it, or write [[] for a '['")
+    return globs
+
+
+def _unclosed(glob: str) -> bool:
+    """Whether a '[' of ``glob`` has no closing ']' (fnmatch then reads it as a literal '['): its own scan."""
+    i = 0
+    while i < len(glob):
+        if glob[i] == "[":
+            j = i + 1 + (glob[i + 1:i + 2] == "!")
+            j += glob[j:j + 1] == "]"  # a ']' right after '[' or '[!' is a member, not the end
+            end = glob.find("]", j)
+            if end < 0:
+                return True
+            i = end
+        i += 1
+    return False
 
 
 def _load(text: str) -> dict:
@@ -135,16 +157,26 @@ class Option:
         return self.flag.lstrip("-").replace("-", "_") if self.flag else self.name
 
     def read(self, env: Mapping[str, str]) -> Any:
-        """The value ``env`` holds (the default when unset or empty); ValueError naming the variable."""
+        """The value ``env`` holds (the default when unset, or empty where the default is written empty);
+        ValueError naming the variable."""
         text = env.get(self.env)
-        if not text:
+        if text is None or (not text and (self.required or self.text(self.default) == "")):
             if self.required:
                 raise ValueError(f"{self.env} is not set: give {self.help.split(':')[0]}")
             return copy.copy(self.default)  # a list or dict of one's own
         try:
-            return self.parse(text)
+            return self.value(text)
         except ValueError as error:
             raise ValueError(f"{self.env}: {error}") from None  # the parsers quote the text
+
+    def value(self, text: str, parse: Callable[[str], Any] | None = None) -> Any:
+        """``text`` (a variable's, or the flag's with ``parse``) as the value. The one rule for empty text, flag and
+        variable alike: it stands for the default only where the default is written empty (``NXL_LISTEN``);
+        elsewhere (``--target ''``, ``NXL_TARGET=''``, ``--models ''``) it is refused, never read as "all"."""
+        if text == "" and self.text(self.default) != "":
+            raise ValueError(f"'' is empty: leave it out for the default ({self.text(self.default)}), or give "
+                             f"{self.help.split(':')[0]}")
+        return (parse or self.parse)(text)
 
     def describe(self, *, default: bool = True) -> str:
         """The help, and the default as the flag takes it (``default``: when there is one worth saying)."""
@@ -219,6 +251,12 @@ class Settings:
         self.run_dir = Path(self.run_dir)
         if self.listen:
             parse_listen(self.listen, allow_remote=self.allow_remote)
+        sizing = [option for option in OPTIONS if option.name in ("sink_max_bytes", "sink_max_files")
+                  and getattr(self, option.name) != option.default] if self.sink_spec else []
+        if sizing:
+            given = " and ".join(f"{option.flag} ({option.env})" for option in sizing)
+            raise ValueError(f"{given} size the run folder's rotated record files, but --sink {self.sink_spec} "
+                             "writes to that sink kind instead; drop them (or record to a folder: --sink DIR)")
 
     def selects(self, name: str) -> bool:
         """Whether a model loaded from ``name`` is recorded (:func:`matches` one of ``models``)."""
@@ -275,11 +313,9 @@ def add_run_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *
         if option.metavar is None:
             parser.add_argument(option.flag, action="store_true", default=None, help=option.describe(default=defaults))
             continue
-        parse = option.arg or option.parse
-
-        def read(text: str, parse: Callable[[str], Any] = parse) -> Any:
+        def read(text: str, option: Option = option) -> Any:
             try:
-                return parse(text)
+                return option.value(text, option.arg)
             except ValueError as error:  # argparse prints this message (not its own "invalid value")
                 raise argparse.ArgumentTypeError(str(error)) from None
 
