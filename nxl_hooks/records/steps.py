@@ -177,6 +177,12 @@ class GenerationCall:
         special = None if ids is None else special_flags(ids, self.special_ids)
         return step.to_attribution(special=special, template=self.context_template(step.position))
 
+    def norm_spread(self, row: int = 0) -> float:
+        """The one coefficient of variation of the embedding norms every view of this call prints (terminal, HTML):
+        over the tokens that rank in its first step's context, the prompt's (:meth:`Attribution.norm_spread`); NaN
+        without steps. ``flat_norms(call.norm_spread())``"""
+        return self.attribution(self.steps[0]).norm_spread(row) if self.steps else float("nan")
+
     def context_template(self, length: int) -> torch.Tensor | None:
         """bool (batch, length): the chat-template flags of a step's context (``length`` = ``step.position``): the
         prompt's, then False on every generated token. ``step.to_attribution(template=call.context_template(n))``"""
