@@ -35,7 +35,7 @@ One row per (call, batch row, step, layer, context position[, explained target])
     last = df[(df.layer == df.layer.max()) & (df.step == 0) & df.ranked & df.in_prompt]
     last.loc[last.groupby(["call", "row"]).normxlogit.idxmax(), ["call", "row", "position", "token_text"]]
 
-Records written before 0.3 have no model, time or special-token ids: those columns are null (``special`` False).
+Records of older stream files have no model, time or special-token ids: those columns are null (``special`` False).
 """
 
 from __future__ import annotations

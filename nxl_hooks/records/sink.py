@@ -9,9 +9,10 @@ length (uint64 little-endian), its CRC-32 (uint32 little-endian) and the payload
 ``nxl_hooks`` metadata entry is JSON with a ``kind`` of ``call`` (prompt), ``step`` or ``end`` (sequences), and
 ``seq``, the frame's number in its file (0, 1, 2...). A step frame names its call and step index; a rotated file's
 first frame (``kind`` ``file``) names the file's number and its writer. Files of format 1 (nxl_hooks 0.1: no
-``seq``, no ``file`` frame) still read, with the step checks below. Since nxl_hooks 0.3 a ``call`` frame also
-carries ``model``, ``started`` and ``special_ids``, a ``step`` frame its ``time`` and an ``end`` frame ``ended``
-(optional entries of format 2, which earlier readers skip); records read from files without them have None there.
+``seq``, no ``file`` frame) still read, with the step checks below. A ``call`` frame also carries
+``model``, ``started`` and ``special_ids``, a ``step`` frame its ``time`` and an ``end`` frame ``ended``: optional
+entries of format 2, which older readers skip; records read from older files without them have None there
+(``tests/data/stream-v2.nxl`` is such a file).
 Each frame is written with one ``write`` call before the next decoding step starts, so a process killed with
 SIGKILL leaves every completed step readable. ``Sink(path, fsync=True)`` also survives power loss, at the cost of
 an fsync per step. A sink refuses to write through a symbolic link unless ``Sink(path, follow_symlinks=True)``.

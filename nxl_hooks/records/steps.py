@@ -53,7 +53,7 @@ class Step:
     #: per row, the readable texts of the call's tokens (prompt, then emitted), shared by the call's steps and
     #: read up to ``position``; set by :meth:`GenerationCall.link` (None where the texts are not known)
     context: list[list[str]] | None = field(default=None, repr=False)
-    #: when the record was made, in seconds since the epoch (``time.time()``); None in files written before 0.3
+    #: when the record was made, in seconds since the epoch (``time.time()``); None in older files
     time: float | None = field(default_factory=time.time)
 
     def __repr__(self) -> str:
@@ -123,11 +123,11 @@ class GenerationCall:
     prompt_template: torch.Tensor | None = None  #: bool (batch, prompt_len): True on the chat template's own tokens
     #: of the prompt (markers, system prompt; :mod:`nxl_hooks.method.chat`), which do not rank; None when unknown
     #: the tokenizer's special token ids (:func:`~nxl_hooks.method.select.special_ids`), which do not rank; None
-    #: without a tokenizer (or in files written before 0.3)
+    #: without a tokenizer (or in older files)
     special_ids: list[int] | None = None
-    model: str | None = None  #: the model's name (its folder or hub id, else its class); None in files before 0.3
-    #: when the call started and ended (returned, or stopped being recorded), in seconds since the epoch; ``started``
-    #: is None and ``ended`` None in files written before 0.3, ``ended`` None while it runs
+    model: str | None = None  #: the model's name (its folder or hub id, else its class); None in older files
+    #: when the call started and ended (returned, or stopped being recorded), in seconds since the epoch; both
+    #: None in older files, ``ended`` None while it runs
     started: float | None = field(default_factory=time.time)
     ended: float | None = None
 
