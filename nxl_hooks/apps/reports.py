@@ -141,6 +141,30 @@ def _named(record: Mapping[str, Any], key: str) -> str:
     return f"{text!r} ({record.get(key)})" if text is not None else str(record.get(key))
 
 
+def _explained(record: Mapping[str, Any]) -> str:
+    """What both models explained in one example, and whose it is: ``the dataset's target '␣Madrid' (42)``."""
+    named = _named(record, "target")
+    if record.get("explained") == "target":
+        return f"the dataset's target {named}"
+    if record.get("explained") == "reference prediction":
+        given = record.get("dataset_target")
+        return f"the reference's prediction {named}" + (f" (the dataset's target: {given!r})" if given is not None
+                                                          else "")
+    return named
+
+
+def _what_is_explained(summary: Mapping[str, Any]) -> str:
+    """The report's one sentence on what both models explain, from the records' counts."""
+    counts = summary.get("explained") or {}
+    target, own = counts.get("target", 0), counts.get("reference prediction", 0)
+    if target and own:
+        return (f"the dataset's target in {target} examples, the reference's prediction in {own} (examples without a "
+                "target)")
+    if target:
+        return "the dataset's target"
+    return "the reference's prediction" if own else "the same token"
+
+
 def _example_block(record: Mapping[str, Any], rank: int) -> str:
     """One audited example; every text from the data or the models (id, text, tokens, predictions) escaped."""
     agree = record.get("agree")
@@ -150,7 +174,7 @@ def _example_block(record: Mapping[str, Any], rank: int) -> str:
     ) + verdict + html.escape(
         f" · reference → candidate "
         f"prediction {_named(record, 'reference_prediction')} → {_named(record, 'candidate_prediction')} · "
-        f"explained: {_named(record, 'target')}, output "
+        f"explained: {_explained(record)}, output "
         f"{fmt(record['reference_output'])} → {fmt(record['candidate_output'])} · last layer Spearman "
         f"{fmt(record['spearman'][-1])}, Kendall {fmt(record['kendall'][-1])}, top-{record['top_k']} "
         f"{fmt(record['topk'][-1])}, drift {fmt(record['drift'][-1])}"
@@ -191,7 +215,8 @@ def audit_report(
         _flat_note(summary),
         f"<h2>The {min(show, summary['n'])} examples that changed most</h2>",
         '<p class="note">Flipped predictions first, then the lowest last-layer Spearman. Rows: NormXLogit at the '
-        "last layer, both models explaining the reference's prediction; one colour scale per example.</p>",
+        f"last layer, both models explaining {html.escape(_what_is_explained(summary))} (nxl audit --explain); one "
+        "colour scale per example.</p>",
     ]
     body += [_example_block(by_index[index], rank + 1) for rank, index in enumerate(summary["most_changed"][:show])]
     layers = summary["layers"]

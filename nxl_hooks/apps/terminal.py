@@ -241,7 +241,7 @@ def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, 
                            style="dim"))
     names = readable_ids(tokenizer, ids)
     console.print(Text(f"prompt ({len(ids)} tokens): ", style="bold") + Text("│", style="dim").join(map(Text, names)))
-    said = {"legend": False, "flat": False}
+    said = {"legend": False}
 
     def show(step: Step) -> None:
         special = special_mask(torch.tensor([ids]), tokenizer)
@@ -252,10 +252,11 @@ def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, 
             said["legend"] = True
             console.print(Text(f"step, token, p, top NormXLogit context (position:token score) at L{layer}",
                                style="dim"))
-        spread = res.norm_spread(0)
-        if not said["flat"] and flat_norms(spread):
-            said["flat"] = True
-            console.print(Text("note: " + flat_note(spread), style="yellow"))
+        if step.step == 0:  # the call's one number, as its HTML page says it (GenerationCall.norm_spread)
+            call = probe.calls[-1]
+            call.prompt_template = template  # what the terminal ranks with, the page too
+            if flat_norms(spread := call.norm_spread()):
+                console.print(Text("note: " + flat_note(spread), style="yellow"))
         console.print(_generation_line(res, step, layer, top, console.width, all_positions), no_wrap=True, crop=False)
         ids.append(int(step.token[0]))
         names.append(step.readable[0])  # attached with the tokenizer: every step has its text
@@ -266,7 +267,6 @@ def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, 
             raise ValueError(f"generating needs a causal LM; {type(probe.model).__name__} is a {probe.kind} model")
         model.generate(**enc, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
     call = probe.calls[-1]
-    call.prompt_template = template
     console.print(Text(stop_reason(model, tokenizer, call, new_tokens), style="dim" if call.error is None else "red"))
     return call
 

@@ -3,8 +3,11 @@
     rec = audit_example(reference, candidate, tokenizer, {"text": "a fine film"})
     summary = aggregate(records)             # per layer: Spearman, Kendall, top-k overlap, drift; agreement
 
-Both models explain the same thing: the reference's prediction (or the example's ``target``), so a change
-in the scores is a change in the model, not in the question. Per layer l, over the real tokens:
+Both models explain the same thing, so a change in the scores is a change in the model, not in the question: with
+``explain="target"`` (the default, as ``nxl evaluate``) the example's ``target`` where it has one, else the
+reference's prediction; with ``explain="reference"`` the reference's prediction always (a dataset's target is then
+only shown). Each record says which (``explained``: ``"target"`` or ``"reference prediction"``). Per layer l, over
+the real tokens:
 
 - ``spearman[l]``, ``kendall[l]``: rank correlation of the two NormXLogit vectors over the tokens that rank
   (:meth:`Attribution.rankable`: no padding, prediction position or special tokens, as everywhere);
@@ -35,9 +38,11 @@ from ..records.attribution import Attribution
 from ..records.tokens import describe_target, label_text
 from .metrics import mean
 
-__all__ = ["SCHEMA", "aggregate", "audit_example", "compare", "most_changed"]
+__all__ = ["EXPLAIN", "SCHEMA", "aggregate", "audit_example", "compare", "most_changed"]
 
 SCHEMA = "nxl_hooks.audit/1"
+#: What an audit may explain (:func:`audit_example`'s ``explain``), the default first.
+EXPLAIN = ("target", "reference")
 
 
 def _finite(value: float) -> float | None:
@@ -107,17 +112,23 @@ def audit_example(
     *,
     layers: Any = "all",
     top_k: int = 5,
+    explain: str = "target",
 ) -> dict[str, Any]:
     """Compare the two models' attributions on one example; a JSON-able record. See the module docstring.
 
-    ``audit_example(ref, quantized, tok, {"text": "a fine film"})``. ``example["target"]`` (an id or a
-    label/token string) picks what both explain; default the reference's prediction.
+    ``audit_example(ref, quantized, tok, {"text": "a fine film"}, explain="reference")``. ``explain="target"``:
+    both explain ``example["target"]`` (an id or a label/token string) where it is given, else the reference's
+    prediction; ``"reference"``: the reference's prediction.
     """
+    if explain not in EXPLAIN:
+        raise ValueError(f"explain={explain!r}: use 'target' (the example's target, else the reference's prediction) "
+                         "or 'reference' (the reference's prediction)")
     text = example.get("text")
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"example needs a non-empty 'text' string, got keys {sorted(example)}")
     ids = torch.tensor([tokenizer(text)["input_ids"]], dtype=torch.long)
-    requested, notes = example.get("target", "predicted"), []
+    given, notes = example.get("target", "predicted"), []
+    requested = given if explain == "target" else "predicted"
     if requested != "predicted":  # a word is read after the text, as everywhere
         inner = unwrap(reference)
         kind = resolve(inner)[1]
@@ -146,6 +157,8 @@ def audit_example(
         "target": target,
         "target_token": tokenizer.convert_ids_to_tokens(target) if kind == "causal_lm" else None,
         "target_text": name(ref.target[0]),
+        "explained": "target" if requested != "predicted" else "reference prediction",
+        "dataset_target": None if given == "predicted" else given,
         "notes": notes,
         "flat_norms": flat_norms(ref.norm_spread(0)),
         "reference_prediction": None if regression else int(ref_out.argmax()),
@@ -197,4 +210,7 @@ def aggregate(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "per_layer": per_layer,
         "most_changed": [records[i].get("index", i) for i in most_changed(records)],
         "flat_norms": sum(1 for r in records if r.get("flat_norms")),  # examples where NormXLogit ranks as LogAt
+        # what the examples explain: {"target": n, "reference prediction": m} (records of 0.2 do not say)
+        "explained": {what: sum(1 for r in records if r.get("explained") == what)
+                      for what in ("target", "reference prediction")},
     }

@@ -253,6 +253,7 @@ class Run:
                 self._prompt_ids = []
                 self.call.readable = self._plan.readable_rows(ids)
                 self.call.prompt_template = self._plan.template(ids, self._mask.view()[:, : self._prompt_len].cpu())
+                self.call.special_ids = self._plan.special_ids
                 self._hub.prompt(self.call, ids, self._mask.view()[:, : self._prompt_len].cpu(), self._plan.describe())
 
     def _real_mask(self, mask: torch.Tensor, past: int, new: int) -> torch.Tensor:
@@ -407,6 +408,7 @@ class Generations:
     def new_run(self, *, request_id: str | None, prompt_len: int | None, eos: Any) -> Run:
         """A recorded call in the calling thread, with a fresh feature cache."""
         call = self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name)
+        call.model = self.plan.name
         return Run(self.plan, self.hub, call, prompt_len=prompt_len, eos=eos, cache_dtype=self.cache_dtype,
                    cache_device=self.cache_device, notice=self.notice)
 
@@ -416,7 +418,9 @@ class Generations:
         text becomes :attr:`notice`'s."""
         text = f"not recorded: {reason(what, error) if log else one_line(error)}"
         self.notice.unrecorded(text, log=False)
-        self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name, error=text)
+        call = self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name,
+                              error=text)
+        call.model = self.plan.name
 
     # -- the wrapper -------------------------------------------------------------------------------------
 

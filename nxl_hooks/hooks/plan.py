@@ -35,12 +35,13 @@ from ..method.select import (
     is_predicted,
     prediction_rows,
     resolve_layers,
+    special_ids,
     special_mask,
     target_ids,
 )
 
-__all__ = ["EMBEDDINGS", "Plan", "TokenTexts", "check_recording", "make_plan", "run_eagerly", "token_texts",
-           "tokenizer_mismatch"]
+__all__ = ["EMBEDDINGS", "Plan", "TokenTexts", "check_recording", "make_plan", "model_name", "run_eagerly",
+           "token_texts", "tokenizer_mismatch"]
 
 _KEPT = "_nxl_hooks_compiled_"  # where run_eagerly keeps a module's compiled callable while attached
 
@@ -104,6 +105,16 @@ class Plan:
     @property
     def n_blocks(self) -> int:
         return len(self.blocks)
+
+    @property
+    def name(self) -> str:
+        """The model's name as records carry it (:func:`model_name`)."""
+        return model_name(self.model)
+
+    @property
+    def special_ids(self) -> list[int] | None:
+        """The tokenizer's special token ids (:func:`~nxl_hooks.method.select.special_ids`), None without one."""
+        return special_ids(self.tokenizer) if self.tokenizer is not None else None
 
     @property
     def generates(self) -> bool:
@@ -175,6 +186,12 @@ class Plan:
             "n_blocks": self.n_blocks,
             "spec": self.spec.name,
         }
+
+
+def model_name(model: nn.Module) -> str:
+    """What a model is called in records and by ``nxl run``: the folder or hub id it was loaded from, else its class
+    name. ``model_name(model) == "HuggingFaceTB/SmolLM2-135M-Instruct"``"""
+    return str(getattr(model, "name_or_path", "") or type(model).__name__)
 
 
 def tokenizer_mismatch(model: nn.Module, tokenizer: Any) -> str | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import queue
 import threading
+import time
 import weakref
 from typing import Any, Callable
 
@@ -155,7 +156,7 @@ class Hub:
                 call.sequences = sequences
                 return
             self._running.remove(call)
-            call.sequences, call.error = sequences, call.error or error
+            call.sequences, call.error, call.ended = sequences, call.error or error, time.time()
             call.complete = sequences is not None and call.error is None
             ended = self._release(call)
         if call.prompt_mask is not None:

@@ -45,6 +45,8 @@ __all__ = [
     "resolve_layers",
     "resolve_target",
     "resolve_target_id",
+    "special_flags",
+    "special_ids",
     "special_mask",
     "target_ids",
 ]
@@ -378,12 +380,23 @@ def _no_empty_rows(real: torch.Tensor) -> None:
 # -- what ranks ------------------------------------------------------------------------------------------
 
 
+def special_ids(tokenizer: Any) -> list[int] | None:
+    """The tokenizer's special token ids ([CLS], <s>, chat-template markers), sorted; None when it has none."""
+    special = getattr(tokenizer, "all_special_ids", None)
+    return sorted({int(i) for i in special}) if special else None
+
+
+def special_flags(input_ids: torch.Tensor, ids: Sequence[int] | None) -> torch.Tensor | None:
+    """True where ``input_ids`` holds one of the special token ``ids`` (:func:`special_ids`); None without any.
+    ``special_flags(call_ids, call.special_ids)``"""
+    if not ids:
+        return None
+    return torch.isin(input_ids.cpu(), torch.tensor(sorted(set(ids)), dtype=input_ids.dtype))
+
+
 def special_mask(input_ids: torch.Tensor, tokenizer: Any) -> torch.Tensor | None:
     """True where ``input_ids`` holds one of the tokenizer's special tokens ([CLS], <s>, chat-template markers)."""
-    special = getattr(tokenizer, "all_special_ids", None)
-    if not special:
-        return None
-    return torch.isin(input_ids.cpu(), torch.tensor(sorted(set(special)), dtype=input_ids.dtype))
+    return special_flags(input_ids, special_ids(tokenizer))
 
 
 def rankable(mask: torch.Tensor, position: torch.Tensor | int, special: torch.Tensor | None = None,

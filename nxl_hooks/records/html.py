@@ -57,6 +57,7 @@ _STYLE = """
 .nxl .example{border-left:3px solid #ccc;padding:2px 10px;margin:10px 0}
 .nxl .warn{color:#8a5a00;background:#fff6e0;padding:3px 8px;border-left:3px solid #e0a000}
 .nxl .prompt{font-family:ui-monospace,monospace;white-space:pre-wrap;background:#f6f6f6;padding:4px 8px}
+.nxl .prompt .nxl-template{color:#999}.nxl .nxl-folded .nxl-template{display:none}
 """
 
 
@@ -86,12 +87,16 @@ def heatmap(
     scale: str = "column",
     caption: str = "",
     corner: str = "",
+    scaled: Sequence[Sequence[bool]] | None = None,
+    column_class: Sequence[str] | None = None,
 ) -> str:
     """A coloured ``<table>``: one ``td.nxl-cell`` per value, with ``data-row``/``data-col``/``data-value``.
 
     ``scale``: "column" colours each column by its own max |value| (layers differ in scale), "row" each
     row, "all" the whole table, all on a diverging scale around 0; "range" spreads the table's min..max
-    over white..red (for same-sign metrics such as average precision). ``None`` cells stay blank.
+    over white..red (for same-sign metrics such as average precision). ``None`` cells stay blank. ``scaled``
+    (with ``scale="row"``): which cells of each row set its scale (the others are coloured on it, clipped);
+    ``column_class``: a CSS class for each column's cells (its header included), "" for none.
     ``heatmap(["a", "b"], ["L0"], [[1.0], [-0.5]])``
     """
     if scale not in ("column", "row", "all", "range"):
@@ -107,25 +112,28 @@ def heatmap(
     everything = kept([v for row in cells for v in row])
     low, high = min(everything, default=0.0), max(everything, default=0.0)
     columns = [peak([row[j] for row in cells]) for j in range(len(col_labels))]
-    rows = [peak(row) for row in cells]
+    rows = [peak(row if scaled is None else [v for v, use in zip(row, scaled[i]) if use])
+            for i, row in enumerate(cells)]
+    classes = [f" {name}" if name else "" for name in column_class] if column_class else [""] * len(col_labels)
 
     def shade(i: int, j: int, value: float) -> float:
         if scale == "range":
             return (value - low) / (high - low) if high > low else 0.5
         return value / {"column": columns[j], "row": rows[i], "all": peak(everything)}[scale]
 
-    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in col_labels)
+    head = "".join(f'<th class="{extra.strip()}">{html.escape(str(c))}</th>' if extra else
+                   f"<th>{html.escape(str(c))}</th>" for c, extra in zip(col_labels, classes))
     body = []
     for i, (label, row) in enumerate(zip(row_labels, cells)):
         tds = []
         for j, value in enumerate(row):
             if value is None or math.isnan(value):
-                tds.append(f'<td class="nxl-cell" data-row="{i}" data-col="{j}"></td>')
+                tds.append(f'<td class="nxl-cell{classes[j]}" data-row="{i}" data-col="{j}"></td>')
                 continue
             background, ink = _colour(shade(i, j, value))
             tip = html.escape(f"{label} · {col_labels[j]}: {value:.6g}", quote=True)
             tds.append(
-                f'<td class="nxl-cell" data-row="{i}" data-col="{j}" data-value="{value!r}" title="{tip}" '
+                f'<td class="nxl-cell{classes[j]}" data-row="{i}" data-col="{j}" data-value="{value!r}" title="{tip}" '
                 f'style="background:{background};color:{ink}">{fmt(value)}</td>'
             )
         body.append(f"<tr><th>{html.escape(str(label))}</th>{''.join(tds)}</tr>")
@@ -317,8 +325,10 @@ _GENERATION_SCRIPT = """
     return ["rgb(" + rgb.join(",") + ")", Math.abs(t) > 0.6 ? "#fff" : "#222"];
   }
   function show(index) {
-    var peaks = data.values.map(function (row) {
-      return row[index].reduce(function (m, v) { return v === null ? m : Math.max(m, Math.abs(v)); }, 0) || 1;
+    var peaks = data.values.map(function (row, i) {
+      return row[index].reduce(function (m, v, j) {
+        return v === null || !data.ranked[i][j] ? m : Math.max(m, Math.abs(v));
+      }, 0) || 1;
     });
     cells.forEach(function (td) {
       var i = +td.dataset.row, j = +td.dataset.col, v = data.values[i][index][j];
@@ -333,6 +343,12 @@ _GENERATION_SCRIPT = """
     select.value = String(index);
   }
   select.addEventListener("change", function () { show(+select.value); });
+  var fold = document.getElementById("nxl-template");
+  if (fold) {
+    fold.addEventListener("change", function () {
+      document.getElementById("nxl-generation").classList.toggle("nxl-folded", !fold.checked);
+    });
+  }
   var wanted = /layer=(-?\\d+)/.exec(window.location.hash);
   if (wanted) {
     var layer = +wanted[1], index = data.layers.indexOf(layer < 0 ? data.layers[data.layers.length + layer] : layer);
@@ -346,8 +362,10 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
                     title: str = "nxl_hooks generation") -> str:
     """Self-contained page of one ``generate`` call (a :class:`~nxl_hooks.GenerationCall`): generated tokens (rows) x context tokens (columns), one layer at
     a time, picked in a selector (the last layer first; ``page.html#layer=N`` opens layer N). Each row is the
-    attribution of that token over everything before it, coloured by the row's largest |score|; blank cells are
-    positions after the token or padding.
+    attribution of that token over everything before it, coloured by the largest |score| of the row's tokens that
+    rank (:meth:`~nxl_hooks.GenerationCall.attribution`); blank cells are positions after the token or padding. A
+    chat template's columns (markers, system prompt) are marked ``▫`` and folded away until asked for, so the
+    table starts at the user's message.
 
     ``generation_html(probe.calls[-1])``; ``row``: which sequence of the batch; ``label``: which fixed target.
     """
@@ -363,8 +381,10 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
     ids = call.prompt_ids[row].tolist() if call.prompt_ids is not None else [None] * prompt_len
     context = list(call.readable[row]) if call.readable else [str(i) for i in ids]
     context += [step.readable[row] if step.readable else str(int(step.token[row])) for step in steps]
-    columns = [f"{j}: {name}" for j, name in enumerate(context)]
-    row_names, values, spreads = [], [], []
+    flags = call.context_template(len(context))
+    template = flags[row].tolist() if flags is not None else [False] * len(context)
+    columns = [("▫ " if template[j] else "") + f"{j}: {name}" for j, name in enumerate(context)]
+    row_names, values, ranked = [], [], []
     for step in steps:
         scores = getattr(step, method)[:, row]
         scores = scores[..., label] if scores.dim() == 3 else scores
@@ -372,28 +392,39 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
         per_layer = [[float(f"{float(v):.6g}") if mask[j] else None for j, v in enumerate(layer_scores.tolist())]
                      + [None] * (len(context) - len(mask)) for layer_scores in scores]
         values.append(per_layer)
+        # what ranks (not the template, special tokens or the prediction) sets the row's colour scale
+        ranked.append(call.attribution(step).rankable(row).tolist() + [False] * (len(context) - len(mask)))
         prob = step.probability
         p = "" if prob is None else f" · p {fmt(float(prob.reshape(prob.shape[0], -1)[row, label]))}"
         row_names.append(f"{step.step}: {context[step.position]}{p}")
-        attribution = step.to_attribution()
-        spreads.append(attribution.norm_spread(row))
+    spread = call.norm_spread(row)
     last = len(layers) - 1
-    flat = [s for s in spreads if flat_norms(s)]
     options = "".join(f'<option value="{i}"{" selected" if i == last else ""}>L{layer}</option>'
                       for i, layer in enumerate(layers))
     # "<" escaped: a token reading "</script>" must not end the data block
-    data = json.dumps({"layers": layers, "rows": row_names, "columns": columns, "values": values})
+    data = json.dumps({"layers": layers, "rows": row_names, "columns": columns, "values": values, "ranked": ranked})
     data = data.replace("<", "\\u003c")
+    shown = [f'<span class="nxl-template">{html.escape(name)}</span>' if template[j] else html.escape(name)
+             for j, name in enumerate(context[:prompt_len])]
+    folded = any(template)
+    first = next((j for j, flag in enumerate(template) if not flag), 0)
+    toggle = (f'<p class="note">▫ the chat template\'s own tokens (its markers and the system prompt, greyed in the '
+              f"prompt above): they do not rank and do not set the colour scale. Their {sum(template)} columns are "
+              f'folded away, so the table starts at your message (column {first}): <label><input type="checkbox" '
+              'id="nxl-template"> show them</label></p>') if folded else ""
     body = (
         f"<h1>{html.escape(title)}</h1>"
         f'<p class="note">Prompt ({prompt_len} tokens; ␣ a space, ↵ a newline):</p>'
-        f'<p class="prompt">{html.escape(" ".join(context[:prompt_len]))}</p>'
-        + (_notes([flat_note(max(flat))]) if method == "normxlogit" and flat else "")
+        f'<p class="prompt">{" ".join(shown)}</p>'
+        + (_notes([flat_note(spread)]) if method == "normxlogit" and flat_norms(spread) else "")
+        + toggle
         + f'<p><label>layer <select id="nxl-layer">{options}</select></label> '
         f'<span class="note">{html.escape(method)} of each generated token (row) over its context (columns); '
-        "colour scaled per row by its largest |score|: red positive, blue negative; hover for the value.</span></p>"
-        f'<div id="nxl-generation" style="overflow-x:auto">'
-        + heatmap(row_names, columns, [v[last] for v in values], scale="row", corner="generated \\ context")
+        "colour scaled per row by the largest |score| of the tokens that rank: red positive, blue negative; hover "
+        "for the value.</span></p>"
+        f'<div id="nxl-generation" class="{"nxl-folded" if folded else ""}" style="overflow-x:auto">'
+        + heatmap(row_names, columns, [v[last] for v in values], scale="row", corner="generated \\ context",
+                  scaled=ranked, column_class=["nxl-template" if flag else "" for flag in template])
         + "</div>"
         + f'<script type="application/json" id="nxl-data">{data}</script>'
         + f"<script>{_GENERATION_SCRIPT}</script>"

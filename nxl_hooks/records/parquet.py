@@ -3,6 +3,7 @@
     nxl.attach(model, tokenizer=tok, sink="parquet:scores.parquet")     # live, written at detach
     nxl export runs/ scores.parquet                                     # offline, from stream files
     pandas.read_parquet("scores.parquet").query("layer == -1 and step == 0")
+    rows = pandas.read_parquet("scores.parquet").query("ranked and in_prompt and step == 0")   # as top() ranks
 
 One row per (call, batch row, step, layer, context position[, explained target]) where the position is real
 (``mask`` True: left padding and pads after a row's end are left out). Columns (:data:`SCHEMA`):
@@ -18,7 +19,23 @@ One row per (call, batch row, step, layer, context position[, explained target])
 ``target_index``     0, or which of the k explained ids (``attach(target=[...])``)
 ``target_id``        the explained id; ``target_text`` its text when known; ``probability`` the model's own
 ``normxlogit``       the score; ``logat`` (HoT(h_i^l)[target]) and ``embed_norm`` (‖e_i‖) it is made of
+``model``            the model's name (its folder or hub id); ``time`` when the step was made (UTC)
+``in_prompt``        True on the prompt's positions, False on generated tokens
+``prediction_position``  where the step's prediction was read (``emitted_position - 1``)
+``special``          the token is one of the tokenizer's special tokens (False where the records do not say)
+``template``         the position is the chat template's own (markers, system prompt; False for other prompts)
+``ranked``           the position takes part in a ranking: :func:`~nxl_hooks.method.select.rankable` of the step's
+                     context, the rule of ``Attribution.top()``, the terminal and the HTML (not the prediction
+                     position, special or template tokens, unless nothing else is left)
 ===================  ==========================================================================================
+
+"Which prompt token drove the first token most at the last layer", as the library ranks it::
+
+    df = pandas.read_parquet("scores.parquet")
+    last = df[(df.layer == df.layer.max()) & (df.step == 0) & df.ranked & df.in_prompt]
+    last.loc[last.groupby(["call", "row"]).normxlogit.idxmax(), ["call", "row", "position", "token_text"]]
+
+Records of older stream files have no model, time or special-token ids: those columns are null (``special`` False).
 """
 
 from __future__ import annotations
@@ -30,6 +47,7 @@ from typing import Any, Iterable
 
 import torch
 
+from ..method.select import rankable, special_flags
 from .steps import GenerationCall, Step
 
 __all__ = ["INSTALL", "ParquetSink", "export_parquet"]
@@ -56,7 +74,9 @@ def schema() -> Any:
         ("active", pa.bool_()), ("layer", pa.int32()), ("position", pa.int32()), ("token_id", pa.int64()),
         ("token_text", pa.string()), ("target_index", pa.int32()), ("target_id", pa.int64()),
         ("target_text", pa.string()), ("probability", pa.float32()), ("normxlogit", pa.float32()),
-        ("logat", pa.float32()), ("embed_norm", pa.float32()),
+        ("logat", pa.float32()), ("embed_norm", pa.float32()), ("model", pa.string()),
+        ("time", pa.timestamp("us", tz="UTC")), ("in_prompt", pa.bool_()), ("prediction_position", pa.int32()),
+        ("special", pa.bool_()), ("template", pa.bool_()), ("ranked", pa.bool_()),
     ])
 
 
@@ -64,7 +84,9 @@ class _Context:
     """A running call's context so far: token ids (-1 where unknown) and texts per row, grown by each step."""
 
     def __init__(self, call: GenerationCall) -> None:
-        self.request_id = call.request_id
+        self.request_id, self.model, self.special_ids = call.request_id, call.model, call.special_ids
+        self.prompt_len = call.prompt_mask.shape[1]
+        self.context_template = call.context_template  # the prompt's flags, then False on generated tokens
         mask = call.prompt_mask
         self.ids = call.prompt_ids.long() if call.prompt_ids is not None else torch.full(mask.shape, -1)
         self.texts: list[list[str | None]] = ([list(row) for row in call.readable] if call.readable
@@ -103,6 +125,11 @@ def _rows(context: _Context, step: Step) -> dict[str, Any]:
     emitted_text = np.array(step.readable if step.readable else [None] * batch, dtype=object)
     prob = step.probability.float().view(batch, -1)[row, target_index] if step.probability is not None else None
     row_k, pos_k = pick(row), pick(position)
+    count = len(row_k)
+    special = special_flags(context.ids[:, :n], context.special_ids)
+    template = context.context_template(n)
+    ranked = rankable(step.mask, torch.full((batch,), n - 1), special, template)  # the one rule, called
+    never = np.zeros(count, dtype=bool)
     return {
         "request_id": [context.request_id] * int(keep.sum()),
         "call": np.full(int(keep.sum()), step.call, dtype=np.int64),
@@ -123,6 +150,13 @@ def _rows(context: _Context, step: Step) -> dict[str, Any]:
         **{name: pick(getattr(step, name).float().reshape(n_layers, batch, n, k)[layer_i, row, position, target_index])
            for name in ("normxlogit", "logat")},
         "embed_norm": step.embed_norm.float().numpy()[row_k, pos_k],
+        "model": [context.model] * count,
+        "time": None if step.time is None else np.full(count, round(step.time * 1e6), dtype=np.int64),
+        "in_prompt": pos_k < context.prompt_len,
+        "prediction_position": np.full(count, n - 1, dtype=np.int32),
+        "special": never if special is None else special.numpy()[row_k, pos_k],
+        "template": never if template is None else template.numpy()[row_k, pos_k],
+        "ranked": ranked.numpy()[row_k, pos_k],
     }
 
 
@@ -186,10 +220,8 @@ class ParquetSink:
         pa = _pyarrow()
         arrays = []
         for field in self._schema:
-            parts = [chunk[field.name] for chunk in self._buffer]
-            if field.name == "probability":
-                parts = [[None] * len(chunk["row"]) if part is None else part
-                         for part, chunk in zip(parts, self._buffer)]
+            parts = [[None] * len(chunk["row"]) if chunk[field.name] is None else chunk[field.name]
+                     for chunk in self._buffer]  # a column the records do not have (probability, time): null
             arrays.append(pa.chunked_array([pa.array(part, type=field.type) for part in parts], type=field.type))
         self._writer.write_table(pa.Table.from_arrays(arrays, schema=self._schema))
         self._buffer, self._buffered = [], 0

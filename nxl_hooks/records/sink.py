@@ -9,7 +9,10 @@ length (uint64 little-endian), its CRC-32 (uint32 little-endian) and the payload
 ``nxl_hooks`` metadata entry is JSON with a ``kind`` of ``call`` (prompt), ``step`` or ``end`` (sequences), and
 ``seq``, the frame's number in its file (0, 1, 2...). A step frame names its call and step index; a rotated file's
 first frame (``kind`` ``file``) names the file's number and its writer. Files of format 1 (nxl_hooks 0.1: no
-``seq``, no ``file`` frame) still read, with the step checks below.
+``seq``, no ``file`` frame) still read, with the step checks below. A ``call`` frame also carries
+``model``, ``started`` and ``special_ids``, a ``step`` frame its ``time`` and an ``end`` frame ``ended``: optional
+entries of format 2, which older readers skip; records read from older files without them have None there
+(``tests/data/stream-v2.nxl`` is such a file).
 Each frame is written with one ``write`` call before the next decoding step starts, so a process killed with
 SIGKILL leaves every completed step readable. ``Sink(path, fsync=True)`` also survives power loss, at the cost of
 an fsync per step. A sink refuses to write through a symbolic link unless ``Sink(path, follow_symlinks=True)``.
@@ -120,7 +123,8 @@ def encode_call(call: GenerationCall, meta: dict, *, seq: int | None = None) -> 
     if call.prompt_template is not None:
         tensors["prompt_template"] = call.prompt_template
     return _encode(tensors, {"kind": "call", "call": call.index, "layers": call.layers, "meta": meta,
-                             "request_id": call.request_id, "thread": call.thread, "readable": call.readable}, seq)
+                             "request_id": call.request_id, "thread": call.thread, "readable": call.readable,
+                             "model": call.model, "started": call.started, "special_ids": call.special_ids}, seq)
 
 
 def encode_step(step: Step, *, seq: int | None = None) -> bytes:
@@ -129,14 +133,15 @@ def encode_step(step: Step, *, seq: int | None = None) -> bytes:
     if step.probability is not None:
         tensors["probability"] = step.probability
     return _encode(tensors, {"kind": "step", "call": step.call, "step": step.step, "position": step.position,
-                             "layers": step.layers, "n_blocks": step.n_blocks, "readable": step.readable}, seq)
+                             "layers": step.layers, "n_blocks": step.n_blocks, "readable": step.readable,
+                             "time": step.time}, seq)
 
 
 def encode_end(call: GenerationCall, *, seq: int | None = None) -> bytes:
     """The ``end`` frame of a call that returned (or stopped being recorded)."""
     tensors = {"sequences": call.sequences} if call.sequences is not None else {}
-    return _encode(tensors, {"kind": "end", "call": call.index, "complete": call.complete, "error": call.error},
-                   seq)
+    return _encode(tensors, {"kind": "end", "call": call.index, "complete": call.complete, "error": call.error,
+                             "ended": call.ended}, seq)
 
 
 def stream_bytes(call: GenerationCall, meta: dict) -> bytes:
@@ -535,6 +540,14 @@ def _strings(header: dict, name: str) -> Any:
     raise ValueError(f"{name!r} is {value!r}, expected a list of token texts")
 
 
+def _ints(header: dict, name: str) -> list[int] | None:
+    """An optional list of ints (token ids)."""
+    value = header.get(name)
+    if value is None or (isinstance(value, list) and all(type(i) is int for i in value)):
+        return value
+    raise ValueError(f"{name!r} is {value!r:.80}, expected a list of token ids")
+
+
 class _Gap(Exception):
     """Frames whose checksums hold but whose order does not: a frame missing, repeated or moved."""
 
@@ -582,7 +595,10 @@ def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, to
         calls[index] = GenerationCall(index=index, layers=_layers(header), prompt_ids=ids, prompt_mask=mask,
                                       request_id=_field(header, "request_id", (str,), optional=True),
                                       thread=_field(header, "thread", (str,), optional=True),
-                                      readable=_strings(header, "readable"), prompt_template=template)
+                                      readable=_strings(header, "readable"), prompt_template=template,
+                                      special_ids=_ints(header, "special_ids"),
+                                      model=_field(header, "model", (str,), optional=True),
+                                      started=_field(header, "started", (float, int), optional=True))
         return False
     if index not in calls and rotated:
         return False  # its call frame was in a file deleted by the RotatingSink's retention
@@ -593,6 +609,7 @@ def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, to
         step = Step(call=index, step=_field(header, "step", (int,)), position=_field(header, "position", (int,)),
                     layers=_layers(header), n_blocks=_field(header, "n_blocks", (int,), optional=True),
                     probability=tensors.get("probability"), readable=_strings(header, "readable"),
+                    time=_field(header, "time", (float, int), optional=True),
                     **{name: tensors.get(name) for name in STEP_TENSORS})
         _check_step(step, call)
         call.link(step)
@@ -602,6 +619,7 @@ def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, to
         call.sequences = _tensor(tensors, "sequences", 2, optional=True)
         call.complete = _field(header, "complete", (bool,))
         call.error = _field(header, "error", (str,), optional=True)
+        call.ended = _field(header, "ended", (float, int), optional=True)
         return False
     raise ValueError(f"unknown record kind {kind!r} (expected 'call', 'step' or 'end')")
 

@@ -4,16 +4,20 @@
         model.generate(**enc, max_new_tokens=32)
     probe.steps[0].normxlogit            # (len(layers), batch, context_len)
     probe.calls[-1].request_id           # which request the records belong to
+    call = probe.calls[-1]; call.text    # the generated text; call.model, call.started, call.ended
+    call.attribution(call.steps[0]).top(3)   # ranked as everywhere: without special and chat-template tokens
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
 
-from ..method.select import order, rankable
+from ..method.select import order, rankable, special_flags
 from .attribution import Attribution, layers_text
+from .tokens import plain_text
 
 __all__ = ["GenerationCall", "STEP_TENSORS", "Step"]
 
@@ -49,6 +53,8 @@ class Step:
     #: per row, the readable texts of the call's tokens (prompt, then emitted), shared by the call's steps and
     #: read up to ``position``; set by :meth:`GenerationCall.link` (None where the texts are not known)
     context: list[list[str]] | None = field(default=None, repr=False)
+    #: when the record was made, in seconds since the epoch (``time.time()``); None in older files
+    time: float | None = field(default_factory=time.time)
 
     def __repr__(self) -> str:
         """A summary, never the tensors: the emitted token(s), probability, context length, layers and the top
@@ -116,7 +122,14 @@ class GenerationCall:
 
     prompt_template: torch.Tensor | None = None  #: bool (batch, prompt_len): True on the chat template's own tokens
     #: of the prompt (markers, system prompt; :mod:`nxl_hooks.method.chat`), which do not rank; None when unknown
-
+    #: the tokenizer's special token ids (:func:`~nxl_hooks.method.select.special_ids`), which do not rank; None
+    #: without a tokenizer (or in older files)
+    special_ids: list[int] | None = None
+    model: str | None = None  #: the model's name (its folder or hub id, else its class); None in older files
+    #: when the call started and ended (returned, or stopped being recorded), in seconds since the epoch; both
+    #: None in older files, ``ended`` None while it runs
+    started: float | None = field(default_factory=time.time)
+    ended: float | None = None
 
     def __repr__(self) -> str:
         """A summary, never the tensors: request, prompt size, steps, state and row 0's generated text.
@@ -128,6 +141,47 @@ class GenerationCall:
                 f"{len(self.steps)} step(s), {state}, layers {layers_text(self.layers)}"
                 + (", chat template located" if self.prompt_template is not None else "")
                 + f"; generated '{text}" + ("…" if len(self.steps) > 40 else "") + "'>")
+
+    @property
+    def texts(self) -> list[str] | None:
+        """The generated text of each row: its steps' tokens joined (a row's padding after its end left out); None
+        without readable texts (no tokenizer). ``call.texts[1]``"""
+        if not self.steps or any(step.readable is None for step in self.steps):
+            return None
+        rows = range(len(self.steps[0].readable))
+        return [plain_text([s.readable[row] for s in self.steps if bool(s.active[row])]) for row in rows]
+
+    @property
+    def text(self) -> str | None:
+        """The generated text of row 0 (:attr:`texts` for every row). ``probe.calls[-1].text``"""
+        texts = self.texts
+        return texts[0] if texts else None
+
+    def context_ids(self, length: int) -> torch.Tensor | None:
+        """int64 (batch, length): the token ids of a step's context (``length`` = ``step.position``): the prompt's,
+        then each kept step's token, -1 where not known; None when the prompt's ids are not known."""
+        if self.prompt_ids is None:
+            return None
+        ids = torch.full((self.prompt_ids.shape[0], length), -1, dtype=torch.long)
+        ids[:, : self.prompt_ids.shape[1]] = self.prompt_ids[:, :length]
+        for step in self.steps:
+            if step.position < length:
+                ids[:, step.position] = step.token
+        return ids
+
+    def attribution(self, step: Step) -> Attribution:
+        """``step`` as an :class:`Attribution` that knows its context's special and chat-template tokens, so that
+        ``top()`` ranks what every output of the library ranks (:func:`~nxl_hooks.method.select.rankable`).
+        ``call.attribution(call.steps[-1]).top(3)``"""
+        ids = self.context_ids(step.position)
+        special = None if ids is None else special_flags(ids, self.special_ids)
+        return step.to_attribution(special=special, template=self.context_template(step.position))
+
+    def norm_spread(self, row: int = 0) -> float:
+        """The one coefficient of variation of the embedding norms every view of this call prints (terminal, HTML):
+        over the tokens that rank in its first step's context, the prompt's (:meth:`Attribution.norm_spread`); NaN
+        without steps. ``flat_norms(call.norm_spread())``"""
+        return self.attribution(self.steps[0]).norm_spread(row) if self.steps else float("nan")
 
     def context_template(self, length: int) -> torch.Tensor | None:
         """bool (batch, length): the chat-template flags of a step's context (``length`` = ``step.position``): the

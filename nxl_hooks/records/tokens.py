@@ -22,6 +22,12 @@ HTML, JSON records, saved files, stream frames):
 
 The raw pieces (``Attribution.tokens``) and ids (``Attribution.input_ids``) stay available; these strings are
 for reading. A text that happens to contain these glyphs itself reads the same as their meaning.
+
+Back to text: :func:`plain_text` joins readable texts into the text they stand for (a call's ``.text``), and
+:func:`whole_characters` shows tokens that each hold part of one character (an emoji a byte-level tokenizer splits:
+``'␣\\xf0\\x9f\\x98'``, ``'\\x80'``) as the character they make together, on every token of the run
+(``'␣😀'``, ``'␣😀'``); a run whose character is not complete yet (the last token of a live generation) shows what
+it has, then ``…``.
 """
 
 from __future__ import annotations
@@ -34,8 +40,8 @@ from typing import Any, Sequence
 from ..method.chat import chat_prompt
 from ..method.select import ResolvedTarget
 
-__all__ = ["EMPTY", "describe_target", "NEWLINE", "SPACE", "TAB", "chat_text", "label_text", "readable", "readable_ids",
-           "target_texts", "visible"]
+__all__ = ["EMPTY", "describe_target", "NEWLINE", "SPACE", "TAB", "chat_text", "label_text", "plain_text", "readable",
+           "readable_ids", "target_texts", "visible", "whole_characters"]
 
 SPACE = "␣"
 NEWLINE = "↵"
@@ -85,6 +91,65 @@ def visible(text: str) -> str:
         else:
             out.append(char)
     return SPACE * start + "".join(out) + SPACE * end
+
+
+_MEANING = {SPACE: " ", NEWLINE: "\n", TAB: "\t", "␍": "\r", EMPTY: ""}
+_ESCAPED = re.compile(r"\\x([0-9a-f]{2})|\\u([0-9a-f]{4})|\\U([0-9a-f]{8})")
+_BYTES = re.compile(r"(?:\\x[0-9a-f]{2})+")
+
+
+def _raw(name: str) -> bytes:
+    """The UTF-8 bytes a readable text stands for. A text made only of ``\\xNN`` escapes, one of them 0x80 or
+    above, is a byte-level piece (:func:`_undecodable`): those bytes; otherwise glyphs are their characters and
+    escapes the characters they name."""
+    if _BYTES.fullmatch(name) and any(int(name[i + 2:i + 4], 16) >= 0x80 for i in range(0, len(name), 4)):
+        return bytes(int(name[i + 2:i + 4], 16) for i in range(0, len(name), 4))
+    text = "".join(_MEANING.get(char, char) for char in name)
+    return _ESCAPED.sub(lambda m: chr(int(next(g for g in m.groups() if g), 16)), text).encode("utf-8", "surrogatepass")
+
+
+def plain_text(names: Sequence[str]) -> str:
+    """The text that readable token texts stand for, joined (a byte-level emoji's pieces make the emoji again; bytes
+    that never complete a character read ``�``). ``plain_text(["Hello", "␣world", "↵"]) == "Hello world\\n"``"""
+    return b"".join(_raw(name) for name in names).decode("utf-8", "replace")
+
+
+def _complete(data: bytes) -> int:
+    """How many leading bytes of ``data`` end on a character boundary (an incomplete UTF-8 tail left out)."""
+    for back in range(1, min(4, len(data)) + 1):
+        byte = data[-back]
+        if byte & 0xC0 != 0x80:  # a lead byte (or ASCII): does its character fit in what is there?
+            need = 1 if byte < 0x80 else 2 if byte >> 5 == 6 else 3 if byte >> 4 == 14 else 4 if byte >> 3 == 30 else 1
+            return len(data) - back if need > back else len(data)
+    return len(data)
+
+
+def whole_characters(names: Sequence[str]) -> list[str]:
+    """Readable token texts with each run of tokens that share a character (module doc) shown as that run's text,
+    on every token of it; a run left incomplete at the end shows what it has, then ``…``. Other tokens are kept as
+    they are. ``whole_characters(["a", "␣\\xf0\\x9f\\x98", "\\x80"]) == ["a", "␣😀", "␣😀"]``"""
+    out, run, data = list(names), [], b""
+
+    def close(text: str) -> None:
+        for member in run:
+            out[member] = text
+
+    for index, name in enumerate(names):
+        raw = _raw(name)
+        if run and not (raw and raw[0] & 0xC0 == 0x80):  # the character never completes: its bytes read '�'
+            close(visible(data.decode("utf-8", "replace")))
+            run, data = [], b""
+        if not run and _complete(raw) == len(raw):
+            continue  # a token of whole characters: shown as it is
+        run.append(index)
+        data += raw
+        if _complete(data) == len(data):
+            close(visible(data.decode("utf-8", "replace")))
+            run, data = [], b""
+    if run:
+        whole = data[:_complete(data)].decode("utf-8", "replace")
+        close((visible(whole) if whole else "") + "…")
+    return out
 
 
 def _undecodable(piece: str) -> str | None:

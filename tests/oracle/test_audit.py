@@ -2,6 +2,7 @@
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,3 +132,40 @@ def test_bad_arguments_say_what_to_do(tmp_path, capsys):
     data = tiny.write_jsonl(tmp_path / "data.jsonl", 2)
     assert main(["audit", "--reference", "x", str(data), "--out", str(tmp_path / "o")]) == 2
     assert "--candidate MODEL or --quantize" in capsys.readouterr().err
+
+
+def test_what_both_models_explain_is_what_the_report_says_and_the_user_picks_it(tmp_path):
+    """Issue 24 item 10: an example whose dataset target differs from the reference's prediction. By default (and
+    as the docs say) both models explain the dataset's target; --explain reference explains the reference's
+    prediction. The scores are the oracle's for that token, and the report names what was explained."""
+    path = tiny.save_model(tmp_path / "ref", "llama", seed=3)
+    other = tiny.save_model(tmp_path / "cand", "llama", seed=4)
+    tok = tiny.tokenizer()
+    reference = LlamaForCausalLM.from_pretrained(path).eval()
+    text = "the film was very good"
+    ids = torch.tensor([tok(text)["input_ids"]])
+    _, predicted, _ = _oracle_scores(reference, ids)
+    word = next(w for w in ("plot", "film", "bad") if tok.convert_tokens_to_ids(w) != predicted)
+    wanted = tok.convert_tokens_to_ids(word)
+    data = tmp_path / "data.jsonl"
+    data.write_text(json.dumps({"text": text, "target": word}) + "\n" + json.dumps({"text": "the plot was bad"}) + "\n")
+    docs = " ".join((Path(__file__).resolve().parents[2] / "docs" / "faithfulness.md").read_text().split())
+    assert "--explain reference" in docs and "the reference's prediction" in docs
+    for flag, explained, token in (([], "target", wanted), (["--explain", "reference"], "reference prediction",
+                                                             predicted)):
+        out = tmp_path / f"out{len(flag)}"
+        assert main(["audit", "--reference", str(path), "--candidate", str(other), str(data), "--out", str(out),
+                     *flag]) == 0
+        first, second = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+        assert (first["target"], first["explained"]) == (token, explained)
+        assert (second["explained"], second["target"]) == ("reference prediction", second["reference_prediction"])
+        scores, _, _ = _oracle_scores(reference, ids, token)
+        torch.testing.assert_close(torch.tensor(first["reference_scores"]), scores[-1], rtol=1e-4, atol=1e-5)
+        page = " ".join((out / "report.html").read_text().split())
+        if explained == "target":
+            assert f"explained: the dataset&#x27;s target &#x27;{word}&#x27; ({wanted})" in page
+            assert ("both models explaining the dataset&#x27;s target in 1 examples, the reference&#x27;s prediction "
+                    "in 1") in page
+        else:
+            assert f"explained: the reference&#x27;s prediction " in page and "(the dataset&#x27;s target: " in page
+            assert "both models explaining the reference&#x27;s prediction (nxl audit --explain)" in page

@@ -176,3 +176,68 @@ def test_a_template_of_the_wrong_shape_is_refused(world):
     res.template = res.template[:, :3]
     with pytest.raises(nxl.RecordError, match=r"template must be a bool tensor of shape \(1, 20\)"):
         res.check()
+
+
+#: A ChatML template with a default system prompt, as SmolLM2's: the page must fold it away.
+SYSTEM = "You are a helpful assistant named Tiny."
+DEFAULT_SYSTEM = ("{% if messages[0]['role'] != 'system' %}<|im_start|>system\n" + SYSTEM + "<|im_end|>\n{% endif %}"
+                  + bpe_tiny.CHAT_TEMPLATE)
+
+
+def flat_world(path):
+    """A tiny chat model whose input embeddings have nearly one norm (as a model that normalizes them), with a
+    default system prompt: (folder, tokenizer, embedding matrix)."""
+    tok = bpe_tiny.bpe_tokenizer()
+    tok.chat_template = DEFAULT_SYSTEM
+    model = bpe_tiny.bpe_llama(tok)
+    with torch.no_grad():
+        weight = model.get_input_embeddings().weight
+        noise = 1 + 1e-4 * torch.randn(weight.shape[0], 1, generator=torch.Generator().manual_seed(3))
+        weight.copy_(weight / weight.norm(dim=-1, keepdim=True).clamp_min(1e-12) * noise)  # the pad row stays 0
+    return bpe_tiny.save_bpe(path, model, tok), tok, weight.detach().clone()
+
+
+def test_generate_page_marks_and_folds_the_template_scales_by_what_ranks_and_says_the_terminals_spread(
+        tmp_path, capsys):
+    """Issue 24 item 12. The --generate page marks the template's columns (▫), folds them away so the table starts
+    at the user's message, colours each row by its ranked cells only, and prints the one coefficient of variation
+    the terminal prints: the oracle's, over the user's message tokens (cut by hand) of the embedding matrix."""
+    import tiny
+
+    folder, tok, weight = flat_world(tmp_path / "hf")
+    page = tmp_path / "gen.html"
+    assert main(["attribute", str(folder), QUESTION, "--chat", "--generate", "3", "--layers", "last",
+                 "--html", str(page)]) == 0
+    out = capsys.readouterr().out
+    ids, ranked = by_hand(tok, [(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n", False),
+                                (QUESTION, True), ("<|im_end|>\n<|im_start|>assistant\n", False)])
+    norms = weight[ids].norm(dim=-1).double()[sorted(ranked)]
+    spread = f"coefficient of variation {float(norms.std(unbiased=False) / norms.mean()):.1e}"
+    text = page.read_text(encoding="utf-8")
+    assert out.count("coefficient of variation") == 1 and spread in " ".join(out.split())
+    assert text.count("coefficient of variation") == 1 and spread in text
+    # the template's columns: marked, classed and folded; the user's words are the first columns shown
+    cells = tiny.elements(text, "td", "nxl-cell")
+    columns = len(ids) + 3  # the prompt, then the generated tokens
+    assert len(cells) == 3 * columns
+    folded = [j for j in range(columns) if "nxl-template" in cells[j].get("class", "")]
+    assert folded == [j for j in range(len(ids)) if j not in ranked]
+    assert 'id="nxl-generation" class="nxl-folded"' in text and ".nxl-folded .nxl-template{display:none}" in text
+    assert f"your message (column {min(ranked)})" in text and 'id="nxl-template"' in text
+    import json
+
+    data = json.loads(text.split('id="nxl-data">')[1].split("</script>")[0])
+    assert [c.startswith("▫ ") for c in data["columns"]] == [j in folded for j in range(columns)]
+    assert next(c for j, c in enumerate(data["columns"]) if j not in folded) == f"{min(ranked)}: The"
+    # each row's colour: its largest |score| among the ranked cells is full colour, whatever the template's are
+    louder = 0
+    for i in range(3):
+        row = cells[i * columns:(i + 1) * columns]
+        values = {j: float(c["data-value"]) for j, c in enumerate(row) if "data-value" in c}
+        rank = [j for j in values if data["ranked"][i][j]]
+        assert set(rank) == (set(ranked) | set(range(len(ids), len(ids) + i))) - {len(ids) + i - 1}
+        peak = max(rank, key=lambda j: abs(values[j]))
+        assert row[peak]["style"].startswith("background:rgb(214,39,40)" if values[peak] > 0 else
+                                             "background:rgb(31,119,180)")
+        louder += any(abs(values[j]) > abs(values[peak]) for j in folded)
+    assert louder  # a template column scores higher somewhere: by today's rule it would have set the scale

@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -84,8 +85,8 @@ def test_parquet_live_and_exported_rows_equal_the_stream_records_and_the_oracle(
     code = cli_main(["export", str(tmp_path / "run.nxl"), str(tmp_path / "export.parquet")])
     assert code == 0
     columns, exported = _table(tmp_path / "live.parquet"), _table(tmp_path / "export.parquet")
-    assert {k: v for k, v in columns.items() if k != "request_id"} == \
-        {k: v for k, v in exported.items() if k != "request_id"}  # the live sink and nxl export write one format
+    assert {k: v for k, v in columns.items() if k not in ("request_id", "time")} == \
+        {k: v for k, v in exported.items() if k not in ("request_id", "time")}  # one format, live and exported
     # every row is the stream's record at that place, and every real position of every step has its row
     mask_total = sum(int(s.mask.sum()) * len(s.layers) for s in call.steps)
     assert len(columns["row"]) == mask_total
@@ -455,3 +456,66 @@ def test_a_bare_word_is_no_sink(chat, tmp_path, monkeypatch, spec, what):
         sink = nxl.make_sink(path)
         assert isinstance(sink, nxl.Sink) and sink.path == Path(path)
         sink.close()
+
+SYSTEM_CHAT = [{"role": "system", "content": "Answer in one word."},
+               {"role": "user", "content": "The capital of France is"}]
+
+
+def test_parquet_rows_reproduce_the_librarys_ranking_without_the_chat_template(tmp_path):
+    """Issue 24 item 9: "which prompt token got most attribution at the last layer", asked of the Parquet rows with
+    pyarrow alone, leaving out the template's positions by the ``template`` column (and, equally, by ``ranked``),
+    is what ``top()`` of the same records says, and no template token; without the column, a template token wins.
+    The template's positions are cut by hand (tests/oracle/test_chat_ranking.py's oracle). Records carry the model
+    name, times and the generated text."""
+    import bpe_tiny
+    import pyarrow.compute as pc
+    from test_chat_ranking import by_hand
+
+    folder = bpe_tiny.save_bpe(tmp_path / "bpe")
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = LlamaForCausalLM.from_pretrained(folder).eval()
+    model.generation_config.eos_token_id = None
+    ids, ranked_by_hand = by_hand(tok, [("<|im_start|>system\n", False), ("Answer in one word.", False),
+                                        ("<|im_end|>\n<|im_start|>user\n", False), ("The capital of France is", True),
+                                        ("<|im_end|>\n<|im_start|>assistant\n", False)])
+    enc = tok(tok.apply_chat_template(SYSTEM_CHAT, tokenize=False, add_generation_prompt=True), return_tensors="pt")
+    assert enc["input_ids"][0].tolist() == ids
+    before = time.time()
+    with nxl.attach(model, tokenizer=tok, layers=[0, -1], sink=f"parquet:{tmp_path / 'live.parquet'}") as probe:
+        out = model.generate(**enc, max_new_tokens=4, do_sample=False)
+    after = time.time()
+    call = probe.calls[-1]
+    assert call.model == str(folder) and before <= call.started <= call.ended <= after
+    assert all(call.started <= s.time <= call.ended for s in call.steps)
+    assert [s.time for s in call.steps] == sorted(s.time for s in call.steps)
+    assert call.text == tok.decode(out[0, len(ids):]) and call.texts == [call.text]
+    with nxl.attach(model, tokenizer=tok, layers=[0, -1], sink=tmp_path / "run.nxl"):
+        model.generate(**enc, max_new_tokens=4, do_sample=False)
+    (disk,) = nxl.read_stream(tmp_path / "run.nxl")
+    assert disk.model == str(folder) and disk.special_ids == sorted(tok.all_special_ids) and disk.text == call.text
+    assert disk.started <= disk.steps[0].time <= disk.ended
+    assert cli_main(["export", str(tmp_path / "run.nxl"), str(tmp_path / "export.parquet")]) == 0
+    for name, record in (("live.parquet", call), ("export.parquet", disk)):
+        table = pq.read_table(tmp_path / name)
+        assert set(table["model"].to_pylist()) == {str(folder)}
+        assert all(abs(t.timestamp() - record.steps[step].time) < 1e-5
+                   for t, step in zip(table["time"].to_pylist(), table["step"].to_pylist()))
+        last = table.filter(pc.equal(table["layer"], record.layers[-1]))
+        for step in record.steps:
+            rows = last.filter(pc.equal(last["step"], step.step))
+            assert rows["prediction_position"].to_pylist() == [step.position - 1] * step.position
+            assert rows["in_prompt"].to_pylist() == [p < len(ids) for p in range(step.position)]
+            template = rows["template"].to_pylist()
+            assert {p for p in range(len(ids)) if not template[p]} == ranked_by_hand  # the template, by hand
+            best = lambda t: t["token_text"][pc.index(t["normxlogit"], pc.max(t["normxlogit"])).as_py()].as_py()
+            prompt = rows.filter(rows["in_prompt"])
+            asked = prompt.filter(pc.and_(pc.invert(prompt["template"]), pc.invert(prompt["special"])))
+            asked = asked.filter(pc.not_equal(asked["position"], asked["prediction_position"]))
+            library = [(p, t) for p, t, _ in record.attribution(step).top(100) if p < len(ids)][0]
+            position = asked["position"][pc.index(asked["normxlogit"], pc.max(asked["normxlogit"])).as_py()].as_py()
+            assert (position, best(asked)) == library and position in ranked_by_hand
+            assert best(prompt.filter(prompt["ranked"])) == library[1]  # the ranked column says the same
+            assert rows["ranked"].to_pylist() == record.attribution(step).rankable(0).tolist()
+        first = last.filter(pc.equal(last["step"], 0))
+        unfiltered = pc.index(first["normxlogit"], pc.max(first["normxlogit"])).as_py()
+        assert first["template"][unfiltered].as_py()  # without the column a template token is the answer

@@ -90,3 +90,26 @@ def test_generation_page_layer_selector_in_chromium(generation, tmp_path):  # no
     for layer in (0, 2):  # the script picks the layer the address names, and recolours every cell
         dom = _chromium("--dump-dom", f"{path.as_uri()}#layer={layer}")
         generation_cells_match(dom, expected, layer)
+
+
+def test_generation_page_shows_the_users_words_on_screen_at_1400_px(tmp_path):
+    """Issue 24 item 12: with a system prompt the template's columns are folded away, so the first word of the
+    user's message is on screen in a 1400 px wide window (Chromium lays the page out; a script reads where)."""
+    from test_chat_ranking import QUESTION, flat_world
+
+    from nxl_hooks.apps.cli import main
+
+    folder, _, _ = flat_world(tmp_path / "hf")
+    page = tmp_path / "gen.html"
+    assert main(["attribute", str(folder), QUESTION, "--chat", "--generate", "3", "--layers", "last",
+                 "--html", str(page)]) == 0
+    probe = tmp_path / "probe.html"
+    probe.write_text(page.read_text(encoding="utf-8").replace("</body>", """<script>
+      var th = Array.prototype.find.call(document.querySelectorAll("#nxl-generation thead th"),
+                                         function (h) { return / The$/.test(h.textContent); });
+      var r = th.getBoundingClientRect();
+      document.body.setAttribute("data-probe", [r.left, r.right, th.offsetParent !== null].join(","));
+    </script></body>"""), encoding="utf-8")
+    dom = _chromium("--window-size=1400,900", "--dump-dom", probe.as_uri())
+    left, right, shown = dom.split('data-probe="')[1].split('"')[0].split(",")
+    assert shown == "true" and 0 <= float(left) < float(right) <= 1400

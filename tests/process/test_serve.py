@@ -9,6 +9,7 @@ import concurrent.futures
 import importlib.util
 import json
 import os
+import re
 import signal
 import stat
 import subprocess
@@ -253,8 +254,115 @@ def test_tail_prints_one_line_per_token_of_a_request(server, tiny):
     (call,) = nxl.read_stream(server.run, request_id="tail-1")
     tokens = [tiny.tokenizer.decode([int(s.token[0])]) for s in call.steps]
     for index, (text, token) in enumerate(zip(steps, tokens)):
-        request_id, step, shown, rest = text.split(maxsplit=3)
+        request_id, step, at, shown, rest = text.split(maxsplit=4)
         assert (request_id, int(step), shown) == ("tail-1", index, repr(token)) and rest.startswith("L2: ")
+        assert at == f"@{call.steps[index].position}"
+
+
+def _tail(server, *args: str, then=None) -> tuple[str, str]:
+    """Run ``nxl tail --run RUN ARGS``; once it says it waits (it is subscribed then), call ``then()`` (a request);
+    (stdout, stderr) once it exits (within 60 s, else killed)."""
+    tail = subprocess.Popen([*NXL, "tail", "--run", str(server.run), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, encoding="utf-8",
+                            env={**os.environ, "COLUMNS": "1000"})  # lines are cut to the terminal's width
+    err: list[str] = []
+    waiting = threading.Event()
+
+    def read_err() -> None:
+        for text in tail.stderr:
+            err.append(text)
+            if text.startswith("nxl tail: waiting for"):
+                waiting.set()
+
+    reader = threading.Thread(target=read_err, daemon=True)
+    reader.start()
+    try:
+        if then is not None:
+            assert waiting.wait(60), "".join(err)
+            then()
+        out = tail.stdout.read()
+        tail.wait(timeout=60)
+    finally:
+        if tail.poll() is None:
+            tail.kill()
+            tail.wait()
+    reader.join(10)
+    assert tail.returncode == 0, "".join(err)
+    return out, "".join(err)
+
+
+def _entries(text: str) -> list[tuple[int, str]]:
+    """The ``position:'text'`` entries of a tail line's top list."""
+    return [(int(position), name) for position, name in re.findall(r"(\d+):'(.*?)' (?:-?[\d.e+-]+|nan)", text)]
+
+
+def test_tail_says_it_waits_shows_positions_and_the_last_requests(server, tiny):
+    """Issue 24 item 13: idle, tail says it waits; a prompt that holds 'hello' twice shows both, told apart by their
+    positions, and the token's own position; --last 1 shows the last request again, whole, with its end line."""
+    content = "hello hello world"
+    out, err = _tail(server, "--count", "1", "-k", "10",
+                     then=lambda: server.chat(content, max_tokens=2, request_id="tail-idle"))
+    assert err.startswith("nxl tail: waiting for requests (Ctrl-C to stop; nxl tail --last N shows the last N)\n")
+    (first,) = out.splitlines()
+    (call,) = nxl.read_stream(server.run, request_id="tail-idle")
+    ids = tiny.prompt(content)[0].tolist()
+    names = [tiny.tokenizer.decode([i]) for i in ids]
+    assert first.split()[:3] == ["tail-idle", "0", f"@{len(ids)}"] and names.count("hello") == 2
+    entries = _entries(first)
+    assert {p for p, name in entries if name == "hello"} == {i for i, name in enumerate(names) if name == "hello"}
+    assert all(names[p] == name for p, name in entries)
+    out, err = _tail(server, "--last", "1", "--count", "2", "-k", "10")
+    *lines, end = out.splitlines()
+    assert [line.split()[:3] for line in lines] == [["tail-idle", str(s.step), f"@{s.position}"] for s in call.steps]
+    assert lines[0] == first and end == "tail-idle: ended after 2 tokens"
+    refused = subprocess.run([*NXL, "tail", "--run", str(server.run), "--last", "1", "--request-id", "x"],
+                             capture_output=True, text=True, timeout=60)
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "--last" in refused.stderr
+
+
+def save_emoji_model(path: Path) -> Path:
+    """A byte-level BPE chat model that, after a newline, writes '😀' (4 byte tokens) then a newline, over and over:
+    its blocks add nothing, and its head maps each token of the cycle (newline, the emoji's 4 bytes) to the next."""
+    import bpe_tiny
+
+    tok = bpe_tiny.bpe_tokenizer()
+    model = bpe_tiny.bpe_llama(tok, tie_word_embeddings=False)
+    cycle = tok.encode("\n") + tok.encode("😀")
+    assert len(cycle) == 5
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        weight = model.get_input_embeddings().weight
+        unit = weight / weight.norm(dim=-1, keepdim=True).clamp_min(1e-12)
+        head = unit.clone()
+        for before, after in zip(cycle, cycle[1:] + cycle[:1]):
+            head[after] = unit[before]  # the largest logit after `before` (cosine 1)
+        model.lm_head.weight.copy_(head)
+    return bpe_tiny.save_bpe(path, model, tok)
+
+
+def test_tail_shows_an_emoji_split_over_byte_tokens_as_text(tmp_path):
+    """Issue 24 item 13: an emoji that a byte-level tokenizer splits into 4 tokens is shown as '😀', never as bytes
+    ('\\xf0\\x9f'): in the context (the prompt's emoji, on each of its 4 positions) and as generated tokens, whose
+    lines show '…' until the token that completes the character."""
+    path = save_emoji_model(tmp_path / "emoji")
+    run = tmp_path / "run"
+    with Server(path, nxl=["--sink", str(run)], log=tmp_path / "server.log", env=SERVE_ENV) as srv:
+        srv.run = run
+        out, err = _tail(srv, "--count", "5", "-k", "40",
+                         then=lambda: srv.chat("I like 😀", max_tokens=5, request_id="emoji"))
+    (call,) = nxl.read_stream(run, request_id="emoji")
+    assert call.text == "😀\n" and [s.readable[0] for s in call.steps] == ["\\xf0", "\\x9f", "\\x98", "\\x80", "↵"]
+    lines = out.splitlines()
+    assert [line.split()[3] for line in lines] == ["'…'", "'…'", "'…'", "'😀'", "'↵'"]
+    prompt_len = call.prompt_ids.shape[1]
+    emoji = {p for p, name in enumerate(call.readable[0]) if name.startswith("\\x")}
+    assert len(emoji) == 4
+    last = _entries(lines[-1])
+    assert {name for p, name in last if p in emoji} == {"😀"} and {p for p, _ in last} >= emoji
+    assert {name for p, name in last if p >= prompt_len} <= {"😀"}
+    assert "\\x" not in out and "\ufffd" not in out
 
 
 def test_tail_shows_a_hostile_request_id_escaped(server, tiny):

@@ -214,13 +214,14 @@ RAW = ("\x1b", "\x07", "\x9b", "\u202e")
 
 
 def _step(request_id: str, token: str, name: str) -> dict:
-    return {"request_id": request_id, "step": 3, "token": token, "top": {"2": [[0, name, 0.5], [1, "b", -0.25]]}}
+    return {"request_id": request_id, "step": 3, "position": 12, "token": token,
+            "top": {"2": [[0, name, 0.5], [1, "b", -0.25]]}}
 
 
 def test_tail_shows_a_byte_token_escaped_once():
     text = tail.line(_step("r1", "\\xf0\\x9f", "␣Paris"), None, 200)
     assert "'\\xf0\\x9f'" in text and "\\\\x" not in text  # one backslash each, as the token's text has it
-    assert text.split() == ["r1", "3", "'\\xf0\\x9f'", "L2:", "'␣Paris'", "0.5", "'b'", "-0.25"]
+    assert text.split() == ["r1", "3", "@12", "'\\xf0\\x9f'", "L2:", "0:'␣Paris'", "0.5", "1:'b'", "-0.25"]
 
 
 def test_tail_and_ctl_escape_what_comes_from_the_network():

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import nxl_hooks as nxl
+from nxl_hooks.apps.cli import main
 from nxl_hooks.records import sink as stream
 from oracle import llama, normxlogit, prefix_logits
 from test_generate import _model
@@ -252,6 +253,25 @@ def test_a_stream_file_written_by_0_1_still_reads(model):
         torch.testing.assert_close(step.normxlogit, normxlogit(logits, embeddings, step.token)[1][[0, 3]],
                                    rtol=1e-4, atol=1e-4)
         assert torch.equal(step.token, call.sequences[:, n])
+
+
+def test_a_stream_file_written_by_0_2_reads_and_exports_without_the_new_fields(tmp_path):
+    """tests/data/stream-v2.nxl: written by nxl_hooks at commit 1ff058c (format 2, before records had a model name,
+    times and special-token ids): tests/bpe_tiny.py's model and tokenizer, a ChatML prompt with a system prompt, layers [0, -1],
+    2 new tokens. It reads whole, with None where those fields are, and exports to Parquet (null model and time)."""
+    pq = pytest.importorskip("pyarrow.parquet")
+    import bpe_tiny
+
+    (call,) = nxl.read_stream(DATA / "stream-v2.nxl", strict=True)
+    assert call.complete and len(call.steps) == 2 and call.layers == [0, 3] and call.prompt_template is not None
+    assert (call.model, call.started, call.ended, call.special_ids) == (None, None, None, None)
+    assert [step.time for step in call.steps] == [None, None]
+    tok = bpe_tiny.bpe_tokenizer()
+    assert call.text == tok.decode(call.sequences[0, call.prompt_ids.shape[1]:])
+    assert main(["export", str(DATA / "stream-v2.nxl"), str(tmp_path / "old.parquet")]) == 0
+    table = pq.read_table(tmp_path / "old.parquet").to_pydict()
+    assert set(table["model"]) == {None} and set(table["time"]) == {None} and not any(table["special"])
+    assert any(table["template"]) and not any(r and t for r, t in zip(table["ranked"], table["template"]))
 
 
 def test_read_regular_can_refuse_links_and_files_over_a_bound(tmp_path):

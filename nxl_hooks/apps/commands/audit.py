@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Mapping
 
+from ...eval.audit import EXPLAIN
 from ..extras import require_extra
 from ..loading import QUANTIZE
 from ..options import (
@@ -38,6 +39,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     add_loading_options(parser)
     parser.add_argument("--layers", type=parse_layers, default="all", help="all (default) | last | comma list")
     parser.add_argument("--top-k", type=positive_int, default=5, help="k of the top-k overlap (default 5)")
+    parser.add_argument("--explain", choices=EXPLAIN, default=EXPLAIN[0],
+                        help="what both models explain: target (default) = each example's target where the data "
+                        "has one, else the reference's prediction; reference = the reference's prediction always")
     return parser
 
 
@@ -67,6 +71,7 @@ def run(args: argparse.Namespace) -> int:
         quantize=args.quantize,
         layers=args.layers,
         top_k=args.top_k,
+        explain=args.explain,
         loading={**loading, "chat": args.chat},
     )
     reference, tokenizer = load_model(args.reference, **loading)
@@ -88,7 +93,8 @@ def run(args: argparse.Namespace) -> int:
 
     def score(example: Mapping[str, Any]) -> Mapping[str, Any]:
         check_length(tokenizer, example["text"], limit)  # recorded as this example's failure; the run goes on
-        return audit_example(reference, candidate, tokenizer, example, layers=args.layers, top_k=args.top_k)
+        return audit_example(reference, candidate, tokenizer, example, layers=args.layers, top_k=args.top_k,
+                             explain=args.explain)
 
     records = run_dataset(examples, score, args.out, settings=settings, desc=NAME)
     if records is not None:

@@ -1,12 +1,26 @@
-"""``nxl tail [--request-id ID]``: one short line per generated token of a running program, as it is made.
+"""``nxl tail [--request-id ID] [--last N]``: one short line per generated token of a running program, as it is
+made.
 
-    nxl tail                         # every request of the last `nxl run`
+    nxl tail                         # every request of the last `nxl run`, from now on
+    nxl tail --last 3                # the last 3 requests in memory first, then on
     nxl tail --run runs/ --request-id my-req-1 --layer -1 -k 3
 
-What a process does not record (its sink stopped writing, calls that run unrecorded) is a line of its own, ``!``
-first, as soon as its status says so. Every line goes through
-:func:`~nxl_hooks.records.tokens.visible` before the terminal sees it: request ids come from the network, and an
-escape sequence in one is shown, never run.
+A line: request, step, ``@`` the token's position in the sequence, the token, then the context tokens that drove it
+most at one layer, each as ``position:'text' score`` (a word the prompt holds twice is told apart by its
+position)::
+
+    my-req-1            0 @12   '␣Paris'  L2: 9:'␣France' 0.41  3:'␣capital' 0.33
+
+Tokens are readable texts (:mod:`nxl_hooks.records.tokens`: ``␣`` a space, ``↵`` a newline). Tokens that each
+hold part of one character (an emoji a byte-level tokenizer splits into 2 to 4 tokens) are shown as that character,
+on each of them; the line of a token whose character is not complete yet shows ``…`` in its place, and the line of
+the token that completes it the whole character (``'…'``, ``'…'``, ``'…'``, ``'😀'``): a line is printed when its
+token is made, never changed afterwards.
+
+While no token comes (at the start, once subscribed to every process, or for a while after the last token), a
+line on stderr says it waits. What a process does not record (its sink stopped writing, calls that run unrecorded)
+is a line of its own, ``!`` first, as soon as its status says so. Every line goes through :func:`~nxl_hooks.records.tokens.visible` before the terminal
+sees it: request ids come from the network, and an escape sequence in one is shown, never run.
 """
 
 from __future__ import annotations
@@ -14,14 +28,18 @@ from __future__ import annotations
 import argparse
 import queue
 import shutil
+import sys
 import threading
-from urllib.parse import urlencode
+import time
+from urllib.parse import quote, urlencode
 
 from ...records.tokens import visible
 from ..options import CliError, positive_int
 
 NAME = "tail"
 _FAULT_POLL = 2.0  #: seconds between two looks at each process's status for faults
+_WAIT_FIRST = 1.0  #: seconds without a token at the start before tail says it waits
+_WAIT_AGAIN = 5.0  #: ... and after the last token (a slow model may take a second per token)
 
 
 def add_connect_options(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +59,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--layer", type=int, default=None, help="which recorded layer to show (default: the last)")
     parser.add_argument("-k", type=positive_int, default=3, help="context tokens per line (default 3)")
     parser.add_argument("--count", type=positive_int, metavar="N", help="stop after N tokens")
+    parser.add_argument("--last", type=positive_int, metavar="N",
+                        help="first show the last N requests still in the program's memory (then follow on)")
     return parser
 
 
@@ -57,26 +77,56 @@ def faults(model: dict) -> list[str]:
 
 
 def line(data: dict, layer: int | None, width: int) -> str:
-    """One step as a short line: ``req  step  'token'  L2: 'a' 0.41  '␣b' 0.33``. Tokens are readable texts
-    (:mod:`nxl_hooks.records.tokens`), quoted as they are: a byte token reads ``'\\xf0\\x9f'``, escaped once."""
+    """One step as a short line: ``req  step @position 'token'  L2: 5:'a' 0.41  9:'␣b' 0.33`` (the module doc).
+    Tokens are the endpoint's texts (:mod:`nxl_hooks.apps.serve.readout`: readable, a character split over tokens
+    shown whole), quoted as they are."""
     top = data["top"]
     key = str(layer) if layer is not None and str(layer) in top else max(top, key=int)
-    best = "  ".join(f"'{name}' {score:.3g}" if score is not None else f"'{name}' nan" for _, name, score in top[key])
+    best = "  ".join(f"{position}:'{name}' " + (f"{score:.3g}" if score is not None else "nan")
+                     for position, name, score in top[key])
     token = f"'{data['token']}'"
-    text = visible(f"{visible(str(data['request_id']))[:16]:<16} {data['step']:>4} {token:>12}  L{key}: {best}")
+    text = visible(f"{visible(str(data['request_id']))[:16]:<16} {data['step']:>4} @{data['position']:<5} {token:>12}"
+                   f"  L{key}: {best}")
     return text if len(text) <= width else text[: max(width - 1, 8)] + "…"
+
+
+def end_line(data: dict) -> str:
+    """A request's last line: ``my-req-1: ended after 6 tokens`` (and why it stopped early, if it did)."""
+    return visible(f"{data['request_id']}: ended after {data['steps']} tokens"
+                   + (f" ({data['error']})" if data.get("error") else ""))
+
+
+def last_requests(targets: list, n: int, k: int) -> list[tuple[str, dict]]:
+    """The (event, data) items of the last ``n`` generation requests in the processes' memory, oldest first: each
+    one's ``step`` items, then ``end`` once it has ended."""
+    found = []
+    for endpoint in targets:
+        for summary in endpoint.json("GET", "/v1/requests")["requests"]:
+            if summary.get("kind") == "generate" and summary.get("request_id") is not None:
+                found.append((summary.get("started") or 0.0, endpoint, summary))
+    items: list[tuple[str, dict]] = []
+    for _, endpoint, summary in sorted(found, key=lambda item: item[0])[-n:]:
+        view = endpoint.json("GET", f"/v1/requests/{quote(summary['request_id'], safe='')}?k={k}")
+        items += [("step", {"request_id": view["request_id"], "model": view.get("model"), **step})
+                  for step in view["steps"]]
+        if view.get("ended"):
+            items.append(("end", {**view, "steps": len(view["steps"])}))
+    return items
 
 
 def run(args: argparse.Namespace) -> int:
     from ..serve.client import endpoints
 
+    if args.last and args.request_id:
+        raise CliError("--last shows the last requests; --request-id follows one (from its first token): give one")
     targets = endpoints(args.run, args.token_file)
     query = {"k": args.k, **({"request_id": args.request_id} if args.request_id else {})}
     items: queue.Queue = queue.Queue()
 
     def follow(endpoint) -> None:
         try:
-            for event, data in endpoint.events(f"/v1/stream?{urlencode(query)}"):
+            for event, data in endpoint.events(f"/v1/stream?{urlencode(query)}",
+                                               on_open=lambda: items.put(("open", {}))):
                 items.put((event, data))
         except Exception as error:  # noqa: BLE001 - reported by the main thread
             items.put(("error", {"error": f"{endpoint.name}: {error}"}))
@@ -101,31 +151,54 @@ def run(args: argparse.Namespace) -> int:
     for endpoint in targets:
         threading.Thread(target=follow, args=(endpoint,), daemon=True).start()
         threading.Thread(target=watch_faults, args=(endpoint,), daemon=True).start()
+    past = last_requests(targets, args.last, args.k) if args.last else []  # after subscribing: none is missed
     try:
-        return _show(items, args, len(targets))
+        return _show(items, args, len(targets), past)
     finally:
         stop.set()
 
 
-def _show(items: queue.Queue, args: argparse.Namespace, open_streams: int) -> int:
-    """Print what the follower threads put in ``items`` until the request ends, ``--count`` is reached or every
-    stream has closed."""
+def _show(items: queue.Queue, args: argparse.Namespace, open_streams: int, past: list[tuple[str, dict]]) -> int:
+    """Print ``past`` (``--last``), then what the follower threads put in ``items`` until the request ends,
+    ``--count`` is reached or every stream has closed; say so on stderr while no token comes."""
     width, shown = shutil.get_terminal_size((120, 20)).columns, 0
+    seen = {(data["request_id"], data["step"]) for event, data in past if event == "step"}
+    waiting = f"request {visible(args.request_id)}" if args.request_id else "requests"
+    quiet_since, wait, said, opening = time.monotonic(), _WAIT_FIRST, False, open_streams
+    for event, data in past:
+        if args.count and shown >= args.count and event == "step":
+            return 0  # --count reached (the end line of the request shown last still came)
+        print(line(data, args.layer, width) if event == "step" else end_line(data), flush=True)
+        shown += event == "step"
+    if args.count and shown >= args.count:
+        return 0
     while open_streams:
-        event, data = items.get()
+        try:
+            event, data = items.get(timeout=0.25)
+        except queue.Empty:
+            if not said and not opening and time.monotonic() - quiet_since >= wait:
+                said = True
+                hint = "" if args.request_id or args.last else "; nxl tail --last N shows the last N"
+                print(f"nxl tail: waiting for {waiting} (Ctrl-C to stop{hint})", file=sys.stderr, flush=True)
+            continue
         if event == "step":
+            if (data["request_id"], data["step"]) in seen:
+                continue  # already shown by --last
+            quiet_since, wait, said = time.monotonic(), _WAIT_AGAIN, False
             print(line(data, args.layer, width), flush=True)
             shown += 1
             if args.count and shown >= args.count:
                 return 0
         elif event == "end":
-            print(visible(f"{data['request_id']}: ended after {data['steps']} tokens"
-                          + (f" ({data['error']})" if data.get("error") else "")), flush=True)
+            print(end_line(data), flush=True)
             return 0
         elif event == "fault":
             print(visible(data["text"]), flush=True)
         elif event == "error":
             raise CliError(data["error"])
+        elif event == "open":  # subscribed: from now on nothing is missed
+            opening -= 1
+            quiet_since = time.monotonic()
         elif event == "closed":
             open_streams -= 1
     return 0

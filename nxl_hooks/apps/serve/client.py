@@ -21,7 +21,7 @@ import socket
 import sys
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
 from ..options import CliError
@@ -91,12 +91,16 @@ class Endpoint:
             raise CliError(f"{self.name}: {status} {message}")
         return value
 
-    def events(self, path: str, timeout: float | None = None) -> Iterator[tuple[str, dict]]:
-        """(event, data) of a server-sent event stream, until the endpoint closes it."""
+    def events(self, path: str, timeout: float | None = None,
+               on_open: Callable[[], Any] | None = None) -> Iterator[tuple[str, dict]]:
+        """(event, data) of a server-sent event stream, until the endpoint closes it. ``on_open``: called once the
+        endpoint answered (it is subscribed then: no step made later is missed)."""
         response = self._open("GET", path, None, timeout)
         if response.status != 200:
             value = json.loads(response.read() or b"null")
             raise CliError(f"{self.name}: {response.status} {value.get('error') if isinstance(value, dict) else ''}")
+        if on_open is not None:
+            on_open()
         event, data = "message", []
         for raw in response:
             line = raw.decode().rstrip("\r\n")

@@ -4,8 +4,11 @@
     step_view(watch.texts, call, step, k=5)    # {"step", "token", "top": {"30": [[position, "token", score], ...]}}
     forward_view(watch, forward, k=5)          # a classifier's forward: per explained row, the top-k per layer
 
-Top-k follows :meth:`nxl_hooks.Attribution.top` (signed NormXLogit; padding, the prediction position and special
-tokens do not rank). Token text is ``tokenizer.decode`` of the single id.
+Top-k follows :meth:`nxl_hooks.Attribution.top` (signed NormXLogit; padding, the prediction position, special
+tokens and a chat template's own tokens do not rank). Token text is the readable text of the single id
+(:mod:`nxl_hooks.records.tokens`), except that tokens which each hold part of one character (an emoji a byte-level
+tokenizer splits) show that character (:func:`~nxl_hooks.records.tokens.whole_characters`, over the context and
+the emitted token: a token whose character the next token completes reads ``…`` until then).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import Any
 import torch
 
 from ...records.steps import GenerationCall, Step
+from ...records.tokens import whole_characters
 
 __all__ = ["Context", "call_view", "ended", "forward_view", "step_view", "summary"]
 
@@ -32,7 +36,7 @@ def summary(watch: Any, record: Any) -> dict:
         res = record.attribution
         return {**common, "kind": "forward", "rows": int(res.normxlogit.shape[1]), "complete": True, "ended": True,
                 "error": None, "layers": res.layers}
-    return {**common, "kind": "generate", "call": record.index, "steps": len(record.steps),
+    return {**common, "kind": "generate", "call": record.index, "steps": len(record.steps), "started": record.started,
             "complete": record.complete, "ended": ended(record), "error": record.error,
             "prompt_tokens": int(record.prompt_mask.shape[1]) if record.prompt_mask is not None else None,
             "layers": record.layers}
@@ -73,10 +77,12 @@ def step_view(texts: Any, call: GenerationCall | None, step: Step, *, k: int = 5
     batch = step.token.shape[0]
     flags = torch.tensor([special] * batch, dtype=torch.bool) if special is not None else None
     template = call.context_template(step.position) if call is not None else None  # the chat template does not rank
-    res = step.to_attribution(tokens=[names] * batch, special=flags, template=template)
     token = int(step.token[row])
+    shown = whole_characters([*names, texts.text(token)])  # what was there when the token was made, never later
+    res = step.to_attribution(tokens=[names] * batch, special=flags, template=template,
+                              readable=[shown[:-1]] * batch)
     probability = None if step.probability is None else float(step.probability.reshape(batch, -1)[row, 0])
-    return {"step": step.step, "position": step.position, "token_id": token, "token": texts.text(token),
+    return {"step": step.step, "position": step.position, "token_id": token, "token": shown[-1],
             "probability": probability,
             "active": bool(step.active[row]), "top": _top(res, k, row)}
 

@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from ...hooks.generate import EAGER
+from ...hooks.plan import model_name
 from .controller import Controller, count_hooks, start, stop
 from .lazy import HOOKS
 from .settings import Settings
@@ -64,8 +65,7 @@ def _scan() -> list[tuple[Any, str]]:
         return []
     models = [obj for obj in gc.get_objects() if isinstance(obj, modeling.PreTrainedModel)]
     inner = {id(sub) for model in models for sub in model.modules() if sub is not model}
-    return [(model, str(getattr(model, "name_or_path", "") or type(model).__name__))
-            for model in models if id(model) not in inner]
+    return [(model, model_name(model)) for model in models if id(model) not in inner]
 
 
 def _attach(env: dict[str, str], wait: float) -> dict:
