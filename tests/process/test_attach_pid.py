@@ -286,12 +286,15 @@ def test_permission_rules_owner_or_root_and_ptrace_scope():
 
 def test_python_314_goes_through_remote_exec_with_the_bootstrap_file(tmp_path):
     bootstrap = tmp_path / "bootstrap.py"
-    target = Target(4242, 0, 0, "/usr/bin/python3.14", ["/venv/bin/python", "-I"], {}, "/", (3, 14), "x")
+    target = Target(4242, 0, 0, "/usr/bin/python3.14", (3, 14), trusted=(1, 2))
     command = injector_command(target, bootstrap)
     assert target.route == "remote_exec" and not bootstrap.with_suffix(".gdb").exists()
-    assert command == ["/venv/bin/python", "-I", "-S", "-c", f"import sys; sys.remote_exec(4242, {str(bootstrap)!r})"]
-    older = Target(4242, 0, 0, "/usr/bin/python3.13", ["/usr/bin/python3.13"], {}, "/", (3, 13), "x")
+    # the interpreter file the kernel resolved, isolated (never a venv's link, never the target's environment)
+    assert command == ["/usr/bin/python3.14", "-I", "-S", "-c", f"import sys; sys.remote_exec(4242, {str(bootstrap)!r})"]
+    older = Target(4242, 0, 0, "/usr/bin/python3.13", (3, 13), trusted=(1, 2))
     assert older.route == "gdb" and injector_command(older, bootstrap)[:3] == ["gdb", "-p", "4242"]
+    # an interpreter this process may not run (another user's file): gdb, which runs nothing of it
+    assert Target(4242, 1000, 1000, "/home/u/python3.14", (3, 14), trusted=None).route == "gdb"
     # the bootstrap never raises and leaves __main__ as it was, whatever its script does
     script = tmp_path / "script.py"
     script.write_text("raise SystemExit(3)")
