@@ -7,17 +7,19 @@ PID`` reach it. Standard library only; the side of it that runs in the target is
 What root trusts. ``nxl attach`` may run as root against another user's process; it then runs, imports and
 believes nothing that user controls. Everything about the target is read once from ``/proc`` (the kernel's
 word); the interpreter file the kernel resolved (``/proc/PID/exe``) is run by root, to learn its version and to
-inject on 3.14+, only when nobody but root can change it (a regular file of root's that group and others cannot
-write, in folders of root's that they cannot write either, or sticky ones), and then exactly that file, opened
-once and run through its descriptor, with ``-I -S``, an empty environment and ``/`` as working folder: nothing of
-the target's environment (``PYTHONPATH``, ``PYTHONHOME``, ``LD_PRELOAD``...), folders or symlinks. An interpreter
-root does not own is not run at all: its process goes through gdb, which runs nothing of it (``-nx``, auto-load
-off). Whether nxl_hooks imports is answered by the target itself, after the injection. (Attaching to one's own
-process, the same holds with "root's or your own" for "root's".)
+inject on 3.14+, only when it is a Python interpreter's (``python3.12``, not a program embedding Python) and
+nobody but root can change it (a regular file of root's that group and others cannot write, in folders of root's
+that they cannot write either, or sticky ones), and then exactly that file, opened once and run through its
+descriptor, with ``-I -S``, an empty environment and ``/`` as working folder: nothing of the target's environment
+(``PYTHONPATH``, ``PYTHONHOME``, ``LD_PRELOAD``...), folders or symlinks. Any other interpreter is not run at all:
+its version is read from the file names the kernel maps (``libpython3.12``: only to refuse one below 3.10) and
+its process goes through gdb, which runs nothing of it (``-nx``, auto-load off). Whether nxl_hooks imports is
+answered by the target itself, after the injection. (Attaching to one's own process, the same holds with "root's
+or your own" for "root's".)
 
 The route. Python 3.14 and newer, with an interpreter the caller may run (above): ``sys.remote_exec(pid,
 script)`` (PEP 768), run by that interpreter (its version must match the target's). Otherwise (3.10 to 3.13, or
-an interpreter of another user's): ``gdb -p PID`` in batch mode, as memray and pyrasite do, but it runs no Python
+any other interpreter): ``gdb -p PID`` in batch mode, as memray and pyrasite do, but it runs no Python
 itself: it maps one anonymous page in the target, writes the two-line bootstrap there, queues
 ``PyRun_SimpleString(page)`` with ``Py_AddPendingCall`` and detaches (about 0.3 s with the process stopped). The
 interpreter runs pending calls in its main thread, with the GIL, between two bytecodes, the way it runs Python
@@ -166,24 +168,19 @@ def _run_checked(path: str, identity: tuple[int, int], args: list[str], **popen:
         os.close(fd)
 
 
-def _version(pid: int, executable: str, identity: tuple[int, int] | None, maps: str) -> tuple[int, int] | None:
-    """The target's Python version: asked of its interpreter file when this process may run it (``-I -S``, nothing
-    of the target's), else read from the names of the files the kernel maps (``python3.12``, ``libpython3.12``),
-    else None (unknown: gdb takes it, and the target's own import has the last word)."""
-    if identity is not None and _PYTHON.search(os.path.basename(executable)):
-        process = _run_checked(executable, identity, ["-I", "-S", "-c", _PROBE], stdout=subprocess.PIPE,
-                               stderr=subprocess.DEVNULL, text=True)
-        try:
-            output, _ = process.communicate(timeout=30)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.communicate()
-            raise CliError(f"process {pid}'s interpreter {executable} did not say its version within 30 s") from None
-        major, _, minor = output.strip().partition(".")
-        if process.returncode == 0 and major == "3" and minor.isdigit():
-            return 3, int(minor)
-    found = _VERSION.search(executable) or _VERSION.search(maps)
-    return (3, int(found.group(1))) if found else None
+def _probe(pid: int, executable: str, identity: tuple[int, int]) -> tuple[int, int] | None:
+    """The Python version of the interpreter file this process may run (:func:`trusted_file`), asked of that file
+    with ``-I -S`` and nothing of the target's; None if it does not say."""
+    process = _run_checked(executable, identity, ["-I", "-S", "-c", _PROBE], stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, text=True)
+    try:
+        output, _ = process.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise CliError(f"process {pid}'s interpreter {executable} did not say its version within 30 s") from None
+    major, _, minor = output.strip().partition(".")
+    return (3, int(minor)) if process.returncode == 0 and major == "3" and minor.isdigit() else None
 
 
 def _options(argv: list[str]) -> list[str]:
@@ -234,8 +231,13 @@ def inspect_target(pid: int) -> Target:
     if environ.get("NXL_RUN_DIR"):
         raise CliError(f"process {pid} runs under nxl run already (run folder {environ['NXL_RUN_DIR']}): use "
                        f"nxl ctl --run {environ['NXL_RUN_DIR']}")
-    trusted = trusted_file(executable, frozenset({0, os.geteuid()} if uid == os.geteuid() else {0}))
-    version = _version(pid, executable, trusted, maps)
+    # run only a Python interpreter's file (not a program embedding Python), and only one nobody else can change
+    trusted = (trusted_file(executable, frozenset({0, os.geteuid()} if uid == os.geteuid() else {0}))
+               if _PYTHON.search(os.path.basename(executable)) else None)
+    version = _probe(pid, executable, trusted) if trusted else None
+    if version is None:  # not run, or it did not answer: gdb takes it, the file names tell the version if any
+        trusted, named = None, _VERSION.search(executable) or _VERSION.search(maps)
+        version = (3, int(named.group(1))) if named else None
     if version is not None and version < (3, 10):
         raise CliError(f"process {pid} runs Python {version[0]}.{version[1]}: nxl_hooks needs 3.10 or newer")
     target = Target(pid, uid, gid, executable, version, trusted)
