@@ -16,6 +16,7 @@ Every process is stopped by PID; nothing is written outside the test's own tempo
 from __future__ import annotations
 
 import os
+import pwd
 import secrets
 import shutil
 import signal
@@ -56,9 +57,10 @@ _TARGET = textwrap.dedent("""
 """)
 
 _POPEN = subprocess.Popen  #: the real one, while a test hooks it
-#: On the user's PYTHONPATH: an interpreter asked where it finds nxl_hooks (nxl attach's check, as it was) claims
-#: to be 3.14.
-_FAKE_VERSION = "import sys\nif 'find_spec' in ' '.join(sys.orig_argv):\n    sys.version_info = (3, 14, 0, 'final', 0)\n"
+#: On the user's PYTHONPATH: an interpreter asked its version or where it finds nxl_hooks (nxl attach's check, as it
+#: was) claims to be 3.14.
+_FAKE_VERSION = ("import sys\nif any(word in ' '.join(sys.orig_argv) for word in ('find_spec', 'version_info')):\n"
+                 "    sys.version_info = (3, 14, 0, 'final', 0)\n")
 
 
 class Process:
@@ -140,8 +142,6 @@ def user(shared):
     subprocess.run(["useradd", "--system", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin", name],
                    check=True, capture_output=True, timeout=60)
     try:
-        import pwd
-
         entry = pwd.getpwnam(name)
         home = shared / "home"
         home.mkdir()
@@ -156,7 +156,7 @@ def user_target(user, shared):
     """The other user's process: the system Python reached through a link in that user's own folder, a
     sitecustomize of that user's faking the version, a model held and used in a loop."""
     name, uid, gid, home = user
-    for folder in ("bin", "site", "tmp", "run"):
+    for folder in ("bin", "site", "tmp"):
         (home / folder).mkdir()
     (home / "bin" / "python").symlink_to(SYSTEM_PYTHON)
     (home / "site" / "sitecustomize.py").write_text(_FAKE_VERSION)
@@ -174,7 +174,8 @@ def user_target(user, shared):
                            group=name, extra_groups=[], capture_output=True, text=True, timeout=240, cwd=home)
     if probe.returncode != 0:
         pytest.skip(f"the other user cannot import this environment's packages: {probe.stderr.strip()[-300:]}")
-    process = Process(home / "run", [str(home / "bin" / "python"), str(home / "target.py"), str(shared / MODEL_NAME)],
+    (shared / "user-logs").mkdir()
+    process = Process(shared / "user-logs", [str(home / "bin" / "python"), str(home / "target.py"), str(shared / MODEL_NAME)],
                       env, user=name)
     yield process
     process.stop()
@@ -262,8 +263,9 @@ def test_sink_hands_over_only_a_folder_nxl_made_and_takes_it_back_on_failure(use
     paths = (existing, existing / "root-file", existing / "link", secret)
     before = _ownership(*paths)
 
-    err = _refused(capsys, "attach", str(user_target.pid), "--sink", str(existing))
-    assert "exists" in err and "new path" in err
+    code, out, err = _cli(capsys, "attach", str(user_target.pid), "--sink", str(existing))
+    assert _ownership(*paths) == before  # root's file, and the file its link names, are still root's
+    assert code == 2 and not out and len(err.splitlines()) == 1 and "exists" in err and "new path" in err, err
     assert "symbolic link" in _refused(capsys, "attach", str(user_target.pid), "--sink", str(shared / "linked" / "r"))
     assert _ownership(*paths) == before and sorted(os.listdir(existing)) == ["link", "root-file"]
 
