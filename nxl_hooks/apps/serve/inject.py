@@ -319,8 +319,9 @@ def injector_command(target: Target, bootstrap: Path) -> list[str]:
         "  printf \"NXL_QUEUED %%d\\n\", $nxl_rc\n"
         "end\n"
         "detach\n" % (PAGE, bootstrap))
-    settings = ("auto-load off", "auto-solib-add off", "debuginfod enabled off", "confirm off", "pagination off",
-                "unwindonsignal on")  # an unknown one (debuginfod on an older gdb) is reported, not fatal
+    # auto-load off and libthread_db from the system's folders only: nothing of the target's files is run by gdb
+    settings = ("auto-load off", "libthread-db-search-path $sdir", "auto-solib-add off", "debuginfod enabled off",
+                "confirm off", "pagination off", "unwindonsignal on")  # an unknown one is reported, not fatal
     return ["gdb", "-p", str(target.pid), "--batch", "-nx", "-q",
             *(item for setting in settings for item in ("-iex", f"set {setting}")), "-x", str(commands)]
 
