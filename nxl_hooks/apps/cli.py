@@ -15,10 +15,9 @@ import argparse
 import sys
 from typing import Any, NoReturn, Sequence
 
-from ..records.tokens import visible
 from .commands import COMMANDS
 from .extras import extra_hint, quiet_library_noise
-from .options import CliError, parse_layers, parse_target, positive_int
+from .options import CliError, one_line, parse_layers, parse_target, positive_int
 
 __all__ = ["CliError", "build_parser", "main", "one_line", "parse_layers", "parse_target", "positive_int"]
 
@@ -32,14 +31,6 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, one_line(f"{self.prog}: error: {message} (see {self.prog} --help)") + "\n")
-
-
-def one_line(message: str) -> str:
-    """``message`` on one line that any terminal can print: whitespace runs become one space, and control, format
-    and bidi characters, and what cannot be encoded (a command-line byte that is not UTF-8, kept by Python as a
-    lone surrogate), are shown escaped (:func:`~nxl_hooks.records.tokens.visible`): an error may quote a request
-    id or a server's answer."""
-    return visible(" ".join(message.split()))
 
 
 def _not_utf8(argv: Sequence[str]) -> str | None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..method import select
+from ..records.tokens import visible
 from .loading import DTYPES
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "check_output_file",
     "check_output_folder",
     "loading_options",
+    "one_line",
     "parse_layers",
     "parse_max_memory",
     "parse_target",
@@ -38,6 +40,14 @@ HEADS = ("causal_lm", "sequence_classification", "masked_lm")  # --head: when co
 
 class CliError(Exception):
     """Bad command-line input: printed as one line, exit code 2."""
+
+
+def one_line(message: str) -> str:
+    """``message`` on one line that any terminal can print: whitespace runs become one space, and control, format
+    and bidi characters, and what cannot be encoded (a command-line byte that is not UTF-8, kept by Python as a
+    lone surrogate), are shown escaped (:func:`~nxl_hooks.records.tokens.visible`): an error may quote a request
+    id or a server's answer, a notice of ``nxl attach`` what another user's process said (its model's name)."""
+    return visible(" ".join(message.split()))
 
 
 def check_output_file(path: str | None, option: str) -> None:

@@ -23,7 +23,9 @@ import torch
 
 import nxl_hooks as nxl
 from nxl_hooks.apps.serve.client import Endpoint
-from nxl_hooks.apps.serve.inject import Target, bootstrap_source, injector_command, permission_refusal
+from nxl_hooks.apps.options import CliError
+from nxl_hooks.apps.serve.inject import (Target, _queue, bootstrap_source, injector_command, permission_refusal,
+                                          trusted_file)
 from oracle import normxlogit, prefix_logits
 from serving import Server
 from test_serve import CB_FLAGS, SERVE_ENV, Tiny, _cli, check_call, tiny  # noqa: F401 - tiny: the fixture
@@ -286,12 +288,15 @@ def test_permission_rules_owner_or_root_and_ptrace_scope():
 
 def test_python_314_goes_through_remote_exec_with_the_bootstrap_file(tmp_path):
     bootstrap = tmp_path / "bootstrap.py"
-    target = Target(4242, 0, 0, "/usr/bin/python3.14", ["/venv/bin/python", "-I"], {}, "/", (3, 14), "x")
+    target = Target(4242, 0, 0, "/usr/bin/python3.14", (3, 14), trusted=(1, 2))
     command = injector_command(target, bootstrap)
     assert target.route == "remote_exec" and not bootstrap.with_suffix(".gdb").exists()
-    assert command == ["/venv/bin/python", "-I", "-S", "-c", f"import sys; sys.remote_exec(4242, {str(bootstrap)!r})"]
-    older = Target(4242, 0, 0, "/usr/bin/python3.13", ["/usr/bin/python3.13"], {}, "/", (3, 13), "x")
+    # the interpreter file the kernel resolved, isolated (never a venv's link, never the target's environment)
+    assert command == ["/usr/bin/python3.14", "-I", "-S", "-c", f"import sys; sys.remote_exec(4242, {str(bootstrap)!r})"]
+    older = Target(4242, 0, 0, "/usr/bin/python3.13", (3, 13), trusted=(1, 2))
     assert older.route == "gdb" and injector_command(older, bootstrap)[:3] == ["gdb", "-p", "4242"]
+    # an interpreter this process may not run (another user's file): gdb, which runs nothing of it
+    assert Target(4242, 1000, 1000, "/home/u/python3.14", (3, 14), trusted=None).route == "gdb"
     # the bootstrap never raises and leaves __main__ as it was, whatever its script does
     script = tmp_path / "script.py"
     script.write_text("raise SystemExit(3)")
@@ -301,6 +306,38 @@ def test_python_314_goes_through_remote_exec_with_the_bootstrap_file(tmp_path):
     bootstrap.write_text(bootstrap_source(str(script)))
     done = subprocess.run([sys.executable, "-c", probe % str(bootstrap)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
+
+
+def test_the_314_route_runs_exactly_the_checked_file_with_nothing_of_the_environment(tmp_path, monkeypatch):
+    folder = tmp_path / "bin"
+    folder.mkdir(mode=0o755)
+    tmp_path.chmod(0o755)
+    stand_in, said = folder / "python3.14", tmp_path / "said"  # an "interpreter" that says how it was run
+    stand_in.write_text(f'#!/bin/sh\necho "$@" > {said}\nenv >> {said}\n')
+    stand_in.chmod(0o755)
+    owners = frozenset({0, os.geteuid()})
+    identity = trusted_file(str(stand_in), owners)
+    assert identity is not None
+    (tmp_path / "link").symlink_to(stand_in)
+    (tmp_path / "open").mkdir()
+    shutil.copy(stand_in, tmp_path / "open" / "python3.14")
+    (tmp_path / "open").chmod(0o777)  # others could swap the file in it
+    assert trusted_file(str(tmp_path / "link"), owners) is None
+    assert trusted_file(str(tmp_path / "open" / "python3.14"), owners) is None
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the caller's environment does not reach it either
+    monkeypatch.setenv("LD_PRELOAD", "nothing.so")
+    target = Target(os.getpid(), os.getuid(), os.getgid(), str(stand_in), (3, 14), identity)
+    _queue(target, tmp_path / "bootstrap.py", 5)
+    args, *env = said.read_text().splitlines()
+    assert args == f"-I -S -c import sys; sys.remote_exec({os.getpid()}, {str(tmp_path / 'bootstrap.py')!r})"
+    assert not [line for line in env if line.startswith(("PYTHON", "LD_"))], env
+    replacement = tmp_path / "other"
+    replacement.write_text("#!/bin/sh\ntouch " + str(tmp_path / "ran") + "\n")
+    replacement.chmod(0o755)
+    replacement.rename(stand_in)  # the path now names another file than the one checked
+    with pytest.raises(CliError, match="replaced since nxl attach checked it"):
+        _queue(target, tmp_path / "bootstrap.py", 5)
+    assert not (tmp_path / "ran").exists()
 
 
 _HIDDEN = ("import sys, time\nsys.modules['nxl_hooks'] = None\n"

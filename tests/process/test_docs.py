@@ -1,7 +1,8 @@
 """The documentation holds together: the MkDocs site builds in strict mode (a broken link, a missing page in the nav
 or an API reference that names nothing fails), every public name is in the API reference, README's links and
 anchors lead somewhere, README keeps the test command CI runs, the changelog's table of removed module paths is
-true of the code, and the version is one number everywhere.
+true of the code, the version is one number everywhere, and the server page sends a running process to
+`nxl attach`, whose rules as root docs/security.md states.
 """
 
 from __future__ import annotations
@@ -96,6 +97,14 @@ def test_readme_links_and_anchors_lead_somewhere(site):
             if anchor and path.startswith("docs/"):
                 html = (site / Path(path).relative_to("docs").with_suffix("") / "index.html").read_text("utf-8")
                 assert f'id="{anchor}"' in html, f"{document}: {path} has no heading #{anchor}"
+
+
+def test_the_manual_says_a_running_process_is_attached_and_what_root_trusts_then(site):
+    server = (ROOT / "docs" / "server.md").read_text(encoding="utf-8")
+    assert "cannot be attached from outside" not in server and "(attach-pid.md)" in server
+    anchor = "what-root-trusts-nxl-attach-pid"  # linked from attach-pid.md; the rules nxl attach keeps as root
+    assert f"(security.md#{anchor})" in (ROOT / "docs" / "attach-pid.md").read_text(encoding="utf-8")
+    assert f'id="{anchor}"' in (site / "security" / "index.html").read_text("utf-8")
 
 
 def test_readme_keeps_the_test_command_ci_runs():

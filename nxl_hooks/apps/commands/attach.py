@@ -12,14 +12,15 @@ process is reached, and every refusal: :mod:`nxl_hooks.apps.serve.inject`; what 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import sys
 from pathlib import Path
 
-from ..options import CliError
+from ..options import CliError, check_output_folder, one_line
 from ..serve.settings import add_run_options
-from .run import prepare_run
+from .run import _is_kind, prepare_run
 
 NAME = "attach"
 
@@ -46,34 +47,68 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from ..serve.inject import inject, inspect_target
+    from ..serve.runs import TOKEN
 
     target = inspect_target(args.pid)
-    if target.uid != os.geteuid() and not args.sink:
-        raise CliError(f"process {args.pid} runs as uid {target.uid}: pass --sink DIR, a run folder it will own")
-    made = not args.sink or not Path(args.sink).expanduser().exists()
-    settings = prepare_run(args, {})
-    folder = settings.run_dir
-    if target.uid != os.geteuid():
-        for path in (folder, *folder.iterdir()):
-            os.chown(path, target.uid, target.gid)
+    other = target.uid != os.geteuid()  # root, for another user's process: the run folder becomes theirs
+    folder_given = bool(args.sink) and not _is_kind(args.sink)
+    if other and not folder_given:
+        raise CliError(f"process {args.pid} runs as uid {target.uid}: pass --sink DIR, a new folder (nxl attach "
+                       "creates it and hands it to that user)")
+    created = _create(args.sink, other, target.uid) if folder_given else []
     try:
+        settings = prepare_run(args, {})
+        folder = settings.run_dir
+        if not folder_given:  # the private run folder prepare_run made
+            created = [folder]
+        if other:  # only what nxl made in the folder it made, never through a link
+            for path in (folder / TOKEN, folder):
+                if os.path.lexists(path):
+                    os.chown(path, target.uid, target.gid, follow_symlinks=False)
         outcome = inject(target, {"action": "attach", "env": settings.to_env(), "wait": args.wait},
                          timeout=args.timeout, wait=args.wait)
+        if not outcome.get("ok"):
+            raise CliError(f"process {args.pid}: {outcome.get('error')}")
     except BaseException:
-        _forget(folder, made)
+        _remove(created)
         raise
-    if not outcome.get("ok"):
-        _forget(folder, made)
-        raise CliError(f"process {args.pid}: {outcome.get('error')}")
     status = outcome["status"]
     models = ", ".join(m["name"] + ("" if m["attached"] else f" (not attached: {m['error'] or 'not selected'})")
                        for m in status["models"])
-    print(f"nxl attach: process {args.pid} recorded ({models}); run folder {folder} (live view: nxl tail --run "
-          f"{folder}; undo: nxl detach {args.pid})", file=sys.stderr, flush=True)
+    print(one_line(f"nxl attach: process {args.pid} recorded ({models}); run folder {folder} (live view: nxl tail "
+                   f"--run {folder}; undo: nxl detach {args.pid})"), file=sys.stderr, flush=True)
     return 0
 
 
-def _forget(folder: Path, made: bool) -> None:
-    """A refused attach leaves no run folder of its own behind (a --sink folder that held files stays)."""
+def _create(sink: str, other: bool, uid: int) -> list[Path]:
+    """Make the ``--sink`` folder (0700) and each folder missing above it, and return what was made, outermost
+    first: what a failed attach removes. An existing folder is used as the run folder, as under nxl run, except
+    for another user's process (``other``): its run folder is handed to that user, and nxl hands over only what
+    it made, so the path must not exist yet (and name no link); the folders made above it are root's, 0711."""
+    check_output_folder(sink, "--sink")
+    path = Path(os.path.abspath(Path(sink).expanduser()))
+    if other and os.path.lexists(path):
+        raise CliError(f"--sink {sink} exists: for another user's process (uid {uid}) nxl attach creates the run "
+                       f"folder itself and hands only that to its user; give a new path, such as {path / 'attach'}")
+    if other and os.path.realpath(path) != str(path):
+        raise CliError(f"--sink {sink} goes through a symbolic link: give the real path ({os.path.realpath(path)})")
+    made: list[Path] = []
+    try:
+        for missing in reversed([each for each in (path, *path.parents) if not os.path.lexists(each)]):
+            os.mkdir(missing, 0o700)
+            made.append(missing)
+            if other and missing != path:
+                os.chmod(missing, 0o711)  # the user reaches its run folder through it, and only that
+    except FileExistsError as error:
+        _remove(made)
+        raise CliError(f"--sink {sink}: {error.filename} appeared while nxl attach created it; give a new path")
+    return made
+
+
+def _remove(made: list[Path]) -> None:
+    """Take back what a refused attach made: the run folder with its contents, then each (empty) folder above."""
     if made:
-        shutil.rmtree(folder, ignore_errors=True)
+        shutil.rmtree(made[-1], ignore_errors=True)  # never follows a link out of it
+    for path in reversed(made[:-1]):
+        with contextlib.suppress(OSError):
+            os.rmdir(path)

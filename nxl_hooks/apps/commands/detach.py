@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..options import CliError
+from ..options import CliError, one_line
 from .attach import add_pid
 
 NAME = "detach"
@@ -31,6 +31,6 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"process {args.pid}: {outcome.get('error')}")
     left = "".join(f"; {what} left: {outcome[key]}" for key, what in (("hooks", "hooks"), ("threads", "nxl threads"))
                    if outcome[key])
-    print(f"nxl detach: process {args.pid} runs unrecorded ({outcome['patches']} patches given back{left}); its "
-          f"records stay in {outcome['run_dir']}", file=sys.stderr, flush=True)
+    print(one_line(f"nxl detach: process {args.pid} runs unrecorded ({outcome['patches']} patches given back{left}); "
+                   f"its records stay in {outcome['run_dir']}"), file=sys.stderr, flush=True)  # the target's words
     return 0

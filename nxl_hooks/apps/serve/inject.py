@@ -4,12 +4,26 @@ PID`` reach it. Standard library only; the side of it that runs in the target is
     target = inspect_target(pid)                     # CliError, one line, for each refusal (module docstring)
     outcome = inject(target, {"action": "attach", "env": settings.to_env(), "wait": 0.0}, timeout=30)
 
-The route. Python 3.14 and newer: ``sys.remote_exec(pid, script)`` (PEP 768), run by the target's own interpreter
-(its version must match the target's). Python 3.10 to 3.13: ``gdb -p PID`` in batch mode, as memray and pyrasite
-do, but it runs no Python itself: it maps one anonymous page in the target, writes the two-line bootstrap there,
-queues ``PyRun_SimpleString(page)`` with ``Py_AddPendingCall`` and detaches (about 0.3 s with the process
-stopped). The interpreter runs pending calls in its main thread, with the GIL, between two bytecodes, the way it
-runs Python signal handlers; that is the same safe point ``sys.remote_exec`` uses. The page (4 KiB) stays mapped.
+What root trusts. ``nxl attach`` may run as root against another user's process; it then runs, imports and
+believes nothing that user controls. Everything about the target is read once from ``/proc`` (the kernel's
+word); the interpreter file the kernel resolved (``/proc/PID/exe``) is run by root, to learn its version and to
+inject on 3.14+, only when it is a Python interpreter's (``python3.12``, not a program embedding Python) and
+nobody but root can change it (a regular file of root's that group and others cannot write, in folders of root's
+that they cannot write either, or sticky ones), and then exactly that file, opened once and run through its
+descriptor, with ``-I -S``, an empty environment and ``/`` as working folder: nothing of the target's environment
+(``PYTHONPATH``, ``PYTHONHOME``, ``LD_PRELOAD``...), folders or symlinks. Any other interpreter is not run at all:
+its version is read from the file names the kernel maps (``libpython3.12``: only to refuse one below 3.10) and
+its process goes through gdb, which runs nothing of it (``-nx``, auto-load off). Whether nxl_hooks imports is
+answered by the target itself, after the injection. (Attaching to one's own process, the same holds with "root's
+or your own" for "root's".)
+
+The route. Python 3.14 and newer, with an interpreter the caller may run (above): ``sys.remote_exec(pid,
+script)`` (PEP 768), run by that interpreter (its version must match the target's). Otherwise (3.10 to 3.13, or
+any other interpreter): ``gdb -p PID`` in batch mode, as memray and pyrasite do, but it runs no Python
+itself: it maps one anonymous page in the target, writes the two-line bootstrap there, queues
+``PyRun_SimpleString(page)`` with ``Py_AddPendingCall`` and detaches (about 0.3 s with the process stopped). The
+interpreter runs pending calls in its main thread, with the GIL, between two bytecodes, the way it runs Python
+signal handlers; that is the same safe point ``sys.remote_exec`` uses. The page (4 KiB) stays mapped.
 
 The bootstrap runs :func:`script_source`'s script in a fresh namespace (nothing lands in ``__main__``) and
 swallows every exception, so nothing can raise into the target. The script claims the request (an atomic
@@ -23,8 +37,9 @@ Refusals, each one line before anything is injected: no such process; another us
 root); tracing not allowed (``kernel.yama.ptrace_scope``, no ``CAP_SYS_PTRACE``); another mount namespace (a
 container: the files would not be where the target looks); not a Python process; a Python older than 3.10;
 remote debugging disabled in the target (``PYTHON_DISABLE_REMOTE_DEBUG``, ``-X disable_remote_debug``); a process
-under ``nxl run`` already; being traced by another debugger; nxl_hooks not importable by the target's interpreter
-(the ``pip install`` line named); gdb missing (``apt-get install gdb``).
+under ``nxl run`` already; gdb missing (``apt-get install gdb``); traced by another debugger, or by a concurrent
+``nxl attach`` / ``nxl detach`` (named, after waiting up to ``timeout`` for it to let go). After the injection,
+from the target: nxl_hooks not importable by its interpreter (the ``pip install`` line named).
 """
 
 from __future__ import annotations
@@ -34,6 +49,7 @@ import os
 import re
 import shutil
 import signal
+import stat
 import subprocess
 import tempfile
 import time
@@ -44,33 +60,30 @@ from ...records.files import read_regular
 from ..options import CliError
 
 __all__ = ["Target", "bootstrap_source", "inject", "injector_command", "inspect_target", "permission_refusal",
-           "script_source"]
+           "script_source", "trusted_file"]
 
 PAGE = 4096  #: the bytes gdb maps in the target for the bootstrap (it must fit, with its final NUL)
 CAP_SYS_PTRACE = 19  #: its bit in /proc/PID/status CapEff
 _PYTHON = re.compile(r"python(\d+(\.\d+)?)?[a-z]*$")
-#: Interpreter options that change what the interpreter imports (kept for the importability check).
-_FLAG_WITH_VALUE = ("-X", "-W")
+_VERSION = re.compile(r"(?:^|/)(?:lib)?python3\.(\d+)")  #: in the executable's or a mapped libpython's name
+_PROBE = "import sys; print('%d.%d' % sys.version_info[:2])"
 
 
 @dataclass(frozen=True)
 class Target:
-    """A running Python process, as ``nxl attach`` sees it from outside."""
+    """A running Python process, as ``nxl attach`` sees it from outside (its ``/proc`` entries, read once)."""
 
     pid: int
     uid: int
     gid: int
-    executable: str  #: the interpreter's file (/proc/PID/exe)
-    interpreter: list[str]  #: how to start the same interpreter in the same environment: path + its options
-    environ: dict[str, str]
-    cwd: str
-    version: tuple[int, int] = (0, 0)
-    nxl_hooks: str | None = None  #: where the target's interpreter finds nxl_hooks, or None
+    executable: str  #: the interpreter's file, as the kernel resolved it (/proc/PID/exe)
+    version: tuple[int, int] | None = None  #: its Python version, from root-owned facts only (module docstring)
+    trusted: tuple[int, int] | None = None  #: (st_dev, st_ino) of ``executable`` when this process may run it
 
     @property
     def route(self) -> str:
-        """``"remote_exec"`` (Python 3.14+) or ``"gdb"``."""
-        return "remote_exec" if self.version >= (3, 14) else "gdb"
+        """``"remote_exec"`` (Python 3.14+, an interpreter this process may run) or ``"gdb"``."""
+        return "remote_exec" if self.trusted and self.version and self.version >= (3, 14) else "gdb"
 
 
 def _read(path: str) -> bytes:
@@ -114,30 +127,72 @@ def permission_refusal(pid: int, target_uid: int, *, euid: int, ptrace_cap: bool
     return None
 
 
-def _interpreter(executable: str, argv: list[str], environ: dict[str, str], cwd: str) -> tuple[list[str], str]:
-    """The target's interpreter as it was started (its argv[0], which decides its virtual environment, when that
-    is the same file as its executable) with the options that change its imports, and the folder its
-    ``sys.path[0]`` names (a script's own folder, else the working folder)."""
-    first = argv[0] if argv else ""
-    found = first if "/" in first else shutil.which(first, path=environ.get("PATH", os.defpath)) if first else None
-    path = os.path.join(cwd, found) if found else None
-    same = path is not None and os.path.exists(path) and os.path.realpath(path) == os.path.realpath(executable)
-    flags: list[str] = []
-    home, rest = cwd, iter(argv[1:])
+def trusted_file(path: str, owners: frozenset[int]) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of the file at ``path`` when only ``owners`` can change it or what ``path`` names: a regular
+    file of theirs that group and others cannot write, every folder above it theirs and not writable by group or
+    others (unless sticky, as /tmp); None otherwise. ``path`` must be resolved: a link anywhere is untrusted.
+
+        trusted_file("/usr/bin/python3.12", frozenset({0}))   # (2049, 131077)
+    """
+    if not os.path.isabs(path):
+        return None
+    try:
+        info = os.lstat(path)
+        folders = [os.lstat(folder) for folder in Path(path).parents]
+    except OSError:
+        return None
+    if not stat.S_ISREG(info.st_mode) or info.st_uid not in owners or info.st_mode & 0o022:
+        return None
+    for folder in folders:
+        if (not stat.S_ISDIR(folder.st_mode) or folder.st_uid not in owners
+                or folder.st_mode & 0o022 and not folder.st_mode & stat.S_ISVTX):
+            return None
+    return info.st_dev, info.st_ino
+
+
+def _run_checked(path: str, identity: tuple[int, int], args: list[str], **popen: object) -> subprocess.Popen:
+    """Start the file ``path`` that :func:`trusted_file` checked, and only that: opened without following a link,
+    compared with ``identity``, run through its descriptor, with an empty environment, from ``/``, stdin closed."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as error:
+        raise CliError(f"the interpreter {path} could not be opened ({error.strerror}); nothing was run") from None
+    try:
+        info = os.fstat(fd)
+        if (info.st_dev, info.st_ino) != identity:
+            raise CliError(f"the interpreter {path} was replaced since nxl attach checked it: nothing was run; "
+                           "attach again")
+        return subprocess.Popen([path, *args], executable=f"/proc/self/fd/{fd}", pass_fds=(fd,), env={}, cwd="/",
+                                stdin=subprocess.DEVNULL, start_new_session=True, **popen)
+    finally:
+        os.close(fd)
+
+
+def _probe(pid: int, executable: str, identity: tuple[int, int]) -> tuple[int, int] | None:
+    """The Python version of the interpreter file this process may run (:func:`trusted_file`), asked of that file
+    with ``-I -S`` and nothing of the target's; None if it does not say."""
+    process = _run_checked(executable, identity, ["-I", "-S", "-c", _PROBE], stdout=subprocess.PIPE,
+                           stderr=subprocess.DEVNULL, text=True)
+    try:
+        output, _ = process.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.communicate()
+        raise CliError(f"process {pid}'s interpreter {executable} did not say its version within 30 s") from None
+    major, _, minor = output.strip().partition(".")
+    return (3, int(minor)) if process.returncode == 0 and major == "3" and minor.isdigit() else None
+
+
+def _options(argv: list[str]) -> list[str]:
+    """The interpreter options in ``argv`` (before the script, ``-c`` or ``-m``), with the values of ``-X``/``-W``."""
+    options, rest = [], iter(argv[1:])
     for arg in rest:
-        if not arg.startswith("-") or arg in ("-", "-c", "-m") or arg.startswith(("-c", "-m")):
-            if not arg.startswith("-"):
-                home = os.path.dirname(os.path.realpath(os.path.join(cwd, arg)))
+        if not arg.startswith("-") or arg == "-" or arg.startswith(("-c", "-m")):
             break
-        flags.append(arg)
-        if arg in _FLAG_WITH_VALUE:
-            flags.append(next(rest, ""))
-    return [path if same else executable, *flags], home
-
-
-_CHECK = ("import importlib.util, json, sys; spec = importlib.util.find_spec('nxl_hooks'); "
-          "print(json.dumps({'version': sys.version_info[:2], 'executable': sys.executable, "
-          "'nxl_hooks': spec and (spec.origin or list(spec.submodule_search_locations or []))}))")
+        options.append(arg)
+        if arg in ("-X", "-W"):
+            options.append(next(rest, ""))
+    return options
 
 
 def inspect_target(pid: int) -> Target:
@@ -159,7 +214,6 @@ def inspect_target(pid: int) -> Target:
         argv = [arg.decode(errors="surrogateescape") for arg in _read(f"{proc}/cmdline").split(b"\0")[:-1]]
         environ = dict(item.decode(errors="surrogateescape").partition("=")[::2]
                        for item in _read(f"{proc}/environ").split(b"\0") if b"=" in item)
-        cwd = os.readlink(f"{proc}/cwd")
         same_root = os.stat(f"{proc}/root") == os.stat("/")
         maps = _read(f"{proc}/maps").decode(errors="replace")
     except FileNotFoundError:
@@ -171,58 +225,26 @@ def inspect_target(pid: int) -> Target:
         raise CliError(f"process {pid} runs in another mount namespace (a container): run nxl attach inside it")
     if not (_PYTHON.search(os.path.basename(executable)) or "/libpython3" in maps):
         raise CliError(f"process {pid} ({os.path.basename(executable)}) is not a Python process")
-    interpreter, home = _interpreter(executable, argv, environ, cwd)
-    if environ.get("PYTHON_DISABLE_REMOTE_DEBUG") or "disable_remote_debug" in " ".join(interpreter[1:]):
+    if environ.get("PYTHON_DISABLE_REMOTE_DEBUG") or any("disable_remote_debug" in arg for arg in _options(argv)):
         raise CliError(f"process {pid} disabled remote debugging (PYTHON_DISABLE_REMOTE_DEBUG or -X "
                        "disable_remote_debug): restart it without that to attach, or use nxl run")
     if environ.get("NXL_RUN_DIR"):
         raise CliError(f"process {pid} runs under nxl run already (run folder {environ['NXL_RUN_DIR']}): use "
                        f"nxl ctl --run {environ['NXL_RUN_DIR']}")
-    tracer = int(status.get("TracerPid", "0") or 0)
-    if tracer:
-        raise CliError(f"process {pid} is being traced by process {tracer} (a debugger): detach that first")
-    found = _check_interpreter(pid, interpreter, environ, home, uid, gid)
-    version = tuple(found["version"])
-    if version < (3, 10):
+    # run only a Python interpreter's file (not a program embedding Python), and only one nobody else can change
+    trusted = (trusted_file(executable, frozenset({0, os.geteuid()} if uid == os.geteuid() else {0}))
+               if _PYTHON.search(os.path.basename(executable)) else None)
+    version = _probe(pid, executable, trusted) if trusted else None
+    if version is None:  # not run, or it did not answer: gdb takes it, the file names tell the version if any
+        trusted, named = None, _VERSION.search(executable) or _VERSION.search(maps)
+        version = (3, int(named.group(1))) if named else None
+    if version is not None and version < (3, 10):
         raise CliError(f"process {pid} runs Python {version[0]}.{version[1]}: nxl_hooks needs 3.10 or newer")
-    target = Target(pid, uid, gid, executable, interpreter, environ, cwd, version, found["nxl_hooks"])
-    if not target.nxl_hooks:
-        raise CliError(f"nxl_hooks is not importable by process {pid}'s interpreter {found['executable']}: install "
-                       f"it there ({found['executable']} -m pip install nxl_hooks), then attach again")
+    target = Target(pid, uid, gid, executable, version, trusted)
     if target.route == "gdb" and shutil.which("gdb") is None:
-        raise CliError(f"gdb is not installed (nxl attach needs it for Python {version[0]}.{version[1]}): "
-                       "apt-get install gdb")
-    if target.route == "remote_exec" and uid != os.geteuid():
-        _check_trusted(pid, target.interpreter[0])
+        where = f"Python {version[0]}.{version[1]}" if version else "this process"
+        raise CliError(f"gdb is not installed (nxl attach needs it for {where}): apt-get install gdb")
     return target
-
-
-def _check_trusted(pid: int, interpreter: str) -> None:
-    """On Python 3.14+ the injector is the target's own interpreter; for another user's process (nxl attach as
-    root) it runs only if that file is root's and nobody else may change it."""
-    try:
-        info = os.stat(os.path.realpath(shutil.which(interpreter) or interpreter))
-    except OSError:
-        info = None
-    if info is None or info.st_uid != 0 or info.st_mode & 0o022:
-        raise CliError(f"process {pid}'s interpreter {interpreter} is not root's own file (owned by root, writable "
-                       "by nobody else): root will not run it to inject; attach as the process's own user")
-
-
-def _check_interpreter(pid: int, interpreter: list[str], environ: dict[str, str], home: str, uid: int,
-                       gid: int) -> dict:
-    """Run the target's interpreter, as its user, in its environment and from the folder of its ``sys.path[0]``,
-    to ask its version and where it finds nxl_hooks (``find_spec``: importing nxl_hooks would import torch,
-    seconds for nothing; the import inside the target is the final word)."""
-    other = uid != os.geteuid()
-    try:
-        done = subprocess.run([*interpreter, "-c", _CHECK], env=environ, cwd=home, capture_output=True, text=True,
-                              timeout=60, user=uid if other else None, group=gid if other else None,
-                              extra_groups=[] if other else None)
-        return json.loads(done.stdout.strip().splitlines()[-1])
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError, KeyError):
-        raise CliError(f"process {pid}: its interpreter {interpreter[0]} could not be run to check it "
-                       "(is it still installed?)") from None
 
 
 def bootstrap_source(script: str) -> str:
@@ -235,7 +257,7 @@ def script_source(request: str) -> str:
     """The script the bootstrap runs: claim ``request`` (``<request>.taken``), hand the work to a daemon thread,
     return. The thread writes ``<request>.result`` (0600): :func:`nxl_hooks.apps.serve.remote.handle`'s outcome,
     or why nxl_hooks did not import."""
-    return f'''import json, os, sys, threading
+    return f'''import importlib.util, json, os, sys, threading
 REQUEST = {request!r}
 TAKEN, RESULT = REQUEST + ".taken", REQUEST + ".result"
 
@@ -255,6 +277,10 @@ def work():
         if request["action"] == "detach" and "nxl_hooks.apps.serve.remote" not in sys.modules:
             return report({{"ok": False, "code": "not-attached",
                             "error": "process %d is not attached by nxl attach" % os.getpid()}})
+        if importlib.util.find_spec("nxl_hooks") is None:  # a path search: nothing imported
+            return report({{"ok": False, "code": "import", "executable": sys.executable,
+                            "error": "nxl_hooks is not importable in process %d: install it there (%s -m pip "
+                                     "install nxl_hooks), then attach again" % (os.getpid(), sys.executable)}})
         if (request["action"] == "attach" and not request.get("wait")
                 and "transformers.modeling_utils" not in sys.modules):
             return report({{"ok": False, "code": "no-model", "error": "transformers is not imported in process %d: "
@@ -276,10 +302,10 @@ threading.Thread(target=work, name="nxl-attach", daemon=True).start()
 
 
 def injector_command(target: Target, bootstrap: Path) -> list[str]:
-    """The command that queues ``bootstrap`` (a file holding :func:`bootstrap_source`) in ``target``."""
+    """The command that queues ``bootstrap`` (a file holding :func:`bootstrap_source`) in ``target``: its
+    interpreter file (run through :func:`_run_checked`) with ``-I -S``, or gdb."""
     if target.route == "remote_exec":
-        return [*target.interpreter[:1], "-I", "-S", "-c",
-                f"import sys; sys.remote_exec({target.pid}, {str(bootstrap)!r})"]
+        return [target.executable, "-I", "-S", "-c", f"import sys; sys.remote_exec({target.pid}, {str(bootstrap)!r})"]
     commands = bootstrap.with_suffix(".gdb")
     commands.write_text(  # symbols of libc and libpython only: libtorch's alone take gdb half a minute
         "sharedlibrary libc\\.\n"
@@ -293,24 +319,59 @@ def injector_command(target: Target, bootstrap: Path) -> list[str]:
         "  printf \"NXL_QUEUED %%d\\n\", $nxl_rc\n"
         "end\n"
         "detach\n" % (PAGE, bootstrap))
-    settings = ("auto-load off", "auto-solib-add off", "debuginfod enabled off", "confirm off", "pagination off",
-                "unwindonsignal on")  # an unknown one (debuginfod on an older gdb) is reported, not fatal
+    # auto-load off and libthread_db from the system's folders only: nothing of the target's files is run by gdb
+    settings = ("auto-load off", "libthread-db-search-path $sdir", "auto-solib-add off", "debuginfod enabled off",
+                "confirm off", "pagination off", "unwindonsignal on")  # an unknown one is reported, not fatal
     return ["gdb", "-p", str(target.pid), "--batch", "-nx", "-q",
             *(item for setting in settings for item in ("-iex", f"set {setting}")), "-x", str(commands)]
 
 
-def _queue(target: Target, bootstrap: Path) -> None:
-    """Run the injector; CliError saying what failed when the bootstrap was not queued."""
-    command = injector_command(target, bootstrap)
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                               start_new_session=True)
+def _tracer(pid: int) -> int:
+    """The pid tracing ``pid`` (0: none)."""
     try:
-        output, _ = process.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        process.send_signal(signal.SIGTERM)  # gdb detaches from its inferior when it quits
-        output, _ = process.communicate()
-        raise CliError(f"{command[0]} did not finish within 120 s (process {target.pid} stuck in the kernel?); "
-                       "nothing was injected") from None
+        return int(_status(pid).get("TracerPid", "0") or 0)
+    except FileNotFoundError:
+        raise CliError(f"process {pid} ended before anything was injected") from None
+
+
+def _untraced(pid: int, patience: float) -> None:
+    """Wait up to ``patience`` s for whatever traces ``pid`` (a concurrent nxl attach or nxl detach, whose gdb
+    holds it for about a second; a debugger) to let go; CliError naming it past that."""
+    deadline = time.monotonic() + patience
+    while tracer := _tracer(pid):
+        if time.monotonic() >= deadline:
+            try:
+                name = _read(f"/proc/{tracer}/comm").decode(errors="replace").strip()
+            except OSError:
+                name = "gone now"
+            raise CliError(f"process {pid} is being traced by process {tracer} ({name}): another nxl attach or "
+                           f"nxl detach in progress, or a debugger; try again once it has finished or detached")
+        time.sleep(0.05)
+
+
+def _queue(target: Target, bootstrap: Path, patience: float) -> None:
+    """Run the injector once nothing else traces the target (waiting up to ``patience`` s for that); CliError
+    saying what failed when the bootstrap was not queued."""
+    command = injector_command(target, bootstrap)
+    deadline = time.monotonic() + patience
+    for attempt in range(3):
+        _untraced(target.pid, deadline - time.monotonic())
+        if target.route == "remote_exec":
+            process = _run_checked(command[0], target.trusted, command[1:], stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True)
+        else:
+            process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                       stdin=subprocess.DEVNULL, start_new_session=True)
+        try:
+            output, _ = process.communicate(timeout=120)
+        except subprocess.TimeoutExpired:
+            process.send_signal(signal.SIGTERM)  # gdb detaches from its inferior when it quits
+            output, _ = process.communicate()
+            raise CliError(f"{os.path.basename(command[0])} did not finish within 120 s (process {target.pid} "
+                           "stuck in the kernel?); nothing was injected") from None
+        # another tracer got in between the wait and gdb's attach (a concurrent nxl attach): wait, try again
+        if target.route == "remote_exec" or "Operation not permitted" not in output or attempt == 2:
+            break
     if target.route == "remote_exec":
         if process.returncode != 0:
             last = (output.strip().splitlines() or ["no output"])[-1]
@@ -350,9 +411,10 @@ def inject(target: Target, request: dict, *, timeout: float, wait: float = 0.0) 
         if len(bootstrap.read_bytes()) >= PAGE:
             raise CliError(f"the path {folder} is too long for the bootstrap; set TMPDIR to a shorter folder")
         if target.uid != os.geteuid():  # root attaching to another user's process: theirs to read
-            for path in (folder, *folder.iterdir()):
-                os.chown(path, target.uid, target.gid)
-        _queue(target, bootstrap)
+            # the files first, the folder last: once it is theirs they could put a link where a file was
+            for path in (*folder.iterdir(), folder):
+                os.chown(path, target.uid, target.gid, follow_symlinks=False)
+        _queue(target, bootstrap, timeout)
         deadline = time.monotonic() + timeout
         while request_file.exists():
             if time.monotonic() > deadline:

@@ -63,7 +63,9 @@ def _scan() -> list[tuple[Any, str]]:
     modeling = sys.modules.get("transformers.modeling_utils")
     if modeling is None:  # transformers not imported: no model, and nothing to import here
         return []
-    models = [obj for obj in gc.get_objects() if isinstance(obj, modeling.PreTrainedModel)]
+    # type(), not isinstance: isinstance asks each object its __class__, and some answer with a warning into
+    # the host's stderr (torch.distributed.reduce_op's FutureWarning) or an exception
+    models = [obj for obj in gc.get_objects() if issubclass(type(obj), modeling.PreTrainedModel)]
     inner = {id(sub) for model in models for sub in model.modules() if sub is not model}
     return [(model, model_name(model)) for model in models if id(model) not in inner]
 

@@ -1,0 +1,348 @@
+"""``nxl attach PID`` as root against another user's process, and what any attach owes the process it enters.
+
+Root runs, imports and believes nothing the target's user controls: a version faked by a ``sitecustomize`` on
+the user's PYTHONPATH and an interpreter link the user repoints after the checks make root run nothing of the
+user's (a marker the user's script would write as root stays absent) and the attach goes through gdb on the real
+interpreter. ``--sink`` never hands root's files over: an existing folder is refused, a new one is the only thing
+given to the user, and what a failed attach made is taken back. Text from the target (the model's name) reaches
+root's terminal escaped. A concurrent tracer (another ``nxl attach``'s gdb) is waited for, then named; and the
+target's stderr holds nothing but nxl's own lines after an attach and a detach.
+
+The other user is a real one, created here (``useradd``) and removed at the end; its process runs the system's
+Python of this interpreter's version, with this checkout and this environment's packages on its PYTHONPATH.
+Every process is stopped by PID; nothing is written outside the test's own temporary folder.
+"""
+
+from __future__ import annotations
+
+import os
+import pwd
+import secrets
+import shutil
+import signal
+import site
+import stat
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+import nxl_hooks
+from nxl_hooks.apps.serve.inject import trusted_file
+from serving import save_chat_model
+from test_serve import _cli
+
+REPO = Path(nxl_hooks.__file__).resolve().parent.parent
+SYSTEM_PYTHON = Path(f"/usr/bin/python{sys.version_info[0]}.{sys.version_info[1]}")
+#: the model's folder, so its name (what nxl attach prints) holds escape sequences: colour, window title, bell
+MODEL_NAME = "tiny\x1b[31mRED\x1b]0;owned\x07"
+
+pytestmark = pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed (apt-get install gdb)")
+
+_TARGET = textwrap.dedent("""
+    import json, sys, time
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    model = LlamaForCausalLM.from_pretrained(sys.argv[1]).eval()
+    ids = AutoTokenizer.from_pretrained(sys.argv[1])("hello world how are you", return_tensors="pt")["input_ids"]
+    print("ready", flush=True)
+    started = time.monotonic()
+    while time.monotonic() - started < 900:
+        out = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+        print(json.dumps(out[0, ids.shape[1]:].tolist()), flush=True)
+        time.sleep(0.05)
+""")
+
+_POPEN = subprocess.Popen  #: the real one, while a test hooks it
+#: On the user's PYTHONPATH: an interpreter asked its version or where it finds nxl_hooks (nxl attach's check, as it
+#: was) claims to be 3.14.
+_FAKE_VERSION = ("import sys\nif any(word in ' '.join(sys.orig_argv) for word in ('find_spec', 'version_info')):\n"
+                 "    sys.version_info = (3, 14, 0, 'final', 0)\n")
+
+
+class Process:
+    """A target started with ``argv`` (as ``user``, or as this process's user), its stdout and stderr in files."""
+
+    def __init__(self, folder: Path, argv: list[str], env: dict, user: str | None = None) -> None:
+        self.out, self.err = folder / "out.log", folder / "err.log"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.process = subprocess.Popen(argv, stdout=out, stderr=err, env=env, cwd=folder, user=user,
+                                            group=user, extra_groups=[] if user else None, start_new_session=True)
+        self.pid = self.process.pid
+        deadline = time.monotonic() + 240
+        while "ready" not in self.out.read_text():
+            assert self.process.poll() is None and time.monotonic() < deadline, self.err.read_text()[-3000:]
+            time.sleep(0.1)
+
+    def steps(self) -> int:
+        return len(self.out.read_text().splitlines())
+
+    def runs_on(self, more: int = 3) -> None:
+        """It goes on generating: ``more`` loops after now."""
+        seen, deadline = self.steps(), time.monotonic() + 120
+        while self.steps() < seen + more:
+            assert self.process.poll() is None and time.monotonic() < deadline, self.err.read_text()[-3000:]
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=30)
+
+
+def _ownership(*paths: Path) -> dict:
+    return {path: (info.st_uid, info.st_gid, stat.S_IMODE(info.st_mode)) for path in paths
+            for info in [os.lstat(path)]}
+
+
+def _refused(capsys, *args: str) -> str:
+    code, out, err = _cli(capsys, *args)
+    assert code == 2 and not out and len(err.splitlines()) == 1, (code, out, err)
+    return err
+
+
+def _attach(capsys, pid: int, *args: str) -> str:
+    code, _, err = _cli(capsys, "attach", str(pid), *args)
+    assert code == 0 and f"process {pid} recorded" in err and len(err.splitlines()) == 1, err
+    return err
+
+
+def _detach(capsys, pid: int) -> None:
+    code, _, err = _cli(capsys, "detach", str(pid))
+    assert code == 0 and "runs unrecorded" in err, err
+
+
+@pytest.fixture(scope="module")
+def shared():
+    """A root-owned folder (0755) outside pytest's private one, which the other user can read: the model, and
+    that user's home."""
+    folder = Path(tempfile.mkdtemp(prefix="nxl-attach-root-"))
+    folder.chmod(0o755)
+    for path in save_chat_model(folder / MODEL_NAME).iterdir():
+        path.chmod(0o644)  # safetensors writes its file 0600
+    yield folder
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def user(shared):
+    """A real unprivileged user, created for this module and removed after it: (name, uid, gid, home)."""
+    if os.geteuid() != 0 or shutil.which("useradd") is None:
+        pytest.skip("needs root and useradd to create another user")
+    if trusted_file(str(SYSTEM_PYTHON), frozenset({0})) is None:
+        pytest.skip(f"needs {SYSTEM_PYTHON}, root's own, for the other user's process")
+    name = f"nxlt{secrets.token_hex(4)}"
+    subprocess.run(["useradd", "--system", "--no-create-home", "--user-group", "--shell", "/usr/sbin/nologin", name],
+                   check=True, capture_output=True, timeout=60)
+    try:
+        entry = pwd.getpwnam(name)
+        home = shared / "home"
+        home.mkdir()
+        os.chown(home, entry.pw_uid, entry.pw_gid)
+        yield name, entry.pw_uid, entry.pw_gid, home
+    finally:
+        subprocess.run(["userdel", name], capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def user_target(user, shared):
+    """The other user's process: the system Python reached through a link in that user's own folder, a
+    sitecustomize of that user's faking the version, a model held and used in a loop."""
+    name, uid, gid, home = user
+    for folder in ("bin", "site", "tmp"):
+        (home / folder).mkdir()
+    (home / "bin" / "python").symlink_to(SYSTEM_PYTHON)
+    (home / "site" / "sitecustomize.py").write_text(_FAKE_VERSION)
+    (home / "target.py").write_text(_TARGET)
+    # what the user's link will point to: writes the marker (into a folder only root may write) if root runs it
+    evil = home / "bin" / "evil"
+    evil.write_text(f"#!/bin/sh\ntouch {shared / 'MARKER'} 2>/dev/null\nexec {SYSTEM_PYTHON} \"$@\"\n")
+    evil.chmod(0o755)
+    for path in [home, *home.rglob("*")]:
+        os.chown(path, uid, gid, follow_symlinks=False)
+    packages = [str(REPO), str(home / "site"), *site.getsitepackages()]
+    env = {"PATH": os.defpath, "HOME": str(home), "TMPDIR": str(home / "tmp"), "PYTHONPATH": os.pathsep.join(packages),
+           "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    probe = subprocess.run([str(SYSTEM_PYTHON), "-c", "import torch, transformers, nxl_hooks"], env=env, user=name,
+                           group=name, extra_groups=[], capture_output=True, text=True, timeout=240, cwd=home)
+    if probe.returncode != 0:
+        pytest.skip(f"the other user cannot import this environment's packages: {probe.stderr.strip()[-300:]}")
+    (shared / "user-logs").mkdir()
+    process = Process(shared / "user-logs", [str(home / "bin" / "python"), str(home / "target.py"), str(shared / MODEL_NAME)],
+                      env, user=name)
+    yield process
+    process.stop()
+
+
+def _own(folder: Path, model: Path) -> Process:
+    """A process of this user (root here) holding ``model``."""
+    folder.mkdir()
+    (folder / "target.py").write_text(_TARGET)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    return Process(folder, [sys.executable, str(folder / "target.py"), str(model)], env)
+
+
+@pytest.fixture(scope="module")
+def own_target(shared):
+    """A process of this user (root here) holding the model under the escape-laden name."""
+    process = _own(shared / "own", shared / MODEL_NAME)
+    yield process
+    process.stop()
+
+
+def _popen_hook(monkeypatch, before) -> None:
+    """Call ``before(args, kwargs)`` each time this process (nxl attach, in-process) starts a program as itself."""
+    class Hooked(_POPEN):
+        def __init__(self, args, *rest, **kwargs):
+            if kwargs.get("user") is None:
+                before(args, kwargs)
+            super().__init__(args, *rest, **kwargs)
+
+    monkeypatch.setattr(subprocess, "Popen", Hooked)
+
+
+# -- 1. root runs nothing of the user's ----------------------------------------------------------------------
+
+def test_a_link_repointed_after_the_checks_and_a_faked_version_run_nothing_of_the_user(user_target, user, shared,
+                                                                                        capsys, monkeypatch):
+    _, uid, _, home = user
+    link = home / "bin" / "python"
+
+    def repoint(args, kwargs):  # the user, between nxl attach's checks and anything root starts
+        link.unlink()
+        link.symlink_to(home / "bin" / "evil")
+        os.chown(link, uid, uid, follow_symlinks=False)
+
+    _popen_hook(monkeypatch, repoint)
+    try:
+        code, _, err = _cli(capsys, "attach", str(user_target.pid), "--sink", str(shared / "run-a"))
+        monkeypatch.undo()
+        assert os.readlink(link) == str(home / "bin" / "evil")  # it was repointed before root started anything
+        assert not (shared / "MARKER").exists()  # and root ran nothing of the user's
+        assert code == 0 and f"process {user_target.pid} recorded" in err, err  # gdb, on the real interpreter
+        user_target.runs_on()
+        _detach(capsys, user_target.pid)
+    finally:
+        monkeypatch.undo()
+        link.unlink()
+        link.symlink_to(SYSTEM_PYTHON)
+    assert not (shared / "MARKER").exists()
+
+
+def test_a_version_faked_by_the_users_sitecustomize_does_not_choose_the_route(user_target, shared, capsys,
+                                                                              monkeypatch):
+    started = []
+    _popen_hook(monkeypatch, lambda args, kwargs: started.append(list(args)))
+    _attach(capsys, user_target.pid, "--sink", str(shared / "run-b"))  # the real 3.x interpreter, through gdb
+    monkeypatch.undo()
+    assert started[-1][0] == "gdb"
+    # root ran nothing but gdb and root's own interpreter file, asked its version with nothing of the target's
+    assert all(args[0] in ("gdb", str(SYSTEM_PYTHON)) for args in started), started
+    user_target.runs_on()
+    _detach(capsys, user_target.pid)
+
+
+# -- 2. --sink never hands root's files over -------------------------------------------------------------------
+
+def test_sink_hands_over_only_a_folder_nxl_made_and_takes_it_back_on_failure(user_target, user, shared, capsys):
+    _, uid, gid, _ = user
+    existing, secret = shared / "existing", shared / "secret"
+    existing.mkdir()
+    (existing / "root-file").write_text("root's")
+    secret.write_text("root's secret")
+    secret.chmod(0o600)
+    (existing / "link").symlink_to(secret)
+    (shared / "linked").symlink_to(existing)
+    paths = (existing, existing / "root-file", existing / "link", secret)
+    before = _ownership(*paths)
+
+    code, out, err = _cli(capsys, "attach", str(user_target.pid), "--sink", str(existing))
+    assert _ownership(*paths) == before  # root's file, and the file its link names, are still root's
+    assert code == 2 and not out and len(err.splitlines()) == 1 and "exists" in err and "new path" in err, err
+    assert "symbolic link" in _refused(capsys, "attach", str(user_target.pid), "--sink", str(shared / "linked" / "r"))
+    assert _ownership(*paths) == before and sorted(os.listdir(existing)) == ["link", "root-file"]
+
+    run = existing / "run"  # a new folder: the only thing handed over
+    _attach(capsys, user_target.pid, "--sink", str(run), "--listen", "127.0.0.1:0")
+    assert _ownership(run)[run][:2] == (uid, gid) and _ownership(run / "token")[run / "token"][:2] == (uid, gid)
+    user_target.runs_on()
+    _detach(capsys, user_target.pid)
+    assert _ownership(*paths) == before
+
+    deeper = existing / "made" / "run"  # fails inside the target: the run folder and the folder above go
+    err = _refused(capsys, "attach", str(user_target.pid), "--sink", str(deeper), "--models", "no-such-model")
+    assert "no model matches" in err
+    assert _ownership(*paths) == before and sorted(os.listdir(existing)) == ["link", "root-file", "run"]
+
+
+# -- 3. the target's words are escaped in root's terminal ------------------------------------------------------
+
+def test_the_model_name_from_the_target_is_printed_escaped(own_target, shared, capsys):
+    err = _attach(capsys, own_target.pid, "--sink", str(shared / "run-escape"))
+    try:
+        assert "\x1b" not in err and "\x07" not in err
+        assert "tiny\\x1b[31mRED\\x1b]0;owned\\x07" in err
+    finally:
+        _detach(capsys, own_target.pid)
+
+
+# -- 4. a concurrent tracer is waited for, then named ---------------------------------------------------------
+
+def _hold_with_gdb(monkeypatch, pid: int, seconds: int, holders: list) -> None:
+    """When nxl attach is about to start its gdb, another gdb (as a concurrent nxl attach's would) holds the
+    target for ``seconds``."""
+
+    def hold(args, kwargs):
+        if args[0] == "gdb" and not holders:
+            holder = _POPEN(["gdb", "-p", str(pid), "--batch", "-nx", "-q", "-ex", f"shell sleep {seconds}"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            holders.append(holder)
+            deadline = time.monotonic() + 60
+            while f"TracerPid:\t{holder.pid}\n" not in Path(f"/proc/{pid}/status").read_text():
+                assert time.monotonic() < deadline and holder.poll() is None
+                time.sleep(0.01)
+
+    _popen_hook(monkeypatch, hold)
+
+
+def test_a_concurrent_gdb_is_waited_for_then_named(own_target, shared, capsys, monkeypatch):
+    holders: list[subprocess.Popen] = []
+    _hold_with_gdb(monkeypatch, own_target.pid, 3, holders)
+    try:
+        _attach(capsys, own_target.pid, "--sink", str(shared / "run-wait"))  # after the other let go
+        monkeypatch.undo()
+        _detach(capsys, own_target.pid)
+        holders.pop().wait(timeout=60)
+        _hold_with_gdb(monkeypatch, own_target.pid, 8, holders)
+        err = _refused(capsys, "attach", str(own_target.pid), "--timeout", "2", "--sink", str(shared / "run-named"))
+        assert f"being traced by process {holders[0].pid} (gdb)" in err and "another nxl attach" in err, err
+        assert "Operation not permitted" not in err and "as root" not in err
+        assert not (shared / "run-named").exists()
+    finally:
+        monkeypatch.undo()
+        for holder in holders:
+            holder.wait(timeout=60)
+    own_target.runs_on()
+
+
+# -- 5. nothing in the target's stderr but nxl's own lines ---------------------------------------------------
+
+def test_the_targets_stderr_holds_only_nxl_lines_after_attach_and_detach(shared, capsys):
+    target = _own(shared / "quiet", shared / MODEL_NAME)  # a fresh one: a warning shows only the first time
+    try:
+        before = target.err.read_text()
+        _attach(capsys, target.pid, "--sink", str(shared / "run-quiet"), "--layers", "all")
+        target.runs_on()
+        _detach(capsys, target.pid)
+        target.runs_on()
+        added = target.err.read_text()[len(before):]
+    finally:
+        target.stop()
+    assert all(line.startswith("nxl") for line in added.splitlines()), added
