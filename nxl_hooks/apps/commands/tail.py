@@ -66,7 +66,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def faults(model: dict) -> list[str]:
     """What one model of a status (``/v1/status``'s ``models``) does not record, one phrase each:
-    ``["records not written to the sink: disk full", "2 calls not recorded (last: ...)"]``; empty while everything
+    ``["records not written to the sink: disk full", "2 calls not recorded: beam search ..."]``; empty while everything
     is recorded."""
     said = [f"records not written to the sink: {model['sink_fault']}"] if model.get("sink_fault") else []
     count, why = model.get("unrecorded_calls") or 0, model.get("unrecorded")
