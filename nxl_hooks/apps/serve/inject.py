@@ -24,7 +24,8 @@ root); tracing not allowed (``kernel.yama.ptrace_scope``, no ``CAP_SYS_PTRACE``)
 container: the files would not be where the target looks); not a Python process; a Python older than 3.10;
 remote debugging disabled in the target (``PYTHON_DISABLE_REMOTE_DEBUG``, ``-X disable_remote_debug``); a process
 under ``nxl run`` already; being traced by another debugger; nxl_hooks not importable by the target's interpreter
-(the ``pip install`` line named); gdb missing (``apt-get install gdb``).
+(the ``pip install`` line named); gdb missing (``apt-get install gdb``); a vLLM process (its model runs in
+worker processes: ``nxl run`` records those).
 """
 
 from __future__ import annotations
@@ -140,6 +141,13 @@ _CHECK = ("import importlib.util, json, sys; spec = importlib.util.find_spec('nx
           "'nxl_hooks': spec and (spec.origin or list(spec.submodule_search_locations or []))}))")
 
 
+def _is_vllm(argv: list[str], maps: str) -> bool:
+    """Whether a process runs vLLM: its compiled ops are mapped (an engine or worker process), or it was started as
+    vLLM's command line (its API server)."""
+    return "/vllm/_C" in maps or any(os.path.basename(arg) in ("vllm", "vllm_main.py") or
+                                     arg.startswith("vllm.entrypoints") for arg in argv[:3])
+
+
 def inspect_target(pid: int) -> Target:
     """The process ``pid`` if ``nxl attach`` may and can inject into it; CliError with the reason otherwise."""
     proc = f"/proc/{pid}"
@@ -171,6 +179,9 @@ def inspect_target(pid: int) -> Target:
         raise CliError(f"process {pid} runs in another mount namespace (a container): run nxl attach inside it")
     if not (_PYTHON.search(os.path.basename(executable)) or "/libpython3" in maps):
         raise CliError(f"process {pid} ({os.path.basename(executable)}) is not a Python process")
+    if _is_vllm(argv, maps):
+        raise CliError(f"process {pid} runs vLLM, whose model runs in worker processes that nxl attach cannot reach "
+                       "or follow: restart it under nxl run (nxl run -- vllm serve MODEL ...)")
     interpreter, home = _interpreter(executable, argv, environ, cwd)
     if environ.get("PYTHON_DISABLE_REMOTE_DEBUG") or "disable_remote_debug" in " ".join(interpreter[1:]):
         raise CliError(f"process {pid} disabled remote debugging (PYTHON_DISABLE_REMOTE_DEBUG or -X "
