@@ -22,8 +22,10 @@ weights, shared, never copied) that :func:`~nxl_hooks.attach` makes its plan and
   none) becomes that request's step record (:meth:`~nxl_hooks.hooks.generate.Run.emit`).
 
 Chunked prefill: each chunk feeds its positions. Preemption: a resumed request recomputes from its first position
-and its features are replaced from there. A request that leaves before its prompt was processed (aborted) ends
-incomplete; one that leaves later ends with the steps it made (vLLM does not tell a worker why a request left).
+and its features are replaced from there. A request ends with the token that meets its stop rules (EOS, a stop
+token id, max_tokens, the model length), checked in the worker as vLLM's scheduler checks them. A request that
+leaves otherwise (the client went away, a stop string the API server matched, an abort; vLLM tells the worker at its
+next step, not why) ends incomplete, with the steps it made and a reason saying so.
 
 Not followed (requests run unchanged, each one's call record says ``not recorded: why; what to do``): a model
 compiled by vLLM (torch.compile or CUDA graphs: hooks added after compiling never run), prefix caching (a cached
@@ -388,14 +390,18 @@ class VllmEngine:
             self.gens.unrecorded(client_id, "this vLLM request", error, log=not self._told)
             self._told = True
 
-    def _end(self, worker_id: str) -> None:
+    def _end(self, worker_id: str, *, stopped: bool = False) -> None:
+        """The request left the worker: ``stopped`` by its own stop rules (its call is complete), or otherwise (vLLM
+        told the worker at a later step: its call keeps the steps it made and says it ended early)."""
         run, tokens = self._runs.pop(worker_id, None), self._tokens.pop(worker_id, None)
         if run is None:
             return
         if tokens is None or run.call.prompt_mask is None:
             run.finish(None, "the request left vLLM before its prompt was processed (aborted)", what="this request")
         else:
-            run.finish(torch.tensor([tokens], dtype=torch.long), what="this request")
+            run.finish(torch.tensor([tokens], dtype=torch.long), None if stopped else (
+                "the request left vLLM before its EOS, stop token or max_tokens (the client went away, the API server "
+                "matched a stop string, or it was aborted): its steps up to then are recorded"), what="this request")
 
     def _stops(self, worker_id: str, token: int) -> bool:
         """Whether ``token`` ends the request, by the engine's own stop rules (its EOS or stop token ids, its
@@ -469,7 +475,7 @@ class VllmEngine:
                 run.emit(torch.tensor([token]))
                 self._tokens[worker_id].append(token)
                 if self._stops(worker_id, token):
-                    self._end(worker_id)
+                    self._end(worker_id, stopped=True)
             except Exception as error:  # noqa: BLE001
                 run.fail("this vLLM request", error)
         for run in fed.values():
