@@ -9,7 +9,11 @@ where vLLM is not importable (it lives in its own virtual environment: tests/REA
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
+import http.client
 import json
+import re
+import time
 import os
 import subprocess
 import sys
@@ -26,9 +30,18 @@ from bpe_tiny import bpe_llama, bpe_tokenizer  # noqa: E402
 from oracle import check_call  # noqa: E402
 from serving import Server  # noqa: E402
 
+#: KV cache blocks of 32 tokens: 384 tokens, fewer than three long requests need at once (preemption).
+KV_BLOCKS = 12
 #: A prompt longer than --max-num-batched-tokens: its prefill comes in chunks.
 LONG = ("The capital of France is Paris. The capital of Italy is Rome. The keys to the cabinet are on the table. "
         "They are here and it is there; we are what we are.")
+
+
+#: The engine these tests start: chunked prefill of long prompts (32 tokens a step), a KV cache too small for three
+#: long requests at once, each logprob vLLM's raw logit.
+ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+          "--seed", "0", "--logprobs-mode", "raw_logits", "--block-size", "32", "--num-gpu-blocks-override",
+          str(KV_BLOCKS)]
 
 
 def save_tiny(path: Path) -> Path:
@@ -49,11 +62,10 @@ def vllm_cli() -> str:
 class VllmServer(Server):
     """``vllm serve MODEL`` on 127.0.0.1, under ``nxl run NXL...`` (or plain, ``nxl=None``)."""
 
-    def __init__(self, model: Path, *, nxl: list[str] | None, serve: list[str] = (), log: Path) -> None:
+    def __init__(self, model: Path, *, nxl: list[str] | None, serve: list[str] = (), log: Path,
+                 engine: list[str] = ENGINE) -> None:
         super().__init__(model, nxl=None, log=log, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
-        command = [vllm_cli(), "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port),
-                   "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4",
-                   "--max-num-batched-tokens", "32", "--seed", "0", "--logprobs-mode", "raw_logits", *serve]
+        command = [vllm_cli(), "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port), *engine, *serve]
         if nxl is not None:
             command = [sys.executable, "-m", "nxl_hooks", "run", *nxl, "--", *command]
         self.command = command
@@ -145,6 +157,50 @@ def test_two_concurrent_requests_kept_apart(server, oracle_model):
                                              prompts.items())))
     for request_id, reply in replies.items():
         check_request(server, oracle_model, reply, request_id)
+
+
+def preemptions(server: VllmServer) -> float:
+    """vLLM's own count of preempted requests (its Prometheus metrics)."""
+    with urllib.request.urlopen(server.base + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return sum(float(v) for v in re.findall(r"^vllm:num_preemptions(?:_total)?(?:\{[^}]*\})? (\S+)$", text, re.M))
+
+
+def test_preempted_requests_recorded_exactly(server, oracle_model):
+    """Three long requests do not fit the KV cache together: vLLM preempts one (and recomputes it from its first
+    position when it resumes); every request's record is still exact, step by step."""
+    before = preemptions(server)
+    ids = [f"preempt-{i}" for i in range(3)]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(lambda request_id: chat(server, LONG, request_id, tokens=120), ids))
+    assert preemptions(server) > before
+    for request_id, reply in zip(ids, replies):
+        check_request(server, oracle_model, reply, request_id)
+
+
+def test_request_the_client_leaves_keeps_its_steps_and_says_so(server, oracle_model):
+    """A streaming client that goes away: vLLM aborts the request; its call keeps every step made until then
+    (each against the oracle) and says it ended early."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    body = {"messages": [{"role": "user", "content": LONG}], "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    connection.request("POST", "/v1/chat/completions", json.dumps(body),
+                       {"Content-Type": "application/json", "X-Request-ID": "leaves-1"})
+    response = connection.getresponse()
+    chunks = 0
+    while chunks < 4:
+        chunks += response.readline().startswith(b"data:")
+    connection.close()  # gone mid-generation
+    deadline = time.monotonic() + 120
+    while True:  # vLLM tells its worker at a later step: requests keep the engine stepping
+        chat(server, "Paris is", "after-leave", tokens=2)
+        calls = nxl.read_stream(server.run, request_id="leaves-1")
+        if (calls and calls[0].error) or time.monotonic() > deadline:
+            break
+    (call,) = calls
+    assert not call.complete and "left vLLM before its EOS" in call.error
+    assert 3 <= len(call.steps) < 200
+    check_call(oracle_model, dataclasses.replace(call, complete=True), len(call.steps))
 
 
 def test_completion_endpoint_recorded(server, oracle_model):
