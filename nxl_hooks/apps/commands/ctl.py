@@ -41,7 +41,10 @@ def describe(status: dict) -> str:
         + f", {m['hooks']} hooks, {m['calls']} requests in memory" + (f"; {m['engine']}" if m.get("engine") else "")
         + "".join(f"; {fault}" for fault in faults(m))
         for m in status["models"]) or "no model loaded"
-    return visible(f"pid {status['pid']}: {'paused' if status['paused'] else 'recording'}; {models}")
+    # "recording" only while some attached model records: none of its calls yet, or some recorded
+    recording = any(m["attached"] and (not m["calls"] or m.get("recorded", 1)) for m in status["models"])
+    state = "paused" if status["paused"] else "recording" if recording else "not recording"
+    return visible(f"pid {status['pid']}: {state}; {models}")
 
 
 def run(args: argparse.Namespace) -> int:
