@@ -1,5 +1,5 @@
 """Shared by every test module: the tests directory on sys.path (tiny.py, oracle.py, serving.py), and each tier's
-folder too (unit/, oracle/, process/, real/, gpu/: tests/README.md), since a test may reuse another tier's fixtures;
+folder too (unit/, oracle/, process/, real/, gpu/, vllm/: tests/README.md), since a test may reuse another tier's fixtures;
 a guard that no test leaves torch's thread count changed (results must not depend on which tests ran before); and
 the real model of the ``real_model`` tier (tests/real_model.py), fetched once and loaded once per worker."""
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-TIERS = ("unit", "oracle", "process", "real", "gpu")
+TIERS = ("unit", "oracle", "process", "real", "gpu", "vllm")
 sys.path[:0] = [str(Path(__file__).resolve().parent / tier) for tier in TIERS]
 
 

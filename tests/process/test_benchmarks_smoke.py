@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib.util
 import json
 import os
 import shutil
@@ -79,8 +80,19 @@ def _attach(report: dict, out: Path) -> None:
     assert round_["api_attach_to_first_record_s"] > 0 and round_["detach_command_s"] > 0
 
 
+def _vllm(report: dict, out: Path) -> None:
+    if importlib.util.find_spec("vllm.envs") is None:  # vLLM lives in the vllm tier's own environment
+        assert "not importable" in report["skipped"]
+        return
+    assert [run["variant"] for run in report["runs"]] == ["plain_eager", "nxl_all"]  # the texts were checked equal
+    for run in report["runs"]:
+        assert run["start_s"] > 0 and all(run[f"clients={c}"]["tokens"] == 4 * 8 for c in (1, 8))
+    assert set(report["summary"]["throughput_ratio"]["nxl_all"]) == {"clients=1", "clients=8"}
+
+
 CHECKS = {"bench_forward": _forward, "bench_generate": _generate, "bench_big": _big,
-          "bench_faithfulness": _faithfulness, "bench_real": _real, "bench_serve": _serve, "bench_attach": _attach}
+          "bench_faithfulness": _faithfulness, "bench_real": _real, "bench_serve": _serve, "bench_attach": _attach,
+          "bench_vllm": _vllm}
 
 
 def _results() -> dict[str, bytes]:

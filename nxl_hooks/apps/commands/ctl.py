@@ -38,7 +38,8 @@ def describe(status: dict) -> str:
     models = "; ".join(
         f"{m['name']}: " + ("attached, layers " + ",".join(map(str, m["layers"])) if m["attached"]
                             else ("excluded" if m["excluded"] else "not attached") + (f" ({m['error']})" if m["error"] else ""))
-        + f", {m['hooks']} hooks, {m['calls']} requests in memory" + "".join(f"; {fault}" for fault in faults(m))
+        + f", {m['hooks']} hooks, {m['calls']} requests in memory" + (f"; {m['engine']}" if m.get("engine") else "")
+        + "".join(f"; {fault}" for fault in faults(m))
         for m in status["models"]) or "no model loaded"
     # "recording" only while some attached model records: none of its calls yet, or some recorded
     recording = any(m["attached"] and (not m["calls"] or m.get("recorded", 1)) for m in status["models"])

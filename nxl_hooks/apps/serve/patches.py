@@ -4,6 +4,10 @@
   process's :class:`~nxl_hooks.apps.serve.controller.Controller` (only the outermost call, when loads nest).
 - ``transformers.cli.serving.utils``: request ids of ``transformers serve``, a part of the engine of transformers
   (:func:`nxl_hooks.hooks.engines.transformers_cb.patch_serving`; :data:`~nxl_hooks.apps.serve.lazy.HOOKS` names it).
+- ``vllm.v1.worker.gpu_model_runner`` / ``cpu_model_runner``: each model runner's ``load_model`` hands the controller
+  a view of the model it loaded (:class:`~nxl_hooks.hooks.engines.vllm.VllmForCausalLM`), which the vLLM engine
+  follows; ``vllm.engine.arg_utils``: engines are made recordable
+  (:func:`~nxl_hooks.hooks.engines.vllm.patch_engine_args`).
 
 Each patch is applied once (a marker on the wrapper), keeps the original's name and signature, and never raises
 into the program: a failure inside a wrapper is logged as one line and the original runs on.
@@ -19,7 +23,7 @@ from typing import Any
 from ...hooks.guard import reason
 from .controller import controller
 
-__all__ = ["patch_modeling_utils"]
+__all__ = ["patch_modeling_utils", "patch_vllm_runner"]
 
 _MARK = "__nxl_patched__"
 _loading = threading.local()  # depth of from_pretrained calls in this thread
@@ -79,3 +83,40 @@ def _adopt(model: Any, name: str) -> None:
         controller().adopt(model, name)
     except Exception as error:  # noqa: BLE001 - bad NXL_* settings: the program runs unrecorded
         reason(f"model {name}", error)
+
+
+#: The model runner classes whose ``load_model`` is wrapped, by the module that defines each.
+_RUNNERS = {"vllm.v1.worker.gpu_model_runner": "GPUModelRunner", "vllm.v1.worker.cpu_model_runner": "CPUModelRunner"}
+
+
+def patch_vllm_runner(module: ModuleType) -> None:
+    """Wrap the ``load_model`` of ``module``'s vLLM model runner class: the model it loads is adopted by the
+    controller, as a :class:`~nxl_hooks.hooks.engines.vllm.VllmForCausalLM` (kept on the runner: the controller
+    holds models weakly), under the name vLLM loaded it from."""
+    cls = getattr(module, _RUNNERS.get(module.__name__, ""), None)
+    original = vars(cls).get("load_model") if cls is not None else None
+    if original is None or _patched(original):
+        return
+
+    @functools.wraps(original)
+    def load_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        out = original(self, *args, **kwargs)
+        if "_nxl_view" not in vars(self):  # a subclass's load_model calling its parent's: adopted once
+            _adopt_vllm(self)
+        return out
+
+    setattr(load_model, _MARK, True)
+    cls.load_model = load_model
+
+
+def _adopt_vllm(runner: Any) -> None:
+    name = "vllm"
+    try:
+        from ...hooks.engines.vllm import VllmForCausalLM
+
+        name = str(runner.vllm_config.model_config.model)
+        view = vars(runner)["_nxl_view"] = VllmForCausalLM(runner)
+    except Exception as error:  # noqa: BLE001 - vLLM serves unrecorded
+        reason(f"vLLM model {name}", error)
+        return
+    _adopt(view, name)

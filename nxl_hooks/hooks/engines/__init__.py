@@ -9,7 +9,8 @@ generates, keeps those that :meth:`~Engine.claims` the model, calls :meth:`~Engi
 :class:`~nxl_hooks.hooks.recording.Recording` for each step its host runs (a packed batch of requests, say) and puts it as the thread's current
 recording (``gens.running(recording)``) around the host's forward; the probe's hooks then feed it that forward.
 
-Built in: transformers' continuous batching (:mod:`.transformers_cb`). Third parties add an engine in one module
+Built in: transformers' continuous batching (:mod:`.transformers_cb`) and vLLM's model runner (:mod:`.vllm`, which
+claims only its own view of a vLLM model). Third parties add an engine in one module
 and declare it in their package metadata::
 
     [project.entry-points."nxl_hooks.engines"]
@@ -72,7 +73,8 @@ EngineFactory = Callable[[], Engine]
 _LOCK = threading.Lock()
 #: name -> factory; "module:attribute" strings are imported at first use
 _FACTORIES: dict[str, EngineFactory | str] = {
-    "transformers-continuous-batching": "nxl_hooks.hooks.engines.transformers_cb:ContinuousBatching"}
+    "transformers-continuous-batching": "nxl_hooks.hooks.engines.transformers_cb:ContinuousBatching",
+    "vllm": "nxl_hooks.hooks.engines.vllm:VllmEngine"}
 _discovered = False
 
 

@@ -1,0 +1,483 @@
+"""The engine for vLLM (V1 model runner, eager): every request a vLLM worker serves its own
+:class:`~nxl_hooks.GenerationCall`, one Step per generated token.
+
+    nxl run --layers all --sink runs/ -- vllm serve ./model --logprobs-mode raw_logits
+    nxl run -- python script.py            # a script that uses vllm.LLM
+
+vLLM runs the model in a worker process (API server -> EngineCore -> Worker, separate processes even with one
+worker), on its own model classes: no ``generate``, no transformers model. In the worker, once the model runner has
+loaded its model, ``nxl run`` (:mod:`nxl_hooks.apps.serve.patches`) hands the process's controller a
+:class:`VllmForCausalLM`: a transformers-shaped view of vLLM's model (its config, final norm and ``lm_head``
+weights, shared, never copied) that :func:`~nxl_hooks.attach` makes its plan and head from, and that
+:class:`VllmEngine` claims. The engine then follows the runner:
+
+- ``execute_model`` (wrapped on the runner instance): new requests get their runs (the request id is the client's
+  ``X-Request-ID``: vLLM's worker ids are ``chatcmpl-<id>-<8 hex>``), requests vLLM says are finished end theirs;
+  during the packed forward, forward hooks keep the embedding output and the residual stream after each selected
+  decoder layer (``hidden + residual``: vLLM's layers return both and fuse the add into the next norm), and the
+  logits of the rows vLLM samples from; after it, each request's rows (``input_batch.req_ids``,
+  ``query_start_loc``, from the position the forward's ``positions`` give) go to its run
+  (:meth:`~nxl_hooks.hooks.generate.Run.feed`, as under continuous batching);
+- ``sample_tokens``: each token the step gives a request (a prefill chunk that does not finish its prompt gives
+  none) becomes that request's step record (:meth:`~nxl_hooks.hooks.generate.Run.emit`).
+
+Chunked prefill: each chunk feeds its positions. Preemption: a resumed request recomputes from its first position
+and its features are replaced from there. A request ends with the token that meets its stop rules (EOS, a stop
+token id, max_tokens, the model length), checked in the worker as vLLM's scheduler checks them. A request that
+leaves otherwise (the client went away, a stop string the API server matched, an abort; vLLM tells the worker at its
+next step, not why) ends incomplete, with the steps it made and a reason saying so.
+
+Not followed (requests run unchanged, each one's call record says ``not recorded: why; what to do``): a model
+compiled by vLLM (torch.compile or CUDA graphs: hooks added after compiling never run), prefix caching (a cached
+prefix never runs for the request that reuses it), async scheduling, speculative decoding, pipeline or tensor
+parallelism, and model classes whose layers do not return ``(hidden, residual)`` with an RMS final norm.
+:func:`recording_engine_args` turns the first three off in the engine arguments while ``nxl run`` records.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from types import ModuleType
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..guard import logger, reason
+from ..generate import Generations, Run
+
+__all__ = ["VllmEngine", "VllmForCausalLM", "patch_engine_args", "recording_engine_args", "request_id", "unfollowable",
+           "unfollowable_compile"]
+
+#: What makes a vLLM engine recordable, said with each reason it is not.
+_RECORDABLE = ("start it under nxl run, which sets enforce_eager and turns prefix caching and async scheduling off, "
+               "or pass --enforce-eager --no-enable-prefix-caching --no-async-scheduling yourself")
+
+#: vLLM's request ids in the worker: the API's prefix (``cmpl-`` adds the prompt's index after the id), the client's
+#: X-Request-ID (or vLLM's own id), a random suffix the engine adds.
+_WORKER_ID = re.compile(r"^(?:chatcmpl-(?P<chat>.+)|cmpl-(?P<completion>.+)-\d+|(?P<id>.+))-[0-9a-f]{8}$", re.DOTALL)
+
+
+def request_id(worker_id: str) -> str:
+    """The client's request id in a vLLM worker's request id: ``request_id("chatcmpl-r1-0123abcd") == "r1"``,
+    ``request_id("cmpl-r1-0-0123abcd") == "r1"`` (each prompt of a completion request is its own call)."""
+    match = _WORKER_ID.match(worker_id)
+    return next((group for group in match.groups() if group is not None), worker_id) if match else worker_id
+
+
+# -- what nxl run changes in the engine arguments -----------------------------------------------------------
+
+#: EngineArgs field -> (value while recording, what the status says about it)
+_SETTINGS = {"enable_prefix_caching": (False, "prefix caching off (a cached prefix never runs for the request "
+                                              "that reuses it, so it would have no features)"),
+             "enforce_eager": (True, "compile and CUDA graphs off: enforce_eager (hooks do not run inside code vLLM "
+                                     "compiled)"),
+             "async_scheduling": (False, "async scheduling off (each step's tokens are read before the next step)")}
+
+
+def recording_engine_args(args: Any) -> list[str]:
+    """Set on vLLM's ``EngineArgs`` ``args`` what recording needs (:data:`_SETTINGS`); returns what was changed, as
+    status lines. A field ``args`` lacks is left alone."""
+    changed = []
+    for name, (value, said) in _SETTINGS.items():
+        if hasattr(args, name) and getattr(args, name) != value:
+            setattr(args, name, value)
+            changed.append(said)
+    return changed
+
+
+def patch_engine_args(module: ModuleType) -> None:
+    """Wrap ``EngineArgs.create_engine_config`` of ``vllm.engine.arg_utils`` so that every engine vLLM makes is one
+    the probe can follow (:func:`recording_engine_args`); logs what it changed, once per engine. ``nxl run``
+    applies it in every process it starts (:data:`~nxl_hooks.apps.serve.lazy.HOOKS`). Applied once (a marker on
+    the wrapper); never raises into vLLM."""
+    cls = getattr(module, "EngineArgs", None)
+    original = getattr(cls, "create_engine_config", None)
+    if original is None or getattr(original, "__nxl_patched__", False):
+        if original is None:
+            reason("vLLM's engine arguments", RuntimeError("this vLLM has no EngineArgs.create_engine_config; its "
+                                                           "engines are made as asked"))
+        return
+
+    def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            changed = recording_engine_args(self)
+            if changed:
+                logger.warning("nxl_hooks: recording this vLLM engine: %s", "; ".join(changed))
+        except Exception as error:  # noqa: BLE001 - the engine is made as asked; the worker says why not recorded
+            reason("vLLM's engine arguments", error)
+        return original(self, *args, **kwargs)
+
+    create_engine_config.__wrapped__ = original
+    create_engine_config.__nxl_patched__ = True
+    cls.create_engine_config = create_engine_config
+
+
+def unfollowable_compile(config: Any) -> str | None:
+    """Why vLLM's compiled model (``config``: a ``VllmConfig``) cannot be followed, or None when it runs eagerly."""
+    from vllm.config import CompilationMode, CUDAGraphMode
+
+    compilation = config.compilation_config
+    if compilation.mode != CompilationMode.NONE or compilation.cudagraph_mode != CUDAGraphMode.NONE:
+        return ("vLLM compiled the model (torch.compile or CUDA graphs), and hooks added after it compiled never "
+                f"run; {_RECORDABLE}")
+    return None
+
+
+def unfollowable(config: Any) -> str | None:
+    """Why the engine of ``config`` (a ``VllmConfig``) cannot be followed, or None."""
+
+    cache, parallel, scheduler = config.cache_config, config.parallel_config, config.scheduler_config
+    compiled = unfollowable_compile(config)
+    if compiled is not None:
+        return compiled
+    if cache.enable_prefix_caching:
+        return f"prefix caching is on: a cached prefix never runs for the request that reuses it; {_RECORDABLE}"
+    if getattr(scheduler, "async_scheduling", False):
+        return f"async scheduling is on: a step's tokens are not known when the next step runs; {_RECORDABLE}"
+    if config.speculative_config is not None:
+        return "speculative decoding runs several candidate tokens per request and step; serve without it"
+    if parallel.pipeline_parallel_size > 1 or parallel.tensor_parallel_size > 1:
+        return "tensor or pipeline parallelism splits the model over several workers; serve on one worker"
+    return None
+
+
+# -- the transformers-shaped view of vLLM's model ------------------------------------------------------------
+
+
+class _RmsNorm(nn.Module):
+    """The final RMS norm of vLLM's model, as transformers computes it (float32 inside), on vLLM's own weight."""
+
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = weight if isinstance(weight, nn.Parameter) else nn.Parameter(weight, requires_grad=False)
+        self.variance_epsilon = eps
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        dtype = hidden.dtype
+        hidden = hidden.to(torch.float32)
+        hidden = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * hidden.to(dtype)
+
+
+class VllmForCausalLM(nn.Module):
+    """vLLM's model as :func:`~nxl_hooks.attach` reads a transformers causal LM: its config, ``model.norm`` and
+    ``lm_head`` (vLLM's weights, shared), ``model.layers`` (one placeholder per decoder layer: the hooks go on
+    vLLM's own modules, through :class:`VllmEngine`). ``VllmForCausalLM(runner)``; ValueError when vLLM's model is
+    not one this view knows."""
+
+    base_model_prefix = "model"
+
+    def __init__(self, runner: Any) -> None:
+        super().__init__()
+        model = runner.get_model()
+        inner = getattr(model, "model", None)
+        norm, head = getattr(inner, "norm", None), getattr(model, "lm_head", None)
+        layers = getattr(inner, "layers", None)
+        if (inner is None or type(norm).__name__ != "RMSNorm" or head is None or layers is None
+                or getattr(inner, "embed_tokens", None) is None):
+            raise ValueError(f"vLLM's {type(model).__name__} is not a decoder nxl_hooks follows in vLLM (it needs "
+                             "model.embed_tokens, model.layers returning (hidden, residual), model.norm an RMSNorm "
+                             "and lm_head: Llama, Mistral, Qwen2, Qwen3)")
+        self.runner, self.vllm_model = runner, model
+        self.config = model.config
+        vocab, hidden = int(self.config.vocab_size), int(self.config.hidden_size)
+        self.model = nn.Module()
+        self.model.layers = nn.ModuleList(nn.Identity() for _ in range(len(layers)))
+        self.model.embed_tokens = nn.Embedding(vocab, hidden, device="meta")  # its size only
+        self.model.norm = _RmsNorm(norm.weight, float(norm.variance_epsilon))
+        self.lm_head = nn.Linear(hidden, vocab, bias=False, device="meta")
+        weight = head.weight  # vLLM pads its vocabulary rows: the first vocab_size are the model's
+        self.lm_head.weight = weight if weight.shape[0] == vocab else nn.Parameter(weight[:vocab], requires_grad=False)
+
+    @property
+    def base_model(self) -> nn.Module:
+        return self.model
+
+    @property
+    def engine(self) -> str:
+        """What recording depends on in this vLLM engine, in one line (``nxl ctl status`` shows it)."""
+        import vllm
+
+        config = self.runner.vllm_config
+        compilation = config.compilation_config
+        compiled = "off (enforce_eager)" if unfollowable_compile(config) is None else (
+            f"on ({compilation.mode.name}, CUDA graphs {compilation.cudagraph_mode.name}): not recorded")
+        prefix = "on: not recorded" if config.cache_config.enable_prefix_caching else "off"
+        return (f"vLLM {vllm.__version__} ({type(self.runner).__name__}): prefix caching {prefix}, compile and CUDA "
+                f"graphs {compiled}")
+
+    def get_input_embeddings(self) -> nn.Module:
+        return self.model.embed_tokens
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        """Not callable: vLLM generates, its worker is followed by :class:`VllmEngine`."""
+        raise TypeError("this is vLLM's model as nxl_hooks sees it: generate through vLLM")
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise TypeError("this is vLLM's model as nxl_hooks sees it: run it through vLLM")
+
+
+# -- following the runner -------------------------------------------------------------------------------------
+
+
+class _Capture:
+    """What the hooks keep of one packed forward."""
+
+    def __init__(self) -> None:
+        self.ids: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None
+        self.embed_norm: torch.Tensor | None = None
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.logits: torch.Tensor | None = None
+
+
+class VllmEngine:
+    """The :class:`~nxl_hooks.hooks.engines.Engine` of a vLLM worker's model runner, for one probe of a
+    :class:`VllmForCausalLM`: the runs of the requests the runner serves. ``unfollowed``: why the runner cannot be
+    followed (its requests are then marked not recorded), or None."""
+
+    name = "vllm"
+
+    def __init__(self) -> None:
+        self.unfollowed: str | None = None
+        self._lock = threading.Lock()
+        self._handles: list[Any] = []
+        self._restore: list[tuple[Any, str]] = []
+        self._runs: dict[str, Run | None] = {}  # worker request id -> its run (None: not recorded)
+        self._tokens: dict[str, list[int]] = {}  # worker request id -> prompt and generated ids
+        self._capture: _Capture | None = None  # set while a step's forward runs
+        self._fed: dict[str, Run] = {}  # requests whose rows the last forward fed, awaiting their token
+        self._told = False
+
+    def claims(self, model: nn.Module) -> bool:
+        return isinstance(model, VllmForCausalLM)
+
+    def install(self, gens: Generations) -> None:
+        self.gens, self.plan = gens, gens.plan
+        shell: VllmForCausalLM = gens.plan.model
+        runner = shell.runner
+        try:
+            self.unfollowed = unfollowable(runner.vllm_config)
+        except Exception as error:  # noqa: BLE001 - a vLLM whose config this does not know
+            self.unfollowed = f"this vLLM's configuration is not one nxl_hooks knows ({reason('vLLM', error)})"
+        with self._lock:
+            self._wrap(runner, "execute_model", self._execute_model)
+            self._wrap(runner, "sample_tokens", self._sample_tokens)
+            if self.unfollowed is None:
+                self._hook(shell)
+
+    def _wrap(self, runner: Any, name: str, make: Callable[[Callable], Callable]) -> None:
+        original = getattr(runner, name)
+        wrapper = make(original)
+        wrapper.__nxl_hook__ = True
+        setattr(runner, name, wrapper)  # an instance attribute: the class, and other runners, are untouched
+        self._restore.append((runner, name))
+
+    def _hook(self, shell: VllmForCausalLM) -> None:
+        model, wanted = shell.vllm_model, set(self.plan.layers)
+        inner = model.model
+        self._handles.append(model.register_forward_pre_hook(self._on_model, with_kwargs=True))
+        self._handles.append(inner.embed_tokens.register_forward_hook(self._on_embedding))
+        for index, layer in enumerate(inner.layers, start=1):
+            if index in wanted:
+                self._handles.append(layer.register_forward_hook(self._layer_hook(index)))
+        self._handles.append(model.logits_processor.register_forward_hook(self._on_logits))
+
+    def uninstall(self) -> None:
+        """Hooks and wrappers off; the requests in flight end incomplete."""
+        with self._lock:
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            while self._restore:
+                runner, name = self._restore.pop()
+                vars(runner).pop(name, None)
+            runs = [run for run in self._runs.values() if run is not None]
+            self._runs.clear()
+            self._tokens.clear()
+            self._fed.clear()
+            self._capture = None
+        for run in runs:
+            run.finish(None, "recording stopped while this request ran (detached, paused or re-attached)",
+                       what="this request")
+
+    def stray(self, arguments: dict[str, Any]) -> str | None:
+        return None  # the view's own forward never runs: vLLM calls its own model
+
+    # -- the hooks, in the worker's thread, only inside a followed step -----------------------------------
+
+    def _on_model(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        capture = self._capture
+        if capture is not None:
+            capture.positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+
+    def _on_embedding(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        capture = self._capture
+        if capture is None:
+            return
+        capture.ids = args[0] if args else None
+        capture.embed_norm = torch.linalg.vector_norm(output, dim=-1, dtype=torch.float32)
+        if 0 in self.plan.layers:  # a copy: the next layer's fused add-norm updates its residual input in place
+            capture.hidden[0] = output.clone()
+
+    def _layer_hook(self, index: int) -> Callable:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            capture = self._capture
+            if capture is not None:
+                hidden, residual = output
+                capture.hidden[index] = hidden + residual  # the residual stream: a new tensor, safe from in-place adds
+
+        return hook
+
+    def _on_logits(self, module: nn.Module, args: tuple, output: Any) -> None:
+        capture = self._capture
+        if capture is not None and isinstance(output, torch.Tensor):
+            capture.logits = output
+
+    # -- the runner's steps ---------------------------------------------------------------------------------
+
+    def _execute_model(self, original: Callable) -> Callable:
+        def execute_model(scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+            self._begin_step(scheduler_output)
+            self._capture = _Capture() if self.unfollowed is None else None
+            try:
+                return original(scheduler_output, *args, **kwargs)
+            finally:
+                capture, self._capture = self._capture, None
+                if capture is not None and capture.embed_norm is not None:
+                    self._feed(capture)
+
+        return execute_model
+
+    def _sample_tokens(self, original: Callable) -> Callable:
+        def sample_tokens(*args: Any, **kwargs: Any) -> Any:
+            output = original(*args, **kwargs)
+            fed, self._fed = self._fed, {}
+            if fed:
+                self._emit(output, fed)
+            return output
+
+        return sample_tokens
+
+    def _begin_step(self, scheduler_output: Any) -> None:
+        """Runs end for the requests vLLM finished; new requests get theirs. Never raises."""
+        try:
+            for worker_id in getattr(scheduler_output, "finished_req_ids", ()) or ():
+                self._end(worker_id)
+            for new in getattr(scheduler_output, "scheduled_new_reqs", ()) or ():
+                self._start(new)
+        except Exception as error:  # noqa: BLE001 - never into vLLM's loop
+            reason("vLLM's scheduled requests", error)
+
+    def _start(self, new: Any) -> None:
+        worker_id = str(new.req_id)
+        client_id = request_id(worker_id)
+        prompt = list(new.prompt_token_ids or ())
+        try:
+            if self.unfollowed is not None:
+                raise RuntimeError(self.unfollowed)
+            if not prompt:
+                raise RuntimeError("this request came as embeddings, not token ids")
+            if int(getattr(new, "num_computed_tokens", 0) or 0) > 0:
+                raise RuntimeError(f"its first {new.num_computed_tokens} positions came from vLLM's prefix cache and "
+                                   f"never ran for it; {_RECORDABLE}")
+            self._runs[worker_id] = self.gens.new_run(request_id=client_id, prompt_len=len(prompt), eos=None)
+            self._tokens[worker_id] = prompt
+        except Exception as error:  # noqa: BLE001
+            self._runs[worker_id] = None
+            self.gens.unrecorded(client_id, "this vLLM request", error, log=not self._told)
+            self._told = True
+
+    def _end(self, worker_id: str, *, stopped: bool = False) -> None:
+        """The request left the worker: ``stopped`` by its own stop rules (its call is complete), or otherwise (vLLM
+        told the worker at a later step: its call keeps the steps it made and says it ended early)."""
+        run, tokens = self._runs.pop(worker_id, None), self._tokens.pop(worker_id, None)
+        if run is None:
+            return
+        if tokens is None or run.call.prompt_mask is None:
+            run.finish(None, "the request left vLLM before its prompt was processed (aborted)", what="this request")
+        else:
+            run.finish(torch.tensor([tokens], dtype=torch.long), None if stopped else (
+                "the request left vLLM before its EOS, stop token or max_tokens (the client went away, the API server "
+                "matched a stop string, or it was aborted): its steps up to then are recorded"), what="this request")
+
+    def _stops(self, worker_id: str, token: int) -> bool:
+        """Whether ``token`` ends the request, by the engine's own stop rules (its EOS or stop token ids, its
+        max_tokens, the model length): then its call ends now, not when vLLM tells the worker at its next step.
+        (Stop strings and aborts are the API server's: those requests end at that next step.)"""
+        runner = self.gens.plan.model.runner
+        state = runner.requests.get(worker_id)
+        params = getattr(state, "sampling_params", None)
+        if params is None:
+            return False
+        tokens = self._tokens[worker_id]
+        generated = len(tokens) - len(state.prompt_token_ids or ())
+        return (token == params.eos_token_id or token in (params.stop_token_ids or ())
+                or generated >= (params.max_tokens or float("inf"))
+                or len(tokens) >= runner.vllm_config.model_config.max_model_len)
+
+    def _feed(self, capture: _Capture) -> None:
+        """Each request's rows of the forward into its run; the logits of the rows vLLM samples from become the
+        probability of the token it samples. Never raises."""
+        try:
+            runner = self.gens.plan.model.runner
+            batch = runner.input_batch
+            count = batch.num_reqs
+            starts = [int(s) for s in runner.query_start_loc.np[: count + 1]]
+            discard = runner.discard_request_mask.np[:count].tolist()
+            firsts = capture.positions[torch.tensor(starts[:-1], device=capture.positions.device)].tolist()
+            total = starts[-1]
+            hidden = torch.stack([capture.hidden[layer][:total] for layer in self.plan.layers], dim=1)
+            features = self.plan.head.features(hidden)[None]  # (1, tokens, layers, d')
+            embed = capture.embed_norm[None, :total]
+            mask = torch.ones_like(embed, dtype=torch.bool)
+            ids = capture.ids[None, :total].long() if capture.ids is not None else None
+            log_probs = capture.logits.float().log_softmax(-1) if capture.logits is not None else None
+        except Exception as error:  # noqa: BLE001 - this step's requests stop recording
+            for worker_id in list(self._runs):
+                run = self._runs.get(worker_id)
+                if run is not None and not run.failed:
+                    run.fail("this vLLM step", error)
+            return
+        for index, worker_id in enumerate(batch.req_ids[:count]):
+            run = self._runs.get(worker_id)
+            if run is None or run.failed:
+                continue
+            try:
+                window = slice(starts[index], starts[index + 1])
+                run.feed(int(firsts[index]), features[:, window], embed[:, window], mask[:, window],
+                         ids[:, window] if ids is not None else None)
+                if not discard[index]:
+                    run.predicted(log_probs[index: index + 1] if log_probs is not None else None)
+                    self._fed[worker_id] = run
+            except Exception as error:  # noqa: BLE001 - one request's failure is that request's alone
+                run.fail("this vLLM request", error)
+
+    def _emit(self, output: Any, fed: dict[str, Run]) -> None:
+        """The token each fed request got from this step: its step record. Never raises."""
+        try:
+            ids, sampled = list(output.req_ids), output.sampled_token_ids
+        except Exception as error:  # noqa: BLE001 - an output this does not know (async): not recorded
+            for run in fed.values():
+                run.fail("this vLLM step", RuntimeError(f"its sampled tokens could not be read ({error})"))
+            return
+        for worker_id, tokens in zip(ids, sampled):
+            run = fed.pop(worker_id, None)
+            if run is None or not len(tokens):
+                continue
+            try:
+                if len(tokens) != 1:
+                    raise RuntimeError(f"vLLM gave this request {len(tokens)} tokens in one step (speculative "
+                                       "decoding), which nxl_hooks does not follow")
+                token = int(tokens[0])
+                run.emit(torch.tensor([token]))
+                self._tokens[worker_id].append(token)
+                if self._stops(worker_id, token):
+                    self._end(worker_id, stopped=True)
+            except Exception as error:  # noqa: BLE001
+                run.fail("this vLLM request", error)
+        for run in fed.values():
+            run.fail("this vLLM request", RuntimeError("vLLM sampled no token for it after a forward that finished "
+                                                       "its prompt"))

@@ -1,0 +1,49 @@
+"""The parts of the vLLM engine that need no vLLM: request ids, the engine arguments recording sets, and how
+``nxl run`` starts a ``vllm`` command that cannot start itself. (vLLM itself: tests/vllm.)"""
+
+from __future__ import annotations
+
+import stat
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+from nxl_hooks.apps.commands.run import vllm_program
+from nxl_hooks.hooks.engines.vllm import recording_engine_args, request_id
+
+
+def test_request_id_is_the_clients():
+    assert request_id("chatcmpl-req-1-0123abcd") == "req-1"  # chat: X-Request-ID between prefix and suffix
+    assert request_id("cmpl-req-1-2-0123abcd") == "req-1"  # completions add the prompt's index
+    assert request_id("7-0123abcd") == "7"  # vllm.LLM
+    assert request_id("chatcmpl-a-b-deadbeef") == "a-b"
+    assert request_id("no-suffix") == "no-suffix"  # not vLLM's shape: kept whole
+
+
+def test_recording_engine_args_turn_off_what_cannot_be_followed_and_say_so():
+    args = SimpleNamespace(enable_prefix_caching=None, enforce_eager=False, async_scheduling=False, model="m")
+    changed = recording_engine_args(args)
+    assert (args.enable_prefix_caching, args.enforce_eager, args.async_scheduling, args.model) == (False, True, False,
+                                                                                                  "m")
+    assert len(changed) == 2 and changed[0].startswith("prefix caching off") and "enforce_eager" in changed[1]
+    assert recording_engine_args(args) == []  # already recordable: nothing changed, nothing said
+    assert recording_engine_args(SimpleNamespace()) == []  # a vLLM without these fields is left alone
+
+
+def _script(folder: Path, first_line: str) -> Path:
+    path = folder / "vllm"
+    path.write_text(f"{first_line}\nprint('vllm')\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def test_a_vllm_command_whose_interpreter_lacks_vllm_metadata_runs_through_vllm_main(tmp_path):
+    script = _script(tmp_path, f"#!{sys.executable}")  # this interpreter has no "vllm" distribution
+    program = vllm_program([str(script), "serve", "./model"])
+    assert program[0] == sys.executable and program[2:] == ["serve", "./model"]
+    assert Path(program[1]).name == "vllm_main.py" and Path(program[1]).is_file()
+
+
+def test_a_vllm_command_that_is_not_a_python_script_is_run_as_it_is(tmp_path):
+    script = _script(tmp_path, "#!/bin/sh")
+    assert vllm_program([str(script), "serve"]) == [str(script), "serve"]

