@@ -258,7 +258,7 @@ def tp_outputs(args: Any, *names: str) -> None:
 _GGUF_FIX = "the file is damaged or was written wrong: download or convert it again"
 
 
-def _gguf_int(reader: Any, key: str) -> Any:
+def _gguf_value(reader: Any, key: str) -> Any:
     """The scalar a GGUF header holds at ``key`` (None when absent); an array or string is returned as found."""
     from transformers.modeling_gguf_pytorch_utils import read_field
 
@@ -294,20 +294,25 @@ def check_gguf(path: str | Path, head: str = "causal_lm") -> None:
         reader = GGUFReader(str(path))
     except Exception as err:  # noqa: BLE001 - gguf raises what a cut or crafted file makes numpy/struct raise
         raise ValueError(f"{path} is not a readable GGUF file ({type(err).__name__}: {err}); {_GGUF_FIX}") from None
-    arch = _gguf_int(reader, "general.architecture")
+    arch = _gguf_value(reader, "general.architecture")
+    if not isinstance(arch, str):
+        raise ValueError(f"{path} names no architecture (general.architecture is {arch!r}); {_GGUF_FIX}")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     count = len(tokens.data) if tokens is not None else 0
     if not count:
         raise ValueError(f"{path} has no vocabulary (tokenizer.ggml.tokens is missing or empty), so no tokenizer can "
                          f"be built from it; {_GGUF_FIX}")
-    found = {int(t.name.split(".")[1]) for t in reader.tensors if re.fullmatch(r"blk\.\d+\..+", t.name)}
-    blocks = _gguf_int(reader, f"{arch}.block_count")
+    # blk.N.* (enc.blk.N.* and dec.blk.N.* for encoder-decoders): the blocks the file really holds, which bound the
+    # model built below, however many the header claims
+    found = {int(match.group(1)) for match in (re.match(r"(?:[a-z]+\.)?blk\.(\d+)\.", t.name) for t in reader.tensors)
+             if match}
+    blocks = _gguf_value(reader, f"{arch}.block_count")
     if not isinstance(blocks, int) or found != set(range(blocks)):
         held = f"blocks 0..{max(found)} ({len(found)} blocks)" if found else "no block"
         raise ValueError(f"{path}: its header says {arch}.block_count = {blocks!r} but its tensors hold {held}; "
                          f"{_GGUF_FIX}")
-    width = _gguf_int(reader, f"{arch}.embedding_length")
-    for key, value in (("embedding_length", width), ("attention.head_count", _gguf_int(reader, f"{arch}."
+    width = _gguf_value(reader, f"{arch}.embedding_length")
+    for key, value in (("embedding_length", width), ("attention.head_count", _gguf_value(reader, f"{arch}."
                                                                                         "attention.head_count"))):
         values = value if isinstance(value, list) else [value]
         if value is not None and not all(isinstance(v, int) and v > 0 for v in values):
@@ -328,8 +333,8 @@ def check_gguf(path: str | Path, head: str = "causal_lm") -> None:
                          f"{_GGUF_FIX}") from None
     parameters = dict(skeleton.named_parameters())  # tied ones once
     names = _gguf_names(skeleton, arch, config)
-    present = {names[tensor.name] for tensor in reader.tensors if tensor.name in names}
-    _refuse_missing(path, [name for name in parameters if name in set(names.values()) - present])
+    absent = set(names.values()) - {names[tensor.name] for tensor in reader.tensors if tensor.name in names}
+    _refuse_missing(path, [name for name in parameters if name in absent])
     needed = sum(parameter.numel() for parameter in parameters.values())
     held = sum(int(tensor.n_elements) for tensor in reader.tensors)
     if needed > held:
