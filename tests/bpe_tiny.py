@@ -70,24 +70,25 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(path: Path, model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, *, header: dict | None = None,
-               drop: tuple[str, ...] = (), transpose: tuple[str, ...] = ()) -> Path:
+               drop: tuple[str, ...] = (), transpose: tuple[str, ...] = (), extra: dict | None = None) -> Path:
     """``model`` and ``tok`` as a float32 GGUF file (llama architecture, gpt2 tokenizer, chat template).
 
     A crafted file for the refusal tests: ``header`` overrides ``block_count``, ``embedding_length``,
-    ``head_count`` or ``tokens`` (None: left out); the tensors named in ``drop`` are left out, those in
-    ``transpose`` written transposed. ``write_gguf(p, m, t, header={"block_count": 10**6})``"""
+    ``feed_forward_length``, ``head_count`` or ``tokens`` (None: left out); the tensors named in ``drop`` are left out, those in
+    ``transpose`` written transposed; ``extra``: more tensors (name -> array). ``write_gguf(p, m, t, header={"block_count": 10**6})``"""
     import gguf
 
     cfg = model.config
     vocab = tok.get_vocab()
     pieces = sorted(vocab, key=vocab.get)
     given = {"block_count": cfg.num_hidden_layers, "embedding_length": cfg.hidden_size,
-             "head_count": cfg.num_attention_heads, "tokens": pieces, **(header or {})}
+             "feed_forward_length": cfg.intermediate_size, "head_count": cfg.num_attention_heads, "tokens": pieces,
+             **(header or {})}
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(given["block_count"])
     writer.add_context_length(cfg.max_position_embeddings)
     writer.add_embedding_length(given["embedding_length"])
-    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_feed_forward_length(given["feed_forward_length"])
     writer.add_head_count(given["head_count"])
     writer.add_head_count_kv(cfg.num_key_value_heads)
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
@@ -122,6 +123,8 @@ def write_gguf(path: Path, model: LlamaForCausalLM, tok: PreTrainedTokenizerFast
             add(f"blk.{i}.{short}.weight", sd[p + long + ".weight"])
         add(f"blk.{i}.attn_q.weight", _permute(sd[p + "self_attn.q_proj.weight"], cfg.num_attention_heads))
         add(f"blk.{i}.attn_k.weight", _permute(sd[p + "self_attn.k_proj.weight"], cfg.num_key_value_heads))
+    for name, value in (extra or {}).items():
+        writer.add_tensor(name, value)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

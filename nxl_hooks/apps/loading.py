@@ -258,7 +258,7 @@ def tp_outputs(args: Any, *names: str) -> None:
 _GGUF_FIX = "the file is damaged or was written wrong: download or convert it again"
 
 
-def _gguf_int(reader: Any, key: str) -> Any:
+def _gguf_value(reader: Any, key: str) -> Any:
     """The scalar a GGUF header holds at ``key`` (None when absent); an array or string is returned as found."""
     from transformers.modeling_gguf_pytorch_utils import read_field
 
@@ -266,32 +266,53 @@ def _gguf_int(reader: Any, key: str) -> Any:
     return value[0] if len(value) == 1 else value or None
 
 
-def check_gguf(path: str | Path) -> None:
-    """Refuse, in one line (ValueError), a GGUF file whose header does not describe the tensors it holds, from the
-    header alone (memory-mapped: nothing is allocated, however large the numbers it claims): no vocabulary, a block
-    count other than the blocks its tensors hold, a zero head count or embedding length, a token embedding that is
-    not (vocabulary x embedding length). ``check_gguf("smollm2.Q4_1.gguf")``; :func:`load_model` calls it before
-    reading a local GGUF file, and refuses a tensor the model needs that the file lacks after loading it."""
+def _gguf_names(skeleton: Any, arch: str, config: Any) -> dict[str, str]:
+    """GGUF tensor name -> model parameter name, as transformers maps them when it loads the file; empty where it
+    cannot tell (then a missing tensor is found after loading, from transformers' own loading report)."""
+    try:
+        from transformers.modeling_gguf_pytorch_utils import (TENSOR_PROCESSORS, TensorProcessor,
+                                                              get_gguf_hf_weights_map)
+
+        return get_gguf_hf_weights_map(skeleton, TENSOR_PROCESSORS.get(arch, TensorProcessor)(config.to_dict()))
+    except (ImportError, NotImplementedError):
+        return {}
+
+
+def check_gguf(path: str | Path, head: str = "causal_lm") -> None:
+    """Refuse, in one line (ValueError), a GGUF file whose header does not describe the tensors it holds, before
+    anything is allocated (the file memory-mapped, the model its header describes built on the meta device), however
+    large the numbers it claims: no vocabulary, a block count other than the blocks its tensors hold, a zero head
+    count or embedding length, a token embedding that is not (vocabulary x embedding length), a model of more
+    parameters than the file holds values (a feed-forward width or a head count that its tensors do not have).
+    ``check_gguf("smollm2.Q4_1.gguf")``; :func:`load_model` calls it before reading a local GGUF file, and refuses a
+    tensor the model needs that the file lacks after loading it."""
+    import torch
+    import transformers
     from gguf import GGUFReader
 
     try:
         reader = GGUFReader(str(path))
     except Exception as err:  # noqa: BLE001 - gguf raises what a cut or crafted file makes numpy/struct raise
         raise ValueError(f"{path} is not a readable GGUF file ({type(err).__name__}: {err}); {_GGUF_FIX}") from None
-    arch = _gguf_int(reader, "general.architecture")
+    arch = _gguf_value(reader, "general.architecture")
+    if not isinstance(arch, str):
+        raise ValueError(f"{path} names no architecture (general.architecture is {arch!r}); {_GGUF_FIX}")
     tokens = reader.fields.get("tokenizer.ggml.tokens")
     count = len(tokens.data) if tokens is not None else 0
     if not count:
         raise ValueError(f"{path} has no vocabulary (tokenizer.ggml.tokens is missing or empty), so no tokenizer can "
                          f"be built from it; {_GGUF_FIX}")
-    found = {int(t.name.split(".")[1]) for t in reader.tensors if re.fullmatch(r"blk\.\d+\..+", t.name)}
-    blocks = _gguf_int(reader, f"{arch}.block_count")
+    # blk.N.* (enc.blk.N.* and dec.blk.N.* for encoder-decoders): the blocks the file really holds, which bound the
+    # model built below, however many the header claims
+    found = {int(match.group(1)) for match in (re.match(r"(?:[a-z]+\.)?blk\.(\d+)\.", t.name) for t in reader.tensors)
+             if match}
+    blocks = _gguf_value(reader, f"{arch}.block_count")
     if not isinstance(blocks, int) or found != set(range(blocks)):
         held = f"blocks 0..{max(found)} ({len(found)} blocks)" if found else "no block"
         raise ValueError(f"{path}: its header says {arch}.block_count = {blocks!r} but its tensors hold {held}; "
                          f"{_GGUF_FIX}")
-    width = _gguf_int(reader, f"{arch}.embedding_length")
-    for key, value in (("embedding_length", width), ("attention.head_count", _gguf_int(reader, f"{arch}."
+    width = _gguf_value(reader, f"{arch}.embedding_length")
+    for key, value in (("embedding_length", width), ("attention.head_count", _gguf_value(reader, f"{arch}."
                                                                                         "attention.head_count"))):
         values = value if isinstance(value, list) else [value]
         if value is not None and not all(isinstance(v, int) and v > 0 for v in values):
@@ -302,6 +323,23 @@ def check_gguf(path: str | Path) -> None:
         rows, cols = list(reversed(embedding.shape)) + [None] * (2 - len(embedding.shape))
         raise ValueError(f"{path}: its token embedding is {rows} x {cols}, but the header gives {count} tokens of "
                          f"width {width} ({arch}.embedding_length), so it should be {count} x {width}; {_GGUF_FIX}")
+    path = Path(path)
+    try:
+        config = transformers.AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+        with torch.device("meta"):  # the shapes without the memory
+            skeleton = getattr(transformers, HEAD_CLASSES[head]).from_config(config)
+    except (ValueError, KeyError, TypeError, ZeroDivisionError, OverflowError) as err:
+        raise ValueError(f"{path}: transformers cannot build a model from its header ({type(err).__name__}: {err}); "
+                         f"{_GGUF_FIX}") from None
+    parameters = dict(skeleton.named_parameters())  # tied ones once
+    names = _gguf_names(skeleton, arch, config)
+    absent = set(names.values()) - {names[tensor.name] for tensor in reader.tensors if tensor.name in names}
+    _refuse_missing(path, [name for name in parameters if name in absent])
+    needed = sum(parameter.numel() for parameter in parameters.values())
+    held = sum(int(tensor.n_elements) for tensor in reader.tensors)
+    if needed > held:
+        raise ValueError(f"{path}: its header describes a model of {needed:,} parameters, but the file holds "
+                         f"{held:,} values; {_GGUF_FIX}")
 
 
 def load_model(name: str, head: str | None = None, *, gguf_file: str | None = None, dtype: Any = None,
@@ -362,7 +400,7 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
         raise ValueError(f"head {kind!r}: use one of {', '.join(HEAD_CLASSES)}")
     auto = getattr(transformers, HEAD_CLASSES[kind])
     if gguf_file is not None and (Path(name).expanduser() / gguf_file).is_file():
-        check_gguf(Path(name).expanduser() / gguf_file)  # before the tokenizer and model are built from its header
+        check_gguf(Path(name).expanduser() / gguf_file, kind)  # before the tokenizer and model are built from it
     try:  # first: a damaged tokenizer costs no model load
         tokenizer = transformers.AutoTokenizer.from_pretrained(name, **({"gguf_file": gguf_file} if gguf_file else {}))
     except (OSError, ValueError) as err:
@@ -406,12 +444,17 @@ def _from_gguf(auto: Any, name: str, gguf_file: str, kwargs: dict[str, Any]) -> 
                          f"the model; {_GGUF_FIX}") from None
     finally:
         logger.setLevel(level)
-    missing = sorted(info["missing_keys"])
+    _refuse_missing(os.path.join(name, gguf_file), info["missing_keys"])
+    return model
+
+
+def _refuse_missing(path: str | Path, missing: Any) -> None:
+    """A ValueError naming the model's parameters (``missing``) that a GGUF file has no tensor for."""
+    missing = sorted(missing)
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        raise ValueError(f"{os.path.join(name, gguf_file)} lacks tensors the model needs ({', '.join(missing[:3])}"
-                         f"{more}): they would be random numbers; {_GGUF_FIX}")
-    return model
+        raise ValueError(f"{path} lacks tensors the model needs ({', '.join(missing[:3])}{more}): they would be "
+                         f"random numbers; {_GGUF_FIX}")
 
 
 def convert_gguf(gguf: str | Path, out: str | Path, *, gguf_file: str | None = None, dtype: Any = "float32") -> Path:

@@ -583,8 +583,8 @@ def resolve(model: nn.Module) -> tuple[ArchSpec, str]:
     this model_type does not fit the model (see :func:`_check_fits`). A shipped entry whose ``blocks`` a variant
     lacks gives way to generic discovery; a user's entry is refused. A module graph with a cycle is a ValueError
     (:func:`_check_acyclic`)."""
+    kind = head_kind(model)  # (refuses what is no model at all)
     _check_acyclic(model)
-    kind = head_kind(model)
     spec_kind = spec_head(kind)
     model_type = model.config.model_type
     spec = _SPECS.get(model_type)

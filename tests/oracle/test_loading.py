@@ -191,6 +191,8 @@ CRAFTED = {  # id: (write_gguf changes, what the one line says)
     "transposed embedding": ({"transpose": ("token_embd.weight",)},
                              r"its token embedding is 64 x (\d+), but the header gives \1 tokens of width 64"),
     "no tokens": ({"header": {"tokens": None}}, r"has no vocabulary \(tokenizer.ggml.tokens is missing or empty\)"),
+    "wide feed-forward": ({"header": {"feed_forward_length": 4096}},
+                          r"its header describes a model of [\d,]+ parameters, but the file holds [\d,]+ values"),
     "a missing tensor": ({"drop": ("blk.0.ffn_up.weight",)},
                          r"lacks tensors the model needs \(model.layers.0.mlp.up_proj.weight\): they would be random"),
 }
@@ -232,6 +234,27 @@ def test_a_crafted_gguf_file_is_refused_by_attribute_too(world, tmp_path, capsys
     assert main(["attribute", str(crafted), PROMPT]) == 2
     (line,) = _errors(capsys.readouterr().err)
     assert line.startswith("nxl attribute: error: ") and "model.layers.1.self_attn.v_proj.weight" in line
+
+
+def test_a_missing_tensor_that_the_header_check_cannot_name_is_refused_after_loading(world, tmp_path, capsys,
+                                                                                      monkeypatch):
+    """Where transformers cannot map a GGUF file's names before loading (an architecture its processor renames
+    tensors for, here simulated) and an unrelated tensor makes up the count, the missing weight is still refused,
+    from transformers' own loading report, instead of converted as random numbers."""
+    from nxl_hooks.apps import loading
+
+    model, tok, _, _ = world
+    up = model.model.layers[0].mlp.up_proj.weight.detach().numpy()
+    crafted = bpe_tiny.write_gguf(tmp_path / "crafted.gguf", model, tok, drop=("blk.0.ffn_up.weight",),
+                                  extra={"unrelated.weight": up.copy()})
+    monkeypatch.setattr(loading, "_gguf_names", lambda *_: {})
+    capsys.readouterr()
+    assert main(["convert", str(crafted), str(tmp_path / "out")]) == 2
+    (line,) = _errors(capsys.readouterr().err)
+    assert line.startswith("nxl convert: error: ") and line.endswith(
+        "crafted.gguf lacks tensors the model needs (model.layers.0.mlp.up_proj.weight): they would be random "
+        f"numbers; {_FIX}"), line
+    assert not (tmp_path / "out").exists()
 
 
 def test_convert_writes_the_weights_with_the_mode_of_its_other_files(world, tmp_path):

@@ -332,6 +332,22 @@ def test_a_concurrent_gdb_is_waited_for_then_named(own_target, shared, capsys, m
     own_target.runs_on()
 
 
+def test_two_nxl_attach_at_once_one_records_the_other_says_why(own_target, shared, capsys):
+    runs = [shared / "run-first", shared / "run-second"]
+    commands = [subprocess.Popen([sys.executable, "-m", "nxl_hooks", "attach", str(own_target.pid), "--sink", str(run)],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                 env={**os.environ, "PYTHONPATH": str(REPO)}) for run in runs]
+    done = [(command.wait(timeout=300), *command.communicate(timeout=60)) for command in commands]
+    try:
+        assert sorted(code for code, _, _ in done) == [0, 2], done
+        (_, _, lost), = [entry for entry in done if entry[0] == 2]
+        assert len(lost.splitlines()) == 1 and ("recorded already" in lost or "being traced" in lost), lost
+        assert "Operation not permitted" not in lost and "as root" not in lost
+        assert [run.exists() for run in runs] == [code == 0 for code, _, _ in done]  # the loser left no folder
+    finally:
+        _detach(capsys, own_target.pid)
+
+
 # -- 5. nothing in the target's stderr but nxl's own lines ---------------------------------------------------
 
 def test_the_targets_stderr_holds_only_nxl_lines_after_attach_and_detach(shared, capsys):

@@ -30,7 +30,8 @@ def add_pid(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("pid", type=int, metavar="PID", help="the process (a server, a script, a notebook kernel)")
     parser.add_argument("--timeout", type=float, metavar="SECONDS", default=30.0,
                         help="how long the process may take to run the injected request (its main thread must "
-                             "reach Python code); past it the request is withdrawn (default 30)")
+                             "reach Python code); past it the request is withdrawn (default 30). Also how long "
+                             "to wait for another nxl attach or debugger tracing it to let go")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

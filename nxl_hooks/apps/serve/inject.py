@@ -405,8 +405,9 @@ def inject(target: Target, request: dict, *, timeout: float, wait: float = 0.0) 
     """Carry out ``request`` inside ``target`` (:mod:`.remote`) and return its outcome (``{"ok": ...}``).
 
     ``timeout``: how long the target's main thread may take to reach Python code and claim the request (a
-    thread blocked in a system call does not); past it the request is withdrawn and CliError says so. ``wait``:
-    how long the work itself may look for a model, on top of the import of nxl_hooks."""
+    thread blocked in a system call does not); past it the request is withdrawn and CliError says so. It also
+    bounds the wait for another tracer (a concurrent nxl attach's gdb) to let go first. ``wait``: how long the
+    work itself may look for a model, on top of the import of nxl_hooks."""
     folder = Path(tempfile.mkdtemp(prefix="nxl-attach-"))  # 0700; the target's own when it is another user's
     private = Path(tempfile.mkdtemp(prefix="nxl-attach-"))  # 0700, never handed over: what gdb (root) reads
     try:

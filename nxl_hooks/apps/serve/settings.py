@@ -103,7 +103,8 @@ def _globs(text: str) -> list[str]:
 
 
 def _unclosed(glob: str) -> bool:
-    """Whether a '[' of ``glob`` has no closing ']' (fnmatch then reads it as a literal '['): its own scan."""
+    """Whether a '[' of ``glob`` has no closing ']' (fnmatch then reads it as a literal '['), scanned as
+    ``fnmatch.translate`` scans it."""
     i = 0
     while i < len(glob):
         if glob[i] == "[":
@@ -174,8 +175,8 @@ class Option:
         variable alike: it stands for the default only where the default is written empty (``NXL_LISTEN``);
         elsewhere (``--target ''``, ``NXL_TARGET=''``, ``--models ''``) it is refused, never read as "all"."""
         if text == "" and self.text(self.default) != "":
-            raise ValueError(f"'' is empty: leave it out for the default ({self.text(self.default)}), or give "
-                             f"{self.help.split(':')[0]}")
+            raise ValueError(f"'' is empty: leave it out for the default ({self.text(self.default)}), or give a "
+                             "value")
         return (parse or self.parse)(text)
 
     def describe(self, *, default: bool = True) -> str:
@@ -313,6 +314,7 @@ def add_run_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, *
         if option.metavar is None:
             parser.add_argument(option.flag, action="store_true", default=None, help=option.describe(default=defaults))
             continue
+
         def read(text: str, option: Option = option) -> Any:
             try:
                 return option.value(text, option.arg)
