@@ -4,7 +4,7 @@ engines patch: the one place that knows the calling conventions, so the recorder
     where = positions(arguments)       # a backbone forward's bound arguments
     where.past, where.new, where.source # positions past .. past + new - 1, and what said so
 
-Conventions seen (checked on 5.16 to 5.24): the cache arrives as ``past_key_values`` up to 5.23 and as ``cache``
+Conventions seen (checked on 5.16 to 5.24; the floor is 5.18.0): the cache arrives as ``past_key_values`` up to 5.23 and as ``cache``
 from 5.24 (the old name a deprecated alias until 5.40); ``generate`` passes ``cache_position`` up to 5.23 and only
 ``position_ids`` from 5.24. Nothing here is a list of versions: the cache is found by what it is (an object with
 ``get_seq_length``, whatever its keyword), and positions come from the first source the forward actually received,
@@ -82,3 +82,36 @@ def positions(arguments: dict[str, Any]) -> Positions:
                 f"no KV cache nxl_hooks recognises (arguments: {', '.join(sorted(arguments))}), so the positions "
                 "before it are unknown")
     return Positions(0, new, "no cache")
+
+
+#: What the continuous-batching engine (:mod:`.engines.transformers_cb`) wraps: (module of
+#: ``transformers.generation.continuous_batching``, class, method). Each is checked to exist where it is defined
+#: before anything is wrapped; the layout of every packed forward is then checked against what the forward received.
+CONTINUOUS_BATCHING = (("continuous_api", "ContinuousBatchProcessor", "_generation_step"),
+                       ("requests", "RequestState", "update_and_check_completion"),
+                       ("continuous_api", "ContinuousBatchingManager", "__init__"))
+#: What ``transformers serve``'s ``GenerateManager`` (``transformers.cli.serving.utils``) must have for request ids
+#: to reach ``generate``: the two handlers that know the id, and the two ways they hand work to the inference thread.
+SERVE_HANDLERS, SERVE_SUBMITS = ("generate_streaming", "generate_non_streaming"), ("submit", "async_submit")
+
+
+def continuous_batching_classes() -> tuple[list[type], str | None]:
+    """The classes of :data:`CONTINUOUS_BATCHING`, in its order, or ``[]`` and why continuous batching cannot be
+    followed with the installed transformers (not importable, or a method moved or renamed)."""
+    import importlib
+
+    import transformers
+
+    found, missing = [], []
+    for module, name, method in CONTINUOUS_BATCHING:
+        try:
+            owner = getattr(importlib.import_module(f"transformers.generation.continuous_batching.{module}"), name)
+        except (ImportError, AttributeError) as error:
+            return [], f"transformers' continuous batching is not importable ({error})"
+        found.append(owner)
+        if not callable(vars(owner).get(method)):
+            missing.append(f"{name}.{method}")
+    if missing:
+        return [], (f"transformers {transformers.__version__} has no {', '.join(missing)} (its continuous-batching "
+                    "internals changed)")
+    return found, None
