@@ -164,9 +164,10 @@ class GenerationCall:
             return None
         ids = torch.full((self.prompt_ids.shape[0], length), -1, dtype=torch.long)
         ids[:, : self.prompt_ids.shape[1]] = self.prompt_ids[:, :length]
-        for step in self.steps:
-            if step.position < length:
-                ids[:, step.position] = step.token
+        for step in self.steps:  # in order of position
+            if step.position >= length:
+                break
+            ids[:, step.position] = step.token
         return ids
 
     def attribution(self, step: Step) -> Attribution:

@@ -241,3 +241,10 @@ def test_generate_page_marks_and_folds_the_template_scales_by_what_ranks_and_say
                                              "background:rgb(31,119,180)")
         louder += any(abs(values[j]) > abs(values[peak]) for j in folded)
     assert louder  # a template column scores higher somewhere: by today's rule it would have set the scale
+    # the prompt above the table greys the template's tokens; the terminal ranks without them too
+    prompt = text.split('<p class="prompt">')[1].split("</p>")[0]
+    assert prompt.count('<span class="nxl-template">') == len(ids) - len(ranked)
+    lines = [line for line in out.splitlines() if line.strip()[:1].isdigit() and " L3:" in line]
+    printed = {int(part.split(":")[0]) for line in lines for part in line.split("L3:", 1)[1].split()
+               if part.split(":")[0].isdigit()}
+    assert len(lines) == 3 and printed and printed <= ranked | set(range(len(ids), len(ids) + 2))

@@ -257,8 +257,9 @@ def test_a_stream_file_written_by_0_1_still_reads(model):
 
 def test_a_stream_file_written_by_0_2_reads_and_exports_without_the_new_fields(tmp_path):
     """tests/data/stream-v2.nxl: written by nxl_hooks at commit 1ff058c (format 2, before records had a model name,
-    times and special-token ids): tests/bpe_tiny.py's model and tokenizer, a ChatML prompt with a system prompt, layers [0, -1],
-    2 new tokens. It reads whole, with None where those fields are, and exports to Parquet (null model and time)."""
+    times and special-token ids): tests/bpe_tiny.py's model and tokenizer, a ChatML prompt with a system prompt,
+    layers [0, -1], 2 new tokens. It reads whole, with None where those fields are, and exports to Parquet (null
+    model and time)."""
     pq = pytest.importorskip("pyarrow.parquet")
     import bpe_tiny
 

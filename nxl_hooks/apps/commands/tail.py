@@ -19,8 +19,9 @@ token is made, never changed afterwards.
 
 While no token comes (at the start, once subscribed to every process, or for a while after the last token), a
 line on stderr says it waits. What a process does not record (its sink stopped writing, calls that run unrecorded)
-is a line of its own, ``!`` first, as soon as its status says so. Every line goes through :func:`~nxl_hooks.records.tokens.visible` before the terminal
-sees it: request ids come from the network, and an escape sequence in one is shown, never run.
+is a line of its own, ``!`` first, as soon as its status says so. Every line goes through
+:func:`~nxl_hooks.records.tokens.visible` before the terminal sees it: request ids come from the network, and an
+escape sequence in one is shown, never run.
 """
 
 from __future__ import annotations
