@@ -311,7 +311,7 @@ class Run:
         if active is None:
             active = self._active = torch.ones(token.shape[0], dtype=torch.bool, device=token.device)
         # Nobody to hand it to (keep_steps=False, no on_step, sink or subscriber): the record is not made.
-        step = self._record(token, token_cpu, ids, active) if self._hub.listened else None
+        step = self._record(token, active) if self._hub.listened else None
         self._real.append(active)
         if self._eos:
             ended = [i in self._eos for i in ids]
@@ -321,14 +321,14 @@ class Run:
                     self._partial_from = len(self._real)  # from the next step on, some rows only pad
         self._pending = False
         if step is not None:
-            self._hub.publish(self.call, step)
+            self._hub.publish(self.call, step, self._plan.readable)
 
-    def _record(self, token: torch.Tensor, token_cpu: torch.Tensor, ids: list[int], active: torch.Tensor) -> Step:
+    def _record(self, token: torch.Tensor, active: torch.Tensor) -> Step:
         plan, position, batch = self._plan, self._n, token.shape[0]
         targets = plan.explained(token[:, None])
         probability = None
         if self._log_probs is not None:
-            probability = self._log_probs.gather(-1, targets.to(self._log_probs.device)).exp().cpu()
+            probability = self._log_probs.gather(-1, targets.to(self._log_probs.device)).exp()
             probability = probability if plan.label_axis else probability[:, 0]
         with torch.no_grad():
             features = self._features.view().to(self._compute_dtype)  # (batch, position, layers, d)
@@ -338,12 +338,12 @@ class Run:
             logat = logat.view(*features.shape[:3], -1).permute(2, 0, 1, 3)
             embed = self._embed.view()
             logat, normxlogit, targets = plan.scores(logat, embed, targets)
-        # copies, not views of the growing buffers, which a use_cache=False forward rewrites in place
-        return Step(call=self.call.index, step=position - self._prompt_len, position=position, token=token_cpu,
-                    target=targets.cpu(), normxlogit=normxlogit.cpu(), logat=logat.cpu(),
-                    embed_norm=embed.to("cpu", copy=True), mask=self._mask.view().to("cpu", copy=True),
-                    active=active.to("cpu", copy=True), layers=list(plan.layers), n_blocks=plan.n_blocks,
-                    probability=probability, readable=plan.readable(ids))
+        # Device tensors, moved to the host by the hub's publisher; copies, not views of the growing buffers, which
+        # a use_cache=False forward rewrites in place
+        return Step(call=self.call.index, step=position - self._prompt_len, position=position, token=token.clone(),
+                    target=targets, normxlogit=normxlogit, logat=logat, embed_norm=embed.clone(),
+                    mask=self._mask.view().clone(), active=active.clone(), layers=list(plan.layers),
+                    n_blocks=plan.n_blocks, probability=probability)
 
 
 class Notice:

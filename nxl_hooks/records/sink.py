@@ -163,7 +163,11 @@ def _open(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
             raise ValueError(f"{path} is a symbolic link: nxl_hooks does not write a stream through a link unless "
                              "told to; give the real path, or Sink(path, follow_symlinks=True)") from None
         raise
-    _write_all(fd, _FILE_MAGIC)
+    try:
+        _write_all(fd, _FILE_MAGIC)
+    except BaseException:
+        os.close(fd)  # a full disk: nothing holds the file
+        raise
     return fd
 
 
@@ -222,9 +226,11 @@ class Sink:
     def close(self) -> None:
         with self._lock:
             if self._fd is not None:
-                os.fsync(self._fd)
-                os.close(self._fd)
-                self._fd = None
+                fd, self._fd = self._fd, None
+                try:  # a full disk fails the fsync too: the file is released all the same
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
 
 
 def _numbered(encode: Callable[..., bytes], *args: Any) -> Frame:

@@ -141,8 +141,9 @@ class Watch:
 
     def describe(self) -> dict:
         """The model as status shows it. ``sink_fault``: why its records stopped reaching the sink (disk full,
-        read-only, folder removed); ``unrecorded``: which of its calls run unrecorded and why; both None while
-        everything is recorded, and both read from the probe."""
+        read-only, folder removed, too slow to keep up), ``unwritten``: how many step records it did not get;
+        ``unrecorded``: which of its calls run unrecorded and why; None (0) while everything is recorded, all read
+        from the probe."""
         model, probe = self.ref(), self.probe
         return {"name": self.name, "folder": self.slug, "class": self.model_class, "alive": model is not None,
                 "attached": probe is not None, "excluded": self.excluded, "error": self.error,
@@ -150,6 +151,7 @@ class Watch:
                 "hooks": count_hooks(model) if model is not None else 0,
                 "calls": len(self.records()),
                 "sink_fault": probe.sink_fault if probe is not None else None,
+                "unwritten": probe.unwritten if probe is not None else 0,
                 "unrecorded": probe.unrecorded if probe is not None else None}
 
 
