@@ -52,3 +52,11 @@ def smollm2(smollm2_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     return AutoModelForCausalLM.from_pretrained(smollm2_dir).eval(), AutoTokenizer.from_pretrained(smollm2_dir)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """The versions the suite ran on, last (the supported transformers range is tested at both ends: .ci/run)."""
+    import transformers
+
+    terminalreporter.write_line(f"nxl_hooks tests ran on transformers {transformers.__version__}, torch "
+                                f"{torch.__version__}, Python {sys.version.split()[0]}")

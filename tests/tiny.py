@@ -81,9 +81,13 @@ def build_model(kind: str, seed: int = 0) -> torch.nn.Module:
 def cb_config(**options):
     """A ContinuousBatchingConfig sized for tests: the default cache takes ~60% of the machine's memory. A 24-token
     batch budget chunks long prompts and packs prefill chunks beside decodes."""
+    import inspect
+
     from transformers import ContinuousBatchingConfig
 
-    return ContinuousBatchingConfig(**{"num_blocks": 16, "max_batch_tokens": 24, "page_size": 16, **options})
+    # the cache's page size is block_size up to transformers 5.16, page_size after
+    page = "page_size" if "page_size" in inspect.signature(ContinuousBatchingConfig.__init__).parameters else "block_size"
+    return ContinuousBatchingConfig(**{"num_blocks": 16, "max_batch_tokens": 24, page: 16, **options})
 
 
 def save_model(path: Path, kind: str, seed: int = 0, model: torch.nn.Module | None = None) -> Path:

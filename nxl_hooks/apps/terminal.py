@@ -267,7 +267,7 @@ def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, 
         model.generate(**enc, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
     call = probe.calls[-1]
     call.prompt_template = template
-    console.print(Text(stop_reason(model, tokenizer, call, new_tokens), style="dim"))
+    console.print(Text(stop_reason(model, tokenizer, call, new_tokens), style="dim" if call.error is None else "red"))
     return call
 
 
@@ -275,6 +275,8 @@ def stop_reason(model: Any, tokenizer: Any, call: GenerationCall, new_tokens: in
     """Why a one-row generation ended: at an end-of-sequence / end-of-turn token (which one), or after the tokens
     asked for. ``stop_reason(model, tok, probe.calls[-1], 8)``"""
     steps = call.steps
+    if call.error is not None:  # the library's own reason, not a guess about the generation config
+        return f"not recorded after {len(steps)} of {new_tokens} token(s): {call.error.removeprefix('not recorded: ')}"
     last = int(steps[-1].token[0]) if steps else None
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos = {int(i) for i in torch.as_tensor(eos).reshape(-1).tolist()} if eos is not None else set()

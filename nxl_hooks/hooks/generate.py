@@ -52,6 +52,7 @@ from torch import nn
 
 from ..records.steps import GenerationCall, Step
 from .recording import NOT_RECORDED, Recording
+from .conventions import UnfollowedForward, positions
 from .forward import Capture
 from .guard import logger, one_line, reason
 from .plan import Plan
@@ -95,11 +96,6 @@ class _Growing:
 
     def view(self) -> torch.Tensor:
         return self._buffer.narrow(1, 0, self.n)
-
-
-def _cached_length(past: Any) -> int:
-    get = getattr(past, "get_seq_length", None)
-    return int(get()) if callable(get) else 0
 
 
 def _setting(model: nn.Module, kwargs: dict, name: str) -> Any:
@@ -167,25 +163,34 @@ class Run:
         return self._n
 
     def fail(self, what: str, error: BaseException) -> None:
-        """Stop recording this call (the generation itself goes on)."""
+        """Stop recording this call (the generation itself goes on); the first failure is counted and said once."""
+        first = not self.failed and self.call.error is None
         self.failed = True
-        self.call.error = self.call.error or reason(what, error)
+        if not first:
+            return
+        if self._notice is None:
+            self.call.error = reason(what, error)
+            return
+        self.call.error = one_line(error)
+        done = len(self.call.steps)
+        self._notice.unrecorded(f"not recorded{f' after step {done - 1}' if done else ''} ({what}): "
+                                f"{self.call.error}")
 
     # -- fed by the probe's hooks under generate ---------------------------------------------------------
 
     def before_forward(self, bound: dict) -> None:
         """Check the forward continues what the run holds; complete the pending step with its first token."""
-        reference = bound.get("input_ids")
-        reference = reference if reference is not None else bound.get("inputs_embeds")
-        past, new, n = _cached_length(bound.get("past_key_values")), reference.shape[1], self._n
+        where = positions(bound)
+        past, new, n = where.past, where.new, self._n
         decoding = self._prompt_len is not None and n >= self._prompt_len
         continues = past == n and (new == 1 or not decoding)
         recomputes = past == 0 and (n == 0 or (decoding and new == n + 1))  # first forward, or use_cache=False
         if not (continues or recomputes):
-            raise RuntimeError(
-                f"generate ran a forward on positions {past}..{past + new - 1} while the probe holds {n} positions: "
-                "resuming from a filled past_key_values, assisted decoding or cache cropping is not supported "
-                "while attached; generate from the full prompt with a fresh cache"
+            raise UnfollowedForward(
+                f"a forward of this call ran positions {past}..{past + new - 1} (from its {where.source}) while the "
+                f"call's record holds positions 0..{n - 1}: a forward that neither continues the record by one token "
+                "nor recomputes it from position 0 cannot be followed (a cache filled before the call, several "
+                "candidate tokens per forward, or a cropped cache)"
             )
         if self._pending:
             ids = bound.get("input_ids")
@@ -273,7 +278,7 @@ class Run:
             if missed is not None:
                 self.failed, self.call.error = True, missed
                 if self._notice is not None:
-                    self._notice.say(missed)
+                    self._notice.unrecorded(missed)
             if sequences is not None and self._pending and not self.failed:
                 emitted = self._n + 1 - self._prompt_len  # the pending token included
                 # A deferred stop check (mps) may run one forward whose token generate then undoes.
@@ -347,15 +352,23 @@ class Run:
 
 
 class Notice:
-    """The last reason a call could not be recorded (``not recorded: why; what to do``), or None: shared by the
-    probe (``Probe.unrecorded``, which outlives the model) and its hooks."""
+    """How many calls (``generate`` calls, served requests) could not be recorded, in whole or from some step on,
+    and the last reason (``not recorded: why; what to do``), or 0 and None: shared by the probe
+    (``Probe.unrecorded``, ``Probe.unrecorded_calls``, which outlive the model) and its hooks."""
 
     text: str | None = None
+    count = 0
 
-    def say(self, text: str) -> None:
-        """``text`` is the reason now; logged once (as one line) while it stays the same."""
-        if text != self.text:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # calls fail in several threads; taken once per failed call, never per step
+
+    def unrecorded(self, text: str, *, log: bool = True) -> None:
+        """One more call is not recorded, because of ``text``; logged as one line unless ``log`` is False (the
+        caller said it already)."""
+        with self._lock:
+            self.count += 1
             self.text = text
+        if log:
             logger.warning("nxl_hooks: %s; the model's own call is unaffected", text)
 
 
@@ -401,7 +414,8 @@ class Generations:
         """A call record whose error says ``not recorded: why`` (``why``: ``error``, which names what makes it
         recordable); logs one line unless ``log`` is False (the caller said it once for many calls). The same
         text becomes :attr:`notice`'s."""
-        text = self.notice.text = f"not recorded: {reason(what, error) if log else one_line(error)}"
+        text = f"not recorded: {reason(what, error) if log else one_line(error)}"
+        self.notice.unrecorded(text, log=False)
         self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name, error=text)
 
     # -- the wrapper -------------------------------------------------------------------------------------

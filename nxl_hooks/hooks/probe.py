@@ -453,6 +453,12 @@ class Probe:
         return self._notice.text
 
     @property
+    def unrecorded_calls(self) -> int:
+        """How many calls (``generate`` calls, served requests) ran while attached but were not recorded, in whole or
+        from some step on; :attr:`unrecorded` says the last reason. ``if probe.unrecorded_calls: ...``"""
+        return self._notice.count
+
+    @property
     def sink_fault(self) -> str | None:
         """Why the records sink stopped getting records (one line: disk full, read-only), else None.
         ``if probe.sink_fault: print(probe.sink_fault)``"""

@@ -2,14 +2,13 @@
 request gets its own call, each step equal to an uncached oracle of that request alone; the requests run unchanged."""
 
 import logging
-import sys
 import threading
 import time
 
 import pytest
 import torch
 from transformers import GenerationConfig
-from transformers.generation.continuous_batching import model_runner
+from transformers.generation.continuous_batching import continuous_api, model_runner
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
 from transformers.generation.continuous_batching.requests import RequestState
 
@@ -235,12 +234,14 @@ def test_cancelled_request_ends_incomplete_and_frees_its_features(model):
             manager.stop(block=True, timeout=30)
 
 
-@pytest.mark.parametrize("path", ["unknown_version", "padded_inputs"])
+@pytest.mark.parametrize("path", ["moved_internal", "padded_inputs"])
 def test_paths_that_cannot_be_followed_log_once_and_run_unchanged(model, path, monkeypatch, caplog):
     prompts = _prompts((5, 18, 9))
-    if path == "unknown_version":
-        # the module object transformers' lazy loading puts in sys.modules now (importing a model class swaps it)
-        monkeypatch.setattr(sys.modules["transformers"], "__version__", "4.57.1")
+    if path == "moved_internal":
+        # a transformers whose processor's step moved elsewhere: the class transformers uses has no _generation_step
+        # of its own (it runs the inherited one), so nothing is wrapped and the reason names what is missing
+        moved = type("ContinuousBatchProcessor", (continuous_api.ContinuousBatchProcessor,), {})
+        monkeypatch.setattr(continuous_api, "ContinuousBatchProcessor", moved)
     else:  # what CUDA graphs and torch.compile do to the inputs, forced on the CPU
         original = model_runner.ModelRunner.__init__
 
@@ -256,9 +257,10 @@ def test_paths_that_cannot_be_followed_log_once_and_run_unchanged(model, path, m
         assert probe.result().normxlogit.shape == (3, 1, 5)
     assert _tokens(out) == _tokens(plain)
     (record,) = [r for r in caplog.records if r.name == "nxl_hooks"]
-    assert ("4.57.1" if path == "unknown_version" else "CUDA graphs") in record.getMessage()
-    if path == "unknown_version":  # transformers' classes are not even wrapped: no request is seen
-        assert probe.calls == [] and "4.57.1" in probe.unrecorded
+    assert ("ContinuousBatchProcessor._generation_step" if path == "moved_internal" else "CUDA graphs"
+            ) in record.getMessage()
+    if path == "moved_internal":  # transformers' classes are not even wrapped: no request is seen
+        assert probe.calls == [] and "has no ContinuousBatchProcessor._generation_step" in probe.unrecorded
     else:  # never silent: each request's call record says why, and what makes it recordable
         assert sorted(c.request_id for c in probe.calls) == sorted(out)
         for call in probe.calls:
@@ -361,7 +363,6 @@ def test_every_step_has_the_probability_of_the_unbatched_oracle(model):
 
 def test_nxl_eager_makes_managers_of_followed_models_without_cuda_graphs(model, monkeypatch):
     from transformers import ContinuousBatchingConfig
-    from transformers.generation.continuous_batching import continuous_api
 
     seen = []
     original = continuous_api.resolve_continuous_batching_config

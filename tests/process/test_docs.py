@@ -99,11 +99,16 @@ def test_readme_links_and_anchors_lead_somewhere(site):
 
 
 def test_readme_keeps_the_test_command_ci_runs():
-    """.ci/run runs README's test command literally: the line must stay in both, the same."""
-    ci = (ROOT / ".ci" / "run").read_text(encoding="utf-8").strip().splitlines()[-1]
-    assert ci == 'pip install -e ".[test]" && python -m pytest -n 2 tests'
+    """.ci/run runs README's test command literally, and the fast tier on the floor of the supported transformers
+    range: each command stays in both, the same, and README's stated range starts at pyproject.toml's floor."""
+    ci = [line.strip() for line in (ROOT / ".ci" / "run").read_text(encoding="utf-8").splitlines()]
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    assert f"```bash\n{ci}\n```" in readme
+    command = 'pip install -e ".[test]" && python -m pytest -n 2 tests'
+    assert command in ci and f"```bash\n{command}\n```" in readme
+    floor = re.search(r'"transformers>=([0-9.]+),<6"', (ROOT / "pyproject.toml").read_text(encoding="utf-8"))[1]
+    assert 'pip install -e ".[test]" "transformers[serving]==$floor" && python -m pytest -n 2 @tests/floor.txt' in ci
+    assert f'pip install -e ".[test]" "transformers[serving]=={floor}"' in readme
+    assert "python -m pytest -n 2 @tests/floor.txt" in readme and f"transformers {floor} up to the newest 5.x" in readme
 
 
 def _changelog_moves() -> dict[str, list[str]]:

@@ -236,13 +236,13 @@ def test_faults_are_named_in_status_ctl_and_tail(tmp_path, capsys):
         (model_status,) = endpoint.json("GET", "/v1/status")["models"]
         assert model_status["sink_fault"] == probe.sink_fault and model_status["unrecorded"] == probe.unrecorded
         assert model_status["unwritten"] == probe.unwritten
+        assert probe.unrecorded_calls == model_status["unrecorded_calls"] == 1  # the beam search call alone
         assert tail.faults(model_status) == [f"records not written to the sink: {probe.sink_fault}",
-                                             f"calls not recorded: {probe.unrecorded}"]
+                                             f"1 call {probe.unrecorded}"]
         capsys.readouterr()
         assert cli_main(["ctl", "status", "--run", str(run)]) == 0
         said = capsys.readouterr().out.strip()
-        assert said.endswith(f"; records not written to the sink: {probe.sink_fault}; calls not recorded: "
-                             f"{probe.unrecorded}")
+        assert said.endswith(f"; records not written to the sink: {probe.sink_fault}; 1 call {probe.unrecorded}")
 
         codes: list[int] = []
         follower = threading.Thread(target=lambda: codes.append(cli_main(["tail", "--run", str(run), "--count", "2"])),
@@ -255,7 +255,7 @@ def test_faults_are_named_in_status_ctl_and_tail(tmp_path, capsys):
         lines = capsys.readouterr().out.splitlines()
         pid = f"! pid {os.getpid()} {path}"
         assert f"{pid}: records not written to the sink: {probe.sink_fault}" in lines
-        assert f"{pid}: calls not recorded: {probe.unrecorded}" in lines
+        assert f"{pid}: 1 call {probe.unrecorded}" in lines
         assert len([line for line in lines if not line.startswith("!")]) == 2  # the two steps asked for
     finally:
         controller.close()
@@ -309,5 +309,63 @@ def test_a_tokenizer_that_does_not_fit_the_model_leaves_ids_recorded(tmp_path):
         assert len(call.steps) == 2 and call.readable is None  # recorded, with ids instead of texts
         with pytest.raises(ValueError, match="tokenizer does not match"):  # a named target needs it: said so
             controller.configure(target=" film")
+    finally:
+        controller.close()
+
+
+def test_a_forward_the_recorder_cannot_follow_is_reported_everywhere(tmp_path, capsys):
+    """generate continuing a KV cache filled before the call: its first forward runs position 3, which the call's
+    record never held. The probe, /v1/status, nxl ctl and nxl tail all say 1 call not recorded, with the positions
+    and where they came from; the call record says so too; nothing says "recording" and no more."""
+    import inspect
+    import threading
+    import time
+
+    import tiny as tiny_models
+    from transformers import AutoModelForCausalLM, DynamicCache
+
+    import nxl_hooks as nxl  # noqa: F401 - the controller attaches through it
+    from nxl_hooks.apps.serve.client import endpoints
+    from nxl_hooks.apps.serve.controller import Controller
+
+    path = tiny_models.save_model(tmp_path / "lm", "llama")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    run = tmp_path / "run"
+    controller = Controller(Settings(run_dir=run, sink=False))
+    controller.adopt(model, str(path))
+    try:
+        ids = torch.tensor([[1, 5, 7, 9]])
+        # the cache under the keyword this transformers names it (5.24: cache; before: past_key_values)
+        keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+        cache = DynamicCache(config=model.config)
+        with torch.no_grad():
+            model(input_ids=ids[:, :3], **{keyword: cache}, use_cache=True)
+        assert cache.get_seq_length() == 3
+        model.generate(ids, max_new_tokens=2, do_sample=False, **{keyword: cache})
+        probe = controller.watches()[0].probe
+        assert probe.unrecorded_calls == 1
+        assert probe.unrecorded.startswith("not recorded (this forward): a forward of this call ran positions 3..3 "
+                                           "(from its ")
+        (call,) = probe.calls
+        assert call.steps == [] and call.error and "positions 3..3" in call.error
+        (endpoint,) = endpoints(str(run))
+        (model_status,) = endpoint.json("GET", "/v1/status")["models"]
+        assert model_status["unrecorded_calls"] == 1 and model_status["unrecorded"] == probe.unrecorded
+        capsys.readouterr()
+        assert cli_main(["ctl", "status", "--run", str(run)]) == 0
+        said = capsys.readouterr().out.strip()
+        assert said.startswith(f"pid {os.getpid()}: not recording; ") and said.endswith(f"; 1 call {probe.unrecorded}")
+
+        codes: list[int] = []
+        follower = threading.Thread(target=lambda: codes.append(cli_main(["tail", "--run", str(run), "--count", "1"])),
+                                    daemon=True)
+        follower.start()
+        time.sleep(1.0)  # subscribed, and the first status poll made, by then
+        model.generate(input_ids=torch.tensor([[1, 5, 6]]), max_new_tokens=1, do_sample=False)  # followed: 1 step
+        follower.join(timeout=60)
+        assert codes == [0]
+        lines = capsys.readouterr().out.splitlines()
+        assert f"! pid {os.getpid()} {path}: 1 call {probe.unrecorded}" in lines
+        assert probe.unrecorded_calls == 1 and len(probe.calls[-1].steps) == 1  # the followed call is recorded
     finally:
         controller.close()

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         if args.html:
             write_text(args.html, generation_html(call, title=f"{args.model}: {args.text}"))
             console.print(f"wrote {args.html}")
-        return 0
+        return 0 if call.error is None else 1  # the last line said why the tokens were not all recorded
     res = explain(model, tokenizer, args.text, layers=args.layers, target=args.target, embedding=args.embedding,
                   chat=args.chat)
     show_attribution(res, console, all_positions=args.all_positions)

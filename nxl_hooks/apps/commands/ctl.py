@@ -40,7 +40,10 @@ def describe(status: dict) -> str:
                             else ("excluded" if m["excluded"] else "not attached") + (f" ({m['error']})" if m["error"] else ""))
         + f", {m['hooks']} hooks, {m['calls']} requests in memory" + "".join(f"; {fault}" for fault in faults(m))
         for m in status["models"]) or "no model loaded"
-    return visible(f"pid {status['pid']}: {'paused' if status['paused'] else 'recording'}; {models}")
+    # "recording" only while some attached model records: none of its calls yet, or some recorded
+    recording = any(m["attached"] and (not m["calls"] or m.get("recorded", 1)) for m in status["models"])
+    state = "paused" if status["paused"] else "recording" if recording else "not recording"
+    return visible(f"pid {status['pid']}: {state}; {models}")
 
 
 def run(args: argparse.Namespace) -> int:

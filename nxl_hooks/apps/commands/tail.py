@@ -22,7 +22,6 @@ from ..options import CliError, positive_int
 
 NAME = "tail"
 _FAULT_POLL = 2.0  #: seconds between two looks at each process's status for faults
-_FAULTS = (("sink_fault", "records not written to the sink"), ("unrecorded", "calls not recorded"))
 
 
 def add_connect_options(parser: argparse.ArgumentParser) -> None:
@@ -47,8 +46,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def faults(model: dict) -> list[str]:
     """What one model of a status (``/v1/status``'s ``models``) does not record, one phrase each:
-    ``["records not written to the sink: disk full"]``; empty while everything is recorded."""
-    return [f"{what}: {model[key]}" for key, what in _FAULTS if model.get(key)]
+    ``["records not written to the sink: disk full", "2 calls not recorded (last: ...)"]``; empty while everything
+    is recorded."""
+    said = [f"records not written to the sink: {model['sink_fault']}"] if model.get("sink_fault") else []
+    count, why = model.get("unrecorded_calls") or 0, model.get("unrecorded")
+    if count or why:  # why reads "not recorded[ after step N] (...): reason"
+        why = why if why and why.startswith("not recorded") else f"not recorded: {why or 'see the log'}"
+        said.append(f"{count or 'some'} call{'' if count == 1 else 's'} {why}")
+    return said
 
 
 def line(data: dict, layer: int | None, width: int) -> str:

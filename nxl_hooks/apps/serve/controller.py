@@ -141,18 +141,22 @@ class Watch:
 
     def describe(self) -> dict:
         """The model as status shows it. ``sink_fault``: why its records stopped reaching the sink (disk full,
-        read-only, folder removed, too slow to keep up), ``unwritten``: how many step records it did not get;
-        ``unrecorded``: which of its calls run unrecorded and why; None (0) while everything is recorded, all read
-        from the probe."""
+        read-only, folder removed, too slow to keep up), ``unwritten`` how many step records it did not get;
+        ``unrecorded``: why the last of its calls that ran unrecorded was not recorded, and ``unrecorded_calls`` how
+        many did; None (and 0) while everything is recorded, all read from the probe. ``recorded``: how many of the
+        ``calls`` in memory were recorded without an error."""
         model, probe = self.ref(), self.probe
+        records = [record for record, _ in self.records()]
         return {"name": self.name, "folder": self.slug, "class": self.model_class, "alive": model is not None,
                 "attached": probe is not None, "excluded": self.excluded, "error": self.error,
                 "layers": probe.layers if probe is not None else None,
                 "hooks": count_hooks(model) if model is not None else 0,
-                "calls": len(self.records()),
+                "calls": len(records),
+                "recorded": sum(getattr(record, "error", None) is None for record in records),
                 "sink_fault": probe.sink_fault if probe is not None else None,
                 "unwritten": probe.unwritten if probe is not None else 0,
-                "unrecorded": probe.unrecorded if probe is not None else None}
+                "unrecorded": probe.unrecorded if probe is not None else None,
+                "unrecorded_calls": probe.unrecorded_calls if probe is not None else 0}
 
 
 class Feed:

@@ -28,7 +28,8 @@ probe detaches):
 Not followed (requests run unchanged; each request's call record says ``not recorded: why; what to do``, logged
 once): a manager that pads its inputs for CUDA graphs or torch.compile (hooks do not run when a graph replays;
 ``ContinuousBatchingConfig(use_cuda_graph=False)``, ``transformers serve --no-cb-use-cuda-graph`` or
-``NXL_EAGER=1`` makes it followable), and transformers versions outside :data:`VERSIONS`. While attached,
+``NXL_EAGER=1`` makes it followable), and a transformers whose internals moved (what is wrapped is
+:data:`~nxl_hooks.hooks.conventions.CONTINUOUS_BATCHING`, checked before wrapping). While attached,
 prefix sharing is off on the paged caches the probe sees (a prefix shared from another request's cache never runs
 for the request that reuses it, so that request's attribution could not be computed); each cache gets its setting
 back at detach. A request that started mid-sequence anyway (it reused a prefix before the probe attached, or it is a
@@ -55,19 +56,17 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..conventions import CONTINUOUS_BATCHING, SERVE_HANDLERS, SERVE_SUBMITS, continuous_batching_classes
 from ..forward import Capture
 from ..generate import EAGER, MAKE_EAGER, REQUEST_ID, Generations, Run, eager, stacked_features
 from ..guard import logger, reason
 from ..recording import NOT_RECORDED
 
-__all__ = ["VERSIONS", "ContinuousBatching", "patch_serving"]
+__all__ = ["ContinuousBatching", "patch_serving"]
 
 #: What makes a manager that uses CUDA graphs recordable (said in each of its requests' call records).
 _GRAPHS_OFF = (f"{MAKE_EAGER}, pass ContinuousBatchingConfig(use_cuda_graph=False) without compile configs, or run "
                "`transformers serve --no-cb-use-cuda-graph`")
-
-#: transformers versions whose continuous-batching internals were checked: (major, minor) from .. below.
-VERSIONS = ((5, 23), (6, 0))
 
 _LOCK = threading.RLock()  # reentrant: a model collected while the lock is held detaches through here too
 #: task model -> its probe's Batching (weakly both ways: the model's hooks keep the Batching alive)
@@ -79,30 +78,6 @@ _local = threading.local()  # .pending: this thread's last packed step, whose to
 def _packed(arguments: dict[str, Any]) -> bool:
     """Whether a backbone forward called with ``arguments`` is a packed continuous-batching forward."""
     return "cu_seq_lens_q" in arguments or "logits_indices" in arguments
-
-
-def _classes() -> tuple[tuple[type, type, type] | None, str | None]:
-    """(ContinuousBatchProcessor, RequestState, ContinuousBatchingManager), or None and why continuous batching
-    cannot be followed here."""
-    try:
-        import transformers
-        from packaging.version import Version
-        from transformers.generation.continuous_batching import continuous_api, requests
-    except ImportError as error:
-        return None, f"transformers' continuous batching is not importable ({error})"
-    version = Version(transformers.__version__).release[:2]
-    if not VERSIONS[0] <= version < VERSIONS[1]:
-        return None, (f"transformers {transformers.__version__} is not a version whose continuous-batching "
-                      f"internals nxl_hooks checked ({'.'.join(map(str, VERSIONS[0]))} up to "
-                      f"{'.'.join(map(str, VERSIONS[1]))})")
-    processor, state = continuous_api.ContinuousBatchProcessor, requests.RequestState
-    manager = continuous_api.ContinuousBatchingManager
-    missing = [name for owner, name in ((processor, "_generation_step"), (state, "update_and_check_completion"),
-                                        (manager, "__init__"))
-               if not callable(vars(owner).get(name))]
-    if missing:
-        return None, f"transformers {transformers.__version__} has no {', '.join(missing)}"
-    return (processor, state, manager), None
 
 
 def _followed(model: nn.Module) -> "ContinuousBatching | None":
@@ -158,12 +133,12 @@ def _manager_init(original: Callable) -> Callable:
     return __init__
 
 
-def _install(classes: tuple[type, type, type]) -> None:
-    """Wrap the three methods (caller holds the lock)."""
-    processor, state, manager = classes
-    for owner, name, wrap in ((processor, "_generation_step", _generation_step),
-                              (state, "update_and_check_completion", _update_and_check_completion),
-                              (manager, "__init__", _manager_init)):
+def _install(classes: list[type]) -> None:
+    """Wrap the methods of :data:`~nxl_hooks.hooks.conventions.CONTINUOUS_BATCHING` (caller holds the lock)."""
+    wrappers = {"_generation_step": _generation_step, "update_and_check_completion": _update_and_check_completion,
+                "__init__": _manager_init}
+    for owner, (_, _, name) in zip(classes, CONTINUOUS_BATCHING):
+        wrap = wrappers[name]
         original = vars(owner)[name]
         wrapper = wrap(original)
         wrapper.__wrapped__ = original
@@ -345,8 +320,8 @@ class ContinuousBatching:
 
     def install(self, gens: Generations) -> None:
         self.gens, self.plan = gens, gens.plan
-        classes, self.unfollowed = _classes()
-        if classes is None:
+        classes, self.unfollowed = continuous_batching_classes()
+        if not classes:
             return
         with _LOCK:
             if self._uninstalled:  # the probe detached (another thread's detach_all) before it got here
@@ -542,7 +517,7 @@ def patch_serving(module: ModuleType) -> None:
     the request carries its id. (Under continuous batching the manager has the id itself.) Applied once per class
     (a marker on the wrapper); never raises into the program."""
     manager = getattr(module, "GenerateManager", None)
-    names = ("generate_streaming", "generate_non_streaming", "submit", "async_submit")
+    names = SERVE_HANDLERS + SERVE_SUBMITS
     if manager is None or not all(callable(getattr(manager, name, None)) for name in names):
         reason("request ids of transformers serve", RuntimeError(
             "this transformers version has no GenerateManager with " + ", ".join(names) +
@@ -550,7 +525,7 @@ def patch_serving(module: ModuleType) -> None:
         return
     if _patched(manager.generate_streaming):
         return
-    for name in ("generate_streaming", "generate_non_streaming"):
+    for name in SERVE_HANDLERS:
         setattr(manager, name, _tag(getattr(manager, name)))
-    for name in ("submit", "async_submit"):
+    for name in SERVE_SUBMITS:
         setattr(manager, name, _in_context(getattr(manager, name)))

@@ -1,0 +1,117 @@
+"""How the installed transformers passes a forward its KV cache and positions, and which of its internals the
+engines patch: the one place that knows the calling conventions, so the recorder asks instead of reading keywords.
+
+    where = positions(arguments)       # a backbone forward's bound arguments
+    where.past, where.new, where.source # positions past .. past + new - 1, and what said so
+
+Conventions seen (checked on 5.16 to 5.24; the floor is 5.18.0): the cache arrives as ``past_key_values`` up to 5.23 and as ``cache``
+from 5.24 (the old name a deprecated alias until 5.40); ``generate`` passes ``cache_position`` up to 5.23 and only
+``position_ids`` from 5.24. Nothing here is a list of versions: the cache is found by what it is (an object with
+``get_seq_length``, whatever its keyword), and positions come from the first source the forward actually received,
+in this order: ``cache_position`` (where the model writes its cache), the cache's own length, else none (a forward
+without a cache computes every position from 0). ``position_ids`` alone never say where a sequence starts (a
+left-padded row starts at 0 wherever it sits), so they are only a check: a forward without a recognisable cache whose
+every row starts past position 0 continues a sequence from state nxl_hooks cannot see, and :func:`positions` says so.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["CACHE_NAMES", "Positions", "UnfollowedForward", "find_cache", "positions"]
+
+#: The keywords a KV cache has arrived under, newest first. Only an order to look in: :func:`find_cache` also finds
+#: one under a name not listed here.
+CACHE_NAMES = ("cache", "past_key_values")
+
+
+class UnfollowedForward(RuntimeError):
+    """A forward whose positions nxl_hooks cannot tell: the message says what it received and what it lacks."""
+
+
+@dataclass(frozen=True)
+class Positions:
+    """Where a forward's tokens sit in their sequence: ``past`` positions already cached, ``new`` ones now."""
+
+    past: int
+    new: int
+    source: str  #: what said so: "cache_position", "cache" (its own length) or "no cache"
+
+
+def _is_cache(value: Any) -> bool:
+    return callable(getattr(value, "get_seq_length", None)) and not isinstance(value, (torch.Tensor, type))
+
+
+def find_cache(arguments: dict[str, Any]) -> Any | None:
+    """The KV cache a forward received (None without one): under a known keyword first, else any argument that is
+    a cache, so a renamed keyword in a transformers not seen yet is still found."""
+    for name in CACHE_NAMES:
+        value = arguments.get(name)
+        if _is_cache(value):
+            return value
+    return next((value for value in arguments.values() if _is_cache(value)), None)
+
+
+def _new_tokens(arguments: dict[str, Any]) -> int:
+    reference = arguments.get("input_ids")
+    reference = reference if reference is not None else arguments.get("inputs_embeds")
+    if not isinstance(reference, torch.Tensor) or reference.dim() < 2:
+        raise UnfollowedForward("the forward received neither input_ids nor inputs_embeds of shape (batch, seq)")
+    return reference.shape[1]
+
+
+def positions(arguments: dict[str, Any]) -> Positions:
+    """Where the tokens of a forward called with ``arguments`` (a backbone's bound arguments) sit in their sequence;
+    :class:`UnfollowedForward` when the forward continues a sequence but says nowhere from which position."""
+    new = _new_tokens(arguments)
+    cache_position = arguments.get("cache_position")
+    if isinstance(cache_position, torch.Tensor) and cache_position.numel():
+        return Positions(int(cache_position.reshape(-1)[0]), new, "cache_position")
+    cache = find_cache(arguments)
+    if cache is not None:
+        return Positions(int(cache.get_seq_length()), new, "cache")
+    position_ids = arguments.get("position_ids")
+    if isinstance(position_ids, torch.Tensor) and position_ids.dim() >= 2 and position_ids.numel():
+        first = int(position_ids[..., 0].min())  # a left-padded prompt row starts at 0 (or 1 in older versions)
+        if first > 1:
+            raise UnfollowedForward(
+                f"the forward's position_ids start at {first} in every row, but it received no cache_position and "
+                f"no KV cache nxl_hooks recognises (arguments: {', '.join(sorted(arguments))}), so the positions "
+                "before it are unknown")
+    return Positions(0, new, "no cache")
+
+
+#: What the continuous-batching engine (:mod:`.engines.transformers_cb`) wraps: (module of
+#: ``transformers.generation.continuous_batching``, class, method). Each is checked to exist where it is defined
+#: before anything is wrapped; the layout of every packed forward is then checked against what the forward received.
+CONTINUOUS_BATCHING = (("continuous_api", "ContinuousBatchProcessor", "_generation_step"),
+                       ("requests", "RequestState", "update_and_check_completion"),
+                       ("continuous_api", "ContinuousBatchingManager", "__init__"))
+#: What ``transformers serve``'s ``GenerateManager`` (``transformers.cli.serving.utils``) must have for request ids
+#: to reach ``generate``: the two handlers that know the id, and the two ways they hand work to the inference thread.
+SERVE_HANDLERS, SERVE_SUBMITS = ("generate_streaming", "generate_non_streaming"), ("submit", "async_submit")
+
+
+def continuous_batching_classes() -> tuple[list[type], str | None]:
+    """The classes of :data:`CONTINUOUS_BATCHING`, in its order, or ``[]`` and why continuous batching cannot be
+    followed with the installed transformers (not importable, or a method moved or renamed)."""
+    import importlib
+
+    import transformers
+
+    found, missing = [], []
+    for module, name, method in CONTINUOUS_BATCHING:
+        try:
+            owner = getattr(importlib.import_module(f"transformers.generation.continuous_batching.{module}"), name)
+        except (ImportError, AttributeError) as error:
+            return [], f"transformers' continuous batching is not importable ({error})"
+        found.append(owner)
+        if not callable(vars(owner).get(method)):
+            missing.append(f"{name}.{method}")
+    if missing:
+        return [], (f"transformers {transformers.__version__} has no {', '.join(missing)} (its continuous-batching "
+                    "internals changed)")
+    return found, None

@@ -1,0 +1,72 @@
+"""hooks/conventions.py: where a forward's tokens sit, from what the installed transformers actually passes
+(``cache`` or ``past_key_values``, ``cache_position`` or none), checked against the count of tokens fed so far."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import tiny
+from nxl_hooks.hooks.conventions import CACHE_NAMES, Positions, UnfollowedForward, find_cache, positions
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny.build_model("llama")
+
+
+def _seen_positions(model, **generate) -> list[Positions]:
+    """positions() of every backbone forward of one generate call, read from the arguments the backbone got."""
+    seen = []
+
+    def hook(module, args, kwargs):
+        bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
+        bound.update(bound.pop("kwargs", {}) or {})
+        seen.append(positions(bound))
+
+    handle = model.model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        model.generate(torch.tensor([[1, 5, 7, 9]]), max_new_tokens=3, do_sample=False, pad_token_id=0, **generate)
+    finally:
+        handle.remove()
+    return seen
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_generate_positions_are_the_tokens_fed_before(model, cache):
+    """Whatever this transformers passes (5.24: cache=, position_ids; before: past_key_values=, cache_position),
+    forward k starts where the tokens of forwards 0..k-1 end: 4-token prompt, then one token at 4 and at 5."""
+    options = {"cache_implementation": "static"} if cache == "static" else {}
+    seen = _seen_positions(model, **options)
+    assert [(p.past, p.new) for p in seen] == [(0, 4), (4, 1), (5, 1)]
+    assert seen[1].source in ("cache_position", "cache")
+
+
+def test_the_cache_is_found_by_what_it_is_under_any_keyword(model):
+    cache = DynamicCache(config=model.config)
+    with torch.no_grad():
+        model(input_ids=torch.tensor([[1, 5, 7]]), **{CACHE_NAMES[0] if "cache" in inspect.signature(
+            model.forward).parameters else "past_key_values": cache}, use_cache=True)
+    assert cache.get_seq_length() == 3
+    ids = torch.tensor([[9]])
+    for keyword in (*CACHE_NAMES, "kv_state_of_a_future_version"):
+        arguments = {"input_ids": ids, keyword: cache}
+        assert find_cache(arguments) is cache
+        assert positions(arguments) == Positions(3, 1, "cache")
+    # cache_position, where the model writes, comes first
+    assert positions({"input_ids": ids, "cache": cache, "cache_position": torch.tensor([3])}) == Positions(
+        3, 1, "cache_position")
+
+
+def test_without_a_cache_positions_start_at_zero_unless_position_ids_say_otherwise():
+    ids = torch.tensor([[1, 5, 7, 9], [0, 0, 5, 6]])
+    left_padded = torch.tensor([[0, 1, 2, 3], [0, 0, 0, 1]])  # a left-padded row starts at 0 (1 in older versions)
+    assert positions({"input_ids": ids, "position_ids": left_padded}) == Positions(0, 4, "no cache")
+    assert positions({"inputs_embeds": torch.zeros(2, 4, 8)}) == Positions(0, 4, "no cache")
+    with pytest.raises(UnfollowedForward, match="position_ids start at 7 in every row.*no KV cache"):
+        positions({"input_ids": ids[:, :1], "position_ids": torch.tensor([[7], [9]])})
+    with pytest.raises(UnfollowedForward, match="neither input_ids nor inputs_embeds"):
+        positions({"attention_mask": torch.ones(1, 3)})
