@@ -20,6 +20,8 @@ host, keeps it and feeds the subscribers, then queues its frame for the sink thr
   ``KeyboardInterrupt`` included) or stops by itself (``fault``), or that falls :data:`SINK_QUEUE` frames behind,
   is stopped and closed; :attr:`Hub.sink_fault` says why, :attr:`Hub.unwritten` counts the step records it did
   not get, and each call it leaves in memory only says so in its ``notes``;
+- while nothing reads records live (no sink, no subscriber), they are handed on together at the call's end (at
+  most :data:`HELD` at a time): the publisher wakes up once per call, not once per step;
 - the end of a call waits for the publisher (never for the sink), so ``probe.steps`` holds every record when
   ``generate`` returns; detaching waits up to :data:`DRAIN_SECONDS` for the sink to write what is queued, so a
   stream file read after the ``with`` block holds every record;
@@ -52,6 +54,9 @@ __all__ = ["DRAIN_SECONDS", "QUEUE", "SINK_QUEUE", "Hub", "Subscription", "on_ho
 QUEUE = 4096
 #: Frames the sink may have waiting; one more and the sink is stopped: it cannot keep up with generation.
 SINK_QUEUE = 256
+#: Step records held back while nothing reads them live (no sink, no subscriber): handed on together, at the
+#: call's end or once this many wait, so that the publisher wakes up once per call rather than once per step.
+HELD = 64
 #: How long detaching waits for the sink to write the frames still queued.
 DRAIN_SECONDS = 10.0
 #: How long the end of a call waits for the publisher to hand on its records (it never waits for user code).
@@ -156,6 +161,7 @@ class Hub:
         self._publisher: threading.Thread | None = None
         self._writer: threading.Thread | None = None
         self._waiting = self._frames_waiting = 0
+        self._held: collections.deque[tuple] = collections.deque()  # see HELD
         self._stopped = False  # the sink was stopped (fault, behind or detach): frames are counted, not written
         self._released = False  # the sink was closed (once, by the sink thread when there is one)
 
@@ -228,11 +234,20 @@ class Hub:
                                        "is starved); this call's later steps are not recorded")
                 self._start()
                 self._waiting += bounded
+                if bounded and self._sink is None and not self._subscribers and len(self._held) < HELD:
+                    self._held.append(item)
+                    return True
+                self._hand_on()
                 self._items.put(item)
                 return True
         self._join(self._publisher, FLUSH_SECONDS)  # what was queued before the detach comes first
         self._handle(item)
         return False
+
+    def _hand_on(self) -> None:
+        """Queue the step records held back, in order (caller holds the lock)."""
+        while self._held:
+            self._items.put(self._held.popleft())
 
     def _on_thread(self) -> bool:
         """Whether this is the publisher or the sink thread (a garbage collection there may close the hub)."""
@@ -252,6 +267,7 @@ class Hub:
             return
         self._pid = os.getpid()  # a forked child starts its own threads, with fresh queues
         self._items, self._frames = queue.SimpleQueue(), queue.SimpleQueue()
+        self._held.clear()
         self._waiting = self._frames_waiting = 0
         self._publisher = threading.Thread(target=self._publish_loop, name="nxl_hooks-publisher", daemon=True)
         self._publisher.start()
@@ -333,6 +349,7 @@ class Hub:
         """A live iterator of step records (see the module docstring)."""
         subscription = Subscription(self, request_id=request_id, follow=follow)
         with self._lock:
+            self._hand_on()  # from now on records are read live
             if self._closed:
                 subscription.queue.put(_End)
                 return subscription
@@ -369,6 +386,7 @@ class Hub:
             self._closed = True
             started = self._pid == os.getpid()
             if started:
+                self._hand_on()
                 self._items.put(("close", why))
         if not started:
             self._shut(why)

@@ -68,9 +68,14 @@ def _reads(model, inputs: dict, new: int) -> int:
     return reads.count
 
 
-@pytest.mark.parametrize("rows", [1, 4])
-def test_attached_generate_adds_no_host_read_per_token(model, tmp_path, rows):
-    inputs = _inputs(model, rows)
+#: generate's own KV caches: a dynamic one (positions from its shape) and a static one run eagerly (positions a
+#: device tensor: its length, or cache_position before transformers 5.24)
+CACHES = {"dynamic": {}, "static": {"cache_implementation": "static", "disable_compile": True}}
+
+
+@pytest.mark.parametrize("rows,cache", [(1, "dynamic"), (4, "dynamic"), (1, "static")])
+def test_attached_generate_adds_no_host_read_per_token(model, tmp_path, rows, cache):
+    inputs = {**_inputs(model, rows), **CACHES[cache]}
     added = {}
     for new in (3, 10):
         plain = _reads(model, inputs, new)
