@@ -293,7 +293,7 @@ class Run:
         which rows finished is never read back)."""
         first = max(self._prompt_len, past)
         real = self._real[first - self._prompt_len: past + new - self._prompt_len]
-        if not real:
+        if not real or not self._eos:  # without an EOS id no row ever finishes
             return mask
         mask = mask.clone()
         mask[:, first - past: first - past + len(real)] &= torch.stack(real, dim=1).to(mask.device)
