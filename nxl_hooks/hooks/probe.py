@@ -467,7 +467,8 @@ class Probe:
     def flush(self, timeout: float = 10.0) -> bool:
         """Wait until every record made so far is in :attr:`calls` and written by the sink (records reach the sink
         from a thread of their own, so that generation never waits for it); whether that happened within
-        ``timeout`` seconds. Leaving the ``with`` block flushes too. ``probe.flush(); nxl.read_stream(path)``"""
+        ``timeout`` seconds. Leaving the ``with`` block flushes too; after it, a sink still busy when the probe
+        detached is waited for. ``probe.flush(); nxl.read_stream(path)``"""
         return self._hub.flush(timeout)
 
     @property

@@ -217,7 +217,10 @@ class Hub:
 
     def flush(self, timeout: float = DRAIN_SECONDS) -> bool:
         """Wait until the records handed on so far are kept and written by the sink (or the sink stopped); whether
-        they were within ``timeout`` seconds."""
+        they were within ``timeout`` seconds. After the probe detached: until a sink still busy then has finished
+        (what it had not written counted in :attr:`unwritten`, its calls noted)."""
+        if self._closed:
+            return self._join(self._writer, timeout)
         written = threading.Event()
         if self._submit(("flush", written)) and self._on_thread():
             return False

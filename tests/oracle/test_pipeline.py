@@ -71,20 +71,18 @@ def test_a_sink_that_raises_anything_never_reaches_generate(model, error):
 
 
 class _Blocking:
-    """A sink whose write_step blocks until the test releases it (a sink on a hung network share)."""
+    """A sink whose first write blocks until the test releases it (a sink on a hung network share)."""
 
     def __init__(self) -> None:
-        self.inside, self.release = threading.Event(), threading.Event()
-        self.steps, self.returned, self.closed = 0, 0, threading.Event()
+        self.release, self.closed = threading.Event(), threading.Event()
+        self.returned, self.steps = 0, 0
 
     def write_call(self, call, meta):
-        pass
+        self.release.wait(timeout=120)
+        self.returned += 1
 
     def write_step(self, step):
         self.steps += 1
-        self.inside.set()
-        self.release.wait(timeout=120)
-        self.returned += 1
 
     def write_end(self, call):
         pass
@@ -94,24 +92,35 @@ class _Blocking:
 
 
 def test_a_blocked_sink_never_stalls_generate_nor_detach(model, monkeypatch):
-    monkeypatch.setattr(publish, "SINK_QUEUE", 2)
     monkeypatch.setattr(publish, "DRAIN_SECONDS", 0.5)
-    ids = _ids(2, rows=2)
     sink = _Blocking()
     probe = nxl.attach(model, sink=sink)
     try:
-        model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
-        # generate returned while the sink was still inside its first write: it never waited for the sink
-        assert sink.inside.is_set() and sink.returned == 0
-        assert len(probe.steps) == 6  # every record is kept as the call returns
-        assert probe.sink_fault.startswith("it fell behind: 2 frames were waiting")
-        assert probe.calls[0].notes == [f"not written to the sink, which stopped: {probe.sink_fault}"]
+        model.generate(input_ids=_ids(2, rows=2), max_new_tokens=6, do_sample=False)
+        # generate returned while the sink could not have written a frame: it never waited for the sink
+        assert sink.returned == 0 and len(probe.steps) == 6  # every record is kept as the call returns
+        assert probe.sink_fault is None  # 8 frames queued: within SINK_QUEUE
     finally:
         probe.detach()  # waits DRAIN_SECONDS for the blocked sink, then leaves it
     assert sink.returned == 0 and not sink.closed.is_set()
+    assert probe.sink_fault.startswith("it was still writing when the probe detached")
     sink.release.set()
-    assert sink.closed.wait(timeout=60)  # the sink thread closes it once the sink gives its thread back
-    assert sink.steps == 1 and probe.unwritten == 5
+    assert probe.flush(timeout=60)  # the sink thread closes it once the sink gives its thread back
+    assert sink.closed.is_set() and sink.steps == 0 and probe.unwritten == 6
+    assert probe.calls[0].notes == [f"not written to the sink, which stopped: {probe.sink_fault}"]
+    check_call(model, probe.calls[0], 6)
+
+
+def test_a_sink_that_falls_behind_is_stopped(model, monkeypatch):
+    monkeypatch.setattr(publish, "SINK_QUEUE", 2)
+    sink = _Blocking()
+    with nxl.attach(model, sink=sink) as probe:
+        model.generate(input_ids=_ids(5), max_new_tokens=6, do_sample=False)
+        assert probe.sink_fault.startswith("it fell behind: 2 frames were waiting")  # known when generate returns
+        assert sink.returned == 0 and len(probe.steps) == 6
+        sink.release.set()
+    assert sink.closed.is_set() and sink.steps == 0 and probe.unwritten == 6
+    assert probe.calls[0].notes == [f"not written to the sink, which stopped: {probe.sink_fault}"]
     check_call(model, probe.calls[0], 6)
 
 
