@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CACHE_NAMES", "Positions", "UnfollowedForward", "find_cache", "positions"]
+__all__ = ["CACHE_NAMES", "Positions", "UnfollowedForward", "find_cache", "positions", "start"]
 
 #: The keywords a KV cache has arrived under, newest first. Only an order to look in: :func:`find_cache` also finds
 #: one under a name not listed here.
@@ -82,6 +82,18 @@ def positions(arguments: dict[str, Any]) -> Positions:
                 f"no KV cache nxl_hooks recognises (arguments: {', '.join(sorted(arguments))}), so the positions "
                 "before it are unknown")
     return Positions(0, new, "no cache")
+
+
+def start(arguments: dict[str, Any]) -> tuple[int | torch.Tensor | None, int]:
+    """(past, new) of a forward as :func:`positions` finds them, without reading the device: ``past`` is
+    ``cache_position`` itself, else the cache's own length as the cache gives it (an int for a dynamic cache, a
+    device tensor for a static one), or None when the forward has neither; the recorder checks it on the device."""
+    new = _new_tokens(arguments)
+    cache_position = arguments.get("cache_position")
+    if isinstance(cache_position, torch.Tensor) and cache_position.numel():
+        return cache_position, new
+    cache = find_cache(arguments)
+    return (cache.get_seq_length() if cache is not None else None), new
 
 
 #: What the continuous-batching engine (:mod:`.engines.transformers_cb`) wraps: (module of

@@ -16,6 +16,12 @@ the blocks, from generate's return value; so step t's record is completed when f
 generate returns). It explains the token actually emitted, whatever chose it: greedy, sampling, logits
 processors, a streamer or not.
 
+Host reads. Per generated token the recorder reads nothing back from the device: the emitted token, its scores,
+the rows that finished (EOS) and the decoding step's position stay device tensors; the step record goes to the
+hub's publisher (:mod:`.publish`), which moves it to the host in its own thread. What the host reads is a constant
+per call: the prompt (ids, mask), the first decoding step's position, whether a later step ran at another position
+(one flag), and generate's output.
+
 Threads. Each ``generate`` call has its own :class:`Run`, found through the calling thread, so calls in several
 threads on one attached model are recorded separately; each record says its thread and request.
 
@@ -52,7 +58,7 @@ from torch import nn
 
 from ..records.steps import GenerationCall, Step
 from .recording import NOT_RECORDED, Recording
-from .conventions import UnfollowedForward, positions
+from .conventions import UnfollowedForward, positions, start
 from .forward import Capture
 from .guard import logger, one_line, reason
 from .plan import Plan
@@ -143,14 +149,18 @@ class Run:
         self._plan, self._hub, self.call, self._notice = plan, hub, call, notice
         self._ids_fed = False  # the prompt came as token ids (generate's sequences then hold it)
         self._prompt_len = prompt_len
-        self._eos = frozenset(torch.as_tensor(eos).reshape(-1).tolist() if eos is not None else ())
+        self._eos = torch.as_tensor(eos).reshape(-1).tolist() if eos is not None else []
+        self._eos_ids: torch.Tensor | None = None  # the EOS ids on the tokens' device, made at the first step
         self._cache_dtype, self._cache_device = cache_dtype, cache_device
         self._features = _Growing()  # (batch, n, len(layers), d): all layers in one tensor, one head call per step
         self._embed, self._mask = _Growing(), _Growing()
         self._real: list[torch.Tensor] = []  # per generated position: is its token real (row not finished)?
         self._prompt_ids: list[torch.Tensor] = []
-        self._active: torch.Tensor | None = None  # rows that have not emitted an EOS token (a new tensor on change)
-        self._partial_from: int | None = None  # the first step where some row had finished (None: none yet)
+        self._active: torch.Tensor | None = None  # rows that have not emitted an EOS token (a new tensor per step)
+        # Decoding steps after the first are checked on the device (their positions are device tensors, e.g. a
+        # static cache's length): whether any ran elsewhere than where the record continues, read at the end.
+        self._checked = False
+        self._drift: torch.Tensor | None = None
         self._compute_dtype: torch.dtype | None = None
         self._n = self._past = 0
         self._pending = False
@@ -172,7 +182,7 @@ class Run:
             self.call.error = reason(what, error)
             return
         self.call.error = one_line(error)
-        done = len(self.call.steps)
+        done = len(self._real)
         self._notice.unrecorded(f"not recorded{f' after step {done - 1}' if done else ''} ({what}): "
                                 f"{self.call.error}")
 
@@ -180,9 +190,37 @@ class Run:
 
     def before_forward(self, bound: dict) -> None:
         """Check the forward continues what the run holds; complete the pending step with its first token."""
-        where = positions(bound)
-        past, new, n = where.past, where.new, self._n
+        n = self._n
         decoding = self._prompt_len is not None and n >= self._prompt_len
+        if decoding and self._checked and self._continues_on_device(bound, n):
+            past = n
+        else:
+            past = self._check(bound, n, decoding)
+        if self._pending:
+            ids = bound.get("input_ids")
+            if ids is None:
+                raise RuntimeError("generate fed embeddings instead of token ids while decoding: cannot tell the "
+                                   "emitted token; pass input_ids to generate")
+            self.emit(ids[:, n - past])
+        self._past = past
+
+    def _continues_on_device(self, bound: dict, n: int) -> bool:
+        """A one-token decoding step whose position is checked without reading the device (the check is read once,
+        when the call ends); False when it is another kind of forward, checked on the host."""
+        past, new = start(bound)
+        if new != 1 or past is None:
+            return False
+        if not isinstance(past, torch.Tensor):
+            return past == n
+        drift = past.reshape(-1)[:1] != n
+        self._drift = drift if self._drift is None else self._drift | drift
+        return True
+
+    def _check(self, bound: dict, n: int, decoding: bool) -> int:
+        """Where this forward starts, read on the host (the prefill and the first decoding step: a constant per
+        call); UnfollowedForward unless it continues the record or recomputes it from position 0."""
+        where = positions(bound)
+        past, new = where.past, where.new
         continues = past == n and (new == 1 or not decoding)
         recomputes = past == 0 and (n == 0 or (decoding and new == n + 1))  # first forward, or use_cache=False
         if not (continues or recomputes):
@@ -192,13 +230,8 @@ class Run:
                 "nor recomputes it from position 0 cannot be followed (a cache filled before the call, several "
                 "candidate tokens per forward, or a cropped cache)"
             )
-        if self._pending:
-            ids = bound.get("input_ids")
-            if ids is None:
-                raise RuntimeError("generate fed embeddings instead of token ids while decoding: cannot tell the "
-                                   "emitted token; pass input_ids to generate")
-            self.emit(ids[:, n - past])
-        self._past = past
+        self._checked = decoding and continues
+        return past
 
     def after_forward(self, capture: Capture) -> None:
         """Append this forward's features; its last position's prediction is the next pending step."""
@@ -257,14 +290,14 @@ class Run:
                 self._hub.prompt(self.call, ids, self._mask.view()[:, : self._prompt_len].cpu(), self._plan.describe())
 
     def _real_mask(self, mask: torch.Tensor, past: int, new: int) -> torch.Tensor:
-        """``mask`` with generated positions whose token a finished row only padded switched off."""
-        first_generated = max(self._prompt_len, past)
-        if self._partial_from is None or past + new - self._prompt_len <= self._partial_from:
-            return mask  # every row was still running at those steps: nothing to switch off
-        if first_generated < past + new and self._real:
-            real = torch.stack(self._real[first_generated - self._prompt_len: past + new - self._prompt_len], dim=1)
-            mask = mask.clone()
-            mask[:, first_generated - past:] &= real.to(mask.device)
+        """``mask`` with generated positions whose token a finished row only padded switched off (on the device:
+        which rows finished is never read back)."""
+        first = max(self._prompt_len, past)
+        real = self._real[first - self._prompt_len: past + new - self._prompt_len]
+        if not real or not self._eos:  # without an EOS id no row ever finishes
+            return mask
+        mask = mask.clone()
+        mask[:, first - past: first - past + len(real)] &= torch.stack(real, dim=1).to(mask.device)
         return mask
 
     def finish(self, sequences: torch.Tensor | None, error: str | None = None, *, what: str = "this generate call"
@@ -276,6 +309,9 @@ class Run:
             # (a call the probe detached from mid-way already says so: its later forwards ran unhooked on purpose)
             missed = (self._missed(sequences) if sequences is not None and not self.failed and self.call.error is None
                       else None)
+            if missed is None and self._drift is not None and not self.failed and bool(self._drift.any()):
+                missed = ("not recorded: a decoding step of this call ran at another position than the one after "
+                          "the record's last (a cropped or reused cache); its records from there on are not its own")
             if missed is not None:
                 self.failed, self.call.error = True, missed
                 if self._notice is not None:
@@ -310,31 +346,27 @@ class Run:
 
     def emit(self, token: torch.Tensor) -> None:
         """The step record of ``token`` (batch,), emitted at the position after the last one fed."""
-        token = token.long()
-        token_cpu = token.cpu()
-        ids = token_cpu.tolist()  # once per step: the readable texts and the EOS check read it
+        token = token.long()  # on the device, never read here: the publisher reads it (texts) off this thread
         active = self._active
         if active is None:
             active = self._active = torch.ones(token.shape[0], dtype=torch.bool, device=token.device)
         # Nobody to hand it to (keep_steps=False, no on_step, sink or subscriber): the record is not made.
-        step = self._record(token, token_cpu, ids, active) if self._hub.listened else None
+        step = self._record(token, active) if self._hub.listened else None
         self._real.append(active)
-        if self._eos:
-            ended = [i in self._eos for i in ids]
-            if any(ended):
-                self._active = active & ~torch.tensor(ended, device=active.device)
-                if self._partial_from is None:
-                    self._partial_from = len(self._real)  # from the next step on, some rows only pad
+        if self._eos:  # rows that emit an EOS token only pad from the next step on
+            if self._eos_ids is None:
+                self._eos_ids = torch.tensor(self._eos, dtype=torch.long, device=token.device)
+            self._active = active & ~torch.isin(token, self._eos_ids)
         self._pending = False
         if step is not None:
-            self._hub.publish(self.call, step)
+            self._hub.publish(self.call, step, self._plan.readable)
 
-    def _record(self, token: torch.Tensor, token_cpu: torch.Tensor, ids: list[int], active: torch.Tensor) -> Step:
+    def _record(self, token: torch.Tensor, active: torch.Tensor) -> Step:
         plan, position, batch = self._plan, self._n, token.shape[0]
         targets = plan.explained(token[:, None])
         probability = None
         if self._log_probs is not None:
-            probability = self._log_probs.gather(-1, targets.to(self._log_probs.device)).exp().cpu()
+            probability = self._log_probs.gather(-1, targets.to(self._log_probs.device)).exp()
             probability = probability if plan.label_axis else probability[:, 0]
         with torch.no_grad():
             features = self._features.view().to(self._compute_dtype)  # (batch, position, layers, d)
@@ -344,12 +376,12 @@ class Run:
             logat = logat.view(*features.shape[:3], -1).permute(2, 0, 1, 3)
             embed = self._embed.view()
             logat, normxlogit, targets = plan.scores(logat, embed, targets)
-        # copies, not views of the growing buffers, which a use_cache=False forward rewrites in place
-        return Step(call=self.call.index, step=position - self._prompt_len, position=position, token=token_cpu,
-                    target=targets.cpu(), normxlogit=normxlogit.cpu(), logat=logat.cpu(),
-                    embed_norm=embed.to("cpu", copy=True), mask=self._mask.view().to("cpu", copy=True),
-                    active=active.to("cpu", copy=True), layers=list(plan.layers), n_blocks=plan.n_blocks,
-                    probability=probability, readable=plan.readable(ids))
+        # Device tensors, moved to the host by the hub's publisher; copies, not views of the growing buffers, which
+        # a use_cache=False forward rewrites in place
+        return Step(call=self.call.index, step=position - self._prompt_len, position=position, token=token.clone(),
+                    target=targets, normxlogit=normxlogit, logat=logat, embed_norm=embed.clone(),
+                    mask=self._mask.view().clone(), active=active.clone(), layers=list(plan.layers),
+                    n_blocks=plan.n_blocks, probability=probability)
 
 
 class Notice:

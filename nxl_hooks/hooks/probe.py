@@ -464,6 +464,19 @@ class Probe:
         ``if probe.sink_fault: print(probe.sink_fault)``"""
         return self._hub.sink_fault
 
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Wait until every record made so far is in :attr:`calls` and written by the sink (records reach the sink
+        from a thread of their own, so that generation never waits for it); whether that happened within
+        ``timeout`` seconds. Leaving the ``with`` block flushes too; after it, a sink still busy when the probe
+        detached is waited for. ``probe.flush(); nxl.read_stream(path)``"""
+        return self._hub.flush(timeout)
+
+    @property
+    def unwritten(self) -> int:
+        """How many step records the sink did not get because it had stopped (:attr:`sink_fault` says why): they
+        are in memory only. ``assert probe.unwritten == 0``"""
+        return self._hub.unwritten
+
     @property
     def calls(self) -> list[GenerationCall]:
         """The ``generate`` calls run while attached, in the order they started, each with its step records
@@ -533,7 +546,9 @@ def attach(
     :func:`~nxl_hooks.hooks.engines.register_engine`), in any thread (causal LMs; see :mod:`nxl_hooks.hooks.generate`,
     :mod:`nxl_hooks.hooks.engines` and :mod:`nxl_hooks.hooks.publish`):
 
-    - ``on_step``: called with each :class:`~nxl_hooks.Step` as soon as it is complete;
+    - ``on_step``: called with each :class:`~nxl_hooks.Step` as soon as it is complete, in the thread that runs
+      ``generate`` (which then reads each record back from the device; :meth:`Probe.stream` and the sink get
+      records from the pipeline's own thread, :mod:`nxl_hooks.hooks.publish`);
     - ``sink``: where the records go, through :func:`~nxl_hooks.make_sink`: a file path (crash-safe stream file;
       read it with ``nxl.read_stream(path)``), a folder (rotating files), ``"NAME:ARG"`` (``"parquet:out.parquet"``,
       a registered kind) or a :class:`~nxl_hooks.RecordSink`; ``probe.sink_fault`` says why it stopped, if it did;

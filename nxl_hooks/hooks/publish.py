@@ -10,6 +10,24 @@
   subscription is closed;
 - the sink gets a ``call`` frame when a prompt is known, a ``step`` frame per record and an ``end`` frame.
 
+The record pipeline. The thread that runs ``generate`` (the hot path) hands each step record, its tensors still
+where the model computed them, to a bounded queue and goes on. The hub's publisher thread moves the record to the
+host, keeps it and feeds the subscribers, then queues its frame for the sink thread, which writes it. So:
+
+- the hot path reads nothing back from the device per step (``on_step`` is the exception: a callback in the
+  generating thread gets each record there, on the host);
+- a sink never stalls or raises into the host's call: one that raises (anything, ``SystemExit`` and
+  ``KeyboardInterrupt`` included) or stops by itself (``fault``), or that falls :data:`SINK_QUEUE` frames behind,
+  is stopped and closed; :attr:`Hub.sink_fault` says why, :attr:`Hub.unwritten` counts the step records it did
+  not get, and each call it leaves in memory only says so in its ``notes``;
+- while nothing reads records live (no sink, no subscriber), they are handed on together at the call's end (at
+  most :data:`HELD` at a time): the publisher wakes up once per call, not once per step;
+- the end of a call waits for the publisher (never for the sink), so ``probe.steps`` holds every record when
+  ``generate`` returns; detaching waits up to :data:`DRAIN_SECONDS` for the sink to write what is queued, so a
+  stream file read after the ``with`` block holds every record;
+- a stream file on disk stays whole after SIGKILL: frames are written one at a time, each with one ``write``,
+  so the file ends with a whole frame or a torn last one (the records still queued are lost).
+
 After the probe detaches, calls still running in other threads finish in memory only: their sink is closed and
 their subscribers have ended.
 """
@@ -17,6 +35,7 @@ their subscribers have ended.
 from __future__ import annotations
 
 import collections
+import os
 import queue
 import threading
 import time
@@ -26,10 +45,37 @@ from typing import Any, Callable
 import torch
 
 from ..records.sinks import RecordSink, make_sink
-from ..records.steps import GenerationCall, Step
-from .guard import reason
+from ..records.steps import STEP_TENSORS, GenerationCall, Step
+from .guard import logger, one_line
 
-__all__ = ["Hub", "Subscription"]
+__all__ = ["DRAIN_SECONDS", "QUEUE", "SINK_QUEUE", "Hub", "Subscription", "on_host"]
+
+#: Step records the publisher may have waiting; one more and the record is dropped (its call stops being recorded).
+QUEUE = 4096
+#: Frames the sink may have waiting; one more and the sink is stopped: it cannot keep up with generation.
+SINK_QUEUE = 256
+#: Step records held back while nothing reads them live (no sink, no subscriber): handed on together, at the
+#: call's end or once this many wait, so that the publisher wakes up once per call rather than once per step.
+HELD = 64
+#: How long detaching waits for the sink to write the frames still queued.
+DRAIN_SECONDS = 10.0
+#: How long the end of a call waits for the publisher to hand on its records (it never waits for user code).
+FLUSH_SECONDS = 60.0
+
+#: Turns a step's token ids into their readable texts (None without a tokenizer).
+Texts = Callable[[list[int]], "list[str] | None"]
+
+
+def on_host(step: Step, texts: Texts | None = None) -> Step:
+    """``step`` with its tensors moved to the CPU (in place) and, given ``texts``, its ``readable`` token texts:
+    what the publisher does with each record, off the generating thread. ``on_host(step, plan.readable)``"""
+    for name in (*STEP_TENSORS, "probability"):
+        value = getattr(step, name)
+        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
+            setattr(step, name, value.cpu())
+    if texts is not None:
+        step.readable = texts(step.token.tolist())
+    return step
 
 
 class _End:
@@ -84,7 +130,8 @@ class Subscription:
 
 
 class Hub:
-    """Hands every finished record to the call list, the callback, the subscribers and the sink."""
+    """Hands every finished record to the call list, the callback, the subscribers and the sink (through the
+    pipeline of the module docstring)."""
 
     def __init__(self, *, on_step: Callable[[Step], Any] | None, sink: Any, keep_steps: bool,
                  keep_calls: int | None = None) -> None:
@@ -96,17 +143,27 @@ class Hub:
         self._sink: RecordSink | None = None if sink is None else make_sink(sink)
         #: why the sink stopped getting records (one line), None while it is healthy or when there is none
         self.sink_fault: str | None = None
+        #: step records the sink did not get because it had stopped (or was still behind at detach)
+        self.unwritten = 0
         self._keep = keep_steps
         # Reentrant: a model collected (by a garbage collection any allocation may start) while this thread holds a
         # lock closes its probe's hub from inside that thread.
         self._lock = threading.RLock()
-        # Sink writes and the sink's closing, one at a time: a call in another thread never writes into a sink the
-        # probe closed while it ran (and its frames never interleave with the end frames written at detach).
-        self._sink_lock = threading.RLock()
         self._counter = 0
         self._subscribers: "weakref.WeakSet[Subscription]" = weakref.WeakSet()
         self._running: list[GenerationCall] = []
-        self._closed = False  # the probe detached: a late subscriber must not wait for a call that never comes
+        self._closed = False  # the probe detached: records go to memory only, in the calling thread
+        # The publisher and the sink thread, their queues and their backlogs (started with the first record, and
+        # again in a forked child, which has none of its parent's threads).
+        self._pid = -1
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._frames: queue.SimpleQueue = queue.SimpleQueue()
+        self._publisher: threading.Thread | None = None
+        self._writer: threading.Thread | None = None
+        self._waiting = self._frames_waiting = 0
+        self._held: collections.deque[tuple] = collections.deque()  # see HELD
+        self._stopped = False  # the sink was stopped (fault, behind or detach): frames are counted, not written
+        self._released = False  # the sink was closed (once, by the sink thread when there is one)
 
     @property
     def calls(self) -> list[GenerationCall]:
@@ -132,11 +189,134 @@ class Hub:
         """Whether a step record made now goes anywhere: kept, a callback, a subscriber or a sink."""
         return self._keep or self._on_step is not None or self._sink is not None or bool(self._subscribers)
 
+    # -- the hot path ------------------------------------------------------------------------------------
+
     def prompt(self, call: GenerationCall, ids: torch.Tensor | None, mask: torch.Tensor, meta: dict) -> None:
         call.prompt_ids, call.prompt_mask = ids, mask
-        self._write(lambda sink: sink.write_call(call, meta), call)
+        self._submit(("call", call, meta))
 
-    def publish(self, call: GenerationCall, step: Step) -> None:
+    def publish(self, call: GenerationCall, step: Step, texts: Texts | None = None) -> None:
+        """Hand on ``step`` (its tensors may still be on the device; ``texts`` makes its readable texts, on the
+        host). RuntimeError when the publisher is :data:`QUEUE` records behind: that call stops being recorded."""
+        if self._on_step is not None:  # the callback wants the record in this thread, on the host
+            step, texts = on_host(step, texts), None
+        ready = None
+        if step.normxlogit.is_cuda:  # the publisher reads it once the work queued so far on this stream is done
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(step.normxlogit.device))
+        self._submit(("step", call, step, texts, ready), bounded=True)
+        if self._on_step is not None:
+            self._on_step(step)
+
+    def end(self, call: GenerationCall, sequences: torch.Tensor | None, error: str | None = None) -> None:
+        """The call returned (``sequences``: its output ids) or raised (None); ``error``: why records are missing.
+        Returns once its records are kept and handed to the subscribers (never waits for the sink)."""
+        done = threading.Event()
+        if self._submit(("end", call, sequences, error, done)) and not self._on_thread():
+            done.wait(FLUSH_SECONDS)
+
+    def flush(self, timeout: float = DRAIN_SECONDS) -> bool:
+        """Wait until the records handed on so far are kept and written by the sink (or the sink stopped); whether
+        they were within ``timeout`` seconds. After the probe detached: until a sink still busy then has finished
+        (what it had not written counted in :attr:`unwritten`, its calls noted)."""
+        if self._closed:
+            return self._join(self._writer, timeout)
+        written = threading.Event()
+        if self._submit(("flush", written)) and self._on_thread():
+            return False
+        return written.wait(timeout)
+
+    def _submit(self, item: tuple, *, bounded: bool = False) -> bool:
+        """Queue ``item`` for the publisher (True) or, after the probe detached, handle it here, in memory only
+        (False). RuntimeError when a ``bounded`` item (a step record) finds :data:`QUEUE` records waiting: that
+        call stops being recorded."""
+        with self._lock:
+            if not self._closed:
+                if bounded and self._waiting >= QUEUE:
+                    raise RuntimeError(f"the record pipeline is {QUEUE} step records behind (its publisher thread "
+                                       "is starved); this call's later steps are not recorded")
+                self._start()
+                self._waiting += bounded
+                if bounded and self._sink is None and not self._subscribers and len(self._held) < HELD:
+                    self._held.append(item)
+                    return True
+                self._hand_on()
+                self._items.put(item)
+                return True
+        self._join(self._publisher, FLUSH_SECONDS)  # what was queued before the detach comes first
+        self._handle(item)
+        return False
+
+    def _hand_on(self) -> None:
+        """Queue the step records held back, in order (caller holds the lock)."""
+        while self._held:
+            self._items.put(self._held.popleft())
+
+    def _on_thread(self) -> bool:
+        """Whether this is the publisher or the sink thread (a garbage collection there may close the hub)."""
+        return threading.current_thread() in (self._publisher, self._writer)
+
+    @staticmethod
+    def _join(thread: threading.Thread | None, timeout: float) -> bool:
+        """Wait for ``thread`` to end (not when it is this one); whether it has."""
+        if thread is None or thread is threading.current_thread():
+            return thread is None
+        thread.join(timeout)
+        return not thread.is_alive()
+
+    def _start(self) -> None:
+        """The publisher thread, and the sink thread when there is a sink (caller holds the lock)."""
+        if self._pid == os.getpid():
+            return
+        self._pid = os.getpid()  # a forked child starts its own threads, with fresh queues
+        self._items, self._frames = queue.SimpleQueue(), queue.SimpleQueue()
+        self._held.clear()
+        self._waiting = self._frames_waiting = 0
+        self._publisher = threading.Thread(target=self._publish_loop, name="nxl_hooks-publisher", daemon=True)
+        self._publisher.start()
+        if self._sink is not None:
+            self._writer = threading.Thread(target=self._write_loop, args=(self._frames,),
+                                            name="nxl_hooks-sink", daemon=True)
+            self._writer.start()
+
+    # -- the publisher -----------------------------------------------------------------------------------
+
+    def _publish_loop(self) -> None:
+        items = self._items
+        while True:
+            item = items.get()
+            try:
+                self._handle(item)
+            except BaseException as error:  # noqa: BLE001 - the publisher outlives any one record
+                logger.warning("nxl_hooks: a record was lost (%s: %s); the model's own call is unaffected",
+                               type(error).__name__, one_line(error))
+            finally:
+                if item[0] == "step":
+                    with self._lock:
+                        self._waiting -= 1
+                elif item[0] == "end":
+                    item[-1].set()
+            if item[0] == "close":
+                return
+
+    def _handle(self, item: tuple) -> None:
+        kind = item[0]
+        if kind == "step":
+            _, call, step, texts, ready = item
+            if ready is not None:
+                ready.synchronize()
+            self._deliver(call, on_host(step, texts))
+        elif kind == "call":
+            _, call, meta = item
+            self._to_sink(call, lambda sink: sink.write_call(call, meta))
+        elif kind == "end":
+            self._end(*item[1:4])
+        elif kind == "close":
+            self._shut(item[1])
+        elif kind == "flush":
+            self._to_sink(None, item[1])
+
+    def _deliver(self, call: GenerationCall, step: Step) -> None:
         call.link(step)  # the step's context texts, for to_attribution() wherever the step goes
         with self._lock:
             if self._keep:
@@ -145,12 +325,9 @@ class Hub:
                 for subscriber in list(self._subscribers):
                     if subscriber.wants(call):
                         subscriber.queue.put(step)
-        self._write(lambda sink: sink.write_step(step), call)
-        if self._on_step is not None:
-            self._on_step(step)
+        self._to_sink(call, lambda sink: sink.write_step(step), step=True)
 
-    def end(self, call: GenerationCall, sequences: torch.Tensor | None, error: str | None = None) -> None:
-        """The call returned (``sequences``: its output ids) or raised (None); ``error``: why records are missing."""
+    def _end(self, call: GenerationCall, sequences: torch.Tensor | None, error: str | None) -> None:
         with self._lock:
             if call not in self._running:  # ended already (the probe detached while it ran)
                 call.sequences = sequences
@@ -160,7 +337,7 @@ class Hub:
             call.complete = sequences is not None and call.error is None
             ended = self._release(call)
         if call.prompt_mask is not None:
-            self._write(lambda sink: sink.write_end(call), call)
+            self._to_sink(call, lambda sink: sink.write_end(call))
         for subscriber in ended:
             subscriber.queue.put(_End)
 
@@ -175,6 +352,7 @@ class Hub:
         """A live iterator of step records (see the module docstring)."""
         subscription = Subscription(self, request_id=request_id, follow=follow)
         with self._lock:
+            self._hand_on()  # from now on records are read live
             if self._closed:
                 subscription.queue.put(_End)
                 return subscription
@@ -199,57 +377,146 @@ class Hub:
         with self._lock:
             self._subscribers.discard(subscription)
 
+    # -- detach ------------------------------------------------------------------------------------------
+
     def close(self, why: str = "the probe detached while this call ran") -> None:
         """The probe detaches: running calls are marked incomplete (end frames written), streams end, the sink
-        closes. Calls still running in other threads go on unharmed and keep their records in memory."""
+        writes what is queued (for up to :data:`DRAIN_SECONDS`) and closes. Calls still running in other threads
+        go on unharmed and keep their records in memory."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
+            started = self._pid == os.getpid()
+            if started:
+                self._hand_on()
+                self._items.put(("close", why))
+        if not started:
+            self._shut(why)
+        if self._on_thread():  # a garbage collection in the pipeline's own thread: it finishes by itself
+            return
+        self._join(self._publisher if started else None, FLUSH_SECONDS)
+        if not self._join(self._writer if started else None, DRAIN_SECONDS):
+            self._stop_sink(f"it was still writing when the probe detached ({DRAIN_SECONDS:g} s later); the "
+                            "records still queued were not written", None)
+
+    def _shut(self, why: str) -> None:
+        """The publisher's last item: end the running calls and the streams, then the sink."""
+        with self._lock:
             running, self._running = self._running, []
             subscribers = list(self._subscribers)
             self._subscribers = weakref.WeakSet()
             for call in running:
                 call.error = call.error or why
-        with self._sink_lock:
-            for call in running:
-                if call.prompt_mask is not None:
-                    self._write_locked(lambda sink, call=call: sink.write_end(call), call)
-            self._write_locked(lambda sink: sink.close())
-            self._sink = None
+        for call in running:
+            if call.prompt_mask is not None:
+                self._to_sink(call, lambda sink, call=call: sink.write_end(call))
+        self._to_sink(None, None)
         for subscriber in subscribers:
             subscriber.queue.put(_End)
 
-    def _write(self, action: Callable[[RecordSink], None], call: GenerationCall) -> None:
-        """One sink frame, unless the probe has detached (then the records stay in memory only)."""
-        if self._sink is None:
-            return
-        with self._sink_lock:
-            if not self._closed:
-                self._write_locked(action, call)
+    # -- the sink thread ---------------------------------------------------------------------------------
 
-    def _write_locked(self, action: Callable[[RecordSink], None], call: GenerationCall | None = None) -> None:
-        """``action`` (one call of a RecordSink method, for ``call``) on the sink. A failing sink (a full disk, a
-        read-only folder) is dropped: its fault is kept in :attr:`sink_fault`, noted on every call it leaves in
-        memory only, and logged once; it is never raised into the host."""
-        sink = self._sink
-        if sink is None:
+    def _to_sink(self, call: GenerationCall | None, action: Callable[[RecordSink], None] | None, *,
+                 step: bool = False) -> None:
+        """Queue one frame (``action``: one RecordSink call) for the sink thread; None: close the sink; an Event:
+        set it once what comes before is written. A sink :data:`SINK_QUEUE` frames behind is stopped."""
+        control = action is None or isinstance(action, threading.Event)
+        if self._sink is None:
+            if isinstance(action, threading.Event):
+                action.set()
             return
-        try:
-            action(sink)
-            fault = getattr(sink, "fault", None)  # optional in the protocol: a sink that stopped by itself says why
-        except Exception as error:  # noqa: BLE001 - the host's call goes on; its records stay in memory
-            where = getattr(sink, "path", None) or type(sink).__name__
-            fault = f"{type(error).__name__}: {reason(f'records sent to the sink {where}', error)}"
-        if fault is None:
-            return
-        self._sink, self.sink_fault = None, str(fault)
         with self._lock:
+            if self._stopped and not control:
+                self._count(call, step)
+                return
+            if control or self._frames_waiting < SINK_QUEUE:
+                self._frames_waiting += 1
+                if self._writer is None or not self._writer.is_alive():  # detached before any record
+                    self._write(call, action, step)
+                else:
+                    self._frames.put((call, action, step))
+                return
+        self._stop_sink(f"it fell behind: {SINK_QUEUE} frames were waiting to be written while generation went on, "
+                        "so it was stopped to keep generation at its speed", call, step=step)
+
+    def _write_loop(self, frames: queue.SimpleQueue) -> None:
+        while True:
+            call, action, step = frames.get()
+            self._write(call, action, step)
+            if action is None:
+                return
+
+    def _write(self, call: GenerationCall | None, action: Callable[[RecordSink], None] | None, step: bool) -> None:
+        """Write one frame (``action`` None: close the sink); a sink that fails or stops by itself is stopped, and
+        a stopped sink is closed here, once."""
+        with self._lock:
+            self._frames_waiting -= 1
+            sink = None if self._stopped or self._released else self._sink
+        if isinstance(action, threading.Event):
+            action.set()
+        elif sink is None:
+            self._count(call, step)
+        elif action is not None:
+            try:
+                action(sink)
+                fault = getattr(sink, "fault", None)  # optional in the protocol: a sink that stopped says why
+            except BaseException as error:  # noqa: BLE001 - SystemExit too: a sink never ends the host's call
+                where = getattr(sink, "path", None) or type(sink).__name__
+                logger.warning("nxl_hooks: records sent to the sink %s not written (%s: %s); the model's own call "
+                               "is unaffected", where, type(error).__name__, one_line(error))
+                fault = f"{type(error).__name__}: {one_line(error)}"
+            if fault is not None:
+                self._stop_sink(str(fault), call, step=step)
+        if action is None or self._stopped:
+            self._close_sink()
+
+    def _close_sink(self) -> None:
+        """Close the sink (once), releasing its file."""
+        with self._lock:
+            if self._released:
+                return
+            self._released, sink = True, self._sink
+        try:
+            sink.close()
+        except BaseException as error:  # noqa: BLE001 - never into the host
+            logger.warning("nxl_hooks: closing the sink failed (%s: %s)", type(error).__name__, one_line(error))
+            with self._lock:
+                self.sink_fault = self.sink_fault or f"{type(error).__name__}: {one_line(error)}"
+
+    def _count(self, call: GenerationCall | None, step: bool) -> None:
+        """A frame the stopped sink did not get."""
+        with self._lock:
+            self.unwritten += step
+            if call is not None and self.sink_fault is not None and self._fault_note() not in call.notes:
+                call.notes.append(self._fault_note())
+
+    def _stop_sink(self, fault: str, call: GenerationCall | None, *, step: bool = False) -> None:
+        """The sink gets nothing more: ``fault`` is kept in :attr:`sink_fault` and noted on every call it leaves
+        in memory only (the frames still queued are counted as the sink thread meets them); the sink thread
+        closes it when it comes back from the sink (here, without one)."""
+        with self._lock:
+            if self._stopped:
+                self._count(call, step)
+                return
+            self._stopped, self.sink_fault = True, fault
             affected = list(self._running)
             if call is not None and call not in affected:  # a call that just ended
                 affected.append(call)
             for each in affected:
                 each.notes.append(self._fault_note())
+            self.unwritten += step
+            writer = self._writer
+            if writer is not None and writer.is_alive() and writer is not threading.current_thread():
+                self._frames_waiting += 1
+                self._frames.put((None, _nothing, False))  # an idle sink thread wakes up and closes it
+                return
+        if writer is None or not writer.is_alive():
+            self._close_sink()
 
     def _fault_note(self) -> str:
         return f"not written to the sink, which stopped: {self.sink_fault}"
+
+
+def _nothing(sink: RecordSink) -> None:
+    """A frame that writes nothing: wakes the sink thread up to close a stopped sink."""

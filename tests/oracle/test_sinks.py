@@ -262,14 +262,16 @@ def test_a_full_sink_sets_sink_fault_and_notes_each_call_it_affects(chat, tmp_pa
     enc = tokenizer(PROMPTS[:1], return_tensors="pt")
     with nxl.attach(model, tokenizer=tokenizer, sink="fulldisk:x") as probe:
         model.generate(**enc, max_new_tokens=3, do_sample=False)
-        assert probe.sink_fault == "OSError: [Errno 28] No space left on device"
         model.generate(**enc, max_new_tokens=2, do_sample=False)
+    # the sink thread met the fault while the calls ran on: known for sure once the probe detached
+    assert probe.sink_fault == "OSError: [Errno 28] No space left on device"
+    assert probe.unwritten == 4  # step 2 of the first call and both steps of the second (step 1 raised)
     first, second = probe.calls
     assert len(first.steps) == 3 and first.complete  # the host's call and its records in memory are unharmed
     assert first.notes == second.notes == ["not written to the sink, which stopped: OSError: [Errno 28] No space "
                                            "left on device"]
     (sink,) = [s for s in _ListSink.made if isinstance(s, _FullDisk)]
-    assert [r[0] for r in sink.records] == ["call", "step"]  # nothing after the fault
+    assert [r[0] for r in sink.records] == ["call", "step", "close"]  # nothing after the fault; its file released
 
 
 @pytest.mark.parametrize("how", ["read-only", "removed"])

@@ -228,7 +228,7 @@ def test_tail_and_ctl_escape_what_comes_from_the_network():
     line = tail.line(_step(HOSTILE, HOSTILE, HOSTILE), None, 500)
     status = {"pid": 7, "paused": False, "models": [{
         "name": HOSTILE, "attached": False, "excluded": False, "error": HOSTILE, "hooks": 0, "calls": 0,
-        "sink_fault": HOSTILE, "unrecorded": None}]}
+        "sink_fault": HOSTILE, "unrecorded": None, "unwritten": 0}]}
     for text in (line, ctl.describe(status), one_line(f"server said {HOSTILE}")):
         assert not any(char in text for char in RAW), repr(text)
         assert "\\x1b]0;owned\\x07\\x1b[2Jx\\x9b31m\\u202e" in text
@@ -276,11 +276,13 @@ def test_faults_are_named_in_status_ctl_and_tail(tmp_path, capsys):
         model.generate(ids, max_new_tokens=2, do_sample=False)  # the sink fails at the call's first frame
         model.generate(ids, max_new_tokens=2, do_sample=False, num_beams=2)  # beam search: not recorded
         probe = controller.watches()[0].probe
-        assert probe.sink_fault and "No space left on device" in probe.sink_fault
+        assert probe.flush()  # the sink thread has met the fault
+        assert probe.sink_fault and "No space left on device" in probe.sink_fault and probe.unwritten == 2
         assert probe.unrecorded and "beam search" in probe.unrecorded
         (endpoint,) = endpoints(str(run))
         (model_status,) = endpoint.json("GET", "/v1/status")["models"]
         assert model_status["sink_fault"] == probe.sink_fault and model_status["unrecorded"] == probe.unrecorded
+        assert model_status["unwritten"] == probe.unwritten
         assert probe.unrecorded_calls == model_status["unrecorded_calls"] == 1  # the beam search call alone
         assert tail.faults(model_status) == [f"records not written to the sink: {probe.sink_fault}",
                                              f"1 call {probe.unrecorded}"]

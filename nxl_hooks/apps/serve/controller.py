@@ -16,10 +16,11 @@ other heads (classifiers, masked LMs), whose requests are plain forwards, a :cla
 Lifetimes. The probe lives on the model object (``model._nxl_probe``) and nowhere else: when the program drops a
 model (``transformers serve --model-timeout``), model and probe are freed together and the probe's finalizer
 closes its sink. The controller holds models only through weak references, and what ``attach`` keeps globally
-(its ``on_step`` callback) holds no model either.
+(its stream of step records) holds no model either.
 
 Never harm the host: every entry point here catches its own failures and logs one line on the ``nxl_hooks``
-logger; ``on_step`` runs in the host's generation thread and only hands the step to bounded queues.
+logger; the live readers are fed from the probe's stream, in a thread of the controller's own (one per watched
+model), never in the host's generation thread, through bounded queues.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from ...hooks.generate import REQUEST_ID
 from ...hooks.guard import reason
 from ...hooks.plan import TokenTexts, make_plan, token_texts, tokenizer_mismatch
 from ...hooks.probe import Probe, attach
+from ...hooks.publish import Subscription
 from ...method.select import special_mask
 from ...records.attribution import Attribution
 from ...records.sink import RotatingSink
@@ -137,6 +139,7 @@ class Watch:
         self.retired: collections.deque[tuple[GenerationCall, dict]] = collections.deque(maxlen=keep_calls)
         self.forwards: collections.deque[Forward] = collections.deque(maxlen=keep_calls)
         self.hook: Any = None  #: the forward hook that keeps :attr:`forwards`, while attached
+        self.live: Subscription | None = None  #: the probe's steps, read for the live readers while attached
 
     @property
     def probe(self) -> Probe | None:
@@ -151,9 +154,10 @@ class Watch:
 
     def describe(self) -> dict:
         """The model as status shows it. ``sink_fault``: why its records stopped reaching the sink (disk full,
-        read-only, folder removed); ``unrecorded``: why the last of its calls that ran unrecorded was not recorded,
-        and ``unrecorded_calls`` how many did; None (and 0) while everything is recorded, all read from the probe.
-        ``recorded``: how many of the ``calls`` in memory were recorded without an error."""
+        read-only, folder removed, too slow to keep up), ``unwritten`` how many step records it did not get;
+        ``unrecorded``: why the last of its calls that ran unrecorded was not recorded, and ``unrecorded_calls`` how
+        many did; None (and 0) while everything is recorded, all read from the probe. ``recorded``: how many of the
+        ``calls`` in memory were recorded without an error."""
         model, probe = self.ref(), self.probe
         records = [record for record, _ in self.records()]
         return {"name": self.name, "folder": self.slug, "class": self.model_class, "alive": model is not None,
@@ -163,6 +167,7 @@ class Watch:
                 "calls": len(records),
                 "recorded": sum(getattr(record, "error", None) is None for record in records),
                 "sink_fault": probe.sink_fault if probe is not None else None,
+                "unwritten": probe.unwritten if probe is not None else 0,
                 "unrecorded": probe.unrecorded if probe is not None else None,
                 "unrecorded_calls": probe.unrecorded_calls if probe is not None else 0,
                 "engine": _engine(model)}
@@ -266,8 +271,7 @@ class Rules:
             # the model's own tokenizer (loaded once, shared with the live view): every record, live or on disk,
             # carries its tokens' texts, and word targets (--target " Paris") resolve
             probe = attach(model, **self.options, tokenizer=self._tokenizer(watch, model, self.options), sink=sink,
-                           keep_steps=True, keep_calls=settings.keep_calls,
-                           on_step=functools.partial(self._on_step, watch) if generates else None)
+                           keep_steps=True, keep_calls=settings.keep_calls)
         except Exception as error:  # noqa: BLE001 - an unsupported model runs unrecorded
             if sink is not None:
                 sink.close()  # a RotatingSink removes its empty file
@@ -280,8 +284,20 @@ class Rules:
             return
         vars(model)[_PROBE] = probe  # the model's own: freed with it
         watch.error = None
+        if generates:
+            self.follow(watch, probe)
         if probe.kind != "causal_lm":  # requests are plain forwards: keep each one's attribution
             watch.hook = probe.model.register_forward_hook(functools.partial(self._on_forward, watch))
+
+    def follow(self, watch: Watch, probe: Any) -> None:
+        """Hand every step record of ``probe`` to the live readers from a thread of its own, reading the probe's
+        stream (the record pipeline's, off the host's generation thread) until the probe detaches."""
+        watch.live = probe.stream(follow=True)
+        threading.Thread(target=self._hand_out, args=(watch, watch.live), name="nxl_hooks-live", daemon=True).start()
+
+    def _hand_out(self, watch: Watch, steps: Subscription) -> None:
+        for step in steps:
+            self._on_step(watch, step)
 
     @staticmethod
     def _on_forward(watch: Watch, module: Any, args: tuple, output: Any) -> None:
@@ -385,7 +401,7 @@ class Live:
             self._feeds = tuple(each for each in self._feeds if each is not feed)
 
     def on_step(self, watch: Watch, step: Step) -> None:
-        """attach's ``on_step``, in the host's generation thread: hand the step to the live readers, if any."""
+        """A step of ``watch``'s probe, in its live thread: hand it to the live readers, if any."""
         feeds = self._feeds
         if not feeds:
             return
@@ -507,6 +523,10 @@ class Controller:
         the parent and are not written (:class:`~nxl_hooks.records.sink.RotatingSink`)."""
         for part in (self.models, self.rules, self.live):
             part.after_fork()
+        for watch in self.models.alive():  # the parent's live thread is not here: one of the child's own
+            if watch.live is not None and watch.probe is not None:
+                watch.live.close()
+                self.rules.follow(watch, watch.probe)
         self._endpoint_lock = threading.Lock()
         self.endpoint, self._endpoint_tried = None, False
 

@@ -1,0 +1,179 @@
+"""The record pipeline (nxl_hooks.hooks.publish): sinks are fed from a thread of their own, so a sink that raises
+anything (SystemExit, KeyboardInterrupt) or blocks never raises into or stalls the host's generate; it is stopped,
+counted and reported, and the records in memory stay whole (checked against the uncached oracle)."""
+
+import threading
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import nxl_hooks as nxl
+from nxl_hooks.hooks import publish
+from oracle import check_call
+
+VOCAB = 100
+
+
+@pytest.fixture(scope="module")
+def model() -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def _ids(seed: int, rows: int = 1) -> torch.Tensor:
+    return torch.randint(1, VOCAB, (rows, 5), generator=torch.Generator().manual_seed(seed))
+
+
+class _Raising:
+    """A third-party sink whose write_step raises ``error`` at the second step."""
+
+    def __init__(self, error: BaseException) -> None:
+        self.error, self.kinds, self.closed = error, [], False
+
+    def write_call(self, call, meta):
+        self.kinds.append("call")
+
+    def write_step(self, step):
+        if step.step == 1:
+            raise self.error
+        self.kinds.append("step")
+
+    def write_end(self, call):
+        self.kinds.append("end")
+
+    def close(self):
+        self.closed = True
+
+
+@pytest.mark.parametrize("error", [SystemExit(3), KeyboardInterrupt(), OSError(28, "No space left on device")],
+                         ids=["SystemExit", "KeyboardInterrupt", "OSError"])
+def test_a_sink_that_raises_anything_never_reaches_generate(model, error):
+    ids = _ids(1)
+    plain = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    sink = _Raising(error)
+    with nxl.attach(model, sink=sink) as probe:
+        out = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)  # raises nothing
+        again = model.generate(input_ids=ids, max_new_tokens=2, do_sample=False)
+    assert torch.equal(out, plain) and torch.equal(again, plain[:, :7])
+    assert probe.sink_fault == f"{type(error).__name__}: {error}".rstrip(": ") or probe.sink_fault.startswith(
+        type(error).__name__)
+    assert probe.unwritten == 3 + 2  # steps 1-3 of the first call, both of the second
+    assert sink.kinds == ["call", "step"] and sink.closed  # stopped at the fault, its file released
+    first, second = probe.calls
+    assert first.notes == second.notes == [f"not written to the sink, which stopped: {probe.sink_fault}"]
+    check_call(model, first, 4)  # the records in memory are whole and right
+    check_call(model, second, 2)
+
+
+class _Blocking:
+    """A sink whose first write blocks until the test releases it (a sink on a hung network share)."""
+
+    def __init__(self) -> None:
+        self.release, self.closed = threading.Event(), threading.Event()
+        self.returned, self.steps = 0, 0
+
+    def write_call(self, call, meta):
+        self.release.wait(timeout=120)
+        self.returned += 1
+
+    def write_step(self, step):
+        self.steps += 1
+
+    def write_end(self, call):
+        pass
+
+    def close(self):
+        self.closed.set()
+
+
+def test_a_blocked_sink_never_stalls_generate_nor_detach(model, monkeypatch):
+    monkeypatch.setattr(publish, "DRAIN_SECONDS", 0.5)
+    sink = _Blocking()
+    probe = nxl.attach(model, sink=sink)
+    try:
+        model.generate(input_ids=_ids(2, rows=2), max_new_tokens=6, do_sample=False)
+        # generate returned while the sink could not have written a frame: it never waited for the sink
+        assert sink.returned == 0 and len(probe.steps) == 6  # every record is kept as the call returns
+        assert probe.sink_fault is None  # 8 frames queued: within SINK_QUEUE
+    finally:
+        probe.detach()  # waits DRAIN_SECONDS for the blocked sink, then leaves it
+    assert sink.returned == 0 and not sink.closed.is_set()
+    assert probe.sink_fault.startswith("it was still writing when the probe detached")
+    sink.release.set()
+    assert probe.flush(timeout=60)  # the sink thread closes it once the sink gives its thread back
+    assert sink.closed.is_set() and sink.steps == 0 and probe.unwritten == 6
+    assert probe.calls[0].notes == [f"not written to the sink, which stopped: {probe.sink_fault}"]
+    check_call(model, probe.calls[0], 6)
+
+
+def test_a_sink_that_falls_behind_is_stopped(model, monkeypatch):
+    monkeypatch.setattr(publish, "SINK_QUEUE", 2)
+    sink = _Blocking()
+    with nxl.attach(model, sink=sink) as probe:
+        model.generate(input_ids=_ids(5), max_new_tokens=6, do_sample=False)
+        assert probe.sink_fault.startswith("it fell behind: 2 frames were waiting")  # known when generate returns
+        assert sink.returned == 0 and len(probe.steps) == 6
+        sink.release.set()
+    assert sink.closed.is_set() and sink.steps == 0 and probe.unwritten == 6
+    assert probe.calls[0].notes == [f"not written to the sink, which stopped: {probe.sink_fault}"]
+    check_call(model, probe.calls[0], 6)
+
+
+def test_a_slow_sink_within_its_queue_gets_every_record_by_detach(model, tmp_path):
+    ids = _ids(3)
+    path = tmp_path / "run.nxl"
+    gate = threading.Event()
+    file_sink = nxl.Sink(path)
+
+    class Late:  # holds every frame until generate has returned, then writes them all
+        def write_call(self, call, meta):
+            gate.wait(timeout=60)
+            file_sink.write_call(call, meta)
+
+        def write_step(self, step):
+            file_sink.write_step(step)
+
+        def write_end(self, call):
+            file_sink.write_end(call)
+
+        def close(self):
+            file_sink.close()
+
+    with nxl.attach(model, sink=Late()) as probe:
+        model.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
+        assert path.read_bytes() == b"nxl_hooks.stream/2\n"  # nothing written yet, the call has returned
+        gate.set()
+        assert probe.flush()
+        assert len(nxl.read_stream(path)[0].steps) == 5
+    (call,) = nxl.read_stream(path)
+    assert call.complete and probe.sink_fault is None and probe.unwritten == 0
+    for read, kept in zip(call.steps, probe.steps, strict=True):
+        assert torch.equal(read.normxlogit, kept.normxlogit) and torch.equal(read.token, kept.token)
+    check_call(model, call, 5)
+
+
+def test_a_full_stream_file_is_released(model, tmp_path):
+    """A stream sink whose disk fills up (its file descriptor pointed at /dev/full after it opened) stops, and
+    closes its file descriptor (the folder can be unmounted)."""
+    import os
+
+    sink = nxl.Sink(tmp_path / "run.nxl")
+    try:
+        full = os.open("/dev/full", os.O_WRONLY)
+    except OSError:
+        pytest.skip("no /dev/full here")
+    os.dup2(full, sink._fd)
+    os.close(full)
+    fd = sink._fd
+    with nxl.attach(model, sink=sink) as probe:
+        model.generate(input_ids=_ids(4), max_new_tokens=2, do_sample=False)
+    assert probe.sink_fault == "OSError: [Errno 28] No space left on device" and probe.unwritten == 2
+    assert sink._fd is None
+    link = f"/proc/self/fd/{fd}"  # released: that descriptor no longer points at the full disk
+    assert not os.path.exists(link) or os.readlink(link) != "/dev/full"
+    check_call(model, probe.calls[0], 2)
