@@ -180,6 +180,7 @@ class VllmForCausalLM(nn.Module):
             raise ValueError(f"vLLM's {type(model).__name__} is not a decoder nxl_hooks follows in vLLM (it needs "
                              "model.embed_tokens, model.layers returning (hidden, residual), model.norm an RMSNorm "
                              "and lm_head: Llama, Mistral, Qwen2, Qwen3)")
+        # vLLM's model is a submodule of the view: the hooks the engine puts on it count as the probe's (status)
         self.runner, self.vllm_model = runner, model
         self.config = model.config
         vocab, hidden = int(self.config.vocab_size), int(self.config.hidden_size)
@@ -442,6 +443,10 @@ class VllmEngine:
                     run.fail("this vLLM step", error)
             return
         for index, worker_id in enumerate(batch.req_ids[:count]):
+            if worker_id not in self._runs:  # it started before this probe attached (nxl ctl resume / attach)
+                self._runs[worker_id] = None
+                self.gens.unrecorded(request_id(worker_id), "this vLLM request", RuntimeError(
+                    "it started before the probe attached, so its first positions were never seen"), log=False)
             run = self._runs.get(worker_id)
             if run is None or run.failed:
                 continue
