@@ -64,8 +64,8 @@ class VllmServer(Server):
     """``vllm serve MODEL`` on 127.0.0.1, under ``nxl run NXL...`` (or plain, ``nxl=None``)."""
 
     def __init__(self, model: Path, *, nxl: list[str] | None, serve: list[str] = (), log: Path,
-                 engine: list[str] = ENGINE) -> None:
-        super().__init__(model, nxl=None, log=log, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+                 engine: list[str] = ENGINE, env: dict | None = None) -> None:
+        super().__init__(model, nxl=None, log=log, env={"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})})
         command = [vllm_cli(), "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port), *engine, *serve]
         if nxl is not None:
             command = [sys.executable, "-m", "nxl_hooks", "run", *nxl, "--", *command]
