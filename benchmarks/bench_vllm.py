@@ -1,9 +1,10 @@
 """Cost of ``nxl run`` on a vLLM server: throughput of ``vllm serve`` plain (its default: compiled on the CPU),
 plain eager (``--enforce-eager --no-enable-prefix-caching``: what recording imposes, so the eager fallback's own
-cost shows apart from the hooks'), and under ``nxl run --layers all --sink DIR``, with 1 and 8 concurrent
-clients; and each engine's start time (process start to a healthy ``/health``).
+cost shows apart from the hooks'), under ``nxl run --layers all --sink DIR`` (eager), and the same with
+``NXL_VLLM_COMPILED=1`` (compiled, recorded through buffers), with 1 and 8 concurrent clients; and each engine's
+start time (process start to a healthy ``/health``).
 
-    python benchmarks/bench_vllm.py [--model DIR] [--rounds 2] [--out benchmarks/results/vllm_cpu.json]
+    python benchmarks/bench_vllm.py [--model DIR] [--rounds 2] [--variants plain,nxl_all_compiled] [--out FILE]
     python benchmarks/bench_vllm.py --smoke       # the tiny model, one round, plain eager and nxl only (CI)
 
 One engine runs at a time (memory): each round starts every variant in turn, measures it with 1 then 8 clients,
@@ -34,9 +35,10 @@ PROMPTS = ["The capital of France is", "They are here and it is there;", "The ke
            "Paris is a city. Rome is", "the film was very good and"]
 #: The engine measured: vLLM's defaults but for the dtype, a model length that fits the tiny model, and the seed.
 ENGINE = ["--dtype", "float32", "--max-model-len", "512", "--seed", "0"]
-VARIANTS = {"plain": {"nxl": None, "serve": []},
-            "plain_eager": {"nxl": None, "serve": ["--enforce-eager", "--no-enable-prefix-caching"]},
-            "nxl_all": {"nxl": ["--layers", "all"], "serve": []}}  # nxl run makes the engine eager itself
+VARIANTS = {"plain": {"nxl": None, "serve": [], "env": {}},
+            "plain_eager": {"nxl": None, "serve": ["--enforce-eager", "--no-enable-prefix-caching"], "env": {}},
+            "nxl_all": {"nxl": ["--layers", "all"], "serve": [], "env": {}},  # nxl run makes the engine eager itself
+            "nxl_all_compiled": {"nxl": ["--layers", "all"], "serve": [], "env": {"NXL_VLLM_COMPILED": "1"}}}
 
 
 def _complete(server, prompt: str, max_tokens: int) -> tuple[str, int]:
@@ -92,7 +94,7 @@ def main() -> int:
                 variant = VARIANTS[name]
                 nxl = None if variant["nxl"] is None else [*variant["nxl"], "--sink", f"{folder}/{name}-{index}"]
                 server = VllmServer(model, nxl=nxl, serve=variant["serve"], log=Path(folder) / f"{name}-{index}.log",
-                                    engine=ENGINE)
+                                    engine=ENGINE, env=variant["env"])
                 start = time.perf_counter()
                 server.start(timeout=900)
                 run = {"round": index, "variant": name, "start_s": time.perf_counter() - start}

@@ -30,6 +30,12 @@ def test_recording_engine_args_turn_off_what_cannot_be_followed_and_say_so():
     assert recording_engine_args(SimpleNamespace()) == []  # a vLLM without these fields is left alone
 
 
+def test_nxl_vllm_compiled_keeps_compilation_as_asked(monkeypatch):
+    monkeypatch.setenv("NXL_VLLM_COMPILED", "1")
+    args = SimpleNamespace(enable_prefix_caching=True, enforce_eager=False)
+    assert len(recording_engine_args(args)) == 1 and (args.enable_prefix_caching, args.enforce_eager) == (False, False)
+
+
 def _script(folder: Path, first_line: str) -> Path:
     path = folder / "vllm"
     path.write_text(f"{first_line}\nprint('vllm')\n")

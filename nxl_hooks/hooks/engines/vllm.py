@@ -1,5 +1,5 @@
-"""The engine for vLLM (V1 model runner, eager): every request a vLLM worker serves its own
-:class:`~nxl_hooks.GenerationCall`, one Step per generated token.
+"""The engine for vLLM (V1 model runner; eager, or compiled with ``NXL_VLLM_COMPILED=1``): every request a vLLM
+worker serves its own :class:`~nxl_hooks.GenerationCall`, one Step per generated token.
 
     nxl run --layers all --sink runs/ -- vllm serve ./model --logprobs-mode raw_logits
     nxl run -- python script.py            # a script that uses vllm.LLM
@@ -27,15 +27,21 @@ token id, max_tokens, the model length), checked in the worker as vLLM's schedul
 leaves otherwise (the client went away, a stop string the API server matched, an abort; vLLM tells the worker at its
 next step, not why) ends incomplete, with the steps it made and a reason saying so.
 
+Compiled mode: hooks added after vLLM compiled its model never run. When vLLM is to compile (``nxl run`` keeps it
+eager unless :data:`COMPILED` is set), the view puts hooks on vLLM's layers when the model is loaded, before vLLM
+compiles, that copy the residual stream into fixed buffers (:class:`_Buffers`); they are traced into the compiled
+model, and the engine reads each step's rows from the buffers after the step.
+
 Not followed (requests run unchanged, each one's call record says ``not recorded: why; what to do``): a model
-compiled by vLLM (torch.compile or CUDA graphs: hooks added after compiling never run), prefix caching (a cached
-prefix never runs for the request that reuses it), async scheduling, speculative decoding, pipeline or tensor
-parallelism, and model classes whose layers do not return ``(hidden, residual)`` with an RMS final norm.
-:func:`recording_engine_args` turns the first three off in the engine arguments while ``nxl run`` records.
+vLLM compiled without those buffers, prefix caching (a cached prefix never runs for the request that reuses it),
+async scheduling, speculative decoding, pipeline or tensor parallelism, and model classes whose layers do not return
+``(hidden, residual)`` with an RMS final norm. :func:`recording_engine_args` turns compilation (unless
+:data:`COMPILED`), prefix caching and async scheduling off in the engine arguments while ``nxl run`` records.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import threading
 from types import ModuleType
@@ -47,8 +53,8 @@ from torch import nn
 from ..guard import logger, reason
 from ..generate import Generations, Run
 
-__all__ = ["VllmEngine", "VllmForCausalLM", "patch_engine_args", "recording_engine_args", "request_id", "unfollowable",
-           "unfollowable_compile"]
+__all__ = ["COMPILED", "VllmEngine", "VllmForCausalLM", "patch_engine_args", "recording_engine_args", "request_id",
+           "unfollowable", "unfollowable_compile"]
 
 #: What makes a vLLM engine recordable, said with each reason it is not.
 _RECORDABLE = ("start it under nxl run, which sets enforce_eager and turns prefix caching and async scheduling off, "
@@ -76,11 +82,19 @@ _SETTINGS = {"enable_prefix_caching": (False, "prefix caching off (a cached pref
              "async_scheduling": (False, "async scheduling off (each step's tokens are read before the next step)")}
 
 
+#: The environment variable (``"1"``) that keeps vLLM's compiled mode on while recording: the layers' outputs are
+#: then written into buffers by hooks compiled into the model (:class:`_Buffers`). Tested on the CPU (torch.compile).
+COMPILED = "NXL_VLLM_COMPILED"
+
+
 def recording_engine_args(args: Any) -> list[str]:
-    """Set on vLLM's ``EngineArgs`` ``args`` what recording needs (:data:`_SETTINGS`); returns what was changed, as
-    status lines. A field ``args`` lacks is left alone."""
+    """Set on vLLM's ``EngineArgs`` ``args`` what recording needs (:data:`_SETTINGS`; with :data:`COMPILED` set,
+    compilation stays as asked); returns what was changed, as status lines. A field ``args`` lacks is left alone."""
     changed = []
+    keep_compiled = os.environ.get(COMPILED) == "1"
     for name, (value, said) in _SETTINGS.items():
+        if name == "enforce_eager" and keep_compiled:
+            continue
         if hasattr(args, name) and getattr(args, name) != value:
             setattr(args, name, value)
             changed.append(said)
@@ -129,9 +143,6 @@ def unfollowable(config: Any) -> str | None:
     """Why the engine of ``config`` (a ``VllmConfig``) cannot be followed, or None."""
 
     cache, parallel, scheduler = config.cache_config, config.parallel_config, config.scheduler_config
-    compiled = unfollowable_compile(config)
-    if compiled is not None:
-        return compiled
     if cache.enable_prefix_caching:
         return f"prefix caching is on: a cached prefix never runs for the request that reuses it; {_RECORDABLE}"
     if getattr(scheduler, "async_scheduling", False):
@@ -161,6 +172,32 @@ class _RmsNorm(nn.Module):
         return self.weight * hidden.to(dtype)
 
 
+class _Buffers:
+    """Where a compiled vLLM model writes its residual stream, step after step: (layers + 1, max tokens, d), row t of
+    layer l the stream after block l at the step's packed token t (layer 0: the embedding output). Forward hooks put
+    on vLLM's modules before vLLM compiles are traced into the compiled model: their ``copy_`` into these fixed
+    tensors runs inside the compiled code (and would inside a CUDA graph), so the engine reads each step's rows
+    after it. They stay on the model as long as it lives: compiled code cannot drop them."""
+
+    def __init__(self, runner: Any, model: nn.Module) -> None:
+        inner = model.model
+        weight = inner.embed_tokens.weight
+        self.values = torch.zeros(len(inner.layers) + 1, int(runner.max_num_tokens), weight.shape[1],
+                                  dtype=weight.dtype, device=weight.device)
+        self.handles = [inner.embed_tokens.register_forward_hook(self._write(0))]
+        self.handles += [layer.register_forward_hook(self._write(index))
+                         for index, layer in enumerate(inner.layers, start=1)]
+
+    def _write(self, index: int) -> Callable:
+        row = self.values[index]
+
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            stream = output if index == 0 else output[0] + output[1]  # layers return (hidden, residual)
+            row[: stream.shape[0]].copy_(stream)
+
+        return hook
+
+
 class VllmForCausalLM(nn.Module):
     """vLLM's model as :func:`~nxl_hooks.attach` reads a transformers causal LM: its config, ``model.norm`` and
     ``lm_head`` (vLLM's weights, shared), ``model.layers`` (one placeholder per decoder layer: the hooks go on
@@ -180,7 +217,10 @@ class VllmForCausalLM(nn.Module):
             raise ValueError(f"vLLM's {type(model).__name__} is not a decoder nxl_hooks follows in vLLM (it needs "
                              "model.embed_tokens, model.layers returning (hidden, residual), model.norm an RMSNorm "
                              "and lm_head: Llama, Mistral, Qwen2, Qwen3)")
+        # vLLM's model is a submodule of the view: the hooks the engine puts on it count as the probe's (status)
         self.runner, self.vllm_model = runner, model
+        #: the compiled model's buffers, made now, before vLLM compiles (None: vLLM runs it eagerly)
+        self.buffers = _Buffers(runner, model) if unfollowable_compile(runner.vllm_config) is not None else None
         self.config = model.config
         vocab, hidden = int(self.config.vocab_size), int(self.config.hidden_size)
         self.model = nn.Module()
@@ -202,8 +242,9 @@ class VllmForCausalLM(nn.Module):
 
         config = self.runner.vllm_config
         compilation = config.compilation_config
-        compiled = "off (enforce_eager)" if unfollowable_compile(config) is None else (
-            f"on ({compilation.mode.name}, CUDA graphs {compilation.cudagraph_mode.name}): not recorded")
+        compiled = "off (enforce_eager)" if self.buffers is None else (
+            f"on ({compilation.mode.name}, CUDA graphs {compilation.cudagraph_mode.name}), recorded through buffers "
+            "compiled into the model")
         prefix = "on: not recorded" if config.cache_config.enable_prefix_caching else "off"
         return (f"vLLM {vllm.__version__} ({type(self.runner).__name__}): prefix caching {prefix}, compile and CUDA "
                 f"graphs {compiled}")
@@ -260,6 +301,8 @@ class VllmEngine:
         runner = shell.runner
         try:
             self.unfollowed = unfollowable(runner.vllm_config)
+            if self.unfollowed is None and shell.buffers is None:
+                self.unfollowed = unfollowable_compile(runner.vllm_config)
         except Exception as error:  # noqa: BLE001 - a vLLM whose config this does not know
             self.unfollowed = f"this vLLM's configuration is not one nxl_hooks knows ({reason('vLLM', error)})"
         with self._lock:
@@ -276,14 +319,18 @@ class VllmEngine:
         self._restore.append((runner, name))
 
     def _hook(self, shell: VllmForCausalLM) -> None:
+        """The eager parts (the model's inputs, the logits) always; the layers through hooks of this probe on an
+        eager model, through the view's buffers on a compiled one."""
         model, wanted = shell.vllm_model, set(self.plan.layers)
         inner = model.model
         self._handles.append(model.register_forward_pre_hook(self._on_model, with_kwargs=True))
+        self._handles.append(model.logits_processor.register_forward_hook(self._on_logits))
+        if shell.buffers is not None:
+            return
         self._handles.append(inner.embed_tokens.register_forward_hook(self._on_embedding))
         for index, layer in enumerate(inner.layers, start=1):
             if index in wanted:
                 self._handles.append(layer.register_forward_hook(self._layer_hook(index)))
-        self._handles.append(model.logits_processor.register_forward_hook(self._on_logits))
 
     def uninstall(self) -> None:
         """Hooks and wrappers off; the requests in flight end incomplete."""
@@ -311,13 +358,13 @@ class VllmEngine:
     def _on_model(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         capture = self._capture
         if capture is not None:
+            capture.ids = kwargs.get("input_ids", args[0] if args else None)
             capture.positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
 
     def _on_embedding(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         capture = self._capture
         if capture is None:
             return
-        capture.ids = args[0] if args else None
         capture.embed_norm = torch.linalg.vector_norm(output, dim=-1, dtype=torch.float32)
         if 0 in self.plan.layers:  # a copy: the next layer's fused add-norm updates its residual input in place
             capture.hidden[0] = output.clone()
@@ -346,7 +393,7 @@ class VllmEngine:
                 return original(scheduler_output, *args, **kwargs)
             finally:
                 capture, self._capture = self._capture, None
-                if capture is not None and capture.embed_norm is not None:
+                if capture is not None and capture.positions is not None:
                     self._feed(capture)
 
         return execute_model
@@ -429,6 +476,10 @@ class VllmEngine:
             discard = runner.discard_request_mask.np[:count].tolist()
             firsts = capture.positions[torch.tensor(starts[:-1], device=capture.positions.device)].tolist()
             total = starts[-1]
+            buffers = self.gens.plan.model.buffers
+            if buffers is not None:  # the compiled model wrote this step's rows there
+                capture.hidden = {layer: buffers.values[layer, :total] for layer in self.plan.layers}
+                capture.embed_norm = torch.linalg.vector_norm(buffers.values[0, :total], dim=-1, dtype=torch.float32)
             hidden = torch.stack([capture.hidden[layer][:total] for layer in self.plan.layers], dim=1)
             features = self.plan.head.features(hidden)[None]  # (1, tokens, layers, d')
             embed = capture.embed_norm[None, :total]
@@ -442,6 +493,10 @@ class VllmEngine:
                     run.fail("this vLLM step", error)
             return
         for index, worker_id in enumerate(batch.req_ids[:count]):
+            if worker_id not in self._runs:  # it started before this probe attached (nxl ctl resume / attach)
+                self._runs[worker_id] = None
+                self.gens.unrecorded(request_id(worker_id), "this vLLM request", RuntimeError(
+                    "it started before the probe attached, so its first positions were never seen"), log=False)
             run = self._runs.get(worker_id)
             if run is None or run.failed:
                 continue
