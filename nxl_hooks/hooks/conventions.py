@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["CACHE_NAMES", "Positions", "UnfollowedForward", "find_cache", "positions", "start"]
+__all__ = ["CACHE_NAMES", "Positions", "UnfollowedForward", "find_cache", "positions", "token_mask", "start"]
 
 #: The keywords a KV cache has arrived under, newest first. Only an order to look in: :func:`find_cache` also finds
 #: one under a name not listed here.
@@ -94,6 +94,25 @@ def start(arguments: dict[str, Any]) -> tuple[int | torch.Tensor | None, int]:
         return cache_position, new
     cache = find_cache(arguments)
     return (cache.get_seq_length() if cache is not None else None), new
+
+
+def token_mask(attention_mask: torch.Tensor | None, past: int, new: int) -> torch.Tensor | None:
+    """Which of a forward's ``new`` tokens (at positions ``past`` ..) are real, not padding: (batch, new) bool on the
+    mask's device, read from the mask in the shape it arrived in, never on the host. 2-D (batch, keys): as users
+    and ``generate`` with a dynamic cache pass it. 4-D (batch, 1, queries, keys): what ``generate`` builds for a
+    static cache, boolean or additive (the dtype's minimum where masked); its last query sees every real key up to
+    itself. None: no mask (every token real). :class:`UnfollowedForward` for a mask that covers other positions."""
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 2:
+        return attention_mask[:, -new:].bool()
+    if attention_mask.dim() == 4 and attention_mask.shape[-1] >= past + new:
+        seen = attention_mask[:, 0, -1, past:past + new]
+        if seen.dtype == torch.bool:
+            return seen
+        return seen > torch.finfo(seen.dtype).min / 2 if seen.is_floating_point() else seen.bool()
+    raise UnfollowedForward(f"the forward's attention mask of shape {tuple(attention_mask.shape)} does not cover "
+                            f"positions {past}..{past + new - 1}, so its padding is unknown")
 
 
 #: What the continuous-batching engine (:mod:`.engines.transformers_cb`) wraps: (module of

@@ -58,7 +58,7 @@ from torch import nn
 
 from ..records.steps import GenerationCall, Step
 from .recording import NOT_RECORDED, Recording
-from .conventions import UnfollowedForward, positions, start
+from .conventions import UnfollowedForward, positions, start, token_mask
 from .forward import Capture
 from .guard import logger, one_line, reason
 from .plan import Plan
@@ -238,10 +238,8 @@ class Run:
         new = capture.shape[1]
         if self._prompt_len is None:  # generate started from its bos token, not a prompt we were shown
             self._prompt_len = new
-        attention = capture.attention_mask
-        if attention is not None and attention.dim() == 2:
-            mask = attention[:, -new:].bool()
-        else:  # generate drops an all-ones mask
+        mask = token_mask(capture.attention_mask, self._past, new)
+        if mask is None:  # generate drops an all-ones mask
             mask = torch.ones(capture.shape[0], new, dtype=torch.bool, device=capture.embed_norm.device)
         self.feed(self._past, stacked_features(self._plan, capture), capture.embed_norm, mask, capture.input_ids)
         self._pending = self._n >= self._prompt_len

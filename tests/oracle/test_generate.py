@@ -72,7 +72,11 @@ def test_sampling_explains_the_sampled_token_with_num_return_sequences(model):
     assert (argmaxes != tokens).any(), "sampling at temperature 3 should leave the argmax at least once"
 
 
-def test_left_padded_batch_with_early_eos(model):
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_left_padded_batch_with_early_eos(model, cache):
+    """Pads masked at every step: with a static cache generate hands the backbone a 4-D mask (batch, 1, q, keys)
+    instead of the 2-D one, and its padding must be read from that (it once counted pads as real tokens)."""
+    options = {"cache_implementation": "static"} if cache == "static" else {}
     ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
     mask = torch.ones(2, 6, dtype=torch.long)
     ids[0, :2], mask[0, :2] = PAD, 0  # row 0: two left pads
@@ -82,7 +86,7 @@ def test_left_padded_batch_with_early_eos(model):
                   if t not in reference[1].tolist() and t not in reference[0, :s].tolist())
     with nxl.attach(model) as probe:
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
-                             eos_token_id=eos)
+                             eos_token_id=eos, **options)
     call = probe.calls[0]
     check_call(model, call, out.shape[1] - 6)
     for step in call.steps:

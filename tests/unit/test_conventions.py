@@ -10,7 +10,7 @@ import torch
 from transformers import DynamicCache
 
 import tiny
-from nxl_hooks.hooks.conventions import CACHE_NAMES, Positions, UnfollowedForward, find_cache, positions
+from nxl_hooks.hooks.conventions import CACHE_NAMES, Positions, UnfollowedForward, find_cache, positions, token_mask
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +70,18 @@ def test_without_a_cache_positions_start_at_zero_unless_position_ids_say_otherwi
         positions({"input_ids": ids[:, :1], "position_ids": torch.tensor([[7], [9]])})
     with pytest.raises(UnfollowedForward, match="neither input_ids nor inputs_embeds"):
         positions({"attention_mask": torch.ones(1, 3)})
+
+
+def test_the_padding_of_new_tokens_is_read_from_a_2d_or_4d_mask():
+    """A left-padded row: real tokens from position 2. The 2-D mask, a boolean 4-D causal mask and an additive
+    4-D one (generate's static-cache shape, with a key dimension longer than the sequence) say the same."""
+    real = torch.tensor([[False, False, True, True], [True, True, True, True]])
+    causal = torch.ones(4, 6, dtype=torch.bool).tril()  # 4 queries, 6 cache slots
+    boolean = (causal[None, None] & torch.cat([real, torch.ones(2, 2, dtype=torch.bool)], 1)[:, None, None])
+    additive = torch.zeros(boolean.shape).masked_fill(~boolean, torch.finfo(torch.float32).min)
+    for mask in (real.long(), boolean, additive):
+        assert torch.equal(token_mask(mask, 0, 4), real)
+    assert torch.equal(token_mask(boolean[:, :, 3:], 2, 2), real[:, 2:])  # one query's row, positions 2..3
+    assert token_mask(None, 0, 4) is None
+    with pytest.raises(UnfollowedForward, match="does not cover positions 4..7"):
+        token_mask(boolean, 4, 4)
