@@ -255,7 +255,8 @@ def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, 
         if step.step == 0:  # the call's one number, as its HTML page says it (GenerationCall.norm_spread)
             call = probe.calls[-1]
             call.prompt_template = template  # what the terminal ranks with, the page too
-            if flat_norms(spread := call.norm_spread()):
+            # of this first step itself: the record pipeline may not have kept it in call.steps yet
+            if flat_norms(spread := call.attribution(step).norm_spread(0)):
                 console.print(Text("note: " + flat_note(spread), style="yellow"))
         console.print(_generation_line(res, step, layer, top, console.width, all_positions), no_wrap=True, crop=False)
         ids.append(int(step.token[0]))

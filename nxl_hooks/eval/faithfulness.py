@@ -273,9 +273,11 @@ def _method_scores(setup: _Setup, methods: Sequence[str], ids: torch.Tensor, pos
             setup.model(input_ids=batch, attention_mask=mask)
         res = probe.result()
         seconds[name] = time.perf_counter() - start
+        # every attached forward has the embedding norms: the record's norm_spread reads them, asked for or not
+        scores.setdefault("embed_norm", res.embed_norm[0])
         if name == "embed_norm":
-            scores[name] = res.embed_norm[0]
-        elif regression:
+            continue
+        if regression:
             scores[name] = getattr(res, name)[:, 0]
         else:
             first = getattr(res, "normxlogit" if name == "contrastive" else name)[:, 0, :, 0]
