@@ -121,7 +121,8 @@ def measure(servers: dict[str, Server], content: str, max_tokens: int, clients: 
         # the fastest request of each: the least disturbed by the machine's other work
         out[name]["latency_min_ratio"] = out[name]["latency_min_s"] / out["plain"]["latency_min_s"]
         out[name]["throughput_ratio"] = out[name]["throughput_rps"] / out["plain"]["throughput_rps"]
-        out[name]["cpu_ratio"] = out[name]["cpu_per_request_s"] / out["plain"]["cpu_per_request_s"]
+        plain_cpu = out["plain"]["cpu_per_request_s"]  # 0 where a request took less than the clock's tick
+        out[name]["cpu_ratio"] = out[name]["cpu_per_request_s"] / plain_cpu if plain_cpu else None
     return out
 
 
@@ -255,7 +256,7 @@ def table(report: dict) -> str:
                  f"CPU {_cpu_ms(plain)}"]
         for name in ("nxl_last", "nxl_all"):
             r = result[name]
-            cpu = f", CPU {_cpu_ms(r)} ({r['cpu_ratio']:.2f}x)" if "cpu_ratio" in r else ""
+            cpu = f", CPU {_cpu_ms(r)} ({r['cpu_ratio']:.2f}x)" if r.get("cpu_ratio") is not None else ""
             cells.append(f"{r['latency_median_s'] * 1000:.0f} ms (**{r['latency_ratio']:.2f}x**), "
                          f"{r['throughput_rps']:.2f} req/s ({r['throughput_ratio']:.2f}x){cpu}")
         lines.append(f"| {model} | {clients.removeprefix('clients=')} | " + " | ".join(cells) + " |")

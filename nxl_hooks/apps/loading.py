@@ -436,7 +436,7 @@ def _from_gguf(auto: Any, name: str, gguf_file: str, kwargs: dict[str, Any]) -> 
     level = logger.level
     logger.setLevel(logging.ERROR)
     try:
-        loaded = auto.from_pretrained(name, gguf_file=gguf_file, output_loading_info=True, **kwargs)
+        model, info = auto.from_pretrained(name, gguf_file=gguf_file, output_loading_info=True, **kwargs)
     except RuntimeError as err:
         if "mismatched" not in str(err) and "size mismatch" not in str(err):
             raise
@@ -444,10 +444,7 @@ def _from_gguf(auto: Any, name: str, gguf_file: str, kwargs: dict[str, Any]) -> 
                          f"the model; {_GGUF_FIX}") from None
     finally:
         logger.setLevel(level)
-    # (some loading paths return the model alone: then check_gguf's header check, run before, is what stands)
-    model, info = loaded if isinstance(loaded, tuple) else (loaded, None)
-    if info is not None:
-        _refuse_missing(os.path.join(name, gguf_file), info["missing_keys"])
+    _refuse_missing(os.path.join(name, gguf_file), info["missing_keys"])
     return model
 
 

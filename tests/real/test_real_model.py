@@ -306,14 +306,16 @@ def test_cli_loads_the_gguf_file_and_matches_the_oracle_on_the_gguf_loaded_by_ha
     def spy(kind: str, answer):  # noqa: ANN202
         def from_pretrained(*args, **kwargs):  # noqa: ANN202
             loads.append((kind, args, kwargs))
-            return answer
+            # the model's load asks for its loading report too (a GGUF tensor missing is refused from it)
+            return (answer, {"missing_keys": []}) if kwargs.get("output_loading_info") else answer
         return from_pretrained
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy("model", by_hand))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy("tokenizer", tok))
     folder_out = tmp_path / "folder.safetensors"
     assert main(["attribute", str(gguf.parent), CAPITAL, "--gguf-file", gguf.name, "--out", str(folder_out)]) == 0
-    assert sorted(loads) == [(kind, (str(gguf.parent),), {"gguf_file": gguf.name}) for kind in ("model", "tokenizer")]
+    assert sorted(loads) == [("model", (str(gguf.parent),), {"gguf_file": gguf.name, "output_loading_info": True}),
+                             ("tokenizer", (str(gguf.parent),), {"gguf_file": gguf.name})]
     for saved in (out, folder_out):
         res = nxl.Attribution.load(saved)
         assert res.input_ids.tolist() == ids.tolist() and res.target.tolist() == [target]
