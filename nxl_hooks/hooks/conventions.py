@@ -4,14 +4,14 @@ engines patch: the one place that knows the calling conventions, so the recorder
     where = positions(arguments)       # a backbone forward's bound arguments
     where.past, where.new, where.source # positions past .. past + new - 1, and what said so
 
-Conventions seen (checked on 5.16 to 5.24; the floor is 5.18.0): the cache arrives as ``past_key_values`` up to 5.23 and as ``cache``
-from 5.24 (the old name a deprecated alias until 5.40); ``generate`` passes ``cache_position`` up to 5.23 and only
-``position_ids`` from 5.24. Nothing here is a list of versions: the cache is found by what it is (an object with
+Conventions seen (checked on 5.16 to 5.24; the floor is 5.18.0): the cache arrives as ``past_key_values`` up to
+5.23 and as ``cache`` from 5.24 (the old name a deprecated alias until 5.40); ``generate`` passes ``cache_position``
+up to 5.23 and only ``position_ids`` from 5.24. Nothing here is a list of versions: the cache is found by what it is (an object with
 ``get_seq_length``, whatever its keyword), and positions come from the first source the forward actually received,
 in this order: ``cache_position`` (where the model writes its cache), the cache's own length, else none (a forward
 without a cache computes every position from 0). ``position_ids`` alone never say where a sequence starts (a
 left-padded row starts at 0 wherever it sits), so they are only a check: a forward without a recognisable cache whose
-every row starts past position 0 continues a sequence from state nxl_hooks cannot see, and :func:`positions` says so.
+every row starts past position 1 (older versions give pads 1) continues a sequence from state nxl_hooks cannot see, and :func:`positions` says so.
 """
 
 from __future__ import annotations
