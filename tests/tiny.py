@@ -90,6 +90,21 @@ def cb_config(**options):
     return ContinuousBatchingConfig(**{"num_blocks": 16, "max_batch_tokens": 24, page: 16, **options})
 
 
+#: The generating decoder's id space (:func:`generating_llama`): ids 1..99 are tokens, 0 pads.
+GEN_VOCAB, GEN_PAD = 100, 0
+
+
+def generating_llama(seed: int = 0) -> LlamaForCausalLM:
+    """A random 3-block Llama over :data:`GEN_VOCAB` ids that generates freely: no EOS (random weights: each test
+    chooses its own), pad id :data:`GEN_PAD`. The model of the generate, pipeline and host-read tests."""
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=GEN_VOCAB, hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = GEN_PAD
+    return model
+
+
 def save_model(path: Path, kind: str, seed: int = 0, model: torch.nn.Module | None = None) -> Path:
     """Save ``model`` (default: :func:`build_model`) and the tokenizer to ``path``."""
     (model or build_model(kind, seed)).save_pretrained(path)

@@ -10,9 +10,9 @@ import warnings
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import nxl_hooks as nxl
+import tiny
 from oracle import check_call
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -35,13 +35,8 @@ def _syncs(model, inputs: dict, new: int) -> int:
 
 @pytest.mark.parametrize("rows", [1, 4])
 def test_attached_generate_adds_no_synchronisation_per_token(rows):
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                         num_attention_heads=4, num_key_value_heads=2)).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    model.cuda()
-    ids = torch.randint(1, 100, (rows, 6), generator=torch.Generator().manual_seed(rows)).cuda()
+    model = tiny.generating_llama().cuda()
+    ids = torch.randint(1, tiny.GEN_VOCAB, (rows, 6), generator=torch.Generator().manual_seed(rows)).cuda()
     inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids))
     added, calls = {}, {}
     for new in (3, 12):

@@ -11,29 +11,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 from transformers.generation.streamers import BaseStreamer
 
 import nxl_hooks as nxl
+import tiny
 from nxl_hooks.method import head as nxl_head
 from oracle import HandHead, check_call, llama, normxlogit, prefix_logits, rms_norm
 
-VOCAB, PAD = 100, 0
-CONFIG = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-              num_key_value_heads=2)
-
-
-def _model(seed: int = 0) -> LlamaForCausalLM:
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**CONFIG)).eval()
-    model.generation_config.eos_token_id = None  # random weights: let every test choose its own EOS
-    model.generation_config.pad_token_id = PAD
-    return model
+VOCAB, PAD = tiny.GEN_VOCAB, tiny.GEN_PAD
 
 
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
-    return _model()
+    return tiny.generating_llama()
 
 
 def test_greedy_every_step_matches_oracle_and_output_unchanged(model):
@@ -196,10 +187,10 @@ def test_sink_round_trip_and_torn_tail(model, tmp_path):
 _CHILD = textwrap.dedent("""
     import sys, time, torch
     sys.path[:0] = [{tests!r}, {helpers!r}]
-    from test_generate import _model
+    import tiny
     import nxl_hooks as nxl
     torch.set_num_threads(1)
-    model = _model()
+    model = tiny.generating_llama()
     ids = torch.randint(1, 100, (1, 6), generator=torch.Generator().manual_seed(11))
     with nxl.attach(model, sink={path!r}, on_step=lambda step: time.sleep(0.05)):
         model.generate(input_ids=ids, max_new_tokens=100000, min_new_tokens=100000, do_sample=False)
@@ -237,7 +228,6 @@ def test_sink_readable_after_sigkill(model, tmp_path):
 def test_print_generation_prints_each_token_as_it_is_emitted():
     from rich.console import Console
 
-    import tiny
 
     model, tokenizer = tiny.build_model("llama"), tiny.tokenizer()
     console = Console(record=True, width=500)
@@ -382,7 +372,7 @@ def _compiled_static(model, ids, **options):
 
 
 def test_compiled_static_cache_generate_is_never_silent_and_eager_is_recorded(monkeypatch):
-    model = _model(seed=3)  # compiled here first, before any probe
+    model = tiny.generating_llama(seed=3)  # compiled here first, before any probe
     ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(21))
     plain = _compiled_static(model, ids)
     with nxl.attach(model) as probe:

@@ -9,12 +9,13 @@ import collections
 import pytest
 import torch
 from torch.overrides import TorchFunctionMode
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import nxl_hooks as nxl
+import tiny
 from oracle import check_call
 
-VOCAB, PAD = 100, 0
+VOCAB, PAD = tiny.GEN_VOCAB, tiny.GEN_PAD
 #: What reads a tensor's values back to the host (on an accelerator: a synchronisation).
 READS = {torch.Tensor.item, torch.Tensor.tolist, torch.Tensor.__bool__, torch.Tensor.__int__, torch.Tensor.__float__,
          torch.Tensor.__index__, torch.Tensor.cpu, torch.Tensor.numpy, torch.equal, torch.Tensor.nonzero,
@@ -37,12 +38,7 @@ class HostReads(TorchFunctionMode):
 
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                         num_attention_heads=4, num_key_value_heads=2)).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = PAD
-    return model
+    return tiny.generating_llama()
 
 
 def _inputs(model, rows: int) -> dict:

@@ -6,23 +6,19 @@ import threading
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import nxl_hooks as nxl
+import tiny
 from nxl_hooks.hooks import publish
 from oracle import check_call
 
-VOCAB = 100
+VOCAB = tiny.GEN_VOCAB
 
 
 @pytest.fixture(scope="module")
 def model() -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
-                                         num_attention_heads=4, num_key_value_heads=2)).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
+    return tiny.generating_llama()
 
 
 def _ids(seed: int, rows: int = 1) -> torch.Tensor:
