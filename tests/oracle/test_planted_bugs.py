@@ -18,13 +18,12 @@ from nxl_hooks.eval import audit
 from nxl_hooks.eval import faithfulness as ev
 from nxl_hooks.records import sink as sink_format
 from oracle import check_call
-from test_generate import VOCAB, _model
 from tiny import word_tokenizer
 
 
 @pytest.fixture(scope="module")
 def lm() -> LlamaForCausalLM:
-    return _model()
+    return tiny.generating_llama()
 
 
 # -- 1. the generation feature cache keeps its old rows when it grows ---------------------------------------
@@ -32,7 +31,7 @@ def lm() -> LlamaForCausalLM:
 
 def test_generation_past_two_cache_growths_matches_the_uncached_oracle(lm):
     """The cache starts at 16 positions and doubles: 7 + 40 positions grow it twice (16 -> 32 -> 64)."""
-    ids = torch.randint(1, VOCAB, (1, 7), generator=torch.Generator().manual_seed(4))
+    ids = torch.randint(1, tiny.GEN_VOCAB, (1, 7), generator=torch.Generator().manual_seed(4))
     with nxl.attach(lm, layers="all") as probe:
         out = lm.generate(input_ids=ids, max_new_tokens=40, do_sample=False)
     emitted = out[0, 7:].tolist()
@@ -47,7 +46,7 @@ def test_generation_past_two_cache_growths_matches_the_uncached_oracle(lm):
 
 
 def test_per_row_target_tensor_explains_each_rows_own_ids(lm):
-    ids = torch.randint(1, VOCAB, (3, 6), generator=torch.Generator().manual_seed(21))
+    ids = torch.randint(1, tiny.GEN_VOCAB, (3, 6), generator=torch.Generator().manual_seed(21))
     hand = oracle.llama(lm)
     with torch.no_grad():
         out = lm(input_ids=ids, output_hidden_states=True)
@@ -66,7 +65,7 @@ def test_per_row_target_tensor_explains_each_rows_own_ids(lm):
 
 
 def test_per_row_target_tensor_in_generate(lm):
-    ids = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(22))
+    ids = torch.randint(1, tiny.GEN_VOCAB, (2, 5), generator=torch.Generator().manual_seed(22))
     with nxl.attach(lm, target=torch.tensor([8, 61])) as probe:
         lm.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
     call, hand = probe.calls[0], oracle.llama(lm)
@@ -82,7 +81,7 @@ def test_per_row_target_tensor_in_generate(lm):
 
 
 def test_read_stream_refuses_a_frame_with_a_flipped_payload_byte(lm, tmp_path):
-    ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(23))
+    ids = torch.randint(1, tiny.GEN_VOCAB, (1, 5), generator=torch.Generator().manual_seed(23))
     path = tmp_path / "run.nxl"
     with nxl.attach(lm, sink=path) as probe:
         lm.generate(input_ids=ids, max_new_tokens=6, do_sample=False)

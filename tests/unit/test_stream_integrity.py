@@ -27,14 +27,14 @@ import nxl_hooks as nxl
 from nxl_hooks.apps.cli import main
 from nxl_hooks.records import sink as stream
 from oracle import llama, normxlogit, prefix_logits
-from test_generate import _model
+import tiny
 
 DATA = Path(__file__).resolve().parents[1] / "data"
 
 
 @pytest.fixture(scope="module")
 def model():
-    return _model()
+    return tiny.generating_llama()
 
 
 @pytest.fixture(scope="module")
