@@ -63,16 +63,23 @@ def _new_tokens(arguments: dict[str, Any]) -> int:
     return reference.shape[1]
 
 
+def _past(arguments: dict[str, Any]) -> tuple[int | torch.Tensor | None, str]:
+    """How many positions precede a forward's tokens, as the forward says it, unread (a device tensor stays one),
+    and where that came from: ``cache_position``'s first entry, else the cache's own length; None without either."""
+    cache_position = arguments.get("cache_position")
+    if isinstance(cache_position, torch.Tensor) and cache_position.numel():
+        return cache_position.reshape(-1)[0], "cache_position"
+    cache = find_cache(arguments)
+    return (cache.get_seq_length(), "cache") if cache is not None else (None, "no cache")
+
+
 def positions(arguments: dict[str, Any]) -> Positions:
     """Where the tokens of a forward called with ``arguments`` (a backbone's bound arguments) sit in their sequence;
     :class:`UnfollowedForward` when the forward continues a sequence but says nowhere from which position."""
     new = _new_tokens(arguments)
-    cache_position = arguments.get("cache_position")
-    if isinstance(cache_position, torch.Tensor) and cache_position.numel():
-        return Positions(int(cache_position.reshape(-1)[0]), new, "cache_position")
-    cache = find_cache(arguments)
-    if cache is not None:
-        return Positions(int(cache.get_seq_length()), new, "cache")
+    past, source = _past(arguments)
+    if past is not None:
+        return Positions(int(past), new, source)
     position_ids = arguments.get("position_ids")
     if isinstance(position_ids, torch.Tensor) and position_ids.dim() >= 2 and position_ids.numel():
         first = int(position_ids[..., 0].min())  # a left-padded prompt row starts at 0 (or 1 in older versions)
@@ -81,19 +88,14 @@ def positions(arguments: dict[str, Any]) -> Positions:
                 f"the forward's position_ids start at {first} in every row, but it received no cache_position and "
                 f"no KV cache nxl_hooks recognises (arguments: {', '.join(sorted(arguments))}), so the positions "
                 "before it are unknown")
-    return Positions(0, new, "no cache")
+    return Positions(0, new, source)
 
 
 def start(arguments: dict[str, Any]) -> tuple[int | torch.Tensor | None, int]:
     """(past, new) of a forward as :func:`positions` finds them, without reading the device: ``past`` is
-    ``cache_position`` itself, else the cache's own length as the cache gives it (an int for a dynamic cache, a
-    device tensor for a static one), or None when the forward has neither; the recorder checks it on the device."""
-    new = _new_tokens(arguments)
-    cache_position = arguments.get("cache_position")
-    if isinstance(cache_position, torch.Tensor) and cache_position.numel():
-        return cache_position, new
-    cache = find_cache(arguments)
-    return (cache.get_seq_length() if cache is not None else None), new
+    ``cache_position``'s first entry, else the cache's own length as the cache gives it (an int for a dynamic cache,
+    a device tensor for a static one), or None when the forward has neither; the recorder checks it on the device."""
+    return _past(arguments)[0], _new_tokens(arguments)
 
 
 def token_mask(attention_mask: torch.Tensor | None, past: int, new: int) -> torch.Tensor | None:
