@@ -45,7 +45,7 @@ from ...hooks.probe import Probe, attach
 from ...hooks.publish import Subscription
 from ...method.select import special_mask
 from ...records.attribution import Attribution
-from ...records.sink import RotatingSink
+from ...records.writer import RotatingSink
 from ...records.sinks import make_sink
 from ...records.steps import GenerationCall, Step
 from .settings import Settings, matches
@@ -520,7 +520,7 @@ class Controller:
     def after_fork(self) -> None:
         """In a child the program forked: fresh locks, and an endpoint of its own once it loads a model (the
         parent's threads are not here). The probes it inherited keep recording in memory; their files belong to
-        the parent and are not written (:class:`~nxl_hooks.records.sink.RotatingSink`)."""
+        the parent and are not written (:class:`~nxl_hooks.records.writer.RotatingSink`)."""
         for part in (self.models, self.rules, self.live):
             part.after_fork()
         for watch in self.models.alive():  # the parent's live thread is not here: one of the child's own

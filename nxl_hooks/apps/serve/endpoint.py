@@ -51,8 +51,9 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ...method.select import parse_embedding
-from ...records.sink import read_stream, stream_bytes
+from ...records.reader import read_stream
 from ...records.steps import GenerationCall
+from ...records.writer import stream_bytes
 from ..options import parse_layers, parse_target
 from .readout import call_view, ended, forward_view, step_view, summary
 from .runs import check_private, enlist, peer_uid, read_token, socket_path
