@@ -48,11 +48,9 @@ class Buffers:
         return self.values.shape[1]
 
     def _write(self, slot: int) -> Callable[[torch.Tensor], None]:
-        row, width, when = self.values[slot], self.values.shape[2:], self._when
+        row, width = self.values[slot], self.values.shape[2:]
 
         def write(value: torch.Tensor) -> None:
-            if when is not None and not when():
-                return
             flat = value.detach().reshape(-1, *width)
             if flat.shape[0] <= row.shape[0]:  # static under compile and in a graph: a guard, not a device read
                 row[: flat.shape[0]].copy_(flat)
@@ -61,19 +59,21 @@ class Buffers:
 
     def tap(self, slot: int, module: nn.Module, read: Callable[[Any], torch.Tensor]) -> None:
         """After each forward of ``module``: ``read(output)`` into slot ``slot``."""
-        write = self._write(slot)
+        write, when = self._write(slot), self._when
 
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            write(read(output))
+            if when is None or when():  # checked first: an eager forward that is not the engine's computes nothing
+                write(read(output))
 
         self.handles.append(module.register_forward_hook(hook))
 
     def tap_input(self, slot: int, module: nn.Module, read: Callable[[tuple, dict], torch.Tensor]) -> None:
         """Before each forward of ``module``: ``read(args, kwargs)`` into slot ``slot``."""
-        write = self._write(slot)
+        write, when = self._write(slot), self._when
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            write(read(args, kwargs))
+            if when is None or when():
+                write(read(args, kwargs))
 
         self.handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
 
