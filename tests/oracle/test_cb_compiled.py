@@ -49,7 +49,7 @@ def test_compiled_padded_batching_records_every_request_as_the_oracle(model):
     prompts = _prompts((5, 23, 9, 3))
     counters.clear()
     plain = model.generate_batch(prompts, generation_config=_greedy(), continuous_batching_config=_compiled())
-    plain_breaks = sum(counters["graph_break"].values())
+    plain_breaks = set(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] > 0  # the step ran compiled, before the probe existed
     counters.clear()
     with nxl.attach(model, layers="all") as probe:
@@ -59,17 +59,17 @@ def test_compiled_padded_batching_records_every_request_as_the_oracle(model):
     assert counters["stats"]["unique_graphs"] > 0  # compiled again once attached, the taps traced in
     assert tiny.nxl_hooks_on(model) == 0
     assert _tokens(out) == _tokens(plain)
-    # the graph breaks are transformers' own (its paged cache update is compiler.disable'd): as many as without the
-    # probe, and none in nxl_hooks' code (a hook that logged, locked or read the device would add its own)
-    assert sum(breaks.values()) == plain_breaks and not any("nxl_hooks" in reason for reason in breaks)
     calls = {call.request_id: call for call in probe.calls}
     assert sorted(calls) == sorted(out) == [f"req_{i}" for i in range(len(prompts))]
     for request_id, call in calls.items():
         assert call.error is None and call.prompt_ids.tolist() == [out[request_id].prompt_ids]
-        check_call(model, call, NEW)
+        check_call(model, call, NEW)  # code compiled without the taps would leave their buffers as they were
         assert [int(s.token) for s in call.steps] == out[request_id].generated_tokens
         probability = torch.stack([s.probability.reshape(()) for s in call.steps])
         assert bool(((probability > 0) & (probability <= 1)).all())  # the model's own, at the rows it sampled
+    # the graph breaks are transformers' own (its paged cache update is compiler.disable'd), those of the run without
+    # the probe, and none in nxl_hooks' code (a hook that logged, locked or read the device would add its own)
+    assert plain_breaks and set(breaks) <= plain_breaks and not any("nxl_hooks" in reason for reason in breaks)
 
 
 def test_padded_inputs_run_eagerly_are_recorded_through_the_same_taps(model, monkeypatch):
