@@ -135,10 +135,11 @@ def token_mask(attention_mask: torch.Tensor | None, past: int, new: int) -> torc
 
 #: What the continuous-batching engine (:mod:`.engines.transformers_cb`) wraps: (module of
 #: ``transformers.generation.continuous_batching``, class, method). Each is checked to exist where it is defined
-#: before anything is wrapped; the layout of every packed forward is then checked against what the forward received.
+#: before anything is wrapped; the layout of every eager packed forward is then checked against what it received.
 CONTINUOUS_BATCHING = (("continuous_api", "ContinuousBatchProcessor", "_generation_step"),
                        ("requests", "RequestState", "update_and_check_completion"),
-                       ("continuous_api", "ContinuousBatchingManager", "__init__"))
+                       ("continuous_api", "ContinuousBatchingManager", "__init__"),
+                       ("continuous_api", "ContinuousBatchProcessor", "warmup"))
 #: What ``transformers serve``'s ``GenerateManager`` (``transformers.cli.serving.utils``) must have for request ids
 #: to reach ``generate``: the two handlers that know the id, and the two ways they hand work to the inference thread.
 SERVE_HANDLERS, SERVE_SUBMITS = ("generate_streaming", "generate_non_streaming"), ("submit", "async_submit")
