@@ -29,7 +29,8 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..arch.registry import resolve, unwrap
+from ..arch.registry import resolve
+from ..method.subject import unwrap
 from ..hooks.probe import attach
 from ..method.placement import input_device
 from ..method.scores import flat_norms

@@ -18,7 +18,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from ..arch.registry import head_kind, unwrap
+from ..arch.registry import head_kind
+from ..method.subject import unwrap
 
 __all__ = [
     "AGGREGATIONS", "GRADIENT_METHODS", "gradient_scores", "gradient_scores_many", "keeps_logits", "one_row_only"

@@ -39,12 +39,13 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..arch.registry import blocks, resolve, unwrap
+from ..arch.registry import blocks, resolve
 from ..hooks.probe import attach
 from ..method.chat import locate_template
 from ..method.placement import input_device
 from ..method.scores import flat_norms, norm_spread
 from ..method.select import layer_index, order, prediction_rows, rankable, resolve_layers, resolve_target
+from ..method.subject import unwrap
 from ..records.tokens import describe_target, label_text, readable_ids
 from .baselines import GRADIENT_METHODS, gradient_scores_many, keeps_logits, one_row_only
 from .metrics import average_precision, evidence_mask, mean, normalized_dot, pearson

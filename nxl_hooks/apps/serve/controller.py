@@ -37,7 +37,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ...arch.registry import head_kind, unwrap
+from ...arch.registry import head_kind
+from ...method.subject import unwrap
 from ...hooks.generate import REQUEST_ID
 from ...hooks.guard import reason
 from ...hooks.plan import TokenTexts, make_plan, token_texts, tokenizer_mismatch
