@@ -10,7 +10,7 @@ import math
 import torch
 from torch import nn
 
-from .spec import FUNCTION_STEPS, POST_STEPS, ArchSpec, get_path, has_path, readout_outputs
+from .spec import FUNCTION_STEPS, POST_STEPS, ArchSpec, HeadKind, get_path, has_path, readout_outputs
 
 __all__ = ["check_acyclic", "check_fits", "final_norm"]
 
@@ -41,7 +41,7 @@ def _found(obj: object) -> str:
 
 def _expected_outputs(model: nn.Module, spec_kind: str) -> tuple[set[int], str]:
     """The readout widths that fit the model's head kind, and how to say so."""
-    if spec_kind == "sequence_classification":
+    if spec_kind == HeadKind.SEQUENCE_CLASSIFICATION:
         labels = model.config.num_labels
         return {labels}, f"num_labels = {labels}"
     vocab = getattr(model.config.get_text_config(), "vocab_size", None)

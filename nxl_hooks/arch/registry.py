@@ -140,14 +140,15 @@ def blocks(model: nn.Module, spec: ArchSpec) -> nn.ModuleList:
     return get_path(model, spec.blocks)
 
 
-def _logit_post_processing(model: nn.Module, kind: str) -> list[str]:
+def _logit_post_processing(model: nn.Module, kind: HeadKind) -> list[str]:
     """The ``attr=value`` logit post-processing settings a causal LM's config sets (see above)."""
     config = model.config.get_text_config()
-    found = [(name, getattr(config, name, None)) for name in _LOGIT_POST_ATTRIBUTES] if kind == "causal_lm" else []
+    causal = kind is HeadKind.CAUSAL_LM
+    found = [(name, getattr(config, name, None)) for name in _LOGIT_POST_ATTRIBUTES] if causal else []
     return [f"{name}={value}" for name, value in found if value is not None]
 
 
-def _discover(model: nn.Module, kind: str) -> ArchSpec | None:
+def _discover(model: nn.Module, kind: HeadKind) -> ArchSpec | None:
     """The common decoder layout: one ModuleList of num_hidden_layers blocks, a final norm, a Linear head."""
     config = model.config
     if _logit_post_processing(model, kind):
