@@ -38,7 +38,7 @@ import logging
 import os
 import threading
 from importlib import metadata
-from typing import Any
+from typing import Any, Callable
 
 __all__ = ["ARCHITECTURES", "ENGINES", "GROUPS", "METHODS", "SETTING", "SINKS", "allowed", "broken",
            "entry_points", "failure", "load", "load_all"]
@@ -108,10 +108,10 @@ def load(group: str, name: str, *, log: bool = True) -> Any | None:
         return None
     with _lock:
         key = (group, name)
+        if key in _failed:  # failed to load, or its registry refused it: reported once
+            return None
         if key in _loaded:
             return _loaded[key]
-        if key in _failed:
-            return None
         try:
             loaded = point.load()
         except BaseException as error:  # noqa: BLE001 - a plugin's SystemExit or import error is its own line
@@ -123,10 +123,23 @@ def load(group: str, name: str, *, log: bool = True) -> Any | None:
         return loaded
 
 
-def load_all(group: str) -> dict[str, Any]:
-    """Every allowed plugin of ``group`` that loads, by name, in the order installed: ``load_all(METHODS)``."""
-    found = {name: load(group, name) for name in entry_points(group)}
-    return {name: value for name, value in found.items() if value is not None}
+def load_all(group: str, register: Callable[[str, Any], Any] | None = None) -> dict[str, Any]:
+    """Every allowed plugin of ``group`` that loads, by name, in the order installed. ``register``: a registry's own
+    step, called as ``register(name, object)`` for each; a plugin it raises for is left out with its one line, like
+    one that fails to load. ``load_all(METHODS, register=load_plugin)``"""
+    found = {}
+    for name in entry_points(group):
+        loaded = load(group, name)
+        if loaded is None:
+            continue
+        if register is not None:
+            try:
+                register(name, loaded)
+            except Exception as error:  # noqa: BLE001 - a plugin its registry refuses is its line, never a raise
+                broken(group, name, error)
+                continue
+        found[name] = loaded
+    return found
 
 
 def failure(group: str, name: str) -> str | None:

@@ -147,7 +147,10 @@ def test_a_plugin_of_each_group_is_used_through_its_entry_point(site):
     assert sink.arg == "anywhere" and sink.closed and sink.ends == [True]
     assert [step.token.tolist() for step in sink.steps] == [step.token.tolist() for step in call.steps]
     assert good.ToyEngine.installed == [model, "uninstalled"]
-    assert plugins.load_all(plugins.METHODS) == {"toy-method": good.ToyMethod}
+    registered = []
+    assert plugins.load_all(plugins.METHODS, register=lambda *given: registered.append(given)) == {
+        "toy-method": good.ToyMethod}
+    assert registered == [("toy-method", good.ToyMethod)]  # what a registry's one-line call gets
     assert plugins.load(plugins.METHODS, "toy-method") is good.ToyMethod
 
 
@@ -175,6 +178,20 @@ def test_a_broken_plugin_of_each_group_leaves_the_host_call_unchanged_with_one_l
     message = str(refused.value)
     assert "\n" not in message and "plugin 'broken' (nxl_hooks.sinks" in message and "not installed" in message
     assert nxl.detach_all(model) == 0
+
+
+def test_a_plugin_its_registry_refuses_is_left_out_with_one_line_once(site, caplog):
+    _distribution(site, "nxl_good_plugin", GOOD, GOOD_POINTS)
+
+    def refuse(name, method):
+        raise ValueError(f"entry point {name!r} gives a method named 'other': the names must match")
+
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+        assert plugins.load_all(plugins.METHODS, register=refuse) == {}
+        assert plugins.load_all(plugins.METHODS, register=refuse) == {}  # asked again: no second line
+    (line,) = [record.getMessage() for record in caplog.records]
+    assert "plugin 'toy-method' (nxl_hooks.methods)" in line and "names must match" in line
+    assert plugins.failure(plugins.METHODS, "toy-method") in line
 
 
 def test_nxl_run_refuses_a_broken_sink_plugin_in_one_line(site):
