@@ -37,6 +37,9 @@ class HeadKind(str, Enum):
     def __str__(self) -> str:
         return self.value
 
+    def __repr__(self) -> str:  # messages quote a kind as they quoted the string: 'causal_lm'
+        return repr(self.value)
+
     def __format__(self, spec: str) -> str:
         return format(self.value, spec)
 

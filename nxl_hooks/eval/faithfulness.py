@@ -39,13 +39,13 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..arch.registry import HeadKind
+from ..arch.registry import HeadKind, blocks, resolve
 from ..hooks.probe import attach
 from ..method.chat import locate_template
 from ..method.placement import input_device
 from ..method.scores import flat_norms, norm_spread
 from ..method.select import layer_index, order, prediction_rows, rankable, resolve_layers, resolve_target
-from ..method.subject import Subject, unwrap
+from ..method.subject import unwrap
 from ..records.tokens import describe_target, label_text, readable_ids
 from .baselines import GRADIENT_METHODS, gradient_scores_many, keeps_logits, one_row_only
 from .metrics import average_precision, evidence_mask, mean, normalized_dot, pearson
@@ -188,12 +188,12 @@ class _Setup:
     """What score_example needs to know about a model: head kind, perturbation mode, how to read outputs."""
 
     def __init__(self, model: nn.Module, tokenizer: Any, perturbation: str) -> None:
-        self.subject = Subject.of(model)  # its own resolution; each timed attach resolves as a user's would
-        spec, self.kind = self.subject.spec, self.subject.kind
+        self.inner = unwrap(model)  # resolved for its kind and blocks only: each timed attach resolves as a user's
+        spec, self.kind = resolve(self.inner)
         self.pooling = spec.pooling
         self.model = model
         self.tokenizer = tokenizer
-        self.n_blocks = len(self.subject.blocks)
+        self.n_blocks = len(blocks(self.inner, spec))
         self.mask_id = getattr(tokenizer, "mask_token_id", None)
         # Encoders that read CLS were trained with [MASK]; decoders see deletion (SPEC 5).
         self.reads_first = spec.pooling == "first" and self.kind.pooled
@@ -242,9 +242,9 @@ class _Setup:
         word of several tokens stands for its first, and :attr:`notes` says so."""
         if value is None or self.kind is HeadKind.REGRESSION:
             return None if value is None else float(value)
-        resolved = resolve_target(self.subject.model, self.kind, self.tokenizer, value, n_outputs, prompt=prompt)
+        resolved = resolve_target(self.inner, self.kind, self.tokenizer, value, n_outputs, prompt=prompt)
         if resolved.partial:
-            self.notes.append(describe_target(self.tokenizer, self.subject.model.config, self.kind, resolved)["note"])
+            self.notes.append(describe_target(self.tokenizer, self.inner.config, self.kind, resolved)["note"])
         return resolved.id
 
 
