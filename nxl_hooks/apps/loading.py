@@ -136,7 +136,7 @@ def check_explainable(model: Any, tokenizer: Any, layers: Any) -> None:
     """Raise what ``attach(model, layers, tokenizer=tokenizer)`` would refuse (an unknown architecture, a registry
     head that does not fit, a layer out of range, a tokenizer that does not match the model), once before a dataset
     runs rather than for every example; no hook goes on. ``check_explainable(model, tok, [-1])``"""
-    from ..arch.registry import unwrap
+    from ..method.subject import unwrap
     from ..hooks.plan import make_plan
 
     make_plan(unwrap(model), layers=layers, target="predicted", tokenizer=tokenizer, embedding="layer_input")

@@ -31,14 +31,11 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..arch.registry import get_path, resolve, unwrap
-from ..method.chat import chat_prompt, template_rows
-from ..method.placement import input_device
-from ..method.select import Target, is_predicted, prompt_targets
+from ..method.select import Target
+from ..method.subject import Subject, unwrap
 from ..records.attribution import Attribution
 from ..records.sinks import RecordSink
 from ..records.steps import GenerationCall, Step
-from ..records.tokens import describe_target
 from .engines import Engine, engines_for
 from .forward import Capture, assemble, open_capture
 from .generate import Generations, Notice
@@ -48,7 +45,7 @@ from .publish import Hub, Subscription
 from .recording import Recording
 from .tape import TracedForward, reset_compiled
 
-__all__ = ["Probe", "attach", "detach_all", "explain"]
+__all__ = ["Probe", "attach", "detach_all"]
 
 _LOCK = threading.RLock()  # reentrant: a model collected while it is held detaches through it too
 #: backbone -> what the probe on it attached: one probe per model at a time.
@@ -587,7 +584,7 @@ class Probe:
 
 
 def attach(
-    model: nn.Module,
+    model: nn.Module | Subject,
     layers: str | int | Sequence[int] = "all",
     target: Target = "predicted",
     *,
@@ -600,7 +597,8 @@ def attach(
     cache_dtype: torch.dtype | None = None,
     cache_device: str | torch.device | None = None,
 ) -> Probe:
-    """Hook NormXLogit onto ``model`` (a transformers task model or a PeftModel) until the probe detaches.
+    """Hook NormXLogit onto ``model`` (a transformers task model, a PeftModel, a ``torch.compile`` wrapper, or its
+    :class:`~nxl_hooks.method.subject.Subject` already resolved) until the probe detaches.
 
     ``with nxl.attach(model, layers="all") as probe: model(**enc)`` then ``probe.result().normxlogit``;
     ``with nxl.attach(model) as probe: model.generate(**enc)`` then ``probe.steps`` (one record per new token).
@@ -611,30 +609,25 @@ def attach(
     - ``tokenizer``: needed for token-string targets, masked LMs and token strings in the result.
     - ``embedding``: "layer_input" (input of block 1, default) or "word" (the raw word-embedding row).
 
-    While ``generate`` runs, or continuous batching (``generate_batch``, ``transformers serve
-    --continuous-batching``: one call per request; any engine registered with
-    :func:`~nxl_hooks.hooks.engines.register_engine`), in any thread (causal LMs; see :mod:`nxl_hooks.hooks.generate`,
-    :mod:`nxl_hooks.hooks.engines` and :mod:`nxl_hooks.hooks.publish`):
+    While ``generate`` or a serving engine runs (:mod:`nxl_hooks.hooks.engines`: continuous batching, one call per
+    request), in any thread (causal LMs; :mod:`nxl_hooks.hooks.generate`, :mod:`nxl_hooks.hooks.publish`):
 
-    - ``on_step``: called with each :class:`~nxl_hooks.Step` as soon as it is complete, in the thread that runs
-      ``generate`` (which then reads each record back from the device; :meth:`Probe.stream` and the sink get
-      records from the pipeline's own thread, :mod:`nxl_hooks.hooks.publish`);
-    - ``sink``: where the records go, through :func:`~nxl_hooks.make_sink`: a file path (crash-safe stream file;
-      read it with ``nxl.read_stream(path)``), a folder (rotating files), ``"NAME:ARG"`` (``"parquet:out.parquet"``,
-      a registered kind) or a :class:`~nxl_hooks.RecordSink`; ``probe.sink_fault`` says why it stopped, if it did;
-    - ``keep_steps``: keep the records in ``probe.calls`` / ``probe.steps`` (set False to stream them only);
-      ``keep_calls``: keep only the last N calls (None: all);
-    - ``cache_dtype`` / ``cache_device``: where the per-layer feature cache lives (batch × d values per token
-      per selected layer; e.g. ``torch.bfloat16``, ``"cpu"``).
+    - ``on_step``: called with each :class:`~nxl_hooks.Step` once complete, in the thread that runs ``generate`` (which
+      then reads each record back from the device; :meth:`Probe.stream` and the sink get them from the pipeline's);
+    - ``sink``: where the records go (:func:`~nxl_hooks.make_sink`): a stream file (``nxl.read_stream(path)``), a
+      folder, ``"NAME:ARG"`` (``"parquet:out.parquet"``) or a :class:`~nxl_hooks.RecordSink`; see ``probe.sink_fault``;
+    - ``keep_steps``: keep the records in ``probe.calls`` / ``probe.steps`` (False: stream them only); ``keep_calls``:
+      keep only the last N calls (None: all);
+    - ``cache_dtype`` / ``cache_device``: where the per-layer feature cache lives (e.g. ``torch.bfloat16``, ``"cpu"``).
 
     The probe never raises into the model's forward or ``generate``; hooks are removed by :meth:`Probe.detach`,
     the end of the ``with`` block, :func:`detach_all`, or when the probe or the model is garbage-collected (the
     probe holds the model weakly).
     """
-    plan = make_plan(unwrap(model), layers=layers, target=target, tokenizer=tokenizer, embedding=embedding)
+    plan = make_plan(model, layers=layers, target=target, tokenizer=tokenizer, embedding=embedding)  # resolves once
     check_recording(plan, on_step=on_step, sink=sink, keep_calls=keep_calls, cache_dtype=cache_dtype,
                     cache_device=cache_device)
-    backbone = get_path(plan.model, plan.spec.backbone) if plan.spec.backbone else plan.model.base_model
+    backbone = plan.subject.backbone
     engines = engines_for(plan.model) if plan.generates else []  # before the lock: may import an engine's module
     with _LOCK:
         if backbone in _ATTACHED:
@@ -657,7 +650,8 @@ def attach(
             raise
         if gens is not None:
             gens.install()
-        attachment = _Attachment(handles, gens, engines, hub, backbone, _compiled_code(model, plan.model, backbone))
+        attachment = _Attachment(handles, gens, engines, hub, backbone,
+                                 _compiled_code(plan.subject.given, plan.model, backbone))
         probe = Probe(plan, results, hub, attachment, notice, weakref.WeakMethod(recorder.settle))
         _ATTACHED[backbone] = attachment
     for engine in engines:  # outside the lock: their own locks are never taken inside this one
@@ -684,46 +678,11 @@ def _compiled_code(model: nn.Module, *inner: nn.Module) -> Callable[[], None]:
 
 
 def detach_all(model: nn.Module) -> int:
-    """Remove every nxl_hooks probe from ``model`` (also one whose probe object was lost); returns how many.
-
-    ``nxl.detach_all(model)``
-    """
+    """Remove every nxl_hooks probe from ``model`` (also one whose probe object was lost); returns how many:
+    ``nxl.detach_all(model)``"""
     modules = set(unwrap(model).modules())
     with _LOCK:
         attachments = [attachment for backbone, attachment in _ATTACHED.items() if backbone in modules]
     for attachment in attachments:
         attachment()
     return len(attachments)
-
-
-def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, chat: bool = False,
-            **options: Any) -> Attribution:
-    """Attach, run one forward on ``text`` (a string or a batch of them, padded), detach: its attribution.
-
-    ``nxl.explain(model, tok, "The capital of France is", layers="all", target="Paris").top(3)``; ``options`` go to
-    :func:`attach`. Target words are read after the text (:func:`~nxl_hooks.method.select.prompt_targets`): "Paris"
-    there explains ' Paris', the token the model would emit; ``res.meta["targets"]`` says how each was read (and
-    when a word is several tokens, of which only the first is explained). ``chat``: each text becomes the user
-    message of the tokenizer's chat template, followed by the assistant's turn.
-    """
-    texts = [text] if isinstance(text, str) else list(text)
-    prompts = [chat_prompt(tokenizer, one) for one in texts] if chat else []
-    texts = [prompt.text for prompt in prompts] or texts
-    target, resolved = options.pop("target", "predicted"), None
-    if not is_predicted(target) and not isinstance(target, torch.Tensor):
-        inner = unwrap(model)
-        kind = resolve(inner)[1]
-        target, resolved = prompt_targets(inner, kind, tokenizer, target, texts)
-    enc = tokenizer(texts[0] if isinstance(text, str) else texts, return_tensors="pt", padding=True,
-                    return_token_type_ids=False).to(input_device(model))
-    with torch.no_grad(), attach(model, tokenizer=tokenizer, target=target, **options) as probe:
-        model(**enc)
-    res = probe.result()
-    if resolved is not None:
-        res.meta["targets"] = [[describe_target(tokenizer, inner.config, kind, one) for one in row] for row in resolved]
-    res.meta["chat"] = chat
-    if chat:  # the template's markers and system prompt do not rank (method.select.rankable)
-        template = template_rows(tokenizer, prompts, enc["input_ids"])
-        res.template = None if template is None else template[res.example]
-        res.meta["template"] = "located" if template is not None else "not located: every token ranks"
-    return res

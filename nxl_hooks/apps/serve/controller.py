@@ -37,7 +37,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ...arch.registry import head_kind, unwrap
+from ...arch.registry import HeadKind, head_kind
+from ...method.subject import unwrap
 from ...hooks.generate import REQUEST_ID
 from ...hooks.guard import reason
 from ...hooks.plan import TokenTexts, make_plan, token_texts, tokenizer_mismatch
@@ -262,7 +263,7 @@ class Rules:
         sink = None
         try:
             # generate records (steps, a sink) only for models that generate; a classifier keeps its forwards
-            generates = head_kind(unwrap(model)) == "causal_lm"
+            generates = head_kind(unwrap(model)) is HeadKind.CAUSAL_LM
             if generates and settings.sink_spec:
                 sink = make_sink(settings.sink_spec.replace("{model}", watch.slug))
             elif generates and settings.sink:
@@ -286,7 +287,7 @@ class Rules:
         watch.error = None
         if generates:
             self.follow(watch, probe)
-        if probe.kind != "causal_lm":  # requests are plain forwards: keep each one's attribution
+        if probe.kind is not HeadKind.CAUSAL_LM:  # requests are plain forwards: keep each one's attribution
             watch.hook = probe.model.register_forward_hook(functools.partial(self._on_forward, watch))
 
     def follow(self, watch: Watch, probe: Any) -> None:
