@@ -35,11 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from .schema import Option, options, read_args, read_json, setting, switch
+from .schema import Option, markdown_table as group_table, options, read_args, read_json, setting, switch
 
 __all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "Loading", "check_explainable", "check_gguf", "check_length",
-           "convert_gguf", "gguf_serve_refusal", "head_from_architectures", "load_model", "position_limit",
-           "program_defaults", "quantization_config", "read_device_map", "read_max_memory"]
+           "convert_gguf", "gguf_serve_refusal", "head_from_architectures", "load_model", "markdown_table",
+           "position_limit", "program_defaults", "quantization_config", "read_device_map", "read_max_memory"]
 
 #: The Auto class per head kind the library explains (regression loads as sequence classification).
 HEAD_CLASSES = {
@@ -365,6 +365,12 @@ class Loading(Mapping[str, Any]):
     def to_json(self) -> str:
         """The text :meth:`from_json` reads back; empty when no option is set."""
         return json.dumps(dict(self), default=str) if self else ""  # (default: a torch dtype not in DTYPES)
+
+
+def markdown_table() -> str:
+    """:class:`Loading` as a markdown table (flag, keyword, whether nxl run takes it, what it sets): the one in
+    ``docs/command-line.md`` (:mod:`nxl_hooks.apps.schema` rewrites it)."""
+    return group_table(Loading)
 
 
 def program_defaults(load: Mapping[str, Any]) -> dict[str, Any]:

@@ -85,6 +85,11 @@ class Option:
         return _dest(self.flag) if self.flag else self.name
 
     @property
+    def flags(self) -> tuple[str, ...]:
+        """Every flag that sets the field: its flag, or its ``switches``."""
+        return (self.flag,) if self.flag else tuple(flag for flag, _, _ in self.switches)
+
+    @property
     def is_switch(self) -> bool:
         """Whether the flag is a yes/no flag (it takes no value)."""
         return self.flag is not None and self.metavar is None and self.choices is None
@@ -238,7 +243,7 @@ def read_json(group: type, data: Mapping[str, Any], *,
 
 def _flags(option: Option) -> str:
     if option.switches:
-        return " / ".join(f"`{flag}`" for flag, _, _ in option.switches)
+        return " / ".join(f"`{flag}`" for flag in option.flags)
     if option.flag is None:
         return "(set by nxl run)"
     return f"`{option.flag} {option.metavar}`" if option.metavar else f"`{option.flag}`"
