@@ -17,6 +17,7 @@ from ..method import select
 from ..records.tokens import visible
 from .loading import HEAD_CLASSES, Loading, read_max_memory
 from .schema import add_options, options
+from .serve.settings import ATTACH, Settings
 
 __all__ = [
     "HEADS",
@@ -110,23 +111,10 @@ parse_max_memory = argument_type(read_max_memory)
 
 
 def add_attribution_options(parser: argparse.ArgumentParser) -> None:
-    """What every command that attaches takes: --layers, --target, --embedding."""
-    parser.add_argument(
-        "--layers", type=parse_layers, default="all", help="all (default) | last | comma list like 0,2,-1"
-    )
-    parser.add_argument(
-        "--target",
-        type=parse_target,
-        default="predicted",
-        help="predicted (default) | an id | a word (read after TEXT: 'Paris' is ' Paris'), a token or a label | "
-        "comma list, spaces kept (one table each; two also show their contrast)",
-    )
-    parser.add_argument(
-        "--embedding",
-        choices=select.EMBEDDINGS,
-        default="layer_input",
-        help="embedding norm: input of block 1 (default) or the raw word-embedding row",
-    )
+    """What every command that attaches takes: --layers, --target, --embedding, declared once as the
+    :data:`~nxl_hooks.apps.serve.settings.ATTACH` fields of ``nxl run``'s settings (the parsed arguments hold
+    their defaults where left out)."""
+    add_options(parser, Settings, where=lambda option: option.name in ATTACH, set_defaults=True)
 
 
 def add_dataset_options(parser: argparse.ArgumentParser) -> None:

@@ -170,10 +170,12 @@ def options(group: type, where: Callable[[Option], bool] | None = None) -> tuple
 
 
 def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, group: type, *,
-                where: Callable[[Option], bool] | None = None, defaults: bool = True) -> None:
+                where: Callable[[Option], bool] | None = None, defaults: bool = True,
+                set_defaults: bool = False) -> None:
     """The flags of ``group``'s options (``where``: those it accepts); without the defaults in the help when
-    ``defaults`` is False (a flag left out keeps a running value). A value flag left out is None, a yes/no flag
-    False: :func:`read_args` leaves both out, so the field keeps its default."""
+    ``defaults`` is False (a flag left out keeps a running value). A value flag left out is None (its field's
+    default with ``set_defaults``, for a command that reads ``args`` itself), a yes/no flag False:
+    :func:`read_args` leaves both out, so the field keeps its default."""
     for option in options(group, where):
         for flag, _, help_ in option.switches:
             parser.add_argument(flag, action="store_true", help=help_)
@@ -191,6 +193,7 @@ def add_options(parser: argparse.ArgumentParser | argparse._ArgumentGroup, group
 
         parser.add_argument(option.flag, type=None if option.choices else read, choices=option.choices,
                             metavar=None if option.choices else option.metavar,
+                            default=copy.copy(option.default) if set_defaults else None,
                             help=option.describe(default=defaults))
 
 

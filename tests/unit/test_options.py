@@ -19,7 +19,7 @@ from nxl_hooks.apps.commands import ctl, tail
 from nxl_hooks.apps.loading import Loading, load_model
 from nxl_hooks.apps.options import loading_options
 from nxl_hooks.apps.schema import Option, generated, options, setting
-from nxl_hooks.apps.serve.settings import OPTIONS, Settings, add_run_options, markdown_table
+from nxl_hooks.apps.serve.settings import ATTACH, OPTIONS, Settings, add_run_options, markdown_table
 from nxl_hooks.method.select import option_text, parse_layers, parse_target
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "nxl-run-options.md"
@@ -321,6 +321,19 @@ def test_loading_options_are_one_shape_from_flags_keywords_and_nxl_load():
     assert loading_options(build_parser().parse_args(["attribute", "m", "t", "--load-in-8bit", "--chat"])) == {
         "head": None, "dtype": None, "device_map": None, "max_memory": None, "quantize": "8bit", "gguf_file": None,
         "chat": True}
+
+
+def test_commands_that_attach_take_the_attach_settings_as_declared():
+    """nxl attribute's --layers, --target and --embedding are nxl run's fields (one declaration): same help, same
+    parsers, and the fields' defaults where left out (attribute reads args itself)."""
+    attribute = _subparser("attribute")
+    text = " ".join(attribute.format_help().split())
+    left_out = attribute.parse_args(["m", "t"])
+    given = attribute.parse_args(["m", "t", "--layers", "0,-1", "--target", " are,7", "--embedding", "word"])
+    for option in options(Settings, where=lambda option: option.name in ATTACH):
+        assert " ".join(option.describe().split()) in text
+        assert getattr(left_out, option.dest) == option.default == getattr(Settings(run_dir=Path("r")), option.name)
+    assert (given.layers, given.target, given.embedding) == ([0, -1], [" are", 7], "word")
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:

@@ -32,10 +32,12 @@ from ..loading import Loading
 from ..schema import (Option, add_options, markdown_table as group_table, options, read_args, read_env, read_json,
                       setting, switch, switch_text, write_env)
 
-__all__ = ["CTL", "DEFAULT_KEEP_CALLS", "OPTIONS", "Option", "Settings", "add_run_options", "markdown_table",
+__all__ = ["ATTACH", "CTL", "DEFAULT_KEEP_CALLS", "OPTIONS", "Option", "Settings", "add_run_options", "markdown_table",
            "matches", "parse_listen", "whole_number"]
 
 DEFAULT_KEEP_CALLS = 16  #: bounded by default: a server runs for weeks
+#: The settings that are :func:`nxl_hooks.attach`'s own options: every command that attaches takes their flags.
+ATTACH = ("layers", "target", "embedding")
 
 
 def parse_listen(value: str, *, allow_remote: bool = False) -> tuple[str, int]:
@@ -149,7 +151,8 @@ class Settings:
         "NXL_LAYERS", parse_layers, "layers explained: all | last | comma list like 0,2,-1",
         text=option_text, flag="--layers", metavar="LAYERS", json=_number_or_text(parse_layers), ctl=True))
     target: str | int | list[str | int] = setting("predicted", Option(
-        "NXL_TARGET", parse_target, "what is explained: predicted | an id | a token | comma list, spaces kept",
+        "NXL_TARGET", parse_target, "what is explained: predicted | an id | a word (read after the text: 'Paris' is "
+        "' Paris'), a token or a label | comma list, spaces kept",
         text=option_text, flag="--target", metavar="TARGET", json=_number_or_text(parse_target), ctl=True))
     embedding: str = setting("layer_input", Option(
         "NXL_EMBEDDING", parse_embedding, "embedding norm: the input of block 1, or the raw word-embedding row",
@@ -199,8 +202,8 @@ class Settings:
         return matches(name, self.models)
 
     def attach_options(self) -> dict:
-        """What goes to :func:`nxl_hooks.attach` besides the sink."""
-        return {"layers": self.layers, "target": self.target, "embedding": self.embedding}
+        """What goes to :func:`nxl_hooks.attach` besides the sink (the :data:`ATTACH` fields)."""
+        return {name: getattr(self, name) for name in ATTACH}
 
     def to_env(self) -> dict[str, str]:
         """Every setting as its ``NXL_*`` variable (an empty one for an unset ``listen`` / ``load``, so that a
