@@ -327,7 +327,7 @@ def test_commands_that_attach_take_the_attach_settings_as_declared():
     """nxl attribute's --layers, --target and --embedding are nxl run's fields (one declaration): same help, same
     parsers, and the fields' defaults where left out (attribute reads args itself)."""
     attribute = _subparser("attribute")
-    text = " ".join(attribute.format_help().split())
+    text = " ".join(attribute.format_help().split()).replace("- ", "-")  # (argparse wraps after a hyphen)
     left_out = attribute.parse_args(["m", "t"])
     given = attribute.parse_args(["m", "t", "--layers", "0,-1", "--target", " are,7", "--embedding", "word"])
     for option in options(Settings, where=lambda option: option.name in ATTACH):
