@@ -186,8 +186,7 @@ class Settings:
 
     def __post_init__(self) -> None:
         self.run_dir = Path(self.run_dir)
-        if not isinstance(self.load, Loading):  # a mapping of the loading options, as NXL_LOAD holds them
-            self.load = Loading.program(self.load)
+        self.load = Loading.program(self.load)  # only what nxl run hands to a program (a dict: as NXL_LOAD's object)
         if self.listen:
             parse_listen(self.listen, allow_remote=self.allow_remote)
         sizing = [option for option in options(type(self)) if option.name in ("sink_max_bytes", "sink_max_files")
