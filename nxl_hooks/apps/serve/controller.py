@@ -217,10 +217,12 @@ class Models:
             slug = f"{base}-{n}"
         return slug
 
-    def alive(self, models: str | None = None) -> list[Watch]:
-        """The models still alive (dead ones are dropped here), only those whose name matches the comma list of
-        globs ``models`` when given."""
-        globs = [glob.strip() for glob in (models or "*").split(",") if glob.strip()] or ["*"]
+    def alive(self, models: str | list[str] | None = None) -> list[Watch]:
+        """The models still alive (dead ones are dropped here), only those whose name matches one of the globs
+        ``models`` (a list, as ``Settings.changes`` reads them, or a comma list) when given."""
+        if isinstance(models, str):
+            models = [glob.strip() for glob in models.split(",") if glob.strip()]
+        globs = models or ["*"]
         with self._lock:
             self._watches = [watch for watch in self._watches if watch.ref() is not None]
             return [watch for watch in self._watches if matches(watch.name, globs)]
@@ -464,11 +466,11 @@ class Controller:
         """Attach again every model that is selected, with the current options."""
         self.rules.resume(self.models.alive())
 
-    def configure(self, *, models: str | None = None, **options: Any) -> None:
+    def configure(self, *, models: str | list[str] | None = None, **options: Any) -> None:
         """Record the models matching ``models`` (all by default) with new attach ``options`` (:meth:`Rules.configure`)."""
         self.rules.configure(self.models.alive(models), **options)
 
-    def exclude(self, models: str | None = None) -> None:
+    def exclude(self, models: str | list[str] | None = None) -> None:
         """Stop recording the models matching ``models`` (all by default) until :meth:`configure` takes them."""
         self.rules.exclude(self.models.alive(models))
 
