@@ -24,8 +24,8 @@ host, keeps it and feeds the subscribers, then queues its frame for the sink thr
   most :data:`HELD` at a time): the publisher wakes up once per call, not once per step;
 - what the publisher handles in one go (the records of one continuous-batching step, or a backlog) reaches the
   sink thread and the subscribers at once, when it is done: one wake-up of each reader per batch rather than one
-  per record, and a sink with ``write_steps`` (a :class:`~nxl_hooks.Sink`) writes the batch's step frames with
-  one ``write``; a batch holds only what was already waiting, so nothing is held back;
+  per record, and a sink with ``write_steps`` (a :class:`~nxl_hooks.Sink`) writes the batch's step frames (and
+  any backlog) with one ``write``; a batch holds only what was already waiting, so nothing is held back;
 - the end of a call waits for the publisher (never for the sink), so ``probe.steps`` holds every record when
   ``generate`` returns; detaching waits up to :data:`DRAIN_SECONDS` for the sink to write what is queued, so a
   stream file read after the ``with`` block holds every record;
@@ -474,6 +474,8 @@ class Hub:
     def _write_loop(self, frames: queue.SimpleQueue) -> None:
         while True:
             batch = frames.get()
+            while not frames.empty():  # a backlog goes in one batch
+                batch += frames.get()
             many = getattr(self._sink, "write_steps", None)  # optional in the protocol: several steps, one write
             at = 0
             while at < len(batch):
@@ -481,7 +483,7 @@ class Hub:
                 run = at
                 while many is not None and run < len(batch) and batch[run][2] is not None:
                     run += 1
-                if run - at > 1:
+                if run > at:
                     self._write_steps(many, batch[at:run])
                     at = run
                     continue
