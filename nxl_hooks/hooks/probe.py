@@ -43,6 +43,7 @@ from .guard import logger, reason
 from .plan import Plan, check_recording, make_plan, run_eagerly
 from .publish import Hub, Subscription
 from .recording import Recording
+from .tape import TracedForward, reset_compiled
 
 __all__ = ["Probe", "attach", "detach_all"]
 
@@ -96,6 +97,10 @@ class _Recorder:
         self._told_stray = False
         # Layers whose features a hook computes; the last block is hooked in any case, for final logits.
         self._wanted = set(plan.layers)
+        # Under torch.compile the hooks only write these (graph-safe: no per-thread state, no host read, no lock):
+        # the tape while a recorded call armed it, else what a plain forward saw.
+        self.tape = gens.tape if gens is not None else None
+        self.plain = TracedForward()
 
     # -- per-thread state --------------------------------------------------------------------------------
 
@@ -181,11 +186,36 @@ class _Recorder:
             raise
         return handles
 
+    def _traced(self) -> bool:
+        """Whether this hook runs inside a forward dynamo traces (:mod:`.tape`)."""
+        return torch.compiler.is_compiling()
+
+    def _taping(self) -> bool:
+        return self.tape is not None and self.tape.armed
+
+    def settle(self) -> None:
+        """Assemble the last plain forward that ran wholly compiled (the task model's hooks traced too)."""
+        seen = self.plain.take()
+        if seen is not None and seen[0] is not None:
+            self._finish(*seen)
+        elif seen is not None:
+            self.results.last = self._skipped()
+
     def on_task_start(self, module: nn.Module, args: tuple) -> None:
+        if self._traced():
+            if not self._taping():
+                self.plain.task()
+            return
         _, tasks = self._stacks()
         tasks.append(_Task(in_call=self._run() is not None))
 
     def on_task_end(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._taping() and output is not None:
+            self.tape.task_output(output)  # eager too: a prefill that ran eagerly hands its logits on
+        if self._traced():
+            if not self._taping():
+                self.plain.keep("logits", getattr(output, "logits", None))
+            return
         _, tasks = self._stacks()
         if not tasks:
             return
@@ -199,14 +229,22 @@ class _Recorder:
                     run.after_task(output)
                 except Exception as error:  # noqa: BLE001 - never into the host's forward
                     run.fail("this call", error)
+        elif not task.blocks_ran and output is not None and (seen := self.plain.take()) and seen[0] is not None:
+            self._finish(seen[0], output)  # its forward ran compiled, tracing the blocks' hooks
         elif not task.blocks_ran and output is not None:  # its hooks ran, those of its blocks did not: compiled code
-            self.results.last = RuntimeError(
-                f"{type(self.plan.model).__name__} ran, but its blocks never reached the probe's hooks: the call ran "
-                "code compiled by torch.compile, which skips hooks added after it was compiled (or traces them). "
-                "Attach to the compiled model itself (nxl.attach(compiled) runs it eagerly while attached), call the "
-                "uncompiled module, or run the call under `with torch.compiler.set_stance('force_eager'):`")
+            self.results.last = self._skipped()
+
+    def _skipped(self) -> RuntimeError:
+        return RuntimeError(
+            f"{type(self.plan.model).__name__} ran, but its blocks never reached the probe's hooks: the call ran "
+            "code compiled by torch.compile before the hooks existed, which skips them. Attach to the compiled model "
+            "itself (nxl.attach(compiled) runs it eagerly while attached), call the uncompiled module, or run the "
+            "call under `with torch.compiler.set_stance('force_eager'):`")
 
     def on_backbone_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._traced():
+            (self.tape if self._taping() else self.plain).begin(self._arguments(args, kwargs))
+            return
         captures, _ = self._stacks()
         run = self._run()
         captures.append(None)  # replaced below once the inputs are known; a failure or a skipped call leaves None
@@ -224,6 +262,13 @@ class _Recorder:
             self._fail("this forward", error)
 
     def on_block_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._traced():
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if self.plan.embedding == "layer_input":
+                self._traced_embedding(torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float32))
+            if 0 in self._wanted:
+                (self.tape if self._taping() else self.plain).layer(0, hidden)
+            return
         captures, tasks = self._stacks()
         if tasks:
             tasks[-1].blocks_ran = True
@@ -250,24 +295,43 @@ class _Recorder:
             self._fail("this forward", error)
 
     def on_word_embedding(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if self._traced():
+            self._traced_embedding(self._word_norms(module, output))
+            return
         capture = self._current()
         if capture is None:  # the embedding called on its own, outside a forward of the model
             return
         try:
-            # Gemma-style scaled embeddings multiply inside the module; the paper's norm is of the raw row.
-            scale = getattr(module, "embed_scale", None)
-            rows = output.detach().float()
-            if scale is not None:
-                rows = rows / scale.to(rows.device).float()
-            capture.embed_norm = torch.linalg.vector_norm(rows, dim=-1)
+            capture.embed_norm = self._word_norms(module, output)
         except Exception as error:  # noqa: BLE001
             self._fail("this forward", error)
+
+    def _traced_embedding(self, norms: torch.Tensor) -> None:
+        if self._taping():
+            self.tape.embedding(norms)
+        else:
+            self.plain.keep("embed", norms)
+
+    @staticmethod
+    def _word_norms(module: nn.Module, output: torch.Tensor) -> torch.Tensor:
+        # Gemma-style scaled embeddings multiply inside the module; the paper's norm is of the raw row.
+        scale = getattr(module, "embed_scale", None)
+        rows = output.detach().float()
+        if scale is not None:
+            rows = rows / scale.to(rows.device).float()
+        return torch.linalg.vector_norm(rows, dim=-1)
 
     def _block_hook(self, index: int) -> Callable:
         # Decided once: this runs for every block of every forward, one-token decoding steps included.
         wanted, last = index in self._wanted, index == self.plan.n_blocks
 
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if self._traced():
+                if wanted:
+                    (self.tape if self._taping() else self.plain).layer(index, _hidden(output))
+                if last and not self._taping():
+                    self.plain.keep("last", _hidden(output).detach())
+                return
             capture = self._current()
             if capture is None:
                 return
@@ -285,6 +349,8 @@ class _Recorder:
         return hook
 
     def on_backbone_end(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._traced():
+            return
         captures, tasks = self._stacks()
         capture = captures.pop() if captures else None
         if capture is None:
@@ -370,13 +436,15 @@ class Probe:
     first; it holds the model only weakly, so a server that unloads a model frees it.
     """
 
-    def __init__(self, plan: Plan, results: _Results, hub: Hub, attachment: _Attachment, notice: Notice) -> None:
+    def __init__(self, plan: Plan, results: _Results, hub: Hub, attachment: _Attachment, notice: Notice,
+                 settle: Callable[[], Callable[[], None] | None]) -> None:
         self._plan = weakref.ref(plan)
         self._model = weakref.ref(plan.model)
         self.kind = plan.kind  #: causal_lm, sequence_classification, regression or masked_lm
         self._layers, self._n_blocks, self._describe = list(plan.layers), plan.n_blocks, plan.describe()
         self._results, self._hub, self._attachment, self._notice = results, hub, attachment, notice
         self._finalizer = weakref.finalize(self, attachment)
+        self._settle = settle  # assembles a plain forward that ran wholly compiled, when the result is read
 
     # -- what the probe explains -------------------------------------------------------------------------
 
@@ -433,11 +501,13 @@ class Probe:
 
         Raises the reason when that forward could not be recorded (an empty input, a target that does not fit...).
         """
+        settle = self._settle()
+        if settle is not None:
+            settle()
         last = self._results.last
         if last is None:
             raise RuntimeError("no forward has run under this probe yet (in this thread): call the model inside "
-                               "the `with` block (a model compiled by torch.compile after attach skips the hooks: "
-                               "attach to the compiled model instead)")
+                               "the `with` block")
         if isinstance(last, BaseException):
             raise last
         return last
@@ -569,8 +639,10 @@ def attach(
         hub = Hub(on_step=on_step, sink=sink, keep_steps=keep_steps, keep_calls=keep_calls)
         results, notice = _Results(), Notice()
         try:
-            gens = (Generations(plan, hub, notice, cache_dtype=cache_dtype, cache_device=cache_device)
-                    if plan.generates else None)
+            gens = None
+            if plan.generates:
+                gens = Generations(plan, hub, notice, cache_dtype=cache_dtype, cache_device=cache_device)
+                gens.backbone = backbone
             recorder = _Recorder(plan, backbone, gens, engines, results, notice)
             handles = recorder.register()
         except BaseException:
@@ -578,8 +650,9 @@ def attach(
             raise
         if gens is not None:
             gens.install()
-        attachment = _Attachment(handles, gens, engines, hub, backbone, run_eagerly(plan.subject.given))
-        probe = Probe(plan, results, hub, attachment, notice)
+        attachment = _Attachment(handles, gens, engines, hub, backbone,
+                                 _compiled_code(plan.subject.given, plan.model, backbone))
+        probe = Probe(plan, results, hub, attachment, notice, weakref.WeakMethod(recorder.settle))
         _ATTACHED[backbone] = attachment
     for engine in engines:  # outside the lock: their own locks are never taken inside this one
         try:
@@ -587,6 +660,21 @@ def attach(
         except Exception as error:  # noqa: BLE001 - a broken engine never breaks attach
             engine.unfollowed = f"engine {engine.name!r} failed to install ({reason(engine.name, error)})"
     return probe
+
+
+def _compiled_code(model: nn.Module, *inner: nn.Module) -> Callable[[], None]:
+    """Compiled code of ``model`` that could skip or keep the hooks, dealt with now; returns the undo (detach). A
+    ``torch.compile(model)`` wrapper runs eagerly while attached (:func:`~.plan.run_eagerly`); a forward compiled
+    in place recompiles once now, tracing the hooks, and once after detach, without them."""
+    undo = run_eagerly(model)
+    modules = [weakref.ref(module) for module in {id(m): m for m in (model, *inner)}.values()]
+    reset_compiled(*(ref() for ref in modules))
+
+    def restore() -> None:
+        undo()
+        reset_compiled(*(module for ref in modules if (module := ref()) is not None))
+
+    return restore
 
 
 def detach_all(model: nn.Module) -> int:

@@ -94,7 +94,7 @@ def _builtin(name: str) -> Factory:
         from .parquet import ParquetSink
 
         return ParquetSink
-    from .sink import RotatingSink, Sink
+    from .writer import RotatingSink, Sink
 
     return {"file": Sink, "folder": RotatingSink}[name]
 
@@ -155,8 +155,8 @@ def make_sink(spec: Any, **options: Any) -> RecordSink:
     """A record sink from what a user gave. ``make_sink("runs/", max_bytes=1 << 20)``
 
     ``spec``: an object that already is a :class:`RecordSink` (returned as it is; no ``options``); a file path (the
-    crash-safe stream file, :class:`~nxl_hooks.records.sink.Sink`); an existing folder or a path ending in ``/``
-    (rotating stream files, :class:`~nxl_hooks.records.sink.RotatingSink`); or ``"NAME:ARG"`` for a registered kind
+    crash-safe stream file, :class:`~nxl_hooks.records.writer.Sink`); an existing folder or a path ending in ``/``
+    (rotating stream files, :class:`~nxl_hooks.records.writer.RotatingSink`); or ``"NAME:ARG"`` for a registered kind
     (``file:``, ``folder:``, ``parquet:`` built in; others through :func:`register_sink` or the entry-point group
     ``nxl_hooks.sinks``). ``options`` go to the kind's factory. A :class:`pathlib.Path` is always a path; a string
     that is a bare word (``"raise"``, ``":x"``: no folder part, no suffix, not an existing path) is refused."""
