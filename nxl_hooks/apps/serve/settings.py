@@ -29,7 +29,7 @@ from typing import Any, Callable, Mapping
 
 from ...arch import plugins
 from ...method.select import EMBEDDINGS, option_text, parse_embedding, parse_layers, parse_target
-from ..loading import Loading
+from ..loading_options import Loading
 from ..schema import (Option, add_options, markdown_table as group_table, options, read_args, read_env, read_json,
                       setting, switch, switch_text, write_env)
 
