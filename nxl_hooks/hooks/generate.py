@@ -72,8 +72,9 @@ from .tape import CompiledCalls, Tape, compiled_forward
 
 __all__ = ["EAGER", "REQUEST_ID", "Generations", "Notice", "Run", "eager", "stacked_features"]
 
-#: The environment variable (``"1"``, ``nxl run --eager``) that makes recorded calls run eagerly: ``generate``
-#: without its automatic torch.compile (``disable_compile=True``), continuous-batching managers without CUDA graphs.
+#: The environment variable (``"1"``, ``nxl run --eager``) that makes recorded calls run eagerly, a fallback (compiled
+#: calls are recorded too): ``generate`` without its automatic torch.compile (``disable_compile=True``),
+#: continuous-batching managers without CUDA graphs.
 EAGER = "NXL_EAGER"
 #: What makes a call that ran through compiled code or CUDA graphs recordable.
 MAKE_EAGER = f"set {EAGER}=1 (nxl run --eager)"

@@ -6,6 +6,8 @@ tests/gpu/test_cb_graphs.py.
 The compiled test compiles the step twice on the CPU (before attaching, then again once attached: code compiled
 before the probe existed skips its hooks): about 20 s on an idle core, 35-60 s on a loaded one."""
 
+import time
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -100,3 +102,36 @@ def test_padded_inputs_run_eagerly_are_recorded_through_the_same_taps(model, mon
         assert [int(s.token) for s in call.steps] == out[request_id].generated_tokens
         argmax_differs |= any(int(a) != int(s.token) for a, s in zip(hand_argmax, call.steps))
     assert argmax_differs, "sampling at temperature 3 should leave the argmax at least once"
+
+
+def test_attach_to_a_running_padded_manager_records_its_next_requests(model, monkeypatch):
+    """A manager started (no warmup) before the probe attached: its processor gets its taps at its first step
+    while attached, and each request made after attaching is recorded as the oracle."""
+    original = model_runner.ModelRunner.__init__
+
+    def padding(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.pad_inputs = True
+
+    monkeypatch.setattr(model_runner.ModelRunner, "__init__", padding)
+    prompts = _prompts((6, 13))
+    manager = model.init_continuous_batching(generation_config=_greedy(), continuous_batching_config=tiny.cb_config())
+    manager.start()
+    try:
+        with nxl.attach(model, layers="all") as probe:
+            for index, prompt in enumerate(prompts):
+                manager.add_request(prompt, request_id=f"late-{index}", max_new_tokens=NEW)
+            results, deadline = {}, time.monotonic() + 60
+            while len(results) < len(prompts) and time.monotonic() < deadline:
+                result = manager.get_result(timeout=1)
+                if result is not None and result.is_finished():
+                    results[result.request_id] = result
+    finally:
+        manager.stop(block=True, timeout=30)
+    assert manager.batch_processor.model_runner.pad_inputs and tiny.nxl_hooks_on(model) == 0
+    calls = {call.request_id: call for call in probe.calls}
+    assert sorted(calls) == sorted(results) == ["late-0", "late-1"]
+    for request_id, call in calls.items():
+        assert call.error is None
+        check_call(model, call, NEW)
+        assert [int(s.token) for s in call.steps] == results[request_id].generated_tokens

@@ -75,7 +75,7 @@ def test_a_user_compile_after_attaching_is_fullgraph_and_recorded():
     model = tiny.generating_llama(seed=4)
     ids, mask = _prompt()
     with nxl.attach(model, layers="all", tokenizer=None) as probe:
-        model.forward = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+        model.forward = torch.compile(model.forward, fullgraph=True, backend="eager")
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
         model(input_ids=ids, attention_mask=mask)  # a plain forward too
         plain = probe.result()
@@ -96,7 +96,7 @@ def test_a_user_compile_after_attaching_is_fullgraph_and_recorded():
 def test_a_forward_compiled_in_place_before_attaching_is_recorded_and_left_clean():
     model = tiny.generating_llama(seed=5)
     ids, mask = _prompt(rows=1)
-    model.forward = torch.compile(model.forward, backend="aot_eager")
+    model.forward = torch.compile(model.forward, backend="eager")
     before = model(input_ids=ids).logits  # compiled without hooks
     with nxl.attach(model, layers="all") as probe:
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
@@ -124,7 +124,7 @@ def test_a_model_object_compiled_after_attaching_is_recorded():
     with nxl.attach(model, layers="all") as probe:
         model(input_ids=ids, attention_mask=mask)
         eager = probe.result()
-        compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+        compiled = torch.compile(model, fullgraph=True, backend="eager")
         compiled(input_ids=ids, attention_mask=mask)  # the task model's hooks are traced too
         traced = probe.result()
     _no_graph_breaks()

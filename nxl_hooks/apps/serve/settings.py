@@ -185,9 +185,9 @@ class Settings:
         "NXL_ALLOW_REMOTE", switch, "let --listen use an address that is not loopback (the token is still "
         "required)", text=switch_text, flag="--allow-remote"))
     eager: bool = setting(False, Option(
-        "NXL_EAGER", switch, "run recorded calls eagerly so that each is recorded: continuous-batching managers "
-        "without CUDA graphs, generate without its automatic torch.compile (slower; without it such calls run at "
-        "full speed and their records say 'not recorded')", text=switch_text, flag="--eager"))
+        "NXL_EAGER", switch, "a fallback: run recorded calls eagerly (generate without its automatic "
+        "torch.compile, continuous-batching managers without CUDA graphs or compile, vLLM with enforce_eager); "
+        "compiled calls are recorded without it, at compiled speed", text=switch_text, flag="--eager"))
     sink_max_bytes: int = setting(64 << 20, Option(
         "NXL_SINK_MAX_BYTES", _positive, "start a new record file past this size in MB",
         flag="--sink-file-mb", metavar="MB", arg=_megabytes, shown=lambda size: str(size >> 20)))
