@@ -11,8 +11,6 @@ into the graphs (buffers written inside them) can have recorded them.
 
 from __future__ import annotations
 
-import concurrent.futures
-
 import pytest
 import torch
 
@@ -20,7 +18,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 pytest.importorskip("vllm.envs", reason="needs a CUDA build of vLLM (pip install vllm)")
 
-from test_vllm_serve import ENGINE, LONG, VllmServer, chat, check_request, save_tiny  # noqa: E402
+from test_vllm_serve import ENGINE, VllmServer, check_concurrent_pair, save_tiny  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -44,10 +42,4 @@ def test_vllm_with_cuda_graphs_recorded_exactly(server, capsys):
     assert main(["ctl", "status", "--run", str(server.run)]) == 0
     status = capsys.readouterr().out
     assert "recorded through buffers compiled into the model" in status and "CUDA graphs NONE" not in status, status
-    oracle_model = LlamaForCausalLM.from_pretrained(server.model).eval()
-    prompts = {"cuda-a": "Paris is a city.", "cuda-b": LONG}
-    with concurrent.futures.ThreadPoolExecutor(2) as pool:
-        replies = dict(zip(prompts, pool.map(lambda item: chat(server, item[1], item[0], tokens=8),
-                                             prompts.items())))
-    for request_id, reply in replies.items():
-        check_request(server, oracle_model, reply, request_id)
+    check_concurrent_pair(server, LlamaForCausalLM.from_pretrained(server.model).eval(), "cuda")

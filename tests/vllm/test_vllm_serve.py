@@ -155,13 +155,18 @@ def test_chat_request_recorded_exactly_with_chunked_prefill(server, oracle_model
     assert call.layers == [0, 1, 2, 3]
 
 
-def test_two_concurrent_requests_kept_apart(server, oracle_model):
-    prompts = {"pair-a": "Paris is a city.", "pair-b": LONG}
+def check_concurrent_pair(server, oracle_model, prefix: str) -> None:
+    """A short and a long chat at once (packed into the same steps), each recorded exactly (:func:`check_request`)."""
+    prompts = {f"{prefix}-a": "Paris is a city.", f"{prefix}-b": LONG}
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         replies = dict(zip(prompts, pool.map(lambda item: chat(server, item[1], item[0], tokens=8),
                                              prompts.items())))
     for request_id, reply in replies.items():
         check_request(server, oracle_model, reply, request_id)
+
+
+def test_two_concurrent_requests_kept_apart(server, oracle_model):
+    check_concurrent_pair(server, oracle_model, "pair")
 
 
 def preemptions(server: VllmServer) -> float:
