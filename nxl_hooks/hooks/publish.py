@@ -22,11 +22,15 @@ host, keeps it and feeds the subscribers, then queues its frame for the sink thr
   not get, and each call it leaves in memory only says so in its ``notes``;
 - while nothing reads records live (no sink, no subscriber), they are handed on together at the call's end (at
   most :data:`HELD` at a time): the publisher wakes up once per call, not once per step;
+- what the publisher handles in one go (the records of one continuous-batching step, or a backlog) reaches the
+  sink thread and the subscribers at once, when it is done: one wake-up of each reader per batch rather than one
+  per record, and a sink with ``write_steps`` (a :class:`~nxl_hooks.Sink`) writes the batch's step frames (and
+  any backlog) with one ``write``; a batch holds only what was already waiting, so nothing is held back;
 - the end of a call waits for the publisher (never for the sink), so ``probe.steps`` holds every record when
   ``generate`` returns; detaching waits up to :data:`DRAIN_SECONDS` for the sink to write what is queued, so a
   stream file read after the ``with`` block holds every record;
-- a stream file on disk stays whole after SIGKILL: frames are written one at a time, each with one ``write``,
-  so the file ends with a whole frame or a torn last one (the records still queued are lost).
+- a stream file on disk stays whole after SIGKILL: frames are written in order, each whole, so the file ends
+  with a whole frame or a torn last one (the records still queued are lost).
 
 After the probe detaches, calls still running in other threads finish in memory only: their sink is closed and
 their subscribers have ended.
@@ -162,6 +166,10 @@ class Hub:
         self._writer: threading.Thread | None = None
         self._waiting = self._frames_waiting = 0
         self._held: collections.deque[tuple] = collections.deque()  # see HELD
+        # what the publisher's current batch hands on when it is done: frames for the sink thread, records for
+        # the subscribers
+        self._outbox: list[tuple] = []
+        self._live: list[tuple[Subscription, Step]] = []
         self._stopped = False  # the sink was stopped (fault, behind or detach): frames are counted, not written
         self._released = False  # the sink was closed (once, by the sink thread when there is one)
 
@@ -271,6 +279,7 @@ class Hub:
         self._pid = os.getpid()  # a forked child starts its own threads, with fresh queues
         self._items, self._frames = queue.SimpleQueue(), queue.SimpleQueue()
         self._held.clear()
+        self._outbox, self._live = [], []
         self._waiting = self._frames_waiting = 0
         self._publisher = threading.Thread(target=self._publish_loop, name="nxl_hooks-publisher", daemon=True)
         self._publisher.start()
@@ -294,10 +303,29 @@ class Hub:
                 if item[0] == "step":
                     with self._lock:
                         self._waiting -= 1
-                elif item[0] == "end":
+                if item[0] in ("end", "close") or len(self._outbox) >= HELD or items.empty():
+                    self._send()  # before the end is signalled: its records are with the subscribers
+                if item[0] == "end":
                     item[-1].set()
             if item[0] == "close":
                 return
+
+    def _send(self) -> None:
+        """Hand on what this batch made: the sink thread's frames in one queue item, the subscribers' records."""
+        if self._outbox:
+            batch, self._outbox = self._outbox, []
+            self._frames.put(batch)
+        if self._live:
+            live, self._live = self._live, []
+            for subscriber, step in live:
+                subscriber.queue.put(step)
+
+    def _tell(self, subscriber: Subscription, item: Any) -> None:
+        """Give ``subscriber`` a record (or the end): with the publisher's batch, after the records before it."""
+        if threading.current_thread() is self._publisher:
+            self._live.append((subscriber, item))
+        else:
+            subscriber.queue.put(item)
 
     def _handle(self, item: tuple) -> None:
         kind = item[0]
@@ -324,8 +352,8 @@ class Hub:
             if self._subscribers:  # iterating an empty WeakSet is not free, and this runs once per step
                 for subscriber in list(self._subscribers):
                     if subscriber.wants(call):
-                        subscriber.queue.put(step)
-        self._to_sink(call, lambda sink: sink.write_step(step), step=True)
+                        self._tell(subscriber, step)
+        self._to_sink(call, None, step=step)
 
     def _end(self, call: GenerationCall, sequences: torch.Tensor | None, error: str | None) -> None:
         with self._lock:
@@ -339,7 +367,7 @@ class Hub:
         if call.prompt_mask is not None:
             self._to_sink(call, lambda sink: sink.write_end(call))
         for subscriber in ended:
-            subscriber.queue.put(_End)
+            self._tell(subscriber, _End)
 
     def _release(self, call: GenerationCall) -> list[Subscription]:
         """The subscribers bound to ``call`` alone, taken off the list (caller holds the lock)."""
@@ -413,63 +441,103 @@ class Hub:
                 self._to_sink(call, lambda sink, call=call: sink.write_end(call))
         self._to_sink(None, None)
         for subscriber in subscribers:
-            subscriber.queue.put(_End)
+            self._tell(subscriber, _End)
 
     # -- the sink thread ---------------------------------------------------------------------------------
 
     def _to_sink(self, call: GenerationCall | None, action: Callable[[RecordSink], None] | None, *,
-                 step: bool = False) -> None:
-        """Queue one frame (``action``: one RecordSink call) for the sink thread; None: close the sink; an Event:
-        set it once what comes before is written. A sink :data:`SINK_QUEUE` frames behind is stopped."""
-        control = action is None or isinstance(action, threading.Event)
+                 step: Step | None = None) -> None:
+        """Queue one frame for the sink thread: ``step``'s record, else ``action`` (one RecordSink call; None: close
+        the sink; an Event: set it once what comes before is written). The publisher's frames go in its current
+        batch (:meth:`_send`). A sink :data:`SINK_QUEUE` frames behind is stopped."""
+        control = step is None and (action is None or isinstance(action, threading.Event))
         if self._sink is None:
             if isinstance(action, threading.Event):
                 action.set()
             return
         with self._lock:
             if self._stopped and not control:
-                self._count(call, step)
+                self._count(call, step is not None)
                 return
             if control or self._frames_waiting < SINK_QUEUE:
                 self._frames_waiting += 1
                 if self._writer is None or not self._writer.is_alive():  # detached before any record
                     self._write(call, action, step)
+                elif threading.current_thread() is self._publisher:
+                    self._outbox.append((call, action, step))
                 else:
-                    self._frames.put((call, action, step))
+                    self._frames.put([(call, action, step)])
                 return
         self._stop_sink(f"it fell behind: {SINK_QUEUE} frames were waiting to be written while generation went on, "
-                        "so it was stopped to keep generation at its speed", call, step=step)
+                        "so it was stopped to keep generation at its speed", call, steps=step is not None)
 
     def _write_loop(self, frames: queue.SimpleQueue) -> None:
         while True:
-            call, action, step = frames.get()
-            self._write(call, action, step)
-            if action is None:
-                return
+            batch = frames.get()
+            while not frames.empty():  # a backlog goes in one batch
+                batch += frames.get()
+            many = getattr(self._sink, "write_steps", None)  # optional in the protocol: several steps, one write
+            at = 0
+            while at < len(batch):
+                call, action, step = batch[at]
+                run = at
+                while many is not None and run < len(batch) and batch[run][2] is not None:
+                    run += 1
+                if run > at:
+                    self._write_steps(many, batch[at:run])
+                    at = run
+                    continue
+                self._write(call, action, step)
+                if step is None and action is None:
+                    return
+                at += 1
 
-    def _write(self, call: GenerationCall | None, action: Callable[[RecordSink], None] | None, step: bool) -> None:
-        """Write one frame (``action`` None: close the sink); a sink that fails or stops by itself is stopped, and
-        a stopped sink is closed here, once."""
+    def _write(self, call: GenerationCall | None, action: Callable[[RecordSink], None] | None,
+               step: Step | None) -> None:
+        """Write one frame (``step``'s, else ``action``'s; ``action`` None: close the sink); a sink that fails or
+        stops by itself is stopped, and a stopped sink is closed here, once."""
         with self._lock:
             self._frames_waiting -= 1
             sink = None if self._stopped or self._released else self._sink
         if isinstance(action, threading.Event):
             action.set()
         elif sink is None:
-            self._count(call, step)
-        elif action is not None:
-            try:
-                action(sink)
-                fault = getattr(sink, "fault", None)  # optional in the protocol: a sink that stopped says why
-            except BaseException as error:  # noqa: BLE001 - SystemExit too: a sink never ends the host's call
-                where = getattr(sink, "path", None) or type(sink).__name__
-                logger.warning("nxl_hooks: records sent to the sink %s not written (%s: %s); the model's own call "
-                               "is unaffected", where, type(error).__name__, one_line(error))
-                fault = f"{type(error).__name__}: {one_line(error)}"
-            if fault is not None:
-                self._stop_sink(str(fault), call, step=step)
-        if action is None or self._stopped:
+            self._count(call, step is not None)
+        elif step is not None or action is not None:
+            self._attempt(sink, call, 1 if step is not None else 0,
+                          lambda: sink.write_step(step) if step is not None else action(sink))
+        if (step is None and action is None) or self._stopped:
             self._close_sink()
+
+    def _write_steps(self, many: Callable[[list[Step]], None], frames: list[tuple]) -> None:
+        """Write a run of step frames with the sink's ``write_steps`` (one write for all)."""
+        with self._lock:
+            self._frames_waiting -= len(frames)
+            stopped = self._stopped or self._released
+        if stopped:
+            for call, _, _ in frames:
+                self._count(call, True)
+        else:
+            self._attempt(self._sink, frames[-1][0], len(frames), lambda: many([step for _, _, step in frames]))
+            if self._stopped:
+                for call, _, _ in frames[:-1]:
+                    self._count(call, False)  # the fault noted on each call the batch held
+        if self._stopped:
+            self._close_sink()
+
+    def _attempt(self, sink: RecordSink, call: GenerationCall | None, steps: int, write: Callable[[], None]) -> None:
+        """Run ``write``; a sink that raises or says it stopped (its ``fault``) is stopped, its ``steps`` step
+        records counted as not written."""
+        try:
+            write()
+            fault = getattr(sink, "fault", None)  # optional in the protocol: a sink that stopped says why
+        except BaseException as error:  # noqa: BLE001 - SystemExit too: a sink never ends the host's call
+            where = getattr(sink, "path", None) or type(sink).__name__
+            logger.warning("nxl_hooks: records sent to the sink %s not written (%s: %s); the model's own call "
+                           "is unaffected", where, type(error).__name__, one_line(error))
+            fault = f"{type(error).__name__}: {one_line(error)}"
+        if fault is not None:
+            self._stop_sink(str(fault), call, steps=steps)
 
     def _close_sink(self) -> None:
         """Close the sink (once), releasing its file."""
@@ -484,20 +552,20 @@ class Hub:
             with self._lock:
                 self.sink_fault = self.sink_fault or f"{type(error).__name__}: {one_line(error)}"
 
-    def _count(self, call: GenerationCall | None, step: bool) -> None:
-        """A frame the stopped sink did not get."""
+    def _count(self, call: GenerationCall | None, steps: int) -> None:
+        """A frame the stopped sink did not get (``steps``: the step records it held)."""
         with self._lock:
-            self.unwritten += step
+            self.unwritten += steps
             if call is not None and self.sink_fault is not None and self._fault_note() not in call.notes:
                 call.notes.append(self._fault_note())
 
-    def _stop_sink(self, fault: str, call: GenerationCall | None, *, step: bool = False) -> None:
+    def _stop_sink(self, fault: str, call: GenerationCall | None, *, steps: int = 0) -> None:
         """The sink gets nothing more: ``fault`` is kept in :attr:`sink_fault` and noted on every call it leaves
         in memory only (the frames still queued are counted as the sink thread meets them); the sink thread
         closes it when it comes back from the sink (here, without one)."""
         with self._lock:
             if self._stopped:
-                self._count(call, step)
+                self._count(call, steps)
                 return
             self._stopped, self.sink_fault = True, fault
             affected = list(self._running)
@@ -505,11 +573,11 @@ class Hub:
                 affected.append(call)
             for each in affected:
                 each.notes.append(self._fault_note())
-            self.unwritten += step
+            self.unwritten += steps
             writer = self._writer
             if writer is not None and writer.is_alive() and writer is not threading.current_thread():
                 self._frames_waiting += 1
-                self._frames.put((None, _nothing, False))  # an idle sink thread wakes up and closes it
+                self._frames.put([(None, _nothing, None)])  # an idle sink thread wakes up and closes it
                 return
         if writer is None or not writer.is_alive():
             self._close_sink()
