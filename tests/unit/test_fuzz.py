@@ -26,7 +26,7 @@ from safetensors.torch import save as save_blob
 import nxl_hooks as nxl
 import tiny
 from nxl_hooks.apps.terminal import render_table
-from nxl_hooks.arch import registry
+from nxl_hooks.arch import fit, registry
 from nxl_hooks.records import reader, writer
 from nxl_hooks.records.attribution import RecordError
 
@@ -335,6 +335,6 @@ def _load(model, path) -> None:
         assert all(isinstance(step, str) for steps in spec.heads.values() for step in steps)
         if "causal_lm" in spec.heads:
             try:
-                registry._check_fits(model, spec, "causal_lm")
+                fit.check_fits(model, spec, "causal_lm")
             except registry.RegistryError:
                 pass

@@ -36,7 +36,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ...arch.registry import head_kind, unwrap
+from ...arch.registry import HeadKind, head_kind
+from ...method.subject import unwrap
 from ...hooks.generate import REQUEST_ID
 from ...hooks.guard import reason
 from ...hooks.plan import TokenTexts, make_plan, token_texts, tokenizer_mismatch
@@ -202,10 +203,12 @@ class Models:
             slug = f"{base}-{n}"
         return slug
 
-    def alive(self, models: str | None = None) -> list[Watch]:
-        """The models still alive (dead ones are dropped here), only those whose name matches the comma list of
-        globs ``models`` when given."""
-        globs = [glob.strip() for glob in (models or "*").split(",") if glob.strip()] or ["*"]
+    def alive(self, models: str | list[str] | None = None) -> list[Watch]:
+        """The models still alive (dead ones are dropped here), only those whose name matches one of the globs
+        ``models`` (a list, as ``Settings.changes`` reads them, or a comma list) when given."""
+        if isinstance(models, str):
+            models = [glob.strip() for glob in models.split(",") if glob.strip()]
+        globs = models or ["*"]
         with self._lock:
             self._watches = [watch for watch in self._watches if watch.ref() is not None]
             return [watch for watch in self._watches if matches(watch.name, globs)]
@@ -248,7 +251,7 @@ class Rules:
         sink = None
         try:
             # generate records (steps, a sink) only for models that generate; a classifier keeps its forwards
-            generates = head_kind(unwrap(model)) == "causal_lm"
+            generates = head_kind(unwrap(model)) is HeadKind.CAUSAL_LM
             if generates and settings.sink_spec:
                 sink = make_sink(settings.sink_spec.replace("{model}", watch.slug))
             elif generates and settings.sink:
@@ -272,7 +275,7 @@ class Rules:
         watch.error = None
         if generates:
             self.live.follow(watch, probe)
-        if probe.kind != "causal_lm":  # requests are plain forwards: keep each one's attribution
+        if probe.kind is not HeadKind.CAUSAL_LM:  # requests are plain forwards: keep each one's attribution
             watch.hook = probe.model.register_forward_hook(functools.partial(self._on_forward, watch))
 
     @staticmethod
@@ -462,11 +465,11 @@ class Controller:
         """Attach again every model that is selected, with the current options."""
         self.rules.resume(self.models.alive())
 
-    def configure(self, *, models: str | None = None, **options: Any) -> None:
+    def configure(self, *, models: str | list[str] | None = None, **options: Any) -> None:
         """Record the models matching ``models`` (all by default) with new attach ``options`` (:meth:`Rules.configure`)."""
         self.rules.configure(self.models.alive(models), **options)
 
-    def exclude(self, models: str | None = None) -> None:
+    def exclude(self, models: str | list[str] | None = None) -> None:
         """Stop recording the models matching ``models`` (all by default) until :meth:`configure` takes them."""
         self.rules.exclude(self.models.alive(models))
 
