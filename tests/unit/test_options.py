@@ -21,6 +21,7 @@ from nxl_hooks.apps.options import loading_options
 from nxl_hooks.apps.schema import Option, generated, options, setting
 from nxl_hooks.apps.serve.settings import ATTACH, OPTIONS, Settings, add_run_options, markdown_table
 from nxl_hooks.method.select import option_text, parse_layers, parse_target
+from nxl_hooks.records.view import StepView
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "nxl-run-options.md"
 
@@ -393,9 +394,9 @@ HOSTILE = "\x1b]0;owned\x07\x1b[2Jx\x9b31m\u202e"  # a title change, a screen cl
 RAW = ("\x1b", "\x07", "\x9b", "\u202e")
 
 
-def _step(request_id: str, token: str, name: str) -> dict:
-    return {"request_id": request_id, "step": 3, "position": 12, "token": token,
-            "top": {"2": [[0, name, 0.5], [1, "b", -0.25]]}}
+def _step(request_id: str, token: str, name: str) -> StepView:
+    return StepView.from_json({"request_id": request_id, "step": 3, "position": 12, "token_id": 5, "token": token,
+                               "top": {"2": [[0, name, 0.5], [1, "b", -0.25]]}})
 
 
 def test_tail_shows_a_byte_token_escaped_once():
