@@ -1,11 +1,12 @@
 """Where finished generation records go: the probe's call list, the ``on_step`` callback, live subscribers
-(:meth:`Probe.stream`) and the crash-safe sink. One hub per probe, shared by the calls of every thread.
+(:meth:`Probe.subscribe`) and the crash-safe sink. One hub per probe, shared by the calls of every thread.
 
 - ``probe.calls`` keeps the last ``keep_calls`` calls (all by default) and, unless ``keep_steps=False``, their steps;
 - ``on_step(step)`` runs in the thread that runs ``generate``; an exception it raises is the caller's own and
   stops that generation (under continuous batching, it stops recording that request: the manager's loop never
   sees it);
-- a subscription yields the steps of one call (the one running when it was made, else the next to start, or the
+- a subscription (bounded: a reader that falls behind loses its oldest records, counted, never stalling the
+  generation) yields the steps of one call (the one running when it was made, else the next to start, or the
   one of a given request, also after it ended) or, with ``follow``, of every call until the probe detaches or the
   subscription is closed;
 - the sink gets a ``call`` frame when a prompt is known, a ``step`` frame per record and an ``end`` frame.
@@ -44,7 +45,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Generic, TypeVar
 
 import torch
 
@@ -52,7 +53,7 @@ from ..records.sinks import RecordSink, make_sink
 from ..records.steps import STEP_TENSORS, GenerationCall, Step
 from .guard import logger, one_line
 
-__all__ = ["DRAIN_SECONDS", "QUEUE", "SINK_QUEUE", "Hub", "Subscription", "on_host"]
+__all__ = ["DRAIN_SECONDS", "LIVE_QUEUE", "QUEUE", "SINK_QUEUE", "Hub", "Subscription", "on_host"]
 
 #: Step records the publisher may have waiting; one more and the record is dropped (its call stops being recorded).
 QUEUE = 4096
@@ -61,6 +62,9 @@ SINK_QUEUE = 256
 #: Step records held back while nothing reads them live (no sink, no subscriber): handed on together, at the
 #: call's end or once this many wait, so that the publisher wakes up once per call rather than once per step.
 HELD = 64
+#: Records a live subscription may hold unread; one more and its oldest is dropped (counted): a slow reader never
+#: stalls the publisher, nor holds records without bound.
+LIVE_QUEUE = 4096
 #: How long detaching waits for the sink to write the frames still queued.
 DRAIN_SECONDS = 10.0
 #: How long the end of a call waits for the publisher to hand on its records (it never waits for user code).
@@ -82,24 +86,41 @@ def on_host(step: Step, texts: Texts | None = None) -> Step:
     return step
 
 
-class _End:
-    """Queue sentinel: the watched call ended (or the probe detached)."""
+T = TypeVar("T")
 
 
-class Subscription:
-    """The iterator :meth:`Probe.stream` returns; registered at creation so no record is missed.
+def _give(subscriber: "Subscription[Step]", item: Step | None) -> None:
+    """A record for ``subscriber``, or (None) its end."""
+    if item is None:
+        subscriber.end()
+    else:
+        subscriber.put(item)
 
-    ``close()`` (or leaving ``with probe.stream(...) as steps:``) ends it from any thread: a reader blocked in it
-    stops at once. The hub holds subscriptions weakly, so one that is dropped unread costs nothing.
+
+class Subscription(Generic[T]):
+    """A live feed of records, bounded and typed: what :meth:`Probe.subscribe` returns (of :class:`Step`), and each
+    live reader's feed of the control endpoint. Registered at creation so no record is missed.
+
+    Never stalls the writer (the hub's publisher): a subscription ``size`` items behind drops its oldest item,
+    counts it in :attr:`dropped` and logs one line the first time (``size=None``: unbounded, what the deprecated
+    :meth:`Probe.stream` keeps). ``close()`` (or leaving ``with probe.subscribe(...) as steps:``) ends it from any
+    thread: a reader blocked in it stops at once, after the items already queued. The hub holds subscriptions
+    weakly, so one that is dropped unread costs nothing.
     """
 
     def __init__(self, hub: "Hub | None" = None, *, call: GenerationCall | None = None,
-                 request_id: str | None = None, follow: bool = False) -> None:
-        self.queue: queue.Queue = queue.Queue()
+                 request_id: str | None = None, follow: bool = False, size: int | None = LIVE_QUEUE) -> None:
+        if size is not None and size < 1:
+            raise ValueError(f"size={size}: give how many records a subscription may hold (1 or more), or None")
         self.call = call  #: the call it is bound to (None until one starts, or with ``follow``)
         self.request_id = request_id
         self.follow = follow
+        self.size = size
+        self.dropped = 0  #: items dropped (the oldest first) because the reader was ``size`` behind
         self._hub = hub
+        self._items: collections.deque[T] = collections.deque()
+        self._ready = threading.Condition(threading.Lock())
+        self._ended = False
 
     def wants(self, call: GenerationCall) -> bool:
         if self.request_id is not None and call.request_id != self.request_id:
@@ -110,25 +131,51 @@ class Subscription:
             self.call = call
         return self.call is call
 
+    def put(self, item: T) -> None:
+        """Queue ``item`` for the reader; never waits (a full subscription drops its oldest item, counted)."""
+        with self._ready:
+            if self._ended:
+                return
+            full = self.size is not None and len(self._items) >= self.size
+            if full:
+                self._items.popleft()
+                self.dropped += 1
+            self._items.append(item)
+            self._ready.notify()
+        if full and self.dropped == 1:
+            logger.warning("nxl_hooks: a live reader fell %d records behind; its oldest records are dropped (counted "
+                           "in its subscription's dropped); the sink and probe.calls keep every record", self.size)
+
+    def end(self) -> None:
+        """No more items: a reader ends after those already queued."""
+        with self._ready:
+            self._ended = True
+            self._ready.notify_all()
+
+    def get(self, timeout: float | None = None) -> T | None:
+        """The next item; None when none came within ``timeout`` seconds or the subscription ended."""
+        with self._ready:
+            self._ready.wait_for(lambda: self._items or self._ended, timeout)
+            return self._items.popleft() if self._items else None
+
     def close(self) -> None:
         """Stop receiving records; a reader iterating it ends after the records already queued."""
         if self._hub is not None:
             self._hub.unsubscribe(self)
-        self.queue.put(_End)
+        self.end()
 
-    def __enter__(self) -> "Subscription":
+    def __enter__(self) -> "Subscription[T]":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __iter__(self) -> "Subscription":
+    def __iter__(self) -> "Subscription[T]":
         return self
 
-    def __next__(self) -> Step:
-        item = self.queue.get()
-        if item is _End:
-            self.queue.put(_End)  # iterating again (or from a second reader) ends too, never blocks
+    def __next__(self) -> T:
+        item = self.get()
+        if item is None:  # ended and drained: iterating again (or from a second reader) ends too, never blocks
             raise StopIteration
         return item
 
@@ -318,14 +365,14 @@ class Hub:
         if self._live:
             live, self._live = self._live, []
             for subscriber, step in live:
-                subscriber.queue.put(step)
+                _give(subscriber, step)
 
-    def _tell(self, subscriber: Subscription, item: Any) -> None:
-        """Give ``subscriber`` a record (or the end): with the publisher's batch, after the records before it."""
+    def _tell(self, subscriber: Subscription, item: Step | None) -> None:
+        """Give ``subscriber`` a record (None: the end): with the publisher's batch, after the records before it."""
         if threading.current_thread() is self._publisher:
             self._live.append((subscriber, item))
         else:
-            subscriber.queue.put(item)
+            _give(subscriber, item)
 
     def _handle(self, item: tuple) -> None:
         kind = item[0]
@@ -367,7 +414,7 @@ class Hub:
         if call.prompt_mask is not None:
             self._to_sink(call, lambda sink: sink.write_end(call))
         for subscriber in ended:
-            self._tell(subscriber, _End)
+            self._tell(subscriber, None)
 
     def _release(self, call: GenerationCall) -> list[Subscription]:
         """The subscribers bound to ``call`` alone, taken off the list (caller holds the lock)."""
@@ -376,13 +423,14 @@ class Hub:
             self._subscribers.discard(subscriber)
         return ended
 
-    def subscribe(self, *, request_id: str | None = None, follow: bool = False) -> Subscription:
-        """A live iterator of step records (see the module docstring)."""
-        subscription = Subscription(self, request_id=request_id, follow=follow)
+    def subscribe(self, *, request_id: str | None = None, follow: bool = False,
+                  size: int | None = LIVE_QUEUE) -> Subscription[Step]:
+        """A live iterator of step records, holding up to ``size`` unread (see the module docstring)."""
+        subscription: Subscription[Step] = Subscription(self, request_id=request_id, follow=follow, size=size)
         with self._lock:
             self._hand_on()  # from now on records are read live
             if self._closed:
-                subscription.queue.put(_End)
+                subscription.end()
                 return subscription
             running = [call for call in self._running if subscription.wants(call)]
             if not running and not follow and request_id is not None:
@@ -391,13 +439,13 @@ class Hub:
                 if done is not None:
                     subscription.call = done
                     for step in done.steps:
-                        subscription.queue.put(step)
-                    subscription.queue.put(_End)
+                        subscription.put(step)
+                    subscription.end()
                     return subscription
             for call in running if follow else running[:1]:  # joined mid-call: replay what it already produced
                 subscription.call = None if follow else call
                 for step in call.steps:
-                    subscription.queue.put(step)
+                    subscription.put(step)
             self._subscribers.add(subscription)
         return subscription
 
@@ -441,7 +489,7 @@ class Hub:
                 self._to_sink(call, lambda sink, call=call: sink.write_end(call))
         self._to_sink(None, None)
         for subscriber in subscribers:
-            self._tell(subscriber, _End)
+            self._tell(subscriber, None)
 
     # -- the sink thread ---------------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@ anything (SystemExit, KeyboardInterrupt) or blocks never raises into or stalls t
 counted and reported, and the records in memory stay whole (checked against the uncached oracle)."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -196,6 +197,12 @@ def test_a_backlog_reaches_the_sink_as_one_batch(model, fail):
     sink = _Batching(fail)
     with nxl.attach(model, sink=sink) as probe:
         model.generate(input_ids=_ids(6), max_new_tokens=6, do_sample=False)
+        # generate returned; the publisher may still be moving the last records to the host: wait until all 6
+        # step frames (and the call's end) wait for the sink, then give them the sink thread's next wake-up
+        deadline = time.monotonic() + 60
+        while probe._hub._frames_waiting < 7 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
         sink.release.set()  # the sink was blocked in write_call while all 6 step records waited
         probe.flush(timeout=60)
     if fail:

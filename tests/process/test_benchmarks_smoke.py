@@ -84,13 +84,21 @@ def _vllm(report: dict, out: Path) -> None:
     if importlib.util.find_spec("vllm.envs") is None:  # vLLM lives in the vllm tier's own environment
         assert "not importable" in report["skipped"]
         return
-    assert [run["variant"] for run in report["runs"]] == ["plain_eager", "nxl_all"]  # the texts were checked equal
+    assert [run["variant"] for run in report["runs"]] == ["plain_eager", "nxl_all_eager"]
+    assert report["start_s"]["plain_eager"] > 0 and report["start_s"]["nxl_all_eager"] > 0
     for run in report["runs"]:
-        assert run["start_s"] > 0 and all(run[f"clients={c}"]["tokens"] == 4 * 8 for c in (1, 8))
-    assert set(report["summary"]["throughput_ratio"]["nxl_all"]) == {"clients=1", "clients=8"}
+        assert all(run[f"clients={c}"]["tokens"] == 4 * 8 for c in (1, 8))
+    assert report["summary"]["same_texts"] == {"nxl_all_eager": True}  # recording changed no reply
+    assert set(report["summary"]["throughput_ratio"]["nxl_all_eager"]) == {"clients=1", "clients=8"}
 
 
-CHECKS = {"bench_forward": _forward, "bench_generate": _generate, "bench_big": _big,
+def _compiled(report: dict, out: Path) -> None:
+    # every attached compiled call was checked by the script: each step recorded, the same tokens as plain
+    assert report["same_tokens_as_plain"] is True and report["unrecorded"] == {"attached": None, "attached_sink": None}
+    assert report["sink_steps_of_last_call"] == report["model"]["new_tokens"] and report["attached_over_plain"] > 0
+
+
+CHECKS = {"bench_forward": _forward, "bench_compiled": _compiled, "bench_generate": _generate, "bench_big": _big,
           "bench_faithfulness": _faithfulness, "bench_real": _real, "bench_serve": _serve, "bench_attach": _attach,
           "bench_vllm": _vllm}
 
