@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from ..method import select
 from ..records.tokens import visible
-from .loading import HEAD_CLASSES, Loading, read_max_memory
+from .loading_options import HEAD_CLASSES, Loading, read_max_memory
 from .schema import add_options, options
 from .serve.settings import ATTACH, Settings
 

@@ -22,6 +22,7 @@ detaches then (its sink is closed, its records stay readable).
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -38,7 +39,7 @@ from .engines import Engine, engines_for
 from .generate import Generations
 from .guard import Notice, reason
 from .plan import Plan, check_recording, make_plan, run_eagerly
-from .publish import Hub, Subscription
+from .publish import LIVE_QUEUE, Hub, Subscription
 from .recorder import Recorder, Results
 from .tape import reset_compiled
 
@@ -231,23 +232,31 @@ class Probe:
             raise RuntimeError(f"the last generate() call was not recorded: {last.error}")
         return last.steps
 
-    def stream(self, *, request_id: str | None = None, follow: bool = False) -> Subscription:
+    def subscribe(self, *, request_id: str | None = None, follow: bool = False,
+                  size: int | None = LIVE_QUEUE) -> Subscription[Step]:
         """Iterate over step records as they are made, from another thread than the one running ``generate``.
 
         Yields the records of the ``generate`` call (or continuous-batching request) running now (from its first
         step; with ``keep_steps=False`` from the next step) or, if none is, of the next one, and stops when that
         call returns or raises, or when the probe detaches. ``request_id`` picks that request's call (one that has
         already ended gives its kept steps, then stops); ``follow`` yields every call's steps (with ``request_id``:
-        every call of that request) until the probe detaches or ``close()`` is called on the iterator. Subscribe
-        before starting the generation, so the stream cannot miss it::
+        every call of that request) until the probe detaches or ``close()`` is called on the iterator. A reader
+        ``size`` records behind loses the oldest (counted in ``dropped``): generation never waits for it. Subscribe
+        before starting the generation, so the subscription cannot miss it::
 
-            steps = probe.stream()
+            steps = probe.subscribe()
             threading.Thread(target=model.generate, kwargs=enc).start()
             for step in steps: print(step.step, step.token)
         """
         if not self.attached:
-            raise RuntimeError("this probe is detached: call probe.stream() inside the `with nxl.attach(...)` block")
-        return self._hub.subscribe(request_id=request_id, follow=follow)
+            raise RuntimeError("this probe is detached: call probe.subscribe() inside the `with nxl.attach(...)` block")
+        return self._hub.subscribe(request_id=request_id, follow=follow, size=size)
+
+    def stream(self, *, request_id: str | None = None, follow: bool = False) -> Subscription[Step]:
+        """Deprecated: :meth:`subscribe`, which is bounded; this one holds every record its reader has not read."""
+        warnings.warn("Probe.stream() is deprecated: use probe.subscribe() (the same records, bounded)",
+                      DeprecationWarning, stacklevel=2)
+        return self.subscribe(request_id=request_id, follow=follow, size=None)
 
 
 def attach(

@@ -166,8 +166,11 @@ class Recorder:
         return handles
 
     def _traced(self) -> bool:
-        """Whether this hook runs inside a forward dynamo traces (:mod:`.tape`)."""
-        return torch.compiler.is_compiling()
+        """Whether this hook runs inside a forward dynamo traces (:mod:`.tape`). Not for a call that is not recorded
+        (nor is it a plain forward), e.g. an engine's compiled step that its own taps record: the eager branch, which
+        then does nothing."""
+        run = self._run()
+        return torch.compiler.is_compiling() and not (run is not None and run.failed)
 
     def _taping(self) -> bool:
         return self.tape is not None and self.tape.armed

@@ -32,9 +32,11 @@ import shutil
 import sys
 import threading
 import time
+from typing import Any
 from urllib.parse import quote, urlencode
 
 from ...records.tokens import visible
+from ...records.view import StepView
 from ..options import CliError, positive_int
 
 NAME = "tail"
@@ -67,27 +69,29 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def faults(model: dict) -> list[str]:
     """What one model of a status (``/v1/status``'s ``models``) does not record, one phrase each:
-    ``["records not written to the sink: disk full", "2 calls not recorded: beam search ..."]``; empty while everything
-    is recorded."""
+    ``["records not written to the sink: disk full", "2 calls not recorded: beam search ..."]``, and steps the live
+    feed dropped; empty while everything is recorded and shown."""
     said = [f"records not written to the sink: {model['sink_fault']}"] if model.get("sink_fault") else []
     count, why = model.get("unrecorded_calls") or 0, model.get("unrecorded")
     if count or why:  # why reads "not recorded[ after step N] (...): reason"
         why = why if why and why.startswith("not recorded") else f"not recorded: {why or 'see the log'}"
         said.append(f"{count or 'some'} call{'' if count == 1 else 's'} {why}")
+    if model.get("live_dropped"):
+        said.append(f"{model['live_dropped']} step(s) not handed to live readers: the live feed fell behind (the "
+                    "records keep them)")
     return said
 
 
-def line(data: dict, layer: int | None, width: int) -> str:
+def line(view: StepView, layer: int | None, width: int) -> str:
     """One step as a short line: ``req  step @position 'token'  L2: 5:'a' 0.41  9:'␣b' 0.33`` (the module doc).
-    Tokens are the endpoint's texts (:mod:`nxl_hooks.apps.serve.readout`: readable, a character split over tokens
-    shown whole), quoted as they are."""
-    top = data["top"]
-    key = str(layer) if layer is not None and str(layer) in top else max(top, key=int)
-    best = "  ".join(f"{position}:'{name}' " + (f"{score:.3g}" if score is not None else "nan")
-                     for position, name, score in top[key])
-    token = f"'{data['token']}'"
-    text = visible(f"{visible(str(data['request_id']))[:16]:<16} {data['step']:>4} @{data['position']:<5} {token:>12}"
-                   f"  L{key}: {best}")
+    Tokens are the step view's texts (:mod:`nxl_hooks.records.view`: readable, a character split over tokens
+    shown whole), quoted as they are; ``layer``: the one shown (the last when the view does not have it)."""
+    shown, ranked = view.ranked(layer)
+    best = "  ".join(f"{entry.position}:'{entry.text}' " + (f"{entry.score:.3g}" if entry.score is not None else "nan")
+                     for entry in ranked)
+    token = f"'{view.token}'"
+    text = visible(f"{visible(str(view.request_id))[:16]:<16} {view.step:>4} @{view.position:<5} {token:>12}"
+                   f"  L{shown}: {best}")
     return text if len(text) <= width else text[: max(width - 1, 8)] + "…"
 
 
@@ -97,18 +101,18 @@ def end_line(data: dict) -> str:
                    + (f" ({data['error']})" if data.get("error") else ""))
 
 
-def last_requests(targets: list, n: int, k: int) -> list[tuple[str, dict]]:
+def last_requests(targets: list, n: int, k: int) -> list[tuple[str, Any]]:
     """The (event, data) items of the last ``n`` generation requests in the processes' memory, oldest first: each
-    one's ``step`` items, then ``end`` once it has ended."""
+    one's ``step`` items (a :class:`StepView`), then ``end`` once it has ended."""
     found = []
     for endpoint in targets:
         for summary in endpoint.json("GET", "/v1/requests")["requests"]:
             if summary.get("kind") == "generate" and summary.get("request_id") is not None:
                 found.append((summary.get("started") or 0.0, endpoint, summary))
-    items: list[tuple[str, dict]] = []
+    items: list[tuple[str, Any]] = []
     for _, endpoint, summary in sorted(found, key=lambda item: item[0])[-n:]:
         view = endpoint.json("GET", f"/v1/requests/{quote(summary['request_id'], safe='')}?k={k}")
-        items += [("step", {"request_id": view["request_id"], "model": view.get("model"), **step})
+        items += [("step", StepView.from_json({"request_id": view["request_id"], "model": view.get("model"), **step}))
                   for step in view["steps"]]
         if view.get("ended"):
             items.append(("end", {**view, "steps": len(view["steps"])}))
@@ -128,7 +132,13 @@ def run(args: argparse.Namespace) -> int:
         try:
             for event, data in endpoint.events(f"/v1/stream?{urlencode(query)}",
                                                on_open=lambda: items.put(("open", {}))):
-                items.put((event, data))
+                if event == "step":
+                    items.put(("step", StepView.from_json(data)))
+                elif event == "dropped":  # this reader fell behind: how many steps it lost so far
+                    items.put(("fault", {"text": f"! {endpoint.name}: {data.get('dropped')} step(s) not shown: nxl "
+                                                 "tail fell behind (the run's records keep them)"}))
+                else:
+                    items.put((event, data))
         except Exception as error:  # noqa: BLE001 - reported by the main thread
             items.put(("error", {"error": f"{endpoint.name}: {error}"}))
         items.put(("closed", {}))
@@ -159,11 +169,11 @@ def run(args: argparse.Namespace) -> int:
         stop.set()
 
 
-def _show(items: queue.Queue, args: argparse.Namespace, open_streams: int, past: list[tuple[str, dict]]) -> int:
+def _show(items: queue.Queue, args: argparse.Namespace, open_streams: int, past: list[tuple[str, Any]]) -> int:
     """Print ``past`` (``--last``), then what the follower threads put in ``items`` until the request ends,
     ``--count`` is reached or every stream has closed; say so on stderr while no token comes."""
     width, shown = shutil.get_terminal_size((120, 20)).columns, 0
-    seen = {(data["request_id"], data["step"]) for event, data in past if event == "step"}
+    seen = {(view.request_id, view.step) for event, view in past if event == "step"}
     waiting = f"request {visible(args.request_id)}" if args.request_id else "requests"
     quiet_since, wait, said, opening = time.monotonic(), _WAIT_FIRST, False, open_streams
     for event, data in past:
@@ -183,7 +193,7 @@ def _show(items: queue.Queue, args: argparse.Namespace, open_streams: int, past:
                 print(f"nxl tail: waiting for {waiting} (Ctrl-C to stop{hint})", file=sys.stderr, flush=True)
             continue
         if event == "step":
-            if (data["request_id"], data["step"]) in seen:
+            if (data.request_id, data.step) in seen:
                 continue  # already shown by --last
             quiet_since, wait, said = time.monotonic(), _WAIT_AGAIN, False
             print(line(data, args.layer, width), flush=True)

@@ -5,7 +5,7 @@
     GET  /v1/requests/ID?k=5             one request: per step, the top-k context tokens of every layer (a
                                          classifier's: per explained row)
     GET  /v1/requests/ID/frames          one request as a stream file (nxl.read_stream reads it)
-    GET  /v1/stream[?request_id=ID&k=3]  steps as they are made, as server-sent events (event: step | end)
+    GET  /v1/stream[?request_id=ID&k=3]  steps as they are made, as server-sent events (event: step | dropped | end)
     POST /v1/control                     {"action": "pause" | "resume" | "attach" | "detach", "layers": ...,
                                           "target": ..., "embedding": ..., "models": "GLOB"}
 
@@ -36,7 +36,6 @@ import io
 import json
 import logging
 import os
-import queue
 import signal
 import socket
 import socketserver
@@ -492,10 +491,11 @@ class ControlServer:
         return controller.status()
 
     def _stream(self, handler: _Handler, request_id: str | None, k: int) -> None:
-        """Server-sent events: ``step`` per step made (one request's, from its first step, then ``end``; or every
-        request's from now on), ``: keepalive`` comments while idle."""
+        """Server-sent events: ``step`` per step made, a :class:`~nxl_hooks.records.view.StepView` (one request's,
+        from its first step, then ``end``; or every request's from now on); ``dropped`` (the total so far) when
+        this reader fell behind and lost steps; ``: keepalive`` comments while idle."""
         controller = self.controller
-        feed = controller.subscribe(request_id)
+        reader = controller.subscribe(request_id)
         try:
             handler.send_response(200)
             handler.send_header("Content-Type", "text/event-stream")
@@ -504,6 +504,7 @@ class ControlServer:
             handler.wfile.flush()
             sent: dict[int, int] = {}  # id(call) -> steps sent
             watched = None  # (watch, call) of the request, once seen
+            dropped = 0
 
             def emit(event: str, data: dict) -> None:
                 handler.wfile.write(f"event: {event}\ndata: {json.dumps(data)}\n\n".encode())
@@ -514,8 +515,7 @@ class ControlServer:
                 if call is not None and step.step < sent.get(key, 0):
                     return  # already replayed
                 sent[key] = step.step + 1
-                view = step_view(watch.texts, call, step, k=k)
-                emit("step", {"request_id": call.request_id if call else None, "model": watch.name, **view})
+                emit("step", step_view(watch, call, step, k=k).to_json())
 
             idle = time.monotonic()
             while True:
@@ -525,9 +525,11 @@ class ControlServer:
                         watched = found[:2]
                         for step in list(watched[1].steps):  # joined mid-request (or after): replay
                             send_step(*watched, step)
-                try:
-                    watch, call, step = feed.queue.get(timeout=0.25)
-                except queue.Empty:
+                item = reader.get(timeout=0.25)
+                if reader.dropped > dropped:
+                    dropped = reader.dropped
+                    emit("dropped", {"dropped": dropped})
+                if item is None:
                     if controller.endpoint is not self:  # closed (nxl detach): no reader keeps a thread here
                         return
                     if watched is not None and ended(watched[1]):
@@ -539,8 +541,8 @@ class ControlServer:
                         idle = time.monotonic()
                     continue
                 idle = time.monotonic()
-                if watched is None and request_id is not None and call is not None:
-                    watched = (watch, call)
-                send_step(watch, call, step)
+                if watched is None and request_id is not None and item.call is not None:
+                    watched = (item.watch, item.call)
+                send_step(*item)
         finally:
-            controller.unsubscribe(feed)
+            controller.unsubscribe(reader)
