@@ -38,4 +38,4 @@ __all__ = [
     "register_file",
     "register_sink",
 ]
-__version__ = "0.3.0"
+__version__ = "0.4.0"
