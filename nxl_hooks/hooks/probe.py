@@ -34,6 +34,7 @@ from torch import nn
 from ..arch.registry import get_path, resolve, unwrap
 from ..method.chat import chat_prompt, template_rows
 from ..method.placement import input_device
+from ..method.protocol import Method
 from ..method.select import Target, is_predicted, prompt_targets
 from ..records.attribution import Attribution
 from ..records.sinks import RecordSink
@@ -529,6 +530,7 @@ def attach(
     keep_calls: int | None = None,
     cache_dtype: torch.dtype | None = None,
     cache_device: str | torch.device | None = None,
+    methods: Sequence[str | Method] | str | None = None,
 ) -> Probe:
     """Hook NormXLogit onto ``model`` (a transformers task model or a PeftModel) until the probe detaches.
 
@@ -540,6 +542,9 @@ def attach(
       label string, a list of them (adds a trailing axis of size k), or a (rows,) / (rows, k) id tensor.
     - ``tokenizer``: needed for token-string targets, masked LMs and token strings in the result.
     - ``embedding``: "layer_input" (input of block 1, default) or "word" (the raw word-embedding row).
+    - ``methods``: attribution methods to compute beside NormXLogit and LogAt (which every record has): names
+      registered with :func:`~nxl_hooks.method.registry.register_method` (``"contrastive"``) or
+      :class:`~nxl_hooks.method.protocol.Method` objects; each lands in the records' ``scores[name]``.
 
     While ``generate`` runs, or continuous batching (``generate_batch``, ``transformers serve
     --continuous-batching``: one call per request; any engine registered with
@@ -561,7 +566,8 @@ def attach(
     the end of the ``with`` block, :func:`detach_all`, or when the probe or the model is garbage-collected (the
     probe holds the model weakly).
     """
-    plan = make_plan(unwrap(model), layers=layers, target=target, tokenizer=tokenizer, embedding=embedding)
+    plan = make_plan(unwrap(model), layers=layers, target=target, tokenizer=tokenizer, embedding=embedding,
+                     methods=methods)
     check_recording(plan, on_step=on_step, sink=sink, keep_calls=keep_calls, cache_dtype=cache_dtype,
                     cache_device=cache_device)
     backbone = get_path(plan.model, plan.spec.backbone) if plan.spec.backbone else plan.model.base_model

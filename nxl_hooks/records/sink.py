@@ -12,7 +12,9 @@ first frame (``kind`` ``file``) names the file's number and its writer. Files of
 ``seq``, no ``file`` frame) still read, with the step checks below. A ``call`` frame also carries
 ``model``, ``started`` and ``special_ids``, a ``step`` frame its ``time`` and an ``end`` frame ``ended``: optional
 entries of format 2, which older readers skip; records read from older files without them have None there
-(``tests/data/stream-v2.nxl`` is such a file).
+(``tests/data/stream-v2.nxl`` is such a file). A ``step`` frame holds the scores of NormXLogit and LogAt as the
+tensors ``normxlogit`` and ``logat``, and those of any other method the probe computed as ``scores.<method>``
+(older readers skip them too).
 Each frame is written with one ``write`` call before the next decoding step starts, so a process killed with
 SIGKILL leaves every completed step readable. ``Sink(path, fsync=True)`` also survives power loss, at the cost of
 an fsync per step. A sink refuses to write through a symbolic link unless ``Sink(path, follow_symlinks=True)``.
@@ -60,7 +62,8 @@ import torch
 from safetensors.torch import load as _load_blob
 from safetensors.torch import save as _save_blob
 
-from .attribution import RecordError
+from ..method.registry import DEFAULT
+from .attribution import RecordError, scores_to_store, stored_scores
 from .files import CHUNK, read_regular
 from .steps import STEP_TENSORS, GenerationCall, Step
 
@@ -129,7 +132,7 @@ def encode_call(call: GenerationCall, meta: dict, *, seq: int | None = None) -> 
 
 def encode_step(step: Step, *, seq: int | None = None) -> bytes:
     """The ``step`` frame of one record (its call and step index, checked against the one before it on reading)."""
-    tensors = {name: getattr(step, name) for name in STEP_TENSORS}
+    tensors = {**{name: getattr(step, name) for name in STEP_TENSORS}, **scores_to_store(step.scores)}
     if step.probability is not None:
         tensors["probability"] = step.probability
     return _encode(tensors, {"kind": "step", "call": step.call, "step": step.step, "position": step.position,
@@ -609,8 +612,8 @@ def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, to
         step = Step(call=index, step=_field(header, "step", (int,)), position=_field(header, "position", (int,)),
                     layers=_layers(header), n_blocks=_field(header, "n_blocks", (int,), optional=True),
                     probability=tensors.get("probability"), readable=_strings(header, "readable"),
-                    time=_field(header, "time", (float, int), optional=True),
-                    **{name: tensors.get(name) for name in STEP_TENSORS})
+                    time=_field(header, "time", (float, int), optional=True), scores=stored_scores(tensors),
+                    **{name: tensors.get(name) for name in STEP_TENSORS if name not in DEFAULT})
         _check_step(step, call)
         call.link(step)
         call.steps.append(step)
@@ -631,7 +634,7 @@ def _check_step(step: Step, call: GenerationCall) -> None:
     if token.shape[0] != batch or active.shape[0] != batch:
         raise ValueError(f"step {step.step}: token / active have {token.shape[0]} / {active.shape[0]} rows, "
                          f"the call's prompt {batch}")
-    scores = step.normxlogit
+    scores = step.scores.get("normxlogit")
     if scores is None or scores.dim() < 3 or scores.shape[1:3] != (batch, step.position) or step.position < 1:
         raise ValueError(f"step {step.step}: normxlogit {None if scores is None else tuple(scores.shape)} does not "
                          f"cover {batch} row(s) x {step.position} positions")
