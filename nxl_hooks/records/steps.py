@@ -78,6 +78,8 @@ class Step:
 
     normxlogit = Attribution.normxlogit
     logat = Attribution.logat
+    methods = Attribution.methods
+    method_scores = Attribution.method_scores
 
     def __repr__(self) -> str:
         """A summary, never the tensors: the emitted token(s), probability, context length, layers and the top

@@ -4,6 +4,7 @@ made.
     nxl tail                         # every request of the last `nxl run`, from now on
     nxl tail --last 3                # the last 3 requests in memory first, then on
     nxl tail --run runs/ --request-id my-req-1 --layer -1 -k 3
+    nxl tail --method contrastive    # rank by another method the program's probe computes
 
 A line: request, step, ``@`` the token's position in the sequence, the token, then the context tokens that drove it
 most at one layer, each as ``position:'text' score`` (a word the prompt holds twice is told apart by its
@@ -35,7 +36,7 @@ import time
 from urllib.parse import quote, urlencode
 
 from ...records.tokens import visible
-from ..options import CliError, positive_int
+from ..options import CliError, add_method_option, positive_int
 
 NAME = "tail"
 _FAULT_POLL = 2.0  #: seconds between two looks at each process's status for faults
@@ -59,6 +60,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--request-id", metavar="ID", help="only this request (from its first token; ends with it)")
     parser.add_argument("--layer", type=int, default=None, help="which recorded layer to show (default: the last)")
     parser.add_argument("-k", type=positive_int, default=3, help="context tokens per line (default 3)")
+    add_method_option(parser)
     parser.add_argument("--count", type=positive_int, metavar="N", help="stop after N tokens")
     parser.add_argument("--last", type=positive_int, metavar="N",
                         help="first show the last N requests still in the program's memory (then follow on)")
@@ -82,6 +84,9 @@ def line(data: dict, layer: int | None, width: int) -> str:
     Tokens are the endpoint's texts (:mod:`nxl_hooks.apps.serve.readout`: readable, a character split over tokens
     shown whole), quoted as they are."""
     top = data["top"]
+    if not top:  # the program's probe does not compute the method asked for: the line says so
+        return visible(f"{visible(str(data['request_id']))[:16]:<16} {data['step']:>4} @{data['position']:<5} "
+                       f"'{data['token']}'  {data.get('unscored') or 'nothing ranked'}")[:max(width, 8)]
     key = str(layer) if layer is not None and str(layer) in top else max(top, key=int)
     best = "  ".join(f"{position}:'{name}' " + (f"{score:.3g}" if score is not None else "nan")
                      for position, name, score in top[key])
@@ -97,7 +102,7 @@ def end_line(data: dict) -> str:
                    + (f" ({data['error']})" if data.get("error") else ""))
 
 
-def last_requests(targets: list, n: int, k: int) -> list[tuple[str, dict]]:
+def last_requests(targets: list, n: int, k: int, method: str = "normxlogit") -> list[tuple[str, dict]]:
     """The (event, data) items of the last ``n`` generation requests in the processes' memory, oldest first: each
     one's ``step`` items, then ``end`` once it has ended."""
     found = []
@@ -107,7 +112,8 @@ def last_requests(targets: list, n: int, k: int) -> list[tuple[str, dict]]:
                 found.append((summary.get("started") or 0.0, endpoint, summary))
     items: list[tuple[str, dict]] = []
     for _, endpoint, summary in sorted(found, key=lambda item: item[0])[-n:]:
-        view = endpoint.json("GET", f"/v1/requests/{quote(summary['request_id'], safe='')}?k={k}")
+        view = endpoint.json("GET", f"/v1/requests/{quote(summary['request_id'], safe='')}?"
+                                    + urlencode({"k": k, "method": method}))
         items += [("step", {"request_id": view["request_id"], "model": view.get("model"), **step})
                   for step in view["steps"]]
         if view.get("ended"):
@@ -121,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     if args.last and args.request_id:
         raise CliError("--last shows the last requests; --request-id follows one (from its first token): give one")
     targets = endpoints(args.run, args.token_file)
-    query = {"k": args.k, **({"request_id": args.request_id} if args.request_id else {})}
+    query = {"k": args.k, "method": args.method, **({"request_id": args.request_id} if args.request_id else {})}
     items: queue.Queue = queue.Queue()
 
     def follow(endpoint) -> None:
@@ -152,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
     for endpoint in targets:
         threading.Thread(target=follow, args=(endpoint,), daemon=True).start()
         threading.Thread(target=watch_faults, args=(endpoint,), daemon=True).start()
-    past = last_requests(targets, args.last, args.k) if args.last else []  # after subscribing: none is missed
+    past = last_requests(targets, args.last, args.k, args.method) if args.last else []  # after subscribing: none is missed
     try:
         return _show(items, args, len(targets), past)
     finally:

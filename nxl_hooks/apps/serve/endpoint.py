@@ -54,6 +54,7 @@ from ...method.select import parse_embedding
 from ...records.sink import read_stream, stream_bytes
 from ...records.steps import GenerationCall
 from ..options import parse_layers, parse_target
+from ...method.registry import method_names
 from .readout import call_view, ended, forward_view, step_view, summary
 from .runs import check_private, enlist, peer_uid, read_token, socket_path
 from .settings import parse_listen
@@ -352,6 +353,14 @@ def _int(query: dict, name: str, default: int, low: int = 0, high: int = 1000) -
     return value
 
 
+def _method(query: dict) -> str:
+    """``?method=``: the attribution method views rank by (default normxlogit); 400 for one not registered."""
+    method = query.get("method", "normxlogit")
+    if method not in method_names():
+        raise _BadRequest(400, f"method={method!r:.80}: use one of {', '.join(method_names())}")
+    return method
+
+
 def _rows(call: GenerationCall) -> int:
     """The rows (batch size) of a call: what ``?row=`` may pick from."""
     if call.prompt_ids is not None:
@@ -435,16 +444,16 @@ class ControlServer:
             return handler._json(200, {"requests": [summary(watch, call) for watch, call, _ in records]})
         if method == "GET" and len(rest) == 2 and rest[0] == "requests":
             watch, record, _ = self._find(rest[1])
-            k = _int(query, "k", 5, 1)
+            k, method = _int(query, "k", 5, 1), _method(query)
             if isinstance(record, GenerationCall):
-                view = call_view(watch, record, k=k, row=_int(query, "row", 0, 0, _rows(record) - 1))
+                view = call_view(watch, record, k=k, row=_int(query, "row", 0, 0, _rows(record) - 1), method=method)
             else:
-                view = forward_view(watch, record, k=k)
+                view = forward_view(watch, record, k=k, method=method)
             return handler._json(200, view)
         if method == "GET" and len(rest) == 3 and rest[0] == "requests" and rest[2] == "frames":
             return handler._send(200, self._frames(rest[1]), "application/octet-stream")
         if method == "GET" and rest == ["stream"]:
-            return self._stream(handler, query.get("request_id") or None, _int(query, "k", 3, 1))
+            return self._stream(handler, query.get("request_id") or None, _int(query, "k", 3, 1), _method(query))
         if method == "POST" and rest == ["control"]:
             return handler._json(200, self._control(handler.body()))
         raise _BadRequest(404 if method == "GET" else 405, f"no such endpoint: {method} {handler.path}")
@@ -500,7 +509,7 @@ class ControlServer:
             raise _BadRequest(400, f"action={action!r:.80}: use pause, resume, attach or detach")
         return controller.status()
 
-    def _stream(self, handler: _Handler, request_id: str | None, k: int) -> None:
+    def _stream(self, handler: _Handler, request_id: str | None, k: int, method: str) -> None:
         """Server-sent events: ``step`` per step made (one request's, from its first step, then ``end``; or every
         request's from now on), ``: keepalive`` comments while idle."""
         controller = self.controller
@@ -523,7 +532,7 @@ class ControlServer:
                 if call is not None and step.step < sent.get(key, 0):
                     return  # already replayed
                 sent[key] = step.step + 1
-                view = step_view(watch.texts, call, step, k=k)
+                view = step_view(watch.texts, call, step, k=k, method=method)
                 emit("step", {"request_id": call.request_id if call else None, "model": watch.name, **view})
 
             idle = time.monotonic()

@@ -4,7 +4,8 @@
     step_view(watch.texts, call, step, k=5)    # {"step", "token", "top": {"30": [[position, "token", score], ...]}}
     forward_view(watch, forward, k=5)          # a classifier's forward: per explained row, the top-k per layer
 
-Top-k follows :meth:`nxl_hooks.Attribution.top` (signed NormXLogit; padding, the prediction position, special
+Top-k follows :meth:`nxl_hooks.Attribution.top` (signed NormXLogit, or ``method=``: any method the probe
+computes; padding, the prediction position, special
 tokens and a chat template's own tokens do not rank). Token text is the readable text of the single id
 (:mod:`nxl_hooks.records.tokens`), except that tokens which each hold part of one character (an emoji a byte-level
 tokenizer splits) show that character (:func:`~nxl_hooks.records.tokens.whole_characters`, over the context and
@@ -46,9 +47,23 @@ def _number(value: float) -> float | None:
     return None if math.isnan(value) else value
 
 
-def _top(res: Any, k: int, row: int) -> dict:
-    return {str(layer): [[position, name, _number(score)] for position, name, score in res.top(k, layer=layer, row=row)]
+def _top(res: Any, k: int, row: int, method: str) -> dict:
+    """Per layer, the top-k ``[position, text, score]`` by ``method``: ``{}`` when the record has no such scores
+    (:func:`unscored` says why)."""
+    if method not in res.scores:
+        return {}
+    return {str(layer): [[position, name, _number(score)]
+                         for position, name, score in res.top(k, layer=layer, row=row, method=method)]
             for layer in res.layers}
+
+
+def unscored(record: Any, method: str) -> dict:
+    """``{"method": method}``, and ``"unscored"``: why the view ranks nothing, when ``record`` (an Attribution or
+    a Step) has no scores of ``method``."""
+    if method in record.scores:
+        return {"method": method}
+    return {"method": method, "unscored": f"the probe does not compute {method!r} (it computes "
+                                          f"{', '.join(record.scores)}; attach(..., methods=[{method!r}]))"}
 
 
 class Context:
@@ -71,7 +86,7 @@ class Context:
 
 
 def step_view(texts: Any, call: GenerationCall | None, step: Step, *, k: int = 5, row: int = 0,
-              context: Context | None = None) -> dict:
+              context: Context | None = None, method: str = "normxlogit") -> dict:
     """One step: the emitted token and, per layer, the ``k`` context tokens that drove it most."""
     names, special = (context or Context(texts, call, row)).upto(step.position)
     batch = step.token.shape[0]
@@ -84,23 +99,23 @@ def step_view(texts: Any, call: GenerationCall | None, step: Step, *, k: int = 5
     probability = None if step.probability is None else float(step.probability.reshape(batch, -1)[row, 0])
     return {"step": step.step, "position": step.position, "token_id": token, "token": shown[-1],
             "probability": probability,
-            "active": bool(step.active[row]), "top": _top(res, k, row)}
+            "active": bool(step.active[row]), "top": _top(res, k, row, method), **unscored(step, method)}
 
 
-def call_view(watch: Any, call: GenerationCall, *, k: int = 5, row: int = 0) -> dict:
+def call_view(watch: Any, call: GenerationCall, *, k: int = 5, row: int = 0, method: str = "normxlogit") -> dict:
     """One request: its summary, prompt tokens and every kept step."""
     texts, steps = watch.texts, list(call.steps)
     context = Context(texts, call, row)
     prompt = call.prompt_ids[row].tolist() if call.prompt_ids is not None else []
     return {**summary(watch, call), "prompt": [texts.text(i) for i in prompt],
-            "steps": [step_view(texts, call, step, k=k, row=row, context=context) for step in steps]}
+            "steps": [step_view(texts, call, step, k=k, row=row, context=context, method=method) for step in steps]}
 
 
-def forward_view(watch: Any, forward: Any, *, k: int = 5) -> dict:
+def forward_view(watch: Any, forward: Any, *, k: int = 5, method: str = "normxlogit") -> dict:
     """One forward: per explained row (an example, or a [MASK]), its target and the ``k`` tokens of each layer
     that drove it most (``Attribution.top``; token strings as the tokenizer names them)."""
     res = forward.attribution
     rows = [{"row": row, "example": int(res.example[row]), "position": int(res.position[row]),
              "target": res.target[row].reshape(-1).tolist(), "tokens": res.tokens[row] if res.tokens else None,
-             "top": _top(res, k, row)} for row in range(res.normxlogit.shape[1])]
-    return {**summary(watch, forward), "explained": rows}
+             "top": _top(res, k, row, method)} for row in range(res.normxlogit.shape[1])]
+    return {**summary(watch, forward), **unscored(res, method), "explained": rows}
