@@ -33,12 +33,12 @@ logger = logging.getLogger("nxl_hooks")
 ENTRY_POINT_GROUP = "nxl_hooks.methods"
 #: What every probe computes (at no cost beyond the target logits it needs anyway), in this order.
 DEFAULT = ("normxlogit", "logat")
-#: Names a method cannot take: the fields and Parquet columns its scores sit beside.
+#: Names a method cannot take: the fields and Parquet columns its scores sit beside, and evaluation's baselines.
 RESERVED = frozenset({
     "request_id", "call", "row", "step", "emitted_position", "emitted_id", "emitted_text", "active", "layer",
     "position", "token_id", "token_text", "target_index", "target_id", "target_text", "probability", "embed_norm",
     "model", "time", "in_prompt", "prediction_position", "special", "template", "ranked", "token", "target", "mask",
-    "scores", "layers", "random",
+    "scores", "layers", "random", "grad_norm", "grad_x_input", "integrated_gradients",
 })
 
 _METHODS: dict[str, Method] = {}

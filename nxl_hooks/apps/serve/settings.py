@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from ...method.protocol import check_name
 from ...method.select import EMBEDDINGS, option_text, parse_embedding, parse_layers, parse_target
 
 __all__ = ["DEFAULT_KEEP_CALLS", "OPTIONS", "Option", "Settings", "add_run_options", "markdown_table", "matches",
@@ -89,6 +90,12 @@ def _switch(text: str) -> bool:
 
 def _switch_text(on: bool) -> str:
     return "1" if on else "0"
+
+
+def _methods(text: str) -> list[str]:
+    """A comma list of attribution method names (looked up when the probe attaches: a program may register its
+    own first)."""
+    return [check_name(name.strip()) for name in text.split(",") if name.strip()]
 
 
 def _globs(text: str) -> list[str]:
@@ -222,6 +229,10 @@ class Settings:
     embedding: str = _setting("layer_input", Option(
         "NXL_EMBEDDING", parse_embedding, "embedding norm: the input of block 1, or the raw word-embedding row",
         flag="--embedding", metavar="EMBEDDING", choices=EMBEDDINGS))
+    methods: list[str] = _setting([], Option(
+        "NXL_METHODS", _methods, "attribution methods computed beside normxlogit and logat (comma list of registered "
+        "names, like contrastive): records carry their scores, nxl tail --method ranks by them", text=",".join,
+        flag="--methods", metavar="NAMES"))
     models: list[str] = _setting(["*"], Option(
         "NXL_MODELS", _globs, "record only models whose name or path matches one of these comma-separated globs", text=",".join, flag="--models", metavar="PATTERN"))
     keep_calls: int = _setting(DEFAULT_KEEP_CALLS, Option(
@@ -265,7 +276,7 @@ class Settings:
 
     def attach_options(self) -> dict:
         """What goes to :func:`nxl_hooks.attach` besides the sink."""
-        return {"layers": self.layers, "target": self.target, "embedding": self.embedding}
+        return {"layers": self.layers, "target": self.target, "embedding": self.embedding, "methods": self.methods}
 
     def to_env(self) -> dict[str, str]:
         """Every setting as its ``NXL_*`` variable (an empty one for an unset ``listen`` / ``load``, so that a
