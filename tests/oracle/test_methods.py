@@ -239,3 +239,19 @@ def test_methods_install_through_entry_points_and_a_broken_one_is_one_line(tmp_p
     with pytest.raises(ValueError, match="unknown attribution method 'test_plugin_broken'"):
         nxl.attach(model, methods=["test_plugin_broken"])
     assert os.environ.get("NXL_METHODS") is None  # nothing of the host's environment was changed
+
+
+def test_evaluation_scores_a_method_from_a_test_file(lm):
+    from nxl_hooks.eval import faithfulness as ev
+
+    model, tok = lm
+    assert NAME in ev.available_methods()
+    rec = ev.score_example(model, tok, {"text": TEXT, "evidence": ["good"]}, methods=[NAME, "random"],
+                           keep_scores=True)
+    logits, _ = _lm_oracle(model, tok(TEXT, return_tensors="pt")["input_ids"])
+    logat = logits[:, 0, :, logits[-1, 0, -1].argmax()]
+    mine = rec["methods"][NAME]
+    assert mine["layered"] and len(mine["ap"]) == logits.shape[0] and not rec["methods"]["random"]["layered"]
+    torch.testing.assert_close(torch.tensor(mine["scores"]), -logat[-1], atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="unknown method"):
+        ev.score_example(model, tok, {"text": TEXT}, methods=["no_such_method"])
