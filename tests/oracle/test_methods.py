@@ -255,3 +255,20 @@ def test_evaluation_scores_a_method_from_a_test_file(lm):
     torch.testing.assert_close(torch.tensor(mine["scores"]), -logat[-1], atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="unknown method"):
         ev.score_example(model, tok, {"text": TEXT}, methods=["no_such_method"])
+
+
+def test_contrastive_adds_no_host_read_per_generated_token():
+    """The contrastive method runs on the hot path with device tensors only: attached with it, generate reads values
+    back from the device a constant number of times per call more than plain generate, whatever the tokens."""
+    from test_host_reads import _reads
+
+    model = tiny.generating_llama()
+    inputs = {"input_ids": torch.randint(1, tiny.GEN_VOCAB, (2, 6), generator=torch.Generator().manual_seed(0)),
+              "attention_mask": torch.ones(2, 6, dtype=torch.long), "do_sample": False}
+    added = {}
+    for new in (3, 10):
+        plain = _reads(model, inputs, new)
+        with nxl.attach(model, methods=["contrastive", NAME]) as probe:
+            added[new] = _reads(model, inputs, new) - plain
+        assert len(probe.steps) == new and not probe.steps[-1].scores["contrastive"].isnan().any()
+    assert added[3] == added[10], added
