@@ -1,6 +1,6 @@
 """What a forward-only attribution method is given and what it returns: the :class:`Method` protocol.
 
-    class Doubled(Method):                       # subclassing gives the optional members' defaults
+    class Doubled(Method):                       # subclassing is optional: it states the intent
         name = "doubled"
         description = "twice LogAt"
         def score(self, given: Given) -> torch.Tensor:
@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, ClassVar, Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -49,8 +49,8 @@ class Method(Protocol):
     ``given.logat``. ``name`` (lowercase letters, digits, ``_``) keys ``Attribution.scores`` and ``Step.scores``;
     ``description`` is one line for ``nxl methods`` and the docs."""
 
-    name: ClassVar[str] | str
-    description: ClassVar[str] | str
+    name: str
+    description: str
 
     def score(self, given: Given) -> torch.Tensor:
         """The per-layer, per-token scores of each explained target: (layers, rows, seq, k)."""
