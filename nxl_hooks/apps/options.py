@@ -10,14 +10,15 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 from pathlib import Path
 from typing import Any, Callable
 
 from ..method import select
 from ..method.registry import get_method
 from ..records.tokens import visible
-from .loading import DTYPES
+from .loading import HEAD_CLASSES, Loading, read_max_memory
+from .schema import add_options, options
+from .serve.settings import ATTACH, Settings
 
 __all__ = [
     "HEADS",
@@ -36,7 +37,7 @@ __all__ = [
     "positive_int",
 ]
 
-HEADS = ("causal_lm", "sequence_classification", "masked_lm")  # --head: when config.architectures does not say
+HEADS = tuple(HEAD_CLASSES)  #: --head: when config.architectures does not say
 
 
 class CliError(Exception):
@@ -115,44 +116,15 @@ def add_method_option(parser: argparse.ArgumentParser) -> None:
                         "contrastive, or one registered in code or through the nxl_hooks.methods entry points")
 
 
-def parse_max_memory(value: str) -> dict[Any, str]:
-    """``--max-memory 0=10GiB,cpu=30GiB`` -> ``{0: "10GiB", "cpu": "30GiB"}`` (accelerate's max_memory)."""
-    limits: dict[Any, str] = {}
-    for part in value.split(","):
-        device, sep, size = part.strip().partition("=")
-        if not sep or not device or not size:
-            raise argparse.ArgumentTypeError(f"{value!r}: use DEVICE=SIZE pairs like 0=10GiB,cpu=30GiB")
-        limits[int(device) if device.isdigit() else device] = size
-    return limits
-
-
-def _device_map(value: str) -> Any:
-    if value.startswith("{"):
-        try:
-            return json.loads(value)
-        except json.JSONDecodeError as error:
-            raise argparse.ArgumentTypeError(f"--device-map {value!r} is not valid JSON: {error}") from None
-    return value
+#: ``--max-memory 0=10GiB,cpu=30GiB`` -> ``{0: "10GiB", "cpu": "30GiB"}`` (accelerate's max_memory): argparse type.
+parse_max_memory = argument_type(read_max_memory)
 
 
 def add_attribution_options(parser: argparse.ArgumentParser) -> None:
-    """What every command that attaches takes: --layers, --target, --embedding."""
-    parser.add_argument(
-        "--layers", type=parse_layers, default="all", help="all (default) | last | comma list like 0,2,-1"
-    )
-    parser.add_argument(
-        "--target",
-        type=parse_target,
-        default="predicted",
-        help="predicted (default) | an id | a word (read after TEXT: 'Paris' is ' Paris'), a token or a label | "
-        "comma list, spaces kept (one table each; two also show their contrast)",
-    )
-    parser.add_argument(
-        "--embedding",
-        choices=select.EMBEDDINGS,
-        default="layer_input",
-        help="embedding norm: input of block 1 (default) or the raw word-embedding row",
-    )
+    """What every command that attaches takes: --layers, --target, --embedding, declared once as the
+    :data:`~nxl_hooks.apps.serve.settings.ATTACH` fields of ``nxl run``'s settings (the parsed arguments hold
+    their defaults where left out)."""
+    add_options(parser, Settings, where=lambda option: option.name in ATTACH, set_defaults=True)
 
 
 def add_dataset_options(parser: argparse.ArgumentParser) -> None:
@@ -168,42 +140,22 @@ def add_dataset_options(parser: argparse.ArgumentParser) -> None:
 
 
 def add_loading_options(parser: argparse.ArgumentParser, *, program_loads: bool = False) -> None:
-    """How every command loads its models (:func:`nxl_hooks.apps.loading.load_model`): --head, --dtype,
-    --device-map, --max-memory, --load-in-8bit / --load-in-4bit, --gguf-file, and --chat for the text.
-    ``program_loads``: the models are the program's own (``nxl run``): no --head and no --chat."""
+    """How every command loads its models (:class:`~nxl_hooks.apps.loading.Loading`, read back by
+    :func:`loading_options`): --head, --dtype, --device-map, --max-memory, --load-in-8bit / --load-in-4bit,
+    --gguf-file, --tp and --chat. ``program_loads``: the models are the program's own (``nxl run``): only the
+    options it hands to the program's loads (no --head, --tp or --chat)."""
     group = parser.add_argument_group("loading the model" if not program_loads else
                                       "loading the program's models (defaults for its from_pretrained calls)")
-    if not program_loads:
-        group.add_argument("--head", choices=HEADS,
-                           help="which head to load when config.architectures does not say (a .gguf file: causal_lm)")
-    group.add_argument("--dtype", choices=DTYPES, help="load the weights in this dtype (auto: the checkpoint's)")
-    group.add_argument("--device-map", type=_device_map, metavar="MAP",
-                       help="accelerate placement: auto | balanced | sequential | cpu | cuda:0 | JSON {module: device}")
-    group.add_argument("--max-memory", type=parse_max_memory, metavar="LIMITS",
-                       help="with --device-map: what each device may hold, like 0=10GiB,cpu=30GiB")
-    group.add_argument("--load-in-8bit", action="store_true", help="quantize with bitsandbytes, 8-bit")
-    group.add_argument("--load-in-4bit", action="store_true", help="quantize with bitsandbytes, 4-bit nf4")
-    group.add_argument("--gguf-file", metavar="NAME",
-                       help="the .gguf file inside MODEL (a folder or hub id); or pass the .gguf file as MODEL")
-    if not program_loads:  # --tp (registry): the program's own from_pretrained(tp_plan=...) decides under nxl run
-        group.add_argument("--tp", action="store_true", help="tensor parallel: launched by torchrun, load with "
-                           "tp_plan='auto' (one shard per process; rank 0 prints and writes)")
-        group.add_argument("--chat", action="store_true",
-                           help="wrap each text in the tokenizer's chat template as the user's message, with the "
-                           "assistant's turn after it")
+    add_options(group, Loading, where=(lambda option: option.program) if program_loads else None)
 
 
 def loading_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The keyword arguments of :func:`~nxl_hooks.apps.loading.load_model` that ``args`` ask for; a
-    :class:`CliError` for combinations that cannot work."""
-    if args.load_in_8bit and args.load_in_4bit:
-        raise CliError("--load-in-8bit and --load-in-4bit exclude each other: pick one")
-    if args.max_memory is not None and args.device_map is None:
-        raise CliError("--max-memory needs --device-map (e.g. --device-map auto): it caps what each device holds")
-    if args.gguf_file is not None and not args.gguf_file.lower().endswith(".gguf"):
-        raise CliError(f"--gguf-file {args.gguf_file!r}: name the .gguf file inside MODEL")
-    quantize = "8bit" if args.load_in_8bit else "4bit" if args.load_in_4bit else None
-    return {"head": getattr(args, "head", None), "dtype": args.dtype, "device_map": args.device_map,
-            "max_memory": args.max_memory, "quantize": quantize, "gguf_file": args.gguf_file,
-            **({"tp": True} if getattr(args, "tp", False) else {}),
-            **({"chat": True} if getattr(args, "chat", False) else {})}
+    """The keyword arguments of :func:`~nxl_hooks.apps.loading.load_model` that ``args`` ask for: head, dtype,
+    device_map, max_memory, quantize and gguf_file (None when not given), tp and chat when given; a
+    :class:`CliError` for combinations that cannot work. (``Loading.from_args(args)`` is the same options as one
+    object.)"""
+    try:
+        loading = Loading.from_args(args)
+    except ValueError as error:
+        raise CliError(str(error)) from None
+    return {**{option.name: None for option in options(Loading) if option.default is None}, **loading}

@@ -26,6 +26,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from ..arch.registry import HeadKind
 from ..hooks.probe import attach
 from ..method.placement import input_device
 from ..method.chat import chat_prompt, template_rows
@@ -185,7 +186,7 @@ def show_attribution(res: Attribution, console: Console, *, all_positions: bool 
         at = f"read at {res.token_labels(row)[position]!r} (position {position})"
         labels = res.target_info(row)
         for label in range(len(labels)):
-            if kind == "regression":
+            if kind == HeadKind.REGRESSION:
                 what = ("norm x " if method == "normxlogit" else "") + "|HoT(h) - prediction"
                 title = f"{name}, regression: {what} {res.meta['prediction'][row][0]:.4g}|"
             else:
@@ -283,7 +284,7 @@ def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     with attach(model, layers=layers, tokenizer=tokenizer, embedding=embedding, on_step=show, sink=sink,
                 methods=[method]) as probe:
-        if probe.kind != "causal_lm":
+        if probe.kind is not HeadKind.CAUSAL_LM:
             raise ValueError(f"generating needs a causal LM; {type(probe.model).__name__} is a {probe.kind} model")
         model.generate(**enc, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
     call = probe.calls[-1]

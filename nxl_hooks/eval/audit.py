@@ -29,7 +29,8 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..arch.registry import resolve, unwrap
+from ..arch.registry import HeadKind, resolve
+from ..method.subject import unwrap
 from ..hooks.probe import attach
 from ..method.placement import input_device
 from ..method.scores import flat_norms
@@ -95,7 +96,7 @@ def _attribute(
     with torch.no_grad(), attach(model, layers=layers, target=target, tokenizer=tokenizer) as probe:
         logits = model(input_ids=ids.to(input_device(model))).logits
     res = probe.result()
-    if res.meta["head_kind"] == "masked_lm":
+    if HeadKind(res.meta["head_kind"]) is HeadKind.MASKED_LM:
         raise ValueError(
             "the audit compares classifiers and causal LMs; for a masked LM, audit a classifier built on it"
         )
@@ -139,8 +140,8 @@ def audit_example(
     ref, ref_out = _attribute(reference, tokenizer, ids, requested, layers)
     target = int(ref.target[0])
     cand, cand_out = _attribute(candidate, tokenizer, ids, target, layers)
-    kind = ref.meta["head_kind"]
-    regression = kind == "regression"
+    kind = HeadKind(ref.meta["head_kind"])
+    regression = kind is HeadKind.REGRESSION
     real = ref.mask[0]
     id2label = getattr(unwrap(reference).config, "id2label", None)
 
@@ -155,7 +156,7 @@ def audit_example(
         "readable": [t for t, keep in zip(ref.readable[0], real.tolist()) if keep],
         "position": int(ref.position[0]),
         "target": target,
-        "target_token": tokenizer.convert_ids_to_tokens(target) if kind == "causal_lm" else None,
+        "target_token": tokenizer.convert_ids_to_tokens(target) if kind is HeadKind.CAUSAL_LM else None,
         "target_text": name(ref.target[0]),
         "explained": "target" if requested != "predicted" else "reference prediction",
         "dataset_target": None if given == "predicted" else given,

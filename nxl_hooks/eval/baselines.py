@@ -18,7 +18,8 @@ from typing import Callable, Sequence
 import torch
 from torch import nn
 
-from ..arch.registry import head_kind, unwrap
+from ..arch.registry import HeadKind, head_kind
+from ..method.subject import unwrap
 
 __all__ = [
     "AGGREGATIONS", "GRADIENT_METHODS", "gradient_scores", "gradient_scores_many", "keeps_logits", "one_row_only"
@@ -38,26 +39,27 @@ def one_row_only(model: nn.Module, kind: str) -> bool:
     """Whether the model takes one row per forward: transformers' decoder classifiers find the pooled token
     through pad_token_id and refuse batches > 1 without one. ``chunk = 1 if one_row_only(model, kind) else 64``
     """
-    return kind in ("sequence_classification", "regression") and getattr(model.config, "pad_token_id", None) is None
+    return HeadKind(kind).pooled and getattr(model.config, "pad_token_id", None) is None
 
 
 def keeps_logits(model: nn.Module, kind: str) -> bool:
     """Whether a causal LM takes ``logits_to_keep``, so that its head runs only where predictions are read:
     ``model(input_ids=ids, logits_to_keep=torch.tensor([4])).logits`` is (rows, 1, vocab), position 4's."""
-    return kind == "causal_lm" and "logits_to_keep" in inspect.signature(unwrap(model).forward).parameters
+    causal = HeadKind(kind) is HeadKind.CAUSAL_LM
+    return causal and "logits_to_keep" in inspect.signature(unwrap(model).forward).parameters
 
 
 def _target_logit(model: nn.Module, kind: str, attention_mask: torch.Tensor, position: int, target: int) -> Callable:
     """f(inputs_embeds) -> (rows,) the explained logit, for captum (which expands the batch itself)."""
-    keep = keeps_logits(model, kind)
+    keep, kind = keeps_logits(model, kind), HeadKind(kind)
 
     def forward(embeds: torch.Tensor) -> torch.Tensor:
         mask = attention_mask.expand(embeds.shape[0], -1)
         extra = {"logits_to_keep": torch.tensor([position], device=embeds.device)} if keep else {}
         logits = model(inputs_embeds=embeds, attention_mask=mask, **extra).logits
-        if kind in ("causal_lm", "masked_lm"):
+        if kind.vocabulary:
             logits = logits[:, 0 if keep else position]
-        return logits[:, 0] if kind == "regression" else logits[:, target]
+        return logits[:, 0] if kind is HeadKind.REGRESSION else logits[:, target]
 
     return forward
 

@@ -42,7 +42,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..arch.registry import blocks, resolve, unwrap
+from ..arch.registry import HeadKind, blocks, resolve
 from ..hooks.probe import attach
 from ..method.chat import locate_template
 from ..method.placement import input_device
@@ -50,6 +50,7 @@ from ..method.protocol import Method
 from ..method.registry import get_method, method_names
 from ..method.scores import flat_norms, norm_spread
 from ..method.select import layer_index, order, prediction_rows, rankable, resolve_layers, resolve_target
+from ..method.subject import unwrap
 from ..records.tokens import describe_target, label_text, readable_ids
 from .baselines import GRADIENT_METHODS, gradient_scores_many, keeps_logits, one_row_only
 from .metrics import average_precision, evidence_mask, mean, normalized_dot, pearson
@@ -208,16 +209,16 @@ class _Setup:
     """What score_example needs to know about a model: head kind, perturbation mode, how to read outputs."""
 
     def __init__(self, model: nn.Module, tokenizer: Any, perturbation: str) -> None:
-        inner = unwrap(model)
-        spec, self.kind = resolve(inner)
+        self.inner = unwrap(model)  # resolved for its kind and blocks only: each timed attach resolves as a user's
+        spec, self.kind = resolve(self.inner)
         self.pooling = spec.pooling
         self.model = model
         self.tokenizer = tokenizer
-        self.n_blocks = len(blocks(inner, spec))
+        self.n_blocks = len(blocks(self.inner, spec))
         self.mask_id = getattr(tokenizer, "mask_token_id", None)
         # Encoders that read CLS were trained with [MASK]; decoders see deletion (SPEC 5).
-        self.reads_first = spec.pooling == "first" and self.kind in ("sequence_classification", "regression")
-        encoder = self.kind == "masked_lm" or self.reads_first
+        self.reads_first = spec.pooling == "first" and self.kind.pooled
+        encoder = self.kind is HeadKind.MASKED_LM or self.reads_first
         self.mode = ("mask" if encoder else "delete") if perturbation == "auto" else perturbation
         if self.mode not in ("mask", "delete"):
             raise ValueError(f"perturbation={perturbation!r}: use 'auto', 'mask' or 'delete'")
@@ -244,7 +245,7 @@ class _Setup:
             columns = torch.searchsorted(keep, positions)
         with torch.no_grad():
             logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **extra).logits
-        if self.kind in ("causal_lm", "masked_lm"):
+        if self.kind.vocabulary:
             logits = logits[torch.arange(len(ids)), columns.to(logits.device)]
         return logits.float().cpu()
 
@@ -260,11 +261,11 @@ class _Setup:
     def label_id(self, value: Any, n_outputs: int, prompt: str) -> int | float | None:
         """A target, foil or gold label as an output id: words are read after the example's text (``prompt``); a
         word of several tokens stands for its first, and :attr:`notes` says so."""
-        if value is None or self.kind == "regression":
+        if value is None or self.kind is HeadKind.REGRESSION:
             return None if value is None else float(value)
-        resolved = resolve_target(unwrap(self.model), self.kind, self.tokenizer, value, n_outputs, prompt=prompt)
+        resolved = resolve_target(self.inner, self.kind, self.tokenizer, value, n_outputs, prompt=prompt)
         if resolved.partial:
-            self.notes.append(describe_target(self.tokenizer, unwrap(self.model).config, self.kind, resolved)["note"])
+            self.notes.append(describe_target(self.tokenizer, self.inner.config, self.kind, resolved)["note"])
         return resolved.id
 
 
@@ -279,7 +280,7 @@ def _method_scores(setup: _Setup, methods: Sequence[str], ids: torch.Tensor, pos
     """name -> scores, (layers, seq) for layered methods and (seq,) otherwise; name -> seconds."""
     scores: dict[str, torch.Tensor] = {}
     seconds: dict[str, float | None] = {}
-    regression = setup.kind == "regression"
+    regression = setup.kind is HeadKind.REGRESSION
     batch = ids[None].to(setup.device)
     mask = torch.ones_like(batch)
     registered = set(method_names())
@@ -326,7 +327,7 @@ class _Targets:
 
 def _targets(setup: _Setup, example: Mapping[str, Any], original: torch.Tensor) -> _Targets:
     n, text = original.shape[-1], example["text"]
-    if setup.kind == "regression":
+    if setup.kind is HeadKind.REGRESSION:
         return _Targets(0, None, None, setup.label_id(example.get("label"), n, text), float(original[0]))
     prediction = int(original.argmax())
     requested = example.get("target")
@@ -343,7 +344,7 @@ def _outcome(setup: _Setup, outputs: torch.Tensor, t: _Targets) -> tuple[torch.T
     With a pair, p is the softmax over (target, foil), so that an LM's uncertainty about what kind of word
     comes next does not drown the decision the pair tests; correct means label scores above foil.
     """
-    if setup.kind == "regression":
+    if setup.kind is HeadKind.REGRESSION:
         return outputs[:, 0], None, outputs[:, 0].tolist()
     if t.pair is not None:
         explained = outputs[:, [t.target, t.pair]].softmax(-1)[:, 0]
@@ -448,7 +449,7 @@ def score_example(
                          known=(ids, position, original[0]))
     p_new, correct, predicted = _outcome(setup, outputs, t)
     change = p_orig - p_new
-    change = change.abs() if setup.kind == "regression" else change
+    change = change.abs() if setup.kind is HeadKind.REGRESSION else change
 
     ranked = _candidates(ids, position, setup.special_ids, template)
     records: dict[str, Any] = {}
@@ -470,7 +471,7 @@ def score_example(
         }
         if keep_scores:
             records[name]["scores"] = ranking[name].tolist()
-    regression = setup.kind == "regression"
+    regression = setup.kind is HeadKind.REGRESSION
     spread = norm_spread(scores["embed_norm"], ranked) if "embed_norm" in scores else None
     id2label, softmax = getattr(unwrap(model).config, "id2label", None), original[0].float().softmax(-1)
     contrasted = any(name in layered and _foiled(get_method(name), None) is None for name in methods)
@@ -492,7 +493,7 @@ def score_example(
         "perturbation": setup.mode,
         "position": position,
         "target": t.target,
-        "target_token": tokenizer.convert_ids_to_tokens(t.target) if setup.kind in ("causal_lm", "masked_lm") else None,
+        "target_token": tokenizer.convert_ids_to_tokens(t.target) if setup.kind.vocabulary else None,
         "foil": foil,
         "label": t.label,
         "prediction": t.prediction,

@@ -1,6 +1,7 @@
 """When: hooks on a live model.
 
 - :mod:`.probe`: :func:`attach` / :class:`Probe`, the hook lifecycle (handles, detach, guards)
+- :mod:`.explain`: :func:`explain`, one forward attached, run and detached
 - :mod:`.plan`: what one attach explains, checked up front
 - :mod:`.forward`: one forward's capture and its attribution
 - :mod:`.generate`: the ``generate`` wrapper and each call's feature cache
@@ -10,6 +11,7 @@
 - :mod:`.guard`: failures stop recording, never the model
 """
 
-from .probe import Probe, attach, detach_all, explain
+from .explain import explain
+from .probe import Probe, attach, detach_all
 
 __all__ = ["Probe", "attach", "detach_all", "explain"]

@@ -21,7 +21,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["CACHE_NAMES", "Positions", "UnfollowedForward", "find_cache", "positions", "token_mask", "start"]
+__all__ = ["CACHE_NAMES", "Positions", "UnfollowedForward", "find_cache", "positions", "start", "static_capacity",
+           "token_mask"]
 
 #: The keywords a KV cache has arrived under, newest first. Only an order to look in: :func:`find_cache` also finds
 #: one under a name not listed here.
@@ -53,6 +54,21 @@ def find_cache(arguments: dict[str, Any]) -> Any | None:
         if _is_cache(value):
             return value
     return next((value for value in arguments.values() if _is_cache(value)), None)
+
+
+def static_capacity(arguments: dict[str, Any]) -> int | None:
+    """How many positions a forward's cache holds when it is a fixed-size cache that ``generate`` compiles
+    (``is_compileable``: a static cache); None for a growing one. Its size is ``get_max_length()`` from 5.24,
+    ``get_max_cache_shape()`` before (-1 or 0 where a layer grows)."""
+    cache = find_cache(arguments)
+    if cache is None or not getattr(cache, "is_compileable", False):
+        return None
+    for name in ("get_max_length", "get_max_cache_shape"):
+        size = getattr(cache, name, None)
+        if callable(size):
+            size = size()
+            return size if isinstance(size, int) and size > 0 else None
+    return None
 
 
 def _new_tokens(arguments: dict[str, Any]) -> int:
@@ -119,10 +135,11 @@ def token_mask(attention_mask: torch.Tensor | None, past: int, new: int) -> torc
 
 #: What the continuous-batching engine (:mod:`.engines.transformers_cb`) wraps: (module of
 #: ``transformers.generation.continuous_batching``, class, method). Each is checked to exist where it is defined
-#: before anything is wrapped; the layout of every packed forward is then checked against what the forward received.
+#: before anything is wrapped; the layout of every eager packed forward is then checked against what it received.
 CONTINUOUS_BATCHING = (("continuous_api", "ContinuousBatchProcessor", "_generation_step"),
                        ("requests", "RequestState", "update_and_check_completion"),
-                       ("continuous_api", "ContinuousBatchingManager", "__init__"))
+                       ("continuous_api", "ContinuousBatchingManager", "__init__"),
+                       ("continuous_api", "ContinuousBatchProcessor", "warmup"))
 #: What ``transformers serve``'s ``GenerateManager`` (``transformers.cli.serving.utils``) must have for request ids
 #: to reach ``generate``: the two handlers that know the id, and the two ways they hand work to the inference thread.
 SERVE_HANDLERS, SERVE_SUBMITS = ("generate_streaming", "generate_non_streaming"), ("submit", "async_submit")

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..method.protocol import Given
+from ..arch.registry import HeadKind
 from ..method.scores import regression_logat
 from ..records.attribution import Attribution
 from ..records.tokens import target_texts
@@ -52,7 +53,7 @@ def _model_logits(plan: Plan, output: Any, examples: torch.Tensor, positions: to
     logits = getattr(output, "logits", None)
     if not isinstance(logits, torch.Tensor) or logits.shape[-1] != plan.head.n_outputs:
         return None
-    if plan.kind in ("sequence_classification", "regression"):
+    if plan.kind.pooled:
         return logits[examples.to(logits.device)].float() if logits.dim() == 2 else None
     if logits.dim() != 3 or logits.shape[1] != seq:
         return None
@@ -75,9 +76,9 @@ def assemble(plan: Plan, capture: Capture, output: Any = None) -> Attribution:
         def by_row(values: torch.Tensor) -> torch.Tensor:
             # Masked LMs explain an example once per [MASK]; every other head explains each example once, and
             # indexing would copy every layer's features for nothing.
-            return values[examples.to(values.device)] if plan.kind == "masked_lm" else values
+            return values[examples.to(values.device)] if plan.kind is HeadKind.MASKED_LM else values
 
-        if plan.kind == "regression":
+        if plan.kind is HeadKind.REGRESSION:
             targets = torch.zeros(len(examples), 1, dtype=torch.long, device=final.device)
             log_probs = None
         else:  # the model's own softmax at the prediction rows
@@ -89,7 +90,7 @@ def assemble(plan: Plan, capture: Capture, output: Any = None) -> Attribution:
                                 for layer in plan.layers])
 
         logat = head_logits(targets)
-        if plan.kind == "regression":
+        if plan.kind is HeadKind.REGRESSION:
             logat = regression_logat(logat, final[:, 0])
         embed_norm = by_row(capture.embed_norm).to(final.device)
         scores, targets = plan.scores(Given(logat, embed_norm, targets, log_probs, head_logits))
@@ -109,7 +110,7 @@ def assemble(plan: Plan, capture: Capture, output: Any = None) -> Attribution:
         position=positions,
         example=examples,
         tokens=plan.token_strings(ids),
-        meta={**plan.describe(), "prediction": final.cpu().tolist() if plan.kind == "regression" else None},
+        meta={**plan.describe(), "prediction": final.cpu().tolist() if plan.kind is HeadKind.REGRESSION else None},
         special=plan.special(ids),
         input_ids=ids.cpu() if ids is not None else None,
         readable=plan.readable_rows(ids),

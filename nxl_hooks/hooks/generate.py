@@ -22,6 +22,11 @@ hub's publisher (:mod:`.publish`), which moves it to the host in its own thread.
 per call: the prompt (ids, mask), the first decoding step's position, whether a later step ran at another position
 (one flag), and generate's output.
 
+Compiled calls. A call whose forwards run compiled (a static cache, which ``generate`` compiles itself, or a forward
+the user compiled) arms the model's :class:`~.tape.Tape` at its start: inside compiled forwards the hooks write
+features there instead of feeding the run, and :meth:`Run.finish` scores those steps from it when the call returns,
+as the eager hooks would have (the same ``feed`` and ``emit``), then publishes them.
+
 Threads. Each ``generate`` call has its own :class:`Run`, found through the calling thread, so calls in several
 threads on one attached model are recorded separately; each record says its thread and request.
 
@@ -59,16 +64,18 @@ from torch import nn
 from ..method.protocol import Given
 from ..records.steps import GenerationCall, Step
 from .recording import NOT_RECORDED, Recording
-from .conventions import UnfollowedForward, positions, start, token_mask
+from .conventions import UnfollowedForward, positions, start, static_capacity, token_mask
 from .forward import Capture
 from .guard import logger, one_line, reason
 from .plan import Plan
 from .publish import Hub
+from .tape import CompiledCalls, Tape, compiled_forward
 
 __all__ = ["EAGER", "REQUEST_ID", "Generations", "Notice", "Run", "eager", "stacked_features"]
 
-#: The environment variable (``"1"``, ``nxl run --eager``) that makes recorded calls run eagerly: ``generate``
-#: without its automatic torch.compile (``disable_compile=True``), continuous-batching managers without CUDA graphs.
+#: The environment variable (``"1"``, ``nxl run --eager``) that makes recorded calls run eagerly, a fallback (compiled
+#: calls are recorded too): ``generate`` without its automatic torch.compile (``disable_compile=True``),
+#: continuous-batching managers without CUDA graphs.
 EAGER = "NXL_EAGER"
 #: What makes a call that ran through compiled code or CUDA graphs recordable.
 MAKE_EAGER = f"set {EAGER}=1 (nxl run --eager)"
@@ -146,8 +153,12 @@ class Run:
 
     def __init__(self, plan: Plan, hub: Hub, call: GenerationCall, *, prompt_len: int | None, eos: Any,
                  cache_dtype: torch.dtype | None, cache_device: torch.device | None,
-                 notice: Notice | None = None) -> None:
+                 notice: Notice | None = None, tape: Tape | None = None) -> None:
         self._plan, self._hub, self.call, self._notice = plan, hub, call, notice
+        # Where forwards compiled by torch.compile record (:mod:`.tape`); armed by :meth:`arm` when this call's
+        # forwards may run compiled, and read back when it ends.
+        self._tape, self._taped = tape, False
+        self.ids_given = True  # the prompt came as input_ids: generate's sequences begin with it
         self._ids_fed = False  # the prompt came as token ids (generate's sequences then hold it)
         self._prompt_len = prompt_len
         self._eos = torch.as_tensor(eos).reshape(-1).tolist() if eos is not None else []
@@ -187,11 +198,30 @@ class Run:
         self._notice.unrecorded(f"not recorded{f' after step {done - 1}' if done else ''} ({what}): "
                                 f"{self.call.error}")
 
+    may_compile = False  #: whether generate may compile this call's decoding steps (set by Generations)
+
+    def arm(self, batch: int, capacity: int) -> None:
+        """Forwards of this call may run compiled: the probe's traced hooks write the tape (``batch`` rows,
+        ``capacity`` positions), read when the call ends. One armed call per model at a time (transformers' static
+        cache, which compiled forwards write, is the model's too): another call meanwhile is recorded where it runs
+        eagerly, and said not recorded where it runs compiled."""
+        tape = self._tape
+        if tape is None or tape.armed:
+            return
+        k = self._plan.explained(torch.zeros(1, 1, dtype=torch.long)).shape[1]
+        tape.arm(batch=batch, capacity=capacity, k=k, device=self._plan.head.device)
+        self._taped = True
+
     # -- fed by the probe's hooks under generate ---------------------------------------------------------
 
     def before_forward(self, bound: dict) -> None:
         """Check the forward continues what the run holds; complete the pending step with its first token."""
         n = self._n
+        if n == 0 and self._tape is not None and not self._taped:
+            capacity = static_capacity(bound)  # a static cache: generate compiles its decoding steps
+            if capacity is not None and self.may_compile:
+                reference = bound.get("input_ids")
+                self.arm((reference if reference is not None else bound["inputs_embeds"]).shape[0], capacity)
         decoding = self._prompt_len is not None and n >= self._prompt_len
         if decoding and self._checked and self._continues_on_device(bound, n):
             past = n
@@ -305,6 +335,11 @@ class Run:
         ``error``: why the call's records are incomplete, when the host says so (a failed request); ``what`` names
         the call in the reason recorded when its end cannot be published. Never raises."""
         try:
+            if self._taped:
+                self._taped = False
+                self._tape.disarm()
+                if sequences is not None and not self.failed:
+                    self._replay(sequences)
             # (a call the probe detached from mid-way already says so: its later forwards ran unhooked on purpose)
             missed = (self._missed(sequences) if sequences is not None and not self.failed and self.call.error is None
                       else None)
@@ -329,6 +364,31 @@ class Run:
             except Exception as failure:  # noqa: BLE001 - a failing sink or subscriber never reaches the host
                 self.fail(f"the end of {what}", failure)
 
+    def _replay(self, sequences: torch.Tensor) -> None:
+        """Record the positions compiled forwards wrote into the tape, as the eager hooks would have: each
+        decoding step's token (from ``sequences``) completes the pending step, then its position is fed."""
+        tape, n = self._tape, self._n
+        end = tape.written()
+        if end <= n:
+            return
+        if end > tape.capacity:
+            raise RuntimeError(f"its compiled forwards ran to position {end - 1}, past the {tape.capacity} positions "
+                               "the recorder made room for when the call started")
+        prompt_len = self._prompt_len or 0
+        shift = 0 if self.ids_given else prompt_len  # sequences begin with the prompt only when it came as ids
+        if n < prompt_len:  # the prompt itself ran compiled (a model whose forward the user compiled)
+            if not self.ids_given:
+                raise RuntimeError("a compiled prefill fed embeddings (inputs_embeds), so the prompt's tokens are "
+                                   "unknown; pass input_ids")
+            self.feed(n, *tape.positions(n, prompt_len), sequences[:, n:prompt_len])
+            self._pending = True
+        for position in range(max(n, prompt_len), end):
+            if self._pending:
+                self.emit(sequences[:, position - shift], log_prob=tape.log_prob[:, position - 1])
+            self.feed(position, *tape.positions(position, position + 1), None)
+            self._pending = True
+        self._log_probs = tape.logits.log_softmax(-1)  # the last forward's: for the token generate returned last
+
     def _missed(self, sequences: torch.Tensor) -> str | None:
         """``not recorded: ...`` when the host returned tokens from forwards the hooks never saw, else None. Such
         forwards ran compiled code: ``generate`` with a static cache compiles its decoding steps itself."""
@@ -343,14 +403,15 @@ class Run:
 
     # -- one record --------------------------------------------------------------------------------------
 
-    def emit(self, token: torch.Tensor) -> None:
-        """The step record of ``token`` (batch,), emitted at the position after the last one fed."""
+    def emit(self, token: torch.Tensor, *, log_prob: torch.Tensor | None = None) -> None:
+        """The step record of ``token`` (batch,), emitted at the position after the last one fed; ``log_prob``:
+        the model's log-probability of each explained target (batch, k), else read from its last logits."""
         token = token.long()  # on the device, never read here: the publisher reads it (texts) off this thread
         active = self._active
         if active is None:
             active = self._active = torch.ones(token.shape[0], dtype=torch.bool, device=token.device)
         # Nobody to hand it to (keep_steps=False, no on_step, sink or subscriber): the record is not made.
-        step = self._record(token, active) if self._hub.listened else None
+        step = self._record(token, active, log_prob) if self._hub.listened else None
         self._real.append(active)
         if self._eos:  # rows that emit an EOS token only pad from the next step on
             if self._eos_ids is None:
@@ -360,12 +421,14 @@ class Run:
         if step is not None:
             self._hub.publish(self.call, step, self._plan.readable)
 
-    def _record(self, token: torch.Tensor, active: torch.Tensor) -> Step:
+    def _record(self, token: torch.Tensor, active: torch.Tensor, log_prob: torch.Tensor | None) -> Step:
         plan, position, batch = self._plan, self._n, token.shape[0]
         targets = plan.explained(token[:, None])
+        if log_prob is None and self._log_probs is not None:
+            log_prob = self._log_probs.gather(-1, targets.to(self._log_probs.device))
         probability = None
-        if self._log_probs is not None:
-            probability = self._log_probs.gather(-1, targets.to(self._log_probs.device)).exp()
+        if log_prob is not None:
+            probability = log_prob.exp()
             probability = probability if plan.label_axis else probability[:, 0]
         with torch.no_grad():
             features = self._features.view().to(self._compute_dtype)  # (batch, position, layers, d)
@@ -424,6 +487,10 @@ class Generations:
         self._local = threading.local()
         self._restore: tuple[bool, Callable] | None = None
         self._detached = False
+        #: Where the probe's hooks record inside compiled forwards (:mod:`.tape`).
+        self.tape = Tape(plan, dtype=cache_dtype, device=self.cache_device)
+        self._compiled: CompiledCalls | None = None
+        self.backbone: nn.Module | None = None  # set by attach: a forward the user compiled in place is seen there
 
     def current(self) -> Recording | None:
         return getattr(self._local, "run", None)
@@ -443,7 +510,7 @@ class Generations:
         call = self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name)
         call.model = self.plan.name
         return Run(self.plan, self.hub, call, prompt_len=prompt_len, eos=eos, cache_dtype=self.cache_dtype,
-                   cache_device=self.cache_device, notice=self.notice)
+                   cache_device=self.cache_device, notice=self.notice, tape=self.tape)
 
     def unrecorded(self, request_id: str | None, what: str, error: BaseException, *, log: bool = True) -> None:
         """A call record whose error says ``not recorded: why`` (``why``: ``error``, which names what makes it
@@ -469,10 +536,16 @@ class Generations:
         generate.__nxl_hook__ = True  # nxl.detach_all finds it
         model.generate = generate
         self._restore = (own, original)
+        if callable(getattr(model, "get_compiled_call", None)):
+            self._compiled = CompiledCalls(model)
 
     def uninstall(self) -> None:
         """Give the model its own ``generate`` back; calls running in other threads finish unrecorded."""
         self._detached = True
+        if self._compiled is not None:
+            self._compiled.restore()
+            self._compiled = None
+        self.tape.free()
         if self._restore is not None:
             own, original = self._restore
             if own:
@@ -507,11 +580,29 @@ class Generations:
             prompt = args[0] if args else next(
                 (kwargs[k] for k in ("inputs", "input_ids", "inputs_embeds") if kwargs.get(k) is not None), None)
             prompt_len = prompt.shape[1] if isinstance(prompt, torch.Tensor) and prompt.dim() > 1 else None
-            return self.new_run(request_id=request_id, prompt_len=prompt_len,
-                                eos=_setting(self.plan.model, kwargs, "eos_token_id"))
+            run = self.new_run(request_id=request_id, prompt_len=prompt_len,
+                               eos=_setting(self.plan.model, kwargs, "eos_token_id"))
+            run.ids_given = kwargs.get("inputs_embeds") is None
+            run.may_compile = self._may_compile(kwargs)
+            if prompt_len is not None and compiled_forward(self.plan.model, self.backbone or self.plan.model):
+                rows = prompt.shape[0] * (_setting(self.plan.model, kwargs, "num_return_sequences") or 1)
+                new = _setting(self.plan.model, kwargs, "max_new_tokens")
+                run.arm(rows, prompt_len + new if new is not None else
+                        (_setting(self.plan.model, kwargs, "max_length") or prompt_len + 20))
+            return run
         except Exception as error:  # noqa: BLE001 - never into the host's generate
             self.unrecorded(request_id, "this generate call", error)
             return NOT_RECORDED
+
+    def _may_compile(self, kwargs: dict) -> bool:
+        """Whether generate may compile this call's decoding steps (a static cache then arms the tape): as
+        transformers decides, less what only the cache tells (``_valid_auto_compile_criteria``). A wrong "no" is
+        caught when the call ends: tokens from forwards the hooks never saw are said not recorded."""
+        model = self.plan.model
+        if eager() or _setting(model, kwargs, "disable_compile"):
+            return False
+        config = _setting(model, kwargs, "compile_config")
+        return model.device.type != "cpu" or bool(getattr(config, "_compile_all_devices", False))
 
     def _end(self, run: Recording, sequences: torch.Tensor | None) -> None:
         if isinstance(run, Run):

@@ -2,7 +2,7 @@
 the layers, the targets, the embedding norm, and the tokenizer facts the rules need. Shared, read-only, by every
 forward and generate call the probe records, in any thread.
 
-    plan = make_plan(model, layers="all", target="predicted", tokenizer=tok, embedding="layer_input")
+    plan = make_plan(model, layers="all", target="predicted", tokenizer=tok, embedding="layer_input")  # or a Subject
     examples, positions = plan.rows(input_ids, attention_mask, shape=(batch, seq))
     check_recording(plan, on_step=None, sink="run.nxl", keep_calls=None, cache_dtype=None, cache_device=None)
     restore = run_eagerly(model)          # a torch.compile'd model runs its hooked Python modules while attached
@@ -19,13 +19,13 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..arch.registry import ArchSpec, blocks, compiled_original, resolve
+from ..arch.registry import ArchSpec, HeadKind
 from ..method import scores as _scores
 from ..method.chat import locate_template
 from ..method.head import Head
 from ..method.protocol import Given, Method
 from ..method.registry import resolve_methods
-from ..method.verify import check_numbers
+from ..method.subject import Subject, compiled_original
 from ..records.sinks import sink_factory
 from ..records.tokens import readable_ids
 from ..method.select import (
@@ -92,11 +92,7 @@ def token_texts(tokenizer: Any) -> TokenTexts:
 class Plan:
     """The fixed part of a probe: what every recorded call explains and how."""
 
-    model: nn.Module  #: the transformers task model (inside a PeftModel, the base model)
-    spec: ArchSpec
-    kind: str  #: causal_lm, sequence_classification, regression or masked_lm
-    head: Head
-    blocks: nn.ModuleList
+    subject: Subject  #: the model, resolved once: its spec, head and head kind
     layers: list[int]
     embedding: str
     tokenizer: Any
@@ -104,6 +100,27 @@ class Plan:
     label_axis: bool  #: scores keep a trailing axis of k labels
     texts: TokenTexts | None = field(default=None, repr=False)  #: the tokenizer's readable texts (shared)
     methods: tuple[Method, ...] = field(default_factory=lambda: resolve_methods(None))  #: what each record scores
+
+    @property
+    def model(self) -> nn.Module:
+        """The transformers task model (inside a PeftModel, the base model)."""
+        return self.subject.model
+
+    @property
+    def spec(self) -> ArchSpec:
+        return self.subject.spec
+
+    @property
+    def kind(self) -> HeadKind:
+        return self.subject.kind
+
+    @property
+    def head(self) -> Head:
+        return self.subject.head
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.subject.blocks
 
     @property
     def n_blocks(self) -> int:
@@ -122,7 +139,7 @@ class Plan:
     @property
     def generates(self) -> bool:
         """Whether the model has a ``generate`` whose steps the probe records (causal LMs)."""
-        return self.kind == "causal_lm" and callable(getattr(self.model, "generate", None))
+        return self.kind is HeadKind.CAUSAL_LM and callable(getattr(self.model, "generate", None))
 
     def rows(self, input_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
              shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -208,28 +225,26 @@ def tokenizer_mismatch(model: nn.Module, tokenizer: Any) -> str | None:
     return None
 
 
-def make_plan(model: nn.Module, *, layers: Any, target: Target, tokenizer: Any, embedding: str,
+def make_plan(model: nn.Module | Subject, *, layers: Any, target: Target, tokenizer: Any, embedding: str,
               methods: Any = None) -> Plan:
     """Resolve and check everything :func:`~nxl_hooks.attach` was given, before any hook goes on.
 
-    ``model``: the transformers task model (unwrapped). Raises ValueError / UnknownArchitectureError.
+    ``model``: the model as given (wrapped or not) or its :class:`~nxl_hooks.method.subject.Subject`, resolved
+    here only if it is not one yet. Raises ValueError / UnknownArchitectureError.
     """
-    spec, kind = resolve(model)
-    head = Head(model, spec, kind)
-    block_list = blocks(model, spec)
-    check_numbers(model, spec, kind, head, block_list)  # a user's registry entry, once: refused if its numbers are off
+    subject = Subject.of(model)
+    model, kind, head = subject.model, subject.kind, subject.head
     parse_embedding(embedding)
     chosen = resolve_methods(methods)
-    if kind == "masked_lm" and getattr(tokenizer, "mask_token_id", None) is None:
+    if kind is HeadKind.MASKED_LM and getattr(tokenizer, "mask_token_id", None) is None:
         raise ValueError("masked-LM attribution needs attach(..., tokenizer=tok) with a mask token, to find the "
                          "[MASK] positions it explains")
     if tokenizer is not None and (mismatch := tokenizer_mismatch(model, tokenizer)):
         raise ValueError(mismatch)
     target, layers = from_numpy(target), from_numpy(layers)
     fixed = None if is_predicted(target) else target_ids(model, kind, tokenizer, target, head.n_outputs)
-    return Plan(model=model, spec=spec, kind=kind, head=head, blocks=block_list,
-                layers=resolve_layers(layers, len(block_list)), embedding=embedding, tokenizer=tokenizer,
-                fixed_targets=fixed, label_axis=_scores.label_axis(target),
+    return Plan(subject=subject, layers=resolve_layers(layers, len(subject.blocks)), embedding=embedding,
+                tokenizer=tokenizer, fixed_targets=fixed, label_axis=_scores.label_axis(target),
                 texts=token_texts(tokenizer) if tokenizer is not None else None, methods=chosen)
 
 

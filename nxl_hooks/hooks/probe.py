@@ -31,15 +31,12 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..arch.registry import get_path, resolve, unwrap
-from ..method.chat import chat_prompt, template_rows
-from ..method.placement import input_device
 from ..method.protocol import Method
-from ..method.select import Target, is_predicted, prompt_targets
+from ..method.select import Target
+from ..method.subject import Subject, unwrap
 from ..records.attribution import Attribution
 from ..records.sinks import RecordSink
 from ..records.steps import GenerationCall, Step
-from ..records.tokens import describe_target
 from .engines import Engine, engines_for
 from .forward import Capture, assemble, open_capture
 from .generate import Generations, Notice
@@ -47,8 +44,9 @@ from .guard import logger, reason
 from .plan import Plan, check_recording, make_plan, run_eagerly
 from .publish import Hub, Subscription
 from .recording import Recording
+from .tape import TracedForward, reset_compiled
 
-__all__ = ["Probe", "attach", "detach_all", "explain"]
+__all__ = ["Probe", "attach", "detach_all"]
 
 _LOCK = threading.RLock()  # reentrant: a model collected while it is held detaches through it too
 #: backbone -> what the probe on it attached: one probe per model at a time.
@@ -100,6 +98,10 @@ class _Recorder:
         self._told_stray = False
         # Layers whose features a hook computes; the last block is hooked in any case, for final logits.
         self._wanted = set(plan.layers)
+        # Under torch.compile the hooks only write these (graph-safe: no per-thread state, no host read, no lock):
+        # the tape while a recorded call armed it, else what a plain forward saw.
+        self.tape = gens.tape if gens is not None else None
+        self.plain = TracedForward()
 
     # -- per-thread state --------------------------------------------------------------------------------
 
@@ -185,11 +187,36 @@ class _Recorder:
             raise
         return handles
 
+    def _traced(self) -> bool:
+        """Whether this hook runs inside a forward dynamo traces (:mod:`.tape`)."""
+        return torch.compiler.is_compiling()
+
+    def _taping(self) -> bool:
+        return self.tape is not None and self.tape.armed
+
+    def settle(self) -> None:
+        """Assemble the last plain forward that ran wholly compiled (the task model's hooks traced too)."""
+        seen = self.plain.take()
+        if seen is not None and seen[0] is not None:
+            self._finish(*seen)
+        elif seen is not None:
+            self.results.last = self._skipped()
+
     def on_task_start(self, module: nn.Module, args: tuple) -> None:
+        if self._traced():
+            if not self._taping():
+                self.plain.task()
+            return
         _, tasks = self._stacks()
         tasks.append(_Task(in_call=self._run() is not None))
 
     def on_task_end(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._taping() and output is not None:
+            self.tape.task_output(output)  # eager too: a prefill that ran eagerly hands its logits on
+        if self._traced():
+            if not self._taping():
+                self.plain.keep("logits", getattr(output, "logits", None))
+            return
         _, tasks = self._stacks()
         if not tasks:
             return
@@ -203,14 +230,22 @@ class _Recorder:
                     run.after_task(output)
                 except Exception as error:  # noqa: BLE001 - never into the host's forward
                     run.fail("this call", error)
+        elif not task.blocks_ran and output is not None and (seen := self.plain.take()) and seen[0] is not None:
+            self._finish(seen[0], output)  # its forward ran compiled, tracing the blocks' hooks
         elif not task.blocks_ran and output is not None:  # its hooks ran, those of its blocks did not: compiled code
-            self.results.last = RuntimeError(
-                f"{type(self.plan.model).__name__} ran, but its blocks never reached the probe's hooks: the call ran "
-                "code compiled by torch.compile, which skips hooks added after it was compiled (or traces them). "
-                "Attach to the compiled model itself (nxl.attach(compiled) runs it eagerly while attached), call the "
-                "uncompiled module, or run the call under `with torch.compiler.set_stance('force_eager'):`")
+            self.results.last = self._skipped()
+
+    def _skipped(self) -> RuntimeError:
+        return RuntimeError(
+            f"{type(self.plan.model).__name__} ran, but its blocks never reached the probe's hooks: the call ran "
+            "code compiled by torch.compile before the hooks existed, which skips them. Attach to the compiled model "
+            "itself (nxl.attach(compiled) runs it eagerly while attached), call the uncompiled module, or run the "
+            "call under `with torch.compiler.set_stance('force_eager'):`")
 
     def on_backbone_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._traced():
+            (self.tape if self._taping() else self.plain).begin(self._arguments(args, kwargs))
+            return
         captures, _ = self._stacks()
         run = self._run()
         captures.append(None)  # replaced below once the inputs are known; a failure or a skipped call leaves None
@@ -228,6 +263,13 @@ class _Recorder:
             self._fail("this forward", error)
 
     def on_block_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._traced():
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if self.plan.embedding == "layer_input":
+                self._traced_embedding(torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float32))
+            if 0 in self._wanted:
+                (self.tape if self._taping() else self.plain).layer(0, hidden)
+            return
         captures, tasks = self._stacks()
         if tasks:
             tasks[-1].blocks_ran = True
@@ -254,24 +296,43 @@ class _Recorder:
             self._fail("this forward", error)
 
     def on_word_embedding(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if self._traced():
+            self._traced_embedding(self._word_norms(module, output))
+            return
         capture = self._current()
         if capture is None:  # the embedding called on its own, outside a forward of the model
             return
         try:
-            # Gemma-style scaled embeddings multiply inside the module; the paper's norm is of the raw row.
-            scale = getattr(module, "embed_scale", None)
-            rows = output.detach().float()
-            if scale is not None:
-                rows = rows / scale.to(rows.device).float()
-            capture.embed_norm = torch.linalg.vector_norm(rows, dim=-1)
+            capture.embed_norm = self._word_norms(module, output)
         except Exception as error:  # noqa: BLE001
             self._fail("this forward", error)
+
+    def _traced_embedding(self, norms: torch.Tensor) -> None:
+        if self._taping():
+            self.tape.embedding(norms)
+        else:
+            self.plain.keep("embed", norms)
+
+    @staticmethod
+    def _word_norms(module: nn.Module, output: torch.Tensor) -> torch.Tensor:
+        # Gemma-style scaled embeddings multiply inside the module; the paper's norm is of the raw row.
+        scale = getattr(module, "embed_scale", None)
+        rows = output.detach().float()
+        if scale is not None:
+            rows = rows / scale.to(rows.device).float()
+        return torch.linalg.vector_norm(rows, dim=-1)
 
     def _block_hook(self, index: int) -> Callable:
         # Decided once: this runs for every block of every forward, one-token decoding steps included.
         wanted, last = index in self._wanted, index == self.plan.n_blocks
 
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if self._traced():
+                if wanted:
+                    (self.tape if self._taping() else self.plain).layer(index, _hidden(output))
+                if last and not self._taping():
+                    self.plain.keep("last", _hidden(output).detach())
+                return
             capture = self._current()
             if capture is None:
                 return
@@ -289,6 +350,8 @@ class _Recorder:
         return hook
 
     def on_backbone_end(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._traced():
+            return
         captures, tasks = self._stacks()
         capture = captures.pop() if captures else None
         if capture is None:
@@ -374,13 +437,15 @@ class Probe:
     first; it holds the model only weakly, so a server that unloads a model frees it.
     """
 
-    def __init__(self, plan: Plan, results: _Results, hub: Hub, attachment: _Attachment, notice: Notice) -> None:
+    def __init__(self, plan: Plan, results: _Results, hub: Hub, attachment: _Attachment, notice: Notice,
+                 settle: Callable[[], Callable[[], None] | None]) -> None:
         self._plan = weakref.ref(plan)
         self._model = weakref.ref(plan.model)
         self.kind = plan.kind  #: causal_lm, sequence_classification, regression or masked_lm
         self._layers, self._n_blocks, self._describe = list(plan.layers), plan.n_blocks, plan.describe()
         self._results, self._hub, self._attachment, self._notice = results, hub, attachment, notice
         self._finalizer = weakref.finalize(self, attachment)
+        self._settle = settle  # assembles a plain forward that ran wholly compiled, when the result is read
 
     # -- what the probe explains -------------------------------------------------------------------------
 
@@ -437,11 +502,13 @@ class Probe:
 
         Raises the reason when that forward could not be recorded (an empty input, a target that does not fit...).
         """
+        settle = self._settle()
+        if settle is not None:
+            settle()
         last = self._results.last
         if last is None:
             raise RuntimeError("no forward has run under this probe yet (in this thread): call the model inside "
-                               "the `with` block (a model compiled by torch.compile after attach skips the hooks: "
-                               "attach to the compiled model instead)")
+                               "the `with` block")
         if isinstance(last, BaseException):
             raise last
         return last
@@ -518,7 +585,7 @@ class Probe:
 
 
 def attach(
-    model: nn.Module,
+    model: nn.Module | Subject,
     layers: str | int | Sequence[int] = "all",
     target: Target = "predicted",
     *,
@@ -532,7 +599,8 @@ def attach(
     cache_device: str | torch.device | None = None,
     methods: Sequence[str | Method] | str | None = None,
 ) -> Probe:
-    """Hook NormXLogit onto ``model`` (a transformers task model or a PeftModel) until the probe detaches.
+    """Hook NormXLogit onto ``model`` (a transformers task model, a PeftModel, a ``torch.compile`` wrapper, or its
+    :class:`~nxl_hooks.method.subject.Subject` already resolved) until the probe detaches.
 
     ``with nxl.attach(model, layers="all") as probe: model(**enc)`` then ``probe.result().normxlogit``;
     ``with nxl.attach(model) as probe: model.generate(**enc)`` then ``probe.steps`` (one record per new token).
@@ -546,31 +614,26 @@ def attach(
       registered with :func:`~nxl_hooks.method.registry.register_method` (``"contrastive"``) or
       :class:`~nxl_hooks.method.protocol.Method` objects; each lands in the records' ``scores[name]``.
 
-    While ``generate`` runs, or continuous batching (``generate_batch``, ``transformers serve
-    --continuous-batching``: one call per request; any engine registered with
-    :func:`~nxl_hooks.hooks.engines.register_engine`), in any thread (causal LMs; see :mod:`nxl_hooks.hooks.generate`,
-    :mod:`nxl_hooks.hooks.engines` and :mod:`nxl_hooks.hooks.publish`):
+    While ``generate`` or a serving engine runs (:mod:`nxl_hooks.hooks.engines`: continuous batching, one call per
+    request), in any thread (causal LMs; :mod:`nxl_hooks.hooks.generate`, :mod:`nxl_hooks.hooks.publish`):
 
-    - ``on_step``: called with each :class:`~nxl_hooks.Step` as soon as it is complete, in the thread that runs
-      ``generate`` (which then reads each record back from the device; :meth:`Probe.stream` and the sink get
-      records from the pipeline's own thread, :mod:`nxl_hooks.hooks.publish`);
-    - ``sink``: where the records go, through :func:`~nxl_hooks.make_sink`: a file path (crash-safe stream file;
-      read it with ``nxl.read_stream(path)``), a folder (rotating files), ``"NAME:ARG"`` (``"parquet:out.parquet"``,
-      a registered kind) or a :class:`~nxl_hooks.RecordSink`; ``probe.sink_fault`` says why it stopped, if it did;
-    - ``keep_steps``: keep the records in ``probe.calls`` / ``probe.steps`` (set False to stream them only);
-      ``keep_calls``: keep only the last N calls (None: all);
-    - ``cache_dtype`` / ``cache_device``: where the per-layer feature cache lives (batch × d values per token
-      per selected layer; e.g. ``torch.bfloat16``, ``"cpu"``).
+    - ``on_step``: called with each :class:`~nxl_hooks.Step` once complete, in the thread that runs ``generate`` (which
+      then reads each record back from the device; :meth:`Probe.stream` and the sink get them from the pipeline's);
+    - ``sink``: where the records go (:func:`~nxl_hooks.make_sink`): a stream file (``nxl.read_stream(path)``), a
+      folder, ``"NAME:ARG"`` (``"parquet:out.parquet"``) or a :class:`~nxl_hooks.RecordSink`; see ``probe.sink_fault``;
+    - ``keep_steps``: keep the records in ``probe.calls`` / ``probe.steps`` (False: stream them only); ``keep_calls``:
+      keep only the last N calls (None: all);
+    - ``cache_dtype`` / ``cache_device``: where the per-layer feature cache lives (e.g. ``torch.bfloat16``, ``"cpu"``).
 
     The probe never raises into the model's forward or ``generate``; hooks are removed by :meth:`Probe.detach`,
     the end of the ``with`` block, :func:`detach_all`, or when the probe or the model is garbage-collected (the
     probe holds the model weakly).
     """
-    plan = make_plan(unwrap(model), layers=layers, target=target, tokenizer=tokenizer, embedding=embedding,
+    plan = make_plan(model, layers=layers, target=target, tokenizer=tokenizer, embedding=embedding,  # resolves once
                      methods=methods)
     check_recording(plan, on_step=on_step, sink=sink, keep_calls=keep_calls, cache_dtype=cache_dtype,
                     cache_device=cache_device)
-    backbone = get_path(plan.model, plan.spec.backbone) if plan.spec.backbone else plan.model.base_model
+    backbone = plan.subject.backbone
     engines = engines_for(plan.model) if plan.generates else []  # before the lock: may import an engine's module
     with _LOCK:
         if backbone in _ATTACHED:
@@ -585,6 +648,7 @@ def attach(
             gens = None
             if plan.generates:
                 gens = Generations(plan, hub, notice, cache_dtype=cache_dtype, cache_device=cache_device)
+                gens.backbone = backbone
             recorder = _Recorder(plan, backbone, gens, engines, results, notice)
             handles = recorder.register()
         except BaseException:
@@ -592,8 +656,9 @@ def attach(
             raise
         if gens is not None:
             gens.install()
-        attachment = _Attachment(handles, gens, engines, hub, backbone, run_eagerly(model))
-        probe = Probe(plan, results, hub, attachment, notice)
+        attachment = _Attachment(handles, gens, engines, hub, backbone,
+                                 _compiled_code(plan.subject.given, plan.model, backbone))
+        probe = Probe(plan, results, hub, attachment, notice, weakref.WeakMethod(recorder.settle))
         _ATTACHED[backbone] = attachment
     for engine in engines:  # outside the lock: their own locks are never taken inside this one
         try:
@@ -603,47 +668,27 @@ def attach(
     return probe
 
 
-def detach_all(model: nn.Module) -> int:
-    """Remove every nxl_hooks probe from ``model`` (also one whose probe object was lost); returns how many.
+def _compiled_code(model: nn.Module, *inner: nn.Module) -> Callable[[], None]:
+    """Compiled code of ``model`` that could skip or keep the hooks, dealt with now; returns the undo (detach). A
+    ``torch.compile(model)`` wrapper runs eagerly while attached (:func:`~.plan.run_eagerly`); a forward compiled
+    in place recompiles once now, tracing the hooks, and once after detach, without them."""
+    undo = run_eagerly(model)
+    modules = [weakref.ref(module) for module in {id(m): m for m in (model, *inner)}.values()]
+    reset_compiled(*(ref() for ref in modules))
 
-    ``nxl.detach_all(model)``
-    """
+    def restore() -> None:
+        undo()
+        reset_compiled(*(module for ref in modules if (module := ref()) is not None))
+
+    return restore
+
+
+def detach_all(model: nn.Module) -> int:
+    """Remove every nxl_hooks probe from ``model`` (also one whose probe object was lost); returns how many:
+    ``nxl.detach_all(model)``"""
     modules = set(unwrap(model).modules())
     with _LOCK:
         attachments = [attachment for backbone, attachment in _ATTACHED.items() if backbone in modules]
     for attachment in attachments:
         attachment()
     return len(attachments)
-
-
-def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, chat: bool = False,
-            **options: Any) -> Attribution:
-    """Attach, run one forward on ``text`` (a string or a batch of them, padded), detach: its attribution.
-
-    ``nxl.explain(model, tok, "The capital of France is", layers="all", target="Paris").top(3)``; ``options`` go to
-    :func:`attach`. Target words are read after the text (:func:`~nxl_hooks.method.select.prompt_targets`): "Paris"
-    there explains ' Paris', the token the model would emit; ``res.meta["targets"]`` says how each was read (and
-    when a word is several tokens, of which only the first is explained). ``chat``: each text becomes the user
-    message of the tokenizer's chat template, followed by the assistant's turn.
-    """
-    texts = [text] if isinstance(text, str) else list(text)
-    prompts = [chat_prompt(tokenizer, one) for one in texts] if chat else []
-    texts = [prompt.text for prompt in prompts] or texts
-    target, resolved = options.pop("target", "predicted"), None
-    if not is_predicted(target) and not isinstance(target, torch.Tensor):
-        inner = unwrap(model)
-        kind = resolve(inner)[1]
-        target, resolved = prompt_targets(inner, kind, tokenizer, target, texts)
-    enc = tokenizer(texts[0] if isinstance(text, str) else texts, return_tensors="pt", padding=True,
-                    return_token_type_ids=False).to(input_device(model))
-    with torch.no_grad(), attach(model, tokenizer=tokenizer, target=target, **options) as probe:
-        model(**enc)
-    res = probe.result()
-    if resolved is not None:
-        res.meta["targets"] = [[describe_target(tokenizer, inner.config, kind, one) for one in row] for row in resolved]
-    res.meta["chat"] = chat
-    if chat:  # the template's markers and system prompt do not rank (method.select.rankable)
-        template = template_rows(tokenizer, prompts, enc["input_ids"])
-        res.template = None if template is None else template[res.example]
-        res.meta["template"] = "located" if template is not None else "not located: every token ranks"
-    return res

@@ -8,29 +8,27 @@
 
 Built-in methods are the modules of :mod:`nxl_hooks.method.methods` (each defines ``METHOD``). Installed
 distributions add methods through the entry-point group ``nxl_hooks.methods`` (name: the method's name, value: a
-Method class or instance); the group is read once, when a name is looked up that nothing registered in the process
-has. :func:`load_plugin` is the one function a plugin loader calls for each entry point it loads.
+Method class or instance), loaded by the package's one plugin loader (:mod:`nxl_hooks.arch.plugins`, with its
+``NXL_PLUGINS`` allow-list) when a name is looked up that nothing registered in the process has, or every method is
+listed; :func:`load_plugin` is what the loader calls for each. A broken one is left out with one logged line.
 """
 
 from __future__ import annotations
 
 import importlib
-import logging
 import pkgutil
 import threading
-from importlib import metadata
 from typing import Any, Iterable
 
+from ..arch import plugins
 from . import methods as _builtin_package
 from .protocol import Method, check_name
 
 __all__ = ["DEFAULT", "ENTRY_POINT_GROUP", "Method", "get_method", "load_plugin", "method_names", "register_method",
            "resolve_methods"]
 
-logger = logging.getLogger("nxl_hooks")
-
 #: The entry-point group through which installed distributions register methods.
-ENTRY_POINT_GROUP = "nxl_hooks.methods"
+ENTRY_POINT_GROUP = plugins.METHODS
 #: What every probe computes (at no cost beyond the target logits it needs anyway), in this order.
 DEFAULT = ("normxlogit", "logat")
 #: Names a method cannot take: the fields and Parquet columns its scores sit beside, and evaluation's baselines.
@@ -44,7 +42,6 @@ RESERVED = frozenset({
 _METHODS: dict[str, Method] = {}
 _lock = threading.RLock()
 _loaded = False  # built-ins imported
-_plugins_read = False  # the entry-point group read
 
 
 def _instance(method: Any) -> Method:
@@ -86,20 +83,9 @@ def load_plugin(name: str, loaded: Any) -> Method:
 
 
 def _read_plugins() -> None:
-    """Load the ``nxl_hooks.methods`` entry points once, each through :func:`load_plugin`. A broken one is left
-    out with one logged line. (To be replaced by the package's one plugin loader, which calls load_plugin.)"""
-    global _plugins_read
-    if _plugins_read:
-        return
-    _plugins_read = True
-    for point in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        if point.name in _METHODS:
-            continue
-        try:
-            load_plugin(point.name, point.load())
-        except Exception as error:  # noqa: BLE001 - a broken plugin never breaks the host
-            logger.warning("nxl_hooks: attribution method %r from entry point %r not loaded (%s: %s)", point.name,
-                           point.value, type(error).__name__, error)
+    """Every allowed ``nxl_hooks.methods`` plugin through :func:`load_plugin` (each imported once by the loader; a
+    broken one, or one :func:`load_plugin` refuses, is left out with its one logged line)."""
+    plugins.load_all(ENTRY_POINT_GROUP, register=load_plugin)
 
 
 def _builtins() -> None:
@@ -123,8 +109,9 @@ def get_method(name: str | Method) -> Method:
             _read_plugins()
         if name in _METHODS:
             return _METHODS[name]
-    raise ValueError(f"unknown attribution method {name!r}: choose from {', '.join(method_names())} "
-                     "(or register one: nxl_hooks.method.registry.register_method)")
+    broken = plugins.failure(ENTRY_POINT_GROUP, name)
+    raise ValueError(f"unknown attribution method {name!r}: " + (broken if broken else (
+        f"choose from {', '.join(method_names())} (or register one: nxl_hooks.register_method)")))
 
 
 def method_names() -> tuple[str, ...]:

@@ -25,6 +25,8 @@ from typing import Any, Sequence, Union
 import torch
 from torch import nn
 
+from ..arch.registry import HeadKind
+
 __all__ = [
     "EMBEDDINGS",
     "NO_SPACE_AFTER",
@@ -54,7 +56,6 @@ __all__ = [
 #: What ``attach(target=...)`` takes: "predicted", an id, a token or label string, a list of them, or id tensors.
 Target = Union[str, int, Sequence[Union[str, int]], torch.Tensor]
 
-_CLASSIFIERS = ("sequence_classification", "regression")
 
 
 def _integer(value: Any) -> int | None:
@@ -209,8 +210,8 @@ def _after_prompt(tokenizer: Any, prompt: str, word: str) -> list[int]:
     return tokenizer.encode(addition, add_special_tokens=False)  # the word merged into the prompt's last token
 
 
-def resolve_target(model: nn.Module, kind: str, tokenizer: Any, item: str | int, n_outputs: int | None = None, *,
-                   prompt: str | None = None) -> ResolvedTarget:
+def resolve_target(model: nn.Module, kind: HeadKind | str, tokenizer: Any, item: str | int,
+                   n_outputs: int | None = None, *, prompt: str | None = None) -> ResolvedTarget:
     """One requested target or label -> what it explains (the rules in order):
 
     1. an int: that output id (range-checked against ``n_outputs`` when given);
@@ -233,18 +234,18 @@ def resolve_target(model: nn.Module, kind: str, tokenizer: Any, item: str | int,
         return ResolvedTarget(item, number, (number,), "id")
     if not isinstance(item, str):
         raise ValueError(f"target/label {item!r} must be an int id or a string, got {type(item).__name__}")
-    label2id = getattr(model.config, "label2id", None) or {}
-    if kind in _CLASSIFIERS and item.strip() in label2id:  # " LABEL_0" from a comma list is the label too
+    label2id, kind = getattr(model.config, "label2id", None) or {}, HeadKind(kind)
+    if kind.pooled and item.strip() in label2id:  # " LABEL_0" from a comma list is the label too
         return ResolvedTarget(item, int(label2id[item.strip()]), (int(label2id[item.strip()]),), "label")
-    if kind in _CLASSIFIERS and item.strip().lstrip("-").isdigit():
+    if kind.pooled and item.strip().lstrip("-").isdigit():
         return resolve_target(model, kind, tokenizer, int(item.strip()), n_outputs)
-    if kind in _CLASSIFIERS:
+    if kind.pooled:
         raise ValueError(f"label {item!r} is not one of the model's labels {sorted(label2id)}; or pass an int id")
     if tokenizer is None:
         raise ValueError(f"target {item!r} is a string: pass attach(..., tokenizer=tok) to resolve it, or an int id")
     if not item:
         raise ValueError("target '' is empty: give a word, a token or an id")
-    after = prompt is not None and kind == "causal_lm"
+    after = prompt is not None and kind is HeadKind.CAUSAL_LM
     vocab = tokenizer.get_vocab()
     if item in vocab and (not after or _is_piece(tokenizer, item, vocab[item])):
         return ResolvedTarget(item, int(vocab[item]), (int(vocab[item]),), "token")
@@ -258,7 +259,7 @@ def resolve_target(model: nn.Module, kind: str, tokenizer: Any, item: str | int,
     return ResolvedTarget(item, int(ids[0]), tuple(int(i) for i in ids), "word")
 
 
-def resolve_target_id(model: nn.Module, kind: str, tokenizer: Any, item: str | int, n_outputs: int) -> int:
+def resolve_target_id(model: nn.Module, kind: HeadKind | str, tokenizer: Any, item: str | int, n_outputs: int) -> int:
     """One target or label -> the output id ``attach`` explains, by :func:`resolve_target`'s rules without a prompt;
     a word of several tokens is an error here (attach has no prompt to say which token comes next).
     ``resolve_target_id(model, "causal_lm", tok, "Ġis", len(tok))``"""
@@ -284,7 +285,7 @@ def _items(target: Target) -> list[str | int]:
     return list(items)
 
 
-def prompt_targets(model: nn.Module, kind: str, tokenizer: Any, target: Target,
+def prompt_targets(model: nn.Module, kind: HeadKind | str, tokenizer: Any, target: Target,
                    prompts: Sequence[str]) -> tuple[torch.Tensor, list[list[ResolvedTarget]]]:
     """Targets as people write them, read after each prompt (:func:`resolve_target`): the id tensor to pass as
     ``attach(target=...)`` and each row's resolutions. One row per prompt for causal LMs and classifiers (whose
@@ -292,13 +293,13 @@ def prompt_targets(model: nn.Module, kind: str, tokenizer: Any, target: Target,
     list, so the label axis is as ``target`` asks. ``prompt_targets(model, "causal_lm", tok, ["are", "is"], [text])``
     """
     items = _items(target)
-    rows = list(prompts) if kind == "causal_lm" else [None]
+    rows = list(prompts) if HeadKind(kind) is HeadKind.CAUSAL_LM else [None]
     resolved = [[resolve_target(model, kind, tokenizer, item, prompt=prompt) for item in items] for prompt in rows]
     ids = torch.tensor([[r.id for r in row] for row in resolved], dtype=torch.long)
     return (ids if isinstance(target, (list, tuple)) else ids[:, 0]), resolved
 
 
-def target_ids(model: nn.Module, kind: str, tokenizer: Any, target: Target, n_outputs: int) -> torch.Tensor:
+def target_ids(model: nn.Module, kind: HeadKind | str, tokenizer: Any, target: Target, n_outputs: int) -> torch.Tensor:
     """Explicit targets as a (1, k) or (rows, k) id tensor, checked against the head's outputs."""
     if isinstance(target, torch.Tensor):
         if target.dim() > 2:
@@ -333,7 +334,7 @@ def explained(fixed: torch.Tensor | None, predicted: torch.Tensor) -> torch.Tens
 
 
 def prediction_rows(
-    kind: str,
+    kind: HeadKind | str,
     pooling: str,
     input_ids: torch.Tensor | None,
     attention_mask: torch.Tensor | None,
@@ -347,21 +348,21 @@ def prediction_rows(
     ``mask_id``: the tokenizer's mask token, for masked LMs; ``pad_id``: ``config.pad_token_id``, for decoder
     classifiers. ValueError when a masked-LM input has no mask token or a causal-LM row has no real token.
     """
-    batch, seq = shape
+    batch, seq, kind = *shape, HeadKind(kind)
     examples = torch.arange(batch)
     if attention_mask is not None and attention_mask.dim() == 2:
         _no_empty_rows(attention_mask.cpu().bool())  # any head: nothing real to explain, whatever it pools
-    if kind == "masked_lm":
+    if kind is HeadKind.MASKED_LM:
         if mask_id is None or input_ids is None:
             raise ValueError("masked-LM attribution needs input_ids and attach(..., tokenizer=tok) with a mask token")
         examples, positions = (input_ids.cpu() == mask_id).nonzero(as_tuple=True)
         if examples.numel() == 0:
             raise ValueError("no mask token in the input: nothing to explain")
         return examples, positions
-    if kind == "causal_lm" or pooling == "last_non_pad":
-        if kind == "causal_lm" and attention_mask is not None and attention_mask.dim() == 2:
+    if kind is HeadKind.CAUSAL_LM or pooling == "last_non_pad":
+        if kind is HeadKind.CAUSAL_LM and attention_mask is not None and attention_mask.dim() == 2:
             real = attention_mask.cpu().bool()
-        elif kind != "causal_lm" and pad_id is not None and input_ids is not None:
+        elif kind is not HeadKind.CAUSAL_LM and pad_id is not None and input_ids is not None:
             real = input_ids.cpu() != pad_id  # as transformers pools decoder classifiers
         else:
             return examples, torch.full((batch,), seq - 1)

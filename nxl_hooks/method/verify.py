@@ -17,7 +17,7 @@ import threading
 import torch
 from torch import nn
 
-from ..arch.registry import ArchSpec, RegistryError, is_shipped, spec_head, split_post_steps
+from ..arch.registry import ArchSpec, HeadKind, RegistryError, is_shipped, spec_head, split_post_steps
 from .head import Head
 
 __all__ = ["check_numbers"]
@@ -124,7 +124,7 @@ def _compare(model: nn.Module, spec: ArchSpec, kind: str, head: Head, counts: li
         raise RegistryError(f"{where}: key {heads_key!r} ({steps}) cannot be applied to the output of the last block "
                             f"of {name} ({first}); expected the modules of its head-on-top, in order") from None
     expected = logits.float()
-    if kind in ("sequence_classification", "regression"):
+    if HeadKind(kind).pooled:
         other, pooled = ("last_non_pad" if spec.pooling == "first" else "first"), got[:, _POOLED[spec.pooling]]
         if _differs(pooled, expected, head) is not False and _differs(got[:, _POOLED[other]], expected, head) is False:
             raise RegistryError(f"{where}: key 'pooling' is {spec.pooling!r}, but {name} reads its prediction at "

@@ -3,7 +3,8 @@
 - :mod:`.attribution`: :class:`Attribution` and its safetensors + JSON file
 - :mod:`.steps`: :class:`Step` and :class:`GenerationCall`
 - :mod:`.sinks`: where generation records go: :class:`RecordSink`, :func:`make_sink`, :func:`register_sink`
-- :mod:`.sink`: the crash-safe stream file (:class:`Sink`, :class:`RotatingSink`, :func:`read_stream`)
+- :mod:`.writer`: the crash-safe stream file and its writers (:class:`Sink`, :class:`RotatingSink`)
+- :mod:`.reader`: reading it back (:func:`read_stream`, :class:`Damage`); :mod:`.sink` keeps both's former name
 - :mod:`.parquet`: tidy Parquet rows of step records (:class:`~.parquet.ParquetSink`, ``nxl export``)
 - :mod:`.files`: whole files written under a temporary name and renamed
 - :mod:`.html`: self-contained HTML pages of records
@@ -12,9 +13,10 @@ A file that does not hold together raises :class:`RecordError` (a ValueError); a
 """
 
 from .attribution import Attribution, RecordError
-from .sink import Damage, RotatingSink, Sink, StreamDamageWarning, StreamError, read_stream
+from .reader import Damage, StreamDamageWarning, StreamError, read_stream
 from .sinks import RecordSink, make_sink, register_sink
 from .steps import GenerationCall, Step
+from .writer import RotatingSink, Sink
 
 __all__ = ["Attribution", "Damage", "GenerationCall", "RecordError", "RecordSink", "RotatingSink", "Sink", "Step",
            "StreamDamageWarning", "StreamError", "make_sink", "read_stream", "register_sink"]

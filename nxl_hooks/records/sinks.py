@@ -11,8 +11,8 @@ sink that raises stops getting records (the host's call goes on); a sink that st
 disk) says why in its ``fault``.
 
 Third-party kinds register through the entry-point group ``nxl_hooks.sinks`` (name: the kind, value: a factory
-``factory(arg: str, **options) -> RecordSink``); they are looked up once, when a spec names a kind that is not
-registered in the process, and only the one named is imported.
+``factory(arg: str, **options) -> RecordSink``), loaded by :mod:`nxl_hooks.arch.plugins`: when a spec names a kind
+that is not registered in the process, only that one is imported; a broken one is refused with the loader's line.
 """
 
 from __future__ import annotations
@@ -20,15 +20,15 @@ from __future__ import annotations
 import os
 import re
 import threading
-from importlib import metadata
 from typing import Any, Callable, Protocol, runtime_checkable
 
+from ..arch import plugins
 from .steps import GenerationCall, Step
 
 __all__ = ["ENTRY_POINT_GROUP", "RecordSink", "kind_name", "make_sink", "register_sink", "sink_factory"]
 
 #: The entry-point group through which installed distributions register sink kinds.
-ENTRY_POINT_GROUP = "nxl_hooks.sinks"
+ENTRY_POINT_GROUP = plugins.SINKS
 
 
 @runtime_checkable
@@ -56,7 +56,6 @@ Factory = Callable[..., RecordSink]
 
 _KINDS: dict[str, Factory] = {}
 _lock = threading.Lock()
-_entry_points: dict[str, metadata.EntryPoint] | None = None  # read once, on the first unknown kind
 #: "NAME:ARG": a kind's name is a word of two or more characters (one letter would be a Windows drive)
 _SPEC = re.compile(r"([A-Za-z][\w.-]+):(.*)", re.DOTALL)
 
@@ -74,29 +73,15 @@ def register_sink(name: str, factory: Factory) -> None:
         _KINDS[name] = factory
 
 
-def _installed() -> dict[str, metadata.EntryPoint]:
-    global _entry_points
-    with _lock:
-        if _entry_points is None:
-            _entry_points = {point.name: point for point in metadata.entry_points(group=ENTRY_POINT_GROUP)}
-        return _entry_points
-
-
 def _kind(name: str) -> Factory | None:
     """The factory registered as ``name``: in this process, else through an installed entry point."""
     with _lock:
         factory = _KINDS.get(name)
     if factory is not None:
         return factory
-    point = _installed().get(name)
-    if point is None:
-        return None
-    try:
-        factory = point.load()
-    except Exception as error:  # noqa: BLE001 - a broken plugin is the user's one line, not a traceback
-        raise ValueError(f"sink kind {name!r} from entry point {point.value!r} failed to load "
-                         f"({type(error).__name__}: {error})") from None
-    register_sink(name, factory)
+    factory = plugins.load(ENTRY_POINT_GROUP, name, log=False)  # a broken one: kind_name refuses with its line
+    if factory is not None:
+        register_sink(name, factory)
     return factory
 
 
@@ -109,7 +94,7 @@ def _builtin(name: str) -> Factory:
         from .parquet import ParquetSink
 
         return ParquetSink
-    from .sink import RotatingSink, Sink
+    from .writer import RotatingSink, Sink
 
     return {"file": Sink, "folder": RotatingSink}[name]
 
@@ -125,7 +110,10 @@ def kind_name(spec: Any) -> str | None:
         return name
     if os.path.exists(spec):
         return None
-    known = sorted({*_BUILTIN, *_KINDS, *_installed()})
+    broken = plugins.failure(ENTRY_POINT_GROUP, name)
+    if broken is not None:
+        raise ValueError(f"sink {spec!r}: {broken}")
+    known = sorted({*_BUILTIN, *_KINDS, *plugins.entry_points(ENTRY_POINT_GROUP)})
     raise ValueError(f"sink {spec!r}: no sink kind {name!r} is registered (known: {', '.join(known)}); for a file "
                      "or folder whose name holds a colon, write it as ./NAME")
 
@@ -136,7 +124,7 @@ def _check_path(spec: str) -> None:
     or a typo as a file name, so it is refused rather than made into a stream file of that name."""
     if os.path.exists(spec) or "/" in spec or os.sep in spec or os.path.splitext(spec)[1]:
         return
-    known = ", ".join(sorted({*_BUILTIN, *_KINDS, *_installed()}))
+    known = ", ".join(sorted({*_BUILTIN, *_KINDS, *plugins.entry_points(ENTRY_POINT_GROUP)}))
     head, colon, _ = spec.partition(":")
     what = (f"{head!r} before ':' is no sink kind" if colon else "a bare name is no file path, folder or sink kind")
     raise ValueError(f"sink {spec!r}: {what}; write a stream file as NAME.nxl or ./NAME, a folder as NAME/, or a "
@@ -167,8 +155,8 @@ def make_sink(spec: Any, **options: Any) -> RecordSink:
     """A record sink from what a user gave. ``make_sink("runs/", max_bytes=1 << 20)``
 
     ``spec``: an object that already is a :class:`RecordSink` (returned as it is; no ``options``); a file path (the
-    crash-safe stream file, :class:`~nxl_hooks.records.sink.Sink`); an existing folder or a path ending in ``/``
-    (rotating stream files, :class:`~nxl_hooks.records.sink.RotatingSink`); or ``"NAME:ARG"`` for a registered kind
+    crash-safe stream file, :class:`~nxl_hooks.records.writer.Sink`); an existing folder or a path ending in ``/``
+    (rotating stream files, :class:`~nxl_hooks.records.writer.RotatingSink`); or ``"NAME:ARG"`` for a registered kind
     (``file:``, ``folder:``, ``parquet:`` built in; others through :func:`register_sink` or the entry-point group
     ``nxl_hooks.sinks``). ``options`` go to the kind's factory. A :class:`pathlib.Path` is always a path; a string
     that is a bare word (``"raise"``, ``":x"``: no folder part, no suffix, not an existing path) is refused."""

@@ -219,7 +219,7 @@ class GenerationCall:
     def link(self, step: Step) -> None:
         """Give ``step`` the readable texts of its context (the prompt's, then each earlier step's token) and add
         its own token's: ``step.to_attribution().top(3)`` then names tokens by their text. Called once per step,
-        in order, by the probe's hub and by :func:`~nxl_hooks.records.sink.read_stream`."""
+        in order, by the probe's hub and by :func:`~nxl_hooks.records.reader.read_stream`."""
         if self.readable is None or step.readable is None or len(step.readable) != len(self.readable):
             return
         if self._context is None:

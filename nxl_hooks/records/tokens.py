@@ -37,6 +37,7 @@ import unicodedata
 from functools import lru_cache
 from typing import Any, Sequence
 
+from ..arch.registry import HeadKind
 from ..method.chat import chat_prompt
 from ..method.select import ResolvedTarget
 
@@ -194,17 +195,18 @@ def readable(tokenizer: Any, token: int) -> str:
     return readable_ids(tokenizer, [token])[0]
 
 
-def label_text(tokenizer: Any, id2label: dict | None, kind: str, label: int) -> str:
+def label_text(tokenizer: Any, id2label: dict | None, kind: HeadKind | str, label: int) -> str:
     """A target id as people read it: a classifier's label name, an LM's readable token (else the id)."""
-    if kind in ("sequence_classification", "regression"):
+    if HeadKind(kind).pooled:
         return visible(str((id2label or {}).get(label, label)))
     return readable(tokenizer, label) if tokenizer is not None else str(label)
 
 
-def target_texts(tokenizer: Any, config: Any, kind: str, targets: Any) -> list[list[str]] | None:
+def target_texts(tokenizer: Any, config: Any, kind: HeadKind | str, targets: Any) -> list[list[str]] | None:
     """:func:`label_text` of each explained id, (rows,) or (rows, k) ids -> rows x k strings; None for regression and
     for an LM without a tokenizer."""
-    if kind == "regression" or (tokenizer is None and kind not in ("sequence_classification",)):
+    kind = HeadKind(kind)
+    if kind is HeadKind.REGRESSION or (tokenizer is None and not kind.pooled):
         return None
     id2label = getattr(config, "id2label", None)
     return [[label_text(tokenizer, id2label, kind, label) for label in row]

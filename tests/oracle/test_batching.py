@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 from transformers import GenerationConfig
-from transformers.generation.continuous_batching import continuous_api, model_runner
+from transformers.generation.continuous_batching import continuous_api, input_outputs
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
 from transformers.generation.continuous_batching.requests import RequestState
 
@@ -234,7 +234,7 @@ def test_cancelled_request_ends_incomplete_and_frees_its_features(model):
             manager.stop(block=True, timeout=30)
 
 
-@pytest.mark.parametrize("path", ["moved_internal", "padded_inputs"])
+@pytest.mark.parametrize("path", ["moved_internal", "async_batching"])
 def test_paths_that_cannot_be_followed_log_once_and_run_unchanged(model, path, monkeypatch, caplog):
     prompts = _prompts((5, 18, 9))
     if path == "moved_internal":
@@ -242,14 +242,8 @@ def test_paths_that_cannot_be_followed_log_once_and_run_unchanged(model, path, m
         # of its own (it runs the inherited one), so nothing is wrapped and the reason names what is missing
         moved = type("ContinuousBatchProcessor", (continuous_api.ContinuousBatchProcessor,), {})
         monkeypatch.setattr(continuous_api, "ContinuousBatchProcessor", moved)
-    else:  # what CUDA graphs and torch.compile do to the inputs, forced on the CPU
-        original = model_runner.ModelRunner.__init__
-
-        def padding(self, *args, **kwargs):
-            original(self, *args, **kwargs)
-            self.pad_inputs = True
-
-        monkeypatch.setattr(model_runner.ModelRunner, "__init__", padding)
+    else:  # asynchronous batching (CUDA or XPU only) keeps a pair of IOs, forced on the CPU's synchronous IOs
+        monkeypatch.setattr(input_outputs.ContinuousBatchingIOs, "io_pairs", (), raising=False)
     plain = model.generate_batch(prompts, generation_config=_greedy(4), continuous_batching_config=_config())
     with caplog.at_level(logging.WARNING, logger="nxl_hooks"), nxl.attach(model) as probe:
         out = model.generate_batch(prompts, generation_config=_greedy(4), continuous_batching_config=_config())
@@ -257,15 +251,15 @@ def test_paths_that_cannot_be_followed_log_once_and_run_unchanged(model, path, m
         assert probe.result().normxlogit.shape == (3, 1, 5)
     assert _tokens(out) == _tokens(plain)
     (record,) = [r for r in caplog.records if r.name == "nxl_hooks"]
-    assert ("ContinuousBatchProcessor._generation_step" if path == "moved_internal" else "CUDA graphs"
+    assert ("ContinuousBatchProcessor._generation_step" if path == "moved_internal" else "asynchronously"
             ) in record.getMessage()
     if path == "moved_internal":  # transformers' classes are not even wrapped: no request is seen
         assert probe.calls == [] and "has no ContinuousBatchProcessor._generation_step" in probe.unrecorded
     else:  # never silent: each request's call record says why, and what makes it recordable
         assert sorted(c.request_id for c in probe.calls) == sorted(out)
         for call in probe.calls:
-            assert call.steps == [] and call.error.startswith("not recorded: ") and "CUDA graphs" in call.error
-            assert "NXL_EAGER=1" in call.error and "use_cuda_graph=False" in call.error
+            assert call.steps == [] and call.error.startswith("not recorded: ") and "asynchronously" in call.error
+            assert "use_async_batching=False" in call.error
         assert probe.unrecorded == probe.calls[0].error
 
 

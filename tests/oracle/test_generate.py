@@ -371,29 +371,35 @@ def _compiled_static(model, ids, **options):
                           compile_config=config, **options)
 
 
-def test_compiled_static_cache_generate_is_never_silent_and_eager_is_recorded(monkeypatch):
-    model = tiny.generating_llama(seed=3)  # compiled here first, before any probe
+def test_compiled_static_cache_generate_is_recorded_and_eager_too(monkeypatch):
+    """Compiled here first, before any probe: attached, generate compiles a call that traces the hooks
+    (:mod:`nxl_hooks.hooks.tape`; inductor and every check: tests/oracle/test_compiled.py); NXL_EAGER=1 runs eagerly."""
+    model = tiny.generating_llama(seed=3)
     ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(21))
     plain = _compiled_static(model, ids)
     with nxl.attach(model) as probe:
         out = _compiled_static(model, ids)
-    assert torch.equal(out, plain)
-    (call,) = probe.calls
-    # its decoding steps ran compiled code (the first ones run eagerly): the call says why and what to do
-    assert len(call.steps) < 4 and not call.complete
-    assert call.error.startswith("not recorded: ") and "disable_compile=True" in call.error
-    assert "NXL_EAGER=1" in call.error and probe.unrecorded == call.error
-    monkeypatch.setenv("NXL_EAGER", "1")  # a recording session: generate runs eagerly, every step recorded
+    assert torch.equal(out, plain) and probe.unrecorded is None
+    check_call(model, probe.calls[0], 4)
+    monkeypatch.setenv("NXL_EAGER", "1")  # the fallback: generate runs eagerly, every step recorded
     with nxl.attach(model) as probe:
         out = _compiled_static(model, ids)
     assert torch.equal(out, plain) and probe.unrecorded is None
     check_call(model, probe.calls[0], 4)
-    monkeypatch.delenv("NXL_EAGER")
-    for _ in range(2):  # compiled again while attached (dynamo may now trace the hooks): right, or said so
-        with nxl.attach(model) as probe:
-            assert torch.equal(_compiled_static(model, ids), plain)
-        (call,) = probe.calls
-        if call.error is None:
-            check_call(model, call, 4)
-        else:
-            assert call.error.startswith("not recorded: ") and "disable_compile=True" in call.error
+
+
+def test_compiled_forwards_the_tape_did_not_follow_are_said_not_recorded():
+    """A compiled call whose forwards did not write its own tape (here: the tape held by another call) is never
+    silent: its call says why and what to do."""
+    model = tiny.generating_llama(seed=3)
+    ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(21))
+    with nxl.attach(model) as probe:
+        gens = next(cell.cell_contents for cell in model.generate.__closure__
+                    if type(cell.cell_contents).__name__ == "Generations")
+        gens.tape.arm(batch=1, capacity=16, k=1, device=torch.device("cpu"))  # as another call would
+        out = _compiled_static(model, ids)
+        gens.tape.disarm()
+    (call,) = probe.calls
+    assert out.shape[1] == 10 and len(call.steps) < 4 and not call.complete
+    assert call.error.startswith("not recorded: ") and "disable_compile=True" in call.error
+    assert "NXL_EAGER=1" in call.error and probe.unrecorded == call.error

@@ -20,6 +20,7 @@ import nxl_hooks as nxl
 import oracle
 import tiny
 from nxl_hooks.apps.cli import main as cli_main
+from nxl_hooks.arch import plugins
 from nxl_hooks.method import registry
 from nxl_hooks.method.protocol import Given, Method
 
@@ -226,7 +227,9 @@ def test_methods_install_through_entry_points_and_a_broken_one_is_one_line(tmp_p
     (info / "entry_points.txt").write_text("[nxl_hooks.methods]\ntest_plugin_doubled = nxl_test_plugin:Doubled\n"
                                            "test_plugin_broken = nxl_test_plugin_missing:Nothing\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(registry, "_plugins_read", False)
+    monkeypatch.delenv(plugins.SETTING, raising=False)
+    for cache in ("_points", "_loaded", "_failed"):  # the loader reads the group afresh, as a new process would
+        monkeypatch.setattr(plugins, cache, {})
     monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))  # the process's registry as it was, after
     with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
         names = nxl.method_names()
@@ -236,7 +239,7 @@ def test_methods_install_through_entry_points_and_a_broken_one_is_one_line(tmp_p
     model, tok = tiny.build_model("llama", 0), tiny.tokenizer()
     res = nxl.explain(model, tok, TEXT, methods=["test_plugin_doubled"])
     torch.testing.assert_close(res.scores["test_plugin_doubled"], 2 * res.normxlogit)
-    with pytest.raises(ValueError, match="unknown attribution method 'test_plugin_broken'"):
+    with pytest.raises(ValueError, match="unknown attribution method 'test_plugin_broken': plugin .* failed to load"):
         nxl.attach(model, methods=["test_plugin_broken"])
     assert os.environ.get("NXL_METHODS") is None  # nothing of the host's environment was changed
 

@@ -16,7 +16,7 @@ import oracle
 import tiny
 from nxl_hooks.eval import audit
 from nxl_hooks.eval import faithfulness as ev
-from nxl_hooks.records import sink as sink_format
+from nxl_hooks.records import reader, writer
 from oracle import check_call
 from tiny import word_tokenizer
 
@@ -86,15 +86,15 @@ def test_read_stream_refuses_a_frame_with_a_flipped_payload_byte(lm, tmp_path):
     with nxl.attach(lm, sink=path) as probe:
         lm.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
     data = path.read_bytes()
-    frames = list(sink_format._frames(data))  # (index, offset, payload, why); frame 0 is the call, 1.. the steps
+    frames = list(reader._frames(data))  # (index, offset, payload, why); frame 0 is the call, 1.. the steps
     index, offset, payload, _ = frames[4]  # step 3
     # a byte inside the tensor data (after the safetensors header): the blob still parses, only the CRC can tell
     header_size = int.from_bytes(payload[:8], "little")
-    where = offset + sink_format._FRAME.size + 8 + header_size + 5
+    where = offset + writer._FRAME.size + 8 + header_size + 5
     flipped = bytearray(data)
     flipped[where] ^= 0x40
     path.write_bytes(bytes(flipped))
-    with pytest.warns(sink_format.StreamDamageWarning, match=f"frame {index} at byte {offset}.*checksum"):
+    with pytest.warns(reader.StreamDamageWarning, match=f"frame {index} at byte {offset}.*checksum"):
         calls = nxl.read_stream(path)
     (call,) = calls
     assert len(call.steps) == 3 and not call.complete
@@ -103,7 +103,7 @@ def test_read_stream_refuses_a_frame_with_a_flipped_payload_byte(lm, tmp_path):
     assert (call.thread, call.request_id) == (probe.calls[0].thread, probe.calls[0].request_id)
     for read, kept in zip(call.steps, probe.steps):  # what comes before the damage is exact
         assert torch.equal(read.normxlogit, kept.normxlogit)
-    with pytest.raises(sink_format.StreamError, match=f"damaged: frame {index} at byte {offset}"):
+    with pytest.raises(reader.StreamError, match=f"damaged: frame {index} at byte {offset}"):
         nxl.read_stream(path, strict=True)
 
 

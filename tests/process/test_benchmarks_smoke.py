@@ -90,7 +90,13 @@ def _vllm(report: dict, out: Path) -> None:
     assert set(report["summary"]["throughput_ratio"]["nxl_all"]) == {"clients=1", "clients=8"}
 
 
-CHECKS = {"bench_forward": _forward, "bench_generate": _generate, "bench_big": _big,
+def _compiled(report: dict, out: Path) -> None:
+    # every attached compiled call was checked by the script: each step recorded, the same tokens as plain
+    assert report["same_tokens_as_plain"] is True and report["unrecorded"] == {"attached": None, "attached_sink": None}
+    assert report["sink_steps_of_last_call"] == report["model"]["new_tokens"] and report["attached_over_plain"] > 0
+
+
+CHECKS = {"bench_forward": _forward, "bench_compiled": _compiled, "bench_generate": _generate, "bench_big": _big,
           "bench_faithfulness": _faithfulness, "bench_real": _real, "bench_serve": _serve, "bench_attach": _attach,
           "bench_vllm": _vllm}
 

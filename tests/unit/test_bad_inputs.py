@@ -26,7 +26,7 @@ import tiny
 from nxl_hooks.apps import dataset
 from nxl_hooks.arch import registry
 from nxl_hooks.records import files
-from nxl_hooks.records import sink as stream
+from nxl_hooks.records import reader, writer
 from nxl_hooks.records.attribution import RecordError
 
 CATALOGUE: list[str] = []  # every case id, counted by test_catalogue_size
@@ -455,7 +455,7 @@ def stream_bytes(lm, tmp_path_factory) -> bytes:
 
 
 def _offsets(data: bytes) -> list[int]:
-    return [offset for _, offset, _, _ in stream._frames(data)]
+    return [offset for _, offset, _, _ in reader._frames(data)]
 
 
 def _flip(frame: int, where: int):
@@ -472,8 +472,8 @@ def _length(frame: int, delta: int):
     """A frame's announced payload length changed by ``delta``."""
     def make(data: bytes) -> bytes:
         offset = _offsets(data)[frame]
-        magic, length, crc = stream._FRAME.unpack_from(data, offset)
-        return data[:offset] + stream._FRAME.pack(magic, length + delta, crc) + data[offset + stream._FRAME.size:]
+        magic, length, crc = writer._FRAME.unpack_from(data, offset)
+        return data[:offset] + writer._FRAME.pack(magic, length + delta, crc) + data[offset + writer._FRAME.size:]
     return make
 
 
@@ -515,9 +515,9 @@ def test_damaged_streams_warn_or_raise_and_say_where(stream_bytes, tmp_path, mak
     path = tmp_path / "run.nxl"
     path.write_bytes(make(stream_bytes))
     offset = _offsets(path.read_bytes())[frame] if frame < len(_offsets(path.read_bytes())) else None
-    with pytest.raises(stream.StreamError, match=f"damaged: frame {frame} at byte {offset}: .*({reason})"):
+    with pytest.raises(reader.StreamError, match=f"damaged: frame {frame} at byte {offset}: .*({reason})"):
         nxl.read_stream(path, strict=True)
-    with pytest.warns(stream.StreamDamageWarning, match=f"frame {frame} at byte"):
+    with pytest.warns(reader.StreamDamageWarning, match=f"frame {frame} at byte"):
         calls = nxl.read_stream(path)
     assert calls.damage.frame == frame and not calls.damage.torn
     assert calls.damage.steps_recovered == max(0, min(frame - 1, 4)) == sum(len(c.steps) for c in calls)
@@ -530,7 +530,7 @@ def test_a_torn_last_frame_is_quiet(stream_bytes, tmp_path, cut):
     last = _offsets(stream_bytes)[-1]
     if cut < 0:  # the writer was killed right as it began the frame after the end frame
         last = len(stream_bytes)
-        stream_bytes += (stream._FRAME_MAGIC + bytes(12))[:-cut]
+        stream_bytes += (writer._FRAME_MAGIC + bytes(12))[:-cut]
     path.write_bytes(stream_bytes[: max(last + 1, len(stream_bytes) - max(cut, 0))])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no warning at all
@@ -541,7 +541,7 @@ def test_a_torn_last_frame_is_quiet(stream_bytes, tmp_path, cut):
 
 
 def _frame(payload: bytes) -> bytes:
-    return stream._FRAME.pack(stream._FRAME_MAGIC, len(payload), zlib.crc32(payload)) + payload
+    return writer._FRAME.pack(writer._FRAME_MAGIC, len(payload), zlib.crc32(payload)) + payload
 
 
 def _record(tensors: dict, header) -> bytes:
@@ -607,7 +607,7 @@ def test_crafted_frames_with_a_valid_checksum(stream_bytes, tmp_path, payload, m
     path.write_bytes(stream_bytes[: offsets[1]] + _frame(payload) + stream_bytes[offsets[2]:])
     before = path.read_bytes()
     for strict in (False, True):
-        with pytest.raises(stream.StreamError, match=f"frame 1 at byte {offsets[1]} has a valid checksum but .*"
+        with pytest.raises(reader.StreamError, match=f"frame 1 at byte {offsets[1]} has a valid checksum but .*"
                                                      f"{message}"):
             nxl.read_stream(path, strict=strict)
     assert path.read_bytes() == before
@@ -619,14 +619,14 @@ def test_a_call_frame_whose_prompt_ids_and_mask_differ(stream_bytes, tmp_path):
                    {"kind": "call", "call": 0, "layers": [0, 1, 2]})
     path = tmp_path / "run.nxl"
     path.write_bytes(stream_bytes[: offsets[0]] + _frame(call) + stream_bytes[offsets[1]:])
-    with pytest.raises(stream.StreamError, match=r"frame 0 at byte .*prompt_ids \(1, 3\) and prompt_mask \(1, 4\)"):
+    with pytest.raises(reader.StreamError, match=r"frame 0 at byte .*prompt_ids \(1, 3\) and prompt_mask \(1, 4\)"):
         nxl.read_stream(path)
 
 
 STREAM_FILES = cases(
     ("empty file", b"", "is not an nxl_hooks stream file"),
     ("an attribution file", save_blob({"x": torch.zeros(1)}), "is not an nxl_hooks stream file"),
-    ("magic line only", stream._FILE_MAGIC, None),
+    ("magic line only", writer._FILE_MAGIC, None),
 )
 
 
@@ -638,7 +638,7 @@ def test_files_that_are_not_streams(tmp_path, content, message):
         calls = nxl.read_stream(path, strict=True)
         assert calls == [] and calls.damage is None
         return
-    with pytest.raises(stream.StreamError, match=message):
+    with pytest.raises(reader.StreamError, match=message):
         nxl.read_stream(path)
 
 

@@ -26,8 +26,8 @@ from safetensors.torch import save as save_blob
 import nxl_hooks as nxl
 import tiny
 from nxl_hooks.apps.terminal import render_table
-from nxl_hooks.arch import registry
-from nxl_hooks.records import sink as stream
+from nxl_hooks.arch import fit, registry
+from nxl_hooks.records import reader, writer
 from nxl_hooks.records.attribution import RecordError
 
 _MANY = int(os.environ.get("NXL_FUZZ_EXAMPLES", "0"))
@@ -189,12 +189,12 @@ def stream_bytes(tmp_path_factory) -> bytes:
 def _read(path) -> None:
     """read_stream, then everything its records are used for; only StreamError may come out."""
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore", stream.StreamDamageWarning)
+        warnings.simplefilter("ignore", reader.StreamDamageWarning)
         try:
             calls = nxl.read_stream(path)
-        except stream.StreamError:
+        except reader.StreamError:
             return
-    assert calls.damage is None or calls.damage.offset >= len(stream._FILE_MAGIC)
+    assert calls.damage is None or calls.damage.offset >= len(writer._FILE_MAGIC)
     for call in calls:
         for step in call.steps:
             _works(step.to_attribution())
@@ -233,8 +233,8 @@ def _frame(draw):
 @given(frames=st.lists(_frame(), min_size=1, max_size=3))
 def test_read_stream_of_crafted_frames(stream_bytes, tmp_path, frames):
     """Crafted frames (valid checksums) after the genuine call frame and first step."""
-    offsets = [offset for _, offset, _, _ in stream._frames(stream_bytes)]
-    crafted = b"".join(stream._FRAME.pack(stream._FRAME_MAGIC, len(p), zlib.crc32(p)) + p for p in frames)
+    offsets = [offset for _, offset, _, _ in reader._frames(stream_bytes)]
+    crafted = b"".join(writer._FRAME.pack(writer._FRAME_MAGIC, len(p), zlib.crc32(p)) + p for p in frames)
     path = tmp_path / "run.nxl"
     path.write_bytes(stream_bytes[:offsets[2]] + crafted)
     _read(path)
@@ -335,6 +335,6 @@ def _load(model, path) -> None:
         assert all(isinstance(step, str) for steps in spec.heads.values() for step in steps)
         if "causal_lm" in spec.heads:
             try:
-                registry._check_fits(model, spec, "causal_lm")
+                fit.check_fits(model, spec, "causal_lm")
             except registry.RegistryError:
                 pass

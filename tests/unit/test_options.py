@@ -1,6 +1,8 @@
-"""``nxl run``'s option schema (apps/serve/settings.py): every option goes flag -> Settings -> NXL_* -> Settings
-unchanged, the docs list every option, no nxl parser takes abbreviations, and what nxl tail / nxl ctl print reaches
-the terminal escaped (request ids, tokens, names, errors, faults)."""
+"""The option groups (apps/schema.py): every ``nxl run`` option goes flag -> Settings -> NXL_* -> Settings unchanged,
+one field added to a group is a flag, a variable, an ``nxl ctl`` change the endpoint reads and a docs row; the
+loading options are one shape from flags, keywords and NXL_LOAD; the docs tables are generated; no nxl parser takes
+abbreviations, and what nxl tail / nxl ctl print reaches the terminal escaped (request ids, tokens, names, errors,
+faults)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,10 @@ import torch
 
 from nxl_hooks.apps.cli import build_parser, main as cli_main, one_line
 from nxl_hooks.apps.commands import ctl, tail
-from nxl_hooks.apps.serve.settings import OPTIONS, Settings, add_run_options, markdown_table
+from nxl_hooks.apps.loading import Loading, load_model
+from nxl_hooks.apps.options import loading_options
+from nxl_hooks.apps.schema import Option, generated, options, setting
+from nxl_hooks.apps.serve.settings import ATTACH, OPTIONS, Settings, add_run_options, markdown_table
 from nxl_hooks.method.select import option_text, parse_layers, parse_target
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "nxl-run-options.md"
@@ -185,6 +190,156 @@ def test_nxl_run_help_lists_every_flag(capsys):
     out = capsys.readouterr().out
     for option in OPTIONS:
         assert option.flag is None or option.flag in out
+
+
+def test_every_generated_docs_table_is_current():
+    """The tables of docs pages are their groups' own (python -m nxl_hooks.apps.schema docs/*.md rewrites them)."""
+    pages = sorted(DOC.parent.glob("*.md"))
+    marked = {page.name for page in pages if "<!-- generated: " in page.read_text()}
+    assert {"nxl-run-options.md", "command-line.md"} <= marked
+    stale = [page.name for page in pages if generated(page.read_text()) != page.read_text()]
+    assert not stale, f"run python -m nxl_hooks.apps.schema docs/*.md (out of date: {stale})"
+    text = (DOC.parent / "command-line.md").read_text()
+    for option in options(Loading):
+        assert f"`{option.name}`" in text and all(f"`{flag}" in text for flag in option.flags)
+
+
+# -- one declaration: an option added to a group reaches every way in and out ---------------------------------
+
+def _colour(text: str) -> str:
+    if text not in ("plain", "red"):
+        raise ValueError(f"{text!r}: use plain or red")
+    return text
+
+
+@dataclasses.dataclass
+class _WithColour(Settings):
+    """Settings plus one option, declared as one field: what adding an nxl run option is."""
+
+    colour: str = setting("plain", Option("NXL_COLOUR", _colour, "how tokens are coloured", flag="--colour",
+                                          metavar="NAME", ctl=True))
+
+
+def test_one_field_is_a_flag_a_variable_a_ctl_change_and_a_docs_row(tmp_path, capsys):
+    parser = argparse.ArgumentParser(allow_abbrev=False)
+    add_run_options(parser, group=_WithColour)
+    assert "--colour NAME" in parser.format_help() and "how tokens are coloured (default: plain)" in " ".join(
+        parser.format_help().split())
+    # the flag, and the variable nxl run writes for it, read back
+    settings = _WithColour.from_args(parser.parse_args(["--colour", "red", "--layers", "last"]), run_dir=Path("r"))
+    assert (settings.colour, settings.layers) == ("red", "last")
+    assert _WithColour.from_args(parser.parse_args([]), run_dir=Path("r")).colour == "plain"
+    env = settings.to_env()
+    assert env["NXL_COLOUR"] == "red" and _WithColour.from_env(env) == settings
+    assert _WithColour.from_env({"NXL_RUN_DIR": "r"}).colour == "plain"
+    with pytest.raises(ValueError, match=r"^NXL_COLOUR: 'mauve': use plain or red$"):
+        _WithColour.from_env({"NXL_RUN_DIR": "r", "NXL_COLOUR": "mauve"})
+    with pytest.raises(SystemExit) as exit_:
+        parser.parse_args(["--colour", "mauve"])
+    assert exit_.value.code == 2 and "argument --colour: 'mauve': use plain or red" in capsys.readouterr().err
+    # nxl ctl takes it (ctl=True) and sends it as text; the endpoint of a program recording with this group reads it
+    sub = argparse.ArgumentParser().add_subparsers()
+    ctl_parser = ctl.add_parser(sub, group=_WithColour)
+    args = ctl_parser.parse_args(["attach", "--colour", "red", "--models", "tiny*"])
+    body = ctl.request(args, group=_WithColour)
+    assert body == {"action": "attach", "colour": "red", "models": "tiny*"}
+    assert _WithColour.changes({"colour": "red", "models": "tiny*"}) == {"colour": "red", "models": ["tiny*"]}
+    with pytest.raises(ValueError, match=r"^colour: 'mauve': use plain or red$"):
+        _WithColour.changes({"colour": "mauve"})
+    with pytest.raises(ValueError, match=r"^'colour' is not an option here: use layers, target, embedding, models$"):
+        Settings.changes({"colour": "red"})  # the group without it refuses it
+    assert "--colour" not in ctl.add_parser(argparse.ArgumentParser().add_subparsers()).format_help()
+    _control_endpoint_reads(tmp_path)
+    # the docs table
+    row = "| `--colour NAME` | `NXL_COLOUR` | `plain` | how tokens are coloured (default: plain) |"
+    assert row in markdown_table(_WithColour) and row not in markdown_table()
+    assert markdown_table(_WithColour).startswith(markdown_table().rstrip("\n"))
+
+
+def _control_endpoint_reads(tmp_path):
+    """A running program's endpoint reads the options of its settings' group: a bad value or an unknown field is
+    a 400 naming it, and nothing changes; a good one is taken."""
+    from nxl_hooks.apps.options import CliError
+    from nxl_hooks.apps.serve.client import endpoints
+    from nxl_hooks.apps.serve.controller import Controller
+    from nxl_hooks.apps.serve.endpoint import ControlServer
+
+    for group, run in ((_WithColour, tmp_path / "colour"), (Settings, tmp_path / "plain")):
+        controller = Controller(group(run_dir=run))
+        server = ControlServer(controller)  # what the controller starts once the program loads a model
+        server.start()
+        try:
+            (endpoint,) = endpoints(str(run))
+            with pytest.raises(CliError, match=r"400 colour: 'mauve': use plain or red$" if group is _WithColour
+                               else r"400 'colour' is not an option here: use layers, target, embedding, models$"):
+                endpoint.json("POST", "/v1/control", {"action": "pause", "colour": "mauve"})
+            with pytest.raises(CliError, match=r"400 'layer' is not an option here"):  # a typo is not ignored
+                endpoint.json("POST", "/v1/control", {"action": "pause", "layer": "last"})
+            with pytest.raises(CliError, match=r"400 models: ' , ': give at least one glob"):  # never "all models"
+                endpoint.json("POST", "/v1/control", {"action": "detach", "models": " , "})
+            assert not endpoint.json("GET", "/v1/status")["paused"]
+            body = {"action": "pause", **({"colour": "red"} if group is _WithColour else {})}
+            assert endpoint.json("POST", "/v1/control", body)["paused"]
+        finally:
+            server.stop()
+            controller.close()
+
+
+# -- loading options: one group, read alike from flags, keyword arguments and NXL_LOAD ---------------------------
+
+def test_loading_options_are_one_shape_from_flags_keywords_and_nxl_load():
+    argv = ["attribute", "m", "t", "--dtype", "bfloat16", "--device-map", "auto", "--max-memory", "0=1GiB,cpu=2GiB",
+            "--load-in-4bit"]
+    from_flags = Loading.from_args(build_parser().parse_args(argv))
+    from_keywords = Loading(dtype=torch.bfloat16, device_map="auto", max_memory={0: "1GiB", "cpu": "2GiB"},
+                            quantize="4bit")
+    nxl_load = '{"dtype": "bfloat16", "device_map": "auto", "max_memory": {"0": "1GiB", "cpu": "2GiB"}, ' \
+               '"quantize": "4bit"}'
+    from_env = Settings.from_env({"NXL_RUN_DIR": "r", "NXL_LOAD": nxl_load}).load
+    expected = {"dtype": "bfloat16", "device_map": "auto", "max_memory": {0: "1GiB", "cpu": "2GiB"}, "quantize": "4bit"}
+    for loading in (from_flags, from_keywords, from_env):
+        assert isinstance(loading, Loading) and dict(loading) == expected
+        assert list(loading.max_memory) == [0, "cpu"]  # device 0 is the number accelerate takes, also from JSON
+    assert from_flags == from_keywords == from_env == Loading.from_json(from_flags.to_json())
+    # the same check, whichever way in: the parser's own message
+    with pytest.raises(ValueError, match=r"^gguf_file: 'model.bin': name the .gguf file inside MODEL$"):
+        Loading(gguf_file="model.bin")
+    with pytest.raises(ValueError, match=r"^NXL_LOAD: .*\(gguf_file: 'model.bin': name the .gguf file inside MODEL\)$"):
+        Settings.from_env({"NXL_RUN_DIR": "r", "NXL_LOAD": '{"gguf_file": "model.bin"}'})
+    with pytest.raises(ValueError, match=r"^gguf_file: 'model.bin': name the .gguf file inside MODEL$"):
+        load_model("no/such/model", gguf_file="model.bin")  # before any path or hub lookup
+    with pytest.raises(ValueError, match=r"^--tp with device_map: tensor parallel places one shard"):
+        Loading(tp=True, device_map="cpu")
+    # nxl run hands the program only the options marked program: --head, --tp and --chat are a command's own
+    with pytest.raises(ValueError, match=r"^'head' is not an option here: use dtype, device_map, max_memory, quantize, "
+                                         r"gguf_file$"):
+        Loading.program({"head": "causal_lm"})
+    run_help, attribute_help = (" ".join(_subparser(name).format_help().split()) for name in ("run", "attribute"))
+    for option in options(Loading):
+        assert option.flags and all(flag in attribute_help for flag in option.flags)
+        assert all((flag in run_help) == option.program for flag in option.flags), option.flags
+    # what commands had from loading_options is unchanged (it is the run identity of evaluate and audit)
+    assert loading_options(build_parser().parse_args(["attribute", "m", "t", "--load-in-8bit", "--chat"])) == {
+        "head": None, "dtype": None, "device_map": None, "max_memory": None, "quantize": "8bit", "gguf_file": None,
+        "chat": True}
+
+
+def test_commands_that_attach_take_the_attach_settings_as_declared():
+    """nxl attribute's --layers, --target and --embedding are nxl run's fields (one declaration): same help, same
+    parsers, and the fields' defaults where left out (attribute reads args itself)."""
+    attribute = _subparser("attribute")
+    text = " ".join(attribute.format_help().split()).replace("- ", "-")  # (argparse wraps after a hyphen)
+    left_out = attribute.parse_args(["m", "t"])
+    given = attribute.parse_args(["m", "t", "--layers", "0,-1", "--target", " are,7", "--embedding", "word"])
+    for option in options(Settings, where=lambda option: option.name in ATTACH):
+        assert " ".join(option.describe().split()) in text
+        assert getattr(left_out, option.dest) == option.default == getattr(Settings(run_dir=Path("r")), option.name)
+    assert (given.layers, given.target, given.embedding) == ([0, -1], [" are", 7], "word")
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    (action,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return action.choices[name]
 
 
 # -- no abbreviations ------------------------------------------------------------------------------------------

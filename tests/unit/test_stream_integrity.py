@@ -25,7 +25,7 @@ import torch
 
 import nxl_hooks as nxl
 from nxl_hooks.apps.cli import main
-from nxl_hooks.records import sink as stream
+from nxl_hooks.records import reader, writer
 from oracle import llama, normxlogit, prefix_logits
 import tiny
 
@@ -60,7 +60,7 @@ def _split(data: bytes) -> tuple[bytes, list[bytes]]:
 def _damaged(path: Path, strict_match: str) -> nxl.read_stream:
     with pytest.raises(nxl.StreamError, match=strict_match):
         nxl.read_stream(path, strict=True)
-    with pytest.warns(stream.StreamDamageWarning, match=strict_match):
+    with pytest.warns(reader.StreamDamageWarning, match=strict_match):
         return nxl.read_stream(path)
 
 
@@ -149,8 +149,8 @@ def test_readers_refuse_a_fifo_a_device_and_a_socket_before_opening(tmp_path, re
 
 def _counting(monkeypatch) -> list[int]:
     """Count the payload bytes the reader checksums."""
-    seen, crc = [0], stream._crc
-    monkeypatch.setattr(stream, "_crc", lambda view: seen.__setitem__(0, seen[0] + len(view)) or crc(view))
+    seen, crc = [0], reader._crc
+    monkeypatch.setattr(reader, "_crc", lambda view: seen.__setitem__(0, seen[0] + len(view)) or crc(view))
     return seen
 
 
@@ -165,7 +165,7 @@ def _crafted(size: int, kind: str) -> bytes:
         for i in range(count):
             rest = (count - i) * step - 16
             body += struct.pack("<4sQI", b"NXLF", rest, 0) + bytes(step - 16)
-    return stream._FILE_MAGIC + bytes(body)
+    return writer._FILE_MAGIC + bytes(body)
 
 
 @pytest.mark.parametrize("kind", ["markers", "fitting"])
@@ -177,7 +177,7 @@ def test_the_damage_scan_examines_bytes_linear_in_the_file_size(tmp_path, monkey
         path.write_bytes(_crafted(size, kind))
         seen[0] = 0
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore", stream.StreamDamageWarning)
+            warnings.simplefilter("ignore", reader.StreamDamageWarning)
             calls = nxl.read_stream(path)
         assert calls == [] and calls.damage is not None and calls.damage.frame == 0
         examined.append(seen[0])
@@ -194,7 +194,7 @@ def test_a_real_damaged_file_is_scanned_once_and_frames_after_are_counted(record
     path = tmp_path / "flipped.nxl"
     path.write_bytes(bytes(big))
     seen = _counting(monkeypatch)
-    with pytest.warns(stream.StreamDamageWarning, match="checksum"):
+    with pytest.warns(reader.StreamDamageWarning, match="checksum"):
         calls = nxl.read_stream(path)
     assert calls.damage.frames_after == 4 and calls.damage.frame == 1
     assert seen[0] <= len(big)
@@ -220,8 +220,8 @@ def test_ctrl_c_interrupts_a_long_read(tmp_path):
     path = tmp_path / "huge.nxl"
     size = 256 << 20
     with path.open("wb") as fh:  # one frame announcing a 256 MiB payload: read, then checksummed, in pieces
-        fh.write(stream._FILE_MAGIC + struct.pack("<4sQI", b"NXLF", size, 1))
-        fh.truncate(len(stream._FILE_MAGIC) + 16 + size)  # sparse: no disk used
+        fh.write(writer._FILE_MAGIC + struct.pack("<4sQI", b"NXLF", size, 1))
+        fh.truncate(len(writer._FILE_MAGIC) + 16 + size)  # sparse: no disk used
     child = subprocess.Popen([sys.executable, "-c", _CTRL_C, str(path)], stdout=subprocess.PIPE, text=True,
                              env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:

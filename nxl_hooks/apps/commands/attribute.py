@@ -56,7 +56,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
-    from ...hooks.probe import explain
+    from ...hooks.explain import explain
     from ...records.files import write_text
     from ...records.html import generation_html
     from ...records.tokens import chat_text

@@ -13,23 +13,34 @@ import argparse
 import json
 
 from ...records.tokens import visible
-from ..serve.settings import OPTIONS, add_run_options
+from ..schema import options
+from ..serve.settings import CTL, Settings, add_run_options
 from .tail import add_connect_options, faults
 
 NAME = "ctl"
 ACTIONS = ("status", "pause", "resume", "attach", "detach")
-_CHANGED = ("layers", "target", "embedding", "models")  #: the nxl run options that attach and detach change
 
 
-def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+def add_parser(sub: argparse._SubParsersAction, *, group: type = Settings) -> argparse.ArgumentParser:
+    """``nxl ctl``'s parser: the action, where the run is, and the options of ``group`` that ``nxl ctl`` changes
+    (:data:`~nxl_hooks.apps.serve.settings.CTL`)."""
     parser = sub.add_parser(NAME, help="pause, resume, re-attach or detach a running program's probes",
                             description="Change what a program started with nxl run records, at run time.")
     parser.add_argument("action", choices=ACTIONS)
     add_connect_options(parser)
     add_run_options(parser.add_argument_group("attach / detach (as nxl run takes them; left out: kept as they are)"),
-                    only=_CHANGED, defaults=False)
+                    group=group, where=CTL, defaults=False)
     parser.add_argument("--json", action="store_true", help="print each process's status as JSON")
     return parser
+
+
+def request(args: argparse.Namespace, *, group: type = Settings) -> dict | None:
+    """The control request of parsed ``nxl ctl`` arguments: the action and each option given, as its variable's
+    text (what :meth:`~nxl_hooks.apps.serve.settings.Settings.changes` reads back); None for ``status``."""
+    if args.action == "status":
+        return None
+    return {"action": args.action, **{option.name: option.text(getattr(args, option.dest))
+                                      for option in options(group, CTL) if getattr(args, option.dest) is not None}}
 
 
 def describe(status: dict) -> str:
@@ -50,10 +61,7 @@ def describe(status: dict) -> str:
 def run(args: argparse.Namespace) -> int:
     from ..serve.client import endpoints
 
-    body = None
-    if args.action != "status":
-        body = {"action": args.action, **{option.name: option.text(getattr(args, option.dest)) for option in OPTIONS
-                                            if option.name in _CHANGED and getattr(args, option.dest) is not None}}
+    body = request(args)
     for endpoint in endpoints(args.run, args.token_file):
         status = (endpoint.json("GET", "/v1/status") if body is None
                   else endpoint.json("POST", "/v1/control", body))

@@ -51,7 +51,7 @@ def held_out_ranks(model: Any, tokenizer: Any, examples: Sequence[Any]) -> Any:
     """int64 (len(examples), layers): the keyword's rank among its sentence's words at each layer 0..L."""
     import torch
 
-    from ...hooks.probe import explain
+    from ...hooks.explain import explain
 
     texts = [example.text for example in examples]
     res = explain(model, tokenizer, texts, layers="all")
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ...demo import MODEL_DIR
     from ...demo.task import HELD_OUT_SEED, MAX_WORDS, MIN_WORDS, NEGATIVE, POSITIVE, make_examples, outside_training
-    from ...hooks.probe import explain
+    from ...hooks.explain import explain
     from ..loading import load_model
     from ..terminal import show_attribution
 

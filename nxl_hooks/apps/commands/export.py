@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from ...records.parquet import export_parquet
-    from ...records.sink import StreamDamageWarning, read_stream
+    from ...records.reader import StreamDamageWarning, read_stream
     from ..options import check_output_file
 
     try:

@@ -37,7 +37,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ...arch.registry import head_kind, unwrap
+from ...arch.registry import HeadKind, head_kind
+from ...method.subject import unwrap
 from ...hooks.generate import REQUEST_ID
 from ...hooks.guard import reason
 from ...hooks.plan import TokenTexts, make_plan, token_texts, tokenizer_mismatch
@@ -45,7 +46,7 @@ from ...hooks.probe import Probe, attach
 from ...hooks.publish import Subscription
 from ...method.select import special_mask
 from ...records.attribution import Attribution
-from ...records.sink import RotatingSink
+from ...records.writer import RotatingSink
 from ...records.sinks import make_sink
 from ...records.steps import GenerationCall, Step
 from .settings import Settings, matches
@@ -216,10 +217,12 @@ class Models:
             slug = f"{base}-{n}"
         return slug
 
-    def alive(self, models: str | None = None) -> list[Watch]:
-        """The models still alive (dead ones are dropped here), only those whose name matches the comma list of
-        globs ``models`` when given."""
-        globs = [glob.strip() for glob in (models or "*").split(",") if glob.strip()] or ["*"]
+    def alive(self, models: str | list[str] | None = None) -> list[Watch]:
+        """The models still alive (dead ones are dropped here), only those whose name matches one of the globs
+        ``models`` (a list, as ``Settings.changes`` reads them, or a comma list) when given."""
+        if isinstance(models, str):
+            models = [glob.strip() for glob in models.split(",") if glob.strip()]
+        globs = models or ["*"]
         with self._lock:
             self._watches = [watch for watch in self._watches if watch.ref() is not None]
             return [watch for watch in self._watches if matches(watch.name, globs)]
@@ -262,7 +265,7 @@ class Rules:
         sink = None
         try:
             # generate records (steps, a sink) only for models that generate; a classifier keeps its forwards
-            generates = head_kind(unwrap(model)) == "causal_lm"
+            generates = head_kind(unwrap(model)) is HeadKind.CAUSAL_LM
             if generates and settings.sink_spec:
                 sink = make_sink(settings.sink_spec.replace("{model}", watch.slug))
             elif generates and settings.sink:
@@ -286,7 +289,7 @@ class Rules:
         watch.error = None
         if generates:
             self.follow(watch, probe)
-        if probe.kind != "causal_lm":  # requests are plain forwards: keep each one's attribution
+        if probe.kind is not HeadKind.CAUSAL_LM:  # requests are plain forwards: keep each one's attribution
             watch.hook = probe.model.register_forward_hook(functools.partial(self._on_forward, watch))
 
     def follow(self, watch: Watch, probe: Any) -> None:
@@ -463,11 +466,11 @@ class Controller:
         """Attach again every model that is selected, with the current options."""
         self.rules.resume(self.models.alive())
 
-    def configure(self, *, models: str | None = None, **options: Any) -> None:
+    def configure(self, *, models: str | list[str] | None = None, **options: Any) -> None:
         """Record the models matching ``models`` (all by default) with new attach ``options`` (:meth:`Rules.configure`)."""
         self.rules.configure(self.models.alive(models), **options)
 
-    def exclude(self, models: str | None = None) -> None:
+    def exclude(self, models: str | list[str] | None = None) -> None:
         """Stop recording the models matching ``models`` (all by default) until :meth:`configure` takes them."""
         self.rules.exclude(self.models.alive(models))
 
@@ -520,7 +523,7 @@ class Controller:
     def after_fork(self) -> None:
         """In a child the program forked: fresh locks, and an endpoint of its own once it loads a model (the
         parent's threads are not here). The probes it inherited keep recording in memory; their files belong to
-        the parent and are not written (:class:`~nxl_hooks.records.sink.RotatingSink`)."""
+        the parent and are not written (:class:`~nxl_hooks.records.writer.RotatingSink`)."""
         for part in (self.models, self.rules, self.live):
             part.after_fork()
         for watch in self.models.alive():  # the parent's live thread is not here: one of the child's own

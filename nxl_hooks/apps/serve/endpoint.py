@@ -30,7 +30,6 @@ SIGTERM/SIGHUP still have their default action (the process dies): it removes th
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import hmac
 import io
@@ -50,11 +49,10 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from ...method.select import parse_embedding
-from ...records.sink import read_stream, stream_bytes
+from ...records.reader import read_stream
 from ...records.steps import GenerationCall
-from ..options import parse_layers, parse_target
 from ...method.registry import method_names
+from ...records.writer import stream_bytes
 from .readout import call_view, ended, forward_view, step_view, summary
 from .runs import check_private, enlist, peer_uid, read_token, socket_path
 from .settings import parse_listen
@@ -482,18 +480,11 @@ class ControlServer:
 
     def _control(self, body: dict) -> dict:
         action, controller = body.get("action"), self.controller
-        for name, kinds in (("layers", (str, int)), ("target", (str, int)), ("embedding", (str,)), ("models", (str,))):
-            value = body.get(name)  # what nxl ctl sends: text (a layer or token id may be a number), or nothing
-            if value is not None and (not isinstance(value, kinds) or isinstance(value, bool)):
-                raise _BadRequest(400, f"{name}={value!r:.80}: give a string (or leave it out)")
-        try:
-            options = {"layers": parse_layers(str(body["layers"])) if body.get("layers") is not None else None,
-                       "target": parse_target(str(body["target"])) if body.get("target") is not None else None,
-                       "embedding": parse_embedding(str(body["embedding"])) if body.get("embedding") is not None
-                       else None}
-        except (argparse.ArgumentTypeError, ValueError) as error:  # the CLI's own message says what is wrong
+        try:  # what nxl ctl sends, read as the variables are (the settings' group declares which options)
+            options = type(self.settings).changes({key: value for key, value in body.items() if key != "action"})
+        except ValueError as error:  # the option's own message says what is wrong
             raise _BadRequest(400, str(error)) from None
-        models = body.get("models")  # a string or None: checked above
+        models = options.pop("models", None)
         if action == "pause":
             controller.pause()
         elif action == "resume":

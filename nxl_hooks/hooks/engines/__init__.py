@@ -16,8 +16,9 @@ and declare it in their package metadata::
     [project.entry-points."nxl_hooks.engines"]
     my-engine = "my_package.nxl_engine:MyEngine"
 
-Entry points are read once, at the first attach that asks for the engines (``importlib.metadata``), never at
-import: ``nxl run``'s bootstrap stays torch-free and cheap.
+Entry points are read and loaded by :mod:`nxl_hooks.arch.plugins`: all of them at the first attach of a model that
+generates, never at import (``nxl run``'s bootstrap stays torch-free and cheap); a name registered in code wins;
+one that fails to load is left out with one log line; ``NXL_PLUGINS`` is the allow-list.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
+from ...arch import plugins
 from ..guard import reason
 from ..recording import NOT_RECORDED, Recording
 
@@ -36,7 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["GROUP", "NOT_RECORDED", "Engine", "Recording", "engines_for", "register_engine"]
 
 #: The entry-point group third-party engines are declared in.
-GROUP = "nxl_hooks.engines"
+GROUP = plugins.ENGINES
 
 
 class Engine(Protocol):
@@ -71,11 +73,10 @@ class Engine(Protocol):
 EngineFactory = Callable[[], Engine]
 
 _LOCK = threading.Lock()
-#: name -> factory; "module:attribute" strings are imported at first use
+#: name -> factory; the built-in engines' "module:attribute" strings are imported at first use
 _FACTORIES: dict[str, EngineFactory | str] = {
     "transformers-continuous-batching": "nxl_hooks.hooks.engines.transformers_cb:ContinuousBatching",
     "vllm": "nxl_hooks.hooks.engines.vllm:VllmEngine"}
-_discovered = False
 
 
 def register_engine(name: str, factory: EngineFactory) -> None:
@@ -88,23 +89,6 @@ def register_engine(name: str, factory: EngineFactory) -> None:
                         f"not {type(factory).__name__}")
     with _LOCK:
         _FACTORIES[name] = factory
-
-
-def _discover() -> None:
-    """Read the entry points of :data:`GROUP` once (caller holds the lock); a name registered in code wins."""
-    global _discovered
-    if _discovered:
-        return
-    _discovered = True
-    from importlib import metadata
-
-    try:
-        points = metadata.entry_points(group=GROUP)
-    except Exception as error:  # noqa: BLE001 - broken package metadata: the built-in engines still work
-        reason(f"the entry points of {GROUP}", error)
-        return
-    for point in points:
-        _FACTORIES.setdefault(point.name, point.value)
 
 
 def _load(target: str) -> EngineFactory:
@@ -120,9 +104,10 @@ def _load(target: str) -> EngineFactory:
 def engines_for(model: nn.Module) -> list[Engine]:
     """One new engine per registered factory that claims ``model``, in registration order. An engine that fails to
     load, build or answer is left out with one log line: attaching never fails because of an engine."""
-    with _LOCK:
-        _discover()
-        named = list(_FACTORIES.items())
+    installed = plugins.load_all(GROUP)  # outside the lock: imports the plugins' modules (once)
+    with _LOCK:  # built-in and registered in code first; a name registered in code wins over a plugin's
+        named = [*_FACTORIES.items(), *((name, factory) for name, factory in installed.items()
+                                        if name not in _FACTORIES)]
     chosen = []
     for name, factory in named:
         try:

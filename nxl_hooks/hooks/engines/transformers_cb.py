@@ -11,30 +11,45 @@ several requests at once (prefill chunks and one-token decodes side by side, eac
 over a paged KV cache), then gives a token to every request whose prompt is done. ``request_id`` is the manager's
 id for the request (under ``transformers serve``, the ``X-Request-ID`` header, else the server's own id).
 
-How. While a probe of a causal LM is attached, three methods of transformers' classes are wrapped (class-level, for
+How. While a probe of a causal LM is attached, four methods of transformers' classes are wrapped (class-level, for
 every model; requests of a model with no probe pass straight through; the originals come back when the last such
 probe detaches):
 
 - ``ContinuousBatchProcessor._generation_step``: before the forward, the batch's layout (which request owns which
-  slice of the packed input, from which position) is read from the scheduler's list of the batch; the probe's
-  hooks check it against the forward's own ``cu_seq_lens_q``, ``position_ids`` and ``logits_indices``, then append
-  each slice's features to that request's feature cache (a :class:`~nxl_hooks.hooks.generate.Run`, as under
-  ``generate``: the prefix is never re-run), and keep the model's own probabilities at the rows it samples from;
+  slice of the packed input, from which position) is read from the scheduler's list of the batch. An eager step:
+  the probe's hooks check it against the forward's own ``cu_seq_lens_q``, ``position_ids`` and
+  ``logits_indices``, then append each slice's features to that request's feature cache (a
+  :class:`~nxl_hooks.hooks.generate.Run`, as under ``generate``: the prefix is never re-run), and keep the model's
+  own probabilities at the rows it samples from. A padded step (below): after it, each request's rows of the
+  taps' buffers go to its run the same way;
+- ``ContinuousBatchProcessor.warmup``: a padded processor's warmup runs with its taps, so that what it compiles or
+  captures holds them;
 - ``RequestState.update_and_check_completion``: the token the manager gives a request becomes that request's step
   record, and a request that finishes ends its call, before the manager hands the result to its caller;
 - ``ContinuousBatchingManager.__init__``: with ``NXL_EAGER=1`` in the environment (``nxl run --eager``), managers
-  of followed models are made with ``use_cuda_graph=False``, so they can be recorded.
+  of followed models are made with ``use_cuda_graph=False`` (a fallback: no longer needed to record them).
+
+Padded steps (compile configs, CUDA graphs: the manager pads its inputs and runs each step compiled, or replays a
+graph, where hooks added afterwards never run): the processor gets :class:`_Taps`, hooks of
+:class:`~.buffers.Buffers` put on before it compiles or captures, which write each packed token's head features
+(every selected layer), embedding norm and sampled logits into fixed device tensors, with no host read, no branch
+on a tensor's value, no lock and no allocation: they are traced into the compiled step or captured in its graphs.
+They write only while the processor's own marker is the thread's recording, a not-recorded one, so the probe's own
+hooks stand by in the compiled region. Code compiled before the first taps existed skips them (dynamo does not
+guard on a module without hooks): it is compiled again once (``torch._dynamo.reset_code_caches()``); CUDA graphs
+captured before are captured again. At detach the taps go and dynamo recompiles the step without them (it guards on
+the number of hooks it traced); graphs captured with them keep their buffers alive with the processor.
 
 Not followed (requests run unchanged; each request's call record says ``not recorded: why; what to do``, logged
-once): a manager that pads its inputs for CUDA graphs or torch.compile (hooks do not run when a graph replays;
-``ContinuousBatchingConfig(use_cuda_graph=False)``, ``transformers serve --no-cb-use-cuda-graph`` or
-``NXL_EAGER=1`` makes it followable), and a transformers whose internals moved (what is wrapped is
-:data:`~nxl_hooks.hooks.conventions.CONTINUOUS_BATCHING`, checked before wrapping). While attached,
-prefix sharing is off on the paged caches the probe sees (a prefix shared from another request's cache never runs
-for the request that reuses it, so that request's attribution could not be computed); each cache gets its setting
-back at detach. A request that started mid-sequence anyway (it reused a prefix before the probe attached, or it is a
-forked ``num_return_sequences`` child), or that had generated tokens before the probe saw it, is marked not
-recorded. A request that leaves the manager unfinished (cancelled, failed, or the manager stopped) ends incomplete.
+once): asynchronous batching (each step starts before the last one's tokens are handed out;
+``ContinuousBatchingConfig(use_async_batching=False)`` or ``NXL_EAGER=1``), and a transformers whose internals
+moved (what is wrapped is :data:`~nxl_hooks.hooks.conventions.CONTINUOUS_BATCHING`, checked before wrapping). While
+attached, prefix sharing is off on the paged caches the probe sees (a prefix shared from another request's cache
+never runs for the request that reuses it, so that request's attribution could not be computed); each cache gets
+its setting back at detach. A request that started mid-sequence anyway (it reused a prefix before the probe
+attached, or it is a forked ``num_return_sequences`` child), or that had generated tokens before the probe saw it,
+is marked not recorded. A request that leaves the manager unfinished (cancelled, failed, or the manager stopped)
+ends incomplete.
 
 Also here: :func:`patch_serving`, which carries each request's id from ``transformers serve``'s handler to the
 ``generate`` call that serves it when serve runs without continuous batching (``nxl run`` applies it when
@@ -61,12 +76,12 @@ from ..forward import Capture
 from ..generate import EAGER, MAKE_EAGER, REQUEST_ID, Generations, Run, eager, stacked_features
 from ..guard import logger, reason
 from ..recording import NOT_RECORDED
+from .buffers import Buffers
 
 __all__ = ["ContinuousBatching", "patch_serving"]
 
-#: What makes a manager that uses CUDA graphs recordable (said in each of its requests' call records).
-_GRAPHS_OFF = (f"{MAKE_EAGER}, pass ContinuousBatchingConfig(use_cuda_graph=False) without compile configs, or run "
-               "`transformers serve --no-cb-use-cuda-graph`")
+#: What makes a manager that batches asynchronously recordable (said in each of its requests' call records).
+_ASYNC_OFF = f"pass ContinuousBatchingConfig(use_async_batching=False), or {MAKE_EAGER}"
 
 _LOCK = threading.RLock()  # reentrant: a model collected while the lock is held detaches through here too
 #: task model -> its probe's Batching (weakly both ways: the model's hooks keep the Batching alive)
@@ -92,13 +107,17 @@ def _generation_step(original: Callable) -> Callable:
         if batching is None:
             return original(self, model, *args, **kwargs)
         step = batching.open(self)  # never raises; None: this step is not recorded
-        with batching.gens.running(step if step is not None else NOT_RECORDED):
+        # a padded step runs compiled (or replays a CUDA graph): the taps write it, the probe's own hooks stand by
+        current = NOT_RECORDED if step is None else step if step.taps is None else step.taps.marker
+        with batching.gens.running(current):
             try:
                 out = original(self, model, *args, **kwargs)
             except BaseException:
                 if step is not None:
                     step.abandon("the manager's forward raised")
                 raise
+        if step is not None and step.taps is not None:
+            step.collect()
         if step is not None and step.awaiting:
             _local.pending = step  # until the manager has handed out this forward's tokens
         return out
@@ -133,10 +152,22 @@ def _manager_init(original: Callable) -> Callable:
     return __init__
 
 
+def _warmup(original: Callable) -> Callable:
+    def warmup(self: Any, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        batching = _followed(model)
+        taps = batching.prepare(self) if batching is not None else None  # never raises
+        if taps is None:
+            return original(self, model, *args, **kwargs)
+        with batching.gens.running(taps.marker):  # compiled (or captured) with the taps, as the steps will run
+            return original(self, model, *args, **kwargs)
+
+    return warmup
+
+
 def _install(classes: list[type]) -> None:
     """Wrap the methods of :data:`~nxl_hooks.hooks.conventions.CONTINUOUS_BATCHING` (caller holds the lock)."""
     wrappers = {"_generation_step": _generation_step, "update_and_check_completion": _update_and_check_completion,
-                "__init__": _manager_init}
+                "__init__": _manager_init, "warmup": _warmup}
     for owner, (_, _, name) in zip(classes, CONTINUOUS_BATCHING):
         wrap = wrappers[name]
         original = vars(owner)[name]
@@ -154,6 +185,12 @@ def _uninstall() -> None:
         owner, name, original, wrapper = _INSTALLED.pop()
         if vars(owner).get(name) is wrapper:
             setattr(owner, name, original)
+
+
+#: Why a request's slice cannot be fed: it starts after the last position its run holds.
+_SKIPPED = ("this request's forwards start at position {first}: positions {length}..{last} ran for another request "
+            "(a prefix shared from its cache before the probe attached, or a forked num_return_sequences child), so "
+            "their attribution is unknown")
 
 
 @dataclass(frozen=True)
@@ -188,12 +225,78 @@ def _check_layout(arguments: dict[str, Any], segments: list[_Segment]) -> int:
     return expected[-1]
 
 
+def _stream(output: Any) -> torch.Tensor:
+    """A block's hidden states (most blocks return a tensor, some a tuple that starts with them)."""
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _block_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    return args[0] if args else kwargs["hidden_states"]
+
+
+class _Taps:
+    """What a padded processor's forwards write (it runs them compiled, or replays them as CUDA graphs): per packed
+    token, the head features of every selected layer (``features``: slot i is ``plan.layers[i]``) and the embedding
+    norm (``norms``), and the task model's logits (``logits``: the rows it samples from, in batch order, or every
+    row when the model has no ``logits_to_keep``). Hooks of :class:`~.buffers.Buffers` put on before the processor
+    compiles or captures, so they are traced or captured with it; they write only while ``marker`` is the thread's
+    recording (the processor's own forwards: its warmup and steps), and the probe's own hooks skip that recording
+    (it is a not-recorded one), so nothing of theirs runs in the compiled region."""
+
+    def __init__(self, plan: Any, gens: Generations, processor: Any) -> None:
+        self.marker = copy.copy(NOT_RECORDED)  # an object of its own: the taps' condition, constant for a trace
+        marker = self.marker
+
+        def ours() -> bool:
+            return gens.current() is marker
+
+        runner, model, head, blocks = processor.model_runner, plan.model, plan.head, plan.blocks
+        rows = int(processor.cache.max_batch_tokens)
+        keeps = getattr(runner, "supports_logits_to_keep", None)
+        self.logits_kept = bool(callable(keeps) and keeps(model))
+        embedding = model.get_input_embeddings()
+        weight = embedding.weight
+        with torch.no_grad():  # what the head makes of a hidden state: the features' width and dtype
+            like = head.features(torch.zeros(1, 1, weight.shape[-1], dtype=weight.dtype, device=weight.device))
+        self.features = Buffers(len(plan.layers), rows, like.shape[2:], dtype=like.dtype, device=like.device,
+                                when=ours)
+        self.norms = Buffers(1, rows, (), dtype=torch.float32, device=weight.device, when=ours)
+        sampled = int(runner.cb_config.max_requests_per_batch) if self.logits_kept else rows
+        self.logits = Buffers(1, sampled, (head.n_outputs,), dtype=torch.float32, device=weight.device, when=ours)
+        try:
+            for slot, layer in enumerate(plan.layers):
+                if layer == 0:
+                    self.features.tap_input(slot, blocks[0],
+                                            lambda args, kwargs: head.features(_block_input(args, kwargs)))
+                else:
+                    self.features.tap(slot, blocks[layer - 1], lambda output: head.features(_stream(output)))
+            if plan.embedding == "word":  # the raw word-embedding row: Gemma-style scaling undone, as the probe does
+                scale = getattr(embedding, "embed_scale", None)
+                self.norms.tap(0, embedding, lambda output: torch.linalg.vector_norm(
+                    output.float() / scale.float() if scale is not None else output.float(), dim=-1))
+            else:
+                self.norms.tap_input(0, blocks[0], lambda args, kwargs: torch.linalg.vector_norm(
+                    _block_input(args, kwargs), dim=-1, dtype=torch.float32))
+            self.logits.tap(0, model, lambda output: output.logits)
+        except BaseException:
+            self.remove()
+            raise
+
+    def remove(self) -> None:
+        for buffers in (self.features, self.norms, self.logits):
+            buffers.remove()
+
+
 class _Packed:
     """One packed forward and the tokens it yields: the :class:`~nxl_hooks.hooks.engines.Recording` the probe's
     hooks feed in the manager's thread."""
 
-    def __init__(self, batching: "ContinuousBatching", table: dict[str, Any], segments: list[_Segment]) -> None:
+    def __init__(self, batching: "ContinuousBatching", table: dict[str, Any], segments: list[_Segment],
+                 taps: _Taps | None = None, prompts: dict[str, list[int]] | None = None) -> None:
         self._batching, self._table, self.segments = batching, table, segments
+        #: a padded step's buffers (its features are read from them after the step, :meth:`collect`), or None
+        self.taps = taps
+        self._prompts = prompts or {}  # request id -> its prompt's token ids (a padded step's prefill chunks)
         self._ids = {segment.request_id for segment in segments}
         self._fed: set[str] = set()
         self.awaiting = sum(segment.new_token for segment in segments)  #: tokens the manager has yet to hand out
@@ -230,18 +333,58 @@ class _Packed:
         runs = self._runs()
         if not runs:
             return
-        features, embed, ids = stacked_features(self._batching.plan, capture), capture.embed_norm, capture.input_ids
-        mask = torch.ones(1, capture.shape[1], dtype=torch.bool, device=embed.device)
+        ids = capture.input_ids
+        self._feed(runs, stacked_features(self._batching.plan, capture), capture.embed_norm,
+                   lambda segment, window: ids[:, window].long() if ids is not None else None)
+
+    def collect(self) -> None:
+        """After a padded step (outside the compiled region, on the host): each request's rows of the taps' buffers
+        go to its run, as an eager forward's slice would; the model's own log-probabilities at the rows it sampled
+        from, in one log-softmax. Never raises."""
+        runs = self._runs()
+        if not runs:
+            return
+        taps = self.taps
+        try:
+            total = sum(segment.length for segment in self.segments)
+            emitting = [s for s in self.segments if s.new_token]
+            if total > taps.features.rows or len(emitting) > taps.logits.rows:
+                raise RuntimeError(f"this forward packed {total} tokens, more than the {taps.features.rows} rows its "
+                                   "buffers were made for")
+            features = taps.features.values[:, :total].transpose(0, 1)[None]  # (1, tokens, layers, d')
+            norms = taps.norms.values[:, :total]
+            logits, sampled = taps.logits.values[0], {}
+            if emitting:
+                rows = (list(range(len(emitting))) if taps.logits_kept
+                        else [s.start + s.length - 1 for s in emitting])
+                log_probs = logits[torch.tensor(rows, device=logits.device)].log_softmax(-1)
+                sampled = {s.request_id: log_probs[index: index + 1] for index, s in enumerate(emitting)}
+        except Exception as error:  # noqa: BLE001 - never into the manager's loop
+            self.fail("this padded step", error)
+            return
+
+        def prompt_ids(segment: _Segment, window: slice) -> torch.Tensor | None:
+            prompt = self._prompts.get(segment.request_id, [])[segment.first: segment.first + segment.length]
+            return torch.tensor([prompt], dtype=torch.long, device=norms.device) if prompt else None
+
+        self._feed(runs, features, norms, prompt_ids, sampled)
+
+    def _feed(self, runs: list[tuple[_Segment, Run]], features: torch.Tensor, embed: torch.Tensor,
+              ids: Callable[[_Segment, slice], torch.Tensor | None],
+              sampled: dict[str, torch.Tensor] | None = None) -> None:
+        """Each request's slice of a packed forward's ``features`` (1, tokens, layers, d') and ``embed`` norms
+        (1, tokens) into its run, with its token ids (``ids(segment, window)``) and, for a request the manager
+        samples from, the model's own log-probabilities (``sampled``, by request id)."""
+        mask = torch.ones_like(embed, dtype=torch.bool)
         for segment, run in runs:
             try:
                 if segment.first > run.length:
-                    raise RuntimeError(
-                        f"this request's forwards start at position {segment.first}: positions {run.length}.."
-                        f"{segment.first - 1} ran for another request (a prefix shared from its cache before the "
-                        "probe attached, or a forked num_return_sequences child), so their attribution is unknown")
+                    raise RuntimeError(_SKIPPED.format(first=segment.first, length=run.length,
+                                                       last=segment.first - 1))
                 window = slice(segment.start, segment.start + segment.length)
-                run.feed(segment.first, features[:, window], embed[:, window], mask[:, window],
-                         ids[:, window].long() if ids is not None else None)
+                run.feed(segment.first, features[:, window], embed[:, window], mask[:, window], ids(segment, window))
+                if sampled is not None and segment.new_token:
+                    run.predicted(sampled[segment.request_id])
                 self._fed.add(segment.request_id)
             except Exception as error:  # noqa: BLE001 - one request's failure is that request's alone
                 run.fail("this request", error)
@@ -313,6 +456,8 @@ class ContinuousBatching:
         #: processors not followed (said once in the log) -> why, and the ids of their requests marked not recorded
         self._skipped: "weakref.WeakKeyDictionary[Any, tuple[str, set[str]]]" = weakref.WeakKeyDictionary()
         self._caches: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()  # cache -> its sharing
+        self._taps: "weakref.WeakKeyDictionary[Any, _Taps]" = weakref.WeakKeyDictionary()  # padded processors'
+        self._recompiled = False
         self._lock = threading.RLock()
 
     def claims(self, model: nn.Module) -> bool:
@@ -345,6 +490,9 @@ class ContinuousBatching:
             for cache, sharing in list(self._caches.items()):
                 cache.use_prefix_sharing = sharing
             self._caches.clear()
+            for taps in list(self._taps.values()):  # their compiled code recompiles without them at its next call
+                taps.remove()
+            self._taps.clear()
             for finalizer in self._finalizers:
                 finalizer.detach()
             self._finalizers.clear()
@@ -376,17 +524,20 @@ class ContinuousBatching:
             table = self._table(processor)
             if table is None:  # detached meanwhile
                 return None
-            segments, start = [], 0
+            taps = self.prepare(processor, quiet=False) if processor.model_runner.pad_inputs else None
+            segments, start, prompts = [], 0, {}
             for future in processor.inputs_and_outputs.requests_in_batch:
                 state, length = future.state, future.query_length
                 request_id = state.request_id
                 if request_id not in table:
                     table[request_id] = self._begin(state)
-                segments.append(_Segment(request_id=request_id, start=start, length=length,
-                                         first=state.position_offset - length,  # already advanced for this batch
+                first = state.position_offset - length  # already advanced for this batch
+                segments.append(_Segment(request_id=request_id, start=start, length=length, first=first,
                                          new_token=bool(future.has_new_token), run=table[request_id]))
+                if taps is not None and first < len(state.initial_tokens):  # a prefill chunk: its ids, on the host
+                    prompts[request_id] = state.initial_tokens
                 start += length
-            return _Packed(self, table, segments)
+            return _Packed(self, table, segments, taps, prompts)
         except Exception as error:  # noqa: BLE001 - never into the manager's loop
             # said once: this manager's requests are not recorded from now on
             self._skipped[processor] = (reason("continuous batching on this manager", error), set())
@@ -410,11 +561,52 @@ class ContinuousBatching:
 
     @staticmethod
     def _unfollowable(processor: Any) -> str | None:
-        runner = processor.model_runner
-        if getattr(runner, "pad_inputs", True) or hasattr(processor.inputs_and_outputs, "io_pairs"):
-            return ("this manager pads its inputs for CUDA graphs or torch.compile, and hooks do not run when a graph "
-                    f"replays; {_GRAPHS_OFF}")
+        if hasattr(processor.inputs_and_outputs, "io_pairs"):
+            return ("this manager batches asynchronously (each step starts before the last one's tokens are handed "
+                    f"out), which nxl_hooks does not follow; {_ASYNC_OFF}")
         return None
+
+    def prepare(self, processor: Any, *, quiet: bool = True) -> _Taps | None:
+        """The taps of a padded ``processor`` (made the first time, before it compiles or captures: its warmup, or
+        its first step), or None when it runs eagerly, is not followed, or the probe detached. Code torch.compile
+        traced before the taps existed skips them (dynamo does not guard on a module that had no hooks): the first
+        time, that code is compiled again once. ``quiet``: a failure is said by the caller. Never raises."""
+        try:
+            if not processor.model_runner.pad_inputs or self._unfollowable(processor) is not None:
+                return None
+            with self._lock:
+                if self._uninstalled:
+                    return None
+                taps = self._taps.get(processor)
+                if taps is None:
+                    taps = self._taps[processor] = _Taps(self.plan, self.gens, processor)
+                    self._finalizers.append(weakref.finalize(processor, taps.remove))  # its hooks go with it
+                    self._fresh(processor, taps)
+            return taps
+        except Exception as error:  # noqa: BLE001 - the manager runs as it would; its steps say why not recorded
+            if not quiet:
+                raise
+            reason("continuous batching on this manager", error)
+            return None
+
+    def _fresh(self, processor: Any, taps: _Taps) -> None:
+        """Code and graphs made before ``taps`` existed run again with them: the compiled code is traced again once
+        per probe (every code torch.compile compiled in this process recompiles at its next call: which of it
+        called this model cannot be told), CUDA graphs already captured are captured again at their next step, and
+        the graphs keep the buffers they write alive (they replay into them as long as the manager lives)."""
+        runner = processor.model_runner
+        if not self._recompiled and (getattr(runner, "_compiled_varlen", None) is not None
+                                     or getattr(runner, "_compiled_decode", None) is not None):
+            self._recompiled = True
+            torch._dynamo.reset_code_caches()
+            logger.info("nxl_hooks: code compiled by torch.compile before the probe attached compiles again once, "
+                        "with the continuous-batching taps traced in")
+        if any(getattr(runner, name, False) for name in ("use_cuda_graph_varlen", "use_cuda_graph_decode")):
+            vars(processor)["_nxl_hooks_taps"] = taps
+            io = processor.inputs_and_outputs
+            graphs = getattr(io, "graphs", None)
+            if graphs is not None:
+                io.graphs = type(graphs)()  # the old graphs are reset when their holder goes
 
     def _table(self, processor: Any) -> dict[str, Any] | None:
         """``processor``'s runs by request id (None once detached); first time: prefix sharing off, and a sweep

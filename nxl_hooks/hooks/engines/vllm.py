@@ -29,8 +29,9 @@ next step, not why) ends incomplete, with the steps it made and a reason saying 
 
 Compiled mode: hooks added after vLLM compiled its model never run. When vLLM is to compile (``nxl run`` keeps it
 eager unless :data:`COMPILED` is set), the view puts hooks on vLLM's layers when the model is loaded, before vLLM
-compiles, that copy the residual stream into fixed buffers (:class:`_Buffers`); they are traced into the compiled
-model, and the engine reads each step's rows from the buffers after the step.
+compiles, that copy the residual stream into fixed buffers (:class:`~.buffers.Buffers`, shared with transformers'
+continuous batching); they are traced into the compiled model, and the engine reads each step's rows from the
+buffers after the step.
 
 Not followed (requests run unchanged, each one's call record says ``not recorded: why; what to do``): a model
 vLLM compiled without those buffers, prefix caching (a cached prefix never runs for the request that reuses it),
@@ -52,6 +53,7 @@ from torch import nn
 
 from ..guard import logger, reason
 from ..generate import Generations, Run
+from .buffers import Buffers
 
 __all__ = ["COMPILED", "VllmEngine", "VllmForCausalLM", "patch_engine_args", "recording_engine_args", "request_id",
            "unfollowable", "unfollowable_compile"]
@@ -83,7 +85,8 @@ _SETTINGS = {"enable_prefix_caching": (False, "prefix caching off (a cached pref
 
 
 #: The environment variable (``"1"``) that keeps vLLM's compiled mode on while recording: the layers' outputs are
-#: then written into buffers by hooks compiled into the model (:class:`_Buffers`). Tested on the CPU (torch.compile).
+#: then written into buffers by hooks compiled into the model (:class:`~.buffers.Buffers`). Tested on the CPU
+#: (torch.compile).
 COMPILED = "NXL_VLLM_COMPILED"
 
 
@@ -172,30 +175,20 @@ class _RmsNorm(nn.Module):
         return self.weight * hidden.to(dtype)
 
 
-class _Buffers:
+def _buffers(runner: Any, model: nn.Module) -> Buffers:
     """Where a compiled vLLM model writes its residual stream, step after step: (layers + 1, max tokens, d), row t of
-    layer l the stream after block l at the step's packed token t (layer 0: the embedding output). Forward hooks put
-    on vLLM's modules before vLLM compiles are traced into the compiled model: their ``copy_`` into these fixed
-    tensors runs inside the compiled code (and would inside a CUDA graph), so the engine reads each step's rows
-    after it. They stay on the model as long as it lives: compiled code cannot drop them."""
-
-    def __init__(self, runner: Any, model: nn.Module) -> None:
-        inner = model.model
-        weight = inner.embed_tokens.weight
-        self.values = torch.zeros(len(inner.layers) + 1, int(runner.max_num_tokens), weight.shape[1],
-                                  dtype=weight.dtype, device=weight.device)
-        self.handles = [inner.embed_tokens.register_forward_hook(self._write(0))]
-        self.handles += [layer.register_forward_hook(self._write(index))
-                         for index, layer in enumerate(inner.layers, start=1)]
-
-    def _write(self, index: int) -> Callable:
-        row = self.values[index]
-
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            stream = output if index == 0 else output[0] + output[1]  # layers return (hidden, residual)
-            row[: stream.shape[0]].copy_(stream)
-
-        return hook
+    layer l the stream after block l at the step's packed token t (layer 0: the embedding output). The hooks are put
+    on vLLM's modules before vLLM compiles, so they are traced into the compiled model (:class:`~.buffers.Buffers`);
+    the engine reads each step's rows after it. They stay on the model as long as it lives: compiled code cannot
+    drop them."""
+    inner = model.model
+    weight = inner.embed_tokens.weight
+    buffers = Buffers(len(inner.layers) + 1, int(runner.max_num_tokens), weight.shape[1:], dtype=weight.dtype,
+                      device=weight.device)
+    buffers.tap(0, inner.embed_tokens, lambda output: output)
+    for index, layer in enumerate(inner.layers, start=1):
+        buffers.tap(index, layer, lambda output: output[0] + output[1])  # layers return (hidden, residual)
+    return buffers
 
 
 class VllmForCausalLM(nn.Module):
@@ -220,7 +213,7 @@ class VllmForCausalLM(nn.Module):
         # vLLM's model is a submodule of the view: the hooks the engine puts on it count as the probe's (status)
         self.runner, self.vllm_model = runner, model
         #: the compiled model's buffers, made now, before vLLM compiles (None: vLLM runs it eagerly)
-        self.buffers = _Buffers(runner, model) if unfollowable_compile(runner.vllm_config) is not None else None
+        self.buffers = _buffers(runner, model) if unfollowable_compile(runner.vllm_config) is not None else None
         self.config = model.config
         vocab, hidden = int(self.config.vocab_size), int(self.config.hidden_size)
         self.model = nn.Module()

@@ -1,0 +1,139 @@
+"""Cost of recording transformers' compiled generate (a static cache, compiled by generate itself), versus the same
+compiled generate unrecorded.
+
+    python benchmarks/bench_compiled.py [--repeats 5] [--batch 1] [--threads 1] [--clock wall|cpu] \\
+        [--out benchmarks/results/compiled_cpu.json]
+    python benchmarks/bench_compiled.py --smoke     # tiny model, one round, dynamo's eager backend (CI)
+
+Model: random-init Llama as benchmarks/bench_generate.py (hidden 512, 8 layers, vocab 32000), a 128-token prompt,
+64 new tokens, greedy, ``cache_implementation="static"`` with ``CompileConfig(_compile_all_devices=True)`` so that
+the CPU compiles as a GPU does (inductor). Three copies of the same weights, each compiled once before the timed
+rounds: "plain" (no probe), "attached" (``nxl.attach(layers="all")`` for the whole run: attaching makes generate
+compile a call that traces the hooks, once) and "attached_sink" (the same, every record also written to a sink
+file). Every round runs the three back to back in a rotating order; each ratio is against the plain run of the same
+round, and the report gives the median of those paired ratios. Each attached call is checked: every step recorded,
+the same tokens as plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
+
+import nxl_hooks as nxl
+from _common import CLOCKS, add_smoke_option, device_label, emit, load_average, smoke_out, timed
+from bench_forward import CONFIGS
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--backend", default="inductor", help="torch.compile backend generate compiles with")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's); 1 is steadier on a shared machine")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall seconds, or this process's CPU seconds (steadier on a busy shared machine)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    add_smoke_option(parser)
+    args = parser.parse_args()
+    if args.smoke:
+        args.repeats, args.prompt, args.new, args.backend = 1, 8, 4, "eager"
+        args.out = smoke_out(parser, args.out, "compiled")
+    device = torch.device(args.device)
+    load_before = load_average()
+    threads = torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    torch.manual_seed(0)
+    config = LlamaConfig(**CONFIGS["smoke" if args.smoke else "full"], num_attention_heads=8, num_key_value_heads=8)
+    plain_model = LlamaForCausalLM(config).eval().to(device)
+    plain_model.generation_config.eos_token_id = None  # always the full run of new tokens
+    plain_model.generation_config.pad_token_id = 0
+    models = {"plain": plain_model, "attached": copy.deepcopy(plain_model), "attached_sink": copy.deepcopy(plain_model)}
+    compile_config = CompileConfig(backend=args.backend)
+    compile_config._compile_all_devices = True
+    ids = torch.randint(3, config.vocab_size, (args.batch, args.prompt), device=device)
+    generation = dict(input_ids=ids, max_new_tokens=args.new, do_sample=False, cache_implementation="static",
+                      compile_config=compile_config)
+    sink_folder = tempfile.TemporaryDirectory()
+    sink = Path(sink_folder.name) / "run.nxl"
+    probes = {"attached": nxl.attach(models["attached"], layers="all"),
+              "attached_sink": nxl.attach(models["attached_sink"], layers="all", sink=sink)}
+    outputs: dict[str, torch.Tensor] = {}
+
+    def run(name: str) -> float:
+        seconds = timed(lambda: outputs.__setitem__(name, models[name].generate(**generation)), device, args.clock)
+        probe = probes.get(name)
+        if probe is not None:  # every step of this call recorded, and the tokens are plain's
+            call = probe.calls[-1]
+            assert call.error is None and len(call.steps) == args.new, call.error
+        return seconds
+
+    times: dict[str, list[float]] = {name: [] for name in models}
+    ratios: dict[str, list[float]] = {name: [] for name in models if name != "plain"}
+    names = list(models)
+    try:
+        with torch.no_grad():
+            for round_ in range(args.repeats + 1):  # round 0 compiles and warms up, and is dropped
+                measured = {}
+                shift = round_ % len(names)
+                for name in names[shift:] + names[:shift]:
+                    measured[name] = run(name)
+                same = all(torch.equal(outputs[name], outputs["plain"]) for name in names)
+                assert same, "a recorded compiled generate emitted other tokens than the plain one"
+                if round_:
+                    for name, seconds in measured.items():
+                        times[name].append(seconds)
+                        if name != "plain":
+                            ratios[name].append(seconds / measured["plain"])
+                print(f"round {round_}: " + ", ".join(f"{n} {v:.2f}s" for n, v in measured.items()), file=sys.stderr)
+        unrecorded = {name: probe.unrecorded for name, probe in probes.items()}
+    finally:
+        for probe in probes.values():
+            probe.detach()
+        if args.threads:
+            torch.set_num_threads(threads)
+    recorded_on_disk = len(nxl.read_stream(sink)[-1].steps)
+    sink_folder.cleanup()
+    paired = {name: statistics.median(values) for name, values in ratios.items()}
+    report = {
+        "benchmark": "compiled",
+        "device": device_label(device),
+        "torch": torch.__version__,
+        "clock": args.clock,
+        "backend": args.backend,
+        "load_average": {"before": load_before, "after": load_average()},
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+        "model": {"arch": "llama", "hidden": config.hidden_size, "layers": config.num_hidden_layers,
+                  "vocab": config.vocab_size, "prompt_tokens": args.prompt, "new_tokens": args.new,
+                  "batch": args.batch, "decoding": "greedy, static cache, compiled by generate"},
+        "smoke": args.smoke,
+        "repeats": {name: len(values) for name, values in times.items()},
+        "median_seconds": {name: statistics.median(values) for name, values in times.items()},
+        "paired_ratios": ratios,
+        "paired_ratio_medians": paired,
+        "attached_over_plain": paired["attached"],
+        "attached_sink_over_plain": paired["attached_sink"],
+        "goal_attached_over_plain": None if args.smoke else 1.05,  # a smoke run's ratios mean nothing
+        "unrecorded": unrecorded,
+        "sink_steps_of_last_call": recorded_on_disk,
+        "same_tokens_as_plain": True,  # checked every round
+    }
+    emit(report, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""What only a model can tell about a spec: :func:`check_fits` (the entry fits the model's modules and config),
+:func:`final_norm` and :func:`check_acyclic`. ``check_fits(model, spec, "causal_lm")`` raises RegistryError."""
+
+from __future__ import annotations
+
+import difflib
+import inspect
+import math
+
+import torch
+from torch import nn
+
+from .spec import FUNCTION_STEPS, POST_STEPS, ArchSpec, HeadKind, get_path, has_path, readout_outputs
+
+__all__ = ["check_acyclic", "check_fits", "final_norm"]
+
+_FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f")
+
+
+def final_norm(model: nn.Module) -> tuple[str, nn.Module] | None:
+    """(path, module) of the final norm a decoder keeps right under its base model (``model.norm``,
+    ``transformer.ln_f``...), when it has one of the known names."""
+    base = getattr(model, "base_model", None)
+    prefix = next((n for n, m in model.named_children() if m is base), None) if isinstance(base, nn.Module) else None
+    for name in _FINAL_NORM_NAMES if prefix is not None else ():
+        module = getattr(base, name, None)
+        if isinstance(module, nn.Module):
+            return f"{prefix}.{name}", module
+    return None
+
+def _found(obj: object) -> str:
+    """What a path names, in a few words, for messages."""
+    if isinstance(obj, nn.Module):
+        return f"a {type(obj).__name__}"
+    if isinstance(obj, torch.Tensor):
+        return f"a {type(obj).__name__} of shape {tuple(obj.shape)}, not a module"
+    if callable(obj):
+        return f"the method/function {getattr(obj, '__name__', type(obj).__name__)!r}, not a module"
+    return f"a {type(obj).__name__}, not a module"
+
+
+def _expected_outputs(model: nn.Module, spec_kind: str) -> tuple[set[int], str]:
+    """The readout widths that fit the model's head kind, and how to say so."""
+    if spec_kind == HeadKind.SEQUENCE_CLASSIFICATION:
+        labels = model.config.num_labels
+        return {labels}, f"num_labels = {labels}"
+    vocab = getattr(model.config.get_text_config(), "vocab_size", None)
+    embedding = model.get_input_embeddings()
+    rows = getattr(embedding, "num_embeddings", None)
+    widths = {n for n in (vocab, rows) if isinstance(n, int)}
+    return widths, f"the vocabulary size {' or '.join(map(str, sorted(widths)))}"
+
+
+def _check_post_value(spec: ArchSpec, key: str, step: str, value: object) -> None:
+    """A post-processing step's config value: a finite float scale / cap, not a token id, count or size."""
+    op, _, attribute = step.partition(":")
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        spec._bad(key, f"step {step!r}: config.{attribute} is {spec._short(value)}, not a number (or None to skip "
+                       "the step)")
+    if isinstance(value, int) or attribute.endswith(("_id", "_ids")):
+        spec._bad(key, f"step {step!r}: config.{attribute} is {value!r}, an integer (a token id, count or size); "
+                       f"expected a float {'cap' if op == 'softcap' else 'scale'} such as final_logit_softcapping "
+                       "or logit_scale")
+    if not math.isfinite(value) or (value == 0 and op != "scale") or (op == "softcap" and value < 0):
+        spec._bad(key, f"step {step!r}: config.{attribute} is {value!r}; expected a finite "
+                       f"{'positive' if op == 'softcap' else 'non-zero'} float")
+
+
+def _check_backbone(model: nn.Module, spec: ArchSpec, block_list: nn.Module) -> None:
+    """``backbone`` names a module that takes input_ids (or inputs_embeds) and runs the blocks."""
+    if spec.backbone is None:
+        return
+    expected = "expected the module that takes input_ids and runs the blocks (e.g. 'model.decoder')"
+    if not has_path(model, spec.backbone):
+        spec._bad("backbone", f"names {spec.backbone!r}, which {type(model).__name__} does not have; {expected}")
+    found = get_path(model, spec.backbone)
+    if not isinstance(found, nn.Module):
+        spec._bad("backbone", f"names {spec.backbone!r}, {_found(found)}; {expected}")
+    if not any(sub is block_list for sub in found.modules()):
+        spec._bad("backbone", f"names {spec.backbone!r}, a {type(found).__name__} that does not contain the blocks "
+                              f"{spec.blocks!r}; {expected}")
+    try:
+        parameters = inspect.signature(found.forward).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    if not {"input_ids", "inputs_embeds"} & set(parameters):
+        spec._bad("backbone", f"names {spec.backbone!r}, a {type(found).__name__} whose forward takes no input_ids "
+                              f"or inputs_embeds; {expected}")
+
+
+def _check_blocks(model: nn.Module, spec: ArchSpec) -> nn.ModuleList:
+    found = get_path(model, spec.blocks)
+    if not isinstance(found, nn.ModuleList) or not len(found):
+        what = "an empty ModuleList" if isinstance(found, nn.ModuleList) else _found(found)
+        spec._bad("blocks", f"names {spec.blocks!r}, {what}; expected the ModuleList of the model's blocks (a "
+                            "sequence of modules that each run once in the forward, e.g. 'model.layers')")
+    return found
+
+
+def check_fits(model: nn.Module, spec: ArchSpec, spec_kind: str) -> None:
+    """What only the model can tell about a registry entry (:class:`RegistryError`, one line naming entry, key, what
+    was found and what was expected): ``blocks`` is a non-empty ModuleList; every head step names a module outside
+    the blocks (or None, or a config value of the right kind: an activation name, a float scale / cap); the readout
+    gives one value per vocabulary token or label; the head applies the model's final norm; ``backbone`` takes
+    input_ids and runs the blocks. Whether the entry's numbers equal the model's own logits is checked by running
+    it (:func:`nxl_hooks.method.verify.check_numbers`)."""
+    key, steps, config = f"heads.{spec_kind}", spec.heads[spec_kind], model.config
+    block_list = _check_blocks(model, spec)
+    in_blocks = {id(sub) for sub in block_list.modules()}
+    readout: tuple[str, nn.Module] | None = None
+    for step in steps:
+        op, colon, attribute = step.partition(":")
+        if colon:
+            if not hasattr(config, attribute):
+                close = difflib.get_close_matches(attribute, [n for n in dir(config) if not n.startswith("_")], n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                spec._bad(key, f"step {step!r}: {type(config).__name__} has no attribute {attribute!r}{hint}")
+            value = getattr(config, attribute)
+            if op in POST_STEPS:
+                _check_post_value(spec, key, step, value)
+            elif not isinstance(value, str) or not _is_activation(value):
+                spec._bad(key, f"step {step!r}: config.{attribute} is {spec._short(value)}; expected the name of an "
+                               "activation function (such as config.hidden_act)")
+            continue
+        if step in FUNCTION_STEPS or not has_path(model, step):
+            continue  # a path a variant lacks: Head says so, naming the step
+        found = get_path(model, step)
+        if found is None:
+            continue  # an optional module this model does not have (OPT's project_out)
+        if not isinstance(found, nn.Module):
+            spec._bad(key, f"step {step!r} is {_found(found)}; expected a module of the head-on-top")
+        if id(found) in in_blocks:
+            spec._bad(key, f"step {step!r} is a {type(found).__name__} inside the blocks {spec.blocks!r}; expected a "
+                           "module of the head-on-top, which runs after the last block")
+        if any(sub is block_list for sub in found.modules()):
+            spec._bad(key, f"step {step!r} is a {type(found).__name__} that contains the blocks {spec.blocks!r}; "
+                           "expected a module of the head-on-top, which runs after the last block")
+        readout = (step, found)
+    if readout is not None:
+        width, (widths, expected) = readout_outputs(readout[1]), _expected_outputs(model, spec_kind)
+        if width is None or (widths and width not in widths):
+            what = "has no Linear layer" if width is None else f"gives {width} values per position"
+            spec._bad(key, f"readout {readout[0]!r} ({type(readout[1]).__name__}) {what}; expected {expected} "
+                           f"of {type(model).__name__}'s head")
+    _check_backbone(model, spec, block_list)
+    norm = final_norm(model)
+    if norm is None:
+        return
+    path, module = norm
+    for step in steps:
+        found = get_path(model, step) if step not in FUNCTION_STEPS and has_path(model, step) else None
+        if isinstance(found, nn.Module) and any(sub is module for sub in found.modules()):
+            return
+    spec._bad(key, f"leaves out the model's final norm {path!r} ({type(module).__name__}): the head-on-top applies it "
+                   f"before the readout; add {path!r} as the first step")
+
+
+def _is_activation(name: str) -> bool:
+    from transformers.activations import ACT2FN
+
+    return name in ACT2FN
+
+def check_acyclic(model: nn.Module) -> None:
+    """A ValueError (one line) when a module holds, as a submodule, a module that contains it (a back-reference such
+    as ``block.owner = model``): torch's own ``train()``, ``eval()``, ``state_dict()`` and ``repr`` recurse forever on
+    such a graph, and "inside the blocks" has no meaning. Walked without recursion: depth-first, each module's
+    children once, with the modules on the current path kept to tell a cycle from a module shared by two parents."""
+    on_path: set[int] = set()
+    done: set[int] = set()
+    stack: list[tuple[str, nn.Module, bool]] = [("", model, False)]
+    while stack:
+        name, module, leaving = stack.pop()
+        if leaving:
+            on_path.discard(id(module))
+            done.add(id(module))
+            continue
+        if id(module) in on_path:
+            raise ValueError(
+                f"{type(model).__name__} has a cycle of submodules: {name} is a {type(module).__name__} that "
+                "contains it, so torch's train(), eval() and state_dict() recurse forever; keep such a "
+                "back-reference outside the module tree (a weakref, or object.__setattr__(obj, name, value))")
+        if id(module) in done:
+            continue  # shared by two parents (tied modules): walked once
+        on_path.add(id(module))
+        stack.append((name, module, True))
+        for child_name, child in module._modules.items():
+            if child is not None:
+                stack.append((f"{name}.{child_name}" if name else child_name, child, False))

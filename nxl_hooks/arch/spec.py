@@ -1,0 +1,272 @@
+"""The schema of an architecture spec: :class:`ArchSpec` and its steps, the head kinds, and reading a spec's dotted
+paths on a model. Checked on its own; :mod:`.fit` checks a spec against a model, :mod:`.registry` keeps them.
+
+    spec = ArchSpec(name="mymodel", model_types=("mymodel",), blocks="model.layers",
+                    heads={"causal_lm": ("model.norm", "lm_head")})
+    head_kind(model) is HeadKind.CAUSAL_LM; HeadKind.CAUSAL_LM == "causal_lm"
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+import reprlib
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Callable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["ArchSpec", "FUNCTION_STEPS", "HEAD_KINDS", "HeadKind", "POST_STEPS", "RegistryError",
+           "UnknownArchitectureError", "get_path", "has_path", "head_kind", "readout_outputs", "spec_from_mapping",
+           "spec_head", "split_post_steps"]
+
+
+class HeadKind(str, Enum):
+    """What a task model's head predicts, as an object: ``head_kind(model) is HeadKind.CAUSAL_LM``. A ``str``: it
+    equals, hashes, formats and serializes as its value (``HeadKind.REGRESSION == "regression"``), so code and
+    records that compare or store the string keep working."""
+
+    CAUSAL_LM = "causal_lm"
+    SEQUENCE_CLASSIFICATION = "sequence_classification"
+    REGRESSION = "regression"  #: a sequence-classification head with one output
+    MASKED_LM = "masked_lm"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __repr__(self) -> str:  # messages quote a kind as they quoted the string: 'causal_lm'
+        return repr(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    @property
+    def spec_head(self) -> "HeadKind":
+        """The spec head this kind reads: regression reads a sequence-classification head."""
+        return HeadKind.SEQUENCE_CLASSIFICATION if self is HeadKind.REGRESSION else self
+
+    @property
+    def pooled(self) -> bool:
+        """One prediction per example, read at a pooled position (sequence classification and regression)."""
+        return self.spec_head is HeadKind.SEQUENCE_CLASSIFICATION
+
+    @property
+    def vocabulary(self) -> bool:
+        """Predicts tokens of the vocabulary (causal and masked LMs), not labels or a value."""
+        return self in (HeadKind.CAUSAL_LM, HeadKind.MASKED_LM)
+
+
+#: The head kinds a spec can describe. Regression is a sequence-classification head with one output.
+HEAD_KINDS = ("causal_lm", "sequence_classification", "masked_lm")
+
+#: Head steps that are functions, by name.
+FUNCTION_STEPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {"tanh": torch.tanh, "gelu": F.gelu, "relu": F.relu}
+
+#: Logit post-processing steps after the readout, ``"<op>:<config attribute>"`` (see :class:`ArchSpec`).
+POST_STEPS: dict[str, Callable[[torch.Tensor, float], torch.Tensor]] = {
+    "softcap": lambda x, c: torch.tanh(x / c) * c,
+    "scale": lambda x, s: x * s,
+    "divide": lambda x, s: x / s,
+}
+
+
+
+def split_post_steps(steps: Sequence[str]) -> tuple[list[str], list[str]]:
+    """A head's steps as (the steps up to the readout, the logit post-processing steps after it, in order):
+    ``split_post_steps(["model.norm", "lm_head", "softcap:final_logit_softcapping"])``."""
+    cut = len(steps)
+    while cut and steps[cut - 1].split(":", 1)[0] in POST_STEPS:
+        cut -= 1
+    return list(steps[:cut]), list(steps[cut:])
+
+
+_KEYS = ("model_types", "blocks", "heads", "pooling", "backbone")
+#: How deep an entry's values may nest (a head is a table of lists of strings: 3); deeper is refused before any
+#: recursive walk (a repr, a check) could overflow the stack.
+MAX_DEPTH = 4
+_SHORT = reprlib.Repr()  # values quoted in messages: one short line, however large or deep the value
+_SHORT.maxlevel, _SHORT.maxstring, _SHORT.maxother, _SHORT.maxlist, _SHORT.maxdict = 2, 60, 60, 6, 6
+_POOLINGS = ("first", "last_non_pad")
+_PATH = re.compile(r"[A-Za-z_]\w*(\.([A-Za-z_]\w*|\d+))*")
+_ATTRIBUTE = re.compile(r"[A-Za-z_]\w*")
+
+
+class UnknownArchitectureError(LookupError):
+    """The model's architecture is neither registered nor discoverable."""
+
+
+class RegistryError(ValueError):
+    """A registry entry (a ``registry/*.toml`` table or a :func:`register_architecture` call) that breaks the schema,
+    or that does not fit the model it is resolved for. The message names the file, the entry and the key."""
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """Where an architecture keeps its blocks, and its head-on-top per head kind.
+
+    ``heads`` maps a head kind to the steps of HoT, applied in order to one hidden state. A step is a
+    module path relative to the task model (``"model.norm"``; a path that resolves to ``None``, such as
+    OPT's absent ``project_out``, is skipped), a function (``"tanh"``, ``"gelu"``, ``"relu"``), or
+    ``"act:<config attribute>"`` for the activation a config names. The last module step is the readout:
+    a linear map whose target rows are gathered instead of computing every logit. Steps after it are
+    elementwise logit post-processing by a config value, skipped when that value is ``None``:
+    ``"softcap:<attr>"`` (tanh(x / c) * c), ``"scale:<attr>"`` (x * s), ``"divide:<attr>"`` (x / s).
+    They sit per head kind because transformers applies them in ``*ForCausalLM`` only.
+
+    Every field is checked when the spec is made (:class:`RegistryError` names the file, entry and key); what only
+    a model can tell (its config has each attribute a step names; a head keeps the model's final norm) is checked
+    when the spec is resolved for a model.
+    """
+
+    name: str
+    model_types: tuple[str, ...]
+    blocks: str
+    heads: Mapping[str, tuple[str, ...]]
+    #: Where sequence classification reads its prediction: "first" (CLS) or "last_non_pad"
+    #: (the rightmost token that is not ``pad_token_id``, as transformers' decoder classifiers pool).
+    pooling: str = "last_non_pad"
+    #: The module whose forward takes ``input_ids`` / ``attention_mask`` and runs the blocks, when it is not
+    #: ``model.base_model`` (OPTForCausalLM calls ``model.decoder`` directly, bypassing OPTModel.forward).
+    backbone: str | None = None
+    source: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        """Check every field against the schema (docs/adding-an-architecture.md); :class:`RegistryError` if bad.
+        Lists (TOML arrays) become tuples; a lone string stays one, to be refused: ``tuple("llama")`` would be
+        five one-letter model types."""
+        if isinstance(self.model_types, list):
+            object.__setattr__(self, "model_types", tuple(self.model_types))
+        if isinstance(self.heads, Mapping):
+            object.__setattr__(self, "heads", {kind: tuple(steps) if isinstance(steps, list) else steps
+                                               for kind, steps in self.heads.items()})
+        if not isinstance(self.name, str) or not self.name:
+            raise RegistryError(f"registry entry name {self.name!r} in {self.source}: use a non-empty string")
+        if not isinstance(self.model_types, tuple) or not self.model_types or not all(
+                isinstance(t, str) and t for t in self.model_types):
+            hint = f": write [{self.model_types!r}]" if isinstance(self.model_types, str) else ""
+            self._bad("model_types",
+                      f"must be a non-empty list of model_type strings, got {self._short(self.model_types)}{hint}")
+        self._check_path("blocks", self.blocks)
+        if self.backbone is not None:
+            self._check_path("backbone", self.backbone)
+        if self.pooling not in _POOLINGS:
+            self._bad("pooling", f"must be one of {_POOLINGS}, got {self.pooling!r}")
+        if not isinstance(self.heads, Mapping) or not self.heads:
+            self._bad("heads",
+                      f"must be a table of head kinds {HEAD_KINDS} to lists of steps, got {self._short(self.heads)}")
+        for kind, steps in self.heads.items():
+            if kind not in HEAD_KINDS:
+                self._bad(f"heads.{kind}", f"is not a head kind; use {HEAD_KINDS}")
+            self._check_steps(f"heads.{kind}", steps)
+
+    def _bad(self, key: str, problem: str) -> None:
+        raise RegistryError(f"registry entry [{self.name}] in {self.source}: key {key!r} {problem}")
+
+    def _short(self, value: object) -> str:
+        return _SHORT.repr(value)
+
+    def _check_path(self, key: str, path: object) -> None:
+        if not isinstance(path, str) or not _PATH.fullmatch(path):
+            self._bad(key, f"must be a dotted module path like \"model.layers\", got {self._short(path)}")
+
+    def _check_steps(self, key: str, steps: object) -> None:
+        """Module paths and functions, the readout (the last module path), then only post-processing steps."""
+        if not isinstance(steps, tuple) or not steps or not all(isinstance(step, str) for step in steps):
+            self._bad(key, f"must be a non-empty list of step strings, got {self._short(steps)}")
+        body, _ = split_post_steps(steps)
+        for step in steps:
+            op, colon, attribute = step.partition(":")
+            if op in (*POST_STEPS, "act") and colon:
+                if not _ATTRIBUTE.fullmatch(attribute):
+                    self._bad(key, f"step {step!r}: name a config attribute after {op + ':'!r}")
+                if op in POST_STEPS and step in body:
+                    self._bad(key, f"step {step!r}: logit post-processing comes after the readout (the last module)")
+            elif step not in FUNCTION_STEPS and not _PATH.fullmatch(step):
+                self._bad(key, f"step {step!r} is neither a module path, a function {tuple(FUNCTION_STEPS)}, "
+                               f"'act:<attr>' nor post-processing {tuple(p + ':<attr>' for p in POST_STEPS)}")
+        if not body or not _PATH.fullmatch(body[-1]) or body[-1] in FUNCTION_STEPS:
+            self._bad(key, f"must end with the readout module (then post-processing steps only), got {list(steps)}")
+
+
+def _too_deep(value: Any, limit: int) -> bool:
+    """Whether ``value`` nests lists/tables more than ``limit`` levels (walked without recursion)."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, Mapping) else item if isinstance(item, (list, tuple)) else None
+        if children is not None:
+            if depth >= limit:
+                return True
+            stack.extend((child, depth + 1) for child in children)
+    return False
+
+
+def spec_from_mapping(name: str, data: Any, source: str) -> ArchSpec:
+    """The spec a registry table (or :func:`~nxl_hooks.arch.registry.register_architecture` call) describes, checked;
+    RegistryError names the entry and key."""
+    where = f"registry entry [{name}] in {source}"
+    if not isinstance(data, Mapping):
+        raise RegistryError(f"{where}: must be a table of keys {_KEYS}, got {type(data).__name__} {_SHORT.repr(data)}")
+    unknown = [key for key in data if key not in _KEYS]
+    if unknown:
+        close = difflib.get_close_matches(str(unknown[0]), _KEYS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise RegistryError(f"{where}: unknown key {unknown[0]!r}{hint}; the keys are {_KEYS}")
+    deep = next((key for key, value in data.items() if _too_deep(value, MAX_DEPTH)), None)
+    if deep is not None:
+        raise RegistryError(f"{where}: key {deep!r} nests deeper than {MAX_DEPTH} levels; expected a string, or "
+                            "for 'heads' a table of lists of step strings")
+    if "blocks" not in data or "heads" not in data:
+        raise RegistryError(f"{where}: key {'blocks' if 'blocks' not in data else 'heads'!r} is missing")
+    return ArchSpec(name=name, model_types=data.get("model_types", (name,)), blocks=data["blocks"],
+                    heads=data["heads"], pooling=data.get("pooling", "last_non_pad"), backbone=data.get("backbone"),
+                    source=source)
+
+
+def head_kind(model: nn.Module) -> HeadKind:
+    """The head kind of a transformers task model, from its class: ``head_kind(model) is HeadKind.CAUSAL_LM``."""
+    name = type(model).__name__
+    if name.endswith(("ForCausalLM", "LMHeadModel")):
+        return HeadKind.CAUSAL_LM
+    if name.endswith("ForMaskedLM"):
+        return HeadKind.MASKED_LM
+    if name.endswith("ForSequenceClassification"):
+        config = model.config
+        if config.num_labels == 1 or getattr(config, "problem_type", None) == "regression":
+            return HeadKind.REGRESSION
+        return HeadKind.SEQUENCE_CLASSIFICATION
+    raise UnknownArchitectureError(
+        f"{name} has no head-on-top that nxl_hooks knows: attach to a *ForCausalLM, *LMHeadModel, "
+        "*ForSequenceClassification or *ForMaskedLM model (NormXLogit explains a head's prediction)."
+    )
+
+
+def spec_head(kind: str) -> str:
+    """The spec head a head kind reads: regression is a sequence-classification head with one output."""
+    return HeadKind(kind).spec_head
+
+
+def get_path(root: nn.Module, path: str):
+    """The object at a dotted spec path (``"model.layers"``, ``"h.0"``); may be None (OPT's ``project_out``)."""
+    obj = root
+    for part in path.split("."):
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)
+    return obj
+
+
+def has_path(root: nn.Module, path: str) -> bool:
+    """Whether ``root`` has the dotted path (its value may be None)."""
+    try:
+        get_path(root, path)
+    except (AttributeError, IndexError, TypeError):
+        return False
+    return True
+
+
+def readout_outputs(readout: nn.Module) -> int | None:
+    """How many values a readout module gives per position: the out_features of its (first) Linear; None when it
+    has none. ``readout_outputs(model.lm_head) == model.config.vocab_size``"""
+    return next((module.out_features for module in readout.modules() if isinstance(module, nn.Linear)), None)

@@ -1,0 +1,54 @@
+"""One forward explained, attach to detach: :func:`explain`.
+
+    nxl.explain(model, tok, "The capital of France is", target="Paris").top(3)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..method.chat import chat_prompt, template_rows
+from ..method.placement import input_device
+from ..method.select import is_predicted, prompt_targets
+from ..method.subject import Subject
+from ..records.attribution import Attribution
+from ..records.tokens import describe_target
+from .probe import attach
+
+__all__ = ["explain"]
+
+
+def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, chat: bool = False,
+            **options: Any) -> Attribution:
+    """Attach, run one forward on ``text`` (a string or a batch of them, padded), detach: its attribution.
+
+    ``nxl.explain(model, tok, "The capital of France is", layers="all", target="Paris").top(3)``; ``options`` go to
+    :func:`attach`. Target words are read after the text (:func:`~nxl_hooks.method.select.prompt_targets`): "Paris"
+    there explains ' Paris', the token the model would emit; ``res.meta["targets"]`` says how each was read (and
+    when a word is several tokens, of which only the first is explained). ``chat``: each text becomes the user
+    message of the tokenizer's chat template, followed by the assistant's turn.
+    """
+    texts = [text] if isinstance(text, str) else list(text)
+    prompts = [chat_prompt(tokenizer, one) for one in texts] if chat else []
+    texts = [prompt.text for prompt in prompts] or texts
+    subject = Subject.of(model)  # resolved once, for the targets and the attach
+    target, resolved = options.pop("target", "predicted"), None
+    if not is_predicted(target) and not isinstance(target, torch.Tensor):
+        target, resolved = prompt_targets(subject.model, subject.kind, tokenizer, target, texts)
+    enc = tokenizer(texts[0] if isinstance(text, str) else texts, return_tensors="pt", padding=True,
+                    return_token_type_ids=False).to(input_device(model))
+    with torch.no_grad(), attach(subject, tokenizer=tokenizer, target=target, **options) as probe:
+        model(**enc)
+    res = probe.result()
+    if resolved is not None:
+        res.meta["targets"] = [[describe_target(tokenizer, subject.model.config, subject.kind, one) for one in row]
+                               for row in resolved]
+    res.meta["chat"] = chat
+    if chat:  # the template's markers and system prompt do not rank (method.select.rankable)
+        template = template_rows(tokenizer, prompts, enc["input_ids"])
+        res.template = None if template is None else template[res.example]
+        res.meta["template"] = "located" if template is not None else "not located: every token ranks"
+    return res

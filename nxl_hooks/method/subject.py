@@ -1,0 +1,67 @@
+"""The model an attach explains, resolved once: the transformers task model inside its wrappers, its registry
+entry, its head and the head's kind. Built once per :func:`~nxl_hooks.attach` (or :func:`~nxl_hooks.explain`)
+and passed on to everything that needs one of them, so nothing resolves the model a second time.
+
+    subject = Subject.of(torch.compile(peft_model))
+    subject.model is peft_model.get_base_model(); subject.kind is HeadKind.CAUSAL_LM; subject.head.n_outputs
+
+Unwrapping lives here, not in ``arch``: which wrappers a model can come in (``torch.compile``'s OptimizedModule,
+PEFT's PeftModel) is a fact about how a model is run, not about where an architecture keeps its blocks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import nn
+
+from ..arch.registry import ArchSpec, HeadKind, blocks, get_path, resolve
+from .head import Head
+from .verify import check_numbers
+
+__all__ = ["Subject", "compiled_original", "unwrap"]
+
+
+def compiled_original(model: nn.Module) -> nn.Module | None:
+    """The module ``torch.compile(module)`` wrapped (its ``_orig_mod``), when ``model`` is such a wrapper; else None."""
+    inner = model._modules.get("_orig_mod") if type(model).__name__ == "OptimizedModule" else None
+    return inner if isinstance(inner, nn.Module) else None
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The transformers model inside a ``torch.compile`` wrapper and/or a PeftModel (the object PEFT forwards
+    through); any other model as is. ``unwrap(torch.compile(peft_model)) is peft_model.get_base_model()``"""
+    model = compiled_original(model) or model
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
+@dataclass(frozen=True, eq=False)
+class Subject:
+    """A model resolved once (:meth:`of`); read-only, shared by every call an attach records, in any thread."""
+
+    given: nn.Module  #: the model as the user gave it (a torch.compile wrapper, a PeftModel, or the model itself)
+    model: nn.Module  #: the transformers task model inside it (:func:`unwrap`)
+    spec: ArchSpec
+    kind: HeadKind
+    head: Head
+    blocks: nn.ModuleList
+
+    @property
+    def backbone(self) -> nn.Module:
+        """The module whose forward runs the blocks: the spec's ``backbone``, else ``model.base_model``."""
+        return get_path(self.model, self.spec.backbone) if self.spec.backbone else self.model.base_model
+
+    @classmethod
+    def of(cls, model: nn.Module | Subject) -> Subject:
+        """Resolve ``model`` (a Subject is returned as it is): unwrap it, find its registry entry and head kind,
+        build its head, and check a user's registry entry against the model's own numbers, once. Raises
+        UnknownArchitectureError / RegistryError / ValueError as :func:`~nxl_hooks.arch.registry.resolve`."""
+        if isinstance(model, Subject):
+            return model
+        inner = unwrap(model)
+        spec, kind = resolve(inner)
+        head = Head(inner, spec, kind)
+        block_list = blocks(inner, spec)
+        check_numbers(inner, spec, kind, head, block_list)  # a user's registry entry: refused if its numbers are off
+        return cls(given=model, model=inner, spec=spec, kind=kind, head=head, blocks=block_list)

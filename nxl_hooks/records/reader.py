@@ -1,0 +1,434 @@
+"""The crash-safe stream file's reader: :func:`read_stream` (the format: :mod:`nxl_hooks.records.writer`).
+
+    nxl.read_stream("run.nxl")[0].steps      # the records of the first call
+    nxl.read_stream("runs/")                 # every call in every folder below, a RotatingSink's files in order
+
+Reading (:func:`read_stream`) stops at the first frame it cannot use and says so in the returned list's
+``damage`` (a :class:`Damage`: which frame, at what offset, why, how many steps were recovered):
+
+- a torn last frame (the writer was killed mid-write, or is still writing it) is the normal end of a killed run:
+  it is left out quietly (``damage.torn`` True);
+- frames whose checksums hold but whose order does not are damage too: a frame number out of sequence, a step
+  that does not follow its call's last one (missing, repeated, out of order: ``damage.call`` and the reason name
+  the call and the steps), a rotated file missing between two kept ones, or renamed;
+- any other damage (a flipped byte, a frame cut out, garbage) warns with :class:`StreamDamageWarning` and returns
+  what comes before it; ``read_stream(path, strict=True)`` raises :class:`StreamError` instead;
+- a frame whose checksum is right but whose content nxl_hooks did not write raises :class:`StreamError` (a
+  ValueError), naming the frame and its offset, in either mode.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+import warnings
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from safetensors.torch import load as _load_blob
+
+from ..method.registry import DEFAULT
+from .attribution import RecordError, stored_scores
+from .files import CHUNK, read_regular
+from .steps import STEP_TENSORS, GenerationCall, Step
+from .writer import _FILE_MAGIC, _FRAME, _FRAME_MAGIC, _ROTATED
+
+__all__ = ["Damage", "Stream", "StreamDamageWarning", "StreamError", "read_stream"]
+
+_MAGIC_V1 = b"nxl_hooks.stream/1\n"  # nxl_hooks 0.1, no frame numbers: still read
+
+
+class StreamError(RecordError):
+    """A stream file nxl_hooks cannot read: not a stream file, a frame with a valid checksum but content nxl_hooks
+    did not write, or (``read_stream(..., strict=True)``) damage. Names the frame and its byte offset."""
+
+
+class StreamDamageWarning(UserWarning):
+    """:func:`read_stream` stopped early at a damaged frame (not a torn last frame); see ``damage`` on its result."""
+
+
+@dataclass(frozen=True)
+class Damage:
+    """Where and why :func:`read_stream` stopped before the end of a file. ``calls.damage.frame``"""
+
+    frame: int  #: index of the first frame not read (0 = the first frame after the file header)
+    offset: int  #: its byte offset in the file
+    reason: str  #: what is wrong with it
+    torn: bool  #: a torn last frame (a writer killed mid-write): the normal end of a killed run, not corruption
+    steps_recovered: int  #: step records read before it (all of them returned)
+    frames_after: int  #: intact frames found after it, not returned (a gap would make the calls lie)
+    bytes_dropped: int  #: from ``offset`` to the end of the file
+    path: str = ""  #: the file (one of a folder's, when read_stream was given a folder)
+    call: int | None = None  #: the call whose records break off there, when one does (a step missing or repeated)
+
+    def describe(self) -> str:
+        """One line: ``frame 3 at byte 1234: CRC mismatch; 2 step records recovered before it, ...``"""
+        lost = f", {self.frames_after} intact frame(s) after it not read" if self.frames_after else ""
+        return (f"frame {self.frame} at byte {self.offset}: {self.reason}; {self.steps_recovered} step record(s) "
+                f"recovered before it{lost} ({self.bytes_dropped} bytes left out)")
+
+
+class Stream(list):
+    """What :func:`read_stream` returns: a list of :class:`GenerationCall`, and ``damage`` (None when every file ends
+    on a complete frame; else the first damaged file's)."""
+
+    damage: Damage | None = None
+
+
+def _crc(view: memoryview) -> int:
+    """CRC-32 of ``view`` in :data:`CHUNK` pieces (Ctrl-C is seen between two of them)."""
+    crc = 0
+    for start in range(0, len(view), CHUNK):
+        crc = zlib.crc32(view[start: start + CHUNK], crc)
+    return crc
+
+
+def _find(data: bytearray, start: int) -> int:
+    """The next frame marker at or after ``start`` (-1: none), searched in :data:`CHUNK` pieces."""
+    while start < len(data):
+        hit = data.find(_FRAME_MAGIC, start, start + CHUNK + len(_FRAME_MAGIC) - 1)
+        if hit != -1:
+            return hit
+        start += CHUNK
+    return -1
+
+
+def _frame_at(data: bytearray, offset: int) -> tuple[memoryview | None, str]:
+    """(payload, "") for an intact frame at ``offset``, else (None, why not). Nothing is copied, and a length
+    that runs past the end of the file is refused before any byte of it is read."""
+    if offset + _FRAME.size > len(data):
+        return None, f"only {len(data) - offset} bytes of a {_FRAME.size}-byte frame header"
+    magic, length, crc = _FRAME.unpack_from(data, offset)
+    if magic != _FRAME_MAGIC:
+        return None, f"no frame marker ({magic!r} instead of {_FRAME_MAGIC!r})"
+    start = offset + _FRAME.size
+    if start + length > len(data):
+        return None, f"the frame announces {length} bytes but only {len(data) - start} follow"
+    payload = memoryview(data)[start: start + length]
+    if _crc(payload) != crc:
+        return None, "checksum (CRC-32) mismatch: the frame was altered after it was written"
+    return payload, ""
+
+
+def _torn(data: bytearray, offset: int) -> bool:
+    """Whether the bad frame at ``offset`` looks like a torn last frame: a prefix of a frame that runs past the end
+    of the file (a flipped length byte also runs past the end: the caller checks that no intact frame follows)."""
+    rest = len(data) - offset
+    if rest < len(_FRAME_MAGIC):
+        return _FRAME_MAGIC.startswith(bytes(data[offset:]))
+    if data[offset: offset + len(_FRAME_MAGIC)] != _FRAME_MAGIC:
+        return False
+    if rest >= _FRAME.size:
+        _, length, _ = _FRAME.unpack_from(data, offset)
+        if _FRAME.size + length <= rest:
+            return False  # complete, so its checksum failed: altered, not torn
+    return True
+
+
+def _intact_after(data: bytearray, offset: int) -> tuple[int, int]:
+    """(how many intact frames start after ``offset``, found by their marker and checksum; payload bytes checked).
+
+    Linear in the file's size: an intact frame is checked once and skipped; a candidate whose length runs past
+    the end costs nothing; the checksums of candidates that fail may cover at most the rest of the file once more,
+    beyond which candidates are not checked (the count is then a lower bound: a crafted file, not a torn one)."""
+    count, checked, failed = 0, 0, 0
+    budget = len(data) - offset
+    start = _find(data, offset + 1)
+    while start != -1:
+        nxt = start + 1
+        if start + _FRAME.size <= len(data):
+            _, length, crc = _FRAME.unpack_from(data, start)
+            end = start + _FRAME.size + length
+            if end <= len(data) and failed + length <= budget:
+                checked += length
+                if _crc(memoryview(data)[start + _FRAME.size: end]) == crc:
+                    count, nxt = count + 1, end
+                else:
+                    failed += length
+        start = _find(data, nxt)
+    return count, checked
+
+
+def _frames(data: bytearray) -> Iterator[tuple[int, int, memoryview | None, str]]:
+    """(index, offset, payload, "") per intact frame; the first bad one comes as (index, offset, None, why), last."""
+    offset, index = len(_FILE_MAGIC), 0
+    while offset < len(data):
+        payload, why = _frame_at(data, offset)
+        yield index, offset, payload, why
+        if payload is None:
+            return
+        offset += _FRAME.size + len(payload)
+        index += 1
+
+
+def _decode(payload: memoryview) -> tuple[dict, dict[str, torch.Tensor]]:
+    """A frame's header (its ``nxl_hooks`` metadata) and tensors; ValueError when it is not such a blob."""
+    (size,) = struct.unpack_from("<Q", payload, 0) if len(payload) >= 8 else (None,)
+    if size is None or size > len(payload) - 8:
+        raise ValueError("not a safetensors blob")
+    metadata = json.loads(bytes(payload[8: 8 + size])).get("__metadata__") or {}  # safetensors' load() drops it
+    header = json.loads(metadata["nxl_hooks"]) if isinstance(metadata, dict) and "nxl_hooks" in metadata else None
+    if not isinstance(header, dict):
+        raise ValueError("no nxl_hooks record header in its metadata")
+    return header, _load_blob(bytes(payload))
+
+
+def _field(header: dict, name: str, kinds: tuple[type, ...], *, optional: bool = False) -> Any:
+    value = header.get(name)
+    if (value is None and optional) or (isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool))):
+        return value
+    raise ValueError(f"{name!r} is {value!r}, expected {' or '.join(k.__name__ for k in kinds)}")
+
+
+def _tensor(tensors: dict[str, torch.Tensor], name: str, dim: int, *, boolean: bool = False,
+            optional: bool = False) -> torch.Tensor | None:
+    value = tensors.get(name)
+    if value is None and optional:
+        return None
+    ok = value is not None and value.dim() == dim and (
+        value.dtype == torch.bool if boolean else not (value.is_floating_point() or value.dtype == torch.bool))
+    if not ok:
+        want = f"a {dim}-D {'bool' if boolean else 'integer'} tensor"
+        raise ValueError(f"tensor {name!r} is {'missing' if value is None else f'{value.dtype} {tuple(value.shape)}'}"
+                         f", expected {want}")
+    return value
+
+
+def _layers(header: dict) -> list[int]:
+    layers = header.get("layers")
+    if not isinstance(layers, list) or not layers or not all(isinstance(x, int) and not isinstance(x, bool)
+                                                             for x in layers):
+        raise ValueError(f"'layers' is {layers!r}, expected a list of ints")
+    return layers
+
+
+def _strings(header: dict, name: str) -> Any:
+    """An optional list of strings, or of lists of strings (readable token texts)."""
+    value = header.get(name)
+    flat = value if value is None or not value or not isinstance(value[0], list) else [t for row in value for t in row]
+    if value is None or (isinstance(value, list) and all(isinstance(text, str) for text in flat)):
+        return value
+    raise ValueError(f"{name!r} is {value!r}, expected a list of token texts")
+
+
+def _ints(header: dict, name: str) -> list[int] | None:
+    """An optional list of ints (token ids)."""
+    value = header.get(name)
+    if value is None or (isinstance(value, list) and all(type(i) is int for i in value)):
+        return value
+    raise ValueError(f"{name!r} is {value!r:.80}, expected a list of token ids")
+
+
+class _Gap(Exception):
+    """Frames whose checksums hold but whose order does not: a frame missing, repeated or moved."""
+
+    def __init__(self, reason: str, call: int | None = None) -> None:
+        super().__init__(reason)
+        self.reason, self.call = reason, call
+
+
+def _next_step(call: GenerationCall, number: int, *, rotated: bool) -> None:
+    """Refuse (:class:`_Gap`) a step record that does not follow the call's last one."""
+    last = call.steps[-1].step if call.steps else None
+    index = call.index
+    if last is None:
+        if number != 0 and not rotated:  # a rotated file may start a call whose first steps were deleted
+            raise _Gap(f"call {index}: its first step record is step {number} ({_steps(0, number)} missing)", index)
+    elif number == last:
+        raise _Gap(f"call {index}: step {number} recorded twice", index)
+    elif number < last:
+        raise _Gap(f"call {index}: step {number} comes after step {last} (out of order)", index)
+    elif number > last + 1:
+        raise _Gap(f"call {index}: step {number} follows step {last} ({_steps(last + 1, number)} missing)", index)
+
+
+def _steps(first: int, end: int) -> str:
+    return f"step {first}" if end == first + 1 else f"steps {first}-{end - 1}"
+
+
+def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, torch.Tensor], *,
+           rotated: bool) -> bool:
+    """Add one frame's record to ``calls``; True for a step record. ValueError when it does not fit. ``rotated``: a
+    file of a RotatingSink, where a running call's frame comes again at the top of each file and the first files
+    (with the call frames of older calls) may have been deleted."""
+    kind, index = header.get("kind"), _field(header, "call", (int,))
+    if kind == "call":
+        if index in calls and rotated:
+            return False  # written again at the top of a rotated file: the call goes on
+        if index in calls:
+            raise ValueError(f"a second 'call' frame for call {index}")
+        mask = _tensor(tensors, "prompt_mask", 2, boolean=True)
+        ids = _tensor(tensors, "prompt_ids", 2, optional=True)
+        template = _tensor(tensors, "prompt_template", 2, boolean=True, optional=True)
+        for name, value in (("prompt_ids", ids), ("prompt_template", template)):
+            if value is not None and value.shape != mask.shape:
+                raise ValueError(f"{name} {tuple(value.shape)} and prompt_mask {tuple(mask.shape)} differ in shape")
+        calls[index] = GenerationCall(index=index, layers=_layers(header), prompt_ids=ids, prompt_mask=mask,
+                                      request_id=_field(header, "request_id", (str,), optional=True),
+                                      thread=_field(header, "thread", (str,), optional=True),
+                                      readable=_strings(header, "readable"), prompt_template=template,
+                                      special_ids=_ints(header, "special_ids"),
+                                      model=_field(header, "model", (str,), optional=True),
+                                      started=_field(header, "started", (float, int), optional=True))
+        return False
+    if index not in calls and rotated:
+        return False  # its call frame was in a file deleted by the RotatingSink's retention
+    if index not in calls:
+        raise ValueError(f"a {kind!r} frame for call {index}, which no 'call' frame opened")
+    call = calls[index]
+    if kind == "step":
+        step = Step(call=index, step=_field(header, "step", (int,)), position=_field(header, "position", (int,)),
+                    layers=_layers(header), n_blocks=_field(header, "n_blocks", (int,), optional=True),
+                    probability=tensors.get("probability"), readable=_strings(header, "readable"),
+                    time=_field(header, "time", (float, int), optional=True),
+                    scores=stored_scores(tensors),
+                    **{name: tensors.get(name) for name in STEP_TENSORS if name not in DEFAULT})
+        _check_step(step, call)
+        call.link(step)
+        call.steps.append(step)
+        return True
+    if kind == "end":
+        call.sequences = _tensor(tensors, "sequences", 2, optional=True)
+        call.complete = _field(header, "complete", (bool,))
+        call.error = _field(header, "error", (str,), optional=True)
+        call.ended = _field(header, "ended", (float, int), optional=True)
+        return False
+    raise ValueError(f"unknown record kind {kind!r} (expected 'call', 'step' or 'end')")
+
+
+def _check_step(step: Step, call: GenerationCall) -> None:
+    """A step record whose tensors fit each other, its call's batch and its position."""
+    batch = call.prompt_mask.shape[0]
+    token, active = _tensor(vars(step), "token", 1), _tensor(vars(step), "active", 1, boolean=True)
+    if token.shape[0] != batch or active.shape[0] != batch:
+        raise ValueError(f"step {step.step}: token / active have {token.shape[0]} / {active.shape[0]} rows, "
+                         f"the call's prompt {batch}")
+    scores = step.scores.get("normxlogit")
+    if scores is None or scores.dim() < 3 or scores.shape[1:3] != (batch, step.position) or step.position < 1:
+        raise ValueError(f"step {step.step}: normxlogit {None if scores is None else tuple(scores.shape)} does not "
+                         f"cover {batch} row(s) x {step.position} positions")
+    step.to_attribution().check()  # every other field, by the one set of rules of Attribution
+
+
+def _read(data: bytearray, path: Path, calls: dict[int, GenerationCall], *, name: tuple[int, int] | None
+          ) -> tuple[int, Damage | None]:
+    """Add the records of one stream file to ``calls`` (those of one writer so far): (steps read, damage or None).
+    ``name``: (number, writer) of a rotated file, from its name."""
+    if data.startswith(_FILE_MAGIC):
+        numbered = True
+    elif data.startswith(_MAGIC_V1):  # nxl_hooks 0.1: no frame numbers, no file frame
+        numbered = False
+    else:
+        raise StreamError(f"{path} is not an nxl_hooks stream file (written by attach(..., sink=path))")
+    steps = 0
+    for index, offset, payload, why in _frames(data):
+        try:
+            if payload is None:
+                raise _Gap(why)
+            try:
+                header, tensors = _decode(payload)
+                number, seq = header.get("step"), header.get("seq")
+                call = calls.get(header.get("call")) if header.get("kind") == "step" else None
+                if call is not None and type(number) is int:  # a step that does not follow its call's last one
+                    _next_step(call, number, rotated=name is not None)
+                if numbered and seq is not None and seq != index:
+                    raise _Gap(f"frame number {seq!r} where {index} was expected: a frame is missing, repeated or "
+                               "out of order")
+                if header.get("kind") == "file":
+                    _check_file(header, index, name)
+                else:
+                    steps += _apply(calls, header, tensors, rotated=name is not None)
+                if numbered and seq is None:
+                    raise ValueError("no frame number ('seq'), which every frame of a format 2 file has")
+            except _Gap:
+                raise
+            except Exception as err:  # noqa: BLE001 - any parse failure of a frame whose checksum holds is one error
+                raise StreamError(f"{path}: frame {index} at byte {offset} has a valid checksum but is not a record "
+                                  f"nxl_hooks wrote ({type(err).__name__}: {err})") from None
+        except _Gap as gap:
+            after, _ = _intact_after(data, offset)
+            torn = payload is None and not after and _torn(data, offset)
+            return steps, Damage(frame=index, offset=offset, reason=gap.reason, torn=torn, steps_recovered=steps,
+                                 frames_after=after, bytes_dropped=len(data) - offset, path=str(path), call=gap.call)
+    return steps, None
+
+
+def _check_file(header: dict, index: int, name: tuple[int, int] | None) -> None:
+    """A rotated file's first frame: its number and writer, which its name must repeat."""
+    number, writer = _field(header, "file", (int,)), _field(header, "writer", (int,))
+    if index != 0:
+        raise ValueError("a 'file' frame that is not the file's first")
+    if name is not None and (number, writer) != name:
+        raise _Gap(f"the file says it is file {number} of writer {writer}, its name file {name[0]} of writer "
+                   f"{name[1]}: renamed or copied over another")
+
+
+def _writers(folder: Path) -> list[list[Path]]:
+    """The stream files below ``folder``, one list per writer (a RotatingSink's files joined in order)."""
+    groups: dict[tuple, list[Path]] = {}
+    for path in sorted(p for p in folder.rglob("*.nxl") if p.is_file()):
+        match = _ROTATED.fullmatch(path.name)
+        key = (str(path.parent), int(match.group(2))) if match else (str(path.parent), -1, path.name)
+        groups.setdefault(key, []).append(path)
+    return [groups[key] for key in sorted(groups)]
+
+
+def read_stream(path: str | Path, *, request_id: str | None = None, strict: bool = False) -> Stream:
+    """Every call and step record in a sink file, up to the first frame that cannot be read. ``nxl.read_stream(p)``
+
+    A call whose ``end`` frame is missing (the writer was killed) has ``complete`` False and no ``sequences``.
+    ``path`` may be a folder: every stream file below it, a :class:`RotatingSink`'s files joined in order (calls
+    of one writer, then the next; a call whose first file was deleted starts at its first kept step).
+    ``request_id``: only the calls of that request. The result is a list with a ``damage`` attribute (see the module
+    docstring): None for whole files; a torn last frame is left out quietly; other damage (a missing, repeated or
+    moved frame or file included) warns (:class:`StreamDamageWarning`), or raises :class:`StreamError` with
+    ``strict=True``; a writer's records stop at its first damage, so what is returned has no gap. A frame with a
+    valid checksum that nxl_hooks did not write raises :class:`StreamError`. What is not a regular file (a FIFO,
+    a device, a socket) is refused before it is opened; Ctrl-C interrupts a long read.
+    """
+    path = Path(path)
+    out, damage = Stream(), None
+    for files in _writers(path) if path.is_dir() else [[path]]:
+        calls: dict[int, GenerationCall] = {}
+        found, steps, last = None, 0, None
+        for file in files:
+            match = _ROTATED.fullmatch(file.name)
+            name = (int(match.group(1)), int(match.group(2))) if match else None
+            if last is not None and name is not None and name[0] != last[0] + 1:
+                found = Damage(frame=0, offset=0, reason=f"file {last[0] + 1:08d}-{name[1]:08d}.nxl is missing "
+                               f"(deleted or lost) between {last[1].name} and {file.name}{_running(calls)}",
+                               torn=False, steps_recovered=steps, frames_after=0, bytes_dropped=0, path=str(file))
+                break
+            try:
+                data = read_regular(file, StreamError)
+            except FileNotFoundError:
+                if len(files) > 1 and last is None:  # deleted by the writer's retention while we read
+                    continue
+                raise
+            got, found = _read(data, file, calls, name=name)
+            steps, last = steps + got, (name[0] if name else 0, file)
+            if found is not None:
+                if file is not files[-1]:  # only a writer's last file may end torn: the records go on elsewhere
+                    found = dataclasses.replace(found, torn=False)
+                break
+        if found is not None and not found.torn:
+            if strict:
+                raise StreamError(f"{found.path} is damaged: {found.describe()}")
+            warnings.warn(f"{found.path} is damaged, read up to the damage: {found.describe()}",
+                          StreamDamageWarning, stacklevel=2)
+        damage = damage or found
+        out.extend(calls[index] for index in sorted(calls))
+    out[:] = [call for call in out if request_id is None or call.request_id == request_id]
+    out.damage = damage
+    return out
+
+
+def _running(calls: dict[int, GenerationCall]) -> str:
+    """The calls whose records break off at a missing file, and their last step read."""
+    open_ = [f"call {c.index} (after step {c.steps[-1].step})" if c.steps else f"call {c.index} (no step yet)"
+             for c in calls.values() if not c.complete and c.error is None and c.sequences is None]
+    return f"; records of {', '.join(open_)} break off there" if open_ else ""

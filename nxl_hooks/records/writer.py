@@ -1,0 +1,349 @@
+"""The crash-safe stream file's writer: every call and step record appended as it is made, readable after a SIGKILL.
+
+    with nxl.attach(model, sink="run.nxl"):
+        model.generate(**enc, max_new_tokens=32)
+    nxl.read_stream("run.nxl")[0].steps      # the records, read back from disk (:mod:`nxl_hooks.records.reader`)
+
+Format (no pickle): the line ``nxl_hooks.stream/2\\n``, then frames. A frame is ``b"NXLF"``, the payload
+length (uint64 little-endian), its CRC-32 (uint32 little-endian) and the payload: a safetensors blob whose
+``nxl_hooks`` metadata entry is JSON with a ``kind`` of ``call`` (prompt), ``step`` or ``end`` (sequences), and
+``seq``, the frame's number in its file (0, 1, 2...). A step frame names its call and step index; a rotated file's
+first frame (``kind`` ``file``) names the file's number and its writer. Files of format 1 (nxl_hooks 0.1: no
+``seq``, no ``file`` frame) still read, with the reader's step checks. A ``call`` frame also carries
+``model``, ``started`` and ``special_ids``, a ``step`` frame its ``time`` and an ``end`` frame ``ended``: optional
+entries of format 2, which older readers skip; records read from older files without them have None there
+(``tests/data/stream-v2.nxl`` is such a file). A ``step`` frame holds the scores of NormXLogit and LogAt as the
+tensors ``normxlogit`` and ``logat``, and those of any other method the probe computed as ``scores.<method>``
+(older readers skip them too).
+Each frame is written with one ``write`` call before the next decoding step starts, so a process killed with
+SIGKILL leaves every completed step readable. ``Sink(path, fsync=True)`` also survives power loss, at the cost of
+an fsync per step. A sink refuses to write through a symbolic link unless ``Sink(path, follow_symlinks=True)``.
+
+A server that runs for weeks writes to a :class:`RotatingSink`: a folder of numbered files, a new one when the
+current one would pass ``max_bytes``, the oldest deleted beyond ``max_files``. Every file is a stream file of its
+own (the calls still running when it starts are written again at its top), and ``read_stream(folder)`` reads
+them in order::
+
+    nxl.attach(model, sink=nxl.RotatingSink("runs/llm", max_bytes=64 << 20, max_files=16))
+    nxl.read_stream("runs/")                  # every call in every folder below, oldest file first
+"""
+
+from __future__ import annotations
+
+import errno
+import functools
+import json
+import os
+import re
+import struct
+import sys
+import threading
+import zlib
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from safetensors.torch import save as _save_blob
+
+from .attribution import scores_to_store
+from .steps import STEP_TENSORS, GenerationCall, Step
+
+__all__ = ["RotatingSink", "Sink", "encode_call", "encode_end", "encode_step", "stream_bytes"]
+
+_FILE_MAGIC = b"nxl_hooks.stream/2\n"  # what is written; version 1 (nxl_hooks 0.1, no frame numbers) still reads
+_FRAME = struct.Struct("<4sQI")
+_FRAME_MAGIC = b"NXLF"
+
+
+#: safetensors dtype names of the tensors a frame holds.
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+           torch.int64: "I64", torch.int32: "I32", torch.bool: "BOOL", torch.uint8: "U8"}
+
+
+def _blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """A safetensors blob of small CPU tensors, as ``safetensors.torch.save`` writes it (8-byte header length, the
+    JSON header, 8-byte aligned, then the raw little-endian data), without its checks for shared and sparse
+    storage: these tensors are fresh copies, and the checks cost five times the encoding on the generation thread
+    (one frame per step). Read back with safetensors' own ``load``. ``tensors``' names are nxl_hooks' own (plain
+    identifiers), so the header is written directly; only the metadata goes through ``json``."""
+    entries, parts, offset = [], [], 0
+    for name, value in tensors.items():
+        data = (value.view(torch.int16) if value.dtype == torch.bfloat16 else value).numpy().tobytes()  # C order
+        end = offset + len(data)
+        shape = ",".join(map(str, value.shape))
+        entries.append(f'"{name}":{{"dtype":"{_DTYPES[value.dtype]}","shape":[{shape}],'
+                       f'"data_offsets":[{offset},{end}]}}')
+        parts.append(data)
+        offset = end
+    text = ",".join([f'"__metadata__":{json.dumps(metadata, separators=(",", ":"))}', *entries]).join("{}").encode()
+    text += b" " * (-len(text) % 8)
+    return b"".join([struct.pack("<Q", len(text)), text, *parts])
+
+
+def _encode(tensors: dict[str, torch.Tensor], header: dict, seq: int | None = None) -> bytes:
+    """One frame: magic, length, CRC-32, then the safetensors payload whose metadata holds ``header`` (and ``seq``,
+    the frame's number in its file)."""
+    if seq is not None:
+        header = {**header, "seq": seq}
+    metadata = {"nxl_hooks": json.dumps(header)}
+    # records hold CPU tensors outside autograd already (a step's): detach / copy only what is not
+    tensors = {name: value if value.device.type == "cpu" and not value.requires_grad else value.detach().cpu()
+               for name, value in tensors.items()}
+    if sys.byteorder == "little" and all(value.dtype in _DTYPES for value in tensors.values()):
+        payload = _blob(tensors, metadata)
+    else:  # copies: safetensors refuses tensors that share storage (a step's target is a view of its token)
+        payload = _save_blob({name: value.clone().contiguous() for name, value in tensors.items()}, metadata=metadata)
+    return _FRAME.pack(_FRAME_MAGIC, len(payload), zlib.crc32(payload)) + payload
+
+
+def encode_call(call: GenerationCall, meta: dict, *, seq: int | None = None) -> bytes:
+    """The ``call`` frame of a call whose prompt is known (``meta``: what the probe explains; ``seq``: the frame's
+    number in its file, which the reader checks)."""
+    tensors = {"prompt_mask": call.prompt_mask}
+    if call.prompt_ids is not None:
+        tensors["prompt_ids"] = call.prompt_ids
+    if call.prompt_template is not None:
+        tensors["prompt_template"] = call.prompt_template
+    return _encode(tensors, {"kind": "call", "call": call.index, "layers": call.layers, "meta": meta,
+                             "request_id": call.request_id, "thread": call.thread, "readable": call.readable,
+                             "model": call.model, "started": call.started, "special_ids": call.special_ids}, seq)
+
+
+def encode_step(step: Step, *, seq: int | None = None) -> bytes:
+    """The ``step`` frame of one record (its call and step index, checked against the one before it on reading)."""
+    tensors = {**{name: getattr(step, name) for name in STEP_TENSORS}, **scores_to_store(step.scores)}
+    if step.probability is not None:
+        tensors["probability"] = step.probability
+    return _encode(tensors, {"kind": "step", "call": step.call, "step": step.step, "position": step.position,
+                             "layers": step.layers, "n_blocks": step.n_blocks, "readable": step.readable,
+                             "time": step.time}, seq)
+
+
+def encode_end(call: GenerationCall, *, seq: int | None = None) -> bytes:
+    """The ``end`` frame of a call that returned (or stopped being recorded)."""
+    tensors = {"sequences": call.sequences} if call.sequences is not None else {}
+    return _encode(tensors, {"kind": "end", "call": call.index, "complete": call.complete, "error": call.error,
+                             "ended": call.ended}, seq)
+
+
+def stream_bytes(call: GenerationCall, meta: dict) -> bytes:
+    """One call as a whole stream file (``read_stream`` reads it back): its call frame, its kept steps and, once
+    it has ended, its end frame. ``Path("req.nxl").write_bytes(stream_bytes(probe.calls[-1], probe.describe()))``"""
+    if call.prompt_mask is None:
+        raise ValueError(f"call {call.index} has no recorded prompt yet: nothing to write")
+    ended = call.complete or call.error is not None or call.sequences is not None
+    steps = list(call.steps)
+    frames = [encode_call(call, meta, seq=0), *(encode_step(step, seq=n) for n, step in enumerate(steps, 1))]
+    if ended:
+        frames.append(encode_end(call, seq=len(frames)))
+    return b"".join([_FILE_MAGIC, *frames])
+
+
+def _open(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
+    """A new (or truncated) stream file holding only the file magic. A symbolic link is refused (ValueError) unless
+    ``follow_symlinks``: O_NOFOLLOW makes the check and the open one step, with no window to swap a link in."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | (0 if follow_symlinks else os.O_NOFOLLOW)
+    try:
+        fd = os.open(path, flags, mode)
+    except OSError as err:
+        if err.errno == errno.ELOOP and not follow_symlinks:
+            raise ValueError(f"{path} is a symbolic link: nxl_hooks does not write a stream through a link unless "
+                             "told to; give the real path, or Sink(path, follow_symlinks=True)") from None
+        raise
+    try:
+        _write_all(fd, _FILE_MAGIC)
+    except BaseException:
+        os.close(fd)  # a full disk at the first byte: no descriptor kept on a file nothing will write
+        raise
+    return fd
+
+
+def _finish(fd: int) -> None:
+    """fsync and close a stream file's descriptor; closed even when fsync fails (a full disk, an I/O error)."""
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
+
+
+#: What a sink writes: a function of the frame's number in its file that returns the frame.
+Frame = Callable[[int], bytes]
+
+
+class Sink:
+    """Append-only, crash-safe record file (format in the module docstring). ``attach(..., sink=Sink(p, fsync=True))``
+
+    The file is created (or truncated) when the probe attaches; read it with :func:`read_stream`. A path that is a
+    symbolic link is refused (ValueError), so that a link planted where the file goes cannot redirect the records
+    (and the truncation) onto another file; ``follow_symlinks=True`` writes through it.
+    """
+
+    _mode = 0o644
+
+    def __init__(self, path: str | Path, *, fsync: bool = False, follow_symlinks: bool = False) -> None:
+        self.path = Path(path)
+        self._fsync = fsync
+        self._follow = follow_symlinks
+        self._lock = threading.Lock()  # calls in several threads share one file: one frame at a time
+        self._fd: int | None = _open(self.path, self._mode, follow_symlinks=follow_symlinks)
+        self._seq = 0  # the next frame's number in the current file
+
+    def _put(self, frame: Frame, *, opens: int | None = None, closes: int | None = None) -> None:
+        """Append one frame; ``opens`` / ``closes``: the index of the call it starts or ends."""
+        with self._lock:
+            self._append(frame(self._seq))
+
+    def _append(self, data: bytes) -> int:
+        """Write one frame made with number ``self._seq``; its size. Caller holds the lock."""
+        if self._fd is None:
+            raise RuntimeError(f"sink {self.path} is closed: the probe it belonged to has detached, or a write to "
+                               "it failed")
+        try:
+            _write_all(self._fd, data)
+            if self._fsync:
+                os.fsync(self._fd)
+        except OSError:
+            # A full disk (or an I/O error): the probe drops this sink (its fault), so nothing writes here again;
+            # the descriptor goes now, or the file system could not be unmounted while the host runs.
+            os.close(self._fd)
+            self._fd = None
+            raise
+        self._seq += 1
+        return len(data)
+
+    def write_call(self, call: GenerationCall, meta: dict) -> None:
+        self._put(functools.partial(_numbered, encode_call, call, meta), opens=call.index)
+
+    def write_step(self, step: Step) -> None:
+        self._put(functools.partial(_numbered, encode_step, step))
+
+    def write_end(self, call: GenerationCall) -> None:
+        self._put(functools.partial(_numbered, encode_end, call), closes=call.index)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._fd is not None:
+                fd, self._fd = self._fd, None
+                _finish(fd)
+
+
+def _numbered(encode: Callable[..., bytes], *args: Any) -> Frame:
+    """``encode(*args, seq=n)`` as a :data:`Frame`: frames are numbered when written, under the sink's lock."""
+    *args, seq = args
+    return encode(*args, seq=seq)
+
+
+#: A rotated file's name: its number in the folder, then the number of the first file its writer made.
+_ROTATED = re.compile(r"(\d{8})-(\d{8})\.nxl")
+
+
+def _rotated(folder: Path) -> list[tuple[int, int, Path]]:
+    """(number, writer, path) of the rotated files in ``folder``, oldest first."""
+    found = []
+    for path in folder.iterdir():
+        match = _ROTATED.fullmatch(path.name)
+        if match and path.is_file():
+            found.append((int(match.group(1)), int(match.group(2)), path))
+    return sorted(found)
+
+
+class RotatingSink(Sink):
+    """A :class:`Sink` over a folder of numbered files, for processes that run for weeks.
+
+    ``attach(model, sink=RotatingSink("runs/llm", max_bytes=64 << 20, max_files=16))``
+
+    - A new file starts when the next frame would take the current one past ``max_bytes`` (a frame is never
+      split, so one larger step record makes one larger file); the calls still running are written again at the
+      top of the new file, so every file reads on its own.
+    - Beyond ``max_files`` files in the folder the oldest are deleted: the folder holds at most about
+      ``max_files * max_bytes`` bytes.
+    - Files are named ``<number>-<writer>.nxl``: numbers go on from the files already in the folder (a new writer,
+      say after a restart, never overwrites), and ``<writer>`` tells which files one writer made, so that
+      ``read_stream(folder)`` joins them in order. Each file's first frame carries its number and writer too, so
+      that a missing file between two kept ones (or a renamed one) is reported as damage. One writer per folder at
+      a time.
+    - Files and a folder it creates are private to the user (0600 / 0700): prompts are user data.
+    - In a child the process forks, writes are dropped: the files belong to the parent (whose frames a child's
+      would interleave with); the child's records stay in its memory.
+    """
+
+    _mode = 0o600
+
+    def __init__(self, folder: str | Path, *, max_bytes: int = 64 << 20, max_files: int = 16,
+                 fsync: bool = False) -> None:
+        if max_bytes < 1 or max_files < 1:
+            raise ValueError(f"max_bytes={max_bytes}, max_files={max_files}: give a file size in bytes and a number "
+                             "of files to keep, each at least 1")
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.max_bytes, self.max_files = max_bytes, max_files
+        existing = _rotated(self.folder)
+        self._number = self._writer = (existing[-1][0] + 1) if existing else 1
+        self._running: dict[int, Frame] = {}  # call index -> its call frame, written again at each rotation
+        self._pid = os.getpid()
+        super().__init__(self._name(), fsync=fsync)
+        self._start()
+
+    def _name(self) -> Path:
+        return self.folder / f"{self._number:08d}-{self._writer:08d}.nxl"
+
+    def _start(self) -> None:
+        """The new file's first frame: its number and writer. Caller holds the lock (or is the constructor)."""
+        self._size = len(_FILE_MAGIC) + self._append(
+            _encode({}, {"kind": "file", "file": self._number, "writer": self._writer}, self._seq))
+        self._records = 0  # record frames in the current file
+
+    def _put(self, frame: Frame, *, opens: int | None = None, closes: int | None = None) -> None:
+        if os.getpid() != self._pid:  # checked before the lock, which a thread of the parent may have held
+            return
+        with self._lock:
+            data = frame(self._seq)
+            if self._fd is not None and self._records and self._size + len(data) > self.max_bytes:
+                self._rotate()
+                data = frame(self._seq)
+            self._size += self._append(data)
+            self._records += 1
+            if self._records == 1:  # this file holds a record now: the oldest beyond max_files go (never for an
+                self._prune()       # empty writer)
+            if opens is not None:
+                self._running[opens] = frame
+            if closes is not None:
+                self._running.pop(closes, None)
+
+    def _rotate(self) -> None:
+        # caller holds the lock
+        fd, self._fd = self._fd, None
+        _finish(fd)
+        self._number += 1
+        self.path = self._name()
+        self._fd = _open(self.path, self._mode, follow_symlinks=self._follow)
+        self._seq = 0
+        self._start()
+        for frame in self._running.values():
+            self._size += self._append(frame(self._seq))
+            self._records += 1
+        self._prune()
+
+    def close(self) -> None:
+        """Close the current file; one that holds no record (nothing was recorded) is removed."""
+        if os.getpid() != self._pid:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            return
+        with self._lock:
+            empty = self._fd is not None and not self._records
+        super().close()
+        if empty:
+            self.path.unlink(missing_ok=True)
+
+    def _prune(self) -> None:
+        for _, _, path in _rotated(self.folder)[: -self.max_files]:
+            if path != self.path:
+                path.unlink(missing_ok=True)

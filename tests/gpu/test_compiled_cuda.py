@@ -1,0 +1,40 @@
+"""Compiled generate on CUDA, run whenever a GPU is present and skipped otherwise: transformers' own compiled
+static-cache generate (its default on CUDA) and ``mode="reduce-overhead"`` (CUDA graphs, which replay the tape's
+writes: its buffers are static addresses) are recorded, every step equal to the CPU oracle; the compiled decoding adds
+no synchronisation per generated token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import CompileConfig
+
+import nxl_hooks as nxl
+import tiny
+from oracle import check_call
+from test_sync import _syncs
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+@pytest.mark.parametrize("rows", [1, 4])
+def test_compiled_generate_on_cuda_is_recorded(mode, rows):
+    torch._dynamo.reset()
+    model = tiny.generating_llama().cuda()
+    ids = torch.randint(1, tiny.GEN_VOCAB, (rows, 6), generator=torch.Generator().manual_seed(rows)).cuda()
+    config = CompileConfig(mode=mode)
+    inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), cache_implementation="static",
+                  compile_config=config)
+    plain = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    with nxl.attach(model, layers="all") as probe:
+        for _ in range(2):  # the second call replays what the first compiled (and captured)
+            assert torch.equal(model.generate(**inputs, max_new_tokens=8, do_sample=False), plain)
+        added = {new: _syncs(model, inputs, new) for new in (4, 12)}
+    plain_syncs = {new: _syncs(model, inputs, new) for new in (4, 12)}
+    # a constant per call, not one per token
+    assert added[12] - plain_syncs[12] == added[4] - plain_syncs[4], (added, plain_syncs)
+    assert probe.unrecorded is None
+    model.cpu()
+    for call in probe.calls[:2]:
+        check_call(model, call, 8)

@@ -1,0 +1,133 @@
+"""Compiled code recorded (issue 25): transformers' own compiled static-cache generate (inductor, on the CPU with
+``_compile_all_devices``), a user's ``torch.compile(..., fullgraph=True)`` after attaching, a forward compiled in
+place before attaching, and a compiled model object; every step against the no-cache oracle, dynamo's counters
+showing no graph break, and the model's compiled code as it was after detach."""
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+from transformers import CompileConfig
+
+import nxl_hooks as nxl
+import tiny
+from oracle import check_call, full_mask, llama, prefix_logits
+
+VOCAB, PAD = tiny.GEN_VOCAB, tiny.GEN_PAD
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()  # compiled code of one test must not decide what another one sees
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def _prompt(rows: int = 2, length: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    ids = torch.randint(1, VOCAB, (rows, length), generator=torch.Generator().manual_seed(5))
+    mask = torch.ones_like(ids)
+    if rows > 1:  # a left-padded row
+        mask[1, :2] = 0
+        ids[1, :2] = PAD
+    return ids, mask
+
+
+def _check(model, call, new_tokens: int) -> None:
+    """Every step equals the oracle (check_call), and its probability is the model's own softmax of its token."""
+    check_call(model, call, new_tokens)
+    hand, attention = llama(model), full_mask(call)
+    for step in call.steps:
+        logits, _ = prefix_logits(model, hand, call.sequences[:, :step.position], attention[:, :step.position])
+        expected = logits[-1, :, -1].log_softmax(-1).gather(-1, step.token[:, None])[:, 0].exp()
+        torch.testing.assert_close(step.probability, expected, rtol=1e-4, atol=1e-5)
+
+
+def _no_graph_breaks() -> None:
+    assert counters["stats"]["unique_graphs"] >= 1
+    assert not counters["graph_break"], dict(counters["graph_break"])
+
+
+def _static(model, ids, mask, config):
+    return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                          cache_implementation="static", compile_config=config)
+
+
+def test_generate_compiled_by_transformers_is_recorded_step_by_step():
+    model = tiny.generating_llama(seed=3)
+    ids, mask = _prompt()
+    config = CompileConfig()  # inductor, as generate compiles on a GPU
+    config._compile_all_devices = True
+    plain = _static(model, ids, mask, config)  # compiled before any probe: that code never calls the hooks
+    kept = model._compiled_call
+    with nxl.attach(model, layers="all") as probe:
+        for _ in range(2):  # the second call reuses the compiled code traced with the hooks
+            assert torch.equal(_static(model, ids, mask, config), plain)
+    _no_graph_breaks()
+    assert counters["stats"]["unique_graphs"] == 2  # once before attaching, once with the hooks: no recompile
+    assert probe.unrecorded is None and len(probe.calls) == 2
+    for call in probe.calls:
+        _check(model, call, 5)
+    assert "get_compiled_call" not in vars(model) and model._compiled_call is kept  # its own compiled call back
+    assert torch.equal(_static(model, ids, mask, config), plain)
+
+
+def test_a_user_compile_after_attaching_is_fullgraph_and_recorded():
+    model = tiny.generating_llama(seed=4)
+    ids, mask = _prompt()
+    with nxl.attach(model, layers="all", tokenizer=None) as probe:
+        model.forward = torch.compile(model.forward, fullgraph=True, backend="eager")
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+        model(input_ids=ids, attention_mask=mask)  # a plain forward too
+        plain = probe.result()
+    del model.forward  # the oracle runs eagerly
+    _no_graph_breaks()  # fullgraph=True would have raised on one
+    assert probe.unrecorded is None
+    (call,) = probe.calls
+    assert torch.equal(call.sequences, out)
+    _check(model, call, 4)
+    with nxl.attach(model, layers="all") as probe:
+        model(input_ids=ids, attention_mask=mask)
+    eager = probe.result()
+    torch.testing.assert_close(plain.normxlogit, eager.normxlogit, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(plain.probability, eager.probability)
+    assert torch.equal(plain.target, eager.target)
+
+
+def test_a_forward_compiled_in_place_before_attaching_is_recorded_and_left_clean():
+    model = tiny.generating_llama(seed=5)
+    ids, mask = _prompt(rows=1)
+    model.forward = torch.compile(model.forward, backend="eager")
+    before = model(input_ids=ids).logits  # compiled without hooks
+    with nxl.attach(model, layers="all") as probe:
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+    compiled = model.forward
+    del model.forward  # the oracle runs eagerly
+    assert probe.unrecorded is None
+    assert torch.equal(probe.calls[0].sequences, out)
+    _check(model, probe.calls[0], 3)
+    model.forward = compiled
+    seen = []
+    from nxl_hooks.hooks import tape  # after detach the compiled code runs no hook of the probe: it recompiled
+
+    original = tape.TracedForward.begin
+    tape.TracedForward.begin = lambda self, arguments: (seen.append(1), original(self, arguments))[1]
+    try:
+        torch.testing.assert_close(model(input_ids=ids).logits, before)
+    finally:
+        tape.TracedForward.begin = original
+    assert seen == []
+
+
+def test_a_model_object_compiled_after_attaching_is_recorded():
+    model = tiny.generating_llama(seed=6)
+    ids, mask = _prompt()
+    with nxl.attach(model, layers="all") as probe:
+        model(input_ids=ids, attention_mask=mask)
+        eager = probe.result()
+        compiled = torch.compile(model, fullgraph=True, backend="eager")
+        compiled(input_ids=ids, attention_mask=mask)  # the task model's hooks are traced too
+        traced = probe.result()
+    _no_graph_breaks()
+    assert traced is not eager
+    torch.testing.assert_close(traced.normxlogit, eager.normxlogit, rtol=1e-5, atol=1e-6)
+    assert torch.equal(traced.target, eager.target) and torch.equal(traced.mask, eager.mask)

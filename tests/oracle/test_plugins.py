@@ -1,0 +1,231 @@
+"""Plugins through entry points (``nxl_hooks.arch.plugins``): a plugin of each group (architectures, engines, sinks,
+methods) declared by a real ``*.dist-info/entry_points.txt`` on a temporary ``sys.path`` entry is used with no edit
+to nxl_hooks; a broken plugin of each group leaves the host's call unchanged and says so in one line; the
+``NXL_PLUGINS`` allow-list decides which load."""
+
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import nxl_hooks as nxl
+import tiny
+from nxl_hooks.arch import plugins, registry
+from nxl_hooks.hooks import engines
+from nxl_hooks.records import sinks
+from oracle import check_call
+
+#: A third party's package: one module with an object for each group.
+GOOD = textwrap.dedent('''
+    from nxl_hooks.arch.registry import ArchSpec
+
+
+    def toy_architecture():
+        return ArchSpec(name="toy-plugin", model_types=("nxl_toy",), blocks="model.layers",
+                        heads={"causal_lm": ("model.norm", "lm_head")}, source="the toy plugin")
+
+
+    class CollectSink:
+        made = []
+
+        def __init__(self, arg, **options):
+            self.arg, self.calls, self.steps, self.ends, self.closed = arg, [], [], [], False
+            CollectSink.made.append(self)
+
+        def write_call(self, call, meta):
+            self.calls.append(meta)
+
+        def write_step(self, step):
+            self.steps.append(step)
+
+        def write_end(self, call):
+            self.ends.append(call.complete)
+
+        def close(self):
+            self.closed = True
+
+
+    class ToyEngine:
+        name, unfollowed, installed = "toy", None, []
+
+        def claims(self, model):
+            return True
+
+        def install(self, gens):
+            ToyEngine.installed.append(gens.plan.model)
+
+        def uninstall(self):
+            ToyEngine.installed.append("uninstalled")
+
+        def stray(self, arguments):
+            return None
+
+
+    class ToyMethod:
+        name = "toy-method"
+''')
+
+
+
+def _points(module, architecture, sink, engine, method):
+    """An entry_points.txt declaring one plugin of each group, all in ``module``."""
+    return (f"[nxl_hooks.architectures]\n{architecture} = {module}:toy_architecture\n\n"
+            f"[nxl_hooks.sinks]\n{sink} = {module}:CollectSink\n\n"
+            f"[nxl_hooks.engines]\n{engine} = {module}:ToyEngine\n\n"
+            f"[nxl_hooks.methods]\n{method} = {module}:ToyMethod\n")
+
+
+GOOD_POINTS = _points("nxl_good_plugin", "nxl_toy", "collect", "toy", "toy-method")
+BROKEN_POINTS = _points("nxl_broken_plugin", "nxl_toy", "broken", "broken", "broken")
+
+#: A package that fails to import, and leaves a mark each time something tries.
+BROKEN = "open({mark!r}, 'a').write('imported\\n')\nraise ImportError('needs a package that is not installed')\n"
+
+_GROUPS = {"architectures": plugins.ARCHITECTURES, "sinks": plugins.SINKS, "engines": plugins.ENGINES,
+           "methods": plugins.METHODS}
+
+
+def _distribution(site, name, module_source, points):
+    info = site / f"{name}-1.0.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name.replace('_', '-')}\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text(points)
+    (site / f"{name}.py").write_text(module_source)
+
+
+@pytest.fixture
+def site(tmp_path, monkeypatch):
+    """A folder on sys.path for the test's distributions; the loader, the registries and the modules as they were
+    after the test."""
+    folder = tmp_path / "site"
+    folder.mkdir()
+    monkeypatch.syspath_prepend(str(folder))
+    monkeypatch.delenv(plugins.SETTING, raising=False)
+    for name in ("_points", "_loaded", "_failed"):
+        monkeypatch.setattr(plugins, name, {})
+    monkeypatch.setattr(registry, "_SPECS", registry.specs())
+    monkeypatch.setattr(sinks, "_KINDS", dict(sinks._KINDS))
+    monkeypatch.setattr(engines, "_FACTORIES", dict(engines._FACTORIES))
+    yield folder
+    for module in ("nxl_good_plugin", "nxl_broken_plugin"):
+        sys.modules.pop(module, None)
+
+
+def _broken(site, points=BROKEN_POINTS):
+    mark = site.parent / "imported"
+    _distribution(site, "nxl_broken_plugin", BROKEN.format(mark=str(mark)), points)
+    return mark
+
+
+def _toy_model():
+    """The generating Llama under a model_type no registry entry names (generic discovery would take it)."""
+    model = tiny.generating_llama()
+    model.config.model_type = "nxl_toy"
+    return model
+
+
+def _generate(model):
+    return model.generate(input_ids=torch.tensor([[5, 9, 12, 7]]), max_new_tokens=3, do_sample=False)
+
+
+def test_a_plugin_of_each_group_is_used_through_its_entry_point(site):
+    _distribution(site, "nxl_good_plugin", GOOD, GOOD_POINTS)
+    model = _toy_model()
+    plain = _generate(model)
+    with nxl.attach(model, layers="all", sink="collect:anywhere") as probe:
+        out = _generate(model)
+    good = sys.modules["nxl_good_plugin"]
+    assert torch.equal(out, plain)
+    assert probe.describe()["spec"] == "toy-plugin"  # the architecture plugin's spec, not generic discovery
+    (call,) = probe.calls
+    check_call(model, call, 3)  # the plugin's spec gives the oracle's numbers
+    (sink,) = good.CollectSink.made
+    assert sink.arg == "anywhere" and sink.closed and sink.ends == [True]
+    assert [step.token.tolist() for step in sink.steps] == [step.token.tolist() for step in call.steps]
+    assert good.ToyEngine.installed == [model, "uninstalled"]
+    registered = []
+    assert plugins.load_all(plugins.METHODS, register=lambda *given: registered.append(given)) == {
+        "toy-method": good.ToyMethod}
+    assert registered == [("toy-method", good.ToyMethod)]  # what a registry's one-line call gets
+    assert plugins.load(plugins.METHODS, "toy-method") is good.ToyMethod
+
+
+def test_a_broken_plugin_of_each_group_leaves_the_host_call_unchanged_with_one_line(site, caplog):
+    _broken(site)
+    model = _toy_model()
+    plain = _generate(model)
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+        with nxl.attach(model, layers="all") as probe:  # the architecture and engine plugins are asked here
+            out = _generate(model)
+        assert plugins.load_all(plugins.METHODS) == {}
+        with pytest.raises(ValueError) as refused:  # a sink named by the user: refused, before any hook goes on
+            nxl.attach(model, sink="broken:x")
+        with nxl.attach(model, layers="all") as again:  # asked again: no second line
+            _generate(model)
+    assert torch.equal(out, plain)
+    assert probe.describe()["spec"] == "discovered:nxl_toy" and again.calls[0].complete
+    check_call(model, probe.calls[0], 3)
+    lines = [record.getMessage() for record in caplog.records if record.name == "nxl_hooks"]
+    assert len(lines) == 3, lines  # architecture, engine, method: one line each, once
+    for group, name in (("architectures", "nxl_toy"), ("engines", "broken"), ("methods", "broken")):
+        (line,) = [line for line in lines if f"plugin {name!r} (nxl_hooks.{group}" in line]
+        assert "\n" not in line and "not installed" in line and "uninstall its package" in line
+        assert plugins.SETTING in line
+    message = str(refused.value)
+    assert "\n" not in message and "plugin 'broken' (nxl_hooks.sinks" in message and "not installed" in message
+    assert nxl.detach_all(model) == 0
+
+
+def test_a_plugin_its_registry_refuses_is_left_out_with_one_line_once(site, caplog):
+    _distribution(site, "nxl_good_plugin", GOOD, GOOD_POINTS)
+
+    def refuse(name, method):
+        raise ValueError(f"entry point {name!r} gives a method named 'other': the names must match")
+
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+        assert plugins.load_all(plugins.METHODS, register=refuse) == {}
+        assert plugins.load_all(plugins.METHODS, register=refuse) == {}  # asked again: no second line
+    (line,) = [record.getMessage() for record in caplog.records]
+    assert "plugin 'toy-method' (nxl_hooks.methods)" in line and "names must match" in line
+    assert plugins.failure(plugins.METHODS, "toy-method") in line
+
+
+def test_nxl_run_refuses_a_broken_sink_plugin_in_one_line(site):
+    _broken(site)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "nxl_hooks", "run", "--sink", "broken:x", "--", "true"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "plugin 'broken' (nxl_hooks.sinks" in done.stderr and "not installed" in done.stderr
+
+
+@pytest.mark.parametrize("setting, expected", [
+    (None, {"architectures": ["nxl_toy"], "sinks": ["broken", "collect"], "engines": ["broken", "toy"],
+            "methods": ["broken", "toy-method"]}),
+    ("", {"architectures": [], "sinks": [], "engines": [], "methods": []}),
+    ("collect, engines:toy,toy-method", {"architectures": [], "sinks": ["collect"], "engines": ["toy"],
+                                        "methods": ["toy-method"]}),
+])
+def test_the_allow_list_decides_which_plugins_load(site, monkeypatch, caplog, setting, expected):
+    _distribution(site, "nxl_good_plugin", GOOD, GOOD_POINTS)
+    mark = _broken(site, BROKEN_POINTS.replace("nxl_toy =", "nxl_other ="))
+    if setting is not None:
+        monkeypatch.setenv(plugins.SETTING, setting)
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+        found = {short: sorted(plugins.load_all(group)) for short, group in _GROUPS.items()}
+        with nxl.attach(_toy_model()) as probe:
+            spec = probe.describe()["spec"]
+    # a broken plugin that the list lets load is the one line it always is; not loaded, it is never imported
+    assert found == {short: [name for name in names if name != "broken"] for short, names in expected.items()}
+    broken_allowed = any("broken" in names for names in expected.values())
+    assert mark.exists() == broken_allowed
+    lines = [r.getMessage() for r in caplog.records if "nxl_broken_plugin" in r.getMessage()]
+    assert len(lines) == (4 if broken_allowed else 0), lines  # each allowed broken plugin: its line, once
+    assert spec == ("toy-plugin" if "nxl_toy" in expected["architectures"] else "discovered:nxl_toy")
+    if "collect" not in expected["sinks"]:
+        with pytest.raises(ValueError, match="no sink kind 'collect'"):
+            nxl.attach(_toy_model(), sink="collect:x")
