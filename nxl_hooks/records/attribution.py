@@ -170,8 +170,9 @@ class Attribution:
         """``scores[method]``, or ValueError naming the methods this record holds."""
         found = self.scores.get(method)
         if found is None:
-            raise ValueError(f"method {method!r} was not computed for this record: it holds {', '.join(self.scores)}"
-                             f" (compute others with nxl.attach(..., methods=[{method!r}]))")
+            held = [repr(name) for name in self.scores]
+            raise ValueError(f"method={method!r}: use {', '.join(held[:-1])} or {held[-1]}, the methods this record "
+                             f"holds (compute others with nxl.attach(..., methods=[{method!r}]))")
         return found
 
     def __repr__(self) -> str:

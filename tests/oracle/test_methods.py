@@ -74,7 +74,7 @@ def test_a_method_from_a_test_file_is_computed_and_ranks_in_top(lm, tmp_path):
     back = nxl.Attribution.load(res.save(tmp_path / "a.safetensors"))  # the file keeps it
     assert back.methods == res.methods and torch.equal(back.scores[NAME], res.scores[NAME])
     assert f"{NAME} per token and layer" in res.to_html(method=NAME)
-    with pytest.raises(ValueError, match="was not computed for this record: it holds normxlogit, logat"):
+    with pytest.raises(ValueError, match=f"method='{NAME}': use 'normxlogit' or 'logat', the methods this record holds"):
         nxl.explain(model, tok, TEXT).top(method=NAME)
 
 
