@@ -56,6 +56,7 @@ def main() -> None:
     threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
+    where = device_label(device)
 
     torch.manual_seed(0)
     config = LlamaConfig(**CONFIGS["smoke" if args.smoke else "full"], num_attention_heads=8, num_key_value_heads=8)
@@ -111,7 +112,7 @@ def main() -> None:
     paired = {name: statistics.median(values) for name, values in ratios.items()}
     report = {
         "benchmark": "compiled",
-        "device": device_label(device),
+        "device": where,
         "torch": torch.__version__,
         "clock": args.clock,
         "backend": args.backend,

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from ..method import select
 from ..method.registry import get_method
 from ..records.tokens import visible
-from .loading import HEAD_CLASSES, Loading, read_max_memory
+from .loading_options import HEAD_CLASSES, Loading, read_max_memory
 from .schema import add_options, options
 from .serve.settings import ATTACH, Settings
 

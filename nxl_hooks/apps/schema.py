@@ -74,6 +74,10 @@ class Option:
     #: request) -> the value; ValueError says what is wrong. None: only text (and a yes/no field's bool)
     json: Callable[[Any], Any] | None = None
     ctl: bool = False  #: ``nxl ctl attach|detach`` change it in a running program (the control endpoint reads it)
+    attach: bool = True  #: ``nxl attach PID`` takes the flag (False: only a program's start can set it)
+    #: the default is the variable left unset, which means other than any text (NXL_PLUGINS: unset, every plugin;
+    #: empty, none): :func:`write_env` leaves it out at the default, and an empty variable is a value
+    unset: bool = False
     program: bool = True  #: a loading option that ``nxl run`` hands to the program's own loads (NXL_LOAD)
     name: str = ""  #: the field (filled in from the field)
     default: Any = None  #: (filled in from the field)
@@ -98,7 +102,7 @@ class Option:
         """The value ``env`` holds (the default when unset, or empty where the default is written empty);
         ValueError naming the variable."""
         text = env.get(self.env) if self.env else None
-        if text is None or (not text and (self.required or self.text(self.default) == "")):
+        if text is None or (not text and not self.unset and (self.required or self.text(self.default) == "")):
             if self.required:
                 raise ValueError(f"{self.env} is not set: give {self.help.split(':')[0]}")
             return copy.copy(self.default)  # a list or dict of one's own
@@ -111,7 +115,7 @@ class Option:
         """``text`` (a variable's, or the flag's with ``parse``) as the value. The one rule for empty text, flag and
         variable alike: it stands for the default only where the default is written empty (``NXL_LISTEN``);
         elsewhere (``--target ''``, ``NXL_TARGET=''``, ``--models ''``) it is refused, never read as "all"."""
-        if text == "" and self.text(self.default) != "":
+        if text == "" and not self.unset and self.text(self.default) != "":
             raise ValueError(f"'' is empty: leave it out for the default ({self.text(self.default)}), or give a "
                              "value")
         return (parse or self.parse)(text)
@@ -223,7 +227,7 @@ def read_env(group: type, env: Mapping[str, str]) -> dict[str, Any]:
 def write_env(values: Any) -> dict[str, str]:
     """Every field of the group instance ``values`` that has a variable, as that variable's text."""
     return {option.env: option.text(getattr(values, option.name)) for option in options(type(values))
-            if option.env}
+            if option.env and not (option.unset and getattr(values, option.name) == option.default)}
 
 
 def read_json(group: type, data: Mapping[str, Any], *,
@@ -266,7 +270,7 @@ def markdown_table(group: type, *, where: Callable[[Option], bool] | None = None
         cells = [_flags(option)]
         if variables:
             value = "" if option.required else option.text(option.default)
-            cells += [f"`{option.env}`", f"`{value}`" if value else "(empty)"]
+            cells += [f"`{option.env}`", "(unset)" if option.unset else f"`{value}`" if value else "(empty)"]
         else:
             cells += [f"`{option.name}`"] + (["yes" if option.program else "no"] if program else [])
         cells.append(option.describe().replace("|", "&#124;"))

@@ -7,7 +7,7 @@
 - :mod:`.generate`: the ``generate`` wrapper and each call's feature cache
 - :mod:`.recording`: what the hooks feed during a call (a `Recording`; `NOT_RECORDED`)
 - :mod:`.engines`: serving engines (the `Engine` protocol, its registry; transformers' continuous batching), per request
-- :mod:`.publish`: where records go (call list, ``on_step``, ``stream()``, sink)
+- :mod:`.publish`: where records go (call list, ``on_step``, ``subscribe()``, sink)
 - :mod:`.guard`: failures stop recording, never the model
 """
 

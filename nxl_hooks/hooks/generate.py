@@ -66,7 +66,7 @@ from ..records.steps import GenerationCall, Step
 from .recording import NOT_RECORDED, Recording
 from .conventions import UnfollowedForward, positions, start, static_capacity, token_mask
 from .forward import Capture
-from .guard import logger, one_line, reason
+from .guard import Notice, one_line, reason
 from .plan import Plan
 from .publish import Hub
 from .tape import CompiledCalls, Tape, compiled_forward
@@ -446,27 +446,6 @@ class Run:
                     target=targets, scores=scores, embed_norm=embed.clone(),
                     mask=self._mask.view().clone(), active=active.clone(), layers=list(plan.layers),
                     n_blocks=plan.n_blocks, probability=probability)
-
-
-class Notice:
-    """How many calls (``generate`` calls, served requests) could not be recorded, in whole or from some step on,
-    and the last reason (``not recorded: why; what to do``), or 0 and None: shared by the probe
-    (``Probe.unrecorded``, ``Probe.unrecorded_calls``, which outlive the model) and its hooks."""
-
-    text: str | None = None
-    count = 0
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()  # calls fail in several threads; taken once per failed call, never per step
-
-    def unrecorded(self, text: str, *, log: bool = True) -> None:
-        """One more call is not recorded, because of ``text``; logged as one line unless ``log`` is False (the
-        caller said it already)."""
-        with self._lock:
-            self.count += 1
-            self.text = text
-        if log:
-            logger.warning("nxl_hooks: %s; the model's own call is unaffected", text)
 
 
 class Generations:

@@ -6,8 +6,9 @@ on unchanged. :meth:`Probe.result` and ``GenerationCall.error`` tell the user wh
 from __future__ import annotations
 
 import logging
+import threading
 
-__all__ = ["logger", "one_line", "reason"]
+__all__ = ["Notice", "logger", "one_line", "reason"]
 
 logger = logging.getLogger("nxl_hooks")
 
@@ -23,3 +24,24 @@ def reason(what: str, error: BaseException) -> str:
     logger.warning("nxl_hooks: %s not recorded (%s: %s); the model's own call is unaffected",
                    what, type(error).__name__, text)
     return text
+
+
+class Notice:
+    """How many calls (``generate`` calls, served requests) could not be recorded, in whole or from some step on,
+    and the last reason (``not recorded: why; what to do``), or 0 and None: shared by the probe
+    (``Probe.unrecorded``, ``Probe.unrecorded_calls``, which outlive the model) and its hooks."""
+
+    text: str | None = None
+    count = 0
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # calls fail in several threads; taken once per failed call, never per step
+
+    def unrecorded(self, text: str, *, log: bool = True) -> None:
+        """One more call is not recorded, because of ``text``; logged as one line unless ``log`` is False (the
+        caller said it already)."""
+        with self._lock:
+            self.count += 1
+            self.text = text
+        if log:
+            logger.warning("nxl_hooks: %s; the model's own call is unaffected", text)

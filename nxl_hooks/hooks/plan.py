@@ -10,7 +10,6 @@ forward and generate call the probe records, in any thread.
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from dataclasses import dataclass, field

@@ -1,11 +1,12 @@
 """Where finished generation records go: the probe's call list, the ``on_step`` callback, live subscribers
-(:meth:`Probe.stream`) and the crash-safe sink. One hub per probe, shared by the calls of every thread.
+(:meth:`Probe.subscribe`) and the crash-safe sink. One hub per probe, shared by the calls of every thread.
 
 - ``probe.calls`` keeps the last ``keep_calls`` calls (all by default) and, unless ``keep_steps=False``, their steps;
 - ``on_step(step)`` runs in the thread that runs ``generate``; an exception it raises is the caller's own and
   stops that generation (under continuous batching, it stops recording that request: the manager's loop never
   sees it);
-- a subscription yields the steps of one call (the one running when it was made, else the next to start, or the
+- a subscription (bounded: a reader that falls behind loses its oldest records, counted, never stalling the
+  generation) yields the steps of one call (the one running when it was made, else the next to start, or the
   one of a given request, also after it ended) or, with ``follow``, of every call until the probe detaches or the
   subscription is closed;
 - the sink gets a ``call`` frame when a prompt is known, a ``step`` frame per record and an ``end`` frame.
@@ -22,11 +23,15 @@ host, keeps it and feeds the subscribers, then queues its frame for the sink thr
   not get, and each call it leaves in memory only says so in its ``notes``;
 - while nothing reads records live (no sink, no subscriber), they are handed on together at the call's end (at
   most :data:`HELD` at a time): the publisher wakes up once per call, not once per step;
+- what the publisher handles in one go (the records of one continuous-batching step, or a backlog) reaches the
+  sink thread and the subscribers at once, when it is done: one wake-up of each reader per batch rather than one
+  per record, and a sink with ``write_steps`` (a :class:`~nxl_hooks.Sink`) writes the batch's step frames (and
+  any backlog) with one ``write``; a batch holds only what was already waiting, so nothing is held back;
 - the end of a call waits for the publisher (never for the sink), so ``probe.steps`` holds every record when
   ``generate`` returns; detaching waits up to :data:`DRAIN_SECONDS` for the sink to write what is queued, so a
   stream file read after the ``with`` block holds every record;
-- a stream file on disk stays whole after SIGKILL: frames are written one at a time, each with one ``write``,
-  so the file ends with a whole frame or a torn last one (the records still queued are lost).
+- a stream file on disk stays whole after SIGKILL: frames are written in order, each whole, so the file ends
+  with a whole frame or a torn last one (the records still queued are lost).
 
 After the probe detaches, calls still running in other threads finish in memory only: their sink is closed and
 their subscribers have ended.
@@ -40,7 +45,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Generic, TypeVar
 
 import torch
 
@@ -48,7 +53,7 @@ from ..records.sinks import RecordSink, make_sink
 from ..records.steps import STEP_TENSORS, GenerationCall, Step
 from .guard import logger, one_line
 
-__all__ = ["DRAIN_SECONDS", "QUEUE", "SINK_QUEUE", "Hub", "Subscription", "on_host"]
+__all__ = ["DRAIN_SECONDS", "LIVE_QUEUE", "QUEUE", "SINK_QUEUE", "Hub", "Subscription", "on_host"]
 
 #: Step records the publisher may have waiting; one more and the record is dropped (its call stops being recorded).
 QUEUE = 4096
@@ -57,6 +62,9 @@ SINK_QUEUE = 256
 #: Step records held back while nothing reads them live (no sink, no subscriber): handed on together, at the
 #: call's end or once this many wait, so that the publisher wakes up once per call rather than once per step.
 HELD = 64
+#: Records a live subscription may hold unread; one more and its oldest is dropped (counted): a slow reader never
+#: stalls the publisher, nor holds records without bound.
+LIVE_QUEUE = 4096
 #: How long detaching waits for the sink to write the frames still queued.
 DRAIN_SECONDS = 10.0
 #: How long the end of a call waits for the publisher to hand on its records (it never waits for user code).
@@ -78,24 +86,41 @@ def on_host(step: Step, texts: Texts | None = None) -> Step:
     return step
 
 
-class _End:
-    """Queue sentinel: the watched call ended (or the probe detached)."""
+T = TypeVar("T")
 
 
-class Subscription:
-    """The iterator :meth:`Probe.stream` returns; registered at creation so no record is missed.
+def _give(subscriber: "Subscription[Step]", item: Step | None) -> None:
+    """A record for ``subscriber``, or (None) its end."""
+    if item is None:
+        subscriber.end()
+    else:
+        subscriber.put(item)
 
-    ``close()`` (or leaving ``with probe.stream(...) as steps:``) ends it from any thread: a reader blocked in it
-    stops at once. The hub holds subscriptions weakly, so one that is dropped unread costs nothing.
+
+class Subscription(Generic[T]):
+    """A live feed of records, bounded and typed: what :meth:`Probe.subscribe` returns (of :class:`Step`), and each
+    live reader's feed of the control endpoint. Registered at creation so no record is missed.
+
+    Never stalls the writer (the hub's publisher): a subscription ``size`` items behind drops its oldest item,
+    counts it in :attr:`dropped` and logs one line the first time (``size=None``: unbounded, what the deprecated
+    :meth:`Probe.stream` keeps). ``close()`` (or leaving ``with probe.subscribe(...) as steps:``) ends it from any
+    thread: a reader blocked in it stops at once, after the items already queued. The hub holds subscriptions
+    weakly, so one that is dropped unread costs nothing.
     """
 
     def __init__(self, hub: "Hub | None" = None, *, call: GenerationCall | None = None,
-                 request_id: str | None = None, follow: bool = False) -> None:
-        self.queue: queue.Queue = queue.Queue()
+                 request_id: str | None = None, follow: bool = False, size: int | None = LIVE_QUEUE) -> None:
+        if size is not None and size < 1:
+            raise ValueError(f"size={size}: give how many records a subscription may hold (1 or more), or None")
         self.call = call  #: the call it is bound to (None until one starts, or with ``follow``)
         self.request_id = request_id
         self.follow = follow
+        self.size = size
+        self.dropped = 0  #: items dropped (the oldest first) because the reader was ``size`` behind
         self._hub = hub
+        self._items: collections.deque[T] = collections.deque()
+        self._ready = threading.Condition(threading.Lock())
+        self._ended = False
 
     def wants(self, call: GenerationCall) -> bool:
         if self.request_id is not None and call.request_id != self.request_id:
@@ -106,25 +131,51 @@ class Subscription:
             self.call = call
         return self.call is call
 
+    def put(self, item: T) -> None:
+        """Queue ``item`` for the reader; never waits (a full subscription drops its oldest item, counted)."""
+        with self._ready:
+            if self._ended:
+                return
+            full = self.size is not None and len(self._items) >= self.size
+            if full:
+                self._items.popleft()
+                self.dropped += 1
+            self._items.append(item)
+            self._ready.notify()
+        if full and self.dropped == 1:
+            logger.warning("nxl_hooks: a live reader fell %d records behind; its oldest records are dropped (counted "
+                           "in its subscription's dropped); the sink and probe.calls keep every record", self.size)
+
+    def end(self) -> None:
+        """No more items: a reader ends after those already queued."""
+        with self._ready:
+            self._ended = True
+            self._ready.notify_all()
+
+    def get(self, timeout: float | None = None) -> T | None:
+        """The next item; None when none came within ``timeout`` seconds or the subscription ended."""
+        with self._ready:
+            self._ready.wait_for(lambda: self._items or self._ended, timeout)
+            return self._items.popleft() if self._items else None
+
     def close(self) -> None:
         """Stop receiving records; a reader iterating it ends after the records already queued."""
         if self._hub is not None:
             self._hub.unsubscribe(self)
-        self.queue.put(_End)
+        self.end()
 
-    def __enter__(self) -> "Subscription":
+    def __enter__(self) -> "Subscription[T]":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def __iter__(self) -> "Subscription":
+    def __iter__(self) -> "Subscription[T]":
         return self
 
-    def __next__(self) -> Step:
-        item = self.queue.get()
-        if item is _End:
-            self.queue.put(_End)  # iterating again (or from a second reader) ends too, never blocks
+    def __next__(self) -> T:
+        item = self.get()
+        if item is None:  # ended and drained: iterating again (or from a second reader) ends too, never blocks
             raise StopIteration
         return item
 
@@ -162,6 +213,10 @@ class Hub:
         self._writer: threading.Thread | None = None
         self._waiting = self._frames_waiting = 0
         self._held: collections.deque[tuple] = collections.deque()  # see HELD
+        # what the publisher's current batch hands on when it is done: frames for the sink thread, records for
+        # the subscribers
+        self._outbox: list[tuple] = []
+        self._live: list[tuple[Subscription, Step]] = []
         self._stopped = False  # the sink was stopped (fault, behind or detach): frames are counted, not written
         self._released = False  # the sink was closed (once, by the sink thread when there is one)
 
@@ -271,6 +326,7 @@ class Hub:
         self._pid = os.getpid()  # a forked child starts its own threads, with fresh queues
         self._items, self._frames = queue.SimpleQueue(), queue.SimpleQueue()
         self._held.clear()
+        self._outbox, self._live = [], []
         self._waiting = self._frames_waiting = 0
         self._publisher = threading.Thread(target=self._publish_loop, name="nxl_hooks-publisher", daemon=True)
         self._publisher.start()
@@ -294,10 +350,29 @@ class Hub:
                 if item[0] == "step":
                     with self._lock:
                         self._waiting -= 1
-                elif item[0] == "end":
+                if item[0] in ("end", "close") or len(self._outbox) >= HELD or items.empty():
+                    self._send()  # before the end is signalled: its records are with the subscribers
+                if item[0] == "end":
                     item[-1].set()
             if item[0] == "close":
                 return
+
+    def _send(self) -> None:
+        """Hand on what this batch made: the sink thread's frames in one queue item, the subscribers' records."""
+        if self._outbox:
+            batch, self._outbox = self._outbox, []
+            self._frames.put(batch)
+        if self._live:
+            live, self._live = self._live, []
+            for subscriber, step in live:
+                _give(subscriber, step)
+
+    def _tell(self, subscriber: Subscription, item: Step | None) -> None:
+        """Give ``subscriber`` a record (None: the end): with the publisher's batch, after the records before it."""
+        if threading.current_thread() is self._publisher:
+            self._live.append((subscriber, item))
+        else:
+            _give(subscriber, item)
 
     def _handle(self, item: tuple) -> None:
         kind = item[0]
@@ -324,8 +399,8 @@ class Hub:
             if self._subscribers:  # iterating an empty WeakSet is not free, and this runs once per step
                 for subscriber in list(self._subscribers):
                     if subscriber.wants(call):
-                        subscriber.queue.put(step)
-        self._to_sink(call, lambda sink: sink.write_step(step), step=True)
+                        self._tell(subscriber, step)
+        self._to_sink(call, None, step=step)
 
     def _end(self, call: GenerationCall, sequences: torch.Tensor | None, error: str | None) -> None:
         with self._lock:
@@ -339,7 +414,7 @@ class Hub:
         if call.prompt_mask is not None:
             self._to_sink(call, lambda sink: sink.write_end(call))
         for subscriber in ended:
-            subscriber.queue.put(_End)
+            self._tell(subscriber, None)
 
     def _release(self, call: GenerationCall) -> list[Subscription]:
         """The subscribers bound to ``call`` alone, taken off the list (caller holds the lock)."""
@@ -348,13 +423,14 @@ class Hub:
             self._subscribers.discard(subscriber)
         return ended
 
-    def subscribe(self, *, request_id: str | None = None, follow: bool = False) -> Subscription:
-        """A live iterator of step records (see the module docstring)."""
-        subscription = Subscription(self, request_id=request_id, follow=follow)
+    def subscribe(self, *, request_id: str | None = None, follow: bool = False,
+                  size: int | None = LIVE_QUEUE) -> Subscription[Step]:
+        """A live iterator of step records, holding up to ``size`` unread (see the module docstring)."""
+        subscription: Subscription[Step] = Subscription(self, request_id=request_id, follow=follow, size=size)
         with self._lock:
             self._hand_on()  # from now on records are read live
             if self._closed:
-                subscription.queue.put(_End)
+                subscription.end()
                 return subscription
             running = [call for call in self._running if subscription.wants(call)]
             if not running and not follow and request_id is not None:
@@ -363,13 +439,13 @@ class Hub:
                 if done is not None:
                     subscription.call = done
                     for step in done.steps:
-                        subscription.queue.put(step)
-                    subscription.queue.put(_End)
+                        subscription.put(step)
+                    subscription.end()
                     return subscription
             for call in running if follow else running[:1]:  # joined mid-call: replay what it already produced
                 subscription.call = None if follow else call
                 for step in call.steps:
-                    subscription.queue.put(step)
+                    subscription.put(step)
             self._subscribers.add(subscription)
         return subscription
 
@@ -413,63 +489,103 @@ class Hub:
                 self._to_sink(call, lambda sink, call=call: sink.write_end(call))
         self._to_sink(None, None)
         for subscriber in subscribers:
-            subscriber.queue.put(_End)
+            self._tell(subscriber, None)
 
     # -- the sink thread ---------------------------------------------------------------------------------
 
     def _to_sink(self, call: GenerationCall | None, action: Callable[[RecordSink], None] | None, *,
-                 step: bool = False) -> None:
-        """Queue one frame (``action``: one RecordSink call) for the sink thread; None: close the sink; an Event:
-        set it once what comes before is written. A sink :data:`SINK_QUEUE` frames behind is stopped."""
-        control = action is None or isinstance(action, threading.Event)
+                 step: Step | None = None) -> None:
+        """Queue one frame for the sink thread: ``step``'s record, else ``action`` (one RecordSink call; None: close
+        the sink; an Event: set it once what comes before is written). The publisher's frames go in its current
+        batch (:meth:`_send`). A sink :data:`SINK_QUEUE` frames behind is stopped."""
+        control = step is None and (action is None or isinstance(action, threading.Event))
         if self._sink is None:
             if isinstance(action, threading.Event):
                 action.set()
             return
         with self._lock:
             if self._stopped and not control:
-                self._count(call, step)
+                self._count(call, step is not None)
                 return
             if control or self._frames_waiting < SINK_QUEUE:
                 self._frames_waiting += 1
                 if self._writer is None or not self._writer.is_alive():  # detached before any record
                     self._write(call, action, step)
+                elif threading.current_thread() is self._publisher:
+                    self._outbox.append((call, action, step))
                 else:
-                    self._frames.put((call, action, step))
+                    self._frames.put([(call, action, step)])
                 return
         self._stop_sink(f"it fell behind: {SINK_QUEUE} frames were waiting to be written while generation went on, "
-                        "so it was stopped to keep generation at its speed", call, step=step)
+                        "so it was stopped to keep generation at its speed", call, steps=step is not None)
 
     def _write_loop(self, frames: queue.SimpleQueue) -> None:
         while True:
-            call, action, step = frames.get()
-            self._write(call, action, step)
-            if action is None:
-                return
+            batch = frames.get()
+            while not frames.empty():  # a backlog goes in one batch
+                batch += frames.get()
+            many = getattr(self._sink, "write_steps", None)  # optional in the protocol: several steps, one write
+            at = 0
+            while at < len(batch):
+                call, action, step = batch[at]
+                run = at
+                while many is not None and run < len(batch) and batch[run][2] is not None:
+                    run += 1
+                if run > at:
+                    self._write_steps(many, batch[at:run])
+                    at = run
+                    continue
+                self._write(call, action, step)
+                if step is None and action is None:
+                    return
+                at += 1
 
-    def _write(self, call: GenerationCall | None, action: Callable[[RecordSink], None] | None, step: bool) -> None:
-        """Write one frame (``action`` None: close the sink); a sink that fails or stops by itself is stopped, and
-        a stopped sink is closed here, once."""
+    def _write(self, call: GenerationCall | None, action: Callable[[RecordSink], None] | None,
+               step: Step | None) -> None:
+        """Write one frame (``step``'s, else ``action``'s; ``action`` None: close the sink); a sink that fails or
+        stops by itself is stopped, and a stopped sink is closed here, once."""
         with self._lock:
             self._frames_waiting -= 1
             sink = None if self._stopped or self._released else self._sink
         if isinstance(action, threading.Event):
             action.set()
         elif sink is None:
-            self._count(call, step)
-        elif action is not None:
-            try:
-                action(sink)
-                fault = getattr(sink, "fault", None)  # optional in the protocol: a sink that stopped says why
-            except BaseException as error:  # noqa: BLE001 - SystemExit too: a sink never ends the host's call
-                where = getattr(sink, "path", None) or type(sink).__name__
-                logger.warning("nxl_hooks: records sent to the sink %s not written (%s: %s); the model's own call "
-                               "is unaffected", where, type(error).__name__, one_line(error))
-                fault = f"{type(error).__name__}: {one_line(error)}"
-            if fault is not None:
-                self._stop_sink(str(fault), call, step=step)
-        if action is None or self._stopped:
+            self._count(call, step is not None)
+        elif step is not None or action is not None:
+            self._attempt(sink, call, 1 if step is not None else 0,
+                          lambda: sink.write_step(step) if step is not None else action(sink))
+        if (step is None and action is None) or self._stopped:
             self._close_sink()
+
+    def _write_steps(self, many: Callable[[list[Step]], None], frames: list[tuple]) -> None:
+        """Write a run of step frames with the sink's ``write_steps`` (one write for all)."""
+        with self._lock:
+            self._frames_waiting -= len(frames)
+            stopped = self._stopped or self._released
+        if stopped:
+            for call, _, _ in frames:
+                self._count(call, True)
+        else:
+            self._attempt(self._sink, frames[-1][0], len(frames), lambda: many([step for _, _, step in frames]))
+            if self._stopped:
+                for call, _, _ in frames[:-1]:
+                    self._count(call, False)  # the fault noted on each call the batch held
+        if self._stopped:
+            self._close_sink()
+
+    def _attempt(self, sink: RecordSink, call: GenerationCall | None, steps: int, write: Callable[[], None]) -> None:
+        """Run ``write``; a sink that raises or says it stopped (its ``fault``) is stopped, its ``steps`` step
+        records counted as not written."""
+        try:
+            write()
+            fault = getattr(sink, "fault", None)  # optional in the protocol: a sink that stopped says why
+        except BaseException as error:  # noqa: BLE001 - SystemExit too: a sink never ends the host's call
+            where = getattr(sink, "path", None) or type(sink).__name__
+            logger.warning("nxl_hooks: records sent to the sink %s not written (%s: %s); the model's own call "
+                           "is unaffected", where, type(error).__name__, one_line(error))
+            fault = f"{type(error).__name__}: {one_line(error)}"
+        if fault is not None:
+            self._stop_sink(str(fault), call, steps=steps)
 
     def _close_sink(self) -> None:
         """Close the sink (once), releasing its file."""
@@ -484,20 +600,20 @@ class Hub:
             with self._lock:
                 self.sink_fault = self.sink_fault or f"{type(error).__name__}: {one_line(error)}"
 
-    def _count(self, call: GenerationCall | None, step: bool) -> None:
-        """A frame the stopped sink did not get."""
+    def _count(self, call: GenerationCall | None, steps: int) -> None:
+        """A frame the stopped sink did not get (``steps``: the step records it held)."""
         with self._lock:
-            self.unwritten += step
+            self.unwritten += steps
             if call is not None and self.sink_fault is not None and self._fault_note() not in call.notes:
                 call.notes.append(self._fault_note())
 
-    def _stop_sink(self, fault: str, call: GenerationCall | None, *, step: bool = False) -> None:
+    def _stop_sink(self, fault: str, call: GenerationCall | None, *, steps: int = 0) -> None:
         """The sink gets nothing more: ``fault`` is kept in :attr:`sink_fault` and noted on every call it leaves
         in memory only (the frames still queued are counted as the sink thread meets them); the sink thread
         closes it when it comes back from the sink (here, without one)."""
         with self._lock:
             if self._stopped:
-                self._count(call, step)
+                self._count(call, steps)
                 return
             self._stopped, self.sink_fault = True, fault
             affected = list(self._running)
@@ -505,11 +621,11 @@ class Hub:
                 affected.append(call)
             for each in affected:
                 each.notes.append(self._fault_note())
-            self.unwritten += step
+            self.unwritten += steps
             writer = self._writer
             if writer is not None and writer.is_alive() and writer is not threading.current_thread():
                 self._frames_waiting += 1
-                self._frames.put((None, _nothing, False))  # an idle sink thread wakes up and closes it
+                self._frames.put([(None, _nothing, None)])  # an idle sink thread wakes up and closes it
                 return
         if writer is None or not writer.is_alive():
             self._close_sink()

@@ -21,6 +21,10 @@ The buffers are marked static addresses (as transformers' static cache is), so `
 CUDA graphs, which replay the writes. They are kept while attached, for the next call of the same shape (a new
 shape would recompile), and freed at detach.
 
+The tape accumulates one call's positions across its forwards and is read once, when the call ends. Serving engines,
+which map each step's packed tokens to requests on the host between steps, write a per-step scratch instead
+(:class:`~nxl_hooks.hooks.engines.buffers.Buffers`) and read it after every step.
+
 :class:`CompiledCalls` makes transformers' own compiled ``generate`` trace the hooks: compiled code already cached
 for the model (before :func:`~nxl_hooks.attach`) does not call hooks added later, and dynamo does not guard on
 hooks, so while attached the model's compiled call is a fresh one (its own code object, so no cached code is

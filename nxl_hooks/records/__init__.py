@@ -5,6 +5,7 @@
 - :mod:`.sinks`: where generation records go: :class:`RecordSink`, :func:`make_sink`, :func:`register_sink`
 - :mod:`.writer`: the crash-safe stream file and its writers (:class:`Sink`, :class:`RotatingSink`)
 - :mod:`.reader`: reading it back (:func:`read_stream`, :class:`Damage`); :mod:`.sink` keeps both's former name
+- :mod:`.view`: one generated token as every live reader shows it (:class:`~.view.StepView`)
 - :mod:`.parquet`: tidy Parquet rows of step records (:class:`~.parquet.ParquetSink`, ``nxl export``)
 - :mod:`.files`: whole files written under a temporary name and renamed
 - :mod:`.html`: self-contained HTML pages of records
@@ -16,7 +17,8 @@ from .attribution import Attribution, RecordError
 from .reader import Damage, StreamDamageWarning, StreamError, read_stream
 from .sinks import RecordSink, make_sink, register_sink
 from .steps import GenerationCall, Step
+from .view import StepView
 from .writer import RotatingSink, Sink
 
 __all__ = ["Attribution", "Damage", "GenerationCall", "RecordError", "RecordSink", "RotatingSink", "Sink", "Step",
-           "StreamDamageWarning", "StreamError", "make_sink", "read_stream", "register_sink"]
+           "StepView", "StreamDamageWarning", "StreamError", "make_sink", "read_stream", "register_sink"]

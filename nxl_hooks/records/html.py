@@ -339,6 +339,11 @@ _GENERATION_SCRIPT = """
       td.style.color = c[1];
       td.title = data.rows[i] + " · " + data.columns[j] + ": " + v;
     });
+    // each row's step view: its k best context tokens at this layer are bold, as nxl tail lists them
+    cells.forEach(function (td) {
+      var ranked = (data.steps[+td.dataset.row].scores[data.method] || {})[String(data.layers[index])] || [];
+      td.classList.toggle("best", ranked.some(function (entry) { return entry[0] === +td.dataset.col; }));
+    });
     select.value = String(index);
   }
   select.addEventListener("change", function () { show(+select.value); });
@@ -349,22 +354,23 @@ _GENERATION_SCRIPT = """
     });
   }
   var wanted = /layer=(-?\\d+)/.exec(window.location.hash);
-  if (wanted) {
-    var layer = +wanted[1], index = data.layers.indexOf(layer < 0 ? data.layers[data.layers.length + layer] : layer);
-    if (index >= 0) { show(index); }
-  }
+  var layer = wanted ? +wanted[1] : data.layers[data.layers.length - 1];
+  var index = data.layers.indexOf(layer < 0 ? data.layers[data.layers.length + layer] : layer);
+  show(index >= 0 ? index : data.layers.length - 1);
 })();
 """
 
 
 def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "normxlogit",
-                    title: str = "nxl_hooks generation") -> str:
+                    title: str = "nxl_hooks generation", k: int = 3) -> str:
     """Self-contained page of one ``generate`` call (a :class:`~nxl_hooks.GenerationCall`): generated tokens (rows) x context tokens (columns), one layer at
     a time, picked in a selector (the last layer first; ``page.html#layer=N`` opens layer N). Each row is the
     attribution of that token over everything before it, coloured by the largest |score| of the row's tokens that
     rank (:meth:`~nxl_hooks.GenerationCall.attribution`); blank cells are positions after the token or padding. A
     chat template's columns (markers, system prompt) are marked ``▫`` and folded away until asked for, so the
-    table starts at the user's message.
+    table starts at the user's message. Each row is labelled by its step view
+    (:class:`~nxl_hooks.records.view.StepView`, what ``nxl tail`` and the endpoint show; the page carries them in
+    its data block) and its ``k`` best context tokens at the shown layer are bold.
 
     ``generation_html(probe.calls[-1])``; ``row``: which sequence of the batch; ``label``: which fixed target;
     ``method``: any in the steps' ``scores``.
@@ -384,7 +390,7 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
     flags = call.context_template(len(context))
     template = flags[row].tolist() if flags is not None else [False] * len(context)
     columns = [("▫ " if template[j] else "") + f"{j}: {name}" for j, name in enumerate(context)]
-    row_names, values, ranked = [], [], []
+    row_names, values, ranked, views = [], [], [], []
     for step in steps:
         scores = step.scores[method][:, row]
         scores = scores[..., label] if scores.dim() == 3 else scores
@@ -394,15 +400,17 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
         values.append(per_layer)
         # what ranks (not the template, special tokens or the prediction) sets the row's colour scale
         ranked.append(call.attribution(step).rankable(row).tolist() + [False] * (len(context) - len(mask)))
-        prob = step.probability
-        p = "" if prob is None else f" · p {fmt(float(prob.reshape(prob.shape[0], -1)[row, label]))}"
-        row_names.append(f"{step.step}: {context[step.position]}{p}")
+        view = step.view(call, k=k, row=row, label=label, names=context[: step.position + 1])
+        views.append(view.to_json())
+        p = "" if view.probability is None else f" · p {fmt(view.probability)}"
+        row_names.append(f"{view.step}: {view.token}{p}")
     spread = call.norm_spread(row)
     last = len(layers) - 1
     options = "".join(f'<option value="{i}"{" selected" if i == last else ""}>L{layer}</option>'
                       for i, layer in enumerate(layers))
     # "<" escaped: a token reading "</script>" must not end the data block
-    data = json.dumps({"layers": layers, "rows": row_names, "columns": columns, "values": values, "ranked": ranked})
+    data = json.dumps({"layers": layers, "rows": row_names, "columns": columns, "values": values, "ranked": ranked,
+                       "method": method, "steps": views})
     data = data.replace("<", "\\u003c")
     shown = [f'<span class="nxl-template">{html.escape(name)}</span>' if template[j] else html.escape(name)
              for j, name in enumerate(context[:prompt_len])]

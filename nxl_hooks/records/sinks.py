@@ -36,7 +36,8 @@ class RecordSink(Protocol):
     """A destination of generation records. ``class MySink: def write_call(self, call, meta): ...`` and the rest.
 
     ``fault`` (optional attribute): one line saying why the sink stopped writing (disk full, read-only, folder
-    removed), None while it is healthy.
+    removed), None while it is healthy. ``write_steps(steps)`` (optional method): several step records at once, in
+    order (the hub hands a backlog over with it; without it, ``write_step`` is called for each).
     """
 
     def write_call(self, call: GenerationCall, meta: dict) -> None:

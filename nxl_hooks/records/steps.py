@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import math
 import time as _time
 from dataclasses import dataclass, field
 
@@ -18,7 +19,8 @@ import torch
 from ..method.registry import DEFAULT
 from ..method.select import order, rankable, special_flags
 from .attribution import Attribution, by_method, layers_text
-from .tokens import plain_text
+from .tokens import plain_text, whole_characters
+from .view import METHOD, StepView, ranking
 
 __all__ = ["GenerationCall", "STEP_TENSORS", "Step"]
 
@@ -122,6 +124,42 @@ class Step:
             target_text=[[text] for text in self.readable] if self.readable and self.target.dim() == 1
             and torch.equal(self.target, self.token) else None,
         )
+
+
+    def view(self, call: "GenerationCall | None" = None, *, k: int = 5, row: int = 0, label: int = 0,
+             names: list[str] | None = None, special: torch.Tensor | None = None,
+             model: str | None = None) -> StepView:
+        """This step as every live reader shows it (:class:`~nxl_hooks.records.view.StepView`): row ``row``'s
+        token and, per layer, the ``k`` context tokens that drove target ``label`` most. ``call``: the step's call,
+        which knows its request, prompt, special and chat-template tokens. ``names``: the texts of positions
+        ``0 .. position`` (the context, then the emitted token), default the record's readable texts (``#ID`` where
+        unknown); ``special``: bool (batch, position), the context's special tokens, default ``call.special_ids``'.
+        ``probe.calls[-1].steps[0].view(probe.calls[-1], k=3).to_json()``"""
+        batch, token = self.token.shape[0], int(self.token[row])
+        if names is None:
+            names = self._names(call, row)
+        if special is None and call is not None:
+            ids = call.context_ids(self.position)
+            special = None if ids is None else special_flags(ids, call.special_ids)
+        template = call.context_template(self.position) if call is not None else None  # the template does not rank
+        shown = whole_characters(names[: self.position + 1])  # what was there when the token was made, never later
+        res = self.to_attribution(tokens=[names[: self.position]] * batch, special=special, template=template,
+                                  readable=[shown[:-1]] * batch)
+        probability = None if self.probability is None else float(self.probability.reshape(batch, -1)[row, label])
+        return StepView(step=self.step, position=self.position, token_id=token, token=shown[-1],
+                        probability=None if probability is None or math.isnan(probability) else probability,
+                        active=bool(self.active[row]), scores={name: ranking(res, k, row, label, name) for name in self.scores},
+                        request_id=call.request_id if call is not None else None, model=model)
+
+    def _names(self, call: "GenerationCall | None", row: int) -> list[str]:
+        """Texts of positions 0 .. position from the record: its readable texts, else ``#ID`` (``@N`` where even
+        the id is not known: a call read from a trimmed sink)."""
+        own = self.readable[row] if self.readable else f"#{int(self.token[row])}"
+        if self.context is not None:
+            return [*self.context[row][: self.position], own]
+        ids = call.context_ids(self.position) if call is not None else None
+        known = ids[row].tolist() if ids is not None else [-1] * self.position
+        return [f"#{i}" if i >= 0 else f"@{n}" for n, i in enumerate(known)] + [own]
 
 
 @dataclass(eq=False)

@@ -15,8 +15,9 @@ entries of format 2, which older readers skip; records read from older files wit
 (``tests/data/stream-v2.nxl`` is such a file). A ``step`` frame holds the scores of NormXLogit and LogAt as the
 tensors ``normxlogit`` and ``logat``, and those of any other method the probe computed as ``scores.<method>``
 (older readers skip them too).
-Each frame is written with one ``write`` call before the next decoding step starts, so a process killed with
-SIGKILL leaves every completed step readable. ``Sink(path, fsync=True)`` also survives power loss, at the cost of
+Frames are appended whole and in order (one ``write`` per frame, or per batch of step frames:
+:meth:`Sink.write_steps`), so a process killed with SIGKILL leaves every frame it wrote readable, the last one
+possibly torn. ``Sink(path, fsync=True)`` also survives power loss, at the cost of
 an fsync per step. A sink refuses to write through a symbolic link unless ``Sink(path, follow_symlinks=True)``.
 
 A server that runs for weeks writes to a :class:`RotatingSink`: a folder of numbered files, a new one when the
@@ -199,8 +200,13 @@ class Sink:
         with self._lock:
             self._append(frame(self._seq))
 
-    def _append(self, data: bytes) -> int:
-        """Write one frame made with number ``self._seq``; its size. Caller holds the lock."""
+    def _put_many(self, frames: list[Frame]) -> None:
+        """Append several frames with one write."""
+        with self._lock:
+            self._append(b"".join([frame(self._seq + n) for n, frame in enumerate(frames)]), len(frames))
+
+    def _append(self, data: bytes, frames: int = 1) -> int:
+        """Write ``frames`` frames, the first made with number ``self._seq``; their size. Caller holds the lock."""
         if self._fd is None:
             raise RuntimeError(f"sink {self.path} is closed: the probe it belonged to has detached, or a write to "
                                "it failed")
@@ -214,7 +220,7 @@ class Sink:
             os.close(self._fd)
             self._fd = None
             raise
-        self._seq += 1
+        self._seq += frames
         return len(data)
 
     def write_call(self, call: GenerationCall, meta: dict) -> None:
@@ -222,6 +228,11 @@ class Sink:
 
     def write_step(self, step: Step) -> None:
         self._put(functools.partial(_numbered, encode_step, step))
+
+    def write_steps(self, steps: list[Step]) -> None:
+        """Several step records in order, with one write (the probe's sink thread hands over what waits at once):
+        killed mid-write, the file ends with whole frames and at most one torn one. ``sink.write_steps(steps)``"""
+        self._put_many([functools.partial(_numbered, encode_step, step) for step in steps])
 
     def write_end(self, call: GenerationCall) -> None:
         self._put(functools.partial(_numbered, encode_end, call), closes=call.index)
@@ -315,6 +326,22 @@ class RotatingSink(Sink):
                 self._running[opens] = frame
             if closes is not None:
                 self._running.pop(closes, None)
+
+    def _put_many(self, frames: list[Frame]) -> None:
+        """Several frames with one write while they fit the current file; one at a time where a new file starts."""
+        if os.getpid() != self._pid:
+            return
+        with self._lock:
+            data = [frame(self._seq + n) for n, frame in enumerate(frames)]
+            size = sum(map(len, data))
+            if self._fd is not None and self._size + size <= self.max_bytes:
+                self._size += self._append(b"".join(data), len(data))
+                self._records += len(data)
+                if self._records == len(data):  # the first records of this file (see _put)
+                    self._prune()
+                return
+        for frame in frames:
+            self._put(frame)
 
     def _rotate(self) -> None:
         # caller holds the lock

@@ -115,8 +115,8 @@ def test_manager_with_custom_ids_sampling_stream_and_sink(model, tmp_path):
         manager = model.init_continuous_batching(generation_config=sampling, continuous_batching_config=_config())
         manager.start()
         try:
-            stream = probe.stream(request_id="client-b")
-            following = probe.stream(request_id="client-c", follow=True)
+            stream = probe.subscribe(request_id="client-b")
+            following = probe.subscribe(request_id="client-c", follow=True)
             for request_id, (prompt, new) in requests.items():
                 manager.add_request(prompt, request_id=request_id, max_new_tokens=new)
             results, deadline = {}, time.monotonic() + 60
@@ -125,7 +125,7 @@ def test_manager_with_custom_ids_sampling_stream_and_sink(model, tmp_path):
                 if result is not None and result.is_finished():
                     results[result.request_id] = result
             streamed = _drain(stream)
-            late = _drain(probe.stream(request_id="client-a"))  # it ended already: its kept steps, then the end
+            late = _drain(probe.subscribe(request_id="client-a"))  # it ended already: its kept steps, then the end
             following.close()  # a follow stream runs until its reader closes it
             followed = _drain(following)
         finally:
@@ -219,7 +219,7 @@ def test_cancelled_request_ends_incomplete_and_frees_its_features(model):
         manager = model.init_continuous_batching(generation_config=_greedy(500), continuous_batching_config=_config())
         manager.start()
         try:
-            stream = probe.stream(request_id="long")
+            stream = probe.subscribe(request_id="long")
             manager.add_request(prompt, request_id="long", max_new_tokens=500)
             for _ in zip(range(3), stream):  # three steps of it are recorded: it is running
                 pass

@@ -57,6 +57,8 @@ def test_compiled_padded_batching_records_every_request_as_the_oracle(model):
     with nxl.attach(model, layers="all") as probe:
         out = model.generate_batch(prompts, generation_config=_greedy(), continuous_batching_config=_compiled())
         assert probe._hub._running == []  # every request's call ended with its request
+        with pytest.raises(RuntimeError, match="no forward has run"):
+            probe.result()  # the packed steps were not taken for a plain forward
     breaks = dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] > 0  # compiled again once attached, the taps traced in
     assert tiny.nxl_hooks_on(model) == 0
@@ -107,13 +109,16 @@ def test_padded_inputs_run_eagerly_are_recorded_through_the_same_taps(model, mon
 def test_attach_to_a_running_padded_manager_records_its_next_requests(model, monkeypatch):
     """A manager started (no warmup) before the probe attached: its processor gets its taps at its first step
     while attached, and each request made after attaching is recorded as the oracle."""
-    original = model_runner.ModelRunner.__init__
+    original, compute = model_runner.ModelRunner.__init__, model_runner.ModelRunner.compute_batch
 
     def padding(self, *args, **kwargs):
         original(self, *args, **kwargs)
         self.pad_inputs = True
 
+    steps = []
     monkeypatch.setattr(model_runner.ModelRunner, "__init__", padding)
+    monkeypatch.setattr(model_runner.ModelRunner, "compute_batch",
+                        lambda self, *args, **kwargs: steps.append(self.pad_inputs) or compute(self, *args, **kwargs))
     prompts = _prompts((6, 13))
     manager = model.init_continuous_batching(generation_config=_greedy(), continuous_batching_config=tiny.cb_config())
     manager.start()
@@ -128,7 +133,7 @@ def test_attach_to_a_running_padded_manager_records_its_next_requests(model, mon
                     results[result.request_id] = result
     finally:
         manager.stop(block=True, timeout=30)
-    assert manager.batch_processor.model_runner.pad_inputs and tiny.nxl_hooks_on(model) == 0
+    assert steps and all(steps) and tiny.nxl_hooks_on(model) == 0  # every step padded; the taps gone with the probe
     calls = {call.request_id: call for call in probe.calls}
     assert sorted(calls) == sorted(results) == ["late-0", "late-1"]
     for request_id, call in calls.items():

@@ -150,14 +150,14 @@ def test_callback_and_iterator_in_another_thread(model):
     with nxl.attach(model, on_step=seen.append) as probe:
         # consumer in another thread, generate here
         received: list[nxl.Step] = []
-        iterator = probe.stream()
+        iterator = probe.subscribe()
         consumer = threading.Thread(target=lambda: received.extend(iterator))
         consumer.start()
         model.generate(input_ids=ids, max_new_tokens=5, do_sample=False)
         consumer.join(timeout=30)
         # generate in another thread, consume here
         worker = threading.Thread(target=model.generate, kwargs=dict(input_ids=ids, max_new_tokens=4, do_sample=False))
-        stream = probe.stream()
+        stream = probe.subscribe()
         worker.start()
         consumed = list(stream)
         worker.join(timeout=30)
@@ -304,10 +304,10 @@ def test_keep_calls_bounds_what_a_long_running_probe_holds(model):
     seen: list[int] = []
     with nxl.attach(model, keep_steps=False, keep_calls=10, on_step=lambda step: seen.append(step.call)) as probe:
         hub = probe._hub
-        abandoned = probe.stream(follow=True)  # a reader that went away without closing its stream
+        abandoned = probe.subscribe(follow=True)  # a reader that went away without closing its stream
         del abandoned
         gc.collect()
-        with probe.stream(follow=True) as closed:  # and one closed by its reader
+        with probe.subscribe(follow=True) as closed:  # and one closed by its reader
             pass
         assert list(closed) == []
         for _ in range(300):
@@ -327,7 +327,7 @@ class _SubscribeAt(BaseStreamer):
 
     def put(self, value: torch.Tensor) -> None:
         if self.puts == self.at:
-            self.stream = self.probe.stream()
+            self.stream = self.probe.subscribe()
         self.puts += 1
 
     def end(self) -> None:

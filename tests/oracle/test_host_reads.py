@@ -76,7 +76,7 @@ def test_attached_generate_adds_no_host_read_per_token(model, tmp_path, rows, ca
     for new in (3, 10):
         plain = _reads(model, inputs, new)
         with nxl.attach(model, layers="all", sink=tmp_path / f"{new}.nxl") as probe:
-            live = probe.stream(follow=True)
+            live = probe.subscribe(follow=True)
             attached = _reads(model, inputs, new)
             live.close()
         added[new] = attached - plain

@@ -60,7 +60,7 @@ def test_detach_all_removes_every_hook_of_a_probe_still_referenced():
     assert nxl.detach_all(model) == 0
     probe.detach()  # detaching again is harmless
     with pytest.raises(RuntimeError, match="detached"):
-        probe.stream()
+        probe.subscribe()
 
 
 def test_detach_all_through_a_peft_wrapper_and_a_compile_wrapper():

@@ -166,7 +166,7 @@ def test_nxl_tail_ranks_by_a_method_the_programs_probe_computes(tmp_path, capsys
         capsys.readouterr()
         assert cli_main(["tail", "--run", str(run), "--count", "1", "--method", "contrastive", "--last", "1"]) == 0
         said = capsys.readouterr().out
-        assert "the probe does not compute 'contrastive'" in said  # registered, but not computed there: said so
+        assert "the program's probe does not compute 'contrastive'" in said  # registered, not computed there
     finally:
         controller.close()
 

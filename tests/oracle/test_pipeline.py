@@ -3,6 +3,7 @@ anything (SystemExit, KeyboardInterrupt) or blocks never raises into or stalls t
 counted and reported, and the records in memory stay whole (checked against the uncached oracle)."""
 
 import threading
+import time
 
 import pytest
 import torch
@@ -173,3 +174,44 @@ def test_a_full_stream_file_is_released(model, tmp_path):
     link = f"/proc/self/fd/{fd}"  # released: that descriptor no longer points at the full disk
     assert not os.path.exists(link) or os.readlink(link) != "/dev/full"
     check_call(model, probe.calls[0], 2)
+
+
+class _Batching(_Blocking):
+    """A blocking sink that also takes several steps at once (``write_steps``, as nxl.Sink does); ``fail``: its
+    batch write raises."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.fail, self.batches = fail, []
+
+    def write_steps(self, steps):
+        if self.fail:
+            raise OSError(28, "No space left on device")
+        self.batches.append([step.step for step in steps])
+
+
+@pytest.mark.parametrize("fail", [False, True], ids=["written", "raising"])
+def test_a_backlog_reaches_the_sink_as_one_batch(model, fail):
+    """Records that wait for a busy sink are written together (write_steps) when it comes back, in order; a
+    batch that fails counts each of its records as not written."""
+    sink = _Batching(fail)
+    with nxl.attach(model, sink=sink) as probe:
+        model.generate(input_ids=_ids(6), max_new_tokens=6, do_sample=False)
+        # generate returned; the publisher may still be moving the last records to the host: wait until all 6
+        # step frames (and the call's end) wait for the sink, then give them the sink thread's next wake-up
+        deadline = time.monotonic() + 60
+        while probe._hub._frames_waiting < 7 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        sink.release.set()  # the sink was blocked in write_call while all 6 step records waited
+        probe.flush(timeout=60)
+    if fail:
+        assert probe.sink_fault == "OSError: [Errno 28] No space left on device" and probe.unwritten == 6
+        assert sink.batches == [] and probe.calls[0].notes == [
+            f"not written to the sink, which stopped: {probe.sink_fault}"]
+    else:
+        # step 0 may go with the call frame; the rest waited for the blocked sink: one batch, never step by step
+        assert sum(sink.batches, []) == [0, 1, 2, 3, 4, 5] and sink.batches[-1][-5:] == [1, 2, 3, 4, 5]
+        assert sink.steps == 0
+        assert probe.sink_fault is None and probe.unwritten == 0
+    check_call(model, probe.calls[0], 6)

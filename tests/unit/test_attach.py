@@ -153,7 +153,7 @@ def test_stream_opened_after_detach_ends_at_once(model):
     # the probe is gone: a subscriber the hub still hands out must not wait for a call that never comes
     assert list(hub.subscribe()) == []
     with pytest.raises(RuntimeError, match="detached"):
-        probe.stream()
+        probe.subscribe()
 
 
 def test_step_records_resolve_negative_layers(model, ids):

@@ -121,3 +121,16 @@ def test_the_checker_sees_function_level_and_string_imports(tmp_path, monkeypatc
     modules = {"nxl_hooks.arch.x": tmp_path / "x.py", "nxl_hooks.apps.cli": tmp_path / "cli.py"}
     modules["nxl_hooks.arch.x"].write_text("def f():\n    from ..apps import cli\n    return 'nxl_hooks.apps.cli:main'\n")
     assert _imports("nxl_hooks.arch.x", modules["nxl_hooks.arch.x"], modules) == {"nxl_hooks.apps.cli"}
+
+
+def test_docs_layout_lists_every_module_once_and_nothing_else():
+    """docs/layout.md has one ``- `path`: ...`` line per module of the package (a package: its folder), so the
+    manual's map cannot name a module that is gone (it once named hooks/batching.py) or miss a new one."""
+    text = (PACKAGE.parent / "docs" / "layout.md").read_text()
+    listed = re.findall(r"^- `(nxl_hooks/[\w/.]*)`: \S", text, flags=re.MULTILINE)
+    actual = {str(path.parent.relative_to(PACKAGE.parent)) + "/" if path.name == "__init__.py"
+              else str(path.relative_to(PACKAGE.parent)) for path in PACKAGE.rglob("*.py")}
+    twice = sorted({path for path in listed if listed.count(path) > 1})
+    assert not twice, f"listed twice in docs/layout.md: {twice}"
+    assert not actual - set(listed), f"modules missing from docs/layout.md: {sorted(actual - set(listed))}"
+    assert not set(listed) - actual, f"docs/layout.md lists what the package lacks: {sorted(set(listed) - actual)}"

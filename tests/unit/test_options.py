@@ -21,6 +21,7 @@ from nxl_hooks.apps.options import loading_options
 from nxl_hooks.apps.schema import Option, generated, options, setting
 from nxl_hooks.apps.serve.settings import ATTACH, OPTIONS, Settings, add_run_options, markdown_table
 from nxl_hooks.method.select import option_text, parse_layers, parse_target
+from nxl_hooks.records.view import StepView
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "nxl-run-options.md"
 
@@ -39,6 +40,7 @@ TYPED = {
     "eager": (["--eager"], True),
     "sink_max_bytes": (["--sink-file-mb", "3"], 3 * 1024 * 1024),
     "sink_max_files": (["--sink-files", "2"], 2),
+    "plugins": (["--plugins", "jsonl, sinks:my-sink"], ["jsonl", "sinks:my-sink"]),
 }
 #: The options nxl run sets itself (no flag), as their variables hold them.
 SET_BY_RUN = {"run_dir": ("runs/1-abc", Path("runs/1-abc")),
@@ -100,6 +102,9 @@ def test_all_flags_at_once_and_defaults_when_left_out():
     ({"NXL_KEEP_CALLS": "many"}, r"NXL_KEEP_CALLS: 'many': give a whole number"),
     ({"NXL_LOAD": '{"dtype": 1, "head": "x"}'}, r"NXL_LOAD: .*a JSON object of dtype"),
     ({"NXL_LISTEN": "10.0.0.1:80"}, r"not a loopback address"),
+    ({"NXL_PLUGINS": "sink:jsonl"}, r"^NXL_PLUGINS: 'sink:jsonl': 'sink:jsonl' is not a plugin's NAME or GROUP:NAME "
+                                    r"with GROUP one of architectures, methods, sinks, engines"),
+    ({"NXL_PLUGINS": "jsonl,,x"}, r"^NXL_PLUGINS: 'jsonl,,x': '' is not a plugin's NAME"),
 ])
 def test_a_bad_variable_is_named(env, message):
     with pytest.raises(ValueError, match=message):
@@ -167,6 +172,27 @@ def test_nxl_run_refuses_them_in_one_line_before_any_folder(capsys, tmp_path, mo
     err = capsys.readouterr().err
     assert code == 2 and len(err.strip().splitlines()) == 1 and message in err, err
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_plugin_allow_list_is_left_to_the_environment_unless_given():
+    """NXL_PLUGINS unset lets every plugin load, empty none (nxl_hooks.arch.plugins): nxl run writes it only when
+    --plugins is given, so the program otherwise keeps the environment's own; nxl attach has no such flag (a
+    running process chose its plugins when it started)."""
+    from nxl_hooks.arch import plugins
+
+    assert "NXL_PLUGINS" not in Settings.from_args(_parser().parse_args([]), run_dir=Path("r")).to_env()
+    for given, names, text in ((["--plugins", ""], [], ""), (["--plugins", "jsonl"], ["jsonl"], "jsonl")):
+        settings = Settings.from_args(_parser().parse_args(given), run_dir=Path("r"))
+        assert settings.plugins == names and settings.to_env()["NXL_PLUGINS"] == text
+        assert Settings.from_env(settings.to_env()) == settings
+    environ = {"NXL_PLUGINS": "sinks:jsonl"}  # what the program reads: the loader's own rule agrees
+    assert Settings.from_env({"NXL_RUN_DIR": "r", **environ}).plugins == ["sinks:jsonl"]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(os.environ, "NXL_PLUGINS", "sinks:jsonl")
+        assert plugins.allowed(plugins.SINKS, "jsonl") and not plugins.allowed(plugins.ENGINES, "jsonl")
+        patch.setitem(os.environ, "NXL_PLUGINS", Settings(run_dir=Path("r"), plugins=[]).to_env()["NXL_PLUGINS"])
+        assert not plugins.allowed(plugins.SINKS, "jsonl")
+    assert "--plugins" in _subparser("run").format_help() and "--plugins" not in _subparser("attach").format_help()
 
 
 @pytest.mark.parametrize("value", ["all", "last", [0, -1], [3], "predicted", " Paris", 7, [" are", " is"],
@@ -369,9 +395,9 @@ HOSTILE = "\x1b]0;owned\x07\x1b[2Jx\x9b31m\u202e"  # a title change, a screen cl
 RAW = ("\x1b", "\x07", "\x9b", "\u202e")
 
 
-def _step(request_id: str, token: str, name: str) -> dict:
-    return {"request_id": request_id, "step": 3, "position": 12, "token": token,
-            "top": {"2": [[0, name, 0.5], [1, "b", -0.25]]}}
+def _step(request_id: str, token: str, name: str) -> StepView:
+    return StepView.from_json({"request_id": request_id, "step": 3, "position": 12, "token_id": 5, "token": token,
+                               "top": {"2": [[0, name, 0.5], [1, "b", -0.25]]}})
 
 
 def test_tail_shows_a_byte_token_escaped_once():

@@ -287,3 +287,43 @@ def test_read_regular_can_refuse_links_and_files_over_a_bound(tmp_path):
     assert read_regular(tmp_path / "answer", follow_symlinks=False, max_bytes=2) == b"{}"
     with pytest.raises(ValueError, match="holds 2 bytes, more than the 1 expected"):
         read_regular(tmp_path / "answer", max_bytes=1)
+
+
+def test_write_steps_appends_a_batch_with_one_write_that_reads_back_and_tears_whole(recorded, tmp_path, monkeypatch):
+    """The sink thread's batches: ``write_steps`` writes several step frames with one ``write`` (numbered in
+    order), which read back as the steps written one at a time; killed mid-batch, the file keeps the whole frames
+    before the cut and reports the last one torn. A rotating sink starts a new file within a batch that would
+    pass ``max_bytes`` and the folder reads back whole."""
+    _, probe = recorded
+    (call,) = probe.calls
+    writes = []
+    real = writer._write_all
+    monkeypatch.setattr(writer, "_write_all", lambda fd, data: (writes.append(len(data)), real(fd, data)))
+    sink = nxl.Sink(tmp_path / "batch.nxl")
+    writes.clear()  # the file magic
+    sink.write_call(call, probe.describe())
+    sink.write_steps(call.steps)
+    sink.write_end(call)
+    sink.close()
+    assert len(writes) == 3  # the call, all 4 steps, the end
+    (read,) = nxl.read_stream(tmp_path / "batch.nxl")
+    assert read.complete and [s.step for s in read.steps] == [0, 1, 2, 3]
+    for got, kept in zip(read.steps, call.steps, strict=True):
+        assert torch.equal(got.normxlogit, kept.normxlogit) and torch.equal(got.token, kept.token)
+    data = (tmp_path / "batch.nxl").read_bytes()
+    magic, frames = _split(data)
+    cut = tmp_path / "cut.nxl"
+    cut.write_bytes(magic + b"".join(frames[:3]) + frames[3][: len(frames[3]) // 2])  # killed inside step 2's frame
+    calls = nxl.read_stream(cut)
+    assert [s.step for s in calls[0].steps] == [0, 1] and calls.damage.torn and not calls[0].complete
+
+    folder = tmp_path / "rotating"
+    rotating = nxl.RotatingSink(folder, max_bytes=len(frames[0]) + 2 * len(frames[1]) + 200)
+    rotating.write_call(call, probe.describe())
+    rotating.write_steps(call.steps)
+    rotating.write_end(call)
+    rotating.close()
+    assert len(list(folder.iterdir())) > 1  # the batch did not fit one file
+    (again,) = nxl.read_stream(folder)
+    assert again.complete and [s.step for s in again.steps] == [0, 1, 2, 3]
+    assert all(torch.equal(a.logat, b.logat) for a, b in zip(again.steps, call.steps, strict=True))

@@ -20,20 +20,24 @@ def test_request_id_is_the_clients():
     assert request_id("no-suffix") == "no-suffix"  # not vLLM's shape: kept whole
 
 
-def test_recording_engine_args_turn_off_what_cannot_be_followed_and_say_so():
-    args = SimpleNamespace(enable_prefix_caching=None, enforce_eager=False, async_scheduling=False, model="m")
+def test_recording_engine_args_turn_off_what_cannot_be_followed_and_say_so(monkeypatch):
+    monkeypatch.delenv("NXL_EAGER", raising=False)
+    monkeypatch.setenv("NXL_VLLM_COMPILED", "0")  # the old switch (0.3.0 development) no longer matters
+    args = SimpleNamespace(enable_prefix_caching=None, enforce_eager=False, async_scheduling=True, model="m")
     changed = recording_engine_args(args)
-    assert (args.enable_prefix_caching, args.enforce_eager, args.async_scheduling, args.model) == (False, True, False,
+    # compilation stays on (recorded through buffers compiled into the model); the rest is turned off
+    assert (args.enable_prefix_caching, args.enforce_eager, args.async_scheduling, args.model) == (False, False, False,
                                                                                                   "m")
-    assert len(changed) == 2 and changed[0].startswith("prefix caching off") and "enforce_eager" in changed[1]
+    assert len(changed) == 2 and changed[0].startswith("prefix caching off") and "async" in changed[1]
     assert recording_engine_args(args) == []  # already recordable: nothing changed, nothing said
     assert recording_engine_args(SimpleNamespace()) == []  # a vLLM without these fields is left alone
 
 
-def test_nxl_vllm_compiled_keeps_compilation_as_asked(monkeypatch):
-    monkeypatch.setenv("NXL_VLLM_COMPILED", "1")
-    args = SimpleNamespace(enable_prefix_caching=True, enforce_eager=False)
-    assert len(recording_engine_args(args)) == 1 and (args.enable_prefix_caching, args.enforce_eager) == (False, False)
+def test_nxl_eager_makes_the_engine_eager_and_says_why(monkeypatch):
+    monkeypatch.setenv("NXL_EAGER", "1")  # nxl run --eager
+    args = SimpleNamespace(enable_prefix_caching=False, enforce_eager=False)
+    (said,) = recording_engine_args(args)
+    assert args.enforce_eager is True and "enforce_eager" in said and "--eager" in said
 
 
 def _script(folder: Path, first_line: str) -> Path:

@@ -1,7 +1,7 @@
 """A script that uses ``vllm.LLM``: recorded under ``nxl run -- python script.py``, untouched without it.
 
-Two engine starts: the script under ``nxl run`` (vLLM's default processes: the worker is its own process), and the
-same script plain, in one process (so it can look at vLLM's own model), where nxl_hooks is installed beside vLLM
+Two engine starts: the script under ``nxl run --eager`` (vLLM's default processes: the worker is its own process),
+and the same script plain, in one process (so it can look at vLLM's own model), where nxl_hooks is installed beside vLLM
 (its ``vllm.general_plugins`` entry point is loaded by vLLM) but nothing is set. Skipped where vLLM is not
 importable.
 """
@@ -93,31 +93,20 @@ def test_vllm_without_nxl_run_is_untouched(plain):
     assert plain["prefix_caching"] is True
 
 
-def test_script_under_nxl_run_is_recorded_and_its_outputs_unchanged(plain, tiny, tmp_path):
-    run = tmp_path / "run"
-    recorded = run_script(tiny, tmp_path, "record", ["--layers", "last", "--sink", str(run)])
-    assert recorded["outputs"] == plain["outputs"]  # the same tokens and raw logits: recording changes no reply
-    for output in recorded["outputs"]:
-        (call,) = nxl.read_stream(run, request_id=output["id"])
-        assert call.complete and call.layers == [3]
-        assert [int(step.token[0]) for step in call.steps] == output["tokens"]
-        last = torch.tensor([float(step.logat[-1, 0, -1]) for step in call.steps])
-        torch.testing.assert_close(last, torch.tensor(output["raw"]), rtol=1e-4, atol=1e-4)
-
-
-def test_compiled_vllm_recorded_exactly_with_nxl_vllm_compiled(tiny, tmp_path):
-    """NXL_VLLM_COMPILED=1: vLLM keeps its compiled mode (torch.compile on the CPU) and every step is still recorded,
-    through the buffers the hooks put on before vLLM compiled write inside the compiled code: each step equal to
-    vLLM's own raw logit, and every layer to the oracle."""
+def test_script_under_nxl_run_eager_is_recorded_and_its_outputs_unchanged(plain, tiny, tmp_path):
+    """``nxl run --eager``: the script asks for vLLM's default (compiled) engine, recording makes it eager (forward
+    hooks on the layers); its outputs are the plain eager engine's, each step vLLM's own raw logit at the last layer
+    and the oracle's at every layer. (The compiled default, recorded through buffers: tests/vllm/test_vllm_serve.py.)"""
     from transformers import LlamaForCausalLM
 
     run = tmp_path / "run"
-    recorded = run_script(tiny, tmp_path, "compiled", ["--layers", "all", "--sink", str(run)], NXL_VLLM_COMPILED="1")
-    assert recorded["compilation"] != "NONE"  # vLLM compiled the model
-    oracle_model = LlamaForCausalLM.from_pretrained(tiny).eval()
+    recorded = run_script(tiny, tmp_path, "compiled", ["--eager", "--layers", "all", "--sink", str(run)])
+    assert recorded["compilation"] == "NONE"  # nxl run --eager set enforce_eager
+    assert recorded["outputs"] == plain["outputs"]  # the same tokens and raw logits: recording changes no reply
     for output in recorded["outputs"]:
         (call,) = nxl.read_stream(run, request_id=output["id"])
+        assert call.complete and call.layers == [0, 1, 2, 3]
         assert [int(step.token[0]) for step in call.steps] == output["tokens"]
         last = torch.tensor([float(step.logat[-1, 0, -1]) for step in call.steps])
         torch.testing.assert_close(last, torch.tensor(output["raw"]), rtol=1e-4, atol=1e-4)
-        check_call(oracle_model, call, 5)
+        check_call(LlamaForCausalLM.from_pretrained(tiny).eval(), call, 5)

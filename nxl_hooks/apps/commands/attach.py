@@ -42,7 +42,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     add_pid(parser)
     parser.add_argument("--wait", type=float, metavar="SECONDS", default=0.0,
                         help="if no model is loaded yet, wait up to this long for one (default 0: refuse)")
-    add_run_options(parser)
+    add_run_options(parser, where=lambda option: option.attach)  # not what only a program's start sets
     return parser
 
 

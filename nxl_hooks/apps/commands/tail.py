@@ -4,7 +4,7 @@ made.
     nxl tail                         # every request of the last `nxl run`, from now on
     nxl tail --last 3                # the last 3 requests in memory first, then on
     nxl tail --run runs/ --request-id my-req-1 --layer -1 -k 3
-    nxl tail --method contrastive    # rank by another method the program's probe computes
+    nxl tail --method contrastive    # rank by another method the program's probe computes (nxl run --methods)
 
 A line: request, step, ``@`` the token's position in the sequence, the token, then the context tokens that drove it
 most at one layer, each as ``position:'text' score`` (a word the prompt holds twice is told apart by its
@@ -33,9 +33,11 @@ import shutil
 import sys
 import threading
 import time
+from typing import Any
 from urllib.parse import quote, urlencode
 
 from ...records.tokens import visible
+from ...records.view import METHOD, StepView
 from ..options import CliError, add_method_option, positive_int
 
 NAME = "tail"
@@ -69,30 +71,33 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def faults(model: dict) -> list[str]:
     """What one model of a status (``/v1/status``'s ``models``) does not record, one phrase each:
-    ``["records not written to the sink: disk full", "2 calls not recorded: beam search ..."]``; empty while everything
-    is recorded."""
+    ``["records not written to the sink: disk full", "2 calls not recorded: beam search ..."]``, and steps the live
+    feed dropped; empty while everything is recorded and shown."""
     said = [f"records not written to the sink: {model['sink_fault']}"] if model.get("sink_fault") else []
     count, why = model.get("unrecorded_calls") or 0, model.get("unrecorded")
     if count or why:  # why reads "not recorded[ after step N] (...): reason"
         why = why if why and why.startswith("not recorded") else f"not recorded: {why or 'see the log'}"
         said.append(f"{count or 'some'} call{'' if count == 1 else 's'} {why}")
+    if model.get("live_dropped"):
+        said.append(f"{model['live_dropped']} step(s) not handed to live readers: the live feed fell behind (the "
+                    "records keep them)")
     return said
 
 
-def line(data: dict, layer: int | None, width: int) -> str:
+def line(view: StepView, layer: int | None, width: int, method: str = METHOD) -> str:
     """One step as a short line: ``req  step @position 'token'  L2: 5:'a' 0.41  9:'␣b' 0.33`` (the module doc).
-    Tokens are the endpoint's texts (:mod:`nxl_hooks.apps.serve.readout`: readable, a character split over tokens
-    shown whole), quoted as they are."""
-    top = data["top"]
-    if not top:  # the program's probe does not compute the method asked for: the line says so
-        return visible(f"{visible(str(data['request_id']))[:16]:<16} {data['step']:>4} @{data['position']:<5} "
-                       f"'{data['token']}'  {data.get('unscored') or 'nothing ranked'}")[:max(width, 8)]
-    key = str(layer) if layer is not None and str(layer) in top else max(top, key=int)
-    best = "  ".join(f"{position}:'{name}' " + (f"{score:.3g}" if score is not None else "nan")
-                     for position, name, score in top[key])
-    token = f"'{data['token']}'"
-    text = visible(f"{visible(str(data['request_id']))[:16]:<16} {data['step']:>4} @{data['position']:<5} {token:>12}"
-                   f"  L{key}: {best}")
+    Tokens are the step view's texts (:mod:`nxl_hooks.records.view`: readable, a character split over tokens
+    shown whole), quoted as they are; ``layer``: the one shown (the last when the view does not have it)."""
+    if method not in view.scores:  # the program's probe does not compute it: the line says so
+        return visible(f"{visible(str(view.request_id))[:16]:<16} {view.step:>4} @{view.position:<5} '{view.token}'"
+                       f"  the program's probe does not compute {method!r} (it computes "
+                       f"{', '.join(view.scores)}; nxl run --methods {method})")[:max(width, 8)]
+    shown, ranked = view.ranked(layer, method)
+    best = "  ".join(f"{entry.position}:'{entry.text}' " + (f"{entry.score:.3g}" if entry.score is not None else "nan")
+                     for entry in ranked)
+    token = f"'{view.token}'"
+    text = visible(f"{visible(str(view.request_id))[:16]:<16} {view.step:>4} @{view.position:<5} {token:>12}"
+                   f"  L{shown}: {best}")
     return text if len(text) <= width else text[: max(width - 1, 8)] + "…"
 
 
@@ -102,19 +107,18 @@ def end_line(data: dict) -> str:
                    + (f" ({data['error']})" if data.get("error") else ""))
 
 
-def last_requests(targets: list, n: int, k: int, method: str = "normxlogit") -> list[tuple[str, dict]]:
+def last_requests(targets: list, n: int, k: int) -> list[tuple[str, Any]]:
     """The (event, data) items of the last ``n`` generation requests in the processes' memory, oldest first: each
-    one's ``step`` items, then ``end`` once it has ended."""
+    one's ``step`` items (a :class:`StepView`), then ``end`` once it has ended."""
     found = []
     for endpoint in targets:
         for summary in endpoint.json("GET", "/v1/requests")["requests"]:
             if summary.get("kind") == "generate" and summary.get("request_id") is not None:
                 found.append((summary.get("started") or 0.0, endpoint, summary))
-    items: list[tuple[str, dict]] = []
+    items: list[tuple[str, Any]] = []
     for _, endpoint, summary in sorted(found, key=lambda item: item[0])[-n:]:
-        view = endpoint.json("GET", f"/v1/requests/{quote(summary['request_id'], safe='')}?"
-                                    + urlencode({"k": k, "method": method}))
-        items += [("step", {"request_id": view["request_id"], "model": view.get("model"), **step})
+        view = endpoint.json("GET", f"/v1/requests/{quote(summary['request_id'], safe='')}?k={k}")
+        items += [("step", StepView.from_json({"request_id": view["request_id"], "model": view.get("model"), **step}))
                   for step in view["steps"]]
         if view.get("ended"):
             items.append(("end", {**view, "steps": len(view["steps"])}))
@@ -127,14 +131,20 @@ def run(args: argparse.Namespace) -> int:
     if args.last and args.request_id:
         raise CliError("--last shows the last requests; --request-id follows one (from its first token): give one")
     targets = endpoints(args.run, args.token_file)
-    query = {"k": args.k, "method": args.method, **({"request_id": args.request_id} if args.request_id else {})}
+    query = {"k": args.k, **({"request_id": args.request_id} if args.request_id else {})}
     items: queue.Queue = queue.Queue()
 
     def follow(endpoint) -> None:
         try:
             for event, data in endpoint.events(f"/v1/stream?{urlencode(query)}",
                                                on_open=lambda: items.put(("open", {}))):
-                items.put((event, data))
+                if event == "step":
+                    items.put(("step", StepView.from_json(data)))
+                elif event == "dropped":  # this reader fell behind: how many steps it lost so far
+                    items.put(("fault", {"text": f"! {endpoint.name}: {data.get('dropped')} step(s) not shown: nxl "
+                                                 "tail fell behind (the run's records keep them)"}))
+                else:
+                    items.put((event, data))
         except Exception as error:  # noqa: BLE001 - reported by the main thread
             items.put(("error", {"error": f"{endpoint.name}: {error}"}))
         items.put(("closed", {}))
@@ -158,24 +168,24 @@ def run(args: argparse.Namespace) -> int:
     for endpoint in targets:
         threading.Thread(target=follow, args=(endpoint,), daemon=True).start()
         threading.Thread(target=watch_faults, args=(endpoint,), daemon=True).start()
-    past = last_requests(targets, args.last, args.k, args.method) if args.last else []  # after subscribing: none is missed
+    past = last_requests(targets, args.last, args.k) if args.last else []  # after subscribing: none is missed
     try:
         return _show(items, args, len(targets), past)
     finally:
         stop.set()
 
 
-def _show(items: queue.Queue, args: argparse.Namespace, open_streams: int, past: list[tuple[str, dict]]) -> int:
+def _show(items: queue.Queue, args: argparse.Namespace, open_streams: int, past: list[tuple[str, Any]]) -> int:
     """Print ``past`` (``--last``), then what the follower threads put in ``items`` until the request ends,
     ``--count`` is reached or every stream has closed; say so on stderr while no token comes."""
     width, shown = shutil.get_terminal_size((120, 20)).columns, 0
-    seen = {(data["request_id"], data["step"]) for event, data in past if event == "step"}
+    seen = {(view.request_id, view.step) for event, view in past if event == "step"}
     waiting = f"request {visible(args.request_id)}" if args.request_id else "requests"
     quiet_since, wait, said, opening = time.monotonic(), _WAIT_FIRST, False, open_streams
     for event, data in past:
         if args.count and shown >= args.count and event == "step":
             return 0  # --count reached (the end line of the request shown last still came)
-        print(line(data, args.layer, width) if event == "step" else end_line(data), flush=True)
+        print(line(data, args.layer, width, args.method) if event == "step" else end_line(data), flush=True)
         shown += event == "step"
     if args.count and shown >= args.count:
         return 0
@@ -189,10 +199,10 @@ def _show(items: queue.Queue, args: argparse.Namespace, open_streams: int, past:
                 print(f"nxl tail: waiting for {waiting} (Ctrl-C to stop{hint})", file=sys.stderr, flush=True)
             continue
         if event == "step":
-            if (data["request_id"], data["step"]) in seen:
+            if (data.request_id, data.step) in seen:
                 continue  # already shown by --last
             quiet_since, wait, said = time.monotonic(), _WAIT_AGAIN, False
-            print(line(data, args.layer, width), flush=True)
+            print(line(data, args.layer, width, args.method), flush=True)
             shown += 1
             if args.count and shown >= args.count:
                 return 0

@@ -20,7 +20,7 @@ closes its sink. The controller holds models only through weak references, and w
 
 Never harm the host: every entry point here catches its own failures and logs one line on the ``nxl_hooks``
 logger; the live readers are fed from the probe's stream, in a thread of the controller's own (one per watched
-model), never in the host's generation thread, through bounded queues.
+model), never in the host's generation thread, through bounded subscriptions (:class:`Live`).
 """
 
 from __future__ import annotations
@@ -29,13 +29,12 @@ import collections
 import functools
 import logging
 import os
-import queue
 import re
 import threading
 import uuid
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, NamedTuple
 
 from ...arch.registry import HeadKind, head_kind
 from ...method.subject import unwrap
@@ -51,8 +50,8 @@ from ...records.sinks import make_sink
 from ...records.steps import GenerationCall, Step
 from .settings import Settings, matches
 
-__all__ = ["Controller", "Feed", "Forward", "Live", "Models", "Rules", "Texts", "Watch", "controller", "count_hooks",
-           "start", "stop"]
+__all__ = ["Controller", "Forward", "Live", "LiveStep", "Models", "Rules", "Texts", "Watch", "controller",
+           "count_hooks", "start", "stop"]
 
 _log = logging.getLogger("nxl_hooks")
 _PROBE = "_nxl_probe"  #: the attribute of a model that holds its probe
@@ -140,7 +139,7 @@ class Watch:
         self.retired: collections.deque[tuple[GenerationCall, dict]] = collections.deque(maxlen=keep_calls)
         self.forwards: collections.deque[Forward] = collections.deque(maxlen=keep_calls)
         self.hook: Any = None  #: the forward hook that keeps :attr:`forwards`, while attached
-        self.live: Subscription | None = None  #: the probe's steps, read for the live readers while attached
+        self.live: Subscription[Step] | None = None  #: the probe's steps, read for the live readers while attached
 
     @property
     def probe(self) -> Probe | None:
@@ -157,8 +156,9 @@ class Watch:
         """The model as status shows it. ``sink_fault``: why its records stopped reaching the sink (disk full,
         read-only, folder removed, too slow to keep up), ``unwritten`` how many step records it did not get;
         ``unrecorded``: why the last of its calls that ran unrecorded was not recorded, and ``unrecorded_calls`` how
-        many did; None (and 0) while everything is recorded, all read from the probe. ``recorded``: how many of the
-        ``calls`` in memory were recorded without an error."""
+        many did; None (and 0) while everything is recorded, all read from the probe. ``live_dropped``: steps the
+        live readers did not get because the live feed fell behind (still kept and written). ``recorded``: how
+        many of the ``calls`` in memory were recorded without an error."""
         model, probe = self.ref(), self.probe
         records = [record for record, _ in self.records()]
         return {"name": self.name, "folder": self.slug, "class": self.model_class, "alive": model is not None,
@@ -171,22 +171,8 @@ class Watch:
                 "unwritten": probe.unwritten if probe is not None else 0,
                 "unrecorded": probe.unrecorded if probe is not None else None,
                 "unrecorded_calls": probe.unrecorded_calls if probe is not None else 0,
+                "live_dropped": self.live.dropped if self.live is not None else 0,
                 "engine": _engine(model)}
-
-
-class Feed:
-    """One live reader's queue of (watch, call, step); bounded: a slow reader loses steps, never the host time."""
-
-    def __init__(self, request_id: str | None, size: int = 4096) -> None:
-        self.request_id = request_id
-        self.queue: queue.Queue = queue.Queue(maxsize=size)
-        self.dropped = 0
-
-    def offer(self, item: tuple) -> None:
-        try:
-            self.queue.put_nowait(item)
-        except queue.Full:
-            self.dropped += 1
 
 
 class Models:
@@ -245,11 +231,11 @@ class Rules:
     """When and how a watched model carries a probe: attached with the current options unless paused or excluded;
     detached keeps its calls. Every change holds one lock, so a model loaded meanwhile gets the new rule."""
 
-    def __init__(self, settings: Settings, on_step: Callable[[Watch, Step], None]) -> None:
+    def __init__(self, settings: Settings, live: "Live") -> None:
         self.settings = settings
         self.options = settings.attach_options()  #: layers, target, embedding: what `nxl ctl attach` changes
         self.paused = False
-        self._on_step = on_step
+        self.live = live
         self._lock = threading.RLock()
 
     def adopt(self, watch: Watch) -> None:
@@ -288,19 +274,9 @@ class Rules:
         vars(model)[_PROBE] = probe  # the model's own: freed with it
         watch.error = None
         if generates:
-            self.follow(watch, probe)
+            self.live.follow(watch, probe)
         if probe.kind is not HeadKind.CAUSAL_LM:  # requests are plain forwards: keep each one's attribution
             watch.hook = probe.model.register_forward_hook(functools.partial(self._on_forward, watch))
-
-    def follow(self, watch: Watch, probe: Any) -> None:
-        """Hand every step record of ``probe`` to the live readers from a thread of its own, reading the probe's
-        stream (the record pipeline's, off the host's generation thread) until the probe detaches."""
-        watch.live = probe.stream(follow=True)
-        threading.Thread(target=self._hand_out, args=(watch, watch.live), name="nxl_hooks-live", daemon=True).start()
-
-    def _hand_out(self, watch: Watch, steps: Subscription) -> None:
-        for step in steps:
-            self._on_step(watch, step)
 
     @staticmethod
     def _on_forward(watch: Watch, module: Any, args: tuple, output: Any) -> None:
@@ -385,41 +361,64 @@ class Rules:
         self._lock = threading.RLock()
 
 
+class LiveStep(NamedTuple):
+    """One step as the live readers get it: the watched model, its call (None when no longer in memory) and the
+    record."""
+
+    watch: Watch
+    call: GenerationCall | None
+    step: Step
+
+
 class Live:
-    """The live readers (``nxl tail``, ``/v1/stream``): each step the host makes goes to every reader's bounded
-    :class:`Feed` that wants its request."""
+    """The live readers (``nxl tail``, ``/v1/stream``): a thread per watched model reads its probe's subscription
+    (the record pipeline's, off the host's generation thread) and hands each step to the bounded subscription of
+    every reader that wants its request. A reader that falls behind loses its oldest steps (counted in its
+    ``dropped``), never the host's time."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._feeds: tuple[Feed, ...] = ()  # replaced, never mutated: on_step reads it without the lock
+        self._readers: tuple[Subscription[LiveStep], ...] = ()  # replaced, never mutated: read without the lock
 
-    def subscribe(self, request_id: str | None = None) -> Feed:
-        feed = Feed(request_id)
+    def follow(self, watch: Watch, probe: Probe) -> None:
+        """Hand every step record of ``probe`` to the live readers, from a thread of its own, until the probe
+        detaches."""
+        watch.live = probe.subscribe(follow=True)
+        threading.Thread(target=self._hand_out, args=(watch, watch.live), name="nxl_hooks-live", daemon=True).start()
+
+    def _hand_out(self, watch: Watch, steps: Subscription[Step]) -> None:
+        for step in steps:
+            self.publish(watch, step)
+
+    def subscribe(self, request_id: str | None = None) -> Subscription[LiveStep]:
+        """A live reader of every step made from now on (only ``request_id``'s, when given)."""
+        reader: Subscription[LiveStep] = Subscription(request_id=request_id, follow=True)
         with self._lock:
-            self._feeds = (*self._feeds, feed)
-        return feed
+            self._readers = (*self._readers, reader)
+        return reader
 
-    def unsubscribe(self, feed: Feed) -> None:
+    def unsubscribe(self, reader: Subscription[LiveStep]) -> None:
         with self._lock:
-            self._feeds = tuple(each for each in self._feeds if each is not feed)
+            self._readers = tuple(each for each in self._readers if each is not reader)
+        reader.end()
 
-    def on_step(self, watch: Watch, step: Step) -> None:
+    def publish(self, watch: Watch, step: Step) -> None:
         """A step of ``watch``'s probe, in its live thread: hand it to the live readers, if any."""
-        feeds = self._feeds
-        if not feeds:
+        readers = self._readers
+        if not readers:
             return
         try:
             probe = watch.probe
             call = next((c for c in reversed(probe.calls) if c.index == step.call), None) if probe else None
-            for feed in feeds:
-                if feed.request_id is None or (call is not None and call.request_id == feed.request_id):
-                    feed.offer((watch, call, step))
+            for reader in readers:
+                if reader.request_id is None or (call is not None and reader.wants(call)):
+                    reader.put(LiveStep(watch, call, step))
         except Exception as error:  # noqa: BLE001 - a live view must never stop a generation
             _log.warning("nxl_hooks: a live step was not handed out (%s: %s)", type(error).__name__, error)
 
     def after_fork(self) -> None:
         self._lock = threading.Lock()
-        self._feeds = ()
+        self._readers = ()
 
 
 class Controller:
@@ -430,7 +429,7 @@ class Controller:
         self.settings = settings
         self.models = Models(settings.keep_calls)
         self.live = Live()
-        self.rules = Rules(settings, self.live.on_step)
+        self.rules = Rules(settings, self.live)
         self.endpoint: Any = None
         self._endpoint_lock = threading.Lock()
         self._endpoint_tried = False
@@ -482,12 +481,12 @@ class Controller:
         """The newest call or forward in memory that served ``request_id``."""
         return self.models.find(request_id)
 
-    def subscribe(self, request_id: str | None = None) -> Feed:
+    def subscribe(self, request_id: str | None = None) -> Subscription[LiveStep]:
         """A live reader of every step made from now on (only ``request_id``'s, when given)."""
         return self.live.subscribe(request_id)
 
-    def unsubscribe(self, feed: Feed) -> None:
-        self.live.unsubscribe(feed)
+    def unsubscribe(self, reader: Subscription[LiveStep]) -> None:
+        self.live.unsubscribe(reader)
 
     def status(self) -> dict:
         """This process as ``/v1/status`` and ``nxl ctl status`` show it; each model's ``sink_fault`` and
@@ -529,7 +528,7 @@ class Controller:
         for watch in self.models.alive():  # the parent's live thread is not here: one of the child's own
             if watch.live is not None and watch.probe is not None:
                 watch.live.close()
-                self.rules.follow(watch, watch.probe)
+                self.live.follow(watch, watch.probe)
         self._endpoint_lock = threading.Lock()
         self.endpoint, self._endpoint_tried = None, False
 

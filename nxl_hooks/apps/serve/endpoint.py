@@ -5,7 +5,7 @@
     GET  /v1/requests/ID?k=5             one request: per step, the top-k context tokens of every layer (a
                                          classifier's: per explained row)
     GET  /v1/requests/ID/frames          one request as a stream file (nxl.read_stream reads it)
-    GET  /v1/stream[?request_id=ID&k=3]  steps as they are made, as server-sent events (event: step | end)
+    GET  /v1/stream[?request_id=ID&k=3]  steps as they are made, as server-sent events (event: step | dropped | end)
     POST /v1/control                     {"action": "pause" | "resume" | "attach" | "detach", "layers": ...,
                                           "target": ..., "embedding": ..., "models": "GLOB"}
 
@@ -36,7 +36,6 @@ import io
 import json
 import logging
 import os
-import queue
 import signal
 import socket
 import socketserver
@@ -51,7 +50,6 @@ from urllib.parse import parse_qs, unquote, urlsplit
 
 from ...records.reader import read_stream
 from ...records.steps import GenerationCall
-from ...method.registry import method_names
 from ...records.writer import stream_bytes
 from .readout import call_view, ended, forward_view, step_view, summary
 from .runs import check_private, enlist, peer_uid, read_token, socket_path
@@ -351,14 +349,6 @@ def _int(query: dict, name: str, default: int, low: int = 0, high: int = 1000) -
     return value
 
 
-def _method(query: dict) -> str:
-    """``?method=``: the attribution method views rank by (default normxlogit); 400 for one not registered."""
-    method = query.get("method", "normxlogit")
-    if method not in method_names():
-        raise _BadRequest(400, f"method={method!r:.80}: use one of {', '.join(method_names())}")
-    return method
-
-
 def _rows(call: GenerationCall) -> int:
     """The rows (batch size) of a call: what ``?row=`` may pick from."""
     if call.prompt_ids is not None:
@@ -442,16 +432,16 @@ class ControlServer:
             return handler._json(200, {"requests": [summary(watch, call) for watch, call, _ in records]})
         if method == "GET" and len(rest) == 2 and rest[0] == "requests":
             watch, record, _ = self._find(rest[1])
-            k, method = _int(query, "k", 5, 1), _method(query)
+            k = _int(query, "k", 5, 1)
             if isinstance(record, GenerationCall):
-                view = call_view(watch, record, k=k, row=_int(query, "row", 0, 0, _rows(record) - 1), method=method)
+                view = call_view(watch, record, k=k, row=_int(query, "row", 0, 0, _rows(record) - 1))
             else:
-                view = forward_view(watch, record, k=k, method=method)
+                view = forward_view(watch, record, k=k)
             return handler._json(200, view)
         if method == "GET" and len(rest) == 3 and rest[0] == "requests" and rest[2] == "frames":
             return handler._send(200, self._frames(rest[1]), "application/octet-stream")
         if method == "GET" and rest == ["stream"]:
-            return self._stream(handler, query.get("request_id") or None, _int(query, "k", 3, 1), _method(query))
+            return self._stream(handler, query.get("request_id") or None, _int(query, "k", 3, 1))
         if method == "POST" and rest == ["control"]:
             return handler._json(200, self._control(handler.body()))
         raise _BadRequest(404 if method == "GET" else 405, f"no such endpoint: {method} {handler.path}")
@@ -500,11 +490,12 @@ class ControlServer:
             raise _BadRequest(400, f"action={action!r:.80}: use pause, resume, attach or detach")
         return controller.status()
 
-    def _stream(self, handler: _Handler, request_id: str | None, k: int, method: str) -> None:
-        """Server-sent events: ``step`` per step made (one request's, from its first step, then ``end``; or every
-        request's from now on), ``: keepalive`` comments while idle."""
+    def _stream(self, handler: _Handler, request_id: str | None, k: int) -> None:
+        """Server-sent events: ``step`` per step made, a :class:`~nxl_hooks.records.view.StepView` (one request's,
+        from its first step, then ``end``; or every request's from now on); ``dropped`` (the total so far) when
+        this reader fell behind and lost steps; ``: keepalive`` comments while idle."""
         controller = self.controller
-        feed = controller.subscribe(request_id)
+        reader = controller.subscribe(request_id)
         try:
             handler.send_response(200)
             handler.send_header("Content-Type", "text/event-stream")
@@ -513,6 +504,7 @@ class ControlServer:
             handler.wfile.flush()
             sent: dict[int, int] = {}  # id(call) -> steps sent
             watched = None  # (watch, call) of the request, once seen
+            dropped = 0
 
             def emit(event: str, data: dict) -> None:
                 handler.wfile.write(f"event: {event}\ndata: {json.dumps(data)}\n\n".encode())
@@ -523,8 +515,7 @@ class ControlServer:
                 if call is not None and step.step < sent.get(key, 0):
                     return  # already replayed
                 sent[key] = step.step + 1
-                view = step_view(watch.texts, call, step, k=k, method=method)
-                emit("step", {"request_id": call.request_id if call else None, "model": watch.name, **view})
+                emit("step", step_view(watch, call, step, k=k).to_json())
 
             idle = time.monotonic()
             while True:
@@ -534,9 +525,11 @@ class ControlServer:
                         watched = found[:2]
                         for step in list(watched[1].steps):  # joined mid-request (or after): replay
                             send_step(*watched, step)
-                try:
-                    watch, call, step = feed.queue.get(timeout=0.25)
-                except queue.Empty:
+                item = reader.get(timeout=0.25)
+                if reader.dropped > dropped:
+                    dropped = reader.dropped
+                    emit("dropped", {"dropped": dropped})
+                if item is None:
                     if controller.endpoint is not self:  # closed (nxl detach): no reader keeps a thread here
                         return
                     if watched is not None and ended(watched[1]):
@@ -548,8 +541,8 @@ class ControlServer:
                         idle = time.monotonic()
                     continue
                 idle = time.monotonic()
-                if watched is None and request_id is not None and call is not None:
-                    watched = (watch, call)
-                send_step(watch, call, step)
+                if watched is None and request_id is not None and item.call is not None:
+                    watched = (item.watch, item.call)
+                send_step(*item)
         finally:
-            controller.unsubscribe(feed)
+            controller.unsubscribe(reader)

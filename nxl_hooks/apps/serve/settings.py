@@ -28,8 +28,9 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ...method.protocol import check_name
+from ...arch import plugins
 from ...method.select import EMBEDDINGS, option_text, parse_embedding, parse_layers, parse_target
-from ..loading import Loading
+from ..loading_options import Loading
 from ..schema import (Option, add_options, markdown_table as group_table, options, read_args, read_env, read_json,
                       setting, switch, switch_text, write_env)
 
@@ -39,6 +40,7 @@ __all__ = ["ATTACH", "CTL", "DEFAULT_KEEP_CALLS", "OPTIONS", "Option", "Settings
 DEFAULT_KEEP_CALLS = 16  #: bounded by default: a server runs for weeks
 #: The settings that are :func:`nxl_hooks.attach`'s own options: every command that attaches takes their flags.
 ATTACH = ("layers", "target", "embedding")
+PLUGINS = plugins.SETTING  #: NXL_PLUGINS: the plugin allow-list, which nxl_hooks.arch.plugins reads
 
 
 def parse_listen(value: str, *, allow_remote: bool = False) -> tuple[str, int]:
@@ -122,6 +124,19 @@ def _unclosed(glob: str) -> bool:
     return False
 
 
+def _plugin_names(text: str) -> list[str]:
+    """NXL_PLUGINS, as :func:`nxl_hooks.arch.plugins.allowed` reads it, checked: a GROUP:NAME whose group is not
+    one of them would leave that plugin out without a word."""
+    names = [name.strip() for name in text.split(",")] if text.strip() else []
+    groups = [group.rpartition(".")[2] for group in plugins.GROUPS]
+    for name in names:
+        group, colon, plugin = name.rpartition(":")
+        if not plugin or (colon and group not in groups):
+            raise ValueError(f"{text!r}: {name!r} is not a plugin's NAME or GROUP:NAME with GROUP one of "
+                             f"{', '.join(groups)}; leave it empty for no plugin")
+    return names
+
+
 def matches(name: str, globs: list[str]) -> bool:
     """Whether a model loaded from ``name`` (a path or hub id) matches a glob, itself or its last part."""
     tail = name.rstrip("/").rpartition("/")[2]
@@ -190,6 +205,11 @@ class Settings:
     sink_max_files: int = setting(16, Option(
         "NXL_SINK_MAX_FILES", _positive, "record files kept per process and model; older ones are deleted",
         flag="--sink-files", metavar="N"))
+    plugins: list[str] | None = setting(None, Option(
+        PLUGINS, _plugin_names, "the plugins that may load (docs: Plugins): a comma list of names, or GROUP:NAME "
+        "for one group's (sinks:jsonl); empty: none; unset: every installed one (the program's environment "
+        "decides)", text=lambda names: "" if names is None else ",".join(names), flag="--plugins", metavar="NAMES",
+        unset=True, attach=False))
     load: Loading = setting(Loading(), Option(
         "NXL_LOAD", Loading.from_json, "JSON: the loading options (--dtype, --device-map, --max-memory, "
         "--load-in-8bit/4bit, --gguf-file) the program's own from_pretrained calls get where they do not set them",

@@ -1,5 +1,5 @@
-"""The engine for vLLM (V1 model runner; eager, or compiled with ``NXL_VLLM_COMPILED=1``): every request a vLLM
-worker serves its own :class:`~nxl_hooks.GenerationCall`, one Step per generated token.
+"""The engine for vLLM (V1 model runner; compiled, as vLLM chooses, or eager with ``nxl run --eager``): every
+request a vLLM worker serves its own :class:`~nxl_hooks.GenerationCall`, one Step per generated token.
 
     nxl run --layers all --sink runs/ -- vllm serve ./model --logprobs-mode raw_logits
     nxl run -- python script.py            # a script that uses vllm.LLM
@@ -27,22 +27,22 @@ token id, max_tokens, the model length), checked in the worker as vLLM's schedul
 leaves otherwise (the client went away, a stop string the API server matched, an abort; vLLM tells the worker at its
 next step, not why) ends incomplete, with the steps it made and a reason saying so.
 
-Compiled mode: hooks added after vLLM compiled its model never run. When vLLM is to compile (``nxl run`` keeps it
-eager unless :data:`COMPILED` is set), the view puts hooks on vLLM's layers when the model is loaded, before vLLM
-compiles, that copy the residual stream into fixed buffers (:class:`~.buffers.Buffers`, shared with transformers'
-continuous batching); they are traced into the compiled model, and the engine reads each step's rows from the
-buffers after the step.
+Compiled mode (vLLM's default, kept under ``nxl run``): hooks added after vLLM compiled its model never run. When
+vLLM is to compile, the view puts hooks on vLLM's layers when the model is loaded, before vLLM compiles, that copy
+the residual stream into fixed buffers (:class:`~.buffers.Buffers`, shared with transformers' continuous
+batching); they are traced into the compiled model, and the engine reads each step's rows from the buffers after
+the step. ``nxl run --eager`` (:data:`~nxl_hooks.hooks.generate.EAGER`) makes the engine eager instead
+(``enforce_eager``): plain forward hooks then keep the selected layers only.
 
 Not followed (requests run unchanged, each one's call record says ``not recorded: why; what to do``): a model
 vLLM compiled without those buffers, prefix caching (a cached prefix never runs for the request that reuses it),
 async scheduling, speculative decoding, pipeline or tensor parallelism, and model classes whose layers do not return
-``(hidden, residual)`` with an RMS final norm. :func:`recording_engine_args` turns compilation (unless
-:data:`COMPILED`), prefix caching and async scheduling off in the engine arguments while ``nxl run`` records.
+``(hidden, residual)`` with an RMS final norm. :func:`recording_engine_args` turns prefix caching and async
+scheduling off in the engine arguments while ``nxl run`` records (and compilation, with ``nxl run --eager``).
 """
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 from types import ModuleType
@@ -52,15 +52,16 @@ import torch
 from torch import nn
 
 from ..guard import logger, reason
-from ..generate import Generations, Run
+from ..generate import EAGER, Generations, Run, eager
 from .buffers import Buffers
 
-__all__ = ["COMPILED", "VllmEngine", "VllmForCausalLM", "patch_engine_args", "recording_engine_args", "request_id",
+__all__ = ["VllmEngine", "VllmForCausalLM", "patch_engine_args", "recording_engine_args", "request_id",
            "unfollowable", "unfollowable_compile"]
 
 #: What makes a vLLM engine recordable, said with each reason it is not.
-_RECORDABLE = ("start it under nxl run, which sets enforce_eager and turns prefix caching and async scheduling off, "
-               "or pass --enforce-eager --no-enable-prefix-caching --no-async-scheduling yourself")
+_RECORDABLE = ("start it under nxl run, which turns prefix caching and async scheduling off and puts its capture "
+               "into the model before vLLM compiles it, or pass --no-enable-prefix-caching --no-async-scheduling "
+               "yourself")
 
 #: vLLM's request ids in the worker: the API's prefix (``cmpl-`` adds the prompt's index after the id), the client's
 #: X-Request-ID (or vLLM's own id), a random suffix the engine adds.
@@ -79,22 +80,17 @@ def request_id(worker_id: str) -> str:
 #: EngineArgs field -> (value while recording, what the status says about it)
 _SETTINGS = {"enable_prefix_caching": (False, "prefix caching off (a cached prefix never runs for the request "
                                               "that reuses it, so it would have no features)"),
-             "enforce_eager": (True, "compile and CUDA graphs off: enforce_eager (hooks do not run inside code vLLM "
-                                     "compiled)"),
+             "enforce_eager": (True, f"compile and CUDA graphs off: enforce_eager (asked for: {EAGER}=1, nxl run "
+                                     "--eager)"),
              "async_scheduling": (False, "async scheduling off (each step's tokens are read before the next step)")}
 
 
-#: The environment variable (``"1"``) that keeps vLLM's compiled mode on while recording: the layers' outputs are
-#: then written into buffers by hooks compiled into the model (:class:`~.buffers.Buffers`). Tested on the CPU
-#: (torch.compile).
-COMPILED = "NXL_VLLM_COMPILED"
-
-
 def recording_engine_args(args: Any) -> list[str]:
-    """Set on vLLM's ``EngineArgs`` ``args`` what recording needs (:data:`_SETTINGS`; with :data:`COMPILED` set,
-    compilation stays as asked); returns what was changed, as status lines. A field ``args`` lacks is left alone."""
+    """Set on vLLM's ``EngineArgs`` ``args`` what recording needs (:data:`_SETTINGS`; compilation stays as asked
+    unless :data:`~nxl_hooks.hooks.generate.EAGER` asks for eager calls); returns what was changed, as status lines.
+    A field ``args`` lacks is left alone."""
     changed = []
-    keep_compiled = os.environ.get(COMPILED) == "1"
+    keep_compiled = not eager()
     for name, (value, said) in _SETTINGS.items():
         if name == "enforce_eager" and keep_compiled:
             continue
@@ -283,6 +279,7 @@ class VllmEngine:
         self._tokens: dict[str, list[int]] = {}  # worker request id -> prompt and generated ids
         self._capture: _Capture | None = None  # set while a step's forward runs
         self._fed: dict[str, Run] = {}  # requests whose rows the last forward fed, awaiting their token
+        self._layers: torch.Tensor | None = None  # the selected layers' rows of the view's buffers, when not all
         self._told = False
 
     def claims(self, model: nn.Module) -> bool:
@@ -292,6 +289,10 @@ class VllmEngine:
         self.gens, self.plan = gens, gens.plan
         shell: VllmForCausalLM = gens.plan.model
         runner = shell.runner
+        if shell.buffers is not None:  # the selected rows of the buffers (None: all of them, read as they are)
+            every = list(range(shell.buffers.values.shape[0]))
+            self._layers = (None if list(self.plan.layers) == every else
+                            torch.tensor(self.plan.layers, device=shell.buffers.values.device))
         try:
             self.unfollowed = unfollowable(runner.vllm_config)
             if self.unfollowed is None and shell.buffers is None:
@@ -470,10 +471,12 @@ class VllmEngine:
             firsts = capture.positions[torch.tensor(starts[:-1], device=capture.positions.device)].tolist()
             total = starts[-1]
             buffers = self.gens.plan.model.buffers
-            if buffers is not None:  # the compiled model wrote this step's rows there
-                capture.hidden = {layer: buffers.values[layer, :total] for layer in self.plan.layers}
-                capture.embed_norm = torch.linalg.vector_norm(buffers.values[0, :total], dim=-1, dtype=torch.float32)
-            hidden = torch.stack([capture.hidden[layer][:total] for layer in self.plan.layers], dim=1)
+            if buffers is not None:  # the compiled model wrote this step's rows there: every layer in one read
+                rows = buffers.values.narrow(1, 0, total)
+                capture.embed_norm = torch.linalg.vector_norm(rows[0], dim=-1, dtype=torch.float32)
+                hidden = (rows if self._layers is None else rows.index_select(0, self._layers)).transpose(0, 1)
+            else:
+                hidden = torch.stack([capture.hidden[layer][:total] for layer in self.plan.layers], dim=1)
             features = self.plan.head.features(hidden)[None]  # (1, tokens, layers, d')
             embed = capture.embed_norm[None, :total]
             mask = torch.ones_like(embed, dtype=torch.bool)

@@ -1,0 +1,212 @@
+"""The loading options: one option group (:mod:`nxl_hooks.apps.schema`), :class:`Loading`, read alike from the
+flags every loading command takes, from :func:`~nxl_hooks.apps.loading.load_model`'s keyword arguments and from
+``nxl run``'s ``NXL_LOAD``, with the names they take.
+
+    loading = Loading.from_args(args)                    # --dtype bfloat16 --load-in-8bit ...
+    model, tokenizer = load_model("./my-model", **loading)
+    Loading.from_json('{"dtype": "bfloat16"}') == {"dtype": "bfloat16"}
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+from .schema import Option, markdown_table as group_table, options, read_args, read_json, setting, switch
+
+__all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "Loading", "markdown_table", "read_device_map", "read_max_memory"]
+
+#: The Auto class per head kind the library explains (regression loads as sequence classification).
+HEAD_CLASSES = {
+    "causal_lm": "AutoModelForCausalLM",
+    "sequence_classification": "AutoModelForSequenceClassification",
+    "masked_lm": "AutoModelForMaskedLM",
+}
+#: ``--dtype`` names; "auto" is the checkpoint's own dtype.
+DTYPES = ("auto", "float32", "float16", "bfloat16")
+#: bitsandbytes modes: 8bit, 4bit (nf4), fp4.
+QUANTIZE = ("8bit", "4bit", "fp4")
+
+
+def _one_of(names: Sequence[str]) -> Callable[[str], str]:
+    def read(text: str) -> str:
+        if text not in names:
+            raise ValueError(f"{text!r}: use one of {', '.join(names)}")
+        return text
+
+    return read
+
+
+def read_max_memory(text: str) -> dict[Any, str]:
+    """``0=10GiB,cpu=30GiB`` -> ``{0: "10GiB", "cpu": "30GiB"}`` (accelerate's max_memory); ValueError otherwise."""
+    limits: dict[Any, str] = {}
+    for part in text.split(","):
+        device, sep, size = part.strip().partition("=")
+        if not sep or not device or not size:
+            raise ValueError(f"{text!r}: use DEVICE=SIZE pairs like 0=10GiB,cpu=30GiB")
+        limits[int(device) if device.isdigit() else device] = size
+    return limits
+
+
+def _memory_map(value: Any) -> dict[Any, Any]:
+    """max_memory as JSON or Python gives it: ``{"0": "10GiB", "cpu": 2**30}`` (a device number as text, as JSON
+    writes it, is the number again)."""
+    if not isinstance(value, Mapping) or not all(isinstance(size, (str, int)) and not isinstance(size, bool)
+                                                 for size in value.values()):
+        raise ValueError(f"{value!r:.80}: give DEVICE=SIZE pairs like 0=10GiB,cpu=30GiB, or a mapping like "
+                         "{0: '10GiB', 'cpu': '30GiB'}")
+    return {int(device) if isinstance(device, str) and device.isdigit() else device: size
+            for device, size in value.items()}
+
+
+def read_device_map(text: str) -> Any:
+    """``auto`` | ``balanced`` | ``sequential`` | ``cpu`` | ``cuda:0`` | a JSON object ``{module: device}``."""
+    if not text.startswith("{"):
+        return text
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{text!r} is not valid JSON: {error}") from None
+
+
+def _placement(value: Any) -> Any:
+    """A device_map that is not text (a mapping, a device number, a torch.device): from_pretrained reads it."""
+    if isinstance(value, (bool, list, tuple, float)):
+        raise ValueError(f"{value!r:.80}: give auto, a device, or a mapping {{module: device}}")
+    return dict(value) if isinstance(value, Mapping) else value
+
+
+def _dtype(value: Any) -> Any:
+    """A torch dtype given in Python: its name where it is one of :data:`DTYPES` (so that NXL_LOAD can hold it)."""
+    import torch
+
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"{value!r:.80}: use one of {', '.join(DTYPES)} (or a torch dtype)")
+    name = str(value).removeprefix("torch.")
+    return name if name in DTYPES else value
+
+
+def _gguf_name(text: str) -> str:
+    if not text.lower().endswith(".gguf"):
+        raise ValueError(f"{text!r}: name the .gguf file inside MODEL")
+    return text
+
+
+@dataclass(frozen=True, eq=False)
+class Loading(Mapping[str, Any]):
+    """How a model is loaded: one option group (:mod:`nxl_hooks.apps.schema`), read alike from the flags every
+    loading command takes (:meth:`from_args`), from :func:`load_model`'s keyword arguments and from ``NXL_LOAD``
+    (:meth:`from_json`), and checked once, here. It is also a read-only mapping of the options that are set, so it
+    is ``load_model``'s keyword arguments as it is::
+
+        loading = Loading.from_args(args)                # --dtype bfloat16 --load-in-8bit ...
+        model, tokenizer = load_model("./my-model", **loading)
+        Loading.from_json('{"dtype": "bfloat16"}') == {"dtype": "bfloat16"}
+
+    ``nxl run`` hands the options marked ``program`` to the program's own ``from_pretrained`` calls (NXL_LOAD);
+    the others (``--head``, ``--tp``, ``--chat``) belong to a command that loads its model itself.
+    """
+
+    head: str | None = setting(None, Option(
+        None, _one_of(tuple(HEAD_CLASSES)), "which head to load when config.architectures does not say (a .gguf "
+        "file: causal_lm)", flag="--head", metavar="HEAD", choices=tuple(HEAD_CLASSES), program=False))
+    dtype: Any = setting(None, Option(
+        None, _one_of(DTYPES), "load the weights in this dtype (auto: the checkpoint's)", flag="--dtype",
+        metavar="DTYPE", choices=DTYPES, json=_dtype))
+    device_map: Any = setting(None, Option(
+        None, read_device_map, "accelerate placement: auto | balanced | sequential | cpu | cuda:0 | JSON {module: "
+        "device}", flag="--device-map", metavar="MAP", json=_placement))
+    max_memory: dict | None = setting(None, Option(
+        None, read_max_memory, "with --device-map: what each device may hold, like 0=10GiB,cpu=30GiB",
+        flag="--max-memory", metavar="LIMITS", json=_memory_map))
+    quantize: str | None = setting(None, Option(
+        None, _one_of(QUANTIZE), "quantize with bitsandbytes: 8bit, 4bit (nf4) or fp4 (fp4: in Python only)",
+        switches=(("--load-in-8bit", "8bit", "quantize with bitsandbytes, 8-bit"),
+                  ("--load-in-4bit", "4bit", "quantize with bitsandbytes, 4-bit nf4"))))
+    gguf_file: str | None = setting(None, Option(
+        None, _gguf_name, "the .gguf file inside MODEL (a folder or hub id); or pass the .gguf file as MODEL",
+        flag="--gguf-file", metavar="NAME"))
+    tp: bool = setting(False, Option(
+        None, switch, "tensor parallel: launched by torchrun, load with tp_plan='auto' (one shard per process; rank "
+        "0 prints and writes)", flag="--tp", program=False))
+    chat: bool = setting(False, Option(
+        None, switch, "wrap each text in the tokenizer's chat template as the user's message, with the assistant's "
+        "turn after it", flag="--chat", program=False))
+
+    def __post_init__(self) -> None:
+        for option in options(type(self)):  # a keyword argument is read as NXL_LOAD's JSON is
+            value = getattr(self, option.name)
+            if value is None or value is option.default:
+                object.__setattr__(self, option.name, option.default)
+                continue
+            try:
+                object.__setattr__(self, option.name, option.accept(value))
+            except ValueError as error:
+                raise ValueError(f"{option.name}: {error}") from None
+        clash = [name for name in ("device_map", "max_memory", "quantize", "gguf_file")
+                 if getattr(self, name) is not None]
+        if self.tp and clash:
+            raise ValueError(f"--tp with {', '.join(clash)}: tensor parallel places one shard per torchrun process "
+                             "itself; drop those (a GGUF file: nxl convert it, then load the folder)")
+
+    def loadable(self) -> "Loading":
+        """Itself, when a model can be loaded with these options alone; ValueError otherwise (max_memory without a
+        device_map). Not asked of NXL_LOAD's options: they are defaults that the program's own call completes."""
+        if self.max_memory is not None and self.device_map is None:
+            raise ValueError("--max-memory needs --device-map (max_memory needs a device_map; e.g. auto): it caps "
+                             "what each device holds")
+        return self
+
+    def __getitem__(self, name: str) -> Any:
+        if name not in self._given():
+            raise KeyError(name)
+        return getattr(self, name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._given())
+
+    def __len__(self) -> int:
+        return len(self._given())
+
+    def _given(self) -> list[str]:
+        """The options set (not None, not off), in field order."""
+        return [option.name for option in options(type(self)) if getattr(self, option.name) not in (None, False)]
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "Loading":
+        """The options of parsed :func:`~nxl_hooks.apps.options.add_loading_options` flags (ValueError for a
+        combination that cannot work)."""
+        return cls(**read_args(cls, args)).loadable()
+
+    @classmethod
+    def program(cls, values: Mapping[str, Any]) -> "Loading":
+        """The options ``nxl run`` hands to a program's own loads, from a mapping of them (NXL_LOAD's object);
+        ValueError naming a key that is not one of them or a bad value."""
+        return cls(**read_json(cls, values, where=lambda option: option.program))
+
+    @classmethod
+    def from_json(cls, text: str) -> "Loading":
+        """NXL_LOAD's text: a JSON object of the ``program`` options (:meth:`program`)."""
+        try:
+            values = json.loads(text)
+        except ValueError:
+            values = None
+        names = ", ".join(option.name for option in options(cls) if option.program)
+        if not isinstance(values, dict):
+            raise ValueError(f"{text!r:.200}: a JSON object of {names}")
+        try:
+            return cls.program(values)
+        except ValueError as error:
+            raise ValueError(f"{text!r:.200}: a JSON object of {names} ({error})") from None
+
+    def to_json(self) -> str:
+        """The text :meth:`from_json` reads back; empty when no option is set."""
+        return json.dumps(dict(self), default=str) if self else ""  # (default: a torch dtype not in DTYPES)
+
+
+def markdown_table() -> str:
+    """:class:`Loading` as a markdown table (flag, keyword, whether nxl run takes it, what it sets): the one in
+    ``docs/command-line.md`` (:mod:`nxl_hooks.apps.schema` rewrites it)."""
+    return group_table(Loading)

@@ -1,0 +1,364 @@
+"""The probe's hooks: what runs inside the model's forward, and the per-thread state of the calls they record.
+
+    recorder = Recorder(plan, backbone, gens, engines, results, notice)
+    handles = recorder.register()       # on the task model, its backbone, its blocks, the word embedding
+
+Made and registered by :func:`~nxl_hooks.attach` (:mod:`.probe`), which owns their lifecycle. Eagerly each hook feeds
+the calling thread's capture or recorded call (:mod:`.generate`, :mod:`.engines`); inside a forward torch.compile
+traces, it takes the graph-safe path instead (:mod:`.tape`). No hook ever raises into the host's forward
+(:mod:`.guard`).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from ..records.attribution import Attribution
+from .engines import Engine
+from .forward import Capture, assemble, open_capture
+from .generate import Generations
+from .guard import Notice, logger, reason
+from .plan import Plan
+from .recording import Recording
+from .tape import TracedForward
+
+__all__ = ["Recorder", "Results"]
+
+
+def _hidden(output: Any) -> torch.Tensor:
+    # Most transformers v5 blocks return a tensor; Falcon, Bloom, MPT, GPT-J, DeBERTa-v2 return tuples.
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def _without_traceback(error: BaseException) -> BaseException:
+    # Kept for result(): a traceback would keep every tensor of the failed forward's frames alive.
+    return error.with_traceback(None)
+
+
+class Results(threading.local):
+    """The last forward's attribution (or why there is none), per thread. Shared by the probe and its hooks: the
+    probe keeps it after it detaches, without keeping the model."""
+
+    last: Attribution | BaseException | None = None
+
+
+class _Task:
+    """One task-model forward running in this thread: whether it is a step of a recorded call, whether its blocks
+    reached the hooks, and (a plain forward) its backbone's capture, assembled when the task model returns."""
+
+    __slots__ = ("in_call", "blocks_ran", "capture")
+
+    def __init__(self, in_call: bool) -> None:
+        self.in_call, self.blocks_ran = in_call, False
+        self.capture: Capture | None = None
+
+
+class Recorder:
+    """The hooks, and the per-thread state of the calls they record. The model holds it (through its hooks), never
+    the :class:`Probe`, so neither a dropped probe nor a dropped model is kept alive by the other."""
+
+    def __init__(self, plan: Plan, backbone: nn.Module, gens: Generations | None, engines: list[Engine],
+                 results: Results, notice: Notice) -> None:
+        self.plan, self.backbone, self.gens, self.engines = plan, backbone, gens, engines
+        self.notice = notice
+        self._signature = inspect.signature(backbone.forward)
+        # The backbone's **kwargs (flash / continuous-batching arguments arrive there) are read like named ones.
+        self._var_keyword = next((name for name, parameter in self._signature.parameters.items()
+                                  if parameter.kind is inspect.Parameter.VAR_KEYWORD), None)
+        self._local = threading.local()
+        self.results = results
+        self._told_stray = False
+        # Layers whose features a hook computes; the last block is hooked in any case, for final logits.
+        self._wanted = set(plan.layers)
+        # Under torch.compile the hooks only write these (graph-safe: no per-thread state, no host read, no lock):
+        # the tape while a recorded call armed it, else what a plain forward saw.
+        self.tape = gens.tape if gens is not None else None
+        self.plain = TracedForward()
+
+    # -- per-thread state --------------------------------------------------------------------------------
+
+    def _stacks(self) -> tuple[list[Capture | None], list[_Task]]:
+        local = self._local
+        try:
+            return local.captures, local.tasks
+        except AttributeError:
+            local.captures, local.tasks = [], []
+            return local.captures, local.tasks
+
+    def _run(self) -> Recording | None:
+        return self.gens.current() if self.gens is not None else None
+
+    def _fail(self, what: str, error: BaseException) -> None:
+        """This thread's current capture failed: nothing more is recorded for its call."""
+        captures, _ = self._stacks()
+        if captures:
+            captures[-1] = None
+        run = self._run()
+        if run is not None:
+            run.fail(what, error)
+        else:
+            reason(what, error)
+            self.results.last = _without_traceback(error)
+
+    def _current(self) -> Capture | None:
+        captures, _ = self._stacks()
+        return captures[-1] if captures else None
+
+    def _arguments(self, args: tuple, kwargs: dict) -> dict[str, Any]:
+        if not args and self._var_keyword not in kwargs:  # keywords only, as task models call their backbone:
+            return dict(kwargs)  # binding would give the same names, once flattened
+        arguments = self._signature.bind_partial(*args, **kwargs).arguments
+        extra = arguments.pop(self._var_keyword, None) if self._var_keyword else None
+        if extra:
+            arguments.update(extra)
+        return arguments
+
+    def _stray(self, arguments: dict[str, Any]) -> bool:
+        """Whether a forward outside every recorded call is an engine's own (its warmup, or a step it cannot
+        follow), which a plain forward's record cannot explain: then it is not recorded, and the result says why.
+        Said once per probe: as a warning when the engine cannot follow its host at all (also kept as
+        ``Probe.unrecorded``), else as information."""
+        for engine in self.engines:
+            why = engine.stray(arguments)
+            if why is None:
+                continue
+            self.results.last = RuntimeError(why)
+            if engine.unfollowed:
+                self.notice.text = f"not recorded: {engine.unfollowed}"
+            if not self._told_stray:
+                self._told_stray = True
+                logger.log(logging.WARNING if engine.unfollowed else logging.INFO,
+                           "nxl_hooks: %s forwards are not recorded (%s); they run unchanged", engine.name,
+                           engine.unfollowed or "a forward outside its generation steps, e.g. a warmup")
+            return True
+        if arguments.get("cu_seq_lens_q") is not None:  # padding-free inputs, in a model no engine follows
+            self.results.last = RuntimeError(
+                "the last forward packed several sequences into one row (cu_seq_lens_q: padding-free inputs), which "
+                "a plain forward's record cannot explain; pass a padded batch")
+            return True
+        return False
+
+    # -- hooks -------------------------------------------------------------------------------------------
+
+    def register(self) -> list[torch.utils.hooks.RemovableHandle]:
+        plan, handles = self.plan, []
+        try:
+            handles.append(plan.model.register_forward_pre_hook(self.on_task_start))
+            handles.append(plan.model.register_forward_hook(self.on_task_end, always_call=True))
+            handles.append(self.backbone.register_forward_pre_hook(self.on_backbone_start, with_kwargs=True))
+            handles.append(self.backbone.register_forward_hook(self.on_backbone_end, always_call=True))
+            handles.append(plan.blocks[0].register_forward_pre_hook(self.on_block_input, with_kwargs=True))
+            for index, block in enumerate(plan.blocks, start=1):
+                if index in self._wanted or index == plan.n_blocks:
+                    handles.append(block.register_forward_hook(self._block_hook(index)))
+            if plan.embedding == "word":
+                handles.append(plan.model.get_input_embeddings().register_forward_hook(self.on_word_embedding))
+        except BaseException:
+            for handle in handles:
+                handle.remove()
+            raise
+        return handles
+
+    def _traced(self) -> bool:
+        """Whether this hook runs inside a forward dynamo traces (:mod:`.tape`). Not for a call that is not recorded
+        (nor is it a plain forward), e.g. an engine's compiled step that its own taps record: the eager branch, which
+        then does nothing."""
+        run = self._run()
+        return torch.compiler.is_compiling() and not (run is not None and run.failed)
+
+    def _taping(self) -> bool:
+        return self.tape is not None and self.tape.armed
+
+    def settle(self) -> None:
+        """Assemble the last plain forward that ran wholly compiled (the task model's hooks traced too)."""
+        seen = self.plain.take()
+        if seen is not None and seen[0] is not None:
+            self._finish(*seen)
+        elif seen is not None:
+            self.results.last = self._skipped()
+
+    def on_task_start(self, module: nn.Module, args: tuple) -> None:
+        if self._traced():
+            if not self._taping():
+                self.plain.task()
+            return
+        _, tasks = self._stacks()
+        tasks.append(_Task(in_call=self._run() is not None))
+
+    def on_task_end(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._taping() and output is not None:
+            self.tape.task_output(output)  # eager too: a prefill that ran eagerly hands its logits on
+        if self._traced():
+            if not self._taping():
+                self.plain.keep("logits", getattr(output, "logits", None))
+            return
+        _, tasks = self._stacks()
+        if not tasks:
+            return
+        task = tasks.pop()
+        if task.capture is not None:
+            self._finish(task.capture, output)
+        elif task.in_call:
+            run = self._run()
+            if run is not None and not run.failed and output is not None:
+                try:  # a step of a call: its logits give the probability of the token it emits
+                    run.after_task(output)
+                except Exception as error:  # noqa: BLE001 - never into the host's forward
+                    run.fail("this call", error)
+        elif not task.blocks_ran and output is not None and (seen := self.plain.take()) and seen[0] is not None:
+            self._finish(seen[0], output)  # its forward ran compiled, tracing the blocks' hooks
+        elif not task.blocks_ran and output is not None:  # its hooks ran, those of its blocks did not: compiled code
+            self.results.last = self._skipped()
+
+    def _skipped(self) -> RuntimeError:
+        return RuntimeError(
+            f"{type(self.plan.model).__name__} ran, but its blocks never reached the probe's hooks: the call ran "
+            "code compiled by torch.compile before the hooks existed, which skips them. Attach to the compiled model "
+            "itself (nxl.attach(compiled) runs it eagerly while attached), call the uncompiled module, or run the "
+            "call under `with torch.compiler.set_stance('force_eager'):`")
+
+    def on_backbone_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._traced():
+            (self.tape if self._taping() else self.plain).begin(self._arguments(args, kwargs))
+            return
+        captures, _ = self._stacks()
+        run = self._run()
+        captures.append(None)  # replaced below once the inputs are known; a failure or a skipped call leaves None
+        if run is not None and run.failed:
+            return
+        try:
+            bound = self._arguments(args, kwargs)
+            if run is None and self._stray(bound):
+                return
+            capture = open_capture(bound)
+            if run is not None:
+                run.before_forward(bound)
+            captures[-1] = capture
+        except Exception as error:  # noqa: BLE001 - never into the host's forward
+            self._fail("this forward", error)
+
+    def on_block_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self._traced():
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if self.plan.embedding == "layer_input":
+                self._traced_embedding(torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float32))
+            if 0 in self._wanted:
+                (self.tape if self._taping() else self.plain).layer(0, hidden)
+            return
+        captures, tasks = self._stacks()
+        if tasks:
+            tasks[-1].blocks_ran = True
+        if not captures:
+            self.results.last = _without_traceback(RuntimeError(
+                f"{type(self.plan.model).__name__} ran its blocks without calling "
+                f"{type(self.backbone).__name__}.forward, so nxl_hooks saw no input_ids: set `backbone` (the module "
+                f"that takes input_ids and runs the blocks) in the registry entry for "
+                f"{self.plan.model.config.model_type!r}"))
+            return
+        capture = captures[-1]
+        if capture is None:
+            return
+        try:
+            hidden = args[0] if args else kwargs["hidden_states"]
+            if hidden.requires_grad:
+                hidden = hidden.detach()
+            with torch.no_grad():
+                if self.plan.embedding == "layer_input":
+                    capture.embed_norm = torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float32)
+                if 0 in self._wanted:
+                    capture.hidden[0] = hidden
+        except Exception as error:  # noqa: BLE001
+            self._fail("this forward", error)
+
+    def on_word_embedding(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
+        if self._traced():
+            self._traced_embedding(self._word_norms(module, output))
+            return
+        capture = self._current()
+        if capture is None:  # the embedding called on its own, outside a forward of the model
+            return
+        try:
+            capture.embed_norm = self._word_norms(module, output)
+        except Exception as error:  # noqa: BLE001
+            self._fail("this forward", error)
+
+    def _traced_embedding(self, norms: torch.Tensor) -> None:
+        if self._taping():
+            self.tape.embedding(norms)
+        else:
+            self.plain.keep("embed", norms)
+
+    @staticmethod
+    def _word_norms(module: nn.Module, output: torch.Tensor) -> torch.Tensor:
+        # Gemma-style scaled embeddings multiply inside the module; the paper's norm is of the raw row.
+        scale = getattr(module, "embed_scale", None)
+        rows = output.detach().float()
+        if scale is not None:
+            rows = rows / scale.to(rows.device).float()
+        return torch.linalg.vector_norm(rows, dim=-1)
+
+    def _block_hook(self, index: int) -> Callable:
+        # Decided once: this runs for every block of every forward, one-token decoding steps included.
+        wanted, last = index in self._wanted, index == self.plan.n_blocks
+
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if self._traced():
+                if wanted:
+                    (self.tape if self._taping() else self.plain).layer(index, _hidden(output))
+                if last and not self._taping():
+                    self.plain.keep("last", _hidden(output).detach())
+                return
+            capture = self._current()
+            if capture is None:
+                return
+            try:
+                hidden = _hidden(output)
+                if hidden.requires_grad:  # under no_grad (serving, generate) there is nothing to detach from
+                    hidden = hidden.detach()
+                if last:
+                    capture.last_hidden = hidden
+                if wanted:
+                    capture.hidden[index] = hidden
+            except Exception as error:  # noqa: BLE001
+                self._fail("this forward", error)
+
+        return hook
+
+    def on_backbone_end(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if self._traced():
+            return
+        captures, tasks = self._stacks()
+        capture = captures.pop() if captures else None
+        if capture is None:
+            return
+        run = self._run()
+        if output is None:  # the model's own forward raised (an always_call hook): nothing to record
+            if run is None:
+                self.results.last = RuntimeError("the last forward raised inside the model, so nothing was recorded")
+            return
+        if run is not None:
+            try:
+                with torch.no_grad():
+                    run.after_forward(capture)
+            except Exception as error:  # noqa: BLE001
+                run.fail("this call", error)
+        elif tasks and not tasks[-1].in_call and tasks[-1].blocks_ran:
+            tasks[-1].capture = capture  # assembled when the task model returns, with its own logits
+        else:
+            self._finish(capture, None)
+
+    def _finish(self, capture: Capture, output: Any) -> None:
+        if output is None:
+            self.results.last = RuntimeError("the last forward raised inside the model, so nothing was recorded")
+            return
+        try:
+            with torch.no_grad():
+                self.results.last = assemble(self.plan, capture, output)
+        except Exception as error:  # noqa: BLE001
+            self._fail("this forward", error)

@@ -1,0 +1,110 @@
+"""One generated token as every reader shows it: the step view. The control endpoint's live stream (SSE) and its
+``/v1/requests`` readout, ``nxl tail`` and the generation HTML page (:func:`~nxl_hooks.records.html.generation_html`)
+all read this one schema, a dataclass with its JSON form, so a token reaches each of them through typed calls.
+
+    view = step.view(call, k=5)              # from a record (Step.view); texts: the record's readable texts
+    layer, best = view.ranked()              # the last layer's k context tokens that drove the token most
+    StepView.from_json(view.to_json()) == view
+
+Scores are a mapping ``method -> layer -> ranked context tokens``: an attribution method beside NormXLogit is one
+more key of :attr:`StepView.scores`, not a new field. Ranking follows :meth:`nxl_hooks.Attribution.top` (padding,
+the prediction position, special tokens and a chat template's own tokens do not rank). Texts are readable texts
+(:mod:`nxl_hooks.records.tokens`); tokens that each hold part of one character (an emoji a byte-level tokenizer
+splits) show that character (:func:`~nxl_hooks.records.tokens.whole_characters`, over the context and the emitted
+token: a token whose character the next token completes reads ``…`` until then).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Mapping, NamedTuple
+
+from .attribution import Attribution
+
+__all__ = ["METHOD", "Ranked", "StepView", "ranking", "ranking_json"]
+
+#: The method every view carries (the one :meth:`~nxl_hooks.Attribution.top` ranks by).
+METHOD = "normxlogit"
+
+
+class Ranked(NamedTuple):
+    """One context token among those that drove a generated token most."""
+
+    position: int  #: its position in the sequence
+    text: str  #: its readable text ('␣Paris')
+    score: float | None  #: its score (None: NaN, which JSON cannot carry)
+
+
+@dataclass(frozen=True)
+class StepView:
+    """One generated token: its text and probability and, per method and layer, the context tokens that drove it
+    most. ``step.view(call, k=3).ranked(layer=2)`` (:meth:`~nxl_hooks.Step.view` makes one from a record)"""
+
+    step: int  #: 0 for the first generated token
+    position: int  #: the token's position in the sequence
+    token_id: int
+    token: str  #: its readable text, a character split over tokens shown whole
+    probability: float | None  #: the model's own probability of the token (None where not recorded)
+    active: bool  #: False on a row that had finished before this step (its pad token)
+    #: method -> layer -> the k context tokens that drove the token most, best first
+    scores: Mapping[str, Mapping[int, tuple[Ranked, ...]]] = field(default_factory=dict)
+    request_id: str | None = None  #: the request the token belongs to, where known
+    model: str | None = None  #: the model's name, where known
+
+    def ranked(self, layer: int | None = None, method: str = METHOD) -> tuple[int, tuple[Ranked, ...]]:
+        """(layer, its ranked context tokens) by ``method``: ``layer`` where the view has it, else the last."""
+        if method not in self.scores:
+            raise ValueError(f"method {method!r} is not in this step view: it has {', '.join(self.scores) or 'none'}")
+        by_layer = self.scores[method]
+        chosen = layer if layer in by_layer else max(by_layer)
+        return chosen, by_layer[chosen]
+
+    def to_json(self) -> dict:
+        """The view as JSON (the endpoint's ``step`` event and each step of ``/v1/requests/ID``). ``top`` repeats
+        ``scores["normxlogit"]``: what endpoints sent before the step view, for readers that know only it."""
+        scores = {method: ranking_json(by_layer) for method, by_layer in self.scores.items()}
+        return {"request_id": self.request_id, "model": self.model, "step": self.step, "position": self.position,
+                "token_id": self.token_id, "token": self.token, "probability": self.probability,
+                "active": self.active, "scores": scores, "top": scores.get(METHOD, {})}
+
+    @classmethod
+    def from_json(cls, data: Any) -> "StepView":
+        """The view :meth:`to_json` made (or an older endpoint's step, ``top`` alone); ValueError when ``data`` is
+        not one."""
+        try:
+            scores = data["scores"] if "scores" in data else {METHOD: data["top"]}
+            return cls(step=int(data["step"]), position=int(data["position"]), token_id=int(data["token_id"]),
+                       token=str(data["token"]), probability=_optional_float(data.get("probability")),
+                       active=bool(data.get("active", True)),
+                       scores={str(method): {int(layer): tuple(Ranked(int(p), str(text), _optional_float(score))
+                                                                for p, text, score in ranked)
+                                             for layer, ranked in by_layer.items()}
+                               for method, by_layer in scores.items()},
+                       request_id=data.get("request_id"), model=data.get("model"))
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise ValueError(f"not a step view ({type(error).__name__}: {error}); is the endpoint an nxl_hooks "
+                             "one?") from None
+
+
+def ranking(res: Attribution, k: int, row: int = 0, label: int = 0,
+            method: str = METHOD) -> dict[int, tuple[Ranked, ...]]:
+    """Per layer of ``res``, the ``k`` context tokens of ``row`` that drove its target ``label`` most by ``method``
+    (:meth:`~nxl_hooks.Attribution.top`; NaN scores as None). ``ranking(res, 3)[-1]``"""
+    return {layer: tuple(Ranked(p, text, _number(score))
+                         for p, text, score in res.top(k, layer=layer, row=row, label=label, method=method))
+            for layer in res.layers}
+
+
+def ranking_json(ranked: Mapping[int, tuple[Ranked, ...]]) -> dict[str, list[list]]:
+    """A :func:`ranking` as JSON: ``{"layer": [[position, text, score], ...]}``."""
+    return {str(layer): [list(entry) for entry in entries] for layer, entries in ranked.items()}
+
+
+def _number(value: float) -> float | None:
+    """``value``, or None for NaN (JSON has no NaN)."""
+    return None if math.isnan(value) else value
+
+
+def _optional_float(value: Any) -> float | None:
+    return None if value is None else float(value)

@@ -1,0 +1,171 @@
+"""The live view is one typed subscriber: a generated token reaches the endpoint's server-sent events, ``nxl tail``
+and the generation HTML page as one step view (``StepView``), whose ranking is the oracle's; the live subscription
+is bounded, drops its oldest records (counted) and never holds up the generation."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import re
+import threading
+
+import pytest
+import tiny as tiny_models
+import torch
+from oracle import llama, normxlogit, prefix_logits
+from transformers import AutoModelForCausalLM
+
+import nxl_hooks as nxl
+from nxl_hooks.apps.commands import tail
+from nxl_hooks.apps.serve.client import endpoints
+from nxl_hooks.apps.serve.controller import Controller
+from nxl_hooks.apps.serve.settings import Settings
+from nxl_hooks.hooks.generate import REQUEST_ID
+from nxl_hooks.hooks.publish import Subscription
+from nxl_hooks.records.html import generation_html
+from nxl_hooks.records.tokens import visible
+from nxl_hooks.records.view import Ranked, StepView
+
+K = 3
+
+
+def _html_views(page: str) -> list[StepView]:
+    """The step views a generation page carries in its data block, one per row."""
+    block = re.search(r'<script type="application/json" id="nxl-data">(.*?)</script>', page, re.S).group(1)
+    return [StepView.from_json(step) for step in json.loads(block)["steps"]]
+
+
+def _tail_entries(line: str) -> list[tuple[int, str, str]]:
+    """(position, text, score as printed) of a tail line's ranked context tokens."""
+    return [(int(p), text, score) for p, text, score in re.findall(r"(\d+):'(.*?)' (\S+)", line.split("  L", 1)[1])]
+
+
+def test_the_endpoint_tail_and_the_html_read_one_step_view_ranked_as_the_oracle(tmp_path):
+    path = tiny_models.save_model(tmp_path / "lm", "llama")
+    model = AutoModelForCausalLM.from_pretrained(path).eval()
+    reference = AutoModelForCausalLM.from_pretrained(path).eval()
+    tokenizer = tiny_models.tokenizer()
+    run = tmp_path / "run"
+    controller = Controller(Settings(run_dir=run))
+    controller.adopt(model, str(path))
+    try:
+        (endpoint,) = endpoints(str(run))
+        opened, events = threading.Event(), []
+
+        def listen() -> None:
+            for event, data in endpoint.events(f"/v1/stream?k={K}&request_id=view-1", timeout=60,
+                                               on_open=opened.set):
+                events.append((event, data))
+                if event == "end":
+                    return
+
+        reader = threading.Thread(target=listen, daemon=True)
+        reader.start()
+        assert opened.wait(30)
+        ids = torch.tensor([tokenizer(" the film was good and the plot", add_special_tokens=False)["input_ids"]])
+        token = REQUEST_ID.set("view-1")
+        try:
+            with torch.no_grad():
+                model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+        finally:
+            REQUEST_ID.reset(token)
+        reader.join(60)
+        call = controller.watches()[0].probe.calls[-1]
+    finally:
+        controller.close()
+
+    steps = [data for event, data in events if event == "step"]
+    assert [event for event, _ in events] == ["step"] * 4 + ["end"] and len(call.steps) == 4
+    sse = [StepView.from_json(data) for data in steps]
+    html = _html_views(generation_html(call, k=K))
+    sequence = call.sequences
+    hand, special = llama(reference), set(tokenizer.all_special_ids)
+    for data, live, page, step in zip(steps, sse, html, call.steps):
+        # the endpoint's JSON is the view's own, with the NormXLogit ranking under "top" for older readers too
+        assert data == live.to_json() and data["top"] == data["scores"]["normxlogit"]
+        assert (live.request_id, live.model, live.step, live.token_id) == ("view-1", str(path), step.step,
+                                                                          int(step.token[0]))
+        # the HTML page carries the very same view for the row (it knows no model name)
+        assert dataclasses.replace(page, model=live.model) == live
+        # nxl tail prints that view: its token, and the ranked context tokens of the layer asked for
+        layer, ranked = live.ranked(1)
+        shown = tail.line(live, 1, 500)
+        assert shown.split()[:4] == ["view-1", str(live.step), f"@{live.position}", f"'{live.token}'"]
+        assert f"  L{layer}: " in shown and layer == 1
+        assert _tail_entries(shown) == [(e.position, e.text, f"{e.score:.3g}") for e in ranked]
+        # and the ranking is the oracle's: NormXLogit of the uncached prefix, best first
+        position = live.position
+        logits, embeddings = prefix_logits(reference, hand, sequence[:, :position],
+                                           torch.ones(1, position, dtype=torch.bool))
+        _, expected = normxlogit(logits, embeddings, torch.tensor([live.token_id]))
+        eligible = [i for i in range(position) if i != position - 1 and int(sequence[0, i]) not in special]
+        live_names = [visible(tokenizer.decode([int(i)])) for i in sequence[0, :position]]
+        for layer, entries in live.scores["normxlogit"].items():
+            scores = expected[layer, 0].detach()
+            shown_scores = torch.tensor([e.score for e in entries])
+            # each entry's score is the oracle's at its position, and they are the oracle's K best, best first
+            # (a token the context holds twice may tie with itself at layer 0: compared by value)
+            torch.testing.assert_close(shown_scores, scores[[e.position for e in entries]], rtol=1e-4, atol=1e-5)
+            best = sorted((float(scores[i]) for i in eligible), reverse=True)[:K]
+            torch.testing.assert_close(shown_scores, torch.tensor(best), rtol=1e-4, atol=1e-5)
+            assert all(e.position in eligible and e.text == live_names[e.position] for e in entries)
+        probability = torch.softmax(logits[-1, 0, position - 1].detach().float(), -1)[live.token_id]
+        assert live.probability == pytest.approx(float(probability), rel=1e-4, abs=1e-6)
+
+
+def test_a_step_view_reads_an_older_endpoints_json_and_refuses_what_is_not_one():
+    old = {"step": 2, "position": 9, "token_id": 7, "token": "␣film", "probability": 0.5, "active": True,
+           "top": {"0": [[3, "␣the", 0.25], [1, "a", None]]}, "request_id": "r", "model": "m"}
+    view = StepView.from_json(old)
+    assert view.ranked() == (0, (Ranked(3, "␣the", 0.25), Ranked(1, "a", None)))
+    assert StepView.from_json(view.to_json()) == view
+    with pytest.raises(ValueError, match="not a step view"):
+        StepView.from_json({"step": 1})
+    with pytest.raises(ValueError, match="method 'logat' is not in this step view: it has normxlogit"):
+        view.ranked(method="logat")
+
+
+def test_a_subscription_is_bounded_drops_its_oldest_counted_and_says_so_once(caplog):
+    feed: Subscription[int] = Subscription(size=2)
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+        for item in range(5):
+            feed.put(item)  # never waits, though nobody reads
+    feed.end()
+    assert list(feed) == [3, 4] and feed.dropped == 3
+    assert len([r for r in caplog.records if "fell 2 records behind" in r.getMessage()]) == 1
+    assert feed.get(timeout=0) is None  # ended and drained: never blocks
+
+
+def _generating() -> tuple[torch.nn.Module, torch.Tensor]:
+    return tiny_models.generating_llama(), torch.tensor([[1, 5, 7, 9]])
+
+
+def test_an_unread_subscription_never_holds_up_generation_and_keeps_the_newest_steps():
+    model, ids = _generating()
+    with nxl.attach(model, layers=[0, 2]) as probe:
+        steps = probe.subscribe(follow=True, size=2)
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=6, do_sample=False)
+        assert steps.dropped == 4 and steps.size == 2
+        steps.close()
+        kept = list(steps)
+        assert [s.step for s in kept] == [4, 5]  # the newest: the oldest were dropped
+        assert [s.step for s in probe.steps] == list(range(6))  # every record is still kept
+    assert [int(s.token[0]) for s in probe.steps] == out[0, ids.shape[1]:].tolist()
+
+
+def test_probe_stream_is_deprecated_and_still_holds_every_step():
+    model, ids = _generating()
+    with nxl.attach(model, layers=[0]) as probe:
+        with pytest.warns(DeprecationWarning, match="probe.subscribe"):
+            steps = probe.stream(follow=True)
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=5, do_sample=False)
+        steps.close()
+        assert steps.size is None and [s.step for s in steps] == list(range(5)) and steps.dropped == 0
+
+
+def test_tail_reports_steps_the_live_feed_dropped():
+    assert tail.faults({"live_dropped": 7}) == ["7 step(s) not handed to live readers: the live feed fell behind "
+                                                "(the records keep them)"]
