@@ -45,7 +45,7 @@ def _lm_oracle(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(per-layer logits (L+1, 1, seq, vocab), embedding norms (1, seq)) of ``ids`` (1, seq), by hand."""
     with torch.no_grad():
         out = model(input_ids=ids, output_hidden_states=True)
-    return oracle.llama(model).layer_logits(out.hidden_states), out.hidden_states[0].float().norm(dim=-1)
+        return oracle.llama(model).layer_logits(out.hidden_states), out.hidden_states[0].float().norm(dim=-1)
 
 
 def _ranked(scores: torch.Tensor, eligible: list[int]) -> list[int]:
