@@ -13,6 +13,8 @@ live model), ``eval`` (checking), ``apps`` (the command line and views). The mod
 
 from .arch import ArchSpec, RegistryError, UnknownArchitectureError, register_architecture, register_file
 from .hooks import Probe, attach, detach_all, explain
+from .method.protocol import Given, Method
+from .method.registry import get_method, method_names, register_method
 from .records import (Attribution, GenerationCall, RecordError, RecordSink, RotatingSink, Sink, Step, StreamError,
                       make_sink, read_stream, register_sink)
 
@@ -20,6 +22,8 @@ __all__ = [
     "ArchSpec",
     "Attribution",
     "GenerationCall",
+    "Given",
+    "Method",
     "Probe",
     "RecordError",
     "RecordSink",
@@ -32,10 +36,13 @@ __all__ = [
     "attach",
     "detach_all",
     "explain",
+    "get_method",
     "make_sink",
+    "method_names",
     "read_stream",
     "register_architecture",
     "register_file",
+    "register_method",
     "register_sink",
 ]
 __version__ = "0.4.0"

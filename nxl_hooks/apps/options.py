@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from ..method import select
+from ..method.registry import get_method
 from ..records.tokens import visible
 from .loading_options import HEAD_CLASSES, Loading, read_max_memory
 from .schema import add_options, options
@@ -104,6 +105,15 @@ def argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 #: :func:`nxl_hooks.method.select.parse_layers` and ``parse_target`` as argparse types.
 parse_layers = argument_type(select.parse_layers)
 parse_target = argument_type(select.parse_target)
+#: A registered attribution method's name (:func:`nxl_hooks.method.registry.get_method`) as an argparse type.
+parse_method = argument_type(lambda value: get_method(value).name)
+
+
+def add_method_option(parser: argparse.ArgumentParser) -> None:
+    """--method: which attribution method ranks tokens (any registered one; the probe computes it)."""
+    parser.add_argument("--method", type=parse_method, default="normxlogit", metavar="NAME",
+                        help="the attribution method that scores and ranks tokens: normxlogit (default), logat, "
+                        "contrastive, or one registered in code or through the nxl_hooks.methods entry points")
 
 
 #: ``--max-memory 0=10GiB,cpu=30GiB`` -> ``{0: "10GiB", "cpu": "30GiB"}`` (accelerate's max_memory): argparse type.

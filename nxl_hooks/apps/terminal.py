@@ -56,9 +56,11 @@ def _short(name: str) -> str:
     return name if len(name) <= _NAME else name[: _NAME - 1] + "…"
 
 
-def score_matrix(res: Attribution, row: int = 0, label: int = 0, *, logat: bool = False) -> tuple[torch.Tensor, list[int]]:
-    """(len(layers), n_real) scores of one row and label, and the real (non-pad) positions they belong to."""
-    scores = (res.logat if logat else res.normxlogit)[:, row]
+def score_matrix(res: Attribution, row: int = 0, label: int = 0, *, logat: bool = False,
+                 method: str = "normxlogit") -> tuple[torch.Tensor, list[int]]:
+    """(len(layers), n_real) scores of one row and label by ``method`` (``logat=True``: LogAt), and the real
+    (non-pad) positions they belong to."""
+    scores = res.method_scores("logat" if logat else method)[:, row]
     if scores.dim() == 3:
         scores = scores[..., label]
     positions = res.mask[row].nonzero()[:, 0].tolist()
@@ -103,14 +105,15 @@ def render_table(
     view: str | None = None,
     scores: torch.Tensor | None = None,
     all_positions: bool = False,
+    method: str = "normxlogit",
 ) -> str:
-    """Print one row's per-layer scores (NormXLogit of ``label``, or ``scores``: (len(layers), n_real)) in the first
+    """Print one row's per-layer scores (``method``'s of ``label``, or ``scores``: (len(layers), n_real)) in the first
     view of :data:`VIEWS` that fits the console (or ``view``); returns the view's name. What ranks (the highlighted
     top tokens): :meth:`Attribution.rankable`, every real token with ``all_positions``; special and chat-template
     tokens are dimmed."""
     if view is not None and view not in VIEWS:
         raise ValueError(f"view={view!r}: use one of {', '.join(VIEWS)}")
-    matrix, positions = score_matrix(res, row, label)
+    matrix, positions = score_matrix(res, row, label, method=method)
     scores = matrix if scores is None else scores
     labels = res.token_labels(row)
     names = [labels[p] for p in positions]
@@ -152,18 +155,27 @@ def render_table(
     raise AssertionError("unreachable: the top view always fits")
 
 
-def show_attribution(res: Attribution, console: Console, *, all_positions: bool = False) -> None:
+def method_title(method: str) -> str:
+    """How outputs name a method: ``NormXLogit``, ``LogAt``, else its registered name."""
+    return {"normxlogit": "NormXLogit", "logat": "LogAt"}.get(method, method)
+
+
+def show_attribution(res: Attribution, console: Console, *, all_positions: bool = False,
+                     method: str = "normxlogit") -> None:
     """Print a header line, then per explained row and target one view (:func:`render_table`) with the target's
     text, id and probability; two targets add their contrast (target − foil). Notes (a word of several tokens,
     flat embedding norms, what ranks in a chat prompt) are said once, above the tables they are about.
-    ``all_positions``: every real token ranks (template, system prompt, special tokens, the prediction)."""
+    ``all_positions``: every real token ranks (template, system prompt, special tokens, the prediction);
+    ``method``: the attribution method shown (any in ``res.scores``)."""
+    res.method_scores(method)  # ValueError naming the methods it has, before anything is printed
+    name = method_title(method)
     kind = res.meta.get("head_kind", "?")
     console.print(Text(f"{res.meta.get('model_class', '')}", style="bold")
                   + Text(f"  head: {kind}  blocks: {res.meta.get('n_blocks')}  "
                          f"embedding norm: {res.meta.get('embedding')}"))
     spreads = [res.norm_spread(row) for row in range(res.target.shape[0])]
     flat = [s for s in spreads if flat_norms(s)]
-    if flat:
+    if flat and method == "normxlogit":
         console.print(Text("note: " + flat_note(max(flat)), style="yellow"))
     template = ranking_note(res, all_positions)
     if template:
@@ -175,20 +187,22 @@ def show_attribution(res: Attribution, console: Console, *, all_positions: bool 
         labels = res.target_info(row)
         for label in range(len(labels)):
             if kind == HeadKind.REGRESSION:
-                title = f"NormXLogit, regression: norm x |HoT(h) - prediction {res.meta['prediction'][row][0]:.4g}|"
+                what = ("norm x " if method == "normxlogit" else "") + "|HoT(h) - prediction"
+                title = f"{name}, regression: {what} {res.meta['prediction'][row][0]:.4g}|"
             else:
-                title = f"NormXLogit of {res.target_label(row, label)}"
+                title = f"{name} of {res.target_label(row, label)}"
             how = res.resolution(row, label)
             if how and how.get("note") and how["note"] not in noted:  # above the table: it changes what it means
                 noted.add(how["note"])
                 console.print(Text("warning: " + how["note"], style="bold yellow"))
-            render_table(res, console, row=row, label=label, title=f"{title}, {at}", all_positions=all_positions)
+            render_table(res, console, row=row, label=label, title=f"{title}, {at}", all_positions=all_positions,
+                         method=method)
         if len(labels) == 2:
             first, second = res.target_label(row, 0), res.target_label(row, 1)
-            contrast, _ = score_matrix(res, row, 0)
-            contrast = contrast - score_matrix(res, row, 1)[0]
+            contrast, _ = score_matrix(res, row, 0, method=method)
+            contrast = contrast - score_matrix(res, row, 1, method=method)[0]
             render_table(res, console, row=row, scores=contrast, all_positions=all_positions,
-                         title=f"Contrast: NormXLogit of {first} minus {second}, {at}")
+                         title=f"Contrast: {name} of {first} minus {second}, {at}")
 
 
 def ranking_note(res: Attribution, all_positions: bool = False) -> str | None:
@@ -202,14 +216,16 @@ def ranking_note(res: Attribution, all_positions: bool = False) -> str | None:
             "--all-positions ranks them too)")
 
 
-def _generation_line(res: Attribution, step: Step, layer: int, top: int, width: int, all_positions: bool) -> Text:
+def _generation_line(res: Attribution, step: Step, layer: int, top: int, width: int, all_positions: bool,
+                     method: str) -> Text:
     """One generated token in one line of at most ``width`` columns: step, token, its probability, the ``top``
     context tokens at ``layer`` (fewer when they do not fit)."""
     line = Text(f"{step.step:>4} ", style="dim") + Text(_short(step.readable[0]).ljust(12), style="bold green")
     if step.probability is not None:
         line += Text(f" p {fmt(float(step.probability.reshape(-1)[0])):<7}", style="dim")
     line += Text(f" L{layer}:", style="bold")
-    for rank, (position, name, score) in enumerate(res.top(top, layer=layer, all_positions=all_positions)):
+    for rank, (position, name, score) in enumerate(res.top(top, layer=layer, all_positions=all_positions,
+                                                                     method=method)):
         entry = (Text(f" {position}:", style="dim") + Text(_short(name))
                  + Text(" " + format_score(score), style=_NEGATIVE if score < 0 else ""))
         if rank and line.cell_len + entry.cell_len > width:
@@ -220,13 +236,14 @@ def _generation_line(res: Attribution, step: Step, layer: int, top: int, width: 
 
 def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, layers: Any = "all", top: int = 3,
                      embedding: str = "layer_input", console: Any = None, sink: str | Path | None = None,
-                     chat: bool = False, all_positions: bool = False) -> GenerationCall:
+                     chat: bool = False, all_positions: bool = False, method: str = "normxlogit") -> GenerationCall:
     """Generate greedily after ``text`` and print each token's attribution as soon as it is emitted: the view of
     ``nxl attribute MODEL TEXT --generate N``. One line per token, fitted to the console: the step, the token, the
     model's probability of it, and the ``top`` context tokens by signed NormXLogit at the last selected layer
     (all selected layers are recorded: ``sink`` / the returned call). ``embedding`` goes to
     :func:`nxl_hooks.attach`; ``chat`` wraps ``text`` in the tokenizer's chat template, whose markers and system
-    prompt then do not rank unless ``all_positions``. The last line says why generation stopped.
+    prompt then do not rank unless ``all_positions``; ``method``: the attribution method that ranks (computed beside
+    NormXLogit and LogAt). The last line says why generation stopped.
 
     ``print_generation(model, tok, "The capital of France is", 8, layers=[-1])``
     """
@@ -251,7 +268,7 @@ def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, 
         layer = step.layers[-1]
         if not said["legend"]:
             said["legend"] = True
-            console.print(Text(f"step, token, p, top NormXLogit context (position:token score) at L{layer}",
+            console.print(Text(f"step, token, p, top {method_title(method)} context (position:token score) at L{layer}",
                                style="dim"))
         if step.step == 0:  # the call's one number, as its HTML page says it (GenerationCall.norm_spread)
             call = probe.calls[-1]
@@ -259,12 +276,14 @@ def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, 
             # of this first step itself: the record pipeline may not have kept it in call.steps yet
             if flat_norms(spread := call.attribution(step).norm_spread(0)):
                 console.print(Text("note: " + flat_note(spread), style="yellow"))
-        console.print(_generation_line(res, step, layer, top, console.width, all_positions), no_wrap=True, crop=False)
+        console.print(_generation_line(res, step, layer, top, console.width, all_positions, method), no_wrap=True,
+                      crop=False)
         ids.append(int(step.token[0]))
         names.append(step.readable[0])  # attached with the tokenizer: every step has its text
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    with attach(model, layers=layers, tokenizer=tokenizer, embedding=embedding, on_step=show, sink=sink) as probe:
+    with attach(model, layers=layers, tokenizer=tokenizer, embedding=embedding, on_step=show, sink=sink,
+                methods=[method]) as probe:
         if probe.kind is not HeadKind.CAUSAL_LM:
             raise ValueError(f"generating needs a causal LM; {type(probe.model).__name__} is a {probe.kind} model")
         model.generate(**enc, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)

@@ -25,12 +25,15 @@ CONTRACT (record based, everything JSON-able; the dataset runner shards, resumes
     "sufficiency_curve", "accuracy_comprehensiveness", "accuracy_sufficiency", "pearson_comprehensiveness",
     "pearson_sufficiency", "layered", "ap", "dot", "ap_eval", "dot_eval", "n_evidence", "seconds"}}}
 
-Methods: random (seeded by seed and text), embed_norm, logat, normxlogit, contrastive (NormXLogit[target] -
-NormXLogit[foil]), grad_norm, grad_x_input, integrated_gradients (captum; :mod:`nxl_hooks.eval.baselines`).
+Methods: random (seeded by seed and text), embed_norm, every registered attribution method
+(:mod:`nxl_hooks.method.registry`: logat, normxlogit, contrastive (NormXLogit[target] - NormXLogit[foil]) and any
+registered in code or through an entry point), grad_norm, grad_x_input, integrated_gradients (captum;
+:mod:`nxl_hooks.eval.baselines`). :func:`available_methods` lists them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import zlib
 from dataclasses import dataclass
@@ -43,6 +46,8 @@ from ..arch.registry import HeadKind, blocks, resolve
 from ..hooks.probe import attach
 from ..method.chat import locate_template
 from ..method.placement import input_device
+from ..method.protocol import Method
+from ..method.registry import get_method, method_names
 from ..method.scores import flat_norms, norm_spread
 from ..method.select import layer_index, order, prediction_rows, rankable, resolve_layers, resolve_target
 from ..method.subject import unwrap
@@ -56,6 +61,7 @@ __all__ = [
     "DEFAULT_METHODS",
     "METHODS",
     "aggregate",
+    "available_methods",
     "average_precision",
     "evidence_mask",
     "mean",
@@ -68,14 +74,29 @@ __all__ = [
 SCHEMA = "nxl_hooks.eval/1"
 #: Fractions of the non-pad length perturbed: int(n * K) tokens.
 DEFAULT_KS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-#: Every method: "contrastive" is NormXLogit[target] - NormXLogit[foil] (a variant beyond the paper).
+#: The built-in methods: "contrastive" is NormXLogit[target] - NormXLogit[foil] (a variant beyond the paper);
+#: :func:`available_methods` adds every registered attribution method.
 METHODS = ("random", "embed_norm", "logat", "normxlogit", "contrastive", *GRADIENT_METHODS)
 #: What runs unless asked otherwise: every method but Integrated Gradients, whose 50 forward and backward passes
 #: cost more than all the others together (on SmolLM2-135M, CPU: 3.4 s per example with it, 1.5 s without).
 DEFAULT_METHODS = tuple(m for m in METHODS if m != "integrated_gradients")
 #: Methods that are a floor to beat, not candidates: never "best" in a report (random costs nothing, too).
 BASELINES = ("random",)
-_LAYERED = ("logat", "normxlogit", "contrastive")
+
+
+def available_methods() -> tuple[str, ...]:
+    """Every method :func:`score_example` takes: :data:`METHODS` and each registered attribution method
+    (:func:`~nxl_hooks.method.registry.method_names`), which score every layer."""
+    return tuple(dict.fromkeys([*METHODS[:2], *method_names(), *METHODS[2:]]))
+
+
+def _foiled(method: Method, foil: int | None) -> Method | None:
+    """``method`` as one example runs it: a method that contrasts with a foil (a ``foil`` field, as
+    :class:`~nxl_hooks.method.methods.contrastive.Contrastive` has) gets the example's (None: nothing to contrast
+    with, the method is left out); any other as it is."""
+    if not (dataclasses.is_dataclass(method) and "foil" in {f.name for f in dataclasses.fields(method)}):
+        return method
+    return None if foil is None else dataclasses.replace(method, foil=foil)
 
 _Predict = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -262,27 +283,24 @@ def _method_scores(setup: _Setup, methods: Sequence[str], ids: torch.Tensor, pos
     regression = setup.kind is HeadKind.REGRESSION
     batch = ids[None].to(setup.device)
     mask = torch.ones_like(batch)
-    for name in (m for m in ("embed_norm", *_LAYERED) if m in methods):
-        if name == "contrastive" and t.foil is None:
+    registered = set(method_names())
+    for name in (m for m in methods if m == "embed_norm" or m in registered):
+        method = None if name == "embed_norm" else _foiled(get_method(name), t.foil)
+        if name != "embed_norm" and method is None:
             continue  # no foil: nothing to contrast (the record says so)
-        # Each timed on its own attached forward, as a user computing only it would run it (embed_norm: one layer;
-        # contrastive: two targets): one shared forward would give four methods one number.
-        targets = "predicted" if regression else [t.target] + ([t.foil] if name == "contrastive" else [])
+        # Each timed on its own attached forward, as a user computing only it would run it (embed_norm: one layer):
+        # one shared forward would give every method one number.
         start = time.perf_counter()
-        with torch.no_grad(), attach(setup.model, layers=[0] if name == "embed_norm" else "all", target=targets,
-                                     tokenizer=setup.tokenizer) as probe:
+        with torch.no_grad(), attach(setup.model, layers=[0] if name == "embed_norm" else "all",
+                                     target="predicted" if regression else [t.target], tokenizer=setup.tokenizer,
+                                     methods=[] if method is None else [method]) as probe:
             setup.model(input_ids=batch, attention_mask=mask)
         res = probe.result()
         seconds[name] = time.perf_counter() - start
         # every attached forward has the embedding norms: the record's norm_spread reads them, asked for or not
         scores.setdefault("embed_norm", res.embed_norm[0])
-        if name == "embed_norm":
-            continue
-        if regression:
-            scores[name] = getattr(res, name)[:, 0]
-        else:
-            first = getattr(res, "normxlogit" if name == "contrastive" else name)[:, 0, :, 0]
-            scores[name] = first - res.normxlogit[:, 0, :, 1] if name == "contrastive" else first
+        if name != "embed_norm":
+            scores[name] = res.scores[name][:, 0] if regression else res.scores[name][:, 0, :, 0]
     if "random" in methods:
         generator = torch.Generator().manual_seed(_seed(seed, text))
         scores["random"] = torch.rand(len(ids), generator=generator)
@@ -389,9 +407,10 @@ def score_example(
     or "output" for regression), correct (None without a label), evidence (0/1 per token, or None),
     evidence_missing (words that matched no token), layers, eval_layer, ks, counts (tokens per K), methods.
     """
-    unknown = [m for m in methods if m not in METHODS]
+    known = available_methods()
+    unknown = [m for m in methods if m not in known]
     if unknown:
-        raise ValueError(f"unknown method(s) {unknown}; choose from {METHODS}")
+        raise ValueError(f"unknown method(s) {unknown}; choose from {known}")
     if not isinstance(example.get("text"), str) or not example["text"].strip():
         raise ValueError(f"example needs a non-empty 'text' string, got keys {sorted(example)}")
     setup = _Setup(model, tokenizer, perturbation)
@@ -403,16 +422,17 @@ def score_example(
     position = setup.position(ids)
     original = setup.predict(ids[None], torch.ones(1, n, dtype=torch.long), torch.tensor([position]))
     t = _targets(setup, example, original[0])
-    methods = [m for m in methods if not (m == "contrastive" and t.foil is None)]
+    layered = set(method_names())
+    methods = [m for m in methods if m not in layered or _foiled(get_method(m), t.foil) is not None]
     evidence, missing = _evidence(example, encoding, position)
     scores, seconds = _method_scores(setup, methods, ids, position, t, seed, example["text"], ig_steps, aggregation)
     for name, values in (custom or {}).items():
-        if name in METHODS or len(values) != n:
+        if name in known or len(values) != n:
             raise ValueError(f"custom method {name!r}: give a new name and one score per token ({n} tokens here)")
         scores[name], seconds[name] = torch.as_tensor(values, dtype=torch.float32), None
         methods.append(name)
     eval_layer = layer_index(layer, setup.n_blocks)
-    ranking = {name: scores[name][eval_layer] if name in _LAYERED else scores[name] for name in methods}
+    ranking = {name: scores[name][eval_layer] if name in layered else scores[name] for name in methods}
 
     # A chat-templated text (nxl evaluate --chat): its template's tokens neither rank nor count towards K.
     template = locate_template(tokenizer, ids.tolist())
@@ -436,7 +456,7 @@ def score_example(
     for index, name in enumerate(methods):
         comp = slice(2 * index * len(counts), (2 * index + 1) * len(counts))
         suff = slice(comp.stop, comp.stop + len(counts))
-        by_layer = scores[name] if name in _LAYERED else scores[name][None]
+        by_layer = scores[name] if name in layered else scores[name][None]
         records[name] = {
             "comprehensiveness": change[comp].tolist(),
             "sufficiency": change[suff].tolist(),
@@ -444,7 +464,7 @@ def score_example(
             "suff_correct": None if correct is None else correct[suff],
             "comp_pred": predicted[comp],
             "suff_pred": predicted[suff],
-            "layered": name in _LAYERED,
+            "layered": name in layered,
             "ap": None if evidence is None else [average_precision(s[ranked], evidence[ranked]) for s in by_layer],
             "dot": None if evidence is None else [normalized_dot(s[ranked], evidence[ranked]) for s in by_layer],
             "seconds": seconds[name],
@@ -454,7 +474,8 @@ def score_example(
     regression = setup.kind is HeadKind.REGRESSION
     spread = norm_spread(scores["embed_norm"], ranked) if "embed_norm" in scores else None
     id2label, softmax = getattr(unwrap(model).config, "id2label", None), original[0].float().softmax(-1)
-    foil = t.foil if "contrastive" in methods else t.pair
+    contrasted = any(name in layered and _foiled(get_method(name), None) is None for name in methods)
+    foil = t.foil if contrasted else t.pair
     return {
         "schema": SCHEMA,
         "id": example.get("id"),

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..method.protocol import Given
 from ..arch.registry import HeadKind
 from ..method.scores import regression_logat
 from ..records.attribution import Attribution
@@ -79,17 +80,21 @@ def assemble(plan: Plan, capture: Capture, output: Any = None) -> Attribution:
 
         if plan.kind is HeadKind.REGRESSION:
             targets = torch.zeros(len(examples), 1, dtype=torch.long, device=final.device)
-        else:
+            log_probs = None
+        else:  # the model's own softmax at the prediction rows
             targets = plan.explained(final.argmax(-1, keepdim=True))
-        logat = torch.stack([readout.explain(by_row(capture.hidden[layer]), targets).to(final.device)
-                             for layer in plan.layers])  # (layers, rows, seq, k)
-    if plan.kind is HeadKind.REGRESSION:
-        logat = regression_logat(logat, final[:, 0])
-        probability = None
-    else:  # the model's own softmax at the prediction rows, for each explained target
-        probability = final.log_softmax(-1).gather(-1, targets.to(final.device)).exp()
-    embed_norm = by_row(capture.embed_norm).to(final.device)
-    logat, normxlogit, targets = plan.scores(logat, embed_norm, targets)
+            log_probs = final.log_softmax(-1)
+
+        def head_logits(ids: torch.Tensor) -> torch.Tensor:  # (layers, rows, seq, k)
+            return torch.stack([readout.explain(by_row(capture.hidden[layer]), ids).to(final.device)
+                                for layer in plan.layers])
+
+        logat = head_logits(targets)
+        if plan.kind is HeadKind.REGRESSION:
+            logat = regression_logat(logat, final[:, 0])
+        embed_norm = by_row(capture.embed_norm).to(final.device)
+        scores, targets = plan.scores(Given(logat, embed_norm, targets, log_probs, head_logits))
+    probability = None if log_probs is None else log_probs.gather(-1, targets.view(len(examples), -1)).exp()
     mask = (
         by_row(capture.attention_mask).to(final.device).bool()
         if capture.attention_mask is not None and capture.attention_mask.dim() == 2
@@ -97,8 +102,7 @@ def assemble(plan: Plan, capture: Capture, output: Any = None) -> Attribution:
     )
     ids = by_row(capture.input_ids) if capture.input_ids is not None else None
     return Attribution(
-        normxlogit=normxlogit.cpu(),
-        logat=logat.cpu(),
+        scores={name: value.cpu() for name, value in scores.items()},
         embed_norm=embed_norm.cpu(),
         layers=list(plan.layers),
         target=targets.cpu(),

@@ -61,6 +61,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from ..method.protocol import Given
 from ..records.steps import GenerationCall, Step
 from .recording import NOT_RECORDED, Recording
 from .conventions import UnfollowedForward, positions, start, static_capacity, token_mask
@@ -433,14 +434,16 @@ class Run:
             features = self._features.view().to(self._compute_dtype)  # (batch, position, layers, d)
             flat = features.reshape(batch, -1, features.shape[-1])  # every layer in one gather of target rows
             with plan.head.reading() as readout:
-                logat = readout.target_logits(flat, targets)
-            logat = logat.view(*features.shape[:3], -1).permute(2, 0, 1, 3)
-            embed = self._embed.view()
-            logat, normxlogit, targets = plan.scores(logat, embed, targets)
+                def head_logits(ids: torch.Tensor) -> torch.Tensor:  # (layers, batch, position, k)
+                    return readout.target_logits(flat, ids).view(*features.shape[:3], -1).permute(2, 0, 1, 3)
+
+                embed = self._embed.view()
+                scores, targets = plan.scores(Given(head_logits(targets), embed, targets, self._log_probs,
+                                                    head_logits))
         # Device tensors, moved to the host by the hub's publisher; copies, not views of the growing buffers, which
         # a use_cache=False forward rewrites in place
         return Step(call=self.call.index, step=position - self._prompt_len, position=position, token=token.clone(),
-                    target=targets, normxlogit=normxlogit, logat=logat, embed_norm=embed.clone(),
+                    target=targets, scores=scores, embed_norm=embed.clone(),
                     mask=self._mask.view().clone(), active=active.clone(), layers=list(plan.layers),
                     n_blocks=plan.n_blocks, probability=probability)
 

@@ -22,6 +22,8 @@ from ..arch.registry import ArchSpec, HeadKind
 from ..method import scores as _scores
 from ..method.chat import locate_template
 from ..method.head import Head
+from ..method.protocol import Given, Method
+from ..method.registry import resolve_methods
 from ..method.subject import Subject, compiled_original
 from ..records.sinks import sink_factory
 from ..records.tokens import readable_ids
@@ -96,6 +98,7 @@ class Plan:
     fixed_targets: torch.Tensor | None  #: (1 or rows, k) ids, or None for the model's own prediction
     label_axis: bool  #: scores keep a trailing axis of k labels
     texts: TokenTexts | None = field(default=None, repr=False)  #: the tokenizer's readable texts (shared)
+    methods: tuple[Method, ...] = field(default_factory=lambda: resolve_methods(None))  #: what each record scores
 
     @property
     def model(self) -> nn.Module:
@@ -150,9 +153,10 @@ class Plan:
         """(rows, k) ids explained, given the (rows, 1) predicted ids."""
         return explained(self.fixed_targets, predicted)
 
-    def scores(self, logat: torch.Tensor, embed_norm: torch.Tensor, targets: torch.Tensor):
-        """(logat, normxlogit, targets), the label axis kept only when several labels were asked for."""
-        return _scores.scores(logat, embed_norm, targets, label_axis=self.label_axis)
+    def scores(self, given: Given) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """({method: scores}, targets) of every method the probe computes, the label axis kept only when several
+        labels were asked for."""
+        return _scores.method_scores(self.methods, given, label_axis=self.label_axis)
 
     def token_strings(self, input_ids: torch.Tensor | None) -> list[list[str]] | None:
         """The token strings of each row, when a tokenizer was given."""
@@ -201,6 +205,7 @@ class Plan:
             "embedding": self.embedding,
             "n_blocks": self.n_blocks,
             "spec": self.spec.name,
+            "methods": [method.name for method in self.methods],
         }
 
 
@@ -219,7 +224,8 @@ def tokenizer_mismatch(model: nn.Module, tokenizer: Any) -> str | None:
     return None
 
 
-def make_plan(model: nn.Module | Subject, *, layers: Any, target: Target, tokenizer: Any, embedding: str) -> Plan:
+def make_plan(model: nn.Module | Subject, *, layers: Any, target: Target, tokenizer: Any, embedding: str,
+              methods: Any = None) -> Plan:
     """Resolve and check everything :func:`~nxl_hooks.attach` was given, before any hook goes on.
 
     ``model``: the model as given (wrapped or not) or its :class:`~nxl_hooks.method.subject.Subject`, resolved
@@ -228,6 +234,7 @@ def make_plan(model: nn.Module | Subject, *, layers: Any, target: Target, tokeni
     subject = Subject.of(model)
     model, kind, head = subject.model, subject.kind, subject.head
     parse_embedding(embedding)
+    chosen = resolve_methods(methods)
     if kind is HeadKind.MASKED_LM and getattr(tokenizer, "mask_token_id", None) is None:
         raise ValueError("masked-LM attribution needs attach(..., tokenizer=tok) with a mask token, to find the "
                          "[MASK] positions it explains")
@@ -237,7 +244,7 @@ def make_plan(model: nn.Module | Subject, *, layers: Any, target: Target, tokeni
     fixed = None if is_predicted(target) else target_ids(model, kind, tokenizer, target, head.n_outputs)
     return Plan(subject=subject, layers=resolve_layers(layers, len(subject.blocks)), embedding=embedding,
                 tokenizer=tokenizer, fixed_targets=fixed, label_axis=_scores.label_axis(target),
-                texts=token_texts(tokenizer) if tokenizer is not None else None)
+                texts=token_texts(tokenizer) if tokenizer is not None else None, methods=chosen)
 
 
 def check_recording(plan: Plan, *, on_step: Any, sink: Any, keep_calls: Any, cache_dtype: Any,

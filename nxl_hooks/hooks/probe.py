@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from ..method.protocol import Method
 from ..method.select import Target
 from ..method.subject import Subject, unwrap
 from ..records.attribution import Attribution
@@ -272,6 +273,7 @@ def attach(
     keep_calls: int | None = None,
     cache_dtype: torch.dtype | None = None,
     cache_device: str | torch.device | None = None,
+    methods: Sequence[str | Method] | str | None = None,
 ) -> Probe:
     """Hook NormXLogit onto ``model`` (a transformers task model, a PeftModel, a ``torch.compile`` wrapper, or its
     :class:`~nxl_hooks.method.subject.Subject` already resolved) until the probe detaches.
@@ -284,6 +286,9 @@ def attach(
       label string, a list of them (adds a trailing axis of size k), or a (rows,) / (rows, k) id tensor.
     - ``tokenizer``: needed for token-string targets, masked LMs and token strings in the result.
     - ``embedding``: "layer_input" (input of block 1, default) or "word" (the raw word-embedding row).
+    - ``methods``: attribution methods to compute beside NormXLogit and LogAt (which every record has): names
+      registered with :func:`~nxl_hooks.method.registry.register_method` (``"contrastive"``) or
+      :class:`~nxl_hooks.method.protocol.Method` objects; each lands in the records' ``scores[name]``.
 
     While ``generate`` or a serving engine runs (:mod:`nxl_hooks.hooks.engines`: continuous batching, one call per
     request), in any thread (causal LMs; :mod:`nxl_hooks.hooks.generate`, :mod:`nxl_hooks.hooks.publish`):
@@ -300,7 +305,8 @@ def attach(
     the end of the ``with`` block, :func:`detach_all`, or when the probe or the model is garbage-collected (the
     probe holds the model weakly).
     """
-    plan = make_plan(model, layers=layers, target=target, tokenizer=tokenizer, embedding=embedding)  # resolves once
+    plan = make_plan(model, layers=layers, target=target, tokenizer=tokenizer, embedding=embedding,  # resolves once
+                     methods=methods)
     check_recording(plan, on_step=on_step, sink=sink, keep_calls=keep_calls, cache_dtype=cache_dtype,
                     cache_device=cache_device)
     backbone = plan.subject.backbone

@@ -1,9 +1,10 @@
-"""LogAt into NormXLogit (SPEC section 1), for forwards and generation steps alike.
+"""LogAt into every method's scores (SPEC section 1), for forwards and generation steps alike.
 
-    logat, normxlogit, targets = scores(logat, embed_norm, targets, label_axis=False)
+    scores, targets = method_scores(methods, given, label_axis=False)   # {"normxlogit": ..., "logat": ...}
 
-``logat``: (layers, rows, seq, k) target logits HoT(h_i^l)[y]; ``embed_norm``: (rows, seq) ‖x_i^0‖₂.
-Regression heads explain |HoT(h_i^l) − HoT(h_p^L)| (:func:`regression_logat`).
+``given``: a :class:`~nxl_hooks.method.protocol.Given` (``logat``: (layers, rows, seq, k) target logits
+HoT(h_i^l)[y]; ``embed_norm``: (rows, seq) ‖x_i^0‖₂). Regression heads explain |HoT(h_i^l) − HoT(h_p^L)|
+(:func:`regression_logat`).
 
 When the embedding norms are (nearly) the same on every token that ranks, NormXLogit is LogAt times a constant and
 ranks tokens exactly as LogAt does: :func:`flat_norms` says when (some models normalize their embeddings).
@@ -11,9 +12,14 @@ ranks tokens exactly as LogAt does: :func:`flat_norms` says when (some models no
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
-__all__ = ["FLAT_NORM_CV", "flat_note", "flat_norms", "label_axis", "norm_spread", "regression_logat", "scores"]
+from .protocol import Given, Method
+
+__all__ = ["FLAT_NORM_CV", "flat_note", "flat_norms", "label_axis", "method_scores", "norm_spread",
+           "regression_logat"]
 
 #: Below this coefficient of variation (std / mean) of the embedding norms over the ranked tokens, NormXLogit is
 #: LogAt times nearly one number: its ranking can differ from LogAt's only between tokens whose LogAt are that close.
@@ -30,15 +36,19 @@ def regression_logat(logat: torch.Tensor, prediction: torch.Tensor) -> torch.Ten
     return (logat - prediction.to(logat.device, logat.dtype)[None, :, None, None]).abs()
 
 
-def scores(
-    logat: torch.Tensor, embed_norm: torch.Tensor, targets: torch.Tensor, *, label_axis: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(logat, normxlogit, targets): NormXLogit = ‖x_i^0‖₂ × LogAt; the label axis is dropped unless kept."""
-    embed_norm = embed_norm.to(logat.device, logat.dtype)
-    if label_axis:
-        return logat, embed_norm[None, :, :, None] * logat, targets
-    logat = logat[..., 0]  # dropped first: one product fewer views, once per generated token
-    return logat, embed_norm * logat, targets[:, 0]
+def method_scores(methods: Sequence[Method], given: Given, *, label_axis: bool
+                  ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """({name: scores}, targets) of each method for ``given``; the label axis is dropped unless kept. ValueError
+    naming a method whose scores are not float and shaped like ``given.logat``."""
+    out = {}
+    for method in methods:
+        value = method.score(given)
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == given.logat.shape):
+            raise ValueError(f"attribution method {method.name!r} returned "
+                             f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}: "
+                             f"expected float scores shaped like logat {tuple(given.logat.shape)}")
+        out[method.name] = value if label_axis else value[..., 0]
+    return out, given.targets if label_axis else given.targets[:, 0]
 
 
 def norm_spread(embed_norm: torch.Tensor, eligible: torch.Tensor) -> float:

@@ -24,18 +24,24 @@ import torch
 from safetensors.torch import load as _load_blob
 from safetensors.torch import save as _save_blob
 
+from ..method.protocol import NAME, check_name
+from ..method.registry import DEFAULT
 from ..method.scores import norm_spread
 from ..method.select import layer_index, order, rankable
 from .files import read_regular, write_bytes, write_text
 from .tokens import visible
 
-__all__ = ["Attribution", "FORMAT_VERSION", "RecordError"]
+__all__ = ["Attribution", "FORMAT_VERSION", "RecordError", "SCORE_PREFIX", "by_method"]
 
 FORMAT_VERSION = 1
 _FORMAT = "nxl_hooks.attribution"
-_TENSORS = ("normxlogit", "logat", "embed_norm", "target", "mask", "position", "example")
+_TENSORS = (*DEFAULT, "embed_norm", "target", "mask", "position", "example")  # DEFAULT: "normxlogit", "logat"
+_FIELD_TENSORS = _TENSORS[len(DEFAULT):]  # the tensors that are fields of their own, not scores
 _OPTIONAL_TENSORS = ("special", "input_ids", "probability", "template")  # absent from files written before they existed
 _OPTIONAL_HEADER = ("readable", "target_text")  # the same; a reader that predates them ignores them
+#: Files name the scores of methods beyond DEFAULT (whose tensors keep their names) ``scores.<method>``: a reader
+#: that predates them ignores them.
+SCORE_PREFIX = "scores."
 #: Types of the metadata entries something reads back (the CLI, the HTML page); other entries are free JSON.
 _META_TYPES: dict[str, type] = {
     "model_type": str, "model_class": str, "head_kind": str, "embedding": str, "spec": str, "n_blocks": int,
@@ -80,37 +86,94 @@ def _target_notes(value: Any, rows: int, k: int) -> bool:
         for labels in value)
 
 
+def by_method(scores: dict[str, torch.Tensor] | None, **given: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """A record's ``scores`` mapping: a copy of ``scores`` with ``given`` (``normxlogit=``, ``logat=``) over its
+    entries, :data:`~nxl_hooks.method.registry.DEFAULT`'s methods first."""
+    merged = {**(scores or {}), **{name: value for name, value in given.items() if value is not None}}
+    return {**{name: merged.pop(name) for name in DEFAULT if name in merged}, **merged}
+
+
+def stored_scores(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The ``scores`` of a file's tensors: DEFAULT's under their own names, the others' as ``scores.<method>``."""
+    return by_method({name[len(SCORE_PREFIX):]: value for name, value in tensors.items()
+                      if name.startswith(SCORE_PREFIX)}, **{name: tensors.get(name) for name in DEFAULT})
+
+
+def scores_to_store(scores: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What :func:`stored_scores` reads back: DEFAULT's scores under their own names, the others prefixed."""
+    return {(name if name in DEFAULT else SCORE_PREFIX + check_name(name)): value for name, value in scores.items()}
+
+
 def _require(condition: bool, problem: str) -> None:
     if not condition:
         raise RecordError(problem)
 
 
-@dataclass
+@dataclass(init=False)
 class Attribution:
-    """Per-layer NormXLogit of one forward.
+    """Per-layer scores of one forward, one tensor per attribution method.
 
-    ``res.normxlogit[res.layers.index(L), row, i]`` is the attribution of token i at layer L.
+    ``res.scores["normxlogit"][res.layers.index(L), row, i]`` is the NormXLogit of token i at layer L;
+    ``res.normxlogit`` and ``res.logat`` read the same mapping (kept for code written before ``scores``).
     """
 
-    normxlogit: torch.Tensor  #: float32 (len(layers), rows, seq[, k])
-    logat: torch.Tensor  #: float32, same shape: HoT(h_i^l)[y] (regression: |HoT(h_i^l) - HoT(h_p^L)|)
+    #: method name -> float32 (len(layers), rows, seq[, k]): "normxlogit" and "logat" always, then every other
+    #: method the probe computed (``attach(methods=[...])``)
+    scores: dict[str, torch.Tensor]
     embed_norm: torch.Tensor  #: float32 (rows, seq)
     layers: list[int]  #: 0 = input of block 1, L = output of the last block
     target: torch.Tensor  #: int64 (rows,) or (rows, k): the label / token ids explained
     mask: torch.Tensor  #: bool (rows, seq), True on real tokens
     position: torch.Tensor  #: int64 (rows,): the prediction position
     example: torch.Tensor  #: int64 (rows,): the input row each row explains
-    tokens: list[list[str]] | None = None  #: token strings per row, when a tokenizer was given
-    meta: dict[str, Any] = field(default_factory=dict)  #: model_type, head kind, embedding, ...
-    special: torch.Tensor | None = None  #: bool (rows, seq), True on the tokenizer's special tokens (when known)
-    input_ids: torch.Tensor | None = None  #: int64 (rows, seq): the token ids of each row (when the forward had ids)
-    readable: list[list[str]] | None = None  #: each token's text as people read it ('␣Paris', '↵'; records.tokens)
-    probability: torch.Tensor | None = None  #: float32, shaped like ``target``: the model's softmax probability of
+    tokens: list[list[str]] | None  #: token strings per row, when a tokenizer was given
+    meta: dict[str, Any]  #: model_type, head kind, embedding, ...
+    special: torch.Tensor | None  #: bool (rows, seq), True on the tokenizer's special tokens (when known)
+    input_ids: torch.Tensor | None  #: int64 (rows, seq): the token ids of each row (when the forward had ids)
+    readable: list[list[str]] | None  #: each token's text as people read it ('␣Paris', '↵'; records.tokens)
+    probability: torch.Tensor | None  #: float32, shaped like ``target``: the model's softmax probability of
     #: each explained target at the prediction position (None for regression)
-    target_text: list[list[str]] | None = None  #: (rows, k): each explained target as people read it
-    template: torch.Tensor | None = None  #: bool (rows, seq), True on a chat template's own tokens (its markers and
+    target_text: list[list[str]] | None  #: (rows, k): each explained target as people read it
+    template: torch.Tensor | None  #: bool (rows, seq), True on a chat template's own tokens (its markers and
     #: the system prompt; :mod:`nxl_hooks.method.chat`), which do not rank; None for a prompt without a template
     #: (or one whose template could not be located: ``meta["template"]`` then says why)
+
+    def __init__(self, normxlogit: torch.Tensor | None = None, logat: torch.Tensor | None = None,
+                 embed_norm: torch.Tensor | None = None, layers: list[int] | None = None,
+                 target: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                 position: torch.Tensor | None = None, example: torch.Tensor | None = None,
+                 tokens: list[list[str]] | None = None, meta: dict[str, Any] | None = None,
+                 special: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
+                 readable: list[list[str]] | None = None, probability: torch.Tensor | None = None,
+                 target_text: list[list[str]] | None = None, template: torch.Tensor | None = None, *,
+                 scores: dict[str, torch.Tensor] | None = None) -> None:
+        """``Attribution(scores={"normxlogit": ..., "logat": ..., ...}, embed_norm=..., ...)``; ``normxlogit`` /
+        ``logat`` given on their own (as before ``scores``) go into the mapping, over an entry of the same name.
+        Every tensor field is needed; :meth:`check` says what does not fit."""
+        self.scores = by_method(scores, normxlogit=normxlogit, logat=logat)
+        self.embed_norm, self.layers, self.target, self.mask = embed_norm, layers, target, mask
+        self.position, self.example, self.tokens, self.meta = position, example, tokens, {} if meta is None else meta
+        self.special, self.input_ids, self.readable, self.probability = special, input_ids, readable, probability
+        self.target_text, self.template = target_text, template
+
+    normxlogit = property(lambda self: self.scores["normxlogit"], lambda self, value: self.scores.update(
+        normxlogit=value), doc="``scores['normxlogit']``: float32 (len(layers), rows, seq[, k])")
+    logat = property(lambda self: self.scores["logat"], lambda self, value: self.scores.update(logat=value),
+                     doc="``scores['logat']``: HoT(h_i^l)[y] (regression: |HoT(h_i^l) - HoT(h_p^L)|)")
+
+    @property
+    def methods(self) -> list[str]:
+        """The names of the methods whose scores this record holds: ``["normxlogit", "logat", ...]``."""
+        return list(self.scores)
+
+    def method_scores(self, method: str = "normxlogit") -> torch.Tensor:
+        """``scores[method]``, or ValueError naming the methods this record holds."""
+        found = self.scores.get(method)
+        if found is None:
+            held = [repr(name) for name in self.scores]
+            raise ValueError(f"method={method!r}: use {', '.join(held[:-1])} or {held[-1]}, the methods this record "
+                             f"holds (compute others with nxl.attach(..., methods=[{method!r}]))")
+        return found
 
     def __repr__(self) -> str:
         """A summary, never the tensors: shape, layers, and per row (the first three) the target with its text, id
@@ -131,18 +194,22 @@ class Attribution:
     def check(self) -> None:
         """Raise :class:`RecordError` when the fields do not fit each other (dtypes, shapes, ranges, tokens, meta);
         :meth:`load` runs it on every file. ``res.check()``"""
-        tensors = {name: getattr(self, name) for name in _TENSORS}
+        _require(isinstance(self.scores, dict) and all(name in self.scores for name in DEFAULT),
+                 f"scores must be a dict holding at least {', '.join(DEFAULT)}")
+        tensors = {**self.scores, **{name: getattr(self, name) for name in _FIELD_TENSORS}}
         for name, value in tensors.items():
             _require(isinstance(value, torch.Tensor), f"{name} is a {type(value).__name__}, not a tensor")
         scores = self.normxlogit
         _require(scores.dim() in (3, 4) and scores.numel() > 0,
                  f"normxlogit has shape {tuple(scores.shape)}: expected (layers, rows, seq) or (layers, rows, seq, k), "
                  "none of them 0")
-        for name in ("normxlogit", "logat", "embed_norm"):
+        for name in (*self.scores, "embed_norm"):
             _require(tensors[name].is_floating_point(), f"{name} has dtype {tensors[name].dtype}, not a float dtype")
         n_layers, rows, seq = scores.shape[:3]
-        _require(self.logat.shape == scores.shape,
-                 f"logat has shape {tuple(self.logat.shape)} but normxlogit {tuple(scores.shape)}")
+        for name, value in self.scores.items():
+            _require(isinstance(name, str) and NAME.fullmatch(name) is not None, f"method name {name!r} is not one")
+            _require(value.shape == scores.shape,
+                     f"{name} has shape {tuple(value.shape)} but normxlogit {tuple(scores.shape)}")
         target_shape = (rows,) if scores.dim() == 3 else (rows, scores.shape[3])
         expected = {"embed_norm": (rows, seq), "mask": (rows, seq), "target": target_shape, "position": (rows,),
                     "example": (rows,)}
@@ -196,8 +263,10 @@ class Attribution:
                      and self.probability.shape == self.target.shape,
                      f"probability must be a float tensor shaped like target {tuple(self.target.shape)}")
 
-    def layer(self, layer: int) -> torch.Tensor:
-        """NormXLogit at one layer (negative counts from the end): ``res.layer(-1)`` -> (rows, seq[, k])."""
+    def layer(self, layer: int, *, method: str = "normxlogit") -> torch.Tensor:
+        """One method's scores (NormXLogit by default) at one layer (negative counts from the end):
+        ``res.layer(-1)`` -> (rows, seq[, k]); ``res.layer(-1, method="logat")``."""
+        scores = self.method_scores(method)
         n_blocks = self.meta.get("n_blocks")
         if n_blocks is None and not (_int(layer) and layer >= 0):
             raise ValueError(f"layer {layer!r}: this result does not record the model's block count; use one of "
@@ -205,7 +274,7 @@ class Attribution:
         wanted = layer_index(layer, n_blocks) if n_blocks is not None else layer
         if wanted not in self.layers:
             raise ValueError(f"layer {layer} was not captured; captured layers: {self.layers}")
-        return self.normxlogit[self.layers.index(wanted)]
+        return scores[self.layers.index(wanted)]
 
     def rankable(self, row: int = 0, *, all_positions: bool = False) -> torch.Tensor:
         """bool (seq,): the positions of one row that rank (see :func:`nxl_hooks.method.select.rankable`): not the
@@ -216,10 +285,11 @@ class Attribution:
         return rankable(self.mask[row], int(self.position[row]), special, template)
 
     def top(
-        self, k: int = 5, layer: int = -1, row: int = 0, label: int = 0, *, all_positions: bool = False
+        self, k: int = 5, layer: int = -1, row: int = 0, label: int = 0, *, all_positions: bool = False,
+        method: str = "normxlogit",
     ) -> list[tuple[int, str, float]]:
-        """The k highest-scoring tokens of one row by signed NormXLogit: [(position, text, score)], the text as
-        :meth:`token_labels` shows it ('␣Paris').
+        """The k highest-scoring tokens of one row by signed NormXLogit (or ``method``, any in :attr:`methods`):
+        [(position, text, score)], the text as :meth:`token_labels` shows it ('␣Paris').
 
         Padding, the prediction position, special tokens and a chat template's tokens (markers, system prompt) are
         left out unless ``all_positions``; NaN ranks last.
@@ -229,7 +299,7 @@ class Attribution:
             raise ValueError(f"row {row!r} is out of range: this attribution has {rows} row(s)")
         if not _int(label) or not 0 <= label < labels:
             raise ValueError(f"label {label!r} is out of range: this attribution explains {labels} target(s) per row")
-        scores = self.layer(layer)[row]
+        scores = self.layer(layer, method=method)[row]
         if scores.dim() == 2:
             scores = scores[:, label]
         best = order(scores, self.rankable(row, all_positions=all_positions))[:k]
@@ -299,7 +369,9 @@ class Attribution:
         """Write one safetensors file; layers, tokens and meta go in its JSON metadata. ``res.save("a.safetensors")``
 
         Written under a temporary name and renamed: a failed save leaves an existing file as it was."""
-        tensors = {name: getattr(self, name).detach().cpu().contiguous() for name in _TENSORS}
+        tensors = {name: value.detach().cpu().contiguous()
+                   for name, value in {**scores_to_store(self.scores),
+                                       **{name: getattr(self, name) for name in _FIELD_TENSORS}}.items()}
         tensors.update({name: getattr(self, name).cpu().contiguous() for name in _OPTIONAL_TENSORS
                         if getattr(self, name) is not None})
         header = {"format": _FORMAT, "version": FORMAT_VERSION, "layers": self.layers, "tokens": self.tokens,
@@ -323,8 +395,8 @@ class Attribution:
             missing = [name for name in _TENSORS if name not in stored]
             if missing:
                 raise RecordError(f"tensor {missing[0]!r} is missing (an attribution file holds {_TENSORS})")
-            tensors = {name: stored[name] for name in (*_TENSORS, *_OPTIONAL_TENSORS) if name in stored}
-            res = cls(**tensors, layers=header.get("layers"), tokens=header.get("tokens"), meta=header.get("meta", {}),
+            tensors = {name: stored[name] for name in (*_FIELD_TENSORS, *_OPTIONAL_TENSORS) if name in stored}
+            res = cls(scores=stored_scores(stored), **tensors, layers=header.get("layers"), tokens=header.get("tokens"), meta=header.get("meta", {}),
                       **{name: header[name] for name in _OPTIONAL_HEADER if name in header})
             res.check()
         except RecordError as err:

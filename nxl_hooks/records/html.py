@@ -246,7 +246,7 @@ def _notes(notes: Sequence[str]) -> str:
 
 
 def _row_section(res: Any, row: int, label: int, method: str) -> str:
-    scores = getattr(res, method)[:, row]
+    scores = res.scores[method][:, row]
     if scores.dim() == 3:
         scores = scores[..., label]
     keep = [i for i, real in enumerate(res.mask[row].tolist()) if real]
@@ -263,8 +263,8 @@ def _row_section(res: Any, row: int, label: int, method: str) -> str:
         section += ('<p class="note">▫ the chat template\'s own tokens (its markers and the system prompt): they do '
                     "not rank (Attribution.top(all_positions=True) ranks them too).</p>")
     section += heatmap(rows, [f"L{layer}" for layer in res.layers], values, corner="token \\ layer")
-    if getattr(res, method).dim() == 4 and getattr(res, method).shape[-1] == 2 and label == 0:
-        contrast = getattr(res, method)[:, row, :, 0] - getattr(res, method)[:, row, :, 1]
+    if res.scores[method].dim() == 4 and res.scores[method].shape[-1] == 2 and label == 0:
+        contrast = res.scores[method][:, row, :, 0] - res.scores[method][:, row, :, 1]
         section += (f"<h3>{html.escape(f'Row {row} — contrast: {method} of {res.target_label(row, 0)} minus ')}"
                     f"{html.escape(res.target_label(row, 1))}</h3>")
         section += heatmap(rows, [f"L{layer}" for layer in res.layers],
@@ -278,13 +278,12 @@ def attribution_html(
 ) -> str:
     """Tokens x layers heatmap of an :class:`~nxl_hooks.Attribution`, one table per explained row.
 
-    ``attribution_html(res, rows=[0], method="logat")``; ``label`` picks the target when several were
+    ``attribution_html(res, rows=[0], method="logat")`` (``method``: any in ``res.scores``); ``label`` picks the
+    target when several were
     explained (with two, label 0 also shows the contrast label 0 minus label 1); ``full_page=False`` gives a
     fragment (with its style) for notebooks.
     """
-    if method not in ("normxlogit", "logat"):
-        raise ValueError(f"method={method!r}: use 'normxlogit' or 'logat'")
-    total = res.normxlogit.shape[1]
+    total = res.method_scores(method).shape[1]  # ValueError naming the methods it has
     chosen = list(range(total)) if rows is None else list(rows)
     bad = [r for r in chosen if not 0 <= r < total]
     if bad:
@@ -373,12 +372,13 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
     (:class:`~nxl_hooks.records.view.StepView`, what ``nxl tail`` and the endpoint show; the page carries them in
     its data block) and its ``k`` best context tokens at the shown layer are bold.
 
-    ``generation_html(probe.calls[-1])``; ``row``: which sequence of the batch; ``label``: which fixed target.
+    ``generation_html(probe.calls[-1])``; ``row``: which sequence of the batch; ``label``: which fixed target;
+    ``method``: any in the steps' ``scores``.
     """
-    if method not in ("normxlogit", "logat"):
-        raise ValueError(f"method={method!r}: use 'normxlogit' or 'logat'")
     if call.prompt_mask is None or not call.steps:
         raise ValueError("this generate call has no recorded steps: nothing to show")
+    for step in call.steps:
+        step.method_scores(method)  # ValueError naming the methods it has
     steps = call.steps
     if not 0 <= row < steps[0].token.shape[0]:
         raise ValueError(f"row {row} out of range: this call generated {steps[0].token.shape[0]} sequence(s)")
@@ -392,7 +392,7 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
     columns = [("▫ " if template[j] else "") + f"{j}: {name}" for j, name in enumerate(context)]
     row_names, values, ranked, views = [], [], [], []
     for step in steps:
-        scores = getattr(step, method)[:, row]
+        scores = step.scores[method][:, row]
         scores = scores[..., label] if scores.dim() == 3 else scores
         mask = step.mask[row].tolist()
         per_layer = [[float(f"{float(v):.6g}") if mask[j] else None for j, v in enumerate(layer_scores.tolist())]

@@ -19,6 +19,8 @@ One row per (call, batch row, step, layer, context position[, explained target])
 ``target_index``     0, or which of the k explained ids (``attach(target=[...])``)
 ``target_id``        the explained id; ``target_text`` its text when known; ``probability`` the model's own
 ``normxlogit``       the score; ``logat`` (HoT(h_i^l)[target]) and ``embed_norm`` (‖e_i‖) it is made of
+*method*             one column per other attribution method the probe computed (``attach(methods=[...])``),
+                     named after it (``contrastive``), after ``logat``; null where a record does not have it
 ``model``            the model's name (its folder or hub id); ``time`` when the step was made (UTC)
 ``in_prompt``        True on the prompt's positions, False on generated tokens
 ``prediction_position``  where the step's prediction was read (``emitted_position - 1``)
@@ -47,6 +49,7 @@ from typing import Any, Iterable
 
 import torch
 
+from ..method.registry import DEFAULT
 from ..method.select import rankable, special_flags
 from .steps import GenerationCall, Step
 
@@ -65,16 +68,18 @@ def _pyarrow() -> Any:
     return pyarrow
 
 
-def schema() -> Any:
-    """The Arrow schema of the rows (see the module docstring)."""
+def schema(methods: Iterable[str] = DEFAULT) -> Any:
+    """The Arrow schema of the rows (see the module docstring), with a column for each of ``methods`` beyond
+    NormXLogit and LogAt."""
     pa = _pyarrow()
+    extra = [(name, pa.float32()) for name in dict.fromkeys(methods) if name not in DEFAULT]
     return pa.schema([
         ("request_id", pa.string()), ("call", pa.int64()), ("row", pa.int32()), ("step", pa.int32()),
         ("emitted_position", pa.int32()), ("emitted_id", pa.int64()), ("emitted_text", pa.string()),
         ("active", pa.bool_()), ("layer", pa.int32()), ("position", pa.int32()), ("token_id", pa.int64()),
         ("token_text", pa.string()), ("target_index", pa.int32()), ("target_id", pa.int64()),
         ("target_text", pa.string()), ("probability", pa.float32()), ("normxlogit", pa.float32()),
-        ("logat", pa.float32()), ("embed_norm", pa.float32()), ("model", pa.string()),
+        ("logat", pa.float32()), *extra, ("embed_norm", pa.float32()), ("model", pa.string()),
         ("time", pa.timestamp("us", tz="UTC")), ("in_prompt", pa.bool_()), ("prediction_position", pa.int32()),
         ("special", pa.bool_()), ("template", pa.bool_()), ("ranked", pa.bool_()),
     ])
@@ -108,7 +113,8 @@ class _Context:
 
 
 def _rows(context: _Context, step: Step) -> dict[str, Any]:
-    """The columns of one step's rows (numpy arrays and lists), real context positions only."""
+    """The columns of one step's rows (numpy arrays and lists), real context positions only (a method's column is
+    missing where the step has no scores of it: null)."""
     import numpy as np
 
     scores = step.normxlogit
@@ -147,8 +153,8 @@ def _rows(context: _Context, step: Step) -> dict[str, Any]:
         "target_id": pick(targets[row, target_index]),
         "target_text": list(emitted_text[row_k]) if same else [None] * len(row_k),
         "probability": pick(prob).astype(np.float32) if prob is not None else None,
-        **{name: pick(getattr(step, name).float().reshape(n_layers, batch, n, k)[layer_i, row, position, target_index])
-           for name in ("normxlogit", "logat")},
+        **{name: pick(step.scores[name].float().reshape(n_layers, batch, n, k)[layer_i, row, position, target_index])
+           for name in step.scores},
         "embed_norm": step.embed_norm.float().numpy()[row_k, pos_k],
         "model": [context.model] * count,
         "time": None if step.time is None else np.full(count, round(step.time * 1e6), dtype=np.int64),
@@ -165,6 +171,9 @@ class ParquetSink:
 
     ``nxl.attach(model, tokenizer=tok, sink="parquet:out.parquet")`` or ``ParquetSink("out.parquet")``.
 
+    Its columns of attribution methods are those of ``methods`` when given, else those the first call's ``meta``
+    names (``meta["methods"]``: what the probe computes), else NormXLogit's and LogAt's.
+
     Rows are buffered and written as a row group every ``row_group_rows`` rows, to ``out.parquet.partial``;
     ``close()`` (the probe detaching) writes the rest and the file's footer and renames it to ``out.parquet``.
     Parquet is not append-safe: a file without its footer cannot be read, so a process that dies before the
@@ -175,11 +184,13 @@ class ParquetSink:
     writer.
     """
 
-    def __init__(self, path: str | os.PathLike, *, row_group_rows: int = 1 << 17) -> None:
-        pa = _pyarrow()
+    def __init__(self, path: str | os.PathLike, *, row_group_rows: int = 1 << 17,
+                 methods: Iterable[str] | None = None) -> None:
+        _pyarrow()
         self.path = Path(path)
         self._partial = self.path.with_name(self.path.name + ".partial")
-        self._schema = schema()
+        self._methods = None if methods is None else tuple(methods)
+        self._schema: Any = None  # once the methods are known: at the first call, or when the file is closed
         try:  # one writer per file: two models or processes on one path would clobber each other's rows
             fd = os.open(self._partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
         except FileExistsError:
@@ -187,14 +198,21 @@ class ParquetSink:
                              "one died writing it; give each its own path (under nxl run: {model} in the path) or "
                              "remove the stale file") from None
         self._file = os.fdopen(fd, "wb")
-        self._writer = pa.parquet.ParquetWriter(self._file, self._schema)
+        self._writer: Any = None
+        self._closed = False
         self._row_group_rows = row_group_rows
         self._buffer: list[dict[str, Any]] = []
         self._buffered = 0
         self._calls: dict[int, _Context] = {}
         self.rows = 0  #: rows written so far (in row groups or buffered)
 
+    def _open(self, methods: Iterable[str] | None) -> None:
+        if self._schema is None:
+            self._schema = schema(self._methods or methods or DEFAULT)
+            self._writer = _pyarrow().parquet.ParquetWriter(self._file, self._schema)
+
     def write_call(self, call: GenerationCall, meta: dict) -> None:
+        self._open(meta.get("methods"))
         self._calls[call.index] = _Context(call)
 
     def write_step(self, step: Step) -> None:
@@ -220,22 +238,23 @@ class ParquetSink:
         pa = _pyarrow()
         arrays = []
         for field in self._schema:
-            parts = [[None] * len(chunk["row"]) if chunk[field.name] is None else chunk[field.name]
+            parts = [[None] * len(chunk["row"]) if chunk.get(field.name) is None else chunk[field.name]
                      for chunk in self._buffer]  # a column the records do not have (probability, time): null
             arrays.append(pa.chunked_array([pa.array(part, type=field.type) for part in parts], type=field.type))
         self._writer.write_table(pa.Table.from_arrays(arrays, schema=self._schema))
         self._buffer, self._buffered = [], 0
 
     def close(self) -> None:
-        if self._writer is None:
+        if self._closed:
             return
         self._failing(self._finish)
         os.replace(self._partial, self.path)
 
     def _finish(self) -> None:
+        self._open(None)  # a file without calls still has its columns
         self._flush()
         self._writer.close()
-        self._writer = None
+        self._writer, self._closed = None, True
         self._file.close()
 
     def _failing(self, write: Any) -> None:
@@ -248,7 +267,7 @@ class ParquetSink:
 
     def abandon(self) -> None:
         """Stop without writing the file: ``out.parquet.partial`` is closed and removed, ``out.parquet`` untouched."""
-        writer, self._writer = self._writer, None
+        writer, self._writer, self._closed = self._writer, None, True
         with contextlib.suppress(Exception):  # the disk that failed may fail the footer too: the file goes anyway
             if writer is not None:
                 writer.close()
@@ -260,11 +279,10 @@ class ParquetSink:
 def export_parquet(calls: Iterable[GenerationCall], out: str | os.PathLike) -> int:
     """Write the step records of ``calls`` (e.g. ``read_stream(path)``) as Parquet rows; returns the row count.
     ``export_parquet(nxl.read_stream("runs/"), "out.parquet")``"""
-    sink = ParquetSink(out)
+    calls = [call for call in calls if call.prompt_mask is not None]
+    sink = ParquetSink(out, methods=dict.fromkeys(name for call in calls for step in call.steps for name in step.scores))
     try:
         for call in calls:
-            if call.prompt_mask is None:
-                continue
             sink.write_call(call, {})
             for step in call.steps:
                 sink.write_step(step)

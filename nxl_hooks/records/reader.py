@@ -31,7 +31,8 @@ from typing import Any, Iterator
 import torch
 from safetensors.torch import load as _load_blob
 
-from .attribution import RecordError
+from ..method.registry import DEFAULT
+from .attribution import RecordError, stored_scores
 from .files import CHUNK, read_regular
 from .steps import STEP_TENSORS, GenerationCall, Step
 from .writer import _FILE_MAGIC, _FRAME, _FRAME_MAGIC, _ROTATED
@@ -284,7 +285,8 @@ def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, to
                     layers=_layers(header), n_blocks=_field(header, "n_blocks", (int,), optional=True),
                     probability=tensors.get("probability"), readable=_strings(header, "readable"),
                     time=_field(header, "time", (float, int), optional=True),
-                    **{name: tensors.get(name) for name in STEP_TENSORS})
+                    scores=stored_scores(tensors),
+                    **{name: tensors.get(name) for name in STEP_TENSORS if name not in DEFAULT})
         _check_step(step, call)
         call.link(step)
         call.steps.append(step)
@@ -305,7 +307,7 @@ def _check_step(step: Step, call: GenerationCall) -> None:
     if token.shape[0] != batch or active.shape[0] != batch:
         raise ValueError(f"step {step.step}: token / active have {token.shape[0]} / {active.shape[0]} rows, "
                          f"the call's prompt {batch}")
-    scores = step.normxlogit
+    scores = step.scores.get("normxlogit")
     if scores is None or scores.dim() < 3 or scores.shape[1:3] != (batch, step.position) or step.position < 1:
         raise ValueError(f"step {step.step}: normxlogit {None if scores is None else tuple(scores.shape)} does not "
                          f"cover {batch} row(s) x {step.position} positions")

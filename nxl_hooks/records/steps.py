@@ -2,7 +2,7 @@
 
     with nxl.attach(model, tokenizer=tok) as probe:
         model.generate(**enc, max_new_tokens=32)
-    probe.steps[0].normxlogit            # (len(layers), batch, context_len)
+    probe.steps[0].scores["normxlogit"]  # (len(layers), batch, context_len); .normxlogit reads the same
     probe.calls[-1].request_id           # which request the records belong to
     call = probe.calls[-1]; call.text    # the generated text; call.model, call.started, call.ended
     call.attribution(call.steps[0]).top(3)   # ranked as everywhere: without special and chat-template tokens
@@ -11,27 +11,31 @@
 from __future__ import annotations
 
 import math
-import time
+import time as _time
 from dataclasses import dataclass, field
 
 import torch
 
+from ..method.registry import DEFAULT
 from ..method.select import order, rankable, special_flags
-from .attribution import Attribution, layers_text
+from .attribution import Attribution, by_method, layers_text
 from .tokens import plain_text, whole_characters
 from .view import METHOD, StepView, ranking
 
 __all__ = ["GenerationCall", "STEP_TENSORS", "Step"]
 
-#: The tensors of a step record, as the sink stores them.
-STEP_TENSORS = ("token", "target", "normxlogit", "logat", "embed_norm", "mask", "active")
+_NOW = object()  # Step's time when none is given: the moment it is made
+
+#: The tensors of a step record, as the sink stores them (scores of methods beyond DEFAULT as ``scores.<method>``).
+STEP_TENSORS = ("token", "target", *DEFAULT, "embed_norm", "mask", "active")
 
 
-@dataclass(eq=False)  # records compare by identity: tensor fields have no single truth value
+@dataclass(eq=False, init=False)  # records compare by identity: tensor fields have no single truth value
 class Step:
     """The attribution of one emitted token: what the context before it contributed to it, per layer.
 
-    ``step.normxlogit[step.layers.index(l), b, i]``: token i's NormXLogit, at layer l, for row b's emitted token.
+    ``step.scores["normxlogit"][step.layers.index(l), b, i]``: token i's NormXLogit, at layer l, for row b's emitted
+    token (``step.normxlogit`` reads the same; other methods' scores sit beside it in ``scores``).
     Rows are generate's rows (``num_return_sequences`` rows per prompt). A row that has finished (emitted an
     EOS token) keeps getting records until the whole batch stops, as generate keeps padding it: those records
     explain the pad token generate emitted and have ``active`` False; the pad positions have ``mask`` False.
@@ -42,21 +46,42 @@ class Step:
     position: int  #: index of the emitted token in the full sequence (prompt, left padding included)
     token: torch.Tensor  #: int64 (batch,): the token id generate emitted (sampled or argmax)
     target: torch.Tensor  #: int64 (batch,) the explained id (= token unless attach(target=...)), or (batch, k)
-    normxlogit: torch.Tensor  #: float32 (len(layers), batch, position[, k]): every position before the token
-    logat: torch.Tensor  #: float32, same shape: HoT(h_i^l)[target]
+    #: method name -> float32 (len(layers), batch, position[, k]): every position before the token; "normxlogit"
+    #: and "logat" (HoT(h_i^l)[target]) always, then the other methods the probe computed
+    scores: dict[str, torch.Tensor]
     embed_norm: torch.Tensor  #: float32 (batch, position)
     mask: torch.Tensor  #: bool (batch, position): False on left padding and on pad tokens after a row's EOS
     active: torch.Tensor  #: bool (batch,): False where the row had already finished before this step
     layers: list[int]
-    n_blocks: int | None = None  #: the model's block count, for negative layer indices
-    probability: torch.Tensor | None = None  #: float32, shaped like ``target``: the model's own softmax probability
+    n_blocks: int | None  #: the model's block count, for negative layer indices
+    probability: torch.Tensor | None  #: float32, shaped like ``target``: the model's own softmax probability
     #: of each explained id at this step (before any logits processor or sampling temperature)
-    readable: list[str] | None = None  #: (batch,) the emitted token of each row as people read it ('␣Paris')
+    readable: list[str] | None  #: (batch,) the emitted token of each row as people read it ('␣Paris')
     #: per row, the readable texts of the call's tokens (prompt, then emitted), shared by the call's steps and
     #: read up to ``position``; set by :meth:`GenerationCall.link` (None where the texts are not known)
-    context: list[list[str]] | None = field(default=None, repr=False)
+    context: list[list[str]] | None = field(repr=False)
     #: when the record was made, in seconds since the epoch (``time.time()``); None in older files
-    time: float | None = field(default_factory=time.time)
+    time: float | None
+
+    def __init__(self, call: int, step: int, position: int, token: torch.Tensor, target: torch.Tensor,
+                 normxlogit: torch.Tensor | None = None, logat: torch.Tensor | None = None,
+                 embed_norm: torch.Tensor | None = None, mask: torch.Tensor | None = None,
+                 active: torch.Tensor | None = None, layers: list[int] | None = None, n_blocks: int | None = None,
+                 probability: torch.Tensor | None = None, readable: list[str] | None = None,
+                 context: list[list[str]] | None = None, time: float | None = _NOW, *,
+                 scores: dict[str, torch.Tensor] | None = None) -> None:
+        """``Step(..., scores={"normxlogit": ..., "logat": ...})``; ``normxlogit`` / ``logat`` given on their own
+        (as before ``scores``) go into the mapping. ``time`` defaults to now."""
+        self.call, self.step, self.position, self.token, self.target = call, step, position, token, target
+        self.scores = by_method(scores, normxlogit=normxlogit, logat=logat)
+        self.embed_norm, self.mask, self.active, self.layers = embed_norm, mask, active, layers
+        self.n_blocks, self.probability, self.readable, self.context = n_blocks, probability, readable, context
+        self.time = _time.time() if time is _NOW else time
+
+    normxlogit = Attribution.normxlogit
+    logat = Attribution.logat
+    methods = Attribution.methods
+    method_scores = Attribution.method_scores
 
     def __repr__(self) -> str:
         """A summary, never the tensors: the emitted token(s), probability, context length, layers and the top
@@ -83,8 +108,7 @@ class Step:
         if readable is None and self.context is not None:
             readable = [row[:self.position] for row in self.context]
         return Attribution(
-            normxlogit=self.normxlogit,
-            logat=self.logat,
+            scores=self.scores,
             embed_norm=self.embed_norm,
             layers=list(self.layers),
             target=self.target,
@@ -124,7 +148,7 @@ class Step:
         probability = None if self.probability is None else float(self.probability.reshape(batch, -1)[row, label])
         return StepView(step=self.step, position=self.position, token_id=token, token=shown[-1],
                         probability=None if probability is None or math.isnan(probability) else probability,
-                        active=bool(self.active[row]), scores={METHOD: ranking(res, k, row, label)},
+                        active=bool(self.active[row]), scores={name: ranking(res, k, row, label, name) for name in self.scores},
                         request_id=call.request_id if call is not None else None, model=model)
 
     def _names(self, call: "GenerationCall | None", row: int) -> list[str]:
@@ -166,7 +190,7 @@ class GenerationCall:
     model: str | None = None  #: the model's name (its folder or hub id, else its class); None in older files
     #: when the call started and ended (returned, or stopped being recorded), in seconds since the epoch; both
     #: None in older files, ``ended`` None while it runs
-    started: float | None = field(default_factory=time.time)
+    started: float | None = field(default_factory=_time.time)
     ended: float | None = None
 
     def __repr__(self) -> str:

@@ -87,11 +87,12 @@ class StepView:
                              "one?") from None
 
 
-def ranking(res: Attribution, k: int, row: int = 0, label: int = 0) -> dict[int, tuple[Ranked, ...]]:
-    """Per layer of ``res``, the ``k`` context tokens of ``row`` that drove its target ``label`` most
+def ranking(res: Attribution, k: int, row: int = 0, label: int = 0,
+            method: str = METHOD) -> dict[int, tuple[Ranked, ...]]:
+    """Per layer of ``res``, the ``k`` context tokens of ``row`` that drove its target ``label`` most by ``method``
     (:meth:`~nxl_hooks.Attribution.top`; NaN scores as None). ``ranking(res, 3)[-1]``"""
     return {layer: tuple(Ranked(p, text, _number(score))
-                         for p, text, score in res.top(k, layer=layer, row=row, label=label))
+                         for p, text, score in res.top(k, layer=layer, row=row, label=label, method=method))
             for layer in res.layers}
 
 

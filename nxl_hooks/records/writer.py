@@ -12,7 +12,9 @@ first frame (``kind`` ``file``) names the file's number and its writer. Files of
 ``seq``, no ``file`` frame) still read, with the reader's step checks. A ``call`` frame also carries
 ``model``, ``started`` and ``special_ids``, a ``step`` frame its ``time`` and an ``end`` frame ``ended``: optional
 entries of format 2, which older readers skip; records read from older files without them have None there
-(``tests/data/stream-v2.nxl`` is such a file).
+(``tests/data/stream-v2.nxl`` is such a file). A ``step`` frame holds the scores of NormXLogit and LogAt as the
+tensors ``normxlogit`` and ``logat``, and those of any other method the probe computed as ``scores.<method>``
+(older readers skip them too).
 Frames are appended whole and in order (one ``write`` per frame, or per batch of step frames:
 :meth:`Sink.write_steps`), so a process killed with SIGKILL leaves every frame it wrote readable, the last one
 possibly torn. ``Sink(path, fsync=True)`` also survives power loss, at the cost of
@@ -44,6 +46,7 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import save as _save_blob
 
+from .attribution import scores_to_store
 from .steps import STEP_TENSORS, GenerationCall, Step
 
 __all__ = ["RotatingSink", "Sink", "encode_call", "encode_end", "encode_step", "stream_bytes"]
@@ -109,7 +112,7 @@ def encode_call(call: GenerationCall, meta: dict, *, seq: int | None = None) -> 
 
 def encode_step(step: Step, *, seq: int | None = None) -> bytes:
     """The ``step`` frame of one record (its call and step index, checked against the one before it on reading)."""
-    tensors = {name: getattr(step, name) for name in STEP_TENSORS}
+    tensors = {**{name: getattr(step, name) for name in STEP_TENSORS}, **scores_to_store(step.scores)}
     if step.probability is not None:
         tensors["probability"] = step.probability
     return _encode(tensors, {"kind": "step", "call": step.call, "step": step.step, "position": step.position,

@@ -32,6 +32,7 @@ TYPED = {
     "layers": (["--layers", "0,2,-1"], [0, 2, -1]),
     "target": (["--target", " are, is,7"], [" are", " is", 7]),
     "embedding": (["--embedding", "word"], "word"),
+    "methods": (["--methods", "contrastive, logat"], ["contrastive", "logat"]),
     "models": (["--models", "tiny*, org/other"], ["tiny*", "org/other"]),
     "keep_calls": (["--keep-calls", "0"], 0),
     "listen": (["--listen", "127.0.0.1:8765"], "127.0.0.1:8765"),

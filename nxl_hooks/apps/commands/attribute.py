@@ -4,6 +4,7 @@
     nxl attribute ./my-model "The movie was great" --layers all --out a.safetensors --html a.html
     nxl attribute ./smollm2.gguf "The capital of France is" --target "Paris,London"
     nxl attribute ./my-instruct "What is the capital of France?" --chat --generate 8 --html gen.html
+    nxl attribute ./my-model "The movie was great" --method contrastive   # any registered attribution method
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 from ..options import (
     CliError,
     add_attribution_options,
+    add_method_option,
     add_loading_options,
     check_output_file,
     loading_options,
@@ -33,6 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                         help="a local model folder, a hub id (as from_pretrained takes) or a .gguf file")
     parser.add_argument("text", metavar="TEXT", help="the input text (masked LMs: include the tokenizer's mask token)")
     add_attribution_options(parser)
+    add_method_option(parser)
     add_loading_options(parser)
     parser.add_argument("--out", metavar="FILE", help="also save the attribution (safetensors; nxl.Attribution.load)")
     parser.add_argument("--html", metavar="FILE",
@@ -73,17 +76,18 @@ def run(args: argparse.Namespace) -> int:
     if generate is not None:
         sink = Path(args.out) if args.out else None  # --out is a file path, whatever its name: never a sink kind
         call = print_generation(model, tokenizer, args.text, generate, layers=args.layers, embedding=args.embedding,
-                                console=console, sink=sink, chat=args.chat, all_positions=args.all_positions)
+                                console=console, sink=sink, chat=args.chat, all_positions=args.all_positions,
+                                method=args.method)
         if args.html:
-            write_text(args.html, generation_html(call, title=f"{args.model}: {args.text}"))
+            write_text(args.html, generation_html(call, title=f"{args.model}: {args.text}", method=args.method))
             console.print(f"wrote {args.html}")
         return 0 if call.error is None else 1  # the last line said why the tokens were not all recorded
     res = explain(model, tokenizer, args.text, layers=args.layers, target=args.target, embedding=args.embedding,
-                  chat=args.chat)
-    show_attribution(res, console, all_positions=args.all_positions)
+                  chat=args.chat, methods=[args.method])
+    show_attribution(res, console, all_positions=args.all_positions, method=args.method)
     if args.out:
         console.print(f"saved {res.save(args.out)}")
     if args.html:
-        res.to_html(args.html)
+        res.to_html(args.html, method=args.method)
         console.print(f"wrote {args.html}")
     return 0

@@ -50,12 +50,13 @@ def run(args: argparse.Namespace) -> int:
     from ..loading import check_explainable, check_length, load_model, position_limit, tp_outputs
     from ..reports import evaluate_report, evaluate_summary
 
-    named = {"all": ev.METHODS, "default": ev.DEFAULT_METHODS}
+    everything = ev.available_methods()  # the built-in ones and every registered attribution method
+    named = {"all": everything, "default": ev.DEFAULT_METHODS}
     methods = list(named.get(args.methods) or [m.strip() for m in args.methods.split(",") if m.strip()])
-    unknown = sorted(set(methods) - set(ev.METHODS))
+    unknown = sorted(set(methods) - set(everything))
     if unknown or not methods:
         what = f"names unknown {unknown}" if unknown else "names no method"
-        raise CliError(f"--methods {args.methods!r} {what}; choose from {', '.join(ev.METHODS)} (or 'all', "
+        raise CliError(f"--methods {args.methods!r} {what}; choose from {', '.join(everything)} (or 'all', "
                        "'default')")
     tp_outputs(args, "out")  # under --tp, rank 0 alone prints and writes
     gradient = [m for m in methods if m in ev.GRADIENT_METHODS]

@@ -4,6 +4,7 @@ made.
     nxl tail                         # every request of the last `nxl run`, from now on
     nxl tail --last 3                # the last 3 requests in memory first, then on
     nxl tail --run runs/ --request-id my-req-1 --layer -1 -k 3
+    nxl tail --method contrastive    # rank by another method the program's probe computes (nxl run --methods)
 
 A line: request, step, ``@`` the token's position in the sequence, the token, then the context tokens that drove it
 most at one layer, each as ``position:'text' score`` (a word the prompt holds twice is told apart by its
@@ -36,8 +37,8 @@ from typing import Any
 from urllib.parse import quote, urlencode
 
 from ...records.tokens import visible
-from ...records.view import StepView
-from ..options import CliError, positive_int
+from ...records.view import METHOD, StepView
+from ..options import CliError, add_method_option, positive_int
 
 NAME = "tail"
 _FAULT_POLL = 2.0  #: seconds between two looks at each process's status for faults
@@ -61,6 +62,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("--request-id", metavar="ID", help="only this request (from its first token; ends with it)")
     parser.add_argument("--layer", type=int, default=None, help="which recorded layer to show (default: the last)")
     parser.add_argument("-k", type=positive_int, default=3, help="context tokens per line (default 3)")
+    add_method_option(parser)
     parser.add_argument("--count", type=positive_int, metavar="N", help="stop after N tokens")
     parser.add_argument("--last", type=positive_int, metavar="N",
                         help="first show the last N requests still in the program's memory (then follow on)")
@@ -82,11 +84,15 @@ def faults(model: dict) -> list[str]:
     return said
 
 
-def line(view: StepView, layer: int | None, width: int) -> str:
+def line(view: StepView, layer: int | None, width: int, method: str = METHOD) -> str:
     """One step as a short line: ``req  step @position 'token'  L2: 5:'a' 0.41  9:'␣b' 0.33`` (the module doc).
     Tokens are the step view's texts (:mod:`nxl_hooks.records.view`: readable, a character split over tokens
     shown whole), quoted as they are; ``layer``: the one shown (the last when the view does not have it)."""
-    shown, ranked = view.ranked(layer)
+    if method not in view.scores:  # the program's probe does not compute it: the line says so
+        return visible(f"{visible(str(view.request_id))[:16]:<16} {view.step:>4} @{view.position:<5} '{view.token}'"
+                       f"  the program's probe does not compute {method!r} (it computes "
+                       f"{', '.join(view.scores)}; nxl run --methods {method})")[:max(width, 8)]
+    shown, ranked = view.ranked(layer, method)
     best = "  ".join(f"{entry.position}:'{entry.text}' " + (f"{entry.score:.3g}" if entry.score is not None else "nan")
                      for entry in ranked)
     token = f"'{view.token}'"
@@ -179,7 +185,7 @@ def _show(items: queue.Queue, args: argparse.Namespace, open_streams: int, past:
     for event, data in past:
         if args.count and shown >= args.count and event == "step":
             return 0  # --count reached (the end line of the request shown last still came)
-        print(line(data, args.layer, width) if event == "step" else end_line(data), flush=True)
+        print(line(data, args.layer, width, args.method) if event == "step" else end_line(data), flush=True)
         shown += event == "step"
     if args.count and shown >= args.count:
         return 0
@@ -196,7 +202,7 @@ def _show(items: queue.Queue, args: argparse.Namespace, open_streams: int, past:
             if (data.request_id, data.step) in seen:
                 continue  # already shown by --last
             quiet_since, wait, said = time.monotonic(), _WAIT_AGAIN, False
-            print(line(data, args.layer, width), flush=True)
+            print(line(data, args.layer, width, args.method), flush=True)
             shown += 1
             if args.count and shown >= args.count:
                 return 0

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from ...method.protocol import check_name
 from ...arch import plugins
 from ...method.select import EMBEDDINGS, option_text, parse_embedding, parse_layers, parse_target
 from ..loading_options import Loading
@@ -88,6 +89,12 @@ def _positive(text: str) -> int:
 
 def _megabytes(text: str) -> int:
     return _positive(text) << 20
+
+
+def _methods(text: str) -> list[str]:
+    """A comma list of attribution method names (looked up when the probe attaches: a program may register its
+    own first)."""
+    return [check_name(name.strip()) for name in text.split(",") if name.strip()]
 
 
 def _globs(text: str) -> list[str]:
@@ -172,6 +179,10 @@ class Settings:
     embedding: str = setting("layer_input", Option(
         "NXL_EMBEDDING", parse_embedding, "embedding norm: the input of block 1, or the raw word-embedding row",
         flag="--embedding", metavar="EMBEDDING", choices=EMBEDDINGS, ctl=True))
+    methods: list[str] = setting([], Option(
+        "NXL_METHODS", _methods, "attribution methods computed beside normxlogit and logat (comma list of registered "
+        "names, like contrastive): records carry their scores, nxl tail --method ranks by them", text=",".join,
+        flag="--methods", metavar="NAMES"))
     models: list[str] = setting(["*"], Option(
         "NXL_MODELS", _globs, "record only models whose name or path matches one of these comma-separated globs",
         text=",".join, flag="--models", metavar="PATTERN", ctl=True))
@@ -221,8 +232,9 @@ class Settings:
         return matches(name, self.models)
 
     def attach_options(self) -> dict:
-        """What goes to :func:`nxl_hooks.attach` besides the sink (the :data:`ATTACH` fields)."""
-        return {name: getattr(self, name) for name in ATTACH}
+        """What goes to :func:`nxl_hooks.attach` besides the sink (the :data:`ATTACH` fields, and the attribution
+        methods computed beside NormXLogit and LogAt)."""
+        return {**{name: getattr(self, name) for name in ATTACH}, "methods": self.methods}
 
     def to_env(self) -> dict[str, str]:
         """Every setting as its ``NXL_*`` variable (an empty one for an unset ``listen`` / ``load``, so that a

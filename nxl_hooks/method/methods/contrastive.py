@@ -1,0 +1,43 @@
+"""Contrastive NormXLogit: ‖h_i^0‖₂ × (LogAt[y] − LogAt[foil]), i.e. NormXLogit[target] − NormXLogit[foil]: what
+makes a token push towards the target *rather than* the model's best alternative (a variant beyond the paper).
+
+The foil of a row is, by default, the output the model ranks highest at the prediction position among those not
+explained in that row (the runner-up when the target is the prediction); ``Contrastive(foil=id)`` fixes it.
+Without the model's own probabilities (a regression head, an engine that gives no logits) and no fixed foil,
+there is nothing to contrast with: the scores are NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..protocol import Given
+
+
+@dataclass(frozen=True)
+class Contrastive:
+    foil: int | None = None  #: a fixed foil id for every row; None: the model's best output not explained
+    name = "contrastive"
+    description = "NormXLogit[target] − NormXLogit[foil]; foil: the model's best other output (runner-up)"
+
+    def foils(self, given: Given) -> torch.Tensor | None:
+        """(rows, 1) foil ids, on the device of the explained ids; None when there is nothing to contrast with."""
+        targets = given.targets
+        if self.foil is not None:
+            return torch.full((targets.shape[0], 1), self.foil, dtype=torch.long, device=targets.device)
+        if given.log_probs is None:
+            return None
+        ranked = given.log_probs.scatter(-1, targets.to(given.log_probs.device), float("-inf"))
+        return ranked.argmax(-1, keepdim=True).to(targets.device)
+
+    def score(self, given: Given) -> torch.Tensor:
+        foils = self.foils(given)
+        if foils is None:
+            return torch.full_like(given.logat, float("nan"))
+        gap = given.logat - given.head_logits(foils).to(given.logat.device, given.logat.dtype)
+        return given.embed_norm.to(gap.device, gap.dtype)[None, :, :, None] * gap
+
+
+METHOD = Contrastive()

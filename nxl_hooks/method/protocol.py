@@ -1,0 +1,64 @@
+"""What a forward-only attribution method is given and what it returns: the :class:`Method` protocol.
+
+    class Doubled(Method):                       # subclassing is optional: it states the intent
+        name = "doubled"
+        description = "twice LogAt"
+        def score(self, given: Given) -> torch.Tensor:
+            return 2 * given.logat                # (layers, rows, seq, k), shaped like given.logat
+
+A method is a function of what the recorder has already computed, once per explained forward or generated token
+(:class:`Given`): the per-layer target logits LogAt, the embedding norms, the explained ids, the model's own
+log-probabilities at the prediction position, and HoT outputs for other ids on demand. It runs on the model's
+hot path, inside the head's reading block: device tensors only, no host reads (``.item()``, ``.tolist()``), no
+locks. Register it with :func:`~nxl_hooks.method.registry.register_method` (or the entry-point group
+``nxl_hooks.methods``); a probe computes it when asked: ``nxl.attach(model, methods=["doubled"])``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Callable, Protocol, runtime_checkable
+
+import torch
+
+__all__ = ["Given", "Method", "check_name"]
+
+#: What a method's name may be: it names a record's ``scores`` entry, a stream-file tensor and a Parquet column.
+NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
+
+
+@dataclass(frozen=True, eq=False)
+class Given:
+    """What the recorder hands a method, for one forward (or one generated token's context)."""
+
+    logat: torch.Tensor  #: float32 (layers, rows, seq, k): HoT(h_i^l)[y] (regression: |HoT(h_i^l) − HoT(h_p^L)|)
+    embed_norm: torch.Tensor  #: float32 (rows, seq): ‖h_i^0‖₂ (or the word-embedding row's norm)
+    targets: torch.Tensor  #: int64 (rows, k): the explained ids
+    #: float32 (rows, outputs): the model's own log-softmax at each row's prediction position; None for a
+    #: regression head, or where the engine did not give its logits
+    log_probs: torch.Tensor | None
+    #: ``head_logits(ids)``: raw HoT(h_i^l)[ids] for other ids (rows, m) -> float32 (layers, rows, seq, m), one
+    #: gather of m rows of the head per layer and token (what LogAt costs per target)
+    head_logits: Callable[[torch.Tensor], torch.Tensor]
+
+
+@runtime_checkable
+class Method(Protocol):
+    """A forward-only attribution method: ``score(given)`` -> float (layers, rows, seq, k), shaped like
+    ``given.logat``. ``name`` (lowercase letters, digits, ``_``) keys ``Attribution.scores`` and ``Step.scores``;
+    ``description`` is one line for ``nxl methods`` and the docs."""
+
+    name: str
+    description: str
+
+    def score(self, given: Given) -> torch.Tensor:
+        """The per-layer, per-token scores of each explained target: (layers, rows, seq, k)."""
+        ...
+
+
+def check_name(name: object) -> str:
+    """``name`` when it can name a method's scores, else ValueError saying what to use."""
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        raise ValueError(f"method name {name!r}: use 1-40 lowercase letters, digits and '_', starting with a letter")
+    return name

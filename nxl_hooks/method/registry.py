@@ -1,0 +1,134 @@
+"""The registry of attribution methods: built-in ones, those registered in code, and installed plugins.
+
+    @register_method                              # a class (instantiated without arguments) or an instance
+    class Doubled(Method): ...
+    register_method(Doubled(), replace=True)      # or a call; replace=True to redefine a name
+    get_method("doubled"); method_names()         # lookups: ("normxlogit", "logat", "contrastive", "doubled")
+    nxl.attach(model, methods=["doubled"])        # what a probe computes beyond DEFAULT
+
+Built-in methods are the modules of :mod:`nxl_hooks.method.methods` (each defines ``METHOD``). Installed
+distributions add methods through the entry-point group ``nxl_hooks.methods`` (name: the method's name, value: a
+Method class or instance), loaded by the package's one plugin loader (:mod:`nxl_hooks.arch.plugins`, with its
+``NXL_PLUGINS`` allow-list) when a name is looked up that nothing registered in the process has, or every method is
+listed; :func:`load_plugin` is what the loader calls for each. A broken one is left out with one logged line.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+import threading
+from typing import Any, Iterable
+
+from ..arch import plugins
+from . import methods as _builtin_package
+from .protocol import Method, check_name
+
+__all__ = ["DEFAULT", "ENTRY_POINT_GROUP", "Method", "get_method", "load_plugin", "method_names", "register_method",
+           "resolve_methods"]
+
+#: The entry-point group through which installed distributions register methods.
+ENTRY_POINT_GROUP = plugins.METHODS
+#: What every probe computes (at no cost beyond the target logits it needs anyway), in this order.
+DEFAULT = ("normxlogit", "logat")
+#: Names a method cannot take: the fields and Parquet columns its scores sit beside, and evaluation's baselines.
+RESERVED = frozenset({
+    "request_id", "call", "row", "step", "emitted_position", "emitted_id", "emitted_text", "active", "layer",
+    "position", "token_id", "token_text", "target_index", "target_id", "target_text", "probability", "embed_norm",
+    "model", "time", "in_prompt", "prediction_position", "special", "template", "ranked", "token", "target", "mask",
+    "scores", "layers", "random", "grad_norm", "grad_x_input", "integrated_gradients",
+})
+
+_METHODS: dict[str, Method] = {}
+_lock = threading.RLock()
+_loaded = False  # built-ins imported
+
+
+def _instance(method: Any) -> Method:
+    method = method() if isinstance(method, type) else method
+    if not isinstance(method, Method):
+        raise TypeError(f"{method!r} is not an attribution method: it needs a name, a description and "
+                        "score(given) -> tensor (nxl_hooks.method.protocol.Method)")
+    name = check_name(method.name)
+    if name in RESERVED:
+        raise ValueError(f"method name {name!r} is taken by a record field or Parquet column: choose another")
+    return method
+
+
+def register_method(method: Any = None, *, replace: bool = False) -> Any:
+    """Register a :class:`~nxl_hooks.method.protocol.Method` (class or instance) under its ``name``; usable as a
+    decorator (returns what it was given). A name already registered is refused unless ``replace``.
+    ``register_method(MyMethod())``"""
+    if method is None:  # @register_method(replace=True)
+        return lambda given: register_method(given, replace=replace)
+    instance = _instance(method)
+    with _lock:
+        _builtins()
+        if instance.name in _METHODS and not replace:
+            raise ValueError(f"an attribution method named {instance.name!r} is registered already: pass "
+                             "replace=True to redefine it")
+        _METHODS[instance.name] = instance
+    return method
+
+
+def load_plugin(name: str, loaded: Any) -> Method:
+    """Register what an entry point of ``nxl_hooks.methods`` named ``name`` loaded (a Method class or instance);
+    the one function a plugin loader calls. ValueError when its name is not the entry point's."""
+    instance = _instance(loaded)
+    if instance.name != name:
+        raise ValueError(f"entry point {name!r} gives a method named {instance.name!r}: the names must match")
+    with _lock:
+        _METHODS.setdefault(name, instance)  # a method registered in code wins over an installed one
+        return _METHODS[name]
+
+
+def _read_plugins() -> None:
+    """Every allowed ``nxl_hooks.methods`` plugin through :func:`load_plugin` (each imported once by the loader; a
+    broken one, or one :func:`load_plugin` refuses, is left out with its one logged line)."""
+    plugins.load_all(ENTRY_POINT_GROUP, register=load_plugin)
+
+
+def _builtins() -> None:
+    global _loaded
+    if _loaded:
+        return
+    _loaded = True
+    found = [importlib.import_module(f"{_builtin_package.__name__}.{module.name}").METHOD
+             for module in pkgutil.iter_modules(_builtin_package.__path__)]
+    for method in sorted(found, key=lambda m: DEFAULT.index(m.name) if m.name in DEFAULT else len(DEFAULT)):
+        _METHODS.setdefault(method.name, _instance(method))
+
+
+def get_method(name: str | Method) -> Method:
+    """The method registered as ``name`` (a Method is returned as it is); ValueError naming the registered ones."""
+    if not isinstance(name, str):
+        return _instance(name)
+    with _lock:
+        _builtins()
+        if name not in _METHODS:
+            _read_plugins()
+        if name in _METHODS:
+            return _METHODS[name]
+    broken = plugins.failure(ENTRY_POINT_GROUP, name)
+    raise ValueError(f"unknown attribution method {name!r}: " + (broken if broken else (
+        f"choose from {', '.join(method_names())} (or register one: nxl_hooks.register_method)")))
+
+
+def method_names() -> tuple[str, ...]:
+    """Every registered method's name, built-in ones first (installed plugins included)."""
+    with _lock:
+        _builtins()
+        _read_plugins()
+        return tuple(_METHODS)
+
+
+def resolve_methods(methods: Iterable[str | Method] | str | None) -> tuple[Method, ...]:
+    """The methods a probe computes: :data:`DEFAULT` first, then each of ``methods`` (names or Method instances,
+    or one comma-separated string) not among them. ValueError for an unknown name."""
+    if isinstance(methods, str):
+        methods = [part.strip() for part in methods.split(",") if part.strip()]
+    chosen: dict[str, Method] = {name: get_method(name) for name in DEFAULT}
+    for method in methods or ():
+        found = get_method(method)
+        chosen[found.name] = found if not isinstance(method, str) else chosen.get(found.name, found)
+    return tuple(chosen.values())

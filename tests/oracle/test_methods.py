@@ -1,0 +1,277 @@
+"""Attribution methods as a protocol (issue 26 item 2): a method added from this file (protocol + registration)
+reaches ``top()``, ``nxl attribute --method``, the Parquet export and ``nxl tail --method``; the built-in
+contrastive method's numbers against the oracle (``output_hidden_states=True`` and the head by hand); methods
+installed through the ``nxl_hooks.methods`` entry-point group, and a broken one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import threading
+import time
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+import nxl_hooks as nxl
+import oracle
+import tiny
+from nxl_hooks.apps.cli import main as cli_main
+from nxl_hooks.arch import plugins
+from nxl_hooks.method import registry
+from nxl_hooks.method.protocol import Given, Method
+
+TEXT = "the film was very good"
+NAME = "test_neglogat"
+
+
+class NegLogAt(Method):
+    """A method written outside the library: minus LogAt (it ranks tokens in the reverse of LogAt's order)."""
+
+    name = NAME
+    description = "minus LogAt (defined in tests/oracle/test_methods.py)"
+
+    def score(self, given: Given) -> torch.Tensor:
+        return -given.logat
+
+
+nxl.register_method(NegLogAt, replace=True)  # replace: the module may be imported twice under pytest
+
+
+def _lm_oracle(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-layer logits (L+1, 1, seq, vocab), embedding norms (1, seq)) of ``ids`` (1, seq), by hand."""
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+        return oracle.llama(model).layer_logits(out.hidden_states), out.hidden_states[0].float().norm(dim=-1)
+
+
+def _ranked(scores: torch.Tensor, eligible: list[int]) -> list[int]:
+    """Positions of ``eligible`` by descending score (the oracle's ranking)."""
+    return sorted(eligible, key=lambda p: -float(scores[p]))
+
+
+@pytest.fixture(scope="module")
+def lm():
+    return tiny.build_model("llama", 0), tiny.tokenizer()
+
+
+def test_a_method_from_a_test_file_is_computed_and_ranks_in_top(lm, tmp_path):
+    model, tok = lm
+    assert NAME in nxl.method_names() and isinstance(nxl.get_method(NAME), Method)
+    res = nxl.explain(model, tok, TEXT, methods=[NAME])
+    assert res.methods == ["normxlogit", "logat", NAME]
+    ids = tok(TEXT, return_tensors="pt")["input_ids"]
+    logits, _ = _lm_oracle(model, ids)
+    target = logits[-1, 0, -1].argmax()
+    logat = logits[:, 0, :, target]  # (L+1, seq)
+    torch.testing.assert_close(res.scores[NAME][:, 0], -logat, atol=1e-5, rtol=1e-4)
+    eligible = res.rankable(0).nonzero()[:, 0].tolist()
+    assert [p for p, _, _ in res.top(len(eligible), method=NAME)] == _ranked(-logat[-1], eligible)
+    assert [p for p, _, _ in res.top(len(eligible), method="logat")] == _ranked(logat[-1], eligible)
+    back = nxl.Attribution.load(res.save(tmp_path / "a.safetensors"))  # the file keeps it
+    assert back.methods == res.methods and torch.equal(back.scores[NAME], res.scores[NAME])
+    assert f"{NAME} per token and layer" in res.to_html(method=NAME)
+    with pytest.raises(ValueError, match=f"method='{NAME}': use 'normxlogit' or 'logat', the methods this record holds"):
+        nxl.explain(model, tok, TEXT).top(method=NAME)
+
+
+def test_the_cli_ranks_by_a_registered_method(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    path = tiny.save_model(tmp_path / "lm", "llama", seed=0)
+    out_file = tmp_path / "a.safetensors"
+    assert cli_main(["attribute", str(path), TEXT, "--method", NAME, "--out", str(out_file), "--layers", "last"]) == 0
+    printed = capsys.readouterr().out
+    assert f"{NAME} of " in printed
+    model, tok = tiny.build_model("llama", 0), tiny.tokenizer()
+    logits, _ = _lm_oracle(model, tok(TEXT, return_tensors="pt")["input_ids"])
+    logat = logits[-1, 0, :, logits[-1, 0, -1].argmax()]
+    saved = nxl.Attribution.load(out_file)
+    torch.testing.assert_close(saved.scores[NAME][0, 0], -logat, atol=1e-5, rtol=1e-4)
+    row = next(line for line in printed.splitlines() if line.startswith(("┃ L2", "│ L2")))  # the layers view
+    cells = [float(cell) for cell in re.split(r"[┃│]", row)[2:-1]]
+    torch.testing.assert_close(torch.tensor(cells), -logat, atol=1e-3, rtol=2e-3)  # 4 significant digits
+    assert cli_main(["attribute", str(path), TEXT, "--method", "no_such_method"]) == 2
+    assert "unknown attribution method 'no_such_method'" in capsys.readouterr().err
+
+
+def _generate(model, tok, **attach_options):
+    ids = tok("the film was", return_tensors="pt", return_token_type_ids=False)
+    with nxl.attach(model, tokenizer=tok, **attach_options) as probe:
+        out = model.generate(**ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    return probe, out
+
+
+def test_parquet_live_and_exported_carry_every_computed_method(lm, tmp_path):
+    pyarrow = pytest.importorskip("pyarrow.parquet")
+    model, tok = lm
+    live = tmp_path / "live.parquet"
+    probe, sequences = _generate(model, tok, methods=[NAME, "contrastive"], sink=f"parquet:{live}")
+    _, also = _generate(model, tok, methods=[NAME], sink=tmp_path / "run.nxl")
+    assert torch.equal(sequences, also)
+    exported = tmp_path / "exported.parquet"
+    from nxl_hooks.records.parquet import export_parquet
+
+    export_parquet(nxl.read_stream(tmp_path / "run.nxl"), exported)
+    logits, _ = _lm_oracle(model, sequences)
+    for path, methods in ((live, [NAME, "contrastive"]), (exported, [NAME])):
+        table = pyarrow.read_table(path).to_pylist()
+        assert set(methods) <= set(table[0]) and ("contrastive" in table[0]) == ("contrastive" in methods)
+        for row in table:
+            n, layer, position = row["emitted_position"], row["layer"], row["position"]
+            logat = float(logits[layer, 0, position, row["emitted_id"]])
+            assert row[NAME] == pytest.approx(-logat, rel=1e-4, abs=1e-5)
+            assert row["logat"] == pytest.approx(logat, rel=1e-4, abs=1e-5)
+            if "contrastive" in methods:
+                final = logits[-1, 0, n - 1].clone()
+                final[row["emitted_id"]] = float("-inf")
+                foil = float(logits[layer, 0, position, final.argmax()])
+                assert row["contrastive"] == pytest.approx(row["embed_norm"] * (logat - foil), rel=1e-4, abs=1e-5)
+    old_columns = set(pyarrow.read_table(exported).column_names) - {NAME}
+    assert old_columns == set(nxl.records.parquet.schema().names)  # the columns of before stay as they were
+
+
+def test_nxl_tail_ranks_by_a_method_the_programs_probe_computes(tmp_path, capsys):
+    from nxl_hooks.apps.serve.controller import Controller
+    from nxl_hooks.apps.serve.settings import Settings
+
+    path = tiny.save_model(tmp_path / "lm", "llama")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    run = tmp_path / "run"
+    controller = Controller(Settings(run_dir=run, methods=[NAME], layers=[-1]))
+    controller.adopt(model, str(path))
+    try:
+        codes: list[int] = []
+        follower = threading.Thread(target=lambda: codes.append(cli_main(
+            ["tail", "--run", str(run), "--count", "2", "--method", NAME, "-k", "1"])), daemon=True)
+        follower.start()
+        time.sleep(1.0)  # subscribed by then: tail follows steps from now on
+        ids = torch.tensor([[5, 7, 9, 11]])  # words: no special token, every position but the last ranks
+        sequences = model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        follower.join(timeout=60)
+        assert codes == [0]
+        lines = [line for line in capsys.readouterr().out.splitlines() if not line.startswith("!")]
+        logits, _ = _lm_oracle(model, sequences)
+        assert len(lines) == 2
+        for step, line in enumerate(lines):
+            n = ids.shape[1] + step
+            token = int(sequences[0, n])
+            minus_logat = -logits[-1, 0, :n, token]
+            best = _ranked(minus_logat, list(range(n - 1)))[0]  # what ranks: not the prediction position
+            found = re.search(r"L2: (\d+):'.*?' (\S+)", line)
+            assert found and int(found.group(1)) == best, line
+            assert float(found.group(2)) == pytest.approx(float(minus_logat[best]), rel=5e-3)  # 3 digits
+        capsys.readouterr()
+        assert cli_main(["tail", "--run", str(run), "--count", "1", "--method", "contrastive", "--last", "1"]) == 0
+        said = capsys.readouterr().out
+        assert "the program's probe does not compute 'contrastive'" in said  # registered, not computed there
+    finally:
+        controller.close()
+
+
+def test_contrastive_matches_the_oracle_on_a_classifier_and_a_generation(lm):
+    bert, tok = tiny.build_model("bert", 0), tiny.tokenizer()
+    res = nxl.explain(bert, tok, TEXT, methods=["contrastive"])
+    enc = tok(TEXT, return_tensors="pt")
+    with torch.no_grad():
+        out = bert(**enc, output_hidden_states=True)
+    logits = oracle.bert_classifier(bert).layer_logits(out.hidden_states)[:, 0]  # (L+1, seq, 2)
+    target = int(out.logits[0].argmax())
+    norms = out.hidden_states[0][0].float().norm(dim=-1)
+    expected = norms * (logits[..., target] - logits[..., 1 - target])  # two labels: the foil is the other one
+    torch.testing.assert_close(res.scores["contrastive"][:, 0], expected, atol=1e-5, rtol=1e-4)
+
+    model, tok = lm
+    probe, sequences = _generate(model, tok, methods=["contrastive"])
+    layer_logits, norms = _lm_oracle(model, sequences)
+    for step in probe.steps:
+        n, token = step.position, int(step.token[0])
+        final = layer_logits[-1, 0, n - 1].clone()
+        final[token] = float("-inf")  # the foil: the model's best output other than the emitted token
+        gap = layer_logits[:, 0, :n, token] - layer_logits[:, 0, :n, int(final.argmax())]
+        torch.testing.assert_close(step.scores["contrastive"][:, 0], norms[0, :n] * gap, atol=1e-5, rtol=1e-4)
+
+
+def test_a_method_with_a_wrong_shape_is_refused_with_its_name(lm, caplog):
+    model, tok = lm
+
+    class Flat(Method):
+        name = "test_flat"
+        description = "one number per token, not per layer (wrong)"
+
+        def score(self, given: Given) -> torch.Tensor:
+            return given.embed_norm
+
+    with pytest.raises(ValueError, match="method 'test_flat' returned .*expected float scores shaped like logat"):
+        nxl.explain(model, tok, TEXT, methods=[Flat()])
+    with pytest.raises(ValueError, match="method name 'Bad-Name'"):
+        nxl.register_method(type("Bad", (NegLogAt,), {"name": "Bad-Name"}))
+    with pytest.raises(ValueError, match="taken by a record field"):
+        nxl.register_method(type("Taken", (NegLogAt,), {"name": "position"}))
+    with pytest.raises(ValueError, match="registered already"):
+        nxl.register_method(NegLogAt)
+
+
+def test_methods_install_through_entry_points_and_a_broken_one_is_one_line(tmp_path, monkeypatch, caplog):
+    (tmp_path / "nxl_test_plugin.py").write_text(
+        "class Doubled:\n"
+        "    name = 'test_plugin_doubled'\n"
+        "    description = 'twice NormXLogit'\n"
+        "    def score(self, given):\n"
+        "        return 2 * given.embed_norm[None, :, :, None] * given.logat\n")
+    info = tmp_path / "nxl_test_plugin-1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: nxl-test-plugin\nVersion: 1.0\n")
+    (info / "entry_points.txt").write_text("[nxl_hooks.methods]\ntest_plugin_doubled = nxl_test_plugin:Doubled\n"
+                                           "test_plugin_broken = nxl_test_plugin_missing:Nothing\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv(plugins.SETTING, raising=False)
+    for cache in ("_points", "_loaded", "_failed"):  # the loader reads the group afresh, as a new process would
+        monkeypatch.setattr(plugins, cache, {})
+    monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))  # the process's registry as it was, after
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+        names = nxl.method_names()
+    assert "test_plugin_doubled" in names and "test_plugin_broken" not in names
+    broken = [r.getMessage() for r in caplog.records if "test_plugin_broken" in r.getMessage()]
+    assert len(broken) == 1 and "\n" not in broken[0] and "ModuleNotFoundError" in broken[0]
+    model, tok = tiny.build_model("llama", 0), tiny.tokenizer()
+    res = nxl.explain(model, tok, TEXT, methods=["test_plugin_doubled"])
+    torch.testing.assert_close(res.scores["test_plugin_doubled"], 2 * res.normxlogit)
+    with pytest.raises(ValueError, match="unknown attribution method 'test_plugin_broken': plugin .* failed to load"):
+        nxl.attach(model, methods=["test_plugin_broken"])
+    assert os.environ.get("NXL_METHODS") is None  # nothing of the host's environment was changed
+
+
+def test_evaluation_scores_a_method_from_a_test_file(lm):
+    from nxl_hooks.eval import faithfulness as ev
+
+    model, tok = lm
+    assert NAME in ev.available_methods()
+    rec = ev.score_example(model, tok, {"text": TEXT, "evidence": ["good"]}, methods=[NAME, "random"],
+                           keep_scores=True)
+    logits, _ = _lm_oracle(model, tok(TEXT, return_tensors="pt")["input_ids"])
+    logat = logits[:, 0, :, logits[-1, 0, -1].argmax()]
+    mine = rec["methods"][NAME]
+    assert mine["layered"] and len(mine["ap"]) == logits.shape[0] and not rec["methods"]["random"]["layered"]
+    torch.testing.assert_close(torch.tensor(mine["scores"]), -logat[-1], atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match="unknown method"):
+        ev.score_example(model, tok, {"text": TEXT}, methods=["no_such_method"])
+
+
+def test_contrastive_adds_no_host_read_per_generated_token():
+    """The contrastive method runs on the hot path with device tensors only: attached with it, generate reads values
+    back from the device a constant number of times per call more than plain generate, whatever the tokens."""
+    from test_host_reads import _reads
+
+    model = tiny.generating_llama()
+    inputs = {"input_ids": torch.randint(1, tiny.GEN_VOCAB, (2, 6), generator=torch.Generator().manual_seed(0)),
+              "attention_mask": torch.ones(2, 6, dtype=torch.long), "do_sample": False}
+    added = {}
+    for new in (3, 10):
+        plain = _reads(model, inputs, new)
+        with nxl.attach(model, methods=["contrastive", NAME]) as probe:
+            added[new] = _reads(model, inputs, new) - plain
+        assert len(probe.steps) == new and not probe.steps[-1].scores["contrastive"].isnan().any()
+    assert added[3] == added[10], added
