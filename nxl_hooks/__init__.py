@@ -45,4 +45,4 @@ __all__ = [
     "register_method",
     "register_sink",
 ]
-__version__ = "0.3.0"
+__version__ = "0.4.0"

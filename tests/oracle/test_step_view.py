@@ -22,7 +22,7 @@ from nxl_hooks.apps.serve.client import endpoints
 from nxl_hooks.apps.serve.controller import Controller
 from nxl_hooks.apps.serve.settings import Settings
 from nxl_hooks.hooks.generate import REQUEST_ID
-from nxl_hooks.hooks.publish import Subscription
+from nxl_hooks.hooks.subscription import Subscription
 from nxl_hooks.records.html import generation_html
 from nxl_hooks.records.tokens import visible
 from nxl_hooks.records.view import Ranked, StepView

@@ -15,6 +15,8 @@ import dataclasses
 import http.client
 import json
 import re
+import socket
+import struct
 import time
 import os
 import subprocess
@@ -200,7 +202,10 @@ def test_request_the_client_leaves_keeps_its_steps_and_says_so(server, oracle_mo
     chunks = 0
     while chunks < 4:
         chunks += response.readline().startswith(b"data:")
-    connection.close()  # gone mid-generation
+    # gone mid-generation, with a reset (SO_LINGER 0) rather than a FIN, so that the server's next write fails at once:
+    # a compiled engine otherwise finishes all 200 tokens before the server notices a half-closed connection
+    connection.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    connection.close()
     deadline = time.monotonic() + 120
     while True:  # vLLM tells its worker at a later step: requests keep the engine stepping
         chat(server, "Paris is", "after-leave", tokens=2)

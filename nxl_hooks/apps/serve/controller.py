@@ -42,7 +42,7 @@ from ...hooks.generate import REQUEST_ID
 from ...hooks.guard import reason
 from ...hooks.plan import TokenTexts, make_plan, token_texts, tokenizer_mismatch
 from ...hooks.probe import Probe, attach
-from ...hooks.publish import Subscription
+from ...hooks.subscription import Subscription
 from ...method.select import special_mask
 from ...records.attribution import Attribution
 from ...records.writer import RotatingSink

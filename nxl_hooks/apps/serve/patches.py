@@ -3,7 +3,7 @@
 - ``transformers.modeling_utils``: ``PreTrainedModel.from_pretrained`` hands every model it returns to the
   process's :class:`~nxl_hooks.apps.serve.controller.Controller` (only the outermost call, when loads nest).
 - ``transformers.cli.serving.utils``: request ids of ``transformers serve``, a part of the engine of transformers
-  (:func:`nxl_hooks.hooks.engines.transformers_cb.patch_serving`; :data:`~nxl_hooks.apps.serve.lazy.HOOKS` names it).
+  (:func:`nxl_hooks.hooks.engines.transformers_serve.patch_serving`; :data:`~nxl_hooks.apps.serve.lazy.HOOKS` names it).
 - ``vllm.v1.worker.gpu_model_runner`` / ``cpu_model_runner``: each model runner's ``load_model`` hands the controller
   a view of the model it loaded (:class:`~nxl_hooks.hooks.engines.vllm.VllmForCausalLM`), which the vLLM engine
   follows; ``vllm.engine.arg_utils``: engines are made recordable

@@ -13,7 +13,7 @@ graph replays only what it captured. Hooks put on before the trace or the captur
 model: each write here is one ``copy_`` of the step's rows into a tensor whose address never changes, with no read
 of the device, no Python branch on a tensor's values and no allocation, so it runs inside the compiled code or the
 graph. The engine maps rows to requests after the step, on the host, with what its scheduler already holds. Used by
-the vLLM engine (:mod:`.vllm`) and transformers' continuous batching (:mod:`.transformers_cb`).
+the vLLM engine (:mod:`.vllm`) and transformers' continuous batching (:mod:`.transformers_cb_step`).
 """
 
 from __future__ import annotations

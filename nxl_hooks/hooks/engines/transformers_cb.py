@@ -30,7 +30,7 @@ probe detaches):
   of followed models are made with ``use_cuda_graph=False`` (a fallback: no longer needed to record them).
 
 Padded steps (compile configs, CUDA graphs: the manager pads its inputs and runs each step compiled, or replays a
-graph, where hooks added afterwards never run): the processor gets :class:`_Taps`, hooks of
+graph, where hooks added afterwards never run): the processor gets :class:`~.transformers_cb_step._Taps`, hooks of
 :class:`~.buffers.Buffers` put on before it compiles or captures, which write each packed token's head features
 (every selected layer), embedding norm and sampled logits into fixed device tensors, with no host read, no branch
 on a tensor's value, no lock and no allocation: they are traced into the compiled step or captured in its graphs.
@@ -51,32 +51,29 @@ attached, or it is a forked ``num_return_sequences`` child), or that had generat
 is marked not recorded. A request that leaves the manager unfinished (cancelled, failed, or the manager stopped)
 ends incomplete.
 
-Also here: :func:`patch_serving`, which carries each request's id from ``transformers serve``'s handler to the
-``generate`` call that serves it when serve runs without continuous batching (``nxl run`` applies it when
-``transformers.cli.serving.utils`` is imported).
+Here: the wrappers and :class:`ContinuousBatching`, the engine of one probe. One packed step's record (its layout,
+the features fed to each request's run, a padded step's taps, the tokens handed out) is
+:mod:`.transformers_cb_step`. :func:`patch_serving` (from :mod:`.transformers_serve`, importable from here too)
+carries each request's id from ``transformers serve``'s handler to the ``generate`` call that serves it when serve
+runs without continuous batching (``nxl run`` applies it when ``transformers.cli.serving.utils`` is imported).
 """
 
 from __future__ import annotations
 
-import contextvars
 import copy
-import functools
-import inspect
 import threading
 import weakref
-from dataclasses import dataclass
-from types import ModuleType
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from ..conventions import CONTINUOUS_BATCHING, SERVE_HANDLERS, SERVE_SUBMITS, continuous_batching_classes
-from ..forward import Capture
-from ..generate import EAGER, MAKE_EAGER, REQUEST_ID, Generations, Run, eager, stacked_features
+from ..conventions import CONTINUOUS_BATCHING, continuous_batching_classes
+from ..generate import EAGER, MAKE_EAGER, Generations, Run, eager
 from ..guard import logger, reason
 from ..recording import NOT_RECORDED
-from .buffers import Buffers
+from .transformers_cb_step import _abandon, _local, _Packed, _Segment, _Taps
+from .transformers_serve import patch_serving
 
 __all__ = ["ContinuousBatching", "patch_serving"]
 
@@ -87,7 +84,6 @@ _LOCK = threading.RLock()  # reentrant: a model collected while the lock is held
 #: task model -> its probe's Batching (weakly both ways: the model's hooks keep the Batching alive)
 _FOLLOWED: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[ContinuousBatching]]" = weakref.WeakKeyDictionary()
 _INSTALLED: list[tuple[type, str, Callable, Callable]] = []  # (class, name, original, wrapper)
-_local = threading.local()  # .pending: this thread's last packed step, whose tokens the manager hands out next
 
 
 def _packed(arguments: dict[str, Any]) -> bool:
@@ -186,256 +182,6 @@ def _uninstall() -> None:
         if vars(owner).get(name) is wrapper:
             setattr(owner, name, original)
 
-
-#: Why a request's slice cannot be fed: it starts after the last position its run holds.
-_SKIPPED = ("this request's forwards start at position {first}: positions {length}..{last} ran for another request "
-            "(a prefix shared from its cache before the probe attached, or a forked num_return_sequences child), so "
-            "their attribution is unknown")
-
-
-@dataclass(frozen=True)
-class _Segment:
-    """One request's slice of a packed forward."""
-
-    request_id: str
-    start: int  #: first index in the packed input
-    length: int
-    first: int  #: the request's position of that first index
-    new_token: bool  #: the manager samples a token for this request from this forward
-    run: Any  #: the request's Run, or None when it is not recorded
-
-
-def _check_layout(arguments: dict[str, Any], segments: list[_Segment]) -> int:
-    """The forward's own packing equals the layout read from the scheduler (ValueError otherwise); returns the packed
-    length."""
-    cumulative = arguments.get("cu_seq_lens_q")
-    positions, ids = arguments.get("position_ids"), arguments.get("input_ids")
-    if cumulative is None or positions is None or ids is None:
-        raise ValueError("this continuous-batching forward has no cu_seq_lens_q / position_ids / input_ids: a "
-                         "packing nxl_hooks does not know")
-    expected = [0] + [s.start + s.length for s in segments]
-    logits = arguments.get("logits_indices")
-    emitting = [s.start + s.length - 1 for s in segments if s.new_token]
-    order = torch.cat([torch.arange(s.first, s.first + s.length) for s in segments])
-    if (cumulative.tolist() != expected or ids.shape != (1, expected[-1])
-            or not torch.equal(positions[0].cpu().long(), order)
-            or (logits is not None and logits.tolist()[: len(emitting)] != emitting)):
-        raise ValueError(f"the packed forward (cu_seq_lens_q {cumulative.tolist()}) does not match the batch the "
-                         f"manager scheduled ({expected}): the layout of this transformers version is not understood")
-    return expected[-1]
-
-
-def _stream(output: Any) -> torch.Tensor:
-    """A block's hidden states (most blocks return a tensor, some a tuple that starts with them)."""
-    return output[0] if isinstance(output, (tuple, list)) else output
-
-
-def _block_input(args: tuple, kwargs: dict) -> torch.Tensor:
-    return args[0] if args else kwargs["hidden_states"]
-
-
-class _Taps:
-    """What a padded processor's forwards write (it runs them compiled, or replays them as CUDA graphs): per packed
-    token, the head features of every selected layer (``features``: slot i is ``plan.layers[i]``) and the embedding
-    norm (``norms``), and the task model's logits (``logits``: the rows it samples from, in batch order, or every
-    row when the model has no ``logits_to_keep``). Hooks of :class:`~.buffers.Buffers` put on before the processor
-    compiles or captures, so they are traced or captured with it; they write only while ``marker`` is the thread's
-    recording (the processor's own forwards: its warmup and steps), and the probe's own hooks skip that recording
-    (it is a not-recorded one), so nothing of theirs runs in the compiled region."""
-
-    def __init__(self, plan: Any, gens: Generations, processor: Any) -> None:
-        self.marker = copy.copy(NOT_RECORDED)  # an object of its own: the taps' condition, constant for a trace
-        marker = self.marker
-
-        def ours() -> bool:
-            return gens.current() is marker
-
-        runner, model, head, blocks = processor.model_runner, plan.model, plan.head, plan.blocks
-        rows = int(processor.cache.max_batch_tokens)
-        keeps = getattr(runner, "supports_logits_to_keep", None)
-        self.logits_kept = bool(callable(keeps) and keeps(model))
-        embedding = model.get_input_embeddings()
-        weight = embedding.weight
-        with torch.no_grad():  # what the head makes of a hidden state: the features' width and dtype
-            like = head.features(torch.zeros(1, 1, weight.shape[-1], dtype=weight.dtype, device=weight.device))
-        self.features = Buffers(len(plan.layers), rows, like.shape[2:], dtype=like.dtype, device=like.device,
-                                when=ours)
-        self.norms = Buffers(1, rows, (), dtype=torch.float32, device=weight.device, when=ours)
-        sampled = int(runner.cb_config.max_requests_per_batch) if self.logits_kept else rows
-        self.logits = Buffers(1, sampled, (head.n_outputs,), dtype=torch.float32, device=weight.device, when=ours)
-        try:
-            for slot, layer in enumerate(plan.layers):
-                if layer == 0:
-                    self.features.tap_input(slot, blocks[0],
-                                            lambda args, kwargs: head.features(_block_input(args, kwargs)))
-                else:
-                    self.features.tap(slot, blocks[layer - 1], lambda output: head.features(_stream(output)))
-            if plan.embedding == "word":  # the raw word-embedding row: Gemma-style scaling undone, as the probe does
-                scale = getattr(embedding, "embed_scale", None)
-                self.norms.tap(0, embedding, lambda output: torch.linalg.vector_norm(
-                    output.float() / scale.float() if scale is not None else output.float(), dim=-1))
-            else:
-                self.norms.tap_input(0, blocks[0], lambda args, kwargs: torch.linalg.vector_norm(
-                    _block_input(args, kwargs), dim=-1, dtype=torch.float32))
-            self.logits.tap(0, model, lambda output: output.logits)
-        except BaseException:
-            self.remove()
-            raise
-
-    def remove(self) -> None:
-        for buffers in (self.features, self.norms, self.logits):
-            buffers.remove()
-
-
-class _Packed:
-    """One packed forward and the tokens it yields: the :class:`~nxl_hooks.hooks.engines.Recording` the probe's
-    hooks feed in the manager's thread."""
-
-    def __init__(self, batching: "ContinuousBatching", table: dict[str, Any], segments: list[_Segment],
-                 taps: _Taps | None = None, prompts: dict[str, list[int]] | None = None) -> None:
-        self._batching, self._table, self.segments = batching, table, segments
-        #: a padded step's buffers (its features are read from them after the step, :meth:`collect`), or None
-        self.taps = taps
-        self._prompts = prompts or {}  # request id -> its prompt's token ids (a padded step's prefill chunks)
-        self._ids = {segment.request_id for segment in segments}
-        self._fed: set[str] = set()
-        self.awaiting = sum(segment.new_token for segment in segments)  #: tokens the manager has yet to hand out
-        self.failed = False
-        self._length = 0  # of the packed input, once checked
-
-    def _runs(self) -> list[tuple[_Segment, Run]]:
-        return [(s, s.run) for s in self.segments if s.run is not None and not s.run.failed]
-
-    def before_forward(self, arguments: dict[str, Any]) -> None:
-        self._length = _check_layout(arguments, self.segments)
-
-    def after_task(self, output: Any) -> None:
-        """The model's own log-probabilities at each sampled row go to that request's run (its step's
-        ``probability``), all rows in one log-softmax. The logits are the whole packed input's, or (with
-        ``logits_to_keep``) those of the sampled rows in batch order."""
-        logits = getattr(output, "logits", None)
-        emitting = [s for s in self.segments if s.new_token]
-        if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or not emitting:
-            return
-        if logits.shape[1] == self._length:
-            rows = torch.tensor([s.start + s.length - 1 for s in emitting], device=logits.device)
-        elif logits.shape[1] >= len(emitting):
-            rows = torch.arange(len(emitting), device=logits.device)
-        else:
-            return
-        log_probs = logits[0, rows].float().log_softmax(-1)
-        for index, segment in enumerate(emitting):
-            if segment.run is not None and not segment.run.failed:
-                segment.run.predicted(log_probs[index: index + 1])
-
-    def after_forward(self, capture: Capture) -> None:
-        """Each request's slice of the forward into its own feature cache."""
-        runs = self._runs()
-        if not runs:
-            return
-        ids = capture.input_ids
-        self._feed(runs, stacked_features(self._batching.plan, capture), capture.embed_norm,
-                   lambda segment, window: ids[:, window].long() if ids is not None else None)
-
-    def collect(self) -> None:
-        """After a padded step (outside the compiled region, on the host): each request's rows of the taps' buffers
-        go to its run, as an eager forward's slice would; the model's own log-probabilities at the rows it sampled
-        from, in one log-softmax. Never raises."""
-        runs = self._runs()
-        if not runs:
-            return
-        taps = self.taps
-        try:
-            total = sum(segment.length for segment in self.segments)
-            emitting = [s for s in self.segments if s.new_token]
-            if total > taps.features.rows or len(emitting) > taps.logits.rows:
-                raise RuntimeError(f"this forward packed {total} tokens, more than the {taps.features.rows} rows its "
-                                   "buffers were made for")
-            features = taps.features.values[:, :total].transpose(0, 1)[None]  # (1, tokens, layers, d')
-            norms = taps.norms.values[:, :total]
-            logits, sampled = taps.logits.values[0], {}
-            if emitting:
-                rows = (list(range(len(emitting))) if taps.logits_kept
-                        else [s.start + s.length - 1 for s in emitting])
-                log_probs = logits[torch.tensor(rows, device=logits.device)].log_softmax(-1)
-                sampled = {s.request_id: log_probs[index: index + 1] for index, s in enumerate(emitting)}
-        except Exception as error:  # noqa: BLE001 - never into the manager's loop
-            self.fail("this padded step", error)
-            return
-
-        def prompt_ids(segment: _Segment, window: slice) -> torch.Tensor | None:
-            prompt = self._prompts.get(segment.request_id, [])[segment.first: segment.first + segment.length]
-            return torch.tensor([prompt], dtype=torch.long, device=norms.device) if prompt else None
-
-        self._feed(runs, features, norms, prompt_ids, sampled)
-
-    def _feed(self, runs: list[tuple[_Segment, Run]], features: torch.Tensor, embed: torch.Tensor,
-              ids: Callable[[_Segment, slice], torch.Tensor | None],
-              sampled: dict[str, torch.Tensor] | None = None) -> None:
-        """Each request's slice of a packed forward's ``features`` (1, tokens, layers, d') and ``embed`` norms
-        (1, tokens) into its run, with its token ids (``ids(segment, window)``) and, for a request the manager
-        samples from, the model's own log-probabilities (``sampled``, by request id)."""
-        mask = torch.ones_like(embed, dtype=torch.bool)
-        for segment, run in runs:
-            try:
-                if segment.first > run.length:
-                    raise RuntimeError(_SKIPPED.format(first=segment.first, length=run.length,
-                                                       last=segment.first - 1))
-                window = slice(segment.start, segment.start + segment.length)
-                run.feed(segment.first, features[:, window], embed[:, window], mask[:, window], ids(segment, window))
-                if sampled is not None and segment.new_token:
-                    run.predicted(sampled[segment.request_id])
-                self._fed.add(segment.request_id)
-            except Exception as error:  # noqa: BLE001 - one request's failure is that request's alone
-                run.fail("this request", error)
-
-    def fail(self, what: str, error: BaseException) -> None:
-        """The forward as a whole could not be followed: every request in it stops recording."""
-        self.failed = True
-        for _, run in self._runs():
-            run.fail(what, error)
-
-    def abandon(self, why: str) -> None:
-        """The host's forward raised: the requests in it end incomplete (the host fails them too)."""
-        for segment in self.segments:
-            run = self._table.pop(segment.request_id, None)
-            if run is not None:
-                run.finish(None, why, what="this request")
-
-    def settle(self, state: Any, token: Any, *, appended: bool, finished: bool) -> None:
-        """The manager gave ``token`` to the request of ``state``: its step record; its end if it ``finished``."""
-        self.awaiting -= 1
-        if self.awaiting <= 0:  # the last one: the thread lets go of this step (and of the model through it)
-            _local.pending = None
-        run = self._table.get(state.request_id)
-        if run is None or state.request_id not in self._ids:
-            if finished:
-                self._table.pop(state.request_id, None)
-            return
-        try:
-            if appended and not run.failed:
-                if state.request_id not in self._fed:
-                    raise RuntimeError("the probe did not see the forward that produced this token")
-                run.emit(torch.tensor([int(token)]))
-        except Exception as error:  # noqa: BLE001 - never into the manager's loop
-            run.fail("this request", error)
-        if finished:
-            self._table.pop(state.request_id, None)
-            try:
-                output = state.to_generation_output()
-                sequences = torch.tensor([list(output.prompt_ids) + list(output.generated_tokens)], dtype=torch.long)
-            except Exception as error:  # noqa: BLE001
-                run.fail("the end of this request", error)
-                sequences = None
-            run.finish(sequences, what="this request")
-
-
-def _abandon(table: dict[str, Any], why: str) -> None:
-    """Every request still in ``table`` ends incomplete."""
-    while table:
-        _, run = table.popitem()
-        if run is not None:
-            run.finish(None, why, what="this request")
 
 
 class ContinuousBatching:
@@ -645,79 +391,3 @@ class ContinuousBatching:
         except Exception as error:  # noqa: BLE001
             self.gens.unrecorded(request_id, "this request", error)
             return None
-
-
-# -- transformers serve without continuous batching: request ids ------------------------------------------
-
-_MARK = "__nxl_patched__"
-
-
-def _patched(function: Any) -> bool:
-    return getattr(function, _MARK, False)
-
-
-def _request_id(signature: inspect.Signature, args: tuple, kwargs: dict) -> str | None:
-    try:
-        value = signature.bind_partial(*args, **kwargs).arguments.get("request_id")
-    except TypeError:
-        return None
-    return value if isinstance(value, str) and value else None
-
-
-def _tag(original: Callable) -> Callable:
-    """``original`` (sync or async) run with REQUEST_ID set to its ``request_id`` argument."""
-    signature = inspect.signature(original)
-    if inspect.iscoroutinefunction(original):
-        @functools.wraps(original)
-        async def tagged(*args: Any, **kwargs: Any) -> Any:
-            token = REQUEST_ID.set(_request_id(signature, args, kwargs))
-            try:
-                return await original(*args, **kwargs)
-            finally:
-                REQUEST_ID.reset(token)
-    else:
-        @functools.wraps(original)
-        def tagged(*args: Any, **kwargs: Any) -> Any:
-            token = REQUEST_ID.set(_request_id(signature, args, kwargs))
-            try:
-                return original(*args, **kwargs)
-            finally:
-                REQUEST_ID.reset(token)
-    setattr(tagged, _MARK, True)
-    return tagged
-
-
-def _in_context(original: Callable) -> Callable:
-    """``submit(fn, ...)`` whose ``fn`` runs, in the other thread, in a copy of the submitter's context."""
-    @functools.wraps(original)
-    def submit(self: Any, fn: Callable, *args: Any, **kwargs: Any) -> Any:
-        if REQUEST_ID.get() is not None:
-            fn = functools.partial(contextvars.copy_context().run, fn)
-        return original(self, fn, *args, **kwargs)
-
-    setattr(submit, _MARK, True)
-    return submit
-
-
-def patch_serving(module: ModuleType) -> None:
-    """Carry each request's id from ``transformers serve``'s handler to the ``generate`` call that serves it.
-
-    ``transformers serve`` without continuous batching runs ``model.generate`` on its inference thread and does not
-    pass the request id along. ``GenerateManager.generate_streaming`` / ``generate_non_streaming`` now set
-    :data:`~nxl_hooks.hooks.generate.REQUEST_ID` to the request's id (the ``X-Request-ID`` header, or the uuid serve
-    made), and what they submit to the inference thread runs in a copy of that context, so the ``generate`` call of
-    the request carries its id. (Under continuous batching the manager has the id itself.) Applied once per class
-    (a marker on the wrapper); never raises into the program."""
-    manager = getattr(module, "GenerateManager", None)
-    names = SERVE_HANDLERS + SERVE_SUBMITS
-    if manager is None or not all(callable(getattr(manager, name, None)) for name in names):
-        reason("request ids of transformers serve", RuntimeError(
-            "this transformers version has no GenerateManager with " + ", ".join(names) +
-            "; calls get generated ids"))
-        return
-    if _patched(manager.generate_streaming):
-        return
-    for name in SERVE_HANDLERS:
-        setattr(manager, name, _tag(getattr(manager, name)))
-    for name in SERVE_SUBMITS:
-        setattr(manager, name, _in_context(getattr(manager, name)))
