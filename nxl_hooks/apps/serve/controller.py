@@ -36,8 +36,8 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from ...arch.registry import HeadKind, head_kind
-from ...method.subject import unwrap
+from ...arch.registry import HeadKind
+from ...method.subject import Subject, unwrap
 from ...hooks.generate import REQUEST_ID
 from ...hooks.guard import reason
 from ...hooks.plan import TokenTexts, make_plan, token_texts, tokenizer_mismatch
@@ -238,20 +238,21 @@ class Rules:
         self.live = live
         self._lock = threading.RLock()
 
-    def adopt(self, watch: Watch) -> None:
-        """A model just watched: attached unless paused or excluded."""
+    def adopt(self, watch: Watch, subject: Subject | None = None) -> None:
+        """A model just watched: attached unless paused or excluded (``subject``: the model already resolved)."""
         with self._lock:
             model = watch.ref()
             if not (self.paused or watch.excluded) and watch.probe is None and model is not None:
-                self._attach(watch, model)
+                self._attach(watch, model, subject)
 
-    def _attach(self, watch: Watch, model: Any) -> None:
+    def _attach(self, watch: Watch, model: Any, subject: Subject | None) -> None:
         # caller holds the lock
         settings = self.settings
         sink = None
         try:
+            subject = subject if subject is not None else Subject.of(model)  # resolved once, attach takes it
             # generate records (steps, a sink) only for models that generate; a classifier keeps its forwards
-            generates = head_kind(unwrap(model)) is HeadKind.CAUSAL_LM
+            generates = subject.kind is HeadKind.CAUSAL_LM
             if generates and settings.sink_spec:
                 sink = make_sink(settings.sink_spec.replace("{model}", watch.slug))
             elif generates and settings.sink:
@@ -259,7 +260,7 @@ class Rules:
                                  max_files=settings.sink_max_files)
             # the model's own tokenizer (loaded once, shared with the live view): every record, live or on disk,
             # carries its tokens' texts, and word targets (--target " Paris") resolve
-            probe = attach(model, **self.options, tokenizer=self._tokenizer(watch, model, self.options), sink=sink,
+            probe = attach(subject, **self.options, tokenizer=self._tokenizer(watch, model, self.options), sink=sink,
                            keep_steps=True, keep_calls=settings.keep_calls)
         except Exception as error:  # noqa: BLE001 - an unsupported model runs unrecorded
             if sink is not None:
@@ -337,18 +338,20 @@ class Rules:
         raise ValueError and change nothing."""
         with self._lock:
             wanted = {**self.options, **{k: v for k, v in options.items() if v is not None}}
+            subjects: dict[int, Subject] = {}  # each model resolved once: checked here, attached with it below
             for watch in watches:  # check first: a typo must not stop the recording
                 model = watch.ref()
                 if model is not None:
                     try:
-                        make_plan(unwrap(model), **wanted, tokenizer=self._tokenizer(watch, model, wanted))
+                        subjects[id(watch)] = make_plan(model, **wanted,
+                                                        tokenizer=self._tokenizer(watch, model, wanted)).subject
                     except Exception as error:  # noqa: BLE001 - said to the operator, nothing changed
                         raise ValueError(f"{watch.name}: {' '.join(str(error).split())}; nothing changed") from None
             self.options = wanted
             for watch in watches:
                 watch.excluded = False
                 self._detach(watch)
-                self.adopt(watch)
+                self.adopt(watch, subjects.get(id(watch)))
 
     def exclude(self, watches: list[Watch]) -> None:
         """Stop recording ``watches`` until :meth:`configure` takes them."""
