@@ -133,10 +133,11 @@ def test_parquet_live_and_exported_carry_every_computed_method(lm, tmp_path):
     assert old_columns == set(nxl.records.parquet.schema().names)  # the columns of before stay as they were
 
 
-def test_nxl_tail_ranks_by_a_method_the_programs_probe_computes(tmp_path, capsys):
+def test_nxl_tail_ranks_by_a_method_the_programs_probe_computes(tmp_path, capsys, monkeypatch):
     from nxl_hooks.apps.serve.controller import Controller
     from nxl_hooks.apps.serve.settings import Settings
 
+    monkeypatch.setenv("COLUMNS", "200")  # nxl tail fits its lines to the terminal: whole lines here
     path = tiny.save_model(tmp_path / "lm", "llama")
     model = AutoModelForCausalLM.from_pretrained(path)
     run = tmp_path / "run"

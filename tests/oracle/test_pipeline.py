@@ -210,8 +210,9 @@ def test_a_backlog_reaches_the_sink_as_one_batch(model, fail):
         assert sink.batches == [] and probe.calls[0].notes == [
             f"not written to the sink, which stopped: {probe.sink_fault}"]
     else:
-        # step 0 may go with the call frame; the rest waited for the blocked sink: one batch, never step by step
-        assert sum(sink.batches, []) == [0, 1, 2, 3, 4, 5] and sink.batches[-1][-5:] == [1, 2, 3, 4, 5]
+        # the first steps may go with the call frame (what was queued when the sink thread first woke); the rest
+        # waited for the blocked sink: one batch, never step by step
+        assert sum(sink.batches, []) == [0, 1, 2, 3, 4, 5] and len(sink.batches) <= 2
         assert sink.steps == 0
         assert probe.sink_fault is None and probe.unwritten == 0
     check_call(model, probe.calls[0], 6)
