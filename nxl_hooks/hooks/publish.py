@@ -45,7 +45,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple, Union
 
 import torch
 
@@ -92,6 +92,42 @@ def _give(subscriber: "Subscription[Step]", item: Step | None) -> None:
         subscriber.put(item)
 
 
+class _StepItem(NamedTuple):
+    """A step record for the publisher; ``ready``: the CUDA event after which its tensors may be read."""
+    call: GenerationCall
+    step: Step
+    texts: Texts | None
+    ready: torch.cuda.Event | None
+
+
+class _CallItem(NamedTuple):
+    """A call's prompt was seen: its call frame for the sink."""
+    call: GenerationCall
+    meta: dict
+
+
+class _EndItem(NamedTuple):
+    """A call returned or raised; ``done`` is set once its records are with the subscribers."""
+    call: GenerationCall
+    sequences: torch.Tensor | None
+    error: str | None
+    done: threading.Event
+
+
+class _CloseItem(NamedTuple):
+    """The probe detached (``why``): the publisher's last item."""
+    why: str
+
+
+class _FlushItem(NamedTuple):
+    """``written`` is set once the sink has written what was queued before it."""
+    written: threading.Event
+
+
+#: What the hot path hands the publisher thread, in order.
+_Item = Union[_StepItem, _CallItem, _EndItem, _CloseItem, _FlushItem]
+
+
 class Hub:
     """Hands every finished record to the call list, the callback, the subscribers and the sink (through the
     pipeline of the module docstring)."""
@@ -119,12 +155,12 @@ class Hub:
         # The publisher and the sink thread, their queues and their backlogs (started with the first record, and
         # again in a forked child, which has none of its parent's threads).
         self._pid = -1
-        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._items: queue.SimpleQueue[_Item] = queue.SimpleQueue()
         self._frames: queue.SimpleQueue = queue.SimpleQueue()
         self._publisher: threading.Thread | None = None
         self._writer: threading.Thread | None = None
         self._waiting = self._frames_waiting = 0
-        self._held: collections.deque[tuple] = collections.deque()  # see HELD
+        self._held: collections.deque[_Item] = collections.deque()  # see HELD
         # what the publisher's current batch hands on when it is done: frames for the sink thread, records for
         # the subscribers
         self._outbox: list[tuple] = []
@@ -160,7 +196,7 @@ class Hub:
 
     def prompt(self, call: GenerationCall, ids: torch.Tensor | None, mask: torch.Tensor, meta: dict) -> None:
         call.prompt_ids, call.prompt_mask = ids, mask
-        self._submit(("call", call, meta))
+        self._submit(_CallItem(call, meta))
 
     def publish(self, call: GenerationCall, step: Step, texts: Texts | None = None) -> None:
         """Hand on ``step`` (its tensors may still be on the device; ``texts`` makes its readable texts, on the
@@ -171,7 +207,7 @@ class Hub:
         if step.normxlogit.is_cuda:  # the publisher reads it once the work queued so far on this stream is done
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(step.normxlogit.device))
-        self._submit(("step", call, step, texts, ready), bounded=True)
+        self._submit(_StepItem(call, step, texts, ready), bounded=True)
         if self._on_step is not None:
             self._on_step(step)
 
@@ -179,7 +215,7 @@ class Hub:
         """The call returned (``sequences``: its output ids) or raised (None); ``error``: why records are missing.
         Returns once its records are kept and handed to the subscribers (never waits for the sink)."""
         done = threading.Event()
-        if self._submit(("end", call, sequences, error, done)) and not self._on_thread():
+        if self._submit(_EndItem(call, sequences, error, done)) and not self._on_thread():
             done.wait(FLUSH_SECONDS)
 
     def flush(self, timeout: float = DRAIN_SECONDS) -> bool:
@@ -189,11 +225,11 @@ class Hub:
         if self._closed:
             return self._join(self._writer, timeout)
         written = threading.Event()
-        if self._submit(("flush", written)) and self._on_thread():
+        if self._submit(_FlushItem(written)) and self._on_thread():
             return False
         return written.wait(timeout)
 
-    def _submit(self, item: tuple, *, bounded: bool = False) -> bool:
+    def _submit(self, item: _Item, *, bounded: bool = False) -> bool:
         """Queue ``item`` for the publisher (True) or, after the probe detached, handle it here, in memory only
         (False). RuntimeError when a ``bounded`` item (a step record) finds :data:`QUEUE` records waiting: that
         call stops being recorded."""
@@ -259,14 +295,14 @@ class Hub:
                 logger.warning("nxl_hooks: a record was lost (%s: %s); the model's own call is unaffected",
                                type(error).__name__, one_line(error))
             finally:
-                if item[0] == "step":
+                if isinstance(item, _StepItem):
                     with self._lock:
                         self._waiting -= 1
-                if item[0] in ("end", "close") or len(self._outbox) >= HELD or items.empty():
+                if isinstance(item, (_EndItem, _CloseItem)) or len(self._outbox) >= HELD or items.empty():
                     self._send()  # before the end is signalled: its records are with the subscribers
-                if item[0] == "end":
-                    item[-1].set()
-            if item[0] == "close":
+                if isinstance(item, _EndItem):
+                    item.done.set()
+            if isinstance(item, _CloseItem):
                 return
 
     def _send(self) -> None:
@@ -286,22 +322,20 @@ class Hub:
         else:
             _give(subscriber, item)
 
-    def _handle(self, item: tuple) -> None:
-        kind = item[0]
-        if kind == "step":
-            _, call, step, texts, ready = item
-            if ready is not None:
-                ready.synchronize()
-            self._deliver(call, on_host(step, texts))
-        elif kind == "call":
-            _, call, meta = item
+    def _handle(self, item: _Item) -> None:
+        if isinstance(item, _StepItem):
+            if item.ready is not None:
+                item.ready.synchronize()
+            self._deliver(item.call, on_host(item.step, item.texts))
+        elif isinstance(item, _CallItem):
+            call, meta = item
             self._to_sink(call, lambda sink: sink.write_call(call, meta))
-        elif kind == "end":
-            self._end(*item[1:4])
-        elif kind == "close":
-            self._shut(item[1])
-        elif kind == "flush":
-            self._to_sink(None, item[1])
+        elif isinstance(item, _EndItem):
+            self._end(item.call, item.sequences, item.error)
+        elif isinstance(item, _CloseItem):
+            self._shut(item.why)
+        else:
+            self._to_sink(None, item.written)
 
     def _deliver(self, call: GenerationCall, step: Step) -> None:
         call.link(step)  # the step's context texts, for to_attribution() wherever the step goes
@@ -378,7 +412,7 @@ class Hub:
             started = self._pid == os.getpid()
             if started:
                 self._hand_on()
-                self._items.put(("close", why))
+                self._items.put(_CloseItem(why))
         if not started:
             self._shut(why)
         if self._on_thread():  # a garbage collection in the pipeline's own thread: it finishes by itself

@@ -33,7 +33,7 @@ import shutil
 import sys
 import threading
 import time
-from typing import Any
+from typing import NamedTuple, Union
 from urllib.parse import quote, urlencode
 
 from ...records.tokens import visible
@@ -107,21 +107,53 @@ def end_line(data: dict) -> str:
                    + (f" ({data['error']})" if data.get("error") else ""))
 
 
-def last_requests(targets: list, n: int, k: int) -> list[tuple[str, Any]]:
-    """The (event, data) items of the last ``n`` generation requests in the processes' memory, oldest first: each
-    one's ``step`` items (a :class:`StepView`), then ``end`` once it has ended."""
+class Shown(NamedTuple):
+    """A step to print."""
+    view: StepView
+
+
+class Ended(NamedTuple):
+    """The request ended: its summary (the endpoint's ``end`` event, ``steps`` its number of steps)."""
+    summary: dict
+
+
+class Fault(NamedTuple):
+    """A line to print as it is: a process's fault, or steps this reader lost."""
+    text: str
+
+
+class Failed(NamedTuple):
+    """A stream failed (``error``: why): the command stops with it."""
+    error: str
+
+
+class Opened(NamedTuple):
+    """A stream is subscribed: from now on no step is missed."""
+
+
+class Closed(NamedTuple):
+    """A stream ended."""
+
+
+#: What the follower threads hand the printing thread (and ``--last`` gives first: only steps and ends).
+Item = Union[Shown, Ended, Fault, Failed, Opened, Closed]
+
+
+def last_requests(targets: list, n: int, k: int) -> list[Item]:
+    """The items of the last ``n`` generation requests in the processes' memory, oldest first: each one's steps
+    (:class:`Shown`), then :class:`Ended` once it has ended."""
     found = []
     for endpoint in targets:
         for summary in endpoint.json("GET", "/v1/requests")["requests"]:
             if summary.get("kind") == "generate" and summary.get("request_id") is not None:
                 found.append((summary.get("started") or 0.0, endpoint, summary))
-    items: list[tuple[str, Any]] = []
+    items: list[Item] = []
     for _, endpoint, summary in sorted(found, key=lambda item: item[0])[-n:]:
         view = endpoint.json("GET", f"/v1/requests/{quote(summary['request_id'], safe='')}?k={k}")
-        items += [("step", StepView.from_json({"request_id": view["request_id"], "model": view.get("model"), **step}))
+        items += [Shown(StepView.from_json({"request_id": view["request_id"], "model": view.get("model"), **step}))
                   for step in view["steps"]]
         if view.get("ended"):
-            items.append(("end", {**view, "steps": len(view["steps"])}))
+            items.append(Ended({**view, "steps": len(view["steps"])}))
     return items
 
 
@@ -132,22 +164,22 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--last shows the last requests; --request-id follows one (from its first token): give one")
     targets = endpoints(args.run, args.token_file)
     query = {"k": args.k, **({"request_id": args.request_id} if args.request_id else {})}
-    items: queue.Queue = queue.Queue()
+    items: queue.Queue[Item] = queue.Queue()
 
     def follow(endpoint) -> None:
         try:
             for event, data in endpoint.events(f"/v1/stream?{urlencode(query)}",
-                                               on_open=lambda: items.put(("open", {}))):
+                                               on_open=lambda: items.put(Opened())):
                 if event == "step":
-                    items.put(("step", StepView.from_json(data)))
+                    items.put(Shown(StepView.from_json(data)))
                 elif event == "dropped":  # this reader fell behind: how many steps it lost so far
-                    items.put(("fault", {"text": f"! {endpoint.name}: {data.get('dropped')} step(s) not shown: nxl "
-                                                 "tail fell behind (the run's records keep them)"}))
-                else:
-                    items.put((event, data))
+                    items.put(Fault(f"! {endpoint.name}: {data.get('dropped')} step(s) not shown: nxl tail fell "
+                                    "behind (the run's records keep them)"))
+                elif event == "end":
+                    items.put(Ended(data))
         except Exception as error:  # noqa: BLE001 - reported by the main thread
-            items.put(("error", {"error": f"{endpoint.name}: {error}"}))
-        items.put(("closed", {}))
+            items.put(Failed(f"{endpoint.name}: {error}"))
+        items.put(Closed())
 
     def watch_faults(endpoint) -> None:
         said: set[str] = set()
@@ -161,7 +193,7 @@ def run(args: argparse.Namespace) -> int:
                     text = f"! pid {status.get('pid')} {model.get('name')}: {fault}"
                     if text not in said:
                         said.add(text)
-                        items.put(("fault", {"text": text}))
+                        items.put(Fault(text))
             stop.wait(_FAULT_POLL)
 
     stop = threading.Event()
@@ -175,47 +207,48 @@ def run(args: argparse.Namespace) -> int:
         stop.set()
 
 
-def _show(items: queue.Queue, args: argparse.Namespace, open_streams: int, past: list[tuple[str, Any]]) -> int:
+def _show(items: queue.Queue[Item], args: argparse.Namespace, open_streams: int, past: list[Item]) -> int:
     """Print ``past`` (``--last``), then what the follower threads put in ``items`` until the request ends,
     ``--count`` is reached or every stream has closed; say so on stderr while no token comes."""
     width, shown = shutil.get_terminal_size((120, 20)).columns, 0
-    seen = {(view.request_id, view.step) for event, view in past if event == "step"}
+    seen = {(item.view.request_id, item.view.step) for item in past if isinstance(item, Shown)}
     waiting = f"request {visible(args.request_id)}" if args.request_id else "requests"
     quiet_since, wait, said, opening = time.monotonic(), _WAIT_FIRST, False, open_streams
-    for event, data in past:
-        if args.count and shown >= args.count and event == "step":
+    for item in past:
+        is_step = isinstance(item, Shown)
+        if args.count and shown >= args.count and is_step:
             return 0  # --count reached (the end line of the request shown last still came)
-        print(line(data, args.layer, width, args.method) if event == "step" else end_line(data), flush=True)
-        shown += event == "step"
+        print(line(item.view, args.layer, width, args.method) if is_step else end_line(item.summary), flush=True)
+        shown += is_step
     if args.count and shown >= args.count:
         return 0
     while open_streams:
         try:
-            event, data = items.get(timeout=0.25)
+            item = items.get(timeout=0.25)
         except queue.Empty:
             if not said and not opening and time.monotonic() - quiet_since >= wait:
                 said = True
                 hint = "" if args.request_id or args.last else "; nxl tail --last N shows the last N"
                 print(f"nxl tail: waiting for {waiting} (Ctrl-C to stop{hint})", file=sys.stderr, flush=True)
             continue
-        if event == "step":
-            if (data.request_id, data.step) in seen:
+        if isinstance(item, Shown):
+            if (item.view.request_id, item.view.step) in seen:
                 continue  # already shown by --last
             quiet_since, wait, said = time.monotonic(), _WAIT_AGAIN, False
-            print(line(data, args.layer, width, args.method), flush=True)
+            print(line(item.view, args.layer, width, args.method), flush=True)
             shown += 1
             if args.count and shown >= args.count:
                 return 0
-        elif event == "end":
-            print(end_line(data), flush=True)
+        elif isinstance(item, Ended):
+            print(end_line(item.summary), flush=True)
             return 0
-        elif event == "fault":
-            print(visible(data["text"]), flush=True)
-        elif event == "error":
-            raise CliError(data["error"])
-        elif event == "open":  # subscribed: from now on nothing is missed
+        elif isinstance(item, Fault):
+            print(visible(item.text), flush=True)
+        elif isinstance(item, Failed):
+            raise CliError(item.error)
+        elif isinstance(item, Opened):  # subscribed: from now on nothing is missed
             opening -= 1
             quiet_since = time.monotonic()
-        elif event == "closed":
+        else:
             open_streams -= 1
     return 0

@@ -49,7 +49,7 @@ from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ...records.reader import read_stream
-from ...records.steps import GenerationCall
+from ...records.steps import GenerationCall, Step
 from ...records.writer import stream_bytes
 from .readout import call_view, ended, forward_view, step_view, summary
 from .runs import check_private, enlist, peer_uid, read_token, socket_path
@@ -510,7 +510,7 @@ class ControlServer:
                 handler.wfile.write(f"event: {event}\ndata: {json.dumps(data)}\n\n".encode())
                 handler.wfile.flush()
 
-            def send_step(watch: Any, call: Any, step: Any) -> None:
+            def send_step(watch: Any, call: GenerationCall | None, step: Step) -> None:
                 key = id(call)
                 if call is not None and step.step < sent.get(key, 0):
                     return  # already replayed
