@@ -45,15 +45,16 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ...records.reader import read_stream
 from ...records.steps import GenerationCall, Step
+from ...hooks.subscription import Subscription
 from ...records.writer import stream_bytes
-from .readout import call_view, ended, forward_view, step_view, summary
+from .readout import Watched, call_view, ended, forward_view, step_view, summary
 from .runs import check_private, enlist, peer_uid, read_token, socket_path
-from .settings import parse_listen
+from .settings import Settings, parse_listen
 
 __all__ = ["MAX_BODY", "MAX_CONNECTIONS", "REQUEST_SECONDS", "WRITE_SECONDS", "ControlServer", "bind_socket"]
 
@@ -357,11 +358,52 @@ def _rows(call: GenerationCall) -> int:
     return int(steps[0].token.shape[0]) if steps else 1
 
 
+class Shown(Protocol):
+    """One step as a live reader gets it (:class:`~nxl_hooks.apps.serve.controller.LiveStep`)."""
+
+    @property
+    def watch(self) -> Watched: ...
+
+    @property
+    def call(self) -> GenerationCall | None: ...
+
+    @property
+    def step(self) -> Step: ...
+
+
+class Host(Protocol):
+    """What the endpoint asks of the controller it serves (:class:`~nxl_hooks.apps.serve.controller.Controller`:
+    the endpoint is below it, so it names what it uses instead of importing it)."""
+
+    settings: Settings
+    endpoint: Any
+
+    def status(self) -> dict: ...
+
+    def records(self) -> list[tuple[Watched, Any, dict]]: ...
+
+    def find(self, request_id: str) -> tuple[Watched, Any, dict] | None: ...
+
+    def watches(self) -> list[Watched]: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def configure(self, *, models: str | list[str] | None = None, **options: Any) -> None: ...
+
+    def exclude(self, models: str | list[str] | None = None) -> None: ...
+
+    def subscribe(self, request_id: str | None = None) -> Subscription[Shown]: ...
+
+    def unsubscribe(self, reader: Subscription[Shown]) -> None: ...
+
+
 class ControlServer:
     """The endpoint of one controller (module docstring): ``ControlServer(controller).start()``. Its threads are
     daemons: they end with the program, and the socket file is removed at exit (SIGTERM included)."""
 
-    def __init__(self, controller: Any) -> None:
+    def __init__(self, controller: Host) -> None:
         self.controller = controller
         self.settings = controller.settings
         self.socket: Path | None = None
@@ -510,7 +552,7 @@ class ControlServer:
                 handler.wfile.write(f"event: {event}\ndata: {json.dumps(data)}\n\n".encode())
                 handler.wfile.flush()
 
-            def send_step(watch: Any, call: GenerationCall | None, step: Step) -> None:
+            def send_step(watch: Watched, call: GenerationCall | None, step: Step) -> None:
                 key = id(call)
                 if call is not None and step.step < sent.get(key, 0):
                     return  # already replayed

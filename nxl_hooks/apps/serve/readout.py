@@ -11,14 +11,30 @@ named here by the watched model's tokenizer (:class:`~nxl_hooks.apps.serve.contr
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from ...records.steps import GenerationCall, Step
 from ...records.view import StepView, ranking, ranking_json
 
-__all__ = ["Context", "call_view", "ended", "forward_view", "step_view", "summary"]
+__all__ = ["Context", "Names", "Watched", "call_view", "ended", "forward_view", "step_view", "summary"]
+
+
+class Names(Protocol):
+    """How a watched model's tokens read (:class:`~nxl_hooks.apps.serve.controller.Texts`)."""
+
+    def text(self, token_id: int) -> str: ...
+
+    def special(self, ids: list[int]) -> list[bool] | None: ...
+
+
+class Watched(Protocol):
+    """What a live reader reads of a watched model (:class:`~nxl_hooks.apps.serve.controller.Watch`)."""
+
+    name: str
+    slug: str
+    texts: Names
 
 
 def ended(call: GenerationCall) -> bool:
@@ -26,7 +42,7 @@ def ended(call: GenerationCall) -> bool:
     return call.complete or call.error is not None or call.sequences is not None
 
 
-def summary(watch: Any, record: Any) -> dict:
+def summary(watch: Watched, record: Any) -> dict:
     """One line of the request list: a generation call, or a forward of a model that does not generate."""
     common = {"request_id": record.request_id, "model": watch.name, "thread": record.thread}
     if not isinstance(record, GenerationCall):
@@ -43,7 +59,7 @@ class Context:
     """A call's known token ids for one row (prompt, then each step's token) as text, with special-token flags:
     computed once for every step of a call view."""
 
-    def __init__(self, texts: Any, call: GenerationCall | None, row: int = 0) -> None:
+    def __init__(self, texts: Names, call: GenerationCall | None, row: int = 0) -> None:
         prompt = call.prompt_ids[row].tolist() if call is not None and call.prompt_ids is not None else []
         steps = list(call.steps) if call is not None else []
         self.ids = prompt + [int(step.token[row]) for step in steps]
@@ -58,7 +74,7 @@ class Context:
         return names, None if self.special is None else self.special[:n] + [False] * len(missing)
 
 
-def step_view(watch: Any, call: GenerationCall | None, step: Step, *, k: int = 5, row: int = 0,
+def step_view(watch: Watched, call: GenerationCall | None, step: Step, *, k: int = 5, row: int = 0,
               context: Context | None = None) -> StepView:
     """One step of ``watch``'s model: the emitted token and, per layer, the ``k`` context tokens that drove it most,
     named by the model's tokenizer (``context``: the call's, computed once for a whole call view)."""
@@ -69,7 +85,7 @@ def step_view(watch: Any, call: GenerationCall | None, step: Step, *, k: int = 5
                      model=watch.name)
 
 
-def call_view(watch: Any, call: GenerationCall, *, k: int = 5, row: int = 0) -> dict:
+def call_view(watch: Watched, call: GenerationCall, *, k: int = 5, row: int = 0) -> dict:
     """One request: its summary, prompt tokens and every kept step."""
     texts, steps = watch.texts, list(call.steps)
     context = Context(texts, call, row)
@@ -78,7 +94,7 @@ def call_view(watch: Any, call: GenerationCall, *, k: int = 5, row: int = 0) -> 
             "steps": [step_view(watch, call, step, k=k, row=row, context=context).to_json() for step in steps]}
 
 
-def forward_view(watch: Any, forward: Any, *, k: int = 5) -> dict:
+def forward_view(watch: Watched, forward: Any, *, k: int = 5) -> dict:
     """One forward: per explained row (an example, or a [MASK]), its target and the ``k`` tokens of each layer
     that drove it most (``Attribution.top``; token strings as the tokenizer names them)."""
     res = forward.attribution
