@@ -382,6 +382,9 @@ class Run:
                                    "unknown; pass input_ids")
             self.feed(n, *tape.positions(n, prompt_len), sequences[:, n:prompt_len])
             self._pending = True
+        # The steps replayed here have the fed token's log-probability from the tape, not the whole distribution:
+        # no method may read the last eager forward's in their place (contrastive's foil is then unknown: NaN)
+        self._log_probs = None
         for position in range(max(n, prompt_len), end):
             if self._pending:
                 self.emit(sequences[:, position - shift], log_prob=tape.log_prob[:, position - 1])
