@@ -62,6 +62,17 @@ def emit(report: dict, out: Path | None) -> None:
         out.write_text(text + "\n")
 
 
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """``--threads``, ``--clock``, ``--out`` and ``--smoke``: how a benchmark runs and where its JSON goes, the same
+    flags in every script."""
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch CPU threads (default: torch's); 1 is steadier on a shared machine")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
+                        help="wall seconds, or this process's CPU seconds (steadier on a busy shared machine)")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    add_smoke_option(parser)
+
+
 def add_smoke_option(parser: argparse.ArgumentParser) -> None:
     """``--smoke``: the script's own code on tiny sizes, for CI (``parser.add_argument`` once, the same help)."""
     parser.add_argument("--smoke", action="store_true",

@@ -29,7 +29,7 @@ import torch
 from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
 
 import nxl_hooks as nxl
-from _common import CLOCKS, add_smoke_option, device_label, emit, load_average, smoke_out, timed
+from _common import add_run_options, device_label, emit, load_average, smoke_out, timed
 from bench_forward import CONFIGS
 
 
@@ -41,15 +41,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend generate compiles with")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's); 1 is steadier on a shared machine")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                        help="wall seconds, or this process's CPU seconds (steadier on a busy shared machine)")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
-    add_smoke_option(parser)
+    add_run_options(parser)
     args = parser.parse_args()
     if args.smoke:
-        args.repeats, args.prompt, args.new, args.backend = 1, 8, 4, "eager"
+        args.repeats, args.prompt, args.new, args.backend, args.threads = 1, 8, 4, "eager", 1
         args.out = smoke_out(parser, args.out, "compiled")
     device = torch.device(args.device)
     load_before = load_average()

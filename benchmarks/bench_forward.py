@@ -19,13 +19,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-from pathlib import Path
 
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import nxl_hooks as nxl
-from _common import CLOCKS, add_smoke_option, device_label, emit, load_average, smoke_out, timed
+from _common import add_run_options, device_label, emit, load_average, smoke_out, timed
 
 #: The measured model, and the tiny one of ``--smoke`` (the same code on it).
 CONFIGS = {
@@ -39,11 +38,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--tokens", type=int, default=256)
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                        help="wall seconds, or this process's CPU seconds (steadier on a busy shared machine)")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
-    add_smoke_option(parser)
+    add_run_options(parser)
     args = parser.parse_args()
     if args.smoke:
         args.repeats, args.tokens, args.threads = 1, 16, 1  # one thread: no spin-waits beside other tests

@@ -31,7 +31,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import nxl_hooks as nxl
-from _common import CLOCKS, add_smoke_option, device_label, emit, load_average, smoke_out, timed
+from _common import add_run_options, device_label, emit, load_average, smoke_out, timed
 from bench_forward import CONFIGS
 
 
@@ -80,12 +80,7 @@ def main() -> None:
     parser.add_argument("--no-inseq", action="store_true", help="skip the inseq comparison")
     parser.add_argument("--inseq-repeats", type=int, default=2,
                         help="rounds that also time inseq (it is ~10x slower; its check run is its warm-up)")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="torch CPU threads (default: torch's); 1 is steadier on a shared machine")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall",
-                        help="wall seconds, or this process's CPU seconds (steadier on a busy shared machine)")
-    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
-    add_smoke_option(parser)
+    add_run_options(parser)
     args = parser.parse_args()
     if args.smoke:
         args.repeats, args.prompt, args.new, args.inseq_repeats, args.threads = 1, 8, 4, 1, 1
