@@ -169,8 +169,10 @@ class Recorder:
         """Whether this hook runs inside a forward dynamo traces (:mod:`.tape`). Not for a call that is not recorded
         (nor is it a plain forward), e.g. an engine's compiled step that its own taps record: the eager branch, which
         then does nothing."""
+        if not torch.compiler.is_compiling():  # eager: every hook of every forward asks, so no thread lookup here
+            return False
         run = self._run()
-        return torch.compiler.is_compiling() and not (run is not None and run.failed)
+        return not (run is not None and run.failed)
 
     def _taping(self) -> bool:
         return self.tape is not None and self.tape.armed
