@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["CACHE_NAMES", "Positions", "UnfollowedForward", "find_cache", "positions", "start", "static_capacity",
-           "token_mask"]
+__all__ = ["CACHE_NAMES", "Positions", "UnfollowedForward", "find_cache", "positions", "seen_keys", "start",
+           "static_capacity", "token_mask"]
 
 #: The keywords a KV cache has arrived under, newest first. Only an order to look in: :func:`find_cache` also finds
 #: one under a name not listed here.
@@ -114,6 +114,14 @@ def start(arguments: dict[str, Any]) -> tuple[int | torch.Tensor | None, int]:
     return _past(arguments)[0], _new_tokens(arguments)
 
 
+def seen_keys(row: torch.Tensor) -> torch.Tensor:
+    """Which keys a row of a 4-D attention mask (its last query's, at some keys) lets the query see, as bool:
+    boolean masks as they are, additive ones (the dtype's minimum where masked) above half that minimum."""
+    if row.dtype == torch.bool:
+        return row
+    return row > torch.finfo(row.dtype).min / 2 if row.is_floating_point() else row.bool()
+
+
 def token_mask(attention_mask: torch.Tensor | None, past: int, new: int) -> torch.Tensor | None:
     """Which of a forward's ``new`` tokens (at positions ``past`` ..) are real, not padding: (batch, new) bool on the
     mask's device, read from the mask in the shape it arrived in, never on the host. 2-D (batch, keys): as users
@@ -125,10 +133,7 @@ def token_mask(attention_mask: torch.Tensor | None, past: int, new: int) -> torc
     if attention_mask.dim() == 2:
         return attention_mask[:, -new:].bool()
     if attention_mask.dim() == 4 and attention_mask.shape[-1] >= past + new:
-        seen = attention_mask[:, 0, -1, past:past + new]
-        if seen.dtype == torch.bool:
-            return seen
-        return seen > torch.finfo(seen.dtype).min / 2 if seen.is_floating_point() else seen.bool()
+        return seen_keys(attention_mask[:, 0, -1, past:past + new])
     raise UnfollowedForward(f"the forward's attention mask of shape {tuple(attention_mask.shape)} does not cover "
                             f"positions {past}..{past + new - 1}, so its padding is unknown")
 

@@ -42,7 +42,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from .conventions import start
+from .conventions import seen_keys, start
 from .forward import Capture
 from .plan import Plan
 
@@ -125,9 +125,7 @@ class Tape:
         if isinstance(mask, torch.Tensor) and mask.dim() == 2:
             real = mask[:, -new:].to(device=device, dtype=torch.bool)
         elif isinstance(mask, torch.Tensor) and mask.dim() == 4:  # (batch, 1, queries, keys): the last query's row
-            seen = mask[:, 0, -1].to(device).index_select(-1, self.pos)
-            real = seen if seen.dtype == torch.bool else (
-                seen > torch.finfo(seen.dtype).min / 2 if seen.is_floating_point() else seen.bool())
+            real = seen_keys(mask[:, 0, -1].to(device).index_select(-1, self.pos))
         self.mask.index_copy_(1, self.pos, real)
         if ids is not None:
             targets = self._plan.explained(ids[:, :1].to(device))
