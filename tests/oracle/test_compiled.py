@@ -10,7 +10,7 @@ from transformers import CompileConfig
 
 import nxl_hooks as nxl
 import tiny
-from oracle import check_call, full_mask, llama, prefix_logits
+from oracle import check_call, full_mask, llama, normxlogit, prefix_logits
 
 VOCAB, PAD = tiny.GEN_VOCAB, tiny.GEN_PAD
 
@@ -40,6 +40,14 @@ def _check(model, call, new_tokens: int) -> None:
         logits, _ = prefix_logits(model, hand, call.sequences[:, :step.position], attention[:, :step.position])
         expected = logits[-1, :, -1].log_softmax(-1).gather(-1, step.token[:, None])[:, 0].exp()
         torch.testing.assert_close(step.probability, expected, rtol=1e-4, atol=1e-5)
+
+
+def _plain_oracle(model, ids: torch.Tensor) -> torch.Tensor:
+    """NormXLogit (L+1, rows, seq) of an unpadded plain forward at the model's own prediction, by hand."""
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+        logits = llama(model).layer_logits(out.hidden_states)
+        return normxlogit(logits, out.hidden_states[0], out.logits[:, -1].argmax(-1))[1]
 
 
 def _no_graph_breaks() -> None:
@@ -79,7 +87,10 @@ def test_a_user_compile_after_attaching_is_fullgraph_and_recorded():
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
         model(input_ids=ids, attention_mask=mask)  # a plain forward too
         plain = probe.result()
+        model(input_ids=ids[:1])  # one unpadded row, for the oracle
+        alone = probe.result()
     del model.forward  # the oracle runs eagerly
+    torch.testing.assert_close(alone.normxlogit, _plain_oracle(model, ids[:1]), rtol=1e-4, atol=1e-5)
     _no_graph_breaks()  # fullgraph=True would have raised on one
     assert probe.unrecorded is None
     (call,) = probe.calls
@@ -127,7 +138,10 @@ def test_a_model_object_compiled_after_attaching_is_recorded():
         compiled = torch.compile(model, fullgraph=True, backend="eager")
         compiled(input_ids=ids, attention_mask=mask)  # the task model's hooks are traced too
         traced = probe.result()
+        compiled(input_ids=ids[:1])  # one unpadded row, for the oracle
+        alone = probe.result()
     _no_graph_breaks()
+    torch.testing.assert_close(alone.normxlogit, _plain_oracle(model, ids[:1]), rtol=1e-4, atol=1e-5)
     assert traced is not eager
     torch.testing.assert_close(traced.normxlogit, eager.normxlogit, rtol=1e-5, atol=1e-6)
     assert torch.equal(traced.target, eager.target) and torch.equal(traced.mask, eager.mask)
