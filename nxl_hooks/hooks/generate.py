@@ -36,8 +36,9 @@ model's), e.g. 512 × 4 B = 2 KiB per token per layer for a float32 model with d
 token, batch × (4 B embedding norm + 1 B mask). Its capacity doubles as it grows, so at most twice that is
 allocated. It lives on ``cache_device`` (default: the last selected block's device, where the layers meet under a
 device_map); ``cache_device="cpu"`` keeps it off the accelerator, and the per-step dot products then run on the
-CPU. Nothing vocabulary-sized is kept: per step only the emitted token's row of the readout is read, once for all
-layers (a quantized or adapter-wrapped readout is called instead, which is vocabulary-sized while it runs).
+CPU. Nothing vocabulary-sized is kept (but the log-probability rows of the steps waiting to be scored together,
+:data:`BATCH_STEPS`): per step only the emitted token's row of the readout is read, once for all layers (a quantized
+or adapter-wrapped readout is called instead, which is vocabulary-sized while it runs).
 The records themselves are the caller's: 2 × 4 B × layers × batch × context per step (normxlogit and logat);
 ``keep_steps=False`` with ``on_step`` / ``sink`` streams them out without keeping them (and with none of those,
 nor a :meth:`~nxl_hooks.Probe.stream` subscriber, a step's record is not even made).
@@ -55,8 +56,9 @@ import contextvars
 import functools
 import os
 import threading
+import time
 import uuid
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -82,6 +84,30 @@ MAKE_EAGER = f"set {EAGER}=1 (nxl run --eager)"
 
 #: The request the current context serves; a server integration sets it (``X-Request-ID``), else calls get an id.
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("nxl_hooks_request_id", default=None)
+
+
+#: Emitted steps a call (``generate``, an engine's request) scores together while nothing reads its records live
+#: (no ``on_step``, no subscriber): one matmul reads the feature cache once for all of them instead of once per
+#: token, a decoding step's hidden states are normed with theirs, and the publisher wakes once per batch. Their
+#: records reach the sink at most that many tokens after their token, or at the first token after
+#: :data:`BATCH_SECONDS` (all of them when the call ends); a live reader gets each as it is made.
+BATCH_STEPS = 16
+#: The waiting steps are scored at the first token that finds the first of them this old (slow tokens gain nothing
+#: by waiting).
+BATCH_SECONDS = 0.25
+#: What the waiting steps keep (the model's log-probability rows) and their scores at once stay under this many bytes.
+BATCH_BYTES = 64 << 20
+
+
+class _Emitted(NamedTuple):
+    """A step emitted and not scored yet: its token, active rows, log-probabilities and context length."""
+    token: torch.Tensor
+    active: torch.Tensor
+    log_prob: torch.Tensor | None  #: (batch, k) given by the caller (a replayed compiled step), else None
+    log_probs: torch.Tensor | None  #: (batch, vocabulary): the model's own, from the forward that predicted it
+    logits: torch.Tensor | None  #: or its raw logits (batch, vocabulary), log-softmaxed when scored
+    n: int
+    time: float  #: when it was emitted (``time.time()``): its record's ``time``
 
 
 class _Growing:
@@ -177,6 +203,13 @@ class Run:
         self._n = self._past = 0
         self._pending = False
         self._log_probs: torch.Tensor | None = None  # the model's own log-softmax at the last position of the last forward
+        self._logits: torch.Tensor | None = None  # or its raw logits there, the log-softmax taken when scored
+        self._deferred: list[_Emitted] = []  # emitted, not scored yet (see BATCH_STEPS)
+        # decoding positions whose hidden states are not in the feature cache yet: (layers' hidden states, embedding
+        # norms, mask) each, stacked and normed together when the waiting steps are scored (:meth:`_fill`)
+        self._unfed: list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]] = []
+        self._ones: torch.Tensor | None = None  # the all-ones mask of a one-token step (generate drops it)
+        self._since = 0.0  # when the first of them was emitted
         self.failed = False
 
     @property
@@ -190,6 +223,10 @@ class Run:
         self.failed = True
         if not first:
             return
+        try:  # the steps emitted before it are whole: their records still go out
+            self.flush()
+        except Exception:  # noqa: BLE001 - the first failure is the one said
+            self._deferred = []
         if self._notice is None:
             self.call.error = reason(what, error)
             return
@@ -271,20 +308,59 @@ class Run:
             self._prompt_len = new
         mask = token_mask(capture.attention_mask, self._past, new)
         if mask is None:  # generate drops an all-ones mask
-            mask = torch.ones(capture.shape[0], new, dtype=torch.bool, device=capture.embed_norm.device)
-        self.feed(self._past, stacked_features(self._plan, capture), capture.embed_norm, mask, capture.input_ids)
+            mask = self._all_ones(capture.shape[0], new, capture.embed_norm.device)
+        hidden = [capture.hidden[layer] for layer in self._plan.layers]
+        if new == 1 and self._past == self._n and self._fills_later(hidden):
+            self._unfed.append((hidden, capture.embed_norm, mask))  # a decoding step: no work until it is scored
+            self._n += 1
+        else:
+            self.feed(self._past, stacked_features(self._plan, capture), capture.embed_norm, mask, capture.input_ids)
         self._pending = self._n >= self._prompt_len
+
+    def _all_ones(self, rows: int, new: int, device: torch.device) -> torch.Tensor:
+        """A (rows, new) all-True mask; a decoding step's is made once per call (it is only read)."""
+        if new != 1:
+            return torch.ones(rows, new, dtype=torch.bool, device=device)
+        if self._ones is None or self._ones.shape[0] != rows or self._ones.device != device:
+            self._ones = torch.ones(rows, 1, dtype=torch.bool, device=device)
+        return self._ones
+
+    def _fills_later(self, hidden: list[torch.Tensor]) -> bool:
+        """Whether a decoding step's ``hidden`` states may wait for :meth:`_fill`: the prompt is in, and they are
+        where and as the feature cache keeps them (else they are normed and moved now, block by block's device)."""
+        device, dtype = hidden[-1].device, hidden[-1].dtype
+        return (self.call.prompt_mask is not None and self._cache_device in (None, device)
+                and self._cache_dtype in (None, dtype) and all(h.device == device for h in hidden))
+
+    def _fill(self) -> None:
+        """The decoding positions still waiting go into the feature cache: every layer of all of them stacked and
+        normed in one head call (not one per token), with their embedding norms and masks."""
+        if not self._unfed:
+            return
+        unfed, count, layers = self._unfed, len(self._unfed), len(self._unfed[0][0])
+        with torch.no_grad():  # (finish runs outside generate's no_grad)
+            stacked = torch.stack([h for hidden, _, _ in unfed for h in hidden])  # (count * layers, batch, 1, d)
+            stacked = stacked.view(count, layers, *stacked.shape[1:]).squeeze(3).permute(2, 0, 1, 3).contiguous()
+            features = self._plan.head.features(stacked)  # (batch, count, layers, d')
+            self._unfed = []
+            self._n -= count
+            self.feed(self._n, features, torch.cat([e for _, e, _ in unfed], dim=1),
+                      torch.cat([m for _, _, m in unfed], dim=1), None)
 
     def after_task(self, output: Any) -> None:
         """The task model returned: keep its own logits at the last position, for the pending step's probability."""
         logits = getattr(output, "logits", None)
-        usable = isinstance(logits, torch.Tensor) and logits.dim() == 3
-        self.predicted(logits[:, -1].float().log_softmax(-1) if usable else None)
+        usable = (isinstance(logits, torch.Tensor) and logits.dim() == 3
+                  and logits.shape[-1] == self._plan.head.n_outputs)
+        # generate reads its own copy of them: this row stays as the model made it (a copy of it when the forward
+        # gave every position's, which are not kept alive for it)
+        row = (logits[:, -1] if logits.shape[1] == 1 else logits[:, -1].clone()) if usable else None
+        self._log_probs, self._logits = None, row
 
     def predicted(self, log_probs: torch.Tensor | None) -> None:
         """The model's own log-probabilities (batch, vocabulary) for the next token: its step's ``probability``."""
         usable = log_probs is not None and log_probs.shape[-1] == self._plan.head.n_outputs
-        self._log_probs = log_probs if usable else None
+        self._log_probs, self._logits = log_probs if usable else None, None
 
     # -- shared by generate and continuous batching ------------------------------------------------------
 
@@ -293,10 +369,13 @@ class Run:
         """Positions ``past`` .. ``past + new - 1`` of the sequence: their head features (batch, new, layers, d'),
         embedding norms and attention mask (batch, new), and token ids (for the prompt; None for embeddings).
         Positions from ``past`` on are replaced (a forward that recomputes them); none may be skipped."""
+        self._fill()
         if past > self._n:
             raise RuntimeError(f"positions {self._n}..{past - 1} of this sequence never ran through the model "
                                "while the probe watched it, so the context of its tokens is unknown")
         new = features.shape[1]
+        if past < self._n:  # positions the waiting steps read are rewritten: score them first
+            self.flush()
         for cache in (self._features, self._embed, self._mask):
             cache.truncate(past)
         self._compute_dtype = features.dtype
@@ -340,6 +419,7 @@ class Run:
                 self._tape.disarm()
                 if sequences is not None and not self.failed:
                     self._replay(sequences)
+            self.flush()  # the steps emitted so far go out as they would have, whatever the checks below find
             # (a call the probe detached from mid-way already says so: its later forwards ran unhooked on purpose)
             missed = (self._missed(sequences) if sequences is not None and not self.failed and self.call.error is None
                       else None)
@@ -355,10 +435,12 @@ class Run:
                 # A deferred stop check (mps) may run one forward whose token generate then undoes.
                 if sequences.shape[1] in (self._n + 1, emitted):
                     self.emit(sequences[:, -1])
+            self.flush()
         except Exception as failure:  # noqa: BLE001 - never into the host's generate
             self.fail("the last generated token", failure)
         finally:
-            self._features = self._embed = self._mask = None
+            self._features = self._embed = self._mask = self._logits = self._log_probs = None
+            self._deferred, self._unfed = [], []
             try:
                 self._hub.end(self.call, sequences.cpu() if sequences is not None else None, error)
             except Exception as failure:  # noqa: BLE001 - a failing sink or subscriber never reaches the host
@@ -384,13 +466,13 @@ class Run:
             self._pending = True
         # The steps replayed here have the fed token's log-probability from the tape, not the whole distribution:
         # no method may read the last eager forward's in their place (contrastive's foil is then unknown: NaN)
-        self._log_probs = None
+        self._log_probs = self._logits = None
         for position in range(max(n, prompt_len), end):
             if self._pending:
                 self.emit(sequences[:, position - shift], log_prob=tape.log_prob[:, position - 1])
             self.feed(position, *tape.positions(position, position + 1), None)
             self._pending = True
-        self._log_probs = tape.logits.log_softmax(-1)  # the last forward's: for the token generate returned last
+        self.predicted(tape.logits.log_softmax(-1))  # the last forward's: for the token generate returned last
 
     def _missed(self, sequences: torch.Tensor) -> str | None:
         """``not recorded: ...`` when the host returned tokens from forwards the hooks never saw, else None. Such
@@ -414,41 +496,81 @@ class Run:
         if active is None:
             active = self._active = torch.ones(token.shape[0], dtype=torch.bool, device=token.device)
         # Nobody to hand it to (keep_steps=False, no on_step, sink or subscriber): the record is not made.
-        step = self._record(token, active, log_prob) if self._hub.listened else None
+        if self._hub.listened:
+            if not self._deferred:
+                self._since = time.monotonic()
+            self._deferred.append(_Emitted(token, active, log_prob, self._log_probs, self._logits, self._n,
+                                           time.time()))
+            if (self._hub.live or len(self._deferred) >= self._batch_limit()
+                    or time.monotonic() - self._since >= BATCH_SECONDS):
+                self.flush()
         self._real.append(active)
         if self._eos:  # rows that emit an EOS token only pad from the next step on
             if self._eos_ids is None:
                 self._eos_ids = torch.tensor(self._eos, dtype=torch.long, device=token.device)
             self._active = active & ~torch.isin(token, self._eos_ids)
         self._pending = False
-        if step is not None:
+
+    def _batch_limit(self) -> int:
+        """How many emitted steps may wait to be scored together: :data:`BATCH_STEPS`, fewer where what each keeps
+        (the model's log-probability rows: an engine's are views of one tensor for all its requests, the whole of it
+        is kept) and the scores of all of them at once would pass :data:`BATCH_BYTES`."""
+        latest = self._deferred[-1]
+        kept = latest.log_probs if latest.log_probs is not None else latest.logits
+        size = (kept.untyped_storage().nbytes() if kept is not None else 0) \
+            + 4 * latest.token.shape[0] * len(self._plan.layers) * latest.n
+        return max(1, min(BATCH_STEPS, BATCH_BYTES // size))
+
+    def flush(self) -> None:
+        """Score the emitted steps still waiting, together, and publish their records in order."""
+        if not self._deferred:
+            return
+        emitted, self._deferred = self._deferred, []
+        for step in self._record(emitted):
             self._hub.publish(self.call, step, self._plan.readable)
 
-    def _record(self, token: torch.Tensor, active: torch.Tensor, log_prob: torch.Tensor | None) -> Step:
-        plan, position, batch = self._plan, self._n, token.shape[0]
-        targets = plan.explained(token[:, None])
-        if log_prob is None and self._log_probs is not None:
-            log_prob = self._log_probs.gather(-1, targets.to(self._log_probs.device))
-        probability = None
-        if log_prob is not None:
-            probability = log_prob.exp()
-            probability = probability if plan.label_axis else probability[:, 0]
+    def _record(self, emitted: list[_Emitted]) -> list[Step]:
+        """The records of ``emitted`` steps (in order, each at its own context length): the head's rows of all their
+        tokens are gathered once and the feature cache is read once, in one matmul, for all of them."""
+        self._fill()
+        plan, batch = self._plan, emitted[0].token.shape[0]
+        targets = [plan.explained(item.token[:, None]) for item in emitted]  # each (batch, k)
+        k, last = targets[0].shape[1], emitted[-1].n
+        steps = []
         with torch.no_grad():
-            features = self._features.view().to(self._compute_dtype)  # (batch, position, layers, d)
-            flat = features.reshape(batch, -1, features.shape[-1])  # every layer in one gather of target rows
+            raw = [index for index, item in enumerate(emitted) if item.logits is not None]
+            taken = dict(zip(raw, torch.stack([emitted[index].logits for index in raw]).float().log_softmax(-1))) \
+                if raw else {}  # the log-softmax of every waiting step's logits in one operation
+            features = self._features.view().narrow(1, 0, last).to(self._compute_dtype)  # (batch, last, layers, d)
+            layers = features.shape[2]
             with plan.head.reading() as readout:
-                def head_logits(ids: torch.Tensor) -> torch.Tensor:  # (layers, batch, position, k)
-                    return readout.target_logits(flat, ids).view(*features.shape[:3], -1).permute(2, 0, 1, 3)
+                def head_logits(ids: torch.Tensor, n: int = last) -> torch.Tensor:  # (layers, batch, n, m)
+                    flat = features.narrow(1, 0, n).reshape(batch, -1, features.shape[-1])  # all layers, one gather
+                    return readout.target_logits(flat, ids).view(batch, n, layers, -1).permute(2, 0, 1, 3)
 
-                embed = self._embed.view()
-                scores, targets = plan.scores(Given(head_logits(targets), embed, targets, self._log_probs,
-                                                    head_logits))
-        # Device tensors, moved to the host by the hub's publisher; copies, not views of the growing buffers, which
-        # a use_cache=False forward rewrites in place
-        return Step(call=self.call.index, step=position - self._prompt_len, position=position, token=token.clone(),
-                    target=targets, scores=scores, embed_norm=embed.clone(),
-                    mask=self._mask.view().clone(), active=active.clone(), layers=list(plan.layers),
-                    n_blocks=plan.n_blocks, probability=probability)
+                together = head_logits(torch.cat(targets, dim=1))  # (layers, batch, last, len(emitted) * k)
+                for index, (item, explained) in enumerate(zip(emitted, targets)):
+                    n = item.n
+                    logat = together[:, :, :n, index * k:(index + 1) * k].contiguous()
+                    embed = self._embed.view().narrow(1, 0, n)
+                    log_probs = taken.get(index, item.log_probs)
+                    log_prob = item.log_prob
+                    if log_prob is None and log_probs is not None:
+                        log_prob = log_probs.gather(-1, explained.to(log_probs.device))
+                    probability = None
+                    if log_prob is not None:
+                        probability = log_prob.exp()
+                        probability = probability if plan.label_axis else probability[:, 0]
+                    scores, chosen = plan.scores(Given(logat, embed, explained, log_probs,
+                                                       functools.partial(head_logits, n=n)))
+                    # Device tensors, moved to the host by the hub's publisher; copies, not views of the growing
+                    # buffers, which a use_cache=False forward rewrites in place
+                    steps.append(Step(call=self.call.index, step=n - self._prompt_len, position=n,
+                                      token=item.token.clone(), target=chosen, scores=scores, embed_norm=embed.clone(),
+                                      mask=self._mask.view().narrow(1, 0, n).clone(), active=item.active.clone(),
+                                      layers=list(plan.layers), n_blocks=plan.n_blocks, probability=probability,
+                                      time=item.time))
+        return steps
 
 
 class Generations:

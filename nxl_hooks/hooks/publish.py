@@ -192,6 +192,11 @@ class Hub:
         """Whether a step record made now goes anywhere: kept, a callback, a subscriber or a sink."""
         return self._keep or self._on_step is not None or self._sink is not None or bool(self._subscribers)
 
+    @property
+    def live(self) -> bool:
+        """Whether a step record is read as it is made: an ``on_step`` callback or a subscriber."""
+        return self._on_step is not None or bool(self._subscribers)
+
     # -- the hot path ------------------------------------------------------------------------------------
 
     def prompt(self, call: GenerationCall, ids: torch.Tensor | None, mask: torch.Tensor, meta: dict) -> None:

@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 from transformers import LlamaForCausalLM
+from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
 
 import nxl_hooks as nxl
 import tiny
+from nxl_hooks.hooks.generate import BATCH_STEPS
 from nxl_hooks.method import head as nxl_head
 from oracle import HandHead, check_call, llama, normxlogit, prefix_logits, rms_norm
 
@@ -87,6 +89,44 @@ def test_left_padded_batch_with_early_eos(model, cache):
         if step.step > s:
             assert int(step.token[0]) == PAD
     assert int(call.steps[s].token[0]) == eos
+
+
+class _Clock(LogitsProcessor):
+    """When generate chose each token: it calls its processors once per token, after the forward that predicts it."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        self.times.append(time.time())
+        return scores
+
+
+def test_steps_scored_together_equal_the_oracle_and_keep_their_tokens_times(model):
+    """While nothing reads the records live, steps wait and are scored BATCH_STEPS at a time: over two batches and
+    the call's end, a left-padded batch's every step equals the oracle and the same step made live (on_step); each
+    record's time is its token's, not its batch's."""
+    new = BATCH_STEPS + 5
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(11))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    ids[0, :3], mask[0, :3] = PAD, 0
+    clock = _Clock()
+    options = dict(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new, do_sample=False)
+    with nxl.attach(model, layers="all") as probe:
+        model.generate(**options, logits_processor=LogitsProcessorList([clock]))
+    call = probe.calls[0]
+    check_call(model, call, new)
+    made = clock.times  # token i was chosen at made[i]; its record is made once the next forward has it
+    assert len(made) == new and all(made[i] <= s.time <= made[i + 1] for i, s in enumerate(call.steps[:-1]))
+    live = []
+    with nxl.attach(model, layers="all", on_step=live.append):
+        model.generate(**options)
+    assert len(live) == new
+    for together, alone in zip(call.steps, live):
+        assert torch.equal(together.token, alone.token) and torch.equal(together.mask, alone.mask)
+        torch.testing.assert_close(together.normxlogit, alone.normxlogit)
+        torch.testing.assert_close(together.logat, alone.logat)
+        torch.testing.assert_close(together.probability, alone.probability)
 
 
 class _Collect(BaseStreamer):

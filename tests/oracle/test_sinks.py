@@ -346,6 +346,7 @@ def open_on(name):  # this process's descriptors on the watched file
 enc = tok(["hello world how are you"], return_tensors="pt")
 with nxl.attach(model, tokenizer=tok, sink=spec) as probe:
     model.generate(**enc, max_new_tokens=12, do_sample=False)
+    probe.flush()  # the sink has written (or failed on) every record made so far; the probe is still attached
     attached = open_on(watched)
 print(json.dumps({"fault": probe.sink_fault, "attached": attached, "detached": open_on(watched),
                   "steps": len(probe.calls[0].steps)}))

@@ -19,7 +19,6 @@ import re
 import socket
 import struct
 import time
-import os
 import subprocess
 import sys
 import urllib.request
