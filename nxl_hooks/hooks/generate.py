@@ -86,11 +86,13 @@ MAKE_EAGER = f"set {EAGER}=1 (nxl run --eager)"
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("nxl_hooks_request_id", default=None)
 
 
-#: Emitted steps a call (``generate``, an engine's request) scores together while nothing reads its records live
-#: (no ``on_step``, no subscriber): one matmul reads the feature cache once for all of them instead of once per
-#: token, a decoding step's hidden states are normed with theirs, and the publisher wakes once per batch. Their
-#: records reach the sink at most that many tokens after their token, or at the first token after
-#: :data:`BATCH_SECONDS` (all of them when the call ends); a live reader gets each as it is made.
+#: Emitted steps a ``generate`` call scores together while nothing reads its records live (no ``on_step``, no
+#: subscriber): one matmul reads the feature cache once for all of them instead of once per token, a decoding step's
+#: hidden states are normed with theirs, and the publisher wakes once per batch. Their records reach the sink at most
+#: that many tokens after their token, or at the first token after :data:`BATCH_SECONDS` (all of them when the call
+#: ends); a live reader gets each as it is made. An engine's requests (a server's) score each step as it comes: their
+#: records reach the disk as their tokens are made, and that is the code their throughput was measured with (scoring
+#: them together measured no better under vLLM: docs/vllm.md).
 BATCH_STEPS = 16
 #: The waiting steps are scored at the first token that finds the first of them this old (slow tokens gain nothing
 #: by waiting).
@@ -179,7 +181,7 @@ class Run:
 
     def __init__(self, plan: Plan, hub: Hub, call: GenerationCall, *, prompt_len: int | None, eos: Any,
                  cache_dtype: torch.dtype | None, cache_device: torch.device | None,
-                 notice: Notice | None = None, tape: Tape | None = None) -> None:
+                 notice: Notice | None = None, tape: Tape | None = None, batched: bool = True) -> None:
         self._plan, self._hub, self.call, self._notice = plan, hub, call, notice
         # Where forwards compiled by torch.compile record (:mod:`.tape`); armed by :meth:`arm` when this call's
         # forwards may run compiled, and read back when it ends.
@@ -205,6 +207,7 @@ class Run:
         self._log_probs: torch.Tensor | None = None  # the model's own log-softmax at the last position of the last forward
         self._logits: torch.Tensor | None = None  # or its raw logits there, the log-softmax taken when scored
         self._deferred: list[_Emitted] = []  # emitted, not scored yet (see BATCH_STEPS)
+        self._batched = batched  # False: each step is scored as it is emitted
         # decoding positions whose hidden states are not in the feature cache yet: (layers' hidden states, embedding
         # norms, mask) each, stacked and normed together when the waiting steps are scored (:meth:`_fill`)
         self._unfed: list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]] = []
@@ -501,7 +504,7 @@ class Run:
                 self._since = time.monotonic()
             self._deferred.append(_Emitted(token, active, log_prob, self._log_probs, self._logits, self._n,
                                            time.time()))
-            if (self._hub.live or len(self._deferred) >= self._batch_limit()
+            if (self._hub.live or not self._batched or len(self._deferred) >= self._batch_limit()
                     or time.monotonic() - self._since >= BATCH_SECONDS):
                 self.flush()
         self._real.append(active)
@@ -609,12 +612,13 @@ class Generations:
         finally:
             self._local.run = previous
 
-    def new_run(self, *, request_id: str | None, prompt_len: int | None, eos: Any) -> Run:
-        """A recorded call in the calling thread, with a fresh feature cache."""
+    def new_run(self, *, request_id: str | None, prompt_len: int | None, eos: Any, batched: bool = True) -> Run:
+        """A recorded call in the calling thread, with a fresh feature cache; ``batched=False``: each of its steps
+        scored as it is emitted, also while nothing reads them live (an engine's requests, see BATCH_STEPS)."""
         call = self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name)
         call.model = self.plan.name
         return Run(self.plan, self.hub, call, prompt_len=prompt_len, eos=eos, cache_dtype=self.cache_dtype,
-                   cache_device=self.cache_device, notice=self.notice, tape=self.tape)
+                   cache_device=self.cache_device, notice=self.notice, tape=self.tape, batched=batched)
 
     def unrecorded(self, request_id: str | None, what: str, error: BaseException, *, log: bool = True) -> None:
         """A call record whose error says ``not recorded: why`` (``why``: ``error``, which names what makes it

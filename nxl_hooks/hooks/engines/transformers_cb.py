@@ -387,7 +387,8 @@ class ContinuousBatching:
             if state.generated_tokens or getattr(state, "_true_initial_tokens", 0):
                 raise RuntimeError("this request had generated tokens before the probe saw it (it started before "
                                    "the probe attached, or resumed after an offload)")
-            return self.gens.new_run(request_id=request_id, prompt_len=len(state.initial_tokens), eos=None)
+            return self.gens.new_run(request_id=request_id, prompt_len=len(state.initial_tokens), eos=None,
+                                     batched=False)
         except Exception as error:  # noqa: BLE001
             self.gens.unrecorded(request_id, "this request", error)
             return None

@@ -424,7 +424,8 @@ class VllmEngine:
             if int(getattr(new, "num_computed_tokens", 0) or 0) > 0:
                 raise RuntimeError(f"its first {new.num_computed_tokens} positions came from vLLM's prefix cache and "
                                    f"never ran for it; {_RECORDABLE}")
-            self._runs[worker_id] = self.gens.new_run(request_id=client_id, prompt_len=len(prompt), eos=None)
+            self._runs[worker_id] = self.gens.new_run(request_id=client_id, prompt_len=len(prompt), eos=None,
+                                                       batched=False)
             self._tokens[worker_id] = prompt
         except Exception as error:  # noqa: BLE001
             self._runs[worker_id] = None
