@@ -212,7 +212,6 @@ class Run:
         # norms, mask) each, stacked and normed together when the waiting steps are scored (:meth:`_fill`)
         self._unfed: list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]] = []
         self._ones: torch.Tensor | None = None  # the all-ones mask of a one-token step (generate drops it)
-        self._since = 0.0  # when the first of them was emitted
         self.failed = False
 
     @property
@@ -422,7 +421,6 @@ class Run:
                 self._tape.disarm()
                 if sequences is not None and not self.failed:
                     self._replay(sequences)
-            self.flush()  # the steps emitted so far go out as they would have, whatever the checks below find
             # (a call the probe detached from mid-way already says so: its later forwards ran unhooked on purpose)
             missed = (self._missed(sequences) if sequences is not None and not self.failed and self.call.error is None
                       else None)
@@ -438,7 +436,7 @@ class Run:
                 # A deferred stop check (mps) may run one forward whose token generate then undoes.
                 if sequences.shape[1] in (self._n + 1, emitted):
                     self.emit(sequences[:, -1])
-            self.flush()
+            self.flush()  # the steps emitted so far go out, whatever the checks above found
         except Exception as failure:  # noqa: BLE001 - never into the host's generate
             self.fail("the last generated token", failure)
         finally:
@@ -500,12 +498,10 @@ class Run:
             active = self._active = torch.ones(token.shape[0], dtype=torch.bool, device=token.device)
         # Nobody to hand it to (keep_steps=False, no on_step, sink or subscriber): the record is not made.
         if self._hub.listened:
-            if not self._deferred:
-                self._since = time.monotonic()
-            self._deferred.append(_Emitted(token, active, log_prob, self._log_probs, self._logits, self._n,
-                                           time.time()))
+            now = time.time()
+            self._deferred.append(_Emitted(token, active, log_prob, self._log_probs, self._logits, self._n, now))
             if (self._hub.live or not self._batched or len(self._deferred) >= self._batch_limit()
-                    or time.monotonic() - self._since >= BATCH_SECONDS):
+                    or now - self._deferred[0].time >= BATCH_SECONDS):
                 self.flush()
         self._real.append(active)
         if self._eos:  # rows that emit an EOS token only pad from the next step on

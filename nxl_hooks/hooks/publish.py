@@ -190,7 +190,7 @@ class Hub:
     @property
     def listened(self) -> bool:
         """Whether a step record made now goes anywhere: kept, a callback, a subscriber or a sink."""
-        return self._keep or self._on_step is not None or self._sink is not None or bool(self._subscribers)
+        return self._keep or self._sink is not None or self.live
 
     @property
     def live(self) -> bool:
