@@ -525,8 +525,7 @@ class Run:
         if not self._deferred:
             return
         emitted, self._deferred = self._deferred, []
-        for step in self._record(emitted):
-            self._hub.publish(self.call, step, self._plan.readable)
+        self._hub.publish(self.call, self._record(emitted), self._plan.readable)
 
     def _record(self, emitted: list[_Emitted]) -> list[Step]:
         """The records of ``emitted`` steps (in order, each at its own context length): the head's rows of all their

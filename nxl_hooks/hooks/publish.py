@@ -21,8 +21,11 @@ host, keeps it and feeds the subscribers, then queues its frame for the sink thr
   ``KeyboardInterrupt`` included) or stops by itself (``fault``), or that falls :data:`SINK_QUEUE` frames behind,
   is stopped and closed; :attr:`Hub.sink_fault` says why, :attr:`Hub.unwritten` counts the step records it did
   not get, and each call it leaves in memory only says so in its ``notes``;
+- the records a call scores together (``generate``'s, :data:`~nxl_hooks.hooks.generate.BATCH_STEPS`) come as one
+  item: the publisher, and the sink thread after it, wake up once for them all (a wake-up costs the generating
+  thread more than handing on the record does);
 - while nothing reads records live (no sink, no subscriber), they are handed on together at the call's end (at
-  most :data:`HELD` at a time): the publisher wakes up once per call, not once per step;
+  most :data:`HELD` records at a time): the publisher wakes up once per call, not once per step;
 - what the publisher handles in one go (the records of one continuous-batching step, or a backlog) reaches the
   sink thread and the subscribers at once, when it is done: one wake-up of each reader per batch rather than one
   per record, and a sink with ``write_steps`` (a :class:`~nxl_hooks.Sink`) writes the batch's step frames (and
@@ -93,9 +96,10 @@ def _give(subscriber: "Subscription[Step]", item: Step | None) -> None:
 
 
 class _StepItem(NamedTuple):
-    """A step record for the publisher; ``ready``: the CUDA event after which its tensors may be read."""
+    """Consecutive step records of one call for the publisher; ``ready``: the CUDA event after which their tensors
+    may be read."""
     call: GenerationCall
-    step: Step
+    steps: tuple[Step, ...]
     texts: Texts | None
     ready: torch.cuda.Event | None
 
@@ -161,6 +165,7 @@ class Hub:
         self._writer: threading.Thread | None = None
         self._waiting = self._frames_waiting = 0
         self._held: collections.deque[_Item] = collections.deque()  # see HELD
+        self._held_records = 0
         # what the publisher's current batch hands on when it is done: frames for the sink thread, records for
         # the subscribers
         self._outbox: list[tuple] = []
@@ -203,18 +208,21 @@ class Hub:
         call.prompt_ids, call.prompt_mask = ids, mask
         self._submit(_CallItem(call, meta))
 
-    def publish(self, call: GenerationCall, step: Step, texts: Texts | None = None) -> None:
-        """Hand on ``step`` (its tensors may still be on the device; ``texts`` makes its readable texts, on the
-        host). RuntimeError when the publisher is :data:`QUEUE` records behind: that call stops being recorded."""
-        if self._on_step is not None:  # the callback wants the record in this thread, on the host
-            step, texts = on_host(step, texts), None
+    def publish(self, call: GenerationCall, steps: list[Step], texts: Texts | None = None) -> None:
+        """Hand on ``steps``, consecutive records of ``call`` (their tensors may still be on the device; ``texts``
+        makes their readable texts, on the host), as one item: the publisher and the sink thread wake up once for
+        them all. RuntimeError when the publisher would be more than :data:`QUEUE` records behind: that call stops
+        being recorded. ``hub.publish(call, [step], plan.readable)``"""
+        if self._on_step is not None:  # the callback wants each record in this thread, on the host
+            steps, texts = [on_host(step, texts) for step in steps], None
         ready = None
-        if step.normxlogit.is_cuda:  # the publisher reads it once the work queued so far on this stream is done
+        if steps[-1].normxlogit.is_cuda:  # the publisher reads them once the work queued so far on this stream is done
             ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(step.normxlogit.device))
-        self._submit(_StepItem(call, step, texts, ready), bounded=True)
+            ready.record(torch.cuda.current_stream(steps[-1].normxlogit.device))
+        self._submit(_StepItem(call, tuple(steps), texts, ready), records=len(steps))
         if self._on_step is not None:
-            self._on_step(step)
+            for step in steps:
+                self._on_step(step)
 
     def end(self, call: GenerationCall, sequences: torch.Tensor | None, error: str | None = None) -> None:
         """The call returned (``sequences``: its output ids) or raised (None); ``error``: why records are missing.
@@ -234,19 +242,20 @@ class Hub:
             return False
         return written.wait(timeout)
 
-    def _submit(self, item: _Item, *, bounded: bool = False) -> bool:
+    def _submit(self, item: _Item, *, records: int = 0) -> bool:
         """Queue ``item`` for the publisher (True) or, after the probe detached, handle it here, in memory only
-        (False). RuntimeError when a ``bounded`` item (a step record) finds :data:`QUEUE` records waiting: that
-        call stops being recorded."""
+        (False). RuntimeError when an item of step ``records`` would put more than :data:`QUEUE` records in
+        waiting: that call stops being recorded."""
         with self._lock:
             if not self._closed:
-                if bounded and self._waiting >= QUEUE:
+                if records and self._waiting + records > QUEUE:
                     raise RuntimeError(f"the record pipeline is {QUEUE} step records behind (its publisher thread "
                                        "is starved); this call's later steps are not recorded")
                 self._start()
-                self._waiting += bounded
-                if bounded and self._sink is None and not self._subscribers and len(self._held) < HELD:
+                self._waiting += records
+                if records and self._sink is None and not self._subscribers and self._held_records < HELD:
                     self._held.append(item)
+                    self._held_records += records
                     return True
                 self._hand_on()
                 self._items.put(item)
@@ -259,6 +268,7 @@ class Hub:
         """Queue the step records held back, in order (caller holds the lock)."""
         while self._held:
             self._items.put(self._held.popleft())
+        self._held_records = 0
 
     def _on_thread(self) -> bool:
         """Whether this is the publisher or the sink thread (a garbage collection there may close the hub)."""
@@ -279,6 +289,7 @@ class Hub:
         self._pid = os.getpid()  # a forked child starts its own threads, with fresh queues
         self._items, self._frames = queue.SimpleQueue(), queue.SimpleQueue()
         self._held.clear()
+        self._held_records = 0
         self._outbox, self._live = [], []
         self._waiting = self._frames_waiting = 0
         self._publisher = threading.Thread(target=self._publish_loop, name="nxl_hooks-publisher", daemon=True)
@@ -302,7 +313,7 @@ class Hub:
             finally:
                 if isinstance(item, _StepItem):
                     with self._lock:
-                        self._waiting -= 1
+                        self._waiting -= len(item.steps)
                 if isinstance(item, (_EndItem, _CloseItem)) or len(self._outbox) >= HELD or items.empty():
                     self._send()  # before the end is signalled: its records are with the subscribers
                 if isinstance(item, _EndItem):
@@ -331,7 +342,8 @@ class Hub:
         if isinstance(item, _StepItem):
             if item.ready is not None:
                 item.ready.synchronize()
-            self._deliver(item.call, on_host(item.step, item.texts))
+            for step in item.steps:
+                self._deliver(item.call, on_host(step, item.texts))
         elif isinstance(item, _CallItem):
             call, meta = item
             self._to_sink(call, lambda sink: sink.write_call(call, meta))

@@ -54,6 +54,8 @@ __all__ = ["RotatingSink", "Sink", "encode_call", "encode_end", "encode_step", "
 _FILE_MAGIC = b"nxl_hooks.stream/2\n"  # what is written; version 1 (nxl_hooks 0.1, no frame numbers) still reads
 _FRAME = struct.Struct("<4sQI")
 _FRAME_MAGIC = b"NXLF"
+_LENGTH = struct.Struct("<Q")
+_LITTLE = sys.byteorder == "little"  # safetensors stores little-endian: elsewhere, its own encoder
 
 
 #: safetensors dtype names of the tensors a frame holds.
@@ -67,18 +69,17 @@ def _blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
     storage: these tensors are fresh copies, and the checks cost five times the encoding on the generation thread
     (one frame per step). Read back with safetensors' own ``load``. ``tensors``' names are nxl_hooks' own (plain
     identifiers), so the header is written directly; only the metadata goes through ``json``."""
-    entries, parts, offset = [], [], 0
+    entries, parts, offset = [json.dumps({"__metadata__": metadata})[1:-1]], [], 0
     for name, value in tensors.items():
-        data = (value.view(torch.int16) if value.dtype == torch.bfloat16 else value).numpy().tobytes()  # C order
-        end = offset + len(data)
-        shape = ",".join(map(str, value.shape))
-        entries.append(f'"{name}":{{"dtype":"{_DTYPES[value.dtype]}","shape":[{shape}],'
+        array = (value.view(torch.int16) if value.dtype == torch.bfloat16 else value).numpy()
+        end = offset + array.nbytes
+        entries.append(f'"{name}":{{"dtype":"{_DTYPES[value.dtype]}","shape":{list(array.shape)},'
                        f'"data_offsets":[{offset},{end}]}}')
-        parts.append(data)
+        parts.append(array.tobytes())  # C order, whatever the strides
         offset = end
-    text = ",".join([f'"__metadata__":{json.dumps(metadata, separators=(",", ":"))}', *entries]).join("{}").encode()
+    text = ",".join(entries).join("{}").encode()
     text += b" " * (-len(text) % 8)
-    return b"".join([struct.pack("<Q", len(text)), text, *parts])
+    return b"".join([_LENGTH.pack(len(text)), text, *parts])
 
 
 def _encode(tensors: dict[str, torch.Tensor], header: dict, seq: int | None = None) -> bytes:
@@ -87,13 +88,13 @@ def _encode(tensors: dict[str, torch.Tensor], header: dict, seq: int | None = No
     if seq is not None:
         header = {**header, "seq": seq}
     metadata = {"nxl_hooks": json.dumps(header)}
-    # records hold CPU tensors outside autograd already (a step's): detach / copy only what is not
-    tensors = {name: value if value.device.type == "cpu" and not value.requires_grad else value.detach().cpu()
-               for name, value in tensors.items()}
-    if sys.byteorder == "little" and all(value.dtype in _DTYPES for value in tensors.values()):
+    # records hold CPU tensors outside autograd already (a step's), in the dtypes of _DTYPES: the fast path
+    if _LITTLE and all(value.is_cpu and not value.requires_grad and value.dtype in _DTYPES
+                       for value in tensors.values()):
         payload = _blob(tensors, metadata)
     else:  # copies: safetensors refuses tensors that share storage (a step's target is a view of its token)
-        payload = _save_blob({name: value.clone().contiguous() for name, value in tensors.items()}, metadata=metadata)
+        payload = _save_blob({name: value.detach().cpu().clone().contiguous() for name, value in tensors.items()},
+                             metadata=metadata)
     return _FRAME.pack(_FRAME_MAGIC, len(payload), zlib.crc32(payload)) + payload
 
 
