@@ -219,6 +219,12 @@ class Run:
         """How many positions of the sequence the run holds (the next token's position)."""
         return self._n
 
+    def held(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Views of what the run holds of its positions: head features (batch, n, layers, d'), embedding norms and
+        mask (batch, n); what a request that reuses this one's cached prefix is fed (:mod:`.engines.prefixes`)."""
+        self._fill()
+        return self._features.view(), self._embed.view(), self._mask.view()
+
     def fail(self, what: str, error: BaseException) -> None:
         """Stop recording this call (the generation itself goes on); the first failure is counted and said once."""
         first = not self.failed and self.call.error is None

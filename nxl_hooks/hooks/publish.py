@@ -22,8 +22,9 @@ host, keeps it and feeds the subscribers, then queues its frame for the sink thr
   is stopped and closed; :attr:`Hub.sink_fault` says why, :attr:`Hub.unwritten` counts the step records it did
   not get, and each call it leaves in memory only says so in its ``notes``;
 - the records a call scores together (``generate``'s, :data:`~nxl_hooks.hooks.generate.BATCH_STEPS`) come as one
-  item: the publisher, and the sink thread after it, wake up once for them all (a wake-up costs the generating
-  thread more than handing on the record does);
+  item, and an engine's packed step gathers its requests' records (:meth:`Hub.gather`) and hands them on when its
+  tokens are handed out: the publisher, and the sink thread after it, wake up once for them all (a wake-up costs
+  the generating thread more than handing on the record does);
 - while nothing reads records live (no sink, no subscriber), they are handed on together at the call's end (at
   most :data:`HELD` records at a time): the publisher wakes up once per call, not once per step;
 - what the publisher handles in one go (the records of one continuous-batching step, or a backlog) reaches the
@@ -166,6 +167,7 @@ class Hub:
         self._waiting = self._frames_waiting = 0
         self._held: collections.deque[_Item] = collections.deque()  # see HELD
         self._held_records = 0
+        self._gathered: dict[int, list[tuple[_Item, int]]] = {}  # thread -> its step records waiting for release()
         # what the publisher's current batch hands on when it is done: frames for the sink thread, records for
         # the subscribers
         self._outbox: list[tuple] = []
@@ -242,26 +244,68 @@ class Hub:
             return False
         return written.wait(timeout)
 
+    def gather(self) -> None:
+        """Step records this thread publishes from now on wait, in order, until :meth:`release` (or anything else
+        handed on, by any thread) sends them together: an engine's packed step hands on its requests' records at
+        once, so the publisher wakes up once per step, not once per request. ``hub.gather(); ...; hub.release()``"""
+        self.release()
+        with self._lock:
+            self._gathered[threading.get_ident()] = []
+
+    def release(self) -> None:
+        """Send the step records this thread gathered (see :meth:`gather`), and stop gathering. Never raises."""
+        with self._lock:
+            gathered = self._gathered.pop(threading.get_ident(), None)
+        if gathered:
+            self._send_safely(gathered)
+
+    def _send_safely(self, items: list[tuple[_Item, int]]) -> None:
+        try:
+            self._send_on(items)
+        except Exception as error:  # noqa: BLE001 - gathered records are the probe's, never the host's problem
+            logger.warning("nxl_hooks: %d step record(s) were lost (%s: %s); the model's own call is unaffected",
+                           len(items), type(error).__name__, one_line(error))
+
     def _submit(self, item: _Item, *, records: int = 0) -> bool:
         """Queue ``item`` for the publisher (True) or, after the probe detached, handle it here, in memory only
         (False). RuntimeError when an item of step ``records`` would put more than :data:`QUEUE` records in
         waiting: that call stops being recorded."""
         with self._lock:
+            earlier: list[tuple[_Item, int]] = []
             if not self._closed:
                 if records and self._waiting + records > QUEUE:
                     raise RuntimeError(f"the record pipeline is {QUEUE} step records behind (its publisher thread "
                                        "is starved); this call's later steps are not recorded")
-                self._start()
                 self._waiting += records
-                if records and self._sink is None and not self._subscribers and self._held_records < HELD:
-                    self._held.append(item)
-                    self._held_records += records
+                gathered = self._gathered.get(threading.get_ident()) if records else None
+                if gathered is not None:
+                    gathered.append((item, records))
                     return True
-                self._hand_on()
-                self._items.put(item)
+            for ident, waiting in self._gathered.items():  # gathered records go before anything else handed on
+                earlier += waiting
+                self._gathered[ident] = []
+        if earlier:
+            self._send_safely(earlier)
+        return self._send_on([(item, records)])
+
+    def _send_on(self, items: list[tuple[_Item, int]]) -> bool:
+        """Queue the items (of step ``records`` each, counted in waiting already) for the publisher, in order, each
+        step item held back while nothing reads records live (:data:`HELD`): True; after the probe detached, handle
+        them here, in memory only: False."""
+        with self._lock:
+            if not self._closed:
+                self._start()
+                for item, records in items:
+                    if records and self._sink is None and not self._subscribers and self._held_records < HELD:
+                        self._held.append(item)
+                        self._held_records += records
+                    else:
+                        self._hand_on()
+                        self._items.put(item)
                 return True
         self._join(self._publisher, FLUSH_SECONDS)  # what was queued before the detach comes first
-        self._handle(item)
+        for item, _ in items:
+            self._handle(item)
         return False
 
     def _hand_on(self) -> None:
@@ -429,6 +473,10 @@ class Hub:
             started = self._pid == os.getpid()
             if started:
                 self._hand_on()
+                for waiting in self._gathered.values():  # what threads gathered comes after that, before the end
+                    for item, _ in waiting:
+                        self._items.put(item)
+                self._gathered.clear()
                 self._items.put(_CloseItem(why))
         if not started:
             self._shut(why)

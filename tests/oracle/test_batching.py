@@ -154,24 +154,36 @@ def _shared_prefix_prompts() -> list[list[int]]:
     return [shared + [5, 6], shared + [7], shared + [8, 9, 10]]
 
 
-def test_prefix_sharing_is_off_while_attached_so_every_request_is_whole(model):
+def _check_whole(model, probe, prompts: dict[str, list[int]], new: int = 3) -> None:
+    """Every request's call is complete, holds its own prompt ids and equals its uncached oracle."""
+    calls = {call.request_id: call for call in probe.calls}
+    assert set(calls) == set(prompts)
+    for request_id, prompt in prompts.items():
+        assert calls[request_id].prompt_ids.tolist() == [prompt]
+        check_call(model, calls[request_id], new)
+
+
+def test_requests_that_reuse_a_running_requests_prefix_are_recorded_whole(model):
+    """Prefix sharing stays on while attached: requests whose caches reuse another's prompt blocks start
+    mid-sequence exactly as they do unattached, and their records take the prefix's rows from the request that ran
+    it, which is still running: every step equals the uncached oracle of that request alone."""
     prompts, config = _shared_prefix_prompts(), dict(max_batch_tokens=40)
     layout = _Layout(model)
     try:
         plain = model.generate_batch(prompts, generation_config=_greedy(3), continuous_batching_config=_config(**config))
-        shared_starts = [s for f in layout.segments() for s in f if s[0] > 0 and s[1] > 1]
+        plain_layout = layout.segments()
         layout.forwards.clear()
         with nxl.attach(model) as probe:
             out = model.generate_batch(prompts, generation_config=_greedy(3),
                                        continuous_batching_config=_config(**config))
-        starts = [s for f in layout.segments() for s in f if s[0] == 0]
+        attached_layout = layout.segments()
     finally:
         layout.remove()
-    assert shared_starts, "unattached, some request should reuse the shared prefix and start mid-sequence"
-    assert len(starts) >= len(prompts)  # attached, every request runs from position 0
+    shared_starts = [s for f in attached_layout for s in f if s[0] > 0 and s[1] > 1]
+    assert shared_starts, "some request should reuse the shared prefix and start mid-sequence"
+    assert attached_layout == plain_layout  # the same forwards as unattached: nothing re-runs the prefix
     assert _tokens(out) == _tokens(plain)
-    for call in probe.calls:
-        check_call(model, call, 3)
+    _check_whole(model, probe, {request_id: list(result.prompt_ids) for request_id, result in out.items()})
 
 
 def _serve(manager, request_id: str, prompt: list[int], new: int = 3):
@@ -198,8 +210,7 @@ def test_attach_to_a_running_manager_whose_cache_shares_a_prefix(model, caplog):
                 return tokens + [_serve(manager, "second", second)], None
             with nxl.attach(model) as probe:
                 tokens.append(_serve(manager, "second", second))
-                sharing_while_attached = cache.use_prefix_sharing
-            assert sharing_while_attached is False and cache.use_prefix_sharing is True  # restored at detach
+            assert cache.use_prefix_sharing is True  # attaching leaves the cache as it is
             return tokens, probe
         finally:
             manager.stop(block=True, timeout=30)
@@ -211,6 +222,38 @@ def test_attach_to_a_running_manager_whose_cache_shares_a_prefix(model, caplog):
     (call,) = probe.calls  # the second request reused the first one's cached prefix before the probe saw the cache
     assert call.request_id == "second" and not call.complete and "another request" in call.error
     assert [r.levelno for r in caplog.records if r.name == "nxl_hooks"] == [logging.WARNING]
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["kept", "let-go"])
+def test_a_request_that_reuses_a_finished_requests_prefix(model, kept, monkeypatch, caplog):
+    """One request after another on a running manager: the second reuses the first's cached prefix after the first
+    finished, so its rows come from what the probe kept of the finished request; every step equals the oracle.
+    With nothing kept (no room for it), the second request is said not recorded, with why and what to do."""
+    from nxl_hooks.hooks.engines import prefixes
+
+    if not kept:
+        monkeypatch.setattr(prefixes, "SHARED_BYTES", 0)
+    first, second = _shared_prefix_prompts()[:2]
+    layout = _Layout(model)
+    with nxl.attach(model) as probe:
+        manager = model.init_continuous_batching(generation_config=_greedy(3),
+                                                 continuous_batching_config=_config(max_batch_tokens=40))
+        manager.start()
+        try:
+            _serve(manager, "first", first)
+            layout.forwards.clear()
+            _serve(manager, "second", second)
+        finally:
+            manager.stop(block=True, timeout=30)
+            layout.remove()
+    assert layout.segments()[0][0][0] == 32, "the second request should start after the first's two shared pages"
+    if kept:
+        _check_whole(model, probe, {"first": first, "second": second})
+    else:
+        calls = {call.request_id: call for call in probe.calls}
+        check_call(model, calls["first"], 3)
+        assert not calls["second"].complete and "does not hold" in calls["second"].error
+        assert "allow_block_sharing=False" in calls["second"].error
 
 
 def test_cancelled_request_ends_incomplete_and_frees_its_features(model):

@@ -25,7 +25,8 @@ probe detaches):
 - ``ContinuousBatchProcessor.warmup``: a padded processor's warmup runs with its taps, so that what it compiles or
   captures holds them;
 - ``RequestState.update_and_check_completion``: the token the manager gives a request becomes that request's step
-  record, and a request that finishes ends its call, before the manager hands the result to its caller;
+  record, and a request that finishes ends its call, before the manager hands the result to its caller; the
+  records of one step go to the record pipeline together, once the step's last token is handed out;
 - ``ContinuousBatchingManager.__init__``: with ``NXL_EAGER=1`` in the environment (``nxl run --eager``), managers
   of followed models are made with ``use_cuda_graph=False`` (a fallback: no longer needed to record them).
 
@@ -43,13 +44,13 @@ the number of hooks it traced); graphs captured with them keep their buffers ali
 Not followed (requests run unchanged; each request's call record says ``not recorded: why; what to do``, logged
 once): asynchronous batching (each step starts before the last one's tokens are handed out;
 ``ContinuousBatchingConfig(use_async_batching=False)`` or ``NXL_EAGER=1``), and a transformers whose internals
-moved (what is wrapped is :data:`~nxl_hooks.hooks.conventions.CONTINUOUS_BATCHING`, checked before wrapping). While
-attached, prefix sharing is off on the paged caches the probe sees (a prefix shared from another request's cache
-never runs for the request that reuses it, so that request's attribution could not be computed); each cache gets
-its setting back at detach. A request that started mid-sequence anyway (it reused a prefix before the probe
-attached, or it is a forked ``num_return_sequences`` child), or that had generated tokens before the probe saw it,
-is marked not recorded. A request that leaves the manager unfinished (cancelled, failed, or the manager stopped)
-ends incomplete.
+moved (what is wrapped is :data:`~nxl_hooks.hooks.conventions.CONTINUOUS_BATCHING`, checked before wrapping).
+Prefix sharing stays on: a request whose cache reuses the blocks of a prefix another request ran starts
+mid-sequence, and its feature cache gets that prefix's rows from the request that ran it, still running or
+finished (:mod:`.prefixes`, which keeps finished requests' rows up to a budget). A request whose prefix the probe
+does not hold (it ran before the probe attached, or its rows were let go), or that had generated tokens before the
+probe saw it, is marked not recorded. A request that leaves the manager unfinished (cancelled, failed, or the
+manager stopped) ends incomplete.
 
 Here: the wrappers and :class:`ContinuousBatching`, the engine of one probe. One packed step's record (its layout,
 the features fed to each request's run, a padded step's taps, the tokens handed out) is
@@ -70,8 +71,9 @@ from torch import nn
 
 from ..conventions import CONTINUOUS_BATCHING, continuous_batching_classes
 from ..generate import EAGER, MAKE_EAGER, Generations, Run, eager
-from ..guard import logger, reason
+from ..guard import logger, one_line, reason
 from ..recording import NOT_RECORDED
+from .prefixes import Rows, SharedPrefixes
 from .transformers_cb_step import _abandon, _local, _Packed, _Segment, _Taps
 from .transformers_serve import patch_serving
 
@@ -102,6 +104,7 @@ def _generation_step(original: Callable) -> Callable:
         _local.pending = None
         if batching is None:
             return original(self, model, *args, **kwargs)
+        batching.gens.hub.release()  # the last step's records, if its tokens were not all handed out
         step = batching.open(self)  # never raises; None: this step is not recorded
         # a padded step runs compiled (or replays a CUDA graph): the taps write it, the probe's own hooks stand by
         current = NOT_RECORDED if step is None else step if step.taps is None else step.taps.marker
@@ -201,7 +204,10 @@ class ContinuousBatching:
         self._finalizers: list[weakref.finalize] = []
         #: processors not followed (said once in the log) -> why, and the ids of their requests marked not recorded
         self._skipped: "weakref.WeakKeyDictionary[Any, tuple[str, set[str]]]" = weakref.WeakKeyDictionary()
-        self._caches: "weakref.WeakKeyDictionary[Any, bool]" = weakref.WeakKeyDictionary()  # cache -> its sharing
+        #: the rows of finished requests, for requests whose caches reuse their prefixes (kept while a followed
+        #: cache shares prefixes: ``_sharing``)
+        self._shared = SharedPrefixes()
+        self._sharing = False
         self._taps: "weakref.WeakKeyDictionary[Any, _Taps]" = weakref.WeakKeyDictionary()  # padded processors'
         self._recompiled = False
         self._lock = threading.RLock()
@@ -222,8 +228,8 @@ class ContinuousBatching:
             _FOLLOWED[self.plan.model] = weakref.ref(self)
 
     def uninstall(self) -> None:
-        """Stop following: the model's requests pass straight through from the next forward; prefix sharing comes
-        back; the requests in flight end incomplete (their calls are marked by the hub's close)."""
+        """Stop following: the model's requests pass straight through from the next forward; the requests in flight
+        end incomplete (their calls are marked by the hub's close)."""
         with _LOCK, self._lock:
             self._uninstalled = True
         plan = getattr(self, "plan", None)
@@ -233,9 +239,7 @@ class ContinuousBatching:
             if not _FOLLOWED:
                 _uninstall()
         with self._lock:
-            for cache, sharing in list(self._caches.items()):
-                cache.use_prefix_sharing = sharing
-            self._caches.clear()
+            self._shared.clear()
             for taps in list(self._taps.values()):  # their compiled code recompiles without them at its next call
                 taps.remove()
             self._taps.clear()
@@ -275,14 +279,17 @@ class ContinuousBatching:
             for future in processor.inputs_and_outputs.requests_in_batch:
                 state, length = future.state, future.query_length
                 request_id = state.request_id
-                if request_id not in table:
-                    table[request_id] = self._begin(state)
                 first = state.position_offset - length  # already advanced for this batch
+                if request_id not in table:
+                    table[request_id] = run = self._begin(state)
+                    if run is not None and first > 0:
+                        self._reuse(processor, state, run, first)
                 segments.append(_Segment(request_id=request_id, start=start, length=length, first=first,
                                          new_token=bool(future.has_new_token), run=table[request_id]))
                 if taps is not None and first < len(state.initial_tokens):  # a prefill chunk: its ids, on the host
                     prompts[request_id] = state.initial_tokens
                 start += length
+            self.gens.hub.gather()  # the step's records go on together once its tokens are handed out
             return _Packed(self, table, segments, taps, prompts)
         except Exception as error:  # noqa: BLE001 - never into the manager's loop
             # said once: this manager's requests are not recorded from now on
@@ -355,22 +362,16 @@ class ContinuousBatching:
                 io.graphs = type(graphs)()  # the old graphs are reset when their holder goes
 
     def _table(self, processor: Any) -> dict[str, Any] | None:
-        """``processor``'s runs by request id (None once detached); first time: prefix sharing off, and a sweep
-        when it goes."""
+        """``processor``'s runs by request id (None once detached); first time: a sweep when it goes, and finished
+        requests' rows kept from now on if its cache shares prefixes."""
         with self._lock:
-            if self._uninstalled:  # checked under the lock uninstall restores prefix sharing with
+            if self._uninstalled:
                 return None
             table = self._tables.get(processor)
             if table is None:
                 table = self._tables[processor] = {}
                 self._finalizers.append(weakref.finalize(processor, _abandon, table, "the manager went away"))
-                cache = processor.cache
-                if cache not in self._caches:
-                    self._caches[cache] = cache.use_prefix_sharing
-                    if cache.use_prefix_sharing:
-                        cache.use_prefix_sharing = False
-                        logger.info("nxl_hooks: prefix sharing is off on this continuous-batching cache while the "
-                                    "probe is attached (a shared prefix never runs for the request reusing it)")
+                self._sharing = self._sharing or bool(getattr(processor.cache, "use_prefix_sharing", False))
         scheduler = processor.scheduler
         for request_id in [r for r in table if r not in scheduler.active_requests
                            and r not in scheduler.waiting_requests]:
@@ -379,6 +380,47 @@ class ContinuousBatching:
                 run.finish(None, "the request left the manager before it finished (cancelled or failed)",
                            what="this request")
         return table
+
+    def _reuse(self, processor: Any, state: Any, run: Run, first: int) -> None:
+        """A new request whose forwards start at ``first``: its cache reused the blocks of positions 0..first-1
+        from another request (prefix sharing, or a forked ``num_return_sequences`` child); their rows come from the
+        request that ran them, running or finished (:mod:`.prefixes`). Never raises: a prefix the probe does not
+        hold leaves the request not recorded."""
+        try:
+            table, active = self._tables.get(processor, {}), processor.scheduler.active_requests
+
+            def live():  # requests still running, checked one by one until one holds the prefix
+                for request_id, other in list(active.items()):
+                    source = table.get(request_id)
+                    if source is not None and source is not run and not source.failed and source.length >= first:
+                        yield list(other.initial_tokens) + list(other.generated_tokens), Rows(*source.held())
+
+            with self._lock:
+                rows = self._shared.find(state.initial_tokens, first, live())
+            if rows is None:
+                raise RuntimeError(
+                    f"its first {first} positions came from the cache's copy of another request's prefix (prefix "
+                    "sharing), whose features the probe does not hold (that request ran before the probe attached, or "
+                    "its features were let go: nxl_hooks.hooks.engines.prefixes.SHARED_BYTES), so their attribution "
+                    "is unknown; ContinuousBatchingConfig(allow_block_sharing=False) makes every request run whole")
+            ids = torch.tensor([list(state.initial_tokens[:first])], dtype=torch.long, device=rows.embed.device)
+            run.feed(0, rows.features, rows.embed, rows.mask, ids)
+        except Exception as error:  # noqa: BLE001 - never into the manager's loop
+            run.fail("this request", error)
+
+    def keep(self, state: Any, run: Run) -> None:
+        """``run``'s request finished: its rows are kept for requests that may reuse its prefix (while a followed
+        cache shares prefixes). Never raises."""
+        if not self._sharing or run.failed or run.length == 0:
+            return
+        try:
+            rows = Rows(*run.held())
+            with self._lock:
+                if not self._uninstalled:
+                    self._shared.keep(list(state.initial_tokens) + list(state.generated_tokens), rows)
+        except Exception as error:  # noqa: BLE001 - its own records are whole; a later request may miss its prefix
+            logger.warning("nxl_hooks: a finished request's features were not kept for the requests that may reuse "
+                           "its prefix (%s: %s)", type(error).__name__, one_line(error))
 
     def _begin(self, state: Any) -> Run | None:
         """A run for a request seen for the first time, or None (with a call record saying why)."""

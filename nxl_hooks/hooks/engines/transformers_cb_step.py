@@ -250,8 +250,14 @@ class _Packed:
     def settle(self, state: Any, token: Any, *, appended: bool, finished: bool) -> None:
         """The manager gave ``token`` to the request of ``state``: its step record; its end if it ``finished``."""
         self.awaiting -= 1
-        if self.awaiting <= 0:  # the last one: the thread lets go of this step (and of the model through it)
-            _local.pending = None
+        try:
+            self._settle(state, token, appended=appended, finished=finished)
+        finally:
+            if self.awaiting <= 0:  # the last one: its records go on together; the thread lets go of this step
+                _local.pending = None
+                self._batching.gens.hub.release()
+
+    def _settle(self, state: Any, token: Any, *, appended: bool, finished: bool) -> None:
         run = self._table.get(state.request_id)
         if run is None or state.request_id not in self._ids:
             if finished:
@@ -266,6 +272,7 @@ class _Packed:
             run.fail("this request", error)
         if finished:
             self._table.pop(state.request_id, None)
+            self._batching.keep(state, run)  # before its end lets go of its features
             try:
                 output = state.to_generation_output()
                 sequences = torch.tensor([list(output.prompt_ids) + list(output.generated_tokens)], dtype=torch.long)
