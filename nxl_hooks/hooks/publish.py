@@ -167,7 +167,8 @@ class Hub:
         self._waiting = self._frames_waiting = 0
         self._held: collections.deque[_Item] = collections.deque()  # see HELD
         self._held_records = 0
-        self._gathered: dict[int, list[tuple[_Item, int]]] = {}  # thread -> its step records waiting for release()
+        #: each gathering thread's step records waiting for release() (by thread object: an id is reused)
+        self._gathered: dict[threading.Thread, list[tuple[_Item, int]]] = {}
         # what the publisher's current batch hands on when it is done: frames for the sink thread, records for
         # the subscribers
         self._outbox: list[tuple] = []
@@ -246,67 +247,56 @@ class Hub:
 
     def gather(self) -> None:
         """Step records this thread publishes from now on wait, in order, until :meth:`release` (or anything else
-        handed on, by any thread) sends them together: an engine's packed step hands on its requests' records at
-        once, so the publisher wakes up once per step, not once per request. ``hub.gather(); ...; hub.release()``"""
+        handed on, by any thread) sends them: an engine's packed step hands on its requests' records together, so
+        the publisher wakes up once per step, not once per request. ``hub.gather(); ...; hub.release()``"""
         self.release()
         with self._lock:
-            self._gathered[threading.get_ident()] = []
+            if not self._closed:
+                self._gathered[threading.current_thread()] = []
 
     def release(self) -> None:
-        """Send the step records this thread gathered (see :meth:`gather`), and stop gathering. Never raises."""
+        """Send the step records this thread gathered (see :meth:`gather`), and stop gathering."""
         with self._lock:
-            gathered = self._gathered.pop(threading.get_ident(), None)
-        if gathered:
-            self._send_safely(gathered)
-
-    def _send_safely(self, items: list[tuple[_Item, int]]) -> None:
-        try:
-            self._send_on(items)
-        except Exception as error:  # noqa: BLE001 - gathered records are the probe's, never the host's problem
-            logger.warning("nxl_hooks: %d step record(s) were lost (%s: %s); the model's own call is unaffected",
-                           len(items), type(error).__name__, one_line(error))
+            gathered = self._gathered.pop(threading.current_thread(), None)
+            if gathered and not self._closed:
+                self._queue(gathered)
 
     def _submit(self, item: _Item, *, records: int = 0) -> bool:
         """Queue ``item`` for the publisher (True) or, after the probe detached, handle it here, in memory only
         (False). RuntimeError when an item of step ``records`` would put more than :data:`QUEUE` records in
-        waiting: that call stops being recorded."""
+        waiting: that call stops being recorded. Records gathered by any thread (:meth:`gather`) go before it."""
         with self._lock:
-            earlier: list[tuple[_Item, int]] = []
             if not self._closed:
+                self._start()  # first: a forked child starts with its own threads and counts
                 if records and self._waiting + records > QUEUE:
                     raise RuntimeError(f"the record pipeline is {QUEUE} step records behind (its publisher thread "
                                        "is starved); this call's later steps are not recorded")
                 self._waiting += records
-                gathered = self._gathered.get(threading.get_ident()) if records else None
+                gathered = self._gathered.get(threading.current_thread()) if records else None
                 if gathered is not None:
                     gathered.append((item, records))
                     return True
-            for ident, waiting in self._gathered.items():  # gathered records go before anything else handed on
-                earlier += waiting
-                self._gathered[ident] = []
-        if earlier:
-            self._send_safely(earlier)
-        return self._send_on([(item, records)])
-
-    def _send_on(self, items: list[tuple[_Item, int]]) -> bool:
-        """Queue the items (of step ``records`` each, counted in waiting already) for the publisher, in order, each
-        step item held back while nothing reads records live (:data:`HELD`): True; after the probe detached, handle
-        them here, in memory only: False."""
-        with self._lock:
-            if not self._closed:
-                self._start()
-                for item, records in items:
-                    if records and self._sink is None and not self._subscribers and self._held_records < HELD:
-                        self._held.append(item)
-                        self._held_records += records
-                    else:
-                        self._hand_on()
-                        self._items.put(item)
+                earlier = [entry for waiting in self._gathered.values() for entry in waiting]
+                gathering = threading.current_thread() in self._gathered
+                self._gathered.clear()  # other threads hand on directly until they gather again
+                if gathering:  # this one goes on gathering its step's later records
+                    self._gathered[threading.current_thread()] = []
+                self._queue([*earlier, (item, records)])
                 return True
         self._join(self._publisher, FLUSH_SECONDS)  # what was queued before the detach comes first
-        for item, _ in items:
-            self._handle(item)
+        self._handle(item)
         return False
+
+    def _queue(self, items: list[tuple[_Item, int]]) -> None:
+        """Queue items (of step ``records`` each) for the publisher in order, each step item held back while nothing
+        reads records live (:data:`HELD`); caller holds the lock, the hub is open and started."""
+        for item, records in items:
+            if records and self._sink is None and not self._subscribers and self._held_records < HELD:
+                self._held.append(item)
+                self._held_records += records
+            else:
+                self._hand_on()
+                self._items.put(item)
 
     def _hand_on(self) -> None:
         """Queue the step records held back, in order (caller holds the lock)."""
@@ -333,6 +323,7 @@ class Hub:
         self._pid = os.getpid()  # a forked child starts its own threads, with fresh queues
         self._items, self._frames = queue.SimpleQueue(), queue.SimpleQueue()
         self._held.clear()
+        self._gathered.clear()
         self._held_records = 0
         self._outbox, self._live = [], []
         self._waiting = self._frames_waiting = 0

@@ -112,6 +112,7 @@ def _generation_step(original: Callable) -> Callable:
             try:
                 out = original(self, model, *args, **kwargs)
             except BaseException:
+                batching.gens.hub.release()  # the thread may end here: nothing it gathered stays behind
                 if step is not None:
                     step.abandon("the manager's forward raised")
                 raise
@@ -383,9 +384,8 @@ class ContinuousBatching:
 
     def _reuse(self, processor: Any, state: Any, run: Run, first: int) -> None:
         """A new request whose forwards start at ``first``: its cache reused the blocks of positions 0..first-1
-        from another request (prefix sharing, or a forked ``num_return_sequences`` child); their rows come from the
-        request that ran them, running or finished (:mod:`.prefixes`). Never raises: a prefix the probe does not
-        hold leaves the request not recorded."""
+        from another request (prefix sharing); their rows come from the request that ran them, running or finished
+        (:mod:`.prefixes`). Never raises: a prefix the probe does not hold leaves the request not recorded."""
         try:
             table, active = self._tables.get(processor, {}), processor.scheduler.active_requests
 
