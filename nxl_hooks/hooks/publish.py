@@ -276,9 +276,8 @@ class Hub:
                 if gathered is not None:
                     gathered.append((item, records))
                     return True
-                earlier = [entry for waiting in self._gathered.values() for entry in waiting]
                 gathering = threading.current_thread() in self._gathered
-                self._gathered.clear()  # other threads hand on directly until they gather again
+                earlier = self._take_gathered()  # other threads hand on directly until they gather again
                 if gathering:  # this one goes on gathering its step's later records
                     self._gathered[threading.current_thread()] = []
                 self._queue([*earlier, (item, records)])
@@ -286,6 +285,13 @@ class Hub:
         self._join(self._publisher, FLUSH_SECONDS)  # what was queued before the detach comes first
         self._handle(item)
         return False
+
+    def _take_gathered(self) -> list[tuple[_Item, int]]:
+        """Every thread's gathered step records, in order, and no thread gathering any more (caller holds the
+        lock)."""
+        taken = [entry for waiting in self._gathered.values() for entry in waiting]
+        self._gathered.clear()
+        return taken
 
     def _queue(self, items: list[tuple[_Item, int]]) -> None:
         """Queue items (of step ``records`` each) for the publisher in order, each step item held back while nothing
@@ -464,10 +470,8 @@ class Hub:
             started = self._pid == os.getpid()
             if started:
                 self._hand_on()
-                for waiting in self._gathered.values():  # what threads gathered comes after that, before the end
-                    for item, _ in waiting:
-                        self._items.put(item)
-                self._gathered.clear()
+                for item, _ in self._take_gathered():  # what threads gathered comes after that, before the end
+                    self._items.put(item)
                 self._items.put(_CloseItem(why))
         if not started:
             self._shut(why)

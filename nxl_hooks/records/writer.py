@@ -88,13 +88,13 @@ def _encode(tensors: dict[str, torch.Tensor], header: dict, seq: int | None = No
     if seq is not None:
         header = {**header, "seq": seq}
     metadata = {"nxl_hooks": json.dumps(header)}
-    # records hold CPU tensors outside autograd already (a step's), in the dtypes of _DTYPES: the fast path
-    if _LITTLE and all(value.is_cpu and not value.requires_grad and value.dtype in _DTYPES
-                       for value in tensors.values()):
+    # records hold CPU tensors outside autograd already (a step's): detach / move only when one is not
+    if not all(value.is_cpu and not value.requires_grad for value in tensors.values()):
+        tensors = {name: value.detach().cpu() for name, value in tensors.items()}
+    if _LITTLE and all(value.dtype in _DTYPES for value in tensors.values()):
         payload = _blob(tensors, metadata)
     else:  # copies: safetensors refuses tensors that share storage (a step's target is a view of its token)
-        payload = _save_blob({name: value.detach().cpu().clone().contiguous() for name, value in tensors.items()},
-                             metadata=metadata)
+        payload = _save_blob({name: value.clone().contiguous() for name, value in tensors.items()}, metadata=metadata)
     return _FRAME.pack(_FRAME_MAGIC, len(payload), zlib.crc32(payload)) + payload
 
 

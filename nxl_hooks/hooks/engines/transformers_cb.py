@@ -88,6 +88,12 @@ _FOLLOWED: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[ContinuousBatching]
 _INSTALLED: list[tuple[type, str, Callable, Callable]] = []  # (class, name, original, wrapper)
 
 
+def _tokens(state: Any) -> list[int]:
+    """The tokens of a request's positions so far, as transformers hashes its cache blocks by them: its prompt,
+    then what it generated."""
+    return list(state.initial_tokens) + list(state.generated_tokens)
+
+
 def _packed(arguments: dict[str, Any]) -> bool:
     """Whether a backbone forward called with ``arguments`` is a packed continuous-batching forward."""
     return "cu_seq_lens_q" in arguments or "logits_indices" in arguments
@@ -393,7 +399,7 @@ class ContinuousBatching:
                 for request_id, other in list(active.items()):
                     source = table.get(request_id)
                     if source is not None and source is not run and not source.failed and source.length >= first:
-                        yield list(other.initial_tokens) + list(other.generated_tokens), Rows(*source.held())
+                        yield _tokens(other), Rows(*source.held())
 
             with self._lock:
                 rows = self._shared.find(state.initial_tokens, first, live())
@@ -417,7 +423,7 @@ class ContinuousBatching:
             rows = Rows(*run.held())
             with self._lock:
                 if not self._uninstalled:
-                    self._shared.keep(list(state.initial_tokens) + list(state.generated_tokens), rows)
+                    self._shared.keep(_tokens(state), rows)
         except Exception as error:  # noqa: BLE001 - its own records are whole; a later request may miss its prefix
             logger.warning("nxl_hooks: a finished request's features were not kept for the requests that may reuse "
                            "its prefix (%s: %s)", type(error).__name__, one_line(error))
