@@ -5,6 +5,9 @@ machine other processes stretch wall time by whatever they run, not the CPU time
 one torch thread it is exactly the work; with several it also counts their spin-waits). ``load_average()`` goes
 into every report, so a reader can see how busy the machine was.
 
+``random_llama(shape, device, dtype)``: the random-init Llama of :data:`SHAPES` that the forward, generate, compiled
+and batching benchmarks measure ("full" on the CPU, "llama2-7b" on a GPU, "smoke" in CI).
+
 ``--smoke`` (every script): tiny sizes, one round, no goal, the JSON written outside ``benchmarks/results/``. The
 test suite runs each script so on the CPU (tests/process/test_benchmarks_smoke.py): a benchmark that stops running fails
 CI, and one whose figures are still to be taken on a GPU keeps working until then.
@@ -24,6 +27,17 @@ from typing import Any, Callable
 import torch
 
 
+#: Random-init Llama shapes: "full" (the CPU figures), "smoke" (CI's ``--smoke``), "llama2-7b" (the GPU figures:
+#: Llama-2-7B's widths and depth, random weights, so no hub is needed).
+SHAPES = {
+    "full": dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8,
+                 num_attention_heads=8, num_key_value_heads=8),
+    "smoke": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=8, num_key_value_heads=8),
+    "llama2-7b": dict(vocab_size=32000, hidden_size=4096, intermediate_size=11008, num_hidden_layers=32,
+                      num_attention_heads=32, num_key_value_heads=32),
+}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -39,6 +53,53 @@ def timed(fn: Callable[[], Any], device: torch.device, clock: str = "wall") -> f
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return now() - start
+
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """What a generating benchmark runs: ``--device``, ``--shape`` and ``--dtype`` (which :data:`SHAPES` model,
+    where, in which dtype), ``--prompt`` and ``--new`` (tokens in, tokens generated)."""
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--prompt", type=int, default=128)
+    parser.add_argument("--new", type=int, default=64)
+    parser.add_argument("--shape", choices=[name for name in SHAPES if name != "smoke"], default="full",
+                        help="full: the CPU figures' model; llama2-7b: Llama-2-7B's shape (a GPU's figures)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+
+
+def random_llama(shape: str, device: torch.device, dtype: str = "float32"):
+    """The random-init ``LlamaForCausalLM`` of ``SHAPES[shape]`` on ``device`` (built there: a 7B model never passes
+    through host memory), in eval mode, generating to its length: no EOS, pad id 0. Seeded: every run the same."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**SHAPES[shape])).to(DTYPES[dtype]).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def begin(parser: argparse.ArgumentParser, name: str, **smoke: Any) -> tuple[argparse.Namespace, torch.device,
+                                                                             list[float], int]:
+    """Parse the arguments of a script measuring on ``--device``: under ``--smoke`` the arguments in ``smoke`` take
+    those values (one torch thread too) and the JSON goes to :func:`smoke_out`; then ``--threads`` is applied. Returns
+    the arguments, the device, the load average before the run and torch's thread count before (to restore)."""
+    args = parser.parse_args()
+    if args.smoke:
+        for key, value in {**smoke, "threads": 1}.items():
+            setattr(args, key, value)
+        args.out = smoke_out(parser, args.out, name)
+    load_before, threads = load_average(), torch.get_num_threads()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    return args, torch.device(args.device), load_before, threads
+
+
+def report_head(benchmark: str, where: str, clock: str, load_before: list[float]) -> dict:
+    """The keys every report starts with: which benchmark ran ``where`` (:func:`device_label`, taken while its
+    threads were set), on which torch and clock, and how busy the machine was before and after."""
+    return {"benchmark": benchmark, "device": where, "torch": torch.__version__, "clock": clock,
+            "load_average": {"before": load_before, "after": load_average()}}
 
 
 def load_average() -> list[float]:

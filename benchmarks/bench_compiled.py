@@ -1,11 +1,12 @@
 """Cost of recording transformers' compiled generate (a static cache, compiled by generate itself), versus the same
 compiled generate unrecorded.
 
-    python benchmarks/bench_compiled.py [--repeats 5] [--batch 1] [--threads 1] [--clock wall|cpu] \\
-        [--out benchmarks/results/compiled_cpu.json]
+    python benchmarks/bench_compiled.py [--repeats 5] [--batch 1] [--threads 1] [--clock wall|cpu] [--device cpu] \\
+        [--shape full|llama2-7b] [--dtype float32|bfloat16] [--out benchmarks/results/compiled_cpu.json]
     python benchmarks/bench_compiled.py --smoke     # tiny model, one round, dynamo's eager backend (CI)
 
-Model: random-init Llama as benchmarks/bench_generate.py (hidden 512, 8 layers, vocab 32000), a 128-token prompt,
+Model: random-init Llama as benchmarks/bench_generate.py (hidden 512, 8 layers, vocab 32000; on a GPU
+``--shape llama2-7b --dtype bfloat16``), a 128-token prompt,
 64 new tokens, greedy, ``cache_implementation="static"`` with ``CompileConfig(_compile_all_devices=True)`` so that
 the CPU compiles as a GPU does (inductor). Three copies of the same weights, each compiled once before the timed
 rounds: "plain" (no probe), "attached" (``nxl.attach(layers="all")`` for the whole run: attaching makes generate
@@ -26,38 +27,24 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import CompileConfig, LlamaConfig, LlamaForCausalLM
+from transformers import CompileConfig
 
 import nxl_hooks as nxl
-from _common import add_run_options, device_label, emit, load_average, smoke_out, timed
-from bench_forward import CONFIGS
+from _common import add_model_options, add_run_options, begin, device_label, emit, random_llama, report_head, timed
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--new", type=int, default=64)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--device", default="cpu")
     parser.add_argument("--backend", default="inductor", help="torch.compile backend generate compiles with")
+    add_model_options(parser)
     add_run_options(parser)
-    args = parser.parse_args()
-    if args.smoke:
-        args.repeats, args.prompt, args.new, args.backend, args.threads = 1, 8, 4, "eager", 1
-        args.out = smoke_out(parser, args.out, "compiled")
-    device = torch.device(args.device)
-    load_before = load_average()
-    threads = torch.get_num_threads()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args, device, load_before, threads = begin(parser, "compiled", repeats=1, prompt=8, new=4, backend="eager")
     where = device_label(device)
 
-    torch.manual_seed(0)
-    config = LlamaConfig(**CONFIGS["smoke" if args.smoke else "full"], num_attention_heads=8, num_key_value_heads=8)
-    plain_model = LlamaForCausalLM(config).eval().to(device)
-    plain_model.generation_config.eos_token_id = None  # always the full run of new tokens
-    plain_model.generation_config.pad_token_id = 0
+    plain_model = random_llama("smoke" if args.smoke else args.shape, device, args.dtype)  # the full run of new tokens
+    config = plain_model.config
     models = {"plain": plain_model, "attached": copy.deepcopy(plain_model), "attached_sink": copy.deepcopy(plain_model)}
     compile_config = CompileConfig(backend=args.backend)
     compile_config._compile_all_devices = True
@@ -106,14 +93,12 @@ def main() -> None:
     sink_folder.cleanup()
     paired = {name: statistics.median(values) for name, values in ratios.items()}
     report = {
-        "benchmark": "compiled",
-        "device": where,
-        "torch": torch.__version__,
-        "clock": args.clock,
+        **report_head("compiled", where, args.clock, load_before),
         "backend": args.backend,
-        "load_average": {"before": load_before, "after": load_average()},
+        "mode": compile_config.mode,
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        "model": {"arch": "llama", "hidden": config.hidden_size, "layers": config.num_hidden_layers,
+        "model": {"arch": "llama", "shape": "smoke" if args.smoke else args.shape, "dtype": str(plain_model.dtype),
+                  "hidden": config.hidden_size, "layers": config.num_hidden_layers,
                   "vocab": config.vocab_size, "prompt_tokens": args.prompt, "new_tokens": args.new,
                   "batch": args.batch, "decoding": "greedy, static cache, compiled by generate"},
         "smoke": args.smoke,

@@ -21,16 +21,9 @@ import os
 import statistics
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import nxl_hooks as nxl
-from _common import add_run_options, device_label, emit, load_average, smoke_out, timed
-
-#: The measured model, and the tiny one of ``--smoke`` (the same code on it).
-CONFIGS = {
-    "full": dict(vocab_size=32000, hidden_size=512, intermediate_size=1376, num_hidden_layers=8),
-    "smoke": dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2),
-}
+from _common import add_run_options, device_label, emit, load_average, random_llama, report_head, smoke_out, timed
 
 
 def main() -> None:
@@ -48,9 +41,8 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    torch.manual_seed(0)
-    config = LlamaConfig(**CONFIGS["smoke" if args.smoke else "full"], num_attention_heads=8, num_key_value_heads=8)
-    model = LlamaForCausalLM(config).eval().to(device)
+    model = random_llama("smoke" if args.smoke else "full", device)
+    config = model.config
     ids = torch.randint(0, config.vocab_size, (1, args.tokens), device=device)
 
     def plain():
@@ -98,11 +90,7 @@ def main() -> None:
     median = {name: statistics.median(values) for name, values in times.items()}
     paired = {name: statistics.median(values) for name, values in ratios.items()}
     report = {
-        "benchmark": "forward",
-        "device": device_label(device),
-        "torch": torch.__version__,
-        "clock": args.clock,
-        "load_average": {"before": load_before, "after": load_average()},
+        **report_head("forward", device_label(device), args.clock, load_before),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),  # PASSIVE: idle threads sleep, CPU time = work
         "model": {"arch": "llama", "hidden": config.hidden_size, "layers": config.num_hidden_layers,
                   "vocab": config.vocab_size, "tokens": args.tokens, "batch": 1},

@@ -1,11 +1,12 @@
 """Cost of attributing every generated token while generate runs, versus plain generate (and inseq, if present).
 
     python benchmarks/bench_generate.py [--repeats 7] [--threads 1] [--clock wall|cpu] [--device cpu] \\
-        [--out benchmarks/results/generate_cpu.json]
+        [--batch 1] [--shape full|llama2-7b] [--dtype float32|bfloat16] [--out benchmarks/results/generate_cpu.json]
     python benchmarks/bench_generate.py --smoke     # tiny model, one round: does it still run (CI)
 
-Model: random-init Llama, hidden 512, 8 layers, vocab 32000 (as benchmarks/bench_forward.py); a 128-token prompt,
-64 new tokens, greedy. Every round runs the variants back to back in a rotating order and each ratio is taken
+Model: random-init Llama, hidden 512, 8 layers, vocab 32000 (as benchmarks/bench_forward.py; on a GPU
+``--shape llama2-7b --dtype bfloat16``); a 128-token prompt, 64 new tokens, greedy, ``--batch`` rows. Every round
+runs the variants back to back in a rotating order and each ratio is taken
 against the plain generate of the same round; the report gives the median of those paired ratios (the machine is
 shared and noisy: medians of separate series swing by 5%). "attached": generate under
 ``nxl.attach(layers="all")``, which builds one record per new token (all 9 layers × the whole context);
@@ -28,11 +29,9 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import nxl_hooks as nxl
-from _common import add_run_options, device_label, emit, load_average, smoke_out, timed
-from bench_forward import CONFIGS
+from _common import add_model_options, add_run_options, begin, device_label, emit, random_llama, report_head, timed
 
 
 def _word_tokenizer(vocab_size: int):
@@ -74,28 +73,17 @@ def _inseq_variant(model, tokenizer, prompt: str, new_tokens: int, expected: tor
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--prompt", type=int, default=128)
-    parser.add_argument("--new", type=int, default=64)
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--batch", type=int, default=1)
+    add_model_options(parser)
     parser.add_argument("--no-inseq", action="store_true", help="skip the inseq comparison")
     parser.add_argument("--inseq-repeats", type=int, default=2,
                         help="rounds that also time inseq (it is ~10x slower; its check run is its warm-up)")
     add_run_options(parser)
-    args = parser.parse_args()
-    if args.smoke:
-        args.repeats, args.prompt, args.new, args.inseq_repeats, args.threads = 1, 8, 4, 1, 1
-        args.out = smoke_out(parser, args.out, "generate")
-    device = torch.device(args.device)
-    load_before = load_average()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    args, device, load_before, _ = begin(parser, "generate", repeats=1, prompt=8, new=4, inseq_repeats=1)
 
-    torch.manual_seed(0)
-    config = LlamaConfig(**CONFIGS["smoke" if args.smoke else "full"], num_attention_heads=8, num_key_value_heads=8)
-    model = LlamaForCausalLM(config).eval().to(device)
-    model.generation_config.eos_token_id = None  # always the full 64 tokens
-    model.generation_config.pad_token_id = 0
-    ids = torch.randint(3, config.vocab_size, (1, args.prompt), device=device)
+    model = random_llama("smoke" if args.smoke else args.shape, device, args.dtype)  # always the full 64 tokens
+    config = model.config
+    ids = torch.randint(3, config.vocab_size, (args.batch, args.prompt), device=device)
     generation = dict(input_ids=ids, max_new_tokens=args.new, do_sample=False)
 
     def plain():
@@ -155,17 +143,13 @@ def main() -> None:
     paired = {name: statistics.median(values) for name, values in ratios.items() if values}
     with nxl.attach(model, layers="all") as probe:
         model.generate(**generation)
-    cache_bytes = probe.steps[-1].normxlogit.shape[0] * config.hidden_size * 4  # float32 features, batch 1
+    cache_bytes = probe.steps[-1].normxlogit.shape[0] * config.hidden_size * model.dtype.itemsize  # per row
     report = {
-        "benchmark": "generate",
-        "device": device_label(device),
-        "torch": torch.__version__,
-        "clock": args.clock,
-        "load_average": {"before": load_before, "after": load_average()},
+        **report_head("generate", device_label(device), args.clock, load_before),
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),  # PASSIVE: idle threads sleep, CPU time = work
-        "model": {"arch": "llama", "hidden": config.hidden_size, "layers": config.num_hidden_layers,
-                  "vocab": config.vocab_size, "prompt_tokens": args.prompt, "new_tokens": args.new, "batch": 1,
-                  "decoding": "greedy"},
+        "model": {"arch": "llama", "shape": "smoke" if args.smoke else args.shape, "dtype": str(model.dtype),
+                  "hidden": config.hidden_size, "layers": config.num_hidden_layers, "vocab": config.vocab_size,
+                  "prompt_tokens": args.prompt, "new_tokens": args.new, "batch": args.batch, "decoding": "greedy"},
         "smoke": args.smoke,
         "repeats": {name: len(values) for name, values in times.items()},
         "median_seconds": median,
@@ -179,6 +163,9 @@ def main() -> None:
         "feature_cache_bytes_per_token_all_layers": cache_bytes,
         "same_tokens_as_plain": bool(torch.equal(torch.stack([s.token for s in probe.steps], 1).to(device),
                                                  reference[:, args.prompt:])),
+        # whether plain generate itself repeats its tokens here (a GPU's kernels may not: then the line above
+        # cannot tell what recording did)
+        "plain_repeats_its_tokens": bool(torch.equal(plain(), reference)),
     }
     emit(report, args.out)
 

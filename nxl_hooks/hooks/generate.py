@@ -502,6 +502,8 @@ class Run:
         active = self._active
         if active is None:
             active = self._active = torch.ones(token.shape[0], dtype=torch.bool, device=token.device)
+        elif token.device != active.device:  # a model split across devices: the first step's device for the call
+            token = token.to(active.device)
         # Nobody to hand it to (keep_steps=False, no on_step, sink or subscriber): the record is not made.
         if self._hub.listened:
             now = time.time()

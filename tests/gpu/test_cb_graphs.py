@@ -25,7 +25,9 @@ def _greedy() -> GenerationConfig:
 def _config(compiled: bool):
     options = dict(use_cuda_graph=True, use_async_batching=False)  # asynchronous batching is not followed
     if compiled:
-        compile_config = CompileConfig(fullgraph=False, dynamic=False)
+        # mode="default": CompileConfig's own default, "reduce-overhead", captures CUDA graphs of its own inside the
+        # manager's capture, which CUDA refuses (transformers' plain run fails the same way)
+        compile_config = CompileConfig(fullgraph=False, dynamic=False, mode="default")
         options.update(varlen_compile_config=compile_config, decode_compile_config=compile_config)
     return tiny.cb_config(**options)
 

@@ -31,6 +31,7 @@ def _forward(report: dict, out: Path) -> None:
 def _generate(report: dict, out: Path) -> None:
     # the attached generate emitted exactly the plain generate's tokens, one record per token
     assert report["same_tokens_as_plain"] is True and report["goal_attached_over_plain"] is None
+    assert report["plain_repeats_its_tokens"] is True
     assert report["attached_over_plain"] > 0 and report["attached_sink_over_plain"] > 0
 
 
@@ -98,7 +99,13 @@ def _compiled(report: dict, out: Path) -> None:
     assert report["sink_steps_of_last_call"] == report["model"]["new_tokens"] and report["attached_over_plain"] > 0
 
 
-CHECKS = {"bench_forward": _forward, "bench_compiled": _compiled, "bench_generate": _generate, "bench_big": _big,
+def _batching(report: dict, out: Path) -> None:
+    # every request of every attached call was recorded whole (the script checks), with plain's tokens
+    assert report["every_request_recorded"] is True and report["same_tokens_as_plain"] is True
+    assert report["batching"]["requests"] == 4 and report["attached_throughput_over_plain"] > 0
+
+
+CHECKS = {"bench_forward": _forward, "bench_batching": _batching, "bench_compiled": _compiled, "bench_generate": _generate, "bench_big": _big,
           "bench_faithfulness": _faithfulness, "bench_real": _real, "bench_serve": _serve, "bench_attach": _attach,
           "bench_vllm": _vllm}
 

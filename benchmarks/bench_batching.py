@@ -1,0 +1,112 @@
+"""Throughput of transformers' continuous batching with every request recorded, versus the same batching unrecorded:
+the engine ``transformers serve --continuous-batching`` runs, in process (no HTTP, so only the engine's own cost).
+
+    python benchmarks/bench_batching.py [--repeats 3] [--requests 64] [--prompt 128] [--new 64] [--device cpu] \\
+        [--shape full|llama2-7b] [--dtype float32|bfloat16] [--cuda-graph] [--threads 1] [--out FILE]
+    python benchmarks/bench_batching.py --smoke     # tiny model, one round: does it still run (CI)
+
+Model: random-init Llama of benchmarks/_common.py's SHAPES (on a GPU ``--shape llama2-7b --dtype bfloat16
+--cuda-graph``); ``--requests`` prompts of ``--prompt`` random tokens, each decoding ``--new`` tokens greedily,
+submitted at once to ``generate_batch`` with synchronous batching (the mode nxl_hooks follows; asynchronous batching is
+reported as not recorded) and, with ``--cuda-graph``, CUDA graphs. "attached": the same call under
+``nxl.attach(layers="all")`` (attach and detach outside the timed region, as in a server that stays attached). Every
+round runs plain and attached in a rotating order; the report gives the median of the paired throughput ratios
+(attached / plain of the same round). Each attached call is checked: every request recorded whole, one step per
+token; and whether each request's tokens are plain's is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig
+
+import nxl_hooks as nxl
+from _common import add_model_options, add_run_options, begin, device_label, emit, random_llama, report_head, timed
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_options(parser)
+    add_run_options(parser)
+    parser.add_argument("--requests", type=int, default=64, help="requests submitted at once")
+    parser.add_argument("--cuda-graph", action="store_true", help="capture the batching's forwards in CUDA graphs")
+    parser.add_argument("--repeats", type=int, default=3)
+    args, device, load_before, threads = begin(parser, "batching", repeats=1, requests=4, prompt=8, new=4)
+    where = device_label(device)
+    model = random_llama("smoke" if args.smoke else args.shape, device, args.dtype)
+    generator = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, model.config.vocab_size, (args.prompt,), generator=generator).tolist()
+               for _ in range(args.requests)]
+    greedy = GenerationConfig(do_sample=False, max_new_tokens=args.new, eos_token_id=-1, pad_token_id=0)
+    page = ContinuousBatchingConfig().page_size
+    # room for every request at once, and no more: the default cache takes most of the device's memory
+    blocks = args.requests * -(-(args.prompt + args.new) // page)
+    tokens: dict[str, dict] = {}
+
+    def batch(name: str):
+        config = ContinuousBatchingConfig(num_blocks=blocks, use_cuda_graph=args.cuda_graph, use_async_batching=False)
+        out = model.generate_batch(prompts, generation_config=greedy, continuous_batching_config=config,
+                                   progress_bar=False)
+        tokens[name] = {key: list(result.generated_tokens) for key, result in out.items()}
+
+    def plain() -> float:
+        return timed(lambda: batch("plain"), device, args.clock)
+
+    def attached() -> float:
+        with nxl.attach(model, layers="all") as probe:
+            seconds = timed(lambda: batch("attached"), device, args.clock)
+        calls = probe.calls
+        assert len(calls) == args.requests, f"{len(calls)} of {args.requests} requests recorded"
+        for call in calls:
+            assert call.error is None and call.complete and len(call.steps) == args.new, call.error
+        return seconds
+
+    variants = {"plain": plain, "attached": attached}
+    times: dict[str, list[float]] = {name: [] for name in variants}
+    ratios: list[float] = []
+    same: list[bool] = []
+    names = list(variants)
+    try:
+        with torch.no_grad():
+            for round_ in range(args.repeats + 1):  # round 0 warms up (and captures) and is dropped
+                measured = {}
+                shift = round_ % len(names)
+                for name in names[shift:] + names[:shift]:
+                    measured[name] = variants[name]()
+                same.append(tokens["attached"] == tokens["plain"])
+                if round_:
+                    for name, seconds in measured.items():
+                        times[name].append(seconds)
+                    ratios.append(measured["plain"] / measured["attached"])  # throughput: attached over plain
+                print(f"round {round_}: " + ", ".join(f"{n} {v:.2f}s" for n, v in measured.items()), file=sys.stderr)
+    finally:
+        if args.threads:
+            torch.set_num_threads(threads)
+    median = {name: statistics.median(values) for name, values in times.items()}
+    generated = args.requests * args.new
+    report = {
+        **report_head("batching", where, args.clock, load_before),
+        "model": {"arch": "llama", "shape": "smoke" if args.smoke else args.shape, "dtype": str(model.dtype),
+                  "hidden": model.config.hidden_size, "layers": model.config.num_hidden_layers,
+                  "vocab": model.config.vocab_size},
+        "batching": {"requests": args.requests, "prompt_tokens": args.prompt, "new_tokens": args.new,
+                     "cuda_graph": args.cuda_graph, "asynchronous": False, "page_size": page, "num_blocks": blocks},
+        "smoke": args.smoke,
+        "repeats": {name: len(values) for name, values in times.items()},
+        "median_seconds": median,
+        "median_tokens_per_s": {name: generated / seconds for name, seconds in median.items()},
+        "paired_throughput_ratios": ratios,
+        "attached_throughput_over_plain": statistics.median(ratios),
+        "goal_attached_throughput_over_plain": None if args.smoke else 0.95,
+        "every_request_recorded": True,  # checked every round
+        "same_tokens_as_plain": all(same),
+    }
+    emit(report, args.out)
+
+
+if __name__ == "__main__":
+    main()

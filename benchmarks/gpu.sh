@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Every check that needs a CUDA GPU, in one run that fits a lent machine's lease: tests/gpu first (correctness),
+# then the GPU benchmarks on Llama-2-7B's shape in bf16, most wanted first. Each part gets what is left of the
+# budget (at most its own cap), so a slow part cuts the later ones short rather than the whole run.
+#     benchmarks/gpu.sh OUT_DIR [BUDGET_SECONDS]      # summary.txt, log.txt and the JSON reports land in OUT_DIR
+# On this workplace's device machine: ../shared/tools/gpu/prepare here once, then run with carry [".gpu"]:
+#     source .gpu/env.sh && benchmarks/gpu.sh $OUT 540
+set -uo pipefail
+out=${1:?usage: benchmarks/gpu.sh OUT_DIR [BUDGET_SECONDS]}
+end=$(( $(date +%s) + ${2:-540} ))
+mkdir -p "$out"
+part() {  # part NAME CAP_SECONDS COMMAND...: run COMMAND with the smaller of CAP and what is left, log to OUT/log.txt
+    local name=$1 cap=$2 left=$(( end - $(date +%s) )); shift 2
+    (( left < cap )) && cap=$left
+    if (( cap < 20 )); then echo "$name: skipped, the budget is spent" | tee -a "$out/summary.txt"; return; fi
+    local start=$(date +%s)
+    echo "=== $name: $*" >> "$out/log.txt"
+    timeout -k 5 "$cap" "$@" >> "$out/log.txt" 2>&1
+    echo "$name: exit $? in $(( $(date +%s) - start ))s (cap ${cap}s)" | tee -a "$out/summary.txt"
+}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/summary.txt"
+part tests 240 python3 -m pytest tests/gpu -p no:cacheprovider -rfEs --tb=short --timeout 150
+seven=(--device cuda --shape llama2-7b --dtype bfloat16)
+# at most 8 files come back from a lent machine: summary.txt, log.txt and these four reports
+part generate_b1 70 python3 benchmarks/bench_generate.py "${seven[@]}" --no-inseq --repeats 5 \
+    --out "$out/generate_b1.json"
+part generate_b16 80 python3 benchmarks/bench_generate.py "${seven[@]}" --no-inseq --repeats 5 --batch 16 \
+    --out "$out/generate_b16.json"
+part batching 120 python3 benchmarks/bench_batching.py "${seven[@]}" --cuda-graph --requests 32 \
+    --out "$out/batching_cudagraphs.json"
+part compiled 180 python3 benchmarks/bench_compiled.py "${seven[@]}" --repeats 3 --out "$out/compiled.json"
