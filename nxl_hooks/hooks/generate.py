@@ -86,16 +86,19 @@ MAKE_EAGER = f"set {EAGER}=1 (nxl run --eager)"
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("nxl_hooks_request_id", default=None)
 
 
-#: Emitted steps a ``generate`` call scores together while nothing reads its records live (no ``on_step``, no
-#: subscriber): one matmul reads the feature cache once for all of them instead of once per token, a decoding step's
-#: hidden states are normed with theirs, and the publisher wakes once per batch. Their records reach the sink at most
-#: that many tokens after their token, or at the first token after :data:`BATCH_SECONDS` (all of them when the call
-#: ends); a live reader gets each as it is made. An engine's requests (a server's) score each step as it comes: their
-#: records reach the disk as their tokens are made, and that is the code their throughput was measured with (scoring
-#: them together measured no better under vLLM: docs/vllm.md).
+#: Emitted steps a call scores together while nothing reads its records live (no ``on_step``, no subscriber): one
+#: matmul reads the feature cache once for all of them instead of once per token, a decoding step's hidden states are
+#: normed with theirs, and the publisher wakes once per batch. Their records reach the sink at most that many of the
+#: call's tokens after their token (sooner for a ``generate`` call: :data:`BATCH_SECONDS`; a continuous-batching
+#: request its scheduler pauses keeps them until it goes on), all of them when the call ends; a live reader gets each
+#: as it is made. Under transformers' continuous batching this is what each request's records cost
+#: least with: its manager interleaves many requests, so each step of each request reads that request's cache cold
+#: from memory (32 requests on the CPU, benchmarks/bench_batching.py: 0.91 of plain throughput scored per step, 0.97
+#: scored together). vLLM's requests still score each step as it comes (together measured no better there:
+#: docs/vllm.md).
 BATCH_STEPS = 16
-#: The waiting steps are scored at the first token that finds the first of them this old (slow tokens gain nothing
-#: by waiting).
+#: A ``generate`` call's waiting steps are scored at the first token that finds the first of them this old (beside a
+#: slow token, scoring it alone costs little, and its one cache stays warm between tokens).
 BATCH_SECONDS = 0.25
 #: What the waiting steps keep (the model's log-probability rows) and their scores at once stay under this many bytes.
 BATCH_BYTES = 64 << 20
@@ -181,7 +184,7 @@ class Run:
 
     def __init__(self, plan: Plan, hub: Hub, call: GenerationCall, *, prompt_len: int | None, eos: Any,
                  cache_dtype: torch.dtype | None, cache_device: torch.device | None,
-                 notice: Notice | None = None, tape: Tape | None = None, batched: bool = True) -> None:
+                 notice: Notice | None = None, tape: Tape | None = None, wait: float | None = BATCH_SECONDS) -> None:
         self._plan, self._hub, self.call, self._notice = plan, hub, call, notice
         # Where forwards compiled by torch.compile record (:mod:`.tape`); armed by :meth:`arm` when this call's
         # forwards may run compiled, and read back when it ends.
@@ -207,7 +210,7 @@ class Run:
         self._log_probs: torch.Tensor | None = None  # the model's own log-softmax at the last position of the last forward
         self._logits: torch.Tensor | None = None  # or its raw logits there, the log-softmax taken when scored
         self._deferred: list[_Emitted] = []  # emitted, not scored yet (see BATCH_STEPS)
-        self._batched = batched  # False: each step is scored as it is emitted
+        self._wait = wait  # how long emitted steps may wait to be scored together (0: none; None: up to BATCH_STEPS)
         # decoding positions whose hidden states are not in the feature cache yet: (layers' hidden states, embedding
         # norms, mask) each, stacked and normed together when the waiting steps are scored (:meth:`_fill`)
         self._unfed: list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]] = []
@@ -508,8 +511,8 @@ class Run:
         if self._hub.listened:
             now = time.time()
             self._deferred.append(_Emitted(token, active, log_prob, self._log_probs, self._logits, self._n, now))
-            if (self._hub.live or not self._batched or len(self._deferred) >= self._batch_limit()
-                    or now - self._deferred[0].time >= BATCH_SECONDS):
+            if (self._hub.live or self._wait == 0 or len(self._deferred) >= self._batch_limit()
+                    or (self._wait is not None and now - self._deferred[0].time >= self._wait)):
                 self.flush()
         self._real.append(active)
         if self._eos:  # rows that emit an EOS token only pad from the next step on
@@ -518,10 +521,16 @@ class Run:
             self._active = active & ~torch.isin(token, self._eos_ids)
         self._pending = False
 
+    def drop_waiting(self) -> int:
+        """Let go of the emitted steps still waiting to be scored (where scoring them cannot be done: a collected
+        manager's requests); how many there were."""
+        dropped, self._deferred = len(self._deferred), []
+        return dropped
+
     def _batch_limit(self) -> int:
         """How many emitted steps may wait to be scored together: :data:`BATCH_STEPS`, fewer where what each keeps
-        (the model's log-probability rows: an engine's are views of one tensor for all its requests, the whole of it
-        is kept) and the scores of all of them at once would pass :data:`BATCH_BYTES`."""
+        (the model's log-probability rows: all of a tensor they are a view of) and the scores of all of them at once
+        would pass :data:`BATCH_BYTES`."""
         latest = self._deferred[-1]
         kept = latest.log_probs if latest.log_probs is not None else latest.logits
         size = (kept.untyped_storage().nbytes() if kept is not None else 0) \
@@ -615,13 +624,15 @@ class Generations:
         finally:
             self._local.run = previous
 
-    def new_run(self, *, request_id: str | None, prompt_len: int | None, eos: Any, batched: bool = True) -> Run:
-        """A recorded call in the calling thread, with a fresh feature cache; ``batched=False``: each of its steps
-        scored as it is emitted, also while nothing reads them live (an engine's requests, see BATCH_STEPS)."""
+    def new_run(self, *, request_id: str | None, prompt_len: int | None, eos: Any,
+                wait: float | None = BATCH_SECONDS) -> Run:
+        """A recorded call in the calling thread, with a fresh feature cache. ``wait``: how long its emitted steps may
+        wait to be scored together while nothing reads them live (0: each as it is emitted; None: until
+        :data:`BATCH_STEPS` wait, or the call ends)."""
         call = self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name)
         call.model = self.plan.name
         return Run(self.plan, self.hub, call, prompt_len=prompt_len, eos=eos, cache_dtype=self.cache_dtype,
-                   cache_device=self.cache_device, notice=self.notice, tape=self.tape, batched=batched)
+                   cache_device=self.cache_device, notice=self.notice, tape=self.tape, wait=wait)
 
     def unrecorded(self, request_id: str | None, what: str, error: BaseException, *, log: bool = True) -> None:
         """A call record whose error says ``not recorded: why`` (``why``: ``error``, which names what makes it

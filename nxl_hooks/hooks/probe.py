@@ -234,7 +234,7 @@ class Probe:
         return last.steps
 
     def subscribe(self, *, request_id: str | None = None, follow: bool = False,
-                  size: int | None = LIVE_QUEUE) -> Subscription[Step]:
+                  size: int | None = LIVE_QUEUE, replay: bool = True) -> Subscription[Step]:
         """Iterate over step records as they are made, from another thread than the one running ``generate``.
 
         Yields the records of the ``generate`` call (or continuous-batching request) running now (from its first
@@ -242,8 +242,9 @@ class Probe:
         call returns or raises, or when the probe detaches. ``request_id`` picks that request's call (one that has
         already ended gives its kept steps, then stops); ``follow`` yields every call's steps (with ``request_id``:
         every call of that request) until the probe detaches or ``close()`` is called on the iterator. A reader
-        ``size`` records behind loses the oldest (counted in ``dropped``): generation never waits for it. Subscribe
-        before starting the generation, so the subscription cannot miss it::
+        ``size`` records behind loses the oldest (counted in ``dropped``): generation never waits for it.
+        ``replay=False``: only records made from now on, not those a running call made before. Subscribe before
+        starting the generation, so the subscription cannot miss it::
 
             steps = probe.subscribe()
             threading.Thread(target=model.generate, kwargs=enc).start()
@@ -251,7 +252,7 @@ class Probe:
         """
         if not self.attached:
             raise RuntimeError("this probe is detached: call probe.subscribe() inside the `with nxl.attach(...)` block")
-        return self._hub.subscribe(request_id=request_id, follow=follow, size=size)
+        return self._hub.subscribe(request_id=request_id, follow=follow, size=size, replay=replay)
 
     def stream(self, *, request_id: str | None = None, follow: bool = False) -> Subscription[Step]:
         """Deprecated: :meth:`subscribe`, which is bounded; this one holds every record its reader has not read."""

@@ -428,8 +428,9 @@ class Hub:
         return ended
 
     def subscribe(self, *, request_id: str | None = None, follow: bool = False,
-                  size: int | None = LIVE_QUEUE) -> Subscription[Step]:
-        """A live iterator of step records, holding up to ``size`` unread (see the module docstring)."""
+                  size: int | None = LIVE_QUEUE, replay: bool = True) -> Subscription[Step]:
+        """A live iterator of step records, holding up to ``size`` unread (see the module docstring); ``replay``:
+        a call already running gives the steps it made before first."""
         subscription: Subscription[Step] = Subscription(self, request_id=request_id, follow=follow, size=size)
         with self._lock:
             self._hand_on()  # from now on records are read live
@@ -448,7 +449,7 @@ class Hub:
                     return subscription
             for call in running if follow else running[:1]:  # joined mid-call: replay what it already produced
                 subscription.call = None if follow else call
-                for step in call.steps:
+                for step in call.steps if replay else ():
                     subscription.put(step)
             self._subscribers.add(subscription)
         return subscription

@@ -206,6 +206,29 @@ def test_callback_and_iterator_in_another_thread(model):
     assert seen == probe.calls[0].steps + probe.calls[1].steps and len(seen) == 9
 
 
+def test_a_subscription_made_mid_call_replays_what_it_made_unless_told_not_to(model):
+    """A reader that joins a running call gets the steps it already made first, or with ``replay=False`` (what
+    ``nxl run``'s live feed asks for when a reader connects) only the steps made from then on."""
+    ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(12))
+    held, go = threading.Event(), threading.Event()
+
+    def hold(step: nxl.Step) -> None:  # the generating thread waits at its third step, mid-call
+        if step.step == 2:
+            held.set()
+            go.wait(30)
+
+    with nxl.attach(model, on_step=hold) as probe:
+        worker = threading.Thread(target=model.generate, kwargs=dict(input_ids=ids, max_new_tokens=6, do_sample=False))
+        worker.start()
+        assert held.wait(30)
+        probe._hub.flush()  # the three steps made so far are with the call
+        replayed, fresh = probe.subscribe(), probe.subscribe(replay=False)
+        go.set()
+        worker.join(30)
+        got = {name: [step.step for step in reader] for name, reader in (("replayed", replayed), ("fresh", fresh))}
+    assert got == {"replayed": [0, 1, 2, 3, 4, 5], "fresh": [3, 4, 5]}
+
+
 def test_sink_round_trip_and_torn_tail(model, tmp_path):
     ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(10))
     path = tmp_path / "run.nxl"

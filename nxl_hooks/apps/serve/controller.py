@@ -139,7 +139,9 @@ class Watch:
         self.retired: collections.deque[tuple[GenerationCall, dict]] = collections.deque(maxlen=keep_calls)
         self.forwards: collections.deque[Forward] = collections.deque(maxlen=keep_calls)
         self.hook: Any = None  #: the forward hook that keeps :attr:`forwards`, while attached
-        self.live: Subscription[Step] | None = None  #: the probe's steps, read for the live readers while attached
+        #: the probe's steps, read for the live readers while attached and any reader is connected
+        self.live: Subscription[Step] | None = None
+        self.dropped_before = 0  #: steps earlier live feeds of this model did not get (:attr:`live`'s are its own)
 
     @property
     def probe(self) -> Probe | None:
@@ -171,7 +173,7 @@ class Watch:
                 "unwritten": probe.unwritten if probe is not None else 0,
                 "unrecorded": probe.unrecorded if probe is not None else None,
                 "unrecorded_calls": probe.unrecorded_calls if probe is not None else 0,
-                "live_dropped": self.live.dropped if self.live is not None else 0,
+                "live_dropped": self.dropped_before + (live.dropped if (live := self.live) is not None else 0),
                 "engine": _engine(model)}
 
 
@@ -374,20 +376,43 @@ class LiveStep(NamedTuple):
 
 
 class Live:
-    """The live readers (``nxl tail``, ``/v1/stream``): a thread per watched model reads its probe's subscription
-    (the record pipeline's, off the host's generation thread) and hands each step to the bounded subscription of
-    every reader that wants its request. A reader that falls behind loses its oldest steps (counted in its
-    ``dropped``), never the host's time."""
+    """The live readers (``nxl tail``, ``/v1/stream``): while any is connected, a thread per watched model reads its
+    probe's subscription (the record pipeline's, off the host's generation thread) and hands each step to the bounded
+    subscription of every reader that wants its request. A reader that falls behind loses its oldest steps (counted
+    in its ``dropped``), never the host's time. With no reader the probes have no subscription, so their records are
+    made as they cost least (a subscription makes each as its token is: ``BATCH_STEPS`` in hooks/generate.py)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._readers: tuple[Subscription[LiveStep], ...] = ()  # replaced, never mutated: read without the lock
+        self._followed: "weakref.WeakSet[Watch]" = weakref.WeakSet()  # watches whose probes feed the readers
 
     def follow(self, watch: Watch, probe: Probe) -> None:
-        """Hand every step record of ``probe`` to the live readers, from a thread of its own, until the probe
-        detaches."""
-        watch.live = probe.subscribe(follow=True)
-        threading.Thread(target=self._hand_out, args=(watch, watch.live), name="nxl_hooks-live", daemon=True).start()
+        """Hand every step record of ``probe`` (``watch``'s new one) to the live readers while any is connected,
+        until the probe detaches."""
+        with self._lock:
+            self._followed.add(watch)
+            if self._readers:
+                self._feed(watch, probe)
+
+    def _feed(self, watch: Watch, probe: Probe) -> None:
+        """Start reading ``probe``'s steps made from now on for the readers, from a thread of its own (caller holds
+        the lock). A probe detached meanwhile (``nxl ctl pause`` in another thread) is not read."""
+        self._stop(watch)
+        try:
+            live = probe.subscribe(follow=True, replay=False)
+        except RuntimeError:  # detached since: the watch's next probe is followed when it attaches
+            return
+        watch.live = live
+        threading.Thread(target=self._hand_out, args=(watch, live), name="nxl_hooks-live", daemon=True).start()
+
+    @staticmethod
+    def _stop(watch: Watch) -> None:
+        """Stop reading ``watch``'s probe for the readers, keeping the count of steps its feed dropped."""
+        if watch.live is not None:
+            watch.live.close()
+            watch.dropped_before += watch.live.dropped
+            watch.live = None
 
     def _hand_out(self, watch: Watch, steps: Subscription[Step]) -> None:
         for step in steps:
@@ -397,12 +422,21 @@ class Live:
         """A live reader of every step made from now on (only ``request_id``'s, when given)."""
         reader: Subscription[LiveStep] = Subscription(request_id=request_id, follow=True)
         with self._lock:
-            self._readers = (*self._readers, reader)
+            first = not self._readers
+            self._readers = (*self._readers, reader)  # before the feeds start: their first steps are its
+            if first:  # the models' steps are read from now on
+                for watch in list(self._followed):
+                    probe = watch.probe
+                    if probe is not None:
+                        self._feed(watch, probe)
         return reader
 
     def unsubscribe(self, reader: Subscription[LiveStep]) -> None:
         with self._lock:
             self._readers = tuple(each for each in self._readers if each is not reader)
+            if not self._readers:  # the last one left: nobody reads the models' steps as they are made
+                for watch in list(self._followed):
+                    self._stop(watch)
         reader.end()
 
     def publish(self, watch: Watch, step: Step) -> None:
@@ -528,10 +562,8 @@ class Controller:
         the parent and are not written (:class:`~nxl_hooks.records.writer.RotatingSink`)."""
         for part in (self.models, self.rules, self.live):
             part.after_fork()
-        for watch in self.models.alive():  # the parent's live thread is not here: one of the child's own
-            if watch.live is not None and watch.probe is not None:
-                watch.live.close()
-                self.live.follow(watch, watch.probe)
+        for watch in self.models.alive():  # the parent's live thread is not here (nor its readers)
+            Live._stop(watch)
         self._endpoint_lock = threading.Lock()
         self.endpoint, self._endpoint_tried = None, False
 

@@ -171,7 +171,8 @@ class _Packed:
         log_probs = logits[0, rows].float().log_softmax(-1)
         for index, segment in enumerate(emitting):
             if segment.run is not None and not segment.run.failed:
-                segment.run.predicted(log_probs[index: index + 1])
+                # a copy of its row: a step waiting to be scored keeps only its own (not every request's)
+                segment.run.predicted(log_probs[index: index + 1].clone())
 
     def after_forward(self, capture: Capture) -> None:
         """Each request's slice of the forward into its own feature cache."""
@@ -203,7 +204,7 @@ class _Packed:
                 rows = (list(range(len(emitting))) if taps.logits_kept
                         else [s.start + s.length - 1 for s in emitting])
                 log_probs = logits[torch.tensor(rows, device=logits.device)].log_softmax(-1)
-                sampled = {s.request_id: log_probs[index: index + 1] for index, s in enumerate(emitting)}
+                sampled = {s.request_id: log_probs[index: index + 1].clone() for index, s in enumerate(emitting)}
         except Exception as error:  # noqa: BLE001 - never into the manager's loop
             self.fail("this padded step", error)
             return
@@ -283,9 +284,13 @@ class _Packed:
 
 
 def _abandon(table: dict[str, Any], why: str) -> None:
-    """Every request still in ``table`` ends incomplete."""
+    """Every request still in ``table`` ends incomplete (its manager was collected: this may run inside a garbage
+    collection, on any thread, so the steps still waiting to be scored are dropped, not scored, and the call says
+    so)."""
     while table:
         _, run = table.popitem()
         if run is not None:
-            run.finish(None, why, what="this request")
+            waiting = run.drop_waiting()
+            run.finish(None, f"{why}; its last {waiting} steps were not scored" if waiting else why,
+                       what="this request")
 
