@@ -416,6 +416,8 @@ class Live:
 
     def _hand_out(self, watch: Watch, steps: Subscription[Step]) -> None:
         for step in steps:
+            if watch.live is not steps:  # stopped: what it still holds is for readers gone (a new feed serves others)
+                return
             self.publish(watch, step)
 
     def subscribe(self, request_id: str | None = None) -> Subscription[LiveStep]:
