@@ -477,11 +477,16 @@ class Run:
         # The steps replayed here have the fed token's log-probability from the tape, not the whole distribution:
         # no method may read the last eager forward's in their place (contrastive's foil is then unknown: NaN)
         self._log_probs = self._logits = None
-        for position in range(max(n, prompt_len), end):
-            if self._pending:
-                self.emit(sequences[:, position - shift], log_prob=tape.log_prob[:, position - 1])
-            self.feed(position, *tape.positions(position, position + 1), None)
-            self._pending = True
+        # All the steps at once, as the eager hooks would have made them one by one: each decoding position's token
+        # (from ``sequences``) is the step emitted there, then every position is fed in one copy; they are scored
+        # together when the call ends (one product for as many as BATCH_BYTES allows), not per position
+        first = max(n, prompt_len)
+        emitting = first if self._pending else first + 1
+        if emitting < end:
+            self._emit(sequences[:, emitting - shift:end - shift], tape.log_prob[:, emitting - 1:end - 1],
+                       at=emitting, hold=True)
+        self.feed(first, *tape.positions(first, end), None)
+        self._pending = True
         self.predicted(tape.logits.log_softmax(-1))  # the last forward's: for the token generate returned last
 
     def _missed(self, sequences: torch.Tensor) -> str | None:
@@ -501,24 +506,44 @@ class Run:
     def emit(self, token: torch.Tensor, *, log_prob: torch.Tensor | None = None) -> None:
         """The step record of ``token`` (batch,), emitted at the position after the last one fed; ``log_prob``:
         the model's log-probability of each explained target (batch, k), else read from its last logits."""
-        token = token.long()  # on the device, never read here: the publisher reads it (texts) off this thread
+        self._emit(token[:, None], None if log_prob is None else log_prob[:, None])
+
+    def _emit(self, tokens: torch.Tensor, log_prob: torch.Tensor | None = None, *, at: int | None = None,
+              hold: bool = False) -> None:
+        """The step records of ``tokens`` (batch, s): s consecutive steps, the first emitted at position ``at``
+        (default: after the last one fed), each next one a position later; ``log_prob`` (batch, s, k) as
+        :meth:`emit`'s. ``hold``: they wait to be scored until the caller flushes (a compiled call's steps, emitted
+        at once before their positions are fed). Which rows are still active is worked out for all s at once."""
+        tokens = tokens.long()  # on the device, never read here: the publisher reads them (texts) off this thread
         active = self._active
         if active is None:
-            active = self._active = torch.ones(token.shape[0], dtype=torch.bool, device=token.device)
-        elif token.device != active.device:  # a model split across devices: the first step's device for the call
-            token = token.to(active.device)
-        # Nobody to hand it to (keep_steps=False, no on_step, sink or subscriber): the record is not made.
-        if self._hub.listened:
-            now = time.time()
-            self._deferred.append(_Emitted(token, active, log_prob, self._log_probs, self._logits, self._n, now))
-            if (self._hub.live or self._wait == 0 or len(self._deferred) >= self._batch_limit()
-                    or (self._wait is not None and now - self._deferred[0].time >= self._wait)):
-                self.flush()
-        self._real.append(active)
+            active = self._active = torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)
+        elif tokens.device != active.device:  # a model split across devices: the first step's device for the call
+            tokens = tokens.to(active.device)
+        count = tokens.shape[1]
+        actives = active[:, None]
         if self._eos:  # rows that emit an EOS token only pad from the next step on
             if self._eos_ids is None:
-                self._eos_ids = torch.tensor(self._eos, dtype=torch.long, device=token.device)
-            self._active = active & ~torch.isin(token, self._eos_ids)
+                self._eos_ids = torch.tensor(self._eos, dtype=torch.long, device=tokens.device)
+            ends = torch.isin(tokens, self._eos_ids)
+            if count > 1:
+                ended = ends.cumsum(1).narrow(1, 0, count - 1) > 0  # an EOS at one of the steps before
+                actives = torch.cat([actives, actives & ~ended], dim=1)
+            self._active = actives[:, -1] & ~ends[:, -1]
+        else:
+            actives = actives.expand(-1, count)
+        at = self._n if at is None else at
+        # Nobody to hand them to (keep_steps=False, no on_step, sink or subscriber): the records are not made.
+        if self._hub.listened:
+            now = time.time()
+            for index in range(count):
+                self._deferred.append(_Emitted(tokens[:, index], actives[:, index],
+                                               None if log_prob is None else log_prob[:, index], self._log_probs,
+                                               self._logits, at + index, now))
+            if not hold and (self._hub.live or self._wait == 0 or len(self._deferred) >= self._batch_limit()
+                             or (self._wait is not None and now - self._deferred[0].time >= self._wait)):
+                self.flush()
+        self._real.extend(actives.unbind(1))
         self._pending = False
 
     def drop_waiting(self) -> int:
@@ -529,33 +554,43 @@ class Run:
 
     def _batch_limit(self) -> int:
         """How many emitted steps may wait to be scored together: :data:`BATCH_STEPS`, fewer where what each keeps
-        (the model's log-probability rows: all of a tensor they are a view of) and the scores of all of them at once
-        would pass :data:`BATCH_BYTES`."""
-        latest = self._deferred[-1]
-        kept = latest.log_probs if latest.log_probs is not None else latest.logits
-        size = (kept.untyped_storage().nbytes() if kept is not None else 0) \
-            + 4 * latest.token.shape[0] * len(self._plan.layers) * latest.n
-        return max(1, min(BATCH_STEPS, BATCH_BYTES // size))
+        and the scores of all of them at once would pass :data:`BATCH_BYTES`."""
+        return max(1, min(BATCH_STEPS, BATCH_BYTES // self._step_bytes(self._deferred[-1])))
+
+    def _step_bytes(self, item: _Emitted) -> int:
+        """What scoring ``item`` together with others holds for it: the model's log-probability row it keeps (all
+        of a tensor it is a view of) and its scores."""
+        kept = item.log_probs if item.log_probs is not None else item.logits
+        return ((kept.untyped_storage().nbytes() if kept is not None else 0)
+                + 4 * item.token.shape[0] * len(self._plan.layers) * item.n)
 
     def flush(self) -> None:
-        """Score the emitted steps still waiting, together, and publish their records in order."""
+        """Score the emitted steps still waiting, together (as many at a time as :data:`BATCH_BYTES` allows), and
+        publish their records in order."""
         if not self._deferred:
             return
         emitted, self._deferred = self._deferred, []
-        self._hub.publish(self.call, self._record(emitted), self._plan.readable)
+        each = max(1, BATCH_BYTES // self._step_bytes(emitted[-1]))  # the last is the longest
+        for first in range(0, len(emitted), each):
+            self._hub.publish(self.call, self._record(emitted[first:first + each]), self._plan.readable)
 
     def _record(self, emitted: list[_Emitted]) -> list[Step]:
         """The records of ``emitted`` steps (in order, each at its own context length): the head's rows of all their
-        tokens are gathered once and the feature cache is read once, in one matmul, for all of them."""
+        tokens are gathered once and the feature cache is read once, in one matmul, for all of them. What the
+        records have in common is made once and each holds a view of it: their tokens, active rows and
+        probabilities, and the context's embedding norms and mask (copies: a use_cache=False forward rewrites the
+        growing buffers in place). Their tensors stay on the device: the hub's publisher moves them to the host."""
         self._fill()
-        plan, batch = self._plan, emitted[0].token.shape[0]
-        targets = [plan.explained(item.token[:, None]) for item in emitted]  # each (batch, k)
-        k, last = targets[0].shape[1], emitted[-1].n
+        plan, batch, last = self._plan, emitted[0].token.shape[0], emitted[-1].n
         steps = []
         with torch.no_grad():
-            raw = [index for index, item in enumerate(emitted) if item.logits is not None]
-            taken = dict(zip(raw, torch.stack([emitted[index].logits for index in raw]).float().log_softmax(-1))) \
-                if raw else {}  # the log-softmax of every waiting step's logits in one operation
+            tokens = torch.stack([item.token for item in emitted])  # (steps, batch)
+            active = torch.stack([item.active for item in emitted])
+            embed = self._embed.view().narrow(1, 0, last).clone()
+            mask = self._mask.view().narrow(1, 0, last).clone()
+            targets = [plan.explained(token[:, None]) for token in tokens]  # each (batch, k)
+            log_probs, probabilities = self._probabilities(emitted, targets)
+            k = targets[0].shape[1]
             features = self._features.view().narrow(1, 0, last).to(self._compute_dtype)  # (batch, last, layers, d)
             layers = features.shape[2]
             with plan.head.reading() as readout:
@@ -567,25 +602,44 @@ class Run:
                 for index, (item, explained) in enumerate(zip(emitted, targets)):
                     n = item.n
                     logat = together[:, :, :n, index * k:(index + 1) * k].contiguous()
-                    embed = self._embed.view().narrow(1, 0, n)
-                    log_probs = taken.get(index, item.log_probs)
-                    log_prob = item.log_prob
-                    if log_prob is None and log_probs is not None:
-                        log_prob = log_probs.gather(-1, explained.to(log_probs.device))
-                    probability = None
-                    if log_prob is not None:
-                        probability = log_prob.exp()
-                        probability = probability if plan.label_axis else probability[:, 0]
-                    scores, chosen = plan.scores(Given(logat, embed, explained, log_probs,
+                    probability = probabilities[index]
+                    if probability is not None and not plan.label_axis:
+                        probability = probability[:, 0]
+                    scores, chosen = plan.scores(Given(logat, embed.narrow(1, 0, n), explained, log_probs[index],
                                                        functools.partial(head_logits, n=n)))
-                    # Device tensors, moved to the host by the hub's publisher; copies, not views of the growing
-                    # buffers, which a use_cache=False forward rewrites in place
                     steps.append(Step(call=self.call.index, step=n - self._prompt_len, position=n,
-                                      token=item.token.clone(), target=chosen, scores=scores, embed_norm=embed.clone(),
-                                      mask=self._mask.view().narrow(1, 0, n).clone(), active=item.active.clone(),
-                                      layers=list(plan.layers), n_blocks=plan.n_blocks, probability=probability,
-                                      time=item.time))
+                                      token=tokens[index], target=chosen, scores=scores,
+                                      embed_norm=embed.narrow(1, 0, n), mask=mask.narrow(1, 0, n),
+                                      active=active[index], layers=list(plan.layers), n_blocks=plan.n_blocks,
+                                      probability=probability, time=item.time))
         return steps
+
+    @staticmethod
+    def _probabilities(emitted: list[_Emitted], targets: list[torch.Tensor]
+                       ) -> tuple[list[torch.Tensor | None], list[torch.Tensor | None]]:
+        """Each step's model log-probabilities (batch, vocabulary), and its probability of each explained target
+        (batch, k), or None where unknown: every waiting step's raw logits log-softmaxed in one operation and
+        gathered in one, every probability exponentiated in one."""
+        full = [item.log_probs for item in emitted]
+        picked = [item.log_prob for item in emitted]
+        raw = [index for index, item in enumerate(emitted) if item.logits is not None]
+        if raw:
+            taken = torch.stack([emitted[index].logits for index in raw]).float().log_softmax(-1)  # (raw, batch, V)
+            chosen = taken.gather(-1, torch.stack([targets[index] for index in raw]).to(taken.device))
+            for row, index in enumerate(raw):
+                full[index] = taken[row]
+                picked[index] = chosen[row] if picked[index] is None else picked[index]
+        for index, log_probs in enumerate(full):
+            if picked[index] is None and log_probs is not None:
+                picked[index] = log_probs.gather(-1, targets[index].to(log_probs.device))
+        known = [index for index, value in enumerate(picked) if value is not None]
+        probabilities: list[torch.Tensor | None] = [None] * len(emitted)
+        if known:
+            device = picked[known[0]].device
+            values = [picked[index].to(device) for index in known]
+            for index, value in zip(known, (torch.stack(values) if len(values) > 1 else values[0][None]).exp()):
+                probabilities[index] = value
+        return full, probabilities
 
 
 class Generations:

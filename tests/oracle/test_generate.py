@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch._dynamo.utils import counters
 from transformers import LlamaForCausalLM
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
@@ -65,11 +66,19 @@ def test_sampling_explains_the_sampled_token_with_num_return_sequences(model):
     assert (argmaxes != tokens).any(), "sampling at temperature 3 should leave the argmax at least once"
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static"])
+@pytest.mark.parametrize("cache", ["dynamic", "static", "compiled"])
 def test_left_padded_batch_with_early_eos(model, cache):
     """Pads masked at every step: with a static cache generate hands the backbone a 4-D mask (batch, 1, q, keys)
-    instead of the 2-D one, and its padding must be read from that (it once counted pads as real tokens)."""
-    options = {"cache_implementation": "static"} if cache == "static" else {}
+    instead of the 2-D one, and its padding must be read from that (it once counted pads as real tokens).
+    Compiled, the decoding steps are replayed from the tape all at once when the call ends: which rows are still
+    active at each step is worked out for all of them together, and must say the same."""
+    options = {"cache_implementation": "static"} if cache != "dynamic" else {}
+    if cache == "compiled":
+        from transformers import CompileConfig
+        options["compile_config"] = config = CompileConfig(backend="eager")
+        config._compile_all_devices = True
+        torch._dynamo.reset()
+        counters.clear()
     ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
     mask = torch.ones(2, 6, dtype=torch.long)
     ids[0, :2], mask[0, :2] = PAD, 0  # row 0: two left pads
@@ -80,6 +89,9 @@ def test_left_padded_batch_with_early_eos(model, cache):
     with nxl.attach(model) as probe:
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
                              eos_token_id=eos, **options)
+    if cache == "compiled":  # its decoding steps ran compiled (tape), not eagerly
+        assert counters["stats"]["unique_graphs"] >= 1 and probe.unrecorded is None
+        torch._dynamo.reset()
     call = probe.calls[0]
     check_call(model, call, out.shape[1] - 6)
     for step in call.steps:
