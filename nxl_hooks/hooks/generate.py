@@ -213,7 +213,8 @@ class Run:
         self._wait = wait  # how long emitted steps may wait to be scored together (0: none; None: up to BATCH_STEPS)
         # decoding positions whose hidden states are not in the feature cache yet: (layers' hidden states, embedding
         # norms, mask) each, stacked and normed together when the waiting steps are scored (:meth:`_fill`)
-        self._unfed: list[tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]] = []
+        # (an engine's step: its head features already, (batch, 1, layers, d'), instead of the layers' hidden states)
+        self._unfed: list[tuple[list[torch.Tensor] | torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._ones: torch.Tensor | None = None  # the all-ones mask of a one-token step (generate drops it)
         self.failed = False
 
@@ -221,6 +222,11 @@ class Run:
     def length(self) -> int:
         """How many positions of the sequence the run holds (the next token's position)."""
         return self._n
+
+    @property
+    def wants_ids(self) -> bool:
+        """Whether :meth:`feed` reads the token ids it is given: only while the prompt is still coming in."""
+        return self.call.prompt_mask is None
 
     def held(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views of what the run holds of its positions: head features (batch, n, layers, d'), embedding norms and
@@ -345,14 +351,19 @@ class Run:
 
     def _fill(self) -> None:
         """The decoding positions still waiting go into the feature cache: every layer of all of them stacked and
-        normed in one head call (not one per token), with their embedding norms and masks."""
+        normed in one head call (not one per token), or their features joined in one copy, with their embedding
+        norms and masks."""
         if not self._unfed:
             return
-        unfed, count, layers = self._unfed, len(self._unfed), len(self._unfed[0][0])
+        unfed, count = self._unfed, len(self._unfed)
         with torch.no_grad():  # (finish runs outside generate's no_grad)
-            stacked = torch.stack([h for hidden, _, _ in unfed for h in hidden])  # (count * layers, batch, 1, d)
-            stacked = stacked.view(count, layers, *stacked.shape[1:]).squeeze(3).permute(2, 0, 1, 3).contiguous()
-            features = self._plan.head.features(stacked)  # (batch, count, layers, d')
+            if isinstance(unfed[0][0], torch.Tensor):  # features already (an engine's steps)
+                features = torch.cat([f for f, _, _ in unfed], dim=1)
+            else:
+                layers = len(unfed[0][0])
+                stacked = torch.stack([h for hidden, _, _ in unfed for h in hidden])  # (count * layers, batch, 1, d)
+                stacked = stacked.view(count, layers, *stacked.shape[1:]).squeeze(3).permute(2, 0, 1, 3).contiguous()
+                features = self._plan.head.features(stacked)  # (batch, count, layers, d')
             self._unfed = []
             self._n -= count
             self.feed(self._n, features, torch.cat([e for _, e, _ in unfed], dim=1),
@@ -376,10 +387,19 @@ class Run:
     # -- shared by generate and continuous batching ------------------------------------------------------
 
     def feed(self, past: int, features: torch.Tensor, embed_norm: torch.Tensor, mask: torch.Tensor,
-             input_ids: torch.Tensor | None) -> None:
+             input_ids: torch.Tensor | None, *, later: bool = False) -> None:
         """Positions ``past`` .. ``past + new - 1`` of the sequence: their head features (batch, new, layers, d'),
         embedding norms and attention mask (batch, new), and token ids (for the prompt; None for embeddings).
-        Positions from ``past`` on are replaced (a forward that recomputes them); none may be skipped."""
+        Positions from ``past`` on are replaced (a forward that recomputes them); none may be skipped.
+        ``later``: a one-token decoding position that continues the run may wait, as the tensors given (which must
+        stay as they are), to go into the feature cache with the others when the waiting steps are scored (an
+        engine's step: a copy per request and step costs a few device operations each)."""
+        if (later and past == self._n and features.shape[1] == 1 and self._wait != 0
+                and self.call.prompt_mask is not None and self._cache_device in (None, features.device)
+                and self._cache_dtype in (None, features.dtype)):
+            self._unfed.append((features, embed_norm, mask))
+            self._n += 1
+            return
         self._fill()
         if past > self._n:
             raise RuntimeError(f"positions {self._n}..{past - 1} of this sequence never ran through the model "
@@ -629,9 +649,11 @@ class Run:
             for row, index in enumerate(raw):
                 full[index] = taken[row]
                 picked[index] = chosen[row] if picked[index] is None else picked[index]
-        for index, log_probs in enumerate(full):
-            if picked[index] is None and log_probs is not None:
-                picked[index] = log_probs.gather(-1, targets[index].to(log_probs.device))
+        given = [index for index, log_probs in enumerate(full) if picked[index] is None and log_probs is not None]
+        if given:  # rows of their own (an engine's requests): the targets cross to their device once
+            wanted = torch.stack([targets[index] for index in given]).to(full[given[0]].device)
+            for row, index in enumerate(given):
+                picked[index] = full[index].gather(-1, wanted[row].to(full[index].device))
         known = [index for index, value in enumerate(picked) if value is not None]
         probabilities: list[torch.Tensor | None] = [None] * len(emitted)
         if known:

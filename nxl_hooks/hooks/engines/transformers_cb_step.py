@@ -220,15 +220,32 @@ class _Packed:
               sampled: dict[str, torch.Tensor] | None = None) -> None:
         """Each request's slice of a packed forward's ``features`` (1, tokens, layers, d') and ``embed`` norms
         (1, tokens) into its run, with its token ids (``ids(segment, window)``) and, for a request the manager
-        samples from, the model's own log-probabilities (``sampled``, by request id)."""
+        samples from, the model's own log-probabilities (``sampled``, by request id).
+
+        The one-token slices (the decoding requests: most of a busy step) are gathered into one tensor of their own,
+        and each waits in its run as a view of it, fed with the steps it scores together (``feed(later=True)``): a
+        copy per request and step into its feature cache costs a few device operations each, which a step replayed
+        as a CUDA graph in a few milliseconds feels. Only those rows are kept alive, not the step's prefill chunks;
+        a request its scheduler pauses keeps the steps it waits with (at most BATCH_STEPS) alive until it goes on."""
         mask = torch.ones_like(embed, dtype=torch.bool)
-        for segment, run in runs:
+        single = [index for index, (segment, _) in enumerate(runs) if segment.length == 1]
+        gathered = {}
+        if single:
+            rows = torch.tensor([runs[index][0].start for index in single], device=features.device)
+            own_features, own_embed = features.index_select(1, rows), embed.index_select(1, rows.to(embed.device))
+            gathered = {index: (own_features[:, row:row + 1], own_embed[:, row:row + 1])
+                        for row, index in enumerate(single)}
+        for index, (segment, run) in enumerate(runs):
             try:
                 if segment.first > run.length:
                     raise RuntimeError(_SKIPPED.format(first=segment.first, length=run.length,
                                                        last=segment.first - 1))
                 window = slice(segment.start, segment.start + segment.length)
-                run.feed(segment.first, features[:, window], embed[:, window], mask[:, window], ids(segment, window))
+                known = ids(segment, window) if run.wants_ids else None  # (a device copy each, for the prompt only)
+                if index in gathered:
+                    run.feed(segment.first, *gathered[index], mask[:, window], known, later=True)
+                else:
+                    run.feed(segment.first, features[:, window], embed[:, window], mask[:, window], known)
                 if sampled is not None and segment.new_token:
                     run.predicted(sampled[segment.request_id])
                 self._fed.add(segment.request_id)
