@@ -223,10 +223,10 @@ class Run:
         """How many positions of the sequence the run holds (the next token's position)."""
         return self._n
 
-    @property
-    def wants_ids(self) -> bool:
-        """Whether :meth:`feed` reads the token ids it is given: only while the prompt is still coming in."""
-        return self.call.prompt_mask is None
+    def wants_ids(self, past: int) -> bool:
+        """Whether :meth:`feed` at position ``past`` reads the token ids it is given: while the prompt is still coming
+        in, or from position 0 (a request its engine runs again from the start)."""
+        return past == 0 or self.call.prompt_mask is None
 
     def held(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Views of what the run holds of its positions: head features (batch, n, layers, d'), embedding norms and
@@ -397,6 +397,8 @@ class Run:
         if (later and past == self._n and features.shape[1] == 1 and self._wait != 0
                 and self.call.prompt_mask is not None and self._cache_device in (None, features.device)
                 and self._cache_dtype in (None, features.dtype)):
+            if len(self._unfed) >= BATCH_STEPS:  # nothing scores them (nobody listens): they wait no longer
+                self._fill()
             self._unfed.append((features, embed_norm, mask))
             self._n += 1
             return
@@ -505,7 +507,12 @@ class Run:
         if emitting < end:
             self._emit(sequences[:, emitting - shift:end - shift], tape.log_prob[:, emitting - 1:end - 1],
                        at=emitting, hold=True)
-        self.feed(first, *tape.positions(first, end), None)
+        try:
+            self.feed(first, *tape.positions(first, end), None)
+        except BaseException:
+            # the steps whose context was not fed cannot be scored; those before them still go out (fail, flush)
+            self._deferred = [item for item in self._deferred if item.n <= self._n]
+            raise
         self._pending = True
         self.predicted(tape.logits.log_softmax(-1))  # the last forward's: for the token generate returned last
 

@@ -14,6 +14,7 @@ from transformers.generation.continuous_batching.requests import RequestState
 
 import nxl_hooks as nxl
 import tiny
+from nxl_hooks.hooks.generate import BATCH_STEPS, Run
 from oracle import check_call
 
 NEW = 5
@@ -102,6 +103,49 @@ def test_generate_batch_gives_each_request_its_oracle(model):
     # the scenarios this test claims: prefill and decode in one forward, and a prompt prefilled in chunks
     assert any({length == 1 for _, length, _ in f} == {True, False} for f in forwards)
     assert any(length > 1 and not new for f in forwards for _, length, new in f)
+
+
+def test_requests_run_again_from_the_start_under_cache_pressure_are_recorded_whole(model):
+    """With too few cache blocks for every request, the manager drops a running request's cache and runs it again
+    from position 0, its generated tokens now part of its prompt (a soft reset): the request's record is fed from
+    position 0 again, those tokens' ids included, and each of its steps still equals its oracle."""
+    prompts, new = _prompts((10, 10, 10, 10), seed=3), 30
+    plain = model.generate_batch(prompts, generation_config=_greedy(new),
+                                 continuous_batching_config=_config(num_blocks=3))
+    layout = _Layout(model)
+    try:
+        with nxl.attach(model, layers="all") as probe:
+            out = model.generate_batch(prompts, generation_config=_greedy(new),
+                                       continuous_batching_config=_config(num_blocks=3))
+    finally:
+        layout.remove()
+    assert _tokens(out) == _tokens(plain)
+    # the scenario: more slices start at position 0 than there are requests (some ran again from the start)
+    assert sum(first == 0 for forward in layout.segments() for first, _, _ in forward) > len(prompts)
+    calls = {call.request_id: call for call in probe.calls}
+    assert sorted(calls) == sorted(out)
+    for request_id, call in calls.items():
+        assert call.error is None, call.error
+        check_call(model, call, new)
+        assert [int(s.token) for s in call.steps] == out[request_id].generated_tokens
+
+
+def test_decoding_positions_nobody_scores_wait_at_most_batch_steps(model, monkeypatch):
+    """keep_steps=False and nothing else listening: no step is scored, yet a request's decoding positions, which wait
+    as views of their step's gathered rows (keeping every request's rows of that step alive), go into its feature
+    cache every BATCH_STEPS positions instead of piling up for the request's whole life."""
+    waiting, feed = [], Run.feed
+
+    def counted(self, *args, **kwargs):
+        feed(self, *args, **kwargs)
+        waiting.append(len(self._unfed))
+
+    monkeypatch.setattr(Run, "feed", counted)
+    with nxl.attach(model, layers="all", keep_steps=False) as probe:
+        model.generate_batch(_prompts((5, 7)), generation_config=_greedy(2 * BATCH_STEPS + 5),
+                             continuous_batching_config=_config())
+    assert [call.complete for call in probe.calls] == [True, True]
+    assert max(waiting) == BATCH_STEPS  # they did wait, up to the bound
 
 
 def test_manager_with_custom_ids_sampling_stream_and_sink(model, tmp_path):

@@ -463,6 +463,30 @@ def test_compiled_static_cache_generate_is_recorded_and_eager_too(monkeypatch):
     check_call(model, probe.calls[0], 4)
 
 
+def test_a_compiled_call_whose_replay_fails_keeps_the_steps_it_can_score(monkeypatch):
+    """The steps of a compiled call are emitted before their positions are fed from the tape, in one go: when that
+    feed fails, the call says why, and the step whose context was fed (the first after the prompt) is still
+    recorded, equal to the oracle, not lost with the others."""
+    from nxl_hooks.hooks.tape import Tape
+
+    def broken(self, first, end):
+        raise RuntimeError("the tape could not be read")
+
+    model = tiny.generating_llama(seed=3)
+    ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(21))
+    plain = _compiled_static(model, ids)
+    monkeypatch.setattr(Tape, "positions", broken)
+    with nxl.attach(model) as probe:
+        assert torch.equal(_compiled_static(model, ids), plain)  # the call itself unchanged
+    (call,) = probe.calls
+    assert not call.complete and "the tape could not be read" in call.error
+    assert [step.position for step in call.steps] == [6]
+    hand = llama(model)
+    logits, embeddings = prefix_logits(model, hand, plain[:, :6], torch.ones(1, 6, dtype=torch.bool))
+    _, expected = normxlogit(logits, embeddings, call.steps[0].token)
+    torch.testing.assert_close(call.steps[0].normxlogit, expected[call.layers], rtol=1e-4, atol=1e-4)
+
+
 def test_compiled_forwards_the_tape_did_not_follow_are_said_not_recorded():
     """A compiled call whose forwards did not write its own tape (here: the tape held by another call) is never
     silent: its call says why and what to do."""

@@ -241,7 +241,8 @@ class _Packed:
                     raise RuntimeError(_SKIPPED.format(first=segment.first, length=run.length,
                                                        last=segment.first - 1))
                 window = slice(segment.start, segment.start + segment.length)
-                known = ids(segment, window) if run.wants_ids else None  # (a device copy each, for the prompt only)
+                # (a device copy each, made only where the run reads them)
+                known = ids(segment, window) if run.wants_ids(segment.first) else None
                 if index in gathered:
                     run.feed(segment.first, *gathered[index], mask[:, window], known, later=True)
                 else:
