@@ -327,7 +327,7 @@ class Run:
         if mask is None:  # generate drops an all-ones mask
             mask = self._all_ones(capture.shape[0], new, capture.embed_norm.device)
         hidden = [capture.hidden[layer] for layer in self._plan.layers]
-        if new == 1 and self._past == self._n and self._fills_later(hidden):
+        if new == 1 and self._past == self._n and self._fills_later(*hidden):
             self._unfed.append((hidden, capture.embed_norm, mask))  # a decoding step: no work until it is scored
             self._n += 1
         else:
@@ -342,12 +342,13 @@ class Run:
             self._ones = torch.ones(rows, 1, dtype=torch.bool, device=device)
         return self._ones
 
-    def _fills_later(self, hidden: list[torch.Tensor]) -> bool:
-        """Whether a decoding step's ``hidden`` states may wait for :meth:`_fill`: the prompt is in, and they are
-        where and as the feature cache keeps them (else they are normed and moved now, block by block's device)."""
-        device, dtype = hidden[-1].device, hidden[-1].dtype
+    def _fills_later(self, *tensors: torch.Tensor) -> bool:
+        """Whether a decoding position's ``tensors`` (its layers' hidden states, or its head features) may wait for
+        :meth:`_fill`: the prompt is in, and they are where and as the feature cache keeps them (else they are
+        normed and moved now, block by block's device)."""
+        device, dtype = tensors[-1].device, tensors[-1].dtype
         return (self.call.prompt_mask is not None and self._cache_device in (None, device)
-                and self._cache_dtype in (None, dtype) and all(h.device == device for h in hidden))
+                and self._cache_dtype in (None, dtype) and all(t.device == device for t in tensors))
 
     def _fill(self) -> None:
         """The decoding positions still waiting go into the feature cache: every layer of all of them stacked and
@@ -394,9 +395,7 @@ class Run:
         ``later``: a one-token decoding position that continues the run may wait, as the tensors given (which must
         stay as they are), to go into the feature cache with the others when the waiting steps are scored (an
         engine's step: a copy per request and step costs a few device operations each)."""
-        if (later and past == self._n and features.shape[1] == 1 and self._wait != 0
-                and self.call.prompt_mask is not None and self._cache_device in (None, features.device)
-                and self._cache_dtype in (None, features.dtype)):
+        if later and past == self._n and features.shape[1] == 1 and self._wait != 0 and self._fills_later(features):
             if len(self._unfed) >= BATCH_STEPS:  # nothing scores them (nobody listens): they wait no longer
                 self._fill()
             self._unfed.append((features, embed_norm, mask))
