@@ -12,7 +12,10 @@ reported as not recorded) and, with ``--cuda-graph``, CUDA graphs. "attached": t
 ``nxl.attach(layers="all")`` (attach and detach outside the timed region, as in a server that stays attached). Every
 round runs plain and attached in a rotating order; the report gives the median of the paired throughput ratios
 (attached / plain of the same round). Each attached call is checked: every request recorded whole, one step per
-token; and whether each request's tokens are plain's is reported.
+token; and whether each request's tokens are plain's is reported. Then one more call of each counts the torch
+functions the manager's thread calls (device operations and tensor attribute reads alike), per generated token:
+what recording adds there is what a step replayed as a CUDA graph feels on a GPU, where each launch costs the host
+microseconds, and unlike time it is the same on every run.
 """
 
 from __future__ import annotations
@@ -22,10 +25,48 @@ import statistics
 import sys
 
 import torch
+from torch.overrides import TorchFunctionMode
 from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
 import nxl_hooks as nxl
 from _common import add_model_options, add_run_options, begin, device_label, emit, random_llama, report_head, timed
+
+
+class _Calls(TorchFunctionMode):
+    """Counts the torch functions called in the thread that entered it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def manager_calls(run) -> int | None:
+    """How many torch functions the continuous-batching manager's own thread calls while ``run()`` runs (None where
+    this transformers has no ``ContinuousBatchingManager._run_generation_loop`` to count in)."""
+    loop = getattr(ContinuousBatchingManager, "_run_generation_loop", None)
+    if loop is None:
+        return None
+    counts = []
+
+    def counted(self, *args, **kwargs):
+        calls = _Calls()
+        with calls:
+            try:
+                return loop(self, *args, **kwargs)
+            finally:
+                counts.append(calls.count)
+
+    ContinuousBatchingManager._run_generation_loop = counted
+    try:
+        run()
+    finally:
+        ContinuousBatchingManager._run_generation_loop = loop
+    return sum(counts)
 
 
 def main() -> None:
@@ -83,11 +124,15 @@ def main() -> None:
                         times[name].append(seconds)
                     ratios.append(measured["plain"] / measured["attached"])  # throughput: attached over plain
                 print(f"round {round_}: " + ", ".join(f"{n} {v:.2f}s" for n, v in measured.items()), file=sys.stderr)
+        generated = args.requests * args.new
+        counted = {name: manager_calls(variants[name]) for name in names}
     finally:
         if args.threads:
             torch.set_num_threads(threads)
     median = {name: statistics.median(values) for name, values in times.items()}
-    generated = args.requests * args.new
+    per_token = (None if None in counted.values() else
+                 {**{name: count / generated for name, count in counted.items()},
+                  "added": (counted["attached"] - counted["plain"]) / generated})
     report = {
         **report_head("batching", where, args.clock, load_before),
         "model": {"arch": "llama", "shape": "smoke" if args.smoke else args.shape, "dtype": str(model.dtype),
@@ -100,6 +145,7 @@ def main() -> None:
         "median_seconds": median,
         "median_tokens_per_s": {name: generated / seconds for name, seconds in median.items()},
         "paired_throughput_ratios": ratios,
+        "manager_thread_torch_calls_per_token": per_token,
         "attached_throughput_over_plain": statistics.median(ratios),
         "goal_attached_throughput_over_plain": None if args.smoke else 0.95,
         "every_request_recorded": True,  # checked every round

@@ -54,11 +54,12 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import itertools
 import os
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -210,6 +211,7 @@ class Run:
         self._log_probs: torch.Tensor | None = None  # the model's own log-softmax at the last position of the last forward
         self._logits: torch.Tensor | None = None  # or its raw logits there, the log-softmax taken when scored
         self._deferred: list[_Emitted] = []  # emitted, not scored yet (see BATCH_STEPS)
+        self._limit = 0  # how many of them may wait (:meth:`_batch_limit`, worked out at the first of them)
         self._wait = wait  # how long emitted steps may wait to be scored together (0: none; None: up to BATCH_STEPS)
         # decoding positions whose hidden states are not in the feature cache yet: (layers' hidden states, embedding
         # norms, mask) each, stacked and normed together when the waiting steps are scored (:meth:`_fill`)
@@ -504,8 +506,8 @@ class Run:
         first = max(n, prompt_len)
         emitting = first if self._pending else first + 1
         if emitting < end:
-            self._emit(sequences[:, emitting - shift:end - shift], tape.log_prob[:, emitting - 1:end - 1],
-                       at=emitting, hold=True)
+            self._emit(sequences[:, emitting - shift:end - shift].long().unbind(1),
+                       tape.log_prob[:, emitting - 1:end - 1].unbind(1), at=emitting, hold=True)
         try:
             self.feed(first, *tape.positions(first, end), None)
         except BaseException:
@@ -532,44 +534,49 @@ class Run:
     def emit(self, token: torch.Tensor, *, log_prob: torch.Tensor | None = None) -> None:
         """The step record of ``token`` (batch,), emitted at the position after the last one fed; ``log_prob``:
         the model's log-probability of each explained target (batch, k), else read from its last logits."""
-        self._emit(token[:, None], None if log_prob is None else log_prob[:, None])
+        self._emit([token.long()], None if log_prob is None else [log_prob])
 
-    def _emit(self, tokens: torch.Tensor, log_prob: torch.Tensor | None = None, *, at: int | None = None,
-              hold: bool = False) -> None:
-        """The step records of ``tokens`` (batch, s): s consecutive steps, the first emitted at position ``at``
-        (default: after the last one fed), each next one a position later; ``log_prob`` (batch, s, k) as
+    def _emit(self, tokens: Sequence[torch.Tensor], log_prob: Sequence[torch.Tensor] | None = None, *,
+              at: int | None = None, hold: bool = False) -> None:
+        """The step records of ``tokens`` (each (batch,) int64): consecutive steps, the first emitted at position
+        ``at`` (default: after the last one fed), each next one a position later; ``log_prob`` (each (batch, k)) as
         :meth:`emit`'s. ``hold``: they wait to be scored until the caller flushes (a compiled call's steps, emitted
-        at once before their positions are fed). Which rows are still active is worked out for all s at once."""
-        tokens = tokens.long()  # on the device, never read here: the publisher reads them (texts) off this thread
+        at once before their positions are fed). Which rows are still active is worked out for all of them at
+        once; without an EOS id no row ever finishes, and every step holds the call's one all-True tensor. The
+        tokens stay on the device, never read here: the publisher reads them (texts) off this thread."""
         active = self._active
         if active is None:
-            active = self._active = torch.ones(tokens.shape[0], dtype=torch.bool, device=tokens.device)
-        elif tokens.device != active.device:  # a model split across devices: the first step's device for the call
-            tokens = tokens.to(active.device)
-        count = tokens.shape[1]
-        actives = active[:, None]
+            active = self._active = torch.ones(tokens[0].shape[0], dtype=torch.bool, device=tokens[0].device)
+        if tokens[0].device != active.device:  # a model split across devices: the first step's device for the call
+            tokens = [token.to(active.device) for token in tokens]
+        count = len(tokens)
+        actives: Sequence[torch.Tensor] = [active] * count
         if self._eos:  # rows that emit an EOS token only pad from the next step on
             if self._eos_ids is None:
-                self._eos_ids = torch.tensor(self._eos, dtype=torch.long, device=tokens.device)
-            ends = torch.isin(tokens, self._eos_ids)
-            if count > 1:
+                self._eos_ids = torch.tensor(self._eos, dtype=torch.long, device=active.device)
+            if count == 1:
+                self._active = active & ~torch.isin(tokens[0], self._eos_ids)
+            else:
+                ends = torch.isin(torch.stack(tokens, dim=1), self._eos_ids)  # (batch, count)
                 ended = ends.cumsum(1).narrow(1, 0, count - 1) > 0  # an EOS at one of the steps before
-                actives = torch.cat([actives, actives & ~ended], dim=1)
-            self._active = actives[:, -1] & ~ends[:, -1]
-        else:
-            actives = actives.expand(-1, count)
+                stacked = torch.cat([active[:, None], active[:, None] & ~ended], dim=1)
+                self._active = stacked[:, -1] & ~ends[:, -1]
+                actives = stacked.unbind(1)
         at = self._n if at is None else at
         # Nobody to hand them to (keep_steps=False, no on_step, sink or subscriber): the records are not made.
         if self._hub.listened:
-            now = time.time()
-            for index in range(count):
-                self._deferred.append(_Emitted(tokens[:, index], actives[:, index],
-                                               None if log_prob is None else log_prob[:, index], self._log_probs,
-                                               self._logits, at + index, now))
-            if not hold and (self._hub.live or self._wait == 0 or len(self._deferred) >= self._batch_limit()
-                             or (self._wait is not None and now - self._deferred[0].time >= self._wait)):
+            now, deferred = time.time(), self._deferred
+            if not deferred:
+                self._limit = 0  # worked out again for the steps from this one on
+            for index, (token, rows) in enumerate(zip(tokens, actives)):
+                deferred.append(_Emitted(token, rows, None if log_prob is None else log_prob[index], self._log_probs,
+                                         self._logits, at + index, now))
+            if not self._limit:
+                self._limit = self._batch_limit()
+            if not hold and (self._hub.live or self._wait == 0 or len(deferred) >= self._limit
+                             or (self._wait is not None and now - deferred[0].time >= self._wait)):
                 self.flush()
-        self._real.extend(actives.unbind(1))
+        self._real.extend(actives)
         self._pending = False
 
     def drop_waiting(self) -> int:
@@ -602,21 +609,20 @@ class Run:
 
     def _record(self, emitted: list[_Emitted]) -> list[Step]:
         """The records of ``emitted`` steps (in order, each at its own context length): the head's rows of all their
-        tokens are gathered once and the feature cache is read once, in one matmul, for all of them. What the
-        records have in common is made once and each holds a view of it: their tokens, active rows and
-        probabilities, and the context's embedding norms and mask (copies: a use_cache=False forward rewrites the
-        growing buffers in place). Their tensors stay on the device: the hub's publisher moves them to the host."""
+        tokens are gathered once and the feature cache is read once, in one matmul, for all of them, and their
+        scores are computed together (:meth:`_scored`). What the records have in common is made once and each holds
+        a view of it: their tokens, active rows, probabilities and scores, and the context's embedding norms and mask
+        (copies: a use_cache=False forward rewrites the growing buffers in place). Their tensors stay on the device:
+        the hub's publisher moves them to the host."""
         self._fill()
         plan, batch, last = self._plan, emitted[0].token.shape[0], emitted[-1].n
-        steps = []
         with torch.no_grad():
             tokens = torch.stack([item.token for item in emitted])  # (steps, batch)
-            active = torch.stack([item.active for item in emitted])
+            active = torch.stack([item.active for item in emitted]).unbind(0)
             embed = self._embed.view().narrow(1, 0, last).clone()
             mask = self._mask.view().narrow(1, 0, last).clone()
-            targets = [plan.explained(token[:, None]) for token in tokens]  # each (batch, k)
+            targets = [plan.explained(ids) for ids in tokens[:, :, None].unbind(0)]  # each (batch, k)
             log_probs, probabilities = self._probabilities(emitted, targets)
-            k = targets[0].shape[1]
             features = self._features.view().narrow(1, 0, last).to(self._compute_dtype)  # (batch, last, layers, d)
             layers = features.shape[2]
             with plan.head.reading() as readout:
@@ -624,21 +630,56 @@ class Run:
                     flat = features.narrow(1, 0, n).reshape(batch, -1, features.shape[-1])  # all layers, one gather
                     return readout.target_logits(flat, ids).view(batch, n, layers, -1).permute(2, 0, 1, 3)
 
-                together = head_logits(torch.cat(targets, dim=1))  # (layers, batch, last, len(emitted) * k)
-                for index, (item, explained) in enumerate(zip(emitted, targets)):
-                    n = item.n
-                    logat = together[:, :, :n, index * k:(index + 1) * k].contiguous()
-                    probability = probabilities[index]
-                    if probability is not None and not plan.label_axis:
-                        probability = probability[:, 0]
-                    scores, chosen = plan.scores(Given(logat, embed.narrow(1, 0, n), explained, log_probs[index],
-                                                       functools.partial(head_logits, n=n)))
-                    steps.append(Step(call=self.call.index, step=n - self._prompt_len, position=n,
-                                      token=tokens[index], target=chosen, scores=scores,
-                                      embed_norm=embed.narrow(1, 0, n), mask=mask.narrow(1, 0, n),
-                                      active=active[index], layers=list(plan.layers), n_blocks=plan.n_blocks,
-                                      probability=probability, time=item.time))
+                together = head_logits(torch.cat(targets, dim=1))  # (layers, batch, last, steps * k)
+                k, scored = targets[0].shape[1], []
+                # steps whose model log-probabilities are known, and those whose are not (a compiled call's
+                # replayed steps), scored apart: a method may read them
+                for _, group in itertools.groupby(range(len(emitted)), key=lambda index: log_probs[index] is None):
+                    indices = list(group)
+                    first, end = indices[0], indices[-1] + 1
+                    scored += self._scored(together[..., first * k:end * k], head_logits, embed, targets[first:end],
+                                           log_probs[first:end], [item.n for item in emitted[first:end]])
+        steps, tokens = [], tokens.unbind(0)
+        for index, (item, (scores, chosen)) in enumerate(zip(emitted, scored)):
+            n, probability = item.n, probabilities[index]
+            if probability is not None and not plan.label_axis:
+                probability = probability[:, 0]
+            steps.append(Step(call=self.call.index, step=n - self._prompt_len, position=n, token=tokens[index],
+                              target=chosen, scores=scores, embed_norm=embed.narrow(1, 0, n),
+                              mask=mask.narrow(1, 0, n), active=active[index], layers=list(plan.layers),
+                              n_blocks=plan.n_blocks, probability=probability, time=item.time))
         return steps
+
+    def _scored(self, together: torch.Tensor, head_logits: Callable[..., torch.Tensor], embed: torch.Tensor,
+                targets: list[torch.Tensor], log_probs: list[torch.Tensor | None], lengths: list[int]
+                ) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+        """Each step's (scores, explained ids): its ``targets`` (batch, k) read against its first ``lengths``
+        positions; ``together``: (layers, batch, last, steps * k), every target's logits at every position the
+        longest step reads, as ``head_logits(ids)`` gives them for other (batch, m) ids. Pointwise methods
+        (:attr:`Plan.pointwise`) score every step in one call: the steps' rows stacked, each context padded to the
+        longest, each record a view of its own rows and positions; other methods, one call per step."""
+        plan, count, k = self._plan, len(targets), targets[0].shape[1]
+        layers, batch, last = together.shape[:3]
+        if count == 1 or not plan.pointwise:
+            return [plan.scores(Given(together[:, :, :n, index * k:(index + 1) * k].contiguous(),
+                                      embed.narrow(1, 0, n), explained, log_probs[index],
+                                      functools.partial(head_logits, n=n)))
+                    for index, (n, explained) in enumerate(zip(lengths, targets))]
+
+        def stacked(values: torch.Tensor) -> torch.Tensor:  # (layers, batch, last, count * m) -> (layers, rows, ...)
+            return (values.view(layers, batch, last, count, -1).permute(0, 3, 1, 2, 4)
+                    .reshape(layers, count * batch, last, -1))
+
+        def stacked_logits(ids: torch.Tensor) -> torch.Tensor:  # (rows, m): each step's rows against its context
+            return stacked(head_logits(ids.reshape(count, batch, -1).transpose(0, 1).reshape(batch, -1)))
+
+        scores, chosen = plan.scores(Given(
+            stacked(together), embed.expand(count, -1, -1).reshape(count * batch, last), torch.cat(targets),
+            None if log_probs[0] is None else torch.cat(log_probs), stacked_logits))
+        each = {name: value.view(layers, count, batch, *value.shape[2:]).unbind(1) for name, value in scores.items()}
+        return [({name: values[index].narrow(2, 0, n) for name, values in each.items()}, explained)
+                for index, (n, explained) in enumerate(zip(lengths, chosen.view(count, batch, *chosen.shape[1:])
+                                                           .unbind(0)))]
 
     @staticmethod
     def _probabilities(emitted: list[_Emitted], targets: list[torch.Tensor]
@@ -656,10 +697,11 @@ class Run:
                 full[index] = taken[row]
                 picked[index] = chosen[row] if picked[index] is None else picked[index]
         given = [index for index, log_probs in enumerate(full) if picked[index] is None and log_probs is not None]
-        if given:  # rows of their own (an engine's requests): the targets cross to their device once
-            wanted = torch.stack([targets[index] for index in given]).to(full[given[0]].device)
-            for row, index in enumerate(given):
-                picked[index] = full[index].gather(-1, wanted[row].to(full[index].device))
+        if given:  # rows of their own (an engine's requests): gathered in one operation
+            rows = torch.stack([full[index] for index in given])  # (given, batch, V)
+            chosen = rows.gather(-1, torch.stack([targets[index] for index in given]).to(rows.device))
+            for index, value in zip(given, chosen.unbind(0)):
+                picked[index] = value
         known = [index for index, value in enumerate(picked) if value is not None]
         probabilities: list[torch.Tensor | None] = [None] * len(emitted)
         if known:

@@ -10,6 +10,7 @@ forward and generate call the probe records, in any thread.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from dataclasses import dataclass, field
@@ -152,6 +153,11 @@ class Plan:
     def explained(self, predicted: torch.Tensor) -> torch.Tensor:
         """(rows, k) ids explained, given the (rows, 1) predicted ids."""
         return explained(self.fixed_targets, predicted)
+
+    @functools.cached_property
+    def pointwise(self) -> bool:
+        """Whether every method the probe computes is pointwise (:func:`~nxl_hooks.method.scores.pointwise`)."""
+        return _scores.pointwise(self.methods)
 
     def scores(self, given: Given) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """({method: scores}, targets) of every method the probe computes, the label axis kept only when several

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Protocol, runtime_checkable
+from typing import Callable, Literal, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Given", "Method", "check_name"]
+__all__ = ["Given", "Method", "Pointwise", "check_name"]
 
 #: What a method's name may be: it names a record's ``scores`` entry, a stream-file tensor and a Parquet column.
 NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
@@ -55,6 +55,22 @@ class Method(Protocol):
     def score(self, given: Given) -> torch.Tensor:
         """The per-layer, per-token scores of each explained target: (layers, rows, seq, k)."""
         ...
+
+
+@runtime_checkable
+class Pointwise(Method, Protocol):
+    """A :class:`Method` that says (``pointwise = True``) its score at each (layer, row, position, label) reads only
+    what ``given`` holds at that row and position (its LogAt, embedding norm, targets, log-probabilities,
+    ``head_logits``): stacking rows, or padding a row with positions after its own, changes none of the scores it
+    already had. Generated tokens scored together then take one ``score`` call for all of them (rows stacked, each
+    token's context padded to the longest), not one each. Every built-in method is pointwise.
+
+        class Doubled:
+            name, description, pointwise = "doubled", "twice LogAt", True
+            def score(self, given): return 2 * given.logat
+    """
+
+    pointwise: Literal[True]
 
 
 def check_name(name: object) -> str:

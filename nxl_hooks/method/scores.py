@@ -16,9 +16,9 @@ from typing import Sequence
 
 import torch
 
-from .protocol import Given, Method
+from .protocol import Given, Method, Pointwise
 
-__all__ = ["FLAT_NORM_CV", "flat_note", "flat_norms", "label_axis", "method_scores", "norm_spread",
+__all__ = ["FLAT_NORM_CV", "flat_note", "flat_norms", "label_axis", "method_scores", "norm_spread", "pointwise",
            "regression_logat"]
 
 #: Below this coefficient of variation (std / mean) of the embedding norms over the ranked tokens, NormXLogit is
@@ -49,6 +49,12 @@ def method_scores(methods: Sequence[Method], given: Given, *, label_axis: bool
                              f"expected float scores shaped like logat {tuple(given.logat.shape)}")
         out[method.name] = value if label_axis else value[..., 0]
     return out, given.targets if label_axis else given.targets[:, 0]
+
+
+def pointwise(methods: Sequence[Method]) -> bool:
+    """Whether every one of ``methods`` says it is :class:`~.protocol.Pointwise`: several generated tokens' scores
+    may then come from one ``score`` call each."""
+    return all(isinstance(method, Pointwise) and method.pointwise is True for method in methods)
 
 
 def norm_spread(embed_norm: torch.Tensor, eligible: torch.Tensor) -> float:

@@ -145,3 +145,29 @@ def test_a_model_object_compiled_after_attaching_is_recorded():
     assert traced is not eager
     torch.testing.assert_close(traced.normxlogit, eager.normxlogit, rtol=1e-5, atol=1e-6)
     assert torch.equal(traced.target, eager.target) and torch.equal(traced.mask, eager.mask)
+
+
+def test_a_compiled_call_scores_its_last_step_with_the_models_own_distribution_and_the_replayed_ones_without():
+    """A compiled call's steps are replayed from the tape with their tokens' log-probabilities only, but for the last
+    one: the tape keeps the last forward's whole distribution. Scored together at the call's end, each keeps what it
+    had: contrastive (whose foil is the model's best other output) is NaN (unknown) at every step but the last, and
+    equals the oracle there, while NormXLogit equals the oracle at every step."""
+    model = tiny.generating_llama(seed=3)
+    ids, mask = _prompt()
+    config = CompileConfig()
+    config._compile_all_devices = True
+    with nxl.attach(model, layers="all", methods=["contrastive"]) as probe:
+        _static(model, ids, mask, config)
+    call = probe.calls[-1]
+    _check(model, call, 5)
+    last, real = call.steps[-1], full_mask(call)[:, :call.steps[-1].position]
+    logits, embeddings = prefix_logits(model, llama(model), call.sequences[:, :last.position], real)
+    final = logits[-1, :, -1].clone()
+    final.scatter_(-1, last.token[:, None], float("-inf"))
+
+    def at(ids: torch.Tensor) -> torch.Tensor:  # (rows,) ids -> (L+1, rows, n) their logits at every position
+        return logits.gather(-1, ids[None, :, None, None].expand(*logits.shape[:3], 1))[..., 0]
+
+    expected = embeddings.float().norm(dim=-1) * (at(last.token) - at(final.argmax(-1)))
+    torch.testing.assert_close(last.scores["contrastive"][:, real], expected[:, real], rtol=1e-4, atol=1e-5)
+    assert all(step.scores["contrastive"].isnan().all() for step in call.steps[:-1])

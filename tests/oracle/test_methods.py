@@ -276,3 +276,50 @@ def test_contrastive_adds_no_host_read_per_generated_token():
             added[new] = _reads(model, inputs, new) - plain
         assert len(probe.steps) == new and not probe.steps[-1].scores["contrastive"].isnan().any()
     assert added[3] == added[10], added
+
+
+class Share(Method):
+    """A method that is not pointwise: each token's share of its row's NormXLogit at that layer (it reads every
+    position of the context, so padding a step's context with later positions would change it)."""
+
+    name = "test_share"
+    description = "NormXLogit over its row's total (defined in tests/oracle/test_methods.py)"
+
+    def score(self, given: Given) -> torch.Tensor:
+        scores = given.embed_norm[None, :, :, None] * given.logat
+        return scores / scores.sum(dim=2, keepdim=True)
+
+
+nxl.register_method(Share, replace=True)
+
+
+@pytest.mark.parametrize("methods", [["contrastive"], ["contrastive", "test_share"]], ids=["pointwise", "mixed"])
+def test_generated_tokens_scored_together_equal_the_oracle_one_by_one(lm, methods):
+    """The steps a call scores together (at its end here) take one score call per method when every method is
+    pointwise (rows of all steps stacked, each context padded to the longest), one per step otherwise; every step,
+    every row, equals the oracle at its own context length either way."""
+    model, _ = lm
+    ids = torch.randint(3, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
+    with nxl.attach(model, methods=methods) as probe:
+        sequences = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                                   do_sample=False, pad_token_id=0)
+    assert len(probe.steps) == 6
+    for row in range(2):
+        layer_logits, norms = _lm_oracle(model, sequences[row:row + 1])
+        for step in probe.steps:
+            n, token = step.position, int(sequences[row, step.position])
+            assert int(step.token[row]) == token and step.normxlogit.shape[2] == n
+            logat = layer_logits[:, 0, :n, token]
+            final = layer_logits[-1, 0, n - 1].clone()
+            final[token] = float("-inf")
+            gap = logat - layer_logits[:, 0, :n, int(final.argmax())]
+            torch.testing.assert_close(step.logat[:, row], logat, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(step.normxlogit[:, row], norms[0, :n] * logat, atol=1e-5, rtol=1e-4)
+            torch.testing.assert_close(step.scores["contrastive"][:, row], norms[0, :n] * gap, atol=1e-5, rtol=1e-4)
+            if "test_share" in methods:
+                share = norms[0, :n] * logat
+                torch.testing.assert_close(step.scores["test_share"][:, row], share / share.sum(-1, keepdim=True),
+                                           atol=1e-5, rtol=1e-4)
+    # scored together: one score call's output, each record a view of its own rows and positions
+    storages = {step.normxlogit.untyped_storage().data_ptr() for step in probe.steps}
+    assert len(storages) == (1 if methods == ["contrastive"] else 6)

@@ -61,9 +61,8 @@ def _check_layout(arguments: dict[str, Any], segments: list[_Segment]) -> int:
     expected = [0] + [s.start + s.length for s in segments]
     logits = arguments.get("logits_indices")
     emitting = [s.start + s.length - 1 for s in segments if s.new_token]
-    order = torch.cat([torch.arange(s.first, s.first + s.length) for s in segments])
-    if (cumulative.tolist() != expected or ids.shape != (1, expected[-1])
-            or not torch.equal(positions[0].cpu().long(), order)
+    order = [position for s in segments for position in range(s.first, s.first + s.length)]
+    if (cumulative.tolist() != expected or ids.shape != (1, expected[-1]) or positions[0].tolist() != order
             or (logits is not None and logits.tolist()[: len(emitting)] != emitting)):
         raise ValueError(f"the packed forward (cu_seq_lens_q {cumulative.tolist()}) does not match the batch the "
                          f"manager scheduled ({expected}): the layout of this transformers version is not understood")

@@ -21,6 +21,7 @@ class Contrastive:
     foil: int | None = None  #: a fixed foil id for every row; None: the model's best output not explained
     name = "contrastive"
     description = "NormXLogit[target] − NormXLogit[foil]; foil: the model's best other output (runner-up)"
+    pointwise = True  # (Pointwise): a row's foil is read from that row's own log-probabilities
 
     def foils(self, given: Given) -> torch.Tensor | None:
         """(rows, 1) foil ids, on the device of the explained ids; None when there is nothing to contrast with."""

@@ -10,6 +10,7 @@ from ..protocol import Given
 class LogAt:
     name = "logat"
     description = "HoT(h_i^l)[target]: the head applied to each token's hidden state (logit lens of the target)"
+    pointwise = True  # (Pointwise)
 
     def score(self, given: Given) -> torch.Tensor:
         return given.logat

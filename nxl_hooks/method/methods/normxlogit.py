@@ -10,6 +10,7 @@ from ..protocol import Given
 class NormXLogit:
     name = "normxlogit"
     description = "embedding norm × LogAt (the paper's method)"
+    pointwise = True  # (Pointwise)
 
     def score(self, given: Given) -> torch.Tensor:
         return given.embed_norm.to(given.logat.device, given.logat.dtype)[None, :, :, None] * given.logat
