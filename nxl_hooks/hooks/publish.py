@@ -53,12 +53,14 @@ from typing import Any, Callable, NamedTuple, Union
 
 import torch
 
+from ..method.registry import DEFAULT
 from ..records.sinks import RecordSink, make_sink
 from ..records.steps import STEP_TENSORS, GenerationCall, Step
 from .guard import logger, one_line
 from .subscription import LIVE_QUEUE, Subscription
 
-__all__ = ["DRAIN_SECONDS", "LIVE_QUEUE", "QUEUE", "SINK_QUEUE", "Hub", "Subscription", "on_host"]
+__all__ = ["DRAIN_SECONDS", "LIVE_QUEUE", "QUEUE", "SINK_QUEUE", "Hub", "Subscription", "host_copies",
+           "on_host"]
 
 #: Step records the publisher may have waiting; one more and the record is dropped (its call stops being recorded).
 QUEUE = 4096
@@ -76,16 +78,61 @@ FLUSH_SECONDS = 60.0
 Texts = Callable[[list[int]], "list[str] | None"]
 
 
-def on_host(step: Step, texts: Texts | None = None) -> Step:
-    """``step`` with its tensors moved to the CPU (in place) and, given ``texts``, its ``readable`` token texts:
-    what the publisher does with each record, off the generating thread. ``on_host(step, plan.readable)``"""
-    for name in (*STEP_TENSORS, "probability"):
-        value = getattr(step, name)
-        if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-            setattr(step, name, value.cpu())
+#: A record's tensors beside its scores.
+_FIELDS = tuple(name for name in (*STEP_TENSORS, "probability") if name not in DEFAULT)
+
+
+def on_host(steps: list[Step], texts: Texts | None = None) -> list[Step]:
+    """``steps`` with their tensors moved to the CPU (in place) and, given ``texts``, their ``readable`` token texts:
+    what the publisher does with each batch of records, off the generating thread. Records scored together share
+    their device tensors (each holds views of them): each device storage crosses once, and the records hold views
+    of its host copy, as they did on the device. ``on_host(steps, plan.readable)``"""
+    places: list[tuple[dict, str]] = []  # (where a tensor sits, its key): a record's fields, or its scores
+    for step in steps:
+        fields = vars(step)
+        places += [(fields, name) for name in _FIELDS if isinstance(fields.get(name), torch.Tensor)]
+        places += [(step.scores, name) for name in step.scores]
+    for (where, name), value in zip(places, host_copies([where[name] for where, name in places])):
+        where[name] = value
     if texts is not None:
-        step.readable = texts(step.token.tolist())
-    return step
+        for step in steps:
+            step.readable = texts(step.token.tolist())
+    return steps
+
+
+def host_copies(tensors: list[torch.Tensor], move: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.cpu, *,
+                crosses: Callable[[torch.Tensor], bool] = lambda tensor: tensor.device.type != "cpu"
+                ) -> list[torch.Tensor]:
+    """``tensors`` on the CPU, each device storage they view crossing in one copy (``move`` of its span: from the
+    first element any of them reads to the last): views of one storage come back views of one host storage, with
+    their own offsets and strides. A storage read as several dtypes, or whose span is mostly what none of them reads
+    (views of a larger buffer), crosses view by view; tensors that do not ``cross`` (those on the CPU) come back as
+    they are."""
+    out = list(tensors)
+    shared: dict[tuple[torch.device, int], list[int]] = {}
+    for index, tensor in enumerate(tensors):
+        if crosses(tensor):
+            shared.setdefault((tensor.device, tensor.untyped_storage().data_ptr()), []).append(index)
+    for indices in shared.values():
+        views = [tensors[index] for index in indices]
+        spans = [(view.storage_offset(), view.storage_offset() + sum((size - 1) * stride for size, stride in
+                                                                    zip(view.shape, view.stride())) + 1)
+                 for view in views if view.numel()]
+        first = min((start for start, _ in spans), default=0)
+        length = max((end for _, end in spans), default=0) - first
+        if len({view.dtype for view in views}) != 1 or length > 2 * sum(view.numel() for view in views) + _SLACK:
+            for index in indices:
+                out[index] = move(tensors[index])
+            continue
+        host = move(views[0].as_strided((length,), (1,), first))
+        for index, view in zip(indices, views):
+            out[index] = host.as_strided(view.shape, view.stride(), view.storage_offset() - first if view.numel()
+                                         else 0)
+    return out
+
+
+#: Elements of a device storage that may cross with the views of it a batch of records holds and not be read.
+_SLACK = 1 << 16
 
 
 def _give(subscriber: "Subscription[Step]", item: Step | None) -> None:
@@ -217,7 +264,7 @@ class Hub:
         them all. RuntimeError when the publisher would be more than :data:`QUEUE` records behind: that call stops
         being recorded. ``hub.publish(call, [step], plan.readable)``"""
         if self._on_step is not None:  # the callback wants each record in this thread, on the host
-            steps, texts = [on_host(step, texts) for step in steps], None
+            steps, texts = on_host(list(steps), texts), None
         ready = None
         if steps[-1].normxlogit.is_cuda:  # the publisher reads them once the work queued so far on this stream is done
             ready = torch.cuda.Event()
@@ -383,8 +430,8 @@ class Hub:
         if isinstance(item, _StepItem):
             if item.ready is not None:
                 item.ready.synchronize()
-            for step in item.steps:
-                self._deliver(item.call, on_host(step, item.texts))
+            for step in on_host(list(item.steps), item.texts):
+                self._deliver(item.call, step)
         elif isinstance(item, _CallItem):
             call, meta = item
             self._to_sink(call, lambda sink: sink.write_call(call, meta))

@@ -141,3 +141,24 @@ def test_generate_on_cuda_cpu_split():
     assert torch.equal(cpu_out, split_out)
     for cpu_step, split_step in zip(cpu_steps, split_steps, strict=True):
         torch.testing.assert_close(split_step.normxlogit, cpu_step.normxlogit, **ACROSS_DEVICES)
+
+
+def test_generate_on_cuda_records_reach_the_host_whole_each_batch_in_one_copy_per_tensor(tmp_path):
+    """Every tensor of every record (each method's scores included) is on the host once the call returns, equal to
+    the same call's on the CPU; the records scored together crossed together: they share host storage."""
+    ids, mask = (tensor.flip(-1) for tensor in big.batch())
+    records = []
+    for device in ("cpu", "cuda"):
+        model = big.build("llama").to(device)
+        with torch.no_grad(), nxl.attach(model, methods=["contrastive"], sink=tmp_path / f"{device}.nxl") as probe:
+            model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=4,
+                           do_sample=False, pad_token_id=0)
+        records.append(probe.steps)
+    for cpu_step, cuda_step in zip(*records, strict=True):
+        tensors = {name: getattr(cuda_step, name) for name in ("token", "target", "embed_norm", "mask", "active",
+                                                                 "probability")}
+        assert all(value.device.type == "cpu" for value in [*tensors.values(), *cuda_step.scores.values()])
+        assert torch.equal(cuda_step.token, cpu_step.token) and torch.equal(cuda_step.mask, cpu_step.mask)
+        for name in ("normxlogit", "logat", "contrastive"):
+            torch.testing.assert_close(cuda_step.scores[name], cpu_step.scores[name], **ACROSS_DEVICES)
+    assert len({step.normxlogit.untyped_storage().data_ptr() for step in records[1]}) < len(records[1])

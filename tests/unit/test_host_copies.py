@@ -1,0 +1,53 @@
+"""The publisher's move of a batch of records to the host (:func:`nxl_hooks.hooks.publish.host_copies`): each device
+storage the records view crosses in one copy, and every record gets back exactly its own values, strides and sharing.
+On the CPU nothing crosses, so these tests make the tensors "cross" with a counting copy in place of ``.cpu()``."""
+
+from __future__ import annotations
+
+import torch
+
+from nxl_hooks.hooks.publish import host_copies
+
+
+def _moved(tensors):
+    copies = []
+
+    def move(tensor):
+        copies.append(tensor.numel())
+        return tensor.clone()
+
+    return host_copies(tensors, move, crosses=lambda tensor: True), copies
+
+
+def test_views_of_one_storage_cross_in_one_copy_of_their_span_and_keep_their_values_and_sharing():
+    base = torch.arange(2 * 3 * 10, dtype=torch.float32).view(2, 3, 10)
+    views = [base[:, 1, :7], base[0, :, 2:9:3], base[1].narrow(1, 4, 6), base[:, 2, 5], base[1, 0, :0]]
+    other = torch.arange(4, dtype=torch.int64)
+    tensors = [*views, other, other[None].expand(3, 4)]
+    out, copies = _moved(tensors)
+    # base's views read elements 2 (base[0, 0, 2]) to 59 (base[1, 2, 9]): 58 of its 60 cross, once; other (both its
+    # views) once
+    assert sorted(copies) == [4, 58]
+    for before, after in zip(tensors, out):
+        assert after is not before and after.dtype == before.dtype and after.shape == before.shape
+        assert after.stride() == before.stride() and torch.equal(after, before)
+    assert len({t.untyped_storage().data_ptr() for t in out[:4]}) == 1  # still one storage, now a copy
+    assert out[0].untyped_storage().data_ptr() != base.untyped_storage().data_ptr()
+    assert out[5].untyped_storage().data_ptr() == out[6].untyped_storage().data_ptr()
+
+
+def test_a_small_view_of_a_large_buffer_and_a_storage_read_as_two_dtypes_cross_view_by_view():
+    big = torch.randn(1 << 20)
+    small = [big[:3], big[-2:]]  # a span of the whole buffer, nearly all of it read by neither
+    words = torch.arange(8, dtype=torch.int32)
+    tensors = [*small, words, words.view(torch.float32)]
+    out, copies = _moved(tensors)
+    assert sorted(copies) == [2, 3, 8, 8]
+    for before, after in zip(tensors, out):
+        assert after.dtype == before.dtype and after.stride() == before.stride()
+        assert torch.equal(after.view(torch.int32), before.view(torch.int32))
+
+
+def test_tensors_that_do_not_cross_come_back_as_they_are():
+    tensors = [torch.ones(3), torch.zeros(2, 2)[:, 0]]
+    assert all(a is b for a, b in zip(host_copies(tensors), tensors))
