@@ -101,7 +101,8 @@ BATCH_STEPS = 16
 #: A ``generate`` call's waiting steps are scored at the first token that finds the first of them this old (beside a
 #: slow token, scoring it alone costs little, and its one cache stays warm between tokens).
 BATCH_SECONDS = 0.25
-#: What the waiting steps keep (the model's log-probability rows) and their scores at once stay under this many bytes.
+#: What the waiting steps keep (the model's log-probability rows) and their scores at once stay under this many bytes
+#: (scoring them together holds up to about three times that while it runs: :meth:`Run._scored`'s stacked copies).
 BATCH_BYTES = 64 << 20
 
 

@@ -80,24 +80,36 @@ Texts = Callable[[list[int]], "list[str] | None"]
 
 #: A record's tensors beside its scores.
 _FIELDS = tuple(name for name in (*STEP_TENSORS, "probability") if name not in DEFAULT)
+#: Those of them that grow with its context, as its scores do.
+_SIZED = frozenset({"embed_norm", "mask"})
+#: What a record's context-sized tensor may hold on to of a storage other records share, beyond twice its own bytes.
+_PINNED_BYTES = 16 << 10
 
 
 def on_host(steps: list[Step], texts: Texts | None = None) -> list[Step]:
     """``steps`` with their tensors moved to the CPU (in place) and, given ``texts``, their ``readable`` token texts:
     what the publisher does with each batch of records, off the generating thread. Records scored together share
-    their device tensors (each holds views of them): each device storage crosses once, and the records hold views
-    of its host copy, as they did on the device. ``on_host(steps, plan.readable)``"""
-    places: list[tuple[dict, str]] = []  # (where a tensor sits, its key): a record's fields, or its scores
+    their device tensors (each holds views of them): each device storage crosses once (:func:`host_copies`). On the
+    host, a record's scores, embedding norms and mask that read a small part of what they share (the batch's
+    longest context, every step's rows) become copies of their own, so that a record kept holds its own bytes, not
+    its batch's. ``on_host(steps, plan.readable)``"""
+    places: list[tuple[dict, str, bool]] = []  # (where a tensor sits, its key, whether it grows with the context)
     for step in steps:
         fields = vars(step)
-        places += [(fields, name) for name in _FIELDS if isinstance(fields.get(name), torch.Tensor)]
-        places += [(step.scores, name) for name in step.scores]
-    for (where, name), value in zip(places, host_copies([where[name] for where, name in places])):
-        where[name] = value
+        places += [(fields, name, name in _SIZED) for name in _FIELDS if isinstance(fields.get(name), torch.Tensor)]
+        places += [(step.scores, name, True) for name in step.scores]
+    for (where, name, sized), value in zip(places, host_copies([where[name] for where, name, _ in places])):
+        where[name] = _own(value) if sized else value
     if texts is not None:
         for step in steps:
             step.readable = texts(step.token.tolist())
     return steps
+
+
+def _own(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (on the host), or a compact copy of it where it holds on to a storage much larger than it reads."""
+    read = tensor.numel() * tensor.element_size()
+    return tensor.clone() if tensor.untyped_storage().nbytes() > 2 * read + _PINNED_BYTES else tensor
 
 
 def host_copies(tensors: list[torch.Tensor], move: Callable[[torch.Tensor], torch.Tensor] = torch.Tensor.cpu, *,

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Callable, Literal, Protocol, runtime_checkable
+from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
@@ -70,7 +70,7 @@ class Pointwise(Method, Protocol):
             def score(self, given): return 2 * given.logat
     """
 
-    pointwise: Literal[True]
+    pointwise: bool  #: True: it is (a False, or no attribute, is a method scored one call per generated token)
 
 
 def check_name(name: object) -> str:

@@ -39,8 +39,8 @@ class Step:
     Rows are generate's rows (``num_return_sequences`` rows per prompt). A row that has finished (emitted an
     EOS token) keeps getting records until the whole batch stops, as generate keeps padding it: those records
     explain the pad token generate emitted and have ``active`` False; the pad positions have ``mask`` False.
-    Records scored together share one copy of their tokens, active rows, probabilities, norms and masks (each holds
-    views of it): ``.clone()`` one before changing it in place.
+    Records scored together share one copy of their tokens, active rows, probabilities, norms, masks and (when every
+    method is pointwise) scores, each holding views of it: ``.clone()`` one before changing it in place.
     """
 
     call: int  #: index of the generate call under this probe (``GenerationCall.index``)

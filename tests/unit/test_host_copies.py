@@ -1,12 +1,14 @@
 """The publisher's move of a batch of records to the host (:func:`nxl_hooks.hooks.publish.host_copies`): each device
 storage the records view crosses in one copy, and every record gets back exactly its own values, strides and sharing.
-On the CPU nothing crosses, so these tests make the tensors "cross" with a counting copy in place of ``.cpu()``."""
+On the CPU nothing crosses, so these tests make the tensors "cross" with a counting copy in place of ``.cpu()``. Then
+(:func:`~nxl_hooks.hooks.publish.on_host`) a record kept holds its own scores, not its batch's."""
 
 from __future__ import annotations
 
 import torch
 
-from nxl_hooks.hooks.publish import host_copies
+from nxl_hooks.hooks.publish import host_copies, on_host
+from nxl_hooks.records.steps import Step
 
 
 def _moved(tensors):
@@ -51,3 +53,19 @@ def test_a_small_view_of_a_large_buffer_and_a_storage_read_as_two_dtypes_cross_v
 def test_tensors_that_do_not_cross_come_back_as_they_are():
     tensors = [torch.ones(3), torch.zeros(2, 2)[:, 0]]
     assert all(a is b for a, b in zip(host_copies(tensors), tensors))
+
+
+def test_a_record_kept_holds_its_own_scores_not_its_batchs():
+    """Records scored together are views of one stacked tensor (every step's rows, padded to the longest context): on
+    the host, each record's scores become its own, so one record kept does not hold on to its batch's."""
+    stacked = torch.randn(2, 16, 1, 4096)  # (layers, steps, batch, longest context)
+    steps = [Step(call=0, step=index, position=4000 + index, token=torch.tensor([index]), target=torch.tensor([index]),
+                  scores={"normxlogit": stacked[:, index, :, :4000 + index], "logat": stacked[:, index, :, :8]},
+                  embed_norm=torch.rand(1, 4000 + index), mask=torch.ones(1, 4000 + index, dtype=torch.bool),
+                  active=torch.ones(1, dtype=torch.bool), layers=[0, 1], n_blocks=2) for index in range(16)]
+    before = [{name: value.clone() for name, value in step.scores.items()} for step in steps]
+    on_host(steps)
+    for step, expected in zip(steps, before):
+        for name, value in step.scores.items():
+            assert torch.equal(value, expected[name])
+            assert value.untyped_storage().nbytes() == value.numel() * value.element_size()

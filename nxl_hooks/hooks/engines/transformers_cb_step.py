@@ -232,8 +232,9 @@ class _Packed:
         if single:
             rows = torch.tensor([runs[index][0].start for index in single], device=features.device)
             own_features, own_embed = features.index_select(1, rows), embed.index_select(1, rows.to(embed.device))
-            gathered = {index: (own_features[:, row:row + 1], own_embed[:, row:row + 1])
-                        for row, index in enumerate(single)}
+            # each one's features, embedding norm and mask (the same one-position all-True view: only read)
+            gathered = dict(zip(single, zip(own_features.split(1, dim=1), own_embed.split(1, dim=1),
+                                            [mask[:, :1]] * len(single))))
         for index, (segment, run) in enumerate(runs):
             try:
                 if segment.first > run.length:
@@ -243,7 +244,7 @@ class _Packed:
                 # (a device copy each, made only where the run reads them)
                 known = ids(segment, window) if run.wants_ids(segment.first) else None
                 if index in gathered:
-                    run.feed(segment.first, *gathered[index], mask[:, window], known, later=True)
+                    run.feed(segment.first, *gathered[index], known, later=True)
                 else:
                     run.feed(segment.first, features[:, window], embed[:, window], mask[:, window], known)
                 if sampled is not None and segment.new_token:
