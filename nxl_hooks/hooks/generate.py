@@ -640,7 +640,7 @@ class Run:
                     first, end = indices[0], indices[-1] + 1
                     scored += self._scored(together[..., first * k:end * k], head_logits, embed, targets[first:end],
                                            log_probs[first:end], [item.n for item in emitted[first:end]])
-        steps, tokens = [], tokens.unbind(0)
+        steps, tokens, n_blocks = [], tokens.unbind(0), plan.n_blocks
         for index, (item, (scores, chosen)) in enumerate(zip(emitted, scored)):
             n, probability = item.n, probabilities[index]
             if probability is not None and not plan.label_axis:
@@ -648,7 +648,7 @@ class Run:
             steps.append(Step(call=self.call.index, step=n - self._prompt_len, position=n, token=tokens[index],
                               target=chosen, scores=scores, embed_norm=embed.narrow(1, 0, n),
                               mask=mask.narrow(1, 0, n), active=active[index], layers=list(plan.layers),
-                              n_blocks=plan.n_blocks, probability=probability, time=item.time))
+                              n_blocks=n_blocks, probability=probability, time=item.time))
         return steps
 
     def _scored(self, together: torch.Tensor, head_logits: Callable[..., torch.Tensor], embed: torch.Tensor,
@@ -707,7 +707,8 @@ class Run:
         probabilities: list[torch.Tensor | None] = [None] * len(emitted)
         if known:
             device = picked[known[0]].device
-            values = [picked[index].to(device) for index in known]
+            values = [picked[index] for index in known]
+            values = [value if value.device == device else value.to(device) for value in values]
             for index, value in zip(known, (torch.stack(values) if len(values) > 1 else values[0][None]).exp()):
                 probabilities[index] = value
         return full, probabilities
