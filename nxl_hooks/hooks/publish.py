@@ -442,7 +442,11 @@ class Hub:
         if isinstance(item, _StepItem):
             if item.ready is not None:
                 item.ready.synchronize()
-            for step in on_host(list(item.steps), item.texts):
+            try:
+                steps = on_host(list(item.steps), item.texts)
+            except Exception:  # noqa: BLE001 - one record's texts or copy failed: the others still go on
+                steps = [step for step in item.steps if self._alone(item.call, step, item.texts)]
+            for step in steps:
                 self._deliver(item.call, step)
         elif isinstance(item, _CallItem):
             call, meta = item
@@ -453,6 +457,19 @@ class Hub:
             self._shut(item.why)
         else:
             self._to_sink(None, item.written)
+
+    def _alone(self, call: GenerationCall, step: Step, texts: Texts | None) -> bool:
+        """Whether ``step`` reached the host on its own, its batch having failed to; a record that cannot is lost,
+        said in the log and in its call's notes."""
+        try:
+            on_host([step], texts)
+            return True
+        except Exception as error:  # noqa: BLE001 - the publisher outlives any one record
+            lost = f"the record of step {step.step} was lost ({type(error).__name__}: {one_line(error)})"
+            logger.warning("nxl_hooks: %s; the model's own call is unaffected", lost)
+            with self._lock:
+                call.notes.append(lost)
+            return False
 
     def _deliver(self, call: GenerationCall, step: Step) -> None:
         call.link(step)  # the step's context texts, for to_attribution() wherever the step goes

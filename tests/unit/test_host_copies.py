@@ -1,7 +1,8 @@
 """The publisher's move of a batch of records to the host (:func:`nxl_hooks.hooks.publish.host_copies`): each device
 storage the records view crosses in one copy, and every record gets back exactly its own values, strides and sharing.
 On the CPU nothing crosses, so these tests make the tensors "cross" with a counting copy in place of ``.cpu()``. Then
-(:func:`~nxl_hooks.hooks.publish.on_host`) a record kept holds its own scores, not its batch's."""
+(:func:`~nxl_hooks.hooks.publish.on_host`) a record kept holds its own scores, not its batch's, and a record that
+cannot reach the host is lost alone, and said."""
 
 from __future__ import annotations
 
@@ -69,3 +70,28 @@ def test_a_record_kept_holds_its_own_scores_not_its_batchs():
         for name, value in step.scores.items():
             assert torch.equal(value, expected[name])
             assert value.untyped_storage().nbytes() == value.numel() * value.element_size()
+
+
+def test_a_record_that_cannot_reach_the_host_is_lost_alone_and_said_in_its_calls_notes(caplog):
+    """The publisher moves a batch of records together; when that fails for one of them (here its token texts), the
+    others still reach the call, and the lost one is said in the log and in the call's notes."""
+    from nxl_hooks.hooks.publish import Hub
+
+    def texts(ids: list[int]) -> list[str]:
+        if ids == [7]:
+            raise KeyError("no text for token 7")
+        return [f"t{token}" for token in ids]
+
+    hub = Hub(on_step=None, sink=None, keep_steps=True)
+    call = hub.begin([0], request_id="r", thread=None)
+    steps = [Step(call=0, step=index, position=3 + index, token=torch.tensor([token]), target=torch.tensor([token]),
+                  scores={"normxlogit": torch.ones(1, 1, 3 + index), "logat": torch.ones(1, 1, 3 + index)},
+                  embed_norm=torch.ones(1, 3 + index), mask=torch.ones(1, 3 + index, dtype=torch.bool),
+                  active=torch.ones(1, dtype=torch.bool), layers=[0], n_blocks=1)
+             for index, token in enumerate((5, 7, 9))]
+    hub.publish(call, steps, texts)
+    hub.end(call, None)
+    assert [step.step for step in call.steps] == [0, 2] and [step.readable for step in call.steps] == [["t5"], ["t9"]]
+    assert any("the record of step 1 was lost (KeyError" in note for note in call.notes)
+    assert "the record of step 1 was lost" in caplog.text
+    hub.close()
