@@ -212,7 +212,7 @@ class Run:
         self._log_probs: torch.Tensor | None = None  # the model's own log-softmax at the last position of the last forward
         self._logits: torch.Tensor | None = None  # or its raw logits there, the log-softmax taken when scored
         self._deferred: list[_Emitted] = []  # emitted, not scored yet (see BATCH_STEPS)
-        self._limit = 0  # how many of them may wait (:meth:`_batch_limit`, worked out at the first of them)
+        self._limit = BATCH_STEPS  # how many of them may wait (:meth:`_batch_limit`, worked out at the first of them)
         self._wait = wait  # how long emitted steps may wait to be scored together (0: none; None: up to BATCH_STEPS)
         # decoding positions whose hidden states are not in the feature cache yet: (layers' hidden states, embedding
         # norms, mask) each, stacked and normed together when the waiting steps are scored (:meth:`_fill`)
@@ -567,12 +567,10 @@ class Run:
         # Nobody to hand them to (keep_steps=False, no on_step, sink or subscriber): the records are not made.
         if self._hub.listened:
             now, deferred = time.time(), self._deferred
-            if not deferred:
-                self._limit = 0  # worked out again for the steps from this one on
             for index, (token, rows) in enumerate(zip(tokens, actives)):
                 deferred.append(_Emitted(token, rows, None if log_prob is None else log_prob[index], self._log_probs,
                                          self._logits, at + index, now))
-            if not self._limit:
+            if len(deferred) == count:  # the first of a batch: how many may wait with them
                 self._limit = self._batch_limit()
             if not hold and (self._hub.live or self._wait == 0 or len(deferred) >= self._limit
                              or (self._wait is not None and now - deferred[0].time >= self._wait)):
@@ -690,18 +688,20 @@ class Run:
         gathered in one, every probability exponentiated in one."""
         full = [item.log_probs for item in emitted]
         picked = [item.log_prob for item in emitted]
+
+        def gathered(rows: torch.Tensor, indices: list[int]) -> tuple[torch.Tensor, ...]:
+            """The log-probabilities of steps ``indices``' targets, from their ``rows`` (steps, batch, V)."""
+            return rows.gather(-1, torch.stack([targets[index] for index in indices]).to(rows.device)).unbind(0)
+
         raw = [index for index, item in enumerate(emitted) if item.logits is not None]
         if raw:
             taken = torch.stack([emitted[index].logits for index in raw]).float().log_softmax(-1)  # (raw, batch, V)
-            chosen = taken.gather(-1, torch.stack([targets[index] for index in raw]).to(taken.device))
-            for row, index in enumerate(raw):
+            for row, (index, value) in enumerate(zip(raw, gathered(taken, raw))):
                 full[index] = taken[row]
-                picked[index] = chosen[row] if picked[index] is None else picked[index]
+                picked[index] = value if picked[index] is None else picked[index]
         given = [index for index, log_probs in enumerate(full) if picked[index] is None and log_probs is not None]
         if given:  # rows of their own (an engine's requests): gathered in one operation
-            rows = torch.stack([full[index] for index in given])  # (given, batch, V)
-            chosen = rows.gather(-1, torch.stack([targets[index] for index in given]).to(rows.device))
-            for index, value in zip(given, chosen.unbind(0)):
+            for index, value in zip(given, gathered(torch.stack([full[index] for index in given]), given)):
                 picked[index] = value
         known = [index for index, value in enumerate(picked) if value is not None]
         probabilities: list[torch.Tensor | None] = [None] * len(emitted)

@@ -66,8 +66,8 @@ _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", t
 def _blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
     """A safetensors blob of small CPU tensors, as ``safetensors.torch.save`` writes it (8-byte header length, the
     JSON header, 8-byte aligned, then the raw little-endian data), without its checks for shared and sparse
-    storage: each tensor's own elements are written (records scored together share storage: their norms and masks
-    are views of one copy), and the checks cost five times the encoding (one frame per step). Read back with
+    storage: each tensor's own elements are written (records scored together share storage: their tensors can be
+    views of one copy), and the checks cost five times the encoding (one frame per step). Read back with
     safetensors' own ``load``. ``tensors``' names are nxl_hooks' own (plain identifiers), so the header is written
     directly; only the metadata goes through ``json``."""
     entries, parts, offset = [json.dumps({"__metadata__": metadata})[1:-1]], [], 0
