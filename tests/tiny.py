@@ -5,12 +5,14 @@ small datasets, and an HTML element reader.
     model.generate_batch(prompts, continuous_batching_config=cb_config())   # a small paged cache
     data = write_jsonl(tmp_path / "data.jsonl", 6)
     cells = elements(page, "td", "nxl-cell")           # [{"tag": "td", "data-value": "0.25", ...}, ...]
+    nxl.attach(model, methods=[seen := ScoringThreads()]); ...; seen.threads  # where its steps were scored
 """
 
 from __future__ import annotations
 
 import json
 import random
+import threading
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -152,3 +154,23 @@ def nxl_hooks_on(model: torch.nn.Module) -> int:
     keeps them, so a plain count would depend on which calls ran before)."""
     return sum(getattr(hook, "__module__", "").startswith("nxl_hooks") for m in model.modules()
                for hook in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()))
+
+
+class ScoringThreads:
+    """An attribution method (the public protocol): LogAt, noting the name of the thread each score call runs in
+    (``threads``); with ``fail``, its first call raises ``RuntimeError("scoring broke")`` instead."""
+
+    name = "test_scoring_threads"
+    description = "LogAt, noting its thread (defined in tests/tiny.py)"
+    pointwise = True
+
+    def __init__(self, fail: bool = False) -> None:
+        self.threads: list[str] = []
+        self.fail = fail
+
+    def score(self, given) -> torch.Tensor:
+        self.threads.append(threading.current_thread().name)
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("scoring broke")
+        return given.logat

@@ -17,10 +17,11 @@ generate returns). It explains the token actually emitted, whatever chose it: gr
 processors, a streamer or not.
 
 Host reads. Per generated token the recorder reads nothing back from the device: the emitted token, its scores,
-the rows that finished (EOS) and the decoding step's position stay device tensors; the step record goes to the
-hub's publisher (:mod:`.publish`), which moves it to the host in its own thread. What the host reads is a constant
-per call: the prompt (ids, mask), the first decoding step's position, whether a later step ran at another position
-(one flag), and generate's output.
+the rows that finished (EOS) and the decoding step's position stay device tensors; the steps go to the hub's
+publisher (:mod:`.publish`), which moves their records to the host in its own thread. On a GPU it scores them there
+too (one matmul for the steps scored together, then the methods), off the generating thread, while that one waits
+for the device (:data:`SCORED_ELSEWHERE`). What the host reads is a constant per call: the prompt (ids, mask), the
+first decoding step's position, whether a later step ran at another position (one flag), and generate's output.
 
 Compiled calls. A call whose forwards run compiled (a static cache, which ``generate`` compiles itself, or a forward
 the user compiled) arms the model's :class:`~.tape.Tape` at its start: inside compiled forwards the hooks write
@@ -101,8 +102,15 @@ BATCH_STEPS = 16
 #: A ``generate`` call's waiting steps are scored at the first token that finds the first of them this old (beside a
 #: slow token, scoring it alone costs little, and its one cache stays warm between tokens).
 BATCH_SECONDS = 0.25
+#: Devices on which a call's steps are scored in the hub's publisher thread, off the generating one: a model there
+#: computes asynchronously, so the generating thread waits for it, and the scoring fits in those waits. A model on
+#: the CPU computes in the generating thread itself: the steps are scored there, between its forwards (scored in the
+#: publisher instead, the two threads contend for the interpreter and the cores: transformers' continuous-batching
+#: manager on the CPU took 45 to 60 µs more wall time per request and token, its own CPU time unchanged).
+SCORED_ELSEWHERE = frozenset({"cuda"})
 #: What the waiting steps keep (the model's log-probability rows) and their scores at once stay under this many bytes
-#: (scoring them together holds up to about three times that while it runs: :meth:`Run._scored`'s stacked copies).
+#: (scoring them together holds up to about three times that while it runs: :meth:`Run._scored`'s stacked copies;
+#: the publisher scores one batch at a time, and a batch handed on keeps its rows until it is scored).
 BATCH_BYTES = 64 << 20
 
 
@@ -117,12 +125,45 @@ class _Emitted(NamedTuple):
     time: float  #: when it was emitted (``time.time()``): its record's ``time``
 
 
+class _Context(NamedTuple):
+    """What a batch of waiting steps reads of its call's feature cache (its first ``n`` positions, ``n`` the last
+    step's), as the cache held it when the batch was handed on (:meth:`_Growing.snapshot`)."""
+    features: torch.Tensor  #: (batch, n, layers, d') head features
+    embed: torch.Tensor  #: (batch, n) embedding norms
+    mask: torch.Tensor  #: (batch, n)
+    dtype: torch.dtype  #: what the features are scored in
+
+
+class _Batch:
+    """Emitted steps of one :class:`Run` scored together and the context they read: a :class:`~.publish.Batch`,
+    which the hub makes into records (:meth:`Run._record`) in its publisher thread where the model computes on a
+    device of :data:`SCORED_ELSEWHERE` and the head's readout can be read there
+    (:attr:`~nxl_hooks.method.head.Head.readable_elsewhere`), else at once."""
+
+    def __init__(self, run: "Run", emitted: list[_Emitted], context: _Context) -> None:
+        self._run, self._emitted, self._context = run, emitted, context
+        self.count = len(emitted)
+        self.elsewhere = (emitted[-1].token.device.type in SCORED_ELSEWHERE
+                          and run._plan.head.readable_elsewhere)
+        devices = {emitted[-1].token.device, context.features.device}
+        self.devices = tuple(device for device in devices if device.type == "cuda")
+
+    def records(self) -> list[Step]:
+        return self._run._record(self._emitted, self._context)
+
+    def lost(self, error: BaseException) -> None:
+        self._run._lost(self._emitted[0].n - (self._run._prompt_len or 0), error)
+
+
 class _Growing:
-    """A (batch, n, ...) tensor growing along dim 1; capacity doubles so appends cost amortized O(new)."""
+    """A (batch, n, ...) tensor growing along dim 1; capacity doubles so appends cost amortized O(new). What a
+    :meth:`snapshot` read is never written again: positions rewritten below it go to a new buffer (the batch that
+    holds the snapshot is scored on the publisher thread, later)."""
 
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
         self.n = 0
+        self._read = 0  # the buffer's first positions a snapshot holds
 
     def truncate(self, n: int) -> None:
         self.n = min(self.n, n)
@@ -132,17 +173,23 @@ class _Growing:
         new = values.shape[1]
         need = self.n + new
         buffer = self._buffer
-        if buffer is None or need > buffer.shape[1]:
+        if buffer is None or need > buffer.shape[1] or self.n < self._read:
             capacity = max(need, 2 * (buffer.shape[1] if buffer is not None else 0), 16)
             grown = values.new_empty((values.shape[0], capacity, *values.shape[2:]))
             if buffer is not None:
                 grown.narrow(1, 0, self.n).copy_(buffer.narrow(1, 0, self.n))
             self._buffer = buffer = grown
+            self._read = 0
         buffer.narrow(1, self.n, new).copy_(values)
         self.n = need
 
     def view(self) -> torch.Tensor:
         return self._buffer.narrow(1, 0, self.n)
+
+    def snapshot(self, n: int) -> torch.Tensor:
+        """The first ``n`` positions, as they stay: later appends never write them (a rewrite goes to a new buffer)."""
+        self._read = max(self._read, n)
+        return self._buffer.narrow(1, 0, n)
 
 
 def _setting(model: nn.Module, kwargs: dict, name: str) -> Any:
@@ -220,6 +267,7 @@ class Run:
         self._unfed: list[tuple[list[torch.Tensor] | torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._ones: torch.Tensor | None = None  # the all-ones mask of a one-token step (generate drops it)
         self.failed = False
+        self._unscored = False  # scoring a batch failed in the publisher thread: the later ones are dropped
 
     @property
     def length(self) -> int:
@@ -247,11 +295,22 @@ class Run:
             self.flush()
         except Exception:  # noqa: BLE001 - the first failure is the one said
             self._deferred = []
+        self._say(what, error, len(self._real))
+
+    def _lost(self, step: int, error: BaseException) -> None:
+        """Scoring the steps from ``step`` on failed in the publisher thread (their records are lost): the call stops
+        being recorded there, said once as :meth:`fail` says it; the steps handed on after them are dropped too."""
+        first = not self._unscored and self.call.error is None
+        self.failed = self._unscored = True
+        if first:
+            self._say("scoring its steps", error, step)
+
+    def _say(self, what: str, error: BaseException, done: int) -> None:
+        """The call is not recorded from its step ``done`` on: its error, and the notice's one line."""
         if self._notice is None:
             self.call.error = reason(what, error)
             return
         self.call.error = one_line(error)
-        done = len(self._real)
         self._notice.unrecorded(f"not recorded{f' after step {done - 1}' if done else ''} ({what}): "
                                 f"{self.call.error}")
 
@@ -597,32 +656,38 @@ class Run:
                 + 4 * item.token.shape[0] * len(self._plan.layers) * item.n)
 
     def flush(self) -> None:
-        """Score the emitted steps still waiting, together (as many at a time as :data:`BATCH_BYTES` allows), and
-        publish their records in order."""
+        """Hand the emitted steps still waiting to the hub, to be scored together (as many at a time as
+        :data:`BATCH_BYTES` allows) and published in order: the hub scores them (:meth:`_record`), in its publisher
+        thread where the model's device allows (:class:`_Batch`), reading the feature cache as it holds them now."""
         if not self._deferred:
             return
+        self._fill()
         emitted, self._deferred = self._deferred, []
         each = max(1, BATCH_BYTES // self._step_bytes(emitted[-1]))  # the last is the longest
         for first in range(0, len(emitted), each):
-            self._hub.publish(self.call, self._record(emitted[first:first + each]), self._plan.readable)
+            batch = emitted[first:first + each]
+            n = batch[-1].n
+            context = _Context(self._features.snapshot(n), self._embed.snapshot(n), self._mask.snapshot(n),
+                               self._compute_dtype)
+            self._hub.publish(self.call, _Batch(self, batch, context), self._plan.readable)
 
-    def _record(self, emitted: list[_Emitted]) -> list[Step]:
-        """The records of ``emitted`` steps (in order, each at its own context length): the head's rows of all their
-        tokens are gathered once and the feature cache is read once, in one matmul, for all of them, and their
-        scores are computed together (:meth:`_scored`). What the records have in common is made once and each holds
-        a view of it: their tokens, active rows, probabilities and scores, and the context's embedding norms and mask
-        (copies: a use_cache=False forward rewrites the growing buffers in place). Their tensors stay on the device:
-        the hub's publisher moves them to the host."""
-        self._fill()
+    def _record(self, emitted: list[_Emitted], context: _Context) -> list[Step]:
+        """The records of ``emitted`` steps (in order, each at its own context length), reading ``context``: the
+        head's rows of all their tokens are gathered once and the feature cache is read once, in one matmul, for all
+        of them, and their scores are computed together (:meth:`_scored`). What the records have in common is made
+        once and each holds a view of it: their tokens, active rows, probabilities and scores, and the context's
+        embedding norms and mask (copies, not views of the growing cache). Their tensors stay on the device: the
+        hub's publisher moves them to the host. None after a batch before them failed to be scored."""
+        if self._unscored:
+            return []
         plan, batch, last = self._plan, emitted[0].token.shape[0], emitted[-1].n
         with torch.no_grad():
             tokens = torch.stack([item.token for item in emitted])  # (steps, batch)
             active = torch.stack([item.active for item in emitted]).unbind(0)
-            embed = self._embed.view().narrow(1, 0, last).clone()
-            mask = self._mask.view().narrow(1, 0, last).clone()
+            embed, mask = context.embed.clone(), context.mask.clone()
             targets = [plan.explained(ids) for ids in tokens[:, :, None].unbind(0)]  # each (batch, k)
             log_probs, probabilities = self._probabilities(emitted, targets)
-            features = self._features.view().narrow(1, 0, last).to(self._compute_dtype)  # (batch, last, layers, d)
+            features = context.features.to(context.dtype)  # (batch, last, layers, d)
             layers = features.shape[2]
             with plan.head.reading() as readout:
                 def head_logits(ids: torch.Tensor, n: int = last) -> torch.Tensor:  # (layers, batch, n, m)

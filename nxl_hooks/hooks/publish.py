@@ -11,12 +11,18 @@
   subscription is closed;
 - the sink gets a ``call`` frame when a prompt is known, a ``step`` frame per record and an ``end`` frame.
 
-The record pipeline. The thread that runs ``generate`` (the hot path) hands each step record, its tensors still
-where the model computed them, to a bounded queue and goes on. The hub's publisher thread moves the record to the
-host, keeps it and feeds the subscribers, then queues its frame for the sink thread, which writes it. So:
+The record pipeline. The thread that runs ``generate`` (the hot path) hands the steps it scores together to a
+bounded queue (a :class:`Batch`: their tokens, the model's log-probabilities and what they read of the call's feature
+cache, all where the model computed them) and goes on. On a GPU they are not scored yet: the hub's publisher thread
+scores them (makes their records) while the generating thread waits for the device; elsewhere they come scored. The
+publisher moves the records to the host, keeps them and feeds the subscribers, then queues their frames for the sink
+thread, which writes them. So:
 
 - the hot path reads nothing back from the device per step (``on_step`` is the exception: a callback in the
-  generating thread gets each record there, on the host);
+  generating thread gets each record there, on the host, scored there; so is a batch whose head's readout is
+  offloaded, which accelerate loads into the module for each call: it is read between the model's forwards);
+- a batch whose scoring fails in the publisher is lost, and its call is not recorded from there on: its error says
+  why, in one line in the log, as for a failure in the hot path;
 - a sink never stalls or raises into the host's call: one that raises (anything, ``SystemExit`` and
   ``KeyboardInterrupt`` included) or stops by itself (``fault``), or that falls :data:`SINK_QUEUE` frames behind,
   is stopped and closed; :attr:`Hub.sink_fault` says why, :attr:`Hub.unwritten` counts the step records it did
@@ -49,7 +55,7 @@ import queue
 import threading
 import time
 import weakref
-from typing import Any, Callable, NamedTuple, Union
+from typing import Any, Callable, NamedTuple, Protocol, Union
 
 import torch
 
@@ -59,7 +65,7 @@ from ..records.steps import STEP_TENSORS, GenerationCall, Step
 from .guard import logger, one_line
 from .subscription import LIVE_QUEUE, Subscription
 
-__all__ = ["DRAIN_SECONDS", "LIVE_QUEUE", "QUEUE", "SINK_QUEUE", "Hub", "Subscription", "host_copies",
+__all__ = ["DRAIN_SECONDS", "LIVE_QUEUE", "QUEUE", "SINK_QUEUE", "Batch", "Hub", "Subscription", "host_copies",
            "on_host"]
 
 #: Step records the publisher may have waiting; one more and the record is dropped (its call stops being recorded).
@@ -147,6 +153,25 @@ def host_copies(tensors: list[torch.Tensor], move: Callable[[torch.Tensor], torc
 _SLACK = 1 << 16
 
 
+class Batch(Protocol):
+    """Consecutive step records of one call, scored together, handed to :meth:`Hub.publish` before they are made:
+    the hub makes them (:meth:`records`) in its publisher thread, off the generating one, where ``elsewhere`` allows,
+    else at once in the generating thread."""
+
+    count: int  #: how many records
+    elsewhere: bool  #: whether its records may be made in another thread while the model runs
+    devices: tuple[torch.device, ...]  #: the CUDA devices of what it reads: made once the work queued there is done
+
+    def records(self) -> list[Step]:
+        """Its records, in order, their tensors where they were computed."""
+        ...
+
+    def lost(self, error: BaseException) -> None:
+        """Making its records failed in the publisher thread: they are lost, and its call says so (its error, one
+        line in the log) and stops being recorded."""
+        ...
+
+
 def _give(subscriber: "Subscription[Step]", item: Step | None) -> None:
     """A record for ``subscriber``, or (None) its end."""
     if item is None:
@@ -156,12 +181,13 @@ def _give(subscriber: "Subscription[Step]", item: Step | None) -> None:
 
 
 class _StepItem(NamedTuple):
-    """Consecutive step records of one call for the publisher; ``ready``: the CUDA event after which their tensors
-    may be read."""
+    """Consecutive step records of one call for the publisher (``records`` of them): made, or a :class:`Batch` it
+    makes; ``ready``: the CUDA events after which what they read may be read."""
     call: GenerationCall
-    steps: tuple[Step, ...]
+    steps: tuple[Step, ...] | Batch
     texts: Texts | None
-    ready: torch.cuda.Event | None
+    ready: tuple[torch.cuda.Event, ...]
+    records: int
 
 
 class _CallItem(NamedTuple):
@@ -270,20 +296,26 @@ class Hub:
         call.prompt_ids, call.prompt_mask = ids, mask
         self._submit(_CallItem(call, meta))
 
-    def publish(self, call: GenerationCall, steps: list[Step], texts: Texts | None = None) -> None:
-        """Hand on ``steps``, consecutive records of ``call`` (their tensors may still be on the device; ``texts``
-        makes their readable texts, on the host), as one item: the publisher and the sink thread wake up once for
-        them all. RuntimeError when the publisher would be more than :data:`QUEUE` records behind: that call stops
-        being recorded. ``hub.publish(call, [step], plan.readable)``"""
-        if self._on_step is not None:  # the callback wants each record in this thread, on the host
-            steps, texts = on_host(list(steps), texts), None
-        ready = None
-        if steps[-1].normxlogit.is_cuda:  # the publisher reads them once the work queued so far on this stream is done
-            ready = torch.cuda.Event()
-            ready.record(torch.cuda.current_stream(steps[-1].normxlogit.device))
-        self._submit(_StepItem(call, tuple(steps), texts, ready), records=len(steps))
+    def publish(self, call: GenerationCall, batch: Batch, texts: Texts | None = None) -> None:
+        """Hand on ``batch``, consecutive records of ``call`` scored together (``texts`` makes their readable texts,
+        on the host), as one item: the publisher makes them, moves them to the host, and it and the sink thread wake
+        up once for them all. Made here instead where the batch cannot be made elsewhere, or for an ``on_step``
+        callback (which wants each record in this thread, on the host); then what making them raises is the
+        caller's. RuntimeError when the publisher would be more than :data:`QUEUE` records behind: that call stops
+        being recorded. ``hub.publish(call, batch, plan.readable)``"""
+        made: tuple[Step, ...] | Batch = batch
+        devices = batch.devices
         if self._on_step is not None:
-            for step in steps:
+            made, texts, devices = tuple(on_host(batch.records(), texts)), None, ()
+        elif not batch.elsewhere:
+            made = tuple(batch.records())
+        # the publisher reads them once the work queued so far on this thread's streams is done
+        ready = [torch.cuda.Event() for _ in devices]
+        for event, device in zip(ready, devices):
+            event.record(torch.cuda.current_stream(device))
+        self._submit(_StepItem(call, made, texts, tuple(ready), batch.count), records=batch.count)
+        if self._on_step is not None:
+            for step in made:
                 self._on_step(step)
 
     def end(self, call: GenerationCall, sequences: torch.Tensor | None, error: str | None = None) -> None:
@@ -413,7 +445,7 @@ class Hub:
             finally:
                 if isinstance(item, _StepItem):
                     with self._lock:
-                        self._waiting -= len(item.steps)
+                        self._waiting -= item.records
                 if isinstance(item, (_EndItem, _CloseItem)) or len(self._outbox) >= HELD or items.empty():
                     self._send()  # before the end is signalled: its records are with the subscribers
                 if isinstance(item, _EndItem):
@@ -440,12 +472,19 @@ class Hub:
 
     def _handle(self, item: _Item) -> None:
         if isinstance(item, _StepItem):
-            if item.ready is not None:
-                item.ready.synchronize()
+            for event in item.ready:
+                event.synchronize()
+            made = item.steps
+            if not isinstance(made, tuple):
+                try:
+                    made = tuple(made.records())
+                except Exception as error:  # noqa: BLE001 - its call says so (its ``lost``); the publisher goes on
+                    made.lost(error)
+                    return
             try:
-                steps = on_host(list(item.steps), item.texts)
+                steps = on_host(list(made), item.texts)
             except Exception:  # noqa: BLE001 - one record's texts or copy failed: the others still go on
-                steps = [step for step in item.steps if self._alone(item.call, step, item.texts)]
+                steps = [step for step in made if self._alone(item.call, step, item.texts)]
             for step in steps:
                 self._deliver(item.call, step)
         elif isinstance(item, _CallItem):

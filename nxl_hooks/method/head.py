@@ -135,6 +135,13 @@ class Head:
         """Where the readout computes."""
         return module_device(self.readout)
 
+    @property
+    def readable_elsewhere(self) -> bool:
+        """Whether the readout may be read in another thread while the model runs (the record pipeline scores
+        generated tokens there): its weights stay where they are. An offloaded readout's are loaded into the module
+        for each call, the model's own included, so it is read only between the model's forwards."""
+        return not self._offloaded
+
     def _step_on(self, index: int, step: nn.Module, device: torch.device) -> nn.Module:
         """For a ``step`` that computes elsewhere than ``device``: a local copy when it is plain (a norm's weights
         cross devices once instead of every hidden state), else ``step`` (quantized, adapter: inputs go to it)."""

@@ -6,12 +6,14 @@ the library returns, and what torch reports about memory (CI has no GPU, so a pr
 from __future__ import annotations
 
 import gc
+import threading
 
 import pytest
 import torch
 
 import big_models as big
 import nxl_hooks as nxl
+import tiny
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 #: CUDA vs CPU reference: same float32 math, different kernels and summation order.
@@ -145,15 +147,21 @@ def test_generate_on_cuda_cpu_split():
 
 def test_generate_on_cuda_records_reach_the_host_whole_each_batch_in_one_copy_per_tensor(tmp_path):
     """Every tensor of every record (each method's scores included) is on the host once the call returns, equal to
-    the same call's on the CPU; the records scored together crossed together: they share host storage."""
+    the same call's on the CPU; the records scored together crossed together: they share host storage. On CUDA the
+    steps are scored in the record pipeline's publisher thread, off the generating one; on the CPU in the
+    generating thread."""
     ids, mask = (tensor.flip(-1) for tensor in big.batch())
-    records = []
+    records, threads = [], {}
     for device in ("cpu", "cuda"):
         model = big.build("llama").to(device)
-        with torch.no_grad(), nxl.attach(model, methods=["contrastive"], sink=tmp_path / f"{device}.nxl") as probe:
+        threads[device] = tiny.ScoringThreads()
+        with torch.no_grad(), nxl.attach(model, methods=["contrastive", threads[device]],
+                                         sink=tmp_path / f"{device}.nxl") as probe:
             model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), max_new_tokens=4,
                            do_sample=False, pad_token_id=0)
         records.append(probe.steps)
+    assert set(threads["cpu"].threads) == {threading.current_thread().name}
+    assert set(threads["cuda"].threads) == {"nxl_hooks-publisher"}
     for cpu_step, cuda_step in zip(*records, strict=True):
         tensors = {name: getattr(cuda_step, name) for name in ("token", "target", "embed_norm", "mask", "active",
                                                                  "probability")}

@@ -105,10 +105,20 @@ def test_generate_batch_gives_each_request_its_oracle(model):
     assert any(length > 1 and not new for f in forwards for _, length, new in f)
 
 
-def test_requests_run_again_from_the_start_under_cache_pressure_are_recorded_whole(model):
+@pytest.mark.parametrize("scored", ["manager", "publisher"])
+def test_requests_run_again_from_the_start_under_cache_pressure_are_recorded_whole(model, scored, monkeypatch):
     """With too few cache blocks for every request, the manager drops a running request's cache and runs it again
     from position 0, its generated tokens now part of its prompt (a soft reset): the request's record is fed from
-    position 0 again, those tokens' ids included, and each of its steps still equals its oracle."""
+    position 0 again, those tokens' ids included, and each of its steps still equals its oracle. Also with the steps
+    scored in the publisher thread (as on a GPU), while the manager rewrites the positions they read."""
+    from nxl_hooks.hooks import generate
+
+    threads = set()
+    if scored == "publisher":
+        monkeypatch.setattr(generate, "SCORED_ELSEWHERE", generate.SCORED_ELSEWHERE | {"cpu"})
+    record = generate.Run._record
+    monkeypatch.setattr(generate.Run, "_record", lambda self, *args: threads.add(threading.current_thread().name)
+                        or record(self, *args))
     prompts, new = _prompts((10, 10, 10, 10), seed=3), 30
     plain = model.generate_batch(prompts, generation_config=_greedy(new),
                                  continuous_batching_config=_config(num_blocks=3))
@@ -128,6 +138,7 @@ def test_requests_run_again_from_the_start_under_cache_pressure_are_recorded_who
         assert call.error is None, call.error
         check_call(model, call, new)
         assert [int(s.token) for s in call.steps] == out[request_id].generated_tokens
+    assert len(threads) == 1 and (next(iter(threads)) == "nxl_hooks-publisher") == (scored == "publisher")
 
 
 def test_decoding_positions_nobody_scores_wait_at_most_batch_steps(model, monkeypatch):

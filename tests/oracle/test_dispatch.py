@@ -6,11 +6,14 @@ Tolerance: rtol 1e-5, atol 1e-6. On one CPU the arithmetic is the same; only wei
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
 import big_models as big
 import nxl_hooks as nxl
+import tiny
 
 accelerate = pytest.importorskip("accelerate")
 from accelerate import cpu_offload, disk_offload  # noqa: E402
@@ -96,15 +99,23 @@ def test_disk_offload_per_family(tmp_path, case_id):
     _assert_same(_attribute(model, ids, mask), _attribute(case.build(), ids, mask))
 
 
-def test_generate_with_offloaded_head(tmp_path):
-    """Streaming attribution during generate reads the offloaded head the same way: same tokens, same steps."""
+def test_generate_with_offloaded_head(tmp_path, monkeypatch):
+    """Streaming attribution during generate reads the offloaded head the same way: same tokens, same steps. The
+    offloaded head is read in the generating thread, between the model's forwards (accelerate loads its weights into
+    the module for each call), where a head that stays put is read in the publisher thread (as on a GPU: here the
+    CPU is made one of the devices scored there)."""
+    from nxl_hooks.hooks import generate
+
+    monkeypatch.setattr(generate, "SCORED_ELSEWHERE", generate.SCORED_ELSEWHERE | {"cpu"})
     ids, mask = (tensor.flip(-1) for tensor in big.batch())  # left padding, as for generation
-    runs = []
+    runs, threads = [], []
     for model in (big.build("llama"), disk_offload(big.build("llama"), str(tmp_path), execution_device="cpu")):
-        with torch.no_grad(), nxl.attach(model) as probe:
+        threads.append(tiny.ScoringThreads())
+        with torch.no_grad(), nxl.attach(model, methods=[threads[-1]]) as probe:
             out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0)
         runs.append((out, probe.steps))
     (plain_out, plain_steps), (offloaded_out, offloaded_steps) = runs
     assert torch.equal(plain_out, offloaded_out)
+    assert [set(t.threads) for t in threads] == [{"nxl_hooks-publisher"}, {threading.current_thread().name}]
     for plain_step, offloaded_step in zip(plain_steps, offloaded_steps, strict=True):
         torch.testing.assert_close(offloaded_step.normxlogit, plain_step.normxlogit, **TOL)

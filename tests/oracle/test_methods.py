@@ -323,3 +323,47 @@ def test_generated_tokens_scored_together_equal_the_oracle_one_by_one(lm, method
     # scored together: one score call's output, each record a view of its own rows and positions
     storages = {step.normxlogit.untyped_storage().data_ptr() for step in probe.steps}
     assert len(storages) == (1 if methods == ["contrastive"] else 6)
+
+
+def test_generated_tokens_are_scored_in_the_publisher_thread_and_a_failure_there_ends_the_calls_records(
+        lm, monkeypatch, caplog):
+    """Waiting steps are scored off the generating thread, in the hub's publisher, where the model's device allows it
+    (a GPU's; here the CPU made one of them), and in the generating thread otherwise and under an ``on_step``
+    callback (which wants each record there); the records equal the oracle either way. A batch whose
+    scoring raises there is lost, said in the call's error and in one line of the log; the batches after it are
+    dropped (the call is not recorded from that step on); the generation itself is unchanged."""
+    from nxl_hooks.hooks import generate
+
+    model, _ = lm
+    monkeypatch.setattr(generate, "BATCH_STEPS", 2)  # 6 tokens: three batches
+    elsewhere = generate.SCORED_ELSEWHERE | {"cpu"}
+    ids = torch.randint(3, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(4))
+
+    def run(method: tiny.ScoringThreads, **options):
+        with nxl.attach(model, methods=[method], **options) as probe:
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                                 do_sample=False, pad_token_id=0)
+        return out, probe
+
+    plain = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                           pad_token_id=0)
+    cases = ((elsewhere, {}, "nxl_hooks-publisher"), (generate.SCORED_ELSEWHERE, {}, "MainThread"),
+             (elsewhere, {"on_step": lambda step: None}, "MainThread"))
+    for devices, options, thread in cases:
+        monkeypatch.setattr(generate, "SCORED_ELSEWHERE", devices)
+        scorer = tiny.ScoringThreads()
+        out, probe = run(scorer, **options)
+        assert torch.equal(out, plain) and set(scorer.threads) == {thread}
+        oracle.check_call(model, probe.calls[0], 6)
+        for step in probe.steps:
+            torch.testing.assert_close(step.scores["test_scoring_threads"], step.logat)
+    monkeypatch.setattr(generate, "SCORED_ELSEWHERE", elsewhere)
+    broken = tiny.ScoringThreads(fail=True)
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+        out, probe = run(broken)
+    call = probe.calls[0]
+    assert torch.equal(out, plain) and set(broken.threads) == {"nxl_hooks-publisher"}
+    assert call.steps == [] and not call.complete and "scoring broke" in call.error
+    assert call.error == "scoring broke" and "not recorded (scoring its steps): scoring broke" in probe.unrecorded
+    assert [r.getMessage() for r in caplog.records if "scoring broke" in r.getMessage()] == [
+        "nxl_hooks: not recorded (scoring its steps): scoring broke; the model's own call is unaffected"]

@@ -1,11 +1,16 @@
-"""The publisher's move of a batch of records to the host (:func:`nxl_hooks.hooks.publish.host_copies`): each device
-storage the records view crosses in one copy, and every record gets back exactly its own values, strides and sharing.
-On the CPU nothing crosses, so these tests make the tensors "cross" with a counting copy in place of ``.cpu()``. Then
+"""The publisher's work on a batch of records. It makes them (scores them) off the generating thread, from a snapshot
+of the call's feature cache that the call's later rewrites never touch; a batch that fails there is lost alone, and
+said. It moves them to the host (:func:`nxl_hooks.hooks.publish.host_copies`): each device storage the records view
+crosses in one copy, and every record gets back exactly its own values, strides and sharing. On the CPU nothing
+crosses, so these tests make the tensors "cross" with a counting copy in place of ``.cpu()``. Then
 (:func:`~nxl_hooks.hooks.publish.on_host`) a record kept holds its own scores, not its batch's, and a record that
 cannot reach the host is lost alone, and said."""
 
 from __future__ import annotations
 
+import threading
+
+import pytest
 import torch
 
 from nxl_hooks.hooks.publish import host_copies, on_host
@@ -89,9 +94,89 @@ def test_a_record_that_cannot_reach_the_host_is_lost_alone_and_said_in_its_calls
                   embed_norm=torch.ones(1, 3 + index), mask=torch.ones(1, 3 + index, dtype=torch.bool),
                   active=torch.ones(1, dtype=torch.bool), layers=[0], n_blocks=1)
              for index, token in enumerate((5, 7, 9))]
-    hub.publish(call, steps, texts)
+    hub.publish(call, _Batch(steps), texts)
     hub.end(call, None)
     assert [step.step for step in call.steps] == [0, 2] and [step.readable for step in call.steps] == [["t5"], ["t9"]]
     assert any("the record of step 1 was lost (KeyError" in note for note in call.notes)
     assert "the record of step 1 was lost" in caplog.text
     hub.close()
+
+
+class _Batch:
+    """A :class:`~nxl_hooks.hooks.publish.Batch` of made records; ``fail``: what making them raises."""
+
+    def __init__(self, steps: list[Step], fail: BaseException | None = None, elsewhere: bool = True) -> None:
+        self.count, self.elsewhere, self.devices = len(steps), elsewhere, ()
+        self._steps, self._fail = steps, fail
+        self.made_in: str | None = None
+        self.lost_with: BaseException | None = None
+
+    def records(self) -> list[Step]:
+        self.made_in = threading.current_thread().name
+        if self._fail is not None:
+            raise self._fail
+        return self._steps
+
+    def lost(self, error: BaseException) -> None:
+        self.lost_with = error
+
+
+def _steps(first: int, count: int) -> list[Step]:
+    return [Step(call=0, step=index, position=3 + index, token=torch.tensor([index]), target=torch.tensor([index]),
+                 scores={"normxlogit": torch.ones(1, 1, 3 + index), "logat": torch.ones(1, 1, 3 + index)},
+                 embed_norm=torch.ones(1, 3 + index), mask=torch.ones(1, 3 + index, dtype=torch.bool),
+                 active=torch.ones(1, dtype=torch.bool), layers=[0], n_blocks=1)
+            for index in range(first, first + count)]
+
+
+def test_the_publisher_makes_each_batch_and_one_that_fails_is_lost_alone():
+    """A batch handed on is made into records in the publisher thread; one whose making raises is lost, told through
+    its ``lost`` (its call says it), and the publisher goes on with the next. A batch that cannot be made elsewhere,
+    or any under an ``on_step`` callback, is made in the calling thread, where what it raises is the caller's."""
+    from nxl_hooks.hooks.publish import Hub
+
+    hub = Hub(on_step=None, sink=None, keep_steps=True)
+    call = hub.begin([0], request_id="r", thread=None)
+    broken, whole, here = (_Batch(_steps(0, 2), RuntimeError("no memory")), _Batch(_steps(2, 2)),
+                           _Batch(_steps(4, 1), elsewhere=False))
+    for batch in (broken, whole, here):
+        hub.publish(call, batch)
+    hub.end(call, None)
+    assert [step.step for step in call.steps] == [2, 3, 4]
+    assert (broken.made_in, whole.made_in, here.made_in) == ("nxl_hooks-publisher", "nxl_hooks-publisher",
+                                                             "MainThread")
+    assert isinstance(broken.lost_with, RuntimeError) and whole.lost_with is None and call.notes == []
+    hub.close()
+    seen = []
+    hub = Hub(on_step=seen.append, sink=None, keep_steps=False)
+    call = hub.begin([0], request_id="r", thread=None)
+    mine = _Batch(_steps(0, 2))
+    hub.publish(call, mine)
+    with pytest.raises(RuntimeError, match="no memory"):
+        hub.publish(call, _Batch(_steps(2, 1), RuntimeError("no memory")))
+    hub.end(call, None)
+    assert mine.made_in == "MainThread" and [step.step for step in seen] == [0, 1]
+    hub.close()
+
+
+def test_a_snapshot_of_the_feature_cache_stays_as_it_was_when_the_call_rewrites_positions():
+    """A batch of steps scored in the publisher thread reads the feature cache as it was when it was handed on:
+    positions the call rewrites afterwards (a use_cache=False forward recomputes them all) go to a new buffer, never
+    into what the snapshot reads; appends past it, and rewrites nothing holds, stay in place."""
+    from nxl_hooks.hooks.generate import _Growing
+
+    cache = _Growing()
+    cache.append(torch.arange(6.0).view(1, 6))
+    held = cache.snapshot(6)
+    before, storage = held.clone(), held.untyped_storage().data_ptr()
+    cache.append(torch.full((1, 2), 7.0))  # past what the snapshot reads: in place
+    assert cache.view().untyped_storage().data_ptr() == storage
+    cache.truncate(2)
+    cache.append(torch.full((1, 5), -1.0))  # rewrites positions 2..6
+    assert torch.equal(held, before) and held.untyped_storage().data_ptr() == storage
+    assert torch.equal(cache.view(), torch.tensor([[0.0, 1.0, -1.0, -1.0, -1.0, -1.0, -1.0]]))
+    moved = cache.view().untyped_storage().data_ptr()
+    assert moved != storage
+    cache.truncate(3)
+    cache.append(torch.zeros(1, 1))  # nothing holds the new buffer: rewritten in place
+    assert cache.view().untyped_storage().data_ptr() == moved and float(cache.view()[0, 3]) == 0.0
