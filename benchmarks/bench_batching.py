@@ -15,7 +15,10 @@ round runs plain and attached in a rotating order; the report gives the median o
 token; and whether each request's tokens are plain's is reported. Then one more call of each counts the torch
 functions the manager's thread calls (device operations and tensor attribute reads alike), per generated token:
 what recording adds there is what a step replayed as a CUDA graph feels on a GPU, where each launch costs the host
-microseconds, and unlike time it is the same on every run.
+microseconds, and unlike time it is the same on every run. Every timed call also reads the manager thread's own
+CPU time and wall time, and (attached) the CPU time of the record pipeline's publisher thread, per generated token
+(medians): where recording's cost lands. The manager's wall time beyond its CPU time is waiting: for the device, or
+for the interpreter lock while another thread holds it.
 """
 
 from __future__ import annotations
@@ -23,6 +26,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+import threading
+import time
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -69,6 +74,40 @@ def manager_calls(run) -> int | None:
     return sum(counts)
 
 
+class _LoopClock:
+    """The manager thread's (CPU seconds, wall seconds) of each ``_run_generation_loop`` (one per manager), while
+    entered (nothing where this transformers has no such method)."""
+
+    def __init__(self) -> None:
+        self.loops: list[tuple[float, float]] = []
+        self._loop = getattr(ContinuousBatchingManager, "_run_generation_loop", None)
+
+    def __enter__(self) -> "_LoopClock":
+        loop, loops = self._loop, self.loops
+        if loop is not None:
+            def clocked(manager, *args, **kwargs):
+                cpu, wall = time.thread_time(), time.perf_counter()
+                try:
+                    return loop(manager, *args, **kwargs)
+                finally:
+                    loops.append((time.thread_time() - cpu, time.perf_counter() - wall))
+
+            ContinuousBatchingManager._run_generation_loop = clocked
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._loop is not None:
+            ContinuousBatchingManager._run_generation_loop = self._loop
+
+
+def publisher_cpu() -> float | None:
+    """CPU seconds of this process's record-pipeline publisher thread so far (None where there is none)."""
+    for thread in threading.enumerate():
+        if thread.name == "nxl_hooks-publisher" and thread.ident is not None:
+            return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+    return None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_model_options(parser)
@@ -87,12 +126,17 @@ def main() -> None:
     # room for every request at once, and no more: the default cache takes most of the device's memory
     blocks = args.requests * -(-(args.prompt + args.new) // page)
     tokens: dict[str, dict] = {}
+    clocks: dict[str, list[tuple[float, float]]] = {}  # the manager thread's (CPU, wall) seconds of each call
+    publisher: list[float] = []  # the publisher thread's CPU seconds of each attached call
 
     def batch(name: str):
         config = ContinuousBatchingConfig(num_blocks=blocks, use_cuda_graph=args.cuda_graph, use_async_batching=False)
-        out = model.generate_batch(prompts, generation_config=greedy, continuous_batching_config=config,
-                                   progress_bar=False)
+        with _LoopClock() as clock:
+            out = model.generate_batch(prompts, generation_config=greedy, continuous_batching_config=config,
+                                       progress_bar=False)
         tokens[name] = {key: list(result.generated_tokens) for key, result in out.items()}
+        if len(clock.loops) == 1:  # the manager's thread ended with the call
+            clocks.setdefault(name, []).append(clock.loops[0])
 
     def plain() -> float:
         return timed(lambda: batch("plain"), device, args.clock)
@@ -100,6 +144,7 @@ def main() -> None:
     def attached() -> float:
         with nxl.attach(model, layers="all") as probe:
             seconds = timed(lambda: batch("attached"), device, args.clock)
+            publisher.append(publisher_cpu() or 0.0)  # the probe's own thread: it started with its first record
         calls = probe.calls
         assert len(calls) == args.requests, f"{len(calls)} of {args.requests} requests recorded"
         for call in calls:
@@ -125,6 +170,8 @@ def main() -> None:
                     ratios.append(measured["plain"] / measured["attached"])  # throughput: attached over plain
                 print(f"round {round_}: " + ", ".join(f"{n} {v:.2f}s" for n, v in measured.items()), file=sys.stderr)
         generated = args.requests * args.new
+        timed_clocks = {name: values[1:] for name, values in clocks.items()}  # round 0 dropped, as its times
+        published = publisher[1:]
         counted = {name: manager_calls(variants[name]) for name in names}
     finally:
         if args.threads:
@@ -146,12 +193,26 @@ def main() -> None:
         "median_tokens_per_s": {name: generated / seconds for name, seconds in median.items()},
         "paired_throughput_ratios": ratios,
         "manager_thread_torch_calls_per_token": per_token,
+        "manager_thread_us_per_token": _per_token_us(timed_clocks, generated),
+        "publisher_thread_cpu_us_per_token": (1e6 * statistics.median(published) / generated if published
+                                              else None),
         "attached_throughput_over_plain": statistics.median(ratios),
         "goal_attached_throughput_over_plain": None if args.smoke else 0.95,
         "every_request_recorded": True,  # checked every round
         "same_tokens_as_plain": all(same),
     }
     emit(report, args.out)
+
+
+def _per_token_us(clocks: dict[str, list[tuple[float, float]]], generated: int) -> dict | None:
+    """The manager thread's median CPU and wall microseconds per generated token, plain and attached, and what
+    attaching added (None where a call's thread was not clocked)."""
+    if set(clocks) != {"plain", "attached"} or not all(clocks.values()):
+        return None
+    out = {name: {kind: 1e6 * statistics.median(pair[index] for pair in pairs) / generated
+                  for index, kind in enumerate(("cpu", "wall"))} for name, pairs in clocks.items()}
+    out["added"] = {kind: out["attached"][kind] - out["plain"][kind] for kind in ("cpu", "wall")}
+    return out
 
 
 if __name__ == "__main__":
