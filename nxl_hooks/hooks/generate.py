@@ -102,15 +102,17 @@ BATCH_STEPS = 16
 #: A ``generate`` call's waiting steps are scored at the first token that finds the first of them this old (beside a
 #: slow token, scoring it alone costs little, and its one cache stays warm between tokens).
 BATCH_SECONDS = 0.25
-#: Devices on which a call's steps are scored in the hub's publisher thread, off the generating one: a model there
-#: computes asynchronously, so the generating thread waits for it, and the scoring fits in those waits. A model on
-#: the CPU computes in the generating thread itself: the steps are scored there, between its forwards (scored in the
-#: publisher instead, the two threads contend for the interpreter and the cores: transformers' continuous-batching
-#: manager on the CPU took 45 to 60 µs more wall time per request and token, its own CPU time unchanged).
+#: Where a call's feature cache is (where its steps are scored) on these devices, its steps are scored in the hub's
+#: publisher thread, off the generating one: a model there computes asynchronously, so the generating thread waits
+#: for it, and the scoring fits in those waits. A model on the CPU computes in the generating thread itself: the
+#: steps are scored there, between its forwards (scored in the publisher instead, the two threads contend for the
+#: interpreter and the cores: transformers' continuous-batching manager on the CPU took 45 to 60 µs more wall time
+#: per request and token, its own CPU time unchanged).
 SCORED_ELSEWHERE = frozenset({"cuda"})
 #: What the waiting steps keep (the model's log-probability rows) and their scores at once stay under this many bytes
 #: (scoring them together holds up to about three times that while it runs: :meth:`Run._scored`'s stacked copies;
-#: the publisher scores one batch at a time, and a batch handed on keeps its rows until it is scored).
+#: a batch handed on to the publisher keeps its rows until it is scored, all of them under
+#: :data:`~.publish.UNSCORED_BYTES`).
 BATCH_BYTES = 64 << 20
 
 
@@ -136,17 +138,18 @@ class _Context(NamedTuple):
 
 class _Batch:
     """Emitted steps of one :class:`Run` scored together and the context they read: a :class:`~.publish.Batch`,
-    which the hub makes into records (:meth:`Run._record`) in its publisher thread where the model computes on a
-    device of :data:`SCORED_ELSEWHERE` and the head's readout can be read there
-    (:attr:`~nxl_hooks.method.head.Head.readable_elsewhere`), else at once."""
+    which the hub makes into records (:meth:`Run._record`) in its publisher thread where ``elsewhere``
+    (:meth:`Run._elsewhere`), else at once; ``nbytes``: what it keeps until then."""
 
-    def __init__(self, run: "Run", emitted: list[_Emitted], context: _Context) -> None:
+    def __init__(self, run: "Run", emitted: list[_Emitted], context: _Context, *, elsewhere: bool,
+                 nbytes: int) -> None:
         self._run, self._emitted, self._context = run, emitted, context
-        self.count = len(emitted)
-        self.elsewhere = (emitted[-1].token.device.type in SCORED_ELSEWHERE
-                          and run._plan.head.readable_elsewhere)
-        devices = {emitted[-1].token.device, context.features.device}
-        self.devices = tuple(device for device in devices if device.type == "cuda")
+        self.count, self.elsewhere, self.nbytes = len(emitted), elsewhere, nbytes
+        # every device what it reads was computed on (a device_map's embedding norms sit on the first block's)
+        read = {context.features.device, context.embed.device, context.mask.device,
+                *(tensor.device for item in emitted for tensor in (item.token, item.log_prob, item.log_probs,
+                                                                   item.logits) if tensor is not None)}
+        self.devices = tuple(device for device in read if device.type == "cuda")
 
     def records(self) -> list[Step]:
         return self._run._record(self._emitted, self._context)
@@ -156,9 +159,9 @@ class _Batch:
 
 
 class _Growing:
-    """A (batch, n, ...) tensor growing along dim 1; capacity doubles so appends cost amortized O(new). What a
-    :meth:`snapshot` read is never written again: positions rewritten below it go to a new buffer (the batch that
-    holds the snapshot is scored on the publisher thread, later)."""
+    """A (batch, n, ...) tensor growing along dim 1; capacity doubles so appends cost amortized O(new). What a kept
+    :meth:`snapshot` reads is never written again: positions rewritten below it go to a new buffer of the same
+    capacity (the batch that holds the snapshot is scored on the publisher thread, later)."""
 
     def __init__(self) -> None:
         self._buffer: torch.Tensor | None = None
@@ -174,7 +177,9 @@ class _Growing:
         need = self.n + new
         buffer = self._buffer
         if buffer is None or need > buffer.shape[1] or self.n < self._read:
-            capacity = max(need, 2 * (buffer.shape[1] if buffer is not None else 0), 16)
+            # grown: capacity doubles; rewritten below a snapshot: a buffer of the same capacity
+            capacity = (max(need, 2 * buffer.shape[1] if buffer is not None else 0, 16)
+                        if buffer is None or need > buffer.shape[1] else buffer.shape[1])
             grown = values.new_empty((values.shape[0], capacity, *values.shape[2:]))
             if buffer is not None:
                 grown.narrow(1, 0, self.n).copy_(buffer.narrow(1, 0, self.n))
@@ -186,10 +191,12 @@ class _Growing:
     def view(self) -> torch.Tensor:
         return self._buffer.narrow(1, 0, self.n)
 
-    def snapshot(self, n: int) -> torch.Tensor:
-        """The first ``n`` positions, as they stay: later appends never write them (a rewrite goes to a new buffer)."""
-        self._read = max(self._read, n)
-        return self._buffer.narrow(1, 0, n)
+    def snapshot(self, n: int, *, kept: bool) -> torch.Tensor:
+        """The first ``n`` positions; ``kept``: as they stay, read later (on the publisher thread): appends never
+        write them again (a rewrite goes to a new buffer)."""
+        if kept:
+            self._read = max(self._read, n)
+        return self.view().narrow(1, 0, n)
 
 
 def _setting(model: nn.Module, kwargs: dict, name: str) -> Any:
@@ -268,6 +275,7 @@ class Run:
         self._ones: torch.Tensor | None = None  # the all-ones mask of a one-token step (generate drops it)
         self.failed = False
         self._unscored = False  # scoring a batch failed in the publisher thread: the later ones are dropped
+        self._said = threading.Lock()  # a failure is said once, by the generating thread or the publisher
 
     @property
     def length(self) -> int:
@@ -306,7 +314,10 @@ class Run:
             self._say("scoring its steps", error, step)
 
     def _say(self, what: str, error: BaseException, done: int) -> None:
-        """The call is not recorded from its step ``done`` on: its error, and the notice's one line."""
+        """The call is not recorded from its step ``done`` on: its error, and the notice's one line (the first
+        failure said only)."""
+        if not self._said.acquire(blocking=False):
+            return
         if self._notice is None:
             self.call.error = reason(what, error)
             return
@@ -567,7 +578,8 @@ class Run:
         emitting = first if self._pending else first + 1
         if emitting < end:
             self._emit(sequences[:, emitting - shift:end - shift].long().unbind(1),
-                       tape.log_prob[:, emitting - 1:end - 1].unbind(1), at=emitting, hold=True)
+                       # a copy: the tape is the model's, and another call may arm it before these are scored
+                       tape.log_prob[:, emitting - 1:end - 1].clone().unbind(1), at=emitting, hold=True)
         try:
             self.feed(first, *tape.positions(first, end), None)
         except BaseException:
@@ -664,12 +676,22 @@ class Run:
         self._fill()
         emitted, self._deferred = self._deferred, []
         each = max(1, BATCH_BYTES // self._step_bytes(emitted[-1]))  # the last is the longest
+        elsewhere = self._elsewhere()
         for first in range(0, len(emitted), each):
             batch = emitted[first:first + each]
             n = batch[-1].n
-            context = _Context(self._features.snapshot(n), self._embed.snapshot(n), self._mask.snapshot(n),
-                               self._compute_dtype)
-            self._hub.publish(self.call, _Batch(self, batch, context), self._plan.readable)
+            context = _Context(*(cache.snapshot(n, kept=elsewhere) for cache in (self._features, self._embed,
+                                                                                 self._mask)), self._compute_dtype)
+            self._hub.publish(self.call, _Batch(self, batch, context, elsewhere=elsewhere,
+                                                nbytes=sum(self._step_bytes(item) for item in batch)),
+                              self._plan.readable)
+
+    def _elsewhere(self) -> bool:
+        """Whether this call's steps may be scored in the publisher thread: its feature cache (where the scoring
+        computes) is on a device of :data:`SCORED_ELSEWHERE`, and the head can be read there
+        (:attr:`~nxl_hooks.method.head.Head.readable_elsewhere`)."""
+        buffer = self._features.view()
+        return buffer.device.type in SCORED_ELSEWHERE and self._plan.head.readable_elsewhere
 
     def _record(self, emitted: list[_Emitted], context: _Context) -> list[Step]:
         """The records of ``emitted`` steps (in order, each at its own context length), reading ``context``: the
@@ -677,7 +699,7 @@ class Run:
         of them, and their scores are computed together (:meth:`_scored`). What the records have in common is made
         once and each holds a view of it: their tokens, active rows, probabilities and scores, and the context's
         embedding norms and mask (copies, not views of the growing cache). Their tensors stay on the device: the
-        hub's publisher moves them to the host. None after a batch before them failed to be scored."""
+        hub's publisher moves them to the host. No records after a batch before them failed to be scored."""
         if self._unscored:
             return []
         plan, batch, last = self._plan, emitted[0].token.shape[0], emitted[-1].n

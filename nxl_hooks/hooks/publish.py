@@ -19,8 +19,11 @@ publisher moves the records to the host, keeps them and feeds the subscribers, t
 thread, which writes them. So:
 
 - the hot path reads nothing back from the device per step (``on_step`` is the exception: a callback in the
-  generating thread gets each record there, on the host, scored there; so is a batch whose head's readout is
-  offloaded, which accelerate loads into the module for each call: it is read between the model's forwards);
+  generating thread gets each record there, on the host, scored there);
+- the generating thread scores a batch itself where the head's readout cannot be read in another thread while the
+  model runs (offloaded, quantized or adapter-wrapped: it is read between the model's forwards), and where the
+  batches already waiting to be scored in the publisher keep :data:`UNSCORED_BYTES` (a publisher that falls behind
+  holds no more); a batch still to be scored is never held back (below);
 - a batch whose scoring fails in the publisher is lost, and its call is not recorded from there on: its error says
   why, in one line in the log, as for a failure in the hot path;
 - a sink never stalls or raises into the host's call: one that raises (anything, ``SystemExit`` and
@@ -65,8 +68,8 @@ from ..records.steps import STEP_TENSORS, GenerationCall, Step
 from .guard import logger, one_line
 from .subscription import LIVE_QUEUE, Subscription
 
-__all__ = ["DRAIN_SECONDS", "LIVE_QUEUE", "QUEUE", "SINK_QUEUE", "Batch", "Hub", "Subscription", "host_copies",
-           "on_host"]
+__all__ = ["DRAIN_SECONDS", "LIVE_QUEUE", "QUEUE", "SINK_QUEUE", "UNSCORED_BYTES", "Batch", "Hub", "Subscription",
+           "host_copies", "on_host"]
 
 #: Step records the publisher may have waiting; one more and the record is dropped (its call stops being recorded).
 QUEUE = 4096
@@ -79,6 +82,9 @@ HELD = 64
 DRAIN_SECONDS = 10.0
 #: How long the end of a call waits for the publisher to hand on its records (it never waits for user code).
 FLUSH_SECONDS = 60.0
+#: What the batches handed on to be scored in the publisher may keep while they wait (their log-probability rows):
+#: past this, the generating thread scores a batch itself, so a publisher that falls behind holds no more.
+UNSCORED_BYTES = 256 << 20
 
 #: Turns a step's token ids into their readable texts (None without a tokenizer).
 Texts = Callable[[list[int]], "list[str] | None"]
@@ -155,11 +161,12 @@ _SLACK = 1 << 16
 
 class Batch(Protocol):
     """Consecutive step records of one call, scored together, handed to :meth:`Hub.publish` before they are made:
-    the hub makes them (:meth:`records`) in its publisher thread, off the generating one, where ``elsewhere`` allows,
-    else at once in the generating thread."""
+    the hub makes them (:meth:`records`) in its publisher thread, off the generating one, where ``elsewhere`` allows
+    and the batches waiting there keep less than :data:`UNSCORED_BYTES`, else at once in the generating thread."""
 
     count: int  #: how many records
     elsewhere: bool  #: whether its records may be made in another thread while the model runs
+    nbytes: int  #: what it keeps until its records are made
     devices: tuple[torch.device, ...]  #: the CUDA devices of what it reads: made once the work queued there is done
 
     def records(self) -> list[Step]:
@@ -170,6 +177,11 @@ class Batch(Protocol):
         """Making its records failed in the publisher thread: they are lost, and its call says so (its error, one
         line in the log) and stops being recorded."""
         ...
+
+
+def _unscored(item: "_Item") -> Batch | None:
+    """The batch ``item`` hands the publisher to score, or None (records made already, or another item)."""
+    return item.steps if isinstance(item, _StepItem) and not isinstance(item.steps, tuple) else None
 
 
 def _give(subscriber: "Subscription[Step]", item: Step | None) -> None:
@@ -250,6 +262,7 @@ class Hub:
         self._publisher: threading.Thread | None = None
         self._writer: threading.Thread | None = None
         self._waiting = self._frames_waiting = 0
+        self._unscored_bytes = 0  # bytes the batches waiting to be scored in the publisher keep (see UNSCORED_BYTES)
         self._held: collections.deque[_Item] = collections.deque()  # see HELD
         self._held_records = 0
         #: each gathering thread's step records waiting for release() (by thread object: an id is reused)
@@ -307,10 +320,11 @@ class Hub:
         devices = batch.devices
         if self._on_step is not None:
             made, texts, devices = tuple(on_host(batch.records(), texts)), None, ()
-        elif not batch.elsewhere:
+        elif not batch.elsewhere or self._unscored_bytes + batch.nbytes > UNSCORED_BYTES:
             made = tuple(batch.records())
-        # the publisher reads them once the work queued so far on this thread's streams is done
-        ready = [torch.cuda.Event() for _ in devices]
+        # the publisher reads them once the work queued so far on this thread's streams is done (a blocking event:
+        # waiting for it sleeps instead of spinning a core)
+        ready = [torch.cuda.Event(blocking=True) for _ in devices]
         for event, device in zip(ready, devices):
             event.record(torch.cuda.current_stream(device))
         self._submit(_StepItem(call, made, texts, tuple(ready), batch.count), records=batch.count)
@@ -363,6 +377,8 @@ class Hub:
                     raise RuntimeError(f"the record pipeline is {QUEUE} step records behind (its publisher thread "
                                        "is starved); this call's later steps are not recorded")
                 self._waiting += records
+                batch = _unscored(item)
+                self._unscored_bytes += batch.nbytes if batch is not None else 0
                 gathered = self._gathered.get(threading.current_thread()) if records else None
                 if gathered is not None:
                     gathered.append((item, records))
@@ -386,9 +402,11 @@ class Hub:
 
     def _queue(self, items: list[tuple[_Item, int]]) -> None:
         """Queue items (of step ``records`` each) for the publisher in order, each step item held back while nothing
-        reads records live (:data:`HELD`); caller holds the lock, the hub is open and started."""
+        reads records live (:data:`HELD`), but one still to be scored (the publisher scores it now, while the
+        generating thread waits for its device); caller holds the lock, the hub is open and started."""
         for item, records in items:
-            if records and self._sink is None and not self._subscribers and self._held_records < HELD:
+            if (records and self._sink is None and not self._subscribers and self._held_records < HELD
+                    and _unscored(item) is None):
                 self._held.append(item)
                 self._held_records += records
             else:
@@ -423,7 +441,7 @@ class Hub:
         self._gathered.clear()
         self._held_records = 0
         self._outbox, self._live = [], []
-        self._waiting = self._frames_waiting = 0
+        self._waiting = self._frames_waiting = self._unscored_bytes = 0
         self._publisher = threading.Thread(target=self._publish_loop, name="nxl_hooks-publisher", daemon=True)
         self._publisher.start()
         if self._sink is not None:
@@ -446,6 +464,8 @@ class Hub:
                 if isinstance(item, _StepItem):
                     with self._lock:
                         self._waiting -= item.records
+                        batch = _unscored(item)
+                        self._unscored_bytes -= batch.nbytes if batch is not None else 0
                 if isinstance(item, (_EndItem, _CloseItem)) or len(self._outbox) >= HELD or items.empty():
                     self._send()  # before the end is signalled: its records are with the subscribers
                 if isinstance(item, _EndItem):
@@ -472,13 +492,16 @@ class Hub:
 
     def _handle(self, item: _Item) -> None:
         if isinstance(item, _StepItem):
-            for event in item.ready:
-                event.synchronize()
             made = item.steps
-            if not isinstance(made, tuple):
+            if isinstance(made, tuple):
+                for event in item.ready:
+                    event.synchronize()
+            else:
                 try:
+                    for event in item.ready:
+                        event.synchronize()
                     made = tuple(made.records())
-                except Exception as error:  # noqa: BLE001 - its call says so (its ``lost``); the publisher goes on
+                except BaseException as error:  # noqa: BLE001 - its call says so (its ``lost``); the publisher goes on
                     made.lost(error)
                     return
             try:

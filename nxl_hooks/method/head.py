@@ -138,9 +138,11 @@ class Head:
     @property
     def readable_elsewhere(self) -> bool:
         """Whether the readout may be read in another thread while the model runs (the record pipeline scores
-        generated tokens there): its weights stay where they are. An offloaded readout's are loaded into the module
-        for each call, the model's own included, so it is read only between the model's forwards."""
-        return not self._offloaded
+        generated tokens there): a plain Linear whose weights stay where they are, read row by row, never called.
+        An offloaded readout's weights are loaded into the module for each call, the model's own included, and a
+        quantized or adapter-wrapped one is called (bitsandbytes' 8-bit layer sets its state in its forward): those
+        are read only between the model's forwards, in its thread."""
+        return self.gatherable and not self._offloaded
 
     def _step_on(self, index: int, step: nn.Module, device: torch.device) -> nn.Module:
         """For a ``step`` that computes elsewhere than ``device``: a local copy when it is plain (a norm's weights

@@ -1,7 +1,8 @@
 """Continuous batching with CUDA graphs (``use_cuda_graph=True``; synchronous batching), alone and over the compiled
 step: every request recorded through the taps captured in the graphs, each step equal to the eager CPU oracle, the
 tokens those of the same manager without the probe. Run whenever a GPU is present, skipped otherwise (the padded and
-compiled paths themselves run on the CPU in CI: tests/oracle/test_cb_compiled.py)."""
+compiled paths themselves run on the CPU in CI: tests/oracle/test_cb_compiled.py). The requests' steps are scored in
+the record pipeline's publisher thread, off the manager's."""
 
 from __future__ import annotations
 
@@ -39,7 +40,9 @@ def test_cuda_graph_batching_records_every_request_as_the_eager_oracle(compiled)
     oracle_model = tiny.build_model("llama")  # float32 on the CPU: the reference
     model = tiny.build_model("llama").cuda()
     plain = model.generate_batch(prompts, generation_config=_greedy(), continuous_batching_config=_config(compiled))
-    with nxl.attach(model, layers="all") as probe:  # graphs captured before attaching are captured again
+    threads = tiny.ScoringThreads()
+    # graphs captured before attaching are captured again
+    with nxl.attach(model, layers="all", methods=[threads]) as probe:
         out = model.generate_batch(prompts, generation_config=_greedy(), continuous_batching_config=_config(compiled))
     assert {k: v.generated_tokens for k, v in out.items()} == {k: v.generated_tokens for k, v in plain.items()}
     calls = {call.request_id: call for call in probe.calls}
@@ -48,3 +51,7 @@ def test_cuda_graph_batching_records_every_request_as_the_eager_oracle(compiled)
         assert call.error is None, call.error
         check_call(oracle_model, call, NEW)
         assert [int(s.token) for s in call.steps] == out[request_id].generated_tokens
+        for step in call.steps:
+            torch.testing.assert_close(step.scores["test_scoring_threads"], step.logat)
+    # scored off the manager's thread: its tokens are host ints, its features (where scoring computes) on the GPU
+    assert set(threads.threads) == {"nxl_hooks-publisher"}

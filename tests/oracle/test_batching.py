@@ -110,7 +110,9 @@ def test_requests_run_again_from_the_start_under_cache_pressure_are_recorded_who
     """With too few cache blocks for every request, the manager drops a running request's cache and runs it again
     from position 0, its generated tokens now part of its prompt (a soft reset): the request's record is fed from
     position 0 again, those tokens' ids included, and each of its steps still equals its oracle. Also with the steps
-    scored in the publisher thread (as on a GPU), while the manager rewrites the positions they read."""
+    scored in the publisher thread (as on a GPU), while the manager goes on feeding and rewriting the runs (the
+    rewritten positions hold the same values here: the snapshot that keeps them apart is
+    tests/unit/test_host_copies.py's)."""
     from nxl_hooks.hooks import generate
 
     threads = set()

@@ -105,14 +105,17 @@ def test_a_record_that_cannot_reach_the_host_is_lost_alone_and_said_in_its_calls
 class _Batch:
     """A :class:`~nxl_hooks.hooks.publish.Batch` of made records; ``fail``: what making them raises."""
 
-    def __init__(self, steps: list[Step], fail: BaseException | None = None, elsewhere: bool = True) -> None:
-        self.count, self.elsewhere, self.devices = len(steps), elsewhere, ()
+    def __init__(self, steps: list[Step], fail: BaseException | None = None, elsewhere: bool = True,
+                 nbytes: int = 0) -> None:
+        self.count, self.elsewhere, self.nbytes, self.devices = len(steps), elsewhere, nbytes, ()
+        self.made = threading.Event()
         self._steps, self._fail = steps, fail
         self.made_in: str | None = None
         self.lost_with: BaseException | None = None
 
     def records(self) -> list[Step]:
         self.made_in = threading.current_thread().name
+        self.made.set()
         if self._fail is not None:
             raise self._fail
         return self._steps
@@ -167,7 +170,7 @@ def test_a_snapshot_of_the_feature_cache_stays_as_it_was_when_the_call_rewrites_
 
     cache = _Growing()
     cache.append(torch.arange(6.0).view(1, 6))
-    held = cache.snapshot(6)
+    held = cache.snapshot(6, kept=True)
     before, storage = held.clone(), held.untyped_storage().data_ptr()
     cache.append(torch.full((1, 2), 7.0))  # past what the snapshot reads: in place
     assert cache.view().untyped_storage().data_ptr() == storage
@@ -180,3 +183,41 @@ def test_a_snapshot_of_the_feature_cache_stays_as_it_was_when_the_call_rewrites_
     cache.truncate(3)
     cache.append(torch.zeros(1, 1))  # nothing holds the new buffer: rewritten in place
     assert cache.view().untyped_storage().data_ptr() == moved and float(cache.view()[0, 3]) == 0.0
+
+
+def test_a_call_that_rewrites_every_position_keeps_one_buffer_size():
+    """A use_cache=False call hands on a snapshot, then rewrites every position, at every token: the rewrite takes a
+    buffer of the same capacity (it does not double each time), and a snapshot nobody keeps (a batch scored at once)
+    costs no new buffer at all."""
+    from nxl_hooks.hooks.generate import _Growing
+
+    for kept in (True, False):
+        cache, buffers = _Growing(), set()
+        for n in range(1, 200):
+            cache.truncate(0)
+            cache.append(torch.full((1, n), float(n)))
+            cache.snapshot(n, kept=kept)
+            buffers.add(cache.view().untyped_storage().data_ptr())
+        assert cache.view().untyped_storage().nbytes() <= 2 * 199 * 4 + 16 * 4
+        assert torch.equal(cache.view(), torch.full((1, 199), 199.0))
+        if not kept:
+            assert len(buffers) <= 5  # grown 16 -> 32 -> ... -> 256, never replaced otherwise
+
+
+def test_a_batch_to_be_scored_is_not_held_back_and_a_publisher_behind_scores_none_more():
+    """A batch still to be scored reaches the publisher at once, even while nothing reads records live (made
+    records are held back then, up to HELD, and go on together): the publisher scores it while the generating thread
+    goes on. Past UNSCORED_BYTES kept by the batches waiting there, the calling thread scores a batch itself."""
+    from nxl_hooks.hooks.publish import UNSCORED_BYTES, Hub
+
+    hub = Hub(on_step=None, sink=None, keep_steps=True)
+    call = hub.begin([0], request_id="r", thread=None)
+    early = _Batch(_steps(0, 2))
+    hub.publish(call, early)
+    assert early.made.wait(10) and early.made_in == "nxl_hooks-publisher"  # before the call's end
+    large = _Batch(_steps(2, 1), nbytes=UNSCORED_BYTES + 1)
+    hub.publish(call, large)
+    assert large.made_in == "MainThread"
+    hub.end(call, None)
+    assert [step.step for step in call.steps] == [0, 1, 2] and hub._unscored_bytes == 0
+    hub.close()
