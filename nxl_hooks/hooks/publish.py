@@ -472,6 +472,7 @@ class Hub:
                     item.done.set()
             if isinstance(item, _CloseItem):
                 return
+            item = batch = None  # a batch handled holds its call's run, and so the model: not while this one waits
 
     def _send(self) -> None:
         """Hand on what this batch made: the sink thread's frames in one queue item, the subscribers' records."""

@@ -238,14 +238,20 @@ def test_an_internal_failure_never_reaches_the_host(model, path, site, monkeypat
     assert _hook_count(model) == 0
 
 
-def test_a_model_dropped_while_attached_is_freed_and_its_sink_closed(tmp_path):
+@pytest.mark.parametrize("scored", ["here", "publisher"])
+def test_a_model_dropped_while_attached_is_freed_and_its_sink_closed(tmp_path, scored, monkeypatch):
+    """Also with the steps scored in the publisher thread (as on a GPU): a batch it has scored holds nothing of the
+    model any more."""
     import gc
     import weakref
 
     from transformers import GenerationConfig
 
     import tiny
+    from nxl_hooks.hooks import generate
 
+    if scored == "publisher":
+        monkeypatch.setattr(generate, "SCORED_ELSEWHERE", generate.SCORED_ELSEWHERE | {"cpu"})
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, pad_token_id=0)
