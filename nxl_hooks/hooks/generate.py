@@ -154,6 +154,10 @@ class _Batch:
     def records(self) -> list[Step]:
         return self._run._record(self._emitted, self._context)
 
+    @property
+    def dropped(self) -> bool:
+        return self._run._unscored
+
     def lost(self, error: BaseException) -> None:
         self._run._lost(self._emitted[0].n - (self._run._prompt_len or 0), error)
 
@@ -479,8 +483,8 @@ class Run:
             raise RuntimeError(f"positions {self._n}..{past - 1} of this sequence never ran through the model "
                                "while the probe watched it, so the context of its tokens is unknown")
         new = features.shape[1]
-        if past < self._n:  # positions the waiting steps read are rewritten: score them first
-            self.flush()
+        if past < self._n:  # positions the waiting steps read are rewritten: score them first, here (not later,
+            self.flush(here=True)  # in the publisher: that would keep the buffer these go over alive till then)
         for cache in (self._features, self._embed, self._mask):
             cache.truncate(past)
         self._compute_dtype = features.dtype
@@ -661,22 +665,22 @@ class Run:
         return max(1, min(BATCH_STEPS, BATCH_BYTES // self._step_bytes(self._deferred[-1])))
 
     def _step_bytes(self, item: _Emitted) -> int:
-        """What scoring ``item`` together with others holds for it: the model's log-probability row it keeps (all
-        of a tensor it is a view of) and its scores."""
+        """What scoring ``item`` together with others holds for it: the model's log-probability rows it keeps and its
+        scores. (Rows that are views of a step's rows for several requests, as vLLM's, count as their share of it.)"""
         kept = item.log_probs if item.log_probs is not None else item.logits
-        return ((kept.untyped_storage().nbytes() if kept is not None else 0)
+        return ((kept.numel() * kept.element_size() if kept is not None else 0)
                 + 4 * item.token.shape[0] * len(self._plan.layers) * item.n)
 
-    def flush(self) -> None:
+    def flush(self, *, here: bool = False) -> None:
         """Hand the emitted steps still waiting to the hub, to be scored together (as many at a time as
         :data:`BATCH_BYTES` allows) and published in order: the hub scores them (:meth:`_record`), in its publisher
-        thread where the model's device allows (:class:`_Batch`), reading the feature cache as it holds them now."""
+        thread where :meth:`_elsewhere` (and not ``here``), reading the feature cache as it holds them now."""
         if not self._deferred:
             return
         self._fill()
         emitted, self._deferred = self._deferred, []
         each = max(1, BATCH_BYTES // self._step_bytes(emitted[-1]))  # the last is the longest
-        elsewhere = self._elsewhere()
+        elsewhere = not here and self._elsewhere()
         for first in range(0, len(emitted), each):
             batch = emitted[first:first + each]
             n = batch[-1].n
@@ -688,10 +692,11 @@ class Run:
 
     def _elsewhere(self) -> bool:
         """Whether this call's steps may be scored in the publisher thread: its feature cache (where the scoring
-        computes) is on a device of :data:`SCORED_ELSEWHERE`, and the head can be read there
-        (:attr:`~nxl_hooks.method.head.Head.readable_elsewhere`)."""
-        buffer = self._features.view()
-        return buffer.device.type in SCORED_ELSEWHERE and self._plan.head.readable_elsewhere
+        computes) is on a device of :data:`SCORED_ELSEWHERE`, the head can be read there
+        (:attr:`~nxl_hooks.method.head.Head.readable_elsewhere`), and no ``on_step`` callback wants each record in
+        this thread."""
+        return (self._features.view().device.type in SCORED_ELSEWHERE and self._plan.head.readable_elsewhere
+                and not self._hub.calls_back)
 
     def _record(self, emitted: list[_Emitted], context: _Context) -> list[Step]:
         """The records of ``emitted`` steps (in order, each at its own context length), reading ``context``: the

@@ -173,6 +173,12 @@ class Batch(Protocol):
         """Its records, in order, their tensors where they were computed."""
         ...
 
+    @property
+    def dropped(self) -> bool:
+        """Whether its call stopped being recorded before it (a batch before it was lost): its records are not
+        delivered, even made."""
+        ...
+
     def lost(self, error: BaseException) -> None:
         """Making its records failed in the publisher thread: they are lost, and its call says so (its error, one
         line in the log) and stops being recorded."""
@@ -181,7 +187,7 @@ class Batch(Protocol):
 
 def _unscored(item: "_Item") -> Batch | None:
     """The batch ``item`` hands the publisher to score, or None (records made already, or another item)."""
-    return item.steps if isinstance(item, _StepItem) and not isinstance(item.steps, tuple) else None
+    return item.batch if isinstance(item, _StepItem) and item.steps is None else None
 
 
 def _give(subscriber: "Subscription[Step]", item: Step | None) -> None:
@@ -193,10 +199,11 @@ def _give(subscriber: "Subscription[Step]", item: Step | None) -> None:
 
 
 class _StepItem(NamedTuple):
-    """Consecutive step records of one call for the publisher (``records`` of them): made, or a :class:`Batch` it
-    makes; ``ready``: the CUDA events after which what they read may be read."""
+    """Consecutive step records of one call for the publisher (``records`` of them): made (``steps``), or not yet
+    (None: the publisher makes ``batch``'s); ``ready``: the CUDA events after which what they read may be read."""
     call: GenerationCall
-    steps: tuple[Step, ...] | Batch
+    steps: tuple[Step, ...] | None
+    batch: Batch
     texts: Texts | None
     ready: tuple[torch.cuda.Event, ...]
     records: int
@@ -299,6 +306,11 @@ class Hub:
         return self._keep or self._sink is not None or self.live
 
     @property
+    def calls_back(self) -> bool:
+        """Whether an ``on_step`` callback wants each record in the thread that made it (made there, then)."""
+        return self._on_step is not None
+
+    @property
     def live(self) -> bool:
         """Whether a step record is read as it is made: an ``on_step`` callback or a subscriber."""
         return self._on_step is not None or bool(self._subscribers)
@@ -314,9 +326,10 @@ class Hub:
         on the host), as one item: the publisher makes them, moves them to the host, and it and the sink thread wake
         up once for them all. Made here instead where the batch cannot be made elsewhere, or for an ``on_step``
         callback (which wants each record in this thread, on the host); then what making them raises is the
-        caller's. RuntimeError when the publisher would be more than :data:`QUEUE` records behind: that call stops
-        being recorded. ``hub.publish(call, batch, plan.readable)``"""
-        made: tuple[Step, ...] | Batch = batch
+        caller's; made here too once the batches waiting to be made there keep :data:`UNSCORED_BYTES`. RuntimeError
+        when the publisher would be more than :data:`QUEUE` records behind: that call stops being recorded.
+        ``hub.publish(call, batch, plan.readable)``"""
+        made: tuple[Step, ...] | None = None
         devices = batch.devices
         if self._on_step is not None:
             made, texts, devices = tuple(on_host(batch.records(), texts)), None, ()
@@ -327,7 +340,7 @@ class Hub:
         ready = [torch.cuda.Event(blocking=True) for _ in devices]
         for event, device in zip(ready, devices):
             event.record(torch.cuda.current_stream(device))
-        self._submit(_StepItem(call, made, texts, tuple(ready), batch.count), records=batch.count)
+        self._submit(_StepItem(call, made, batch, texts, tuple(ready), batch.count), records=batch.count)
         if self._on_step is not None:
             for step in made:
                 self._on_step(step)
@@ -493,17 +506,21 @@ class Hub:
 
     def _handle(self, item: _Item) -> None:
         if isinstance(item, _StepItem):
-            made = item.steps
-            if isinstance(made, tuple):
+            made, batch = item.steps, item.batch
+            if made is not None:
                 for event in item.ready:
                     event.synchronize()
+                if batch.dropped:  # made in the generating thread while a batch before it waited here, then was lost
+                    return
             else:
                 try:
                     for event in item.ready:
                         event.synchronize()
-                    made = tuple(made.records())
+                    made = tuple(batch.records())
                 except BaseException as error:  # noqa: BLE001 - its call says so (its ``lost``); the publisher goes on
-                    made.lost(error)
+                    batch.lost(error)
+                    if not isinstance(error, Exception) and not self._on_thread():
+                        raise  # handled in the caller's thread (the hub closed): an interrupt is the caller's
                     return
             try:
                 steps = on_host(list(made), item.texts)

@@ -339,10 +339,10 @@ def test_generated_tokens_are_scored_in_the_publisher_thread_and_a_failure_there
     elsewhere = generate.SCORED_ELSEWHERE | {"cpu"}
     ids = torch.randint(3, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(4))
 
-    def run(method: tiny.ScoringThreads, **options):
+    def run(method: tiny.ScoringThreads, use_cache: bool = True, **options):
         with nxl.attach(model, methods=[method], **options) as probe:
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
-                                 do_sample=False, pad_token_id=0)
+                                 do_sample=False, pad_token_id=0, use_cache=use_cache)
         return out, probe
 
     plain = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
@@ -358,6 +358,12 @@ def test_generated_tokens_are_scored_in_the_publisher_thread_and_a_failure_there
         for step in probe.steps:
             torch.testing.assert_close(step.scores["test_scoring_threads"], step.logat)
     monkeypatch.setattr(generate, "SCORED_ELSEWHERE", elsewhere)
+    # a call that rewrites every position (use_cache=False) scores what waits before each rewrite in its own thread:
+    # scored later, the batch would keep the buffer the rewrite goes over; its last step goes to the publisher
+    rewriting = tiny.ScoringThreads()
+    out, probe = run(rewriting, use_cache=False)
+    assert torch.equal(out, plain) and sorted(rewriting.threads) == ["MainThread"] * 5 + ["nxl_hooks-publisher"]
+    oracle.check_call(model, probe.calls[0], 6)
     broken = tiny.ScoringThreads(fail=True)
     with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
         out, probe = run(broken)

@@ -106,9 +106,10 @@ class _Batch:
     """A :class:`~nxl_hooks.hooks.publish.Batch` of made records; ``fail``: what making them raises."""
 
     def __init__(self, steps: list[Step], fail: BaseException | None = None, elsewhere: bool = True,
-                 nbytes: int = 0) -> None:
+                 nbytes: int = 0, call: dict | None = None) -> None:
         self.count, self.elsewhere, self.nbytes, self.devices = len(steps), elsewhere, nbytes, ()
         self.made = threading.Event()
+        self._call = call if call is not None else {}  # what its call knows: "lost" once a batch of it was
         self._steps, self._fail = steps, fail
         self.made_in: str | None = None
         self.lost_with: BaseException | None = None
@@ -120,8 +121,13 @@ class _Batch:
             raise self._fail
         return self._steps
 
+    @property
+    def dropped(self) -> bool:
+        return self._call.get("lost", False)
+
     def lost(self, error: BaseException) -> None:
         self.lost_with = error
+        self._call["lost"] = True
 
 
 def _steps(first: int, count: int) -> list[Step]:
@@ -221,3 +227,23 @@ def test_a_batch_to_be_scored_is_not_held_back_and_a_publisher_behind_scores_non
     hub.end(call, None)
     assert [step.step for step in call.steps] == [0, 1, 2] and hub._unscored_bytes == 0
     hub.close()
+
+
+def test_records_made_here_after_a_batch_lost_in_the_publisher_are_dropped_and_an_interrupt_stays_the_callers():
+    """A call whose batch waits in the publisher, then is lost there, is not recorded from that batch on: a later
+    batch of it made in the calling thread meanwhile (past UNSCORED_BYTES) is dropped, not delivered after the gap.
+    After the hub closed, a batch is made in the calling thread: an interrupt raised making it is the caller's."""
+    from nxl_hooks.hooks.publish import Hub
+
+    hub = Hub(on_step=None, sink=None, keep_steps=True)
+    call, state = hub.begin([0], request_id="r", thread=None), {}
+    hub.publish(call, _Batch(_steps(0, 2), RuntimeError("no memory"), call=state))
+    later = _Batch(_steps(2, 2), elsewhere=False, call=state)
+    hub.publish(call, later)
+    hub.end(call, None)
+    assert later.made_in == "MainThread" and state["lost"] and call.steps == []
+    hub.close()
+    interrupted = _Batch(_steps(0, 1), KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        hub.publish(call, interrupted)
+    assert isinstance(interrupted.lost_with, KeyboardInterrupt)
