@@ -24,10 +24,12 @@ for the interpreter lock while another thread holds it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import sys
 import threading
 import time
+from typing import Callable, ContextManager, Iterator
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -50,54 +52,58 @@ class _Calls(TorchFunctionMode):
         return func(*args, **(kwargs or {}))
 
 
+@contextlib.contextmanager
+def _in_manager_threads(within: Callable[[], ContextManager]) -> Iterator[bool]:
+    """While entered, each continuous-batching manager's ``_run_generation_loop`` runs inside ``within()``, in its own
+    thread; yields whether this transformers has that method to wrap."""
+    loop = getattr(ContinuousBatchingManager, "_run_generation_loop", None)
+    if loop is None:
+        yield False
+        return
+
+    def wrapped(manager, *args, **kwargs):
+        with within():
+            return loop(manager, *args, **kwargs)
+
+    ContinuousBatchingManager._run_generation_loop = wrapped
+    try:
+        yield True
+    finally:
+        ContinuousBatchingManager._run_generation_loop = loop
+
+
 def manager_calls(run) -> int | None:
     """How many torch functions the continuous-batching manager's own thread calls while ``run()`` runs (None where
     this transformers has no ``ContinuousBatchingManager._run_generation_loop`` to count in)."""
-    loop = getattr(ContinuousBatchingManager, "_run_generation_loop", None)
-    if loop is None:
-        return None
     counts = []
 
-    def counted(self, *args, **kwargs):
-        calls = _Calls()
-        with calls:
+    @contextlib.contextmanager
+    def counting() -> Iterator[None]:
+        with _Calls() as calls:
             try:
-                return loop(self, *args, **kwargs)
+                yield
             finally:
                 counts.append(calls.count)
 
-    ContinuousBatchingManager._run_generation_loop = counted
-    try:
+    with _in_manager_threads(counting) as found:
+        if not found:
+            return None
         run()
-    finally:
-        ContinuousBatchingManager._run_generation_loop = loop
     return sum(counts)
 
 
-class _LoopClock:
-    """The manager thread's (CPU seconds, wall seconds) of each ``_run_generation_loop`` (one per manager), while
-    entered (nothing where this transformers has no such method)."""
+def _clocked(loops: list[tuple[float, float]]) -> ContextManager:
+    """A manager's thread's (CPU seconds, wall seconds) in its generation loop, appended to ``loops`` (inside
+    :func:`_in_manager_threads`)."""
+    @contextlib.contextmanager
+    def clock() -> Iterator[None]:
+        cpu, wall = time.thread_time(), time.perf_counter()
+        try:
+            yield
+        finally:
+            loops.append((time.thread_time() - cpu, time.perf_counter() - wall))
 
-    def __init__(self) -> None:
-        self.loops: list[tuple[float, float]] = []
-        self._loop = getattr(ContinuousBatchingManager, "_run_generation_loop", None)
-
-    def __enter__(self) -> "_LoopClock":
-        loop, loops = self._loop, self.loops
-        if loop is not None:
-            def clocked(manager, *args, **kwargs):
-                cpu, wall = time.thread_time(), time.perf_counter()
-                try:
-                    return loop(manager, *args, **kwargs)
-                finally:
-                    loops.append((time.thread_time() - cpu, time.perf_counter() - wall))
-
-            ContinuousBatchingManager._run_generation_loop = clocked
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self._loop is not None:
-            ContinuousBatchingManager._run_generation_loop = self._loop
+    return _in_manager_threads(clock)
 
 
 def publisher_cpu() -> float | None:
@@ -131,12 +137,13 @@ def main() -> None:
 
     def batch(name: str):
         config = ContinuousBatchingConfig(num_blocks=blocks, use_cuda_graph=args.cuda_graph, use_async_batching=False)
-        with _LoopClock() as clock:
+        loops: list[tuple[float, float]] = []
+        with _clocked(loops):
             out = model.generate_batch(prompts, generation_config=greedy, continuous_batching_config=config,
                                        progress_bar=False)
         tokens[name] = {key: list(result.generated_tokens) for key, result in out.items()}
-        if len(clock.loops) == 1:  # the manager's thread ended with the call
-            clocks.setdefault(name, []).append(clock.loops[0])
+        if len(loops) == 1:  # the manager's thread ended with the call
+            clocks.setdefault(name, []).append(loops[0])
 
     def plain() -> float:
         return timed(lambda: batch("plain"), device, args.clock)

@@ -141,15 +141,25 @@ class _Batch:
     which the hub makes into records (:meth:`Run._record`) in its publisher thread where ``elsewhere``
     (:meth:`Run._elsewhere`), else at once; ``nbytes``: what it keeps until then."""
 
-    def __init__(self, run: "Run", emitted: list[_Emitted], context: _Context, *, elsewhere: bool,
-                 nbytes: int) -> None:
+    def __init__(self, run: "Run", emitted: list[_Emitted], context: _Context, *, elsewhere: bool) -> None:
         self._run, self._emitted, self._context = run, emitted, context
-        self.count, self.elsewhere, self.nbytes = len(emitted), elsewhere, nbytes
-        # every device what it reads was computed on (a device_map's embedding norms sit on the first block's)
+        self.count, self.elsewhere = len(emitted), elsewhere
+
+    @functools.cached_property
+    def devices(self) -> tuple[torch.device, ...]:
+        """Every CUDA device what it reads was computed on (a device_map's embedding norms sit on the first block's);
+        none to look for before CUDA is initialized."""
+        if not torch.cuda.is_initialized():
+            return ()
+        context = self._context
         read = {context.features.device, context.embed.device, context.mask.device,
-                *(tensor.device for item in emitted for tensor in (item.token, item.log_prob, item.log_probs,
-                                                                   item.logits) if tensor is not None)}
-        self.devices = tuple(device for device in read if device.type == "cuda")
+                *(tensor.device for item in self._emitted for tensor in (item.token, item.log_prob, item.log_probs,
+                                                                         item.logits) if tensor is not None)}
+        return tuple(device for device in read if device.type == "cuda")
+
+    @functools.cached_property
+    def nbytes(self) -> int:  # read only for a batch that may wait in the publisher
+        return sum(self._run._step_bytes(item) for item in self._emitted)
 
     def records(self) -> list[Step]:
         return self._run._record(self._emitted, self._context)
@@ -180,10 +190,10 @@ class _Growing:
         new = values.shape[1]
         need = self.n + new
         buffer = self._buffer
-        if buffer is None or need > buffer.shape[1] or self.n < self._read:
+        grow = buffer is None or need > buffer.shape[1]
+        if grow or self.n < self._read:
             # grown: capacity doubles; rewritten below a snapshot: a buffer of the same capacity
-            capacity = (max(need, 2 * buffer.shape[1] if buffer is not None else 0, 16)
-                        if buffer is None or need > buffer.shape[1] else buffer.shape[1])
+            capacity = max(need, 2 * buffer.shape[1] if buffer is not None else 0, 16) if grow else buffer.shape[1]
             grown = values.new_empty((values.shape[0], capacity, *values.shape[2:]))
             if buffer is not None:
                 grown.narrow(1, 0, self.n).copy_(buffer.narrow(1, 0, self.n))
@@ -312,9 +322,8 @@ class Run:
     def _lost(self, step: int, error: BaseException) -> None:
         """Scoring the steps from ``step`` on failed in the publisher thread (their records are lost): the call stops
         being recorded there, said once as :meth:`fail` says it; the steps handed on after them are dropped too."""
-        first = not self._unscored and self.call.error is None
         self.failed = self._unscored = True
-        if first:
+        if self.call.error is None:
             self._say("scoring its steps", error, step)
 
     def _say(self, what: str, error: BaseException, done: int) -> None:
@@ -686,9 +695,7 @@ class Run:
             n = batch[-1].n
             context = _Context(*(cache.snapshot(n, kept=elsewhere) for cache in (self._features, self._embed,
                                                                                  self._mask)), self._compute_dtype)
-            self._hub.publish(self.call, _Batch(self, batch, context, elsewhere=elsewhere,
-                                                nbytes=sum(self._step_bytes(item) for item in batch)),
-                              self._plan.readable)
+            self._hub.publish(self.call, _Batch(self, batch, context, elsewhere=elsewhere), self._plan.readable)
 
     def _elsewhere(self) -> bool:
         """Whether this call's steps may be scored in the publisher thread: its feature cache (where the scoring
@@ -704,9 +711,7 @@ class Run:
         of them, and their scores are computed together (:meth:`_scored`). What the records have in common is made
         once and each holds a view of it: their tokens, active rows, probabilities and scores, and the context's
         embedding norms and mask (copies, not views of the growing cache). Their tensors stay on the device: the
-        hub's publisher moves them to the host. No records after a batch before them failed to be scored."""
-        if self._unscored:
-            return []
+        hub's publisher moves them to the host."""
         plan, batch, last = self._plan, emitted[0].token.shape[0], emitted[-1].n
         with torch.no_grad():
             tokens = torch.stack([item.token for item in emitted])  # (steps, batch)

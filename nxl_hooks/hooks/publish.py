@@ -507,11 +507,11 @@ class Hub:
     def _handle(self, item: _Item) -> None:
         if isinstance(item, _StepItem):
             made, batch = item.steps, item.batch
+            if batch.dropped:  # a batch of its call before it was lost here: not recorded from there on (made in
+                return  # the generating thread meanwhile, or not yet)
             if made is not None:
                 for event in item.ready:
                     event.synchronize()
-                if batch.dropped:  # made in the generating thread while a batch before it waited here, then was lost
-                    return
             else:
                 try:
                     for event in item.ready:
