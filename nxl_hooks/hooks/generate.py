@@ -290,6 +290,7 @@ class Run:
         self.failed = False
         self._unscored = False  # scoring a batch failed in the publisher thread: the later ones are dropped
         self._said = threading.Lock()  # a failure is said once, by the generating thread or the publisher
+        self._handed = 0  # how many steps' records were handed to the hub (the step said next to a failure)
 
     @property
     def length(self) -> int:
@@ -308,29 +309,34 @@ class Run:
         return self._features.view(), self._embed.view(), self._mask.view()
 
     def fail(self, what: str, error: BaseException) -> None:
-        """Stop recording this call (the generation itself goes on); the first failure is counted and said once."""
+        """Stop recording this call (the generation itself goes on); the first failure is counted and said once,
+        with the step its records stop at. The steps emitted before it are whole: their records are made here first
+        (made in the publisher, one that failed there could be said in its place)."""
         first = not self.failed and self.call.error is None
         self.failed = True
-        if not first:
-            return
-        try:  # the steps emitted before it are whole: their records still go out
-            self.flush()
+        if not first or not self._said.acquire(blocking=False):
+            return  # said already: a batch lost in the publisher
+        try:
+            self.flush(here=True)
         except Exception:  # noqa: BLE001 - the first failure is the one said
             self._deferred = []
-        self._say(what, error, len(self._real))
+        finally:  # an interrupt meanwhile is the caller's, and the call still says why it stops being recorded
+            self._tell(what, error, self._handed)
 
     def _lost(self, step: int, error: BaseException) -> None:
         """Scoring the steps from ``step`` on failed in the publisher thread (their records are lost): the call stops
-        being recorded there, said once as :meth:`fail` says it; the steps handed on after them are dropped too."""
+        being recorded there, said once as :meth:`fail` says it; the steps handed on after them are dropped too.
+        Where the call's records were said to stop already, its notes and the log say which more were lost."""
         self.failed = self._unscored = True
-        if self.call.error is None:
-            self._say("scoring its steps", error, step)
+        if self.call.error is None and self._said.acquire(blocking=False):
+            self._tell("scoring its steps", error, step)
+        else:
+            self._hub.note(self.call, f"the records of its steps from step {step} on were lost (scoring them raised "
+                                      f"{type(error).__name__}: {one_line(error)})")
 
-    def _say(self, what: str, error: BaseException, done: int) -> None:
-        """The call is not recorded from its step ``done`` on: its error, and the notice's one line (the first
-        failure said only)."""
-        if not self._said.acquire(blocking=False):
-            return
+    def _tell(self, what: str, error: BaseException, done: int) -> None:
+        """The call is not recorded from its step ``done`` on: its error, and the notice's one line (said by whoever
+        took :attr:`_said`)."""
         if self._notice is None:
             self.call.error = reason(what, error)
             return
@@ -696,6 +702,7 @@ class Run:
             context = _Context(*(cache.snapshot(n, kept=elsewhere) for cache in (self._features, self._embed,
                                                                                  self._mask)), self._compute_dtype)
             self._hub.publish(self.call, _Batch(self, batch, context, elsewhere=elsewhere), self._plan.readable)
+            self._handed = n + 1 - (self._prompt_len or 0)
 
     def _elsewhere(self) -> bool:
         """Whether this call's steps may be scored in the publisher thread: its feature cache (where the scoring

@@ -545,11 +545,15 @@ class Hub:
             on_host([step], texts)
             return True
         except Exception as error:  # noqa: BLE001 - the publisher outlives any one record
-            lost = f"the record of step {step.step} was lost ({type(error).__name__}: {one_line(error)})"
-            logger.warning("nxl_hooks: %s; the model's own call is unaffected", lost)
-            with self._lock:
-                call.notes.append(lost)
+            self.note(call, f"the record of step {step.step} was lost ({type(error).__name__}: {one_line(error)})")
             return False
+
+    def note(self, call: GenerationCall, lost: str) -> None:
+        """Records of ``call`` were ``lost`` past what its error says: one line in the log, one in its notes.
+        ``hub.note(call, "the record of step 3 was lost (...)")``"""
+        logger.warning("nxl_hooks: %s; the model's own call is unaffected", lost)
+        with self._lock:
+            call.notes.append(lost)
 
     def _deliver(self, call: GenerationCall, step: Step) -> None:
         call.link(step)  # the step's context texts, for to_attribution() wherever the step goes

@@ -171,3 +171,48 @@ def test_a_compiled_call_scores_its_last_step_with_the_models_own_distribution_a
     expected = embeddings.float().norm(dim=-1) * (at(last.token) - at(final.argmax(-1)))
     torch.testing.assert_close(last.scores["contrastive"][:, real], expected[:, real], rtol=1e-4, atol=1e-5)
     assert all(step.scores["contrastive"].isnan().all() for step in call.steps[:-1])
+
+
+def test_a_compiled_calls_steps_scored_later_keep_their_probabilities_when_the_next_call_rewrites_the_tape(
+        monkeypatch):
+    """A compiled call's replayed steps may be scored in the hub's publisher thread after the call returns (on a GPU;
+    here the CPU made such a device); by then the model's next compiled call may have rewritten the tape in place,
+    the same buffers. Its steps keep what they read of it: the first call's records equal the oracle, the model's own
+    probabilities included, though they are scored only once the second call (another prompt) has run."""
+    import threading
+
+    from nxl_hooks.hooks import generate
+
+    monkeypatch.setattr(generate, "SCORED_ELSEWHERE", generate.SCORED_ELSEWHERE | {"cpu"})
+    model = tiny.generating_llama(seed=3)
+    first, mask = _prompt()
+    second = torch.where(mask.bool(), torch.randint(1, VOCAB, first.shape, generator=torch.Generator().manual_seed(6)),
+                         PAD)
+    config = CompileConfig()
+    config._compile_all_devices = True
+    record, replay = generate.Run._record, generate.Run._replay
+    replayed, rewritten = threading.Event(), threading.Event()
+
+    def scored_later(self, emitted, context):  # the first call's steps wait until the second call has run
+        if self.call.index == 0:
+            assert threading.current_thread().name == "nxl_hooks-publisher"
+            rewritten.wait(120)
+        return record(self, emitted, context)
+
+    def replaying(self, sequences):
+        replay(self, sequences)
+        (replayed if self.call.index == 0 else rewritten).set()
+
+    monkeypatch.setattr(generate.Run, "_record", scored_later)
+    monkeypatch.setattr(generate.Run, "_replay", replaying)
+    outputs = {}
+    with nxl.attach(model, layers="all") as probe:
+        calling = threading.Thread(target=lambda: outputs.update(first=_static(model, first, mask, config)))
+        calling.start()
+        assert replayed.wait(120)  # the first call is past its compiled forwards, its steps not scored yet
+        outputs["second"] = _static(model, second, mask, config)
+        calling.join(120)
+    assert probe.unrecorded is None and [call.index for call in probe.calls] == [0, 1]
+    assert not torch.equal(outputs["first"], outputs["second"])
+    for call in probe.calls:
+        _check(model, call, 5)

@@ -373,3 +373,64 @@ def test_generated_tokens_are_scored_in_the_publisher_thread_and_a_failure_there
     assert call.error == "scoring broke" and "not recorded (scoring its steps): scoring broke" in probe.unrecorded
     assert [r.getMessage() for r in caplog.records if "scoring broke" in r.getMessage()] == [
         "nxl_hooks: not recorded (scoring its steps): scoring broke; the model's own call is unaffected"]
+
+
+def test_a_failure_in_the_generating_thread_is_the_one_said_and_steps_lost_in_the_publisher_after_it_are_noted(
+        lm, monkeypatch, caplog):
+    """A call that fails in its generating thread (here a hook's forward, at its fourth forward) is said not recorded
+    for that failure, from the first step whose record did not go out: the steps waiting then are scored in that
+    thread first (in the publisher, their own failure could win the race to be said). A batch already waiting in
+    the publisher that fails there after that is not silent either: the call's notes and the log say which records
+    were lost; the generation itself is unchanged."""
+    from nxl_hooks.hooks import generate
+
+    model, _ = lm
+    monkeypatch.setattr(generate, "SCORED_ELSEWHERE", generate.SCORED_ELSEWHERE | {"cpu"})
+    ids = torch.randint(3, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(4))
+    after_forward, fail = generate.Run.after_forward, generate.Run.fail
+    forwards, said = [], threading.Event()
+
+    def breaking(self, capture):
+        forwards.append(None)
+        if len(forwards) == 4:
+            raise RuntimeError("hook broke")
+        after_forward(self, capture)
+
+    def failing(self, what, error):
+        fail(self, what, error)
+        said.set()
+
+    monkeypatch.setattr(generate.Run, "after_forward", breaking)
+    monkeypatch.setattr(generate.Run, "fail", failing)
+
+    def run(method: tiny.ScoringThreads):
+        forwards.clear()
+        with nxl.attach(model, methods=[method]) as probe:
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6,
+                                 do_sample=False, pad_token_id=0)
+        return out, probe
+
+    plain = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                           pad_token_id=0)
+    # the steps waiting when the hook fails (three: none were handed on yet) are scored in this thread, and their
+    # scoring's own failure is not the one said
+    scorer = tiny.ScoringThreads(fail=True)
+    out, probe = run(scorer)
+    call = probe.calls[0]
+    assert torch.equal(out, plain) and scorer.threads == ["MainThread"]
+    assert call.steps == [] and call.error == "hook broke" and call.notes == []
+    assert "not recorded (this call): hook broke" in probe.unrecorded
+    # two steps a batch: steps 0 and 1 wait in the publisher, which fails them once the hook's failure is said;
+    # step 2 is recorded in this thread meanwhile, then dropped with them (the records stop at the gap)
+    monkeypatch.setattr(generate, "BATCH_STEPS", 2)
+    said.clear()
+    scorer = tiny.ScoringThreads(fail=True, wait=said)
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+        out, probe = run(scorer)
+    call = probe.calls[0]
+    assert torch.equal(out, plain) and scorer.threads == ["nxl_hooks-publisher", "MainThread"]
+    assert call.steps == [] and call.error == "hook broke"
+    assert "not recorded after step 2 (this call): hook broke" in probe.unrecorded
+    lost = "the records of its steps from step 0 on were lost (scoring them raised RuntimeError: scoring broke)"
+    assert call.notes == [lost]
+    assert f"nxl_hooks: {lost}; the model's own call is unaffected" in [r.getMessage() for r in caplog.records]
