@@ -118,13 +118,21 @@ BATCH_BYTES = 64 << 20
 
 class _Emitted(NamedTuple):
     """A step emitted and not scored yet: its token, active rows, log-probabilities and context length."""
-    token: torch.Tensor
+    token: torch.Tensor | int  #: (batch,), or a request's one token as the host gave it (made a tensor when scored)
     active: torch.Tensor
     log_prob: torch.Tensor | None  #: (batch, k) given by the caller (a replayed compiled step), else None
     log_probs: torch.Tensor | None  #: (batch, vocabulary): the model's own, from the forward that predicted it
     logits: torch.Tensor | None  #: or its raw logits (batch, vocabulary), log-softmaxed when scored
     n: int
     time: float  #: when it was emitted (``time.time()``): its record's ``time``
+
+
+def _stacked_tokens(emitted: list[_Emitted]) -> torch.Tensor:
+    """The tokens of ``emitted`` steps (steps, batch): host ints become one tensor for all of them."""
+    if all(isinstance(item.token, int) for item in emitted):
+        return torch.tensor([[item.token] for item in emitted])
+    return torch.stack([torch.tensor([item.token]) if isinstance(item.token, int) else item.token
+                        for item in emitted])
 
 
 class _Context(NamedTuple):
@@ -153,8 +161,8 @@ class _Batch:
             return ()
         context = self._context
         read = {context.features.device, context.embed.device, context.mask.device,
-                *(tensor.device for item in self._emitted for tensor in (item.token, item.log_prob, item.log_probs,
-                                                                         item.logits) if tensor is not None)}
+                *(tensor.device for item in self._emitted for tensor in (item.active, item.log_prob, item.log_probs,
+                                                                          item.logits) if tensor is not None)}
         return tuple(device for device in read if device.type == "cuda")
 
     @functools.cached_property
@@ -622,24 +630,27 @@ class Run:
 
     # -- one record --------------------------------------------------------------------------------------
 
-    def emit(self, token: torch.Tensor, *, log_prob: torch.Tensor | None = None) -> None:
+    def emit(self, token: torch.Tensor | int, *, log_prob: torch.Tensor | None = None) -> None:
         """The step record of ``token`` (batch,), emitted at the position after the last one fed; ``log_prob``:
-        the model's log-probability of each explained target (batch, k), else read from its last logits."""
-        self._emit([token.long()], None if log_prob is None else [log_prob])
+        the model's log-probability of each explained target (batch, k), else read from its last logits. An int:
+        the one row's token as the host holds it (an engine's request), made a tensor with the others it is scored
+        with, not one by one in the engine's loop."""
+        self._emit([token if isinstance(token, int) else token.long()], None if log_prob is None else [log_prob])
 
-    def _emit(self, tokens: Sequence[torch.Tensor], log_prob: Sequence[torch.Tensor] | None = None, *,
-              at: int | None = None, hold: bool = False) -> None:
-        """The step records of ``tokens`` (each (batch,) int64): consecutive steps, the first emitted at position
-        ``at`` (default: after the last one fed), each next one a position later; ``log_prob`` (each (batch, k)) as
-        :meth:`emit`'s. ``hold``: they wait to be scored until the caller flushes (a compiled call's steps, emitted
-        at once before their positions are fed). Which rows are still active is worked out for all of them at
-        once; without an EOS id no row ever finishes, and every step holds the call's one all-True tensor. The
-        tokens stay on the device, never read here: the publisher reads them (texts) off this thread."""
-        active = self._active
+    def _emit(self, tokens: Sequence[torch.Tensor] | Sequence[int], log_prob: Sequence[torch.Tensor] | None = None,
+              *, at: int | None = None, hold: bool = False) -> None:
+        """The step records of ``tokens`` (each (batch,) int64, or one host int): consecutive steps, the first emitted
+        at position ``at`` (default: after the last one fed), each next one a position later; ``log_prob`` (each
+        (batch, k)) as :meth:`emit`'s. ``hold``: they wait to be scored until the caller flushes (a compiled call's
+        steps, emitted at once before their positions are fed). Which rows are still active is worked out for all of
+        them at once; without an EOS id no row ever finishes, and every step holds the call's one all-True tensor.
+        The tokens stay on the device, never read here: the publisher reads them (texts) off this thread."""
+        active, host = self._active, isinstance(tokens[0], int)
         if active is None:
-            active = self._active = torch.ones(tokens[0].shape[0], dtype=torch.bool, device=tokens[0].device)
-        if tokens[0].device != active.device:  # a model split across devices: the first step's device for the call
-            tokens = [token.to(active.device) for token in tokens]
+            active = self._active = (torch.ones(1, dtype=torch.bool) if host else
+                                     torch.ones(tokens[0].shape[0], dtype=torch.bool, device=tokens[0].device))
+        if not host and tokens[0].device != active.device:  # a model split across devices: the first step's device
+            tokens = [token.to(active.device) for token in tokens]  # for the call
         count = len(tokens)
         actives: Sequence[torch.Tensor] = [active] * count
         if self._eos:  # rows that emit an EOS token only pad from the next step on
@@ -684,7 +695,7 @@ class Run:
         scores. (Rows that are views of a step's rows for several requests, as vLLM's, count as their share of it.)"""
         kept = item.log_probs if item.log_probs is not None else item.logits
         return ((kept.numel() * kept.element_size() if kept is not None else 0)
-                + 4 * item.token.shape[0] * len(self._plan.layers) * item.n)
+                + 4 * item.active.shape[0] * len(self._plan.layers) * item.n)
 
     def flush(self, *, here: bool = False) -> None:
         """Hand the emitted steps still waiting to the hub, to be scored together (as many at a time as
@@ -719,9 +730,9 @@ class Run:
         once and each holds a view of it: their tokens, active rows, probabilities and scores, and the context's
         embedding norms and mask (copies, not views of the growing cache). Their tensors stay on the device: the
         hub's publisher moves them to the host."""
-        plan, batch, last = self._plan, emitted[0].token.shape[0], emitted[-1].n
+        plan, batch, last = self._plan, emitted[0].active.shape[0], emitted[-1].n
         with torch.no_grad():
-            tokens = torch.stack([item.token for item in emitted])  # (steps, batch)
+            tokens = _stacked_tokens(emitted)  # (steps, batch)
             active = torch.stack([item.active for item in emitted]).unbind(0)
             embed, mask = context.embed.clone(), context.mask.clone()
             targets = [plan.explained(ids) for ids in tokens[:, :, None].unbind(0)]  # each (batch, k)

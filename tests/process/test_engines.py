@@ -100,6 +100,61 @@ def test_an_engine_registered_in_code_is_used_by_attach_and_its_records_equal_th
     assert probe.unrecorded is None
 
 
+
+def test_an_engine_handing_out_host_tokens_gets_the_records_of_tensor_tokens_an_eos_included(toy, model):
+    """``run.emit`` takes the token as the host holds it (an int: what continuous batching and vLLM hand out), made a
+    tensor only with the steps it is scored with; the records equal those of the same tokens emitted as tensors, an
+    EOS id included (the row pads from the step after it: its later positions leave the context)."""
+    given = []
+
+    class Capturing:  # an engine that only keeps what it is given: the test drives the requests itself
+        name, unfollowed = "capture", None
+
+        def claims(self, claimed):
+            return claimed is model
+
+        def install(self, gens):
+            given.append(gens)
+
+        def uninstall(self):
+            pass
+
+        def stray(self, arguments):
+            return None
+
+    engines.register_engine("capture", Capturing)
+    prompt = torch.tensor([[5, 9, 12, 7]])
+    with torch.no_grad():
+        out = model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=5,
+                             do_sample=False, pad_token_id=0)
+    tokens = out[0, prompt.shape[1]:].tolist()
+    eos = tokens[1]  # its second token ends the row
+
+    def request(gens, host: bool) -> None:  # a request run one token at a time, each handed out as the host has it
+        run = gens.new_run(request_id=f"host={host}", prompt_len=prompt.shape[1], eos=[eos])
+        ids, cache = prompt, None
+        with gens.running(run), torch.no_grad():
+            for token in tokens:
+                forward = model(input_ids=ids, past_key_values=cache, use_cache=True)
+                cache, ids = forward.past_key_values, torch.tensor([[token]])
+                run.emit(token if host else torch.tensor([token]))
+        run.finish(out)
+
+    with nxl.attach(model, layers="all") as probe:
+        (gens,) = given
+        request(gens, host=True)
+        request(gens, host=False)
+    as_ints, as_tensors = probe.calls
+    assert as_ints.error is None and as_tensors.error is None and len(as_ints.steps) == len(tokens)
+    assert [bool(step.active) for step in as_ints.steps] == [True, True, False, False, False]
+    for ours, theirs in zip(as_ints.steps, as_tensors.steps):
+        assert ours.token.dtype == theirs.token.dtype and torch.equal(ours.token, theirs.token)
+        assert torch.equal(ours.active, theirs.active) and torch.equal(ours.mask, theirs.mask)
+        torch.testing.assert_close(ours.normxlogit, theirs.normxlogit, rtol=0, atol=0)
+        torch.testing.assert_close(ours.probability, theirs.probability, rtol=0, atol=0)
+    assert not as_ints.steps[-1].mask[0, prompt.shape[1] + 2:].any()  # the positions after the EOS padded
+
+
 def test_an_engine_that_does_not_claim_the_model_is_not_installed(toy):
     engines.register_engine("toy", toy.ToyEngine)
     from transformers import GPT2Config, GPT2LMHeadModel

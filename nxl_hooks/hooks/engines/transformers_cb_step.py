@@ -286,7 +286,7 @@ class _Packed:
             if appended and not run.failed:
                 if state.request_id not in self._fed:
                     raise RuntimeError("the probe did not see the forward that produced this token")
-                run.emit(torch.tensor([int(token)]))
+                run.emit(int(token))
         except Exception as error:  # noqa: BLE001 - never into the manager's loop
             run.fail("this request", error)
         if finished:

@@ -524,7 +524,7 @@ class VllmEngine:
                     raise RuntimeError(f"vLLM gave this request {len(tokens)} tokens in one step (speculative "
                                        "decoding), which nxl_hooks does not follow")
                 token = int(tokens[0])
-                run.emit(torch.tensor([token]))
+                run.emit(token)
                 self._tokens[worker_id].append(token)
                 if self._stops(worker_id, token):
                     self._end(worker_id, stopped=True)
