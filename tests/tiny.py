@@ -158,20 +158,21 @@ def nxl_hooks_on(model: torch.nn.Module) -> int:
 
 class ScoringThreads:
     """An attribution method (the public protocol): LogAt, noting the name of the thread each score call runs in
-    (``threads``); with ``fail``, its first call raises ``RuntimeError("scoring broke")`` instead, once ``wait`` is
-    set where one is given (up to 30 s)."""
+    (``threads``); with ``fail``, its first call raises ``RuntimeError("scoring broke")`` instead (its first in the
+    thread named ``fail`` where that is a name), once ``wait`` is set where one is given (up to 30 s)."""
 
     name = "test_scoring_threads"
     description = "LogAt, noting its thread (defined in tests/tiny.py)"
     pointwise = True
 
-    def __init__(self, fail: bool = False, wait: threading.Event | None = None) -> None:
+    def __init__(self, fail: bool | str = False, wait: threading.Event | None = None) -> None:
         self.threads: list[str] = []
         self.fail, self.wait = fail, wait
 
     def score(self, given) -> torch.Tensor:
-        self.threads.append(threading.current_thread().name)
-        if self.fail:
+        thread = threading.current_thread().name
+        self.threads.append(thread)
+        if self.fail is True or self.fail == thread:
             self.fail = False
             if self.wait is not None:
                 self.wait.wait(30)

@@ -56,6 +56,7 @@ import contextlib
 import contextvars
 import functools
 import itertools
+import operator
 import os
 import threading
 import time
@@ -129,9 +130,10 @@ class _Emitted(NamedTuple):
 
 def _stacked_tokens(emitted: list[_Emitted]) -> torch.Tensor:
     """The tokens of ``emitted`` steps (steps, batch): host ints become one tensor for all of them."""
+    device = emitted[0].active.device  # where the run's tokens are
     if all(isinstance(item.token, int) for item in emitted):
-        return torch.tensor([[item.token] for item in emitted])
-    return torch.stack([torch.tensor([item.token]) if isinstance(item.token, int) else item.token
+        return torch.tensor([[item.token] for item in emitted], device=device)
+    return torch.stack([torch.tensor([item.token], device=device) if isinstance(item.token, int) else item.token
                         for item in emitted])
 
 
@@ -175,6 +177,9 @@ class _Batch:
     @property
     def dropped(self) -> bool:
         return self._run._unscored
+
+    def handed(self) -> None:
+        self._run._handed = self._emitted[-1].n + 1 - (self._run._prompt_len or 0)
 
     def lost(self, error: BaseException) -> None:
         self._run._lost(self._emitted[0].n - (self._run._prompt_len or 0), error)
@@ -298,7 +303,9 @@ class Run:
         self.failed = False
         self._unscored = False  # scoring a batch failed in the publisher thread: the later ones are dropped
         self._said = threading.Lock()  # a failure is said once, by the generating thread or the publisher
-        self._handed = 0  # how many steps' records were handed to the hub (the step said next to a failure)
+        # the step after the last one handed to the hub (a failure says the records stop there; a rewrite can take
+        # it back down)
+        self._handed = 0
 
     @property
     def length(self) -> int:
@@ -558,9 +565,13 @@ class Run:
                 missed = ("not recorded: a decoding step of this call ran at another position than the one after "
                           "the record's last (a cropped or reused cache); its records from there on are not its own")
             if missed is not None:
-                self.failed, self.call.error = True, missed
-                if self._notice is not None:
-                    self._notice.unrecorded(missed)
+                self.failed = True
+                if self._said.acquire(blocking=False):
+                    self.call.error = missed
+                    if self._notice is not None:
+                        self._notice.unrecorded(missed)
+                else:  # a batch lost in the publisher meanwhile was said
+                    self._hub.note(self.call, missed)
             if sequences is not None and self._pending and not self.failed:
                 emitted = self._n + 1 - self._prompt_len  # the pending token included
                 # A deferred stop check (mps) may run one forward whose token generate then undoes.
@@ -635,7 +646,8 @@ class Run:
         the model's log-probability of each explained target (batch, k), else read from its last logits. An int:
         the one row's token as the host holds it (an engine's request), made a tensor with the others it is scored
         with, not one by one in the engine's loop."""
-        self._emit([token if isinstance(token, int) else token.long()], None if log_prob is None else [log_prob])
+        self._emit([token.long() if isinstance(token, torch.Tensor) else operator.index(token)],
+                   None if log_prob is None else [log_prob])
 
     def _emit(self, tokens: Sequence[torch.Tensor] | Sequence[int], log_prob: Sequence[torch.Tensor] | None = None,
               *, at: int | None = None, hold: bool = False) -> None:
@@ -713,7 +725,6 @@ class Run:
             context = _Context(*(cache.snapshot(n, kept=elsewhere) for cache in (self._features, self._embed,
                                                                                  self._mask)), self._compute_dtype)
             self._hub.publish(self.call, _Batch(self, batch, context, elsewhere=elsewhere), self._plan.readable)
-            self._handed = n + 1 - (self._prompt_len or 0)
 
     def _elsewhere(self) -> bool:
         """Whether this call's steps may be scored in the publisher thread: its feature cache (where the scoring

@@ -179,6 +179,11 @@ class Batch(Protocol):
         delivered, even made."""
         ...
 
+    def handed(self) -> None:
+        """It was handed on (an ``on_step`` callback that raises after that does not take it back): its call's
+        records reach at least its last one, unless it is :meth:`lost`."""
+        ...
+
     def lost(self, error: BaseException) -> None:
         """Making its records failed in the publisher thread: they are lost, and its call says so (its error, one
         line in the log) and stops being recorded."""
@@ -341,6 +346,7 @@ class Hub:
         for event, device in zip(ready, devices):
             event.record(torch.cuda.current_stream(device))
         self._submit(_StepItem(call, made, batch, texts, tuple(ready), batch.count), records=batch.count)
+        batch.handed()
         if self._on_step is not None:
             for step in made:
                 self._on_step(step)

@@ -113,6 +113,7 @@ class _Batch:
         self._steps, self._fail = steps, fail
         self.made_in: str | None = None
         self.lost_with: BaseException | None = None
+        self.was_handed = False
 
     def records(self) -> list[Step]:
         self.made_in = threading.current_thread().name
@@ -124,6 +125,9 @@ class _Batch:
     @property
     def dropped(self) -> bool:
         return self._call.get("lost", False)
+
+    def handed(self) -> None:
+        self.was_handed = True
 
     def lost(self, error: BaseException) -> None:
         self.lost_with = error
@@ -141,7 +145,9 @@ def _steps(first: int, count: int) -> list[Step]:
 def test_the_publisher_makes_each_batch_and_one_that_fails_is_lost_alone():
     """A batch handed on is made into records in the publisher thread; one whose making raises is lost, told through
     its ``lost`` (its call says it), and the publisher goes on with the next. A batch that cannot be made elsewhere,
-    or any under an ``on_step`` callback, is made in the calling thread, where what it raises is the caller's."""
+    or any under an ``on_step`` callback, is made in the calling thread, where what it raises is the caller's. Each
+    batch is told it was handed on (its call's records reach it): not one whose making raised here, and still one
+    whose ``on_step`` callback raised after it was."""
     from nxl_hooks.hooks.publish import Hub
 
     hub = Hub(on_step=None, sink=None, keep_steps=True)
@@ -159,12 +165,25 @@ def test_the_publisher_makes_each_batch_and_one_that_fails_is_lost_alone():
     seen = []
     hub = Hub(on_step=seen.append, sink=None, keep_steps=False)
     call = hub.begin([0], request_id="r", thread=None)
-    mine = _Batch(_steps(0, 2))
+    mine, failing = _Batch(_steps(0, 2)), _Batch(_steps(2, 1), RuntimeError("no memory"))
     hub.publish(call, mine)
     with pytest.raises(RuntimeError, match="no memory"):
-        hub.publish(call, _Batch(_steps(2, 1), RuntimeError("no memory")))
+        hub.publish(call, failing)
     hub.end(call, None)
     assert mine.made_in == "MainThread" and [step.step for step in seen] == [0, 1]
+    assert all(batch.was_handed for batch in (broken, whole, here, mine)) and not failing.was_handed
+    hub.close()
+
+    def refusing(step: Step) -> None:
+        raise ValueError("the callback broke")
+
+    hub = Hub(on_step=refusing, sink=None, keep_steps=True)
+    call = hub.begin([0], request_id="r", thread=None)
+    given = _Batch(_steps(0, 1))
+    with pytest.raises(ValueError, match="the callback broke"):
+        hub.publish(call, given)
+    hub.end(call, None)
+    assert given.was_handed and [step.step for step in call.steps] == [0]
     hub.close()
 
 
