@@ -437,3 +437,29 @@ def test_a_failure_in_the_generating_thread_is_the_one_said_and_steps_lost_in_th
     lost = "the records of its steps from step 0 on were lost (scoring them raised RuntimeError: scoring broke)"
     assert call.notes == [lost]
     assert f"nxl_hooks: {lost}; the model's own call is unaffected" in [r.getMessage() for r in caplog.records]
+
+
+def test_a_call_whose_batch_was_lost_keeps_that_failure_when_its_end_finds_more(lm, monkeypatch, caplog):
+    """What a call's end finds (forwards its hooks never saw) is said only where nothing was said before: when a
+    batch of it was lost in the publisher first (here, at the moment the end looks), the call keeps that failure as
+    its one error and notice, and what the end found goes to its notes and the log."""
+    from nxl_hooks.hooks import generate
+
+    model, _ = lm
+    ids = torch.randint(3, model.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(4))
+    missed = "not recorded: 2 of the generated tokens came from forwards that never reached the probe's hooks"
+
+    def lost_meanwhile(self, sequences):
+        self._lost(0, RuntimeError("scoring broke"))  # as the publisher does for a batch whose scoring raised
+        return missed
+
+    monkeypatch.setattr(generate.Run, "_missed", lost_meanwhile)
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"), nxl.attach(model) as probe:
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False,
+                       pad_token_id=0)
+    call = probe.calls[0]
+    assert call.error == "scoring broke" and probe.unrecorded == "not recorded (scoring its steps): scoring broke"
+    assert call.notes == [missed]
+    logged = [record.getMessage() for record in caplog.records]
+    assert f"nxl_hooks: {missed}; the model's own call is unaffected" in logged
+    assert not any(missed in line for line in logged if "unaffected" not in line)
