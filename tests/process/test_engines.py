@@ -146,6 +146,7 @@ def test_an_engine_handing_out_host_tokens_gets_the_records_of_tensor_tokens_an_
         request(gens, host=False)
     as_ints, as_tensors = probe.calls
     assert as_ints.error is None and as_tensors.error is None and len(as_ints.steps) == len(tokens)
+    check_call(model, as_ints, len(tokens))  # every step equals the uncached oracle
     assert [bool(step.active) for step in as_ints.steps] == [True, True, False, False, False]
     for ours, theirs in zip(as_ints.steps, as_tensors.steps):
         assert ours.token.dtype == theirs.token.dtype and torch.equal(ours.token, theirs.token)
