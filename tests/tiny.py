@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import random
 import threading
+from typing import Callable
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -178,3 +179,26 @@ class ScoringThreads:
                 self.wait.wait(30)
             raise RuntimeError("scoring broke")
         return given.logat
+
+
+class KeptGraphs:
+    """A ``torch.compile`` backend that keeps the FX graphs dynamo hands it and runs them as traced (no inductor):
+    what attaching adds to a compiled model's graphs, counted. ``CompileConfig(backend=KeptGraphs())``."""
+
+    NORMS = ("pow", "mean", "rsqrt", "norm", "sum")  #: what a final norm or an embedding norm is traced into
+
+    def __init__(self) -> None:
+        self.graphs: list[torch.fx.GraphModule] = []
+
+    def __deepcopy__(self, memo: dict) -> "KeptGraphs":  # CompileConfig.to_dict deep-copies its backend
+        return self
+
+    def __call__(self, gm: torch.fx.GraphModule, inputs: list, **_) -> Callable:  # (generate passes mode, options)
+        self.graphs.append(gm)
+        return gm.forward
+
+    def reductions(self, graph: torch.fx.GraphModule | None = None) -> int:
+        """The norm-like operations of ``graph`` (default: of all the graphs kept)."""
+        return sum(any(name in str(node.target) for name in self.NORMS)
+                   for gm in ([graph] if graph is not None else self.graphs) for node in gm.graph.nodes
+                   if node.op in ("call_function", "call_method"))

@@ -9,7 +9,7 @@ one call, in the thread that made it; the :class:`~nxl_hooks.hooks.plan.Plan` is
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
@@ -20,7 +20,7 @@ from ..records.attribution import Attribution
 from ..records.tokens import target_texts
 from .plan import Plan
 
-__all__ = ["Capture", "assemble", "open_capture"]
+__all__ = ["Capture", "assemble", "embedding_norms", "head_features", "open_capture"]
 
 
 @dataclass(eq=False)
@@ -33,6 +33,40 @@ class Capture:
     embed_norm: torch.Tensor | None = None  #: (batch, seq) float32
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  #: layer -> its hidden states, as the model made them
     last_hidden: torch.Tensor | None = None  #: the last block's output, for final logits the model did not give
+
+
+def embedding_norms(plan: Plan, rows: torch.Tensor) -> torch.Tensor:
+    """The paper's ‖x_i⁰‖₂ of each token, (batch, seq) float32, from the rows the probe's embedding hook saw: block
+    1's input (``embedding="layer_input"``) or the word embedding's output, unscaled (Gemma-style embeddings multiply
+    inside the module; the norm is of the raw row)."""
+    if plan.embedding == "layer_input":
+        return torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float32)
+    scale = getattr(plan.model.get_input_embeddings(), "embed_scale", None)
+    rows = rows.detach().float()
+    if scale is not None:
+        rows = rows / scale.to(rows.device).float()
+    return torch.linalg.vector_norm(rows, dim=-1)
+
+
+#: Positions whose layers the head takes at once outside a forward (:func:`head_features`): bounds the float32
+#: temporaries of its final norm (256 positions of 33 layers of 4096: about 140 MB), where the rows are a compiled
+#: call's whole tape or a padded step's every packed token.
+HEAD_CHUNK = 256
+
+
+def head_features(plan: Plan, hidden: Sequence[torch.Tensor], first: int, end: int) -> torch.Tensor:
+    """Head features (batch, end - first, layers, d') of positions first..end-1 of each selected layer's hidden
+    states (``hidden``: one (batch, positions, d) tensor per layer, as the model made them): every layer in one head
+    call per :data:`HEAD_CHUNK` positions."""
+    features = None
+    with torch.no_grad():
+        for start in range(first, max(end, first + 1), HEAD_CHUNK):
+            stop = min(end, start + HEAD_CHUNK)
+            part = plan.head.features(torch.stack([h[:, start:stop] for h in hidden], dim=2))
+            if features is None:
+                features = part.new_empty((part.shape[0], end - first, *part.shape[2:]))
+            features[:, start - first: stop - first] = part
+    return features
 
 
 def open_capture(bound: dict[str, Any]) -> Capture:

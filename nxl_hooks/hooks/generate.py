@@ -859,7 +859,7 @@ class Generations:
         self._restore: tuple[bool, Callable] | None = None
         self._detached = False
         #: Where the probe's hooks record inside compiled forwards (:mod:`.tape`).
-        self.tape = Tape(plan, dtype=cache_dtype, device=self.cache_device)
+        self.tape = Tape(plan, device=self.cache_device)
         self._compiled: CompiledCalls | None = None
         self.backbone: nn.Module | None = None  # set by attach: a forward the user compiled in place is seen there
 

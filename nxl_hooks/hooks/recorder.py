@@ -18,10 +18,11 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.compiler import is_compiling
 
 from ..records.attribution import Attribution
 from .engines import Engine
-from .forward import Capture, assemble, open_capture
+from .forward import Capture, assemble, embedding_norms, open_capture
 from .generate import Generations
 from .guard import Notice, logger, reason
 from .plan import Plan
@@ -249,7 +250,7 @@ class Recorder:
         if self._traced():
             hidden = args[0] if args else kwargs["hidden_states"]
             if self.plan.embedding == "layer_input":
-                self._traced_embedding(torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float32))
+                self._traced_embedding(hidden)
             if 0 in self._wanted:
                 (self.tape if self._taping() else self.plain).layer(0, hidden)
             return
@@ -272,7 +273,7 @@ class Recorder:
                 hidden = hidden.detach()
             with torch.no_grad():
                 if self.plan.embedding == "layer_input":
-                    capture.embed_norm = torch.linalg.vector_norm(hidden, dim=-1, dtype=torch.float32)
+                    capture.embed_norm = embedding_norms(self.plan, hidden)
                 if 0 in self._wanted:
                     capture.hidden[0] = hidden
         except Exception as error:  # noqa: BLE001
@@ -280,43 +281,37 @@ class Recorder:
 
     def on_word_embedding(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         if self._traced():
-            self._traced_embedding(self._word_norms(module, output))
+            self._traced_embedding(output)
             return
         capture = self._current()
         if capture is None:  # the embedding called on its own, outside a forward of the model
             return
         try:
-            capture.embed_norm = self._word_norms(module, output)
+            capture.embed_norm = embedding_norms(self.plan, output)
         except Exception as error:  # noqa: BLE001
             self._fail("this forward", error)
 
-    def _traced_embedding(self, norms: torch.Tensor) -> None:
+    def _traced_embedding(self, rows: torch.Tensor) -> None:
         if self._taping():
-            self.tape.embedding(norms)
+            self.tape.embedding(rows)
         else:
-            self.plain.keep("embed", norms)
-
-    @staticmethod
-    def _word_norms(module: nn.Module, output: torch.Tensor) -> torch.Tensor:
-        # Gemma-style scaled embeddings multiply inside the module; the paper's norm is of the raw row.
-        scale = getattr(module, "embed_scale", None)
-        rows = output.detach().float()
-        if scale is not None:
-            rows = rows / scale.to(rows.device).float()
-        return torch.linalg.vector_norm(rows, dim=-1)
+            self.plain.keep("embed", embedding_norms(self.plan, rows))
 
     def _block_hook(self, index: int) -> Callable:
-        # Decided once: this runs for every block of every forward, one-token decoding steps included.
-        wanted, last = index in self._wanted, index == self.plan.n_blocks
+        # Decided once: this runs for every block of every forward, one-token decoding steps included. Its eager
+        # path is the most frequent Python the probe adds to a decoding step (a 7B model's 32 blocks per token, on a
+        # GPU whose step is bound by the host's Python): it reads this thread's capture in place, no method calls.
+        wanted, last, local = index in self._wanted, index == self.plan.n_blocks, self._local
 
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if self._traced():
+            if is_compiling() and self._traced():
                 if wanted:
                     (self.tape if self._taping() else self.plain).layer(index, _hidden(output))
                 if last and not self._taping():
                     self.plain.keep("last", _hidden(output).detach())
                 return
-            capture = self._current()
+            captures = getattr(local, "captures", None)  # as _current(), inline
+            capture = captures[-1] if captures else None
             if capture is None:
                 return
             try:

@@ -10,12 +10,19 @@ the device, branch on a tensor's value, take a lock or look up per-thread state.
 call's :class:`~nxl_hooks.hooks.generate.Run`: fixed device buffers, allocated when a call is armed, indexed by the
 forward's positions (a device tensor: ``cache_position`` or the static cache's own length), written with
 ``index_copy_``; no host read, no branch on values, no allocation that depends on a value. Per forward it keeps each
-selected layer's head features (final norm included), the embedding norms, which tokens are real, and the model's
-log-probability of the token this forward was fed (the one the previous forward predicted: its logits are kept in
-the tape by the task model's hook). When the call returns, the run reads how far the tape was written (one read)
-and scores the compiled steps from it exactly as the eager hooks would have (:meth:`Run.finish
+selected layer's hidden states and the embedding rows as the model made them, which tokens are real, and the
+model's log-probability of the token this forward was fed (the one the previous forward predicted: its logits are
+kept in the tape by the task model's hook). When the call returns, the run reads how far the tape was written (one
+read), takes the head features (final norm included) and the embedding norms of all positions at once, and scores
+the compiled steps exactly as the eager hooks would have (:meth:`Run.finish
 <nxl_hooks.hooks.generate.Run.finish>`), so both paths make the same records; the step records of a compiled call
 are published when it returns.
+
+Only copies run inside the graph, never a norm: inductor merges a norm of the probe's with the model's own norm of
+the same hidden states (the next block's input norm: the same reduction) into other fused kernels, whose bf16
+arithmetic then differs from the model's alone. Measured on an H200 (Llama-2-7B shape, bf16, ``reduce-overhead``)
+with the norms in the graph: the recorded call's logits differed from plain's by up to 0.13 and its greedy tokens
+parted at step 46, while plain repeated itself to the bit.
 
 The buffers are marked static addresses (as transformers' static cache is), so ``mode="reduce-overhead"`` keeps its
 CUDA graphs, which replay the writes. They are kept while attached, for the next call of the same shape (a new
@@ -43,7 +50,7 @@ import torch
 from torch import nn
 
 from .conventions import seen_keys, start
-from .forward import Capture
+from .forward import Capture, embedding_norms, head_features
 from .plan import Plan
 
 __all__ = ["CompiledCalls", "Tape", "TracedForward", "compiled_forward", "reset_compiled"]
@@ -60,16 +67,16 @@ class Tape:
     """The fixed buffers compiled forwards of one model write into (one armed call at a time: transformers' static
     cache, which the compiled forwards write, is shared by the model's calls too)."""
 
-    def __init__(self, plan: Plan, *, dtype: torch.dtype | None, device: torch.device | None) -> None:
+    def __init__(self, plan: Plan, *, device: torch.device | None) -> None:
         self._plan = plan
-        self._dtype, self._device = dtype, device
+        self._device = device
         self._slots = {layer: slot for slot, layer in enumerate(plan.layers)}
         #: A Python bool dynamo guards on: a forward traced while it is False writes nothing, and arming recompiles
         #: it once with the writes.
         self.armed = False
         self.capacity = 0
-        self.features: list[torch.Tensor] = []  # per selected layer: (batch, capacity, d)
-        self.embed = self.mask = self.log_prob = self.logits = self.end = None
+        self.hidden: list[torch.Tensor] = []  # per selected layer: (batch, capacity, d), as the model made them
+        self.rows = self.mask = self.log_prob = self.logits = self.end = None  # rows: the embedding's
         self.pos: torch.Tensor | None = None  # the positions of the forward being traced (set by begin)
 
     def arm(self, *, batch: int, capacity: int, k: int, device: torch.device) -> None:
@@ -89,23 +96,19 @@ class Tape:
     def free(self) -> None:
         """Drop the buffers (detach): compiled code traced with them is dropped with the model's compiled call."""
         self.armed = False
-        self.features, self.embed, self.mask, self.log_prob, self.logits, self.end = [], None, None, None, None, None
+        self.hidden, self.rows, self.mask, self.log_prob, self.logits, self.end = [], None, None, None, None, None
 
     def _allocate(self, batch: int, capacity: int, k: int, device: torch.device) -> None:
         plan = self._plan
-        reference = next(plan.model.parameters())
-        dtype = self._dtype or reference.dtype
-        with torch.no_grad():
-            width = plan.head.features(torch.zeros(1, 1, plan.model.config.hidden_size, dtype=reference.dtype,
-                                                   device=reference.device)).shape[-1]
-        self.features = [torch.zeros(batch, capacity, width, dtype=dtype, device=device) for _ in plan.layers]
-        self.embed = torch.zeros(batch, capacity, dtype=torch.float32, device=device)
+        dtype, width = next(plan.model.parameters()).dtype, plan.model.config.hidden_size
+        self.hidden = [torch.zeros(batch, capacity, width, dtype=dtype, device=device) for _ in plan.layers]
+        self.rows = torch.zeros(batch, capacity, width, dtype=dtype, device=device)
         self.mask = torch.zeros(batch, capacity, dtype=torch.bool, device=device)
         self.log_prob = torch.zeros(batch, capacity, k, dtype=torch.float32, device=device)
         self.logits = torch.zeros(batch, plan.head.n_outputs, dtype=torch.float32, device=device)
         self.end = torch.zeros((), dtype=torch.long, device=device)
         self.capacity = capacity
-        for buffer in (*self.features, self.embed, self.mask, self.log_prob, self.logits, self.end):
+        for buffer in (*self.hidden, self.rows, self.mask, self.log_prob, self.logits, self.end):
             torch._dynamo.mark_static_address(buffer)
 
     # -- traced: called by the probe's hooks under torch.compile -----------------------------------------
@@ -134,15 +137,14 @@ class Tape:
             # one-token prompt overwrites and which is otherwise a prompt position, never read as a step's.
             self.log_prob.index_copy_(1, (self.pos[:1] - 1).clamp(min=0), fed[:, None])
 
-    def embedding(self, norms: torch.Tensor) -> None:
-        """The embedding norms of the forward's tokens, (batch, new)."""
-        self.embed.index_copy_(1, self.pos, norms.to(device=self.embed.device, dtype=torch.float32))
+    def embedding(self, rows: torch.Tensor) -> None:
+        """The embedding rows of the forward's tokens, (batch, new, d): what the embedding norm is taken of."""
+        self.rows.index_copy_(1, self.pos, rows.detach().to(device=self.rows.device, dtype=self.rows.dtype))
 
     def layer(self, layer: int, hidden: torch.Tensor) -> None:
-        """Layer ``layer``'s hidden states (batch, new, d) as head features."""
-        buffer = self.features[self._slots[layer]]
-        features = self._plan.head.features(hidden.detach())
-        buffer.index_copy_(1, self.pos, features.to(device=buffer.device, dtype=buffer.dtype))
+        """Layer ``layer``'s hidden states (batch, new, d)."""
+        buffer = self.hidden[self._slots[layer]]
+        buffer.index_copy_(1, self.pos, hidden.detach().to(device=buffer.device, dtype=buffer.dtype))
 
     def task_output(self, output: Any) -> None:
         """The task model returned: its last position's logits, for the next forward's log-probability (also
@@ -158,9 +160,11 @@ class Tape:
         return int(self.end)
 
     def positions(self, first: int, end: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(features (batch, n, layers, d), embedding norms (batch, n), mask (batch, n)) of positions first..end-1."""
-        features = torch.stack([buffer[:, first:end] for buffer in self.features], dim=2)
-        return features, self.embed[:, first:end], self.mask[:, first:end]
+        """(head features (batch, n, layers, d'), embedding norms (batch, n), mask (batch, n)) of positions
+        first..end-1."""
+        with torch.no_grad():
+            return (head_features(self._plan, self.hidden, first, end),
+                    embedding_norms(self._plan, self.rows[:, first:end]), self.mask[:, first:end])
 
 
 class TracedForward:

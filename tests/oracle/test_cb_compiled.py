@@ -15,6 +15,7 @@ from transformers import CompileConfig, GenerationConfig
 from transformers.generation.continuous_batching import model_runner
 
 import nxl_hooks as nxl
+from nxl_hooks.hooks import forward
 import tiny
 from oracle import check_call
 
@@ -74,6 +75,32 @@ def test_compiled_padded_batching_records_every_request_as_the_oracle(model):
     # the graph breaks are transformers' own (its paged cache update is compiler.disable'd), those of the run without
     # the probe, and none in nxl_hooks' code (a hook that logged, locked or read the device would add its own)
     assert plain_breaks and set(breaks) <= plain_breaks and not any("nxl_hooks" in reason for reason in breaks)
+
+
+def test_the_taps_add_copies_to_the_compiled_step_and_no_norm_of_its_tensors(model, monkeypatch):
+    """The taps traced into the compiled step copy the model's hidden states and embedding rows; the head features
+    and norms are taken after the step, outside the graph (a norm compiled with the model's own may change its
+    arithmetic: nxl_hooks/hooks/tape.py). The attached step's graphs hold as many norm-like operations as the plain
+    step's, the word embedding's norm included, and every request still equals the oracle."""
+    def config(kept: tiny.KeptGraphs):
+        compile_config = CompileConfig(fullgraph=False, dynamic=False, backend=kept)
+        return tiny.cb_config(use_cuda_graph=False, varlen_compile_config=compile_config,
+                              decode_compile_config=compile_config)
+
+    monkeypatch.setattr(forward, "HEAD_CHUNK", 5)  # a step's packed tokens go through the head in several chunks
+    prompts = _prompts((5, 23, 9))
+    plain_graphs, attached_graphs = tiny.KeptGraphs(), tiny.KeptGraphs()
+    plain = model.generate_batch(prompts, generation_config=_greedy(), continuous_batching_config=config(plain_graphs))
+    with nxl.attach(model, layers="all", embedding="word") as probe:
+        out = model.generate_batch(prompts, generation_config=_greedy(),
+                                   continuous_batching_config=config(attached_graphs))
+    assert plain_graphs.reductions() >= 2 * model.config.num_hidden_layers  # the model's own norms are counted
+    assert attached_graphs.reductions() == plain_graphs.reductions()
+    assert _tokens(out) == _tokens(plain)
+    for call in probe.calls:
+        assert call.error is None
+        check_call(model, call, NEW)
+    assert len(probe.calls) == len(prompts)
 
 
 def test_padded_inputs_run_eagerly_are_recorded_through_the_same_taps(model, monkeypatch):

@@ -9,6 +9,7 @@ from torch._dynamo.utils import counters
 from transformers import CompileConfig
 
 import nxl_hooks as nxl
+from nxl_hooks.hooks import forward
 import tiny
 from oracle import check_call, full_mask, llama, normxlogit, prefix_logits
 
@@ -216,3 +217,26 @@ def test_a_compiled_calls_steps_scored_later_keep_their_probabilities_when_the_n
     assert not torch.equal(outputs["first"], outputs["second"])
     for call in probe.calls:
         _check(model, call, 5)
+
+
+@pytest.mark.parametrize("embedding", ["layer_input", "word"])
+def test_a_recorded_compiled_call_adds_copies_to_the_models_graph_and_no_norm_of_its_tensors(embedding, monkeypatch):
+    """Inside a compiled call the hooks only copy what the model made (hidden states, embedding rows) into the tape;
+    the head's final norm and the embedding norms are taken when the call ends. In the graph, inductor merged the
+    probe's norm of a hidden state with the model's own norm of it (the next block's input norm) and the model's
+    bf16 logits changed (docs/benchmarks.md, an H200). Counted on the graphs dynamo hands its backend: the recorded
+    decoding step holds as many reductions as the plain one; and every step still equals the oracle."""
+    monkeypatch.setattr(forward, "HEAD_CHUNK", 2)  # the replay takes the head of its positions in several chunks
+    model = tiny.generating_llama(seed=7)
+    ids, mask = _prompt()
+    kept = tiny.KeptGraphs()
+    config = CompileConfig(backend=kept)
+    config._compile_all_devices = True
+    plain = _static(model, ids, mask, config)
+    with nxl.attach(model, layers="all", embedding=embedding) as probe:
+        assert torch.equal(_static(model, ids, mask, config), plain)
+    before, after = kept.graphs  # compiled once plain, once with the hooks
+    assert kept.reductions(before) >= 2 * model.config.num_hidden_layers  # the model's own norms are counted
+    assert kept.reductions(after) == kept.reductions(before)
+    assert probe.unrecorded is None
+    _check(model, probe.calls[0], 5)

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..forward import Capture
+from ..forward import Capture, embedding_norms, head_features
 from ..generate import Generations, Run, stacked_features
 from ..recording import NOT_RECORDED
 from .buffers import Buffers
@@ -80,12 +80,14 @@ def _block_input(args: tuple, kwargs: dict) -> torch.Tensor:
 
 class _Taps:
     """What a padded processor's forwards write (it runs them compiled, or replays them as CUDA graphs): per packed
-    token, the head features of every selected layer (``features``: slot i is ``plan.layers[i]``) and the embedding
-    norm (``norms``), and the task model's logits (``logits``: the rows it samples from, in batch order, or every
-    row when the model has no ``logits_to_keep``). Hooks of :class:`~.buffers.Buffers` put on before the processor
-    compiles or captures, so they are traced or captured with it; they write only while ``marker`` is the thread's
-    recording (the processor's own forwards: its warmup and steps), and the probe's own hooks skip that recording
-    (it is a not-recorded one), so nothing of theirs runs in the compiled region."""
+    token, the hidden states of every selected layer (``hidden``: slot i is ``plan.layers[i]``) and the embedding row
+    (``embedding``), as the model made them, and the task model's logits (``logits``: the rows it samples from, in
+    batch order, or every row when the model has no ``logits_to_keep``). Hooks of :class:`~.buffers.Buffers` put on
+    before the processor compiles or captures, so they are traced or captured with it; they write only while
+    ``marker`` is the thread's recording (the processor's own forwards: its warmup and steps), and the probe's own
+    hooks skip that recording (it is a not-recorded one), so nothing of theirs runs in the compiled region. They only
+    copy: the head features and embedding norms are taken after the step (:meth:`read`), since a norm compiled with
+    the model's own may change the model's arithmetic (:mod:`..tape` says how)."""
 
     def __init__(self, plan: Any, gens: Generations, processor: Any) -> None:
         self.marker = copy.copy(NOT_RECORDED)  # an object of its own: the taps' condition, constant for a trace
@@ -100,34 +102,40 @@ class _Taps:
         self.logits_kept = bool(callable(keeps) and keeps(model))
         embedding = model.get_input_embeddings()
         weight = embedding.weight
-        with torch.no_grad():  # what the head makes of a hidden state: the features' width and dtype
-            like = head.features(torch.zeros(1, 1, weight.shape[-1], dtype=weight.dtype, device=weight.device))
-        self.features = Buffers(len(plan.layers), rows, like.shape[2:], dtype=like.dtype, device=like.device,
-                                when=ours)
-        self.norms = Buffers(1, rows, (), dtype=torch.float32, device=weight.device, when=ours)
+        self._plan = plan
+        self.hidden = Buffers(len(plan.layers), rows, weight.shape[-1:], dtype=weight.dtype, device=weight.device,
+                              when=ours)
+        self.embedding = Buffers(1, rows, weight.shape[-1:], dtype=weight.dtype, device=weight.device, when=ours)
         sampled = int(runner.cb_config.max_requests_per_batch) if self.logits_kept else rows
         self.logits = Buffers(1, sampled, (head.n_outputs,), dtype=torch.float32, device=weight.device, when=ours)
         try:
             for slot, layer in enumerate(plan.layers):
                 if layer == 0:
-                    self.features.tap_input(slot, blocks[0],
-                                            lambda args, kwargs: head.features(_block_input(args, kwargs)))
+                    self.hidden.tap_input(slot, blocks[0], _block_input)
                 else:
-                    self.features.tap(slot, blocks[layer - 1], lambda output: head.features(_stream(output)))
-            if plan.embedding == "word":  # the raw word-embedding row: Gemma-style scaling undone, as the probe does
-                scale = getattr(embedding, "embed_scale", None)
-                self.norms.tap(0, embedding, lambda output: torch.linalg.vector_norm(
-                    output.float() / scale.float() if scale is not None else output.float(), dim=-1))
+                    self.hidden.tap(slot, blocks[layer - 1], _stream)
+            if plan.embedding == "word":
+                self.embedding.tap(0, embedding, lambda output: output)
             else:
-                self.norms.tap_input(0, blocks[0], lambda args, kwargs: torch.linalg.vector_norm(
-                    _block_input(args, kwargs), dim=-1, dtype=torch.float32))
+                self.embedding.tap_input(0, blocks[0], _block_input)
             self.logits.tap(0, model, lambda output: output.logits)
         except BaseException:
             self.remove()
             raise
 
+    @property
+    def rows(self) -> int:
+        return self.hidden.rows
+
+    def read(self, total: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(head features (1, tokens, layers, d'), embedding norms (1, tokens)) of the step's first ``total`` packed
+        tokens, from the rows the taps copied."""
+        with torch.no_grad():
+            return (head_features(self._plan, self.hidden.values[:, None], 0, total),
+                    embedding_norms(self._plan, self.embedding.values[:, :total]))
+
     def remove(self) -> None:
-        for buffers in (self.features, self.norms, self.logits):
+        for buffers in (self.hidden, self.embedding, self.logits):
             buffers.remove()
 
 
@@ -193,11 +201,10 @@ class _Packed:
         try:
             total = sum(segment.length for segment in self.segments)
             emitting = [s for s in self.segments if s.new_token]
-            if total > taps.features.rows or len(emitting) > taps.logits.rows:
-                raise RuntimeError(f"this forward packed {total} tokens, more than the {taps.features.rows} rows its "
+            if total > taps.rows or len(emitting) > taps.logits.rows:
+                raise RuntimeError(f"this forward packed {total} tokens, more than the {taps.rows} rows its "
                                    "buffers were made for")
-            features = taps.features.values[:, :total].transpose(0, 1)[None]  # (1, tokens, layers, d')
-            norms = taps.norms.values[:, :total]
+            features, norms = taps.read(total)
             logits, sampled = taps.logits.values[0], {}
             if emitting:
                 rows = (list(range(len(emitting))) if taps.logits_kept
