@@ -21,7 +21,7 @@ part() {  # part NAME CAP_SECONDS COMMAND...: run COMMAND with the smaller of CA
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/summary.txt"
 part tests 240 python3 -m pytest tests/gpu -p no:cacheprovider -rfEs --tb=short --timeout 150
 seven=(--device cuda --shape llama2-7b --dtype bfloat16)
-# at most 8 files come back from a lent machine: summary.txt, log.txt and these four reports
+# at most 8 files come back from a lent machine: summary.txt, log.txt and these six reports
 part generate_b1 70 python3 benchmarks/bench_generate.py "${seven[@]}" --no-inseq --repeats 5 \
     --out "$out/generate_b1.json"
 part generate_b16 80 python3 benchmarks/bench_generate.py "${seven[@]}" --no-inseq --repeats 5 --batch 16 \
@@ -29,3 +29,6 @@ part generate_b16 80 python3 benchmarks/bench_generate.py "${seven[@]}" --no-ins
 part batching 120 python3 benchmarks/bench_batching.py "${seven[@]}" --cuda-graph --requests 32 \
     --out "$out/batching_cudagraphs.json"
 part compiled 180 python3 benchmarks/bench_compiled.py "${seven[@]}" --repeats 3 --out "$out/compiled.json"
+# small models (hidden 512): the attached forward, and the 4-bit and offloaded paths, on CUDA
+part forward 40 python3 benchmarks/bench_forward.py --device cuda --repeats 20 --out "$out/forward.json"
+part big 60 python3 benchmarks/bench_big.py --device cuda --repeats 5 --out "$out/big.json"

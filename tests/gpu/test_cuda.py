@@ -70,8 +70,11 @@ def _cpu_tensor_bytes() -> int:
     storages = {}
     for obj in gc.get_objects():
         if isinstance(obj, torch.Tensor) and obj.device.type == "cpu":
-            storage = obj.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+            try:
+                storage = obj.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+            except RuntimeError:  # a fake tensor an earlier compiled test left behind: it holds no memory
+                continue
     return sum(storages.values())
 
 
