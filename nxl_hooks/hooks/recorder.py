@@ -11,6 +11,7 @@ traces, it takes the graph-safe path instead (:mod:`.tape`). No hook ever raises
 
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import threading
@@ -80,7 +81,7 @@ class Recorder:
         # Under torch.compile the hooks only write these (graph-safe: no per-thread state, no host read, no lock):
         # the tape while a recorded call armed it, else what a plain forward saw.
         self.tape = gens.tape if gens is not None else None
-        self.plain = TracedForward()
+        self.plain = TracedForward(functools.partial(embedding_norms, plan))
 
     # -- per-thread state --------------------------------------------------------------------------------
 
@@ -295,7 +296,7 @@ class Recorder:
         if self._taping():
             self.tape.embedding(rows)
         else:
-            self.plain.keep("embed", embedding_norms(self.plan, rows))
+            self.plain.keep("embed", rows.detach())
 
     def _block_hook(self, index: int) -> Callable:
         # Decided once: this runs for every block of every forward, one-token decoding steps included. Its eager

@@ -174,7 +174,8 @@ class TracedForward:
     (``model.forward = torch.compile(model.forward)``), else when :meth:`~nxl_hooks.Probe.result` is read
     (``torch.compile(model)``). Only the last traced forward is kept, not per thread."""
 
-    def __init__(self) -> None:
+    def __init__(self, norms: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._norms = norms  # the embedding norms of the rows kept, taken in take(), outside the graph
         self.seen: dict[str, Any] | None = None  # input_ids, attention_mask, embed, hidden {layer: h}, last, logits
 
     def task(self) -> None:
@@ -204,8 +205,10 @@ class TracedForward:
             return None, None
         ids = seen["input_ids"]
         reference = ids if ids is not None else seen["inputs_embeds"]
+        rows = seen.get("embed")  # the embedding's rows
         capture = Capture(input_ids=ids, attention_mask=seen["attention_mask"],
-                          shape=(int(reference.shape[0]), int(reference.shape[1])), embed_norm=seen.get("embed"),
+                          shape=(int(reference.shape[0]), int(reference.shape[1])),
+                          embed_norm=self._norms(rows) if rows is not None else None,
                           hidden=seen["hidden"], last_hidden=seen.get("last"))
         return capture, types.SimpleNamespace(logits=seen.get("logits"))
 

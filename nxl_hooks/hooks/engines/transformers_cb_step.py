@@ -103,9 +103,10 @@ class _Taps:
         embedding = model.get_input_embeddings()
         weight = embedding.weight
         self._plan = plan
-        self.hidden = Buffers(len(plan.layers), rows, weight.shape[-1:], dtype=weight.dtype, device=weight.device,
-                              when=ours)
-        self.embedding = Buffers(1, rows, weight.shape[-1:], dtype=weight.dtype, device=weight.device, when=ours)
+        width = plan.model.config.hidden_size  # the blocks'; a word embedding may be narrower (projected after it)
+        self.hidden = Buffers(len(plan.layers), rows, (width,), dtype=weight.dtype, device=weight.device, when=ours)
+        self.embedding = Buffers(1, rows, weight.shape[-1:] if plan.embedding == "word" else (width,),
+                                 dtype=weight.dtype, device=weight.device, when=ours)
         sampled = int(runner.cb_config.max_requests_per_batch) if self.logits_kept else rows
         self.logits = Buffers(1, sampled, (head.n_outputs,), dtype=torch.float32, device=weight.device, when=ours)
         try:
