@@ -13,9 +13,9 @@ from __future__ import annotations
 import json
 import random
 import threading
-from typing import Callable
 from html.parser import HTMLParser
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
