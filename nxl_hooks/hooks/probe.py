@@ -186,18 +186,21 @@ class Probe:
         """Why the last call that could not be followed is not recorded, and what makes it recordable (``"not
         recorded: this manager pads its inputs for CUDA graphs ...; set NXL_EAGER=1 ..."``); None while
         every call was followed. The same text is that call's ``GenerationCall.error``."""
+        self._hub.settle()  # (the record pipeline may still find a call's last records lost)
         return self._notice.text
 
     @property
     def unrecorded_calls(self) -> int:
         """How many calls (``generate`` calls, served requests) ran while attached but were not recorded, in whole or
         from some step on; :attr:`unrecorded` says the last reason. ``if probe.unrecorded_calls: ...``"""
+        self._hub.settle()
         return self._notice.count
 
     @property
     def sink_fault(self) -> str | None:
         """Why the records sink stopped getting records (one line: disk full, read-only), else None.
         ``if probe.sink_fault: print(probe.sink_fault)``"""
+        self._hub.settle()
         return self._hub.sink_fault
 
     def flush(self, timeout: float = 10.0) -> bool:
@@ -211,12 +214,15 @@ class Probe:
     def unwritten(self) -> int:
         """How many step records the sink did not get because it had stopped (:attr:`sink_fault` says why): they
         are in memory only. ``assert probe.unwritten == 0``"""
+        self._hub.settle()
         return self._hub.unwritten
 
     @property
     def calls(self) -> list[GenerationCall]:
         """The ``generate`` calls run while attached, in the order they started, each with its step records
-        (the last ``keep_calls`` of them)."""
+        (the last ``keep_calls`` of them). Waits for the records of the calls that have ended (a call returns
+        while the record pipeline still makes its last ones)."""
+        self._hub.settle()
         return self._hub.calls
 
     @property

@@ -40,9 +40,13 @@ thread, which writes them. So:
   sink thread and the subscribers at once, when it is done: one wake-up of each reader per batch rather than one
   per record, and a sink with ``write_steps`` (a :class:`~nxl_hooks.Sink`) writes the batch's step frames (and
   any backlog) with one ``write``; a batch holds only what was already waiting, so nothing is held back;
-- the end of a call waits for the publisher (never for the sink), so ``probe.steps`` holds every record when
-  ``generate`` returns; detaching waits up to :data:`DRAIN_SECONDS` for the sink to write what is queued, so a
-  stream file read after the ``with`` block holds every record;
+- the end of a call never waits for the sink, and for the publisher only as far as it must: while something
+  reads records live (a subscriber, an ``on_step`` callback), until the call's records are handed to it; else
+  until the call that ended before it has its records kept, so the steps a call emitted last are scored while the
+  host goes on (one call's lag at most). Whoever reads the records waits for those of the calls that have ended
+  (:meth:`Hub.settle`: ``probe.calls``, ``probe.steps``, ``probe.unrecorded``, ``probe.sink_fault``), so
+  ``probe.steps`` holds every record once ``generate`` has returned; detaching waits up to :data:`DRAIN_SECONDS`
+  for the sink to write what is queued, so a stream file read after the ``with`` block holds every record;
 - a stream file on disk stays whole after SIGKILL: frames are written in order, each whole, so the file ends
   with a whole frame or a torn last one (the records still queued are lost).
 
@@ -265,6 +269,7 @@ class Hub:
         self._counter = 0
         self._subscribers: "weakref.WeakSet[Subscription]" = weakref.WeakSet()
         self._running: list[GenerationCall] = []
+        self._ended: threading.Event | None = None  # the last call's end handed on: set once its records are kept
         self._closed = False  # the probe detached: records go to memory only, in the calling thread
         # The publisher and the sink thread, their queues and their backlogs (started with the first record, and
         # again in a forked child, which has none of its parent's threads).
@@ -353,10 +358,26 @@ class Hub:
 
     def end(self, call: GenerationCall, sequences: torch.Tensor | None, error: str | None = None) -> None:
         """The call returned (``sequences``: its output ids) or raised (None); ``error``: why records are missing.
-        Returns once its records are kept and handed to the subscribers (never waits for the sink)."""
+        Returns once its records are kept and handed to the subscribers while something reads them live (a
+        subscriber, an ``on_step`` callback), else once the call that ended before it has its records kept: its own
+        are then scored while the host goes on, off its critical path (readers of the calls wait for them:
+        :meth:`settle`), and the publisher is never more than one call behind. Never waits for the sink."""
         done = threading.Event()
-        if self._submit(_EndItem(call, sequences, error, done)) and not self._on_thread():
-            done.wait(FLUSH_SECONDS)
+        with self._lock:
+            if not self._closed:
+                self._start()  # first: a forked child has no earlier call of its own to wait for
+            previous, self._ended = self._ended, done
+            awaited = done if self.live else previous
+        if not self._submit(_EndItem(call, sequences, error, done)):
+            done.set()  # handled here: the probe detached
+        elif awaited is not None and not self._on_thread():
+            awaited.wait(FLUSH_SECONDS)
+
+    def settle(self, timeout: float = FLUSH_SECONDS) -> bool:
+        """Wait until every call that has ended has its records kept and handed to the subscribers (the publisher
+        handles them in order: the last end handed on is done last); whether they were within ``timeout``."""
+        ended = self._ended
+        return ended is None or self._on_thread() or ended.wait(timeout)
 
     def flush(self, timeout: float = DRAIN_SECONDS) -> bool:
         """Wait until the records handed on so far are kept and written by the sink (or the sink stopped); whether
@@ -461,6 +482,7 @@ class Hub:
         self._held_records = 0
         self._outbox, self._live = [], []
         self._waiting = self._frames_waiting = self._unscored_bytes = 0
+        self._ended = None  # (a parent's last call is not this process's to wait for)
         self._publisher = threading.Thread(target=self._publish_loop, name="nxl_hooks-publisher", daemon=True)
         self._publisher.start()
         if self._sink is not None:

@@ -216,3 +216,36 @@ def test_a_backlog_reaches_the_sink_as_one_batch(model, fail):
         assert sink.steps == 0
         assert probe.sink_fault is None and probe.unwritten == 0
     check_call(model, probe.calls[0], 6)
+
+
+def test_a_call_scored_elsewhere_returns_before_its_last_records_and_its_readers_wait_for_them(model, monkeypatch):
+    """Where a call's steps are scored in the publisher (a GPU's), the call returns without waiting for the ones it
+    emitted last, while nothing reads them live: scoring them is off its critical path. Whoever reads the records
+    (probe.calls, probe.steps, sink_fault...) waits for them, and they are whole; the next call waits for this one's
+    (the publisher is never more than one call behind)."""
+    from nxl_hooks.hooks import generate
+
+    monkeypatch.setattr(generate, "SCORED_ELSEWHERE", generate.SCORED_ELSEWHERE | {"cpu"})
+    record, scoring, release = generate.Run._record, threading.Event(), threading.Event()
+
+    def held(self, emitted, context):  # the publisher holds the first call's last batch until released
+        if self.call.index == 0 and emitted[-1].n - self._prompt_len == 5:
+            scoring.set()
+            assert release.wait(60)
+        return record(self, emitted, context)
+
+    monkeypatch.setattr(generate.Run, "_record", held)
+    with nxl.attach(model, layers="all") as probe:
+        out = model.generate(input_ids=_ids(3), max_new_tokens=6, do_sample=False)  # returns while held
+        assert scoring.wait(30) and not release.is_set()
+        second = threading.Thread(target=model.generate, kwargs=dict(input_ids=_ids(4), max_new_tokens=2,
+                                                                    do_sample=False))
+        second.start()
+        second.join(1.0)
+        assert second.is_alive()  # the second call's end waits for the first call's records
+        threading.Timer(0.5, release.set).start()
+        calls = probe.calls  # waits for both calls' records
+        second.join(30)
+    assert release.is_set() and [len(call.steps) for call in calls] == [6, 2]
+    assert torch.equal(calls[0].sequences, out)
+    check_call(model, calls[0], 6)
