@@ -368,7 +368,12 @@ class Hub:
                 self._start()  # first: a forked child has no earlier call of its own to wait for
             previous, self._ended = self._ended, done
             awaited = done if self.live else previous
-        if not self._submit(_EndItem(call, sequences, error, done)):
+        try:
+            queued = self._submit(_EndItem(call, sequences, error, done))
+        except BaseException:
+            done.set()  # never handed on: no reader waits for it
+            raise
+        if not queued:
             done.set()  # handled here: the probe detached
         elif awaited is not None and not self._on_thread():
             awaited.wait(FLUSH_SECONDS)
@@ -620,6 +625,7 @@ class Hub:
         """A live iterator of step records, holding up to ``size`` unread (see the module docstring); ``replay``:
         a call already running gives the steps it made before first."""
         subscription: Subscription[Step] = Subscription(self, request_id=request_id, follow=follow, size=size)
+        self.settle()  # the calls that have ended are done (kept, not read live) before this reader starts
         with self._lock:
             self._hand_on()  # from now on records are read live
             if self._closed:
