@@ -48,9 +48,9 @@ def embedding_norms(plan: Plan, rows: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(rows, dim=-1)
 
 
-#: Positions whose layers the head takes at once outside a forward (:func:`head_features`): bounds the float32
-#: temporaries of its final norm (256 positions of 33 layers of 4096: about 140 MB), where the rows are a compiled
-#: call's whole tape or a padded step's every packed token.
+#: Positions whose layers the head takes at once (:func:`head_features`): bounds the float32 temporaries of its
+#: final norm (256 positions of 33 layers of 4096: about 140 MB) over a long prompt, a compiled call's whole tape or
+#: a step's every packed token.
 HEAD_CHUNK = 256
 
 
@@ -58,15 +58,17 @@ def head_features(plan: Plan, hidden: Sequence[torch.Tensor], first: int, end: i
     """Head features (batch, end - first, layers, d') of positions first..end-1 of each selected layer's hidden
     states (``hidden``: one (batch, positions, d) tensor per layer, as the model made them): every layer in one head
     call per :data:`HEAD_CHUNK` positions."""
-    features = None
     with torch.no_grad():
-        for start in range(first, max(end, first + 1), HEAD_CHUNK):
+        if end - first <= HEAD_CHUNK:  # one head call, its output as it is
+            return plan.head.features(torch.stack([h[:, first:end] for h in hidden], dim=2))
+        features = None
+        for start in range(first, end, HEAD_CHUNK):
             stop = min(end, start + HEAD_CHUNK)
             part = plan.head.features(torch.stack([h[:, start:stop] for h in hidden], dim=2))
             if features is None:
                 features = part.new_empty((part.shape[0], end - first, *part.shape[2:]))
             features[:, start - first: stop - first] = part
-    return features
+        return features
 
 
 def open_capture(bound: dict[str, Any]) -> Capture:

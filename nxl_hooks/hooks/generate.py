@@ -70,7 +70,7 @@ from ..method.protocol import Given
 from ..records.steps import GenerationCall, Step
 from .recording import NOT_RECORDED, Recording
 from .conventions import UnfollowedForward, positions, start, static_capacity, token_mask
-from .forward import Capture
+from .forward import Capture, head_features
 from .guard import Notice, one_line, reason
 from .plan import Plan
 from .publish import Hub
@@ -249,12 +249,12 @@ def unsupported(model: nn.Module, kwargs: dict) -> str | None:
 
 
 def stacked_features(plan: Plan, capture: Capture) -> torch.Tensor:
-    """Every selected layer of a forward as head features, (batch, seq, len(layers), d'), in one head call (one-token
-    decoding steps would pay the head's overhead per layer). Under a device_map the layers meet on the last selected
-    block's device (one position per step moves)."""
+    """Every selected layer of a forward as head features, (batch, seq, len(layers), d'), all layers in one head call
+    (:func:`~.forward.head_features`; one-token decoding steps would pay the head's overhead per layer). Under a
+    device_map the layers meet on the last selected block's device (one position per step moves)."""
     hidden = [capture.hidden[layer] for layer in plan.layers]
     device = hidden[-1].device
-    return plan.head.features(torch.stack([h if h.device == device else h.to(device) for h in hidden], dim=2))
+    return head_features(plan, [h if h.device == device else h.to(device) for h in hidden], 0, hidden[-1].shape[1])
 
 
 class Run:

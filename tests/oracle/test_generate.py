@@ -18,6 +18,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import nxl_hooks as nxl
 import tiny
+from nxl_hooks.hooks import forward
 from nxl_hooks.hooks.generate import BATCH_STEPS
 from nxl_hooks.method import head as nxl_head
 from oracle import HandHead, check_call, llama, normxlogit, prefix_logits, rms_norm
@@ -43,6 +44,16 @@ def test_greedy_every_step_matches_oracle_and_output_unchanged(model):
     assert all(torch.equal(a, s.token) for a, s in zip(argmaxes, probe.steps))
     assert probe.steps[0].normxlogit.shape == (4, 1, 7) and probe.steps[-1].normxlogit.shape == (4, 1, 12)
     assert all(step.mask.all() and step.active.all() for step in probe.steps)
+
+
+def test_a_prompt_longer_than_a_head_chunk_has_its_features_taken_in_chunks_equal_to_the_oracle(model, monkeypatch):
+    """The prefill's features go through the head a chunk of positions at a time (:data:`HEAD_CHUNK`: bounded
+    temporaries over a long prompt); every step, each reading the whole prompt, equals the oracle."""
+    monkeypatch.setattr(forward, "HEAD_CHUNK", 3)  # a 7-token prompt: three chunks, the last one short
+    ids = torch.randint(1, VOCAB, (2, 7), generator=torch.Generator().manual_seed(8))
+    with nxl.attach(model, layers="all") as probe:
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    check_call(model, probe.calls[0], 4)
 
 
 def test_sampling_explains_the_sampled_token_with_num_return_sequences(model):
