@@ -197,6 +197,12 @@ class KeptGraphs:
         self.graphs.append(gm)
         return gm.forward
 
+    @staticmethod
+    def operations(graph: torch.fx.GraphModule) -> list[tuple[str, str]]:
+        """What ``graph`` computes, in order: (kind, target) of each call in it."""
+        return [(node.op, str(node.target)) for node in graph.graph.nodes
+                if node.op in ("call_function", "call_method", "call_module")]
+
     def reductions(self, graph: torch.fx.GraphModule | None = None) -> int:
         """The norm-like operations of ``graph`` (default: of all the graphs kept)."""
         return sum(any(name in str(node.target) for name in self.NORMS)

@@ -16,13 +16,14 @@ every row starts past position 1 (older versions give pads 1) continues a sequen
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-__all__ = ["CACHE_NAMES", "Positions", "UnfollowedForward", "find_cache", "positions", "seen_keys", "start",
-           "static_capacity", "token_mask"]
+__all__ = ["CACHE_NAMES", "Positions", "UnfollowedForward", "cache_keyword", "find_cache", "positions", "prefix_cache",
+           "seen_keys", "start", "token_mask"]
 
 #: The keywords a KV cache has arrived under, newest first. Only an order to look in: :func:`find_cache` also finds
 #: one under a name not listed here.
@@ -56,19 +57,27 @@ def find_cache(arguments: dict[str, Any]) -> Any | None:
     return next((value for value in arguments.values() if _is_cache(value)), None)
 
 
-def static_capacity(arguments: dict[str, Any]) -> int | None:
-    """How many positions a forward's cache holds when it is a fixed-size cache that ``generate`` compiles
-    (``is_compileable``: a static cache); None for a growing one. Its size is ``get_max_length()`` from 5.24,
-    ``get_max_cache_shape()`` before (-1 or 0 where a layer grows)."""
-    cache = find_cache(arguments)
-    if cache is None or not getattr(cache, "is_compileable", False):
+def cache_keyword(forward: Any) -> str | None:
+    """The keyword under which ``forward`` (a model's) takes a KV cache, of :data:`CACHE_NAMES`; None if none."""
+    parameters = inspect.signature(forward).parameters
+    return next((name for name in CACHE_NAMES if name in parameters), None)
+
+
+def prefix_cache(cache: Any, length: int) -> Any | None:
+    """A new ``DynamicCache`` holding what ``cache`` (a static cache, as ``generate`` left it) holds of positions
+    0..length-1, its tensors unchanged (the new cache appends to copies); None unless every layer of ``cache`` is a
+    full static layer holding them (a sliding window keeps other positions there)."""
+    from transformers.cache_utils import DynamicCache, StaticLayer
+
+    layers = getattr(cache, "layers", None)
+    if not layers or not all(isinstance(layer, StaticLayer) and not layer.is_sliding
+                             and isinstance(getattr(layer, "keys", None), torch.Tensor)
+                             and layer.keys.dim() == 4 and layer.keys.shape[-2] >= length for layer in layers):
         return None
-    for name in ("get_max_length", "get_max_cache_shape"):
-        size = getattr(cache, name, None)
-        if callable(size):
-            size = size()
-            return size if isinstance(size, int) and size > 0 else None
-    return None
+    prefix = DynamicCache()
+    for index, layer in enumerate(layers):
+        prefix.update(layer.keys[..., :length, :], layer.values[..., :length, :], index)
+    return prefix
 
 
 def _new_tokens(arguments: dict[str, Any]) -> int:

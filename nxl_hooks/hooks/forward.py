@@ -49,8 +49,8 @@ def embedding_norms(plan: Plan, rows: torch.Tensor) -> torch.Tensor:
 
 
 #: Positions whose layers the head takes at once (:func:`head_features`): bounds the float32 temporaries of its
-#: final norm (256 positions of 33 layers of 4096: about 140 MB) over a long prompt, a compiled call's whole tape or
-#: a step's every packed token.
+#: final norm (256 positions of 33 layers of 4096: about 140 MB) over a long prompt, a compiled call's positions run
+#: again or a step's every packed token.
 HEAD_CHUNK = 256
 
 

@@ -23,10 +23,15 @@ too (one matmul for the steps scored together, then the methods), off the genera
 for the device (:data:`SCORED_ELSEWHERE`). What the host reads is a constant per call: the prompt (ids, mask), the
 first decoding step's position, whether a later step ran at another position (one flag), and generate's output.
 
-Compiled calls. A call whose forwards run compiled (a static cache, which ``generate`` compiles itself, or a forward
-the user compiled) arms the model's :class:`~.tape.Tape` at its start: inside compiled forwards the hooks write
-features there instead of feeding the run, and :meth:`Run.finish` scores those steps from it when the call returns,
-as the eager hooks would have (the same ``feed`` and ``emit``), then publishes them.
+Compiled calls. Forwards that run compiled (a static cache, with which ``generate`` compiles its decoding steps
+itself, or a ``forward`` the user compiled) run the model's own compiled code: the hooks, traced into it, do nothing
+there (anything of theirs would become part of the model's kernels and change its output: :mod:`.traced`). When
+such a call returns, :meth:`Run._replay` runs the model once more, eagerly, over the positions the hooks did not see
+(the tokens generate fed back, against what the call's cache holds of the prompt its eager forward ran; every
+position where the prompt ran compiled too), and records them from that forward as the eager hooks would have, each
+step with the model's distribution at the position before it; so a compiled call's records are those of the same
+tokens run eagerly, and its output is the one it has unrecorded, to the bit. That forward is a chunked prefill of
+the generated tokens per call, on the calling thread when the call returns.
 
 Threads. Each ``generate`` call has its own :class:`Run`, found through the calling thread, so calls in several
 threads on one attached model are recorded separately; each record says its thread and request.
@@ -55,6 +60,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import functools
+import inspect
 import itertools
 import operator
 import os
@@ -69,12 +75,12 @@ from torch import nn
 from ..method.protocol import Given
 from ..records.steps import GenerationCall, Step
 from .recording import NOT_RECORDED, Recording
-from .conventions import UnfollowedForward, positions, start, static_capacity, token_mask
+from .conventions import UnfollowedForward, cache_keyword, find_cache, positions, prefix_cache, start, token_mask
 from .forward import Capture, head_features
 from .guard import Notice, one_line, reason
 from .plan import Plan
 from .publish import Hub
-from .tape import CompiledCalls, Tape, compiled_forward
+from .traced import compiled_forward
 
 __all__ = ["EAGER", "REQUEST_ID", "Generations", "Notice", "Run", "eager", "stacked_features"]
 
@@ -248,13 +254,43 @@ def unsupported(model: nn.Module, kwargs: dict) -> str | None:
     return None
 
 
-def stacked_features(plan: Plan, capture: Capture) -> torch.Tensor:
-    """Every selected layer of a forward as head features, (batch, seq, len(layers), d'), all layers in one head call
-    (:func:`~.forward.head_features`; one-token decoding steps would pay the head's overhead per layer). Under a
-    device_map the layers meet on the last selected block's device (one position per step moves)."""
+def stacked_features(plan: Plan, capture: Capture, first: int = 0, end: int | None = None) -> torch.Tensor:
+    """Every selected layer of a forward as head features, (batch, seq, len(layers), d') of its positions
+    first..end-1 (default: all), all layers in one head call (:func:`~.forward.head_features`; one-token decoding
+    steps would pay the head's overhead per layer). Under a device_map the layers meet on the last selected block's
+    device (one position per step moves)."""
     hidden = [capture.hidden[layer] for layer in plan.layers]
-    device = hidden[-1].device
-    return head_features(plan, [h if h.device == device else h.to(device) for h in hidden], 0, hidden[-1].shape[1])
+    device, end = hidden[-1].device, hidden[-1].shape[1] if end is None else end
+    return head_features(plan, [h[:, first:end] if h.device == device else h[:, first:end].to(device) for h in hidden],
+                         0, end - first)
+
+
+class _Refilled:
+    """The :class:`~.recording.Recording` of :meth:`Generations.refill`'s forward: keeps its capture and logits."""
+
+    failed = False
+
+    def __init__(self) -> None:
+        self.capture: Capture | None = None
+        self.logits: torch.Tensor | None = None
+
+    def before_forward(self, arguments: dict) -> None:
+        pass
+
+    def after_forward(self, capture: Capture) -> None:
+        self.capture = capture
+
+    def after_task(self, output: Any) -> None:
+        logits = getattr(output, "logits", None)
+        self.logits = logits if isinstance(logits, torch.Tensor) and logits.dim() == 3 else None
+
+    def fail(self, what: str, error: BaseException) -> None:
+        raise RuntimeError(f"running the model again over the call's tokens failed in {what}") from error
+
+
+#: :meth:`Generations.refill`: (ids, mask, keep, prefix, start) -> (capture of the positions from where it started
+#: on, logits at the last ``keep`` positions, where it started), or None.
+Refill = Callable[[torch.Tensor, torch.Tensor, int, Any, int], "tuple[Capture, torch.Tensor, int] | None"]
 
 
 class Run:
@@ -267,11 +303,14 @@ class Run:
 
     def __init__(self, plan: Plan, hub: Hub, call: GenerationCall, *, prompt_len: int | None, eos: Any,
                  cache_dtype: torch.dtype | None, cache_device: torch.device | None,
-                 notice: Notice | None = None, tape: Tape | None = None, wait: float | None = BATCH_SECONDS) -> None:
+                 notice: Notice | None = None, refill: Refill | None = None,
+                 wait: float | None = BATCH_SECONDS) -> None:
         self._plan, self._hub, self.call, self._notice = plan, hub, call, notice
-        # Where forwards compiled by torch.compile record (:mod:`.tape`); armed by :meth:`arm` when this call's
-        # forwards may run compiled, and read back when it ends.
-        self._tape, self._taped = tape, False
+        # Runs the model eagerly over positions whose forwards ran compiled (the hooks saw none of them), when the
+        # call ends (:meth:`_replay`)
+        self._refill = refill
+        self.attention_mask: torch.Tensor | None = None  # the one the call was given (a prompt that ran compiled)
+        self._cache: Any = None  # the KV cache the prompt's forward was given (what it holds of the prompt is reused)
         self.ids_given = True  # the prompt came as input_ids: generate's sequences begin with it
         self._ids_fed = False  # the prompt came as token ids (generate's sequences then hold it)
         self._prompt_len = prompt_len
@@ -359,30 +398,13 @@ class Run:
         self._notice.unrecorded(f"not recorded{f' after step {done - 1}' if done else ''} ({what}): "
                                 f"{self.call.error}")
 
-    may_compile = False  #: whether generate may compile this call's decoding steps (set by Generations)
-
-    def arm(self, batch: int, capacity: int) -> None:
-        """Forwards of this call may run compiled: the probe's traced hooks write the tape (``batch`` rows,
-        ``capacity`` positions), read when the call ends. One armed call per model at a time (transformers' static
-        cache, which compiled forwards write, is the model's too): another call meanwhile is recorded where it runs
-        eagerly, and said not recorded where it runs compiled."""
-        tape = self._tape
-        if tape is None or tape.armed:
-            return
-        k = self._plan.explained(torch.zeros(1, 1, dtype=torch.long)).shape[1]
-        tape.arm(batch=batch, capacity=capacity, k=k, device=self._plan.head.device)
-        self._taped = True
-
     # -- fed by the probe's hooks under generate ---------------------------------------------------------
 
     def before_forward(self, bound: dict) -> None:
         """Check the forward continues what the run holds; complete the pending step with its first token."""
         n = self._n
-        if n == 0 and self._tape is not None and not self._taped:
-            capacity = static_capacity(bound)  # a static cache: generate compiles its decoding steps
-            if capacity is not None and self.may_compile:
-                reference = bound.get("input_ids")
-                self.arm((reference if reference is not None else bound["inputs_embeds"]).shape[0], capacity)
+        if n == 0 and self._refill is not None:
+            self._cache = find_cache(bound)
         decoding = self._prompt_len is not None and n >= self._prompt_len
         if decoding and self._checked and self._continues_on_device(bound, n):
             past = n
@@ -553,11 +575,8 @@ class Run:
         ``error``: why the call's records are incomplete, when the host says so (a failed request); ``what`` names
         the call in the reason recorded when its end cannot be published. Never raises."""
         try:
-            if self._taped:
-                self._taped = False
-                self._tape.disarm()
-                if sequences is not None and not self.failed:
-                    self._replay(sequences)
+            if sequences is not None and not self.failed and self.call.error is None:
+                self._replay(sequences)
             # (a call the probe detached from mid-way already says so: its later forwards ran unhooked on purpose)
             missed = (self._missed(sequences) if sequences is not None and not self.failed and self.call.error is None
                       else None)
@@ -589,43 +608,72 @@ class Run:
                 self.fail(f"the end of {what}", failure)
 
     def _replay(self, sequences: torch.Tensor) -> None:
-        """Record the positions compiled forwards wrote into the tape, as the eager hooks would have: each
-        decoding step's token (from ``sequences``) completes the pending step, then its position is fed."""
-        tape, n = self._tape, self._n
-        end = tape.written()
-        if end <= n:
+        """Record the positions whose forwards ran compiled (generate compiles its decoding steps with a static cache,
+        or the user compiled the model's ``forward``), which the hooks never saw: one eager forward of the model over
+        the call's tokens (:data:`Refill`) gives their hidden states, embedding rows and the model's distribution at
+        each, and they are recorded as the eager hooks would have recorded them: each decoding step's token (from
+        ``sequences``) completes the pending step, then every position is fed. Nothing of the probe runs inside the
+        compiled code, so the call's own output is the one it has unrecorded, to the bit. Where the prompt ran
+        eagerly, that forward runs only the positions after it, against what the call's cache holds of the prompt
+        (what its eager forward put there), else over every position."""
+        n, prompt_len = self._n, self._prompt_len or 0
+        end = sequences.shape[1] - 1 + (0 if self.ids_given else prompt_len)  # the last token never ran
+        if end <= n or self._refill is None:
             return
-        if end > tape.capacity:
-            raise RuntimeError(f"its compiled forwards ran to position {end - 1}, past the {tape.capacity} positions "
-                               "the recorder made room for when the call started")
-        prompt_len = self._prompt_len or 0
-        shift = 0 if self.ids_given else prompt_len  # sequences begin with the prompt only when it came as ids
-        if n < prompt_len:  # the prompt itself ran compiled (a model whose forward the user compiled)
-            if not self.ids_given:
-                raise RuntimeError("a compiled prefill fed embeddings (inputs_embeds), so the prompt's tokens are "
-                                   "unknown; pass input_ids")
-            self.feed(n, *tape.positions(n, prompt_len), sequences[:, n:prompt_len])
-            self._pending = True
-        # The steps replayed here have the fed token's log-probability from the tape, not the whole distribution:
-        # no method may read the last eager forward's in their place (contrastive's foil is then unknown: NaN)
-        self._log_probs = self._logits = None
-        # All the steps at once, as the eager hooks would have made them one by one: each decoding position's token
-        # (from ``sequences``) is the step emitted there, then every position is fed in one copy; they are scored
-        # together when the call ends (one product for as many as BATCH_BYTES allows), not per position
+        if not self.ids_given:
+            raise RuntimeError("its forwards ran compiled and its prompt came as inputs_embeds, so they cannot be "
+                               "run again to record them; pass input_ids")
         first = max(n, prompt_len)
-        emitting = first if self._pending else first + 1
-        if emitting < end:
-            self._emit(sequences[:, emitting - shift:end - shift].long().unbind(1),
-                       # a copy: the tape is the model's, and another call may arm it before these are scored
-                       tape.log_prob[:, emitting - 1:end - 1].clone().unbind(1), at=emitting, hold=True)
+        emitting = first if self._pending or n < prompt_len else first + 1  # a prompt fed below leaves a step pending
+        mask = self._attention(sequences, end)
+        prefix = prefix_cache(self._cache, prompt_len) if n >= prompt_len > 0 else None
+        self._cache = None
+        start = prompt_len if prefix is not None else 0
+        keep = end - max(emitting - 1, start)  # the distributions it gives: those of positions end - keep .. end - 1
+        refilled = self._refill(sequences[:, :end], mask, keep, prefix, start)
+        if refilled is None:  # the probe detached meanwhile: said by _missed
+            return
+        capture, logits, start = refilled
+        if n < prompt_len:  # the prompt itself ran compiled (a model whose forward the user compiled)
+            self.feed(n, *self._refilled(capture, mask, start, n, prompt_len), sequences[:, n:prompt_len])
+            self._pending = True
+        # All the steps at once, as the eager hooks would have made them one by one: each decoding position's token
+        # is the step emitted there, with the model's distribution at the position before (the first one's, where
+        # that is the prompt's last, is the eager prompt forward's, kept); then every position is fed in one copy.
+        # They are scored together when the call ends (one product for as many as BATCH_BYTES allows).
+        for position in range(emitting, end):
+            if position - 1 >= end - keep:
+                self._logits, self._log_probs = logits[:, position - 1 - (end - keep)], None
+            self._emit([sequences[:, position].long()], at=position, hold=True)
         try:
-            self.feed(first, *tape.positions(first, end), None)
+            self.feed(first, *self._refilled(capture, mask, start, first, end), None)
         except BaseException:
             # the steps whose context was not fed cannot be scored; those before them still go out (fail, flush)
             self._deferred = [item for item in self._deferred if item.n <= self._n]
             raise
         self._pending = True
-        self.predicted(tape.logits.log_softmax(-1))  # the last forward's: for the token generate returned last
+        self._logits, self._log_probs = logits[:, -1], None  # the last forward's: for the token generate returned last
+
+    def _attention(self, sequences: torch.Tensor, end: int) -> torch.Tensor:
+        """The attention mask of the call's first ``end`` positions, as generate gives it: the prompt's (as the hooks
+        saw it, else as the call was given it), then every generated token's on."""
+        prompt_len = self._prompt_len or 0
+        if self._n >= prompt_len:
+            prompt = self._mask.view()[:, :prompt_len]
+        elif self.attention_mask is not None:  # (rows repeated as generate repeats them: num_return_sequences)
+            prompt = self.attention_mask.to(sequences.device).bool()
+            prompt = prompt.repeat_interleave(sequences.shape[0] // prompt.shape[0], dim=0)
+        else:
+            prompt = torch.ones(sequences.shape[0], prompt_len, dtype=torch.bool, device=sequences.device)
+        generated = torch.ones(sequences.shape[0], end - prompt_len, dtype=torch.bool, device=prompt.device)
+        return torch.cat([prompt, generated], dim=1)
+
+    def _refilled(self, capture: Capture, mask: torch.Tensor, start: int, first: int, end: int
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(head features, embedding norms, mask) of positions first..end-1, from the refill forward's ``capture``
+        of the positions from ``start`` on."""
+        return (stacked_features(self._plan, capture, first - start, end - start),
+                capture.embed_norm[:, first - start:end - start], mask[:, first:end])
 
     def _missed(self, sequences: torch.Tensor) -> str | None:
         """``not recorded: ...`` when the host returned tokens from forwards the hooks never saw, else None. Such
@@ -858,9 +906,6 @@ class Generations:
         self._local = threading.local()
         self._restore: tuple[bool, Callable] | None = None
         self._detached = False
-        #: Where the probe's hooks record inside compiled forwards (:mod:`.tape`).
-        self.tape = Tape(plan, device=self.cache_device)
-        self._compiled: CompiledCalls | None = None
         self.backbone: nn.Module | None = None  # set by attach: a forward the user compiled in place is seen there
 
     def current(self) -> Recording | None:
@@ -877,14 +922,50 @@ class Generations:
             self._local.run = previous
 
     def new_run(self, *, request_id: str | None, prompt_len: int | None, eos: Any,
-                wait: float | None = BATCH_SECONDS) -> Run:
+                wait: float | None = BATCH_SECONDS, refill: bool = False) -> Run:
         """A recorded call in the calling thread, with a fresh feature cache. ``wait``: how long its emitted steps may
         wait to be scored together while nothing reads them live (0: each as it is emitted; None: until
-        :data:`BATCH_STEPS` wait, or the call ends)."""
+        :data:`BATCH_STEPS` wait, or the call ends). ``refill``: positions its forwards ran compiled are recorded by
+        running the model over them when it ends (a ``generate`` call: :meth:`refill`)."""
         call = self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name)
         call.model = self.plan.name
         return Run(self.plan, self.hub, call, prompt_len=prompt_len, eos=eos, cache_dtype=self.cache_dtype,
-                   cache_device=self.cache_device, notice=self.notice, tape=self.tape, wait=wait)
+                   cache_device=self.cache_device, notice=self.notice, refill=self.refill if refill else None,
+                   wait=wait)
+
+    def refill(self, ids: torch.Tensor, mask: torch.Tensor, keep: int, prefix: Any = None, start: int = 0
+               ) -> tuple[Capture, torch.Tensor, int] | None:
+        """One eager forward of the model over ``ids`` (batch, n) with attention ``mask``, as generate would have run
+        them (its position ids from the mask): over positions ``start``.. against ``prefix``, a KV cache holding the
+        ones before (a new one: the call's own is left as it is), else over all of them without a cache. The
+        probe's hooks capture it for the calling thread (:class:`_Refilled`); returns that capture, the model's
+        logits at the last ``keep`` positions (batch, keep, vocabulary) and where it started (0 for a model that
+        takes no cache), or None once detached (no hook runs).
+        Compiled code the user put on the model's ``forward`` in place is not used (``force_eager``, so the hooks
+        run: torch's stance is the process's, so compiled code that other threads run meanwhile runs eagerly too)."""
+        if self._detached:
+            return None
+        model, kept = self.plan.model, _Refilled()
+        parameters = inspect.signature(model.forward).parameters
+        keyword = cache_keyword(model.forward) if prefix is not None else None
+        if keyword is None:
+            start = 0
+        arguments: dict[str, Any] = {"input_ids": ids[:, start:], "attention_mask": mask.long(),
+                                     "use_cache": keyword is not None}
+        if keyword is not None:
+            arguments[keyword] = prefix
+        if "position_ids" in parameters:  # as generate derives them: a left-padded row starts at 0
+            arguments["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(~mask, 0)[:, start:]
+        if "logits_to_keep" in parameters:  # not a vocabulary-sized row per prompt token
+            arguments["logits_to_keep"] = keep
+        eagerly = (torch.compiler.set_stance("force_eager") if compiled_forward(model, self.backbone or model)
+                   else contextlib.nullcontext())
+        with torch.no_grad(), eagerly, self.running(kept):
+            model(**arguments)
+        if kept.capture is None or kept.logits is None:
+            raise RuntimeError("running the model again over the call's tokens recorded nothing (its forward did not "
+                               "reach the probe's hooks, or returned no logits)")
+        return kept.capture, kept.logits[:, -keep:], start
 
     def unrecorded(self, request_id: str | None, what: str, error: BaseException, *, log: bool = True) -> None:
         """A call record whose error says ``not recorded: why`` (``why``: ``error``, which names what makes it
@@ -910,16 +991,10 @@ class Generations:
         generate.__nxl_hook__ = True  # nxl.detach_all finds it
         model.generate = generate
         self._restore = (own, original)
-        if callable(getattr(model, "get_compiled_call", None)):
-            self._compiled = CompiledCalls(model)
 
     def uninstall(self) -> None:
         """Give the model its own ``generate`` back; calls running in other threads finish unrecorded."""
         self._detached = True
-        if self._compiled is not None:
-            self._compiled.restore()
-            self._compiled = None
-        self.tape.free()
         if self._restore is not None:
             own, original = self._restore
             if own:
@@ -955,28 +1030,14 @@ class Generations:
                 (kwargs[k] for k in ("inputs", "input_ids", "inputs_embeds") if kwargs.get(k) is not None), None)
             prompt_len = prompt.shape[1] if isinstance(prompt, torch.Tensor) and prompt.dim() > 1 else None
             run = self.new_run(request_id=request_id, prompt_len=prompt_len,
-                               eos=_setting(self.plan.model, kwargs, "eos_token_id"))
+                               eos=_setting(self.plan.model, kwargs, "eos_token_id"), refill=True)
             run.ids_given = kwargs.get("inputs_embeds") is None
-            run.may_compile = self._may_compile(kwargs)
-            if prompt_len is not None and compiled_forward(self.plan.model, self.backbone or self.plan.model):
-                rows = prompt.shape[0] * (_setting(self.plan.model, kwargs, "num_return_sequences") or 1)
-                new = _setting(self.plan.model, kwargs, "max_new_tokens")
-                run.arm(rows, prompt_len + new if new is not None else
-                        (_setting(self.plan.model, kwargs, "max_length") or prompt_len + 20))
+            mask = kwargs.get("attention_mask")
+            run.attention_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
             return run
         except Exception as error:  # noqa: BLE001 - never into the host's generate
             self.unrecorded(request_id, "this generate call", error)
             return NOT_RECORDED
-
-    def _may_compile(self, kwargs: dict) -> bool:
-        """Whether generate may compile this call's decoding steps (a static cache then arms the tape): as
-        transformers decides, less what only the cache tells (``_valid_auto_compile_criteria``). A wrong "no" is
-        caught when the call ends: tokens from forwards the hooks never saw are said not recorded."""
-        model = self.plan.model
-        if eager() or _setting(model, kwargs, "disable_compile"):
-            return False
-        config = _setting(model, kwargs, "compile_config")
-        return model.device.type != "cpu" or bool(getattr(config, "_compile_all_devices", False))
 
     def _end(self, run: Recording, sequences: torch.Tensor | None) -> None:
         if isinstance(run, Run):

@@ -42,7 +42,7 @@ from .guard import Notice, reason
 from .plan import Plan, check_recording, make_plan, run_eagerly
 from .publish import LIVE_QUEUE, Hub, Subscription
 from .recorder import Recorder, Results
-from .tape import reset_compiled
+from .traced import reset_compiled
 
 __all__ = ["Probe", "attach", "detach_all"]
 

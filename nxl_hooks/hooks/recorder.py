@@ -5,8 +5,8 @@
 
 Made and registered by :func:`~nxl_hooks.attach` (:mod:`.probe`), which owns their lifecycle. Eagerly each hook feeds
 the calling thread's capture or recorded call (:mod:`.generate`, :mod:`.engines`); inside a forward torch.compile
-traces, it takes the graph-safe path instead (:mod:`.tape`). No hook ever raises into the host's forward
-(:mod:`.guard`).
+traces, it does nothing in a recorded call and keeps a plain forward's tensors (:mod:`.traced`). No hook ever raises
+into the host's forward (:mod:`.guard`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from .generate import Generations
 from .guard import Notice, logger, reason
 from .plan import Plan
 from .recording import Recording
-from .tape import TracedForward
+from .traced import TracedForward
 
 __all__ = ["Recorder", "Results"]
 
@@ -78,9 +78,7 @@ class Recorder:
         self._told_stray = False
         # Layers whose features a hook computes; the last block is hooked in any case, for final logits.
         self._wanted = set(plan.layers)
-        # Under torch.compile the hooks only write these (graph-safe: no per-thread state, no host read, no lock):
-        # the tape while a recorded call armed it, else what a plain forward saw.
-        self.tape = gens.tape if gens is not None else None
+        # Under torch.compile the hooks only keep what a plain forward saw (graph-safe: no host read, no lock).
         self.plain = TracedForward(functools.partial(embedding_norms, plan))
 
     # -- per-thread state --------------------------------------------------------------------------------
@@ -167,17 +165,14 @@ class Recorder:
             raise
         return handles
 
-    def _traced(self) -> bool:
-        """Whether this hook runs inside a forward dynamo traces (:mod:`.tape`). Not for a call that is not recorded
-        (nor is it a plain forward), e.g. an engine's compiled step that its own taps record: the eager branch, which
-        then does nothing."""
-        if not torch.compiler.is_compiling():  # eager: every hook of every forward asks, so no thread lookup here
-            return False
-        run = self._run()
-        return not (run is not None and run.failed)
-
-    def _taping(self) -> bool:
-        return self.tape is not None and self.tape.armed
+    def _plain_traced(self) -> bool:
+        """Inside a forward dynamo traces (``is_compiling()``): whether it is a plain one, outside every recorded
+        call. Only then do the hooks keep anything (:class:`~.traced.TracedForward`). Nothing of the probe's goes into
+        the compiled code of a recorded call, which would change the model's own kernels (inductor fuses what the
+        hooks add into them and tunes them anew, and a GPU's bf16 logits then differ in the last place): a
+        ``generate`` call records its compiled forwards by running them again eagerly when it ends, and an engine's
+        taps record its steps."""
+        return self._run() is None
 
     def settle(self) -> None:
         """Assemble the last plain forward that ran wholly compiled (the task model's hooks traced too)."""
@@ -188,18 +183,16 @@ class Recorder:
             self.results.last = self._skipped()
 
     def on_task_start(self, module: nn.Module, args: tuple) -> None:
-        if self._traced():
-            if not self._taping():
+        if is_compiling():
+            if self._plain_traced():
                 self.plain.task()
             return
         _, tasks = self._stacks()
         tasks.append(_Task(in_call=self._run() is not None))
 
     def on_task_end(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self._taping() and output is not None:
-            self.tape.task_output(output)  # eager too: a prefill that ran eagerly hands its logits on
-        if self._traced():
-            if not self._taping():
+        if is_compiling():
+            if self._plain_traced():
                 self.plain.keep("logits", getattr(output, "logits", None))
             return
         _, tasks = self._stacks()
@@ -228,8 +221,9 @@ class Recorder:
             "call under `with torch.compiler.set_stance('force_eager'):`")
 
     def on_backbone_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._traced():
-            (self.tape if self._taping() else self.plain).begin(self._arguments(args, kwargs))
+        if is_compiling():
+            if self._plain_traced():
+                self.plain.begin(self._arguments(args, kwargs))
             return
         captures, _ = self._stacks()
         run = self._run()
@@ -248,12 +242,13 @@ class Recorder:
             self._fail("this forward", error)
 
     def on_block_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self._traced():
-            hidden = args[0] if args else kwargs["hidden_states"]
-            if self.plan.embedding == "layer_input":
-                self._traced_embedding(hidden)
-            if 0 in self._wanted:
-                (self.tape if self._taping() else self.plain).layer(0, hidden)
+        if is_compiling():
+            if self._plain_traced():
+                hidden = args[0] if args else kwargs["hidden_states"]
+                if self.plan.embedding == "layer_input":
+                    self.plain.keep("embed", hidden.detach())
+                if 0 in self._wanted:
+                    self.plain.layer(0, hidden)
             return
         captures, tasks = self._stacks()
         if tasks:
@@ -281,8 +276,9 @@ class Recorder:
             self._fail("this forward", error)
 
     def on_word_embedding(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        if self._traced():
-            self._traced_embedding(output)
+        if is_compiling():
+            if self._plain_traced():
+                self.plain.keep("embed", output.detach())
             return
         capture = self._current()
         if capture is None:  # the embedding called on its own, outside a forward of the model
@@ -292,12 +288,6 @@ class Recorder:
         except Exception as error:  # noqa: BLE001
             self._fail("this forward", error)
 
-    def _traced_embedding(self, rows: torch.Tensor) -> None:
-        if self._taping():
-            self.tape.embedding(rows)
-        else:
-            self.plain.keep("embed", rows.detach())
-
     def _block_hook(self, index: int) -> Callable:
         # Decided once: this runs for every block of every forward, one-token decoding steps included. Its eager
         # path is the most frequent Python the probe adds to a decoding step (a 7B model's 32 blocks per token, on a
@@ -305,11 +295,12 @@ class Recorder:
         wanted, last, local = index in self._wanted, index == self.plan.n_blocks, self._local
 
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if is_compiling() and self._traced():
-                if wanted:
-                    (self.tape if self._taping() else self.plain).layer(index, _hidden(output))
-                if last and not self._taping():
-                    self.plain.keep("last", _hidden(output).detach())
+            if is_compiling():
+                if self._plain_traced():
+                    if wanted:
+                        self.plain.layer(index, _hidden(output))
+                    if last:
+                        self.plain.keep("last", _hidden(output).detach())
                 return
             captures = getattr(local, "captures", None)  # as _current(), inline
             capture = captures[-1] if captures else None
@@ -329,7 +320,7 @@ class Recorder:
         return hook
 
     def on_backbone_end(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if self._traced():
+        if is_compiling():
             return
         captures, tasks = self._stacks()
         capture = captures.pop() if captures else None

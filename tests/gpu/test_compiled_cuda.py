@@ -1,7 +1,7 @@
 """Compiled generate on CUDA, run whenever a GPU is present and skipped otherwise: transformers' own compiled
-static-cache generate (its default on CUDA) and ``mode="reduce-overhead"`` (CUDA graphs, which replay the tape's
-writes: its buffers are static addresses) are recorded, every step equal to the CPU oracle; the compiled decoding adds
-no synchronisation per generated token."""
+static-cache generate (its default on CUDA) and ``mode="reduce-overhead"`` (CUDA graphs) are recorded, every step
+equal to the CPU oracle, with the unrecorded call's logits to the bit (nothing of the probe's is in the compiled
+code); recording adds no synchronisation per generated token."""
 
 from __future__ import annotations
 
@@ -34,10 +34,14 @@ def test_compiled_generate_on_cuda_is_recorded(mode, rows):
     config = CompileConfig(mode=mode)
     inputs = dict(input_ids=ids, attention_mask=torch.ones_like(ids), cache_implementation="static",
                   compile_config=config)
-    plain = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    plain = model.generate(**inputs, max_new_tokens=8, do_sample=False, return_dict_in_generate=True,
+                           output_logits=True)
     with nxl.attach(model, layers="all") as probe:
         for _ in range(2):  # the second call replays what the first compiled (and captured)
-            assert torch.equal(model.generate(**inputs, max_new_tokens=8, do_sample=False), plain)
+            out = model.generate(**inputs, max_new_tokens=8, do_sample=False, return_dict_in_generate=True,
+                                 output_logits=True)
+            assert torch.equal(out.sequences, plain.sequences)
+            assert all(torch.equal(a, b) for a, b in zip(out.logits, plain.logits, strict=True))
         added = _warm_syncs(model, inputs)
     plain_syncs = _warm_syncs(model, inputs)
     # a constant per call, not one per token

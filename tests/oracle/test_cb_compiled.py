@@ -80,7 +80,7 @@ def test_compiled_padded_batching_records_every_request_as_the_oracle(model):
 def test_the_taps_add_copies_to_the_compiled_step_and_no_norm_of_its_tensors(model, monkeypatch):
     """The taps traced into the compiled step copy the model's hidden states and embedding rows; the head features
     and norms are taken after the step, outside the graph (a norm compiled with the model's own may change its
-    arithmetic: nxl_hooks/hooks/tape.py). The attached step's graphs hold as many norm-like operations as the plain
+    arithmetic: nxl_hooks/hooks/traced.py). The attached step's graphs hold as many norm-like operations as the plain
     step's, the word embedding's norm included, and every request still equals the oracle."""
     def config(kept: tiny.KeptGraphs):
         compile_config = CompileConfig(fullgraph=False, dynamic=False, backend=kept)

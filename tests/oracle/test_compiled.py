@@ -1,7 +1,10 @@
 """Compiled code recorded (issue 25): transformers' own compiled static-cache generate (inductor, on the CPU with
 ``_compile_all_devices``), a user's ``torch.compile(..., fullgraph=True)`` after attaching, a forward compiled in
 place before attaching, and a compiled model object; every step against the no-cache oracle, dynamo's counters
-showing no graph break, and the model's compiled code as it was after detach."""
+showing no graph break, a recorded call's compiled code the model's own, operation for operation, and the model's
+compiled code as it was after detach."""
+
+import copy
 
 import pytest
 import torch
@@ -61,7 +64,19 @@ def _static(model, ids, mask, config):
                           cache_implementation="static", compile_config=config)
 
 
-def test_generate_compiled_by_transformers_is_recorded_step_by_step():
+def test_generate_compiled_by_transformers_is_recorded_step_by_step(monkeypatch):
+    """Its steps are recorded when it returns, from the model run again over the positions after the prompt only,
+    against what the call's cache holds of the prompt (its eager forward's keys and values)."""
+    from nxl_hooks.hooks import generate
+
+    refill, runs = generate.Generations.refill, []
+
+    def counted(self, ids, mask, keep, prefix=None, start=0):
+        out = refill(self, ids, mask, keep, prefix, start)
+        runs.append((ids.shape[1], out[2], out[0].shape))
+        return out
+
+    monkeypatch.setattr(generate.Generations, "refill", counted)
     model = tiny.generating_llama(seed=3)
     ids, mask = _prompt()
     config = CompileConfig()  # inductor, as generate compiles on a GPU
@@ -69,10 +84,11 @@ def test_generate_compiled_by_transformers_is_recorded_step_by_step():
     plain = _static(model, ids, mask, config)  # compiled before any probe: that code never calls the hooks
     kept = model._compiled_call
     with nxl.attach(model, layers="all") as probe:
-        for _ in range(2):  # the second call reuses the compiled code traced with the hooks
+        for _ in range(2):
             assert torch.equal(_static(model, ids, mask, config), plain)
+    assert runs == [(10, 6, (2, 4))] * 2  # 10 positions ran (the last token never does), the 4 after the prompt
     _no_graph_breaks()
-    assert counters["stats"]["unique_graphs"] == 2  # once before attaching, once with the hooks: no recompile
+    assert counters["stats"]["unique_graphs"] == 1  # the model's own compiled call: attaching recompiles nothing
     assert probe.unrecorded is None and len(probe.calls) == 2
     for call in probe.calls:
         _check(model, call, 5)
@@ -119,14 +135,14 @@ def test_a_forward_compiled_in_place_before_attaching_is_recorded_and_left_clean
     _check(model, probe.calls[0], 3)
     model.forward = compiled
     seen = []
-    from nxl_hooks.hooks import tape  # after detach the compiled code runs no hook of the probe: it recompiled
+    from nxl_hooks.hooks import traced  # after detach the compiled code runs no hook of the probe: it recompiled
 
-    original = tape.TracedForward.begin
-    tape.TracedForward.begin = lambda self, arguments: (seen.append(1), original(self, arguments))[1]
+    original = traced.TracedForward.begin
+    traced.TracedForward.begin = lambda self, arguments: (seen.append(1), original(self, arguments))[1]
     try:
         torch.testing.assert_close(model(input_ids=ids).logits, before)
     finally:
-        tape.TracedForward.begin = original
+        traced.TracedForward.begin = original
     assert seen == []
 
 
@@ -148,11 +164,10 @@ def test_a_model_object_compiled_after_attaching_is_recorded():
     assert torch.equal(traced.target, eager.target) and torch.equal(traced.mask, eager.mask)
 
 
-def test_a_compiled_call_scores_its_last_step_with_the_models_own_distribution_and_the_replayed_ones_without():
-    """A compiled call's steps are replayed from the tape with their tokens' log-probabilities only, but for the last
-    one: the tape keeps the last forward's whole distribution. Scored together at the call's end, each keeps what it
-    had: contrastive (whose foil is the model's best other output) is NaN (unknown) at every step but the last, and
-    equals the oracle there, while NormXLogit equals the oracle at every step."""
+def test_every_step_of_a_compiled_call_is_scored_with_the_models_own_distribution():
+    """A compiled call's steps are recorded from the model run again over its tokens, with the whole distribution at
+    each: contrastive (whose foil is the model's best other output) equals the oracle at every step, not only the
+    last."""
     model = tiny.generating_llama(seed=3)
     ids, mask = _prompt()
     config = CompileConfig()
@@ -161,24 +176,23 @@ def test_a_compiled_call_scores_its_last_step_with_the_models_own_distribution_a
         _static(model, ids, mask, config)
     call = probe.calls[-1]
     _check(model, call, 5)
-    last, real = call.steps[-1], full_mask(call)[:, :call.steps[-1].position]
-    logits, embeddings = prefix_logits(model, llama(model), call.sequences[:, :last.position], real)
-    final = logits[-1, :, -1].clone()
-    final.scatter_(-1, last.token[:, None], float("-inf"))
+    for step in call.steps:
+        real = full_mask(call)[:, :step.position]
+        logits, embeddings = prefix_logits(model, llama(model), call.sequences[:, :step.position], real)
+        final = logits[-1, :, -1].clone()
+        final.scatter_(-1, step.token[:, None], float("-inf"))
 
-    def at(ids: torch.Tensor) -> torch.Tensor:  # (rows,) ids -> (L+1, rows, n) their logits at every position
-        return logits.gather(-1, ids[None, :, None, None].expand(*logits.shape[:3], 1))[..., 0]
+        def at(ids: torch.Tensor) -> torch.Tensor:  # (rows,) ids -> (L+1, rows, n) their logits at every position
+            return logits.gather(-1, ids[None, :, None, None].expand(*logits.shape[:3], 1))[..., 0]
 
-    expected = embeddings.float().norm(dim=-1) * (at(last.token) - at(final.argmax(-1)))
-    torch.testing.assert_close(last.scores["contrastive"][:, real], expected[:, real], rtol=1e-4, atol=1e-5)
-    assert all(step.scores["contrastive"].isnan().all() for step in call.steps[:-1])
+        expected = embeddings.float().norm(dim=-1) * (at(step.token) - at(final.argmax(-1)))
+        torch.testing.assert_close(step.scores["contrastive"][:, real], expected[:, real], rtol=1e-4, atol=1e-5)
 
 
-def test_a_compiled_calls_steps_scored_later_keep_their_probabilities_when_the_next_call_rewrites_the_tape(
-        monkeypatch):
+def test_a_compiled_calls_steps_scored_later_keep_their_probabilities_when_the_next_call_has_run(monkeypatch):
     """A compiled call's replayed steps may be scored in the hub's publisher thread after the call returns (on a GPU;
-    here the CPU made such a device); by then the model's next compiled call may have rewritten the tape in place,
-    the same buffers. Its steps keep what they read of it: the first call's records equal the oracle, the model's own
+    here the CPU made such a device); by then the model's next compiled call has run, writing the model's static
+    cache in place. Its steps keep what they read: the first call's records equal the oracle, the model's own
     probabilities included, though they are scored only once the second call (another prompt) has run."""
     import threading
 
@@ -220,23 +234,25 @@ def test_a_compiled_calls_steps_scored_later_keep_their_probabilities_when_the_n
 
 
 @pytest.mark.parametrize("embedding", ["layer_input", "word"])
-def test_a_recorded_compiled_call_adds_copies_to_the_models_graph_and_no_norm_of_its_tensors(embedding, monkeypatch):
-    """Inside a compiled call the hooks only copy what the model made (hidden states, embedding rows) into the tape;
-    the head's final norm and the embedding norms are taken when the call ends. In the graph, inductor merged the
-    probe's norm of a hidden state with the model's own norm of it (the next block's input norm) and the model's
-    bf16 logits changed (docs/benchmarks.md, an H200). Counted on the graphs dynamo hands its backend: the recorded
-    decoding step holds as many reductions as the plain one; and every step still equals the oracle."""
+def test_a_recorded_compiled_call_runs_the_models_own_graph_operation_for_operation(embedding, monkeypatch):
+    """Nothing of the probe's goes into a recorded call's compiled code: inductor would fuse it into the model's
+    kernels and tune them anew, and on a GPU the model's bf16 output changed (docs/engines.md). Counted on the graphs
+    dynamo hands its backend: a model compiled while attached (its first compiled call traces the hooks) compiles
+    the very operations of its twin compiled plain, and every step still equals the oracle: recorded from the model
+    run again eagerly over the call's tokens when it ends."""
     monkeypatch.setattr(forward, "HEAD_CHUNK", 2)  # the replay takes the head of its positions in several chunks
     model = tiny.generating_llama(seed=7)
+    twin = copy.deepcopy(model)
     ids, mask = _prompt()
     kept = tiny.KeptGraphs()
     config = CompileConfig(backend=kept)
     config._compile_all_devices = True
     plain = _static(model, ids, mask, config)
-    with nxl.attach(model, layers="all", embedding=embedding) as probe:
-        assert torch.equal(_static(model, ids, mask, config), plain)
-    before, after = kept.graphs  # compiled once plain, once with the hooks
+    torch._dynamo.reset()  # the twin's compiled call is traced anew (dynamo would reuse the plain one's code)
+    with nxl.attach(twin, layers="all", embedding=embedding) as probe:
+        assert torch.equal(_static(twin, ids, mask, config), plain)
+    before, after = kept.graphs  # the plain model's compiled call, then its attached twin's
     assert kept.reductions(before) >= 2 * model.config.num_hidden_layers  # the model's own norms are counted
-    assert kept.reductions(after) == kept.reductions(before)
+    assert kept.operations(after) == kept.operations(before)
     assert probe.unrecorded is None
-    _check(model, probe.calls[0], 5)
+    _check(twin, probe.calls[0], 5)

@@ -81,8 +81,9 @@ def test_sampling_explains_the_sampled_token_with_num_return_sequences(model):
 def test_left_padded_batch_with_early_eos(model, cache):
     """Pads masked at every step: with a static cache generate hands the backbone a 4-D mask (batch, 1, q, keys)
     instead of the 2-D one, and its padding must be read from that (it once counted pads as real tokens).
-    Compiled, the decoding steps are replayed from the tape all at once when the call ends: which rows are still
-    active at each step is worked out for all of them together, and must say the same."""
+    Compiled, the decoding steps are recorded all at once when the call ends, from the model run again over its
+    tokens: which rows are still active at each step is worked out for all of them together, and must say the
+    same."""
     options = {"cache_implementation": "static"} if cache != "dynamic" else {}
     if cache == "compiled":
         from transformers import CompileConfig
@@ -100,7 +101,7 @@ def test_left_padded_batch_with_early_eos(model, cache):
     with nxl.attach(model) as probe:
         out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
                              eos_token_id=eos, **options)
-    if cache == "compiled":  # its decoding steps ran compiled (tape), not eagerly
+    if cache == "compiled":  # its decoding steps ran compiled, and were recorded when the call ended
         assert counters["stats"]["unique_graphs"] >= 1 and probe.unrecorded is None
         torch._dynamo.reset()
     call = probe.calls[0]
@@ -458,8 +459,9 @@ def _compiled_static(model, ids, **options):
 
 
 def test_compiled_static_cache_generate_is_recorded_and_eager_too(monkeypatch):
-    """Compiled here first, before any probe: attached, generate compiles a call that traces the hooks
-    (:mod:`nxl_hooks.hooks.tape`; inductor and every check: tests/oracle/test_compiled.py); NXL_EAGER=1 runs eagerly."""
+    """Compiled here first, before any probe: attached, generate runs that compiled code, which calls no hook of the
+    probe, and its steps are recorded when it ends (inductor and every check: tests/oracle/test_compiled.py);
+    NXL_EAGER=1 runs eagerly."""
     model = tiny.generating_llama(seed=3)
     ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(21))
     plain = _compiled_static(model, ids)
@@ -475,22 +477,22 @@ def test_compiled_static_cache_generate_is_recorded_and_eager_too(monkeypatch):
 
 
 def test_a_compiled_call_whose_replay_fails_keeps_the_steps_it_can_score(monkeypatch):
-    """The steps of a compiled call are emitted before their positions are fed from the tape, in one go: when that
-    feed fails, the call says why, and the step whose context was fed (the first after the prompt) is still
-    recorded, equal to the oracle, not lost with the others."""
-    from nxl_hooks.hooks.tape import Tape
+    """The steps of a compiled call are emitted before their positions are fed from the model run again, in one
+    go: when that feed fails, the call says why, and the step whose context was fed (the first after the prompt) is
+    still recorded, equal to the oracle, not lost with the others."""
+    from nxl_hooks.hooks import generate
 
-    def broken(self, first, end):
-        raise RuntimeError("the tape could not be read")
+    def broken(self, capture, mask, start, first, end):
+        raise RuntimeError("the positions run again could not be read")
 
     model = tiny.generating_llama(seed=3)
     ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(21))
     plain = _compiled_static(model, ids)
-    monkeypatch.setattr(Tape, "positions", broken)
+    monkeypatch.setattr(generate.Run, "_refilled", broken)
     with nxl.attach(model) as probe:
         assert torch.equal(_compiled_static(model, ids), plain)  # the call itself unchanged
     (call,) = probe.calls
-    assert not call.complete and "the tape could not be read" in call.error
+    assert not call.complete and "the positions run again could not be read" in call.error
     assert [step.position for step in call.steps] == [6]
     hand = llama(model)
     logits, embeddings = prefix_logits(model, hand, plain[:, :6], torch.ones(1, 6, dtype=torch.bool))
@@ -498,18 +500,15 @@ def test_a_compiled_call_whose_replay_fails_keeps_the_steps_it_can_score(monkeyp
     torch.testing.assert_close(call.steps[0].normxlogit, expected[call.layers], rtol=1e-4, atol=1e-4)
 
 
-def test_compiled_forwards_the_tape_did_not_follow_are_said_not_recorded():
-    """A compiled call whose forwards did not write its own tape (here: the tape held by another call) is never
-    silent: its call says why and what to do."""
+def test_compiled_steps_of_a_prompt_given_as_embeddings_are_said_not_recorded():
+    """A compiled call whose prompt came as inputs_embeds cannot be run again over its tokens (generate returns only
+    the new ones): it is never silent, its call says why and what to do, and its output is the plain one."""
     model = tiny.generating_llama(seed=3)
     ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(21))
-    with nxl.attach(model) as probe:
-        gens = next(cell.cell_contents for cell in model.generate.__closure__
-                    if type(cell.cell_contents).__name__ == "Generations")
-        gens.tape.arm(batch=1, capacity=16, k=1, device=torch.device("cpu"))  # as another call would
-        out = _compiled_static(model, ids)
-        gens.tape.disarm()
+    embeds = model.get_input_embeddings()(ids).detach()
+    plain = _compiled_static(model, None, inputs_embeds=embeds)
+    with nxl.attach(model, embedding="layer_input") as probe:
+        out = _compiled_static(model, None, inputs_embeds=embeds)
     (call,) = probe.calls
-    assert out.shape[1] == 10 and len(call.steps) < 4 and not call.complete
-    assert call.error.startswith("not recorded: ") and "disable_compile=True" in call.error
-    assert "NXL_EAGER=1" in call.error and probe.unrecorded == call.error
+    assert torch.equal(out, plain) and not call.complete and call.steps == []
+    assert "inputs_embeds" in call.error and "pass input_ids" in call.error and probe.unrecorded is not None

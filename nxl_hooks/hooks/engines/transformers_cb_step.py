@@ -87,7 +87,9 @@ class _Taps:
     ``marker`` is the thread's recording (the processor's own forwards: its warmup and steps), and the probe's own
     hooks skip that recording (it is a not-recorded one), so nothing of theirs runs in the compiled region. They only
     copy: the head features and embedding norms are taken after the step (:meth:`read`), since a norm compiled with
-    the model's own may change the model's arithmetic (:mod:`..tape` says how)."""
+    the model's own changes the model's kernels. Copies do too, under inductor (:mod:`..traced` says how): a GPU's
+    bf16 output of the compiled padded path may differ from plain's in the last place; the CUDA-graph path, which
+    captures the model's own eager kernels, is not changed (tests/gpu/test_cb_graphs.py)."""
 
     def __init__(self, plan: Any, gens: Generations, processor: Any) -> None:
         self.marker = copy.copy(NOT_RECORDED)  # an object of its own: the taps' condition, constant for a trace

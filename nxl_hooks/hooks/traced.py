@@ -1,0 +1,99 @@
+"""What the probe's hooks do inside a forward that ``torch.compile`` traces: nothing, unless the forward is a plain
+one (outside every recorded call).
+
+    model.forward = torch.compile(model.forward, fullgraph=True)   # after attaching
+    model(**batch)
+    probe.result()                     # assembled from what the traced hooks kept (TracedForward)
+
+Compiled code runs the hooks that existed when it was traced, as part of its graph, so anything they compute or
+copy becomes part of the model's compiled kernels. Inductor fuses it into the model's own kernels and tunes those
+anew (their block sizes, hence the order of their sums), and on a GPU the model's bf16 output then changes in the
+last place: measured on an H200 (Llama-2-7B shape, ``reduce-overhead``) with a recorder that only copied each
+layer's hidden states inside the compiled decoding step, the logits differed from plain's within a few dozen
+tokens and the greedy tokens parted (four designs tried, copies fused or kept apart by an opaque operator: each
+changed the model's kernels; docs/engines.md). So inside a recorded call the hooks do nothing at all and the
+compiled code is the model's own: a ``generate`` call records the forwards that ran compiled by running the model
+again eagerly over its tokens when it ends (:meth:`Run._replay <nxl_hooks.hooks.generate.Run._replay>`), and a
+serving engine's taps copy each step's rows (:mod:`.engines.buffers`).
+
+A plain forward traced by torch.compile (the user compiled the model, or its ``forward``, after attaching) is
+recorded from what its traced hooks keep (:class:`TracedForward`), the hidden states as outputs of its graph. Code
+compiled before the hooks existed never calls them: :func:`reset_compiled` makes a forward the user compiled in
+place recompile with them (and without them at detach).
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from .forward import Capture
+
+__all__ = ["TracedForward", "compiled_forward", "reset_compiled"]
+
+
+def compiled_forward(*modules: nn.Module) -> bool:
+    """Whether the user compiled one of ``modules``' forward in place (``m.forward = torch.compile(m.forward)``)."""
+    return any(getattr(vars(module).get("forward"), "_torchdynamo_orig_callable", None) is not None
+               for module in modules)
+
+
+class TracedForward:
+    """A plain forward (not a step of a recorded call) traced by torch.compile: its hooks keep what they saw here,
+    a side effect dynamo replays after the compiled code ran (the hidden states are outputs of the graph), and the
+    probe assembles its attribution from it eagerly: when the task model's own hook runs outside the compiled code
+    (``model.forward = torch.compile(model.forward)``), else when :meth:`~nxl_hooks.Probe.result` is read
+    (``torch.compile(model)``). Only the last traced forward is kept, not per thread."""
+
+    def __init__(self, norms: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self._norms = norms  # the embedding norms of the rows kept, taken in take(), outside the graph
+        self.seen: dict[str, Any] | None = None  # input_ids, attention_mask, embed, hidden {layer: h}, last, logits
+
+    def task(self) -> None:
+        """The task model's forward starts, traced: what its backbone's hooks keep follows (if they run at all)."""
+        self.seen = {"hidden": {}}
+
+    def begin(self, arguments: dict[str, Any]) -> None:
+        self.seen = {"input_ids": arguments.get("input_ids"), "inputs_embeds": arguments.get("inputs_embeds"),
+                     "attention_mask": arguments.get("attention_mask"), "hidden": {}}
+
+    def keep(self, name: str, value: Any) -> None:
+        if self.seen is not None:
+            self.seen[name] = value
+
+    def layer(self, layer: int, hidden: torch.Tensor) -> None:
+        if self.seen is not None:
+            self.seen["hidden"][layer] = hidden.detach()
+
+    def take(self) -> tuple[Capture | None, Any] | None:
+        """The last traced forward's capture (None: the task model's hooks were traced, its backbone's never ran:
+        compiled code from before the hooks) and the task model's output (its logits: None when not seen), once;
+        None when no forward was traced since."""
+        seen, self.seen = self.seen, None
+        if seen is None:
+            return None
+        if "input_ids" not in seen:
+            return None, None
+        ids = seen["input_ids"]
+        reference = ids if ids is not None else seen["inputs_embeds"]
+        rows = seen.get("embed")  # the embedding's rows
+        capture = Capture(input_ids=ids, attention_mask=seen["attention_mask"],
+                          shape=(int(reference.shape[0]), int(reference.shape[1])),
+                          embed_norm=self._norms(rows) if rows is not None else None,
+                          hidden=seen["hidden"], last_hidden=seen.get("last"))
+        return capture, types.SimpleNamespace(logits=seen.get("logits"))
+
+
+def reset_compiled(*modules: nn.Module) -> None:
+    """Drop the code dynamo compiled for the forwards of ``modules`` that the user compiled in place
+    (``m.forward = torch.compile(m.forward)``): code compiled before the hooks existed never calls them, and code
+    compiled while attached keeps calling them after detach. The next call recompiles (once), with the hooks
+    there are then. Other instances of the same class share that code and recompile too."""
+    for module in modules:
+        original = getattr(vars(module).get("forward"), "_torchdynamo_orig_callable", None)
+        code = getattr(getattr(original, "__func__", original), "__code__", None)
+        if code is not None:
+            torch._dynamo.reset_code(code)
