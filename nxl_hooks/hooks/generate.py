@@ -600,7 +600,7 @@ class Run:
         except Exception as failure:  # noqa: BLE001 - never into the host's generate
             self.fail("the last generated token", failure)
         finally:
-            self._features = self._embed = self._mask = self._logits = self._log_probs = None
+            self._features = self._embed = self._mask = self._logits = self._log_probs = self._cache = None
             self._deferred, self._unfed = [], []
             try:
                 self._hub.end(self.call, sequences.cpu() if sequences is not None else None, error)
@@ -627,7 +627,6 @@ class Run:
         emitting = first if self._pending or n < prompt_len else first + 1  # a prompt fed below leaves a step pending
         mask = self._attention(sequences, end)
         prefix = prefix_cache(self._cache, prompt_len) if n >= prompt_len > 0 else None
-        self._cache = None
         start = prompt_len if prefix is not None else 0
         keep = end - max(emitting - 1, start)  # the distributions it gives: those of positions end - keep .. end - 1
         refilled = self._refill(sequences[:, :end], mask, keep, prefix, start)
