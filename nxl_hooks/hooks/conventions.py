@@ -65,11 +65,16 @@ def cache_keyword(forward: Any) -> str | None:
 
 def prefix_cache(cache: Any, length: int) -> Any | None:
     """A new ``DynamicCache`` holding what ``cache`` (a static cache, as ``generate`` left it) holds of positions
-    0..length-1, its tensors unchanged (the new cache appends to copies); None unless every layer of ``cache`` is a
-    full static layer holding them (a sliding window keeps other positions there)."""
+    0..length-1, its tensors unchanged (the new cache appends to copies); an empty one for ``length`` 0; None
+    unless every layer of ``cache`` is a full static layer holding them on the device (a sliding window keeps other
+    positions there, an offloading cache its layers on the host)."""
     from transformers.cache_utils import DynamicCache, StaticLayer
 
+    if length == 0:
+        return DynamicCache()
     layers = getattr(cache, "layers", None)
+    if getattr(cache, "offloading", False):  # its layers wait on the host between uses
+        return None
     if not layers or not all(isinstance(layer, StaticLayer) and not layer.is_sliding
                              and isinstance(getattr(layer, "keys", None), torch.Tensor)
                              and layer.keys.dim() == 4 and layer.keys.shape[-2] >= length for layer in layers):

@@ -30,8 +30,9 @@ such a call returns, :meth:`Run._replay` runs the model once more, eagerly, over
 (the tokens generate fed back, against what the call's cache holds of the prompt its eager forward ran; every
 position where the prompt ran compiled too), and records them from that forward as the eager hooks would have, each
 step with the model's distribution at the position before it; so a compiled call's records are those of the same
-tokens run eagerly, and its output is the one it has unrecorded, to the bit. That forward is a chunked prefill of
-the generated tokens per call, on the calling thread when the call returns.
+tokens run eagerly, and its output is the one it has unrecorded, to the bit. That forward is a prefill of the
+generated tokens per call, on the calling thread when the call returns; it holds the model's logits at every one of
+them at once (batch x tokens x vocabulary) until they are scored.
 
 Threads. Each ``generate`` call has its own :class:`Run`, found through the calling thread, so calls in several
 threads on one attached model are recorded separately; each record says its thread and request.
@@ -80,7 +81,7 @@ from .forward import Capture, head_features
 from .guard import Notice, one_line, reason
 from .plan import Plan
 from .publish import Hub
-from .traced import compiled_forward
+from .traced import eager_twin
 
 __all__ = ["EAGER", "REQUEST_ID", "Generations", "Notice", "Run", "eager", "stacked_features"]
 
@@ -116,6 +117,9 @@ BATCH_SECONDS = 0.25
 #: interpreter and the cores: transformers' continuous-batching manager on the CPU took 45 to 60 µs more wall time
 #: per request and token, its own CPU time unchanged).
 SCORED_ELSEWHERE = frozenset({"cuda"})
+#: Positions a compiled call's forwards are run again in at a time when it ends (:meth:`Run._replay`), fewer where
+#: their logits would pass :data:`BATCH_BYTES`: each run holds their hidden states, head features and logits.
+REFILL_POSITIONS = 512
 #: What the waiting steps keep (the model's log-probability rows) and their scores at once stay under this many bytes
 #: (scoring them together holds up to about three times that while it runs: :meth:`Run._scored`'s stacked copies;
 #: a batch handed on to the publisher keeps its rows until it is scored, all of them under
@@ -288,9 +292,9 @@ class _Refilled:
         raise RuntimeError(f"running the model again over the call's tokens failed in {what}") from error
 
 
-#: :meth:`Generations.refill`: (ids, mask, keep, prefix, start) -> (capture of the positions from where it started
-#: on, logits at the last ``keep`` positions, where it started), or None.
-Refill = Callable[[torch.Tensor, torch.Tensor, int, Any, int], "tuple[Capture, torch.Tensor, int] | None"]
+#: :meth:`Generations.refill`: (ids, mask, position ids, keep, cache, start) -> (capture of the positions from
+#: ``start`` on, logits at the last ``keep`` positions), or None.
+Refill = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, Any, int], "tuple[Capture, torch.Tensor] | None"]
 
 
 class Run:
@@ -310,6 +314,7 @@ class Run:
         # call ends (:meth:`_replay`)
         self._refill = refill
         self.attention_mask: torch.Tensor | None = None  # the one the call was given (a prompt that ran compiled)
+        self.pad_id: int | None = None  # generate's pad token id (a prompt that ran compiled without a mask)
         self._cache: Any = None  # the KV cache the prompt's forward was given (what it holds of the prompt is reused)
         self.ids_given = True  # the prompt came as input_ids: generate's sequences begin with it
         self._ids_fed = False  # the prompt came as token ids (generate's sequences then hold it)
@@ -576,7 +581,10 @@ class Run:
         the call in the reason recorded when its end cannot be published. Never raises."""
         try:
             if sequences is not None and not self.failed and self.call.error is None:
-                self._replay(sequences)
+                try:
+                    self._replay(sequences)
+                except Exception as failure:  # noqa: BLE001 - said as what it is; the steps before it go out
+                    self.fail("recording its compiled steps", failure)
             # (a call the probe detached from mid-way already says so: its later forwards ran unhooked on purpose)
             missed = (self._missed(sequences) if sequences is not None and not self.failed and self.call.error is None
                       else None)
@@ -609,49 +617,71 @@ class Run:
 
     def _replay(self, sequences: torch.Tensor) -> None:
         """Record the positions whose forwards ran compiled (generate compiles its decoding steps with a static cache,
-        or the user compiled the model's ``forward``), which the hooks never saw: one eager forward of the model over
-        the call's tokens (:data:`Refill`) gives their hidden states, embedding rows and the model's distribution at
-        each, and they are recorded as the eager hooks would have recorded them: each decoding step's token (from
-        ``sequences``) completes the pending step, then every position is fed. Nothing of the probe runs inside the
+        or the user compiled the model's ``forward``), which the hooks never saw: eager forwards of the model over
+        them (:data:`Refill`) give their hidden states, embedding rows and the model's distribution at each, and
+        they are recorded as the eager hooks would have recorded them: each decoding step's token (from
+        ``sequences``) completes the pending step, then its positions are fed. Nothing of the probe runs inside the
         compiled code, so the call's own output is the one it has unrecorded, to the bit. Where the prompt ran
-        eagerly, that forward runs only the positions after it, against what the call's cache holds of the prompt
-        (what its eager forward put there), else over every position."""
+        eagerly, the forwards run only the positions after it, against what the call's cache holds of the prompt
+        (what its eager forward put there), else every position; in chunks of :data:`REFILL_POSITIONS`, fewer
+        where their logits would pass :data:`BATCH_BYTES`, each chunk's steps handed on before the next runs."""
+        cache, self._cache = self._cache, None
         n, prompt_len = self._n, self._prompt_len or 0
         end = sequences.shape[1] - 1 + (0 if self.ids_given else prompt_len)  # the last token never ran
         if end <= n or self._refill is None:
             return
+        if not self._hub.listened:  # nobody takes records (keep_steps=False, nothing else): none are made
+            self._n, self._pending = end, True
+            return
+        if self._prompt_len is None:
+            raise RuntimeError("its forwards ran compiled from the start and it was given no prompt, so what ran "
+                               "cannot be told; pass input_ids")
         if not self.ids_given:
             raise RuntimeError("its forwards ran compiled and its prompt came as inputs_embeds, so they cannot be "
                                "run again to record them; pass input_ids")
         first = max(n, prompt_len)
         emitting = first if self._pending or n < prompt_len else first + 1  # a prompt fed below leaves a step pending
         mask = self._attention(sequences, end)
-        prefix = prefix_cache(self._cache, prompt_len) if n >= prompt_len > 0 else None
-        start = prompt_len if prefix is not None else 0
-        keep = end - max(emitting - 1, start)  # the distributions it gives: those of positions end - keep .. end - 1
-        refilled = self._refill(sequences[:, :end], mask, keep, prefix, start)
-        if refilled is None:  # the probe detached meanwhile: said by _missed
-            return
-        capture, logits, start = refilled
-        if n < prompt_len:  # the prompt itself ran compiled (a model whose forward the user compiled)
-            self.feed(n, *self._refilled(capture, mask, start, n, prompt_len), sequences[:, n:prompt_len])
-            self._pending = True
-        # All the steps at once, as the eager hooks would have made them one by one: each decoding position's token
-        # is the step emitted there, with the model's distribution at the position before (the first one's, where
-        # that is the prompt's last, is the eager prompt forward's, kept); then every position is fed in one copy.
-        # They are scored together when the call ends (one product for as many as BATCH_BYTES allows).
-        for position in range(emitting, end):
-            if position - 1 >= end - keep:
-                self._logits, self._log_probs = logits[:, position - 1 - (end - keep)], None
-            self._emit([sequences[:, position].long()], at=position, hold=True)
-        try:
-            self.feed(first, *self._refilled(capture, mask, start, first, end), None)
-        except BaseException:
-            # the steps whose context was not fed cannot be scored; those before them still go out (fail, flush)
-            self._deferred = [item for item in self._deferred if item.n <= self._n]
-            raise
+        positions = self._positions(mask, end)
+        start = prompt_len if n >= prompt_len else 0
+        kept = prefix_cache(cache, start)
+        del cache  # the call's own (a static cache is no one else's once generate returned)
+        if kept is None:
+            start, kept = 0, prefix_cache(None, 0)
+        each = max(1, min(REFILL_POSITIONS, BATCH_BYTES // (4 * sequences.shape[0] * self._plan.head.n_outputs)))
+        for low in range(start, end, each):
+            high = min(end, low + each)
+            refilled = self._refill(sequences[:, :high], mask[:, :high], positions[:, :high], high - low, kept, low)
+            if refilled is None:
+                raise RuntimeError("the probe was detached while the call ran")
+            self._replay_chunk(sequences, mask, *refilled, low, high, start, emitting, end)
         self._pending = True
-        self._logits, self._log_probs = logits[:, -1], None  # the last forward's: for the token generate returned last
+
+    def _replay_chunk(self, sequences: torch.Tensor, mask: torch.Tensor, capture: Capture, logits: torch.Tensor,
+                      low: int, high: int, start: int, emitting: int, end: int) -> None:
+        """Record positions low..high-1 from a refill forward over them (``capture``, ``logits`` at each): a part of
+        the prompt that ran compiled is fed; each decoding step whose distribution is the model's at one of them
+        (the first step's, where that is the prompt's last, is the eager prompt forward's, kept) is emitted there,
+        then the generated positions are fed and the steps handed on."""
+        prompt_len = self._prompt_len or 0
+        if low < prompt_len:  # the prompt itself ran compiled (a model whose forward the user compiled)
+            top = min(high, prompt_len)
+            self.feed(low, *self._refilled(capture, mask, low, low, top), sequences[:, low:top])
+            self._pending = top == prompt_len
+        for position in range(emitting if low == start else max(emitting, low + 1), min(end, high + 1)):
+            if position - 1 >= low:
+                self._logits, self._log_probs = logits[:, position - 1 - low], None
+            self._emit([sequences[:, position].long()], at=position, hold=True)
+        first = max(low, prompt_len)
+        if first < high:
+            try:
+                self.feed(first, *self._refilled(capture, mask, low, first, high), None)
+            except BaseException:
+                # the steps whose context was not fed cannot be scored; those before them still go out (fail, flush)
+                self._deferred = [item for item in self._deferred if item.n <= self._n]
+                raise
+        self._logits, self._log_probs = logits[:, -1], None  # after the last chunk: for the token generate returned last
+        self.flush()
 
     def _attention(self, sequences: torch.Tensor, end: int) -> torch.Tensor:
         """The attention mask of the call's first ``end`` positions, as generate gives it: the prompt's (as the hooks
@@ -662,10 +692,21 @@ class Run:
         elif self.attention_mask is not None:  # (rows repeated as generate repeats them: num_return_sequences)
             prompt = self.attention_mask.to(sequences.device).bool()
             prompt = prompt.repeat_interleave(sequences.shape[0] // prompt.shape[0], dim=0)
-        else:
-            prompt = torch.ones(sequences.shape[0], prompt_len, dtype=torch.bool, device=sequences.device)
+        else:  # none given: as generate infers one, padding where the pad id is (unless it is also an EOS id)
+            ids = sequences[:, :prompt_len]
+            pad = self.pad_id
+            padded = pad is not None and pad not in self._eos and bool((ids == pad).any())
+            prompt = ids != pad if padded else torch.ones_like(ids, dtype=torch.bool)
         generated = torch.ones(sequences.shape[0], end - prompt_len, dtype=torch.bool, device=prompt.device)
         return torch.cat([prompt, generated], dim=1)
+
+    def _positions(self, mask: torch.Tensor, end: int) -> torch.Tensor:
+        """The position ids generate gives the call's first ``end`` positions: the prompt's counted along its mask
+        (padding at 0), then each generated token one past the prompt's last (as generate continues them)."""
+        prompt_len = self._prompt_len or 0
+        prompt = (mask[:, :prompt_len].long().cumsum(-1) - 1).masked_fill(~mask[:, :prompt_len], 0)
+        after = prompt[:, -1:] + 1 if prompt_len else torch.zeros_like(mask[:, :1], dtype=torch.long)
+        return torch.cat([prompt, after + torch.arange(end - prompt_len, device=mask.device)], dim=1)
 
     def _refilled(self, capture: Capture, mask: torch.Tensor, start: int, first: int, end: int
                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -932,39 +973,35 @@ class Generations:
                    cache_device=self.cache_device, notice=self.notice, refill=self.refill if refill else None,
                    wait=wait)
 
-    def refill(self, ids: torch.Tensor, mask: torch.Tensor, keep: int, prefix: Any = None, start: int = 0
-               ) -> tuple[Capture, torch.Tensor, int] | None:
-        """One eager forward of the model over ``ids`` (batch, n) with attention ``mask``, as generate would have run
-        them (its position ids from the mask): over positions ``start``.. against ``prefix``, a KV cache holding the
-        ones before (a new one: the call's own is left as it is), else over all of them without a cache. The
-        probe's hooks capture it for the calling thread (:class:`_Refilled`); returns that capture, the model's
-        logits at the last ``keep`` positions (batch, keep, vocabulary) and where it started (0 for a model that
-        takes no cache), or None once detached (no hook runs).
-        Compiled code the user put on the model's ``forward`` in place is not used (``force_eager``, so the hooks
-        run: torch's stance is the process's, so compiled code that other threads run meanwhile runs eagerly too)."""
+    def refill(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, keep: int, cache: Any,
+               start: int) -> tuple[Capture, torch.Tensor] | None:
+        """One eager forward of the model over positions ``start``.. of ``ids`` (batch, n), with attention ``mask``
+        and position ids ``positions`` as generate ran them, against ``cache``, a KV cache holding the positions
+        before ``start`` (a new one: the call's own is left as it is), which it appends to. The probe's hooks capture
+        it for the calling thread (:class:`_Refilled`); returns that capture and the model's logits at the last
+        ``keep`` positions (batch, keep, vocabulary), or None once detached (no hook runs). A ``forward`` the user
+        compiled in place is not used (:func:`~.traced.eager_twin`: the hooks run, and other threads' calls stay
+        compiled)."""
         if self._detached:
             return None
         model, kept = self.plan.model, _Refilled()
         parameters = inspect.signature(model.forward).parameters
-        keyword = cache_keyword(model.forward) if prefix is not None else None
+        keyword = cache_keyword(model.forward)
         if keyword is None:
-            start = 0
-        arguments: dict[str, Any] = {"input_ids": ids[:, start:], "attention_mask": mask.long(),
-                                     "use_cache": keyword is not None}
-        if keyword is not None:
-            arguments[keyword] = prefix
-        if "position_ids" in parameters:  # as generate derives them: a left-padded row starts at 0
-            arguments["position_ids"] = (mask.long().cumsum(-1) - 1).masked_fill(~mask, 0)[:, start:]
+            raise RuntimeError("the model's forward takes no KV cache, which running its compiled positions again "
+                               "needs")
+        arguments: dict[str, Any] = {"input_ids": ids[:, start:], "attention_mask": mask.long(), "use_cache": True,
+                                     keyword: cache}
+        if "position_ids" in parameters:
+            arguments["position_ids"] = positions[:, start:]
         if "logits_to_keep" in parameters:  # not a vocabulary-sized row per prompt token
             arguments["logits_to_keep"] = keep
-        eagerly = (torch.compiler.set_stance("force_eager") if compiled_forward(model, self.backbone or model)
-                   else contextlib.nullcontext())
-        with torch.no_grad(), eagerly, self.running(kept):
-            model(**arguments)
+        with torch.no_grad(), self.running(kept):
+            eager_twin(model, self.backbone or model)(**arguments)
         if kept.capture is None or kept.logits is None:
             raise RuntimeError("running the model again over the call's tokens recorded nothing (its forward did not "
                                "reach the probe's hooks, or returned no logits)")
-        return kept.capture, kept.logits[:, -keep:], start
+        return kept.capture, kept.logits[:, -keep:]
 
     def unrecorded(self, request_id: str | None, what: str, error: BaseException, *, log: bool = True) -> None:
         """A call record whose error says ``not recorded: why`` (``why``: ``error``, which names what makes it
@@ -1033,6 +1070,8 @@ class Generations:
             run.ids_given = kwargs.get("inputs_embeds") is None
             mask = kwargs.get("attention_mask")
             run.attention_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
+            pad = _setting(self.plan.model, kwargs, "pad_token_id")
+            run.pad_id = int(torch.as_tensor(pad).reshape(-1)[0]) if pad is not None else None
             return run
         except Exception as error:  # noqa: BLE001 - never into the host's generate
             self.unrecorded(request_id, "this generate call", error)

@@ -24,6 +24,7 @@ place recompile with them (and without them at detach).
 
 from __future__ import annotations
 
+import copy
 import types
 from typing import Any, Callable
 
@@ -32,13 +33,38 @@ from torch import nn
 
 from .forward import Capture
 
-__all__ = ["TracedForward", "compiled_forward", "reset_compiled"]
+__all__ = ["TracedForward", "compiled_forward", "eager_twin", "reset_compiled"]
 
 
 def compiled_forward(*modules: nn.Module) -> bool:
     """Whether the user compiled one of ``modules``' forward in place (``m.forward = torch.compile(m.forward)``)."""
     return any(getattr(vars(module).get("forward"), "_torchdynamo_orig_callable", None) is not None
                for module in modules)
+
+
+def eager_twin(model: nn.Module, *modules: nn.Module) -> nn.Module:
+    """``model`` as it runs uncompiled, for a call of the probe's own in the calling thread: where ``model`` or one of
+    ``modules`` inside it had its forward compiled in place, a shallow copy whose copies of those run their class's
+    forward, sharing everything else (parameters, buffers, hooks, every other module); ``model`` itself when none
+    did. Other threads' calls of ``model`` are not touched (as torch's process-wide ``force_eager`` stance would).
+
+        eager_twin(model, backbone)(**inputs)     # the hooks run, not traced"""
+    compiled = {id(module) for module in (model, *modules) if compiled_forward(module)}
+    paths = [name for name, module in model.named_modules() if id(module) in compiled]
+    if not paths:
+        return model
+
+    def twin(module: nn.Module, path: str) -> nn.Module:
+        made = copy.copy(module)
+        if id(module) in compiled:
+            vars(made).pop("forward", None)
+        vars(made)["_modules"] = {
+            name: twin(child, inner) if child is not None and any(
+                found == inner or found.startswith(inner + ".") for found in paths) else child
+            for name, child in module._modules.items() for inner in [f"{path}.{name}" if path else name]}
+        return made
+
+    return twin(model, "")
 
 
 class TracedForward:

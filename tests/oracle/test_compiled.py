@@ -71,9 +71,9 @@ def test_generate_compiled_by_transformers_is_recorded_step_by_step(monkeypatch)
 
     refill, runs = generate.Generations.refill, []
 
-    def counted(self, ids, mask, keep, prefix=None, start=0):
-        out = refill(self, ids, mask, keep, prefix, start)
-        runs.append((ids.shape[1], out[2], out[0].shape))
+    def counted(self, ids, mask, positions, keep, cache, start):
+        out = refill(self, ids, mask, positions, keep, cache, start)
+        runs.append((ids.shape[1], start, out[0].shape))
         return out
 
     monkeypatch.setattr(generate.Generations, "refill", counted)
@@ -121,6 +121,57 @@ def test_a_user_compile_after_attaching_is_fullgraph_and_recorded():
     assert torch.equal(plain.target, eager.target)
 
 
+def test_a_forward_compiled_in_place_without_a_mask_is_run_again_with_the_mask_generate_infers(monkeypatch):
+    """Every forward of the call ran compiled (the prompt too) and no attention mask was given: generate infers one
+    from the pad id, and the model run again when the call ends uses that one, with the model's forward uncompiled
+    for that run alone (torch's process-wide stance, which would make every thread's compiled code run eagerly
+    meanwhile, stays as it was)."""
+    from torch._dynamo import eval_frame
+
+    from nxl_hooks.hooks import generate
+
+    monkeypatch.setattr(generate, "REFILL_POSITIONS", 4)  # the prompt's 6 positions and the first 2 generated apart
+    stances, after_task = [], generate._Refilled.after_task
+
+    def seen(self, output):  # while the model runs again
+        stances.append(eval_frame._stance.stance)
+        after_task(self, output)
+
+    monkeypatch.setattr(generate._Refilled, "after_task", seen)
+    model = tiny.generating_llama(seed=4)
+    ids, mask = _prompt()  # row 1 starts with two pads
+    with nxl.attach(model, layers="all") as probe:
+        model.forward = torch.compile(model.forward, fullgraph=True, backend="eager")
+        out = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
+    del model.forward
+    assert stances == ["default"] * 3  # three chunks: positions 0..3, 4..7 and 8
+    (call,) = probe.calls
+    assert torch.equal(call.prompt_mask, mask.bool()) and torch.equal(call.sequences, out)
+    _check(model, call, 4)
+
+
+def test_a_right_padded_prompt_is_run_again_at_the_positions_generate_gave_its_tokens():
+    """generate continues a right-padded row one past its prompt's last position id (the padding's, 0), not past its
+    real tokens: the compiled steps, run again when the call ends, get the positions the eager steps had, and the
+    same records (each checked against the no-cache oracle where the positions agree: the left-aligned row)."""
+    model = tiny.generating_llama(seed=5)
+    ids, mask = _prompt()
+    ids[1], mask[1] = torch.roll(ids[1], -2), torch.roll(mask[1], -2)  # row 1: its two pads at the end
+    config = CompileConfig(backend="eager")
+    config._compile_all_devices = True
+    calls = []
+    for compiled in (False, True):
+        with nxl.attach(model, layers="all") as probe:
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                           cache_implementation="static", compile_config=config, disable_compile=not compiled)
+        calls.append(probe.calls[0])
+    eager, replayed = calls
+    assert torch.equal(eager.sequences, replayed.sequences)
+    for a, b in zip(eager.steps, replayed.steps, strict=True):
+        torch.testing.assert_close(b.normxlogit, a.normxlogit, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(b.probability, a.probability, rtol=1e-4, atol=1e-6)
+
+
 def test_a_forward_compiled_in_place_before_attaching_is_recorded_and_left_clean():
     model = tiny.generating_llama(seed=5)
     ids, mask = _prompt(rows=1)
@@ -164,10 +215,13 @@ def test_a_model_object_compiled_after_attaching_is_recorded():
     assert torch.equal(traced.target, eager.target) and torch.equal(traced.mask, eager.mask)
 
 
-def test_every_step_of_a_compiled_call_is_scored_with_the_models_own_distribution():
+def test_every_step_of_a_compiled_call_is_scored_with_the_models_own_distribution(monkeypatch):
     """A compiled call's steps are recorded from the model run again over its tokens, with the whole distribution at
     each: contrastive (whose foil is the model's best other output) equals the oracle at every step, not only the
-    last."""
+    last; here run again two positions at a time, each chunk against the cache the one before grew."""
+    from nxl_hooks.hooks import generate
+
+    monkeypatch.setattr(generate, "REFILL_POSITIONS", 2)
     model = tiny.generating_llama(seed=3)
     ids, mask = _prompt()
     config = CompileConfig()
