@@ -11,7 +11,7 @@ anew (their block sizes, hence the order of their sums), and on a GPU the model'
 last place: measured on an H200 (Llama-2-7B shape, ``reduce-overhead``) with a recorder that only copied each
 layer's hidden states inside the compiled decoding step, the logits differed from plain's within a few dozen
 tokens and the greedy tokens parted (four designs tried, copies fused or kept apart by an opaque operator: each
-changed the model's kernels; docs/engines.md). So inside a recorded call the hooks do nothing at all and the
+changed the model's kernels; docs/benchmarks.md). So inside a recorded call the hooks do nothing at all and the
 compiled code is the model's own: a ``generate`` call records the forwards that ran compiled by running the model
 again eagerly over its tokens when it ends (:meth:`Run._replay <nxl_hooks.hooks.generate.Run._replay>`), and a
 serving engine's taps copy each step's rows (:mod:`.engines.buffers`).

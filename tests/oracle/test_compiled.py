@@ -290,7 +290,7 @@ def test_a_compiled_calls_steps_scored_later_keep_their_probabilities_when_the_n
 @pytest.mark.parametrize("embedding", ["layer_input", "word"])
 def test_a_recorded_compiled_call_runs_the_models_own_graph_operation_for_operation(embedding, monkeypatch):
     """Nothing of the probe's goes into a recorded call's compiled code: inductor would fuse it into the model's
-    kernels and tune them anew, and on a GPU the model's bf16 output changed (docs/engines.md). Counted on the graphs
+    kernels and tune them anew, and on a GPU the model's bf16 output changed (docs/benchmarks.md). Counted on the graphs
     dynamo hands its backend: a model compiled while attached (its first compiled call traces the hooks) compiles
     the very operations of its twin compiled plain, and every step still equals the oracle: recorded from the model
     run again eagerly over the call's tokens when it ends."""
