@@ -622,8 +622,8 @@ class Run:
         they are recorded as the eager hooks would have recorded them: each decoding step's token (from
         ``sequences``) completes the pending step, then its positions are fed. Nothing of the probe runs inside the
         compiled code, so the call's own output is the one it has unrecorded, to the bit. Where the prompt ran
-        eagerly, the forwards run only the positions after it, against what the call's cache holds of the prompt
-        (what its eager forward put there), else every position; in chunks of :data:`REFILL_POSITIONS`, fewer
+        eagerly, the forwards run only the positions after the eager ones, against what the call's cache holds of
+        those (what their eager forwards put there), else every position; in chunks of :data:`REFILL_POSITIONS`, fewer
         where their logits would pass :data:`BATCH_BYTES`, each chunk's steps handed on before the next runs."""
         cache, self._cache = self._cache, None
         n, prompt_len = self._n, self._prompt_len or 0
@@ -643,7 +643,7 @@ class Run:
         emitting = first if self._pending or n < prompt_len else first + 1  # a prompt fed below leaves a step pending
         mask = self._attention(sequences, end)
         positions = self._positions(mask, end)
-        start = prompt_len if n >= prompt_len else 0
+        start = n if n >= prompt_len else 0  # every position before ran eagerly: the cache holds their own
         kept = prefix_cache(cache, start)
         del cache  # the call's own (a static cache is no one else's once generate returned)
         if kept is None:
