@@ -16,7 +16,6 @@ every row starts past position 1 (older versions give pads 1) continues a sequen
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -57,9 +56,9 @@ def find_cache(arguments: dict[str, Any]) -> Any | None:
     return next((value for value in arguments.values() if _is_cache(value)), None)
 
 
-def cache_keyword(forward: Any) -> str | None:
-    """The keyword under which ``forward`` (a model's) takes a KV cache, of :data:`CACHE_NAMES`; None if none."""
-    parameters = inspect.signature(forward).parameters
+def cache_keyword(parameters: Any) -> str | None:
+    """The keyword under which a model's forward (``parameters``: its signature's) takes a KV cache, of
+    :data:`CACHE_NAMES`; None if none."""
     return next((name for name in CACHE_NAMES if name in parameters), None)
 
 

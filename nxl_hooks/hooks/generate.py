@@ -27,12 +27,11 @@ Compiled calls. Forwards that run compiled (a static cache, with which ``generat
 itself, or a ``forward`` the user compiled) run the model's own compiled code: the hooks, traced into it, do nothing
 there (anything of theirs would become part of the model's kernels and change its output: :mod:`.traced`). When
 such a call returns, :meth:`Run._replay` runs the model once more, eagerly, over the positions the hooks did not see
-(the tokens generate fed back, against what the call's cache holds of the prompt its eager forward ran; every
-position where the prompt ran compiled too), and records them from that forward as the eager hooks would have, each
-step with the model's distribution at the position before it; so a compiled call's records are those of the same
-tokens run eagerly, and its output is the one it has unrecorded, to the bit. That forward is a prefill of the
-generated tokens per call, on the calling thread when the call returns; it holds the model's logits at every one of
-them at once (batch x tokens x vocabulary) until they are scored.
+(the tokens generate fed back, against what the call's cache holds of the positions that ran eagerly; every
+position where the prompt ran compiled too), and records them from those forwards as the eager hooks would have,
+each step with the model's distribution at the position before it; so a compiled call's records are those of the
+same tokens run eagerly, and its output is the one it has unrecorded, to the bit. Those forwards are a chunked
+prefill of the generated tokens per call (:data:`REFILL_POSITIONS`), on the calling thread when the call returns.
 
 Threads. Each ``generate`` call has its own :class:`Run`, found through the calling thread, so calls in several
 threads on one attached model are recorded separately; each record says its thread and request.
@@ -315,7 +314,7 @@ class Run:
         self._refill = refill
         self.attention_mask: torch.Tensor | None = None  # the one the call was given (a prompt that ran compiled)
         self.pad_id: int | None = None  # generate's pad token id (a prompt that ran compiled without a mask)
-        self._cache: Any = None  # the KV cache the prompt's forward was given (what it holds of the prompt is reused)
+        self._cache: Any = None  # the KV cache the prompt's forward was given (its eager positions are reused)
         self.ids_given = True  # the prompt came as input_ids: generate's sequences begin with it
         self._ids_fed = False  # the prompt came as token ids (generate's sequences then hold it)
         self._prompt_len = prompt_len
@@ -680,7 +679,7 @@ class Run:
                 # the steps whose context was not fed cannot be scored; those before them still go out (fail, flush)
                 self._deferred = [item for item in self._deferred if item.n <= self._n]
                 raise
-        self._logits, self._log_probs = logits[:, -1], None  # after the last chunk: for the token generate returned last
+        self._logits, self._log_probs = logits[:, -1], None  # after the last chunk: the token generate returned last's
         self.flush()
 
     def _attention(self, sequences: torch.Tensor, end: int) -> torch.Tensor:
@@ -986,7 +985,7 @@ class Generations:
             return None
         model, kept = self.plan.model, _Refilled()
         parameters = inspect.signature(model.forward).parameters
-        keyword = cache_keyword(model.forward)
+        keyword = cache_keyword(parameters)
         if keyword is None:
             raise RuntimeError("the model's forward takes no KV cache, which running its compiled positions again "
                                "needs")

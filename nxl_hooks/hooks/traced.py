@@ -50,9 +50,9 @@ def eager_twin(model: nn.Module, *modules: nn.Module) -> nn.Module:
 
         eager_twin(model, backbone)(**inputs)     # the hooks run, not traced"""
     compiled = {id(module) for module in (model, *modules) if compiled_forward(module)}
-    paths = [name for name, module in model.named_modules() if id(module) in compiled]
-    if not paths:
+    if not compiled:  # (every refill asks: no walk of the model's modules then)
         return model
+    paths = [name for name, module in model.named_modules() if id(module) in compiled]
 
     def twin(module: nn.Module, path: str) -> nn.Module:
         made = copy.copy(module)
