@@ -9,7 +9,8 @@ Model: random-init Llama of benchmarks/_common.py's SHAPES (on a GPU ``--shape l
 --cuda-graph``); ``--requests`` prompts of ``--prompt`` random tokens, each decoding ``--new`` tokens greedily,
 submitted at once to ``generate_batch`` with synchronous batching (the mode nxl_hooks follows; asynchronous batching is
 reported as not recorded) and, with ``--cuda-graph``, CUDA graphs. "attached": the same call under
-``nxl.attach(layers="all")`` (attach and detach outside the timed region, as in a server that stays attached). Every
+``nxl.attach(layers="all")`` (attach and detach outside the timed region, as in a server that stays attached),
+timed until every request's records are made. Every
 round runs plain and attached in a rotating order; the report gives the median of the paired throughput ratios
 (attached / plain of the same round). Each attached call is checked: every request recorded whole, one step per
 token; and whether each request's tokens are plain's is reported. Then one more call of each counts the torch
@@ -150,7 +151,9 @@ def main() -> None:
 
     def attached() -> float:
         with nxl.attach(model, layers="all") as probe:
-            seconds = timed(lambda: batch("attached"), device, args.clock)
+            # until every record is made too: a request's end does not wait for the publisher, whose last batches
+            # would otherwise be scored after the clock stopped
+            seconds = timed(lambda: (batch("attached"), probe.calls), device, args.clock)
             publisher.append(publisher_cpu() or 0.0)  # the probe's own thread: it started with its first record
         calls = probe.calls
         assert len(calls) == args.requests, f"{len(calls)} of {args.requests} requests recorded"

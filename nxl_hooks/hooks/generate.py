@@ -307,7 +307,7 @@ class Run:
     def __init__(self, plan: Plan, hub: Hub, call: GenerationCall, *, prompt_len: int | None, eos: Any,
                  cache_dtype: torch.dtype | None, cache_device: torch.device | None,
                  notice: Notice | None = None, refill: Refill | None = None,
-                 wait: float | None = BATCH_SECONDS) -> None:
+                 wait: float | None = BATCH_SECONDS, engine: bool = False) -> None:
         self._plan, self._hub, self.call, self._notice = plan, hub, call, notice
         # Runs the model eagerly over positions whose forwards ran compiled (the hooks saw none of them), when the
         # call ends (:meth:`_replay`)
@@ -337,7 +337,10 @@ class Run:
         self._logits: torch.Tensor | None = None  # or its raw logits there, the log-softmax taken when scored
         self._deferred: list[_Emitted] = []  # emitted, not scored yet (see BATCH_STEPS)
         self._limit = BATCH_STEPS  # how many of them may wait (:meth:`_batch_limit`, worked out at the first of them)
+        self._sizes: tuple[int, int] | None = None  # (bytes of a step's kept rows, rows): :meth:`_step_bytes`
         self._wait = wait  # how long emitted steps may wait to be scored together (0: none; None: up to BATCH_STEPS)
+        # an engine's request: its end, in the loop that runs every request's steps, never waits for the publisher
+        self._engine = engine
         # decoding positions whose hidden states are not in the feature cache yet: (layers' hidden states, embedding
         # norms, mask) each, stacked and normed together when the waiting steps are scored (:meth:`_fill`)
         # (an engine's step: its head features already, (batch, 1, layers, d'), instead of the layers' hidden states)
@@ -479,8 +482,12 @@ class Run:
         """Whether a decoding position's ``tensors`` (its layers' hidden states, or its head features) may wait for
         :meth:`_fill`: the prompt is in, and they are where and as the feature cache keeps them (else they are
         normed and moved now, block by block's device)."""
+        if self.call.prompt_mask is None:
+            return False
+        if len(tensors) == 1 and self._cache_device is None and self._cache_dtype is None:
+            return True  # kept where and as it is: nothing to read off it (an engine's step, in its loop)
         device, dtype = tensors[-1].device, tensors[-1].dtype
-        return (self.call.prompt_mask is not None and self._cache_device in (None, device)
+        return (self._cache_device in (None, device)
                 and self._cache_dtype in (None, dtype) and all(t.device == device for t in tensors))
 
     def _fill(self) -> None:
@@ -610,7 +617,8 @@ class Run:
             self._features = self._embed = self._mask = self._logits = self._log_probs = self._cache = None
             self._deferred, self._unfed = [], []
             try:
-                self._hub.end(self.call, sequences.cpu() if sequences is not None else None, error)
+                self._hub.end(self.call, sequences.cpu() if sequences is not None else None, error,
+                              wait=not self._engine)
             except Exception as failure:  # noqa: BLE001 - a failing sink or subscriber never reaches the host
                 self.fail(f"the end of {what}", failure)
 
@@ -791,10 +799,14 @@ class Run:
 
     def _step_bytes(self, item: _Emitted) -> int:
         """What scoring ``item`` together with others holds for it: the model's log-probability rows it keeps and its
-        scores. (Rows that are views of a step's rows for several requests, as vLLM's, count as their share of it.)"""
+        scores. (Rows that are views of a step's rows for several requests, as an engine's, count as their share of
+        it.) Read off the tensors once per run (every step keeps rows of the same shape): this runs for every step
+        handed on, in the engine's loop."""
         kept = item.log_probs if item.log_probs is not None else item.logits
-        return ((kept.numel() * kept.element_size() if kept is not None else 0)
-                + 4 * item.active.shape[0] * len(self._plan.layers) * item.n)
+        if self._sizes is None or (kept is not None and self._sizes[0] == 0):
+            self._sizes = (kept.numel() * kept.element_size() if kept is not None else 0, item.active.shape[0])
+        kept_bytes, rows = self._sizes
+        return (kept_bytes if kept is not None else 0) + 4 * rows * len(self._plan.layers) * item.n
 
     def flush(self, *, here: bool = False) -> None:
         """Hand the emitted steps still waiting to the hub, to be scored together (as many at a time as
@@ -961,16 +973,18 @@ class Generations:
             self._local.run = previous
 
     def new_run(self, *, request_id: str | None, prompt_len: int | None, eos: Any,
-                wait: float | None = BATCH_SECONDS, refill: bool = False) -> Run:
+                wait: float | None = BATCH_SECONDS, refill: bool = False, engine: bool = False) -> Run:
         """A recorded call in the calling thread, with a fresh feature cache. ``wait``: how long its emitted steps may
         wait to be scored together while nothing reads them live (0: each as it is emitted; None: until
         :data:`BATCH_STEPS` wait, or the call ends). ``refill``: positions its forwards ran compiled are recorded by
-        running the model over them when it ends (a ``generate`` call: :meth:`refill`)."""
+        running the model over them when it ends (a ``generate`` call: :meth:`refill`). ``engine``: a serving
+        engine's request, whose end never makes the engine's loop wait for the publisher (a ``generate`` call's
+        end waits for the call before it: :meth:`~.publish.Hub.end`)."""
         call = self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name)
         call.model = self.plan.name
         return Run(self.plan, self.hub, call, prompt_len=prompt_len, eos=eos, cache_dtype=self.cache_dtype,
                    cache_device=self.cache_device, notice=self.notice, refill=self.refill if refill else None,
-                   wait=wait)
+                   wait=wait, engine=engine)
 
     def refill(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, keep: int, cache: Any,
                start: int) -> tuple[Capture, torch.Tensor] | None:

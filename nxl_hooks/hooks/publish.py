@@ -356,12 +356,15 @@ class Hub:
             for step in made:
                 self._on_step(step)
 
-    def end(self, call: GenerationCall, sequences: torch.Tensor | None, error: str | None = None) -> None:
+    def end(self, call: GenerationCall, sequences: torch.Tensor | None, error: str | None = None, *,
+            wait: bool = True) -> None:
         """The call returned (``sequences``: its output ids) or raised (None); ``error``: why records are missing.
         Returns once its records are kept and handed to the subscribers while something reads them live (a
         subscriber, an ``on_step`` callback), else once the call that ended before it has its records kept: its own
         are then scored while the host goes on, off its critical path (readers of the calls wait for them:
-        :meth:`settle`), and the publisher is never more than one call behind. Never waits for the sink."""
+        :meth:`settle`), and the publisher is never more than one call behind. Never waits for the sink.
+        ``wait=False`` (an engine's request, ended in the loop that runs every request's steps): returns at once;
+        :data:`QUEUE` and :data:`UNSCORED_BYTES` bound how far behind the publisher falls."""
         done = threading.Event()
         with self._lock:
             if not self._closed:
@@ -375,7 +378,7 @@ class Hub:
             raise
         if not queued:
             done.set()  # handled here: the probe detached
-        elif awaited is not None and not self._on_thread():
+        elif wait and awaited is not None and not self._on_thread():
             awaited.wait(FLUSH_SECONDS)
 
     def settle(self, timeout: float = FLUSH_SECONDS) -> bool:

@@ -146,6 +146,42 @@ def test_requests_run_again_from_the_start_under_cache_pressure_are_recorded_who
     assert threads == ({"nxl_hooks-publisher", *manager} if scored == "publisher" else manager)
 
 
+def test_requests_end_without_the_manager_waiting_for_the_publisher(model, monkeypatch):
+    """With the steps scored in the publisher thread (as on a GPU) and the publisher held on the last batch of the
+    request that ends first, the manager still ends every request and returns: a request's end never makes the loop
+    that runs every request's steps wait for the records of the request that ended before it (a ``generate`` call's
+    end does). Once the publisher goes on, every request's records are whole."""
+    from nxl_hooks.hooks import generate
+
+    monkeypatch.setattr(generate, "SCORED_ELSEWHERE", generate.SCORED_ELSEWHERE | {"cpu"})
+    record, scoring, release = generate.Run._record, threading.Event(), threading.Event()
+
+    def held(self, emitted, context):
+        if emitted[-1].n == self._prompt_len + NEW - 1 and not scoring.is_set():
+            scoring.set()
+            assert release.wait(60)
+        return record(self, emitted, context)
+
+    monkeypatch.setattr(generate.Run, "_record", held)
+    prompts, out = _prompts((5, 9, 3)), {}
+    with nxl.attach(model, layers="all") as probe:
+        manager = threading.Thread(target=lambda: out.update(model.generate_batch(
+            prompts, generation_config=_greedy(), continuous_batching_config=_config())))
+        manager.start()
+        try:
+            manager.join(30)
+            assert scoring.is_set() and not release.is_set()
+            assert not manager.is_alive()  # every request ended while the publisher held the first one's records
+        finally:
+            release.set()
+        calls = {call.request_id: call for call in probe.calls}  # waits for their records
+    assert sorted(calls) == sorted(out) == ["req_0", "req_1", "req_2"]
+    for request_id, call in calls.items():
+        assert call.error is None and call.complete, call.error
+        check_call(model, call, NEW)
+        assert [int(s.token) for s in call.steps] == out[request_id].generated_tokens
+
+
 def test_decoding_positions_nobody_scores_wait_at_most_batch_steps(model, monkeypatch):
     """keep_steps=False and nothing else listening: no step is scored, yet a request's decoding positions, which wait
     as views of their step's gathered rows (keeping every request's rows of that step alive), go into its feature

@@ -443,8 +443,11 @@ def test_steps_nobody_listens_to_are_skipped_and_later_ones_still_right(model):
     assert [step.step for step in late] == [step.step for step in kept[s + 1:]]
     for got, want in zip(late, kept[s + 1:]):
         assert not bool(got.active[0]) and not got.mask[0, 6 + s + 1:].any()
-        for name in ("token", "normxlogit", "logat", "mask", "active", "embed_norm"):
+        for name in ("token", "mask", "active", "embed_norm"):
             assert torch.equal(getattr(got, name), getattr(want, name)), name
+        # scored one by one here, together there: one matmul's columns are not another's (on AVX-512, 1 ulp apart)
+        for name in ("normxlogit", "logat"):
+            torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-7)
 
 
 def _compiled_static(model, ids, **options):

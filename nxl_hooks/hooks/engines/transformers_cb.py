@@ -436,7 +436,7 @@ class ContinuousBatching:
                 raise RuntimeError("this request had generated tokens before the probe saw it (it started before "
                                    "the probe attached, or resumed after an offload)")
             return self.gens.new_run(request_id=request_id, prompt_len=len(state.initial_tokens), eos=None,
-                                     wait=None)
+                                     wait=None, engine=True)
         except Exception as error:  # noqa: BLE001
             self.gens.unrecorded(request_id, "this request", error)
             return None

@@ -69,6 +69,14 @@ def _check_layout(arguments: dict[str, Any], segments: list[_Segment]) -> int:
     return expected[-1]
 
 
+def _rows(log_probs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each request's (1, vocabulary) row of a step's (requests, vocabulary) log-probabilities: views made in one
+    operation, not a copy per request and step (a CUDA-graph step is bound by such launches). A step's rows stay
+    alive while one of them waits to be scored: at most :data:`~..generate.BATCH_STEPS` steps of a request its
+    scheduler pauses, as its features (:meth:`_Packed._feed`)."""
+    return log_probs[:, None].unbind(0)
+
+
 def _stream(output: Any) -> torch.Tensor:
     """A block's hidden states (most blocks return a tensor, some a tuple that starts with them)."""
     return output[0] if isinstance(output, (tuple, list)) else output
@@ -166,23 +174,21 @@ class _Packed:
 
     def after_task(self, output: Any) -> None:
         """The model's own log-probabilities at each sampled row go to that request's run (its step's
-        ``probability``), all rows in one log-softmax. The logits are the whole packed input's, or (with
-        ``logits_to_keep``) those of the sampled rows in batch order."""
+        ``probability``), all rows in one log-softmax, each run given a view of its row (:func:`_rows`). The logits
+        are the whole packed input's, or (with ``logits_to_keep``) those of the sampled rows in batch order."""
         logits = getattr(output, "logits", None)
         emitting = [s for s in self.segments if s.new_token]
         if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or not emitting:
             return
         if logits.shape[1] == self._length:
-            rows = torch.tensor([s.start + s.length - 1 for s in emitting], device=logits.device)
+            picked = logits[0, torch.tensor([s.start + s.length - 1 for s in emitting], device=logits.device)]
         elif logits.shape[1] >= len(emitting):
-            rows = torch.arange(len(emitting), device=logits.device)
+            picked = logits[0].narrow(0, 0, len(emitting))
         else:
             return
-        log_probs = logits[0, rows].float().log_softmax(-1)
-        for index, segment in enumerate(emitting):
+        for segment, row in zip(emitting, _rows(picked.float().log_softmax(-1))):
             if segment.run is not None and not segment.run.failed:
-                # a copy of its row: a step waiting to be scored keeps only its own (not every request's)
-                segment.run.predicted(log_probs[index: index + 1].clone())
+                segment.run.predicted(row)
 
     def after_forward(self, capture: Capture) -> None:
         """Each request's slice of the forward into its own feature cache."""
@@ -210,10 +216,9 @@ class _Packed:
             features, norms = taps.read(total)
             logits, sampled = taps.logits.values[0], {}
             if emitting:
-                rows = (list(range(len(emitting))) if taps.logits_kept
-                        else [s.start + s.length - 1 for s in emitting])
-                log_probs = logits[torch.tensor(rows, device=logits.device)].log_softmax(-1)
-                sampled = {s.request_id: log_probs[index: index + 1].clone() for index, s in enumerate(emitting)}
+                picked = (logits.narrow(0, 0, len(emitting)) if taps.logits_kept else
+                          logits[torch.tensor([s.start + s.length - 1 for s in emitting], device=logits.device)])
+                sampled = dict(zip((s.request_id for s in emitting), _rows(picked.log_softmax(-1))))
         except Exception as error:  # noqa: BLE001 - never into the manager's loop
             self.fail("this padded step", error)
             return

@@ -425,7 +425,7 @@ class VllmEngine:
                 raise RuntimeError(f"its first {new.num_computed_tokens} positions came from vLLM's prefix cache and "
                                    f"never ran for it; {_RECORDABLE}")
             self._runs[worker_id] = self.gens.new_run(request_id=client_id, prompt_len=len(prompt), eos=None,
-                                                       wait=0)
+                                                       wait=0, engine=True)
             self._tokens[worker_id] = prompt
         except Exception as error:  # noqa: BLE001
             self._runs[worker_id] = None
