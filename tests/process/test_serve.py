@@ -137,10 +137,23 @@ def check_call(tiny: Tiny, call: nxl.GenerationCall, content: str, reply: dict) 
     return tokens
 
 
+def ended_on_disk(run: Path, request_id: str, timeout: float = 30) -> nxl.GenerationCall:
+    """``request_id``'s call as the sink wrote it, once its end is on disk: a reply can go out before its records
+    are written (the sink writes in a thread of its own, and a continuous-batching request's end does not wait for
+    the publisher)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        calls = nxl.read_stream(run, request_id=request_id)
+        if (len(calls) == 1 and calls[0].complete) or time.monotonic() > deadline:
+            (call,) = calls
+            return call
+        time.sleep(0.05)
+
+
 def same_views(server: Server, request_id: str, tmp_path: Path) -> None:
     """One request seen three ways: its live JSON view (memory), its frames handed out by the endpoint, and the
     sink on disk. The texts and probabilities are the same in each."""
-    (disk,) = nxl.read_stream(server.run, request_id=request_id)
+    disk = ended_on_disk(server.run, request_id)
     frames = tmp_path / f"{request_id}-views.nxl"
     frames.write_bytes(_endpoint(server, f"/v1/requests/{request_id}/frames"))
     (handed,) = nxl.read_stream(frames)
@@ -485,7 +498,7 @@ def test_continuous_batching_three_concurrent_clients(tiny, tmp_path):
                        for rid, content, n, stream in asks}
             replies = {rid: future.result(timeout=120) for rid, future in futures.items()}
         for request_id, content, _, _ in asks:  # read while the server still runs
-            (call,) = nxl.read_stream(run, request_id=request_id)
+            call = ended_on_disk(run, request_id)
             assert call.request_id == replies[request_id]["request_id"] == request_id
             check_call(tiny, call, content, replies[request_id])
             same_views(server, request_id, tmp_path)
