@@ -69,12 +69,16 @@ def _check_layout(arguments: dict[str, Any], segments: list[_Segment]) -> int:
     return expected[-1]
 
 
-def _rows(log_probs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Each request's (1, vocabulary) row of a step's (requests, vocabulary) log-probabilities: views made in one
-    operation, not a copy per request and step (a CUDA-graph step is bound by such launches). A step's rows stay
-    alive while one of them waits to be scored: at most :data:`~..generate.BATCH_STEPS` steps of a request its
+def _sampled(logits: torch.Tensor, emitting: list[_Segment], *, every_row: bool) -> tuple[torch.Tensor, ...]:
+    """The model's own log-probabilities (1, vocabulary) at the row each of ``emitting`` samples from, in its order:
+    ``logits`` (rows, vocabulary) are the whole packed input's (``every_row``), else those of the sampled rows in
+    batch order (``logits_to_keep``). One log-softmax for all of them, and each request's row a view of it made in
+    the same operation, not a copy per request and step (a CUDA-graph step is bound by such launches). A step's rows
+    stay alive while one of them waits to be scored: at most :data:`~..generate.BATCH_STEPS` steps of a request its
     scheduler pauses, as its features (:meth:`_Packed._feed`)."""
-    return log_probs[:, None].unbind(0)
+    picked = (logits[torch.tensor([s.start + s.length - 1 for s in emitting], device=logits.device)] if every_row
+              else logits.narrow(0, 0, len(emitting)))
+    return picked.float().log_softmax(-1)[:, None].unbind(0)
 
 
 def _stream(output: Any) -> torch.Tensor:
@@ -173,20 +177,16 @@ class _Packed:
         self._length = _check_layout(arguments, self.segments)
 
     def after_task(self, output: Any) -> None:
-        """The model's own log-probabilities at each sampled row go to that request's run (its step's
-        ``probability``), all rows in one log-softmax, each run given a view of its row (:func:`_rows`). The logits
-        are the whole packed input's, or (with ``logits_to_keep``) those of the sampled rows in batch order."""
+        """The model's own log-probabilities at each sampled row go to that request's run, its step's
+        ``probability`` (:func:`_sampled`)."""
         logits = getattr(output, "logits", None)
         emitting = [s for s in self.segments if s.new_token]
         if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or not emitting:
             return
-        if logits.shape[1] == self._length:
-            picked = logits[0, torch.tensor([s.start + s.length - 1 for s in emitting], device=logits.device)]
-        elif logits.shape[1] >= len(emitting):
-            picked = logits[0].narrow(0, 0, len(emitting))
-        else:
+        every_row = logits.shape[1] == self._length
+        if not every_row and logits.shape[1] < len(emitting):
             return
-        for segment, row in zip(emitting, _rows(picked.float().log_softmax(-1))):
+        for segment, row in zip(emitting, _sampled(logits[0], emitting, every_row=every_row)):
             if segment.run is not None and not segment.run.failed:
                 segment.run.predicted(row)
 
@@ -216,9 +216,8 @@ class _Packed:
             features, norms = taps.read(total)
             logits, sampled = taps.logits.values[0], {}
             if emitting:
-                picked = (logits.narrow(0, 0, len(emitting)) if taps.logits_kept else
-                          logits[torch.tensor([s.start + s.length - 1 for s in emitting], device=logits.device)])
-                sampled = dict(zip((s.request_id for s in emitting), _rows(picked.log_softmax(-1))))
+                sampled = dict(zip((s.request_id for s in emitting),
+                                   _sampled(logits, emitting, every_row=not taps.logits_kept)))
         except Exception as error:  # noqa: BLE001 - never into the manager's loop
             self.fail("this padded step", error)
             return
