@@ -10,9 +10,13 @@ Model: random-init Llama of benchmarks/_common.py's SHAPES (on a GPU ``--shape l
 submitted at once to ``generate_batch`` with synchronous batching (the mode nxl_hooks follows; asynchronous batching is
 reported as not recorded) and, with ``--cuda-graph``, CUDA graphs. "attached": the same call under
 ``nxl.attach(layers="all")`` (attach and detach outside the timed region, as in a server that stays attached),
-timed until every request's records are made. Every
-round runs plain and attached in a rotating order; the report gives the median of the paired throughput ratios
-(attached / plain of the same round). Each attached call is checked: every request recorded whole, one step per
+timed until every request's records are made. Two more recorded variants each flip one of the recorder's
+switches, to tell on the machine at hand which setting is faster: "attached_ends_wait" makes each request's end wait
+for the records of the request that ended before it, as a ``generate`` call's does (``ENGINE_ENDS_WAIT``), and
+"attached_other_scoring_thread" scores the requests' steps in the other thread than this device's default
+(``SCORED_ELSEWHERE``: the publisher on a GPU, the manager's thread on the CPU). Every round runs plain and the
+recorded variants in a rotating order; the report gives the median of the paired throughput ratios (recorded / plain
+of the same round), the default's as ``attached_throughput_over_plain`` and each variant's under ``variants``. Each attached call is checked: every request recorded whole, one step per
 token; and whether each request's tokens are plain's is reported. Then one more call of each counts the torch
 functions the manager's thread calls (device operations and tensor attribute reads alike), per generated token:
 what recording adds there is what a step replayed as a CUDA graph feels on a GPU, where each launch costs the host
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import statistics
 import sys
 import threading
@@ -38,6 +43,7 @@ from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 
 import nxl_hooks as nxl
+from nxl_hooks.hooks import generate as recorder
 from _common import add_model_options, add_run_options, begin, device_label, emit, random_llama, report_head, timed
 
 
@@ -134,7 +140,10 @@ def main() -> None:
     blocks = args.requests * -(-(args.prompt + args.new) // page)
     tokens: dict[str, dict] = {}
     clocks: dict[str, list[tuple[float, float]]] = {}  # the manager thread's (CPU, wall) seconds of each call
-    publisher: list[float] = []  # the publisher thread's CPU seconds of each attached call
+    publisher: dict[str, list[float]] = {}  # the publisher thread's CPU seconds of each recorded call
+    scoring: dict[str, set[str]] = {}  # the threads that made each variant's records
+    switches = {"attached": {}, "attached_ends_wait": {"ENGINE_ENDS_WAIT": True},
+                "attached_other_scoring_thread": {"SCORED_ELSEWHERE": recorder.SCORED_ELSEWHERE ^ {device.type}}}
 
     def batch(name: str):
         config = ContinuousBatchingConfig(num_blocks=blocks, use_cuda_graph=args.cuda_graph, use_async_batching=False)
@@ -149,21 +158,36 @@ def main() -> None:
     def plain() -> float:
         return timed(lambda: batch("plain"), device, args.clock)
 
-    def attached() -> float:
-        with nxl.attach(model, layers="all") as probe:
-            # until every record is made too: a request's end does not wait for the publisher, whose last batches
-            # would otherwise be scored after the clock stopped
-            seconds = timed(lambda: (batch("attached"), probe.calls), device, args.clock)
-            publisher.append(publisher_cpu() or 0.0)  # the probe's own thread: it started with its first record
+    def attached(name: str) -> float:
+        defaults = {switch: getattr(recorder, switch) for switch in switches[name]}
+        vars(recorder).update(switches[name])
+        record = recorder.Run._record
+
+        def recording(run, *args):  # once per batch of a request's steps
+            scoring.setdefault(name, set()).add(
+                "publisher" if threading.current_thread().name == "nxl_hooks-publisher" else "manager")
+            return record(run, *args)
+
+        recorder.Run._record = recording
+        try:
+            with nxl.attach(model, layers="all") as probe:
+                # until every record is made too: a request's end does not wait for the publisher, whose last
+                # batches would otherwise be scored after the clock stopped
+                seconds = timed(lambda: (batch(name), probe.calls), device, args.clock)
+                # the probe's own thread: it started with its first record
+                publisher.setdefault(name, []).append(publisher_cpu() or 0.0)
+        finally:
+            vars(recorder).update(defaults)
+            recorder.Run._record = record
         calls = probe.calls
         assert len(calls) == args.requests, f"{len(calls)} of {args.requests} requests recorded"
         for call in calls:
             assert call.error is None and call.complete and len(call.steps) == args.new, call.error
         return seconds
 
-    variants = {"plain": plain, "attached": attached}
+    variants = {"plain": plain, **{name: functools.partial(attached, name) for name in switches}}
     times: dict[str, list[float]] = {name: [] for name in variants}
-    ratios: list[float] = []
+    ratios: dict[str, list[float]] = {name: [] for name in switches}
     same: list[bool] = []
     names = list(variants)
     try:
@@ -173,16 +197,17 @@ def main() -> None:
                 shift = round_ % len(names)
                 for name in names[shift:] + names[:shift]:
                     measured[name] = variants[name]()
-                same.append(tokens["attached"] == tokens["plain"])
+                same.extend(tokens[name] == tokens["plain"] for name in switches)
                 if round_:
                     for name, seconds in measured.items():
                         times[name].append(seconds)
-                    ratios.append(measured["plain"] / measured["attached"])  # throughput: attached over plain
+                        if name in ratios:  # throughput: recorded over plain
+                            ratios[name].append(measured["plain"] / seconds)
                 print(f"round {round_}: " + ", ".join(f"{n} {v:.2f}s" for n, v in measured.items()), file=sys.stderr)
         generated = args.requests * args.new
         timed_clocks = {name: values[1:] for name, values in clocks.items()}  # round 0 dropped, as its times
-        published = publisher[1:]
-        counted = {name: manager_calls(variants[name]) for name in names}
+        published = {name: values[1:] for name, values in publisher.items()}
+        counted = {name: manager_calls(variants[name]) for name in ("plain", "attached")}
     finally:
         if args.threads:
             torch.set_num_threads(threads)
@@ -201,12 +226,18 @@ def main() -> None:
         "repeats": {name: len(values) for name, values in times.items()},
         "median_seconds": median,
         "median_tokens_per_s": {name: generated / seconds for name, seconds in median.items()},
-        "paired_throughput_ratios": ratios,
+        "paired_throughput_ratios": ratios["attached"],
         "manager_thread_torch_calls_per_token": per_token,
         "manager_thread_us_per_token": _per_token_us(timed_clocks, generated),
-        "publisher_thread_cpu_us_per_token": (1e6 * statistics.median(published) / generated if published
-                                              else None),
-        "attached_throughput_over_plain": statistics.median(ratios),
+        "publisher_thread_cpu_us_per_token": {name: 1e6 * statistics.median(values) / generated
+                                              for name, values in published.items() if values},
+        # the defaults, then each switched: which is faster here (ENGINE_ENDS_WAIT, SCORED_ELSEWHERE)
+        "variants": {name: {"switches": {switch: sorted(value) if isinstance(value, frozenset) else value
+                                         for switch, value in switches[name].items()},
+                            "steps_scored_in": sorted(scoring[name]),
+                            "paired_throughput_ratios": ratios[name],
+                            "throughput_over_plain": statistics.median(ratios[name])} for name in switches},
+        "attached_throughput_over_plain": statistics.median(ratios["attached"]),
         "goal_attached_throughput_over_plain": None if args.smoke else 0.95,
         "every_request_recorded": True,  # checked every round
         "same_tokens_as_plain": all(same),
@@ -215,13 +246,16 @@ def main() -> None:
 
 
 def _per_token_us(clocks: dict[str, list[tuple[float, float]]], generated: int) -> dict | None:
-    """The manager thread's median CPU and wall microseconds per generated token, plain and attached, and what
-    attaching added (None where a call's thread was not clocked)."""
-    if set(clocks) != {"plain", "attached"} or not all(clocks.values()):
+    """The manager thread's median CPU and wall microseconds per generated token, plain and each recorded variant,
+    and what recording added (``added``: the default's; ``added_<variant>`` the others'), None where a call's thread
+    was not clocked."""
+    if "plain" not in clocks or not all(clocks.values()):
         return None
     out = {name: {kind: 1e6 * statistics.median(pair[index] for pair in pairs) / generated
                   for index, kind in enumerate(("cpu", "wall"))} for name, pairs in clocks.items()}
-    out["added"] = {kind: out["attached"][kind] - out["plain"][kind] for kind in ("cpu", "wall")}
+    for name in [name for name in out if name != "plain"]:
+        key = "added" if name == "attached" else f"added_{name.removeprefix('attached_')}"
+        out[key] = {kind: out[name][kind] - out["plain"][kind] for kind in ("cpu", "wall")}
     return out
 
 

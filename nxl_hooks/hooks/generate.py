@@ -116,6 +116,12 @@ BATCH_SECONDS = 0.25
 #: interpreter and the cores: transformers' continuous-batching manager on the CPU took 45 to 60 µs more wall time
 #: per request and token, its own CPU time unchanged).
 SCORED_ELSEWHERE = frozenset({"cuda"})
+#: Whether an engine's request (:meth:`Generations.new_run` ``engine=True``: continuous batching, vLLM) ends as a
+#: ``generate`` call does, waiting until the publisher has kept the records of the call that ended before it. False:
+#: its end returns at once, since the engine's loop runs every request's steps (a publisher held up, by a slow
+#: reader's scoring say, made the whole loop wait, up to :data:`~.publish.FLUSH_SECONDS` per request); on a GPU the
+#: device may then sit idle meanwhile. ``benchmarks/bench_batching.py`` measures both, side by side.
+ENGINE_ENDS_WAIT = False
 #: Positions a compiled call's forwards are run again in at a time when it ends (:meth:`Run._replay`), fewer where
 #: their logits would pass :data:`BATCH_BYTES`: each run holds their hidden states, head features and logits.
 REFILL_POSITIONS = 512
@@ -339,7 +345,8 @@ class Run:
         self._limit = BATCH_STEPS  # how many of them may wait (:meth:`_batch_limit`, worked out at the first of them)
         self._sizes: tuple[int, int] | None = None  # (bytes of a step's kept rows, rows): :meth:`_step_bytes`
         self._wait = wait  # how long emitted steps may wait to be scored together (0: none; None: up to BATCH_STEPS)
-        # an engine's request: its end, in the loop that runs every request's steps, never waits for the publisher
+        # an engine's request: its end, in the loop that runs every request's steps, does not wait for the publisher
+        # (unless ENGINE_ENDS_WAIT)
         self._engine = engine
         # decoding positions whose hidden states are not in the feature cache yet: (layers' hidden states, embedding
         # norms, mask) each, stacked and normed together when the waiting steps are scored (:meth:`_fill`)
@@ -618,7 +625,7 @@ class Run:
             self._deferred, self._unfed = [], []
             try:
                 self._hub.end(self.call, sequences.cpu() if sequences is not None else None, error,
-                              wait=not self._engine)
+                              wait=ENGINE_ENDS_WAIT or not self._engine)
             except Exception as failure:  # noqa: BLE001 - a failing sink or subscriber never reaches the host
                 self.fail(f"the end of {what}", failure)
 
@@ -978,8 +985,8 @@ class Generations:
         wait to be scored together while nothing reads them live (0: each as it is emitted; None: until
         :data:`BATCH_STEPS` wait, or the call ends). ``refill``: positions its forwards ran compiled are recorded by
         running the model over them when it ends (a ``generate`` call: :meth:`refill`). ``engine``: a serving
-        engine's request, whose end never makes the engine's loop wait for the publisher (a ``generate`` call's
-        end waits for the call before it: :meth:`~.publish.Hub.end`)."""
+        engine's request, whose end does not make the engine's loop wait for the publisher (a ``generate`` call's
+        end waits for the call before it: :meth:`~.publish.Hub.end`; :data:`ENGINE_ENDS_WAIT`)."""
         call = self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name)
         call.model = self.plan.name
         return Run(self.plan, self.hub, call, prompt_len=prompt_len, eos=eos, cache_dtype=self.cache_dtype,

@@ -146,14 +146,17 @@ def test_requests_run_again_from_the_start_under_cache_pressure_are_recorded_who
     assert threads == ({"nxl_hooks-publisher", *manager} if scored == "publisher" else manager)
 
 
-def test_requests_end_without_the_manager_waiting_for_the_publisher(model, monkeypatch):
+@pytest.mark.parametrize("ends_wait", [False, True], ids=["default", "ENGINE_ENDS_WAIT"])
+def test_requests_end_without_the_manager_waiting_for_the_publisher(model, ends_wait, monkeypatch):
     """With the steps scored in the publisher thread (as on a GPU) and the publisher held on the last batch of the
-    request that ends first, the manager still ends every request and returns: a request's end never makes the loop
-    that runs every request's steps wait for the records of the request that ended before it (a ``generate`` call's
-    end does). Once the publisher goes on, every request's records are whole."""
+    request that ends first, the manager still ends every request and returns: a request's end does not make the
+    loop that runs every request's steps wait for the records of the request that ended before it (a ``generate``
+    call's end does; so does a request's under ENGINE_ENDS_WAIT, the switch bench_batching.py compares). Once the
+    publisher goes on, every request's records are whole."""
     from nxl_hooks.hooks import generate
 
     monkeypatch.setattr(generate, "SCORED_ELSEWHERE", generate.SCORED_ELSEWHERE | {"cpu"})
+    monkeypatch.setattr(generate, "ENGINE_ENDS_WAIT", ends_wait)
     record, scoring, release = generate.Run._record, threading.Event(), threading.Event()
 
     def held(self, emitted, context):
@@ -169,11 +172,13 @@ def test_requests_end_without_the_manager_waiting_for_the_publisher(model, monke
             prompts, generation_config=_greedy(), continuous_batching_config=_config())))
         manager.start()
         try:
-            manager.join(30)
+            manager.join(5 if ends_wait else 30)
             assert scoring.is_set() and not release.is_set()
-            assert not manager.is_alive()  # every request ended while the publisher held the first one's records
+            # every request ended while the publisher held the first one's records, unless ends wait
+            assert manager.is_alive() is ends_wait
         finally:
             release.set()
+            manager.join(30)
         calls = {call.request_id: call for call in probe.calls}  # waits for their records
     assert sorted(calls) == sorted(out) == ["req_0", "req_1", "req_2"]
     for request_id, call in calls.items():

@@ -106,6 +106,13 @@ def _batching(report: dict, out: Path) -> None:
     # every request of every attached call was recorded whole (the script checks), with plain's tokens
     assert report["every_request_recorded"] is True and report["same_tokens_as_plain"] is True
     assert report["batching"]["requests"] == 4 and report["attached_throughput_over_plain"] > 0
+    # each switch's variant was recorded whole too, and took effect: the other one scored the steps in the other
+    # thread (on the CPU: the manager's by default, where the model computes)
+    variants = report["variants"]
+    assert {name: v["steps_scored_in"] for name, v in variants.items()} == {
+        "attached": ["manager"], "attached_ends_wait": ["manager"], "attached_other_scoring_thread": ["publisher"]}
+    assert variants["attached_ends_wait"]["switches"] == {"ENGINE_ENDS_WAIT": True}
+    assert all(v["throughput_over_plain"] > 0 for v in variants.values())
 
 
 CHECKS = {"bench_forward": _forward, "bench_batching": _batching, "bench_compiled": _compiled, "bench_generate": _generate, "bench_big": _big,
