@@ -1,7 +1,7 @@
 """Cost of recording transformers' compiled generate (a static cache, compiled by generate itself), versus the same
 compiled generate unrecorded.
 
-    python benchmarks/bench_compiled.py [--repeats 5] [--batch 1] [--threads 1] [--clock wall|cpu] [--device cpu] \\
+    python benchmarks/bench_compiled.py [--repeats 5] [--calls 2] [--batch 1] [--threads 1] [--clock wall|cpu] [--device cpu] \\
         [--shape full|llama2-7b] [--dtype float32|bfloat16] [--out benchmarks/results/compiled_cpu.json]
     python benchmarks/bench_compiled.py --smoke     # tiny model, one round, dynamo's eager backend (CI)
 
@@ -13,7 +13,10 @@ rounds: "plain" (no probe), "attached" (``nxl.attach(layers="all")`` for the who
 compile a call that traces the hooks, once) and "attached_sink" (the same, every record also written to a sink
 file). Every round runs the three back to back in a rotating order; each ratio is against the plain run of the same
 round, and the report gives the median of those paired ratios. Each attached call is checked: every step recorded,
-the same tokens as plain.
+the same tokens as plain. Each variant's turn is ``--calls`` calls back to back, timed until their records are
+all made (on a GPU a call's steps are recorded in a thread of their own when it returns, while the next call runs:
+:meth:`nxl_hooks.hooks.generate.Run.finish`); how soon each call returns is reported beside it
+(``return_over_plain``).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -38,6 +42,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--backend", default="inductor", help="torch.compile backend generate compiles with")
+    parser.add_argument("--calls", type=int, default=2,
+                        help="calls back to back per variant and round, timed until their records are made")
     add_model_options(parser)
     add_run_options(parser)
     args, device, load_before, threads = begin(parser, "compiled", repeats=1, prompt=8, new=4, backend="eager")
@@ -57,12 +63,23 @@ def main() -> None:
               "attached_sink": nxl.attach(models["attached_sink"], layers="all", sink=sink)}
     outputs: dict[str, torch.Tensor] = {}
 
+    returned: dict[str, list[float]] = {name: [] for name in models}  # each timed call's wall seconds to return
+
     def run(name: str) -> float:
-        seconds = timed(lambda: outputs.__setitem__(name, models[name].generate(**generation)), device, args.clock)
         probe = probes.get(name)
-        if probe is not None:  # every step of this call recorded, and the tokens are plain's
-            call = probe.calls[-1]
-            assert call.error is None and len(call.steps) == args.new, call.error
+
+        def calls() -> None:  # back to back; then, recorded, until their records are made
+            for _ in range(args.calls):
+                start = time.perf_counter()
+                outputs[name] = models[name].generate(**generation)
+                returned[name].append(time.perf_counter() - start)
+            if probe is not None:
+                probe.calls
+
+        seconds = timed(calls, device, args.clock)
+        if probe is not None:  # every step of these calls recorded, and the tokens are plain's
+            for call in probe.calls[-args.calls:]:
+                assert call.error is None and len(call.steps) == args.new, call.error
         return seconds
 
     times: dict[str, list[float]] = {name: [] for name in models}
@@ -84,6 +101,9 @@ def main() -> None:
                         times[name].append(seconds)
                         if name != "plain":
                             ratios[name].append(seconds / measured["plain"])
+                else:  # (warm-up)
+                    for values in returned.values():
+                        values.clear()
                 print(f"round {round_}: " + ", ".join(f"{n} {v:.2f}s" for n, v in measured.items()), file=sys.stderr)
         unrecorded = {name: probe.unrecorded for name, probe in probes.items()}
         divergence = _divergence(models, generation)
@@ -109,6 +129,11 @@ def main() -> None:
         "median_seconds": {name: statistics.median(values) for name, values in times.items()},
         "paired_ratios": ratios,
         "paired_ratio_medians": paired,
+        # how soon each call returns, recorded / plain (medians): where its steps are recorded in a thread of their
+        # own (on a GPU), before they are
+        "return_seconds_medians": {name: statistics.median(values) for name, values in returned.items()},
+        "return_over_plain": {name: statistics.median(values) / statistics.median(returned["plain"])
+                              for name, values in returned.items() if name != "plain"},
         "attached_over_plain": paired["attached"],
         "attached_sink_over_plain": paired["attached_sink"],
         "goal_attached_over_plain": None if args.smoke else 1.05,  # a smoke run's ratios mean nothing

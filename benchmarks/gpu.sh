@@ -15,7 +15,8 @@ part() {  # part NAME CAP_SECONDS COMMAND...: run COMMAND with the smaller of CA
     if (( cap < 20 )); then echo "$name: skipped, the budget is spent" | tee -a "$out/summary.txt"; return; fi
     local start=$(date +%s)
     echo "=== $name: $*" >> "$out/log.txt"
-    timeout -k 5 "$cap" "$@" >> "$out/log.txt" 2>&1
+    # SIGINT first: pytest then prints its summary and stops the servers a test started
+    timeout -s INT -k 15 "$cap" "$@" >> "$out/log.txt" 2>&1
     echo "$name: exit $? in $(( $(date +%s) - start ))s (cap ${cap}s)" | tee -a "$out/summary.txt"
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/summary.txt"

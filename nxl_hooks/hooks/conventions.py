@@ -62,11 +62,12 @@ def cache_keyword(parameters: Any) -> str | None:
     return next((name for name in CACHE_NAMES if name in parameters), None)
 
 
-def prefix_cache(cache: Any, length: int) -> Any | None:
+def prefix_cache(cache: Any, length: int, *, copy: bool = False) -> Any | None:
     """A new ``DynamicCache`` holding what ``cache`` (a static cache, as ``generate`` left it) holds of positions
-    0..length-1, its tensors unchanged (the new cache appends to copies); an empty one for ``length`` 0; None
-    unless every layer of ``cache`` is a full static layer holding them on the device (a sliding window keeps other
-    positions there, an offloading cache its layers on the host)."""
+    0..length-1 (what it appends goes to new tensors: ``cache``'s are never written); with ``copy``, none of it
+    shares memory with ``cache`` (read once the model's next call has written that again); an empty one for
+    ``length`` 0; None unless every layer of ``cache`` is a full static layer holding them on the device (a sliding
+    window keeps other positions there, an offloading cache its layers on the host)."""
     from transformers.cache_utils import DynamicCache, StaticLayer
 
     if length == 0:
@@ -81,6 +82,12 @@ def prefix_cache(cache: Any, length: int) -> Any | None:
     prefix = DynamicCache()
     for index, layer in enumerate(layers):
         prefix.update(layer.keys[..., :length, :], layer.values[..., :length, :], index)
+    if copy:  # (a DynamicCache concatenates what it is given, a copy already, in the versions of transformers seen)
+        for layer, held in zip(layers, prefix.layers):
+            for name in ("keys", "values"):
+                value = getattr(held, name)
+                if value.untyped_storage().data_ptr() == getattr(layer, name).untyped_storage().data_ptr():
+                    setattr(held, name, value.clone())
     return prefix
 
 
@@ -135,18 +142,30 @@ def seen_keys(row: torch.Tensor) -> torch.Tensor:
     return row > torch.finfo(row.dtype).min / 2 if row.is_floating_point() else row.bool()
 
 
-def token_mask(attention_mask: torch.Tensor | None, past: int, new: int) -> torch.Tensor | None:
+def token_mask(attention_mask: torch.Tensor | dict[str, torch.Tensor] | None, past: int, new: int
+               ) -> torch.Tensor | None:
     """Which of a forward's ``new`` tokens (at positions ``past`` ..) are real, not padding: (batch, new) bool on the
     mask's device, read from the mask in the shape it arrived in, never on the host. 2-D (batch, keys): as users
     and ``generate`` with a dynamic cache pass it. 4-D (batch, 1, queries, keys): what ``generate`` builds for a
-    static cache, boolean or additive (the dtype's minimum where masked); its last query sees every real key up to
-    itself. None: no mask (every token real). :class:`UnfollowedForward` for a mask that covers other positions."""
+    static cache, boolean or additive (the dtype's minimum where masked), its keys from position 0 on, or (a sliding
+    window's static cache, once full) those of the window that ends at the forward's last token. A token is real
+    where the last query sees it, or it sees itself: a padding token is seen by no query, itself included, and a
+    real one may be out of the last query's window, or the last query padding. A dict of them by layer type (a
+    model whose layers attend differently, e.g. Gemma 2: ``full_attention``, ``sliding_attention``): its
+    full-attention mask. None: no mask (every token real). :class:`UnfollowedForward` for a mask that covers none of
+    the forward's tokens."""
+    if isinstance(attention_mask, dict):
+        attention_mask = attention_mask.get("full_attention", next(iter(attention_mask.values()), None))
     if attention_mask is None:
         return None
     if attention_mask.dim() == 2:
         return attention_mask[:, -new:].bool()
-    if attention_mask.dim() == 4 and attention_mask.shape[-1] >= past + new:
-        return seen_keys(attention_mask[:, 0, -1, past:past + new])
+    keys = attention_mask.shape[-1] if attention_mask.dim() == 4 else 0
+    if keys >= new:
+        first = past if keys >= past + new else keys - new
+        block = attention_mask[:, 0, :, first:first + new]  # (batch, queries, the forward's tokens as keys)
+        seen = seen_keys(block[:, -1])
+        return seen | seen_keys(block.diagonal(dim1=1, dim2=2)) if block.shape[1] == new else seen
     raise UnfollowedForward(f"the forward's attention mask of shape {tuple(attention_mask.shape)} does not cover "
                             f"positions {past}..{past + new - 1}, so its padding is unknown")
 

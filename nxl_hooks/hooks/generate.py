@@ -31,7 +31,9 @@ such a call returns, :meth:`Run._replay` runs the model once more, eagerly, over
 position where the prompt ran compiled too), and records them from those forwards as the eager hooks would have,
 each step with the model's distribution at the position before it; so a compiled call's records are those of the
 same tokens run eagerly, and its output is the one it has unrecorded, to the bit. Those forwards are a chunked
-prefill of the generated tokens per call (:data:`REFILL_POSITIONS`), on the calling thread when the call returns.
+prefill of the generated tokens per call (:data:`REFILL_POSITIONS`) when the call returns: on the calling thread,
+or where its steps are scored off it (:data:`SCORED_ELSEWHERE`: on a GPU) in a thread of their own while the host
+goes on (:meth:`Run.finish`; reading the records and detaching wait for them).
 
 Threads. Each ``generate`` call has its own :class:`Run`, found through the calling thread, so calls in several
 threads on one attached model are recorded separately; each record says its thread and request.
@@ -114,7 +116,8 @@ BATCH_SECONDS = 0.25
 #: for it, and the scoring fits in those waits. A model on the CPU computes in the generating thread itself: the
 #: steps are scored there, between its forwards (scored in the publisher instead, the two threads contend for the
 #: interpreter and the cores: transformers' continuous-batching manager on the CPU took 45 to 60 µs more wall time
-#: per request and token, its own CPU time unchanged).
+#: per request and token, its own CPU time unchanged). The same holds for the eager forwards that record a compiled
+#: ``generate`` call when it returns (:meth:`Run.finish`): on these devices they run in a thread of their own.
 SCORED_ELSEWHERE = frozenset({"cuda"})
 #: Whether an engine's request (:meth:`Generations.new_run` ``engine=True``: continuous batching, vLLM) ends as a
 #: ``generate`` call does, waiting until the publisher has kept the records of the call that ended before it. False:
@@ -321,6 +324,7 @@ class Run:
         self.attention_mask: torch.Tensor | None = None  # the one the call was given (a prompt that ran compiled)
         self.pad_id: int | None = None  # generate's pad token id (a prompt that ran compiled without a mask)
         self._cache: Any = None  # the KV cache the prompt's forward was given (its eager positions are reused)
+        self._prefix: tuple[int, Any] | None = None  # (start, a copy of what that cache holds before it): _later
         self.ids_given = True  # the prompt came as input_ids: generate's sequences begin with it
         self._ids_fed = False  # the prompt came as token ids (generate's sequences then hold it)
         self._prompt_len = prompt_len
@@ -591,7 +595,55 @@ class Run:
                ) -> None:
         """generate returned ``sequences`` (None: it raised): the last token's record, then the call's end.
         ``error``: why the call's records are incomplete, when the host says so (a failed request); ``what`` names
-        the call in the reason recorded when its end cannot be published. Never raises."""
+        the call in the reason recorded when its end cannot be published. Where forwards of the call ran compiled
+        and its steps are scored off the calling thread (on a GPU: :meth:`_elsewhere`), the eager forwards that
+        record them (:meth:`_replay`) and the call's end are made in a thread of their own
+        (:meth:`~.publish.Hub.end_later`) while the host goes on: :meth:`_later` copies what they read first.
+        Never raises."""
+        try:
+            later = self._later(sequences)
+        except Exception:  # noqa: BLE001 - then made here, where a failure is said as it would have been
+            self._prefix, later = None, None
+        if later is None:
+            self._finish(sequences, error, what)
+            return
+        copied, inference, stream = later
+
+        def finish() -> None:
+            # the calling thread's inference mode (what the feature cache was made in) and device stream (where
+            # the copies were made); other thread-local state (autocast) keeps the call here (_later)
+            with torch.inference_mode(inference), (torch.cuda.stream(stream) if stream is not None
+                                                   else contextlib.nullcontext()):
+                self._finish(copied, error, what)
+
+        try:
+            self._hub.end_later(finish)
+        except Exception:  # noqa: BLE001 - no thread to be had: made here then
+            finish()
+
+    def _later(self, sequences: torch.Tensor | None) -> tuple[torch.Tensor, bool, Any] | None:
+        """What :meth:`finish` needs to be made off the calling thread: copies of the call's tokens and of what its
+        cache holds of the positions that ran eagerly (the model's next call writes its static cache again), the
+        thread's inference mode and device stream; or None, made here: nothing ran compiled, the prompt did too
+        (its cache is not reused then), nothing takes the records, its steps are scored in this thread, or
+        autocast is on (another thread would compute without it)."""
+        prompt_len, n = self._prompt_len, self._n
+        if (sequences is None or self.failed or self.call.error is not None or self._refill is None
+                or prompt_len is None or not self.ids_given or n < max(prompt_len, 1)
+                or sequences.shape[1] - 1 <= n or not self._hub.listened or not self._elsewhere()):
+            return None
+        device = self._features.view().device
+        if torch.is_autocast_enabled(device.type):
+            return None
+        kept = prefix_cache(self._cache, n, copy=True)
+        if kept is None:
+            return None
+        self._prefix, self._cache = (n, kept), None
+        stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
+        return sequences.clone(), torch.is_inference_mode_enabled(), stream
+
+    def _finish(self, sequences: torch.Tensor | None, error: str | None, what: str) -> None:
+        """:meth:`finish`'s work, in the calling thread or, with its copies, in one of its own."""
         try:
             if sequences is not None and not self.failed and self.call.error is None:
                 try:
@@ -622,6 +674,7 @@ class Run:
             self.fail("the last generated token", failure)
         finally:
             self._features = self._embed = self._mask = self._logits = self._log_probs = self._cache = None
+            self._prefix = None
             self._deferred, self._unfed = [], []
             try:
                 self._hub.end(self.call, sequences.cpu() if sequences is not None else None, error,
@@ -640,6 +693,7 @@ class Run:
         those (what their eager forwards put there), else every position; in chunks of :data:`REFILL_POSITIONS`, fewer
         where their logits would pass :data:`BATCH_BYTES`, each chunk's steps handed on before the next runs."""
         cache, self._cache = self._cache, None
+        prefix, self._prefix = self._prefix, None
         n, prompt_len = self._n, self._prompt_len or 0
         end = sequences.shape[1] - 1 + (0 if self.ids_given else prompt_len)  # the last token never ran
         if end <= n or self._refill is None:
@@ -652,13 +706,13 @@ class Run:
                                "cannot be told; pass input_ids")
         if not self.ids_given:
             raise RuntimeError("its forwards ran compiled and its prompt came as inputs_embeds, so they cannot be "
-                               "run again to record them; pass input_ids")
+                               "run again to record them; pass input_ids (without inputs_embeds)")
         first = max(n, prompt_len)
         emitting = first if self._pending or n < prompt_len else first + 1  # a prompt fed below leaves a step pending
         mask = self._attention(sequences, end)
         positions = self._positions(mask, end)
         start = n if n >= prompt_len else 0  # every position before ran eagerly: the cache holds their own
-        kept = prefix_cache(cache, start)
+        start, kept = prefix if prefix is not None else (start, prefix_cache(cache, start))
         del cache  # the call's own (a static cache is no one else's once generate returned)
         if kept is None:
             start, kept = 0, prefix_cache(None, 0)

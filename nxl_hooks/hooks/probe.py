@@ -76,6 +76,7 @@ class _Attachment:
         # Taken before the hooks go: they may be what keeps these alive.
         gens = self._gens() if self._gens is not None else None
         engines = [ref() for ref in self._engines]
+        self._hub.wait_later()  # a call's end made off its thread may still run the model with these hooks
         try:
             self._restore_compiled()
             for handle in self._handles:

@@ -270,6 +270,8 @@ class Hub:
         self._subscribers: "weakref.WeakSet[Subscription]" = weakref.WeakSet()
         self._running: list[GenerationCall] = []
         self._ended: threading.Event | None = None  # the last call's end handed on: set once its records are kept
+        self._later: threading.Thread | None = None  # the last call end made in a thread of its own (end_later)
+        self._later_lock = threading.Lock()  # who starts the next one, once the one before is done
         self._closed = False  # the probe detached: records go to memory only, in the calling thread
         # The publisher and the sink thread, their queues and their backlogs (started with the first record, and
         # again in a forked child, which has none of its parent's threads).
@@ -381,16 +383,38 @@ class Hub:
         elif wait and awaited is not None and not self._on_thread():
             awaited.wait(FLUSH_SECONDS)
 
+    def end_later(self, finish: Callable[[], None]) -> None:
+        """Run ``finish``, which ends a call (it calls :meth:`end`), in a thread of its own, so that the caller goes
+        on: a compiled ``generate`` call's positions are run again there when it returns
+        (:meth:`~.generate.Run.finish`). One at a time, in order: the caller first waits until the one before is
+        done, so at most one call's end is behind. The records' readers (:meth:`settle`, :meth:`flush`) wait for
+        it, and so does the probe's detach (:meth:`wait_later`), before its hooks go. ``finish`` never raises."""
+        with self._later_lock:
+            self._join(self._later, FLUSH_SECONDS)
+            self._later = threading.Thread(target=finish, name="nxl_hooks-refill", daemon=True)
+            self._later.start()
+
+    def wait_later(self, timeout: float = FLUSH_SECONDS) -> bool:
+        """Wait until the call ends handed to :meth:`end_later` so far are made; whether they were within
+        ``timeout`` (not in that thread itself)."""
+        return self._join(self._later, timeout)
+
     def settle(self, timeout: float = FLUSH_SECONDS) -> bool:
-        """Wait until every call that has ended has its records kept and handed to the subscribers (the publisher
-        handles them in order: the last end handed on is done last); whether they were within ``timeout``."""
+        """Wait until every call that has ended (:meth:`end_later`'s too) has its records kept and handed to the
+        subscribers (the publisher handles them in order: the last end handed on is done last); whether they were
+        within ``timeout``."""
+        if self._on_thread():
+            return True
+        self.wait_later(timeout)
         ended = self._ended
-        return ended is None or self._on_thread() or ended.wait(timeout)
+        return ended is None or ended.wait(timeout)
 
     def flush(self, timeout: float = DRAIN_SECONDS) -> bool:
         """Wait until the records handed on so far are kept and written by the sink (or the sink stopped); whether
         they were within ``timeout`` seconds. After the probe detached: until a sink still busy then has finished
         (what it had not written counted in :attr:`unwritten`, its calls noted)."""
+        if not self._on_thread():
+            self.wait_later(timeout)
         if self._closed:
             return self._join(self._writer, timeout)
         written = threading.Event()

@@ -19,7 +19,7 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch.compiler import is_compiling
+from torch.compiler import is_dynamo_compiling, is_exporting
 
 from ..records.attribution import Attribution
 from .engines import Engine
@@ -41,6 +41,14 @@ def _hidden(output: Any) -> torch.Tensor:
 def _without_traceback(error: BaseException) -> BaseException:
     # Kept for result(): a traceback would keep every tensor of the failed forward's frames alive.
     return error.with_traceback(None)
+
+
+def traced() -> bool:
+    """Whether the probe's hooks run as traced code (torch.compile's dynamo, a torch.export), not as the eager forward
+    they watch. Not ``torch.compiler.is_compiling()``: since torch 2.13 that is also True in every other thread while
+    one compiles, which would make another thread's eager forwards (a compiled call's eager refill among them) go
+    unrecorded."""
+    return is_dynamo_compiling() or is_exporting()
 
 
 class Results(threading.local):
@@ -166,7 +174,7 @@ class Recorder:
         return handles
 
     def _plain_traced(self) -> bool:
-        """Inside a forward dynamo traces (``is_compiling()``): whether it is a plain one, outside every recorded
+        """Inside a forward dynamo traces (:func:`traced`): whether it is a plain one, outside every recorded
         call. Only then do the hooks keep anything (:class:`~.traced.TracedForward`). Nothing of the probe's goes into
         the compiled code of a recorded call, which would change the model's own kernels (inductor fuses what the
         hooks add into them and tunes them anew, and a GPU's bf16 logits then differ in the last place): a
@@ -183,7 +191,7 @@ class Recorder:
             self.results.last = self._skipped()
 
     def on_task_start(self, module: nn.Module, args: tuple) -> None:
-        if is_compiling():
+        if traced():
             if self._plain_traced():
                 self.plain.task()
             return
@@ -191,7 +199,7 @@ class Recorder:
         tasks.append(_Task(in_call=self._run() is not None))
 
     def on_task_end(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if is_compiling():
+        if traced():
             if self._plain_traced():
                 self.plain.keep("logits", getattr(output, "logits", None))
             return
@@ -221,7 +229,7 @@ class Recorder:
             "call under `with torch.compiler.set_stance('force_eager'):`")
 
     def on_backbone_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if is_compiling():
+        if traced():
             if self._plain_traced():
                 self.plain.begin(self._arguments(args, kwargs))
             return
@@ -242,7 +250,7 @@ class Recorder:
             self._fail("this forward", error)
 
     def on_block_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if is_compiling():
+        if traced():
             if self._plain_traced():
                 hidden = args[0] if args else kwargs["hidden_states"]
                 if self.plan.embedding == "layer_input":
@@ -276,7 +284,7 @@ class Recorder:
             self._fail("this forward", error)
 
     def on_word_embedding(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        if is_compiling():
+        if traced():
             if self._plain_traced():
                 self.plain.keep("embed", output.detach())
             return
@@ -295,7 +303,7 @@ class Recorder:
         wanted, last, local = index in self._wanted, index == self.plan.n_blocks, self._local
 
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if is_compiling():
+            if traced():
                 if self._plain_traced():
                     if wanted:
                         self.plain.layer(index, _hidden(output))
@@ -320,7 +328,7 @@ class Recorder:
         return hook
 
     def on_backbone_end(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if is_compiling():
+        if traced():
             return
         captures, tasks = self._stacks()
         capture = captures.pop() if captures else None

@@ -5,6 +5,8 @@ showing no graph break, a recorded call's compiled code the model's own, operati
 compiled code as it was after detach."""
 
 import copy
+import threading
+import time
 
 import pytest
 import torch
@@ -62,6 +64,20 @@ def _no_graph_breaks() -> None:
 def _static(model, ids, mask, config):
     return model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
                           cache_implementation="static", compile_config=config)
+
+
+def _scored_elsewhere_two_prompts(monkeypatch):
+    """Steps scored off the calling thread, as on a GPU (the CPU made such a device); (model, a left-padded prompt,
+    another with the same padding, its mask, generate's compile config)."""
+    from nxl_hooks.hooks import generate
+
+    monkeypatch.setattr(generate, "SCORED_ELSEWHERE", generate.SCORED_ELSEWHERE | {"cpu"})
+    first, mask = _prompt()
+    second = torch.where(mask.bool(), torch.randint(1, VOCAB, first.shape, generator=torch.Generator().manual_seed(6)),
+                         PAD)
+    config = CompileConfig()
+    config._compile_all_devices = True
+    return tiny.generating_llama(seed=3), first, second, mask, config
 
 
 def test_generate_compiled_by_transformers_is_recorded_step_by_step(monkeypatch):
@@ -248,17 +264,9 @@ def test_a_compiled_calls_steps_scored_later_keep_their_probabilities_when_the_n
     here the CPU made such a device); by then the model's next compiled call has run, writing the model's static
     cache in place. Its steps keep what they read: the first call's records equal the oracle, the model's own
     probabilities included, though they are scored only once the second call (another prompt) has run."""
-    import threading
-
     from nxl_hooks.hooks import generate
 
-    monkeypatch.setattr(generate, "SCORED_ELSEWHERE", generate.SCORED_ELSEWHERE | {"cpu"})
-    model = tiny.generating_llama(seed=3)
-    first, mask = _prompt()
-    second = torch.where(mask.bool(), torch.randint(1, VOCAB, first.shape, generator=torch.Generator().manual_seed(6)),
-                         PAD)
-    config = CompileConfig()
-    config._compile_all_devices = True
+    model, first, second, mask, config = _scored_elsewhere_two_prompts(monkeypatch)
     record, replay = generate.Run._record, generate.Run._replay
     replayed, rewritten = threading.Event(), threading.Event()
 
@@ -310,3 +318,150 @@ def test_a_recorded_compiled_call_runs_the_models_own_graph_operation_for_operat
     assert kept.operations(after) == kept.operations(before)
     assert probe.unrecorded is None
     _check(twin, probe.calls[0], 5)
+
+
+@pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
+def test_a_compiled_call_returns_before_its_steps_are_recorded_in_a_thread_of_their_own(mode, monkeypatch):
+    """Where a call's steps are scored off the calling thread (on a GPU; here the CPU made such a device), the eager
+    forwards that record a compiled call's steps run in a thread of their own: generate returns first, and readers
+    of the records wait for them. Held until the model's next compiled call (another prompt) has written the static
+    cache again, they still read the first call's own: its records equal the oracle, and both outputs are those of
+    the model unattached. Also inside ``torch.inference_mode()``, whose tensors that thread writes into."""
+    from nxl_hooks.hooks import generate
+
+    model, first, second, mask, config = _scored_elsewhere_two_prompts(monkeypatch)
+    with torch.no_grad():
+        plain = [_static(model, first, mask, config), _static(model, second, mask, config)]
+    refill, finish = generate.Generations.refill, generate.Run.finish
+    rewritten, threads = threading.Event(), set()
+
+    def held(self, *args):  # the first call's forwards wait until the second call has run compiled
+        threads.add(threading.current_thread().name)
+        assert rewritten.wait(120)
+        return refill(self, *args)
+
+    def finishing(self, sequences, *args, **kwargs):
+        if self.call.index == 1:
+            rewritten.set()
+        finish(self, sequences, *args, **kwargs)
+
+    monkeypatch.setattr(generate.Generations, "refill", held)
+    monkeypatch.setattr(generate.Run, "finish", finishing)
+    read: list = []
+    with getattr(torch, mode)(), nxl.attach(model, layers="all") as probe:
+        outputs = [_static(model, first, mask, config)]  # returns while its forwards wait
+        reader = threading.Thread(target=lambda: read.extend((call.index, call.complete, len(call.steps))
+                                                             for call in probe.calls))
+        reader.start()
+        reader.join(0.5)
+        assert reader.is_alive() and not rewritten.is_set()  # the reader waits for the first call's records
+        outputs.append(_static(model, second, mask, config))
+        reader.join(120)
+    assert threads == {"nxl_hooks-refill"}
+    assert [torch.equal(out, expected) for out, expected in zip(outputs, plain)] == [True, True]
+    assert read[0] == (0, True, 5)  # read once the first call's records were made
+    assert probe.unrecorded is None and [call.index for call in probe.calls] == [0, 1]
+    for call in probe.calls:
+        _check(model, call, 5)
+
+
+def test_detaching_right_after_a_compiled_call_waits_for_its_steps_and_a_failure_there_is_said(monkeypatch):
+    """Leaving the ``with`` block as a compiled call's steps are being recorded in a thread of their own (as on a GPU)
+    waits for them: the call is recorded whole. A failure in that thread never reaches the host: the next call
+    returns its output, and its record says why it is not recorded."""
+    from nxl_hooks.hooks import generate
+
+    monkeypatch.setattr(generate, "SCORED_ELSEWHERE", generate.SCORED_ELSEWHERE | {"cpu"})
+    model = tiny.generating_llama(seed=3)
+    ids, mask = _prompt()
+    config = CompileConfig()
+    config._compile_all_devices = True
+    refill, calls = generate.Generations.refill, []
+
+    def slow_then_failing(self, *args):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:
+            time.sleep(1)  # the probe detaches meanwhile
+            return refill(self, *args)
+        raise RuntimeError("refill failed on purpose")
+
+    monkeypatch.setattr(generate.Generations, "refill", slow_then_failing)
+    with nxl.attach(model, layers="all") as probe:
+        _static(model, ids, mask, config)
+    assert calls == ["nxl_hooks-refill"] and not probe.attached
+    _check(model, probe.calls[0], 5)
+    with nxl.attach(model, layers="all") as probe:
+        out = _static(model, ids, mask, config)
+    assert out.shape == (2, ids.shape[1] + 5)
+    (call,) = probe.calls
+    assert "refill failed on purpose" in call.error and probe.unrecorded_calls == 1
+
+
+def _windowed(kind: str):
+    """A Gemma 2 (its layers alternate sliding-window and full attention: generate hands its blocks a dict of masks)
+    or a Mistral whose every layer's window (3) is shorter than the prompt, tiny and random, generating freely."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM, MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    sizes = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, pad_token_id=PAD)
+    model = (Gemma2ForCausalLM(Gemma2Config(**sizes, head_dim=8, sliding_window=4)) if kind == "gemma2" else
+             MistralForCausalLM(MistralConfig(**sizes, sliding_window=3))).eval()
+    model.generation_config.eos_token_id = None
+    return model
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+@pytest.mark.parametrize("kind", ["gemma2", "mistral"])
+def test_a_static_cache_of_windowed_attention_is_recorded(kind, compiled):
+    """A static cache on a model with sliding-window layers, compiled by generate or run eagerly (``NXL_EAGER=1``):
+    Gemma 2's blocks get a mask per layer type (its full-attention one says which tokens are padding), and a full
+    window's mask covers only the keys of the window, which the prompt's last query does not all see. Every step
+    equals the oracle, each row's padding as the prompt's mask says, the output the unattached model's."""
+    from oracle import gemma
+
+    model = _windowed(kind)
+    ids, mask = _prompt(rows=3, length=7)
+    mask[2, :3], ids[2, :3] = 0, PAD
+    config = CompileConfig(backend="eager")  # (the mask is read from the prompt's eager forward either way)
+    config._compile_all_devices = True
+    generation = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
+                      cache_implementation="static", compile_config=config, disable_compile=not compiled)
+    plain = model.generate(**generation)
+    with nxl.attach(model, layers="all") as probe:
+        assert torch.equal(model.generate(**generation), plain)
+    assert probe.unrecorded is None, probe.unrecorded
+    (call,) = probe.calls
+    assert call.steps[0].mask.tolist() == mask.bool().tolist()
+    check_call(model, call, 5, hand=gemma(model) if kind == "gemma2" else llama(model))
+
+
+def test_a_call_is_recorded_while_another_thread_compiles():
+    """Whether the probe's hooks run traced is asked of dynamo (``is_dynamo_compiling``), not of
+    ``torch.compiler.is_compiling()``, which torch 2.13 holds True in every thread while one compiles: an eager
+    ``generate`` recorded while another thread's compile is under way (held in its backend here) is recorded whole,
+    every step the oracle's; so is a compiled call, whose eager refill then runs."""
+    model = tiny.generating_llama(seed=3)
+    ids, mask = _prompt()
+    compiling, release = threading.Event(), threading.Event()
+
+    def held(graph, inputs):  # a backend that keeps its thread compiling until released
+        compiling.set()
+        assert release.wait(120)
+        return graph.forward
+
+    other = threading.Thread(target=lambda: torch.compile(lambda x: x.sin() + 1, backend=held)(torch.ones(3)))
+    other.start()
+    try:
+        assert compiling.wait(120)
+        config = CompileConfig(backend="eager")
+        config._compile_all_devices = True
+        with nxl.attach(model, layers="all") as probe:
+            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
+            _static(model, ids, mask, config)
+    finally:
+        release.set()
+        other.join(120)
+    assert probe.unrecorded is None, probe.unrecorded
+    _check(model, probe.calls[0], 4)
+    _check(model, probe.calls[1], 5)

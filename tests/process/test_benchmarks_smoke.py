@@ -97,6 +97,8 @@ def _compiled(report: dict, out: Path) -> None:
     # every attached compiled call was checked by the script: each step recorded, the same tokens as plain
     assert report["same_tokens_as_plain"] is True and report["unrecorded"] == {"attached": None, "attached_sink": None}
     assert report["sink_steps_of_last_call"] == report["model"]["new_tokens"] and report["attached_over_plain"] > 0
+    assert set(report["return_over_plain"]) == {"attached", "attached_sink"}  # each timed call's return, apart
+    assert all(seconds > 0 for seconds in report["return_seconds_medians"].values())
     # on the CPU both repeat plain to the bit: the report tells a GPU's kernels apart from recording with this
     assert report["divergence"] == {name: {"first_differing_step": None, "max_logit_difference_until_then": 0.0}
                                     for name in ("attached", "plain_again")}

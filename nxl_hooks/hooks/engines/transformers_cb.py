@@ -99,6 +99,18 @@ def _packed(arguments: dict[str, Any]) -> bool:
     return "cu_seq_lens_q" in arguments or "logits_indices" in arguments
 
 
+def _after_this_thread(processor: Any) -> None:
+    """The step about to run on ``processor``'s own compute stream (an accelerator's: its eager forward's kernels,
+    and the probe's hooks in it) starts after what this thread queued on its current stream: the probe's reads and
+    copies of the last steps' tensors (a request's decoding rows fed later, its feature cache grown). The caching
+    allocator hands a freed block back to the stream that made it at once, so without this the next forward could
+    write a block those reads had not read yet. (The other way round, the manager synchronizes its compute stream
+    after each step, before the probe reads what the step wrote.)"""
+    stream = getattr(processor.inputs_and_outputs, "compute_stream", None)
+    if stream is not None:
+        stream.wait_stream(getattr(torch, stream.device.type).current_stream(stream.device))
+
+
 def _followed(model: nn.Module) -> "ContinuousBatching | None":
     ref = _FOLLOWED.get(model)
     return ref() if ref is not None else None
@@ -281,6 +293,7 @@ class ContinuousBatching:
             table = self._table(processor)
             if table is None:  # detached meanwhile
                 return None
+            _after_this_thread(processor)
             taps = self.prepare(processor, quiet=False) if processor.model_runner.pad_inputs else None
             segments, start, prompts = [], 0, {}
             for future in processor.inputs_and_outputs.requests_in_batch:
