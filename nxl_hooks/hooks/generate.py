@@ -1139,7 +1139,7 @@ class Generations:
             prompt = args[0] if args else next(
                 (kwargs[k] for k in ("inputs", "input_ids", "inputs_embeds") if kwargs.get(k) is not None), None)
             prompt_len = prompt.shape[1] if isinstance(prompt, torch.Tensor) and prompt.dim() > 1 else None
-            run = self.new_run(request_id=request_id, prompt_len=prompt_len,
+            run = self.new_run(request_id=request_id, prompt_len=prompt_len, wait=BATCH_SECONDS,
                                eos=_setting(self.plan.model, kwargs, "eos_token_id"), refill=True)
             run.ids_given = kwargs.get("inputs_embeds") is None
             mask = kwargs.get("attention_mask")

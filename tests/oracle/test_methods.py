@@ -294,10 +294,14 @@ nxl.register_method(Share, replace=True)
 
 
 @pytest.mark.parametrize("methods", [["contrastive"], ["contrastive", "test_share"]], ids=["pointwise", "mixed"])
-def test_generated_tokens_scored_together_equal_the_oracle_one_by_one(lm, methods):
+def test_generated_tokens_scored_together_equal_the_oracle_one_by_one(lm, methods, monkeypatch):
     """The steps a call scores together (at its end here) take one score call per method when every method is
     pointwise (rows of all steps stacked, each context padded to the longest), one per step otherwise; every step,
     every row, equals the oracle at its own context length either way."""
+    from nxl_hooks.hooks import generate
+
+    # all at the end, however slow a token of a loaded machine is (else the first waits at most BATCH_SECONDS)
+    monkeypatch.setattr(generate, "BATCH_SECONDS", None)
     model, _ = lm
     ids = torch.randint(3, model.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
     with nxl.attach(model, methods=methods) as probe:

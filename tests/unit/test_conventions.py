@@ -84,4 +84,22 @@ def test_the_padding_of_new_tokens_is_read_from_a_2d_or_4d_mask():
     assert torch.equal(token_mask(boolean[:, :, 3:], 2, 2), real[:, 2:])  # one query's row, positions 2..3
     assert token_mask(None, 0, 4) is None
     with pytest.raises(UnfollowedForward, match="does not cover positions 4..7"):
-        token_mask(boolean, 4, 4)
+        token_mask(boolean[..., :3], 4, 4)  # fewer keys than the forward has tokens
+
+
+def test_the_padding_of_new_tokens_is_read_from_a_sliding_windows_mask():
+    """A sliding window of 3 over 8 positions, row 0 left-padded by 2: the prompt's last query sees only positions 5..7,
+    yet positions 2..4 are real (each sees itself); once the window is full a decoding step's mask holds only the
+    window's keys, ending at its own token; a dict of masks by layer type (Gemma 2) is read by its full-attention one."""
+    real = torch.ones(2, 8, dtype=torch.bool)
+    real[0, :2] = False
+    position = torch.arange(8)
+    window = (position[:, None] >= position[None]) & (position[:, None] - position[None] < 3)  # (queries, keys)
+    sliding = window[None, None] & real[:, None, None]
+    assert torch.equal(token_mask(sliding, 0, 8), real)
+    full_window = sliding[:, :, 7:, 5:]  # position 7 decoding: its keys are positions 5..7
+    assert torch.equal(token_mask(full_window, 7, 1), real[:, 7:])
+    causal = (position[:, None] >= position[None])[None, None] & real[:, None, None]
+    layers = {"sliding_attention": sliding[:, :, 4:, 2:], "full_attention": causal[:, :, 4:]}
+    assert torch.equal(token_mask(layers, 4, 4), real[:, 4:])
+    assert torch.equal(token_mask({"full_attention": causal}, 0, 8), real)
