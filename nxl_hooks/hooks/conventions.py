@@ -62,12 +62,11 @@ def cache_keyword(parameters: Any) -> str | None:
     return next((name for name in CACHE_NAMES if name in parameters), None)
 
 
-def prefix_cache(cache: Any, length: int, *, copy: bool = False) -> Any | None:
+def prefix_cache(cache: Any, length: int) -> Any | None:
     """A new ``DynamicCache`` holding what ``cache`` (a static cache, as ``generate`` left it) holds of positions
-    0..length-1 (what it appends goes to new tensors: ``cache``'s are never written); with ``copy``, none of it
-    shares memory with ``cache`` (read once the model's next call has written that again); an empty one for
-    ``length`` 0; None unless every layer of ``cache`` is a full static layer holding them on the device (a sliding
-    window keeps other positions there, an offloading cache its layers on the host)."""
+    0..length-1, in tensors of its own (a DynamicCache concatenates what it is given: ``cache`` may be let go);
+    an empty one for ``length`` 0; None unless every layer of ``cache`` is a full static layer holding them on the
+    device (a sliding window keeps other positions there, an offloading cache its layers on the host)."""
     from transformers.cache_utils import DynamicCache, StaticLayer
 
     if length == 0:
@@ -82,12 +81,6 @@ def prefix_cache(cache: Any, length: int, *, copy: bool = False) -> Any | None:
     prefix = DynamicCache()
     for index, layer in enumerate(layers):
         prefix.update(layer.keys[..., :length, :], layer.values[..., :length, :], index)
-    if copy:  # (a DynamicCache concatenates what it is given, a copy already, in the versions of transformers seen)
-        for layer, held in zip(layers, prefix.layers):
-            for name in ("keys", "values"):
-                value = getattr(held, name)
-                if value.untyped_storage().data_ptr() == getattr(layer, name).untyped_storage().data_ptr():
-                    setattr(held, name, value.clone())
     return prefix
 
 

@@ -250,6 +250,14 @@ def _setting(model: nn.Module, kwargs: dict, name: str) -> Any:
     return value if value is not None else getattr(config, name, None)
 
 
+def _changes_itself(module: nn.Module) -> bool:
+    """A rotary embedding transformers rescales to each forward's positions (``dynamic``, ``longrope``): its forward
+    writes its own frequencies."""
+    kinds = getattr(module, "rope_type", None)
+    return any(isinstance(kind, str) and ("dynamic" in kind or kind == "longrope")
+               for kind in (kinds.values() if isinstance(kinds, dict) else [kinds]))
+
+
 def eager() -> bool:
     """Whether this recording session asked for eager calls (:data:`EAGER`)."""
     return os.environ.get(EAGER) == "1"
@@ -315,12 +323,14 @@ class Run:
 
     def __init__(self, plan: Plan, hub: Hub, call: GenerationCall, *, prompt_len: int | None, eos: Any,
                  cache_dtype: torch.dtype | None, cache_device: torch.device | None,
-                 notice: Notice | None = None, refill: Refill | None = None,
+                 notice: Notice | None = None, refill: Refill | None = None, refill_apart: bool = False,
                  wait: float | None = BATCH_SECONDS, engine: bool = False) -> None:
         self._plan, self._hub, self.call, self._notice = plan, hub, call, notice
         # Runs the model eagerly over positions whose forwards ran compiled (the hooks saw none of them), when the
         # call ends (:meth:`_replay`)
         self._refill = refill
+        # ... and may do so in a thread of its own, while the host's next call runs the model (finish)
+        self._refill_apart = refill is not None and refill_apart
         self.attention_mask: torch.Tensor | None = None  # the one the call was given (a prompt that ran compiled)
         self.pad_id: int | None = None  # generate's pad token id (a prompt that ran compiled without a mask)
         self._cache: Any = None  # the KV cache the prompt's forward was given (its eager positions are reused)
@@ -612,9 +622,15 @@ class Run:
         def finish() -> None:
             # the calling thread's inference mode (what the feature cache was made in) and device stream (where
             # the copies were made); other thread-local state (autocast) keeps the call here (_later)
-            with torch.inference_mode(inference), (torch.cuda.stream(stream) if stream is not None
-                                                   else contextlib.nullcontext()):
-                self._finish(copied, error, what)
+            begun = False
+            try:
+                with torch.inference_mode(inference), (torch.cuda.stream(stream) if stream is not None
+                                                       else contextlib.nullcontext()):
+                    begun = True
+                    self._finish(copied, error, what)  # (never raises)
+            except Exception:  # noqa: BLE001 - entering those failed (a device error): the end is made all the same
+                if not begun:
+                    self._finish(copied, error, what)
 
         try:
             self._hub.end_later(finish)
@@ -622,20 +638,21 @@ class Run:
             finish()
 
     def _later(self, sequences: torch.Tensor | None) -> tuple[torch.Tensor, bool, Any] | None:
-        """What :meth:`finish` needs to be made off the calling thread: copies of the call's tokens and of what its
-        cache holds of the positions that ran eagerly (the model's next call writes its static cache again), the
-        thread's inference mode and device stream; or None, made here: nothing ran compiled, the prompt did too
-        (its cache is not reused then), nothing takes the records, its steps are scored in this thread, or
-        autocast is on (another thread would compute without it)."""
+        """What :meth:`finish` needs to be made off the calling thread: a copy of the call's tokens (the caller may
+        write its output), what its cache holds of the positions that ran eagerly (a new cache: its tensors are
+        copies, so the call's own is let go), the thread's inference mode and device stream; or None, made here:
+        nothing ran compiled, the prompt did too (its cache is not reused then), nothing takes the records, its
+        steps are scored in this thread, autocast is on (another thread would compute without it), or the model's
+        forward changes its own state (``refill_apart`` False: the two threads would race on it)."""
         prompt_len, n = self._prompt_len, self._n
-        if (sequences is None or self.failed or self.call.error is not None or self._refill is None
+        if (sequences is None or self.failed or self.call.error is not None or not self._refill_apart
                 or prompt_len is None or not self.ids_given or n < max(prompt_len, 1)
                 or sequences.shape[1] - 1 <= n or not self._hub.listened or not self._elsewhere()):
             return None
         device = self._features.view().device
         if torch.is_autocast_enabled(device.type):
             return None
-        kept = prefix_cache(self._cache, n, copy=True)
+        kept = prefix_cache(self._cache, n)
         if kept is None:
             return None
         self._prefix, self._cache = (n, kept), None
@@ -1019,6 +1036,8 @@ class Generations:
         self._restore: tuple[bool, Callable] | None = None
         self._detached = False
         self.backbone: nn.Module | None = None  # set by attach: a forward the user compiled in place is seen there
+        # a forward that writes the model's own state is never run by the probe beside the host's (Run.finish)
+        self._stateful = any(_changes_itself(module) for module in plan.model.modules())
 
     def current(self) -> Recording | None:
         return getattr(self._local, "run", None)
@@ -1045,7 +1064,7 @@ class Generations:
         call.model = self.plan.name
         return Run(self.plan, self.hub, call, prompt_len=prompt_len, eos=eos, cache_dtype=self.cache_dtype,
                    cache_device=self.cache_device, notice=self.notice, refill=self.refill if refill else None,
-                   wait=wait, engine=engine)
+                   refill_apart=not self._stateful, wait=wait, engine=engine)
 
     def refill(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, keep: int, cache: Any,
                start: int) -> tuple[Capture, torch.Tensor] | None:

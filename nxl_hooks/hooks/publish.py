@@ -391,13 +391,15 @@ class Hub:
         it, and so does the probe's detach (:meth:`wait_later`), before its hooks go. ``finish`` never raises."""
         with self._later_lock:
             self._join(self._later, FLUSH_SECONDS)
-            self._later = threading.Thread(target=finish, name="nxl_hooks-refill", daemon=True)
-            self._later.start()
+            thread = threading.Thread(target=finish, name="nxl_hooks-refill", daemon=True)
+            thread.start()  # (one that cannot start is never waited for: the caller makes the end itself)
+            self._later = thread
 
     def wait_later(self, timeout: float = FLUSH_SECONDS) -> bool:
         """Wait until the call ends handed to :meth:`end_later` so far are made; whether they were within
-        ``timeout`` (not in that thread itself)."""
-        return self._join(self._later, timeout)
+        ``timeout``. Not in that thread itself, nor in the publisher or the sink thread (a garbage collection there
+        may detach the probe), which that thread's end may wait for."""
+        return not self._on_thread() and self._join(self._later, timeout)
 
     def settle(self, timeout: float = FLUSH_SECONDS) -> bool:
         """Wait until every call that has ended (:meth:`end_later`'s too) has its records kept and handed to the

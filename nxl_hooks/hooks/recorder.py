@@ -45,10 +45,12 @@ def _without_traceback(error: BaseException) -> BaseException:
 
 def traced() -> bool:
     """Whether the probe's hooks run as traced code (torch.compile's dynamo, a torch.export), not as the eager forward
-    they watch. Not ``torch.compiler.is_compiling()``: since torch 2.13 that is also True in every other thread while
-    one compiles, which would make another thread's eager forwards (a compiled call's eager refill among them) go
-    unrecorded."""
-    return is_dynamo_compiling() or is_exporting()
+    they watch. Not ``torch.compiler.is_compiling()``, nor ``is_exporting()`` alone: since torch 2.13 the one, and
+    the other during an export, are True in every thread while one compiles or exports, which would make another
+    thread's eager forwards (a compiled call's eager refill among them) go unrecorded; a non-strict export traces
+    this thread's tensors as fake ones."""
+    return is_dynamo_compiling() or (is_exporting()
+                                     and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None)
 
 
 class Results(threading.local):

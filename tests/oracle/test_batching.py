@@ -2,6 +2,7 @@
 request gets its own call, each step equal to an uncached oracle of that request alone; the requests run unchanged."""
 
 import logging
+import sys
 import threading
 import time
 
@@ -146,6 +147,22 @@ def test_requests_run_again_from_the_start_under_cache_pressure_are_recorded_who
     assert threads == ({"nxl_hooks-publisher", *manager} if scored == "publisher" else manager)
 
 
+def _a_thread_waits_in(function: str, file: str, timeout: float = 60) -> bool:
+    """Whether a thread is seen waiting (in ``threading``'s ``wait``) inside ``function`` of ``file`` (every thread's
+    stack, polled) within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for frame in sys._current_frames().values():
+            if frame.f_code.co_name != "wait" or not frame.f_code.co_filename.endswith("threading.py"):
+                continue
+            while frame is not None:
+                if frame.f_code.co_name == function and frame.f_code.co_filename.endswith(file):
+                    return True
+                frame = frame.f_back
+        time.sleep(0.01)
+    return False
+
+
 @pytest.mark.parametrize("ends_wait", [False, True], ids=["default", "ENGINE_ENDS_WAIT"])
 def test_requests_end_without_the_manager_waiting_for_the_publisher(model, ends_wait, monkeypatch):
     """With the steps scored in the publisher thread (as on a GPU) and the publisher held on the last batch of the
@@ -172,10 +189,12 @@ def test_requests_end_without_the_manager_waiting_for_the_publisher(model, ends_
             prompts, generation_config=_greedy(), continuous_batching_config=_config())))
         manager.start()
         try:
-            manager.join(5 if ends_wait else 30)
-            assert scoring.is_set() and not release.is_set()
-            # every request ended while the publisher held the first one's records, unless ends wait
-            assert manager.is_alive() is ends_wait
+            assert scoring.wait(60)
+            if ends_wait:  # the manager's loop comes to wait in a request's end, for the held records
+                assert _a_thread_waits_in("end", "publish.py"), "no thread waited in Hub.end"
+            else:  # every request ended while the publisher held the first one's records
+                manager.join(60)
+                assert not manager.is_alive() and not release.is_set()
         finally:
             release.set()
             manager.join(30)

@@ -324,9 +324,10 @@ def test_a_recorded_compiled_call_runs_the_models_own_graph_operation_for_operat
 def test_a_compiled_call_returns_before_its_steps_are_recorded_in_a_thread_of_their_own(mode, monkeypatch):
     """Where a call's steps are scored off the calling thread (on a GPU; here the CPU made such a device), the eager
     forwards that record a compiled call's steps run in a thread of their own: generate returns first, and readers
-    of the records wait for them. Held until the model's next compiled call (another prompt) has written the static
-    cache again, they still read the first call's own: its records equal the oracle, and both outputs are those of
-    the model unattached. Also inside ``torch.inference_mode()``, whose tensors that thread writes into."""
+    of the records wait for them. Held until the model's next compiled call (another prompt) has run, they still read
+    the first call's own tokens and prompt cache (taken when it returned): its records equal the oracle, and both
+    outputs are those of the model unattached. Also inside ``torch.inference_mode()``, whose tensors that thread
+    writes into."""
     from nxl_hooks.hooks import generate
 
     model, first, second, mask, config = _scored_elsewhere_two_prompts(monkeypatch)
@@ -438,11 +439,14 @@ def test_a_static_cache_of_windowed_attention_is_recorded(kind, compiled):
 
 def test_a_call_is_recorded_while_another_thread_compiles():
     """Whether the probe's hooks run traced is asked of dynamo (``is_dynamo_compiling``), not of
-    ``torch.compiler.is_compiling()``, which torch 2.13 holds True in every thread while one compiles: an eager
-    ``generate`` recorded while another thread's compile is under way (held in its backend here) is recorded whole,
-    every step the oracle's; so is a compiled call, whose eager refill then runs."""
+    ``torch.compiler.is_compiling()``, which torch 2.13 holds True in every thread while one compiles: while another
+    thread's compile is under way (held in its backend here), an eager ``generate`` and a compiled one (compiled
+    before: dynamo lets one thread compile at a time), whose eager refill then runs, are recorded whole, every step
+    the oracle's."""
     model = tiny.generating_llama(seed=3)
     ids, mask = _prompt()
+    config = CompileConfig(backend="eager")
+    config._compile_all_devices = True
     compiling, release = threading.Event(), threading.Event()
 
     def held(graph, inputs):  # a backend that keeps its thread compiling until released
@@ -451,17 +455,51 @@ def test_a_call_is_recorded_while_another_thread_compiles():
         return graph.forward
 
     other = threading.Thread(target=lambda: torch.compile(lambda x: x.sin() + 1, backend=held)(torch.ones(3)))
-    other.start()
-    try:
-        assert compiling.wait(120)
-        config = CompileConfig(backend="eager")
-        config._compile_all_devices = True
-        with nxl.attach(model, layers="all") as probe:
+    with nxl.attach(model, layers="all") as probe:
+        _static(model, ids, mask, config)  # compiled here, before the other thread holds dynamo
+        other.start()
+        try:
+            assert compiling.wait(120)
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False)
             _static(model, ids, mask, config)
-    finally:
-        release.set()
-        other.join(120)
+            assert other.is_alive() and not release.is_set()  # both ran while the other thread compiled
+        finally:
+            release.set()
+            other.join(120)
     assert probe.unrecorded is None, probe.unrecorded
-    _check(model, probe.calls[0], 4)
-    _check(model, probe.calls[1], 5)
+    _check(model, probe.calls[1], 4)
+    _check(model, probe.calls[2], 5)
+
+@pytest.mark.parametrize("why", ["rescaled_rope", "no_thread"])
+def test_a_compiled_calls_steps_are_recorded_in_the_calling_thread_where_another_cannot_run_them(why, monkeypatch):
+    """Where the eager forwards that record a compiled call would run in a thread of their own (as on a GPU), they run
+    in the calling thread instead when the model's forward writes its own state (a rotary embedding transformers
+    rescales to the positions, ``dynamic``: the two threads would race on it, and the host's next call could see
+    the refill's frequencies), or when no thread can be started: the call is recorded all the same."""
+    model, ids, _, mask, config = _scored_elsewhere_two_prompts(monkeypatch)
+    if why == "rescaled_rope":
+        settings = model.config
+        settings.rope_parameters = {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}
+        torch.manual_seed(3)
+        model = type(model)(settings).eval()
+        model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, PAD
+        assert model.model.rotary_emb.rope_type == "dynamic"
+    else:
+        start = threading.Thread.start
+
+        def refused(thread):
+            if thread.name == "nxl_hooks-refill":
+                raise RuntimeError("can't start new thread")
+            start(thread)
+
+        monkeypatch.setattr(threading.Thread, "start", refused)
+    from nxl_hooks.hooks import generate
+
+    refill, threads = generate.Generations.refill, []
+    monkeypatch.setattr(generate.Generations, "refill",
+                        lambda self, *args: threads.append(threading.current_thread().name) or refill(self, *args))
+    with nxl.attach(model, layers="all") as probe:
+        _static(model, ids, mask, config)
+        assert probe.calls[0].complete  # (read while attached: nothing left waiting on a thread that never ran)
+    assert threads == ["MainThread"] and probe.unrecorded is None, probe.unrecorded
+    _check(model, probe.calls[0], 5)

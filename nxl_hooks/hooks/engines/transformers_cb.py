@@ -108,7 +108,7 @@ def _after_this_thread(processor: Any) -> None:
     after each step, before the probe reads what the step wrote.)"""
     stream = getattr(processor.inputs_and_outputs, "compute_stream", None)
     if stream is not None:
-        stream.wait_stream(getattr(torch, stream.device.type).current_stream(stream.device))
+        stream.wait_stream(torch.get_device_module(stream.device).current_stream(stream.device))
 
 
 def _followed(model: nn.Module) -> "ContinuousBatching | None":
