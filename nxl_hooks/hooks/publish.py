@@ -415,8 +415,7 @@ class Hub:
         """Wait until the records handed on so far are kept and written by the sink (or the sink stopped); whether
         they were within ``timeout`` seconds. After the probe detached: until a sink still busy then has finished
         (what it had not written counted in :attr:`unwritten`, its calls noted)."""
-        if not self._on_thread():
-            self.wait_later(timeout)
+        self.wait_later(timeout)
         if self._closed:
             return self._join(self._writer, timeout)
         written = threading.Event()
