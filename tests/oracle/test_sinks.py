@@ -76,7 +76,12 @@ def _from_rows(columns: dict[str, list], call, layers) -> nxl.GenerationCall:
                               steps=steps, sequences=ids, complete=True)
 
 
-def test_parquet_live_and_exported_rows_equal_the_stream_records_and_the_oracle(chat, tmp_path):
+def test_parquet_live_and_exported_rows_equal_the_stream_records_and_the_oracle(chat, tmp_path, monkeypatch):
+    from nxl_hooks.hooks import generate
+
+    # each call's steps scored together at its end, in both calls alike (a step of a loaded machine that waits past
+    # BATCH_SECONDS is scored apart, and a matmul of another shape may differ in the last place)
+    monkeypatch.setattr(generate, "BATCH_SECONDS", None)
     path, model, tokenizer = chat
     live = _generate(model, tokenizer, f"parquet:{tmp_path / 'live.parquet'}", layers=[0, 1, -1])
     assert live.sink_fault is None and not (tmp_path / "live.parquet.partial").exists()
