@@ -93,6 +93,16 @@ def cb_config(**options):
     return ContinuousBatchingConfig(**{"num_blocks": 16, "max_batch_tokens": 24, page: 16, **options})
 
 
+def cpu_compile(**options):
+    """A CompileConfig with which generate compiles its static-cache decoding steps on the CPU too (transformers
+    compiles them on accelerators only, unless ``_compile_all_devices``). ``options``: CompileConfig's own."""
+    from transformers import CompileConfig
+
+    config = CompileConfig(**options)
+    config._compile_all_devices = True
+    return config
+
+
 #: The generating decoder's id space (:func:`generating_llama`): ids 1..99 are tokens, 0 pads.
 GEN_VOCAB, GEN_PAD = 100, 0
 

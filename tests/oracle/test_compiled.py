@@ -11,7 +11,6 @@ import time
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from transformers import CompileConfig
 
 import nxl_hooks as nxl
 from nxl_hooks.hooks import forward
@@ -75,8 +74,7 @@ def _scored_elsewhere_two_prompts(monkeypatch):
     first, mask = _prompt()
     second = torch.where(mask.bool(), torch.randint(1, VOCAB, first.shape, generator=torch.Generator().manual_seed(6)),
                          PAD)
-    config = CompileConfig()
-    config._compile_all_devices = True
+    config = tiny.cpu_compile()
     return tiny.generating_llama(seed=3), first, second, mask, config
 
 
@@ -95,8 +93,7 @@ def test_generate_compiled_by_transformers_is_recorded_step_by_step(monkeypatch)
     monkeypatch.setattr(generate.Generations, "refill", counted)
     model = tiny.generating_llama(seed=3)
     ids, mask = _prompt()
-    config = CompileConfig()  # inductor, as generate compiles on a GPU
-    config._compile_all_devices = True
+    config = tiny.cpu_compile()  # inductor, as generate compiles on a GPU
     plain = _static(model, ids, mask, config)  # compiled before any probe: that code never calls the hooks
     kept = model._compiled_call
     with nxl.attach(model, layers="all") as probe:
@@ -173,8 +170,7 @@ def test_a_right_padded_prompt_is_run_again_at_the_positions_generate_gave_its_t
     model = tiny.generating_llama(seed=5)
     ids, mask = _prompt()
     ids[1], mask[1] = torch.roll(ids[1], -2), torch.roll(mask[1], -2)  # row 1: its two pads at the end
-    config = CompileConfig(backend="eager")
-    config._compile_all_devices = True
+    config = tiny.cpu_compile(backend="eager")
     calls = []
     for compiled in (False, True):
         with nxl.attach(model, layers="all") as probe:
@@ -240,8 +236,7 @@ def test_every_step_of_a_compiled_call_is_scored_with_the_models_own_distributio
     monkeypatch.setattr(generate, "REFILL_POSITIONS", 2)
     model = tiny.generating_llama(seed=3)
     ids, mask = _prompt()
-    config = CompileConfig()
-    config._compile_all_devices = True
+    config = tiny.cpu_compile()
     with nxl.attach(model, layers="all", methods=["contrastive"]) as probe:
         _static(model, ids, mask, config)
     call = probe.calls[-1]
@@ -307,8 +302,7 @@ def test_a_recorded_compiled_call_runs_the_models_own_graph_operation_for_operat
     twin = copy.deepcopy(model)
     ids, mask = _prompt()
     kept = tiny.KeptGraphs()
-    config = CompileConfig(backend=kept)
-    config._compile_all_devices = True
+    config = tiny.cpu_compile(backend=kept)
     plain = _static(model, ids, mask, config)
     torch._dynamo.reset()  # the twin's compiled call is traced anew (dynamo would reuse the plain one's code)
     with nxl.attach(twin, layers="all", embedding=embedding) as probe:
@@ -375,8 +369,7 @@ def test_detaching_right_after_a_compiled_call_waits_for_its_steps_and_a_failure
     monkeypatch.setattr(generate, "SCORED_ELSEWHERE", generate.SCORED_ELSEWHERE | {"cpu"})
     model = tiny.generating_llama(seed=3)
     ids, mask = _prompt()
-    config = CompileConfig()
-    config._compile_all_devices = True
+    config = tiny.cpu_compile()
     refill, calls = generate.Generations.refill, []
 
     def slow_then_failing(self, *args):
@@ -424,8 +417,7 @@ def test_a_static_cache_of_windowed_attention_is_recorded(kind, compiled):
     model = _windowed(kind)
     ids, mask = _prompt(rows=3, length=7)
     mask[2, :3], ids[2, :3] = 0, PAD
-    config = CompileConfig(backend="eager")  # (the mask is read from the prompt's eager forward either way)
-    config._compile_all_devices = True
+    config = tiny.cpu_compile(backend="eager")  # (the mask is read from the prompt's eager forward either way)
     generation = dict(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False,
                       cache_implementation="static", compile_config=config, disable_compile=not compiled)
     plain = model.generate(**generation)
@@ -445,8 +437,7 @@ def test_a_call_is_recorded_while_another_thread_compiles():
     the oracle's."""
     model = tiny.generating_llama(seed=3)
     ids, mask = _prompt()
-    config = CompileConfig(backend="eager")
-    config._compile_all_devices = True
+    config = tiny.cpu_compile(backend="eager")
     compiling, release = threading.Event(), threading.Event()
 
     def held(graph, inputs):  # a backend that keeps its thread compiling until released

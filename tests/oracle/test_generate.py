@@ -86,9 +86,7 @@ def test_left_padded_batch_with_early_eos(model, cache):
     same."""
     options = {"cache_implementation": "static"} if cache != "dynamic" else {}
     if cache == "compiled":
-        from transformers import CompileConfig
-        options["compile_config"] = config = CompileConfig(backend="eager")
-        config._compile_all_devices = True
+        options["compile_config"] = tiny.cpu_compile(backend="eager")
         torch._dynamo.reset()
         counters.clear()
     ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
@@ -453,12 +451,8 @@ def test_steps_nobody_listens_to_are_skipped_and_later_ones_still_right(model):
 def _compiled_static(model, ids, **options):
     """generate with a static cache, which transformers compiles itself (on the CPU too, with _compile_all_devices;
     the eager backend keeps compiling cheap: the hooks are skipped all the same)."""
-    from transformers import CompileConfig
-
-    config = CompileConfig(backend="eager")
-    config._compile_all_devices = True
     return model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, cache_implementation="static",
-                          compile_config=config, **options)
+                          compile_config=tiny.cpu_compile(backend="eager"), **options)
 
 
 def test_compiled_static_cache_generate_is_recorded_and_eager_too(monkeypatch):
