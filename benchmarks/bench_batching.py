@@ -16,7 +16,10 @@ for the records of the request that ended before it, as a ``generate`` call's do
 "attached_other_scoring_thread" scores the requests' steps in the other thread than this device's default
 (``SCORED_ELSEWHERE``: the publisher on a GPU, the manager's thread on the CPU). Every round runs plain and the
 recorded variants in a rotating order; the report gives the median of the paired throughput ratios (recorded / plain
-of the same round), the default's as ``attached_throughput_over_plain`` and each variant's under ``variants``. Each attached call is checked: every request recorded whole, one step per
+of the same round), the default's as ``attached_throughput_over_plain`` and each variant's under ``variants``.
+``generate_batch`` warms a new manager up in every call, plain or recorded (with CUDA graphs it captures them there);
+a server's manager does so once, so ``throughput_over_plain_after_warmup`` gives the same paired ratios without each
+call's warmup (``warmup_median_seconds``), the steady state's. Each attached call is checked: every request recorded whole, one step per
 token; and whether each request's tokens are plain's is reported. Then one more call of each counts the torch
 functions the manager's thread calls (device operations and tensor attribute reads alike), per generated token:
 what recording adds there is what a step replayed as a CUDA graph feels on a GPU, where each launch costs the host
@@ -113,6 +116,27 @@ def _clocked(loops: list[tuple[float, float]]) -> ContextManager:
     return _in_manager_threads(clock)
 
 
+@contextlib.contextmanager
+def _warmups(seconds: list[float], device: torch.device) -> Iterator[None]:
+    """While entered, the wall seconds of each manager's ``warmup`` (generate_batch's, in the calling thread before
+    its loop starts: with CUDA graphs, their capture) are appended to ``seconds``."""
+    warmup = getattr(ContinuousBatchingManager, "warmup", None)
+    if warmup is None:
+        yield
+        return
+
+    def timed_warmup(manager, *args, **kwargs):
+        returned = []
+        seconds.append(timed(lambda: returned.append(warmup(manager, *args, **kwargs)), device))
+        return returned[0]
+
+    ContinuousBatchingManager.warmup = timed_warmup
+    try:
+        yield
+    finally:
+        ContinuousBatchingManager.warmup = warmup
+
+
 def publisher_cpu() -> float | None:
     """CPU seconds of this process's record-pipeline publisher thread so far (None where there is none)."""
     for thread in threading.enumerate():
@@ -145,12 +169,16 @@ def main() -> None:
     switches = {"attached": {}, "attached_ends_wait": {"ENGINE_ENDS_WAIT": True},
                 "attached_other_scoring_thread": {"SCORED_ELSEWHERE": recorder.SCORED_ELSEWHERE ^ {device.type}}}
 
+    warmed: dict[str, float] = {}  # the last call's warmup seconds, per variant
+
     def batch(name: str):
         config = ContinuousBatchingConfig(num_blocks=blocks, use_cuda_graph=args.cuda_graph, use_async_batching=False)
         loops: list[tuple[float, float]] = []
-        with _clocked(loops):
+        warmups: list[float] = []
+        with _clocked(loops), _warmups(warmups, device):
             out = model.generate_batch(prompts, generation_config=greedy, continuous_batching_config=config,
                                        progress_bar=False)
+        warmed[name] = sum(warmups)
         tokens[name] = {key: list(result.generated_tokens) for key, result in out.items()}
         if len(loops) == 1:  # the manager's thread ended with the call
             clocks.setdefault(name, []).append(loops[0])
@@ -188,6 +216,8 @@ def main() -> None:
     variants = {"plain": plain, **{name: functools.partial(attached, name) for name in switches}}
     times: dict[str, list[float]] = {name: [] for name in variants}
     ratios: dict[str, list[float]] = {name: [] for name in switches}
+    warmup_seconds: dict[str, list[float]] = {name: [] for name in variants}
+    after_warmup: dict[str, list[float]] = {name: [] for name in switches}  # the ratios without it
     same: list[bool] = []
     names = list(variants)
     try:
@@ -201,8 +231,11 @@ def main() -> None:
                 if round_:
                     for name, seconds in measured.items():
                         times[name].append(seconds)
+                        warmup_seconds[name].append(warmed[name])
                         if name in ratios:  # throughput: recorded over plain
                             ratios[name].append(measured["plain"] / seconds)
+                            after_warmup[name].append((measured["plain"] - warmed["plain"])
+                                                      / (seconds - warmed[name]))
                 print(f"round {round_}: " + ", ".join(f"{n} {v:.2f}s" for n, v in measured.items()), file=sys.stderr)
         generated = args.requests * args.new
         timed_clocks = {name: values[1:] for name, values in clocks.items()}  # round 0 dropped, as its times
@@ -237,6 +270,10 @@ def main() -> None:
                             "steps_scored_in": sorted(scoring[name]),
                             "paired_throughput_ratios": ratios[name],
                             "throughput_over_plain": statistics.median(ratios[name])} for name in switches},
+        # generate_batch warms each new manager up in every call, plain's and recorded (with CUDA graphs: captures
+        # them); a server's manager does so once: the ratios without it are the steady state's
+        "warmup_median_seconds": {name: statistics.median(values) for name, values in warmup_seconds.items()},
+        "throughput_over_plain_after_warmup": {name: statistics.median(values) for name, values in after_warmup.items()},
         "attached_throughput_over_plain": statistics.median(ratios["attached"]),
         "goal_attached_throughput_over_plain": None if args.smoke else 0.95,
         "every_request_recorded": True,  # checked every round

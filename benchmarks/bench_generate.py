@@ -9,7 +9,8 @@ Model: random-init Llama, hidden 512, 8 layers, vocab 32000 (as benchmarks/bench
 runs the variants back to back in a rotating order and each ratio is taken
 against the plain generate of the same round; the report gives the median of those paired ratios (the machine is
 shared and noisy: medians of separate series swing by 5%). "attached": generate under
-``nxl.attach(layers="all")``, which builds one record per new token (all 9 layers × the whole context);
+``nxl.attach(layers="all")``, which builds one record per new token (all 9 layers × the whole context), timed until
+its records are made (on a GPU the last ones are scored after generate returns);
 "attached_sink": the same, every record also written to a sink file (as ``nxl run --sink`` does): the records go
 through the record pipeline (nxl_hooks.hooks.publish), written by the sink's own thread; each round checks that
 the file holds every record.
@@ -91,9 +92,15 @@ def main() -> None:
 
     reference = plain()
 
+    def recorded(probe) -> None:
+        """The call, then until its records are made: where its steps are scored off the calling thread (on a GPU),
+        its last ones are made after it returns."""
+        model.generate(**generation)
+        probe.calls
+
     def attached():  # attach/detach stay outside the timed region, as in a server loop
         with nxl.attach(model, layers="all") as probe:
-            seconds = timed(lambda: model.generate(**generation), device, args.clock)
+            seconds = timed(lambda: recorded(probe), device, args.clock)
         assert len(probe.steps) == args.new
         return seconds
 
@@ -102,7 +109,7 @@ def main() -> None:
     def attached_sink():
         path = Path(sink_folder.name) / "run.nxl"
         with nxl.attach(model, layers="all", sink=path) as probe:
-            seconds = timed(lambda: model.generate(**generation), device, args.clock)
+            seconds = timed(lambda: recorded(probe), device, args.clock)
         assert len(probe.steps) == args.new and probe.sink_fault is None
         assert len(nxl.read_stream(path)[0].steps) == args.new  # every record on disk once detached
         return seconds

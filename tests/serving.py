@@ -85,16 +85,19 @@ class Server:
         self.process = subprocess.Popen(self.command, env=self.env, stdout=out, stderr=subprocess.STDOUT,
                                         start_new_session=True)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited with {self.process.returncode}: {self.log_text()[-3000:]}")
-            try:
-                if self.get("/health", timeout=2)["status"] == "ok":
-                    return self
-            except OSError:
-                time.sleep(0.25)
-        self.stop()
-        raise TimeoutError(f"the server was not healthy within {timeout} s: {self.log_text()[-3000:]}")
+        try:
+            while time.monotonic() < deadline:
+                if self.process.poll() is not None:
+                    raise RuntimeError(f"the server exited with {self.process.returncode}: {self.log_text()[-3000:]}")
+                try:
+                    if self.get("/health", timeout=2)["status"] == "ok":
+                        return self
+                except OSError:
+                    time.sleep(0.25)
+            raise TimeoutError(f"the server was not healthy within {timeout} s: {self.log_text()[-3000:]}")
+        except BaseException:  # a timeout, or an interrupt while it starts: no `with` stops it then (its own session)
+            self.stop()
+            raise
 
     def log_text(self) -> str:
         return self.log.read_text(errors="replace") if self.log and self.log.exists() else ""

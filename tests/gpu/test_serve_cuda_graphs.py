@@ -30,10 +30,15 @@ def tiny(tmp_path_factory) -> Tiny:
 
 
 def _replies(server: Server) -> dict[str, dict]:
-    with concurrent.futures.ThreadPoolExecutor(len(ASKS)) as pool:
-        futures = {rid: pool.submit(server.chat, content, max_tokens=n, request_id=rid, stream=stream, timeout=300)
+    # within the test's --timeout (gpu.sh: 140 s), and never waiting on a chat once it failed: the server is then
+    # stopped by the test's `with`, not left behind
+    pool = concurrent.futures.ThreadPoolExecutor(len(ASKS))
+    try:
+        futures = {rid: pool.submit(server.chat, content, max_tokens=n, request_id=rid, stream=stream, timeout=100)
                    for rid, content, n, stream in ASKS}
-        return {rid: future.result(timeout=300) for rid, future in futures.items()}
+        return {rid: future.result(timeout=100) for rid, future in futures.items()}
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
 
 
 def test_cuda_graph_serving_under_nxl_run_records_every_request_as_the_oracle(tiny, tmp_path):

@@ -115,6 +115,10 @@ def _batching(report: dict, out: Path) -> None:
         "attached": ["manager"], "attached_ends_wait": ["manager"], "attached_other_scoring_thread": ["publisher"]}
     assert variants["attached_ends_wait"]["switches"] == {"ENGINE_ENDS_WAIT": True}
     assert all(v["throughput_over_plain"] > 0 for v in variants.values())
+    # each call's manager warmup was timed (generate_batch's), and the ratios without it reported per variant
+    assert set(report["warmup_median_seconds"]) == {"plain", *variants}
+    assert all(seconds > 0 for seconds in report["warmup_median_seconds"].values())
+    assert set(report["throughput_over_plain_after_warmup"]) == set(variants)
 
 
 CHECKS = {"bench_forward": _forward, "bench_batching": _batching, "bench_compiled": _compiled, "bench_generate": _generate, "bench_big": _big,
