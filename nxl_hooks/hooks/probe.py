@@ -177,7 +177,10 @@ class Probe:
         last = self._results.last
         if last is None:
             raise RuntimeError("no forward has run under this probe yet (in this thread): call the model inside "
-                               "the `with` block")
+                               "the `with` block. A compiled copy of its forward (torch.compile(model.forward)) "
+                               "skips the hooks where its class's forward was compiled before attaching: assign it "
+                               "(model.forward = torch.compile(model.forward)) or call it under "
+                               "`with torch.compiler.set_stance('force_eager'):`")
         if isinstance(last, BaseException):
             raise last
         return last

@@ -15,6 +15,7 @@ import functools
 import inspect
 import logging
 import threading
+import types
 from typing import Any, Callable
 
 import torch
@@ -28,7 +29,7 @@ from .generate import Generations
 from .guard import Notice, logger, reason
 from .plan import Plan
 from .recording import Recording
-from .traced import TracedForward
+from .traced import Recompiled, TracedForward
 
 __all__ = ["Recorder", "Results"]
 
@@ -90,6 +91,7 @@ class Recorder:
         self._wanted = set(plan.layers)
         # Under torch.compile the hooks only keep what a plain forward saw (graph-safe: no host read, no lock).
         self.plain = TracedForward(functools.partial(embedding_norms, plan))
+        self._recompiled = Recompiled()
 
     # -- per-thread state --------------------------------------------------------------------------------
 
@@ -197,6 +199,7 @@ class Recorder:
             if self._plain_traced():
                 self.plain.task()
             return
+        self._recompiled.check(module)
         _, tasks = self._stacks()
         tasks.append(_Task(in_call=self._run() is not None))
 
@@ -210,6 +213,7 @@ class Recorder:
             return
         task = tasks.pop()
         if task.capture is not None:
+            self.plain.discard()  # a traced forward kept before this one is not the last any more
             self._finish(task.capture, output)
         elif task.in_call:
             run = self._run()
@@ -235,6 +239,7 @@ class Recorder:
             if self._plain_traced():
                 self.plain.begin(self._arguments(args, kwargs))
             return
+        self._recompiled.check(module)
         captures, _ = self._stacks()
         run = self._run()
         captures.append(None)  # replaced below once the inputs are known; a failure or a skipped call leaves None
@@ -349,6 +354,9 @@ class Recorder:
                 run.fail("this call", error)
         elif tasks and not tasks[-1].in_call and tasks[-1].blocks_ran:
             tasks[-1].capture = capture  # assembled when the task model returns, with its own logits
+        elif not tasks:  # the backbone, or the task model's forward, called directly: the head gives its logits
+            self.plain.discard()
+            self._finish(capture, types.SimpleNamespace(logits=None))
         else:
             self._finish(capture, None)
 

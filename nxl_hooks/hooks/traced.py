@@ -19,13 +19,14 @@ serving engine's taps copy each step's rows (:mod:`.engines.buffers`).
 A plain forward traced by torch.compile (the user compiled the model, or its ``forward``, after attaching) is
 recorded from what its traced hooks keep (:class:`TracedForward`), the hidden states as outputs of its graph. Code
 compiled before the hooks existed never calls them: :func:`reset_compiled` makes a forward the user compiled in
-place recompile with them (and without them at detach).
+place recompile with them (and without them at detach), at attach or (:class:`Recompiled`) at its first call.
 """
 
 from __future__ import annotations
 
 import copy
 import types
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -33,7 +34,7 @@ from torch import nn
 
 from .forward import Capture
 
-__all__ = ["TracedForward", "compiled_forward", "eager_twin", "reset_compiled"]
+__all__ = ["Recompiled", "TracedForward", "compiled_forward", "eager_twin", "reset_compiled"]
 
 
 def compiled_forward(*modules: nn.Module) -> bool:
@@ -94,6 +95,10 @@ class TracedForward:
         if self.seen is not None:
             self.seen["hidden"][layer] = hidden.detach()
 
+    def discard(self) -> None:
+        """A later forward ran eagerly: it, not the traced one kept, is the last (of any thread)."""
+        self.seen = None
+
     def take(self) -> tuple[Capture | None, Any] | None:
         """The last traced forward's capture (None: the task model's hooks were traced, its backbone's never ran:
         compiled code from before the hooks) and the task model's output (its logits: None when not seen), once;
@@ -111,6 +116,27 @@ class TracedForward:
                           embed_norm=self._norms(rows) if rows is not None else None,
                           hidden=seen["hidden"], last_hidden=seen.get("last"))
         return capture, types.SimpleNamespace(logits=seen.get("logits"))
+
+
+class Recompiled:
+    """Forwards compiled in place while attached (``model.forward = torch.compile(model.forward)``), each made to
+    recompile once with the hooks, at its first call: dynamo does not guard on a module's hooks, so it would reuse
+    code of the class's forward compiled before they existed (another instance of the class, or this one compiled
+    before and uncompiled again), which never calls them. Asked by the module's own pre-hook, which runs outside
+    its compiled forward. (transformers' own compiled call of ``generate`` shares that code: it recompiles once then,
+    as it would for the user's new compile anyway.)"""
+
+    def __init__(self) -> None:
+        self._done: weakref.WeakSet = weakref.WeakSet()
+
+    def check(self, module: nn.Module) -> None:
+        """Never raises: a forward not recompiled runs without the hooks, and the result says so."""
+        try:
+            if compiled_forward(module) and (forward := vars(module)["forward"]) not in self._done:
+                self._done.add(forward)
+                reset_compiled(module)
+        except Exception:  # noqa: BLE001 - never into the host's forward
+            pass
 
 
 def reset_compiled(*modules: nn.Module) -> None:

@@ -227,6 +227,74 @@ def test_a_model_object_compiled_after_attaching_is_recorded():
     assert torch.equal(traced.target, eager.target) and torch.equal(traced.mask, eager.mask)
 
 
+def test_the_result_is_the_last_forward_whether_it_ran_compiled_or_eagerly():
+    """A forward the user's compiled copy ran is kept until the result is read; an eager forward after it is then the
+    last one, and the other way round."""
+    model = tiny.generating_llama(seed=4)
+    short, long = _prompt(rows=1, length=6)[0], _prompt(rows=1, length=9)[0]
+    with nxl.attach(model, layers="all") as probe:
+        compiled = torch.compile(model.forward, fullgraph=True, backend="eager")
+        compiled(input_ids=short)
+        model(input_ids=long)
+        eager_last = probe.result()
+        model(input_ids=long)
+        compiled(input_ids=short)
+        compiled_last = probe.result()
+    torch.testing.assert_close(eager_last.normxlogit, _plain_oracle(model, long), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(compiled_last.normxlogit, _plain_oracle(model, short), rtol=1e-4, atol=1e-5)
+
+
+def test_a_forward_compiled_while_attached_is_recorded_where_its_class_ran_compiled_before():
+    """Dynamo does not guard on a module's hooks: the code it compiled for the class's forward before attaching (for
+    a plain twin here) never calls them, and would be reused by a compile while attached; that forward recompiles at
+    its first call, tracing the hooks. At detach it recompiles again, and the twin runs without them."""
+    model, twin = tiny.generating_llama(seed=4), tiny.generating_llama(seed=7)
+    ids = _prompt(rows=1)[0]
+    twin.forward = torch.compile(twin.forward, fullgraph=True, backend="eager")
+    plain = twin(input_ids=ids).logits  # compiled without hooks
+    with nxl.attach(model, layers="all") as probe:
+        model.forward = torch.compile(model.forward, fullgraph=True, backend="eager")
+        model(input_ids=ids)
+        result = probe.result()
+    del model.forward  # the oracle runs eagerly
+    torch.testing.assert_close(result.normxlogit, _plain_oracle(model, ids), rtol=1e-4, atol=1e-5)
+    _no_graph_breaks()
+    from nxl_hooks.hooks import traced
+
+    seen, original = [], traced.TracedForward.begin
+    traced.TracedForward.begin = lambda self, arguments: (seen.append(1), original(self, arguments))[1]
+    try:
+        assert torch.equal(twin(input_ids=ids).logits, plain)
+    finally:
+        traced.TracedForward.begin = original
+    assert seen == []  # recompiled at detach: no hook of the probe's in it
+
+
+def test_a_compiled_copy_made_before_attaching_is_named_and_a_forward_called_directly_is_recorded():
+    """A compiled copy of the forward made before attaching runs code that skips the hooks, and no hook of the task
+    model runs (it calls the forward, not the model): result() says what to do. Done (force_eager), its forward runs
+    eagerly, called directly: recorded, as a direct call of the forward or the backbone is, the head giving the
+    logits."""
+    model = tiny.generating_llama(seed=4)
+    ids, short = _prompt(rows=1)[0], _prompt(rows=1, length=4)[0]
+    copy = torch.compile(model.forward, fullgraph=True, backend="eager")
+    copy(input_ids=ids)
+    with nxl.attach(model, layers="all") as probe:
+        copy(input_ids=ids)
+        with pytest.raises(RuntimeError, match="no forward has run.*compiled copy.*force_eager"):
+            probe.result()
+        with torch.compiler.set_stance("force_eager"):
+            copy(input_ids=ids)
+        forced = probe.result()
+        model.forward(input_ids=short)
+        direct = probe.result()
+        model.model(input_ids=ids)
+        backbone = probe.result()
+    torch.testing.assert_close(forced.normxlogit, _plain_oracle(model, ids), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(direct.normxlogit, _plain_oracle(model, short), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(backbone.normxlogit, _plain_oracle(model, ids), rtol=1e-4, atol=1e-5)
+
+
 def test_every_step_of_a_compiled_call_is_scored_with_the_models_own_distribution(monkeypatch):
     """A compiled call's steps are recorded from the model run again over its tokens, with the whole distribution at
     each: contrastive (whose foil is the model's best other output) equals the oracle at every step, not only the
