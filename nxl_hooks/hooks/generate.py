@@ -694,7 +694,8 @@ class Run:
             self._prefix = None
             self._deferred, self._unfed = [], []
             try:
-                self._hub.end(self.call, sequences.cpu() if sequences is not None else None, error,
+                # a copy on the CPU too: the caller may write the tensor generate returned
+                self._hub.end(self.call, sequences.to("cpu", copy=True) if sequences is not None else None, error,
                               wait=ENGINE_ENDS_WAIT or not self._engine)
             except Exception as failure:  # noqa: BLE001 - a failing sink or subscriber never reaches the host
                 self.fail(f"the end of {what}", failure)
@@ -1141,8 +1142,9 @@ class Generations:
         with self.running(run):
             try:
                 out = original(*args, **kwargs)
-            except BaseException:
-                self._end(run, None)
+            except BaseException as error:
+                self._end(run, None, f"generate raised {type(error).__name__}: its records end at the last step "
+                                     "made before")
                 raise
         self._end(run, out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None))
         return out
@@ -1170,6 +1172,6 @@ class Generations:
             self.unrecorded(request_id, "this generate call", error)
             return NOT_RECORDED
 
-    def _end(self, run: Recording, sequences: torch.Tensor | None) -> None:
+    def _end(self, run: Recording, sequences: torch.Tensor | None, error: str | None = None) -> None:
         if isinstance(run, Run):
-            run.finish(sequences)
+            run.finish(sequences, error)

@@ -258,6 +258,7 @@ class Hub:
         self._calls: collections.deque[GenerationCall] = collections.deque(maxlen=keep_calls)
         self._on_step = on_step
         self._sink: RecordSink | None = None if sink is None else make_sink(sink)
+        self._owner = os.getpid()  # the process whose sink it is (see _parents_sink)
         #: why the sink stopped getting records (one line), None while it is healthy or when there is none
         self.sink_fault: str | None = None
         #: step records the sink did not get because it had stopped (or was still behind at detach)
@@ -518,7 +519,8 @@ class Hub:
         self._ended = None  # (a parent's last call is not this process's to wait for)
         self._publisher = threading.Thread(target=self._publish_loop, name="nxl_hooks-publisher", daemon=True)
         self._publisher.start()
-        if self._sink is not None:
+        self._writer = None
+        if self._sink is not None and not self._parents_sink():
             self._writer = threading.Thread(target=self._write_loop, args=(self._frames,),
                                             name="nxl_hooks-sink", daemon=True)
             self._writer.start()
@@ -704,6 +706,7 @@ class Hub:
         if not self._join(self._writer if started else None, DRAIN_SECONDS):
             self._stop_sink(f"it was still writing when the probe detached ({DRAIN_SECONDS:g} s later); the "
                             "records still queued were not written", None)
+            self._abandon_queued()
 
     def _shut(self, why: str) -> None:
         """The publisher's last item: end the running calls and the streams, then the sink."""
@@ -732,6 +735,7 @@ class Hub:
             if isinstance(action, threading.Event):
                 action.set()
             return
+        self._parents_sink()
         with self._lock:
             if self._stopped and not control:
                 self._count(call, step is not None)
@@ -858,6 +862,48 @@ class Hub:
                 return
         if writer is None or not writer.is_alive():
             self._close_sink()
+
+    def _abandon_queued(self) -> None:
+        """The sink thread did not come back from the sink by the detach's deadline: the frames still queued for it
+        are counted (and noted on their calls) as not written now, not when it comes back, which may be never.
+        The close frame goes back in the queue: the thread ends with it, closing the sink, if it ever comes back."""
+        kept = []
+        while True:
+            try:
+                batch = self._frames.get_nowait()
+            except queue.Empty:
+                break
+            for call, action, step in batch:
+                if step is None and action is None:
+                    kept.append((call, action, step))
+                    continue
+                with self._lock:
+                    self._frames_waiting -= 1
+                if isinstance(action, threading.Event):
+                    action.set()
+                else:
+                    self._count(call, step is not None)
+        if kept:
+            self._frames.put(kept)
+
+    def _parents_sink(self) -> bool:
+        """Whether this process forked from the one whose sink it is (the sink's file, its lock, which a thread of
+        the parent may have held at the fork, its buffered rows are the parent's). The child then never touches
+        it, not even to close it: it is stopped here, and the child's frames are counted and noted as not
+        written (its records stay in its memory)."""
+        if self._owner == os.getpid():
+            return False
+        with self._lock:
+            if not self._released:
+                self._released = True
+                if not self._stopped:
+                    self._stopped = True
+                    self.sink_fault = (f"this process ({os.getpid()}) was forked from the one that opened the sink "
+                                       f"({self._owner}): the sink is that process's, so this one's records stay in "
+                                       "its memory; attach a sink of its own in the child")
+                    for each in self._running:
+                        each.notes.append(self._fault_note())
+        return True
 
     def _fault_note(self) -> str:
         return f"not written to the sink, which stopped: {self.sink_fault}"

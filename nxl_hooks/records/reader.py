@@ -391,6 +391,24 @@ def read_stream(path: str | Path, *, request_id: str | None = None, strict: bool
     a device, a socket) is refused before it is opened; Ctrl-C interrupts a long read.
     """
     path = Path(path)
+    for _ in range(_ATTEMPTS):
+        try:
+            return _read_stream(path, request_id=request_id, strict=strict)
+        except _Moved:  # a writer's retention deleted a file after the ones before it were read: read the newest
+            pass
+    raise StreamError(f"{path}: its files were deleted by their writer's retention faster than they could be read; "
+                      "read it again, or copy the folder first")
+
+
+#: How many times a folder is read again when its writer rotates files away under the read.
+_ATTEMPTS = 3
+
+
+class _Moved(Exception):
+    """A rotated file was deleted after the files before it were read."""
+
+
+def _read_stream(path: Path, *, request_id: str | None, strict: bool) -> Stream:
     out, damage = Stream(), None
     for files in _writers(path) if path.is_dir() else [[path]]:
         calls: dict[int, GenerationCall] = {}
@@ -408,7 +426,11 @@ def read_stream(path: str | Path, *, request_id: str | None = None, strict: bool
             except FileNotFoundError:
                 if len(files) > 1 and last is None:  # deleted by the writer's retention while we read
                     continue
+                if len(files) > 1:
+                    raise _Moved() from None
                 raise
+            if name is not None and file is files[-1] and _FILE_MAGIC.startswith(bytes(data)):
+                break  # the writer's newest file, created a moment ago: it holds no record yet
             got, found = _read(data, file, calls, name=name)
             steps, last = steps + got, (name[0] if name else 0, file)
             if found is not None:

@@ -269,6 +269,42 @@ def test_sink_round_trip_and_torn_tail(model, tmp_path):
     assert not torn.complete and len(torn.steps) == 4
 
 
+def test_the_record_keeps_what_generate_returned_when_the_caller_writes_over_it(model, tmp_path):
+    """A caller that reuses generate's output buffer (on the CPU, the record's sequences are no view of it)."""
+    ids = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(10))
+    path = tmp_path / "run.nxl"
+    with nxl.attach(model, layers="all", sink=path) as probe:
+        out = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+        returned = out.clone()
+        out.fill_(7)
+    (call,), (read,) = probe.calls, nxl.read_stream(path)
+    assert torch.equal(call.sequences, returned) and torch.equal(read.sequences, returned)
+    check_call(model, call, 3)
+
+
+def test_a_generate_that_raised_says_so_on_its_record_with_the_steps_made_before(model, tmp_path):
+    ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(10))
+    forwards = []
+
+    def fails_at_the_fourth_forward(module, args, output):
+        forwards.append(1)
+        if len(forwards) == 4:
+            raise ValueError("the host's own failure")
+
+    handle = model.model.layers[0].register_forward_hook(fails_at_the_fourth_forward)
+    path = tmp_path / "run.nxl"
+    try:
+        with nxl.attach(model, layers="all", sink=path) as probe:
+            with pytest.raises(ValueError, match="the host's own failure"):
+                model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+    finally:
+        handle.remove()
+    for call in (probe.calls[0], nxl.read_stream(path)[0]):  # in memory and read back
+        assert not call.complete and call.sequences is None
+        assert call.error == "generate raised ValueError: its records end at the last step made before"
+        assert [step.step for step in call.steps] == [0, 1, 2]  # the tokens of the three forwards that returned
+
+
 _CHILD = textwrap.dedent("""
     import sys, time, torch
     sys.path[:0] = [{tests!r}, {helpers!r}]

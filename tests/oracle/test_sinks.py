@@ -279,6 +279,67 @@ def test_a_full_sink_sets_sink_fault_and_notes_each_call_it_affects(chat, tmp_pa
     assert [r[0] for r in sink.records] == ["call", "step", "close"]  # nothing after the fault; its file released
 
 
+_FORKING = """
+import json, os, sys, time
+sys.path[:0] = sys.argv[3:]
+import torch, tiny, nxl_hooks as nxl
+
+class SlowDisk(nxl.Sink):  # a write takes a while: the fork lands while the sink's thread holds its lock
+    def _append(self, data, frames=1):
+        time.sleep(0.3)
+        return super()._append(data, frames)
+
+kind, where = sys.argv[1], sys.argv[2]
+sink = {"stream": lambda: SlowDisk(where), "rotating": lambda: nxl.RotatingSink(where),
+        "parquet": lambda: "parquet:" + where}[kind]()
+model = tiny.generating_llama(seed=3)
+ids = torch.randint(1, tiny.GEN_VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
+probe = nxl.attach(model, layers="all", sink=sink)
+model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+time.sleep(0.1)
+pid = os.fork()
+if pid == 0:  # the child generates too and detaches; what its probe says goes to stdout
+    model.generate(input_ids=ids, max_new_tokens=2, do_sample=False)
+    probe.detach()
+    print(json.dumps({"fault": probe.sink_fault, "unwritten": probe.unwritten,
+                      "notes": [call.notes for call in probe.calls]}), flush=True)
+    os._exit(0)
+model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+_, status = os.waitpid(pid, 0)
+probe.detach()
+assert status == 0, status
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("kind", ["stream", "rotating", "parquet"])
+def test_a_forked_child_leaves_the_parents_sink_whole_and_says_its_own_records_stay_in_memory(tmp_path, kind):
+    """A host that forks while attached (a pre-fork server, a data loader): the child never writes to, closes or
+    takes the lock of the parent's sink (a stream file's frames would interleave, a Parquet file be finished twice,
+    a lock held by the parent's sink thread at the fork never be released), and says so on its probe."""
+    import tiny
+
+    where = tmp_path / {"stream": "run.nxl", "rotating": "runs", "parquet": "run.parquet"}[kind]
+    tests = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", _FORKING, kind, str(where), str(tests)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    child = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "forked from the one that opened the sink" in child["fault"]
+    assert child["unwritten"] == 2  # the child's own two steps
+    assert any("forked" in note for note in child["notes"][-1])
+    model = tiny.generating_llama(seed=3)
+    if kind == "parquet":  # the parent's two calls, every step, and nothing of the child's
+        rows = _table(where)
+        assert sorted({(call, step) for call, step in zip(rows["call"], rows["step"])}) == [
+            (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+        return
+    stream = nxl.read_stream(where)
+    assert stream.damage is None and [call.index for call in stream] == [0, 1]
+    for call in stream:
+        check_call(model, call, 3)
+
+
 @pytest.mark.parametrize("how", ["read-only", "removed"])
 def test_a_read_only_or_removed_folder_is_a_sink_fault(chat, tmp_path, how):
     _, model, tokenizer = chat

@@ -113,6 +113,39 @@ def test_a_rotated_file_missing_from_the_middle_is_damage(model, tmp_path):
         nxl.read_stream(renamed, strict=True)
 
 
+def test_a_folder_reads_while_its_writer_starts_a_file_or_its_retention_deletes_one(model, tmp_path, monkeypatch):
+    """Read while written: the newest file, just created, holds no magic line yet (or part of it); a file is deleted
+    by the writer's retention after the ones before it were read, so the folder is read again from its oldest kept
+    file. Neither is damage nor an error."""
+    folder = tmp_path / "rot"
+    ids = torch.randint(1, 100, (1, 5), generator=torch.Generator().manual_seed(6))
+    with nxl.attach(model, layers="last", sink=nxl.RotatingSink(folder, max_bytes=1500)):
+        model.generate(input_ids=ids, max_new_tokens=12, do_sample=False)
+    files = sorted(folder.iterdir())
+    number, writer_number = int(files[-1].name[:8]), int(files[-1].name[9:17])
+    starting = folder / f"{number + 1:08d}-{writer_number:08d}.nxl"
+    for started in (b"", writer._FILE_MAGIC[:5]):
+        starting.write_bytes(started)
+        read = nxl.read_stream(folder)
+        assert read.damage is None and [s.step for s in read[0].steps] == list(range(12)) and read[0].complete
+    starting.unlink()
+    real, deleted = reader.read_regular, []
+
+    def retention_meanwhile(path, *args, **kwargs):  # the second file goes, and the first, once the first was read
+        if path == files[1] and not deleted:
+            deleted.extend(files[:2])
+            for old in files[:2]:
+                old.unlink()
+            raise FileNotFoundError(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(reader, "read_regular", retention_meanwhile)
+    (call,) = nxl.read_stream(folder)
+    assert deleted and call.complete  # read again: from the oldest file kept, the call's steps from there on
+    expected = nxl.read_stream(files[2])[0].steps[0].step
+    assert [s.step for s in call.steps] == list(range(expected, 12))
+
+
 def _in_thread(fn) -> BaseException | None:
     """Run ``fn`` in a thread for at most 10 s; the exception it raised (a hang fails the test)."""
     out: list = []
