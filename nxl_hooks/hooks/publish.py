@@ -69,6 +69,7 @@ import torch
 from ..method.registry import DEFAULT
 from ..records.sinks import RecordSink, make_sink
 from ..records.steps import STEP_TENSORS, GenerationCall, Step
+from ..records.writer import PartlyWritten
 from .guard import logger, one_line
 from .subscription import LIVE_QUEUE, Subscription
 
@@ -263,6 +264,7 @@ class Hub:
         self.sink_fault: str | None = None
         #: step records the sink did not get because it had stopped (or was still behind at detach)
         self.unwritten = 0
+        self._lost = 0  # of those, the ones the sink lost after taking them (its ``lost``)
         self._keep = keep_steps
         # Reentrant: a model collected (by a garbage collection any allocation may start) while this thread holds a
         # lock closes its probe's hub from inside that thread.
@@ -703,10 +705,18 @@ class Hub:
         if self._on_thread():  # a garbage collection in the pipeline's own thread: it finishes by itself
             return
         self._join(self._publisher if started else None, FLUSH_SECONDS)
-        if not self._join(self._writer if started else None, DRAIN_SECONDS):
-            self._stop_sink(f"it was still writing when the probe detached ({DRAIN_SECONDS:g} s later); the "
-                            "records still queued were not written", None)
-            self._abandon_queued()
+        if self._join(self._writer if started else None, DRAIN_SECONDS):
+            return
+        with self._lock:
+            closing = self._released  # every frame was written: its thread is in the sink's close
+        if closing:  # (a Parquet file is written there): it is left to finish; a failure there is said then
+            logger.warning("nxl_hooks: the sink %s is still closing %g s after the probe detached; it finishes in "
+                           "its own thread", getattr(self._sink, "path", None) or type(self._sink).__name__,
+                           DRAIN_SECONDS)
+            return
+        self._stop_sink(f"it was still writing when the probe detached ({DRAIN_SECONDS:g} s later); the "
+                        "records still queued were not written", None)
+        self._abandon_queued()
 
     def _shut(self, why: str) -> None:
         """The publisher's last item: end the running calls and the streams, then the sink."""
@@ -813,12 +823,15 @@ class Hub:
             write()
             fault = getattr(sink, "fault", None)  # optional in the protocol: a sink that stopped says why
         except BaseException as error:  # noqa: BLE001 - SystemExit too: a sink never ends the host's call
+            if isinstance(error, PartlyWritten):  # the frames before the failure are on disk
+                steps, error = steps - error.written, error.__cause__ or error
             where = getattr(sink, "path", None) or type(sink).__name__
             logger.warning("nxl_hooks: records sent to the sink %s not written (%s: %s); the model's own call "
                            "is unaffected", where, type(error).__name__, one_line(error))
             fault = f"{type(error).__name__}: {one_line(error)}"
         if fault is not None:
             self._stop_sink(str(fault), call, steps=steps)
+            self._count_lost(sink)
 
     def _close_sink(self) -> None:
         """Close the sink (once), releasing its file."""
@@ -832,6 +845,20 @@ class Hub:
             logger.warning("nxl_hooks: closing the sink failed (%s: %s)", type(error).__name__, one_line(error))
             with self._lock:
                 self.sink_fault = self.sink_fault or f"{type(error).__name__}: {one_line(error)}"
+            self._count_lost(sink)
+
+    def _count_lost(self, sink: RecordSink) -> None:
+        """The step records a failed sink had taken and then lost (its optional ``lost``), counted once as not
+        written and noted on every call kept in memory (which of them it held is the sink's to know)."""
+        lost = getattr(sink, "lost", 0)
+        with self._lock:
+            if not isinstance(lost, int) or lost <= self._lost:
+                return
+            self.unwritten += lost - self._lost
+            self._lost = lost
+            for call in self._calls:
+                if self._fault_note() not in call.notes:
+                    call.notes.append(self._fault_note())
 
     def _count(self, call: GenerationCall | None, steps: int) -> None:
         """A frame the stopped sink did not get (``steps``: the step records it held)."""

@@ -205,6 +205,9 @@ class ParquetSink:
         self._buffered = 0
         self._calls: dict[int, _Context] = {}
         self.rows = 0  #: rows written so far (in row groups or buffered)
+        self._taken = 0  # step records taken by write_step calls that returned
+        #: step records taken before and lost when the sink failed (its file cannot be finished, so it is removed)
+        self.lost = 0
 
     def _open(self, methods: Iterable[str] | None) -> None:
         if self._schema is None:
@@ -228,6 +231,7 @@ class ParquetSink:
         self.rows += count
         if self._buffered >= self._row_group_rows:
             self._failing(self._flush)
+        self._taken += 1
 
     def write_end(self, call: GenerationCall) -> None:
         self._calls.pop(call.index, None)
@@ -266,8 +270,10 @@ class ParquetSink:
             raise
 
     def abandon(self) -> None:
-        """Stop without writing the file: ``out.parquet.partial`` is closed and removed, ``out.parquet`` untouched."""
+        """Stop without writing the file: ``out.parquet.partial`` is closed and removed, ``out.parquet`` untouched;
+        the step records taken so far are :attr:`lost`."""
         writer, self._writer, self._closed = self._writer, None, True
+        self.lost, self._taken = self.lost + self._taken, 0
         with contextlib.suppress(Exception):  # the disk that failed may fail the footer too: the file goes anyway
             if writer is not None:
                 writer.close()

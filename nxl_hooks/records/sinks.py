@@ -36,8 +36,10 @@ class RecordSink(Protocol):
     """A destination of generation records. ``class MySink: def write_call(self, call, meta): ...`` and the rest.
 
     ``fault`` (optional attribute): one line saying why the sink stopped writing (disk full, read-only, folder
-    removed), None while it is healthy. ``write_steps(steps)`` (optional method): several step records at once, in
-    order (the hub hands a backlog over with it; without it, ``write_step`` is called for each).
+    removed), None while it is healthy. ``lost`` (optional attribute): how many step records it had taken from calls
+    that returned and then lost, when it failed (a file that cannot be finished is removed): counted as not written,
+    with the calls' notes. ``write_steps(steps)`` (optional method): several step records at once, in order (the
+    hub hands a backlog over with it; without it, ``write_step`` is called for each).
     """
 
     def write_call(self, call: GenerationCall, meta: dict) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import errno
 import functools
+import itertools
 import json
 import os
 import re
@@ -49,7 +50,7 @@ from safetensors.torch import save as _save_blob
 from .attribution import scores_to_store
 from .steps import STEP_TENSORS, GenerationCall, Step
 
-__all__ = ["RotatingSink", "Sink", "encode_call", "encode_end", "encode_step", "stream_bytes"]
+__all__ = ["PartlyWritten", "RotatingSink", "Sink", "encode_call", "encode_end", "encode_step", "stream_bytes"]
 
 _FILE_MAGIC = b"nxl_hooks.stream/2\n"  # what is written; version 1 (nxl_hooks 0.1, no frame numbers) still reads
 _FRAME = struct.Struct("<4sQI")
@@ -175,6 +176,15 @@ def _write_all(fd: int, data: bytes) -> None:
         view = view[os.write(fd, view):]
 
 
+class PartlyWritten(Exception):
+    """A write of several step frames failed (its ``__cause__``) after the first ``written`` were whole on disk:
+    a full disk takes a write's first bytes, then refuses the rest."""
+
+    def __init__(self, written: int) -> None:
+        super().__init__(f"{written} frame(s) written before the failure")
+        self.written = written
+
+
 #: What a sink writes: a function of the frame's number in its file that returns the frame.
 Frame = Callable[[int], bytes]
 
@@ -196,6 +206,7 @@ class Sink:
         self._lock = threading.Lock()  # calls in several threads share one file: one frame at a time
         self._fd: int | None = _open(self.path, self._mode, follow_symlinks=follow_symlinks)
         self._seq = 0  # the next frame's number in the current file
+        self._reached = 0  # the file offset the last write that failed reached (PartlyWritten)
 
     def _put(self, frame: Frame, *, opens: int | None = None, closes: int | None = None) -> None:
         """Append one frame; ``opens`` / ``closes``: the index of the call it starts or ends."""
@@ -203,9 +214,26 @@ class Sink:
             self._append(frame(self._seq))
 
     def _put_many(self, frames: list[Frame]) -> None:
-        """Append several frames with one write."""
+        """Append several frames with one write; failing, :class:`PartlyWritten` says how many were whole."""
         with self._lock:
-            self._append(b"".join([frame(self._seq + n) for n, frame in enumerate(frames)]), len(frames))
+            self._append_many([frame(self._seq + n) for n, frame in enumerate(frames)])
+
+    def _append_many(self, data: list[bytes]) -> int:
+        """Write frames ``data`` with one write (see :meth:`_append`); failing, :class:`PartlyWritten` says how many
+        were whole. Caller holds the lock."""
+        start = self._offset()
+        try:
+            return self._append(b"".join(data), len(data))
+        except OSError as error:
+            done = self._reached - start if start is not None else 0
+            raise PartlyWritten(sum(1 for end in itertools.accumulate(map(len, data)) if end <= done)) from error
+
+    def _offset(self) -> int | None:
+        """Where the next write lands in the file (None where that cannot be told)."""
+        try:
+            return os.lseek(self._fd, 0, os.SEEK_CUR) if self._fd is not None else None
+        except OSError:
+            return None
 
     def _append(self, data: bytes, frames: int = 1) -> int:
         """Write ``frames`` frames, the first made with number ``self._seq``; their size. Caller holds the lock."""
@@ -219,6 +247,7 @@ class Sink:
         except OSError:
             # A full disk (or an I/O error): the probe drops this sink (its fault), so nothing writes here again;
             # the descriptor goes now, or the file system could not be unmounted while the host runs.
+            self._reached = self._offset() or 0
             os.close(self._fd)
             self._fd = None
             raise
@@ -337,13 +366,16 @@ class RotatingSink(Sink):
             data = [frame(self._seq + n) for n, frame in enumerate(frames)]
             size = sum(map(len, data))
             if self._fd is not None and self._size + size <= self.max_bytes:
-                self._size += self._append(b"".join(data), len(data))
+                self._size += self._append_many(data)
                 self._records += len(data)
                 if self._records == len(data):  # the first records of this file (see _put)
                     self._prune()
                 return
-        for frame in frames:
-            self._put(frame)
+        for written, frame in enumerate(frames):
+            try:
+                self._put(frame)
+            except Exception as error:  # the frames before it are on disk
+                raise PartlyWritten(written) from error
 
     def _rotate(self) -> None:
         # caller holds the lock

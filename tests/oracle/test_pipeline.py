@@ -111,6 +111,47 @@ def test_a_blocked_sink_never_stalls_generate_nor_detach(model, monkeypatch):
     check_call(model, probe.calls[0], 6)
 
 
+class _SlowClose:
+    """A sink that writes its file at close (as Parquet does), taking longer than the detach waits; ``fails``: and
+    then fails there, losing the step records it took (its ``lost``)."""
+
+    def __init__(self, fails: bool) -> None:
+        self.fails, self.steps, self.lost, self.closed = fails, 0, 0, threading.Event()
+
+    def write_call(self, call, meta):
+        pass
+
+    def write_step(self, step):
+        self.steps += 1
+
+    def write_end(self, call):
+        pass
+
+    def close(self):
+        time.sleep(1.0)
+        self.closed.set()
+        if self.fails:
+            self.lost = self.steps
+            raise OSError(28, "No space left on device")
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["finishes", "fails"])
+def test_a_sink_still_closing_after_the_detach_is_said_as_what_becomes_of_it(model, monkeypatch, fails):
+    """Every frame was written: the sink is not said to have lost records for closing slowly; if its close then
+    fails, the records it had taken and lost are counted and said on the call."""
+    monkeypatch.setattr(publish, "DRAIN_SECONDS", 0.3)
+    sink = _SlowClose(fails)
+    with nxl.attach(model, sink=sink) as probe:
+        model.generate(input_ids=_ids(2), max_new_tokens=4, do_sample=False)
+    assert not sink.closed.is_set() and probe.sink_fault is None and probe.unwritten == 0
+    assert probe.flush(timeout=60) and sink.closed.is_set() and sink.steps == 4
+    if fails:
+        assert probe.sink_fault == "OSError: [Errno 28] No space left on device" and probe.unwritten == 4
+        assert probe.calls[0].notes == [f"not written to the sink, which stopped: {probe.sink_fault}"]
+    else:
+        assert probe.sink_fault is None and probe.unwritten == 0 and probe.calls[0].notes == []
+
+
 def test_a_sink_that_falls_behind_is_stopped(model, monkeypatch):
     monkeypatch.setattr(publish, "SINK_QUEUE", 2)
     sink = _Blocking()

@@ -415,7 +415,7 @@ with nxl.attach(model, tokenizer=tok, sink=spec) as probe:
     probe.flush()  # the sink has written (or failed on) every record made so far; the probe is still attached
     attached = open_on(watched)
 print(json.dumps({"fault": probe.sink_fault, "attached": attached, "detached": open_on(watched),
-                  "steps": len(probe.calls[0].steps)}))
+                  "steps": len(probe.calls[0].steps), "unwritten": probe.unwritten, "notes": probe.calls[0].notes}))
 '''
 
 
@@ -439,6 +439,7 @@ def test_a_stream_sink_on_a_full_disk_closes_its_file(chat, tmp_path):
     assert found["steps"] == 12
     (call,) = nxl.read_stream(stream)
     assert 0 < len(call.steps) < 12 and not call.complete
+    assert found["unwritten"] == 12 - len(call.steps)  # what is not on disk, no more
 
 
 @pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="reads the child's descriptors in /proc")
@@ -448,6 +449,8 @@ def test_a_live_parquet_sink_on_a_full_disk_leaves_no_partial_file(chat, tmp_pat
     assert found["fault"] is not None and "File too large" in found["fault"], found
     assert found["detached"] == [] and found["steps"] == 12
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # neither live.parquet nor live.parquet.partial
+    # every step it had taken went with the removed file: all counted and said, whenever the write failed
+    assert found["unwritten"] == 12 and found["notes"] == [f"not written to the sink, which stopped: {found['fault']}"]
 
 
 def _limited(limit: int):
