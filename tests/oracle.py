@@ -41,8 +41,9 @@ def rms_norm(module: torch.nn.Module, *, one_plus: bool = False) -> Fn:
         eps = getattr(module, "variance_epsilon", getattr(module, "eps", 1e-6))
         x = h.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-        weight = module.weight.float()
-        return (x * ((1.0 + weight) if one_plus else weight)).to(h.dtype)
+        if one_plus:  # Gemma: the weight in float32, then the input's dtype
+            return (x * (1.0 + module.weight.float())).to(h.dtype)
+        return module.weight * x.to(h.dtype)  # Llama: the input's dtype first, then the weight in it
 
     return apply
 
@@ -195,8 +196,9 @@ def bert_classifier(model) -> HandHead:
 
 def _prediction_head(predictions) -> Fn:
     # BERT / legacy DeBERTa MLM: transform (dense, gelu, LayerNorm), then the decoder.
-    transform = predictions.transform
-    return then(linear(transform.dense), _gelu, layer_norm(transform.LayerNorm), linear(predictions.decoder))
+    transform = predictions.transform  # (its activation is the config's hidden_act)
+    return then(linear(transform.dense), transform.transform_act_fn, layer_norm(transform.LayerNorm),
+                linear(predictions.decoder))
 
 
 def bert_lm(model) -> HandHead:

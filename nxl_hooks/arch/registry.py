@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -39,6 +40,7 @@ __all__ = [
     "blocks",
     "get_path",
     "head_kind",
+    "is_discovered",
     "is_shipped",
     "readout_outputs",
     "split_post_steps",
@@ -54,7 +56,8 @@ __all__ = [
 # Config values that some *ForCausalLM apply to the logits after lm_head. Their meaning varies by family
 # (HyperCLOVA X multiplies by logits_scaling, Granite divides by it), so discovery refuses such a model
 # rather than give numbers that miss the model's own logits; a registry entry names the step.
-_LOGIT_POST_ATTRIBUTES = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier")
+_LOGIT_POST_ATTRIBUTES = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier",
+                          "logits_mup_width_multiplier")
 
 _DISCOVERED = "generic discovery"
 
@@ -125,9 +128,15 @@ def _load_builtin() -> None:
 
 
 def is_shipped(spec: ArchSpec) -> bool:
-    """Whether ``spec`` is one of the shipped ``registry/*.toml`` entries or generic discovery (both tested per
-    family), not a user's registration: ``is_shipped(specs()["llama"])``."""
-    return id(spec) in _SHIPPED or spec.source == _DISCOVERED
+    """Whether ``spec`` is one of the shipped ``registry/*.toml`` entries (tested per family), not a user's
+    registration nor generic discovery: ``is_shipped(specs()["llama"])``."""
+    return id(spec) in _SHIPPED
+
+
+def is_discovered(spec: ArchSpec) -> bool:
+    """Whether ``spec`` is generic discovery's guess of a model's layout (checked against the model's own logits
+    at its first attach, as a user's entry is): ``is_discovered(spec)``."""
+    return spec.source == _DISCOVERED
 
 
 def specs() -> dict[str, ArchSpec]:
@@ -166,13 +175,19 @@ def _discover(model: nn.Module, kind: HeadKind) -> ArchSpec | None:
     head_name = {"causal_lm": "lm_head", "sequence_classification": "score"}.get(kind)
     if blocks is None or not isinstance(getattr(model, head_name or "", None), nn.Linear):
         return None
-    return ArchSpec(
-        name=f"discovered:{config.model_type}",
-        model_types=(config.model_type,),
-        blocks=blocks,
-        heads={kind: (norm[0], head_name)},
-        source=_DISCOVERED,
-    )
+    key = (config.model_type, kind, blocks, norm[0], head_name)
+    with _discovered_lock:  # one spec per layout: checked once against the model (method.verify), as an entry is
+        return _DISCOVERED_SPECS.setdefault(key, ArchSpec(
+            name=f"discovered:{config.model_type}",
+            model_types=(config.model_type,),
+            blocks=blocks,
+            heads={kind: (norm[0], head_name)},
+            source=_DISCOVERED,
+        ))
+
+
+_DISCOVERED_SPECS: dict[tuple, ArchSpec] = {}
+_discovered_lock = threading.Lock()
 
 
 def _from_plugin(model_type: str) -> ArchSpec | None:

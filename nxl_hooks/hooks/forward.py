@@ -43,8 +43,8 @@ def embedding_norms(plan: Plan, rows: torch.Tensor) -> torch.Tensor:
         return torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float32)
     scale = getattr(plan.model.get_input_embeddings(), "embed_scale", None)
     rows = rows.detach().float()
-    if scale is not None:
-        rows = rows / scale.to(rows.device).float()
+    if scale is not None:  # a buffer (Gemma) or a float (XGLM, BioGPT, BART)
+        rows = rows / torch.as_tensor(scale, dtype=torch.float32, device=rows.device)
     return torch.linalg.vector_norm(rows, dim=-1)
 
 

@@ -47,9 +47,12 @@ def _activation(config, attribute: str) -> Callable[[torch.Tensor], torch.Tensor
 
 @dataclass(frozen=True)
 class _RmsFold:
-    """An RMS norm ``g ⊙ h · rsqrt(mean(h²) + eps)`` (float32), to be folded into the readout's rows."""
+    """An RMS norm ``g ⊙ h · rsqrt(mean(h²) + eps)`` (float32), to be folded into the readout's rows; ``g`` is its
+    weight plus ``offset`` (Gemma's 1 + w), read from the weight at each use (a weight trained or loaded while
+    attached is the one applied)."""
 
-    gain: torch.Tensor  #: (d,) float32: the effective weight (Gemma's 1 + w included)
+    module: nn.Module  #: the norm, whose ``weight`` (d,) float32 is read at each use
+    offset: float  #: 0, or 1 for a norm that scales by 1 + w
     eps: float
 
     @classmethod
@@ -64,16 +67,39 @@ class _RmsFold:
         d, device = weight.shape[0], weight.device
         with torch.no_grad():
             gain = module(torch.ones(1, d, device=device))[0] * math.sqrt(1.0 + eps)  # mean(1²) = 1
-            probe = torch.randn(8, d, generator=torch.Generator().manual_seed(0)).to(device) * 3.0
-            folded = probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + eps) * gain
-            if gain.dtype != torch.float32 or not torch.allclose(module(probe), folded, rtol=1e-5, atol=1e-6):
+            offset = next((offset for offset in (0.0, 1.0)
+                           if torch.allclose(gain, weight + offset, rtol=1e-5, atol=1e-6)), None)
+            if offset is None:
                 return None
-        return cls(gain=gain.detach(), eps=float(eps))
+            fold = cls(module=module, offset=offset, eps=float(eps))
+            probe = torch.randn(8, d, generator=torch.Generator().manual_seed(0)).to(device) * 3.0
+            folded = probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + eps) * fold.gain
+            if not torch.allclose(module(probe), folded, rtol=1e-5, atol=1e-6):
+                return None
+        return fold
+
+    @property
+    def gain(self) -> torch.Tensor:
+        """The effective weight ``g`` (d,), as the norm's weight holds it now."""
+        weight = self.module.weight.detach()
+        return weight + self.offset if self.offset else weight
 
     def scale(self, hidden: torch.Tensor) -> torch.Tensor:
         """rsqrt(mean(h²) + eps) per position: (..., 1)."""
         norm = torch.linalg.vector_norm(hidden, dim=-1, keepdim=True, dtype=torch.float32)
         return torch.rsqrt(norm.square() / hidden.shape[-1] + self.eps)
+
+
+def _weights_state(module: nn.Module) -> tuple:
+    """What changes when ``module``'s weights do (trained, loaded while attached): each one's identity and version
+    (inference tensors keep no version: their identity alone)."""
+    state = []
+    for parameter in module.parameters():
+        try:
+            state.append((id(parameter), parameter._version))
+        except RuntimeError:
+            state.append((id(parameter), None))
+    return tuple(state)
 
 
 class Head:
@@ -110,7 +136,7 @@ class Head:
             raise ValueError(f"spec {spec.name!r}: the last head step must be a module (the readout), got {readout}")
         self._steps = steps
         self._where = {index: DeviceOf(step) for index, step in enumerate(steps) if isinstance(step, nn.Module)}
-        self._replicas: dict[tuple[int, torch.device], nn.Module] = {}
+        self._replicas: dict[tuple[int, torch.device], tuple[nn.Module, tuple]] = {}
         self._lock = threading.Lock()  # replicas are made once per device; offloaded weights are loaded one at a time
         self.readout = readout
         self.n_outputs = self._count_outputs(readout)
@@ -146,15 +172,19 @@ class Head:
 
     def _step_on(self, index: int, step: nn.Module, device: torch.device) -> nn.Module:
         """For a ``step`` that computes elsewhere than ``device``: a local copy when it is plain (a norm's weights
-        cross devices once instead of every hidden state), else ``step`` (quantized, adapter: inputs go to it)."""
+        cross devices once instead of every hidden state, and again when they change), else ``step`` (quantized,
+        adapter: inputs go to it)."""
         if not (plain(step) and all(readable(sub) for sub in step.modules())):
             return step
         key = (index, device)
-        if key not in self._replicas:
+        state = _weights_state(step)
+        made = self._replicas.get(key)
+        if made is None or made[1] != state:
             with self._lock:
-                if key not in self._replicas:
-                    self._replicas[key] = replica(step, device)
-        return self._replicas[key]
+                made = self._replicas.get(key)
+                if made is None or made[1] != state:
+                    made = self._replicas[key] = (replica(step, device), state)
+        return made[0]
 
     def features(self, hidden: torch.Tensor) -> torch.Tensor:
         """Everything before the readout (final norm, pooler transform...), applied to every position.

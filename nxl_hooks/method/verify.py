@@ -5,9 +5,10 @@ recorded with it, so an entry that gives wrong numbers is refused rather than re
 
 On a small random input (one row of 6 tokens, no pad token) the model runs once with a forward hook on every
 block: each block must run exactly once, and the head-on-top the entry describes (:class:`~.head.Head`, applied to
-the last block's raw output) must equal the model's own logits. The shipped ``registry/*.toml`` entries and generic
-discovery are tested per family against a hand-written oracle (tests/oracle.py) and are not run here, so attach
-stays cheap for them; a user's entry is run at its first attach per model class and head kind.
+the last block's raw output) must equal the model's own logits. The shipped ``registry/*.toml`` entries are tested
+per family against a hand-written oracle (tests/oracle.py) and are not run here, so attach stays cheap for them; a
+user's entry, and generic discovery's guess for a model no entry names (a new family may scale its logits in a way
+no config value tells), are run at their first attach per model class and head kind.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import threading
 import torch
 from torch import nn
 
-from ..arch.registry import ArchSpec, HeadKind, RegistryError, is_shipped, spec_head, split_post_steps
+from ..arch.registry import (ArchSpec, HeadKind, RegistryError, UnknownArchitectureError, is_discovered, is_shipped,
+                             spec_head, split_post_steps)
 from .head import Head
 
 __all__ = ["check_numbers"]
@@ -89,7 +91,17 @@ def check_numbers(model: nn.Module, spec: ArchSpec, kind: str, head: Head, block
             handle.remove()
         for module, mode in training.items():
             module.training = mode
-    _compare(model, spec, kind, head, counts, last[0], getattr(output, "logits", None))
+    try:
+        _compare(model, spec, kind, head, counts, last[0], getattr(output, "logits", None))
+    except RegistryError as error:
+        if not is_discovered(spec):
+            raise
+        found = str(error).split(": ", 1)[-1]
+        raise UnknownArchitectureError(
+            f"model_type {model.config.model_type!r} ({type(model).__name__}) is not supported: generic discovery's "
+            f"guess of its layout does not reproduce its own numbers ({found}). Register it with "
+            f"nxl.register_architecture({model.config.model_type!r}, blocks=..., heads=...) naming its head-on-top "
+            "step by step, or add a registry/*.toml entry (see docs/adding-an-architecture.md)") from None
     with _lock:
         _kept[id(spec)] = spec
         _checked.add(key)

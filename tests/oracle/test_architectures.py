@@ -18,7 +18,7 @@ import transformers as tf
 import nxl_hooks as nxl
 from nxl_hooks.arch import registry
 import oracle
-from tiny import word_tokenizer
+from tiny import nxl_hooks_on, word_tokenizer
 
 VOCAB, PAD, MASK = 64, 0, 4
 _SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -203,11 +203,12 @@ def _own_logits(out, kind: str, examples, positions) -> torch.Tensor:
     return out.logits[examples, positions]
 
 
-def _check_against_oracle(case: Case, model) -> nxl.Attribution:
-    """Rows, positions, pad mask, every layer and the l = L parity of one padded batch, predicted target."""
+def _check_against_oracle(case: Case, model, ran: tuple | None = None) -> nxl.Attribution:
+    """Rows, positions, pad mask, every layer and the l = L parity of one padded batch, predicted target; ``ran``:
+    that batch's (result, output with hidden states) recorded already."""
     kind = _kind(model)
     ids, mask = _batch(case, kind)
-    res, out = _run(model, ids, mask, tokenizer=TOK)
+    res, out = ran or _run(model, ids, mask, tokenizer=TOK)
     assert res.meta["head_kind"] == kind
 
     examples, positions = _expected_rows(case, kind, ids, mask)
@@ -312,6 +313,24 @@ def test_layer_subsets(case_id):
         torch.testing.assert_close(res.logat, logat[expected], **_TOL)
 
 
+@pytest.mark.parametrize("case_id", ["llama-lm", "gemma-lm"])
+def test_weights_changed_while_attached_are_the_ones_applied(case_id: str):
+    """A training loop that stays attached: the final norm (folded into the readout's rows: Gemma's as 1 + w) and
+    the readout are read as they are at each forward, not as they were at attach."""
+    case = CASES[case_id]
+    model = case.build()
+    ids, mask = _batch(case, "causal_lm")
+    with torch.no_grad(), nxl.attach(model, tokenizer=TOK) as probe:
+        model(input_ids=ids, attention_mask=mask)
+        before = probe.result()
+        model.model.norm.weight.mul_(2.0).add_(0.25)  # a step of an optimizer, in place
+        model.lm_head.weight.mul_(0.5)
+        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        after = probe.result()
+    assert not torch.allclose(before.logat, after.logat)
+    _check_against_oracle(case, model, (after, out))
+
+
 # -- generic discovery and registering an architecture ------------------------------------------------------
 
 
@@ -384,6 +403,41 @@ def test_logit_post_processing_blocks_discovery(private_registry):
     nxl.register_architecture("vaultgemma", blocks="model.layers",
                               heads={"causal_lm": ["model.norm", "lm_head", "softcap:final_logit_softcapping"]})
     _check_against_oracle(case, model)
+
+
+class ScaledOlmoForCausalLM(tf.OlmoForCausalLM):
+    """A family that scales its logits by a factor no config value names (Inkling divides by a muP multiplier)."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 3.0
+        return out
+
+
+def test_discovery_whose_head_misses_the_models_own_logits_refuses_and_says_how_to_register(private_registry):
+    """Generic discovery's guess (final norm, then lm_head) is checked once against the model's own logits: a model
+    that computes them otherwise is refused with one line, not recorded with numbers off by its factor."""
+    model = Case(_cfg(tf.OlmoConfig, **_GQA), ScaledOlmoForCausalLM, oracle.olmo).build()
+    with pytest.raises(nxl.UnknownArchitectureError, match=r"model_type 'olmo' \(ScaledOlmoForCausalLM\) is not "
+                       r"supported: generic discovery's guess .* differ from ScaledOlmoForCausalLM's own .*"
+                       r"nxl\.register_architecture\('olmo'"):
+        nxl.attach(model)
+    assert not nxl_hooks_on(model)  # nothing left on the model
+
+
+def test_a_word_embedding_scaled_by_a_float_is_read_unscaled(private_registry):
+    """XGLM (as BioGPT and BART) keeps its embedding scale as a float, not a buffer (Gemma): ‖x_i⁰‖₂ is the raw row's
+    norm either way."""
+    nxl.register_architecture("xglm", blocks="model.layers", heads={"causal_lm": ["model.layer_norm", "lm_head"]})
+    torch.manual_seed(0)
+    model = tf.XGLMForCausalLM(tf.XGLMConfig(vocab_size=VOCAB, d_model=32, num_layers=2, attention_heads=4,
+                                             ffn_dim=64, pad_token_id=PAD, scale_embedding=True)).eval()
+    embedding = model.get_input_embeddings()
+    assert isinstance(embedding.embed_scale, float) and embedding.embed_scale > 1
+    ids = torch.randint(len(_SPECIAL), VOCAB, (1, 6), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad(), nxl.attach(model, embedding="word") as probe:
+        model(input_ids=ids)
+    torch.testing.assert_close(probe.result().embed_norm[0], embedding.weight[ids[0]].detach().norm(dim=-1))
 
 
 def test_backbone_bypassed_says_what_to_set(private_registry):
