@@ -61,21 +61,57 @@ def _memory_map(value: Any) -> dict[Any, Any]:
             for device, size in value.items()}
 
 
+#: device_map values that name a strategy (accelerate's), or a place that is no device
+_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
+_PLACES = ("disk", "meta")
+
+
 def read_device_map(text: str) -> Any:
     """``auto`` | ``balanced`` | ``sequential`` | ``cpu`` | ``cuda:0`` | a JSON object ``{module: device}``."""
     if not text.startswith("{"):
-        return text
+        return _present(text)
     try:
-        return json.loads(text)
+        value = json.loads(text)
     except json.JSONDecodeError as error:
         raise ValueError(f"{text!r} is not valid JSON: {error}") from None
+    return _placement(value)
 
 
 def _placement(value: Any) -> Any:
     """A device_map that is not text (a mapping, a device number, a torch.device): from_pretrained reads it."""
     if isinstance(value, (bool, list, tuple, float)):
         raise ValueError(f"{value!r:.80}: give auto, a device, or a mapping {{module: device}}")
-    return dict(value) if isinstance(value, Mapping) else value
+    if isinstance(value, Mapping):
+        for device in value.values():
+            _present(device)
+        return dict(value)
+    return _present(value)
+
+
+def _present(device: Any) -> Any:
+    """``device`` (a strategy, a device name or number), checked to be one this machine has: a typo or a GPU that
+    is not there is one line now, not a traceback from the load."""
+    import torch
+
+    if isinstance(device, str) and device in _STRATEGIES + _PLACES or isinstance(device, bool):
+        return device
+    if isinstance(device, int):  # the accelerator's device number (accelerate's reading)
+        kind, index, count = "accelerator", device, torch.accelerator.device_count()
+    else:
+        try:
+            where = torch.device(device)
+        except (RuntimeError, TypeError, ValueError):
+            raise ValueError(f"{device!r:.80} is no device: give auto, balanced, sequential, cpu, disk, a device "
+                             "such as cuda:0 or its number") from None
+        if where.type in ("cpu", "meta"):
+            return device
+        module = getattr(torch, where.type, None)
+        kind, index = where.type, where.index or 0
+        count = module.device_count() if hasattr(module, "device_count") else 0
+    if index < 0 or index >= count:
+        have = f"{count} {kind} device(s)" if count else f"no {kind} device"
+        raise ValueError(f"{device!r:.80}: this machine has {have}; give auto, cpu, or a device it has")
+    return device
 
 
 def _dtype(value: Any) -> Any:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import functools
+import math
 from pathlib import Path
 from typing import Any, Callable
 
 from ..method import select
 from ..method.registry import get_method
+from ..records.files import unwritable
 from ..records.tokens import visible
 from .loading_options import HEAD_CLASSES, Loading, read_max_memory
 from .schema import add_options, options
@@ -35,6 +37,8 @@ __all__ = [
     "parse_max_memory",
     "parse_target",
     "positive_int",
+    "positive_seconds",
+    "seconds",
 ]
 
 HEADS = tuple(HEAD_CLASSES)  #: --head: when config.architectures does not say
@@ -60,6 +64,9 @@ def check_output_file(path: str | None, option: str) -> None:
     target = Path(path).expanduser()
     if target.is_dir():
         raise CliError(f"{option} {path} is a folder, not a file: give a file name (a file in it, or elsewhere)")
+    why = unwritable(target)
+    if why is not None:
+        raise CliError(f"{option} {why}")
     folder = target.parent
     if not folder.is_dir():
         what = "is a file, not a folder" if folder.exists() else "does not exist"
@@ -67,7 +74,10 @@ def check_output_file(path: str | None, option: str) -> None:
 
 
 def check_output_folder(path: str, option: str = "--out") -> None:
-    """A :class:`CliError` when ``path`` cannot be an output folder: it, or a folder above it, is a file."""
+    """A :class:`CliError` when ``path`` cannot be an output folder: it is empty, or it or a folder above it is a
+    file."""
+    if not path.strip():
+        raise CliError(f"{option} is empty: give a folder (it is created when missing)")
     target = Path(path).expanduser()
     for where in (target, *target.parents):
         if where.exists():
@@ -86,6 +96,23 @@ def positive_int(value: str) -> int:
     if number < 1:
         raise argparse.ArgumentTypeError(f"{value!r}: give a whole number of at least 1")
     return number
+
+
+def seconds(value: str, *, least: float = 0.0) -> float:
+    """A finite number of seconds of at least ``least`` (``--timeout``, ``--wait``)."""
+    try:
+        number = float(value)
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number) or number < least:
+        at_least = "more than 0" if least > 0 else "0 or more"
+        raise argparse.ArgumentTypeError(f"{value!r}: give a number of seconds, {at_least}")
+    return number
+
+
+def positive_seconds(value: str) -> float:
+    """:func:`seconds` of more than 0."""
+    return seconds(value, least=math.ulp(0.0))
 
 
 def argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:

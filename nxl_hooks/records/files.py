@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-__all__ = ["CHUNK", "read_regular", "replacing", "write_bytes", "write_text"]
+__all__ = ["CHUNK", "read_regular", "replacing", "unwritable", "write_bytes", "write_text"]
 
 #: Bytes per read (and per checksum) of a user file: Ctrl-C is seen between two chunks, never after a huge one.
 CHUNK = 8 << 20
@@ -32,6 +32,9 @@ def replacing(path: str | Path, *, durable: bool = True) -> Iterator[BinaryIO]:
     of the old one. The new file keeps the old one's permissions (0644 for a new file).
     """
     path = Path(path)
+    why = unwritable(path)
+    if why is not None:
+        raise ValueError(why)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -49,6 +52,20 @@ def replacing(path: str | Path, *, durable: bool = True) -> Iterator[BinaryIO]:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def unwritable(path: str | Path) -> str | None:
+    """Why a result cannot replace ``path`` (one line), or None: what is there must be a regular file, not a
+    symbolic link (the rename would put a file in its place: ``/dev/null``, a FIFO, a link planted where results go)
+    nor anything else."""
+    try:
+        mode = os.lstat(path).st_mode
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    kind = _kind(mode)
+    if not kind:
+        return None
+    return f"{path} is {kind}, not a regular file: nxl_hooks writes results only as regular files; give another path"
 
 
 def write_bytes(path: str | Path, data: bytes) -> Path:

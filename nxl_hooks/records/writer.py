@@ -48,6 +48,7 @@ import torch
 from safetensors.torch import save as _save_blob
 
 from .attribution import scores_to_store
+from .files import _kind
 from .steps import STEP_TENSORS, GenerationCall, Step
 
 __all__ = ["PartlyWritten", "RotatingSink", "Sink", "encode_call", "encode_end", "encode_step", "stream_bytes"]
@@ -146,14 +147,25 @@ def stream_bytes(call: GenerationCall, meta: dict) -> bytes:
 def _open(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
     """A new (or truncated) stream file holding only the file magic. A symbolic link is refused (ValueError) unless
     ``follow_symlinks``: O_NOFOLLOW makes the check and the open one step, with no window to swap a link in."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | (0 if follow_symlinks else os.O_NOFOLLOW)
+    # non-blocking: a FIFO without a reader is refused at once, not waited on (its open would block the host)
+    flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_NONBLOCK
+             | (0 if follow_symlinks else os.O_NOFOLLOW))
     try:
         fd = os.open(path, flags, mode)
     except OSError as err:
         if err.errno == errno.ELOOP and not follow_symlinks:
             raise ValueError(f"{path} is a symbolic link: nxl_hooks does not write a stream through a link unless "
                              "told to; give the real path, or Sink(path, follow_symlinks=True)") from None
+        if err.errno == errno.ENXIO:
+            raise ValueError(f"{path} is a FIFO (named pipe), not a regular file: nxl_hooks writes a stream only "
+                             "to a regular file; give another path") from None
         raise
+    kind = _kind(os.fstat(fd).st_mode)
+    if kind:  # a FIFO with a reader, a device: the records go to a file, whole frames that read back
+        os.close(fd)
+        raise ValueError(f"{path} is {kind}, not a regular file: nxl_hooks writes a stream only to a regular file; "
+                         "give another path")
+    os.set_blocking(fd, True)
     try:
         _write_all(fd, _FILE_MAGIC)
     except BaseException:

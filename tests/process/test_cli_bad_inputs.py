@@ -9,6 +9,7 @@ docs/testing.md against both.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 from pathlib import Path
@@ -34,6 +35,18 @@ CASES = [
     ("html is a folder", ["attribute", "{bert}", TEXT, "--html", "{outdir}"], r"--html .*/outdir is a folder"),
     ("out below a file", ["attribute", "{bert}", TEXT, "--out", "{existing_html}/a.safetensors"],
      r"the folder .*existing.html is a file, not a folder"),
+    ("out is a FIFO", ["attribute", "{bert}", TEXT, "--out", "{fifo}"],
+     r"--out .*/fifo is a FIFO \(named pipe\), not a regular file: nxl_hooks writes results only as regular files"),
+    ("html is a symbolic link", ["attribute", "{bert}", TEXT, "--html", "{link}"],
+     r"--html .*/link is a symbolic link, not a regular file"),
+    ("generated stream to a FIFO", ["attribute", "{llama}", TEXT, "--generate", "2", "--out", "{fifo}"],
+     r"--out .*/fifo is a FIFO"),
+    ("out and html one file", ["attribute", "{bert}", TEXT, "--out", "{root}/same.x", "--html", "{root}/same.x"],
+     r"--out and --html both name .*same.x: the page would replace the scores; give two paths"),
+    ("device map on a GPU not there", ["attribute", "{bert}", TEXT, "--device-map", "cuda:99"],
+     r"--device-map: 'cuda:99': this machine has (no cuda device|\d+ cuda device\(s\)); give auto, cpu"),
+    ("device map of no device", ["attribute", "{bert}", TEXT, "--device-map", '{{"": "nope"}}'],
+     r"'nope' is no device: give auto, balanced, sequential, cpu, disk"),
     # attribute: the model folder
     ("truncated weights", ["attribute", "{truncated}", TEXT, "--out", "{existing_st}"],
      r"truncated/model.safetensors is damaged \(.*incomplete metadata.*\): it is truncated or not a safetensors"),
@@ -100,6 +113,7 @@ CASES = [
      r"truncated/model.safetensors is damaged"),
     ("evaluate limit 0", ["evaluate", "{bert}", "{data}", "--out", "{outdir}", "--limit", "0"],
      r"argument --limit: '0': give a whole number of at least 1"),
+    ("evaluate out empty", ["evaluate", "{bert}", "{data}", "--out", ""], r"--out is empty: give a folder"),
     # audit
     ("audit without a candidate", ["audit", "--reference", "{bert}", "{data}", "--out", "{outdir}"],
      r"give exactly one of --candidate MODEL or --quantize"),
@@ -111,6 +125,8 @@ CASES = [
                                    "{outdir}", "--layers", "9"], LAYERS),
     ("audit out is a file", ["audit", "--reference", "{bert}", "--candidate", "{bert}", "{data}", "--out",
                              "{existing_html}"], r"existing.html is a file, not a folder"),
+    ("audit out empty", ["audit", "--reference", "{bert}", "--candidate", "{bert}", "{data}", "--out", ""],
+     r"--out is empty: give a folder"),
     ("audit csv extra cells", ["audit", "--reference", "{bert}", "--quantize", "8bit", "{extra_csv}", "--out",
                                "{outdir}"], r"extra.csv:3 has 3 cells"),
     # demo: the arguments are checked before its model loads
@@ -133,6 +149,12 @@ CASES = [
     ("ctl run is a file", ["ctl", "status", "--run", "{existing_html}"], r"no run folder or control socket there"),
     ("ctl https", ["ctl", "pause", "--run", "https://127.0.0.1:9"], r"speaks plain HTTP on loopback; use http://"),
     ("ctl unknown action", ["ctl", "stop"], r"argument action: invalid choice: 'stop'"),
+    ("ctl http without a host", ["ctl", "status", "--run", "http://"],
+     r"http://: give the address nxl run --listen printed, http://127.0.0.1:PORT"),
+    # attach: how long to wait, checked before any process is touched
+    ("attach timeout not a number", ["attach", "1", "--timeout", "nan"],
+     r"--timeout: 'nan': give a number of seconds, more than 0"),
+    ("attach wait negative", ["attach", "1", "--wait", "-5"], r"--wait: '-5': give a number of seconds, 0 or more"),
 ]
 CLI_CATALOGUE = [case[0] for case in CASES]
 
@@ -180,6 +202,9 @@ def where(tmp_path_factory) -> dict[str, str]:
         (root / name).write_bytes(f"precious {name}\n".encode() * 8)
         paths[key] = str(root / name)
     paths["outdir"] = str(outdir)
+    os.mkfifo(root / "fifo")  # special files where results would go: never replaced by one
+    (root / "link").symlink_to(root / "existing.html")
+    paths["fifo"], paths["link"] = str(root / "fifo"), str(root / "link")
     return paths
 
 

@@ -471,3 +471,60 @@ def test_without_run_the_callers_one_live_run_is_chosen_never_a_dead_one(model, 
         for program in (first, dead, second):
             if program is not None:
                 program.stop(signal.SIGKILL)
+
+
+class _NotNxl:
+    """An HTTP server on 127.0.0.1 that is no nxl_hooks endpoint (``page``: a web page on every path), or one whose
+    event stream ends at once (``ended``: as a recorded process that exits does)."""
+
+    def __init__(self, kind: str) -> None:
+        import http.server
+        import threading
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                if kind == "page":
+                    body, kind_of = b"<html>hello</html>", "text/html"
+                elif self.path.startswith("/v1/stream"):
+                    body, kind_of = b"", "text/event-stream"
+                elif self.path.startswith("/v1/status"):
+                    body, kind_of = json.dumps({"pid": 1, "paused": False, "models": []}).encode(), "application/json"
+                else:
+                    body, kind_of = b"[]", "application/json"
+                self.send_response(200)
+                self.send_header("Content-Type", kind_of)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("command", [["tail"], ["ctl", "status"]])
+def test_tail_and_ctl_say_when_they_reach_no_nxl_endpoint_or_its_stream_ends(tmp_path, capsys, monkeypatch, command):
+    """The server's own port given instead of --listen's: one line saying so (exit 2), not silence nor a traceback;
+    a stream that ends before the request did (the process exited) is said too, and is no success."""
+    monkeypatch.setenv("NXL_TOKEN", "t0ken")
+    page = _NotNxl("page")
+    try:
+        assert cli_main([*command, "--run", page.url]) == 2
+    finally:
+        page.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "not an nxl_hooks control endpoint" in err[0] and "Traceback" not in err[0], err
+    if command == ["tail"]:
+        ended = _NotNxl("ended")
+        try:
+            assert cli_main(["tail", "--run", ended.url]) == 1
+        finally:
+            ended.close()
+        assert "the stream ended before the request did" in capsys.readouterr().err

@@ -624,6 +624,13 @@ def test_nxl_run_loading_options_reach_the_programs_own_loads(tiny, tmp_path):
     assert done.stdout.split("FACTS ")[1].split() == ["torch.bfloat16", "Linear8bitLt", "torch.float32"]
     refused = _nxl("run", "--gguf-file", "m.gguf", "--load-in-4bit", "--", sys.executable, "-c", "print('ran')")
     assert refused.returncode == 2 and "ran" not in refused.stdout and "transformers refuses" in refused.stderr
+    # defaults that cannot work for this model (it has no such GGUF file): it loads as the program asked, said
+    fallen = _nxl("run", "--gguf-file", "m.gguf", "--", sys.executable, "-c", code, str(tiny.path),
+                  env={**os.environ, **SERVE_ENV}, timeout=300)
+    assert fallen.returncode == 0, fallen.stderr
+    assert fallen.stdout.split("FACTS ")[1].split() == ["torch.float32", "Linear", "torch.float32"]
+    said = [line for line in fallen.stderr.splitlines() if "nxl_hooks" in line]
+    assert len(said) == 2 and all("the loading options of nxl run were not applied" in line for line in said), said
 
 
 def test_settings_round_trip_through_the_environment(tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import re
 import struct
 import warnings
@@ -441,6 +442,20 @@ def test_failed_saves_leave_the_existing_file(result, tmp_path, monkeypatch):
     assert path.read_bytes() == before and sorted(p.name for p in tmp_path.iterdir()) == ["a.safetensors"]
 
 
+def test_a_result_never_replaces_what_is_no_regular_file(result, tmp_path):
+    """A save onto a FIFO, a device or a symbolic link would put a file in its place (as root, ``/dev/null``)."""
+    fifo, link, target = tmp_path / "fifo", tmp_path / "link", tmp_path / "target.html"
+    os.mkfifo(fifo)
+    target.write_text("precious")
+    link.symlink_to(target)
+    with pytest.raises(ValueError, match=r"fifo is a FIFO \(named pipe\), not a regular file: .*give another path"):
+        result.save(fifo)
+    with pytest.raises(ValueError, match=r"link is a symbolic link, not a regular file"):
+        result.to_html(link)
+    assert stat.S_ISFIFO(os.lstat(fifo).st_mode) and link.is_symlink() and target.read_text() == "precious"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fifo", "link", "target.html"]  # no temporary file left
+
+
 # -- stream files ----------------------------------------------------------------------------------------
 
 
@@ -663,12 +678,16 @@ def test_a_sink_refuses_a_symlink_unless_told(lm, tmp_path, existing):
 SINK_PATHS = cases(
     ("a file as its folder", "FILE/run.nxl", NotADirectoryError, "Not a directory"),  # a folder: rotating files
     ("a missing folder", "missing/run.nxl", FileNotFoundError, "No such file or directory"),
+    # never waited on (a FIFO nobody reads would block the host's attach) nor written (frames that never read back)
+    ("a FIFO", "FIFO", ValueError, r"FIFO is a FIFO \(named pipe\), not a regular file: .*give another path"),
+    ("a device", "/dev/null", ValueError, r"/dev/null is a character device, not a regular file"),
 )
 
 
 @pytest.mark.parametrize("where, error, message", SINK_PATHS)
 def test_sink_paths_that_cannot_be_written(lm, tmp_path, where, error, message):
     (tmp_path / "FILE").write_text("")
+    os.mkfifo(tmp_path / "FIFO")
     with pytest.raises(error, match=message):
         nxl.attach(lm, sink=tmp_path / where)
     assert _hooks(lm) == 0

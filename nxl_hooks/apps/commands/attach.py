@@ -18,7 +18,7 @@ import shutil
 import sys
 from pathlib import Path
 
-from ..options import CliError, check_output_folder, one_line
+from ..options import CliError, check_output_folder, one_line, positive_seconds, seconds
 from ..serve.settings import add_run_options
 from .run import _is_kind, prepare_run
 
@@ -28,7 +28,7 @@ NAME = "attach"
 def add_pid(parser: argparse.ArgumentParser) -> None:
     """PID and --timeout: which process, how long its main thread may take to pick the request up."""
     parser.add_argument("pid", type=int, metavar="PID", help="the process (a server, a script, a notebook kernel)")
-    parser.add_argument("--timeout", type=float, metavar="SECONDS", default=30.0,
+    parser.add_argument("--timeout", type=positive_seconds, metavar="SECONDS", default=30.0,
                         help="how long the process may take to run the injected request (its main thread must "
                              "reach Python code); past it the request is withdrawn (default 30). Also how long "
                              "to wait for another nxl attach or debugger tracing it to let go")
@@ -40,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                         "sys.remote_exec; older: gdb) and record every model it holds, as nxl run "
                                         "would. Live readout: nxl tail / nxl ctl. Undo: nxl detach PID.")
     add_pid(parser)
-    parser.add_argument("--wait", type=float, metavar="SECONDS", default=0.0,
+    parser.add_argument("--wait", type=seconds, metavar="SECONDS", default=0.0,
                         help="if no model is loaded yet, wait up to this long for one (default 0: refuse)")
     add_run_options(parser, where=lambda option: option.attach)  # not what only a program's start sets
     return parser

@@ -63,7 +63,6 @@ def run(args: argparse.Namespace) -> int:
 
     body = request(args)
     for endpoint in endpoints(args.run, args.token_file):
-        status = (endpoint.json("GET", "/v1/status") if body is None
-                  else endpoint.json("POST", "/v1/control", body))
+        status = endpoint.status(body)
         print(json.dumps(status) if args.json else describe(status), flush=True)  # JSON escapes every control
     return 0

@@ -178,14 +178,14 @@ def run(args: argparse.Namespace) -> int:
                 elif event == "end":
                     items.put(Ended(data))
         except Exception as error:  # noqa: BLE001 - reported by the main thread
-            items.put(Failed(f"{endpoint.name}: {error}"))
+            items.put(Failed(str(error) if isinstance(error, CliError) else f"{endpoint.name}: {error}"))
         items.put(Closed())
 
     def watch_faults(endpoint) -> None:
         said: set[str] = set()
         while True:
             try:
-                status = endpoint.json("GET", "/v1/status", timeout=10)
+                status = endpoint.status(timeout=10)
             except Exception:  # noqa: BLE001 - the stream reports a process that went away
                 return
             for model in status.get("models", []):
@@ -251,4 +251,6 @@ def _show(items: queue.Queue[Item], args: argparse.Namespace, open_streams: int,
             quiet_since = time.monotonic()
         else:
             open_streams -= 1
-    return 0
+    print("nxl tail: the stream ended before the request did: the process exited, or stopped being recorded",
+          file=sys.stderr, flush=True)
+    return 1

@@ -74,8 +74,18 @@ class Endpoint:
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         connection = self._connection(timeout)
-        connection.request(method, path, body=json.dumps(body) if body is not None else None, headers=headers)
-        return connection.getresponse()
+        try:
+            connection.request(method, path, body=json.dumps(body) if body is not None else None, headers=headers)
+            return connection.getresponse()
+        except PermissionError:
+            raise
+        except (OSError, http.client.HTTPException) as error:
+            raise CliError(f"{self.name}: {getattr(error, 'strerror', None) or error} (is the run still live? give "
+                           "the folder or the --listen address nxl run printed)") from None
+
+    def _foreign(self, what: str) -> CliError:
+        return CliError(f"{self.name}: {what}: not an nxl_hooks control endpoint (give the folder or the --listen "
+                        "address nxl run printed, not the server's own port)")
 
     def get(self, method: str, path: str, body: dict | None = None, timeout: float = 30) -> tuple[int, bytes]:
         """(status, body bytes) of one request."""
@@ -85,10 +95,24 @@ class Endpoint:
     def json(self, method: str, path: str, body: dict | None = None, timeout: float = 30) -> Any:
         """The JSON answer of one request; CliError with the endpoint's message when it is not a success."""
         status, data = self.get(method, path, body, timeout)
-        value = json.loads(data or b"null")
+        try:
+            value = json.loads(data or b"null")
+        except ValueError:
+            raise self._foreign(f"it answered {status} with no JSON") from None
         if status != 200:
-            message = value.get("error") if isinstance(value, dict) else data[:200]
-            raise CliError(f"{self.name}: {status} {message}")
+            if not isinstance(value, dict) or not isinstance(value.get("error"), str):
+                raise self._foreign(f"it answered {status}")
+            raise CliError(f"{self.name}: {status} {value['error']}")
+        return value
+
+    def status(self, body: dict | None = None, timeout: float = 30) -> dict:
+        """The process's status (``body``: a change to make first, POSTed to ``/v1/control``); CliError when what
+        answers is no nxl_hooks endpoint."""
+        value = (self.json("GET", "/v1/status", timeout=timeout) if body is None
+                 else self.json("POST", "/v1/control", body, timeout=timeout))
+        if not (isinstance(value, dict) and isinstance(value.get("models"), list)
+                and all(isinstance(model, dict) for model in value["models"])):
+            raise self._foreign("its status is not one")
         return value
 
     def events(self, path: str, timeout: float | None = None,
@@ -97,8 +121,15 @@ class Endpoint:
         endpoint answered (it is subscribed then: no step made later is missed)."""
         response = self._open("GET", path, None, timeout)
         if response.status != 200:
-            value = json.loads(response.read() or b"null")
-            raise CliError(f"{self.name}: {response.status} {value.get('error') if isinstance(value, dict) else ''}")
+            try:
+                value = json.loads(response.read() or b"null")
+            except ValueError:
+                value = None
+            if not isinstance(value, dict) or not isinstance(value.get("error"), str):
+                raise self._foreign(f"it answered {response.status}")
+            raise CliError(f"{self.name}: {response.status} {value['error']}")
+        if not (response.getheader("Content-Type") or "").startswith("text/event-stream"):
+            raise self._foreign("it answered with no event stream")
         if on_open is not None:
             on_open()
         event, data = "message", []
@@ -153,6 +184,13 @@ def endpoints(run: str | None = None, token_file: str | None = None) -> list[End
     if run.startswith(("http://", "https://")):
         if run.startswith("https://"):
             raise CliError(f"{run}: the endpoint speaks plain HTTP on loopback; use http://")
+        try:
+            host = urlsplit(run).hostname
+            urlsplit(run).port  # (a port that is no number raises)
+        except ValueError:
+            host = None
+        if not host:
+            raise CliError(f"{run}: give the address nxl run --listen printed, http://127.0.0.1:PORT")
         token = os.environ.get("NXL_TOKEN")
         if token_file or not token:
             if not token_file:

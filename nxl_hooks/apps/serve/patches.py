@@ -20,7 +20,7 @@ import threading
 from types import ModuleType
 from typing import Any
 
-from ...hooks.guard import reason
+from ...hooks.guard import logger, one_line, reason
 from .controller import controller
 
 __all__ = ["patch_modeling_utils", "patch_vllm_runner"]
@@ -42,12 +42,22 @@ def patch_modeling_utils(module: ModuleType) -> None:
 
     @functools.wraps(original)
     def from_pretrained(klass: type, *args: Any, **kwargs: Any) -> Any:
-        depth = getattr(_loading, "depth", 0)
+        depth, given = getattr(_loading, "depth", 0), kwargs
         if depth == 0:
             kwargs = _with_defaults(args, kwargs)
         _loading.depth = depth + 1
         try:
-            model = original(klass, *args, **kwargs)
+            try:
+                model = original(klass, *args, **kwargs)
+            except Exception as error:
+                if kwargs is given:  # the program's own load failed: its own error, as without nxl run
+                    raise
+                # nxl run's loading options cannot work here (a device it lacks, a file the model has not):
+                # the model loads as the program asked, and that is said
+                logger.warning("nxl_hooks: the loading options of nxl run were not applied to %s (%s: %s); it "
+                               "loads as the program asked", args[0] if args else "the model", type(error).__name__,
+                               one_line(error))
+                model = original(klass, *args, **given)
         finally:
             _loading.depth = depth
         if depth == 0:  # a model class loading its parts calls from_pretrained again: adopt the whole only
