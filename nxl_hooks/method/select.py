@@ -162,10 +162,12 @@ def is_predicted(target: Target) -> bool:
     return isinstance(target, str) and target == "predicted"
 
 
-def _check_range(ids: torch.Tensor, n_outputs: int) -> None:
-    bad = ids[(ids < 0) | (ids >= n_outputs)]
-    if bad.numel():
-        raise ValueError(f"target {int(bad[0])} is out of range: the head has {n_outputs} outputs (0..{n_outputs - 1})")
+def _check_range(ids: Sequence[int] | torch.Tensor, n_outputs: int) -> None:
+    """Checked as Python ints: an id of any size is told out of range (a tensor of it would overflow first)."""
+    values = ids.flatten().tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
+    bad = [i for i in values if not 0 <= i < n_outputs]
+    if bad:
+        raise ValueError(f"target {bad[0]} is out of range: the head has {n_outputs} outputs (0..{n_outputs - 1})")
 
 
 #: After one of these a word follows without a space (an opening bracket or quote); after any other character but
@@ -230,7 +232,7 @@ def resolve_target(model: nn.Module, kind: HeadKind | str, tokenizer: Any, item:
     number = _integer(item)
     if number is not None:
         if n_outputs is not None:
-            _check_range(torch.tensor([number]), n_outputs)
+            _check_range([number], n_outputs)
         return ResolvedTarget(item, number, (number,), "id")
     if not isinstance(item, str):
         raise ValueError(f"target/label {item!r} must be an int id or a string, got {type(item).__name__}")
@@ -255,7 +257,7 @@ def resolve_target(model: nn.Module, kind: HeadKind | str, tokenizer: Any, item:
                          f"{'the unknown token' if ids else 'nothing'}); pass a token (see tokenizer.tokenize(text)) "
                          "or its int id")
     if n_outputs is not None:
-        _check_range(torch.tensor(ids[:1]), n_outputs)
+        _check_range(ids[:1], n_outputs)
     return ResolvedTarget(item, int(ids[0]), tuple(int(i) for i in ids), "word")
 
 

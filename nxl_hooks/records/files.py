@@ -35,7 +35,10 @@ def replacing(path: str | Path, *, durable: bool = True) -> Iterator[BinaryIO]:
     why = unwritable(path)
     if why is not None:
         raise ValueError(why)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as error:  # named after the target, not the temporary file next to it
+        raise type(error)(error.errno, f"{path}: no file can be made in {path.parent} ({error.strerror})") from None
     try:
         with os.fdopen(fd, "wb") as fh:
             try:

@@ -46,6 +46,8 @@ PLUGINS = plugins.SETTING  #: NXL_PLUGINS: the plugin allow-list, which nxl_hook
 def parse_listen(value: str, *, allow_remote: bool = False) -> tuple[str, int]:
     """``"127.0.0.1:8765"`` | ``":8765"`` | ``"8765"`` -> (host, port). A host that is not loopback is refused
     unless ``allow_remote`` (the endpoint then still requires its token)."""
+    if value.count(":") > 1 and not value.startswith("["):
+        raise ValueError(f"--listen {value!r}: write an IPv6 address in brackets, with its port: [::1]:8765")
     host, _, port_text = value.rpartition(":")
     host = host.strip("[]") or "127.0.0.1"
     try:
