@@ -13,6 +13,7 @@ import signal
 import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -24,12 +25,13 @@ import torch
 import nxl_hooks as nxl
 from nxl_hooks.apps.serve.client import Endpoint
 from nxl_hooks.apps.options import CliError
-from nxl_hooks.apps.serve.inject import (Target, _queue, bootstrap_source, injector_command, permission_refusal,
-                                          trusted_file)
+from nxl_hooks.apps.serve.inject import (Target, _private_parent, _queue, bootstrap_source, injector_command,
+                                          permission_refusal, trusted_file)
 from oracle import normxlogit, prefix_logits
 from serving import Server
 from test_serve import CB_FLAGS, SERVE_ENV, Tiny, _cli, check_call, tiny  # noqa: F401 - tiny: the fixture
 
+REPO = Path(nxl.__file__).resolve().parent.parent
 needs_gdb = pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed (apt-get install gdb)")
 
 CONTENTS = ("hello world how are you", "the world is", "w1 w2 w3")
@@ -306,6 +308,43 @@ def test_python_314_goes_through_remote_exec_with_the_bootstrap_file(tmp_path):
     bootstrap.write_text(bootstrap_source(str(script)))
     done = subprocess.run([sys.executable, "-c", probe % str(bootstrap)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
+
+
+def test_a_pid_given_again_to_another_process_is_never_injected_into(tmp_path, monkeypatch):
+    """The pid inspected may name another process by the time the injector runs (the target ended; a tracer of
+    its owner's held nxl attach back meanwhile): the start time is checked again before each injector run, and
+    the bootstrap itself runs its script only in the process with that pid, uid and start time."""
+    started = []
+    monkeypatch.setattr(subprocess, "Popen", lambda *args, **kwargs: started.append(args) or pytest.fail("ran"))
+    gone = Target(os.getpid(), os.getuid(), os.getgid(), sys.executable, (3, 11), None, started="1")
+    with pytest.raises(CliError, match=f"process {os.getpid()} ended while nxl attach waited .* nothing was injected"):
+        _queue(gone, tmp_path / "bootstrap.py", 5)
+    assert started == []
+    monkeypatch.undo()
+    script, ran = tmp_path / "script.py", tmp_path / "ran"
+    script.write_text(f"open({str(ran)!r}, 'a').write('ran')")
+    runner = ("import os, sys; from nxl_hooks.apps.serve.inject import Target, _start_time, bootstrap_source; "
+              "own = Target(os.getpid(), os.getuid(), os.getgid(), sys.executable, started=sys.argv[2] or "
+              "_start_time(os.getpid())); exec(bootstrap_source(sys.argv[1], own))")
+    for given in ("1", ""):  # another start time (another process with this pid), then its own
+        done = subprocess.run([sys.executable, "-c", runner, str(script), given], capture_output=True, text=True,
+                              timeout=60, env={**os.environ, "PYTHONPATH": str(REPO)})
+        assert done.returncode == 0, done.stderr
+        assert ran.exists() == (given == ""), given
+
+
+def test_nxl_attach_makes_its_folders_only_where_no_one_else_can_replace_them(tmp_path, monkeypatch):
+    """A temporary folder others may write without a sticky bit (root's TMPDIR inherited from a user's shell)
+    would let them swap the bootstrap gdb runs: /tmp is used then."""
+    open_to_all = tmp_path / "open"
+    open_to_all.mkdir()
+    open_to_all.chmod(0o777)
+    monkeypatch.setattr(tempfile, "tempdir", str(open_to_all))
+    assert _private_parent() == "/tmp"
+    private = tmp_path / "private"
+    private.mkdir(mode=0o700)
+    monkeypatch.setattr(tempfile, "tempdir", str(private))
+    assert _private_parent() == str(private)
 
 
 def test_the_314_route_runs_exactly_the_checked_file_with_nothing_of_the_environment(tmp_path, monkeypatch):

@@ -267,6 +267,14 @@ def test_sink_hands_over_only_a_folder_nxl_made_and_takes_it_back_on_failure(use
     assert _ownership(*paths) == before  # root's file, and the file its link names, are still root's
     assert code == 2 and not out and len(err.splitlines()) == 1 and "exists" in err and "new path" in err, err
     assert "symbolic link" in _refused(capsys, "attach", str(user_target.pid), "--sink", str(shared / "linked" / "r"))
+    # in a folder the user owns, which they could swap for a link while root makes the run folder in it: refused
+    # before anything is made there
+    squat, made, mkdir = user[3], [], os.mkdir
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(os, "mkdir", lambda path, *args, **kwargs: (made.append(str(path)), mkdir(path, *args, **kwargs)))
+        assert f"which belongs to uid {uid}" in _refused(capsys, "attach", str(user_target.pid), "--sink",
+                                                         str(squat / "runs" / "r"))
+    assert not [path for path in made if path.startswith(str(squat))] and not (squat / "runs").exists()
     assert _ownership(*paths) == before and sorted(os.listdir(existing)) == ["link", "root-file"]
 
     run = existing / "run"  # a new folder: the only thing handed over

@@ -62,6 +62,9 @@ def run(args: argparse.Namespace) -> int:
         folder = settings.run_dir
         if not folder_given:  # the private run folder prepare_run made
             created = [folder]
+        elif other and folder != created[-1]:  # what is handed over is the very folder made, not another path
+            raise CliError(f"--sink {args.sink} changed while nxl attach made it (it now leads to {folder}); "
+                           "nothing was handed over")
         if other:  # only what nxl made in the folder it made, never through a link
             for path in (folder / TOKEN, folder):
                 if os.path.lexists(path):
@@ -86,6 +89,8 @@ def _create(sink: str, other: bool, uid: int) -> list[Path]:
     first: what a failed attach removes. An existing folder is used as the run folder, as under nxl run, except
     for another user's process (``other``): its run folder is handed to that user, and nxl hands over only what
     it made, so the path must not exist yet (and name no link); the folders made above it are root's, 0711."""
+    from ..serve.runs import check_parents
+
     check_output_folder(sink, "--sink")
     path = Path(os.path.abspath(Path(sink).expanduser()))
     if other and os.path.lexists(path):
@@ -93,6 +98,11 @@ def _create(sink: str, other: bool, uid: int) -> list[Path]:
                        f"folder itself and hands only that to its user; give a new path, such as {path / 'attach'}")
     if other and os.path.realpath(path) != str(path):
         raise CliError(f"--sink {sink} goes through a symbolic link: give the real path ({os.path.realpath(path)})")
+    if other:  # a folder above it that another user may write could be swapped for a link while it is made
+        try:
+            check_parents(path)
+        except PermissionError as error:
+            raise CliError(f"--sink {sink}: {error}") from None
     made: list[Path] = []
     try:
         for missing in reversed([each for each in (path, *path.parents) if not os.path.lexists(each)]):

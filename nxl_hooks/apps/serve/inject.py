@@ -57,7 +57,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...records.files import read_regular
 from ..options import CliError
 
 __all__ = ["Target", "bootstrap_source", "inject", "injector_command", "inspect_target", "permission_refusal",
@@ -80,11 +79,18 @@ class Target:
     executable: str  #: the interpreter's file, as the kernel resolved it (/proc/PID/exe)
     version: tuple[int, int] | None = None  #: its Python version, from root-owned facts only (module docstring)
     trusted: tuple[int, int] | None = None  #: (st_dev, st_ino) of ``executable`` when this process may run it
+    started: str | None = None  #: when it started (:func:`_start_time`): a pid used again is another process
 
     @property
     def route(self) -> str:
         """``"remote_exec"`` (Python 3.14+, an interpreter this process may run) or ``"gdb"``."""
         return "remote_exec" if self.trusted and self.version and self.version >= (3, 14) else "gdb"
+
+
+def _start_time(pid: int) -> str:
+    """When process ``pid`` started, in clock ticks after boot (``/proc/PID/stat`` field 22): a pid the system
+    gives again names a process with another start time."""
+    return _read(f"/proc/{pid}/stat").rsplit(b")", 1)[1].split()[19].decode()
 
 
 def _read(path: str) -> bytes:
@@ -222,7 +228,9 @@ def inspect_target(pid: int) -> Target:
         argv = [arg.decode(errors="surrogateescape") for arg in _read(f"{proc}/cmdline").split(b"\0")[:-1]]
         environ = dict(item.decode(errors="surrogateescape").partition("=")[::2]
                        for item in _read(f"{proc}/environ").split(b"\0") if b"=" in item)
-        same_root = os.stat(f"{proc}/root") == os.stat("/")
+        same_root = (os.stat(f"{proc}/root") == os.stat("/")
+                     and os.readlink(f"{proc}/ns/mnt") == os.readlink("/proc/self/ns/mnt"))
+        started = _start_time(pid)
         maps = _read(f"{proc}/maps").decode(errors="replace")
     except FileNotFoundError:
         raise CliError(f"process {pid} ended while nxl attach looked at it") from None
@@ -251,17 +259,25 @@ def inspect_target(pid: int) -> Target:
         version = (3, int(named.group(1))) if named else None
     if version is not None and version < (3, 10):
         raise CliError(f"process {pid} runs Python {version[0]}.{version[1]}: nxl_hooks needs 3.10 or newer")
-    target = Target(pid, uid, gid, executable, version, trusted)
+    target = Target(pid, uid, gid, executable, version, trusted, started)
     if target.route == "gdb" and shutil.which("gdb") is None:
         where = f"Python {version[0]}.{version[1]}" if version else "this process"
         raise CliError(f"gdb is not installed (nxl attach needs it for {where}): apt-get install gdb")
     return target
 
 
-def bootstrap_source(script: str) -> str:
+def bootstrap_source(script: str, target: Target | None = None) -> str:
     """What the target runs first, in its main thread: ``script`` in a fresh namespace, every exception
-    swallowed (an exception out of a pending call would surface in the target's own code)."""
-    return f'try:__import__("runpy").run_path({script!r},run_name="__nxl_attach__")\nexcept BaseException:pass\n'
+    swallowed (an exception out of a pending call would surface in the target's own code), and only in ``target``
+    itself: the process with its pid, uid and start time (the pid may name another process by the time the
+    injector reaches it; then nothing runs)."""
+    guard = ""
+    if target is not None and target.started is not None:
+        guard = (f'if __import__("os").getpid()!={target.pid} or __import__("os").getuid()!={target.uid} or '
+                 f'open("/proc/self/stat","rb").read().rsplit(b")",1)[1].split()[19]!=b"{target.started}":'
+                 'raise SystemExit\n ')
+    return (f'try:\n {guard}__import__("runpy").run_path({script!r},run_name="__nxl_attach__")\n'
+            'except BaseException:pass\n')
 
 
 def script_source(request: str) -> str:
@@ -360,6 +376,20 @@ def _untraced(pid: int, patience: float) -> None:
         time.sleep(0.05)
 
 
+def _same(target: Target) -> None:
+    """CliError unless ``target.pid`` still names the process inspected (its start time and owner): one that ended
+    and whose pid the system gave again is never injected into."""
+    if target.started is None:
+        return
+    try:
+        same = _start_time(target.pid) == target.started and int(_status(target.pid)["Uid"].split()[1]) == target.uid
+    except (OSError, KeyError, IndexError, ValueError):
+        same = False
+    if not same:
+        raise CliError(f"process {target.pid} ended while nxl attach waited (its pid may name another process now); "
+                       "nothing was injected")
+
+
 def _queue(target: Target, bootstrap: Path, patience: float) -> None:
     """Run the injector once nothing else traces the target (waiting up to ``patience`` s for that); CliError
     saying what failed when the bootstrap was not queued."""
@@ -367,6 +397,7 @@ def _queue(target: Target, bootstrap: Path, patience: float) -> None:
     deadline = time.monotonic() + patience
     for attempt in range(3):
         _untraced(target.pid, deadline - time.monotonic())
+        _same(target)
         if target.route == "remote_exec":
             process = _run_checked(command[0], target.trusted, command[1:], stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True)
@@ -407,57 +438,101 @@ def inject(target: Target, request: dict, *, timeout: float, wait: float = 0.0) 
     ``timeout``: how long the target's main thread may take to reach Python code and claim the request (a
     thread blocked in a system call does not); past it the request is withdrawn and CliError says so. It also
     bounds the wait for another tracer (a concurrent nxl attach's gdb) to let go first. ``wait``: how long the
-    work itself may look for a model, on top of the import of nxl_hooks."""
-    folder = Path(tempfile.mkdtemp(prefix="nxl-attach-"))  # 0700; the target's own when it is another user's
-    private = Path(tempfile.mkdtemp(prefix="nxl-attach-"))  # 0700, never handed over: what gdb (root) reads
+    work itself may look for a model, on top of the import of nxl_hooks.
+
+    Both folders are made where only root (or the caller) can replace them (:func:`_private_parent`); the one the
+    target's owner gets is then reached through a descriptor only, never its path again (its owner may put a link
+    in its place)."""
+    parent = _private_parent()
+    folder = Path(tempfile.mkdtemp(prefix="nxl-attach-", dir=parent))  # 0700; the target owner's when another's
+    private = Path(tempfile.mkdtemp(prefix="nxl-attach-", dir=parent))  # 0700, never handed over: the bootstrap
+    held = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     try:
-        request_file, script = folder / "request.json", folder / "script.py"
-        # sys.remote_exec makes the target read the bootstrap itself; gdb reads it, so it stays out of the
-        # target owner's reach (a file they could swap or link elsewhere would be read, or run, by root)
-        bootstrap = (folder if target.route == "remote_exec" else private) / "bootstrap.py"
-        for path, text in ((request_file, json.dumps(request)), (script, script_source(str(request_file))),
-                           (bootstrap, bootstrap_source(str(script)))):
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        request_name, result_name = "request.json", "request.json.result"
+        request_file, script = folder / request_name, folder / "script.py"
+        # root's file, that no one else can change: gdb reads it; sys.remote_exec makes the target read it (so
+        # then readable, in a folder it may pass through)
+        bootstrap = private / "bootstrap.py"
+        for name, text in ((request_name, json.dumps(request)), ("script.py", script_source(str(request_file)))):
+            fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600, dir_fd=held)
             with os.fdopen(fd, "w") as fh:
                 fh.write(text)
+        fd = os.open(bootstrap, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            fh.write(bootstrap_source(str(script), target))
         if len(bootstrap.read_bytes()) >= PAGE:
             raise CliError(f"the path {folder} is too long for the bootstrap; set TMPDIR to a shorter folder")
+        if target.route == "remote_exec":
+            os.chmod(private, 0o711)
+            os.chmod(bootstrap, 0o644)
         if target.uid != os.geteuid():  # root attaching to another user's process: theirs to read
             # the files first, the folder last: once it is theirs they could put a link where a file was
-            for path in (*folder.iterdir(), folder):
-                os.chown(path, target.uid, target.gid, follow_symlinks=False)
+            for name in (request_name, "script.py"):
+                os.chown(name, target.uid, target.gid, dir_fd=held, follow_symlinks=False)
+            os.fchown(held, target.uid, target.gid)
         _queue(target, bootstrap, timeout)
         deadline = time.monotonic() + timeout
-        while request_file.exists():
+        while _there(held, request_name):
             if time.monotonic() > deadline:
                 try:
-                    request_file.unlink()  # withdrawn: the script finds no request if it ever runs
+                    os.unlink(request_name, dir_fd=held)  # withdrawn: the script finds no request if it ever runs
                 except FileNotFoundError:
                     break  # claimed just now
                 raise CliError(f"process {target.pid} did not run the request within {timeout:g} s: its main thread "
                                "has not run Python code since (blocked in a system call or a C extension?); the "
                                "request was withdrawn, nothing changed. Try again with a longer --timeout")
             time.sleep(0.02)
-        result, patience = folder / "request.json.result", wait + max(timeout, 120.0)
+        patience = wait + max(timeout, 120.0)
         deadline = time.monotonic() + patience
-        while not result.exists():
+        while not _there(held, result_name):
             if time.monotonic() > deadline:
                 raise CliError(f"process {target.pid} took the request but gave no answer within {patience:.0f} s; "
                                "check it with nxl ctl status, or its stderr")
             if not Path(f"/proc/{target.pid}").exists():
                 raise CliError(f"process {target.pid} ended before it answered")
             time.sleep(0.02)
-        return _answer(result)
+        return _answer(held, result_name)
     finally:
-        shutil.rmtree(folder, ignore_errors=True)
+        os.close(held)
+        shutil.rmtree(folder, ignore_errors=True)  # (never through a link put in its place)
         shutil.rmtree(private, ignore_errors=True)
 
 
-def _answer(path: Path) -> dict:
-    """The target's answer: a small regular file, not followed through a link (the folder may be the target
-    owner's, and this may run as root)."""
+def _private_parent() -> str:
+    """Where nxl attach makes its folders: the temporary folder, when it and every folder above it are root's (or
+    the caller's) and nobody else can replace what they hold (or they are sticky), else ``/tmp`` if that is so; a
+    folder another user could rename would let them swap the bootstrap root's gdb runs."""
+    from .runs import check_parents
+
+    for candidate in dict.fromkeys((tempfile.gettempdir(), "/tmp")):
+        try:
+            check_parents(Path(candidate) / "nxl-attach")
+            return candidate
+        except OSError:
+            continue
+    raise CliError("no temporary folder that only root and you can change (TMPDIR and /tmp are writable by "
+                   "others without a sticky bit, or belong to another user): set TMPDIR to a private folder")
+
+
+def _there(folder: int, name: str) -> bool:
+    """Whether ``name`` is in the folder open as ``folder`` (not followed through a link)."""
     try:
-        answer = json.loads(read_regular(path, follow_symlinks=False, max_bytes=1 << 20))
+        os.stat(name, dir_fd=folder, follow_symlinks=False)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def _answer(folder: int, name: str) -> dict:
+    """The target's answer: a small regular file of the folder open as ``folder``, not followed through a link
+    (the folder may be the target owner's, and this may run as root)."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
+        with os.fdopen(fd, "rb") as fh:
+            info = os.fstat(fh.fileno())
+            if not stat.S_ISREG(info.st_mode) or info.st_size > 1 << 20:
+                raise ValueError("not a small regular file")
+            answer = json.loads(fh.read(1 << 20))
         if not isinstance(answer, dict):
             raise ValueError("not a JSON object")
         return answer

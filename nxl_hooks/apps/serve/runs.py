@@ -54,8 +54,20 @@ def check_private(folder: Path) -> Path:
     if info.st_mode & 0o022:
         raise PermissionError(f"run folder {folder} is writable by group or others (mode "
                               f"{stat.S_IMODE(info.st_mode):o}): run chmod go-w {folder}, or use another folder")
+    check_parents(folder)
+    return folder
+
+
+def check_parents(folder: Path) -> None:
+    """PermissionError unless every folder above ``folder`` is this user's or root's and nobody else can replace
+    what it holds (not writable by group or others, or sticky): ``folder`` cannot be swapped for a link there.
+    Folders not there yet are left out (whoever makes them owns them)."""
+    uid = os.getuid()
     for parent in folder.parents:
-        above = os.stat(parent)
+        try:
+            above = os.stat(parent)
+        except FileNotFoundError:
+            continue
         if above.st_uid not in (uid, 0):
             raise PermissionError(f"run folder {folder} lies in {parent}, which belongs to uid {above.st_uid}: "
                                   "its owner could replace the run folder; use a folder under your own")
@@ -63,7 +75,6 @@ def check_private(folder: Path) -> Path:
             raise PermissionError(f"run folder {folder} lies in {parent}, which others can write (mode "
                                   f"{stat.S_IMODE(above.st_mode):o}, no sticky bit): they could replace the run "
                                   "folder; use a folder under a private one")
-    return folder
 
 
 def make_run_dir(path: str | Path) -> Path:
