@@ -233,6 +233,8 @@ def resolve_target(model: nn.Module, kind: HeadKind | str, tokenizer: Any, item:
     if number is not None:
         if n_outputs is not None:
             _check_range([number], n_outputs)
+        elif not -(1 << 63) <= number < 1 << 63:  # (checked against the head later; no tensor can hold it)
+            raise ValueError(f"target {number} is out of range: no head has that many outputs")
         return ResolvedTarget(item, number, (number,), "id")
     if not isinstance(item, str):
         raise ValueError(f"target/label {item!r} must be an int id or a string, got {type(item).__name__}")

@@ -44,7 +44,7 @@ CASES = [
     ("out and html one file", ["attribute", "{bert}", TEXT, "--out", "{root}/same.x", "--html", "{root}/same.x"],
      r"--out and --html both name .*same.x: the page would replace the scores; give two paths"),
     ("target id beyond any integer", ["attribute", "{llama}", TEXT, "--target", "99999999999999999999999"],
-     r"target 99999999999999999999999 is out of range: the head has \d+ outputs"),
+     r"target 99999999999999999999999 is out of range"),
     ("device map on a GPU not there", ["attribute", "{bert}", TEXT, "--device-map", "cuda:99"],
      r"--device-map: 'cuda:99': this machine has (no cuda device|\d+ cuda device\(s\)); give auto, cpu"),
     ("device map of no device", ["attribute", "{bert}", TEXT, "--device-map", '{{"": "nope"}}'],
