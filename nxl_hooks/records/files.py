@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-__all__ = ["CHUNK", "read_regular", "replacing", "unwritable", "write_bytes", "write_text"]
+__all__ = ["CHUNK", "file_kind", "read_regular", "replacing", "unwritable", "write_bytes", "write_text"]
 
 #: Bytes per read (and per checksum) of a user file: Ctrl-C is seen between two chunks, never after a huge one.
 CHUNK = 8 << 20
@@ -65,7 +65,7 @@ def unwritable(path: str | Path) -> str | None:
         mode = os.lstat(path).st_mode
     except (FileNotFoundError, NotADirectoryError):
         return None
-    kind = _kind(mode)
+    kind = file_kind(mode)
     if not kind:
         return None
     return f"{path} is {kind}, not a regular file: nxl_hooks writes results only as regular files; give another path"
@@ -93,14 +93,14 @@ def read_regular(path: str | Path, error: type[Exception] = ValueError, *, follo
     interrupts a long read. A file that grows meanwhile is read up to the size it had when opened.
     ``follow_symlinks=False``: a symbolic link is refused too (a file in a folder someone else may write);
     ``max_bytes``: a larger file is refused before anything is read."""
-    kind = _kind((os.stat if follow_symlinks else os.lstat)(path).st_mode)
+    kind = file_kind((os.stat if follow_symlinks else os.lstat)(path).st_mode)
     if kind:
         raise error(f"{path} is {kind}, not a regular file: nxl_hooks reads records only from regular files")
     nofollow = 0 if follow_symlinks else os.O_NOFOLLOW
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | nofollow | getattr(os, "O_CLOEXEC", 0))
     try:
         info = os.fstat(fd)
-        kind = _kind(info.st_mode)
+        kind = file_kind(info.st_mode)
         if kind:
             raise error(f"{path} is {kind}, not a regular file: nxl_hooks reads records only from regular files")
         if max_bytes is not None and info.st_size > max_bytes:
@@ -118,7 +118,7 @@ def read_regular(path: str | Path, error: type[Exception] = ValueError, *, follo
         os.close(fd)
 
 
-def _kind(mode: int) -> str:
+def file_kind(mode: int) -> str:
     """'' for a regular file, else what it is, in words."""
     for test, name in ((stat.S_ISREG, ""), (stat.S_ISDIR, "a folder"), (stat.S_ISLNK, "a symbolic link"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
                        (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),

@@ -48,7 +48,7 @@ import torch
 from safetensors.torch import save as _save_blob
 
 from .attribution import scores_to_store
-from .files import _kind
+from .files import file_kind
 from .steps import STEP_TENSORS, GenerationCall, Step
 
 __all__ = ["PartlyWritten", "RotatingSink", "Sink", "encode_call", "encode_end", "encode_step", "stream_bytes"]
@@ -160,7 +160,7 @@ def _open(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
             raise ValueError(f"{path} is a FIFO (named pipe), not a regular file: nxl_hooks writes a stream only "
                              "to a regular file; give another path") from None
         raise
-    kind = _kind(os.fstat(fd).st_mode)
+    kind = file_kind(os.fstat(fd).st_mode)
     if kind:  # a FIFO with a reader, a device: the records go to a file, whole frames that read back
         os.close(fd)
         raise ValueError(f"{path} is {kind}, not a regular file: nxl_hooks writes a stream only to a regular file; "
