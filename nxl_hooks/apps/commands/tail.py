@@ -251,6 +251,6 @@ def _show(items: queue.Queue[Item], args: argparse.Namespace, open_streams: int,
             quiet_since = time.monotonic()
         else:
             open_streams -= 1
-    print("nxl tail: the stream ended before the request did: the process exited, or stopped being recorded",
+    print("nxl tail: the stream ended: the process exited, or stopped being recorded",
           file=sys.stderr, flush=True)
     return 1
