@@ -245,9 +245,13 @@ class _Growing:
 
 
 def _setting(model: nn.Module, kwargs: dict, name: str) -> Any:
-    config = kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    """A generate setting as generate reads it: the call's argument, else the call's ``generation_config``, else
+    (a field it leaves unset) the model's own."""
     value = kwargs.get(name)
-    return value if value is not None else getattr(config, name, None)
+    for config in (kwargs.get("generation_config"), getattr(model, "generation_config", None)):
+        if value is None:
+            value = getattr(config, name, None)
+    return value
 
 
 def _changes_itself(module: nn.Module) -> bool:
@@ -336,6 +340,8 @@ class Run:
         self._cache: Any = None  # the KV cache the prompt's forward was given (its eager positions are reused)
         self._prefix: tuple[int, Any] | None = None  # (start, a copy of what that cache holds before it): _later
         self.ids_given = True  # the prompt came as input_ids: generate's sequences begin with it
+        # input_ids given with inputs_embeds: the prompt ran as the embeddings, generate's sequences begin with the ids
+        self.ids_beside_embeds = False
         self._ids_fed = False  # the prompt came as token ids (generate's sequences then hold it)
         self._prompt_len = prompt_len
         self._eos = torch.as_tensor(eos).reshape(-1).tolist() if eos is not None else []
@@ -713,7 +719,8 @@ class Run:
         cache, self._cache = self._cache, None
         prefix, self._prefix = self._prefix, None
         n, prompt_len = self._n, self._prompt_len or 0
-        end = sequences.shape[1] - 1 + (0 if self.ids_given else prompt_len)  # the last token never ran
+        held = self.ids_given or self.ids_beside_embeds  # generate's sequences begin with the prompt's ids
+        end = sequences.shape[1] - 1 + (0 if held else prompt_len)  # the last token never ran
         if end <= n or self._refill is None:
             return
         if not self._hub.listened:  # nobody takes records (keep_steps=False, nothing else): none are made
@@ -804,7 +811,8 @@ class Run:
     def _missed(self, sequences: torch.Tensor) -> str | None:
         """``not recorded: ...`` when the host returned tokens from forwards the hooks never saw, else None. Such
         forwards ran compiled code: ``generate`` with a static cache compiles its decoding steps itself."""
-        seen = self._n + 1 - (0 if self._ids_fed else self._prompt_len or 0)  # with the pending token
+        held = self._ids_fed or self.ids_beside_embeds  # the sequences begin with the prompt's ids
+        seen = self._n + 1 - (0 if held else self._prompt_len or 0)  # with the pending token
         if self._n and sequences.shape[1] <= seen:
             return None
         missing = sequences.shape[1] - max(seen, 1) if self._n else sequences.shape[1]
@@ -1163,6 +1171,8 @@ class Generations:
             run = self.new_run(request_id=request_id, prompt_len=prompt_len, wait=BATCH_SECONDS,
                                eos=_setting(self.plan.model, kwargs, "eos_token_id"), refill=True)
             run.ids_given = kwargs.get("inputs_embeds") is None
+            embeds = kwargs.get("inputs_embeds")
+            run.ids_beside_embeds = embeds is not None and isinstance(prompt, torch.Tensor) and prompt is not embeds
             mask = kwargs.get("attention_mask")
             run.attention_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
             pad = _setting(self.plan.model, kwargs, "pad_token_id")

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from transformers import LlamaForCausalLM
+from transformers import GenerationConfig, LlamaForCausalLM
 from transformers import LogitsProcessor, LogitsProcessorList
 from transformers.generation.streamers import BaseStreamer
 
@@ -77,13 +77,15 @@ def test_sampling_explains_the_sampled_token_with_num_return_sequences(model):
     assert (argmaxes != tokens).any(), "sampling at temperature 3 should leave the argmax at least once"
 
 
-@pytest.mark.parametrize("cache", ["dynamic", "static", "compiled"])
-def test_left_padded_batch_with_early_eos(model, cache):
+@pytest.mark.parametrize("cache, eos_from", [("dynamic", "argument"), ("static", "argument"), ("compiled", "argument"),
+                                             ("dynamic", "model_config")])
+def test_left_padded_batch_with_early_eos(model, cache, eos_from, monkeypatch):
     """Pads masked at every step: with a static cache generate hands the backbone a 4-D mask (batch, 1, q, keys)
     instead of the 2-D one, and its padding must be read from that (it once counted pads as real tokens).
     Compiled, the decoding steps are recorded all at once when the call ends, from the model run again over its
     tokens: which rows are still active at each step is worked out for all of them together, and must say the
-    same."""
+    same. The EOS may be the model's own, under a generation config of the call's that leaves it unset (generate
+    then takes the model's)."""
     options = {"cache_implementation": "static"} if cache != "dynamic" else {}
     if cache == "compiled":
         options["compile_config"] = tiny.cpu_compile(backend="eager")
@@ -96,9 +98,13 @@ def test_left_padded_batch_with_early_eos(model, cache):
     # EOS: a token row 0 emits at step s, that row 1 never emits, so row 0 stops early and row 1 goes on.
     s, eos = next((s, int(t)) for s, t in enumerate(reference[0, 1:-1].tolist(), start=1)
                   if t not in reference[1].tolist() and t not in reference[0, :s].tolist())
+    if eos_from == "argument":
+        options.update(max_new_tokens=8, do_sample=False, eos_token_id=eos)
+    else:
+        monkeypatch.setattr(model.generation_config, "eos_token_id", eos)
+        options["generation_config"] = GenerationConfig(max_new_tokens=8, do_sample=False)
     with nxl.attach(model) as probe:
-        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
-                             eos_token_id=eos, **options)
+        out = model.generate(input_ids=ids, attention_mask=mask, **options)
     if cache == "compiled":  # its decoding steps ran compiled, and were recorded when the call ended
         assert counters["stats"]["unique_graphs"] >= 1 and probe.unrecorded is None
         torch._dynamo.reset()
@@ -531,6 +537,19 @@ def test_a_compiled_call_whose_replay_fails_keeps_the_steps_it_can_score(monkeyp
     logits, embeddings = prefix_logits(model, hand, plain[:, :6], torch.ones(1, 6, dtype=torch.bool))
     _, expected = normxlogit(logits, embeddings, call.steps[0].token)
     torch.testing.assert_close(call.steps[0].normxlogit, expected[call.layers], rtol=1e-4, atol=1e-4)
+
+
+def test_a_prompt_given_as_ids_and_embeddings_is_recorded_step_by_step(model):
+    """Both given, the prompt runs as the embeddings and generate's sequences begin with the ids: every step is the
+    oracle's (the last one was once taken for a compiled step, and lost with a reason that was not so)."""
+    ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(21))
+    embeds = model.get_input_embeddings()(ids).detach()
+    plain = model.generate(input_ids=ids, inputs_embeds=embeds, max_new_tokens=5, do_sample=False)
+    with nxl.attach(model, layers="all") as probe:
+        out = model.generate(input_ids=ids, inputs_embeds=embeds, max_new_tokens=5, do_sample=False)
+    (call,) = probe.calls
+    assert torch.equal(out, plain) and call.error is None and probe.unrecorded is None
+    check_call(model, call, 5)
 
 
 def test_compiled_steps_of_a_prompt_given_as_embeddings_are_said_not_recorded():
