@@ -1170,8 +1170,8 @@ class Generations:
             prompt_len = prompt.shape[1] if isinstance(prompt, torch.Tensor) and prompt.dim() > 1 else None
             run = self.new_run(request_id=request_id, prompt_len=prompt_len, wait=BATCH_SECONDS,
                                eos=_setting(self.plan.model, kwargs, "eos_token_id"), refill=True)
-            run.ids_given = kwargs.get("inputs_embeds") is None
             embeds = kwargs.get("inputs_embeds")
+            run.ids_given = embeds is None
             run.ids_beside_embeds = embeds is not None and isinstance(prompt, torch.Tensor) and prompt is not embeds
             mask = kwargs.get("attention_mask")
             run.attention_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None

@@ -84,7 +84,7 @@ def write_text(path: str | Path, text: str) -> Path:
 
 
 def read_regular(path: str | Path, error: type[Exception] = ValueError, *, follow_symlinks: bool = True,
-                 max_bytes: int | None = None) -> bytearray:
+                 max_bytes: int | None = None, dir_fd: int | None = None) -> bytearray:
     """The whole content of ``path``, which must be a regular file. ``data = read_regular("run.nxl")``
 
     A FIFO, device or socket is refused (``error``, one line) before it is opened, so a reader never blocks on a
@@ -92,12 +92,13 @@ def read_regular(path: str | Path, error: type[Exception] = ValueError, *, follo
     swapped), the buffer is the file's real size, and it is read in :data:`CHUNK` pieces so that Ctrl-C
     interrupts a long read. A file that grows meanwhile is read up to the size it had when opened.
     ``follow_symlinks=False``: a symbolic link is refused too (a file in a folder someone else may write);
-    ``max_bytes``: a larger file is refused before anything is read."""
-    kind = file_kind((os.stat if follow_symlinks else os.lstat)(path).st_mode)
+    ``max_bytes``: a larger file is refused before anything is read. ``dir_fd``: ``path`` is relative to that open
+    folder (one whose path someone else may have swapped since it was opened)."""
+    kind = file_kind(os.stat(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks).st_mode)
     if kind:
         raise error(f"{path} is {kind}, not a regular file: nxl_hooks reads records only from regular files")
     nofollow = 0 if follow_symlinks else os.O_NOFOLLOW
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | nofollow | getattr(os, "O_CLOEXEC", 0))
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | nofollow | getattr(os, "O_CLOEXEC", 0), dir_fd=dir_fd)
     try:
         info = os.fstat(fd)
         kind = file_kind(info.st_mode)

@@ -95,15 +95,22 @@ class Endpoint:
     def json(self, method: str, path: str, body: dict | None = None, timeout: float = 30) -> Any:
         """The JSON answer of one request; CliError with the endpoint's message when it is not a success."""
         status, data = self.get(method, path, body, timeout)
+        if status != 200:
+            raise self._refused(status, data)
+        try:
+            return json.loads(data or b"null")
+        except ValueError:
+            raise self._foreign(f"it answered {status} with no JSON") from None
+
+    def _refused(self, status: int, data: bytes) -> CliError:
+        """What an answer other than 200 says: the endpoint's own error, else that it is none of nxl_hooks'."""
         try:
             value = json.loads(data or b"null")
         except ValueError:
-            raise self._foreign(f"it answered {status} with no JSON") from None
-        if status != 200:
-            if not isinstance(value, dict) or not isinstance(value.get("error"), str):
-                raise self._foreign(f"it answered {status}")
-            raise CliError(f"{self.name}: {status} {value['error']}")
-        return value
+            value = None
+        if not isinstance(value, dict) or not isinstance(value.get("error"), str):
+            return self._foreign(f"it answered {status}")
+        return CliError(f"{self.name}: {status} {value['error']}")
 
     def status(self, body: dict | None = None, timeout: float = 30) -> dict:
         """The process's status (``body``: a change to make first, POSTed to ``/v1/control``); CliError when what
@@ -121,13 +128,7 @@ class Endpoint:
         endpoint answered (it is subscribed then: no step made later is missed)."""
         response = self._open("GET", path, None, timeout)
         if response.status != 200:
-            try:
-                value = json.loads(response.read() or b"null")
-            except ValueError:
-                value = None
-            if not isinstance(value, dict) or not isinstance(value.get("error"), str):
-                raise self._foreign(f"it answered {response.status}")
-            raise CliError(f"{self.name}: {response.status} {value['error']}")
+            raise self._refused(response.status, response.read())
         if not (response.getheader("Content-Type") or "").startswith("text/event-stream"):
             raise self._foreign("it answered with no event stream")
         if on_open is not None:

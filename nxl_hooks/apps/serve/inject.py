@@ -57,6 +57,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...records.files import read_regular
 from ..options import CliError
 
 __all__ = ["Target", "bootstrap_source", "inject", "injector_command", "inspect_target", "permission_refusal",
@@ -527,12 +528,7 @@ def _answer(folder: int, name: str) -> dict:
     """The target's answer: a small regular file of the folder open as ``folder``, not followed through a link
     (the folder may be the target owner's, and this may run as root)."""
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=folder)
-        with os.fdopen(fd, "rb") as fh:
-            info = os.fstat(fh.fileno())
-            if not stat.S_ISREG(info.st_mode) or info.st_size > 1 << 20:
-                raise ValueError("not a small regular file")
-            answer = json.loads(fh.read(1 << 20))
+        answer = json.loads(read_regular(name, follow_symlinks=False, max_bytes=1 << 20, dir_fd=folder))
         if not isinstance(answer, dict):
             raise ValueError("not a JSON object")
         return answer
