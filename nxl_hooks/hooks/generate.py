@@ -17,11 +17,12 @@ generate returns). It explains the token actually emitted, whatever chose it: gr
 processors, a streamer or not.
 
 Host reads. Per generated token the recorder reads nothing back from the device: the emitted token, its scores,
-the rows that finished (EOS) and the decoding step's position stay device tensors; the steps go to the hub's
-publisher (:mod:`.publish`), which moves their records to the host in its own thread. On a GPU it scores them there
-too (one matmul for the steps scored together, then the methods), off the generating thread, while that one waits
-for the device (:data:`SCORED_ELSEWHERE`). What the host reads is a constant per call: the prompt (ids, mask), the
-first decoding step's position, whether a later step ran at another position (one flag), and generate's output.
+the rows that finished (EOS, a stop string) and the decoding step's position stay device tensors; the steps go to
+the hub's publisher (:mod:`.publish`), which moves their records to the host in its own thread. On a GPU it scores
+them there too (one matmul for the steps scored together, then the methods), off the generating thread, while that
+one waits for the device (:data:`SCORED_ELSEWHERE`). What the host reads is a constant per call: the prompt (ids,
+mask), the first decoding step's position, whether a later step ran at another position (one flag), and generate's
+output.
 
 Compiled calls. Forwards that run compiled (a static cache, with which ``generate`` compiles its decoding steps
 itself, or a ``forward`` the user compiled) run the model's own compiled code: the hooks, traced into it, do nothing
@@ -69,7 +70,7 @@ import os
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from typing import Any, Callable, Iterator, NamedTuple
 
 import torch
 from torch import nn
@@ -352,6 +353,7 @@ class Run:
         self._real: list[torch.Tensor] = []  # per generated position: is its token real (row not finished)?
         self._prompt_ids: list[torch.Tensor] = []
         self._active: torch.Tensor | None = None  # rows that have not emitted an EOS token (a new tensor per step)
+        self._going: list[torch.Tensor] = []  # per generated token: the rows generate had not finished after it
         # Decoding steps after the first are checked on the device (their positions are device tensors, e.g. a
         # static cache's length): whether any ran elsewhere than where the record continues, read at the end.
         self._checked = False
@@ -601,7 +603,7 @@ class Run:
         which rows finished is never read back)."""
         first = max(self._prompt_len, past)
         real = self._real[first - self._prompt_len: past + new - self._prompt_len]
-        if not real or not self._eos:  # without an EOS id no row ever finishes
+        if not real or not (self._eos or self._going):  # else no row ever finishes
             return mask
         mask = mask.clone()
         mask[:, first - past: first - past + len(real)] &= torch.stack(real, dim=1).to(mask.device)
@@ -764,7 +766,7 @@ class Run:
         for position in range(emitting if low == start else max(emitting, low + 1), min(end, high + 1)):
             if position - 1 >= low:
                 self._logits, self._log_probs = logits[:, position - 1 - low], None
-            self._emit([sequences[:, position].long()], at=position, hold=True)
+            self._emit(sequences[:, position].long(), at=position, hold=True)
         first = max(low, prompt_len)
         if first < high:
             try:
@@ -828,49 +830,54 @@ class Run:
         the model's log-probability of each explained target (batch, k), else read from its last logits. An int:
         the one row's token as the host holds it (an engine's request), made a tensor with the others it is scored
         with, not one by one in the engine's loop."""
-        self._emit([token.long() if isinstance(token, torch.Tensor) else operator.index(token)],
-                   None if log_prob is None else [log_prob])
+        self._emit(token.long() if isinstance(token, torch.Tensor) else operator.index(token), log_prob)
 
-    def _emit(self, tokens: Sequence[torch.Tensor] | Sequence[int], log_prob: Sequence[torch.Tensor] | None = None,
-              *, at: int | None = None, hold: bool = False) -> None:
-        """The step records of ``tokens`` (each (batch,) int64, or one host int): consecutive steps, the first emitted
-        at position ``at`` (default: after the last one fed), each next one a position later; ``log_prob`` (each
-        (batch, k)) as :meth:`emit`'s. ``hold``: they wait to be scored until the caller flushes (a compiled call's
-        steps, emitted at once before their positions are fed). Which rows are still active is worked out for all of
-        them at once; without an EOS id no row ever finishes, and every step holds the call's one all-True tensor.
-        The tokens stay on the device, never read here: the publisher reads them (texts) off this thread."""
-        active, host = self._active, isinstance(tokens[0], int)
+    def stopped(self, done: torch.Tensor) -> None:
+        """generate's stopping criteria ran on its latest token: ``done`` (batch,) says which rows finished there
+        (an EOS, a stop string, the user's own criterion), so that from the next step on generate only pads them.
+        Kept on the device, one tensor per generated token; :meth:`_emit` reads which rows are active from them.
+        Never raises (a failure stops the call's records, said as any other)."""
+        if self.failed:
+            return
+        try:
+            self._going.append(~done if not self._going else self._going[-1] & ~done)
+        except Exception as failure:  # noqa: BLE001 - never into the host's generate
+            self.fail("following which rows generate finished", failure)
+
+    def _emit(self, token: torch.Tensor | int, log_prob: torch.Tensor | None = None, *, at: int | None = None,
+              hold: bool = False) -> None:
+        """The step record of ``token`` ((batch,) int64, or one host int), emitted at position ``at`` (default: after
+        the last one fed); ``log_prob`` as :meth:`emit`'s. ``hold``: it waits to be scored until the caller flushes
+        (a compiled call's step, emitted before its position is fed). The rows still active are those generate's
+        stopping criteria had not finished (:meth:`stopped`), else those that emitted no EOS token before; without
+        either no row ever finishes, and every step holds the call's one all-True tensor. The token stays on the
+        device, never read here: the publisher reads it (texts) off this thread."""
+        active, host = self._active, isinstance(token, int)
         if active is None:
             active = self._active = (torch.ones(1, dtype=torch.bool) if host else
-                                     torch.ones(tokens[0].shape[0], dtype=torch.bool, device=tokens[0].device))
-        if not host and tokens[0].device != active.device:  # a model split across devices: the first step's device
-            tokens = [token.to(active.device) for token in tokens]  # for the call
-        count = len(tokens)
-        actives: Sequence[torch.Tensor] = [active] * count
-        if self._eos:  # rows that emit an EOS token only pad from the next step on
+                                     torch.ones(token.shape[0], dtype=torch.bool, device=token.device))
+        if not host and token.device != active.device:  # a model split across devices: the first step's device
+            token = token.to(active.device)  # for the call
+        at = self._n if at is None else at
+        generated = at - (self._prompt_len or 0)  # the token's index among the call's generated ones
+        rows = active
+        if self._going:  # (the criteria ran on every token before this one; a step they skipped changed nothing)
+            if generated > 0:
+                rows = self._going[min(generated, len(self._going)) - 1]
+        elif self._eos:  # a row that emits an EOS token only pads from the next step on
             if self._eos_ids is None:
                 self._eos_ids = torch.tensor(self._eos, dtype=torch.long, device=active.device)
-            if count == 1:
-                self._active = active & ~torch.isin(tokens[0], self._eos_ids)
-            else:
-                ends = torch.isin(torch.stack(tokens, dim=1), self._eos_ids)  # (batch, count)
-                ended = ends.cumsum(1).narrow(1, 0, count - 1) > 0  # an EOS at one of the steps before
-                stacked = torch.cat([active[:, None], active[:, None] & ~ended], dim=1)
-                self._active = stacked[:, -1] & ~ends[:, -1]
-                actives = stacked.unbind(1)
-        at = self._n if at is None else at
-        # Nobody to hand them to (keep_steps=False, no on_step, sink or subscriber): the records are not made.
+            self._active = active & ~torch.isin(token, self._eos_ids)
+        # Nobody to hand it to (keep_steps=False, no on_step, sink or subscriber): the record is not made.
         if self._hub.listened:
             now, deferred = time.time(), self._deferred
-            for index, (token, rows) in enumerate(zip(tokens, actives)):
-                deferred.append(_Emitted(token, rows, None if log_prob is None else log_prob[index], self._log_probs,
-                                         self._logits, at + index, now))
-            if len(deferred) == count:  # the first of a batch: how many may wait with them
+            deferred.append(_Emitted(token, rows, log_prob, self._log_probs, self._logits, at, now))
+            if len(deferred) == 1:  # the first of a batch: how many may wait with it
                 self._limit = self._batch_limit()
             if not hold and (self._hub.live or self._wait == 0 or len(deferred) >= self._limit
                              or (self._wait is not None and now - deferred[0].time >= self._wait)):
                 self.flush()
-        self._real.extend(actives)
+        self._real.append(rows)
         self._pending = False
 
     def drop_waiting(self) -> int:
@@ -1026,6 +1033,22 @@ class Run:
         return full, probabilities
 
 
+@functools.cache
+def _watched(kind: type) -> type:
+    """A subclass of generate's stopping-criteria list ``kind`` whose call also hands the rows it finished to
+    ``seen`` (kept on the device; a list of the user's own kind stays one)."""
+
+    class Watched(kind):  # type: ignore[misc, valid-type]
+        seen: Callable[[torch.Tensor], None]
+
+        def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+            done = super().__call__(input_ids, scores, **kwargs)
+            self.seen(done)  # (never raises)
+            return done
+
+    return Watched
+
+
 class Generations:
     """The ``generate`` wrapper on one model instance, and the :class:`~nxl_hooks.hooks.engines.Recording` of each
     thread's running call.
@@ -1042,7 +1065,7 @@ class Generations:
         self.cache_dtype = cache_dtype
         self.cache_device = torch.device(cache_device) if cache_device is not None else None
         self._local = threading.local()
-        self._restore: tuple[bool, Callable] | None = None
+        self._restore: dict[str, Callable | None] = {}  # the attributes install set: the instance's own before, if any
         self._detached = False
         self.backbone: nn.Module | None = None  # set by attach: a forward the user compiled in place is seen there
         # a forward that writes the model's own state is never run by the probe beside the host's (Run.finish)
@@ -1120,26 +1143,53 @@ class Generations:
     def install(self) -> None:
         model = self.plan.model
         original = model.generate
-        own = "generate" in vars(model)
 
         @functools.wraps(original)
         def generate(*args: Any, **kwargs: Any) -> Any:
             return self._track(original, args, kwargs)
 
         generate.__nxl_hook__ = True  # nxl.detach_all finds it
-        model.generate = generate
-        self._restore = (own, original)
+        self._set("generate", generate)
+        criteria = getattr(model, "_get_stopping_criteria", None)
+        if callable(criteria):
+            self._set("_get_stopping_criteria", self._watching(criteria))
+
+    def _set(self, name: str, wrapper: Callable) -> None:
+        """``wrapper`` as the model instance's attribute ``name`` until :meth:`uninstall`."""
+        model = self.plan.model
+        self._restore[name] = vars(model).get(name)
+        setattr(model, name, wrapper)
+
+    def _watching(self, criteria: Callable) -> Callable:
+        """generate's ``_get_stopping_criteria``, whose list, for a recorded call, also hands each token's finished
+        rows to the call's run (:meth:`Run.stopped`): a row a stop string or the user's criterion finished is
+        padded from then on as one that emitted an EOS token. Only where generate pads finished rows: it does when
+        one of the criteria has an ``eos_token_id`` (its own rule); else such a row goes on with real tokens."""
+
+        @functools.wraps(criteria)
+        def stopping_criteria(*args: Any, **kwargs: Any) -> Any:
+            found = criteria(*args, **kwargs)
+            run = self.current()
+            if not isinstance(run, Run) or not any(hasattr(each, "eos_token_id") for each in found):
+                return found
+            try:
+                watched = _watched(type(found))(found)
+            except Exception:  # noqa: BLE001 - a list of the user's own kind that cannot be copied: EOS ids then
+                return found
+            watched.seen = run.stopped
+            return watched
+
+        return stopping_criteria
 
     def uninstall(self) -> None:
         """Give the model its own ``generate`` back; calls running in other threads finish unrecorded."""
         self._detached = True
-        if self._restore is not None:
-            own, original = self._restore
-            if own:
-                self.plan.model.generate = original
+        for name, own in self._restore.items():
+            if own is not None:
+                setattr(self.plan.model, name, own)
             else:
-                vars(self.plan.model).pop("generate", None)
-            self._restore = None
+                vars(self.plan.model).pop(name, None)
+        self._restore = {}
 
     def _track(self, original: Callable, args: tuple, kwargs: dict) -> Any:
         if self.current() is not None or self._detached:  # generate calling generate: the outer call is tracked

@@ -36,9 +36,10 @@ class Step:
 
     ``step.scores["normxlogit"][step.layers.index(l), b, i]``: token i's NormXLogit, at layer l, for row b's emitted
     token (``step.normxlogit`` reads the same; other methods' scores sit beside it in ``scores``).
-    Rows are generate's rows (``num_return_sequences`` rows per prompt). A row that has finished (emitted an
-    EOS token) keeps getting records until the whole batch stops, as generate keeps padding it: those records
-    explain the pad token generate emitted and have ``active`` False; the pad positions have ``mask`` False.
+    Rows are generate's rows (``num_return_sequences`` rows per prompt). A row that has finished (an EOS
+    token, a stop string, a stopping criterion) keeps getting records until the whole batch stops, as generate
+    keeps padding it: those records explain the pad token generate emitted and have ``active`` False; the pad
+    positions have ``mask`` False.
     Records scored together share one copy of their tokens, active rows, probabilities, norms, masks and (when every
     method is pointwise) scores, each holding views of it: ``.clone()`` one before changing it in place.
     """
@@ -52,7 +53,7 @@ class Step:
     #: and "logat" (HoT(h_i^l)[target]) always, then the other methods the probe computed
     scores: dict[str, torch.Tensor]
     embed_norm: torch.Tensor  #: float32 (batch, position)
-    mask: torch.Tensor  #: bool (batch, position): False on left padding and on pad tokens after a row's EOS
+    mask: torch.Tensor  #: bool (batch, position): False on left padding and on pad tokens after a row finished
     active: torch.Tensor  #: bool (batch,): False where the row had already finished before this step
     layers: list[int]
     n_blocks: int | None  #: the model's block count, for negative layer indices

@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 from transformers import GenerationConfig, LlamaForCausalLM
-from transformers import LogitsProcessor, LogitsProcessorList
+from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
 import nxl_hooks as nxl
@@ -39,7 +39,7 @@ def test_greedy_every_step_matches_oracle_and_output_unchanged(model):
     with nxl.attach(model, layers="all") as probe:
         out = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
     torch.testing.assert_close(out, plain, rtol=0, atol=0)
-    assert "generate" not in vars(model)  # the wrapper is gone after detach
+    assert not {"generate", "_get_stopping_criteria"} & set(vars(model))  # the wrappers are gone after detach
     argmaxes = check_call(model, probe.calls[0], 6)
     assert all(torch.equal(a, s.token) for a, s in zip(argmaxes, probe.steps))
     assert probe.steps[0].normxlogit.shape == (4, 1, 7) and probe.steps[-1].normxlogit.shape == (4, 1, 12)
@@ -77,15 +77,34 @@ def test_sampling_explains_the_sampled_token_with_num_return_sequences(model):
     assert (argmaxes != tokens).any(), "sampling at temperature 3 should leave the argmax at least once"
 
 
-@pytest.mark.parametrize("cache, eos_from", [("dynamic", "argument"), ("static", "argument"), ("compiled", "argument"),
-                                             ("dynamic", "model_config")])
-def test_left_padded_batch_with_early_eos(model, cache, eos_from, monkeypatch):
+class _StopsOn(StoppingCriteria):
+    """The user's own criterion: a row is done once it emits ``token``."""
+
+    def __init__(self, token: int) -> None:
+        self.token = token
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        return input_ids[:, -1] == self.token
+
+
+def _word_tokenizer():
+    """One word per id of the generating model's: "[PAD]" at 0, "w1".."w99" (no word ends another's text), then
+    "[UNK]" and "abcdef" (StopStringCriteria reads each word's text as it follows that one)."""
+    return tiny.word_tokenizer(["[PAD]"] + [f"w{i}" for i in range(1, VOCAB)] + ["[UNK]", "abcdef"])
+
+
+@pytest.mark.parametrize("cache, stop", [("dynamic", "eos"), ("static", "eos"), ("compiled", "eos"),
+                                         ("dynamic", "eos of the model"), ("dynamic", "stop string"),
+                                         ("compiled", "stop string"), ("static", "criterion"),
+                                         ("dynamic", "criterion without eos")])
+def test_left_padded_batch_with_a_row_that_stops_early(model, cache, stop, monkeypatch):
     """Pads masked at every step: with a static cache generate hands the backbone a 4-D mask (batch, 1, q, keys)
     instead of the 2-D one, and its padding must be read from that (it once counted pads as real tokens).
     Compiled, the decoding steps are recorded all at once when the call ends, from the model run again over its
-    tokens: which rows are still active at each step is worked out for all of them together, and must say the
-    same. The EOS may be the model's own, under a generation config of the call's that leaves it unset (generate
-    then takes the model's)."""
+    tokens: which rows are still active at each step must say the same. A row stops at its EOS, which may be the
+    model's own under a generation config of the call's that leaves it unset (generate then takes the model's); or
+    at a stop string or the user's own criterion, after which generate pads it as after an EOS (they were recorded
+    as active, their pads as context). Without any EOS id generate pads nothing: the row goes on, active."""
     options = {"cache_implementation": "static"} if cache != "dynamic" else {}
     if cache == "compiled":
         options["compile_config"] = tiny.cpu_compile(backend="eager")
@@ -95,14 +114,21 @@ def test_left_padded_batch_with_early_eos(model, cache, eos_from, monkeypatch):
     mask = torch.ones(2, 6, dtype=torch.long)
     ids[0, :2], mask[0, :2] = PAD, 0  # row 0: two left pads
     reference = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)[:, 6:]
-    # EOS: a token row 0 emits at step s, that row 1 never emits, so row 0 stops early and row 1 goes on.
-    s, eos = next((s, int(t)) for s, t in enumerate(reference[0, 1:-1].tolist(), start=1)
-                  if t not in reference[1].tolist() and t not in reference[0, :s].tolist())
-    if eos_from == "argument":
-        options.update(max_new_tokens=8, do_sample=False, eos_token_id=eos)
-    else:
-        monkeypatch.setattr(model.generation_config, "eos_token_id", eos)
+    # The stop: a token row 0 emits at step s, that row 1 never emits, so row 0 stops early and row 1 goes on.
+    s, token = next((s, int(t)) for s, t in enumerate(reference[0, 1:-1].tolist(), start=1)
+                    if t not in reference[1].tolist() and t not in reference[0, :s].tolist())
+    never = next(t for t in range(1, VOCAB) if t not in reference.tolist()[0] + reference.tolist()[1])
+    options.update(max_new_tokens=8, do_sample=False, eos_token_id=token if stop == "eos" else never)
+    if stop == "eos of the model":
+        del options["max_new_tokens"], options["do_sample"], options["eos_token_id"]
+        monkeypatch.setattr(model.generation_config, "eos_token_id", token)
         options["generation_config"] = GenerationConfig(max_new_tokens=8, do_sample=False)
+    elif stop == "stop string":
+        options.update(stop_strings=f"w{token}", tokenizer=_word_tokenizer())
+    elif stop.startswith("criterion"):
+        options["stopping_criteria"] = StoppingCriteriaList([_StopsOn(token)])
+        if stop == "criterion without eos":
+            del options["eos_token_id"]
     with nxl.attach(model) as probe:
         out = model.generate(input_ids=ids, attention_mask=mask, **options)
     if cache == "compiled":  # its decoding steps ran compiled, and were recorded when the call ended
@@ -110,13 +136,17 @@ def test_left_padded_batch_with_early_eos(model, cache, eos_from, monkeypatch):
         torch._dynamo.reset()
     call = probe.calls[0]
     check_call(model, call, out.shape[1] - 6)
+    padded = stop != "criterion without eos"
+    if not padded:  # generate stopped nothing: the row's tokens are the ones it emitted unstopped
+        torch.testing.assert_close(out[:, 6:], reference, rtol=0, atol=0)
     for step in call.steps:
         assert not step.mask[0, :2].any() and step.mask[1].all()  # left pads masked; row 1 always real
-        assert bool(step.active[0]) == (step.step <= s)  # row 0 is active up to and including its EOS
-        assert step.mask[0, 2:].all() == (step.position <= 6 + s + 1)  # pads after row 0's EOS are masked
-        if step.step > s:
+        assert bool(step.active[0]) == (step.step <= s or not padded)  # active up to and including its stop
+        assert step.mask[0, 2:].all() == (step.position <= 6 + s + 1 or not padded)  # pads after it masked
+        assert bool(step.active[1])
+        if step.step > s and padded:
             assert int(step.token[0]) == PAD
-    assert int(call.steps[s].token[0]) == eos
+    assert int(call.steps[s].token[0]) == token
 
 
 class _Clock(LogitsProcessor):
