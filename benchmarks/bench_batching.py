@@ -63,23 +63,30 @@ class _Calls(TorchFunctionMode):
 
 
 @contextlib.contextmanager
-def _in_manager_threads(within: Callable[[], ContextManager]) -> Iterator[bool]:
-    """While entered, each continuous-batching manager's ``_run_generation_loop`` runs inside ``within()``, in its own
-    thread; yields whether this transformers has that method to wrap."""
-    loop = getattr(ContinuousBatchingManager, "_run_generation_loop", None)
-    if loop is None:
+def _wrapping(name: str, wrap: Callable[[Callable], Callable]) -> Iterator[bool]:
+    """While entered, ``ContinuousBatchingManager.<name>`` is ``wrap(its own)``; yields whether this transformers has
+    that method to wrap."""
+    own = getattr(ContinuousBatchingManager, name, None)
+    if own is None:
         yield False
         return
-
-    def wrapped(manager, *args, **kwargs):
-        with within():
-            return loop(manager, *args, **kwargs)
-
-    ContinuousBatchingManager._run_generation_loop = wrapped
+    setattr(ContinuousBatchingManager, name, wrap(own))
     try:
         yield True
     finally:
-        ContinuousBatchingManager._run_generation_loop = loop
+        setattr(ContinuousBatchingManager, name, own)
+
+
+def _in_manager_threads(within: Callable[[], ContextManager]) -> ContextManager[bool]:
+    """While entered, each continuous-batching manager's ``_run_generation_loop`` runs inside ``within()``, in its own
+    thread; yields whether this transformers has that method to wrap."""
+    def wrap(loop: Callable) -> Callable:
+        def wrapped(manager, *args, **kwargs):
+            with within():
+                return loop(manager, *args, **kwargs)
+        return wrapped
+
+    return _wrapping("_run_generation_loop", wrap)
 
 
 def manager_calls(run) -> int | None:
@@ -116,25 +123,17 @@ def _clocked(loops: list[tuple[float, float]]) -> ContextManager:
     return _in_manager_threads(clock)
 
 
-@contextlib.contextmanager
-def _warmups(seconds: list[float], device: torch.device) -> Iterator[None]:
+def _warmups(seconds: list[float], device: torch.device) -> ContextManager[bool]:
     """While entered, the wall seconds of each manager's ``warmup`` (generate_batch's, in the calling thread before
     its loop starts: with CUDA graphs, their capture) are appended to ``seconds``."""
-    warmup = getattr(ContinuousBatchingManager, "warmup", None)
-    if warmup is None:
-        yield
-        return
+    def wrap(warmup: Callable) -> Callable:
+        def timed_warmup(manager, *args, **kwargs):
+            returned = []
+            seconds.append(timed(lambda: returned.append(warmup(manager, *args, **kwargs)), device))
+            return returned[0]
+        return timed_warmup
 
-    def timed_warmup(manager, *args, **kwargs):
-        returned = []
-        seconds.append(timed(lambda: returned.append(warmup(manager, *args, **kwargs)), device))
-        return returned[0]
-
-    ContinuousBatchingManager.warmup = timed_warmup
-    try:
-        yield
-    finally:
-        ContinuousBatchingManager.warmup = warmup
+    return _wrapping("warmup", wrap)
 
 
 def publisher_cpu() -> float | None:
