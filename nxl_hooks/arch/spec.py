@@ -234,8 +234,10 @@ def head_kind(model: nn.Module) -> HeadKind:
     if name.endswith("ForMaskedLM"):
         return HeadKind.MASKED_LM
     if name.endswith("ForSequenceClassification"):
-        config = model.config
-        if config.num_labels == 1 or getattr(config, "problem_type", None) == "regression":
+        # transformers' own rule (the loss it trains with): regression where the config says so, or says nothing
+        # and has one output; a one-logit classifier trained with BCE (multi_label_classification) is signed
+        problem = getattr(model.config, "problem_type", None)
+        if problem == "regression" or (problem is None and model.config.num_labels == 1):
             return HeadKind.REGRESSION
         return HeadKind.SEQUENCE_CLASSIFICATION
     raise UnknownArchitectureError(

@@ -38,7 +38,7 @@ def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, chat: bo
     target, resolved = options.pop("target", "predicted"), None
     if not is_predicted(target) and not isinstance(target, torch.Tensor):
         target, resolved = prompt_targets(subject.model, subject.kind, tokenizer, target, texts)
-    enc = tokenizer(texts[0] if isinstance(text, str) else texts, return_tensors="pt", padding=True,
+    enc = tokenizer(texts[0] if isinstance(text, str) else texts, return_tensors="pt", padding=len(texts) > 1,
                     return_token_type_ids=False).to(input_device(model))
     with torch.no_grad(), attach(subject, tokenizer=tokenizer, target=target, **options) as probe:
         model(**enc)

@@ -18,6 +18,7 @@ from ..arch.registry import HeadKind
 from ..method.scores import regression_logat
 from ..records.attribution import Attribution
 from ..records.tokens import target_texts
+from .conventions import start
 from .plan import Plan
 
 __all__ = ["Capture", "assemble", "embedding_norms", "head_features", "open_capture"]
@@ -62,23 +63,37 @@ def head_features(plan: Plan, hidden: Sequence[torch.Tensor], first: int, end: i
         if end - first <= HEAD_CHUNK:  # one head call, its output as it is
             return plan.head.features(torch.stack([h[:, first:end] for h in hidden], dim=2))
         features = None
-        for start in range(first, end, HEAD_CHUNK):
-            stop = min(end, start + HEAD_CHUNK)
-            part = plan.head.features(torch.stack([h[:, start:stop] for h in hidden], dim=2))
+        for low in range(first, end, HEAD_CHUNK):
+            high = min(end, low + HEAD_CHUNK)
+            part = plan.head.features(torch.stack([h[:, low:high] for h in hidden], dim=2))
             if features is None:
                 features = part.new_empty((part.shape[0], end - first, *part.shape[2:]))
-            features[:, start - first: stop - first] = part
+            features[:, low - first: high - first] = part
         return features
 
 
-def open_capture(bound: dict[str, Any]) -> Capture:
-    """A capture for a backbone forward called with ``bound`` arguments; ValueError on an empty input."""
+def open_capture(bound: dict[str, Any], *, virtual: int | None = None) -> Capture:
+    """A capture for a backbone forward called with ``bound`` arguments; ValueError on an empty input. ``virtual``:
+    a plain forward's (not a step of a recorded call, which follows its positions itself), where a KV cache may
+    hold only that many positions before its tokens, which are no input tokens (PEFT prefix tuning's); ValueError
+    for one that continues a cache of other positions, whose context the probe never saw. A 2-D mask wider than
+    the tokens (it covers what the cache holds too) is cut to the tokens' own columns."""
     input_ids = bound.get("input_ids")
     reference = input_ids if input_ids is not None else bound.get("inputs_embeds")
     if reference is None or reference.dim() < 2 or reference.shape[0] == 0 or reference.shape[1] == 0:
         raise ValueError("empty input: nxl_hooks needs at least one token per row (got a zero-length batch)")
-    return Capture(input_ids=input_ids, attention_mask=bound.get("attention_mask"),
-                   shape=(int(reference.shape[0]), int(reference.shape[1])))
+    if virtual is not None:
+        past = start(bound)[0]
+        past = int(past) if past is not None else 0  # (a static cache's length: read once per plain forward)
+        if past not in (0, virtual):
+            raise ValueError(f"this forward continues a KV cache holding {past} positions (past_key_values) that ran "
+                             "before the probe saw them, so its tokens' context is unknown; run the whole sequence "
+                             "in one forward, or decode with generate, which nxl_hooks follows step by step")
+    rows, seq = int(reference.shape[0]), int(reference.shape[1])
+    mask = bound.get("attention_mask")
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > seq:
+        mask = mask[:, -seq:]  # (as conventions.token_mask reads a decoding step's)
+    return Capture(input_ids=input_ids, attention_mask=mask, shape=(rows, seq))
 
 
 def _model_logits(plan: Plan, output: Any, examples: torch.Tensor, positions: torch.Tensor,
@@ -115,7 +130,7 @@ def assemble(plan: Plan, capture: Capture, output: Any = None) -> Attribution:
             return values[examples.to(values.device)] if plan.kind is HeadKind.MASKED_LM else values
 
         if plan.kind is HeadKind.REGRESSION:
-            targets = torch.zeros(len(examples), 1, dtype=torch.long, device=final.device)
+            targets = plan.explained(torch.zeros(len(examples), 1, dtype=torch.long, device=final.device))
             log_probs = None
         else:  # the model's own softmax at the prediction rows
             targets = plan.explained(final.argmax(-1, keepdim=True))
@@ -127,7 +142,7 @@ def assemble(plan: Plan, capture: Capture, output: Any = None) -> Attribution:
 
         logat = head_logits(targets)
         if plan.kind is HeadKind.REGRESSION:
-            logat = regression_logat(logat, final[:, 0])
+            logat = regression_logat(logat, final.gather(-1, targets.to(final.device)))
         embed_norm = by_row(capture.embed_norm).to(final.device)
         scores, targets = plan.scores(Given(logat, embed_norm, targets, log_probs, head_logits))
     probability = None if log_probs is None else log_probs.gather(-1, targets.view(len(examples), -1)).exp()

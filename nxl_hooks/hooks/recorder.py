@@ -240,8 +240,13 @@ class Recorder:
                 self.plain.begin(self._arguments(args, kwargs))
             return
         self._recompiled.check(module)
-        captures, _ = self._stacks()
+        captures, tasks = self._stacks()
         run = self._run()
+        if tasks and tasks[-1].blocks_ran and tasks[-1].capture is None and not tasks[-1].in_call:
+            # left by a forward a BaseException (Ctrl-C) ended: torch runs always_call hooks on an Exception only, so
+            # its entries were never taken off; a task's backbone runs once, so this forward is not its
+            tasks.clear()
+            captures.clear()
         captures.append(None)  # replaced below once the inputs are known; a failure or a skipped call leaves None
         if run is not None and run.failed:
             return
@@ -249,7 +254,7 @@ class Recorder:
             bound = self._arguments(args, kwargs)
             if run is None and self._stray(bound):
                 return
-            capture = open_capture(bound)
+            capture = open_capture(bound, virtual=None if run is not None else self.plan.subject.virtual_tokens)
             if run is not None:
                 run.before_forward(bound)
             captures[-1] = capture

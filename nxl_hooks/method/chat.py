@@ -90,7 +90,7 @@ def _offsets(tokenizer: Any, texts: list[str]) -> tuple[torch.Tensor, torch.Tens
     """(ids, offsets) of ``texts`` tokenized as :func:`nxl_hooks.explain` does (padded); None without offsets (a
     slow tokenizer)."""
     try:
-        enc = tokenizer(texts, padding=True, return_offsets_mapping=True, return_token_type_ids=False,
+        enc = tokenizer(texts, padding=len(texts) > 1, return_offsets_mapping=True, return_token_type_ids=False,
                         return_tensors="pt")
     except Exception:  # noqa: BLE001 - slow tokenizers refuse offsets; a hook must not raise into the host either
         return None

@@ -32,8 +32,9 @@ def label_axis(target: object) -> bool:
 
 
 def regression_logat(logat: torch.Tensor, prediction: torch.Tensor) -> torch.Tensor:
-    """|HoT(h_i^l) − HoT(h_p^L)| for a one-output head: ``logat`` (layers, rows, seq, 1), ``prediction`` (rows,)."""
-    return (logat - prediction.to(logat.device, logat.dtype)[None, :, None, None]).abs()
+    """|HoT(h_i^l) − HoT(h_p^L)| for a regression head: ``logat`` (layers, rows, seq, k), ``prediction`` (rows, k),
+    the prediction of each explained output."""
+    return (logat - prediction.to(logat.device, logat.dtype)[None, :, None, :]).abs()
 
 
 def method_scores(methods: Sequence[Method], given: Given, *, label_axis: bool

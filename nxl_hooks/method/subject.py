@@ -48,6 +48,15 @@ class Subject:
     blocks: nn.ModuleList
 
     @property
+    def virtual_tokens(self) -> int:
+        """Positions a KV cache holds before the tokens of a plain forward of the model as given that are no input
+        tokens: the virtual tokens of PEFT prefix tuning (its active adapter's), else 0."""
+        config = getattr(compiled_original(self.given) or self.given, "active_peft_config", None)
+        if getattr(config, "peft_type", None) != "PREFIX_TUNING":  # (PeftType is a str enum)
+            return 0
+        return int(getattr(config, "num_virtual_tokens", 0) or 0)
+
+    @property
     def backbone(self) -> nn.Module:
         """The module whose forward runs the blocks: the spec's ``backbone``, else ``model.base_model``."""
         return get_path(self.model, self.spec.backbone) if self.spec.backbone else self.model.base_model

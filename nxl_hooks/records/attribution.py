@@ -374,6 +374,13 @@ class Attribution:
                                        **{name: getattr(self, name) for name in _FIELD_TENSORS}}.items()}
         tensors.update({name: getattr(self, name).cpu().contiguous() for name in _OPTIONAL_TENSORS
                         if getattr(self, name) is not None})
+        # safetensors refuses tensors that share memory: a method may return another's scores as they are
+        shared: set[int] = set()
+        for name, value in tensors.items():
+            storage = value.untyped_storage().data_ptr()
+            if storage in shared:
+                tensors[name] = value.clone()
+            shared.add(storage)
         header = {"format": _FORMAT, "version": FORMAT_VERSION, "layers": self.layers, "tokens": self.tokens,
                   "meta": self.meta,
                   **{name: getattr(self, name) for name in _OPTIONAL_HEADER if getattr(self, name) is not None}}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import struct
 import warnings
 import zlib
@@ -178,10 +179,20 @@ def _decode(payload: memoryview) -> tuple[dict, dict[str, torch.Tensor]]:
 
 
 def _field(header: dict, name: str, kinds: tuple[type, ...], *, optional: bool = False) -> Any:
+    """``header[name]`` of one of ``kinds``; a number is one a writer makes: a time (``float`` among ``kinds``) a
+    finite count of seconds whose microseconds fit int64, an index or count (``int``) one that fits int32."""
     value = header.get(name)
-    if (value is None and optional) or (isinstance(value, kinds) and (bool in kinds or not isinstance(value, bool))):
+    if value is None and optional:
         return value
-    raise ValueError(f"{name!r} is {value!r}, expected {' or '.join(k.__name__ for k in kinds)}")
+    if isinstance(value, bool):
+        fits = bool in kinds
+    elif isinstance(value, (int, float)) and isinstance(value, kinds):
+        fits = 0 <= value < (_SECONDS if float in kinds else _INDEX)  # (NaN fails, as does the infinity json reads)
+    else:
+        fits = isinstance(value, kinds)
+    if fits:
+        return value
+    raise ValueError(f"{name!r} is {value!r:.80}, expected {' or '.join(k.__name__ for k in kinds)}")
 
 
 def _tensor(tensors: dict[str, torch.Tensor], name: str, dim: int, *, boolean: bool = False,
@@ -198,27 +209,36 @@ def _tensor(tensors: dict[str, torch.Tensor], name: str, dim: int, *, boolean: b
     return value
 
 
+#: Upper bounds of the numbers a writer puts in a frame's header: an index or count (fits int32), a time in seconds
+#: (its microseconds fit int64), a token id (fits int64).
+_INDEX, _SECONDS, _ID = 1 << 31, 1 << 40, 1 << 63
+
+
 def _layers(header: dict) -> list[int]:
     layers = header.get("layers")
-    if not isinstance(layers, list) or not layers or not all(isinstance(x, int) and not isinstance(x, bool)
+    if not isinstance(layers, list) or not layers or not all(type(x) is int and -_INDEX <= x < _INDEX
                                                              for x in layers):
-        raise ValueError(f"'layers' is {layers!r}, expected a list of ints")
+        raise ValueError(f"'layers' is {layers!r:.80}, expected a list of layer indices")
     return layers
 
 
-def _strings(header: dict, name: str) -> Any:
-    """An optional list of strings, or of lists of strings (readable token texts)."""
+def _texts(header: dict, name: str, rows: int, width: int | None = None) -> Any:
+    """An optional list of ``rows`` readable token texts (``width`` None: one per row), or of ``rows`` lists of
+    ``width`` texts each."""
     value = header.get(name)
-    flat = value if value is None or not value or not isinstance(value[0], list) else [t for row in value for t in row]
-    if value is None or (isinstance(value, list) and all(isinstance(text, str) for text in flat)):
+    if value is None or (isinstance(value, list) and len(value) == rows and all(
+            isinstance(row, str) if width is None else
+            isinstance(row, list) and len(row) == width and all(isinstance(text, str) for text in row)
+            for row in value)):
         return value
-    raise ValueError(f"{name!r} is {value!r}, expected a list of token texts")
+    shape = f"{rows} token text(s)" if width is None else f"{rows} list(s) of {width} token texts"
+    raise ValueError(f"{name!r} is {value!r:.80}, expected {shape}")
 
 
 def _ints(header: dict, name: str) -> list[int] | None:
     """An optional list of ints (token ids)."""
     value = header.get(name)
-    if value is None or (isinstance(value, list) and all(type(i) is int for i in value)):
+    if value is None or (isinstance(value, list) and all(type(i) is int and -_ID <= i < _ID for i in value)):
         return value
     raise ValueError(f"{name!r} is {value!r:.80}, expected a list of token ids")
 
@@ -264,13 +284,15 @@ def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, to
         mask = _tensor(tensors, "prompt_mask", 2, boolean=True)
         ids = _tensor(tensors, "prompt_ids", 2, optional=True)
         template = _tensor(tensors, "prompt_template", 2, boolean=True, optional=True)
+        if mask.numel() == 0:  # (a call has a row and a token at least: rows of nothing would cost memory alone)
+            raise ValueError(f"prompt_mask {tuple(mask.shape)} holds no token")
         for name, value in (("prompt_ids", ids), ("prompt_template", template)):
             if value is not None and value.shape != mask.shape:
                 raise ValueError(f"{name} {tuple(value.shape)} and prompt_mask {tuple(mask.shape)} differ in shape")
         calls[index] = GenerationCall(index=index, layers=_layers(header), prompt_ids=ids, prompt_mask=mask,
                                       request_id=_field(header, "request_id", (str,), optional=True),
                                       thread=_field(header, "thread", (str,), optional=True),
-                                      readable=_strings(header, "readable"), prompt_template=template,
+                                      readable=_texts(header, "readable", *mask.shape), prompt_template=template,
                                       special_ids=_ints(header, "special_ids"),
                                       model=_field(header, "model", (str,), optional=True),
                                       started=_field(header, "started", (float, int), optional=True))
@@ -283,7 +305,8 @@ def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, to
     if kind == "step":
         step = Step(call=index, step=_field(header, "step", (int,)), position=_field(header, "position", (int,)),
                     layers=_layers(header), n_blocks=_field(header, "n_blocks", (int,), optional=True),
-                    probability=tensors.get("probability"), readable=_strings(header, "readable"),
+                    probability=tensors.get("probability"),
+                    readable=_texts(header, "readable", call.prompt_mask.shape[0]),
                     time=_field(header, "time", (float, int), optional=True),
                     scores=stored_scores(tensors),
                     **{name: tensors.get(name) for name in STEP_TENSORS if name not in DEFAULT})
@@ -370,11 +393,24 @@ def _check_file(header: dict, index: int, name: tuple[int, int] | None) -> None:
 def _writers(folder: Path) -> list[list[Path]]:
     """The stream files below ``folder``, one list per writer (a RotatingSink's files joined in order)."""
     groups: dict[tuple, list[Path]] = {}
-    for path in sorted(p for p in folder.rglob("*.nxl") if p.is_file()):
+    for path in sorted(_stream_files(folder)):
         match = _ROTATED.fullmatch(path.name)
         key = (str(path.parent), int(match.group(2))) if match else (str(path.parent), -1, path.name)
         groups.setdefault(key, []).append(path)
     return [groups[key] for key in sorted(groups)]
+
+
+def _stream_files(folder: Path) -> Iterator[Path]:
+    """The ``*.nxl`` regular files below ``folder``, walked without recursion (a folder nested thousands deep is a
+    folder like another) and without following links."""
+    folders = [folder]
+    while folders:
+        with os.scandir(folders.pop()) as entries:
+            for entry in entries:
+                if entry.is_dir(follow_symlinks=False):
+                    folders.append(Path(entry.path))
+                elif entry.name.endswith(".nxl") and entry.is_file():  # (a link to a file is read)
+                    yield Path(entry.path)
 
 
 def read_stream(path: str | Path, *, request_id: str | None = None, strict: bool = False) -> Stream:
@@ -424,11 +460,13 @@ def _read_stream(path: Path, *, request_id: str | None, strict: bool) -> Stream:
             try:
                 data = read_regular(file, StreamError)
             except FileNotFoundError:
-                if len(files) > 1 and last is None:  # deleted by the writer's retention while we read
+                if name is None:
+                    raise
+                # deleted by the writer's retention while we read: the next one listed starts what is kept, else the
+                # folder is listed again
+                if last is None and file is not files[-1]:
                     continue
-                if len(files) > 1:
-                    raise _Moved() from None
-                raise
+                raise _Moved() from None
             if name is not None and file is files[-1] and _FILE_MAGIC.startswith(bytes(data)):
                 break  # the writer's newest file, created a moment ago: it holds no record yet
             got, found = _read(data, file, calls, name=name)

@@ -78,6 +78,25 @@ def test_a_method_from_a_test_file_is_computed_and_ranks_in_top(lm, tmp_path):
         nxl.explain(model, tok, TEXT).top(method=NAME)
 
 
+class Same(Method):
+    """A method that gives LogAt's scores as they are: the very tensor LogAt gives."""
+
+    name = "test_same_as_logat"
+    description = "LogAt itself (tests/oracle/test_methods.py)"
+
+    def score(self, given: Given) -> torch.Tensor:
+        return given.logat.float()  # (float32 already: no copy)
+
+
+def test_a_method_whose_scores_are_another_methods_tensor_saves_and_loads(lm, tmp_path):
+    """safetensors refuses tensors that share memory; the record keeps both (save raised its RuntimeError)."""
+    model, tok = lm
+    res = nxl.explain(model, tok, TEXT, methods=[Same()])
+    assert res.scores[Same.name].data_ptr() == res.scores["logat"].data_ptr()
+    back = nxl.Attribution.load(res.save(tmp_path / "same.safetensors"))
+    assert back.methods == res.methods and torch.equal(back.scores[Same.name], res.scores["logat"])
+
+
 def test_the_cli_ranks_by_a_registered_method(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     path = tiny.save_model(tmp_path / "lm", "llama", seed=0)

@@ -608,7 +608,7 @@ CRAFTED_FRAMES = cases(
     ("step target float", _step(target=torch.tensor([9.0])), "target has dtype torch.float32"),
     ("step layers unsorted", _step(layers=[2, 0, 1]), "must be distinct, increasing"),
     ("step layers beyond L", _step(layers=[0, 1, 5]), "must be distinct, increasing and in 0..2"),
-    ("step layers strings", _step(layers="all"), "'layers' is 'all', expected a list of ints"),
+    ("step layers strings", _step(layers="all"), "'layers' is 'all', expected a list of layer indices"),
     ("step index a float", _step(step=0.5), "'step' is 0.5, expected int"),
     ("step n_blocks string", _step(n_blocks="2"), "'n_blocks' is '2'"),
 )

@@ -146,6 +146,106 @@ def test_a_folder_reads_while_its_writer_starts_a_file_or_its_retention_deletes_
     assert [s.step for s in call.steps] == list(range(expected, 12))
 
 
+def _reencoded(frame: bytes, header=lambda h: None, tensors=lambda t: None) -> bytes:
+    """``frame`` with its header and tensors changed in place by the two functions, and a valid checksum again."""
+    (payload,) = [p for _, _, p, _ in reader._frames(bytearray(writer._FILE_MAGIC + frame))]
+    head, stored = reader._decode(payload)
+    header(head)
+    tensors(stored)
+    return writer._encode(stored, {k: v for k, v in head.items() if k != "seq"}, head.get("seq"))
+
+
+@pytest.mark.parametrize("frame, change", [
+    (0, lambda h, t: h.update(readable=[["a"]])),  # a prompt of 5 tokens
+    (0, lambda h, t: h.update(readable=[["a"] * 5, ["b"] * 5])),  # a batch of 1
+    (0, lambda h, t: h.update(readable=[1] * 100_000)),  # (its error is one short line)
+    (1, lambda h, t: h.update(readable=["x", "y"])),
+    (1, lambda h, t: h.update(readable=[["x"]])),
+    (1, lambda h, t: h.update(time=float("inf"))),
+    (1, lambda h, t: h.update(time=float("nan"))),
+    (1, lambda h, t: h.update(time=1e300)),
+    (0, lambda h, t: h.update(call=2 ** 63)),
+    (0, lambda h, t: h.update(layers=[0, 2 ** 40])),
+    (0, lambda h, t: h.update(special_ids=[2 ** 63])),
+    (0, lambda h, t: t.update(prompt_mask=torch.ones(1_000_000, 0, dtype=torch.bool), prompt_ids=None)),
+], ids=["call texts short", "call texts rows", "call texts not texts", "step texts rows", "step texts nested",
+        "time infinite", "time nan", "time huge", "call index", "layer", "special id", "rows of nothing"])
+def test_a_frame_with_header_values_no_writer_makes_is_refused_in_one_short_line(recorded, tmp_path, frame, change):
+    """Values no writer puts in a frame (texts that do not fit the record, numbers out of any range a record has) are
+    a frame nxl_hooks did not write: refused when read. They were read, and every reader of the records (repr, the
+    views, HTML, the Parquet export) failed on them later, or used memory the file's few bytes chose."""
+    data, _ = recorded
+    magic, frames = _split(data)
+    path = tmp_path / "crafted.nxl"
+    # the frame changed is the file's last: nothing after it refuses it on other grounds (a step of another call)
+    path.write_bytes(magic + b"".join(frames[:frame] + [_reencoded(frames[frame])]))
+    read = nxl.read_stream(path, strict=True)  # re-encoded as it was, the frame reads
+    assert read.damage is None and len(read[0].steps) == frame
+
+    replaced: dict = {}  # tensors the change replaces (None: removed), applied after its header's
+
+    def tensors(stored: dict) -> None:
+        for name, value in replaced.items():
+            stored.pop(name) if value is None else stored.__setitem__(name, value)
+
+    crafted = _reencoded(frames[frame], header=lambda h: change(h, replaced), tensors=tensors)
+    path.write_bytes(magic + b"".join(frames[:frame] + [crafted]))
+    for strict in (True, False):
+        with pytest.raises(nxl.StreamError, match="has a valid checksum but is not a record") as failed:
+            nxl.read_stream(path, strict=strict)
+        assert len(str(failed.value)) < 400 and "\n" not in str(failed.value)
+
+
+def test_a_folder_reads_while_its_writer_rotates_away_every_file_it_listed(recorded, tmp_path, monkeypatch):
+    """The writer's retention deletes the files the reader listed before it opens the first (one file kept, or
+    all of them rotated away at once): the folder is listed again (it raised FileNotFoundError, or read nothing and
+    said no damage)."""
+    path = tmp_path / "one.nxl"
+    path.write_bytes(recorded[0])
+    (call,) = nxl.read_stream(path)
+    for kept, first in ((1, 1), (2, 2)):
+        folder = tmp_path / f"rot{kept}"
+        sink = nxl.RotatingSink(folder, max_bytes=900, max_files=kept)
+        sink.write_call(call, {})
+        for step in call.steps[:first]:
+            sink.write_step(step)
+        listed = sorted(folder.iterdir())
+        real, rotated = reader.read_regular, []
+
+        def writer_meanwhile(file, *args, **kwargs):  # the writer goes on between the listing and the first open
+            if not rotated:
+                rotated.append(file)
+                for step in call.steps[first:]:
+                    sink.write_step(step)  # each one a file of its own, the oldest deleted
+                sink.write_end(call)
+            return real(file, *args, **kwargs)
+
+        monkeypatch.setattr(reader, "read_regular", writer_meanwhile)
+        read = nxl.read_stream(folder, strict=True)
+        monkeypatch.setattr(reader, "read_regular", real)
+        sink.close()
+        assert not set(listed) & set(folder.iterdir())  # every file listed first was gone when it was opened
+        steps = [s.step for s in read[0].steps]  # the last ones, those in the files kept
+        assert len(read) == 1 and read[0].complete and steps == list(range(len(call.steps) - len(steps),
+                                                                            len(call.steps)))
+
+
+def test_a_folder_nested_deeper_than_the_recursion_limit_reads(recorded, tmp_path):
+    """Python 3.11's rglob recursed once per level: a deep folder raised RecursionError."""
+    depth = sys.getrecursionlimit() + 200
+    levels = [tmp_path.joinpath(*["d"] * level) for level in range(1, depth + 1)]
+    for level in levels:  # (pathlib's and os's own makedirs recurse too)
+        level.mkdir()
+    (levels[-1] / "run.nxl").write_bytes(recorded[0])
+    (tmp_path / "top.nxl").write_bytes(recorded[0])
+    try:
+        assert [call.complete for call in nxl.read_stream(tmp_path)] == [True, True]
+    finally:  # (as does the removal of pytest's temporary folders)
+        (levels[-1] / "run.nxl").unlink()
+        for level in reversed(levels):
+            level.rmdir()
+
+
 def _in_thread(fn) -> BaseException | None:
     """Run ``fn`` in a thread for at most 10 s; the exception it raised (a hang fails the test)."""
     out: list = []

@@ -23,22 +23,29 @@ class Contrastive:
     description = "NormXLogit[target] − NormXLogit[foil]; foil: the model's best other output (runner-up)"
     pointwise = True  # (Pointwise): a row's foil is read from that row's own log-probabilities
 
-    def foils(self, given: Given) -> torch.Tensor | None:
-        """(rows, 1) foil ids, on the device of the explained ids; None when there is nothing to contrast with."""
+    def foils(self, given: Given) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """(rows, 1) foil ids, on the device of the explained ids, and (rows, 1) True where a row has none (every
+        output is explained; None: every row has one); None when there is nothing to contrast with."""
         targets = given.targets
         if self.foil is not None:
-            return torch.full((targets.shape[0], 1), self.foil, dtype=torch.long, device=targets.device)
+            return torch.full((targets.shape[0], 1), self.foil, dtype=torch.long, device=targets.device), None
         if given.log_probs is None:
             return None
         ranked = given.log_probs.scatter(-1, targets.to(given.log_probs.device), float("-inf"))
-        return ranked.argmax(-1, keepdim=True).to(targets.device)
+        none = ranked.isneginf().all(-1, keepdim=True) if targets.shape[-1] >= ranked.shape[-1] else None
+        return ranked.argmax(-1, keepdim=True).to(targets.device), none
 
     def score(self, given: Given) -> torch.Tensor:
-        foils = self.foils(given)
-        if foils is None:
+        found = self.foils(given)
+        if found is None:
             return torch.full_like(given.logat, float("nan"))
+        foils, none = found
         gap = given.logat - given.head_logits(foils).to(given.logat.device, given.logat.dtype)
-        return given.embed_norm.to(gap.device, gap.dtype)[None, :, :, None] * gap
+        scores = given.embed_norm.to(gap.device, gap.dtype)[None, :, :, None] * gap
+        if none is None:
+            return scores
+        # (on the device: which rows have no foil is never read back)
+        return scores.masked_fill(none.to(scores.device)[None, :, None, :], float("nan"))
 
 
 METHOD = Contrastive()

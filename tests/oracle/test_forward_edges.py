@@ -1,0 +1,146 @@
+"""Plain forwards at their edges, each against the oracle (``output_hidden_states`` and the head by hand): a
+regression head's output asked for, a one-logit classifier, one text without a pad token, a forward that continues a KV cache (PEFT prefix
+tuning's virtual tokens, or positions the probe never saw), a forward Ctrl-C ended, and a contrastive score with no
+output left to contrast with.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import BertConfig, BertForSequenceClassification
+
+import big_models as big
+import nxl_hooks as nxl
+import oracle
+import tiny
+
+TEXT = "the film was very good"
+
+
+def _ids(rows: int, seq: int, seed: int = 3) -> torch.Tensor:
+    return torch.randint(5, len(tiny.VOCAB), (rows, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_regression_head_with_several_outputs_explains_the_output_asked_for():
+    """|HoT(h_i^l)[y] - HoT(h_p^L)[y]| at the output y asked for (output 0 was explained whatever was asked)."""
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=len(tiny.VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        pad_token_id=0, max_position_embeddings=64, num_labels=2, problem_type="regression")).eval()
+    ids = _ids(3, 7)
+    for target in (0, 1):
+        with torch.no_grad(), nxl.attach(model, target=target) as probe:
+            out = model(input_ids=ids, output_hidden_states=True)
+        res = probe.result()
+        logits = oracle.bert_classifier(model).layer_logits(out.hidden_states)  # (L+1, rows, seq, 2)
+        expected = (logits[..., target] - logits[-1, :, 0, target][None, :, None]).abs()
+        assert res.target.tolist() == [target] * 3
+        torch.testing.assert_close(res.logat, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_one_logit_classifier_trained_with_bce_explains_its_signed_logit():
+    """transformers' rule: one output is regression only where the config says nothing else; a one-logit binary
+    classifier (problem_type="multi_label_classification") reads its logit as it is, signed (it was |HoT - HoT_p|)."""
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=len(tiny.VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        pad_token_id=0, max_position_embeddings=64, num_labels=1, problem_type="multi_label_classification")).eval()
+    with torch.no_grad(), nxl.attach(model) as probe:
+        out = model(input_ids=_ids(2, 6), output_hidden_states=True)
+    logits = oracle.bert_classifier(model).layer_logits(out.hidden_states)[..., 0]
+    torch.testing.assert_close(probe.result().logat, logits, rtol=1e-4, atol=1e-5)
+    model.config.problem_type = None  # one output, nothing said: regression
+    with torch.no_grad(), nxl.attach(model) as probe:
+        model(input_ids=_ids(2, 6))
+    assert probe.result().meta["head_kind"] == "regression"
+
+
+def test_one_text_is_explained_with_a_tokenizer_that_has_no_pad_token():
+    """One text needs no padding (GPT-2's and Llama-2's tokenizers have no pad token: explain raised)."""
+    model, tok = tiny.build_model("llama"), tiny.tokenizer()
+    tok.pad_token = None
+    res = nxl.explain(model, tok, TEXT)
+    ids = tok(TEXT, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    logits = oracle.llama(model).layer_logits(out.hidden_states)
+    _, expected = oracle.normxlogit(logits, out.hidden_states[0], logits[-1, :, -1].argmax(-1))
+    torch.testing.assert_close(res.normxlogit, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_forward_that_continues_a_kv_cache_the_probe_never_saw_is_said_not_recorded():
+    """A hand-written decoding step: its tokens' context is in a cache the probe never saw, so it is not recorded,
+    said in one line (it was recorded over its own tokens alone, with the whole mask: a record that could not be
+    read, ranked or saved), and the model's output is its own."""
+    model = tiny.build_model("llama")
+    ids = _ids(2, 6)
+    with torch.no_grad():
+        first = model(input_ids=ids[:, :5], use_cache=True)
+        plain = model(input_ids=ids[:, 5:], attention_mask=torch.ones_like(ids),
+                      past_key_values=model(input_ids=ids[:, :5], use_cache=True).past_key_values).logits
+        with nxl.attach(model) as probe:
+            out = model(input_ids=ids[:, 5:], attention_mask=torch.ones_like(ids),
+                        past_key_values=first.past_key_values).logits
+    torch.testing.assert_close(out, plain, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"continues a KV cache holding 5 positions .* decode with generate"):
+        probe.result()
+
+
+def test_peft_prefix_tuning_explains_the_input_tokens_after_its_virtual_ones():
+    """PEFT prefix tuning hands the model a cache of virtual tokens (no input tokens) and a mask widened by them:
+    the input tokens are explained, equal to the oracle (the mask's width failed the record)."""
+    peft = pytest.importorskip("peft")
+    model = big.build("llama")
+    config = peft.PrefixTuningConfig(task_type=peft.TaskType.CAUSAL_LM, num_virtual_tokens=3)
+    peft_model = peft.get_peft_model(model, config).eval()
+    ids, mask = big.batch()
+    res = big.check(peft_model, big.llama_head(model), ids, mask)
+    assert res.mask.shape == ids.shape
+
+
+def test_a_forward_ctrl_c_ended_leaves_nothing_that_a_later_forward_is_taken_for():
+    """torch runs a forward's always_call hooks on an Exception only: a KeyboardInterrupt left the probe's entries of
+    the ended forward behind, and a backbone called directly after it was taken for that forward, never made (the
+    result was the forward's before)."""
+    model = tiny.build_model("llama")
+    ids, other = _ids(3, 7), _ids(1, 4, seed=9)
+    interrupt = []
+
+    def ctrl_c(module, args, output):
+        if interrupt:
+            interrupt.clear()
+            raise KeyboardInterrupt
+
+    handle = model.model.layers[-1].register_forward_hook(ctrl_c)
+    try:
+        with torch.no_grad(), nxl.attach(model) as probe:
+            model(input_ids=ids)
+            interrupt.append(True)
+            with pytest.raises(KeyboardInterrupt):
+                model(input_ids=ids)
+            out = model.model(input_ids=other, output_hidden_states=True)
+            res = probe.result()
+    finally:
+        handle.remove()
+    logits = oracle.llama(model).layer_logits(out.hidden_states)
+    logat, _ = oracle.normxlogit(logits, out.hidden_states[0], logits[-1, :, -1].argmax(-1))
+    torch.testing.assert_close(res.logat, logat, rtol=1e-4, atol=1e-5)
+
+
+def test_contrastive_is_nan_where_every_output_is_explained():
+    """No output is left to be the foil: NaN, as without the model's probabilities (it was the gap to output 0,
+    itself a target)."""
+    model = tiny.build_model("bert")
+    ids = _ids(2, 6)
+    for target, foiled in (([0, 1], False), (0, True)):
+        with torch.no_grad(), nxl.attach(model, target=target, methods=["contrastive"]) as probe:
+            out = model(input_ids=ids, output_hidden_states=True)
+        scores = probe.result().scores["contrastive"]
+        if not foiled:
+            assert scores.isnan().all()
+            continue
+        logits = oracle.bert_classifier(model).layer_logits(out.hidden_states)
+        gap = logits[..., 0] - logits[..., 1]  # the foil: the one output not explained
+        expected = out.hidden_states[0].norm(dim=-1)[None] * gap
+        torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-5)
