@@ -308,6 +308,11 @@ def test_requests_that_reuse_a_running_requests_prefix_are_recorded_whole(model)
 
 def _serve(manager, request_id: str, prompt: list[int], new: int = 3):
     manager.add_request(prompt, request_id=request_id, max_new_tokens=new)
+    return _finished(manager, request_id)
+
+
+def _finished(manager, request_id: str):
+    """The tokens ``request_id`` generated, once it finished (within a minute)."""
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         result = manager.get_result(request_id=request_id, timeout=1)
@@ -376,8 +381,20 @@ def test_a_request_that_reuses_a_finished_requests_prefix(model, kept, monkeypat
         assert "allow_block_sharing=False" in calls["second"].error
 
 
-def test_cancelled_request_ends_incomplete_and_frees_its_features(model):
-    prompt = _prompts((6,), 6)[0]
+def _gone(manager, request_id: str) -> None:
+    """Wait until ``manager``'s scheduler holds ``request_id`` no more (a cancel is taken in its loop)."""
+    scheduler, deadline = manager.batch_processor.scheduler, time.monotonic() + 60
+    while request_id in scheduler.active_requests or request_id in scheduler.waiting_requests:
+        assert time.monotonic() < deadline, f"{request_id} was never cancelled"
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("then", ["another request", "its id again"])
+def test_cancelled_request_ends_incomplete_and_frees_its_features(model, then):
+    """The next forward finds it gone. Or the manager idles after the cancel (no step opens to find it gone) and a
+    client sends the same id again (a retry with its X-Request-ID): two calls then, the retry its own and equal to
+    the oracle (it was fed into the cancelled request's call, which then said it completed)."""
+    prompt, again = _prompts((6,), 6)[0], _prompts((11,), 7)[0]
     with nxl.attach(model) as probe:
         manager = model.init_continuous_batching(generation_config=_greedy(500), continuous_batching_config=_config())
         manager.start()
@@ -387,14 +404,117 @@ def test_cancelled_request_ends_incomplete_and_frees_its_features(model):
             for _ in zip(range(3), stream):  # three steps of it are recorded: it is running
                 pass
             manager.cancel_request("long")
-            _serve(manager, "next", _prompts((4,), 7)[0])  # the next forward finds it gone
+            if then == "another request":
+                _serve(manager, "next", _prompts((4,), 7)[0])
+            else:
+                _gone(manager, "long")
+                _serve(manager, "long", again, new=4)
             long = next(c for c in probe.calls if c.request_id == "long")
             assert not long.complete and "left the manager" in long.error and len(long.steps) >= 3
-            assert probe._hub._running == []
+            assert long.prompt_ids[0].tolist() == prompt and probe._hub._running == []
             (batching,) = [ref() for ref in probe._attachment._engines]
             assert all(not table for table in batching._tables.values())  # no feature cache left behind
         finally:
             manager.stop(block=True, timeout=30)
+    if then == "its id again":
+        retry = [c for c in probe.calls if c.request_id == "long"][1]
+        assert retry.prompt_ids[0].tolist() == again
+        check_call(model, retry, 4)
+
+
+@pytest.mark.parametrize("blocks", [4, 6])
+def test_num_return_sequences_children_that_wait_for_room_are_recorded(model, blocks):
+    """A cache too small for every child of a sampled request: a child that could not be forked is queued whole
+    (transformers marks it like a soft reset, with nothing generated), and one forked after its parent finished
+    reuses the parent's first positions without prefix sharing. Both are recorded, equal to the oracle (they were
+    said not recorded, with reasons that did not hold)."""
+    prompts = _prompts((40,), 4)
+    config = GenerationConfig(do_sample=True, temperature=2.0, top_k=0, max_new_tokens=4, eos_token_id=-1,
+                              pad_token_id=0, num_return_sequences=3)
+    cb = dict(num_blocks=blocks, max_batch_tokens=48, allow_block_sharing=False)
+    torch.manual_seed(0)
+    plain = model.generate_batch(prompts, generation_config=config, continuous_batching_config=_config(**cb))
+    torch.manual_seed(0)
+    with nxl.attach(model) as probe:
+        out = model.generate_batch(prompts, generation_config=config, continuous_batching_config=_config(**cb))
+    assert _tokens(out) == _tokens(plain) and len(out) == 3
+    calls = {call.request_id: call for call in probe.calls}
+    assert sorted(calls) == sorted(out)
+    for request_id, call in calls.items():
+        assert call.error is None, call.error
+        check_call(model, call, 4)
+
+
+@pytest.mark.parametrize("prompts, cb, children", [((5, 23, 9), {}, 1), ((3, 2, 5, 2), {"max_batch_tokens": 5}, 2)],
+                         ids=["chunked prompts", "one-token slices, some yielding no token"])
+def test_every_step_has_the_probability_of_the_unbatched_oracle(model, prompts, cb, children):
+    """The model's own probability of each token, read at the row the manager sampled it from: with
+    ``logits_to_keep`` one row per request that samples, whatever the shapes say (a step whose every slice is one
+    token long, some yielding none, was read as one row per packed token)."""
+    if children > 1:  # (a layout this model's tokens give: its requests finish and fork as that needs)
+        model, generator = tiny.generating_llama(), torch.Generator().manual_seed(17)
+        prompts = [torch.randint(1, tiny.GEN_VOCAB, (n,), generator=generator).tolist() for n in prompts]
+    else:
+        prompts = _prompts(prompts)
+    config = (_greedy() if children == 1 else GenerationConfig(
+        do_sample=True, top_k=1, max_new_tokens=NEW, eos_token_id=-1, pad_token_id=0, num_return_sequences=children))
+    with nxl.attach(model, layers="last") as probe:
+        out = model.generate_batch(prompts, generation_config=config, continuous_batching_config=_config(**cb))
+    calls = {call.request_id: call for call in probe.calls}
+    assert sorted(calls) == sorted(out)
+    for request_id, call in calls.items():
+        assert call.error is None, call.error
+        sequence = call.sequences
+        for step in call.steps:
+            with torch.no_grad():  # the model alone, uncached and unbatched, on the prefix before this token
+                logits = model(input_ids=sequence[:, : step.position]).logits[:, -1].float()
+            expected = logits.softmax(-1)[0, int(step.token)]
+            assert step.probability is not None and step.probability.shape == (1,)
+            torch.testing.assert_close(step.probability[0], expected, rtol=1e-4, atol=1e-6)
+        if children > 1:
+            continue
+        # and the same as generate's own record of that request alone (greedy: the same tokens)
+        with nxl.attach(model, layers="last") as alone:
+            model.generate(input_ids=sequence[:, : len(out[request_id].prompt_ids)], max_new_tokens=NEW,
+                           do_sample=False, eos_token_id=-1, pad_token_id=0)
+        generated = torch.stack([s.probability for s in alone.steps])
+        torch.testing.assert_close(torch.stack([s.probability for s in call.steps]), generated, rtol=1e-4, atol=1e-6)
+
+
+def test_a_request_in_its_chunked_prefill_when_the_probe_attaches_says_so(model):
+    """Its first chunks ran unseen: not recorded, saying that, the same text as ``probe.unrecorded`` (it blamed
+    prefix sharing alone, and the call's error lacked the ``not recorded:`` its docs give it); a request added
+    after attaching is recorded."""
+    long = _prompts((200,), 41)[0]
+    third, attached, forwards = threading.Event(), threading.Event(), []
+
+    def hold(module, args, kwargs):  # the manager's third packed forward waits until the probe is on
+        if "cu_seq_lens_q" in kwargs:
+            forwards.append(1)
+            if len(forwards) == 3:
+                third.set()
+                attached.wait(60)
+
+    handle = model.register_forward_pre_hook(hold, with_kwargs=True)
+    manager = model.init_continuous_batching(generation_config=_greedy(4),
+                                             continuous_batching_config=_config(max_batch_tokens=24))
+    manager.start()
+    try:
+        manager.add_request(long, request_id="long", max_new_tokens=4)
+        assert third.wait(60)
+        with nxl.attach(model) as probe:
+            attached.set()
+            _finished(manager, "long")
+            _serve(manager, "later", _prompts((7,), 3)[0], new=4)
+    finally:
+        attached.set()
+        manager.stop(block=True, timeout=30)
+        handle.remove()
+    calls = {call.request_id: call for call in probe.calls}
+    assert calls["long"].error.startswith("not recorded: its first ") and "ran before the probe attached" in \
+        calls["long"].error
+    assert calls["long"].error == probe.unrecorded and not calls["long"].steps
+    check_call(model, calls["later"], 4)
 
 
 @pytest.mark.parametrize("path", ["moved_internal", "async_batching"])
@@ -494,28 +614,6 @@ def test_detach_while_the_manager_runs_a_request(model, caplog):
     (call,) = probe.calls
     assert not call.complete and "detached" in call.error and [s.step for s in call.steps] == [0, 1, 2, 3]
     assert [r for r in caplog.records if r.name == "nxl_hooks"] == []
-
-
-def test_every_step_has_the_probability_of_the_unbatched_oracle(model):
-    prompts = _prompts((5, 23, 9))
-    with nxl.attach(model, layers="last") as probe:
-        out = model.generate_batch(prompts, generation_config=_greedy(), continuous_batching_config=_config())
-    calls = {call.request_id: call for call in probe.calls}
-    assert sorted(calls) == sorted(out)
-    for request_id, call in calls.items():
-        sequence = call.sequences
-        for step in call.steps:
-            with torch.no_grad():  # the model alone, uncached and unbatched, on the prefix before this token
-                logits = model(input_ids=sequence[:, : step.position]).logits[:, -1].float()
-            expected = logits.softmax(-1)[0, int(step.token)]
-            assert step.probability is not None and step.probability.shape == (1,)
-            torch.testing.assert_close(step.probability[0], expected, rtol=1e-4, atol=1e-6)
-        # and the same as generate's own record of that request alone (greedy: the same tokens)
-        with nxl.attach(model, layers="last") as alone:
-            model.generate(input_ids=sequence[:, : len(out[request_id].prompt_ids)], max_new_tokens=NEW,
-                           do_sample=False, eos_token_id=-1, pad_token_id=0)
-        generated = torch.stack([s.probability for s in alone.steps])
-        torch.testing.assert_close(torch.stack([s.probability for s in call.steps]), generated, rtol=1e-4, atol=1e-6)
 
 
 def test_nxl_eager_makes_managers_of_followed_models_without_cuda_graphs(model, monkeypatch):

@@ -74,7 +74,7 @@ from ..generate import EAGER, MAKE_EAGER, Generations, Run, eager
 from ..guard import logger, one_line, reason
 from ..recording import NOT_RECORDED
 from .prefixes import Rows, SharedPrefixes
-from .transformers_cb_step import _abandon, _local, _Packed, _Segment, _Taps
+from .transformers_cb_step import _abandon, _local, _Packed, _Segment, _Taps, logits_kept
 from .transformers_serve import patch_serving
 
 __all__ = ["ContinuousBatching", "patch_serving"]
@@ -92,6 +92,21 @@ def _tokens(state: Any) -> list[int]:
     """The tokens of a request's positions so far, as transformers hashes its cache blocks by them: its prompt,
     then what it generated."""
     return list(state.initial_tokens) + list(state.generated_tokens)
+
+
+def _soft_reset(state: Any) -> bool:
+    """Whether ``state`` is a request transformers queued again under its id, its prompt holding what it had
+    generated (``create_equivalent_initial_request``: cache pressure), not a new request."""
+    return bool(getattr(state, "_true_initial_tokens", 0))
+
+
+def _has_children(scheduler: Any, request_id: str) -> bool:
+    """Whether ``scheduler`` still holds ``num_return_sequences`` children forked from ``request_id``, which reuse
+    its first positions."""
+    if scheduler is None:
+        return False
+    prefix = f"{request_id}__child#"
+    return any(str(r).startswith(prefix) for r in (*scheduler.active_requests, *scheduler.waiting_requests))
 
 
 def _packed(arguments: dict[str, Any]) -> bool:
@@ -228,6 +243,9 @@ class ContinuousBatching:
         self._shared = SharedPrefixes()
         self._sharing = False
         self._taps: "weakref.WeakKeyDictionary[Any, _Taps]" = weakref.WeakKeyDictionary()  # padded processors'
+        #: each processor's request states by id, as its runs last saw them: a new state under an id a run follows
+        #: is another request (the one before left unseen), unless it is that one's soft reset
+        self._states: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
         self._recompiled = False
         self._lock = threading.RLock()
 
@@ -296,21 +314,26 @@ class ContinuousBatching:
             _after_this_thread(processor)
             taps = self.prepare(processor, quiet=False) if processor.model_runner.pad_inputs else None
             segments, start, prompts = [], 0, {}
+            states = self._states.setdefault(processor, {})
             for future in processor.inputs_and_outputs.requests_in_batch:
                 state, length = future.state, future.query_length
                 request_id = state.request_id
                 first = state.position_offset - length  # already advanced for this batch
+                if request_id in table and states.get(request_id) is not state and not _soft_reset(state):
+                    # its id is another request's now: the one the run followed left while the manager idled (a
+                    # cancel; the sweep runs as a step opens), and a client sent the same id again
+                    self._left(table, request_id)
+                states[request_id] = state
                 if request_id not in table:
-                    table[request_id] = run = self._begin(state)
-                    if run is not None and first > 0:
-                        self._reuse(processor, state, run, first)
+                    table[request_id] = self._begin(processor, state, first)
                 segments.append(_Segment(request_id=request_id, start=start, length=length, first=first,
                                          new_token=bool(future.has_new_token), run=table[request_id]))
                 if taps is not None and first < len(state.initial_tokens):  # a prefill chunk: its ids, on the host
                     prompts[request_id] = state.initial_tokens
                 start += length
             self.gens.hub.gather()  # the step's records go on together once its tokens are handed out
-            return _Packed(self, table, segments, taps, prompts)
+            return _Packed(self, table, segments, taps, prompts, scheduler=processor.scheduler,
+                           kept=logits_kept(processor, self.plan.model))
         except Exception as error:  # noqa: BLE001 - never into the manager's loop
             # said once: this manager's requests are not recorded from now on
             self._skipped[processor] = (reason("continuous batching on this manager", error), set())
@@ -395,44 +418,56 @@ class ContinuousBatching:
         scheduler = processor.scheduler
         for request_id in [r for r in table if r not in scheduler.active_requests
                            and r not in scheduler.waiting_requests]:
-            run = table.pop(request_id, None)
-            if run is not None:  # cancelled, or failed by the manager: it left without finishing
-                run.finish(None, "the request left the manager before it finished (cancelled or failed)",
-                           what="this request")
+            self._left(table, request_id)
+        states = self._states.get(processor, {})
+        for request_id in [r for r in states if r not in table]:
+            del states[request_id]
         return table
 
-    def _reuse(self, processor: Any, state: Any, run: Run, first: int) -> None:
-        """A new request whose forwards start at ``first``: its cache reused the blocks of positions 0..first-1
-        from another request (prefix sharing); their rows come from the request that ran them, running or finished
-        (:mod:`.prefixes`). Never raises: a prefix the probe does not hold leaves the request not recorded."""
-        try:
-            table, active = self._tables.get(processor, {}), processor.scheduler.active_requests
+    @staticmethod
+    def _left(table: dict[str, Any], request_id: str) -> None:
+        """The run of a request that left the manager without finishing (cancelled, or failed by it) ends."""
+        run = table.pop(request_id, None)
+        if run is not None:
+            run.finish(None, "the request left the manager before it finished (cancelled or failed)",
+                       what="this request")
 
-            def live():  # requests still running, checked one by one until one holds the prefix
-                for request_id, other in list(active.items()):
-                    source = table.get(request_id)
-                    if source is not None and source is not run and not source.failed and source.length >= first:
-                        yield _tokens(other), Rows(*source.held())
+    def _prefix(self, processor: Any, state: Any, first: int) -> Rows:
+        """The rows of positions 0..first-1 of a new request whose forwards start at ``first``: its cache reused
+        their blocks from another request (prefix sharing, or the parent of a forked ``num_return_sequences``
+        child); they come from the request that ran them, running or finished (:mod:`.prefixes`). RuntimeError
+        (why the request cannot be recorded) where the probe holds none."""
+        table, active = self._tables.get(processor, {}), processor.scheduler.active_requests
 
-            with self._lock:
-                rows = self._shared.find(state.initial_tokens, first, live())
-            if rows is None:
-                raise RuntimeError(
-                    f"its first {first} positions came from the cache's copy of another request's prefix (prefix "
-                    "sharing), whose features the probe does not hold (that request ran before the probe attached, or "
-                    "its features were let go: nxl_hooks.hooks.engines.prefixes.SHARED_BYTES), so their attribution "
-                    "is unknown; ContinuousBatchingConfig(allow_block_sharing=False) makes every request run whole")
-            ids = torch.tensor([list(state.initial_tokens[:first])], dtype=torch.long, device=rows.embed.device)
-            run.feed(0, rows.features, rows.embed, rows.mask, ids)
-        except Exception as error:  # noqa: BLE001 - never into the manager's loop
-            run.fail("this request", error)
+        def live():  # requests still running, checked one by one until one holds the prefix
+            for request_id, other in list(active.items()):
+                source = table.get(request_id)
+                if source is not None and not source.failed and source.length >= first:
+                    yield _tokens(other), Rows(*source.held())
 
-    def keep(self, state: Any, run: Run) -> None:
+        with self._lock:
+            rows = self._shared.find(state.initial_tokens, first, live())
+        if rows is not None:
+            return rows
+        before = f"its first {first} positions ran before the probe attached"
+        if not getattr(processor.cache, "use_prefix_sharing", False) and "__child#" not in str(state.request_id):
+            raise RuntimeError(f"{before}, so their attribution is unknown; requests added after attaching are "
+                               "recorded")
+        raise RuntimeError(
+            f"{before}, or came from the cache's copy of another request's prefix (prefix sharing, or the request it "
+            "was forked from) whose features the probe does not hold (that request ran before the probe attached, or "
+            "its features were let go: nxl_hooks.hooks.engines.prefixes.SHARED_BYTES), so their attribution is "
+            "unknown; requests added after attaching are recorded, and "
+            "ContinuousBatchingConfig(allow_block_sharing=False) makes every request run whole")
+
+    def keep(self, state: Any, run: Run, scheduler: Any = None) -> None:
         """``run``'s request finished: its rows are kept for requests that may reuse its prefix (while a followed
-        cache shares prefixes). Never raises."""
-        if not self._sharing or run.failed or run.length == 0:
+        cache shares prefixes, or ``scheduler`` still holds children forked from it). Never raises."""
+        if run.failed or run.length == 0:
             return
         try:
+            if not self._sharing and not _has_children(scheduler, state.request_id):
+                return
             rows = Rows(*run.held())
             with self._lock:
                 if not self._uninstalled:
@@ -441,15 +476,27 @@ class ContinuousBatching:
             logger.warning("nxl_hooks: a finished request's features were not kept for the requests that may reuse "
                            "its prefix (%s: %s)", type(error).__name__, one_line(error))
 
-    def _begin(self, state: Any) -> Run | None:
-        """A run for a request seen for the first time, or None (with a call record saying why)."""
+    def _begin(self, processor: Any, state: Any, first: int) -> Run | None:
+        """A run for a request seen for the first time, its forwards starting at ``first`` (its positions before,
+        from a prefix another request ran, fed first), or None (with a call record saying why)."""
         request_id = str(state.request_id)
         try:
-            if state.generated_tokens or getattr(state, "_true_initial_tokens", 0):
+            # (a num_return_sequences child that did not fit the cache is queued whole, its prompt its parent's
+            # with nothing generated: its _true_initial_tokens is that prompt's length)
+            true = getattr(state, "_true_initial_tokens", 0)
+            if state.generated_tokens or (true and len(state.initial_tokens) > true):
                 raise RuntimeError("this request had generated tokens before the probe saw it (it started before "
                                    "the probe attached, or resumed after an offload)")
-            return self.gens.new_run(request_id=request_id, prompt_len=len(state.initial_tokens), eos=None,
-                                     wait=None, engine=True)
+            rows = self._prefix(processor, state, first) if first > 0 else None
+            run = self.gens.new_run(request_id=request_id, prompt_len=len(state.initial_tokens), eos=None,
+                                    wait=None, engine=True)
         except Exception as error:  # noqa: BLE001
             self.gens.unrecorded(request_id, "this request", error)
             return None
+        if rows is not None:
+            try:
+                ids = torch.tensor([list(state.initial_tokens[:first])], dtype=torch.long, device=rows.embed.device)
+                run.feed(0, rows.features, rows.embed, rows.mask, ids)
+            except Exception as error:  # noqa: BLE001 - never into the manager's loop
+                run.fail("this request", error)
+        return run

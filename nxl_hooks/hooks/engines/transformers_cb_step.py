@@ -1,6 +1,6 @@
 """One packed forward of transformers' continuous batching, as its engine (:mod:`.transformers_cb`) records it.
 
-    step = _Packed(batching, table, segments, taps, prompts)   # ContinuousBatching.open, before each step
+    step = _Packed(batching, table, segments, taps, prompts, scheduler=..., kept=...)  # ContinuousBatching.open
     ...                                                         # the probe's hooks feed it (eager), or step.collect()
     step.settle(state, token, appended=True, finished=False)   # each token the manager hands out after it
 
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch import nn
 
 from ..forward import Capture, embedding_norms, head_features
 from ..generate import Generations, Run, stacked_features
@@ -112,8 +113,7 @@ class _Taps:
 
         runner, model, head, blocks = processor.model_runner, plan.model, plan.head, plan.blocks
         rows = int(processor.cache.max_batch_tokens)
-        keeps = getattr(runner, "supports_logits_to_keep", None)
-        self.logits_kept = bool(callable(keeps) and keeps(model))
+        self.logits_kept = logits_kept(processor, model)
         embedding = model.get_input_embeddings()
         weight = embedding.weight
         self._plan = plan
@@ -154,13 +154,23 @@ class _Taps:
             buffers.remove()
 
 
+def logits_kept(processor: Any, model: nn.Module) -> bool:
+    """Whether ``processor``'s forwards give the model's logits at the rows its requests sample from alone
+    (``logits_to_keep``, in their order), not at every packed token (the runner remembers it: cheap per step)."""
+    keeps = getattr(getattr(processor, "model_runner", None), "supports_logits_to_keep", None)
+    return bool(callable(keeps) and keeps(model))
+
+
 class _Packed:
     """One packed forward and the tokens it yields: the :class:`~nxl_hooks.hooks.engines.Recording` the probe's
     hooks feed in the manager's thread."""
 
     def __init__(self, batching: Any, table: dict[str, Any], segments: list[_Segment],
-                 taps: _Taps | None = None, prompts: dict[str, list[int]] | None = None) -> None:
+                 taps: _Taps | None = None, prompts: dict[str, list[int]] | None = None, *, scheduler: Any = None,
+                 kept: bool = False) -> None:
         self._batching, self._table, self.segments = batching, table, segments
+        self._scheduler = scheduler  # the manager's (a finished request's forked children may still be waiting)
+        self._kept = kept  # the logits are the sampled rows' alone (:func:`logits_kept`), not every packed token's
         #: a padded step's buffers (its features are read from them after the step, :meth:`collect`), or None
         self.taps = taps
         self._prompts = prompts or {}  # request id -> its prompt's token ids (a padded step's prefill chunks)
@@ -183,8 +193,9 @@ class _Packed:
         emitting = [s for s in self.segments if s.new_token]
         if not isinstance(logits, torch.Tensor) or logits.dim() != 3 or not emitting:
             return
-        every_row = logits.shape[1] == self._length
-        if not every_row and logits.shape[1] < len(emitting):
+        # (not told by the shapes: one sampled row per packed token, all of them one-token slices, is either)
+        every_row = not self._kept
+        if (logits.shape[1] != self._length) if every_row else (logits.shape[1] < len(emitting)):
             return
         for segment, row in zip(emitting, _sampled(logits[0], emitting, every_row=every_row)):
             if segment.run is not None and not segment.run.failed:
@@ -305,7 +316,7 @@ class _Packed:
             run.fail("this request", error)
         if finished:
             self._table.pop(state.request_id, None)
-            self._batching.keep(state, run)  # before its end lets go of its features
+            self._batching.keep(state, run, self._scheduler)  # before its end lets go of its features
             try:
                 output = state.to_generation_output()
                 sequences = torch.tensor([list(output.prompt_ids) + list(output.generated_tokens)], dtype=torch.long)
