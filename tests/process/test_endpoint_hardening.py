@@ -475,7 +475,9 @@ def test_without_run_the_callers_one_live_run_is_chosen_never_a_dead_one(model, 
 
 class _NotNxl:
     """An HTTP server on 127.0.0.1 that is no nxl_hooks endpoint (``page``: a web page on every path), or one whose
-    event stream ends at once (``ended``: as a recorded process that exits does)."""
+    event stream ends at once (``ended``: as a recorded process that exits does), whose answers are cut short
+    (``cut``: the process died while answering), whose status is not one (``odd status``), or that never answers
+    (``silent``: a stopped process)."""
 
     def __init__(self, kind: str) -> None:
         import http.server
@@ -483,8 +485,22 @@ class _NotNxl:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
+                if kind == "silent":
+                    time.sleep(5)
+                    return
+                if kind == "cut":
+                    self.send_response(200)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", "1000")
+                    self.end_headers()
+                    self.wfile.write(b'{"pid": 1, "')
+                    self.close_connection = True
+                    return
                 if kind == "page":
                     body, kind_of = b"<html>hello</html>", "text/html"
+                elif kind == "odd status" and self.path.startswith("/v1/status"):
+                    body, kind_of = json.dumps({"pid": 1, "paused": False, "models": [{"layers": 5}]}).encode(), \
+                        "application/json"
                 elif self.path.startswith("/v1/stream"):
                     body, kind_of = b"", "text/event-stream"
                 elif self.path.startswith("/v1/status"):
@@ -507,6 +523,28 @@ class _NotNxl:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+@pytest.mark.parametrize("command, kind", [(["ctl", "status"], "cut"), (["tail", "--last", "1"], "cut"),
+                                           (["ctl", "status"], "odd status"), (["tail"], "silent")])
+def test_tail_and_ctl_say_in_one_line_when_an_answer_is_cut_odd_or_never_comes(capsys, monkeypatch, command, kind):
+    """A process that dies while it answers, a status of another shape, a stopped process: one line and exit 2
+    (they were tracebacks, or nxl tail waited forever, silent). A live process's stream is never silent that long:
+    it sends a comment every KEEPALIVE seconds."""
+    from nxl_hooks.apps.serve import endpoint
+
+    monkeypatch.setenv("NXL_TOKEN", "t0ken")
+    monkeypatch.setattr(endpoint, "KEEPALIVE", 0.2)
+    server = _NotNxl(kind)
+    started = time.monotonic()
+    try:
+        assert cli_main([*command, "--run", server.url]) == 2
+    finally:
+        server.close()
+    assert time.monotonic() - started < 5
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Traceback" not in err[0] and server.url in err[0], err
+    assert {"cut": "cut short", "odd status": "not an nxl_hooks control endpoint", "silent": "timed out"}[kind] in err[0]
 
 
 @pytest.mark.parametrize("command", [["tail"], ["ctl", "status"]])

@@ -64,5 +64,9 @@ def run(args: argparse.Namespace) -> int:
     body = request(args)
     for endpoint in endpoints(args.run, args.token_file):
         status = endpoint.status(body)
-        print(json.dumps(status) if args.json else describe(status), flush=True)  # JSON escapes every control
+        try:
+            text = json.dumps(status) if args.json else describe(status)
+        except (KeyError, TypeError, ValueError, AttributeError):
+            raise endpoint._foreign("its status is not one") from None
+        print(text, flush=True)  # JSON escapes every control
     return 0

@@ -44,6 +44,7 @@ NAME = "tail"
 _FAULT_POLL = 2.0  #: seconds between two looks at each process's status for faults
 _WAIT_FIRST = 1.0  #: seconds without a token at the start before tail says it waits
 _WAIT_AGAIN = 5.0  #: ... and after the last token (a slow model may take a second per token)
+_SILENT_KEEPALIVES = 3  #: an endpoint that sends nothing for this many of its keepalive periods is not answering
 
 
 def add_connect_options(parser: argparse.ArgumentParser) -> None:
@@ -159,6 +160,7 @@ def last_requests(targets: list, n: int, k: int) -> list[Item]:
 
 def run(args: argparse.Namespace) -> int:
     from ..serve.client import endpoints
+    from ..serve.endpoint import KEEPALIVE
 
     if args.last and args.request_id:
         raise CliError("--last shows the last requests; --request-id follows one (from its first token): give one")
@@ -168,8 +170,8 @@ def run(args: argparse.Namespace) -> int:
 
     def follow(endpoint) -> None:
         try:
-            for event, data in endpoint.events(f"/v1/stream?{urlencode(query)}",
-                                               on_open=lambda: items.put(Opened())):
+            for event, data in endpoint.events(f"/v1/stream?{urlencode(query)}", on_open=lambda: items.put(Opened()),
+                                               timeout=_SILENT_KEEPALIVES * KEEPALIVE):
                 if event == "step":
                     items.put(Shown(StepView.from_json(data)))
                 elif event == "dropped":  # this reader fell behind: how many steps it lost so far

@@ -90,7 +90,11 @@ class Endpoint:
     def get(self, method: str, path: str, body: dict | None = None, timeout: float = 30) -> tuple[int, bytes]:
         """(status, body bytes) of one request."""
         response = self._open(method, path, body, timeout)
-        return response.status, response.read()
+        try:
+            return response.status, response.read()
+        except (OSError, http.client.HTTPException) as error:  # cut short: the process died while answering
+            raise CliError(f"{self.name}: the answer was cut short ({type(error).__name__}) (is the run still "
+                           "live? give the folder or the --listen address nxl run printed)") from None
 
     def json(self, method: str, path: str, body: dict | None = None, timeout: float = 30) -> Any:
         """The JSON answer of one request; CliError with the endpoint's message when it is not a success."""

@@ -59,7 +59,9 @@ from .settings import Settings, parse_listen
 __all__ = ["MAX_BODY", "MAX_CONNECTIONS", "REQUEST_SECONDS", "WRITE_SECONDS", "ControlServer", "bind_socket"]
 
 _log = logging.getLogger("nxl_hooks")
-_KEEPALIVE = 10.0  # seconds between SSE comments: a reader that left is noticed within that time
+#: Seconds between the event stream's comments: a reader that left is noticed within that time, and a reader hearing
+#: nothing for a few times that knows the process is not answering (`nxl tail`).
+KEEPALIVE = 10.0
 MAX_CONNECTIONS = 16  #: connections (and handler threads) per listener; one more is closed at once
 REQUEST_SECONDS = 5.0  #: a request (line, headers, body) must arrive whole within this time, or is dropped
 WRITE_SECONDS = 30.0  #: a reader that takes no bytes for this long is dropped
@@ -577,7 +579,7 @@ class ControlServer:
                     if watched is not None and ended(watched[1]):
                         emit("end", summary(*watched))
                         return
-                    if time.monotonic() - idle > _KEEPALIVE:
+                    if time.monotonic() - idle > KEEPALIVE:
                         handler.wfile.write(b": keepalive\n\n")
                         handler.wfile.flush()
                         idle = time.monotonic()
