@@ -21,8 +21,8 @@ from torch import nn
 from .fit import check_acyclic, check_fits, final_norm
 from .plugins import ARCHITECTURES, broken, load
 from .spec import (FUNCTION_STEPS, HEAD_KINDS, MAX_DEPTH, POST_STEPS, ArchSpec, HeadKind, RegistryError,
-                   UnknownArchitectureError, get_path, has_path, head_kind, readout_outputs, spec_from_mapping,
-                   spec_head, split_post_steps)
+                   UnknownArchitectureError, get_path, has_path, head_kind, log_probabilities, readout_outputs,
+                   spec_from_mapping, spec_head, split_post_steps)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -42,6 +42,7 @@ __all__ = [
     "head_kind",
     "is_discovered",
     "is_shipped",
+    "log_probabilities",
     "readout_outputs",
     "split_post_steps",
     "load_file",

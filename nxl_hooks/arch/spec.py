@@ -246,6 +246,16 @@ def head_kind(model: nn.Module) -> HeadKind:
     )
 
 
+def log_probabilities(model: nn.Module, outputs: torch.Tensor) -> torch.Tensor:
+    """The model's own log-probabilities of its ``outputs`` (logits, last dimension the outputs), as its loss reads
+    them: each output's own log-sigmoid for a classifier trained with BCE (``problem_type`` is
+    ``"multi_label_classification"``: each label a yes or no of its own, one logit for a binary one), else one
+    log-softmax over them. ``log_probabilities(model, logits).exp()`` is what the model gives each output."""
+    if getattr(getattr(model, "config", None), "problem_type", None) == "multi_label_classification":
+        return F.logsigmoid(outputs)
+    return outputs.log_softmax(-1)
+
+
 def spec_head(kind: str) -> str:
     """The spec head a head kind reads: regression is a sequence-classification head with one output."""
     return HeadKind(kind).spec_head

@@ -29,7 +29,7 @@ from typing import Any, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..arch.registry import HeadKind, resolve
+from ..arch.registry import HeadKind, log_probabilities, resolve
 from ..method.subject import unwrap
 from ..hooks.probe import attach
 from ..method.placement import input_device
@@ -167,8 +167,10 @@ def audit_example(
         "reference_prediction_text": name(ref_out.argmax()),
         "candidate_prediction_text": name(cand_out.argmax()),
         "agree": None if regression else bool(ref_out.argmax() == cand_out.argmax()),
-        "reference_output": float(ref_out[0] if regression else ref_out.softmax(-1)[target]),
-        "candidate_output": float(cand_out[0] if regression else cand_out.softmax(-1)[target]),
+        "reference_output": float(ref_out[0] if regression
+                                  else log_probabilities(unwrap(reference), ref_out)[target].exp()),
+        "candidate_output": float(cand_out[0] if regression
+                                  else log_probabilities(unwrap(candidate), cand_out)[target].exp()),
         "reference_scores": ref.normxlogit[-1, 0][real].tolist(),  # the last captured layer
         "candidate_scores": cand.normxlogit[-1, 0][real].tolist(),
         **compare(ref, cand, top_k=top_k),

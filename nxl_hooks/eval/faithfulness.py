@@ -42,7 +42,7 @@ from typing import Any, Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from ..arch.registry import HeadKind, blocks, resolve
+from ..arch.registry import HeadKind, blocks, log_probabilities, resolve
 from ..hooks.probe import attach
 from ..method.chat import locate_template
 from ..method.placement import input_device
@@ -349,7 +349,7 @@ def _outcome(setup: _Setup, outputs: torch.Tensor, t: _Targets) -> tuple[torch.T
     if t.pair is not None:
         explained = outputs[:, [t.target, t.pair]].softmax(-1)[:, 0]
     else:
-        explained = outputs.softmax(-1)[:, t.target]
+        explained = log_probabilities(setup.inner, outputs)[:, t.target].exp()
     if t.label is None:
         correct = None
     elif t.pair is not None:
@@ -401,8 +401,8 @@ def score_example(
       included), measured exactly like the built-in ones (``seconds`` is then None).
 
     Keys: schema, id, text, tokens (pieces), readable (each token's text, '␣Paris'), target_text,
-    target_probability / foil_text, foil_probability (the model's softmax over all outputs), notes (a target word
-    of several tokens), norm_spread and flat_norms (embedding norms nearly equal on the ranked tokens: NormXLogit
+    target_probability / foil_text, foil_probability (the model's own probabilities: its softmax over all
+    outputs, a multi-label classifier's sigmoid), notes (a target word of several tokens), norm_spread and flat_norms (embedding norms nearly equal on the ranked tokens: NormXLogit
     ranks as LogAt), kind, perturbation, position, target, target_token, foil, label, prediction, output (the explained p, or the regression output), probability ("all" outputs, "pair",
     or "output" for regression), correct (None without a label), evidence (0/1 per token, or None),
     evidence_missing (words that matched no token), layers, eval_layer, ks, counts (tokens per K), methods.
@@ -473,7 +473,8 @@ def score_example(
             records[name]["scores"] = ranking[name].tolist()
     regression = setup.kind is HeadKind.REGRESSION
     spread = norm_spread(scores["embed_norm"], ranked) if "embed_norm" in scores else None
-    id2label, softmax = getattr(unwrap(model).config, "id2label", None), original[0].float().softmax(-1)
+    id2label = getattr(unwrap(model).config, "id2label", None)
+    probabilities = log_probabilities(unwrap(model), original[0].float()).exp()
     contrasted = any(name in layered and _foiled(get_method(name), None) is None for name in methods)
     foil = t.foil if contrasted else t.pair
     return {
@@ -483,9 +484,9 @@ def score_example(
         "tokens": tokenizer.convert_ids_to_tokens(ids.tolist()),
         "readable": readable_ids(tokenizer, ids.tolist()),
         "target_text": None if regression else label_text(tokenizer, id2label, setup.kind, t.target),
-        "target_probability": None if regression else float(softmax[t.target]),
+        "target_probability": None if regression else float(probabilities[t.target]),
         "foil_text": None if foil is None else label_text(tokenizer, id2label, setup.kind, foil),
-        "foil_probability": None if foil is None else float(softmax[foil]),
+        "foil_probability": None if foil is None else float(probabilities[foil]),
         "notes": list(dict.fromkeys(setup.notes)),
         "norm_spread": spread,
         "flat_norms": spread is not None and flat_norms(spread),

@@ -14,11 +14,10 @@ from typing import Any, Sequence
 import torch
 
 from ..method.protocol import Given
-from ..arch.registry import HeadKind
+from ..arch.registry import HeadKind, log_probabilities
 from ..method.scores import regression_logat
 from ..records.attribution import Attribution
 from ..records.tokens import target_texts
-from .conventions import start
 from .plan import Plan
 
 __all__ = ["Capture", "assemble", "embedding_norms", "head_features", "open_capture"]
@@ -72,23 +71,14 @@ def head_features(plan: Plan, hidden: Sequence[torch.Tensor], first: int, end: i
         return features
 
 
-def open_capture(bound: dict[str, Any], *, virtual: int | None = None) -> Capture:
-    """A capture for a backbone forward called with ``bound`` arguments; ValueError on an empty input. ``virtual``:
-    a plain forward's (not a step of a recorded call, which follows its positions itself), where a KV cache may
-    hold only that many positions before its tokens, which are no input tokens (PEFT prefix tuning's); ValueError
-    for one that continues a cache of other positions, whose context the probe never saw. A 2-D mask wider than
-    the tokens (it covers what the cache holds too) is cut to the tokens' own columns."""
+def open_capture(bound: dict[str, Any]) -> Capture:
+    """A capture for a backbone forward called with ``bound`` arguments; ValueError on an empty input. A 2-D mask
+    wider than the tokens (it covers what a KV cache holds before them too: PEFT prefix tuning's virtual tokens) is
+    cut to the tokens' own columns."""
     input_ids = bound.get("input_ids")
     reference = input_ids if input_ids is not None else bound.get("inputs_embeds")
     if reference is None or reference.dim() < 2 or reference.shape[0] == 0 or reference.shape[1] == 0:
         raise ValueError("empty input: nxl_hooks needs at least one token per row (got a zero-length batch)")
-    if virtual is not None:
-        past = start(bound)[0]
-        past = int(past) if past is not None else 0  # (a static cache's length: read once per plain forward)
-        if past not in (0, virtual):
-            raise ValueError(f"this forward continues a KV cache holding {past} positions (past_key_values) that ran "
-                             "before the probe saw them, so its tokens' context is unknown; run the whole sequence "
-                             "in one forward, or decode with generate, which nxl_hooks follows step by step")
     rows, seq = int(reference.shape[0]), int(reference.shape[1])
     mask = bound.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > seq:
@@ -132,9 +122,9 @@ def assemble(plan: Plan, capture: Capture, output: Any = None) -> Attribution:
         if plan.kind is HeadKind.REGRESSION:
             targets = plan.explained(torch.zeros(len(examples), 1, dtype=torch.long, device=final.device))
             log_probs = None
-        else:  # the model's own softmax at the prediction rows
+        else:  # the model's own probabilities at the prediction rows
             targets = plan.explained(final.argmax(-1, keepdim=True))
-            log_probs = final.log_softmax(-1)
+            log_probs = log_probabilities(plan.model, final)
 
         def head_logits(ids: torch.Tensor) -> torch.Tensor:  # (layers, rows, seq, k)
             return torch.stack([readout.explain(by_row(capture.hidden[layer]), ids).to(final.device)

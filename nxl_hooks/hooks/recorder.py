@@ -23,6 +23,7 @@ from torch import nn
 from torch.compiler import is_dynamo_compiling, is_exporting
 
 from ..records.attribution import Attribution
+from .conventions import start
 from .engines import Engine
 from .forward import Capture, assemble, embedding_norms, open_capture
 from .generate import Generations
@@ -87,6 +88,7 @@ class Recorder:
         self._local = threading.local()
         self.results = results
         self._told_stray = False
+        self._told_cached = False  # a forward that continues a KV cache was said not recorded
         # Layers whose features a hook computes; the last block is hooked in any case, for final logits.
         self._wanted = set(plan.layers)
         # Under torch.compile the hooks only keep what a plain forward saw (graph-safe: no host read, no lock).
@@ -117,6 +119,16 @@ class Recorder:
         else:
             reason(what, error)
             self.results.last = _without_traceback(error)
+
+    def _drop_ended(self, run: Recording | None) -> None:
+        """Let go of what this thread holds of a forward a BaseException (Ctrl-C) ended, its hidden states
+        included: torch runs always_call hooks on an Exception only, so its entries were never taken off. A task
+        forward whose blocks ran, not waiting for its backbone's capture, is such a one when another forward starts
+        (its backbone runs once), or a step of a call when a forward starts outside every call."""
+        captures, tasks = self._stacks()
+        if tasks and tasks[-1].blocks_ran and tasks[-1].capture is None and (run is None or not tasks[-1].in_call):
+            tasks.clear()
+            captures.clear()
 
     def _current(self) -> Capture | None:
         captures, _ = self._stacks()
@@ -153,6 +165,18 @@ class Recorder:
             self.results.last = RuntimeError(
                 "the last forward packed several sequences into one row (cu_seq_lens_q: padding-free inputs), which "
                 "a plain forward's record cannot explain; pass a padded batch")
+            return True
+        past = start(arguments)[0]
+        # (read on the host where it is a tensor, a static cache's: a plain forward's record is made on it anyway)
+        if past is not None and int(past) not in (0, self.plan.subject.virtual_tokens):
+            # a decoding loop of the user's: said once per probe, its every forward's result says it
+            self.results.last = ValueError(
+                f"the last forward continued a KV cache holding {int(past)} positions (past_key_values) that ran "
+                "before the probe saw them, so its tokens' context is unknown and it was not recorded; run the "
+                "whole sequence in one forward, or decode with generate, which nxl_hooks follows step by step")
+            if not self._told_cached:
+                self._told_cached = True
+                logger.warning("nxl_hooks: %s", self.results.last)
             return True
         return False
 
@@ -201,7 +225,9 @@ class Recorder:
             return
         self._recompiled.check(module)
         _, tasks = self._stacks()
-        tasks.append(_Task(in_call=self._run() is not None))
+        run = self._run()
+        self._drop_ended(run)
+        tasks.append(_Task(in_call=run is not None))
 
     def on_task_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         if traced():
@@ -242,11 +268,7 @@ class Recorder:
         self._recompiled.check(module)
         captures, tasks = self._stacks()
         run = self._run()
-        if tasks and tasks[-1].blocks_ran and tasks[-1].capture is None and not tasks[-1].in_call:
-            # left by a forward a BaseException (Ctrl-C) ended: torch runs always_call hooks on an Exception only, so
-            # its entries were never taken off; a task's backbone runs once, so this forward is not its
-            tasks.clear()
-            captures.clear()
+        self._drop_ended(run)
         captures.append(None)  # replaced below once the inputs are known; a failure or a skipped call leaves None
         if run is not None and run.failed:
             return
@@ -254,7 +276,7 @@ class Recorder:
             bound = self._arguments(args, kwargs)
             if run is None and self._stray(bound):
                 return
-            capture = open_capture(bound, virtual=None if run is not None else self.plan.subject.virtual_tokens)
+            capture = open_capture(bound)
             if run is not None:
                 run.before_forward(bound)
             captures[-1] = capture

@@ -131,8 +131,9 @@ class Attribution:
     special: torch.Tensor | None  #: bool (rows, seq), True on the tokenizer's special tokens (when known)
     input_ids: torch.Tensor | None  #: int64 (rows, seq): the token ids of each row (when the forward had ids)
     readable: list[list[str]] | None  #: each token's text as people read it ('␣Paris', '↵'; records.tokens)
-    probability: torch.Tensor | None  #: float32, shaped like ``target``: the model's softmax probability of
-    #: each explained target at the prediction position (None for regression)
+    probability: torch.Tensor | None  #: float32, shaped like ``target``: the model's own probability of each
+    #: explained target at the prediction position (its softmax; a multi-label classifier's sigmoid; None for
+    #: regression)
     target_text: list[list[str]] | None  #: (rows, k): each explained target as people read it
     template: torch.Tensor | None  #: bool (rows, seq), True on a chat template's own tokens (its markers and
     #: the system prompt; :mod:`nxl_hooks.method.chat`), which do not rank; None for a prompt without a template

@@ -402,10 +402,18 @@ def _writers(folder: Path) -> list[list[Path]]:
 
 def _stream_files(folder: Path) -> Iterator[Path]:
     """The ``*.nxl`` regular files below ``folder``, walked without recursion (a folder nested thousands deep is a
-    folder like another) and without following links."""
+    folder like another) and without following links; a folder below it that cannot be listed (``lost+found``) is
+    passed over."""
     folders = [folder]
     while folders:
-        with os.scandir(folders.pop()) as entries:
+        below = folders.pop()
+        try:
+            listing = os.scandir(below)
+        except PermissionError:
+            if below == folder:
+                raise
+            continue
+        with listing as entries:
             for entry in entries:
                 if entry.is_dir(follow_symlinks=False):
                     folders.append(Path(entry.path))

@@ -6,6 +6,8 @@ output left to contrast with.
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from transformers import BertConfig, BertForSequenceClassification
@@ -49,7 +51,9 @@ def test_a_one_logit_classifier_trained_with_bce_explains_its_signed_logit():
     with torch.no_grad(), nxl.attach(model) as probe:
         out = model(input_ids=_ids(2, 6), output_hidden_states=True)
     logits = oracle.bert_classifier(model).layer_logits(out.hidden_states)[..., 0]
-    torch.testing.assert_close(probe.result().logat, logits, rtol=1e-4, atol=1e-5)
+    res = probe.result()
+    torch.testing.assert_close(res.logat, logits, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(res.probability, out.logits[:, 0].sigmoid())  # its own: the sigmoid's
     model.config.problem_type = None  # one output, nothing said: regression
     with torch.no_grad(), nxl.attach(model) as probe:
         model(input_ids=_ids(2, 6))
@@ -69,22 +73,27 @@ def test_one_text_is_explained_with_a_tokenizer_that_has_no_pad_token():
     torch.testing.assert_close(res.normxlogit, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_a_forward_that_continues_a_kv_cache_the_probe_never_saw_is_said_not_recorded():
-    """A hand-written decoding step: its tokens' context is in a cache the probe never saw, so it is not recorded,
-    said in one line (it was recorded over its own tokens alone, with the whole mask: a record that could not be
-    read, ranked or saved), and the model's output is its own."""
+def test_a_forward_that_continues_a_kv_cache_the_probe_never_saw_is_said_not_recorded(caplog):
+    """A hand-written decoding loop: its tokens' context is in a cache the probe never saw, so its forwards are not
+    recorded, said once per probe (it was recorded over its own tokens alone, with the whole mask: a record that
+    could not be read, ranked or saved), and the model's outputs are its own."""
     model = tiny.build_model("llama")
-    ids = _ids(2, 6)
+    ids = _ids(2, 8)
+
+    def loop() -> list[torch.Tensor]:  # the prompt's 5 tokens, then one token a forward
+        cache = model(input_ids=ids[:, :5], use_cache=True).past_key_values
+        return [model(input_ids=ids[:, n:n + 1], attention_mask=torch.ones(2, n + 1, dtype=torch.long),
+                      past_key_values=cache).logits for n in range(5, 8)]
+
     with torch.no_grad():
-        first = model(input_ids=ids[:, :5], use_cache=True)
-        plain = model(input_ids=ids[:, 5:], attention_mask=torch.ones_like(ids),
-                      past_key_values=model(input_ids=ids[:, :5], use_cache=True).past_key_values).logits
-        with nxl.attach(model) as probe:
-            out = model(input_ids=ids[:, 5:], attention_mask=torch.ones_like(ids),
-                        past_key_values=first.past_key_values).logits
-    torch.testing.assert_close(out, plain, rtol=0, atol=0)
-    with pytest.raises(ValueError, match=r"continues a KV cache holding 5 positions .* decode with generate"):
+        plain = loop()
+        with caplog.at_level(logging.WARNING, logger="nxl_hooks"), nxl.attach(model) as probe:
+            attached = loop()
+    for a, b in zip(attached, plain):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"continued a KV cache holding 7 positions .* decode with generate"):
         probe.result()
+    assert len([r for r in caplog.records if "continued a KV cache" in r.getMessage()]) == 1
 
 
 def test_peft_prefix_tuning_explains_the_input_tokens_after_its_virtual_ones():
@@ -99,10 +108,11 @@ def test_peft_prefix_tuning_explains_the_input_tokens_after_its_virtual_ones():
     assert res.mask.shape == ids.shape
 
 
-def test_a_forward_ctrl_c_ended_leaves_nothing_that_a_later_forward_is_taken_for():
+@pytest.mark.parametrize("ended", ["a forward", "a generate step"])
+def test_a_forward_ctrl_c_ended_leaves_nothing_that_a_later_forward_is_taken_for(ended):
     """torch runs a forward's always_call hooks on an Exception only: a KeyboardInterrupt left the probe's entries of
     the ended forward behind, and a backbone called directly after it was taken for that forward, never made (the
-    result was the forward's before)."""
+    result was the one before, or said the forward raised)."""
     model = tiny.build_model("llama")
     ids, other = _ids(3, 7), _ids(1, 4, seed=9)
     interrupt = []
@@ -118,7 +128,10 @@ def test_a_forward_ctrl_c_ended_leaves_nothing_that_a_later_forward_is_taken_for
             model(input_ids=ids)
             interrupt.append(True)
             with pytest.raises(KeyboardInterrupt):
-                model(input_ids=ids)
+                if ended == "a forward":
+                    model(input_ids=ids)
+                else:
+                    model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
             out = model.model(input_ids=other, output_hidden_states=True)
             res = probe.result()
     finally:

@@ -246,6 +246,23 @@ def test_a_folder_nested_deeper_than_the_recursion_limit_reads(recorded, tmp_pat
             level.rmdir()
 
 
+def test_a_folder_below_that_cannot_be_listed_is_passed_over(recorded, tmp_path, monkeypatch):
+    """As ``lost+found`` at a mount's root is to its owner's readers; the folder given itself is not."""
+    (tmp_path / "locked").mkdir()
+    (tmp_path / "run.nxl").write_bytes(recorded[0])
+    scandir = os.scandir
+
+    def refused(path):
+        if os.path.basename(path) == "locked":
+            raise PermissionError(13, "Permission denied", str(path))
+        return scandir(path)
+
+    monkeypatch.setattr(reader.os, "scandir", refused)
+    assert [call.complete for call in nxl.read_stream(tmp_path)] == [True]
+    with pytest.raises(PermissionError):
+        nxl.read_stream(tmp_path / "locked")
+
+
 def _in_thread(fn) -> BaseException | None:
     """Run ``fn`` in a thread for at most 10 s; the exception it raised (a hang fails the test)."""
     out: list = []
