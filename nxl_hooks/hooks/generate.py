@@ -246,9 +246,11 @@ class _Growing:
 
 
 def _setting(model: nn.Module, kwargs: dict, name: str) -> Any:
-    """A generate setting as generate reads it: the call's argument, else the call's ``generation_config``, else
-    (a field it leaves unset) the model's own."""
-    value = kwargs.get(name)
+    """A generate setting as generate reads it: the call's argument (None too: ``eos_token_id=None`` turns EOS off),
+    else the call's ``generation_config``, else (a field it leaves unset) the model's own."""
+    if name in kwargs:
+        return kwargs[name]
+    value = None
     for config in (kwargs.get("generation_config"), getattr(model, "generation_config", None)):
         if value is None:
             value = getattr(config, name, None)
@@ -840,9 +842,16 @@ class Run:
         if self.failed:
             return
         try:
-            self._going.append(~done if not self._going else self._going[-1] & ~done)
+            # as generate reads it (unfinished_sequences & ~done): a criterion of the user's may give 0/1 integers
+            going = ~done if done.dtype == torch.bool else (~done & 1).bool()
+            self._going.append(going if not self._going else self._going[-1] & going)
         except Exception as failure:  # noqa: BLE001 - never into the host's generate
             self.fail("following which rows generate finished", failure)
+
+    def pads_nothing(self) -> None:
+        """generate's stopping criteria hold no EOS id, so it pads no row: none finishes, whatever EOS id the call's
+        settings seemed to name."""
+        self._eos = []
 
     def _emit(self, token: torch.Tensor | int, log_prob: torch.Tensor | None = None, *, at: int | None = None,
               hold: bool = False) -> None:
@@ -1170,7 +1179,10 @@ class Generations:
         def stopping_criteria(*args: Any, **kwargs: Any) -> Any:
             found = criteria(*args, **kwargs)
             run = self.current()
-            if not isinstance(run, Run) or not any(hasattr(each, "eos_token_id") for each in found):
+            if not isinstance(run, Run):
+                return found
+            if not any(hasattr(each, "eos_token_id") for each in found):
+                run.pads_nothing()
                 return found
             try:
                 watched = _watched(type(found))(found)

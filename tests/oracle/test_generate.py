@@ -78,13 +78,14 @@ def test_sampling_explains_the_sampled_token_with_num_return_sequences(model):
 
 
 class _StopsOn(StoppingCriteria):
-    """The user's own criterion: a row is done once it emits ``token``."""
+    """The user's own criterion: a row is done once it emits ``token`` (as 0/1 integers: ``ints``)."""
 
-    def __init__(self, token: int) -> None:
-        self.token = token
+    def __init__(self, token: int, ints: bool = False) -> None:
+        self.token, self.ints = token, ints
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
-        return input_ids[:, -1] == self.token
+        done = input_ids[:, -1] == self.token
+        return done.long() if self.ints else done
 
 
 def _word_tokenizer():
@@ -96,7 +97,8 @@ def _word_tokenizer():
 @pytest.mark.parametrize("cache, stop", [("dynamic", "eos"), ("static", "eos"), ("compiled", "eos"),
                                          ("dynamic", "eos of the model"), ("dynamic", "stop string"),
                                          ("compiled", "stop string"), ("static", "criterion"),
-                                         ("dynamic", "criterion without eos")])
+                                         ("dynamic", "criterion giving ints"), ("dynamic", "criterion without eos"),
+                                         ("dynamic", "eos of the model turned off")])
 def test_left_padded_batch_with_a_row_that_stops_early(model, cache, stop, monkeypatch):
     """Pads masked at every step: with a static cache generate hands the backbone a 4-D mask (batch, 1, q, keys)
     instead of the 2-D one, and its padding must be read from that (it once counted pads as real tokens).
@@ -104,7 +106,9 @@ def test_left_padded_batch_with_a_row_that_stops_early(model, cache, stop, monke
     tokens: which rows are still active at each step must say the same. A row stops at its EOS, which may be the
     model's own under a generation config of the call's that leaves it unset (generate then takes the model's); or
     at a stop string or the user's own criterion, after which generate pads it as after an EOS (they were recorded
-    as active, their pads as context). Without any EOS id generate pads nothing: the row goes on, active."""
+    as active, their pads as context; a criterion giving 0/1 integers lost the call's records). Without any EOS
+    id generate pads nothing: the row goes on, active (the model's own EOS turned off by the call's
+    ``eos_token_id=None`` was still taken for one)."""
     options = {"cache_implementation": "static"} if cache != "dynamic" else {}
     if cache == "compiled":
         options["compile_config"] = tiny.cpu_compile(backend="eager")
@@ -126,9 +130,12 @@ def test_left_padded_batch_with_a_row_that_stops_early(model, cache, stop, monke
     elif stop == "stop string":
         options.update(stop_strings=f"w{token}", tokenizer=_word_tokenizer())
     elif stop.startswith("criterion"):
-        options["stopping_criteria"] = StoppingCriteriaList([_StopsOn(token)])
+        options["stopping_criteria"] = StoppingCriteriaList([_StopsOn(token, ints=stop.endswith("ints"))])
         if stop == "criterion without eos":
             del options["eos_token_id"]
+    elif stop == "eos of the model turned off":
+        monkeypatch.setattr(model.generation_config, "eos_token_id", token)
+        options["eos_token_id"] = None
     with nxl.attach(model) as probe:
         out = model.generate(input_ids=ids, attention_mask=mask, **options)
     if cache == "compiled":  # its decoding steps ran compiled, and were recorded when the call ended
@@ -136,7 +143,7 @@ def test_left_padded_batch_with_a_row_that_stops_early(model, cache, stop, monke
         torch._dynamo.reset()
     call = probe.calls[0]
     check_call(model, call, out.shape[1] - 6)
-    padded = stop != "criterion without eos"
+    padded = stop not in ("criterion without eos", "eos of the model turned off")
     if not padded:  # generate stopped nothing: the row's tokens are the ones it emitted unstopped
         torch.testing.assert_close(out[:, 6:], reference, rtol=0, atol=0)
     for step in call.steps:
