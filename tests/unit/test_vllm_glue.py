@@ -9,7 +9,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from nxl_hooks.apps.commands.run import vllm_program
-from nxl_hooks.hooks.engines.vllm import recording_engine_args, request_id
+from nxl_hooks.hooks.engines.vllm import recording_engine_args, request_id, unfollowable
 
 
 def test_request_id_is_the_clients():
@@ -18,6 +18,24 @@ def test_request_id_is_the_clients():
     assert request_id("7-0123abcd") == "7"  # vllm.LLM
     assert request_id("chatcmpl-a-b-deadbeef") == "a-b"
     assert request_id("no-suffix") == "no-suffix"  # not vLLM's shape: kept whole
+    # each sample of a request with n > 1 (vLLM's parallel sampling names them "INDEX_ID")
+    assert request_id("1_chatcmpl-multi-0123abcd") == "multi"
+    assert request_id("0_cmpl-two-0-0123abcd") == "two"
+    assert request_id("1_0-0123abcd") == "0"
+
+
+def test_an_engine_with_prompt_embeddings_enabled_is_said_unfollowable():
+    """vLLM then runs every request from embeddings: a step's token ids are not among the model's arguments and its
+    embedding rows not where the probe reads them (token requests were said not recorded for a compiled code's
+    reason, and a batch beside an embeddings request lost every record)."""
+    def config(embeds: bool) -> SimpleNamespace:
+        return SimpleNamespace(cache_config=SimpleNamespace(enable_prefix_caching=False),
+                               scheduler_config=SimpleNamespace(async_scheduling=False), speculative_config=None,
+                               parallel_config=SimpleNamespace(pipeline_parallel_size=1, tensor_parallel_size=1),
+                               model_config=SimpleNamespace(enable_prompt_embeds=embeds))
+
+    assert unfollowable(config(False)) is None
+    assert "--enable-prompt-embeds" in unfollowable(config(True))
 
 
 def test_recording_engine_args_turn_off_what_cannot_be_followed_and_say_so(monkeypatch):

@@ -63,14 +63,17 @@ _RECORDABLE = ("start it under nxl run, which turns prefix caching and async sch
                "into the model before vLLM compiles it, or pass --no-enable-prefix-caching --no-async-scheduling "
                "yourself")
 
-#: vLLM's request ids in the worker: the API's prefix (``cmpl-`` adds the prompt's index after the id), the client's
-#: X-Request-ID (or vLLM's own id), a random suffix the engine adds.
-_WORKER_ID = re.compile(r"^(?:chatcmpl-(?P<chat>.+)|cmpl-(?P<completion>.+)-\d+|(?P<id>.+))-[0-9a-f]{8}$", re.DOTALL)
+#: vLLM's request ids in the worker: a sample's index of a request with ``n`` > 1 (``2_``: parallel sampling's
+#: children), the API's prefix (``cmpl-`` adds the prompt's index after the id), the client's X-Request-ID (or vLLM's
+#: own id), a random suffix the engine adds.
+_WORKER_ID = re.compile(r"^(?:\d+_)?(?:chatcmpl-(?P<chat>.+)|cmpl-(?P<completion>.+)-\d+|(?P<id>.+))-[0-9a-f]{8}$",
+                        re.DOTALL)
 
 
 def request_id(worker_id: str) -> str:
     """The client's request id in a vLLM worker's request id: ``request_id("chatcmpl-r1-0123abcd") == "r1"``,
-    ``request_id("cmpl-r1-0-0123abcd") == "r1"`` (each prompt of a completion request is its own call)."""
+    ``request_id("cmpl-r1-0-0123abcd") == "r1"`` (each prompt of a completion request is its own call, as each
+    sample of one with ``n`` > 1: ``request_id("1_chatcmpl-r1-0123abcd") == "r1"``)."""
     match = _WORKER_ID.match(worker_id)
     return next((group for group in match.groups() if group is not None), worker_id) if match else worker_id
 
@@ -150,6 +153,10 @@ def unfollowable(config: Any) -> str | None:
         return "speculative decoding runs several candidate tokens per request and step; serve without it"
     if parallel.pipeline_parallel_size > 1 or parallel.tensor_parallel_size > 1:
         return "tensor or pipeline parallelism splits the model over several workers; serve on one worker"
+    if getattr(config.model_config, "enable_prompt_embeds", False):
+        return ("prompt embeddings are enabled (--enable-prompt-embeds): vLLM then runs every request from "
+                "embeddings, and a step's token ids and embedding rows are not where nxl_hooks reads them; serve "
+                "without it")
     return None
 
 
@@ -463,10 +470,12 @@ class VllmEngine:
     def _feed(self, capture: _Capture) -> None:
         """Each request's rows of the forward into its run; the logits of the rows vLLM samples from become the
         probability of the token it samples. Never raises."""
+        step: list[str] | None = None  # this step's requests, once known
         try:
             runner = self.gens.plan.model.runner
             batch = runner.input_batch
             count = batch.num_reqs
+            step = list(batch.req_ids[:count])
             starts = [int(s) for s in runner.query_start_loc.np[: count + 1]]
             discard = runner.discard_request_mask.np[:count].tolist()
             firsts = capture.positions[torch.tensor(starts[:-1], device=capture.positions.device)].tolist()
@@ -484,12 +493,12 @@ class VllmEngine:
             ids = capture.ids[None, :total].long() if capture.ids is not None else None
             log_probs = capture.logits.float().log_softmax(-1) if capture.logits is not None else None
         except Exception as error:  # noqa: BLE001 - this step's requests stop recording
-            for worker_id in list(self._runs):
+            for worker_id in step if step is not None else list(self._runs):
                 run = self._runs.get(worker_id)
                 if run is not None and not run.failed:
                     run.fail("this vLLM step", error)
             return
-        for index, worker_id in enumerate(batch.req_ids[:count]):
+        for index, worker_id in enumerate(step):
             if worker_id not in self._runs:  # it started before this probe attached (nxl ctl resume / attach)
                 self._runs[worker_id] = None
                 self.gens.unrecorded(request_id(worker_id), "this vLLM request", RuntimeError(
