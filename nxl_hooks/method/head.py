@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
@@ -33,10 +34,12 @@ from ..arch.registry import (FUNCTION_STEPS, POST_STEPS, ArchSpec, UnknownArchit
                              readout_outputs, spec_head, split_post_steps)
 from .placement import DeviceOf, indexed, module_device, offloaded, plain, readable, replica, weights_materialized
 
-__all__ = ["CALLED_READOUT_CHUNK", "Head", "Readout"]
+__all__ = ["CALLED_READOUT_BYTES", "CALLED_READOUT_CHUNK", "Head", "Readout"]
 
-#: Positions per call of a readout that cannot be gathered row by row: (rows, this, vocabulary) floats at once.
+#: Positions per call of a readout that cannot be gathered row by row: (rows, this, vocabulary) floats at once, fewer
+#: where those would pass CALLED_READOUT_BYTES (many rows: a batch's every position and layer at one step).
 CALLED_READOUT_CHUNK = 256
+CALLED_READOUT_BYTES = 64 << 20
 
 
 def _activation(config, attribute: str) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -115,6 +118,8 @@ class Head:
             if value is not None:
                 self._post_ops.append((POST_STEPS[op], float(value)))
         steps: list[nn.Module | Callable] = []
+        self._model = weakref.ref(model)
+        self._modules: list[tuple[str, nn.Module]] = []  # (path, module) of each module step, as at attach
         for step in names:
             if step in FUNCTION_STEPS:
                 steps.append(FUNCTION_STEPS[step])
@@ -131,6 +136,7 @@ class Head:
                     ) from None
                 if module is not None:
                     steps.append(module)
+                    self._modules.append((step, module))
         readout = steps.pop()
         if not isinstance(readout, nn.Module):
             raise ValueError(f"spec {spec.name!r}: the last head step must be a module (the readout), got {readout}")
@@ -206,11 +212,22 @@ class Head:
             logits = op(logits, value)
         return logits
 
+    def _unchanged(self) -> None:
+        """RuntimeError when a module of the head is no longer the model's (replaced while attached: an adapter put
+        on the readout, ``resize_token_embeddings``, an adapter unloaded): the records would read the one before."""
+        model = self._model()
+        for path, module in self._modules if model is not None else ():
+            if get_path(model, path) is not module:
+                raise RuntimeError(f"the model's {path} is another module than when the probe attached (an adapter "
+                                   "put on it or unloaded, resize_token_embeddings): detach and attach again")
+
     @contextlib.contextmanager
     def reading(self) -> Iterator["Readout"]:
         """One call's view of the readout: an offloaded readout's weights are loaded once for the whole block
         (they load on every call or ``align_module_device`` otherwise), and only one thread at a time holds
-        them, since loading swaps the module's parameters in place."""
+        them, since loading swaps the module's parameters in place. RuntimeError when the model's head changed
+        since (:meth:`_unchanged`)."""
+        self._unchanged()
         if not self._offloaded:
             yield Readout(self, held=False)
             return
@@ -277,13 +294,16 @@ class Readout:
         ``features``: (rows, seq, d); ``targets``: (rows, k) label ids. Returns float32 (rows, seq, k), on
         ``features``' device when the readout is a plain Linear: only its k target rows travel there, so
         under a device_map each layer is scored where its block ran and only scores cross devices. A readout
-        that must be called (quantized, adapter) computes every output, CALLED_READOUT_CHUNK positions at a time.
+        that must be called (quantized, adapter) computes every output, CALLED_READOUT_CHUNK positions at a time
+        (fewer: CALLED_READOUT_BYTES).
         """
         head = self._head
         if head.gatherable:
             return self._gathered(features, targets, folded=False)
         parts = []
-        for part in features.split(CALLED_READOUT_CHUNK, dim=1):
+        rows = features.shape[0]
+        chunk = max(1, min(CALLED_READOUT_CHUNK, CALLED_READOUT_BYTES // (4 * rows * head.n_outputs)))
+        for part in features.split(chunk, dim=1):
             full = head.readout(part.to(head.device))
             parts.append(head.post(full.gather(-1, targets.to(full.device)[:, None, :].expand(-1, full.shape[1], -1)))
                          .float())

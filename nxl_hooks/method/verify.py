@@ -21,6 +21,7 @@ from torch import nn
 from ..arch.registry import (ArchSpec, HeadKind, RegistryError, UnknownArchitectureError, is_discovered, is_shipped,
                              spec_head, split_post_steps)
 from .head import Head
+from .placement import module_device
 
 __all__ = ["check_numbers"]
 
@@ -46,18 +47,21 @@ def _block_output(output: object) -> torch.Tensor | None:
 
 
 def _random_input(model: nn.Module) -> torch.Tensor | None:
-    """(1, _SEQ) token ids without the pad token, on the embedding's device; None when the weights are not there
-    (meta tensors: an empty-weights model cannot run)."""
+    """(1, _SEQ) token ids without the pad token, where the embedding computes; None when the weights are not
+    there (meta tensors with no offload hook to bring them in: an empty-weights model cannot run). An offloaded
+    model runs: accelerate brings its weights in for each forward."""
     embedding = model.get_input_embeddings()
     weight = getattr(embedding, "weight", None)
     rows = getattr(embedding, "num_embeddings", None)
-    if not isinstance(weight, torch.Tensor) or weight.is_meta or not isinstance(rows, int) or rows < 2:
+    if not isinstance(weight, torch.Tensor) or not isinstance(rows, int) or rows < 2:
+        return None
+    if weight.is_meta and getattr(embedding, "_hf_hook", None) is None:
         return None
     ids = torch.randint(0, rows, (1, _SEQ), generator=torch.Generator().manual_seed(0))
     pad = model.config.pad_token_id
     if isinstance(pad, int):
         ids[ids == pad] = (pad + 1) % rows
-    return ids.to(weight.device)
+    return ids.to(module_device(embedding))
 
 
 def check_numbers(model: nn.Module, spec: ArchSpec, kind: str, head: Head, block_list: nn.ModuleList) -> None:

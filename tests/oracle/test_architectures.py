@@ -414,10 +414,20 @@ class ScaledOlmoForCausalLM(tf.OlmoForCausalLM):
         return out
 
 
-def test_discovery_whose_head_misses_the_models_own_logits_refuses_and_says_how_to_register(private_registry):
+@pytest.mark.parametrize("offload", [None, "cpu", "disk"])
+def test_discovery_whose_head_misses_the_models_own_logits_refuses_and_says_how_to_register(private_registry, offload,
+                                                                                            tmp_path):
     """Generic discovery's guess (final norm, then lm_head) is checked once against the model's own logits: a model
-    that computes them otherwise is refused with one line, not recorded with numbers off by its factor."""
+    that computes them otherwise is refused with one line, not recorded with numbers off by its factor. Its weights
+    offloaded (on meta until each forward) too: the check was skipped for them."""
     model = Case(_cfg(tf.OlmoConfig, **_GQA), ScaledOlmoForCausalLM, oracle.olmo).build()
+    if offload is not None:
+        accelerate = pytest.importorskip("accelerate")
+        if offload == "cpu":
+            accelerate.cpu_offload(model, execution_device="cpu")
+        else:
+            accelerate.disk_offload(model, offload_dir=str(tmp_path / "offload"), execution_device="cpu")
+        assert model.get_input_embeddings().weight.is_meta
     with pytest.raises(nxl.UnknownArchitectureError, match=r"model_type 'olmo' \(ScaledOlmoForCausalLM\) is not "
                        r"supported: generic discovery's guess .* differ from ScaledOlmoForCausalLM's own .*"
                        r"nxl\.register_architecture\('olmo'"):

@@ -70,6 +70,16 @@ def test_cli_attributes_a_gguf_model(world, tmp_path, capsys, how):
                                rtol=1e-4, atol=1e-5)
 
 
+def test_cli_refuses_to_offload_a_gguf_model_to_disk_in_one_line(world, capsys):
+    """transformers cannot: it raised RuntimeError, which ended nxl attribute in a traceback."""
+    model, _, _, gguf = world
+    places = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "disk", "lm_head": "disk",
+              **{f"model.layers.{i}": "cpu" for i in range(model.config.num_hidden_layers)}}
+    assert main(["attribute", str(gguf), PROMPT, "--device-map", json.dumps(places)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot offload a GGUF model to disk" in err[0] and "Traceback" not in err[0]
+
+
 @pytest.mark.parametrize("mode, linear", [("8bit", "Linear8bitLt"), ("4bit", "Linear4bit")])
 def test_gguf_with_bitsandbytes_is_quantized_in_memory(world, mode, linear):
     model, tok, _, gguf = world

@@ -11,17 +11,18 @@ import pytest
 import torch
 
 import big_models as big
+import nxl_hooks as nxl
 import oracle
 
 peft = pytest.importorskip("peft")
 from peft import LoraConfig, get_peft_model  # noqa: E402
 
 
-def _lora_head(layer) -> oracle.Fn:
+def _lora_head(layer, adapter: str = "default") -> oracle.Fn:
     """base(h) + B(A(h)) * scaling for a lora.Linear, by hand (dropout is off in eval)."""
     base = oracle.linear(layer.base_layer)
-    down, up = oracle.linear(layer.lora_A["default"]), oracle.linear(layer.lora_B["default"])
-    scaling = layer.scaling["default"]
+    down, up = oracle.linear(layer.lora_A[adapter]), oracle.linear(layer.lora_B[adapter])
+    scaling = layer.scaling[adapter]
     return lambda h: base(h) + up(down(h)) * scaling
 
 
@@ -72,3 +73,44 @@ def test_lora_blocks_per_family(case_id):
     peft_model = get_peft_model(case.build(), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False,
                                                             exclude_modules=r".*(pooler|classifier).*"))
     arch._check_against_oracle(case, peft_model.eval().get_base_model())
+
+
+def test_a_head_module_replaced_while_attached_is_said_not_the_one_attached():
+    """An adapter put on lm_head after attaching (or one unloaded from it, or resize_token_embeddings) gives the
+    model another readout: the records say so (they were made with the one before, numbers silently off)."""
+    model = big.build("llama")
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False),
+                                adapter_name="a").eval()
+    ids, mask = big.batch()
+    with torch.no_grad(), nxl.attach(peft_model) as probe:
+        peft_model(input_ids=ids, attention_mask=mask)
+        probe.result()  # recorded with the readout it attached to
+        peft_model.add_adapter("b", LoraConfig(r=4, target_modules=["q_proj", "lm_head"], init_lora_weights=False))
+        peft_model.set_adapter("b")
+        peft_model(input_ids=ids, attention_mask=mask)
+        with pytest.raises(RuntimeError, match="lm_head is another module than when the probe attached"):
+            probe.result()
+    # attached again, the new readout is the one read: equal to the oracle with the adapter's lm_head by hand
+    _check_both(peft_model, _lora_head(model.lm_head, "b"), oracle.linear(model.lm_head.base_layer),
+                oracle.rms_norm(model.model.norm))
+
+
+def test_a_called_readout_takes_as_many_positions_at_once_as_its_bytes_allow(monkeypatch):
+    """A readout that must be called (an adapter's, a quantized one) makes every output of the positions it is given:
+    rows x positions x vocabulary floats, bounded by CALLED_READOUT_BYTES (only positions were: 256 of them for
+    each of a batch's rows, every layer, at each generated token)."""
+    from nxl_hooks.method import head as nxl_head
+
+    model = big.build("llama")
+    peft_model = get_peft_model(model, LoraConfig(r=4, target_modules=["lm_head"], init_lora_weights=False)).eval()
+    ids, mask = big.batch()  # 2 rows, 7 positions
+    monkeypatch.setattr(nxl_head, "CALLED_READOUT_BYTES", 4 * 2 * model.config.vocab_size * 3)  # 3 positions a call
+    calls = []
+    handle = model.lm_head.register_forward_pre_hook(lambda module, args: calls.append(tuple(args[0].shape[:2])))
+    try:
+        big.check(peft_model, oracle.HandHead(oracle.rms_norm(model.model.norm), _lora_head(model.lm_head),
+                                              last_is_normed=True), ids, mask)
+    finally:
+        handle.remove()
+    ours = calls[1:]  # (the model's own forward called it first, over every position)
+    assert calls[0] == (2, 7) and ours and all(rows * positions <= 2 * 3 for rows, positions in ours)
