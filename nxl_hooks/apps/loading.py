@@ -428,10 +428,9 @@ def _from_gguf(auto: Any, name: str, gguf_file: str, kwargs: dict[str, Any]) -> 
     try:
         model, info = auto.from_pretrained(name, gguf_file=gguf_file, output_loading_info=True, **kwargs)
     except RuntimeError as err:
-        if "Disk offload is not supported" in str(err):  # (a device map naming "disk", or "auto" past --max-memory)
+        if "Disk offload is not supported" in str(err):  # (a device map that names "disk")
             raise ValueError(f"{os.path.join(name, gguf_file)}: transformers cannot offload a GGUF model to disk; "
-                             "drop \"disk\" from --device-map (or give --max-memory room), or nxl convert the file "
-                             "first") from None
+                             "drop \"disk\" from --device-map, or nxl convert the file first") from None
         if "mismatched" not in str(err) and "size mismatch" not in str(err):
             raise
         raise ValueError(f"{os.path.join(name, gguf_file)}: its tensors do not have the shapes its header gives "

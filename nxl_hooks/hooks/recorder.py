@@ -66,10 +66,10 @@ class _Task:
     """One task-model forward running in this thread: whether it is a step of a recorded call, whether its blocks
     reached the hooks, and (a plain forward) its backbone's capture, assembled when the task model returns."""
 
-    __slots__ = ("in_call", "blocks_ran", "capture")
+    __slots__ = ("in_call", "run", "blocks_ran", "capture")
 
-    def __init__(self, in_call: bool) -> None:
-        self.in_call, self.blocks_ran = in_call, False
+    def __init__(self, run: Recording | None) -> None:
+        self.in_call, self.run, self.blocks_ran = run is not None, run, False
         self.capture: Capture | None = None
 
 
@@ -124,9 +124,11 @@ class Recorder:
         """Let go of what this thread holds of a forward a BaseException (Ctrl-C) ended, its hidden states
         included: torch runs always_call hooks on an Exception only, so its entries were never taken off. A task
         forward whose blocks ran, not waiting for its backbone's capture, is such a one when another forward starts
-        (its backbone runs once), or a step of a call when a forward starts outside every call."""
+        (its backbone runs once), or a step of a call when a forward starts outside that call."""
         captures, tasks = self._stacks()
-        if tasks and tasks[-1].blocks_ran and tasks[-1].capture is None and (run is None or not tasks[-1].in_call):
+        ended = tasks[-1] if tasks else None
+        if ended is not None and ended.blocks_ran and ended.capture is None and (not ended.in_call
+                                                                                  or ended.run is not run):
             tasks.clear()
             captures.clear()
 
@@ -227,7 +229,7 @@ class Recorder:
         _, tasks = self._stacks()
         run = self._run()
         self._drop_ended(run)
-        tasks.append(_Task(in_call=run is not None))
+        tasks.append(_Task(run))
 
     def on_task_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         if traced():

@@ -35,8 +35,10 @@ class Given:
     logat: torch.Tensor  #: float32 (layers, rows, seq, k): HoT(h_i^l)[y] (regression: |HoT(h_i^l) − HoT(h_p^L)|)
     embed_norm: torch.Tensor  #: float32 (rows, seq): ‖h_i^0‖₂ (or the word-embedding row's norm)
     targets: torch.Tensor  #: int64 (rows, k): the explained ids
-    #: float32 (rows, outputs): the model's own log-softmax at each row's prediction position; None for a
-    #: regression head, or where the engine did not give its logits
+    #: float32 (rows, outputs): the model's own log-probabilities at each row's prediction position (its
+    #: log-softmax; a multi-label classifier's log-sigmoid, each output its own yes or no:
+    #: :func:`~nxl_hooks.arch.registry.log_probabilities`); None for a regression head, or where the engine did not
+    #: give its logits
     log_probs: torch.Tensor | None
     #: ``head_logits(ids)``: raw HoT(h_i^l)[ids] for other ids (rows, m) -> float32 (layers, rows, seq, m), one
     #: gather of m rows of the head per layer and token (what LogAt costs per target)

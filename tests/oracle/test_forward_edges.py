@@ -108,11 +108,17 @@ def test_peft_prefix_tuning_explains_the_input_tokens_after_its_virtual_ones():
     assert res.mask.shape == ids.shape
 
 
+def _held(probe) -> tuple[list, list]:
+    """What the probe's recorder holds in this thread of the forwards running in it: (captures, tasks)."""
+    return probe._settle().__self__._stacks()  # (the probe holds its recorder through a weak method)
+
+
 @pytest.mark.parametrize("ended", ["a forward", "a generate step"])
 def test_a_forward_ctrl_c_ended_leaves_nothing_that_a_later_forward_is_taken_for(ended):
     """torch runs a forward's always_call hooks on an Exception only: a KeyboardInterrupt left the probe's entries of
-    the ended forward behind, and a backbone called directly after it was taken for that forward, never made (the
-    result was the one before, or said the forward raised)."""
+    the ended forward behind, its hidden states held, and a backbone called directly after it was taken for that
+    forward, never made (the result was the one before, or said the forward raised). A generate call after it lets
+    them go too."""
     model = tiny.build_model("llama")
     ids, other = _ids(3, 7), _ids(1, 4, seed=9)
     interrupt = []
@@ -132,8 +138,12 @@ def test_a_forward_ctrl_c_ended_leaves_nothing_that_a_later_forward_is_taken_for
                     model(input_ids=ids)
                 else:
                     model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+            if ended == "a generate step":  # another call: what the ended one held is let go
+                model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+                assert _held(probe) == ([], [])
             out = model.model(input_ids=other, output_hidden_states=True)
             res = probe.result()
+            assert _held(probe) == ([], [])
     finally:
         handle.remove()
     logits = oracle.llama(model).layer_logits(out.hidden_states)

@@ -22,6 +22,7 @@ def test_request_id_is_the_clients():
     assert request_id("1_chatcmpl-multi-0123abcd") == "multi"
     assert request_id("0_cmpl-two-0-0123abcd") == "two"
     assert request_id("1_0-0123abcd") == "0"
+    assert request_id("2024_01_run-0123abcd") == "2024_01_run"  # a client's own id that starts so is kept
 
 
 def test_an_engine_with_prompt_embeddings_enabled_is_said_unfollowable():

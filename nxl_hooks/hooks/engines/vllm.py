@@ -64,10 +64,11 @@ _RECORDABLE = ("start it under nxl run, which turns prefix caching and async sch
                "yourself")
 
 #: vLLM's request ids in the worker: a sample's index of a request with ``n`` > 1 (``2_``: parallel sampling's
-#: children), the API's prefix (``cmpl-`` adds the prompt's index after the id), the client's X-Request-ID (or vLLM's
-#: own id), a random suffix the engine adds.
-_WORKER_ID = re.compile(r"^(?:\d+_)?(?:chatcmpl-(?P<chat>.+)|cmpl-(?P<completion>.+)-\d+|(?P<id>.+))-[0-9a-f]{8}$",
-                        re.DOTALL)
+#: children, read before the API's prefix or vLLM's own numbers only, so that a client's ``2024_run`` stays whole),
+#: the API's prefix (``cmpl-`` adds the prompt's index after the id), the client's X-Request-ID (or vLLM's own
+#: id), a random suffix the engine adds.
+_WORKER_ID = re.compile(r"^(?:\d+_(?=chatcmpl-|cmpl-|\d+-[0-9a-f]{8}$))?"
+                        r"(?:chatcmpl-(?P<chat>.+)|cmpl-(?P<completion>.+)-\d+|(?P<id>.+))-[0-9a-f]{8}$", re.DOTALL)
 
 
 def request_id(worker_id: str) -> str:
