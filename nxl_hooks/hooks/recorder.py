@@ -268,9 +268,9 @@ class Recorder:
                 self.plain.begin(self._arguments(args, kwargs))
             return
         self._recompiled.check(module)
-        captures, tasks = self._stacks()
         run = self._run()
         self._drop_ended(run)
+        captures, _ = self._stacks()
         captures.append(None)  # replaced below once the inputs are known; a failure or a skipped call leaves None
         if run is not None and run.failed:
             return
