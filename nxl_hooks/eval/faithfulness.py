@@ -473,8 +473,8 @@ def score_example(
             records[name]["scores"] = ranking[name].tolist()
     regression = setup.kind is HeadKind.REGRESSION
     spread = norm_spread(scores["embed_norm"], ranked) if "embed_norm" in scores else None
-    id2label = getattr(unwrap(model).config, "id2label", None)
-    probabilities = log_probabilities(unwrap(model), original[0].float()).exp()
+    id2label = getattr(setup.inner.config, "id2label", None)
+    probabilities = log_probabilities(setup.inner, original[0].float()).exp()
     contrasted = any(name in layered and _foiled(get_method(name), None) is None for name in methods)
     foil = t.foil if contrasted else t.pair
     return {

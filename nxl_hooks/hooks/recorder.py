@@ -170,10 +170,11 @@ class Recorder:
             return True
         past = start(arguments)[0]
         # (read on the host where it is a tensor, a static cache's: a plain forward's record is made on it anyway)
-        if past is not None and int(past) not in (0, self.plan.subject.virtual_tokens):
+        past = int(past) if past is not None else 0
+        if past not in (0, self.plan.subject.virtual_tokens):
             # a decoding loop of the user's: said once per probe, its every forward's result says it
             self.results.last = ValueError(
-                f"the last forward continued a KV cache holding {int(past)} positions (past_key_values) that ran "
+                f"the last forward continued a KV cache holding {past} positions (past_key_values) that ran "
                 "before the probe saw them, so its tokens' context is unknown and it was not recorded; run the "
                 "whole sequence in one forward, or decode with generate, which nxl_hooks follows step by step")
             if not self._told_cached:
