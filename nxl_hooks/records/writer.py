@@ -206,7 +206,9 @@ class Sink:
 
     The file is created (or truncated) when the probe attaches; read it with :func:`read_stream`. A path that is a
     symbolic link is refused (ValueError), so that a link planted where the file goes cannot redirect the records
-    (and the truncation) onto another file; ``follow_symlinks=True`` writes through it.
+    (and the truncation) onto another file; ``follow_symlinks=True`` writes through it. A sink belongs to the
+    process that opened it: a child it forks that writes to it gets a RuntimeError (an attached probe never does;
+    it keeps the child's records in memory and says so).
     """
 
     _mode = 0o644
@@ -219,14 +221,25 @@ class Sink:
         self._fd: int | None = _open(self.path, self._mode, follow_symlinks=follow_symlinks)
         self._seq = 0  # the next frame's number in the current file
         self._reached = 0  # the file offset the last write that failed reached (PartlyWritten)
+        self._pid = os.getpid()
+
+    def _owned(self) -> None:
+        """Refuses a write from a process forked from the sink's own: its frames would interleave with the
+        parent's in one file. Checked before the lock, which a thread of the parent may have held at the fork."""
+        if os.getpid() != self._pid:
+            raise RuntimeError(f"sink {self.path} belongs to process {self._pid}, which this one ({os.getpid()}) "
+                               "forked from: its frames would interleave with that process's; open a sink of its "
+                               "own in this process")
 
     def _put(self, frame: Frame, *, opens: int | None = None, closes: int | None = None) -> None:
         """Append one frame; ``opens`` / ``closes``: the index of the call it starts or ends."""
+        self._owned()
         with self._lock:
             self._append(frame(self._seq))
 
     def _put_many(self, frames: list[Frame]) -> None:
         """Append several frames with one write; failing, :class:`PartlyWritten` says how many were whole."""
+        self._owned()
         with self._lock:
             self._append_many([frame(self._seq + n) for n, frame in enumerate(frames)])
 
@@ -281,6 +294,11 @@ class Sink:
         self._put(functools.partial(_numbered, encode_end, call), closes=call.index)
 
     def close(self) -> None:
+        if os.getpid() != self._pid:  # a forked child lets go of its copy of the descriptor, nothing more
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+            return
         with self._lock:
             if self._fd is not None:
                 fd, self._fd = self._fd, None
@@ -323,8 +341,7 @@ class RotatingSink(Sink):
       that a missing file between two kept ones (or a renamed one) is reported as damage. One writer per folder at
       a time.
     - Files and a folder it creates are private to the user (0600 / 0700): prompts are user data.
-    - In a child the process forks, writes are dropped: the files belong to the parent (whose frames a child's
-      would interleave with); the child's records stay in its memory.
+    - Like every :class:`Sink`, it belongs to the process that opened it (see there).
     """
 
     _mode = 0o600
@@ -340,7 +357,6 @@ class RotatingSink(Sink):
         existing = _rotated(self.folder)
         self._number = self._writer = (existing[-1][0] + 1) if existing else 1
         self._running: dict[int, Frame] = {}  # call index -> its call frame, written again at each rotation
-        self._pid = os.getpid()
         super().__init__(self._name(), fsync=fsync)
         self._start()
 
@@ -354,8 +370,7 @@ class RotatingSink(Sink):
         self._records = 0  # record frames in the current file
 
     def _put(self, frame: Frame, *, opens: int | None = None, closes: int | None = None) -> None:
-        if os.getpid() != self._pid:  # checked before the lock, which a thread of the parent may have held
-            return
+        self._owned()
         with self._lock:
             data = frame(self._seq)
             if self._fd is not None and self._records and self._size + len(data) > self.max_bytes:
@@ -372,8 +387,7 @@ class RotatingSink(Sink):
 
     def _put_many(self, frames: list[Frame]) -> None:
         """Several frames with one write while they fit the current file; one at a time where a new file starts."""
-        if os.getpid() != self._pid:
-            return
+        self._owned()
         with self._lock:
             data = [frame(self._seq + n) for n, frame in enumerate(frames)]
             size = sum(map(len, data))
@@ -406,9 +420,7 @@ class RotatingSink(Sink):
     def close(self) -> None:
         """Close the current file; one that holds no record (nothing was recorded) is removed."""
         if os.getpid() != self._pid:
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+            super().close()  # not the parent's file to remove
             return
         with self._lock:
             empty = self._fd is not None and not self._records

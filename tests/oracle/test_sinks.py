@@ -340,6 +340,60 @@ def test_a_forked_child_leaves_the_parents_sink_whole_and_says_its_own_records_s
         check_call(model, call, 3)
 
 
+_FORKED_DIRECT = """
+import json, os, sys
+sys.path[:0] = sys.argv[3:]
+import torch, tiny, nxl_hooks as nxl
+
+kind, where = sys.argv[1], sys.argv[2]
+model = tiny.generating_llama(seed=3)
+ids = torch.randint(1, tiny.GEN_VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
+with nxl.attach(model, layers="all") as probe:
+    model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+(call,) = probe.calls
+sink = nxl.Sink(where) if kind == "stream" else nxl.RotatingSink(where)
+sink.write_call(call, {})
+pid = os.fork()
+if pid == 0:  # the child writes to its parent's sink itself, no probe in between, then closes it
+    said = []
+    for write in (lambda: sink.write_step(call.steps[0]), lambda: sink.write_steps(call.steps),
+                  lambda: sink.write_end(call)):
+        try:
+            write()
+            said.append(None)
+        except RuntimeError as error:
+            said.append(str(error))
+    sink.close()
+    print(json.dumps(said), flush=True)
+    os._exit(0)
+_, status = os.waitpid(pid, 0)
+assert status == 0, status
+sink.write_steps(call.steps)
+sink.write_end(call)
+sink.close()
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("kind", ["stream", "rotating"])
+def test_a_forked_child_that_writes_to_its_parents_sink_itself_is_told_and_leaves_the_file_whole(tmp_path, kind):
+    """Without a probe in between, a child's write to the parent's sink is refused in one line (neither dropped
+    without a word nor interleaved into the parent's file), and its close leaves the parent's file alone."""
+    import tiny
+
+    where = tmp_path / {"stream": "run.nxl", "rotating": "runs"}[kind]
+    tests = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", _FORKED_DIRECT, kind, str(where), str(tests)], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-3000:]
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(said) == 3 and all(line and "forked from" in line and "open a sink of its own" in line
+                                  for line in said), said
+    stream = nxl.read_stream(where)
+    assert stream.damage is None and [call.index for call in stream] == [0]
+    check_call(tiny.generating_llama(seed=3), stream[0], 3)
+
+
 @pytest.mark.parametrize("how", ["read-only", "removed"])
 def test_a_read_only_or_removed_folder_is_a_sink_fault(chat, tmp_path, how):
     _, model, tokenizer = chat
