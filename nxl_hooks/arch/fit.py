@@ -90,6 +90,27 @@ def _check_backbone(model: nn.Module, spec: ArchSpec, block_list: nn.Module) -> 
                               f"or inputs_embeds; {expected}")
 
 
+def _check_layer_outputs(model: nn.Module, spec: ArchSpec, block_list: nn.ModuleList) -> None:
+    """Each ``layer_outputs`` entry names a layer 1..L and a module (or None) outside the blocks, run by the backbone
+    between two of them."""
+    for layer, path in spec.layer_outputs.items():
+        key, expected = f"layer_outputs.{layer}", ("expected the module whose output enters the next block "
+                                                   "(e.g. 'deberta.encoder.conv')")
+        if layer > len(block_list):
+            spec._bad(key, f"names layer {layer}, but {spec.blocks!r} holds {len(block_list)} blocks; expected a "
+                           f"layer 1..{len(block_list)}")
+        if not has_path(model, path):
+            spec._bad(key, f"names {path!r}, which {type(model).__name__} does not have; {expected}")
+        found = get_path(model, path)
+        if found is None:
+            continue  # this model runs no such module: block's own output
+        if not isinstance(found, nn.Module):
+            spec._bad(key, f"names {path!r}, {_found(found)}; {expected}")
+        if any(found is sub for sub in block_list.modules()) or any(sub is block_list for sub in found.modules()):
+            spec._bad(key, f"names {path!r}, a {type(found).__name__} inside or around the blocks {spec.blocks!r}; "
+                           f"{expected}")
+
+
 def _check_blocks(model: nn.Module, spec: ArchSpec) -> nn.ModuleList:
     found = get_path(model, spec.blocks)
     if not isinstance(found, nn.ModuleList) or not len(found):
@@ -145,6 +166,7 @@ def check_fits(model: nn.Module, spec: ArchSpec, spec_kind: str) -> None:
             spec._bad(key, f"readout {readout[0]!r} ({type(readout[1]).__name__}) {what}; expected {expected} "
                            f"of {type(model).__name__}'s head")
     _check_backbone(model, spec, block_list)
+    _check_layer_outputs(model, spec, block_list)
     norm = final_norm(model)
     if norm is None:
         return

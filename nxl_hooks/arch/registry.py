@@ -42,6 +42,7 @@ __all__ = [
     "head_kind",
     "is_discovered",
     "is_shipped",
+    "layer_modules",
     "log_probabilities",
     "readout_outputs",
     "split_post_steps",
@@ -71,7 +72,7 @@ def register_architecture(
     blocks: str,
     heads: Mapping[str, Sequence[str]],
     model_types: Sequence[str] | None = None,
-    **options: str | None,
+    **options: str | Mapping[int | str, str] | None,
 ) -> ArchSpec:
     """Register (or replace) an architecture at run time; same fields as a ``registry/*.toml`` entry.
 
@@ -148,6 +149,17 @@ def specs() -> dict[str, ArchSpec]:
 def blocks(model: nn.Module, spec: ArchSpec) -> nn.ModuleList:
     """The blocks a spec names: their count is the model's L everywhere (layers 0..L, negative layer numbers)."""
     return get_path(model, spec.blocks)
+
+
+def layer_modules(model: nn.Module, spec: ArchSpec) -> list[nn.Module]:
+    """The module whose output is h[l], for l = 1..L: block l, unless the spec's ``layer_outputs`` names the module
+    the backbone runs on it before the next block (and the model has one). ``layer_modules(model, spec)[0]``"""
+    found = list(blocks(model, spec))
+    for layer, path in spec.layer_outputs.items():
+        module = get_path(model, path)
+        if module is not None:
+            found[layer - 1] = module
+    return found
 
 
 def _logit_post_processing(model: nn.Module, kind: HeadKind) -> list[str]:

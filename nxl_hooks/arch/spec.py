@@ -83,7 +83,7 @@ def split_post_steps(steps: Sequence[str]) -> tuple[list[str], list[str]]:
     return list(steps[:cut]), list(steps[cut:])
 
 
-_KEYS = ("model_types", "blocks", "heads", "pooling", "backbone")
+_KEYS = ("model_types", "blocks", "heads", "pooling", "backbone", "layer_outputs")
 #: How deep an entry's values may nest (a head is a table of lists of strings: 3); deeper is refused before any
 #: recursive walk (a repr, a check) could overflow the stack.
 MAX_DEPTH = 4
@@ -131,6 +131,10 @@ class ArchSpec:
     #: The module whose forward takes ``input_ids`` / ``attention_mask`` and runs the blocks, when it is not
     #: ``model.base_model`` (OPTForCausalLM calls ``model.decoder`` directly, bypassing OPTModel.forward).
     backbone: str | None = None
+    #: Layer number l -> the module whose output is h[l] where that is not block l's output: a module the backbone
+    #: runs on block l's output before block l + 1 (DeBERTa-v2's ``encoder.conv`` after block 1, as in
+    #: deberta-v2-xlarge). A path that resolves to None (a config without that module) keeps block l's output.
+    layer_outputs: Mapping[int, str] = field(default_factory=dict)
     source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -152,6 +156,7 @@ class ArchSpec:
         self._check_path("blocks", self.blocks)
         if self.backbone is not None:
             self._check_path("backbone", self.backbone)
+        self._check_layer_outputs()
         if self.pooling not in _POOLINGS:
             self._bad("pooling", f"must be one of {_POOLINGS}, got {self.pooling!r}")
         if not isinstance(self.heads, Mapping) or not self.heads:
@@ -171,6 +176,23 @@ class ArchSpec:
     def _check_path(self, key: str, path: object) -> None:
         if not isinstance(path, str) or not _PATH.fullmatch(path):
             self._bad(key, f"must be a dotted module path like \"model.layers\", got {self._short(path)}")
+
+    def _check_layer_outputs(self) -> None:
+        """A table of layer numbers (1 or more; TOML keys are strings of digits) to module paths; kept by number."""
+        outputs = self.layer_outputs
+        if not isinstance(outputs, Mapping):
+            self._bad("layer_outputs", f"must be a table of layer numbers to module paths, like {{ 1 = "
+                                       f"\"deberta.encoder.conv\" }}, got {self._short(outputs)}")
+        numbered: dict[int, str] = {}
+        for layer, path in outputs.items():
+            number = layer if isinstance(layer, int) and not isinstance(layer, bool) else (
+                int(layer) if isinstance(layer, str) and layer.isdecimal() and layer.isascii() else None)
+            if number is None or number < 1:
+                self._bad("layer_outputs", f"key {self._short(layer)} is not a layer number (1 for block 1's "
+                                           "output, 2 for block 2's...)")
+            self._check_path(f"layer_outputs.{number}", path)
+            numbered[number] = path
+        object.__setattr__(self, "layer_outputs", numbered)
 
     def _check_steps(self, key: str, steps: object) -> None:
         """Module paths and functions, the readout (the last module path), then only post-processing steps."""
@@ -223,7 +245,7 @@ def spec_from_mapping(name: str, data: Any, source: str) -> ArchSpec:
         raise RegistryError(f"{where}: key {'blocks' if 'blocks' not in data else 'heads'!r} is missing")
     return ArchSpec(name=name, model_types=data.get("model_types", (name,)), blocks=data["blocks"],
                     heads=data["heads"], pooling=data.get("pooling", "last_non_pad"), backbone=data.get("backbone"),
-                    source=source)
+                    layer_outputs=data.get("layer_outputs", {}), source=source)
 
 
 def head_kind(model: nn.Module) -> HeadKind:

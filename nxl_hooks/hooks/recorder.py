@@ -193,9 +193,9 @@ class Recorder:
             handles.append(self.backbone.register_forward_pre_hook(self.on_backbone_start, with_kwargs=True))
             handles.append(self.backbone.register_forward_hook(self.on_backbone_end, always_call=True))
             handles.append(plan.blocks[0].register_forward_pre_hook(self.on_block_input, with_kwargs=True))
-            for index, block in enumerate(plan.blocks, start=1):
+            for index, module in enumerate(plan.subject.layer_modules, start=1):
                 if index in self._wanted or index == plan.n_blocks:
-                    handles.append(block.register_forward_hook(self._block_hook(index)))
+                    handles.append(module.register_forward_hook(self._block_hook(index)))
             if plan.embedding == "word":
                 handles.append(plan.model.get_input_embeddings().register_forward_hook(self.on_word_embedding))
         except BaseException:

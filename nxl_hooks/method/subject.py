@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..arch.registry import ArchSpec, HeadKind, blocks, get_path, resolve
+from ..arch.registry import ArchSpec, HeadKind, blocks, get_path, layer_modules, resolve
 from .head import Head
 from .verify import check_numbers
 
@@ -55,6 +55,12 @@ class Subject:
         if getattr(config, "peft_type", None) != "PREFIX_TUNING":  # (PeftType is a str enum)
             return 0
         return int(getattr(config, "num_virtual_tokens", 0) or 0)
+
+    @property
+    def layer_modules(self) -> list[nn.Module]:
+        """The module whose output is h[l], for l = 1..L (:func:`~nxl_hooks.arch.registry.layer_modules`): what the
+        probe's hooks read the residual stream from."""
+        return layer_modules(self.model, self.spec)
 
     @property
     def backbone(self) -> nn.Module:

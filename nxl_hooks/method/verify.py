@@ -4,8 +4,9 @@ recorded with it, so an entry that gives wrong numbers is refused rather than re
     check_numbers(model, spec, kind, head, block_list)   # RegistryError naming the entry and key, else None
 
 On a small random input (one row of 6 tokens, no pad token) the model runs once with a forward hook on every
-block: each block must run exactly once, and the head-on-top the entry describes (:class:`~.head.Head`, applied to
-the last block's raw output) must equal the model's own logits. The shipped ``registry/*.toml`` entries are tested
+block: each block must run exactly once (and each module its ``layer_outputs`` names), and the head-on-top the entry
+describes (:class:`~.head.Head`, applied to h[L], the last block's raw output or what the entry names in its place)
+must equal the model's own logits. The shipped ``registry/*.toml`` entries are tested
 per family against a hand-written oracle (tests/oracle.py) and are not run here, so attach stays cheap for them; a
 user's entry, and generic discovery's guess for a model no entry names (a new family may scale its logits in a way
 no config value tells), are run at their first attach per model class and head kind.
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from ..arch.registry import (ArchSpec, HeadKind, RegistryError, UnknownArchitectureError, is_discovered, is_shipped,
-                             spec_head, split_post_steps)
+                             layer_modules, spec_head, split_post_steps)
 from .head import Head
 from .placement import module_device
 
@@ -74,17 +75,28 @@ def check_numbers(model: nn.Module, spec: ArchSpec, kind: str, head: Head, block
     ids = _random_input(model)
     if ids is None:
         return
-    counts = [0] * len(block_list)
+    # h[l] is read from block l, or from the module the entry's layer_outputs names: each runs once, gives what
+    # block l gives, and the head applied to h[L] gives the model's logits
+    final = len(block_list)
+    outputs = {layer: module for layer, module in enumerate(layer_modules(model, spec), start=1)
+               if module is not block_list[layer - 1]}
+    ran: dict[tuple[str, int], list] = {}  # ("block", l) / ("layer_outputs", l) -> [times it ran, its output's shape]
     last: list[torch.Tensor | None] = [None]
 
-    def counter(index: int):
-        def hook(module: nn.Module, args: tuple, output: object) -> None:
-            counts[index] += 1
-            if index == len(block_list) - 1:
-                last[0] = _block_output(output)
-        return hook
+    def counter(what: str, layer: int, module: nn.Module) -> torch.utils.hooks.RemovableHandle:
+        tally = ran.setdefault((what, layer), [0, None])
+        read = layer == final and (what == "layer_outputs" or final not in outputs)
 
-    handles = [block.register_forward_hook(counter(index)) for index, block in enumerate(block_list)]
+        def hook(module: nn.Module, args: tuple, output: object) -> None:
+            hidden = _block_output(output)
+            tally[0] += 1
+            tally[1] = None if hidden is None else tuple(hidden.shape)
+            if read:
+                last[0] = hidden
+        return module.register_forward_hook(hook)
+
+    handles = [counter("block", layer, block) for layer, block in enumerate(block_list, start=1)]
+    handles += [counter("layer_outputs", layer, module) for layer, module in outputs.items()]
     training = {module: module.training for module in model.modules()}
     model.eval()  # dropout would make the model's logits differ from a head applied by hand
     try:
@@ -96,7 +108,7 @@ def check_numbers(model: nn.Module, spec: ArchSpec, kind: str, head: Head, block
         for module, mode in training.items():
             module.training = mode
     try:
-        _compare(model, spec, kind, head, counts, last[0], getattr(output, "logits", None))
+        _compare(model, spec, kind, head, ran, last[0], getattr(output, "logits", None))
     except RegistryError as error:
         if not is_discovered(spec):
             raise
@@ -121,14 +133,20 @@ def _differs(got: torch.Tensor, expected: torch.Tensor, head: Head) -> float | b
     return False if difference <= tolerance * (1.0 + float(expected.abs().max())) else difference
 
 
-def _compare(model: nn.Module, spec: ArchSpec, kind: str, head: Head, counts: list[int],
+def _compare(model: nn.Module, spec: ArchSpec, kind: str, head: Head, ran: dict[tuple[str, int], list],
              hidden: torch.Tensor | None, logits: object) -> None:
     where = f"registry entry [{spec.name}] in {spec.source}"
     name, heads_key = type(model).__name__, f"heads.{spec_head(kind)}"
-    wrong = next(((index, n) for index, n in enumerate(counts) if n != 1), None)
-    if wrong is not None:
-        raise RegistryError(f"{where}: key 'blocks' names {spec.blocks!r}, whose block {wrong[0]} ran {wrong[1]} times "
-                            f"in one forward of {name}; expected the ModuleList of blocks that each run once")
+    for (what, layer), (times, shape) in ran.items():
+        if what == "block" and times != 1:
+            raise RegistryError(f"{where}: key 'blocks' names {spec.blocks!r}, whose block {layer - 1} ran {times} "
+                                f"times in one forward of {name}; expected the ModuleList of blocks that each run once")
+        expected = ran[("block", layer)][1]
+        if what == "layer_outputs" and (times != 1 or shape != expected):
+            found = f"ran {times} times" if times != 1 else f"gives outputs of shape {shape}"
+            raise RegistryError(f"{where}: key 'layer_outputs.{layer}' names {spec.layer_outputs[layer]!r}, which "
+                                f"{found} in one forward of {name}; expected a module the backbone runs once on "
+                                f"block {layer}'s output, giving its shape {expected}")
     if hidden is None or not isinstance(logits, torch.Tensor):
         return  # nothing to compare with: the model returns no logits tensor (the probe says what it records)
     steps = list(spec.heads[spec_head(kind)])

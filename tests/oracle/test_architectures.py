@@ -82,6 +82,11 @@ _ELECTRA = _cfg(tf.ElectraConfig, **_ENC, embedding_size=16)  # embeddings_proje
 _DEBERTA = _cfg(tf.DebertaV2Config, **_ENC, relative_attention=True, pos_att_type=["p2c", "c2p"],
                 position_biased_input=False, max_relative_positions=-1, position_buckets=8, norm_rel_ebd="layer_norm",
                 share_att_key=True)
+# Like deberta-v2-xlarge: a ConvLayer on block 1's output is what enters block 2 (h[1]: hidden_states[1]).
+_CONV = dict(_ENC, relative_attention=True, pos_att_type=["p2c", "c2p"], position_biased_input=False,
+             max_relative_positions=-1, position_buckets=8, norm_rel_ebd="layer_norm", share_att_key=True,
+             conv_kernel_size=3, conv_act="gelu")
+_DEBERTA_CONV = _cfg(tf.DebertaV2Config, **_CONV)
 
 CASES: dict[str, Case] = {
     "llama-lm": Case(_LLAMA, tf.LlamaForCausalLM, oracle.llama),
@@ -150,6 +155,12 @@ CASES: dict[str, Case] = {
     "deberta_v2-cls": Case(_DEBERTA, tf.DebertaV2ForSequenceClassification, oracle.deberta_classifier,
                            decoder=False),
     "deberta_v2-mlm": Case(_DEBERTA, tf.DebertaV2ForMaskedLM, oracle.deberta_lm, decoder=False),
+    "deberta_v2_conv-cls": Case(_DEBERTA_CONV, tf.DebertaV2ForSequenceClassification, oracle.deberta_classifier,
+                                decoder=False),
+    "deberta_v2_conv-mlm": Case(_DEBERTA_CONV, tf.DebertaV2ForMaskedLM, oracle.deberta_lm, decoder=False),
+    # one block: the conv's output is h[L], the classifier's input (the l = L parity)
+    "deberta_v2_conv1-cls": Case(_cfg(tf.DebertaV2Config, **dict(_CONV, num_hidden_layers=1)),
+                                 tf.DebertaV2ForSequenceClassification, oracle.deberta_classifier, decoder=False),
 }
 
 

@@ -160,6 +160,25 @@ BAD = {
     "backbone opt layers": ("opt-lm", {"backbone": "model.decoder.layers"}, "backbone", "whose forward takes no"),
     "backbone opt embedding": ("opt-lm", {"backbone": "model.decoder.embed_tokens"}, "backbone",
                                "does not contain the blocks"),
+    # -- layer_outputs: where h[l] is read in place of block l's output
+    "layer_outputs beyond L": ("deberta_v2_conv-cls", {"layer_outputs": {3: "deberta.encoder.conv"}},
+                               "layer_outputs.3", "names layer 3, but 'deberta.encoder.layer' holds 2 blocks"),
+    "layer_outputs missing": ("deberta_v2_conv-cls", {"layer_outputs": {1: "deberta.encoder.convolution"}},
+                              "layer_outputs.1", "which DebertaV2ForSequenceClassification does not have"),
+    "layer_outputs a block": ("deberta_v2_conv-cls", {"layer_outputs": {1: "deberta.encoder.layer.1"}},
+                              "layer_outputs.1", "a DebertaV2Layer inside or around the blocks"),
+    "layer_outputs the encoder": ("deberta_v2_conv-cls", {"layer_outputs": {1: "deberta.encoder"}},
+                                  "layer_outputs.1", "a DebertaV2Encoder inside or around the blocks"),
+    "layer_outputs a tensor": ("deberta_v2_conv-cls", {"layer_outputs": {1: "deberta.encoder.conv.conv.weight"}},
+                               "layer_outputs.1", "a Parameter of shape"),
+    "layer_outputs never runs": ("deberta_v2_conv-cls", {"layer_outputs": {1: "deberta.encoder.rel_embeddings"}},
+                                 "layer_outputs.1", "which ran 0 times in one forward of "
+                                 "DebertaV2ForSequenceClassification; expected a module the backbone runs once"),
+    "layer_outputs another shape": ("llama-lm", {"layer_outputs": {1: "model.rotary_emb"}}, "layer_outputs.1",
+                                    r"gives outputs of shape \(1, 6, 8\) in one forward of LlamaForCausalLM; "
+                                    r"expected .* giving its shape \(1, 6, 32\)"),
+    "layer_outputs not the last": ("deberta_v2_conv1-cls", {"layer_outputs": {}}, "heads.sequence_classification",
+                                   _NUMBERS),
 }
 
 
@@ -167,7 +186,7 @@ def _register(name: str, model: torch.nn.Module, changes: dict) -> registry.Arch
     """A user entry for the model's type: its shipped entry's fields with ``changes``."""
     shipped = registry.specs()[model.config.model_type]
     fields = {"blocks": shipped.blocks, "heads": dict(shipped.heads), "pooling": shipped.pooling,
-              "backbone": shipped.backbone, **changes}
+              "backbone": shipped.backbone, "layer_outputs": shipped.layer_outputs, **changes}
     return nxl.register_architecture(name, model_types=[model.config.model_type], **fields)
 
 
@@ -181,10 +200,10 @@ def _refused(model: torch.nn.Module, entry: str, key: str, message: str, source:
     assert nxl_hooks_on(model) == 0
 
 
-def test_the_table_holds_the_47_kinds_of_failure():
-    assert len(BAD) >= 47
+def test_the_table_holds_the_55_kinds_of_failure():
+    assert len(BAD) >= 55
     kinds = {key.split(".")[0] for _, _, key, _ in BAD.values()}
-    assert kinds == {"blocks", "heads", "backbone", "pooling"}
+    assert kinds == {"blocks", "heads", "backbone", "pooling", "layer_outputs"}
 
 
 @pytest.mark.parametrize("name", list(BAD))
@@ -241,7 +260,8 @@ def test_deeply_nested_register_call_is_one_line():
 # -- what still works ----------------------------------------------------------------------------------------
 
 GOOD = ["llama-lm", "llama-cls", "llama-reg", "gemma2-lm", "gpt2-lm", "opt_proj-lm", "falcon-lm", "granite-lm",
-        "cohere-lm", "bert-cls", "bert-mlm", "roberta-cls", "distilbert-mlm", "deberta_v2-cls"]
+        "cohere-lm", "bert-cls", "bert-mlm", "roberta-cls", "distilbert-mlm", "deberta_v2-cls",
+        "deberta_v2_conv-cls", "deberta_v2_conv1-cls"]
 
 
 @pytest.mark.parametrize("case_id", GOOD)

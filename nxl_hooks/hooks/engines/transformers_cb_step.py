@@ -112,6 +112,7 @@ class _Taps:
             return gens.current() is marker
 
         runner, model, head, blocks = processor.model_runner, plan.model, plan.head, plan.blocks
+        outputs = plan.subject.layer_modules  # where h[l] is read (a module after block l, for some families)
         rows = int(processor.cache.max_batch_tokens)
         self.logits_kept = logits_kept(processor, model)
         embedding = model.get_input_embeddings()
@@ -128,7 +129,7 @@ class _Taps:
                 if layer == 0:
                     self.hidden.tap_input(slot, blocks[0], _block_input)
                 else:
-                    self.hidden.tap(slot, blocks[layer - 1], _stream)
+                    self.hidden.tap(slot, outputs[layer - 1], _stream)
             if plan.embedding == "word":
                 self.embedding.tap(0, embedding, lambda output: output)
             else:
