@@ -598,7 +598,7 @@ class Run:
                 self.call.readable = self._plan.readable_rows(ids)
                 self.call.prompt_template = self._plan.template(ids, self._mask.view()[:, : self._prompt_len].cpu())
                 self.call.special_ids = self._plan.special_ids
-                self._hub.prompt(self.call, ids, self._mask.view()[:, : self._prompt_len].cpu(), self._plan.describe())
+                self._hub.prompt(self.call, ids, self._mask.view()[:, : self._prompt_len].cpu())
 
     def _real_mask(self, mask: torch.Tensor, past: int, new: int) -> torch.Tensor:
         """``mask`` with generated positions whose token a finished row only padded switched off (on the device:

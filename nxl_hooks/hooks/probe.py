@@ -329,7 +329,8 @@ def attach(
                 "(or call probe.detach(), or nxl.detach_all(model)) before attaching again"
             )
         # Only now the sink file is opened: a refused probe never truncates one.
-        hub = Hub(on_step=on_step, sink=sink, keep_steps=keep_steps, keep_calls=keep_calls)
+        hub = Hub(on_step=on_step, sink=sink, keep_steps=keep_steps, keep_calls=keep_calls,
+                  meta=plan.describe())
         results, notice = Results(), Notice()
         try:
             gens = None

@@ -222,7 +222,6 @@ class _StepItem(NamedTuple):
 class _CallItem(NamedTuple):
     """A call's prompt was seen: its call frame for the sink."""
     call: GenerationCall
-    meta: dict
 
 
 class _EndItem(NamedTuple):
@@ -252,8 +251,9 @@ class Hub:
     pipeline of the module docstring)."""
 
     def __init__(self, *, on_step: Callable[[Step], Any] | None, sink: Any, keep_steps: bool,
-                 keep_calls: int | None = None) -> None:
-        """``sink``: anything :func:`~nxl_hooks.records.sinks.make_sink` takes, or None."""
+                 keep_calls: int | None = None, meta: dict | None = None) -> None:
+        """``sink``: anything :func:`~nxl_hooks.records.sinks.make_sink` takes, or None; ``meta``: what the probe
+        explains (``plan.describe()``), in every call frame."""
         if keep_calls is not None and keep_calls < 0:
             raise ValueError(f"keep_calls={keep_calls}: give a number of calls to keep (0 or more), or None for all")
         self._calls: collections.deque[GenerationCall] = collections.deque(maxlen=keep_calls)
@@ -266,6 +266,7 @@ class Hub:
         self.unwritten = 0
         self._lost = 0  # of those, the ones the sink lost after taking them (its ``lost``)
         self._keep = keep_steps
+        self._meta = dict(meta or {})
         # Reentrant: a model collected (by a garbage collection any allocation may start) while this thread holds a
         # lock closes its probe's hub from inside that thread.
         self._lock = threading.RLock()
@@ -303,7 +304,8 @@ class Hub:
 
     def begin(self, layers: list[int], *, request_id: str | None, thread: str | None,
               error: str | None = None) -> GenerationCall:
-        """A new call record; with ``error`` it is one that is not recorded (its reason says why)."""
+        """A new call record; with ``error`` it is one that is not recorded (its reason says why), ended at once: the
+        sink gets its call frame, with no prompt, and its end frame, which says why."""
         with self._lock:
             call = GenerationCall(index=self._counter, layers=list(layers), request_id=request_id, thread=thread,
                                   error=error)
@@ -311,8 +313,10 @@ class Hub:
                 call.notes.append(self._fault_note())
             self._counter += 1
             self._calls.append(call)
-            if error is None and not self._closed:
+            if not self._closed:
                 self._running.append(call)
+        if error is not None:
+            self.end(call, None, error, wait=False)
         return call
 
     @property
@@ -332,9 +336,9 @@ class Hub:
 
     # -- the hot path ------------------------------------------------------------------------------------
 
-    def prompt(self, call: GenerationCall, ids: torch.Tensor | None, mask: torch.Tensor, meta: dict) -> None:
+    def prompt(self, call: GenerationCall, ids: torch.Tensor | None, mask: torch.Tensor) -> None:
         call.prompt_ids, call.prompt_mask = ids, mask
-        self._submit(_CallItem(call, meta))
+        self._submit(_CallItem(call))
 
     def publish(self, call: GenerationCall, batch: Batch, texts: Texts | None = None) -> None:
         """Hand on ``batch``, consecutive records of ``call`` scored together (``texts`` makes their readable texts,
@@ -594,8 +598,7 @@ class Hub:
             for step in steps:
                 self._deliver(item.call, step)
         elif isinstance(item, _CallItem):
-            call, meta = item
-            self._to_sink(call, lambda sink: sink.write_call(call, meta))
+            self._to_sink(item.call, lambda sink: sink.write_call(item.call, self._meta))
         elif isinstance(item, _EndItem):
             self._end(item.call, item.sequences, item.error)
         elif isinstance(item, _CloseItem):
@@ -640,10 +643,16 @@ class Hub:
             call.sequences, call.error, call.ended = sequences, call.error or error, time.time()
             call.complete = sequences is not None and call.error is None
             ended = self._release(call)
-        if call.prompt_mask is not None:
-            self._to_sink(call, lambda sink: sink.write_end(call))
+        self._end_frames(call)
         for subscriber in ended:
             self._tell(subscriber, None)
+
+    def _end_frames(self, call: GenerationCall) -> None:
+        """``call``'s end frame for the sink; first its call frame, with no prompt, where its prompt never ran (not
+        recorded, or ended before its first forward): a stream says what became of every call."""
+        if call.prompt_mask is None:
+            self._to_sink(call, lambda sink: sink.write_call(call, self._meta))
+        self._to_sink(call, lambda sink: sink.write_end(call))
 
     def _release(self, call: GenerationCall) -> list[Subscription]:
         """The subscribers bound to ``call`` alone, taken off the list (caller holds the lock)."""
@@ -727,8 +736,7 @@ class Hub:
             for call in running:
                 call.error = call.error or why
         for call in running:
-            if call.prompt_mask is not None:
-                self._to_sink(call, lambda sink, call=call: sink.write_end(call))
+            self._end_frames(call)
         self._to_sink(None, None)
         for subscriber in subscribers:
             self._tell(subscriber, None)

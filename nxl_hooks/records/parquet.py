@@ -216,7 +216,8 @@ class ParquetSink:
 
     def write_call(self, call: GenerationCall, meta: dict) -> None:
         self._open(meta.get("methods"))
-        self._calls[call.index] = _Context(call)
+        if call.prompt_mask is not None:  # (a call not recorded has no prompt, and no rows: its end follows)
+            self._calls[call.index] = _Context(call)
 
     def write_step(self, step: Step) -> None:
         context = self._calls.get(step.call)

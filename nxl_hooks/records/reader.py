@@ -284,15 +284,19 @@ def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, to
         mask = _tensor(tensors, "prompt_mask", 2, boolean=True)
         ids = _tensor(tensors, "prompt_ids", 2, optional=True)
         template = _tensor(tensors, "prompt_template", 2, boolean=True, optional=True)
-        if mask.numel() == 0:  # (a call has a row and a token at least: rows of nothing would cost memory alone)
-            raise ValueError(f"prompt_mask {tuple(mask.shape)} holds no token")
+        shape = tuple(mask.shape)
+        unprompted = shape == (0, 0)  # a call whose prompt never ran recorded (writer.encode_call)
+        if mask.numel() == 0 and not unprompted:  # (rows of nothing would cost memory alone)
+            raise ValueError(f"prompt_mask {shape} holds no token")
         for name, value in (("prompt_ids", ids), ("prompt_template", template)):
             if value is not None and value.shape != mask.shape:
-                raise ValueError(f"{name} {tuple(value.shape)} and prompt_mask {tuple(mask.shape)} differ in shape")
+                raise ValueError(f"{name} {tuple(value.shape)} and prompt_mask {shape} differ in shape")
+        if unprompted:
+            mask = ids = template = None
         calls[index] = GenerationCall(index=index, layers=_layers(header), prompt_ids=ids, prompt_mask=mask,
                                       request_id=_field(header, "request_id", (str,), optional=True),
                                       thread=_field(header, "thread", (str,), optional=True),
-                                      readable=_texts(header, "readable", *mask.shape), prompt_template=template,
+                                      readable=_texts(header, "readable", *shape), prompt_template=template,
                                       special_ids=_ints(header, "special_ids"),
                                       model=_field(header, "model", (str,), optional=True),
                                       started=_field(header, "started", (float, int), optional=True))
@@ -303,6 +307,8 @@ def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, to
         raise ValueError(f"a {kind!r} frame for call {index}, which no 'call' frame opened")
     call = calls[index]
     if kind == "step":
+        if call.prompt_mask is None:
+            raise ValueError(f"a step frame for call {index}, whose 'call' frame holds no prompt")
         step = Step(call=index, step=_field(header, "step", (int,)), position=_field(header, "position", (int,)),
                     layers=_layers(header), n_blocks=_field(header, "n_blocks", (int,), optional=True),
                     probability=tensors.get("probability"),

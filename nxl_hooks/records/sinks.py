@@ -43,7 +43,9 @@ class RecordSink(Protocol):
     """
 
     def write_call(self, call: GenerationCall, meta: dict) -> None:
-        """A call whose prompt is known (``meta``: what the probe explains, ``Probe.describe()``)."""
+        """A call whose prompt is known (``meta``: what the probe explains, ``Probe.describe()``); or, with
+        ``call.prompt_mask`` None, one whose prompt never ran recorded (not recorded: ``call.error`` says why; or
+        ended before its first forward), whose ``write_end`` follows with no step."""
 
     def write_step(self, step: Step) -> None:
         """One step record of a call opened by ``write_call``."""

@@ -6,7 +6,8 @@
 
 Format (no pickle): the line ``nxl_hooks.stream/2\\n``, then frames. A frame is ``b"NXLF"``, the payload
 length (uint64 little-endian), its CRC-32 (uint32 little-endian) and the payload: a safetensors blob whose
-``nxl_hooks`` metadata entry is JSON with a ``kind`` of ``call`` (prompt), ``step`` or ``end`` (sequences), and
+``nxl_hooks`` metadata entry is JSON with a ``kind`` of ``call`` (prompt; an empty (0, 0) ``prompt_mask`` for a
+call whose prompt never ran recorded, whose end frame follows), ``step`` or ``end`` (sequences), and
 ``seq``, the frame's number in its file (0, 1, 2...). A step frame names its call and step index; a rotated file's
 first frame (``kind`` ``file``) names the file's number and its writer. Files of format 1 (nxl_hooks 0.1: no
 ``seq``, no ``file`` frame) still read, with the reader's step checks. A ``call`` frame also carries
@@ -102,9 +103,10 @@ def _encode(tensors: dict[str, torch.Tensor], header: dict, seq: int | None = No
 
 
 def encode_call(call: GenerationCall, meta: dict, *, seq: int | None = None) -> bytes:
-    """The ``call`` frame of a call whose prompt is known (``meta``: what the probe explains; ``seq``: the frame's
-    number in its file, which the reader checks)."""
-    tensors = {"prompt_mask": call.prompt_mask}
+    """The ``call`` frame of a call (``meta``: what the probe explains; ``seq``: the frame's number in its file,
+    which the reader checks). A call whose prompt never ran recorded (not recorded, or ended before its first
+    forward) has an empty (0, 0) ``prompt_mask``, read back as None: its end frame says why."""
+    tensors = {"prompt_mask": call.prompt_mask if call.prompt_mask is not None else torch.zeros(0, 0, dtype=torch.bool)}
     if call.prompt_ids is not None:
         tensors["prompt_ids"] = call.prompt_ids
     if call.prompt_template is not None:
@@ -134,9 +136,9 @@ def encode_end(call: GenerationCall, *, seq: int | None = None) -> bytes:
 def stream_bytes(call: GenerationCall, meta: dict) -> bytes:
     """One call as a whole stream file (``read_stream`` reads it back): its call frame, its kept steps and, once
     it has ended, its end frame. ``Path("req.nxl").write_bytes(stream_bytes(probe.calls[-1], probe.describe()))``"""
-    if call.prompt_mask is None:
-        raise ValueError(f"call {call.index} has no recorded prompt yet: nothing to write")
     ended = call.complete or call.error is not None or call.sequences is not None
+    if call.prompt_mask is None and not ended:
+        raise ValueError(f"call {call.index} has no recorded prompt yet: nothing to write")
     steps = list(call.steps)
     frames = [encode_call(call, meta, seq=0), *(encode_step(step, seq=n) for n, step in enumerate(steps, 1))]
     if ended:

@@ -394,6 +394,67 @@ def test_a_forked_child_that_writes_to_its_parents_sink_itself_is_told_and_leave
     check_call(tiny.generating_llama(seed=3), stream[0], 3)
 
 
+class _Cancelled(Exception):
+    pass
+
+
+class _GoneClient:  # as transformers serve's DirectStreamer once its client disconnected: the prompt's put raises
+    def put(self, value):
+        raise _Cancelled("client went away")
+
+    def end(self):
+        pass
+
+
+@pytest.mark.parametrize("kind", ["stream", "rotating"])
+def test_calls_not_recorded_and_calls_ended_before_their_prompt_ran_are_in_the_stream_with_why(tmp_path, kind):
+    """A call said not recorded (beam search) and one that raised before its first forward (a streaming client
+    gone while its request waited) are read back from the sink: their request id, and an end that says why
+    (they were in probe.calls alone, so read_stream(request_id=...) found nothing); the call after them is whole."""
+    import tiny
+    from nxl_hooks.hooks.generate import REQUEST_ID
+
+    model = tiny.generating_llama(seed=3)
+    ids = torch.randint(1, tiny.GEN_VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
+    where = tmp_path / {"stream": "run.nxl", "rotating": "runs"}[kind]
+    with nxl.attach(model, layers="all", sink=where if kind == "stream" else nxl.RotatingSink(where)) as probe:
+        for request, kwargs in (("beam", {"num_beams": 2}), ("gone", {"streamer": _GoneClient()}), ("next", {})):
+            token = REQUEST_ID.set(request)
+            try:
+                model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, **kwargs)
+            except _Cancelled:
+                pass
+            finally:
+                REQUEST_ID.reset(token)
+    stream = nxl.read_stream(where, strict=True)
+    assert stream.damage is None
+    assert [(c.request_id, c.complete, len(c.steps)) for c in stream] == [("beam", False, 0), ("gone", False, 0),
+                                                                         ("next", True, 3)]
+    beam, gone, _ = stream
+    assert beam.error == probe.calls[0].error and beam.error.startswith("not recorded: beam search")
+    assert "_Cancelled" in gone.error and gone.error == probe.calls[1].error
+    assert beam.prompt_mask is None and gone.prompt_mask is None and beam.ended is not None
+    assert nxl.read_stream(where, request_id="beam")[0].error == beam.error
+    check_call(model, stream[2], 3)
+
+
+def test_a_step_of_a_call_whose_frame_holds_no_prompt_is_refused(tmp_path):
+    """A prompt-less call frame is a call that was not recorded: a step record after it is no writer's."""
+    import tiny
+    from nxl_hooks.records import writer
+
+    model = tiny.generating_llama(seed=3)
+    with nxl.attach(model, layers="all") as probe:
+        model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=1, do_sample=False)
+    (call,) = probe.calls
+    step = call.steps[0]
+    call.prompt_mask = call.prompt_ids = None
+    path = tmp_path / "crafted.nxl"
+    path.write_bytes(writer._FILE_MAGIC + writer.encode_call(call, {}, seq=0) + writer.encode_step(step, seq=1))
+    with pytest.raises(nxl.StreamError, match="a step frame for call 0, whose 'call' frame holds no prompt"):
+        nxl.read_stream(path)
+
+
 @pytest.mark.parametrize("how", ["read-only", "removed"])
 def test_a_read_only_or_removed_folder_is_a_sink_fault(chat, tmp_path, how):
     _, model, tokenizer = chat
