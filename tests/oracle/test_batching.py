@@ -346,6 +346,7 @@ def test_attach_to_a_running_manager_whose_cache_shares_a_prefix(model, caplog):
     assert tokens == plain
     (call,) = probe.calls  # the second request reused the first one's cached prefix before the probe saw the cache
     assert call.request_id == "second" and not call.complete and "another request" in call.error
+    assert "let go" not in call.error  # nothing was: what it says is what may have happened
     assert [r.levelno for r in caplog.records if r.name == "nxl_hooks"] == [logging.WARNING]
 
 
@@ -378,7 +379,23 @@ def test_a_request_that_reuses_a_finished_requests_prefix(model, kept, monkeypat
         calls = {call.request_id: call for call in probe.calls}
         check_call(model, calls["first"], 3)
         assert not calls["second"].complete and "does not hold" in calls["second"].error
+        assert "let go to stay within nxl_hooks.hooks.engines.prefixes.SHARED_BYTES" in calls["second"].error
         assert "allow_block_sharing=False" in calls["second"].error
+
+
+def _at_forward(model, at: int, action):
+    """A hook that calls ``action()`` as the ``at``-th packed forward of ``model`` from now starts, and the event it
+    sets then."""
+    forwards, reached = [], threading.Event()
+
+    def hook(module, args, kwargs):
+        if "cu_seq_lens_q" in kwargs:
+            forwards.append(1)
+            if len(forwards) == at:
+                reached.set()
+                action()
+
+    return model.register_forward_pre_hook(hook, with_kwargs=True), reached
 
 
 def _gone(manager, request_id: str) -> None:
@@ -420,6 +437,107 @@ def test_cancelled_request_ends_incomplete_and_frees_its_features(model, then):
         retry = [c for c in probe.calls if c.request_id == "long"][1]
         assert retry.prompt_ids[0].tolist() == again
         check_call(model, retry, 4)
+
+
+@pytest.mark.parametrize("left, at, retry", [("cancelled", 1, "B"), ("cancelled", 4, "B"), ("cancelled", 4, "A"),
+                                               ("stopped", 4, "B"), ("failed", 4, "B")],
+                         ids=["cancelled in its chunked prefill", "cancelled decoding", "cancelled, sent again",
+                              "its manager stopped", "its forward raised"])
+def test_a_request_that_reuses_the_prefix_of_one_that_left_unfinished(model, left, at, retry):
+    """A request that leaves its manager unfinished (cancelled: its client went away; or failed, when its manager is
+    stopped or its forward raises, and the manager is started again) leaves its cached pages to the requests that
+    reuse them, as one that finished does: a later request with the same first pages (another, or the client sending
+    it again under its id) starts after them, and its rows come from what the probe kept of the one that left; every
+    step equals the oracle (it was said not recorded, its prefix blamed on the probe attaching late or on
+    SHARED_BYTES). One that left in its chunked prefill, a page and a half in, leaves one whole page: the later
+    request takes no more of its rows than that, and runs the rest itself."""
+    prefix = _prompts((40,), 8)[0]
+    prompts = {"A": prefix + [7, 8], "B": prefix + [9, 10, 11]}
+
+    def leave(manager):  # as the manager's forward `at` starts (a stop is the caller's, once it has)
+        if left == "cancelled":
+            manager.cancel_request("A")
+        elif left == "failed":
+            raise RuntimeError("a forward that fails")
+
+    def run(attached: bool):
+        manager = model.init_continuous_batching(generation_config=_greedy(500), continuous_batching_config=_config())
+        (handle, reached), layout = _at_forward(model, at, lambda: leave(manager)), _Layout(model)
+        probe = nxl.attach(model) if attached else None
+        manager.start()
+        try:
+            manager.add_request(prompts["A"], request_id="A", max_new_tokens=500)
+            assert reached.wait(60)
+            if left == "cancelled":
+                _gone(manager, "A")
+            else:  # kept for its next session (a failed loop has stopped already): its cache keeps its pages
+                manager.stop(block=True, timeout=30, keep_for_next_session=True, hard_stop=True)
+                manager.start()
+            layout.forwards.clear()
+            tokens = _serve(manager, retry, prompts[retry], new=4)
+        finally:
+            manager.stop(block=True, timeout=30)
+            model.destroy_cached_continuous_batching_manager()
+            handle.remove()
+            layout.remove()
+            if probe is not None:
+                probe.detach()
+        return tokens, layout.segments()[0][0][0], probe
+
+    plain, plain_start = run(attached=False)[:2]
+    tokens, start, probe = run(attached=True)
+    assert tokens == plain and start == plain_start  # the same forwards as unattached: nothing re-runs the prefix
+    assert start == (16 if at == 1 else 32), "the later request should start after the first one's pages"
+    first, later = probe.calls
+    assert first.request_id == "A" and not first.complete
+    assert ("forward raised" if left == "failed" else "left the manager") in first.error  # the way it went
+    assert later.request_id == retry and later.prompt_ids[0].tolist() == prompts[retry]
+    check_call(model, later, 4)
+
+
+def test_a_cancelled_requests_id_sent_again_beside_a_request_that_shares_the_new_prompts_prefix(model):
+    """A request cancelled while its manager idles, then its id sent again with another prompt, in one batch with a
+    request whose cache reuses that prompt's first pages (which a finished request left): the cancelled request's run,
+    under that id until the batch opens, ends before the other request looks for its prefix (that request was given
+    the cancelled prompt's rows as the new prompt's, its records silently wrong). Every step equals the oracle."""
+    shared, cancelled = _prompts((40, 42), 9)
+    prompts = {"C": shared + [5, 6], "B": shared + [9, 10], "A": shared + [7, 8]}
+
+    def run(attached: bool):
+        manager = model.init_continuous_batching(generation_config=_greedy(500), continuous_batching_config=_config())
+        probe = nxl.attach(model) if attached else None
+        manager.start()
+        try:
+            tokens = {"C": _serve(manager, "C", prompts["C"])}
+            handle, decoding = _at_forward(model, 4, lambda: manager.cancel_request("A"))
+            try:
+                manager.add_request(cancelled, request_id="A", max_new_tokens=500)
+                assert decoding.wait(60)
+                _gone(manager, "A")
+            finally:
+                handle.remove()
+            layout = _Layout(model)
+            try:
+                with manager.pause():  # the two land in one batch, B first
+                    for request_id in "BA":
+                        manager.add_request(prompts[request_id], request_id=request_id, max_new_tokens=3)
+                tokens.update({request_id: _finished(manager, request_id) for request_id in "BA"})
+            finally:
+                layout.remove()
+        finally:
+            manager.stop(block=True, timeout=30)
+            if probe is not None:
+                probe.detach()
+        return tokens, layout.segments()[0], probe
+
+    plain, plain_batch = run(attached=False)[:2]
+    tokens, batch, probe = run(attached=True)
+    assert tokens == plain and batch == plain_batch == [(32, 10, True), (32, 10, True)]  # both after C's pages
+    calls = [call for call in probe.calls if call.complete]
+    assert [call.request_id for call in calls] == ["C", "B", "A"]
+    for call in calls:
+        assert call.prompt_ids[0].tolist() == prompts[call.request_id]
+        check_call(model, call, 3)
 
 
 @pytest.mark.parametrize("blocks", [4, 6])

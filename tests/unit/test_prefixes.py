@@ -37,12 +37,13 @@ def test_kept_rows_stay_within_the_budget_least_recently_used_first_out():
     shared.keep([1, 1, 1, 1], _rows(4, 1.0))
     shared.keep([2, 2, 2, 2], _rows(4, 2.0))
     assert shared.find([1, 1], 2).embed[0, 0] == 1.0  # used: the other is now the least recently used
+    assert not shared.let_go
     shared.keep([3, 3, 3, 3], _rows(4, 3.0))
-    assert shared.find([2, 2], 2) is None
+    assert shared.find([2, 2], 2) is None and shared.let_go  # (a request that misses them is told they were)
     assert shared.find([1, 1], 2).embed[0, 0] == 1.0 and shared.find([3, 3], 2).embed[0, 0] == 3.0
     nothing = SharedPrefixes(budget=0)
     nothing.keep([1, 1, 1, 1], _rows(4, 1.0))
-    assert nothing.find([1, 1], 2) is None
+    assert nothing.find([1, 1], 2) is None and nothing.let_go
     shared.clear()
     assert shared.find([1, 1], 2) is None
 

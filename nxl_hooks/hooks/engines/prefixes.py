@@ -2,7 +2,7 @@
 request that ran them.
 
     shared = SharedPrefixes()
-    shared.keep(tokens, run.held())                # a request that finished: its rows, by the tokens they hold
+    shared.keep(tokens, run.held())                # a request that ended: its rows, by the tokens they hold
     rows = shared.find(prompt, first, live)        # rows of positions 0..first-1 with those tokens, or None
     run.feed(0, *rows.narrow(first), ids)          # a request whose cache reused them starts from there
 
@@ -12,10 +12,11 @@ the first position after them, and its feature cache would have a hole where the
 positions are a function of the tokens before them alone (causal attention, positions from 0), and the request's
 own forwards read exactly the keys and values that the earlier request's forwards wrote there: so the rows the
 earlier request recorded are this request's rows. They are found by tokens, not by cache blocks (whose
-bookkeeping differs between transformers versions): in a request still running, or in one that finished, whose
-rows are kept (views, no copy) up to :data:`SHARED_BYTES`, least recently used first out. A prefix found in
-neither (it was run before the probe attached, or its rows were let go) leaves that request not recorded, said in
-its call record.
+bookkeeping differs between transformers versions): in a request still running, or in one that ended (finished,
+or left unfinished: a cancelled request's cached blocks are shared too), whose rows are kept (views, no copy) up
+to :data:`SHARED_BYTES`, least recently used first out. A prefix found in neither (it was run before the probe
+attached, by a request not recorded, or its rows were let go) leaves that request not recorded, said in its call
+record.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import torch
 
 __all__ = ["SHARED_BYTES", "Rows", "SharedPrefixes"]
 
-#: The feature rows of finished requests kept for the requests that may reuse their prefixes (bytes, per probe).
+#: The feature rows of ended requests kept for the requests that may reuse their prefixes (bytes, per probe).
 SHARED_BYTES = 128 << 20
 
 
@@ -51,7 +52,7 @@ class Rows(NamedTuple):
 
 
 class SharedPrefixes:
-    """The rows of finished requests by their tokens (see the module docstring); not thread-safe: one manager's
+    """The rows of ended requests by their tokens (see the module docstring); not thread-safe: one manager's
     thread uses it at a time."""
 
     def __init__(self, budget: int | None = None) -> None:
@@ -59,11 +60,16 @@ class SharedPrefixes:
         self._kept: collections.OrderedDict[int, tuple[list[int], Rows, int]] = collections.OrderedDict()
         self._bytes = 0
         self._counter = 0
+        #: rows were let go (over the budget): a request may miss a prefix for that reason too (its record says so)
+        self.let_go = False
 
     def keep(self, tokens: Sequence[int], rows: Rows) -> None:
-        """The rows of a finished request, whose positions hold ``tokens`` (at least ``rows.n`` of them)."""
+        """The rows of an ended request, whose positions hold ``tokens`` (at least ``rows.n`` of them)."""
         size = rows.nbytes()
-        if rows.n == 0 or size > self._budget:
+        if rows.n == 0:
+            return
+        if size > self._budget:
+            self.let_go = True
             return
         self._counter += 1
         self._kept[self._counter] = (list(tokens[: rows.n]), rows, size)
@@ -71,6 +77,7 @@ class SharedPrefixes:
         while self._bytes > self._budget:
             _, (_, _, freed) = self._kept.popitem(last=False)
             self._bytes -= freed
+            self.let_go = True
 
     def find(self, prompt: Sequence[int], first: int, live: Iterable[tuple[Sequence[int], Rows]] = ()) -> Rows | None:
         """Rows of positions 0..``first``-1 whose tokens are ``prompt[:first]``: from ``live`` (running requests'

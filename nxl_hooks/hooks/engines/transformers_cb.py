@@ -46,11 +46,12 @@ once): asynchronous batching (each step starts before the last one's tokens are 
 ``ContinuousBatchingConfig(use_async_batching=False)`` or ``NXL_EAGER=1``), and a transformers whose internals
 moved (what is wrapped is :data:`~nxl_hooks.hooks.conventions.CONTINUOUS_BATCHING`, checked before wrapping).
 Prefix sharing stays on: a request whose cache reuses the blocks of a prefix another request ran starts
-mid-sequence, and its feature cache gets that prefix's rows from the request that ran it, still running or
-finished (:mod:`.prefixes`, which keeps finished requests' rows up to a budget). A request whose prefix the probe
-does not hold (it ran before the probe attached, or its rows were let go), or that had generated tokens before the
-probe saw it, is marked not recorded. A request that leaves the manager unfinished (cancelled, failed, or the
-manager stopped) ends incomplete.
+mid-sequence, and its feature cache gets that prefix's rows from the request that ran it, still running or ended
+(:mod:`.prefixes`, which keeps ended requests' rows up to a budget). A request whose prefix the probe does not hold
+(it ran before the probe attached, the request that ran it was not recorded, or its rows were let go), or that had
+generated tokens before the probe saw it, is marked not recorded. A request that leaves the manager unfinished
+(cancelled, failed, or the manager stopped) ends incomplete, its rows kept as a finished one's: transformers still
+shares its cached pages.
 
 Here: the wrappers and :class:`ContinuousBatching`, the engine of one probe. One packed step's record (its layout,
 the features fed to each request's run, a padded step's taps, the tokens handed out) is
@@ -238,7 +239,7 @@ class ContinuousBatching:
         self._finalizers: list[weakref.finalize] = []
         #: processors not followed (said once in the log) -> why, and the ids of their requests marked not recorded
         self._skipped: "weakref.WeakKeyDictionary[Any, tuple[str, set[str]]]" = weakref.WeakKeyDictionary()
-        #: the rows of finished requests, for requests whose caches reuse their prefixes (kept while a followed
+        #: the rows of ended requests, for requests whose caches reuse their prefixes (kept while a followed
         #: cache shares prefixes: ``_sharing``)
         self._shared = SharedPrefixes()
         self._sharing = False
@@ -315,19 +316,25 @@ class ContinuousBatching:
             taps = self.prepare(processor, quiet=False) if processor.model_runner.pad_inputs else None
             segments, start, prompts = [], 0, {}
             states = self._states.setdefault(processor, {})
-            for future in processor.inputs_and_outputs.requests_in_batch:
+            batch = processor.inputs_and_outputs.requests_in_batch
+            for future in batch:
+                state = future.state
+                if state.request_id in table and states[state.request_id] is not state and not _soft_reset(state):
+                    # its id is another request's now: the one the run followed left while the manager idled (a
+                    # cancel; the sweep runs as a step opens), and a client sent the same id again. Ended before
+                    # any new run looks for its prefix: its rows are kept, and no running request's tokens are
+                    # paired with them
+                    self.left(table, request_id=state.request_id, state=states[state.request_id],
+                              scheduler=processor.scheduler)
+            for future in batch:
                 state, length = future.state, future.query_length
                 request_id = state.request_id
                 first = state.position_offset - length  # already advanced for this batch
-                if request_id in table and states.get(request_id) is not state and not _soft_reset(state):
-                    # its id is another request's now: the one the run followed left while the manager idled (a
-                    # cancel; the sweep runs as a step opens), and a client sent the same id again
-                    self._left(table, request_id)
                 states[request_id] = state
                 if request_id not in table:
                     table[request_id] = self._begin(processor, state, first)
                 segments.append(_Segment(request_id=request_id, start=start, length=length, first=first,
-                                         new_token=bool(future.has_new_token), run=table[request_id]))
+                                         new_token=bool(future.has_new_token), run=table[request_id], state=state))
                 if taps is not None and first < len(state.initial_tokens):  # a prefill chunk: its ids, on the host
                     prompts[request_id] = state.initial_tokens
                 start += length
@@ -415,22 +422,26 @@ class ContinuousBatching:
                 table = self._tables[processor] = {}
                 self._finalizers.append(weakref.finalize(processor, _abandon, table, "the manager went away"))
                 self._sharing = self._sharing or bool(getattr(processor.cache, "use_prefix_sharing", False))
-        scheduler = processor.scheduler
+        scheduler, states = processor.scheduler, self._states.get(processor, {})
         for request_id in [r for r in table if r not in scheduler.active_requests
                            and r not in scheduler.waiting_requests]:
-            self._left(table, request_id)
-        states = self._states.get(processor, {})
+            self.left(table, request_id=request_id, state=states[request_id], scheduler=scheduler)
         for request_id in [r for r in states if r not in table]:
             del states[request_id]
         return table
 
-    @staticmethod
-    def _left(table: dict[str, Any], request_id: str) -> None:
-        """The run of a request that left the manager without finishing (cancelled, or failed by it) ends."""
+    def left(self, table: dict[str, Any], *, request_id: str, state: Any, scheduler: Any,
+             why: str = "the request left the manager before it finished (cancelled or failed)") -> None:
+        """The run of a request that left the manager without finishing (cancelled, failed by it, its forward
+        raised) ends; its rows are kept first, as a finished request's (:meth:`keep`): transformers keeps the cached
+        blocks of its prefix for the requests that reuse them (a client that dropped a request and sends its prompt
+        again). Every position of those blocks was fed to the run: transformers offers a block once the step that
+        completed it is over, and the probe feeds a step's rows in it; the rows of positions it offers no block for
+        are never taken (:meth:`_prefix` takes the first positions the new request skips, and no more)."""
         run = table.pop(request_id, None)
         if run is not None:
-            run.finish(None, "the request left the manager before it finished (cancelled or failed)",
-                       what="this request")
+            self.keep(state, run, scheduler)
+            run.finish(None, why, what="this request")
 
     def _prefix(self, processor: Any, state: Any, first: int) -> Rows:
         """The rows of positions 0..first-1 of a new request whose forwards start at ``first``: its cache reused
@@ -453,16 +464,21 @@ class ContinuousBatching:
         if not getattr(processor.cache, "use_prefix_sharing", False) and "__child#" not in str(state.request_id):
             raise RuntimeError(f"{before}, so their attribution is unknown; requests added after attaching are "
                                "recorded")
+        # (a request that ran them after the probe attached keeps its rows however it ended, unless it was not
+        # recorded or they were let go: said only where some were)
+        let_go = (", its features were let go to stay within nxl_hooks.hooks.engines.prefixes.SHARED_BYTES"
+                  if self._shared.let_go else "")
         raise RuntimeError(
             f"{before}, or came from the cache's copy of another request's prefix (prefix sharing, or the request it "
-            "was forked from) whose features the probe does not hold (that request ran before the probe attached, or "
-            "its features were let go: nxl_hooks.hooks.engines.prefixes.SHARED_BYTES), so their attribution is "
-            "unknown; requests added after attaching are recorded, and "
-            "ContinuousBatchingConfig(allow_block_sharing=False) makes every request run whole")
+            f"was forked from) whose features the probe does not hold (that request ran before the probe attached"
+            f"{let_go}, or was not recorded itself: its call record says why), so their attribution is unknown; "
+            "requests added after attaching are recorded, and ContinuousBatchingConfig(allow_block_sharing=False) "
+            "makes every request run whole")
 
     def keep(self, state: Any, run: Run, scheduler: Any = None) -> None:
-        """``run``'s request finished: its rows are kept for requests that may reuse its prefix (while a followed
-        cache shares prefixes, or ``scheduler`` still holds children forked from it). Never raises."""
+        """``run``'s request ended (it finished, or left unfinished: :meth:`left`): its rows are kept for requests
+        that may reuse its prefix (while a followed cache shares prefixes, or ``scheduler`` still holds children
+        forked from it). Never raises."""
         if run.failed or run.length == 0:
             return
         try:
@@ -473,7 +489,7 @@ class ContinuousBatching:
                 if not self._uninstalled:
                     self._shared.keep(_tokens(state), rows)
         except Exception as error:  # noqa: BLE001 - its own records are whole; a later request may miss its prefix
-            logger.warning("nxl_hooks: a finished request's features were not kept for the requests that may reuse "
+            logger.warning("nxl_hooks: an ended request's features were not kept for the requests that may reuse "
                            "its prefix (%s: %s)", type(error).__name__, one_line(error))
 
     def _begin(self, processor: Any, state: Any, first: int) -> Run | None:

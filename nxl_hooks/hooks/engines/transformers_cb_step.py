@@ -49,6 +49,7 @@ class _Segment:
     first: int  #: the request's position of that first index
     new_token: bool  #: the manager samples a token for this request from this forward
     run: Any  #: the request's Run, or None when it is not recorded
+    state: Any  #: the manager's state of the request (its tokens, by which its rows are kept should it leave)
 
 
 def _check_layout(arguments: dict[str, Any], segments: list[_Segment]) -> int:
@@ -286,11 +287,11 @@ class _Packed:
             run.fail(what, error)
 
     def abandon(self, why: str) -> None:
-        """The host's forward raised: the requests in it end incomplete (the host fails them too)."""
+        """The host's forward raised: the requests in it end incomplete (the host fails them too), their rows kept
+        for the requests that reuse their cached prefixes (a manager started again keeps its cache's blocks)."""
         for segment in self.segments:
-            run = self._table.pop(segment.request_id, None)
-            if run is not None:
-                run.finish(None, why, what="this request")
+            self._batching.left(self._table, request_id=segment.request_id, state=segment.state,
+                                scheduler=self._scheduler, why=why)
 
     def settle(self, state: Any, token: Any, *, appended: bool, finished: bool) -> None:
         """The manager gave ``token`` to the request of ``state``: its step record; its end if it ``finished``."""
