@@ -319,13 +319,13 @@ class ContinuousBatching:
             batch = processor.inputs_and_outputs.requests_in_batch
             for future in batch:
                 state = future.state
-                if state.request_id in table and states[state.request_id] is not state and not _soft_reset(state):
+                followed = states.get(state.request_id)  # the state its run follows
+                if state.request_id in table and followed is not state and not _soft_reset(state):
                     # its id is another request's now: the one the run followed left while the manager idled (a
                     # cancel; the sweep runs as a step opens), and a client sent the same id again. Ended before
                     # any new run looks for its prefix: its rows are kept, and no running request's tokens are
                     # paired with them
-                    self.left(table, request_id=state.request_id, state=states[state.request_id],
-                              scheduler=processor.scheduler)
+                    self.left(table, request_id=state.request_id, state=followed, scheduler=processor.scheduler)
             for future in batch:
                 state, length = future.state, future.query_length
                 request_id = state.request_id
