@@ -52,20 +52,22 @@ def _expected_outputs(model: nn.Module, spec_kind: str) -> tuple[set[int], str]:
 
 
 def _check_post_value(spec: ArchSpec, key: str, step: str, value: object) -> None:
-    """A post-processing step's config value: a finite float scale / cap, not a token id, count or size."""
+    """A post-processing step's config value: a finite scale / cap, not a token id, count or size. An int is a
+    scale too (transformers types Granite's logits_scaling ``float | int``, and a config.json may store 8): what
+    tells a token id, count or size apart is the attribute's name."""
     op, _, attribute = step.partition(":")
     if value is None:
         return
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         spec._bad(key, f"step {step!r}: config.{attribute} is {spec._short(value)}, not a number (or None to skip "
                        "the step)")
-    if isinstance(value, int) or attribute.endswith(("_id", "_ids")):
-        spec._bad(key, f"step {step!r}: config.{attribute} is {value!r}, an integer (a token id, count or size); "
-                       f"expected a float {'cap' if op == 'softcap' else 'scale'} such as final_logit_softcapping "
-                       "or logit_scale")
+    if attribute.endswith(("_id", "_ids", "_size")) or attribute.startswith(("num_", "n_")):
+        spec._bad(key, f"step {step!r}: config.{attribute} is {value!r}, by its name a token id, count or size; "
+                       f"expected a {'cap' if op == 'softcap' else 'scale'} such as final_logit_softcapping, "
+                       "logit_scale or logits_scaling")
     if not math.isfinite(value) or (value == 0 and op != "scale") or (op == "softcap" and value < 0):
         spec._bad(key, f"step {step!r}: config.{attribute} is {value!r}; expected a finite "
-                       f"{'positive' if op == 'softcap' else 'non-zero'} float")
+                       f"{'positive' if op == 'softcap' else 'non-zero'} number")
 
 
 def _check_backbone(model: nn.Module, spec: ArchSpec, block_list: nn.Module) -> None:

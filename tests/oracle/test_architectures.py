@@ -311,6 +311,15 @@ def test_word_embedding_norm(case_id):
     torch.testing.assert_close(res.normxlogit, normxlogit, **_TOL)
 
 
+@pytest.mark.parametrize("case_id", ["granite-lm", "granitemoe-lm", "granitemoeshared-lm"])
+def test_an_integer_logits_scaling_divides_the_logits(case_id):
+    """transformers types Granite's logits_scaling ``float | int``: a config.json storing 8 is a model dividing its
+    logits by 8, not a token id (it was refused at attach)."""
+    model = CASES[case_id].build(logits_scaling=8)
+    assert type(model.config.logits_scaling) is int
+    _check_against_oracle(CASES[case_id], model)
+
+
 @pytest.mark.parametrize("case_id", ["falcon-lm", "deberta_v2-cls"])
 def test_layer_subsets(case_id):
     case = CASES[case_id]

@@ -41,7 +41,7 @@ NORM = "model.norm"
 _LIST = "expected the ModuleList of the model's blocks"
 _MODULE = "expected a module of the head-on-top"
 _INSIDE = "inside the blocks 'model.layers'; expected a module of the head-on-top"
-_FLOAT = r"an integer \(a token id, count or size\); expected a float"
+_FLOAT = "by its name a token id, count or size; expected a"
 _NUMBERS = r"gives logits that differ from \w+'s own by [0-9.e+-]+ .* on a random input; expected the model's head"
 _BACKBONE = "expected the module that takes input_ids and runs the blocks"
 
@@ -113,7 +113,7 @@ BAD = {
     "softcap by a bool": ("llama-lm", H(LM, NORM, "lm_head", "softcap:tie_word_embeddings"), "heads.causal_lm",
                           "config.tie_word_embeddings is False, not a number"),
     "divide by zero": ("llama-lm", H(LM, NORM, "lm_head", "divide:attention_dropout"), "heads.causal_lm",
-                       "config.attention_dropout is 0.0; expected a finite non-zero float"),
+                       "config.attention_dropout is 0.0; expected a finite non-zero number"),
     "scale typo": ("llama-lm", H(LM, NORM, "lm_head", "scale:logit_scael"), "heads.causal_lm",
                    "LlamaConfig has no attribute 'logit_scael'"),
     "act a token id": ("llama-lm", H(LM, NORM, "act:pad_token_id", "lm_head"), "heads.causal_lm",
@@ -221,6 +221,14 @@ def test_blocks_that_do_not_all_run_are_refused(private_registry):
     model.config.num_hidden_layers = 1
     _register("half", model, {})
     _refused(model, "half", "blocks", "names 'model.layers', whose block 1 ran 0 times in one forward")
+
+
+def test_an_integer_logits_scaling_of_0_is_refused():
+    """An int is a scale (test_architectures.py::test_an_integer_logits_scaling_divides_the_logits), but 0 is none
+    to divide by (a bool is "not a number": "softcap by a bool")."""
+    model = CASES["granite-lm"].build(logits_scaling=0)
+    _refused(model, "granite", "heads.causal_lm", "step 'divide:logits_scaling': config.logits_scaling is 0; expected "
+             "a finite non-zero number", source=registry.specs()["granite"].source)
 
 
 def test_a_wrong_toml_entry_names_its_file(private_registry, tmp_path):
