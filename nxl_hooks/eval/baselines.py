@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from ..arch.registry import HeadKind, head_kind
+from ..method.select import pad_token_id
 from ..method.subject import unwrap
 
 __all__ = [
@@ -39,7 +40,7 @@ def one_row_only(model: nn.Module, kind: str) -> bool:
     """Whether the model takes one row per forward: transformers' decoder classifiers find the pooled token
     through pad_token_id and refuse batches > 1 without one. ``chunk = 1 if one_row_only(model, kind) else 64``
     """
-    return HeadKind(kind).pooled and getattr(model.config, "pad_token_id", None) is None
+    return HeadKind(kind).pooled and pad_token_id(model) is None
 
 
 def keeps_logits(model: nn.Module, kind: str) -> bool:

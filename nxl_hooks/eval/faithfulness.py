@@ -49,7 +49,8 @@ from ..method.placement import input_device
 from ..method.protocol import Method
 from ..method.registry import get_method, method_names
 from ..method.scores import flat_norms, norm_spread
-from ..method.select import layer_index, order, prediction_rows, rankable, resolve_layers, resolve_target
+from ..method.select import (layer_index, order, pad_token_id, prediction_rows, rankable, resolve_layers,
+                             resolve_target)
 from ..method.subject import unwrap
 from ..records.tokens import describe_target, label_text, readable_ids
 from .baselines import GRADIENT_METHODS, gradient_scores_many, keeps_logits, one_row_only
@@ -227,7 +228,7 @@ class _Setup:
         self.device = input_device(model)
         self.max_rows = 1 if one_row_only(model, self.kind) else 64
         # Decoder classifiers pool the last token that is not config.pad_token_id: pad with exactly that id.
-        pad_id = getattr(model.config, "pad_token_id", None)
+        pad_id = pad_token_id(model)
         pad_id = getattr(tokenizer, "pad_token_id", None) if pad_id is None else pad_id
         self.pad_id = 0 if pad_id is None else int(pad_id)
         self.keeps_logits = keeps_logits(model, self.kind)

@@ -35,6 +35,7 @@ from ..method.select import (
     from_numpy,
     parse_embedding,
     is_predicted,
+    pad_token_id,
     prediction_rows,
     resolve_layers,
     special_ids,
@@ -146,7 +147,7 @@ class Plan:
         """(example, position) of every explained row (:func:`nxl_hooks.method.select.prediction_rows`), CPU."""
         return prediction_rows(
             self.kind, self.spec.pooling, input_ids, attention_mask, shape=shape,
-            pad_id=self.model.config.get_text_config().pad_token_id,
+            pad_id=pad_token_id(self.model),
             mask_id=getattr(self.tokenizer, "mask_token_id", None),
         )
 

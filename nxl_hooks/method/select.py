@@ -40,6 +40,7 @@ __all__ = [
     "order",
     "parse_embedding",
     "parse_layers",
+    "pad_token_id",
     "parse_target",
     "prediction_rows",
     "prompt_targets",
@@ -337,6 +338,12 @@ def explained(fixed: torch.Tensor | None, predicted: torch.Tensor) -> torch.Tens
 # -- where predictions are read --------------------------------------------------------------------------
 
 
+def pad_token_id(model: nn.Module) -> int | None:
+    """``config.pad_token_id`` as transformers pools decoder classifiers by it (the text config's), None where the
+    config has no such attribute at all, as transformers reads it (CodeGen's in transformers 5, RWKV's)."""
+    return getattr(model.config.get_text_config(), "pad_token_id", None)
+
+
 def prediction_rows(
     kind: HeadKind | str,
     pooling: str,
@@ -349,7 +356,7 @@ def prediction_rows(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(example, position) of every explained row, on the CPU, for a (batch, seq) input of ``shape``.
 
-    ``mask_id``: the tokenizer's mask token, for masked LMs; ``pad_id``: ``config.pad_token_id``, for decoder
+    ``mask_id``: the tokenizer's mask token, for masked LMs; ``pad_id``: :func:`pad_token_id`, for decoder
     classifiers. ValueError when a masked-LM input has no mask token or a causal-LM row has no real token.
     """
     batch, seq, kind = *shape, HeadKind(kind)

@@ -23,6 +23,7 @@ from ..arch.registry import (ArchSpec, HeadKind, RegistryError, UnknownArchitect
                              layer_modules, spec_head, split_post_steps)
 from .head import Head
 from .placement import module_device
+from .select import pad_token_id
 
 __all__ = ["check_numbers"]
 
@@ -59,7 +60,7 @@ def _random_input(model: nn.Module) -> torch.Tensor | None:
     if weight.is_meta and getattr(embedding, "_hf_hook", None) is None:
         return None
     ids = torch.randint(0, rows, (1, _SEQ), generator=torch.Generator().manual_seed(0))
-    pad = model.config.pad_token_id
+    pad = pad_token_id(model)
     if isinstance(pad, int):
         ids[ids == pad] = (pad + 1) % rows
     return ids.to(module_device(embedding))

@@ -377,6 +377,16 @@ def test_generic_discovery(config, model_cls, hand):
     assert res.meta["spec"] == f"discovered:{model.config.model_type}"
 
 
+def test_a_config_without_a_pad_token_id_attribute_has_no_pad_id():
+    """CodeGenConfig (transformers 5) has no pad_token_id attribute at all, which transformers reads as None: so does
+    attach, and every forward after it (attach raised AttributeError)."""
+    case = Case(_cfg(tf.CodeGenConfig, vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, rotary_dim=4, n_positions=32,
+                     bos_token_id=1, eos_token_id=2), tf.CodeGenForCausalLM, oracle.layer_norm_decoder("transformer.ln_f"))
+    model = case.build()
+    assert not hasattr(model.config, "pad_token_id")
+    assert _check_against_oracle(case, model).meta["spec"] == "discovered:codegen"
+
+
 @pytest.fixture
 def private_registry(monkeypatch):
     """Registrations inside a test do not leak into the others."""
