@@ -301,6 +301,10 @@ def has_path(root: nn.Module, path: str) -> bool:
 
 
 def readout_outputs(readout: nn.Module) -> int | None:
-    """How many values a readout module gives per position: the out_features of its (first) Linear; None when it
-    has none. ``readout_outputs(model.lm_head) == model.config.vocab_size``"""
-    return next((module.out_features for module in readout.modules() if isinstance(module, nn.Linear)), None)
+    """How many values a readout module gives per position: the out_features of its last Linear (itself, for a
+    Linear), since a container registers its Linears in the order they run (a fine-tuned head
+    ``nn.Sequential(Linear(d, h), Tanh(), Linear(h, n))``, a LoRA layer's ``lora_B`` after its base layer); None
+    when it has none. A head that registers them in another order gives a width the fit check refuses.
+    ``readout_outputs(model.lm_head) == model.config.vocab_size``"""
+    linears = [module for module in readout.modules() if isinstance(module, nn.Linear)]
+    return linears[-1].out_features if linears else None

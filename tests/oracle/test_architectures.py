@@ -320,6 +320,18 @@ def test_an_integer_logits_scaling_divides_the_logits(case_id):
     _check_against_oracle(CASES[case_id], model)
 
 
+def test_a_classifier_head_replaced_by_a_small_mlp_is_read_to_its_last_layer():
+    """A fine-tuning recipe: ``score`` replaced by Linear(d, 16), tanh, Linear(16, labels). The head's width is its
+    last Linear's (the first's 16 was taken for it, and the model refused)."""
+    case = CASES["llama-cls"]
+    model = case.build()
+    torch.manual_seed(1)
+    model.score = torch.nn.Sequential(torch.nn.Linear(32, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    first, last = oracle.linear(model.score[0]), oracle.linear(model.score[2])
+    hand = oracle.HandHead(oracle.rms_norm(model.model.norm), lambda h: last(torch.tanh(first(h))), last_is_normed=True)
+    _check_against_oracle(Case(case.config, case.model, lambda _: hand), model)
+
+
 @pytest.mark.parametrize("case_id", ["falcon-lm", "deberta_v2-cls"])
 def test_layer_subsets(case_id):
     case = CASES[case_id]
