@@ -270,15 +270,20 @@ class Readout:
     def _gathered(self, values: torch.Tensor, targets: torch.Tensor, *, folded: bool) -> torch.Tensor:
         rows, bias = self._target_rows(targets, folded=folded)
         rows = rows.to(values.device, values.dtype).transpose(1, 2)
+        bias = None if bias is None else bias.to(values.device, values.dtype)[:, None, :]
         # bmm, not matmul: for these (rows, n, d) x (rows, d, k = 1) shapes (a generation step, over its whole
         # context) matmul takes an intra-op-parallel path that cost up to 10x more on 2 busy CPU cores; bmm was
         # never slower (equal on one thread)
-        out = torch.bmm(values, rows) if values.dim() == 3 and rows.shape[0] == values.shape[0] \
-            else torch.matmul(values, rows)
+        batched = values.dim() == 3 and rows.shape[0] == values.shape[0]
+        if batched and bias is not None and not folded:
+            # the bias added inside the product and rounded once, as nn.Linear's addmm does: added after it, a
+            # bf16 / fp16 logit is rounded twice and misses the model's own by a step
+            return self._head.post(torch.baddbmm(bias, values, rows)).float()
+        out = torch.bmm(values, rows) if batched else torch.matmul(values, rows)
         if folded:
             out = out * self._head._fold.scale(values)
         if bias is not None:
-            out = out + bias.to(out.device, out.dtype)[:, None, :]
+            out = out + bias
         return self._head.post(out).float()
 
     def explain(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -102,6 +102,29 @@ def test_half_precision_per_family(monkeypatch, case_id, dtype):
     arch._check_against_oracle(case, case.build().to(dtype))
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(("case_id", "readout"), [("phi-lm", "lm_head"), ("bert-cls", "classifier"),
+                                                  ("roberta-cls", "classifier.out_proj")])
+def test_a_biased_readout_gives_the_models_own_half_precision_logit_to_the_bit(case_id, readout, dtype):
+    """At l = L and the prediction position LogAt is the model's own bf16 / fp16 logit exactly, the readout's bias
+    too: nn.Linear adds it inside its product and rounds once (the bias added after the gathered product rounded a
+    logit twice, a step off). Both sum in float32, in orders that differ by float32 ulps (test_architectures' 1e-4):
+    rounded once to half precision, they vanish on these models."""
+    import test_architectures as arch
+
+    case = arch.CASES[case_id]
+    model = case.build(num_labels=16).to(dtype)
+    with torch.no_grad():
+        model.get_submodule(readout).bias.normal_(0.0, 5.0)  # large: a second rounding shows on many outputs
+    kind = arch._kind(model)
+    ids, mask = arch._batch(case, kind)
+    outputs = list(range(model.get_submodule(readout).out_features))
+    res, out = arch._run(model, ids, mask, target=outputs)
+    examples, positions = arch._expected_rows(case, kind, ids, mask)
+    rows = torch.arange(len(examples))
+    assert torch.equal(res.logat[-1, rows, positions], arch._own_logits(out, kind, examples, positions).float())
+
+
 @pytest.mark.parametrize("quant", ["nf4", "int8"])
 @pytest.mark.parametrize("case_id", BNB_DECODERS)
 def test_bnb_per_decoder_family(tmp_path, case_id, quant):
