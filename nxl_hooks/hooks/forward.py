@@ -20,7 +20,7 @@ from ..records.attribution import Attribution
 from ..records.tokens import target_texts
 from .plan import Plan
 
-__all__ = ["Capture", "assemble", "embedding_norms", "head_features", "open_capture"]
+__all__ = ["Capture", "assemble", "embedding_norms", "head_features", "layer_states", "open_capture"]
 
 
 @dataclass(eq=False)
@@ -33,6 +33,25 @@ class Capture:
     embed_norm: torch.Tensor | None = None  #: (batch, seq) float32
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  #: layer -> its hidden states, as the model made them
     last_hidden: torch.Tensor | None = None  #: the last block's output, for final logits the model did not give
+
+
+def _not_run(plan: Plan, layer: int) -> ValueError:
+    """Layer ``layer`` of a forward has no hidden states: the block that makes it (block 1's input, for layer 0) did
+    not run, as when a config runs fewer blocks than the model holds (Llama runs ``layers[:num_hidden_layers]``)."""
+    block = f"{plan.spec.blocks}.{max(layer, 1) - 1}"
+    return ValueError(f"block {block} did not run in this forward, so layer {layer} has no hidden states (does "
+                      f"{type(plan.model).__name__}'s config run fewer than the {plan.n_blocks} blocks of "
+                      f"{plan.spec.blocks!r}?): pass layers= only layers of the blocks that run, or make the config "
+                      "run every block")
+
+
+def layer_states(plan: Plan, capture: Capture) -> list[torch.Tensor]:
+    """Each selected layer's hidden states of a forward, in ``plan.layers``' order; ValueError naming the block that
+    did not run when one is missing."""
+    try:
+        return [capture.hidden[layer] for layer in plan.layers]
+    except KeyError as missing:
+        raise _not_run(plan, missing.args[0]) from None
 
 
 def embedding_norms(plan: Plan, rows: torch.Tensor) -> torch.Tensor:
@@ -106,12 +125,14 @@ def assemble(plan: Plan, capture: Capture, output: Any = None) -> Attribution:
     if capture.embed_norm is None:
         raise ValueError("embedding='word' needs input_ids: the word-embedding module did not run "
                          "(inputs_embeds given); use embedding='layer_input'")
-    seq = capture.shape[1]
+    seq, hidden = capture.shape[1], layer_states(plan, capture)
     examples, positions = plan.rows(capture.input_ids, capture.attention_mask, capture.shape)
     with plan.head.reading() as readout:
         final = _model_logits(plan, output, examples, positions, seq)
         if final is None:  # HoT of the last layer at the prediction rows only
             last = capture.last_hidden
+            if last is None:
+                raise _not_run(plan, plan.n_blocks)
             final = readout.logits(plan.head.features(last[examples.to(last.device), positions.to(last.device)]))
 
         def by_row(values: torch.Tensor) -> torch.Tensor:
@@ -127,8 +148,7 @@ def assemble(plan: Plan, capture: Capture, output: Any = None) -> Attribution:
             log_probs = log_probabilities(plan.model, final)
 
         def head_logits(ids: torch.Tensor) -> torch.Tensor:  # (layers, rows, seq, k)
-            return torch.stack([readout.explain(by_row(capture.hidden[layer]), ids).to(final.device)
-                                for layer in plan.layers])
+            return torch.stack([readout.explain(by_row(states), ids).to(final.device) for states in hidden])
 
         logat = head_logits(targets)
         if plan.kind is HeadKind.REGRESSION:

@@ -79,7 +79,7 @@ from ..method.protocol import Given
 from ..records.steps import GenerationCall, Step
 from .recording import NOT_RECORDED, Recording
 from .conventions import UnfollowedForward, cache_keyword, find_cache, positions, prefix_cache, start, token_mask
-from .forward import Capture, head_features
+from .forward import Capture, head_features, layer_states
 from .guard import Notice, one_line, reason
 from .plan import Plan
 from .publish import Hub
@@ -286,7 +286,7 @@ def stacked_features(plan: Plan, capture: Capture, first: int = 0, end: int | No
     first..end-1 (default: all), all layers in one head call (:func:`~.forward.head_features`; one-token decoding
     steps would pay the head's overhead per layer). Under a device_map the layers meet on the last selected block's
     device (one position per step moves)."""
-    hidden = [capture.hidden[layer] for layer in plan.layers]
+    hidden = layer_states(plan, capture)
     device, end = hidden[-1].device, hidden[-1].shape[1] if end is None else end
     return head_features(plan, [h[:, first:end] if h.device == device else h[:, first:end].to(device) for h in hidden],
                          0, end - first)
@@ -493,7 +493,7 @@ class Run:
         mask = token_mask(capture.attention_mask, self._past, new)
         if mask is None:  # generate drops an all-ones mask
             mask = self._all_ones(capture.shape[0], new, capture.embed_norm.device)
-        hidden = [capture.hidden[layer] for layer in self._plan.layers]
+        hidden = layer_states(self._plan, capture)
         if new == 1 and self._past == self._n and self._fills_later(*hidden):
             self._unfed.append((hidden, capture.embed_norm, mask))  # a decoding step: no work until it is scored
             self._n += 1

@@ -1,12 +1,13 @@
 """Plain forwards at their edges, each against the oracle (``output_hidden_states`` and the head by hand): a
 regression head's output asked for, a one-logit classifier, one text without a pad token, a forward that continues a KV cache (PEFT prefix
-tuning's virtual tokens, or positions the probe never saw), a forward Ctrl-C ended, and a contrastive score with no
-output left to contrast with.
+tuning's virtual tokens, or positions the probe never saw), a forward Ctrl-C ended, a contrastive score with no
+output left to contrast with, and a block the forward never runs.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 
 import pytest
 import torch
@@ -167,3 +168,25 @@ def test_contrastive_is_nan_where_every_output_is_explained():
         gap = logits[..., 0] - logits[..., 1]  # the foil: the one output not explained
         expected = out.hidden_states[0].norm(dim=-1)[None] * gap
         torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_block_the_forward_never_runs_is_named_with_what_to_do():
+    """Llama runs ``layers[:config.num_hidden_layers]``: lowered after building, block model.layers.1 never runs. A
+    forward and a generate call say which block and what to do (they said "KeyError: 2" and "2"); asked only for the
+    layers of the blocks that run, the forward is recorded and equals the oracle."""
+    model = tiny.build_model("llama")
+    model.config.num_hidden_layers = 1
+    ids = _ids(1, 6)
+    not_run = (r"^block model\.layers\.1 did not run in this forward, so layer 2 has no hidden states \(.*\): pass "
+               r"layers= only layers of the blocks that run, or make the config run every block$")
+    with torch.no_grad(), nxl.attach(model) as probe:
+        model(input_ids=ids)
+        with pytest.raises(ValueError, match=not_run):
+            probe.result()
+        model.generate(input_ids=ids, max_new_tokens=2, do_sample=False)
+        assert re.match(not_run, probe.calls[-1].error), probe.calls[-1].error
+    with torch.no_grad(), nxl.attach(model, layers=[0, 1]) as probe:
+        out = model(input_ids=ids, output_hidden_states=True)
+    logits = oracle.llama(model).layer_logits(out.hidden_states)
+    logat, _ = oracle.normxlogit(logits, out.hidden_states[0], logits[-1, :, -1].argmax(-1))
+    torch.testing.assert_close(probe.result().logat, logat, rtol=1e-4, atol=1e-5)
