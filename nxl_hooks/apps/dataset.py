@@ -119,13 +119,7 @@ def _file_rows(path: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
         )
     text = _file_text(path)
     if path.suffix.lower() == ".csv":
-        reader = csv.DictReader(io.StringIO(text, newline=""))
-        for row in reader:
-            where = f"{path}:{reader.line_num}"
-            if None in row:  # DictReader keeps the cells beyond the header under the key None
-                raise ValueError(f"{where} has {len(reader.fieldnames) + len(row[None])} cells but the header names "
-                                 f"{len(reader.fieldnames)}: quote cells that hold a comma")
-            yield where, row
+        yield from _csv_rows(path, text)
         return
     # Lines end at "\n" only: a JSON string may hold U+2028 and other characters that str.splitlines() breaks at.
     for line, content in enumerate(text.split("\n"), start=1):
@@ -134,6 +128,29 @@ def _file_rows(path: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
                 yield f"{path}:{line}", _json(content)
             except ValueError as err:
                 raise ValueError(f"{path}:{line} is not valid JSON ({err}); one JSON object per line") from None
+
+
+def _csv_rows(path: Path, text: str) -> list[tuple[str, Mapping[str, Any]]]:
+    """The rows of a CSV file's ``text``, each with its ``file:line``; what csv cannot read is a ValueError naming
+    the line. csv's cell limit (131072 characters, process-wide) is lifted while this file is read, and put back:
+    the file is in memory already, so it guards nothing, and a long-context model reads longer texts (JSONL has no
+    such limit)."""
+    limit = csv.field_size_limit(max(csv.field_size_limit(), len(text)))
+    reader = csv.DictReader(io.StringIO(text, newline=""))
+    rows = []
+    try:
+        for row in reader:
+            where = f"{path}:{reader.line_num}"
+            if None in row:  # DictReader keeps the cells beyond the header under the key None
+                raise ValueError(f"{where} has {len(reader.fieldnames) + len(row[None])} cells but the header names "
+                                 f"{len(reader.fieldnames)}: quote cells that hold a comma")
+            rows.append((where, row))
+    except csv.Error as err:  # (csv.Error is no ValueError; Python 3.10 refuses a NUL character)
+        raise ValueError(f"{path}:{reader.line_num} cannot be read as CSV ({err}): fix that row, or save the data "
+                         "as .jsonl") from None
+    finally:
+        csv.field_size_limit(limit)
+    return rows
 
 
 def _hub_rows(source: str) -> Iterator[tuple[str, Mapping[str, Any]]]:

@@ -1,5 +1,6 @@
 """Dataset runs: loading, append-only logs, resuming after a crash or SIGKILL, sharding under accelerate launch."""
 
+import csv
 import json
 import os
 import signal
@@ -68,6 +69,23 @@ def test_jsonl_and_csv_load_alike(tmp_path):
     assert rows[0]["label"] == 0.5 and rows[0]["evidence"] == ["a b", "c"] and rows[1]["evidence"] == ["x", "y", "z"]
     with pytest.raises(ValueError, match="--text-field"):
         load_examples(tmp_path / "e.csv")
+
+
+def test_csv_cell_beyond_csv_limit(tmp_path):
+    """A CSV cell longer than csv's default limit (131072 characters) is read whole, as a JSONL text is, and the
+    process-wide limit is left as it was."""
+    text = "film " * 30_000
+    (tmp_path / "long.csv").write_text(f'text,label\n"{text}",1\n')
+    limit = csv.field_size_limit()
+    assert load_examples(tmp_path / "long.csv") == [{"id": 0, "text": text, "label": 1}]
+    assert csv.field_size_limit() == limit
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 11), reason="Python 3.11+ reads a NUL character in a CSV cell")
+def test_csv_error_names_its_line(tmp_path):
+    (tmp_path / "nul.csv").write_text("text,label\nthe film,1\nthe\0plot,0\n")
+    with pytest.raises(ValueError, match=r"nul.csv:3 cannot be read as CSV \(line contains NUL\): fix that row"):
+        load_examples(tmp_path / "nul.csv")
 
 
 def test_hub_dataset_source(monkeypatch):
