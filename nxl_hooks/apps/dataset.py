@@ -14,7 +14,8 @@ Every line carries the run's identity (``run_id``, a hash of its settings: model
 run never mixes in another run's records, even when ``run.json`` was deleted. An example whose scoring raises
 is recorded as failed, with its reason (``{"index", "id", "error"}``), and the run goes on; a resumed run does
 not retry it. :func:`scored` splits the failures off for the summary. Output files are written under a
-temporary name and renamed, so a failed write never destroys an earlier result.
+temporary name and renamed, so a failed write never destroys an earlier result; what the run writes in ``out/``
+must be a regular file there (a symbolic link is refused before anything is read or written).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from ..records.files import replacing, write_text
+from ..records.files import read_regular, replacing, unwritable, write_text
 
 __all__ = [
     "SettingsMismatchError",
@@ -46,6 +47,7 @@ __all__ = [
 
 _PARTS = "parts"
 _SETTINGS = "run.json"
+_OUTPUTS = ("records.jsonl", "summary.json", "report.html")  #: the merged results, replaced by each finished run
 _RUN_ID = "run_id"
 _INT = re.compile(r"-?\d+")
 
@@ -230,7 +232,7 @@ def _digest(value: Any) -> str:
 
 def _complete_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
     """Records of one part file and the byte length of its complete lines (a torn last line is dropped)."""
-    data = path.read_bytes()
+    data = read_regular(path, follow_symlinks=False)
     end = data.rfind(b"\n") + 1
     records = []
     for number, line in enumerate(data[:end].splitlines(), start=1):
@@ -261,11 +263,11 @@ class _Log:
     """One process's append-only part file: one JSON line per record, on disk before the next starts."""
 
     def __init__(self, path: Path) -> None:
-        if path.exists():
-            _, end = _complete_lines(path)
-            with path.open("r+b") as fh:  # cut a torn last line, so the next record starts a fresh line
-                fh.truncate(end)
-        self._fh = path.open("ab")
+        end = _complete_lines(path)[1] if os.path.lexists(path) else 0
+        # O_NOFOLLOW: a link planted there since run_dataset looked is refused, never written through
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666)
+        os.ftruncate(fd, end)  # cut a torn last line, so the next record starts a fresh line
+        self._fh = os.fdopen(fd, "ab")
 
     def append(self, record: Mapping[str, Any]) -> None:
         self._fh.write(json.dumps(record).encode("utf-8") + b"\n")
@@ -337,6 +339,18 @@ def _check_run(out_dir: Path, settings: Mapping[str, Any], done: Mapping[int, Ma
     )
 
 
+def _refuse_links(out_dir: Path) -> None:
+    """A ValueError (one line) when what a run in ``out_dir`` reads, appends to or replaces is not a regular file: a
+    symbolic link planted there would have the run write into the link's target. Before anything is read or made."""
+    parts = out_dir / _PARTS
+    paths = [out_dir / _SETTINGS, *(out_dir / name for name in _OUTPUTS)]
+    paths += [parts] if parts.is_symlink() else sorted(parts.glob("part-*.jsonl"))
+    for path in paths:
+        why = unwritable(path)
+        if why is not None:
+            raise ValueError(why)
+
+
 def _stop_all_if_one_failed(state: Any, failed: bool) -> None:
     """Tell every process whether any failed, so one failure stops all of them instead of leaving the others
     waiting at a barrier forever. Every process must call it exactly once (it is a collective)."""
@@ -385,6 +399,7 @@ def run_dataset(
     state = _state()
     out_dir = Path(out_dir)
     parts = out_dir / _PARTS
+    _refuse_links(out_dir)  # every process raises alike
     if state.is_main_process:
         parts.mkdir(parents=True, exist_ok=True)
     state.wait_for_everyone()
@@ -471,13 +486,13 @@ def write_outputs(
     out_dir: str | Path, records: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], report: str
 ) -> None:
     """The merged results of a run: ``records.jsonl`` (dataset order), ``summary.json``, ``report.html``."""
-    out_dir = Path(out_dir)
-    with replacing(out_dir / "records.jsonl") as fh:
+    records_path, summary_path, report_path = (Path(out_dir) / name for name in _OUTPUTS)
+    with replacing(records_path) as fh:
         for record in records:
             fh.write(json.dumps(record).encode("utf-8") + b"\n")
-    write_json(out_dir / "summary.json", summary)
-    write_text(out_dir / "report.html", report)
-    print(f"wrote {out_dir / 'summary.json'}, {out_dir / 'records.jsonl'} and {out_dir / 'report.html'}")
+    write_json(summary_path, summary)
+    write_text(report_path, report)
+    print(f"wrote {summary_path}, {records_path} and {report_path}")
 
 
 def examples_from_args(args: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:

@@ -116,6 +116,10 @@ CASES = [
     ("evaluate limit 0", ["evaluate", "{bert}", "{data}", "--out", "{outdir}", "--limit", "0"],
      r"argument --limit: '0': give a whole number of at least 1"),
     ("evaluate out empty", ["evaluate", "{bert}", "{data}", "--out", ""], r"--out is empty: give a folder"),
+    ("evaluate part file a symbolic link", ["evaluate", "{bert}", "{data}", "--out", "{linked_part}"],
+     r"linked_part/parts/part-0.jsonl is a symbolic link, not a regular file: nxl_hooks writes results only as"),
+    ("evaluate records a symbolic link", ["evaluate", "{bert}", "{data}", "--out", "{linked_records}"],
+     r"linked_records/records.jsonl is a symbolic link, not a regular file"),
     # audit
     ("audit without a candidate", ["audit", "--reference", "{bert}", "{data}", "--out", "{outdir}"],
      r"give exactly one of --candidate MODEL or --quantize"),
@@ -209,6 +213,10 @@ def where(tmp_path_factory) -> dict[str, str]:
     os.mkfifo(root / "fifo")  # special files where results would go: never replaced by one
     (root / "link").symlink_to(root / "existing.html")
     paths["fifo"], paths["link"] = str(root / "fifo"), str(root / "link")
+    for key, planted in (("linked_part", "parts/part-0.jsonl"), ("linked_records", "records.jsonl")):
+        (root / key / planted).parent.mkdir(parents=True)  # a run folder with a link where the run writes
+        (root / key / planted).symlink_to(root / "existing.html")
+        paths[key] = str(root / key)
     return paths
 
 
