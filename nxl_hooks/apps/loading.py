@@ -456,13 +456,16 @@ def convert_gguf(gguf: str | Path, out: str | Path, *, gguf_file: str | None = N
     chat template. ``convert_gguf("smollm2.Q4_1.gguf", "smollm2-hf")``; ``gguf_file``: the file inside ``gguf`` when
     that is a folder or hub id.
 
-    ``out`` must not exist or be an empty folder; the folder is written beside it and renamed into place, so it is
-    whole or absent. A ValueError when transformers keeps the file's weights packed (nothing to dequantize into).
+    ``out`` must not exist or be an empty folder (not a symbolic link to one); the folder is written beside it and
+    renamed into place, so it is whole or absent. A ValueError when transformers keeps the file's weights packed
+    (nothing to dequantize into).
     """
     if dtype == "auto":
         raise ValueError("dtype='auto': a GGUF file's weights are quantized; name the dtype to dequantize them to "
                          "(float32, float16 or bfloat16)")
     out = Path(out).expanduser()
+    if out.is_symlink():  # the folder is renamed into place, which a link (even to an empty folder) cannot take
+        raise FileExistsError(f"{out} is a symbolic link: name a new folder (or an empty one) for the converted model")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty folder: name a new folder for the converted model")
     model, tokenizer = load_model(str(gguf), gguf_file=gguf_file, dtype=dtype)

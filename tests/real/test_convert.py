@@ -49,6 +49,15 @@ def test_convert_refuses_an_output_folder_that_is_not_empty(capsys, tmp_path):
     assert (tmp_path / "out" / "keep.txt").read_text() == "mine"
 
 
+def test_convert_refuses_a_link_to_an_empty_folder(capsys, tmp_path):
+    """Before the model loads: the converted folder is renamed into place, which a link cannot take (the whole
+    model was converted, then "Not a directory")."""
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "out").symlink_to(tmp_path / "empty")
+    err = _one_line_exit_2(capsys, ["convert", str(tmp_path / "m.gguf"), str(tmp_path / "out")])
+    assert "out is a symbolic link: name a new folder (or an empty one) for the converted model" in err
+
+
 def test_convert_refuses_a_missing_file(capsys, tmp_path):
     err = _one_line_exit_2(capsys, ["convert", str(tmp_path / "m.gguf"), str(tmp_path / "out")])
     assert "no GGUF file at" in err and not (tmp_path / "out").exists()
