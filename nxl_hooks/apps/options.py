@@ -56,11 +56,12 @@ def one_line(message: str) -> str:
     return visible(" ".join(message.split()))
 
 
-def check_output_file(path: str | None, option: str) -> None:
-    """A :class:`CliError` unless ``path`` (given with ``option``) can be written as a whole file: its folder
-    exists and it is not itself a folder. Checked before any model loads, so a typo costs nothing."""
+def check_output_file(path: str | None, option: str) -> str | None:
+    """``path`` (given with ``option``) with ``~`` expanded: the one path to write, checked (a :class:`CliError`
+    unless it can be written as a whole file: its folder exists and it is not itself a folder). Checked before any
+    model loads, so a typo costs nothing. ``args.out = check_output_file(args.out, "--out")``"""
     if path is None:
-        return
+        return None
     target = Path(path).expanduser()
     if target.is_dir():
         raise CliError(f"{option} {path} is a folder, not a file: give a file name (a file in it, or elsewhere)")
@@ -71,11 +72,12 @@ def check_output_file(path: str | None, option: str) -> None:
     if not folder.is_dir():
         what = "is a file, not a folder" if folder.exists() else "does not exist"
         raise CliError(f"{option} {path}: the folder {folder} {what}; create the folder or pick another path")
+    return str(target)
 
 
-def check_output_folder(path: str, option: str = "--out") -> None:
-    """A :class:`CliError` when ``path`` cannot be an output folder: it is empty, or it or a folder above it is a
-    file."""
+def check_output_folder(path: str, option: str = "--out") -> str:
+    """``path`` (given with ``option``) with ``~`` expanded: the one folder to write, checked (a :class:`CliError`
+    when it is empty, or it or a folder above it is a file). ``args.out = check_output_folder(args.out)``"""
     if not path.strip():
         raise CliError(f"{option} is empty: give a folder (it is created when missing)")
     target = Path(path).expanduser()
@@ -84,7 +86,8 @@ def check_output_folder(path: str, option: str = "--out") -> None:
             if not where.is_dir():
                 raise CliError(f"{option} {path}: {where} is a file, not a folder; give a folder (it is created "
                                "when missing)")
-            return
+            break
+    return str(target)
 
 
 def positive_int(value: str) -> int:

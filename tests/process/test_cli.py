@@ -107,6 +107,22 @@ def test_missing_model_path_exits_2(tmp_path, capsys):
     assert "no model folder at" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_outputs_under_home_are_written_where_they_were_checked(saved, tmp_path, monkeypatch):
+    """``~`` in an output path (quoted, so the shell left it as it is) is the home folder for the check and the write
+    alike: ``evaluate`` made a folder named "~" in the working folder, ``attribute`` passed the check, ran, then
+    failed."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    monkeypatch.chdir(tmp_path)
+    data = tiny.write_jsonl(tmp_path / "data.jsonl", 1)
+    assert main(["attribute", str(saved[0]), TEXT, "--out", "~/a.safetensors", "--html", "~/a.html"]) == 0
+    assert main(["evaluate", str(saved[0]), str(data), "--out", "~/eval", "--methods", "logat"]) == 0
+    assert nxl.Attribution.load(home / "a.safetensors").tokens == [saved[1]]
+    assert sorted(p.name for p in home.iterdir()) == ["a.html", "a.safetensors", "eval"]
+    assert (home / "eval" / "summary.json").is_file() and not (tmp_path / "~").exists()
+
+
 @pytest.fixture(scope="module")
 def demo_by_hand():
     """The shipped demo model by hand on the 1000 held-out sentences the summary uses: per sentence and layer, the

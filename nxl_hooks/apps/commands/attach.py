@@ -91,8 +91,7 @@ def _create(sink: str, other: bool, uid: int) -> list[Path]:
     it made, so the path must not exist yet (and name no link); the folders made above it are root's, 0711."""
     from ..serve.runs import check_parents
 
-    check_output_folder(sink, "--sink")
-    path = Path(os.path.abspath(Path(sink).expanduser()))
+    path = Path(os.path.abspath(check_output_folder(sink, "--sink")))
     if other and os.path.lexists(path):
         raise CliError(f"--sink {sink} exists: for another user's process (uid {uid}) nxl attach creates the run "
                        f"folder itself and hands only that to its user; give a new path, such as {path / 'attach'}")

@@ -67,9 +67,9 @@ def run(args: argparse.Namespace) -> int:
     generate = args.generate
     if generate is not None and args.target != "predicted":
         raise CliError("--generate explains each emitted token: drop --target")
-    check_output_file(args.out, "--out")  # before the model loads, and before the sink opens (it truncates)
-    check_output_file(args.html, "--html")
-    if args.out and args.html and Path(args.out).expanduser().resolve() == Path(args.html).expanduser().resolve():
+    args.out = check_output_file(args.out, "--out")  # before the model loads, and before the sink opens (it truncates)
+    args.html = check_output_file(args.html, "--html")
+    if args.out and args.html and Path(args.out).resolve() == Path(args.html).resolve():
         raise CliError(f"--out and --html both name {args.out}: the page would replace the scores; give two paths")
     model, tokenizer = load_model(args.model, **loading_options(args))
     check_length(tokenizer, chat_text(tokenizer, args.text) if args.chat else args.text, position_limit(model),

@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--quantize builds the candidate from an unquantized reference: drop --load-in-8bit / "
                          "--load-in-4bit (or compare two saved models with --candidate)")
     tp_outputs(args, "out")  # --tp (registry): rank 0 alone prints and writes
-    check_output_folder(args.out)
+    args.out = check_output_folder(args.out)
     examples, settings = examples_from_args(args)
     settings.update(
         command=NAME,

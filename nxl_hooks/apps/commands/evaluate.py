@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     gradient = [m for m in methods if m in ev.GRADIENT_METHODS]
     if gradient:  # before the model loads: each example would fail on its own, one by one
         require_extra("eval", ["captum"], f"--methods {','.join(gradient)}")
-    check_output_folder(args.out)
+    args.out = check_output_folder(args.out)
     examples, settings = examples_from_args(args)
     loading = loading_options(args)
     settings.update(

@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
         import pyarrow  # noqa: F401 - checked before the records are read
     except ImportError:
         raise CliError('Parquet export needs pyarrow: pip install "nxl_hooks[parquet]"') from None
-    check_output_file(args.out, "OUT.parquet")
+    args.out = check_output_file(args.out, "OUT.parquet")
     # The file is replaced whole at the end; an existing one may be anyone's (a typo, a table from elsewhere), and
     # Parquet is not ours to recognise, so only --force replaces it.
     if os.path.lexists(args.out) and not args.force:
