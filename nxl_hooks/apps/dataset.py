@@ -32,14 +32,17 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ..records.files import read_regular, replacing, unwritable, write_text
+from .options import check_apart, check_output_folder
 
 __all__ = [
     "SettingsMismatchError",
+    "check_out",
     "examples_from_args",
     "load_examples",
     "place",
     "read_records",
     "run_dataset",
+    "run_files",
     "scored",
     "write_json",
     "write_outputs",
@@ -339,11 +342,16 @@ def _check_run(out_dir: Path, settings: Mapping[str, Any], done: Mapping[int, Ma
     )
 
 
+def run_files(out_dir: str | Path) -> list[Path]:
+    """What a run in ``out_dir`` writes: ``run.json``, the merged results, and (last) the folder of its part files."""
+    out_dir = Path(out_dir)
+    return [out_dir / _SETTINGS, *(out_dir / name for name in _OUTPUTS), out_dir / _PARTS]
+
+
 def _refuse_links(out_dir: Path) -> None:
     """A ValueError (one line) when what a run in ``out_dir`` reads, appends to or replaces is not a regular file: a
     symbolic link planted there would have the run write into the link's target. Before anything is read or made."""
-    parts = out_dir / _PARTS
-    paths = [out_dir / _SETTINGS, *(out_dir / name for name in _OUTPUTS)]
+    *paths, parts = run_files(out_dir)
     paths += [parts] if parts.is_symlink() else sorted(parts.glob("part-*.jsonl"))
     for path in paths:
         why = unwritable(path)
@@ -493,6 +501,14 @@ def write_outputs(
     write_json(summary_path, summary)
     write_text(report_path, report)
     print(f"wrote {summary_path}, {records_path} and {report_path}")
+
+
+def check_out(args: Any, *models: str | None) -> None:
+    """A dataset command's ``--out``, before anything loads: ``args.out`` becomes the one folder to write
+    (:func:`~nxl_hooks.apps.options.check_output_folder`), and none of its run's files may be the data or lie in a
+    model folder (``models``: the command's MODEL arguments) (:func:`~nxl_hooks.apps.options.check_apart`)."""
+    args.out = check_output_folder(args.out)
+    check_apart("--out", args.out, [*models, args.data], writes=run_files(args.out))
 
 
 def examples_from_args(args: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:

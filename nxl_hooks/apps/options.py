@@ -11,8 +11,9 @@ from __future__ import annotations
 import argparse
 import functools
 import math
+import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Sequence
 
 from ..method import select
 from ..method.registry import get_method
@@ -29,6 +30,7 @@ __all__ = [
     "add_dataset_options",
     "add_loading_options",
     "argument_type",
+    "check_apart",
     "check_output_file",
     "check_output_folder",
     "loading_options",
@@ -88,6 +90,36 @@ def check_output_folder(path: str, option: str = "--out") -> str:
                                "when missing)")
             break
     return str(target)
+
+
+def check_apart(option: str, path: str | None, inputs: Iterable[str | Path | None], *,
+                writes: Sequence[str | Path] | None = None) -> None:
+    """A :class:`CliError` when what ``option`` (given as ``path``) writes, ``writes`` (files, and folders it fills;
+    default: ``path``), is one of the command's ``inputs`` (the same file, also through a link or another name),
+    lies inside an input folder (a model's: a file written there would be loaded with the model), or holds an
+    input. ``--force`` does not lift it; an input that is no local path (a hub id) is passed over.
+    ``check_apart("--out", args.out, [args.model])``"""
+    if path is None:
+        return
+    for source in inputs:
+        if source is None or not os.path.exists(os.path.expanduser(source)):
+            continue
+        real = os.path.realpath(os.path.expanduser(source))
+        for output in [path] if writes is None else writes:
+            target = os.path.realpath(output)
+            if target == real or _inside(real, target) or os.path.exists(target) and os.path.samefile(target, real):
+                how = "over"
+            elif _inside(target, real):
+                how = "into"
+            else:
+                continue
+            raise CliError(f"{option} {path} would write {how} {source}, an input of this command: write the output "
+                           "elsewhere")
+
+
+def _inside(path: str, folder: str) -> bool:
+    """Whether the real path ``path`` lies below the real path ``folder``."""
+    return path != folder and os.path.commonpath([path, folder]) == folder
 
 
 def positive_int(value: str) -> int:

@@ -396,10 +396,15 @@ def _check_file(header: dict, index: int, name: tuple[int, int] | None) -> None:
                    f"{name[1]}: renamed or copied over another")
 
 
+def stream_files(path: Path) -> list[Path]:
+    """The files :func:`read_stream` reads for ``path``: itself, or the stream files below a folder, in order."""
+    return sorted(_stream_files(path)) if path.is_dir() else [path]
+
+
 def _writers(folder: Path) -> list[list[Path]]:
     """The stream files below ``folder``, one list per writer (a RotatingSink's files joined in order)."""
     groups: dict[tuple, list[Path]] = {}
-    for path in sorted(_stream_files(folder)):
+    for path in stream_files(folder):
         match = _ROTATED.fullmatch(path.name)
         key = (str(path.parent), int(match.group(2))) if match else (str(path.parent), -1, path.name)
         groups.setdefault(key, []).append(path)

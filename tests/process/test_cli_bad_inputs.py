@@ -43,6 +43,11 @@ CASES = [
      r"--out .*/fifo is a FIFO"),
     ("out and html one file", ["attribute", "{bert}", TEXT, "--out", "{root}/same.x", "--html", "{root}/same.x"],
      r"--out and --html both name .*same.x: the page would replace the scores; give two paths"),
+    ("out over the model's weights", ["attribute", "{bert}", TEXT, "--out", "{bert}/model.safetensors"],
+     r"--out .*/bert/model.safetensors would write into .*/bert, an input of this command: write the output "
+     r"elsewhere"),
+    ("html into the model folder", ["attribute", "{bert}", TEXT, "--html", "{bert}/../bert/page.html"],
+     r"--html .*/page.html would write into .*/bert, an input of this command"),
     ("target id beyond any integer", ["attribute", "{llama}", TEXT, "--target", "99999999999999999999999"],
      r"target 99999999999999999999999 is out of range"),
     ("device map on a GPU not there", ["attribute", "{bert}", TEXT, "--device-map", "cuda:99"],
@@ -116,6 +121,10 @@ CASES = [
     ("evaluate limit 0", ["evaluate", "{bert}", "{data}", "--out", "{outdir}", "--limit", "0"],
      r"argument --limit: '0': give a whole number of at least 1"),
     ("evaluate out empty", ["evaluate", "{bert}", "{data}", "--out", ""], r"--out is empty: give a folder"),
+    ("evaluate data as the out's records", ["evaluate", "{bert}", "{inout}/records.jsonl", "--out", "{inout}"],
+     r"--out .*/inout would write over .*/inout/records.jsonl, an input of this command"),
+    ("evaluate out in the model folder", ["evaluate", "{bert}", "{data}", "--out", "{bert}"],
+     r"--out .*/bert would write into .*/bert, an input"),
     ("evaluate part file a symbolic link", ["evaluate", "{bert}", "{data}", "--out", "{linked_part}"],
      r"linked_part/parts/part-0.jsonl is a symbolic link, not a regular file: nxl_hooks writes results only as"),
     ("evaluate records a symbolic link", ["evaluate", "{bert}", "{data}", "--out", "{linked_records}"],
@@ -131,10 +140,17 @@ CASES = [
                                    "{outdir}", "--layers", "9"], LAYERS),
     ("audit out is a file", ["audit", "--reference", "{bert}", "--candidate", "{bert}", "{data}", "--out",
                              "{existing_html}"], r"existing.html is a file, not a folder"),
+    ("audit out in the candidate's folder", ["audit", "--reference", "{bert}", "--candidate", "{zeroed}", "{data}",
+                                             "--out", "{zeroed}/audit"], r"would write into .*/zeroed, an input"),
     ("audit out empty", ["audit", "--reference", "{bert}", "--candidate", "{bert}", "{data}", "--out", ""],
      r"--out is empty: give a folder"),
     ("audit csv extra cells", ["audit", "--reference", "{bert}", "--quantize", "8bit", "{extra_csv}", "--out",
                                "{outdir}"], r"extra.csv:3 has 3 cells"),
+    # export: the Parquet file is none of the streams it reads, --force or not
+    ("export a stream over itself", ["export", "{streams}/run.nxl", "{streams}/run.nxl", "--force"],
+     r"OUT.parquet .*/run.nxl would write over .*/streams/run.nxl, an input of this command"),
+    ("export over a stream of its folder", ["export", "{streams}", "{streams}/run.nxl", "--force"],
+     r"OUT.parquet .*/run.nxl would write over .*/streams/run.nxl, an input"),
     # demo: the arguments are checked before its model loads
     ("demo text not UTF-8", ["demo", "the plot was \udcff good"], r"argument b'the plot was \\xff good' is not UTF-8"),
     ("demo two keywords", ["demo", "good and terrible"], r"exactly one sentiment keyword \(found 2\)"),
@@ -210,6 +226,11 @@ def where(tmp_path_factory) -> dict[str, str]:
         (root / name).write_bytes(f"precious {name}\n".encode() * 8)
         paths[key] = str(root / name)
     paths["outdir"] = str(outdir)
+    (root / "inout").mkdir()  # a folder holding the data under the name of a run's records
+    (root / "inout" / "records.jsonl").write_text(good * 2)
+    (root / "streams").mkdir()
+    shutil.copy(Path(__file__).resolve().parents[1] / "data" / "stream-v2.nxl", root / "streams" / "run.nxl")
+    paths["inout"], paths["streams"] = str(root / "inout"), str(root / "streams")
     os.mkfifo(root / "fifo")  # special files where results would go: never replaced by one
     (root / "link").symlink_to(root / "existing.html")
     paths["fifo"], paths["link"] = str(root / "fifo"), str(root / "link")

@@ -17,6 +17,7 @@ from ..options import (
     add_attribution_options,
     add_method_option,
     add_loading_options,
+    check_apart,
     check_output_file,
     loading_options,
     positive_int,
@@ -71,6 +72,8 @@ def run(args: argparse.Namespace) -> int:
     args.html = check_output_file(args.html, "--html")
     if args.out and args.html and Path(args.out).resolve() == Path(args.html).resolve():
         raise CliError(f"--out and --html both name {args.out}: the page would replace the scores; give two paths")
+    check_apart("--out", args.out, [args.model])
+    check_apart("--html", args.html, [args.model])
     model, tokenizer = load_model(args.model, **loading_options(args))
     check_length(tokenizer, chat_text(tokenizer, args.text) if args.chat else args.text, position_limit(model),
                  more=generate or 0, what="TEXT")

@@ -13,7 +13,6 @@ from ..loading import QUANTIZE
 from ..options import (
     add_dataset_options,
     add_loading_options,
-    check_output_folder,
     loading_options,
     parse_layers,
     positive_int,
@@ -48,7 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from ...eval.audit import aggregate, audit_example
     from ...records.tokens import chat_text
-    from ..dataset import examples_from_args, place, run_dataset, scored, write_outputs
+    from ..dataset import check_out, examples_from_args, place, run_dataset, scored, write_outputs
     from ..loading import check_explainable, check_length, load_model, position_limit, tp_outputs
     from ..reports import audit_report
 
@@ -62,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--quantize builds the candidate from an unquantized reference: drop --load-in-8bit / "
                          "--load-in-4bit (or compare two saved models with --candidate)")
     tp_outputs(args, "out")  # --tp (registry): rank 0 alone prints and writes
-    args.out = check_output_folder(args.out)
+    check_out(args, args.reference, args.candidate)
     examples, settings = examples_from_args(args)
     settings.update(
         command=NAME,

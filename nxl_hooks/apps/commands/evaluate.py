@@ -12,7 +12,6 @@ from ..options import (
     CliError,
     add_dataset_options,
     add_loading_options,
-    check_output_folder,
     loading_options,
     positive_int,
 )
@@ -46,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from ...eval import faithfulness as ev
     from ...records.tokens import chat_text
-    from ..dataset import examples_from_args, place, run_dataset, scored, write_outputs
+    from ..dataset import check_out, examples_from_args, place, run_dataset, scored, write_outputs
     from ..loading import check_explainable, check_length, load_model, position_limit, tp_outputs
     from ..reports import evaluate_report, evaluate_summary
 
@@ -62,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     gradient = [m for m in methods if m in ev.GRADIENT_METHODS]
     if gradient:  # before the model loads: each example would fail on its own, one by one
         require_extra("eval", ["captum"], f"--methods {','.join(gradient)}")
-    args.out = check_output_folder(args.out)
+    check_out(args, args.model)
     examples, settings = examples_from_args(args)
     loading = loading_options(args)
     settings.update(

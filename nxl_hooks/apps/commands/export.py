@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from pathlib import Path
 import warnings
 
 from ..options import CliError
@@ -33,14 +34,15 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from ...records.parquet import export_parquet
-    from ...records.reader import StreamDamageWarning, read_stream
-    from ..options import check_output_file
+    from ...records.reader import StreamDamageWarning, read_stream, stream_files
+    from ..options import check_apart, check_output_file
 
     try:
         import pyarrow  # noqa: F401 - checked before the records are read
     except ImportError:
         raise CliError('Parquet export needs pyarrow: pip install "nxl_hooks[parquet]"') from None
     args.out = check_output_file(args.out, "OUT.parquet")
+    check_apart("OUT.parquet", args.out, stream_files(Path(args.source)))
     # The file is replaced whole at the end; an existing one may be anyone's (a typo, a table from elsewhere), and
     # Parquet is not ours to recognise, so only --force replaces it.
     if os.path.lexists(args.out) and not args.force:
