@@ -623,6 +623,27 @@ def test_exporting_a_damaged_stream_prints_one_nxl_line(chat, tmp_path):
     assert line.startswith(f"{tmp_path / 'o.parquet'}: ") and "; damaged, read up to: " in line, line
 
 
+def test_export_strict_refuses_damage_but_not_a_torn_last_frame(chat, tmp_path, capsys):
+    """--strict refuses what read_stream(strict=True) refuses; a torn last frame, where a killed writer stopped, is
+    no damage: exported, and said to be left out (it was called "damaged", exported with exit 0 under --strict)."""
+    _, model, tokenizer = chat
+    stream = tmp_path / "run.nxl"
+    _generate(model, tokenizer, stream, new=4, prompts=PROMPTS[:1])
+    whole = stream.read_bytes()
+    stream.write_bytes(whole[:-1])
+    capsys.readouterr()
+    assert cli_main(["export", str(stream), str(tmp_path / "torn.parquet"), "--strict"]) == 0
+    line = capsys.readouterr().out
+    assert "; a torn last frame left out (a writer killed mid-write): frame " in line and "damaged" not in line, line
+    flipped = bytearray(whole)
+    flipped[len(whole) // 2] ^= 0xFF  # a flipped byte in a middle frame: damage
+    stream.write_bytes(bytes(flipped))
+    assert cli_main(["export", str(stream), str(tmp_path / "flipped.parquet"), "--strict"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"nxl export: error: {stream} is damaged: frame ") and err.count("\n") == 1, err
+    assert not (tmp_path / "flipped.parquet").exists()
+
+
 @pytest.mark.parametrize("spec, what", [
     ("raise", "a bare name is no file path, folder or sink kind"),
     (":x", "'' before ':' is no sink kind"),

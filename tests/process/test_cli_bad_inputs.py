@@ -149,6 +149,10 @@ CASES = [
     # export: the Parquet file is none of the streams it reads, --force or not
     ("export a stream over itself", ["export", "{streams}/run.nxl", "{streams}/run.nxl", "--force"],
      r"OUT.parquet .*/run.nxl would write over .*/streams/run.nxl, an input of this command"),
+    ("export source not there", ["export", "{root}/nope.nxl", "{root}/o.parquet"],
+     r"no stream file or run folder at .*/nope.nxl: give a file a sink wrote"),
+    ("export a folder without streams", ["export", "{outdir}", "{root}/o.parquet"],
+     r"outdir is a folder with no stream file \(\*.nxl\) below it: give the folder of nxl run --sink"),
     ("export over a stream of its folder", ["export", "{streams}", "{streams}/run.nxl", "--force"],
      r"OUT.parquet .*/run.nxl would write over .*/streams/run.nxl, an input"),
     # demo: the arguments are checked before its model loads

@@ -26,7 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("source", metavar="RUN_DIR_OR_STREAM", help="a run folder or a stream file")
     parser.add_argument("out", metavar="OUT.parquet", help="the Parquet file to write")
     parser.add_argument("--strict", action="store_true", help="refuse a damaged stream instead of exporting up to "
-                                                              "the damage")
+                        "the damage (a torn last frame, where a killed writer stopped, is no damage: it is left out)")
     parser.add_argument("--force", action="store_true", help="replace OUT.parquet when it exists (by default an "
                                                              "existing file is left alone and the export refused)")
     return parser
@@ -42,7 +42,14 @@ def run(args: argparse.Namespace) -> int:
     except ImportError:
         raise CliError('Parquet export needs pyarrow: pip install "nxl_hooks[parquet]"') from None
     args.out = check_output_file(args.out, "OUT.parquet")
-    check_apart("OUT.parquet", args.out, stream_files(Path(args.source)))
+    if not os.path.exists(args.source):
+        raise CliError(f"no stream file or run folder at {args.source}: give a file a sink wrote (attach(sink=...), "
+                       "nxl attribute --generate --out) or the folder of nxl run --sink")
+    streams = stream_files(Path(args.source))
+    if not streams:
+        raise CliError(f"{args.source} is a folder with no stream file (*.nxl) below it: give the folder of nxl run "
+                       "--sink, or a stream file")
+    check_apart("OUT.parquet", args.out, streams)
     # The file is replaced whole at the end; an existing one may be anyone's (a typo, a table from elsewhere), and
     # Parquet is not ours to recognise, so only --force replaces it.
     if os.path.lexists(args.out) and not args.force:
@@ -56,6 +63,9 @@ def run(args: argparse.Namespace) -> int:
     except OSError as err:
         raise CliError(f"writing {args.out} failed ({err.strerror or err}); nothing was written and no partial file "
                        "is left: free some space (or pick another folder) and export again") from None
-    damage = f"; damaged, read up to: {calls.damage.describe()}" if calls.damage else ""
+    damage = ""
+    if calls.damage:  # a torn last frame is where a killed writer stopped: no damage, --strict or not (read_stream)
+        what = "a torn last frame left out (a writer killed mid-write)" if calls.damage.torn else "damaged, read up to"
+        damage = f"; {what}: {calls.damage.describe()}"
     print(f"{args.out}: {rows} rows from {len(calls)} call(s){damage}")
     return 0
