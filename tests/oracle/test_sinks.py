@@ -436,6 +436,17 @@ def test_calls_not_recorded_and_calls_ended_before_their_prompt_ran_are_in_the_s
     assert beam.prompt_mask is None and gone.prompt_mask is None and beam.ended is not None
     assert nxl.read_stream(where, request_id="beam")[0].error == beam.error
     check_call(model, stream[2], 3)
+    # a running program's endpoint hands out such a call's frames from memory, as for a recorded one
+    from types import SimpleNamespace
+
+    from nxl_hooks.apps.serve.endpoint import ControlServer
+
+    calls = {call.request_id: (None, call, probe.describe()) for call in probe.calls}
+    host = SimpleNamespace(settings=SimpleNamespace(sink=None), find=calls.get)
+    handed = tmp_path / "handed.nxl"
+    handed.write_bytes(ControlServer(host)._frames("beam"))
+    (read,) = nxl.read_stream(handed, strict=True)
+    assert (read.request_id, read.error, read.prompt_mask, read.steps) == ("beam", beam.error, None, [])
 
 
 def test_a_step_of_a_call_whose_frame_holds_no_prompt_is_refused(tmp_path):
