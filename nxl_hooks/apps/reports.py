@@ -17,23 +17,26 @@ from ..records.html import fmt, heatmap, line_chart, page
 __all__ = ["audit_report", "evaluate_report", "evaluate_summary"]
 
 
-def _stats_table(header: Sequence[str], rows: Sequence[Sequence[str]], best: Mapping[int, int] | None = None) -> str:
-    """``best`` maps a column to the row index to emphasise."""
+def _stats_table(header: Sequence[str], rows: Sequence[Sequence[str]],
+                 best: Mapping[int, set[int]] | None = None) -> str:
+    """``best`` maps a column to the row indices to emphasise."""
     head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
     body = []
     for i, row in enumerate(rows):
         tds = "".join(
-            f"<td{' class=best' if best and best.get(j) == i else ''}>{cell}</td>" for j, cell in enumerate(row)
+            f"<td{' class=best' if best and i in best.get(j, ()) else ''}>{cell}</td>" for j, cell in enumerate(row)
         )
         body.append(f"<tr>{tds}</tr>")
     return f'<table class="nxl-stats"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
 
 
-def _argbest(values: Sequence[float | None], high: bool) -> int | None:
-    scored = [(v, i) for i, v in enumerate(values) if v is not None]
+def _argbest(values: Sequence[float | None], high: bool) -> set[int]:
+    """The indices of every value equal to the best one: a tie is no win for whichever method comes first or last."""
+    scored = [v for v in values if v is not None]
     if not scored:
-        return None
-    return (max if high else min)(scored)[1]
+        return set()
+    top = (max if high else min)(scored)
+    return {i for i, v in enumerate(values) if v == top}
 
 
 #: The summary table's columns: (summary key, heading, higher is better).
@@ -47,9 +50,9 @@ _COLUMNS = (
 _BEST_NOTE = "best among the methods; a baseline (random) is a floor to beat, never best"
 
 
-def _summary_table(summary: Mapping[str, Any]) -> tuple[list[str], list[list[str]], dict[int, int | None]]:
-    """(header, rows of formatted cells, column -> the row that is best) of the methods: each method's own
-    numbers (``seconds``: its own time per example); a baseline is labelled so and never best."""
+def _summary_table(summary: Mapping[str, Any]) -> tuple[list[str], list[list[str]], dict[int, set[int]]]:
+    """(header, rows of formatted cells, column -> the rows that are best, every one tied for it) of the methods:
+    each method's own numbers (``seconds``: its own time per example); a baseline is labelled so and never best."""
     methods: Mapping[str, Mapping[str, Any]] = summary["methods"]
     names = list(methods)
     rows = [[f"{n} (baseline)" if n in BASELINES else n] + [fmt(methods[n].get(key)) for key, _, _ in _COLUMNS]
@@ -62,7 +65,7 @@ def _summary_table(summary: Mapping[str, Any]) -> tuple[list[str], list[list[str
 def evaluate_summary(summary: Mapping[str, Any]) -> str:
     """The summary table ``nxl evaluate`` prints in the terminal (plain text, best marked ``*``)."""
     header, rows, best = _summary_table(summary)
-    cells = [header] + [[cell + ("*" if best.get(j) == i else "") for j, cell in enumerate(row)]
+    cells = [header] + [[cell + ("*" if i in best.get(j, ()) else "") for j, cell in enumerate(row)]
                         for i, row in enumerate(rows)]
     widths = [max(len(row[j]) for row in cells) for j in range(len(header))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip() for row in cells]

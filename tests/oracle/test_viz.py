@@ -143,6 +143,26 @@ def test_the_random_baseline_is_never_best():
     assert "never best" in page
 
 
+@pytest.mark.parametrize("ap, best", [
+    ({"logat": 0.5, "normxlogit": 0.5, "contrastive": 0.25}, {"logat", "normxlogit"}),  # a tie: both best
+    ({"logat": 0.5, "normxlogit": 0.75, "contrastive": 0.75}, {"normxlogit", "contrastive"}),
+    ({"logat": 0.25, "normxlogit": 0.5, "contrastive": None}, {"normxlogit"}),
+    ({"logat": None, "normxlogit": None, "contrastive": None}, set()),
+])
+def test_every_method_tied_for_best_is_marked(ap, best):
+    """Two methods with exactly one value: both are best, in the terminal table and on the page (the later one alone
+    was marked)."""
+    from nxl_hooks.apps.reports import evaluate_summary
+
+    methods = {name: {"aopc_comprehensiveness": None, "aopc_sufficiency": None, "ap_eval": value, "dot_eval": None,
+                      "seconds": None, "layered": True, "ap": None, "dot": None} for name, value in ap.items()}
+    summary = {"n": 1, "eval_layer": 2, "kind": "classification", "perturbation": "mask", "ks": [0.5], "layers": [0],
+               "methods": methods}
+    printed = {line.split()[0]: line.split()[3] for line in evaluate_summary(summary).splitlines()[2:-1]}
+    assert {name for name, cell in printed.items() if cell.endswith("*")} == best
+    assert {name for name, cells in _summary_rows(evaluate_report(summary)).items() if cells[2][1]} == best
+
+
 def test_nxl_evaluate_prints_its_summary_with_each_methods_own_time(tmp_path, capsys):
     """It printed only where it wrote; now the table too, each number the summary's, best marked among the real
     methods."""
