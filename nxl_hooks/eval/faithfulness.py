@@ -65,6 +65,7 @@ __all__ = [
     "available_methods",
     "average_precision",
     "evidence_mask",
+    "foil_methods",
     "mean",
     "normalized_dot",
     "perturb",
@@ -98,6 +99,14 @@ def _foiled(method: Method, foil: int | None) -> Method | None:
     if not (dataclasses.is_dataclass(method) and "foil" in {f.name for f in dataclasses.fields(method)}):
         return method
     return None if foil is None else dataclasses.replace(method, foil=foil)
+
+
+def foil_methods(methods: Sequence[str]) -> list[str]:
+    """The names in ``methods`` of registered attribution methods that contrast the target with a foil (as
+    "contrastive" does): a regression head, whose one output has nothing to contrast with, cannot run them.
+    ``foil_methods(["logat", "contrastive"])`` -> ``["contrastive"]``"""
+    registered = set(method_names())
+    return [m for m in methods if m in registered and _foiled(get_method(m), None) is None]
 
 _Predict = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -287,8 +296,6 @@ def _method_scores(setup: _Setup, methods: Sequence[str], ids: torch.Tensor, pos
     registered = set(method_names())
     for name in (m for m in methods if m == "embed_norm" or m in registered):
         method = None if name == "embed_norm" else _foiled(get_method(name), t.foil)
-        if name != "embed_norm" and method is None:
-            continue  # no foil: nothing to contrast (the record says so)
         # Each timed on its own attached forward, as a user computing only it would run it (embed_norm: one layer):
         # one shared forward would give every method one number.
         start = time.perf_counter()
@@ -396,7 +403,8 @@ def score_example(
       same with all but the top tokens perturbed. Regression: ``|out_orig - out_new|``. When the example
       names a ``foil``, p is the softmax over the pair (target, foil) (BLiMP-style minimal pairs).
     - ``aggregation``: how the gradient baselines reduce a token's (d,) attribution: "l1" (the paper), "l2", "sum".
-    - ``contrastive`` contrasts with ``example["foil"]``, else the runner-up output (not for regression).
+    - ``contrastive`` contrasts with ``example["foil"]``, else the runner-up output; a regression head has no foil,
+      so there it is left out and ``notes`` says so (a ValueError when no method is left).
     - ``keep_scores``: also store each method's per-token scores at ``layer`` (for reports).
     - ``custom``: your own methods, name -> one score per token of ``tokenizer(text)`` (special tokens
       included), measured exactly like the built-in ones (``seconds`` is then None).
@@ -424,7 +432,14 @@ def score_example(
     original = setup.predict(ids[None], torch.ones(1, n, dtype=torch.long), torch.tensor([position]))
     t = _targets(setup, example, original[0])
     layered = set(method_names())
-    methods = [m for m in methods if m not in layered or _foiled(get_method(m), t.foil) is not None]
+    # a regression head's one output has no foil to contrast the target with
+    dropped = foil_methods(methods) if setup.kind is HeadKind.REGRESSION else []
+    methods = [m for m in methods if m not in dropped]
+    setup.notes += [f"{name} not computed: a regression head has one output, no foil to contrast with"
+                    for name in dropped]
+    if not methods and not custom:  # (the targets are checked first: a bad one is the error to read)
+        why = f"{', '.join(dropped)} contrasts with a foil, which a regression head lacks" if dropped else "none named"
+        raise ValueError(f"no method to score ({why}): choose from {', '.join(known)}, or give custom scores")
     evidence, missing = _evidence(example, encoding, position)
     scores, seconds = _method_scores(setup, methods, ids, position, t, seed, example["text"], ig_steps, aggregation)
     for name, values in (custom or {}).items():
@@ -476,8 +491,7 @@ def score_example(
     spread = norm_spread(scores["embed_norm"], ranked) if "embed_norm" in scores else None
     id2label = getattr(setup.inner.config, "id2label", None)
     probabilities = log_probabilities(setup.inner, original[0].float()).exp()
-    contrasted = any(name in layered and _foiled(get_method(name), None) is None for name in methods)
-    foil = t.foil if contrasted else t.pair
+    foil = t.foil if foil_methods(methods) else t.pair
     return {
         "schema": SCHEMA,
         "id": example.get("id"),

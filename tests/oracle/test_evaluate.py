@@ -7,6 +7,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+import tiny
 import torch
 from oracle import layer_logits, linear, normxlogit, rms_norm
 from tiny import word_tokenizer
@@ -282,6 +283,26 @@ def test_regression_change_and_pearson_after_perturbation():
     assert [g is None for g in got] == [e is None for e in expected]
     assert [g for g in got if g is not None] == pytest.approx([e for e in expected if e is not None])
     assert summary["pearson"] == pytest.approx(np.corrcoef([2.0, 2.0, -1.0], gold)[0, 1])
+
+
+@pytest.mark.parametrize("methods, kept, message", [
+    (["logat", "contrastive"], ["logat"], None),  # contrastive left out, and the record says why
+    (["contrastive"], None, r"no method to score \(contrastive contrasts with a foil, which a regression head lacks\)"),
+    ([], None, r"no method to score \(none named\): choose from random, embed_norm"),
+])
+def test_a_regression_head_has_no_foil_to_contrast_with(methods, kept, message):
+    """contrastive on a one-output regression head: left out of the record with a note (it was dropped without a
+    word), and alone (or with no method) a ValueError that says what to do (it was "stack expects a non-empty
+    TensorList")."""
+    model, tok = tiny.build_model("regression"), tiny.tokenizer()
+    example = {"text": "the film was good", "label": 1.0}
+    if message is not None:
+        with pytest.raises(ValueError, match=message):
+            ev.score_example(model, tok, example, methods=methods)
+        return
+    record = ev.score_example(model, tok, example, methods=methods)
+    assert record["kind"] == "regression" and list(record["methods"]) == kept
+    assert record["notes"] == ["contrastive not computed: a regression head has one output, no foil to contrast with"]
 
 
 @pytest.mark.parametrize("example, message", [

@@ -116,6 +116,10 @@ CASES = [
     ("evaluate out is a file", ["evaluate", "{bert}", "{data}", "--out", "{existing_html}"],
      r"--out .*existing.html: .*existing.html is a file, not a folder"),
     ("evaluate layer out of range", ["evaluate", "{bert}", "{data}", "--out", "{outdir}", "--layer", "9"], LAYERS),
+    ("evaluate contrastive on a regression head", ["evaluate", "{regression}", "{data}", "--out", "{root}/o",
+                                                   "--methods", "logat,contrastive"],
+     r"--methods names contrastive, which contrasts the target with a foil, but .*/regression has a regression head "
+     r"\(one output, no foil\): drop it from --methods"),
     ("evaluate damaged weights", ["evaluate", "{truncated}", "{data}", "--out", "{outdir}"],
      r"truncated/model.safetensors is damaged"),
     ("evaluate limit 0", ["evaluate", "{bert}", "{data}", "--out", "{outdir}", "--limit", "0"],
@@ -193,6 +197,7 @@ def where(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("cli")
     bert = tiny.save_model(root / "bert", "bert")
     llama = tiny.save_model(root / "llama", "llama")
+    regression = tiny.save_model(root / "regression", "regression")
     weights = (bert / "model.safetensors").read_bytes()
     damaged = {
         "truncated": lambda p: (p / "model.safetensors").write_bytes(weights[: len(weights) // 2]),
@@ -203,7 +208,7 @@ def where(tmp_path_factory) -> dict[str, str]:
         "notokenizer": lambda p: [(p / f).unlink() for f in ("tokenizer.json", "tokenizer_config.json")],
         "badtokenizer": lambda p: (p / "tokenizer.json").write_text("{oops"),
     }
-    paths = {"root": str(root), "bert": str(bert), "llama": str(llama)}
+    paths = {"root": str(root), "bert": str(bert), "llama": str(llama), "regression": str(regression)}
     for name, damage in damaged.items():
         shutil.copytree(bert, root / name)
         damage(root / name)

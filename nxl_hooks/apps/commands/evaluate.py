@@ -43,7 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ...arch.registry import HeadKind, resolve
     from ...eval import faithfulness as ev
+    from ...method.subject import unwrap
     from ...records.tokens import chat_text
     from ..dataset import check_out, examples_from_args, place, run_dataset, scored, write_outputs
     from ..loading import check_explainable, check_length, load_model, position_limit, tp_outputs
@@ -77,6 +79,10 @@ def run(args: argparse.Namespace) -> int:
     )
     model, tokenizer = load_model(args.model, **loading)
     check_explainable(model, tokenizer, [args.layer])
+    foiled = ev.foil_methods(methods)
+    if foiled and resolve(unwrap(model))[1] is HeadKind.REGRESSION:  # else dropped from every record, or all fail
+        raise CliError(f"--methods names {', '.join(foiled)}, which contrasts the target with a foil, but {args.model} "
+                       "has a regression head (one output, no foil): drop it from --methods")
     place(model)
     limit = position_limit(model)
     if args.chat:  # each text becomes the user's message; evidence words are looked for in the whole prompt
