@@ -341,6 +341,9 @@ def _targets(setup: _Setup, example: Mapping[str, Any], original: torch.Tensor) 
     requested = example.get("target")
     target = prediction if requested in (None, "predicted") else setup.label_id(requested, n, text)
     pair = setup.label_id(example.get("foil"), n, text)
+    if pair is not None and pair == target:  # p over (target, target) is 0.5 whatever is perturbed: every value 0
+        raise ValueError(f"the foil {example['foil']!r} is the target itself (output {target}): give a foil other "
+                         "than the target, or none")
     runner_up = int(original.topk(2).indices[1]) if prediction == target else prediction
     return _Targets(target, runner_up if pair is None else pair, pair, setup.label_id(example.get("label"), n, text),
                     prediction)

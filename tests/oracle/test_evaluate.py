@@ -310,6 +310,9 @@ def test_a_regression_head_has_no_foil_to_contrast_with(methods, kept, message):
     ({"text": "the key", "target": 99}, "target 99 is out of range.*14 outputs"),  # the LM has 14 outputs
     ({"text": "the key", "label": True}, "True must be an int id or a string"),  # JSON true is not a label id
     ({"text": "the key", "foil": ["is"]}, r"\['is'\] must be an int id or a string"),
+    # a foil that is the target: p over the pair is 0.5 whatever is perturbed (every value was 0, and one "best")
+    ({"text": "the key", "target": "is", "foil": "is"}, r"the foil .is. is the target itself \(output 12\): give a"),
+    ({"text": "the key", "target": "is", "foil": VOCAB["is"]}, r"the foil 12 is the target itself"),
 ])
 def test_bad_lm_targets_are_value_errors(example, message):
     model, tok = FakeForCausalLM(), word_tokenizer(WORDS, "[CLS] $A")

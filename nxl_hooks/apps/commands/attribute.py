@@ -58,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from ...hooks.explain import explain
+    from ...method.select import option_text
     from ...records.files import write_text
     from ...records.html import generation_html
     from ...records.tokens import chat_text
@@ -89,6 +90,12 @@ def run(args: argparse.Namespace) -> int:
         return 0 if call.error is None else 1  # the last line said why the tokens were not all recorded
     res = explain(model, tokenizer, args.text, layers=args.layers, target=args.target, embedding=args.embedding,
                   chat=args.chat, methods=[args.method])
+    for row in range(res.target.shape[0]):  # the words are read as the model's outputs only now
+        ids = [info["id"] for info in res.target_info(row)]
+        twice = next((i for i, id_ in enumerate(ids) if id_ in ids[:i]), None)
+        if twice is not None:  # a contrast of an output with itself is 0 at every token
+            raise CliError(f"--target {option_text(args.target)} names one output twice "
+                           f"({res.target_label(row, twice)}): give different targets (a target and its foil)")
     show_attribution(res, console, all_positions=args.all_positions, method=args.method)
     if args.out:
         console.print(f"saved {res.save(args.out)}")
