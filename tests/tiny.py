@@ -21,6 +21,7 @@ import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 from transformers import (
     BertConfig,
+    BertForMaskedLM,
     BertForSequenceClassification,
     LlamaConfig,
     LlamaForCausalLM,
@@ -72,12 +73,14 @@ _SIZES = dict(vocab_size=len(VOCAB), hidden_size=32, intermediate_size=64, num_h
 
 
 def build_model(kind: str, seed: int = 0) -> torch.nn.Module:
-    """A random tiny ``"bert"`` classifier (2 labels), ``"regression"`` BERT (one output) or ``"llama"`` causal LM
-    over :data:`VOCAB`."""
+    """A random tiny ``"bert"`` classifier (2 labels), ``"regression"`` BERT (one output), ``"mlm"`` BERT masked LM
+    or ``"llama"`` causal LM over :data:`VOCAB`."""
     torch.manual_seed(seed)
     if kind in ("bert", "regression"):
         labels = 1 if kind == "regression" else 2
         return BertForSequenceClassification(BertConfig(**_SIZES, max_position_embeddings=64, num_labels=labels)).eval()
+    if kind == "mlm":
+        return BertForMaskedLM(BertConfig(**_SIZES, max_position_embeddings=64)).eval()
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig(**_SIZES, num_key_value_heads=2)).eval()
     raise ValueError(kind)

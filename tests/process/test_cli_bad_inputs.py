@@ -75,6 +75,9 @@ CASES = [
                                                    "--html", "{existing_html}"], r"TEXT is 102 tokens"),
     ("generate beyond the positions", ["attribute", "{llama}", TEXT, "--generate", "3000", "--out", "{existing_nxl}"],
      r"TEXT is 6 tokens plus 3000 to generate, but the model reads at most 2048"),
+    ("text empty", ["attribute", "{bert}", " "], r"TEXT is empty: give the text to explain"),
+    ("masked LM text without its mask", ["attribute", "{mlm}", TEXT],
+     r"TEXT has no \[MASK\] token: a masked LM explains what it predicts at its mask token; put \[MASK\] where"),
     ("text not UTF-8", ["attribute", "{bert}", "caf\udce9 film"], r"argument b'caf\\xe9 film' is not UTF-8 text"),
     ("generate on a classifier, --out existing", ["attribute", "{bert}", TEXT, "--generate", "2", "--out",
                                                   "{existing_nxl}"],
@@ -201,6 +204,7 @@ def where(tmp_path_factory) -> dict[str, str]:
     bert = tiny.save_model(root / "bert", "bert")
     llama = tiny.save_model(root / "llama", "llama")
     regression = tiny.save_model(root / "regression", "regression")
+    mlm = tiny.save_model(root / "mlm", "mlm")
     weights = (bert / "model.safetensors").read_bytes()
     damaged = {
         "truncated": lambda p: (p / "model.safetensors").write_bytes(weights[: len(weights) // 2]),
@@ -211,7 +215,8 @@ def where(tmp_path_factory) -> dict[str, str]:
         "notokenizer": lambda p: [(p / f).unlink() for f in ("tokenizer.json", "tokenizer_config.json")],
         "badtokenizer": lambda p: (p / "tokenizer.json").write_text("{oops"),
     }
-    paths = {"root": str(root), "bert": str(bert), "llama": str(llama), "regression": str(regression)}
+    paths = {"root": str(root), "bert": str(bert), "llama": str(llama), "regression": str(regression),
+             "mlm": str(mlm)}
     for name, damage in damaged.items():
         shutil.copytree(bert, root / name)
         damage(root / name)

@@ -57,8 +57,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
+    from ...arch.registry import HeadKind, resolve
     from ...hooks.explain import explain
     from ...method.select import option_text
+    from ...method.subject import unwrap
     from ...records.files import write_text
     from ...records.html import generation_html
     from ...records.tokens import chat_text
@@ -75,9 +77,16 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"--out and --html both name {args.out}: the page would replace the scores; give two paths")
     check_apart("--out", args.out, [args.model])
     check_apart("--html", args.html, [args.model])
+    if not args.text.strip():  # before the model loads: it would explain its special tokens alone
+        raise CliError("TEXT is empty: give the text to explain")
     model, tokenizer = load_model(args.model, **loading_options(args))
-    check_length(tokenizer, chat_text(tokenizer, args.text) if args.chat else args.text, position_limit(model),
-                 more=generate or 0, what="TEXT")
+    text = chat_text(tokenizer, args.text) if args.chat else args.text
+    check_length(tokenizer, text, position_limit(model), more=generate or 0, what="TEXT")
+    mask = getattr(tokenizer, "mask_token_id", None)
+    if resolve(unwrap(model))[1] is HeadKind.MASKED_LM and mask not in tokenizer(text)["input_ids"]:
+        # before the forward, which would be left unrecorded with the hook's and explain's own two lines
+        raise CliError(f"TEXT has no {tokenizer.mask_token} token: a masked LM explains what it predicts at its mask "
+                       f"token; put {tokenizer.mask_token} where the word to explain goes")
     console = Console()
     if generate is not None:
         sink = Path(args.out) if args.out else None  # --out is a file path, whatever its name: never a sink kind
