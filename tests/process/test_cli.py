@@ -208,6 +208,20 @@ def test_demo_on_your_sentence_says_what_lies_outside_training(capsys, demo_by_h
     assert "outside the training data: 1 word; the training sentences have 4 to 12" in capsys.readouterr().out
 
 
+def test_demo_finds_words_as_its_tokenizer_splits_them(capsys, demo_by_hand):
+    """\\x1f is whitespace to str.split() but not to the tokenizer, which reads "the\\x1fplot" as one [UNK]: the rank
+    printed is the keyword's (it was the next word's), and the [UNK] is named outside the training data."""
+    _, _, by_hand = demo_by_hand
+    text = "the\x1fplot good was film"
+    assert main(["demo", text]) == 0
+    printed = capsys.readouterr().out
+    _, scores = by_hand([text], [0])  # [UNK] good was film [SEP]: the words that rank are positions 1..3
+    ranked = scores[:, 0, 1:4]
+    own = (1 + (ranked > ranked[:, :1]).sum(-1)).tolist()
+    assert f"evidence 'good' ranks per layer: L0 {own[0]}/3  L1 {own[1]}/3  L2 {own[2]}/3" in printed
+    assert "outside the training data: words outside the demo vocabulary, read as [UNK]: the\\x1fplot" in printed
+
+
 def test_demo_sentence_needs_one_keyword(capsys):
     assert main(["demo", "good and terrible"]) == 2
     assert "exactly one sentiment keyword (found 2)" in capsys.readouterr().err

@@ -167,6 +167,7 @@ CASES = [
      r"OUT.parquet .*/run.nxl would write over .*/streams/run.nxl, an input"),
     # demo: the arguments are checked before its model loads
     ("demo text not UTF-8", ["demo", "the plot was \udcff good"], r"argument b'the plot was \\xff good' is not UTF-8"),
+    ("demo empty sentence", ["demo", " "], r"the demo sentence is empty: give one with a sentiment keyword, or none"),
     ("demo two keywords", ["demo", "good and terrible"], r"exactly one sentiment keyword \(found 2\)"),
     ("demo example out of range", ["demo", "--example", "5000"], r"--example 5000: choose 0..999"),
     ("demo sentence and example", ["demo", "the plot was good", "--example", "3"],

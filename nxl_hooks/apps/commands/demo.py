@@ -42,8 +42,9 @@ def evidence_ranks(res: Any, row: int, position: int) -> list[int]:
 
 
 def _word_positions(enc: Any, row: int) -> list[int]:
-    """The token position of each whitespace word of one encoded row (the demo tokenizer gives one token per
-    word, unknown words included)."""
+    """The token position of each word of one encoded row, as the tokenizer split them
+    (:func:`~nxl_hooks.demo.task.split_words`: the demo tokenizer gives one token per word, unknown words
+    included)."""
     return [i for i, word in enumerate(enc.word_ids(row)) if word is not None]
 
 
@@ -82,13 +83,17 @@ def run(args: argparse.Namespace) -> int:
     from rich.text import Text
 
     from ...demo import MODEL_DIR
-    from ...demo.task import HELD_OUT_SEED, MAX_WORDS, MIN_WORDS, NEGATIVE, POSITIVE, make_examples, outside_training
+    from ...demo.task import (HELD_OUT_SEED, MAX_WORDS, MIN_WORDS, NEGATIVE, POSITIVE, make_examples, outside_training,
+                              split_words)
     from ...hooks.explain import explain
     from ..loading import load_model
     from ..terminal import show_attribution
 
+    if args.text is not None and not args.text.strip():  # (not a held-out sentence in its place, unasked)
+        raise CliError("the demo sentence is empty: give one with a sentiment keyword, or none to see a held-out one")
     keywords = set(POSITIVE) | set(NEGATIVE)
-    hits = [i for i, word in enumerate(args.text.split()) if word in keywords] if args.text else []
+    words = split_words(args.text) if args.text else []  # as the model reads them: word i is its token i
+    hits = [i for i, word in enumerate(words) if word in keywords]
     if args.text and len(hits) != 1:  # the arguments are checked before the model loads
         raise CliError(
             f"the demo sentence needs exactly one sentiment keyword (found {len(hits)}), as the training "
@@ -103,15 +108,14 @@ def run(args: argparse.Namespace) -> int:
     ranks = held_out_ranks(model, tokenizer, held_out)
     notes: list[str] = []
     if args.text:
-        text, index = args.text, hits[0]
+        text, index, keyword = args.text, hits[0], words[hits[0]]
         notes = outside_training(text)
         intro = "your sentence"
     else:
         chosen = typical(ranks) if args.example is None else args.example
-        text, index = held_out[chosen].text, held_out[chosen].evidence_index
+        text, index, keyword = held_out[chosen].text, held_out[chosen].evidence_index, held_out[chosen].evidence
         intro = f"held-out sentence {chosen}" + ("" if args.example is not None else " (typical: its keyword's "
                                                  "ranks are the closest to the median ranks)")
-    keyword = text.split()[index]
     console = Console()
     console.print(Text(f"{intro}: ", style="bold") + Text(text) + Text(f"   evidence: {keyword!r}"))
     for note in notes:
