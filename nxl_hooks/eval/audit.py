@@ -39,11 +39,34 @@ from ..records.attribution import Attribution
 from ..records.tokens import describe_target, label_text
 from .metrics import mean
 
-__all__ = ["EXPLAIN", "SCHEMA", "aggregate", "audit_example", "compare", "most_changed"]
+__all__ = ["EXPLAIN", "SCHEMA", "aggregate", "audit_example", "check_same_head", "compare", "most_changed"]
 
 SCHEMA = "nxl_hooks.audit/1"
 #: What an audit may explain (:func:`audit_example`'s ``explain``), the default first.
 EXPLAIN = ("target", "reference")
+
+
+def _head(model: nn.Module) -> str:
+    """What a model's outputs are, in words: its head kind, how many outputs, and a classifier's labels."""
+    inner = unwrap(model)
+    _, kind = resolve(inner)
+    config = inner.config
+    if kind.vocabulary:
+        return f"a {kind} head of {config.get_text_config().vocab_size} outputs"
+    labels = ", ".join(str(config.id2label[i]) for i in sorted(config.id2label))
+    problem = f", {config.problem_type}" if config.problem_type else ""
+    return f"a {kind} head of {config.num_labels} outputs ({labels}{problem})"
+
+
+def check_same_head(reference: nn.Module, candidate: nn.Module) -> None:
+    """A ValueError (one line) unless both models have one output space: the same head kind, number of outputs and,
+    for classifiers, labels. An audit explains one output id in both: in another output space that id is another
+    thing (a label of one model, a token of the other), and every number would compare unrelated outputs."""
+    ours, theirs = _head(reference), _head(candidate)
+    if ours != theirs:
+        raise ValueError(f"the candidate has {theirs} but the reference {ours}: an audit compares one output of "
+                         "both models, so give a candidate with the reference's head (another checkpoint or a "
+                         "quantized copy of the same task model)")
 
 
 def _finite(value: float) -> float | None:

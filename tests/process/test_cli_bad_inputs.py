@@ -146,6 +146,14 @@ CASES = [
                                            "--out", "{outdir}"], r"notokenizer has no tokenizer"),
     ("audit candidate config mismatch", ["audit", "--reference", "{bert}", "--candidate", "{mismatch}", "{data}",
                                          "--out", "{outdir}"], r"config.json does not match the weights"),
+    ("audit candidate of another head", ["audit", "--reference", "{bert}", "--candidate", "{llama}", "{data}",
+                                         "--out", "{root}/o"],
+     r"the candidate has a causal_lm head of 20 outputs but the reference a sequence_classification head of 2 outputs "
+     r"\(LABEL_0, LABEL_1\): an audit compares one output of both models, so give a candidate with the reference's"),
+    ("audit candidate with other labels", ["audit", "--reference", "{bert}", "--candidate", "{relabelled}", "{data}",
+                                           "--out", "{root}/o"],
+     r"the candidate has a sequence_classification head of 2 outputs \(neg, pos\) but the reference a "
+     r"sequence_classification head of 2 outputs \(LABEL_0, LABEL_1\)"),
     ("audit layers out of range", ["audit", "--reference", "{bert}", "--candidate", "{bert}", "{data}", "--out",
                                    "{outdir}", "--layers", "9"], LAYERS),
     ("audit out is a file", ["audit", "--reference", "{bert}", "--candidate", "{bert}", "{data}", "--out",
@@ -213,6 +221,9 @@ def where(tmp_path_factory) -> dict[str, str]:
         "mismatch": lambda p: (p / "config.json").write_text(json.dumps(
             {**json.loads((p / "config.json").read_text()), "hidden_size": 64, "intermediate_size": 128})),
         "badconfig": lambda p: (p / "config.json").write_text("{oops"),
+        "relabelled": lambda p: (p / "config.json").write_text(json.dumps(
+            {**json.loads((p / "config.json").read_text()), "id2label": {"0": "neg", "1": "pos"},
+             "label2id": {"neg": 0, "pos": 1}})),
         "notokenizer": lambda p: [(p / f).unlink() for f in ("tokenizer.json", "tokenizer_config.json")],
         "badtokenizer": lambda p: (p / "tokenizer.json").write_text("{oops"),
     }

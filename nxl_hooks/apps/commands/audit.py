@@ -45,7 +45,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...eval.audit import aggregate, audit_example
+    from ...eval.audit import aggregate, audit_example, check_same_head
     from ...records.tokens import chat_text
     from ..dataset import check_out, examples_from_args, place, run_dataset, scored, write_outputs
     from ..loading import check_explainable, check_length, load_model, position_limit, tp_outputs
@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
                 "the candidate's tokenizer differs from the reference's: the audit compares token by token, "
                 "so both models must share one tokenizer"
             )
+        check_same_head(reference, candidate)
     else:
         candidate, _ = load_model(args.reference, **{**loading, "quantize": args.quantize})
     check_explainable(reference, tokenizer, args.layers)
