@@ -404,7 +404,7 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
     if gguf_file is None:
         if Path(name).expanduser().is_dir():
             _check_weights(Path(name).expanduser(), auto, config)
-        model = auto.from_pretrained(name, config=config, **placement, **kwargs)
+        model = _from_pretrained(auto, name, {"config": config, **placement, **kwargs})
     elif quantization is None:
         model = _from_gguf(auto, name, gguf_file, {**placement, **kwargs})
         _unmark_gguf(model)
@@ -441,13 +441,41 @@ def _from_gguf(auto: Any, name: str, gguf_file: str, kwargs: dict[str, Any]) -> 
     return model
 
 
-def _refuse_missing(path: str | Path, missing: Any) -> None:
-    """A ValueError naming the model's parameters (``missing``) that a GGUF file has no tensor for."""
+def _from_pretrained(auto: Any, name: str, kwargs: dict[str, Any]) -> Any:
+    """``auto.from_pretrained`` of a folder or hub id, refusing (one line) weights that lack a tensor the model needs:
+    transformers would fill it with random numbers and only log its load report. The missing keys are transformers'
+    own, after it ties weights and drops those the model initialises itself (``_keys_to_ignore_on_load_missing``);
+    the report is held back while they are read, and logged as transformers would unless this refuses."""
+    logger = logging.getLogger("transformers.modeling_utils")
+    held: list[logging.LogRecord] = []
+
+    def hold(record: logging.LogRecord) -> bool:
+        held.append(record)
+        return False
+
+    missing = None
+    logger.addFilter(hold)
+    try:
+        model, info = auto.from_pretrained(name, output_loading_info=True, **kwargs)
+        missing = info["missing_keys"]
+    finally:
+        logger.removeFilter(hold)
+        if not missing:  # loaded whole, or transformers raised: its report is its own to give
+            for record in held:
+                logger.handle(record)
+    _refuse_missing(name, missing, "save the whole model again (model.save_pretrained), or pass the --head its weights "
+                    "were trained with")
+    return model
+
+
+def _refuse_missing(path: str | Path, missing: Any, fix: str = _GGUF_FIX) -> None:
+    """A ValueError naming the model's parameters (``missing``) that its weights (a GGUF file, a folder) have no
+    tensor for, with ``fix``: what to do."""
     missing = sorted(missing)
     if missing:
         more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
         raise ValueError(f"{path} lacks tensors the model needs ({', '.join(missing[:3])}{more}): they would be "
-                         f"random numbers; {_GGUF_FIX}")
+                         f"random numbers; {fix}")
 
 
 def convert_gguf(gguf: str | Path, out: str | Path, *, gguf_file: str | None = None, dtype: Any = "float32") -> Path:

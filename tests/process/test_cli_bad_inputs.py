@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import transformers
+from safetensors.torch import load_file, save_file
 
 import tiny
 from nxl_hooks.apps.cli import main
@@ -61,6 +62,11 @@ CASES = [
     ("config does not match the weights", ["attribute", "{mismatch}", TEXT],
      r"mismatch/config.json does not match the weights: bert.embeddings.word_embeddings.weight is \[20, 32\] in "
      r"model.safetensors but \[20, 64\] for the config"),
+    ("weights without the head", ["attribute", "{headless}", TEXT],  # (the masked LM's tied decoder is no gap)
+     r"headless lacks tensors the model needs \(classifier.bias, classifier.weight\): they would be random numbers; "
+     r"save the whole model again \(model.save_pretrained\), or pass the --head its weights were trained with"),
+    ("evaluate weights without the head", ["evaluate", "{headless}", "{data}", "--out", "{root}/o"],
+     r"headless lacks tensors the model needs"),
     ("config not JSON", ["attribute", "{badconfig}", TEXT], r"config file at '.*badconfig/config.json' is not a valid"),
     ("no tokenizer", ["attribute", "{notokenizer}", TEXT], r"notokenizer has no tokenizer \(none of tokenizer.json"),
     ("damaged tokenizer", ["attribute", "{badtokenizer}", TEXT],
@@ -221,6 +227,8 @@ def where(tmp_path_factory) -> dict[str, str]:
         "mismatch": lambda p: (p / "config.json").write_text(json.dumps(
             {**json.loads((p / "config.json").read_text()), "hidden_size": 64, "intermediate_size": 128})),
         "badconfig": lambda p: (p / "config.json").write_text("{oops"),
+        "headless": lambda p: save_file({k: v for k, v in load_file(p / "model.safetensors").items()
+                                         if not k.startswith("classifier.")}, p / "model.safetensors"),
         "relabelled": lambda p: (p / "config.json").write_text(json.dumps(
             {**json.loads((p / "config.json").read_text()), "id2label": {"0": "neg", "1": "pos"},
              "label2id": {"neg": 0, "pos": 1}})),
