@@ -37,7 +37,7 @@ from .loading_options import (DTYPES, HEAD_CLASSES, QUANTIZE, Loading, markdown_
                               read_max_memory)
 
 __all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "Loading", "check_explainable", "check_gguf", "check_length",
-           "convert_gguf", "gguf_serve_refusal", "head_from_architectures", "load_model", "markdown_table",
+           "convert_gguf", "gguf_serve_refusal", "head_from_architectures", "load_model", "markdown_table", "model_files",
            "position_limit", "program_defaults", "quantization_config", "read_device_map", "read_max_memory"]
 
 #: Files one of which a folder's tokenizer is read from; without any, transformers builds an empty-vocabulary
@@ -111,6 +111,31 @@ def _check_weights(folder: Path, auto: Any, config: Any) -> None:
                 f"{folder / 'config.json'} does not match the weights: {key} is {list(found[0])} in {found[1]} but "
                 f"{list(tensor.shape)} for the config; use the config.json saved with these weights"
             )
+
+
+#: Files up to this size count by their content in :func:`model_files` (config, tokenizer); larger ones (weights) by
+#: size and modification time, which costs no read of gigabytes.
+_READ_WHOLE = 1 << 20
+
+
+def model_files(name: str, gguf_file: str | None = None) -> str | None:
+    """A cheap fingerprint of a local model's files, so that a resumed run knows it reads the same model and not only
+    the same path: sha256 over each file of the folder (or the one GGUF file), by name, and by content up to 1 MiB
+    (config.json, the tokenizer) or size and modification time above (the weights: replaced weights of the same size
+    are new files). None for a hub id, whose files are the hub's. ``model_files("./my-model")``"""
+    import hashlib
+
+    path = Path(name).expanduser()
+    if gguf_file is not None:
+        path = path / gguf_file
+    if not path.exists():
+        return None
+    digest = hashlib.sha256()
+    for file in [path] if path.is_file() else sorted(f for f in path.iterdir() if f.is_file()):
+        info = file.stat()
+        content = file.read_bytes() if info.st_size <= _READ_WHOLE else f"{info.st_size} {info.st_mtime_ns}".encode()
+        digest.update(f"{file.name}\0{len(content)}\0".encode() + content)
+    return digest.hexdigest()[:16]
 
 
 def position_limit(model: Any) -> int | None:

@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -30,6 +31,7 @@ def models(tmp_path_factory):
         "llama": tiny.save_model(root / "llama", "llama", seed=0),
         "llama2": tiny.save_model(root / "llama2", "llama", seed=1),
         "bert": tiny.save_model(root / "bert", "bert", seed=0),
+        "bert1": tiny.save_model(root / "bert1", "bert", seed=1),
         "data": tiny.write_jsonl(root / "data.jsonl", 6),
     }
 
@@ -125,6 +127,28 @@ def test_other_settings_are_refused(tmp_path):
     run_dataset([{"n": 0}], dict, tmp_path, settings={"model": "a"})
     with pytest.raises(SettingsMismatchError, match="model"):
         run_dataset([{"n": 0}], dict, tmp_path, settings={"model": "b"})
+
+
+@pytest.mark.parametrize("change", [
+    lambda folder, models: shutil.copyfile(models["bert1"] / "model.safetensors", folder / "model.safetensors"),
+    lambda folder, _: (folder / "config.json").write_text(
+        json.dumps({**json.loads((folder / "config.json").read_text()), "classifier_dropout": 0.5})),
+], ids=["weights replaced, same size", "config edited"])
+@pytest.mark.parametrize("command", ["evaluate", "audit"])
+def test_a_changed_model_is_not_resumed(models, tmp_path, capsys, change, command):
+    """The run's identity holds the model's files, not only its path: new weights at the same path were resumed with
+    the old model's numbers."""
+    folder = tmp_path / "model"
+    shutil.copytree(models["bert"], folder)
+    where = {"evaluate": [str(folder)], "audit": ["--reference", str(folder), "--candidate", str(models["bert"])]}
+    argv = [command, *where[command], str(models["data"]), "--out", str(tmp_path / "o"), "--limit", "2"]
+    argv += ["--methods", "logat"] if command == "evaluate" else []
+    assert main(argv) == 0 and main(argv) == 0  # unchanged: resumed
+    change(folder, models)
+    capsys.readouterr()
+    assert main(argv) == 2
+    key = "model_files" if command == "evaluate" else "reference_files"
+    assert f"holds a run with other settings (different: {key})" in capsys.readouterr().err
 
 
 def test_exception_after_n_records_resumes_to_identical_result(models, tmp_path):

@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from ...eval.audit import aggregate, audit_example, check_same_head
     from ...records.tokens import chat_text
     from ..dataset import check_out, examples_from_args, place, run_dataset, scored, write_outputs
-    from ..loading import check_explainable, check_length, load_model, position_limit, tp_outputs
+    from ..loading import check_explainable, check_length, load_model, model_files, position_limit, tp_outputs
     from ..reports import audit_report
 
     if (args.candidate is None) == (args.quantize is None):
@@ -67,6 +67,9 @@ def run(args: argparse.Namespace) -> int:
         command=NAME,
         reference=args.reference,
         candidate=args.candidate,
+        # their content: replaced weights are another model (the candidate never reads --gguf-file)
+        reference_files=model_files(args.reference, args.gguf_file),
+        candidate_files=None if args.candidate is None else model_files(args.candidate),
         quantize=args.quantize,
         layers=args.layers,
         top_k=args.top_k,

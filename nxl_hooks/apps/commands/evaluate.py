@@ -48,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from ...method.subject import unwrap
     from ...records.tokens import chat_text
     from ..dataset import check_out, examples_from_args, place, run_dataset, scored, write_outputs
-    from ..loading import check_explainable, check_length, load_model, position_limit, tp_outputs
+    from ..loading import check_explainable, check_length, load_model, model_files, position_limit, tp_outputs
     from ..reports import evaluate_report, evaluate_summary
 
     everything = ev.available_methods()  # the built-in ones and every registered attribution method
@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     settings.update(
         command=NAME,
         model=args.model,
+        model_files=model_files(args.model, args.gguf_file),  # its content: replaced weights are another model
         loading={**loading, "chat": args.chat},
         methods=methods,
         layer=args.layer,
