@@ -10,8 +10,8 @@ file in ``out/parts/`` (flushed and fsynced, so a killed run keeps every complet
 line is ignored and cut off), and the main process merges all parts once, in dataset order. Rerunning
 the same command on the same ``out/`` resumes: finished examples are read back, not recomputed.
 
-Every line carries the run's identity (``run_id``, a hash of its settings: model, data, options), so a resumed
-run never mixes in another run's records, even when ``run.json`` was deleted. An example whose scoring raises
+Every line carries the run's identity (``run_id``, a hash of its settings: model and its files, data, options), so
+a resumed run never mixes in another run's records, even when ``run.json`` was deleted. An example whose scoring raises
 is recorded as failed, with its reason (``{"index", "id", "error"}``), and the run goes on; a resumed run does
 not retry it. :func:`scored` splits the failures off for the summary. Output files are written under a
 temporary name and renamed, so a failed write never destroys an earlier result; what the run writes in ``out/``
