@@ -10,7 +10,8 @@ import math
 import torch
 from torch import nn
 
-from .spec import FUNCTION_STEPS, POST_STEPS, ArchSpec, HeadKind, get_path, has_path, readout_outputs
+from .spec import (FUNCTION_STEPS, POST_STEPS, ArchSpec, HeadKind, get_path, has_path, readout_outputs,
+                   word_embedding)
 
 __all__ = ["check_acyclic", "check_fits", "final_norm"]
 
@@ -45,8 +46,8 @@ def _expected_outputs(model: nn.Module, spec_kind: str) -> tuple[set[int], str]:
         labels = model.config.num_labels
         return {labels}, f"num_labels = {labels}"
     vocab = getattr(model.config.get_text_config(), "vocab_size", None)
-    embedding = model.get_input_embeddings()
-    rows = getattr(embedding, "num_embeddings", None)
+    embedding = word_embedding(model)
+    rows = embedding.num_embeddings if embedding is not None else None
     widths = {n for n in (vocab, rows) if isinstance(n, int)}
     return widths, f"the vocabulary size {' or '.join(map(str, sorted(widths)))}"
 

@@ -22,7 +22,7 @@ from .fit import check_acyclic, check_fits, final_norm
 from .plugins import ARCHITECTURES, broken, load
 from .spec import (FUNCTION_STEPS, HEAD_KINDS, MAX_DEPTH, POST_STEPS, ArchSpec, HeadKind, RegistryError,
                    UnknownArchitectureError, get_path, has_path, head_kind, log_probabilities, readout_outputs,
-                   spec_from_mapping, spec_head, split_post_steps)
+                   spec_from_mapping, spec_head, split_post_steps, word_embedding)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -52,6 +52,7 @@ __all__ = [
     "resolve",
     "spec_head",
     "specs",
+    "word_embedding",
 ]
 
 

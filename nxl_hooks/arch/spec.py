@@ -21,7 +21,7 @@ from torch import nn
 
 __all__ = ["ArchSpec", "FUNCTION_STEPS", "HEAD_KINDS", "HeadKind", "POST_STEPS", "RegistryError",
            "UnknownArchitectureError", "get_path", "has_path", "head_kind", "readout_outputs", "spec_from_mapping",
-           "spec_head", "split_post_steps"]
+           "spec_head", "split_post_steps", "word_embedding"]
 
 
 class HeadKind(str, Enum):
@@ -298,6 +298,14 @@ def has_path(root: nn.Module, path: str) -> bool:
     except (AttributeError, IndexError, TypeError):
         return False
     return True
+
+
+def word_embedding(model: nn.Module) -> nn.Embedding | None:
+    """The ``nn.Embedding`` of the model's input embeddings: the module itself, or the one a wrapper holds (PEFT's
+    LoRA, trainable tokens and modules_to_save wrap it in modules of their own), whose rows and Gemma-style
+    ``embed_scale`` are the model's. ``word_embedding(model).num_embeddings``"""
+    return next((module for module in model.get_input_embeddings().modules() if isinstance(module, nn.Embedding)),
+                None)
 
 
 def readout_outputs(readout: nn.Module) -> int | None:

@@ -14,7 +14,7 @@ from typing import Any, Sequence
 import torch
 
 from ..method.protocol import Given
-from ..arch.registry import HeadKind, log_probabilities
+from ..arch.registry import HeadKind, log_probabilities, word_embedding
 from ..method.scores import regression_logat
 from ..records.attribution import Attribution
 from ..records.tokens import target_texts
@@ -60,7 +60,7 @@ def embedding_norms(plan: Plan, rows: torch.Tensor) -> torch.Tensor:
     inside the module; the norm is of the raw row)."""
     if plan.embedding == "layer_input":
         return torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float32)
-    scale = getattr(plan.model.get_input_embeddings(), "embed_scale", None)
+    scale = getattr(word_embedding(plan.model), "embed_scale", None)  # (inside a PEFT wrapper too)
     rows = rows.detach().float()
     if scale is not None:  # a buffer (Gemma) or a float (XGLM, BioGPT, BART)
         rows = rows / torch.as_tensor(scale, dtype=torch.float32, device=rows.device)

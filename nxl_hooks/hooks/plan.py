@@ -19,11 +19,11 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-from ..arch.registry import ArchSpec, HeadKind
+from ..arch.registry import ArchSpec, HeadKind, word_embedding
 from ..method import scores as _scores
 from ..method.chat import locate_template
 from ..method.head import Head
-from ..method.protocol import Given, Method
+from ..method.protocol import Checked, Given, Method
 from ..method.registry import resolve_methods
 from ..method.subject import Subject, compiled_original
 from ..records.sinks import sink_factory
@@ -224,8 +224,9 @@ def model_name(model: nn.Module) -> str:
 
 def tokenizer_mismatch(model: nn.Module, tokenizer: Any) -> str | None:
     """Why ``tokenizer`` cannot be ``model``'s (more tokens than embedding rows), or None when it may be."""
-    rows = model.get_input_embeddings().num_embeddings
-    if len(tokenizer) > rows:
+    embedding = word_embedding(model)  # (inside a PEFT wrapper of the input embeddings)
+    rows = embedding.num_embeddings if embedding is not None else None
+    if rows is not None and len(tokenizer) > rows:
         return (f"the tokenizer does not match the model: it has {len(tokenizer)} tokens but the model's "
                 f"embedding has {rows} rows; pass the tokenizer saved with this model")
     return None
@@ -242,6 +243,9 @@ def make_plan(model: nn.Module | Subject, *, layers: Any, target: Target, tokeni
     model, kind, head = subject.model, subject.kind, subject.head
     parse_embedding(embedding)
     chosen = resolve_methods(methods)
+    for method in chosen:
+        if isinstance(method, Checked):  # its settings against this model's head, once, here
+            method.check(head.n_outputs)
     if kind is HeadKind.MASKED_LM and getattr(tokenizer, "mask_token_id", None) is None:
         raise ValueError("masked-LM attribution needs attach(..., tokenizer=tok) with a mask token, to find the "
                          "[MASK] positions it explains")

@@ -22,7 +22,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Given", "Method", "Pointwise", "check_name"]
+__all__ = ["Checked", "Given", "Method", "Pointwise", "check_name"]
 
 #: What a method's name may be: it names a record's ``scores`` entry, a stream-file tensor and a Parquet column.
 NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
@@ -73,6 +73,16 @@ class Pointwise(Method, Protocol):
     """
 
     pointwise: bool  #: True: it is (a False, or no attribute, is a method scored one call per generated token)
+
+
+@runtime_checkable
+class Checked(Method, Protocol):
+    """A :class:`Method` whose settings name outputs of the head (a fixed foil id): ``check(n_outputs)`` raises
+    ValueError, saying what to change, when they do not fit a head of ``n_outputs`` outputs. A probe calls it once,
+    when it attaches, so that a setting no head of the model has is refused then, not in every forward."""
+
+    def check(self, n_outputs: int) -> None:
+        ...
 
 
 def check_name(name: object) -> str:

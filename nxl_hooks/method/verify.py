@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..arch.registry import (ArchSpec, HeadKind, RegistryError, UnknownArchitectureError, is_discovered, is_shipped,
-                             layer_modules, spec_head, split_post_steps)
+                             layer_modules, spec_head, split_post_steps, word_embedding)
 from .head import Head
 from .placement import module_device
 from .select import pad_token_id
@@ -52,11 +52,10 @@ def _random_input(model: nn.Module) -> torch.Tensor | None:
     """(1, _SEQ) token ids without the pad token, where the embedding computes; None when the weights are not
     there (meta tensors with no offload hook to bring them in: an empty-weights model cannot run). An offloaded
     model runs: accelerate brings its weights in for each forward."""
-    embedding = model.get_input_embeddings()
-    weight = getattr(embedding, "weight", None)
-    rows = getattr(embedding, "num_embeddings", None)
-    if not isinstance(weight, torch.Tensor) or not isinstance(rows, int) or rows < 2:
+    embedding = word_embedding(model)  # (inside a PEFT wrapper of the input embeddings)
+    if embedding is None or embedding.num_embeddings < 2:
         return None
+    weight, rows = embedding.weight, embedding.num_embeddings
     if weight.is_meta and getattr(embedding, "_hf_hook", None) is None:
         return None
     ids = torch.randint(0, rows, (1, _SEQ), generator=torch.Generator().manual_seed(0))

@@ -114,3 +114,33 @@ def test_a_called_readout_takes_as_many_positions_at_once_as_its_bytes_allow(mon
         handle.remove()
     ours = calls[1:]  # (the model's own forward called it first, over every position)
     assert calls[0] == (2, 7) and ours and all(rows * positions <= 2 * 3 for rows, positions in ours)
+
+
+_WRAPPED_EMBEDDINGS = {"lora": dict(target_modules=["embed_tokens"], init_lora_weights=False),
+                       "trainable tokens": dict(target_modules=["q_proj"], trainable_token_indices=[5, 9]),
+                       "modules_to_save": dict(target_modules=["q_proj"], modules_to_save=["embed_tokens"])}
+
+
+@pytest.mark.parametrize("wrapped", list(_WRAPPED_EMBEDDINGS))
+def test_an_input_embedding_peft_wraps_is_read_through_its_wrapper(wrapped):
+    """LoRA on embed_tokens, trainable tokens and modules_to_save put the input embedding in a module of PEFT's: a
+    tokenizer is still checked against its rows (attach raised AttributeError), and embedding="word" divides the
+    adapted row by Gemma's sqrt(d) scale, which sits on the wrapped embedding (the norms were sqrt(d) too large)."""
+    import tiny
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    config = GemmaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0)
+    torch.manual_seed(0)
+    model = GemmaForCausalLM(config).eval()
+    peft_model = get_peft_model(model, LoraConfig(r=4, **_WRAPPED_EMBEDDINGS[wrapped])).eval()
+    embedding = model.get_input_embeddings()
+    assert type(embedding).__module__.startswith("peft.")  # PEFT's module, not the model's
+    ids = torch.tensor([[5, 9, 17, 33, 41, 60]])
+    with torch.no_grad():
+        expected = (embedding(ids).float() / config.hidden_size ** 0.5).norm(dim=-1)  # the adapted row, unscaled
+        with nxl.attach(peft_model, embedding="word", layers="last", tokenizer=tiny.tokenizer()) as probe:
+            peft_model(input_ids=ids)
+    result = probe.result()
+    torch.testing.assert_close(result.embed_norm, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(result.normxlogit, expected[None] * result.logat, rtol=1e-5, atol=1e-6)

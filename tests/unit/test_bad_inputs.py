@@ -26,6 +26,7 @@ import oracle
 import tiny
 from nxl_hooks.apps import dataset
 from nxl_hooks.arch import registry
+from nxl_hooks.method.methods.contrastive import Contrastive
 from nxl_hooks.records import files
 from nxl_hooks.records import reader, writer
 from nxl_hooks.records.attribution import RecordError
@@ -119,7 +120,17 @@ ATTACH = cases(
     ("cache_dtype=float", {"cache_dtype": float}, "cache_dtype=<class 'float'>: use a floating-point"),
     ("cache_device='nodev'", {"cache_device": "nodev"}, "cache_device='nodev' is not a device"),
     ("cache_device=3.5", {"cache_device": 3.5}, "cache_device=3.5 is not a device"),
+    # a method's settings against the head, at attach (an out-of-range foil failed every forward, or read -1 as the
+    # last output)
+    ("foil=vocab size", {"methods": [Contrastive(foil=_VOCAB)]},
+     rf"Contrastive\(foil={_VOCAB}\) is out of range: the head has {_VOCAB} outputs"),
 )
+
+
+@pytest.mark.parametrize("foil", [-1, 1.0, True, "3"])
+def test_a_foil_that_is_no_output_id_is_refused_when_made(foil):
+    with pytest.raises(ValueError, match=rf"Contrastive\(foil={re.escape(repr(foil))}\): give an output id"):
+        Contrastive(foil=foil)
 
 
 @pytest.mark.parametrize("kwargs, message", ATTACH)

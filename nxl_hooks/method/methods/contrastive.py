@@ -23,6 +23,17 @@ class Contrastive:
     description = "NormXLogit[target] − NormXLogit[foil]; foil: the model's best other output (runner-up)"
     pointwise = True  # (Pointwise): a row's foil is read from that row's own log-probabilities
 
+    def __post_init__(self) -> None:
+        if self.foil is not None and (type(self.foil) is not int or self.foil < 0):
+            raise ValueError(f"Contrastive(foil={self.foil!r}): give an output id (0 or more), or None for the "
+                             "model's best other output")
+
+    def check(self, n_outputs: int) -> None:
+        """(Checked) a fixed foil is an output of the head: ``Contrastive(foil=7).check(model_outputs)``."""
+        if self.foil is not None and self.foil >= n_outputs:
+            raise ValueError(f"Contrastive(foil={self.foil}) is out of range: the head has {n_outputs} outputs "
+                             f"(0..{n_outputs - 1})")
+
     def foils(self, given: Given) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(rows, 1) foil ids, on the device of the explained ids, and (rows, 1) True where a row has none (every
         output is explained; None: every row has one); None when there is nothing to contrast with."""
