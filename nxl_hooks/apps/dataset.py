@@ -505,10 +505,12 @@ def write_outputs(
 
 def check_out(args: Any, *models: str | None) -> None:
     """A dataset command's ``--out``, before anything loads: ``args.out`` becomes the one folder to write
-    (:func:`~nxl_hooks.apps.options.check_output_folder`), and none of its run's files may be the data or lie in a
-    model folder (``models``: the command's MODEL arguments) (:func:`~nxl_hooks.apps.options.check_apart`)."""
+    (:func:`~nxl_hooks.apps.options.check_output_folder`), none of its run's files may be the data or lie in a model
+    folder (``models``: the command's MODEL arguments) (:func:`~nxl_hooks.apps.options.check_apart`), and none may
+    be a symbolic link or other non-regular file."""
     args.out = check_output_folder(args.out)
     check_apart("--out", args.out, [*models, args.data], writes=run_files(args.out))
+    _refuse_links(Path(args.out))  # (run_dataset checks again, for a library caller)
 
 
 def examples_from_args(args: Any) -> tuple[list[dict[str, Any]], dict[str, Any]]:

@@ -305,6 +305,26 @@ def test_a_regression_head_has_no_foil_to_contrast_with(methods, kept, message):
     assert record["notes"] == ["contrastive not computed: a regression head has one output, no foil to contrast with"]
 
 
+@pytest.mark.parametrize("methods", ["default", "all"])
+def test_evaluate_of_a_regression_head_leaves_the_foil_methods_of_default_and_all_out_and_says_so(tmp_path, capsys,
+                                                                                                  methods):
+    """Only a --methods list the user wrote is refused for naming contrastive; 'default' and 'all' name it too, and
+    a regression model is evaluated without it, said once on stderr and in run.json's methods."""
+    from nxl_hooks.apps.cli import main as cli_main
+
+    model = tiny.save_model(tmp_path / "regression", "regression")
+    data = tmp_path / "data.jsonl"
+    data.write_text('{"text": "the film was good", "label": 1.0}\n{"text": "bad", "label": 0.0}\n')
+    out = tmp_path / "out"
+    assert cli_main(["evaluate", str(model), str(data), "--out", str(out), "--methods", methods, "--limit", "2"]) == 0
+    said = capsys.readouterr().err
+    assert f"contrastive left out of --methods {methods}: {model} has a regression head" in said
+    run = json.loads((out / "run.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    assert "contrastive" not in run["methods"] and "logat" in run["methods"]
+    assert "contrastive" not in summary["methods"] and "logat" in summary["methods"]
+
+
 @pytest.mark.parametrize("example, message", [
     ({"text": "the key", "target": "zzz"}, "'zzz' is not a single token"),  # not in the vocabulary: [UNK]
     ({"text": "the key", "target": 99}, "target 99 is out of range.*14 outputs"),  # the LM has 14 outputs

@@ -5,6 +5,7 @@ Resumable, and sharded under ``accelerate launch --num_processes N -m nxl_hooks 
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any, Mapping
 
 from ..extras import require_extra
@@ -82,8 +83,12 @@ def run(args: argparse.Namespace) -> int:
     check_explainable(model, tokenizer, [args.layer])
     foiled = ev.foil_methods(methods)
     if foiled and resolve(unwrap(model))[1] is HeadKind.REGRESSION:  # else dropped from every record, or all fail
-        raise CliError(f"--methods names {', '.join(foiled)}, which contrasts the target with a foil, but {args.model} "
-                       "has a regression head (one output, no foil): drop it from --methods")
+        if args.methods not in named:  # the user's own list: refused; 'default' and 'all' leave them out, said once
+            raise CliError(f"--methods names {', '.join(foiled)}, which contrasts the target with a foil, but "
+                           f"{args.model} has a regression head (one output, no foil): drop it from --methods")
+        methods = settings["methods"] = [method for method in methods if method not in foiled]
+        print(f"nxl {NAME}: {', '.join(foiled)} left out of --methods {args.methods}: {args.model} has a regression "
+              "head (one output, no foil to contrast with)", file=sys.stderr)
     place(model)
     limit = position_limit(model)
     if args.chat:  # each text becomes the user's message; evidence words are looked for in the whole prompt
