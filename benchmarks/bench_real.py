@@ -38,9 +38,22 @@ LAYERED = ("logat", "normxlogit", "contrastive")
 SHOWN_LAYERS = (0, 5, 10, 15, 20, 25, 30)
 
 
-def evaluate(folder: Path, task: str, n: int, seed: int, work: Path) -> dict[str, Any]:
-    """``nxl evaluate`` with every method on ``n`` prompts of ``task``; its summary.json."""
-    data = write_jsonl(make_task(task, n, seed), work / f"{task}.jsonl")
+def prompts(task: str, n: int, seed: int, smoke_tokenizer: Any = None) -> list[dict[str, Any]]:
+    """``n`` prompts of ``task``. With ``smoke_tokenizer`` (--smoke's tiny one), a foil it cannot tell from the
+    target (their words start with one token: evaluate refuses such a pair) is left out: the smoke run checks that
+    the pipeline runs, not its numbers."""
+    examples = make_task(task, n, seed)
+    if smoke_tokenizer is None:
+        return examples
+    first = {word: smoke_tokenizer(word, add_special_tokens=False)["input_ids"][:1]
+             for example in examples for word in (example["target"], example["foil"])}
+    return [{**example, "foil": None} if first[example["target"]] == first[example["foil"]] else example
+            for example in examples]
+
+
+def evaluate(folder: Path, task: str, n: int, seed: int, work: Path, smoke_tokenizer: Any = None) -> dict[str, Any]:
+    """``nxl evaluate`` with every method on ``n`` prompts of ``task`` (:func:`prompts`); its summary.json."""
+    data = write_jsonl(prompts(task, n, seed, smoke_tokenizer), work / f"{task}.jsonl")
     out = work / task
     start = time.perf_counter()
     if nxl(["evaluate", str(folder), str(data), "--out", str(out), "--methods", "all"]) != 0:
@@ -73,7 +86,7 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
     return time.perf_counter() - wall, time.process_time() - cpu
 
 
-def timing(model: Any, tok: Any, per_task: int, seed: int) -> dict[str, Any]:
+def timing(model: Any, tok: Any, per_task: int, seed: int, smoke: bool) -> dict[str, Any]:
     """Seconds per example of score_example: every method, every method but Integrated Gradients, each method
     alone, and every method but IG with per-length forwards instead of padded batches. The settings take turns
     on each example, so that the load of a shared machine falls on all of them alike."""
@@ -82,7 +95,7 @@ def timing(model: Any, tok: Any, per_task: int, seed: int) -> dict[str, Any]:
     settings: dict[str, list[str]] = {"all": all_methods, "all but integrated_gradients": no_ig,
                                       **{m: [m] for m in all_methods}}
     reference = "all but IG, per-length forwards"
-    examples = [ex for task in TASKS for ex in make_task(task, per_task, seed + 1)]
+    examples = [ex for task in TASKS for ex in prompts(task, per_task, seed + 1, tok if smoke else None)]
     ev.score_example(model, tok, examples[0], no_ig)  # warm-up
     wall: dict[str, list[float]] = {name: [] for name in [*settings, reference]}
     cpu: dict[str, list[float]] = {name: [] for name in wall}
@@ -199,6 +212,7 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     folder = args.model or real_model.smollm2_dir()
     args.work.mkdir(parents=True, exist_ok=True)
+    smoke_tokenizer = transformers.AutoTokenizer.from_pretrained(folder) if args.smoke else None
     start = time.perf_counter()
     result: dict[str, Any] = {
         "benchmark": "real_smollm2",
@@ -210,14 +224,14 @@ def main() -> None:
         "n": args.n,
         "seed": args.seed,
         "methods": list(ev.METHODS),
-        "tasks": {task: evaluate(folder, task, args.n, args.seed, args.work) for task in args.tasks},
+        "tasks": {task: evaluate(folder, task, args.n, args.seed, args.work, smoke_tokenizer) for task in args.tasks},
     }
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     tok = transformers.AutoTokenizer.from_pretrained(folder)
     result["timing"] = {}
     for threads in args.timing_threads:
         torch.set_num_threads(threads)
-        result["timing"][str(threads)] = timing(model, tok, args.timing, args.seed)
+        result["timing"][str(threads)] = timing(model, tok, args.timing, args.seed, args.smoke)
     result["total_seconds"] = time.perf_counter() - start
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -269,7 +269,11 @@ class _Log:
         end = _complete_lines(path)[1] if os.path.lexists(path) else 0
         # O_NOFOLLOW: a link planted there since run_dataset looked is refused, never written through
         fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0), 0o666)
-        os.ftruncate(fd, end)  # cut a torn last line, so the next record starts a fresh line
+        try:
+            os.ftruncate(fd, end)  # cut a torn last line, so the next record starts a fresh line
+        except BaseException:
+            os.close(fd)
+            raise
         self._fh = os.fdopen(fd, "ab")
 
     def append(self, record: Mapping[str, Any]) -> None:

@@ -15,10 +15,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from ..records.tokens import visible
-
 __all__ = ["Example", "FILLER", "LABELS", "MAX_WORDS", "MIN_WORDS", "NEGATIVE", "NEUTRAL", "POSITIVE", "SPECIAL_TOKENS",
-           "make_examples", "outside_training", "split_words", "vocabulary"]
+           "make_examples", "vocabulary"]
 
 LABELS = ("negative", "positive", "neutral")  #: label ids 0, 1, 2
 NEUTRAL = 2  #: the label of a sentence without keyword
@@ -76,34 +74,3 @@ def make_examples(
         words.insert(index, keyword)
         out.append(Example(text=" ".join(words), label=label, evidence=keyword, evidence_index=index))
     return out
-
-
-def split_words(text: str) -> list[str]:
-    """The words of ``text`` as the shipped demo tokenizer splits it (its own pre-tokenizer, at Unicode whitespace):
-    ``str.split()`` splits at more (\\x1c-\\x1f), which would name words the model never reads.
-    ``split_words("the\\x1fplot good") == ["the\\x1fplot", "good"]``"""
-    from tokenizers import Tokenizer
-
-    from . import MODEL_DIR
-
-    splitter = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json")).pre_tokenizer
-    return [word for word, _ in splitter.pre_tokenize_str(text)]
-
-
-def outside_training(text: str) -> list[str]:
-    """How ``text`` differs from every sentence :func:`make_examples` draws with its defaults (the shipped model's
-    training data): one line per difference, none when it could have been drawn. Word order is no difference:
-    fillers and the keyword are drawn in any order. ``outside_training("The plot was superb")`` -> ["words
-    outside the demo vocabulary, read as [UNK]: The"]
-    """
-    words = split_words(text)
-    notes = []
-    if not MIN_WORDS <= len(words) <= MAX_WORDS:
-        plural = "s" * (len(words) != 1)
-        notes.append(f"{len(words)} word{plural}; the training sentences have {MIN_WORDS} to {MAX_WORDS}")
-    known = set(vocabulary()) - set(SPECIAL_TOKENS)
-    unknown = sorted({word for word in words if word not in known})
-    if unknown:
-        shown = ", ".join(visible(word) for word in unknown)  # a control character escaped, as every output shows it
-        notes.append(f"words outside the demo vocabulary, read as {SPECIAL_TOKENS[1]}: {shown}")
-    return notes

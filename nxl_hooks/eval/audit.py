@@ -54,7 +54,8 @@ def _head(model: nn.Module) -> str:
     if kind.vocabulary:
         return f"a {kind} head of {config.get_text_config().vocab_size} outputs"
     labels = ", ".join(str(config.id2label[i]) for i in sorted(config.id2label))
-    problem = f", {config.problem_type}" if config.problem_type else ""
+    # (transformers fills problem_type in at the first training forward: only multi-label reads its outputs otherwise)
+    problem = ", multi-label" if config.problem_type == "multi_label_classification" else ""
     return f"a {kind} head of {config.num_labels} outputs ({labels}{problem})"
 
 

@@ -243,7 +243,7 @@ class _Setup:
         self.keeps_logits = keeps_logits(model, self.kind)
         # SPEC 5: perturbation never touches CLS/SEP/BOS (nor the prediction position).
         self.special_ids = list(getattr(tokenizer, "all_special_ids", []))
-        self.notes: list[str] = []  # targets of several tokens, of which the first is explained
+        self.notes: list[str] = []  # targets of several tokens (the first explained), methods not computed
 
     def predict(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Model outputs at each row's prediction position: (rows, outputs), float32. ``mask``: 0 on padding."""
@@ -342,8 +342,11 @@ def _targets(setup: _Setup, example: Mapping[str, Any], original: torch.Tensor) 
     target = prediction if requested in (None, "predicted") else setup.label_id(requested, n, text)
     pair = setup.label_id(example.get("foil"), n, text)
     if pair is not None and pair == target:  # p over (target, target) is 0.5 whatever is perturbed: every value 0
-        raise ValueError(f"the foil {example['foil']!r} is the target itself (output {target}): give a foil other "
-                         "than the target, or none")
+        if requested in (None, "predicted") or requested == example["foil"] or isinstance(example["foil"], int):
+            raise ValueError(f"the foil {example['foil']!r} is the target itself (output {target}): give a foil "
+                             "other than the target, or none")
+        raise ValueError(f"the foil {example['foil']!r} and the target {requested!r} are one output ({target}: a word "
+                         "of several tokens stands for its first): give a foil whose first token differs, or none")
     runner_up = int(original.topk(2).indices[1]) if prediction == target else prediction
     return _Targets(target, runner_up if pair is None else pair, pair, setup.label_id(example.get("label"), n, text),
                     prediction)
@@ -414,7 +417,7 @@ def score_example(
 
     Keys: schema, id, text, tokens (pieces), readable (each token's text, '␣Paris'), target_text,
     target_probability / foil_text, foil_probability (the model's own probabilities: its softmax over all
-    outputs, a multi-label classifier's sigmoid), notes (a target word of several tokens), norm_spread and flat_norms (embedding norms nearly equal on the ranked tokens: NormXLogit
+    outputs, a multi-label classifier's sigmoid), notes (a target word of several tokens, a method not computed), norm_spread and flat_norms (embedding norms nearly equal on the ranked tokens: NormXLogit
     ranks as LogAt), kind, perturbation, position, target, target_token, foil, label, prediction, output (the explained p, or the regression output), probability ("all" outputs, "pair",
     or "output" for regression), correct (None without a label), evidence (0/1 per token, or None),
     evidence_missing (words that matched no token), layers, eval_layer, ks, counts (tokens per K), methods.

@@ -38,7 +38,10 @@ class Capture:
 def _not_run(plan: Plan, layer: int) -> ValueError:
     """Layer ``layer`` of a forward has no hidden states: the block that makes it (block 1's input, for layer 0) did
     not run, as when a config runs fewer blocks than the model holds (Llama runs ``layers[:num_hidden_layers]``)."""
-    block = f"{plan.spec.blocks}.{max(layer, 1) - 1}"
+    index = max(layer, 1) - 1
+    # h[l] (not h[0], block 1's input) read from what layer_outputs names
+    moved = layer > 0 and plan.subject.layer_modules[index] is not plan.blocks[index]
+    block = plan.spec.layer_outputs[index + 1] if moved else f"{plan.spec.blocks}.{index}"
     return ValueError(f"block {block} did not run in this forward, so layer {layer} has no hidden states (does "
                       f"{type(plan.model).__name__}'s config run fewer than the {plan.n_blocks} blocks of "
                       f"{plan.spec.blocks!r}?): pass layers= only layers of the blocks that run, or make the config "

@@ -1101,8 +1101,8 @@ class Generations:
         running the model over them when it ends (a ``generate`` call: :meth:`refill`). ``engine``: a serving
         engine's request, whose end does not make the engine's loop wait for the publisher (a ``generate`` call's
         end waits for the call before it: :meth:`~.publish.Hub.end`; :data:`ENGINE_ENDS_WAIT`)."""
-        call = self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name)
-        call.model = self.plan.name
+        call = self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name,
+                              model=self.plan.name)
         return Run(self.plan, self.hub, call, prompt_len=prompt_len, eos=eos, cache_dtype=self.cache_dtype,
                    cache_device=self.cache_device, notice=self.notice, refill=self.refill if refill else None,
                    refill_apart=not self._stateful, wait=wait, engine=engine)
@@ -1143,9 +1143,8 @@ class Generations:
         text becomes :attr:`notice`'s."""
         text = f"not recorded: {reason(what, error) if log else one_line(error)}"
         self.notice.unrecorded(text, log=False)
-        call = self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name,
-                              error=text)
-        call.model = self.plan.name
+        self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name,
+                       model=self.plan.name, error=text)
 
     # -- the wrapper -------------------------------------------------------------------------------------
 

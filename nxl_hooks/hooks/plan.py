@@ -245,7 +245,7 @@ def make_plan(model: nn.Module | Subject, *, layers: Any, target: Target, tokeni
     chosen = resolve_methods(methods)
     for method in chosen:
         if isinstance(method, Checked):  # its settings against this model's head, once, here
-            method.check(head.n_outputs)
+            method.check_outputs(head.n_outputs)
     if kind is HeadKind.MASKED_LM and getattr(tokenizer, "mask_token_id", None) is None:
         raise ValueError("masked-LM attribution needs attach(..., tokenizer=tok) with a mask token, to find the "
                          "[MASK] positions it explains")

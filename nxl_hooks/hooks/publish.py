@@ -9,7 +9,8 @@
   generation) yields the steps of one call (the one running when it was made, else the next to start, or the
   one of a given request, also after it ended) or, with ``follow``, of every call until the probe detaches or the
   subscription is closed;
-- the sink gets a ``call`` frame when a prompt is known, a ``step`` frame per record and an ``end`` frame.
+- the sink gets a ``call`` frame when a prompt is known (at the end, with no prompt, for a call whose prompt never
+  ran: not recorded, or ended first), a ``step`` frame per record and an ``end`` frame.
 
 The record pipeline. The thread that runs ``generate`` (the hot path) hands the steps it scores together to a
 bounded queue (a :class:`Batch`: their tokens, the model's log-probabilities and what they read of the call's feature
@@ -302,13 +303,13 @@ class Hub:
         with self._lock:
             return list(self._calls)
 
-    def begin(self, layers: list[int], *, request_id: str | None, thread: str | None,
+    def begin(self, layers: list[int], *, request_id: str | None, thread: str | None, model: str | None = None,
               error: str | None = None) -> GenerationCall:
-        """A new call record; with ``error`` it is one that is not recorded (its reason says why), ended at once: the
-        sink gets its call frame, with no prompt, and its end frame, which says why."""
+        """A new call record (of ``model``, by name); with ``error`` it is one that is not recorded (its reason says
+        why), ended at once: the sink gets its call frame, with no prompt, and its end frame, which says why."""
         with self._lock:
             call = GenerationCall(index=self._counter, layers=list(layers), request_id=request_id, thread=thread,
-                                  error=error)
+                                  model=model, error=error)
             if self.sink_fault is not None:
                 call.notes.append(self._fault_note())
             self._counter += 1

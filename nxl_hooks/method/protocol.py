@@ -77,11 +77,11 @@ class Pointwise(Method, Protocol):
 
 @runtime_checkable
 class Checked(Method, Protocol):
-    """A :class:`Method` whose settings name outputs of the head (a fixed foil id): ``check(n_outputs)`` raises
+    """A :class:`Method` whose settings name outputs of the head (a fixed foil id): ``check_outputs(n_outputs)`` raises
     ValueError, saying what to change, when they do not fit a head of ``n_outputs`` outputs. A probe calls it once,
     when it attaches, so that a setting no head of the model has is refused then, not in every forward."""
 
-    def check(self, n_outputs: int) -> None:
+    def check_outputs(self, n_outputs: int) -> None:
         ...
 
 

@@ -169,3 +169,17 @@ def test_what_both_models_explain_is_what_the_report_says_and_the_user_picks_it(
         else:
             assert f"explained: the reference&#x27;s prediction " in page and "(the dataset&#x27;s target: " in page
             assert "both models explaining the reference&#x27;s prediction (nxl audit --explain)" in page
+
+
+def test_a_candidate_whose_config_only_records_its_problem_type_has_the_references_head():
+    """transformers writes problem_type at a fine-tune's first training forward: "single_label_classification" is
+    what an unset one reads as, so the copy is the same head; multi-label reads its outputs otherwise."""
+    from nxl_hooks.eval.audit import check_same_head
+
+    reference, candidate = tiny.build_model("bert", seed=0), tiny.build_model("bert", seed=1)
+    candidate.config.problem_type = "single_label_classification"
+    check_same_head(reference, candidate)
+    candidate.config.problem_type = "multi_label_classification"
+    with pytest.raises(ValueError, match=r"the candidate has a sequence_classification head of 2 outputs \(LABEL_0, "
+                                         r"LABEL_1, multi-label\) but the reference"):
+        check_same_head(reference, candidate)

@@ -340,6 +340,20 @@ def test_bad_lm_targets_are_value_errors(example, message):
         ev.score_example(model, tok, example, methods=())
 
 
+def test_a_foil_whose_first_token_is_the_targets_says_so():
+    """Two words of several tokens that start alike are one output (each stands for its first token): said so, not
+    "the target itself"."""
+    import bpe_tiny
+
+    tok = bpe_tiny.bpe_tokenizer()
+    first = {word: tok(word, add_special_tokens=False)["input_ids"][0] for word in (" Vienna", " Nairobi")}
+    assert first[" Vienna"] == first[" Nairobi"]  # (this tokenizer has no merge for either word's start)
+    example = {"text": "the capital of Austria is", "target": " Vienna", "foil": " Nairobi"}
+    with pytest.raises(ValueError, match=r"the foil ' Nairobi' and the target ' Vienna' are one output \(\d+: a word "
+                                         r"of several tokens stands for its first\): give a foil whose first token"):
+        ev.score_example(bpe_tiny.bpe_llama(tok), tok, example, methods=())
+
+
 def test_lm_target_resolves_through_the_vocabulary():
     model, tok = FakeForCausalLM(), word_tokenizer(WORDS, "[CLS] $A")
     rec = ev.score_example(model, tok, {"text": "the key", "target": "is", "foil": "are"}, methods=(),

@@ -434,6 +434,7 @@ def test_calls_not_recorded_and_calls_ended_before_their_prompt_ran_are_in_the_s
     assert beam.error == probe.calls[0].error and beam.error.startswith("not recorded: beam search")
     assert "_Cancelled" in gone.error and gone.error == probe.calls[1].error
     assert beam.prompt_mask is None and gone.prompt_mask is None and beam.ended is not None
+    assert beam.model == gone.model == probe.calls[0].model == "LlamaForCausalLM"  # named before its frames go
     assert nxl.read_stream(where, request_id="beam")[0].error == beam.error
     check_call(model, stream[2], 3)
     # a running program's endpoint hands out such a call's frames from memory, as for a recorded one

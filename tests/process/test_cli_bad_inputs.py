@@ -84,6 +84,9 @@ CASES = [
     ("text empty", ["attribute", "{bert}", " "], r"TEXT is empty: give the text to explain"),
     ("masked LM text without its mask", ["attribute", "{mlm}", TEXT],
      r"TEXT has no \[MASK\] token: a masked LM explains what it predicts at its mask token; put \[MASK\] where"),
+    ("masked LM tokenizer without a mask token", ["attribute", "{nomask}", TEXT],
+     r"nomask's tokenizer has no mask token: a masked LM explains what it predicts at its mask token; save the model "
+     r"with the tokenizer it was trained with"),
     ("text not UTF-8", ["attribute", "{bert}", "caf\udce9 film"], r"argument b'caf\\xe9 film' is not UTF-8 text"),
     ("generate on a classifier, --out existing", ["attribute", "{bert}", TEXT, "--generate", "2", "--out",
                                                   "{existing_nxl}"],
@@ -220,6 +223,9 @@ def where(tmp_path_factory) -> dict[str, str]:
     llama = tiny.save_model(root / "llama", "llama")
     regression = tiny.save_model(root / "regression", "regression")
     mlm = tiny.save_model(root / "mlm", "mlm")
+    nomask = tiny.save_model(root / "nomask", "mlm")
+    (nomask / "tokenizer_config.json").write_text(json.dumps(
+        {**json.loads((nomask / "tokenizer_config.json").read_text()), "mask_token": None}))
     weights = (bert / "model.safetensors").read_bytes()
     damaged = {
         "truncated": lambda p: (p / "model.safetensors").write_bytes(weights[: len(weights) // 2]),
@@ -236,7 +242,7 @@ def where(tmp_path_factory) -> dict[str, str]:
         "badtokenizer": lambda p: (p / "tokenizer.json").write_text("{oops"),
     }
     paths = {"root": str(root), "bert": str(bert), "llama": str(llama), "regression": str(regression),
-             "mlm": str(mlm)}
+             "mlm": str(mlm), "nomask": str(nomask)}
     for name, damage in damaged.items():
         shutil.copytree(bert, root / name)
         damage(root / name)

@@ -127,10 +127,14 @@ ATTACH = cases(
 )
 
 
-@pytest.mark.parametrize("foil", [-1, 1.0, True, "3"])
+@pytest.mark.parametrize("foil", [-1, 1.0, True, "3", np.int64(-2)])
 def test_a_foil_that_is_no_output_id_is_refused_when_made(foil):
     with pytest.raises(ValueError, match=rf"Contrastive\(foil={re.escape(repr(foil))}\): give an output id"):
         Contrastive(foil=foil)
+
+
+def test_a_foil_of_a_numpy_integer_is_an_output_id():
+    assert Contrastive(foil=np.int64(3)).foil == 3 and type(Contrastive(foil=np.int64(3)).foil) is int
 
 
 @pytest.mark.parametrize("kwargs, message", ATTACH)

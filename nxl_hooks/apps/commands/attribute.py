@@ -82,11 +82,14 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, **loading_options(args))
     text = chat_text(tokenizer, args.text) if args.chat else args.text
     check_length(tokenizer, text, position_limit(model), more=generate or 0, what="TEXT")
-    mask = getattr(tokenizer, "mask_token_id", None)
-    if resolve(unwrap(model))[1] is HeadKind.MASKED_LM and mask not in tokenizer(text)["input_ids"]:
-        # before the forward, which would be left unrecorded with the hook's and explain's own two lines
-        raise CliError(f"TEXT has no {tokenizer.mask_token} token: a masked LM explains what it predicts at its mask "
-                       f"token; put {tokenizer.mask_token} where the word to explain goes")
+    if resolve(unwrap(model))[1] is HeadKind.MASKED_LM:  # (before the forward, which the hook and explain would
+        mask = getattr(tokenizer, "mask_token_id", None)  # each leave unrecorded with a line of their own)
+        if mask is None:
+            raise CliError(f"{args.model}'s tokenizer has no mask token: a masked LM explains what it predicts at its "
+                           "mask token; save the model with the tokenizer it was trained with")
+        if mask not in tokenizer(text)["input_ids"]:
+            raise CliError(f"TEXT has no {tokenizer.mask_token} token: a masked LM explains what it predicts at its "
+                           f"mask token; put {tokenizer.mask_token} where the word to explain goes")
     console = Console()
     if generate is not None:
         sink = Path(args.out) if args.out else None  # --out is a file path, whatever its name: never a sink kind

@@ -41,9 +41,43 @@ def evidence_ranks(res: Any, row: int, position: int) -> list[int]:
     return (1 + (scores > own).sum(-1)).tolist()
 
 
+def split_words(text: str) -> list[str]:
+    """The words of ``text`` as the shipped demo tokenizer splits it (its own pre-tokenizer, at Unicode whitespace):
+    ``str.split()`` splits at more (\\x1c-\\x1f), which would name words the model never reads.
+    ``split_words("the\\x1fplot good") == ["the\\x1fplot", "good"]``"""
+    from tokenizers import Tokenizer
+
+    from ...demo import MODEL_DIR
+
+    splitter = Tokenizer.from_file(str(MODEL_DIR / "tokenizer.json")).pre_tokenizer
+    return [word for word, _ in splitter.pre_tokenize_str(text)]
+
+
+def outside_training(text: str) -> list[str]:
+    """How ``text`` differs from every sentence :func:`~nxl_hooks.demo.task.make_examples` draws with its defaults
+    (the shipped model's training data): one line per difference, none when it could have been drawn. Word order is
+    no difference: fillers and the keyword are drawn in any order. ``outside_training("The plot was superb")`` ->
+    ["words outside the demo vocabulary, read as [UNK]: The"]
+    """
+    from ...demo.task import MAX_WORDS, MIN_WORDS, SPECIAL_TOKENS, vocabulary
+    from ...records.tokens import visible
+
+    words = split_words(text)
+    notes = []
+    if not MIN_WORDS <= len(words) <= MAX_WORDS:
+        plural = "s" * (len(words) != 1)
+        notes.append(f"{len(words)} word{plural}; the training sentences have {MIN_WORDS} to {MAX_WORDS}")
+    known = set(vocabulary()) - set(SPECIAL_TOKENS)
+    unknown = sorted({word for word in words if word not in known})
+    if unknown:
+        shown = ", ".join(visible(word) for word in unknown)  # a control character escaped, as every output shows it
+        notes.append(f"words outside the demo vocabulary, read as {SPECIAL_TOKENS[1]}: {shown}")
+    return notes
+
+
 def _word_positions(enc: Any, row: int) -> list[int]:
     """The token position of each word of one encoded row, as the tokenizer split them
-    (:func:`~nxl_hooks.demo.task.split_words`: the demo tokenizer gives one token per word, unknown words
+    (:func:`split_words`: the demo tokenizer gives one token per word, unknown words
     included)."""
     return [i for i, word in enumerate(enc.word_ids(row)) if word is not None]
 
@@ -83,8 +117,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.text import Text
 
     from ...demo import MODEL_DIR
-    from ...demo.task import (HELD_OUT_SEED, MAX_WORDS, MIN_WORDS, NEGATIVE, POSITIVE, make_examples, outside_training,
-                              split_words)
+    from ...demo.task import HELD_OUT_SEED, MAX_WORDS, MIN_WORDS, NEGATIVE, POSITIVE, make_examples
     from ...hooks.explain import explain
     from ..loading import load_model
     from ..terminal import show_attribution

@@ -502,11 +502,8 @@ class ControlServer:
         if found is not None and not isinstance(found[1], GenerationCall):
             raise _BadRequest(404, f"{request_id!r} was a forward, not a generation: its record is "
                                    f"/v1/requests/{request_id}")
-        if found is not None:
-            try:  # a call not recorded, once ended, too: its frames say why, as a sink's stream does
-                return stream_bytes(found[1], found[2])
-            except ValueError:  # its prompt has not run yet
-                pass
+        if found is not None and (found[1].prompt_mask is not None or found[1].ended is not None):
+            return stream_bytes(found[1], found[2])  # (one not recorded too, once ended: its end says why)
         if self.settings.sink:  # no longer in memory: this process's files
             for watch in self.controller.watches():
                 folder = self.settings.run_dir / watch.slug

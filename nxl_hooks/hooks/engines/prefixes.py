@@ -98,3 +98,4 @@ class SharedPrefixes:
     def clear(self) -> None:
         self._kept.clear()
         self._bytes = 0
+        self.let_go = False

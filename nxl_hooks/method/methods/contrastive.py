@@ -9,6 +9,7 @@ there is nothing to contrast with: the scores are NaN.
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import torch
@@ -24,12 +25,15 @@ class Contrastive:
     pointwise = True  # (Pointwise): a row's foil is read from that row's own log-probabilities
 
     def __post_init__(self) -> None:
-        if self.foil is not None and (type(self.foil) is not int or self.foil < 0):
-            raise ValueError(f"Contrastive(foil={self.foil!r}): give an output id (0 or more), or None for the "
-                             "model's best other output")
+        foil = self.foil
+        if foil is not None and (isinstance(foil, bool) or not isinstance(foil, numbers.Integral) or foil < 0):
+            raise ValueError(f"Contrastive(foil={foil!r}): give an output id (0 or more), or None for the model's "
+                             "best other output")
+        if foil is not None:
+            object.__setattr__(self, "foil", int(foil))  # (a numpy integer too)
 
-    def check(self, n_outputs: int) -> None:
-        """(Checked) a fixed foil is an output of the head: ``Contrastive(foil=7).check(model_outputs)``."""
+    def check_outputs(self, n_outputs: int) -> None:
+        """(Checked) a fixed foil is an output of the head: ``Contrastive(foil=7).check_outputs(n)``."""
         if self.foil is not None and self.foil >= n_outputs:
             raise ValueError(f"Contrastive(foil={self.foil}) is out of range: the head has {n_outputs} outputs "
                              f"(0..{n_outputs - 1})")
