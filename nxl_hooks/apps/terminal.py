@@ -133,7 +133,9 @@ def render_table(
             for line in _top_lines(scores, names, positions, eligible, layer_names, console.width):
                 console.print(line, no_wrap=True, overflow="ignore", crop=False)
             return "top"
-        table = Table(title=title, caption=caption)
+        # a Text title: a str would be read as rich markup and emoji codes, and labels and token texts are the
+        # model's and tokenizer's ('[/INST]' raised MarkupError, '[link=...]' printed a hyperlink escape)
+        table = Table(title=Text(title, style="table.title") if title else None, caption=caption)
         if candidate == "layers":
             table.add_column("layer", style="bold", no_wrap=True)
             for name, dim in zip(names, special):

@@ -103,3 +103,31 @@ def test_generate_prints_one_short_line_per_token(deep, tok):
         top = [int(p) for p in re.findall(r" (\d+):", line.split("L30:")[1])]
         scores[n - 1] = float("-inf")  # the prediction position does not rank
         assert top == scores.argsort(descending=True)[: len(top)].tolist()
+
+
+def test_labels_and_token_texts_are_printed_as_they_are():
+    """Label names and token texts are the model's and tokenizer's: never read as rich markup or emoji codes ('[/pos]'
+    and Mistral's '[/INST]' raised MarkupError, '[link=...]' wrote a hyperlink escape, ':smile:' became 😄)."""
+    import io
+
+    import tiny
+    from nxl_hooks.apps.terminal import show_attribution
+
+    labels = {0: "[link=https://evil.example]neg[/link]", 1: "[/pos] :smile:"}
+    model = tiny.build_model("bert")
+    model.config.id2label, model.config.label2id = labels, {name: i for i, name in labels.items()}
+    words = [word if word != "awful" else "[/INST]" for word in tiny.VOCAB]  # the vocabulary keeps its size
+    tok = tiny.word_tokenizer(words, "[CLS] $A [SEP]")
+    res = nxl.explain(model, tok, "the film was [/INST]", target=[0, 1])
+    for view in ("layers", "tokens", "top"):
+        console = Console(file=io.StringIO(), record=True, width=200, force_terminal=True)
+        render_table(res, console, title=f"NormXLogit of {labels[0]!r}, {labels[1]!r}", view=view)
+        assert "\x1b]8;" not in console.file.getvalue()  # what a terminal gets: no OSC 8 hyperlink
+        text = " ".join(console.export_text().split())  # a title wider than its table wraps
+        assert f"NormXLogit of {labels[0]!r}, {labels[1]!r}" in text and "[/INST]" in text
+    console = Console(file=io.StringIO(), record=True, width=200)
+    show_attribution(res, console)
+    text = " ".join(console.export_text().split())
+    for title in (f"NormXLogit of {labels[0]!r} (id 0", f"NormXLogit of {labels[1]!r} (id 1",
+                  f"Contrast: NormXLogit of {labels[0]!r} (id 0,", f"minus {labels[1]!r} (id 1,", "read at '[CLS]'"):
+        assert title in text

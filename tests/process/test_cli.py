@@ -107,6 +107,17 @@ def test_missing_model_path_exits_2(tmp_path, capsys):
     assert "no model folder at" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
 
 
+def test_output_paths_are_printed_as_they_are(saved, tmp_path, capsys):
+    """A file name is not rich markup: 'x[/b]' raised MarkupError after the file was written, 'run[v2]' read 'run'."""
+    out, page = tmp_path / "x[/b].safetensors", tmp_path / "run[v2] :smile:.html"
+    (tmp_path / "x[").mkdir()  # the "/" in the name: x[ is a folder
+    assert main(["attribute", str(saved[0]), TEXT, "--out", str(out), "--html", str(page)]) == 0
+    assert capsys.readouterr().out.splitlines()[-2:] == [f"saved {out}", f"wrote {page}"]
+    llama = tiny.save_model(tmp_path / "llama", "llama")
+    assert main(["attribute", str(llama), "the film was", "--generate", "1", "--html", str(page)]) == 0
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {page}"
+
+
 def test_outputs_under_home_are_written_where_they_were_checked(saved, tmp_path, monkeypatch):
     """``~`` in an output path (quoted, so the shell left it as it is) is the home folder for the check and the write
     alike: ``evaluate`` made a folder named "~" in the working folder, ``attribute`` passed the check, ran, then

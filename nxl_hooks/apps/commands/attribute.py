@@ -56,6 +56,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
+    from rich.text import Text
 
     from ...arch.registry import HeadKind, resolve
     from ...hooks.explain import explain
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
                                 method=args.method)
         if args.html:
             write_text(args.html, generation_html(call, title=f"{args.model}: {args.text}", method=args.method))
-            console.print(f"wrote {args.html}")
+            console.print(Text(f"wrote {args.html}"))  # Text: a path is not rich markup ('x[/b].html')
         return 0 if call.error is None else 1  # the last line said why the tokens were not all recorded
     res = explain(model, tokenizer, args.text, layers=args.layers, target=args.target, embedding=args.embedding,
                   chat=args.chat, methods=[args.method])
@@ -110,8 +111,8 @@ def run(args: argparse.Namespace) -> int:
                            f"({res.target_label(row, twice)}): give different targets (a target and its foil)")
     show_attribution(res, console, all_positions=args.all_positions, method=args.method)
     if args.out:
-        console.print(f"saved {res.save(args.out)}")
+        console.print(Text(f"saved {res.save(args.out)}"))
     if args.html:
         res.to_html(args.html, method=args.method)
-        console.print(f"wrote {args.html}")
+        console.print(Text(f"wrote {args.html}"))
     return 0
