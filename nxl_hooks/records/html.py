@@ -331,7 +331,10 @@ _GENERATION_SCRIPT = """
     });
     cells.forEach(function (td) {
       var i = +td.dataset.row, j = +td.dataset.col, v = data.values[i][index][j];
-      if (v === null || v === undefined) { return; }
+      if (v === null || v === undefined) {  // blank: masked, after the token, or a NaN / ±inf score at this layer
+        td.textContent = ""; td.removeAttribute("title"); td.removeAttribute("style"); delete td.dataset.value;
+        return;
+      }
       var c = colour(v / peaks[i]);
       td.dataset.value = String(v);
       td.textContent = fmt(v);
@@ -395,7 +398,9 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
         scores = step.scores[method][:, row]
         scores = scores[..., label] if scores.dim() == 3 else scores
         mask = step.mask[row].tolist()
-        per_layer = [[float(f"{float(v):.6g}") if mask[j] else None for j, v in enumerate(layer_scores.tolist())]
+        # NaN and ±inf as null (blank cells): JSON has neither, and JSON.parse refuses the whole block for one
+        per_layer = [[float(f"{v:.6g}") if mask[j] and math.isfinite(v) else None
+                      for j, v in enumerate(layer_scores.tolist())]
                      + [None] * (len(context) - len(mask)) for layer_scores in scores]
         values.append(per_layer)
         # what ranks (not the template, special tokens or the prediction) sets the row's colour scale
@@ -410,7 +415,7 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
                       for i, layer in enumerate(layers))
     # "<" escaped: a token reading "</script>" must not end the data block
     data = json.dumps({"layers": layers, "rows": row_names, "columns": columns, "values": values, "ranked": ranked,
-                       "method": method, "steps": views})
+                       "method": method, "steps": views}, allow_nan=False)
     data = data.replace("<", "\\u003c")
     shown = [f'<span class="nxl-template">{html.escape(name)}</span>' if template[j] else html.escape(name)
              for j, name in enumerate(context[:prompt_len])]

@@ -33,7 +33,7 @@ class Ranked(NamedTuple):
 
     position: int  #: its position in the sequence
     text: str  #: its readable text ('␣Paris')
-    score: float | None  #: its score (None: NaN, which JSON cannot carry)
+    score: float | None  #: its score (None: NaN or ±inf, which JSON cannot carry)
 
 
 @dataclass(frozen=True)
@@ -90,7 +90,7 @@ class StepView:
 def ranking(res: Attribution, k: int, row: int = 0, label: int = 0,
             method: str = METHOD) -> dict[int, tuple[Ranked, ...]]:
     """Per layer of ``res``, the ``k`` context tokens of ``row`` that drove its target ``label`` most by ``method``
-    (:meth:`~nxl_hooks.Attribution.top`; NaN scores as None). ``ranking(res, 3)[-1]``"""
+    (:meth:`~nxl_hooks.Attribution.top`; NaN and ±inf scores as None). ``ranking(res, 3)[-1]``"""
     return {layer: tuple(Ranked(p, text, _number(score))
                          for p, text, score in res.top(k, layer=layer, row=row, label=label, method=method))
             for layer in res.layers}
@@ -102,8 +102,8 @@ def ranking_json(ranked: Mapping[int, tuple[Ranked, ...]]) -> dict[str, list[lis
 
 
 def _number(value: float) -> float | None:
-    """``value``, or None for NaN (JSON has no NaN)."""
-    return None if math.isnan(value) else value
+    """``value``, or None for NaN and ±inf (JSON has neither)."""
+    return value if math.isfinite(value) else None
 
 
 def _optional_float(value: Any) -> float | None:

@@ -169,3 +169,35 @@ def test_probe_stream_is_deprecated_and_still_holds_every_step():
 def test_tail_reports_steps_the_live_feed_dropped():
     assert tail.faults({"live_dropped": 7}) == ["7 step(s) not handed to live readers: the live feed fell behind "
                                                 "(the records keep them)"]
+
+
+def _strict_json(text: str) -> dict:
+    """``text`` parsed as browsers and JSON clients do: NaN and Infinity are no JSON."""
+    def refuse(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+    return json.loads(text, parse_constant=refuse)
+
+
+def test_nan_and_infinite_scores_are_null_in_the_step_view_and_the_page():
+    """A NaN or ±inf score reaches readers as null: json.dumps wrote NaN / Infinity, which the endpoint's clients and
+    the page's JSON.parse refuse (the page's layer picker then never worked)."""
+    model, ids = _generating()
+    with nxl.attach(model, layers=[0, 2]) as probe:
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=2, do_sample=False)
+    call = probe.calls[-1]
+    step = call.steps[1]  # context: positions 0..4, of which 0..3 rank (4 is where the token is predicted)
+    scores = step.scores["normxlogit"].clone()
+    scores[1, 0, 0], scores[1, 0, 1], scores[0, 0, 2] = float("inf"), float("-inf"), float("nan")
+    step.scores["normxlogit"] = scores
+    view = _strict_json(json.dumps(step.view(call, k=5).to_json()))["scores"]["normxlogit"]
+    by_layer = {layer: {position: score for position, _, score in ranked} for layer, ranked in view.items()}
+    assert by_layer["2"][0] is None and by_layer["2"][1] is None and by_layer["0"][2] is None
+    assert by_layer["2"][3] == pytest.approx(float(scores[1, 0, 3]))  # the finite scores as they were
+    assert by_layer["0"][0] == pytest.approx(float(scores[0, 0, 0]))
+    page = generation_html(call, k=5)
+    data = _strict_json(re.search(r'<script type="application/json" id="nxl-data">(.*?)</script>', page, re.S)[1])
+    layer_2, layer_0 = data["values"][1][1], data["values"][1][0]  # row of step 1; layers [0, 2]
+    assert layer_2[:2] == [None, None] and layer_0[2] is None
+    assert layer_2[3] == pytest.approx(float(scores[1, 0, 3]), rel=1e-5)
+    assert {p: score for p, _, score in data["steps"][1]["scores"]["normxlogit"]["2"]} == by_layer["2"]

@@ -132,7 +132,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _json(self, status: int, value: Any) -> None:
-        self._send(status, json.dumps(value).encode())
+        # allow_nan=False: a NaN or inf that reaches a reply fails here, not in its reader's parser (views send None)
+        self._send(status, json.dumps(value, allow_nan=False).encode())
 
     def _body_length(self) -> int:
         """The body's size as its Content-Length declares it: a number, given once, at most MAX_BODY."""
@@ -551,7 +552,7 @@ class ControlServer:
             dropped = 0
 
             def emit(event: str, data: dict) -> None:
-                handler.wfile.write(f"event: {event}\ndata: {json.dumps(data)}\n\n".encode())
+                handler.wfile.write(f"event: {event}\ndata: {json.dumps(data, allow_nan=False)}\n\n".encode())
                 handler.wfile.flush()
 
             def send_step(watch: Watched, call: GenerationCall | None, step: Step) -> None:
