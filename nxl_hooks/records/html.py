@@ -408,6 +408,9 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
         view = step.view(call, k=k, row=row, label=label, names=context[: step.position + 1])
         views.append(view.to_json())
         p = "" if view.probability is None else f" · p {fmt(view.probability)}"
+        if view.target is not None:  # a fixed target: the scores explain it, not the token
+            p += f" · explains {view.target}" + ("" if view.target_probability is None else
+                                                 f" (p {fmt(view.target_probability)})")
         row_names.append(f"{view.step}: {view.token}{p}")
     spread = call.norm_spread(row)
     last = len(layers) - 1

@@ -131,12 +131,14 @@ class Step:
 
     def view(self, call: "GenerationCall | None" = None, *, k: int = 5, row: int = 0, label: int = 0,
              names: list[str] | None = None, special: torch.Tensor | None = None,
-             model: str | None = None) -> StepView:
+             model: str | None = None, target: str | None = None) -> StepView:
         """This step as every live reader shows it (:class:`~nxl_hooks.records.view.StepView`): row ``row``'s
         token and, per layer, the ``k`` context tokens that drove target ``label`` most. ``call``: the step's call,
         which knows its request, prompt, special and chat-template tokens. ``names``: the texts of positions
         ``0 .. position`` (the context, then the emitted token), default the record's readable texts (``#ID`` where
-        unknown); ``special``: bool (batch, position), the context's special tokens, default ``call.special_ids``'.
+        unknown); ``special``: bool (batch, position), the context's special tokens, default ``call.special_ids``';
+        ``target``: the text of the explained id where it is not the emitted token (``attach(target=...)``),
+        default as the context names that id, else ``#ID`` (the record holds no text of it).
         ``probe.calls[-1].steps[0].view(probe.calls[-1], k=3).to_json()``"""
         batch, token = self.token.shape[0], int(self.token[row])
         if names is None:
@@ -148,11 +150,22 @@ class Step:
         shown = whole_characters(names[: self.position + 1])  # what was there when the token was made, never later
         res = self.to_attribution(tokens=[names[: self.position]] * batch, special=special, template=template,
                                   readable=[shown[:-1]] * batch)
-        probability = None if self.probability is None else float(self.probability.reshape(batch, -1)[row, label])
-        return StepView(step=self.step, position=self.position, token_id=token, token=shown[-1],
-                        probability=None if probability is None or math.isnan(probability) else probability,
+        targets = self.target.reshape(batch, -1)[row].tolist()
+        probabilities = [None] * len(targets) if self.probability is None else [
+            None if math.isnan(p) else p for p in self.probability.reshape(batch, -1)[row].tolist()]
+        # the record has the model's probability of the explained ids only: of the token where it is one of them
+        own = probabilities[targets.index(token)] if token in targets else None
+        explained = targets[label]
+        other = explained != token  # the scores explain another id: the view names it
+        if other and target is None:
+            ids = call.context_ids(self.position) if call is not None else None
+            known = ids[row].tolist() if ids is not None else []
+            target = names[known.index(explained)] if explained in known else f"#{explained}"
+        return StepView(step=self.step, position=self.position, token_id=token, token=shown[-1], probability=own,
                         active=bool(self.active[row]), scores={name: ranking(res, k, row, label, name) for name in self.scores},
-                        request_id=call.request_id if call is not None else None, model=model)
+                        request_id=call.request_id if call is not None else None, model=model,
+                        target_id=explained if other else None, target=target if other else None,
+                        target_probability=probabilities[label] if other else None)
 
     def _names(self, call: "GenerationCall | None", row: int) -> list[str]:
         """Texts of positions 0 .. position from the record: its readable texts, else ``#ID`` (``@N`` where even

@@ -45,12 +45,18 @@ class StepView:
     position: int  #: the token's position in the sequence
     token_id: int
     token: str  #: its readable text, a character split over tokens shown whole
-    probability: float | None  #: the model's own probability of the token (None where not recorded)
+    #: the model's own probability of the token (None where not recorded: with a fixed target, unless the token is
+    #: one of the explained ids)
+    probability: float | None
     active: bool  #: False on a row that had finished before this step (its pad token)
-    #: method -> layer -> the k context tokens that drove the token most, best first
+    #: method -> layer -> the k context tokens that drove the token (or ``target_id``) most, best first
     scores: Mapping[str, Mapping[int, tuple[Ranked, ...]]] = field(default_factory=dict)
     request_id: str | None = None  #: the request the token belongs to, where known
     model: str | None = None  #: the model's name, where known
+    #: the id the scores explain where it is not the token (``attach(target=...)``, ``nxl run --target``), else None
+    target_id: int | None = None
+    target: str | None = None  #: its readable text ('#ID' where not known), None where the token is explained
+    target_probability: float | None = None  #: the model's probability of ``target_id`` (None where not known)
 
     def ranked(self, layer: int | None = None, method: str = METHOD) -> tuple[int, tuple[Ranked, ...]]:
         """(layer, its ranked context tokens) by ``method``: ``layer`` where the view has it, else the last."""
@@ -66,7 +72,8 @@ class StepView:
         scores = {method: ranking_json(by_layer) for method, by_layer in self.scores.items()}
         return {"request_id": self.request_id, "model": self.model, "step": self.step, "position": self.position,
                 "token_id": self.token_id, "token": self.token, "probability": self.probability,
-                "active": self.active, "scores": scores, "top": scores.get(METHOD, {})}
+                "active": self.active, "scores": scores, "top": scores.get(METHOD, {}), "target_id": self.target_id,
+                "target": self.target, "target_probability": self.target_probability}
 
     @classmethod
     def from_json(cls, data: Any) -> "StepView":
@@ -75,13 +82,16 @@ class StepView:
         try:
             scores = data["scores"] if "scores" in data else {METHOD: data["top"]}
             return cls(step=int(data["step"]), position=int(data["position"]), token_id=int(data["token_id"]),
-                       token=str(data["token"]), probability=_optional_float(data.get("probability")),
+                       token=str(data["token"]), probability=_optional(float, data.get("probability")),
                        active=bool(data.get("active", True)),
-                       scores={str(method): {int(layer): tuple(Ranked(int(p), str(text), _optional_float(score))
+                       scores={str(method): {int(layer): tuple(Ranked(int(p), str(text), _optional(float, score))
                                                                 for p, text, score in ranked)
                                              for layer, ranked in by_layer.items()}
                                for method, by_layer in scores.items()},
-                       request_id=data.get("request_id"), model=data.get("model"))
+                       request_id=data.get("request_id"), model=data.get("model"),
+                       target_id=_optional(int, data.get("target_id")),
+                       target=_optional(str, data.get("target")),
+                       target_probability=_optional(float, data.get("target_probability")))
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ValueError(f"not a step view ({type(error).__name__}: {error}); is the endpoint an nxl_hooks "
                              "one?") from None
@@ -106,5 +116,5 @@ def _number(value: float) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def _optional_float(value: Any) -> float | None:
-    return None if value is None else float(value)
+def _optional(convert: Any, value: Any) -> Any:
+    return None if value is None else convert(value)

@@ -201,3 +201,51 @@ def test_nan_and_infinite_scores_are_null_in_the_step_view_and_the_page():
     assert layer_2[:2] == [None, None] and layer_0[2] is None
     assert layer_2[3] == pytest.approx(float(scores[1, 0, 3]), rel=1e-5)
     assert {p: score for p, _, score in data["steps"][1]["scores"]["normxlogit"]["2"]} == by_layer["2"]
+
+
+def test_a_fixed_target_is_named_beside_the_token_each_with_its_own_probability():
+    """With attach(target=...) the scores explain the target, not the emitted token: the view said the token with
+    the target's probability and never named the target (the endpoint, nxl tail and the page all read it)."""
+    from nxl_hooks.apps.serve.readout import step_view
+    from nxl_hooks.records.tokens import readable
+
+    model, tokenizer = tiny_models.build_model("llama"), tiny_models.tokenizer()
+    ids = tokenizer("the film was", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        own = model(ids).logits[0, -1].softmax(-1)  # the first step's distribution, by hand
+    token = int(own.argmax())
+    film, good = tokenizer.convert_tokens_to_ids(["film", "good"])
+    assert token not in (film, good)
+
+    def first_step(target: list[int]) -> tuple[nxl.GenerationCall, nxl.Step]:
+        with torch.no_grad(), nxl.attach(model, layers="all", tokenizer=tokenizer, target=target) as probe:
+            model.generate(ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
+        return probe.calls[-1], probe.calls[-1].steps[0]
+
+    call, step = first_step([film, token])  # the token is one of the explained ids: its probability is known
+    view = step.view(call, label=0)
+    assert (view.token_id, view.token, view.target_id, view.target) == (token, readable(tokenizer, token), film, "film")
+    assert view.probability == pytest.approx(float(own[token]), rel=1e-4)
+    assert view.target_probability == pytest.approx(float(own[film]), rel=1e-4)
+    assert StepView.from_json(json.loads(json.dumps(view.to_json()))) == view
+    assert f"'{view.token}'→'film'" in tail.line(view, None, 500)
+    assert f"0: {view.token} · p {float(own[token]):.3g} · explains film (p {float(own[film]):.3g})" in (
+        generation_html(call))
+    itself = step.view(call, label=1)  # label 1 explains the token: no target named
+    assert (itself.target_id, itself.target, itself.target_probability) == (None, None, None)
+    assert itself.probability == pytest.approx(float(own[token]), rel=1e-4)
+
+    call, step = first_step([good])  # not in the context, and the token's probability is not recorded
+    view = step.view(call)
+    assert (view.probability, view.target_id, view.target) == (None, good, f"#{good}")
+    assert view.target_probability == pytest.approx(float(own[good]), rel=1e-4)
+
+    class Watch:  # the endpoint's watched model: it names the target by its tokenizer
+        name, slug = "tiny", "tiny"
+
+        class texts:
+            text = staticmethod(lambda token_id: readable(tokenizer, token_id))
+            special = staticmethod(lambda ids: None)
+
+    live = step_view(Watch(), call, step)
+    assert (live.target_id, live.target, live.probability) == (good, "good", None)

@@ -12,6 +12,9 @@ position)::
 
     my-req-1            0 @12   '␣Paris'  L2: 9:'␣France' 0.41  3:'␣capital' 0.33
 
+A program that explains a fixed target (``nxl run --target``) ranks what drove that target: the line names it after
+the token, ``'␣is'→'␣Paris'``.
+
 Tokens are readable texts (:mod:`nxl_hooks.records.tokens`: ``␣`` a space, ``↵`` a newline). Tokens that each
 hold part of one character (an emoji a byte-level tokenizer splits into 2 to 4 tokens) are shown as that character,
 on each of them; the line of a token whose character is not complete yet shows ``…`` in its place, and the line of
@@ -96,7 +99,7 @@ def line(view: StepView, layer: int | None, width: int, method: str = METHOD) ->
     shown, ranked = view.ranked(layer, method)
     best = "  ".join(f"{entry.position}:'{entry.text}' " + (f"{entry.score:.3g}" if entry.score is not None else "nan")
                      for entry in ranked)
-    token = f"'{view.token}'"
+    token = f"'{view.token}'" + ("" if view.target is None else f"→'{view.target}'")  # the scores explain the target
     text = visible(f"{visible(str(view.request_id))[:16]:<16} {view.step:>4} @{view.position:<5} {token:>12}"
                    f"  L{shown}: {best}")
     return text if len(text) <= width else text[: max(width - 1, 8)] + "…"

@@ -81,8 +81,9 @@ def step_view(watch: Watched, call: GenerationCall | None, step: Step, *, k: int
     texts = watch.texts
     names, special = (context or Context(texts, call, row)).upto(step.position)
     flags = torch.tensor([special] * step.token.shape[0], dtype=torch.bool) if special is not None else None
+    explained = int(step.target.reshape(step.token.shape[0], -1)[row, 0])  # a fixed target: named by the tokenizer
     return step.view(call, k=k, row=row, names=[*names, texts.text(int(step.token[row]))], special=flags,
-                     model=watch.name)
+                     model=watch.name, target=texts.text(explained))
 
 
 def call_view(watch: Watched, call: GenerationCall, *, k: int = 5, row: int = 0) -> dict:
