@@ -24,7 +24,7 @@ from nxl_hooks.apps.serve.settings import Settings
 from nxl_hooks.hooks.generate import REQUEST_ID
 from nxl_hooks.hooks.subscription import Subscription
 from nxl_hooks.records.html import generation_html
-from nxl_hooks.records.tokens import visible
+from nxl_hooks.records.tokens import readable, visible
 from nxl_hooks.records.view import Ranked, StepView
 
 K = 3
@@ -203,11 +203,25 @@ def test_nan_and_infinite_scores_are_null_in_the_step_view_and_the_page():
     assert {p: score for p, _, score in data["steps"][1]["scores"]["normxlogit"]["2"]} == by_layer["2"]
 
 
+class _Watched:
+    """A watched model as the endpoint's readout reads it: its tokens named by ``tokenizer``."""
+
+    name = slug = "tiny"
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.texts = tokenizer, self
+
+    def text(self, token_id: int) -> str:
+        return readable(self.tokenizer, token_id)
+
+    def special(self, ids: list[int]) -> list[bool]:
+        return [i in self.tokenizer.all_special_ids for i in ids]
+
+
 def test_a_fixed_target_is_named_beside_the_token_each_with_its_own_probability():
     """With attach(target=...) the scores explain the target, not the emitted token: the view said the token with
     the target's probability and never named the target (the endpoint, nxl tail and the page all read it)."""
     from nxl_hooks.apps.serve.readout import step_view
-    from nxl_hooks.records.tokens import readable
 
     model, tokenizer = tiny_models.build_model("llama"), tiny_models.tokenizer()
     ids = tokenizer("the film was", return_tensors="pt")["input_ids"]
@@ -240,12 +254,26 @@ def test_a_fixed_target_is_named_beside_the_token_each_with_its_own_probability(
     assert (view.probability, view.target_id, view.target) == (None, good, f"#{good}")
     assert view.target_probability == pytest.approx(float(own[good]), rel=1e-4)
 
-    class Watch:  # the endpoint's watched model: it names the target by its tokenizer
-        name, slug = "tiny", "tiny"
-
-        class texts:
-            text = staticmethod(lambda token_id: readable(tokenizer, token_id))
-            special = staticmethod(lambda ids: None)
-
-    live = step_view(Watch(), call, step)
+    live = step_view(_Watched(tokenizer), call, step)  # the endpoint names the target by the model's tokenizer
     assert (live.target_id, live.target, live.probability) == (good, "good", None)
+
+
+def test_a_call_view_names_each_position_by_its_own_token_when_its_first_steps_are_gone():
+    """A call whose first steps are not kept (a sink whose first rotated file was deleted): the endpoint's readout
+    put the kept steps' tokens right after the prompt, so generated positions were named by other tokens."""
+    from nxl_hooks.apps.serve.readout import call_view
+
+    model, tokenizer = tiny_models.build_model("llama"), tiny_models.tokenizer()
+    ids = tokenizer("the film was", return_tensors="pt")["input_ids"]
+    with torch.no_grad(), nxl.attach(model, layers="all", tokenizer=tokenizer) as probe:
+        sequence = model.generate(ids, max_new_tokens=5, do_sample=False, pad_token_id=0)[0].tolist()
+    call = probe.calls[-1]
+    call.steps = call.steps[2:]  # kept: the tokens at positions prompt + 2 ..
+    known = set(range(ids.shape[1])) | {step.position for step in call.steps}
+    last = call_view(_Watched(tokenizer), call, k=20)["steps"][-1]
+    named = {position: text for ranked in last["scores"]["normxlogit"].values() for position, text, _ in ranked}
+    # what ranks: every context token but the special ones and the prediction position (the last step's - 1)
+    assert set(named) == {p for p in range(len(sequence) - 2) if sequence[p] not in tokenizer.all_special_ids}
+    assert {p for p in named if p >= ids.shape[1]} >= {ids.shape[1], ids.shape[1] + 1}  # the steps not kept too
+    for position, text in named.items():
+        assert text == (readable(tokenizer, sequence[position]) if position in known else f"@{position}")

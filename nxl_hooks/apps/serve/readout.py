@@ -56,19 +56,20 @@ def summary(watch: Watched, record: Any) -> dict:
 
 
 class Context:
-    """A call's known token ids for one row (prompt, then each step's token) as text, with special-token flags:
-    computed once for every step of a call view."""
+    """A call's known token ids for one row by position (prompt, then each kept step's token at its position) as
+    text, with special-token flags: computed once for every step of a call view. A position whose token is not
+    known (a step not kept: a call read from a trimmed sink; the prompt's, where its ids are not) reads ``@N``."""
 
     def __init__(self, texts: Names, call: GenerationCall | None, row: int = 0) -> None:
-        prompt = call.prompt_ids[row].tolist() if call is not None and call.prompt_ids is not None else []
         steps = list(call.steps) if call is not None else []
-        self.ids = prompt + [int(step.token[row]) for step in steps]
-        self.names = [texts.text(i) for i in self.ids]
+        prompt = call.prompt_ids.shape[1] if call is not None and call.prompt_ids is not None else 0
+        ids = call.context_ids(steps[-1].position + 1 if steps else prompt) if call is not None else None
+        self.ids = ids[row].tolist() if ids is not None else []  # -1 where not known
+        self.names = [texts.text(i) if i >= 0 else f"@{n}" for n, i in enumerate(self.ids)]
         self.special = texts.special(self.ids)
 
     def upto(self, n: int) -> tuple[list[str], list[bool] | None]:
-        """Names and flags of positions 0..n-1 (positions not known, say a call read from a trimmed sink, by
-        number)."""
+        """Names and flags of positions 0..n-1 (positions past the known ones by number)."""
         missing = range(len(self.names), n)
         names = self.names[:n] + [f"@{i}" for i in missing]
         return names, None if self.special is None else self.special[:n] + [False] * len(missing)
