@@ -190,7 +190,8 @@ def show_attribution(res: Attribution, console: Console, *, all_positions: bool 
         for label in range(len(labels)):
             if kind == HeadKind.REGRESSION:
                 what = ("norm x " if method == "normxlogit" else "") + "|HoT(h) - prediction"
-                title = f"{name}, regression: {what} {res.meta['prediction'][row][0]:.4g}|"
+                prediction = res.meta.get("prediction")  # a file may not hold it: the title does without
+                title = f"{name}, regression: {what}" + (f" {prediction[row][0]:.4g}|" if prediction else "|")
             else:
                 title = f"{name} of {res.target_label(row, label)}"
             how = res.resolution(row, label)

@@ -29,7 +29,7 @@ from ..method.registry import DEFAULT
 from ..method.scores import norm_spread
 from ..method.select import layer_index, order, rankable
 from .files import read_regular, write_bytes, write_text
-from .tokens import visible
+from .tokens import is_readable, visible
 
 __all__ = ["Attribution", "FORMAT_VERSION", "RecordError", "SCORE_PREFIX", "by_method"]
 
@@ -255,6 +255,15 @@ class Attribution:
         _require(targets is None or _target_notes(targets, rows, k),
                  f"meta['targets'] must be {rows} list(s) (or one) of {k} objects with the keys "
                  f"{', '.join(_TARGET_NOTE)}, one per explained target")
+        # texts the terminal and pages print as they are: a raw escape sequence or lone surrogate is no readable text
+        notes = [text for labels in targets or [] for note in labels
+                 for text in (note["text"], note["note"], *note["texts"])]
+        for name, texts in (("readable", [t for row in self.readable or [] for t in row]),
+                            ("target_text", [t for row in self.target_text or [] for t in row]),
+                            ("meta", [self.meta.get(key) for key in _META_TYPES]), ("meta['targets']", notes)):
+            bad = next((t for t in texts if isinstance(t, str) and not is_readable(t)), None)
+            _require(bad is None, f"{name} holds {bad!r}: a control or format character or a lone surrogate, which "
+                     "readable texts show escaped")
         if self.input_ids is not None:
             _require(isinstance(self.input_ids, torch.Tensor) and _integer_dtype(self.input_ids)
                      and tuple(self.input_ids.shape) == (rows, seq),

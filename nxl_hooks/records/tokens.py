@@ -41,14 +41,16 @@ from ..arch.registry import HeadKind
 from ..method.chat import chat_prompt
 from ..method.select import ResolvedTarget
 
-__all__ = ["EMPTY", "describe_target", "NEWLINE", "SPACE", "TAB", "chat_text", "label_text", "plain_text", "readable",
-           "readable_ids", "target_texts", "visible", "whole_characters"]
+__all__ = ["EMPTY", "describe_target", "NEWLINE", "SPACE", "TAB", "chat_text", "is_readable", "label_text",
+           "plain_text", "readable", "readable_ids", "target_texts", "visible", "whole_characters"]
 
 SPACE = "␣"
 NEWLINE = "↵"
 TAB = "⇥"
 EMPTY = "∅"
 _GLYPHS = {"\n": NEWLINE, "\t": TAB, "\r": "␍"}
+#: what visible() shows escaped: control and format characters, line and paragraph separators, lone surrogates
+_INVISIBLE = frozenset(("Cc", "Cf", "Zl", "Zp", "Cs"))
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
 
 
@@ -87,11 +89,17 @@ def visible(text: str) -> str:
     for char in core:
         if char in _GLYPHS:
             out.append(_GLYPHS[char])
-        elif unicodedata.category(char) in ("Cc", "Cf", "Zl", "Zp", "Cs"):
+        elif unicodedata.category(char) in _INVISIBLE:
             out.append(_escape(char))
         else:
             out.append(char)
     return SPACE * start + "".join(out) + SPACE * end
+
+
+def is_readable(text: str) -> bool:
+    """Whether ``text`` holds none of the characters :func:`visible` shows escaped (a readable text never does: one
+    that does, read from a file, would reach a terminal raw). ``is_readable("\\x1b[31m")``, not ``"\x1b[31m"``"""
+    return not any(unicodedata.category(char) in _INVISIBLE for char in text)
 
 
 _MEANING = {SPACE: " ", NEWLINE: "\n", TAB: "\t", "␍": "\r", EMPTY: ""}

@@ -131,3 +131,21 @@ def test_labels_and_token_texts_are_printed_as_they_are():
     for title in (f"NormXLogit of {labels[0]!r} (id 0", f"NormXLogit of {labels[1]!r} (id 1",
                   f"Contrast: NormXLogit of {labels[0]!r} (id 0,", f"minus {labels[1]!r} (id 1,", "read at '[CLS]'"):
         assert title in text
+
+
+def test_a_regression_file_without_its_prediction_is_shown(tmp_path):
+    """The regression title says the prediction where the record has it; a file without it (hand-made, older)
+    is shown without the number (it raised KeyError)."""
+    import tiny
+    from nxl_hooks.apps.terminal import show_attribution
+
+    model, tok = tiny.build_model("regression"), tiny.tokenizer()
+    with torch.no_grad():
+        prediction = float(model(**tok("the film was good", return_tensors="pt")).logits[0, 0])
+    res = nxl.explain(model, tok, "the film was good")
+    res.meta.pop("prediction")
+    for shown, what in ((nxl.explain(model, tok, "the film was good"), f"prediction {prediction:.4g}|"),
+                        (nxl.Attribution.load(res.save(tmp_path / "a.safetensors")), "prediction|")):
+        console = Console(record=True, width=200)
+        show_attribution(shown, console)
+        assert f"NormXLogit, regression: norm x |HoT(h) - {what}, read at" in " ".join(console.export_text().split())

@@ -308,7 +308,8 @@ def _parts(result) -> tuple[dict, dict]:
     tensors = {name: getattr(result, name).clone() for name in
                ("normxlogit", "logat", "embed_norm", "target", "mask", "position", "example", "special")}
     header = {"format": "nxl_hooks.attribution", "version": 1, "layers": list(result.layers),
-              "tokens": [list(t) for t in result.tokens], "meta": dict(result.meta)}
+              "tokens": [list(t) for t in result.tokens], "meta": dict(result.meta),
+              "readable": [list(t) for t in result.readable], "target_text": [list(t) for t in result.target_text]}
     return tensors, header
 
 
@@ -382,6 +383,19 @@ CRAFTED = cases(
     ("meta targets 2 per row", _meta(targets=[[{}, {}]]), "meta\\['targets'\\] must be .* of 1 objects"),
     ("meta targets not records", _meta(targets=[[1], [2]]), "meta\\['targets'\\] must be .* objects with the keys"),
     ("meta targets note int", _meta(targets=[[{"request": "good", "id": 1, "text": "good", "how": "word", "tokens": [1], "texts": ["good"], "note": 5}]]), "meta\\['targets'\\] must be"),
+    # what the terminal and pages print as it is: raw escape sequences (an OSC 52 clipboard write, a window title)
+    # and lone surrogates (to_html(path) failed to encode them) are no readable text
+    ("readable escape", _edit(readable=lambda rows: [["\x1b]52;c;eA==\x07", *row[1:]] for row in rows]),
+     r"readable holds '\\x1b\]52;c;eA==\\x07': a control or format character or a lone surrogate"),
+    ("readable surrogate", _edit(readable=lambda rows: [[*row[:2], "fi\udc80lm", *row[3:]] for row in rows]),
+     r"readable holds 'fi\\udc80lm'"),
+    ("target_text bidi", _edit(target_text=lambda rows: [["\u202egood"] for _ in rows]),
+     r"target_text holds '\\u202egood'"),
+    ("meta model_class escape", _meta(model_class="Bert\x1b]0;title\x07"),
+     r"meta holds 'Bert\\x1b\]0;title\\x07'"),
+    ("meta targets note escape", _meta(targets=[[{"request": "good", "id": 1, "text": "good", "how": "word",
+                                                  "tokens": [1], "texts": ["good"], "note": "\x1b[2J"}]]),
+     r"meta\['targets'\] holds '\\x1b\[2J'"),
     ("format other", _edit(format="something.else"), "is not an attribution header"),
     ("version 99", _edit(version=99), "format version 99; upgrade nxl_hooks"),
     ("version string", _edit(version="1"), "format version '1' is not an int"),
