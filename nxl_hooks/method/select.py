@@ -35,6 +35,7 @@ __all__ = [
     "explained",
     "from_numpy",
     "is_predicted",
+    "label_index",
     "layer_index",
     "option_text",
     "order",
@@ -78,6 +79,15 @@ def layer_index(layer: int, n_blocks: int) -> int:
             f"(0 = input of block 1, {n_blocks} = output of the last block) or -{n_blocks + 1}..-1"
         )
     return wanted
+
+
+def label_index(label: Any, labels: int, what: str = "this attribution") -> int:
+    """``label`` as the index of one of the ``labels`` targets explained per row (``what`` explains them);
+    ValueError when it picks none."""
+    index = _integer(label)
+    if index is None or not 0 <= index < labels:
+        raise ValueError(f"label {label!r} is out of range: {what} explains {labels} target(s) per row")
+    return index
 
 
 def resolve_layers(layers: str | int | Sequence[int], n_blocks: int) -> list[int]:

@@ -27,7 +27,7 @@ from safetensors.torch import save as _save_blob
 from ..method.protocol import NAME, check_name
 from ..method.registry import DEFAULT
 from ..method.scores import norm_spread
-from ..method.select import layer_index, order, rankable
+from ..method.select import label_index, layer_index, order, rankable
 from .files import read_regular, write_bytes, write_text
 from .tokens import is_readable, visible
 
@@ -307,8 +307,7 @@ class Attribution:
         rows, labels = self.normxlogit.shape[1], (self.normxlogit.shape[3] if self.normxlogit.dim() == 4 else 1)
         if not _int(row) or not 0 <= row < rows:
             raise ValueError(f"row {row!r} is out of range: this attribution has {rows} row(s)")
-        if not _int(label) or not 0 <= label < labels:
-            raise ValueError(f"label {label!r} is out of range: this attribution explains {labels} target(s) per row")
+        label = label_index(label, labels)
         scores = self.layer(layer, method=method)[row]
         if scores.dim() == 2:
             scores = scores[:, label]

@@ -19,6 +19,7 @@ import math
 from typing import Any, Mapping, Sequence
 
 from ..method.scores import flat_norms, flat_note
+from ..method.select import label_index
 
 __all__ = ["attribution_html", "fmt", "generation_html", "heatmap", "line_chart", "page"]
 
@@ -288,6 +289,7 @@ def attribution_html(
     bad = [r for r in chosen if not 0 <= r < total]
     if bad:
         raise ValueError(f"rows {bad} out of range: this attribution has {total} row(s)")
+    label_index(label, res.target.reshape(total, -1).shape[1])  # as top() checks it
     kind = res.meta.get("head_kind", "?")
     intro = (
         f'<h2>{html.escape(method)} per token and layer</h2><p class="note">{html.escape(str(res.meta.get("model_class", "")))}'
@@ -385,6 +387,7 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
     steps = call.steps
     if not 0 <= row < steps[0].token.shape[0]:
         raise ValueError(f"row {row} out of range: this call generated {steps[0].token.shape[0]} sequence(s)")
+    label_index(label, steps[0].target.reshape(steps[0].token.shape[0], -1).shape[1], "this call")
     layers = list(steps[0].layers)
     prompt_len = call.prompt_mask.shape[1]
     ids = call.prompt_ids[row].tolist() if call.prompt_ids is not None else [None] * prompt_len

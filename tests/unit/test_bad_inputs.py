@@ -266,6 +266,8 @@ RESULT_CALLS = cases(
     ("top layer 'x'", lambda r: r.top(layer="x"), "layer 'x' is not an int"),
     ("layer 3", lambda r: r.layer(3), "layer 3 is out of range"),
     ("to_html rows", lambda r: r.to_html(rows=[5]), r"rows \[5\] out of range"),
+    ("to_html label 1", lambda r: r.to_html(label=1), "label 1 is out of range: this attribution explains 1 target"),
+    ("to_html label -1", lambda r: r.to_html(label=-1), "label -1 is out of range"),
     ("to_html method", lambda r: r.to_html(method="gradient"), "method='gradient': use 'normxlogit' or 'logat'"),
 )
 
@@ -274,6 +276,15 @@ RESULT_CALLS = cases(
 def test_bad_result_calls(result, call, message):
     with pytest.raises(ValueError, match=message):
         call(result)
+
+
+def test_a_generation_page_of_a_target_not_explained(lm):
+    from nxl_hooks.records.html import generation_html
+
+    with torch.no_grad(), nxl.attach(lm, target=[3, 4]) as probe:
+        lm.generate(torch.tensor([[1, 5, 7]]), max_new_tokens=1, do_sample=False, pad_token_id=0)
+    with pytest.raises(ValueError, match="label 2 is out of range: this call explains 2 target"):
+        generation_html(probe.calls[-1], label=2)
 
 
 def test_top_ranks_each_rows_own_tokens(result):
