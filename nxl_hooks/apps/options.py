@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Sequence
 from ..method import select
 from ..method.registry import get_method
 from ..records.files import unwritable
-from ..records.tokens import visible
+from ..records.tokens import printable
 from .loading_options import HEAD_CLASSES, Loading, read_max_memory
 from .schema import add_options, options
 from .serve.settings import ATTACH, Settings
@@ -53,9 +53,9 @@ class CliError(Exception):
 def one_line(message: str) -> str:
     """``message`` on one line that any terminal can print: whitespace runs become one space, and control, format
     and bidi characters, and what cannot be encoded (a command-line byte that is not UTF-8, kept by Python as a
-    lone surrogate), are shown escaped (:func:`~nxl_hooks.records.tokens.visible`): an error may quote a request
+    lone surrogate), are shown escaped (:func:`~nxl_hooks.records.tokens.printable`): an error may quote a request
     id or a server's answer, a notice of ``nxl attach`` what another user's process said (its model's name)."""
-    return visible(" ".join(message.split()))
+    return printable(" ".join(message.split()))
 
 
 def check_output_file(path: str | None, option: str) -> str | None:

@@ -17,8 +17,15 @@ HTML, JSON records, saved files, stream frames):
 ``\\x1b``, ``\\u202e``      any other control or format character (ANSI escape codes, bidi overrides,
                           zero-width characters): never sent raw to a terminal
 ``\\xf0\\x9f``              a byte-level token holding part of a UTF-8 character (it decodes to '�')
+``\\\\``                    a backslash, so that a token whose text is ``\\x41`` (source code) reads
+                          ``\\\\x41``, never the escape of 'A'
 ``∅``                     a token that decodes to nothing
 ========================  =====================================================================
+
+Texts written before backslashes were escaped (older files) still read and show as they are; only :func:`plain_text`
+and :func:`whole_characters` read such a text's ``\\\\`` as one backslash and its ``\\xNN`` as the escape, as
+before. :func:`printable` makes any other line safe for a terminal (a message, a line that quotes readable texts)
+without escaping its backslashes again.
 
 The raw pieces (``Attribution.tokens``) and ids (``Attribution.input_ids``) stay available; these strings are
 for reading. A text that happens to contain these glyphs itself reads the same as their meaning.
@@ -42,7 +49,7 @@ from ..method.chat import chat_prompt
 from ..method.select import ResolvedTarget
 
 __all__ = ["EMPTY", "describe_target", "NEWLINE", "SPACE", "TAB", "chat_text", "is_readable", "label_text",
-           "plain_text", "readable", "readable_ids", "target_texts", "visible", "whole_characters"]
+           "plain_text", "printable", "readable", "readable_ids", "target_texts", "visible", "whole_characters"]
 
 SPACE = "␣"
 NEWLINE = "↵"
@@ -73,10 +80,15 @@ def _escape(char: str) -> str:
     return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
-def visible(text: str) -> str:
-    """``text`` with edge spaces, newlines, tabs and invisible characters shown (the table in the module doc).
+def _shown(char: str) -> str:
+    return _GLYPHS.get(char) or (_escape(char) if unicodedata.category(char) in _INVISIBLE else char)
 
-    ``visible(" Paris") == "␣Paris"``, ``visible("\\x1b[31m") == "\\\\x1b[31m"``.
+
+def visible(text: str) -> str:
+    """``text`` as a readable text: edge spaces, newlines, tabs, invisible characters and backslashes shown (the
+    table in the module doc).
+
+    ``visible(" Paris") == "␣Paris"``, ``visible("\\x1b[31m") == "\\\\x1b[31m"``, ``visible("\\\\n") == "\\\\\\\\n"``.
     """
     if not text:
         return EMPTY
@@ -85,36 +97,37 @@ def visible(text: str) -> str:
         return SPACE * len(text)
     start = len(text) - len(text.lstrip(" "))
     end = len(text) - len(text.rstrip(" "))
-    out = []
-    for char in core:
-        if char in _GLYPHS:
-            out.append(_GLYPHS[char])
-        elif unicodedata.category(char) in _INVISIBLE:
-            out.append(_escape(char))
-        else:
-            out.append(char)
-    return SPACE * start + "".join(out) + SPACE * end
+    return SPACE * start + "".join("\\\\" if char == "\\" else _shown(char) for char in core) + SPACE * end
+
+
+def printable(line: str) -> str:
+    """``line`` safe for a terminal: newlines, tabs and invisible characters shown as :func:`visible` shows them,
+    nothing else changed (a line quoting readable texts keeps their backslashes single).
+    ``printable("req\\x1b[2J: '\\\\xf0'") == "req\\\\x1b[2J: '\\\\xf0'"``"""
+    return "".join(map(_shown, line))
 
 
 def is_readable(text: str) -> bool:
     """Whether ``text`` holds none of the characters :func:`visible` shows escaped (a readable text never does: one
-    that does, read from a file, would reach a terminal raw). ``is_readable("\\x1b[31m")``, not ``"\x1b[31m"``"""
+    that does, read from a file, would reach a terminal raw). ``is_readable("\\\\x1b[31m")``, not
+    ``is_readable("\\x1b[31m")``"""
     return not any(unicodedata.category(char) in _INVISIBLE for char in text)
 
 
 _MEANING = {SPACE: " ", NEWLINE: "\n", TAB: "\t", "␍": "\r", EMPTY: ""}
-_ESCAPED = re.compile(r"\\x([0-9a-f]{2})|\\u([0-9a-f]{4})|\\U([0-9a-f]{8})")
+_ESCAPED = re.compile(r"\\(\\)|\\x([0-9a-f]{2})|\\u([0-9a-f]{4})|\\U([0-9a-f]{8})")
 _BYTES = re.compile(r"(?:\\x[0-9a-f]{2})+")
 
 
 def _raw(name: str) -> bytes:
     """The UTF-8 bytes a readable text stands for. A text made only of ``\\xNN`` escapes, one of them 0x80 or
-    above, is a byte-level piece (:func:`_undecodable`): those bytes; otherwise glyphs are their characters and
-    escapes the characters they name."""
+    above, is a byte-level piece (:func:`_undecodable`): those bytes; otherwise glyphs are their characters,
+    ``\\\\`` a backslash and escapes the characters they name (read left to right: ``\\\\x41`` is ``\\x41``)."""
     if _BYTES.fullmatch(name) and any(int(name[i + 2:i + 4], 16) >= 0x80 for i in range(0, len(name), 4)):
         return bytes(int(name[i + 2:i + 4], 16) for i in range(0, len(name), 4))
     text = "".join(_MEANING.get(char, char) for char in name)
-    return _ESCAPED.sub(lambda m: chr(int(next(g for g in m.groups() if g), 16)), text).encode("utf-8", "surrogatepass")
+    return _ESCAPED.sub(lambda m: m[1] or chr(int(next(g for g in m.groups()[1:] if g), 16)),
+                        text).encode("utf-8", "surrogatepass")
 
 
 def plain_text(names: Sequence[str]) -> str:

@@ -56,6 +56,41 @@ def test_visible_marks_edge_spaces_newlines_and_invisible_characters():
     assert visible("\u202eevil") == "\\u202eevil" and visible("a\u200bb") == "a\\u200bb"
 
 
+def test_a_backslash_is_escaped_so_a_tokens_own_escape_text_reads_back_as_written():
+    """Source code holds tokens such as '\\x41' and '\\xe9': their readable texts could not be told from the byte and
+    character escapes of visible(), so a call's text read them as 'A' and '�' (and the step view as '…')."""
+    from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    from nxl_hooks.records.tokens import plain_text, whole_characters
+
+    words = [*tiny.VOCAB, "\\x41", "\\xe9", "a\\\\b"]
+    tok = tiny.word_tokenizer(words)
+    emitted = [words.index("\\xe9"), words.index("\\x41"), words.index("a\\\\b")]
+    assert visible("\\x41") == "\\\\x41" and visible("a\\\\b") == "a\\\\\\\\b"
+    assert readable_ids(tok, emitted) == ["\\\\xe9", "\\\\x41", "a\\\\\\\\b"]
+    assert plain_text(["\\xe9", "\\x41"]) == "\ufffdA"  # older texts, backslashes unescaped, read as before
+
+    class Emit(LogitsProcessor):  # the test's tokens, one per step
+        def __call__(self, input_ids, scores):
+            forced = torch.full_like(scores, float("-inf"))
+            forced[:, emitted[input_ids.shape[1] - prompt.shape[1]]] = 0
+            return forced
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(words), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)).eval()
+    prompt = tok("the film was", return_tensors="pt")["input_ids"]
+    with torch.no_grad(), nxl.attach(model, tokenizer=tok) as probe:
+        out = model.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                             logits_processor=LogitsProcessorList([Emit()]))
+    call = probe.calls[-1]
+    assert out[0, prompt.shape[1]:].tolist() == emitted
+    assert call.text == "".join(tok.decode([i]) for i in emitted) == "\\xe9\\x41a\\\\b"
+    assert [step.view(call).token for step in call.steps] == ["\\\\xe9", "\\\\x41", "a\\\\\\\\b"]
+    assert whole_characters(call.readable[0] + [step.readable[0] for step in call.steps]) == (
+        call.readable[0] + ["\\\\xe9", "\\\\x41", "a\\\\\\\\b"])
+
+
 def test_readable_tokens_of_a_byte_level_bpe(tok):
     ids = tok("The capital of France is Paris.\nThe 😀 a\x1bb")["input_ids"]
     assert tok.convert_ids_to_tokens(ids)[:8] == ["The", "Ġcapital", "Ġof", "ĠFrance", "Ġis", "ĠParis", ".", "Ċ"]

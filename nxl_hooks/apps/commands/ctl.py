@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ...records.tokens import visible
+from ...records.tokens import printable
 from ..schema import options
 from ..serve.settings import CTL, Settings, add_run_options
 from .tail import add_connect_options, faults
@@ -45,7 +45,7 @@ def request(args: argparse.Namespace, *, group: type = Settings) -> dict | None:
 
 def describe(status: dict) -> str:
     """One line per process: its state and each model's, with what it does not record; escaped for a terminal
-    (:func:`~nxl_hooks.records.tokens.visible`: names and errors may hold anything)."""
+    (:func:`~nxl_hooks.records.tokens.printable`: names and errors may hold anything)."""
     models = "; ".join(
         f"{m['name']}: " + ("attached, layers " + ",".join(map(str, m["layers"])) if m["attached"]
                             else ("excluded" if m["excluded"] else "not attached") + (f" ({m['error']})" if m["error"] else ""))
@@ -55,7 +55,7 @@ def describe(status: dict) -> str:
     # "recording" only while some attached model records: none of its calls yet, or some recorded
     recording = any(m["attached"] and (not m["calls"] or m.get("recorded", 1)) for m in status["models"])
     state = "paused" if status["paused"] else "recording" if recording else "not recording"
-    return visible(f"pid {status['pid']}: {state}; {models}")
+    return printable(f"pid {status['pid']}: {state}; {models}")
 
 
 def run(args: argparse.Namespace) -> int:

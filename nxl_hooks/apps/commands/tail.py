@@ -24,7 +24,7 @@ token is made, never changed afterwards.
 While no token comes (at the start, once subscribed to every process, or for a while after the last token), a
 line on stderr says it waits. What a process does not record (its sink stopped writing, calls that run unrecorded)
 is a line of its own, ``!`` first, as soon as its status says so. Every line goes through
-:func:`~nxl_hooks.records.tokens.visible` before the terminal sees it: request ids come from the network, and an
+:func:`~nxl_hooks.records.tokens.printable` before the terminal sees it: request ids come from the network, and an
 escape sequence in one is shown, never run.
 """
 
@@ -39,7 +39,7 @@ import time
 from typing import NamedTuple, Union
 from urllib.parse import quote, urlencode
 
-from ...records.tokens import visible
+from ...records.tokens import printable
 from ...records.view import METHOD, StepView
 from ..options import CliError, add_method_option, positive_int
 
@@ -93,21 +93,21 @@ def line(view: StepView, layer: int | None, width: int, method: str = METHOD) ->
     Tokens are the step view's texts (:mod:`nxl_hooks.records.view`: readable, a character split over tokens
     shown whole), quoted as they are; ``layer``: the one shown (the last when the view does not have it)."""
     if method not in view.scores:  # the program's probe does not compute it: the line says so
-        return visible(f"{visible(str(view.request_id))[:16]:<16} {view.step:>4} @{view.position:<5} '{view.token}'"
+        return printable(f"{printable(str(view.request_id))[:16]:<16} {view.step:>4} @{view.position:<5} '{view.token}'"
                        f"  the program's probe does not compute {method!r} (it computes "
                        f"{', '.join(view.scores)}; nxl run --methods {method})")[:max(width, 8)]
     shown, ranked = view.ranked(layer, method)
     best = "  ".join(f"{entry.position}:'{entry.text}' " + (f"{entry.score:.3g}" if entry.score is not None else "nan")
                      for entry in ranked)
     token = f"'{view.token}'" + ("" if view.target is None else f"→'{view.target}'")  # the scores explain the target
-    text = visible(f"{visible(str(view.request_id))[:16]:<16} {view.step:>4} @{view.position:<5} {token:>12}"
+    text = printable(f"{printable(str(view.request_id))[:16]:<16} {view.step:>4} @{view.position:<5} {token:>12}"
                    f"  L{shown}: {best}")
     return text if len(text) <= width else text[: max(width - 1, 8)] + "…"
 
 
 def end_line(data: dict) -> str:
     """A request's last line: ``my-req-1: ended after 6 tokens`` (and why it stopped early, if it did)."""
-    return visible(f"{data['request_id']}: ended after {data['steps']} tokens"
+    return printable(f"{data['request_id']}: ended after {data['steps']} tokens"
                    + (f" ({data['error']})" if data.get("error") else ""))
 
 
@@ -217,7 +217,7 @@ def _show(items: queue.Queue[Item], args: argparse.Namespace, open_streams: int,
     ``--count`` is reached or every stream has closed; say so on stderr while no token comes."""
     width, shown = shutil.get_terminal_size((120, 20)).columns, 0
     seen = {(item.view.request_id, item.view.step) for item in past if isinstance(item, Shown)}
-    waiting = f"request {visible(args.request_id)}" if args.request_id else "requests"
+    waiting = f"request {printable(args.request_id)}" if args.request_id else "requests"
     quiet_since, wait, said, opening = time.monotonic(), _WAIT_FIRST, False, open_streams
     for item in past:
         is_step = isinstance(item, Shown)
@@ -248,7 +248,7 @@ def _show(items: queue.Queue[Item], args: argparse.Namespace, open_streams: int,
             print(end_line(item.summary), flush=True)
             return 0
         elif isinstance(item, Fault):
-            print(visible(item.text), flush=True)
+            print(printable(item.text), flush=True)
         elif isinstance(item, Failed):
             raise CliError(item.error)
         elif isinstance(item, Opened):  # subscribed: from now on nothing is missed
