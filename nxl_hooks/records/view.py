@@ -59,12 +59,18 @@ class StepView:
     target_probability: float | None = None  #: the model's probability of ``target_id`` (None where not known)
 
     def ranked(self, layer: int | None = None, method: str = METHOD) -> tuple[int, tuple[Ranked, ...]]:
-        """(layer, its ranked context tokens) by ``method``: ``layer`` where the view has it, else the last."""
+        """(layer, its ranked context tokens) by ``method`` at ``layer``: one the view has, a negative one counted
+        from its last (-1: the last), None for the last; ValueError naming the layers it has for any other."""
         if method not in self.scores:
             raise ValueError(f"method {method!r} is not in this step view: it has {', '.join(self.scores) or 'none'}")
         by_layer = self.scores[method]
-        chosen = layer if layer in by_layer else max(by_layer)
-        return chosen, by_layer[chosen]
+        layers = sorted(by_layer)
+        if layer is None or -len(layers) <= layer < 0:
+            layer = layers[-1 if layer is None else layer]
+        elif layer not in by_layer:
+            raise ValueError(f"layer {layer} was not recorded: this step view has layers "
+                             f"{', '.join(map(str, layers))} (or -{len(layers)}..-1, counted from the last)")
+        return layer, by_layer[layer]
 
     def to_json(self) -> dict:
         """The view as JSON (the endpoint's ``step`` event and each step of ``/v1/requests/ID``). ``top`` repeats

@@ -277,3 +277,25 @@ def test_a_call_view_names_each_position_by_its_own_token_when_its_first_steps_a
     assert {p for p in named if p >= ids.shape[1]} >= {ids.shape[1], ids.shape[1] + 1}  # the steps not kept too
     for position, text in named.items():
         assert text == (readable(tokenizer, sequence[position]) if position in known else f"@{position}")
+
+
+def test_a_negative_layer_counts_from_the_last_recorded_and_an_unknown_one_is_refused():
+    """``nxl tail --layer -2`` showed the last layer, as did a layer the program does not record."""
+    import argparse
+    import queue
+
+    from nxl_hooks.apps.options import CliError
+
+    ranked = {layer: (Ranked(layer, "x", float(layer)),) for layer in (0, 2, 3)}  # each layer tells itself apart
+    view = StepView(step=0, position=4, token_id=1, token="a", probability=None, active=True,
+                    scores={"normxlogit": ranked})
+    assert [view.ranked(layer)[0] for layer in (None, -1, -2, -3, 0, 2)] == [3, 3, 2, 0, 0, 2]
+    assert view.ranked(-2)[1] == ranked[2]
+    for layer in (1, 4, -4):
+        with pytest.raises(ValueError, match=rf"layer {layer} was not recorded: this step view has layers 0, 2, 3 "
+                                             r"\(or -3..-1, counted from the last\)"):
+            view.ranked(layer)
+    assert "  L2: 2:'x' 2" in tail.line(view, -2, 200)
+    args = argparse.Namespace(layer=1, method="normxlogit", request_id=None, last=None, count=None)
+    with pytest.raises(CliError, match="--layer 1: layer 1 was not recorded"):  # the command: one line, exit 2
+        tail._show(queue.Queue(), args, 0, [tail.Shown(view)])

@@ -64,7 +64,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                                         "context tokens that drove it most at one layer.")
     add_connect_options(parser)
     parser.add_argument("--request-id", metavar="ID", help="only this request (from its first token; ends with it)")
-    parser.add_argument("--layer", type=int, default=None, help="which recorded layer to show (default: the last)")
+    parser.add_argument("--layer", type=int, default=None,
+                        help="which recorded layer to show, negative from the last recorded (default: the last)")
     parser.add_argument("-k", type=positive_int, default=3, help="context tokens per line (default 3)")
     add_method_option(parser)
     parser.add_argument("--count", type=positive_int, metavar="N", help="stop after N tokens")
@@ -91,7 +92,8 @@ def faults(model: dict) -> list[str]:
 def line(view: StepView, layer: int | None, width: int, method: str = METHOD) -> str:
     """One step as a short line: ``req  step @position 'token'  L2: 5:'a' 0.41  9:'␣b' 0.33`` (the module doc).
     Tokens are the step view's texts (:mod:`nxl_hooks.records.view`: readable, a character split over tokens
-    shown whole), quoted as they are; ``layer``: the one shown (the last when the view does not have it)."""
+    shown whole), quoted as they are; ``layer``: the one shown (:meth:`StepView.ranked`: negative from the last,
+    None the last; ValueError for a layer the view does not have)."""
     if method not in view.scores:  # the program's probe does not compute it: the line says so
         return printable(f"{printable(str(view.request_id))[:16]:<16} {view.step:>4} @{view.position:<5} '{view.token}'"
                        f"  the program's probe does not compute {method!r} (it computes "
@@ -212,6 +214,14 @@ def run(args: argparse.Namespace) -> int:
         stop.set()
 
 
+def _line(view: StepView, args: argparse.Namespace, width: int) -> str:
+    """:func:`line` of ``view`` as the command asked for it; a ``--layer`` the program does not record is exit 2."""
+    try:
+        return line(view, args.layer, width, args.method)
+    except ValueError as error:
+        raise CliError(f"--layer {args.layer}: {error}") from None
+
+
 def _show(items: queue.Queue[Item], args: argparse.Namespace, open_streams: int, past: list[Item]) -> int:
     """Print ``past`` (``--last``), then what the follower threads put in ``items`` until the request ends,
     ``--count`` is reached or every stream has closed; say so on stderr while no token comes."""
@@ -223,7 +233,7 @@ def _show(items: queue.Queue[Item], args: argparse.Namespace, open_streams: int,
         is_step = isinstance(item, Shown)
         if args.count and shown >= args.count and is_step:
             return 0  # --count reached (the end line of the request shown last still came)
-        print(line(item.view, args.layer, width, args.method) if is_step else end_line(item.summary), flush=True)
+        print(_line(item.view, args, width) if is_step else end_line(item.summary), flush=True)
         shown += is_step
     if args.count and shown >= args.count:
         return 0
@@ -240,7 +250,7 @@ def _show(items: queue.Queue[Item], args: argparse.Namespace, open_streams: int,
             if (item.view.request_id, item.view.step) in seen:
                 continue  # already shown by --last
             quiet_since, wait, said = time.monotonic(), _WAIT_AGAIN, False
-            print(line(item.view, args.layer, width, args.method), flush=True)
+            print(_line(item.view, args, width), flush=True)
             shown += 1
             if args.count and shown >= args.count:
                 return 0
