@@ -422,3 +422,19 @@ def test_a_request_the_main_thread_does_not_pick_up_is_withdrawn_and_never_runs(
     finally:
         _stop(process)
     assert (tmp_path / "target.log").read_text().splitlines() == ["ready", "main thread back"]
+
+
+@pytest.mark.parametrize("answer", [{"ok": True, "status": "x"}, {"ok": True, "status": {"models": [{"name": 3}]}},
+                                    {"ok": True}])
+def test_an_answer_of_another_shape_is_one_line_and_the_run_folder_goes(tmp_path, capsys, monkeypatch, answer):
+    """The answer comes from the target's side, which its user controls (their own nxl_hooks, or a result file
+    written into the folder they were handed): one of another shape was a traceback (exit 1), the folder left."""
+    from nxl_hooks.apps.serve import inject as injection
+
+    monkeypatch.setattr(injection, "inspect_target", lambda pid: Target(pid, os.geteuid(), os.getegid(),
+                                                                        sys.executable, (3, 11)))
+    monkeypatch.setattr(injection, "inject", lambda *args, **kwargs: answer)
+    run = tmp_path / "run"
+    assert "answered the attach with a status of another shape" in _refused(capsys, "attach", "4242", "--sink",
+                                                                            str(run))
+    assert not run.exists()

@@ -275,3 +275,24 @@ def test_a_model_dropped_while_attached_is_freed_and_its_sink_closed(tmp_path, s
     assert probe.result().normxlogit.shape == (3, 1, 3) and probe.describe()["model_class"] == "LlamaForCausalLM"
     with pytest.raises(RuntimeError, match="has been freed"):
         probe.model
+
+
+def test_nxl_attach_wait_scans_a_big_heap_at_most_a_twentieth_of_the_time(monkeypatch):
+    """nxl attach --wait looks for a model by scanning the target's heap, which holds its GIL: a scan of 0.1 s
+    every 0.5 s took a sixth of the host's time while it waited; the wait between scans grows with the scan."""
+    from types import SimpleNamespace
+
+    from nxl_hooks.apps.serve import remote
+
+    clock, scans = [0.0], []
+
+    def scan():  # a heap whose scan takes 0.1 s, with no model in it yet
+        scans.append(clock[0])
+        clock[0] += 0.1
+        return []
+
+    monkeypatch.setattr(remote, "_scan", scan)
+    monkeypatch.setattr(remote, "time", SimpleNamespace(  # the module's clock alone, not the process's
+        monotonic=lambda: clock[0], sleep=lambda seconds: clock.__setitem__(0, clock[0] + seconds)))
+    assert remote.live_models(wait=60.0) == []
+    assert clock[0] >= 60.0 and 0.1 * len(scans) <= 0.05 * clock[0] + 0.1  # the scans' share of the wait

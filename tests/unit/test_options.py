@@ -598,3 +598,27 @@ def test_a_forward_the_recorder_cannot_follow_is_reported_everywhere(tmp_path, c
         assert probe.unrecorded_calls == 1 and len(probe.calls[-1].steps) == 1  # the followed call is recorded
     finally:
         controller.close()
+
+
+def test_an_endpoint_serves_when_the_users_live_run_list_cannot_be_kept(tmp_path, monkeypatch, caplog):
+    """Another user who made /tmp/nxl-<uid> first (one mkdir) made every endpoint of this user fail to start, its
+    socket left bound and dead: the live-run list is a convenience, so the endpoint serves without it and says so."""
+    from nxl_hooks.apps.serve import endpoint as endpoint_module
+    from nxl_hooks.apps.serve.client import endpoints
+    from nxl_hooks.apps.serve.controller import Controller
+
+    def squatted(sock):
+        raise PermissionError("/tmp/nxl-1001 is not a private folder of this user: remove it, or pass --sink DIR")
+
+    monkeypatch.setattr(endpoint_module, "enlist", squatted)
+    controller = Controller(Settings(run_dir=tmp_path / "run"))
+    server = endpoint_module.ControlServer(controller)
+    server.start()
+    try:
+        (endpoint,) = endpoints(str(tmp_path / "run"))
+        assert endpoint.json("GET", "/v1/status")["paused"] is False
+        assert "is not among this user's live runs (PermissionError" in caplog.text and "--run" in caplog.text
+    finally:
+        server.stop()
+        controller.close()
+    assert not server.socket.exists()

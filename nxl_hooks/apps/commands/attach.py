@@ -73,15 +73,29 @@ def run(args: argparse.Namespace) -> int:
                          timeout=args.timeout, wait=args.wait)
         if not outcome.get("ok"):
             raise CliError(f"process {args.pid}: {outcome.get('error')}")
+        models = _attached(args.pid, outcome)
     except BaseException:
         _remove(created)
         raise
-    status = outcome["status"]
-    models = ", ".join(m["name"] + ("" if m["attached"] else f" (not attached: {m['error'] or 'not selected'})")
-                       for m in status["models"])
-    print(one_line(f"nxl attach: process {args.pid} recorded ({models}); run folder {folder} (live view: nxl tail "
-                   f"--run {folder}; undo: nxl detach {args.pid})"), file=sys.stderr, flush=True)
+    # another user's run folder and socket are theirs: its endpoint answers them (and root's detach), not root's tail
+    viewer = f" as uid {target.uid}" if other else ""
+    print(one_line(f"nxl attach: process {args.pid} recorded ({models}); run folder {folder} (live view{viewer}: nxl "
+                   f"tail --run {folder}; undo: nxl detach {args.pid})"), file=sys.stderr, flush=True)
     return 0
+
+
+def _attached(pid: int, outcome: dict) -> str:
+    """The models an attach answer names, in words; CliError for an answer of another shape (it comes from the
+    target's side, which its user controls: only its shape is read, nothing of it is run)."""
+    status = outcome.get("status")
+    models = status.get("models") if isinstance(status, dict) else None
+    if not isinstance(models, list) or not all(
+            isinstance(m, dict) and isinstance(m.get("name"), str) and isinstance(m.get("attached"), bool)
+            and isinstance(m.get("error"), (str, type(None))) for m in models):
+        raise CliError(f"process {pid} answered the attach with a status of another shape: nothing was recorded "
+                       "that nxl attach can vouch for; detach it (nxl detach) and check its nxl_hooks install")
+    return ", ".join(m["name"] + ("" if m["attached"] else f" (not attached: {m['error'] or 'not selected'})")
+                     for m in models)
 
 
 def _create(sink: str, other: bool, uid: int) -> list[Path]:

@@ -427,8 +427,14 @@ class ControlServer:
         path = socket_path(run_dir, os.getpid())
         server = _UnixServer(str(path), _Handler)
         self.socket = path
-        self._entry = enlist(path)
-        _remove_at_exit(path, self._entry)
+        _remove_at_exit(path)  # first: nothing after this leaves the socket behind
+        try:
+            self._entry = enlist(path)
+        except OSError as error:  # the list is a convenience (nxl ctl / tail without --run): the endpoint serves on
+            _log.warning("nxl_hooks: process %d is not among this user's live runs (%s: %s): nxl ctl and nxl tail "
+                         "reach it with --run %s", os.getpid(), type(error).__name__, error, run_dir)
+        else:
+            _remove_at_exit(self._entry)
         self._serve(server, token=None)
         if self.settings.listen:
             self._listen()

@@ -6,12 +6,15 @@ PID`` reach it. Standard library only; the side of it that runs in the target is
 
 What root trusts. ``nxl attach`` may run as root against another user's process; it then runs, imports and
 believes nothing that user controls. Everything about the target is read once from ``/proc`` (the kernel's
-word); the interpreter file the kernel resolved (``/proc/PID/exe``) is run by root, to learn its version and to
-inject on 3.14+, only when it is a Python interpreter's (``python3.12``, not a program embedding Python) and
-nobody but root can change it (a regular file of root's that group and others cannot write, in folders of root's
-that they cannot write either, or sticky ones), and then exactly that file, opened once and run through its
-descriptor, with ``-I -S``, an empty environment and ``/`` as working folder: nothing of the target's environment
-(``PYTHONPATH``, ``PYTHONHOME``, ``LD_PRELOAD``...), folders or symlinks. Any other interpreter is not run at all:
+word). Root never runs another user's process's interpreter: even a file of root's loads its standard library and
+libpython from folders beside it that its owner and folders do not vouch for (a root-installed Python whose
+``lib/`` a user can write). Attaching to one's own process (root's own, or a user's), the interpreter file the
+kernel resolved (``/proc/PID/exe``) is run, to learn its version and to inject on 3.14+, only when it is a Python
+interpreter's (``python3.12``, not a program embedding Python) and nobody but its user or root can change it (a
+regular file that group and others cannot write, in folders they cannot write either, or sticky ones), and then
+exactly that file, opened once and run through its descriptor, with ``-I -S``, an empty environment and ``/`` as
+working folder: nothing of the target's environment (``PYTHONPATH``, ``PYTHONHOME``, ``LD_PRELOAD``...), folders or
+symlinks. Any other interpreter is not run at all:
 its version is read from the file names the kernel maps (``libpython3.12``: only to refuse one below 3.10) and
 its process goes through gdb, which runs nothing of it (``-nx``, auto-load off). Whether nxl_hooks imports is
 answered by the target itself, after the injection. (Attaching to one's own process, the same holds with "root's
@@ -251,9 +254,11 @@ def inspect_target(pid: int) -> Target:
     if environ.get("NXL_RUN_DIR"):
         raise CliError(f"process {pid} runs under nxl run already (run folder {environ['NXL_RUN_DIR']}): use "
                        f"nxl ctl --run {environ['NXL_RUN_DIR']}")
-    # run only a Python interpreter's file (not a program embedding Python), and only one nobody else can change
-    trusted = (trusted_file(executable, frozenset({0, os.geteuid()} if uid == os.geteuid() else {0}))
-               if _PYTHON.search(os.path.basename(executable)) else None)
+    # run only a Python interpreter's file (not a program embedding Python), only one nobody else can change, and
+    # only the caller's own process's: root never runs another user's, whose standard library (and libpython) it
+    # loads from folders beside it that the file's owner and folders do not vouch for (gdb reads it instead)
+    trusted = (trusted_file(executable, frozenset({0, os.geteuid()}))
+               if uid == os.geteuid() and _PYTHON.search(os.path.basename(executable)) else None)
     version = _probe(pid, executable, trusted) if trusted else None
     if version is None:  # not run, or it did not answer: gdb takes it, the file names tell the version if any
         trusted, named = None, _VERSION.search(executable) or _VERSION.search(maps)

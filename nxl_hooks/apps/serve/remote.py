@@ -53,10 +53,14 @@ def live_models(wait: float = 0.0, selects: Any = None) -> list[tuple[Any, str]]
     until one that ``selects(name)`` is found (``selects``: None takes any)."""
     deadline = time.monotonic() + wait
     while True:
+        started = time.monotonic()
         found = _scan()
-        if any(selects is None or selects(name) for _, name in found) or time.monotonic() >= deadline:
+        now = time.monotonic()
+        if any(selects is None or selects(name) for _, name in found) or now >= deadline:
             return found
-        time.sleep(0.5)
+        # a scan holds the GIL for its whole length (a tenth of a second over a heap of millions of objects): the
+        # host's threads get at least 95% of the time between two
+        time.sleep(min(max(0.5, 20 * (now - started)), max(deadline - now, 0.0)))
 
 
 def _scan() -> list[tuple[Any, str]]:
