@@ -31,7 +31,7 @@ import sys
 import tempfile
 import dataclasses
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .loading_options import (DTYPES, HEAD_CLASSES, QUANTIZE, Loading, markdown_table, read_device_map,
                               read_max_memory)
@@ -83,6 +83,10 @@ def _check_local(name: str, gguf_file: str | None) -> None:
         raise FileNotFoundError(f"no model folder at {name}: check the path (or pass a hub id like org/name)")
 
 
+#: Weight files that are pickles (torch.load): never read (:func:`_check_weights`, ``use_safetensors=True``).
+_PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt")
+
+
 def _check_weights(folder: Path, auto: Any, config: Any) -> None:
     """Every ``*.safetensors`` file of a local model folder is whole, and each tensor it shares with the model that
     ``config`` describes has that model's shape: a truncated or damaged file, or a config.json that does not fit the
@@ -90,6 +94,11 @@ def _check_weights(folder: Path, auto: Any, config: Any) -> None:
     import torch
     from safetensors import SafetensorError, safe_open
 
+    pickled = sorted(file.name for pattern in _PICKLED for file in folder.glob(pattern))
+    if pickled and not any(folder.glob("*.safetensors")):
+        raise ValueError(f"{folder} holds its weights as pickle files only ({', '.join(pickled[:3])}): nxl_hooks never "
+                         "loads pickle, which runs code as it reads; save them as safetensors (load the model in a "
+                         "Python you trust, then model.save_pretrained(folder), which writes model.safetensors)")
     stored: dict[str, tuple[tuple[int, ...], str]] = {}
     for file in sorted(folder.glob("*.safetensors")):
         try:
@@ -406,7 +415,7 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
         kind = head or "causal_lm"  # a GGUF file holds a language model; its config names no architecture
         config = None
     else:
-        config = transformers.AutoConfig.from_pretrained(name)
+        config = _no_remote_code(name, lambda: transformers.AutoConfig.from_pretrained(name, trust_remote_code=False))
         kind = head or head_from_architectures(getattr(config, "architectures", None))
         if kind is None:
             raise ValueError(
@@ -417,7 +426,8 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
     if gguf_file is not None and (Path(name).expanduser() / gguf_file).is_file():
         check_gguf(Path(name).expanduser() / gguf_file, kind)  # before the tokenizer and model are built from it
     try:  # first: a damaged tokenizer costs no model load
-        tokenizer = transformers.AutoTokenizer.from_pretrained(name, **({"gguf_file": gguf_file} if gguf_file else {}))
+        tokenizer = _no_remote_code(name, lambda: transformers.AutoTokenizer.from_pretrained(
+            name, trust_remote_code=False, **({"gguf_file": gguf_file} if gguf_file else {})))
     except (OSError, ValueError) as err:
         fix = ("save it again with tokenizer.save_pretrained(folder)" if Path(name).expanduser().exists() else
                "check the hub id and your access to it (or save the model and tokenizer to a folder)")
@@ -466,6 +476,18 @@ def _from_gguf(auto: Any, name: str, gguf_file: str, kwargs: dict[str, Any]) -> 
     return model
 
 
+def _no_remote_code(name: str, load: Callable[[], Any]) -> Any:
+    """``load()``, which transformers refuses (ValueError) where the model or tokenizer needs code of its own
+    (``auto_map``, ``trust_remote_code``): said in one line of nxl's, which never runs such code."""
+    try:
+        return load()
+    except ValueError as error:
+        if "trust_remote_code" not in str(error):
+            raise
+        raise ValueError(f"{name} needs code of its own to load (auto_map in its config): nxl_hooks never runs code "
+                         "from a model folder or repository; use a model of an architecture transformers ships") from None
+
+
 def _from_pretrained(auto: Any, name: str, kwargs: dict[str, Any]) -> Any:
     """``auto.from_pretrained`` of a folder or hub id, refusing (one line) weights that lack a tensor the model needs:
     transformers would fill it with random numbers and only log its load report. The missing keys are transformers'
@@ -481,7 +503,9 @@ def _from_pretrained(auto: Any, name: str, kwargs: dict[str, Any]) -> Any:
     missing = None
     logger.addFilter(hold)
     try:
-        model, info = auto.from_pretrained(name, output_loading_info=True, **kwargs)
+        # safetensors only (a pickle runs code as it is read), and no code of the model's own (auto_map)
+        model, info = _no_remote_code(name, lambda: auto.from_pretrained(
+            name, output_loading_info=True, use_safetensors=True, trust_remote_code=False, **kwargs))
         missing = info["missing_keys"]
     finally:
         logger.removeFilter(hold)

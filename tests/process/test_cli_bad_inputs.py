@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
@@ -82,6 +83,10 @@ CASES = [
     ("generate beyond the positions", ["attribute", "{llama}", TEXT, "--generate", "3000", "--out", "{existing_nxl}"],
      r"TEXT is 6 tokens plus 3000 to generate, but the model reads at most 2048"),
     ("text empty", ["attribute", "{bert}", " "], r"TEXT is empty: give the text to explain"),
+    ("weights only as a pickle", ["attribute", "{pickled}", TEXT],
+     r"pickled holds its weights as pickle files only \(pytorch_model.bin\): nxl_hooks never loads pickle"),
+    ("a model that needs its own code", ["attribute", "{remotecode}", TEXT],
+     r"remotecode needs code of its own to load \(auto_map in its config\): nxl_hooks never runs code"),
     ("masked LM text without its mask", ["attribute", "{mlm}", TEXT],
      r"TEXT has no \[MASK\] token: a masked LM explains what it predicts at its mask token; put \[MASK\] where"),
     ("masked LM tokenizer without a mask token", ["attribute", "{nomask}", TEXT],
@@ -239,6 +244,14 @@ def where(tmp_path_factory) -> dict[str, str]:
             {**json.loads((p / "config.json").read_text()), "id2label": {"0": "neg", "1": "pos"},
              "label2id": {"neg": 0, "pos": 1}})),
         "notokenizer": lambda p: [(p / f).unlink() for f in ("tokenizer.json", "tokenizer_config.json")],
+        # the weights as a pickle (torch.load would run what it holds): never read
+        "pickled": lambda p: (torch.save(load_file(p / "model.safetensors"), p / "pytorch_model.bin"),
+                              (p / "model.safetensors").unlink()),
+        # code of its own to load (auto_map, a model_type transformers does not ship): never run
+        "remotecode": lambda p: ((p / "config.json").write_text(json.dumps(
+            {**json.loads((p / "config.json").read_text()), "model_type": "evilbert",
+             "auto_map": {"AutoConfig": "evil.EvilConfig", "AutoModelForSequenceClassification": "evil.Evil"}})),
+            (p / "evil.py").write_text(f"open({str(p / 'RAN')!r}, 'w')\n")),
         "badtokenizer": lambda p: (p / "tokenizer.json").write_text("{oops"),
     }
     paths = {"root": str(root), "bert": str(bert), "llama": str(llama), "regression": str(regression),
