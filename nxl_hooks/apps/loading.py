@@ -41,7 +41,8 @@ __all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "Loading", "check_explainable",
            "position_limit", "program_defaults", "quantization_config", "read_device_map", "read_max_memory"]
 
 #: Files one of which a folder's tokenizer is read from; without any, transformers builds an empty-vocabulary
-#: tokenizer that reads every word as unknown, silently.
+#: tokenizer that reads every word as unknown, silently (tokenizer_config.json names a tokenizer but need not hold its
+#: vocabulary: :func:`_check_vocabulary` refuses one loaded without it).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model",
                     "spiece.model", "sentencepiece.bpe.model")
 _SUFFIXES = {
@@ -432,6 +433,7 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
         fix = ("save it again with tokenizer.save_pretrained(folder)" if Path(name).expanduser().exists() else
                "check the hub id and your access to it (or save the model and tokenizer to a folder)")
         raise ValueError(f"{name}: its tokenizer cannot be read ({type(err).__name__}: {err}); {fix}") from err
+    _check_vocabulary(name, tokenizer)
     if loading.chat:  # a minute of loading weights is not spent on a template that is missing or fails
         chat_prompt(tokenizer, "Hello")
     if quantization is not None and gguf_file is None:
@@ -452,6 +454,16 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
                                             quantization_config=quantization, **placement)
         del plain
     return model.eval(), tokenizer
+
+
+def _check_vocabulary(name: str, tokenizer: Any) -> None:
+    """Refuse (one line) a tokenizer that holds no token but its special ones: tokenizer_config.json without the
+    vocabulary file it names builds one without complaint, which reads every word as unknown (or as nothing)."""
+    special = set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab())
+    if set(tokenizer.get_vocab()) <= special:
+        raise ValueError(f"{name}: its tokenizer ({type(tokenizer).__name__}) has no vocabulary, only its special "
+                         f"tokens ({', '.join(sorted(special))}), so it would read every word as unknown: its "
+                         "vocabulary file is missing; save it beside the model with tokenizer.save_pretrained(folder)")
 
 
 def _from_gguf(auto: Any, name: str, gguf_file: str, kwargs: dict[str, Any]) -> Any:

@@ -70,6 +70,9 @@ CASES = [
      r"headless lacks tensors the model needs"),
     ("config not JSON", ["attribute", "{badconfig}", TEXT], r"config file at '.*badconfig/config.json' is not a valid"),
     ("no tokenizer", ["attribute", "{notokenizer}", TEXT], r"notokenizer has no tokenizer \(none of tokenizer.json"),
+    ("tokenizer config without a vocabulary", ["attribute", "{vocabless}", TEXT],
+     r"vocabless: its tokenizer \(BertTokenizer\) has no vocabulary, only its special tokens \(\[CLS\], .*\), so it "
+     r"would read every word as unknown: its vocabulary file is missing; save it beside the model"),
     ("damaged tokenizer", ["attribute", "{badtokenizer}", TEXT],
      r"badtokenizer: its tokenizer cannot be read \(JSONDecodeError"),
     ("no model folder", ["attribute", "{root}/nope", TEXT], r"no model folder at .*/nope: check the path"),
@@ -253,6 +256,9 @@ def where(tmp_path_factory) -> dict[str, str]:
              "auto_map": {"AutoConfig": "evil.EvilConfig", "AutoModelForSequenceClassification": "evil.Evil"}})),
             (p / "evil.py").write_text(f"open({str(p / 'RAN')!r}, 'w')\n")),
         "badtokenizer": lambda p: (p / "tokenizer.json").write_text("{oops"),
+        # tokenizer_config.json naming a tokenizer whose vocabulary file is not there: it loads, holding no word
+        "vocabless": lambda p: ((p / "tokenizer.json").unlink(), (p / "tokenizer_config.json").write_text(json.dumps(
+            {**json.loads((p / "tokenizer_config.json").read_text()), "tokenizer_class": "BertTokenizer"}))),
     }
     paths = {"root": str(root), "bert": str(bert), "llama": str(llama), "regression": str(regression),
              "mlm": str(mlm), "nomask": str(nomask)}
