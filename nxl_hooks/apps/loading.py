@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import atexit
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -84,6 +85,43 @@ def _check_local(name: str, gguf_file: str | None) -> None:
         raise FileNotFoundError(f"no model folder at {name}: check the path (or pass a hub id like org/name)")
 
 
+#: config.json fields that size a model (in it, or in a sub-config such as text_config): each a whole number above 0
+#: where given. transformers divides by a head count of 0, fails building a model of a negative width, and rejects a
+#: string or a fraction in its type check, each with a traceback.
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+          "num_key_value_heads", "head_dim")
+_CONFIG_FIX = "use the config.json saved with these weights"
+
+
+def _read_config(name: str) -> Any:
+    """The config of a local folder or hub id, refusing (one line) a config.json with a size that is not a whole
+    number above 0 (named by its field), or a value transformers rejects."""
+    import transformers
+    from huggingface_hub.errors import StrictDataclassError
+
+    path = Path(name).expanduser() / "config.json"
+    try:
+        fields = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    except (ValueError, OSError):
+        fields = {}  # transformers says, in its own words, that the file is not JSON
+    if not isinstance(fields, dict):
+        fields = {}
+    parts = [("", fields), *((f"{key}.", value) for key, value in fields.items()
+                             if key.endswith("_config") and isinstance(value, dict))]
+    for where, part in parts:
+        for key in _SIZES:
+            value = part.get(key)
+            if value is not None and (type(value) is not int or value <= 0):
+                raise ValueError(f"{path}: {where}{key} is {value!r}; a size must be a whole number above 0: "
+                                 f"{_CONFIG_FIX}")
+    try:
+        return _no_remote_code(name, lambda: transformers.AutoConfig.from_pretrained(name, trust_remote_code=False))
+    except (StrictDataclassError, ZeroDivisionError) as err:  # a value of a field the check above does not know
+        detail = str(err).strip().splitlines()[-1].strip()
+        raise ValueError(f"{name}: transformers rejects its config.json ({type(err).__name__}: {detail}); "
+                         f"{_CONFIG_FIX}") from None
+
+
 #: Weight files that are pickles (torch.load): never read (:func:`_check_weights`, ``use_safetensors=True``).
 _PICKLED = ("*.bin", "*.pt", "*.pth", "*.ckpt")
 
@@ -111,15 +149,19 @@ def _check_weights(folder: Path, auto: Any, config: Any) -> None:
                              "or save the model again") from None
     if not stored or getattr(config, "quantization_config", None) is not None:
         return  # nothing to compare, or weights saved packed (their shapes are the quantizer's, not the config's)
-    with torch.device("meta"):  # the model's shapes without its memory
-        skeleton = auto.from_config(config)
+    try:
+        with torch.device("meta"):  # the model's shapes without its memory
+            skeleton = auto.from_config(config)
+    except (RuntimeError, ValueError, TypeError, ZeroDivisionError, OverflowError) as err:  # a size under another name
+        raise ValueError(f"{folder / 'config.json'}: transformers cannot build the model it describes "
+                         f"({type(err).__name__}: {err}); {_CONFIG_FIX}") from None
     prefix = f"{skeleton.base_model_prefix}."
     for key, tensor in skeleton.state_dict().items():
         found = stored.get(key) or stored.get(key.removeprefix(prefix))  # a checkpoint of the base model alone
         if found is not None and found[0] != tuple(tensor.shape):
             raise ValueError(
                 f"{folder / 'config.json'} does not match the weights: {key} is {list(found[0])} in {found[1]} but "
-                f"{list(tensor.shape)} for the config; use the config.json saved with these weights"
+                f"{list(tensor.shape)} for the config; {_CONFIG_FIX}"
             )
 
 
@@ -416,7 +458,7 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
         kind = head or "causal_lm"  # a GGUF file holds a language model; its config names no architecture
         config = None
     else:
-        config = _no_remote_code(name, lambda: transformers.AutoConfig.from_pretrained(name, trust_remote_code=False))
+        config = _read_config(name)
         kind = head or head_from_architectures(getattr(config, "architectures", None))
         if kind is None:
             raise ValueError(

@@ -68,6 +68,15 @@ CASES = [
      r"save the whole model again \(model.save_pretrained\), or pass the --head its weights were trained with"),
     ("evaluate weights without the head", ["evaluate", "{headless}", "{data}", "--out", "{root}/o"],
      r"headless lacks tensors the model needs"),
+    ("config head count 0", ["attribute", "{noheads}", TEXT],
+     r"noheads/config.json: num_attention_heads is 0; a size must be a whole number above 0: use the config.json"),
+    ("config width a string", ["attribute", "{textwidth}", TEXT], r"textwidth/config.json: hidden_size is '32'"),
+    ("config value of the wrong type", ["attribute", "{texteps}", TEXT],
+     r"texteps: transformers rejects its config.json \(StrictDataclassFieldValidationError: .*'layer_norm_eps' "
+     r"expected float, got str.*\); use the config.json saved with these weights"),
+    ("config of a model that cannot be built", ["attribute", "{negpositions}", TEXT],
+     r"negpositions/config.json: transformers cannot build the model it describes \(RuntimeError: .*negative "
+     r"dimension -5.*\); use the config.json saved"),
     ("config not JSON", ["attribute", "{badconfig}", TEXT], r"config file at '.*badconfig/config.json' is not a valid"),
     ("no tokenizer", ["attribute", "{notokenizer}", TEXT], r"notokenizer has no tokenizer \(none of tokenizer.json"),
     ("tokenizer config without a vocabulary", ["attribute", "{vocabless}", TEXT],
@@ -238,27 +247,29 @@ def where(tmp_path_factory) -> dict[str, str]:
     damaged = {
         "truncated": lambda p: (p / "model.safetensors").write_bytes(weights[: len(weights) // 2]),
         "zeroed": lambda p: (p / "model.safetensors").write_bytes(bytes(len(weights))),
-        "mismatch": lambda p: (p / "config.json").write_text(json.dumps(
-            {**json.loads((p / "config.json").read_text()), "hidden_size": 64, "intermediate_size": 128})),
+        "mismatch": lambda p: _edit(p / "config.json", hidden_size=64, intermediate_size=128),
+        # config.json values transformers divides by, type-checks or builds tensors of: one line each, not a traceback
+        "noheads": lambda p: _edit(p / "config.json", num_attention_heads=0),
+        "textwidth": lambda p: _edit(p / "config.json", hidden_size="32"),
+        "texteps": lambda p: _edit(p / "config.json", layer_norm_eps="x"),
+        "negpositions": lambda p: _edit(p / "config.json", max_position_embeddings=-5),
         "badconfig": lambda p: (p / "config.json").write_text("{oops"),
         "headless": lambda p: save_file({k: v for k, v in load_file(p / "model.safetensors").items()
                                          if not k.startswith("classifier.")}, p / "model.safetensors"),
-        "relabelled": lambda p: (p / "config.json").write_text(json.dumps(
-            {**json.loads((p / "config.json").read_text()), "id2label": {"0": "neg", "1": "pos"},
-             "label2id": {"neg": 0, "pos": 1}})),
+        "relabelled": lambda p: _edit(p / "config.json", id2label={"0": "neg", "1": "pos"},
+                                      label2id={"neg": 0, "pos": 1}),
         "notokenizer": lambda p: [(p / f).unlink() for f in ("tokenizer.json", "tokenizer_config.json")],
         # the weights as a pickle (torch.load would run what it holds): never read
         "pickled": lambda p: (torch.save(load_file(p / "model.safetensors"), p / "pytorch_model.bin"),
                               (p / "model.safetensors").unlink()),
         # code of its own to load (auto_map, a model_type transformers does not ship): never run
-        "remotecode": lambda p: ((p / "config.json").write_text(json.dumps(
-            {**json.loads((p / "config.json").read_text()), "model_type": "evilbert",
-             "auto_map": {"AutoConfig": "evil.EvilConfig", "AutoModelForSequenceClassification": "evil.Evil"}})),
+        "remotecode": lambda p: (_edit(p / "config.json", model_type="evilbert", auto_map={
+            "AutoConfig": "evil.EvilConfig", "AutoModelForSequenceClassification": "evil.Evil"}),
             (p / "evil.py").write_text(f"open({str(p / 'RAN')!r}, 'w')\n")),
         "badtokenizer": lambda p: (p / "tokenizer.json").write_text("{oops"),
         # tokenizer_config.json naming a tokenizer whose vocabulary file is not there: it loads, holding no word
-        "vocabless": lambda p: ((p / "tokenizer.json").unlink(), (p / "tokenizer_config.json").write_text(json.dumps(
-            {**json.loads((p / "tokenizer_config.json").read_text()), "tokenizer_class": "BertTokenizer"}))),
+        "vocabless": lambda p: ((p / "tokenizer.json").unlink(),
+                                _edit(p / "tokenizer_config.json", tokenizer_class="BertTokenizer")),
     }
     paths = {"root": str(root), "bert": str(bert), "llama": str(llama), "regression": str(regression),
              "mlm": str(mlm), "nomask": str(nomask)}
@@ -301,6 +312,11 @@ def where(tmp_path_factory) -> dict[str, str]:
         (root / key / planted).symlink_to(root / "existing.html")
         paths[key] = str(root / key)
     return paths
+
+
+def _edit(path: Path, **fields) -> None:
+    """Set ``fields`` in the JSON file at ``path`` (a copy's config.json or tokenizer_config.json)."""
+    path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
 
 
 def _tree(root: Path) -> dict[str, bytes]:
