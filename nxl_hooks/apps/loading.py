@@ -147,6 +147,14 @@ def _check_weights(folder: Path, auto: Any, config: Any) -> None:
         except (SafetensorError, OSError) as err:
             raise ValueError(f"{file} is damaged ({err}): it is truncated or not a safetensors file; copy it again "
                              "or save the model again") from None
+    # Every block stores a tensor of its own (ALBERT's shared ones aside, fewer blocks than tensors still): a config
+    # claiming more blocks than that is refused here, where building it on the meta device would take minutes.
+    blocks = getattr(config.get_text_config(), "num_hidden_layers", None)
+    if stored and isinstance(blocks, int) and blocks > len(stored):
+        numbered = sorted({int(found[1]) for key in stored if (found := re.search(r"\.(\d+)\.", key))})
+        held = f" (blocks {numbered[0]}..{numbered[-1]})" if numbered else ""
+        raise ValueError(f"{folder / 'config.json'}: num_hidden_layers is {blocks}, but the weights hold "
+                         f"{len(stored)} tensors in all{held}, too few for that many blocks; {_CONFIG_FIX}")
     if not stored or getattr(config, "quantization_config", None) is not None:
         return  # nothing to compare, or weights saved packed (their shapes are the quantizer's, not the config's)
     try:

@@ -77,6 +77,9 @@ CASES = [
     ("config of a model that cannot be built", ["attribute", "{negpositions}", TEXT],
      r"negpositions/config.json: transformers cannot build the model it describes \(RuntimeError: .*negative "
      r"dimension -5.*\); use the config.json saved"),
+    ("config of more blocks than tensors", ["attribute", "{manyblocks}", TEXT],  # at once, not minutes building it
+     r"manyblocks/config.json: num_hidden_layers is 1000000, but the weights hold \d+ tensors in all \(blocks 0..1\), "
+     r"too few for that many blocks; use the config.json saved with these weights"),
     ("config not JSON", ["attribute", "{badconfig}", TEXT], r"config file at '.*badconfig/config.json' is not a valid"),
     ("no tokenizer", ["attribute", "{notokenizer}", TEXT], r"notokenizer has no tokenizer \(none of tokenizer.json"),
     ("tokenizer config without a vocabulary", ["attribute", "{vocabless}", TEXT],
@@ -253,6 +256,7 @@ def where(tmp_path_factory) -> dict[str, str]:
         "textwidth": lambda p: _edit(p / "config.json", hidden_size="32"),
         "texteps": lambda p: _edit(p / "config.json", layer_norm_eps="x"),
         "negpositions": lambda p: _edit(p / "config.json", max_position_embeddings=-5),
+        "manyblocks": lambda p: _edit(p / "config.json", num_hidden_layers=10**6),
         "badconfig": lambda p: (p / "config.json").write_text("{oops"),
         "headless": lambda p: save_file({k: v for k, v in load_file(p / "model.safetensors").items()
                                          if not k.startswith("classifier.")}, p / "model.safetensors"),
