@@ -139,7 +139,7 @@ def _check_weights(folder: Path, auto: Any, config: Any) -> None:
                          "loads pickle, which runs code as it reads; save them as safetensors (load the model in a "
                          "Python you trust, then model.save_pretrained(folder), which writes model.safetensors)")
     stored: dict[str, tuple[tuple[int, ...], str]] = {}
-    for file in sorted(folder.glob("*.safetensors")):
+    for file in _weight_files(folder):
         try:
             with safe_open(file, "pt") as fh:
                 for key in fh.keys():
@@ -171,6 +171,30 @@ def _check_weights(folder: Path, auto: Any, config: Any) -> None:
                 f"{folder / 'config.json'} does not match the weights: {key} is {list(found[0])} in {found[1]} but "
                 f"{list(tensor.shape)} for the config; {_CONFIG_FIX}"
             )
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    """The safetensors files transformers reads from a local folder: those its shard index
+    (model.safetensors.index.json) lists, or else every ``*.safetensors`` file. An index entry must be a file name
+    in the folder itself: one reaching elsewhere (``../x``, an absolute path) would load weights that are neither
+    checked here nor fingerprinted with the folder (:func:`model_files`), so it is refused in one line."""
+    index = folder / "model.safetensors.index.json"
+    if not index.is_file():
+        return sorted(folder.glob("*.safetensors"))
+    try:
+        shards = set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values())
+    except (ValueError, OSError, KeyError, TypeError, AttributeError) as err:
+        raise ValueError(f"{index} is damaged ({type(err).__name__}: {err}): it is not a shard index with a "
+                         "weight_map; copy it again or save the model again") from None
+    for shard in sorted(shards, key=str):
+        if not isinstance(shard, str) or shard in ("", ".", "..") or Path(shard).name != shard:
+            raise ValueError(f"{index} names the shard {shard!r}, which is not a file name in {folder}: a model's "
+                             "shards lie in its own folder; put the shard beside the index and name it there, or "
+                             "save the model again")
+        if not (folder / shard).is_file():
+            raise ValueError(f"{index} names the shard {shard}, which is not in {folder}: copy it again or save the "
+                             "model again")
+    return [folder / shard for shard in sorted(shards)]
 
 
 #: Files up to this size count by their content in :func:`model_files` (config, tokenizer); larger ones (weights) by

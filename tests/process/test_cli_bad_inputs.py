@@ -80,6 +80,11 @@ CASES = [
     ("config of more blocks than tensors", ["attribute", "{manyblocks}", TEXT],  # at once, not minutes building it
      r"manyblocks/config.json: num_hidden_layers is 1000000, but the weights hold \d+ tensors in all \(blocks 0..1\), "
      r"too few for that many blocks; use the config.json saved with these weights"),
+    ("shard index reaching outside the folder", ["attribute", "{outsideshard}", TEXT],
+     r"outsideshard/model.safetensors.index.json names the shard '../bert/model.safetensors', which is not a file name "
+     r"in .*/outsideshard: a model's shards lie in its own folder; put the shard beside the index"),
+    ("shard index naming a missing shard", ["attribute", "{missingshard}", TEXT],
+     r"missingshard/model.safetensors.index.json names the shard model-00002-of-00002.safetensors, which is not in "),
     ("config not JSON", ["attribute", "{badconfig}", TEXT], r"config file at '.*badconfig/config.json' is not a valid"),
     ("no tokenizer", ["attribute", "{notokenizer}", TEXT], r"notokenizer has no tokenizer \(none of tokenizer.json"),
     ("tokenizer config without a vocabulary", ["attribute", "{vocabless}", TEXT],
@@ -257,6 +262,9 @@ def where(tmp_path_factory) -> dict[str, str]:
         "texteps": lambda p: _edit(p / "config.json", layer_norm_eps="x"),
         "negpositions": lambda p: _edit(p / "config.json", max_position_embeddings=-5),
         "manyblocks": lambda p: _edit(p / "config.json", num_hidden_layers=10**6),
+        # a shard index whose weights lie elsewhere (read unchecked), or are not there
+        "outsideshard": lambda p: _shard_index(p, "../bert/model.safetensors"),
+        "missingshard": lambda p: _shard_index(p, "model-00002-of-00002.safetensors"),
         "badconfig": lambda p: (p / "config.json").write_text("{oops"),
         "headless": lambda p: save_file({k: v for k, v in load_file(p / "model.safetensors").items()
                                          if not k.startswith("classifier.")}, p / "model.safetensors"),
@@ -321,6 +329,14 @@ def where(tmp_path_factory) -> dict[str, str]:
 def _edit(path: Path, **fields) -> None:
     """Set ``fields`` in the JSON file at ``path`` (a copy's config.json or tokenizer_config.json)."""
     path.write_text(json.dumps({**json.loads(path.read_text()), **fields}))
+
+
+def _shard_index(folder: Path, shard: str) -> None:
+    """Replace the folder's model.safetensors by a shard index (model.safetensors.index.json) naming ``shard`` for
+    every tensor."""
+    weight_map = dict.fromkeys(load_file(folder / "model.safetensors"), shard)
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (folder / "model.safetensors").unlink()
 
 
 def _tree(root: Path) -> dict[str, bytes]:
