@@ -47,6 +47,15 @@ def read_max_memory(text: str) -> dict[Any, str]:
         if not sep or not device or not size:
             raise ValueError(f"{text!r}: use DEVICE=SIZE pairs like 0=10GiB,cpu=30GiB")
         limits[int(device) if device.isdigit() else device] = size
+    return _memory_devices(limits)
+
+
+def _memory_devices(limits: dict[Any, Any]) -> dict[Any, Any]:
+    """``limits``, each device (but cpu and disk) checked to be one this machine has, as --device-map's are: accelerate
+    would raise deep inside the load."""
+    for device in limits:
+        if device not in ("cpu", "disk"):
+            _present(device, "cap cpu, or a device it has")
     return limits
 
 
@@ -57,19 +66,18 @@ def _memory_map(value: Any) -> dict[Any, Any]:
                                                  for size in value.values()):
         raise ValueError(f"{value!r:.80}: give DEVICE=SIZE pairs like 0=10GiB,cpu=30GiB, or a mapping like "
                          "{0: '10GiB', 'cpu': '30GiB'}")
-    return {int(device) if isinstance(device, str) and device.isdigit() else device: size
-            for device, size in value.items()}
+    return _memory_devices({int(device) if isinstance(device, str) and device.isdigit() else device: size
+                            for device, size in value.items()})
 
 
-#: device_map values that name a strategy (accelerate's), or a place that is no device
+#: device_map values that name a strategy (accelerate's)
 _STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
-_PLACES = ("disk", "meta")
 
 
 def read_device_map(text: str) -> Any:
     """``auto`` | ``balanced`` | ``sequential`` | ``cpu`` | ``cuda:0`` | a JSON object ``{module: device}``."""
     if not text.startswith("{"):
-        return _present(text)
+        return _placement(int(text) if text.isdigit() else text)  # a number is the accelerator's, as accelerate's
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:
@@ -85,15 +93,19 @@ def _placement(value: Any) -> Any:
         for device in value.values():
             _present(device)
         return dict(value)
+    if value == "disk":  # (a module's place in a mapping, not the whole model's)
+        raise ValueError("'disk' for the whole model: transformers places no model on disk alone; give auto with "
+                         "--max-memory (what does not fit is offloaded), or a mapping such as {\"lm_head\": \"disk\", "
+                         "\"\": \"cpu\"}")
     return _present(value)
 
 
-def _present(device: Any) -> Any:
+def _present(device: Any, fix: str = "give auto, cpu, or a device it has") -> Any:
     """``device`` (a strategy, a device name or number), checked to be one this machine has: a typo or a GPU that
-    is not there is one line now, not a traceback from the load."""
+    is not there is one line now, not a traceback from the load. ``fix``: what to give instead."""
     import torch
 
-    if isinstance(device, str) and device in _STRATEGIES + _PLACES or isinstance(device, bool):
+    if isinstance(device, str) and device in (*_STRATEGIES, "disk") or isinstance(device, bool):
         return device
     if isinstance(device, int):  # the accelerator's device number (accelerate's reading)
         kind, index, count = "accelerator", device, torch.accelerator.device_count()
@@ -103,14 +115,16 @@ def _present(device: Any) -> Any:
         except (RuntimeError, TypeError, ValueError):
             raise ValueError(f"{device!r:.80} is no device: give auto, balanced, sequential, cpu, disk, a device "
                              "such as cuda:0 or its number") from None
-        if where.type in ("cpu", "meta"):
+        if where.type == "meta":  # shapes without data: the load fails reading weights into it
+            raise ValueError(f"{device!r:.80} holds no weights (the meta device has shapes, not data); {fix}")
+        if where.type == "cpu":
             return device
         module = getattr(torch, where.type, None)
         kind, index = where.type, where.index or 0
         count = module.device_count() if hasattr(module, "device_count") else 0
     if index < 0 or index >= count:
         have = f"{count} {kind} device(s)" if count else f"no {kind} device"
-        raise ValueError(f"{device!r:.80}: this machine has {have}; give auto, cpu, or a device it has")
+        raise ValueError(f"{device!r:.80}: this machine has {have}; {fix}")
     return device
 
 

@@ -56,6 +56,17 @@ CASES = [
      r"--device-map: 'cuda:99': this machine has (no cuda device|\d+ cuda device\(s\)); give auto, cpu"),
     ("device map of no device", ["attribute", "{bert}", TEXT, "--device-map", '{{"": "nope"}}'],
      r"'nope' is no device: give auto, balanced, sequential, cpu, disk"),
+    ("device map by a number not there", ["attribute", "{bert}", TEXT, "--device-map", "99"], r"--device-map: 99: "
+     r"this machine has (no accelerator device|\d+ accelerator device\(s\)); give auto, cpu"),
+    ("device map on meta", ["attribute", "{bert}", TEXT, "--device-map", "meta"],
+     r"--device-map: 'meta' holds no weights \(the meta device has shapes, not data\); give auto, cpu"),
+    ("device map mapping onto meta", ["attribute", "{bert}", TEXT, "--device-map", '{{"": "meta"}}'], "'meta' h"),
+    ("device map all on disk", ["attribute", "{bert}", TEXT, "--device-map", "disk"],
+     r"--device-map: 'disk' for the whole model: transformers places no model on disk alone; give auto with "
+     r"--max-memory"),
+    ("max memory on a device not there", ["attribute", "{bert}", TEXT, "--device-map", "auto", "--max-memory",
+                                          "99=10GiB"],
+     r"--max-memory: 99: this machine has (no accelerator device|\d+ accelerator device\(s\)); cap cpu, or a device"),
     # attribute: the model folder
     ("truncated weights", ["attribute", "{truncated}", TEXT, "--out", "{existing_st}"],
      r"truncated/model.safetensors is damaged \(.*incomplete metadata.*\): it is truncated or not a safetensors"),

@@ -313,7 +313,8 @@ def _control_endpoint_reads(tmp_path):
 
 # -- loading options: one group, read alike from flags, keyword arguments and NXL_LOAD ---------------------------
 
-def test_loading_options_are_one_shape_from_flags_keywords_and_nxl_load():
+def test_loading_options_are_one_shape_from_flags_keywords_and_nxl_load(monkeypatch):
+    monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)  # max_memory's device 0 is one this machine has
     argv = ["attribute", "m", "t", "--dtype", "bfloat16", "--device-map", "auto", "--max-memory", "0=1GiB,cpu=2GiB",
             "--load-in-4bit"]
     from_flags = Loading.from_args(build_parser().parse_args(argv))
