@@ -315,7 +315,7 @@ def test_cli_loads_the_gguf_file_and_matches_the_oracle_on_the_gguf_loaded_by_ha
     folder_out = tmp_path / "folder.safetensors"
     assert main(["attribute", str(gguf.parent), CAPITAL, "--gguf-file", gguf.name, "--out", str(folder_out)]) == 0
     assert sorted(loads) == [("model", (str(gguf.parent),), {"gguf_file": gguf.name, "output_loading_info": True}),
-                             ("tokenizer", (str(gguf.parent),), {"gguf_file": gguf.name})]
+                             ("tokenizer", (str(gguf.parent),), {"gguf_file": gguf.name, "trust_remote_code": False})]
     for saved in (out, folder_out):
         res = nxl.Attribution.load(saved)
         assert res.input_ids.tolist() == ids.tolist() and res.target.tolist() == [target]
