@@ -129,9 +129,11 @@ def test_loading_options_reach_from_pretrained(world, tmp_path, capsys):
     paris = tok.convert_tokens_to_ids("ĠParis")
     torch.testing.assert_close(nxl.Attribution.load(out).normxlogit[:, 0],
                                oracle_normxlogit(model, tok, PROMPT, paris)[:, 0], rtol=1e-4, atol=1e-5)
-    args = build_parser().parse_args(["evaluate", "m", "d", "--out", "o", "--load-in-4bit",
-                                      "--device-map", '{"": "cpu"}', "--max-memory", "0=2GiB,cpu=3GiB"])
-    assert loading_options(args)["quantize"] == "4bit" and args.device_map == {"": "cpu"}
+    with pytest.MonkeyPatch.context() as patch:  # max_memory's device 0: one this machine is said to have
+        patch.setattr(torch.accelerator, "device_count", lambda: 1)
+        args = build_parser().parse_args(["evaluate", "m", "d", "--out", "o", "--load-in-4bit",
+                                          "--device-map", '{"": "cpu"}', "--max-memory", "0=2GiB,cpu=3GiB"])
+        assert loading_options(args)["quantize"] == "4bit" and args.device_map == {"": "cpu"}
     assert args.max_memory == {0: "2GiB", "cpu": "3GiB"}
 
 
