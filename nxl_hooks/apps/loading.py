@@ -111,7 +111,8 @@ def _read_config(name: str) -> Any:
     for where, part in parts:
         for key in _SIZES:
             value = part.get(key)
-            if value is not None and (type(value) is not int or value <= 0):
+            values = value if isinstance(value, list) and value else [value]  # (Gemma 3n: one size per layer)
+            if value is not None and any(type(each) is not int or each <= 0 for each in values):
                 raise ValueError(f"{path}: {where}{key} is {value!r}; a size must be a whole number above 0: "
                                  f"{_CONFIG_FIX}")
     try:
@@ -460,9 +461,15 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
       ranks (each rank calls this and runs every forward); excludes device_map, max_memory, quantize and GGUF.
     - ``chat``: the texts go through the tokenizer's chat template (``--chat``): a tokenizer without one, or whose
       template fails, is refused before the weights load.
-    - ``kwargs`` go to the model's ``from_pretrained``.
+    - ``kwargs`` go to the model's ``from_pretrained``; it reads safetensors only and runs no code of the model's
+      own (ValueError for ``trust_remote_code=True`` or ``use_safetensors=False``).
     """
     import transformers
+
+    if kwargs.pop("trust_remote_code", False) or kwargs.pop("use_safetensors", True) is False:
+        raise ValueError("load_model reads safetensors weights only and runs no code of a model's own: drop "
+                         "trust_remote_code=True / use_safetensors=False (or load the model with transformers "
+                         "yourself, then nxl.attach it)")
 
     from ..method.chat import chat_prompt
 
@@ -533,7 +540,10 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
 def _check_vocabulary(name: str, tokenizer: Any) -> None:
     """Refuse (one line) a tokenizer that holds no token but its special ones: tokenizer_config.json without the
     vocabulary file it names builds one without complaint, which reads every word as unknown (or as nothing)."""
-    special = set(tokenizer.all_special_tokens) | set(tokenizer.get_added_vocab())
+    added = getattr(tokenizer, "get_added_vocab", None)  # (mistral_common's backend has none: not checked)
+    if not callable(added):
+        return
+    special = set(tokenizer.all_special_tokens) | set(added())
     if set(tokenizer.get_vocab()) <= special:
         raise ValueError(f"{name}: its tokenizer ({type(tokenizer).__name__}) has no vocabulary, only its special "
                          f"tokens ({', '.join(sorted(special))}), so it would read every word as unknown: its "

@@ -327,3 +327,40 @@ def test_chat_without_a_template_is_refused_before_the_weights_load(tmp_path, ca
     (line,) = _errors(capsys.readouterr().err)
     assert line == (f"nxl {command}: error: this tokenizer has no chat template (tokenizer.chat_template is empty): "
                     "drop --chat, or write the prompt in the model's own format")
+
+
+def test_a_config_of_one_size_per_layer_is_read(tmp_path):
+    """Gemma 3n's intermediate_size is a list, one size per layer (transformers types it int | list[int]): the
+    config check took it for a bad size and refused the folder."""
+    import transformers
+
+    from nxl_hooks.apps.loading import _read_config
+
+    transformers.Gemma3nTextConfig(vocab_size=64, hidden_size=32, intermediate_size=[64, 64], num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=8).save_pretrained(tmp_path)
+    assert _read_config(str(tmp_path)).intermediate_size == [64, 64]
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "intermediate_size": [64, 0]}))
+    with pytest.raises(ValueError, match=r"intermediate_size is \[64, 0\]; a size must be a whole number above 0"):
+        _read_config(str(tmp_path))
+
+
+def test_load_model_refuses_remote_code_and_pickle_asked_for_from_python(world):
+    """The keywords go to from_pretrained, which load_model asks for safetensors and no remote code: given again by
+    a caller they were a TypeError after the tokenizer had loaded; refused at once in one line, a False passes."""
+    _, _, folder, _ = world
+    for kwargs in ({"trust_remote_code": True}, {"use_safetensors": False}):
+        with pytest.raises(ValueError, match="load_model reads safetensors weights only and runs no code"):
+            load_model(str(folder), **kwargs)
+    model, _ = load_model(str(folder), trust_remote_code=False, use_safetensors=True)
+    assert not model.training
+
+
+def test_a_tokenizer_without_an_added_vocabulary_is_not_checked_for_one():
+    """mistral_common's tokenizer backend (what transformers gives for a Mistral repo with tekken.json) has no
+    get_added_vocab: the vocabulary check raised AttributeError (a traceback) instead of letting it load."""
+    from types import SimpleNamespace
+
+    from nxl_hooks.apps.loading import _check_vocabulary
+
+    _check_vocabulary("m", SimpleNamespace(all_special_tokens=["<s>"], get_vocab=lambda: {"<s>": 0}))
