@@ -495,6 +495,9 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
                                       name=package)
     if gguf_file is not None:
         kind = head or "causal_lm"  # a GGUF file holds a language model; its config names no architecture
+        if kind != "causal_lm":  # (check_gguf would build the file's model with that head, and blame the file)
+            raise ValueError(f"{gguf_file}: a GGUF file holds a causal language model, not a {kind} head: use --head "
+                             "causal_lm, or drop --head")
         config = None
     else:
         config = _read_config(name)

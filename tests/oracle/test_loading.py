@@ -80,6 +80,16 @@ def test_cli_refuses_to_offload_a_gguf_model_to_disk_in_one_line(world, capsys):
     assert len(err) == 1 and "cannot offload a GGUF model to disk" in err[0] and "Traceback" not in err[0]
 
 
+@pytest.mark.parametrize("head", ["sequence_classification", "masked_lm"])
+def test_a_gguf_file_with_another_head_is_told_what_it_holds(world, capsys, head):
+    """A sound file with --head of another kind was said to be damaged ("download or convert it again")."""
+    gguf = world[3]
+    assert main(["attribute", str(gguf), PROMPT, "--head", head]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"a GGUF file holds a causal language model, not a {head} head: use --head causal_lm" \
+        in err[0] and "damaged" not in err[0]
+
+
 @pytest.mark.parametrize("mode, linear", [("8bit", "Linear8bitLt"), ("4bit", "Linear4bit")])
 def test_gguf_with_bitsandbytes_is_quantized_in_memory(world, mode, linear):
     model, tok, _, gguf = world
