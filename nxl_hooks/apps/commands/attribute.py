@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.text import Text
 
-    from ...arch.registry import HeadKind, resolve
+    from ...arch.registry import HeadKind, head_kind
     from ...hooks.explain import explain
     from ...method.select import option_text
     from ...method.subject import unwrap
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, **loading_options(args))
     text = chat_text(tokenizer, args.text) if args.chat else args.text
     check_length(tokenizer, text, position_limit(model), more=generate or 0, what="TEXT")
-    if resolve(unwrap(model))[1] is HeadKind.MASKED_LM:  # (before the forward, which the hook and explain would
+    if head_kind(unwrap(model)) is HeadKind.MASKED_LM:  # (before the forward, which the hook and explain would
         mask = getattr(tokenizer, "mask_token_id", None)  # each leave unrecorded with a line of their own)
         if mask is None:
             raise CliError(f"{args.model}'s tokenizer has no mask token: a masked LM explains what it predicts at its "

@@ -44,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...arch.registry import HeadKind, resolve
+    from ...arch.registry import HeadKind, head_kind
     from ...eval import faithfulness as ev
     from ...method.subject import unwrap
     from ...records.tokens import chat_text
@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, **loading)
     check_explainable(model, tokenizer, [args.layer])
     foiled = ev.foil_methods(methods)
-    if foiled and resolve(unwrap(model))[1] is HeadKind.REGRESSION:  # else dropped from every record, or all fail
+    if foiled and head_kind(unwrap(model)) is HeadKind.REGRESSION:  # else dropped from every record, or all fail
         if args.methods not in named:  # the user's own list: refused; 'default' and 'all' leave them out, said once
             raise CliError(f"--methods names {', '.join(foiled)}, which contrasts the target with a foil, but "
                            f"{args.model} has a regression head (one output, no foil): drop it from --methods")
