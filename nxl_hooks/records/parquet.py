@@ -31,6 +31,14 @@ One row per (call, batch row, step, layer, context position[, explained target])
                      position, special or template tokens, unless nothing else is left)
 ===================  ==========================================================================================
 
+A call with no rows to show for all it ran (not recorded, stopped early, notes on its records, or not ended when
+the file was closed) is listed with why in the file's key-value metadata, ``nxl.calls`` (JSON, in the footer:
+``pyarrow.parquet.read_metadata``, Polars' ``read_parquet_metadata``, DuckDB's ``parquet_kv_metadata``):
+``{"calls": N, "listed": [{"call", "request_id", "model", "recorded", "complete", "error", "notes"}, ...],
+"more": K}`` (at most :data:`LISTED` calls, ``more`` the rest)::
+
+    json.loads(pyarrow.parquet.read_metadata("scores.parquet").metadata[b"nxl.calls"])["listed"]
+
 "Which prompt token drove the first token most at the last layer", as the library ranks it::
 
     df = pandas.read_parquet("scores.parquet")
@@ -43,6 +51,7 @@ Records of older stream files have no model, time or special-token ids: those co
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from pathlib import Path
 from typing import Any, Iterable
@@ -57,6 +66,8 @@ __all__ = ["INSTALL", "ParquetSink", "export_parquet"]
 
 #: What to run when pyarrow is missing.
 INSTALL = 'pip install "nxl_hooks[parquet]"'
+#: The most calls ``nxl.calls`` lists (a server's file may hold millions of calls; the rest are counted).
+LISTED = 10_000
 
 
 def _pyarrow() -> Any:
@@ -204,6 +215,9 @@ class ParquetSink:
         self._buffer: list[dict[str, Any]] = []
         self._buffered = 0
         self._calls: dict[int, _Context] = {}
+        self._seen = 0  # calls written
+        self._said: dict[int, dict[str, Any]] = {}  # the calls nxl.calls lists, by index (the module docstring)
+        self._more = 0  # and those it only counts
         self.rows = 0  #: rows written so far (in row groups or buffered)
         self._taken = 0  # step records taken by write_step calls that returned
         #: step records taken before and lost when the sink failed (its file cannot be finished, so it is removed)
@@ -216,6 +230,8 @@ class ParquetSink:
 
     def write_call(self, call: GenerationCall, meta: dict) -> None:
         self._open(meta.get("methods"))
+        self._seen += 1
+        self._say(call)  # listed until its end says it has nothing to say
         if call.prompt_mask is not None:  # (a call not recorded has no prompt, and no rows: its end follows)
             self._calls[call.index] = _Context(call)
 
@@ -236,6 +252,24 @@ class ParquetSink:
 
     def write_end(self, call: GenerationCall) -> None:
         self._calls.pop(call.index, None)
+        if call.complete and call.prompt_mask is not None and not call.error and not call.notes:
+            self._said.pop(call.index, None)  # its rows say it all
+        else:
+            self._say(call)
+
+    def _say(self, call: GenerationCall) -> None:
+        """List ``call`` in ``nxl.calls`` as it stands (or count it, past :data:`LISTED`)."""
+        if call.index not in self._said and len(self._said) >= LISTED:
+            self._more += 1
+            return
+        self._said[call.index] = {"call": call.index, "request_id": call.request_id, "model": call.model,
+                                  "recorded": call.prompt_mask is not None, "complete": call.complete,
+                                  "error": call.error, "notes": list(call.notes)}
+
+    @property
+    def unexplained(self) -> int:
+        """How many calls ``nxl.calls`` holds: not recorded, stopped early, with notes, or not ended."""
+        return len(self._said) + self._more
 
     def _flush(self) -> None:
         if not self._buffer:
@@ -258,6 +292,8 @@ class ParquetSink:
     def _finish(self) -> None:
         self._open(None)  # a file without calls still has its columns
         self._flush()
+        said = {"calls": self._seen, "listed": list(self._said.values()), "more": self._more}
+        self._writer.add_key_value_metadata({"nxl.calls": json.dumps(said)})  # the footer: known only now
         self._writer.close()
         self._writer, self._closed = None, True
         self._file.close()
@@ -283,10 +319,11 @@ class ParquetSink:
         self._partial.unlink(missing_ok=True)
 
 
-def export_parquet(calls: Iterable[GenerationCall], out: str | os.PathLike) -> int:
-    """Write the step records of ``calls`` (e.g. ``read_stream(path)``) as Parquet rows; returns the row count.
-    ``export_parquet(nxl.read_stream("runs/"), "out.parquet")``"""
-    calls = [call for call in calls if call.prompt_mask is not None]
+def export_parquet(calls: Iterable[GenerationCall], out: str | os.PathLike) -> ParquetSink:
+    """Write the step records of ``calls`` (e.g. ``read_stream(path)``) as Parquet rows, and the calls with no rows
+    to show for all they ran in ``nxl.calls``; returns the closed sink (``.rows``, ``.unexplained``).
+    ``export_parquet(nxl.read_stream("runs/"), "out.parquet").rows``"""
+    calls = list(calls)
     sink = ParquetSink(out, methods=dict.fromkeys(name for call in calls for step in call.steps for name in step.scores))
     try:
         for call in calls:
@@ -298,4 +335,4 @@ def export_parquet(calls: Iterable[GenerationCall], out: str | os.PathLike) -> i
         sink.abandon()
         raise
     sink.close()
-    return sink.rows
+    return sink

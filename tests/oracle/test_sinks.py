@@ -19,6 +19,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 import nxl_hooks as nxl
 from nxl_hooks.apps.cli import main as cli_main
+import tiny
 from oracle import check_call
 from serving import save_chat_model
 
@@ -317,7 +318,6 @@ def test_a_forked_child_leaves_the_parents_sink_whole_and_says_its_own_records_s
     """A host that forks while attached (a pre-fork server, a data loader): the child never writes to, closes or
     takes the lock of the parent's sink (a stream file's frames would interleave, a Parquet file be finished twice,
     a lock held by the parent's sink thread at the fork never be released), and says so on its probe."""
-    import tiny
 
     where = tmp_path / {"stream": "run.nxl", "rotating": "runs", "parquet": "run.parquet"}[kind]
     tests = Path(__file__).resolve().parents[1]
@@ -379,7 +379,6 @@ sink.close()
 def test_a_forked_child_that_writes_to_its_parents_sink_itself_is_told_and_leaves_the_file_whole(tmp_path, kind):
     """Without a probe in between, a child's write to the parent's sink is refused in one line (neither dropped
     without a word nor interleaved into the parent's file), and its close leaves the parent's file alone."""
-    import tiny
 
     where = tmp_path / {"stream": "run.nxl", "rotating": "runs"}[kind]
     tests = Path(__file__).resolve().parents[1]
@@ -406,18 +405,13 @@ class _GoneClient:  # as transformers serve's DirectStreamer once its client dis
         pass
 
 
-@pytest.mark.parametrize("kind", ["stream", "rotating"])
-def test_calls_not_recorded_and_calls_ended_before_their_prompt_ran_are_in_the_stream_with_why(tmp_path, kind):
-    """A call said not recorded (beam search) and one that raised before its first forward (a streaming client
-    gone while its request waited) are read back from the sink: their request id, and an end that says why
-    (they were in probe.calls alone, so read_stream(request_id=...) found nothing); the call after them is whole."""
-    import tiny
+def _beam_gone_next(model, sink):
+    """Three requests on ``model`` attached with ``sink``: "beam" (beam search, not recorded), "gone" (its streaming
+    client gone before its first forward) and "next" (recorded whole); returns the probe."""
     from nxl_hooks.hooks.generate import REQUEST_ID
 
-    model = tiny.generating_llama(seed=3)
     ids = torch.randint(1, tiny.GEN_VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
-    where = tmp_path / {"stream": "run.nxl", "rotating": "runs"}[kind]
-    with nxl.attach(model, layers="all", sink=where if kind == "stream" else nxl.RotatingSink(where)) as probe:
+    with nxl.attach(model, layers="all", sink=sink) as probe:
         for request, kwargs in (("beam", {"num_beams": 2}), ("gone", {"streamer": _GoneClient()}), ("next", {})):
             token = REQUEST_ID.set(request)
             try:
@@ -426,6 +420,17 @@ def test_calls_not_recorded_and_calls_ended_before_their_prompt_ran_are_in_the_s
                 pass
             finally:
                 REQUEST_ID.reset(token)
+    return probe
+
+
+@pytest.mark.parametrize("kind", ["stream", "rotating"])
+def test_calls_not_recorded_and_calls_ended_before_their_prompt_ran_are_in_the_stream_with_why(tmp_path, kind):
+    """A call said not recorded (beam search) and one that raised before its first forward (a streaming client
+    gone while its request waited) are read back from the sink: their request id, and an end that says why
+    (they were in probe.calls alone, so read_stream(request_id=...) found nothing); the call after them is whole."""
+    model = tiny.generating_llama(seed=3)
+    where = tmp_path / {"stream": "run.nxl", "rotating": "runs"}[kind]
+    probe = _beam_gone_next(model, where if kind == "stream" else nxl.RotatingSink(where))
     stream = nxl.read_stream(where, strict=True)
     assert stream.damage is None
     assert [(c.request_id, c.complete, len(c.steps)) for c in stream] == [("beam", False, 0), ("gone", False, 0),
@@ -450,9 +455,28 @@ def test_calls_not_recorded_and_calls_ended_before_their_prompt_ran_are_in_the_s
     assert (read.request_id, read.error, read.prompt_mask, read.steps) == ("beam", beam.error, None, [])
 
 
+def test_parquet_live_and_exported_list_the_calls_with_no_rows_and_why(tmp_path, capsys):
+    """Parquet rows are steps, so a call not recorded (beam search) or stopped before its first forward has none:
+    the file lists such calls with why in its footer's metadata (nxl.calls), live and exported, and
+    nxl export says how many; a call recorded whole is not listed, its rows are there."""
+    model = tiny.generating_llama(seed=3)
+    probe = _beam_gone_next(model, f"parquet:{tmp_path / 'live.parquet'}")
+    _beam_gone_next(model, tmp_path / "run.nxl")
+    assert cli_main(["export", str(tmp_path / "run.nxl"), str(tmp_path / "exported.parquet")]) == 0
+    printed = capsys.readouterr().out
+    assert "2 call(s) not recorded, stopped early or with notes: why in the file's metadata nxl.calls" in printed
+    beam, gone, _ = probe.calls
+    for name in ("live.parquet", "exported.parquet"):
+        table = pq.read_table(tmp_path / name)
+        said = json.loads(pq.read_metadata(tmp_path / name).metadata[b"nxl.calls"])
+        assert (said["calls"], said["more"]) == (3, 0)
+        assert [(c["request_id"], c["recorded"], c["complete"], c["error"]) for c in said["listed"]] == [
+            ("beam", False, False, beam.error), ("gone", False, False, gone.error)], name
+        assert set(table.column("request_id").to_pylist()) == {"next"}
+
+
 def test_a_step_of_a_call_whose_frame_holds_no_prompt_is_refused(tmp_path):
     """A prompt-less call frame is a call that was not recorded: a step record after it is no writer's."""
-    import tiny
     from nxl_hooks.records import writer
 
     model = tiny.generating_llama(seed=3)

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         warnings.simplefilter("ignore", StreamDamageWarning)
         calls = read_stream(args.source, strict=args.strict)
     try:
-        rows = export_parquet(calls, args.out)
+        written = export_parquet(calls, args.out)
     except OSError as err:
         raise CliError(f"writing {args.out} failed ({err.strerror or err}); nothing was written and no partial file "
                        "is left: free some space (or pick another folder) and export again") from None
@@ -67,5 +67,9 @@ def run(args: argparse.Namespace) -> int:
     if calls.damage:  # a torn last frame is where a killed writer stopped: no damage, --strict or not (read_stream)
         what = "a torn last frame left out (a writer killed mid-write)" if calls.damage.torn else "damaged, read up to"
         damage = f"; {what}: {calls.damage.describe()}"
-    print(f"{args.out}: {rows} rows from {len(calls)} call(s){damage}")
+    said = ""
+    if written.unexplained:
+        said = (f"; {written.unexplained} call(s) not recorded, stopped early or with notes: why in the file's "
+                "metadata nxl.calls (pyarrow.parquet.read_metadata)")
+    print(f"{args.out}: {written.rows} rows from {len(calls)} call(s){said}{damage}")
     return 0
