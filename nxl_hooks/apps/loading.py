@@ -117,6 +117,14 @@ def _read_config(name: str) -> Any:
                                  f"{_CONFIG_FIX}")
     try:
         return _no_remote_code(name, lambda: transformers.AutoConfig.from_pretrained(name, trust_remote_code=False))
+    except OSError as err:
+        if Path(name).expanduser().exists():
+            raise
+        # Not here, so transformers asked the hub: a mistyped folder name reads as a hub id, and the hub's answer
+        # (no connection, no such repository) alone sends the user looking in the wrong place.
+        detail = (str(err).strip().splitlines() or [type(err).__name__])[0]
+        raise OSError(f"{name}: no folder of that name in {Path.cwd()}, and the hub gave no model by that id "
+                      f"({detail}); check the name, or give a folder's path") from None
     except (StrictDataclassError, ZeroDivisionError) as err:  # a value of a field the check above does not know
         detail = str(err).strip().splitlines()[-1].strip()
         raise ValueError(f"{name}: transformers rejects its config.json ({type(err).__name__}: {detail}); "

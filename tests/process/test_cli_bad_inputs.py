@@ -397,6 +397,22 @@ def test_evaluate_records_a_text_too_long_and_goes_on(where, quiet, tmp_path, ca
     assert part.read_bytes() == before and "failed, recorded" not in capsys.readouterr().err  # not retried
 
 
+def test_a_mistyped_folder_name_is_said_to_be_neither_a_folder_nor_a_hub_model(where, tmp_path):
+    """A bare name that is no folder here is looked up on the hub: the line says both (it gave the hub's answer
+    alone, "couldn't connect to huggingface.co", for a folder name typed wrong), and names the folder it looked in."""
+    import subprocess
+    import sys
+
+    shutil.copytree(where["bert"], tmp_path / "sentiment")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(Path(__file__).parents[2])}
+    done = subprocess.run([sys.executable, "-m", "nxl_hooks", "attribute", "sentimnet", TEXT], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert line.startswith(f"nxl attribute: error: sentimnet: no folder of that name in {tmp_path}, and the hub gave "
+                           "no model by that id (") and line.endswith("check the name, or give a folder's path"), line
+
+
 def test_docs_state_the_catalogue():
     """The figures in docs/testing.md are the collected catalogues: the library's and the command line's, every
     case a clear error (each test above asserts it)."""
