@@ -56,6 +56,30 @@ def test_gguf_loads_as_a_plain_model_with_its_tokenizer(world, tmp_path):
     assert load_model(str(gguf), dtype="bfloat16")[0].dtype == torch.bfloat16
 
 
+def test_nxl_run_gguf_file_reaches_an_auto_class_load_of_a_folder_holding_the_gguf_alone(world, tmp_path):
+    """``nxl run --gguf-file`` is a default of the program's own loads, AutoModelFor* ones too: an auto class reads
+    the config first, which a folder holding only the GGUF file has in the file alone (it failed there, "no
+    config.json", and the program's load raised); the model it loads is recorded, every step against the oracle
+    (the original model: the GGUF holds its weights exactly)."""
+    model, _, _, gguf = world
+    folder = tmp_path / "only"
+    folder.mkdir()
+    (folder / "tiny.gguf").write_bytes(gguf.read_bytes())
+    code = ("import sys, torch\nfrom transformers import AutoModelForCausalLM\n"
+            "m = AutoModelForCausalLM.from_pretrained(sys.argv[1])\n"
+            "print('OUT', m.generate(input_ids=torch.tensor([[5, 9, 14, 20]]), max_new_tokens=3, do_sample=False,"
+            " pad_token_id=0)[0].tolist())\n")
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "nxl_hooks", "run", "--gguf-file", "tiny.gguf", "--sink", str(run),
+                           "--layers", "all", "--", sys.executable, "-c", code, str(folder)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    assert "not applied" not in done.stderr, done.stderr
+    (call,) = nxl.read_stream(run)
+    assert call.sequences[0].tolist() == json.loads(done.stdout.split("OUT ")[1])
+    oracle.check_call(model, call, 3)
+
+
 @pytest.mark.parametrize("how", ["file", "folder"])
 def test_cli_attributes_a_gguf_model(world, tmp_path, capsys, how):
     model, tok, _, gguf = world

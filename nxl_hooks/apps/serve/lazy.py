@@ -27,6 +27,7 @@ __all__ = ["HOOKS", "install", "when_imported"]
 #: The one list of import-time patches: an engine that must patch its host before a model exists (a server's
 #: request ids) names its function here, as a string, since importing an engine would import torch at start-up.
 HOOKS = (("transformers.modeling_utils", "nxl_hooks.apps.serve.patches:patch_modeling_utils"),
+         ("transformers.models.auto.modeling_auto", "nxl_hooks.apps.serve.patches:patch_auto_models"),
          ("transformers.cli.serving.utils", "nxl_hooks.hooks.engines.transformers_serve:patch_serving"),
          ("vllm.engine.arg_utils", "nxl_hooks.hooks.engines.vllm:patch_engine_args"),
          ("vllm.v1.worker.gpu_model_runner", "nxl_hooks.apps.serve.patches:patch_vllm_runner"),

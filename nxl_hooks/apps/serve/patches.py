@@ -1,7 +1,8 @@
 """What the bootstrap changes in transformers, as each module is first imported (:mod:`.lazy`).
 
 - ``transformers.modeling_utils``: ``PreTrainedModel.from_pretrained`` hands every model it returns to the
-  process's :class:`~nxl_hooks.apps.serve.controller.Controller` (only the outermost call, when loads nest).
+  process's :class:`~nxl_hooks.apps.serve.controller.Controller` (only the outermost call, when loads nest), and
+  ``transformers.models.auto.modeling_auto``: each ``AutoModel*`` class's ``from_pretrained`` likewise.
 - ``transformers.cli.serving.utils``: request ids of ``transformers serve``, a part of the engine of transformers
   (:func:`nxl_hooks.hooks.engines.transformers_serve.patch_serving`; :data:`~nxl_hooks.apps.serve.lazy.HOOKS` names it).
 - ``vllm.v1.worker.gpu_model_runner`` / ``cpu_model_runner``: each model runner's ``load_model`` hands the controller
@@ -23,7 +24,7 @@ from typing import Any
 from ...hooks.guard import logger, one_line, reason
 from .controller import controller
 
-__all__ = ["patch_modeling_utils", "patch_vllm_runner"]
+__all__ = ["patch_auto_models", "patch_modeling_utils", "patch_vllm_runner"]
 
 _MARK = "__nxl_patched__"
 _loading = threading.local()  # depth of from_pretrained calls in this thread
@@ -35,8 +36,25 @@ def _patched(function: Any) -> bool:
 
 def patch_modeling_utils(module: ModuleType) -> None:
     """Wrap ``PreTrainedModel.from_pretrained``: every model it returns is adopted by the controller."""
-    cls = module.PreTrainedModel
-    original = cls.__dict__["from_pretrained"].__func__
+    _wrap_from_pretrained(module.PreTrainedModel)
+
+
+def patch_auto_models(module: ModuleType) -> None:
+    """Wrap the ``from_pretrained`` of every ``AutoModel*`` class as ``PreTrainedModel``'s: an auto class reads
+    the config before any model class is called, so a loading default it needs (``--gguf-file`` for a folder
+    holding a GGUF file alone) must reach it there. (Each auto class holds its own copy of the method.)"""
+    classes = [module._BaseAutoModelClass]
+    for cls in classes:
+        classes.extend(cls.__subclasses__())
+        if "from_pretrained" in vars(cls):
+            _wrap_from_pretrained(cls)
+
+
+def _wrap_from_pretrained(cls: type) -> None:
+    """Wrap ``cls.from_pretrained``: the outermost call in a thread gets :func:`_with_defaults` and hands the model
+    it returns to the controller; the calls it makes (an auto class calling a model class, a model loading its
+    parts) run as they are."""
+    original = vars(cls)["from_pretrained"].__func__
     if _patched(original):
         return
 
