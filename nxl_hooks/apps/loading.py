@@ -614,6 +614,13 @@ def _from_pretrained(auto: Any, name: str, kwargs: dict[str, Any]) -> Any:
         model, info = _no_remote_code(name, lambda: auto.from_pretrained(
             name, output_loading_info=True, use_safetensors=True, trust_remote_code=False, **kwargs))
         missing = info["missing_keys"]
+    except ValueError as err:
+        if "llm_int8_enable_fp32_cpu_offload" not in str(err):
+            raise
+        # transformers' advice names from_pretrained keywords, which no nxl flag sets
+        raise ValueError(f"{name}: --load-in-8bit/--load-in-4bit quantize the model where it runs, and --device-map/"
+                         "--max-memory put part of it on the CPU or disk: give the device it runs on room for the "
+                         "whole model (--max-memory), or drop --load-in-8bit/--load-in-4bit") from None
     finally:
         logger.removeFilter(hold)
         if not missing:  # loaded whole, or transformers raised: its report is its own to give

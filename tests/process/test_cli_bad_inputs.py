@@ -67,6 +67,10 @@ CASES = [
     ("max memory on a device not there", ["attribute", "{bert}", TEXT, "--device-map", "auto", "--max-memory",
                                           "99=10GiB"],
      r"--max-memory: 99: this machine has (no accelerator device|\d+ accelerator device\(s\)); cap cpu, or a device"),
+    ("8-bit with part of the model on disk", ["attribute", "{bert}", TEXT, "--device-map", "auto", "--max-memory",
+                                              "cpu=1KB", "--load-in-8bit"],
+     r"bert: --load-in-8bit/--load-in-4bit quantize the model where it runs, and --device-map/--max-memory put part "
+     r"of it on the CPU or disk: give the device it runs on room for the whole model \(--max-memory\), or drop"),
     # attribute: the model folder
     ("truncated weights", ["attribute", "{truncated}", TEXT, "--out", "{existing_st}"],
      r"truncated/model.safetensors is damaged \(.*incomplete metadata.*\): it is truncated or not a safetensors"),
