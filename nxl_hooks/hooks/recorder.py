@@ -273,6 +273,11 @@ class Recorder:
         self._drop_ended(run)
         captures, _ = self._stacks()
         captures.append(None)  # replaced below once the inputs are known; a failure or a skipped call leaves None
+        try:  # every rank of a tensor-parallel model is here at once: the one place its head may gather weights
+            self.plan.head.refresh()
+        except Exception as error:  # noqa: BLE001 - never into the host's forward
+            self._fail("this forward", error)
+            return
         if run is not None and run.failed:
             return
         try:

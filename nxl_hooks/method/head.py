@@ -13,6 +13,11 @@ Where the final norm is an RMS norm straight before the readout (Llama, Mistral,
 normalized copy of a whole layer is made. The fold is taken only for float32 norms whose output it reproduces on
 test vectors when the head is built; every other head calls its own modules.
 
+A head module tensor parallelism shards (``tp_plan``: DTensor weights, lm_head) is read from a full copy on every
+rank, made when the head is built and again by :meth:`Head.refresh` when its weights change: calling the sharded
+module is a collective, and each rank scores its records when it chooses (a callback on one rank, a slow streamer),
+so a rank waiting in it while the others ran on into the next forward would hang them all.
+
 Kept apart from the hooks: everything here is a function of hidden states and the model's own modules. A
 Head holds no per-call state, so calls from several threads can share one.
 """
@@ -32,7 +37,8 @@ from torch import nn
 
 from ..arch.registry import (FUNCTION_STEPS, POST_STEPS, ArchSpec, UnknownArchitectureError, get_path,
                              readout_outputs, spec_head, split_post_steps)
-from .placement import DeviceOf, indexed, module_device, offloaded, plain, readable, replica, weights_materialized
+from .placement import (DeviceOf, full, indexed, module_device, offloaded, plain, readable, replica, sharded,
+                        weights_materialized)
 
 __all__ = ["CALLED_READOUT_BYTES", "CALLED_READOUT_CHUNK", "Head", "Readout"]
 
@@ -137,6 +143,13 @@ class Head:
                 if module is not None:
                     steps.append(module)
                     self._modules.append((step, module))
+        #: (module, its full copy, the module's weights' state when copied) for each module tensor parallelism shards:
+        #: the head computes with the copy (see the module docstring)
+        self._copies: list[tuple[nn.Module, nn.Module, tuple]] = []
+        for index, step in enumerate(steps):
+            if isinstance(step, nn.Module) and sharded(step):
+                steps[index] = replica(step, module_device(step))
+                self._copies.append((step, steps[index], _weights_state(step)))
         readout = steps.pop()
         if not isinstance(readout, nn.Module):
             raise ValueError(f"spec {spec.name!r}: the last head step must be a module (the readout), got {readout}")
@@ -212,14 +225,30 @@ class Head:
             logits = op(logits, value)
         return logits
 
+    def refresh(self) -> None:
+        """Gather again the sharded modules whose weights changed since copied (trained, loaded while attached). A
+        collective: call it only where every rank is at the same point, the start of each of the model's forwards."""
+        for index, (module, copy, state) in enumerate(self._copies):
+            now = _weights_state(module)
+            if now != state:
+                with torch.no_grad():
+                    copy.load_state_dict({name: full(tensor.detach()) for name, tensor in module.state_dict().items()})
+                self._copies[index] = (module, copy, now)
+
     def _unchanged(self) -> None:
         """RuntimeError when a module of the head is no longer the model's (replaced while attached: an adapter put
-        on the readout, ``resize_token_embeddings``, an adapter unloaded): the records would read the one before."""
+        on the readout, ``resize_token_embeddings``, an adapter unloaded): the records would read the one before;
+        or when a sharded module's weights changed since :meth:`refresh` last copied them."""
         model = self._model()
         for path, module in self._modules if model is not None else ():
             if get_path(model, path) is not module:
                 raise RuntimeError(f"the model's {path} is another module than when the probe attached (an adapter "
                                    "put on it or unloaded, resize_token_embeddings): detach and attach again")
+        for module, _, state in self._copies:
+            if _weights_state(module) != state:
+                raise RuntimeError(f"the weights of the model's tensor-parallel {type(module).__name__} changed after "
+                                   "the forward being scored began, so its record would read the old ones; change "
+                                   "weights between calls, not while one is being recorded")
 
     @contextlib.contextmanager
     def reading(self) -> Iterator["Readout"]:

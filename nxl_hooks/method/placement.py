@@ -4,6 +4,7 @@ accelerate's CPU/disk offload, and quantized or adapter-wrapped modules (SPEC se
     module_device(model.lm_head)     # accelerate's execution device when offloaded, else its weights' device
     input_device(model)              # where token ids go: the input embedding's device
     plain(model.lm_head)             # ordinary float weights, no adapter routing: readable row by row
+    sharded(model.lm_head)           # DTensor weights (tensor parallel): calling it is a collective
 """
 
 from __future__ import annotations
@@ -14,8 +15,8 @@ import copy
 import torch
 from torch import nn
 
-__all__ = ["DeviceOf", "input_device", "module_device", "offloaded", "plain", "readable", "replica",
-           "weights_materialized"]
+__all__ = ["DeviceOf", "full", "input_device", "module_device", "offloaded", "plain", "readable", "replica",
+           "sharded", "weights_materialized"]
 
 
 def module_device(module: nn.Module) -> torch.device:
@@ -78,6 +79,17 @@ def plain(module: nn.Module) -> bool:
     ) and not any(type(sub).__module__.startswith("peft.") for sub in module.modules())
 
 
+def sharded(module: nn.Module) -> bool:
+    """Some of its weights are DTensors: tensor parallelism (``tp_plan``) splits them over the ranks, and calling
+    the module is a collective every rank must enter at the same point."""
+    return any(hasattr(param, "full_tensor") for param in module.parameters())
+
+
+def full(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` whole on this rank: a DTensor is gathered (a collective), any other tensor is returned as it is."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def offloaded(module: nn.Module) -> bool:
     """Some of its own weights wait on ``meta`` for accelerate to load them at call time."""
     return any(param.device.type == "meta" for param in module.parameters(recurse=False))
@@ -103,23 +115,29 @@ def weights_materialized(module: nn.Module):
     return align_module_device(module)
 
 
+#: accelerate's hook attributes, and the ``forward`` that it and transformers' tensor parallelism put on a module
 _ACCELERATE_ATTRIBUTES = ("_hf_hook", "_old_forward", "forward")
 
 
 def replica(module: nn.Module, device: torch.device) -> nn.Module:
-    """A hook-free copy of a small plain module (a final norm) on ``device``.
+    """A hook-free copy of a small plain module (a final norm) on ``device``, or whole on every rank of one that
+    tensor parallelism shards (a collective: every rank must make it at the same point).
 
     accelerate's hook attributes are set aside during the copy: deep-copying them would copy the offload map
     (the whole offloaded state dict); offloaded weights are read under :func:`weights_materialized`.
     """
     saved = [(sub, {key: sub.__dict__.pop(key) for key in _ACCELERATE_ATTRIBUTES if key in sub.__dict__})
              for sub in module.modules()]
+    # the weights are loaded below, not deep-copied (a DTensor cannot be): placeholders of their shape until then
+    memo = {id(param): nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                                     requires_grad=param.requires_grad)
+            for param in module.parameters()}
     try:
-        clone = copy.deepcopy(module)
+        clone = copy.deepcopy(module, memo)
     finally:
         for sub, attributes in saved:
             sub.__dict__.update(attributes)
     with weights_materialized(module):
-        state = {name: tensor.detach().to(device, copy=True) for name, tensor in module.state_dict().items()}
+        state = {name: full(tensor.detach()).to(device, copy=True) for name, tensor in module.state_dict().items()}
     clone.load_state_dict(state, assign=True)
     return clone.to(device).eval()

@@ -7,7 +7,8 @@ partial products per rank and all-reduce them, so sums are reassociated: a few f
 per block. 1e-5 relative / 1e-6 absolute is ten times that over two blocks and far below any real difference
 (a wrong or missing shard changes the scores by their own size); by hand the difference was 1.5e-8.
 
-Run as a script, this file is the torchrun worker: ``python tests/process/test_tensor_parallel.py FOLDER OUT``.
+Run as a script, this file is the torchrun worker: ``python tests/process/test_tensor_parallel.py FOLDER OUT
+[generate]``.
 """
 
 from __future__ import annotations
@@ -28,17 +29,32 @@ TEXT = "w5 w9 w12 w7 w30"
 #: two rows, the first left-padded: pad positions and per-row prediction positions go through the shards too
 IDS = [[0, 0, 5, 9, 12, 7], [33, 8, 41, 20, 17, 6]]
 MASK = [[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]]
+GENERATED = 6  # tokens the generate test makes
 
 
 def _torchrun(*args: str, cwd: Path, timeout: float = 420) -> subprocess.CompletedProcess:
-    """``torchrun --nproc-per-node 2`` on 127.0.0.1 with a free port, gloo (the CPU), one thread per rank."""
+    """``torchrun --nproc-per-node 2`` on 127.0.0.1 with a free port, gloo (the CPU), one thread per rank. Past
+    ``timeout`` (ranks hung in a collective) the test fails, and torchrun is stopped with SIGTERM, on which it ends
+    its workers (SIGKILL would leave them hanging)."""
     from serving import free_port
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(
         [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")])}
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
                "--master-port", str(free_port()), *args]
-    return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    with subprocess.Popen(command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True) as process:
+        try:
+            out, err = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.terminate()
+            try:
+                _, err = process.communicate(timeout=60)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                _, err = process.communicate()
+            pytest.fail(f"torchrun {' '.join(args)} did not finish within {timeout} s (ranks hung): {err[-2000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
 
 
 @pytest.fixture(scope="module")
@@ -127,6 +143,24 @@ def test_nxl_run_records_a_tp_program_on_every_rank(folder, tmp_path):
         check_call(model, call, 3)
 
 
+def test_tp_generate_with_on_step_on_rank_0_only_finishes_and_equals_the_oracle(folder, tmp_path):
+    """The docs' way: attach on every rank, read the records on rank 0 (``on_step`` there only). Rank 0 then scores
+    each step as it comes and rank 1 lets its steps wait; a readout called as the sharded lm_head is a collective,
+    so rank 0 waited in it while rank 1 was in the next forward's, and both hung. Every step on both ranks equals
+    the no-cache oracle on the unsharded model."""
+    import transformers
+
+    from oracle import check_call
+
+    done = _torchrun(__file__, str(folder), str(tmp_path), "generate", cwd=tmp_path, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "on_step.json").read_text()) == list(range(GENERATED))  # rank 0's callback ran
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    for rank in (0, 1):
+        (call,) = nxl.read_stream(tmp_path / f"gen{rank}")
+        check_call(model, call, GENERATED)
+
+
 def test_tp_outside_torchrun_is_one_line(folder, capsys, monkeypatch):
     from nxl_hooks.apps.cli import main
 
@@ -167,5 +201,20 @@ def _worker(folder: str, out: str) -> None:
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(facts))
 
 
+def _generate_worker(folder: str, out: str) -> None:
+    """One torchrun rank: load with tp_plan="auto", attach with a sink, ``on_step`` on rank 0 only, and generate."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, distributed_config=transformers.DistributedConfig(tp_plan="auto")).eval()
+    rank, seen = torch.distributed.get_rank(), []
+    options = {"on_step": lambda step: seen.append(step.step)} if rank == 0 else {}
+    with torch.no_grad(), nxl.attach(model, layers="all", sink=Path(out) / f"gen{rank}", **options):
+        model.generate(torch.tensor([[5, 9, 12, 7]]), max_new_tokens=GENERATED, min_new_tokens=GENERATED,
+                       do_sample=False)
+    if rank == 0:
+        (Path(out) / "on_step.json").write_text(json.dumps(seen))
+
+
 if __name__ == "__main__":
-    _worker(*sys.argv[1:3])
+    (_generate_worker if sys.argv[3:] == ["generate"] else _worker)(*sys.argv[1:3])
