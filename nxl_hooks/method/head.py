@@ -11,7 +11,7 @@ readout that gathers only the target rows of the last linear map, then elementwi
 Where the final norm is an RMS norm straight before the readout (Llama, Mistral, Qwen, Gemma, Granite...),
 :meth:`Readout.explain` folds it into the gathered rows: HoT(h)[y] = rsqrt(mean(h²) + eps) · (h · (g ⊙ W[y])), so no
 normalized copy of a whole layer is made. The fold is taken only for float32 norms whose output it reproduces on
-test vectors when the head is built; every other head calls its own modules.
+test vectors when the head is built, and not under autocast; every other head calls its own modules.
 
 A head module tensor parallelism shards (``tp_plan``: DTensor weights, lm_head) is read from a full copy on every
 rank, made when the head is built and again by :meth:`Head.refresh` when its weights change: calling the sharded
@@ -317,8 +317,11 @@ class Readout:
 
     def explain(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """HoT outputs for ``targets`` from a layer's hidden states (rows, seq, d): the folded norm where there is
-        one, else :meth:`target_logits` of the head's features. float32 (rows, seq, k)."""
-        if self._head._fold is not None:
+        one, else :meth:`target_logits` of the head's features. float32 (rows, seq, k).
+
+        Not folded under autocast: the model rounds its normed features to 16 bits and then multiplies, where the
+        fold would multiply in 16 bits first and apply the float32 scale after, missing its logits by a rounding."""
+        if self._head._fold is not None and not torch.is_autocast_enabled(hidden.device.type):
             return self._gathered(hidden, targets, folded=True)
         return self.target_logits(self._head.features(hidden), targets)
 

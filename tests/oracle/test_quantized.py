@@ -125,6 +125,26 @@ def test_a_biased_readout_gives_the_models_own_half_precision_logit_to_the_bit(c
     assert torch.equal(res.logat[-1, rows, positions], arch._own_logits(out, kind, examples, positions).float())
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_under_autocast_the_last_layer_gives_the_models_own_logit_to_the_bit(dtype):
+    """A float32 Llama run under ``torch.autocast``: the model rounds its normed features to half precision and
+    multiplies them by lm_head; at l = L and the prediction position LogAt is its logit exactly. (Its RMS norm
+    folded into the gathered rows, the 16-bit product came first and the float32 scale after: ~3e-3 off.)"""
+    import nxl_hooks as nxl
+
+    model = big.build("llama")
+    with torch.no_grad():
+        for parameter in model.parameters():  # large weights: logits of a few units, where rounding shows
+            parameter.normal_(0.0, 0.3)
+    ids, mask = big.batch()
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype), nxl.attach(model, layers="all") as probe:
+        out = model(input_ids=ids, attention_mask=mask)
+    res = probe.result()
+    rows, positions = torch.arange(len(ids)), big.positions(model, mask)
+    assert out.logits.dtype == dtype  # autocast did run the readout in half precision
+    assert torch.equal(res.logat[-1, rows, positions], out.logits[rows, positions, res.target].float())
+
+
 @pytest.mark.parametrize("quant", ["nf4", "int8"])
 @pytest.mark.parametrize("case_id", BNB_DECODERS)
 def test_bnb_per_decoder_family(tmp_path, case_id, quant):
