@@ -297,6 +297,29 @@ class _OneProcess:
         pass
 
 
+class _TensorParallel(_OneProcess):
+    """The process view under tensor parallelism (``--tp``, torchrun): the ranks compute every forward together, so
+    for the data they are one process, which scores every example in the same order (examples split between ranks
+    would meet in each other's collectives). Rank 0 alone reads and writes the output folder; it sends the others
+    what is left to do."""
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+
+        self.is_main_process = dist.get_rank() == 0
+
+    def share(self, todo: list[int] | None) -> list[int] | None:
+        """Rank 0's ``todo`` (None: it failed before it knew), on every rank; the others raise when it is None (a
+        ValueError, as what stops rank 0 there is the output folder or the settings: one line, not a traceback)."""
+        import torch.distributed as dist
+
+        sent = [todo]
+        dist.broadcast_object_list(sent, src=0)
+        if sent[0] is None and not self.is_main_process:
+            raise ValueError("rank 0 stopped before scoring; its own error line says what to fix")
+        return sent[0]
+
+
 def _state() -> Any:
     """accelerate's view of this process (one process when not launched by ``accelerate launch``)."""
     import torch
@@ -385,6 +408,28 @@ def _failure(example: Mapping[str, Any], error: Exception) -> dict[str, Any]:
     return {"id": example.get("id"), "error": f"{type(error).__name__}: {reason}"[:2000]}
 
 
+def _prepare(state: Any, out_dir: Path, settings: Mapping[str, Any]) -> dict[int, dict[str, Any]]:
+    """The records of ``out_dir`` this run resumes from (none for a fresh run), its parts folder made, another run's
+    failures cleared and ``run.json`` written; every process raises alike, before anyone writes."""
+    parts = out_dir / _PARTS
+    _refuse_links(out_dir)
+    if state.is_main_process:
+        parts.mkdir(parents=True, exist_ok=True)
+    state.wait_for_everyone()
+    done = read_records(out_dir)
+    status = _check_run(out_dir, settings, done)
+    state.wait_for_everyone()  # all have read the parts before anyone cuts or appends
+    if status == "fresh" and done:  # only failures of another run: start over
+        done = {}
+        if state.is_main_process:
+            shutil.rmtree(parts)
+            parts.mkdir()
+        state.wait_for_everyone()
+    if state.is_main_process:
+        write_json(out_dir / _SETTINGS, settings)
+    return done
+
+
 def run_dataset(
     examples: Sequence[Mapping[str, Any]],
     score: Callable[[Mapping[str, Any]], Mapping[str, Any]],
@@ -393,6 +438,7 @@ def run_dataset(
     settings: Mapping[str, Any],
     desc: str = "examples",
     record_failures: bool = True,
+    tp: bool = False,
 ) -> list[dict[str, Any]] | None:
     """Score every example once, sharded and resumable; all records in dataset order on the main process.
 
@@ -404,33 +450,26 @@ def run_dataset(
     ``{"index", "id", "error"}`` and the run goes on; a rerun does not retry it (:func:`scored` separates them).
     With ``record_failures=False`` the run stops instead: every process raises (the others a ``RuntimeError``)
     when each has finished its share, and every record written is kept for the rerun. Returns the merged
-    records on the main process and ``None`` on the others.
+    records on the main process and ``None`` on the others. ``tp=True`` (a model sharded by ``tp_plan="auto"``,
+    under torchrun): every rank scores every example, in the same order, and rank 0 alone records them.
     """
     from tqdm.auto import tqdm
 
-    state = _state()
+    state = _TensorParallel() if tp else _state()
     out_dir = Path(out_dir)
-    parts = out_dir / _PARTS
-    _refuse_links(out_dir)  # every process raises alike
-    if state.is_main_process:
-        parts.mkdir(parents=True, exist_ok=True)
-    state.wait_for_everyone()
-    done = read_records(out_dir)
-    # Every process raises alike, before anyone writes.
-    status = _check_run(out_dir, settings, done)
-    state.wait_for_everyone()  # all have read the parts before anyone cuts or appends
-    if status == "fresh" and done:  # only failures of another run: start over
-        done = {}
-        if state.is_main_process:
-            shutil.rmtree(parts)
-            parts.mkdir()
-        state.wait_for_everyone()
-    if state.is_main_process:
-        write_json(out_dir / _SETTINGS, settings)
+    records_here = state.is_main_process or not tp  # the other ranks of --tp compute alongside rank 0, silently
+    done: dict[int, dict[str, Any]] = {}
+    todo = None
+    try:
+        if records_here:
+            done = _prepare(state, out_dir, settings)
+            todo = [i for i in range(len(examples)) if i not in done]
+    finally:
+        if tp:
+            todo = state.share(todo)
     identity = {_RUN_ID: run_id(settings)}
-    todo = [i for i in range(len(examples)) if i not in done]
     mine = todo[state.process_index :: state.num_processes]
-    log = _Log(parts / f"part-{state.process_index}.jsonl")
+    log = _Log(out_dir / _PARTS / f"part-{state.process_index}.jsonl") if records_here else None
     label = f"{desc} [process {state.process_index + 1}/{state.num_processes}]" if state.num_processes > 1 else desc
     try:
         for index in tqdm(
@@ -447,13 +486,16 @@ def run_dataset(
                 if not record_failures:
                     raise
                 record = _failure(examples[index], error)
-                tqdm.write(f"{desc}: example {index} failed, recorded: {record['error']}", file=sys.stderr)
-            log.append({**record, "index": index, **identity})
+                if log is not None:
+                    tqdm.write(f"{desc}: example {index} failed, recorded: {record['error']}", file=sys.stderr)
+            if log is not None:
+                log.append({**record, "index": index, **identity})
     except Exception:
         _stop_all_if_one_failed(state, failed=True)
         raise
     finally:
-        log.close()
+        if log is not None:
+            log.close()
     _stop_all_if_one_failed(state, failed=False)
     state.wait_for_everyone()
     if not state.is_main_process:

@@ -1,6 +1,7 @@
 """Tensor parallel (issue 18, item 7): transformers' ``tp_plan="auto"`` under ``torchrun --nproc-per-node 2`` (gloo,
 CPU) on a tiny Llama saved to a folder, with nxl attached on every rank, against one process and the oracle; and
-``nxl attribute --tp`` launched by torchrun against ``nxl attribute`` in one process.
+``nxl attribute --tp``, ``nxl evaluate --tp`` and ``nxl audit --tp`` launched by torchrun against the same command
+in one process.
 
 Tolerance: the shards compute the same float32 operations, but the row-parallel layers (o_proj, down_proj) sum
 partial products per rank and all-reduce them, so sums are reassociated: a few float32 roundings (~1e-7 relative)
@@ -114,6 +115,60 @@ def test_nxl_attribute_tp_under_torchrun_equals_one_process(folder, tmp_path):
     mine, theirs = nxl.Attribution.load(tmp_path / "tp" / "tp.safetensors"), nxl.Attribution.load(single)
     assert mine.layers == theirs.layers == [0, 1, 2] and mine.target.tolist() == theirs.target.tolist()
     torch.testing.assert_close(mine.normxlogit, theirs.normxlogit, **TOL)
+
+
+EXAMPLES = [{"text": "w5 w9 w12 w7 w30", "evidence": ["w9"]}, {"text": "w21 w37 w36 w30 w63", "evidence": ["w37"]},
+            {"text": "w58 w24 w35 w27 w42", "evidence": ["w24"]}]
+
+
+def _close(mine, theirs, where: str = "") -> None:
+    """Two records or summaries equal, their numbers within TOL (wall-clock ``seconds`` aside)."""
+    if isinstance(theirs, dict):
+        assert isinstance(mine, dict) and sorted(mine) == sorted(theirs), where
+        for key in theirs:
+            if key != "seconds":
+                _close(mine[key], theirs[key], f"{where}.{key}")
+    elif isinstance(theirs, list):
+        assert isinstance(mine, list) and len(mine) == len(theirs), where
+        for index, (a, b) in enumerate(zip(mine, theirs)):
+            _close(a, b, f"{where}[{index}]")
+    elif isinstance(theirs, float):
+        assert mine == pytest.approx(theirs, rel=TOL["rtol"], abs=TOL["atol"]), where
+    else:
+        assert mine == theirs, where
+
+
+def _results(out: Path) -> list:
+    """A dataset run's records and summary."""
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    return [records, json.loads((out / "summary.json").read_text())]
+
+
+@pytest.mark.parametrize("command", [["evaluate", "{model}", "data.jsonl", "--methods", "logat,normxlogit"],
+                                     ["audit", "--reference", "{model}", "data.jsonl", "--candidate", "{model}"]],
+                         ids=["evaluate", "audit"])
+def test_dataset_commands_tp_under_torchrun_equal_one_process_and_resume(folder, tmp_path, command, monkeypatch):
+    """``nxl evaluate --tp`` / ``nxl audit --tp``: every rank scores every example in the same order (split between
+    ranks, their forwards met in each other's collectives), rank 0 alone writes, and the results equal one process.
+    A resumed run (one record lost) scores only what is left, on every rank alike."""
+    from nxl_hooks.apps.cli import main
+
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(example) + "\n" for example in EXAMPLES))
+    argv = [arg.format(model=folder) for arg in command]
+    monkeypatch.chdir(tmp_path)
+    assert main([*argv, "--out", "single"]) == 0
+    done = _torchrun("-m", "nxl_hooks", *argv, "--out", "tp", "--tp", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    written = sorted(str(p.relative_to(tmp_path / "tp")) for p in (tmp_path / "tp").rglob("*"))
+    assert written == ["parts", "parts/part-0.jsonl", "records.jsonl", "report.html", "run.json", "summary.json"]
+    assert done.stdout.count("wrote ") == 1  # rank 1 computes with rank 0 but prints and writes nothing
+    _close(_results(tmp_path / "tp"), _results(tmp_path / "single"))
+    part = tmp_path / "tp" / "parts" / "part-0.jsonl"
+    part.write_text(part.read_text().splitlines(keepends=True)[0])  # two of three examples to redo
+    done = _torchrun("-m", "nxl_hooks", *argv, "--out", "tp", "--tp", cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert len(part.read_text().splitlines()) == len(EXAMPLES)  # each scored once
+    _close(_results(tmp_path / "tp"), _results(tmp_path / "single"))
 
 
 PROGRAM = """import sys, torch, transformers

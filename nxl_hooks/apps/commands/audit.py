@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
         return audit_example(reference, candidate, tokenizer, example, layers=args.layers, top_k=args.top_k,
                              explain=args.explain)
 
-    records = run_dataset(examples, score, args.out, settings=settings, desc=NAME)
+    records = run_dataset(examples, score, args.out, settings=settings, desc=NAME, tp=args.tp)
     if records is not None:
         records, summary = scored(records, aggregate)
         name = args.candidate or f"{args.reference} ({args.quantize})"

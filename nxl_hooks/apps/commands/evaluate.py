@@ -100,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
                                 perturbation=args.perturbation, ig_steps=args.ig_steps,
                                 aggregation=args.gradient_aggregation)
 
-    records = run_dataset(examples, score, args.out, settings=settings, desc=NAME)
+    records = run_dataset(examples, score, args.out, settings=settings, desc=NAME, tp=args.tp)
     if records is not None:
         records, summary = scored(records, ev.aggregate)
         write_outputs(args.out, records, summary, evaluate_report(summary, title=f"Faithfulness of {args.model}"))
