@@ -351,6 +351,30 @@ def tp_rank() -> int:
     return int(os.environ["RANK"])
 
 
+def _check_tp_heads(name: str, config: Any) -> None:
+    """Refuse (one line) a model whose attention heads the torchrun processes cannot share evenly: where its
+    ``tp_plan`` splits the attention projections by output ("colwise"), each process holds a slice of every
+    projection, and one that is not whole heads fails in the model's own reshape, with a traceback on every rank."""
+    import math
+
+    text = config.get_text_config()
+    plan = getattr(text, "base_model_tp_plan", None) or {}
+    if not any(style == "colwise" and re.search(r"(attn|attention)\.", key) for key, style in plan.items()):
+        return  # heads not split (a gathered output, or only the MLP or experts sharded)
+    world = int(os.environ["WORLD_SIZE"])
+    counts = {key: getattr(text, key, None) for key in ("num_attention_heads", "num_key_value_heads")}
+    counts = {key: count for key, count in counts.items() if isinstance(count, int)}
+    uneven = {key: count for key, count in counts.items() if count % world}
+    if uneven:
+        common = math.gcd(*counts.values())
+        fits = [str(n) for n in range(2, common + 1) if common % n == 0]
+        fix = (f"launch torchrun with --nproc-per-node {' or '.join(fits[:4])}" if fits else
+               "its heads cannot be split: drop --tp")
+        said = " and ".join(f"{key} is {count}" for key, count in uneven.items())
+        raise ValueError(f"{name}: --tp splits the attention heads between the {world} torchrun processes, but {said}, "
+                         f"which {world} does not divide; {fix}")
+
+
 def tp_outputs(args: Any, *names: str) -> None:
     """Under ``--tp``, on every rank but 0: the output options ``names`` of ``args`` point into a private temporary
     folder and stdout goes to /dev/null, so that rank 0 alone prints and writes. Every rank still runs every forward
@@ -466,7 +490,8 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
     - ``dtype`` ("auto", "float32", "float16", "bfloat16" or a torch dtype), ``device_map``, ``max_memory``: as
       ``from_pretrained`` takes them; ``quantize``: bitsandbytes "8bit", "4bit" (nf4) or "fp4".
     - ``tp``: tensor parallel, for a process launched by torchrun: ``tp_plan="auto"`` shards the weights over its
-      ranks (each rank calls this and runs every forward); excludes device_map, max_memory, quantize and GGUF.
+      ranks (each rank calls this and runs every forward); excludes device_map, max_memory, quantize and GGUF, and
+      refuses attention heads the ranks cannot share evenly.
     - ``chat``: the texts go through the tokenizer's chat template (``--chat``): a tokenizer without one, or whose
       template fails, is refused before the weights load.
     - ``kwargs`` go to the model's ``from_pretrained``; it reads safetensors only and runs no code of the model's
@@ -515,6 +540,8 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
                 f"{name}: config.architectures ({getattr(config, 'architectures', None)}) names no head that "
                 f"NormXLogit explains; pass --head with one of {', '.join(HEAD_CLASSES)}"
             )
+        if loading.tp:
+            _check_tp_heads(name, config)
     auto = getattr(transformers, HEAD_CLASSES[kind])
     if gguf_file is not None and (Path(name).expanduser() / gguf_file).is_file():
         check_gguf(Path(name).expanduser() / gguf_file, kind)  # before the tokenizer and model are built from it

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -236,6 +237,32 @@ def test_tp_with_a_device_map_is_one_line(folder, capsys, monkeypatch):
     assert main(["attribute", str(folder), TEXT, "--tp", "--device-map", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--tp with device_map: tensor parallel places one shard per torchrun" in err
+
+
+@pytest.mark.parametrize("heads, kv_heads, said", [
+    (3, 3, "num_attention_heads is 3 and num_key_value_heads is 3, which 2 does not divide; launch torchrun with "
+     "--nproc-per-node 3"),
+    (4, 1, "num_key_value_heads is 1, which 2 does not divide; its heads cannot be split: drop --tp"),
+], ids=["heads", "kv-heads"])
+def test_tp_with_heads_the_ranks_cannot_share_is_one_line(tmp_path, heads, kv_heads, said):
+    """Attention heads that 2 ranks cannot split evenly: each rank says so in one line and exits 2, before the
+    weights load (each failed in the model's reshape with a traceback: "shape '[1, 4, -1, 8]' is invalid")."""
+    import transformers
+
+    from test_architectures import TOK
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=8 * heads, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        num_hidden_layers=1, intermediate_size=16, pad_token_id=0, bos_token_id=1, eos_token_id=2))
+    model.save_pretrained(tmp_path / "llama")
+    TOK.save_pretrained(tmp_path / "llama")
+    done = _torchrun("-m", "nxl_hooks", "attribute", "llama", TEXT, "--tp", cwd=tmp_path)
+    assert done.returncode != 0  # torchrun's own traceback aside, no frame of a rank's
+    assert not re.search(r'File "[^"]*(nxl_hooks|transformers)/', done.stderr), done.stderr[-3000:]
+    assert "exitcode  : 2" in done.stderr  # (torchrun's report of the first rank that stopped)
+    lines = [line for line in done.stderr.splitlines() if line.startswith("nxl attribute: error:")]
+    assert len(lines) == 2 and all(said in line for line in lines), done.stderr[-3000:]
+    assert "llama: --tp splits the attention heads between the 2 torchrun processes" in lines[0]
 
 
 def _worker(folder: str, out: str) -> None:
