@@ -76,3 +76,30 @@ def test_a_vllm_command_whose_interpreter_lacks_vllm_metadata_runs_through_vllm_
 def test_a_vllm_command_that_is_not_a_python_script_is_run_as_it_is(tmp_path):
     script = _script(tmp_path, "#!/bin/sh")
     assert vllm_program([str(script), "serve"]) == [str(script), "serve"]
+
+
+def test_a_layer_hook_that_fails_never_raises_into_vllm_and_the_steps_requests_say_why():
+    """An eager layer hook meeting an output it does not know (one tensor, not (hidden, residual)) raised into vLLM's
+    forward; now the step's requests stop recording, with the reason."""
+    import functools
+
+    import torch
+
+    from nxl_hooks.hooks.engines.vllm import VllmEngine, _Capture
+
+    class Run:
+        failed, said = False, None
+
+        def fail(self, what, error):
+            self.failed, self.said = True, f"{what}: {error}"
+
+    engine, run = VllmEngine(), Run()
+    runner = SimpleNamespace(input_batch=SimpleNamespace(num_reqs=1, req_ids=["7-0123abcd"]))
+    engine.gens = SimpleNamespace(plan=SimpleNamespace(model=SimpleNamespace(runner=runner)))
+    engine.plan = SimpleNamespace(layers=[1])
+    engine._runs = {"7-0123abcd": run}
+    engine._capture = capture = _Capture()
+    hook = engine._kept(functools.partial(engine._keep_layer, 1))
+    hook(None, (), torch.ones(3, 4))  # returns: nothing raised into the forward
+    engine._feed(capture)
+    assert run.failed and "a hook on vLLM's model failed" in run.said

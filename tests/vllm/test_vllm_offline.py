@@ -75,7 +75,7 @@ def run_script(tiny: Path, folder: Path, mode: str, nxl_args: list[str] | None, 
     done = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600, cwd=folder)
     lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
     assert done.returncode == 0 and lines, done.stderr[-3000:]
-    return json.loads(lines[-1][7:])
+    return {**json.loads(lines[-1][7:]), "log": done.stderr}
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +110,44 @@ def test_script_under_nxl_run_eager_is_recorded_and_its_outputs_unchanged(plain,
         last = torch.tensor([float(step.logat[-1, 0, -1]) for step in call.steps])
         torch.testing.assert_close(last, torch.tensor(output["raw"]), rtol=1e-4, atol=1e-4)
         check_call(LlamaForCausalLM.from_pretrained(tiny).eval(), call, 5)
+
+
+def save_tiny_granite(path: Path) -> Path:
+    """A random 3-layer Granite (head_dim 64) with non-trivial multipliers, over the tests' BPE tokenizer: vLLM's
+    Granite has the Llama view's structure (embed_tokens, layers, an RMSNorm, lm_head) but one tensor out of each
+    layer, its embedding multiplied after embed_tokens, its logits divided by logits_scaling."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+    from bpe_tiny import bpe_tokenizer
+
+    tok = bpe_tokenizer()
+    torch.manual_seed(0)
+    config = GraniteConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                           num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True, bos_token_id=1,
+                           eos_token_id=2, pad_token_id=2, max_position_embeddings=512, initializer_range=0.3,
+                           embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=8.0,
+                           attention_multiplier=0.015625)
+    GraniteForCausalLM(config).eval().save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def test_a_model_class_the_view_does_not_follow_runs_unchanged_and_unrecorded(tmp_path):
+    """A Granite under ``nxl run`` (eager: its layer hooks raised into vLLM's forward; compiled: recorded wrong
+    numbers as complete): vLLM's replies are the transformers Granite's own (its greedy tokens, its logits as vLLM
+    returns them raw), and the one line at load says which class and that it runs unrecorded."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tiny = save_tiny_granite(tmp_path / "granite")
+    recorded = run_script(tiny, tmp_path, "eager", ["--layers", "all", "--sink", str(tmp_path / "run")])
+    model, tok = AutoModelForCausalLM.from_pretrained(tiny).eval(), AutoTokenizer.from_pretrained(tiny)
+    for prompt, output in zip(PROMPTS, recorded["outputs"]):
+        ids = tok(prompt, return_tensors="pt").input_ids
+        with torch.no_grad():
+            expected = model.generate(ids, max_new_tokens=5, do_sample=False, output_logits=True,
+                                      return_dict_in_generate=True, eos_token_id=None, pad_token_id=2)
+        tokens = expected.sequences[0, ids.shape[1]:].tolist()
+        assert output["tokens"] == tokens
+        raw = torch.stack([logits[0, token] for logits, token in zip(expected.logits, tokens)])
+        torch.testing.assert_close(torch.tensor(output["raw"]), raw, rtol=1e-4, atol=1e-4)
+    assert "vLLM's GraniteForCausalLM is not a model class nxl_hooks follows in vLLM" in recorded["log"]
+    assert "serves it unrecorded" in recorded["log"]

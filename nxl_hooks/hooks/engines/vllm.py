@@ -36,13 +36,16 @@ the step. ``nxl run --eager`` (:data:`~nxl_hooks.hooks.generate.EAGER`) makes th
 
 Not followed (requests run unchanged, each one's call record says ``not recorded: why; what to do``): a model
 vLLM compiled without those buffers, prefix caching (a cached prefix never runs for the request that reuses it),
-async scheduling, speculative decoding, pipeline or tensor parallelism, and model classes whose layers do not return
-``(hidden, residual)`` with an RMS final norm. :func:`recording_engine_args` turns prefix caching and async
-scheduling off in the engine arguments while ``nxl run`` records (and compilation, with ``nxl run --eager``).
+async scheduling, speculative decoding, pipeline or tensor parallelism. :func:`recording_engine_args` turns prefix
+caching and async scheduling off in the engine arguments while ``nxl run`` records (and compilation, with ``nxl run
+--eager``). Model classes: vLLM's Llama, Mistral, Qwen2 and Qwen3 only (:data:`_FOLLOWED`); any other is refused when
+it loads (one line: vLLM serves it unrecorded), as its layers, embedding or logits differ from what the view reads
+(Gemma 4's layers return ``(hidden, None)``, Granite scales its embedding and logits).
 """
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from types import ModuleType
@@ -195,25 +198,44 @@ def _buffers(runner: Any, model: nn.Module) -> Buffers:
     return buffers
 
 
+#: vLLM's model classes the view follows (module, class): an unscaled embedding lookup, decoder layers that return
+#: ``(hidden, residual)`` (the stream after the block is their sum), an RMS final norm, logits that ``lm_head`` gives
+#: unscaled and uncapped. A class is matched exactly: a subclass, or a class of the same shape, may differ in any of
+#: these and be recorded wrong (Granite's multipliers) or break vLLM's forward (Gemma 4's ``(hidden, None)``).
+_FOLLOWED = {("vllm.model_executor.models.llama", "LlamaForCausalLM"): "Llama",
+            ("vllm.model_executor.models.mistral", "MistralForCausalLM"): "Mistral",
+            ("vllm.model_executor.models.qwen2", "Qwen2ForCausalLM"): "Qwen2",
+            ("vllm.model_executor.models.qwen3", "Qwen3ForCausalLM"): "Qwen3"}
+
+
+def _refusal(model: nn.Module) -> str | None:
+    """Why the view cannot follow vLLM's ``model``, or None."""
+    cls = type(model)
+    if (cls.__module__, cls.__qualname__) not in _FOLLOWED:
+        return (f"vLLM's {cls.__name__} is not a model class nxl_hooks follows in vLLM (it follows "
+                f"{', '.join(_FOLLOWED.values())}), so vLLM serves it unrecorded")
+    logits = getattr(model, "logits_processor", None)
+    if getattr(logits, "scale", 1.0) != 1.0 or getattr(logits, "soft_cap", None) is not None:
+        return (f"vLLM's {cls.__name__} scales or caps its logits (logit_scale, soft_cap in its config), which "
+                "nxl_hooks does not follow in vLLM, so vLLM serves it unrecorded")
+    return None
+
+
 class VllmForCausalLM(nn.Module):
     """vLLM's model as :func:`~nxl_hooks.attach` reads a transformers causal LM: its config, ``model.norm`` and
     ``lm_head`` (vLLM's weights, shared), ``model.layers`` (one placeholder per decoder layer: the hooks go on
     vLLM's own modules, through :class:`VllmEngine`). ``VllmForCausalLM(runner)``; ValueError when vLLM's model is
-    not one this view knows."""
+    not one this view follows (:data:`_FOLLOWED`)."""
 
     base_model_prefix = "model"
 
     def __init__(self, runner: Any) -> None:
         super().__init__()
         model = runner.get_model()
-        inner = getattr(model, "model", None)
-        norm, head = getattr(inner, "norm", None), getattr(model, "lm_head", None)
-        layers = getattr(inner, "layers", None)
-        if (inner is None or type(norm).__name__ != "RMSNorm" or head is None or layers is None
-                or getattr(inner, "embed_tokens", None) is None):
-            raise ValueError(f"vLLM's {type(model).__name__} is not a decoder nxl_hooks follows in vLLM (it needs "
-                             "model.embed_tokens, model.layers returning (hidden, residual), model.norm an RMSNorm "
-                             "and lm_head: Llama, Mistral, Qwen2, Qwen3)")
+        if (refused := _refusal(model)) is not None:  # before any tap: one traced into its compile could break it
+            raise ValueError(refused)
+        inner = model.model
+        norm, head, layers = inner.norm, model.lm_head, inner.layers
         # vLLM's model is a submodule of the view: the hooks the engine puts on it count as the probe's (status)
         self.runner, self.vllm_model = runner, model
         #: the compiled model's buffers, made now, before vLLM compiles (None: vLLM runs it eagerly)
@@ -269,6 +291,7 @@ class _Capture:
         self.embed_norm: torch.Tensor | None = None
         self.hidden: dict[int, torch.Tensor] = {}
         self.logits: torch.Tensor | None = None
+        self.error: Exception | None = None  # what a hook on vLLM's model failed with, kept for the step's requests
 
 
 class VllmEngine:
@@ -329,10 +352,11 @@ class VllmEngine:
         self._handles.append(model.logits_processor.register_forward_hook(self._on_logits))
         if shell.buffers is not None:
             return
-        self._handles.append(inner.embed_tokens.register_forward_hook(self._on_embedding))
+        self._handles.append(inner.embed_tokens.register_forward_hook(self._kept(self._keep_embedding)))
         for index, layer in enumerate(inner.layers, start=1):
             if index in wanted:
-                self._handles.append(layer.register_forward_hook(self._layer_hook(index)))
+                self._handles.append(layer.register_forward_hook(self._kept(functools.partial(self._keep_layer,
+                                                                                               index))))
 
     def uninstall(self) -> None:
         """Hooks and wrappers off; the requests in flight end incomplete."""
@@ -363,22 +387,29 @@ class VllmEngine:
             capture.ids = kwargs.get("input_ids", args[0] if args else None)
             capture.positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
 
-    def _on_embedding(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        capture = self._capture
-        if capture is None:
-            return
+    def _kept(self, keep: Callable[[_Capture, Any], None]) -> Callable:
+        """A forward hook that gives ``keep`` the running step's capture and the module's output. Never raises into
+        vLLM's forward: what fails is kept, and the step's requests stop recording with it (:meth:`_feed`)."""
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            capture = self._capture
+            if capture is None or capture.error is not None:
+                return
+            try:
+                keep(capture, output)
+            except Exception as error:  # noqa: BLE001
+                capture.error = error
+
+        return hook
+
+    def _keep_embedding(self, capture: _Capture, output: torch.Tensor) -> None:
         capture.embed_norm = torch.linalg.vector_norm(output, dim=-1, dtype=torch.float32)
         if 0 in self.plan.layers:  # a copy: the next layer's fused add-norm updates its residual input in place
             capture.hidden[0] = output.clone()
 
-    def _layer_hook(self, index: int) -> Callable:
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            capture = self._capture
-            if capture is not None:
-                hidden, residual = output
-                capture.hidden[index] = hidden + residual  # the residual stream: a new tensor, safe from in-place adds
-
-        return hook
+    @staticmethod
+    def _keep_layer(index: int, capture: _Capture, output: Any) -> None:
+        hidden, residual = output
+        capture.hidden[index] = hidden + residual  # the residual stream: a new tensor, safe from in-place adds
 
     def _on_logits(self, module: nn.Module, args: tuple, output: Any) -> None:
         capture = self._capture
@@ -477,6 +508,8 @@ class VllmEngine:
             batch = runner.input_batch
             count = batch.num_reqs
             step = list(batch.req_ids[:count])
+            if capture.error is not None:
+                raise RuntimeError(f"a hook on vLLM's model failed ({capture.error})")
             starts = [int(s) for s in runner.query_start_loc.np[: count + 1]]
             discard = runner.discard_request_mask.np[:count].tolist()
             firsts = capture.positions[torch.tensor(starts[:-1], device=capture.positions.device)].tolist()
