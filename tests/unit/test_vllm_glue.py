@@ -103,3 +103,27 @@ def test_a_layer_hook_that_fails_never_raises_into_vllm_and_the_steps_requests_s
     hook(None, (), torch.ones(3, 4))  # returns: nothing raised into the forward
     engine._feed(capture)
     assert run.failed and "a hook on vLLM's model failed" in run.said
+
+
+def test_nxl_run_refuses_its_loading_options_for_vllm_in_one_line(tmp_path):
+    """vLLM loads its weights itself: --dtype, --load-in-4bit, --gguf-file ... were accepted and ignored (the
+    engine stayed bfloat16, exit 0); now refused, exit 2, naming vLLM's own flags. Plain vllm still starts."""
+    import os
+    import subprocess
+
+    _script(tmp_path, "#!/bin/sh\necho started\nexit 0")
+    environment = {**os.environ, "PATH": f"{tmp_path}{os.pathsep}{os.environ['PATH']}"}
+
+    def nxl_run(*options: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "nxl_hooks", "run", *options, "--sink", str(tmp_path / "run"),
+                               "--", "vllm", "serve", "./model"], env=environment, capture_output=True, text=True,
+                              timeout=120)
+
+    for options, flags in ((["--dtype", "float32"], "--dtype"), (["--load-in-4bit"], "--load-in-4bit"),
+                           (["--device-map", "cpu", "--max-memory", "cpu=1GiB"], "--device-map --max-memory")):
+        done = nxl_run(*options)
+        (line,) = done.stderr.strip().splitlines()
+        assert done.returncode == 2 and f"{flags} with vllm" in line and "--quantization" in line, done.stderr
+        assert "started" not in done.stdout
+    done = nxl_run()
+    assert done.returncode == 0 and "started" in done.stdout, done.stderr

@@ -102,6 +102,22 @@ def vllm_program(program: list[str]) -> list[str]:
     return [*interpreter, os.path.join(os.path.dirname(bootstrap_dir()), "vllm_main.py"), *program[1:]]
 
 
+def vllm_loading_refusal(load: dict) -> str | None:
+    """Why ``load`` (``nxl run``'s loading options that were given) cannot apply to a ``vllm`` command, with vLLM's
+    own flags to use instead; None when none was given. (vLLM loads its weights itself, never through the
+    ``from_pretrained`` that these options are defaults of: they would be ignored.)"""
+    from ..loading_options import Loading
+    from ..schema import options
+
+    given = [next((flag for flag, value, _ in option.switches if value == load[option.name]), option.flag)
+             for option in options(Loading) if option.name in load]
+    if not given:
+        return None
+    return (f"{' '.join(filter(None, given))} with vllm: vLLM loads its weights itself, so nxl run's loading options "
+            "would be ignored; give vLLM its own after the model instead (vllm serve MODEL --dtype float32, "
+            "--quantization, --cpu-offload-gb; a .gguf file as MODEL)")
+
+
 def run(args: argparse.Namespace) -> int:
     from ..loading import gguf_serve_refusal
 
@@ -119,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--gguf-file with --load-in-8bit/--load-in-4bit: transformers refuses that combination in "
                        "the program's own from_pretrained; load the GGUF, save it, and quantize the saved folder")
     if Path(program[0]).name == "vllm":
+        if (refusal := vllm_loading_refusal(load)) is not None:
+            raise CliError(refusal)
         program = vllm_program(program)
     settings = prepare_run(args, load)
     folder = settings.run_dir
