@@ -23,6 +23,9 @@ def test_request_id_is_the_clients():
     assert request_id("0_cmpl-two-0-0123abcd") == "two"
     assert request_id("1_0-0123abcd") == "0"
     assert request_id("2024_01_run-0123abcd") == "2024_01_run"  # a client's own id that starts so is kept
+    # each beam-search step (a request of its own): "-<16 hex>-beam-<beam>" before the engine's suffix
+    assert request_id("cmpl-beam-0-85d3d8d25a5c2b0d-beam-1-0123abcd") == "beam"
+    assert request_id("chatcmpl-r1-85d3d8d25a5c2b0d-beam-0-0123abcd") == "r1"
 
 
 def test_an_engine_with_prompt_embeddings_enabled_is_said_unfollowable():
