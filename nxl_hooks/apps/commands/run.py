@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import shutil
 import sys
 from pathlib import Path
@@ -75,6 +76,17 @@ def prepare_run(args: argparse.Namespace, load: dict) -> Settings:
 
 
 _VLLM_CHECK = "import importlib.metadata as m; m.version('vllm')"
+#: The second line of the launcher pip writes when the interpreter's path is over 127 bytes or holds a space (its
+#: first line is ``#!/bin/sh``): the interpreter, quoted when it holds a space.
+_SH_EXEC = re.compile(r"""^'''exec' (?:"([^"]+)"|(\S+)) "\$0" "\$@"$""")
+
+
+def _interpreter(lines: list[str]) -> list[str]:
+    """The interpreter a script's first ``lines`` start it with: its ``#!`` line's, or the one pip's ``#!/bin/sh``
+    launcher execs; [] when neither."""
+    if lines[0].strip() == "#!/bin/sh" and len(lines) > 1 and (match := _SH_EXEC.match(lines[1].strip())):
+        return [match.group(1) or match.group(2)]
+    return lines[0][2:].strip().split()[:1] if lines[0].startswith("#!") else []
 
 
 def vllm_program(program: list[str]) -> list[str]:
@@ -87,10 +99,10 @@ def vllm_program(program: list[str]) -> list[str]:
     script = shutil.which(program[0])
     try:
         with open(script, "rb") as fh:
-            first = fh.readline(4096).decode(errors="replace")
+            lines = [fh.readline(4096).decode(errors="replace") for _ in range(2)]
     except (OSError, TypeError):
         return program
-    interpreter = first[2:].strip().split()[:1] if first.startswith("#!") else []
+    interpreter = _interpreter(lines)
     if not interpreter or "python" not in os.path.basename(interpreter[0]):
         return program
     try:
