@@ -134,7 +134,7 @@ def save_tiny_granite(path: Path) -> Path:
 def test_a_model_class_the_view_does_not_follow_runs_unchanged_and_unrecorded(tmp_path):
     """A Granite under ``nxl run`` (eager: its layer hooks raised into vLLM's forward; compiled: recorded wrong
     numbers as complete): vLLM's replies are the transformers Granite's own (its greedy tokens, its logits as vLLM
-    returns them raw), and the one line at load says which class and that it runs unrecorded."""
+    returns them raw), and each request's call says it is not recorded, naming the class."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tiny = save_tiny_granite(tmp_path / "granite")
@@ -149,5 +149,7 @@ def test_a_model_class_the_view_does_not_follow_runs_unchanged_and_unrecorded(tm
         assert output["tokens"] == tokens
         raw = torch.stack([logits[0, token] for logits, token in zip(expected.logits, tokens)])
         torch.testing.assert_close(torch.tensor(output["raw"]), raw, rtol=1e-4, atol=1e-4)
-    assert "vLLM's GraniteForCausalLM is not a model class nxl_hooks follows in vLLM" in recorded["log"]
-    assert "serves it unrecorded" in recorded["log"]
+        (call,) = nxl.read_stream(tmp_path / "run", request_id=output["id"])
+        assert not call.steps and call.error.startswith("not recorded: vLLM's GraniteForCausalLM is not a model "
+                                                        "class nxl_hooks follows in vLLM")
+    assert "serves it unrecorded" in recorded["log"]  # said once, in one line

@@ -38,9 +38,10 @@ Not followed (requests run unchanged, each one's call record says ``not recorded
 vLLM compiled without those buffers, prefix caching (a cached prefix never runs for the request that reuses it),
 async scheduling, speculative decoding, pipeline or tensor parallelism. :func:`recording_engine_args` turns prefix
 caching and async scheduling off in the engine arguments while ``nxl run`` records (and compilation, with ``nxl run
---eager``). Model classes: vLLM's Llama, Mistral, Qwen2 and Qwen3 only (:data:`_FOLLOWED`); any other is refused when
-it loads (one line: vLLM serves it unrecorded), as its layers, embedding or logits differ from what the view reads
-(Gemma 4's layers return ``(hidden, None)``, Granite scales its embedding and logits).
+--eager``). Model classes: vLLM's Llama, Mistral, Qwen2 and Qwen3 only (:data:`_FOLLOWED`); any other is not followed, its
+requests each saying so, as its layers, embedding or logits may differ from what the view reads (Gemma 4's layers
+return ``(hidden, None)``, Granite scales its embedding and logits); one without a final norm, layers and
+``lm_head`` is said once when it loads.
 """
 
 from __future__ import annotations
@@ -230,28 +231,34 @@ def _refusal(model: nn.Module) -> str | None:
 class VllmForCausalLM(nn.Module):
     """vLLM's model as :func:`~nxl_hooks.attach` reads a transformers causal LM: its config, ``model.norm`` and
     ``lm_head`` (vLLM's weights, shared), ``model.layers`` (one placeholder per decoder layer: the hooks go on
-    vLLM's own modules, through :class:`VllmEngine`). ``VllmForCausalLM(runner)``; ValueError when vLLM's model is
-    not one this view follows (:data:`_FOLLOWED`)."""
+    vLLM's own modules, through :class:`VllmEngine`). ``VllmForCausalLM(runner)``; ``refused``: why vLLM's model
+    is not one this view follows (:data:`_FOLLOWED`), its requests each saying so; ValueError when it has no parts
+    the view can be made of."""
 
     base_model_prefix = "model"
 
     def __init__(self, runner: Any) -> None:
         super().__init__()
         model = runner.get_model()
-        if (refused := _refusal(model)) is not None:  # before any tap: one traced into its compile could break it
-            raise ValueError(refused)
-        inner = model.model
-        norm, head, layers = inner.norm, model.lm_head, inner.layers
+        #: why vLLM's model is not followed, or None: the engine then marks each request not recorded, with it
+        self.refused = _refusal(model)
+        inner = getattr(model, "model", None)
+        norm, head, layers = getattr(inner, "norm", None), getattr(model, "lm_head", None), getattr(inner, "layers",
+                                                                                                    None)
+        if getattr(norm, "weight", None) is None or getattr(head, "weight", None) is None or layers is None:
+            raise ValueError(self.refused or f"vLLM's {type(model).__name__} has no final norm, layers or lm_head "
+                                             "that nxl_hooks can read, so vLLM serves it unrecorded")
         # vLLM's model is a submodule of the view: the hooks the engine puts on it count as the probe's (status)
         self.runner, self.vllm_model = runner, model
         #: the compiled model's buffers, made now, before vLLM compiles (None: vLLM runs it eagerly)
-        self.buffers = _buffers(runner, model) if unfollowable_compile(runner.vllm_config) is not None else None
+        self.buffers = (_buffers(runner, model) if self.refused is None  # no tap on a model it cannot read
+                        and unfollowable_compile(runner.vllm_config) is not None else None)
         self.config = model.config
         vocab, hidden = int(self.config.vocab_size), int(self.config.hidden_size)
         self.model = nn.Module()
         self.model.layers = nn.ModuleList(nn.Identity() for _ in range(len(layers)))
         self.model.embed_tokens = nn.Embedding(vocab, hidden, device="meta")  # its size only
-        self.model.norm = _RmsNorm(norm.weight, float(norm.variance_epsilon))
+        self.model.norm = _RmsNorm(norm.weight, float(getattr(norm, "variance_epsilon", 1e-6)))  # (refused: unused)
         self.lm_head = nn.Linear(hidden, vocab, bias=False, device="meta")
         weight = head.weight  # vLLM pads its vocabulary rows: the first vocab_size are the model's
         self.lm_head.weight = weight if weight.shape[0] == vocab else nn.Parameter(weight[:vocab], requires_grad=False)
@@ -331,7 +338,7 @@ class VllmEngine:
             self._layers = (None if list(self.plan.layers) == every else
                             torch.tensor(self.plan.layers, device=shell.buffers.values.device))
         try:
-            self.unfollowed = unfollowable(runner.vllm_config)
+            self.unfollowed = shell.refused or unfollowable(runner.vllm_config)
             if self.unfollowed is None and shell.buffers is None:
                 self.unfollowed = unfollowable_compile(runner.vllm_config)
         except Exception as error:  # noqa: BLE001 - a vLLM whose config this does not know
