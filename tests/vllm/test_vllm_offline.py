@@ -153,3 +153,31 @@ def test_a_model_class_the_view_does_not_follow_runs_unchanged_and_unrecorded(tm
         assert not call.steps and call.error.startswith("not recorded: vLLM's GraniteForCausalLM is not a model "
                                                         "class nxl_hooks follows in vLLM")
     assert "serves it unrecorded" in recorded["log"]  # said once, in one line
+
+
+def test_a_request_ended_by_repetition_detection_ends_with_its_token():
+    """vLLM's scheduler ends a request whose output repeats (SamplingParams.repetition_detection, finish_reason
+    "repetition"): its call ends complete with that token, as vLLM's check_stop (not "the client went away"); not
+    before min_tokens. (No engine: the worker's request state, as vLLM keeps it.)"""
+    from types import SimpleNamespace
+
+    from vllm import SamplingParams
+    from vllm.sampling_params import RepetitionDetectionParams
+
+    from nxl_hooks.hooks.engines.vllm import VllmEngine
+
+    def stops(generated: list[int], **options) -> bool:
+        params = SamplingParams(max_tokens=50, repetition_detection=RepetitionDetectionParams(max_pattern_size=2,
+                                                                                                min_count=3), **options)
+        runner = SimpleNamespace(requests={"0-0123abcd": SimpleNamespace(sampling_params=params,
+                                                                         prompt_token_ids=[5, 6, 5, 6])},
+                                 vllm_config=SimpleNamespace(model_config=SimpleNamespace(max_model_len=256)))
+        engine = VllmEngine()
+        engine.gens = SimpleNamespace(plan=SimpleNamespace(model=SimpleNamespace(runner=runner)))
+        engine._tokens = {"0-0123abcd": [5, 6, 5, 6, *generated]}
+        return engine._stops("0-0123abcd", generated[-1])
+
+    assert not stops([5, 6, 5, 6, 5])  # the prompt's own repeats do not count
+    assert stops([5, 6, 5, 6, 5, 6])  # "5 6" three times in the output
+    assert stops([7, 8, 8, 8])  # "8" three times
+    assert not stops([5, 6, 5, 6, 5, 6], min_tokens=8)

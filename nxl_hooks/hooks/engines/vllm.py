@@ -23,7 +23,7 @@ weights, shared, never copied) that :func:`~nxl_hooks.attach` makes its plan and
 
 Chunked prefill: each chunk feeds its positions. Preemption: a resumed request recomputes from its first position
 and its features are replaced from there. A request ends with the token that meets its stop rules (EOS, a stop
-token id, max_tokens, the model length), checked in the worker as vLLM's scheduler checks them. A request that
+token id, max_tokens, the model length, repetition detection), checked in the worker as vLLM's scheduler checks them. A request that
 leaves otherwise (the client went away, a stop string the API server matched, an abort; vLLM tells the worker at its
 next step, not why) ends incomplete, with the steps it made and a reason saying so.
 
@@ -501,9 +501,10 @@ class VllmEngine:
                 "matched a stop string, or it was aborted): its steps up to then are recorded"), what="this request")
 
     def _stops(self, worker_id: str, token: int) -> bool:
-        """Whether ``token`` ends the request, by the engine's own stop rules (its EOS or stop token ids, its
-        max_tokens, the model length): then its call ends now, not when vLLM tells the worker at its next step.
-        (Stop strings and aborts are the API server's: those requests end at that next step.)"""
+        """Whether ``token`` ends the request, by the engine's own stop rules, in the order vLLM's scheduler checks
+        them (``check_stop``: its EOS or stop token ids, its max_tokens, the model length, then past min_tokens its
+        repetition detection): then its call ends now, not when vLLM tells the worker at its next step. (Stop
+        strings and aborts are the API server's: those requests end at that next step.)"""
         runner = self.gens.plan.model.runner
         state = runner.requests.get(worker_id)
         params = getattr(state, "sampling_params", None)
@@ -511,9 +512,16 @@ class VllmEngine:
             return False
         tokens = self._tokens[worker_id]
         generated = len(tokens) - len(state.prompt_token_ids or ())
-        return (token == params.eos_token_id or token in (params.stop_token_ids or ())
+        if (token == params.eos_token_id or token in (params.stop_token_ids or ())
                 or generated >= (params.max_tokens or float("inf"))
-                or len(tokens) >= runner.vllm_config.model_config.max_model_len)
+                or len(tokens) >= runner.vllm_config.model_config.max_model_len):
+            return True
+        detection = getattr(params, "repetition_detection", None)
+        if detection is None or generated < (params.min_tokens or 0):
+            return False
+        from vllm.v1.core.sched.utils import check_sequence_repetition
+
+        return check_sequence_repetition(tokens[len(tokens) - generated:], detection)
 
     def _feed(self, capture: _Capture) -> None:
         """Each request's rows of the forward into its run; the logits of the rows vLLM samples from become the
