@@ -143,3 +143,20 @@ def test_a_vllm_command_with_pips_sh_launcher_is_read_for_its_interpreter(tmp_pa
     program = vllm_program([str(script), "serve", "./model"])
     assert program[0] == str(python) and program[2:] == ["serve", "./model"]
     assert Path(program[1]).name == "vllm_main.py"
+
+
+def test_a_request_still_open_when_recording_stops_says_vllm_had_not_told_its_end():
+    """The last request a stop string ended, under VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM runs no further step to
+    tell the worker, so it is still open at exit; its reason said "detached, paused or re-attached" only."""
+    from nxl_hooks.hooks.engines.vllm import VllmEngine
+
+    class Run:
+        why = None
+
+        def finish(self, sequences, why, *, what):
+            self.why = why
+
+    engine, run = VllmEngine(), Run()
+    engine._runs = {"0-0123abcd": run}
+    engine.uninstall()
+    assert "the program ended first" in run.why and "stop string" in run.why

@@ -372,7 +372,8 @@ class VllmEngine:
                                                                                                index))))
 
     def uninstall(self) -> None:
-        """Hooks and wrappers off; the requests in flight end incomplete."""
+        """Hooks and wrappers off; the requests in flight end incomplete (among them one that a stop string ended
+        last: with ``VLLM_ENABLE_V1_MULTIPROCESSING=0`` vLLM runs no further step to tell the worker)."""
         with self._lock:
             for handle in self._handles:
                 handle.remove()
@@ -385,9 +386,10 @@ class VllmEngine:
             self._tokens.clear()
             self._fed.clear()
             self._capture = None
-        for run in runs:
-            run.finish(None, "recording stopped while this request ran (detached, paused or re-attached)",
-                       what="this request")
+        for run in runs:  # (vLLM tells its worker at the next step that a request left: none may come before exit)
+            run.finish(None, "recording stopped before vLLM told its worker that this request ended (detached, "
+                             "paused, re-attached, or the program ended first: a request that a stop string, an abort "
+                             "or the client ended is told at vLLM's next step)", what="this request")
 
     def stray(self, arguments: dict[str, Any]) -> str | None:
         return None  # the view's own forward never runs: vLLM calls its own model
