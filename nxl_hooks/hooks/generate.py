@@ -363,6 +363,10 @@ class Run:
         self._compute_dtype: torch.dtype | None = None
         self._n = self._past = 0
         self._pending = False
+        # the last forward the hooks followed gave its logits (after_task): else its task model ran compiled code
+        self._predicted = True
+        # False once a forward ran partly compiled: the hooks follow the call no more, _replay records the rest
+        self._following = True
         self._log_probs: torch.Tensor | None = None  # the model's own log-softmax at the last position of the last forward
         self._logits: torch.Tensor | None = None  # or its raw logits there, the log-softmax taken when scored
         self._deferred: list[_Emitted] = []  # emitted, not scored yet (see BATCH_STEPS)
@@ -440,6 +444,11 @@ class Run:
 
     def before_forward(self, bound: dict) -> None:
         """Check the forward continues what the run holds; complete the pending step with its first token."""
+        if not self._following:
+            return
+        if self._pending and not self._predicted:
+            self._unfollow()
+            return
         n = self._n
         if n == 0 and self._refill is not None:
             self._cache = find_cache(bound)
@@ -454,7 +463,7 @@ class Run:
                 raise RuntimeError("generate fed embeddings instead of token ids while decoding: cannot tell the "
                                    "emitted token; pass input_ids to generate")
             self.emit(ids[:, n - past])
-        self._past = past
+        self._past, self._predicted = past, False
 
     def _continues_on_device(self, bound: dict, n: int) -> bool:
         """A one-token decoding step whose position is checked without reading the device (the check is read once,
@@ -487,6 +496,8 @@ class Run:
 
     def after_forward(self, capture: Capture) -> None:
         """Append this forward's features; its last position's prediction is the next pending step."""
+        if not self._following:
+            return
         new = capture.shape[1]
         if self._prompt_len is None:  # generate started from its bos token, not a prompt we were shown
             self._prompt_len = new
@@ -541,8 +552,23 @@ class Run:
             self.feed(self._n, features, torch.cat([e for _, e, _ in unfed], dim=1),
                       torch.cat([m for _, _, m in unfed], dim=1), None)
 
+    def _unfollow(self) -> None:
+        """The last forward's backbone ran eagerly and its task model compiled code, so its logits never reached the
+        hooks: dynamo ran part of a compiled decoding step eagerly, a recompile it may not make
+        (``torch.compiler.set_stance("eager_on_recompile")``, its ``recompile_limit``). That forward and every later
+        one of the call are recorded as compiled ones, by :meth:`_replay` when the call ends; never scored with
+        another forward's logits."""
+        self._fill()
+        for cache in (self._features, self._embed, self._mask):
+            cache.truncate(self._past)
+        # (the step at its first position was emitted before it ran, with the forward before's logits)
+        self._n, self._pending, self._following = self._past, False, False
+
     def after_task(self, output: Any) -> None:
         """The task model returned: keep its own logits at the last position, for the pending step's probability."""
+        if not self._following:
+            return
+        self._predicted = True
         logits = getattr(output, "logits", None)
         usable = (isinstance(logits, torch.Tensor) and logits.dim() == 3
                   and logits.shape[-1] == self._plan.head.n_outputs)
@@ -621,6 +647,8 @@ class Run:
         (:meth:`~.publish.Hub.end_later`) while the host goes on: :meth:`_later` copies what they read first.
         Never raises."""
         try:
+            if self._following and self._pending and not self._predicted and not self.failed:
+                self._unfollow()  # the last forward's logits never came
             later = self._later(sequences)
         except Exception:  # noqa: BLE001 - then made here, where a failure is said as it would have been
             self._prefix, later = None, None

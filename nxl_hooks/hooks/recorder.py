@@ -16,6 +16,7 @@ import inspect
 import logging
 import threading
 import types
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -53,6 +54,24 @@ def traced() -> bool:
     this thread's tensors as fake ones."""
     return is_dynamo_compiling() or (is_exporting()
                                      and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None)
+
+
+#: module -> {hook name: the id its always_call forward hook had when first registered}: _always_called
+_STABLE_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _always_called(module: nn.Module, hook: Callable) -> torch.utils.hooks.RemovableHandle:
+    """``hook`` as ``module``'s forward hook run on an exception too, under the id the probe's first such hook on
+    ``module`` had: dynamo guards compiled code that calls a module on that id (``hook_id in
+    _forward_hooks_always_called``), so a new id per attach would recompile generate's compiled call at every attach,
+    and past dynamo's ``recompile_limit`` run its decoding steps partly eagerly."""
+    handle = module.register_forward_hook(hook, always_call=True)
+    stable = _STABLE_IDS.setdefault(module, {}).setdefault(hook.__name__, handle.id)
+    hooks, always = module._forward_hooks, module._forward_hooks_always_called
+    if stable != handle.id and stable not in hooks:  # (a later hook in the dict keeps its order: this one is last)
+        hooks[stable], always[stable] = hooks.pop(handle.id), always.pop(handle.id)
+        handle.id = stable  # what remove() takes out
+    return handle
 
 
 class Results(threading.local):
@@ -189,9 +208,9 @@ class Recorder:
         plan, handles = self.plan, []
         try:
             handles.append(plan.model.register_forward_pre_hook(self.on_task_start))
-            handles.append(plan.model.register_forward_hook(self.on_task_end, always_call=True))
+            handles.append(_always_called(plan.model, self.on_task_end))
             handles.append(self.backbone.register_forward_pre_hook(self.on_backbone_start, with_kwargs=True))
-            handles.append(self.backbone.register_forward_hook(self.on_backbone_end, always_call=True))
+            handles.append(_always_called(self.backbone, self.on_backbone_end))
             handles.append(plan.blocks[0].register_forward_pre_hook(self.on_block_input, with_kwargs=True))
             for index, module in enumerate(plan.subject.layer_modules, start=1):
                 if index in self._wanted or index == plan.n_blocks:
@@ -246,7 +265,8 @@ class Recorder:
             self._finish(task.capture, output)
         elif task.in_call:
             run = self._run()
-            if run is not None and not run.failed and output is not None:
+            # (its blocks ran compiled: its logits are not those of a forward the hooks followed)
+            if run is not None and not run.failed and output is not None and task.blocks_ran:
                 try:  # a step of a call: its logits give the probability of the token it emits
                     run.after_task(output)
                 except Exception as error:  # noqa: BLE001 - never into the host's forward

@@ -562,3 +562,43 @@ def test_a_compiled_calls_steps_are_recorded_in_the_calling_thread_where_another
         assert probe.calls[0].complete  # (read while attached: nothing left waiting on a thread that never ran)
     assert threads == ["MainThread"] and probe.unrecorded is None, probe.unrecorded
     _check(model, probe.calls[0], 5)
+
+
+def test_a_decoding_step_dynamo_runs_partly_eagerly_is_scored_with_its_own_logits():
+    """Under ``set_stance("eager_on_recompile")`` a new length runs generate's compiled decoding steps eagerly but for
+    the task model's hooks, whose frames dynamo compiled apart: those forwards never give the hooks their logits, so
+    they are recorded as compiled ones (run again when the call ends), each step scored with its own forward's
+    distribution: probabilities and contrastive scores equal the oracle, not the prefill's."""
+    model = tiny.generating_llama(seed=3)
+    ids, mask = _prompt()
+    config = tiny.cpu_compile(backend="eager", dynamic=False)
+    with nxl.attach(model, layers="all", methods=["contrastive"]) as probe:
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False,
+                       cache_implementation="static", compile_config=config)
+        with torch.compiler.set_stance("eager_on_recompile"):
+            _static(model, ids, mask, config)
+    assert probe.unrecorded is None
+    call = probe.calls[-1]
+    _check(model, call, 5)
+    with nxl.attach(model, layers="all", methods=["contrastive"]) as eager:
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=5, do_sample=False, disable_compile=True)
+    for step, expected in zip(call.steps, eager.calls[0].steps, strict=True):
+        torch.testing.assert_close(step.scores["contrastive"], expected.scores["contrastive"], rtol=1e-4, atol=1e-5)
+
+
+def test_attaching_again_does_not_recompile_generates_compiled_call():
+    """Dynamo guards generate's compiled call on the ids of the probe's hooks that run on an exception too: they keep
+    the id they first had on the model, so attaching again reuses the compiled code (a new id per attach recompiled
+    it each time, and past dynamo's recompile_limit ran its steps partly eagerly)."""
+    model = tiny.generating_llama(seed=3)
+    ids, mask = _prompt()
+    config = tiny.cpu_compile(backend="eager")
+    calls = []
+    for _ in range(3):
+        with nxl.attach(model, layers="all") as probe:
+            _static(model, ids, mask, config)
+        assert not model._forward_hooks and not model.model._forward_hooks_always_called  # detached clean
+        calls += probe.calls
+    assert counters["stats"]["unique_graphs"] == 1
+    for call in calls:  # (the oracle's output_hidden_states adds a hook of transformers' own to the blocks)
+        _check(model, call, 5)
