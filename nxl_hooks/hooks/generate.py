@@ -292,6 +292,11 @@ def stacked_features(plan: Plan, capture: Capture, first: int = 0, end: int | No
                          0, end - first)
 
 
+#: The forward inputs :meth:`Generations.refill` makes itself (or, for the prompt, that cannot be run again).
+_REFILLED = frozenset({"input_ids", "attention_mask", "position_ids", "inputs_embeds", "past_key_values",
+                       "cache_position", "logits_to_keep", "use_cache"})
+
+
 class _Refilled:
     """The :class:`~.recording.Recording` of :meth:`Generations.refill`'s forward: keeps its capture and logits."""
 
@@ -315,9 +320,10 @@ class _Refilled:
         raise RuntimeError(f"running the model again over the call's tokens failed in {what}") from error
 
 
-#: :meth:`Generations.refill`: (ids, mask, position ids, keep, cache, start) -> (capture of the positions from
-#: ``start`` on, logits at the last ``keep`` positions), or None.
-Refill = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, Any, int], "tuple[Capture, torch.Tensor] | None"]
+#: :meth:`Generations.refill`: (ids, mask, position ids, keep, cache, start, other inputs) -> (capture of the
+#: positions from ``start`` on, logits at the last ``keep`` positions), or None.
+Refill = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, Any, int, dict],
+                  "tuple[Capture, torch.Tensor] | None"]
 
 
 class Run:
@@ -340,6 +346,8 @@ class Run:
         self._refill_apart = refill is not None and refill_apart
         self.attention_mask: torch.Tensor | None = None  # the one the call was given (a prompt that ran compiled)
         self.pad_id: int | None = None  # generate's pad token id (a prompt that ran compiled without a mask)
+        # the call's other tensor inputs of the model's forward (token_type_ids): what its refill must pass too
+        self.forward_inputs: dict[str, torch.Tensor] = {}
         self._cache: Any = None  # the KV cache the prompt's forward was given (its eager positions are reused)
         self._prefix: tuple[int, Any] | None = None  # (start, a copy of what that cache holds before it): _later
         self.ids_given = True  # the prompt came as input_ids: generate's sequences begin with it
@@ -773,10 +781,12 @@ class Run:
         del cache  # the call's own (a static cache is no one else's once generate returned)
         if kept is None:
             start, kept = 0, prefix_cache(None, 0)
+        extra = self._extended(sequences.shape[0], end)
         each = max(1, min(REFILL_POSITIONS, BATCH_BYTES // (4 * sequences.shape[0] * self._plan.head.n_outputs)))
         for low in range(start, end, each):
             high = min(end, low + each)
-            refilled = self._refill(sequences[:, :high], mask[:, :high], positions[:, :high], high - low, kept, low)
+            refilled = self._refill(sequences[:, :high], mask[:, :high], positions[:, :high], high - low, kept, low,
+                                    {name: value[:, :high] for name, value in extra.items()})
             if refilled is None:
                 raise RuntimeError("the probe was detached while the call ran")
             self._replay_chunk(sequences, mask, *refilled, low, high, start, emitting, end)
@@ -807,6 +817,18 @@ class Run:
                 raise
         self._logits, self._log_probs = logits[:, -1], None  # after the last chunk: the token generate returned last's
         self.flush()
+
+    def _extended(self, rows: int, end: int) -> dict[str, torch.Tensor]:
+        """The call's other forward inputs over its first ``end`` positions, as generate extends them per token
+        (``token_type_ids``: the last one repeated; rows repeated as it repeats them, ``num_return_sequences``)."""
+        extended = {}
+        for name, value in self.forward_inputs.items():
+            if name != "token_type_ids" or value.dim() != 2 or rows % value.shape[0]:
+                raise RuntimeError(f"its forwards ran compiled with {name}, which running them again to record them "
+                                   "cannot reproduce; pass disable_compile=True to generate")
+            value = value.repeat_interleave(rows // value.shape[0], dim=0)
+            extended[name] = torch.cat([value, value[:, -1:].expand(-1, end - value.shape[1])], dim=1)
+        return extended
 
     def _attention(self, sequences: torch.Tensor, end: int) -> torch.Tensor:
         """The attention mask of the call's first ``end`` positions, as generate gives it: the prompt's (as the hooks
@@ -1136,9 +1158,10 @@ class Generations:
                    refill_apart=not self._stateful, wait=wait, engine=engine)
 
     def refill(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, keep: int, cache: Any,
-               start: int) -> tuple[Capture, torch.Tensor] | None:
-        """One eager forward of the model over positions ``start``.. of ``ids`` (batch, n), with attention ``mask``
-        and position ids ``positions`` as generate ran them, against ``cache``, a KV cache holding the positions
+               start: int, extra: dict[str, torch.Tensor]) -> tuple[Capture, torch.Tensor] | None:
+        """One eager forward of the model over positions ``start``.. of ``ids`` (batch, n), with attention ``mask``,
+        position ids ``positions`` and the other per-position inputs ``extra`` (batch, n) as generate ran them,
+        against ``cache``, a KV cache holding the positions
         before ``start`` (a new one: the call's own is left as it is), which it appends to. The probe's hooks capture
         it for the calling thread (:class:`_Refilled`); returns that capture and the model's logits at the last
         ``keep`` positions (batch, keep, vocabulary), or None once detached (no hook runs). A ``forward`` the user
@@ -1156,6 +1179,7 @@ class Generations:
                                      keyword: cache}
         if "position_ids" in parameters:
             arguments["position_ids"] = positions[:, start:]
+        arguments.update((name, value[:, start:]) for name, value in extra.items())
         if "logits_to_keep" in parameters:  # not a vocabulary-sized row per prompt token
             arguments["logits_to_keep"] = keep
         with torch.no_grad(), self.running(kept):
@@ -1266,6 +1290,9 @@ class Generations:
             run.attention_mask = mask if isinstance(mask, torch.Tensor) and mask.dim() == 2 else None
             pad = _setting(self.plan.model, kwargs, "pad_token_id")
             run.pad_id = int(torch.as_tensor(pad).reshape(-1)[0]) if pad is not None else None
+            parameters = inspect.signature(self.plan.model.forward).parameters
+            run.forward_inputs = {name: value for name, value in kwargs.items() if name in parameters
+                                  and name not in _REFILLED and isinstance(value, torch.Tensor)}
             return run
         except Exception as error:  # noqa: BLE001 - never into the host's generate
             self.unrecorded(request_id, "this generate call", error)

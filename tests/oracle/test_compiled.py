@@ -85,8 +85,8 @@ def test_generate_compiled_by_transformers_is_recorded_step_by_step(monkeypatch)
 
     refill, runs = generate.Generations.refill, []
 
-    def counted(self, ids, mask, positions, keep, cache, start):
-        out = refill(self, ids, mask, positions, keep, cache, start)
+    def counted(self, ids, mask, positions, keep, cache, start, extra):
+        out = refill(self, ids, mask, positions, keep, cache, start, extra)
         runs.append((ids.shape[1], start, out[0].shape))
         return out
 
@@ -602,3 +602,36 @@ def test_attaching_again_does_not_recompile_generates_compiled_call():
     assert counters["stats"]["unique_graphs"] == 1
     for call in calls:  # (the oracle's output_hidden_states adds a hook of transformers' own to the blocks)
         _check(model, call, 5)
+
+
+def test_a_compiled_calls_token_types_are_run_again_as_generate_extended_them():
+    """GPT-2 generating with ``token_type_ids`` under generate's compiled call: the model run again over the call's
+    tokens gets them too, as generate extends them (the last one repeated), so every step equals the oracle that
+    passes them, and the same call run eagerly."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from oracle import layer_norm_decoder
+
+    torch.manual_seed(7)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32)).eval()
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = None, PAD
+    ids = _prompt(length=7)[0]
+    types = torch.zeros_like(ids)
+    types[:, 4:] = 1  # two segments
+    with nxl.attach(model, layers="all") as probe:
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=types,
+                             max_new_tokens=4, do_sample=False, cache_implementation="static",
+                             compile_config=tiny.cpu_compile(backend="eager"))
+    (call,) = probe.calls
+    assert call.error is None and torch.equal(call.sequences, out)
+    extended = torch.cat([types, types[:, -1:].expand(-1, out.shape[1] - ids.shape[1])], dim=1)
+    hand = layer_norm_decoder("transformer.ln_f")(model)
+    for step in call.steps:
+        n = step.position
+        with torch.no_grad():
+            run = model(input_ids=out[:, :n], token_type_ids=extended[:, :n], output_hidden_states=True)
+        logits = hand.layer_logits(run.hidden_states)
+        torch.testing.assert_close(step.normxlogit, normxlogit(logits, run.hidden_states[0], step.token)[1],
+                                   rtol=1e-4, atol=1e-5)
+        expected = run.logits[:, -1].log_softmax(-1).gather(-1, step.token[:, None])[:, 0].exp()
+        torch.testing.assert_close(step.probability, expected, rtol=1e-4, atol=1e-6)
