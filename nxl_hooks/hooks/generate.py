@@ -506,6 +506,9 @@ class Run:
         """Append this forward's features; its last position's prediction is the next pending step."""
         if not self._following:
             return
+        if capture.last_hidden is None:  # its blocks ran compiled (regional compilation), its backbone's hooks not
+            self._unfollow()
+            return
         new = capture.shape[1]
         if self._prompt_len is None:  # generate started from its bos token, not a prompt we were shown
             self._prompt_len = new
@@ -563,9 +566,10 @@ class Run:
     def _unfollow(self) -> None:
         """The last forward's backbone ran eagerly and its task model compiled code, so its logits never reached the
         hooks: dynamo ran part of a compiled decoding step eagerly, a recompile it may not make
-        (``torch.compiler.set_stance("eager_on_recompile")``, its ``recompile_limit``). That forward and every later
-        one of the call are recorded as compiled ones, by :meth:`_replay` when the call ends; never scored with
-        another forward's logits."""
+        (``torch.compiler.set_stance("eager_on_recompile")``, its ``recompile_limit``); or its blocks ran compiled
+        code while its backbone's hooks ran eagerly (a backbone's forward or its blocks compiled in place). That
+        forward and every later one of the call are recorded as compiled ones, by :meth:`_replay` when the call ends;
+        never scored with another forward's logits."""
         self._fill()
         for cache in (self._features, self._embed, self._mask):
             cache.truncate(self._past)
@@ -1183,7 +1187,7 @@ class Generations:
         if "logits_to_keep" in parameters:  # not a vocabulary-sized row per prompt token
             arguments["logits_to_keep"] = keep
         with torch.no_grad(), self.running(kept):
-            eager_twin(model, self.backbone or model)(**arguments)
+            eager_twin(model, self.backbone or model, *self.plan.blocks)(**arguments)
         if kept.capture is None or kept.logits is None:
             raise RuntimeError("running the model again over the call's tokens recorded nothing (its forward did not "
                                "reach the probe's hooks, or returned no logits)")

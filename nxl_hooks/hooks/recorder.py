@@ -85,10 +85,10 @@ class _Task:
     """One task-model forward running in this thread: whether it is a step of a recorded call, whether its blocks
     reached the hooks, and (a plain forward) its backbone's capture, assembled when the task model returns."""
 
-    __slots__ = ("in_call", "run", "blocks_ran", "capture")
+    __slots__ = ("in_call", "run", "blocks_ran", "backbone_ran", "capture")
 
     def __init__(self, run: Recording | None) -> None:
-        self.in_call, self.run, self.blocks_ran = run is not None, run, False
+        self.in_call, self.run, self.blocks_ran, self.backbone_ran = run is not None, run, False, False
         self.capture: Capture | None = None
 
 
@@ -273,6 +273,13 @@ class Recorder:
                     run.fail("this call", error)
         elif not task.blocks_ran and output is not None and (seen := self.plain.take()) and seen[0] is not None:
             self._finish(seen[0], output)  # its forward ran compiled, tracing the blocks' hooks
+        elif not task.blocks_ran and output is not None and task.backbone_ran:
+            self.results.last = RuntimeError(
+                f"{type(self.plan.model).__name__} ran its backbone's hooks, but its blocks ran code compiled by "
+                "torch.compile (the backbone's forward or its blocks compiled in place, regional compilation), which "
+                "a plain forward's record cannot follow; compile the model's own forward instead "
+                "(model.forward = torch.compile(model.forward)), or run the call under "
+                "`with torch.compiler.set_stance('force_eager'):`")
         elif not task.blocks_ran and output is not None:  # its hooks ran, those of its blocks did not: compiled code
             self.results.last = self._skipped()
 
@@ -291,7 +298,9 @@ class Recorder:
         self._recompiled.check(module)
         run = self._run()
         self._drop_ended(run)
-        captures, _ = self._stacks()
+        captures, tasks = self._stacks()
+        if tasks:
+            tasks[-1].backbone_ran = True
         captures.append(None)  # replaced below once the inputs are known; a failure or a skipped call leaves None
         try:  # every rank of a tensor-parallel model is here at once: the one place its head may gather weights
             self.plan.head.refresh()

@@ -43,14 +43,21 @@ def compiled_forward(*modules: nn.Module) -> bool:
                for module in modules)
 
 
+def _compiled(module: nn.Module) -> bool:
+    """Whether ``module`` runs compiled: its forward compiled in place, or the module itself (``module.compile()``,
+    transformers' regional compilation of its blocks)."""
+    return compiled_forward(module) or getattr(module, "_compiled_call_impl", None) is not None
+
+
 def eager_twin(model: nn.Module, *modules: nn.Module) -> nn.Module:
     """``model`` as it runs uncompiled, for a call of the probe's own in the calling thread: where ``model`` or one of
-    ``modules`` inside it had its forward compiled in place, a shallow copy whose copies of those run their class's
-    forward, sharing everything else (parameters, buffers, hooks, every other module); ``model`` itself when none
-    did. Other threads' calls of ``model`` are not touched (as torch's process-wide ``force_eager`` stance would).
+    ``modules`` inside it had its forward compiled in place or was compiled itself (``module.compile()``), a shallow
+    copy whose copies of those run their class's forward, sharing everything else (parameters, buffers, hooks, every
+    other module); ``model`` itself when none did. Other threads' calls of ``model`` are not touched (as torch's
+    process-wide ``force_eager`` stance would).
 
-        eager_twin(model, backbone)(**inputs)     # the hooks run, not traced"""
-    compiled = {id(module) for module in (model, *modules) if compiled_forward(module)}
+        eager_twin(model, backbone, *blocks)(**inputs)     # the hooks run, not traced"""
+    compiled = {id(module) for module in (model, *modules) if _compiled(module)}
     if not compiled:  # (every refill asks: no walk of the model's modules then)
         return model
     paths = [name for name, module in model.named_modules() if id(module) in compiled]
@@ -59,6 +66,7 @@ def eager_twin(model: nn.Module, *modules: nn.Module) -> nn.Module:
         made = copy.copy(module)
         if id(module) in compiled:
             vars(made).pop("forward", None)
+            vars(made)["_compiled_call_impl"] = None
         vars(made)["_modules"] = {
             name: twin(child, inner) if child is not None and any(
                 found == inner or found.startswith(inner + ".") for found in paths) else child

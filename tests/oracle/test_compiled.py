@@ -635,3 +635,41 @@ def test_a_compiled_calls_token_types_are_run_again_as_generate_extended_them():
                                    rtol=1e-4, atol=1e-5)
         expected = run.logits[:, -1].log_softmax(-1).gather(-1, step.token[:, None])[:, 0].exp()
         torch.testing.assert_close(step.probability, expected, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("how", ["backbone_before", "backbone_after", "blocks", "model_compile"])
+def test_a_backbone_or_blocks_compiled_in_place_are_recorded_by_generate_and_a_plain_forward_says_why(how):
+    """The backbone's forward compiled in place (before or after attaching), its blocks compiled one by one
+    (transformers' regional compilation) or ``model.compile()`` after attaching: the backbone's hooks run eagerly
+    around blocks that run compiled code, so a generate call is recorded from the model run again eagerly (each of
+    those uncompiled for that run) when it returns, every step the oracle's; a plain forward whose blocks ran
+    compiled says so and what to do."""
+    model = tiny.generating_llama(seed=3)
+    ids, mask = _prompt()
+    if how == "backbone_before":
+        model.model.forward = torch.compile(model.model.forward, backend="eager")
+    with nxl.attach(model, layers="all") as probe:
+        if how == "backbone_after":
+            model.model.forward = torch.compile(model.model.forward, backend="eager")
+        elif how == "blocks":
+            for block in model.model.layers:
+                block.compile(backend="eager")
+        elif how == "model_compile":
+            model.compile(backend="eager")
+        model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
+        model(input_ids=ids[:1])
+        try:
+            plain = probe.result()
+        except RuntimeError as error:
+            plain = error
+    vars(model.model).pop("forward", None)  # the oracle runs eagerly
+    for module in (model, *model.model.layers):
+        module._compiled_call_impl = None
+    (call,) = probe.calls
+    assert call.error is None, call.error
+    _check(model, call, 3)
+    if how == "model_compile":  # the task model's hooks traced too: recorded
+        torch.testing.assert_close(plain.normxlogit, _plain_oracle(model, ids[:1]), rtol=1e-4, atol=1e-5)
+    else:
+        assert isinstance(plain, RuntimeError)
+        assert "blocks ran code compiled" in str(plain) and "force_eager" in str(plain)
