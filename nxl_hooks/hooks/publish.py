@@ -691,6 +691,7 @@ class Hub:
         return subscription
 
     def unsubscribe(self, subscription: Subscription) -> None:
+        self.settle()  # a call that ended before may still be scored (off its thread, on a GPU): its records first
         with self._lock:
             self._subscribers.discard(subscription)
 

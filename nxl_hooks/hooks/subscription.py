@@ -92,7 +92,8 @@ class Subscription(Generic[T]):
             return self._items.popleft() if self._items else None
 
     def close(self) -> None:
-        """Stop receiving records; a reader iterating it ends after the records already queued."""
+        """Stop receiving records; a reader iterating it ends after the records already queued. The records of
+        calls that ended before are handed to it first (a call may return before its last ones are scored)."""
         if self._hub is not None:
             self._hub.unsubscribe(self)
         self.end()

@@ -459,6 +459,34 @@ def test_detaching_right_after_a_compiled_call_waits_for_its_steps_and_a_failure
     assert "refill failed on purpose" in call.error and probe.unrecorded_calls == 1
 
 
+def test_a_live_reader_closed_right_after_a_compiled_call_returns_gets_its_steps(monkeypatch):
+    """A compiled call's steps are recorded after it returns, in a thread of their own (as on a GPU): a
+    follow-subscription closed right then gets them all the same, the very records the call keeps (close ended it
+    first: they were lost to it)."""
+    from nxl_hooks.hooks import generate
+
+    monkeypatch.setattr(generate, "SCORED_ELSEWHERE", generate.SCORED_ELSEWHERE | {"cpu"})
+    model = tiny.generating_llama(seed=3)
+    ids, mask = _prompt()
+    refill = generate.Generations.refill
+
+    def slow(self, *args):
+        time.sleep(1)  # the reader is closed meanwhile
+        return refill(self, *args)
+
+    monkeypatch.setattr(generate.Generations, "refill", slow)
+    with nxl.attach(model, layers="all") as probe:
+        steps, seen = probe.subscribe(follow=True), []
+        reader = threading.Thread(target=lambda: seen.extend(steps))
+        reader.start()
+        _static(model, ids, mask, tiny.cpu_compile())
+        steps.close()
+        reader.join(60)
+    (call,) = probe.calls
+    assert len(seen) == 5 and all(a is b for a, b in zip(seen, call.steps))
+    _check(model, call, 5)
+
+
 def _windowed(kind: str):
     """A Gemma 2 (its layers alternate sliding-window and full attention: generate hands its blocks a dict of masks)
     or a Mistral whose every layer's window (3) is shorter than the prompt, tiny and random, generating freely."""
