@@ -859,8 +859,14 @@ class Hub:
 
     def _count_lost(self, sink: RecordSink) -> None:
         """The step records a failed sink had taken and then lost (its optional ``lost``), counted once as not
-        written and noted on every call kept in memory (which of them it held is the sink's to know)."""
-        lost = getattr(sink, "lost", 0)
+        written and noted on every call kept in memory (which of them it held is the sink's to know). A ``lost``
+        that cannot be read counts none, said in one line."""
+        try:
+            lost = getattr(sink, "lost", 0)
+        except BaseException as error:  # noqa: BLE001 - a failed sink's attribute never ends the sink thread
+            logger.warning("nxl_hooks: the sink's count of lost records could not be read (%s: %s); the records "
+                           "it had taken are not counted as unwritten", type(error).__name__, one_line(error))
+            return
         with self._lock:
             if not isinstance(lost, int) or lost <= self._lost:
                 return

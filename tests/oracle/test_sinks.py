@@ -8,8 +8,10 @@ import errno
 import json
 import os
 import re
+import logging
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -278,6 +280,38 @@ def test_a_full_sink_sets_sink_fault_and_notes_each_call_it_affects(chat, tmp_pa
                                            "left on device"]
     (sink,) = [s for s in _ListSink.made if isinstance(s, _FullDisk)]
     assert [r[0] for r in sink.records] == ["call", "step", "close"]  # nothing after the fault; its file released
+
+
+class _LostUnreadable(_FullDisk):
+    """Fails at step 1, and its ``lost`` is a property over the handle that failed: it raises when read."""
+
+    @property
+    def lost(self):
+        raise RuntimeError("handle closed")
+
+    def close(self):
+        raise OSError(errno.EIO, "Input/output error")
+
+
+def test_a_sink_whose_lost_cannot_be_read_counts_none_lost_and_never_raises_into_the_host(chat, monkeypatch,
+                                                                                         caplog):
+    """The optional ``lost`` is the sink's code: one that raises when read neither kills the sink thread (the
+    frames after the fault are still counted) nor, with no call seen, raises out of the probe's detach."""
+    _, model, tokenizer = chat
+    died = []
+    monkeypatch.setattr(threading, "excepthook", died.append)
+    enc = tokenizer(PROMPTS[:1], return_tensors="pt")
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+        with nxl.attach(model, tokenizer=tokenizer, sink=_LostUnreadable("x")) as probe:
+            model.generate(**enc, max_new_tokens=3, do_sample=False)
+            model.generate(**enc, max_new_tokens=3, do_sample=False)
+        assert probe.unwritten == 5  # of the 6 step records only step 0 of the first call was written
+        assert probe.sink_fault == "OSError: [Errno 28] No space left on device"
+        with nxl.attach(model, sink=_LostUnreadable("y")) as idle:  # no call: the close fails in this thread
+            pass
+    assert died == [] and idle.sink_fault == "OSError: [Errno 5] Input/output error" and idle.unwritten == 0
+    assert any("count of lost records could not be read (RuntimeError: handle closed)" in r.getMessage()
+               for r in caplog.records)
 
 
 _FORKING = """
