@@ -41,7 +41,7 @@ from importlib import metadata
 from typing import Any, Callable
 
 __all__ = ["ARCHITECTURES", "ENGINES", "GROUPS", "METHODS", "SETTING", "SINKS", "allowed", "broken",
-           "entry_points", "failure", "load", "load_all"]
+           "contained", "entry_points", "failure", "load", "load_all"]
 
 ARCHITECTURES = "nxl_hooks.architectures"
 METHODS = "nxl_hooks.methods"
@@ -66,6 +66,16 @@ def allowed(group: str, name: str) -> bool:
         return True
     wanted = {item.strip() for item in setting.split(",")}
     return name in wanted or f"{group.rpartition('.')[2]}:{name}" in wanted
+
+
+def contained(error: BaseException) -> BaseException:
+    """``error``, raised by a plugin's code (importing it or calling it), for the caller to report as that plugin's
+    failure: anything a plugin raises, ``SystemExit`` included, is its own line and never the host's, but a
+    ``KeyboardInterrupt`` (the user's Ctrl-C), raised on here.
+    ``except BaseException as error: broken(group, name, contained(error))``"""
+    if isinstance(error, KeyboardInterrupt):
+        raise error
+    return error
 
 
 def broken(group: str, name: str, error: BaseException, *, what: str = "", log: bool = True) -> str:
@@ -115,9 +125,7 @@ def load(group: str, name: str, *, log: bool = True) -> Any | None:
         try:
             loaded = point.load()
         except BaseException as error:  # noqa: BLE001 - a plugin's SystemExit or import error is its own line
-            if isinstance(error, KeyboardInterrupt):
-                raise
-            broken(group, name, error, what=point.value, log=log)
+            broken(group, name, contained(error), what=point.value, log=log)
             return None
         _loaded[key] = loaded
         return loaded
@@ -126,7 +134,7 @@ def load(group: str, name: str, *, log: bool = True) -> Any | None:
 def load_all(group: str, register: Callable[[str, Any], Any] | None = None) -> dict[str, Any]:
     """Every allowed plugin of ``group`` that loads, by name, in the order installed. ``register``: a registry's own
     step, called as ``register(name, object)`` for each; a plugin it raises for is left out with its one line, like
-    one that fails to load. ``load_all(METHODS, register=load_plugin)``"""
+    one that fails to load (a ``SystemExit`` too: :func:`contained`). ``load_all(METHODS, register=load_plugin)``"""
     found = {}
     for name in entry_points(group):
         loaded = load(group, name)
@@ -135,8 +143,8 @@ def load_all(group: str, register: Callable[[str, Any], Any] | None = None) -> d
         if register is not None:
             try:
                 register(name, loaded)
-            except Exception as error:  # noqa: BLE001 - a plugin its registry refuses is its line, never a raise
-                broken(group, name, error)
+            except BaseException as error:  # noqa: BLE001 - a plugin its registry refuses is its line, never a raise
+                broken(group, name, contained(error))
                 continue
         found[name] = loaded
     return found

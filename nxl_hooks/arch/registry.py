@@ -19,7 +19,7 @@ from typing import Mapping, Sequence
 from torch import nn
 
 from .fit import check_acyclic, check_fits, final_norm
-from .plugins import ARCHITECTURES, broken, load
+from .plugins import ARCHITECTURES, broken, contained, load
 from .spec import (FUNCTION_STEPS, HEAD_KINDS, MAX_DEPTH, POST_STEPS, ArchSpec, HeadKind, RegistryError,
                    UnknownArchitectureError, get_path, has_path, head_kind, log_probabilities, readout_outputs,
                    spec_from_mapping, spec_head, split_post_steps, word_embedding)
@@ -223,8 +223,8 @@ def _from_plugin(model_type: str) -> ArchSpec | None:
                                 "calling nxl.register_architecture)")
             for spec in given:
                 _add(spec)
-    except Exception as error:  # noqa: BLE001 - a broken plugin is its one line, never the user's failure
-        broken(ARCHITECTURES, model_type, error)
+    except BaseException as error:  # noqa: BLE001 - a broken plugin (SystemExit too) is its line, not the user's
+        broken(ARCHITECTURES, model_type, contained(error))
     return _SPECS.get(model_type)
 
 

@@ -30,6 +30,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from ..arch import plugins
 from ..method.protocol import Method
 from ..method.select import Target
 from ..method.subject import Subject, unwrap
@@ -88,8 +89,9 @@ class _Attachment:
                 if engine is not None:
                     try:
                         engine.uninstall()
-                    except Exception as error:  # noqa: BLE001 - a broken engine never keeps the model hooked
-                        reason(f"detaching engine {engine.name!r}", error)
+                    except BaseException as error:  # noqa: BLE001 - a broken engine (SystemExit too) never
+                        # keeps the model hooked
+                        reason(f"detaching engine {engine.name!r}", plugins.contained(error))
         finally:
             self._on_model.detach()
             backbone = self._backbone()
@@ -351,8 +353,9 @@ def attach(
     for engine in engines:  # outside the lock: their own locks are never taken inside this one
         try:
             engine.install(gens)
-        except Exception as error:  # noqa: BLE001 - a broken engine never breaks attach
-            engine.unfollowed = f"engine {engine.name!r} failed to install ({reason(engine.name, error)})"
+        except BaseException as error:  # noqa: BLE001 - a broken engine (SystemExit too) never breaks attach
+            engine.unfollowed = (f"engine {engine.name!r} failed to install "
+                                 f"({reason(engine.name, plugins.contained(error))})")
     return probe
 
 

@@ -194,6 +194,76 @@ def test_a_plugin_its_registry_refuses_is_left_out_with_one_line_once(site, capl
     assert plugins.failure(plugins.METHODS, "toy-method") in line
 
 
+#: A third party's package that imports, and whose code exits the process when it is called.
+EXITING = textwrap.dedent('''
+    import sys
+
+
+    def toy_architecture():
+        sys.exit("the architecture plugin gave up")
+
+
+    class ToyEngine:
+        def __init__(self):
+            sys.exit("the engine plugin gave up")
+
+
+    class ExitingEngine:
+        name, unfollowed = "exiting", None
+
+        def claims(self, model):
+            return True
+
+        def install(self, gens):
+            sys.exit("the engine gave up installing")
+
+        def uninstall(self):
+            sys.exit("the engine gave up uninstalling")
+
+        def stray(self, arguments):
+            return None
+
+
+    class ToyMethod:
+        name = "toy-method"
+
+        def __init__(self):
+            sys.exit("the method plugin gave up")
+''')
+
+
+def test_a_plugin_whose_code_raises_systemexit_is_left_out_with_one_line(site, caplog):
+    """Not at import (the loader's own line) but when it is called: an architecture function, an engine factory,
+    an engine's install and uninstall, a method class made by the registry. Each is that plugin's line; the
+    host's attach, generate, detach and method lookups go on as without it. Ctrl-C is still the user's."""
+    _distribution(site, "nxl_exiting_plugin", EXITING,
+                  "[nxl_hooks.architectures]\nnxl_toy = nxl_exiting_plugin:toy_architecture\n\n"
+                  "[nxl_hooks.engines]\ntoy = nxl_exiting_plugin:ToyEngine\n"
+                  "exiting = nxl_exiting_plugin:ExitingEngine\n\n"
+                  "[nxl_hooks.methods]\ntoy-method = nxl_exiting_plugin:ToyMethod\n")
+    model = _toy_model()
+    plain = _generate(model)
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+        with nxl.attach(model, layers="all") as probe:
+            out = _generate(model)
+        names = nxl.method_names()
+        with pytest.raises(ValueError) as unknown:
+            nxl.get_method("toy-method")
+    sys.modules.pop("nxl_exiting_plugin", None)
+    assert torch.equal(out, plain) and probe.describe()["spec"] == "discovered:nxl_toy"
+    check_call(model, probe.calls[0], 3)
+    assert "toy-method" not in names and "normxlogit" in names
+    assert "SystemExit: the method plugin gave up" in str(unknown.value)
+    lines = [record.getMessage() for record in caplog.records if record.name == "nxl_hooks"]
+    for said in ("architecture plugin gave up", "engine plugin gave up", "engine gave up installing",
+                 "engine gave up uninstalling", "method plugin gave up"):
+        (line,) = [line for line in lines if f"(SystemExit: the {said})" in line]  # each once, in one line
+        assert "\n" not in line
+    assert nxl.detach_all(model) == 0
+    with pytest.raises(KeyboardInterrupt):
+        plugins.contained(KeyboardInterrupt())
+
+
 def test_nxl_run_refuses_a_broken_sink_plugin_in_one_line(site):
     _broken(site)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}

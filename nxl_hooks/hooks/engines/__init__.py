@@ -118,6 +118,6 @@ def engines_for(model: nn.Module) -> list[Engine]:
             engine = factory()
             if engine.claims(model):
                 chosen.append(engine)
-        except Exception as error:  # noqa: BLE001 - a broken third-party engine never breaks attach
-            reason(f"engine {name!r}", error)
+        except BaseException as error:  # noqa: BLE001 - a broken engine (SystemExit too) never breaks attach
+            reason(f"engine {name!r}", plugins.contained(error))
     return chosen
