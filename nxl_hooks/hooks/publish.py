@@ -526,11 +526,17 @@ class Hub:
         self._ended = None  # (a parent's last call is not this process's to wait for)
         self._publisher = threading.Thread(target=self._publish_loop, name="nxl_hooks-publisher", daemon=True)
         self._publisher.start()
-        self._writer = None
-        if self._sink is not None and not self._parents_sink():
-            self._writer = threading.Thread(target=self._write_loop, args=(self._frames,),
-                                            name="nxl_hooks-sink", daemon=True)
-            self._writer.start()
+        self._writer = self._sink_thread() if self._sink is not None and not self._parents_sink() else None
+
+    def _sink_thread(self) -> threading.Thread | None:
+        """The sink thread, started on the current frame queue; None where no thread can start (the interpreter
+        is shutting down): the frames are then written in the thread that queues them."""
+        writer = threading.Thread(target=self._write_loop, args=(self._frames,), name="nxl_hooks-sink", daemon=True)
+        try:
+            writer.start()
+        except RuntimeError:
+            return None
+        return writer
 
     # -- the publisher -----------------------------------------------------------------------------------
 
@@ -711,12 +717,17 @@ class Hub:
                 for item, _ in self._take_gathered():  # what threads gathered comes after that, before the end
                     self._items.put(item)
                 self._items.put(_CloseItem(why))
+                writer = self._writer
+            else:  # detached before any record: the sink still closes in a thread of its own, so that the detach
+                # waits for it no longer than after a call (a forked child leaves its parent's sink alone)
+                writer = self._writer = (self._sink_thread() if self._sink is not None and not self._parents_sink()
+                                         else None)
         if not started:
             self._shut(why)
         if self._on_thread():  # a garbage collection in the pipeline's own thread: it finishes by itself
             return
         self._join(self._publisher if started else None, FLUSH_SECONDS)
-        if self._join(self._writer if started else None, DRAIN_SECONDS):
+        if self._join(writer, DRAIN_SECONDS):
             return
         with self._lock:
             closing = self._released  # every frame was written: its thread is in the sink's close

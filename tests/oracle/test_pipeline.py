@@ -2,6 +2,7 @@
 anything (SystemExit, KeyboardInterrupt) or blocks never raises into or stalls the host's generate; it is stopped,
 counted and reported, and the records in memory stay whole (checked against the uncached oracle)."""
 
+import logging
 import threading
 import time
 
@@ -150,6 +151,34 @@ def test_a_sink_still_closing_after_the_detach_is_said_as_what_becomes_of_it(mod
         assert probe.calls[0].notes == [f"not written to the sink, which stopped: {probe.sink_fault}"]
     else:
         assert probe.sink_fault is None and probe.unwritten == 0 and probe.calls[0].notes == []
+
+
+@pytest.mark.parametrize("fails", [False, True], ids=["finishes", "fails"])
+def test_a_probe_that_saw_no_call_waits_for_its_sink_to_close_no_longer_than_after_one(model, monkeypatch, caplog,
+                                                                                       fails):
+    """A server detached before its first request: the sink's close (a hung network share) is left to finish in
+    its own thread after DRAIN_SECONDS, said so, as after a call; what becomes of it is said once it has."""
+    monkeypatch.setattr(publish, "DRAIN_SECONDS", 0.3)
+    sink = _SlowClose(fails)
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"), nxl.attach(model, sink=sink) as probe:
+        pass
+    assert not sink.closed.is_set() and probe.sink_fault is None  # the detach returned while it was closing
+    assert "the sink _SlowClose is still closing 0.3 s after the probe detached" in caplog.text
+    assert probe.flush(timeout=60) and sink.closed.is_set() and probe.unwritten == 0
+    assert probe.sink_fault == ("OSError: [Errno 28] No space left on device" if fails else None)
+
+
+def test_a_probe_that_saw_no_call_closes_its_sink_where_no_thread_can_start(model, monkeypatch):
+    """At interpreter shutdown no thread starts: the sink is closed in the detaching thread, never an error."""
+    sink = _Raising(OSError())
+    probe = nxl.attach(model, sink=sink)
+
+    def refuse(thread):
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(threading.Thread, "start", refuse)
+    probe.detach()
+    assert sink.closed and probe.sink_fault is None
 
 
 def test_a_sink_that_falls_behind_is_stopped(model, monkeypatch):
