@@ -295,6 +295,8 @@ class Hub:
         # the subscribers
         self._outbox: list[tuple] = []
         self._live: list[tuple[Subscription, Step]] = []
+        # the frames the sink thread took from its queue and has not yet begun to write (see _take)
+        self._hand: collections.deque[tuple] = collections.deque()
         self._stopped = False  # the sink was stopped (fault, behind or detach): frames are counted, not written
         self._released = False  # the sink was closed (once, by the sink thread when there is one)
 
@@ -521,7 +523,7 @@ class Hub:
         self._held.clear()
         self._gathered.clear()
         self._held_records = 0
-        self._outbox, self._live = [], []
+        self._outbox, self._live, self._hand = [], [], collections.deque()
         self._waiting = self._frames_waiting = self._unscored_bytes = 0
         self._ended = None  # (a parent's last call is not this process's to wait for)
         self._publisher = threading.Thread(target=self._publish_loop, name="nxl_hooks-publisher", daemon=True)
@@ -784,25 +786,31 @@ class Hub:
                         "so it was stopped to keep generation at its speed", call, steps=step is not None)
 
     def _write_loop(self, frames: queue.SimpleQueue) -> None:
+        many = getattr(self._sink, "write_steps", None)  # optional in the protocol: several steps, one write
         while True:
             batch = frames.get()
             while not frames.empty():  # a backlog goes in one batch
                 batch += frames.get()
-            many = getattr(self._sink, "write_steps", None)  # optional in the protocol: several steps, one write
-            at = 0
-            while at < len(batch):
-                call, action, step = batch[at]
-                run = at
-                while many is not None and run < len(batch) and batch[run][2] is not None:
-                    run += 1
-                if run > at:
-                    self._write_steps(many, batch[at:run])
-                    at = run
+            with self._lock:
+                self._hand.extend(batch)
+            while taken := self._take(many is not None):
+                call, action, step = taken[0]
+                if many is not None and step is not None:
+                    self._write_steps(many, taken)
                     continue
                 self._write(call, action, step)
                 if step is None and action is None:
                     return
-                at += 1
+
+    def _take(self, many: bool) -> list[tuple]:
+        """The next frames the sink thread writes at once, out of the batch in its hand: a run of step frames where
+        the sink takes several (``many``), else one. Under the lock: what is left in the hand while the sink
+        writes them is :meth:`_abandon_queued`'s to count, should the sink never come back."""
+        with self._lock:
+            taken = [self._hand.popleft()] if self._hand else []
+            while many and taken and taken[0][2] is not None and self._hand and self._hand[0][2] is not None:
+                taken.append(self._hand.popleft())
+            return taken
 
     def _write(self, call: GenerationCall | None, action: Callable[[RecordSink], None] | None,
                step: Step | None) -> None:
@@ -918,25 +926,29 @@ class Hub:
             self._close_sink()
 
     def _abandon_queued(self) -> None:
-        """The sink thread did not come back from the sink by the detach's deadline: the frames still queued for it
-        are counted (and noted on their calls) as not written now, not when it comes back, which may be never.
-        The close frame goes back in the queue: the thread ends with it, closing the sink, if it ever comes back."""
-        kept = []
+        """The sink thread did not come back from the sink by the detach's deadline: the frames still queued for it,
+        and those its thread took with the ones it is writing, are counted (and noted on their calls) as not
+        written now, not when it comes back, which may be never. The close frame goes back in the queue: the thread
+        ends with it, closing the sink, if it ever comes back."""
+        with self._lock:
+            waiting = list(self._hand)
+            self._hand.clear()
         while True:
             try:
-                batch = self._frames.get_nowait()
+                waiting += self._frames.get_nowait()
             except queue.Empty:
                 break
-            for call, action, step in batch:
-                if step is None and action is None:
-                    kept.append((call, action, step))
-                    continue
-                with self._lock:
-                    self._frames_waiting -= 1
-                if isinstance(action, threading.Event):
-                    action.set()
-                else:
-                    self._count(call, step is not None)
+        kept = []
+        for call, action, step in waiting:
+            if step is None and action is None:
+                kept.append((call, action, step))
+                continue
+            with self._lock:
+                self._frames_waiting -= 1
+            if isinstance(action, threading.Event):
+                action.set()
+            else:
+                self._count(call, step is not None)
         if kept:
             self._frames.put(kept)
 

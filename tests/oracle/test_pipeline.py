@@ -112,6 +112,45 @@ def test_a_blocked_sink_never_stalls_generate_nor_detach(model, monkeypatch):
     check_call(model, probe.calls[0], 6)
 
 
+class _HungAtSecondCall(_Blocking):
+    """Blocks in its first write until released, then hangs for good (an NFS mount gone away) in the first step
+    write of the second call, after its thread took that call's records from the queue."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hung, self.unhang = threading.Event(), threading.Event()
+
+    def write_step(self, step):
+        if step.call == 1:
+            self.hung.set()
+            self.unhang.wait(timeout=120)
+        super().write_step(step)
+
+
+def test_a_sink_hung_at_detach_counts_the_records_its_thread_had_taken(model, monkeypatch):
+    monkeypatch.setattr(publish, "DRAIN_SECONDS", 0.5)
+    sink = _HungAtSecondCall()
+    probe = nxl.attach(model, sink=sink)
+    try:
+        model.generate(input_ids=_ids(7), max_new_tokens=1, do_sample=False)
+        model.generate(input_ids=_ids(8), max_new_tokens=6, do_sample=False)
+        deadline = time.monotonic() + 60  # every frame waits behind the first: step and end of call 0, all of 1
+        while probe._hub._frames_waiting < 10 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        sink.release.set()  # the sink thread takes every frame at once, then hangs at call 1's first step
+        assert sink.hung.wait(timeout=60)
+    finally:
+        probe.detach()
+    # the steps after the one the sink holds are counted at the detach, and noted on their call
+    assert probe.sink_fault.startswith("it was still writing when the probe detached") and probe.unwritten == 5
+    assert probe.calls[0].notes == [] and probe.calls[1].notes == [
+        f"not written to the sink, which stopped: {probe.sink_fault}"]
+    sink.unhang.set()
+    assert probe.flush(timeout=60) and sink.closed.is_set()  # the sink came back: it wrote the step it held
+    assert sink.steps == 2 and probe.unwritten == 5  # each record counted once, written or not
+    check_call(model, probe.calls[1], 6)
+
+
 class _SlowClose:
     """A sink that writes its file at close (as Parquet does), taking longer than the detach waits; ``fails``: and
     then fails there, losing the step records it took (its ``lost``)."""
