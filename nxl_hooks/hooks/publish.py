@@ -260,6 +260,8 @@ class Hub:
         self._calls: collections.deque[GenerationCall] = collections.deque(maxlen=keep_calls)
         self._on_step = on_step
         self._sink: RecordSink | None = None if sink is None else make_sink(sink)
+        if self._sink is not None:
+            _claim_sink(self._sink, self)
         self._owner = os.getpid()  # the process whose sink it is (see _parents_sink)
         #: why the sink stopped getting records (one line), None while it is healthy or when there is none
         self.sink_fault: str | None = None
@@ -973,6 +975,23 @@ class Hub:
 
     def _fault_note(self) -> str:
         return f"not written to the sink, which stopped: {self.sink_fault}"
+
+
+#: The hub each sink was given to, by the sink's id (a hub holds its sink: the id is not reused while it stands).
+_OWNERS: "weakref.WeakValueDictionary[int, Hub]" = weakref.WeakValueDictionary()
+_OWNERS_LOCK = threading.Lock()
+
+
+def _claim_sink(sink: RecordSink, hub: Hub) -> None:
+    """Give ``sink`` to ``hub``; ValueError while another hub has it and has not closed it: two probes number
+    their calls alike, so their frames in one stream make a file no one can read."""
+    with _OWNERS_LOCK:
+        owner = _OWNERS.get(id(sink))
+        if owner is not None and owner._sink is sink and not owner._released:
+            where = getattr(sink, "path", None) or type(sink).__name__
+            raise ValueError(f"the sink {where} is given to another attached probe already: give each probe a sink "
+                             "of its own (one path per model), or detach the other first")
+        _OWNERS[id(sink)] = hub
 
 
 def _nothing(sink: RecordSink) -> None:

@@ -33,6 +33,7 @@ them in order::
 from __future__ import annotations
 
 import errno
+import fcntl
 import functools
 import itertools
 import json
@@ -41,6 +42,7 @@ import re
 import struct
 import sys
 import threading
+import weakref
 import zlib
 from pathlib import Path
 from typing import Any, Callable
@@ -147,11 +149,13 @@ def stream_bytes(call: GenerationCall, meta: dict) -> bytes:
 
 
 def _open(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
-    """A new (or truncated) stream file holding only the file magic. A symbolic link is refused (ValueError) unless
-    ``follow_symlinks``: O_NOFOLLOW makes the check and the open one step, with no window to swap a link in."""
-    # non-blocking: a FIFO without a reader is refused at once, not waited on (its open would block the host)
-    flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND | os.O_NONBLOCK
-             | (0 if follow_symlinks else os.O_NOFOLLOW))
+    """A new (or emptied) stream file holding only the file magic, locked for this writer (:func:`_claim`): one
+    that another sink writes is refused (ValueError) and left as it is. A symbolic link is refused (ValueError)
+    unless ``follow_symlinks``: O_NOFOLLOW makes the check and the open one step, with no window to swap a link
+    in."""
+    # non-blocking: a FIFO without a reader is refused at once, not waited on (its open would block the host); not
+    # truncated by the open: only once this writer holds the file
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK | (0 if follow_symlinks else os.O_NOFOLLOW)
     try:
         fd = os.open(path, flags, mode)
     except OSError as err:
@@ -167,13 +171,29 @@ def _open(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
         os.close(fd)
         raise ValueError(f"{path} is {kind}, not a regular file: nxl_hooks writes a stream only to a regular file; "
                          "give another path")
-    os.set_blocking(fd, True)
     try:
+        _claim(fd, path, "path")
+        os.ftruncate(fd, 0)
+        os.set_blocking(fd, True)
         _write_all(fd, _FILE_MAGIC)
     except BaseException:
-        os.close(fd)  # a full disk at the first byte: no descriptor kept on a file nothing will write
+        os.close(fd)  # refused, or a full disk at the first byte: no descriptor kept on a file nothing will write
         raise
     return fd
+
+
+def _claim(fd: int, path: Path, kind: str) -> None:
+    """Lock ``fd`` (a stream file, or a RotatingSink's folder) for this writer, until every copy of it is closed
+    (a forked child's copy shares the lock). ValueError when another writer holds it: two models or processes
+    given one ``kind`` of place would interleave their frames, numbered alike, into a stream no one can read. A file
+    system without locks leaves it unlocked."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise ValueError(f"{path} is being written by another sink (a second model or process): give each its own "
+                         f"{kind}, or detach the other first") from None
+    except OSError:  # no locks there (ENOLCK, EOPNOTSUPP): written as before, unguarded
+        pass
 
 
 def _finish(fd: int) -> None:
@@ -206,8 +226,9 @@ Frame = Callable[[int], bytes]
 class Sink:
     """Append-only, crash-safe record file (format in the module docstring). ``attach(..., sink=Sink(p, fsync=True))``
 
-    The file is created (or truncated) when the probe attaches; read it with :func:`read_stream`. A path that is a
-    symbolic link is refused (ValueError), so that a link planted where the file goes cannot redirect the records
+    The file is created (or emptied) when the probe attaches; read it with :func:`read_stream`. One writer per
+    file: a path another sink has open (a second model or process) is refused (ValueError) and left as it is, until
+    that sink is closed. A path that is a symbolic link is refused (ValueError), so that a link planted where the file goes cannot redirect the records
     (and the truncation) onto another file; ``follow_symlinks=True`` writes through it. A sink belongs to the
     process that opened it: a child it forks that writes to it gets a RuntimeError (an attached probe never does;
     it keeps the child's records in memory and says so).
@@ -224,6 +245,14 @@ class Sink:
         self._seq = 0  # the next frame's number in the current file
         self._reached = 0  # the file offset the last write that failed reached (PartlyWritten)
         self._pid = os.getpid()
+        _OPEN.add(self)
+
+    def _forked(self) -> None:
+        """In a child just forked (one thread): its copy of the descriptor goes, so that the lock on the file ends
+        with the parent's close, not with the last child's exit (the child's writes are refused: :meth:`_owned`)."""
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)
 
     def _owned(self) -> None:
         """Refuses a write from a process forked from the sink's own: its frames would interleave with the
@@ -296,15 +325,24 @@ class Sink:
         self._put(functools.partial(_numbered, encode_end, call), closes=call.index)
 
     def close(self) -> None:
-        if os.getpid() != self._pid:  # a forked child lets go of its copy of the descriptor, nothing more
-            if self._fd is not None:
-                os.close(self._fd)
-                self._fd = None
+        if os.getpid() != self._pid:  # a forked child let go of its copy of the descriptor at the fork (_forked)
             return
         with self._lock:
             if self._fd is not None:
                 fd, self._fd = self._fd, None
                 _finish(fd)
+
+
+#: The sinks of this process: a child it forks lets go of their descriptors at once (:meth:`Sink._forked`).
+_OPEN: "weakref.WeakSet[Sink]" = weakref.WeakSet()
+
+
+def _after_fork() -> None:
+    for sink in list(_OPEN):
+        sink._forked()
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def _numbered(encode: Callable[..., bytes], *args: Any) -> Frame:
@@ -340,8 +378,9 @@ class RotatingSink(Sink):
     - Files are named ``<number>-<writer>.nxl``: numbers go on from the files already in the folder (a new writer,
       say after a restart, never overwrites), and ``<writer>`` tells which files one writer made, so that
       ``read_stream(folder)`` joins them in order. Each file's first frame carries its number and writer too, so
-      that a missing file between two kept ones (or a renamed one) is reported as damage. One writer per folder at
-      a time.
+      that a missing file between two kept ones (or a renamed one) is reported as damage.
+    - One writer per folder at a time: a second one (another model or process given the folder) is refused with a
+      ValueError while the first is open.
     - Files and a folder it creates are private to the user (0600 / 0700): prompts are user data.
     - Like every :class:`Sink`, it belongs to the process that opened it (see there).
     """
@@ -356,11 +395,18 @@ class RotatingSink(Sink):
         self.folder = Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.max_bytes, self.max_files = max_bytes, max_files
-        existing = _rotated(self.folder)
-        self._number = self._writer = (existing[-1][0] + 1) if existing else 1
-        self._running: dict[int, Frame] = {}  # call index -> its call frame, written again at each rotation
-        super().__init__(self._name(), fsync=fsync)
-        self._start()
+        # held while this writer is open: its numbering and retention assume no other writer in the folder
+        self._held: int | None = os.open(self.folder, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            _claim(self._held, self.folder, "folder")
+            existing = _rotated(self.folder)
+            self._number = self._writer = (existing[-1][0] + 1) if existing else 1
+            self._running: dict[int, Frame] = {}  # call index -> its call frame, written again at each rotation
+            super().__init__(self._name(), fsync=fsync)
+            self._start()
+        except BaseException:
+            self._let_go()
+            raise
 
     def _name(self) -> Path:
         return self.folder / f"{self._number:08d}-{self._writer:08d}.nxl"
@@ -420,15 +466,26 @@ class RotatingSink(Sink):
         self._prune()
 
     def close(self) -> None:
-        """Close the current file; one that holds no record (nothing was recorded) is removed."""
-        if os.getpid() != self._pid:
-            super().close()  # not the parent's file to remove
+        """Close the current file (one that holds no record, nothing was recorded, is removed) and let go of the
+        folder."""
+        if os.getpid() != self._pid:  # a forked child let go of both at the fork; the file is not its to remove
             return
         with self._lock:
             empty = self._fd is not None and not self._records
         super().close()
         if empty:
             self.path.unlink(missing_ok=True)
+        self._let_go()
+
+    def _forked(self) -> None:
+        super()._forked()
+        self._let_go()
+
+    def _let_go(self) -> None:
+        """Close this writer's hold on the folder (once); another writer may take it then."""
+        held, self._held = self._held, None
+        if held is not None:
+            os.close(held)
 
     def _prune(self) -> None:
         for _, _, path in _rotated(self.folder)[: -self.max_files]:

@@ -576,6 +576,83 @@ def test_a_second_parquet_writer_on_one_file_is_refused(tmp_path):
 
 
 
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_a_second_stream_writer_on_one_file_or_folder_is_refused_at_attach_and_changes_nothing(tmp_path, kind):
+    """Two models given one stream path (or one RotatingSink folder): the second attach is refused in one line before
+    the file is touched (it truncated the first's file, or interleaved calls numbered alike), the first's records
+    stay whole, and the place is free again once the first detaches."""
+    where = tmp_path / ("run.nxl" if kind == "file" else "runs")
+    spec = where if kind == "file" else f"{where}/"
+    first, second = tiny.generating_llama(seed=3), tiny.generating_llama(seed=4)
+    ids = torch.randint(1, tiny.GEN_VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
+    files = lambda: {path: path.read_bytes() for path in ([where] if kind == "file" else where.iterdir())}
+    with nxl.attach(first, layers="all", sink=spec) as probe:
+        first.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+        assert probe.flush()
+        before = files()
+        with pytest.raises(ValueError) as refused:
+            nxl.attach(second, sink=spec)
+        assert files() == before
+    assert str(refused.value) == (f"{where} is being written by another sink (a second model or process): give "
+                                  f"each its own {'path' if kind == 'file' else 'folder'}, or detach the other first")
+    assert probe.sink_fault is None and nxl.detach_all(second) == 0  # the refused attach left no hook
+    (call,) = nxl.read_stream(where, strict=True)
+    check_call(first, call, 3)
+    with nxl.attach(second, layers="all", sink=spec):  # free again: a new file, or the folder's next writer
+        second.generate(input_ids=ids, max_new_tokens=2, do_sample=False)
+    stream = nxl.read_stream(where, strict=True)
+    assert [len(call.steps) for call in stream] == ([2] if kind == "file" else [3, 2])
+    check_call(second, stream[-1], 2)
+
+
+def test_one_sink_object_given_to_two_probes_is_refused(tmp_path):
+    """Both probes would number their calls from 0 in one file: the second attach is refused in one line."""
+    sink = nxl.Sink(tmp_path / "run.nxl")
+    first, second = tiny.generating_llama(seed=3), tiny.generating_llama(seed=4)
+    with nxl.attach(first, sink=sink):
+        with pytest.raises(ValueError) as refused:
+            nxl.attach(second, sink=sink)
+    assert str(refused.value) == (f"the sink {tmp_path / 'run.nxl'} is given to another attached probe already: "
+                                  "give each probe a sink of its own (one path per model), or detach the other first")
+    assert nxl.detach_all(second) == 0
+
+
+_FORK_OUTLIVES = """
+import os, sys
+import nxl_hooks as nxl
+
+kind, where = sys.argv[1], sys.argv[2]
+make = (lambda: nxl.Sink(where)) if kind == "file" else (lambda: nxl.RotatingSink(where))
+sink = make()
+read, write = os.pipe()
+ready, started = os.pipe()
+pid = os.fork()
+if pid == 0:  # a worker that outlives its parent's sink, and never closes it
+    os.write(started, b"!")  # (the fork, and what runs at it, is done)
+    os.close(write)
+    os.read(read, 1)  # until the parent is done
+    os._exit(0)
+os.read(ready, 1)
+sink.close()
+try:
+    make().close()  # the parent writes there again while the worker lives
+    print("opened again")
+except ValueError as error:
+    print(error)
+os.close(write)
+os.waitpid(pid, 0)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_a_forked_child_does_not_keep_its_parents_stream_file_locked(tmp_path, kind):
+    where = tmp_path / ("run.nxl" if kind == "file" else "runs")
+    done = subprocess.run([sys.executable, "-c", _FORK_OUTLIVES, kind, str(where)], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "opened again"
+
 # -- a full disk and other write faults (issue 24, items 5 and 6) -------------------------------------------------
 # A full disk is simulated without root or a mount: a child process whose file-size limit (RLIMIT_FSIZE) stops its
 # writes past a few KB, with SIGXFSZ ignored so that the write fails with an OSError (EFBIG), as on a full disk.
