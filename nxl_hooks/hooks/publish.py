@@ -737,7 +737,7 @@ class Hub:
             closing = self._released  # every frame was written: its thread is in the sink's close
         if closing:  # (a Parquet file is written there): it is left to finish; a failure there is said then
             logger.warning("nxl_hooks: the sink %s is still closing %g s after the probe detached; it finishes in "
-                           "its own thread", getattr(self._sink, "path", None) or type(self._sink).__name__,
+                           "its own thread", _named(self._sink),
                            DRAIN_SECONDS)
             return
         self._stop_sink(f"it was still writing when the probe detached ({DRAIN_SECONDS:g} s later); the "
@@ -856,12 +856,12 @@ class Hub:
         except BaseException as error:  # noqa: BLE001 - SystemExit too: a sink never ends the host's call
             if isinstance(error, PartlyWritten):  # the frames before the failure are on disk
                 steps, error = steps - error.written, error.__cause__ or error
-            where = getattr(sink, "path", None) or type(sink).__name__
             logger.warning("nxl_hooks: records sent to the sink %s not written (%s: %s); the model's own call "
-                           "is unaffected", where, type(error).__name__, one_line(error))
+                           "is unaffected", _named(sink), type(error).__name__, one_line(error))
             fault = f"{type(error).__name__}: {one_line(error)}"
-        if fault is not None:
-            self._stop_sink(str(fault), call, steps=steps)
+        if fault is not None:  # (an empty one is a stop all the same: said, so that it reads as a fault)
+            self._stop_sink(str(fault) or f"the sink {_named(sink)} stopped writing without saying why",
+                            call, steps=steps)
             self._count_lost(sink)
 
     def _close_sink(self) -> None:
@@ -988,10 +988,14 @@ def _claim_sink(sink: RecordSink, hub: Hub) -> None:
     with _OWNERS_LOCK:
         owner = _OWNERS.get(id(sink))
         if owner is not None and owner._sink is sink and not owner._released:
-            where = getattr(sink, "path", None) or type(sink).__name__
-            raise ValueError(f"the sink {where} is given to another attached probe already: give each probe a sink "
+            raise ValueError(f"the sink {_named(sink)} is given to another attached probe already: give each probe a sink "
                              "of its own (one path per model), or detach the other first")
         _OWNERS[id(sink)] = hub
+
+
+def _named(sink: RecordSink) -> str:
+    """How a sink is named in a line: its path, else its class."""
+    return str(getattr(sink, "path", None) or type(sink).__name__)
 
 
 def _nothing(sink: RecordSink) -> None:

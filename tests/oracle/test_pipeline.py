@@ -220,6 +220,27 @@ def test_a_probe_that_saw_no_call_closes_its_sink_where_no_thread_can_start(mode
     assert sink.closed and probe.sink_fault is None
 
 
+class _QuietlyStopped(_Raising):
+    """Stops by itself at the second step and says so with an empty ``fault``."""
+
+    fault = None
+
+    def write_step(self, step):
+        if step.step == 1:
+            self.fault = ""
+        self.kinds.append("step")
+
+
+def test_a_sink_that_stops_with_an_empty_fault_is_said_to_have_stopped(model):
+    sink = _QuietlyStopped(OSError())
+    with nxl.attach(model, sink=sink) as probe:
+        model.generate(input_ids=_ids(9), max_new_tokens=4, do_sample=False)
+    assert probe.sink_fault == "the sink _QuietlyStopped stopped writing without saying why"
+    assert probe.unwritten == 3 and sink.closed  # its fault came with step 1: that step and the two after it
+    assert probe.calls[0].notes == [f"not written to the sink, which stopped: {probe.sink_fault}"]
+    check_call(model, probe.calls[0], 4)
+
+
 def test_a_sink_that_falls_behind_is_stopped(model, monkeypatch):
     monkeypatch.setattr(publish, "SINK_QUEUE", 2)
     sink = _Blocking()
