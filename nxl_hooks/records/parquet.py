@@ -216,7 +216,10 @@ class ParquetSink:
         self._buffered = 0
         self._calls: dict[int, _Context] = {}
         self._seen = 0  # calls written
-        self._said: dict[int, dict[str, Any]] = {}  # the calls nxl.calls lists, by index (the module docstring)
+        # the calls begun and not ended, by identity (a folder of several writers' streams repeats call indexes);
+        # held, so that no other call takes the identity of one whose end has not come
+        self._running: dict[int, GenerationCall] = {}
+        self._said: list[dict[str, Any]] = []  # the calls nxl.calls lists (the module docstring)
         self._more = 0  # and those it only counts
         self.rows = 0  #: rows written so far (in row groups or buffered)
         self._taken = 0  # step records taken by write_step calls that returned
@@ -231,7 +234,7 @@ class ParquetSink:
     def write_call(self, call: GenerationCall, meta: dict) -> None:
         self._open(meta.get("methods"))
         self._seen += 1
-        self._say(call)  # listed until its end says it has nothing to say
+        self._running[id(call)] = call
         if call.prompt_mask is not None:  # (a call not recorded has no prompt, and no rows: its end follows)
             self._calls[call.index] = _Context(call)
 
@@ -252,19 +255,18 @@ class ParquetSink:
 
     def write_end(self, call: GenerationCall) -> None:
         self._calls.pop(call.index, None)
-        if call.complete and call.prompt_mask is not None and not call.error and not call.notes:
-            self._said.pop(call.index, None)  # its rows say it all
-        else:
-            self._say(call)
+        self._running.pop(id(call), None)
+        if not (call.complete and call.prompt_mask is not None and not call.error and not call.notes):
+            self._say(call)  # (one whose rows say it all is not listed)
 
     def _say(self, call: GenerationCall) -> None:
-        """List ``call`` in ``nxl.calls`` as it stands (or count it, past :data:`LISTED`)."""
-        if call.index not in self._said and len(self._said) >= LISTED:
+        """List ``call`` in ``nxl.calls`` as it stands (or count it, past :data:`LISTED`); once per call."""
+        if len(self._said) >= LISTED:
             self._more += 1
             return
-        self._said[call.index] = {"call": call.index, "request_id": call.request_id, "model": call.model,
-                                  "recorded": call.prompt_mask is not None, "complete": call.complete,
-                                  "error": call.error, "notes": list(call.notes)}
+        self._said.append({"call": call.index, "request_id": call.request_id, "model": call.model,
+                           "recorded": call.prompt_mask is not None, "complete": call.complete,
+                           "error": call.error, "notes": list(call.notes)})
 
     @property
     def unexplained(self) -> int:
@@ -292,7 +294,10 @@ class ParquetSink:
     def _finish(self) -> None:
         self._open(None)  # a file without calls still has its columns
         self._flush()
-        said = {"calls": self._seen, "listed": list(self._said.values()), "more": self._more}
+        for call in self._running.values():  # not ended when the file was closed
+            self._say(call)
+        self._running.clear()
+        said = {"calls": self._seen, "listed": self._said, "more": self._more}
         self._writer.add_key_value_metadata({"nxl.calls": json.dumps(said)})  # the footer: known only now
         self._writer.close()
         self._writer, self._closed = None, True

@@ -509,6 +509,27 @@ def test_parquet_live_and_exported_list_the_calls_with_no_rows_and_why(tmp_path,
         assert set(table.column("request_id").to_pylist()) == {"next"}
 
 
+def test_parquet_lists_each_call_with_no_rows_once_past_its_limit_and_across_writers(tmp_path, monkeypatch):
+    """nxl.calls lists a call once, by the call (indexes repeat across the writers of a folder: each process counts
+    from 0), and past its limit counts only the calls with something to say: clean ones are never counted."""
+    from nxl_hooks.records import parquet
+    from nxl_hooks.records.steps import GenerationCall
+
+    monkeypatch.setattr(parquet, "LISTED", 2)
+    def clean(index):
+        return GenerationCall(index=index, layers=[0], prompt_mask=torch.ones(1, 2, dtype=torch.bool),
+                              prompt_ids=torch.ones(1, 2, dtype=torch.long), complete=True)
+
+    def failed(index, why):
+        return GenerationCall(index=index, layers=[0], error=why)
+
+    calls = [failed(0, "a"), clean(0), failed(1, "b"), clean(1), failed(2, "c"), clean(2), failed(0, "d")]
+    sink = parquet.export_parquet(calls, tmp_path / "out.parquet")
+    said = json.loads(pq.read_metadata(tmp_path / "out.parquet").metadata[b"nxl.calls"])
+    assert [c["error"] for c in said["listed"]] == ["a", "b"] and said["more"] == 2 and said["calls"] == 7
+    assert sink.unexplained == 4
+
+
 def test_a_step_of_a_call_whose_frame_holds_no_prompt_is_refused(tmp_path):
     """A prompt-less call frame is a call that was not recorded: a step record after it is no writer's."""
     from nxl_hooks.records import writer
