@@ -692,7 +692,7 @@ class Run:
         write its output), what its cache holds of the positions that ran eagerly (a new cache: its tensors are
         copies, so the call's own is let go), the thread's inference mode and device stream; or None, made here:
         nothing ran compiled, the prompt did too (its cache is not reused then), nothing takes the records, its
-        steps are scored in this thread, autocast is on (another thread would compute without it), or the model's
+        steps are scored in this thread (autocast on among the reasons: :meth:`_elsewhere`), or the model's
         forward changes its own state (``refill_apart`` False: the two threads would race on it)."""
         prompt_len, n = self._prompt_len, self._n
         if (sequences is None or self.failed or self.call.error is not None or not self._refill_apart
@@ -700,8 +700,6 @@ class Run:
                 or sequences.shape[1] - 1 <= n or not self._hub.listened or not self._elsewhere()):
             return None
         device = self._features.view().device
-        if torch.is_autocast_enabled(device.type):
-            return None
         kept = prefix_cache(self._cache, n)
         if kept is None:
             return None
@@ -985,10 +983,11 @@ class Run:
     def _elsewhere(self) -> bool:
         """Whether this call's steps may be scored in the publisher thread: its feature cache (where the scoring
         computes) is on a device of :data:`SCORED_ELSEWHERE`, the head can be read there
-        (:attr:`~nxl_hooks.method.head.Head.readable_elsewhere`), and no ``on_step`` callback wants each record in
-        this thread."""
-        return (self._features.view().device.type in SCORED_ELSEWHERE and self._plan.head.readable_elsewhere
-                and not self._hub.calls_back)
+        (:attr:`~nxl_hooks.method.head.Head.readable_elsewhere`), no ``on_step`` callback wants each record in
+        this thread, and autocast is off (it is per thread: another would compute without it, not as the model)."""
+        device = self._features.view().device.type
+        return (device in SCORED_ELSEWHERE and self._plan.head.readable_elsewhere and not self._hub.calls_back
+                and not torch.is_autocast_enabled(device))
 
     def _record(self, emitted: list[_Emitted], context: _Context) -> list[Step]:
         """The records of ``emitted`` steps (in order, each at its own context length), reading ``context``: the

@@ -145,6 +145,27 @@ def test_under_autocast_the_last_layer_gives_the_models_own_logit_to_the_bit(dty
     assert torch.equal(res.logat[-1, rows, positions], out.logits[rows, positions, res.target].float())
 
 
+def test_under_autocast_generate_steps_scored_where_a_gpu_would_give_the_models_own_logit(monkeypatch):
+    """Where a call's steps would be scored in the publisher thread (a GPU's feature cache), autocast keeps them in
+    the calling thread: autocast is per thread, and the publisher computed step 0's logit in float32, ~5e-3 from the
+    model's own half-precision one."""
+    import nxl_hooks as nxl
+    from nxl_hooks.hooks import generate
+
+    monkeypatch.setattr(generate, "SCORED_ELSEWHERE", generate.SCORED_ELSEWHERE | {"cpu"})
+    model = big.build("llama")
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.3)
+    ids = torch.tensor([[5, 9, 12, 7, 3]])
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        own = model(input_ids=ids).logits[0, -1].float()
+        with nxl.attach(model, layers="all") as probe:
+            model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    step = probe.steps[0]
+    assert step.scores["logat"][-1, 0, ids.shape[1] - 1] == own[int(step.token[0])]
+
+
 @pytest.mark.parametrize("quant", ["nf4", "int8"])
 @pytest.mark.parametrize("case_id", BNB_DECODERS)
 def test_bnb_per_decoder_family(tmp_path, case_id, quant):
