@@ -15,8 +15,8 @@ from .arch import ArchSpec, RegistryError, UnknownArchitectureError, register_ar
 from .hooks import Probe, attach, detach_all, explain
 from .method.protocol import Given, Method
 from .method.registry import get_method, method_names, register_method
-from .records import (Attribution, GenerationCall, RecordError, RecordSink, RotatingSink, Sink, Step, StreamError,
-                      make_sink, read_stream, register_sink)
+from .records import (Attribution, GenerationCall, RecordError, RecordSink, RotatingSink, Sink, Step,
+                      StreamDamageWarning, StreamError, make_sink, read_stream, register_sink)
 
 __all__ = [
     "ArchSpec",
@@ -31,6 +31,7 @@ __all__ = [
     "RotatingSink",
     "Sink",
     "Step",
+    "StreamDamageWarning",
     "StreamError",
     "UnknownArchitectureError",
     "attach",

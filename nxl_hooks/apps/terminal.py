@@ -185,7 +185,7 @@ def show_attribution(res: Attribution, console: Console, *, all_positions: bool 
     noted: set[str] = set()
     for row in range(res.target.shape[0]):
         position = int(res.position[row])
-        at = f"read at {res.token_labels(row)[position]!r} (position {position})"
+        at = f"read at '{res.token_labels(row)[position]}' (position {position})"  # readable: escaped
         labels = res.target_info(row)
         for label in range(len(labels)):
             if kind == HeadKind.REGRESSION:
@@ -305,7 +305,7 @@ def stop_reason(model: Any, tokenizer: Any, call: GenerationCall, new_tokens: in
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos = {int(i) for i in torch.as_tensor(eos).reshape(-1).tolist()} if eos is not None else set()
     if last is not None and last in eos:
-        return (f"stopped: the model emitted {readable_ids(tokenizer, [last])[0]!r} (id {last}), an end token of its "
+        return (f"stopped: the model emitted '{readable_ids(tokenizer, [last])[0]}' (id {last}), an end token of its "
                 f"generation config (end of turn / EOS), after {len(steps)} token(s)")
     if len(steps) >= new_tokens:
         return f"stopped: {new_tokens} token(s) generated, as many as asked for (--generate {new_tokens})"

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from ..method.registry import DEFAULT
 from ..method.scores import norm_spread
 from ..method.select import label_index, layer_index, order, rankable
 from .files import read_regular, write_bytes, write_text
-from .tokens import is_readable, visible
+from .tokens import is_readable, printable, visible
 
 __all__ = ["Attribution", "FORMAT_VERSION", "RecordError", "SCORE_PREFIX", "by_method"]
 
@@ -349,7 +349,8 @@ class Attribution:
         how = self.resolution(row, label)
         request = how["request"] if how and isinstance(how["request"], str) and how["request"] != text else None
         prob = "" if info["probability"] is None else f", p {info['probability']:.3g}"
-        return (f"{request!r} -> " if request is not None else "") + f"{text!r} (id {info['id']}{prob})"
+        # quoted as they are: readable texts are escaped already (repr would double their backslashes)
+        return (f"'{printable(request)}' -> " if request is not None else "") + f"'{text}' (id {info['id']}{prob})"
 
     def norm_spread(self, row: int = 0) -> float:
         """Coefficient of variation of the embedding norms over the tokens of a row that rank; see

@@ -20,7 +20,7 @@ from ..method.registry import DEFAULT
 from ..method.select import order, rankable, special_flags
 from .attribution import Attribution, by_method, layers_text
 from .tokens import plain_text, whole_characters
-from .view import METHOD, StepView, ranking
+from .view import StepView, ranking
 
 __all__ = ["GenerationCall", "STEP_TENSORS", "Step"]
 

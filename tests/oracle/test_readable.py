@@ -91,6 +91,23 @@ def test_a_backslash_is_escaped_so_a_tokens_own_escape_text_reads_back_as_writte
         call.readable[0] + ["\\\\xe9", "\\\\x41", "a\\\\\\\\b"])
 
 
+def test_a_target_is_named_by_its_readable_text_quoted_as_it_is():
+    """The header and repr quote a target's readable text as it is: '\\x41' (a token whose text is backslash, x,
+    4, 1) and '\x1b' (the escape character) stay apart there as in the tables (repr doubled every backslash)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    words = [*tiny.VOCAB, "\\x41", "\x1b"]
+    tok = tiny.word_tokenizer(words)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(words), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)).eval()
+    for word in words[-2:]:
+        res = nxl.explain(model, tok, "the film was", target=words.index(word))
+        shown = visible(word)
+        assert res.target_label().startswith(f"'{shown}' (id {words.index(word)}")
+        assert f"'{shown}'" in repr(res) and f"'{shown}'".replace("\\", "\\\\") not in repr(res)
+
+
 def test_readable_tokens_of_a_byte_level_bpe(tok):
     ids = tok("The capital of France is Paris.\nThe 😀 a\x1bb")["input_ids"]
     assert tok.convert_ids_to_tokens(ids)[:8] == ["The", "Ġcapital", "Ġof", "ĠFrance", "Ġis", "ĠParis", ".", "Ċ"]

@@ -217,6 +217,9 @@ def test_demo_on_your_sentence_says_what_lies_outside_training(capsys, demo_by_h
         capsys.readouterr().out)
     assert main(["demo", "superb"]) == 0
     assert "outside the training data: 1 word; the training sentences have 4 to 12" in capsys.readouterr().out
+    assert main(["demo", "the plot was superb \x1b[31mRED"]) == 0  # a sentence from a file may hold escapes
+    printed = capsys.readouterr().out
+    assert "\x1b" not in printed and "your sentence: the plot was superb \\x1b[31mRED" in printed
 
 
 def test_demo_finds_words_as_its_tokenizer_splits_them(capsys, demo_by_hand):

@@ -130,7 +130,8 @@ CASES = [
     ("text not UTF-8", ["attribute", "{bert}", "caf\udce9 film"], r"argument b'caf\\xe9 film' is not UTF-8 text"),
     ("generate on a classifier, --out existing", ["attribute", "{bert}", TEXT, "--generate", "2", "--out",
                                                   "{existing_nxl}"],
-     r"sink: these record generate\(\) steps, but BertForSequenceClassification"),
+     r"--generate needs a causal LM, and .*bert is a sequence classification model \(it generates nothing\): drop "
+     r"--generate to explain its prediction for TEXT"),
     ("target not in the vocabulary", ["attribute", "{llama}", TEXT, "--target", "zebra"],
      r"target 'zebra' is not a single token in the vocabulary"),
     ("target list names one output twice", ["attribute", "{bert}", TEXT, "--target", "1,LABEL_1", "--method",

@@ -74,6 +74,10 @@ def test_a_missing_extra_is_one_line_naming_the_install(files, case):
     assert errors == [done.stderr.strip().splitlines()[-1]]  # one line, the last
     assert errors[0].startswith(f"nxl {argv(files)[0]}: error: ")
     assert f"this needs {package}" in errors[0] and errors[0].endswith(f'pip install "nxl_hooks[{extra}]"')
+    said = {"eval-captum": "nxl evaluate: error: the default --methods include grad_norm,grad_x_input (or name "
+                           "--methods without them): this needs captum",  # (no --methods was given)
+            "eval-scipy": "nxl audit: error: its rank correlations: this needs scipy"}  # (named once)
+    assert errors[0].startswith(said.get(case, "")), errors[0]
 
 
 def test_an_import_error_of_no_extra_still_shows_its_traceback(files):

@@ -60,7 +60,7 @@ def _split(data: bytes) -> tuple[bytes, list[bytes]]:
 def _damaged(path: Path, strict_match: str) -> nxl.read_stream:
     with pytest.raises(nxl.StreamError, match=strict_match):
         nxl.read_stream(path, strict=True)
-    with pytest.warns(reader.StreamDamageWarning, match=strict_match):
+    with pytest.warns(nxl.StreamDamageWarning, match=strict_match):  # (public, as the docs name it)
         return nxl.read_stream(path)
 
 

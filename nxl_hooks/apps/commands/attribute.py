@@ -83,7 +83,11 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, **loading_options(args))
     text = chat_text(tokenizer, args.text) if args.chat else args.text
     check_length(tokenizer, text, position_limit(model), more=generate or 0, what="TEXT")
-    if head_kind(unwrap(model)) is HeadKind.MASKED_LM:  # (before the forward, which the hook and explain would
+    kind = head_kind(unwrap(model))
+    if generate is not None and kind is not HeadKind.CAUSAL_LM:
+        raise CliError(f"--generate needs a causal LM, and {args.model} is a {kind.value.replace('_', ' ')} model "
+                       "(it generates nothing): drop --generate to explain its prediction for TEXT")
+    if kind is HeadKind.MASKED_LM:  # (before the forward, which the hook and explain would
         mask = getattr(tokenizer, "mask_token_id", None)  # each leave unrecorded with a line of their own)
         if mask is None:
             raise CliError(f"{args.model}'s tokenizer has no mask token: a masked LM explains what it predicts at its "

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             "give exactly one of --candidate MODEL or --quantize 4bit|8bit (the candidate built from --reference)"
         )
-    require_extra("eval", ["scipy"], "nxl audit")  # its rank correlations; before the models load
+    require_extra("eval", ["scipy"], "its rank correlations")  # before the models load
     loading = loading_options(args)
     if args.quantize is not None and loading["quantize"] is not None:
         raise ValueError("--quantize builds the candidate from an unquantized reference: drop --load-in-8bit / "

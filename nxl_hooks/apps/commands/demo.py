@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     from ...demo import MODEL_DIR
     from ...demo.task import HELD_OUT_SEED, MAX_WORDS, MIN_WORDS, NEGATIVE, POSITIVE, make_examples
     from ...hooks.explain import explain
+    from ...records.tokens import printable
     from ..loading import load_model
     from ..terminal import show_attribution
 
@@ -150,7 +151,7 @@ def run(args: argparse.Namespace) -> int:
         intro = f"held-out sentence {chosen}" + ("" if args.example is not None else " (typical: its keyword's "
                                                  "ranks are the closest to the median ranks)")
     console = Console()
-    console.print(Text(f"{intro}: ", style="bold") + Text(text) + Text(f"   evidence: {keyword!r}"))
+    console.print(Text(f"{intro}: ", style="bold") + Text(printable(text)) + Text(f"   evidence: {keyword!r}"))
     for note in notes:
         console.print(Text("outside the training data: ", style="yellow") + Text(note))
     res = explain(model, tokenizer, text, layers="all")
