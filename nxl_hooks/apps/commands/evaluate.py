@@ -63,9 +63,9 @@ def run(args: argparse.Namespace) -> int:
     tp_outputs(args, "out")  # under --tp, rank 0 alone prints and writes
     gradient = [m for m in methods if m in ev.GRADIENT_METHODS]
     if gradient:  # before the model loads: each example would fail on its own, one by one
-        named = ",".join(gradient)
-        require_extra("eval", ["captum"], f"--methods {named}" if args.methods not in ("default", "all") else
-                      f"the {args.methods} --methods include {named} (or name --methods without them)")
+        listed = ",".join(gradient)
+        require_extra("eval", ["captum"], f"--methods {listed}" if args.methods not in named else
+                      f"the {args.methods} --methods include {listed} (or name --methods without them)")
     check_out(args, args.model)
     examples, settings = examples_from_args(args)
     loading = loading_options(args)
