@@ -23,6 +23,7 @@ import atexit
 import importlib.util
 import json
 import logging
+import math
 import os
 import re
 import secrets
@@ -355,8 +356,6 @@ def _check_tp_heads(name: str, config: Any) -> None:
     """Refuse (one line) a model whose attention heads the torchrun processes cannot share evenly: where its
     ``tp_plan`` splits the attention projections by output ("colwise"), each process holds a slice of every
     projection, and one that is not whole heads fails in the model's own reshape, with a traceback on every rank."""
-    import math
-
     text = config.get_text_config()
     plan = getattr(text, "base_model_tp_plan", None) or {}
     if not any(style == "colwise" and re.search(r"(attn|attention)\.", key) for key, style in plan.items()):

@@ -737,8 +737,7 @@ class Hub:
             closing = self._released  # every frame was written: its thread is in the sink's close
         if closing:  # (a Parquet file is written there): it is left to finish; a failure there is said then
             logger.warning("nxl_hooks: the sink %s is still closing %g s after the probe detached; it finishes in "
-                           "its own thread", _named(self._sink),
-                           DRAIN_SECONDS)
+                           "its own thread", _named(self._sink), DRAIN_SECONDS)
             return
         self._stop_sink(f"it was still writing when the probe detached ({DRAIN_SECONDS:g} s later); the "
                         "records still queued were not written", None)
@@ -988,8 +987,8 @@ def _claim_sink(sink: RecordSink, hub: Hub) -> None:
     with _OWNERS_LOCK:
         owner = _OWNERS.get(id(sink))
         if owner is not None and owner._sink is sink and not owner._released:
-            raise ValueError(f"the sink {_named(sink)} is given to another attached probe already: give each probe a sink "
-                             "of its own (one path per model), or detach the other first")
+            raise ValueError(f"the sink {_named(sink)} is given to another attached probe already: give each probe a "
+                             "sink of its own (one path per model), or detach the other first")
         _OWNERS[id(sink)] = hub
 
 

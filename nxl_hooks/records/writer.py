@@ -228,8 +228,8 @@ class Sink:
 
     The file is created (or emptied) when the probe attaches; read it with :func:`read_stream`. One writer per
     file: a path another sink has open (a second model or process) is refused (ValueError) and left as it is, until
-    that sink is closed. A path that is a symbolic link is refused (ValueError), so that a link planted where the file goes cannot redirect the records
-    (and the truncation) onto another file; ``follow_symlinks=True`` writes through it. A sink belongs to the
+    that sink is closed. A path that is a symbolic link is refused (ValueError), so that a link planted where the
+    file goes cannot redirect the records (and the truncation) onto another file; ``follow_symlinks=True`` writes through it. A sink belongs to the
     process that opened it: a child it forks that writes to it gets a RuntimeError (an attached probe never does;
     it keeps the child's records in memory and says so).
     """

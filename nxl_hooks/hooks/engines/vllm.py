@@ -23,9 +23,9 @@ weights, shared, never copied) that :func:`~nxl_hooks.attach` makes its plan and
 
 Chunked prefill: each chunk feeds its positions. Preemption: a resumed request recomputes from its first position
 and its features are replaced from there. A request ends with the token that meets its stop rules (EOS, a stop
-token id, max_tokens, the model length, repetition detection), checked in the worker as vLLM's scheduler checks them. A request that
-leaves otherwise (the client went away, a stop string the API server matched, an abort; vLLM tells the worker at its
-next step, not why) ends incomplete, with the steps it made and a reason saying so.
+token id, max_tokens, the model length, repetition detection), checked in the worker as vLLM's scheduler checks
+them. A request that leaves otherwise (the client went away, a stop string the API server matched, an abort; vLLM
+tells the worker at its next step, not why) ends incomplete, with the steps it made and a reason saying so.
 
 Compiled mode (vLLM's default, kept under ``nxl run``): hooks added after vLLM compiled its model never run. When
 vLLM is to compile, the view puts hooks on vLLM's layers when the model is loaded, before vLLM compiles, that copy
@@ -38,10 +38,10 @@ Not followed (requests run unchanged, each one's call record says ``not recorded
 vLLM compiled without those buffers, prefix caching (a cached prefix never runs for the request that reuses it),
 async scheduling, speculative decoding, pipeline or tensor parallelism. :func:`recording_engine_args` turns prefix
 caching and async scheduling off in the engine arguments while ``nxl run`` records (and compilation, with ``nxl run
---eager``). Model classes: vLLM's Llama, Mistral, Qwen2 and Qwen3 only (:data:`_FOLLOWED`); any other is not followed, its
-requests each saying so, as its layers, embedding or logits may differ from what the view reads (Gemma 4's layers
-return ``(hidden, None)``, Granite scales its embedding and logits); one without a final norm, layers and
-``lm_head`` is said once when it loads.
+--eager``). Model classes: vLLM's Llama, Mistral, Qwen2 and Qwen3 only (:data:`_FOLLOWED`); any other is not
+followed, its requests each saying so, as its layers, embedding or logits may differ from what the view reads
+(Gemma 4's layers return ``(hidden, None)``, Granite scales its embedding and logits); one without a final norm,
+layers and ``lm_head`` is said once when it loads.
 """
 
 from __future__ import annotations
@@ -243,8 +243,8 @@ class VllmForCausalLM(nn.Module):
         #: why vLLM's model is not followed, or None: the engine then marks each request not recorded, with it
         self.refused = _refusal(model)
         inner = getattr(model, "model", None)
-        norm, head, layers = getattr(inner, "norm", None), getattr(model, "lm_head", None), getattr(inner, "layers",
-                                                                                                    None)
+        norm, layers = getattr(inner, "norm", None), getattr(inner, "layers", None)
+        head = getattr(model, "lm_head", None)
         if getattr(norm, "weight", None) is None or getattr(head, "weight", None) is None or layers is None:
             raise ValueError(self.refused or f"vLLM's {type(model).__name__} has no final norm, layers or lm_head "
                                              "that nxl_hooks can read, so vLLM serves it unrecorded")
