@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import math
 import time as _time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
 
 from ..method.registry import DEFAULT
-from ..method.select import order, rankable, special_flags
+from ..method.select import special_flags
 from .attribution import Attribution, by_method, layers_text
 from .tokens import plain_text, whole_characters
 from .view import StepView, ranking
@@ -65,6 +66,9 @@ class Step:
     context: list[list[str]] | None = field(repr=False)
     #: when the record was made, in seconds since the epoch (``time.time()``); None in older files
     time: float | None
+    #: the call the step belongs to, set by :meth:`GenerationCall.link` (weak: a kept step does not keep its call's
+    #: other steps), so that its repr ranks as ``call.attribution(step).top()``
+    _call: "weakref.ReferenceType[GenerationCall] | None" = field(repr=False)
 
     def __init__(self, call: int, step: int, position: int, token: torch.Tensor, target: torch.Tensor,
                  normxlogit: torch.Tensor | None = None, logat: torch.Tensor | None = None,
@@ -80,6 +84,7 @@ class Step:
         self.embed_norm, self.mask, self.active, self.layers = embed_norm, mask, active, layers
         self.n_blocks, self.probability, self.readable, self.context = n_blocks, probability, readable, context
         self.time = _time.time() if time is _NOW else time
+        self._call = None
 
     normxlogit = Attribution.normxlogit
     logat = Attribution.logat
@@ -88,17 +93,19 @@ class Step:
 
     def __repr__(self) -> str:
         """A summary, never the tensors: the emitted token(s), probability, context length, layers and the top
-        context positions of row 0 at the last layer. ``print(step)``"""
+        context positions of row 0 at the last layer, ranked as ``call.attribution(step).top()`` ranks them (no
+        special or chat-template token) while its call is linked and alive, else as ``step.to_attribution().top()``.
+        ``print(step)``"""
         batch = self.token.shape[0]
         texts = self.readable or [f"#{int(t)}" for t in self.token]
         prob = "" if self.probability is None else f", p {float(self.probability.reshape(batch, -1)[0, 0]):.3g}"
-        scores = self.normxlogit[-1, 0]
-        scores = scores[:, 0] if scores.dim() == 2 else scores
-        top = order(scores, rankable(self.mask[0], self.position - 1)).tolist()[:3]
+        call = self._call() if self._call is not None else None
+        res = call.attribution(self) if call is not None else self.to_attribution()
+        top = res.top(3, layer=self.layers[-1])
         return (f"<Step call {self.call} step {self.step}: token '{texts[0]}' (id {int(self.token[0])}{prob})"
                 + (f" and {batch - 1} more row(s)" if batch > 1 else "")
                 + f" at position {self.position}, layers {layers_text(self.layers)}; top context positions at "
-                f"L{self.layers[-1]}: " + ", ".join(f"{p} {float(scores[p]):.4g}" for p in top) + ">")
+                f"L{self.layers[-1]}: " + ", ".join(f"{p} {score:.4g}" for p, _, score in top) + ">")
 
     def to_attribution(self, tokens: list[list[str]] | None = None, special: torch.Tensor | None = None,
                        readable: list[list[str]] | None = None, template: torch.Tensor | None = None) -> Attribution:
@@ -274,6 +281,7 @@ class GenerationCall:
         """Give ``step`` the readable texts of its context (the prompt's, then each earlier step's token) and add
         its own token's: ``step.to_attribution().top(3)`` then names tokens by their text. Called once per step,
         in order, by the probe's hub and by :func:`~nxl_hooks.records.reader.read_stream`."""
+        step._call = weakref.ref(self)
         if self.readable is None or step.readable is None or len(step.readable) != len(self.readable):
             return
         if self._context is None:

@@ -133,3 +133,26 @@ def test_generation_says_it_stopped_at_the_end_token(world):
     assert len(call.steps) == 1
     assert last == (f"stopped: the model emitted '{call.steps[0].readable[0]}' (id {first}), an end token of its "
                     "generation config (end of turn / EOS), after 1 token(s)")
+
+
+def test_a_steps_repr_ranks_as_its_calls_top_leaving_out_the_chat_template(world, tmp_path):
+    """A chat prompt's step: the repr's top context positions are those of ``call.attribution(step).top()``, the
+    user's message and generated tokens only (it ranked the template's markers, which top() leaves out), in memory
+    and read back from the stream file. The oracle of which positions rank: the template located by hand."""
+    from test_chat_ranking import USER_TURN, by_hand
+
+    model, tok, _ = world
+    ids, ranked = by_hand(tok, USER_TURN)
+    enc = tok.apply_chat_template([{"role": "user", "content": PROMPT}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)
+    assert enc["input_ids"][0].tolist() == ids
+    with nxl.attach(model, tokenizer=tok, layers="all", sink=tmp_path / "run.nxl") as probe:
+        model.generate(**enc, max_new_tokens=3, do_sample=False)
+    for call in (probe.calls[-1], nxl.read_stream(tmp_path / "run.nxl")[0]):
+        assert call.prompt_template is not None
+        for step in call.steps:
+            shown = [int(p) for p in re.findall(r"(\d+) -?[\d.]", repr(step).split(": ")[-1])]
+            allowed = ranked | set(range(len(ids), step.position - 1))
+            scores = step.normxlogit[-1, 0]
+            best = sorted(allowed, key=lambda p: -float(scores[p]))[:3]
+            assert shown == best, repr(step)
