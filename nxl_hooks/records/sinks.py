@@ -164,14 +164,22 @@ def make_sink(spec: Any, **options: Any) -> RecordSink:
     (rotating stream files, :class:`~nxl_hooks.records.writer.RotatingSink`); or ``"NAME:ARG"`` for a registered kind
     (``file:``, ``folder:``, ``parquet:`` built in; others through :func:`register_sink` or the entry-point group
     ``nxl_hooks.sinks``). ``options`` go to the kind's factory. A :class:`pathlib.Path` is always a path; a string
-    that is a bare word (``"raise"``, ``":x"``: no folder part, no suffix, not an existing path) is refused."""
+    that is a bare word (``"raise"``, ``":x"``: no folder part, no suffix, not an existing path) is refused. A
+    factory that exits (``SystemExit``) is refused with a ValueError: the host goes on."""
     found = sink_factory(spec)
     if found is None:
         if options:
             raise ValueError(f"sink options {sorted(options)} given with a sink object: set them where it is made")
         return spec
     factory, arg = found
-    sink = factory(arg, **options)
+    try:
+        sink = factory(arg, **options)
+    except Exception:
+        raise  # the kind's own refusal (a bad ARG, a missing extra), as it said it
+    except BaseException as error:  # noqa: BLE001 - a factory's sys.exit is its failure, never the host's exit
+        said = " ".join(str(plugins.contained(error)).split()) or "no message"
+        raise ValueError(f"sink {spec!r}: its factory raised {type(error).__name__} ({said}) instead of returning a "
+                         "sink: fix or uninstall the package of that sink kind, or give another sink") from error
     if not isinstance(sink, RecordSink):
         raise ValueError(f"sink {spec!r}: its factory returned {type(sink).__name__}, which lacks write_call, "
                          "write_step, write_end or close")

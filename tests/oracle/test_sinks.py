@@ -170,6 +170,30 @@ def test_sink_specs_name_what_is_wrong(chat, tmp_path):
     assert isinstance(nxl.make_sink(str(tmp_path / "x:y")), nxl.RotatingSink)  # a path with a colon stays a path
 
 
+def test_a_sink_factory_that_exits_is_refused_in_one_line_and_the_host_goes_on(chat):
+    """A sink kind whose factory calls sys.exit: attach is refused with a ValueError in one line naming it (the
+    SystemExit reached the host and ended it), no hook is left on; a Ctrl-C inside a factory stays the user's."""
+    _, model, _ = chat
+
+    def exits(arg, **options):
+        raise SystemExit(f"cannot open {arg}\nbye")
+
+    def interrupted(arg, **options):
+        raise KeyboardInterrupt
+
+    nxl.register_sink("exitsink", exits)
+    nxl.register_sink("ctrlcsink", interrupted)
+    with pytest.raises(ValueError) as refused:
+        nxl.attach(model, sink="exitsink:x")
+    assert str(refused.value) == ("sink 'exitsink:x': its factory raised SystemExit (cannot open x bye) instead of "
+                                  "returning a sink: fix or uninstall the package of that sink kind, or give another "
+                                  "sink")
+    assert nxl.detach_all(model) == 0
+    with pytest.raises(KeyboardInterrupt):
+        nxl.attach(model, sink="ctrlcsink:x")
+    assert nxl.detach_all(model) == 0
+
+
 _PLUGIN = '''
 import json
 from pathlib import Path
