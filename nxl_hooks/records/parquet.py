@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any, Iterable
@@ -61,6 +62,7 @@ import torch
 from ..method.registry import DEFAULT
 from ..method.select import rankable, special_flags
 from .steps import GenerationCall, Step
+from .writer import _OPEN, _claim_file
 
 __all__ = ["INSTALL", "ParquetSink", "export_parquet"]
 
@@ -192,7 +194,9 @@ class ParquetSink:
     Where that matters, record to the crash-safe stream file (``sink="run.nxl"``) and convert it afterwards
     with ``nxl export run.nxl out.parquet`` (:func:`export_parquet`). A write that fails (a full disk) removes
     ``out.parquet.partial`` before it raises: its rows are lost either way, and the path stays free for the next
-    writer.
+    writer. One writer per file, as for stream files: a path whose ``out.parquet.partial`` another writer holds (a
+    second model or process) is refused (ValueError, one line); one that a writer left when it died is taken over
+    by the next, with one line on the ``nxl_hooks`` logger. A child process it forks lets go of the file.
     """
 
     def __init__(self, path: str | os.PathLike, *, row_group_rows: int = 1 << 17,
@@ -202,13 +206,9 @@ class ParquetSink:
         self._partial = self.path.with_name(self.path.name + ".partial")
         self._methods = None if methods is None else tuple(methods)
         self._schema: Any = None  # once the methods are known: at the first call, or when the file is closed
-        try:  # one writer per file: two models or processes on one path would clobber each other's rows
-            fd = os.open(self._partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o644)
-        except FileExistsError:
-            raise ValueError(f"{self._partial} exists: another writer (a second model or process) has this file, or "
-                             "one died writing it; give each its own path (under nxl run: {model} in the path) or "
-                             "remove the stale file") from None
-        self._file = os.fdopen(fd, "wb")
+        self._file = os.fdopen(_claim_partial(self._partial), "wb")
+        self._pid = os.getpid()
+        _OPEN.add(self)  # a child it forks lets go of the file at once (_forked)
         self._writer: Any = None
         self._closed = False
         self._row_group_rows = row_group_rows
@@ -286,10 +286,13 @@ class ParquetSink:
         self._buffer, self._buffered = [], 0
 
     def close(self) -> None:
-        if self._closed:
+        if self._closed or os.getpid() != self._pid:  # (a forked child let go of the file at the fork: _forked)
             return
         self._failing(self._finish)
-        os.replace(self._partial, self.path)
+        try:  # renamed while this writer holds it: no other writer can take the name between
+            os.replace(self._partial, self.path)
+        finally:
+            self._file.close()
 
     def _finish(self) -> None:
         self._open(None)  # a file without calls still has its columns
@@ -301,7 +304,7 @@ class ParquetSink:
         self._writer.add_key_value_metadata({"nxl.calls": json.dumps(said)})  # the footer: known only now
         self._writer.close()
         self._writer, self._closed = None, True
-        self._file.close()
+        self._file.flush()  # whole on disk before its name says it is finished
 
     def _failing(self, write: Any) -> None:
         """``write()``; when it raises (a full disk, Ctrl-C), the partial file is closed and removed first."""
@@ -314,14 +317,47 @@ class ParquetSink:
     def abandon(self) -> None:
         """Stop without writing the file: ``out.parquet.partial`` is closed and removed, ``out.parquet`` untouched;
         the step records taken so far are :attr:`lost`."""
+        if os.getpid() != self._pid:  # a forked child: the file is its parent's
+            return
         writer, self._writer, self._closed = self._writer, None, True
         self.lost, self._taken = self.lost + self._taken, 0
         with contextlib.suppress(Exception):  # the disk that failed may fail the footer too: the file goes anyway
             if writer is not None:
                 writer.close()
+        self._partial.unlink(missing_ok=True)  # while this writer holds it: never another writer's file
         with contextlib.suppress(OSError):
             self._file.close()
-        self._partial.unlink(missing_ok=True)
+
+    def _forked(self) -> None:
+        """In a child just forked: its copy of the file's descriptor points at /dev/null instead, so that the lock
+        ends with the parent's close (or death), and what the child's copy of the buffer flushes goes nowhere."""
+        if not self._file.closed:
+            null = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(null, self._file.fileno())
+            os.close(null)
+
+
+def _claim_partial(partial: Path) -> int:
+    """``out.parquet.partial``, emptied and held for this writer by the rule of stream files
+    (:func:`~nxl_hooks.records.writer._claim_file`): a live writer's is refused (ValueError, one line); one that a
+    writer left when it died (a crash, SIGKILL: no footer, unreadable) is taken over, with one log line."""
+    while True:
+        fd = _claim_file(partial, 0o644)
+        try:
+            held = os.fstat(fd)
+            with contextlib.suppress(FileNotFoundError):
+                if os.path.samestat(held, os.stat(partial)):
+                    os.ftruncate(fd, 0)
+                    break
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)  # the writer that held it renamed or removed it since the open: that name again
+    if held.st_size:
+        logging.getLogger("nxl_hooks").warning(
+            "nxl_hooks: %s was left by a writer that died before it finished (a crash, SIGKILL), its rows lost with "
+            "it (a Parquet file without its footer cannot be read): replaced by this writer's", partial)
+    return fd
 
 
 def export_parquet(calls: Iterable[GenerationCall], out: str | os.PathLike) -> ParquetSink:

@@ -149,10 +149,23 @@ def stream_bytes(call: GenerationCall, meta: dict) -> bytes:
 
 
 def _open(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
-    """A new (or emptied) stream file holding only the file magic, locked for this writer (:func:`_claim`): one
-    that another sink writes is refused (ValueError) and left as it is. A symbolic link is refused (ValueError)
-    unless ``follow_symlinks``: O_NOFOLLOW makes the check and the open one step, with no window to swap a link
-    in."""
+    """A new (or emptied) stream file holding only the file magic, held for this writer (:func:`_claim_file`)."""
+    fd = _claim_file(path, mode, follow_symlinks=follow_symlinks)
+    try:
+        os.ftruncate(fd, 0)
+        _write_all(fd, _FILE_MAGIC)
+    except BaseException:
+        os.close(fd)  # a full disk at the first byte: no descriptor kept on a file nothing will write
+        raise
+    return fd
+
+
+def _claim_file(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
+    """A descriptor of the regular file ``path`` (created when missing, left as it is: the caller empties it), open
+    for writing and locked for this writer (:func:`_claim`): one that another writer holds is refused (ValueError) and
+    left as it is; one that a writer no longer holds (it closed, crashed, was killed) is this writer's. A symbolic
+    link is refused (ValueError) unless ``follow_symlinks``: O_NOFOLLOW makes the check and the open one step, with
+    no window to swap a link in. The one-writer rule of every records file (stream files, the Parquet sink's)."""
     # non-blocking: a FIFO without a reader is refused at once, not waited on (its open would block the host); not
     # truncated by the open: only once this writer holds the file
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK | (0 if follow_symlinks else os.O_NOFOLLOW)
@@ -160,24 +173,23 @@ def _open(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
         fd = os.open(path, flags, mode)
     except OSError as err:
         if err.errno == errno.ELOOP and not follow_symlinks:
-            raise ValueError(f"{path} is a symbolic link: nxl_hooks does not write a stream through a link unless "
-                             "told to; give the real path, or Sink(path, follow_symlinks=True)") from None
+            raise ValueError(f"{path} is a symbolic link: nxl_hooks does not write records through a link unless "
+                             "told to; give the real path (for a stream file, or Sink(path, follow_symlinks=True))"
+                             ) from None
         if err.errno == errno.ENXIO:
-            raise ValueError(f"{path} is a FIFO (named pipe), not a regular file: nxl_hooks writes a stream only "
+            raise ValueError(f"{path} is a FIFO (named pipe), not a regular file: nxl_hooks writes records only "
                              "to a regular file; give another path") from None
         raise
     kind = file_kind(os.fstat(fd).st_mode)
     if kind:  # a FIFO with a reader, a device: the records go to a file, whole frames that read back
         os.close(fd)
-        raise ValueError(f"{path} is {kind}, not a regular file: nxl_hooks writes a stream only to a regular file; "
+        raise ValueError(f"{path} is {kind}, not a regular file: nxl_hooks writes records only to a regular file; "
                          "give another path")
     try:
         _claim(fd, path, "path")
-        os.ftruncate(fd, 0)
         os.set_blocking(fd, True)
-        _write_all(fd, _FILE_MAGIC)
     except BaseException:
-        os.close(fd)  # refused, or a full disk at the first byte: no descriptor kept on a file nothing will write
+        os.close(fd)  # refused: no descriptor kept on a file another writer holds
         raise
     return fd
 
@@ -333,8 +345,10 @@ class Sink:
                 _finish(fd)
 
 
-#: The sinks of this process: a child it forks lets go of their descriptors at once (:meth:`Sink._forked`).
-_OPEN: "weakref.WeakSet[Sink]" = weakref.WeakSet()
+#: The sinks of this process, and the other writers of a :func:`_claim_file` (a ParquetSink): a child it forks lets
+#: go of their descriptors at once (their ``_forked``, :meth:`Sink._forked`), so that a file's lock ends with its
+#: writer.
+_OPEN: "weakref.WeakSet[Any]" = weakref.WeakSet()
 
 
 def _after_fork() -> None:

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import logging
+import signal
 import subprocess
 import sys
 import threading
@@ -609,16 +610,73 @@ def test_without_pyarrow_export_and_the_parquet_sink_name_the_extra(chat, tmp_pa
 
 
 def test_a_second_parquet_writer_on_one_file_is_refused(tmp_path):
-    """Two models (or processes) given one parquet path: the second is refused, the first's rows stay whole."""
+    """Two models (or processes) given one parquet path: the second is refused in one line, the stream files' rule
+    (a lock), and the first's rows stay whole."""
     from nxl_hooks.records.parquet import ParquetSink
 
     first = ParquetSink(tmp_path / "out.parquet")
-    with pytest.raises(ValueError, match="another writer .* give each its own path"):
+    with pytest.raises(ValueError) as refused:
         ParquetSink(tmp_path / "out.parquet")
+    assert str(refused.value) == (f"{tmp_path / 'out.parquet.partial'} is being written by another sink (a second "
+                                  "model or process): give each its own path, or detach the other first")
     first.close()
     assert (tmp_path / "out.parquet").is_file() and not (tmp_path / "out.parquet.partial").exists()
+    assert pq.read_metadata(tmp_path / "out.parquet").num_rows == 0  # the first's file, whole
     ParquetSink(tmp_path / "out.parquet").close()  # the file is free again once the first is done
 
+
+_PARQUET_KILLED = """
+import os, sys, time
+import nxl_hooks as nxl
+from nxl_hooks.records.parquet import ParquetSink
+
+stream, out, fork = sys.argv[1], sys.argv[2], sys.argv[3] == "fork"
+sink = ParquetSink(out, row_group_rows=1)
+for _ in range(20):  # a few hundred KB in row groups: on disk, past any buffer
+    for call in nxl.read_stream(stream):
+        sink.write_call(call, {})
+        for step in call.steps:
+            sink.write_step(step)
+if fork and os.fork() == 0:  # a worker that outlives its parent, and never touches the sink
+    time.sleep(600)
+    os._exit(0)
+print("writing", flush=True)
+time.sleep(600)  # killed here, its file never finished
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.parametrize("fork", ["", "fork"], ids=["killed", "killed-with-a-forked-worker-alive"])
+def test_a_parquet_file_left_by_a_killed_writer_is_taken_over_with_one_line(chat, tmp_path, caplog, fork):
+    """A process SIGKILLed while it writes leaves out.parquet.partial behind (no footer: unreadable). The next
+    writer to that path takes it over with one log line (it was refused until removed by hand), also while a worker
+    the dead one forked still runs (its copy of the descriptor held the lock), and its file holds its own rows."""
+    path, model, tokenizer = chat
+    _generate(model, tokenizer, tmp_path / "run.nxl", new=3)
+    out, partial = tmp_path / "out.parquet", tmp_path / "out.parquet.partial"
+    writer = subprocess.Popen([sys.executable, "-c", _PARQUET_KILLED, str(tmp_path / "run.nxl"), str(out), fork],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert writer.stdout.readline() == "writing\n", writer.stderr.read()
+        writer.kill()
+        writer.wait(60)
+        assert partial.stat().st_size > 100_000 and not out.exists()
+        with pytest.raises(Exception):
+            pq.read_metadata(partial)  # what the dead writer left cannot be read
+        with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+            assert cli_main(["export", str(tmp_path / "run.nxl"), str(out)]) == 0
+    finally:
+        try:
+            os.killpg(writer.pid, signal.SIGKILL)  # the forked worker too
+        except ProcessLookupError:  # none was left
+            pass
+    said = [r.getMessage() for r in caplog.records if r.name == "nxl_hooks"]
+    assert said == [f"nxl_hooks: {partial} was left by a writer that died before it finished (a crash, SIGKILL), its "
+                    "rows lost with it (a Parquet file without its footer cannot be read): replaced by this writer's"]
+    (call,) = nxl.read_stream(tmp_path / "run.nxl")
+    rows = _table(out)
+    assert len(rows["row"]) == sum(int(s.mask.sum()) * len(s.layers) for s in call.steps)  # its own, once
+    assert not partial.exists()
 
 
 @pytest.mark.parametrize("kind", ["file", "folder"])
