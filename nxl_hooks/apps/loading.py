@@ -377,7 +377,9 @@ def _check_tp_heads(name: str, config: Any) -> None:
 def tp_outputs(args: Any, *names: str) -> None:
     """Under ``--tp``, on every rank but 0: the output options ``names`` of ``args`` point into a private temporary
     folder and stdout goes to /dev/null, so that rank 0 alone prints and writes. Every rank still runs every forward
-    (the shards compute together). ``tp_outputs(args, "out", "html")``"""
+    (the shards compute together). Called once the command has checked its output options (a pure check), so that
+    each rank refuses a bad path itself, at once, rather than wait for rank 0 in the model's load until torchrun
+    ends it. ``tp_outputs(args, "out", "html")``"""
     if not getattr(args, "tp", False) or tp_rank() == 0:
         return
     private = tempfile.mkdtemp(prefix=f"nxl-tp-rank{os.environ['RANK']}-")

@@ -265,6 +265,26 @@ def test_tp_with_heads_the_ranks_cannot_share_is_one_line(tmp_path, heads, kv_he
     assert "llama: --tp splits the attention heads between the 2 torchrun processes" in lines[0]
 
 
+@pytest.mark.parametrize("command, said", [
+    (["attribute", "{model}", TEXT, "--out", "missing/tp.safetensors"],
+     "--out missing/tp.safetensors: the folder missing does not exist; create the folder or pick another path"),
+    (["evaluate", "{model}", "data.jsonl", "--methods", "normxlogit", "--out", "taken/run"],
+     "--out taken/run: taken is a file, not a folder; give a folder (it is created when missing)"),
+], ids=["attribute", "evaluate"])
+def test_tp_with_a_bad_out_path_is_one_line_on_every_rank(folder, tmp_path, command, said):
+    """A bad --out under --tp: every rank checks the path itself (no rank writes it) and says so in one line, exit 2,
+    before the model loads; rank 1 checked a private stand-in and waited for rank 0 in the load until torchrun
+    ended it, without a word."""
+    (tmp_path / "data.jsonl").write_text(json.dumps(EXAMPLES[0]) + "\n")
+    (tmp_path / "taken").write_text("")
+    done = _torchrun("-m", "nxl_hooks", *[arg.format(model=folder) for arg in command], "--tp", cwd=tmp_path)
+    assert done.returncode != 0 and "exitcode  : 2" in done.stderr
+    assert not re.search(r'File "[^"]*(nxl_hooks|transformers)/', done.stderr), done.stderr[-3000:]
+    lines = [line for line in done.stderr.splitlines() if line.startswith(f"nxl {command[0]}: error:")]
+    assert lines == [f"nxl {command[0]}: error: {said}"] * 2, done.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.jsonl", "taken"]  # nothing written
+
+
 def _worker(folder: str, out: str) -> None:
     """One torchrun rank: load with tp_plan="auto", attach, one padded forward, save the attribution."""
     import transformers

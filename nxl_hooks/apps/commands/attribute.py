@@ -68,7 +68,6 @@ def run(args: argparse.Namespace) -> int:
     from ..loading import check_length, load_model, position_limit, tp_outputs
     from ..terminal import print_generation, show_attribution
 
-    tp_outputs(args, "out", "html")  # --tp (registry): rank 0 alone prints and writes
     generate = args.generate
     if generate is not None and args.target != "predicted":
         raise CliError("--generate explains each emitted token: drop --target")
@@ -80,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
     check_apart("--html", args.html, [args.model])
     if not args.text.strip():  # before the model loads: it would explain its special tokens alone
         raise CliError("TEXT is empty: give the text to explain")
+    tp_outputs(args, "out", "html")  # --tp (registry): rank 0 alone prints and writes, each rank checked them first
     model, tokenizer = load_model(args.model, **loading_options(args))
     text = chat_text(tokenizer, args.text) if args.chat else args.text
     check_length(tokenizer, text, position_limit(model), more=generate or 0, what="TEXT")

@@ -60,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
     if args.quantize is not None and loading["quantize"] is not None:
         raise ValueError("--quantize builds the candidate from an unquantized reference: drop --load-in-8bit / "
                          "--load-in-4bit (or compare two saved models with --candidate)")
-    tp_outputs(args, "out")  # --tp (registry): rank 0 alone prints and writes
     check_out(args, args.reference, args.candidate)
+    tp_outputs(args, "out")  # --tp (registry): rank 0 alone prints and writes, each rank checked it first
     examples, settings = examples_from_args(args)
     settings.update(
         command=NAME,

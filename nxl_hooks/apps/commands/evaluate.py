@@ -60,13 +60,13 @@ def run(args: argparse.Namespace) -> int:
         what = f"names unknown {unknown}" if unknown else "names no method"
         raise CliError(f"--methods {args.methods!r} {what}; choose from {', '.join(everything)} (or 'all', "
                        "'default')")
-    tp_outputs(args, "out")  # under --tp, rank 0 alone prints and writes
     gradient = [m for m in methods if m in ev.GRADIENT_METHODS]
     if gradient:  # before the model loads: each example would fail on its own, one by one
         listed = ",".join(gradient)
         require_extra("eval", ["captum"], f"--methods {listed}" if args.methods not in named else
                       f"the {args.methods} --methods include {listed} (or name --methods without them)")
     check_out(args, args.model)
+    tp_outputs(args, "out")  # --tp (registry): rank 0 alone prints and writes, each rank checked it first
     examples, settings = examples_from_args(args)
     loading = loading_options(args)
     settings.update(
