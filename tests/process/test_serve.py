@@ -698,6 +698,58 @@ def test_classifier_forwards_are_kept_per_request_and_match_the_oracle(tmp_path)
     assert not list((tmp_path / "run").glob("*.sock"))  # closed: its socket is gone
 
 
+_FORWARDS = """
+import pathlib, sys, time, torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+model = AutoModelForSequenceClassification.from_pretrained(sys.argv[1]).eval()
+tok = AutoTokenizer.from_pretrained(sys.argv[1])
+print("READY", flush=True)
+deadline = time.monotonic() + 300
+while not pathlib.Path(sys.argv[2]).exists() and time.monotonic() < deadline:  # a classifier serving requests
+    with torch.no_grad():
+        model(**tok("the film was good", return_tensors="pt", return_token_type_ids=False))
+    time.sleep(0.2)
+"""
+
+
+def test_tail_says_that_a_classifiers_requests_are_forward_calls(tmp_path):
+    """A program that only classifies (forward calls, no generate) under nxl run --sink: nxl tail on its run folder
+    says in one '!' line that its requests are forward calls, which make no token line, and where they are (it
+    printed nothing but 'waiting', as if hung)."""
+    import tiny as tiny_models
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    path = tmp_path / "cls"
+    LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(tiny_models.VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, num_labels=3)).save_pretrained(path)
+    tiny_models.tokenizer().save_pretrained(path)
+    (tmp_path / "app.py").write_text(_FORWARDS)
+    run, stop = tmp_path / "run", tmp_path / "stop"
+    program = subprocess.Popen([*NXL, "run", "--sink", str(run), "--", sys.executable, str(tmp_path / "app.py"),
+                                str(path), str(stop)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env={**os.environ, **SERVE_ENV})
+    tail = None
+    try:
+        assert program.stdout.readline() == "READY\n", program.stderr.read()
+        tail = subprocess.Popen([*NXL, "tail", "--run", str(run)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env={**os.environ, "COLUMNS": "1000"})
+        said: list[str] = []
+        reader = threading.Thread(target=lambda: said.append(tail.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(60)  # the status is read every 2 s
+        assert said == [f"! pid {program.pid} {path}: its requests are forward calls of a sequence classification "
+                        "model, not generated tokens: nxl tail shows none of them; each one's top tokens per layer "
+                        "are at the run's endpoint, /v1/requests/ID\n"]
+    finally:
+        stop.touch()
+        if tail is not None:
+            tail.kill()
+            tail.wait()
+        program.wait(120)
+    assert program.returncode == 0
+
+
 # -- the rotating sink ----------------------------------------------------------------------------------------
 
 def _records(calls: list[nxl.GenerationCall]) -> list[tuple]:

@@ -23,7 +23,8 @@ token is made, never changed afterwards.
 
 While no token comes (at the start, once subscribed to every process, or for a while after the last token), a
 line on stderr says it waits. What a process does not record (its sink stopped writing, calls that run unrecorded)
-is a line of its own, ``!`` first, as soon as its status says so. Every line goes through
+is a line of its own, ``!`` first, as soon as its status says so; so is a model whose requests are plain forwards
+(a classifier), once it has served one: they make no token, and no line of tail's. Every line goes through
 :func:`~nxl_hooks.records.tokens.printable` before the terminal sees it: request ids come from the network, and an
 escape sequence in one is shown, never run.
 """
@@ -87,6 +88,16 @@ def faults(model: dict) -> list[str]:
         said.append(f"{model['live_dropped']} step(s) not handed to live readers: the live feed fell behind (the "
                     "records keep them)")
     return said
+
+
+def forward_calls(model: dict) -> list[str]:
+    """What nxl tail says of a model (a status's) whose requests are plain forwards (a classifier), once it has
+    served one: they make no token, so tail shows no line of theirs; empty for any other model."""
+    kind = model.get("head_kind")
+    if kind in (None, "causal_lm") or not model.get("calls"):
+        return []
+    return [f"its requests are forward calls of a {kind.replace('_', ' ')} model, not generated tokens: nxl tail "
+            "shows none of them; each one's top tokens per layer are at the run's endpoint, /v1/requests/ID"]
 
 
 def line(view: StepView, layer: int | None, width: int, method: str = METHOD) -> str:
@@ -196,7 +207,7 @@ def run(args: argparse.Namespace) -> int:
             except Exception:  # noqa: BLE001 - the stream reports a process that went away
                 return
             for model in status.get("models", []):
-                for fault in faults(model):
+                for fault in faults(model) + forward_calls(model):
                     text = f"! pid {status.get('pid')} {model.get('name')}: {fault}"
                     if text not in said:
                         said.add(text)

@@ -160,11 +160,13 @@ class Watch:
         ``unrecorded``: why the last of its calls that ran unrecorded was not recorded, and ``unrecorded_calls`` how
         many did; None (and 0) while everything is recorded, all read from the probe. ``live_dropped``: steps the
         live readers did not get because the live feed fell behind (still kept and written). ``recorded``: how
-        many of the ``calls`` in memory were recorded without an error."""
+        many of the ``calls`` in memory were recorded without an error. ``head_kind``: what its head predicts while
+        attached (``causal_lm``; another kind's requests are plain forwards, none of which makes a token)."""
         model, probe = self.ref(), self.probe
         records = [record for record, _ in self.records()]
         return {"name": self.name, "folder": self.slug, "class": self.model_class, "alive": model is not None,
                 "attached": probe is not None, "excluded": self.excluded, "error": self.error,
+                "head_kind": probe.kind.value if probe is not None else None,
                 "layers": probe.layers if probe is not None else None,
                 "hooks": count_hooks(model) if model is not None else 0,
                 "calls": len(records),
