@@ -45,7 +45,7 @@ import threading
 import weakref
 import zlib
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from safetensors.torch import save as _save_blob
@@ -345,10 +345,15 @@ class Sink:
                 _finish(fd)
 
 
-#: The sinks of this process, and the other writers of a :func:`_claim_file` (a ParquetSink): a child it forks lets
-#: go of their descriptors at once (their ``_forked``, :meth:`Sink._forked`), so that a file's lock ends with its
-#: writer.
-_OPEN: "weakref.WeakSet[Any]" = weakref.WeakSet()
+class _Held(Protocol):
+    """A writer holding a :func:`_claim_file` descriptor (a :class:`Sink`, a ParquetSink)."""
+
+    def _forked(self) -> None:
+        """In a forked child: let go of the descriptor, so that the file's lock ends with its writer."""
+
+
+#: The writers of this process: a child it forks lets go of their descriptors at once (:meth:`_Held._forked`).
+_OPEN: "weakref.WeakSet[_Held]" = weakref.WeakSet()
 
 
 def _after_fork() -> None:
