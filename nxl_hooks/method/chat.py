@@ -8,16 +8,16 @@ earlier assistant turns), and what the model generates after the prompt (:func:`
 
 How: the template is rendered with the messages, each message's content is found in the rendered text (in order),
 and a token is the template's when its character span (the fast tokenizer's offsets) overlaps no ranked message's
-content. From ids alone, the template is rendered with placeholder contents for a few conversation shapes (a user
-message; a system and a user message; then more turns); the decoded prompt is matched against the placeholders'
-surroundings and, to be sure, the found messages are rendered and tokenized again and must give the same ids.
+content. From ids alone, the template is rendered with placeholder contents for conversation shapes (a user
+message; a system and a user message; then two more turns at a time, as long as the prompt holds them); the decoded
+prompt is cut at the placeholders' surroundings and, to be sure, the found messages are rendered and tokenized again
+and must give the same ids.
 """
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
@@ -25,8 +25,6 @@ __all__ = ["ChatPrompt", "NOT_RANKED_ROLES", "chat_prompt", "locate_template", "
 
 #: Messages of these roles are the template's as much as its markers are: they never rank.
 NOT_RANKED_ROLES = ("system", "developer")
-#: How many messages a conversation :func:`locate_template` tries to read from ids alone may hold.
-_MAX_TURNS = 15
 _PLACEHOLDER = "\x00nxl{}\x00"
 
 
@@ -118,36 +116,56 @@ def template_rows(tokenizer: Any, prompts: Sequence[ChatPrompt], input_ids: torc
     return template
 
 
-def _shapes() -> list[list[str]]:
-    """Conversation shapes tried from ids alone, shortest first: user; system, user; user, assistant, user; ..."""
-    shapes = []
-    for turns in range(1, _MAX_TURNS + 1, 2):
-        roles = ["user" if i % 2 == 0 else "assistant" for i in range(turns)]
-        shapes += [roles, ["system", *roles]]
-    return shapes
-
-
-def _read_messages(tokenizer: Any, text: str, roles: list[str], generation: bool) -> list[dict[str, str]] | None:
-    """The messages of the conversation shape ``roles`` whose rendering is ``text``, read between the placeholders'
-    surroundings; None when the template refuses the shape or ``text`` does not have it."""
+def _pieces(tokenizer: Any, roles: list[str], generation: bool) -> list[str] | None:
+    """The template's own text of a conversation of ``roles``: what it writes before each message's content, and
+    after the last (a placeholder stands for each content); None when the template refuses the shape."""
     placeholders = [_PLACEHOLDER.format(i) for i in range(len(roles))]
     try:
-        skeleton = _render(tokenizer, [{"role": role, "content": p} for role, p in zip(roles, placeholders)],
-                           generation)
-    except Exception:  # noqa: BLE001 - templates raise their own errors for shapes they refuse
+        rest = _render(tokenizer, [{"role": role, "content": p} for role, p in zip(roles, placeholders)], generation)
+    except ValueError:  # templates raise their own errors for shapes they refuse
         return None
-    pieces, rest = [], skeleton
+    pieces = []
     for placeholder in placeholders:
         before, found, rest = rest.partition(placeholder)
         if not found:
             return None
-        pieces.append(re.escape(before))
-    pattern = "(.*?)".join([*pieces, re.escape(rest)])
-    match = re.fullmatch(pattern, text, flags=re.DOTALL)
+        pieces.append(before)
+    return [*pieces, rest]
+
+
+def _split(text: str, pieces: list[str]) -> list[str] | None:
+    """The contents between ``pieces`` in ``text``, which starts with the first and ends with the last; each other
+    piece is taken where it first comes (one pass over the text: a split tried every possible way costs
+    exponential time in the messages); None when the text does not hold the pieces so."""
+    if not text.startswith(pieces[0]) or not text.endswith(pieces[-1]):
+        return None
+    contents, cursor, end = [], len(pieces[0]), len(text) - len(pieces[-1])
+    for piece in pieces[1:-1]:
+        start = text.find(piece, cursor, end)
+        if start < 0:
+            return None
+        contents.append(text[cursor:start])
+        cursor = start + len(piece)
+    return [*contents, text[cursor:end]] if cursor <= end else None
+
+
+def _conversations(tokenizer: Any, text: str, generation: bool) -> Iterator[list[dict[str, str]]]:
+    """Messages read from ``text`` for conversation shapes (user; user, assistant, user; ...; each also after a
+    system message), each shape two turns longer than the last while the text holds the template's text of its
+    turns: as many turns as the prompt has, no more."""
     markers = [special for special in getattr(tokenizer, "all_special_tokens", None) or () if special]
-    if match is None or any(marker in content for content in match.groups() for marker in markers):
-        return None  # a message never holds a special token's text: that is where a longer conversation's turns are
-    return [{"role": role, "content": content} for role, content in zip(roles, match.groups())]
+    for first in ([], ["system"]):
+        turns, written = 1, -1
+        while True:
+            roles = [*first, *("user" if i % 2 == 0 else "assistant" for i in range(turns))]
+            pieces = _pieces(tokenizer, roles, generation)
+            contents = _split(text, pieces) if pieces is not None and len("".join(pieces)) > written else None
+            if contents is None:  # a template that writes nothing between turns cannot tell them apart either
+                break
+            # a message never holds a special token's text: that is where a longer conversation's turns are
+            if not any(marker in content for content in contents for marker in markers):
+                yield [{"role": role, "content": content} for role, content in zip(roles, contents)]
+            turns, written = turns + 2, len("".join(pieces))
 
 
 def locate_template(tokenizer: Any, ids: Sequence[int],
@@ -155,7 +173,7 @@ def locate_template(tokenizer: Any, ids: Sequence[int],
     """bool (len(ids),): True on the chat template's tokens of a prompt known only as token ids (a served request),
     False on its messages' text; None when no chat template is found that gives exactly these ids (a prompt that
     is not chat-templated, a tokenizer without template or offsets). ``messages``: the request's messages, when
-    known; else a few conversation shapes are tried (:func:`_shapes`).
+    known; else conversations of growing length are read from the ids (:func:`_conversations`).
 
     ``locate_template(tok, request_ids)``
     """
@@ -164,11 +182,8 @@ def locate_template(tokenizer: Any, ids: Sequence[int],
     ids = torch.as_tensor(list(ids), dtype=torch.long)[None]
     text = tokenizer.decode(ids[0].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
     for generation in (True, False):
-        candidates = [messages] if messages is not None else (
-            _read_messages(tokenizer, text, roles, generation) for roles in _shapes())
+        candidates = [messages] if messages is not None else _conversations(tokenizer, text, generation)
         for candidate in candidates:
-            if candidate is None:
-                continue
             try:
                 prompt = chat_prompt(tokenizer, candidate, add_generation_prompt=generation)
             except Exception:  # noqa: BLE001 - the template refused these messages

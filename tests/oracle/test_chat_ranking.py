@@ -6,6 +6,9 @@ the prompt's tokens). The real-model test asks SmolLM2 the question of issue 18.
 
 from __future__ import annotations
 
+import contextlib
+import signal
+
 import pytest
 import torch
 
@@ -248,3 +251,33 @@ def test_generate_page_marks_and_folds_the_template_scales_by_what_ranks_and_say
     printed = {int(part.split(":")[0]) for line in lines for part in line.split("L3:", 1)[1].split()
                if part.split(":")[0].isdigit()}
     assert len(lines) == 3 and printed and printed <= ranked | set(range(len(ids), len(ids) + 2))
+
+
+@contextlib.contextmanager
+def within(seconds: int):
+    """Raises TimeoutError in the block after ``seconds`` (a regex's search is interrupted too)."""
+    def late(*_):
+        raise TimeoutError(f"still running after {seconds} s")
+    previous = signal.signal(signal.SIGALRM, late)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.mark.parametrize("generation", [True, False])
+def test_a_long_conversation_is_located_from_ids_in_one_pass(world, generation):
+    # 61 messages: splitting the decoded prompt every possible way took 22 s at 33 messages and 4x more every 4
+    _, tok, _ = world
+    pieces = [("<|im_start|>system\n", False), ("Answer in one word.", False), ("<|im_end|>\n", False)]
+    for turn in range(61):
+        role = "assistant" if turn % 2 else "user"
+        pieces += [(f"<|im_start|>{role}\n", False), (f"Turn {turn} is a city.", True), ("<|im_end|>\n", False)]
+    if generation:
+        pieces.append(("<|im_start|>assistant\n", False))
+    ids, ranked = by_hand(tok, pieces)
+    with within(60):
+        template = locate_template(tok, ids)
+    assert template is not None and set((~template).nonzero().flatten().tolist()) == ranked
