@@ -6,8 +6,9 @@ earlier assistant turns), and what the model generates after the prompt (:func:`
     template = template_rows(tok, [prompt], ids)                    # bool (rows, seq): True on template tokens
     template = locate_template(tok, ids)                            # from token ids alone (a served request)
 
-How: the template is rendered with the messages, each message's content is found in the rendered text (in order),
-and a token is the template's when its character span (the fast tokenizer's offsets) overlaps no ranked message's
+How: the template is rendered with the messages, and again with a placeholder for each message's content: the
+placeholders' places give the contents' (a message's text searched for could be found in the system prompt), and a
+token is the template's when its character span (the fast tokenizer's offsets) overlaps no ranked message's
 content. From ids alone, the template is rendered with placeholder contents for conversation shapes (a user
 message; a system and a user message; then two more turns at a time, as long as the prompt holds them); the decoded
 prompt is cut at the placeholders' surroundings and, to be sure, the found messages are rendered and tokenized again
@@ -68,20 +69,22 @@ def chat_prompt(tokenizer: Any, messages: str | Sequence[Mapping[str, Any]], *,
         messages = [{"role": "user", "content": messages}]
     rendered = _render(tokenizer, messages, add_generation_prompt)
     bos = tokenizer.bos_token
-    if bos and rendered.startswith(bos) and _adds_bos(tokenizer):
-        rendered = rendered[len(bos):]
-    spans, cursor = [], 0
-    for message in messages:
-        content = message.get("content")
-        if not isinstance(content, str):  # multimodal parts: their text cannot be told from the template's
-            return ChatPrompt(rendered, None)
-        start = rendered.find(content, cursor)
-        if start < 0:
-            return ChatPrompt(rendered, None)
-        cursor = start + len(content)
+    cut = len(bos) if bos and rendered.startswith(bos) and _adds_bos(tokenizer) else 0
+    contents = [message.get("content") for message in messages]
+    if not all(isinstance(content, str) for content in contents):  # multimodal parts: not told from the template's
+        return ChatPrompt(rendered[cut:], None)
+    # each message is where the template puts its placeholder, not where its text first occurs (it may also be in
+    # the system prompt or a role's name)
+    pieces = _pieces(tokenizer, messages, add_generation_prompt)
+    if pieces is None or "".join(piece + content for piece, content in zip(pieces, [*contents, ""])) != rendered:
+        return ChatPrompt(rendered[cut:], None)  # a template that rewrites the text, or writes it twice
+    spans, cursor = [], -cut
+    for piece, content, message in zip(pieces, contents, messages):
+        cursor += len(piece)
         if message.get("role") not in NOT_RANKED_ROLES and content:
-            spans.append((start, cursor))
-    return ChatPrompt(rendered, tuple(spans))
+            spans.append((cursor, cursor + len(content)))
+        cursor += len(content)
+    return ChatPrompt(rendered[cut:], tuple(spans))
 
 
 def _offsets(tokenizer: Any, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -116,12 +119,13 @@ def template_rows(tokenizer: Any, prompts: Sequence[ChatPrompt], input_ids: torc
     return template
 
 
-def _pieces(tokenizer: Any, roles: list[str], generation: bool) -> list[str] | None:
-    """The template's own text of a conversation of ``roles``: what it writes before each message's content, and
+def _pieces(tokenizer: Any, messages: Sequence[Mapping[str, Any]], generation: bool) -> list[str] | None:
+    """The template's own text of the conversation ``messages``: what it writes before each message's content, and
     after the last (a placeholder stands for each content); None when the template refuses the shape."""
-    placeholders = [_PLACEHOLDER.format(i) for i in range(len(roles))]
+    placeholders = [_PLACEHOLDER.format(i) for i in range(len(messages))]
     try:
-        rest = _render(tokenizer, [{"role": role, "content": p} for role, p in zip(roles, placeholders)], generation)
+        rest = _render(tokenizer, [{**message, "content": p} for message, p in zip(messages, placeholders)],
+                       generation)
     except ValueError:  # templates raise their own errors for shapes they refuse
         return None
     pieces = []
@@ -158,7 +162,7 @@ def _conversations(tokenizer: Any, text: str, generation: bool) -> Iterator[list
         turns, written = 1, -1
         while True:
             roles = [*first, *("user" if i % 2 == 0 else "assistant" for i in range(turns))]
-            pieces = _pieces(tokenizer, roles, generation)
+            pieces = _pieces(tokenizer, [{"role": role} for role in roles], generation)
             contents = _split(text, pieces) if pieces is not None and len("".join(pieces)) > written else None
             if contents is None:  # a template that writes nothing between turns cannot tell them apart either
                 break

@@ -281,3 +281,18 @@ def test_a_long_conversation_is_located_from_ids_in_one_pass(world, generation):
     with within(60):
         template = locate_template(tok, ids)
     assert template is not None and set((~template).nonzero().flatten().tolist()) == ranked
+
+
+@pytest.mark.parametrize("message", ["help", "Tiny", "user"])
+def test_a_message_also_in_the_template_is_placed_where_the_user_wrote_it(world, message):
+    # "help" is in the default system prompt's "helpful", "user" in the role marker: a search from the start
+    # ranked those template tokens instead of the message
+    model, _, _ = world
+    tok = bpe_tiny.bpe_tokenizer()
+    tok.chat_template = DEFAULT_SYSTEM
+    before = "<|im_start|>system\n" + SYSTEM + "<|im_end|>\n<|im_start|>user\n"
+    ids, ranked = by_hand(tok, [(before, False), (message, True), ("<|im_end|>\n<|im_start|>assistant\n", False)])
+    assert chat_prompt(tok, message).spans == ((len(before), len(before) + len(message)),)
+    res = nxl.explain(model, tok, message, chat=True)
+    assert res.input_ids[0].tolist() == ids and set(res.rankable(0).nonzero().flatten().tolist()) == ranked
+    assert set((~locate_template(tok, ids)).nonzero().flatten().tolist()) == ranked
