@@ -111,6 +111,43 @@ def _weights_state(module: nn.Module) -> tuple:
     return tuple(state)
 
 
+def _handed_on(module: nn.Module, name: str) -> bool:
+    """Whether ``module`` gives its attribute ``name`` from a module it picks at each access, not as its own: PEFT's
+    ModulesToSaveWrapper hands on the active adapter's copy's, or the original's under ``disable_adapter()``."""
+    return not (name in module._modules or name in module._parameters or name in module._buffers
+                or name in vars(module) or hasattr(type(module), name))
+
+
+class _Through(nn.Module):
+    """A head step inside a module that hands its attributes on (:func:`_handed_on`), looked up through it at each
+    call: the module the model runs now (that adapter's copy, or the original) is the one the records apply."""
+
+    def __init__(self, holder: nn.Module, path: str) -> None:
+        super().__init__()
+        self.holder, self.path = holder, path
+
+    @property
+    def now(self) -> nn.Module:
+        return get_path(self.holder, self.path)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.now(hidden)
+
+
+def _head_step(model: nn.Module, path: str) -> tuple[nn.Module | None, str, nn.Module | None]:
+    """(the step at ``path``, or a :class:`_Through` where the path runs into a module that hands it on; the path
+    and the module that must stay the model's for the step to be the one attached: that holder, else the step)."""
+    parts = path.split(".")
+    for index in range(1, len(parts)):
+        holder = get_path(model, ".".join(parts[:index]))
+        if isinstance(holder, nn.Module) and _handed_on(holder, parts[index]):
+            rest = ".".join(parts[index:])
+            get_path(holder, rest)  # (AttributeError when it has none)
+            return _Through(holder, rest), ".".join(parts[:index]), holder
+    step = get_path(model, path)
+    return step, path, step
+
+
 class Head:
     """HoT of one task model, built from its :class:`~nxl_hooks.arch.ArchSpec`."""
 
@@ -125,7 +162,8 @@ class Head:
                 self._post_ops.append((POST_STEPS[op], float(value)))
         steps: list[nn.Module | Callable] = []
         self._model = weakref.ref(model)
-        self._modules: list[tuple[str, nn.Module]] = []  # (path, module) of each module step, as at attach
+        #: (path, module) of each module step as at attach, or of the module that hands it on (:class:`_Through`)
+        self._modules: list[tuple[str, nn.Module]] = []
         for step in names:
             if step in FUNCTION_STEPS:
                 steps.append(FUNCTION_STEPS[step])
@@ -133,7 +171,7 @@ class Head:
                 steps.append(_activation(model.config, step[4:]))
             else:
                 try:
-                    module = get_path(model, step)
+                    module, kept, holder = _head_step(model, step)
                 except (AttributeError, IndexError):
                     raise UnknownArchitectureError(
                         f"{type(model).__name__} has no module {step!r}, which the {spec_kind!r} head of registry "
@@ -142,7 +180,7 @@ class Head:
                     ) from None
                 if module is not None:
                     steps.append(module)
-                    self._modules.append((step, module))
+                    self._modules.append((kept, holder))
         #: (module, its full copy, the module's weights' state when copied) for each module tensor parallelism shards:
         #: the head computes with the copy (see the module docstring)
         self._copies: list[tuple[nn.Module, nn.Module, tuple]] = []
@@ -158,7 +196,7 @@ class Head:
         self._replicas: dict[tuple[int, torch.device], tuple[nn.Module, tuple]] = {}
         self._lock = threading.Lock()  # replicas are made once per device; offloaded weights are loaded one at a time
         self.readout = readout
-        self.n_outputs = self._count_outputs(readout)
+        self.n_outputs = self._count_outputs(readout.now if isinstance(readout, _Through) else readout)
         #: Only a plain Linear can be gathered row by row: bitsandbytes' Linear4bit/8bitLt subclass nn.Linear but
         #: store packed weights, torchao keeps nn.Linear with a quantized weight tensor, and PEFT wrappers route to
         #: the active adapter: those are called. Decided once: it is asked per forward and per generated token.

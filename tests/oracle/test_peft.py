@@ -7,6 +7,9 @@ they do not go through the wrapper the library calls.
 
 from __future__ import annotations
 
+import itertools
+import types
+
 import pytest
 import torch
 
@@ -73,6 +76,46 @@ def test_lora_blocks_per_family(case_id):
     peft_model = get_peft_model(case.build(), LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False,
                                                             exclude_modules=r".*(pooler|classifier).*"))
     arch._check_against_oracle(case, peft_model.eval().get_base_model())
+
+
+def test_a_classifier_inside_modules_to_save_is_the_one_that_runs_as_adapters_change():
+    """RoBERTa's head steps (classifier.dense, tanh, classifier.out_proj) lie inside the one ModulesToSaveWrapper
+    PEFT puts on ``classifier``: attached once, each forward is scored with the copy that ran (the adapter's, the
+    original under ``disable_adapter()``, another adapter's after ``set_adapter``); they were refused as "another
+    module than when the probe attached"."""
+    import test_architectures as arch
+
+    case = arch.CASES["roberta-cls"]
+    model = case.build()
+    config = dict(task_type="SEQ_CLS", r=4, target_modules=["query", "value"], init_lora_weights=False)
+    peft_model = get_peft_model(model, LoraConfig(**config)).eval()
+    peft_model.add_adapter("second", LoraConfig(**config))
+    wrapper = model.classifier
+    with torch.no_grad():  # each adapter's trained copy of the head, unlike the base one and each other
+        for name in ("default", "second"):
+            for weight in wrapper.modules_to_save[name].parameters():
+                weight.add_(torch.randn_like(weight))
+    ids, mask = arch._batch(case, "sequence_classification")
+    rows = torch.arange(len(ids))
+    recorded = []
+    with torch.no_grad(), nxl.attach(peft_model) as probe:
+        def scored_with(head: torch.nn.Module) -> None:
+            out = peft_model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+            res = probe.result()
+            hand = oracle.roberta_classifier(types.SimpleNamespace(classifier=head))
+            logits = hand.layer_logits(out.hidden_states)
+            logat, expected = oracle.normxlogit(logits, out.hidden_states[0], res.target)
+            torch.testing.assert_close(res.logat, logat, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(res.normxlogit, expected, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(res.logat[-1, rows, 0], out.logits[rows, res.target], rtol=1e-4, atol=1e-5)
+            recorded.append(res.logat)
+
+        scored_with(wrapper.modules_to_save["default"])
+        with peft_model.disable_adapter():
+            scored_with(wrapper.original_module)
+        peft_model.set_adapter("second")
+        scored_with(wrapper.modules_to_save["second"])
+    assert not any(torch.allclose(a, b, atol=1e-3) for a, b in itertools.combinations(recorded, 2))
 
 
 def test_a_head_module_replaced_while_attached_is_said_not_the_one_attached():
