@@ -1,5 +1,5 @@
-"""Gradient baselines of the paper, through captum, on the word-embedding rows (``inputs_embeds``):
-Gradient Norm, Gradient x Input and Integrated Gradients. Each returns one score per token.
+"""Gradient baselines of the paper, through captum, on the word-embedding rows (what the word-embedding module
+gives): Gradient Norm, Gradient x Input and Integrated Gradients. Each returns one score per token.
 
     scores = gradient_scores(model, input_ids, attention_mask, position=0, target=1, method="grad_x_input")
 
@@ -50,14 +50,25 @@ def keeps_logits(model: nn.Module, kind: str) -> bool:
     return causal and "logits_to_keep" in inspect.signature(unwrap(model).forward).parameters
 
 
-def _target_logit(model: nn.Module, kind: str, attention_mask: torch.Tensor, position: int, target: int) -> Callable:
-    """f(inputs_embeds) -> (rows,) the explained logit, for captum (which expands the batch itself)."""
+def _target_logit(model: nn.Module, kind: str, input_ids: torch.Tensor, attention_mask: torch.Tensor, position: int,
+                  target: int) -> Callable:
+    """f(word embeddings) -> (rows,) the explained logit, for captum (which expands the batch itself).
+
+    The model is given the ``input_ids`` with its word-embedding output replaced by ``embeds``, not
+    ``inputs_embeds``: a decoder classifier finds the token it pools (the last that is not pad_token_id) in the
+    ids; from inputs_embeds alone it would read the last token, another prediction than the one explained."""
     keep, kind = keeps_logits(model, kind), HeadKind(kind)
+    embedding = model.get_input_embeddings()
 
     def forward(embeds: torch.Tensor) -> torch.Tensor:
-        mask = attention_mask.expand(embeds.shape[0], -1)
+        rows = embeds.shape[0]
         extra = {"logits_to_keep": torch.tensor([position], device=embeds.device)} if keep else {}
-        logits = model(inputs_embeds=embeds, attention_mask=mask, **extra).logits
+        handle = embedding.register_forward_hook(lambda module, args, output: embeds)
+        try:
+            logits = model(input_ids=input_ids.expand(rows, -1), attention_mask=attention_mask.expand(rows, -1),
+                           **extra).logits
+        finally:
+            handle.remove()
         if kind.vocabulary:
             logits = logits[:, 0 if keep else position]
         return logits[:, 0] if kind is HeadKind.REGRESSION else logits[:, target]
@@ -116,7 +127,7 @@ def gradient_scores_many(
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"gradient_scores explains one example: input_ids must be (1, seq), got {tuple(input_ids.shape)}")
     kind = kind or head_kind(model)
-    forward = _target_logit(model, kind, attention_mask, position, target)
+    forward = _target_logit(model, kind, input_ids, attention_mask, position, target)
     embeds = model.get_input_embeddings()(input_ids).detach().requires_grad_(True)
     out: dict[str, tuple[torch.Tensor, float]] = {}
     if any(m in ("grad_norm", "grad_x_input") for m in methods):

@@ -260,9 +260,10 @@ class _Setup:
         return logits.float().cpu()
 
     def position(self, ids: torch.Tensor) -> int:
-        """Where an unpadded example's prediction is read (the rule attach uses)."""
+        """Where an unpadded example's prediction is read (the rule attach uses): a decoder classifier reads its
+        last token that is not config.pad_token_id, as transformers pools, even when the text ends with that id."""
         _, positions = prediction_rows(self.kind, self.pooling, ids[None], torch.ones(1, len(ids), dtype=torch.long),
-                                       shape=(1, len(ids)), pad_id=None, mask_id=self.mask_id)
+                                       shape=(1, len(ids)), pad_id=pad_token_id(self.model), mask_id=self.mask_id)
         if len(positions) != 1:
             raise ValueError(f"a masked-LM example needs exactly one {self.tokenizer.mask_token!r}; "
                              f"found {len(positions)}")

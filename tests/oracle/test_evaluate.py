@@ -392,6 +392,38 @@ def test_decoder_classifier_without_pad_token_runs_one_row_at_a_time():
     assert len(rec["methods"]["integrated_gradients"]["comprehensiveness"]) == 9
 
 
+
+def test_a_decoder_classifier_whose_text_ends_with_its_pad_id_is_explained_where_it_pools():
+    """pad = eos, as many decoder classifiers are set up, and the text ends with it: the classifier reads the last
+    token that is not the pad id, so the record's position, what perturbation spares and what the gradients explain
+    are that token's, not the trailing pad's."""
+    torch.manual_seed(0)
+    model = LlamaForSequenceClassification(LlamaConfig(
+        vocab_size=len(WORDS), hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=2, num_labels=2, pad_token_id=VOCAB["[SEP]"])).eval()
+    tok = word_tokenizer(WORDS, "[CLS] $A [SEP]")
+    text = "good fine plain bad"
+    ids = torch.tensor(tok(text)["input_ids"])  # [CLS] good fine plain bad [SEP]
+    pooled = 4  # "bad": the last token that is not [SEP]
+    scores = [0.0, 1.0, 2.0, 3.0, 9.0, 0.0]  # the pooled token ranks first, were it ranked: it must stay
+    rec = ev.score_example(model, tok, {"text": text}, methods=("grad_norm",), keep_scores=True,
+                           custom={"mine": scores})
+    assert rec["position"] == pooled
+
+    def p(keep: list[int]) -> float:  # one row, by hand
+        with torch.no_grad():
+            return float(model(input_ids=ids[keep][None]).logits[0].softmax(-1)[rec["target"]])
+
+    for count, comp in zip(rec["counts"], rec["methods"]["mine"]["comprehensiveness"]):
+        dropped = [3, 2, 1][:count]  # plain > fine > good; [CLS], [SEP] and the pooled "bad" stay
+        assert comp == pytest.approx(p(list(range(6))) - p([i for i in range(6) if i not in dropped]), abs=1e-5)
+    # The gradient of the pooled token's logit, by hand: the decoder's hidden state there through the score head.
+    embeds = model.get_input_embeddings()(ids[None]).detach().requires_grad_(True)
+    logit = model.score(model.model(inputs_embeds=embeds).last_hidden_state[0, pooled])[rec["target"]]
+    by_hand = torch.autograd.grad(logit, embeds)[0][0].abs().sum(-1)
+    assert by_hand[pooled + 1:].eq(0).all()  # causal: the trailing [SEP] cannot change the pooled prediction
+    torch.testing.assert_close(torch.tensor(rec["methods"]["grad_norm"]["scores"]), by_hand, rtol=1e-5, atol=1e-6)
+
 def _tiny_gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel
 
