@@ -38,9 +38,9 @@ from typing import Any, Callable, Mapping
 from .loading_options import (DTYPES, HEAD_CLASSES, QUANTIZE, Loading, markdown_table, read_device_map,
                               read_max_memory)
 
-__all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "Loading", "check_explainable", "check_gguf", "check_length",
-           "convert_gguf", "gguf_serve_refusal", "head_from_architectures", "load_model", "markdown_table", "model_files",
-           "position_limit", "program_defaults", "quantization_config", "read_device_map", "read_max_memory"]
+__all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "Loading", "check_explainable", "check_gguf", "convert_gguf",
+           "gguf_serve_refusal", "head_from_architectures", "load_model", "markdown_table", "model_files",
+           "program_defaults", "quantization_config", "read_device_map", "read_max_memory"]
 
 #: Files one of which a folder's tokenizer is read from; without any, transformers builds an empty-vocabulary
 #: tokenizer that reads every word as unknown, silently (tokenizer_config.json names a tokenizer but need not hold its
@@ -232,20 +232,6 @@ def model_files(name: str, gguf_file: str | None = None) -> str | None:
     return digest.hexdigest()[:16]
 
 
-def position_limit(model: Any) -> int | None:
-    """The most tokens one input of ``model`` may have: ``config.max_position_embeddings``, less the positions a
-    padding-offset position table (RoBERTa's: positions start after ``padding_idx``) never uses; None if unknown."""
-    import torch
-
-    for name, module in model.named_modules():
-        if (name.endswith("position_embeddings") and isinstance(module, torch.nn.Embedding)
-                and module.padding_idx is not None):
-            return module.num_embeddings - module.padding_idx - 1
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    limit = getattr(config, "max_position_embeddings", None)
-    return limit if isinstance(limit, int) and limit > 0 else None
-
-
 def check_explainable(model: Any, tokenizer: Any, layers: Any) -> None:
     """Raise what ``attach(model, layers, tokenizer=tokenizer)`` would refuse (an unknown architecture, a registry
     head that does not fit, a layer out of range, a tokenizer that does not match the model), once before a dataset
@@ -254,21 +240,6 @@ def check_explainable(model: Any, tokenizer: Any, layers: Any) -> None:
     from ..hooks.plan import make_plan
 
     make_plan(unwrap(model), layers=layers, target="predicted", tokenizer=tokenizer, embedding="layer_input")
-
-
-def check_length(tokenizer: Any, text: str, limit: int | None, *, more: int = 0, what: str = "the text") -> None:
-    """A ValueError when ``text`` (as the tokenizer encodes it, special tokens included) plus ``more`` tokens to
-    generate exceeds ``limit`` (:func:`position_limit`): the model has no position for the rest.
-
-    ``check_length(tok, text, position_limit(model), more=16)``
-    """
-    if limit is None:
-        return
-    count = len(tokenizer(text)["input_ids"])
-    if count + more > limit:
-        extra = f" plus {more} to generate" if more else ""
-        raise ValueError(f"{what} is {count} tokens{extra}, but the model reads at most {limit} "
-                         "(config.max_position_embeddings): shorten it")
 
 
 def _split_gguf(name: str, gguf_file: str | None) -> tuple[str, str | None]:

@@ -49,8 +49,8 @@ from ..method.placement import input_device
 from ..method.protocol import Method
 from ..method.registry import get_method, method_names
 from ..method.scores import flat_norms, norm_spread
-from ..method.select import (layer_index, order, pad_token_id, prediction_rows, rankable, resolve_layers,
-                             resolve_target)
+from ..method.select import (check_length, layer_index, order, pad_token_id, position_limit, prediction_rows,
+                             rankable, resolve_layers, resolve_target)
 from ..method.subject import unwrap
 from ..records.tokens import describe_target, label_text, readable_ids
 from .baselines import GRADIENT_METHODS, gradient_scores_many, keeps_logits, one_row_only
@@ -430,7 +430,9 @@ def score_example(
     if not isinstance(example.get("text"), str) or not example["text"].strip():
         raise ValueError(f"example needs a non-empty 'text' string, got keys {sorted(example)}")
     setup = _Setup(model, tokenizer, perturbation)
-    encoding = tokenizer(example["text"], truncation=True, return_offsets_mapping=bool(example.get("evidence")))
+    # Never cut to fit (evidence past the cut would vanish): a text longer than the model reads is refused.
+    check_length(tokenizer, example["text"], position_limit(setup.inner))
+    encoding = tokenizer(example["text"], return_offsets_mapping=bool(example.get("evidence")))
     ids = torch.tensor(encoding["input_ids"], dtype=torch.long)
     n = len(ids)
     if n < 2:

@@ -32,6 +32,7 @@ __all__ = [
     "NO_SPACE_AFTER",
     "ResolvedTarget",
     "Target",
+    "check_length",
     "explained",
     "from_numpy",
     "is_predicted",
@@ -43,6 +44,7 @@ __all__ = [
     "parse_layers",
     "pad_token_id",
     "parse_target",
+    "position_limit",
     "prediction_rows",
     "prompt_targets",
     "rankable",
@@ -346,6 +348,33 @@ def explained(fixed: torch.Tensor | None, predicted: torch.Tensor) -> torch.Tens
 
 
 # -- where predictions are read --------------------------------------------------------------------------
+
+
+def position_limit(model: nn.Module) -> int | None:
+    """The most tokens one input of ``model`` may have: ``config.max_position_embeddings``, less the positions a
+    padding-offset position table (RoBERTa's: positions start after ``padding_idx``) never uses; None if unknown."""
+    for name, module in model.named_modules():
+        if (name.endswith("position_embeddings") and isinstance(module, nn.Embedding)
+                and module.padding_idx is not None):
+            return module.num_embeddings - module.padding_idx - 1
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    limit = getattr(config, "max_position_embeddings", None)
+    return limit if isinstance(limit, int) and limit > 0 else None
+
+
+def check_length(tokenizer: Any, text: str, limit: int | None, *, more: int = 0, what: str = "the text") -> None:
+    """A ValueError when ``text`` (as the tokenizer encodes it, special tokens included) plus ``more`` tokens to
+    generate exceeds ``limit`` (:func:`position_limit`): the model has no position for the rest.
+
+    ``check_length(tok, text, position_limit(model), more=16)``
+    """
+    if limit is None:
+        return
+    count = len(tokenizer(text)["input_ids"])
+    if count + more > limit:
+        extra = f" plus {more} to generate" if more else ""
+        raise ValueError(f"{what} is {count} tokens{extra}, but the model reads at most {limit} "
+                         "(config.max_position_embeddings): shorten it")
 
 
 def pad_token_id(model: nn.Module) -> int | None:

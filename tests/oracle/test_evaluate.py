@@ -210,6 +210,24 @@ def test_gradient_baselines_match_direct_autograd(kind):
         run("grad_norm", "max")
 
 
+
+def test_a_text_is_scored_whole_and_one_longer_than_the_models_positions_is_refused_in_one_line():
+    """The tokenizer's model_max_length (6 here, as a classifier's tokenizer may be saved) cuts nothing: every token
+    is scored and evidence past that length is found, as audit reads the text; the model's positions are the limit."""
+    tok = word_tokenizer(WORDS, "[CLS] $A [SEP]")
+    tok.model_max_length = 6
+    text = "the key is good the key is fine bad"  # [CLS] + 9 words + [SEP]: "bad" is token 9
+    rec = ev.score_example(_tiny_bert(), tok, {"text": text, "evidence": ["bad"]}, methods=("logat",))
+    assert len(rec["tokens"]) == 11 and rec["tokens"][9] == "bad"
+    assert rec["evidence"] == [0] * 9 + [1, 0] and rec["evidence_missing"] == []
+    torch.manual_seed(0)
+    short = BertForSequenceClassification(BertConfig(vocab_size=len(WORDS), hidden_size=16, num_hidden_layers=2,
+                                                     num_attention_heads=2, intermediate_size=32,
+                                                     max_position_embeddings=8)).eval()
+    with pytest.raises(ValueError, match=r"^the text is 11 tokens, but the model reads at most 8 "
+                                         r"\(config.max_position_embeddings\): shorten it$"):
+        ev.score_example(short, tok, {"text": text}, methods=("logat",))
+
 def _llama_oracle(model, tok, text: str) -> tuple[torch.Tensor, ...]:
     """(embeddings, LogAt['is'], NormXLogit['is'], NormXLogit['are']) of the tiny Llama by hand, per layer."""
     ids = torch.tensor([tok(text)["input_ids"]])

@@ -60,12 +60,12 @@ def run(args: argparse.Namespace) -> int:
 
     from ...arch.registry import HeadKind, head_kind
     from ...hooks.explain import explain
-    from ...method.select import option_text
+    from ...method.select import check_length, option_text, position_limit
     from ...method.subject import unwrap
     from ...records.files import write_text
     from ...records.html import generation_html
     from ...records.tokens import chat_text
-    from ..loading import check_length, load_model, position_limit, tp_outputs
+    from ..loading import load_model, tp_outputs
     from ..terminal import print_generation, show_attribution
 
     generate = args.generate

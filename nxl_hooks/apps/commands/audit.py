@@ -46,9 +46,10 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from ...eval.audit import aggregate, audit_example, check_same_head
+    from ...method.select import check_length, position_limit
     from ...records.tokens import chat_text
     from ..dataset import check_out, examples_from_args, place, run_dataset, scored, write_outputs
-    from ..loading import check_explainable, check_length, load_model, model_files, position_limit, tp_outputs
+    from ..loading import check_explainable, load_model, model_files, tp_outputs
     from ..reports import audit_report
 
     if (args.candidate is None) == (args.quantize is None):

@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     from ...method.subject import unwrap
     from ...records.tokens import chat_text
     from ..dataset import check_out, examples_from_args, place, run_dataset, scored, write_outputs
-    from ..loading import check_explainable, check_length, load_model, model_files, position_limit, tp_outputs
+    from ..loading import check_explainable, load_model, model_files, tp_outputs
     from ..reports import evaluate_report, evaluate_summary
 
     everything = ev.available_methods()  # the built-in ones and every registered attribution method
@@ -92,12 +92,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"nxl {NAME}: {', '.join(foiled)} left out of --methods {args.methods}: {args.model} has a regression "
               "head (one output, no foil to contrast with)", file=sys.stderr)
     place(model)
-    limit = position_limit(model)
     if args.chat:  # each text becomes the user's message; evidence words are looked for in the whole prompt
         examples = [{**example, "text": chat_text(tokenizer, example["text"])} for example in examples]
 
-    def score(example: Mapping[str, Any]) -> Mapping[str, Any]:
-        check_length(tokenizer, example["text"], limit)  # recorded as this example's failure; the run goes on
+    def score(example: Mapping[str, Any]) -> Mapping[str, Any]:  # a text too long fails, recorded; the run goes on
         return ev.score_example(model, tokenizer, example, methods, layer=args.layer, seed=args.seed,
                                 perturbation=args.perturbation, ig_steps=args.ig_steps,
                                 aggregation=args.gradient_aggregation)
