@@ -141,18 +141,22 @@ def _csv_rows(path: Path, text: str) -> list[tuple[str, Mapping[str, Any]]]:
     the file is in memory already, so it guards nothing, and a long-context model reads longer texts (JSONL has no
     such limit)."""
     limit = csv.field_size_limit(max(csv.field_size_limit(), len(text)))
-    reader = csv.DictReader(io.StringIO(text, newline=""))
-    rows = []
+    # strict: a quote never closed is an error, not a cell that swallows every later row into one example
+    reader = csv.DictReader(io.StringIO(text, newline=""), strict=True)
+    rows, start = [], 1  # the line the row being read starts on: csv's line_num is where a (multi-line) row ends
     try:
+        if reader.fieldnames:  # (reads the header)
+            start = reader.line_num + 1
         for row in reader:
             where = f"{path}:{reader.line_num}"
             if None in row:  # DictReader keeps the cells beyond the header under the key None
                 raise ValueError(f"{where} has {len(reader.fieldnames) + len(row[None])} cells but the header names "
                                  f"{len(reader.fieldnames)}: quote cells that hold a comma")
             rows.append((where, row))
-    except csv.Error as err:  # (csv.Error is no ValueError; Python 3.10 refuses a NUL character)
-        raise ValueError(f"{path}:{reader.line_num} cannot be read as CSV ({err}): fix that row, or save the data "
-                         "as .jsonl") from None
+            start = reader.line_num + 1
+    except csv.Error as err:  # (no ValueError): a quote never closed, text after one, a NUL character on 3.10
+        raise ValueError(f"{path}:{start} cannot be read as CSV ({err}): fix that row (a quoted cell ends with its "
+                         "quote, a quote in it is doubled), or save the data as .jsonl") from None
     finally:
         csv.field_size_limit(limit)
     return rows

@@ -90,6 +90,24 @@ def test_csv_error_names_its_line(tmp_path):
         load_examples(tmp_path / "nul.csv")
 
 
+
+@pytest.mark.parametrize("row, error", [('"unterminated film,1', "unexpected end of data"),
+                                        ('"quoted" and more,1', "',' expected after '\"'")],
+                         ids=["quote never closed", "text after a closing quote"])
+def test_a_quote_csv_cannot_read_is_one_line_naming_the_row_it_starts_on(models, tmp_path, capsys, row, error):
+    """A quote never closed swallowed every later row into one example's text, silently; now the row is named
+    (the line it starts on) and nxl refuses the data in one line, exit 2."""
+    path = tmp_path / "data.csv"
+    path.write_text(f"text,label\ngood film,1\n{row}\nnice film,1\nfine film,0\n")
+    message = (f"{path}:3 cannot be read as CSV ({error}): fix that row (a quoted cell ends with its quote, a quote "
+               "in it is doubled), or save the data as .jsonl")
+    with pytest.raises(ValueError) as info:
+        load_examples(path)
+    assert str(info.value) == message
+    capsys.readouterr()
+    assert main(["evaluate", str(models["bert"]), str(path), "--out", str(tmp_path / "out"), "--methods", "logat"]) == 2
+    assert capsys.readouterr().err.strip().splitlines() == [f"nxl evaluate: error: {message}"]
+
 def test_hub_dataset_source(monkeypatch):
     calls = []
 
