@@ -374,15 +374,19 @@ def _outcome(setup: _Setup, outputs: torch.Tensor, t: _Targets) -> tuple[torch.T
     return explained, correct, outputs.argmax(-1).tolist()
 
 
-def _evidence(example: Mapping[str, Any], encoding: Mapping, position: int) -> tuple[torch.Tensor | None, list[str]]:
-    """The 0/1 evidence vector (None when the example names none, or none matched) and unmatched words."""
+def _evidence(example: Mapping[str, Any], encoding: Mapping,
+              ranked: torch.Tensor) -> tuple[torch.Tensor | None, list[str]]:
+    """The 0/1 evidence vector on the ``ranked`` tokens (None when the example names none, or none matched) and
+    the words that matched none of them: a word found only on tokens that never rank (the prediction, special
+    tokens, a chat template's) has no place in a ranking to be found at."""
     if not example.get("evidence"):
         return None, []
     if "offset_mapping" not in encoding:
         raise ValueError("evidence alignment needs a fast tokenizer (offset mapping); load it with use_fast=True")
-    evidence, missing = evidence_mask(example["text"], encoding["offset_mapping"], list(example["evidence"]))
-    evidence[position] = 0  # the prediction position is never ranked
-    return (evidence if evidence.any() else None), missing
+    found = [(word, evidence_mask(example["text"], encoding["offset_mapping"], [word])[0] * ranked)
+             for word in example["evidence"]]
+    evidence = torch.stack([mask for _, mask in found]).amax(0)
+    return (evidence if evidence.any() else None), [word for word, mask in found if not mask.any()]
 
 
 def score_example(
@@ -420,8 +424,9 @@ def score_example(
     target_probability / foil_text, foil_probability (the model's own probabilities: its softmax over all
     outputs, a multi-label classifier's sigmoid), notes (a target word of several tokens, a method not computed), norm_spread and flat_norms (embedding norms nearly equal on the ranked tokens: NormXLogit
     ranks as LogAt), kind, perturbation, position, target, target_token, foil, label, prediction, output (the explained p, or the regression output), probability ("all" outputs, "pair",
-    or "output" for regression), correct (None without a label), evidence (0/1 per token, or None),
-    evidence_missing (words that matched no token), layers, eval_layer, ks, counts (tokens per K), methods.
+    or "output" for regression), correct (None without a label), evidence (0/1 per token, 1 on ranked ones only;
+    or None), evidence_missing (words that matched no ranked token: none, or only special / template tokens),
+    layers, eval_layer, ks, counts (tokens per K), methods.
     """
     known = available_methods()
     unknown = [m for m in methods if m not in known]
@@ -449,7 +454,10 @@ def score_example(
     if not methods and not custom:  # (the targets are checked first: a bad one is the error to read)
         why = f"{', '.join(dropped)} contrasts with a foil, which a regression head lacks" if dropped else "none named"
         raise ValueError(f"no method to score ({why}): choose from {', '.join(known)}, or give custom scores")
-    evidence, missing = _evidence(example, encoding, position)
+    # A chat-templated text (nxl evaluate --chat): its template's tokens neither rank nor count towards K.
+    template = locate_template(tokenizer, ids.tolist())
+    ranked = _candidates(ids, position, setup.special_ids, template)
+    evidence, missing = _evidence(example, encoding, ranked)
     scores, seconds = _method_scores(setup, methods, ids, position, t, seed, example["text"], ig_steps, aggregation)
     for name, values in (custom or {}).items():
         if name in known or len(values) != n:
@@ -459,8 +467,6 @@ def score_example(
     eval_layer = layer_index(layer, setup.n_blocks)
     ranking = {name: scores[name][eval_layer] if name in layered else scores[name] for name in methods}
 
-    # A chat-templated text (nxl evaluate --chat): its template's tokens neither rank nor count towards K.
-    template = locate_template(tokenizer, ids.tolist())
     counts = [int((n if template is None else n - int(template.sum())) * k) for k in ks]
     rows = [
         perturb(ids, position, ranking[name], count, keep_top=keep_top, mode=setup.mode, mask_id=setup.mask_id,
@@ -476,7 +482,6 @@ def score_example(
     change = p_orig - p_new
     change = change.abs() if setup.kind is HeadKind.REGRESSION else change
 
-    ranked = _candidates(ids, position, setup.special_ids, template)
     records: dict[str, Any] = {}
     for index, name in enumerate(methods):
         comp = slice(2 * index * len(counts), (2 * index + 1) * len(counts))

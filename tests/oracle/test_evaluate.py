@@ -228,6 +228,21 @@ def test_a_text_is_scored_whole_and_one_longer_than_the_models_positions_is_refu
                                          r"\(config.max_position_embeddings\): shorten it$"):
         ev.score_example(short, tok, {"text": text}, methods=("logat",))
 
+
+def test_evidence_found_only_on_tokens_that_never_rank_is_missing_not_a_failure():
+    """An evidence word written as a special token (or, under --chat, a template word) matches no ranked token: it is
+    listed as missing, alignment is over the words that rank, and an example with none of those still has AOPC."""
+    tok = word_tokenizer(WORDS, "[CLS] $A [SEP]")
+    text = "good [SEP] fine"  # [CLS] good [SEP] fine [SEP]: only good (1) and fine (3) rank
+    scores = [0.0, 2.0, 9.0, 1.0, 0.0]
+    rec = ev.score_example(_tiny_bert(), tok, {"text": text, "evidence": ["SEP", "fine"]}, methods=(),
+                           custom={"mine": scores})
+    assert rec["evidence"] == [0, 0, 0, 1, 0] and rec["evidence_missing"] == ["SEP"]
+    assert rec["methods"]["mine"]["ap"] == [0.5]  # ranked: good, then fine, the one evidence token: precision 1/2
+    rec = ev.score_example(_tiny_bert(), tok, {"text": text, "evidence": ["SEP"]}, methods=(), custom={"mine": scores})
+    assert rec["evidence"] is None and rec["evidence_missing"] == ["SEP"] and rec["methods"]["mine"]["ap"] is None
+    assert len(rec["methods"]["mine"]["comprehensiveness"]) == len(ev.DEFAULT_KS)
+
 def _llama_oracle(model, tok, text: str) -> tuple[torch.Tensor, ...]:
     """(embeddings, LogAt['is'], NormXLogit['is'], NormXLogit['are']) of the tiny Llama by hand, per layer."""
     ids = torch.tensor([tok(text)["input_ids"]])
