@@ -11,7 +11,7 @@ the real tokens:
 
 - ``spearman[l]``, ``kendall[l]``: rank correlation of the two NormXLogit vectors over the tokens that rank
   (:meth:`Attribution.rankable`: no padding, prediction position or special tokens, as everywhere);
-  ``None`` when either is constant.
+  ``None`` when either is constant or fewer than two tokens rank (``topk`` is then None too).
 - ``topk[l]``: |top-k(reference) ∩ top-k(candidate)| / k by signed score, same tokens ranked.
 - ``drift[l]``: ‖candidate − reference‖₂ / ‖reference‖₂ over all real tokens.
 - ``agree``: the candidate's own prediction equals the reference's (classifiers and causal LMs).
@@ -203,12 +203,19 @@ def audit_example(
 
 
 def most_changed(records: Sequence[Mapping[str, Any]]) -> list[int]:
-    """Positions in ``records``, most changed first: flipped predictions, then lowest last-layer Spearman."""
+    """Positions in ``records``, most changed first: flipped predictions, then lowest last-layer Spearman.
+
+    Where Spearman is undefined: with two or more ranked tokens (``topk`` is defined) one side's scores are all
+    equal, so its ranking collapsed (or appeared out of a flat reference): the whole order changed, ranked before
+    the lowest correlation. With fewer than two (``topk`` None too) there is no order that could change: those come
+    after every defined correlation. Ties go by drift, largest first."""
 
     def key(i: int) -> tuple:
         rec = records[i]
         rho = rec["spearman"][-1]
-        return (rec["agree"] is not False, -math.inf if rho is None else rho, -(rec["drift"][-1] or 0.0), i)
+        undefined = 0 if rec["topk"][-1] is not None else 2  # a collapsed ranking first, too short to rank last
+        return (rec["agree"] is not False, 1 if rho is not None else undefined, rho or 0.0, -(rec["drift"][-1] or 0.0),
+                i)
 
     return sorted(range(len(records)), key=key)
 

@@ -128,6 +128,27 @@ def test_report_leads_with_flipped_then_lowest_spearman(tmp_path):
     assert page.index('class="example"') < page.index("<h2>Per layer</h2>")
 
 
+
+def test_most_changed_puts_a_collapsed_ranking_first_and_a_text_too_short_to_rank_last():
+    """Spearman is undefined both where one side's scores are all equal (the ranking collapsed: a real change) and
+    where fewer than two tokens rank (nothing could change order); only the first is a change."""
+    def record(agree, rho, topk, drift):
+        return {"agree": agree, "spearman": [rho], "topk": [topk], "drift": [drift]}
+
+    records = [record(True, None, None, 9.0),  # 0: one ranked token: no order to change, however large the drift
+               record(True, 0.9, 0.8, 0.1),    # 1
+               record(True, None, 0.2, 0.5),   # 2: the candidate's scores collapsed to one value
+               record(False, 0.95, 1.0, 0.1),  # 3: flipped
+               record(True, -0.3, 0.2, 0.2),   # 4
+               record(True, 0.9, 0.8, 0.3)]    # 5: as 1, with more drift
+    assert audit.most_changed(records) == [3, 2, 4, 5, 1, 0]
+    # A real one-token text: both undefined (no order to change), so it comes after a real example's correlation.
+    reference, candidate, tok = tiny.build_model("bert", 0), tiny.build_model("bert", 5), tiny.tokenizer()
+    short, real = (audit.audit_example(reference, candidate, tok, {"text": text})
+                   for text in ("good", "the film was good"))
+    assert short["spearman"][-1] is None and short["topk"][-1] is None and real["spearman"][-1] is not None
+    assert audit.most_changed([short, real]) == [1, 0]
+
 def test_bad_arguments_say_what_to_do(tmp_path, capsys):
     data = tiny.write_jsonl(tmp_path / "data.jsonl", 2)
     assert main(["audit", "--reference", "x", str(data), "--out", str(tmp_path / "o")]) == 2
