@@ -34,6 +34,7 @@ registered in code or through an entry point), grad_norm, grad_x_input, integrat
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import time
 import zlib
 from dataclasses import dataclass
@@ -408,6 +409,7 @@ def score_example(
 
     - ``layer``: the layer whose scores rank tokens for AOPC (layered methods; default the last).
       Alignment (``ap``, ``dot``) is reported at every layer 0..L for layered methods.
+    - ``ks``: the fractions of the tokens perturbed, each from 0 to 1 (``int(n * K)`` tokens).
     - ``perturbation``: "auto" (mask token for encoders that read CLS and masked LMs, deletion for
       decoders), "mask" or "delete".
     - Comprehensiveness per K: ``p_orig[y] - p_new[y]`` with K's top tokens perturbed; sufficiency: the
@@ -434,6 +436,9 @@ def score_example(
         raise ValueError(f"unknown method(s) {unknown}; choose from {known}")
     if not isinstance(example.get("text"), str) or not example["text"].strip():
         raise ValueError(f"example needs a non-empty 'text' string, got keys {sorted(example)}")
+    if not ks or not all(isinstance(k, numbers.Real) and 0 <= k <= 1 for k in ks):  # (NaN is no fraction either)
+        raise ValueError(f"ks={list(ks)!r}: give one or more fractions of the tokens to perturb, each from 0 to 1 "
+                         "(0.1 for 10%)")
     setup = _Setup(model, tokenizer, perturbation)
     # Never cut to fit (evidence past the cut would vanish): a text longer than the model reads is refused.
     check_length(tokenizer, example["text"], position_limit(setup.inner))

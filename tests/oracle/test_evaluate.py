@@ -97,6 +97,18 @@ def test_aopc_mask_mode_exact_values():
     assert all(ids[0] == VOCAB["[CLS]"] and ids[-1] == VOCAB["[SEP]"] for ids in model.seen)
 
 
+
+@pytest.mark.parametrize("ks", [[-0.1], [0.5, 1.5], [float("nan")], [], ["0.1"]])
+def test_each_k_is_a_fraction_from_0_to_1(ks):
+    model, tok = FakeForSequenceClassification(), word_tokenizer(WORDS, "[CLS] $A [SEP]")
+    with pytest.raises(ValueError, match=r"^ks=.*: give one or more fractions of the tokens to perturb, each from 0 "
+                                         r"to 1 \(0.1 for 10%\)$"):
+        ev.score_example(model, tok, {"text": "good fine plain bad"}, methods=(), ks=ks, custom={"mine": SCORES})
+    # Both ends are fractions: nothing perturbed, and every token that may be (6 of them, [CLS] and [SEP] kept).
+    rec = ev.score_example(model, tok, {"text": "good fine plain bad"}, methods=(), ks=[0, 1], custom={"mine": SCORES})
+    assert rec["counts"] == [0, 6]
+    assert rec["methods"]["mine"]["comprehensiveness"] == pytest.approx([0.0, _sigmoid(2.0) - 0.5], abs=1e-6)
+
 def test_aopc_delete_mode_exact_values_and_prediction_token_kept():
     model, tok = FakeForCausalLM(), word_tokenizer(WORDS, "[CLS] $A")
     # [CLS] good fine plain bad the (n = 6), prediction at the last token; the same ranking as above.
