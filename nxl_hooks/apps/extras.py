@@ -67,11 +67,14 @@ def require_extra(extra: str, modules: Sequence[str], what: str) -> None:
             raise CliError(f"{what}: " + _line(module, extra))
 
 
-#: Warnings optional libraries log at import that say nothing about the user's run: logger name -> the start of the
-#: message (torchao's kernels built for another CUDA or Python; torchao registering Enums the old way with torch).
+#: Warnings libraries log that say nothing true about the user's run: logger name -> the start of the message
+#: (torchao's kernels built for another CUDA or Python; torchao registering Enums the old way with torch; a
+#: tokenizer's ``model_max_length`` below the model's positions, a saved fine-tune's habit: every command checks the
+#: model's own limit, ``check_length``, and refuses a longer text in its own line).
 NOISE = {
     "torchao": "Failed to load ",
     "torch.utils._pytree": "%s is an Enum subclass and is now natively supported by torch.compile",
+    "transformers.tokenization_utils_base": "Token indices sequence length is longer than the specified maximum",
 }
 
 

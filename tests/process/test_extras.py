@@ -85,7 +85,7 @@ def test_an_import_error_of_no_extra_still_shows_its_traceback(files):
     assert done.returncode == 1 and "Traceback" in done.stderr and "nxl_hooks[" not in done.stderr
 
 
-def test_only_the_known_library_noise_is_silenced(caplog):
+def test_only_the_known_library_noise_is_silenced(unfiltered, caplog):
     quiet_library_noise()
     quiet_library_noise()  # idempotent: one filter per logger
     with caplog.at_level(logging.WARNING):
@@ -98,6 +98,40 @@ def test_only_the_known_library_noise_is_silenced(caplog):
     assert [r.getMessage() for r in caplog.records] == [
         "a real torchao warning", "another pytree warning", "Failed to load something else"]
     assert sum(len(logging.getLogger(name).filters) for name in NOISE) == len(NOISE)
+
+
+@pytest.fixture
+def unfiltered():
+    """The NOISE loggers without filters for the test, as they were after it: no test depends on another's order."""
+    kept = {name: logging.getLogger(name).filters[:] for name in NOISE}
+    for name in NOISE:
+        logging.getLogger(name).filters.clear()
+    yield
+    for name, filters in kept.items():
+        logging.getLogger(name).filters[:] = filters
+
+
+def test_a_tokenizer_limit_below_the_models_positions_is_not_said(unfiltered):
+    """A fine-tune's tokenizer saved with model_max_length 4: transformers would say longer texts "will result in
+    indexing errors"; every nxl command checks the model's own limit instead (check_length), so the CLI drops it."""
+    from tiny import tokenizer
+
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("transformers.tokenization_utils_base")
+    logger.addHandler(handler)
+    try:
+        for quiet in (False, True):
+            if quiet:
+                quiet_library_noise()
+            words = tokenizer()  # (transformers says it once per tokenizer)
+            words.model_max_length = 4
+            words("the cat sat on the mat and the dog")
+            assert any(line.startswith("Token indices sequence length") for line in said) is not quiet, said
+            said.clear()
+    finally:
+        logger.removeHandler(handler)
 
 
 def test_the_gguf_extra_carries_what_reading_a_gguf_file_needs():
