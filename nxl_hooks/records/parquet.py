@@ -64,7 +64,7 @@ from ..method.select import rankable, special_flags
 from .steps import GenerationCall, Step
 from .writer import _OPEN, _claim_file
 
-__all__ = ["INSTALL", "ParquetSink", "export_parquet"]
+__all__ = ["INSTALL", "ParquetSink", "export_parquet", "pyarrow_module"]
 
 #: What to run when pyarrow is missing.
 INSTALL = 'pip install "nxl_hooks[parquet]"'
@@ -72,7 +72,9 @@ INSTALL = 'pip install "nxl_hooks[parquet]"'
 LISTED = 10_000
 
 
-def _pyarrow() -> Any:
+def pyarrow_module() -> Any:
+    """pyarrow with its ``parquet`` submodule, or one ImportError line saying what to install.
+    ``pa = pyarrow_module()``"""
     try:
         import pyarrow
         import pyarrow.parquet  # noqa: F401 - the submodule ParquetSink writes with
@@ -84,7 +86,7 @@ def _pyarrow() -> Any:
 def schema(methods: Iterable[str] = DEFAULT) -> Any:
     """The Arrow schema of the rows (see the module docstring), with a column for each of ``methods`` beyond
     NormXLogit and LogAt."""
-    pa = _pyarrow()
+    pa = pyarrow_module()
     extra = [(name, pa.float32()) for name in dict.fromkeys(methods) if name not in DEFAULT]
     return pa.schema([
         ("request_id", pa.string()), ("call", pa.int64()), ("row", pa.int32()), ("step", pa.int32()),
@@ -201,7 +203,7 @@ class ParquetSink:
 
     def __init__(self, path: str | os.PathLike, *, row_group_rows: int = 1 << 17,
                  methods: Iterable[str] | None = None) -> None:
-        _pyarrow()
+        pyarrow_module()
         self.path = Path(path)
         self._partial = self.path.with_name(self.path.name + ".partial")
         self._methods = None if methods is None else tuple(methods)
@@ -229,7 +231,7 @@ class ParquetSink:
     def _open(self, methods: Iterable[str] | None) -> None:
         if self._schema is None:
             self._schema = schema(self._methods or methods or DEFAULT)
-            self._writer = _pyarrow().parquet.ParquetWriter(self._file, self._schema)
+            self._writer = pyarrow_module().parquet.ParquetWriter(self._file, self._schema)
 
     def write_call(self, call: GenerationCall, meta: dict) -> None:
         self._open(meta.get("methods"))
@@ -276,7 +278,7 @@ class ParquetSink:
     def _flush(self) -> None:
         if not self._buffer:
             return
-        pa = _pyarrow()
+        pa = pyarrow_module()
         arrays = []
         for field in self._schema:
             parts = [[None] * len(chunk["row"]) if chunk.get(field.name) is None else chunk[field.name]

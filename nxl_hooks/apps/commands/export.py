@@ -33,14 +33,14 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...records.parquet import export_parquet
+    from ...records.parquet import export_parquet, pyarrow_module
     from ...records.reader import StreamDamageWarning, read_stream, stream_files
     from ..options import check_apart, check_output_file
 
     try:
-        import pyarrow  # noqa: F401 - checked before the records are read
-    except ImportError:
-        raise CliError('Parquet export needs pyarrow: pip install "nxl_hooks[parquet]"') from None
+        pyarrow_module()  # checked before the records are read
+    except ImportError as err:
+        raise CliError(str(err)) from None
     args.out = check_output_file(args.out, "OUT.parquet")
     if not os.path.exists(args.source):
         raise CliError(f"no stream file or run folder at {args.source}: give a file a sink wrote (attach(sink=...), "
