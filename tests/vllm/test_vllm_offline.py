@@ -2,8 +2,9 @@
 
 Two engine starts: the script under ``nxl run --eager`` (vLLM's default processes: the worker is its own process),
 and the same script plain, in one process (so it can look at vLLM's own model), where nxl_hooks is installed beside vLLM
-(its ``vllm.general_plugins`` entry point is loaded by vLLM) but nothing is set. Skipped where vLLM is not
-importable.
+(its ``vllm.general_plugins`` entry point is loaded by vLLM) but nothing is set; then one eager engine per model
+class, tiny: each class the view follows besides Llama (in one process), and Granite, which it does not. Skipped
+where vLLM is not importable.
 """
 
 from __future__ import annotations
@@ -25,19 +26,21 @@ from test_vllm_serve import save_tiny  # noqa: E402
 
 PROMPTS = ["The capital of Italy is", "They are here and it is there; we are what we are, and it is what it is."]
 
-#: The script: greedy completions of PROMPTS with vLLM's raw logit of each token; with "inspect", run in one
-#: process and report what nxl_hooks left on vLLM's model and engine.
+#: The script: greedy completions of PROMPTS with vLLM's raw logit of each token; with "inspect", report what
+#: nxl_hooks left on vLLM's model and engine. VLLM_ENABLE_V1_MULTIPROCESSING=0 (set with "inspect"): the engine and
+#: its worker run in the script's process (one import of vLLM, not three: tens of seconds less a start).
 SCRIPT = '''
-import json, sys
+import json, os, sys
 
 
 def main():
     from vllm import LLM, SamplingParams
 
     inspect = sys.argv[2] == "inspect"
+    one_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
     llm = LLM(sys.argv[1], dtype="float32", max_model_len=256, max_num_seqs=4, seed=0,
               enforce_eager=sys.argv[2] != "compiled", logprobs_mode="raw_logits",
-              **({"distributed_executor_backend": "uni"} if inspect else {}))
+              **({"distributed_executor_backend": "uni"} if one_process else {}))
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0)
     outputs = llm.generate(%r, params)
     result = {"outputs": [{"id": o.request_id, "tokens": list(o.outputs[0].token_ids),
@@ -112,23 +115,65 @@ def test_script_under_nxl_run_eager_is_recorded_and_its_outputs_unchanged(plain,
         check_call(LlamaForCausalLM.from_pretrained(tiny).eval(), call, 5)
 
 
-def save_tiny_granite(path: Path) -> Path:
-    """A random 3-layer Granite (head_dim 64) with non-trivial multipliers, over the tests' BPE tokenizer: vLLM's
-    Granite has the Llama view's structure (embed_tokens, layers, an RMSNorm, lm_head) but one tensor out of each
-    layer, its embedding multiplied after embed_tokens, its logits divided by logits_scaling."""
-    from transformers import GraniteConfig, GraniteForCausalLM
+def save_family(path: Path, family: str, **config) -> Path:
+    """A random 3-layer ``family`` causal LM of transformers (``"Qwen3"``: ``Qwen3ForCausalLM``), head_dim 64 as vLLM's
+    CPU attention needs, over the tests' BPE tokenizer. Every 1-d weight is drawn too (norms around 1, biases around
+    0: Qwen2's q/k/v biases, Qwen3's q/k norms), so that one vLLM applied otherwise, or a stream read at the wrong
+    place, would show."""
+    import transformers
     from bpe_tiny import bpe_tokenizer
 
     tok = bpe_tokenizer()
     torch.manual_seed(0)
-    config = GraniteConfig(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=3,
-                           num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True, bos_token_id=1,
-                           eos_token_id=2, pad_token_id=2, max_position_embeddings=512, initializer_range=0.3,
-                           embedding_multiplier=12.0, residual_multiplier=0.22, logits_scaling=8.0,
-                           attention_multiplier=0.015625)
-    GraniteForCausalLM(config).eval().save_pretrained(path)
+    settings = dict(vocab_size=len(tok), hidden_size=128, intermediate_size=256, num_hidden_layers=3,
+                    num_attention_heads=2, num_key_value_heads=1, head_dim=64, bos_token_id=1, eos_token_id=2,
+                    pad_token_id=2, max_position_embeddings=512)
+    model = getattr(transformers, f"{family}ForCausalLM")(getattr(transformers, f"{family}Config")(
+        **{**settings, **config})).eval()
+    with torch.no_grad():
+        for name, weight in model.named_parameters():
+            if weight.ndim == 1:
+                weight.normal_(1.0 if "norm" in name else 0.0, 0.3)
+    model.save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+#: vLLM's model classes the view follows besides Llama (tests/vllm/test_vllm_serve.py), each as a checkpoint that
+#: vLLM loads into that class: tied or untied head, Qwen2's q/k/v biases, Qwen3's per-head q/k norms.
+FAMILIES = {"Mistral": dict(tie_word_embeddings=False, sliding_window=None),
+            "Qwen2": dict(tie_word_embeddings=True),
+            "Qwen3": dict(tie_word_embeddings=False)}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_each_followed_model_class_is_recorded_exactly(family, tmp_path):
+    """A tiny model of each class :data:`~nxl_hooks.hooks.engines.vllm._FOLLOWED` names, under ``nxl run`` on an eager
+    engine (one start each): every step is vLLM's own raw logit of its token at the last layer, and the oracle
+    (transformers' own model from the same folder) at every layer, whose greedy tokens vLLM chose."""
+    from transformers import AutoModelForCausalLM
+
+    tiny = save_family(tmp_path / family.lower(), family, **FAMILIES[family])
+    recorded = run_script(tiny, tmp_path, "eager", ["--layers", "all", "--sink", str(tmp_path / "run")],
+                          VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    model = AutoModelForCausalLM.from_pretrained(tiny).eval()
+    assert type(model).__name__ == f"{family}ForCausalLM"
+    for output in recorded["outputs"]:
+        (call,) = nxl.read_stream(tmp_path / "run", request_id=output["id"])
+        assert call.complete and call.layers == [0, 1, 2, 3], call.error
+        assert [int(step.token[0]) for step in call.steps] == output["tokens"]
+        last = torch.tensor([float(step.logat[-1, 0, -1]) for step in call.steps])
+        torch.testing.assert_close(last, torch.tensor(output["raw"]), rtol=1e-4, atol=1e-4)
+        argmaxes = check_call(model, call, 5)
+        assert [int(token) for token in argmaxes] == output["tokens"]
+
+
+def save_tiny_granite(path: Path) -> Path:
+    """A random Granite with non-trivial multipliers: vLLM's Granite has the Llama view's structure (embed_tokens,
+    layers, an RMSNorm, lm_head) but one tensor out of each layer, its embedding multiplied after embed_tokens, its
+    logits divided by logits_scaling."""
+    return save_family(path, "Granite", tie_word_embeddings=True, initializer_range=0.3, embedding_multiplier=12.0,
+                       residual_multiplier=0.22, logits_scaling=8.0, attention_multiplier=0.015625)
 
 
 def test_a_model_class_the_view_does_not_follow_runs_unchanged_and_unrecorded(tmp_path):
