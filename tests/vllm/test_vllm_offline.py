@@ -3,7 +3,7 @@
 Two engine starts: the script under ``nxl run --eager`` (vLLM's default processes: the worker is its own process),
 and the same script plain, in one process (so it can look at vLLM's own model), where nxl_hooks is installed beside vLLM
 (its ``vllm.general_plugins`` entry point is loaded by vLLM) but nothing is set; then one eager engine per model
-class, tiny: each class the view follows besides Llama (in one process), and Granite, which it does not. Skipped
+class, tiny, in one process: each class the view follows besides Llama, and Granite, which it does not. Skipped
 where vLLM is not importable.
 """
 
@@ -183,7 +183,8 @@ def test_a_model_class_the_view_does_not_follow_runs_unchanged_and_unrecorded(tm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tiny = save_tiny_granite(tmp_path / "granite")
-    recorded = run_script(tiny, tmp_path, "eager", ["--layers", "all", "--sink", str(tmp_path / "run")])
+    recorded = run_script(tiny, tmp_path, "eager", ["--layers", "all", "--sink", str(tmp_path / "run")],
+                          VLLM_ENABLE_V1_MULTIPROCESSING="0")
     model, tok = AutoModelForCausalLM.from_pretrained(tiny).eval(), AutoTokenizer.from_pretrained(tiny)
     for prompt, output in zip(PROMPTS, recorded["outputs"]):
         ids = tok(prompt, return_tensors="pt").input_ids
