@@ -633,10 +633,9 @@ class Run:
             if self._n >= self._prompt_len:
                 ids = torch.cat(self._prompt_ids, dim=1).cpu() if self._prompt_ids else None
                 self._prompt_ids = []
-                self.call.readable = self._plan.readable_rows(ids)
-                self.call.prompt_template = self._plan.template(ids, self._mask.view()[:, : self._prompt_len].cpu())
-                self.call.special_ids = self._plan.special_ids
-                self._hub.prompt(self.call, ids, self._mask.view()[:, : self._prompt_len].cpu())
+                mask = self._mask.view()[:, : self._prompt_len].cpu()
+                self._hub.prompt(self.call, ids, mask, readable=self._plan.readable_rows(ids),
+                                 template=self._plan.template(ids, mask), special_ids=self._plan.special_ids)
 
     def _real_mask(self, mask: torch.Tensor, past: int, new: int) -> torch.Tensor:
         """``mask`` with generated positions whose token a finished row only padded switched off (on the device:

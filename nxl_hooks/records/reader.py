@@ -288,7 +288,9 @@ def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, to
         unprompted = shape == (0, 0)  # a call whose prompt never ran recorded (writer.encode_call)
         if mask.numel() == 0 and not unprompted:  # (rows of nothing would cost memory alone)
             raise ValueError(f"prompt_mask {shape} holds no token")
-        for name, value in (("prompt_ids", ids), ("prompt_template", template)):
+        # an unprompted call's prompt texts and template are passed over: nxl_hooks 0.4 before this release wrote
+        # those of a call detached while its prompt was being recorded, which describe nothing recorded
+        for name, value in (("prompt_ids", ids), ("prompt_template", None if unprompted else template)):
             if value is not None and value.shape != mask.shape:
                 raise ValueError(f"{name} {tuple(value.shape)} and prompt_mask {shape} differ in shape")
         if unprompted:
@@ -296,7 +298,8 @@ def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, to
         calls[index] = GenerationCall(index=index, layers=_layers(header), prompt_ids=ids, prompt_mask=mask,
                                       request_id=_field(header, "request_id", (str,), optional=True),
                                       thread=_field(header, "thread", (str,), optional=True),
-                                      readable=_texts(header, "readable", *shape), prompt_template=template,
+                                      readable=None if unprompted else _texts(header, "readable", *shape),
+                                      prompt_template=template,
                                       special_ids=_ints(header, "special_ids"),
                                       model=_field(header, "model", (str,), optional=True),
                                       started=_field(header, "started", (float, int), optional=True))

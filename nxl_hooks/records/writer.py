@@ -108,13 +108,18 @@ def encode_call(call: GenerationCall, meta: dict, *, seq: int | None = None) -> 
     """The ``call`` frame of a call (``meta``: what the probe explains; ``seq``: the frame's number in its file,
     which the reader checks). A call whose prompt never ran recorded (not recorded, or ended before its first
     forward) has an empty (0, 0) ``prompt_mask``, read back as None: its end frame says why."""
-    tensors = {"prompt_mask": call.prompt_mask if call.prompt_mask is not None else torch.zeros(0, 0, dtype=torch.bool)}
-    if call.prompt_ids is not None:
+    # the mask is read once, and the rest only with it: a call detached while its prompt was being recorded has
+    # some of its prompt's fields set but no mask yet (Hub.prompt sets the mask last)
+    mask = call.prompt_mask
+    prompted = mask is not None
+    tensors = {"prompt_mask": mask if prompted else torch.zeros(0, 0, dtype=torch.bool)}
+    if prompted and call.prompt_ids is not None:
         tensors["prompt_ids"] = call.prompt_ids
-    if call.prompt_template is not None:
+    if prompted and call.prompt_template is not None:
         tensors["prompt_template"] = call.prompt_template
     return _encode(tensors, {"kind": "call", "call": call.index, "layers": call.layers, "meta": meta,
-                             "request_id": call.request_id, "thread": call.thread, "readable": call.readable,
+                             "request_id": call.request_id, "thread": call.thread,
+                             "readable": call.readable if prompted else None,
                              "model": call.model, "started": call.started, "special_ids": call.special_ids}, seq)
 
 

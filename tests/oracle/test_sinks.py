@@ -571,6 +571,65 @@ def test_a_step_of_a_call_whose_frame_holds_no_prompt_is_refused(tmp_path):
         nxl.read_stream(path)
 
 
+def test_a_detach_while_a_prompt_is_being_recorded_leaves_a_readable_stream(chat, tmp_path, monkeypatch):
+    """nxl ctl pause under load: the probe detaches (from another thread) while a call's prompt is being recorded,
+    after its token texts were made and before its mask was set. The call is written as one whose prompt never ran
+    recorded, with none of its prompt's fields (they once went in with no mask, and the whole stream was refused);
+    the host's output is unchanged and the next call is recorded whole."""
+    from nxl_hooks.hooks.plan import Plan
+
+    path, model, tokenizer = chat
+    ids = tokenizer(["hello world how are you"], return_tensors="pt")["input_ids"]
+    plain = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+    inside, resume, template = threading.Event(), threading.Event(), Plan.template
+
+    def held(self, *args):  # the generating thread, between the prompt's texts and its mask
+        inside.set()
+        resume.wait(timeout=60)
+        return template(self, *args)
+
+    monkeypatch.setattr(Plan, "template", held)
+    out = {}
+    probe = nxl.attach(model, layers="all", tokenizer=tokenizer, sink=tmp_path / "run.nxl")
+    worker = threading.Thread(target=lambda: out.setdefault("ids", model.generate(input_ids=ids, max_new_tokens=3,
+                                                                                  do_sample=False)))
+    worker.start()
+    assert inside.wait(timeout=60)
+    detacher = threading.Thread(target=probe.detach)
+    detacher.start()
+    detacher.join(timeout=60)
+    resume.set()
+    worker.join(timeout=60)
+    assert not worker.is_alive() and not detacher.is_alive() and torch.equal(out["ids"], plain)
+    (read,) = nxl.read_stream(tmp_path / "run.nxl", strict=True)
+    assert "detached" in read.error and not read.complete and read.steps == []
+    assert (read.prompt_mask, read.prompt_ids, read.readable, read.prompt_template) == (None, None, None, None)
+    monkeypatch.setattr(Plan, "template", template)
+    with nxl.attach(model, layers="all", tokenizer=tokenizer, sink=tmp_path / "next.nxl"):
+        model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+    (whole,) = nxl.read_stream(tmp_path / "next.nxl", strict=True)
+    assert whole.complete and whole.readable == [tokenizer.convert_ids_to_tokens(ids[0])]
+    check_call(model, whole, 3)
+
+
+def test_a_call_frame_with_texts_but_no_prompt_from_an_earlier_writer_is_read(tmp_path):
+    """nxl_hooks 0.4 before this release wrote the token texts and template of a call detached mid-prompt into its
+    prompt-less frame: such a stream reads (the call as not recorded, with why), instead of being refused whole."""
+    from nxl_hooks.records import writer
+    from nxl_hooks.records.steps import GenerationCall
+
+    call = GenerationCall(index=0, layers=[0, 1], request_id="r", error="the probe detached while this call ran")
+    header = {"kind": "call", "call": 0, "layers": [0, 1], "meta": {}, "request_id": "r",
+              "readable": [["user:", "hello"]], "seq": 0}
+    frame = writer._encode({"prompt_mask": torch.zeros(0, 0, dtype=torch.bool),
+                            "prompt_template": torch.zeros(1, 2, dtype=torch.bool)}, header)
+    path = tmp_path / "old.nxl"
+    path.write_bytes(writer._FILE_MAGIC + frame + writer.encode_end(call, seq=1))
+    (read,) = nxl.read_stream(path, strict=True)
+    assert (read.request_id, read.error, read.prompt_mask, read.readable, read.prompt_template) == (
+        "r", call.error, None, None, None)
+
+
 @pytest.mark.parametrize("how", ["read-only", "removed"])
 def test_a_read_only_or_removed_folder_is_a_sink_fault(chat, tmp_path, how):
     _, model, tokenizer = chat
