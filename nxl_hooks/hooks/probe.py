@@ -226,8 +226,8 @@ class Probe:
     @property
     def calls(self) -> list[GenerationCall]:
         """The ``generate`` calls run while attached, in the order they started, each with its step records
-        (the last ``keep_calls`` of them). Waits for the records of the calls that have ended (a call returns
-        while the record pipeline still makes its last ones)."""
+        (the last ``keep_calls`` of them, and every older one still running). Waits for the records of the calls
+        that have ended (a call returns while the record pipeline still makes its last ones)."""
         self._hub.settle()
         return self._hub.calls
 
@@ -246,7 +246,7 @@ class Probe:
         return last.steps
 
     def subscribe(self, *, request_id: str | None = None, follow: bool = False,
-                  size: int | None = LIVE_QUEUE, replay: bool = True) -> Subscription[Step]:
+                  size: int | None = LIVE_QUEUE, replay: bool = True, calls: bool = False) -> Subscription:
         """Iterate over step records as they are made, from another thread than the one running ``generate``.
 
         Yields the records of the ``generate`` call (or continuous-batching request) running now (from its first
@@ -255,7 +255,9 @@ class Probe:
         already ended gives its kept steps, then stops); ``follow`` yields every call's steps (with ``request_id``:
         every call of that request) until the probe detaches or ``close()`` is called on the iterator. A reader
         ``size`` records behind loses the oldest (counted in ``dropped``): generation never waits for it.
-        ``replay=False``: only records made from now on, not those a running call made before. Subscribe before
+        ``replay=False``: only records made from now on, not those a running call made before. ``calls=True``:
+        each item is ``(call, step)``, the record's :class:`GenerationCall` with it (a follower's reader then has the
+        request of a record even where the call has left ``probe.calls``: ``keep_calls``). Subscribe before
         starting the generation, so the subscription cannot miss it::
 
             steps = probe.subscribe()
@@ -264,7 +266,7 @@ class Probe:
         """
         if not self.attached:
             raise RuntimeError("this probe is detached: call probe.subscribe() inside the `with nxl.attach(...)` block")
-        return self._hub.subscribe(request_id=request_id, follow=follow, size=size, replay=replay)
+        return self._hub.subscribe(request_id=request_id, follow=follow, size=size, replay=replay, calls=calls)
 
     def stream(self, *, request_id: str | None = None, follow: bool = False) -> Subscription[Step]:
         """Deprecated: :meth:`subscribe`, which is bounded; this one holds every record its reader has not read."""
@@ -311,7 +313,7 @@ def attach(
     - ``sink``: where the records go (:func:`~nxl_hooks.make_sink`): a stream file (``nxl.read_stream(path)``), a
       folder, ``"NAME:ARG"`` (``"parquet:out.parquet"``) or a :class:`~nxl_hooks.RecordSink`; see ``probe.sink_fault``;
     - ``keep_steps``: keep the records in ``probe.calls`` / ``probe.steps`` (False: stream them only); ``keep_calls``:
-      keep only the last N calls (None: all);
+      keep only the last N calls, and every older one still running (None: all);
     - ``cache_dtype`` / ``cache_device``: where the per-layer feature cache lives (e.g. ``torch.bfloat16``, ``"cpu"``).
 
     The probe never raises into the model's forward or ``generate``; hooks are removed by :meth:`Probe.detach`,

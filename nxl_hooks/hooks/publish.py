@@ -1,7 +1,8 @@
 """Where finished generation records go: the probe's call list, the ``on_step`` callback, live subscribers
 (:meth:`Probe.subscribe`) and the crash-safe sink. One hub per probe, shared by the calls of every thread.
 
-- ``probe.calls`` keeps the last ``keep_calls`` calls (all by default) and, unless ``keep_steps=False``, their steps;
+- ``probe.calls`` keeps the last ``keep_calls`` calls (all by default), and every call still running, and unless
+  ``keep_steps=False`` their steps;
 - ``on_step(step)`` runs in the thread that runs ``generate``; an exception it raises is the caller's own and
   stops that generation (under continuous batching, it stops recording that request: the manager's loop never
   sees it);
@@ -201,12 +202,12 @@ def _unscored(item: "_Item") -> Batch | None:
     return item.batch if isinstance(item, _StepItem) and item.steps is None else None
 
 
-def _give(subscriber: "Subscription[Step]", item: Step | None) -> None:
-    """A record for ``subscriber``, or (None) its end."""
+def _give(subscriber: Subscription, item: tuple[GenerationCall, Step] | None) -> None:
+    """A record for ``subscriber`` (with its call), or (None) its end."""
     if item is None:
         subscriber.end()
     else:
-        subscriber.put(item)
+        subscriber.record(*item)
 
 
 class _StepItem(NamedTuple):
@@ -257,7 +258,8 @@ class Hub:
         explains (``plan.describe()``), in every call frame."""
         if keep_calls is not None and keep_calls < 0:
             raise ValueError(f"keep_calls={keep_calls}: give a number of calls to keep (0 or more), or None for all")
-        self._calls: collections.deque[GenerationCall] = collections.deque(maxlen=keep_calls)
+        self._calls: collections.deque[GenerationCall] = collections.deque()
+        self._keep_calls = keep_calls
         self._on_step = on_step
         self._sink: RecordSink | None = None if sink is None else make_sink(sink)
         if self._sink is not None:
@@ -296,7 +298,7 @@ class Hub:
         # what the publisher's current batch hands on when it is done: frames for the sink thread, records for
         # the subscribers
         self._outbox: list[tuple] = []
-        self._live: list[tuple[Subscription, Step]] = []
+        self._live: list[tuple[Subscription, tuple[GenerationCall, Step] | None]] = []
         # the frames the sink thread took from its queue and has not yet begun to write (see _take)
         self._hand: collections.deque[tuple] = collections.deque()
         self._stopped = False  # the sink was stopped (fault, behind or detach): frames are counted, not written
@@ -320,9 +322,19 @@ class Hub:
             self._calls.append(call)
             if not self._closed:
                 self._running.append(call)
+            self._trim()
         if error is not None:
             self.end(call, None, error, wait=False)
         return call
+
+    def _trim(self) -> None:
+        """Keep the last ``keep_calls`` calls, and every older one still running: the live feed and the lookups by
+        request id find a request through it while its steps are made (caller holds the lock)."""
+        older = 0 if self._keep_calls is None else len(self._calls) - self._keep_calls
+        if older > 0:
+            running = set(self._running)
+            self._calls = collections.deque(call for index, call in enumerate(self._calls)
+                                            if index >= older or call in running)
 
     @property
     def listened(self) -> bool:
@@ -585,7 +597,7 @@ class Hub:
             for subscriber, step in live:
                 _give(subscriber, step)
 
-    def _tell(self, subscriber: Subscription, item: Step | None) -> None:
+    def _tell(self, subscriber: Subscription, item: tuple[GenerationCall, Step] | None) -> None:
         """Give ``subscriber`` a record (None: the end): with the publisher's batch, after the records before it."""
         if threading.current_thread() is self._publisher:
             self._live.append((subscriber, item))
@@ -650,7 +662,7 @@ class Hub:
             if self._subscribers:  # iterating an empty WeakSet is not free, and this runs once per step
                 for subscriber in list(self._subscribers):
                     if subscriber.wants(call):
-                        self._tell(subscriber, step)
+                        self._tell(subscriber, (call, step))
         self._to_sink(call, None, step=step)
 
     def _end(self, call: GenerationCall, sequences: torch.Tensor | None, error: str | None) -> None:
@@ -662,6 +674,7 @@ class Hub:
             call.sequences, call.error, call.ended = sequences, call.error or error, time.time()
             call.complete = sequences is not None and call.error is None
             ended = self._release(call)
+            self._trim()
         self._end_frames(call)
         for subscriber in ended:
             self._tell(subscriber, None)
@@ -681,10 +694,11 @@ class Hub:
         return ended
 
     def subscribe(self, *, request_id: str | None = None, follow: bool = False,
-                  size: int | None = LIVE_QUEUE, replay: bool = True) -> Subscription[Step]:
+                  size: int | None = LIVE_QUEUE, replay: bool = True, calls: bool = False) -> Subscription:
         """A live iterator of step records, holding up to ``size`` unread (see the module docstring); ``replay``:
-        a call already running gives the steps it made before first."""
-        subscription: Subscription[Step] = Subscription(self, request_id=request_id, follow=follow, size=size)
+        a call already running gives the steps it made before first; ``calls``: each item is ``(call, step)``."""
+        subscription: Subscription = Subscription(self, request_id=request_id, follow=follow, size=size,
+                                                  calls=calls)
         self.settle()  # the calls that have ended are done (kept, not read live) before this reader starts
         with self._lock:
             self._hand_on()  # from now on records are read live
@@ -698,13 +712,13 @@ class Hub:
                 if done is not None:
                     subscription.call = done
                     for step in done.steps:
-                        subscription.put(step)
+                        subscription.record(done, step)
                     subscription.end()
                     return subscription
             for call in running if follow else running[:1]:  # joined mid-call: replay what it already produced
                 subscription.call = None if follow else call
                 for step in call.steps if replay else ():
-                    subscription.put(step)
+                    subscription.record(call, step)
             self._subscribers.add(subscription)
         return subscription
 
@@ -759,6 +773,7 @@ class Hub:
             self._subscribers = weakref.WeakSet()
             for call in running:
                 call.error = call.error or why
+            self._trim()
         for call in running:
             self._end_frames(call)
         self._to_sink(None, None)

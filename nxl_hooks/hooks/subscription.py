@@ -42,13 +42,15 @@ class Subscription(Generic[T]):
     """
 
     def __init__(self, hub: Unsubscribes | None = None, *, call: GenerationCall | None = None,
-                 request_id: str | None = None, follow: bool = False, size: int | None = LIVE_QUEUE) -> None:
+                 request_id: str | None = None, follow: bool = False, size: int | None = LIVE_QUEUE,
+                 calls: bool = False) -> None:
         if size is not None and size < 1:
             raise ValueError(f"size={size}: give how many records a subscription may hold (1 or more), or None")
         self.call = call  #: the call it is bound to (None until one starts, or with ``follow``)
         self.request_id = request_id
         self.follow = follow
         self.size = size
+        self.calls = calls  #: items are (call, record) pairs: a reader behind still has the call of each record
         self.dropped = 0  #: items dropped (the oldest first) because the reader was ``size`` behind
         self._hub = hub
         self._items: collections.deque[T] = collections.deque()
@@ -63,6 +65,11 @@ class Subscription(Generic[T]):
         if self.call is None:
             self.call = call
         return self.call is call
+
+    def record(self, call: GenerationCall, step: object) -> None:
+        """Queue ``step``, a record of ``call``: as ``(call, step)`` where the subscription was made with
+        ``calls``."""
+        self.put((call, step) if self.calls else step)  # type: ignore[arg-type]
 
     def put(self, item: T) -> None:
         """Queue ``item`` for the reader; never waits (a full subscription drops its oldest item, counted)."""

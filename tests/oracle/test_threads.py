@@ -178,3 +178,36 @@ def test_detach_while_another_thread_generates(model, tmp_path, caplog):
     assert not read.complete and "detached" in read.error and len(read.steps) == 4
     assert [r for r in caplog.records if r.name == "nxl_hooks"] == []  # nothing failed: no warning
     assert "generate" not in vars(model)
+
+
+def test_keep_calls_bounds_the_ended_calls_and_keeps_every_running_one(model):
+    """keep_calls=1 with a call still running while three others start and end: the running one stays in
+    probe.calls (the live feed of nxl run and its lookups by request id find a request through it; it was dropped
+    as soon as another call started, and its steps went out with no request id), beside the last call that ended;
+    once it ends it is the oldest ended call, and goes."""
+    inside, resume = threading.Event(), threading.Event()
+
+    def on_step(step: nxl.Step) -> None:
+        if threading.current_thread().name == "held" and step.step == 1:
+            inside.set()
+            resume.wait(timeout=60)
+
+    def generate(request_id: str) -> None:
+        token = REQUEST_ID.set(request_id)
+        try:
+            model.generate(input_ids=_prompt(0, 7), max_new_tokens=4, do_sample=False)
+        finally:
+            REQUEST_ID.reset(token)
+
+    with nxl.attach(model, keep_calls=1, on_step=on_step) as probe:
+        worker = threading.Thread(target=generate, args=("long",), name="held")
+        worker.start()
+        assert inside.wait(timeout=60)
+        for index in range(3):
+            generate(f"short-{index}")
+        held = [(call.request_id, call.ended is None) for call in probe.calls]
+        resume.set()
+        worker.join(timeout=60)
+        after = [call.request_id for call in probe.calls]
+    assert not worker.is_alive()
+    assert held == [("long", True), ("short-2", False)] and after == ["short-2"]

@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -505,6 +506,50 @@ def test_continuous_batching_three_concurrent_clients(tiny, tmp_path):
             assert call.request_id == replies[request_id]["request_id"] == request_id
             check_call(tiny, call, content, replies[request_id])
             same_views(server, request_id, tmp_path)
+
+
+def test_live_feed_names_the_request_of_every_step_with_more_requests_running_than_kept(tiny, tmp_path):
+    """--keep-calls 1 and four continuous-batching requests at once: /v1/stream names the request of every step,
+    and a reader following one request gets each of its steps (the feed found a step's request among the calls
+    kept in memory, where running requests fell out: their steps went out with no request id)."""
+    from nxl_hooks.apps.serve.client import Endpoint
+
+    run, listen = tmp_path / "run", f"127.0.0.1:{free_port()}"
+    server = Server(tiny.path, nxl=["--sink", str(run), "--listen", listen, "--keep-calls", "1"], serve=CB_FLAGS,
+                    log=tmp_path / "log", env=SERVE_ENV)
+    with server:
+        live = Endpoint(url=f"http://{listen}", token=(run / "token").read_text().strip())
+        seen: list[dict] = []
+        one: list[dict] = []
+
+        def follow(path: str, into: list, until: Callable[[str], bool]) -> None:
+            for event, data in live.events(path, timeout=60):
+                into.append(data)
+                if until(event):
+                    return
+
+        everything = threading.Thread(target=follow, args=("/v1/stream?k=1", seen, lambda _: len(seen) > 1000),
+                                      daemon=True)
+        everything.start()
+        for attempt in range(10):  # the feed starts with its first reader: requests before it are not streamed
+            server.chat("hello world", max_tokens=2, request_id=f"warm-{attempt}")
+            if seen:
+                break
+        only = threading.Thread(target=follow, args=("/v1/stream?k=1&request_id=cb-2", one, lambda e: e == "end"),
+                                daemon=True)
+        only.start()
+        time.sleep(1)  # (the request-id reader is subscribed: nothing asserted depends on how long this is)
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            list(pool.map(lambda i: server.chat(f"hello w{i} world", max_tokens=8 + i, request_id=f"cb-{i}"),
+                          range(4)))
+        steps = {f"cb-{i}": len(ended_on_disk(run, f"cb-{i}").steps) for i in range(4)}
+        only.join(timeout=30)
+        deadline = time.monotonic() + 30
+        while sum(d["request_id"] in steps for d in seen) < sum(steps.values()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert seen and all(d["request_id"] is not None for d in seen), [d["request_id"] for d in seen]
+    assert {r: sum(d["request_id"] == r for d in seen) for r in steps} == steps
+    assert not only.is_alive() and [d.get("step") for d in one[:-1]] == list(range(steps["cb-2"]))
 
 
 # -- nxl run / import nxl_hooks.auto on a plain Python program ----------------------------------------------

@@ -140,7 +140,7 @@ class Watch:
         self.forwards: collections.deque[Forward] = collections.deque(maxlen=keep_calls)
         self.hook: Any = None  #: the forward hook that keeps :attr:`forwards`, while attached
         #: the probe's steps, read for the live readers while attached and any reader is connected
-        self.live: Subscription[Step] | None = None
+        self.live: Subscription[tuple[GenerationCall, Step]] | None = None
         self.dropped_before = 0  #: steps earlier live feeds of this model did not get (:attr:`live`'s are its own)
 
     @property
@@ -369,11 +369,10 @@ class Rules:
 
 
 class LiveStep(NamedTuple):
-    """One step as the live readers get it: the watched model, its call (None when no longer in memory) and the
-    record."""
+    """One step as the live readers get it: the watched model, its call and the record."""
 
     watch: Watch
-    call: GenerationCall | None
+    call: GenerationCall
     step: Step
 
 
@@ -402,7 +401,7 @@ class Live:
         the lock). A probe detached meanwhile (``nxl ctl pause`` in another thread) is not read."""
         self._stop(watch)
         try:
-            live = probe.subscribe(follow=True, replay=False)
+            live = probe.subscribe(follow=True, replay=False, calls=True)
         except RuntimeError:  # detached since: the watch's next probe is followed when it attaches
             return
         watch.live = live
@@ -416,11 +415,11 @@ class Live:
             watch.dropped_before += watch.live.dropped
             watch.live = None
 
-    def _hand_out(self, watch: Watch, steps: Subscription[Step]) -> None:
-        for step in steps:
+    def _hand_out(self, watch: Watch, steps: Subscription[tuple[GenerationCall, Step]]) -> None:
+        for call, step in steps:
             if watch.live is not steps:  # stopped: what it still holds is for readers gone (a new feed serves others)
                 return
-            self.publish(watch, step)
+            self.publish(watch, call, step)
 
     def subscribe(self, request_id: str | None = None) -> Subscription[LiveStep]:
         """A live reader of every step made from now on (only ``request_id``'s, when given)."""
@@ -443,16 +442,14 @@ class Live:
                     self._stop(watch)
         reader.end()
 
-    def publish(self, watch: Watch, step: Step) -> None:
-        """A step of ``watch``'s probe, in its live thread: hand it to the live readers, if any."""
+    def publish(self, watch: Watch, call: GenerationCall, step: Step) -> None:
+        """A step of ``call`` of ``watch``'s probe, in its live thread: hand it to the live readers, if any."""
         readers = self._readers
         if not readers:
             return
         try:
-            probe = watch.probe
-            call = next((c for c in reversed(probe.calls) if c.index == step.call), None) if probe else None
             for reader in readers:
-                if reader.request_id is None or (call is not None and reader.wants(call)):
+                if reader.request_id is None or reader.wants(call):
                     reader.put(LiveStep(watch, call, step))
         except Exception as error:  # noqa: BLE001 - a live view must never stop a generation
             _log.warning("nxl_hooks: a live step was not handed out (%s: %s)", type(error).__name__, error)

@@ -189,7 +189,8 @@ class Settings:
         "NXL_MODELS", _globs, "record only models whose name or path matches one of these comma-separated globs",
         text=",".join, flag="--models", metavar="PATTERN", ctl=True))
     keep_calls: int = setting(DEFAULT_KEEP_CALLS, Option(
-        "NXL_KEEP_CALLS", whole_number, "requests kept in memory per model; older ones are in the sink",
+        "NXL_KEEP_CALLS", whole_number,
+        "requests kept in memory per model, and every one still running; older ones are in the sink",
         flag="--keep-calls", metavar="N"))
     listen: str | None = setting(None, Option(
         "NXL_LISTEN", str, "also serve the control endpoint over HTTP on HOST:PORT: loopback only, bearer token in "
