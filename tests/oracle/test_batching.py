@@ -441,6 +441,30 @@ def test_cancelled_request_ends_incomplete_and_frees_its_features(model, then):
         check_call(model, retry, 4)
 
 
+def test_a_request_whose_manager_fails_ends_at_once_saying_why_and_reaches_the_sink(model, tmp_path):
+    """A prompt larger than the paged cache fails the manager's loop (transformers' own error, probe or not: no
+    step runs after it). The request's call ends then, incomplete, with the manager's error, and is written: it
+    stayed running for ever (no later step found it gone), in no file, and was counted as recorded."""
+    prompt = _prompts((300,), 9)[0]  # 16 pages of 16 positions hold 256
+    with nxl.attach(model, sink=tmp_path / "run.nxl") as probe:
+        manager = model.init_continuous_batching(generation_config=_greedy(), continuous_batching_config=_config())
+        manager.start()
+        try:
+            manager.add_request(prompt, request_id="big", max_new_tokens=3)
+            deadline = time.monotonic() + 60
+            while not [c for c in probe.calls if c.ended is not None] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            (call,) = probe.calls
+            assert call.ended is not None and probe._hub._running == [], "the request never ended"
+            assert not manager.is_running()  # its loop failed: the scenario this test is about
+            probe.flush()
+        finally:
+            manager.stop(block=True, timeout=30)
+    assert not call.complete and "left the manager before it finished (its manager stopped: " in call.error
+    (read,) = nxl.read_stream(tmp_path / "run.nxl", strict=True)
+    assert (read.request_id, read.error, read.complete) == ("big", call.error, False)
+
+
 # transformers 5.18's manager, stopped and started again with its cache kept, fails its first forward (its own
 # error, probe or not: "The size of tensor a (11) must match the size of tensor b (43)"); 5.24 runs it
 _RESTART = pytest.mark.skipif(Version(transformers.__version__) < Version("5.24"),

@@ -432,6 +432,46 @@ class _NoSpace:
         pass
 
 
+def test_status_counts_a_running_call_as_running_not_recorded(tmp_path):
+    """A call still generating is not yet recorded (its end may still say why not: a failed request, a detach):
+    status counts it in ``running``, and nxl ctl still says the process records; once it ends it is recorded."""
+    import threading
+
+    import tiny as tiny_models
+    from transformers import AutoModelForCausalLM
+
+    from nxl_hooks.apps.serve.controller import Controller
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models.save_model(tmp_path / "lm", "llama"))
+    controller = Controller(Settings(run_dir=tmp_path / "run"))
+    controller.adopt(model, "lm")
+    inside, resume, forwards = threading.Event(), threading.Event(), []
+
+    def hold(module, args):  # the second forward waits: the call is running
+        forwards.append(1)
+        if len(forwards) == 2:
+            inside.set()
+            resume.wait(timeout=60)
+
+    handle = model.register_forward_pre_hook(hold)
+    worker = threading.Thread(target=model.generate, args=(torch.tensor([[1, 5, 7, 9]]),),
+                              kwargs={"max_new_tokens": 3, "do_sample": False})
+    try:
+        worker.start()
+        assert inside.wait(timeout=60)
+        (held,) = controller.status()["models"]
+        said = ctl.describe(controller.status())
+        resume.set()
+        worker.join(timeout=60)
+        (done,) = controller.status()["models"]
+    finally:
+        resume.set()
+        handle.remove()
+        controller.close()
+    assert (held["calls"], held["recorded"], held["running"]) == (1, 0, 1) and ": recording;" in said
+    assert (done["calls"], done["recorded"], done["running"]) == (1, 1, 0)
+
+
 def test_faults_are_named_in_status_ctl_and_tail(tmp_path, capsys):
     """A real sink fault (a full disk) and a real unrecorded call (beam search): /v1/status hands them out, nxl ctl
     says them and nxl tail prints each as a line of its own."""

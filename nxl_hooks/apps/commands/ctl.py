@@ -52,8 +52,9 @@ def describe(status: dict) -> str:
         + f", {m['hooks']} hooks, {m['calls']} requests in memory" + (f"; {m['engine']}" if m.get("engine") else "")
         + "".join(f"; {fault}" for fault in faults(m))
         for m in status["models"]) or "no model loaded"
-    # "recording" only while some attached model records: none of its calls yet, or some recorded
-    recording = any(m["attached"] and (not m["calls"] or m.get("recorded", 1)) for m in status["models"])
+    # "recording" only while some attached model records: none of its calls yet, some recorded, or some running
+    recording = any(m["attached"] and (not m["calls"] or m.get("recorded", 1) or m.get("running"))
+                    for m in status["models"])
     state = "paused" if status["paused"] else "recording" if recording else "not recording"
     return printable(f"pid {status['pid']}: {state}; {models}")
 

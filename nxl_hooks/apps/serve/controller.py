@@ -160,7 +160,8 @@ class Watch:
         ``unrecorded``: why the last of its calls that ran unrecorded was not recorded, and ``unrecorded_calls`` how
         many did; None (and 0) while everything is recorded, all read from the probe. ``live_dropped``: steps the
         live readers did not get because the live feed fell behind (still kept and written). ``recorded``: how
-        many of the ``calls`` in memory were recorded without an error. ``head_kind``: what its head predicts while
+        many of the ``calls`` in memory were recorded whole (ended without an error), ``running`` how many have
+        not ended yet. ``head_kind``: what its head predicts while
         attached (``causal_lm``; another kind's requests are plain forwards, none of which makes a token)."""
         model, probe = self.ref(), self.probe
         records = [record for record, _ in self.records()]
@@ -170,7 +171,9 @@ class Watch:
                 "layers": probe.layers if probe is not None else None,
                 "hooks": count_hooks(model) if model is not None else 0,
                 "calls": len(records),
-                "recorded": sum(getattr(record, "error", None) is None for record in records),
+                "recorded": sum(getattr(record, "complete", True) for record in records),  # (a forward is whole)
+                "running": sum(isinstance(record, GenerationCall) and record.ended is None and record.error is None
+                               for record in records),
                 "sink_fault": probe.sink_fault if probe is not None else None,
                 "unwritten": probe.unwritten if probe is not None else 0,
                 "unrecorded": probe.unrecorded if probe is not None else None,

@@ -11,7 +11,7 @@ several requests at once (prefill chunks and one-token decodes side by side, eac
 over a paged KV cache), then gives a token to every request whose prompt is done. ``request_id`` is the manager's
 id for the request (under ``transformers serve``, the ``X-Request-ID`` header, else the server's own id).
 
-How. While a probe of a causal LM is attached, four methods of transformers' classes are wrapped (class-level, for
+How. While a probe of a causal LM is attached, five methods of transformers' classes are wrapped (class-level, for
 every model; requests of a model with no probe pass straight through; the originals come back when the last such
 probe detaches):
 
@@ -27,6 +27,8 @@ probe detaches):
 - ``RequestState.update_and_check_completion``: the token the manager gives a request becomes that request's step
   record, and a request that finishes ends its call, before the manager hands the result to its caller; the
   records of one step go to the record pipeline together, once the step's last token is handed out;
+- ``ContinuousBatchProcessor.fail_all_requests`` (the manager's loop ends: stopped, or failed): the requests it
+  still holds end incomplete, saying why, before it fails them (no later step finds them gone);
 - ``ContinuousBatchingManager.__init__``: with ``NXL_EAGER=1`` in the environment (``nxl run --eager``), managers
   of followed models are made with ``use_cuda_graph=False`` (a fallback: no longer needed to record them).
 
@@ -198,10 +200,22 @@ def _warmup(original: Callable) -> Callable:
     return warmup
 
 
+def _fail_all_requests(original: Callable) -> Callable:
+    def fail_all_requests(self: Any, error: Any, *args: Any, **kwargs: Any) -> Any:
+        with _LOCK:
+            followers = [ref() for ref in _FOLLOWED.values()]
+        for batching in followers:
+            if batching is not None:
+                batching.stopped(self, error)  # never raises
+        return original(self, error, *args, **kwargs)
+
+    return fail_all_requests
+
+
 def _install(classes: list[type]) -> None:
     """Wrap the methods of :data:`~nxl_hooks.hooks.conventions.CONTINUOUS_BATCHING` (caller holds the lock)."""
     wrappers = {"_generation_step": _generation_step, "update_and_check_completion": _update_and_check_completion,
-                "__init__": _manager_init, "warmup": _warmup}
+                "__init__": _manager_init, "warmup": _warmup, "fail_all_requests": _fail_all_requests}
     for owner, (_, _, name) in zip(classes, CONTINUOUS_BATCHING):
         wrap = wrappers[name]
         original = vars(owner)[name]
@@ -442,6 +456,21 @@ class ContinuousBatching:
         if run is not None:
             self.keep(state, run, scheduler)
             run.finish(None, why, what="this request")
+
+    def stopped(self, processor: Any, error: Any) -> None:
+        """``processor``'s manager stopped (asked to, or its loop failed with ``error``) and fails the requests it
+        still holds: each run of them ends now, saying why (no later step sweeps them, and a failed manager's
+        process may run on without one). Never raises."""
+        try:
+            with self._lock:
+                table = self._tables.get(processor)
+            states = self._states.get(processor, {})
+            why = f"the request left the manager before it finished (its manager stopped: {one_line(error)})"
+            for request_id in list(table or ()):
+                self.left(table, request_id=request_id, state=states[request_id], scheduler=processor.scheduler,
+                          why=why)
+        except Exception as failure:  # noqa: BLE001 - never into the manager's loop
+            reason("the end of the requests of a stopped continuous-batching manager", failure)
 
     def _prefix(self, processor: Any, state: Any, first: int) -> Rows:
         """The rows of positions 0..first-1 of a new request whose forwards start at ``first``: its cache reused
