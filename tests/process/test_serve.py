@@ -227,6 +227,22 @@ def test_serve_requests_recorded_per_request_id_and_match_the_oracle(server, tin
     check_call(tiny, busy_call, "the world is", busy_reply)
 
 
+def test_a_request_without_an_id_is_recorded_under_the_x_request_id_serve_sends_back(server):
+    """docs/server.md: a request sent without X-Request-ID is recorded under the id serve made for it, the one the
+    response's X-Request-ID header carries; /v1/responses puts it in its body's ids with a prefix (resp_, msg_), so
+    the body's id is not the record's (the docs said "the response's id")."""
+    payload = {"input": "hello world", "max_output_tokens": 3, "temperature": 0, "stream": False}
+    request = urllib.request.Request(server.base + "/v1/responses", data=json.dumps(payload).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    with urllib.request.urlopen(request, timeout=120) as response:
+        request_id, body = response.headers.get("x-request-id"), json.loads(response.read())
+    assert request_id and body["id"] == f"resp_{request_id}"
+    call = ended_on_disk(server.run, request_id)
+    assert call.request_id == request_id and call.steps and nxl.read_stream(server.run, request_id=body["id"]) == []
+    said = " ".join((Path(__file__).parents[2] / "docs" / "server.md").read_text().split())
+    assert "the id serve made for it, which the response's `X-Request-ID` header carries" in said
+
+
 def test_ctl_pause_resume_attach_detach_change_recording_not_outputs(server, tiny, capsys):
     content, expected = "hello you", tiny.text(tiny.generate("hello you", 5))
     paused = _ctl(capsys, server, "pause")
