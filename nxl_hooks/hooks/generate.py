@@ -80,7 +80,7 @@ from ..records.steps import GenerationCall, Step
 from .recording import NOT_RECORDED, Recording
 from .conventions import UnfollowedForward, cache_keyword, find_cache, positions, prefix_cache, start, token_mask
 from .forward import Capture, head_features, layer_states
-from .guard import Notice, one_line, reason
+from .guard import Notice, one_line, raised, reason
 from .plan import Plan
 from .publish import Hub
 from .traced import eager_twin
@@ -1266,8 +1266,8 @@ class Generations:
             try:
                 out = original(*args, **kwargs)
             except BaseException as error:
-                self._end(run, None, f"generate raised {type(error).__name__}: its records end at the last step "
-                                     "made before")
+                self._end(run, None, f"generate raised {raised(error)}: its records end at the last step made "
+                                     "before")
                 raise
         self._end(run, out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None))
         return out

@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 
-__all__ = ["Notice", "logger", "one_line", "reason"]
+__all__ = ["Notice", "logger", "one_line", "raised", "reason"]
 
 logger = logging.getLogger("nxl_hooks")
 
@@ -16,6 +16,15 @@ logger = logging.getLogger("nxl_hooks")
 def one_line(error: BaseException) -> str:
     """``error``'s message on one line (its type's name when it has none): the text kept with a call."""
     return " ".join(str(error).split()) or type(error).__name__
+
+
+def raised(error: BaseException, limit: int = 200) -> str:
+    """``error`` as a call's reason says the host's own exception: its type, and its message on one line (cut at
+    ``limit`` characters) where it has one, so the user knows why."""
+    text = one_line(error)
+    if text == type(error).__name__:
+        return text
+    return f"{type(error).__name__} ({text if len(text) <= limit else text[:limit - 1] + '…'})"
 
 
 def reason(what: str, error: BaseException) -> str:

@@ -344,8 +344,15 @@ def test_a_generate_that_raised_says_so_on_its_record_with_the_steps_made_before
         handle.remove()
     for call in (probe.calls[0], nxl.read_stream(path)[0]):  # in memory and read back
         assert not call.complete and call.sequences is None
-        assert call.error == "generate raised ValueError: its records end at the last step made before"
+        assert call.error == ("generate raised ValueError (the host's own failure): its records end at the last "
+                              "step made before")  # why, in the host's own words
         assert [step.step for step in call.steps] == [0, 1, 2]  # the tokens of the three forwards that returned
+    from nxl_hooks.hooks.guard import raised
+
+    long = raised(RuntimeError("first line\n" + "x" * 400))  # one line, cut: a reason, not a traceback
+    assert long.startswith("RuntimeError (first line xxx") and long.endswith("x…)")
+    assert len(long) == len("RuntimeError (") + 200 + len(")")
+    assert raised(KeyboardInterrupt()) == "KeyboardInterrupt"  # no message: its type alone
 
 
 _CHILD = textwrap.dedent("""
