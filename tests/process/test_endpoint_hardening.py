@@ -229,6 +229,17 @@ def test_idle_connections_are_bounded_closed_and_never_starve_the_owner(held):
     assert held.process.poll() is None
 
 
+def test_the_bearer_scheme_is_read_in_any_case_and_the_token_exactly(held):
+    """RFC 7235: an auth scheme is case-insensitive (`bearer`, `BEARER` were refused); the token is not."""
+    token = held.token()
+    for header, expected in ((f"bearer {token}", 200), (f"BEARER {token}", 200), (f"Bearer {token}", 200),
+                             (f"bearer {token.swapcase()}", 401), (f"bearer{token}", 401), (f"Basic {token}", 401),
+                             (f"bearer {token}x", 401), ("bearer", 401)):
+        request = f"GET /v1/status HTTP/1.1\r\nHost: x\r\nAuthorization: {header}\r\n\r\n".encode()
+        status, _, _ = _raw(held.listen, request)
+        assert status == expected, header
+
+
 def test_malformed_requests_get_a_json_4xx_without_python_internals(held):
     token = held.token()
     (request,) = Endpoint(socket_path=held.socket).json("GET", "/v1/requests")["requests"]

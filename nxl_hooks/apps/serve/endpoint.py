@@ -118,8 +118,9 @@ class _Handler(BaseHTTPRequestHandler):
         token = self.server.token
         if token is None:  # the Unix socket: its peer was checked at accept (_Listener.verify_request)
             return True
-        given = self.headers.get("Authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+        # the scheme in any case (RFC 7235); the token compared in constant time
+        scheme, _, given = self.headers.get("Authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(given.strip().encode(), token.encode())
 
     def _send(self, status: int, body: bytes, content_type: str = "application/json") -> None:
         self.send_response(status)
