@@ -28,6 +28,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+from nxl_hooks.hooks.probe import count_hooks
+
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 WORDS = [
     "the",
@@ -165,11 +167,9 @@ def elements(page: str, tag: str, cls: str | None = None) -> list[dict]:
     return [e for e in parser.found if e["tag"] == tag and (cls is None or cls in e.get("class", "").split())]
 
 
-def nxl_hooks_on(model: torch.nn.Module) -> int:
-    """How many nxl_hooks hooks are on ``model`` (transformers adds hooks of its own for output_hidden_states and
-    keeps them, so a plain count would depend on which calls ran before)."""
-    return sum(getattr(hook, "__module__", "").startswith("nxl_hooks") for m in model.modules()
-               for hook in (*m._forward_hooks.values(), *m._forward_pre_hooks.values()))
+#: How many nxl_hooks hooks are on a model (transformers adds hooks of its own for output_hidden_states and keeps
+#: them, so a plain count would depend on which calls ran before): the library's own count.
+nxl_hooks_on = count_hooks
 
 
 class ScoringThreads:

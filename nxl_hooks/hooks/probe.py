@@ -45,7 +45,7 @@ from .publish import LIVE_QUEUE, Hub, Subscription
 from .recorder import Recorder, Results
 from .traced import reset_compiled
 
-__all__ = ["Probe", "attach", "detach_all"]
+__all__ = ["Probe", "attach", "detach_all", "count_hooks"]
 
 _LOCK = threading.RLock()  # reentrant: a model collected while it is held detaches through it too
 #: backbone -> what the probe on it attached: one probe per model at a time.
@@ -385,3 +385,14 @@ def detach_all(model: nn.Module) -> int:
     for attachment in attachments:
         attachment()
     return len(attachments)
+
+
+def count_hooks(model: nn.Module) -> int:
+    """How many hooks of nxl_hooks' own are on ``model``: forward hooks and pre-hooks on its modules, plus one for
+    a wrapped instance ``generate``; zero once every probe is off. Only nxl_hooks' own, told by the module of the
+    hook's function: transformers keeps hooks of its own on a model once a call asked for ``output_hidden_states``.
+    ``assert count_hooks(model) == 0``"""
+    hooks = [hook for module in model.modules()
+             for hook in (*module._forward_hooks.values(), *module._forward_pre_hooks.values())]
+    owners = [getattr(getattr(hook, "func", hook), "__module__", None) or "" for hook in hooks]  # a partial's too
+    return sum(owner.startswith("nxl_hooks.") for owner in owners) + int("generate" in vars(model))

@@ -713,8 +713,9 @@ def test_classifier_forwards_are_kept_per_request_and_match_the_oracle(tmp_path)
     from transformers import LlamaConfig, LlamaForSequenceClassification
 
     from nxl_hooks.apps.serve.client import endpoints
-    from nxl_hooks.apps.serve.controller import Controller, count_hooks
+    from nxl_hooks.apps.serve.controller import Controller
     from nxl_hooks.hooks.generate import REQUEST_ID
+    from nxl_hooks.hooks.probe import count_hooks
 
     path = tmp_path / "cls"
     torch.manual_seed(0)
@@ -757,6 +758,30 @@ def test_classifier_forwards_are_kept_per_request_and_match_the_oracle(tmp_path)
     finally:
         controller.close()
     assert not list((tmp_path / "run").glob("*.sock"))  # closed: its socket is gone
+
+
+def test_hooks_transformers_keeps_are_not_counted_as_nxls(tiny, tmp_path):
+    """A program that once asked its model for output_hidden_states carries transformers' own output-capturing
+    hooks: a paused model counts none of nxl's, and none is said left behind (they were counted as nxl's)."""
+    from nxl_hooks.apps.serve.controller import Controller
+    from nxl_hooks.hooks.probe import count_hooks
+
+    model = LlamaForCausalLM.from_pretrained(tiny.path).eval()
+    with torch.no_grad():
+        model(tiny.tokenizer("hello world", return_tensors="pt")["input_ids"], output_hidden_states=True)
+    theirs = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
+    assert theirs > 0  # transformers' own, kept on the model
+    controller = Controller(Settings(run_dir=tmp_path / "run"))
+    controller.adopt(model, str(tiny.path))
+    try:
+        (attached,) = controller.status()["models"]
+        assert attached["attached"] and attached["hooks"] > 0
+        controller.pause()
+        (paused,) = controller.status()["models"]
+        assert paused["hooks"] == 0 and count_hooks(model) == 0
+    finally:
+        controller.close()
+    assert sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules()) == theirs  # left alone
 
 
 _FORWARDS = """

@@ -41,7 +41,7 @@ from ...method.subject import Subject, unwrap
 from ...hooks.generate import REQUEST_ID
 from ...hooks.guard import reason
 from ...hooks.plan import TokenTexts, make_plan, token_texts, tokenizer_mismatch
-from ...hooks.probe import Probe, attach
+from ...hooks.probe import Probe, attach, count_hooks
 from ...hooks.subscription import Subscription
 from ...method.select import special_mask
 from ...records.attribution import Attribution
@@ -50,18 +50,11 @@ from ...records.sinks import make_sink
 from ...records.steps import GenerationCall, Step
 from .settings import Settings, matches
 
-__all__ = ["Controller", "Forward", "Live", "LiveStep", "Models", "Rules", "Texts", "Watch", "controller",
-           "count_hooks", "start", "stop"]
+__all__ = ["Controller", "Forward", "Live", "LiveStep", "Models", "Rules", "Texts", "Watch", "controller", "start",
+           "stop"]
 
 _log = logging.getLogger("nxl_hooks")
 _PROBE = "_nxl_probe"  #: the attribute of a model that holds its probe
-
-
-def count_hooks(model: Any) -> int:
-    """Forward hooks and pre-hooks on every module of ``model``, plus one for a wrapped instance ``generate``:
-    what an attached probe adds (zero on a model nobody hooked)."""
-    total = sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in model.modules())
-    return total + int("generate" in vars(model))
 
 
 class Texts:

@@ -24,7 +24,8 @@ from typing import Any
 
 from ...hooks.generate import EAGER
 from ...hooks.plan import model_name
-from .controller import Controller, count_hooks, start, stop
+from ...hooks.probe import count_hooks
+from .controller import Controller, start, stop
 from .lazy import HOOKS
 from .settings import Settings
 
