@@ -221,6 +221,40 @@ def test_a_plain_script_waited_for_attached_recorded_detached(tiny, tmp_path, ca
                                    rtol=1e-4, atol=1e-4)
 
 
+def _catches_sigterm(pid: int) -> bool:
+    """Whether process ``pid`` has a handler for SIGTERM (its SigCgt mask in /proc)."""
+    caught = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("SigCgt"))
+    return bool(int(caught.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
+
+
+@needs_gdb
+def test_sigterm_on_an_attached_process_removes_its_socket_as_under_nxl_run(tiny, tmp_path, capsys):
+    """The endpoint starts in nxl attach's thread, where Python sets no signal handler: the injected script sets
+    its SIGTERM handler from the main thread (the socket was left behind), and a detach gives the default back."""
+    go, run = tmp_path / "go", tmp_path / "run"
+    go.touch()
+    process = _start(tmp_path, _SCRIPT, str(tiny.path), str(go))
+    try:
+        pid = str(process.pid)
+        assert not _catches_sigterm(process.pid)
+        code, _, err = _cli(capsys, "attach", pid, "--sink", str(run), "--wait", "90")
+        assert code == 0, err
+        assert _catches_sigterm(process.pid) and (run / f"{pid}.sock").exists()
+        code, _, err = _cli(capsys, "detach", pid)
+        assert code == 0, err
+        deadline = time.monotonic() + 60
+        while _catches_sigterm(process.pid):  # the detach's script runs in the main thread, as the attach's
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+        code, _, err = _cli(capsys, "attach", pid, "--sink", str(run))
+        assert code == 0 and (run / f"{pid}.sock").exists(), err
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == -signal.SIGTERM  # it dies of the signal, as without nxl
+    finally:
+        _stop(process)
+    assert not (run / f"{pid}.sock").exists()
+
+
 # -- refusals: one line, exit code 2, nothing injected ---------------------------------------------------------
 
 _LOOP = "import sys, time\nprint('ready', flush=True)\nfor _ in range(1200):\n    time.sleep(0.05)\n"

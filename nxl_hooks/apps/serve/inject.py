@@ -30,8 +30,9 @@ signal handlers; that is the same safe point ``sys.remote_exec`` uses. The page 
 
 The bootstrap runs :func:`script_source`'s script in a fresh namespace (nothing lands in ``__main__``) and
 swallows every exception, so nothing can raise into the target. The script claims the request (an atomic
-rename: a request ``nxl attach`` withdrew after its timeout is never carried out), starts one short-lived daemon
-thread, and returns; the thread imports nxl_hooks *from the target's own environment*, does the work
+rename: a request ``nxl attach`` withdrew after its timeout is never carried out), sets the control socket's
+SIGTERM/SIGHUP handler (:func:`script_source`: only the main thread may), starts one short-lived daemon thread, and
+returns; the thread imports nxl_hooks *from the target's own environment*, does the work
 (:func:`nxl_hooks.apps.serve.remote.handle`) and writes the outcome to a 0600 result file that :func:`inject`
 waits for. The request (the run's settings as ``NXL_*`` values) goes through a 0600 file in a 0700 folder, never
 on a command line.
@@ -289,10 +290,24 @@ def bootstrap_source(script: str, target: Target | None = None) -> str:
 def script_source(request: str) -> str:
     """The script the bootstrap runs: claim ``request`` (``<request>.taken``), hand the work to a daemon thread,
     return. The thread writes ``<request>.result`` (0600): :func:`nxl_hooks.apps.serve.remote.handle`'s outcome,
-    or why nxl_hooks did not import."""
-    return f'''import importlib.util, json, os, sys, threading
+    or why nxl_hooks did not import. In the main thread, where alone Python sets signal handlers, an attach puts
+    the control endpoint's SIGTERM/SIGHUP handler where the process left their default action (it removes the
+    socket, then dies of the signal: docs/security.md), and a detach gives the default back."""
+    return f'''import importlib.util, json, os, signal, sys, threading
 REQUEST = {request!r}
 TAKEN, RESULT = REQUEST + ".taken", REQUEST + ".result"
+
+
+def die(signum, frame):
+    # the endpoint's own handler once nxl_hooks is imported (before that there is no socket to remove)
+    endpoint = sys.modules.get("nxl_hooks.apps.serve.endpoint")
+    if endpoint is not None:
+        return endpoint._die(signum, frame)
+    signal.signal(signum, signal.SIG_DFL)
+    os.kill(os.getpid(), signum)
+
+
+die.__nxl_attach__ = True  # how a detach tells it from the program's own handler
 
 
 def report(outcome):
@@ -330,7 +345,17 @@ def work():
 
 
 os.rename(REQUEST, TAKEN)  # FileNotFoundError (swallowed by the bootstrap) when nxl attach withdrew it
+try:
+    with open(TAKEN) as fh:
+        ACTION = json.load(fh).get("action")
+except Exception:  # the thread reports it
+    ACTION = None
 threading.Thread(target=work, name="nxl-attach", daemon=True).start()
+for signum in (signal.SIGTERM, signal.SIGHUP):
+    if ACTION == "attach" and signal.getsignal(signum) == signal.SIG_DFL:
+        signal.signal(signum, die)
+    elif ACTION == "detach" and getattr(signal.getsignal(signum), "__nxl_attach__", False):
+        signal.signal(signum, signal.SIG_DFL)
 '''
 
 
