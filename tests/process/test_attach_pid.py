@@ -221,6 +221,38 @@ def test_a_plain_script_waited_for_attached_recorded_detached(tiny, tmp_path, ca
                                    rtol=1e-4, atol=1e-4)
 
 
+@needs_gdb
+def test_an_interrupted_attach_wait_never_attaches_the_process_later(tiny, tmp_path):
+    """Ctrl-C on nxl attach --wait once the process took the request: the command removes its run folder and
+    exits 130, and the process, once it loads its model, does not attach after all (it did: hooks, endpoint and
+    records, in the run folder made again 0755, and the next nxl attach was refused 'recorded already')."""
+    go, run, again = tmp_path / "go", tmp_path / "run", tmp_path / "again"
+    private = tmp_path / "tmp"
+    private.mkdir(mode=0o700)
+    process = _start(tmp_path, _SCRIPT, str(tiny.path), str(go))
+    try:
+        pid = str(process.pid)
+        attach = subprocess.Popen([sys.executable, "-m", "nxl_hooks", "attach", pid, "--wait", "120", "--sink",
+                                   str(run)], env={**os.environ, "TMPDIR": str(private)}, stderr=subprocess.PIPE,
+                                  text=True)
+        deadline = time.monotonic() + 120
+        while not list(private.glob("nxl-attach-*/request.json.taken")):  # the process took the request
+            assert attach.poll() is None and time.monotonic() < deadline, attach.stderr.read()
+            time.sleep(0.05)
+        attach.send_signal(signal.SIGINT)
+        assert attach.wait(timeout=60) == 130 and not run.exists()
+        go.touch()  # the model loads now: the request's thread finds it
+        code = subprocess.run([sys.executable, "-m", "nxl_hooks", "attach", pid, "--sink", str(again), "--wait", "90"],
+                              capture_output=True, text=True, timeout=300)  # waits for that thread to end first
+        assert code.returncode == 0 and "recorded (" in code.stderr, code.stderr
+        assert not run.exists()
+        done = subprocess.run([sys.executable, "-m", "nxl_hooks", "detach", pid], capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr
+    finally:
+        _stop(process)
+
+
 def _catches_sigterm(pid: int) -> bool:
     """Whether process ``pid`` has a handler for SIGTERM (its SigCgt mask in /proc)."""
     caught = next(line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("SigCgt"))

@@ -48,6 +48,7 @@ from ...records.attribution import Attribution
 from ...records.writer import RotatingSink
 from ...records.sinks import make_sink
 from ...records.steps import GenerationCall, Step
+from .runs import check_private
 from .settings import Settings, matches
 
 __all__ = ["Controller", "Forward", "Live", "LiveStep", "Models", "Rules", "Texts", "Watch", "controller", "start",
@@ -255,9 +256,10 @@ class Rules:
             generates = subject.kind is HeadKind.CAUSAL_LM
             if generates and settings.sink_spec:
                 sink = make_sink(settings.sink_spec.replace("{model}", watch.slug))
-            elif generates and settings.sink:
-                sink = make_sink(f"folder:{settings.run_dir / watch.slug}", max_bytes=settings.sink_max_bytes,
-                                 max_files=settings.sink_max_files)
+            elif generates and settings.sink:  # only in the run folder nxl run or nxl attach made (0700): one
+                # removed since (an interrupted nxl attach removes its own) is not made again here, 0755, by the sink
+                sink = make_sink(f"folder:{check_private(settings.run_dir.resolve()) / watch.slug}",
+                                 max_bytes=settings.sink_max_bytes, max_files=settings.sink_max_files)
             # the model's own tokenizer (loaded once, shared with the live view): every record, live or on disk,
             # carries its tokens' texts, and word targets (--target " Paris") resolve
             probe = attach(subject, **self.options, tokenizer=self._tokenizer(watch, model, self.options), sink=sink,

@@ -339,7 +339,7 @@ def work():
             return report({{"ok": False, "code": "import", "executable": sys.executable,
                             "error": "nxl_hooks is not importable in process %d (%s: %s)"
                                      % (os.getpid(), type(error).__name__, error)}})
-        report(handle(request))
+        report(handle(request, lambda: os.path.exists(TAKEN)))  # gone: nxl attach gave up, removing its folder
     except BaseException as error:
         report({{"ok": False, "code": "failed", "error": "%s: %s" % (type(error).__name__, error)}})
 

@@ -20,7 +20,7 @@ import os
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 from ...hooks.generate import EAGER
 from ...hooks.plan import model_name
@@ -37,14 +37,16 @@ _ATTACHED: Controller | None = None  #: the controller ``nxl attach`` started he
 _EAGER_BEFORE: list[str | None] = []  #: NXL_EAGER as it was before an ``nxl attach --eager``, given back at detach
 
 
-def handle(request: dict) -> dict:
+def handle(request: dict, wanted: Callable[[], bool] = lambda: True) -> dict:
     """Carry out ``request`` (``{"action": "attach", "env": {NXL_*}, "wait": s}`` or ``{"action": "detach"}``) and
-    return its outcome."""
+    return its outcome. ``wanted``: whether nxl attach still waits for the answer; one it gave up on (Ctrl-C, its
+    timeout: it told its user nothing was attached, and removed the run folder it made) is not carried out, nor
+    kept when it gave up meanwhile."""
     try:
         with _LOCK:
             if request.get("action") == "detach":
                 return _detach()
-            return _attach(request.get("env", {}), float(request.get("wait", 0)))
+            return _attach(request.get("env", {}), float(request.get("wait", 0)), wanted)
     except Exception as error:  # noqa: BLE001 - said to nxl attach, never raised in the target
         return {"ok": False, "code": "failed", "error": f"{type(error).__name__}: {' '.join(str(error).split())}"}
 
@@ -75,10 +77,15 @@ def _scan() -> list[tuple[Any, str]]:
     return [(model, model_name(model)) for model in models if id(model) not in inner]
 
 
-def _attach(env: dict[str, str], wait: float) -> dict:
+def _attach(env: dict[str, str], wait: float, wanted: Callable[[], bool]) -> dict:
     global _ATTACHED
     settings = Settings.from_env(env)
     found = live_models(wait, settings.selects)
+    if not wanted():
+        return {"ok": False, "code": "withdrawn", "error": "nxl attach gave up on the request: nothing attached"}
+    if not settings.run_dir.is_dir():  # nxl attach makes it (0700); one removed since is not made again here
+        return {"ok": False, "code": "no-run-folder",
+                "error": f"the run folder {settings.run_dir} is gone: nothing attached; attach again"}
     names = sorted({name for _, name in found})
     if not any(settings.selects(name) for name in names):
         what = (f"no model matches --models {','.join(settings.models)} (found: {', '.join(names)})" if names else
@@ -97,6 +104,8 @@ def _attach(env: dict[str, str], wait: float) -> dict:
         for model, name in found:
             ctl.adopt(model, name)
         status = ctl.status()
+        if not wanted():  # it gave up while the models were attached: nothing of this attach stays
+            raise RuntimeError("nxl attach gave up on the request while it was carried out")
         if not any(model["attached"] for model in status["models"]):
             raise ValueError("no model could be attached (" + "; ".join(
                 f"{model['name']}: {model['error'] or 'not selected'}" for model in status["models"]) + ")")
