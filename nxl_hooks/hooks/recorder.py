@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import sys
 import threading
 import types
 import weakref
@@ -24,7 +25,7 @@ from torch import nn
 from torch.compiler import is_dynamo_compiling, is_exporting
 
 from ..records.attribution import Attribution
-from .conventions import start
+from .conventions import find_cache, start
 from .engines import Engine
 from .forward import Capture, assemble, embedding_norms, open_capture
 from .generate import Generations
@@ -34,6 +35,10 @@ from .recording import Recording
 from .traced import Recompiled, TracedForward
 
 __all__ = ["Recorder", "Results"]
+
+
+_STARTED_BEFORE = ("not recorded: this generate call started before the probe attached, so the context of its tokens "
+                   "ran unseen; the calls that start from now on are recorded")
 
 
 def _hidden(output: Any) -> torch.Tensor:
@@ -108,6 +113,9 @@ class Recorder:
         self.results = results
         self._told_stray = False
         self._told_cached = False  # a forward that continues a KV cache was said not recorded
+        #: id(cache) -> (weak reference to it, whether generate runs it): each KV cache the probe never saw is one
+        #: unrecorded call (:meth:`_continued`)
+        self._continued_caches: dict[int, tuple[weakref.ref, bool]] = {}
         # Layers whose features a hook computes; the last block is hooked in any case, for final logits.
         self._wanted = set(plan.layers)
         # Under torch.compile the hooks only keep what a plain forward saw (graph-safe: no host read, no lock).
@@ -191,16 +199,45 @@ class Recorder:
         # (read on the host where it is a tensor, a static cache's: a plain forward's record is made on it anyway)
         past = int(past) if past is not None else 0
         if past not in (0, self.plan.subject.virtual_tokens):
-            # a decoding loop of the user's: said once per probe, its every forward's result says it
-            self.results.last = ValueError(
-                f"the last forward continued a KV cache holding {past} positions (past_key_values) that ran "
-                "before the probe saw them, so its tokens' context is unknown and it was not recorded; run the "
-                "whole sequence in one forward, or decode with generate, which nxl_hooks follows step by step")
-            if not self._told_cached:
-                self._told_cached = True
-                logger.warning("nxl_hooks: %s", self.results.last)
+            self.results.last = ValueError(self._continued(find_cache(arguments), past))
             return True
         return False
+
+    def _continued(self, cache: Any, past: int) -> str:
+        """Why a forward that continues ``cache``, a KV cache the probe never saw, is not recorded: a ``generate``
+        call that started before the probe attached (``nxl attach`` or ``nxl ctl resume`` mid-call), or a decoding
+        loop of the user's. On a model that generates, each such cache is one call run unrecorded (counted once,
+        told apart by the cache object its forwards share, not per token), and a call of generate is said as it is
+        met; a loop of the user's is said once per probe."""
+        if self.gens is None or cache is None:  # no call to count, or nothing to tell its forwards by
+            return self._own_loop(past)
+        seen = self._continued_caches.get(id(cache))
+        new = seen is None or seen[0]() is not cache  # (an id a freed cache had may be another's now)
+        if new:  # (once per cache) whether transformers' generate loop runs it
+            utils = sys.modules.get("transformers.generation.utils")
+            frame, in_generate = sys._getframe(), False
+            while frame is not None and not in_generate:
+                in_generate = utils is not None and frame.f_code.co_filename == utils.__file__
+                frame = frame.f_back
+            self._continued_caches = {key: value for key, value in self._continued_caches.items()
+                                      if value[0]() is not None}
+            self._continued_caches[id(cache)] = (weakref.ref(cache), in_generate)
+        else:
+            in_generate = seen[1]
+        why = _STARTED_BEFORE if in_generate else self._own_loop(past)
+        if new:
+            self.notice.unrecorded(why if in_generate else f"not recorded: {why}", log=in_generate)
+        return why
+
+    def _own_loop(self, past: int) -> str:
+        """A decoding loop of the user's (said once per probe; its every forward's result says it)."""
+        why = (f"the last forward continued a KV cache holding {past} positions (past_key_values) that ran before "
+               "the probe saw them, so its tokens' context is unknown and it was not recorded; run the whole "
+               "sequence in one forward, or decode with generate, which nxl_hooks follows step by step")
+        if not self._told_cached:
+            self._told_cached = True
+            logger.warning("nxl_hooks: %s", why)
+        return why
 
     # -- hooks -------------------------------------------------------------------------------------------
 

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 
 import pytest
 import torch
-from transformers import BertConfig, BertForSequenceClassification
+from transformers import BertConfig, BertForSequenceClassification, LogitsProcessor, LogitsProcessorList
 
 import big_models as big
 import nxl_hooks as nxl
@@ -95,6 +96,44 @@ def test_a_forward_that_continues_a_kv_cache_the_probe_never_saw_is_said_not_rec
     with pytest.raises(ValueError, match=r"continued a KV cache holding 7 positions .* decode with generate"):
         probe.result()
     assert len([r for r in caplog.records if "continued a KV cache" in r.getMessage()]) == 1
+    # one cache, one call not recorded (not one per token), said where the operator reads it
+    assert probe.unrecorded_calls == 1 and "decode with generate" in probe.unrecorded
+
+
+def test_a_generate_call_already_running_at_attach_is_counted_unrecorded_once_with_why(caplog):
+    """A generate call that started before the probe attached (nxl attach, nxl ctl resume mid-call) continues a
+    cache the probe never saw: one call not recorded, saying so (it was silent: unrecorded_calls 0, and the log
+    line's advice, to decode with generate, did not fit); its output is its own, and the next call is recorded."""
+    model = tiny.build_model("llama")
+    ids = _ids(1, 5)
+    reached, attached = threading.Event(), threading.Event()
+
+    class Pause(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if input_ids.shape[1] == 7:  # two tokens made: the probe attaches now, mid-call
+                reached.set()
+                assert attached.wait(60)
+            return scores
+
+    def generate(**extra) -> torch.Tensor:
+        with torch.no_grad():
+            return model.generate(input_ids=ids, max_new_tokens=6, min_new_tokens=6, do_sample=False, **extra)
+
+    plain, out = generate(), []
+    host = threading.Thread(target=lambda: out.append(generate(logits_processor=LogitsProcessorList([Pause()]))))
+    host.start()
+    assert reached.wait(60)
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"), nxl.attach(model) as probe:
+        attached.set()
+        host.join(60)
+        assert not probe.calls and probe.unrecorded_calls == 1
+        assert "this generate call started before the probe attached" in probe.unrecorded
+        told = [r.getMessage() for r in caplog.records if "started before the probe attached" in r.getMessage()]
+        assert len(told) == 1 and not [r for r in caplog.records if "decode with generate" in r.getMessage()]
+        assert torch.equal(generate(), plain)
+        (call,) = probe.calls
+        assert call.complete and len(call.steps) == 6 and probe.unrecorded_calls == 1
+    torch.testing.assert_close(out[0], plain, rtol=0, atol=0)
 
 
 def test_peft_prefix_tuning_explains_the_input_tokens_after_its_virtual_ones():
