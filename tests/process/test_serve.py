@@ -760,6 +760,50 @@ def test_classifier_forwards_are_kept_per_request_and_match_the_oracle(tmp_path)
     assert not list((tmp_path / "run").glob("*.sock"))  # closed: its socket is gone
 
 
+def test_a_causal_lms_plain_forwards_are_kept_once_each_beside_its_generate_calls(tiny, tmp_path):
+    """A causal LM's own model(...) (scoring, log-probabilities) under nxl run / nxl attach: each plain forward is a
+    request kept with its attribution, equal to the oracle's, and the forwards inside a generate call are that
+    call's steps only (they were kept nowhere while the status said all was recorded); nxl tail says they make no
+    token line."""
+    from nxl_hooks.apps.commands.tail import forward_calls
+    from nxl_hooks.apps.serve.client import endpoints
+    from nxl_hooks.apps.serve.controller import Controller
+    from nxl_hooks.hooks.generate import REQUEST_ID
+
+    served = LlamaForCausalLM.from_pretrained(tiny.path).eval()
+    controller = Controller(Settings(run_dir=tmp_path / "run"))
+    controller.adopt(served, str(tiny.path))
+    ids = tiny.tokenizer("hello world how are you", return_tensors="pt")["input_ids"]
+    try:
+        for request_id, run in (("f0", served), ("g0", lambda x: served.generate(x, max_new_tokens=3,
+                                                                                 do_sample=False)), ("f1", served)):
+            token = REQUEST_ID.set(request_id)
+            with torch.no_grad():
+                run(ids)
+            REQUEST_ID.reset(token)
+        (model,) = controller.status()["models"]
+        assert model["calls"] == 3 and model["forwards"] == 2 and model["unrecorded_calls"] == 0
+        (said,) = forward_calls(model)
+        assert "plain forward calls" in said and "/v1/requests/ID" in said
+        (endpoint,) = endpoints(str(tmp_path / "run"))
+        listed = endpoint.json("GET", "/v1/requests")["requests"]
+        assert sorted((r["request_id"], r["kind"]) for r in listed) == [("f0", "forward"), ("f1", "forward"),
+                                                                       ("g0", "generate")]
+        (row,) = endpoint.json("GET", "/v1/requests/f1?k=3")["explained"]
+        with torch.no_grad():
+            out = tiny.model(ids, output_hidden_states=True)
+        target = out.logits[0, -1].argmax()
+        _, expected = normxlogit(llama(tiny.model).layer_logits(out.hidden_states), out.hidden_states[0],
+                                 target.view(1))
+        assert row["position"] == ids.shape[1] - 1 and row["target"] == [int(target)]
+        for layer, top in row["top"].items():
+            assert len(top) == 3
+            torch.testing.assert_close(torch.tensor([entry[2] for entry in top]),
+                                       expected[int(layer), 0][[entry[0] for entry in top]], rtol=1e-4, atol=1e-5)
+    finally:
+        controller.close()
+
+
 def test_hooks_transformers_keeps_are_not_counted_as_nxls(tiny, tmp_path):
     """A program that once asked its model for output_hidden_states carries transformers' own output-capturing
     hooks: a paused model counts none of nxl's, and none is said left behind (they were counted as nxl's)."""

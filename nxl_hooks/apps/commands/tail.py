@@ -24,7 +24,8 @@ token is made, never changed afterwards.
 While no token comes (at the start, once subscribed to every process, or for a while after the last token), a
 line on stderr says it waits. What a process does not record (its sink stopped writing, calls that run unrecorded)
 is a line of its own, ``!`` first, as soon as its status says so; so is a model whose requests are plain forwards
-(a classifier), once it has served one: they make no token, and no line of tail's. Every line goes through
+(a classifier), once it has served one, and a causal LM once it has run a plain forward (``model(...)``): they make
+no token, and no line of tail's. Every line goes through
 :func:`~nxl_hooks.records.tokens.printable` before the terminal sees it: request ids come from the network, and an
 escape sequence in one is shown, never run.
 """
@@ -92,12 +93,16 @@ def faults(model: dict) -> list[str]:
 
 def forward_calls(model: dict) -> list[str]:
     """What nxl tail says of a model (a status's) whose requests are plain forwards (a classifier), once it has
-    served one: they make no token, so tail shows no line of theirs; empty for any other model."""
+    served one, and of a causal LM once it has run a plain forward (``model(...)``, not ``generate``): they make no
+    token, so tail shows no line of theirs; empty for any other model."""
     kind = model.get("head_kind")
+    where = "nxl tail shows none of them; each one's top tokens per layer are at the run's endpoint, /v1/requests/ID"
+    if kind == "causal_lm" and model.get("forwards"):
+        return [f"some of its requests are plain forward calls (model(...), not generate), which make no token: "
+                f"{where}"]
     if kind in (None, "causal_lm") or not model.get("calls"):
         return []
-    return [f"its requests are forward calls of a {kind.replace('_', ' ')} model, not generated tokens: nxl tail "
-            "shows none of them; each one's top tokens per layer are at the run's endpoint, /v1/requests/ID"]
+    return [f"its requests are forward calls of a {kind.replace('_', ' ')} model, not generated tokens: {where}"]
 
 
 def line(view: StepView, layer: int | None, width: int, method: str = METHOD) -> str:

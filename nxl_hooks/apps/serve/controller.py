@@ -10,8 +10,9 @@ Three parts, each with its own lock: :class:`Models` (the watched models and the
 :class:`Rules` (when a model carries a probe: attach, detach, pause, re-attach with other options) and
 :class:`Live` (the live readers' feeds). :class:`Controller` holds the three and the control endpoint.
 
-Records: a ``GenerationCall`` per ``generate`` call (or continuous-batching request) of a causal LM, and for the
-other heads (classifiers, masked LMs), whose requests are plain forwards, a :class:`Forward` per forward.
+Records: a ``GenerationCall`` per ``generate`` call (or continuous-batching request) of a causal LM, and a
+:class:`Forward` per plain forward: every request of the other heads (classifiers, masked LMs), and a causal LM's
+``model(...)`` beside its ``generate`` calls (scoring, log-probabilities). Forwards are kept in memory only.
 
 Lifetimes. The probe lives on the model object (``model._nxl_probe``) and nowhere else: when the program drops a
 model (``transformers serve --model-timeout``), model and probe are freed together and the probe's finalizer
@@ -112,7 +113,8 @@ def _engine(model: Any) -> str | None:
 
 @dataclass(eq=False)
 class Forward:
-    """One forward of a model that does not generate (a classifier): the request it served and its attribution."""
+    """One plain forward (a classifier's request, a causal LM's ``model(...)``): the request it served and its
+    attribution."""
 
     request_id: str  #: REQUEST_ID where the program set it, else a generated id
     thread: str
@@ -278,13 +280,16 @@ class Rules:
         watch.error = None
         if generates:
             self.live.follow(watch, probe)
-        if probe.kind is not HeadKind.CAUSAL_LM:  # requests are plain forwards: keep each one's attribution
-            watch.hook = probe.model.register_forward_hook(functools.partial(self._on_forward, watch))
+        # a plain forward is a request of its own (a classifier's are all such; a causal LM's model(...) beside its
+        # generate calls): keep each one's attribution
+        watch.hook = probe.model.register_forward_hook(functools.partial(self._on_forward, watch, threading.local()))
 
     @staticmethod
-    def _on_forward(watch: Watch, module: Any, args: tuple, output: Any) -> None:
-        """After each forward of a non-generating model, in the host's thread, once the probe's own hook (put on
-        before this one) has assembled it: keep its attribution with the request it served."""
+    def _on_forward(watch: Watch, kept: threading.local, module: Any, args: tuple, output: Any) -> None:
+        """After each forward of the model, in the host's thread, once the probe's own hook (put on before this
+        one) has assembled it: keep a plain forward's attribution with the request it served. ``kept``: this
+        thread's last one kept, which a forward inside a ``generate`` call leaves as the thread's result (its step
+        is recorded in its call, never kept twice)."""
         probe = watch.probe
         if probe is None:
             return
@@ -292,6 +297,9 @@ class Rules:
             result = probe.result()
         except Exception:  # noqa: BLE001 - a forward the probe could not record; its reason was logged
             return
+        if result is getattr(kept, "last", None):
+            return
+        kept.last = result
         request_id = REQUEST_ID.get() or uuid.uuid4().hex
         watch.forwards.append(Forward(request_id, threading.current_thread().name, result))
 
@@ -529,7 +537,9 @@ class Controller:
         ``unrecorded`` say what is not being recorded and why."""
         return {"pid": os.getpid(), "paused": self.paused, "options": dict(self.options),
                 "sink": self.settings.sink_spec or (str(self.settings.run_dir) if self.settings.sink else None),
-                "keep_calls": self.settings.keep_calls, "models": [watch.describe() for watch in self.watches()],
+                "keep_calls": self.settings.keep_calls,
+                # forwards: how many of each model's calls in memory are plain forwards, which make no token
+                "models": [{**watch.describe(), "forwards": len(watch.forwards)} for watch in self.watches()],
                 "endpoint": self.endpoint.describe() if self.endpoint is not None else None}
 
     def close(self) -> None:
