@@ -804,6 +804,36 @@ def test_a_causal_lms_plain_forwards_are_kept_once_each_beside_its_generate_call
         controller.close()
 
 
+def test_a_model_the_program_compiles_whole_runs_under_nxl_run(tiny, tmp_path):
+    """The program's torch.compile(model, fullgraph=True) under nxl run: the run's keeper of plain forwards is traced
+    with the model's hooks and adds no graph break (it raised dynamo's Unsupported into the program's call); the
+    output is the model's, and the probe's own record of that forward still equals the oracle."""
+    from torch._dynamo.utils import counters
+
+    from nxl_hooks.apps.serve.controller import Controller
+
+    served = LlamaForCausalLM.from_pretrained(tiny.path).eval()
+    controller = Controller(Settings(run_dir=tmp_path / "run"))
+    controller.adopt(served, str(tiny.path))
+    ids = tiny.tokenizer("hello world how are you", return_tensors="pt")["input_ids"]
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        with torch.no_grad():
+            out = torch.compile(served, fullgraph=True, backend="eager")(ids)
+            expected = tiny.model(ids, output_hidden_states=True)
+        torch.testing.assert_close(out.logits, expected.logits)
+        assert not counters["graph_break"]
+        (watch,) = controller.watches()
+        result = watch.probe.result()
+        _, oracle = normxlogit(llama(tiny.model).layer_logits(expected.hidden_states), expected.hidden_states[0],
+                               expected.logits[0, -1].argmax().view(1))
+        torch.testing.assert_close(result.normxlogit[:, 0], oracle[:, 0], rtol=1e-4, atol=1e-5)
+    finally:
+        torch._dynamo.reset()
+        controller.close()
+
+
 def test_hooks_transformers_keeps_are_not_counted_as_nxls(tiny, tmp_path):
     """A program that once asked its model for output_hidden_states carries transformers' own output-capturing
     hooks: a paused model counts none of nxl's, and none is said left behind (they were counted as nxl's)."""

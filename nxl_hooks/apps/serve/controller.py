@@ -43,6 +43,7 @@ from ...hooks.generate import REQUEST_ID
 from ...hooks.guard import reason
 from ...hooks.plan import TokenTexts, make_plan, token_texts, tokenizer_mismatch
 from ...hooks.probe import Probe, attach, count_hooks
+from ...hooks.recorder import traced
 from ...hooks.subscription import Subscription
 from ...method.select import special_mask
 from ...records.attribution import Attribution
@@ -289,9 +290,10 @@ class Rules:
         """After each forward of the model, in the host's thread, once the probe's own hook (put on before this
         one) has assembled it: keep a plain forward's attribution with the request it served. ``kept``: this
         thread's last one kept, which a forward inside a ``generate`` call leaves as the thread's result (its step
-        is recorded in its call, never kept twice)."""
+        is recorded in its call, never kept twice). Traced (the user's ``torch.compile(model)``), it does nothing:
+        dynamo cannot follow the probe's per-thread state, and a traced hook must add no graph break."""
         probe = watch.probe
-        if probe is None:
+        if probe is None or traced():
             return
         try:
             result = probe.result()
