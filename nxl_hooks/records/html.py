@@ -112,6 +112,7 @@ def heatmap(
 
     everything = kept([v for row in cells for v in row])
     low, high = min(everything, default=0.0), max(everything, default=0.0)
+    overall = peak(everything)  # once: per cell it made a table of n cells cost n passes over it
     columns = [peak([row[j] for row in cells]) for j in range(len(col_labels))]
     rows = [peak(row if scaled is None else [v for v, use in zip(row, scaled[i]) if use])
             for i, row in enumerate(cells)]
@@ -120,7 +121,7 @@ def heatmap(
     def shade(i: int, j: int, value: float) -> float:
         if scale == "range":
             return (value - low) / (high - low) if high > low else 0.5
-        return value / {"column": columns[j], "row": rows[i], "all": peak(everything)}[scale]
+        return value / (columns[j] if scale == "column" else rows[i] if scale == "row" else overall)
 
     head = "".join(f'<th class="{extra.strip()}">{html.escape(str(c))}</th>' if extra else
                    f"<th>{html.escape(str(c))}</th>" for c, extra in zip(col_labels, classes))
