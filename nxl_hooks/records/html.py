@@ -367,6 +367,16 @@ _GENERATION_SCRIPT = """
 """
 
 
+def _unfinished(call: Any) -> str:
+    """What of ``call`` its record lacks, and why; "" when it holds every step."""
+    if call.complete:
+        return ""
+    after = f" after step {call.steps[-1].step}" if call.steps else ""
+    if call.error:
+        return f"not recorded{after}: {call.error.removeprefix('not recorded: ')}"
+    return f"incomplete: the record ends{after} (its stream was cut, or the call is still running)"
+
+
 def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "normxlogit",
                     title: str = "nxl_hooks generation", k: int = 3) -> str:
     """Self-contained page of one ``generate`` call (a :class:`~nxl_hooks.GenerationCall`): generated tokens (rows) x context tokens (columns), one layer at
@@ -376,13 +386,17 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
     chat template's columns (markers, system prompt) are marked ``▫`` and folded away until asked for, so the
     table starts at the user's message. Each row is labelled by its step view
     (:class:`~nxl_hooks.records.view.StepView`, what ``nxl tail`` and the endpoint show; the page carries them in
-    its data block) and its ``k`` best context tokens at the shown layer are bold.
+    its data block) and its ``k`` best context tokens at the shown layer are bold. A call whose record stopped
+    early (``call.error``) or ends without its end (a cut stream) says so at the top; one without steps is a page
+    saying why.
 
     ``generation_html(probe.calls[-1])``; ``row``: which sequence of the batch; ``label``: which fixed target;
     ``method``: any in the steps' ``scores``.
     """
-    if call.prompt_mask is None or not call.steps:
-        raise ValueError("this generate call has no recorded steps: nothing to show")
+    unfinished = _unfinished(call)
+    if call.prompt_mask is None or not call.steps:  # still a page: `nxl attribute --html` promised a file
+        why = unfinished or "no steps recorded (attach(keep_steps=False) keeps none)"
+        return page(title, f"<h1>{html.escape(title)}</h1>" + _notes([f"{why}: nothing to show"]))
     for step in call.steps:
         step.method_scores(method)  # ValueError naming the methods it has
     steps = call.steps
@@ -434,7 +448,8 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
               'id="nxl-template"> show them</label></p>') if folded else ""
     body = (
         f"<h1>{html.escape(title)}</h1>"
-        f'<p class="note">Prompt ({prompt_len} tokens; ␣ a space, ↵ a newline):</p>'
+        + _notes([unfinished] if unfinished else [])
+        + f'<p class="note">Prompt ({prompt_len} tokens; ␣ a space, ↵ a newline):</p>'
         f'<p class="prompt">{" ".join(shown)}</p>'
         + (_notes([flat_note(spread)]) if method == "normxlogit" and flat_norms(spread) else "")
         + toggle

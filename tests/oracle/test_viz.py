@@ -278,3 +278,36 @@ def test_heatmap_takes_each_peak_once_not_once_per_cell():
         Counted.calls = 0
         heatmap([str(i) for i in range(n)], ["L0"], [[Counted((-1) ** i * (i + 1))] for i in range(n)], scale=scale)
         assert Counted.calls <= 10 * n, scale  # a few passes over the cells; a pass per cell made it n x n
+
+
+def test_generation_page_says_where_and_why_recording_stopped(generation):
+    import dataclasses
+
+    import bpe_tiny
+    import nxl_hooks as nxl
+    from nxl_hooks.records.html import generation_html
+
+    page, call, _ = generation
+    assert "not recorded" not in page and "incomplete" not in page  # a finished call: every step shown
+    torn = dataclasses.replace(call, complete=False)  # as read from a stream cut before its end frame
+    assert "note: incomplete: the record ends after step 3" in generation_html(torn)
+
+    tok = bpe_tiny.bpe_tokenizer()
+    model = bpe_tiny.bpe_llama(tok)
+    enc = tok("The capital of France is", return_tensors="pt")
+
+    def boom(step):
+        if step.step == 1:
+            raise RuntimeError("callback failed")
+
+    with nxl.attach(model, tokenizer=tok, layers="all", on_step=boom) as probe:
+        model.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=2)
+    partial = generation_html(probe.calls[-1])
+    assert "note: not recorded after step 1: callback failed" in partial
+    assert len(tiny.elements(partial, "td", "nxl-cell")) == 2 * (enc["input_ids"].shape[1] + 2)  # steps 0 and 1
+
+    with nxl.attach(model, tokenizer=tok, layers="all") as probe:
+        model.generate(**enc, max_new_tokens=2, num_beams=2, do_sample=False, pad_token_id=2)
+    beam = generation_html(probe.calls[-1])  # no steps: still a page, saying why
+    assert beam.startswith("<!DOCTYPE html>") and "note: not recorded: beam search" in beam
+    assert "nothing to show" in beam and not tiny.elements(beam, "td", "nxl-cell")
