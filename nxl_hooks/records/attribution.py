@@ -360,7 +360,8 @@ class Attribution:
     def to_html(self, path: str | Path | None = None, **options: Any) -> str:
         """Self-contained tokens x layers heatmap page; also written to ``path`` when given.
 
-        ``res.to_html("a.html")``; ``options`` go to :func:`nxl_hooks.records.html.attribution_html` (rows, label, method).
+        ``res.to_html("a.html")``; ``options`` go to :func:`nxl_hooks.records.html.attribution_html` (rows, label, method,
+        all_positions).
         """
         from .html import attribution_html
 

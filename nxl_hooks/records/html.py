@@ -247,7 +247,7 @@ def _notes(notes: Sequence[str]) -> str:
     return "".join(f'<p class="note warn">note: {html.escape(note)}</p>' for note in dict.fromkeys(notes))
 
 
-def _row_section(res: Any, row: int, label: int, method: str) -> str:
+def _row_section(res: Any, row: int, label: int, method: str, all_positions: bool) -> str:
     scores = res.scores[method][:, row]
     if scores.dim() == 3:
         scores = scores[..., label]
@@ -262,8 +262,9 @@ def _row_section(res: Any, row: int, label: int, method: str) -> str:
     how = res.resolution(row, label)
     section = f"<h3>{html.escape(heading)}</h3>" + _notes([how["note"]] if how and how.get("note") else [])
     if any(template):
-        section += ('<p class="note">▫ the chat template\'s own tokens (its markers and the system prompt): they do '
-                    "not rank (Attribution.top(all_positions=True) ranks them too).</p>")
+        section += ('<p class="note">▫ the chat template\'s own tokens (its markers and the system prompt): '
+                    + ("they rank too (all_positions)." if all_positions else
+                       "they do not rank (Attribution.top(all_positions=True) ranks them too).") + "</p>")
     section += heatmap(rows, [f"L{layer}" for layer in res.layers], values, corner="token \\ layer")
     if res.scores[method].dim() == 4 and res.scores[method].shape[-1] == 2 and label == 0:
         contrast = res.scores[method][:, row, :, 0] - res.scores[method][:, row, :, 1]
@@ -276,14 +277,16 @@ def _row_section(res: Any, row: int, label: int, method: str) -> str:
 
 
 def attribution_html(
-    res: Any, *, rows: Sequence[int] | None = None, label: int = 0, method: str = "normxlogit", full_page: bool = True
+    res: Any, *, rows: Sequence[int] | None = None, label: int = 0, method: str = "normxlogit", full_page: bool = True,
+    all_positions: bool = False,
 ) -> str:
     """Tokens x layers heatmap of an :class:`~nxl_hooks.Attribution`, one table per explained row.
 
     ``attribution_html(res, rows=[0], method="logat")`` (``method``: any in ``res.scores``); ``label`` picks the
     target when several were
     explained (with two, label 0 also shows the contrast label 0 minus label 1); ``full_page=False`` gives a
-    fragment (with its style) for notebooks.
+    fragment (with its style) for notebooks; ``all_positions``: every real token ranks, as in
+    :meth:`~nxl_hooks.Attribution.top`.
     """
     total = res.method_scores(method).shape[1]  # ValueError naming the methods it has
     chosen = list(range(total)) if rows is None else list(rows)
@@ -302,7 +305,7 @@ def attribution_html(
         intro += _notes([flat_note(max(s for s in spreads if flat_norms(s)))])
     if len(chosen) < total:
         intro += f'<p class="note">Showing {len(chosen)} of {total} rows; pick others with rows=[...].</p>'
-    body = intro + "".join(_row_section(res, r, label, method) for r in chosen)
+    body = intro + "".join(_row_section(res, r, label, method, all_positions) for r in chosen)
     if not full_page:
         return f'<style>{_STYLE}</style><div class="nxl">{body}</div>'
     return page(f"nxl_hooks {method}", body)
@@ -378,13 +381,14 @@ def _unfinished(call: Any) -> str:
 
 
 def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "normxlogit",
-                    title: str = "nxl_hooks generation", k: int = 3) -> str:
+                    title: str = "nxl_hooks generation", k: int = 3, all_positions: bool = False) -> str:
     """Self-contained page of one ``generate`` call (a :class:`~nxl_hooks.GenerationCall`): generated tokens (rows) x context tokens (columns), one layer at
     a time, picked in a selector (the last layer first; ``page.html#layer=N`` opens layer N). Each row is the
     attribution of that token over everything before it, coloured by the largest |score| of the row's tokens that
     rank (:meth:`~nxl_hooks.GenerationCall.attribution`); blank cells are positions after the token or padding. A
     chat template's columns (markers, system prompt) are marked ``▫`` and folded away until asked for, so the
-    table starts at the user's message. Each row is labelled by its step view
+    table starts at the user's message (``all_positions``: every real token ranks, the template's too, and
+    nothing is folded). Each row is labelled by its step view
     (:class:`~nxl_hooks.records.view.StepView`, what ``nxl tail`` and the endpoint show; the page carries them in
     its data block) and its ``k`` best context tokens at the shown layer are bold. A call whose record stopped
     early (``call.error``) or ends without its end (a cut stream) says so at the top; one without steps is a page
@@ -422,8 +426,10 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
                      + [None] * (len(context) - len(mask)) for layer_scores in scores]
         values.append(per_layer)
         # what ranks (not the template, special tokens or the prediction) sets the row's colour scale
-        ranked.append(call.attribution(step).rankable(row).tolist() + [False] * (len(context) - len(mask)))
-        view = step.view(call, k=k, row=row, label=label, names=context[: step.position + 1])
+        ranked.append(call.attribution(step).rankable(row, all_positions=all_positions).tolist()
+                      + [False] * (len(context) - len(mask)))
+        view = step.view(call, k=k, row=row, label=label, names=context[: step.position + 1],
+                         all_positions=all_positions)
         views.append(view.to_json())
         p = "" if view.probability is None else f" · p {fmt(view.probability)}"
         if view.target is not None:  # a fixed target: the scores explain it, not the token
@@ -440,12 +446,14 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
     data = data.replace("<", "\\u003c")
     shown = [f'<span class="nxl-template">{html.escape(name)}</span>' if template[j] else html.escape(name)
              for j, name in enumerate(context[:prompt_len])]
-    folded = any(template)
+    folded = any(template) and not all_positions  # ranked tokens are never hidden
     first = next((j for j, flag in enumerate(template) if not flag), 0)
-    toggle = (f'<p class="note">▫ the chat template\'s own tokens (its markers and the system prompt, greyed in the '
-              f"prompt above): they do not rank and do not set the colour scale. Their {sum(template)} columns are "
+    marked = ('<p class="note">▫ the chat template\'s own tokens (its markers and the system prompt, greyed in the '
+              "prompt above): ")
+    toggle = (marked + f"they do not rank and do not set the colour scale. Their {sum(template)} columns are "
               f'folded away, so the table starts at your message (column {first}): <label><input type="checkbox" '
-              'id="nxl-template"> show them</label></p>') if folded else ""
+              'id="nxl-template"> show them</label></p>') if folded else (
+        marked + "they rank too (all_positions).</p>" if any(template) else "")
     body = (
         f"<h1>{html.escape(title)}</h1>"
         + _notes([unfinished] if unfinished else [])

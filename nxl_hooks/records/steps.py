@@ -138,14 +138,15 @@ class Step:
 
     def view(self, call: "GenerationCall | None" = None, *, k: int = 5, row: int = 0, label: int = 0,
              names: list[str] | None = None, special: torch.Tensor | None = None,
-             model: str | None = None, target: str | None = None) -> StepView:
+             model: str | None = None, target: str | None = None, all_positions: bool = False) -> StepView:
         """This step as every live reader shows it (:class:`~nxl_hooks.records.view.StepView`): row ``row``'s
         token and, per layer, the ``k`` context tokens that drove target ``label`` most. ``call``: the step's call,
         which knows its request, prompt, special and chat-template tokens. ``names``: the texts of positions
         ``0 .. position`` (the context, then the emitted token), default the record's readable texts (``#ID`` where
         unknown); ``special``: bool (batch, position), the context's special tokens, default ``call.special_ids``';
         ``target``: the text of the explained id where it is not the emitted token (``attach(target=...)``),
-        default as the context names that id, else ``#ID`` (the record holds no text of it).
+        default as the context names that id, else ``#ID`` (the record holds no text of it); ``all_positions``: every
+        real context token ranks (:meth:`~nxl_hooks.Attribution.top`).
         ``probe.calls[-1].steps[0].view(probe.calls[-1], k=3).to_json()``"""
         batch, token = self.token.shape[0], int(self.token[row])
         if names is None:
@@ -169,7 +170,9 @@ class Step:
             known = ids[row].tolist() if ids is not None else []
             target = names[known.index(explained)] if explained in known else f"#{explained}"
         return StepView(step=self.step, position=self.position, token_id=token, token=shown[-1], probability=own,
-                        active=bool(self.active[row]), scores={name: ranking(res, k, row, label, name) for name in self.scores},
+                        active=bool(self.active[row]),
+                        scores={name: ranking(res, k, row, label, name, all_positions=all_positions)
+                                for name in self.scores},
                         request_id=call.request_id if call is not None else None, model=model,
                         target_id=explained if other else None, target=target if other else None,
                         target_probability=probabilities[label] if other else None)

@@ -104,11 +104,13 @@ class StepView:
 
 
 def ranking(res: Attribution, k: int, row: int = 0, label: int = 0,
-            method: str = METHOD) -> dict[int, tuple[Ranked, ...]]:
+            method: str = METHOD, *, all_positions: bool = False) -> dict[int, tuple[Ranked, ...]]:
     """Per layer of ``res``, the ``k`` context tokens of ``row`` that drove its target ``label`` most by ``method``
-    (:meth:`~nxl_hooks.Attribution.top`; NaN and ±inf scores as None). ``ranking(res, 3)[-1]``"""
+    (:meth:`~nxl_hooks.Attribution.top`, ``all_positions`` as there; NaN and ±inf scores as None).
+    ``ranking(res, 3)[-1]``"""
     return {layer: tuple(Ranked(p, text, _number(score))
-                         for p, text, score in res.top(k, layer=layer, row=row, label=label, method=method))
+                         for p, text, score in res.top(k, layer=layer, row=row, label=label, method=method,
+                                                       all_positions=all_positions))
             for layer in res.layers}
 
 

@@ -311,3 +311,34 @@ def test_generation_page_says_where_and_why_recording_stopped(generation):
     beam = generation_html(probe.calls[-1])  # no steps: still a page, saying why
     assert beam.startswith("<!DOCTYPE html>") and "note: not recorded: beam search" in beam
     assert "nothing to show" in beam and not tiny.elements(beam, "td", "nxl-cell")
+
+
+def test_html_pages_rank_every_position_with_all_positions(tmp_path):
+    """--all-positions reaches both pages: the template's columns are not folded, and a step's bold tokens are the
+    best of every real context token, as the oracle ranks them."""
+    import bpe_tiny
+    from nxl_hooks.apps.cli import main
+
+    tok = bpe_tiny.bpe_tokenizer()
+    model = bpe_tiny.bpe_llama(tok)
+    folder = bpe_tiny.save_bpe(tmp_path / "chat", model, tok)
+    for every in (False, True):
+        page_path = tmp_path / f"gen_{every}.html"
+        assert main(["attribute", str(folder), "The capital of France is", "--chat", "--generate", "2",
+                     "--layers", "last", "--html", str(page_path)] + (["--all-positions"] if every else [])) == 0
+        page = page_path.read_text()
+        data = json.loads(page.split('id="nxl-data">')[1].split("</script>")[0])
+        assert ('class="nxl-folded"' in page) is not every and ("they rank too" in page) is every
+        for i, step in enumerate(data["steps"]):
+            scores = [v for v in data["values"][i][-1]]
+            ranked = data["ranked"][i]
+            real = [j for j, v in enumerate(scores) if v is not None]
+            eligible = real if every else [j for j in real if ranked[j]]
+            template = [j for j in real if data["columns"][j].startswith("▫ ")]
+            assert template and (set(template) <= set(eligible)) is every  # the template ranks with the switch only
+            want = sorted(eligible, key=lambda j: -scores[j])[:3]
+            assert [entry[0] for entry in step["scores"]["normxlogit"][str(data["layers"][-1])]] == want
+        html_path = tmp_path / f"a_{every}.html"
+        assert main(["attribute", str(folder), "The capital of France is", "--chat", "--html", str(html_path)]
+                    + (["--all-positions"] if every else [])) == 0
+        assert ("they rank too" in html_path.read_text()) is every

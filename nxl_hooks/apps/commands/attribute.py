@@ -102,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
                                 console=console, sink=sink, chat=args.chat, all_positions=args.all_positions,
                                 method=args.method)
         if args.html:
-            write_text(args.html, generation_html(call, title=f"{args.model}: {args.text}", method=args.method))
+            write_text(args.html, generation_html(call, title=f"{args.model}: {args.text}", method=args.method,
+                                                       all_positions=args.all_positions))
             console.print(Text(f"wrote {args.html}"))  # Text: a path is not rich markup ('x[/b].html')
         return 0 if call.error is None else 1  # the last line said why the tokens were not all recorded
     res = explain(model, tokenizer, args.text, layers=args.layers, target=args.target, embedding=args.embedding,
@@ -117,6 +118,6 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         console.print(Text(f"saved {res.save(args.out)}"))
     if args.html:
-        res.to_html(args.html, method=args.method)
+        res.to_html(args.html, method=args.method, all_positions=args.all_positions)
         console.print(Text(f"wrote {args.html}"))
     return 0
