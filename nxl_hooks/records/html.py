@@ -70,7 +70,7 @@ def fmt(value: float | None, digits: int = 3) -> str:
 
 def _colour(scaled: float) -> tuple[str, str]:
     """(background, text colour) on a white-centred diverging scale: +1 red, -1 blue."""
-    t = max(-1.0, min(1.0, scaled))
+    t = max(-1.0, min(1.0, scaled)) if math.isfinite(scaled) else 0.0  # NaN would clip to +1: full red
     base = _POSITIVE if t >= 0 else _NEGATIVE
     rgb = [round(255 + (c - 255) * abs(t)) for c in base]
     return f"rgb({rgb[0]},{rgb[1]},{rgb[2]})", "#fff" if abs(t) > 0.6 else "#222"
@@ -95,7 +95,8 @@ def heatmap(
 
     ``scale``: "column" colours each column by its own max |value| (layers differ in scale), "row" each
     row, "all" the whole table, all on a diverging scale around 0; "range" spreads the table's min..max
-    over white..red (for same-sign metrics such as average precision). ``None`` cells stay blank. ``scaled``
+    over white..red (for same-sign metrics such as average precision). ``None`` cells stay blank, and NaN and ±inf
+    ones too (their value in the tooltip), setting no scale. ``scaled``
     (with ``scale="row"``): which cells of each row set its scale (the others are coloured on it, clipped);
     ``column_class``: a CSS class for each column's cells (its header included), "" for none.
     ``heatmap(["a", "b"], ["L0"], [[1.0], [-0.5]])``
@@ -105,7 +106,8 @@ def heatmap(
     cells = [list(row) for row in values]
 
     def kept(items: Sequence[float | None]) -> list[float]:
-        return [v for v in items if v is not None and not math.isnan(v)]
+        # finite only: one ±inf peak would whiten its whole column (and -inf / inf is NaN)
+        return [v for v in items if v is not None and math.isfinite(v)]
 
     def peak(items: Sequence[float | None]) -> float:
         return max((abs(v) for v in kept(items)), default=0.0) or 1.0
@@ -129,11 +131,14 @@ def heatmap(
     for i, (label, row) in enumerate(zip(row_labels, cells)):
         tds = []
         for j, value in enumerate(row):
-            if value is None or math.isnan(value):
+            if value is None:
                 tds.append(f'<td class="nxl-cell{classes[j]}" data-row="{i}" data-col="{j}"></td>')
                 continue
-            background, ink = _colour(shade(i, j, value))
             tip = html.escape(f"{label} · {col_labels[j]}: {value:.6g}", quote=True)
+            if not math.isfinite(value):  # blank like None, its NaN or ±inf said in the tooltip
+                tds.append(f'<td class="nxl-cell{classes[j]}" data-row="{i}" data-col="{j}" title="{tip}"></td>')
+                continue
+            background, ink = _colour(shade(i, j, value))
             tds.append(
                 f'<td class="nxl-cell{classes[j]}" data-row="{i}" data-col="{j}" data-value="{value!r}" title="{tip}" '
                 f'style="background:{background};color:{ink}">{fmt(value)}</td>'

@@ -342,3 +342,14 @@ def test_html_pages_rank_every_position_with_all_positions(tmp_path):
         assert main(["attribute", str(folder), "The capital of France is", "--chat", "--html", str(html_path)]
                     + (["--all-positions"] if every else [])) == 0
         assert ("they rank too" in html_path.read_text()) is every
+
+
+def test_heatmap_blanks_infinite_scores_and_scales_by_the_finite_ones():
+    page = heatmap(["a", "b", "c", "d"], ["L0"], [[2.0], [float("-inf")], [float("inf")], [float("nan")]])
+    cells = tiny.elements(page, "td", "nxl-cell")
+    assert cells[0]["style"].startswith("background:rgb(214,39,40)")  # the finite maximum: full red, not white
+    for cell, shown in zip(cells[1:], ("-inf", "inf", "nan")):
+        assert "style" not in cell and "data-value" not in cell and cell["title"].endswith(f": {shown}")
+    from nxl_hooks.records.html import _colour
+
+    assert _colour(float("nan")) == ("rgb(255,255,255)", "#222")  # no colour for no number (NaN clipped to full red)
