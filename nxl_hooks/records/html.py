@@ -97,7 +97,8 @@ def heatmap(
     row, "all" the whole table, all on a diverging scale around 0; "range" spreads the table's min..max
     over white..red (for same-sign metrics such as average precision). ``None`` cells stay blank, and NaN and ±inf
     ones too (their value in the tooltip), setting no scale. ``scaled``
-    (with ``scale="row"``): which cells of each row set its scale (the others are coloured on it, clipped);
+    (with ``scale="row"`` or ``"column"``): which cells set the scale of their row or column (the others are
+    coloured on it, clipped);
     ``column_class``: a CSS class for each column's cells (its header included), "" for none.
     ``heatmap(["a", "b"], ["L0"], [[1.0], [-0.5]])``
     """
@@ -115,9 +116,11 @@ def heatmap(
     everything = kept([v for row in cells for v in row])
     low, high = min(everything, default=0.0), max(everything, default=0.0)
     overall = peak(everything)  # once: per cell it made a table of n cells cost n passes over it
-    columns = [peak([row[j] for row in cells]) for j in range(len(col_labels))]
-    rows = [peak(row if scaled is None else [v for v, use in zip(row, scaled[i]) if use])
-            for i, row in enumerate(cells)]
+    def scales(i: int, j: int) -> bool:
+        return scaled is None or scaled[i][j]
+
+    columns = [peak([row[j] for i, row in enumerate(cells) if scales(i, j)]) for j in range(len(col_labels))]
+    rows = [peak([v for j, v in enumerate(row) if scales(i, j)]) for i, row in enumerate(cells)]
     classes = [f" {name}" if name else "" for name in column_class] if column_class else [""] * len(col_labels)
 
     def shade(i: int, j: int, value: float) -> float:
@@ -253,6 +256,7 @@ def _notes(notes: Sequence[str]) -> str:
 
 
 def _row_section(res: Any, row: int, label: int, method: str, all_positions: bool) -> str:
+    """One row's tables, each layer's colours scaled by the tokens that rank (as on the generation page)."""
     scores = res.scores[method][:, row]
     if scores.dim() == 3:
         scores = scores[..., label]
@@ -262,6 +266,8 @@ def _row_section(res: Any, row: int, label: int, method: str, all_positions: boo
     template = res.template[row].tolist() if res.template is not None else [False] * len(names)
     rows = [("▫ " if template[i] else "") + f"{i}: {names[i]}" + (" ◀" if i == position else "") for i in keep]
     values = [[float(scores[layer, i]) for layer in range(len(res.layers))] for i in keep]
+    ranks = res.rankable(row, all_positions=all_positions).tolist()
+    scaled = [[ranks[i]] * len(res.layers) for i in keep]  # the template, specials and ◀ would set the scale
     heading = (f"Row {row} (example {int(res.example[row])}) — target {res.target_label(row, label)}, prediction read "
                f"at position {position} (◀)")
     how = res.resolution(row, label)
@@ -270,14 +276,14 @@ def _row_section(res: Any, row: int, label: int, method: str, all_positions: boo
         section += ('<p class="note">▫ the chat template\'s own tokens (its markers and the system prompt): '
                     + ("they rank too (all_positions)." if all_positions else
                        "they do not rank (Attribution.top(all_positions=True) ranks them too).") + "</p>")
-    section += heatmap(rows, [f"L{layer}" for layer in res.layers], values, corner="token \\ layer")
+    section += heatmap(rows, [f"L{layer}" for layer in res.layers], values, corner="token \\ layer", scaled=scaled)
     if res.scores[method].dim() == 4 and res.scores[method].shape[-1] == 2 and label == 0:
         contrast = res.scores[method][:, row, :, 0] - res.scores[method][:, row, :, 1]
         section += (f"<h3>{html.escape(f'Row {row} — contrast: {method} of {res.target_label(row, 0)} minus ')}"
                     f"{html.escape(res.target_label(row, 1))}</h3>")
         section += heatmap(rows, [f"L{layer}" for layer in res.layers],
                            [[float(contrast[layer, i]) for layer in range(len(res.layers))] for i in keep],
-                           corner="token \\ layer")
+                           corner="token \\ layer", scaled=scaled)
     return section
 
 
@@ -302,7 +308,8 @@ def attribution_html(
     kind = res.meta.get("head_kind", "?")
     intro = (
         f'<h2>{html.escape(method)} per token and layer</h2><p class="note">{html.escape(str(res.meta.get("model_class", "")))}'
-        f" ({html.escape(str(kind))}). Colour is scaled per layer (column) by its largest |score|: red positive, "
+        f" ({html.escape(str(kind))}). Colour is scaled per layer (column) by the largest |score| of the tokens that "
+        "rank: red positive, "
         "blue negative; the number is the score, hover for more digits. Tokens: ␣ a space, ↵ a newline.</p>"
     )
     spreads = [res.norm_spread(r) for r in chosen]

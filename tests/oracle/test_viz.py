@@ -353,3 +353,29 @@ def test_heatmap_blanks_infinite_scores_and_scales_by_the_finite_ones():
     from nxl_hooks.records.html import _colour
 
     assert _colour(float("nan")) == ("rgb(255,255,255)", "#222")  # no colour for no number (NaN clipped to full red)
+
+
+def test_attribution_page_scales_each_layer_by_the_tokens_that_rank(explained):
+    """[CLS] (the prediction position, a special token) and [SEP] colour on the scale of the words, clipped."""
+    import copy
+
+    res, expected, mask = explained
+    expected = expected.clone()
+    expected[:, 0, 0] = 10 * expected[:, 0].abs().amax(-1)  # [CLS] far above every word: it must not set the scale
+    res = copy.copy(res)
+    res.scores = {**res.scores, "normxlogit": res.scores["normxlogit"].clone()}
+    res.scores["normxlogit"][:, 0, 0] = expected[:, 0, 0]
+    ids = tiny.tokenizer()(TEXTS, return_tensors="pt", padding=True)["input_ids"][0]
+    specials = set(tiny.tokenizer().all_special_ids)
+    real = mask[0].nonzero().flatten().tolist()
+    words = [i for i in real if int(ids[i]) not in specials]
+    assert len(words) < len(real)
+    cells = tiny.elements(res.to_html(rows=[0]), "td", "nxl-cell")
+    layers = expected.shape[0]
+    for n, i in enumerate(real):
+        for layer in range(layers):
+            value = float(expected[layer, 0, i])
+            t = min(1.0, abs(value) / max(abs(float(expected[layer, 0, w])) for w in words))
+            base = (214, 39, 40) if value >= 0 else (31, 119, 180)
+            rgb = ",".join(str(round(255 + (c - 255) * t)) for c in base)
+            assert cells[n * layers + layer]["style"].startswith(f"background:rgb({rgb})"), (i, layer)
