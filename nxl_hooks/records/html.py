@@ -7,7 +7,8 @@ generation's heatmap.
 
 No external assets: styles are inline, plots are inline SVG and the generation page's layer selector is a few
 lines of plain inline JavaScript, so a page opens offline and can be mailed as one file. Heatmap cells carry
-``data-value`` (the exact score) and a ``title`` tooltip; plot points carry ``data-series``, ``data-x`` and
+``data-value`` (the score: exact on the attribution page, to 6 significant digits on the generation page, as
+its data block carries it) and a ``title`` tooltip; plot points carry ``data-series``, ``data-x`` and
 ``data-y``. Tokens read as :mod:`nxl_hooks.records.tokens` shows them ('␣Paris', '↵').
 """
 
@@ -331,9 +332,18 @@ _GENERATION_SCRIPT = """
   var data = JSON.parse(document.getElementById("nxl-data").textContent);
   var select = document.getElementById("nxl-layer");
   var cells = document.querySelectorAll("#nxl-generation td.nxl-cell");
+  // numbers as Python writes them (fmt() and the tooltips' %.6g), so a cell reads the same before and after this
+  // script runs: exponents of two digits at least
+  function exponent(s) {
+    return s.replace(/e([+-])(\\d)$/, function (m, sign, digit) { return "e" + sign + "0" + digit; });
+  }
+  function g(v, p) {  // "%.{p}g": fixed unless the rounded exponent is < -4 or >= p, trailing zeros dropped
+    var x = +v.toExponential(p - 1).split("e")[1];
+    var s = x < -4 || x >= p ? v.toExponential(p - 1) : v.toFixed(p - 1 - x);
+    return exponent(s.replace(/\\.0*(?=e|$)|(\\.\\d*?)0+(?=e|$)/, "$1"));
+  }
   function fmt(v) {
-    if (v === 0 || Math.abs(v) >= 1e-3) { return String(Number(v.toPrecision(3))); }
-    return v.toExponential(1);
+    return v === 0 || Math.abs(v) >= 1e-3 ? g(v, 3) : exponent(v.toExponential(1));
   }
   function colour(t) {
     t = Math.max(-1, Math.min(1, t));
@@ -358,7 +368,7 @@ _GENERATION_SCRIPT = """
       td.textContent = fmt(v);
       td.style.background = c[0];
       td.style.color = c[1];
-      td.title = data.rows[i] + " · " + data.columns[j] + ": " + v;
+      td.title = data.rows[i] + " · " + data.columns[j] + ": " + g(v, 6);
     });
     // each row's step view: its k best context tokens at this layer are bold, as nxl tail lists them
     cells.forEach(function (td) {

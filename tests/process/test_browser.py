@@ -5,6 +5,7 @@ Needs Debian's chromium (``apt-get install -y chromium``); skipped with that rea
 """
 
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -113,3 +114,35 @@ def test_generation_page_shows_the_users_words_on_screen_at_1400_px(tmp_path):
     dom = _chromium("--window-size=1400,900", "--dump-dom", probe.as_uri())
     left, right, shown = dom.split('data-probe="')[1].split('"')[0].split(",")
     assert shown == "true" and 0 <= float(left) < float(right) <= 1400
+
+
+def test_generation_page_script_writes_numbers_as_python_does(generation, tmp_path):  # noqa: F811
+    """The cells' text and tooltips read the same after the page's script recolours them as Python wrote them:
+    fmt() (%.3g, %.1e below 1e-3) and %.6g, exponents of two digits."""
+    import json
+
+    page, _, _ = generation
+    head, rest = page.split('id="nxl-data">')
+    block, tail = rest.split("</script>", 1)
+    data = json.loads(block)
+    chosen = [1460.0, -1460.0, 1e-4, -2.5e-5, 0.000999, 0.001, 123.4, 999.6, 1e5, 0.0, 0.1, 12.0, 100.0,
+              1234567.0, 0.0123, -0.5, 1.5, 2e-9, 123456789.0, 0.00012345]
+    n = 0
+    for row in data["values"]:
+        for j, v in enumerate(row[-1]):
+            if v is not None:
+                row[-1][j] = chosen[n % len(chosen)]
+                n += 1
+    assert n >= len(chosen)
+    path = tmp_path / "numbers.html"
+    path.write_text(head + 'id="nxl-data">' + json.dumps(data).replace("<", "\\u003c") + "</script>" + tail,
+                    encoding="utf-8")
+    dom = _chromium("--dump-dom", path.as_uri())
+    cells = [(dict(re.findall(r'([\w-]+)="([^"]*)"', attributes)), text)
+             for attributes, text in re.findall(r'<td class="nxl-cell[^"]*"([^>]*)>([^<]*)</td>', dom)]
+    cells = [(attributes, text) for attributes, text in cells if "data-value" in attributes]
+    assert len(cells) == n
+    for attributes, text in cells:
+        v = float(attributes["data-value"])
+        assert text == (f"{v:.3g}" if v == 0 or abs(v) >= 1e-3 else f"{v:.1e}"), (v, text)
+        assert attributes["title"].endswith(f": {v:.6g}"), (v, attributes["title"])
