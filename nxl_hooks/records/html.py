@@ -21,6 +21,7 @@ from typing import Any, Mapping, Sequence
 
 from ..method.scores import flat_norms, flat_note
 from ..method.select import label_index
+from .tokens import whole_characters
 
 __all__ = ["attribution_html", "fmt", "generation_html", "heatmap", "line_chart", "page"]
 
@@ -434,9 +435,12 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
     ids = call.prompt_ids[row].tolist() if call.prompt_ids is not None else [None] * prompt_len
     context = list(call.readable[row]) if call.readable else [str(i) for i in ids]
     context += [step.readable[row] if step.readable else str(int(step.token[row])) for step in steps]
+    # a character split over byte tokens reads whole on every token of it, in the prompt, columns and rows alike
+    # (the call is over: the step views' "…" of a character still arriving is not the page's)
+    whole = whole_characters(context)
     flags = call.context_template(len(context))
     template = flags[row].tolist() if flags is not None else [False] * len(context)
-    columns = [("▫ " if template[j] else "") + f"{j}: {name}" for j, name in enumerate(context)]
+    columns = [("▫ " if template[j] else "") + f"{j}: {name}" for j, name in enumerate(whole)]
     row_names, values, ranked, views = [], [], [], []
     for step in steps:
         scores = step.scores[method][:, row]
@@ -457,7 +461,7 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
         if view.target is not None:  # a fixed target: the scores explain it, not the token
             p += f" · explains {view.target}" + ("" if view.target_probability is None else
                                                  f" (p {fmt(view.target_probability)})")
-        row_names.append(f"{view.step}: {view.token}{p}")
+        row_names.append(f"{view.step}: {whole[step.position]}{p}")
     spread = call.norm_spread(row)
     last = len(layers) - 1
     options = "".join(f'<option value="{i}"{" selected" if i == last else ""}>L{layer}</option>'
@@ -467,7 +471,7 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
                        "method": method, "steps": views}, allow_nan=False)
     data = data.replace("<", "\\u003c")
     shown = [f'<span class="nxl-template">{html.escape(name)}</span>' if template[j] else html.escape(name)
-             for j, name in enumerate(context[:prompt_len])]
+             for j, name in enumerate(whole[:prompt_len])]
     folded = any(template) and not all_positions  # ranked tokens are never hidden
     first = next((j for j, flag in enumerate(template) if not flag), 0)
     marked = ('<p class="note">▫ the chat template\'s own tokens (its markers and the system prompt, greyed in the '

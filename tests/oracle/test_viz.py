@@ -379,3 +379,27 @@ def test_attribution_page_scales_each_layer_by_the_tokens_that_rank(explained):
             base = (214, 39, 40) if value >= 0 else (31, 119, 180)
             rgb = ",".join(str(round(255 + (c - 255) * t)) for c in base)
             assert cells[n * layers + layer]["style"].startswith(f"background:rgb({rgb})"), (i, layer)
+
+
+def test_generation_page_reads_a_character_split_over_byte_tokens_whole_everywhere():
+    """An emoji of four byte tokens, in the prompt and generated: the prompt, the column headers and the row labels
+    all show the character (they read raw bytes, '…' or the character, depending on where)."""
+    import bpe_tiny
+    import nxl_hooks as nxl
+    from nxl_hooks.records.html import generation_html
+
+    tok = bpe_tiny.bpe_tokenizer()
+    model = bpe_tiny.bpe_llama(tok)
+    emoji = tok("😀")["input_ids"]
+    assert len(emoji) == 4 and tok.decode(emoji) == "😀"
+    enc = tok("Hello 😀 there", return_tensors="pt")
+    n = enc["input_ids"].shape[1]
+    with nxl.attach(model, tokenizer=tok, layers="all") as probe:
+        model.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=2,
+                       prefix_allowed_tokens_fn=lambda b, ids: [emoji[len(ids) - n]])
+    page = generation_html(probe.calls[-1])
+    data = json.loads(page.split('id="nxl-data">')[1].split("</script>")[0])
+    prompt = page.split('<p class="prompt">')[1].split("</p>")[0]
+    assert prompt.count("😀") == 4 and "\\x" not in prompt
+    assert [name.split(": ", 1)[1] for name in data["columns"][n:]] == ["😀"] * 4
+    assert [name.split(" · ")[0] for name in data["rows"]] == [f"{i}: 😀" for i in range(4)]
