@@ -169,7 +169,7 @@ def line_chart(
     plot_width: int = 270,
     height: int = 290,
 ) -> str:
-    """An inline SVG line chart, one polyline per series (``None`` values break the line).
+    """An inline SVG line chart, one polyline per series (``None``, NaN and ±inf values break the line).
 
     ``line_chart([10, 20], {"random": [0.1, 0.2]}, title="AOPC", x_label="K (%)", y_label="Δp")``
     """
@@ -177,7 +177,7 @@ def line_chart(
     left, right, top, bottom = 72, max(90, 40 + int(6.5 * longest)), 28, 42  # the legend sits on the right
     plot_w, plot_h = plot_width, height - top - bottom
     width = left + plot_w + right
-    ys = [y for values in series.values() for y in values if y is not None and not math.isnan(y)]
+    ys = [y for values in series.values() for y in values if y is not None and math.isfinite(y)]
     low, high = (min(ys), max(ys)) if ys else (0.0, 1.0)
     if low == high:
         low, high = low - 0.5, high + 0.5
@@ -219,7 +219,7 @@ def line_chart(
         segment: list[str] = []
         segments = [segment]
         for x, y in zip(xs, values):
-            if y is None or math.isnan(y):
+            if y is None or not math.isfinite(y):  # a gap, like None: an inf would stretch the axis away
                 segment = []
                 segments.append(segment)
                 continue

@@ -97,6 +97,16 @@ def test_line_chart_points_carry_values_and_none_breaks_the_line():
     assert ys[1.0] < ys[0.5] < ys[0.25] < ys[0.0]  # higher values are drawn higher
 
 
+def test_line_chart_leaves_out_non_finite_values_and_keeps_its_axis():
+    """An inf breaks the line like None and does not set the axis (it pushed every finite point off the plot)."""
+    finite = line_chart([1, 2, 3], {"a": [0.5, 0.25, 0.0]}, title="t", x_label="x", y_label="y")
+    svg = line_chart([1, 2, 3, 4], {"a": [0.5, 0.25, 0.0, float("inf")], "b": [float("-inf")] * 4},
+                     title="t", x_label="x", y_label="y")
+    points = tiny.elements(svg, "circle", "nxl-point")
+    assert [(p["data-series"], float(p["data-y"])) for p in points] == [("a", 0.5), ("a", 0.25), ("a", 0.0)]
+    assert [p["cy"] for p in points] == [p["cy"] for p in tiny.elements(finite, "circle", "nxl-point")]
+
+
 def evaluate_page() -> tuple[str, dict]:
     model, tok = tiny.build_model("bert", 0), tiny.tokenizer()
     records = [ev.score_example(model, tok, example, ["random", "normxlogit"]) for example in tiny.examples(2)]
