@@ -187,6 +187,13 @@ class Probe:
             raise last
         return last
 
+    def peek(self) -> Attribution | BaseException | None:
+        """This thread's last forward as the hooks left it: its attribution, the error saying why it is not
+        recorded, or None. Unlike :meth:`result` it never assembles a forward that ran wholly compiled (that is
+        done for the thread that asks :meth:`result`), and never raises: for a hook that runs after each forward.
+        ``last = probe.peek()``"""
+        return self._results.last
+
     @property
     def unrecorded(self) -> str | None:
         """Why the last call that could not be followed is not recorded, and what makes it recordable (``"not

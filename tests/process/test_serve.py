@@ -807,7 +807,8 @@ def test_a_causal_lms_plain_forwards_are_kept_once_each_beside_its_generate_call
 def test_a_model_the_program_compiles_whole_runs_under_nxl_run(tiny, tmp_path):
     """The program's torch.compile(model, fullgraph=True) under nxl run: the run's keeper of plain forwards is traced
     with the model's hooks and adds no graph break (it raised dynamo's Unsupported into the program's call); the
-    output is the model's, and the probe's own record of that forward still equals the oracle."""
+    output is the model's, and the probe's own record of that forward still equals the oracle, for the thread that
+    ran it (a generate in another thread took it as its own request)."""
     from torch._dynamo.utils import counters
 
     from nxl_hooks.apps.serve.controller import Controller
@@ -824,7 +825,12 @@ def test_a_model_the_program_compiles_whole_runs_under_nxl_run(tiny, tmp_path):
             expected = tiny.model(ids, output_hidden_states=True)
         torch.testing.assert_close(out.logits, expected.logits)
         assert not counters["graph_break"]
+        # another thread's generate neither lists that forward among the run's requests nor takes it from this one
+        other = threading.Thread(target=lambda: served.generate(ids, max_new_tokens=2, do_sample=False))
+        other.start()
+        other.join(60)
         (watch,) = controller.watches()
+        assert not other.is_alive() and not watch.forwards and controller.status()["models"][0]["forwards"] == 0
         result = watch.probe.result()
         _, oracle = normxlogit(llama(tiny.model).layer_logits(expected.hidden_states), expected.hidden_states[0],
                                expected.logits[0, -1].argmax().view(1))

@@ -291,16 +291,15 @@ class Rules:
         one) has assembled it: keep a plain forward's attribution with the request it served. ``kept``: this
         thread's last one kept, which a forward inside a ``generate`` call leaves as the thread's result (its step
         is recorded in its call, never kept twice). Traced (the user's ``torch.compile(model)``), it does nothing:
-        dynamo cannot follow the probe's per-thread state, and a traced hook must add no graph break."""
+        dynamo cannot follow the probe's per-thread state, and a traced hook must add no graph break. It peeks, never
+        assembles: a compiled forward is assembled for the thread that asks ``probe.result()``, not taken here into
+        whichever thread runs the next forward."""
         probe = watch.probe
         if probe is None or traced():
             return
-        try:
-            result = probe.result()
-        except Exception:  # noqa: BLE001 - a forward the probe could not record; its reason was logged
-            return
-        if result is getattr(kept, "last", None):
-            return
+        result = probe.peek()
+        if not isinstance(result, Attribution) or result is getattr(kept, "last", None):
+            return  # none yet, a forward the probe could not record (its reason was logged), or one kept already
         kept.last = result
         request_id = REQUEST_ID.get() or uuid.uuid4().hex
         watch.forwards.append(Forward(request_id, threading.current_thread().name, result))
