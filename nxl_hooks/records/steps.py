@@ -86,6 +86,11 @@ class Step:
         self.time = _time.time() if time is _NOW else time
         self._call = None
 
+    def __getstate__(self) -> dict:
+        """Pickled (multiprocessing, ``copy``) without the link to its call, a weak reference no pickle holds: it
+        ranks as a step read alone until a call links it again."""
+        return {**self.__dict__, "_call": None}
+
     normxlogit = Attribution.normxlogit
     logat = Attribution.logat
     methods = Attribution.methods
@@ -279,6 +284,12 @@ class GenerationCall:
             return None
         flags = self.prompt_template.bool()[:, :length]
         return torch.cat([flags, flags.new_zeros(flags.shape[0], length - flags.shape[1])], 1)
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickled: its steps, which come without their link (:meth:`Step.__getstate__`), ranked as its own again."""
+        self.__dict__.update(state)
+        for step in self.steps:
+            step._call = weakref.ref(self)
 
     def link(self, step: Step) -> None:
         """Give ``step`` the readable texts of its context (the prompt's, then each earlier step's token) and add

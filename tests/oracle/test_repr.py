@@ -156,3 +156,21 @@ def test_a_steps_repr_ranks_as_its_calls_top_leaving_out_the_chat_template(world
             scores = step.normxlogit[-1, 0]
             best = sorted(allowed, key=lambda p: -float(scores[p]))[:3]
             assert shown == best, repr(step)
+
+
+def test_steps_and_calls_still_pickle_for_another_process(world):
+    """multiprocessing and ProcessPoolExecutor hand records over by pickle: a linked step (its weak link to its call
+    is not pickled) and its call come back with the same tokens and scores (the link made both refuse)."""
+    import pickle
+
+    model, tok, _ = world
+    enc = tok("The capital of France is", return_tensors="pt")
+    with nxl.attach(model, tokenizer=tok, layers="all") as probe:
+        model.generate(**enc, max_new_tokens=2, do_sample=False)
+    call = probe.calls[-1]
+    back = pickle.loads(pickle.dumps(call))
+    step = pickle.loads(pickle.dumps(call.steps[-1]))
+    assert torch.equal(step.normxlogit, call.steps[-1].normxlogit) and torch.equal(step.token, call.steps[-1].token)
+    assert [torch.equal(a.normxlogit, b.normxlogit) for a, b in zip(back.steps, call.steps)] == [True, True]
+    assert all(s._call() is back for s in back.steps) and step._call is None  # the call's own again; alone, none
+
