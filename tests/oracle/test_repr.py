@@ -8,7 +8,6 @@ from __future__ import annotations
 import re
 from html.parser import HTMLParser
 
-import pytest
 import torch
 from rich.console import Console
 
