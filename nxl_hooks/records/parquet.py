@@ -344,7 +344,7 @@ def _claim_partial(partial: Path) -> int:
     (:func:`~nxl_hooks.records.writer._claim_file`): a live writer's is refused (ValueError, one line); one that a
     writer left when it died (a crash, SIGKILL: no footer, unreadable) is taken over, with one log line."""
     while True:
-        fd = _claim_file(partial, 0o644)
+        fd = _claim_file(partial, 0o644, unlocked_if_new=True)  # (it empties what it takes)
         try:
             held = os.fstat(fd)
             with contextlib.suppress(FileNotFoundError):

@@ -165,15 +165,18 @@ def _open(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
     return fd
 
 
-def _claim_file(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
+def _claim_file(path: Path, mode: int, *, follow_symlinks: bool = False, unlocked_if_new: bool = False) -> int:
     """A descriptor of the regular file ``path`` (created when missing, left as it is: the caller empties it), open
     for writing and locked for this writer (:func:`_claim`): one that another writer holds is refused (ValueError) and
     left as it is; one that a writer no longer holds (it closed, crashed, was killed) is this writer's. A symbolic
     link is refused (ValueError) unless ``follow_symlinks``: O_NOFOLLOW makes the check and the open one step, with
-    no window to swap a link in. The one-writer rule of every records file (stream files, the Parquet sink's)."""
+    no window to swap a link in. The one-writer rule of every records file (stream files, the Parquet sink's).
+    ``unlocked_if_new``: on a file system without locks, a file that was there before is refused (ValueError): no
+    lock tells a live writer's from a dead one's, and a caller that empties what it takes would empty a live one."""
     # non-blocking: a FIFO without a reader is refused at once, not waited on (its open would block the host); not
     # truncated by the open: only once this writer holds the file
     flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK | (0 if follow_symlinks else os.O_NOFOLLOW)
+    existed = os.path.lexists(path)
     try:
         fd = os.open(path, flags, mode)
     except OSError as err:
@@ -191,7 +194,9 @@ def _claim_file(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
         raise ValueError(f"{path} is {kind}, not a regular file: nxl_hooks writes records only to a regular file; "
                          "give another path")
     try:
-        _claim(fd, path, "path")
+        if not _claim(fd, path, "path") and unlocked_if_new and existed:
+            raise ValueError(f"{path} exists, and its file system has no locks to tell whether another sink still "
+                             "writes it: if none does (a crashed run left it), remove it; else give another path")
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)  # refused: no descriptor kept on a file another writer holds
@@ -199,18 +204,19 @@ def _claim_file(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
     return fd
 
 
-def _claim(fd: int, path: Path, kind: str) -> None:
+def _claim(fd: int, path: Path, kind: str) -> bool:
     """Lock ``fd`` (a stream file, or a RotatingSink's folder) for this writer, until every copy of it is closed
     (a forked child's copy shares the lock). ValueError when another writer holds it: two models or processes
     given one ``kind`` of place would interleave their frames, numbered alike, into a stream no one can read. A file
-    system without locks leaves it unlocked."""
+    system without locks leaves it unlocked: False."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         raise ValueError(f"{path} is being written by another sink (a second model or process): give each its own "
                          f"{kind}, or detach the other first") from None
     except OSError:  # no locks there (ENOLCK, EOPNOTSUPP): written as before, unguarded
-        pass
+        return False
+    return True
 
 
 def _finish(fd: int) -> None:

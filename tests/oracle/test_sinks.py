@@ -684,6 +684,31 @@ def test_a_second_parquet_writer_on_one_file_is_refused(tmp_path):
     ParquetSink(tmp_path / "out.parquet").close()  # the file is free again once the first is done
 
 
+def test_without_file_locks_a_second_parquet_writer_is_refused_not_emptying_the_first(tmp_path, monkeypatch):
+    """A file system without locks (flock: ENOLCK, some NFS): no lock tells a live writer's .partial from a dead
+    one's, so one that is there is refused in one line (the takeover emptied the live writer's file)."""
+    import errno
+
+    from nxl_hooks.records import writer
+    from nxl_hooks.records.parquet import ParquetSink
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(writer.fcntl, "flock", no_locks)
+    first = ParquetSink(tmp_path / "out.parquet")
+    partial = tmp_path / "out.parquet.partial"
+    partial.write_bytes(b"PAR1 rows of a live writer")  # what it holds (written through its own descriptor, alike)
+    with pytest.raises(ValueError) as refused:
+        ParquetSink(tmp_path / "out.parquet")
+    assert str(refused.value) == (f"{partial} exists, and its file system has no locks to tell whether another sink "
+                                  "still writes it: if none does (a crashed run left it), remove it; else give another "
+                                  "path")
+    assert partial.read_bytes() == b"PAR1 rows of a live writer"
+    first.close()
+    ParquetSink(tmp_path / "out.parquet").close()  # gone with its writer: the path is free again
+
+
 _PARQUET_KILLED = """
 import os, sys, time
 import nxl_hooks as nxl
