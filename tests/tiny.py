@@ -10,7 +10,9 @@ small datasets, and an HTML element reader.
 
 from __future__ import annotations
 
+import inspect
 import json
+import os
 import random
 import threading
 from html.parser import HTMLParser
@@ -28,6 +30,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
+import nxl_hooks
 from nxl_hooks.hooks.probe import count_hooks
 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -167,9 +170,25 @@ def elements(page: str, tag: str, cls: str | None = None) -> list[dict]:
     return [e for e in parser.found if e["tag"] == tag and (cls is None or cls in e.get("class", "").split())]
 
 
-#: How many nxl_hooks hooks are on a model (transformers adds hooks of its own for output_hidden_states and keeps
-#: them, so a plain count would depend on which calls ran before): the library's own count.
-nxl_hooks_on = count_hooks
+def _source(function: object) -> str:
+    """The file a hook's function (or its callable object's class) is defined in; "" for a builtin."""
+    try:
+        return inspect.getfile(function if inspect.isroutine(function) else type(function))
+    except TypeError:
+        return ""
+
+
+def nxl_hooks_on(model: torch.nn.Module) -> int:
+    """How many nxl_hooks hooks are on ``model`` (transformers adds hooks of its own for output_hidden_states and
+    keeps them, so a plain count would depend on which calls ran before), counted here by the file each hook's
+    function lives in, a wrapped instance ``generate`` as one; and the library's own count (count_hooks, what
+    ``nxl detach`` and ``nxl ctl status`` say) agreeing with it."""
+    package = os.path.dirname(nxl_hooks.__file__) + os.sep
+    functions = [getattr(hook, "func", hook) for m in model.modules()
+                 for hook in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())]
+    counted = sum(_source(f).startswith(package) for f in functions) + int("generate" in vars(model))
+    assert counted == count_hooks(model), (counted, count_hooks(model))
+    return counted
 
 
 class ScoringThreads:

@@ -333,6 +333,10 @@ _GENERATION_SCRIPT = """
   var data = JSON.parse(document.getElementById("nxl-data").textContent);
   var select = document.getElementById("nxl-layer");
   var cells = document.querySelectorAll("#nxl-generation td.nxl-cell");
+  // the last layer's texts as Python wrote them, shown again for that layer: the script's own formatting below
+  // rounds an exact tie (1.125) up where Python rounds it to even
+  var written = Array.prototype.map.call(cells, function (td) { return [td.textContent, td.title]; });
+  var last = data.layers.length - 1;
   // numbers as Python writes them (fmt() and the tooltips' %.6g), so a cell reads the same before and after this
   // script runs: exponents of two digits at least
   function exponent(s) {
@@ -358,7 +362,7 @@ _GENERATION_SCRIPT = """
         return v === null || !data.ranked[i][j] ? m : Math.max(m, Math.abs(v));
       }, 0) || 1;
     });
-    cells.forEach(function (td) {
+    cells.forEach(function (td, n) {
       var i = +td.dataset.row, j = +td.dataset.col, v = data.values[i][index][j];
       if (v === null || v === undefined) {  // blank: masked, after the token, or a NaN / ±inf score at this layer
         td.textContent = ""; td.removeAttribute("title"); td.removeAttribute("style"); delete td.dataset.value;
@@ -366,10 +370,10 @@ _GENERATION_SCRIPT = """
       }
       var c = colour(v / peaks[i]);
       td.dataset.value = String(v);
-      td.textContent = fmt(v);
+      td.textContent = index === last ? written[n][0] : fmt(v);
       td.style.background = c[0];
       td.style.color = c[1];
-      td.title = data.rows[i] + " · " + data.columns[j] + ": " + g(v, 6);
+      td.title = index === last ? written[n][1] : data.rows[i] + " · " + data.columns[j] + ": " + g(v, 6);
     });
     // each row's step view: its k best context tokens at this layer are bold, as nxl tail lists them
     cells.forEach(function (td) {
@@ -386,9 +390,9 @@ _GENERATION_SCRIPT = """
     });
   }
   var wanted = /layer=(-?\\d+)/.exec(window.location.hash);
-  var layer = wanted ? +wanted[1] : data.layers[data.layers.length - 1];
+  var layer = wanted ? +wanted[1] : data.layers[last];
   var index = data.layers.indexOf(layer < 0 ? data.layers[data.layers.length + layer] : layer);
-  show(index >= 0 ? index : data.layers.length - 1);
+  show(index >= 0 ? index : last);
 })();
 """
 

@@ -286,10 +286,12 @@ class GenerationCall:
         return torch.cat([flags, flags.new_zeros(flags.shape[0], length - flags.shape[1])], 1)
 
     def __setstate__(self, state: dict) -> None:
-        """Unpickled: its steps, which come without their link (:meth:`Step.__getstate__`), ranked as its own again."""
+        """Unpickled: its steps, which come without their link (:meth:`Step.__getstate__`), ranked as its own again;
+        a step still linked (a shallow ``copy.copy`` shares the original's steps) stays its call's."""
         self.__dict__.update(state)
         for step in self.steps:
-            step._call = weakref.ref(self)
+            if step._call is None or step._call() is None:
+                step._call = weakref.ref(self)
 
     def link(self, step: Step) -> None:
         """Give ``step`` the readable texts of its context (the prompt's, then each earlier step's token) and add

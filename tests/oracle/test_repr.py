@@ -160,6 +160,8 @@ def test_a_steps_repr_ranks_as_its_calls_top_leaving_out_the_chat_template(world
 def test_steps_and_calls_still_pickle_for_another_process(world):
     """multiprocessing and ProcessPoolExecutor hand records over by pickle: a linked step (its weak link to its call
     is not pickled) and its call come back with the same tokens and scores (the link made both refuse)."""
+    import copy
+    import gc
     import pickle
 
     model, tok, _ = world
@@ -172,4 +174,8 @@ def test_steps_and_calls_still_pickle_for_another_process(world):
     assert torch.equal(step.normxlogit, call.steps[-1].normxlogit) and torch.equal(step.token, call.steps[-1].token)
     assert [torch.equal(a.normxlogit, b.normxlogit) for a, b in zip(back.steps, call.steps)] == [True, True]
     assert all(s._call() is back for s in back.steps) and step._call is None  # the call's own again; alone, none
+    shallow = copy.copy(call)  # shares the steps: they stay the original's, also once the copy is gone
+    del shallow
+    gc.collect()
+    assert all(s._call() is call for s in call.steps)
 

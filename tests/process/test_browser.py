@@ -117,8 +117,9 @@ def test_generation_page_shows_the_users_words_on_screen_at_1400_px(tmp_path):
 
 
 def test_generation_page_script_writes_numbers_as_python_does(generation, tmp_path):  # noqa: F811
-    """The cells' text and tooltips read the same after the page's script recolours them as Python wrote them:
-    fmt() (%.3g, %.1e below 1e-3) and %.6g, exponents of two digits."""
+    """The cells' text and tooltips read as Python writes them: fmt() (%.3g, %.1e below 1e-3) and %.6g, exponents
+    of two digits, on a layer the script writes (the first, opened as page.html#layer=0); and the layer the page
+    opens on keeps what Python wrote, an exact tie too (1.125: Python's "1.12", the script's rounding "1.13")."""
     import json
 
     page, _, _ = generation
@@ -129,20 +130,36 @@ def test_generation_page_script_writes_numbers_as_python_does(generation, tmp_pa
               1234567.0, 0.0123, -0.5, 1.5, 2e-9, 123456789.0, 0.00012345]
     n = 0
     for row in data["values"]:
-        for j, v in enumerate(row[-1]):
+        for j, v in enumerate(row[0]):
             if v is not None:
-                row[-1][j] = chosen[n % len(chosen)]
+                row[0][j] = chosen[n % len(chosen)]
                 n += 1
-    assert n >= len(chosen)
+    assert n >= len(chosen) and len(data["layers"]) > 1
+    # one last-layer cell as Python writes an exact tie: its value in the data block and its text in the table
+    i, j = next((i, j) for i, row in enumerate(data["values"]) for j, v in enumerate(row[-1]) if v is not None)
+    data["values"][i][-1][j] = 1.125
+    cell = re.compile(rf'(<td class="nxl-cell[^"]*" data-row="{i}" data-col="{j}" data-value=")[^"]*(" title="[^"]*: )'
+                      r'[^"]*(" [^>]*>)[^<]*(</td>)')
+    head, count = cell.subn(lambda m: f"{m[1]}1.125{m[2]}{1.125:.6g}{m[3]}{1.125:.3g}{m[4]}", head)
+    assert count == 1
     path = tmp_path / "numbers.html"
     path.write_text(head + 'id="nxl-data">' + json.dumps(data).replace("<", "\\u003c") + "</script>" + tail,
                     encoding="utf-8")
-    dom = _chromium("--dump-dom", path.as_uri())
-    cells = [(dict(re.findall(r'([\w-]+)="([^"]*)"', attributes)), text)
-             for attributes, text in re.findall(r'<td class="nxl-cell[^"]*"([^>]*)>([^<]*)</td>', dom)]
-    cells = [(attributes, text) for attributes, text in cells if "data-value" in attributes]
+
+    def shown(fragment: str) -> list[tuple[dict, str]]:
+        dom = _chromium("--dump-dom", path.as_uri() + fragment)
+        cells = [(dict(re.findall(r'([\w-]+)="([^"]*)"', attributes)), text)
+                 for attributes, text in re.findall(r'<td class="nxl-cell[^"]*"([^>]*)>([^<]*)</td>', dom)]
+        return [(attributes, text) for attributes, text in cells if "data-value" in attributes]
+
+    cells = shown(f"#layer={data['layers'][0]}")
     assert len(cells) == n
     for attributes, text in cells:
         v = float(attributes["data-value"])
         assert text == (f"{v:.3g}" if v == 0 or abs(v) >= 1e-3 else f"{v:.1e}"), (v, text)
         assert attributes["title"].endswith(f": {v:.6g}"), (v, attributes["title"])
+    tie = [text for attributes, text in shown("") if attributes["data-row"] == str(i)
+           and attributes["data-col"] == str(j)]
+    assert tie == ["1.12"]
+
+
