@@ -124,7 +124,7 @@ _SCRIPT = textwrap.dedent("""
     from transformers import AutoTokenizer, LlamaForCausalLM
     folder, go = sys.argv[1], sys.argv[2]
     print("ready", flush=True)
-    for _ in range(600):  # no model until the test says so: nxl attach finds none yet
+    for _ in range(6000):  # no model until the test says so (5 min at most: a loaded machine injects slowly)
         if os.path.exists(go):
             break
         time.sleep(0.05)
