@@ -14,6 +14,7 @@ import inspect
 import json
 import os
 import random
+import signal
 import threading
 from html.parser import HTMLParser
 from pathlib import Path
@@ -168,6 +169,14 @@ def elements(page: str, tag: str, cls: str | None = None) -> list[dict]:
     parser = _Elements()
     parser.feed(page)
     return [e for e in parser.found if e["tag"] == tag and (cls is None or cls in e.get("class", "").split())]
+
+
+def ctrl_c_reaches() -> None:
+    """A child's ``preexec_fn``: SIGINT as a terminal gives it (default action, not blocked), whatever the test
+    process inherited (a worker started with SIGINT ignored or blocked passes that on across exec, and Python then
+    raises no KeyboardInterrupt in the child)."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _source(function: object) -> str:

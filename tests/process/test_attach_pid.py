@@ -29,6 +29,7 @@ from nxl_hooks.apps.serve.inject import (Target, _private_parent, _queue, bootst
                                           permission_refusal, trusted_file)
 from oracle import normxlogit, prefix_logits
 from serving import Server
+import tiny as tiny_models
 from test_serve import CB_FLAGS, SERVE_ENV, Tiny, _cli, check_call, tiny  # noqa: F401 - tiny: the fixture
 
 REPO = Path(nxl.__file__).resolve().parent.parent
@@ -234,7 +235,7 @@ def test_an_interrupted_attach_wait_never_attaches_the_process_later(tiny, tmp_p
         pid = str(process.pid)
         attach = subprocess.Popen([sys.executable, "-m", "nxl_hooks", "attach", pid, "--wait", "120", "--sink",
                                    str(run)], env={**os.environ, "TMPDIR": str(private)}, stderr=subprocess.PIPE,
-                                  text=True)
+                                  text=True, preexec_fn=tiny_models.ctrl_c_reaches)
         deadline = time.monotonic() + 120
         while not list(private.glob("nxl-attach-*/request.json.taken")):  # the process took the request
             assert attach.poll() is None and time.monotonic() < deadline, attach.stderr.read()

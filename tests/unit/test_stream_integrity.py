@@ -373,7 +373,7 @@ def test_ctrl_c_interrupts_a_long_read(tmp_path):
         fh.write(writer._FILE_MAGIC + struct.pack("<4sQI", b"NXLF", size, 1))
         fh.truncate(len(writer._FILE_MAGIC) + 16 + size)  # sparse: no disk used
     child = subprocess.Popen([sys.executable, "-c", _CTRL_C, str(path)], stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "OMP_NUM_THREADS": "1"})
+                             env={**os.environ, "OMP_NUM_THREADS": "1"}, preexec_fn=tiny.ctrl_c_reaches)
     try:
         assert child.stdout.readline().strip() == "start"
         time.sleep(1.0)  # well inside the 50 reads
