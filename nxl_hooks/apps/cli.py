@@ -17,7 +17,7 @@ from typing import Any, NoReturn, Sequence
 
 from .commands import COMMANDS
 from .extras import extra_hint, quiet_library_noise
-from .options import CliError, one_line, parse_layers, parse_target, positive_int
+from .options import CliError, one_line, parse_layers, parse_target, positive_int, say
 
 __all__ = ["CliError", "build_parser", "main", "one_line", "parse_layers", "parse_target", "positive_int"]
 
@@ -72,7 +72,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         hint = None if isinstance(err, CliError) else extra_hint(err)  # a missing optional package: its extra
         if args.traceback or (isinstance(err, ImportError) and hint is None):
             raise  # an ImportError of no extra's package is a bug or a broken install: show where
-        print(one_line(f"nxl {args.command}: error: {hint or str(err) or type(err).__name__}"), file=sys.stderr)
+        say(one_line(f"nxl {args.command}: error: {hint or str(err) or type(err).__name__}"))
         return 2
     except KeyboardInterrupt:
         return 130

@@ -491,7 +491,9 @@ def run_dataset(
                     raise
                 record = _failure(examples[index], error)
                 if log is not None:
-                    tqdm.write(f"{desc}: example {index} failed, recorded: {record['error']}", file=sys.stderr)
+                    # the newline in the one write (tqdm writes `end` apart): torchrun ranks share an unbuffered stderr
+                    failed = f"{desc}: example {index} failed, recorded: {record['error']}\n"
+                    tqdm.write(failed, file=sys.stderr, end="")
             if log is not None:
                 log.append({**record, "index": index, **identity})
     except Exception:

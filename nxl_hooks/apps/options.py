@@ -12,6 +12,7 @@ import argparse
 import functools
 import math
 import os
+import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Sequence
 
@@ -40,6 +41,7 @@ __all__ = [
     "parse_target",
     "positive_int",
     "positive_seconds",
+    "say",
     "seconds",
 ]
 
@@ -48,6 +50,14 @@ HEADS = tuple(HEAD_CLASSES)  #: --head: when config.architectures does not say
 
 class CliError(Exception):
     """Bad command-line input: printed as one line, exit code 2."""
+
+
+def say(line: str) -> None:
+    """Print ``line`` on stderr in one write, newline included: ``say("nxl run: run folder out")``. The ranks of
+    ``torchrun`` (run with ``python -u``: stderr unbuffered) share one stderr, and ``print``'s separate write of
+    the newline let two ranks' lines run into one."""
+    sys.stderr.write(line + "\n")
+    sys.stderr.flush()
 
 
 def one_line(message: str) -> str:

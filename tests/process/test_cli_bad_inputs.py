@@ -8,10 +8,12 @@ docs/testing.md against both.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
@@ -367,20 +369,40 @@ def quiet():
     transformers.utils.logging.enable_progress_bar()
 
 
+class _Writes(io.StringIO):
+    """stderr that keeps each write apart: a line must leave in one write, newline included, or two torchrun ranks
+    (``python -u``: stderr unbuffered) run their lines into one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[str] = []
+
+    def write(self, text: str) -> int:
+        self.writes.append(text)
+        return super().write(text)
+
+    def text(self) -> str:
+        """What was written; AssertionError when a write left a line unfinished (a progress bar's, which starts
+        with a carriage return, aside)."""
+        assert all(text.endswith("\n") for text in self.writes if text and not text.startswith("\r")), self.writes
+        return self.getvalue()
+
+
 @pytest.mark.parametrize("argv, message", [pytest.param(*case[1:], id=case[0]) for case in CASES])
-def test_bad_cli_input(where, quiet, capsys, monkeypatch, argv, message):
+def test_bad_cli_input(where, quiet, monkeypatch, argv, message):
     monkeypatch.setenv("NXL_TOKEN", "")
     root = Path(where["root"])
     before = _tree(root)
+    monkeypatch.setattr(sys, "stderr", _Writes())
     assert main([arg.format(**where) for arg in argv]) == 2
-    err = capsys.readouterr().err
+    err = sys.stderr.text()
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
     assert re.match(r"nxl( \w+)?: error: ", lines[0]) and re.search(message, lines[0]), lines[0]
     assert _tree(root) == before  # nothing created, nothing changed, nothing removed
 
 
-def test_evaluate_records_a_text_too_long_and_goes_on(where, quiet, tmp_path, capsys):
+def test_evaluate_records_a_text_too_long_and_goes_on(where, quiet, tmp_path, monkeypatch):
     """One text beyond the model's positions: recorded as failed with its reason, the others scored; a rerun
     resumes without retrying it (the records on disk stay as they were)."""
     data = tmp_path / "data.jsonl"
@@ -388,6 +410,7 @@ def test_evaluate_records_a_text_too_long_and_goes_on(where, quiet, tmp_path, ca
                                                              {"id": "long", "text": LONG, "label": 0},
                                                              {"id": "c", "text": "bad plot", "label": 0}]))
     argv = ["evaluate", where["bert"], str(data), "--out", str(tmp_path / "out"), "--methods", "logat,random"]
+    monkeypatch.setattr(sys, "stderr", _Writes())
     assert main(argv) == 0
     summary = json.loads((tmp_path / "out" / "summary.json").read_text())
     assert summary["n"] == 2 and summary["failed"] == [
@@ -397,9 +420,10 @@ def test_evaluate_records_a_text_too_long_and_goes_on(where, quiet, tmp_path, ca
         "a", "c"]
     part = tmp_path / "out" / "parts" / "part-0.jsonl"
     before = part.read_bytes()
-    assert "example 1 failed, recorded" in capsys.readouterr().err
+    assert "example 1 failed, recorded" in sys.stderr.text()
+    monkeypatch.setattr(sys, "stderr", _Writes())
     assert main(argv) == 0
-    assert part.read_bytes() == before and "failed, recorded" not in capsys.readouterr().err  # not retried
+    assert part.read_bytes() == before and "failed, recorded" not in sys.stderr.text()  # not retried
 
 
 def test_a_mistyped_folder_name_is_said_to_be_neither_a_folder_nor_a_hub_model(where, tmp_path):

@@ -15,10 +15,9 @@ import argparse
 import contextlib
 import os
 import shutil
-import sys
 from pathlib import Path
 
-from ..options import CliError, check_output_folder, one_line, positive_seconds, seconds
+from ..options import CliError, check_output_folder, one_line, positive_seconds, say, seconds
 from ..serve.settings import add_run_options
 from .run import _is_kind, prepare_run
 
@@ -79,8 +78,8 @@ def run(args: argparse.Namespace) -> int:
         raise
     # another user's run folder and socket are theirs: its endpoint answers them (and root's detach), not root's tail
     viewer = f" as uid {target.uid}" if other else ""
-    print(one_line(f"nxl attach: process {args.pid} recorded ({models}); run folder {folder} (live view{viewer}: nxl "
-                   f"tail --run {folder}; undo: nxl detach {args.pid})"), file=sys.stderr, flush=True)
+    say(one_line(f"nxl attach: process {args.pid} recorded ({models}); run folder {folder} (live view{viewer}: nxl "
+                 f"tail --run {folder}; undo: nxl detach {args.pid})"))
     return 0
 
 

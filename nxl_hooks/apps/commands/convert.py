@@ -9,9 +9,8 @@ tokenizer, chat template) that ``from_pretrained`` and ``transformers serve`` lo
 from __future__ import annotations
 
 import argparse
-import sys
 
-from ..options import CliError
+from ..options import CliError, say
 
 NAME = "convert"
 #: What the weights can be dequantized to ("auto" has no meaning for quantized weights).
@@ -39,5 +38,5 @@ def run(args: argparse.Namespace) -> int:
     if args.gguf_file is None and not args.model.lower().endswith(".gguf"):
         raise CliError(f"{args.model} is not a .gguf file: pass the file, or its folder plus --gguf-file NAME")
     out = convert_gguf(args.model, args.out, gguf_file=args.gguf_file, dtype=args.dtype)
-    print(f"wrote {out} (serve it: nxl run -- transformers serve {out})", file=sys.stderr)
+    say(f"wrote {out} (serve it: nxl run -- transformers serve {out})")
     return 0

@@ -8,9 +8,8 @@ The process goes on as it was before the attach; its run folder and records stay
 from __future__ import annotations
 
 import argparse
-import sys
 
-from ..options import CliError, one_line
+from ..options import CliError, one_line, say
 from .attach import add_pid
 
 NAME = "detach"
@@ -31,6 +30,6 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"process {args.pid}: {outcome.get('error')}")
     left = "".join(f"; {what} left: {outcome[key]}" for key, what in (("hooks", "hooks"), ("threads", "nxl threads"))
                    if outcome[key])
-    print(one_line(f"nxl detach: process {args.pid} runs unrecorded ({outcome['patches']} patches given back{left}); "
-                   f"its records stay in {outcome['run_dir']}"), file=sys.stderr, flush=True)  # the target's words
+    say(one_line(f"nxl detach: process {args.pid} runs unrecorded ({outcome['patches']} patches given back{left}); "
+                 f"its records stay in {outcome['run_dir']}"))  # the target's words
     return 0

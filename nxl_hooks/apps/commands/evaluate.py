@@ -5,7 +5,6 @@ Resumable, and sharded under ``accelerate launch --num_processes N -m nxl_hooks 
 from __future__ import annotations
 
 import argparse
-import sys
 from typing import Any, Mapping
 
 from ..extras import require_extra
@@ -15,6 +14,7 @@ from ..options import (
     add_loading_options,
     loading_options,
     positive_int,
+    say,
 )
 
 NAME = "evaluate"
@@ -89,8 +89,8 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"--methods names {', '.join(foiled)}, which contrasts the target with a foil, but "
                            f"{args.model} has a regression head (one output, no foil): drop it from --methods")
         methods = settings["methods"] = [method for method in methods if method not in foiled]
-        print(f"nxl {NAME}: {', '.join(foiled)} left out of --methods {args.methods}: {args.model} has a regression "
-              "head (one output, no foil to contrast with)", file=sys.stderr)
+        say(f"nxl {NAME}: {', '.join(foiled)} left out of --methods {args.methods}: {args.model} has a regression "
+            "head (one output, no foil to contrast with)")
     place(model)
     if args.chat:  # each text becomes the user's message; evidence words are looked for in the whole prompt
         examples = [{**example, "text": chat_text(tokenizer, example["text"])} for example in examples]

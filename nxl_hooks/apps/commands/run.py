@@ -16,11 +16,10 @@ import dataclasses
 import os
 import re
 import shutil
-import sys
 from pathlib import Path
 
 from ..extras import SERVE_MODULES, require_extra
-from ..options import CliError, add_loading_options, check_output_folder, loading_options
+from ..options import CliError, add_loading_options, check_output_folder, loading_options, say
 from ..serve.settings import Settings, add_run_options
 
 NAME = "run"
@@ -154,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
     folder = settings.run_dir
     env = {**os.environ, **settings.to_env()}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (bootstrap_dir(), os.environ.get("PYTHONPATH")) if p)
-    print(f"nxl run: run folder {folder} (live view: nxl tail --run {folder})", file=sys.stderr, flush=True)
+    say(f"nxl run: run folder {folder} (live view: nxl tail --run {folder})")
     try:
         os.execvpe(program[0], program, env)
     except FileNotFoundError:

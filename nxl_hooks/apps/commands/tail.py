@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import queue
 import shutil
-import sys
 import threading
 import time
 from typing import NamedTuple, Union
@@ -43,7 +42,7 @@ from urllib.parse import quote, urlencode
 
 from ...records.tokens import printable
 from ...records.view import METHOD, StepView
-from ..options import CliError, add_method_option, positive_int
+from ..options import CliError, add_method_option, positive_int, say
 
 NAME = "tail"
 _FAULT_POLL = 2.0  #: seconds between two looks at each process's status for faults
@@ -260,7 +259,7 @@ def _show(items: queue.Queue[Item], args: argparse.Namespace, open_streams: int,
             if not said and not opening and time.monotonic() - quiet_since >= wait:
                 said = True
                 hint = "" if args.request_id or args.last else "; nxl tail --last N shows the last N"
-                print(f"nxl tail: waiting for {waiting} (Ctrl-C to stop{hint})", file=sys.stderr, flush=True)
+                say(f"nxl tail: waiting for {waiting} (Ctrl-C to stop{hint})")
             continue
         if isinstance(item, Shown):
             if (item.view.request_id, item.view.step) in seen:
@@ -282,6 +281,5 @@ def _show(items: queue.Queue[Item], args: argparse.Namespace, open_streams: int,
             quiet_since = time.monotonic()
         else:
             open_streams -= 1
-    print("nxl tail: the stream ended: the process exited, or stopped being recorded",
-          file=sys.stderr, flush=True)
+    say("nxl tail: the stream ended: the process exited, or stopped being recorded")
     return 1

@@ -18,13 +18,12 @@ import json
 import os
 import shlex
 import socket
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
-from ..options import CliError
+from ..options import CliError, say
 from .runs import live_sockets, peer_uid, read_token
 
 __all__ = ["Endpoint", "choose_run", "connect_unix", "endpoints"]
@@ -177,7 +176,7 @@ def choose_run() -> Path:
         for folder, processes in runs.items():
             pids = ",".join(str(pid) for pid, _ in processes)
             started = time.strftime("%H:%M:%S", time.localtime(max(when for _, when in processes)))
-            print(f"--run {shlex.quote(str(folder))}    (pid {pids}, started {started})", file=sys.stderr)
+            say(f"--run {shlex.quote(str(folder))}    (pid {pids}, started {started})")
         raise CliError(f"{len(runs)} of your runs are live (listed above, newest first): pass one with --run")
     return next(iter(runs))
 
