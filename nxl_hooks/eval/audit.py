@@ -34,7 +34,7 @@ from ..method.subject import unwrap
 from ..hooks.probe import attach
 from ..method.placement import input_device
 from ..method.scores import flat_norms
-from ..method.select import order, resolve_target
+from ..method.select import check_length, order, position_limit, resolve_target
 from ..records.attribution import Attribution
 from ..records.tokens import describe_target, label_text
 from .metrics import mean
@@ -151,6 +151,8 @@ def audit_example(
     text = example.get("text")
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"example needs a non-empty 'text' string, got keys {sorted(example)}")
+    limits = [n for n in (position_limit(unwrap(reference)), position_limit(unwrap(candidate))) if n is not None]
+    check_length(tokenizer, text, min(limits, default=None))  # the model has no position for the rest
     ids = torch.tensor([tokenizer(text)["input_ids"]], dtype=torch.long)
     given, notes = example.get("target", "predicted"), []
     requested = given if explain == "target" else "predicted"

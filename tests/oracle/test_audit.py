@@ -110,6 +110,15 @@ def test_same_weights_show_no_change_and_a_changed_block_changes_only_the_layers
     assert record["spearman"][:2] == pytest.approx([1.0, 1.0])
 
 
+def test_a_text_longer_than_either_model_reads_is_refused_in_one_line():
+    """audit_example (the Python API, not only `nxl audit`) refuses a text past the shorter model's positions."""
+    model, tok = tiny.build_model("bert", 0), tiny.tokenizer()
+    limit = model.config.max_position_embeddings
+    text = " ".join(["good"] * limit)
+    with pytest.raises(ValueError, match=rf"the text is {limit + 2} tokens, but the model reads at most {limit} "):
+        audit.audit_example(model, tiny.build_model("bert", 0), tok, {"text": text})
+
+
 def test_report_leads_with_flipped_then_lowest_spearman(tmp_path):
     reference, candidate, tok = tiny.build_model("bert", 0), tiny.build_model("bert", 5), tiny.tokenizer()
     records = [
