@@ -74,10 +74,12 @@ class Damage:
 
 
 class Stream(list):
-    """What :func:`read_stream` returns: a list of :class:`GenerationCall`, and ``damage`` (None when every file ends
-    on a complete frame; else the first damaged file's)."""
+    """What :func:`read_stream` returns: a list of :class:`GenerationCall`, ``damage`` (None when every file ends
+    on a complete frame; else the first damaged file's, a torn last frame only when no file is damaged otherwise:
+    a killed writer's end must not hide records lost elsewhere) and ``damages`` (every file's, in reading order)."""
 
     damage: Damage | None = None
+    damages: tuple[Damage, ...] = ()
 
 
 def _crc(view: memoryview) -> int:
@@ -467,7 +469,7 @@ class _Moved(Exception):
 
 
 def _read_stream(path: Path, *, request_id: str | None, strict: bool) -> Stream:
-    out, damage = Stream(), None
+    out, damages = Stream(), []
     for files in _writers(path) if path.is_dir() else [[path]]:
         calls: dict[int, GenerationCall] = {}
         found, steps, last = None, 0, None
@@ -502,10 +504,12 @@ def _read_stream(path: Path, *, request_id: str | None, strict: bool) -> Stream:
                 raise StreamError(f"{found.path} is damaged: {found.describe()}")
             warnings.warn(f"{found.path} is damaged, read up to the damage: {found.describe()}",
                           StreamDamageWarning, stacklevel=2)
-        damage = damage or found
+        if found is not None:
+            damages.append(found)
         out.extend(calls[index] for index in sorted(calls))
     out[:] = [call for call in out if request_id is None or call.request_id == request_id]
-    out.damage = damage
+    out.damages = tuple(damages)
+    out.damage = next((found for found in damages if not found.torn), damages[0] if damages else None)
     return out
 
 

@@ -954,7 +954,7 @@ def test_exporting_a_damaged_stream_prints_one_nxl_line(chat, tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0 and done.stderr == "", done.stderr
     (line,) = done.stdout.splitlines()
-    assert line.startswith(f"{tmp_path / 'o.parquet'}: ") and "; damaged, read up to: " in line, line
+    assert line.startswith(f"{tmp_path / 'o.parquet'}: ") and f"; {stream}: damaged, read up to: " in line, line
 
 
 def test_export_strict_refuses_damage_but_not_a_torn_last_frame(chat, tmp_path, capsys):
@@ -968,7 +968,8 @@ def test_export_strict_refuses_damage_but_not_a_torn_last_frame(chat, tmp_path, 
     capsys.readouterr()
     assert cli_main(["export", str(stream), str(tmp_path / "torn.parquet"), "--strict"]) == 0
     line = capsys.readouterr().out
-    assert "; a torn last frame left out (a writer killed mid-write): frame " in line and "damaged" not in line, line
+    assert f"; {stream}: a torn last frame left out (a writer killed mid-write): frame " in line, line
+    assert "damaged, read up to" not in line, line
     flipped = bytearray(whole)
     flipped[len(whole) // 2] ^= 0xFF  # a flipped byte in a middle frame: damage
     stream.write_bytes(bytes(flipped))

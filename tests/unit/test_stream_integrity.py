@@ -350,6 +350,34 @@ def test_a_real_damaged_file_is_scanned_once_and_frames_after_are_counted(record
     assert seen[0] <= len(big)
 
 
+def test_a_torn_file_does_not_hide_another_files_damage(recorded, tmp_path, capsys):
+    """A folder of two writers' files: a.nxl ends torn (a killed writer: no damage), b.nxl has a flipped byte in its
+    first step frame. ``damage`` is b's, ``damages`` both, and nxl export's summary names each file and what it lost
+    (it said only "a torn last frame left out", and exited 0 with b's records dropped unsaid)."""
+    pytest.importorskip("pyarrow.parquet")
+    data, _ = recorded
+    magic, frames = _split(data)
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    (folder / "a.nxl").write_bytes(data[:-7])  # the end frame torn
+    flipped = bytearray(data)
+    flipped[len(magic) + len(frames[0]) + 40] ^= 0xFF  # step 0's payload altered
+    (folder / "b.nxl").write_bytes(bytes(flipped))
+    with pytest.warns(nxl.StreamDamageWarning, match="b.nxl is damaged"):
+        calls = nxl.read_stream(folder)
+    a, b = str(folder / "a.nxl"), str(folder / "b.nxl")
+    assert (calls.damage.path, calls.damage.torn) == (b, False)
+    assert [(found.path, found.torn, found.frame) for found in calls.damages] == [(a, True, 5), (b, False, 1)]
+    capsys.readouterr()
+    assert main(["export", str(folder), str(tmp_path / "o.parquet")]) == 0  # as for one damaged file
+    line = capsys.readouterr().out
+    assert (f"; {a}: a torn last frame left out (a writer killed mid-write): frame 5 at byte "
+            f"{len(data) - len(frames[-1])}: ") in line, line
+    assert (f"; {b}: damaged, read up to: frame 1 at byte {len(magic) + len(frames[0])}: checksum (CRC-32) mismatch"
+            ": the frame was altered after it was written; 0 step record(s) recovered before it, 4 intact frame(s) "
+            "after it not read") in line, line
+
+
 _CTRL_C = textwrap.dedent("""
     import sys, time, warnings
     import nxl_hooks as nxl

@@ -64,9 +64,11 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"writing {args.out} failed ({err.strerror or err}); nothing was written and no partial file "
                        "is left: free some space (or pick another folder) and export again") from None
     damage = ""
-    if calls.damage:  # a torn last frame is where a killed writer stopped: no damage, --strict or not (read_stream)
-        what = "a torn last frame left out (a writer killed mid-write)" if calls.damage.torn else "damaged, read up to"
-        damage = f"; {what}: {calls.damage.describe()}"
+    # every file's, named: a torn last frame is where a killed writer stopped (no damage, --strict or not:
+    # read_stream), and must not hide the records another file of the folder lost
+    for found in calls.damages:
+        what = "a torn last frame left out (a writer killed mid-write)" if found.torn else "damaged, read up to"
+        damage += f"; {found.path}: {what}: {found.describe()}"
     said = ""
     if written.unexplained:
         said = (f"; {written.unexplained} call(s) not recorded, stopped early or with notes: why in the file's "
