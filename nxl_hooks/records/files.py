@@ -89,8 +89,9 @@ def read_regular(path: str | Path, error: type[Exception] = ValueError, *, follo
 
     A FIFO, device or socket is refused (``error``, one line) before it is opened, so a reader never blocks on a
     FIFO nor reads ``/dev/zero`` forever; the file is opened non-blocking and checked again (it may have been
-    swapped), the buffer is the file's real size, and it is read in :data:`CHUNK` pieces so that Ctrl-C
-    interrupts a long read. A file that grows meanwhile is read up to the size it had when opened.
+    swapped), the buffer is the file's real size (a file that does not fit in memory is ``error`` too), and it is
+    read in :data:`CHUNK` pieces so that Ctrl-C interrupts a long read. A file that grows meanwhile is read up to
+    the size it had when opened.
     ``follow_symlinks=False``: a symbolic link is refused too (a file in a folder someone else may write);
     ``max_bytes``: a larger file is refused before anything is read. ``dir_fd``: ``path`` is relative to that open
     folder (one whose path someone else may have swapped since it was opened)."""
@@ -106,7 +107,12 @@ def read_regular(path: str | Path, error: type[Exception] = ValueError, *, follo
             raise error(f"{path} is {kind}, not a regular file: nxl_hooks reads records only from regular files")
         if max_bytes is not None and info.st_size > max_bytes:
             raise error(f"{path} holds {info.st_size} bytes, more than the {max_bytes} expected there")
-        data, done = bytearray(info.st_size), 0
+        # read, not mapped: a mapped file that another process truncates (a new sink taking its path over) kills the
+        # reader with SIGBUS at its next look
+        try:
+            data, done = bytearray(info.st_size), 0
+        except MemoryError:
+            raise error(_too_large(path, info.st_size)) from None
         with memoryview(data) as view, os.fdopen(fd, "rb", buffering=0, closefd=False) as fh:
             while done < len(data):
                 got = fh.readinto(view[done: done + CHUNK])
@@ -117,6 +123,12 @@ def read_regular(path: str | Path, error: type[Exception] = ValueError, *, follo
         return data
     finally:
         os.close(fd)
+
+
+def _too_large(path: str | Path, size: int) -> str:
+    """One line for a file of ``size`` bytes that does not fit in memory (records files are read whole)."""
+    return (f"{path} holds {size} bytes, more than this machine's free memory can hold (nxl_hooks reads a records "
+            "file whole): read it on a machine with more memory free")
 
 
 def file_kind(mode: int) -> str:

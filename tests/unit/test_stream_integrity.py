@@ -297,6 +297,54 @@ def test_readers_refuse_a_fifo_a_device_and_a_socket_before_opening(tmp_path, re
     assert nxl.read_stream(tmp_path) == []  # a folder walk skips what is not a regular file
 
 
+_TOO_LARGE = textwrap.dedent("""
+    import resource, sys
+    import nxl_hooks as nxl
+    from nxl_hooks.apps.cli import main
+    # no allocation of 4 GiB or more succeeds, whatever the machine's overcommit (one that overcommits would take
+    # the 1 TiB and be killed filling it)
+    resource.setrlimit(resource.RLIMIT_AS, (4 << 30, resource.getrlimit(resource.RLIMIT_AS)[1]))
+    for reader in (nxl.read_stream, nxl.Attribution.load):
+        try:
+            reader(sys.argv[1])
+        except nxl.RecordError as error:
+            print(type(error).__name__, error)
+    print("exit", main(["export", sys.argv[1], sys.argv[2]]))
+""")
+
+
+def test_a_file_larger_than_memory_is_one_line(tmp_path):
+    """A 1 TiB stream or attribution file (sparse: no disk used): read_stream and Attribution.load raised
+    MemoryError, nxl export ended in its traceback with exit 1."""
+    path = tmp_path / "run.nxl"
+    with path.open("wb") as fh:
+        fh.write(writer._FILE_MAGIC)
+        fh.truncate(1 << 40)
+    done = subprocess.run([sys.executable, "-c", _TOO_LARGE, str(path), str(tmp_path / "o.parquet")],
+                          capture_output=True, text=True, timeout=300)
+    line = (f"{path} holds {1 << 40} bytes, more than this machine's free memory can hold (nxl_hooks reads a records "
+            "file whole): read it on a machine with more memory free")
+    assert done.stdout == f"StreamError {line}\nRecordError {line}\nexit 2\n", done.stdout + done.stderr
+    assert done.stderr.endswith(f"nxl export: error: {line}\n") and "Traceback" not in done.stderr, done.stderr
+
+
+def test_an_attribution_file_whose_tensors_do_not_fit_in_memory_is_said_so(recorded, tmp_path, monkeypatch):
+    """Read whole, a file's tensors are copies again: memory running out there is no "not a safetensors file"."""
+    from nxl_hooks.records import attribution
+
+    path = recorded[1].calls[-1].steps[0].to_attribution().save(tmp_path / "a.safetensors")
+
+    def no_memory(data: bytes) -> None:
+        raise MemoryError
+
+    monkeypatch.setattr(attribution, "_load_blob", no_memory)
+    with pytest.raises(nxl.RecordError) as error:
+        nxl.Attribution.load(path)
+    assert str(error.value) == (f"{path} holds {path.stat().st_size} bytes, more than this machine's free memory can "
+                                "hold (nxl_hooks reads a records file whole): read it on a machine with more memory "
+                                "free")
+
+
 def _counting(monkeypatch) -> list[int]:
     """Count the payload bytes the reader checksums."""
     seen, crc = [0], reader._crc
