@@ -70,6 +70,8 @@ __all__ = ["INSTALL", "ParquetSink", "export_parquet", "pyarrow_module"]
 INSTALL = 'pip install "nxl_hooks[parquet]"'
 #: The most calls ``nxl.calls`` lists (a server's file may hold millions of calls; the rest are counted).
 LISTED = 10_000
+#: The first bytes of every Parquet file: a writer's unfinished file begins with them (or is still empty).
+_MAGIC = b"PAR1"
 
 
 def pyarrow_module() -> Any:
@@ -205,7 +207,7 @@ class ParquetSink:
                  methods: Iterable[str] | None = None) -> None:
         pyarrow_module()
         self.path = Path(path)
-        self._partial = self.path.with_name(self.path.name + ".partial")
+        self._partial = partial_path(self.path)
         self._methods = None if methods is None else tuple(methods)
         self._schema: Any = None  # once the methods are known: at the first call, or when the file is closed
         self._file = os.fdopen(_claim_partial(self._partial), "wb")
@@ -339,16 +341,28 @@ class ParquetSink:
             os.close(null)
 
 
+def partial_path(path: str | os.PathLike) -> Path:
+    """Where a Parquet writer of ``path`` writes until its file is finished: ``out.parquet.partial``, a file it
+    writes as much as ``path`` itself (``nxl export`` keeps both apart from its inputs)."""
+    path = Path(path)
+    return path.with_name(path.name + ".partial")
+
+
 def _claim_partial(partial: Path) -> int:
     """``out.parquet.partial``, emptied and held for this writer by the rule of stream files
     (:func:`~nxl_hooks.records.writer._claim_file`): a live writer's is refused (ValueError, one line); one that a
-    writer left when it died (a crash, SIGKILL: no footer, unreadable) is taken over, with one log line."""
+    writer left when it died (a crash, SIGKILL: no footer, unreadable) is taken over, with one log line. What no
+    Parquet writer began (a stream file, anyone's data) is refused (ValueError, one line): never emptied."""
     while True:
-        fd = _claim_file(partial, 0o644, unlocked_if_new=True)  # (it empties what it takes)
+        fd = _claim_file(partial, 0o644, unlocked_if_new=True, readable=True)  # (it empties what it takes)
         try:
             held = os.fstat(fd)
             with contextlib.suppress(FileNotFoundError):
                 if os.path.samestat(held, os.stat(partial)):
+                    if held.st_size and not _MAGIC.startswith(os.pread(fd, len(_MAGIC), 0)):
+                        raise ValueError(f"{partial} is no Parquet file a writer left unfinished (it does not begin "
+                                         f"with {_MAGIC!r}): nxl_hooks empties only its own; move it away, or write "
+                                         "the Parquet file elsewhere")
                     os.ftruncate(fd, 0)
                     break
         except BaseException:

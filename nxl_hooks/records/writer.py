@@ -165,17 +165,20 @@ def _open(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
     return fd
 
 
-def _claim_file(path: Path, mode: int, *, follow_symlinks: bool = False, unlocked_if_new: bool = False) -> int:
+def _claim_file(path: Path, mode: int, *, follow_symlinks: bool = False, unlocked_if_new: bool = False,
+                readable: bool = False) -> int:
     """A descriptor of the regular file ``path`` (created when missing, left as it is: the caller empties it), open
     for writing and locked for this writer (:func:`_claim`): one that another writer holds is refused (ValueError) and
     left as it is; one that a writer no longer holds (it closed, crashed, was killed) is this writer's. A symbolic
     link is refused (ValueError) unless ``follow_symlinks``: O_NOFOLLOW makes the check and the open one step, with
     no window to swap a link in. The one-writer rule of every records file (stream files, the Parquet sink's).
     ``unlocked_if_new``: on a file system without locks, a file that was there before is refused (ValueError): no
-    lock tells a live writer's from a dead one's, and a caller that empties what it takes would empty a live one."""
+    lock tells a live writer's from a dead one's, and a caller that empties what it takes would empty a live one.
+    ``readable``: open for reading too (a caller that looks at what it takes before emptying it)."""
     # non-blocking: a FIFO without a reader is refused at once, not waited on (its open would block the host); not
     # truncated by the open: only once this writer holds the file
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK | (0 if follow_symlinks else os.O_NOFOLLOW)
+    flags = ((os.O_RDWR if readable else os.O_WRONLY) | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK
+             | (0 if follow_symlinks else os.O_NOFOLLOW))
     existed = os.path.lexists(path)
     try:
         fd = os.open(path, flags, mode)

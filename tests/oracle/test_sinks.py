@@ -763,6 +763,29 @@ def test_a_parquet_file_left_by_a_killed_writer_is_taken_over_with_one_line(chat
     assert not partial.exists()
 
 
+def test_no_parquet_writer_empties_a_partial_file_it_did_not_begin(chat, tmp_path, capsys):
+    """``nxl export X.partial X`` took its own source stream for a dead writer's ``X.partial``: emptied it and renamed
+    it to X, --force or not. The export refuses it before anything loads, and a live sink (no input to check)
+    refuses a ``.partial`` that no Parquet writer began instead of emptying it."""
+    from nxl_hooks.records.parquet import ParquetSink
+
+    _, model, tokenizer = chat
+    out, source = tmp_path / "scores.parquet", tmp_path / "scores.parquet.partial"
+    _generate(model, tokenizer, source, new=2, prompts=PROMPTS[:1])
+    before = source.read_bytes()
+    capsys.readouterr()
+    for force in ([], ["--force"]):
+        assert cli_main(["export", str(source), str(out), *force]) == 2
+        assert capsys.readouterr().err == (f"nxl export: error: OUT.parquet {out} would write over {source}, an "
+                                           "input of this command: write the output elsewhere\n")
+    with pytest.raises(ValueError) as refused:
+        ParquetSink(out)
+    assert str(refused.value) == (f"{source} is no Parquet file a writer left unfinished (it does not begin with "
+                                  "b'PAR1'): nxl_hooks empties only its own; move it away, or write the Parquet file "
+                                  "elsewhere")
+    assert source.read_bytes() == before and [p.name for p in tmp_path.iterdir()] == [source.name]
+
+
 @pytest.mark.parametrize("kind", ["file", "folder"])
 def test_a_second_stream_writer_on_one_file_or_folder_is_refused_at_attach_and_changes_nothing(tmp_path, kind):
     """Two models given one stream path (or one RotatingSink folder): the second attach is refused in one line before

@@ -33,7 +33,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...records.parquet import export_parquet, pyarrow_module
+    from ...records.parquet import export_parquet, partial_path, pyarrow_module
     from ...records.reader import StreamDamageWarning, read_stream, stream_files
     from ..options import check_apart, check_output_file
 
@@ -49,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     if not streams:
         raise CliError(f"{args.source} is a folder with no stream file (*.nxl) below it: give the folder of nxl run "
                        "--sink, or a stream file")
-    check_apart("OUT.parquet", args.out, streams)
+    check_apart("OUT.parquet", args.out, streams, writes=[args.out, partial_path(args.out)])
     # The file is replaced whole at the end; an existing one may be anyone's (a typo, a table from elsewhere), and
     # Parquet is not ours to recognise, so only --force replaces it.
     if os.path.lexists(args.out) and not args.force:
