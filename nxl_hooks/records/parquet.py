@@ -20,7 +20,9 @@ One row per (call, batch row, step, layer, context position[, explained target])
 ``target_id``        the explained id; ``target_text`` its text when known; ``probability`` the model's own
 ``normxlogit``       the score; ``logat`` (HoT(h_i^l)[target]) and ``embed_norm`` (‖e_i‖) it is made of
 *method*             one column per other attribution method the probe computed (``attach(methods=[...])``),
-                     named after it (``contrastive``), after ``logat``; null where a record does not have it
+                     named after it (``contrastive``), after ``logat``; null where a record does not have it;
+                     float64, which holds whatever float a method returns exactly (``normxlogit``, ``logat``
+                     and ``embed_norm`` are float32, as they are computed)
 ``model``            the model's name (its folder or hub id); ``time`` when the step was made (UTC)
 ``in_prompt``        True on the prompt's positions, False on generated tokens
 ``prediction_position``  where the step's prediction was read (``emitted_position - 1``)
@@ -89,7 +91,9 @@ def schema(methods: Iterable[str] = DEFAULT) -> Any:
     """The Arrow schema of the rows (see the module docstring), with a column for each of ``methods`` beyond
     NormXLogit and LogAt."""
     pa = pyarrow_module()
-    extra = [(name, pa.float32()) for name in dict.fromkeys(methods) if name not in DEFAULT]
+    # float64 whatever a method's records hold: a live sink fixes its columns at the first call, before any score,
+    # and float64 keeps a method's float16 to float64 scores exact alike (one column type for every file too)
+    extra = [(name, pa.float64()) for name in dict.fromkeys(methods) if name not in DEFAULT]
     return pa.schema([
         ("request_id", pa.string()), ("call", pa.int64()), ("row", pa.int32()), ("step", pa.int32()),
         ("emitted_position", pa.int32()), ("emitted_id", pa.int64()), ("emitted_text", pa.string()),
@@ -170,8 +174,9 @@ def _rows(context: _Context, step: Step) -> dict[str, Any]:
         "target_id": pick(targets[row, target_index]),
         "target_text": list(emitted_text[row_k]) if same else [None] * len(row_k),
         "probability": pick(prob).astype(np.float32) if prob is not None else None,
-        **{name: pick(step.scores[name].float().reshape(n_layers, batch, n, k)[layer_i, row, position, target_index])
-           for name in step.scores},
+        **{name: pick(step.scores[name].to(torch.float32 if name in DEFAULT else torch.float64)
+                      .reshape(n_layers, batch, n, k)[layer_i, row, position, target_index])
+           for name in step.scores},  # (each in its column's type)
         "embed_norm": step.embed_norm.float().numpy()[row_k, pos_k],
         "model": [context.model] * count,
         "time": None if step.time is None else np.full(count, round(step.time * 1e6), dtype=np.int64),

@@ -152,6 +152,37 @@ def test_parquet_live_and_exported_carry_every_computed_method(lm, tmp_path):
     assert old_columns == set(nxl.records.parquet.schema().names)  # the columns of before stay as they were
 
 
+class Offset(Method):
+    """A method whose scores are float64: LogAt plus an offset float32 cannot hold."""
+
+    name = "test_offset_logat"
+    description = "LogAt in float64 plus 1e-9 (tests/oracle/test_methods.py)"
+
+    def score(self, given: Given) -> torch.Tensor:
+        return given.logat.double() + 1e-9
+
+
+def test_parquet_keeps_a_float64_methods_scores_exact(lm, tmp_path):
+    """The live sink and nxl export wrote every method's column as float32: a float64 method's scores rounded,
+    unlike the record in memory and the stream file."""
+    pyarrow = pytest.importorskip("pyarrow.parquet")
+    from nxl_hooks.records.parquet import export_parquet
+
+    model, tok = lm
+    live, exported = tmp_path / "live.parquet", tmp_path / "exported.parquet"
+    _, sequences = _generate(model, tok, methods=[Offset()], sink=f"parquet:{live}")
+    _generate(model, tok, methods=[Offset()], sink=tmp_path / "run.nxl")
+    export_parquet(nxl.read_stream(tmp_path / "run.nxl"), exported)
+    logits, _ = _lm_oracle(model, sequences)
+    for path in (live, exported):
+        table = pyarrow.read_table(path)
+        assert table.schema.field(Offset.name).type == "double"
+        for row in table.to_pylist():
+            logat = float(logits[row["layer"], 0, row["position"], row["emitted_id"]])
+            assert row["logat"] == pytest.approx(logat, rel=1e-4, abs=1e-5)
+            assert row[Offset.name] == row["logat"] + 1e-9  # float64 arithmetic on the float32 LogAt, exactly
+
+
 def test_nxl_tail_ranks_by_a_method_the_programs_probe_computes(tmp_path, capsys, monkeypatch):
     from nxl_hooks.apps.serve.controller import Controller
     from nxl_hooks.apps.serve.settings import Settings
