@@ -28,7 +28,7 @@ from ..method.protocol import NAME, check_name
 from ..method.registry import DEFAULT
 from ..method.scores import norm_spread
 from ..method.select import label_index, layer_index, order, rankable
-from .files import _too_large, read_regular, write_bytes, write_text
+from .files import too_large, read_regular, write_bytes, write_text
 from .tokens import is_readable, printable, visible
 
 __all__ = ["Attribution", "FORMAT_VERSION", "RecordError", "SCORE_PREFIX", "by_method"]
@@ -422,7 +422,7 @@ class Attribution:
         except OSError:
             raise
         except MemoryError:  # the copies the tensors are made of, beyond the file's content read
-            raise RecordError(_too_large(path, len(data))) from None
+            raise RecordError(too_large(path, len(data))) from None
         except Exception as err:  # noqa: BLE001 - safetensors' own parse errors, unsupported dtypes...
             raise RecordError(f"{path} is not a safetensors file nxl_hooks can read ({type(err).__name__}: {err})") from None
         return res

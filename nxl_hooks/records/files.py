@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-__all__ = ["CHUNK", "file_kind", "read_regular", "replacing", "unwritable", "write_bytes", "write_text"]
+__all__ = ["CHUNK", "file_kind", "read_regular", "replacing", "too_large", "unwritable", "write_bytes", "write_text"]
 
 #: Bytes per read (and per checksum) of a user file: Ctrl-C is seen between two chunks, never after a huge one.
 CHUNK = 8 << 20
@@ -112,7 +112,7 @@ def read_regular(path: str | Path, error: type[Exception] = ValueError, *, follo
         try:
             data, done = bytearray(info.st_size), 0
         except MemoryError:
-            raise error(_too_large(path, info.st_size)) from None
+            raise error(too_large(path, info.st_size)) from None
         with memoryview(data) as view, os.fdopen(fd, "rb", buffering=0, closefd=False) as fh:
             while done < len(data):
                 got = fh.readinto(view[done: done + CHUNK])
@@ -125,7 +125,7 @@ def read_regular(path: str | Path, error: type[Exception] = ValueError, *, follo
         os.close(fd)
 
 
-def _too_large(path: str | Path, size: int) -> str:
+def too_large(path: str | Path, size: int) -> str:
     """One line for a file of ``size`` bytes that does not fit in memory (records files are read whole)."""
     return (f"{path} holds {size} bytes, more than this machine's free memory can hold (nxl_hooks reads a records "
             "file whole): read it on a machine with more memory free")
