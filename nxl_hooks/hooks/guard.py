@@ -8,14 +8,17 @@ from __future__ import annotations
 import logging
 import threading
 
+from ..records.tokens import record_text
+
 __all__ = ["Notice", "logger", "one_line", "raised", "reason"]
 
 logger = logging.getLogger("nxl_hooks")
 
 
 def one_line(error: BaseException) -> str:
-    """``error``'s message on one line (its type's name when it has none): the text kept with a call."""
-    return " ".join(str(error).split()) or type(error).__name__
+    """``error``'s message on one line (its type's name when it has none): the text kept with a call, as records
+    keep texts (:func:`~nxl_hooks.records.tokens.record_text`: a message may quote a path that is not UTF-8)."""
+    return record_text(" ".join(str(error).split())) or type(error).__name__
 
 
 def raised(error: BaseException, limit: int = 200) -> str:

@@ -27,7 +27,7 @@ from ..method.protocol import Checked, Given, Method
 from ..method.registry import resolve_methods
 from ..method.subject import Subject, compiled_original
 from ..records.sinks import sink_factory
-from ..records.tokens import readable_ids
+from ..records.tokens import readable_ids, record_text
 from ..method.select import (
     EMBEDDINGS,
     Target,
@@ -218,8 +218,9 @@ class Plan:
 
 def model_name(model: nn.Module) -> str:
     """What a model is called in records and by ``nxl run``: the folder or hub id it was loaded from, else its class
-    name. ``model_name(model) == "HuggingFaceTB/SmolLM2-135M-Instruct"``"""
-    return str(getattr(model, "name_or_path", "") or type(model).__name__)
+    name. ``model_name(model) == "HuggingFaceTB/SmolLM2-135M-Instruct"``; a folder name that is not UTF-8 as
+    :func:`~nxl_hooks.records.tokens.record_text` keeps it (``models/caf\\xe9``): Parquet takes no other."""
+    return record_text(str(getattr(model, "name_or_path", "") or type(model).__name__))
 
 
 def tokenizer_mismatch(model: nn.Module, tokenizer: Any) -> str | None:

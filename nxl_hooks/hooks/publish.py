@@ -71,6 +71,7 @@ import torch
 from ..method.registry import DEFAULT
 from ..records.sinks import RecordSink, make_sink
 from ..records.steps import STEP_TENSORS, GenerationCall, Step
+from ..records.tokens import record_text
 from ..records.writer import PartlyWritten
 from .guard import logger, one_line
 from .subscription import LIVE_QUEUE, Subscription
@@ -314,8 +315,9 @@ class Hub:
         """A new call record (of ``model``, by name); with ``error`` it is one that is not recorded (its reason says
         why), ended at once: the sink gets its call frame, with no prompt, and its end frame, which says why."""
         with self._lock:
-            call = GenerationCall(index=self._counter, layers=list(layers), request_id=request_id, thread=thread,
-                                  model=model, error=error)
+            # every text a record takes from outside as records keep it (a thread's or request's name may be any str)
+            call = GenerationCall(index=self._counter, layers=list(layers), request_id=record_text(request_id),
+                                  thread=record_text(thread), model=record_text(model), error=record_text(error))
             if self.sink_fault is not None:
                 call.notes.append(self._fault_note())
             self._counter += 1

@@ -36,6 +36,7 @@ from ..method.registry import DEFAULT
 from .attribution import RecordError, stored_scores
 from .files import CHUNK, read_regular
 from .steps import STEP_TENSORS, GenerationCall, Step
+from .tokens import record_text
 from .writer import _FILE_MAGIC, _FRAME, _FRAME_MAGIC, _ROTATED
 
 __all__ = ["Damage", "Stream", "StreamDamageWarning", "StreamError", "read_stream"]
@@ -197,6 +198,12 @@ def _field(header: dict, name: str, kinds: tuple[type, ...], *, optional: bool =
     raise ValueError(f"{name!r} is {value!r:.80}, expected {' or '.join(k.__name__ for k in kinds)}")
 
 
+def _text(header: dict, name: str) -> str | None:
+    """An optional text of a call (its model, request, thread, error) as records keep it (:func:`record_text`: a file
+    written before it was the rule may hold a name that is not UTF-8, which Parquet refuses)."""
+    return record_text(_field(header, name, (str,), optional=True))
+
+
 def _tensor(tensors: dict[str, torch.Tensor], name: str, dim: int, *, boolean: bool = False,
             optional: bool = False) -> torch.Tensor | None:
     value = tensors.get(name)
@@ -298,12 +305,12 @@ def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, to
         if unprompted:
             mask = ids = template = None
         calls[index] = GenerationCall(index=index, layers=_layers(header), prompt_ids=ids, prompt_mask=mask,
-                                      request_id=_field(header, "request_id", (str,), optional=True),
-                                      thread=_field(header, "thread", (str,), optional=True),
+                                      request_id=_text(header, "request_id"),
+                                      thread=_text(header, "thread"),
                                       readable=None if unprompted else _texts(header, "readable", *shape),
                                       prompt_template=template,
                                       special_ids=_ints(header, "special_ids"),
-                                      model=_field(header, "model", (str,), optional=True),
+                                      model=_text(header, "model"),
                                       started=_field(header, "started", (float, int), optional=True))
         return False
     if index not in calls and rotated:
@@ -328,7 +335,7 @@ def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, to
     if kind == "end":
         call.sequences = _tensor(tensors, "sequences", 2, optional=True)
         call.complete = _field(header, "complete", (bool,))
-        call.error = _field(header, "error", (str,), optional=True)
+        call.error = _text(header, "error")
         call.ended = _field(header, "ended", (float, int), optional=True)
         return False
     raise ValueError(f"unknown record kind {kind!r} (expected 'call', 'step' or 'end')")

@@ -118,6 +118,39 @@ def test_parquet_live_and_exported_rows_equal_the_stream_records_and_the_oracle(
     check_call(model, _from_rows(columns, stream.calls[0], [0, 1, 2]), 4)
 
 
+def test_a_model_folder_or_request_id_that_is_not_utf8_is_recorded_and_exported_named_as_its_bytes(
+        chat, tmp_path, monkeypatch):
+    """A model loaded from a folder whose name is not UTF-8 (Latin-1 'café', which Python names 'caf\\udce9') and
+    a request id holding such a byte: Parquet refuses lone surrogates, so the live sink lost every row and
+    ``nxl export`` of the stream failed. Records name them as Python prints the bytes ('caf\\xe9'), and a stream an
+    earlier writer wrote with the name as Python held it reads and exports so too."""
+    from nxl_hooks.hooks.generate import REQUEST_ID
+    from nxl_hooks.records.writer import stream_bytes
+
+    path, model, tokenizer = chat
+    folder = os.fsdecode(os.fsencode(tmp_path) + b"/caf\xe9")  # what os.listdir() and sys.argv give
+    shown = str(os.fsencode(folder))[2:-1]  # how Python prints its bytes: .../caf\xe9
+    monkeypatch.setattr(model, "name_or_path", folder)
+    token = REQUEST_ID.set("req-\udcff")
+    try:
+        live = _generate(model, tokenizer, f"parquet:{tmp_path / 'live.parquet'}", new=2)
+        _generate(model, tokenizer, tmp_path / "run.nxl", new=2)
+    finally:
+        REQUEST_ID.reset(token)
+    assert live.sink_fault is None and live.unwritten == 0
+    assert (live.calls[0].model, live.calls[0].request_id) == (shown, "req-\\xff")
+    (call,) = nxl.read_stream(tmp_path / "run.nxl", strict=True)
+    call.model, call.request_id = folder, "req-\udcff"  # as nxl_hooks 0.4 before this fix wrote them
+    (tmp_path / "old.nxl").write_bytes(stream_bytes(call, {}))
+    assert nxl.read_stream(tmp_path / "old.nxl")[0].model == shown
+    for stream in ("run", "old"):
+        assert cli_main(["export", str(tmp_path / f"{stream}.nxl"), str(tmp_path / f"{stream}.parquet")]) == 0
+    for name in ("live", "run", "old"):
+        columns = _table(tmp_path / f"{name}.parquet")
+        assert len(columns["row"]) > 0 and set(columns["model"]) == {shown}, name
+        assert set(columns["request_id"]) == {"req-\\xff"}, name
+
+
 class _ListSink:
     """A sink written in a test file: keeps every record it gets."""
 
