@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 from ..method.scores import flat_norms, flat_note
 from ..method.select import label_index
-from .tokens import whole_characters
+from .tokens import unseen, whole_characters
 
 __all__ = ["attribution_html", "fmt", "generation_html", "heatmap", "line_chart", "page"]
 
@@ -407,6 +407,13 @@ def _unfinished(call: Any) -> str:
     return f"incomplete: the record ends{after} (its stream was cut, or the call is still running)"
 
 
+def _missing(steps: Sequence[Any]) -> str:
+    """What of a call's first steps its record lacks, and why; "" when it starts at step 0."""
+    first = steps[0].step
+    return (f"the record starts at step {first}: a rotating sink deleted the files of the steps before it, whose "
+            f"tokens read @position ({unseen(steps[0].position - first)} is step 0's)") if first else ""
+
+
 def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "normxlogit",
                     title: str = "nxl_hooks generation", k: int = 3, all_positions: bool = False) -> str:
     """Self-contained page of one ``generate`` call (a :class:`~nxl_hooks.GenerationCall`): generated tokens (rows) x context tokens (columns), one layer at
@@ -418,8 +425,8 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
     nothing is folded). Each row is labelled by its step view
     (:class:`~nxl_hooks.records.view.StepView`, what ``nxl tail`` and the endpoint show; the page carries them in
     its data block) and its ``k`` best context tokens at the shown layer are bold. A call whose record stopped
-    early (``call.error``) or ends without its end (a cut stream) says so at the top; one without steps is a page
-    saying why.
+    early (``call.error``), ends without its end (a cut stream) or starts after its first steps (a rotating sink
+    deleted them: their tokens read ``@position``) says so at the top; one without steps is a page saying why.
 
     ``generation_html(probe.calls[-1])``; ``row``: which sequence of the batch; ``label``: which fixed target;
     ``method``: any in the steps' ``scores``.
@@ -438,7 +445,9 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
     prompt_len = call.prompt_mask.shape[1]
     ids = call.prompt_ids[row].tolist() if call.prompt_ids is not None else [None] * prompt_len
     context = list(call.readable[row]) if call.readable else [str(i) for i in ids]
-    context += [step.readable[row] if step.readable else str(int(step.token[row])) for step in steps]
+    for step in steps:  # each at its position: the tokens of steps a rotated file deleted are not known
+        context += map(unseen, range(len(context), step.position))
+        context.append(step.readable[row] if step.readable else str(int(step.token[row])))
     # a character split over byte tokens reads whole on every token of it, in the prompt, columns and rows alike
     # (the call is over: the step views' "…" of a character still arriving is not the page's)
     whole = whole_characters(context)
@@ -486,7 +495,7 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
         marked + "they rank too (all_positions).</p>" if any(template) else "")
     body = (
         f"<h1>{html.escape(title)}</h1>"
-        + _notes([unfinished] if unfinished else [])
+        + _notes([note for note in (_missing(steps), unfinished) if note])
         + f'<p class="note">Prompt ({prompt_len} tokens; ␣ a space, ↵ a newline):</p>'
         f'<p class="prompt">{" ".join(shown)}</p>'
         + (_notes([flat_note(spread)]) if method == "normxlogit" and flat_norms(spread) else "")

@@ -10,7 +10,9 @@ Reading (:func:`read_stream`) stops at the first frame it cannot use and says so
   it is left out quietly (``damage.torn`` True);
 - frames whose checksums hold but whose order does not are damage too: a frame number out of sequence, a step
   that does not follow its call's last one (missing, repeated, out of order: ``damage.call`` and the reason name
-  the call and the steps), a rotated file missing between two kept ones, or renamed;
+  the call and the steps; not a call whose first steps a rotating sink deleted, starting at its first kept step
+  in a rotated file or marked so in a file of its own, :func:`~nxl_hooks.records.writer.stream_bytes`), a rotated
+  file missing between two kept ones, or renamed;
 - any other damage (a flipped byte, a frame cut out, garbage) warns with :class:`StreamDamageWarning` and returns
   what comes before it; ``read_stream(path, strict=True)`` raises :class:`StreamError` instead;
 - a frame whose checksum is right but whose content nxl_hooks did not write raises :class:`StreamError` (a
@@ -261,7 +263,9 @@ class _Gap(Exception):
 
 
 def _next_step(call: GenerationCall, number: int, *, rotated: bool) -> None:
-    """Refuse (:class:`_Gap`) a step record that does not follow the call's last one."""
+    """Refuse (:class:`_Gap`) a step record that does not follow the call's last one. ``rotated``: a call's first
+    step record may be a later step (a rotated file, or a step marked ``first_kept``: the steps before it were
+    deleted by a rotating sink)."""
     last = call.steps[-1].step if call.steps else None
     index = call.index
     if last is None:
@@ -375,7 +379,7 @@ def _read(data: bytearray, path: Path, calls: dict[int, GenerationCall], *, name
                 number, seq = header.get("step"), header.get("seq")
                 call = calls.get(header.get("call")) if header.get("kind") == "step" else None
                 if call is not None and type(number) is int:  # a step that does not follow its call's last one
-                    _next_step(call, number, rotated=name is not None)
+                    _next_step(call, number, rotated=name is not None or header.get("first_kept") is True)
                 if numbered and seq is not None and seq != index:
                     raise _Gap(f"frame number {seq!r} where {index} was expected: a frame is missing, repeated or "
                                "out of order")

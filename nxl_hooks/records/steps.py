@@ -20,7 +20,7 @@ import torch
 from ..method.registry import DEFAULT
 from ..method.select import special_flags
 from .attribution import Attribution, by_method, layers_text
-from .tokens import plain_text, whole_characters
+from .tokens import plain_text, unseen, whole_characters
 from .view import StepView, ranking
 
 __all__ = ["GenerationCall", "STEP_TENSORS", "Step"]
@@ -190,7 +190,7 @@ class Step:
             return [*self.context[row][: self.position], own]
         ids = call.context_ids(self.position) if call is not None else None
         known = ids[row].tolist() if ids is not None else [-1] * self.position
-        return [f"#{i}" if i >= 0 else f"@{n}" for n, i in enumerate(known)] + [own]
+        return [f"#{i}" if i >= 0 else unseen(n) for n, i in enumerate(known)] + [own]
 
 
 @dataclass(eq=False)
@@ -294,17 +294,17 @@ class GenerationCall:
                 step._call = weakref.ref(self)
 
     def link(self, step: Step) -> None:
-        """Give ``step`` the readable texts of its context (the prompt's, then each earlier step's token) and add
-        its own token's: ``step.to_attribution().top(3)`` then names tokens by their text. Called once per step,
-        in order, by the probe's hub and by :func:`~nxl_hooks.records.reader.read_stream`."""
+        """Give ``step`` the readable texts of its context (the prompt's, then each earlier step's token; ``@N``
+        where a step was not seen: a rotated file deleted it) and add its own token's:
+        ``step.to_attribution().top(3)`` then names tokens by their text. Called once per step, in order, by the
+        probe's hub and by :func:`~nxl_hooks.records.reader.read_stream`."""
         step._call = weakref.ref(self)
         if self.readable is None or step.readable is None or len(step.readable) != len(self.readable):
             return
         if self._context is None:
             self._context = [list(row) for row in self.readable]
-        if any(len(row) < step.position for row in self._context):
-            return  # earlier steps were not seen (a rotated file deleted): their texts are unknown
         for row, text in zip(self._context, step.readable):
+            row.extend(map(unseen, range(len(row), step.position)))
             del row[step.position:]
             row.append(text)
         step.context = self._context

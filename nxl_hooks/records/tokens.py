@@ -49,8 +49,8 @@ from ..method.chat import chat_prompt
 from ..method.select import ResolvedTarget
 
 __all__ = ["EMPTY", "describe_target", "NEWLINE", "SPACE", "TAB", "chat_text", "is_readable", "label_text",
-           "plain_text", "printable", "readable", "readable_ids", "record_text", "target_texts", "visible",
-           "whole_characters"]
+           "plain_text", "printable", "readable", "readable_ids", "record_text", "target_texts", "unseen",
+           "visible", "whole_characters"]
 
 SPACE = "␣"
 NEWLINE = "↵"
@@ -121,6 +121,12 @@ def record_text(text: str | None) -> str | None:
 def _kept_byte(char: str) -> str:
     code = ord(char)  # U+DC80..U+DCFF: the byte 0x80..0xFF that Python's surrogateescape kept
     return f"\\x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else _escape(char)
+
+
+def unseen(position: int) -> str:
+    """The text of a context position whose token the records do not hold, not even its id (the step that made it
+    is not in them: a rotating sink deleted its file): ``unseen(22) == "@22"``."""
+    return f"@{position}"
 
 
 def is_readable(text: str) -> bool:

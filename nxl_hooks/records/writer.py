@@ -8,8 +8,9 @@ Format (no pickle): the line ``nxl_hooks.stream/2\\n``, then frames. A frame is 
 length (uint64 little-endian), its CRC-32 (uint32 little-endian) and the payload: a safetensors blob whose
 ``nxl_hooks`` metadata entry is JSON with a ``kind`` of ``call`` (prompt; an empty (0, 0) ``prompt_mask`` for a
 call whose prompt never ran recorded, whose end frame follows), ``step`` or ``end`` (sequences), and
-``seq``, the frame's number in its file (0, 1, 2...). A step frame names its call and step index; a rotated file's
-first frame (``kind`` ``file``) names the file's number and its writer. Files of format 1 (nxl_hooks 0.1: no
+``seq``, the frame's number in its file (0, 1, 2...). A step frame names its call and step index (``first_kept``
+true on a call's first step kept where a rotating sink deleted the steps before it); a rotated file's first frame
+(``kind`` ``file``) names the file's number and its writer. Files of format 1 (nxl_hooks 0.1: no
 ``seq``, no ``file`` frame) still read, with the reader's step checks. A ``call`` frame also carries
 ``model``, ``started`` and ``special_ids``, a ``step`` frame its ``time`` and an ``end`` frame ``ended``: optional
 entries of format 2, which older readers skip; records read from older files without them have None there
@@ -123,14 +124,16 @@ def encode_call(call: GenerationCall, meta: dict, *, seq: int | None = None) -> 
                              "model": call.model, "started": call.started, "special_ids": call.special_ids}, seq)
 
 
-def encode_step(step: Step, *, seq: int | None = None) -> bytes:
-    """The ``step`` frame of one record (its call and step index, checked against the one before it on reading)."""
+def encode_step(step: Step, *, seq: int | None = None, first_kept: bool = False) -> bytes:
+    """The ``step`` frame of one record (its call and step index, checked against the one before it on reading).
+    ``first_kept``: the first step kept of a call whose earlier steps a rotating sink deleted (:func:`stream_bytes`),
+    which a reader takes as its call's first."""
     tensors = {**{name: getattr(step, name) for name in STEP_TENSORS}, **scores_to_store(step.scores)}
     if step.probability is not None:
         tensors["probability"] = step.probability
     return _encode(tensors, {"kind": "step", "call": step.call, "step": step.step, "position": step.position,
                              "layers": step.layers, "n_blocks": step.n_blocks, "readable": step.readable,
-                             "time": step.time}, seq)
+                             "time": step.time, **({"first_kept": True} if first_kept else {})}, seq)
 
 
 def encode_end(call: GenerationCall, *, seq: int | None = None) -> bytes:
@@ -142,12 +145,15 @@ def encode_end(call: GenerationCall, *, seq: int | None = None) -> bytes:
 
 def stream_bytes(call: GenerationCall, meta: dict) -> bytes:
     """One call as a whole stream file (``read_stream`` reads it back): its call frame, its kept steps and, once
-    it has ended, its end frame. ``Path("req.nxl").write_bytes(stream_bytes(probe.calls[-1], probe.describe()))``"""
+    it has ended, its end frame. A call read from a rotating sink's folder whose first steps were deleted starts at
+    its first kept step, marked so (``first_kept``): the reader takes it as such, not as steps missing.
+    ``Path("req.nxl").write_bytes(stream_bytes(probe.calls[-1], probe.describe()))``"""
     ended = call.complete or call.error is not None or call.sequences is not None
     if call.prompt_mask is None and not ended:
         raise ValueError(f"call {call.index} has no recorded prompt yet: nothing to write")
     steps = list(call.steps)
-    frames = [encode_call(call, meta, seq=0), *(encode_step(step, seq=n) for n, step in enumerate(steps, 1))]
+    frames = [encode_call(call, meta, seq=0), *(encode_step(step, seq=n, first_kept=n == 1 and step.step > 0)
+                                                for n, step in enumerate(steps, 1))]
     if ended:
         frames.append(encode_end(call, seq=len(frames)))
     return b"".join([_FILE_MAGIC, *frames])

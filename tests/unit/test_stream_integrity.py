@@ -14,6 +14,7 @@ import socket
 import struct
 import subprocess
 import sys
+import json
 import textwrap
 import threading
 import time
@@ -144,6 +145,47 @@ def test_a_folder_reads_while_its_writer_starts_a_file_or_its_retention_deletes_
     assert deleted and call.complete  # read again: from the oldest file kept, the call's steps from there on
     expected = nxl.read_stream(files[2])[0].steps[0].step
     assert [s.step for s in call.steps] == list(range(expected, 12))
+
+
+def test_a_call_whose_first_steps_a_rotating_sink_deleted_reads_as_its_own_file_as_a_page_and_by_its_texts(tmp_path):
+    """read_stream(folder) gives a call whose first files retention deleted from its first kept step. The file
+    stream_bytes makes of it (the endpoint's /frames of a request no longer in memory) read as damaged ("its first
+    step record is step 18 (steps 0-17 missing)"), generation_html raised IndexError, and top() named even the
+    prompt's tokens by their position: its prompt's texts were dropped with the unknown ones."""
+    from nxl_hooks.records.html import generation_html
+
+    model, tok = tiny.build_model("llama"), tiny.tokenizer()
+    folder, ids = tmp_path / "rot", torch.tensor([[5, 6, 7, 8]])
+    with nxl.attach(model, sink=nxl.RotatingSink(folder, max_bytes=3000, max_files=2), tokenizer=tok):
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=20, min_new_tokens=20,
+                       do_sample=False, pad_token_id=0, eos_token_id=None)
+    (call,) = nxl.read_stream(folder, strict=True)
+    first = call.steps[0].step
+    assert first > 1 and [s.step for s in call.steps] == list(range(first, 20)) and call.complete
+    one = tmp_path / "one.nxl"
+    one.write_bytes(writer.stream_bytes(call, {}))
+    (again,) = nxl.read_stream(one, strict=True)
+    assert [s.step for s in again.steps] == list(range(first, 20)) and again.complete
+    assert all(torch.equal(a.normxlogit, b.normxlogit) for a, b in zip(again.steps, call.steps))
+    # without its mark, a first step record that is not step 0 is still steps missing
+    _, frames = _split(one.read_bytes())
+    unmarked = tmp_path / "unmarked.nxl"
+    unmarked.write_bytes(writer._FILE_MAGIC + frames[0] + _reencoded(frames[1], lambda h: h.pop("first_kept"))
+                         + b"".join(frames[2:]))
+    _damaged(unmarked, rf"its first step record is step {first} \(steps 0-{first - 1} missing\)")
+    words = tok.convert_ids_to_tokens(ids[0].tolist())  # the prompt's texts, from the tokenizer
+
+    def text(p):  # position p's text: the prompt's word, "@p" for a deleted step's token, else the kept step's
+        return words[p] if p < 4 else f"@{p}" if p < 4 + first else again.steps[p - 4 - first].readable[0]
+
+    step = again.steps[-1]
+    named = again.attribution(step).top(step.position)
+    assert any(p < 4 for p, _, _ in named) and all(name == text(p) for p, name, _ in named)
+    page = generation_html(again)
+    assert f"the record starts at step {first}: a rotating sink deleted the files" in page
+    assert " ".join(words) in page  # the prompt as it reads
+    columns = json.loads(page.split('id="nxl-data">')[1].split("</script>")[0])["columns"]
+    assert columns == [f"{p}: {text(p)}" for p in range(4 + 20)]
 
 
 def _reencoded(frame: bytes, header=lambda h: None, tensors=lambda t: None) -> bytes:
