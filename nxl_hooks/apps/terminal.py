@@ -35,7 +35,7 @@ from ..method.select import order, special_mask
 from ..records.attribution import Attribution
 from ..records.html import fmt
 from ..records.steps import GenerationCall, Step
-from ..records.tokens import readable_ids
+from ..records.tokens import printable, readable_ids
 
 __all__ = ["VIEWS", "format_score", "print_generation", "ranking_note", "render_table", "score_matrix",
            "show_attribution", "stop_reason"]
@@ -300,7 +300,8 @@ def stop_reason(model: Any, tokenizer: Any, call: GenerationCall, new_tokens: in
     asked for. ``stop_reason(model, tok, probe.calls[-1], 8)``"""
     steps = call.steps
     if call.error is not None:  # the library's own reason, not a guess about the generation config
-        return f"not recorded after {len(steps)} of {new_tokens} token(s): {call.error.removeprefix('not recorded: ')}"
+        why = printable(call.error.removeprefix("not recorded: "))  # (a host's exception may hold an escape code)
+        return f"not recorded after {len(steps)} of {new_tokens} token(s): {why}"
     last = int(steps[-1].token[0]) if steps else None
     eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     eos = {int(i) for i in torch.as_tensor(eos).reshape(-1).tolist()} if eos is not None else set()

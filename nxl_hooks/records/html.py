@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 from ..method.scores import flat_norms, flat_note
 from ..method.select import label_index
-from .tokens import unseen, whole_characters
+from .tokens import printable, unseen, whole_characters
 
 __all__ = ["attribution_html", "fmt", "generation_html", "heatmap", "line_chart", "page"]
 
@@ -403,7 +403,7 @@ def _unfinished(call: Any) -> str:
         return ""
     after = f" after step {call.steps[-1].step}" if call.steps else ""
     if call.error:
-        return f"not recorded{after}: {call.error.removeprefix('not recorded: ')}"
+        return f"not recorded{after}: {printable(call.error.removeprefix('not recorded: '))}"
     return f"incomplete: the record ends{after} (its stream was cut, or the call is still running)"
 
 

@@ -20,7 +20,7 @@ import torch
 from ..method.registry import DEFAULT
 from ..method.select import special_flags
 from .attribution import Attribution, by_method, layers_text
-from .tokens import plain_text, unseen, whole_characters
+from .tokens import plain_text, printable, unseen, whole_characters
 from .view import StepView, ranking
 
 __all__ = ["GenerationCall", "STEP_TENSORS", "Step"]
@@ -225,11 +225,12 @@ class GenerationCall:
     ended: float | None = None
 
     def __repr__(self) -> str:
-        """A summary, never the tensors: request, prompt size, steps, state and row 0's generated text.
-        ``print(call)``"""
+        """A summary, never the tensors: request, prompt size, steps, state and row 0's generated text, control and
+        format characters shown escaped (:func:`~nxl_hooks.records.tokens.printable`). ``print(call)``"""
         prompt = "?" if self.prompt_mask is None else f"{self.prompt_mask.shape[0]} x {self.prompt_mask.shape[1]}"
         text = "".join(step.readable[0] if step.readable else f"#{int(step.token[0])}" for step in self.steps[:40])
-        state = "complete" if self.complete else ("stopped: " + self.error if self.error else "running")
+        # its error shown escaped: a file's end frame may hold any text (an escape sequence, a bidi override)
+        state = "complete" if self.complete else ("stopped: " + printable(self.error) if self.error else "running")
         return (f"<GenerationCall {self.index} request {self.request_id!r}: prompt {prompt} tokens, "
                 f"{len(self.steps)} step(s), {state}, layers {layers_text(self.layers)}"
                 + (", chat template located" if self.prompt_template is not None else "")

@@ -238,6 +238,24 @@ def test_a_frame_with_header_values_no_writer_makes_is_refused_in_one_short_line
         assert len(str(failed.value)) < 400 and "\n" not in str(failed.value)
 
 
+def test_a_calls_error_with_control_characters_reads_as_written_and_prints_escaped(recorded, tmp_path, model):
+    """An end frame whose error holds an escape sequence, a bell and a bidi override (a crafted file, or a host's
+    exception message): the call reads it as written, and its repr, its page and the terminal's stop reason show
+    it escaped. print(call) sent them to the terminal raw."""
+    from nxl_hooks.apps.terminal import stop_reason
+    from nxl_hooks.records.html import generation_html
+
+    magic, frames = _split(recorded[0])
+    error = "recording stopped\x1b]0;owned\x07\x1b[2J\u202egnp.exe"
+    crafted = _reencoded(frames[-1], lambda h: h.update(error=error, complete=False))
+    (tmp_path / "crafted.nxl").write_bytes(magic + b"".join(frames[:-1]) + crafted)
+    (call,) = nxl.read_stream(tmp_path / "crafted.nxl", strict=True)
+    assert call.error == error
+    shown = r"recording stopped\x1b]0;owned\x07\x1b[2J\u202egnp.exe"  # each character's escape, by hand
+    for printed in (repr(call), generation_html(call), stop_reason(model, None, call, 4)):
+        assert shown in printed and not any(char in printed for char in "\x1b\x07\u202e")
+
+
 def test_a_folder_reads_while_its_writer_rotates_away_every_file_it_listed(recorded, tmp_path, monkeypatch):
     """The writer's retention deletes the files the reader listed before it opens the first (one file kept, or
     all of them rotated away at once): the folder is listed again (it raised FileNotFoundError, or read nothing and
