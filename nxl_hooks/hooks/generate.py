@@ -348,6 +348,7 @@ class Run:
         self.pad_id: int | None = None  # generate's pad token id (a prompt that ran compiled without a mask)
         # the call's other tensor inputs of the model's forward (token_type_ids): what its refill must pass too
         self.forward_inputs: dict[str, torch.Tensor] = {}
+        self.position_ids: torch.Tensor | None = None  # the prompt's, where the call was given them (_positions)
         self._cache: Any = None  # the KV cache the prompt's forward was given (its eager positions are reused)
         self._prefix: tuple[int, Any] | None = None  # (start, a copy of what that cache holds before it): _later
         self.ids_given = True  # the prompt came as input_ids: generate's sequences begin with it
@@ -849,10 +850,20 @@ class Run:
         return torch.cat([prompt, generated], dim=1)
 
     def _positions(self, mask: torch.Tensor, end: int) -> torch.Tensor:
-        """The position ids generate gives the call's first ``end`` positions: the prompt's counted along its mask
-        (padding at 0), then each generated token one past the prompt's last (as generate continues them)."""
-        prompt_len = self._prompt_len or 0
-        prompt = (mask[:, :prompt_len].long().cumsum(-1) - 1).masked_fill(~mask[:, :prompt_len], 0)
+        """The position ids generate gives the call's first ``end`` positions: the prompt's as the call was given them
+        (rows repeated as generate repeats them, ``num_return_sequences``; its last ``prompt_len``, as generate slices
+        them), else counted along its mask (padding at 0); then each generated token one past the prompt's last
+        (generate's ``_update_model_kwargs_for_generation``, given position ids or not)."""
+        prompt_len, given = self._prompt_len or 0, self.position_ids
+        if given is None:
+            prompt = (mask[:, :prompt_len].long().cumsum(-1) - 1).masked_fill(~mask[:, :prompt_len], 0)
+        elif given.dim() != 2 or given.shape[1] < prompt_len or mask.shape[0] % given.shape[0]:
+            raise RuntimeError(f"its forwards ran compiled with position_ids of shape {tuple(given.shape)}, which "
+                               "running them again to record them cannot reproduce; pass disable_compile=True to "
+                               "generate")
+        else:
+            prompt = given[:, given.shape[1] - prompt_len:].to(mask.device, torch.long)
+            prompt = prompt.repeat_interleave(mask.shape[0] // given.shape[0], dim=0)
         after = prompt[:, -1:] + 1 if prompt_len else torch.zeros_like(mask[:, :1], dtype=torch.long)
         return torch.cat([prompt, after + torch.arange(end - prompt_len, device=mask.device)], dim=1)
 
@@ -1295,6 +1306,8 @@ class Generations:
             parameters = inspect.signature(self.plan.model.forward).parameters
             run.forward_inputs = {name: value for name, value in kwargs.items() if name in parameters
                                   and name not in _REFILLED and isinstance(value, torch.Tensor)}
+            given = kwargs.get("position_ids")
+            run.position_ids = given if isinstance(given, torch.Tensor) else None
             return run
         except Exception as error:  # noqa: BLE001 - never into the host's generate
             self.unrecorded(request_id, "this generate call", error)

@@ -701,3 +701,36 @@ def test_a_backbone_or_blocks_compiled_in_place_are_recorded_by_generate_and_a_p
     else:
         assert isinstance(plain, RuntimeError)
         assert "blocks ran code compiled" in str(plain) and "force_eager" in str(plain)
+
+
+def test_a_compiled_calls_own_position_ids_are_run_again_as_generate_continued_them():
+    """generate given the user's ``position_ids`` (gaps between tokens, two prompts, each repeated for
+    ``num_return_sequences``) under its compiled call: the model run again over the call's tokens gets the user's
+    positions for the prompt and last + 1, + 2, ... after it, as generate continues them, so every step equals the
+    no-cache oracle run at those positions."""
+    model = tiny.generating_llama(seed=5)
+    with torch.no_grad():  # weights large enough that attention depends clearly on position
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.3, generator=torch.Generator().manual_seed(parameter.numel()))
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(5))  # no padding
+    given = torch.stack([torch.arange(6) * 3, torch.arange(6) * 2 + 1])
+    with nxl.attach(model, layers="all") as probe:
+        out = model.generate(input_ids=ids, position_ids=given, max_new_tokens=4, do_sample=True,
+                             num_return_sequences=2, cache_implementation="static",
+                             compile_config=tiny.cpu_compile(backend="eager"))
+    (call,) = probe.calls
+    assert call.error is None and torch.equal(call.sequences, out) and len(call.steps) == 4
+    prompt = given.repeat_interleave(2, dim=0)
+    positions = torch.cat([prompt, prompt[:, -1:] + 1 + torch.arange(out.shape[1] - 6)], dim=1)
+    hand = llama(model)
+    for step in call.steps:
+        n = step.position
+        with torch.no_grad():
+            # (a mask given: with none and no cache, transformers reads gaps in position_ids as packed sequences)
+            run = model(input_ids=out[:, :n], attention_mask=torch.ones_like(out[:, :n]),
+                        position_ids=positions[:, :n], output_hidden_states=True, use_cache=False)
+        logits = hand.layer_logits(run.hidden_states)
+        torch.testing.assert_close(step.normxlogit, normxlogit(logits, run.hidden_states[0], step.token)[1],
+                                   rtol=1e-4, atol=1e-5)
+        expected = run.logits[:, -1].log_softmax(-1).gather(-1, step.token[:, None])[:, 0].exp()
+        torch.testing.assert_close(step.probability, expected, rtol=1e-4, atol=1e-6)
