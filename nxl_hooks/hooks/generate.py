@@ -14,7 +14,8 @@ so the prefix is never re-run. The prediction read at the last position explains
 That token is known only at the next forward (its ``input_ids``) or, for the last one, which never passes through
 the blocks, from generate's return value; so step t's record is completed when forward t+1 starts (or when
 generate returns). It explains the token actually emitted, whatever chose it: greedy, sampling, logits
-processors, a streamer or not.
+processors, a streamer or not. A processor that runs the model itself (classifier-free guidance) runs it unrecorded
+(:meth:`Generations._apart`).
 
 Host reads. Per generated token the recorder reads nothing back from the device: the emitted token, its scores,
 the rows that finished (EOS, a stop string) and the decoding step's position stay device tensors; the steps go to
@@ -363,6 +364,9 @@ class Run:
         self._embed, self._mask = _Growing(), _Growing()
         self._real: list[torch.Tensor] = []  # per generated position: is its token real (row not finished)?
         self._prompt_ids: list[torch.Tensor] = []
+        # the token ids of the last forward from position 0 (the prompt's, a use_cache=False step's): a forward that
+        # recomputes the record from position 0 begins with them (_recomputes)
+        self._from_start: torch.Tensor | None = None
         self._active: torch.Tensor | None = None  # rows that have not emitted an EOS token (a new tensor per step)
         self._going: list[torch.Tensor] = []  # per generated token: the rows generate had not finished after it
         # Decoding steps after the first are checked on the device (their positions are device tensors, e.g. a
@@ -500,8 +504,24 @@ class Run:
                 "nor recomputes it from position 0 cannot be followed (a cache filled before the call, several "
                 "candidate tokens per forward, or a cropped cache)"
             )
+        if recomputes:
+            self._recomputes(bound.get("input_ids"), n)
         self._checked = decoding and continues
         return past
+
+    def _recomputes(self, ids: torch.Tensor | None, n: int) -> None:
+        """A forward of ``ids`` from position 0 while the record holds ``n`` positions: past the prompt, it runs the
+        tokens the last such forward ran (the prompt, the tokens emitted so far), else UnfollowedForward (the model
+        run inside the call on ids of its own: by a stopping criterion or a streamer, say, which the record cannot
+        tell from the call's own forward; its logits processors run apart, :meth:`Generations._apart`). Reads the
+        device once per such forward (a call without a KV cache)."""
+        held, self._from_start = self._from_start, ids
+        if n and held is not None and ids is not None and not (
+                ids.shape[0] == held.shape[0] and torch.equal(ids[:, :held.shape[1]], held)):
+            raise UnfollowedForward(
+                f"a forward of this call ran positions 0..{n} with other token ids than the call's prompt and the "
+                "tokens it emitted: the model run on other ids inside the call (by a stopping criterion or a "
+                "streamer) cannot be told from the call's own forward; run it outside generate")
 
     def after_forward(self, capture: Capture) -> None:
         """Append this forward's features; its last position's prediction is the next pending step."""
@@ -1107,16 +1127,20 @@ class Run:
 
 @functools.cache
 def _watched(kind: type) -> type:
-    """A subclass of generate's stopping-criteria list ``kind`` whose call also hands the rows it finished to
-    ``seen`` (kept on the device; a list of the user's own kind stays one)."""
+    """A subclass of generate's list ``kind`` (its stopping criteria, its logits processors) whose call runs inside
+    ``apart()`` and hands its result to ``seen`` (the rows the criteria finished, kept on the device); a list of the
+    user's own kind stays one."""
 
     class Watched(kind):  # type: ignore[misc, valid-type]
-        seen: Callable[[torch.Tensor], None]
+        apart: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+        seen: Callable[[torch.Tensor], None] | None = None
 
         def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-            done = super().__call__(input_ids, scores, **kwargs)
-            self.seen(done)  # (never raises)
-            return done
+            with self.apart():
+                result = super().__call__(input_ids, scores, **kwargs)
+            if self.seen is not None:
+                self.seen(result)  # (never raises)
+            return result
 
     return Watched
 
@@ -1226,6 +1250,9 @@ class Generations:
         criteria = getattr(model, "_get_stopping_criteria", None)
         if callable(criteria):
             self._set("_get_stopping_criteria", self._watching(criteria))
+        processors = getattr(model, "_get_logits_processor", None)
+        if callable(processors):
+            self._set("_get_logits_processor", self._apart(processors))
 
     def _set(self, name: str, wrapper: Callable) -> None:
         """``wrapper`` as the model instance's attribute ``name`` until :meth:`uninstall`."""
@@ -1256,6 +1283,25 @@ class Generations:
             return watched
 
         return stopping_criteria
+
+    def _apart(self, processors: Callable) -> Callable:
+        """generate's ``_get_logits_processor``, whose list, for a recorded call, runs outside its record: a processor
+        that runs the model itself (classifier-free guidance's unconditional branch, ``guidance_scale``; one of the
+        user's) runs it unrecorded, as a forward of no call, so the record follows the call's own forwards only."""
+
+        @functools.wraps(processors)
+        def logits_processor(*args: Any, **kwargs: Any) -> Any:
+            found = processors(*args, **kwargs)
+            if not isinstance(self.current(), Run):
+                return found
+            try:
+                apart = _watched(type(found))(found)
+            except Exception:  # noqa: BLE001 - a list of the user's own kind that cannot be copied: Run._check then
+                return found
+            apart.apart = functools.partial(self.running, NOT_RECORDED)
+            return apart
+
+        return logits_processor
 
     def uninstall(self) -> None:
         """Give the model its own ``generate`` back; calls running in other threads finish unrecorded."""

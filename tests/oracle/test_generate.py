@@ -39,7 +39,7 @@ def test_greedy_every_step_matches_oracle_and_output_unchanged(model):
     with nxl.attach(model, layers="all") as probe:
         out = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
     torch.testing.assert_close(out, plain, rtol=0, atol=0)
-    assert not {"generate", "_get_stopping_criteria"} & set(vars(model))  # the wrappers are gone after detach
+    assert not {"generate", "_get_stopping_criteria", "_get_logits_processor"} & set(vars(model))  # wrappers gone
     argmaxes = check_call(model, probe.calls[0], 6)
     assert all(torch.equal(a, s.token) for a, s in zip(argmaxes, probe.steps))
     assert probe.steps[0].normxlogit.shape == (4, 1, 7) and probe.steps[-1].normxlogit.shape == (4, 1, 12)
@@ -229,6 +229,72 @@ def test_no_cache_generate_and_lower_precision_cache(model):
         model.generate(input_ids=ids, max_new_tokens=4, do_sample=False)
     for exact, rough in zip(probe.steps, low.steps):
         torch.testing.assert_close(rough.normxlogit, exact.normxlogit, rtol=3e-2, atol=3e-2)
+
+
+class _LookAhead(LogitsProcessor):
+    """The user's processor that runs the model itself, as classifier-free guidance's does: on the sequence with the
+    current argmax appended (one token longer, from position 0: what a call without a KV cache runs)."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.model(torch.cat([input_ids, scores.argmax(-1, keepdim=True)], 1))
+        return scores
+
+
+@pytest.mark.parametrize("how", ["guidance", "negative_prompt", "user_processor"])
+def test_logits_processors_that_run_the_model_leave_the_record_to_the_calls_own_forwards(model, how):
+    """Classifier-free guidance (``guidance_scale``, with a negative prompt one token longer than the prompt, too)
+    and a processor of the user's run the model inside the call on other ids: the call is recorded all the same,
+    every step explaining the token generate emitted from the call's own (conditional) forward, its probability the
+    model's own there, all against the no-cache oracle; the output is the one it has unattached."""
+    ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(8))
+    options = dict(input_ids=ids, max_new_tokens=4, do_sample=False)
+    if how == "user_processor":
+        options.update(logits_processor=LogitsProcessorList([_LookAhead(model)]), repetition_penalty=5.0)
+    else:
+        options.update(guidance_scale=1.5)
+    if how == "negative_prompt":
+        options.update(negative_prompt_ids=torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(9)))
+    plain = model.generate(**options)
+    with nxl.attach(model, layers="all") as probe:
+        out = model.generate(**options)
+    (call,) = probe.calls
+    assert torch.equal(out, plain) and call.error is None
+    check_call(model, call, 4)
+    for step in call.steps:
+        with torch.no_grad():
+            logits = model(input_ids=out[:, :step.position]).logits[:, -1]
+        expected = logits.log_softmax(-1).gather(-1, step.token[:, None])[:, 0].exp()
+        torch.testing.assert_close(step.probability, expected, rtol=1e-4, atol=1e-6)
+
+
+class _Peeks(StoppingCriteria):
+    """The user's criterion that runs the model on other ids, one token longer than the call's: a forward the
+    record cannot tell from a step of a call without a KV cache."""
+
+    def __init__(self, model) -> None:
+        self.model = model
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        with torch.no_grad():
+            self.model((input_ids + 1) % VOCAB)
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+def test_a_forward_from_position_0_on_other_ids_inside_the_call_is_said_and_never_recorded_as_a_step(model):
+    """A stopping criterion of the user's runs the model on ids one token longer than the record, which are not
+    the call's: never taken for a recomputing step (its token as the emitted one), the call says why it is not
+    recorded from there."""
+    ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(8))
+    with nxl.attach(model, layers="all") as probe:
+        out = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False,
+                             stopping_criteria=StoppingCriteriaList([_Peeks(model)]))
+    (call,) = probe.calls
+    assert all(torch.equal(step.token, out[:, step.position]) for step in call.steps)
+    assert "other token ids than the call's" in call.error and call.error in probe.unrecorded
 
 
 def test_beam_search_is_a_clear_error_and_plain_forward_still_works(model):
