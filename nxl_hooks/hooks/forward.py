@@ -20,7 +20,8 @@ from ..records.attribution import Attribution
 from ..records.tokens import target_texts
 from .plan import Plan
 
-__all__ = ["Capture", "assemble", "embedding_norms", "head_features", "layer_states", "open_capture"]
+__all__ = ["NEEDS_IDS", "Capture", "assemble", "embed_norms", "embedding_norms", "head_features", "layer_states",
+           "open_capture"]
 
 
 @dataclass(eq=False)
@@ -123,11 +124,22 @@ def _model_logits(plan: Plan, output: Any, examples: torch.Tensor, positions: to
     return logits[examples.to(logits.device), positions.to(logits.device)].float()
 
 
+#: Why a forward given ``inputs_embeds`` cannot be recorded with ``embedding="word"``.
+NEEDS_IDS = ("embedding='word' needs input_ids: the word-embedding module did not run (inputs_embeds given); use "
+             "embedding='layer_input'")
+
+
+def embed_norms(capture: Capture) -> torch.Tensor:
+    """A forward's embedding norms (batch, seq); ValueError (:data:`NEEDS_IDS`) where its word-embedding module did
+    not run."""
+    if capture.embed_norm is None:
+        raise ValueError(NEEDS_IDS)
+    return capture.embed_norm
+
+
 def assemble(plan: Plan, capture: Capture, output: Any = None) -> Attribution:
     """The :class:`~nxl_hooks.Attribution` of a finished forward; ``output``: the task model's output, if seen."""
-    if capture.embed_norm is None:
-        raise ValueError("embedding='word' needs input_ids: the word-embedding module did not run "
-                         "(inputs_embeds given); use embedding='layer_input'")
+    embed = embed_norms(capture)
     seq, hidden = capture.shape[1], layer_states(plan, capture)
     examples, positions = plan.rows(capture.input_ids, capture.attention_mask, capture.shape)
     with plan.head.reading() as readout:
@@ -156,7 +168,7 @@ def assemble(plan: Plan, capture: Capture, output: Any = None) -> Attribution:
         logat = head_logits(targets)
         if plan.kind is HeadKind.REGRESSION:
             logat = regression_logat(logat, final.gather(-1, targets.to(final.device)))
-        embed_norm = by_row(capture.embed_norm).to(final.device)
+        embed_norm = by_row(embed).to(final.device)
         scores, targets = plan.scores(Given(logat, embed_norm, targets, log_probs, head_logits))
     probability = None if log_probs is None else log_probs.gather(-1, targets.view(len(examples), -1)).exp()
     mask = (

@@ -80,7 +80,7 @@ from ..method.protocol import Given
 from ..records.steps import GenerationCall, Step
 from .recording import NOT_RECORDED, Recording
 from .conventions import UnfollowedForward, cache_keyword, find_cache, positions, prefix_cache, start, token_mask
-from .forward import Capture, head_features, layer_states
+from .forward import NEEDS_IDS, Capture, embed_norms, head_features, layer_states
 from .guard import Notice, one_line, raised, reason
 from .plan import Plan
 from .publish import Hub
@@ -530,18 +530,18 @@ class Run:
         if capture.last_hidden is None:  # its blocks ran compiled (regional compilation), its backbone's hooks not
             self._unfollow()
             return
-        new = capture.shape[1]
+        new, embed = capture.shape[1], embed_norms(capture)
         if self._prompt_len is None:  # generate started from its bos token, not a prompt we were shown
             self._prompt_len = new
         mask = token_mask(capture.attention_mask, self._past, new)
         if mask is None:  # generate drops an all-ones mask
-            mask = self._all_ones(capture.shape[0], new, capture.embed_norm.device)
+            mask = self._all_ones(capture.shape[0], new, embed.device)
         hidden = layer_states(self._plan, capture)
         if new == 1 and self._past == self._n and self._fills_later(*hidden):
-            self._unfed.append((hidden, capture.embed_norm, mask))  # a decoding step: no work until it is scored
+            self._unfed.append((hidden, embed, mask))  # a decoding step: no work until it is scored
             self._n += 1
         else:
-            self.feed(self._past, stacked_features(self._plan, capture), capture.embed_norm, mask, capture.input_ids)
+            self.feed(self._past, stacked_features(self._plan, capture), embed, mask, capture.input_ids)
         self._pending = self._n >= self._prompt_len
 
     def _all_ones(self, rows: int, new: int, device: torch.device) -> torch.Tensor:
@@ -1337,6 +1337,8 @@ class Generations:
             why = unsupported(self.plan.model, kwargs)
             if why is not None:
                 raise ValueError(why)
+            if self.plan.embedding == "word" and kwargs.get("inputs_embeds") is not None:
+                raise ValueError(NEEDS_IDS)  # (its prompt's forward would find no word embeddings)
             prompt = args[0] if args else next(
                 (kwargs[k] for k in ("inputs", "input_ids", "inputs_embeds") if kwargs.get(k) is not None), None)
             prompt_len = prompt.shape[1] if isinstance(prompt, torch.Tensor) and prompt.dim() > 1 else None

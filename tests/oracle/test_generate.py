@@ -674,3 +674,22 @@ def test_compiled_steps_of_a_prompt_given_as_embeddings_are_said_not_recorded():
     (call,) = probe.calls
     assert torch.equal(out, plain) and not call.complete and call.steps == []
     assert "inputs_embeds" in call.error and "pass input_ids" in call.error and probe.unrecorded is not None
+
+
+@pytest.mark.parametrize("with_ids", [False, True])
+def test_word_embeddings_with_a_prompt_given_as_embeddings_say_what_a_plain_forward_says(model, with_ids):
+    """``embedding="word"`` needs the word-embedding module to run: a generate call whose prompt comes as
+    inputs_embeds (with its ids beside them too) is not recorded, saying the plain forward's reason and what to do
+    (it said an AttributeError's text), and its output is the plain one."""
+    ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
+    options = dict(inputs_embeds=model.get_input_embeddings()(ids).detach(), max_new_tokens=3, do_sample=False,
+                   **({"input_ids": ids} if with_ids else {}))
+    plain = model.generate(**options)
+    with nxl.attach(model, embedding="word") as probe:
+        model(inputs_embeds=options["inputs_embeds"])
+        with pytest.raises(ValueError) as forward_error:
+            probe.result()
+        out = model.generate(**options)
+    (call,) = probe.calls
+    assert torch.equal(out, plain) and call.steps == []
+    assert call.error == f"not recorded: {forward_error.value}" and "embedding='layer_input'" in call.error
