@@ -97,20 +97,31 @@ class Step:
     method_scores = Attribution.method_scores
 
     def __repr__(self) -> str:
-        """A summary, never the tensors: the emitted token(s), probability, context length, layers and the top
-        context positions of row 0 at the last layer, ranked as ``call.attribution(step).top()`` ranks them (no
-        special or chat-template token) while its call is linked and alive, else as ``step.to_attribution().top()``.
-        ``print(step)``"""
-        batch = self.token.shape[0]
-        texts = self.readable or [f"#{int(t)}" for t in self.token]
-        prob = "" if self.probability is None else f", p {float(self.probability.reshape(batch, -1)[0, 0]):.3g}"
+        """A summary, never the tensors: the emitted token(s) (with its probability where it is an explained id),
+        the explained target where it is another id (``attach(target=...)``: named, with its probability), context
+        length, layers and the top context positions of row 0 at the last layer for that target, ranked as
+        ``call.attribution(step).top()`` ranks them (no special or chat-template token) while its call is linked
+        and alive, else as ``step.to_attribution().top()``. ``print(step)``"""
+        batch, token = self.token.shape[0], int(self.token[0])
         call = self._call() if self._call is not None else None
+        targets = self.target.reshape(batch, -1)[0].tolist()
+        # the record has the model's probability of the explained ids only (as step.view reads it)
+        chances = ([None] * len(targets) if self.probability is None
+                   else [None if math.isnan(p) else p for p in self.probability.reshape(batch, -1)[0].tolist()])
+
+        def shown(index: int) -> str:
+            return "" if chances[index] is None else f", p {chances[index]:.3g}"
+
+        names = self._names(call, 0)
+        own = shown(targets.index(token)) if token in targets else ""
+        explained = (f"; explaining target '{self._text_of(call, 0, targets[0], names)}' (id {targets[0]}"
+                     f"{shown(0)})" if targets[0] != token else "")
         res = call.attribution(self) if call is not None else self.to_attribution()
         top = res.top(3, layer=self.layers[-1])
-        return (f"<Step call {self.call} step {self.step}: token '{texts[0]}' (id {int(self.token[0])}{prob})"
+        return (f"<Step call {self.call} step {self.step}: token '{names[-1]}' (id {token}{own})"
                 + (f" and {batch - 1} more row(s)" if batch > 1 else "")
-                + f" at position {self.position}, layers {layers_text(self.layers)}; top context positions at "
-                f"L{self.layers[-1]}: " + ", ".join(f"{p} {score:.4g}" for p, _, score in top) + ">")
+                + f" at position {self.position}, layers {layers_text(self.layers)}{explained}; top context positions"
+                f" at L{self.layers[-1]}: " + ", ".join(f"{p} {score:.4g}" for p, _, score in top) + ">")
 
     def to_attribution(self, tokens: list[list[str]] | None = None, special: torch.Tensor | None = None,
                        readable: list[list[str]] | None = None, template: torch.Tensor | None = None) -> Attribution:
@@ -171,9 +182,7 @@ class Step:
         explained = targets[label]
         other = explained != token  # the scores explain another id: the view names it
         if other and target is None:
-            ids = call.context_ids(self.position) if call is not None else None
-            known = ids[row].tolist() if ids is not None else []
-            target = names[known.index(explained)] if explained in known else f"#{explained}"
+            target = self._text_of(call, row, explained, names)
         return StepView(step=self.step, position=self.position, token_id=token, token=shown[-1], probability=own,
                         active=bool(self.active[row]),
                         scores={name: ranking(res, k, row, label, name, all_positions=all_positions)
@@ -181,6 +190,13 @@ class Step:
                         request_id=call.request_id if call is not None else None, model=model,
                         target_id=explained if other else None, target=target if other else None,
                         target_probability=probabilities[label] if other else None)
+
+    def _text_of(self, call: "GenerationCall | None", row: int, id_: int, names: list[str]) -> str:
+        """How the context names id ``id_``: the text of ``names`` where row ``row``'s context holds it, else ``#ID``
+        (the record holds no text of it)."""
+        ids = call.context_ids(self.position) if call is not None else None
+        known = ids[row].tolist() if ids is not None else []
+        return names[known.index(id_)] if id_ in known else f"#{id_}"
 
     def _names(self, call: "GenerationCall | None", row: int) -> list[str]:
         """Texts of positions 0 .. position from the record: its readable texts, else ``#ID`` (``@N`` where even

@@ -14,6 +14,7 @@ from rich.console import Console
 import bpe_tiny
 import nxl_hooks as nxl
 import oracle
+import tiny
 from nxl_hooks.apps.cli import main
 from nxl_hooks.apps.terminal import print_generation
 from test_chat_ranking import world  # noqa: F401 - the fixture: (model, tokenizer, its folder)
@@ -62,6 +63,35 @@ def test_step_and_call_reprs_are_summaries(world):
     scores = step.normxlogit[-1, 0].clone()
     scores[step.position - 1] = float("-inf")
     assert repr(step).split("L3: ")[1].startswith(f"{int(scores.argmax())} ")
+
+
+def test_a_steps_repr_with_fixed_targets_names_the_explained_one_and_gives_only_their_probabilities():
+    """``attach(target=[a, b])``: the step's repr names the explained target (label 0) with its probability and ranks
+    the context for it; the emitted token shows a probability only where it is one of the targets (the record holds
+    the targets' only). Numbers (shown to 3 digits) against the model's own softmax and the oracle's NormXLogit of
+    target a."""
+    model = tiny.generating_llama()
+    ids = torch.randint(1, tiny.GEN_VOCAB, (1, 5), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    chances = out.logits[0, -1].float().softmax(-1)
+    token = int(chances.argmax())
+    other = (token + 7) % tiny.GEN_VOCAB or 1
+    nx = oracle.normxlogit(oracle.llama(model).layer_logits(out.hidden_states), out.hidden_states[0],
+                           torch.tensor([other]))[1][-1, 0]
+    nx[-1] = float("-inf")  # the prediction position does not rank
+    for targets in ([other, token], [other, (other + 1) % tiny.GEN_VOCAB or 2]):
+        with nxl.attach(model, layers="all", target=targets) as probe:
+            model.generate(input_ids=ids, max_new_tokens=1, do_sample=False)
+        text = repr(probe.steps[0])
+        shown = re.search(rf"token '#{token}' \(id {token}(?:, p ([\d.e-]+))?\)", text)
+        if token in targets:
+            assert abs(float(shown.group(1)) - float(chances[token])) <= 6e-3 * float(chances[token]), text
+        else:
+            assert shown.group(1) is None, text
+        named = re.search(rf"explaining target '#{other}' \(id {other}, p ([\d.e-]+)\)", text)
+        assert abs(float(named.group(1)) - float(chances[other])) <= 6e-3 * float(chances[other]), text
+        assert text.split("L3: ")[1].startswith(f"{int(nx.argmax())} "), text
 
 
 def test_a_split_target_word_warns_above_the_table(world, capsys, monkeypatch):
