@@ -54,9 +54,11 @@ The records themselves are the caller's: 2 × 4 B × layers × batch × context 
 nor a :meth:`~nxl_hooks.Probe.stream` subscriber, a step's record is not even made).
 
 Not recorded (the call runs unchanged, ``GenerationCall.error`` says why): beam search (beams are reordered and
-pruned between steps, so a row is not one sequence), assisted / speculative decoding and generate resuming from a
-filled ``past_key_values`` (positions the probe never saw). ``num_return_sequences`` with sampling works: its rows
-are independent sequences.
+pruned between steps, so a row is not one sequence), assisted / speculative decoding with a second model or prompt
+lookup and generate resuming from a filled ``past_key_values`` (positions the probe never saw).
+``num_return_sequences`` with sampling works: its rows are independent sequences. Self-speculative decoding
+(``assistant_early_exit``) is recorded as a compiled call is: its draft forwards stop at an early block (no last
+block's output), so the hooks follow the call no more (:meth:`Run._unfollow`) and :meth:`Run._replay` records it.
 """
 
 from __future__ import annotations

@@ -221,7 +221,10 @@ class GenerationCall:
     readable: list[list[str]] | None = None  #: the prompt's tokens as people read them, per row (with a tokenizer)
     steps: list[Step] = field(default_factory=list)  #: empty with attach(keep_steps=False)
     sequences: torch.Tensor | None = None  #: generate's output ids, set when the call returned
-    complete: bool = False  #: True once generate returned normally (or, read from disk, its end frame exists)
+    #: True once generate returned and the record holds its every step: False while it runs, where it raised, was
+    #: not recorded (beam search, which returns normally) or stopped being recorded (``error`` says why), or the probe
+    #: detached mid-call; read from disk, as its end frame says (False without one)
+    complete: bool = False
     request_id: str | None = None  #: the request this call served (X-Request-ID, the server's id, or a generated one)
     thread: str | None = None  #: the name of the thread that ran it
     error: str | None = None  #: why recording stopped early (the call itself ran on, unharmed)

@@ -315,6 +315,24 @@ def test_beam_search_is_a_clear_error_and_plain_forward_still_works(model):
     torch.testing.assert_close(res.logat, logat, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("sample", [False, True])
+def test_self_speculative_decoding_is_recorded_step_by_step(model, sample):
+    """Assisted decoding by the model's own early layers (``assistant_early_exit``): its draft forwards, cut short,
+    are not followed, and the call is recorded from the whole model run again over its tokens when it returns, as
+    docs/generation.md says (it once said every assisted call ran unrecorded): every step equals the oracle, and
+    ``complete`` is True."""
+    ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(8))
+    options = dict(input_ids=ids, max_new_tokens=6, do_sample=sample, assistant_early_exit=1)
+    torch.manual_seed(0)
+    plain = model.generate(**options)
+    torch.manual_seed(0)
+    with nxl.attach(model, layers="all") as probe:
+        out = model.generate(**options)
+    (call,) = probe.calls
+    assert torch.equal(out, plain) and call.error is None
+    check_call(model, call, 6)  # (complete among its checks)
+
+
 def test_callback_and_iterator_in_another_thread(model):
     ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(9))
     seen: list[nxl.Step] = []
