@@ -15,7 +15,7 @@ import torch
 
 from ..method.protocol import Given
 from ..arch.registry import HeadKind, log_probabilities, word_embedding
-from ..method.scores import regression_logat
+from ..method.scores import regression_logat, row_norms
 from ..records.attribution import Attribution
 from ..records.tokens import target_texts
 from .plan import Plan
@@ -62,13 +62,12 @@ def embedding_norms(plan: Plan, rows: torch.Tensor) -> torch.Tensor:
     """The paper's ‖x_i⁰‖₂ of each token, (batch, seq) float32, from the rows the probe's embedding hook saw: block
     1's input (``embedding="layer_input"``) or the word embedding's output, unscaled (Gemma-style embeddings multiply
     inside the module; the norm is of the raw row)."""
-    if plan.embedding == "layer_input":
-        return torch.linalg.vector_norm(rows, dim=-1, dtype=torch.float32)
-    scale = getattr(word_embedding(plan.model), "embed_scale", None)  # (inside a PEFT wrapper too)
-    rows = rows.detach().float()
-    if scale is not None:  # a buffer (Gemma) or a float (XGLM, BioGPT, BART)
-        rows = rows / torch.as_tensor(scale, dtype=torch.float32, device=rows.device)
-    return torch.linalg.vector_norm(rows, dim=-1)
+    norms = row_norms(rows.detach())
+    # the word embedding found inside a PEFT wrapper too
+    scale = getattr(word_embedding(plan.model), "embed_scale", None) if plan.embedding == "word" else None
+    if scale is not None:  # a buffer (Gemma) or a float (XGLM, BioGPT, BART), > 0: ‖x / s‖ = ‖x‖ / s
+        norms = norms / torch.as_tensor(scale, dtype=norms.dtype, device=norms.device)
+    return norms.float()
 
 
 #: Positions whose layers the head takes at once (:func:`head_features`): bounds the float32 temporaries of its

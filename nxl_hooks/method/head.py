@@ -39,6 +39,7 @@ from ..arch.registry import (FUNCTION_STEPS, POST_STEPS, ArchSpec, UnknownArchit
                              readout_outputs, spec_head, split_post_steps)
 from .placement import (DeviceOf, full, indexed, module_device, offloaded, plain, readable, replica, sharded,
                         weights_materialized)
+from .scores import row_norms
 
 __all__ = ["CALLED_READOUT_BYTES", "CALLED_READOUT_CHUNK", "Head", "Readout"]
 
@@ -95,7 +96,7 @@ class _RmsFold:
 
     def scale(self, hidden: torch.Tensor) -> torch.Tensor:
         """rsqrt(mean(h²) + eps) per position: (..., 1)."""
-        norm = torch.linalg.vector_norm(hidden, dim=-1, keepdim=True, dtype=torch.float32)
+        norm = row_norms(hidden, keepdim=True)
         return torch.rsqrt(norm.square() / hidden.shape[-1] + self.eps)
 
 

@@ -171,6 +171,26 @@ def test_loading_options_reach_from_pretrained(world, tmp_path, capsys):
     assert args.max_memory == {0: "2GiB", "cpu": "3GiB"}
 
 
+@pytest.mark.parametrize("embedding", ["layer_input", "word"])
+def test_a_float64_model_is_recorded_with_the_float64_oracles_numbers(world, embedding):
+    """A float64 model (load_model takes "or a torch dtype") is recorded: its embedding norms are taken in float64,
+    not refused by a norm asked for in float32 (which narrows it)."""
+    model, tok, folder, _ = world
+    double, _ = load_model(str(folder), dtype=torch.float64)
+    assert double.dtype == torch.float64
+    res = nxl.explain(double, tok, PROMPT, embedding=embedding)
+    enc = tok(PROMPT, return_tensors="pt")
+    with torch.no_grad():
+        out = double(**enc, output_hidden_states=True)
+    target = int(out.logits[0, -1].argmax())
+    hand, last = oracle.llama(double), len(out.hidden_states) - 1  # in float64: layer_logits would round to float32
+    normed = torch.stack([h if i == last else hand.norm(h) for i, h in enumerate(out.hidden_states)])
+    ref = hand.head(normed)[:, 0, :, target] * out.hidden_states[0][0].norm(dim=-1)
+    assert ref.dtype == torch.float64
+    assert res.target[0].item() == target and res.normxlogit.dtype == torch.float32
+    torch.testing.assert_close(res.normxlogit[:, 0].double(), ref, rtol=1e-6, atol=1e-7)
+
+
 def test_chat_wraps_the_text_in_the_template(world, tmp_path, capsys):
     model, tok, folder, _ = world
     out = tmp_path / "chat.safetensors"

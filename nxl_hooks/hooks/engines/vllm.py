@@ -55,6 +55,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ...method.scores import row_norms
 from ..guard import logger, reason
 from ..generate import EAGER, Generations, Run, eager
 from .buffers import Buffers
@@ -417,7 +418,7 @@ class VllmEngine:
         return hook
 
     def _keep_embedding(self, capture: _Capture, output: torch.Tensor) -> None:
-        capture.embed_norm = torch.linalg.vector_norm(output, dim=-1, dtype=torch.float32)
+        capture.embed_norm = row_norms(output)
         if 0 in self.plan.layers:  # a copy: the next layer's fused add-norm updates its residual input in place
             capture.hidden[0] = output.clone()
 
@@ -543,7 +544,7 @@ class VllmEngine:
             buffers = self.gens.plan.model.buffers
             if buffers is not None:  # the compiled model wrote this step's rows there: every layer in one read
                 rows = buffers.values.narrow(1, 0, total)
-                capture.embed_norm = torch.linalg.vector_norm(rows[0], dim=-1, dtype=torch.float32)
+                capture.embed_norm = row_norms(rows[0])
                 hidden = (rows if self._layers is None else rows.index_select(0, self._layers)).transpose(0, 1)
             else:
                 hidden = torch.stack([capture.hidden[layer][:total] for layer in self.plan.layers], dim=1)
