@@ -19,6 +19,7 @@ the terminal, HTML and :meth:`Attribution.top`.
 from __future__ import annotations
 
 import numbers
+import re
 from dataclasses import dataclass
 from typing import Any, Sequence, Union
 
@@ -67,6 +68,12 @@ def _integer(value: Any) -> int | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         return None
     return int(value)
+
+
+def _id_text(text: str) -> int | None:
+    """``text`` as an id when it is ASCII digits alone (a leading minus allowed), else None: str.isdigit() holds for
+    '²' too (int() refuses it) and for '٣' (Arabic-Indic three, a word of Arabic text), both words here."""
+    return int(text) if re.fullmatch(r"-?[0-9]+", text) else None
 
 
 def layer_index(layer: int, n_blocks: int) -> int:
@@ -132,7 +139,7 @@ def parse_target(value: str) -> str | int | list[str | int]:
     """``predicted`` | an int id | a token / label / word | a comma list of those (one table per target).
 
     Spaces are kept: a leading space is part of a token (``" are, is"`` -> ``[" are", " is"]``; a word is read
-    after the text in any case, so ``"are,is"`` explains the same tokens); an item of digits alone is an id
+    after the text in any case, so ``"are,is"`` explains the same tokens); an item of ASCII digits alone is an id
     (``" 4"`` is the token ' 4'; label names match with surrounding spaces ignored). ValueError on an empty item.
     """
     parts = value.split(",") if len(value) > 1 else [value]
@@ -140,7 +147,8 @@ def parse_target(value: str) -> str | int | list[str | int]:
     for part in parts:
         if not part.strip():
             raise ValueError(f"{value!r}: empty item in the target list")
-        items.append(int(part) if part.lstrip("-").isdigit() else part)
+        number = _id_text(part)
+        items.append(part if number is None else number)
     if "predicted" in [item.strip() if isinstance(item, str) else item for item in items] and len(items) > 1:
         raise ValueError("'predicted' cannot be mixed with other targets; pass it alone")
     return items[0] if len(items) == 1 else items
@@ -254,8 +262,8 @@ def resolve_target(model: nn.Module, kind: HeadKind | str, tokenizer: Any, item:
     label2id, kind = getattr(model.config, "label2id", None) or {}, HeadKind(kind)
     if kind.pooled and item.strip() in label2id:  # " LABEL_0" from a comma list is the label too
         return ResolvedTarget(item, int(label2id[item.strip()]), (int(label2id[item.strip()]),), "label")
-    if kind.pooled and item.strip().lstrip("-").isdigit():
-        return resolve_target(model, kind, tokenizer, int(item.strip()), n_outputs)
+    if kind.pooled and (number := _id_text(item.strip())) is not None:
+        return resolve_target(model, kind, tokenizer, number, n_outputs)
     if kind.pooled:
         raise ValueError(f"label {item!r} is not one of the model's labels {sorted(label2id)}; or pass an int id")
     if tokenizer is None:

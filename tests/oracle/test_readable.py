@@ -147,6 +147,22 @@ def test_word_targets_are_the_token_the_model_would_emit_after_the_prompt(model,
     assert res.target_label(0, 0) == f"' are' -> '␣are' (id {are}, p {float(probability[0]):.3g})"
 
 
+def test_only_ascii_digits_are_an_id_other_digits_are_words(model, tok):
+    """str.isdigit() holds for '²' (int() refuses it: --target failed) and '٣' (Arabic-Indic three: it explained
+    id 3)."""
+    assert parse_target("٣") == "٣" and parse_target("²,-3") == ["²", -3] and parse_target("--3") == "--3"
+    for word in ("٣", "²"):
+        res = nxl.explain(model, tok, PROMPT, target=parse_target(word))
+        note = res.meta["targets"][0][0]
+        first = note["tokens"][0]
+        assert note["request"] == word and note["how"] in ("word", "token") and int(res.target[0]) == first != 3
+        expected, _ = oracle_scores(model, tok, PROMPT, [first])
+        torch.testing.assert_close(res.normxlogit[:, 0], expected[..., 0], rtol=1e-4, atol=1e-5)
+    classifier, words = tiny.build_model("bert", 0), tiny.tokenizer()
+    with pytest.raises(ValueError, match="not one of the model's labels"):  # not label 1
+        nxl.explain(classifier, words, "the film was good", target="١")
+
+
 def test_a_word_of_several_tokens_explains_the_first_and_says_so(model, tok):
     res = nxl.explain(model, tok, PROMPT, target="Parisians")
     assert tok.convert_ids_to_tokens(res.meta["targets"][0][0]["tokens"])[0] == "ĠParis"
