@@ -16,6 +16,7 @@ from ..method.select import is_predicted, prompt_targets
 from ..method.subject import Subject
 from ..records.attribution import Attribution
 from ..records.tokens import describe_target
+from .forward import check_tokens
 from .probe import attach
 
 __all__ = ["explain"]
@@ -40,6 +41,7 @@ def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, chat: bo
         target, resolved = prompt_targets(subject.model, subject.kind, tokenizer, target, texts)
     enc = tokenizer(texts[0] if isinstance(text, str) else texts, return_tensors="pt", padding=len(texts) > 1,
                     return_token_type_ids=False).to(input_device(model))
+    check_tokens(enc["input_ids"])  # before the model's own error on no tokens (a reshape), not after it
     with torch.no_grad(), attach(subject, tokenizer=tokenizer, target=target, **options) as probe:
         model(**enc)
     res = probe.result()

@@ -20,8 +20,8 @@ from ..records.attribution import Attribution
 from ..records.tokens import target_texts
 from .plan import Plan
 
-__all__ = ["NEEDS_IDS", "Capture", "assemble", "embed_norms", "embedding_norms", "head_features", "layer_states",
-           "open_capture"]
+__all__ = ["NEEDS_IDS", "Capture", "assemble", "check_tokens", "embed_norms", "embedding_norms", "head_features",
+           "layer_states", "open_capture"]
 
 
 @dataclass(eq=False)
@@ -93,14 +93,19 @@ def head_features(plan: Plan, hidden: Sequence[torch.Tensor], first: int, end: i
         return features
 
 
+def check_tokens(reference: torch.Tensor | None) -> None:
+    """ValueError unless ``reference`` (a forward's input ids or embeddings) holds at least one token per row."""
+    if reference is None or reference.dim() < 2 or reference.shape[0] == 0 or reference.shape[1] == 0:
+        raise ValueError("empty input: nxl_hooks needs at least one token per row (got a zero-length batch)")
+
+
 def open_capture(bound: dict[str, Any]) -> Capture:
     """A capture for a backbone forward called with ``bound`` arguments; ValueError on an empty input. A 2-D mask
     wider than the tokens (it covers what a KV cache holds before them too: PEFT prefix tuning's virtual tokens) is
     cut to the tokens' own columns."""
     input_ids = bound.get("input_ids")
     reference = input_ids if input_ids is not None else bound.get("inputs_embeds")
-    if reference is None or reference.dim() < 2 or reference.shape[0] == 0 or reference.shape[1] == 0:
-        raise ValueError("empty input: nxl_hooks needs at least one token per row (got a zero-length batch)")
+    check_tokens(reference)
     rows, seq = int(reference.shape[0]), int(reference.shape[1])
     mask = bound.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > seq:

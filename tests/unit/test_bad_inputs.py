@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import save as save_blob
 from safetensors.torch import save_file
 
+import bpe_tiny
 import nxl_hooks as nxl
 import oracle
 import tiny
@@ -240,6 +241,17 @@ def test_forwards_that_cannot_be_explained(lm, bert, which, inputs, message):
             probe.result()
     assert attached is plain if isinstance(plain, type) else torch.equal(attached, plain)
     assert _hooks(model) == 0
+
+
+def test_explain_of_no_tokens_says_so_before_the_forward(caplog):
+    """A tokenizer that adds no special token makes no token of "": explain raises nxl's line, not the model's own
+    error on a zero-length input (a reshape), and runs no forward."""
+    tok = bpe_tiny.bpe_tokenizer()
+    model = bpe_tiny.bpe_llama(tok)
+    assert tok("")["input_ids"] == []
+    with pytest.raises(ValueError, match=r"^empty input: nxl_hooks needs at least one token per row"):
+        nxl.explain(model, tok, "")
+    assert _hooks(model) == 0 and "not recorded" not in caplog.text
 
 
 def test_per_row_target_tensor_with_the_wrong_row_count(lm):
