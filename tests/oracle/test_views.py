@@ -133,6 +133,29 @@ def test_labels_and_token_texts_are_printed_as_they_are():
         assert title in text
 
 
+def test_an_all_nan_contrastive_table_says_why():
+    """Contrastive has no foil where every output is explained (a one-logit multi-label classifier; both labels of a
+    2-label one) or the probabilities are unknown (regression): every score is NaN, and the terminal, which showed
+    tables of "nan" and nothing else, says why in one line; a table with a foil has no such line."""
+    import tiny
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from nxl_hooks.apps.terminal import show_attribution
+
+    torch.manual_seed(0)
+    bce = BertForSequenceClassification(BertConfig(**tiny._SIZES, max_position_embeddings=64, num_labels=1,
+                                                   problem_type="multi_label_classification")).eval()
+    two, tok = tiny.build_model("bert"), tiny.tokenizer()
+    for model, target, foiled in ((bce, "predicted", False), (two, ["LABEL_0", "LABEL_1"], False),
+                                  (tiny.build_model("regression"), "predicted", False), (two, "LABEL_0", True)):
+        res = nxl.explain(model, tok, "the film was good", methods=["contrastive"], target=target)
+        assert bool(res.scores["contrastive"].isnan().any()) is not foiled
+        console = Console(record=True, width=200)
+        show_attribution(res, console, method="contrastive")
+        lines = [line for line in console.export_text().splitlines() if "no output is left to be the foil" in line]
+        assert len(lines) == (0 if foiled else 1), lines
+
+
 def test_a_regression_file_without_its_prediction_is_shown(tmp_path):
     """The regression title says the prediction where the record has it; a file without it (hand-made, older)
     is shown without the number (it raised KeyError)."""

@@ -4,7 +4,8 @@ makes a token push towards the target *rather than* the model's best alternative
 The foil of a row is, by default, the output the model ranks highest at the prediction position among those not
 explained in that row (the runner-up when the target is the prediction); ``Contrastive(foil=id)`` fixes it.
 Without the model's own probabilities (a regression head, an engine that gives no logits) and no fixed foil,
-there is nothing to contrast with: the scores are NaN.
+there is nothing to contrast with: the scores are NaN; so are a row's where every output is explained (a one-logit
+multi-label classifier, whose one output is the target; a 2-label classifier asked for both labels).
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ from dataclasses import dataclass
 import torch
 
 from ..protocol import Given
+
+
+#: What the terminal says when every contrastive score shown is NaN (no row had a foil).
+NO_FOIL = ("every contrastive score is NaN: no output is left to be the foil (every output of the head is explained, "
+           "as for a one-logit classifier or both labels of a 2-label one) or the model's probabilities are unknown "
+           "(a regression head); Contrastive(foil=id) fixes one")
 
 
 @dataclass(frozen=True)
