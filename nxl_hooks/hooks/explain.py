@@ -33,6 +33,8 @@ def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, chat: bo
     message of the tokenizer's chat template, followed by the assistant's turn.
     """
     texts = [text] if isinstance(text, str) else list(text)
+    if not texts or not all(isinstance(one, str) for one in texts):
+        raise ValueError(f"text is {text!r:.80}: give a string, or a non-empty list of strings (a batch)")
     prompts = [chat_prompt(tokenizer, one) for one in texts] if chat else []
     texts = [prompt.text for prompt in prompts] or texts
     subject = Subject.of(model)  # resolved once, for the targets and the attach

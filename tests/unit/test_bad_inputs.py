@@ -252,6 +252,10 @@ def test_explain_of_no_tokens_says_so_before_the_forward(caplog):
     with pytest.raises(ValueError, match=r"^empty input: nxl_hooks needs at least one token per row"):
         nxl.explain(model, tok, "")
     assert _hooks(model) == 0 and "not recorded" not in caplog.text
+    for text in ([], ["good", 3]):  # no text at all, or one that is no string: nxl's line, not the tokenizer's
+        with pytest.raises(ValueError, match=r"^text is .*: give a string, or a non-empty list of strings"):
+            nxl.explain(model, tok, text)
+    assert _hooks(model) == 0
 
 
 def test_per_row_target_tensor_with_the_wrong_row_count(lm):
