@@ -117,7 +117,9 @@ def _present(device: Any, fix: str = "give auto, cpu, or a device it has") -> An
                              "such as cuda:0 or its number") from None
         if where.type == "meta":  # shapes without data: the load fails reading weights into it
             raise ValueError(f"{device!r:.80} holds no weights (the meta device has shapes, not data); {fix}")
-        if where.type == "cpu":
+        if where.type == "cpu":  # one device: accelerate fails in the forward moving weights to cpu:1
+            if where.index:
+                raise ValueError(f"{device!r:.80}: the CPU is one device, with no number; write cpu")
             return device
         module = getattr(torch, where.type, None)
         kind, index = where.type, where.index or 0

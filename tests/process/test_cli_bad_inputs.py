@@ -60,6 +60,9 @@ CASES = [
      r"'nope' is no device: give auto, balanced, sequential, cpu, disk"),
     ("device map by a number not there", ["attribute", "{bert}", TEXT, "--device-map", "99"], r"--device-map: 99: "
      r"this machine has (no accelerator device|\d+ accelerator device\(s\)); give auto, cpu"),
+    ("device map onto a numbered CPU", ["attribute", "{llama}", TEXT, "--device-map",
+                                        '{{"model": "cpu", "lm_head": "cpu:1"}}'],
+     r"--device-map: 'cpu:1': the CPU is one device, with no number; write cpu"),
     ("device map on meta", ["attribute", "{bert}", TEXT, "--device-map", "meta"],
      r"--device-map: 'meta' holds no weights \(the meta device has shapes, not data\); give auto, cpu"),
     ("device map mapping onto meta", ["attribute", "{bert}", TEXT, "--device-map", '{{"": "meta"}}'], "'meta' h"),
