@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -39,8 +40,9 @@ def _one_of(names: Sequence[str]) -> Callable[[str], str]:
     return read
 
 
-def read_max_memory(text: str) -> dict[Any, str]:
-    """``0=10GiB,cpu=30GiB`` -> ``{0: "10GiB", "cpu": "30GiB"}`` (accelerate's max_memory); ValueError otherwise."""
+def read_max_memory(text: str) -> dict[Any, Any]:
+    """``0=10GiB,cpu=30GiB`` -> ``{0: "10GiB", "cpu": "30GiB"}`` (accelerate's max_memory; ``cpu=1000``: bytes,
+    ``{"cpu": 1000}``); ValueError otherwise."""
     limits: dict[Any, str] = {}
     for part in text.split(","):
         device, sep, size = part.strip().partition("=")
@@ -50,13 +52,29 @@ def read_max_memory(text: str) -> dict[Any, str]:
     return _memory_devices(limits)
 
 
+#: A size accelerate reads: a number and a unit (a lower-case b in GB/MB/KB is bits); digits alone are bytes.
+_SIZE = re.compile(r"(\d+\.?\d*|\.\d+)([GMK]iB|[GMK]B)", re.IGNORECASE)
+
+
 def _memory_devices(limits: dict[Any, Any]) -> dict[Any, Any]:
-    """``limits``, each device (but cpu and disk) checked to be one this machine has, as --device-map's are: accelerate
-    would raise deep inside the load."""
+    """``limits``, each device (but cpu and disk) checked to be one this machine has, as --device-map's are, and
+    each size to be one accelerate reads (digits alone: bytes, which it takes as a number only): accelerate would
+    raise deep inside the load."""
     for device in limits:
         if device not in ("cpu", "disk"):
             _present(device, "cap cpu, or a device it has")
-    return limits
+    return {device: _size(size) for device, size in limits.items()}
+
+
+def _size(size: Any) -> Any:
+    if not isinstance(size, str):
+        return size
+    if size.isdigit():
+        return int(size)
+    if not _SIZE.fullmatch(size):
+        raise ValueError(f"{size!r:.80} is no size: give bytes (like 1000000000) or a number and a unit, GiB, MiB, "
+                         "KiB, GB, MB or KB (like 10GiB)")
+    return size
 
 
 def _memory_map(value: Any) -> dict[Any, Any]:
@@ -171,8 +189,8 @@ class Loading(Mapping[str, Any]):
         None, read_device_map, "accelerate placement: auto | balanced | sequential | cpu | cuda:0 | JSON {module: "
         "device}", flag="--device-map", metavar="MAP", json=_placement))
     max_memory: dict | None = setting(None, Option(
-        None, read_max_memory, "with --device-map: what each device may hold, like 0=10GiB,cpu=30GiB",
-        flag="--max-memory", metavar="LIMITS", json=_memory_map))
+        None, read_max_memory, "with --device-map: what each device may hold, like 0=10GiB,cpu=30GiB (digits alone: "
+        "bytes)", flag="--max-memory", metavar="LIMITS", json=_memory_map))
     quantize: str | None = setting(None, Option(
         None, _one_of(QUANTIZE), "quantize with bitsandbytes: 8bit, 4bit (nf4) or fp4 (fp4: in Python only)",
         switches=(("--load-in-8bit", "8bit", "quantize with bitsandbytes, 8-bit"),

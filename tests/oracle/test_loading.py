@@ -191,6 +191,19 @@ def test_a_float64_model_is_recorded_with_the_float64_oracles_numbers(world, emb
     torch.testing.assert_close(res.normxlogit[:, 0].double(), ref, rtol=1e-6, atol=1e-7)
 
 
+def test_max_memory_in_bytes_offloads_as_a_unit_does(world, tmp_path, capsys):
+    """Digits alone are bytes (as accelerate's own message asks): --max-memory kept them as text, which accelerate
+    refused ("Use an integer for bytes")."""
+    model, tok, folder, _ = world
+    out = tmp_path / "a.safetensors"
+    assert main(["attribute", str(folder), PROMPT, "--device-map", "auto", "--max-memory", "cpu=100000",
+                 "--target", "Paris", "--out", str(out)]) == 0
+    capsys.readouterr()
+    paris = tok.convert_tokens_to_ids("ĠParis")
+    torch.testing.assert_close(nxl.Attribution.load(out).normxlogit[:, 0],
+                               oracle_normxlogit(model, tok, PROMPT, paris)[:, 0], rtol=1e-4, atol=1e-5)
+
+
 def test_chat_wraps_the_text_in_the_template(world, tmp_path, capsys):
     model, tok, folder, _ = world
     out = tmp_path / "chat.safetensors"
@@ -219,10 +232,12 @@ def test_generate_writes_the_generation_page(world, tmp_path, capsys):
     (["--load-in-8bit", "--load-in-4bit"], "--load-in-8bit and --load-in-4bit exclude each other"),
     (["--max-memory", "cpu=1GiB"], "--max-memory needs --device-map"),
     (["--max-memory", "lots"], "use DEVICE=SIZE pairs"),
+    (["--device-map", "auto", "--max-memory", "cpu=10XB"], "'10XB' is no size: give bytes (like 1000000000) or a "
+     "number and a unit"),
     (["--gguf-file", "model.bin"], "name the .gguf file inside MODEL"),
     (["--gguf-file", "missing.gguf"], "has no file 'missing.gguf'"),
     (["--chat"], "has no chat template"),
-], ids=["8-and-4", "max-memory-alone", "max-memory-syntax", "gguf-name", "gguf-missing", "chat-template"])
+], ids=["8-and-4", "max-memory-alone", "max-memory-syntax", "max-memory-size", "gguf-name", "gguf-missing", "chat-template"])
 def test_bad_loading_combinations_exit_2_with_one_line(tmp_path, capsys, argv, message):
     folder = tiny.save_model(tmp_path / "bert", "bert")  # the word-level tokenizer has no chat template
     capsys.readouterr()
