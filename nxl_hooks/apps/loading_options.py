@@ -103,6 +103,11 @@ def read_device_map(text: str) -> Any:
     return _placement(value)
 
 
+#: A mapping that offloads part of a model to disk, as advice (a Llama-like decoder's modules): its blocks, which
+#: hold no weight tied to another module's (lm_head on disk apart from a tied embedding fails the load).
+_MODULES_ON_DISK = '{"model.embed_tokens": "cpu", "model.layers": "disk", "model.norm": "cpu", "lm_head": "cpu"}'
+
+
 def _placement(value: Any) -> Any:
     """A device_map that is not text (a mapping, a device number, a torch.device): from_pretrained reads it."""
     if isinstance(value, (bool, list, tuple, float)):
@@ -110,11 +115,16 @@ def _placement(value: Any) -> Any:
     if isinstance(value, Mapping):
         for device in value.values():
             _present(device)
+        # accelerate hooks the whole model onto the device of "" (the root module), moving every other module there:
+        # one the map puts elsewhere is not placed as written, and one on disk fails the load (meta weights)
+        if "" in value and len({str(device) for device in value.values()}) > 1:
+            raise ValueError(f"{json.dumps(value, default=str):.80}: \"\" (the whole model) with modules on other "
+                             f"devices cannot be placed as written (accelerate moves every module to where \"\" is); "
+                             f"drop \"\" and name each module, such as {_MODULES_ON_DISK}")
         return dict(value)
     if value == "disk":  # (a module's place in a mapping, not the whole model's)
         raise ValueError("'disk' for the whole model: transformers places no model on disk alone; give auto with "
-                         "--max-memory (what does not fit is offloaded), or a mapping such as {\"lm_head\": \"disk\", "
-                         "\"\": \"cpu\"}")
+                         f"--max-memory (what does not fit is offloaded), or a mapping such as {_MODULES_ON_DISK}")
     return _present(value)
 
 

@@ -191,6 +191,22 @@ def test_a_float64_model_is_recorded_with_the_float64_oracles_numbers(world, emb
     torch.testing.assert_close(res.normxlogit[:, 0].double(), ref, rtol=1e-6, atol=1e-7)
 
 
+def test_the_mapping_the_disk_refusal_advises_loads(world, tmp_path, capsys):
+    """--device-map disk is refused with a mapping to give instead: it advised {"lm_head": "disk", "": "cpu"}, which
+    failed to load ("weight is on the meta device")."""
+    model, tok, folder, _ = world
+    assert main(["attribute", str(folder), PROMPT, "--device-map", "disk"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    advice = re.search(r"a mapping such as (\{.*\})", line).group(1)
+    out = tmp_path / "a.safetensors"
+    assert main(["attribute", str(folder), PROMPT, "--device-map", advice, "--target", "Paris", "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert "disk" in json.loads(advice).values()
+    paris = tok.convert_tokens_to_ids("ĠParis")
+    torch.testing.assert_close(nxl.Attribution.load(out).normxlogit[:, 0],
+                               oracle_normxlogit(model, tok, PROMPT, paris)[:, 0], rtol=1e-4, atol=1e-5)
+
+
 def test_max_memory_in_bytes_offloads_as_a_unit_does(world, tmp_path, capsys):
     """Digits alone are bytes (as accelerate's own message asks): --max-memory kept them as text, which accelerate
     refused ("Use an integer for bytes")."""

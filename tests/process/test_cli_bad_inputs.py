@@ -69,6 +69,10 @@ CASES = [
     ("device map all on disk", ["attribute", "{bert}", TEXT, "--device-map", "disk"],
      r"--device-map: 'disk' for the whole model: transformers places no model on disk alone; give auto with "
      r"--max-memory"),
+    ("device map of the whole model and a module on disk", ["attribute", "{llama}", TEXT, "--device-map",
+                                                             '{{"lm_head": "disk", "": "cpu"}}'],
+     r"--device-map: \{\"lm_head\": \"disk\", \"\": \"cpu\"\}: \"\" \(the whole model\) with modules on other devices "
+     r"cannot be placed as written .*; drop \"\" and name each module, such as \{\"model.embed_tokens\""),
     ("max memory on a device not there", ["attribute", "{bert}", TEXT, "--device-map", "auto", "--max-memory",
                                           "99=10GiB"],
      r"--max-memory: 99: this machine has (no accelerator device|\d+ accelerator device\(s\)); cap cpu, or a device"),
