@@ -272,8 +272,9 @@ def quantization_config(mode: str, dtype: Any = None) -> Any:
 
 def program_defaults(load: Mapping[str, Any]) -> dict[str, Any]:
     """The ``from_pretrained`` keyword arguments of the loading options ``nxl run`` gives a program's own loads
-    (``load``: a :class:`Loading`, or a mapping of dtype, device_map, max_memory, quantize, gguf_file)."""
-    kwargs = {key: load[key] for key in ("device_map", "gguf_file") if load.get(key) is not None}
+    (``load``: a :class:`Loading`, or a mapping of dtype, device_map, max_memory, offload_folder, quantize,
+    gguf_file)."""
+    kwargs = {key: load[key] for key in ("device_map", "offload_folder", "gguf_file") if load.get(key) is not None}
     if load.get("max_memory") is not None:
         kwargs["max_memory"] = dict(load["max_memory"])  # a copy per load: from_pretrained rewrites its sizes in place
     dtype = _torch_dtype(load.get("dtype"))
@@ -452,8 +453,9 @@ def check_gguf(path: str | Path, head: str = "causal_lm") -> None:
 
 
 def load_model(name: str, head: str | None = None, *, gguf_file: str | None = None, dtype: Any = None,
-               device_map: Any = None, max_memory: dict | None = None, quantize: str | None = None,
-               tp: bool | None = None, chat: bool = False, **kwargs: Any) -> tuple[Any, Any]:
+               device_map: Any = None, max_memory: dict | None = None, offload_folder: str | None = None,
+               quantize: str | None = None, tp: bool | None = None, chat: bool = False,
+               **kwargs: Any) -> tuple[Any, Any]:
     """``(model, tokenizer)`` for a local folder, hub id or ``.gguf`` file, in eval mode.
 
     - ``head``: "causal_lm", "sequence_classification" or "masked_lm"; by default the one ``config.architectures``
@@ -461,8 +463,12 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
     - ``gguf_file``: the GGUF file inside the folder or hub repository ``name`` (or pass the file as ``name``).
     - ``dtype`` ("auto", "float32", "float16", "bfloat16" or a torch dtype), ``device_map``, ``max_memory``: as
       ``from_pretrained`` takes them; ``quantize``: bitsandbytes "8bit", "4bit" (nf4) or "fp4".
+    - ``offload_folder``: with ``device_map``, the folder that weights offloaded to disk are written to, where
+      transformers writes them anew rather than read them from the model's files (a MoE model's experts); not inside
+      the model's folder. A GGUF model is never offloaded to disk (ValueError).
     - ``tp``: tensor parallel, for a process launched by torchrun: ``tp_plan="auto"`` shards the weights over its
-      ranks (each rank calls this and runs every forward); excludes device_map, max_memory, quantize and GGUF, and
+      ranks (each rank calls this and runs every forward); excludes device_map, max_memory, offload_folder, quantize
+      and GGUF, and
       refuses attention heads the ranks cannot share evenly.
     - ``chat``: the texts go through the tokenizer's chat template (``--chat``): a tokenizer without one, or whose
       template fails, is refused before the weights load.
@@ -479,12 +485,15 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
     from ..method.chat import chat_prompt
 
     loading = Loading(head=head, gguf_file=gguf_file, dtype=dtype, device_map=device_map, max_memory=max_memory,
-                      quantize=quantize, tp=tp, chat=chat).loadable()  # checked as the flags are
+                      offload_folder=offload_folder, quantize=quantize, tp=tp, chat=chat)
+    loading = loading.loadable()  # checked as the flags are
     name, split = _split_gguf(name, loading.gguf_file)
     if split != loading.gguf_file:  # the .gguf file given as name (checked again: --tp excludes it)
         loading = dataclasses.replace(loading, gguf_file=split)
     head, gguf_file, device_map, quantize = loading.head, loading.gguf_file, loading.device_map, loading.quantize
     _check_local(name, gguf_file)
+    if gguf_file is None:  # (a GGUF model is its file alone, and is never offloaded to disk)
+        _check_offload_folder(name, loading.offload_folder)
     if loading.tp:
         tp_rank()
         kwargs["distributed_config"] = transformers.DistributedConfig(tp_plan="auto")
@@ -547,6 +556,18 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
     return model.eval(), tokenizer
 
 
+def _check_offload_folder(name: str, folder: str | None) -> None:
+    """Refuse (one line) an offload folder in the model's own folder (or that folder): the weights written there would
+    be read back as the model's files, as --out refuses to write into an input."""
+    model = Path(name).expanduser()
+    if folder is None or not model.is_dir():
+        return
+    real, there = os.path.realpath(folder), os.path.realpath(model)
+    if os.path.commonpath([real, there]) == there:
+        raise ValueError(f"--offload-folder {folder} would write into {name}, the model's folder: the weights written "
+                         "there would be read as the model's; give a folder elsewhere")
+
+
 def _check_vocabulary(name: str, tokenizer: Any) -> None:
     """Refuse (one line) a tokenizer that holds no token but its special ones: tokenizer_config.json without the
     vocabulary file it names builds one without complaint, which reads every word as unknown (or as nothing)."""
@@ -566,19 +587,24 @@ def _from_gguf(auto: Any, name: str, gguf_file: str, kwargs: dict[str, Any]) -> 
     logger = logging.getLogger("transformers.modeling_utils")
     level = logger.level
     logger.setLevel(logging.ERROR)
+    path = os.path.join(name, gguf_file)
+    on_disk = ValueError(f"{path}: transformers cannot offload a GGUF model to disk; drop \"disk\" from --device-map "
+                         "(or give --max-memory room for the whole model), or nxl convert the file first")
     try:
         model, info = auto.from_pretrained(name, gguf_file=gguf_file, output_loading_info=True, **kwargs)
-    except RuntimeError as err:
-        if "Disk offload is not supported" in str(err):  # (a device map that names "disk")
-            raise ValueError(f"{os.path.join(name, gguf_file)}: transformers cannot offload a GGUF model to disk; "
-                             "drop \"disk\" from --device-map, or nxl convert the file first") from None
-        if "mismatched" not in str(err) and "size mismatch" not in str(err):
+    except (RuntimeError, ValueError) as err:
+        # a map naming "disk" (RuntimeError), or one auto made (ValueError: it asks for an offload_folder)
+        if "Disk offload is not supported" in str(err) or "`offload_folder`" in str(err):
+            raise on_disk from None
+        if not isinstance(err, RuntimeError) or "mismatched" not in str(err) and "size mismatch" not in str(err):
             raise
-        raise ValueError(f"{os.path.join(name, gguf_file)}: its tensors do not have the shapes its header gives "
-                         f"the model; {_GGUF_FIX}") from None
+        raise ValueError(f"{path}: its tensors do not have the shapes its header gives the model; "
+                         f"{_GGUF_FIX}") from None
     finally:
         logger.setLevel(level)
-    _refuse_missing(os.path.join(name, gguf_file), info["missing_keys"])
+    if "disk" in {str(place) for place in getattr(model, "hf_device_map", {}).values()}:
+        raise on_disk  # (with an offload_folder it loads, then its forward fails: KeyError 'lm_head.weight')
+    _refuse_missing(path, info["missing_keys"])
     return model
 
 
@@ -614,6 +640,10 @@ def _from_pretrained(auto: Any, name: str, kwargs: dict[str, Any]) -> Any:
             name, output_loading_info=True, use_safetensors=True, trust_remote_code=False, **kwargs))
         missing = info["missing_keys"]
     except ValueError as err:
+        if "`offload_folder`" in str(err):  # transformers' advice names a from_pretrained keyword
+            raise ValueError(f"{name}: part of the model is offloaded to disk (--device-map/--max-memory), and "
+                             "transformers writes those weights anew (this model holds them in another form than its "
+                             "files): pass --offload-folder DIR (offload_folder=) for them") from None
         if "llm_int8_enable_fp32_cpu_offload" not in str(err):
             raise
         # transformers' advice names from_pretrained keywords, which no nxl flag sets

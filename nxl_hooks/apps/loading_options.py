@@ -13,6 +13,7 @@ import argparse
 import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from .schema import Option, markdown_table as group_table, options, read_args, read_json, setting, switch
@@ -168,6 +169,15 @@ def _dtype(value: Any) -> Any:
     return name if name in DTYPES else value
 
 
+def _folder(text: str) -> str:
+    """A folder to write (created when missing), ``~`` expanded: refused where it or a folder above it is a file."""
+    target = Path(text).expanduser()
+    file = next((where for where in (target, *target.parents) if where.exists() and not where.is_dir()), None)
+    if file is not None:
+        raise ValueError(f"{text}: {file} is a file, not a folder; give a folder (it is created when missing)")
+    return str(target)
+
+
 def _gguf_name(text: str) -> str:
     if not text.lower().endswith(".gguf"):
         raise ValueError(f"{text!r}: name the .gguf file inside MODEL")
@@ -201,6 +211,9 @@ class Loading(Mapping[str, Any]):
     max_memory: dict | None = setting(None, Option(
         None, read_max_memory, "with --device-map: what each device may hold, like 0=10GiB,cpu=30GiB (digits alone: "
         "bytes)", flag="--max-memory", metavar="LIMITS", json=_memory_map))
+    offload_folder: str | None = setting(None, Option(
+        None, _folder, "with --device-map: the folder weights offloaded to disk are written to, where transformers "
+        "writes them anew (a MoE model's experts); created when missing", flag="--offload-folder", metavar="DIR"))
     quantize: str | None = setting(None, Option(
         None, _one_of(QUANTIZE), "quantize with bitsandbytes: 8bit, 4bit (nf4) or fp4 (fp4: in Python only)",
         switches=(("--load-in-8bit", "8bit", "quantize with bitsandbytes, 8-bit"),
@@ -225,7 +238,7 @@ class Loading(Mapping[str, Any]):
                 object.__setattr__(self, option.name, option.accept(value))
             except ValueError as error:
                 raise ValueError(f"{option.name}: {error}") from None
-        clash = [name for name in ("device_map", "max_memory", "quantize", "gguf_file")
+        clash = [name for name in ("device_map", "max_memory", "offload_folder", "quantize", "gguf_file")
                  if getattr(self, name) is not None]
         if self.tp and clash:
             raise ValueError(f"--tp with {', '.join(clash)}: tensor parallel places one shard per torchrun process "
@@ -233,10 +246,14 @@ class Loading(Mapping[str, Any]):
 
     def loadable(self) -> "Loading":
         """Itself, when a model can be loaded with these options alone; ValueError otherwise (max_memory without a
-        device_map). Not asked of NXL_LOAD's options: they are defaults that the program's own call completes."""
+        device_map, or offload_folder without one). Not asked of NXL_LOAD's options: they are defaults that the
+        program's own call completes."""
         if self.max_memory is not None and self.device_map is None:
             raise ValueError("--max-memory needs --device-map (max_memory needs a device_map; e.g. auto): it caps "
                              "what each device holds")
+        if self.offload_folder is not None and self.device_map is None:
+            raise ValueError("--offload-folder needs --device-map (auto with --max-memory, or a mapping naming disk): "
+                             "without one nothing is offloaded")
         return self
 
     def __getitem__(self, name: str) -> Any:

@@ -223,11 +223,14 @@ def add_loading_options(parser: argparse.ArgumentParser, *, program_loads: bool 
 
 def loading_options(args: argparse.Namespace) -> dict[str, Any]:
     """The keyword arguments of :func:`~nxl_hooks.apps.loading.load_model` that ``args`` ask for: head, dtype,
-    device_map, max_memory, quantize and gguf_file (None when not given), tp and chat when given; a
+    device_map, max_memory, quantize and gguf_file (None when not given), offload_folder, tp and chat when given; a
     :class:`CliError` for combinations that cannot work. (``Loading.from_args(args)`` is the same options as one
     object.)"""
     try:
         loading = Loading.from_args(args)
     except ValueError as error:
         raise CliError(str(error)) from None
-    return {**{option.name: None for option in options(Loading) if option.default is None}, **loading}
+    # (offload_folder, newer, only when given: the dict is the run identity of evaluate and audit, which an earlier
+    # run's records carry)
+    return {**{option.name: None for option in options(Loading) if option.default is None
+               and option.name != "offload_folder"}, **loading}

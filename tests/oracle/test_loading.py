@@ -94,14 +94,47 @@ def test_cli_attributes_a_gguf_model(world, tmp_path, capsys, how):
                                rtol=1e-4, atol=1e-5)
 
 
-def test_cli_refuses_to_offload_a_gguf_model_to_disk_in_one_line(world, capsys):
-    """transformers cannot: it raised RuntimeError, which ended nxl attribute in a traceback."""
+@pytest.mark.parametrize("how", ["map", "auto", "auto-folder"])
+def test_cli_refuses_to_offload_a_gguf_model_to_disk_in_one_line(world, tmp_path, capsys, how):
+    """transformers cannot: a map naming disk raised RuntimeError, which ended nxl attribute in a traceback; auto
+    with too little --max-memory asked for an `offload_folder` (no flag's), and with one loaded a model whose forward
+    failed (KeyError 'lm_head.weight')."""
     model, _, _, gguf = world
     places = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.norm": "disk", "lm_head": "disk",
               **{f"model.layers.{i}": "cpu" for i in range(model.config.num_hidden_layers)}}
-    assert main(["attribute", str(gguf), PROMPT, "--device-map", json.dumps(places)]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "cannot offload a GGUF model to disk" in err[0] and "Traceback" not in err[0]
+    placement = (["--device-map", json.dumps(places)] if how == "map" else
+                 ["--device-map", "auto", "--max-memory", "cpu=30KB"] +
+                 (["--offload-folder", str(tmp_path / "offload")] if how == "auto-folder" else []))
+    assert main(["attribute", str(gguf), PROMPT, *placement]) == 2
+    err = capsys.readouterr().err  # (progress bars may come first: auto places the weights once read)
+    errors = [line for line in err.splitlines() if "error" in line]
+    assert len(errors) == 1 and "cannot offload a GGUF model to disk" in errors[0] and "Traceback" not in err
+    assert err.rstrip().endswith(errors[0])
+
+
+def test_offload_folder_takes_the_weights_transformers_writes_anew(tmp_path, capsys):
+    """A MoE model offloaded to disk: transformers writes its experts anew and asked for an `offload_folder`, which
+    no flag set (exit 2 with its from_pretrained advice); --offload-folder gives it one, and the numbers are the
+    oracle's on the model in memory. Without it, one line naming the flag."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model = MixtralForCausalLM(MixtralConfig(**tiny._SIZES, num_key_value_heads=2, num_local_experts=4,
+                                             num_experts_per_tok=2)).eval()
+    folder = tiny.save_model(tmp_path / "mixtral", "mixtral", model=model)
+    argv = ["attribute", str(folder), "the film was", "--device-map", "auto", "--max-memory", "cpu=30KB"]
+    assert main(argv) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].endswith("pass --offload-folder DIR (offload_folder=) "
+                                                                    "for them")
+    out, offload = tmp_path / "a.safetensors", tmp_path / "offload"
+    assert main([*argv, "--offload-folder", str(offload), "--out", str(out)]) == 0
+    capsys.readouterr()
+    assert any(offload.iterdir())  # the experts, written anew
+    res = nxl.Attribution.load(out)
+    expected = oracle_normxlogit(model, tiny.tokenizer(), "the film was", int(res.target[0]))
+    torch.testing.assert_close(res.normxlogit[:, 0], expected[:, 0], rtol=1e-4, atol=1e-5)
+    assert main([*argv, "--offload-folder", str(folder / "offload")]) == 2  # the model's folder is an input
+    assert "would write into" in capsys.readouterr().err.strip().splitlines()[-1]
 
 
 @pytest.mark.parametrize("head", ["sequence_classification", "masked_lm"])
@@ -248,12 +281,14 @@ def test_generate_writes_the_generation_page(world, tmp_path, capsys):
     (["--load-in-8bit", "--load-in-4bit"], "--load-in-8bit and --load-in-4bit exclude each other"),
     (["--max-memory", "cpu=1GiB"], "--max-memory needs --device-map"),
     (["--max-memory", "lots"], "use DEVICE=SIZE pairs"),
+    (["--offload-folder", "off"], "--offload-folder needs --device-map"),
     (["--device-map", "auto", "--max-memory", "cpu=10XB"], "'10XB' is no size: give bytes (like 1000000000) or a "
      "number and a unit"),
     (["--gguf-file", "model.bin"], "name the .gguf file inside MODEL"),
     (["--gguf-file", "missing.gguf"], "has no file 'missing.gguf'"),
     (["--chat"], "has no chat template"),
-], ids=["8-and-4", "max-memory-alone", "max-memory-syntax", "max-memory-size", "gguf-name", "gguf-missing", "chat-template"])
+], ids=["8-and-4", "max-memory-alone", "max-memory-syntax", "offload-folder-alone", "max-memory-size", "gguf-name",
+        "gguf-missing", "chat-template"])
 def test_bad_loading_combinations_exit_2_with_one_line(tmp_path, capsys, argv, message):
     folder = tiny.save_model(tmp_path / "bert", "bert")  # the word-level tokenizer has no chat template
     capsys.readouterr()

@@ -73,6 +73,12 @@ CASES = [
                                                              '{{"lm_head": "disk", "": "cpu"}}'],
      r"--device-map: \{\"lm_head\": \"disk\", \"\": \"cpu\"\}: \"\" \(the whole model\) with modules on other devices "
      r"cannot be placed as written .*; drop \"\" and name each module, such as \{\"model.embed_tokens\""),
+    ("offload folder below a file", ["attribute", "{bert}", TEXT, "--device-map", "auto", "--offload-folder",
+                                     "{existing_html}/off"],
+     r"--offload-folder: .*existing.html/off: .*existing.html is a file, not a folder; give a folder"),
+    ("offload folder in the model's folder", ["attribute", "{bert}", TEXT, "--device-map", "auto", "--offload-folder",
+                                              "{bert}/off"],
+     r"--offload-folder .*/bert/off would write into .*/bert, the model's folder: .*; give a folder elsewhere"),
     ("max memory on a device not there", ["attribute", "{bert}", TEXT, "--device-map", "auto", "--max-memory",
                                           "99=10GiB"],
      r"--max-memory: 99: this machine has (no accelerator device|\d+ accelerator device\(s\)); cap cpu, or a device"),

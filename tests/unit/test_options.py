@@ -16,7 +16,7 @@ import torch
 
 from nxl_hooks.apps.cli import build_parser, main as cli_main, one_line
 from nxl_hooks.apps.commands import ctl, tail
-from nxl_hooks.apps.loading import Loading, load_model
+from nxl_hooks.apps.loading import Loading, load_model, program_defaults
 from nxl_hooks.apps.options import loading_options
 from nxl_hooks.apps.schema import Option, generated, options, setting
 from nxl_hooks.apps.serve.settings import ATTACH, OPTIONS, Settings, add_run_options, markdown_table
@@ -316,18 +316,20 @@ def _control_endpoint_reads(tmp_path):
 def test_loading_options_are_one_shape_from_flags_keywords_and_nxl_load(monkeypatch):
     monkeypatch.setattr(torch.accelerator, "device_count", lambda: 1)  # max_memory's device 0 is one this machine has
     argv = ["attribute", "m", "t", "--dtype", "bfloat16", "--device-map", "auto", "--max-memory", "0=1GiB,cpu=2GiB",
-            "--load-in-4bit"]
+            "--offload-folder", "off", "--load-in-4bit"]
     from_flags = Loading.from_args(build_parser().parse_args(argv))
     from_keywords = Loading(dtype=torch.bfloat16, device_map="auto", max_memory={0: "1GiB", "cpu": "2GiB"},
-                            quantize="4bit")
+                            offload_folder="off", quantize="4bit")
     nxl_load = '{"dtype": "bfloat16", "device_map": "auto", "max_memory": {"0": "1GiB", "cpu": "2GiB"}, ' \
-               '"quantize": "4bit"}'
+               '"offload_folder": "off", "quantize": "4bit"}'
     from_env = Settings.from_env({"NXL_RUN_DIR": "r", "NXL_LOAD": nxl_load}).load
-    expected = {"dtype": "bfloat16", "device_map": "auto", "max_memory": {0: "1GiB", "cpu": "2GiB"}, "quantize": "4bit"}
+    expected = {"dtype": "bfloat16", "device_map": "auto", "max_memory": {0: "1GiB", "cpu": "2GiB"},
+                "offload_folder": "off", "quantize": "4bit"}
     for loading in (from_flags, from_keywords, from_env):
         assert isinstance(loading, Loading) and dict(loading) == expected
         assert list(loading.max_memory) == [0, "cpu"]  # device 0 is the number accelerate takes, also from JSON
     assert from_flags == from_keywords == from_env == Loading.from_json(from_flags.to_json())
+    assert program_defaults(from_env)["offload_folder"] == "off"  # nxl run: the program's from_pretrained gets it
     # the same check, whichever way in: the parser's own message
     with pytest.raises(ValueError, match=r"^gguf_file: 'model.bin': name the .gguf file inside MODEL$"):
         Loading(gguf_file="model.bin")
@@ -338,8 +340,8 @@ def test_loading_options_are_one_shape_from_flags_keywords_and_nxl_load(monkeypa
     with pytest.raises(ValueError, match=r"^--tp with device_map: tensor parallel places one shard"):
         Loading(tp=True, device_map="cpu")
     # nxl run hands the program only the options marked program: --head, --tp and --chat are a command's own
-    with pytest.raises(ValueError, match=r"^'head' is not an option here: use dtype, device_map, max_memory, quantize, "
-                                         r"gguf_file$"):
+    with pytest.raises(ValueError, match=r"^'head' is not an option here: use dtype, device_map, max_memory, "
+                                         r"offload_folder, quantize, gguf_file$"):
         Loading.program({"head": "causal_lm"})
     run_help, attribute_help = (" ".join(_subparser(name).format_help().split()) for name in ("run", "attribute"))
     for option in options(Loading):

@@ -215,7 +215,8 @@ class Settings:
         unset=True, attach=False))
     load: Loading = setting(Loading(), Option(
         "NXL_LOAD", Loading.from_json, "JSON: the loading options (--dtype, --device-map, --max-memory, "
-        "--load-in-8bit/4bit, --gguf-file) the program's own from_pretrained calls get where they do not set them",
+        "--offload-folder, --load-in-8bit/4bit, --gguf-file) the program's own from_pretrained calls get where they do "
+        "not set them",
         text=Loading.to_json))
 
     def __post_init__(self) -> None:
