@@ -14,7 +14,7 @@ import math
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..method import select
 from ..method.registry import get_method
@@ -34,6 +34,7 @@ __all__ = [
     "check_apart",
     "check_output_file",
     "check_output_folder",
+    "loading_identity",
     "loading_options",
     "one_line",
     "parse_layers",
@@ -230,7 +231,11 @@ def loading_options(args: argparse.Namespace) -> dict[str, Any]:
         loading = Loading.from_args(args)
     except ValueError as error:
         raise CliError(str(error)) from None
-    # (offload_folder, newer, only when given: the dict is the run identity of evaluate and audit, which an earlier
-    # run's records carry)
-    return {**{option.name: None for option in options(Loading) if option.default is None
-               and option.name != "offload_folder"}, **loading}
+    return {**{option.name: None for option in options(Loading) if option.default is None}, **loading}
+
+
+def loading_identity(loading: Mapping[str, Any]) -> dict[str, Any]:
+    """:func:`loading_options` as they make a run's identity (``nxl evaluate``'s, ``nxl audit``'s), without
+    ``offload_folder``: where offloaded weights wait changes no number, so a run resumes with another one (and a
+    run from before the option resumes)."""
+    return {key: value for key, value in loading.items() if key != "offload_folder"}

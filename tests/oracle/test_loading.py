@@ -184,7 +184,7 @@ def test_loading_options_reach_from_pretrained(world, tmp_path, capsys):
     args = build_parser().parse_args(["attribute", str(folder), "x", "--dtype", "bfloat16", "--head", "causal_lm"])
     options = loading_options(args)
     assert options == {"head": "causal_lm", "dtype": "bfloat16", "device_map": None, "max_memory": None,
-                       "quantize": None, "gguf_file": None}
+                       "offload_folder": None, "quantize": None, "gguf_file": None}
     assert load_model(str(folder), **options)[0].dtype == torch.bfloat16
     # 100 KB of CPU memory: accelerate offloads every weight to disk, and the numbers stay the oracle's
     out = tmp_path / "a.safetensors"

@@ -169,6 +169,21 @@ def test_a_changed_model_is_not_resumed(models, tmp_path, capsys, change, comman
     assert f"holds a run with other settings (different: {key})" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("command", ["evaluate", "audit"])
+def test_a_run_resumes_with_another_offload_folder(models, tmp_path, capsys, command):
+    """Where offloaded weights wait changes no number: a run resumes with another --offload-folder (or none), where
+    the folder was part of its identity ("other settings (different: loading)")."""
+    where = {"evaluate": [str(models["bert"])], "audit": ["--reference", str(models["bert"]), "--candidate",
+                                                          str(models["bert1"])]}
+    argv = [command, *where[command], str(models["data"]), "--out", str(tmp_path / "o"), "--limit", "2",
+            "--device-map", "auto"]
+    argv += ["--methods", "logat"] if command == "evaluate" else []
+    assert main([*argv, "--offload-folder", str(tmp_path / "a")]) == 0
+    records = (tmp_path / "o" / "records.jsonl").read_text()
+    assert main([*argv, "--offload-folder", str(tmp_path / "b")]) == 0 and main(argv) == 0, capsys.readouterr().err
+    assert (tmp_path / "o" / "records.jsonl").read_text() == records  # resumed: nothing scored again
+
+
 def test_exception_after_n_records_resumes_to_identical_result(models, tmp_path):
     reference = tiny.build_model("llama", 0)
     candidate = tiny.build_model("llama", 1)

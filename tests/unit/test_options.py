@@ -17,7 +17,7 @@ import torch
 from nxl_hooks.apps.cli import build_parser, main as cli_main, one_line
 from nxl_hooks.apps.commands import ctl, tail
 from nxl_hooks.apps.loading import Loading, load_model, program_defaults
-from nxl_hooks.apps.options import loading_options
+from nxl_hooks.apps.options import loading_identity, loading_options
 from nxl_hooks.apps.schema import Option, generated, options, setting
 from nxl_hooks.apps.serve.settings import ATTACH, OPTIONS, Settings, add_run_options, markdown_table
 from nxl_hooks.method.select import option_text, parse_layers, parse_target
@@ -347,8 +347,9 @@ def test_loading_options_are_one_shape_from_flags_keywords_and_nxl_load(monkeypa
     for option in options(Loading):
         assert option.flags and all(flag in attribute_help for flag in option.flags)
         assert all((flag in run_help) == option.program for flag in option.flags), option.flags
-    # what commands had from loading_options is unchanged (it is the run identity of evaluate and audit)
-    assert loading_options(build_parser().parse_args(["attribute", "m", "t", "--load-in-8bit", "--chat"])) == {
+    # the run identity of evaluate and audit is unchanged (a run from before resumes)
+    assert loading_identity(loading_options(build_parser().parse_args(
+        ["attribute", "m", "t", "--load-in-8bit", "--chat"]))) == {
         "head": None, "dtype": None, "device_map": None, "max_memory": None, "quantize": "8bit", "gguf_file": None,
         "chat": True}
 

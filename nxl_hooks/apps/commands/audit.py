@@ -13,6 +13,7 @@ from ..loading import QUANTIZE
 from ..options import (
     add_dataset_options,
     add_loading_options,
+    loading_identity,
     loading_options,
     parse_layers,
     positive_int,
@@ -74,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
         layers=args.layers,
         top_k=args.top_k,
         explain=args.explain,
-        loading={**loading, "chat": args.chat},
+        loading={**loading_identity(loading), "chat": args.chat},
     )
     reference, tokenizer = load_model(args.reference, **loading)
     if args.candidate is not None:

@@ -12,6 +12,7 @@ from ..options import (
     CliError,
     add_dataset_options,
     add_loading_options,
+    loading_identity,
     loading_options,
     positive_int,
     say,
@@ -73,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
         command=NAME,
         model=args.model,
         model_files=model_files(args.model, args.gguf_file),  # its content: replaced weights are another model
-        loading={**loading, "chat": args.chat},
+        loading={**loading_identity(loading), "chat": args.chat},
         methods=methods,
         layer=args.layer,
         seed=args.seed,
