@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from ..method.select import int_text
 from .schema import Option, markdown_table as group_table, options, read_args, read_json, setting, switch
 
 __all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "Loading", "markdown_table", "read_device_map", "read_max_memory"]
@@ -49,12 +50,18 @@ def read_max_memory(text: str) -> dict[Any, Any]:
         device, sep, size = part.strip().partition("=")
         if not sep or not device or not size:
             raise ValueError(f"{text!r}: use DEVICE=SIZE pairs like 0=10GiB,cpu=30GiB")
-        limits[int(device) if device.isdigit() else device] = size
+        limits[_device_key(device)] = size
     return _memory_devices(limits)
 
 
-#: A size accelerate reads: a number and a unit (a lower-case b in GB/MB/KB is bits); digits alone are bytes.
-_SIZE = re.compile(r"(\d+\.?\d*|\.\d+)([GMK]iB|[GMK]B)", re.IGNORECASE)
+#: The units accelerate reads after a number, in any case (a lower-case b in GB/MB/KB is bits); digits alone are bytes.
+_UNITS = ("GIB", "MIB", "KIB", "GB", "MB", "KB")
+
+
+def _device_key(text: str) -> Any:
+    """A device as text: a number (ASCII digits) is the accelerator's; anything else stays a name."""
+    number = int_text(text)
+    return text if number is None else number
 
 
 def _memory_devices(limits: dict[Any, Any]) -> dict[Any, Any]:
@@ -70,9 +77,14 @@ def _memory_devices(limits: dict[Any, Any]) -> dict[Any, Any]:
 def _size(size: Any) -> Any:
     if not isinstance(size, str):
         return size
-    if size.isdigit():
-        return int(size)
-    if not _SIZE.fullmatch(size):
+    if (number := int_text(size)) is not None and number >= 0:
+        return number
+    unit = next((unit for unit in _UNITS if size.upper().endswith(unit)), None)
+    try:  # a number as accelerate reads it (float() of what comes before the unit: "10 GiB", "1e1GiB", ".5GB")
+        amount = float(size[: -len(unit)]) if unit else math.nan
+    except ValueError:
+        amount = math.nan
+    if not (math.isfinite(amount) and amount >= 0):  # (accelerate raises OverflowError on inf)
         raise ValueError(f"{size!r:.80} is no size: give bytes (like 1000000000) or a number and a unit, GiB, MiB, "
                          "KiB, GB, MB or KB (like 10GiB)")
     return size
@@ -85,7 +97,7 @@ def _memory_map(value: Any) -> dict[Any, Any]:
                                                  for size in value.values()):
         raise ValueError(f"{value!r:.80}: give DEVICE=SIZE pairs like 0=10GiB,cpu=30GiB, or a mapping like "
                          "{0: '10GiB', 'cpu': '30GiB'}")
-    return _memory_devices({int(device) if isinstance(device, str) and device.isdigit() else device: size
+    return _memory_devices({_device_key(device) if isinstance(device, str) else device: size
                             for device, size in value.items()})
 
 
@@ -96,7 +108,7 @@ _STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")
 def read_device_map(text: str) -> Any:
     """``auto`` | ``balanced`` | ``sequential`` | ``cpu`` | ``cuda:0`` | a JSON object ``{module: device}``."""
     if not text.startswith("{"):
-        return _placement(int(text) if text.isdigit() else text)  # a number is the accelerator's, as accelerate's
+        return _placement(_device_key(text))  # a number is the accelerator's, as accelerate's
     try:
         value = json.loads(text)
     except json.JSONDecodeError as error:
@@ -116,12 +128,11 @@ def _placement(value: Any) -> Any:
     if isinstance(value, Mapping):
         for device in value.values():
             _present(device)
-        # accelerate hooks the whole model onto the device of "" (the root module), moving every other module there:
-        # one the map puts elsewhere is not placed as written, and one on disk fails the load (meta weights)
-        if "" in value and len({str(device) for device in value.values()}) > 1:
-            raise ValueError(f"{json.dumps(value, default=str):.80}: \"\" (the whole model) with modules on other "
-                             f"devices cannot be placed as written (accelerate moves every module to where \"\" is); "
-                             f"drop \"\" and name each module, such as {_MODULES_ON_DISK}")
+        # "" (the root module) beside a module on disk fails the load ("weight is on the meta device")
+        if "" in value and "disk" in value.values():
+            raise ValueError(f"{json.dumps(value, default=str):.80}: \"\" (the whole model) beside modules on disk "
+                             f"does not load (their weights stay on the meta device); drop \"\" and name each module, "
+                             f"such as {_MODULES_ON_DISK}")
         return dict(value)
     if value == "disk":  # (a module's place in a mapping, not the whole model's)
         raise ValueError("'disk' for the whole model: transformers places no model on disk alone; give auto with "

@@ -224,7 +224,7 @@ def add_loading_options(parser: argparse.ArgumentParser, *, program_loads: bool 
 
 def loading_options(args: argparse.Namespace) -> dict[str, Any]:
     """The keyword arguments of :func:`~nxl_hooks.apps.loading.load_model` that ``args`` ask for: head, dtype,
-    device_map, max_memory, quantize and gguf_file (None when not given), offload_folder, tp and chat when given; a
+    device_map, max_memory, offload_folder, quantize and gguf_file (None when not given), tp and chat when given; a
     :class:`CliError` for combinations that cannot work. (``Loading.from_args(args)`` is the same options as one
     object.)"""
     try:

@@ -38,6 +38,7 @@ __all__ = [
     "from_numpy",
     "is_predicted",
     "label_index",
+    "int_text",
     "layer_index",
     "option_text",
     "order",
@@ -70,9 +71,10 @@ def _integer(value: Any) -> int | None:
     return int(value)
 
 
-def _id_text(text: str) -> int | None:
-    """``text`` as an id when it is ASCII digits alone (a leading minus allowed), else None: str.isdigit() holds for
-    '²' too (int() refuses it) and for '٣' (Arabic-Indic three, a word of Arabic text), both words here."""
+def int_text(text: str) -> int | None:
+    """``text`` as a whole number when it is ASCII digits alone (a leading minus allowed), else None: str.isdigit()
+    holds for '²' too (int() refuses it) and for '٣' (Arabic-Indic three, a word of Arabic text), both words here.
+    ``int_text("12") == 12``; the rule of every number read from text (an id, a device, a size in bytes)."""
     return int(text) if re.fullmatch(r"-?[0-9]+", text) else None
 
 
@@ -147,7 +149,7 @@ def parse_target(value: str) -> str | int | list[str | int]:
     for part in parts:
         if not part.strip():
             raise ValueError(f"{value!r}: empty item in the target list")
-        number = _id_text(part)
+        number = int_text(part)
         items.append(part if number is None else number)
     if "predicted" in [item.strip() if isinstance(item, str) else item for item in items] and len(items) > 1:
         raise ValueError("'predicted' cannot be mixed with other targets; pass it alone")
@@ -262,7 +264,7 @@ def resolve_target(model: nn.Module, kind: HeadKind | str, tokenizer: Any, item:
     label2id, kind = getattr(model.config, "label2id", None) or {}, HeadKind(kind)
     if kind.pooled and item.strip() in label2id:  # " LABEL_0" from a comma list is the label too
         return ResolvedTarget(item, int(label2id[item.strip()]), (int(label2id[item.strip()]),), "label")
-    if kind.pooled and (number := _id_text(item.strip())) is not None:
+    if kind.pooled and (number := int_text(item.strip())) is not None:
         return resolve_target(model, kind, tokenizer, number, n_outputs)
     if kind.pooled:
         raise ValueError(f"label {item!r} is not one of the model's labels {sorted(label2id)}; or pass an int id")

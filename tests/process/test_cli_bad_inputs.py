@@ -71,8 +71,8 @@ CASES = [
      r"--max-memory"),
     ("device map of the whole model and a module on disk", ["attribute", "{llama}", TEXT, "--device-map",
                                                              '{{"lm_head": "disk", "": "cpu"}}'],
-     r"--device-map: \{\"lm_head\": \"disk\", \"\": \"cpu\"\}: \"\" \(the whole model\) with modules on other devices "
-     r"cannot be placed as written .*; drop \"\" and name each module, such as \{\"model.embed_tokens\""),
+     r"--device-map: \{\"lm_head\": \"disk\", \"\": \"cpu\"\}: \"\" \(the whole model\) beside modules on disk "
+     r"does not load .*; drop \"\" and name each module, such as \{\"model.embed_tokens\""),
     ("offload folder below a file", ["attribute", "{bert}", TEXT, "--device-map", "auto", "--offload-folder",
                                      "{existing_html}/off"],
      r"--offload-folder: .*existing.html/off: .*existing.html is a file, not a folder; give a folder"),

@@ -669,3 +669,32 @@ def test_an_endpoint_serves_when_the_users_live_run_list_cannot_be_kept(tmp_path
         server.stop()
         controller.close()
     assert not server.socket.exists()
+
+
+def test_max_memory_takes_every_size_accelerate_reads_and_refuses_what_it_cannot():
+    """Sizes as accelerate reads them (a float, then a unit in any case; ASCII digits alone are bytes) pass, as they
+    loaded before sizes were checked; what accelerate refuses, or reads as another number, is one line."""
+    from accelerate.utils.modeling import convert_file_size_to_int
+
+    from nxl_hooks.apps.loading_options import read_max_memory
+
+    for size in ("10 GiB", "1e1GiB", ".5GB", "2mib", "1.5KB"):
+        assert read_max_memory(f"cpu={size}") == {"cpu": size}
+        assert convert_file_size_to_int(size) > 0  # (what the load does with it)
+    assert read_max_memory("cpu=100000") == {"cpu": 100000}
+    assert Loading.from_json('{"device_map": "auto", "max_memory": {"cpu": "10 GiB"}}').max_memory == {"cpu": "10 GiB"}
+    for size in ("²", "٣٠٠", "inf GiB", "-1GiB", "10XB", "GiB"):  # ('٣٠٠': Arabic-Indic digits, no unit)
+        with pytest.raises(ValueError, match="is no size: give bytes"):
+            read_max_memory(f"cpu={size}")
+    with pytest.raises(ValueError, match="'²'"):  # a device named so is no accelerator number
+        read_max_memory("²=1GiB")
+
+
+def test_a_device_map_with_the_whole_model_is_refused_only_beside_a_module_on_disk():
+    """"" (the root module) beside modules on disk does not load; beside modules on the same device, however
+    written (cpu, cpu:0), it does, and is passed on as given."""
+    from nxl_hooks.apps.loading_options import read_device_map
+
+    assert read_device_map('{"": "cpu", "lm_head": "cpu:0"}') == {"": "cpu", "lm_head": "cpu:0"}
+    with pytest.raises(ValueError, match=r"beside modules on disk does not load"):
+        read_device_map('{"": "cpu", "lm_head": "disk"}')

@@ -35,7 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from ...records.parquet import export_parquet, partial_path, pyarrow_module
     from ...records.reader import StreamDamageWarning, read_stream, stream_files
-    from ..options import check_apart, check_output_file
+    from ..options import check_apart, check_output_file, one_line
 
     try:
         pyarrow_module()  # checked before the records are read
@@ -73,5 +73,6 @@ def run(args: argparse.Namespace) -> int:
     if written.unexplained:
         said = (f"; {written.unexplained} call(s) not recorded, stopped early or with notes: why in the file's "
                 "metadata nxl.calls (pyarrow.parquet.read_metadata)")
-    print(f"{args.out}: {written.rows} rows from {len(calls)} call(s){said}{damage}")
+    # paths as any terminal prints them: a file's name may hold control characters, or bytes that are not UTF-8
+    print(one_line(f"{args.out}: {written.rows} rows from {len(calls)} call(s){said}{damage}"))
     return 0
