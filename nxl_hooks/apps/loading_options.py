@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ..method.select import int_text
+from ..records.files import not_a_folder
 from .schema import Option, markdown_table as group_table, options, read_args, read_json, setting, switch
 
 __all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "Loading", "markdown_table", "read_device_map", "read_max_memory"]
@@ -182,11 +183,10 @@ def _dtype(value: Any) -> Any:
 
 def _folder(text: str) -> str:
     """A folder to write (created when missing), ``~`` expanded: refused where it or a folder above it is a file."""
-    target = Path(text).expanduser()
-    file = next((where for where in (target, *target.parents) if where.exists() and not where.is_dir()), None)
-    if file is not None:
-        raise ValueError(f"{text}: {file} is a file, not a folder; give a folder (it is created when missing)")
-    return str(target)
+    why = not_a_folder(text)
+    if why is not None:
+        raise ValueError(why)
+    return str(Path(text).expanduser())
 
 
 def _gguf_name(text: str) -> str:

@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..method import select
 from ..method.registry import get_method
-from ..records.files import unwritable
+from ..records.files import not_a_folder, unwritable
 from ..records.tokens import printable
 from .loading_options import HEAD_CLASSES, Loading, read_max_memory
 from .schema import add_options, options
@@ -93,14 +93,10 @@ def check_output_folder(path: str, option: str = "--out") -> str:
     when it is empty, or it or a folder above it is a file). ``args.out = check_output_folder(args.out)``"""
     if not path.strip():
         raise CliError(f"{option} is empty: give a folder (it is created when missing)")
-    target = Path(path).expanduser()
-    for where in (target, *target.parents):
-        if where.exists():
-            if not where.is_dir():
-                raise CliError(f"{option} {path}: {where} is a file, not a folder; give a folder (it is created "
-                               "when missing)")
-            break
-    return str(target)
+    why = not_a_folder(path)
+    if why is not None:
+        raise CliError(f"{option} {why}")
+    return str(Path(path).expanduser())
 
 
 def check_apart(option: str, path: str | None, inputs: Iterable[str | Path | None], *,

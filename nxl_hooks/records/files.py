@@ -18,7 +18,8 @@ import tempfile
 from pathlib import Path
 from typing import BinaryIO, Iterator
 
-__all__ = ["CHUNK", "file_kind", "read_regular", "replacing", "too_large", "unwritable", "write_bytes", "write_text"]
+__all__ = ["CHUNK", "file_kind", "not_a_folder", "read_regular", "replacing", "too_large", "unwritable", "write_bytes",
+           "write_text"]
 
 #: Bytes per read (and per checksum) of a user file: Ctrl-C is seen between two chunks, never after a huge one.
 CHUNK = 8 << 20
@@ -69,6 +70,18 @@ def unwritable(path: str | Path) -> str | None:
     if not kind:
         return None
     return f"{path} is {kind}, not a regular file: nxl_hooks writes results only as regular files; give another path"
+
+
+def not_a_folder(path: str | Path) -> str | None:
+    """Why ``path`` cannot be a folder to write into (one line), or None: it, or a folder above it, is a file (a
+    missing folder is created when written)."""
+    target = Path(path).expanduser()
+    for where in (target, *target.parents):
+        if where.exists():
+            if not where.is_dir():
+                return f"{path}: {where} is a file, not a folder; give a folder (it is created when missing)"
+            return None
+    return None
 
 
 def write_bytes(path: str | Path, data: bytes) -> Path:
