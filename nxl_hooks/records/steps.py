@@ -102,25 +102,20 @@ class Step:
         length, layers and the top context positions of row 0 at the last layer for that target, ranked as
         ``call.attribution(step).top()`` ranks them (no special or chat-template token) while its call is linked
         and alive, else as ``step.to_attribution().top()``. ``print(step)``"""
-        batch, token = self.token.shape[0], int(self.token[0])
-        call = self._call() if self._call is not None else None
-        targets = self.target.reshape(batch, -1)[0].tolist()
-        # the record has the model's probability of the explained ids only (as step.view reads it)
-        chances = ([None] * len(targets) if self.probability is None
-                   else [None if math.isnan(p) else p for p in self.probability.reshape(batch, -1)[0].tolist()])
+        batch, call = self.token.shape[0], self._call() if self._call is not None else None
+        token, own, explained, chance = self._chances(0, 0)
 
-        def shown(index: int) -> str:
-            return "" if chances[index] is None else f", p {chances[index]:.3g}"
+        def shown(probability: float | None) -> str:
+            return "" if probability is None else f", p {probability:.3g}"
 
         names = self._names(call, 0)
-        own = shown(targets.index(token)) if token in targets else ""
-        explained = (f"; explaining target '{self._text_of(call, 0, targets[0], names)}' (id {targets[0]}"
-                     f"{shown(0)})" if targets[0] != token else "")
+        target = (f"; explaining target '{self._text_of(call, 0, explained, names)}' (id {explained}{shown(chance)})"
+                  if explained != token else "")
         res = call.attribution(self) if call is not None else self.to_attribution()
         top = res.top(3, layer=self.layers[-1])
-        return (f"<Step call {self.call} step {self.step}: token '{names[-1]}' (id {token}{own})"
+        return (f"<Step call {self.call} step {self.step}: token '{names[-1]}' (id {token}{shown(own)})"
                 + (f" and {batch - 1} more row(s)" if batch > 1 else "")
-                + f" at position {self.position}, layers {layers_text(self.layers)}{explained}; top context positions"
+                + f" at position {self.position}, layers {layers_text(self.layers)}{target}; top context positions"
                 f" at L{self.layers[-1]}: " + ", ".join(f"{p} {score:.4g}" for p, _, score in top) + ">")
 
     def to_attribution(self, tokens: list[list[str]] | None = None, special: torch.Tensor | None = None,
@@ -164,7 +159,8 @@ class Step:
         default as the context names that id, else ``#ID`` (the record holds no text of it); ``all_positions``: every
         real context token ranks (:meth:`~nxl_hooks.Attribution.top`).
         ``probe.calls[-1].steps[0].view(probe.calls[-1], k=3).to_json()``"""
-        batch, token = self.token.shape[0], int(self.token[row])
+        batch = self.token.shape[0]
+        token, own, explained, probability = self._chances(row, label)
         if names is None:
             names = self._names(call, row)
         if special is None and call is not None:
@@ -174,12 +170,6 @@ class Step:
         shown = whole_characters(names[: self.position + 1])  # what was there when the token was made, never later
         res = self.to_attribution(tokens=[names[: self.position]] * batch, special=special, template=template,
                                   readable=[shown[:-1]] * batch)
-        targets = self.target.reshape(batch, -1)[row].tolist()
-        probabilities = [None] * len(targets) if self.probability is None else [
-            None if math.isnan(p) else p for p in self.probability.reshape(batch, -1)[row].tolist()]
-        # the record has the model's probability of the explained ids only: of the token where it is one of them
-        own = probabilities[targets.index(token)] if token in targets else None
-        explained = targets[label]
         other = explained != token  # the scores explain another id: the view names it
         if other and target is None:
             target = self._text_of(call, row, explained, names)
@@ -189,7 +179,18 @@ class Step:
                                 for name in self.scores},
                         request_id=call.request_id if call is not None else None, model=model,
                         target_id=explained if other else None, target=target if other else None,
-                        target_probability=probabilities[label] if other else None)
+                        target_probability=probability if other else None)
+
+    def _chances(self, row: int, label: int) -> tuple[int, float | None, int, float | None]:
+        """(row ``row``'s emitted token, its probability, the explained id ``label``, that id's probability): the
+        record has the model's probability of the explained ids only, so the token's is known where it is one of
+        them; a NaN probability is None."""
+        batch, token = self.token.shape[0], int(self.token[row])
+        targets = self.target.reshape(batch, -1)[row].tolist()
+        probabilities = [None] * len(targets) if self.probability is None else [
+            None if math.isnan(p) else p for p in self.probability.reshape(batch, -1)[row].tolist()]
+        own = probabilities[targets.index(token)] if token in targets else None
+        return token, own, targets[label], probabilities[label]
 
     def _text_of(self, call: "GenerationCall | None", row: int, id_: int, names: list[str]) -> str:
         """How the context names id ``id_``: the text of ``names`` where row ``row``'s context holds it, else ``#ID``
