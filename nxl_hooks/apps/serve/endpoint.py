@@ -554,8 +554,8 @@ class ControlServer:
             handler.send_header("Cache-Control", "no-store")
             handler.end_headers()
             handler.wfile.flush()
-            sent: dict[int, int] = {}  # id(call) -> steps sent
             watched = None  # (watch, call) of the request, once seen
+            replayed = 0  # steps of the request's call sent: those the feed hands on again are not sent twice
             dropped = 0
 
             def emit(event: str, data: dict) -> None:
@@ -563,10 +563,14 @@ class ControlServer:
                 handler.wfile.flush()
 
             def send_step(watch: Watched, call: GenerationCall | None, step: Step) -> None:
-                key = id(call)
-                if call is not None and step.step < sent.get(key, 0):
-                    return  # already replayed
-                sent[key] = step.step + 1
+                # Only the request's own call is replayed, so only its steps can come twice. Told apart by the
+                # object, never by id(): a call that left memory frees its id for the next one, whose first
+                # steps were then taken for sent and lost.
+                nonlocal replayed
+                if watched is not None and call is watched[1]:
+                    if step.step < replayed:
+                        return
+                    replayed = step.step + 1
                 emit("step", step_view(watch, call, step, k=k).to_json())
 
             idle = time.monotonic()
