@@ -100,16 +100,23 @@ class _RmsFold:
         return torch.rsqrt(norm.square() / hidden.shape[-1] + self.eps)
 
 
-def _weights_state(module: nn.Module) -> tuple:
-    """What changes when ``module``'s weights do (trained, loaded while attached): each one's identity and version
-    (inference tensors keep no version: their identity alone)."""
+def _weights_state(module: nn.Module) -> tuple[tuple[nn.Parameter, int | None], ...]:
+    """What changes when ``module``'s weights do (trained, loaded while attached): each one, held, and its version
+    (inference tensors keep no version: the tensor alone). Held, not by id(): a weight replaced twice may be given
+    the address, so the id, of the first, at the same version. Compare with :func:`_same_weights`."""
     state = []
     for parameter in module.parameters():
         try:
-            state.append((id(parameter), parameter._version))
+            state.append((parameter, parameter._version))
         except RuntimeError:
-            state.append((id(parameter), None))
+            state.append((parameter, None))
     return tuple(state)
+
+
+def _same_weights(state: tuple, now: tuple) -> bool:
+    """Whether two :func:`_weights_state` of a module hold the same weights at the same versions."""
+    return len(state) == len(now) and all(kept is weight and version == current
+                                          for (kept, version), (weight, current) in zip(state, now))
 
 
 def _handed_on(module: nn.Module, name: str) -> bool:
@@ -237,10 +244,10 @@ class Head:
         key = (index, device)
         state = _weights_state(step)
         made = self._replicas.get(key)
-        if made is None or made[1] != state:
+        if made is None or not _same_weights(made[1], state):
             with self._lock:
                 made = self._replicas.get(key)
-                if made is None or made[1] != state:
+                if made is None or not _same_weights(made[1], state):
                     made = self._replicas[key] = (replica(step, device), state)
         return made[0]
 
@@ -269,7 +276,7 @@ class Head:
         collective: call it only where every rank is at the same point, the start of each of the model's forwards."""
         for index, (module, copy, state) in enumerate(self._copies):
             now = _weights_state(module)
-            if now != state:
+            if not _same_weights(state, now):
                 with torch.no_grad():
                     copy.load_state_dict({name: full(tensor.detach()) for name, tensor in module.state_dict().items()})
                 self._copies[index] = (module, copy, now)
@@ -284,7 +291,7 @@ class Head:
                 raise RuntimeError(f"the model's {path} is another module than when the probe attached (an adapter "
                                    "put on it or unloaded, resize_token_embeddings): detach and attach again")
         for module, _, state in self._copies:
-            if _weights_state(module) != state:
+            if not _same_weights(state, _weights_state(module)):
                 raise RuntimeError(f"the weights of the model's tensor-parallel {type(module).__name__} changed after "
                                    "the forward being scored began, so its record would read the old ones; change "
                                    "weights between calls, not while one is being recorded")

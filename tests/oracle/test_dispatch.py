@@ -119,3 +119,21 @@ def test_generate_with_offloaded_head(tmp_path, monkeypatch):
     assert [set(t.threads) for t in threads] == [{"nxl_hooks-publisher"}, {threading.current_thread().name}]
     for plain_step, offloaded_step in zip(plain_steps, offloaded_steps, strict=True):
         torch.testing.assert_close(offloaded_step.normxlogit, plain_step.normxlogit, **TOL)
+
+
+def test_a_norm_copy_follows_a_weight_replaced_twice(monkeypatch):
+    """The final norm's local copy (made where a block runs on another device than the norm) is made again when the
+    norm's weights change, also when one is replaced twice and the last takes the first's address (its id) at the
+    same version: the allocator decides that, so here id() answers alike for every object, as it then does."""
+    from nxl_hooks.arch.registry import resolve
+    from nxl_hooks.method import head as head_module
+
+    monkeypatch.setattr(head_module, "id", lambda _: 0, raising=False)
+    model = big.build("llama")
+    head = head_module.Head(model, *resolve(model))
+    norm, hidden = model.model.norm, torch.randn(2, 3, 64)
+    norm.weight = torch.nn.Parameter(torch.randn_like(norm.weight))  # as loaded: version 0
+    head._step_on(0, norm, torch.device("cpu"))  # the copy a block elsewhere would use
+    for _ in range(2):
+        norm.weight = torch.nn.Parameter(torch.randn_like(norm.weight))
+    torch.testing.assert_close(head._step_on(0, norm, torch.device("cpu"))(hidden), norm(hidden), rtol=0, atol=0)
