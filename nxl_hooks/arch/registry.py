@@ -122,18 +122,20 @@ def _registry_dir() -> Path:
     return shipped if shipped.is_dir() else package.parent / "registry"  # source checkout / editable install
 
 
-_SHIPPED: set[int] = set()  # id() of the specs of the shipped registry files, tested against the oracle per family
+#: id() -> the specs of the shipped registry files, tested against the oracle per family: held, so that a user's
+#: spec never takes the id of a shipped one it replaced (and skips the check of its numbers)
+_SHIPPED: dict[int, ArchSpec] = {}
 
 
 def _load_builtin() -> None:
     for path in sorted(_registry_dir().glob("*.toml")):
-        _SHIPPED.update(id(spec) for spec in register_file(path))
+        _SHIPPED.update((id(spec), spec) for spec in register_file(path))
 
 
 def is_shipped(spec: ArchSpec) -> bool:
     """Whether ``spec`` is one of the shipped ``registry/*.toml`` entries (tested per family), not a user's
     registration nor generic discovery: ``is_shipped(specs()["llama"])``."""
-    return id(spec) in _SHIPPED
+    return _SHIPPED.get(id(spec)) is spec
 
 
 def is_discovered(spec: ArchSpec) -> bool:

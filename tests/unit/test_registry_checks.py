@@ -334,3 +334,14 @@ def test_a_module_shared_by_two_parents_is_no_cycle(private_registry):
     with nxl.attach(model, tokenizer=TOK):
         pass
     assert nxl_hooks_on(model) == 0
+
+
+def test_a_user_entry_on_the_id_of_a_shipped_one_is_still_checked(private_registry, monkeypatch):
+    """A user's entry that replaced a shipped one may take its freed address, so its id(): it was taken for shipped
+    (tested per family) and its numbers were never checked. The allocator decides that, so here id() answers the
+    shipped entry's id for every object, as it then does."""
+    model = CASES["llama-lm"].build()
+    shipped = registry.specs()[model.config.model_type]
+    monkeypatch.setattr(registry, "id", lambda _: id(shipped), raising=False)
+    _register("user_on_shipped_id", model, {"layer_outputs": {1: "model.rotary_emb"}})
+    _refused(model, "user_on_shipped_id", "layer_outputs.1", "gives outputs of shape")
