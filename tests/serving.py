@@ -51,6 +51,15 @@ def save_chat_model(path: Path, seed: int = 0) -> Path:
     return path
 
 
+def live_reader(controller: Any, timeout: float = 60) -> None:
+    """Wait until a live reader (``nxl tail``, ``/v1/stream``) follows every model ``controller`` (an in-process
+    :class:`~nxl_hooks.apps.serve.controller.Controller`) watches: the steps made from then on reach it."""
+    deadline = time.monotonic() + timeout
+    while not all(watch.live is not None for watch in controller.watches()):
+        assert time.monotonic() < deadline, f"no live reader subscribed within {timeout} s"
+        time.sleep(0.02)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

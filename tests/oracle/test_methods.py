@@ -10,7 +10,6 @@ import logging
 import os
 import re
 import threading
-import time
 
 import pytest
 import torch
@@ -19,6 +18,7 @@ from transformers import AutoModelForCausalLM
 import nxl_hooks as nxl
 import oracle
 import tiny
+from serving import live_reader
 from nxl_hooks.apps.cli import main as cli_main
 from nxl_hooks.arch import plugins
 from nxl_hooks.method import registry
@@ -198,7 +198,7 @@ def test_nxl_tail_ranks_by_a_method_the_programs_probe_computes(tmp_path, capsys
         follower = threading.Thread(target=lambda: codes.append(cli_main(
             ["tail", "--run", str(run), "--count", "2", "--method", NAME, "-k", "1"])), daemon=True)
         follower.start()
-        time.sleep(1.0)  # subscribed by then: tail follows steps from now on
+        live_reader(controller)  # tail follows steps from now on
         ids = torch.tensor([[5, 7, 9, 11]])  # words: no special token, every position but the last ranks
         sequences = model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
         follower.join(timeout=60)

@@ -22,6 +22,7 @@ from nxl_hooks.apps.schema import Option, generated, options, setting
 from nxl_hooks.apps.serve.settings import ATTACH, OPTIONS, Settings, add_run_options, markdown_table
 from nxl_hooks.method.select import option_text, parse_layers, parse_target
 from nxl_hooks.records.view import StepView
+from serving import live_reader
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "nxl-run-options.md"
 
@@ -479,7 +480,6 @@ def test_faults_are_named_in_status_ctl_and_tail(tmp_path, capsys):
     """A real sink fault (a full disk) and a real unrecorded call (beam search): /v1/status hands them out, nxl ctl
     says them and nxl tail prints each as a line of its own."""
     import threading
-    import time
 
     import tiny as tiny_models
     from transformers import AutoModelForCausalLM
@@ -521,7 +521,7 @@ def test_faults_are_named_in_status_ctl_and_tail(tmp_path, capsys):
         follower = threading.Thread(target=lambda: codes.append(cli_main(["tail", "--run", str(run), "--count", "2"])),
                                     daemon=True)
         follower.start()
-        time.sleep(1.0)  # subscribed by then: tail follows steps from now on
+        live_reader(controller)  # tail follows steps from now on
         model.generate(input_ids=torch.tensor([[1, 5, 6]]), max_new_tokens=4, do_sample=False)
         follower.join(timeout=60)
         assert codes == [0]
@@ -636,7 +636,8 @@ def test_a_forward_the_recorder_cannot_follow_is_reported_everywhere(tmp_path, c
         follower = threading.Thread(target=lambda: codes.append(cli_main(["tail", "--run", str(run), "--count", "1"])),
                                     daemon=True)
         follower.start()
-        time.sleep(1.0)  # subscribed, and the first status poll made, by then
+        live_reader(controller)  # tail follows steps from now on
+        time.sleep(1.0)  # and its first status poll (begun beside the subscription) made by then
         model.generate(input_ids=torch.tensor([[1, 5, 6]]), max_new_tokens=1, do_sample=False)  # followed: 1 step
         follower.join(timeout=60)
         assert codes == [0]
