@@ -26,9 +26,10 @@ from test_vllm_serve import save_tiny  # noqa: E402
 
 PROMPTS = ["The capital of Italy is", "They are here and it is there; we are what we are, and it is what it is."]
 
-#: The script: greedy completions of PROMPTS with vLLM's raw logit of each token; with "inspect", report what
-#: nxl_hooks left on vLLM's model and engine. VLLM_ENABLE_V1_MULTIPROCESSING=0 (set with "inspect"): the engine and
-#: its worker run in the script's process (one import of vLLM, not three: tens of seconds less a start).
+#: The script: greedy completions of PROMPTS with vLLM's raw logit of each token (each prompt under the LoRA adapter
+#: of the folder after the mode, if given); with "inspect", report what nxl_hooks left on vLLM's model and engine.
+#: VLLM_ENABLE_V1_MULTIPROCESSING=0 (set with "inspect"): the engine and its worker run in the script's process (one
+#: import of vLLM, not three: tens of seconds less a start).
 SCRIPT = '''
 import json, os, sys
 
@@ -36,13 +37,18 @@ import json, os, sys
 def main():
     from vllm import LLM, SamplingParams
 
-    inspect = sys.argv[2] == "inspect"
+    inspect, adapters = sys.argv[2] == "inspect", sys.argv[3:]
     one_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
     llm = LLM(sys.argv[1], dtype="float32", max_model_len=256, max_num_seqs=4, seed=0,
               enforce_eager=sys.argv[2] != "compiled", logprobs_mode="raw_logits",
-              **({"distributed_executor_backend": "uni"} if one_process else {}))
+              **({"distributed_executor_backend": "uni"} if one_process else {}),
+              **({"enable_lora": True, "max_lora_rank": 8, "max_loras": len(adapters)} if adapters else {}))
     params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True, logprobs=0)
-    outputs = llm.generate(%r, params)
+    if adapters:
+        from vllm.lora.request import LoRARequest
+
+        adapters = [LoRARequest(f"adapter{index}", index, path) for index, path in enumerate(adapters, start=1)]
+    outputs = llm.generate(%r, params, lora_request=adapters or None)
     result = {"outputs": [{"id": o.request_id, "tokens": list(o.outputs[0].token_ids),
                            "raw": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
                           for o in outputs], "compilation": llm.llm_engine.vllm_config.compilation_config.mode.name}
@@ -66,10 +72,11 @@ def tiny(tmp_path_factory) -> Path:
     return save_tiny(tmp_path_factory.mktemp("vllm-offline") / "tiny")
 
 
-def run_script(tiny: Path, folder: Path, mode: str, nxl_args: list[str] | None, **env: str) -> dict:
+def run_script(tiny: Path, folder: Path, mode: str, nxl_args: list[str] | None, adapters: tuple[Path, ...] = (),
+               **env: str) -> dict:
     script = folder / "script.py"
     script.write_text(SCRIPT)
-    command = [sys.executable, str(script), str(tiny), mode]
+    command = [sys.executable, str(script), str(tiny), mode, *map(str, adapters)]
     if nxl_args is not None:
         command = [sys.executable, "-m", "nxl_hooks", "run", *nxl_args, "--", *command]
     environment = {key: value for key, value in os.environ.items() if not key.startswith("NXL_")}
@@ -227,3 +234,53 @@ def test_a_request_ended_by_repetition_detection_ends_with_its_token():
     assert stops([5, 6, 5, 6, 5, 6])  # "5 6" three times in the output
     assert stops([7, 8, 8, 8])  # "8" three times
     assert not stops([5, 6, 5, 6, 5, 6], min_tokens=8)
+
+
+def save_adapter(path: Path, model: torch.nn.Module, seed: int, targets: list[str]) -> None:
+    """A random rank-8 LoRA adapter of ``model`` on the modules named ``targets`` (their last name: ``"q_proj"``,
+    ``"embed_tokens"``, ``"lm_head"``), as PEFT saves one; merges it into ``model`` as vLLM applies it (weight +
+    alpha / r * B @ A; an embedding's A and B the other way round, into the embedding alone: a tied lm_head keeps the
+    base weight), so that ``model`` is the oracle of what vLLM serves with it."""
+    from safetensors.torch import save_file
+
+    generator, tensors, scale = torch.Generator().manual_seed(seed), {}, 16 / 8
+    path.mkdir()
+    for name, module in model.named_modules():
+        if name.rsplit(".", 1)[-1] not in targets:
+            continue
+        weight = module.weight.detach()  # (out, in); an embedding's (vocabulary, hidden)
+        embedding = isinstance(module, torch.nn.Embedding)
+        rows, columns = weight.shape[::-1] if embedding else weight.shape
+        a = torch.randn(8, columns, generator=generator) * 0.2
+        b = torch.randn(rows, 8, generator=generator) * 0.2
+        kind = "lora_embedding_" if embedding else "lora_"
+        tensors[f"base_model.model.{name}.{kind}A{'' if embedding else '.weight'}"] = a
+        tensors[f"base_model.model.{name}.{kind}B{'' if embedding else '.weight'}"] = b
+        module.weight = torch.nn.Parameter(weight + scale * ((b @ a).T if embedding else b @ a), requires_grad=False)
+    save_file(tensors, path / "adapter_model.safetensors")
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 8, "lora_alpha": 16,
+                                                          "target_modules": targets, "bias": "none"}))
+
+
+def test_a_lora_adapter_on_lm_head_is_not_recorded_and_one_on_the_layers_is(tiny, tmp_path):
+    """Two requests under ``nxl run --eager``, each with its LoRA adapter (one engine): the one whose adapter changes
+    lm_head (vLLM applies it to its logits; the scores were made with the base lm_head, said complete) is said not
+    recorded, naming lm_head; the one whose adapter changes the embedding and attention is recorded as the oracle of
+    the adapter merged into the model, each step vLLM's own raw logit at the last layer."""
+    from transformers import LlamaForCausalLM
+
+    head = LlamaForCausalLM.from_pretrained(tiny).eval()
+    save_adapter(tmp_path / "head", head, 1, ["q_proj", "v_proj", "lm_head"])
+    merged = LlamaForCausalLM.from_pretrained(tiny).eval()
+    save_adapter(tmp_path / "layers", merged, 2, ["embed_tokens", "v_proj", "o_proj"])
+    run = tmp_path / "run"
+    recorded = run_script(tiny, tmp_path, "eager", ["--layers", "all", "--sink", str(run)],
+                          (tmp_path / "head", tmp_path / "layers"), VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    on_head, on_layers = recorded["outputs"]
+    (call,) = nxl.read_stream(run, request_id=on_head["id"])
+    assert not call.steps and call.error.startswith("not recorded: its LoRA adapter 'adapter1' changes lm_head")
+    (call,) = nxl.read_stream(run, request_id=on_layers["id"])
+    assert call.complete and call.layers == [0, 1, 2, 3], call.error
+    last = torch.tensor([float(step.logat[-1, 0, -1]) for step in call.steps])
+    torch.testing.assert_close(last, torch.tensor(on_layers["raw"]), rtol=1e-4, atol=1e-4)
+    assert [int(token) for token in check_call(merged, call, 5)] == on_layers["tokens"]

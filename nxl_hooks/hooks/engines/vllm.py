@@ -36,7 +36,8 @@ the step. ``nxl run --eager`` (:data:`~nxl_hooks.hooks.generate.EAGER`) makes th
 
 Not followed (requests run unchanged, each one's call record says ``not recorded: why; what to do``): a model
 vLLM compiled without those buffers, prefix caching (a cached prefix never runs for the request that reuses it),
-async scheduling, speculative decoding, pipeline or tensor parallelism. :func:`recording_engine_args` turns prefix
+async scheduling, speculative decoding, pipeline or tensor parallelism, a LoRA adapter that changes ``lm_head``
+(vLLM applies it to the logits; the view holds the base weight). :func:`recording_engine_args` turns prefix
 caching and async scheduling off in the engine arguments while ``nxl run`` records (and compilation, with ``nxl run
 --eager``). Model classes: vLLM's Llama, Mistral, Qwen2 and Qwen3 only (:data:`_FOLLOWED`); any other is not
 followed, its requests each saying so, as its layers, embedding or logits may differ from what the view reads
@@ -56,7 +57,7 @@ import torch
 from torch import nn
 
 from ...method.scores import row_norms
-from ..guard import logger, reason
+from ..guard import logger, one_line, reason
 from ..generate import EAGER, Generations, Run, eager
 from .buffers import Buffers
 
@@ -326,6 +327,7 @@ class VllmEngine:
         self._fed: dict[str, Run] = {}  # requests whose rows the last forward fed, awaiting their token
         self._layers: torch.Tensor | None = None  # the selected layers' rows of the view's buffers, when not all
         self._told = False
+        self._adapters: dict[tuple[int, str], str | None] = {}  # (LoRA id, path) -> why not recorded, or None
 
     def claims(self, model: nn.Module) -> bool:
         return isinstance(model, VllmForCausalLM)
@@ -476,6 +478,9 @@ class VllmEngine:
                 raise RuntimeError(self.unfollowed)
             if not prompt:
                 raise RuntimeError("this request came as embeddings, not token ids")
+            adapter = getattr(new, "lora_request", None)
+            if adapter is not None:
+                self._check_adapter(adapter)
             if int(getattr(new, "num_computed_tokens", 0) or 0) > 0:
                 raise RuntimeError(f"its first {new.num_computed_tokens} positions came from vLLM's prefix cache and "
                                    f"never ran for it; {_RECORDABLE}")
@@ -489,6 +494,30 @@ class VllmEngine:
             self._runs[worker_id] = None
             self.gens.unrecorded(client_id, "this vLLM request", error, log=not self._told)
             self._told = True
+
+    def _check_adapter(self, adapter: Any) -> None:
+        """Raises why a request served with the LoRA adapter ``adapter`` (vLLM's ``LoRARequest``) cannot be recorded:
+        one whose ``lm_head`` vLLM applies when it computes the logits (its LoRA logits processor), so that every
+        layer's score, made with the base ``lm_head`` the view holds, would not be the served model's. The adapter's
+        other modules (attention, MLP, embeddings) run inside the layers and embedding the hooks read, and are
+        recorded. Read as vLLM's worker reads it (on the CPU), once per adapter."""
+        runner = self.gens.plan.model.runner
+        if type(self.gens.plan.model.vllm_model.logits_processor).__name__ != "LogitsProcessorWithLoRA":
+            return  # vLLM applies no adapter's lm_head: served with the base weight the view holds
+        key = (adapter.lora_int_id, adapter.lora_path)
+        if key not in self._adapters:
+            try:
+                modules = runner.lora_manager._load_adapter(adapter).loras
+                self._adapters[key] = None if not any("lm_head" in name.split(".") for name in modules) else (
+                    f"its LoRA adapter {adapter.lora_name!r} changes lm_head, which vLLM applies to its logits and the "
+                    "head nxl_hooks scores with does not hold (the base weight); serve the adapter without lm_head, or "
+                    "merged into the model")
+            except Exception as error:  # noqa: BLE001 - vLLM says its own failure to load it, if any
+                self._adapters[key] = (f"its LoRA adapter {adapter.lora_name!r} could not be read "
+                                       f"({type(error).__name__}: {one_line(error)}), so whether it changes lm_head, "
+                                       "which the head nxl_hooks scores with does not hold, is unknown")
+        if self._adapters[key] is not None:
+            raise RuntimeError(self._adapters[key])
 
     def _end(self, worker_id: str, *, stopped: bool = False) -> None:
         """The request left the worker: ``stopped`` by its own stop rules (its call is complete), or otherwise (vLLM
