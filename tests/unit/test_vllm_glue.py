@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import stat
 import sys
 from pathlib import Path
@@ -44,6 +45,7 @@ def test_an_engine_with_prompt_embeddings_enabled_is_said_unfollowable():
 
 def test_recording_engine_args_turn_off_what_cannot_be_followed_and_say_so(monkeypatch):
     monkeypatch.delenv("NXL_EAGER", raising=False)
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")  # (the runner: the test below)
     monkeypatch.setenv("NXL_VLLM_COMPILED", "0")  # the old switch (0.3.0 development) no longer matters
     args = SimpleNamespace(enable_prefix_caching=None, enforce_eager=False, async_scheduling=True, model="m")
     changed = recording_engine_args(args)
@@ -57,9 +59,26 @@ def test_recording_engine_args_turn_off_what_cannot_be_followed_and_say_so(monke
 
 def test_nxl_eager_makes_the_engine_eager_and_says_why(monkeypatch):
     monkeypatch.setenv("NXL_EAGER", "1")  # nxl run --eager
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     args = SimpleNamespace(enable_prefix_caching=False, enforce_eager=False)
     (said,) = recording_engine_args(args)
     assert args.enforce_eager is True and "enforce_eager" in said and "--eager" in said
+
+
+def test_recording_asks_vllm_for_its_v1_model_runner_unless_the_user_chose(monkeypatch):
+    """vLLM's V2 model runner, its default wherever Triton is (every CUDA install), is not followed: nothing was
+    recorded while the log said the engine was. Recording sets VLLM_USE_V2_MODEL_RUNNER=0 for the engine's processes
+    (started after the engine arguments, they inherit it) and says so; a value the user set is kept."""
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER", raising=False)
+    args = SimpleNamespace(enable_prefix_caching=False, async_scheduling=False)
+    (said,) = recording_engine_args(args)
+    assert os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "0" and said.startswith("vLLM's V2 model runner off")
+    assert recording_engine_args(args) == []
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    assert recording_engine_args(args) == [] and os.environ["VLLM_USE_V2_MODEL_RUNNER"] == "1"
+    monkeypatch.delenv("VLLM_USE_V2_MODEL_RUNNER")  # HiSparse attention: vLLM would refuse to start it on V1
+    args.attention_config = SimpleNamespace(hisparse_config=object())
+    assert recording_engine_args(args) == [] and "VLLM_USE_V2_MODEL_RUNNER" not in os.environ
 
 
 def _script(folder: Path, first_line: str) -> Path:

@@ -284,3 +284,38 @@ def test_a_lora_adapter_on_lm_head_is_not_recorded_and_one_on_the_layers_is(tiny
     last = torch.tensor([float(step.logat[-1, 0, -1]) for step in call.steps])
     torch.testing.assert_close(last, torch.tensor(on_layers["raw"]), rtol=1e-4, atol=1e-4)
     assert [int(token) for token in check_call(merged, call, 5)] == on_layers["tokens"]
+
+
+def test_vllms_v2_model_runner_is_not_followed_and_each_request_says_so():
+    """vLLM's V2 model runner (its default wherever Triton is: every CUDA install; kept where the user sets
+    VLLM_USE_V2_MODEL_RUNNER=1) was never hooked: nothing recorded, nothing said. Its model is adopted as the V1
+    runners' is, and each request it serves gets a call that says not recorded and how to get the V1 runner. (No
+    engine: vLLM's CPU build cannot run the V2 runner, which needs Triton; its class, a model of vLLM's shape.)"""
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu.model_runner import GPUModelRunner
+
+    from nxl_hooks.apps.serve.lazy import HOOKS
+    from nxl_hooks.hooks.engines.vllm import VllmEngine, VllmForCausalLM
+
+    # its load_model hands the view to the controller, when nxl run's import hook sees vLLM import it
+    assert ("vllm.v1.worker.gpu.model_runner", "nxl_hooks.apps.serve.patches:patch_vllm_runner") in HOOKS
+
+    model = torch.nn.Module()
+    model.model = torch.nn.Module()
+    model.model.norm, model.model.layers = torch.nn.LayerNorm(8), torch.nn.ModuleList([torch.nn.Identity()])
+    model.lm_head, model.config = torch.nn.Linear(8, 16, bias=False), SimpleNamespace(vocab_size=16, hidden_size=8)
+    runner = object.__new__(GPUModelRunner)  # (its constructor needs a GPU)
+    runner.model = model
+    view = VllmForCausalLM(runner)
+    calls = []
+    gens = SimpleNamespace(plan=SimpleNamespace(model=view, layers=[0, 1]),
+                           unrecorded=lambda request, what, error, log: calls.append((request, str(error))))
+    runner.execute_model, runner.sample_tokens = (lambda *args, **kwargs: None), (lambda *args, **kwargs: None)
+    engine = VllmEngine()
+    engine.install(gens)
+    engine._begin_step(SimpleNamespace(finished_req_ids=(), scheduled_new_reqs=[
+        SimpleNamespace(req_id="chatcmpl-r1-0123abcd", prompt_token_ids=[1, 2, 3], num_computed_tokens=0)]))
+    ((request, why),) = calls
+    assert request == "r1" and why.startswith("vLLM's V2 model runner is not followed")
+    assert "set VLLM_USE_V2_MODEL_RUNNER=0" in why

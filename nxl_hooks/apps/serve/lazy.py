@@ -31,7 +31,8 @@ HOOKS = (("transformers.modeling_utils", "nxl_hooks.apps.serve.patches:patch_mod
          ("transformers.cli.serving.utils", "nxl_hooks.hooks.engines.transformers_serve:patch_serving"),
          ("vllm.engine.arg_utils", "nxl_hooks.hooks.engines.vllm:patch_engine_args"),
          ("vllm.v1.worker.gpu_model_runner", "nxl_hooks.apps.serve.patches:patch_vllm_runner"),
-         ("vllm.v1.worker.cpu_model_runner", "nxl_hooks.apps.serve.patches:patch_vllm_runner"))
+         ("vllm.v1.worker.cpu_model_runner", "nxl_hooks.apps.serve.patches:patch_vllm_runner"),
+         ("vllm.v1.worker.gpu.model_runner", "nxl_hooks.apps.serve.patches:patch_vllm_runner"))
 
 def _call(target: str, module: ModuleType) -> None:
     try:

@@ -5,9 +5,10 @@
   ``transformers.models.auto.modeling_auto``: each ``AutoModel*`` class's ``from_pretrained`` likewise.
 - ``transformers.cli.serving.utils``: request ids of ``transformers serve``, a part of the engine of transformers
   (:func:`nxl_hooks.hooks.engines.transformers_serve.patch_serving`; :data:`~nxl_hooks.apps.serve.lazy.HOOKS` names it).
-- ``vllm.v1.worker.gpu_model_runner`` / ``cpu_model_runner``: each model runner's ``load_model`` hands the controller
-  a view of the model it loaded (:class:`~nxl_hooks.hooks.engines.vllm.VllmForCausalLM`), which the vLLM engine
-  follows; ``vllm.engine.arg_utils``: engines are made recordable
+- ``vllm.v1.worker.gpu_model_runner`` / ``cpu_model_runner`` (vLLM's V1 runners) and ``vllm.v1.worker.gpu.model_runner``
+  (V2, whose requests are each said not recorded): each model runner's ``load_model`` hands the controller a view of
+  the model it loaded (:class:`~nxl_hooks.hooks.engines.vllm.VllmForCausalLM`), which the vLLM engine follows;
+  ``vllm.engine.arg_utils``: engines are made recordable
   (:func:`~nxl_hooks.hooks.engines.vllm.patch_engine_args`).
 
 Each patch is applied once (a marker on the wrapper), keeps the original's name and signature, and never raises
@@ -113,8 +114,10 @@ def _adopt(model: Any, name: str) -> None:
         reason(f"model {name}", error)
 
 
-#: The model runner classes whose ``load_model`` is wrapped, by the module that defines each.
-_RUNNERS = {"vllm.v1.worker.gpu_model_runner": "GPUModelRunner", "vllm.v1.worker.cpu_model_runner": "CPUModelRunner"}
+#: The model runner classes whose ``load_model`` is wrapped, by the module that defines each: V1's, followed, and
+#: V2's (the CPU's V2 runner is a subclass), whose requests are each said not recorded.
+_RUNNERS = {"vllm.v1.worker.gpu_model_runner": "GPUModelRunner", "vllm.v1.worker.cpu_model_runner": "CPUModelRunner",
+            "vllm.v1.worker.gpu.model_runner": "GPUModelRunner"}
 
 
 def patch_vllm_runner(module: ModuleType) -> None:

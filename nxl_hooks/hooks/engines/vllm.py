@@ -48,6 +48,7 @@ layers and ``lm_head`` is said once when it loads.
 from __future__ import annotations
 
 import functools
+import os
 import re
 import threading
 from types import ModuleType
@@ -101,10 +102,17 @@ _SETTINGS = {"enable_prefix_caching": (False, "prefix caching off (a cached pref
              "async_scheduling": (False, "async scheduling off (each step's tokens are read before the next step)")}
 
 
+#: vLLM's choice of model runner: its V2 runner (vLLM's own choice wherever Triton is, so on every CUDA install,
+#: since 0.25) is not followed (:func:`_refusal`), so recording asks for the V1 runner unless the user chose.
+_V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
+
+
 def recording_engine_args(args: Any) -> list[str]:
     """Set on vLLM's ``EngineArgs`` ``args`` what recording needs (:data:`_SETTINGS`; compilation stays as asked
-    unless :data:`~nxl_hooks.hooks.generate.EAGER` asks for eager calls); returns what was changed, as status lines.
-    A field ``args`` lacks is left alone."""
+    unless :data:`~nxl_hooks.hooks.generate.EAGER` asks for eager calls), and :data:`_V2_RUNNER` to 0 in this
+    process's environment unless it is set (vLLM reads it where it picks the runner: in the engine's processes,
+    which inherit it, started after this); returns what was changed, as status lines. A field ``args`` lacks is
+    left alone."""
     changed = []
     keep_compiled = not eager()
     for name, (value, said) in _SETTINGS.items():
@@ -113,6 +121,11 @@ def recording_engine_args(args: Any) -> list[str]:
         if hasattr(args, name) and getattr(args, name) != value:
             setattr(args, name, value)
             changed.append(said)
+    # (HiSparse attention needs the V2 runner: vLLM refuses to start it with V1, so it is left to say not recorded)
+    needs_v2 = getattr(getattr(args, "attention_config", None), "hisparse_config", None) is not None
+    if not os.environ.get(_V2_RUNNER) and not needs_v2:
+        os.environ[_V2_RUNNER] = "0"
+        changed.append(f"vLLM's V2 model runner off: {_V2_RUNNER}=0 (nxl_hooks follows the V1 model runner)")
     return changed
 
 
@@ -217,8 +230,11 @@ _FOLLOWED = {("vllm.model_executor.models.llama", "LlamaForCausalLM"): "Llama",
             ("vllm.model_executor.models.qwen3", "Qwen3ForCausalLM"): "Qwen3"}
 
 
-def _refusal(model: nn.Module) -> str | None:
-    """Why the view cannot follow vLLM's ``model``, or None."""
+def _refusal(runner: Any, model: nn.Module) -> str | None:
+    """Why the view cannot follow vLLM's ``model``, loaded by ``runner``, or None."""
+    if any(base.__module__ == "vllm.v1.worker.gpu.model_runner" for base in type(runner).__mro__):
+        return (f"vLLM's V2 model runner is not followed, so vLLM serves unrecorded: set {_V2_RUNNER}=0 (nxl run "
+                "sets it unless it is set; a vLLM feature that needs the V2 runner cannot be recorded)")
     cls = type(model)
     if (cls.__module__, cls.__qualname__) not in _FOLLOWED:
         return (f"vLLM's {cls.__name__} is not a model class nxl_hooks follows in vLLM (it follows "
@@ -243,7 +259,7 @@ class VllmForCausalLM(nn.Module):
         super().__init__()
         model = runner.get_model()
         #: why vLLM's model is not followed, or None: the engine then marks each request not recorded, with it
-        self.refused = _refusal(model)
+        self.refused = _refusal(runner, model)
         inner = getattr(model, "model", None)
         norm, layers = getattr(inner, "norm", None), getattr(inner, "layers", None)
         head = getattr(model, "lm_head", None)
