@@ -448,10 +448,12 @@ class Run:
     def _tell(self, what: str, error: BaseException, done: int) -> None:
         """The call is not recorded from its step ``done`` on: its error, and the notice's one line (said by whoever
         took :attr:`_said`)."""
+        text = reason(what, error) if self._notice is None else one_line(error)
+        # with its type ("KeyError: 1", not a bare "1"), but for the library's own sentences (RuntimeError)
+        self.call.error = text if type(error) is RuntimeError or text == type(error).__name__ else (
+            f"{type(error).__name__}: {text}")
         if self._notice is None:
-            self.call.error = reason(what, error)
             return
-        self.call.error = one_line(error)
         self._notice.unrecorded(f"not recorded{f' after step {done - 1}' if done else ''} ({what}): "
                                 f"{self.call.error}")
 

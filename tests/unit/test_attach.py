@@ -234,7 +234,7 @@ def test_an_internal_failure_never_reaches_the_host(model, path, site, monkeypat
     assert len(lines) == calls and all("planted failure" in line for line in lines)  # one line per failed call
     if path != "forward":
         assert len(probe.calls) == calls
-        assert all(not c.complete and c.error == "planted failure" for c in probe.calls)
+        assert all(not c.complete and c.error == "_Planted: planted failure" for c in probe.calls)  # its type kept
     assert _hook_count(model) == 0
 
 
