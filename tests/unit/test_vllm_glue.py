@@ -27,6 +27,12 @@ def test_request_id_is_the_clients():
     # each beam-search step (a request of its own): "-<16 hex>-beam-<beam>" before the engine's suffix
     assert request_id("cmpl-beam-0-85d3d8d25a5c2b0d-beam-1-0123abcd") == "beam"
     assert request_id("chatcmpl-r1-85d3d8d25a5c2b0d-beam-0-0123abcd") == "r1"
+    # /v1/responses (X-Request-ID ignored): each turn "<response id>_<turn>", recorded under the reply's id
+    assert request_id("resp_0123456789abcdef0123456789abcdef_0-0123abcd") == "resp_0123456789abcdef0123456789abcdef"
+    assert request_id("resp_9f_12-0123abcd") == "resp_9f"
+    # /v1/chat/completions/batch: "<id>_<conversation>", kept (a chat's own "job_7" reads the same in the worker)
+    assert request_id("chatcmpl-my-batch_1-0123abcd") == "my-batch_1"
+    assert request_id("chatcmpl-job_7-0123abcd") == "job_7"
 
 
 def test_an_engine_with_prompt_embeddings_enabled_is_said_unfollowable():

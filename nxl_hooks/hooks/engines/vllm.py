@@ -12,7 +12,8 @@ weights, shared, never copied) that :func:`~nxl_hooks.attach` makes its plan and
 :class:`VllmEngine` claims. The engine then follows the runner:
 
 - ``execute_model`` (wrapped on the runner instance): new requests get their runs (the request id is the client's
-  ``X-Request-ID``: vLLM's worker ids are ``chatcmpl-<id>-<8 hex>``), requests vLLM says are finished end theirs;
+  ``X-Request-ID``: vLLM's worker ids are ``chatcmpl-<id>-<8 hex>``; a response's own id under ``/v1/responses``:
+  :func:`request_id`), requests vLLM says are finished end theirs;
   during the packed forward, forward hooks keep the embedding output and the residual stream after each selected
   decoder layer (``hidden + residual``: vLLM's layers return both and fuse the add into the next norm), and the
   logits of the rows vLLM samples from; after it, each request's rows (``input_batch.req_ids``,
@@ -73,9 +74,12 @@ _RECORDABLE = ("start it under nxl run, which turns prefix caching and async sch
 #: vLLM's request ids in the worker: a sample's index of a request with ``n`` > 1 (``2_``: parallel sampling's
 #: children, read before the API's prefix or vLLM's own numbers only, so that a client's ``2024_run`` stays whole),
 #: the API's prefix (``cmpl-`` adds the prompt's index after the id), the client's X-Request-ID (or vLLM's own
-#: id), a random suffix the engine adds.
+#: id), a random suffix the engine adds. ``/v1/responses`` ignores X-Request-ID: its id is the response's
+#: (``resp_<hex>``, the reply's ``id``), each turn's request adding ``_<turn>``, dropped. (``/v1/chat/completions/
+#: batch`` adds ``_<conversation>`` to a chat id: kept, as a chat client's own ``job_7`` cannot be told from it.)
 _WORKER_ID = re.compile(r"^(?:\d+_(?=chatcmpl-|cmpl-|\d+-[0-9a-f]{8}$))?"
-                        r"(?:chatcmpl-(?P<chat>.+)|cmpl-(?P<completion>.+)-\d+|(?P<id>.+))-[0-9a-f]{8}$", re.DOTALL)
+                        r"(?:chatcmpl-(?P<chat>.+)|cmpl-(?P<completion>.+)-\d+|(?P<response>resp_.+)_\d+|(?P<id>.+))"
+                        r"-[0-9a-f]{8}$", re.DOTALL)
 
 #: What vLLM's beam search adds to a request's id for each beam's next token (a request of its own, max_tokens 1):
 #: a random 16-hex id per step and the beam's index, before the engine's suffix.
@@ -86,7 +90,8 @@ def request_id(worker_id: str) -> str:
     """The client's request id in a vLLM worker's request id: ``request_id("chatcmpl-r1-0123abcd") == "r1"``,
     ``request_id("cmpl-r1-0-0123abcd") == "r1"`` (each prompt of a completion request is its own call, as each
     sample of one with ``n`` > 1: ``request_id("1_chatcmpl-r1-0123abcd") == "r1"``, and each beam-search step:
-    ``request_id("cmpl-r1-0-85d3d8d25a5c2b0d-beam-1-0123abcd") == "r1"``)."""
+    ``request_id("cmpl-r1-0-85d3d8d25a5c2b0d-beam-1-0123abcd") == "r1"``); a response's turn, its response's id:
+    ``request_id("resp_3f2a_0-0123abcd") == "resp_3f2a"``."""
     worker_id = _BEAM.sub("", worker_id, count=1)
     match = _WORKER_ID.match(worker_id)
     return next((group for group in match.groups() if group is not None), worker_id) if match else worker_id
