@@ -83,7 +83,7 @@ from ..records.steps import GenerationCall, Step
 from .recording import NOT_RECORDED, Recording
 from .conventions import UnfollowedForward, cache_keyword, find_cache, positions, prefix_cache, start, token_mask
 from .forward import NEEDS_IDS, Capture, embed_norms, head_features, layer_states
-from .guard import Notice, one_line, raised, reason
+from .guard import Notice, described, one_line, raised, reason
 from .plan import Plan
 from .publish import Hub
 from .traced import eager_twin
@@ -448,11 +448,9 @@ class Run:
     def _tell(self, what: str, error: BaseException, done: int) -> None:
         """The call is not recorded from its step ``done`` on: its error, and the notice's one line (said by whoever
         took :attr:`_said`)."""
-        text = reason(what, error) if self._notice is None else one_line(error)
-        # with its type ("KeyError: 1", not a bare "1"), but for the library's own sentences (RuntimeError)
-        self.call.error = text if type(error) is RuntimeError or text == type(error).__name__ else (
-            f"{type(error).__name__}: {text}")
+        self.call.error = described(error)
         if self._notice is None:
+            reason(what, error)
             return
         self._notice.unrecorded(f"not recorded{f' after step {done - 1}' if done else ''} ({what}): "
                                 f"{self.call.error}")

@@ -10,7 +10,7 @@ import threading
 
 from ..records.tokens import record_text
 
-__all__ = ["Notice", "logger", "one_line", "raised", "reason"]
+__all__ = ["Notice", "described", "logger", "one_line", "raised", "reason"]
 
 logger = logging.getLogger("nxl_hooks")
 
@@ -28,6 +28,13 @@ def raised(error: BaseException, limit: int = 200) -> str:
     if text == type(error).__name__:
         return text
     return f"{type(error).__name__} ({text if len(text) <= limit else text[:limit - 1] + '…'})"
+
+
+def described(error: BaseException) -> str:
+    """``error`` as a call keeps it when its recording stops on it: :func:`one_line`, after its type's name
+    ("KeyError: 1", not a bare "1"), but for the library's own sentences (a RuntimeError) and a message-less error."""
+    text = one_line(error)
+    return text if type(error) is RuntimeError or text == type(error).__name__ else f"{type(error).__name__}: {text}"
 
 
 def reason(what: str, error: BaseException) -> str:
