@@ -767,21 +767,23 @@ def test_detach_while_the_manager_runs_a_request(model, caplog):
     assert [r for r in caplog.records if r.name == "nxl_hooks"] == []
 
 
-def test_nxl_eager_makes_managers_of_followed_models_without_cuda_graphs(model, monkeypatch):
+def test_nxl_eager_makes_managers_of_followed_models_without_cuda_graphs_or_async_batching(model, monkeypatch):
     from transformers import ContinuousBatchingConfig
 
     seen = []
     original = continuous_api.resolve_continuous_batching_config
 
     def resolve(config, cb_config, *args, **kwargs):  # what the manager is made with
-        seen.append(cb_config.use_cuda_graph)
+        seen.append((cb_config.use_cuda_graph, cb_config.use_async_batching))
         return original(config, cb_config, *args, **kwargs)
 
     monkeypatch.setattr(continuous_api, "resolve_continuous_batching_config", resolve)
-    asked = ContinuousBatchingConfig(use_cuda_graph=True)
+    # asked for explicitly: the advice in an asynchronous manager's records (NXL_EAGER=1) must make it recordable
+    asked = ContinuousBatchingConfig(use_cuda_graph=True, use_async_batching=True)
     for eager in ("0", "1"):
         monkeypatch.setenv("NXL_EAGER", eager)
         with nxl.attach(model):
             continuous_api.ContinuousBatchingManager(model, _greedy(), asked)
     continuous_api.ContinuousBatchingManager(model, _greedy(), asked)  # no probe: as asked
-    assert seen == [True, False, True] and asked.use_cuda_graph is True  # the caller's object is left as written
+    assert seen == [(True, True), (False, False), (True, True)]
+    assert asked.use_cuda_graph is True and asked.use_async_batching is True  # the caller's object as written

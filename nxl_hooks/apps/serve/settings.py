@@ -200,8 +200,8 @@ class Settings:
         "required)", text=switch_text, flag="--allow-remote"))
     eager: bool = setting(False, Option(
         "NXL_EAGER", switch, "a fallback: run recorded calls eagerly (generate without its automatic "
-        "torch.compile, continuous-batching managers without CUDA graphs or compile, vLLM with enforce_eager); "
-        "compiled calls are recorded without it, compiled", text=switch_text, flag="--eager"))
+        "torch.compile, continuous-batching managers without CUDA graphs or asynchronous batching, vLLM with "
+        "enforce_eager); compiled calls are recorded without it, compiled", text=switch_text, flag="--eager"))
     sink_max_bytes: int = setting(64 << 20, Option(
         "NXL_SINK_MAX_BYTES", _positive, "start a new record file past this size in MB",
         flag="--sink-file-mb", metavar="MB", arg=_megabytes, shown=lambda size: str(size >> 20)))

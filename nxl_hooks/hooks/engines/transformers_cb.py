@@ -30,7 +30,8 @@ probe detaches):
 - ``ContinuousBatchProcessor.fail_all_requests`` (the manager's loop ends: stopped, or failed): the requests it
   still holds end incomplete, saying why, before it fails them (no later step finds them gone);
 - ``ContinuousBatchingManager.__init__``: with ``NXL_EAGER=1`` in the environment (``nxl run --eager``), managers
-  of followed models are made with ``use_cuda_graph=False`` (a fallback: no longer needed to record them).
+  of followed models are made with ``use_cuda_graph=False`` and ``use_async_batching=False``, whatever their config
+  asks (a fallback: no longer needed to record graphs or compiled steps; it makes an asynchronous manager recordable).
 
 Padded steps (compile configs, CUDA graphs: the manager pads its inputs and runs each step compiled, or replays a
 graph, where hooks added afterwards never run): the processor gets :class:`~.transformers_cb_step._Taps`, hooks of
@@ -83,7 +84,8 @@ from .transformers_serve import patch_serving
 __all__ = ["ContinuousBatching", "patch_serving"]
 
 #: What makes a manager that batches asynchronously recordable (said in each of its requests' call records).
-_ASYNC_OFF = f"pass ContinuousBatchingConfig(use_async_batching=False), or {MAKE_EAGER}"
+_ASYNC_OFF = (f"pass ContinuousBatchingConfig(use_async_batching=False), or {MAKE_EAGER}, which makes "
+              "managers with use_async_batching=False and use_cuda_graph=False")
 
 _LOCK = threading.RLock()  # reentrant: a model collected while the lock is held detaches through here too
 #: task model -> its probe's Batching (weakly both ways: the model's hooks keep the Batching alive)
@@ -181,6 +183,7 @@ def _manager_init(original: Callable) -> Callable:
             try:  # a copy: the caller's config object stays as it wrote it
                 continuous_batching_config = copy.copy(continuous_batching_config)
                 continuous_batching_config.use_cuda_graph = False
+                continuous_batching_config.use_async_batching = False  # asked for explicitly too: not followed
             except Exception as error:  # noqa: BLE001 - the manager is made as asked
                 reason(f"{EAGER} on this manager", error)
         return original(self, model, generation_config, continuous_batching_config, *args, **kwargs)
