@@ -276,9 +276,15 @@ def check_call(model, call, new_tokens: int, hand: HandHead | None = None) -> li
     """Every step record of a finished generation ``call`` (prompt_mask, sequences, steps) equals the no-cache oracle
     (:func:`prefix_logits` of its own output up to that step), at the layers the call says it holds; returns the
     oracle's own argmax per step."""
+    assert call.complete and len(call.steps) == new_tokens == call.sequences.shape[1] - call.prompt_mask.shape[1]
+    return check_steps(model, call, hand)
+
+
+def check_steps(model, call, hand: HandHead | None = None) -> list[torch.Tensor]:
+    """:func:`check_call` of the records a returned ``call`` holds, its first steps, however many (a call whose
+    records stop early)."""
     hand, sequences, attention = hand or llama(model), call.sequences, full_mask(call)
     prompt_len = call.prompt_mask.shape[1]
-    assert call.complete and len(call.steps) == new_tokens == sequences.shape[1] - prompt_len
     argmaxes = []
     for index, step in enumerate(call.steps):
         n = step.position

@@ -200,8 +200,8 @@ class _Batch:
     def dropped(self) -> bool:
         return self._run._unscored
 
-    def handed(self) -> None:
-        self._run._handed = self._emitted[-1].n + 1 - (self._run._prompt_len or 0)
+    def handed(self, count: int) -> None:
+        self._run._handed = self._emitted[count - 1].n + 1 - (self._run._prompt_len or 0)
 
     def lost(self, error: BaseException) -> None:
         self._run._lost(self._emitted[0].n - (self._run._prompt_len or 0), error)

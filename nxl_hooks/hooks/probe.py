@@ -317,6 +317,7 @@ def attach(
 
     - ``on_step``: called with each :class:`~nxl_hooks.Step` once complete, in the thread that runs ``generate`` (which
       then reads each record back from the device; :meth:`Probe.stream` and the sink get them from the pipeline's);
+      one that raises stops its call's records at the step it raised on (kept), said in the call's ``error``;
     - ``sink``: where the records go (:func:`~nxl_hooks.make_sink`): a stream file (``nxl.read_stream(path)``), a
       folder, ``"NAME:ARG"`` (``"parquet:out.parquet"``) or a :class:`~nxl_hooks.RecordSink`; see ``probe.sink_fault``;
     - ``keep_steps``: keep the records in ``probe.calls`` / ``probe.steps`` (False: stream them only); ``keep_calls``:

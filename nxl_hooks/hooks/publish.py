@@ -3,9 +3,10 @@
 
 - ``probe.calls`` keeps the last ``keep_calls`` calls (all by default), and every call still running, and unless
   ``keep_steps=False`` their steps;
-- ``on_step(step)`` runs in the thread that runs ``generate``; an exception it raises is the caller's own and
-  stops that generation (under continuous batching, it stops recording that request: the manager's loop never
-  sees it);
+- ``on_step(step)`` runs in the thread that runs ``generate``; an exception it raises never reaches ``generate``
+  (nor a continuous-batching manager's loop): that call (request) stops being recorded there, keeping the records
+  the callback was handed, the one it raised on the last (also where several are scored together: a compiled
+  call's), its error and one line in the log saying so;
 - a subscription (bounded: a reader that falls behind loses its oldest records, counted, never stalling the
   generation) yields the steps of one call (the one running when it was made, else the next to start, or the
   one of a given request, also after it ended) or, with ``follow``, of every call until the probe detaches or the
@@ -187,9 +188,9 @@ class Batch(Protocol):
         delivered, even made."""
         ...
 
-    def handed(self) -> None:
-        """It was handed on (an ``on_step`` callback that raises after that does not take it back): its call's
-        records reach at least its last one, unless it is :meth:`lost`."""
+    def handed(self, count: int) -> None:
+        """Its first ``count`` records were handed on (an ``on_step`` callback that raises after that does not take
+        them back): its call's records reach at least the last of them, unless it is :meth:`lost`."""
         ...
 
     def lost(self, error: BaseException) -> None:
@@ -371,26 +372,28 @@ class Hub:
         """Hand on ``batch``, consecutive records of ``call`` scored together (``texts`` makes their readable texts,
         on the host), as one item: the publisher makes them, moves them to the host, and it and the sink thread wake
         up once for them all. Made here instead where the batch cannot be made elsewhere, or for an ``on_step``
-        callback (which wants each record in this thread, on the host); then what making them raises is the
-        caller's; made here too once the batches waiting to be made there keep :data:`UNSCORED_BYTES`. RuntimeError
-        when the publisher would be more than :data:`QUEUE` records behind: that call stops being recorded.
+        callback (which wants each record in this thread, on the host: each is handed on alone, then given to it);
+        then what making them raises, or the callback, is the caller's; made here too once the batches waiting to be
+        made there keep :data:`UNSCORED_BYTES`. RuntimeError when the publisher would be more than :data:`QUEUE`
+        records behind: that call stops being recorded.
         ``hub.publish(call, batch, plan.readable)``"""
-        made: tuple[Step, ...] | None = None
-        devices = batch.devices
         if self._on_step is not None:
-            made, texts, devices = tuple(on_host(batch.records(), texts)), None, ()
-        elif not batch.elsewhere or self._unscored_bytes + batch.nbytes > UNSCORED_BYTES:
-            made = tuple(batch.records())
+            # each record handed on just before the callback gets it: one that raises (the call's records stop
+            # there) leaves its call with the records it was handed, its own the last, as one per batch would
+            for index, step in enumerate(on_host(batch.records(), texts)):
+                self._submit(_StepItem(call, (step,), batch, None, (), 1), records=1)
+                batch.handed(index + 1)
+                self._on_step(step)
+            return
+        here = not batch.elsewhere or self._unscored_bytes + batch.nbytes > UNSCORED_BYTES
+        made = tuple(batch.records()) if here else None
         # the publisher reads them once the work queued so far on this thread's streams is done (a blocking event:
         # waiting for it sleeps instead of spinning a core)
-        ready = [torch.cuda.Event(blocking=True) for _ in devices]
-        for event, device in zip(ready, devices):
+        ready = [torch.cuda.Event(blocking=True) for _ in batch.devices]
+        for event, device in zip(ready, batch.devices):
             event.record(torch.cuda.current_stream(device))
         self._submit(_StepItem(call, made, batch, texts, tuple(ready), batch.count), records=batch.count)
-        batch.handed()
-        if self._on_step is not None:
-            for step in made:
-                self._on_step(step)
+        batch.handed(batch.count)
 
     def end(self, call: GenerationCall, sequences: torch.Tensor | None, error: str | None = None, *,
             wait: bool = True) -> None:

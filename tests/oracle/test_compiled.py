@@ -15,7 +15,7 @@ from torch._dynamo.utils import counters
 import nxl_hooks as nxl
 from nxl_hooks.hooks import forward
 import tiny
-from oracle import check_call, full_mask, llama, normxlogit, prefix_logits
+from oracle import check_call, check_steps, full_mask, llama, normxlogit, prefix_logits
 
 VOCAB, PAD = tiny.GEN_VOCAB, tiny.GEN_PAD
 
@@ -485,6 +485,38 @@ def test_a_live_reader_closed_right_after_a_compiled_call_returns_gets_its_steps
     (call,) = probe.calls
     assert len(seen) == 5 and all(a is b for a, b in zip(seen, call.steps))
     _check(model, call, 5)
+
+
+def test_a_raising_on_step_stops_a_compiled_calls_records_where_it_stops_an_eager_ones(tmp_path, caplog):
+    """An ``on_step`` callback that raises at step 2 of a compiled static-cache generate, whose steps are recorded
+    together when it returns: as under the same call run eagerly, the call (in memory and in the sink) keeps the
+    records the callback was handed, the one it raised on the last, each equal to the oracle; its error and the log
+    line name that step, and generate's output is the model's own."""
+    model = tiny.generating_llama(seed=3)
+    ids, mask = _prompt()
+    config = tiny.cpu_compile(backend="eager")
+    plain = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False)
+    for compiled in (False, True):
+        handed = []
+
+        def on_step(step: nxl.Step) -> None:
+            handed.append(step.step)
+            if step.step == 2:
+                raise ValueError("the user's callback failed")
+
+        path = tmp_path / f"compiled{compiled}.nxl"
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="nxl_hooks"), nxl.attach(model, on_step=on_step, sink=path) as probe:
+            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                 cache_implementation="static", compile_config=config, disable_compile=not compiled)
+        (call,), (written,) = probe.calls, nxl.read_stream(path)
+        assert torch.equal(out, plain) and torch.equal(call.sequences, out)
+        assert handed == [0, 1, 2] and [step.step for step in call.steps] == [0, 1, 2]
+        assert [step.step for step in written.steps] == [0, 1, 2]
+        assert call.error == "the user's callback failed" and not call.complete
+        (line,) = [record.getMessage() for record in caplog.records if record.name == "nxl_hooks"]
+        assert line.startswith("nxl_hooks: not recorded after step 2 (") and "the user's callback failed" in line
+        check_steps(model, call)
 
 
 def _windowed(kind: str):

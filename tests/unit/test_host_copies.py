@@ -114,7 +114,7 @@ class _Batch:
         self._steps, self._fail = steps, fail
         self.made_in: str | None = None
         self.lost_with: BaseException | None = None
-        self.was_handed = False
+        self.was_handed = 0  # how many of its records were handed on
 
     def records(self) -> list[Step]:
         self.made_in = threading.current_thread().name
@@ -127,8 +127,8 @@ class _Batch:
     def dropped(self) -> bool:
         return self._call.get("lost", False)
 
-    def handed(self) -> None:
-        self.was_handed = True
+    def handed(self, count: int) -> None:
+        self.was_handed = count
 
     def lost(self, error: BaseException) -> None:
         self.lost_with = error
@@ -147,8 +147,8 @@ def test_the_publisher_makes_each_batch_and_one_that_fails_is_lost_alone():
     """A batch handed on is made into records in the publisher thread; one whose making raises is lost, told through
     its ``lost`` (its call says it), and the publisher goes on with the next. A batch that cannot be made elsewhere,
     or any under an ``on_step`` callback, is made in the calling thread, where what it raises is the caller's. Each
-    batch is told it was handed on (its call's records reach it): not one whose making raised here, and still one
-    whose ``on_step`` callback raised after it was."""
+    batch is told it was handed on (its call's records reach it): not one whose making raised here; under a callback
+    that raises, its records up to the one the callback raised on, and no later one."""
     from nxl_hooks.hooks.publish import Hub
 
     hub = Hub(on_step=None, sink=None, keep_steps=True)
@@ -178,16 +178,19 @@ def test_the_publisher_makes_each_batch_and_one_that_fails_is_lost_alone():
     hub.close()
 
     def refusing(step: Step) -> None:
-        raise ValueError("the callback broke")
+        seen.append(step.step)
+        if step.step == 1:
+            raise ValueError("the callback broke")
 
+    seen = []
     hub = Hub(on_step=refusing, sink=None, keep_steps=True)
     call = hub.begin([0], request_id="r", thread=None)
-    given = _Batch(_steps(0, 1))
+    given = _Batch(_steps(0, 3))  # scored together (a compiled call's steps): the callback breaks at the second
     with pytest.raises(ValueError, match="the callback broke"):
         hub.publish(call, given)
     hub.end(call, None)
     hub.settle()  # (the call returns before its records are kept while nothing reads them live)
-    assert given.was_handed and [step.step for step in call.steps] == [0]
+    assert seen == [0, 1] and given.was_handed == 2 and [step.step for step in call.steps] == [0, 1]
     hub.close()
 
 
