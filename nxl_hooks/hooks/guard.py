@@ -32,9 +32,12 @@ def raised(error: BaseException, limit: int = 200) -> str:
 
 def described(error: BaseException) -> str:
     """``error`` as a call keeps it when its recording stops on it: :func:`one_line`, after its type's name
-    ("KeyError: 1", not a bare "1"), but for the library's own sentences (a RuntimeError) and a message-less error."""
+    ("KeyError: 1", not a bare "1"), but for the library's own sentences (a plain RuntimeError or ValueError, or an
+    error class of nxl_hooks: those say what happened and what to do) and a message-less error."""
     text = one_line(error)
-    return text if type(error) is RuntimeError or text == type(error).__name__ else f"{type(error).__name__}: {text}"
+    kind = type(error)
+    own = kind in (RuntimeError, ValueError) or kind.__module__.split(".")[0] == __name__.split(".")[0]
+    return text if own or text == kind.__name__ else f"{kind.__name__}: {text}"
 
 
 def reason(what: str, error: BaseException) -> str:
