@@ -40,6 +40,7 @@ RESERVED = frozenset({
 })
 
 _METHODS: dict[str, Method] = {}
+_INSTALLED: set[str] = set()  # names whose method came from a plugin: code registering one replaces it
 _lock = threading.RLock()
 _loaded = False  # built-ins imported
 
@@ -57,17 +58,19 @@ def _instance(method: Any) -> Method:
 
 def register_method(method: Any = None, *, replace: bool = False) -> Any:
     """Register a :class:`~nxl_hooks.method.protocol.Method` (class or instance) under its ``name``; usable as a
-    decorator (returns what it was given). A name already registered is refused unless ``replace``.
+    decorator (returns what it was given). A name already registered is refused unless ``replace``; an installed
+    plugin's method is replaced (code wins, whether or not the plugins were read first).
     ``register_method(MyMethod())``"""
     if method is None:  # @register_method(replace=True)
         return lambda given: register_method(given, replace=replace)
     instance = _instance(method)
     with _lock:
         _builtins()
-        if instance.name in _METHODS and not replace:
+        if instance.name in _METHODS and not replace and instance.name not in _INSTALLED:
             raise ValueError(f"an attribution method named {instance.name!r} is registered already: pass "
                              "replace=True to redefine it")
         _METHODS[instance.name] = instance
+        _INSTALLED.discard(instance.name)
     return method
 
 
@@ -78,7 +81,9 @@ def load_plugin(name: str, loaded: Any) -> Method:
     if instance.name != name:
         raise ValueError(f"entry point {name!r} gives a method named {instance.name!r}: the names must match")
     with _lock:
-        _METHODS.setdefault(name, instance)  # a method registered in code wins over an installed one
+        if name not in _METHODS:  # a method registered in code wins over an installed one (register_method)
+            _METHODS[name] = instance
+            _INSTALLED.add(name)
         return _METHODS[name]
 
 

@@ -265,7 +265,10 @@ def test_a_method_with_a_wrong_shape_is_refused_with_its_name(lm, caplog):
         nxl.register_method(NegLogAt)
 
 
-def test_methods_install_through_entry_points_and_a_broken_one_is_one_line(tmp_path, monkeypatch, caplog):
+def _install_doubled(tmp_path, monkeypatch):
+    """An installed distribution whose ``nxl_hooks.methods`` group has ``test_plugin_doubled`` (twice NormXLogit)
+    and a broken ``test_plugin_broken``; the loader reads the group afresh, as a new process would, and the
+    process's registry is as it was after the test."""
     (tmp_path / "nxl_test_plugin.py").write_text(
         "class Doubled:\n"
         "    name = 'test_plugin_doubled'\n"
@@ -279,9 +282,14 @@ def test_methods_install_through_entry_points_and_a_broken_one_is_one_line(tmp_p
                                            "test_plugin_broken = nxl_test_plugin_missing:Nothing\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.delenv(plugins.SETTING, raising=False)
-    for cache in ("_points", "_loaded", "_failed"):  # the loader reads the group afresh, as a new process would
+    for cache in ("_points", "_loaded", "_failed"):
         monkeypatch.setattr(plugins, cache, {})
-    monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))  # the process's registry as it was, after
+    monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))
+    monkeypatch.setattr(registry, "_INSTALLED", set(registry._INSTALLED))
+
+
+def test_methods_install_through_entry_points_and_a_broken_one_is_one_line(tmp_path, monkeypatch, caplog):
+    _install_doubled(tmp_path, monkeypatch)
     with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
         names = nxl.method_names()
     assert "test_plugin_doubled" in names and "test_plugin_broken" not in names
@@ -293,6 +301,26 @@ def test_methods_install_through_entry_points_and_a_broken_one_is_one_line(tmp_p
     with pytest.raises(ValueError, match="unknown attribution method 'test_plugin_broken': plugin .* failed to load"):
         nxl.attach(model, methods=["test_plugin_broken"])
     assert os.environ.get("NXL_METHODS") is None  # nothing of the host's environment was changed
+
+
+@pytest.mark.parametrize("lookup", [nxl.method_names, lambda: nxl.get_method("test_plugin_doubled")])
+def test_a_method_registered_in_code_wins_over_an_installed_one_read_before_it(tmp_path, monkeypatch, lm, lookup):
+    _install_doubled(tmp_path, monkeypatch)
+    lookup()  # the plugin is read first (a program listing what it can compute)
+
+    class Own(NegLogAt):
+        name = "test_plugin_doubled"
+
+    nxl.register_method(Own)  # no replace=True: the installed one gives way, as docs/methods.md says
+    model, tok = lm
+    res = nxl.explain(model, tok, TEXT, methods=["test_plugin_doubled"])
+    logits, _ = _lm_oracle(model, tok(TEXT, return_tensors="pt")["input_ids"])
+    torch.testing.assert_close(res.scores["test_plugin_doubled"][:, 0], -logits[:, 0, :, logits[-1, 0, -1].argmax()],
+                               atol=1e-5, rtol=1e-4)
+    nxl.method_names()  # reading the plugins again keeps the program's own
+    assert isinstance(nxl.get_method("test_plugin_doubled"), Own)
+    with pytest.raises(ValueError, match="registered already"):  # but code registering twice still needs replace
+        nxl.register_method(Own)
 
 
 def test_evaluation_scores_a_method_from_a_test_file(lm):
