@@ -91,6 +91,10 @@ class Step:
         ranks as a step read alone until a call links it again."""
         return {**self.__dict__, "_call": None}
 
+    def _linked(self) -> "GenerationCall | None":
+        """The call :meth:`GenerationCall.link` linked this step to, while it lives."""
+        return self._call() if self._call is not None else None
+
     normxlogit = Attribution.normxlogit
     logat = Attribution.logat
     methods = Attribution.methods
@@ -100,9 +104,9 @@ class Step:
         """A summary, never the tensors: the emitted token(s) (with its probability where it is an explained id),
         the explained target where it is another id (``attach(target=...)``: named, with its probability), context
         length, layers and the top context positions of row 0 at the last layer for that target, ranked as
-        ``call.attribution(step).top()`` ranks them (no special or chat-template token) while its call is linked
-        and alive, else as ``step.to_attribution().top()``. ``print(step)``"""
-        batch, call = self.token.shape[0], self._call() if self._call is not None else None
+        ``step.to_attribution().top()`` ranks them (no special or chat-template token while its call is linked
+        and alive). ``print(step)``"""
+        batch, call = self.token.shape[0], self._linked()
         token, own, explained, chance = self._chances(0, 0)
 
         def shown(probability: float | None) -> str:
@@ -111,8 +115,7 @@ class Step:
         names = self._names(call, 0)
         target = (f"; explaining target '{self._text_of(call, 0, explained, names)}' (id {explained}{shown(chance)})"
                   if explained != token else "")
-        res = call.attribution(self) if call is not None else self.to_attribution()
-        top = res.top(3, layer=self.layers[-1])
+        top = self.to_attribution().top(3, layer=self.layers[-1])
         return (f"<Step call {self.call} step {self.step}: token '{names[-1]}' (id {token}{shown(own)})"
                 + (f" and {batch - 1} more row(s)" if batch > 1 else "")
                 + f" at position {self.position}, layers {layers_text(self.layers)}{target}; top context positions"
@@ -124,8 +127,12 @@ class Step:
 
         ``tokens`` / ``special`` / ``readable`` / ``template``: the context's token pieces, special-token flags,
         readable texts and chat-template flags per row, when known (``call.context_template(step.position)``);
-        ``readable`` defaults to the context's texts the step was recorded with."""
-        batch = self.token.shape[0]
+        ``readable`` defaults to the context's texts the step was recorded with, ``special`` and ``template`` to
+        its linked call's flags (so that ``top()`` ranks as ``call.attribution(step)``: no special token)."""
+        batch, call = self.token.shape[0], self._linked()
+        if call is not None:
+            special = call.context_special(self.position) if special is None else special
+            template = call.context_template(self.position) if template is None else template
         if readable is None and self.context is not None:
             readable = [row[:self.position] for row in self.context]
         return Attribution(
@@ -164,8 +171,7 @@ class Step:
         if names is None:
             names = self._names(call, row)
         if special is None and call is not None:
-            ids = call.context_ids(self.position)
-            special = None if ids is None else special_flags(ids, call.special_ids)
+            special = call.context_special(self.position)
         template = call.context_template(self.position) if call is not None else None  # the template does not rank
         shown = whole_characters(names[: self.position + 1])  # what was there when the token was made, never later
         res = self.to_attribution(tokens=[names[: self.position]] * batch, special=special, template=template,
@@ -288,9 +294,14 @@ class GenerationCall:
         """``step`` as an :class:`Attribution` that knows its context's special and chat-template tokens, so that
         ``top()`` ranks what every output of the library ranks (:func:`~nxl_hooks.method.select.rankable`).
         ``call.attribution(call.steps[-1]).top(3)``"""
-        ids = self.context_ids(step.position)
-        special = None if ids is None else special_flags(ids, self.special_ids)
-        return step.to_attribution(special=special, template=self.context_template(step.position))
+        return step.to_attribution(special=self.context_special(step.position),
+                                   template=self.context_template(step.position))
+
+    def context_special(self, length: int) -> torch.Tensor | None:
+        """bool (batch, length): the special-token flags of a step's context (``length`` = ``step.position``); None
+        when the prompt's ids are not known. ``step.to_attribution(special=call.context_special(n))``"""
+        ids = self.context_ids(length)
+        return None if ids is None else special_flags(ids, self.special_ids)
 
     def norm_spread(self, row: int = 0) -> float:
         """The one coefficient of variation of the embedding norms every view of this call prints (terminal, HTML):

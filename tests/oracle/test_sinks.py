@@ -23,6 +23,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 import nxl_hooks as nxl
 from nxl_hooks.apps.cli import main as cli_main
 import tiny
+import oracle
 from oracle import check_call
 from serving import save_chat_model
 
@@ -1120,3 +1121,25 @@ def test_parquet_rows_reproduce_the_librarys_ranking_without_the_chat_template(t
         first = last.filter(pc.equal(last["step"], 0))
         unfiltered = pc.index(first["normxlogit"], pc.max(first["normxlogit"])).as_py()
         assert first["template"][unfiltered].as_py()  # without the column a template token is the answer
+
+
+def test_a_step_read_back_ranks_as_its_call_does_without_special_tokens(tmp_path):
+    """docs/records-and-sinks.md's ``calls[0].steps[0].to_attribution().top(3)``: no special token ranks
+    (docs/reading-results.md), as in ``call.attribution(step)``: the prompt's words by NormXLogit, by hand."""
+    model, tok = tiny.build_model("llama"), tiny.tokenizer()
+    model.generation_config.eos_token_id = None
+    enc = tok(["the film was very"], return_tensors="pt")  # [CLS] the film was very [SEP]
+    with torch.no_grad(), nxl.attach(model, tokenizer=tok, sink=tmp_path / "run.nxl") as probe:
+        model.generate(**enc, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        out = model(**enc, output_hidden_states=True)
+        logits = oracle.llama(model).layer_logits(out.hidden_states)
+    _, by_hand = oracle.normxlogit(logits, out.hidden_states[0], out.logits[:, -1].argmax(-1))
+    words = [1, 2, 3, 4]  # not [CLS] (0), nor [SEP] (5), the prediction position
+    expected = [tok.convert_ids_to_tokens(int(enc["input_ids"][0, p]))
+                for p in sorted(words, key=lambda p: -float(by_hand[-1, 0, p]))]
+    (disk,) = nxl.read_stream(tmp_path / "run.nxl")
+    for call in (disk, probe.calls[0]):
+        step = call.steps[0]
+        assert [text for _, text, _ in step.to_attribution().top(6)] == expected
+        assert step.to_attribution().top(6) == call.attribution(step).top(6)
