@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import threading
+from collections import abc
 from typing import Any, Iterable
 
 from ..arch import plugins
@@ -129,9 +130,15 @@ def method_names() -> tuple[str, ...]:
 
 def resolve_methods(methods: Iterable[str | Method] | str | None) -> tuple[Method, ...]:
     """The methods a probe computes: :data:`DEFAULT` first, then each of ``methods`` (names or Method instances,
-    or one comma-separated string) not among them. ValueError for an unknown name."""
+    or one comma-separated string, or one Method instance or class) not among them. ValueError for an unknown
+    name, or for ``methods`` that is none of these."""
     if isinstance(methods, str):
         methods = [part.strip() for part in methods.split(",") if part.strip()]
+    elif isinstance(methods, (Method, type)):  # methods=Contrastive(foil=3): one method, not a list of them
+        methods = [methods]
+    elif methods is not None and not isinstance(methods, abc.Iterable):
+        raise ValueError(f"methods={methods!r}: give method names or Method objects (a list, one of them, or a "
+                         "comma-separated string of names)")
     chosen: dict[str, Method] = {name: get_method(name) for name in DEFAULT}
     for method in methods or ():
         found = get_method(method)

@@ -53,6 +53,7 @@ __all__ = [
     "resolve_layers",
     "resolve_target",
     "resolve_target_id",
+    "row_index",
     "special_flags",
     "special_ids",
     "special_mask",
@@ -98,6 +99,15 @@ def label_index(label: Any, labels: int, what: str = "this attribution") -> int:
     index = _integer(label)
     if index is None or not 0 <= index < labels:
         raise ValueError(f"label {label!r} is out of range: {what} explains {labels} target(s) per row")
+    return index
+
+
+def row_index(row: Any, rows: int) -> int:
+    """``row`` as the index of one of an attribution's ``rows`` rows (numpy integers too, as ``label``);
+    ValueError when it picks none."""
+    index = _integer(row)
+    if index is None or not 0 <= index < rows:
+        raise ValueError(f"row {row!r} is out of range: this attribution has {rows} row(s)")
     return index
 
 

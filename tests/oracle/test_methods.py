@@ -22,6 +22,7 @@ from serving import live_reader
 from nxl_hooks.apps.cli import main as cli_main
 from nxl_hooks.arch import plugins
 from nxl_hooks.method import registry
+from nxl_hooks.method.methods.contrastive import Contrastive
 from nxl_hooks.method.protocol import Given, Method
 
 TEXT = "the film was very good"
@@ -76,6 +77,20 @@ def test_a_method_from_a_test_file_is_computed_and_ranks_in_top(lm, tmp_path):
     assert f"{NAME} per token and layer" in res.to_html(method=NAME)
     with pytest.raises(ValueError, match=f"method='{NAME}': use 'normxlogit' or 'logat', the methods this record holds"):
         nxl.explain(model, tok, TEXT).top(method=NAME)
+
+
+def test_one_method_instance_or_class_is_what_methods_takes_beside_a_list(lm):
+    model, tok = lm
+    logits, norms = _lm_oracle(model, tok(TEXT, return_tensors="pt")["input_ids"])
+    target = int(logits[-1, 0, -1].argmax())
+    foil = 3 if target != 3 else 4
+    res = nxl.explain(model, tok, TEXT, methods=Contrastive(foil=foil))  # one instance, not a list
+    by_hand = norms[0] * (logits[:, 0, :, target] - logits[:, 0, :, foil])
+    torch.testing.assert_close(res.scores["contrastive"][:, 0], by_hand, atol=1e-5, rtol=1e-4)
+    assert nxl.explain(model, tok, TEXT, methods=NegLogAt).methods == ["normxlogit", "logat", NAME]  # one class
+    for wrong in (3, 2.5):
+        with pytest.raises(ValueError, match=rf"^methods={wrong}: give method names or Method objects"):
+            nxl.attach(model, methods=wrong)
 
 
 class Same(Method):

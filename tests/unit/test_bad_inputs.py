@@ -277,6 +277,9 @@ RESULT_CALLS = cases(
     ("top row 2", lambda r: r.top(row=2), "row 2 is out of range: this attribution has 2 row"),
     ("top row -1", lambda r: r.top(row=-1), "row -1 is out of range"),
     ("top row 1.0", lambda r: r.top(row=1.0), "row 1.0 is out of range"),
+    ("top row tensor", lambda r: r.top(row=torch.tensor(0)), r"row tensor\(0\) is out of range"),  # as label=
+    ("top k -1", lambda r: r.top(-1), "k=-1: give how many tokens top.. returns, an int of 0 or more"),
+    ("top k 2.0", lambda r: r.top(2.0), "k=2.0: give how many tokens"),
     ("top label 1", lambda r: r.top(label=1), "label 1 is out of range: this attribution explains 1 target"),
     ("top layer 1", lambda r: r.top(layer=1), r"layer 1 was not captured; captured layers: \[0, 2\]"),
     ("top layer 'x'", lambda r: r.top(layer="x"), "layer 'x' is not an int"),
@@ -304,10 +307,12 @@ def test_a_generation_page_of_a_target_not_explained(lm):
 
 
 def test_top_ranks_each_rows_own_tokens(result):
-    """Row 1 ("[CLS] bad plot [SEP]" and two pads): only its two words rank, by its own scores."""
+    """Row 1 ("[CLS] bad plot [SEP]" and two pads): only its two words rank, by its own scores; named by a numpy
+    integer too, as layer= and label= may be."""
     scores = result.normxlogit[-1, 1]
     expected = sorted((1, 2), key=lambda i: -float(scores[i]))
     assert [p for p, _, _ in result.top(5, row=1)] == expected
+    assert [p for p, _, _ in result.top(5, row=np.int64(1), layer=np.int64(-1), label=np.int32(0))] == expected
     assert [name for _, name, _ in result.top(5, row=1)] == [result.tokens[1][i] for i in expected]
     everything = [p for p, _, _ in result.top(9, row=1, all_positions=True)]
     assert sorted(everything) == [0, 1, 2, 3]
