@@ -16,6 +16,7 @@ from typing import Sequence
 
 import torch
 
+from ..arch import plugins
 from .protocol import Given, Method, Pointwise
 
 __all__ = ["FLAT_NORM_CV", "flat_note", "flat_norms", "label_axis", "method_scores", "norm_spread", "pointwise",
@@ -47,10 +48,17 @@ def regression_logat(logat: torch.Tensor, prediction: torch.Tensor) -> torch.Ten
 def method_scores(methods: Sequence[Method], given: Given, *, label_axis: bool
                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """({name: scores}, targets) of each method for ``given``; the label axis is dropped unless kept. ValueError
-    naming a method whose scores are not float and shaped like ``given.logat``."""
+    naming a method whose scores are not float and shaped like ``given.logat``; RuntimeError naming a method that
+    exits (``SystemExit``, any ``BaseException`` but ``KeyboardInterrupt``), which every caller says in one line."""
     out = {}
     for method in methods:
-        value = method.score(given)
+        try:
+            value = method.score(given)
+        except Exception:
+            raise  # the method's own failure, as it said it
+        except BaseException as error:  # noqa: BLE001 - a method's sys.exit is its failure, never the host's exit
+            said = " ".join(str(plugins.contained(error)).split()) or "no message"
+            raise RuntimeError(f"attribution method {method.name!r} raised {type(error).__name__}: {said}") from error
         if not (isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == given.logat.shape):
             raise ValueError(f"attribution method {method.name!r} returned "
                              f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}: "

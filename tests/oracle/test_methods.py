@@ -280,6 +280,52 @@ def test_a_method_with_a_wrong_shape_is_refused_with_its_name(lm, caplog):
         nxl.register_method(NegLogAt)
 
 
+class Exits(Method):
+    """A method whose ``score`` exits the process (``sys.exit``), or raises ``error`` where one is given."""
+
+    name = "test_exits"
+    description = "sys.exit in score (defined in tests/oracle/test_methods.py)"
+    pointwise = True
+
+    def __init__(self, error: BaseException = SystemExit("method gave up")) -> None:
+        self.error = error
+
+    def score(self, given: Given) -> torch.Tensor:
+        raise self.error
+
+
+def test_a_method_that_exits_never_ends_the_hosts_forward_generate_or_batching(caplog):
+    """A method's ``SystemExit`` (anything it raises but the user's Ctrl-C) is its failure, said in one line naming
+    it: the forward, ``generate`` and continuous batching go on as unattached (the exit ended them, and batching
+    returned nothing)."""
+    from transformers import GenerationConfig
+
+    model, ids = tiny.generating_llama(), torch.tensor([[3, 4, 5, 6, 7, 8]])
+    said = "attribution method 'test_exits' raised SystemExit: method gave up"
+    with torch.no_grad():
+        plain_logits = model(input_ids=ids).logits
+        plain = model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        with nxl.attach(model, methods=[Exits()]) as probe:
+            assert torch.equal(model(input_ids=ids).logits, plain_logits)
+            assert str(probe.peek()) == said
+            caplog.clear()
+            with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+                assert torch.equal(model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, pad_token_id=0),
+                                   plain)
+        assert probe.calls[0].error == said and probe.unrecorded.endswith(f": {said}")
+        assert [r.getMessage() for r in caplog.records if said in r.getMessage()] == [
+            f"nxl_hooks: {probe.unrecorded}; the model's own call is unaffected"]
+        with nxl.attach(model, methods=[Exits(KeyboardInterrupt())]), pytest.raises(KeyboardInterrupt):
+            model(input_ids=ids)  # the user's Ctrl-C goes on to the program
+    lm, prompts = tiny.build_model("llama"), [[5, 6, 7, 8], [9, 10, 11]]
+    config = GenerationConfig(do_sample=False, max_new_tokens=3, eos_token_id=-1, pad_token_id=0)
+    plain = lm.generate_batch(prompts, generation_config=config, continuous_batching_config=tiny.cb_config())
+    with nxl.attach(lm, methods=[Exits()]) as probe:
+        got = lm.generate_batch(prompts, generation_config=config, continuous_batching_config=tiny.cb_config())
+    assert {k: v.generated_tokens for k, v in got.items()} == {k: v.generated_tokens for k, v in plain.items()}
+    assert len(probe.calls) == 2 and all(call.error == said and not call.complete for call in probe.calls)
+
+
 def _install_doubled(tmp_path, monkeypatch):
     """An installed distribution whose ``nxl_hooks.methods`` group has ``test_plugin_doubled`` (twice NormXLogit)
     and a broken ``test_plugin_broken``; the loader reads the group afresh, as a new process would, and the
