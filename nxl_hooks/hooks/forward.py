@@ -173,7 +173,8 @@ def assemble(plan: Plan, capture: Capture, output: Any = None) -> Attribution:
         if plan.kind is HeadKind.REGRESSION:
             logat = regression_logat(logat, final.gather(-1, targets.to(final.device)))
         embed_norm = by_row(embed).to(final.device)
-        scores, targets = plan.scores(Given(logat, embed_norm, targets, log_probs, head_logits))
+        scores, targets = plan.scores(Given(logat, embed_norm, targets, log_probs, head_logits,
+                                            regression=plan.kind is HeadKind.REGRESSION))
     probability = None if log_probs is None else log_probs.gather(-1, targets.view(len(examples), -1)).exp()
     mask = (
         by_row(capture.attention_mask).to(final.device).bool()

@@ -260,6 +260,26 @@ def test_contrastive_matches_the_oracle_on_a_classifier_and_a_generation(lm):
         torch.testing.assert_close(step.scores["contrastive"][:, 0], norms[0, :n] * gap, atol=1e-5, rtol=1e-4)
 
 
+def test_contrastive_with_a_fixed_foil_on_a_regression_head_is_the_documented_gap_of_raw_outputs():
+    """‖h⁰‖ × (HoT[y] − HoT[foil]) of the head's raw outputs (its LogAt is |HoT − HoT_p|: the gap mixed the two)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(
+        vocab_size=20, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        pad_token_id=0, max_position_embeddings=64, num_labels=2, problem_type="regression")).eval()
+    ids = torch.tensor([[2, 7, 10, 11, 12, 3]])
+    with torch.no_grad(), nxl.attach(model, methods=[Contrastive(foil=1)], layers="all", target=0) as probe:
+        out = model(input_ids=ids, output_hidden_states=True)
+    res = probe.result()
+    logits = oracle.bert_classifier(model).layer_logits(out.hidden_states)[:, 0]  # (L+1, seq, 2): raw HoT
+    norms = out.hidden_states[0][0].float().norm(dim=-1)
+    torch.testing.assert_close(res.logat[:, 0], (logits[..., 0] - out.logits[0, 0]).abs(), atol=1e-5,
+                               rtol=1e-4)  # (the regression LogAt, unchanged)
+    torch.testing.assert_close(res.scores["contrastive"][:, 0], norms * (logits[..., 0] - logits[..., 1]),
+                               atol=1e-5, rtol=1e-4)
+
+
 def test_a_method_with_a_wrong_shape_is_refused_with_its_name(lm, caplog):
     model, tok = lm
 

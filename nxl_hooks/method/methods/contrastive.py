@@ -62,7 +62,9 @@ class Contrastive:
         if found is None:
             return torch.full_like(given.logat, float("nan"))
         foils, none = found
-        gap = given.logat - given.head_logits(foils).to(given.logat.device, given.logat.dtype)
+        # a regression head's logat is |HoT − HoT_p|: the gap is of its raw outputs (a fixed foil's HoT is raw)
+        target = given.head_logits(given.targets) if given.regression else given.logat
+        gap = target - given.head_logits(foils).to(target.device, target.dtype)
         scores = given.embed_norm.to(gap.device, gap.dtype)[None, :, :, None] * gap
         if none is None:
             return scores
