@@ -496,5 +496,6 @@ def rankable(mask: torch.Tensor, position: torch.Tensor | int, special: torch.Te
 def order(scores: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
     """Positions where ``eligible`` (1-D), best first by signed score; ties keep token order; NaN comes last."""
     positions = eligible.nonzero().flatten()
-    values = scores[positions].float().nan_to_num(nan=float("-inf"))
+    # float64 scores ranked as float32 would tie where they differ below its resolution
+    values = scores[positions].to(torch.promote_types(scores.dtype, torch.float32)).nan_to_num(nan=float("-inf"))
     return positions[torch.argsort(values, descending=True, stable=True)]

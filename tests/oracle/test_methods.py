@@ -198,6 +198,25 @@ def test_parquet_keeps_a_float64_methods_scores_exact(lm, tmp_path):
             assert row[Offset.name] == row["logat"] + 1e-9  # float64 arithmetic on the float32 LogAt, exactly
 
 
+class Fine(Method):
+    """float64 scores that differ below float32's resolution: 1 + 1e-12 × position (the last token ranks first)."""
+
+    name = "test_fine64"
+    description = "1 + 1e-12 × position in float64 (tests/oracle/test_methods.py)"
+
+    def score(self, given: Given) -> torch.Tensor:
+        steps = torch.arange(given.logat.shape[2], dtype=torch.float64, device=given.logat.device) * 1e-12
+        return 1 + steps[None, None, :, None].expand(given.logat.shape)
+
+
+def test_top_ranks_a_float64_methods_scores_in_float64(lm):
+    """Scores that differ only below float32's resolution rank by position, not as ties in token order."""
+    model, tok = lm
+    res = nxl.explain(model, tok, TEXT, methods=[Fine()])
+    eligible = res.rankable(0).nonzero()[:, 0].tolist()
+    assert [p for p, _, _ in res.top(3, method=Fine.name)] == sorted(eligible, reverse=True)[:3]
+
+
 def test_nxl_tail_ranks_by_a_method_the_programs_probe_computes(tmp_path, capsys, monkeypatch):
     from nxl_hooks.apps.serve.controller import Controller
     from nxl_hooks.apps.serve.settings import Settings
