@@ -45,13 +45,25 @@ def regression_logat(logat: torch.Tensor, prediction: torch.Tensor) -> torch.Ten
     return (logat - prediction.to(logat.device, logat.dtype)[None, :, None, :]).abs()
 
 
+def _versions(given: Given) -> dict[str, int]:
+    """The version counter (bumped by every in-place change) of each of ``given``'s tensors, by field; torch keeps
+    none for a tensor made under ``torch.inference_mode``."""
+    tensors = {"logat": given.logat, "embed_norm": given.embed_norm, "targets": given.targets,
+               "log_probs": given.log_probs}
+    return {name: tensor._version for name, tensor in tensors.items()
+            if tensor is not None and not tensor.is_inference()}
+
+
 def method_scores(methods: Sequence[Method], given: Given, *, label_axis: bool
                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """({name: scores}, targets) of each method for ``given``; the label axis is dropped unless kept. ValueError
     naming a method whose scores are not float and shaped like ``given.logat``; RuntimeError naming a method that
-    exits (``SystemExit``, any ``BaseException`` but ``KeyboardInterrupt``), which every caller says in one line."""
+    exits (``SystemExit``, any ``BaseException`` but ``KeyboardInterrupt``), which every caller says in one line;
+    ValueError naming a method that changed one of ``given``'s tensors in place (the record keeps them: LogAt's
+    scores are ``given.logat`` itself), seen by their version counters at no cost."""
     out = {}
     for method in methods:
+        handed = _versions(given)
         try:
             value = method.score(given)
         except Exception:
@@ -63,6 +75,10 @@ def method_scores(methods: Sequence[Method], given: Given, *, label_axis: bool
             raise ValueError(f"attribution method {method.name!r} returned "
                              f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}: "
                              f"expected float scores shaped like logat {tuple(given.logat.shape)}")
+        changed = [name for name, version in _versions(given).items() if version != handed[name]]
+        if changed:
+            raise ValueError(f"attribution method {method.name!r} changed given.{changed[0]} in place: the record "
+                             "keeps it; return new tensors (given.logat.clamp(min=0), not clamp_)")
         out[method.name] = value if label_axis else value[..., 0]
     return out, given.targets if label_axis else given.targets[:, 0]
 

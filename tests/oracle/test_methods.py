@@ -112,6 +112,46 @@ def test_a_method_whose_scores_are_another_methods_tensor_saves_and_loads(lm, tm
     assert back.methods == res.methods and torch.equal(back.scores[Same.name], res.scores["logat"])
 
 
+class Clamps(Method):
+    """A method that changes what it is given in place: positive LogAt by ``clamp_`` (a slip), or doubles ``field``."""
+
+    name = "test_clamps"
+    description = "LogAt clamped at 0 in place (tests/oracle/test_methods.py)"
+    pointwise = True
+
+    def __init__(self, field: str = "logat") -> None:
+        self.field = field
+
+    def score(self, given: Given) -> torch.Tensor:
+        if self.field != "logat":
+            getattr(given, self.field).mul_(2)
+            return given.logat.clamp(min=0)
+        return given.logat.clamp_(min=0)
+
+
+def test_a_method_that_changes_its_given_tensors_in_place_is_refused_in_one_line(lm):
+    """LogAt's record is ``given.logat`` itself: a later method's ``clamp_`` rewrote it (and the embedding norms
+    likewise); such a method is refused in one line naming it, the record's numbers never changed."""
+    model, tok = lm
+    ids = tok(TEXT, return_tensors="pt")["input_ids"]
+    logits, _ = _lm_oracle(model, ids)
+    with torch.no_grad(), nxl.attach(model, methods=[Clamps()]) as probe:
+        model(input_ids=ids)
+    with pytest.raises(ValueError, match=r"^attribution method 'test_clamps' changed given.logat in place: the record "
+                                         r"keeps it; return new tensors \(given.logat.clamp\(min=0\), not clamp_\)$"):
+        probe.result()
+    with torch.no_grad(), nxl.attach(model, methods=[Clamps("embed_norm")]) as probe:
+        model(input_ids=ids)
+    with pytest.raises(ValueError, match="changed given.embed_norm in place"):
+        probe.result()
+    res = nxl.explain(model, tok, TEXT)  # (the probe's own scores, unchanged)
+    assert res.logat.min() < 0
+    torch.testing.assert_close(res.logat[:, 0], logits[:, 0, :, logits[-1, 0, -1].argmax()], atol=1e-5, rtol=1e-4)
+    with nxl.attach(model, methods=[Clamps()]) as probe:
+        model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    assert probe.calls[0].steps == [] and "'test_clamps' changed given.logat in place" in probe.calls[0].error
+
+
 def test_the_cli_ranks_by_a_registered_method(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     path = tiny.save_model(tmp_path / "lm", "llama", seed=0)
