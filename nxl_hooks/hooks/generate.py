@@ -176,6 +176,7 @@ class _Batch:
     def __init__(self, run: "Run", emitted: list[_Emitted], context: _Context, *, elsewhere: bool) -> None:
         self._run, self._emitted, self._context = run, emitted, context
         self.count, self.elsewhere = len(emitted), elsewhere
+        self.failure: Exception | None = None  # what making its records raised (Run.flush: scoring, not a callback)
 
     @functools.cached_property
     def devices(self) -> tuple[torch.device, ...]:
@@ -194,7 +195,11 @@ class _Batch:
         return sum(self._run._step_bytes(item) for item in self._emitted)
 
     def records(self) -> list[Step]:
-        return self._run._record(self._emitted, self._context)
+        try:
+            return self._run._record(self._emitted, self._context)
+        except Exception as error:
+            self.failure = error
+            raise
 
     @property
     def dropped(self) -> bool:
@@ -1010,7 +1015,16 @@ class Run:
             n = batch[-1].n
             context = _Context(*(cache.snapshot(n, kept=elsewhere) for cache in (self._features, self._embed,
                                                                                  self._mask)), self._compute_dtype)
-            self._hub.publish(self.call, _Batch(self, batch, context, elsewhere=elsewhere), self._plan.readable)
+            made = _Batch(self, batch, context, elsewhere=elsewhere)
+            try:
+                self._hub.publish(self.call, made, self._plan.readable)
+            except Exception as error:
+                if error is not made.failure:
+                    raise  # an on_step callback's, the hub's: the caller says it
+                # scored in this thread: said as the publisher says it, from this batch's first step (the ones
+                # handed on before it are kept); the later batches are dropped
+                self.fail("scoring its steps", error)
+                return
 
     def _elsewhere(self) -> bool:
         """Whether this call's steps may be scored in the publisher thread: its feature cache (where the scoring

@@ -597,6 +597,38 @@ def test_generated_tokens_are_scored_in_the_publisher_thread_and_a_failure_there
         "nxl_hooks: not recorded (scoring its steps): scoring broke; the model's own call is unaffected"]
 
 
+class Late(Method):
+    """LogAt, but a RuntimeError for a context longer than 7 positions."""
+
+    name = "test_late"
+    description = "LogAt; raises past 7 positions (tests/oracle/test_methods.py)"
+
+    def score(self, given: Given) -> torch.Tensor:
+        if given.logat.shape[2] > 7:
+            raise RuntimeError(f"context {given.logat.shape[2]} too long")
+        return given.logat.clone()
+
+
+def test_a_method_failure_scoring_steps_in_the_calling_thread_is_said_as_the_publisher_says_it(monkeypatch, caplog):
+    """Steps scored in the generating thread (the CPU) whose method raises at step 2: the call is not recorded from
+    that batch on, "(scoring its steps)" from the step it begins with, as where the publisher scores them (it said
+    "(the last generated token)"); the batch before it is kept."""
+    from nxl_hooks.hooks import generate
+
+    monkeypatch.setattr(generate, "BATCH_SECONDS", None)
+    monkeypatch.setattr(generate, "BATCH_STEPS", 2)  # batches of steps [0, 1] and [2, 3]
+    model, ids = tiny.generating_llama(), torch.tensor([[3, 4, 5, 6, 7, 8]])
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"), nxl.attach(model, methods=[Late()]) as probe:
+        model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
+    call = probe.calls[0]
+    assert [step.step for step in call.steps] == [0, 1] and not call.complete
+    assert call.error == "context 8 too long"
+    assert probe.unrecorded == "not recorded after step 1 (scoring its steps): context 8 too long"
+    assert [r.getMessage() for r in caplog.records if "too long" in r.getMessage()] == [
+        f"nxl_hooks: {probe.unrecorded}; the model's own call is unaffected"]
+    oracle.check_steps(model, call)  # the kept steps, against the oracle
+
+
 def test_a_failure_in_the_generating_thread_is_the_one_said_and_steps_lost_in_the_publisher_after_it_are_noted(
         lm, monkeypatch, caplog):
     """A call that fails in its generating thread (here a hook's forward, at its fourth forward) is said not recorded
