@@ -58,16 +58,23 @@ def layer_states(plan: Plan, capture: Capture) -> list[torch.Tensor]:
         raise _not_run(plan, missing.args[0]) from None
 
 
-def embedding_norms(plan: Plan, rows: torch.Tensor) -> torch.Tensor:
+def embedding_norms(plan: Plan, rows: torch.Tensor, ids: torch.Tensor | None = None) -> torch.Tensor:
     """The paper's ‖x_i⁰‖₂ of each token, (batch, seq) float32, from the rows the probe's embedding hook saw: block
     1's input (``embedding="layer_input"``) or the word embedding's output, unscaled (Gemma-style embeddings multiply
-    inside the module; the norm is of the raw row)."""
-    norms = row_norms(rows.detach())
+    inside the module; the norm is of the raw row). ``ids``: the token ids of ``rows`` where the output is the
+    embedding's own rows, scaled (no wrapper adds to them): a scaled embedding's norms are then its weight rows'."""
     # the word embedding found inside a PEFT wrapper too
-    scale = getattr(word_embedding(plan.model), "embed_scale", None) if plan.embedding == "word" else None
-    if scale is not None:  # a buffer (Gemma) or a float (XGLM, BioGPT, BART), > 0: ‖x / s‖ = ‖x‖ / s
-        norms = norms / torch.as_tensor(scale, dtype=norms.dtype, device=norms.device)
-    return norms.float()
+    embedding = word_embedding(plan.model) if plan.embedding == "word" else None
+    scale = getattr(embedding, "embed_scale", None)
+    if scale is None:
+        return row_norms(rows.detach()).float()
+    weight = embedding.weight
+    # (not a weight offloaded to meta, sharded or quantized: its rows are not plain here)
+    if ids is not None and type(weight.data) is torch.Tensor and weight.device == rows.device:
+        # the raw rows: the 16-bit output, scaled then rounded, is up to 1e-3 off them once divided back
+        return row_norms(weight.detach()[ids]).float()
+    norms = row_norms(rows.detach())  # a buffer (Gemma) or a float (XGLM, BioGPT, BART), > 0: ‖x / s‖ = ‖x‖ / s
+    return (norms / torch.as_tensor(scale, dtype=norms.dtype, device=norms.device)).float()
 
 
 #: Positions whose layers the head takes at once (:func:`head_features`): bounds the float32 temporaries of its

@@ -400,7 +400,9 @@ class Recorder:
         if capture is None:  # the embedding called on its own, outside a forward of the model
             return
         try:
-            capture.embed_norm = embedding_norms(self.plan, output)
+            # the ids where the module is the embedding itself (a wrapper's LoRA adds to its rows)
+            ids = args[0] if args and isinstance(module, nn.Embedding) else None
+            capture.embed_norm = embedding_norms(self.plan, output, ids)
         except Exception as error:  # noqa: BLE001
             self._fail("this forward", error)
 

@@ -477,6 +477,18 @@ def test_discovery_whose_head_misses_the_models_own_logits_refuses_and_says_how_
     assert not nxl_hooks_on(model)  # nothing left on the model
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_scaled_word_embedding_in_16_bits_is_its_raw_rows_norm(dtype):
+    """Gemma in bf16/fp16, embedding="word": ‖W[id]‖₂ of the raw rows, not the 16-bit scaled output's norm divided
+    back (rounded after the scale: up to 1.4e-3 relative off)."""
+    case = CASES["gemma2-lm"]
+    model = case.build().to(dtype)
+    ids, mask = _batch(case, "causal_lm")
+    res, _ = _run(model, ids, mask, embedding="word", layers=[-1])
+    rows = model.get_input_embeddings().weight.detach()[ids].float()
+    torch.testing.assert_close(res.embed_norm, rows.pow(2).sum(-1).sqrt(), rtol=1e-6, atol=0)
+
+
 def test_a_word_embedding_scaled_by_a_float_is_read_unscaled(private_registry):
     """XGLM (as BioGPT and BART) keeps its embedding scale as a float, not a buffer (Gemma): ‖x_i⁰‖₂ is the raw row's
     norm either way."""
