@@ -180,14 +180,14 @@ def assemble(plan: Plan, capture: Capture, output: Any = None) -> Attribution:
         if plan.kind is HeadKind.REGRESSION:
             logat = regression_logat(logat, final.gather(-1, targets.to(final.device)))
         embed_norm = by_row(embed).to(final.device)
-        scores, targets = plan.scores(Given(logat, embed_norm, targets, log_probs, head_logits,
+        mask = (
+            by_row(capture.attention_mask).to(final.device).bool()
+            if capture.attention_mask is not None and capture.attention_mask.dim() == 2
+            else torch.ones_like(embed_norm, dtype=torch.bool)
+        )
+        scores, targets = plan.scores(Given(logat, embed_norm, targets, log_probs, head_logits, mask,
                                             regression=plan.kind is HeadKind.REGRESSION))
     probability = None if log_probs is None else log_probs.gather(-1, targets.view(len(examples), -1)).exp()
-    mask = (
-        by_row(capture.attention_mask).to(final.device).bool()
-        if capture.attention_mask is not None and capture.attention_mask.dim() == 2
-        else torch.ones_like(embed_norm, dtype=torch.bool)
-    )
     ids = by_row(capture.input_ids) if capture.input_ids is not None else None
     return Attribution(
         scores={name: value.cpu() for name, value in scores.items()},

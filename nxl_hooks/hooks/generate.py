@@ -1063,7 +1063,8 @@ class Run:
                 for _, group in itertools.groupby(range(len(emitted)), key=lambda index: log_probs[index] is None):
                     indices = list(group)
                     first, end = indices[0], indices[-1] + 1
-                    scored += self._scored(together[..., first * k:end * k], head_logits, embed, targets[first:end],
+                    scored += self._scored(together[..., first * k:end * k], head_logits, embed, mask,
+                                           targets[first:end],
                                            log_probs[first:end], [item.n for item in emitted[first:end]])
         steps, tokens, n_blocks = [], tokens.unbind(0), plan.n_blocks
         for index, (item, (scores, chosen)) in enumerate(zip(emitted, scored)):
@@ -1077,19 +1078,20 @@ class Run:
         return steps
 
     def _scored(self, together: torch.Tensor, head_logits: Callable[..., torch.Tensor], embed: torch.Tensor,
-                targets: list[torch.Tensor], log_probs: list[torch.Tensor | None], lengths: list[int]
-                ) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+                mask: torch.Tensor, targets: list[torch.Tensor], log_probs: list[torch.Tensor | None],
+                lengths: list[int]) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         """Each step's (scores, explained ids): its ``targets`` (batch, k) read against its first ``lengths``
-        positions; ``together``: (layers, batch, last, steps * k), every target's logits at every position the
-        longest step reads, as ``head_logits(ids)`` gives them for other (batch, m) ids. Pointwise methods
-        (:attr:`Plan.pointwise`) score every step in one call: the steps' rows stacked, each context padded to the
-        longest, each record a view of its own rows and positions; other methods, one call per step."""
+        positions of ``embed`` and ``mask``; ``together``: (layers, batch, last, steps * k), every target's logits
+        at every position the longest step reads, as ``head_logits(ids)`` gives them for other (batch, m) ids.
+        Pointwise methods (:attr:`Plan.pointwise`) score every step in one call: the steps' rows stacked, each
+        context padded to the longest, each record a view of its own rows and positions; other methods, one call
+        per step."""
         plan, count, k = self._plan, len(targets), targets[0].shape[1]
         layers, batch, last = together.shape[:3]
         if count == 1 or not plan.pointwise:
             return [plan.scores(Given(together[:, :, :n, index * k:(index + 1) * k].contiguous(),
                                       embed.narrow(1, 0, n), explained, log_probs[index],
-                                      functools.partial(head_logits, n=n)))
+                                      functools.partial(head_logits, n=n), mask.narrow(1, 0, n)))
                     for index, (n, explained) in enumerate(zip(lengths, targets))]
 
         def stacked(values: torch.Tensor) -> torch.Tensor:  # (layers, batch, last, count * m) -> (layers, rows, ...)
@@ -1101,7 +1103,8 @@ class Run:
 
         scores, chosen = plan.scores(Given(
             stacked(together), embed.expand(count, -1, -1).reshape(count * batch, last), torch.cat(targets),
-            None if log_probs[0] is None else torch.cat(log_probs), stacked_logits))
+            None if log_probs[0] is None else torch.cat(log_probs), stacked_logits,
+            mask.expand(count, -1, -1).reshape(count * batch, last)))
         each = {name: value.view(layers, count, batch, *value.shape[2:]).unbind(1) for name, value in scores.items()}
         return [({name: values[index].narrow(2, 0, n) for name, values in each.items()}, explained)
                 for index, (n, explained) in enumerate(zip(lengths, chosen.view(count, batch, *chosen.shape[1:])

@@ -43,6 +43,9 @@ class Given:
     #: ``head_logits(ids)``: raw HoT(h_i^l)[ids] for other ids (rows, m) -> float32 (layers, rows, seq, m), one
     #: gather of m rows of the head per layer and token (what LogAt costs per target)
     head_logits: Callable[[torch.Tensor], torch.Tensor]
+    #: bool (rows, seq): True at the row's real tokens, False at padding (a method that reads other positions, as a
+    #: mean over the row, leaves padding out with it)
+    mask: torch.Tensor
     #: True for a regression head: ``logat`` is then |HoT(h_i^l) − HoT(h_p^L)|, and ``head_logits(targets)`` the raw
     #: HoT(h_i^l)[y]
     regression: bool = False

@@ -49,7 +49,7 @@ def _versions(given: Given) -> dict[str, int]:
     """The version counter (bumped by every in-place change) of each of ``given``'s tensors, by field; torch keeps
     none for a tensor made under ``torch.inference_mode``."""
     tensors = {"logat": given.logat, "embed_norm": given.embed_norm, "targets": given.targets,
-               "log_probs": given.log_probs}
+               "log_probs": given.log_probs, "mask": given.mask}
     return {name: tensor._version for name, tensor in tensors.items()
             if tensor is not None and not tensor.is_inference()}
 

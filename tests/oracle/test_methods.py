@@ -152,6 +152,47 @@ def test_a_method_that_changes_its_given_tensors_in_place_is_refused_in_one_line
     assert probe.calls[0].steps == [] and "'test_clamps' changed given.logat in place" in probe.calls[0].error
 
 
+class LogitGap(Method):
+    """docs/methods.md's example of a method that is not pointwise: LogAt minus the mean over the row's real tokens."""
+
+    name = "test_logit_gap"
+    description = "LogAt minus the mean LogAt of the row's tokens at that layer (tests/oracle/test_methods.py)"
+
+    def score(self, given: Given) -> torch.Tensor:
+        real = given.mask[None, :, :, None]
+        mean = given.logat.where(real, 0).sum(dim=2, keepdim=True) / real.sum(dim=2, keepdim=True)
+        return given.logat - mean
+
+
+def test_a_method_is_given_the_padding_mask_of_a_batch_and_a_generation(lm):
+    """``given.mask`` (False at padding): a left-padded row's mean over its real tokens is the oracle's of the text
+    alone, in a batched forward and in each step of a batched ``generate`` (Given had no mask: the documented
+    example averaged over padding)."""
+    model, tok = lm[0], tiny.tokenizer()
+    tok.padding_side = "left"
+    texts = ["bad plot", "the film was very good and the plot was great"]
+    enc = tok(texts, return_tensors="pt", padding=True, return_token_type_ids=False)
+    real = enc["attention_mask"][0].bool()
+    alone = enc["input_ids"][:1, real]
+
+    def gap(logat: torch.Tensor) -> torch.Tensor:  # (L+1, seq) of the text alone
+        return logat - logat.mean(-1, keepdim=True)
+
+    with torch.no_grad(), nxl.attach(model, methods=[LogitGap()], target=7) as probe:
+        model(**enc)
+    logits, _ = _lm_oracle(model, alone)
+    torch.testing.assert_close(probe.result().scores[LogitGap.name][:, 0][:, real], gap(logits[:, 0, :, 7]),
+                               atol=1e-5, rtol=1e-4)
+    with nxl.attach(model, methods=[LogitGap()]) as probe:
+        sequences = model.generate(**enc, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    logits, _ = _lm_oracle(model, sequences[:1, torch.cat([real, torch.ones(3, dtype=torch.bool)])])
+    for step in probe.steps:
+        kept = torch.cat([real, torch.ones(step.step, dtype=torch.bool)])
+        n, token = int(kept.sum()), int(step.token[0])
+        torch.testing.assert_close(step.scores[LogitGap.name][:, 0][:, kept], gap(logits[:, 0, :n, token]),
+                                   atol=1e-5, rtol=1e-4)
+
+
 def test_the_cli_ranks_by_a_registered_method(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
     path = tiny.save_model(tmp_path / "lm", "llama", seed=0)
