@@ -819,6 +819,8 @@ class Run:
             if refilled is None:
                 raise RuntimeError("the probe was detached while the call ran")
             self._replay_chunk(sequences, mask, *refilled, low, high, start, emitting, end)
+            if self.failed:  # its scoring failed in this thread (said): nothing after it is recorded, nor re-run
+                return
         self._pending = True
 
     def _replay_chunk(self, sequences: torch.Tensor, mask: torch.Tensor, capture: Capture, logits: torch.Tensor,

@@ -766,3 +766,33 @@ def test_a_compiled_calls_own_position_ids_are_run_again_as_generate_continued_t
                                    rtol=1e-4, atol=1e-5)
         expected = run.logits[:, -1].log_softmax(-1).gather(-1, step.token[:, None])[:, 0].exp()
         torch.testing.assert_close(step.probability, expected, rtol=1e-4, atol=1e-6)
+
+
+def test_a_compiled_calls_records_stop_where_a_methods_failure_stops_them(monkeypatch):
+    """A compiled call's steps, recorded when it returns by running the model again over them two positions at a
+    time, whose method fails at step 2 alone (scored in the calling thread): the call keeps steps before it and none
+    after (the later chunks still ran and their steps were kept, after an error saying the records had stopped),
+    each kept one equal to the oracle."""
+    from nxl_hooks.hooks import generate
+    from nxl_hooks.method.protocol import Given, Method
+
+    class AtEight(Method):
+        name = "test_at_eight"
+        description = "LogAt; raises for a context of 8 positions alone (tests/oracle/test_compiled.py)"
+        pointwise = True
+
+        def score(self, given: Given) -> torch.Tensor:
+            if given.logat.shape[2] == 8:
+                raise RuntimeError("context 8 refused")
+            return given.logat.clone()
+
+    monkeypatch.setattr(generate, "REFILL_POSITIONS", 2)
+    model = tiny.generating_llama(seed=3)
+    ids, mask = _prompt()  # 6 positions: step 2's context is 8
+    with nxl.attach(model, methods=[AtEight()]) as probe:
+        _static(model, ids, mask, tiny.cpu_compile(backend="eager"))
+    (call,) = probe.calls
+    kept = [step.step for step in call.steps]
+    assert call.error == "context 8 refused" and not call.complete
+    assert kept == list(range(len(kept))) and len(kept) <= 2, kept
+    check_steps(model, call)
