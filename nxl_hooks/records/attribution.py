@@ -419,9 +419,6 @@ class Attribution:
             res = cls(scores=stored_scores(stored), **tensors, layers=header.get("layers"), tokens=header.get("tokens"), meta=header.get("meta", {}),
                       **{name: header[name] for name in _OPTIONAL_HEADER if name in header})
             res.check()
-            # every file save writes has it; without it top() and layer(-1) could not count layers from the end
-            _require(res.meta.get("n_blocks") is not None, "meta['n_blocks'] (the model's block count, which negative "
-                     "layers count from) is missing: add it to the header's meta, as Attribution.save writes it")
         except RecordError as err:
             raise RecordError(f"{path}: {err}") from None
         except OSError:
