@@ -1251,7 +1251,9 @@ class Generations:
         """A call record whose error says ``not recorded: why`` (``why``: ``error``, which names what makes it
         recordable); logs one line unless ``log`` is False (the caller said it once for many calls). The same
         text becomes :attr:`notice`'s."""
-        text = f"not recorded: {reason(what, error) if log else one_line(error)}"
+        if log:
+            reason(what, error)
+        text = f"not recorded: {described(error)}"
         self.notice.unrecorded(text, log=False)
         self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name,
                        model=self.plan.name, error=text)

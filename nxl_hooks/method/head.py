@@ -100,22 +100,23 @@ class _RmsFold:
         return torch.rsqrt(norm.square() / hidden.shape[-1] + self.eps)
 
 
-def _weights_state(module: nn.Module) -> tuple[tuple[nn.Parameter, int | None], ...]:
-    """What changes when ``module``'s weights do (trained, loaded while attached): each one, held, and its version
-    (inference tensors keep no version: the tensor alone). Held, not by id(): a weight replaced twice may be given
-    the address, so the id, of the first, at the same version. Compare with :func:`_same_weights`."""
+def _weights_state(module: nn.Module) -> tuple[tuple[weakref.ref, int | None], ...]:
+    """What changes when ``module``'s weights do (trained, loaded while attached): each one, by a weak reference, and
+    its version (inference tensors keep no version: the tensor alone). Not by id(): a weight replaced twice may be
+    given the address, so the id, of the first, at the same version; weakly, so that a replaced weight (a large
+    shard) is not kept alive by the state. Compare with :func:`_same_weights`."""
     state = []
     for parameter in module.parameters():
         try:
-            state.append((parameter, parameter._version))
+            state.append((weakref.ref(parameter), parameter._version))
         except RuntimeError:
-            state.append((parameter, None))
+            state.append((weakref.ref(parameter), None))
     return tuple(state)
 
 
 def _same_weights(state: tuple, now: tuple) -> bool:
     """Whether two :func:`_weights_state` of a module hold the same weights at the same versions."""
-    return len(state) == len(now) and all(kept is weight and version == current
+    return len(state) == len(now) and all(kept() is not None and kept() is weight() and version == current
                                           for (kept, version), (weight, current) in zip(state, now))
 
 
