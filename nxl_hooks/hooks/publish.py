@@ -381,6 +381,7 @@ class Hub:
             # each record handed on just before the callback gets it: one that raises (the call's records stop
             # there) leaves its call with the records it was handed, its own the last, as one per batch would
             for index, step in enumerate(on_host(batch.records(), texts)):
+                call.claim(step)  # its call's flags for the callback's to_attribution(), whatever the publisher did
                 self._submit(_StepItem(call, (step,), batch, None, (), 1), records=1)
                 batch.handed(index + 1)
                 self._on_step(step)

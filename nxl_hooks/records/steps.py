@@ -325,12 +325,17 @@ class GenerationCall:
             if step._call is None or step._call() is None:
                 step._call = weakref.ref(self)
 
+    def claim(self, step: Step) -> None:
+        """Make ``step`` this call's before :meth:`link` gives it its texts (in another thread, later): an
+        ``on_step`` callback's ``step.to_attribution()`` leaves out the call's special and template tokens."""
+        step._call = weakref.ref(self)
+
     def link(self, step: Step) -> None:
         """Give ``step`` the readable texts of its context (the prompt's, then each earlier step's token; ``@N``
         where a step was not seen: a rotated file deleted it) and add its own token's:
         ``step.to_attribution().top(3)`` then names tokens by their text. Called once per step, in order, by the
         probe's hub and by :func:`~nxl_hooks.records.reader.read_stream`."""
-        step._call = weakref.ref(self)
+        self.claim(step)
         if self.readable is None or step.readable is None or len(step.readable) != len(self.readable):
             return
         if self._context is None:

@@ -1143,3 +1143,31 @@ def test_a_step_read_back_ranks_as_its_call_does_without_special_tokens(tmp_path
         step = call.steps[0]
         assert [text for _, text, _ in step.to_attribution().top(6)] == expected
         assert step.to_attribution().top(6) == call.attribution(step).top(6)
+
+
+def test_an_on_step_callbacks_step_ranks_without_special_tokens(monkeypatch):
+    """``step.to_attribution()`` inside an ``on_step`` callback leaves out the call's special tokens whatever the
+    publisher thread has done: here it delivers (links) no step before the callback has looked (it was linked only
+    there, so the callback's ranking held [CLS] or not by timing)."""
+    from nxl_hooks.hooks.publish import Hub
+
+    looked, deliver = threading.Event(), Hub._deliver
+
+    def late(hub, call, step):
+        looked.wait(60)
+        deliver(hub, call, step)
+
+    monkeypatch.setattr(Hub, "_deliver", late)
+    model, tok = tiny.build_model("llama"), tiny.tokenizer()
+    model.generation_config.eos_token_id = None
+    enc = tok(["the film was very"], return_tensors="pt")  # [CLS] the film was very [SEP]
+    ranked = []
+
+    def on_step(step: nxl.Step) -> None:
+        ranked.append([position for position, _, _ in step.to_attribution().top(6)])
+        looked.set()
+
+    with torch.no_grad(), nxl.attach(model, tokenizer=tok, on_step=on_step) as probe:
+        model.generate(**enc, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    assert ranked and sorted(ranked[0]) == [1, 2, 3, 4]  # neither [CLS] (0) nor [SEP] (5)
+    assert ranked[0] == [position for position, _, _ in probe.calls[0].attribution(probe.calls[0].steps[0]).top(6)]
