@@ -43,12 +43,18 @@ class Given:
     #: ``head_logits(ids)``: raw HoT(h_i^l)[ids] for other ids (rows, m) -> float32 (layers, rows, seq, m), one
     #: gather of m rows of the head per layer and token (what LogAt costs per target)
     head_logits: Callable[[torch.Tensor], torch.Tensor]
-    #: bool (rows, seq): True at the row's real tokens, False at padding (a method that reads other positions, as a
-    #: mean over the row, leaves padding out with it)
-    mask: torch.Tensor
+    #: bool (rows, seq), on ``logat``'s device: True at the row's real tokens, False at padding (a method that reads
+    #: other positions, as a mean over the row, leaves padding out with it); a Given made without one (a method's own
+    #: test) has every position real
+    mask: torch.Tensor = None  # type: ignore[assignment]
     #: True for a regression head: ``logat`` is then |HoT(h_i^l) − HoT(h_p^L)|, and ``head_logits(targets)`` the raw
     #: HoT(h_i^l)[y]
     regression: bool = False
+
+    def __post_init__(self) -> None:
+        # (frozen: set once here) the mask where the scores are, whatever device the recorder kept it on
+        mask = self.mask if self.mask is not None else torch.ones(self.logat.shape[1:3], dtype=torch.bool)
+        object.__setattr__(self, "mask", mask.to(self.logat.device))
 
 
 @runtime_checkable

@@ -758,3 +758,12 @@ def test_a_call_whose_batch_was_lost_keeps_that_failure_when_its_end_finds_more(
     logged = [record.getMessage() for record in caplog.records]
     assert f"nxl_hooks: {missed}; the model's own call is unaffected" in logged
     assert not any(missed in line for line in logged if "unaffected" not in line)
+
+
+def test_a_given_made_by_hand_without_a_mask_has_every_position_real():
+    """A method's own unit test may build ``Given`` without ``mask`` (the field came after the others): it builds,
+    every position real, on ``logat``'s device (a required mask broke such tests with a TypeError)."""
+    logat = torch.randn(2, 3, 5, 1)
+    given = Given(logat, torch.rand(3, 5), torch.zeros(3, 1, dtype=torch.long), None, lambda ids: logat)
+    assert given.mask.dtype == torch.bool and given.mask.shape == (3, 5) and bool(given.mask.all())
+    assert given.mask.device == logat.device
