@@ -322,8 +322,8 @@ class GenerationCall:
         a step still linked (a shallow ``copy.copy`` shares the original's steps) stays its call's."""
         self.__dict__.update(state)
         for step in self.steps:
-            if step._call is None or step._call() is None:
-                step._call = weakref.ref(self)
+            if step._linked() is None:
+                self.claim(step)
 
     def claim(self, step: Step) -> None:
         """Make ``step`` this call's before :meth:`link` gives it its texts (in another thread, later): an
