@@ -93,22 +93,25 @@ def layer_index(layer: int, n_blocks: int) -> int:
     return wanted
 
 
+def whole_number(value: Any, refusal: str, below: int | None = None) -> int:
+    """``value`` as an int of 0 or more, and under ``below`` when given (numpy integers too; bools are not numbers
+    here); ValueError(``refusal``) otherwise. ``whole_number(np.int64(2), "...", below=3) == 2``."""
+    number = _integer(value)
+    if number is None or number < 0 or (below is not None and number >= below):
+        raise ValueError(refusal)
+    return number
+
+
 def label_index(label: Any, labels: int, what: str = "this attribution") -> int:
     """``label`` as the index of one of the ``labels`` targets explained per row (``what`` explains them);
     ValueError when it picks none."""
-    index = _integer(label)
-    if index is None or not 0 <= index < labels:
-        raise ValueError(f"label {label!r} is out of range: {what} explains {labels} target(s) per row")
-    return index
+    return whole_number(label, f"label {label!r} is out of range: {what} explains {labels} target(s) per row", labels)
 
 
 def row_index(row: Any, rows: int) -> int:
     """``row`` as the index of one of an attribution's ``rows`` rows (numpy integers too, as ``label``);
     ValueError when it picks none."""
-    index = _integer(row)
-    if index is None or not 0 <= index < rows:
-        raise ValueError(f"row {row!r} is out of range: this attribution has {rows} row(s)")
-    return index
+    return whole_number(row, f"row {row!r} is out of range: this attribution has {rows} row(s)", rows)
 
 
 def resolve_layers(layers: str | int | Sequence[int], n_blocks: int) -> list[int]:

@@ -15,7 +15,6 @@ anything that does not fit: what it accepts works in ``top()``, ``layer()``, ``t
 from __future__ import annotations
 
 import json
-import numbers
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from safetensors.torch import save as _save_blob
 from ..method.protocol import NAME, check_name
 from ..method.registry import DEFAULT
 from ..method.scores import norm_spread
-from ..method.select import label_index, layer_index, order, rankable, row_index
+from ..method.select import label_index, layer_index, order, rankable, row_index, whole_number
 from .files import too_large, read_regular, write_bytes, write_text
 from .tokens import is_readable, printable, visible
 
@@ -306,8 +305,8 @@ class Attribution:
         left out unless ``all_positions``; NaN ranks last.
         """
         rows, labels = self.normxlogit.shape[1], (self.normxlogit.shape[3] if self.normxlogit.dim() == 4 else 1)
-        if not isinstance(k, numbers.Integral) or k < 0:  # a negative slice would drop the last tokens silently
-            raise ValueError(f"k={k!r}: give how many tokens top() returns, an int of 0 or more")
+        # (a negative slice would drop the last tokens silently)
+        k = whole_number(k, f"k={k!r}: give how many tokens top() returns, an int of 0 or more")
         row = row_index(row, rows)
         label = label_index(label, labels)
         scores = self.layer(layer, method=method)[row]

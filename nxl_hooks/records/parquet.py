@@ -64,7 +64,7 @@ import torch
 from ..method.registry import DEFAULT
 from ..method.select import rankable, special_flags
 from .steps import GenerationCall, Step
-from .writer import _OPEN, _claim_file
+from .writer import claim_file, held
 
 __all__ = ["INSTALL", "ParquetSink", "export_parquet", "pyarrow_module"]
 
@@ -217,7 +217,7 @@ class ParquetSink:
         self._schema: Any = None  # once the methods are known: at the first call, or when the file is closed
         self._file = os.fdopen(_claim_partial(self._partial), "wb")
         self._pid = os.getpid()
-        _OPEN.add(self)  # a child it forks lets go of the file at once (_forked)
+        held(self)  # a child it forks lets go of the file at once (_forked)
         self._writer: Any = None
         self._closed = False
         self._row_group_rows = row_group_rows
@@ -355,11 +355,11 @@ def partial_path(path: str | os.PathLike) -> Path:
 
 def _claim_partial(partial: Path) -> int:
     """``out.parquet.partial``, emptied and held for this writer by the rule of stream files
-    (:func:`~nxl_hooks.records.writer._claim_file`): a live writer's is refused (ValueError, one line); one that a
+    (:func:`~nxl_hooks.records.writer.claim_file`): a live writer's is refused (ValueError, one line); one that a
     writer left when it died (a crash, SIGKILL: no footer, unreadable) is taken over, with one log line. What no
     Parquet writer began (a stream file, anyone's data) is refused (ValueError, one line): never emptied."""
     while True:
-        fd = _claim_file(partial, 0o644, unlocked_if_new=True, readable=True)  # (it empties what it takes)
+        fd = claim_file(partial, 0o644, unlocked_if_new=True, readable=True)  # (it empties what it takes)
         try:
             held = os.fstat(fd)
             with contextlib.suppress(FileNotFoundError):

@@ -160,8 +160,8 @@ def stream_bytes(call: GenerationCall, meta: dict) -> bytes:
 
 
 def _open(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
-    """A new (or emptied) stream file holding only the file magic, held for this writer (:func:`_claim_file`)."""
-    fd = _claim_file(path, mode, follow_symlinks=follow_symlinks)
+    """A new (or emptied) stream file holding only the file magic, held for this writer (:func:`claim_file`)."""
+    fd = claim_file(path, mode, follow_symlinks=follow_symlinks)
     try:
         os.ftruncate(fd, 0)
         _write_all(fd, _FILE_MAGIC)
@@ -171,7 +171,7 @@ def _open(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
     return fd
 
 
-def _claim_file(path: Path, mode: int, *, follow_symlinks: bool = False, unlocked_if_new: bool = False,
+def claim_file(path: Path, mode: int, *, follow_symlinks: bool = False, unlocked_if_new: bool = False,
                 readable: bool = False) -> int:
     """A descriptor of the regular file ``path`` (created when missing, left as it is: the caller empties it), open
     for writing and locked for this writer (:func:`_claim`): one that another writer holds is refused (ValueError) and
@@ -277,7 +277,7 @@ class Sink:
         self._seq = 0  # the next frame's number in the current file
         self._reached = 0  # the file offset the last write that failed reached (PartlyWritten)
         self._pid = os.getpid()
-        _OPEN.add(self)
+        held(self)
 
     def _forked(self) -> None:
         """In a child just forked (one thread): its copy of the descriptor goes, so that the lock on the file ends
@@ -366,7 +366,7 @@ class Sink:
 
 
 class _Held(Protocol):
-    """A writer holding a :func:`_claim_file` descriptor (a :class:`Sink`, a ParquetSink)."""
+    """A writer holding a :func:`claim_file` descriptor (a :class:`Sink`, a ParquetSink)."""
 
     def _forked(self) -> None:
         """In a forked child: let go of the descriptor, so that the file's lock ends with its writer."""
@@ -374,6 +374,11 @@ class _Held(Protocol):
 
 #: The writers of this process: a child it forks lets go of their descriptors at once (:meth:`_Held._forked`).
 _OPEN: "weakref.WeakSet[_Held]" = weakref.WeakSet()
+
+
+def held(writer: _Held) -> None:
+    """Count ``writer`` among this process's writers: a child it forks lets go of its descriptor at once."""
+    _OPEN.add(writer)
 
 
 def _after_fork() -> None:

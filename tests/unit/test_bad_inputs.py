@@ -280,6 +280,7 @@ RESULT_CALLS = cases(
     ("top row tensor", lambda r: r.top(row=torch.tensor(0)), r"row tensor\(0\) is out of range"),  # as label=
     ("top k -1", lambda r: r.top(-1), "k=-1: give how many tokens top.. returns, an int of 0 or more"),
     ("top k 2.0", lambda r: r.top(2.0), "k=2.0: give how many tokens"),
+    ("top k True", lambda r: r.top(True), "k=True: give how many tokens"),  # a bool is no count, as row= and label=
     ("top label 1", lambda r: r.top(label=1), "label 1 is out of range: this attribution explains 1 target"),
     ("top layer 1", lambda r: r.top(layer=1), r"layer 1 was not captured; captured layers: \[0, 2\]"),
     ("top layer 'x'", lambda r: r.top(layer="x"), "layer 'x' is not an int"),

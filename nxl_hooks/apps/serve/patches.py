@@ -22,6 +22,7 @@ import threading
 from types import ModuleType
 from typing import Any
 
+from ...hooks.engines.vllm import V2_RUNNER_MODULE
 from ...hooks.guard import logger, one_line, reason
 from .controller import controller
 
@@ -117,7 +118,7 @@ def _adopt(model: Any, name: str) -> None:
 #: The model runner classes whose ``load_model`` is wrapped, by the module that defines each: V1's, followed, and
 #: V2's (the CPU's V2 runner is a subclass), whose requests are each said not recorded.
 _RUNNERS = {"vllm.v1.worker.gpu_model_runner": "GPUModelRunner", "vllm.v1.worker.cpu_model_runner": "CPUModelRunner",
-            "vllm.v1.worker.gpu.model_runner": "GPUModelRunner"}
+            V2_RUNNER_MODULE: "GPUModelRunner"}
 
 
 def patch_vllm_runner(module: ModuleType) -> None:

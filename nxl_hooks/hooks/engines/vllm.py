@@ -59,7 +59,7 @@ import torch
 from torch import nn
 
 from ...method.scores import row_norms
-from ..guard import logger, one_line, reason
+from ..guard import described, logger, reason
 from ..generate import EAGER, Generations, Run, eager
 from .buffers import Buffers
 
@@ -110,6 +110,8 @@ _SETTINGS = {"enable_prefix_caching": (False, "prefix caching off (a cached pref
 #: vLLM's choice of model runner: its V2 runner (vLLM's own choice wherever Triton is, so on every CUDA install,
 #: since 0.25) is not followed (:func:`_refusal`), so recording asks for the V1 runner unless the user chose.
 _V2_RUNNER = "VLLM_USE_V2_MODEL_RUNNER"
+#: The module defining that V2 runner (CPU's V2 runner subclasses its class).
+V2_RUNNER_MODULE = "vllm.v1.worker.gpu.model_runner"
 
 
 def recording_engine_args(args: Any) -> list[str]:
@@ -237,7 +239,7 @@ _FOLLOWED = {("vllm.model_executor.models.llama", "LlamaForCausalLM"): "Llama",
 
 def _refusal(runner: Any, model: nn.Module) -> str | None:
     """Why the view cannot follow vLLM's ``model``, loaded by ``runner``, or None."""
-    if any(base.__module__ == "vllm.v1.worker.gpu.model_runner" for base in type(runner).__mro__):
+    if any(base.__module__ == V2_RUNNER_MODULE for base in type(runner).__mro__):
         return (f"vLLM's V2 model runner is not followed, so vLLM serves unrecorded: set {_V2_RUNNER}=0 (nxl run "
                 "sets it unless it is set; a vLLM feature that needs the V2 runner cannot be recorded)")
     cls = type(model)
@@ -535,7 +537,7 @@ class VllmEngine:
                     "merged into the model")
             except Exception as error:  # noqa: BLE001 - vLLM says its own failure to load it, if any
                 self._adapters[key] = (f"its LoRA adapter {adapter.lora_name!r} could not be read "
-                                       f"({type(error).__name__}: {one_line(error)}), so whether it changes lm_head, "
+                                       f"({described(error)}), so whether it changes lm_head, "
                                        "which the head nxl_hooks scores with does not hold, is unknown")
         if self._adapters[key] is not None:
             raise RuntimeError(self._adapters[key])
