@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from ..records.files import read_regular, replacing, unwritable, write_text
+from ..records.files import json_value, read_regular, replacing, unwritable, write_text
 from .options import check_apart, check_output_folder
 
 __all__ = [
@@ -88,22 +88,12 @@ def _evidence(value: Any) -> list[str] | None:
     if isinstance(value, str):
         text = value.strip()
         if text.startswith("["):
-            value = _json(text)
+            value = json_value(text)
         else:
             return [word for word in re.split(r"[\s,|]+", text) if word]
     if not isinstance(value, list) or not all(isinstance(word, str) for word in value):
         raise ValueError(f"evidence must be a list of words or a string of words, got {value!r}")
     return value or None
-
-
-def _json(text: str | bytes) -> Any:
-    """``json.loads``, with a nesting too deep for Python's parser as a ValueError like any other bad JSON."""
-    try:
-        return json.loads(text)
-    except RecursionError:
-        raise ValueError("nested too deeply to read") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(err.msg) from None
 
 
 def _file_text(path: Path) -> str:
@@ -130,7 +120,7 @@ def _file_rows(path: Path) -> Iterator[tuple[str, Mapping[str, Any]]]:
     for line, content in enumerate(text.split("\n"), start=1):
         if content.strip():
             try:
-                yield f"{path}:{line}", _json(content)
+                yield f"{path}:{line}", json_value(content)
             except ValueError as err:
                 raise ValueError(f"{path}:{line} is not valid JSON ({err}); one JSON object per line") from None
 
@@ -245,7 +235,7 @@ def _complete_lines(path: Path) -> tuple[list[dict[str, Any]], int]:
     for number, line in enumerate(data[:end].splitlines(), start=1):
         if line.strip():
             try:
-                record = _json(line)
+                record = json_value(line)
             except ValueError:
                 record = None
             if not isinstance(record, dict) or not isinstance(record.get("index"), int):

@@ -12,13 +12,14 @@ when the write fails.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import stat
 import tempfile
 from pathlib import Path
-from typing import BinaryIO, Iterator
+from typing import Any, BinaryIO, Iterator
 
-__all__ = ["CHUNK", "file_kind", "not_a_folder", "read_regular", "replacing", "too_large", "unwritable", "write_bytes",
+__all__ = ["CHUNK", "file_kind", "json_value", "not_a_folder", "read_regular", "replacing", "too_large", "unwritable", "write_bytes",
            "write_text"]
 
 #: Bytes per read (and per checksum) of a user file: Ctrl-C is seen between two chunks, never after a huge one.
@@ -136,6 +137,21 @@ def read_regular(path: str | Path, error: type[Exception] = ValueError, *, follo
         return data
     finally:
         os.close(fd)
+
+
+def json_value(text: str | bytes | bytearray) -> Any:
+    """``json.loads`` of text from outside (a user's file, another process's answer, a request body): whatever is
+    not JSON is a ValueError with a short reason and no Python internals, nesting too deep for Python's parser
+    (``[[[[...``, a RecursionError, not a ValueError) and bytes that are not UTF-8 included.
+    ``json_value(b"[" * 200000)`` raises ValueError("nested too deeply to read")."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested too deeply to read") from None
+    except json.JSONDecodeError as err:
+        raise ValueError(err.msg) from None
+    except UnicodeDecodeError:
+        raise ValueError("not UTF-8 text") from None
 
 
 def too_large(path: str | Path, size: int) -> str:

@@ -505,3 +505,27 @@ def test_an_answer_of_another_shape_is_one_line_and_the_run_folder_goes(tmp_path
     assert "answered the attach with a status of another shape" in _refused(capsys, "attach", "4242", "--sink",
                                                                             str(run))
     assert not run.exists()
+
+
+@pytest.mark.parametrize("command", ["attach", "detach"])
+def test_an_answer_nested_too_deep_is_one_line(tmp_path, capsys, monkeypatch, command):
+    """The result file is written by the target's side, in a folder its user was handed: 200,000 '[' (a regular
+    file under the 1 MiB read) was a RecursionError traceback out of root's nxl attach / nxl detach."""
+    from nxl_hooks.apps.serve import inject as injection
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir(mode=0o700)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    monkeypatch.setattr(injection, "inspect_target", lambda pid: Target(pid, os.geteuid(), os.getegid(),
+                                                                        sys.executable, (3, 11)))
+
+    def answer_nested(target, bootstrap, patience):  # the target's side: answers, then claims the request
+        (request,) = tmp.glob("nxl-attach-*/request.json")
+        (request.parent / "request.json.result").write_text("[" * 200_000)
+        request.rename(request.parent / "taken")
+
+    monkeypatch.setattr(injection, "_queue", answer_nested)
+    run = tmp_path / "run"
+    err = _refused(capsys, command, str(os.getpid()), *(["--sink", str(run)] if command == "attach" else []))
+    assert "the answer of the attached process could not be read (nested too deeply to read)" in err
+    assert not run.exists()

@@ -487,7 +487,8 @@ def test_without_run_the_callers_one_live_run_is_chosen_never_a_dead_one(model, 
 class _NotNxl:
     """An HTTP server on 127.0.0.1 that is no nxl_hooks endpoint (``page``: a web page on every path), or one whose
     event stream ends at once (``ended``: as a recorded process that exits does), whose answers are cut short
-    (``cut``: the process died while answering), whose status is not one (``odd status``), or that never answers
+    (``cut``: the process died while answering), whose status is not one (``odd status``) or is nested too deep for
+    Python's parser (``nested``), or that never answers
     (``silent``: a stopped process)."""
 
     def __init__(self, kind: str) -> None:
@@ -509,6 +510,8 @@ class _NotNxl:
                     return
                 if kind == "page":
                     body, kind_of = b"<html>hello</html>", "text/html"
+                elif kind == "nested" and self.path.startswith("/v1/status"):
+                    body, kind_of = b"[" * 200_000, "application/json"
                 elif kind == "odd status" and self.path.startswith("/v1/status"):
                     body, kind_of = json.dumps({"pid": 1, "paused": False, "models": [{"layers": 5}]}).encode(), \
                         "application/json"
@@ -537,10 +540,11 @@ class _NotNxl:
 
 
 @pytest.mark.parametrize("command, kind", [(["ctl", "status"], "cut"), (["tail", "--last", "1"], "cut"),
-                                           (["ctl", "status"], "odd status"), (["tail"], "silent")])
+                                           (["ctl", "status"], "odd status"), (["ctl", "status"], "nested"),
+                                           (["tail"], "silent")])
 def test_tail_and_ctl_say_in_one_line_when_an_answer_is_cut_odd_or_never_comes(capsys, monkeypatch, command, kind):
-    """A process that dies while it answers, a status of another shape, a stopped process: one line and exit 2
-    (they were tracebacks, or nxl tail waited forever, silent). A live process's stream is never silent that long:
+    """A process that dies while it answers, a status of another shape or nested 200,000 deep, a stopped process:
+    one line and exit 2 (they were tracebacks, or nxl tail waited forever, silent). A live process's stream is never silent that long:
     it sends a comment every KEEPALIVE seconds."""
     from nxl_hooks.apps.serve import endpoint
 
@@ -555,7 +559,8 @@ def test_tail_and_ctl_say_in_one_line_when_an_answer_is_cut_odd_or_never_comes(c
     assert time.monotonic() - started < 5
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "Traceback" not in err[0] and server.url in err[0], err
-    assert {"cut": "cut short", "odd status": "not an nxl_hooks control endpoint", "silent": "timed out"}[kind] in err[0]
+    assert {"cut": "cut short", "odd status": "not an nxl_hooks control endpoint", "silent": "timed out",
+            "nested": "not an nxl_hooks control endpoint"}[kind] in err[0]
 
 
 @pytest.mark.parametrize("command", [["tail"], ["ctl", "status"]])

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
+from ...records.files import json_value
 from ..options import CliError, say
 from .runs import live_sockets, peer_uid, read_token
 
@@ -101,14 +102,14 @@ class Endpoint:
         if status != 200:
             raise self._refused(status, data)
         try:
-            return json.loads(data or b"null")
+            return json_value(data or b"null")
         except ValueError:
             raise self._foreign(f"it answered {status} with no JSON") from None
 
     def _refused(self, status: int, data: bytes) -> CliError:
         """What an answer other than 200 says: the endpoint's own error, else that it is none of nxl_hooks'."""
         try:
-            value = json.loads(data or b"null")
+            value = json_value(data or b"null")
         except ValueError:
             value = None
         if not isinstance(value, dict) or not isinstance(value.get("error"), str):
@@ -141,7 +142,11 @@ class Endpoint:
             line = raw.decode().rstrip("\r\n")
             if not line:
                 if data:
-                    yield event, json.loads("\n".join(data))
+                    try:
+                        value = json_value("\n".join(data))
+                    except ValueError:
+                        raise self._foreign(f"it sent a {event!r} event that is not JSON") from None
+                    yield event, value
                 event, data = "message", []
             elif line.startswith("event:"):
                 event = line[6:].strip()

@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from ...records.files import json_value
 from ...records.reader import read_stream
 from ...records.steps import GenerationCall, Step
 from ...hooks.subscription import Subscription
@@ -212,10 +213,9 @@ class _Handler(BaseHTTPRequestHandler):
     def body(self) -> dict:
         """The request body as a JSON object (400 when it is not one)."""
         try:
-            value = json.loads(self.request_body or b"{}")
-        except (ValueError, RecursionError) as error:  # ValueError: not JSON, not UTF-8; RecursionError: nested
-            reason = error.msg if isinstance(error, json.JSONDecodeError) else "not UTF-8 text, or nested too deep"
-            raise _BadRequest(400, f"the body is not a JSON object: {reason}") from None
+            value = json_value(self.request_body or b"{}")
+        except ValueError as error:
+            raise _BadRequest(400, f"the body is not a JSON object: {error}") from None
         if not isinstance(value, dict):
             raise _BadRequest(400, "the body must be a JSON object")
         return value

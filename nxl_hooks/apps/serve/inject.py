@@ -61,7 +61,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...records.files import read_regular
+from ...records.files import json_value, read_regular
 from ..options import CliError
 
 __all__ = ["Target", "bootstrap_source", "inject", "injector_command", "inspect_target", "permission_refusal",
@@ -558,7 +558,7 @@ def _answer(folder: int, name: str) -> dict:
     """The target's answer: a small regular file of the folder open as ``folder``, not followed through a link
     (the folder may be the target owner's, and this may run as root)."""
     try:
-        answer = json.loads(read_regular(name, follow_symlinks=False, max_bytes=1 << 20, dir_fd=folder))
+        answer = json_value(read_regular(name, follow_symlinks=False, max_bytes=1 << 20, dir_fd=folder))
         if not isinstance(answer, dict):
             raise ValueError("not a JSON object")
         return answer
