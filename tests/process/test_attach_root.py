@@ -292,6 +292,61 @@ def test_sink_hands_over_only_a_folder_nxl_made_and_takes_it_back_on_failure(use
     assert _ownership(*paths) == before and sorted(os.listdir(existing)) == ["link", "root-file", "run"]
 
 
+
+NOBODY = 65534
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to attach for another uid (65534)")
+def test_a_folder_planted_above_the_sink_while_it_is_made_is_refused_never_followed(tmp_path, capsys, monkeypatch):
+    """--sink STICKY/race/run, with race missing: another user plants STICKY/race (a link) right after nxl attach's
+    checks. Root made the run folder through it, and its clean-up removed by path, through wherever the link led
+    by then (here: root's own folder). Now every missing folder is made in the one above, held open: the link
+    makes the attach refused, nothing is made or removed through it. With no link, what a failed attach made goes
+    (through the descriptors held), after the run folder alone was handed over."""
+    from nxl_hooks.apps.commands import attach
+    from nxl_hooks.apps.serve import inject as injection, runs
+    from nxl_hooks.apps.serve.inject import Target
+
+    sticky, chosen, precious = tmp_path / "sticky", tmp_path / "chosen", tmp_path / "precious"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    chosen.mkdir()
+    (precious / "run").mkdir(parents=True)
+    (precious / "run" / "roots-data").write_text("root's")
+    link, target = sticky / "race", Target(4242, NOBODY, NOBODY, sys.executable, (3, 11))
+    monkeypatch.setattr(injection, "inspect_target", lambda pid: target)
+    handed = []
+    monkeypatch.setattr(injection, "inject", lambda *args, **kwargs: (
+        handed.append(_ownership(sticky / "made", sticky / "made" / "run")), {"ok": False, "error": "refused"})[1])
+    check_parents, prepare_run = runs.check_parents, attach.prepare_run
+
+    def plant(path: str) -> None:
+        link.unlink(missing_ok=True)
+        link.symlink_to(path)
+        os.lchown(link, NOBODY, NOBODY)
+
+    def check_then_plant(folder):  # the other user, right after the checks
+        check_parents(folder)
+        plant(str(chosen))
+
+    def repoint_then_prepare(*args, **kwargs):  # and again, before the run folder is looked up (and removed)
+        plant(str(precious))
+        return prepare_run(*args, **kwargs)
+
+    monkeypatch.setattr(runs, "check_parents", check_then_plant)
+    monkeypatch.setattr(attach, "prepare_run", repoint_then_prepare)
+    err = _refused(capsys, "attach", "4242", "--sink", str(link / "run"))
+    assert "appeared while nxl attach created it" in err and not handed
+    assert os.listdir(chosen) == [] and os.listdir(precious / "run") == ["roots-data"]
+    assert link.is_symlink()  # the user's: left as it is
+
+    monkeypatch.setattr(runs, "check_parents", check_parents)
+    monkeypatch.setattr(attach, "prepare_run", prepare_run)
+    assert "refused" in _refused(capsys, "attach", "4242", "--sink", str(sticky / "made" / "run"))
+    assert [{path: (uid, mode) for path, (uid, _, mode) in each.items()} for each in handed] == [
+        {sticky / "made": (0, 0o711), sticky / "made" / "run": (NOBODY, 0o700)}]
+    assert sorted(os.listdir(sticky)) == ["race"]  # both taken back
+
 # -- 3. the target's words are escaped in root's terminal ------------------------------------------------------
 
 def test_the_model_name_from_the_target_is_printed_escaped(own_target, shared, capsys):

@@ -15,6 +15,7 @@ import argparse
 import contextlib
 import os
 import shutil
+import stat
 from pathlib import Path
 
 from ..options import CliError, check_output_folder, one_line, positive_seconds, say, seconds
@@ -55,27 +56,27 @@ def run(args: argparse.Namespace) -> int:
     if other and not folder_given:
         raise CliError(f"process {args.pid} runs as uid {target.uid}: pass --sink DIR, a new folder (nxl attach "
                        "creates it and hands it to that user)")
-    created = _create(args.sink, other, target.uid) if folder_given else []
+    made = _create(args.sink, other, target.uid) if folder_given else _Made()
     try:
         settings = prepare_run(args, {})
         folder = settings.run_dir
         if not folder_given:  # the private run folder prepare_run made
-            created = [folder]
-        elif other and folder != created[-1]:  # what is handed over is the very folder made, not another path
+            made.adopt(folder)
+        elif other and not made.is_run(folder):  # what is handed over is the very folder made, not another path
             raise CliError(f"--sink {args.sink} changed while nxl attach made it (it now leads to {folder}); "
                            "nothing was handed over")
-        if other:  # only what nxl made in the folder it made, never through a link
-            for path in (folder / TOKEN, folder):
-                if os.path.lexists(path):
-                    os.chown(path, target.uid, target.gid, follow_symlinks=False)
+        if other:
+            made.hand_over(TOKEN, target.uid, target.gid)
         outcome = inject(target, {"action": "attach", "env": settings.to_env(), "wait": args.wait},
                          timeout=args.timeout, wait=args.wait)
         if not outcome.get("ok"):
             raise CliError(f"process {args.pid}: {outcome.get('error')}")
         models = _attached(args.pid, outcome)
     except BaseException:
-        _remove(created)
+        made.remove()
         raise
+    finally:
+        made.close()
     # another user's run folder and socket are theirs: its endpoint answers them (and root's detach), not root's tail
     viewer = f" as uid {target.uid}" if other else ""
     say(one_line(f"nxl attach: process {args.pid} recorded ({models}); run folder {folder} (live view{viewer}: nxl "
@@ -97,11 +98,78 @@ def _attached(pid: int, outcome: dict) -> str:
                      for m in models)
 
 
-def _create(sink: str, other: bool, uid: int) -> list[Path]:
-    """Make the ``--sink`` folder (0700) and each folder missing above it, and return what was made, outermost
-    first: what a failed attach removes. An existing folder is used as the run folder, as under nxl run, except
-    for another user's process (``other``): its run folder is handed to that user, and nxl hands over only what
-    it made, so the path must not exist yet (and name no link); the folders made above it are root's, 0711."""
+class _Made:
+    """The folders nxl attach made for a run, outermost first, each held open with the folder it was made in.
+    They are reached through those descriptors only, never their paths again: a folder above them that another
+    user made first (in sticky ``/tmp``) may be swapped for a link, and root would make, hand over or remove through
+    it whatever that user chooses."""
+
+    def __init__(self) -> None:
+        self.made: list[tuple[int, str, int]] = []  # (the folder it was made in, its name, itself)
+        self._open: list[int] = []
+
+    def hold(self, name: str | Path, dir_fd: int | None = None, *, follow: bool = False) -> int:
+        """Folder ``name`` (in the folder open as ``dir_fd``) open until :meth:`close`; a link is refused unless
+        ``follow``."""
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | (0 if follow else os.O_NOFOLLOW),
+                     dir_fd=dir_fd)
+        self._open.append(fd)
+        return fd
+
+    def make(self, parent: int, name: str) -> int:
+        """Make folder ``name`` (0700) in the folder open as ``parent`` and return it, open; FileExistsError when
+        something (a link) is there already, CliError when what is there then is not the folder root just made."""
+        os.mkdir(name, 0o700, dir_fd=parent)
+        fd = self.hold(name, parent)
+        info = os.fstat(fd)
+        if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():  # not ours to remove either
+            raise CliError(f"{name} was replaced while nxl attach made it; give a new path")
+        self.made.append((parent, name, fd))
+        return fd
+
+    def adopt(self, folder: Path) -> None:
+        """The run folder prepare_run made (this user's private one), to be taken back the same way."""
+        parent = self.hold(folder.parent, follow=True)
+        self.made.append((parent, folder.name, self.hold(folder.name, parent)))
+
+    def is_run(self, folder: Path) -> bool:
+        """Whether ``folder`` is the innermost folder made (the run folder), not another one its path leads to."""
+        return bool(self.made) and os.path.samestat(os.stat(folder), os.fstat(self.made[-1][2]))
+
+    def hand_over(self, token: str, uid: int, gid: int) -> None:
+        """The run folder, and the token nxl wrote in it, to ``uid``: nothing else, never through a link."""
+        run = self.made[-1][2]
+        with contextlib.suppress(FileNotFoundError):
+            os.chown(token, uid, gid, dir_fd=run, follow_symlinks=False)
+        os.fchown(run, uid, gid)
+
+    def remove(self) -> None:
+        """Take back what a refused attach made: the run folder with its contents, then each (empty) folder
+        above, each in the folder it was made in."""
+        if not self.made:
+            return
+        parent, name, _ = self.made[-1]
+        # /proc/self/fd/N is the folder held, whatever its path leads to now (rmtree takes no dir_fd before 3.11);
+        # rmtree never follows a link out of it
+        shutil.rmtree(f"/proc/self/fd/{parent}/{name}", ignore_errors=True)
+        for parent, name, _ in reversed(self.made[:-1]):
+            with contextlib.suppress(OSError):
+                os.rmdir(name, dir_fd=parent)
+
+    def close(self) -> None:
+        for fd in self._open:
+            os.close(fd)
+        self._open.clear()
+
+
+def _create(sink: str, other: bool, uid: int) -> _Made:
+    """Make the ``--sink`` folder (0700) and each folder missing above it, and return what was made: what a
+    failed attach removes. An existing folder is used as the run folder, as under nxl run, except for another
+    user's process (``other``): its run folder is handed to that user, and nxl hands over only what it made, so
+    the path must not exist yet (and name no link); the folders made above it are root's, 0711.
+
+    The missing folders are listed first, then each is made in the one above, held open (:class:`_Made`): one
+    that appears meanwhile (a link another user plants in sticky ``/tmp``) makes mkdir fail, never followed."""
     from ..serve.runs import check_parents
 
     path = Path(os.path.abspath(check_output_folder(sink, "--sink")))
@@ -110,28 +178,27 @@ def _create(sink: str, other: bool, uid: int) -> list[Path]:
                        f"folder itself and hands only that to its user; give a new path, such as {path / 'attach'}")
     if other and os.path.realpath(path) != str(path):
         raise CliError(f"--sink {sink} goes through a symbolic link: give the real path ({os.path.realpath(path)})")
+    missing = [each for each in (path, *path.parents) if not os.path.lexists(each)][::-1]
     if other:  # a folder above it that another user may write could be swapped for a link while it is made
         try:
             check_parents(path)
         except PermissionError as error:
             raise CliError(f"--sink {sink}: {error}") from None
-    made: list[Path] = []
+    made = _Made()
+    if not missing:
+        return made
     try:
-        for missing in reversed([each for each in (path, *path.parents) if not os.path.lexists(each)]):
-            os.mkdir(missing, 0o700)
-            made.append(missing)
-            if other and missing != path:
-                os.chmod(missing, 0o711)  # the user reaches its run folder through it, and only that
-    except FileExistsError as error:
-        _remove(made)
-        raise CliError(f"--sink {sink}: {error.filename} appeared while nxl attach created it; give a new path")
+        folder = made.hold(missing[0].parent, follow=not other)
+        for each in missing:
+            folder = made.make(folder, each.name)
+            if other and each != path:
+                os.fchmod(folder, 0o711)  # the user reaches its run folder through it, and only that
+    except FileExistsError:
+        made.remove()
+        made.close()
+        raise CliError(f"--sink {sink}: {each} appeared while nxl attach created it; give a new path") from None
+    except BaseException:
+        made.remove()
+        made.close()
+        raise
     return made
-
-
-def _remove(made: list[Path]) -> None:
-    """Take back what a refused attach made: the run folder with its contents, then each (empty) folder above."""
-    if made:
-        shutil.rmtree(made[-1], ignore_errors=True)  # never follows a link out of it
-    for path in reversed(made[:-1]):
-        with contextlib.suppress(OSError):
-            os.rmdir(path)
