@@ -229,6 +229,40 @@ def test_idle_connections_are_bounded_closed_and_never_starve_the_owner(held):
     assert held.process.poll() is None
 
 
+def _ipv6_loopback() -> bool:
+    if not socket.has_ipv6:
+        return False
+    try:
+        with socket.socket(socket.AF_INET6, socket.SOCK_STREAM) as probe:
+            probe.bind(("::1", 0))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback (::1)")
+def test_listen_on_the_ipv6_loopback_serves_http(tmp_path, caplog):
+    """--listen [::1]:PORT is a loopback address docs/security.md allows: it was accepted, its token written, but
+    the HTTP server was AF_INET only, so nothing was ever served (a warning in the program's log the only sign)."""
+    from nxl_hooks.apps.serve.controller import Controller
+    from nxl_hooks.apps.serve.runs import make_run_dir, write_token
+    from nxl_hooks.apps.serve.settings import Settings
+
+    run = make_run_dir(tmp_path / "run")
+    token = write_token(run)
+    controller = Controller(Settings(run_dir=run, listen="[::1]:0"))
+    controller._ensure_endpoint()  # as a model's adoption does
+    server = controller.endpoint
+    try:
+        assert server.address is not None and server.address[0] == "::1", caplog.text
+        address = f"[::1]:{server.address[1]}"
+        status = Endpoint(url=f"http://{address}", token=token).json("GET", "/v1/status", timeout=10)
+        assert status["pid"] == os.getpid() and status["endpoint"]["http"] == address
+        assert _raw(f"::1:{server.address[1]}", _request("GET", "/v1/status", None))[0] == 401  # the token, as on IPv4
+    finally:
+        controller.close()
+
+
 def test_the_bearer_scheme_is_read_in_any_case_and_the_token_exactly(held):
     """RFC 7235: an auth scheme is case-insensitive (`bearer`, `BEARER` were refused); the token is not."""
     token = held.token()

@@ -273,7 +273,15 @@ class _UnixServer(_Listener, socketserver.ThreadingMixIn, socketserver.UnixStrea
 
 
 class _TCPServer(_Listener, ThreadingHTTPServer):
-    pass
+    def __init__(self, address: tuple[str, int], handler: type) -> None:
+        if ":" in address[0]:  # an IPv6 address (--listen [::1]:PORT): ThreadingHTTPServer's socket is AF_INET
+            self.address_family = socket.AF_INET6
+        super().__init__(address, handler)
+
+
+def _host_port(host: str, port: int) -> str:
+    """``host:port`` as --listen takes it: an IPv6 address in brackets (``[::1]:8765``)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 def bind_socket(path: Path, sock: socket.socket) -> None:
@@ -417,7 +425,7 @@ class ControlServer:
 
     def describe(self) -> dict:
         return {"socket": str(self.socket) if self.socket else None,
-                "http": f"{self.address[0]}:{self.address[1]}" if self.address else None}
+                "http": _host_port(*self.address) if self.address else None}
 
     def start(self) -> None:
         """Serve on ``<run folder>/<pid>.sock`` (and ``--listen``'s address), once the run folder passed
