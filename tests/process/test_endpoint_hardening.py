@@ -518,6 +518,30 @@ def test_without_run_the_callers_one_live_run_is_chosen_never_a_dead_one(model, 
                 program.stop(signal.SIGKILL)
 
 
+@as_root
+def test_a_users_folder_another_user_made_first_is_named_with_its_owner_and_a_way_out(tmp_path, capsys, monkeypatch):
+    """Another user made $TMPDIR/nxl-<uid> first (one mkdir in sticky /tmp): nxl run without --sink said "remove
+    it", which this user cannot; nxl ctl without --run said "no live run of yours" while one was live (its list
+    could not be read)."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    tmpdir.chmod(0o1777)
+    squatted = tmpdir / f"nxl-{os.getuid()}"
+    squatted.mkdir(mode=0o700)
+    os.chown(squatted, NOBODY, NOBODY)
+    done = _nxl_run(tmpdir=tmpdir)
+    assert done.returncode == 2 and "ran" not in done.stdout and len(done.stderr.splitlines()) == 1, done.stderr
+    assert f"{squatted} belongs to uid {NOBODY} (another user)" in done.stderr
+    assert "ask them or root to remove it, or pass --sink DIR, or set TMPDIR" in done.stderr
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))
+    monkeypatch.delenv("NXL_RUN_DIR", raising=False)
+    code, out, err = _cli(capsys, "ctl", "status")
+    assert code == 2 and not out and len(err.splitlines()) == 1, err
+    assert "the list of your live runs could not be read" in err and f"belongs to uid {NOBODY}" in err
+    assert "pass --run DIR" in err and "no live run" not in err
+
+
 class _NotNxl:
     """An HTTP server on 127.0.0.1 that is no nxl_hooks endpoint (``page``: a web page on every path), or one whose
     event stream ends at once (``ended``: as a recorded process that exits does), whose answers are cut short

@@ -169,7 +169,12 @@ def choose_run() -> Path:
     """The run folder of this user's one live run: a process alive whose socket answers (dead ones are never
     picked). With several, each is printed on its own line (newest first) and CliError says to pass one."""
     runs: dict[Path, list[tuple[int, float]]] = {}
-    for sock, started in live_sockets():
+    try:
+        live = live_sockets()
+    except PermissionError as error:
+        raise CliError(f"the list of your live runs could not be read ({error}); pass --run DIR, the folder nxl run "
+                       "printed") from None
+    for sock, started in live:
         try:
             if _answers(sock):
                 runs.setdefault(sock.parent, []).append((int(sock.stem), started))

@@ -33,10 +33,14 @@ _TOKEN_BYTES = 4096  # a token file is one line; a larger one is not a token
 
 def _user_dir() -> Path:
     """This user's private folder in the temporary directory (refused if someone else owns it)."""
-    folder = Path(tempfile.gettempdir()) / f"nxl-{os.getuid()}"
+    uid = os.getuid()
+    folder = Path(tempfile.gettempdir()) / f"nxl-{uid}"
     folder.mkdir(mode=0o700, exist_ok=True)
     info = os.lstat(folder)
-    if not stat.S_ISDIR(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+    if info.st_uid != uid:  # made first by another user: in sticky /tmp, not this user's to remove
+        raise PermissionError(f"{folder} belongs to uid {info.st_uid} (another user), not to you (uid {uid}): ask "
+                              "them or root to remove it, or pass --sink DIR, or set TMPDIR to a folder of yours")
+    if not stat.S_ISDIR(info.st_mode) or info.st_mode & 0o077:
         raise PermissionError(f"{folder} is not a private folder of this user: remove it, or pass --sink DIR")
     return folder
 
@@ -182,13 +186,10 @@ def _alive(pid: int) -> bool:
 
 def live_sockets() -> list[tuple[Path, float]]:
     """(socket, time enlisted) of this user's processes that are alive and whose socket is there, newest first.
-    Entries of dead processes are removed here. Whether a socket answers is the client's check."""
-    try:
-        entries = list(_live_dir().iterdir())
-    except PermissionError:
-        return []
+    Entries of dead processes are removed here. Whether a socket answers is the client's check. PermissionError
+    when the list cannot be read (:func:`_user_dir`: another user made the folder first): "none" would be untrue."""
     found = []
-    for entry in entries:
+    for entry in _live_dir().iterdir():
         try:
             sock, started = Path(os.readlink(entry)), os.lstat(entry).st_mtime
         except OSError:
