@@ -42,6 +42,7 @@ __all__ = [
     "head_kind",
     "is_discovered",
     "is_shipped",
+    "is_tested",
     "layer_modules",
     "log_probabilities",
     "readout_outputs",
@@ -136,6 +137,20 @@ def is_shipped(spec: ArchSpec) -> bool:
     """Whether ``spec`` is one of the shipped ``registry/*.toml`` entries (tested per family), not a user's
     registration nor generic discovery: ``is_shipped(specs()["llama"])``."""
     return _SHIPPED.get(id(spec)) is spec
+
+
+#: Where transformers defines its own model classes; remote code loads as ``transformers_modules.*``.
+_TRANSFORMERS_MODELS = "transformers.models."
+
+
+def is_tested(spec: ArchSpec, model: nn.Module) -> bool:
+    """Whether ``spec`` is a shipped entry and ``model``'s class transformers' own class of a model type the entry
+    names: the pairs tested per family against the oracle. A subclass, a remote-code class or any other class may
+    compute its logits otherwise (the ``model_type`` it reuses says nothing of its forward), so a shipped entry is
+    checked against such a model's own numbers as a user's entry is: ``is_tested(specs()["llama"], model)``."""
+    cls = type(model)
+    own_type = getattr(getattr(cls, "config_class", None), "model_type", None)
+    return is_shipped(spec) and cls.__module__.startswith(_TRANSFORMERS_MODELS) and own_type in spec.model_types
 
 
 def is_discovered(spec: ArchSpec) -> bool:

@@ -70,7 +70,8 @@ class Subject:
     @classmethod
     def of(cls, model: nn.Module | Subject) -> Subject:
         """Resolve ``model`` (a Subject is returned as it is): unwrap it, find its registry entry and head kind,
-        build its head, and check a user's registry entry against the model's own numbers, once. Raises
+        build its head, and check its registry entry against the model's own numbers, once, unless it is a shipped
+        entry on a class it is tested for (:func:`~nxl_hooks.arch.registry.is_tested`). Raises
         UnknownArchitectureError / RegistryError / ValueError as :func:`~nxl_hooks.arch.registry.resolve`."""
         if isinstance(model, Subject):
             return model
@@ -78,5 +79,5 @@ class Subject:
         spec, kind = resolve(inner)
         head = Head(inner, spec, kind)
         block_list = blocks(inner, spec)
-        check_numbers(inner, spec, kind, head, block_list)  # a user's registry entry: refused if its numbers are off
+        check_numbers(inner, spec, kind, head, block_list)  # an entry untested on this class: refused if off
         return cls(given=model, model=inner, spec=spec, kind=kind, head=head, blocks=block_list)

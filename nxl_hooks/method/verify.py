@@ -7,9 +7,11 @@ On a small random input (one row of 6 tokens, no pad token) the model runs once 
 block: each block must run exactly once (and each module its ``layer_outputs`` names), and the head-on-top the entry
 describes (:class:`~.head.Head`, applied to h[L], the last block's raw output or what the entry names in its place)
 must equal the model's own logits. The shipped ``registry/*.toml`` entries are tested
-per family against a hand-written oracle (tests/oracle.py) and are not run here, so attach stays cheap for them; a
-user's entry, and generic discovery's guess for a model no entry names (a new family may scale its logits in a way
-no config value tells), are run at their first attach per model class and head kind.
+per family against a hand-written oracle (tests/oracle.py) on transformers' own classes and are not run here for
+them, so attach stays cheap (:func:`~nxl_hooks.arch.registry.is_tested`); a shipped entry on any other class (a
+subclass, remote code reusing the model type), a user's entry, and generic discovery's guess for a model no entry
+names (a new family may scale its logits in a way no config value tells), are run at their first attach per model
+class and head kind.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import threading
 import torch
 from torch import nn
 
-from ..arch.registry import (ArchSpec, HeadKind, RegistryError, UnknownArchitectureError, is_discovered, is_shipped,
+from ..arch.registry import (ArchSpec, HeadKind, RegistryError, UnknownArchitectureError, is_discovered, is_tested,
                              layer_modules, spec_head, split_post_steps, word_embedding)
 from .head import Head
 from .placement import module_device
@@ -66,11 +68,11 @@ def _random_input(model: nn.Module) -> torch.Tensor | None:
 
 
 def check_numbers(model: nn.Module, spec: ArchSpec, kind: str, head: Head, block_list: nn.ModuleList) -> None:
-    """Run a user's registry entry once against ``model`` (the task model), see the module docstring.
+    """Run a registry entry once against ``model`` (the task model), see the module docstring.
 
     Raises :class:`~nxl_hooks.RegistryError` (one line: entry, key, what was found, what was expected)."""
     key = (id(spec), type(model), kind)
-    if is_shipped(spec) or key in _checked:
+    if is_tested(spec, model) or key in _checked:
         return
     ids = _random_input(model)
     if ids is None:

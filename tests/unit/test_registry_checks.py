@@ -5,7 +5,8 @@ a tiny model of its family: every one is refused at attach with one line naming 
 and what was expected, and leaves no hook behind. Some are wrong in kind (blocks that are no ModuleList, head steps
 that are no module, a config value that is a token id), found by looking; the rest look fine and give wrong numbers,
 found by the registry oracle that runs a user's entry once against the model's own logits. Valid user entries still
-attach and equal the hand-written oracle of tests/oracle.py; shipped entries are not run at attach.
+attach and equal the hand-written oracle of tests/oracle.py; shipped entries are not run at attach on the classes
+they are tested for (transformers' own), and are run on any other class.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ import re
 
 import pytest
 import torch
+import transformers as tf
 
 import nxl_hooks as nxl
 from nxl_hooks.arch import registry
 from nxl_hooks.method import verify
-from test_architectures import CASES, TOK, _check_against_oracle, private_registry  # noqa: F401 - a fixture
+from test_architectures import CASES, TOK, Case, _check_against_oracle, private_registry  # noqa: F401 - a fixture
 from tiny import nxl_hooks_on
 
 _MODELS: dict[str, torch.nn.Module] = {}
@@ -345,3 +347,33 @@ def test_a_user_entry_on_the_id_of_a_shipped_one_is_still_checked(private_regist
     monkeypatch.setattr(registry, "id", lambda _: id(shipped), raising=False)
     _register("user_on_shipped_id", model, {"layer_outputs": {1: "model.rotary_emb"}})
     _refused(model, "user_on_shipped_id", "layer_outputs.1", "gives outputs of shape")
+
+
+class ScaledLlamaForCausalLM(tf.LlamaForCausalLM):
+    """A class of its own that reuses the model type 'llama' (as a subclass or remote code does) and scales its
+    logits, which the shipped entry, tested on transformers' own classes, does not describe."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 3.0
+        return out
+
+
+class PlainLlamaForCausalLM(tf.LlamaForCausalLM):
+    """A subclass that computes its logits as LlamaForCausalLM does."""
+
+
+def test_a_shipped_entry_on_a_class_of_its_own_is_checked_against_its_logits():
+    """The shipped entry was not run against a class it was not tested for: a subclass scaling its logits by 3 was
+    recorded with LogAt at l = L a third of its own logit. Now it is refused as a user's entry is; a subclass that
+    keeps the logits attaches (one forward for the check) and equals the oracle; transformers' own class runs none
+    (test_shipped_entries_run_no_forward_at_attach)."""
+    case = CASES["llama-lm"]
+    _refused(Case(case.config, ScaledLlamaForCausalLM, case.oracle).build(), "llama", "heads.causal_lm", _NUMBERS,
+             source=registry.specs()["llama"].source)
+    plain = Case(case.config, PlainLlamaForCausalLM, case.oracle)
+    model = plain.build()
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    _check_against_oracle(plain, model)
+    assert len(forwards) == 2  # the registry oracle's forward at attach, then the test's own
