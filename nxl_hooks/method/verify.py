@@ -11,11 +11,13 @@ per family against a hand-written oracle (tests/oracle.py) on transformers' own 
 them, so attach stays cheap (:func:`~nxl_hooks.arch.registry.is_tested`); a shipped entry on any other class (a
 subclass, remote code reusing the model type), a user's entry, and generic discovery's guess for a model no entry
 names (a new family may scale its logits in a way no config value tells), are run at their first attach per model
-class and head kind.
+class, head kind and config (a config value can change the head-on-top: Gemma 2's softcap).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import threading
 
 import torch
@@ -38,8 +40,10 @@ _TOLERANCE_16BIT = 5e-2
 _POOLED = {"first": 0, "last_non_pad": -1}  # the random input has no pad token
 _POOLED_AT = {"first": "first token (CLS)", "last_non_pad": "last non-pad token"}
 
-_checked: set[tuple[int, type, str]] = set()  # (id of a kept spec, model class, head kind) that passed
-_kept: dict[int, ArchSpec] = {}  # the specs checked, so that their ids stay theirs
+#: (id of the spec, model class, head kind, digest of the config) -> the spec that passed: held, so that its id stays
+#: its own. The config is in the key because the head-on-top depends on it (a softcap set on one model of a class and
+#: not on another): a pass on one config says nothing of another.
+_checked: dict[tuple[int, type, str, str], ArchSpec] = {}
 _lock = threading.Lock()
 
 
@@ -48,6 +52,12 @@ def _block_output(output: object) -> torch.Tensor | None:
     if isinstance(output, (tuple, list)) and output:
         output = output[0]
     return output if isinstance(output, torch.Tensor) else None
+
+
+def _config_digest(model: nn.Module) -> str:
+    """A digest of the model's whole config (sorted JSON; a value JSON cannot hold by its repr)."""
+    text = json.dumps(model.config.to_dict(), sort_keys=True, default=repr)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _random_input(model: nn.Module) -> torch.Tensor | None:
@@ -71,8 +81,10 @@ def check_numbers(model: nn.Module, spec: ArchSpec, kind: str, head: Head, block
     """Run a registry entry once against ``model`` (the task model), see the module docstring.
 
     Raises :class:`~nxl_hooks.RegistryError` (one line: entry, key, what was found, what was expected)."""
-    key = (id(spec), type(model), kind)
-    if is_tested(spec, model) or key in _checked:
+    if is_tested(spec, model):
+        return
+    key = (id(spec), type(model), kind, _config_digest(model))
+    if _checked.get(key) is spec:
         return
     ids = _random_input(model)
     if ids is None:
@@ -121,8 +133,7 @@ def check_numbers(model: nn.Module, spec: ArchSpec, kind: str, head: Head, block
             f"nxl.register_architecture({model.config.model_type!r}, blocks=..., heads=...) naming its head-on-top "
             "step by step, or add a registry/*.toml entry (see docs/adding-an-architecture.md)") from None
     with _lock:
-        _kept[id(spec)] = spec
-        _checked.add(key)
+        _checked[key] = spec
 
 
 def _differs(got: torch.Tensor, expected: torch.Tensor, head: Head) -> float | bool:

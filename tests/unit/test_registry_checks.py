@@ -287,7 +287,7 @@ def test_a_valid_user_entry_attaches_and_equals_the_oracle(private_registry, cas
     _check_against_oracle(case, model)  # one attach, one recorded forward
     assert len(forwards) == 2  # the registry oracle's forward at attach, then the test's own
     _check_against_oracle(case, model)
-    assert len(forwards) == 3  # checked once per entry, model class and head kind: not again
+    assert len(forwards) == 3  # checked once per entry, model class, head kind and config: not again
 
 
 def test_shipped_entries_run_no_forward_at_attach():
@@ -377,3 +377,13 @@ def test_a_shipped_entry_on_a_class_of_its_own_is_checked_against_its_logits():
     model.register_forward_hook(lambda *_: forwards.append(1))
     _check_against_oracle(plain, model)
     assert len(forwards) == 2  # the registry oracle's forward at attach, then the test's own
+
+
+def test_an_entry_is_checked_again_for_a_config_that_changes_its_head(private_registry):
+    """A user's entry passed once per entry, class and head kind: one leaving out Gemma 2's softcap passed on a model
+    with no softcap, then a model of the same class with one was recorded unchecked (LogAt 8.19 where its own logit
+    was 2.0). The config is part of what passed: the second model is refused."""
+    _register("no_softcap", _model("gemma2-lm"), H(LM, NORM, "lm_head"))
+    with nxl.attach(CASES["gemma2-lm"].build(final_logit_softcapping=None), tokenizer=TOK):
+        pass
+    _refused(CASES["gemma2-lm"].build(), "no_softcap", "heads.causal_lm", _NUMBERS)
