@@ -4,9 +4,10 @@ recorded with it, so an entry that gives wrong numbers is refused rather than re
     check_numbers(model, spec, kind, head, block_list)   # RegistryError naming the entry and key, else None
 
 On a small random input (one row of 6 tokens, no pad token) the model runs once with a forward hook on every
-block: each block must run exactly once (and each module its ``layer_outputs`` names), and the head-on-top the entry
-describes (:class:`~.head.Head`, applied to h[L], the last block's raw output or what the entry names in its place)
-must equal the model's own logits. The shipped ``registry/*.toml`` entries are tested
+block: each block must run exactly once; each module its ``layer_outputs`` names too, called with block l's output
+as an argument and its output an argument of block l + 1's call (the data flow seen in the forward, not a shape);
+and the head-on-top the entry describes (:class:`~.head.Head`, applied to h[L], the last block's raw output or what
+the entry names in its place) must equal the model's own logits. The shipped ``registry/*.toml`` entries are tested
 per family against a hand-written oracle (tests/oracle.py) on transformers' own classes and are not run here for
 them, so attach stays cheap (:func:`~nxl_hooks.arch.registry.is_tested`); a shipped entry on any other class (a
 subclass, remote code reusing the model type), a user's entry, and generic discovery's guess for a model no entry
@@ -90,27 +91,43 @@ def check_numbers(model: nn.Module, spec: ArchSpec, kind: str, head: Head, block
     if ids is None:
         return
     # h[l] is read from block l, or from the module the entry's layer_outputs names: each runs once, gives what
-    # block l gives, and the head applied to h[L] gives the model's logits
+    # block l gives, such a module is given block l's output and block l + 1 is given the module's (the data flow
+    # itself, seen in the forward: a module that runs once with block-shaped output elsewhere gives no h[l]), and
+    # the head applied to h[L] gives the model's logits
     final = len(block_list)
     outputs = {layer: module for layer, module in enumerate(layer_modules(model, spec), start=1)
                if module is not block_list[layer - 1]}
-    ran: dict[tuple[str, int], list] = {}  # ("block", l) / ("layer_outputs", l) -> [times it ran, its output's shape]
+    # ("block", l) / ("layer_outputs", l) -> [times it ran, its output's shape, whether it was given block l's output,
+    # whether block l + 1 was given its output] (the last two for layer_outputs only)
+    ran: dict[tuple[str, int], list] = {}
+    made: dict[tuple[str, int], torch.Tensor | None] = {}  # the same keys -> the output of its last run
     last: list[torch.Tensor | None] = [None]
 
     def counter(what: str, layer: int, module: nn.Module) -> torch.utils.hooks.RemovableHandle:
-        tally = ran.setdefault((what, layer), [0, None])
+        tally = ran.setdefault((what, layer), [0, None, None, None])
         read = layer == final and (what == "layer_outputs" or final not in outputs)
 
-        def hook(module: nn.Module, args: tuple, output: object) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
             hidden = _block_output(output)
             tally[0] += 1
             tally[1] = None if hidden is None else tuple(hidden.shape)
+            if what == "layer_outputs":
+                tally[2] = _given(args, kwargs, made.get(("block", layer)))
+            made[(what, layer)] = hidden
             if read:
                 last[0] = hidden
-        return module.register_forward_hook(hook)
+        return module.register_forward_hook(hook, with_kwargs=True)
+
+    def taken(layer: int) -> torch.utils.hooks.RemovableHandle:  # block l + 1 takes what layer_outputs l gives
+        tally = ran[("layer_outputs", layer)]
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            tally[3] = _given(args, kwargs, made.get(("layer_outputs", layer)))
+        return block_list[layer].register_forward_pre_hook(hook, with_kwargs=True)
 
     handles = [counter("block", layer, block) for layer, block in enumerate(block_list, start=1)]
     handles += [counter("layer_outputs", layer, module) for layer, module in outputs.items()]
+    handles += [taken(layer) for layer in outputs if layer < final]
     training = {module: module.training for module in model.modules()}
     model.eval()  # dropout would make the model's logits differ from a head applied by hand
     try:
@@ -136,6 +153,14 @@ def check_numbers(model: nn.Module, spec: ArchSpec, kind: str, head: Head, block
         _checked[key] = spec
 
 
+def _given(args: tuple, kwargs: dict, tensor: torch.Tensor | None) -> bool:
+    """Whether a module call's inputs hold ``tensor``: that object, or one equal to it (a wrapper may move it)."""
+    return tensor is not None and any(
+        value is tensor or (isinstance(value, torch.Tensor) and value.shape == tensor.shape
+                            and value.dtype == tensor.dtype and torch.equal(value, tensor.to(value.device)))
+        for value in (*args, *kwargs.values()))
+
+
 def _differs(got: torch.Tensor, expected: torch.Tensor, head: Head) -> float | bool:
     """False when ``got`` equals ``expected`` within the tolerance of the readout's dtype; else how far apart they
     are (inf for another shape or a value that is not finite)."""
@@ -150,16 +175,21 @@ def _compare(model: nn.Module, spec: ArchSpec, kind: str, head: Head, ran: dict[
              hidden: torch.Tensor | None, logits: object) -> None:
     where = f"registry entry [{spec.name}] in {spec.source}"
     name, heads_key = type(model).__name__, f"heads.{spec_head(kind)}"
-    for (what, layer), (times, shape) in ran.items():
+    for (what, layer), (times, shape, given, passed) in ran.items():
         if what == "block" and times != 1:
             raise RegistryError(f"{where}: key 'blocks' names {spec.blocks!r}, whose block {layer - 1} ran {times} "
                                 f"times in one forward of {name}; expected the ModuleList of blocks that each run once")
-        expected = ran[("block", layer)][1]
-        if what == "layer_outputs" and (times != 1 or shape != expected):
-            found = f"ran {times} times" if times != 1 else f"gives outputs of shape {shape}"
+        if what != "layer_outputs":
+            continue
+        expected, following = ran[("block", layer)][1], ("block", layer + 1) in ran
+        found = (f"ran {times} times" if times != 1 else f"gives outputs of shape {shape}" if shape != expected
+                 else f"is not given block {layer}'s output" if not given
+                 else f"gives an output block {layer + 1} is not given" if following and not passed else None)
+        if found is not None:
             raise RegistryError(f"{where}: key 'layer_outputs.{layer}' names {spec.layer_outputs[layer]!r}, which "
                                 f"{found} in one forward of {name}; expected a module the backbone runs once on "
-                                f"block {layer}'s output, giving its shape {expected}")
+                                f"block {layer}'s output, giving its shape {expected}"
+                                f"{f', whose output block {layer + 1} takes' if following else ''}")
     if hidden is None or not isinstance(logits, torch.Tensor):
         return  # nothing to compare with: the model returns no logits tensor (the probe says what it records)
     steps = list(spec.heads[spec_head(kind)])

@@ -179,6 +179,10 @@ BAD = {
     "layer_outputs another shape": ("llama-lm", {"layer_outputs": {1: "model.rotary_emb"}}, "layer_outputs.1",
                                     r"gives outputs of shape \(1, 6, 8\) in one forward of LlamaForCausalLM; "
                                     r"expected .* giving its shape \(1, 6, 32\)"),
+    "layer_outputs the final norm": ("llama-lm", {"layer_outputs": {1: NORM}}, "layer_outputs.1",
+                                     "names 'model.norm', which is not given block 1's output in one forward of "
+                                     "LlamaForCausalLM; expected a module the backbone runs once on block 1's output, "
+                                     r"giving its shape \(1, 6, 32\), whose output block 2 takes"),
     "layer_outputs not the last": ("deberta_v2_conv1-cls", {"layer_outputs": {}}, "heads.sequence_classification",
                                    _NUMBERS),
 }
@@ -387,3 +391,21 @@ def test_an_entry_is_checked_again_for_a_config_that_changes_its_head(private_re
     with nxl.attach(CASES["gemma2-lm"].build(final_logit_softcapping=None), tokenizer=TOK):
         pass
     _refused(CASES["gemma2-lm"].build(), "no_softcap", "heads.causal_lm", _NUMBERS)
+
+
+def test_a_layer_outputs_module_must_be_given_block_ls_output_and_give_block_l_plus_1_its_input(private_registry):
+    """layer_outputs was checked by "ran once, block-shaped": DeBERTa-v2's conv numbered layer 2 (it runs on block 1's
+    output) passed with 3 blocks, and layers 1 and 2 were recorded ~1 off transformers' hidden_states. Now the
+    forward's data flow is checked: the module is given block l's output, and block l + 1 is given the module's."""
+    model = CASES["deberta_v2_conv-cls"].build(num_hidden_layers=3)
+    _register("conv_at_2", model, {"layer_outputs": {2: "deberta.encoder.conv"}})
+    _refused(model, "conv_at_2", "layer_outputs.2", "names 'deberta.encoder.conv', which is not given block 2's output")
+    # a module given block 1's output whose output goes nowhere: a side branch, not the residual stream
+    model = CASES["llama-lm"].build()
+    model.side = torch.nn.LayerNorm(32)
+
+    def side_branch(block: torch.nn.Module, args: tuple) -> None:
+        model.side(args[0])  # block 2 is given block 1's output, not this
+    model.model.layers[1].register_forward_pre_hook(side_branch)
+    _register("side", model, {"layer_outputs": {1: "side"}})
+    _refused(model, "side", "layer_outputs.1", "names 'side', which gives an output block 2 is not given in one forward")
