@@ -409,3 +409,19 @@ def test_a_layer_outputs_module_must_be_given_block_ls_output_and_give_block_l_p
     model.model.layers[1].register_forward_pre_hook(side_branch)
     _register("side", model, {"layer_outputs": {1: "side"}})
     _refused(model, "side", "layer_outputs.1", "names 'side', which gives an output block 2 is not given in one forward")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_check_in_16_bits_refuses_a_missing_softcap_and_passes_every_valid_entry(private_registry, dtype):
+    """In 16 bits the check allowed 5% of the largest logit: a Gemma 2 entry leaving out a softcap of 30 (the real
+    models' value), about 0.19 off at a largest logit near 9 (3 bf16 ulps), passed in bf16 while float32 refused it.
+    The head runs the model's own modules in its dtype, so a valid entry is exact: now 2 epsilons of the dtype are
+    allowed, and every GOOD entry still attaches."""
+    for case_id in GOOD:  # (first: _register copies the entry the model type has now)
+        model = CASES[case_id].build().to(dtype)
+        _register(f"valid_{case_id}", model, {})
+        with nxl.attach(model, tokenizer=TOK):
+            pass
+    model = CASES["gemma2-lm"].build(final_logit_softcapping=30.0).to(dtype)
+    _register("no_softcap", model, H(LM, NORM, "lm_head"))
+    _refused(model, "no_softcap", "heads.causal_lm", _NUMBERS)
