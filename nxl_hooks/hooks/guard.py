@@ -15,10 +15,16 @@ __all__ = ["Notice", "described", "logger", "one_line", "raised", "reason"]
 logger = logging.getLogger("nxl_hooks")
 
 
-def one_line(error: BaseException) -> str:
+def one_line(error: object) -> str:
     """``error``'s message on one line (its type's name when it has none): the text kept with a call, as records
-    keep texts (:func:`~nxl_hooks.records.tokens.record_text`: a message may quote a path that is not UTF-8)."""
-    return record_text(" ".join(str(error).split())) or type(error).__name__
+    keep texts (:func:`~nxl_hooks.records.tokens.record_text`: a message may quote a path that is not UTF-8). Never
+    raises: ``error`` is the host's or a sink's object, and a ``__str__`` that raises would end the thread saying it
+    (the sink's), so such a message is ``<unprintable ValueError>``."""
+    try:
+        text = str(error)
+    except Exception:  # noqa: BLE001 - whatever the foreign __str__ raises, the type still says what failed
+        return f"<unprintable {type(error).__name__}>"
+    return record_text(" ".join(text.split())) or type(error).__name__
 
 
 def raised(error: BaseException, limit: int = 200) -> str:

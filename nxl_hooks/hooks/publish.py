@@ -888,8 +888,8 @@ class Hub:
                            "is unaffected", _named(sink), type(error).__name__, one_line(error))
             fault = f"{type(error).__name__}: {one_line(error)}"
         if fault is not None:  # (an empty one is a stop all the same: said, so that it reads as a fault)
-            self._stop_sink(str(fault) or f"the sink {_named(sink)} stopped writing without saying why",
-                            call, steps=steps)
+            said = fault if isinstance(fault, str) else one_line(fault)  # the sink's object: its str() may raise
+            self._stop_sink(said or f"the sink {_named(sink)} stopped writing without saying why", call, steps=steps)
             self._count_lost(sink)
 
     def _close_sink(self) -> None:

@@ -373,6 +373,49 @@ def test_a_sink_whose_lost_cannot_be_read_counts_none_lost_and_never_raises_into
                for r in caplog.records)
 
 
+class _Unprintable(Exception):
+    def __str__(self):
+        raise ValueError("cannot render")
+
+
+class _UnprintableSink(_ListSink):
+    """Fails at its first record with an exception whose message cannot be rendered (its ``__str__`` raises)."""
+
+    def write_call(self, call, meta):
+        raise _Unprintable()
+
+
+class _UnprintableFault(_ListSink):
+    """Stops by itself at its first record, its ``fault`` an object whose ``str()`` raises."""
+
+    fault = None
+
+    def write_call(self, call, meta):
+        self.fault = _Unprintable()
+
+
+def test_a_sink_error_whose_message_cannot_be_rendered_is_a_sink_fault_not_a_dead_sink_thread(chat, monkeypatch,
+                                                                                                caplog):
+    """The sink's exception (or ``fault``) is the sink's code: a ``__str__`` that raises is said by its type, the
+    sink thread goes on counting what it no longer writes, and nothing but the library's lines reaches the host."""
+    _, model, tokenizer = chat
+    died = []
+    monkeypatch.setattr(threading, "excepthook", died.append)
+    enc = tokenizer(PROMPTS[:1], return_tensors="pt")
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+        with nxl.attach(model, tokenizer=tokenizer, sink=_UnprintableSink("x")) as probe:
+            model.generate(**enc, max_new_tokens=3, do_sample=False)
+            model.generate(**enc, max_new_tokens=2, do_sample=False)
+        with nxl.attach(model, tokenizer=tokenizer, sink=_UnprintableFault("y")) as stopped:
+            model.generate(**enc, max_new_tokens=3, do_sample=False)
+    assert died == []
+    assert probe.sink_fault == "_Unprintable: <unprintable _Unprintable>" and probe.unwritten == 5
+    assert [len(call.steps) for call in probe.calls] == [3, 2]  # the records in memory are whole
+    assert all(call.notes == [f"not written to the sink, which stopped: {probe.sink_fault}"] for call in probe.calls)
+    assert stopped.sink_fault == "<unprintable _Unprintable>" and stopped.unwritten == 3
+    assert all(r.getMessage().startswith("nxl_hooks: ") and "\n" not in r.getMessage() for r in caplog.records)
+
+
 _FORKING = """
 import json, os, sys, time
 sys.path[:0] = sys.argv[3:]

@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 from ...arch.registry import HeadKind
 from ...method.subject import Subject, unwrap
 from ...hooks.generate import REQUEST_ID
-from ...hooks.guard import reason
+from ...hooks.guard import one_line, reason
 from ...hooks.plan import TokenTexts, make_plan, token_texts, tokenizer_mismatch
 from ...hooks.probe import Probe, attach, count_hooks
 from ...hooks.recorder import traced
@@ -84,7 +84,7 @@ class Texts:
                     self._texts = token_texts(self._tokenizer)
                 except Exception as error:  # noqa: BLE001 - ids are shown instead
                     _log.warning("nxl_hooks: no tokenizer for %s (%s); token ids are shown instead", self._name,
-                                 " ".join(str(error).split())[:200])
+                                 one_line(error)[:200])
             return self._tokenizer
 
     def text(self, token_id: int) -> str:
@@ -357,7 +357,7 @@ class Rules:
                         subjects[id(watch)] = make_plan(model, **wanted,
                                                         tokenizer=self._tokenizer(watch, model, wanted)).subject
                     except Exception as error:  # noqa: BLE001 - said to the operator, nothing changed
-                        raise ValueError(f"{watch.name}: {' '.join(str(error).split())}; nothing changed") from None
+                        raise ValueError(f"{watch.name}: {one_line(error)}; nothing changed") from None
             self.options = wanted
             for watch in watches:
                 watch.excluded = False
@@ -564,7 +564,7 @@ class Controller:
         except Exception as error:  # noqa: BLE001 - recording goes on without a live readout
             self.endpoint = None
             _log.warning("nxl_hooks: no control endpoint in process %d (%s: %s); records are kept all the same",
-                         os.getpid(), type(error).__name__, " ".join(str(error).split()))
+                         os.getpid(), type(error).__name__, one_line(error))
 
     def after_fork(self) -> None:
         """In a child the program forked: fresh locks, and an endpoint of its own once it loads a model (the
