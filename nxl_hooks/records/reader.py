@@ -7,7 +7,8 @@ Reading (:func:`read_stream`) stops at the first frame it cannot use and says so
 ``damage`` (a :class:`Damage`: which frame, at what offset, why, how many steps were recovered):
 
 - a torn last frame (the writer was killed mid-write, or is still writing it) is the normal end of a killed run:
-  it is left out quietly (``damage.torn`` True);
+  it is left out quietly (``damage.torn`` True); so is a file header cut short (empty, or a part of the magic
+  line: its writer stopped before its first record, or has just started the file), which reads as no call;
 - frames whose checksums hold but whose order does not are damage too: a frame number out of sequence, a step
   that does not follow its call's last one (missing, repeated, out of order: ``damage.call`` and the reason name
   the call and the steps; not a call whose first steps a rotating sink deleted, starting at its first kept step
@@ -363,6 +364,13 @@ def _read(data: bytearray, path: Path, calls: dict[int, GenerationCall], *, name
           ) -> tuple[int, Damage | None]:
     """Add the records of one stream file to ``calls`` (those of one writer so far): (steps read, damage or None).
     ``name``: (number, writer) of a rotated file, from its name."""
+    if len(data) < len(_FILE_MAGIC) and _FILE_MAGIC.startswith(data):
+        # its writer was killed while it wrote the header, or before (an empty file: created, or emptied to be
+        # written): torn, as a last frame cut short is. An empty file of another origin reads so too: no byte tells
+        # them apart, and neither holds a record
+        return 0, Damage(frame=0, offset=0, reason=f"only {len(data)} bytes of the {len(_FILE_MAGIC)}-byte file "
+                         "header: its writer stopped before its first record", torn=True, steps_recovered=0,
+                         frames_after=0, bytes_dropped=len(data), path=str(path))
     if data.startswith(_FILE_MAGIC):
         numbered = True
     elif data.startswith(_MAGIC_V1):  # nxl_hooks 0.1: no frame numbers, no file frame
@@ -502,8 +510,6 @@ def _read_stream(path: Path, *, request_id: str | None, strict: bool) -> Stream:
                 if last is None and file is not files[-1]:
                     continue
                 raise _Moved() from None
-            if name is not None and file is files[-1] and _FILE_MAGIC.startswith(bytes(data)):
-                break  # the writer's newest file, created a moment ago: it holds no record yet
             got, found = _read(data, file, calls, name=name)
             steps, last = steps + got, (name[0] if name else 0, file)
             if found is not None:

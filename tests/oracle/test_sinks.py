@@ -1068,7 +1068,7 @@ def test_export_strict_refuses_damage_but_not_a_torn_last_frame(chat, tmp_path, 
     capsys.readouterr()
     assert cli_main(["export", str(stream), str(tmp_path / "torn.parquet"), "--strict"]) == 0
     line = capsys.readouterr().out
-    assert f"; {stream}: a torn last frame left out (a writer killed mid-write): frame " in line, line
+    assert f"; {stream}: torn, its end left out (a writer killed mid-write): frame " in line, line
     assert "damaged, read up to" not in line, line
     flipped = bytearray(whole)
     flipped[len(whole) // 2] ^= 0xFF  # a flipped byte in a middle frame: damage

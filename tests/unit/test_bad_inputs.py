@@ -701,7 +701,7 @@ def test_a_call_frame_whose_prompt_ids_and_mask_differ(stream_bytes, tmp_path):
 
 
 STREAM_FILES = cases(
-    ("empty file", b"", "is not an nxl_hooks stream file"),
+    ("a text file", b"hello\n", "is not an nxl_hooks stream file"),
     ("an attribution file", save_blob({"x": torch.zeros(1)}), "is not an nxl_hooks stream file"),
     ("magic line only", writer._FILE_MAGIC, None),
 )

@@ -115,9 +115,9 @@ def test_a_rotated_file_missing_from_the_middle_is_damage(model, tmp_path):
 
 
 def test_a_folder_reads_while_its_writer_starts_a_file_or_its_retention_deletes_one(model, tmp_path, monkeypatch):
-    """Read while written: the newest file, just created, holds no magic line yet (or part of it); a file is deleted
-    by the writer's retention after the ones before it were read, so the folder is read again from its oldest kept
-    file. Neither is damage nor an error."""
+    """Read while written: the newest file, just created, holds no magic line yet (or part of it): torn, as a
+    single file cut short in its header is; a file is deleted by the writer's retention after the ones before it
+    were read, so the folder is read again from its oldest kept file. Neither is damage nor an error."""
     folder = tmp_path / "rot"
     ids = torch.randint(1, 100, (1, 5), generator=torch.Generator().manual_seed(6))
     with nxl.attach(model, layers="last", sink=nxl.RotatingSink(folder, max_bytes=1500)):
@@ -127,8 +127,9 @@ def test_a_folder_reads_while_its_writer_starts_a_file_or_its_retention_deletes_
     starting = folder / f"{number + 1:08d}-{writer_number:08d}.nxl"
     for started in (b"", writer._FILE_MAGIC[:5]):
         starting.write_bytes(started)
-        read = nxl.read_stream(folder)
-        assert read.damage is None and [s.step for s in read[0].steps] == list(range(12)) and read[0].complete
+        read = nxl.read_stream(folder, strict=True)
+        assert read.damage.torn and read.damage.path == str(starting) and read.damage.steps_recovered == 0
+        assert [s.step for s in read[0].steps] == list(range(12)) and read[0].complete
     starting.unlink()
     real, deleted = reader.read_regular, []
 
@@ -145,6 +146,29 @@ def test_a_folder_reads_while_its_writer_starts_a_file_or_its_retention_deletes_
     assert deleted and call.complete  # read again: from the oldest file kept, the call's steps from there on
     expected = nxl.read_stream(files[2])[0].steps[0].step
     assert [s.step for s in call.steps] == list(range(expected, 12))
+
+
+@pytest.mark.parametrize("kept", [0, 7, len(writer._FILE_MAGIC) - 1])
+def test_a_file_whose_writer_was_killed_in_its_header_reads_as_torn_and_exports_saying_so(tmp_path, capsys, kept):
+    """A writer SIGKILLed in its first write leaves a part of the magic line (nothing, once it emptied the file to
+    write it): no record reached it, so it reads as none, torn as a cut last frame is, alone or in a folder (it
+    was "not an nxl_hooks stream file", and nxl export refused it). An empty file of another origin reads so too."""
+    pytest.importorskip("pyarrow.parquet")
+    path = tmp_path / "run.nxl"
+    path.write_bytes(writer._FILE_MAGIC[:kept])
+    reason = (f"only {kept} bytes of the {len(writer._FILE_MAGIC)}-byte file header: its writer stopped before its "
+              "first record")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torn is no damage: no warning, strict or not
+        for read in (nxl.read_stream(path, strict=True), nxl.read_stream(tmp_path)):
+            assert read == [] and read.damage.torn and read.damage.reason == reason
+            assert (read.damage.path, read.damage.steps_recovered, read.damage.bytes_dropped) == (str(path), 0, kept)
+    capsys.readouterr()
+    assert main(["export", str(path), str(tmp_path / "o.parquet"), "--strict"]) == 0
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line == (f"{tmp_path / 'o.parquet'}: 0 rows from 0 call(s); {path}: torn, its end left out (a writer "
+                    f"killed mid-write): frame 0 at byte 0: {reason}; 0 step record(s) recovered before it ({kept} "
+                    "bytes left out)"), line
 
 
 def test_a_call_whose_first_steps_a_rotating_sink_deleted_reads_as_its_own_file_as_a_page_and_by_its_texts(tmp_path):
@@ -479,7 +503,7 @@ def test_a_torn_file_does_not_hide_another_files_damage(recorded, tmp_path, caps
     capsys.readouterr()
     assert main(["export", str(folder), str(tmp_path / "o.parquet")]) == 0  # as for one damaged file
     line = capsys.readouterr().out
-    assert (f"; {a}: a torn last frame left out (a writer killed mid-write): frame 5 at byte "
+    assert (f"; {a}: torn, its end left out (a writer killed mid-write): frame 5 at byte "
             f"{len(data) - len(frames[-1])}: ") in line, line
     assert (f"; {b}: damaged, read up to: frame 1 at byte {len(magic) + len(frames[0])}: checksum (CRC-32) mismatch"
             ": the frame was altered after it was written; 0 step record(s) recovered before it, 4 intact frame(s) "

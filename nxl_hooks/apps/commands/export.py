@@ -64,10 +64,10 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"writing {args.out} failed ({err.strerror or err}); nothing was written and no partial file "
                        "is left: free some space (or pick another folder) and export again") from None
     damage = ""
-    # every file's, named: a torn last frame is where a killed writer stopped (no damage, --strict or not:
-    # read_stream), and must not hide the records another file of the folder lost
+    # every file's, named: a torn end (its last frame, or its header: a file no record reached) is where a killed
+    # writer stopped (no damage, --strict or not: read_stream), and must not hide the records another file lost
     for found in calls.damages:
-        what = "a torn last frame left out (a writer killed mid-write)" if found.torn else "damaged, read up to"
+        what = "torn, its end left out (a writer killed mid-write)" if found.torn else "damaged, read up to"
         damage += f"; {found.path}: {what}: {found.describe()}"
     said = ""
     if written.unexplained:
