@@ -38,7 +38,7 @@ from ..records.html import fmt
 from ..records.steps import GenerationCall, Step
 from ..records.tokens import printable, readable_ids
 
-__all__ = ["VIEWS", "format_score", "print_generation", "ranking_note", "render_table", "score_matrix",
+__all__ = ["VIEWS", "format_score", "print_generation", "ranking_note", "records_lost", "render_table", "score_matrix",
            "show_attribution", "stop_reason"]
 
 VIEWS = ("layers", "tokens", "top")
@@ -295,7 +295,19 @@ def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, 
         model.generate(**enc, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)
     call = probe.calls[-1]
     console.print(Text(stop_reason(model, tokenizer, call, new_tokens), style="dim" if call.error is None else "red"))
+    if call.notes:  # its records are not whole past its error (a sink that stopped, a record lost): said last
+        console.print(Text(records_lost(call, sink if probe.sink_fault is not None else None, probe.unwritten),
+                           style="red"))
     return call
+
+
+def records_lost(call: GenerationCall, sink: str | Path | None, unwritten: int) -> str:
+    """What else went wrong with ``call``'s records (its notes), on one line; with the ``sink`` that stopped, how
+    many of its step records the sink holds (``unwritten`` are in memory only): the line ``nxl attribute
+    --generate N --out FILE`` ends on when it exits 1. ``records_lost(call, "run.nxl", probe.unwritten)``"""
+    made, only = len(call.steps), " only" if unwritten else ""  # (all of them: its end frame is what is missing)
+    what = "records lost" if sink is None else f"{sink} holds{only} {max(made - unwritten, 0)} of {made} step record(s)"
+    return f"{what}: {printable('; '.join(call.notes))}"
 
 
 def stop_reason(model: Any, tokenizer: Any, call: GenerationCall, new_tokens: int) -> str:

@@ -4,6 +4,8 @@ Every number is checked against the oracle (``output_hidden_states=True`` and th
 against the library.
 """
 
+import errno
+import os
 import re
 from pathlib import Path
 
@@ -303,3 +305,31 @@ def test_generate_that_is_not_recorded_says_why_and_fails(tmp_path, capsys):
     out = " ".join(capsys.readouterr().out.split())
     assert "not recorded after 0 of 2 token(s): beam search (num_beams > 1) cannot be attributed" in out
     assert "stopping criterion" not in out
+
+
+def test_generate_whose_out_fills_the_disk_says_how_many_records_it_holds_and_fails(tmp_path, capsys, monkeypatch):
+    """A full disk after the call's first record: --out holds only what was written (read back), the last line says
+    so with the fault, exit 1 as for a call not recorded (it said "4 token(s) generated, as many as asked for" and
+    exited 0, the only word of the fault a log line)."""
+    from nxl_hooks.records import writer
+
+    model = tiny.build_model("llama")
+    model.generation_config.eos_token_id = None  # every step runs
+    path = tiny.save_model(tmp_path / "lm", "llama", model=model)
+    real, writes = writer._write_all, []
+
+    def full_disk(fd, data):  # the magic line and the call's frame fit, nothing after them
+        writes.append(len(data))
+        if len(writes) > 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        real(fd, data)
+
+    monkeypatch.setattr(writer, "_write_all", full_disk)
+    out = tmp_path / "run.nxl"
+    assert main(["attribute", str(path), "the film was", "--generate", "4", "--out", str(out)]) == 1
+    monkeypatch.undo()
+    (call,) = nxl.read_stream(out)
+    assert call.steps == [] and not call.complete
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == (f"{out} holds only 0 of 4 step record(s): not written to the sink, which stopped: OSError: "
+                    "[Errno 28] No space left on device"), last

@@ -105,7 +105,8 @@ def run(args: argparse.Namespace) -> int:
             write_text(args.html, generation_html(call, title=f"{args.model}: {args.text}", method=args.method,
                                                        all_positions=args.all_positions))
             console.print(Text(f"wrote {args.html}"))  # Text: a path is not rich markup ('x[/b].html')
-        return 0 if call.error is None else 1  # the last line said why the tokens were not all recorded
+        # 1: the records are not whole (not recorded, or --out holds only some: a full disk); the last line said why
+        return 0 if call.error is None and not call.notes else 1
     res = explain(model, tokenizer, args.text, layers=args.layers, target=args.target, embedding=args.embedding,
                   chat=args.chat, methods=[args.method])
     for row in range(res.target.shape[0]):  # the words are read as the model's outputs only now
