@@ -586,6 +586,96 @@ def test_a_tokenizer_that_does_not_fit_the_model_leaves_ids_recorded(tmp_path):
         controller.close()
 
 
+class _FullThenFine:
+    """A registered sink kind: its first instance's disk is full, its second writes (keeps nothing), its third
+    hangs in its first step write until released (an NFS mount gone away)."""
+
+    made: list["_FullThenFine"] = []
+
+    def __init__(self, arg: str) -> None:
+        import threading
+
+        self.number, self.release, self.steps = len(_FullThenFine.made), threading.Event(), 0
+        _FullThenFine.made.append(self)
+
+    def write_call(self, call, meta) -> None:
+        if self.number == 0:
+            raise OSError(28, "No space left on device")
+
+    def write_step(self, step) -> None:
+        if self.number == 2:
+            self.release.wait(timeout=120)
+        self.steps += 1
+
+    def write_end(self, call) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def test_status_keeps_what_earlier_probes_lost_across_pause_resume(tmp_path, monkeypatch):
+    """A pause takes the probe off, a resume puts a new one on: /v1/status, nxl ctl and nxl tail still say the sink
+    fault, the records it left unwritten and the calls not recorded, and count on from there (they read only the
+    current probe: after the pause all was "recorded", no fault). A sink stuck when the probe detaches: its fault
+    (the newest) and what it held are said too, and what its thread held once it comes back."""
+    import tiny as tiny_models
+    from transformers import AutoModelForCausalLM
+
+    import nxl_hooks as nxl
+    from nxl_hooks.apps.serve.controller import Controller
+    from nxl_hooks.hooks import publish
+
+    monkeypatch.setattr(publish, "DRAIN_SECONDS", 0.5)  # how long a detach waits for the stuck sink
+    path = tiny_models.save_model(tmp_path / "lm", "llama")
+    model = AutoModelForCausalLM.from_pretrained(path)
+    model.generation_config.eos_token_id = None  # every step runs
+    _FullThenFine.made = []
+    nxl.register_sink("full-then-fine-options-test", _FullThenFine)
+    controller = Controller(Settings(run_dir=tmp_path / "run", sink_spec="full-then-fine-options-test:x"))
+    controller.adopt(model, str(path))
+    ids = torch.tensor([[1, 5, 7, 9]])
+
+    def status() -> dict:
+        (model_status,) = controller.status()["models"]
+        return model_status
+
+    try:
+        model.generate(ids, max_new_tokens=2, do_sample=False)  # the sink fails at the call's first frame
+        model.generate(ids, max_new_tokens=2, do_sample=False, num_beams=2)  # beam search: not recorded
+        first = controller.watches()[0].probe
+        assert first.flush()
+        fault, why = first.sink_fault, first.unrecorded
+        assert "No space left on device" in fault and first.unwritten == 2 and "beam search" in why
+        lost = {"sink_fault": fault, "unwritten": 2, "unrecorded": why, "unrecorded_calls": 1}
+        said = [f"records not written to the sink: {fault}", f"1 call {why}"]
+        controller.pause()
+        paused = status()
+        assert not paused["attached"] and {key: paused[key] for key in lost} == lost
+        assert tail.faults(paused) == said and ctl.describe(controller.status()).endswith("; ".join(said))
+        controller.resume()  # a new probe, a sink that writes
+        model.generate(ids, max_new_tokens=3, do_sample=False)
+        assert controller.watches()[0].probe.flush()
+        resumed = status()
+        assert resumed["attached"] and {key: resumed[key] for key in lost} == lost and tail.faults(resumed) == said
+        controller.pause()  # the first probe is now counted as it stood, the second as it stands
+        assert {key: status()[key] for key in lost} == lost
+        controller.resume()  # a sink that hangs
+        model.generate(ids, max_new_tokens=3, do_sample=False)
+        controller.pause()  # the detach waits DRAIN_SECONDS, then leaves the sink stuck
+        stuck = status()
+        assert stuck["sink_fault"].startswith("it was still writing when the probe detached")
+        assert 2 < stuck["unwritten"] <= 2 + 3 and stuck["unrecorded_calls"] == 1
+        hung = controller.watches()[0].detached
+        _FullThenFine.made[2].release.set()
+        assert hung.flush(timeout=60)  # its thread came back: what it held and did not write is counted too
+        assert status()["unwritten"] == 2 + 3 - _FullThenFine.made[2].steps
+    finally:
+        for sink in _FullThenFine.made:
+            sink.release.set()
+        controller.close()
+
+
 def test_a_forward_the_recorder_cannot_follow_is_reported_everywhere(tmp_path, capsys):
     """generate continuing a KV cache filled before the call: its first forward runs position 3, which the call's
     record never held. The probe, /v1/status, nxl ctl and nxl tail all say 1 call not recorded, with the positions

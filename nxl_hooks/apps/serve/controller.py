@@ -122,6 +122,20 @@ class Forward:
     attribution: Attribution
 
 
+class Lost(NamedTuple):
+    """What a model's probes did not record or write, as status says it (:meth:`Watch.describe`)."""
+
+    sink_fault: str | None
+    unwritten: int
+    unrecorded: str | None
+    unrecorded_calls: int
+
+    def add(self, probe: Probe) -> "Lost":
+        """These, and what ``probe`` lost since: its counts added, its texts (the newer) where it has them."""
+        return Lost(probe.sink_fault or self.sink_fault, self.unwritten + probe.unwritten,
+                    probe.unrecorded or self.unrecorded, self.unrecorded_calls + probe.unrecorded_calls)
+
+
 class Watch:
     """One model the program loaded: a weak reference to it, its name, why it is not attached, and the calls of
     its earlier probes (each re-attach starts a new probe)."""
@@ -139,6 +153,10 @@ class Watch:
         #: the probe's steps, read for the live readers while attached and any reader is connected
         self.live: Subscription[tuple[GenerationCall, Step]] | None = None
         self.dropped_before = 0  #: steps earlier live feeds of this model did not get (:attr:`live`'s are its own)
+        # what the probes this model carried before did not record or write: a pause, a resume, an `nxl ctl attach`
+        # each starts a new probe, and status must not forget the records lost before it (:meth:`retire`)
+        self.detached: Probe | None = None  #: its last probe taken off, read as it stands (see retire)
+        self.lost_before = Lost(None, 0, None, 0)  #: those before that one, as they stood when the next went
 
     @property
     def probe(self) -> Probe | None:
@@ -151,17 +169,31 @@ class Watch:
         live = [(call, probe.describe()) for call in probe.calls] if probe is not None else []
         return list(self.retired) + live + [(forward, forward.attribution.meta) for forward in self.forwards]
 
+    def retire(self, probe: Probe) -> None:
+        """``probe`` is taken off the model: what it did not record or write still counts. It is read as it stands
+        (a sink stuck at the detach says so then, and counts what its thread held if it ever comes back) until the
+        next one is taken off; then it is added to :attr:`lost_before`."""
+        older, self.detached = self.detached, probe
+        if older is not None:
+            self.lost_before = self.lost_before.add(older)
+
     def describe(self) -> dict:
         """The model as status shows it. ``sink_fault``: why its records stopped reaching the sink (disk full,
         read-only, folder removed, too slow to keep up), ``unwritten`` how many step records it did not get;
         ``unrecorded``: why the last of its calls that ran unrecorded was not recorded, and ``unrecorded_calls`` how
-        many did; None (and 0) while everything is recorded, all read from the probe. ``live_dropped``: steps the
+        many did; None (and 0) while everything is recorded. Counted over every probe the model carried since it
+        was watched (a pause and resume, an ``nxl ctl attach``, each makes a new one); the texts are the newest,
+        the current probe's, else the last one's that had one: a fault once met stays said, with the records it
+        cost, after a resume onto a sink that works. ``live_dropped``: steps the
         live readers did not get because the live feed fell behind (still kept and written). ``recorded``: how
         many of the ``calls`` in memory were recorded whole (ended without an error), ``running`` how many have
         not ended yet. ``head_kind``: what its head predicts while
         attached (``causal_lm``; another kind's requests are plain forwards, none of which makes a token)."""
         model, probe = self.ref(), self.probe
         records = [record for record, _ in self.records()]
+        lost = self.lost_before
+        for each in (self.detached, probe):
+            lost = lost.add(each) if each is not None else lost
         return {"name": self.name, "folder": self.slug, "class": self.model_class, "alive": model is not None,
                 "attached": probe is not None, "excluded": self.excluded, "error": self.error,
                 "head_kind": probe.kind.value if probe is not None else None,
@@ -171,10 +203,7 @@ class Watch:
                 "recorded": sum(getattr(record, "complete", True) for record in records),  # (a forward is whole)
                 "running": sum(isinstance(record, GenerationCall) and record.ended is None and record.error is None
                                for record in records),
-                "sink_fault": probe.sink_fault if probe is not None else None,
-                "unwritten": probe.unwritten if probe is not None else 0,
-                "unrecorded": probe.unrecorded if probe is not None else None,
-                "unrecorded_calls": probe.unrecorded_calls if probe is not None else 0,
+                **lost._asdict(),
                 "live_dropped": self.dropped_before + (live.dropped if (live := self.live) is not None else 0),
                 "engine": _engine(model)}
 
@@ -324,6 +353,7 @@ class Rules:
             watch.hook.remove()
             watch.hook = None
         if probe is not None:
+            watch.retire(probe)  # before the detach: status counts what it lost while it detaches, and after
             meta = probe.describe()
             calls = probe.calls
             probe.detach()
