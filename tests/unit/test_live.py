@@ -16,6 +16,7 @@ from nxl_hooks.apps.serve.client import Endpoint
 from nxl_hooks.apps.serve.controller import Controller
 from nxl_hooks.apps.serve.runs import socket_path
 from nxl_hooks.apps.serve.settings import Settings
+from nxl_hooks.hooks.generate import REQUEST_ID
 
 
 def _generate(model, new: int = 3) -> None:
@@ -74,4 +75,43 @@ def test_the_stream_sends_every_step_of_a_call_that_took_the_id_of_one_gone(tmp_
         reader.join(timeout=60)
         assert steps == [("step", n) for new in (2, 3, 4) for n in range(new)]
     finally:
+        controller.close()
+
+
+def test_a_request_stream_sends_every_step_before_its_end(tmp_path, monkeypatch):
+    """/v1/stream?request_id=: the call ends (in the publisher) once its steps are kept, while its last step may still
+    be on its way through the live feed's thread: the stream ended without it (`end` said 3 steps after 2 were sent).
+    Here the feed's thread is held on the last step until the stream has ended."""
+    controller = Controller(Settings(run_dir=tmp_path / "run"))
+    model = tiny.generating_llama()
+    release = threading.Event()
+    try:
+        controller.adopt(model, "tiny")
+        publish = controller.live.publish
+
+        def held(watch, call, step):
+            if step.step == 2:
+                release.wait(60)
+            publish(watch, call, step)
+
+        monkeypatch.setattr(controller.live, "publish", held)
+        live = Endpoint(socket_path=socket_path(tmp_path / "run", os.getpid()))
+        opened, events = threading.Event(), []
+
+        def read() -> None:
+            for event, data in live.events("/v1/stream?request_id=held&k=1", timeout=60, on_open=opened.set):
+                events.append((event, data["step"] if event == "step" else data.get("steps")))
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert opened.wait(60)
+        token = REQUEST_ID.set("held")
+        try:
+            _generate(model, 3)
+        finally:
+            REQUEST_ID.reset(token)
+        reader.join(timeout=60)  # the feed still holds step 2
+        assert events == [("step", 0), ("step", 1), ("step", 2), ("end", 3)]
+    finally:
+        release.set()
         controller.close()

@@ -597,6 +597,10 @@ class ControlServer:
                     if controller.endpoint is not self:  # closed (nxl detach): no reader keeps a thread here
                         return
                     if watched is not None and ended(watched[1]):
+                        # The call ends in the publisher once its steps are kept, before the last of them has come
+                        # through the live feed to this reader: those still on their way are sent from memory.
+                        for step in list(watched[1].steps):
+                            send_step(*watched, step)
                         emit("end", summary(*watched))
                         return
                     if time.monotonic() - idle > KEEPALIVE:
