@@ -11,6 +11,7 @@ import threading
 import torch
 
 import tiny
+from nxl_hooks.apps.commands import tail
 from nxl_hooks.apps.serve import endpoint
 from nxl_hooks.apps.serve.client import Endpoint
 from nxl_hooks.apps.serve.controller import Controller
@@ -114,4 +115,51 @@ def test_a_request_stream_sends_every_step_before_its_end(tmp_path, monkeypatch)
         assert events == [("step", 0), ("step", 1), ("step", 2), ("end", 3)]
     finally:
         release.set()
+        controller.close()
+
+
+def test_a_request_that_scores_then_generates_is_found_by_its_generation_call(tmp_path):
+    """A request id that served a plain forward (scoring the prompt), then a generate call: the forward was listed
+    after the call (records were calls, then forwards) and found for the id, so /frames said "was a forward" and a
+    stream by the id waited forever. Records are in the order they started; the stream and /frames take the
+    generation call; a stream whose id served only a forward says so and ends."""
+    controller = Controller(Settings(run_dir=tmp_path / "run"))
+    model = tiny.generating_llama()
+    try:
+        controller.adopt(model, "tiny")
+        live = Endpoint(socket_path=socket_path(tmp_path / "run", os.getpid()))
+        ids = torch.randint(1, tiny.GEN_VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
+        token = REQUEST_ID.set("mix")
+        try:
+            with torch.no_grad():
+                model(input_ids=ids)
+            scored = REQUEST_ID.set("scored")
+            with torch.no_grad():
+                model(input_ids=ids)
+            REQUEST_ID.reset(scored)
+            _generate(model, 3)
+        finally:
+            REQUEST_ID.reset(token)
+        requests = live.json("GET", "/v1/requests")["requests"]
+        listed = [(each["request_id"], each["kind"]) for each in requests]
+        assert listed == [("mix", "forward"), ("scored", "forward"), ("mix", "generate")]  # oldest first
+        assert tail.end_line(requests[1]) == "scored: a plain forward of tiny, which generates no tokens"
+        assert live.get("GET", "/v1/requests/mix/frames")[0] == 200
+        assert live.json("GET", "/v1/requests/mix?k=1")["kind"] == "generate"
+
+        def stream(request_id: str) -> list:
+            events = []
+
+            def read() -> None:
+                for event, data in live.events(f"/v1/stream?request_id={request_id}&k=1", timeout=60):
+                    events.append((event, data.get("step", data.get("kind"))))
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            reader.join(timeout=30)  # (it waited for a step that never comes)
+            return events
+
+        assert stream("mix") == [("step", 0), ("step", 1), ("step", 2), ("end", "generate")]
+        assert stream("scored") == [("end", "forward")]
+    finally:
         controller.close()

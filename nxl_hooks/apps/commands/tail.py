@@ -123,7 +123,10 @@ def line(view: StepView, layer: int | None, width: int, method: str = METHOD) ->
 
 
 def end_line(data: dict) -> str:
-    """A request's last line: ``my-req-1: ended after 6 tokens`` (and why it stopped early, if it did)."""
+    """A request's last line: ``my-req-1: ended after 6 tokens`` (and why it stopped early, if it did), or, for an id
+    that served only a plain forward, that it generated nothing."""
+    if data.get("kind") == "forward":
+        return printable(f"{data['request_id']}: a plain forward of {data['model']}, which generates no tokens")
     return printable(f"{data['request_id']}: ended after {data['steps']} tokens"
                    + (f" ({data['error']})" if data.get("error") else ""))
 

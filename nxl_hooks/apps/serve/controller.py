@@ -32,9 +32,10 @@ import logging
 import os
 import re
 import threading
+import time
 import uuid
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 from ...arch.registry import HeadKind
@@ -120,6 +121,13 @@ class Forward:
     request_id: str  #: REQUEST_ID where the program set it, else a generated id
     thread: str
     attribution: Attribution
+    #: when it ran (was kept, as it returned: a forward is short), in seconds since the epoch, as a call's ``started``
+    started: float = field(default_factory=time.time)
+
+
+def _started(kept: tuple[GenerationCall | Forward, dict]) -> float:
+    """When a kept (record, meta) started: what the request lists are ordered by."""
+    return kept[0].started or 0.0  # (a call read back from an older stream file may not say)
 
 
 class Lost(NamedTuple):
@@ -164,10 +172,11 @@ class Watch:
         return vars(model).get(_PROBE) if model is not None else None
 
     def records(self) -> list[tuple[GenerationCall | Forward, dict]]:
-        """(record, meta) of this model's calls and forwards in memory, oldest first."""
+        """(record, meta) of this model's calls and forwards in memory, oldest first (by when they started)."""
         probe = self.probe
         live = [(call, probe.describe()) for call in probe.calls] if probe is not None else []
-        return list(self.retired) + live + [(forward, forward.attribution.meta) for forward in self.forwards]
+        return sorted(list(self.retired) + live + [(forward, forward.attribution.meta) for forward in self.forwards],
+                      key=_started)
 
     def retire(self, probe: Probe) -> None:
         """``probe`` is taken off the model: what it did not record or write still counts. It is read as it stands
@@ -247,12 +256,16 @@ class Models:
             return [watch for watch in self._watches if matches(watch.name, globs)]
 
     def records(self) -> list[tuple[Watch, GenerationCall | Forward, dict]]:
-        return [(watch, record, meta) for watch in self.alive() for record, meta in watch.records()]
+        """(watch, record, meta) of every model's calls and forwards in memory, oldest first (by when they
+        started, across models)."""
+        return sorted([(watch, record, meta) for watch in self.alive() for record, meta in watch.records()],
+                      key=lambda found: _started(found[1:]))
 
-    def find(self, request_id: str) -> tuple[Watch, GenerationCall | Forward, dict] | None:
-        """The newest call or forward in memory that served ``request_id``."""
+    def find(self, request_id: str, *, generation: bool = False) -> tuple[Watch, GenerationCall | Forward, dict] | None:
+        """The newest call or forward in memory that served ``request_id`` (the newest generation call, with
+        ``generation``: a request may score its prompt with a plain forward, then generate)."""
         for watch, record, meta in reversed(self.records()):
-            if record.request_id == request_id:
+            if record.request_id == request_id and (isinstance(record, GenerationCall) or not generation):
                 return watch, record, meta
         return None
 
@@ -549,12 +562,12 @@ class Controller:
         self.rules.exclude(self.models.alive(models))
 
     def records(self) -> list[tuple[Watch, GenerationCall | Forward, dict]]:
-        """(watch, record, meta) of every model's calls and forwards in memory, oldest first per model."""
+        """(watch, record, meta) of every model's calls and forwards in memory, oldest first."""
         return self.models.records()
 
-    def find(self, request_id: str) -> tuple[Watch, GenerationCall | Forward, dict] | None:
-        """The newest call or forward in memory that served ``request_id``."""
-        return self.models.find(request_id)
+    def find(self, request_id: str, *, generation: bool = False) -> tuple[Watch, GenerationCall | Forward, dict] | None:
+        """The newest call or forward in memory that served ``request_id`` (generation call, with ``generation``)."""
+        return self.models.find(request_id, generation=generation)
 
     def subscribe(self, request_id: str | None = None) -> Subscription[LiveStep]:
         """A live reader of every step made from now on (only ``request_id``'s, when given)."""

@@ -394,7 +394,7 @@ class Host(Protocol):
 
     def records(self) -> list[tuple[Watched, Any, dict]]: ...
 
-    def find(self, request_id: str) -> tuple[Watched, Any, dict] | None: ...
+    def find(self, request_id: str, *, generation: bool = False) -> tuple[Watched, Any, dict] | None: ...
 
     def watches(self) -> list[Watched]: ...
 
@@ -514,8 +514,8 @@ class ControlServer:
         return found
 
     def _frames(self, request_id: str) -> bytes:
-        found = self.controller.find(request_id)
-        if found is not None and not isinstance(found[1], GenerationCall):
+        found = self.controller.find(request_id, generation=True)
+        if found is None and self.controller.find(request_id) is not None:
             raise _BadRequest(404, f"{request_id!r} was a forward, not a generation: its record is "
                                    f"/v1/requests/{request_id}")
         if found is not None and (found[1].prompt_mask is not None or found[1].ended is not None):
@@ -584,11 +584,14 @@ class ControlServer:
             idle = time.monotonic()
             while True:
                 if request_id is not None and watched is None:
-                    found = controller.find(request_id)
-                    if found is not None and isinstance(found[1], GenerationCall):
+                    found = controller.find(request_id, generation=True)
+                    if found is not None:
                         watched = found[:2]
                         for step in list(watched[1].steps):  # joined mid-request (or after): replay
                             send_step(*watched, step)
+                    elif (forward := controller.find(request_id)) is not None:  # it has no steps: said, not awaited
+                        emit("end", summary(*forward[:2]))
+                        return
                 item = reader.get(timeout=0.25)
                 if reader.dropped > dropped:
                     dropped = reader.dropped
