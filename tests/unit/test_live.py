@@ -18,6 +18,7 @@ from nxl_hooks.apps.serve.controller import Controller
 from nxl_hooks.apps.serve.runs import socket_path
 from nxl_hooks.apps.serve.settings import Settings
 from nxl_hooks.hooks.generate import REQUEST_ID
+from nxl_hooks.records.view import StepView
 
 
 def _generate(model, new: int = 3) -> None:
@@ -161,5 +162,44 @@ def test_a_request_that_scores_then_generates_is_found_by_its_generation_call(tm
 
         assert stream("mix") == [("step", 0), ("step", 1), ("step", 2), ("end", "generate")]
         assert stream("scored") == [("end", "forward")]
+    finally:
+        controller.close()
+
+
+def test_tail_last_shows_every_step_of_a_later_request_that_uses_the_id_again(tmp_path, capsys):
+    """nxl tail --last 1 hid the steps a later request using the same id had in common (by step number) with the
+    request --last showed: it told steps apart by request id, not by call."""
+    import argparse
+    import queue
+
+    controller = Controller(Settings(run_dir=tmp_path / "run"))
+    model = tiny.generating_llama()
+    try:
+        controller.adopt(model, "tiny")
+        live = Endpoint(socket_path=socket_path(tmp_path / "run", os.getpid()))
+        token = REQUEST_ID.set("dup")
+        try:
+            _generate(model, 2)
+            past = tail.last_requests([live], 1, 1)  # its 2 steps, then its end
+            opened, items = threading.Event(), queue.Queue()
+
+            def read() -> None:  # what nxl tail's follower hands on: the stream's steps as it reads them
+                for event, data in live.events("/v1/stream?k=1", timeout=60, on_open=opened.set):
+                    items.put(tail.Shown(StepView.from_json(data), (data.get("model"), data.get("call_started"))))
+                    if items.qsize() == 3:
+                        return
+
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            assert opened.wait(60)
+            _generate(model, 3)
+        finally:
+            REQUEST_ID.reset(token)
+        reader.join(timeout=60)
+        items.put(tail.Closed())
+        args = argparse.Namespace(layer=None, method="normxlogit", request_id=None, last=1, count=None)
+        assert tail._show(items, args, 1, past) == 1  # (the stream closed)
+        steps = [line.split()[1] for line in capsys.readouterr().out.splitlines() if not line.endswith("tokens")]
+        assert steps == ["0", "1", "0", "1", "2"]
     finally:
         controller.close()

@@ -132,8 +132,9 @@ def end_line(data: dict) -> str:
 
 
 class Shown(NamedTuple):
-    """A step to print."""
+    """A step to print; ``call``: its call's (model, start time), where the endpoint says."""
     view: StepView
+    call: tuple = ()
 
 
 class Ended(NamedTuple):
@@ -174,8 +175,8 @@ def last_requests(targets: list, n: int, k: int) -> list[Item]:
     items: list[Item] = []
     for _, endpoint, summary in sorted(found, key=lambda item: item[0])[-n:]:
         view = endpoint.json("GET", f"/v1/requests/{quote(summary['request_id'], safe='')}?k={k}")
-        items += [Shown(StepView.from_json({"request_id": view["request_id"], "model": view.get("model"), **step}))
-                  for step in view["steps"]]
+        items += [Shown(StepView.from_json({"request_id": view["request_id"], "model": view.get("model"), **step}),
+                        (view.get("model"), view.get("started"))) for step in view["steps"]]
         if view.get("ended"):
             items.append(Ended({**view, "steps": len(view["steps"])}))
     return items
@@ -196,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
             for event, data in endpoint.events(f"/v1/stream?{urlencode(query)}", on_open=lambda: items.put(Opened()),
                                                timeout=_SILENT_KEEPALIVES * KEEPALIVE):
                 if event == "step":
-                    items.put(Shown(StepView.from_json(data)))
+                    items.put(Shown(StepView.from_json(data), (data.get("model"), data.get("call_started"))))
                 elif event == "dropped":  # this reader fell behind: how many steps it lost so far
                     items.put(Fault(f"! {endpoint.name}: {data.get('dropped')} step(s) not shown: nxl tail fell "
                                     "behind (the run's records keep them)"))
@@ -244,7 +245,8 @@ def _show(items: queue.Queue[Item], args: argparse.Namespace, open_streams: int,
     """Print ``past`` (``--last``), then what the follower threads put in ``items`` until the request ends,
     ``--count`` is reached or every stream has closed; say so on stderr while no token comes."""
     width, shown = shutil.get_terminal_size((120, 20)).columns, 0
-    seen = {(item.view.request_id, item.view.step) for item in past if isinstance(item, Shown)}
+    # by call, not request id: a later request that uses the id again shows its first steps too
+    seen = {(item.call, item.view.request_id, item.view.step) for item in past if isinstance(item, Shown)}
     waiting = f"request {printable(args.request_id)}" if args.request_id else "requests"
     quiet_since, wait, said, opening = time.monotonic(), _WAIT_FIRST, False, open_streams
     for item in past:
@@ -265,7 +267,7 @@ def _show(items: queue.Queue[Item], args: argparse.Namespace, open_streams: int,
                 say(f"nxl tail: waiting for {waiting} (Ctrl-C to stop{hint})")
             continue
         if isinstance(item, Shown):
-            if (item.view.request_id, item.view.step) in seen:
+            if (item.call, item.view.request_id, item.view.step) in seen:
                 continue  # already shown by --last
             quiet_since, wait, said = time.monotonic(), _WAIT_AGAIN, False
             print(_line(item.view, args, width), flush=True)

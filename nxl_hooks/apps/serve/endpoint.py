@@ -579,7 +579,9 @@ class ControlServer:
                     if step.step < replayed:
                         return
                     replayed = step.step + 1
-                emit("step", step_view(watch, call, step, k=k).to_json())
+                # with the model, when its call started tells apart the calls of a request id used again
+                emit("step", {**step_view(watch, call, step, k=k).to_json(),
+                              "call_started": call.started if call is not None else None})
 
             idle = time.monotonic()
             while True:
