@@ -616,6 +616,8 @@ class ControlServer:
                 idle = time.monotonic()
                 if watched is None and request_id is not None and item.call is not None:
                     watched = (item.watch, item.call)
+                if watched is not None and item.call is not watched[1]:
+                    continue  # another call that uses the id: the stream follows one, which its end counts
                 send_step(*item)
         finally:
             controller.unsubscribe(reader)
