@@ -119,6 +119,49 @@ def test_a_request_stream_sends_every_step_before_its_end(tmp_path, monkeypatch)
         controller.close()
 
 
+def test_a_request_stream_follows_one_call_of_its_id(tmp_path, monkeypatch):
+    """Two calls under one request id: a reader by the id got both calls' steps merged (0, 1, 2, 0, 1, 2, 3), with no
+    way to tell them apart, and an `end` counting the first. It follows one call (here the first, the next to start
+    when it connected) and ends with it. The feed is held on the first call's last step while the second runs, so
+    the second's steps reach the reader before the first call's stream can end."""
+    controller = Controller(Settings(run_dir=tmp_path / "run"))
+    model = tiny.generating_llama()
+    release = threading.Event()
+    try:
+        controller.adopt(model, "tiny")
+        publish = controller.live.publish
+
+        def held(watch, call, step):
+            if step.step == 2:
+                release.wait(60)
+            publish(watch, call, step)
+
+        monkeypatch.setattr(controller.live, "publish", held)
+        live = Endpoint(socket_path=socket_path(tmp_path / "run", os.getpid()))
+        opened, events = threading.Event(), []
+
+        def read() -> None:
+            for event, data in live.events("/v1/stream?request_id=dup&k=1", timeout=60, on_open=opened.set):
+                events.append((event, data["step"] if event == "step" else data.get("steps")))
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        assert opened.wait(60)
+        token = REQUEST_ID.set("dup")
+        try:
+            _generate(model, 3)
+            _generate(model, 4)  # while the first call's last step is held in the feed
+        finally:
+            REQUEST_ID.reset(token)
+        release.set()
+        reader.join(timeout=60)
+        assert not reader.is_alive()
+        assert events == [("step", 0), ("step", 1), ("step", 2), ("end", 3)]
+    finally:
+        release.set()
+        controller.close()
+
+
 def test_a_request_that_scores_then_generates_is_found_by_its_generation_call(tmp_path):
     """A request id that served a plain forward (scoring the prompt), then a generate call: the forward was listed
     after the call (records were calls, then forwards) and found for the id, so /frames said "was a forward" and a
