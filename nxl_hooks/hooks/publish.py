@@ -777,8 +777,9 @@ class Hub:
             running, self._running = self._running, []
             subscribers = list(self._subscribers)
             self._subscribers = weakref.WeakSet()
+            ended = time.time()  # they stop being recorded now, though they go on running (GenerationCall.ended)
             for call in running:
-                call.error = call.error or why
+                call.error, call.ended = call.error or why, ended
             self._trim()
         for call in running:
             self._end_frames(call)

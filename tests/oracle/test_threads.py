@@ -4,6 +4,7 @@ nothing."""
 
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -167,6 +168,7 @@ def test_detach_while_another_thread_generates(model, tmp_path, caplog):
         worker.start()
         assert inside.wait(timeout=60)
         probe.detach()
+        detached = time.time()
         resume.set()
         worker.join(timeout=60)
     assert not worker.is_alive() and "error" not in outcome
@@ -174,8 +176,10 @@ def test_detach_while_another_thread_generates(model, tmp_path, caplog):
     (call,) = probe.calls
     assert not call.complete and "detached" in call.error and call.thread == "generating"
     assert [s.step for s in call.steps] == [0, 1, 2, 3] and torch.equal(call.sequences, plain)
+    # it ended when it stopped being recorded, at the detach (it was left None for good, in memory and on disk)
+    assert call.ended is not None and call.started <= call.ended <= detached
     (read,) = nxl.read_stream(path)  # the sink was closed cleanly and stays readable
-    assert not read.complete and "detached" in read.error and len(read.steps) == 4
+    assert not read.complete and "detached" in read.error and len(read.steps) == 4 and read.ended == call.ended
     assert [r for r in caplog.records if r.name == "nxl_hooks"] == []  # nothing failed: no warning
     assert "generate" not in vars(model)
 
