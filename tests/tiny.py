@@ -195,7 +195,8 @@ def nxl_hooks_on(model: torch.nn.Module) -> int:
     package = os.path.dirname(nxl_hooks.__file__) + os.sep
     functions = [getattr(hook, "func", hook) for m in model.modules()
                  for hook in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())]
-    counted = sum(_source(f).startswith(package) for f in functions) + int("generate" in vars(model))
+    wrapped = getattr(vars(model).get("generate"), "__nxl_hook__", False) is True  # the probe's, not the user's
+    counted = sum(_source(f).startswith(package) for f in functions) + int(wrapped)
     assert counted == count_hooks(model), (counted, count_hooks(model))
     return counted
 

@@ -1182,7 +1182,8 @@ class Generations:
         self.cache_dtype = cache_dtype
         self.cache_device = torch.device(cache_device) if cache_device is not None else None
         self._local = threading.local()
-        self._restore: dict[str, Callable | None] = {}  # the attributes install set: the instance's own before, if any
+        #: the attributes install set: (the instance's own before, if any; the wrapper set)
+        self._restore: dict[str, tuple[Callable | None, Callable]] = {}
         self._detached = False
         self.backbone: nn.Module | None = None  # set by attach: a forward the user compiled in place is seen there
         # a forward that writes the model's own state is never run by the probe beside the host's (Run.finish)
@@ -1268,7 +1269,7 @@ class Generations:
         def generate(*args: Any, **kwargs: Any) -> Any:
             return self._track(original, args, kwargs)
 
-        generate.__nxl_hook__ = True  # nxl.detach_all finds it
+        generate.__nxl_hook__ = True  # count_hooks tells it from a generate of the user's
         self._set("generate", generate)
         criteria = getattr(model, "_get_stopping_criteria", None)
         if callable(criteria):
@@ -1280,7 +1281,7 @@ class Generations:
     def _set(self, name: str, wrapper: Callable) -> None:
         """``wrapper`` as the model instance's attribute ``name`` until :meth:`uninstall`."""
         model = self.plan.model
-        self._restore[name] = vars(model).get(name)
+        self._restore[name] = (vars(model).get(name), wrapper)
         setattr(model, name, wrapper)
 
     def _watching(self, criteria: Callable) -> Callable:
@@ -1327,13 +1328,18 @@ class Generations:
         return logits_processor
 
     def uninstall(self) -> None:
-        """Give the model its own ``generate`` back; calls running in other threads finish unrecorded."""
+        """Give the model its own ``generate`` back; calls running in other threads finish unrecorded. A wrapper
+        someone else set over the probe's while attached (the user's, another library's) stays, and the probe's
+        under it passes every call through (``_detached``): taking it out would drop theirs."""
         self._detached = True
-        for name, own in self._restore.items():
+        model = self.plan.model
+        for name, (own, wrapper) in self._restore.items():
+            if vars(model).get(name) is not wrapper:
+                continue
             if own is not None:
-                setattr(self.plan.model, name, own)
+                setattr(model, name, own)
             else:
-                vars(self.plan.model).pop(name, None)
+                del vars(model)[name]
         self._restore = {}
 
     def _track(self, original: Callable, args: tuple, kwargs: dict) -> Any:

@@ -397,10 +397,12 @@ def detach_all(model: nn.Module) -> int:
 
 def count_hooks(model: nn.Module) -> int:
     """How many hooks of nxl_hooks' own are on ``model``: forward hooks and pre-hooks on its modules, plus one for
-    a wrapped instance ``generate``; zero once every probe is off. Only nxl_hooks' own, told by the module of the
-    hook's function: transformers keeps hooks of its own on a model once a call asked for ``output_hidden_states``.
-    ``assert count_hooks(model) == 0``"""
+    an instance ``generate`` that is the probe's wrapper; zero once every probe is off. Only nxl_hooks' own, told by
+    the module of the hook's function (transformers keeps hooks of its own on a model once a call asked for
+    ``output_hidden_states``) and by the wrapper's ``__nxl_hook__`` mark (the user may set a ``generate`` of their
+    own). ``assert count_hooks(model) == 0``"""
     hooks = [hook for module in model.modules()
              for hook in (*module._forward_hooks.values(), *module._forward_pre_hooks.values())]
     owners = [getattr(getattr(hook, "func", hook), "__module__", None) or "" for hook in hooks]  # a partial's too
-    return sum(owner.startswith("nxl_hooks.") for owner in owners) + int("generate" in vars(model))
+    wrapped = getattr(vars(model).get("generate"), "__nxl_hook__", False) is True
+    return sum(owner.startswith("nxl_hooks.") for owner in owners) + int(wrapped)

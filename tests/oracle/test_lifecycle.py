@@ -11,6 +11,7 @@ import torch
 import nxl_hooks as nxl
 import oracle
 import tiny
+from nxl_hooks.hooks.probe import count_hooks
 
 IDS = torch.tensor([[5, 6, 7, 8, 9]])
 
@@ -61,6 +62,36 @@ def test_detach_all_removes_every_hook_of_a_probe_still_referenced():
     probe.detach()  # detaching again is harmless
     with pytest.raises(RuntimeError, match="detached"):
         probe.subscribe()
+
+
+def test_a_generate_wrapper_set_over_the_probes_stays_after_detach():
+    """A wrapper the user (or a tracing library) sets as model.generate while attached stays in place at detach,
+    and the probe's under it only passes calls on (detach once took it out with the probe's); a later probe records
+    through it; a generate of the user's own is no hook of nxl_hooks (count_hooks counted it)."""
+    model = tiny.build_model("llama")
+    generate = dict(input_ids=IDS, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    plain = model.generate(**generate)
+    calls = []
+    with nxl.attach(model) as probe:
+        inner = model.generate
+
+        def logged(*args, **kwargs):
+            calls.append(1)
+            return inner(*args, **kwargs)
+
+        model.generate = logged
+        assert torch.equal(model.generate(**generate), plain)
+    assert vars(model)["generate"] is logged and _hooks(model) == 0 and len(probe.calls) == 1
+    assert torch.equal(model.generate(**generate), plain) and len(calls) == 2 and len(probe.calls) == 1
+    with nxl.attach(model) as again:
+        assert _hooks(model) > 0
+        model.generate(**generate)
+    assert vars(model)["generate"] is logged and _hooks(model) == 0 and len(calls) == 3
+    (call,) = again.calls
+    oracle.check_call(model, call, 2)
+    fresh = tiny.build_model("llama")
+    fresh.generate = lambda *args, **kwargs: None  # never attached
+    assert count_hooks(fresh) == 0
 
 
 def test_detach_all_through_a_peft_wrapper_and_a_compile_wrapper():
