@@ -108,6 +108,33 @@ def test_generate_batch_gives_each_request_its_oracle(model):
     assert any(length > 1 and not new for f in forwards for _, length, new in f)
 
 
+def test_a_method_wrapped_again_while_attached_leaves_the_next_probe_whole(model, monkeypatch):
+    """A profiler wraps ContinuousBatchProcessor._generation_step over the probe's wrapper while attached: that
+    wrapper stays at detach (taking it out would drop the profiler's), and follows nothing more; the next probe's
+    requests are each equal to their oracle (the left wrapper once opened every step a second time, and left every
+    request of the next probe unrecorded)."""
+    prompts = _prompts((5, 23, 9))
+    plain = model.generate_batch(prompts, generation_config=_greedy(), continuous_batching_config=_config())
+    steps = []
+    # the class's own method back when the test ends (its undo runs last), not the wrapper the profiler wrapped
+    monkeypatch.setattr(ContinuousBatchProcessor, "_generation_step", ContinuousBatchProcessor._generation_step)
+    with nxl.attach(model, layers="all"):
+        inner = ContinuousBatchProcessor._generation_step
+
+        def profiled(self, *args, **kwargs):
+            steps.append(1)
+            return inner(self, *args, **kwargs)
+
+        monkeypatch.setattr(ContinuousBatchProcessor, "_generation_step", profiled)
+    for _ in range(2):  # the next probe, and the one after it (over its own left wrapper too)
+        with nxl.attach(model, layers="all") as probe:
+            out = model.generate_batch(prompts, generation_config=_greedy(), continuous_batching_config=_config())
+        assert _tokens(out) == _tokens(plain) and len(probe.calls) == len(prompts) and steps
+        for call in probe.calls:
+            check_call(model, call, NEW)
+            assert [int(s.token) for s in call.steps] == out[call.request_id].generated_tokens
+
+
 @pytest.mark.parametrize("scored", ["manager", "publisher"])
 def test_requests_run_again_from_the_start_under_cache_pressure_are_recorded_whole(model, scored, monkeypatch):
     """With too few cache blocks for every request, the manager drops a running request's cache and runs it again

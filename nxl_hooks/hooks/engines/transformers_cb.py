@@ -66,6 +66,7 @@ runs without continuous batching (``nxl run`` applies it when ``transformers.cli
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 import weakref
 from typing import Any, Callable
@@ -90,7 +91,7 @@ _ASYNC_OFF = (f"pass ContinuousBatchingConfig(use_async_batching=False), or {MAK
 _LOCK = threading.RLock()  # reentrant: a model collected while the lock is held detaches through here too
 #: task model -> its probe's Batching (weakly both ways: the model's hooks keep the Batching alive)
 _FOLLOWED: "weakref.WeakKeyDictionary[nn.Module, weakref.ref[ContinuousBatching]]" = weakref.WeakKeyDictionary()
-_INSTALLED: list[tuple[type, str, Callable, Callable]] = []  # (class, name, original, wrapper)
+_INSTALLED: list[tuple[type, str, Callable, Callable, list[bool]]] = []  # (class, name, original, wrapper, live)
 
 
 def _tokens(state: Any) -> list[int]:
@@ -220,20 +221,33 @@ def _install(classes: list[type]) -> None:
     wrappers = {"_generation_step": _generation_step, "update_and_check_completion": _update_and_check_completion,
                 "__init__": _manager_init, "warmup": _warmup, "fail_all_requests": _fail_all_requests}
     for owner, (_, _, name) in zip(classes, CONTINUOUS_BATCHING):
-        wrap = wrappers[name]
         original = vars(owner)[name]
-        wrapper = wrap(original)
+        wrapper, live = _gated(wrappers[name](original), original)
         wrapper.__wrapped__ = original
         wrapper.__nxl_hook__ = True
         setattr(owner, name, wrapper)
-        _INSTALLED.append((owner, name, original, wrapper))
+        _INSTALLED.append((owner, name, original, wrapper, live))
+
+
+def _gated(wrapper: Callable, original: Callable) -> tuple[Callable, list[bool]]:
+    """``wrapper``, calling ``original`` instead once its flag (returned) is cleared: a wrapper left behind at
+    uninstall follows nothing more, while the next install wraps the method again above it (each step would be
+    opened twice, and every request of that probe go unrecorded)."""
+    live = [True]
+
+    @functools.wraps(wrapper)
+    def gated(*args: Any, **kwargs: Any) -> Any:
+        return (wrapper if live[0] else original)(*args, **kwargs)
+
+    return gated, live
 
 
 def _uninstall() -> None:
-    """The originals back (caller holds the lock). A wrapper someone else wrapped again stays, as a pass-through:
-    taking it out would drop theirs."""
+    """The originals back (caller holds the lock). A wrapper someone else wrapped again stays, as a pass-through
+    (:func:`_gated`): taking it out would drop theirs."""
     while _INSTALLED:
-        owner, name, original, wrapper = _INSTALLED.pop()
+        owner, name, original, wrapper, live = _INSTALLED.pop()
+        live[0] = False
         if vars(owner).get(name) is wrapper:
             setattr(owner, name, original)
 
