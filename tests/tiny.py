@@ -32,6 +32,7 @@ from transformers import (
 )
 
 import nxl_hooks
+from nxl_hooks.hooks import guard
 from nxl_hooks.hooks.probe import count_hooks
 
 SPECIAL = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
@@ -194,7 +195,8 @@ def nxl_hooks_on(model: torch.nn.Module) -> int:
     ``nxl detach`` and ``nxl ctl status`` say) agreeing with it."""
     package = os.path.dirname(nxl_hooks.__file__) + os.sep
     functions = [getattr(hook, "func", hook) for m in model.modules()
-                 for hook in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())]
+                 for hook in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())
+                 if hook is not guard.inert]  # what a copy made while attached holds instead: it does nothing
     wrapped = getattr(vars(model).get("generate"), "__nxl_hook__", False) is True  # the probe's, not the user's
     counted = sum(_source(f).startswith(package) for f in functions) + int(wrapped)
     assert counted == count_hooks(model), (counted, count_hooks(model))

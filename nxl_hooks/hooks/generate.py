@@ -83,7 +83,7 @@ from ..records.steps import GenerationCall, Step
 from .recording import NOT_RECORDED, Recording
 from .conventions import UnfollowedForward, cache_keyword, find_cache, positions, prefix_cache, start, token_mask
 from .forward import NEEDS_IDS, Capture, embed_norms, head_features, layer_states
-from .guard import Notice, described, one_line, raised, reason
+from .guard import Notice, Owned, described, one_line, raised, reason
 from .plan import Plan
 from .publish import Hub
 from .traced import eager_twin
@@ -1265,24 +1265,25 @@ class Generations:
         model = self.plan.model
         original = model.generate
 
-        @functools.wraps(original)
         def generate(*args: Any, **kwargs: Any) -> Any:
             return self._track(original, args, kwargs)
 
-        generate.__nxl_hook__ = True  # count_hooks tells it from a generate of the user's
-        self._set("generate", generate)
+        wrapper = functools.update_wrapper(self._set("generate", generate, original), original)
+        wrapper.__nxl_hook__ = True  # count_hooks tells it from a generate of the user's
         criteria = getattr(model, "_get_stopping_criteria", None)
         if callable(criteria):
-            self._set("_get_stopping_criteria", self._watching(criteria))
+            self._set("_get_stopping_criteria", self._watching(criteria), criteria)
         processors = getattr(model, "_get_logits_processor", None)
         if callable(processors):
-            self._set("_get_logits_processor", self._apart(processors))
+            self._set("_get_logits_processor", self._apart(processors), processors)
 
-    def _set(self, name: str, wrapper: Callable) -> None:
-        """``wrapper`` as the model instance's attribute ``name`` until :meth:`uninstall`."""
-        model = self.plan.model
-        self._restore[name] = (vars(model).get(name), wrapper)
-        setattr(model, name, wrapper)
+    def _set(self, name: str, wrapper: Callable, wrapped: Callable) -> Owned:
+        """``wrapper`` of ``wrapped`` as the model instance's attribute ``name`` until :meth:`uninstall`; a copy of
+        the model made meanwhile gets ``wrapped`` (:class:`~.guard.Owned`)."""
+        model, owned = self.plan.model, Owned(wrapper, wrapped)
+        self._restore[name] = (vars(model).get(name), owned)
+        setattr(model, name, owned)
+        return owned
 
     def _watching(self, criteria: Callable) -> Callable:
         """generate's ``_get_stopping_criteria``, whose list, for a recorded call, also hands each token's finished

@@ -5,14 +5,46 @@ on unchanged. :meth:`Probe.result` and ``GenerationCall.error`` tell the user wh
 
 from __future__ import annotations
 
+import copy
+import functools
 import logging
 import threading
+from typing import Any, Callable
 
 from ..records.tokens import record_text
 
-__all__ = ["Notice", "described", "logger", "one_line", "raised", "reason"]
+__all__ = ["Notice", "Owned", "described", "inert", "logger", "one_line", "raised", "reason"]
 
 logger = logging.getLogger("nxl_hooks")
+
+
+def inert(*args: Any, **kwargs: Any) -> None:
+    """A hook of the probe's in a copy of the model (:class:`Owned`): it does nothing, and is no hook of the
+    probe's (:func:`~.probe.count_hooks`)."""
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+class Owned(functools.partial):
+    """``func``, a hook or wrapper the probe puts on the model, which a copy of the model does not take along:
+    ``copy.deepcopy`` and pickling (``torch.save(model)``) give ``copied`` in its place (a hook: one that does
+    nothing; a wrapper: what it wraps, bound to the copy), so a copy made while attached is the plain model,
+    unrecorded, and copying it never meets the probe's locks and threads (it raised into the user's code). A
+    partial: it calls ``func`` from C, a block's hook runs once per block and token."""
+
+    def __new__(cls, func: Callable, copied: Callable = inert) -> "Owned":
+        self = super().__new__(cls, func)
+        self.copied = copied
+        self.__name__ = getattr(func, "__name__", type(func).__name__)  # (recorder._always_called keys on it)
+        return self
+
+    def __deepcopy__(self, memo: dict) -> Callable:
+        return copy.deepcopy(self.copied, memo)  # a method of the model being copied: the copy's (memo holds it)
+
+    def __reduce__(self) -> tuple:
+        return _same, (self.copied,)
 
 
 def one_line(error: object) -> str:

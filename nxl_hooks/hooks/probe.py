@@ -39,7 +39,7 @@ from ..records.sinks import RecordSink
 from ..records.steps import GenerationCall, Step
 from .engines import Engine, engines_for
 from .generate import Generations
-from .guard import Notice, reason
+from .guard import Notice, inert, reason
 from .plan import Plan, check_recording, make_plan, run_eagerly
 from .publish import LIVE_QUEUE, Hub, Subscription
 from .recorder import Recorder, Results
@@ -400,9 +400,10 @@ def count_hooks(model: nn.Module) -> int:
     an instance ``generate`` that is the probe's wrapper; zero once every probe is off. Only nxl_hooks' own, told by
     the module of the hook's function (transformers keeps hooks of its own on a model once a call asked for
     ``output_hidden_states``) and by the wrapper's ``__nxl_hook__`` mark (the user may set a ``generate`` of their
-    own). ``assert count_hooks(model) == 0``"""
+    own); not the ones that do nothing that a copy of an attached model holds (:func:`~.guard.inert`).
+    ``assert count_hooks(model) == 0``"""
     hooks = [hook for module in model.modules()
-             for hook in (*module._forward_hooks.values(), *module._forward_pre_hooks.values())]
+             for hook in (*module._forward_hooks.values(), *module._forward_pre_hooks.values()) if hook is not inert]
     owners = [getattr(getattr(hook, "func", hook), "__module__", None) or "" for hook in hooks]  # a partial's too
     wrapped = getattr(vars(model).get("generate"), "__nxl_hook__", False) is True
     return sum(owner.startswith("nxl_hooks.") for owner in owners) + int(wrapped)

@@ -29,7 +29,7 @@ from .conventions import find_cache, start
 from .engines import Engine
 from .forward import Capture, assemble, embedding_norms, open_capture
 from .generate import Generations
-from .guard import Notice, logger, reason
+from .guard import Notice, Owned, logger, reason
 from .plan import Plan
 from .recording import Recording
 from .traced import Recompiled, TracedForward
@@ -243,17 +243,18 @@ class Recorder:
 
     def register(self) -> list[torch.utils.hooks.RemovableHandle]:
         plan, handles = self.plan, []
-        try:
-            handles.append(plan.model.register_forward_pre_hook(self.on_task_start))
-            handles.append(_always_called(plan.model, self.on_task_end))
-            handles.append(self.backbone.register_forward_pre_hook(self.on_backbone_start, with_kwargs=True))
-            handles.append(_always_called(self.backbone, self.on_backbone_end))
-            handles.append(plan.blocks[0].register_forward_pre_hook(self.on_block_input, with_kwargs=True))
+        try:  # each an Owned: a copy of the model made while attached gets hooks that do nothing
+            handles.append(plan.model.register_forward_pre_hook(Owned(self.on_task_start)))
+            handles.append(_always_called(plan.model, Owned(self.on_task_end)))
+            handles.append(self.backbone.register_forward_pre_hook(Owned(self.on_backbone_start), with_kwargs=True))
+            handles.append(_always_called(self.backbone, Owned(self.on_backbone_end)))
+            handles.append(plan.blocks[0].register_forward_pre_hook(Owned(self.on_block_input), with_kwargs=True))
             for index, module in enumerate(plan.subject.layer_modules, start=1):
                 if index in self._wanted or index == plan.n_blocks:
-                    handles.append(module.register_forward_hook(self._block_hook(index)))
+                    handles.append(module.register_forward_hook(Owned(self._block_hook(index))))
             if plan.embedding == "word":
-                handles.append(plan.model.get_input_embeddings().register_forward_hook(self.on_word_embedding))
+                handles.append(plan.model.get_input_embeddings().register_forward_hook(
+                    Owned(self.on_word_embedding)))
         except BaseException:
             for handle in handles:
                 handle.remove()

@@ -94,6 +94,35 @@ def test_a_generate_wrapper_set_over_the_probes_stays_after_detach():
     assert count_hooks(fresh) == 0
 
 
+def test_a_copy_made_while_attached_is_the_plain_model(tmp_path):
+    """copy.deepcopy(model) and torch.save(model) while attached raised into the user's code (the probe's hooks and
+    generate wrapper hold its locks): the copy is the plain model now, unrecorded, its outputs the model's own."""
+    import copy
+
+    model = tiny.build_model("llama")
+    with torch.no_grad():
+        plain = model(input_ids=IDS).logits
+    generate = dict(input_ids=IDS, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    generated = model.generate(**generate)
+    with nxl.attach(model) as probe:
+        twin = copy.deepcopy(model)
+        torch.save(model, tmp_path / "model.pt")
+        loaded = torch.load(tmp_path / "model.pt", weights_only=False)
+        for each in (twin, loaded):
+            assert _hooks(each) == 0
+            with torch.no_grad():
+                torch.testing.assert_close(each(input_ids=IDS).logits, plain, rtol=0, atol=0)
+            assert torch.equal(each.generate(**generate), generated)
+        assert probe.calls == []  # nothing of the copies reached the probe
+        with pytest.raises(RuntimeError, match="no forward has run under this probe"):
+            probe.result()
+        model(input_ids=IDS)
+    torch.testing.assert_close(probe.result().normxlogit, _expected(model), rtol=1e-4, atol=1e-5)
+    with nxl.attach(twin) as again:  # a copy is attached to as any model
+        twin(input_ids=IDS)
+    torch.testing.assert_close(again.result().normxlogit, _expected(twin), rtol=1e-4, atol=1e-5)
+
+
 def test_detach_all_through_a_peft_wrapper_and_a_compile_wrapper():
     from peft import LoraConfig, get_peft_model
 
