@@ -584,7 +584,7 @@ def test_calls_not_recorded_and_calls_ended_before_their_prompt_ran_are_in_the_s
     from nxl_hooks.apps.serve.endpoint import ControlServer
 
     calls = {call.request_id: (None, call, probe.describe()) for call in probe.calls}
-    host = SimpleNamespace(settings=SimpleNamespace(sink=None), find=calls.get)
+    host = SimpleNamespace(settings=SimpleNamespace(sink=None), find=lambda request_id, generation=False: calls.get(request_id))
     handed = tmp_path / "handed.nxl"
     handed.write_bytes(ControlServer(host)._frames("beam"))
     (read,) = nxl.read_stream(handed, strict=True)
