@@ -149,13 +149,13 @@ class Recorder:
 
     def _drop_ended(self, run: Recording | None) -> None:
         """Let go of what this thread holds of a forward a BaseException (Ctrl-C) ended, its hidden states
-        included: torch runs always_call hooks on an Exception only, so its entries were never taken off. A task
-        forward whose blocks ran, not waiting for its backbone's capture, is such a one when another forward starts
-        (its backbone runs once), or a step of a call when a forward starts outside that call."""
+        included: torch runs always_call hooks on an Exception only, so its entries were never taken off. A plain
+        task forward whose blocks ran is such a one when another forward starts, whether its backbone's capture came
+        (the Ctrl-C landed in its head or loss) or not (its backbone runs once); a step of a call is when a forward
+        starts outside that call."""
         captures, tasks = self._stacks()
         ended = tasks[-1] if tasks else None
-        if ended is not None and ended.blocks_ran and ended.capture is None and (not ended.in_call
-                                                                                  or ended.run is not run):
+        if ended is not None and ended.blocks_ran and (not ended.in_call or ended.run is not run):
             tasks.clear()
             captures.clear()
 

@@ -153,11 +153,12 @@ def _held(probe) -> tuple[list, list]:
     return probe._settle().__self__._stacks()  # (the probe holds its recorder through a weak method)
 
 
-@pytest.mark.parametrize("ended", ["a forward", "a generate step"])
+@pytest.mark.parametrize("ended", ["a forward", "a forward's head", "a generate step"])
 def test_a_forward_ctrl_c_ended_leaves_nothing_that_a_later_forward_is_taken_for(ended):
     """torch runs a forward's always_call hooks on an Exception only: a KeyboardInterrupt left the probe's entries of
     the ended forward behind, its hidden states held, and a backbone called directly after it was taken for that
-    forward, never made (the result was the one before, or said the forward raised). A generate call after it lets
+    forward, never made (the result was the one before, or said the forward raised). Also when it lands after the
+    backbone returned (in the head: each such Ctrl-C kept every layer's hidden states). A generate call after it lets
     them go too."""
     model = tiny.build_model("llama")
     ids, other = _ids(3, 7), _ids(1, 4, seed=9)
@@ -168,13 +169,13 @@ def test_a_forward_ctrl_c_ended_leaves_nothing_that_a_later_forward_is_taken_for
             interrupt.clear()
             raise KeyboardInterrupt
 
-    handle = model.model.layers[-1].register_forward_hook(ctrl_c)
+    handle = (model.lm_head if ended == "a forward's head" else model.model.layers[-1]).register_forward_hook(ctrl_c)
     try:
         with torch.no_grad(), nxl.attach(model) as probe:
             model(input_ids=ids)
             interrupt.append(True)
             with pytest.raises(KeyboardInterrupt):
-                if ended == "a forward":
+                if ended != "a generate step":
                     model(input_ids=ids)
                 else:
                     model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
