@@ -66,15 +66,17 @@ _STABLE_IDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _always_called(module: nn.Module, hook: Callable) -> torch.utils.hooks.RemovableHandle:
-    """``hook`` as ``module``'s forward hook run on an exception too, under the id the probe's first such hook on
-    ``module`` had: dynamo guards compiled code that calls a module on that id (``hook_id in
-    _forward_hooks_always_called``), so a new id per attach would recompile generate's compiled call at every attach,
-    and past dynamo's ``recompile_limit`` run its decoding steps partly eagerly."""
-    handle = module.register_forward_hook(hook, always_call=True)
+    """``hook`` as ``module``'s first forward hook, run on an exception too, under the id the probe's first such hook
+    on ``module`` had. First: a hook of the user's on the module, registered before attaching or after, then finds
+    the forward recorded (``probe.peek()``). The id: dynamo guards compiled code that calls a module on it
+    (``hook_id in _forward_hooks_always_called``), so a new id per attach would recompile generate's compiled call at
+    every attach, and past dynamo's ``recompile_limit`` run its decoding steps partly eagerly."""
+    handle = module.register_forward_hook(hook, always_call=True, prepend=True)
     stable = _STABLE_IDS.setdefault(module, {}).setdefault(hook.__name__, handle.id)
     hooks, always = module._forward_hooks, module._forward_hooks_always_called
-    if stable != handle.id and stable not in hooks:  # (a later hook in the dict keeps its order: this one is last)
+    if stable != handle.id and stable not in hooks:
         hooks[stable], always[stable] = hooks.pop(handle.id), always.pop(handle.id)
+        hooks.move_to_end(stable, last=False)  # (re-keyed, it went last)
         handle.id = stable  # what remove() takes out
     return handle
 

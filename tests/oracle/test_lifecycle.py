@@ -133,6 +133,35 @@ def test_detach_all_through_a_peft_wrapper_and_a_compile_wrapper():
     assert nxl.detach_all(compiled) == 1 and _hooks(model) == 0 and not probe.attached
 
 
+def test_peek_in_a_hook_of_the_users_gives_the_forward_it_runs_after():
+    """docs/python.md: peek() "for a hook of yours that runs after each forward". The probe's hook that records a
+    forward ran after the user's hooks already on the model (one registered before attaching, or kept across
+    probes): peek() there gave the forward before, or None."""
+    model = tiny.build_model("llama")
+    inputs = [IDS, IDS[:, :3]]
+    expected = []
+    for ids in inputs:
+        with torch.no_grad():
+            out = model(input_ids=ids, output_hidden_states=True)
+        logits = oracle.llama(model).layer_logits(out.hidden_states)
+        expected.append(oracle.normxlogit(logits, out.hidden_states[0], out.logits[0, -1].argmax()[None])[1])
+    peeked, current = [], {}
+    handle = model.register_forward_hook(lambda module, args, output: peeked.append(current["probe"].peek()))
+    try:
+        for _ in ("the first probe", "a second one"):
+            with torch.no_grad(), nxl.attach(model) as probe:
+                current["probe"] = probe
+                peeked.clear()
+                for ids in inputs:
+                    model(input_ids=ids)
+            assert [type(last).__name__ for last in peeked] == ["Attribution", "Attribution"]
+            for last, ids, normxlogit in zip(peeked, inputs, expected):
+                assert last.input_ids.tolist() == ids.tolist()
+                torch.testing.assert_close(last.normxlogit, normxlogit, rtol=1e-4, atol=1e-5)
+    finally:
+        handle.remove()
+
+
 # -- torch.compile -----------------------------------------------------------------------------------------
 
 
