@@ -49,6 +49,13 @@ CALLED_READOUT_CHUNK = 256
 CALLED_READOUT_BYTES = 64 << 20
 
 
+def _unhooked(step: nn.Module | Callable, hidden: torch.Tensor) -> torch.Tensor:
+    """``step`` applied to ``hidden`` without its torch hooks, when it is a module: those on the model's modules are
+    the user's (collecting the final norm's outputs, say) and must see the model's own calls only, not the probe's
+    on every layer. Its ``forward`` attribute, not the class's: accelerate patches offloading in there."""
+    return step.forward(hidden) if isinstance(step, nn.Module) else step(hidden)
+
+
 def _activation(config, attribute: str) -> Callable[[torch.Tensor], torch.Tensor]:
     from transformers.activations import ACT2FN
 
@@ -76,7 +83,7 @@ class _RmsFold:
             return None
         d, device = weight.shape[0], weight.device
         with torch.no_grad():
-            gain = module(torch.ones(1, d, device=device))[0] * math.sqrt(1.0 + eps)  # mean(1²) = 1
+            gain = _unhooked(module, torch.ones(1, d, device=device))[0] * math.sqrt(1.0 + eps)  # mean(1²) = 1
             offset = next((offset for offset in (0.0, 1.0)
                            if torch.allclose(gain, weight + offset, rtol=1e-5, atol=1e-6)), None)
             if offset is None:
@@ -84,7 +91,7 @@ class _RmsFold:
             fold = cls(module=module, offset=offset, eps=float(eps))
             probe = torch.randn(8, d, generator=torch.Generator().manual_seed(0)).to(device) * 3.0
             folded = probe * torch.rsqrt(probe.pow(2).mean(-1, keepdim=True) + eps) * fold.gain
-            if not torch.allclose(module(probe), folded, rtol=1e-5, atol=1e-6):
+            if not torch.allclose(_unhooked(module, probe), folded, rtol=1e-5, atol=1e-6):
                 return None
         return fold
 
@@ -140,7 +147,7 @@ class _Through(nn.Module):
         return get_path(self.holder, self.path)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.now(hidden)
+        return _unhooked(self.now, hidden)
 
 
 def _head_step(model: nn.Module, path: str) -> tuple[nn.Module | None, str, nn.Module | None]:
@@ -263,7 +270,7 @@ class Head:
                 if self._where[index]() != device:
                     step = self._step_on(index, step, device)
                     hidden = hidden.to(module_device(step))
-            hidden = step(hidden)
+            hidden = _unhooked(step, hidden)
         return hidden
 
     def post(self, logits: torch.Tensor) -> torch.Tensor:
@@ -329,7 +336,7 @@ class Readout:
         if self._held:  # a plain Linear with its weights materialized: calling it would load them again
             weight = readout.weight
             return head.post(F.linear(features.to(weight.device), weight, readout.bias)).float()
-        return head.post(readout(features.to(head.device))).float()
+        return head.post(_unhooked(readout, features.to(head.device))).float()
 
     def _target_rows(self, targets: torch.Tensor, *, folded: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The readout's weight rows (rows, k, d) and bias (rows, k) for ``targets`` (``folded``: times the folded
@@ -388,7 +395,7 @@ class Readout:
         rows = features.shape[0]
         chunk = max(1, min(CALLED_READOUT_CHUNK, CALLED_READOUT_BYTES // (4 * rows * head.n_outputs)))
         for part in features.split(chunk, dim=1):
-            full = head.readout(part.to(head.device))
+            full = _unhooked(head.readout, part.to(head.device))
             parts.append(head.post(full.gather(-1, targets.to(full.device)[:, None, :].expand(-1, full.shape[1], -1)))
                          .float())
         return torch.cat(parts, dim=1)

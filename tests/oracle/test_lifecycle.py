@@ -162,6 +162,40 @@ def test_peek_in_a_hook_of_the_users_gives_the_forward_it_runs_after():
         handle.remove()
 
 
+def test_hooks_of_the_users_on_the_head_see_the_models_own_calls_only():
+    """The probe computes every layer's HoT with the model's final norm (and checks its RMS fold on it at attach): a
+    forward hook of the user's on model.model.norm, collecting the final normed states, got the probe's calls too,
+    with (positions, layers, d) tensors of every layer."""
+    model = tiny.build_model("llama")
+    norm_inputs, head_inputs = [], []
+    hooks = [model.model.norm.register_forward_hook(lambda module, args, output: norm_inputs.append(args[0])),
+             model.lm_head.register_forward_hook(lambda module, args, output: head_inputs.append(args[0]))]
+
+    def run() -> None:
+        with torch.no_grad():
+            model(input_ids=IDS)
+            model.generate(input_ids=IDS, max_new_tokens=3, do_sample=False, pad_token_id=0)
+
+    try:
+        run()
+        plain = list(norm_inputs), list(head_inputs)
+        norm_inputs.clear()
+        head_inputs.clear()
+        with nxl.attach(model) as probe:  # (attaching checks the norm's fold on it)
+            run()
+            probe.flush()  # (generate's records are scored in a thread of their own)
+        attached = norm_inputs, head_inputs
+    finally:
+        for handle in hooks:
+            handle.remove()
+    assert [len(seen) for seen in plain] == [4, 4]  # the forward, then generate's three steps
+    for seen, expected in zip(attached, plain):
+        assert [tuple(t.shape) for t in seen] == [tuple(t.shape) for t in expected]
+        for got, want in zip(seen, expected):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert probe.calls[0].error is None and len(probe.calls[0].steps) == 3  # (recorded all the same)
+
+
 # -- torch.compile -----------------------------------------------------------------------------------------
 
 
