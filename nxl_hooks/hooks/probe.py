@@ -60,45 +60,58 @@ class _Attachment:
     def __init__(self, handles: list, gens: Generations | None, engines: list[Engine], hub: Hub,
                  backbone: nn.Module, restore_compiled: Callable[[], None]) -> None:
         self._handles = handles
-        self._restore_compiled = restore_compiled
+        self._restore_compiled: Callable[[], None] | None = restore_compiled
         self._gens = weakref.ref(gens) if gens is not None else None
         self._engines = [weakref.ref(engine) for engine in engines]  # the hooks (the recorder) keep them alive
         self._hub = hub
         self._backbone = weakref.ref(backbone)
         self._lock = threading.RLock()
         self.alive = True
+        self._detaching = False
         self._on_model = weakref.finalize(backbone, self)  # a model dropped while attached: detach then
 
     def __call__(self) -> None:
         with self._lock:
-            if not self.alive:
+            if not self.alive or self._detaching:
                 return
-            self.alive = False
+            self._detaching = True
+        try:
+            self._take_off()
+        except BaseException:
+            # cut short (a Ctrl-C while it waits below, or between two hooks): still attached, what is left comes off
+            # at the next detach (Probe.detach, detach_all, the probe or the model collected)
+            self._detaching = False
+            raise
+        self.alive = False
+        self._on_model.detach()
+        backbone = self._backbone()
+        with _LOCK:
+            if backbone is not None and _ATTACHED.get(backbone) is self:
+                del _ATTACHED[backbone]
+        self._hub.close()  # may log a failing sink: the model is free all the same
+
+    def _take_off(self) -> None:
+        """Everything attach put on, each step once even when called again after an interruption."""
         # Taken before the hooks go: they may be what keeps these alive.
         gens = self._gens() if self._gens is not None else None
         engines = [ref() for ref in self._engines]
         self._hub.wait_later()  # a call's end made off its thread may still run the model with these hooks
-        try:
+        if self._restore_compiled is not None:
             self._restore_compiled()
-            for handle in self._handles:
-                handle.remove()
-            self._handles.clear()
-            if gens is not None:
-                gens.uninstall()
-            for engine in engines:
-                if engine is not None:
-                    try:
-                        engine.uninstall()
-                    except BaseException as error:  # noqa: BLE001 - a broken engine (SystemExit too) never
-                        # keeps the model hooked
-                        reason(f"detaching engine {engine.name!r}", plugins.contained(error))
-        finally:
-            self._on_model.detach()
-            backbone = self._backbone()
-            with _LOCK:
-                if backbone is not None and _ATTACHED.get(backbone) is self:
-                    del _ATTACHED[backbone]
-            self._hub.close()  # may log a failing sink: the model is free all the same
+            self._restore_compiled = None
+        while self._handles:
+            self._handles[-1].remove()
+            self._handles.pop()
+        if gens is not None:
+            gens.uninstall()
+        self._engines.clear()
+        for engine in engines:
+            if engine is not None:
+                try:
+                    engine.uninstall()
+                except BaseException as error:  # noqa: BLE001 - a broken engine (SystemExit too) never
+                    # keeps the model hooked
+                    reason(f"detaching engine {engine.name!r}", plugins.contained(error))
 
 
 class Probe:

@@ -123,6 +123,35 @@ def test_a_copy_made_while_attached_is_the_plain_model(tmp_path):
     torch.testing.assert_close(again.result().normxlogit, _expected(twin), rtol=1e-4, atol=1e-5)
 
 
+def test_a_detach_ctrl_c_cut_short_is_finished_by_the_next_one(monkeypatch):
+    """A Ctrl-C landing while detach ran (simulated: at its second hook's removal) marked the probe detached with
+    hooks still on: neither probe.detach() nor detach_all took them off, and attaching again stacked new ones."""
+    model = tiny.build_model("llama")
+    probe = nxl.attach(model)
+    model.generate(input_ids=IDS, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    remove, removed = torch.utils.hooks.RemovableHandle.remove, []
+
+    def ctrl_c_at_the_second(handle):
+        removed.append(handle)
+        if len(removed) == 2:
+            raise KeyboardInterrupt
+        remove(handle)
+
+    monkeypatch.setattr(torch.utils.hooks.RemovableHandle, "remove", ctrl_c_at_the_second)
+    with pytest.raises(KeyboardInterrupt):
+        probe.detach()
+    monkeypatch.undo()
+    assert probe.attached and 0 < _hooks(model)
+    with pytest.raises(RuntimeError, match="already attached"):
+        nxl.attach(model)
+    probe.detach()
+    assert not probe.attached and _hooks(model) == 0 and "generate" not in vars(model)
+    with nxl.attach(model) as again:
+        model(input_ids=IDS)
+    assert _hooks(model) == 0
+    torch.testing.assert_close(again.result().normxlogit, _expected(model), rtol=1e-4, atol=1e-5)
+
+
 def test_detach_all_through_a_peft_wrapper_and_a_compile_wrapper():
     from peft import LoraConfig, get_peft_model
 
