@@ -120,6 +120,12 @@ class Recorder:
         self._continued_caches: dict[int, tuple[weakref.ref, bool]] = {}
         # Layers whose features a hook computes; the last block is hooked in any case, for final logits.
         self._wanted = set(plan.layers)
+        # Blocks whose input is checked to be what the probe kept as the layer before (:meth:`_handed_on`): where
+        # that layer is kept, and both it and the block's output are blocks' own (not a layer_outputs submodule's).
+        own = [True, *(module is block for module, block in zip(plan.subject.layer_modules, plan.blocks))]
+        kept = self._wanted | ({0} if plan.embedding == "layer_input" else set())
+        self._checked = {index for index in range(1, plan.n_blocks + 1)
+                         if index - 1 in kept and own[index - 1] and own[index]}
         # Under torch.compile the hooks only keep what a plain forward saw (graph-safe: no host read, no lock).
         self.plain = TracedForward(functools.partial(embedding_norms, plan))
         self._recompiled = Recompiled()
@@ -252,8 +258,8 @@ class Recorder:
             handles.append(_always_called(self.backbone, Owned(self.on_backbone_end)))
             handles.append(plan.blocks[0].register_forward_pre_hook(Owned(self.on_block_input), with_kwargs=True))
             for index, module in enumerate(plan.subject.layer_modules, start=1):
-                if index in self._wanted or index == plan.n_blocks:
-                    handles.append(module.register_forward_hook(Owned(self._block_hook(index))))
+                if index in self._wanted or index == plan.n_blocks or index in self._checked:
+                    handles.append(module.register_forward_hook(Owned(self._block_hook(index)), with_kwargs=True))
             if plan.embedding == "word":
                 handles.append(plan.model.get_input_embeddings().register_forward_hook(
                     Owned(self.on_word_embedding)))
@@ -384,6 +390,8 @@ class Recorder:
             return
         try:
             hidden = args[0] if args else kwargs["hidden_states"]
+            if 1 in self._checked:
+                capture.handed = (1, hidden)
             if hidden.requires_grad:
                 hidden = hidden.detach()
             with torch.no_grad():
@@ -414,8 +422,9 @@ class Recorder:
         # path is the most frequent Python the probe adds to a decoding step (a 7B model's 32 blocks per token, on a
         # GPU whose step is bound by the host's Python): it reads this thread's capture in place, no method calls.
         wanted, last, local = index in self._wanted, index == self.plan.n_blocks, self._local
+        checked, hands_on = index in self._checked, index + 1 in self._checked
 
-        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
             if traced():
                 if self._plain_traced():
                     if wanted:
@@ -428,7 +437,11 @@ class Recorder:
             if capture is None:
                 return
             try:
+                if checked and not self._handed_on(capture, index, args, kwargs):
+                    return
                 hidden = _hidden(output)
+                if hands_on:
+                    capture.handed = (index + 1, hidden)
                 if hidden.requires_grad:  # under no_grad (serving, generate) there is nothing to detach from
                     hidden = hidden.detach()
                 if last:
@@ -439,6 +452,25 @@ class Recorder:
                 self._fail("this forward", error)
 
         return hook
+
+    def _handed_on(self, capture: Capture, index: int, args: tuple, kwargs: dict) -> bool:
+        """Whether block ``index`` was called on the tensor the probe kept as layer ``index - 1``; else the forward
+        is not recorded, and says why. A hook of the user's registered after attaching runs after the probe's: one
+        that changes a block's output (steering), or block 1's input, changes what the model goes on with, not what
+        was kept. Told apart by the tensor object, so free of host reads (a copy to another device, as a pipeline
+        across devices makes, is let pass)."""
+        handed, capture.handed = capture.handed, None
+        given = args[0] if args else kwargs.get("hidden_states")
+        if handed is None or handed[0] != index or not isinstance(given, torch.Tensor) or given is handed[1] \
+                or given.device != handed[1].device or given.data_ptr() == handed[1].data_ptr():
+            return True
+        layer = index - 1
+        where = "block 1's input" if layer == 0 else f"block {layer}'s output"
+        self._fail("this forward", RuntimeError(
+            f"a hook changed {where} (layer {layer}'s hidden states) after the probe read it, so the records would not "
+            "be of what the model went on with: register such a hook before attaching, or with prepend=True"
+            + (f", on block {layer}'s output rather than block {index}'s input" if layer else "")))
+        return False
 
     def on_backbone_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         if traced():

@@ -192,6 +192,43 @@ def test_a_forward_ctrl_c_ended_leaves_nothing_that_a_later_forward_is_taken_for
     torch.testing.assert_close(res.logat, logat, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("hook", ["steers block 1's output", "changes block 1's input"])
+def test_a_hook_added_after_attaching_that_changes_hidden_states_is_never_recorded_silently(hook):
+    """A hook of the user's registered after attaching runs after the probe's: one that steers a block's output (or
+    changes the embeddings block 1 gets) left the probe's records on the states before it, silently wrong. Now the
+    forward says why it is not recorded; registered with prepend=True it runs first and the records are right."""
+    model = tiny.build_model("llama")
+    ids, shift = _ids(2, 6), torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(1)) * 5
+    block = model.model.layers[0]
+
+    def register(prepend: bool):
+        if hook == "steers block 1's output":
+            return block.register_forward_hook(lambda module, args, output: output + shift, prepend=prepend)
+        return block.register_forward_pre_hook(lambda module, args: (args[0] + shift, *args[1:]), prepend=prepend)
+
+    with torch.no_grad(), nxl.attach(model) as probe:
+        handle = register(prepend=False)
+        model(input_ids=ids)
+        handle.remove()
+        said = r"a hook changed block 1's (output|input) \(layer [01]'s .* prepend=True"
+        with pytest.raises(RuntimeError, match=said):
+            probe.result()
+        handle = register(prepend=True)
+        model(input_ids=ids)
+        res = probe.result()
+        # the oracle: the states each block and the final norm really got, read by hooks that run last
+        got = []
+        taps = [module.register_forward_pre_hook(lambda module, args, kwargs: got.append(
+            args[0] if args else kwargs["hidden_states"]), with_kwargs=True)
+            for module in (*model.model.layers, model.model.norm)]
+        out = model(input_ids=ids)
+        for tap in (*taps, handle):
+            tap.remove()
+    logits = oracle.llama(model).layer_logits((*got[:-1], model.model.norm(got[-1])))  # (h^L as transformers gives it)
+    logat, _ = oracle.normxlogit(logits, got[0], out.logits[:, -1].argmax(-1))
+    torch.testing.assert_close(res.logat, logat, rtol=1e-4, atol=1e-5)
+
+
 def test_contrastive_is_nan_where_every_output_is_explained():
     """No output is left to be the foil: NaN, as without the model's probabilities (it was the gap to output 0,
     itself a target)."""
