@@ -34,9 +34,9 @@ class Capture:
     embed_norm: torch.Tensor | None = None  #: (batch, seq) float32
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  #: layer -> its hidden states, as the model made them
     last_hidden: torch.Tensor | None = None  #: the last block's output, for final logits the model did not give
-    #: (l, the very tensor kept as layer l-1's hidden states): what block l must be called on, or a hook of the
-    #: user's changed them after the probe's hook read them (:meth:`~.recorder.Recorder._handed_on`)
-    handed: tuple[int, torch.Tensor] | None = None
+    #: the very tensor kept as the last block's output: what the next block must be called on, or a hook of the
+    #: user's changed it after the probe's hook read it (:meth:`~.recorder.Recorder._changed`)
+    handed: torch.Tensor | None = None
 
 
 def _not_run(plan: Plan, layer: int) -> ValueError:

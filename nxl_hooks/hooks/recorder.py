@@ -120,12 +120,13 @@ class Recorder:
         self._continued_caches: dict[int, tuple[weakref.ref, bool]] = {}
         # Layers whose features a hook computes; the last block is hooked in any case, for final logits.
         self._wanted = set(plan.layers)
-        # Blocks whose input is checked to be what the probe kept as the layer before (:meth:`_handed_on`): where
-        # that layer is kept, and both it and the block's output are blocks' own (not a layer_outputs submodule's).
+        # Blocks whose input is checked to be the very tensor the probe kept as the block before's output
+        # (:meth:`_changed`): where that layer is kept, and both it and the block's output are blocks' own (not a
+        # layer_outputs submodule's). Layer 0 needs none: block 1's first pre-hook reads it, after every hook of the
+        # embedding's.
         own = [True, *(module is block for module, block in zip(plan.subject.layer_modules, plan.blocks))]
-        kept = self._wanted | ({0} if plan.embedding == "layer_input" else set())
-        self._checked = {index for index in range(1, plan.n_blocks + 1)
-                         if index - 1 in kept and own[index - 1] and own[index]}
+        self._checked = {index for index in range(2, plan.n_blocks + 1)
+                         if index - 1 in self._wanted and own[index - 1] and own[index]}
         # Under torch.compile the hooks only keep what a plain forward saw (graph-safe: no host read, no lock).
         self.plain = TracedForward(functools.partial(embedding_norms, plan))
         self._recompiled = Recompiled()
@@ -256,7 +257,9 @@ class Recorder:
             handles.append(_always_called(plan.model, Owned(self.on_task_end)))
             handles.append(self.backbone.register_forward_pre_hook(Owned(self.on_backbone_start), with_kwargs=True))
             handles.append(_always_called(self.backbone, Owned(self.on_backbone_end)))
-            handles.append(plan.blocks[0].register_forward_pre_hook(Owned(self.on_block_input), with_kwargs=True))
+            # first: layer 0 is what the embeddings gave, a pre-hook of the user's on block 1 steers block 1's input
+            handles.append(plan.blocks[0].register_forward_pre_hook(Owned(self.on_block_input), with_kwargs=True,
+                                                                    prepend=True))
             for index, module in enumerate(plan.subject.layer_modules, start=1):
                 if index in self._wanted or index == plan.n_blocks or index in self._checked:
                     handles.append(module.register_forward_hook(Owned(self._block_hook(index)), with_kwargs=True))
@@ -390,8 +393,6 @@ class Recorder:
             return
         try:
             hidden = args[0] if args else kwargs["hidden_states"]
-            if 1 in self._checked:
-                capture.handed = (1, hidden)
             if hidden.requires_grad:
                 hidden = hidden.detach()
             with torch.no_grad():
@@ -437,11 +438,14 @@ class Recorder:
             if capture is None:
                 return
             try:
-                if checked and not self._handed_on(capture, index, args, kwargs):
-                    return
+                if checked:  # inline: one identity test per block while nothing changed the states
+                    handed, capture.handed = capture.handed, None
+                    given = args[0] if args else kwargs.get("hidden_states")
+                    if handed is not None and given is not handed and self._changed(module, index, handed, given):
+                        return
                 hidden = _hidden(output)
                 if hands_on:
-                    capture.handed = (index + 1, hidden)
+                    capture.handed = hidden
                 if hidden.requires_grad:  # under no_grad (serving, generate) there is nothing to detach from
                     hidden = hidden.detach()
                 if last:
@@ -453,24 +457,26 @@ class Recorder:
 
         return hook
 
-    def _handed_on(self, capture: Capture, index: int, args: tuple, kwargs: dict) -> bool:
-        """Whether block ``index`` was called on the tensor the probe kept as layer ``index - 1``; else the forward
-        is not recorded, and says why. A hook of the user's registered after attaching runs after the probe's: one
-        that changes a block's output (steering), or block 1's input, changes what the model goes on with, not what
-        was kept. Told apart by the tensor object, so free of host reads (a copy to another device, as a pipeline
-        across devices makes, is let pass)."""
-        handed, capture.handed = capture.handed, None
-        given = args[0] if args else kwargs.get("hidden_states")
-        if handed is None or handed[0] != index or not isinstance(given, torch.Tensor) or given is handed[1] \
-                or given.device != handed[1].device or given.data_ptr() == handed[1].data_ptr():
-            return True
+    def _changed(self, block: nn.Module, index: int, kept: torch.Tensor, given: Any) -> bool:
+        """Whether block ``index`` was called on other hidden states than the probe kept as block ``index - 1``'s
+        output, because a forward hook of the user's, registered after attaching (so run after the probe's),
+        replaced that output: then the forward is not recorded, and says why. Told apart without a host read (a
+        view of the same memory, a copy to another device as a pipeline across devices makes, passes); a pre-hook
+        of the user's on block ``index`` steers that block's input, after the layer before is what it is, so
+        then the states are let pass."""
+        try:
+            if not isinstance(given, torch.Tensor) or given.device != kept.device or given.data_ptr() == kept.data_ptr():
+                return False
+        except Exception:  # noqa: BLE001 - a tensor subclass without storage (a DTensor): nothing tells
+            return False
+        if any(not isinstance(hook, Owned) for hook in block._forward_pre_hooks.values()):
+            return False
         layer = index - 1
-        where = "block 1's input" if layer == 0 else f"block {layer}'s output"
         self._fail("this forward", RuntimeError(
-            f"a hook changed {where} (layer {layer}'s hidden states) after the probe read it, so the records would not "
-            "be of what the model went on with: register such a hook before attaching, or with prepend=True"
-            + (f", on block {layer}'s output rather than block {index}'s input" if layer else "")))
-        return False
+            f"a hook changed block {layer}'s output (layer {layer}'s hidden states) after the probe read it, so the "
+            "records would not be of what the model went on with: register such a hook before attaching, or with "
+            "prepend=True"))
+        return True
 
     def on_backbone_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         if traced():

@@ -166,7 +166,8 @@ def test_a_request_that_scores_then_generates_is_found_by_its_generation_call(tm
     """A request id that served a plain forward (scoring the prompt), then a generate call: the forward was listed
     after the call (records were calls, then forwards) and found for the id, so /frames said "was a forward" and a
     stream by the id waited forever. Records are in the order they started; the stream and /frames take the
-    generation call; a stream whose id served only a forward says so and ends."""
+    generation call; a stream whose id served only a forward so far waits for its generation call (a classifier's
+    request, which never generates, ends at once)."""
     controller = Controller(Settings(run_dir=tmp_path / "run"))
     model = tiny.generating_llama()
     try:
@@ -191,20 +192,42 @@ def test_a_request_that_scores_then_generates_is_found_by_its_generation_call(tm
         assert live.get("GET", "/v1/requests/mix/frames")[0] == 200
         assert live.json("GET", "/v1/requests/mix?k=1")["kind"] == "generate"
 
-        def stream(request_id: str) -> list:
-            events = []
+        def stream(request_id: str, then=None) -> list:
+            events, opened = [], threading.Event()
 
             def read() -> None:
-                for event, data in live.events(f"/v1/stream?request_id={request_id}&k=1", timeout=60):
+                for event, data in live.events(f"/v1/stream?request_id={request_id}&k=1", timeout=60,
+                                               on_open=opened.set):
                     events.append((event, data.get("step", data.get("kind"))))
 
             reader = threading.Thread(target=read, daemon=True)
             reader.start()
-            reader.join(timeout=30)  # (it waited for a step that never comes)
+            assert opened.wait(60)
+            if then is not None:
+                then()
+            reader.join(timeout=60)  # (it waited for a step that never comes)
             return events
 
         assert stream("mix") == [("step", 0), ("step", 1), ("step", 2), ("end", "generate")]
-        assert stream("scored") == [("end", "forward")]
+
+        def generate_scored() -> None:
+            again = REQUEST_ID.set("scored")
+            try:
+                _generate(model, 2)
+            finally:
+                REQUEST_ID.reset(again)
+
+        # a causal LM's request may generate after scoring its prompt: a reader that came between waits for it
+        assert stream("scored", then=generate_scored) == [("step", 0), ("step", 1), ("end", "generate")]
+        classifier = tiny.build_model("bert")
+        controller.adopt(classifier, "bert")
+        judged = REQUEST_ID.set("judged")
+        try:
+            with torch.no_grad():
+                classifier(input_ids=ids % classifier.config.vocab_size)
+        finally:
+            REQUEST_ID.reset(judged)
+        assert stream("judged") == [("end", "forward")]  # a classifier's request never generates: said, not awaited
     finally:
         controller.close()
 

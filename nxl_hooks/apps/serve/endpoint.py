@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from ...arch.spec import HeadKind
 from ...records.files import json_value
 from ...records.reader import read_stream
 from ...records.steps import GenerationCall, Step
@@ -411,6 +412,13 @@ class Host(Protocol):
     def unsubscribe(self, reader: Subscription[Shown]) -> None: ...
 
 
+def _may_generate(watch: Any) -> bool:
+    """Whether the model ``watch`` follows may still serve a request a generation call after a plain forward (a
+    causal LM scores a prompt, then generates under its id): its stream waits for that call."""
+    probe = watch.probe or watch.detached
+    return probe is None or probe.kind is HeadKind.CAUSAL_LM
+
+
 class ControlServer:
     """The endpoint of one controller (module docstring): ``ControlServer(controller).start()``. Its threads are
     daemons: they end with the program, and the socket file is removed at exit (SIGTERM included)."""
@@ -591,8 +599,8 @@ class ControlServer:
                         watched = found[:2]
                         for step in list(watched[1].steps):  # joined mid-request (or after): replay
                             send_step(*watched, step)
-                    elif (forward := controller.find(request_id)) is not None:  # it has no steps: said, not awaited
-                        emit("end", summary(*forward[:2]))
+                    elif (forward := controller.find(request_id)) is not None and not _may_generate(forward[0]):
+                        emit("end", summary(*forward[:2]))  # a classifier's request has no steps: said, not awaited
                         return
                 item = reader.get(timeout=0.25)
                 if reader.dropped > dropped:
