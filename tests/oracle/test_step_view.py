@@ -82,7 +82,9 @@ def test_the_endpoint_tail_and_the_html_read_one_step_view_ranked_as_the_oracle(
     sequence = call.sequences
     hand, special = llama(reference), set(tokenizer.all_special_ids)
     for data, live, page, step in zip(steps, sse, html, call.steps):
-        # the endpoint's JSON is the view's own, with the NormXLogit ranking under "top" for older readers too
+        # the endpoint's JSON is the view's own, with the NormXLogit ranking under "top" for older readers too, and
+        # when its call started (which tells apart the calls of a request id used again)
+        assert data.pop("call_started") == call.started
         assert data == live.to_json() and data["top"] == data["scores"]["normxlogit"]
         assert (live.request_id, live.model, live.step, live.token_id) == ("view-1", str(path), step.step,
                                                                           int(step.token[0]))
