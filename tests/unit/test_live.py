@@ -80,10 +80,10 @@ def test_the_stream_sends_every_step_of_a_call_that_took_the_id_of_one_gone(tmp_
         controller.close()
 
 
-def test_a_request_stream_sends_every_step_before_its_end(tmp_path, monkeypatch):
-    """/v1/stream?request_id=: the call ends (in the publisher) once its steps are kept, while its last step may still
-    be on its way through the live feed's thread: the stream ended without it (`end` said 3 steps after 2 were sent).
-    Here the feed's thread is held on the last step until the stream has ended."""
+def _stream_with_step_2_held(tmp_path, monkeypatch, request_id: str, run, *, released_before_the_end: bool) -> list:
+    """(event, step or steps) a ``/v1/stream?request_id=`` reader got while ``run(model)`` ran under that id, the
+    live feed's thread held on the first step 2 it hands out: until ``run`` returned (``released_before_the_end``),
+    else until the stream ended."""
     controller = Controller(Settings(run_dir=tmp_path / "run"))
     model = tiny.generating_llama()
     release = threading.Event()
@@ -101,22 +101,35 @@ def test_a_request_stream_sends_every_step_before_its_end(tmp_path, monkeypatch)
         opened, events = threading.Event(), []
 
         def read() -> None:
-            for event, data in live.events("/v1/stream?request_id=held&k=1", timeout=60, on_open=opened.set):
+            for event, data in live.events(f"/v1/stream?request_id={request_id}&k=1", timeout=60,
+                                           on_open=opened.set):
                 events.append((event, data["step"] if event == "step" else data.get("steps")))
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
         assert opened.wait(60)
-        token = REQUEST_ID.set("held")
+        token = REQUEST_ID.set(request_id)
         try:
-            _generate(model, 3)
+            run(model)
         finally:
             REQUEST_ID.reset(token)
-        reader.join(timeout=60)  # the feed still holds step 2
-        assert events == [("step", 0), ("step", 1), ("step", 2), ("end", 3)]
+        if released_before_the_end:
+            release.set()
+        reader.join(timeout=60)
+        assert not reader.is_alive()
+        return events
     finally:
         release.set()
         controller.close()
+
+
+def test_a_request_stream_sends_every_step_before_its_end(tmp_path, monkeypatch):
+    """/v1/stream?request_id=: the call ends (in the publisher) once its steps are kept, while its last step may still
+    be on its way through the live feed's thread: the stream ended without it (`end` said 3 steps after 2 were sent).
+    Here the feed's thread is held on the last step until the stream has ended."""
+    events = _stream_with_step_2_held(tmp_path, monkeypatch, "held", lambda model: _generate(model, 3),
+                                      released_before_the_end=False)
+    assert events == [("step", 0), ("step", 1), ("step", 2), ("end", 3)]
 
 
 def test_a_request_stream_follows_one_call_of_its_id(tmp_path, monkeypatch):
@@ -124,42 +137,13 @@ def test_a_request_stream_follows_one_call_of_its_id(tmp_path, monkeypatch):
     way to tell them apart, and an `end` counting the first. It follows one call (here the first, the next to start
     when it connected) and ends with it. The feed is held on the first call's last step while the second runs, so
     the second's steps reach the reader before the first call's stream can end."""
-    controller = Controller(Settings(run_dir=tmp_path / "run"))
-    model = tiny.generating_llama()
-    release = threading.Event()
-    try:
-        controller.adopt(model, "tiny")
-        publish = controller.live.publish
 
-        def held(watch, call, step):
-            if step.step == 2:
-                release.wait(60)
-            publish(watch, call, step)
+    def two_calls(model) -> None:
+        _generate(model, 3)
+        _generate(model, 4)  # while the first call's last step is held in the feed
 
-        monkeypatch.setattr(controller.live, "publish", held)
-        live = Endpoint(socket_path=socket_path(tmp_path / "run", os.getpid()))
-        opened, events = threading.Event(), []
-
-        def read() -> None:
-            for event, data in live.events("/v1/stream?request_id=dup&k=1", timeout=60, on_open=opened.set):
-                events.append((event, data["step"] if event == "step" else data.get("steps")))
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        assert opened.wait(60)
-        token = REQUEST_ID.set("dup")
-        try:
-            _generate(model, 3)
-            _generate(model, 4)  # while the first call's last step is held in the feed
-        finally:
-            REQUEST_ID.reset(token)
-        release.set()
-        reader.join(timeout=60)
-        assert not reader.is_alive()
-        assert events == [("step", 0), ("step", 1), ("step", 2), ("end", 3)]
-    finally:
-        release.set()
-        controller.close()
+    events = _stream_with_step_2_held(tmp_path, monkeypatch, "dup", two_calls, released_before_the_end=True)
+    assert events == [("step", 0), ("step", 1), ("step", 2), ("end", 3)]
 
 
 def test_a_request_that_scores_then_generates_is_found_by_its_generation_call(tmp_path):
