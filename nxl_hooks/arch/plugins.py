@@ -40,6 +40,8 @@ import threading
 from importlib import metadata
 from typing import Any, Callable
 
+from .text import one_line
+
 __all__ = ["ARCHITECTURES", "ENGINES", "GROUPS", "METHODS", "SETTING", "SINKS", "allowed", "broken",
            "contained", "entry_points", "failure", "load", "load_all"]
 
@@ -81,9 +83,8 @@ def contained(error: BaseException) -> BaseException:
 def broken(group: str, name: str, error: BaseException, *, what: str = "", log: bool = True) -> str:
     """Report the plugin ``name`` of ``group`` as broken by ``error`` (raised loading or using it): one log line
     naming it and what to do, kept for :func:`failure`; returns the line."""
-    text = " ".join(str(error).split()) or type(error).__name__
     line = (f"plugin {name!r} ({group}{', ' + what if what else ''}) failed to load "
-            f"({type(error).__name__}: {text}); left out: fix or uninstall its package, or leave it out of "
+            f"({type(error).__name__}: {one_line(error)}); left out: fix or uninstall its package, or leave it out of "
             f"{SETTING}")
     with _lock:
         _failed[(group, name)] = line

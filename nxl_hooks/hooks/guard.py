@@ -11,7 +11,7 @@ import logging
 import threading
 from typing import Any, Callable
 
-from ..records.tokens import record_text
+from ..arch.text import one_line  # the one rule for a foreign message, kept here for the hooks that say it
 
 __all__ = ["Notice", "Owned", "described", "inert", "logger", "one_line", "raised", "reason"]
 
@@ -45,18 +45,6 @@ class Owned(functools.partial):
 
     def __reduce__(self) -> tuple:
         return _same, (self.copied,)
-
-
-def one_line(error: object) -> str:
-    """``error``'s message on one line (its type's name when it has none): the text kept with a call, as records
-    keep texts (:func:`~nxl_hooks.records.tokens.record_text`: a message may quote a path that is not UTF-8). Never
-    raises: ``error`` is the host's or a sink's object, and a ``__str__`` that raises would end the thread saying it
-    (the sink's), so such a message is ``<unprintable ValueError>``."""
-    try:
-        text = str(error)
-    except Exception:  # noqa: BLE001 - whatever the foreign __str__ raises, the type still says what failed
-        return f"<unprintable {type(error).__name__}>"
-    return record_text(" ".join(text.split())) or type(error).__name__
 
 
 def raised(error: BaseException, limit: int = 200) -> str:

@@ -45,6 +45,7 @@ from functools import lru_cache
 from typing import Any, Sequence
 
 from ..arch.registry import HeadKind
+from ..arch.text import escaped, record_text
 from ..method.chat import chat_prompt
 from ..method.select import ResolvedTarget
 
@@ -60,7 +61,6 @@ _GLYPHS = {"\n": NEWLINE, "\t": TAB, "\r": "␍"}
 #: what visible() shows escaped: control and format characters, line and paragraph separators, lone surrogates
 _INVISIBLE = frozenset(("Cc", "Cf", "Zl", "Zp", "Cs"))
 _BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte fallback
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 @lru_cache(maxsize=1)
@@ -77,13 +77,8 @@ def _byte_of() -> dict[str, int]:
     return chars
 
 
-def _escape(char: str) -> str:
-    code = ord(char)
-    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
-
-
 def _shown(char: str) -> str:
-    return _GLYPHS.get(char) or (_escape(char) if unicodedata.category(char) in _INVISIBLE else char)
+    return _GLYPHS.get(char) or (escaped(char) if unicodedata.category(char) in _INVISIBLE else char)
 
 
 def visible(text: str) -> str:
@@ -107,20 +102,6 @@ def printable(line: str) -> str:
     nothing else changed (a line quoting readable texts keeps their backslashes single).
     ``printable("req\\x1b[2J: '\\\\xf0'") == "req\\\\x1b[2J: '\\\\xf0'"``"""
     return "".join(map(_shown, line))
-
-
-def record_text(text: str | None) -> str | None:
-    """``text`` as a record keeps it (a model's name, a request id, a thread's name, an error): valid UTF-8, which
-    Parquet, JSON and every other language read. A byte that was not UTF-8, which Python names with a lone surrogate
-    (a folder name from ``os.listdir()`` or ``sys.argv``: ``'caf\\udce9'`` for Latin-1 'café'), reads as that byte,
-    escaped as bytes print it (and as a byte-level token reads); any other lone surrogate as :func:`visible` shows
-    it; the rest stays as it is. None stays None. ``record_text("models/caf\\udce9") == "models/caf\\\\xe9"``"""
-    return None if text is None else _SURROGATE.sub(lambda m: _kept_byte(m[0]), text)
-
-
-def _kept_byte(char: str) -> str:
-    code = ord(char)  # U+DC80..U+DCFF: the byte 0x80..0xFF that Python's surrogateescape kept
-    return f"\\x{code - 0xDC00:02x}" if 0xDC80 <= code <= 0xDCFF else _escape(char)
 
 
 def unseen(position: int) -> str:

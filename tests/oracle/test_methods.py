@@ -446,6 +446,25 @@ def test_a_method_that_exits_never_ends_the_hosts_forward_generate_or_batching(c
     assert len(probe.calls) == 2 and all(call.error == said and not call.complete for call in probe.calls)
 
 
+class _UnprintableExit(SystemExit):
+    """A method's exit whose message cannot be made: its ``__str__`` raises."""
+
+    def __str__(self) -> str:
+        raise ValueError("no text")
+
+
+def test_a_method_whose_exit_cannot_be_printed_is_said_in_one_line():
+    """The call's reason says ``<unprintable TYPE>`` for the exit's message (making it raised ValueError('no text')
+    where the method's failure is said) and the forward's logits are the unattached model's."""
+    model, ids = tiny.generating_llama(), torch.tensor([[3, 4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        plain_logits = model(input_ids=ids).logits
+        with nxl.attach(model, methods=[Exits(_UnprintableExit())]) as probe:
+            assert torch.equal(model(input_ids=ids).logits, plain_logits)
+            said = str(probe.peek())
+    assert said == "attribution method 'test_exits' raised _UnprintableExit: <unprintable _UnprintableExit>"
+
+
 def _install_doubled(tmp_path, monkeypatch):
     """An installed distribution whose ``nxl_hooks.methods`` group has ``test_plugin_doubled`` (twice NormXLogit)
     and a broken ``test_plugin_broken``; the loader reads the group afresh, as a new process would, and the

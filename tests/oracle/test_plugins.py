@@ -264,6 +264,20 @@ def test_a_plugin_whose_code_raises_systemexit_is_left_out_with_one_line(site, c
         plugins.contained(KeyboardInterrupt())
 
 
+def test_a_plugin_whose_error_cannot_be_printed_is_left_out_with_one_line(site, caplog):
+    """A plugin that raises on import an error whose ``__str__`` raises: its line says ``<unprintable TYPE>`` (the
+    loader's report raised into the host's lookup)."""
+    _distribution(site, "nxl_unprintable_plugin",
+                  "class Unprintable(Exception):\n    def __str__(self):\n        raise ValueError('no text')\n"
+                  "raise Unprintable()\n", "[nxl_hooks.sinks]\nodd = nxl_unprintable_plugin:Sink\n")
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+        assert plugins.load(plugins.SINKS, "odd") is None
+    line = plugins.failure(plugins.SINKS, "odd")
+    assert "(Unprintable: <unprintable Unprintable>)" in line and "\n" not in line
+    assert [r.getMessage() for r in caplog.records if "nxl_unprintable_plugin" in r.getMessage()] == [
+        f"nxl_hooks: {line}"]
+
+
 def test_nxl_run_refuses_a_broken_sink_plugin_in_one_line(site):
     _broken(site)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}

@@ -229,6 +229,29 @@ def test_a_sink_factory_that_exits_is_refused_in_one_line_and_the_host_goes_on(c
     assert nxl.detach_all(model) == 0
 
 
+class _UnprintableExit(SystemExit):
+    """A factory's exit whose message cannot be made: its ``__str__`` raises."""
+
+    def __str__(self) -> str:
+        raise ValueError("no text")
+
+
+def test_a_sink_factory_whose_exit_cannot_be_printed_is_refused_in_one_line(chat):
+    """The refusal says ``<unprintable TYPE>`` for the exit's message (making it raised ValueError('no text') into
+    the user's attach instead of the refusal)."""
+    _, model, _ = chat
+
+    def exits(arg, **options):
+        raise _UnprintableExit()
+
+    nxl.register_sink("unprintablesink", exits)
+    with pytest.raises(ValueError) as refused:
+        nxl.attach(model, sink="unprintablesink:x")
+    assert str(refused.value).startswith("sink 'unprintablesink:x': its factory raised _UnprintableExit "
+                                         "(<unprintable _UnprintableExit>) instead of returning a sink")
+    assert nxl.detach_all(model) == 0
+
+
 _PLUGIN = '''
 import json
 from pathlib import Path

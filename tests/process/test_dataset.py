@@ -212,6 +212,25 @@ def test_exception_after_n_records_resumes_to_identical_result(models, tmp_path)
     assert audit.aggregate(resumed) == audit.aggregate(whole)
 
 
+class _Unprintable(Exception):
+    """An example's failure whose message cannot be made: its ``__str__`` raises."""
+
+    def __str__(self) -> str:
+        raise ValueError("no text")
+
+
+def test_an_example_whose_error_cannot_be_printed_is_recorded_and_the_run_goes_on(tmp_path):
+    """The example's record says ``<unprintable TYPE>`` (making it raised ValueError('no text') out of the run)."""
+    def score(example):
+        if example["n"] == 1:
+            raise _Unprintable()
+        return {"n": example["n"]}
+
+    records = run_dataset([{"id": f"e{n}", "n": n} for n in range(3)], score, tmp_path, settings={})
+    assert records[1] == {"index": 1, "id": "e1", "error": "_Unprintable: <unprintable _Unprintable>"}
+    assert [record.get("n") for record in records] == [0, None, 2]
+
+
 def test_evaluate_command_writes_records_summary_and_report(models, tmp_path):
     methods = "random,normxlogit,logat"
     assert (
