@@ -197,8 +197,9 @@ def nxl_hooks_on(model: torch.nn.Module) -> int:
     functions = [getattr(hook, "func", hook) for m in model.modules()
                  for hook in (*m._forward_hooks.values(), *m._forward_pre_hooks.values())
                  if hook is not guard.inert]  # what a copy made while attached holds instead: it does nothing
-    wrapped = getattr(vars(model).get("generate"), "__nxl_hook__", False) is True  # the probe's, not the user's
-    counted = sum(_source(f).startswith(package) for f in functions) + int(wrapped)
+    generate = vars(model).get("generate")  # an instance generate: the probe's wrapper by its function's file
+    functions += [getattr(generate, "func", generate)] if generate is not None else []
+    counted = sum(_source(f).startswith(package) for f in functions)
     assert counted == count_hooks(model), (counted, count_hooks(model))
     return counted
 

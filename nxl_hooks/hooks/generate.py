@@ -1268,8 +1268,7 @@ class Generations:
         def generate(*args: Any, **kwargs: Any) -> Any:
             return self._track(original, args, kwargs)
 
-        wrapper = functools.update_wrapper(self._set("generate", generate, original), original)
-        wrapper.__nxl_hook__ = True  # count_hooks tells it from a generate of the user's
+        functools.update_wrapper(self._set("generate", generate, original), original)
         criteria = getattr(model, "_get_stopping_criteria", None)
         if callable(criteria):
             self._set("_get_stopping_criteria", self._watching(criteria), criteria)

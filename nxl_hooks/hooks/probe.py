@@ -39,7 +39,7 @@ from ..records.sinks import RecordSink
 from ..records.steps import GenerationCall, Step
 from .engines import Engine, engines_for
 from .generate import Generations
-from .guard import Notice, inert, reason
+from .guard import Notice, Owned, inert, reason
 from .plan import Plan, check_recording, make_plan, run_eagerly
 from .publish import LIVE_QUEUE, Hub, Subscription
 from .recorder import Recorder, Results
@@ -412,11 +412,12 @@ def count_hooks(model: nn.Module) -> int:
     """How many hooks of nxl_hooks' own are on ``model``: forward hooks and pre-hooks on its modules, plus one for
     an instance ``generate`` that is the probe's wrapper; zero once every probe is off. Only nxl_hooks' own, told by
     the module of the hook's function (transformers keeps hooks of its own on a model once a call asked for
-    ``output_hidden_states``) and by the wrapper's ``__nxl_hook__`` mark (the user may set a ``generate`` of their
-    own); not the ones that do nothing that a copy of an attached model holds (:func:`~.guard.inert`).
+    ``output_hidden_states``) and by the wrapper's type, :class:`~.guard.Owned` (the user may set a ``generate`` of
+    their own, even one made by ``functools.wraps(model.generate)``, which copies every attribute a mark could be);
+    not the ones that do nothing that a copy of an attached model holds (:func:`~.guard.inert`).
     ``assert count_hooks(model) == 0``"""
     hooks = [hook for module in model.modules()
              for hook in (*module._forward_hooks.values(), *module._forward_pre_hooks.values()) if hook is not inert]
     owners = [getattr(getattr(hook, "func", hook), "__module__", None) or "" for hook in hooks]  # a partial's too
-    wrapped = getattr(vars(model).get("generate"), "__nxl_hook__", False) is True
+    wrapped = isinstance(vars(model).get("generate"), Owned)
     return sum(owner.startswith("nxl_hooks.") for owner in owners) + int(wrapped)

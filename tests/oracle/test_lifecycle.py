@@ -94,6 +94,31 @@ def test_a_generate_wrapper_set_over_the_probes_stays_after_detach():
     assert count_hooks(fresh) == 0
 
 
+def test_a_generate_wrapper_made_with_functools_wraps_is_the_users_not_the_probes():
+    """``functools.wraps(model.generate)`` copies every attribute of the probe's wrapper onto the user's (it once
+    copied the probe's mark, so count_hooks, and ``nxl detach``/``nxl ctl status``, counted the user's generate as
+    a hook of nxl_hooks after detach): at detach it stays, counted as none, and records nothing."""
+    import functools
+
+    model = tiny.build_model("llama")
+    generate = dict(input_ids=IDS, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    plain = model.generate(**generate)
+    with nxl.attach(model) as probe:
+        with_wrapper = count_hooks(model)
+        inner = model.generate
+
+        @functools.wraps(inner)
+        def mine(*args, **kwargs):
+            return inner(*args, **kwargs)
+
+        model.generate = mine
+        assert count_hooks(model) == with_wrapper - 1  # the model's generate is the user's now, the probe's under it
+        assert torch.equal(model.generate(**generate), plain)
+    assert vars(model)["generate"] is mine and count_hooks(model) == 0 and _hooks(model) == 0
+    assert torch.equal(model.generate(**generate), plain) and len(probe.calls) == 1
+    oracle.check_call(model, probe.calls[0], 2)
+
+
 def test_a_copy_made_while_attached_is_the_plain_model(tmp_path):
     """copy.deepcopy(model) and torch.save(model) while attached raised into the user's code (the probe's hooks and
     generate wrapper hold its locks): the copy is the plain model now, unrecorded, its outputs the model's own."""
