@@ -103,6 +103,42 @@ def test_the_taps_add_copies_to_the_compiled_step_and_no_norm_of_its_tensors(mod
     assert len(probe.calls) == len(prompts)
 
 
+def test_a_copy_of_the_model_made_while_the_taps_are_on_takes_none_of_them(model, monkeypatch):
+    """``copy.deepcopy`` of the model during a compiled padded step, its taps on: each hook of the probe's is one
+    that does nothing in the copy (it held the live taps, writing into the probe's buffers), the copy gives the
+    model's own logits, and the requests are recorded as the oracle."""
+    import copy
+
+    from nxl_hooks.hooks import guard
+
+    compute, copies = model_runner.ModelRunner.compute_batch, []
+
+    def ours(module: torch.nn.Module) -> list:
+        return [hook for hook in (*module._forward_hooks.values(), *module._forward_pre_hooks.values())
+                if (getattr(getattr(hook, "func", hook), "__module__", None) or "").startswith("nxl_hooks.")]
+
+    def computing(self, *args, **kwargs):
+        if not copies:  # the processor's taps are on from its first step (its warmup)
+            copies.append((sum(len(ours(module)) for module in model.modules()), copy.deepcopy(model)))
+        return compute(self, *args, **kwargs)
+
+    monkeypatch.setattr(model_runner.ModelRunner, "compute_batch", computing)
+    prompts = _prompts((6, 11))
+    with nxl.attach(model, layers="all") as probe:
+        out = model.generate_batch(prompts, generation_config=_greedy(), continuous_batching_config=_compiled())
+    ((on, copied),) = copies
+    inert = [hook for module in copied.modules()
+             for hook in (*module._forward_hooks.values(), *module._forward_pre_hooks.values()) if hook is guard.inert]
+    assert tiny.nxl_hooks_on(copied) == 0 and len(inert) == on > 0
+    ids = torch.tensor([prompts[0]])
+    with torch.no_grad():
+        assert torch.equal(copied(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert sorted(call.request_id for call in probe.calls) == sorted(out)
+    for call in probe.calls:
+        assert call.error is None
+        check_call(model, call, NEW)
+
+
 def test_padded_inputs_run_eagerly_are_recorded_through_the_same_taps(model, monkeypatch):
     """What CUDA graphs do to the inputs (padded to fixed sizes), forced on the CPU without compiling: the taps run
     as plain hooks then, and a capture would take them in. Sampling, two layers, the word embedding."""

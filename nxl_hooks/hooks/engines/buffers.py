@@ -23,6 +23,8 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
+from ..guard import Owned
+
 __all__ = ["Buffers"]
 
 
@@ -34,7 +36,9 @@ class Buffers:
     it), e.g. that the forward is the engine's own; None: always. A forward with more tokens than ``rows`` writes
     nothing. The hooks stay until :meth:`remove`; code compiled with them recompiles when they go (dynamo guards on
     the number of hooks it traced), and a CUDA graph that captured them writes here for as long as it lives, so
-    whoever holds such a graph keeps these tensors alive.
+    whoever holds such a graph keeps these tensors alive. Each is :class:`~..guard.Owned`, as every hook of the
+    probe's: a copy of the model made while they are on (``copy.deepcopy``, ``torch.save``) gets hooks that do
+    nothing, never ones writing here.
     """
 
     def __init__(self, slots: int, rows: int, width: Sequence[int], *, dtype: torch.dtype,
@@ -65,7 +69,7 @@ class Buffers:
             if when is None or when():  # checked first: an eager forward that is not the engine's computes nothing
                 write(read(output))
 
-        self.handles.append(module.register_forward_hook(hook))
+        self.handles.append(module.register_forward_hook(Owned(hook)))
 
     def tap_input(self, slot: int, module: nn.Module, read: Callable[[tuple, dict], torch.Tensor]) -> None:
         """Before each forward of ``module``: ``read(args, kwargs)`` into slot ``slot``."""
@@ -75,7 +79,7 @@ class Buffers:
             if when is None or when():
                 write(read(args, kwargs))
 
-        self.handles.append(module.register_forward_pre_hook(hook, with_kwargs=True))
+        self.handles.append(module.register_forward_pre_hook(Owned(hook), with_kwargs=True))
 
     def remove(self) -> None:
         """The hooks off (the tensors stay, for whoever still reads or replays into them)."""

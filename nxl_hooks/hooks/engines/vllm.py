@@ -59,7 +59,7 @@ import torch
 from torch import nn
 
 from ...method.scores import row_norms
-from ..guard import described, logger, reason
+from ..guard import Owned, described, logger, reason
 from ..generate import EAGER, Generations, Run, eager
 from .buffers import Buffers
 
@@ -384,18 +384,19 @@ class VllmEngine:
 
     def _hook(self, shell: VllmForCausalLM) -> None:
         """The eager parts (the model's inputs, the logits) always; the layers through hooks of this probe on an
-        eager model, through the view's buffers on a compiled one."""
+        eager model, through the view's buffers on a compiled one. Each :class:`~..guard.Owned`, as every hook of the
+        probe's: a copy of the model takes none along."""
         model, wanted = shell.vllm_model, set(self.plan.layers)
         inner = model.model
-        self._handles.append(model.register_forward_pre_hook(self._on_model, with_kwargs=True))
-        self._handles.append(model.logits_processor.register_forward_hook(self._on_logits))
+        self._handles.append(model.register_forward_pre_hook(Owned(self._on_model), with_kwargs=True))
+        self._handles.append(model.logits_processor.register_forward_hook(Owned(self._on_logits)))
         if shell.buffers is not None:
             return
-        self._handles.append(inner.embed_tokens.register_forward_hook(self._kept(self._keep_embedding)))
+        self._handles.append(inner.embed_tokens.register_forward_hook(Owned(self._kept(self._keep_embedding))))
         for index, layer in enumerate(inner.layers, start=1):
             if index in wanted:
-                self._handles.append(layer.register_forward_hook(self._kept(functools.partial(self._keep_layer,
-                                                                                               index))))
+                self._handles.append(layer.register_forward_hook(Owned(self._kept(functools.partial(
+                    self._keep_layer, index)))))
 
     def uninstall(self) -> None:
         """Hooks and wrappers off; the requests in flight end incomplete (among them one that a stop string ended
