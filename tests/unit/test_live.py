@@ -253,3 +253,57 @@ def test_tail_last_shows_every_step_of_a_later_request_that_uses_the_id_again(tm
         assert steps == ["0", "1", "0", "1", "2"]
     finally:
         controller.close()
+
+
+def test_tail_on_a_stalled_stdout_holds_a_bounded_queue_and_says_how_many_steps_it_dropped(monkeypatch, capsys):
+    """A terminal that stops taking lines: nxl tail queued every step the endpoint sent (without bound, while the
+    endpoint saw a reader keeping up). At most the bound waits; the steps past it are not shown, and one line says
+    how many, summed with those the endpoint itself dropped, before the request's end."""
+    import argparse
+
+    from nxl_hooks.apps.serve import client
+
+    bound, sent, stalled, release, printed = 4, threading.Event(), threading.Event(), threading.Event(), []
+
+    def step(n: int) -> dict:
+        return StepView(step=n, position=5 + n, token_id=7, token="a", probability=0.5, active=True,
+                        scores={"normxlogit": {1: ()}}, request_id="r").to_json()
+
+    class Stream:  # an endpoint that sends 10 steps, then says it dropped 2 more, then the end
+        name = "run"
+
+        def events(self, path, timeout=None, on_open=None):
+            on_open()
+            yield "step", step(0)
+            assert stalled.wait(60)  # the printer holds step 0 in a print that does not return
+            for n in range(1, 10):
+                yield "step", step(n)
+            sent.set()
+            yield "dropped", {"dropped": 2}
+            yield "end", {"request_id": "r", "steps": 12}
+
+        def status(self, timeout=None):
+            return {"pid": 1, "models": []}
+
+    def stalled_print(*args, **kwargs):  # stdout that takes no line until released
+        stalled.set()
+        assert release.wait(60)
+        printed.append(" ".join(map(str, args)))
+
+    monkeypatch.setattr(client, "endpoints", lambda run, token_file: [Stream()])
+    monkeypatch.setattr(tail, "LIVE_QUEUE", bound, raising=False)
+    monkeypatch.setattr(tail, "print", stalled_print, raising=False)
+    args = argparse.Namespace(run=None, token_file=None, request_id=None, k=1, last=None, layer=None,
+                              method="normxlogit", count=None)
+    done = []
+    runner = threading.Thread(target=lambda: done.append(tail.run(args)), daemon=True)
+    runner.start()
+    assert sent.wait(60)  # steps 1-9 were handed on while step 0's line was stuck
+    release.set()
+    runner.join(60)
+    assert done == [0]
+    steps = [int(line.split()[1]) for line in printed if line.startswith("r ")]
+    assert steps == [0, 1, 2, 3, 4]  # step 0 (being printed) and the bound's 4; 5 to 9 dropped
+    assert printed[len(steps)] == "! run: 7 step(s) not shown: nxl tail fell behind (the run's records keep them)"
+    assert printed[len(steps) + 1:] == ["r: ended after 12 tokens"]
+    capsys.readouterr()

@@ -25,7 +25,10 @@ While no token comes (at the start, once subscribed to every process, or for a w
 line on stderr says it waits. What a process does not record (its sink stopped writing, calls that run unrecorded)
 is a line of its own, ``!`` first, as soon as its status says so; so is a model whose requests are plain forwards
 (a classifier), once it has served one, and a causal LM once it has run a plain forward (``model(...)``): they make
-no token, and no line of tail's. Every line goes through
+no token, and no line of tail's. A terminal that stops taking lines (a stalled pipe) holds up at most
+:data:`~nxl_hooks.hooks.subscription.LIVE_QUEUE` steps in tail; the steps past those are not shown, and once it
+takes lines again one line, ``!`` first, says how many (``! run: 12 step(s) not shown: nxl tail fell behind``), as
+it says the steps the endpoint dropped. Every line goes through
 :func:`~nxl_hooks.records.tokens.printable` before the terminal sees it: request ids come from the network, and an
 escape sequence in one is shown, never run.
 """
@@ -40,6 +43,7 @@ import time
 from typing import NamedTuple, Union
 from urllib.parse import quote, urlencode
 
+from ...hooks.subscription import LIVE_QUEUE
 from ...records.tokens import printable
 from ...records.view import METHOD, StepView
 from ..options import CliError, add_method_option, positive_int, say
@@ -164,6 +168,30 @@ class Closed(NamedTuple):
 Item = Union[Shown, Ended, Fault, Failed, Opened, Closed]
 
 
+class Behind:
+    """The steps one stream's reader did not show: those the endpoint dropped (its ``dropped`` event: the total so
+    far) and those nxl tail dropped itself, its queue full (a stalled stdout). Said in one line per fall behind, the
+    two summed, before the next item it hands on."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.endpoint = self.here = self.told = 0
+
+    def hand(self, items: queue.Queue[Item], item: Item | None, *, step: bool = False) -> None:
+        """Put ``item`` (None: only the line of steps not shown, if there are new ones) in ``items``; a ``step`` never
+        waits for room: with ``items`` full it is dropped and counted instead, while every other item waits."""
+        total = self.endpoint + self.here
+        try:
+            if total != self.told:
+                items.put(Fault(f"! {self.name}: {total} step(s) not shown: nxl tail fell behind (the run's records "
+                                "keep them)"), block=not step)
+                self.told = total
+            if item is not None:
+                items.put(item, block=not step)
+        except queue.Full:
+            self.here += 1
+
+
 def last_requests(targets: list, n: int, k: int) -> list[Item]:
     """The items of the last ``n`` generation requests in the processes' memory, oldest first: each one's steps
     (:class:`Shown`), then :class:`Ended` once it has ended."""
@@ -190,21 +218,24 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--last shows the last requests; --request-id follows one (from its first token): give one")
     targets = endpoints(args.run, args.token_file)
     query = {"k": args.k, **({"request_id": args.request_id} if args.request_id else {})}
-    items: queue.Queue[Item] = queue.Queue()
+    items: queue.Queue[Item] = queue.Queue(LIVE_QUEUE)  # a stalled stdout holds this many, never more
 
     def follow(endpoint) -> None:
+        behind = Behind(endpoint.name)
         try:
             for event, data in endpoint.events(f"/v1/stream?{urlencode(query)}", on_open=lambda: items.put(Opened()),
                                                timeout=_SILENT_KEEPALIVES * KEEPALIVE):
                 if event == "step":
-                    items.put(Shown(StepView.from_json(data), (data.get("model"), data.get("call_started"))))
+                    behind.hand(items, Shown(StepView.from_json(data), (data.get("model"), data.get("call_started"))),
+                                step=True)
                 elif event == "dropped":  # this reader fell behind: how many steps it lost so far
-                    items.put(Fault(f"! {endpoint.name}: {data.get('dropped')} step(s) not shown: nxl tail fell "
-                                    "behind (the run's records keep them)"))
+                    dropped = data.get("dropped")
+                    behind.endpoint = dropped if isinstance(dropped, int) else behind.endpoint
+                    behind.hand(items, None)
                 elif event == "end":
-                    items.put(Ended(data))
+                    behind.hand(items, Ended(data))
         except Exception as error:  # noqa: BLE001 - reported by the main thread
-            items.put(Failed(str(error) if isinstance(error, CliError) else f"{endpoint.name}: {error}"))
+            behind.hand(items, Failed(str(error) if isinstance(error, CliError) else f"{endpoint.name}: {error}"))
         items.put(Closed())
 
     def watch_faults(endpoint) -> None:
