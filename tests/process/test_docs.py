@@ -1,14 +1,16 @@
 """The documentation holds together: the MkDocs site builds in strict mode (a broken link, a missing page in the nav
 or an API reference that names nothing fails), every public name is in the API reference, README's links and
 anchors lead somewhere, README keeps the test command CI runs, the changelog's table of removed module paths is
-true of the code, the version is one number everywhere, and the server page sends a running process to
-`nxl attach`, whose rules as root docs/security.md states.
+true of the code, the version is one number everywhere, the server page sends a running process to `nxl attach`,
+whose rules as root docs/security.md states, and README and docs/engines.md state the committed 16-client serving
+figures.
 """
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import json
 import os
 import re
 import shutil
@@ -118,6 +120,22 @@ def test_readme_keeps_the_test_command_ci_runs():
     assert 'pip install -e ".[test]" "transformers[serving]==$floor" && python -m pytest -n 2 @tests/floor.txt' in ci
     assert f'pip install -e ".[test]" "transformers[serving]=={floor}"' in readme
     assert "python -m pytest -n 2 @tests/floor.txt" in readme and f"transformers {floor} up to the newest 5.x" in readme
+
+
+def test_the_16_client_serving_figures_are_the_committed_ones():
+    """README and docs/engines.md quote benchmarks/results/serve_cpu_16clients.json; a rerun that changes the file
+    (or an edit of either page) must keep them saying what it holds."""
+    load = json.loads((ROOT / "benchmarks" / "results" / "serve_cpu_16clients.json").read_text("utf-8"))["load16"]
+    paired, growth = load["throughput_ratio_paired"], load["rss_growth_mib"]
+    median, nxl, plain = f"{load['throughput_ratio_median']:.2f}", round(growth["nxl_all"]), f"{growth['plain']:.1f}"
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert (f"throughput was {median}x plain on a 2-core CPU (the median of {len(paired)} paired rounds, "
+            f"{min(paired):.2f}x to {max(paired):.2f}x) and the server's memory grew by {nxl} MiB after warm-up "
+            f"(plain: +{plain} MiB)") in readme, "README.md: state the 16-client figures of serve_cpu_16clients.json"
+    engines = (ROOT / "docs" / "engines.md").read_text(encoding="utf-8")
+    ratios = ", ".join(f"{ratio:.2f}" for ratio in paired)
+    assert f"| {ratios} (median **{median}**) |" in engines and f"| +{plain} MiB | **+{nxl} MiB** |" in engines, \
+        "docs/engines.md: state the 16-client figures of serve_cpu_16clients.json"
 
 
 def _changelog_moves() -> dict[str, list[str]]:
