@@ -286,6 +286,13 @@ def unsupported(model: nn.Module, kwargs: dict) -> str | None:
     if kwargs.get("assistant_model") is not None or _setting(model, kwargs, "prompt_lookup_num_tokens"):
         return ("assisted / speculative decoding feeds several candidate tokens per forward and drops some; "
                 "generate without assistant_model / prompt_lookup_num_tokens")
+    cache = find_cache(kwargs)
+    # (a static cache's length is a device tensor: read once per call, as the prompt's forward reads it anyway)
+    held = int(cache.get_seq_length()) if cache is not None else 0
+    if held:
+        return (f"generate was given a KV cache already holding positions 0..{held - 1}, filled by forwards that are "
+                "not this call's, so the context of its steps was never recorded; generate from the full prompt "
+                "without that cache (leave out cache / past_key_values)")
     return None
 
 
@@ -508,8 +515,8 @@ class Run:
             raise UnfollowedForward(
                 f"a forward of this call ran positions {past}..{past + new - 1} (from its {where.source}) while the "
                 f"call's record holds positions 0..{n - 1}: a forward that neither continues the record by one token "
-                "nor recomputes it from position 0 cannot be followed (a cache filled before the call, several "
-                "candidate tokens per forward, or a cropped cache)"
+                "nor recomputes it from position 0 cannot be followed (several candidate tokens per forward, or a "
+                "cropped cache)"
             )
         if recomputes:
             self._recomputes(bound.get("input_ids"), n)

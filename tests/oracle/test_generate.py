@@ -1,5 +1,7 @@
 """Attribution during generate(): every step against an oracle that re-runs the whole prefix without a cache."""
 
+import copy
+import inspect
 import os
 import signal
 import subprocess
@@ -313,6 +315,29 @@ def test_beam_search_is_a_clear_error_and_plain_forward_still_works(model):
         out = model(input_ids=ids, output_hidden_states=True)
     logat, _ = normxlogit(llama(model).layer_logits(out.hidden_states), out.hidden_states[0], res.target)
     torch.testing.assert_close(res.logat, logat, rtol=1e-4, atol=1e-5)
+
+
+def test_generate_from_a_filled_cache_says_not_recorded_and_what_records_it(model):
+    """generate resuming a KV cache filled by an earlier call says so as beam search does (docs/engines.md: the
+    call's error and probe.unrecorded both ``not recorded: <why>; <what makes it recordable>``; it said a bare
+    forward's positions, with another text in probe.unrecorded), its output the model's own; what it says to do,
+    the full prompt without that cache, is recorded equal to the oracle."""
+    ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(8))
+    first = model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    # the cache under the keyword this transformers names it (5.24: cache; before: past_key_values)
+    keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    resumed = {keyword: copy.deepcopy(first.past_key_values)}
+    plain = model.generate(first.sequences, max_new_tokens=2, do_sample=False, **{keyword: first.past_key_values})
+    with nxl.attach(model, layers="all") as probe:
+        out = model.generate(first.sequences, max_new_tokens=2, do_sample=False, **resumed)
+        (call,) = probe.calls
+        assert torch.equal(out, plain) and not call.complete and call.steps == []
+        assert call.error == probe.unrecorded == (
+            "not recorded: generate was given a KV cache already holding positions 0..5, filled by forwards that are "
+            "not this call's, so the context of its steps was never recorded; generate from the full prompt without "
+            "that cache (leave out cache / past_key_values)")
+        model.generate(first.sequences, max_new_tokens=2, do_sample=False)
+    check_call(model, probe.calls[-1], 2)
 
 
 @pytest.mark.parametrize("sample", [False, True])

@@ -677,9 +677,9 @@ def test_status_keeps_what_earlier_probes_lost_across_pause_resume(tmp_path, mon
 
 
 def test_a_forward_the_recorder_cannot_follow_is_reported_everywhere(tmp_path, capsys):
-    """generate continuing a KV cache filled before the call: its first forward runs position 3, which the call's
-    record never held. The probe, /v1/status, nxl ctl and nxl tail all say 1 call not recorded, with the positions
-    and where they came from; the call record says so too; nothing says "recording" and no more."""
+    """generate continuing a KV cache filled before the call (positions 0..2), whose forwards the call's record
+    never held. The probe, /v1/status, nxl ctl and nxl tail all say 1 call not recorded, with the positions and
+    what records it, once; the call record says so too; nothing says "recording" and no more."""
     import inspect
     import threading
     import time
@@ -707,10 +707,12 @@ def test_a_forward_the_recorder_cannot_follow_is_reported_everywhere(tmp_path, c
         model.generate(ids, max_new_tokens=2, do_sample=False, **{keyword: cache})
         probe = controller.watches()[0].probe
         assert probe.unrecorded_calls == 1
-        assert probe.unrecorded.startswith("not recorded (this forward): a forward of this call ran positions 3..3 "
-                                           "(from its ")
+        assert probe.unrecorded.startswith("not recorded: generate was given a KV cache already holding positions "
+                                           "0..2") and probe.unrecorded.endswith("generate from the full prompt "
+                                                                                 "without that cache (leave out "
+                                                                                 "cache / past_key_values)")
         (call,) = probe.calls
-        assert call.steps == [] and call.error and "positions 3..3" in call.error
+        assert call.steps == [] and call.error == probe.unrecorded
         (endpoint,) = endpoints(str(run))
         (model_status,) = endpoint.json("GET", "/v1/status")["models"]
         assert model_status["unrecorded_calls"] == 1 and model_status["unrecorded"] == probe.unrecorded
@@ -732,7 +734,7 @@ def test_a_forward_the_recorder_cannot_follow_is_reported_everywhere(tmp_path, c
         follower.join(timeout=60)
         assert codes == [0]
         lines = capsys.readouterr().out.splitlines()
-        assert f"! pid {os.getpid()} {path}: 1 call {probe.unrecorded}" in lines
+        assert f"! pid {os.getpid()} {path}: 1 call {probe.unrecorded}" in lines  # its prefix said once
         assert probe.unrecorded_calls == 1 and len(probe.calls[-1].steps) == 1  # the followed call is recorded
     finally:
         controller.close()
