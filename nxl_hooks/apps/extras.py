@@ -26,6 +26,7 @@ EXTRAS = {
     "optimum": "quant", "optimum.quanto": "quant", "optimum-quanto": "quant", "optimum_quanto": "quant",
     "torchao": "quant",
     "captum": "eval", "scipy": "eval", "tqdm": "eval", "jinja2": "eval",
+    "pyarrow": "parquet",
     "fastapi": "serve", "uvicorn": "serve", "openai": "serve", "pydantic": "serve", "starlette": "serve",
 }
 #: What ``transformers serve`` imports (transformers' own ``serving`` extra, which nxl_hooks[serve] installs).

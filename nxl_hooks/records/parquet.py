@@ -83,7 +83,7 @@ def pyarrow_module() -> Any:
         import pyarrow
         import pyarrow.parquet  # noqa: F401 - the submodule ParquetSink writes with
     except ImportError:
-        raise ImportError(f"Parquet export needs pyarrow: {INSTALL}") from None
+        raise ImportError(f"Parquet export needs pyarrow: {INSTALL}", name="pyarrow") from None
     return pyarrow
 
 

@@ -95,10 +95,12 @@ _BUILTIN = ("file", "folder", "parquet")
 
 
 def _builtin(name: str) -> Factory:
-    # imported here: the Parquet exporter needs pyarrow only when it is used
+    # imported here: the Parquet exporter needs pyarrow only when it is used; checked here, where every front end
+    # validates a spec (sink_factory), so a missing extra is refused before anything starts, not per model later
     if name == "parquet":
-        from .parquet import ParquetSink
+        from .parquet import ParquetSink, pyarrow_module
 
+        pyarrow_module()
         return ParquetSink
     from .writer import RotatingSink, Sink
 

@@ -32,8 +32,10 @@ def files(world, tmp_path_factory):  # noqa: F811 - world is test_loading's fixt
     (quanto / "config.json").write_text(json.dumps(config))
     data = root / "data.jsonl"
     data.write_text(json.dumps({"text": TEXT}) + "\n")
+    gone = subprocess.Popen(["true"])  # a pid with no process: nxl attach must refuse the sink before looking
+    gone.wait()
     return {"folder": folder, "gguf": gguf, "quanto": quanto,
-            "data": data, "out": root}
+            "data": data, "out": root, "gone": str(gone.pid)}
 
 
 def run_hidden(hidden: list[str], argv: list[str]) -> subprocess.CompletedProcess:
@@ -61,6 +63,12 @@ CASES = {  # id: (hidden modules, extra, package named, argv)
     "quant": (["optimum", "optimum.quanto"], "quant", "optimum-quanto",
               lambda f: ["attribute", str(f["quanto"]), TEXT]),
     "serve": (["fastapi"], "serve", "fastapi", lambda f: ["run", "--", "transformers", "serve", str(f["folder"])]),
+    # a sink kind's extra is checked where the spec is: before the program starts (it ran unrecorded, exit 0)
+    "parquet-run": (["pyarrow"], "parquet", "pyarrow",
+                    lambda f: ["run", "--sink", f"parquet:{f['out'] / 'r.parquet'}", "--", sys.executable, "-c",
+                               "print('the program ran')"]),
+    "parquet-attach": (["pyarrow"], "parquet", "pyarrow",
+                       lambda f: ["attach", f["gone"], "--sink", f"parquet:{f['out'] / 'a.parquet'}"]),
 }
 
 
@@ -78,6 +86,7 @@ def test_a_missing_extra_is_one_line_naming_the_install(files, case):
                            "--methods without them): this needs captum",  # (no --methods was given)
             "eval-scipy": "nxl audit: error: its rank correlations: this needs scipy"}  # (named once)
     assert errors[0].startswith(said.get(case, "")), errors[0]
+    assert "the program ran" not in done.stdout and not list(files["out"].glob("*.parquet"))
 
 
 def test_an_import_error_of_no_extra_still_shows_its_traceback(files):

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ..options import CliError, check_output_folder, one_line, positive_seconds, say, seconds
 from ..serve.settings import add_run_options
-from .run import _is_kind, prepare_run
+from .run import prepare_run, sink_kind
 
 NAME = "attach"
 
@@ -50,9 +50,9 @@ def run(args: argparse.Namespace) -> int:
     from ..serve.inject import inject, inspect_target
     from ..serve.runs import TOKEN
 
+    folder_given = bool(args.sink) and sink_kind(args.sink) is None  # a bad or unusable sink: refused first
     target = inspect_target(args.pid)
     other = target.uid != os.geteuid()  # root, for another user's process: the run folder becomes theirs
-    folder_given = bool(args.sink) and not _is_kind(args.sink)
     if other and not folder_given:
         raise CliError(f"process {args.pid} runs as uid {target.uid}: pass --sink DIR, a new folder (nxl attach "
                        "creates it and hands it to that user)")

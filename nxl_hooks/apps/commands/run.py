@@ -47,13 +47,17 @@ def bootstrap_dir() -> str:
     return os.path.join(os.path.dirname(lazy.__file__), "bootstrap")
 
 
-def _is_kind(value: str) -> bool:
-    """Whether ``--sink`` names a registered sink kind (``NAME:ARG``), checked here so a wrong one is one line."""
-    if ":" not in value or os.path.exists(value):
-        return False
-    from ...records.sinks import kind_name  # imports torch: only for what may be a NAME:ARG sink
+def sink_kind(value: str | None) -> str | None:
+    """``--sink`` when it names a registered sink kind (``NAME:ARG``), else None (a folder, or none given); checked
+    here with what that kind needs (``parquet:`` needs pyarrow), so a wrong one is one line before anything starts."""
+    if not value or ":" not in value or os.path.exists(value):
+        return None
+    from ...records.sinks import kind_name, sink_factory  # imports torch: only for what may be a NAME:ARG sink
 
-    return kind_name(value) is not None
+    if kind_name(value) is None:
+        return None
+    sink_factory(value)  # the kind's own up-front check: an ImportError naming its extra
+    return value
 
 
 def prepare_run(args: argparse.Namespace, load: dict) -> Settings:
@@ -62,7 +66,7 @@ def prepare_run(args: argparse.Namespace, load: dict) -> Settings:
     with the token for ``--listen`` written. How ``nxl run`` and ``nxl attach`` start a run."""
     from ..serve.runs import make_run_dir, private_run_dir, write_token
 
-    spec = args.sink if args.sink and _is_kind(args.sink) else None
+    spec = sink_kind(args.sink)
     settings = Settings.from_args(args, run_dir=Path(), load=load, sink_spec=spec)  # a bad flag makes no folder
     if args.sink and not spec:
         check_output_folder(args.sink, "--sink")
