@@ -694,6 +694,24 @@ def test_nxl_run_loading_options_reach_the_programs_own_loads(tiny, tmp_path):
     assert len(said) == 2 and all("the loading options of nxl run were not applied" in line for line in said), said
 
 
+def test_python_flags_that_keep_the_bootstrap_out_are_refused_before_the_program_starts(tmp_path):
+    """-I and -E make Python ignore PYTHONPATH and -S skips site, which imports the bootstrap: the program would run
+    with nothing recorded and nothing said. Refused in one line, alone or among other short flags; -s (no user
+    site) and flags after -c (the program's own) leave the bootstrap in."""
+    booted = "import sys; print('BOOTED', any(getattr(f, 'nxl_post_import', False) for f in sys.meta_path))"
+    for flags in (["-I"], ["-Iu"], ["-B", "-E"], ["-BE"], ["-S"], ["-W", "ignore", "-S"]):
+        run = tmp_path / "".join(flags)
+        refused = _nxl("run", "--sink", str(run), "--", sys.executable, *flags, "-c", booted)
+        letter = next(letter for letter in "IES" if letter in "".join(flags))
+        assert refused.returncode == 2 and "BOOTED" not in refused.stdout, (flags, refused.stdout, refused.stderr)
+        assert refused.stderr.strip().splitlines() == [refused.stderr.strip()], refused.stderr
+        assert f"error: python -{letter}: " in refused.stderr and f"drop -{letter}" in refused.stderr
+        assert not run.exists()
+    for flags in (["-s"], ["-u", "-s"]):  # PYTHONPATH still read, site still run
+        kept = _nxl("run", "--", sys.executable, *flags, "-c", booted, "-I", env={**os.environ, **SERVE_ENV})
+        assert kept.returncode == 0 and kept.stdout.split() == ["BOOTED", "True"], (flags, kept.stderr)
+
+
 def test_settings_round_trip_through_the_environment(tmp_path):
     settings = Settings(run_dir=tmp_path, sink=True, layers=[0, -1], target=["a", 3], models=["x*", "y"],
                         keep_calls=4, listen="127.0.0.1:9", sink_max_bytes=100, sink_max_files=2,

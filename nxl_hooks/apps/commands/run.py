@@ -133,6 +133,42 @@ def vllm_loading_refusal(load: dict) -> str | None:
             "--quantization, --cpu-offload-gb; a .gguf file as MODEL)")
 
 
+#: Python's flags that keep the bootstrap from starting, each with why: it is a sitecustomize found on PYTHONPATH.
+_UNBOOTED = {"I": "isolated mode ignores PYTHONPATH, where nxl run puts its bootstrap",
+             "E": "it ignores PYTHONPATH, where nxl run puts its bootstrap",
+             "S": "it skips the site module, which imports nxl run's bootstrap"}
+_WITH_VALUE = "WXcm"  #: short flags whose value follows (in the same word or the next): nothing after is a flag
+
+
+def unbooted_flag(program: list[str]) -> str | None:
+    """Why ``program`` (a ``python`` command) would run without the bootstrap, recording nothing and saying nothing:
+    one of the :data:`_UNBOOTED` flags among the interpreter's own (``-I``, ``-Iu``, ``-B -E``, before the script,
+    ``-m`` or ``-c``); None for any other command."""
+    from ..serve.inject import _PYTHON
+
+    if not _PYTHON.match(os.path.basename(program[0])):
+        return None
+    words = iter(program[1:])
+    for word in words:
+        if word == "--check-hash-based-pycs":
+            next(words, None)
+        if not word.startswith("-") or word in ("-", "--"):
+            return None  # the script (or stdin): what follows is the program's own arguments
+        if word.startswith("--"):
+            continue
+        for n, letter in enumerate(word[1:], 1):
+            if letter in _UNBOOTED:
+                return (f"python -{letter}: {_UNBOOTED[letter]}, so nothing would be recorded (and nothing said); "
+                        f"drop -{letter}")
+            if letter in _WITH_VALUE:
+                if letter in "cm":
+                    return None
+                if n == len(word) - 1:
+                    next(words, None)
+                break
+    return None
+
+
 def run(args: argparse.Namespace) -> int:
     from ..loading import gguf_serve_refusal
 
@@ -141,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("give the program to run after --, e.g. nxl run -- transformers serve ./model")
     if shutil.which(program[0]) is None:  # before any run folder is made
         raise CliError(f"{program[0]}: command not found (or not executable)")
+    if (refusal := unbooted_flag(program)) is not None:
+        raise CliError(refusal)
     if Path(program[0]).name == "transformers" and program[1:2] == ["serve"]:
         require_extra("serve", SERVE_MODULES, "transformers serve")
     load = {key: value for key, value in loading_options(args).items() if key != "head" and value is not None}
