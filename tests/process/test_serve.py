@@ -712,6 +712,62 @@ def test_python_flags_that_keep_the_bootstrap_out_are_refused_before_the_program
         assert kept.returncode == 0 and kept.stdout.split() == ["BOOTED", "True"], (flags, kept.stderr)
 
 
+def test_a_program_whose_environment_lacks_nxl_hooks_is_lent_nxl_hooks_alone(tiny, tmp_path):
+    """nxl run with a program whose interpreter's environment has no nxl_hooks: the bootstrap makes nxl_hooks
+    importable and nothing else of nxl's environment (a module only there stays unimportable: the program's own
+    imports do not change), and the model is recorded as the oracle says. Lacking what nxl_hooks needs (torch...),
+    the program runs unchanged and one line says to install nxl_hooks there."""
+    nxl_env = tmp_path / "nxl-env"  # nxl's environment: nxl_hooks and a module nobody else has
+    (nxl_env / "only_in_nxls_env").mkdir(parents=True)
+    (nxl_env / "only_in_nxls_env" / "__init__.py").write_text("")
+    (nxl_env / "nxl_hooks").symlink_to(Path(nxl.__file__).resolve().parent)
+    program_env = tmp_path / "program-env"  # the program's: nxl's real one less nxl_hooks (torch, transformers...)
+    program_env.mkdir()
+    for entry in Path(torch.__file__).resolve().parents[1].iterdir():
+        if "nxl_hooks" not in entry.name and entry.suffix != ".pth":
+            (program_env / entry.name).symlink_to(entry)
+    python = getattr(sys, "_base_executable", sys.executable)  # an interpreter that has no nxl_hooks of its own
+    nxl_cmd = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(nxl_env)!r}); "
+                                     "from nxl_hooks.apps.cli import main; sys.exit(main())"]
+    code = textwrap.dedent("""
+        import importlib.util, json, sys
+        facts = {"only": importlib.util.find_spec("only_in_nxls_env") is not None}
+        if len(sys.argv) > 1:
+            import torch
+            from transformers import AutoModelForCausalLM
+            model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+            out = model.generate(input_ids=torch.tensor([[1, 64, 67, 68]]), max_new_tokens=3, do_sample=False)
+            facts.update(outputs=out[0].tolist(), nxl=sys.modules["nxl_hooks"].__file__)
+        print("FACTS " + json.dumps(facts))
+    """)
+    run = tmp_path / "run"
+    env = {**os.environ, **SERVE_ENV, "PYTHONPATH": str(program_env)}
+    done = subprocess.run([*nxl_cmd, "run", "--sink", str(run), "--layers", "all", "--", python, "-c", code,
+                           str(tiny.path)], capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    facts = json.loads(done.stdout.split("FACTS ", 1)[1])
+    assert facts["only"] is False and facts["nxl"].startswith(str(nxl_env))
+    (folder,) = [p for p in run.iterdir() if p.is_dir()]
+    (call,) = nxl.read_stream(folder)
+    sequence = torch.tensor([facts["outputs"]])
+    with torch.no_grad():
+        assert sequence.tolist() == tiny.model.generate(input_ids=sequence[:, :4], max_new_tokens=3,
+                                                        do_sample=False).tolist()
+    assert len(call.steps) == 3
+    for step in call.steps:
+        logits, embeddings = prefix_logits(tiny.model, tiny.hand, sequence[:, : step.position],
+                                           torch.ones(1, step.position, dtype=torch.bool))
+        torch.testing.assert_close(step.normxlogit, normxlogit(logits, embeddings, step.token)[1][call.layers],
+                                   rtol=1e-4, atol=1e-4)
+    env.pop("PYTHONPATH")  # the program's environment lacks torch too: unchanged, unrecorded, said once
+    bare = subprocess.run([*nxl_cmd, "run", "--", python, "-c", code], capture_output=True, text=True,
+                          timeout=120, env=env, cwd=tmp_path)
+    assert bare.returncode == 0 and json.loads(bare.stdout.split("FACTS ", 1)[1]) == {"only": False}, bare.stderr
+    said = [line for line in bare.stderr.splitlines() if line.startswith("nxl_hooks:")]
+    assert len(said) == 1 and "lacks torch" in said[0] and f"install nxl_hooks into that environment ({python} -m " \
+        "pip install " in said[0], bare.stderr
+
+
 def test_settings_round_trip_through_the_environment(tmp_path):
     settings = Settings(run_dir=tmp_path, sink=True, layers=[0, -1], target=["a", 3], models=["x*", "y"],
                         keep_calls=4, listen="127.0.0.1:9", sink_max_bytes=100, sink_max_files=2,

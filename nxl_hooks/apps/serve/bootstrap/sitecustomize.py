@@ -6,7 +6,9 @@ It only registers import hooks (standard library, nothing else is imported): whe
 (:mod:`nxl_hooks.apps.serve.patches`); when it imports ``transformers.cli.serving.utils``, ``transformers serve``
 passes each request's X-Request-ID to the probe. Settings come from the ``NXL_*`` environment variables that
 ``nxl run`` sets (:mod:`nxl_hooks.apps.serve.settings`); without ``NXL_RUN_DIR`` this file does nothing but chain.
-Then it imports the ``sitecustomize`` it shadows, if there is one. Nothing here raises into the program.
+Then it imports the ``sitecustomize`` it shadows, if there is one. Nothing here raises into the program. A program
+whose own environment has no nxl_hooks (another interpreter than nxl's) is lent nxl_hooks alone, never the rest of
+nxl's environment (:mod:`nxl_hooks.apps.serve.installed`), or, lacking what nxl_hooks needs, told so in one line.
 """
 
 import os
@@ -22,16 +24,28 @@ def _say(text):
         pass
 
 
+def _load(name):
+    """A standard-library-only module of this package, by path (importing the package would import torch)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(f"_nxl_hooks_{name}", os.path.join(os.path.dirname(_HERE),
+                                                                                     f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def _install():
     import importlib.util
 
-    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(_HERE))))
-    if importlib.util.find_spec("nxl_hooks") is None:  # another interpreter than nxl's: find the package here
-        sys.path.append(package_root)
-    spec = importlib.util.spec_from_file_location("_nxl_hooks_lazy", os.path.join(os.path.dirname(_HERE), "lazy.py"))
-    lazy = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(lazy)
-    lazy.install()
+    if importlib.util.find_spec("nxl_hooks") is None:  # another environment than nxl's: lend nxl_hooks alone
+        installed = _load("installed")
+        refusal = installed.refusal(sys.executable)
+        if refusal is not None:
+            _say(refusal)
+            return
+        installed.reach()
+    _load("lazy").install()
 
 
 def _chain():
