@@ -48,6 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from ..serve.inject import inject, inspect_target
+    from ..serve.installed import install_line
     from ..serve.runs import TOKEN
 
     folder_given = bool(args.sink) and sink_kind(args.sink) is None  # a bad or unusable sink: refused first
@@ -69,6 +70,11 @@ def run(args: argparse.Namespace) -> int:
             made.hand_over(TOKEN, target.uid, target.gid)
         outcome = inject(target, {"action": "attach", "env": settings.to_env(), "wait": args.wait},
                          timeout=args.timeout, wait=args.wait)
+        if outcome.get("code") == "not-installed":  # said here, where nxl knows what it was installed from
+            python = outcome.get("executable")  # the target's sys.executable: its venv's, not the file it links to
+            remedy = install_line(python if isinstance(python, str) and python else target.executable)
+            raise CliError(f"process {args.pid}: {outcome.get('error')}: install it there ({remedy}), then attach "
+                           "again")
         if not outcome.get("ok"):
             raise CliError(f"process {args.pid}: {outcome.get('error')}")
         models = _attached(args.pid, outcome)

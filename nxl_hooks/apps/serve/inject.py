@@ -44,7 +44,7 @@ remote debugging disabled in the target (``PYTHON_DISABLE_REMOTE_DEBUG``, ``-X d
 under ``nxl run`` already; a vLLM process (its model runs in worker processes: ``nxl run`` records those); gdb
 missing (``apt-get install gdb``); traced by another debugger, or by a concurrent ``nxl attach`` / ``nxl detach``
 (named, after waiting up to ``timeout`` for it to let go). After the injection, from the target: nxl_hooks not
-importable by its interpreter (the ``pip install`` line named).
+importable by its interpreter (``nxl attach`` names the ``pip install`` of the source nxl was installed from).
 """
 
 from __future__ import annotations
@@ -326,9 +326,8 @@ def work():
             return report({{"ok": False, "code": "not-attached",
                             "error": "process %d is not attached by nxl attach" % os.getpid()}})
         if importlib.util.find_spec("nxl_hooks") is None:  # a path search: nothing imported
-            return report({{"ok": False, "code": "import", "executable": sys.executable,
-                            "error": "nxl_hooks is not importable in process %d: install it there (%s -m pip "
-                                     "install nxl_hooks), then attach again" % (os.getpid(), sys.executable)}})
+            return report({{"ok": False, "code": "not-installed", "executable": sys.executable,
+                            "error": "nxl_hooks is not importable in process %d" % os.getpid()}})
         if (request["action"] == "attach" and not request.get("wait")
                 and "transformers.modeling_utils" not in sys.modules):
             return report({{"ok": False, "code": "no-model", "error": "transformers is not imported in process %d: "
