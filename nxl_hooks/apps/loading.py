@@ -9,9 +9,9 @@ group :class:`~nxl_hooks.apps.loading_options.Loading`, checked there).
 A local folder and a hub id both go through ``from_pretrained``; a path that does not exist is an error
 here (not a hub lookup), so a typo in a path fails fast with a clear message.
 
-GGUF (``pip install gguf``): transformers reads the file's config, tokenizer and weights and dequantizes the
-weights into plain tensors (float32 unless ``dtype`` says otherwise). A GGUF file holds a language model, so the
-head defaults to ``causal_lm``. transformers refuses a GGUF file together with a bitsandbytes config, so
+GGUF (gguf and accelerate: ``pip install "nxl_hooks[gguf]"``): transformers reads the file's config, tokenizer
+and weights and dequantizes the weights into plain tensors (float32 unless ``dtype`` says otherwise). A GGUF file
+holds a language model, so the head defaults to ``causal_lm``. transformers refuses a GGUF file together with a bitsandbytes config, so
 ``quantize`` with GGUF loads the dequantized model first and quantizes its weights in memory (``from_pretrained``
 with ``state_dict``): nothing is written to disk, at the cost of holding the dequantized model while its
 quantized copy is built.

@@ -151,3 +151,12 @@ def test_the_gguf_extra_carries_what_reading_a_gguf_file_needs():
     project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
     names = {re.match(r"[\w.-]+", spec).group(0) for spec in project["optional-dependencies"]["gguf"]}
     assert {"gguf", "accelerate"} <= names
+
+
+def test_nxl_convert_help_names_the_gguf_extra(capsys):
+    """nxl convert --help names the install that converts (gguf and accelerate), as the missing-package line does:
+    it said "pip install gguf", after which converting still stopped for accelerate."""
+    from nxl_hooks.apps.cli import main
+
+    assert main(["convert", "--help"]) == 0
+    assert 'pip install "nxl_hooks[gguf]"' in " ".join(capsys.readouterr().out.split())

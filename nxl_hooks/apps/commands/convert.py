@@ -22,7 +22,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         NAME,
         help="write a .gguf model as a transformers folder (for from_pretrained and transformers serve)",
         description="Dequantize the model of a GGUF file and save it with its config, tokenizer and chat template "
-                    "as a folder that from_pretrained and transformers serve load (needs pip install gguf).",
+                    "as a folder that from_pretrained and transformers serve load (needs gguf and accelerate: "
+                    'pip install "nxl_hooks[gguf]").',
     )
     parser.add_argument("model", metavar="MODEL", help="the .gguf file (or a folder or hub id with --gguf-file)")
     parser.add_argument("out", metavar="OUT", help="the folder to write (new, or empty)")
