@@ -242,6 +242,11 @@ CASES = [
     ("demo text not UTF-8", ["demo", "the plot was \udcff good"], r"argument b'the plot was \\xff good' is not UTF-8"),
     ("demo empty sentence", ["demo", " "], r"the demo sentence is empty: give one with a sentiment keyword, or none"),
     ("demo two keywords", ["demo", "good and terrible"], r"exactly one sentiment keyword \(found 2\)"),
+    # the demo tokenizer has no capitals or punctuation: the near-miss keyword is named, not "found 0"
+    ("demo keyword with punctuation", ["demo", "the plot was superb!"],
+     r"no sentiment keyword the model reads: 'superb!' is read as \[UNK\]: write 'superb'$"),
+    ("demo keyword capitalised", ["demo", "the plot was Superb"],
+     r"no sentiment keyword the model reads: 'Superb' is read as \[UNK\]: write 'superb'$"),
     ("demo example out of range", ["demo", "--example", "5000"], r"--example 5000: choose 0..999"),
     ("demo sentence and example", ["demo", "the plot was good", "--example", "3"],
      r"either a sentence or --example N \(a held-out sentence\), not both"),

@@ -75,6 +75,21 @@ def outside_training(text: str) -> list[str]:
     return notes
 
 
+def near_misses(words: Sequence[str], keywords: set[str]) -> list[str]:
+    """One line per word the demo tokenizer reads as [UNK] that would be a keyword lower-cased and without the
+    punctuation at its edges (its vocabulary has neither capitals nor punctuation): a sentence whose only keyword is
+    written so has none the model reads. ``near_misses(["the", "Superb!"], {"superb"})`` ->
+    ["'Superb!' is read as [UNK]: write 'superb'"]"""
+    import re
+
+    from ...demo.task import SPECIAL_TOKENS
+    from ...records.tokens import visible
+
+    bare = {word: re.sub(r"^\W+|\W+$", "", word).lower() for word in words if word not in keywords}
+    return [f"'{visible(word)}' is read as {SPECIAL_TOKENS[1]}: write '{keyword}'"
+            for word, keyword in bare.items() if keyword in keywords]
+
+
 def _word_positions(enc: Any, row: int) -> list[int]:
     """The token position of each word of one encoded row, as the tokenizer split them
     (:func:`split_words`: the demo tokenizer gives one token per word, unknown words
@@ -128,6 +143,9 @@ def run(args: argparse.Namespace) -> int:
     keywords = set(POSITIVE) | set(NEGATIVE)
     words = split_words(args.text) if args.text else []  # as the model reads them: word i is its token i
     hits = [i for i, word in enumerate(words) if word in keywords]
+    missed = near_misses(words, keywords) if not hits else []
+    if missed:  # the user meant a keyword the model cannot read: name it, not the whole list
+        raise CliError(f"the demo sentence has no sentiment keyword the model reads: {'; '.join(missed)}")
     if args.text and len(hits) != 1:  # the arguments are checked before the model loads
         raise CliError(
             f"the demo sentence needs exactly one sentiment keyword (found {len(hits)}), as the training "
