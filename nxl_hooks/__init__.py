@@ -12,6 +12,7 @@ live model), ``eval`` (checking), ``apps`` (the command line and views). The mod
 """
 
 from .arch import ArchSpec, RegistryError, UnknownArchitectureError, register_architecture, register_file
+from .arch.version import VERSION
 from .hooks import Probe, attach, detach_all, explain
 from .method.protocol import Given, Method
 from .method.registry import get_method, method_names, register_method
@@ -46,4 +47,4 @@ __all__ = [
     "register_method",
     "register_sink",
 ]
-__version__ = "0.4.0"
+__version__ = VERSION

@@ -15,6 +15,7 @@ import argparse
 import sys
 from typing import Any, NoReturn, Sequence
 
+from ..arch.version import VERSION
 from .commands import COMMANDS
 from .extras import extra_hint, quiet_library_noise
 from .options import CliError, one_line, parse_layers, parse_target, positive_int, say
@@ -49,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     """The ``nxl`` argument parser, one subparser per command module."""
     parser = _Parser(prog="nxl", description="Per-layer NormXLogit token attribution.")
     parser.add_argument("--traceback", action="store_true", help="show the full traceback on errors")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {VERSION}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS:
         command.add_parser(sub).set_defaults(_run=command.run)

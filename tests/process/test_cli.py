@@ -277,6 +277,19 @@ def test_python_m_cli_prints_cli_errors_as_one_line(saved, tmp_path):
                                                 "drop --target"]
 
 
+def test_version_is_the_projects(capsys):
+    """nxl --version and python -m nxl_hooks --version print the version pyproject.toml declares (there was none)."""
+    import subprocess
+    import sys
+    import tomllib
+
+    version = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["version"]
+    assert main(["--version"]) == 0 and capsys.readouterr().out == f"nxl {version}\n"
+    done = subprocess.run([sys.executable, "-m", "nxl_hooks", "--version"], capture_output=True, text=True,
+                          timeout=120)
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"nxl {version}\n", "")
+
+
 def test_generate_honours_embedding(tmp_path, capsys):
     from transformers import GemmaConfig, GemmaForCausalLM
 

@@ -170,6 +170,15 @@ def test_one_version_everywhere():
     assert project == nxl_hooks.__version__ == latest
 
 
+def test_the_license_text_is_the_declared_license():
+    """pyproject.toml declares MIT, and the LICENSE file the wheel ships (hatchling's default license files) is the
+    MIT text: there was no license text at all."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]
+    text = " ".join((ROOT / "LICENSE").read_text(encoding="utf-8").split())
+    assert project["license"] == "MIT" and text.startswith("MIT License Copyright (c) 2026 the nxl_hooks developers")
+    assert "Permission is hereby granted, free of charge, to any person obtaining a copy of this software" in text
+
+
 def test_tests_readme_sorts_every_test_file_into_a_tier():
     """Every test file lives in a tier's folder and tests/README.md lists it there, by its path."""
     tests = ROOT / "tests"
