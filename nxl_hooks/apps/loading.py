@@ -70,6 +70,8 @@ def _check_local(name: str, gguf_file: str | None) -> None:
         if gguf_file is not None:
             if not (path / gguf_file).is_file():
                 raise FileNotFoundError(f"{name} has no file {gguf_file!r}: check --gguf-file (a name inside MODEL)")
+        elif not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
+            raise FileNotFoundError(_adapter_refusal(name, path))
         elif not (path / "config.json").is_file():
             raise FileNotFoundError(
                 f"{name} has no config.json: pass a folder written by model.save_pretrained() (with its tokenizer), "
@@ -84,6 +86,19 @@ def _check_local(name: str, gguf_file: str | None) -> None:
     # Hub ids are "name" or "org/name"; anything else that does not exist is a mistyped path.
     if name.startswith((".", "/", "~")) or name.count("/") > 1 or "\\" in name:
         raise FileNotFoundError(f"no model folder at {name}: check the path (or pass a hub id like org/name)")
+
+
+def _adapter_refusal(name: str, path: Path) -> str:
+    """What to do with a PEFT adapter folder: the commands load whole models only (no adapter option), and the
+    adapter's model is its base model with the adapter merged in (the same forward), or the PeftModel in Python."""
+    try:
+        base = json.loads((path / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
+    except (OSError, ValueError, AttributeError):  # (AttributeError: JSON that is not an object)
+        base = None  # the line is the same without the base's name
+    of = f" {base!r}" if isinstance(base, str) and base else ""
+    return (f"{name} is a PEFT adapter (adapter_config.json), not a whole model: merge it into its base model{of} "
+            "and pass the merged folder (PeftModel.from_pretrained(base, folder).merge_and_unload().save_pretrained("
+            "out), with the tokenizer), or attach to the PeftModel in Python")
 
 
 #: config.json fields that size a model (in it, or in a sub-config such as text_config): each a whole number above 0

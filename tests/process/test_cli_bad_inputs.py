@@ -115,6 +115,9 @@ CASES = [
      r"in .*/outsideshard: a model's shards lie in its own folder; put the shard beside the index"),
     ("shard index naming a missing shard", ["attribute", "{missingshard}", TEXT],
      r"missingshard/model.safetensors.index.json names the shard model-00002-of-00002.safetensors, which is not in "),
+    ("PEFT adapter folder", ["attribute", "{adapter}", TEXT],
+     r"adapter is a PEFT adapter \(adapter_config.json\), not a whole model: merge it into its base model '.*/bert' "
+     r"and pass the merged folder \(PeftModel.from_pretrained\(base, folder\).merge_and_unload\(\)"),
     ("config not JSON", ["attribute", "{badconfig}", TEXT], r"config file at '.*badconfig/config.json' is not a valid"),
     ("no tokenizer", ["attribute", "{notokenizer}", TEXT], r"notokenizer has no tokenizer \(none of tokenizer.json"),
     ("tokenizer config without a vocabulary", ["attribute", "{vocabless}", TEXT],
@@ -315,6 +318,10 @@ def where(tmp_path_factory) -> dict[str, str]:
             "AutoConfig": "evil.EvilConfig", "AutoModelForSequenceClassification": "evil.Evil"}),
             (p / "evil.py").write_text(f"open({str(p / 'RAN')!r}, 'w')\n")),
         "badtokenizer": lambda p: (p / "tokenizer.json").write_text("{oops"),
+        # a PEFT adapter (PeftModel.save_pretrained): the adapter's files beside the tokenizer, no config.json
+        "adapter": lambda p: ((p / "config.json").unlink(), (p / "model.safetensors").rename(
+            p / "adapter_model.safetensors"), (p / "adapter_config.json").write_text(json.dumps(
+                {"peft_type": "LORA", "base_model_name_or_path": str(p.parent / "bert")}))),
         # tokenizer_config.json naming a tokenizer whose vocabulary file is not there: it loads, holding no word
         "vocabless": lambda p: ((p / "tokenizer.json").unlink(),
                                 _edit(p / "tokenizer_config.json", tokenizer_class="BertTokenizer")),
