@@ -123,13 +123,17 @@ def _cli(capsys, *args: str) -> tuple[int, str, str]:
     return code, out, err
 
 
+def _connect(address: str | Path, timeout: float) -> socket.socket:
+    """A connection to the endpoint at ``address``: TCP ``host:port`` or a Unix socket path."""
+    if isinstance(address, Path):
+        return connect_unix(address, timeout)
+    host, port = address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=timeout)
+
+
 def _raw(address: str | Path, data: bytes, *, half_close: bool = True, timeout: float = 20) -> tuple[int, dict, bytes]:
     """One raw exchange (TCP ``host:port`` or a Unix socket path): (status, headers, body) of the answer."""
-    if isinstance(address, Path):
-        sock = connect_unix(address, timeout)
-    else:
-        host, port = address.rsplit(":", 1)
-        sock = socket.create_connection((host, int(port)), timeout=timeout)
+    sock = _connect(address, timeout)
     with sock:
         sock.sendall(data)
         if half_close:
@@ -227,6 +231,71 @@ def test_idle_connections_are_bounded_closed_and_never_starve_the_owner(held):
                 break
         assert time.monotonic() - start <= REQUEST_SECONDS + 3
     assert held.process.poll() is None
+
+
+@pytest.fixture(params=["unix", "tcp"])
+def in_process(request, tmp_path):
+    """This process's own endpoint, as a model's adoption starts it: (endpoint, the listener a test talks to, its
+    address, its token: None on the Unix socket)."""
+    from nxl_hooks.apps.serve.controller import Controller
+    from nxl_hooks.apps.serve.runs import make_run_dir, write_token
+    from nxl_hooks.apps.serve.settings import Settings
+
+    run = make_run_dir(tmp_path / "run")
+    token = write_token(run)
+    controller = Controller(Settings(run_dir=run, listen="127.0.0.1:0"))
+    controller._ensure_endpoint()
+    server = controller.endpoint
+    try:
+        if request.param == "unix":
+            yield server, server._servers[0], server.socket, None
+        else:
+            yield server, server._servers[1], "127.0.0.1:%d" % server.address[1], token
+    finally:
+        controller.close()
+
+
+def _open_stream(address: str | Path, token: str | None) -> tuple[socket.socket, int, bytes]:
+    """A reader of /v1/stream that stays connected: its connection, the answer's status and (when refused) its
+    body."""
+    sock = _connect(address, 10)
+    sock.sendall(_request("GET", "/v1/stream", token).replace(b"HTTP/1.1", b"HTTP/1.0"))
+    answer = b""
+    while b"\r\n\r\n" not in answer and (chunk := sock.recv(4096)):
+        answer += chunk
+    status = int(answer.split()[1])
+    if status != 200:  # a refusal ends with the connection
+        while chunk := sock.recv(4096):
+            answer += chunk
+    return sock, status, answer.partition(b"\r\n\r\n")[2]
+
+
+def test_stream_readers_never_take_the_connections_status_and_ctl_need(in_process):
+    """Each open /v1/stream held one of the listener's MAX_CONNECTIONS connections: sixteen readers (a dashboard
+    reconnecting, sixteen nxl tail) locked status and nxl ctl pause/detach out with a 503. Streams now stop short
+    of the bound, the one over it refused in a line that says how many readers are connected."""
+    server, _, address, token = in_process
+    readers: list[socket.socket] = []
+    try:
+        for _ in range(MAX_CONNECTIONS):
+            sock, status, body = _open_stream(address, token)
+            readers.append(sock)
+            if status != 200:
+                break
+        for _ in range(MAX_CONNECTIONS):  # status and a control action get in, however many readers stay
+            status, _, body = _raw(address, _request("GET", "/v1/status", token))
+            assert status == 200 and json.loads(body)["pid"] == os.getpid(), body
+        status, _, body = _raw(address, _request("POST", "/v1/control", token, body=b'{"action": "pause"}'))
+        assert status == 200 and json.loads(body)["paused"] is True, body
+        served = len(readers) - 1
+        refused, _, body = _open_stream(address, token)
+        refused.close()
+        error = json.loads(body)["error"]
+        assert served < MAX_CONNECTIONS and f"{served} readers are connected to /v1/stream already" in error, error
+        assert "close one, or try again shortly" in error
+    finally:
+        for sock in readers:
+            sock.close()
 
 
 def _ipv6_loopback() -> bool:

@@ -17,8 +17,9 @@ token of ``<run folder>/token`` (0600). Prompts are user data: nothing is served
 
 It never starves the host (docs/security.md): each listener serves at most :data:`MAX_CONNECTIONS` connections at
 once, one thread each, and closes any connection over that at once (the Unix socket has its own bound, so the
-owner gets in while the TCP port is flooded); a request must arrive whole within :data:`REQUEST_SECONDS`; a body
-needs a valid ``Content-Length`` of at most :data:`MAX_BODY` bytes; a reader that stops reading is dropped after
+owner gets in while the TCP port is flooded); event streams take at most :data:`MAX_STREAMS` of them, so status
+and ``nxl ctl`` always get in; a request must arrive whole within :data:`REQUEST_SECONDS`; a body needs a valid
+``Content-Length`` of at most :data:`MAX_BODY` bytes; a reader that stops reading is dropped after
 :data:`WRITE_SECONDS`. Every error is ``{"error": "..."}`` with a 4xx status, or a 500 that names no Python
 internals (the program's log has them).
 
@@ -31,6 +32,7 @@ SIGTERM/SIGHUP still have their default action (the process dies): it removes th
 from __future__ import annotations
 
 import atexit
+import contextlib
 import hmac
 import io
 import json
@@ -45,7 +47,7 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Iterator, Protocol
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ...arch.spec import HeadKind
@@ -58,13 +60,16 @@ from .readout import Watched, call_view, ended, forward_view, step_view, summary
 from .runs import check_private, enlist, peer_uid, read_token, socket_path
 from .settings import Settings, parse_listen
 
-__all__ = ["MAX_BODY", "MAX_CONNECTIONS", "REQUEST_SECONDS", "WRITE_SECONDS", "ControlServer", "bind_socket"]
+__all__ = ["MAX_BODY", "MAX_CONNECTIONS", "MAX_STREAMS", "REQUEST_SECONDS", "WRITE_SECONDS", "ControlServer",
+           "bind_socket"]
 
 _log = logging.getLogger("nxl_hooks")
 #: Seconds between the event stream's comments: a reader that left is noticed within that time, and a reader hearing
 #: nothing for a few times that knows the process is not answering (`nxl tail`).
 KEEPALIVE = 10.0
 MAX_CONNECTIONS = 16  #: connections (and handler threads) per listener; one more is closed at once
+#: event streams per listener: the other connections stay free for status and nxl ctl, however many readers come
+MAX_STREAMS = MAX_CONNECTIONS - 2
 REQUEST_SECONDS = 5.0  #: a request (line, headers, body) must arrive whole within this time, or is dropped
 WRITE_SECONDS = 30.0  #: a reader that takes no bytes for this long is dropped
 MAX_BODY = 64 << 10  #: bytes of a request body (a control action is a few hundred)
@@ -232,7 +237,25 @@ class _Listener:
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self.slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+        self.streams = 0  #: event streams open, at most MAX_STREAMS
+        self.streams_changed = threading.Condition()  # guards streams; notified as one ends, for what waits on that
         super().__init__(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def stream_slot(self) -> Iterator[None]:
+        """One of the listener's MAX_STREAMS event streams, held while it is served; a 503 once they are taken."""
+        with self.streams_changed:
+            if self.streams >= MAX_STREAMS:
+                raise _BadRequest(503, f"{self.streams} readers are connected to /v1/stream already, the most it "
+                                       f"serves at once (the other {MAX_CONNECTIONS - MAX_STREAMS} connections are "
+                                       "kept for status and nxl ctl): close one, or try again shortly")
+            self.streams += 1
+        try:
+            yield
+        finally:
+            with self.streams_changed:
+                self.streams -= 1
+                self.streams_changed.notify_all()
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.slots.acquire(blocking=False):
@@ -509,7 +532,9 @@ class ControlServer:
         if method == "GET" and len(rest) == 3 and rest[0] == "requests" and rest[2] == "frames":
             return handler._send(200, self._frames(rest[1]), "application/octet-stream")
         if method == "GET" and rest == ["stream"]:
-            return self._stream(handler, query.get("request_id") or None, _int(query, "k", 3, 1))
+            request_id, k = query.get("request_id") or None, _int(query, "k", 3, 1)
+            with handler.server.stream_slot():
+                return self._stream(handler, request_id, k)
         if method == "POST" and rest == ["control"]:
             return handler._json(200, self._control(handler.body()))
         raise _BadRequest(404 if method == "GET" else 405, f"no such endpoint: {method} {handler.path}")
