@@ -298,6 +298,23 @@ def test_stream_readers_never_take_the_connections_status_and_ctl_need(in_proces
             sock.close()
 
 
+def test_a_stream_whose_reader_left_frees_its_connection_at_once(in_process):
+    """A reader that closed its stream held its connection until a write to it failed: the keepalive, KEEPALIVE
+    (10 s) later on an idle process, so readers reconnecting more than 1.6 times a second kept every connection
+    taken. The end of its input is noticed within a poll of the stream's feed now."""
+    from nxl_hooks.apps.serve.endpoint import KEEPALIVE
+
+    _, listener, address, token = in_process
+    for _ in range(MAX_CONNECTIONS + 4):
+        sock, status, _ = _open_stream(address, token)
+        sock.close()
+        assert status == 200
+        with listener.streams_changed:  # well before a keepalive would find it gone
+            assert listener.streams_changed.wait_for(lambda: listener.streams == 0, timeout=KEEPALIVE / 2)
+    status, _, body = _raw(address, _request("GET", "/v1/status", token))
+    assert status == 200 and json.loads(body)["pid"] == os.getpid()
+
+
 def _ipv6_loopback() -> bool:
     if not socket.has_ipv6:
         return False

@@ -18,10 +18,10 @@ token of ``<run folder>/token`` (0600). Prompts are user data: nothing is served
 It never starves the host (docs/security.md): each listener serves at most :data:`MAX_CONNECTIONS` connections at
 once, one thread each, and closes any connection over that at once (the Unix socket has its own bound, so the
 owner gets in while the TCP port is flooded); event streams take at most :data:`MAX_STREAMS` of them, so status
-and ``nxl ctl`` always get in; a request must arrive whole within :data:`REQUEST_SECONDS`; a body needs a valid
-``Content-Length`` of at most :data:`MAX_BODY` bytes; a reader that stops reading is dropped after
-:data:`WRITE_SECONDS`. Every error is ``{"error": "..."}`` with a 4xx status, or a 500 that names no Python
-internals (the program's log has them).
+and ``nxl ctl`` always get in, and a stream whose reader closed its connection ends within a poll of its feed; a
+request must arrive whole within :data:`REQUEST_SECONDS`; a body needs a valid ``Content-Length`` of at most
+:data:`MAX_BODY` bytes; a reader that stops reading is dropped after :data:`WRITE_SECONDS`. Every error is
+``{"error": "..."}`` with a 4xx status, or a 500 that names no Python internals (the program's log has them).
 
 Why the standard library's ``http.server`` and not uvicorn/starlette: the endpoint runs inside any Python program
 (not only servers that ship uvicorn), in its own daemon threads, and must not touch the program's event loop; a
@@ -64,8 +64,8 @@ __all__ = ["MAX_BODY", "MAX_CONNECTIONS", "MAX_STREAMS", "REQUEST_SECONDS", "WRI
            "bind_socket"]
 
 _log = logging.getLogger("nxl_hooks")
-#: Seconds between the event stream's comments: a reader that left is noticed within that time, and a reader hearing
-#: nothing for a few times that knows the process is not answering (`nxl tail`).
+#: Seconds between the event stream's comments: a reader hearing nothing for a few times that knows the process is
+#: not answering (`nxl tail`).
 KEEPALIVE = 10.0
 MAX_CONNECTIONS = 16  #: connections (and handler threads) per listener; one more is closed at once
 #: event streams per listener: the other connections stay free for status and nxl ctl, however many readers come
@@ -120,6 +120,21 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(code, {"error": message or self.responses.get(code, ("error",))[0]})
         except OSError:
             pass
+
+    def reader_left(self) -> bool:
+        """Whether the client closed its connection (or reset it). A stream's reader sends nothing after its request,
+        so an end of input means it is gone (as nginx takes it): peeked without waiting, nothing read."""
+        sock = self.connection
+        timeout = sock.gettimeout()
+        sock.settimeout(0)  # with a timeout, recv would first wait for input
+        try:
+            return sock.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:  # nothing to read: still connected
+            return False
+        except OSError:
+            return True
+        finally:
+            sock.settimeout(timeout)
 
     def _authorized(self) -> bool:
         token = self.server.token
@@ -632,7 +647,8 @@ class ControlServer:
                     dropped = reader.dropped
                     emit("dropped", {"dropped": dropped})
                 if item is None:
-                    if controller.endpoint is not self:  # closed (nxl detach): no reader keeps a thread here
+                    # closed (nxl detach), or its reader left: no reader keeps a thread (a connection) here
+                    if controller.endpoint is not self or handler.reader_left():
                         return
                     if watched is not None and ended(watched[1]):
                         # The call ends in the publisher once its steps are kept, before the last of them has come
