@@ -354,6 +354,7 @@ class Run:
                  notice: Notice | None = None, refill: Refill | None = None, refill_apart: bool = False,
                  wait: float | None = BATCH_SECONDS, engine: bool = False) -> None:
         self._plan, self._hub, self.call, self._notice = plan, hub, call, notice
+        self._scoring = plan.scoring  # what the pipeline's batches read (_record), which outlives the call's plan
         # Runs the model eagerly over positions whose forwards ran compiled (the hooks saw none of them), when the
         # call ends (:meth:`_replay`)
         self._refill = refill
@@ -775,6 +776,9 @@ class Run:
             self._features = self._embed = self._mask = self._logits = self._log_probs = self._cache = None
             self._prefix = None
             self._deferred, self._unfed = [], []
+            # The plan and the refill hold the model: the batches still to be made read _scoring only, so a model
+            # the program drops once its call returned is freed without waiting for the record pipeline.
+            self._plan = self._refill = None
             try:
                 # a copy on the CPU too: the caller may write the tensor generate returned
                 self._hub.end(self.call, sequences.to("cpu", copy=True) if sequences is not None else None, error,
@@ -1007,7 +1011,7 @@ class Run:
         if self._sizes is None or (kept is not None and self._sizes[0] == 0):
             self._sizes = (kept.numel() * kept.element_size() if kept is not None else 0, item.active.shape[0])
         kept_bytes, rows = self._sizes
-        return (kept_bytes if kept is not None else 0) + 4 * rows * len(self._plan.layers) * item.n
+        return (kept_bytes if kept is not None else 0) + 4 * rows * len(self._scoring.layers) * item.n
 
     def flush(self, *, here: bool = False) -> None:
         """Hand the emitted steps still waiting to the hub, to be scored together (as many at a time as
@@ -1026,7 +1030,7 @@ class Run:
                                                                                  self._mask)), self._compute_dtype)
             made = _Batch(self, batch, context, elsewhere=elsewhere)
             try:
-                self._hub.publish(self.call, made, self._plan.readable)
+                self._hub.publish(self.call, made, self._plan.texts)  # (not plan.readable: it holds the model)
             except Exception as error:
                 if error is not made.failure:
                     raise  # an on_step callback's, the hub's: the caller says it
@@ -1051,7 +1055,7 @@ class Run:
         once and each holds a view of it: their tokens, active rows, probabilities and scores, and the context's
         embedding norms and mask (copies, not views of the growing cache). Their tensors stay on the device: the
         hub's publisher moves them to the host."""
-        plan, batch, last = self._plan, emitted[0].active.shape[0], emitted[-1].n
+        plan, batch, last = self._scoring, emitted[0].active.shape[0], emitted[-1].n
         with torch.no_grad():
             tokens = _stacked_tokens(emitted)  # (steps, batch)
             active = torch.stack([item.active for item in emitted]).unbind(0)
@@ -1095,7 +1099,7 @@ class Run:
         Pointwise methods (:attr:`Plan.pointwise`) score every step in one call: the steps' rows stacked, each
         context padded to the longest, each record a view of its own rows and positions; other methods, one call
         per step."""
-        plan, count, k = self._plan, len(targets), targets[0].shape[1]
+        plan, count, k = self._scoring, len(targets), targets[0].shape[1]
         layers, batch, last = together.shape[:3]
         if count == 1 or not plan.pointwise:
             return [plan.scores(Given(together[:, :, :n, index * k:(index + 1) * k].contiguous(),

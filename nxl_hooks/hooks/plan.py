@@ -43,7 +43,7 @@ from ..method.select import (
     target_ids,
 )
 
-__all__ = ["EMBEDDINGS", "Plan", "TokenTexts", "check_recording", "make_plan", "model_name", "run_eagerly",
+__all__ = ["EMBEDDINGS", "Plan", "Scoring", "TokenTexts", "check_recording", "make_plan", "model_name", "run_eagerly",
            "token_texts", "tokenizer_mismatch"]
 
 _KEPT = "_nxl_hooks_compiled_"  # where run_eagerly keeps a module's compiled callable while attached
@@ -87,6 +87,34 @@ def token_texts(tokenizer: Any) -> TokenTexts:
         if texts is None:
             texts = _TEXTS[id(tokenizer)] = TokenTexts(tokenizer)
         return texts
+
+
+@dataclass(frozen=True, eq=False)
+class Scoring:
+    """What making a step's records reads of its :class:`Plan` (``plan.scoring``), without the model: the record
+    pipeline holds this, not the plan, once a call has returned, so a model the program drops then is not kept alive
+    while the call's last records are still being made. (The head holds the model only weakly.)"""
+
+    head: Head
+    layers: list[int]
+    n_blocks: int
+    fixed_targets: torch.Tensor | None
+    label_axis: bool
+    methods: tuple[Method, ...]
+
+    @functools.cached_property
+    def pointwise(self) -> bool:
+        """Whether every method the probe computes is pointwise (:func:`~nxl_hooks.method.scores.pointwise`)."""
+        return _scores.pointwise(self.methods)
+
+    def explained(self, predicted: torch.Tensor) -> torch.Tensor:
+        """(rows, k) ids explained, given the (rows, 1) predicted ids."""
+        return explained(self.fixed_targets, predicted)
+
+    def scores(self, given: Given) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """({method: scores}, targets) of every method the probe computes, the label axis kept only when several
+        labels were asked for."""
+        return _scores.method_scores(self.methods, given, label_axis=self.label_axis)
 
 
 @dataclass(frozen=True, eq=False)
@@ -153,17 +181,22 @@ class Plan:
 
     def explained(self, predicted: torch.Tensor) -> torch.Tensor:
         """(rows, k) ids explained, given the (rows, 1) predicted ids."""
-        return explained(self.fixed_targets, predicted)
+        return self.scoring.explained(predicted)
 
     @functools.cached_property
+    def scoring(self) -> Scoring:
+        """What making records reads of this plan, without the model (:class:`Scoring`)."""
+        return Scoring(self.head, self.layers, self.n_blocks, self.fixed_targets, self.label_axis, self.methods)
+
+    @property
     def pointwise(self) -> bool:
         """Whether every method the probe computes is pointwise (:func:`~nxl_hooks.method.scores.pointwise`)."""
-        return _scores.pointwise(self.methods)
+        return self.scoring.pointwise
 
     def scores(self, given: Given) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
         """({method: scores}, targets) of every method the probe computes, the label axis kept only when several
         labels were asked for."""
-        return _scores.method_scores(self.methods, given, label_axis=self.label_axis)
+        return self.scoring.scores(given)
 
     def token_strings(self, input_ids: torch.Tensor | None) -> list[list[str]] | None:
         """The token strings of each row, when a tokenizer was given."""

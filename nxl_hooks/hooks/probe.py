@@ -15,8 +15,10 @@ it, so forwards and ``generate`` calls in several threads on one attached model 
 continuous batching and other serving engines (:mod:`.engines`) each request of a packed forward is recorded on its
 own.
 
-Nothing global holds the model: a model the program drops while a probe is still attached is freed, and the probe
-detaches then (its sink is closed, its records stay readable).
+Nothing global holds the model, and the record pipeline holds only what it reads (the head): a model the program
+drops while a probe is still attached is freed at the next garbage collection (the hooks and the recorder make a
+reference cycle with it: ``del model; gc.collect()``, also right after ``generate`` returns), and the probe detaches
+then (its sink is closed, its records stay readable).
 """
 
 from __future__ import annotations
@@ -118,7 +120,8 @@ class Probe:
     """Hooks of one :func:`attach` call. ``with nxl.attach(model) as probe: model(**enc)``, then ``probe.result()``.
 
     Made by :func:`attach`. It detaches when asked, or when it or the model is garbage-collected, whichever comes
-    first; it holds the model only weakly, so a server that unloads a model frees it.
+    first; it holds the model only weakly, so a server that unloads a model frees it (at the next garbage
+    collection: ``del model; gc.collect()``).
     """
 
     def __init__(self, plan: Plan, results: Results, hub: Hub, attachment: _Attachment, notice: Notice,

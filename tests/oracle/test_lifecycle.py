@@ -53,6 +53,25 @@ def test_a_dropped_model_is_freed_with_its_probe():
     assert ref() is None
 
 
+def test_a_model_dropped_right_after_generate_is_freed_by_one_collection_and_its_records_are_whole():
+    # The unload idiom, `del model; gc.collect()`, at once after generate returns, with no flush: the record pipeline,
+    # still making that call's last records then, holds what it reads (the head), not the model.
+    model = tiny.build_model("llama")
+    probe = nxl.attach(model)
+    model(input_ids=IDS)
+    expected = _expected(model)
+    sequences = model.generate(input_ids=IDS, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    ref = weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None and not probe.attached
+    (call,) = probe.calls
+    assert call.complete and [step.token.item() for step in call.steps] == sequences[0, IDS.shape[1]:].tolist()
+    torch.testing.assert_close(probe.result().normxlogit, expected, rtol=1e-4, atol=1e-5)
+    # the first step explains the model's own prediction after the prompt: the forward's record
+    torch.testing.assert_close(call.steps[0].normxlogit, expected, rtol=1e-4, atol=1e-5)
+
+
 def test_detach_all_removes_every_hook_of_a_probe_still_referenced():
     model = tiny.build_model("llama")
     probe = nxl.attach(model, sink=None)
