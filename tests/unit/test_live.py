@@ -255,10 +255,9 @@ def test_tail_last_shows_every_step_of_a_later_request_that_uses_the_id_again(tm
         controller.close()
 
 
-def test_tail_on_a_stalled_stdout_holds_a_bounded_queue_and_says_how_many_steps_it_dropped(monkeypatch, capsys):
-    """A terminal that stops taking lines: nxl tail queued every step the endpoint sent (without bound, while the
-    endpoint saw a reader keeping up). At most the bound waits; the steps past it are not shown, and one line says
-    how many, summed with those the endpoint itself dropped, before the request's end."""
+def _tail_on_a_stalled_stdout(monkeypatch, closing: list) -> tuple[list, list]:
+    """nxl tail (a queue of 4) on a terminal that takes no line while its one endpoint sends steps 0 to 9, then the
+    ``closing`` events: what tail.run returned, and the lines printed once the terminal takes them again."""
     import argparse
 
     from nxl_hooks.apps.serve import client
@@ -269,7 +268,7 @@ def test_tail_on_a_stalled_stdout_holds_a_bounded_queue_and_says_how_many_steps_
         return StepView(step=n, position=5 + n, token_id=7, token="a", probability=0.5, active=True,
                         scores={"normxlogit": {1: ()}}, request_id="r").to_json()
 
-    class Stream:  # an endpoint that sends 10 steps, then says it dropped 2 more, then the end
+    class Stream:  # an endpoint that sends 10 steps, then the closing events
         name = "run"
 
         def events(self, path, timeout=None, on_open=None):
@@ -279,8 +278,7 @@ def test_tail_on_a_stalled_stdout_holds_a_bounded_queue_and_says_how_many_steps_
             for n in range(1, 10):
                 yield "step", step(n)
             sent.set()
-            yield "dropped", {"dropped": 2}
-            yield "end", {"request_id": "r", "steps": 12}
+            yield from closing
 
         def status(self, timeout=None):
             return {"pid": 1, "models": []}
@@ -301,9 +299,29 @@ def test_tail_on_a_stalled_stdout_holds_a_bounded_queue_and_says_how_many_steps_
     assert sent.wait(60)  # steps 1-9 were handed on while step 0's line was stuck
     release.set()
     runner.join(60)
+    return done, printed
+
+
+def test_tail_on_a_stalled_stdout_holds_a_bounded_queue_and_says_how_many_steps_it_dropped(monkeypatch, capsys):
+    """A terminal that stops taking lines: nxl tail queued every step the endpoint sent (without bound, while the
+    endpoint saw a reader keeping up). At most the bound waits; the steps past it are not shown, and one line says
+    how many, summed with those the endpoint itself dropped, before the request's end."""
+    done, printed = _tail_on_a_stalled_stdout(
+        monkeypatch, [("dropped", {"dropped": 2}), ("end", {"request_id": "r", "steps": 12})])
     assert done == [0]
     steps = [int(line.split()[1]) for line in printed if line.startswith("r ")]
     assert steps == [0, 1, 2, 3, 4]  # step 0 (being printed) and the bound's 4; 5 to 9 dropped
     assert printed[len(steps)] == "! run: 7 step(s) not shown: nxl tail fell behind (the run's records keep them)"
     assert printed[len(steps) + 1:] == ["r: ended after 12 tokens"]
+    capsys.readouterr()
+
+
+def test_tail_says_the_steps_it_dropped_when_the_stream_closes_without_an_end(monkeypatch, capsys):
+    """The program exits while nxl tail's stalled stdout has dropped steps: the stream closes with no end event, and
+    the line saying how many were not shown was lost with it."""
+    done, printed = _tail_on_a_stalled_stdout(monkeypatch, [])
+    steps = [int(line.split()[1]) for line in printed if line.startswith("r ")]
+    assert steps == [0, 1, 2, 3, 4]
+    assert printed[len(steps):] == ["! run: 5 step(s) not shown: nxl tail fell behind (the run's records keep them)"]
+    assert done == [1]  # the stream ended before its request did
     capsys.readouterr()

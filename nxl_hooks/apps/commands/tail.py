@@ -236,7 +236,7 @@ def run(args: argparse.Namespace) -> int:
                     behind.hand(items, Ended(data))
         except Exception as error:  # noqa: BLE001 - reported by the main thread
             behind.hand(items, Failed(str(error) if isinstance(error, CliError) else f"{endpoint.name}: {error}"))
-        items.put(Closed())
+        behind.hand(items, Closed())  # a stream that closes with no end (the program exited) still says its drops
 
     def watch_faults(endpoint) -> None:
         said: set[str] = set()
