@@ -31,7 +31,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
-from ..arch.text import one_line
+from ..arch.text import typed
 from ..records.files import json_value, read_regular, replacing, unwritable, write_text
 from .options import check_apart, check_output_folder
 
@@ -399,7 +399,7 @@ def write_json(path: str | Path, value: Any) -> Path:
 
 def _failure(example: Mapping[str, Any], error: Exception) -> dict[str, Any]:
     """The record of an example whose scoring raised: its id and the reason, on one line."""
-    return {"id": example.get("id"), "error": f"{type(error).__name__}: {one_line(error)}"[:2000]}
+    return {"id": example.get("id"), "error": typed(error, 2000)}
 
 
 def _prepare(state: Any, out_dir: Path, settings: Mapping[str, Any]) -> dict[int, dict[str, Any]]:

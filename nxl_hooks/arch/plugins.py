@@ -40,7 +40,7 @@ import threading
 from importlib import metadata
 from typing import Any, Callable
 
-from .text import one_line
+from .text import typed
 
 __all__ = ["ARCHITECTURES", "ENGINES", "GROUPS", "METHODS", "SETTING", "SINKS", "allowed", "broken",
            "contained", "entry_points", "failure", "load", "load_all"]
@@ -84,7 +84,7 @@ def broken(group: str, name: str, error: BaseException, *, what: str = "", log: 
     """Report the plugin ``name`` of ``group`` as broken by ``error`` (raised loading or using it): one log line
     naming it and what to do, kept for :func:`failure`; returns the line."""
     line = (f"plugin {name!r} ({group}{', ' + what if what else ''}) failed to load "
-            f"({type(error).__name__}: {one_line(error)}); left out: fix or uninstall its package, or leave it out of "
+            f"({typed(error)}); left out: fix or uninstall its package, or leave it out of "
             f"{SETTING}")
     with _lock:
         _failed[(group, name)] = line

@@ -3,13 +3,14 @@ failures (a plugin, a sink factory, an attribution method, a dataset example, a 
 
     record_text("models/caf\\udce9")   # 'models/caf\\\\xe9': valid UTF-8, as records keep texts
     one_line(error)                    # its message on one line; '<unprintable ValueError>' if str() raises
+    typed(KeyError("id"))              # "KeyError: 'id'"; typed(KeyError()) == 'KeyError'
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["escaped", "one_line", "record_text"]
+__all__ = ["escaped", "one_line", "record_text", "typed"]
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -45,3 +46,15 @@ def one_line(error: object) -> str:
     except Exception:  # noqa: BLE001 - whatever the foreign __str__ raises, the type still says what failed
         return f"<unprintable {type(error).__name__}>"
     return record_text(" ".join(text.split())) or type(error).__name__
+
+
+def typed(error: object, limit: int | None = None, *, aside: bool = False) -> str:
+    """``error`` as a report of foreign code's failure names it: its type's name, then its :func:`one_line` message
+    (cut at ``limit`` characters), ``KeyError: 'id'`` (``aside``: ``KeyError ('id')``), or the type's name alone
+    where the message adds nothing (none, or that name again): ``KeyError``, never ``KeyError: KeyError``."""
+    kind, text = type(error).__name__, one_line(error)
+    if text == kind:
+        return kind
+    if limit is not None and len(text) > limit:
+        text = text[:limit - 1] + "…"
+    return f"{kind} ({text})" if aside else f"{kind}: {text}"

@@ -83,7 +83,7 @@ from ..records.steps import GenerationCall, Step
 from .recording import NOT_RECORDED, Recording
 from .conventions import UnfollowedForward, cache_keyword, find_cache, positions, prefix_cache, start, token_mask
 from .forward import NEEDS_IDS, Capture, embed_norms, head_features, layer_states
-from .guard import Notice, Owned, described, one_line, raised, reason
+from .guard import Notice, Owned, described, raised, reason, typed
 from .plan import Plan
 from .publish import Hub
 from .traced import eager_twin
@@ -456,7 +456,7 @@ class Run:
             self._tell("scoring its steps", error, step)
         else:
             self._hub.note(self.call, f"the records of its steps from step {step} on were lost (scoring them raised "
-                                      f"{type(error).__name__}: {one_line(error)})")
+                                      f"{typed(error)})")
 
     def _tell(self, what: str, error: BaseException, done: int) -> None:
         """The call is not recorded from its step ``done`` on: its error, and the notice's one line (said by whoever

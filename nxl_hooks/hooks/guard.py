@@ -11,9 +11,9 @@ import logging
 import threading
 from typing import Any, Callable
 
-from ..arch.text import one_line  # the one rule for a foreign message, kept here for the hooks that say it
+from ..arch.text import one_line, typed  # the one rule for a foreign message, kept here for the hooks that say it
 
-__all__ = ["Notice", "Owned", "described", "inert", "logger", "one_line", "raised", "reason"]
+__all__ = ["Notice", "Owned", "described", "inert", "logger", "one_line", "raised", "reason", "typed"]
 
 logger = logging.getLogger("nxl_hooks")
 
@@ -50,10 +50,7 @@ class Owned(functools.partial):
 def raised(error: BaseException, limit: int = 200) -> str:
     """``error`` as a call's reason says the host's own exception: its type, and its message on one line (cut at
     ``limit`` characters) where it has one, so the user knows why."""
-    text = one_line(error)
-    if text == type(error).__name__:
-        return text
-    return f"{type(error).__name__} ({text if len(text) <= limit else text[:limit - 1] + '…'})"
+    return typed(error, limit, aside=True)
 
 
 def described(error: BaseException) -> str:

@@ -74,7 +74,7 @@ from ..records.sinks import RecordSink, make_sink
 from ..records.steps import STEP_TENSORS, GenerationCall, Step
 from ..records.tokens import record_text
 from ..records.writer import PartlyWritten
-from .guard import logger, one_line
+from .guard import logger, one_line, typed
 from .subscription import LIVE_QUEUE, Subscription
 
 __all__ = ["DRAIN_SECONDS", "LIVE_QUEUE", "QUEUE", "SINK_QUEUE", "UNSCORED_BYTES", "Batch", "Hub", "Subscription",
@@ -577,8 +577,7 @@ class Hub:
             try:
                 self._handle(item)
             except BaseException as error:  # noqa: BLE001 - the publisher outlives any one record
-                logger.warning("nxl_hooks: a record was lost (%s: %s); the model's own call is unaffected",
-                               type(error).__name__, one_line(error))
+                logger.warning("nxl_hooks: a record was lost (%s); the model's own call is unaffected", typed(error))
             finally:
                 if isinstance(item, _StepItem):
                     with self._lock:
@@ -650,7 +649,7 @@ class Hub:
             on_host([step], texts)
             return True
         except Exception as error:  # noqa: BLE001 - the publisher outlives any one record
-            self.note(call, f"the record of step {step.step} was lost ({type(error).__name__}: {one_line(error)})")
+            self.note(call, f"the record of step {step.step} was lost ({typed(error)})")
             return False
 
     def note(self, call: GenerationCall, lost: str) -> None:
@@ -885,9 +884,9 @@ class Hub:
         except BaseException as error:  # noqa: BLE001 - SystemExit too: a sink never ends the host's call
             if isinstance(error, PartlyWritten):  # the frames before the failure are on disk
                 steps, error = steps - error.written, error.__cause__ or error
-            logger.warning("nxl_hooks: records sent to the sink %s not written (%s: %s); the model's own call "
-                           "is unaffected", _named(sink), type(error).__name__, one_line(error))
-            fault = f"{type(error).__name__}: {one_line(error)}"
+            fault = typed(error)
+            logger.warning("nxl_hooks: records sent to the sink %s not written (%s); the model's own call "
+                           "is unaffected", _named(sink), fault)
         if fault is not None:  # (an empty one is a stop all the same: said, so that it reads as a fault)
             said = fault if isinstance(fault, str) else one_line(fault)  # the sink's object: its str() may raise
             self._stop_sink(said or f"the sink {_named(sink)} stopped writing without saying why", call, steps=steps)
@@ -902,9 +901,10 @@ class Hub:
         try:
             sink.close()
         except BaseException as error:  # noqa: BLE001 - never into the host
-            logger.warning("nxl_hooks: closing the sink failed (%s: %s)", type(error).__name__, one_line(error))
+            said = typed(error)
+            logger.warning("nxl_hooks: closing the sink failed (%s)", said)
             with self._lock:
-                self.sink_fault = self.sink_fault or f"{type(error).__name__}: {one_line(error)}"
+                self.sink_fault = self.sink_fault or said
             self._count_lost(sink)
 
     def _count_lost(self, sink: RecordSink) -> None:
@@ -914,8 +914,8 @@ class Hub:
         try:
             lost = getattr(sink, "lost", 0)
         except BaseException as error:  # noqa: BLE001 - a failed sink's attribute never ends the sink thread
-            logger.warning("nxl_hooks: the sink's count of lost records could not be read (%s: %s); the records "
-                           "it had taken are not counted as unwritten", type(error).__name__, one_line(error))
+            logger.warning("nxl_hooks: the sink's count of lost records could not be read (%s); the records "
+                           "it had taken are not counted as unwritten", typed(error))
             return
         with self._lock:
             if not isinstance(lost, int) or lost <= self._lost:

@@ -22,6 +22,8 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
+from ..arch.text import typed
+
 __all__ = ["ChatPrompt", "NOT_RANKED_ROLES", "chat_prompt", "locate_template", "template_rows"]
 
 #: Messages of these roles are the template's as much as its markers are: they never rank.
@@ -46,7 +48,7 @@ def _render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], generation: b
     try:
         return tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation, tokenize=False)
     except Exception as err:  # noqa: BLE001 - whatever the template does is the template's fault, said in one line
-        raise ValueError(f"the tokenizer's chat template failed ({type(err).__name__}: {err or 'no message'}): fix "
+        raise ValueError(f"the tokenizer's chat template failed ({typed(err)}): fix "
                          "chat_template (in tokenizer_config.json or chat_template.jinja), or drop --chat") from None
 
 

@@ -17,7 +17,7 @@ from typing import Sequence
 import torch
 
 from ..arch import plugins
-from ..arch.text import one_line
+from ..arch.text import typed
 from .protocol import Given, Method, Pointwise
 
 __all__ = ["FLAT_NORM_CV", "flat_note", "flat_norms", "label_axis", "method_scores", "norm_spread", "pointwise",
@@ -70,8 +70,8 @@ def method_scores(methods: Sequence[Method], given: Given, *, label_axis: bool
         except Exception:
             raise  # the method's own failure, as it said it
         except BaseException as error:  # noqa: BLE001 - a method's sys.exit is its failure, never the host's exit
-            said = one_line(plugins.contained(error))
-            raise RuntimeError(f"attribution method {method.name!r} raised {type(error).__name__}: {said}") from error
+            said = typed(plugins.contained(error))
+            raise RuntimeError(f"attribution method {method.name!r} raised {said}") from error
         if not (isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == given.logat.shape):
             raise ValueError(f"attribution method {method.name!r} returned "
                              f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}: "

@@ -23,7 +23,7 @@ import threading
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from ..arch import plugins
-from ..arch.text import one_line
+from ..arch.text import typed
 from .steps import GenerationCall, Step
 
 __all__ = ["ENTRY_POINT_GROUP", "RecordSink", "kind_name", "make_sink", "register_sink", "sink_factory"]
@@ -180,8 +180,8 @@ def make_sink(spec: Any, **options: Any) -> RecordSink:
     except Exception:
         raise  # the kind's own refusal (a bad ARG, a missing extra), as it said it
     except BaseException as error:  # noqa: BLE001 - a factory's sys.exit is its failure, never the host's exit
-        said = one_line(plugins.contained(error))
-        raise ValueError(f"sink {spec!r}: its factory raised {type(error).__name__} ({said}) instead of returning a "
+        said = typed(plugins.contained(error), aside=True)
+        raise ValueError(f"sink {spec!r}: its factory raised {said} instead of returning a "
                          "sink: fix or uninstall the package of that sink kind, or give another sink") from error
     if not isinstance(sink, RecordSink):
         raise ValueError(f"sink {spec!r}: its factory returned {type(sink).__name__}, which lacks write_call, "

@@ -453,16 +453,20 @@ class _UnprintableExit(SystemExit):
         raise ValueError("no text")
 
 
-def test_a_method_whose_exit_cannot_be_printed_is_said_in_one_line():
-    """The call's reason says ``<unprintable TYPE>`` for the exit's message (making it raised ValueError('no text')
-    where the method's failure is said) and the forward's logits are the unattached model's."""
+@pytest.mark.parametrize("error, told", [
+    (_UnprintableExit(), "_UnprintableExit: <unprintable _UnprintableExit>"),  # making it raised ValueError('no text')
+    (SystemExit(), "SystemExit"),  # a bare sys.exit(): it read 'SystemExit: SystemExit', the type as the message
+], ids=["unprintable", "no-message"])
+def test_a_method_whose_exit_cannot_be_printed_or_has_no_message_is_said_in_one_line(error, told):
+    """The call's reason says ``<unprintable TYPE>`` for an exit's message that cannot be made, the type alone for
+    none, where the method's failure is said; the forward's logits are the unattached model's."""
     model, ids = tiny.generating_llama(), torch.tensor([[3, 4, 5, 6, 7, 8]])
     with torch.no_grad():
         plain_logits = model(input_ids=ids).logits
-        with nxl.attach(model, methods=[Exits(_UnprintableExit())]) as probe:
+        with nxl.attach(model, methods=[Exits(error)]) as probe:
             assert torch.equal(model(input_ids=ids).logits, plain_logits)
             said = str(probe.peek())
-    assert said == "attribution method 'test_exits' raised _UnprintableExit: <unprintable _UnprintableExit>"
+    assert said == f"attribution method 'test_exits' raised {told}"
 
 
 def _install_doubled(tmp_path, monkeypatch):

@@ -236,19 +236,22 @@ class _UnprintableExit(SystemExit):
         raise ValueError("no text")
 
 
-def test_a_sink_factory_whose_exit_cannot_be_printed_is_refused_in_one_line(chat):
-    """The refusal says ``<unprintable TYPE>`` for the exit's message (making it raised ValueError('no text') into
-    the user's attach instead of the refusal)."""
+@pytest.mark.parametrize("error, told", [
+    (_UnprintableExit(), "_UnprintableExit (<unprintable _UnprintableExit>)"),  # it raised ValueError('no text')
+    (SystemExit(), "SystemExit"),  # a bare sys.exit(): it read 'SystemExit (SystemExit)', the type as the message
+], ids=["unprintable", "no-message"])
+def test_a_sink_factory_whose_exit_cannot_be_printed_or_has_no_message_is_refused_in_one_line(chat, error, told):
+    """The refusal says ``<unprintable TYPE>`` for an exit's message that cannot be made, the type alone for none,
+    into the user's attach."""
     _, model, _ = chat
 
     def exits(arg, **options):
-        raise _UnprintableExit()
+        raise error
 
-    nxl.register_sink("unprintablesink", exits)
+    nxl.register_sink("exitingsink", exits)
     with pytest.raises(ValueError) as refused:
-        nxl.attach(model, sink="unprintablesink:x")
-    assert str(refused.value).startswith("sink 'unprintablesink:x': its factory raised _UnprintableExit "
-                                         "(<unprintable _UnprintableExit>) instead of returning a sink")
+        nxl.attach(model, sink="exitingsink:x")
+    assert str(refused.value).startswith(f"sink 'exitingsink:x': its factory raised {told} instead of returning a sink")
     assert nxl.detach_all(model) == 0
 
 

@@ -231,6 +231,20 @@ def test_an_example_whose_error_cannot_be_printed_is_recorded_and_the_run_goes_o
     assert [record.get("n") for record in records] == [0, None, 2]
 
 
+def test_an_example_whose_error_has_no_message_is_recorded_by_its_type_once(tmp_path):
+    """A message-less error (``KeyError()``, a blank message) read ``KeyError: KeyError``: one_line gives the type's
+    name for no message, which the record then put after the type again."""
+    def score(example):
+        if example["n"] == 1:
+            raise KeyError()
+        if example["n"] == 2:
+            raise ValueError("  ")
+        return {"n": example["n"]}
+
+    records = run_dataset([{"id": f"e{n}", "n": n} for n in range(3)], score, tmp_path, settings={})
+    assert [record.get("error") for record in records] == [None, "KeyError", "ValueError"]
+
+
 def test_evaluate_command_writes_records_summary_and_report(models, tmp_path):
     methods = "random,normxlogit,logat"
     assert (

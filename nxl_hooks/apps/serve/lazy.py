@@ -41,9 +41,25 @@ def _call(target: str, module: ModuleType) -> None:
     except Exception as error:  # noqa: BLE001 - the program's import must go on
         import logging
 
-        text = " ".join(str(error).split()) or type(error).__name__
-        logging.getLogger("nxl_hooks").warning("nxl_hooks: could not hook %s (%s: %s); the program runs unrecorded",
-                                               module.__name__, type(error).__name__, text)
+        logging.getLogger("nxl_hooks").warning("nxl_hooks: could not hook %s (%s); the program runs unrecorded",
+                                               module.__name__, _typed(error))
+
+
+def _typed(error: Exception) -> str:
+    """arch/text.py's rule for a foreign failure, that file loaded by path as the bootstrap loads this one (the
+    package may be what failed to import, and importing it imports torch); its type alone should that fail too."""
+    import importlib.util
+    import os
+
+    try:
+        path = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "arch",
+                            "text.py")
+        spec = importlib.util.spec_from_file_location("_nxl_hooks_text", path)
+        text = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(text)
+        return text.typed(error)
+    except Exception:  # noqa: BLE001 - never into the program's import
+        return type(error).__name__
 
 
 class _PostImportFinder:
