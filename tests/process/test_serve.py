@@ -759,13 +759,33 @@ def test_a_program_whose_environment_lacks_nxl_hooks_is_lent_nxl_hooks_alone(tin
                                            torch.ones(1, step.position, dtype=torch.bool))
         torch.testing.assert_close(step.normxlogit, normxlogit(logits, embeddings, step.token)[1][call.layers],
                                    rtol=1e-4, atol=1e-4)
-    env.pop("PYTHONPATH")  # the program's environment lacks torch too: unchanged, unrecorded, said once
+    only_transformers = tmp_path / "only-transformers"  # a model would load here, but nxl_hooks lacks torch
+    only_transformers.mkdir()
+    (only_transformers / "transformers").symlink_to(program_env / "transformers")
+    env["PYTHONPATH"] = str(only_transformers)  # unchanged, unrecorded, said once
     bare = subprocess.run([*nxl_cmd, "run", "--", python, "-c", code], capture_output=True, text=True,
                           timeout=120, env=env, cwd=tmp_path)
     assert bare.returncode == 0 and json.loads(bare.stdout.split("FACTS ", 1)[1]) == {"only": False}, bare.stderr
     said = [line for line in bare.stderr.splitlines() if line.startswith("nxl_hooks:")]
     assert len(said) == 1 and "lacks torch" in said[0] and f"install nxl_hooks into that environment ({python} -m " \
         "pip install " in said[0], bare.stderr
+
+
+def test_a_python_without_transformers_under_nxl_run_is_told_nothing(tmp_path):
+    """Every Python the program starts inherits the bootstrap (PYTHONPATH): a helper (``python -c 'print(42)'``) or
+    build tool whose environment lacks nxl_hooks and transformers loads no model, so nothing is lost: it wrote the
+    'not recording: ... lacks torch, transformers' line into the program's stderr."""
+    python = getattr(sys, "_base_executable", sys.executable)  # no nxl_hooks, no transformers of its own
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    assert subprocess.run([python, "-c", "import transformers"], capture_output=True, env=env).returncode != 0
+    program = (f"import subprocess; helper = subprocess.run([{python!r}, '-c', 'print(42)'], capture_output=True, "
+               "text=True); print(repr(helper.stdout), repr(helper.stderr))")
+    nxl_cmd = [sys.executable, "-c", f"import sys; sys.path.insert(0, {str(Path(nxl.__file__).parents[1])!r}); "
+                                     "from nxl_hooks.apps.cli import main; sys.exit(main())"]  # nxl_hooks for nxl alone
+    done = subprocess.run([*nxl_cmd, "run", "--", python, "-c", program], capture_output=True, text=True, timeout=60,
+                          env={**env, **SERVE_ENV}, cwd=tmp_path)
+    assert done.returncode == 0 and done.stdout.strip() == "'42\\n' ''", (done.stdout, done.stderr)
+    assert "nxl_hooks" not in done.stderr, done.stderr
 
 
 def test_settings_round_trip_through_the_environment(tmp_path):

@@ -21,8 +21,9 @@ __all__ = ["BASE", "ROOT", "install_line", "reach", "refusal", "source"]
 
 #: The folder that holds the nxl_hooks package: a site-packages, or the checkout it runs from.
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-#: pyproject.toml's dependencies, as imported (tomli only below 3.11), without which nxl_hooks does not import.
-BASE = ("torch", "transformers", "safetensors", "rich", *(("tomli",) if sys.version_info < (3, 11) else ()))
+#: pyproject.toml's dependencies, as imported (tomli only below 3.11), without which nxl_hooks does not record; not
+#: rich, which only the command line's printing imports.
+BASE = ("torch", "transformers", "safetensors", *(("tomli",) if sys.version_info < (3, 11) else ()))
 _PLACEHOLDER = "/path/to/nxl_hooks-checkout-or-wheel"
 
 

@@ -8,7 +8,8 @@ passes each request's X-Request-ID to the probe. Settings come from the ``NXL_*`
 ``nxl run`` sets (:mod:`nxl_hooks.apps.serve.settings`); without ``NXL_RUN_DIR`` this file does nothing but chain.
 Then it imports the ``sitecustomize`` it shadows, if there is one. Nothing here raises into the program. A program
 whose own environment has no nxl_hooks (another interpreter than nxl's) is lent nxl_hooks alone, never the rest of
-nxl's environment (:mod:`nxl_hooks.apps.serve.installed`), or, lacking what nxl_hooks needs, told so in one line.
+nxl's environment (:mod:`nxl_hooks.apps.serve.installed`), or, lacking what nxl_hooks needs, told so in one line;
+one without transformers, which loads no model, runs untouched and is told nothing.
 """
 
 import os
@@ -39,6 +40,8 @@ def _install():
     import importlib.util
 
     if importlib.util.find_spec("nxl_hooks") is None:  # another environment than nxl's: lend nxl_hooks alone
+        if importlib.util.find_spec("transformers") is None:
+            return  # no model loads here (every child Python inherits PYTHONPATH: build tools, helpers): nothing lost
         installed = _load("installed")
         refusal = installed.refusal(sys.executable)
         if refusal is not None:
