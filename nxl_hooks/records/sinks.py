@@ -94,13 +94,19 @@ def _kind(name: str) -> Factory | None:
 _BUILTIN = ("file", "folder", "parquet")
 
 
-def _builtin(name: str) -> Factory:
+#: The module a built-in kind needs where its sink is made (its extra's), for a front end whose sinks are made in
+#: another interpreter (nxl run's program, nxl attach's target) to ask there.
+NEEDS = {"parquet": "pyarrow.parquet"}
+
+
+def _builtin(name: str, here: bool = True) -> Factory:
     # imported here: the Parquet exporter needs pyarrow only when it is used; checked here, where every front end
     # validates a spec (sink_factory), so a missing extra is refused before anything starts, not per model later
     if name == "parquet":
         from .parquet import ParquetSink, pyarrow_module
 
-        pyarrow_module()
+        if here:
+            pyarrow_module()
         return ParquetSink
     from .writer import RotatingSink, Sink
 
@@ -139,14 +145,16 @@ def _check_path(spec: str) -> None:
                      f"registered kind as KIND:ARG (known: {known})")
 
 
-def sink_factory(spec: Any) -> tuple[Factory, str] | None:
+def sink_factory(spec: Any, *, here: bool = True) -> tuple[Factory, str] | None:
     """The factory and argument ``make_sink(spec)`` would use (None: ``spec`` already is a sink), without making
-    the sink: for checking a value before any file is opened. ValueError for a spec that names no sink."""
+    the sink: for checking a value before any file is opened. ValueError for a spec that names no sink; an
+    ImportError naming the extra a built-in kind lacks in this process, unless ``here`` is False (the sink is made
+    in another interpreter, which the caller asks for :data:`NEEDS`)."""
     if isinstance(spec, RecordSink):
         return None
     name = kind_name(spec)
     if name is not None:
-        return _kind(name) or _builtin(name), spec.partition(":")[2]
+        return _kind(name) or _builtin(name, here), spec.partition(":")[2]
     if isinstance(spec, (str, os.PathLike)):
         path = os.fspath(spec)
         if not path:

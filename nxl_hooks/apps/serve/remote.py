@@ -26,6 +26,7 @@ from ...hooks.generate import EAGER
 from ...hooks.guard import one_line
 from ...hooks.plan import model_name
 from ...hooks.probe import count_hooks
+from ...records.sinks import sink_factory
 from .controller import Controller, start, stop
 from .lazy import HOOKS
 from .settings import Settings
@@ -81,6 +82,11 @@ def _scan() -> list[tuple[Any, str]]:
 def _attach(env: dict[str, str], wait: float, wanted: Callable[[], bool]) -> dict:
     global _ATTACHED
     settings = Settings.from_env(env)
+    try:
+        if settings.sink_spec:
+            sink_factory(settings.sink_spec)
+    except ImportError as error:  # the sink kind's extra, missing here where the sink is made: nxl attach says it
+        return {"ok": False, "code": "missing-extra", "module": error.name, "error": one_line(error)}
     found = live_models(wait, settings.selects)
     if not wanted():
         return {"ok": False, "code": "withdrawn", "error": "nxl attach gave up on the request: nothing attached"}
