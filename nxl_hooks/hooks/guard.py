@@ -65,10 +65,8 @@ def described(error: BaseException) -> str:
 
 def reason(what: str, error: BaseException) -> str:
     """Log ``error`` (raised while ``what``) as one line and return the text kept with the call."""
-    text = one_line(error)
-    logger.warning("nxl_hooks: %s not recorded (%s: %s); the model's own call is unaffected",
-                   what, type(error).__name__, text)
-    return text
+    logger.warning("nxl_hooks: %s not recorded (%s); the model's own call is unaffected", what, typed(error))
+    return one_line(error)
 
 
 class Notice:

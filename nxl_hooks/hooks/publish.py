@@ -113,7 +113,7 @@ def on_host(steps: list[Step], texts: Texts | None = None) -> list[Step]:
     their device tensors (each holds views of them): each device storage crosses once (:func:`host_copies`). On the
     host, a record's scores, embedding norms and mask that read a small part of what they share (the batch's
     longest context, every step's rows) become copies of their own, so that a record kept holds its own bytes, not
-    its batch's. ``on_host(steps, plan.readable)``"""
+    its batch's. ``on_host(steps, plan.texts)``"""
     places: list[tuple[dict, str, bool]] = []  # (where a tensor sits, its key, whether it grows with the context)
     for step in steps:
         fields = vars(step)
@@ -376,7 +376,7 @@ class Hub:
         then what making them raises, or the callback, is the caller's; made here too once the batches waiting to be
         made there keep :data:`UNSCORED_BYTES`. RuntimeError when the publisher would be more than :data:`QUEUE`
         records behind: that call stops being recorded.
-        ``hub.publish(call, batch, plan.readable)``"""
+        ``hub.publish(call, batch, plan.texts)``"""
         if self._on_step is not None:
             # each record handed on just before the callback gets it: one that raises (the call's records stop
             # there) leaves its call with the records it was handed, its own the last, as one per batch would

@@ -185,6 +185,17 @@ def test_a_broken_engine_is_left_out_with_one_line_and_attach_works(toy, model, 
     assert "'broken'" in record.getMessage() and "not installed" in record.getMessage()
 
 
+def test_an_engine_that_exits_without_a_message_is_said_by_its_type_once(toy, model, caplog):
+    """A bare ``sys.exit()`` in an engine's factory: the log line names SystemExit once (it read 'SystemExit:
+    SystemExit', the type given again as the message), and the model is recorded all the same."""
+    engines.register_engine("exits", sys.exit)
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"), nxl.attach(model, layers="last") as probe:
+        model(input_ids=torch.tensor([[5, 6, 7]]))
+    assert probe.result().normxlogit.shape == (1, 1, 3)
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "nxl_hooks"]
+    assert "engine 'exits' not recorded (SystemExit);" in line and line.count("SystemExit") == 1
+
+
 def test_nxl_run_finds_an_engine_through_its_entry_point(tmp_path):
     """The engine's package is only on PYTHONPATH, declared by a *.dist-info/entry_points.txt: nothing in nxl_hooks
     names it."""

@@ -41,7 +41,7 @@ from typing import Any, NamedTuple
 from ...arch.registry import HeadKind
 from ...method.subject import Subject, unwrap
 from ...hooks.generate import REQUEST_ID
-from ...hooks.guard import one_line, reason
+from ...hooks.guard import one_line, reason, typed
 from ...hooks.plan import TokenTexts, make_plan, token_texts, tokenizer_mismatch
 from ...hooks.probe import Probe, attach, count_hooks
 from ...hooks.recorder import traced
@@ -606,8 +606,8 @@ class Controller:
             self.endpoint.start()
         except Exception as error:  # noqa: BLE001 - recording goes on without a live readout
             self.endpoint = None
-            _log.warning("nxl_hooks: no control endpoint in process %d (%s: %s); records are kept all the same",
-                         os.getpid(), type(error).__name__, one_line(error))
+            _log.warning("nxl_hooks: no control endpoint in process %d (%s); records are kept all the same",
+                         os.getpid(), typed(error))
 
     def after_fork(self) -> None:
         """In a child the program forked: fresh locks, and an endpoint of its own once it loads a model (the

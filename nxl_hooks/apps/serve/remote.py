@@ -23,7 +23,7 @@ import time
 from typing import Any, Callable
 
 from ...hooks.generate import EAGER
-from ...hooks.guard import one_line
+from ...hooks.guard import one_line, typed
 from ...hooks.plan import model_name
 from ...hooks.probe import count_hooks
 from ...records.sinks import sink_factory
@@ -50,7 +50,7 @@ def handle(request: dict, wanted: Callable[[], bool] = lambda: True) -> dict:
                 return _detach()
             return _attach(request.get("env", {}), float(request.get("wait", 0)), wanted)
     except Exception as error:  # noqa: BLE001 - said to nxl attach, never raised in the target
-        return {"ok": False, "code": "failed", "error": f"{type(error).__name__}: {one_line(error)}"}
+        return {"ok": False, "code": "failed", "error": typed(error)}
 
 
 def live_models(wait: float = 0.0, selects: Any = None) -> list[tuple[Any, str]]:

@@ -76,7 +76,7 @@ from torch import nn
 
 from ..conventions import CONTINUOUS_BATCHING, continuous_batching_classes
 from ..generate import EAGER, MAKE_EAGER, Generations, Run, eager
-from ..guard import logger, one_line, reason
+from ..guard import logger, one_line, reason, typed
 from ..recording import NOT_RECORDED
 from .prefixes import Rows, SharedPrefixes
 from .transformers_cb_step import _abandon, _local, _Packed, _Segment, _Taps, logits_kept
@@ -536,7 +536,7 @@ class ContinuousBatching:
                     self._shared.keep(_tokens(state), rows)
         except Exception as error:  # noqa: BLE001 - its own records are whole; a later request may miss its prefix
             logger.warning("nxl_hooks: an ended request's features were not kept for the requests that may reuse "
-                           "its prefix (%s: %s)", type(error).__name__, one_line(error))
+                           "its prefix (%s)", typed(error))
 
     def _begin(self, processor: Any, state: Any, first: int) -> Run | None:
         """A run for a request seen for the first time, its forwards starting at ``first`` (its positions before,
