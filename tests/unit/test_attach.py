@@ -210,7 +210,7 @@ def _host_run(model, path: str):
 @pytest.mark.parametrize("site", ["plan", "head"])
 @pytest.mark.parametrize("path", ["forward", "generate", "pipeline", "batching"])
 def test_an_internal_failure_never_reaches_the_host(model, path, site, monkeypatch, caplog):
-    from nxl_hooks.hooks.plan import Plan
+    from nxl_hooks.hooks.plan import Scoring
     from nxl_hooks.method.head import Head, Readout
 
     model.generation_config.pad_token_id = 0
@@ -219,8 +219,8 @@ def test_an_internal_failure_never_reaches_the_host(model, path, site, monkeypat
     def planted(*args, **kwargs):
         raise _Planted("planted failure")
 
-    if site == "plan":  # every path turns LogAt into NormXLogit here
-        monkeypatch.setattr(Plan, "scores", planted)
+    if site == "plan":  # every path turns LogAt into NormXLogit here (Plan.scores, and the record pipeline's batches)
+        monkeypatch.setattr(Scoring, "scores", planted)
     else:  # the head: its gathered readout for a forward, its features for generation steps
         monkeypatch.setattr(*(Readout, "explain") if path == "forward" else (Head, "features"), planted)
     with caplog.at_level(logging.WARNING, logger="nxl_hooks"), nxl.attach(model) as probe:
