@@ -291,10 +291,16 @@ class _Listener:
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        # socketserver.ThreadingMixIn's, with the slot given back before the connection closes: a client that read
+        # its answer to the end (the close) and asks again at once finds its slot free, so a stream refused, or a
+        # status just answered, never holds one of the connections kept for status and nxl ctl past its close
         try:
-            super().process_request_thread(request, client_address)
+            self.finish_request(request, client_address)
+        except Exception:  # noqa: BLE001 - as socketserver: said by handle_error, the listener goes on
+            self.handle_error(request, client_address)
         finally:
             self.slots.release()
+            self.shutdown_request(request)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         error = sys.exc_info()[1]
