@@ -114,12 +114,18 @@ def script_python(command: str) -> list[str]:
     return interpreter if interpreter and "python" in os.path.basename(interpreter[0]) else []
 
 
+def _runs_python(program: list[str]) -> bool:
+    """Whether ``program``'s command is a Python interpreter (``python``, ``python3.11``, ``python3.13t``), by the
+    name nxl attach knows one by."""
+    from ..serve.inject import _PYTHON
+
+    return bool(_PYTHON.match(os.path.basename(program[0])))
+
+
 def program_python(program: list[str]) -> str | None:
     """The Python interpreter ``program`` runs in: its command when that is a ``python``, else the one its script
     starts (:func:`script_python`); None when neither tells."""
-    from ..serve.inject import _PYTHON
-
-    if _PYTHON.match(os.path.basename(program[0])):
+    if _runs_python(program):
         return shutil.which(program[0])
     return next(iter(script_python(program[0])), None)
 
@@ -173,9 +179,7 @@ def unbooted_flag(program: list[str]) -> str | None:
     """Why ``program`` (a ``python`` command) would run without the bootstrap, recording nothing and saying nothing:
     one of the :data:`_UNBOOTED` flags among the interpreter's own (``-I``, ``-Iu``, ``-B -E``, before the script,
     ``-m`` or ``-c``); None for any other command."""
-    from ..serve.inject import _PYTHON
-
-    if not _PYTHON.match(os.path.basename(program[0])):
+    if not _runs_python(program):
         return None
     words = iter(program[1:])
     for word in words:
