@@ -101,6 +101,12 @@ class _RmsFold:
         weight = self.module.weight.detach()
         return weight + self.offset if self.offset else weight
 
+    def holds(self, hidden: torch.Tensor) -> bool:
+        """Whether folding still computes what the norm does for ``hidden``: checked (:meth:`of`) in float32, it
+        stops holding once the model is cast to 16 bits while attached, where the norm rounds its output before the
+        head multiplies and the fold would multiply in 16 bits first and apply the float32 scale after."""
+        return hidden.dtype == torch.float32 and self.module.weight.dtype == torch.float32
+
     def scale(self, hidden: torch.Tensor) -> torch.Tensor:
         """rsqrt(mean(h²) + eps) per position: (..., 1)."""
         norm = row_norms(hidden, keepdim=True)
@@ -371,11 +377,13 @@ class Readout:
 
     def explain(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """HoT outputs for ``targets`` from a layer's hidden states (rows, seq, d): the folded norm where there is
-        one, else :meth:`target_logits` of the head's features. float32 (rows, seq, k).
+        one (while it :meth:`~_RmsFold.holds`), else :meth:`target_logits` of the head's features. float32
+        (rows, seq, k).
 
         Not folded under autocast: the model rounds its normed features to 16 bits and then multiplies, where the
         fold would multiply in 16 bits first and apply the float32 scale after, missing its logits by a rounding."""
-        if self._head._fold is not None and not torch.is_autocast_enabled(hidden.device.type):
+        fold = self._head._fold
+        if fold is not None and fold.holds(hidden) and not torch.is_autocast_enabled(hidden.device.type):
             return self._gathered(hidden, targets, folded=True)
         return self.target_logits(self._head.features(hidden), targets)
 
