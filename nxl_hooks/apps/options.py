@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..method import select
-from ..method.registry import get_method
+from ..method.registry import builtin_names, get_method
 from ..records.files import not_a_folder, unwritable
 from ..records.tokens import printable
 from .loading_options import HEAD_CLASSES, Loading, read_max_memory
@@ -181,8 +181,8 @@ parse_method = argument_type(lambda value: get_method(value).name)
 def add_method_option(parser: argparse.ArgumentParser) -> None:
     """--method: which attribution method ranks tokens (any registered one; the probe computes it)."""
     parser.add_argument("--method", type=parse_method, default="normxlogit", metavar="NAME",
-                        help="the attribution method that scores and ranks tokens: normxlogit (default), logat, "
-                        "contrastive, or one registered in code or through the nxl_hooks.methods entry points")
+                        help=f"the attribution method that scores and ranks tokens: {', '.join(builtin_names())} "
+                        "(default normxlogit), or one registered in code or through the nxl_hooks.methods entry points")
 
 
 #: ``--max-memory 0=10GiB,cpu=30GiB`` -> ``{0: "10GiB", "cpu": "30GiB"}`` (accelerate's max_memory): argparse type.

@@ -48,7 +48,7 @@ from ..hooks.probe import attach
 from ..method.chat import locate_template
 from ..method.placement import input_device
 from ..method.protocol import Method
-from ..method.registry import get_method, method_names
+from ..method.registry import builtin_names, get_method, method_names
 from ..method.scores import flat_norms, norm_spread
 from ..method.select import (check_length, layer_index, order, pad_token_id, position_limit, prediction_rows,
                              rankable, resolve_layers, resolve_target)
@@ -77,9 +77,10 @@ __all__ = [
 SCHEMA = "nxl_hooks.eval/1"
 #: Fractions of the non-pad length perturbed: int(n * K) tokens.
 DEFAULT_KS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-#: The built-in methods: "contrastive" is NormXLogit[target] - NormXLogit[foil] (a variant beyond the paper);
-#: :func:`available_methods` adds every registered attribution method.
-METHODS = ("random", "embed_norm", "logat", "normxlogit", "contrastive", *GRADIENT_METHODS)
+#: The built-in methods: the baselines and every built-in attribution method (a new file in
+#: nxl_hooks.method.methods is one here too, with no edit); "contrastive" is NormXLogit[target] - NormXLogit[foil]
+#: (a variant beyond the paper). :func:`available_methods` adds every registered attribution method.
+METHODS = ("random", "embed_norm", *builtin_names(), *GRADIENT_METHODS)
 #: What runs unless asked otherwise: every method but Integrated Gradients, whose 50 forward and backward passes
 #: cost more than all the others together (on SmolLM2-135M, CPU: 3.4 s per example with it, 1.5 s without).
 DEFAULT_METHODS = tuple(m for m in METHODS if m != "integrated_gradients")

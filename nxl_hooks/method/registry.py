@@ -25,8 +25,8 @@ from ..arch import plugins
 from . import methods as _builtin_package
 from .protocol import Method, check_name
 
-__all__ = ["DEFAULT", "ENTRY_POINT_GROUP", "Method", "get_method", "load_plugin", "method_names", "register_method",
-           "resolve_methods"]
+__all__ = ["DEFAULT", "ENTRY_POINT_GROUP", "Method", "builtin_names", "get_method", "load_plugin", "method_names",
+           "register_method", "resolve_methods"]
 
 #: The entry-point group through which installed distributions register methods.
 ENTRY_POINT_GROUP = plugins.METHODS
@@ -44,6 +44,7 @@ _METHODS: dict[str, Method] = {}
 _INSTALLED: set[str] = set()  # names whose method came from a plugin: code registering one replaces it
 _lock = threading.RLock()
 _loaded = False  # built-ins imported
+_BUILTIN: tuple[str, ...] = ()  # their names, DEFAULT first
 
 
 def _instance(method: Any) -> Method:
@@ -95,14 +96,25 @@ def _read_plugins() -> None:
 
 
 def _builtins() -> None:
-    global _loaded
+    global _loaded, _BUILTIN
     if _loaded:
         return
     _loaded = True
     found = [importlib.import_module(f"{_builtin_package.__name__}.{module.name}").METHOD
              for module in pkgutil.iter_modules(_builtin_package.__path__)]
-    for method in sorted(found, key=lambda m: DEFAULT.index(m.name) if m.name in DEFAULT else len(DEFAULT)):
+    found.sort(key=lambda m: DEFAULT.index(m.name) if m.name in DEFAULT else len(DEFAULT))
+    _BUILTIN = tuple(method.name for method in found)
+    for method in found:
         _METHODS.setdefault(method.name, _instance(method))
+
+
+def builtin_names() -> tuple[str, ...]:
+    """The built-in methods' names, :data:`DEFAULT` first: one per module of :mod:`nxl_hooks.method.methods`, so
+    that a new method file is all it takes for every list of them (``nxl evaluate``'s default, ``--method``'s help).
+    ``builtin_names()`` -> ``("normxlogit", "logat", "contrastive")``"""
+    with _lock:
+        _builtins()
+        return _BUILTIN
 
 
 def get_method(name: str | Method) -> Method:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import logging
 import os
 import re
+import subprocess
+import sys
 import threading
 
 import pytest
@@ -541,6 +543,26 @@ def test_evaluation_scores_a_method_from_a_test_file(lm):
     torch.testing.assert_close(torch.tensor(mine["scores"]), -logat[-1], atol=1e-5, rtol=1e-4)
     with pytest.raises(ValueError, match="unknown method"):
         ev.score_example(model, tok, {"text": TEXT}, methods=["no_such_method"])
+
+
+def test_a_new_built_in_method_file_is_in_evaluates_default_and_the_method_help(tmp_path):
+    """A built-in method is one file in nxl_hooks/method/methods (docs/methods.md): no other list to edit. Run in a
+    child process, whose package path gets the file before anything lists the methods."""
+    (tmp_path / "test_positive.py").write_text(
+        "class Positive:\n"
+        "    name, description, pointwise = 'test_positive', 'max(LogAt, 0)', True\n"
+        "    def score(self, given):\n"
+        "        return given.logat.clamp(min=0)\n"
+        "METHOD = Positive()\n")
+    script = (f"import nxl_hooks.method.methods as methods; methods.__path__.append({str(tmp_path)!r})\n"
+              "from nxl_hooks.eval import faithfulness as ev\n"
+              "from nxl_hooks.apps.cli import build_parser\n"
+              "print('default:', ' '.join(ev.DEFAULT_METHODS))\n"
+              "build_parser().parse_args(['attribute', '--help'])\n")  # prints the help, exits 0
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    default = next(line for line in done.stdout.splitlines() if line.startswith("default:")).split()[1:]
+    assert "test_positive" in default and "integrated_gradients" not in default
+    assert re.search(r"scores and ranks tokens:[^.]*\btest_positive\b", " ".join(done.stdout.split()))
 
 
 def test_contrastive_adds_no_host_read_per_generated_token():
