@@ -32,7 +32,8 @@ __all__ = ["DEFAULT", "ENTRY_POINT_GROUP", "Method", "builtin_names", "get_metho
 ENTRY_POINT_GROUP = plugins.METHODS
 #: What every probe computes (at no cost beyond the target logits it needs anyway), in this order.
 DEFAULT = ("normxlogit", "logat")
-#: Names a method cannot take: the fields and Parquet columns its scores sit beside, and evaluation's baselines.
+#: Names a method cannot take: the fields and Parquet columns its scores sit beside, and evaluation's baselines
+#: (written here, as this layer imports neither; tests/oracle/test_methods.py checks that they cover both).
 RESERVED = frozenset({
     "request_id", "call", "row", "step", "emitted_position", "emitted_id", "emitted_text", "active", "layer",
     "position", "token_id", "token_text", "target_index", "target_id", "target_text", "probability", "embed_norm",

@@ -382,6 +382,17 @@ def test_contrastive_with_a_fixed_foil_on_a_regression_head_is_the_documented_ga
                                atol=1e-5, rtol=1e-4)
 
 
+def test_the_reserved_names_cover_every_parquet_column_and_evaluations_own_methods():
+    """method.registry.RESERVED is written by hand (the method layer imports neither records' Parquet schema nor
+    eval): a column or an evaluation baseline added there must be reserved too, or a method could take its name."""
+    from nxl_hooks.eval import faithfulness as ev
+    from nxl_hooks.records import parquet
+
+    columns = {field.name for field in parquet.schema()} - set(registry.DEFAULT)  # the default methods' own columns
+    baselines = set(ev.METHODS) - set(registry.builtin_names())
+    assert not (columns | baselines) - registry.RESERVED, sorted((columns | baselines) - registry.RESERVED)
+
+
 def test_a_method_with_a_wrong_shape_is_refused_with_its_name(lm, caplog):
     model, tok = lm
 
