@@ -240,14 +240,14 @@ def _generation_line(res: Attribution, step: Step, layer: int, top: int, width: 
     return line
 
 
-def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, layers: Any = "all", top: int = 3,
-                     embedding: str = "layer_input", console: Any = None, sink: str | Path | None = None,
-                     chat: bool = False, all_positions: bool = False, method: str = "normxlogit") -> GenerationCall:
+def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, top: int = 3, console: Any = None,
+                     sink: str | Path | None = None, chat: bool = False, all_positions: bool = False,
+                     method: str = "normxlogit", **options: Any) -> GenerationCall:
     """Generate greedily after ``text`` and print each token's attribution as soon as it is emitted: the view of
     ``nxl attribute MODEL TEXT --generate N``. One line per token, fitted to the console: the step, the token, the
     model's probability of it, and the ``top`` context tokens by signed NormXLogit at the last selected layer
-    (all selected layers are recorded: ``sink`` / the returned call). ``embedding`` goes to
-    :func:`nxl_hooks.attach`; ``chat`` wraps ``text`` in the tokenizer's chat template, whose markers and system
+    (all selected layers are recorded: ``sink`` / the returned call). ``options`` (``layers``, ``embedding``, ...) go
+    to :func:`nxl_hooks.attach`; ``chat`` wraps ``text`` in the tokenizer's chat template, whose markers and system
     prompt then do not rank unless ``all_positions``; ``method``: the attribution method that ranks (computed beside
     NormXLogit and LogAt). The last line says why generation stopped.
 
@@ -288,8 +288,7 @@ def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, 
         names.append(step.readable[0])  # attached with the tokenizer: every step has its text
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    with attach(model, layers=layers, tokenizer=tokenizer, embedding=embedding, on_step=show, sink=sink,
-                methods=[method]) as probe:
+    with attach(model, tokenizer=tokenizer, on_step=show, sink=sink, methods=[method], **options) as probe:
         if probe.kind is not HeadKind.CAUSAL_LM:
             raise ValueError(f"generating needs a causal LM; {type(probe.model).__name__} is a {probe.kind} model")
         model.generate(**enc, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad)

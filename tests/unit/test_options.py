@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import os
 from pathlib import Path
 
@@ -366,6 +367,36 @@ def test_commands_that_attach_take_the_attach_settings_as_declared():
         assert " ".join(option.describe().split()) in text
         assert getattr(left_out, option.dest) == option.default == getattr(Settings(run_dir=Path("r")), option.name)
     assert (given.layers, given.target, given.embedding) == ([0, -1], [" are", 7], "word")
+
+
+@pytest.mark.parametrize("generate", [[], ["--generate", "2"]], ids=["explain", "generate"])
+def test_an_option_declared_in_attach_reaches_attach_from_nxl_attribute(monkeypatch, generate):
+    """One declaration in ATTACH is a flag of nxl attribute and goes on to attach (it was parsed, then dropped)."""
+    import tiny
+    from nxl_hooks.apps import loading, options as option_groups, terminal
+    from nxl_hooks.apps.commands import attribute
+    from nxl_hooks.apps.serve import settings
+
+    explain = importlib.import_module("nxl_hooks.hooks.explain")  # the module (nxl_hooks.hooks.explain: its function)
+    attach_fields = (*ATTACH, "keep_calls")  # a Settings field attach takes, declared as an attach option
+    monkeypatch.setattr(settings, "ATTACH", attach_fields)
+    monkeypatch.setattr(option_groups, "ATTACH", attach_fields)
+    monkeypatch.setattr(loading, "load_model", lambda name, **_: (tiny.build_model("llama"), tiny.tokenizer()))
+    given = {}
+
+    class Given(Exception):
+        pass
+
+    def spy(*_, **options):
+        given.update(options)
+        raise Given  # what goes on to attach is all this test reads: stop before the forward
+
+    monkeypatch.setattr(explain, "explain", spy)
+    monkeypatch.setattr(terminal, "print_generation", spy)
+    args = build_parser().parse_args(["attribute", "m", "the film was good", "--keep-calls", "3", *generate])
+    with pytest.raises(Given):
+        attribute.run(args)
+    assert given["keep_calls"] == 3 and given["layers"] == "all" and given["embedding"] == "layer_input"
 
 
 def _subparser(name: str) -> argparse.ArgumentParser:

@@ -22,6 +22,7 @@ from ..options import (
     loading_options,
     positive_int,
 )
+from ..serve.settings import attach_options
 
 NAME = "attribute"
 
@@ -98,17 +99,15 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     if generate is not None:
         sink = Path(args.out) if args.out else None  # --out is a file path, whatever its name: never a sink kind
-        call = print_generation(model, tokenizer, args.text, generate, layers=args.layers, embedding=args.embedding,
-                                console=console, sink=sink, chat=args.chat, all_positions=args.all_positions,
-                                method=args.method)
+        call = print_generation(model, tokenizer, args.text, generate, console=console, sink=sink, chat=args.chat,
+                                all_positions=args.all_positions, method=args.method, **attach_options(args))
         if args.html:
             write_text(args.html, generation_html(call, title=f"{args.model}: {args.text}", method=args.method,
                                                        all_positions=args.all_positions))
             console.print(Text(f"wrote {args.html}"))  # Text: a path is not rich markup ('x[/b].html')
         # 1: the records are not whole (not recorded, or --out holds only some: a full disk); the last line said why
         return 0 if call.error is None and not call.notes else 1
-    res = explain(model, tokenizer, args.text, layers=args.layers, target=args.target, embedding=args.embedding,
-                  chat=args.chat, methods=[args.method])
+    res = explain(model, tokenizer, args.text, chat=args.chat, methods=[args.method], **attach_options(args))
     for row in range(res.target.shape[0]):  # the words are read as the model's outputs only now
         ids = [info["id"] for info in res.target_info(row)]
         twice = next((i for i, id_ in enumerate(ids) if id_ in ids[:i]), None)

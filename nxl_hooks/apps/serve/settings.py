@@ -34,13 +34,20 @@ from ..loading_options import Loading
 from ..schema import (Option, add_options, markdown_table as group_table, options, read_args, read_env, read_json,
                       setting, switch, switch_text, write_env)
 
-__all__ = ["ATTACH", "CTL", "DEFAULT_KEEP_CALLS", "OPTIONS", "Option", "Settings", "add_run_options", "markdown_table",
-           "matches", "parse_listen", "whole_number"]
+__all__ = ["ATTACH", "CTL", "DEFAULT_KEEP_CALLS", "OPTIONS", "Option", "Settings", "add_run_options", "attach_options",
+           "markdown_table", "matches", "parse_listen", "whole_number"]
 
 DEFAULT_KEEP_CALLS = 16  #: bounded by default: a server runs for weeks
 #: The settings that are :func:`nxl_hooks.attach`'s own options: every command that attaches takes their flags.
 ATTACH = ("layers", "target", "embedding")
 PLUGINS = plugins.SETTING  #: NXL_PLUGINS: the plugin allow-list, which nxl_hooks.arch.plugins reads
+
+
+def attach_options(values: Any) -> dict:
+    """The :data:`ATTACH` options ``values`` holds, by name: a :class:`Settings`, or the parsed arguments of a command
+    that takes their flags. Every one of them goes on to :func:`nxl_hooks.attach`, so that declaring one in ATTACH is
+    all it takes: ``attach_options(args)`` -> ``{"layers": "all", "target": "predicted", ...}``"""
+    return {name: getattr(values, name) for name in ATTACH}
 
 
 def parse_listen(value: str, *, allow_remote: bool = False) -> tuple[str, int]:
@@ -238,7 +245,7 @@ class Settings:
     def attach_options(self) -> dict:
         """What goes to :func:`nxl_hooks.attach` besides the sink (the :data:`ATTACH` fields, and the attribution
         methods computed beside NormXLogit and LogAt)."""
-        return {**{name: getattr(self, name) for name in ATTACH}, "methods": self.methods}
+        return {**attach_options(self), "methods": self.methods}
 
     def to_env(self) -> dict[str, str]:
         """Every setting as its ``NXL_*`` variable (an empty one for an unset ``listen`` / ``load``, so that a
