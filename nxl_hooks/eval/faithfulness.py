@@ -33,7 +33,6 @@ registered in code or through an entry point), grad_norm, grad_x_input, integrat
 
 from __future__ import annotations
 
-import dataclasses
 import numbers
 import time
 import zlib
@@ -47,7 +46,7 @@ from ..arch.registry import HeadKind, blocks, log_probabilities, resolve
 from ..hooks.probe import attach
 from ..method.chat import locate_template
 from ..method.placement import input_device
-from ..method.protocol import Method
+from ..method.protocol import Contrasting, Method
 from ..method.registry import builtin_names, get_method, method_names
 from ..method.scores import flat_norms, norm_spread
 from ..method.select import (check_length, layer_index, order, pad_token_id, position_limit, prediction_rows,
@@ -95,12 +94,12 @@ def available_methods() -> tuple[str, ...]:
 
 
 def _foiled(method: Method, foil: int | None) -> Method | None:
-    """``method`` as one example runs it: a method that contrasts with a foil (a ``foil`` field, as
-    :class:`~nxl_hooks.method.methods.contrastive.Contrastive` has) gets the example's (None: nothing to contrast
-    with, the method is left out); any other as it is."""
-    if not (dataclasses.is_dataclass(method) and "foil" in {f.name for f in dataclasses.fields(method)}):
+    """``method`` as one example runs it: a method that contrasts with a foil
+    (:class:`~nxl_hooks.method.protocol.Contrasting`, as :class:`~nxl_hooks.method.methods.contrastive.Contrastive`
+    is) gets the example's (None: nothing to contrast with, the method is left out); any other as it is."""
+    if not isinstance(method, Contrasting):
         return method
-    return None if foil is None else dataclasses.replace(method, foil=foil)
+    return None if foil is None else method.with_foil(foil)
 
 
 def foil_methods(methods: Sequence[str]) -> list[str]:

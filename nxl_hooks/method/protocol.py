@@ -22,7 +22,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Checked", "Given", "Method", "Pointwise", "check_name"]
+__all__ = ["Checked", "Contrasting", "Given", "Method", "Pointwise", "check_name"]
 
 #: What a method's name may be: it names a record's ``scores`` entry, a stream-file tensor and a Parquet column.
 NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
@@ -94,6 +94,19 @@ class Checked(Method, Protocol):
     when it attaches, so that a setting no head of the model has is refused then, not in every forward."""
 
     def check_outputs(self, n_outputs: int) -> None:
+        ...
+
+
+@runtime_checkable
+class Contrasting(Method, Protocol):
+    """A :class:`Method` that contrasts the target with a foil output: ``with_foil(foil)`` is the method contrasting
+    with the output id ``foil``. An evaluation gives it each example's foil, and leaves it out where there is none
+    (a regression head); whether a method contrasts is what it says here, not how its class is written.
+
+        def with_foil(self, foil): return MyContrast(foil=foil)
+    """
+
+    def with_foil(self, foil: int) -> Method:
         ...
 
 

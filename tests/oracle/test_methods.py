@@ -576,6 +576,31 @@ def test_a_new_built_in_method_file_is_in_evaluates_default_and_the_method_help(
     assert re.search(r"scores and ranks tokens:[^.]*\btest_positive\b", " ".join(done.stdout.split()))
 
 
+def test_evaluation_gives_a_plain_class_that_contrasts_the_examples_foil(lm, monkeypatch):
+    """A method contrasts with a foil by saying so (Contrasting: with_foil), however its class is written: a plain
+    class (no dataclass field named foil) is given each example's foil, and left out of regression runs."""
+    from nxl_hooks.eval import faithfulness as ev
+
+    monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))
+    foils = []
+
+    class PlainFoil(NegLogAt):
+        name = "test_plain_foil"
+
+        def __init__(self, foil=None):
+            self.foil = foil
+
+        def with_foil(self, foil):
+            foils.append(foil)
+            return PlainFoil(foil)
+
+    nxl.register_method(PlainFoil)
+    assert ev.foil_methods(["logat", "test_plain_foil", "contrastive"]) == ["test_plain_foil", "contrastive"]
+    model, tok = lm
+    rec = ev.score_example(model, tok, {"text": TEXT, "foil": 7}, methods=["test_plain_foil"])
+    assert foils[-1] == 7 and "test_plain_foil" in rec["methods"]
+
+
 def test_contrastive_adds_no_host_read_per_generated_token():
     """The contrastive method runs on the hot path with device tensors only: attached with it, generate reads values
     back from the device a constant number of times per call more than plain generate, whatever the tokens."""

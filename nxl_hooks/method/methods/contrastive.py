@@ -10,6 +10,7 @@ multi-label classifier, whose one output is the target; a 2-label classifier ask
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from dataclasses import dataclass
 
@@ -44,6 +45,10 @@ class Contrastive:
         if self.foil is not None and self.foil >= n_outputs:
             raise ValueError(f"Contrastive(foil={self.foil}) is out of range: the head has {n_outputs} outputs "
                              f"(0..{n_outputs - 1})")
+
+    def with_foil(self, foil: int) -> "Contrastive":
+        """(Contrasting) the method with ``foil`` fixed: ``Contrastive().with_foil(7)``."""
+        return dataclasses.replace(self, foil=foil)
 
     def foils(self, given: Given) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(rows, 1) foil ids, on the device of the explained ids, and (rows, 1) True where a row has none (every
