@@ -22,7 +22,7 @@ from ..records.files import not_a_folder, unwritable
 from ..records.tokens import printable
 from .loading_options import HEAD_CLASSES, Loading, read_max_memory
 from .schema import add_options, options
-from .serve.settings import ATTACH, Settings
+from .serve.settings import ATTACH, Settings, positive_number
 
 __all__ = [
     "HEADS",
@@ -129,17 +129,6 @@ def _inside(path: str, folder: str) -> bool:
     return path != folder and os.path.commonpath([path, folder]) == folder
 
 
-def positive_int(value: str) -> int:
-    """An int of at least 1 (``--top-k``, ``--limit``, ``--ig-steps``, ``--generate``)."""
-    try:
-        number = int(value)
-    except ValueError:
-        number = 0
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"{value!r}: give a whole number of at least 1")
-    return number
-
-
 def seconds(value: str, *, least: float = 0.0) -> float:
     """A finite number of seconds of at least ``least`` (``--timeout``, ``--wait``)."""
     try:
@@ -170,6 +159,10 @@ def argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
 
     return read
 
+
+#: An int of at least 1 (``--top-k``, ``--limit``, ``--ig-steps``, ``--generate``): the NXL_SINK_MAX_* rule, as an
+#: argparse type.
+positive_int = argument_type(positive_number)
 
 #: :func:`nxl_hooks.method.select.parse_layers` and ``parse_target`` as argparse types.
 parse_layers = argument_type(select.parse_layers)

@@ -101,6 +101,7 @@ def test_all_flags_at_once_and_defaults_when_left_out():
     ({"NXL_LAYERS": "one,two"}, r"NXL_LAYERS: 'one,two': use 'all', 'last'"),
     ({"NXL_TARGET": "a,,b"}, r"NXL_TARGET: 'a,,b': empty item"),
     ({"NXL_SINK_MAX_FILES": "0"}, r"NXL_SINK_MAX_FILES: '0': give a whole number of at least 1"),
+    ({"NXL_SINK_MAX_FILES": "-2"}, r"NXL_SINK_MAX_FILES: '-2': give a whole number of at least 1"),
     ({"NXL_KEEP_CALLS": "many"}, r"NXL_KEEP_CALLS: 'many': give a whole number"),
     ({"NXL_LOAD": '{"dtype": 1, "head": "x"}'}, r"NXL_LOAD: .*a JSON object of dtype"),
     ({"NXL_LISTEN": "10.0.0.1:80"}, r"not a loopback address"),

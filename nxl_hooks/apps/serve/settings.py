@@ -35,7 +35,7 @@ from ..schema import (Option, add_options, markdown_table as group_table, option
                       setting, switch, switch_text, write_env)
 
 __all__ = ["ATTACH", "CTL", "DEFAULT_KEEP_CALLS", "OPTIONS", "Option", "Settings", "add_run_options", "attach_options",
-           "markdown_table", "matches", "parse_listen", "whole_number"]
+           "markdown_table", "matches", "parse_listen", "positive_number", "whole_number"]
 
 DEFAULT_KEEP_CALLS = 16  #: bounded by default: a server runs for weeks
 #: The settings that are :func:`nxl_hooks.attach`'s own options: every command that attaches takes their flags.
@@ -89,15 +89,20 @@ def whole_number(text: str) -> int:
     return value
 
 
-def _positive(text: str) -> int:
-    value = whole_number(text)
+def positive_number(text: str) -> int:
+    """An int of 1 or more (ValueError otherwise): the NXL_SINK_MAX_* sizes, and ``nxl``'s counts
+    (:data:`nxl_hooks.apps.options.positive_int`)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
     if value < 1:
         raise ValueError(f"{text!r}: give a whole number of at least 1")
     return value
 
 
 def _megabytes(text: str) -> int:
-    return _positive(text) << 20
+    return positive_number(text) << 20
 
 
 def _methods(text: str) -> list[str]:
@@ -210,10 +215,10 @@ class Settings:
         "torch.compile, continuous-batching managers without CUDA graphs or asynchronous batching, vLLM with "
         "enforce_eager); compiled calls are recorded without it, compiled", text=switch_text, flag="--eager"))
     sink_max_bytes: int = setting(64 << 20, Option(
-        "NXL_SINK_MAX_BYTES", _positive, "start a new record file past this size in MB",
+        "NXL_SINK_MAX_BYTES", positive_number, "start a new record file past this size in MB",
         flag="--sink-file-mb", metavar="MB", arg=_megabytes, shown=lambda size: str(size >> 20)))
     sink_max_files: int = setting(16, Option(
-        "NXL_SINK_MAX_FILES", _positive, "record files kept per process and model; older ones are deleted",
+        "NXL_SINK_MAX_FILES", positive_number, "record files kept per process and model; older ones are deleted",
         flag="--sink-files", metavar="N"))
     plugins: list[str] | None = setting(None, Option(
         PLUGINS, _plugin_names, "the plugins that may load (docs: Plugins): a comma list of names, or GROUP:NAME "
