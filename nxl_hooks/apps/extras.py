@@ -16,7 +16,7 @@ from typing import Sequence
 
 from .options import CliError
 
-__all__ = ["EXTRAS", "NOISE", "SERVE_MODULES", "extra_hint", "quiet_library_noise", "require_extra"]
+__all__ = ["EXTRAS", "NOISE", "SERVE_MODULES", "extra_hint", "extra_line", "quiet_library_noise", "require_extra"]
 
 #: Each optional package (as imported, or as pip names it) -> the nxl_hooks extra that installs it (pyproject.toml);
 #: accelerate is in [gguf] too, which an ImportError for GGUF reading names itself.
@@ -35,7 +35,8 @@ _NAMED = re.compile(r'pip install "nxl_hooks\[(\w+)\]"')
 _WORD = re.compile(r"(?<![\w.-])(" + "|".join(sorted(map(re.escape, EXTRAS), key=len, reverse=True)) + r")(?![\w-])")
 
 
-def _line(package: str, extra: str) -> str:
+def extra_line(package: str, extra: str) -> str:
+    """The one line saying that ``package`` comes with the optional extra ``extra``."""
     return f'this needs {package}, from the optional extra [{extra}]: pip install "nxl_hooks[{extra}]"'
 
 
@@ -48,12 +49,14 @@ def extra_hint(error: BaseException) -> str | None:
         named = _NAMED.search(str(error))  # a package several extras carry: the error knows which one it needs
         for candidate in (name, top):
             if candidate in EXTRAS:
-                return _line(candidate, named.group(1) if named else EXTRAS[candidate])
+                return extra_line(candidate, named.group(1) if named else EXTRAS[candidate])
+        if named:  # a package no extra here lists, from an error that names its extra (a built-in sink kind's)
+            return extra_line(top, named.group(1))
     message = str(error)
     if not isinstance(error, ImportError) and "install" not in message:
         return None  # a ValueError that only mentions a package is about something else
     found = _WORD.search(message)
-    return _line(found.group(1), EXTRAS[found.group(1)]) if found else None
+    return extra_line(found.group(1), EXTRAS[found.group(1)]) if found else None
 
 
 def require_extra(extra: str, modules: Sequence[str], what: str) -> None:
@@ -65,7 +68,7 @@ def require_extra(extra: str, modules: Sequence[str], what: str) -> None:
         except (ImportError, ValueError):  # a parent package missing, or a module hidden (None in sys.modules)
             found = False
         if not found:
-            raise CliError(f"{what}: " + _line(module, extra))
+            raise CliError(f"{what}: " + extra_line(module, extra))
 
 
 #: Warnings libraries log that say nothing true about the user's run: logger name -> the start of the message

@@ -34,8 +34,12 @@ part, ``sinks:jsonl``, for one group's); empty, none is.
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import logging
 import os
+import pkgutil
+import sys
 import threading
 from importlib import metadata
 from typing import Any, Callable
@@ -43,7 +47,7 @@ from typing import Any, Callable
 from .text import typed
 
 __all__ = ["ARCHITECTURES", "ENGINES", "GROUPS", "METHODS", "SETTING", "SINKS", "allowed", "broken",
-           "contained", "entry_points", "failure", "load", "load_all"]
+           "contained", "declared", "entry_points", "failure", "load", "load_all"]
 
 ARCHITECTURES = "nxl_hooks.architectures"
 METHODS = "nxl_hooks.methods"
@@ -155,3 +159,19 @@ def failure(group: str, name: str) -> str | None:
     """The line logged when the plugin ``name`` of ``group`` failed to load; None when it did not fail."""
     with _lock:
         return _failed.get((group, name))
+
+
+def declared(package: str, constant: str) -> dict[str, Any]:
+    """Built-in extensions found without importing them: each module of ``package`` (imported) whose source assigns
+    ``constant`` a literal at its top level -> that literal, by the module's full name. A registry reads what its
+    modules declare this way where importing them all would import their heavy dependencies."""
+    found = {}
+    for module in pkgutil.iter_modules(sys.modules[package].__path__, f"{package}."):
+        spec = importlib.util.find_spec(module.name)
+        source = spec.loader.get_source(module.name) if spec is not None and spec.loader is not None else None
+        if not source or f"\n{constant} = " not in source:  # parsed only where it may be declared
+            continue
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.Assign) and any(getattr(each, "id", None) == constant for each in node.targets):
+                found[module.name] = ast.literal_eval(node.value)
+    return found

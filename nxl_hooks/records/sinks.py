@@ -17,6 +17,8 @@ that is not registered in the process, only that one is imported; a broken one i
 
 from __future__ import annotations
 
+import functools
+import importlib
 import os
 import re
 import threading
@@ -26,7 +28,8 @@ from ..arch import plugins
 from ..arch.text import typed
 from .steps import GenerationCall, Step
 
-__all__ = ["ENTRY_POINT_GROUP", "RecordSink", "kind_name", "make_sink", "register_sink", "sink_factory"]
+__all__ = ["DECLARED", "ENTRY_POINT_GROUP", "RecordSink", "builtin_kinds", "kind_name", "make_sink", "register_sink",
+           "requirement", "sink_factory"]
 
 #: The entry-point group through which installed distributions register sink kinds.
 ENTRY_POINT_GROUP = plugins.SINKS
@@ -91,26 +94,41 @@ def _kind(name: str) -> Factory | None:
     return factory
 
 
-_BUILTIN = ("file", "folder", "parquet")
+#: What a module of this package declares to make built-in sink kinds, read from its source (a literal): the module
+#: is imported only where one of its kinds is used, and what a kind needs only where its sink is made::
+#:
+#:     SINKS = {"csv": {"factory": "CsvSink"}}      # or with "needs": "a.module", "extra": "nxl_hooks extra"
+DECLARED = "SINKS"
 
 
-#: The module a built-in kind needs where its sink is made (its extra's), for a front end whose sinks are made in
-#: another interpreter (nxl run's program, nxl attach's target) to ask there.
-NEEDS = {"parquet": "pyarrow.parquet"}
+@functools.cache
+def builtin_kinds() -> dict[str, dict[str, str]]:
+    """Every built-in kind -> its declaration, with ``module``: the module of this package that declares it."""
+    return {kind: {**declared, "module": module}
+            for module, kinds in plugins.declared(__package__, DECLARED).items() for kind, declared in kinds.items()}
+
+
+def requirement(name: str) -> tuple[str, str] | None:
+    """The module a built-in kind needs where its sink is made and the extra that installs it (None: nothing
+    optional), for a front end whose sinks are made in another interpreter (nxl run's program, nxl attach's
+    target) to ask there."""
+    declared = builtin_kinds().get(name, {})
+    return (declared["needs"], declared["extra"]) if "needs" in declared else None
 
 
 def _builtin(name: str, here: bool = True) -> Factory:
-    # imported here: the Parquet exporter needs pyarrow only when it is used; checked here, where every front end
-    # validates a spec (sink_factory), so a missing extra is refused before anything starts, not per model later
-    if name == "parquet":
-        from .parquet import ParquetSink, pyarrow_module
-
-        if here:
-            pyarrow_module()
-        return ParquetSink
-    from .writer import RotatingSink, Sink
-
-    return {"file": Sink, "folder": RotatingSink}[name]
+    # checked here, where every front end validates a spec (sink_factory), so a missing extra is refused before
+    # anything starts, not per model later
+    declared = builtin_kinds()[name]
+    needed = requirement(name)
+    if here and needed is not None:
+        try:
+            importlib.import_module(needed[0])
+        except ImportError:
+            package = needed[0].partition(".")[0]
+            raise ImportError(f'sink kind {name!r} needs {package}: pip install "nxl_hooks[{needed[1]}]"',
+                              name=package) from None
+    return getattr(importlib.import_module(declared["module"]), declared["factory"])
 
 
 def kind_name(spec: Any) -> str | None:
@@ -120,14 +138,14 @@ def kind_name(spec: Any) -> str | None:
     if match is None:
         return None
     name = match.group(1)
-    if name in _BUILTIN or _kind(name) is not None:
+    if name in builtin_kinds() or _kind(name) is not None:
         return name
     if os.path.exists(spec):
         return None
     broken = plugins.failure(ENTRY_POINT_GROUP, name)
     if broken is not None:
         raise ValueError(f"sink {spec!r}: {broken}")
-    known = sorted({*_BUILTIN, *_KINDS, *plugins.entry_points(ENTRY_POINT_GROUP)})
+    known = sorted({*builtin_kinds(), *_KINDS, *plugins.entry_points(ENTRY_POINT_GROUP)})
     raise ValueError(f"sink {spec!r}: no sink kind {name!r} is registered (known: {', '.join(known)}); for a file "
                      "or folder whose name holds a colon, write it as ./NAME")
 
@@ -138,7 +156,7 @@ def _check_path(spec: str) -> None:
     or a typo as a file name, so it is refused rather than made into a stream file of that name."""
     if os.path.exists(spec) or "/" in spec or os.sep in spec or os.path.splitext(spec)[1]:
         return
-    known = ", ".join(sorted({*_BUILTIN, *_KINDS, *plugins.entry_points(ENTRY_POINT_GROUP)}))
+    known = ", ".join(sorted({*builtin_kinds(), *_KINDS, *plugins.entry_points(ENTRY_POINT_GROUP)}))
     head, colon, _ = spec.partition(":")
     what = (f"{head!r} before ':' is no sink kind" if colon else "a bare name is no file path, folder or sink kind")
     raise ValueError(f"sink {spec!r}: {what}; write a stream file as NAME.nxl or ./NAME, a folder as NAME/, or a "
@@ -149,7 +167,7 @@ def sink_factory(spec: Any, *, here: bool = True) -> tuple[Factory, str] | None:
     """The factory and argument ``make_sink(spec)`` would use (None: ``spec`` already is a sink), without making
     the sink: for checking a value before any file is opened. ValueError for a spec that names no sink; an
     ImportError naming the extra a built-in kind lacks in this process, unless ``here`` is False (the sink is made
-    in another interpreter, which the caller asks for :data:`NEEDS`)."""
+    in another interpreter, which the caller asks for :func:`requirement`)."""
     if isinstance(spec, RecordSink):
         return None
     name = kind_name(spec)

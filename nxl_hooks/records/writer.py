@@ -57,6 +57,9 @@ from .steps import STEP_TENSORS, GenerationCall, Step
 
 __all__ = ["PartlyWritten", "RotatingSink", "Sink", "encode_call", "encode_end", "encode_step", "stream_bytes"]
 
+#: The sink kinds made here (:data:`nxl_hooks.records.sinks.DECLARED`): ``file:PATH``, ``folder:PATH``.
+SINKS = {"file": {"factory": "Sink"}, "folder": {"factory": "RotatingSink"}}
+
 _FILE_MAGIC = b"nxl_hooks.stream/2\n"  # what is written; version 1 (nxl_hooks 0.1, no frame numbers) still reads
 _FRAME = struct.Struct("<4sQI")
 _FRAME_MAGIC = b"NXLF"

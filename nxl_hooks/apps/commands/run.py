@@ -18,7 +18,7 @@ import re
 import shutil
 from pathlib import Path
 
-from ..extras import SERVE_MODULES, extra_hint, require_extra
+from ..extras import SERVE_MODULES, extra_line, require_extra
 from ..options import CliError, add_loading_options, check_output_folder, loading_options, say
 from ..serve.settings import Settings, add_run_options
 
@@ -56,16 +56,18 @@ def sink_kind(value: str | None, python: str | None = None) -> str | None:
         return None
     import sys
 
-    from ...records.sinks import NEEDS, kind_name, sink_factory  # imports torch: only for what may be NAME:ARG
+    from ...records.sinks import kind_name, requirement, sink_factory  # imports torch: only for what may be NAME:ARG
 
     name = kind_name(value)
     if name is None:
         return None
     here = python is not None and os.path.abspath(python) == os.path.abspath(sys.executable)
     sink_factory(value, here=here)  # the kind's own up-front check: an ImportError naming its extra
-    if python is not None and not here and name in NEEDS and _succeeds([python], f"import {NEEDS[name]}") is False:
-        raise CliError(f"--sink {value}: the program's Python ({python}) lacks {NEEDS[name].split('.')[0]}: "
-                       f"{extra_hint(ImportError(name=NEEDS[name]))}")
+    needed = requirement(name)
+    if python is not None and not here and needed is not None and _succeeds([python], f"import {needed[0]}") is False:
+        package = needed[0].partition(".")[0]
+        raise CliError(f"--sink {value}: the program's Python ({python}) lacks {package}: "
+                       f"{extra_line(package, needed[1])}")
     return value
 
 

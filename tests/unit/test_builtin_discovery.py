@@ -1,0 +1,58 @@
+"""Built-in sink kinds are found from their modules, as methods are: a new one is one file."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import nxl_hooks
+from nxl_hooks.apps.extras import extra_hint
+from nxl_hooks.records import sinks
+
+
+def test_every_builtin_sink_kind_maps_to_the_factory_its_module_declares():
+    assert set(sinks.builtin_kinds()) == {"file", "folder", "parquet"}
+    for kind, declared in sinks.builtin_kinds().items():
+        factory, arg = sinks.sink_factory(f"{kind}:somewhere", here=False)
+        assert (factory.__module__, factory.__name__, arg) == (declared["module"], declared["factory"], "somewhere")
+    assert sinks.requirement("parquet") == ("pyarrow.parquet", "parquet") and sinks.requirement("file") is None
+
+
+def test_listing_the_sink_kinds_imports_no_sink_module_nor_its_extra():
+    code = ("import sys; from nxl_hooks.records import sinks; sinks.kind_name('parquet:x.parquet')\n"
+            "print(sorted(sinks.builtin_kinds()), 'nxl_hooks.records.parquet' in sys.modules, 'pyarrow' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.split("\n")[0] == "['file', 'folder', 'parquet'] False False", done.stderr[-2000:]
+
+
+@pytest.fixture
+def dropped(tmp_path, monkeypatch):
+    """A folder added to the package path of nxl_hooks.records, for a module dropped in there; the discovery cache
+    cleared around the test."""
+    monkeypatch.setattr(nxl_hooks.records, "__path__", [*nxl_hooks.records.__path__, str(tmp_path)])
+    sinks.builtin_kinds.cache_clear()
+    yield tmp_path
+    sinks.builtin_kinds.cache_clear()
+    sys.modules.pop("nxl_hooks.records.tsvsink", None)
+
+
+def test_a_sink_module_dropped_into_the_package_is_a_kind_with_its_extra(dropped):
+    (dropped / "tsvsink.py").write_text(textwrap.dedent('''
+        class TsvSink:
+            def __init__(self, path, **options):
+                self.path = path
+
+        SINKS = {"tsv": {"factory": "TsvSink", "needs": "nxl_no_such_module.sub", "extra": "tsv"}}
+        '''))
+    assert sinks.kind_name("tsv:out.tsv") == "tsv"
+    factory, arg = sinks.sink_factory("tsv:out.tsv", here=False)
+    assert (factory.__name__, arg) == ("TsvSink", "out.tsv")
+    with pytest.raises(ImportError) as missing:  # made here: what it needs is checked first
+        sinks.sink_factory("tsv:out.tsv")
+    assert extra_hint(missing.value) == ('this needs nxl_no_such_module, from the optional extra [tsv]: '
+                                         'pip install "nxl_hooks[tsv]"')
+    with pytest.raises(ValueError, match=r"known: [^)]*\btsv\b"):
+        sinks.make_sink("nokind:x")
