@@ -1,4 +1,4 @@
-"""Built-in sink kinds are found from their modules, as methods are: a new one is one file."""
+"""Built-in sink kinds and engines are found from their modules, as methods are: a new one is one file."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import pytest
 
 import nxl_hooks
 from nxl_hooks.apps.extras import extra_hint
+from nxl_hooks.hooks import engines
 from nxl_hooks.records import sinks
 
 
@@ -30,13 +31,17 @@ def test_listing_the_sink_kinds_imports_no_sink_module_nor_its_extra():
 
 @pytest.fixture
 def dropped(tmp_path, monkeypatch):
-    """A folder added to the package path of nxl_hooks.records, for a module dropped in there; the discovery cache
-    cleared around the test."""
-    monkeypatch.setattr(nxl_hooks.records, "__path__", [*nxl_hooks.records.__path__, str(tmp_path)])
-    sinks.builtin_kinds.cache_clear()
+    """A folder added to the package paths of nxl_hooks.records and nxl_hooks.hooks.engines, for a module dropped
+    in there; the discovery caches cleared around the test."""
+    for package in (nxl_hooks.records, engines):
+        monkeypatch.setattr(package, "__path__", [*package.__path__, str(tmp_path)])
+    for cached in (sinks.builtin_kinds, engines.builtin_engines):
+        cached.cache_clear()
     yield tmp_path
-    sinks.builtin_kinds.cache_clear()
-    sys.modules.pop("nxl_hooks.records.tsvsink", None)
+    for cached in (sinks.builtin_kinds, engines.builtin_engines):
+        cached.cache_clear()
+    for name in ("nxl_hooks.records.tsvsink", "nxl_hooks.hooks.engines.toy"):
+        sys.modules.pop(name, None)
 
 
 def test_a_sink_module_dropped_into_the_package_is_a_kind_with_its_extra(dropped):
@@ -56,3 +61,32 @@ def test_a_sink_module_dropped_into_the_package_is_a_kind_with_its_extra(dropped
                                          'pip install "nxl_hooks[tsv]"')
     with pytest.raises(ValueError, match=r"known: [^)]*\btsv\b"):
         sinks.make_sink("nokind:x")
+
+
+def test_every_builtin_engine_is_found_in_its_module():
+    found = engines.builtin_engines()
+    assert {name: factory.__module__ for name, factory in found.items()} == {
+        "transformers-continuous-batching": "nxl_hooks.hooks.engines.transformers_cb",
+        "vllm": "nxl_hooks.hooks.engines.vllm"}
+
+
+def test_an_engine_module_dropped_into_the_package_follows_a_model(dropped):
+    (dropped / "toy.py").write_text(textwrap.dedent('''
+        class ToyEngine:
+            name, unfollowed = "toy", None
+
+            def claims(self, model):
+                return True
+
+            def install(self, gens):
+                pass
+
+            def uninstall(self):
+                pass
+
+            def stray(self, arguments):
+                return None
+
+        ENGINE = ToyEngine
+        '''))
+    assert "toy" in [engine.name for engine in engines.engines_for(object())]

@@ -9,9 +9,10 @@ generates, keeps those that :meth:`~Engine.claims` the model, calls :meth:`~Engi
 :class:`~nxl_hooks.hooks.recording.Recording` for each step its host runs (a packed batch of requests, say) and puts it as the thread's current
 recording (``gens.running(recording)``) around the host's forward; the probe's hooks then feed it that forward.
 
-Built in: transformers' continuous batching (:mod:`.transformers_cb`) and vLLM's model runner (:mod:`.vllm`, which
-claims only its own view of a vLLM model). Third parties add an engine in one module
-and declare it in their package metadata::
+Built in: every module of this package that defines ``ENGINE`` (a factory, usually the engine's class, whose
+``name`` is the engine's): transformers' continuous batching (:mod:`.transformers_cb`) and vLLM's model runner
+(:mod:`.vllm`, which claims only its own view of a vLLM model). A new built-in engine is one file here. Third
+parties add an engine in one module and declare it in their package metadata::
 
     [project.entry-points."nxl_hooks.engines"]
     my-engine = "my_package.nxl_engine:MyEngine"
@@ -23,6 +24,9 @@ one that fails to load is left out with one log line; ``NXL_PLUGINS`` is the all
 
 from __future__ import annotations
 
+import functools
+import importlib
+import pkgutil
 import threading
 from typing import TYPE_CHECKING, Any, Callable, Protocol
 
@@ -35,7 +39,7 @@ if TYPE_CHECKING:
 
     from ..generate import Generations
 
-__all__ = ["GROUP", "NOT_RECORDED", "Engine", "Recording", "engines_for", "register_engine"]
+__all__ = ["GROUP", "NOT_RECORDED", "Engine", "Recording", "builtin_engines", "engines_for", "register_engine"]
 
 #: The entry-point group third-party engines are declared in.
 GROUP = plugins.ENGINES
@@ -73,10 +77,8 @@ class Engine(Protocol):
 EngineFactory = Callable[[], Engine]
 
 _LOCK = threading.Lock()
-#: name -> factory; the built-in engines' "module:attribute" strings are imported at first use
-_FACTORIES: dict[str, EngineFactory | str] = {
-    "transformers-continuous-batching": "nxl_hooks.hooks.engines.transformers_cb:ContinuousBatching",
-    "vllm": "nxl_hooks.hooks.engines.vllm:VllmEngine"}
+#: name -> factory, registered in code (a built-in engine of that name is replaced)
+_FACTORIES: dict[str, EngineFactory] = {}
 
 
 def register_engine(name: str, factory: EngineFactory) -> None:
@@ -91,30 +93,34 @@ def register_engine(name: str, factory: EngineFactory) -> None:
         _FACTORIES[name] = factory
 
 
-def _load(target: str) -> EngineFactory:
-    import importlib
-
-    module, _, attribute = target.partition(":")
-    factory: Any = importlib.import_module(module)
-    for part in attribute.split("."):
-        factory = getattr(factory, part)
-    return factory
+@functools.cache
+def builtin_engines() -> dict[str, EngineFactory]:
+    """Every built-in engine: the ``ENGINE`` (a factory, a class with its ``name``) of each module of this package
+    that defines one, imported at the first attach of a model that generates (never at import: ``nxl run``'s
+    bootstrap stays torch-free); a module that fails to import is left out with one log line."""
+    found = {}
+    for module in pkgutil.iter_modules(__path__, f"{__name__}."):
+        try:
+            factory = getattr(importlib.import_module(module.name), "ENGINE", None)
+        except BaseException as error:  # noqa: BLE001 - a broken engine (SystemExit too) never breaks attach
+            reason(f"engine module {module.name!r}", plugins.contained(error))
+            continue
+        if factory is not None:
+            found[factory.name] = factory
+    return found
 
 
 def engines_for(model: nn.Module) -> list[Engine]:
     """One new engine per registered factory that claims ``model``, in registration order. An engine that fails to
     load, build or answer is left out with one log line: attaching never fails because of an engine."""
+    builtin = builtin_engines()
     installed = plugins.load_all(GROUP)  # outside the lock: imports the plugins' modules (once)
-    with _LOCK:  # built-in and registered in code first; a name registered in code wins over a plugin's
-        named = [*_FACTORIES.items(), *((name, factory) for name, factory in installed.items()
-                                        if name not in _FACTORIES)]
+    with _LOCK:  # built-in and registered in code first; a name registered in code wins over a built-in or a plugin's
+        named = {**builtin, **_FACTORIES}
+    named.update((name, factory) for name, factory in installed.items() if name not in named)
     chosen = []
-    for name, factory in named:
+    for name, factory in named.items():
         try:
-            if isinstance(factory, str):
-                factory = _load(factory)
-                with _LOCK:
-                    _FACTORIES[name] = factory  # loaded once
             engine = factory()
             if engine.claims(model):
                 chosen.append(engine)

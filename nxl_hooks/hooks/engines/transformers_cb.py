@@ -562,3 +562,7 @@ class ContinuousBatching:
             except Exception as error:  # noqa: BLE001 - never into the manager's loop
                 run.fail("this request", error)
         return run
+
+
+#: This module's engine (:func:`nxl_hooks.hooks.engines.builtin_engines` finds it).
+ENGINE = ContinuousBatching

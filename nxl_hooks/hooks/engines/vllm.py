@@ -656,3 +656,7 @@ class VllmEngine:
         for run in fed.values():
             run.fail("this vLLM request", RuntimeError("vLLM sampled no token for it after a forward that finished "
                                                        "its prompt"))
+
+
+#: This module's engine (:func:`nxl_hooks.hooks.engines.builtin_engines` finds it).
+ENGINE = VllmEngine
