@@ -70,7 +70,7 @@ from typing import Any, Callable, NamedTuple, Protocol, Union
 import torch
 
 from ..method.registry import DEFAULT
-from ..records.sinks import RecordSink, make_sink
+from ..records.sinks import BatchingSink, FaultingSink, LosingSink, RecordSink, make_sink
 from ..records.steps import STEP_TENSORS, GenerationCall, Step
 from ..records.tokens import record_text
 from ..records.writer import PartlyWritten
@@ -266,6 +266,7 @@ class Hub:
         self._sink: RecordSink | None = None if sink is None else make_sink(sink)
         if self._sink is not None:
             _claim_sink(self._sink, self)
+        self._faulting = _follows(self._sink, FaultingSink)  # once: an isinstance per record would cost each write
         self._owner = os.getpid()  # the process whose sink it is (see _parents_sink)
         #: why the sink stopped getting records (one line), None while it is healthy or when there is none
         self.sink_fault: str | None = None
@@ -816,7 +817,7 @@ class Hub:
                         "so it was stopped to keep generation at its speed", call, steps=step is not None)
 
     def _write_loop(self, frames: queue.SimpleQueue) -> None:
-        many = getattr(self._sink, "write_steps", None)  # optional in the protocol: several steps, one write
+        many = self._sink.write_steps if isinstance(self._sink, BatchingSink) else None
         while True:
             batch = frames.get()
             while not frames.empty():  # a backlog goes in one batch
@@ -880,7 +881,7 @@ class Hub:
         records counted as not written."""
         try:
             write()
-            fault = getattr(sink, "fault", None)  # optional in the protocol: a sink that stopped says why
+            fault = sink.fault if self._faulting else None
         except BaseException as error:  # noqa: BLE001 - SystemExit too: a sink never ends the host's call
             if isinstance(error, PartlyWritten):  # the frames before the failure are on disk
                 steps, error = steps - error.written, error.__cause__ or error
@@ -912,7 +913,7 @@ class Hub:
         written and noted on every call kept in memory (which of them it held is the sink's to know). A ``lost``
         that cannot be read counts none, said in one line."""
         try:
-            lost = getattr(sink, "lost", 0)
+            lost = sink.lost if isinstance(sink, LosingSink) else 0
         except BaseException as error:  # noqa: BLE001 - a failed sink's attribute never ends the sink thread
             logger.warning("nxl_hooks: the sink's count of lost records could not be read (%s); the records "
                            "it had taken are not counted as unwritten", typed(error))
@@ -1020,6 +1021,15 @@ def _claim_sink(sink: RecordSink, hub: Hub) -> None:
             raise ValueError(f"the sink {_named(sink)} is given to another attached probe already: give each probe a "
                              "sink of its own (one path per model), or detach the other first")
         _OWNERS[id(sink)] = hub
+
+
+def _follows(sink: RecordSink | None, protocol: type) -> bool:
+    """Whether ``sink`` follows the optional ``protocol``; True where looking at its attributes raised (Python
+    3.11's isinstance reads them): reading one where it is used then fails as the sink's own error, never here."""
+    try:
+        return isinstance(sink, protocol)
+    except Exception:  # noqa: BLE001 - the sink's code, never into attach
+        return True
 
 
 def _named(sink: RecordSink) -> str:

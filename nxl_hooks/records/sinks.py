@@ -28,8 +28,8 @@ from ..arch import plugins
 from ..arch.text import typed
 from .steps import GenerationCall, Step
 
-__all__ = ["DECLARED", "ENTRY_POINT_GROUP", "RecordSink", "builtin_kinds", "kind_name", "make_sink", "register_sink",
-           "requirement", "sink_factory"]
+__all__ = ["DECLARED", "ENTRY_POINT_GROUP", "BatchingSink", "FaultingSink", "LosingSink", "RecordSink", "builtin_kinds",
+           "kind_name", "make_sink", "register_sink", "requirement", "sink_factory"]
 
 #: The entry-point group through which installed distributions register sink kinds.
 ENTRY_POINT_GROUP = plugins.SINKS
@@ -39,11 +39,8 @@ ENTRY_POINT_GROUP = plugins.SINKS
 class RecordSink(Protocol):
     """A destination of generation records. ``class MySink: def write_call(self, call, meta): ...`` and the rest.
 
-    ``fault`` (optional attribute): one line saying why the sink stopped writing (disk full, read-only, folder
-    removed), None while it is healthy. ``lost`` (optional attribute): how many step records it had taken from calls
-    that returned and then lost, when it failed (a file that cannot be finished is removed): counted as not written,
-    with the calls' notes. ``write_steps(steps)`` (optional method): several step records at once, in order (the
-    hub hands a backlog over with it; without it, ``write_step`` is called for each).
+    What a sink may do beyond these four is an optional protocol of its own: :class:`BatchingSink` (``write_steps``),
+    :class:`FaultingSink` (``fault``), :class:`LosingSink` (``lost``).
     """
 
     def write_call(self, call: GenerationCall, meta: dict) -> None:
@@ -59,6 +56,34 @@ class RecordSink(Protocol):
 
     def close(self) -> None:
         """No more records: flush and release what the sink holds."""
+
+
+@runtime_checkable
+class BatchingSink(RecordSink, Protocol):
+    """A :class:`RecordSink` that takes several step records at once: the hub hands a backlog over with
+    ``write_steps`` (one write for all, as :class:`~nxl_hooks.Sink` does); a sink without it gets ``write_step``
+    for each."""
+
+    def write_steps(self, steps: list[Step]) -> None:
+        """Step records of calls opened by ``write_call``, in order."""
+
+
+@runtime_checkable
+class FaultingSink(RecordSink, Protocol):
+    """A :class:`RecordSink` that may stop writing by itself (a full disk, a read-only or removed folder) and says
+    why in ``fault``: one line, None while it is healthy. Set it from the start (``fault = None``): whether a sink
+    has it is looked at once, when a probe takes the sink; its value after every write."""
+
+    fault: str | None
+
+
+@runtime_checkable
+class LosingSink(RecordSink, Protocol):
+    """A :class:`RecordSink` that may lose step records it had taken when it fails (a file that cannot be finished
+    is removed): ``lost`` counts those of calls that returned, read when it failed; they count as not written, with
+    the calls' notes."""
+
+    lost: int
 
 
 Factory = Callable[..., RecordSink]

@@ -382,3 +382,17 @@ def test_a_call_scored_elsewhere_returns_before_its_last_records_and_its_readers
     assert release.is_set() and [len(call.steps) for call in calls] == [6, 2]
     assert torch.equal(calls[0].sequences, out)
     check_call(model, calls[0], 6)
+
+
+def test_a_sinks_optional_parts_are_typed_protocols_of_their_own(tmp_path):
+    """``write_steps``, ``fault`` and ``lost`` are runtime-checkable protocols a sink follows, not attribute names
+    the pipeline looks up."""
+    from nxl_hooks.records.sinks import BatchingSink, FaultingSink, LosingSink
+
+    plain = _Raising(OSError())
+    assert isinstance(_Batching(), BatchingSink) and isinstance(_QuietlyStopped(OSError()), FaultingSink)
+    assert isinstance(_SlowClose(fails=True), LosingSink)
+    assert not any(isinstance(plain, protocol) for protocol in (BatchingSink, FaultingSink, LosingSink))
+    stream = nxl.Sink(tmp_path / "a.nxl")
+    assert isinstance(stream, BatchingSink)
+    stream.close()
