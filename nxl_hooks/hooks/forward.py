@@ -123,19 +123,29 @@ def open_capture(bound: dict[str, Any]) -> Capture:
     return Capture(input_ids=input_ids, attention_mask=mask, shape=(rows, seq))
 
 
-def _model_logits(plan: Plan, output: Any, examples: torch.Tensor, positions: torch.Tensor,
-                  seq: int) -> torch.Tensor | None:
-    """The task model's own logits at the explained rows (rows, outputs), float32, when its output has them for
-    every row: a forward never pays twice for its final logits. None otherwise (a tuple output, or a causal LM
-    called with ``logits_to_keep``): then they are computed from the last layer's features."""
+def _model_logits(plan: Plan, output: Any, examples: torch.Tensor, positions: torch.Tensor, seq: int,
+                  keep: Any = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The task model's own logits at the explained rows (rows, outputs), float32, and which rows they cover
+    ((rows,) bool, CPU): a forward never pays twice for its final logits. A causal LM called with an int
+    ``logits_to_keep`` returns its last positions' only: the rows predicting there are its own (its 16-bit readout
+    on that slice may round the bias apart from the product, so a logit recomputed here can miss its by a step, and
+    flip a near tie). Rows not covered (a tuple output, a row whose prediction position it did not keep, a
+    ``logits_to_keep`` of indices) are computed from the last layer's features."""
+    covered = torch.zeros(len(examples), dtype=torch.bool)
     logits = getattr(output, "logits", None)
     if not isinstance(logits, torch.Tensor) or logits.shape[-1] != plan.head.n_outputs:
-        return None
+        return None, covered
     if plan.kind.pooled:
-        return logits[examples.to(logits.device)].float() if logits.dim() == 2 else None
-    if logits.dim() != 3 or logits.shape[1] != seq:
-        return None
-    return logits[examples.to(logits.device), positions.to(logits.device)].float()
+        if logits.dim() != 2:
+            return None, covered
+        return logits[examples.to(logits.device)].float(), ~covered
+    kept = logits.shape[1] if logits.dim() == 3 else 0
+    if kept != seq and not (isinstance(keep, int) and 0 < kept < seq):
+        return None, covered
+    offset = seq - kept  # (0: every position's)
+    covered = positions >= offset
+    at = (positions - offset).clamp(min=0)
+    return logits[examples.to(logits.device), at.to(logits.device)].float(), covered
 
 
 #: Why a forward given ``inputs_embeds`` cannot be recorded with ``embedding="word"``.
@@ -151,18 +161,25 @@ def embed_norms(capture: Capture) -> torch.Tensor:
     return capture.embed_norm
 
 
-def assemble(plan: Plan, capture: Capture, output: Any = None) -> Attribution:
-    """The :class:`~nxl_hooks.Attribution` of a finished forward; ``output``: the task model's output, if seen."""
+def assemble(plan: Plan, capture: Capture, output: Any = None, keep: Any = None) -> Attribution:
+    """The :class:`~nxl_hooks.Attribution` of a finished forward; ``output``: the task model's output, if seen, and
+    ``keep`` the ``logits_to_keep`` it was called with."""
     embed = embed_norms(capture)
     seq, hidden = capture.shape[1], layer_states(plan, capture)
     examples, positions = plan.rows(capture.input_ids, capture.attention_mask, capture.shape)
     with plan.head.reading() as readout:
-        final = _model_logits(plan, output, examples, positions, seq)
-        if final is None:  # HoT of the last layer at the prediction rows only
+        final, covered = _model_logits(plan, output, examples, positions, seq, keep)
+        if not covered.all():  # HoT of the last layer at the prediction rows the model gave no logits for
             last = capture.last_hidden
             if last is None:
                 raise _not_run(plan, plan.n_blocks)
-            final = readout.logits(plan.head.features(last[examples.to(last.device), positions.to(last.device)]))
+            rest = (~covered).nonzero()[:, 0]
+            computed = readout.logits(plan.head.features(last[examples[rest].to(last.device),
+                                                              positions[rest].to(last.device)]))
+            if final is None:
+                final = computed
+            else:
+                final[rest.to(final.device)] = computed.to(final.device)
 
         def by_row(values: torch.Tensor) -> torch.Tensor:
             # Masked LMs explain an example once per [MASK]; every other head explains each example once, and

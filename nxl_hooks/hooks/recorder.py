@@ -90,13 +90,15 @@ class Results(threading.local):
 
 class _Task:
     """One task-model forward running in this thread: whether it is a step of a recorded call, whether its blocks
-    reached the hooks, and (a plain forward) its backbone's capture, assembled when the task model returns."""
+    reached the hooks, and (a plain forward) its backbone's capture, assembled when the task model returns, and the
+    ``logits_to_keep`` it was called with."""
 
-    __slots__ = ("in_call", "run", "blocks_ran", "backbone_ran", "capture")
+    __slots__ = ("in_call", "run", "blocks_ran", "backbone_ran", "capture", "keep")
 
-    def __init__(self, run: Recording | None) -> None:
+    def __init__(self, run: Recording | None, keep: Any = None) -> None:
         self.in_call, self.run, self.blocks_ran, self.backbone_ran = run is not None, run, False, False
         self.capture: Capture | None = None
+        self.keep = keep
 
 
 class Recorder:
@@ -253,7 +255,7 @@ class Recorder:
     def register(self) -> list[torch.utils.hooks.RemovableHandle]:
         plan, handles = self.plan, []
         try:  # each an Owned: a copy of the model made while attached gets hooks that do nothing
-            handles.append(plan.model.register_forward_pre_hook(Owned(self.on_task_start)))
+            handles.append(plan.model.register_forward_pre_hook(Owned(self.on_task_start), with_kwargs=True))
             handles.append(_always_called(plan.model, Owned(self.on_task_end)))
             handles.append(self.backbone.register_forward_pre_hook(Owned(self.on_backbone_start), with_kwargs=True))
             handles.append(_always_called(self.backbone, Owned(self.on_backbone_end)))
@@ -289,7 +291,7 @@ class Recorder:
         elif seen is not None:
             self.results.last = self._skipped()
 
-    def on_task_start(self, module: nn.Module, args: tuple) -> None:
+    def on_task_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if traced():
             if self._plain_traced():
                 self.plain.task()
@@ -298,7 +300,7 @@ class Recorder:
         _, tasks = self._stacks()
         run = self._run()
         self._drop_ended(run)
-        tasks.append(_Task(run))
+        tasks.append(_Task(run, kwargs.get("logits_to_keep")))
 
     def on_task_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         if traced():
@@ -311,7 +313,7 @@ class Recorder:
         task = tasks.pop()
         if task.capture is not None:
             self.plain.discard()  # a traced forward kept before this one is not the last any more
-            self._finish(task.capture, output)
+            self._finish(task.capture, output, task.keep)
         elif task.in_call:
             run = self._run()
             # (its blocks ran compiled: its logits are not those of a forward the hooks followed)
@@ -504,12 +506,12 @@ class Recorder:
         else:
             self._finish(capture, None)
 
-    def _finish(self, capture: Capture, output: Any) -> None:
+    def _finish(self, capture: Capture, output: Any, keep: Any = None) -> None:
         if output is None:
             self.results.last = RuntimeError("the last forward raised inside the model, so nothing was recorded")
             return
         try:
             with torch.no_grad():
-                self.results.last = assemble(self.plan, capture, output)
+                self.results.last = assemble(self.plan, capture, output, keep)
         except Exception as error:  # noqa: BLE001
             self._fail("this forward", error)

@@ -125,6 +125,48 @@ def test_a_biased_readout_gives_the_models_own_half_precision_logit_to_the_bit(c
     assert torch.equal(res.logat[-1, rows, positions], arch._own_logits(out, kind, examples, positions).float())
 
 
+def _biased_phi(dtype: torch.dtype, *, tie: bool) -> torch.nn.Module:
+    """A bf16 / fp16 Phi whose lm_head bias is large, so that a readout rounding product and bias apart shows on many
+    outputs; ``tie``: 40 outputs lifted together to the top (bias 20), near ties."""
+    from transformers import PhiConfig, PhiForCausalLM
+
+    torch.manual_seed(0)
+    model = PhiForCausalLM(PhiConfig(vocab_size=512, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                                     intermediate_size=256, pad_token_id=0, eos_token_id=None,
+                                     bos_token_id=None)).eval()
+    with torch.no_grad():
+        for parameter in model.parameters():
+            parameter.normal_(0.0, 0.3 if parameter.dim() == 1 else 0.05)
+        model.lm_head.bias.normal_(0.0, 1.0 if tie else 5.0)
+        if tie:
+            model.lm_head.bias[5:45] = 20.0
+    return model.to(dtype)
+
+
+@pytest.mark.parametrize("tie", [False, True], ids=["bias", "near-tie"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_forward_with_logits_to_keep_is_explained_with_the_logits_the_model_returned(dtype, tie):
+    """A biased 16-bit readout called with ``logits_to_keep`` (as generate's prefill is) runs on a strided slice,
+    where nn.Linear rounds its product and its bias apart. The predicted target, its probability and the rows the
+    model kept are its returned logits'; a row whose prediction position it did not keep (right padding) is the
+    head's on its hidden states, which the full forward's logits give. (The library recomputed every row: a target
+    that was not the argmax of the model's own logits near a tie, probabilities 0.518 for 0.502.)"""
+    import nxl_hooks as nxl
+
+    model = _biased_phi(dtype, tie=tie)
+    ids = torch.randint(3, 512, (320, 7), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[::8, -2:] = 0  # right-padded rows: their prediction position (4) is not among the last one kept
+    with torch.no_grad(), nxl.attach(model, layers=[-1]) as probe:
+        kept = model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits[:, -1].float()
+    res = probe.result()
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask).logits.float()
+    own = torch.where(mask[:, -1:].bool(), kept, full[torch.arange(len(ids)), mask.sum(-1) - 1])
+    assert torch.equal(res.target, own.argmax(-1))
+    torch.testing.assert_close(res.probability, own.softmax(-1).gather(-1, res.target[:, None])[:, 0])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case_id", ["llama-lm", "gemma2-lm"])
 def test_a_model_cast_to_half_precision_while_attached_gives_its_own_logit_to_the_bit(case_id, dtype):
