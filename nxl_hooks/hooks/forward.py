@@ -21,7 +21,7 @@ from ..records.tokens import target_texts
 from .plan import Plan
 
 __all__ = ["NEEDS_IDS", "Capture", "assemble", "check_tokens", "embed_norms", "embedding_norms", "head_features",
-           "layer_states", "open_capture"]
+           "layer_states", "open_capture", "pin_last_layer"]
 
 
 @dataclass(eq=False)
@@ -124,28 +124,41 @@ def open_capture(bound: dict[str, Any]) -> Capture:
 
 
 def _model_logits(plan: Plan, output: Any, examples: torch.Tensor, positions: torch.Tensor, seq: int,
-                  keep: Any = None) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """The task model's own logits at the explained rows (rows, outputs), float32, and which rows they cover
-    ((rows,) bool, CPU): a forward never pays twice for its final logits. A causal LM called with an int
-    ``logits_to_keep`` returns its last positions' only: the rows predicting there are its own (its 16-bit readout
-    on that slice may round the bias apart from the product, so a logit recomputed here can miss its by a step, and
-    flip a near tie). Rows not covered (a tuple output, a row whose prediction position it did not keep, a
-    ``logits_to_keep`` of indices) are computed from the last layer's features."""
+                  keep: Any = None) -> tuple[torch.Tensor | None, torch.Tensor, bool]:
+    """The task model's own logits at the explained rows (rows, outputs), float32, which rows they cover ((rows,)
+    bool, CPU), and whether they are of a slice of its positions: a forward never pays twice for its final logits.
+    A causal LM called with an int ``logits_to_keep`` returns its last positions' only: the rows predicting there
+    are its own (its 16-bit readout on that slice may round the bias apart from the product, so a logit recomputed
+    here can miss its by a step, and flip a near tie). Rows not covered (a tuple output, a row whose prediction
+    position it did not keep, a ``logits_to_keep`` of indices) are computed from the last layer's features."""
     covered = torch.zeros(len(examples), dtype=torch.bool)
     logits = getattr(output, "logits", None)
     if not isinstance(logits, torch.Tensor) or logits.shape[-1] != plan.head.n_outputs:
-        return None, covered
+        return None, covered, False
     if plan.kind.pooled:
         if logits.dim() != 2:
-            return None, covered
-        return logits[examples.to(logits.device)].float(), ~covered
+            return None, covered, False
+        return logits[examples.to(logits.device)].float(), ~covered, False
     kept = logits.shape[1] if logits.dim() == 3 else 0
     if kept != seq and not (isinstance(keep, int) and 0 < kept < seq):
-        return None, covered
+        return None, covered, False
     offset = seq - kept  # (0: every position's)
     covered = positions >= offset
     at = (positions - offset).clamp(min=0)
-    return logits[examples.to(logits.device), at.to(logits.device)].float(), covered
+    return logits[examples.to(logits.device), at.to(logits.device)].float(), covered, offset > 0
+
+
+def pin_last_layer(layers: Sequence[int], n_blocks: int, logat: torch.Tensor, rows: torch.Tensor | slice,
+                   positions: torch.Tensor | int, own: torch.Tensor) -> None:
+    """Set LogAt (layers, rows, seq, k) at l = L (when among ``layers``) and each of ``rows``' ``positions`` to
+    ``own`` (rows, k): the model's own logits of the explained ids, where its readout ran on a slice of the
+    forward's positions (``logits_to_keep``). There a 16-bit readout with a bias rounds its product and its bias
+    apart (nn.Linear on a strided 3-D input), which no product of the head's gathered rows reproduces, and at l = L
+    the prediction position's LogAt is the model's logit by definition."""
+    if n_blocks in layers:
+        rows = rows.to(logat.device) if isinstance(rows, torch.Tensor) else rows
+        positions = positions.to(logat.device) if isinstance(positions, torch.Tensor) else positions
+        logat[layers.index(n_blocks), rows, positions] = own.to(logat.device, logat.dtype)
 
 
 #: Why a forward given ``inputs_embeds`` cannot be recorded with ``embedding="word"``.
@@ -168,7 +181,7 @@ def assemble(plan: Plan, capture: Capture, output: Any = None, keep: Any = None)
     seq, hidden = capture.shape[1], layer_states(plan, capture)
     examples, positions = plan.rows(capture.input_ids, capture.attention_mask, capture.shape)
     with plan.head.reading() as readout:
-        final, covered = _model_logits(plan, output, examples, positions, seq, keep)
+        final, covered, sliced = _model_logits(plan, output, examples, positions, seq, keep)
         if not covered.all():  # HoT of the last layer at the prediction rows the model gave no logits for
             last = capture.last_hidden
             if last is None:
@@ -197,6 +210,10 @@ def assemble(plan: Plan, capture: Capture, output: Any = None, keep: Any = None)
             return torch.stack([readout.explain(by_row(states), ids).to(final.device) for states in hidden])
 
         logat = head_logits(targets)
+        if sliced:
+            kept = covered.nonzero()[:, 0]
+            pin_last_layer(plan.layers, plan.n_blocks, logat, kept, positions[kept],
+                           final[kept.to(final.device)].gather(-1, targets[kept.to(targets.device)]))
         if plan.kind is HeadKind.REGRESSION:
             logat = regression_logat(logat, final.gather(-1, targets.to(final.device)))
         embed_norm = by_row(embed).to(final.device)

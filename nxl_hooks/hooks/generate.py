@@ -82,7 +82,7 @@ from ..method.protocol import Given
 from ..records.steps import GenerationCall, Step
 from .recording import NOT_RECORDED, Recording
 from .conventions import UnfollowedForward, cache_keyword, find_cache, positions, prefix_cache, start, token_mask
-from .forward import NEEDS_IDS, Capture, embed_norms, head_features, layer_states
+from .forward import NEEDS_IDS, Capture, embed_norms, head_features, layer_states, pin_last_layer
 from .guard import Notice, Owned, described, raised, reason, typed
 from .plan import Plan
 from .publish import Hub
@@ -148,6 +148,9 @@ class _Emitted(NamedTuple):
     logits: torch.Tensor | None  #: or its raw logits (batch, vocabulary), log-softmaxed when scored
     n: int
     time: float  #: when it was emitted (``time.time()``): its record's ``time``
+    #: ``logits`` are the model's readout on a slice of its forward's positions (the prefill's last, logits_to_keep):
+    #: LogAt at l = L and the step's position is set to them (:func:`~.forward.pin_last_layer`)
+    sliced: bool = False
 
 
 def _stacked_tokens(emitted: list[_Emitted]) -> torch.Tensor:
@@ -397,6 +400,7 @@ class Run:
         self._following = True
         self._log_probs: torch.Tensor | None = None  # the model's own log-softmax at the last position of the last forward
         self._logits: torch.Tensor | None = None  # or its raw logits there, the log-softmax taken when scored
+        self._sliced = False  # those logits are of a slice of the forward's positions (_Emitted.sliced)
         self._deferred: list[_Emitted] = []  # emitted, not scored yet (see BATCH_STEPS)
         self._limit = BATCH_STEPS  # how many of them may wait (:meth:`_batch_limit`, worked out at the first of them)
         self._sizes: tuple[int, int] | None = None  # (bytes of a step's kept rows, rows): :meth:`_step_bytes`
@@ -624,11 +628,13 @@ class Run:
         # gave every position's, which are not kept alive for it)
         row = (logits[:, -1] if logits.shape[1] == 1 else logits[:, -1].clone()) if usable else None
         self._log_probs, self._logits = None, row
+        # fewer rows than the positions after_forward just fed (_n - _past): the prefill with logits_to_keep
+        self._sliced = usable and logits.shape[1] < self._n - self._past
 
     def predicted(self, log_probs: torch.Tensor | None) -> None:
         """The model's own log-probabilities (batch, vocabulary) for the next token: its step's ``probability``."""
         usable = log_probs is not None and log_probs.shape[-1] == self._plan.head.n_outputs
-        self._log_probs, self._logits = log_probs if usable else None, None
+        self._log_probs, self._logits, self._sliced = log_probs if usable else None, None, False
 
     # -- shared by generate and continuous batching ------------------------------------------------------
 
@@ -847,7 +853,7 @@ class Run:
             self._pending = top == prompt_len
         for position in range(emitting if low == start else max(emitting, low + 1), min(end, high + 1)):
             if position - 1 >= low:
-                self._logits, self._log_probs = logits[:, position - 1 - low], None
+                self._logits, self._log_probs, self._sliced = logits[:, position - 1 - low], None, False
             self._emit(sequences[:, position].long(), at=position, hold=True)
         first = max(low, prompt_len)
         if first < high:
@@ -857,7 +863,8 @@ class Run:
                 # the steps whose context was not fed cannot be scored; those before them still go out (fail, flush)
                 self._deferred = [item for item in self._deferred if item.n <= self._n]
                 raise
-        self._logits, self._log_probs = logits[:, -1], None  # after the last chunk: the token generate returned last's
+        # after the last chunk: the token generate returned last's
+        self._logits, self._log_probs, self._sliced = logits[:, -1], None, False
         self.flush()
 
     def _extended(self, rows: int, end: int) -> dict[str, torch.Tensor]:
@@ -982,7 +989,7 @@ class Run:
         # Nobody to hand it to (keep_steps=False, no on_step, sink or subscriber): the record is not made.
         if self._hub.listened:
             now, deferred = time.time(), self._deferred
-            deferred.append(_Emitted(token, rows, log_prob, self._log_probs, self._logits, at, now))
+            deferred.append(_Emitted(token, rows, log_prob, self._log_probs, self._logits, at, now, self._sliced))
             if len(deferred) == 1:  # the first of a batch: how many may wait with it
                 self._limit = self._batch_limit()
             if not hold and (self._hub.live or self._wait == 0 or len(deferred) >= self._limit
@@ -1071,6 +1078,11 @@ class Run:
 
                 together = head_logits(torch.cat(targets, dim=1))  # (layers, batch, last, steps * k)
                 k, scored = targets[0].shape[1], []
+                for index, item in enumerate(emitted):
+                    if item.sliced:
+                        pin_last_layer(plan.layers, plan.n_blocks, together[..., index * k:(index + 1) * k],
+                                       slice(None), item.n - 1,
+                                       item.logits.gather(-1, targets[index].to(item.logits.device)))
                 # steps whose model log-probabilities are known, and those whose are not (a compiled call's
                 # replayed steps), scored apart: a method may read them
                 for _, group in itertools.groupby(range(len(emitted)), key=lambda index: log_probs[index] is None):

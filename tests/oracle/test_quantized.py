@@ -168,6 +168,45 @@ def test_a_forward_with_logits_to_keep_is_explained_with_the_logits_the_model_re
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_forward_with_logits_to_keep_gives_the_models_own_logit_at_the_last_layer(dtype):
+    """Every output of a biased 16-bit readout called with ``logits_to_keep=1``: at l = L and the prediction
+    position LogAt is the logit the model returned, to the bit (its nn.Linear on the strided slice rounds product
+    and bias apart; the head's gathered rows round once, ~90 outputs in 1024 a step off); a row whose prediction
+    position was not kept gives the full forward's."""
+    import nxl_hooks as nxl
+
+    model = _biased_phi(dtype, tie=False)
+    ids = torch.randint(3, 512, (4, 7), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    mask[1, -2:] = 0
+    with torch.no_grad(), nxl.attach(model, layers="all", target=list(range(512))) as probe:
+        kept = model(input_ids=ids, attention_mask=mask, logits_to_keep=1).logits[:, -1].float()
+    res = probe.result()
+    with torch.no_grad():
+        full = model(input_ids=ids, attention_mask=mask).logits.float()
+    rows, positions = torch.arange(len(ids)), mask.sum(-1) - 1
+    own = torch.where(mask[:, -1:].bool(), kept, full[rows, positions])
+    assert torch.equal(res.logat[-1, rows, positions], own)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_generate_steps_give_the_models_own_output_logits_at_the_last_layer(dtype):
+    """A biased 16-bit readout through generate, whose prefill asks ``logits_to_keep=1``: at l = L and each
+    step's position LogAt of every output is generate's own ``output_logits``, to the bit, step 0 (the prefill's
+    strided readout) too: it missed ~90 of 1024 values by up to 0.03125."""
+    import nxl_hooks as nxl
+
+    model = _biased_phi(dtype, tie=False)
+    ids = torch.randint(3, 512, (2, 7), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), nxl.attach(model, layers="all", target=list(range(512))) as probe:
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    assert len(probe.steps) == len(out.logits) == 3
+    for step, own in zip(probe.steps, out.logits):
+        assert torch.equal(step.scores["logat"][-1, :, step.position - 1], own.float())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case_id", ["llama-lm", "gemma2-lm"])
 def test_a_model_cast_to_half_precision_while_attached_gives_its_own_logit_to_the_bit(case_id, dtype):
     """Attached in float32 (its RMS norm folded into the gathered rows), one forward, then ``model.to(dtype)``
