@@ -206,14 +206,16 @@ def assemble(plan: Plan, capture: Capture, output: Any = None, keep: Any = None)
             targets = plan.explained(final.argmax(-1, keepdim=True))
             log_probs = log_probabilities(plan.model, final)
 
+        kept = covered.nonzero()[:, 0] if sliced else None
+
         def head_logits(ids: torch.Tensor) -> torch.Tensor:  # (layers, rows, seq, k)
-            return torch.stack([readout.explain(by_row(states), ids).to(final.device) for states in hidden])
+            logits = torch.stack([readout.explain(by_row(states), ids).to(final.device) for states in hidden])
+            if kept is not None:  # (a contrastive foil's too)
+                pin_last_layer(plan.layers, plan.n_blocks, logits, kept, positions[kept],
+                               final[kept.to(final.device)].gather(-1, ids[kept.to(ids.device)].to(final.device)))
+            return logits
 
         logat = head_logits(targets)
-        if sliced:
-            kept = covered.nonzero()[:, 0]
-            pin_last_layer(plan.layers, plan.n_blocks, logat, kept, positions[kept],
-                           final[kept.to(final.device)].gather(-1, targets[kept.to(targets.device)]))
         if plan.kind is HeadKind.REGRESSION:
             logat = regression_logat(logat, final.gather(-1, targets.to(final.device)))
         embed_norm = by_row(embed).to(final.device)
