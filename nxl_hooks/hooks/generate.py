@@ -73,7 +73,7 @@ import os
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterator, NamedTuple
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 from torch import nn
@@ -1072,23 +1072,31 @@ class Run:
             features = context.features.to(context.dtype)  # (batch, last, layers, d)
             layers = features.shape[2]
             with plan.head.reading() as readout:
-                def head_logits(ids: torch.Tensor, n: int = last) -> torch.Tensor:  # (layers, batch, n, m)
+                def head_logits(ids: torch.Tensor, n: int = last, steps: Sequence[int] = (),
+                                first: int = 0) -> torch.Tensor:  # (layers, batch, n, m)
+                    """``steps``: the steps (counted from ``first``) whose ids ``ids`` holds, one block of columns
+                    each: l = L at a sliced step's position is set to its model's own logits of them."""
                     flat = features.narrow(1, 0, n).reshape(batch, -1, features.shape[-1])  # all layers, one gather
-                    return readout.target_logits(flat, ids).view(batch, n, layers, -1).permute(2, 0, 1, 3)
+                    logits = readout.target_logits(flat, ids).view(batch, n, layers, -1).permute(2, 0, 1, 3)
+                    width = ids.shape[1] // max(len(steps), 1)
+                    for block, index in enumerate(steps):
+                        item = emitted[first + index]
+                        if item.sliced:
+                            columns = slice(block * width, (block + 1) * width)
+                            pin_last_layer(plan.layers, plan.n_blocks, logits[..., columns], slice(None), item.n - 1,
+                                           item.logits.gather(-1, ids[:, columns].to(item.logits.device)))
+                    return logits
 
-                together = head_logits(torch.cat(targets, dim=1))  # (layers, batch, last, steps * k)
+                # (layers, batch, last, steps * k)
+                together = head_logits(torch.cat(targets, dim=1), steps=range(len(emitted)))
                 k, scored = targets[0].shape[1], []
-                for index, item in enumerate(emitted):
-                    if item.sliced:
-                        pin_last_layer(plan.layers, plan.n_blocks, together[..., index * k:(index + 1) * k],
-                                       slice(None), item.n - 1,
-                                       item.logits.gather(-1, targets[index].to(item.logits.device)))
                 # steps whose model log-probabilities are known, and those whose are not (a compiled call's
                 # replayed steps), scored apart: a method may read them
                 for _, group in itertools.groupby(range(len(emitted)), key=lambda index: log_probs[index] is None):
                     indices = list(group)
                     first, end = indices[0], indices[-1] + 1
-                    scored += self._scored(together[..., first * k:end * k], head_logits, embed, mask,
+                    scored += self._scored(together[..., first * k:end * k],
+                                           functools.partial(head_logits, first=first), embed, mask,
                                            targets[first:end],
                                            log_probs[first:end], [item.n for item in emitted[first:end]])
         steps, tokens, n_blocks = [], tokens.unbind(0), plan.n_blocks
@@ -1107,7 +1115,8 @@ class Run:
                 lengths: list[int]) -> list[tuple[dict[str, torch.Tensor], torch.Tensor]]:
         """Each step's (scores, explained ids): its ``targets`` (batch, k) read against its first ``lengths``
         positions of ``embed`` and ``mask``; ``together``: (layers, batch, last, steps * k), every target's logits
-        at every position the longest step reads, as ``head_logits(ids)`` gives them for other (batch, m) ids.
+        at every position the longest step reads, as ``head_logits(ids, steps=...)`` gives them for other (batch, m)
+        ids of those steps (one block of columns each, in the order ``steps`` gives them).
         Pointwise methods (:attr:`Plan.pointwise`) score every step in one call: the steps' rows stacked, each
         context padded to the longest, each record a view of its own rows and positions; other methods, one call
         per step."""
@@ -1116,7 +1125,7 @@ class Run:
         if count == 1 or not plan.pointwise:
             return [plan.scores(Given(together[:, :, :n, index * k:(index + 1) * k].contiguous(),
                                       embed.narrow(1, 0, n), explained, log_probs[index],
-                                      functools.partial(head_logits, n=n), mask.narrow(1, 0, n)))
+                                      functools.partial(head_logits, n=n, steps=(index,)), mask.narrow(1, 0, n)))
                     for index, (n, explained) in enumerate(zip(lengths, targets))]
 
         def stacked(values: torch.Tensor) -> torch.Tensor:  # (layers, batch, last, count * m) -> (layers, rows, ...)
@@ -1124,7 +1133,8 @@ class Run:
                     .reshape(layers, count * batch, last, -1))
 
         def stacked_logits(ids: torch.Tensor) -> torch.Tensor:  # (rows, m): each step's rows against its context
-            return stacked(head_logits(ids.reshape(count, batch, -1).transpose(0, 1).reshape(batch, -1)))
+            return stacked(head_logits(ids.reshape(count, batch, -1).transpose(0, 1).reshape(batch, -1),
+                                       steps=range(count)))
 
         scores, chosen = plan.scores(Given(
             stacked(together), embed.expand(count, -1, -1).reshape(count * batch, last), torch.cat(targets),

@@ -223,6 +223,26 @@ def test_generate_steps_give_the_models_own_output_logits_at_the_last_layer(dtyp
         assert torch.equal(step.scores["logat"][-1, :, step.position - 1], own.float())
 
 
+def test_generate_steps_give_the_contrastive_gap_of_the_models_own_output_logits():
+    """The ``contrastive`` score at l = L and each step's position of a bf16 biased readout through generate is the
+    embedding norm times the gap between generate's own ``output_logits`` of the token and of its foil, step 0 (the
+    prefill's strided readout) too: its foil's logit was the head's, a rounding step off."""
+    import nxl_hooks as nxl
+
+    model = _biased_phi(torch.bfloat16, tie=False)
+    ids = torch.randint(3, 512, (16, 7), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), nxl.attach(model, layers="all", methods=["contrastive"]) as probe:
+        out = model.generate(ids, max_new_tokens=2, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)
+    rows = torch.arange(len(ids))
+    for step, own in zip(probe.steps, out.logits):
+        own, position = own.float(), step.position - 1
+        foil = own.scatter(-1, step.target.view(-1, 1), float("-inf")).argmax(-1)
+        gap = own[rows, step.target.view(-1)] - own[rows, foil]
+        torch.testing.assert_close(step.scores["contrastive"][-1, :, position].view(-1),
+                                   step.embed_norm[:, position] * gap)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("case_id", ["llama-lm", "gemma2-lm"])
 def test_a_model_cast_to_half_precision_while_attached_gives_its_own_logit_to_the_bit(case_id, dtype):
