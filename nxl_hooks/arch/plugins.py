@@ -169,7 +169,12 @@ def declared(package: str, constant: str) -> dict[str, Any]:
     for module in pkgutil.iter_modules(sys.modules[package].__path__, f"{package}."):
         spec = importlib.util.find_spec(module.name)
         source = spec.loader.get_source(module.name) if spec is not None and spec.loader is not None else None
-        if not source or f"\n{constant} = " not in source:  # parsed only where it may be declared
+        if source is None:  # an install of compiled files alone: the module itself says it, imported
+            value = getattr(importlib.import_module(module.name), constant, None)
+            if value is not None:
+                found[module.name] = value
+            continue
+        if f"\n{constant} = " not in source:  # parsed only where it may be declared
             continue
         for node in ast.parse(source).body:
             if isinstance(node, ast.Assign) and any(getattr(each, "id", None) == constant for each in node.targets):

@@ -63,6 +63,20 @@ def test_a_sink_module_dropped_into_the_package_is_a_kind_with_its_extra(dropped
         sinks.make_sink("nokind:x")
 
 
+def test_a_sink_module_installed_compiled_alone_is_still_a_kind(dropped):
+    """An install that ships .pyc files without their sources (compileall -b, then the .py removed): the module
+    has no source to read its declaration from, so it is imported and asked (the built-in kinds were all lost,
+    'file' included, and attach(sink="x.nxl") failed with a KeyError)."""
+    import py_compile
+
+    source = dropped / "tsvsink.py"
+    source.write_text('class TsvSink:\n    pass\n\nSINKS = {"tsv": {"factory": "TsvSink"}}\n')
+    py_compile.compile(str(source), cfile=str(dropped / "tsvsink.pyc"), doraise=True)
+    source.unlink()
+    assert sinks.kind_name("tsv:out.tsv") == "tsv"
+    assert sinks.sink_factory("tsv:out.tsv")[0].__name__ == "TsvSink"
+
+
 def test_every_builtin_engine_is_found_in_its_module():
     found = engines.builtin_engines()
     assert {name: factory.__module__ for name, factory in found.items()} == {
