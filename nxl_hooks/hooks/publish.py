@@ -266,7 +266,6 @@ class Hub:
         self._sink: RecordSink | None = None if sink is None else make_sink(sink)
         if self._sink is not None:
             _claim_sink(self._sink, self)
-        self._faulting = _follows(self._sink, FaultingSink)  # once: an isinstance per record would cost each write
         self._owner = os.getpid()  # the process whose sink it is (see _parents_sink)
         #: why the sink stopped getting records (one line), None while it is healthy or when there is none
         self.sink_fault: str | None = None
@@ -881,7 +880,9 @@ class Hub:
         records counted as not written."""
         try:
             write()
-            fault = sink.fault if self._faulting else None
+            # asked after each write (on the sink's thread, not the model's): a sink may set ``fault`` only when it
+            # stops
+            fault = sink.fault if _follows(sink, FaultingSink) else None
         except BaseException as error:  # noqa: BLE001 - SystemExit too: a sink never ends the host's call
             if isinstance(error, PartlyWritten):  # the frames before the failure are on disk
                 steps, error = steps - error.written, error.__cause__ or error

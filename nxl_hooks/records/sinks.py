@@ -71,8 +71,7 @@ class BatchingSink(RecordSink, Protocol):
 @runtime_checkable
 class FaultingSink(RecordSink, Protocol):
     """A :class:`RecordSink` that may stop writing by itself (a full disk, a read-only or removed folder) and says
-    why in ``fault``: one line, None while it is healthy. Set it from the start (``fault = None``): whether a sink
-    has it is looked at once, when a probe takes the sink; its value after every write."""
+    why in ``fault``: one line, None while it is healthy (or not set yet: it is looked at after every write)."""
 
     fault: str | None
 

@@ -231,11 +231,21 @@ class _QuietlyStopped(_Raising):
         self.kinds.append("step")
 
 
-def test_a_sink_that_stops_with_an_empty_fault_is_said_to_have_stopped(model):
-    sink = _QuietlyStopped(OSError())
+class _StoppedLater(_Raising):
+    """Has no ``fault`` until it stops at the second step (a sink written before the attribute was a protocol)."""
+
+    def write_step(self, step):
+        if step.step == 1:
+            self.fault = ""
+        self.kinds.append("step")
+
+
+@pytest.mark.parametrize("kind", [_QuietlyStopped, _StoppedLater], ids=["declared", "set-when-stopping"])
+def test_a_sink_that_stops_with_an_empty_fault_is_said_to_have_stopped(model, kind):
+    sink = kind(OSError())
     with nxl.attach(model, sink=sink) as probe:
         model.generate(input_ids=_ids(9), max_new_tokens=4, do_sample=False)
-    assert probe.sink_fault == "the sink _QuietlyStopped stopped writing without saying why"
+    assert probe.sink_fault == f"the sink {kind.__name__} stopped writing without saying why"
     assert probe.unwritten == 3 and sink.closed  # its fault came with step 1: that step and the two after it
     assert probe.calls[0].notes == [f"not written to the sink, which stopped: {probe.sink_fault}"]
     check_call(model, probe.calls[0], 4)
