@@ -14,6 +14,7 @@ import logging
 import re
 from typing import Sequence
 
+from ..arch.text import install_command
 from .options import CliError
 
 __all__ = ["EXTRAS", "NOISE", "SERVE_MODULES", "extra_hint", "extra_line", "quiet_library_noise", "require_extra"]
@@ -37,7 +38,7 @@ _WORD = re.compile(r"(?<![\w.-])(" + "|".join(sorted(map(re.escape, EXTRAS), key
 
 def extra_line(package: str, extra: str) -> str:
     """The one line saying that ``package`` comes with the optional extra ``extra``."""
-    return f'this needs {package}, from the optional extra [{extra}]: pip install "nxl_hooks[{extra}]"'
+    return f"this needs {package}, from the optional extra [{extra}]: {install_command(extra)}"
 
 
 def extra_hint(error: BaseException) -> str | None:

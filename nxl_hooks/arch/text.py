@@ -4,13 +4,14 @@ failures (a plugin, a sink factory, an attribution method, a dataset example, a 
     record_text("models/caf\\udce9")   # 'models/caf\\\\xe9': valid UTF-8, as records keep texts
     one_line(error)                    # its message on one line; '<unprintable ValueError>' if str() raises
     typed(KeyError("id"))              # "KeyError: 'id'"; typed(KeyError()) == 'KeyError'
+    install_command("parquet")         # 'pip install "nxl_hooks[parquet]"'
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["escaped", "one_line", "record_text", "typed"]
+__all__ = ["escaped", "install_command", "one_line", "record_text", "typed"]
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -58,3 +59,9 @@ def typed(error: object, limit: int | None = None, *, aside: bool = False) -> st
     if limit is not None and len(text) > limit:
         text = text[:limit - 1] + "…"
     return f"{kind} ({text})" if aside else f"{kind}: {text}"
+
+
+def install_command(extra: str) -> str:
+    """What to run for the optional extra ``extra`` (pyproject.toml), as every line that names one says it (and
+    :mod:`nxl_hooks.apps.extras` reads it back from an error): ``pip install "nxl_hooks[parquet]"``."""
+    return f'pip install "nxl_hooks[{extra}]"'

@@ -61,6 +61,7 @@ from typing import Any, Iterable
 
 import torch
 
+from ..arch.text import install_command
 from ..method.registry import DEFAULT
 from ..method.select import rankable, special_flags
 from .steps import GenerationCall, Step
@@ -69,7 +70,7 @@ from .writer import claim_file, held
 __all__ = ["INSTALL", "ParquetSink", "export_parquet", "pyarrow_module"]
 
 #: What to run when pyarrow is missing.
-INSTALL = 'pip install "nxl_hooks[parquet]"'
+INSTALL = install_command("parquet")
 #: The sink kind made here (:data:`nxl_hooks.records.sinks.DECLARED`): ``parquet:PATH``, where pyarrow is installed.
 SINKS = {"parquet": {"factory": "ParquetSink", "needs": "pyarrow.parquet", "extra": "parquet"}}
 #: The most calls ``nxl.calls`` lists (a server's file may hold millions of calls; the rest are counted).

@@ -25,7 +25,7 @@ import threading
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from ..arch import plugins
-from ..arch.text import typed
+from ..arch.text import install_command, typed
 from .steps import GenerationCall, Step
 
 __all__ = ["DECLARED", "ENTRY_POINT_GROUP", "BatchingSink", "FaultingSink", "LosingSink", "RecordSink", "builtin_kinds",
@@ -150,7 +150,7 @@ def _builtin(name: str, here: bool = True) -> Factory:
             importlib.import_module(needed[0])
         except ImportError:
             package = needed[0].partition(".")[0]
-            raise ImportError(f'sink kind {name!r} needs {package}: pip install "nxl_hooks[{needed[1]}]"',
+            raise ImportError(f"sink kind {name!r} needs {package}: {install_command(needed[1])}",
                               name=package) from None
     return getattr(importlib.import_module(declared["module"]), declared["factory"])
 
