@@ -325,3 +325,45 @@ def test_tail_says_the_steps_it_dropped_when_the_stream_closes_without_an_end(mo
     assert printed[len(steps):] == ["! run: 5 step(s) not shown: nxl tail fell behind (the run's records keep them)"]
     assert done == [1]  # the stream ended before its request did
     capsys.readouterr()
+
+
+def test_tail_leaves_no_thread_reading_or_polling_the_program_once_it_returns(monkeypatch, capsys):
+    """``nxl tail --count 1`` on a program that goes on generating: once ``tail.run`` returns, its follower stops
+    reading the stream and its fault watcher stops asking for the program's status (the watcher polled the status
+    flat out from then on, as long as the program lived: its wait had been ended)."""
+    import argparse
+    import time
+
+    from nxl_hooks.apps.serve import client
+
+    asked, read = [], []
+
+    class Busy:  # a program that never stops generating
+        name = "run"
+
+        def events(self, path, timeout=None, on_open=None):
+            on_open()
+            for n in range(100000):
+                read.append(n)
+                yield "step", StepView(step=n, position=5 + n, token_id=7, token="a", probability=0.5, active=True,
+                                       scores={"normxlogit": {1: ()}}, request_id="r").to_json()
+                time.sleep(0.01)
+
+        def status(self, timeout=None):
+            asked.append(1)
+            return {"pid": 1, "models": []}
+
+    monkeypatch.setattr(client, "endpoints", lambda run, token_file: [Busy()])
+    before = set(threading.enumerate())
+    args = argparse.Namespace(run=None, token_file=None, request_id=None, k=1, last=None, layer=None,
+                              method="normxlogit", count=1)
+    assert tail.run(args) == 0
+    ours = [thread for thread in set(threading.enumerate()) - before
+            if thread.name.endswith(("(follow)", "(watch_faults)"))]
+    for thread in ours:
+        thread.join(5)
+    assert not [thread.name for thread in ours if thread.is_alive()]
+    settled = len(asked), len(read)
+    time.sleep(0.3)
+    assert (len(asked), len(read)) == settled
+    assert capsys.readouterr().out.startswith("r ")

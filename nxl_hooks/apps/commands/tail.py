@@ -225,6 +225,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             for event, data in endpoint.events(f"/v1/stream?{urlencode(query)}", on_open=lambda: items.put(Opened()),
                                                timeout=_SILENT_KEEPALIVES * KEEPALIVE):
+                if stop.is_set():  # tail has returned: nobody reads these any more (the stream closes with the loop)
+                    return
                 if event == "step":
                     behind.hand(items, Shown(StepView.from_json(data), (data.get("model"), data.get("call_started"))),
                                 step=True)
@@ -240,7 +242,7 @@ def run(args: argparse.Namespace) -> int:
 
     def watch_faults(endpoint) -> None:
         said: set[str] = set()
-        while True:
+        while not stop.is_set():  # (once set, its wait below returns at once: this loop would poll flat out)
             try:
                 status = endpoint.status(timeout=10)
             except Exception:  # noqa: BLE001 - the stream reports a process that went away
