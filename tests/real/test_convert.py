@@ -88,7 +88,7 @@ def converted(smollm2_dir, tmp_path_factory) -> Path:
 
 
 @pytest.mark.real_model
-def test_the_converted_folder_loads_and_equals_the_gguf_model(converted):
+def test_the_converted_folder_loads_and_equals_the_gguf_model(converted, smollm2):
     gguf = real_model.smollm2_gguf()
     tokenizer = transformers.AutoTokenizer.from_pretrained(converted)
     by_gguf = transformers.AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -106,6 +106,8 @@ def test_the_converted_folder_loads_and_equals_the_gguf_model(converted):
     with torch.no_grad():
         mine, theirs = model(input_ids=ids).logits, reference(input_ids=ids).logits
     assert torch.equal(mine, theirs)  # float32 weights saved losslessly: the same numbers, not just close ones
+    with torch.no_grad():  # the session's model (tests/conftest.py), which other real-model tests take as loaded by hand
+        assert torch.equal(smollm2[0](input_ids=ids).logits, theirs)
     assert tokenizer.decode(mine[0, -1].argmax()) == by_gguf.decode(theirs[0, -1].argmax())
 
 

@@ -292,10 +292,11 @@ def test_cli_loads_the_gguf_file_and_matches_the_oracle_on_the_gguf_loaded_by_ha
                                                                                    monkeypatch):
     """``nxl attribute model.gguf TEXT`` for real (one GGUF conversion, about 20 s), then the folder +
     ``--gguf-file`` form, whose loads are checked to be the same ``from_pretrained`` calls on the folder and
-    answered with the model loaded by hand, so that this test pays for two conversions, not three."""
-    _, tok = smollm2
+    answered with the model loaded by hand, so that this test pays for one conversion, not three. The model loaded
+    by hand is the session's ``smollm2``: tests/real/test_convert.py holds that its logits are transformers' own
+    load of the GGUF file, bit for bit."""
+    by_hand, tok = smollm2
     gguf = real_model.smollm2_gguf()
-    by_hand = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name).eval()
     ids = torch.tensor([tok.encode(CAPITAL)])
     expected, target, _ = _oracle_scores(by_hand, ids)
     assert target == _next_id(tok, CAPITAL, " Paris")
