@@ -271,7 +271,7 @@ def _tail_on_a_stalled_stdout(monkeypatch, closing: list) -> tuple[list, list]:
     class Stream:  # an endpoint that sends 10 steps, then the closing events
         name = "run"
 
-        def events(self, path, timeout=None, on_open=None):
+        def events(self, path, timeout=None, on_open=None, on_connect=None):
             on_open()
             yield "step", step(0)
             assert stalled.wait(60)  # the printer holds step 0 in a print that does not return
@@ -341,7 +341,7 @@ def test_tail_leaves_no_thread_reading_or_polling_the_program_once_it_returns(mo
     class Busy:  # a program that never stops generating
         name = "run"
 
-        def events(self, path, timeout=None, on_open=None):
+        def events(self, path, timeout=None, on_open=None, on_connect=None):
             on_open()
             for n in range(100000):
                 read.append(n)
@@ -367,3 +367,41 @@ def test_tail_leaves_no_thread_reading_or_polling_the_program_once_it_returns(mo
     time.sleep(0.3)
     assert (len(asked), len(read)) == settled
     assert capsys.readouterr().out.startswith("r ")
+
+
+def test_tail_hangs_up_a_quiet_stream_once_it_returns(tmp_path, monkeypatch, capsys):
+    """``nxl tail --count 1`` on a real endpoint whose program makes one token, then goes quiet: once ``tail.run`` returns, its
+    follower ends and the endpoint's stream with it (the follower waited in a read of the quiet stream, whose
+    keepalives are no events, as long as the program lived: a thread and a connection per call, and one of the
+    endpoint's MAX_STREAMS taken)."""
+    import argparse
+
+    controller = Controller(Settings(run_dir=tmp_path / "run"))
+    model = tiny.generating_llama()
+    try:
+        controller.adopt(model, "tiny")
+        subscribe, subscribed = controller.live.subscribe, threading.Event()
+
+        def counted(request_id=None):
+            reader = subscribe(request_id)
+            subscribed.set()
+            return reader
+
+        monkeypatch.setattr(controller.live, "subscribe", counted)
+        generating = threading.Thread(target=lambda: subscribed.wait(60) and _generate(model, 1), daemon=True)
+        generating.start()
+        before = set(threading.enumerate())
+        args = argparse.Namespace(run=str(socket_path(tmp_path / "run", os.getpid())), token_file=None,
+                                  request_id=None, k=1, last=None, layer=None, method="normxlogit", count=1)
+        assert tail.run(args) == 0
+        generating.join(60)
+        followers = [thread for thread in set(threading.enumerate()) - before if thread.name.endswith("(follow)")]
+        for thread in followers:
+            thread.join(10)
+        assert not [thread.name for thread in followers if thread.is_alive()]
+        (server,) = controller.endpoint._servers
+        with server.streams_changed:
+            assert server.streams_changed.wait_for(lambda: server.streams == 0, 10)
+    finally:
+        controller.close()
+    capsys.readouterr()

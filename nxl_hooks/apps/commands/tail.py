@@ -40,7 +40,7 @@ import queue
 import shutil
 import threading
 import time
-from typing import NamedTuple, Union
+from typing import Callable, NamedTuple, Union
 from urllib.parse import quote, urlencode
 
 from ...hooks.subscription import LIVE_QUEUE
@@ -220,11 +220,16 @@ def run(args: argparse.Namespace) -> int:
     query = {"k": args.k, **({"request_id": args.request_id} if args.request_id else {})}
     items: queue.Queue[Item] = queue.Queue(LIVE_QUEUE)  # a stalled stdout holds this many, never more
 
+    def connected(hang_up: Callable[[], None]) -> None:
+        hang_ups.append(hang_up)
+        if stop.is_set():  # tail returned while this stream connected: its hang-ups are past
+            hang_up()
+
     def follow(endpoint) -> None:
         behind = Behind(endpoint.name)
         try:
             for event, data in endpoint.events(f"/v1/stream?{urlencode(query)}", on_open=lambda: items.put(Opened()),
-                                               timeout=_SILENT_KEEPALIVES * KEEPALIVE):
+                                               on_connect=connected, timeout=_SILENT_KEEPALIVES * KEEPALIVE):
                 if stop.is_set():  # tail has returned: nobody reads these any more (the stream closes with the loop)
                     return
                 if event == "step":
@@ -237,8 +242,10 @@ def run(args: argparse.Namespace) -> int:
                 elif event == "end":
                     behind.hand(items, Ended(data))
         except Exception as error:  # noqa: BLE001 - reported by the main thread
-            behind.hand(items, Failed(str(error) if isinstance(error, CliError) else f"{endpoint.name}: {error}"))
-        behind.hand(items, Closed())  # a stream that closes with no end (the program exited) still says its drops
+            if not stop.is_set():  # (hung up by tail's return: nobody reads it)
+                behind.hand(items, Failed(str(error) if isinstance(error, CliError) else f"{endpoint.name}: {error}"))
+        if not stop.is_set():  # a stream that closes with no end (the program exited) still says its drops
+            behind.hand(items, Closed())
 
     def watch_faults(endpoint) -> None:
         said: set[str] = set()
@@ -256,6 +263,7 @@ def run(args: argparse.Namespace) -> int:
             stop.wait(_FAULT_POLL)
 
     stop = threading.Event()
+    hang_ups: list[Callable[[], None]] = []  # one per stream connected
     for endpoint in targets:
         threading.Thread(target=follow, args=(endpoint,), daemon=True).start()
         threading.Thread(target=watch_faults, args=(endpoint,), daemon=True).start()
@@ -264,6 +272,8 @@ def run(args: argparse.Namespace) -> int:
         return _show(items, args, len(targets), past)
     finally:
         stop.set()
+        for hang_up in hang_ups:  # a quiet stream's follower waits in a read: only this ends it, and its connection
+            hang_up()
 
 
 def _line(view: StepView, args: argparse.Namespace, width: int) -> str:

@@ -13,6 +13,8 @@ socket must be served by this user or root (the peer's credentials), a token fil
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import http.client
 import json
 import os
@@ -69,12 +71,16 @@ class Endpoint:
         parts = urlsplit(self.url)
         return http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
 
-    def _open(self, method: str, path: str, body: dict | None, timeout: float | None) -> http.client.HTTPResponse:
+    def _open(self, method: str, path: str, body: dict | None, timeout: float | None,
+              on_connect: Callable[[Callable[[], None]], Any] | None = None) -> http.client.HTTPResponse:
         headers = {"Content-Type": "application/json"}
         if self.token:
             headers["Authorization"] = f"Bearer {self.token}"
         connection = self._connection(timeout)
         try:
+            if on_connect is not None:
+                connection.connect()
+                on_connect(functools.partial(_hang_up, connection.sock))
             connection.request(method, path, body=json.dumps(body) if body is not None else None, headers=headers)
             return connection.getresponse()
         except PermissionError:
@@ -126,11 +132,13 @@ class Endpoint:
             raise self._foreign("its status is not one")
         return value
 
-    def events(self, path: str, timeout: float | None = None,
-               on_open: Callable[[], Any] | None = None) -> Iterator[tuple[str, dict]]:
+    def events(self, path: str, timeout: float | None = None, on_open: Callable[[], Any] | None = None,
+               on_connect: Callable[[Callable[[], None]], Any] | None = None) -> Iterator[tuple[str, dict]]:
         """(event, data) of a server-sent event stream, until the endpoint closes it. ``on_open``: called once the
-        endpoint answered (it is subscribed then: no step made later is missed)."""
-        response = self._open("GET", path, None, timeout)
+        endpoint answered (it is subscribed then: no step made later is missed). ``on_connect``: called once
+        connected with a function that hangs up from any thread: the iteration then ends (a quiet stream's reader
+        waits in a read that nothing else ends)."""
+        response = self._open("GET", path, None, timeout, on_connect)
         if response.status != 200:
             raise self._refused(response.status, response.read())
         if not (response.getheader("Content-Type") or "").startswith("text/event-stream"):
@@ -152,6 +160,13 @@ class Endpoint:
                 event = line[6:].strip()
             elif line.startswith("data:"):
                 data.append(line[5:].strip())
+
+
+def _hang_up(sock: socket.socket) -> None:
+    """End a connection that another thread may be reading: its read returns at once, as at the end of the stream
+    (a close alone leaves that read waiting)."""
+    with contextlib.suppress(OSError):  # closed already
+        sock.shutdown(socket.SHUT_RDWR)
 
 
 def _answers(path: Path) -> bool:
