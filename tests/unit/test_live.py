@@ -405,3 +405,25 @@ def test_tail_hangs_up_a_quiet_stream_once_it_returns(tmp_path, monkeypatch, cap
     finally:
         controller.close()
     capsys.readouterr()
+
+
+def test_endpoints_started_and_stopped_in_one_process_register_one_exit_handler(tmp_path, monkeypatch):
+    """The socket files' exit handler is registered once per process, however many endpoints start and stop in it
+    (``nxl attach`` / ``nxl detach`` again and again in a server): each start after a stop registered it again,
+    one more handler per endpoint, each run at exit."""
+    registered = []
+
+    class Exit:  # as atexit keeps its handlers: unregister takes every registration of the function
+        register = staticmethod(registered.append)
+
+        @staticmethod
+        def unregister(function):
+            registered[:] = [each for each in registered if each != function]
+
+    monkeypatch.setattr(endpoint, "atexit", Exit)
+    for n in range(3):
+        controller = Controller(Settings(run_dir=tmp_path / f"run{n}"))
+        controller._ensure_endpoint()
+        assert controller.endpoint is not None
+        controller.close()
+    assert registered == [endpoint._clean_up]

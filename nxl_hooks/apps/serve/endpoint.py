@@ -385,7 +385,8 @@ def _remove_at_exit(*paths: Path) -> None:
     with _CLEANUP_LOCK:
         first = not _CLEANUP
         _CLEANUP.extend((os.getpid(), path) for path in paths)
-    if first:
+    if first:  # (the list empties as each endpoint stops: registered once, not once per endpoint started)
+        atexit.unregister(_clean_up)
         atexit.register(_clean_up)
     if threading.current_thread() is not threading.main_thread():
         return  # only the main thread sets handlers: a graceful exit still runs atexit
