@@ -427,3 +427,100 @@ def test_endpoints_started_and_stopped_in_one_process_register_one_exit_handler(
         assert controller.endpoint is not None
         controller.close()
     assert registered == [endpoint._clean_up]
+
+
+def test_tail_that_returns_with_its_queue_full_leaves_no_follower_waiting_for_room(monkeypatch, capsys):
+    """``nxl tail --count 1`` behind a slow stdout: it returns with its queue full of steps it will not show, while
+    the follower waits for room to hand on what is never dropped (the line of steps not shown, the request's end).
+    It waited for that room as long as the process lived; now it sees the stop and ends."""
+    import argparse
+    import queue
+    import types
+
+    from nxl_hooks.apps.serve import client
+
+    printing, waiting, printed = threading.Event(), threading.Event(), []
+
+    class Watched(queue.Queue):  # says when a put is about to wait for room
+        def put(self, item, block=True, timeout=None):
+            if block and self.full():
+                waiting.set()
+            super().put(item, block, timeout)
+
+    def step(n: int) -> dict:
+        return StepView(step=n, position=5 + n, token_id=7, token="a", probability=0.5, active=True,
+                        scores={"normxlogit": {1: ()}}, request_id="r").to_json()
+
+    class Stream:  # step 0; once it is being printed, nine more (two fill the queue), then the request's end
+        name = "run"
+
+        def events(self, path, timeout=None, on_open=None, on_connect=None):
+            on_open()
+            yield "step", step(0)
+            assert printing.wait(60)
+            for n in range(1, 10):
+                yield "step", step(n)
+            yield "end", {"request_id": "r", "steps": 10}
+
+        def status(self, timeout=None):
+            return {"pid": 1, "models": []}
+
+    def slow_print(*args, **kwargs):  # the first line is taken once the follower waits for room
+        printing.set()
+        assert waiting.wait(60)
+        printed.append(" ".join(map(str, args)))
+
+    monkeypatch.setattr(client, "endpoints", lambda run, token_file: [Stream()])
+    monkeypatch.setattr(tail, "LIVE_QUEUE", 2, raising=False)
+    monkeypatch.setattr(tail, "queue", types.SimpleNamespace(Queue=Watched, Empty=queue.Empty, Full=queue.Full))
+    monkeypatch.setattr(tail, "print", slow_print, raising=False)
+    before = set(threading.enumerate())
+    args = argparse.Namespace(run=None, token_file=None, request_id=None, k=1, last=None, layer=None,
+                              method="normxlogit", count=1)
+    assert tail.run(args) == 0
+    assert len(printed) == 1 and printed[0].startswith("r ")
+    ours = [thread for thread in set(threading.enumerate()) - before
+            if thread.name.endswith(("(follow)", "(watch_faults)"))]
+    for thread in ours:
+        thread.join(10)
+    assert not [thread.name for thread in ours if thread.is_alive()]
+    capsys.readouterr()
+
+
+def test_tail_whose_last_requests_fail_leaves_nothing_running(monkeypatch):
+    """``nxl tail --last N`` whose look at the last requests fails (a request gone between the list and its read:
+    a one-line error): its follower and fault watcher, started before it, went on reading and polling."""
+    import argparse
+
+    import pytest
+
+    from nxl_hooks.apps.options import CliError
+    from nxl_hooks.apps.serve import client
+
+    asked = []
+
+    class Quiet:  # a program that is subscribed to and makes nothing
+        name = "run"
+
+        def events(self, path, timeout=None, on_open=None, on_connect=None):
+            on_open()
+            yield from ()
+
+        def status(self, timeout=None):
+            asked.append(1)
+            return {"pid": 1, "models": []}
+
+    def gone(targets, n, k):
+        raise CliError("run: no request 'r' (it was forgotten)")
+
+    monkeypatch.setattr(client, "endpoints", lambda run, token_file: [Quiet()])
+    monkeypatch.setattr(tail, "last_requests", gone)
+    before = set(threading.enumerate())
+    args = argparse.Namespace(run=None, token_file=None, request_id=None, k=1, last=2, layer=None,
+                              method="normxlogit", count=None)
+    with pytest.raises(CliError):
+        tail.run(args)
+    ours = [thread for thread in set(threading.enumerate()) - before if thread.name.endswith("(watch_faults)")]
+    for thread in ours:
+        thread.join(10)
+    assert not [thread.name for thread in ours if thread.is_alive()]

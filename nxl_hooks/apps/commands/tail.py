@@ -36,6 +36,7 @@ escape sequence in one is shown, never run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import queue
 import shutil
 import threading
@@ -267,13 +268,18 @@ def run(args: argparse.Namespace) -> int:
     for endpoint in targets:
         threading.Thread(target=follow, args=(endpoint,), daemon=True).start()
         threading.Thread(target=watch_faults, args=(endpoint,), daemon=True).start()
-    past = last_requests(targets, args.last, args.k) if args.last else []  # after subscribing: none is missed
     try:
+        past = last_requests(targets, args.last, args.k) if args.last else []  # after subscribing: none is missed
         return _show(items, args, len(targets), past)
     finally:
         stop.set()
         for hang_up in hang_ups:  # a quiet stream's follower waits in a read: only this ends it, and its connection
             hang_up()
+        # A follower or watcher may wait for room in a queue left full (a slow stdout): room, so that it sees the stop
+        # and ends. Once stopped, each puts at most a few more items, far fewer than the queue holds.
+        with contextlib.suppress(queue.Empty):
+            while True:
+                items.get_nowait()
 
 
 def _line(view: StepView, args: argparse.Namespace, width: int) -> str:
