@@ -25,7 +25,8 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 - xdist's scheduler type
     """Work stealing where ``-n`` chose xdist's default ("load"), which hands a worker up to half of the tests still
     to run in one batch: one worker ran the last quarter of the suite alone (285 s of 1064 on 2 cores). An idle
-    worker now takes tests from the end of the other's queue. Any other ``--dist`` is kept."""
+    worker now takes tests from the end of the other's queue. Any other ``--dist`` is kept (an explicit
+    ``--dist load`` cannot be told from the default, and steals too)."""
     if config.getvalue("dist") != "load":
         return None
     from xdist.scheduler import WorkStealingScheduling

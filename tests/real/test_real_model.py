@@ -288,8 +288,7 @@ def test_cli_word_and_comma_list_targets(smollm2, smollm2_dir, tmp_path, capsys,
         torch.testing.assert_close(scores[..., k], expected, rtol=1e-4, atol=1e-4)
 
 
-def test_cli_loads_the_gguf_file_and_matches_the_oracle_on_the_gguf_loaded_by_hand(smollm2, tmp_path, capsys,
-                                                                                   monkeypatch):
+def test_cli_loads_the_gguf_file_and_matches_the_oracle_on_the_session_model(smollm2, tmp_path, capsys, monkeypatch):
     """``nxl attribute model.gguf TEXT`` for real (one GGUF conversion, about 20 s), then the folder +
     ``--gguf-file`` form, whose loads are checked to be the same ``from_pretrained`` calls on the folder and
     answered with the model loaded by hand, so that this test pays for one conversion, not three. The model loaded

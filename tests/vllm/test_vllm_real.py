@@ -23,7 +23,8 @@ ENGINE = ["--dtype", "float32", "--max-model-len", "512", "--seed", "0", "--logp
           "--max-num-batched-tokens", "16"]  # chunked prefill of the chat prompt
 #: vLLM's CPU build still traces the model with Dynamo (the capture's buffers are compiled into its graph, as in
 #: tests/vllm/test_vllm_serve.py) but runs the graph without inductor's code generation, which takes 85 s of 30
-#: blocks here (vLLM's own switch for its CPU CI: vllm/platforms/cpu.py)
+#: blocks here, and skips its warm-up forward (vLLM's own switch for its CPU CI: vllm/platforms/cpu.py,
+#: vllm/v1/worker/cpu_worker.py; the KV cache is sized by VLLM_CPU_KVCACHE_SPACE all the same)
 DYNAMO_ONLY = {"VLLM_CPU_CI_ENV": "1"}
 
 
