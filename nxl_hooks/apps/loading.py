@@ -35,6 +35,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from ..arch.text import install_command
 from .loading_options import (DTYPES, HEAD_CLASSES, QUANTIZE, Loading, markdown_table, read_device_map,
                               read_max_memory)
 
@@ -520,8 +521,7 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
     dtype = placement.get("dtype")
     for package in ("gguf", "accelerate") if gguf_file is not None else ():  # before transformers' own advice
         if importlib.util.find_spec(package) is None:  # (which names accelerate alone, or [big] through it)
-            raise ModuleNotFoundError(f'reading a .gguf file needs {package}: pip install "nxl_hooks[gguf]"',
-                                      name=package)
+            raise ModuleNotFoundError(f"reading a .gguf file needs {package}: {install_command('gguf')}", name=package)
     if gguf_file is not None:
         kind = head or "causal_lm"  # a GGUF file holds a language model; its config names no architecture
         if kind != "causal_lm":  # (check_gguf would build the file's model with that head, and blame the file)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 
+from ...arch.text import install_command
 from ..options import CliError, say
 
 NAME = "convert"
@@ -23,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="write a .gguf model as a transformers folder (for from_pretrained and transformers serve)",
         description="Dequantize the model of a GGUF file and save it with its config, tokenizer and chat template "
                     "as a folder that from_pretrained and transformers serve load (needs gguf and accelerate: "
-                    'pip install "nxl_hooks[gguf]").',
+                    f"{install_command('gguf')}).",
     )
     parser.add_argument("model", metavar="MODEL", help="the .gguf file (or a folder or hub id with --gguf-file)")
     parser.add_argument("out", metavar="OUT", help="the folder to write (new, or empty)")
