@@ -816,7 +816,10 @@ class Hub:
                         "so it was stopped to keep generation at its speed", call, steps=step is not None)
 
     def _write_loop(self, frames: queue.SimpleQueue) -> None:
-        many = self._sink.write_steps if isinstance(self._sink, BatchingSink) else None
+        try:
+            many = self._sink.write_steps if isinstance(self._sink, BatchingSink) else None
+        except Exception:  # noqa: BLE001 - the sink's code (Python 3.11's isinstance reads it): one frame at a time
+            many = None
         while True:
             batch = frames.get()
             while not frames.empty():  # a backlog goes in one batch

@@ -399,6 +399,28 @@ def test_a_sink_whose_lost_cannot_be_read_counts_none_lost_and_never_raises_into
                for r in caplog.records)
 
 
+class _BatchingUnreadable(_ListSink):
+    """Takes runs of steps, but its ``write_steps`` is a property that raises when read (a wrapper over a handle)."""
+
+    @property
+    def write_steps(self):
+        raise RuntimeError("handle not open yet")
+
+
+def test_a_sink_whose_write_steps_cannot_be_read_gets_its_steps_one_by_one(chat, monkeypatch):
+    """Whether a sink takes runs of steps is the sink's code: Python 3.11's isinstance reads the attribute, and one
+    that raised killed the sink thread there, every frame after it lost without a word."""
+    _, model, tokenizer = chat
+    died = []
+    monkeypatch.setattr(threading, "excepthook", died.append)
+    enc = tokenizer(PROMPTS[:1], return_tensors="pt")
+    sink = _BatchingUnreadable("x")
+    with nxl.attach(model, tokenizer=tokenizer, sink=sink) as probe:
+        model.generate(**enc, max_new_tokens=3, do_sample=False)
+    assert died == [] and probe.sink_fault is None and probe.unwritten == 0
+    assert [r[0] for r in sink.records] == ["call", "step", "step", "step", "end", "close"]
+
+
 class _Unprintable(Exception):
     def __str__(self):
         raise ValueError("cannot render")
