@@ -130,7 +130,9 @@ def _model_logits(plan: Plan, output: Any, examples: torch.Tensor, positions: to
     A causal LM called with an int ``logits_to_keep`` returns its last positions' only: the rows predicting there
     are its own (its 16-bit readout on that slice may round the bias apart from the product, so a logit recomputed
     here can miss its by a step, and flip a near tie). Rows not covered (a tuple output, a row whose prediction
-    position it did not keep, a ``logits_to_keep`` of indices) are computed from the last layer's features."""
+    position it did not keep) are computed from the last layer's features. A ``logits_to_keep`` of indices keeps the
+    positions it names, in its order (its row j is position ``keep[j]``'s, not position j's, even where it names
+    them all)."""
     covered = torch.zeros(len(examples), dtype=torch.bool)
     logits = getattr(output, "logits", None)
     if not isinstance(logits, torch.Tensor) or logits.shape[-1] != plan.head.n_outputs:
@@ -140,6 +142,15 @@ def _model_logits(plan: Plan, output: Any, examples: torch.Tensor, positions: to
             return None, covered, False
         return logits[examples.to(logits.device)].float(), ~covered, False
     kept = logits.shape[1] if logits.dim() == 3 else 0
+    if isinstance(keep, torch.Tensor):  # (a plain forward's end: this host read is once per call)
+        kept_at = keep.cpu().nonzero()[:, 0] if keep.dtype == torch.bool else keep.cpu()  # (a mask selects)
+        if keep.dim() != 1 or len(kept_at) != kept or kept_at.is_floating_point():
+            return None, covered, False
+        row = torch.full((seq,), -1, dtype=torch.long)
+        row[kept_at.long() % seq] = torch.arange(kept)  # (a position kept twice has one logit row)
+        at = row[positions]
+        covered = at >= 0
+        return logits[examples.to(logits.device), at.clamp(min=0).to(logits.device)].float(), covered, True
     if kept != seq and not (isinstance(keep, int) and 0 < kept < seq):
         return None, covered, False
     offset = seq - kept  # (0: every position's)

@@ -75,6 +75,29 @@ def test_one_text_is_explained_with_a_tokenizer_that_has_no_pad_token():
     torch.testing.assert_close(res.normxlogit, expected, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("keep", ["reversed", "mask", "some"])
+def test_a_forward_with_logits_to_keep_as_indices_explains_the_positions_they_name(keep):
+    """``logits_to_keep`` of indices: the model's logit row j is position keep[j]'s. Reversed (as many rows as
+    positions: they were read as position j's, the target of another position), a boolean mask, and a few indices
+    (negative ones; right padding puts a row's prediction position among them, or not)."""
+    model = tiny.build_model("llama")
+    ids, mask = _ids(3, 7), torch.ones(3, 7, dtype=torch.long)
+    mask[1, -2:] = 0  # row 1 predicts at position 4
+    indices = {"reversed": torch.arange(7).flip(0), "mask": torch.tensor([True] * 7),
+               "some": torch.tensor([4, -1, 0])}[keep]
+    with torch.no_grad(), nxl.attach(model, layers="all") as probe:
+        model(input_ids=ids, attention_mask=mask, logits_to_keep=indices)
+    with torch.no_grad():
+        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    logits = oracle.llama(model).layer_logits(out.hidden_states)
+    at = mask.sum(-1) - 1
+    target = logits[-1, torch.arange(3), at].argmax(-1)
+    _, expected = oracle.normxlogit(logits, out.hidden_states[0], target)
+    res = probe.result()
+    assert torch.equal(res.target, target)
+    torch.testing.assert_close(res.normxlogit, expected, rtol=1e-4, atol=1e-5)
+
+
 def test_a_forward_that_continues_a_kv_cache_the_probe_never_saw_is_said_not_recorded(caplog):
     """A hand-written decoding loop: its tokens' context is in a cache the probe never saw, so its forwards are not
     recorded, said once per probe (it was recorded over its own tokens alone, with the whole mask: a record that
