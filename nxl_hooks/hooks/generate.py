@@ -211,8 +211,8 @@ class _Batch:
     def handed(self, count: int) -> None:
         self._run._handed = self._emitted[count - 1].n + 1 - (self._run._prompt_len or 0)
 
-    def lost(self, error: BaseException) -> None:
-        self._run._lost(self._emitted[0].n - (self._run._prompt_len or 0), error)
+    def lost(self, error: BaseException, step: int | None = None) -> None:
+        self._run._lost(self._emitted[0].n - (self._run._prompt_len or 0) if step is None else step, error)
 
 
 class _Growing:

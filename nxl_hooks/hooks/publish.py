@@ -193,9 +193,9 @@ class Batch(Protocol):
         them back): its call's records reach at least the last of them, unless it is :meth:`lost`."""
         ...
 
-    def lost(self, error: BaseException) -> None:
-        """Making its records failed in the publisher thread: they are lost, and its call says so (its error, one
-        line in the log) and stops being recorded."""
+    def lost(self, error: BaseException, step: int | None = None) -> None:
+        """Making its records (those from its record of ``step`` on; None: all) failed in the publisher thread: they
+        are lost, and its call says so (its error, one line in the log) and stops being recorded."""
         ...
 
 
@@ -630,7 +630,7 @@ class Hub:
             try:
                 steps = on_host(list(made), item.texts)
             except Exception:  # noqa: BLE001 - one record's texts or copy failed: the others still go on
-                steps = [step for step in made if self._alone(item.call, step, item.texts)]
+                steps = self._one_by_one(item, made)
             for step in steps:
                 self._deliver(item.call, step)
         elif isinstance(item, _CallItem):
@@ -642,15 +642,25 @@ class Hub:
         else:
             self._to_sink(None, item.written)
 
-    def _alone(self, call: GenerationCall, step: Step, texts: Texts | None) -> bool:
-        """Whether ``step`` reached the host on its own, its batch having failed to; a record that cannot is lost,
-        said in the log and in its call's notes."""
-        try:
-            on_host([step], texts)
-            return True
-        except Exception as error:  # noqa: BLE001 - the publisher outlives any one record
-            self.note(call, f"the record of step {step.step} was lost ({typed(error)})")
-            return False
+    def _one_by_one(self, item: _StepItem, made: tuple[Step, ...]) -> list[Step]:
+        """``made``'s records that reach the host one by one, their batch having failed to. A record whose token
+        texts cannot be made goes on without them (said in its call's notes); the first that cannot cross is lost,
+        and its call's records stop there, as a lost batch's do: a call's steps never have a gap (a reader takes one
+        for damage)."""
+        crossed = []
+        for step in made:
+            try:
+                on_host([step])
+            except Exception as error:  # noqa: BLE001 - its call says so (its batch's ``lost``)
+                item.batch.lost(error, step.step)
+                break
+            if item.texts is not None:
+                try:
+                    step.readable = item.texts(step.token.tolist())
+                except Exception as error:  # noqa: BLE001 - the tokenizer's code: the record keeps its numbers
+                    self.note(item.call, f"the token texts of step {step.step} could not be made ({typed(error)})")
+            crossed.append(step)
+        return crossed
 
     def note(self, call: GenerationCall, lost: str) -> None:
         """Records of ``call`` were ``lost`` past what its error says: one line in the log, one in its notes.

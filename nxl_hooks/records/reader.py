@@ -342,6 +342,10 @@ def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, to
         call.complete = _field(header, "complete", (bool,))
         call.error = _text(header, "error")
         call.ended = _field(header, "ended", (float, int), optional=True)
+        notes = _field(header, "notes", (list,), optional=True) or []
+        if not all(isinstance(note, str) for note in notes):
+            raise ValueError(f"'notes' is {notes!r:.80}, expected a list of texts")
+        call.notes = [record_text(note) for note in notes]
         return False
     raise ValueError(f"unknown record kind {kind!r} (expected 'call', 'step' or 'end')")
 

@@ -140,10 +140,11 @@ def encode_step(step: Step, *, seq: int | None = None, first_kept: bool = False)
 
 
 def encode_end(call: GenerationCall, *, seq: int | None = None) -> bytes:
-    """The ``end`` frame of a call that returned (or stopped being recorded)."""
+    """The ``end`` frame of a call that returned (or stopped being recorded), with its notes where it has some."""
     tensors = {"sequences": call.sequences} if call.sequences is not None else {}
+    notes = {"notes": list(call.notes)} if call.notes else {}
     return _encode(tensors, {"kind": "end", "call": call.index, "complete": call.complete, "error": call.error,
-                             "ended": call.ended}, seq)
+                             "ended": call.ended, **notes}, seq)
 
 
 def stream_bytes(call: GenerationCall, meta: dict) -> bytes:

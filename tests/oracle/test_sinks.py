@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -340,6 +341,33 @@ def test_records_read_back_equal_the_live_ones_field_by_field_with_texts(chat, t
         [s.token[0] for s in live.steps[:-1]])]).tolist())
     for position, text, score in step.to_attribution().top(3):
         assert text == texts[position] and score == pytest.approx(float(step.normxlogit[-1, 0, position]))
+
+
+def test_a_step_whose_token_texts_cannot_be_made_is_written_without_them_and_read_back_whole(chat, tmp_path):
+    """A tokenizer that cannot decode one generated id (a tiktoken-style one raising KeyError): that step's record
+    was lost, a gap that read_stream took for damage, dropping every later step and the call's end (nxl export
+    --strict refused the file). It is written without its texts, every step read back equals the oracle, and the
+    call's note is in the file."""
+    path, model, _ = chat
+    tokenizer = AutoTokenizer.from_pretrained(path)  # (its own: the texts of its ids are not known yet)
+    enc = tokenizer(PROMPTS[:1], return_tensors="pt")
+    bad = int(model.generate(**enc, max_new_tokens=2, do_sample=False)[0, -1])  # the second generated id
+
+    class Picky(type(tokenizer)):
+        def batch_decode(self, sequences, **kwargs):
+            if any(bad in ids for ids in sequences):
+                raise KeyError(bad)
+            return super().batch_decode(sequences, **kwargs)
+
+    tokenizer.__class__ = Picky
+    with nxl.attach(model, layers="all", tokenizer=tokenizer, sink=tmp_path / "run.nxl"):
+        model.generate(**enc, max_new_tokens=4, do_sample=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a file read as damaged warns
+        (disk,) = nxl.read_stream(tmp_path / "run.nxl")
+    check_call(model, disk, 4)
+    assert [step.readable is None for step in disk.steps] == [False, True, False, False]
+    assert disk.notes == [f"the token texts of step 1 could not be made (KeyError: {bad})"]
 
 
 class _FullDisk(_ListSink):

@@ -77,9 +77,10 @@ def test_a_record_kept_holds_its_own_scores_not_its_batchs():
             assert value.untyped_storage().nbytes() == value.numel() * value.element_size()
 
 
-def test_a_record_that_cannot_reach_the_host_is_lost_alone_and_said_in_its_calls_notes(caplog):
-    """The publisher moves a batch of records together; when that fails for one of them (here its token texts), the
-    others still reach the call, and the lost one is said in the log and in the call's notes."""
+def test_a_record_whose_texts_cannot_be_made_goes_on_without_them_said_in_its_calls_notes(caplog):
+    """The publisher moves a batch of records together; when the tokenizer cannot make one record's token texts,
+    that record goes on without them (it was lost: a gap in its call's steps, which a stream reader takes for
+    damage), said in the log and in the call's notes."""
     from nxl_hooks.hooks.publish import Hub
 
     def texts(ids: list[int]) -> list[str]:
@@ -94,12 +95,41 @@ def test_a_record_that_cannot_reach_the_host_is_lost_alone_and_said_in_its_calls
                   embed_norm=torch.ones(1, 3 + index), mask=torch.ones(1, 3 + index, dtype=torch.bool),
                   active=torch.ones(1, dtype=torch.bool), layers=[0], n_blocks=1)
              for index, token in enumerate((5, 7, 9))]
-    hub.publish(call, _Batch(steps), texts)
+    batch = _Batch(steps)
+    hub.publish(call, batch, texts)
     hub.end(call, None)
     hub.settle()  # (the call returns before its records are kept while nothing reads them live)
-    assert [step.step for step in call.steps] == [0, 2] and [step.readable for step in call.steps] == [["t5"], ["t9"]]
-    assert any("the record of step 1 was lost (KeyError" in note for note in call.notes)
-    assert "the record of step 1 was lost" in caplog.text
+    assert [step.step for step in call.steps] == [0, 1, 2] and batch.lost_with is None
+    assert [step.readable for step in call.steps] == [["t5"], None, ["t9"]]
+    assert any("the token texts of step 1 could not be made (KeyError" in note for note in call.notes)
+    assert "the token texts of step 1 could not be made" in caplog.text
+    hub.close()
+
+
+def test_a_record_that_cannot_reach_the_host_stops_its_calls_records_there(monkeypatch):
+    """A record of a batch that cannot cross to the host is lost, and so are the ones after it (through its batch's
+    ``lost``, from its step on: its call says it): the records before it reach the call, and no later one does, so
+    that a call's steps never have a gap."""
+    from nxl_hooks.hooks import publish
+
+    crossing = publish.host_copies
+
+    def failing(tensors, *args, **kwargs):
+        if any(tensor.shape[-1] == 4 for tensor in tensors):  # step 1's (position 4)
+            raise RuntimeError("device lost")
+        return crossing(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(publish, "host_copies", failing)
+    hub = publish.Hub(on_step=None, sink=None, keep_steps=True)
+    call = hub.begin([0], request_id="r", thread=None)
+    first, later = _Batch(_steps(0, 3)), _Batch(_steps(3, 1), call=None)
+    later._call = first._call  # one call: a batch after the lost one is dropped
+    hub.publish(call, first)
+    hub.publish(call, later)
+    hub.end(call, None)
+    hub.settle()
+    assert [step.step for step in call.steps] == [0]
+    assert isinstance(first.lost_with, RuntimeError) and first.lost_at == 1
     hub.close()
 
 
@@ -114,6 +144,7 @@ class _Batch:
         self._steps, self._fail = steps, fail
         self.made_in: str | None = None
         self.lost_with: BaseException | None = None
+        self.lost_at: int | None = None  # the step its records were lost from (None: all)
         self.was_handed = 0  # how many of its records were handed on
 
     def records(self) -> list[Step]:
@@ -130,8 +161,8 @@ class _Batch:
     def handed(self, count: int) -> None:
         self.was_handed = count
 
-    def lost(self, error: BaseException) -> None:
-        self.lost_with = error
+    def lost(self, error: BaseException, step: int | None = None) -> None:
+        self.lost_with, self.lost_at = error, step
         self._call["lost"] = True
 
 
