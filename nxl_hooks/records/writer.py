@@ -60,6 +60,7 @@ __all__ = ["PartlyWritten", "RotatingSink", "Sink", "encode_call", "encode_end",
 #: The sink kinds made here (:data:`nxl_hooks.records.sinks.DECLARED`): ``file:PATH``, ``folder:PATH``.
 SINKS = {"file": {"factory": "Sink"}, "folder": {"factory": "RotatingSink"}}
 
+_STREAM = b"nxl_hooks.stream/"  #: what every version's file begins with
 _FILE_MAGIC = b"nxl_hooks.stream/2\n"  # what is written; version 1 (nxl_hooks 0.1, no frame numbers) still reads
 _FRAME = struct.Struct("<4sQI")
 _FRAME_MAGIC = b"NXLF"
@@ -164,9 +165,16 @@ def stream_bytes(call: GenerationCall, meta: dict) -> bytes:
 
 
 def _open(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
-    """A new (or emptied) stream file holding only the file magic, held for this writer (:func:`claim_file`)."""
-    fd = claim_file(path, mode, follow_symlinks=follow_symlinks)
+    """A new (or emptied) stream file holding only the file magic, held for this writer (:func:`claim_file`). A
+    file that holds something other than a stream (a Parquet file given without ``parquet:``, anyone's data) is
+    refused (ValueError, one line), never emptied."""
+    fd = claim_file(path, mode, follow_symlinks=follow_symlinks, readable=True)
     try:
+        head = os.pread(fd, len(_STREAM), 0)
+        if not (head.startswith(_STREAM) or _STREAM.startswith(head)):  # (a writer killed in its magic: its start)
+            kind = " (a Parquet sink is 'parquet:PATH')" if path.suffix == ".parquet" else ""
+            raise ValueError(f"{path} holds something other than an nxl_hooks stream, which a stream sink would "
+                             f"empty: give another path, or remove the file first{kind}")
         os.ftruncate(fd, 0)
         _write_all(fd, _FILE_MAGIC)
     except BaseException:
@@ -262,7 +270,8 @@ Frame = Callable[[int], bytes]
 class Sink:
     """Append-only, crash-safe record file (format in the module docstring). ``attach(..., sink=Sink(p, fsync=True))``
 
-    The file is created (or emptied) when the probe attaches; read it with :func:`read_stream`. One writer per
+    The file is created (or emptied, when it holds a stream) when the probe attaches; read it with
+    :func:`read_stream`. A file that holds anything else is refused (ValueError), never emptied. One writer per
     file: a path another sink has open (a second model or process) is refused (ValueError) and left as it is, until
     that sink is closed. A path that is a symbolic link is refused (ValueError), so that a link planted where the
     file goes cannot redirect the records (and the truncation) onto another file; ``follow_symlinks=True`` writes through it. A sink belongs to the

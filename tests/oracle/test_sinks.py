@@ -968,6 +968,28 @@ def test_a_second_stream_writer_on_one_file_or_folder_is_refused_at_attach_and_c
     check_call(second, stream[-1], 2)
 
 
+@pytest.mark.parametrize("name", ["scores.parquet", "notes.txt"])
+def test_a_stream_sink_never_empties_a_file_that_holds_no_stream(tmp_path, name):
+    """attach(sink="scores.parquet") (``parquet:`` forgotten) emptied the Parquet file there at attach: a file that
+    holds anything but a stream is refused in one line, left as it is, and the model keeps no hook; a stream file,
+    even one whose writer was killed in its first bytes, is emptied and written anew."""
+    model = tiny.generating_llama(seed=3)
+    ids = torch.randint(1, tiny.GEN_VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
+    path = tmp_path / name
+    path.write_bytes(b"PAR1 someone's data")
+    with pytest.raises(ValueError) as refused:
+        nxl.attach(model, sink=path)
+    assert path.read_bytes() == b"PAR1 someone's data" and nxl.detach_all(model) == 0
+    hint = " (a Parquet sink is 'parquet:PATH')" if name.endswith(".parquet") else ""
+    assert str(refused.value) == (f"{path} holds something other than an nxl_hooks stream, which a stream sink "
+                                  f"would empty: give another path, or remove the file first{hint}")
+    path.write_bytes(b"nxl_hooks.str")  # a writer killed while it wrote the file's magic
+    with nxl.attach(model, layers="all", sink=path):
+        model.generate(input_ids=ids, max_new_tokens=2, do_sample=False)
+    (call,) = nxl.read_stream(path, strict=True)
+    check_call(model, call, 2)
+
+
 def test_one_sink_object_given_to_two_probes_is_refused(tmp_path):
     """Both probes would number their calls from 0 in one file: the second attach is refused in one line."""
     sink = nxl.Sink(tmp_path / "run.nxl")

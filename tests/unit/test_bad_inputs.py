@@ -731,6 +731,10 @@ def test_a_sink_refuses_a_symlink_unless_told(lm, tmp_path, existing):
     with pytest.raises(ValueError, match="is a symbolic link"):
         nxl.Sink(link)
     assert existing.read_bytes() == before and _hooks(lm) == 0
+    with pytest.raises(ValueError, match="holds something other than an nxl_hooks stream"):
+        nxl.Sink(link, follow_symlinks=True)  # followed, and the file there holds no stream: never emptied
+    assert existing.read_bytes() == before
+    existing.write_bytes(b"")
     with nxl.attach(lm, sink=nxl.Sink(link, follow_symlinks=True)):
         lm.generate(input_ids=torch.tensor([[5, 6]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
     (call,) = nxl.read_stream(existing)  # written through the link, as asked
