@@ -248,12 +248,25 @@ def _after_prompt(tokenizer: Any, prompt: str, word: str) -> list[int]:
     return tokenizer.encode(addition, add_special_tokens=False)  # the word merged into the prompt's last token
 
 
+def _label_ids(config: Any) -> dict[str, tuple[int, ...]]:
+    """Each label name of a classifier -> the output ids it names, in id order: ``config.id2label``'s, the names its
+    outputs are shown by (transformers', pipelines', records'); ``label2id`` only where ``id2label`` says nothing (a
+    model loaded with ``id2label=...`` keeps the checkpoint's ``label2id``, stale)."""
+    id2label = getattr(config, "id2label", None) or {}
+    pairs = sorted((int(i), str(name)) for i, name in id2label.items()) or sorted(
+        (int(i), str(name)) for name, i in (getattr(config, "label2id", None) or {}).items())
+    labels: dict[str, tuple[int, ...]] = {}
+    for index, name in pairs:
+        labels[name] = (*labels.get(name, ()), index)
+    return labels
+
+
 def resolve_target(model: nn.Module, kind: HeadKind | str, tokenizer: Any, item: str | int,
                    n_outputs: int | None = None, *, prompt: str | None = None) -> ResolvedTarget:
     """One requested target or label -> what it explains (the rules in order):
 
     1. an int: that output id (range-checked against ``n_outputs`` when given);
-    2. classifiers: a label name of ``config.label2id`` (surrounding spaces ignored), or a number as an id;
+    2. classifiers: a label name, as ``config.id2label`` names the outputs (surrounding spaces ignored), or a number as an id;
     3. LMs (a tokenizer is needed): a vocabulary entry that is not plain text ('Ġis', '▁is', a special token) is that
        token; without a ``prompt`` (and for masked LMs) any vocabulary entry is;
     4. other text is a word: after the ``prompt`` (causal LMs), the first token the tokenizer makes of it there
@@ -274,13 +287,17 @@ def resolve_target(model: nn.Module, kind: HeadKind | str, tokenizer: Any, item:
         return ResolvedTarget(item, number, (number,), "id")
     if not isinstance(item, str):
         raise ValueError(f"target/label {item!r} must be an int id or a string, got {type(item).__name__}")
-    label2id, kind = getattr(model.config, "label2id", None) or {}, HeadKind(kind)
-    if kind.pooled and item.strip() in label2id:  # " LABEL_0" from a comma list is the label too
-        return ResolvedTarget(item, int(label2id[item.strip()]), (int(label2id[item.strip()]),), "label")
-    if kind.pooled and (number := int_text(item.strip())) is not None:
-        return resolve_target(model, kind, tokenizer, number, n_outputs)
+    kind = HeadKind(kind)
     if kind.pooled:
-        raise ValueError(f"label {item!r} is not one of the model's labels {sorted(label2id)}; or pass an int id")
+        labels = _label_ids(model.config)
+        ids = labels.get(item.strip(), ())  # " LABEL_0" from a comma list is the label too
+        if len(ids) == 1:
+            return ResolvedTarget(item, ids[0], ids, "label")
+        if ids:
+            raise ValueError(f"label {item!r} names outputs {list(ids)} of the model: pass one of them as an int id")
+        if (number := int_text(item.strip())) is not None:
+            return resolve_target(model, kind, tokenizer, number, n_outputs)
+        raise ValueError(f"label {item!r} is not one of the model's labels {list(labels)}; or pass an int id")
     if tokenizer is None:
         raise ValueError(f"target {item!r} is a string: pass attach(..., tokenizer=tok) to resolve it, or an int id")
     if not item:

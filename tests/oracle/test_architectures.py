@@ -275,7 +275,7 @@ def test_matches_oracle(case_id: str):
     [
         ("llama-lm", [7, "w9", 30], [7, 9, 30]),  # int and token-string targets, trailing k axis
         ("gpt2-lm", "w12", [12]),
-        ("bert-cls", ["neg", 1], [0, 1]),  # label names via config.label2id
+        ("bert-cls", ["neg", 1], [0, 1]),  # label names, as config.id2label names the outputs
         ("bert-mlm", ["w5", 6], [5, 6]),
         ("gemma2-cls", 1, [1]),
     ],
@@ -298,6 +298,22 @@ def test_explicit_targets(case_id, target, ids):
     embed = out.hidden_states[0][examples].float().norm(dim=-1)
     scale = embed[None, :, :, None] if isinstance(target, list) else embed[None]
     torch.testing.assert_close(res.normxlogit, scale * expected, **_TOL)
+
+
+@pytest.mark.parametrize("label2id", [{"LABEL_0": 0, "LABEL_1": 1}, {"pos": 0, "neg": 1}, None],
+                         ids=["left-default", "swapped", "none"])
+def test_a_label_name_is_the_output_id2label_names_so_whatever_label2id_says(label2id):
+    """``from_pretrained(path, id2label=...)`` (the fine-tuning recipe) keeps the checkpoint's ``label2id``: a label
+    name the records and pipelines show (``id2label``'s) was refused, or, with the names swapped, explained the
+    other output."""
+    case = CASES["bert-cls"]
+    model = case.build(id2label={0: "neg", 1: "pos"})
+    model.config.label2id = label2id
+    batch, mask = _batch(case, "sequence_classification")
+    res, out = _run(model, batch, mask, target="pos", tokenizer=TOK)
+    logits = case.oracle(model).layer_logits(out.hidden_states)
+    assert res.target.tolist() == [1] * len(batch) and res.target_text == [["pos"]] * len(batch)
+    torch.testing.assert_close(res.logat, logits[..., 1], **_TOL)
 
 
 @pytest.mark.parametrize("case_id", ["gemma-lm", "granite-lm", "opt_proj-cls", "bert-mlm"])
