@@ -41,8 +41,11 @@ def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, chat: bo
     target, resolved = options.pop("target", "predicted"), None
     if not is_predicted(target) and not isinstance(target, torch.Tensor):
         target, resolved = prompt_targets(subject.model, subject.kind, tokenizer, target, texts)
-    enc = tokenizer(texts[0] if isinstance(text, str) else texts, return_tensors="pt", padding=len(texts) > 1,
-                    return_token_type_ids=False).to(input_device(model))
+    # A batch is padded on the right whatever the tokenizer's side: each text keeps the positions it has alone (left
+    # padding shifts a shorter text's on a model of absolute positions, GPT-2's: another forward than its own).
+    padding = {"padding": True, "padding_side": "right"} if len(texts) > 1 else {}
+    enc = tokenizer(texts[0] if isinstance(text, str) else texts, return_tensors="pt", return_token_type_ids=False,
+                    **padding).to(input_device(model))
     check_tokens(enc["input_ids"])  # before the model's own error on no tokens (a reshape), not after it
     with torch.no_grad(), attach(subject, tokenizer=tokenizer, target=target, **options) as probe:
         model(**enc)

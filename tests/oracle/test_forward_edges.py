@@ -98,6 +98,34 @@ def test_a_forward_with_logits_to_keep_as_indices_explains_the_positions_they_na
     torch.testing.assert_close(res.normxlogit, expected, rtol=1e-4, atol=1e-5)
 
 
+def test_a_batch_explained_with_a_left_padding_tokenizer_keeps_each_texts_own_positions():
+    """nxl.explain padded a batch on the tokenizer's side: left padding shifted a shorter text's positions on a model
+    of absolute positions (GPT-2), a forward other than its own (another target, probability and scores than the
+    text alone, or generate, gives). Each row equals the oracle of its text run alone."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=len(tiny.VOCAB), n_embd=32, n_layer=2, n_head=4,
+                                       pad_token_id=0)).eval()
+    with torch.no_grad():
+        model.transformer.wpe.weight.mul_(20)  # positions matter, as in a trained model
+    tok = tiny.word_tokenizer(tiny.VOCAB)
+    tok.padding_side = "left"
+    texts = ["a very good plot and the movie was", "the film was"]
+    res = nxl.explain(model, tok, texts, layers="all")
+    hand = oracle.layer_norm_decoder("transformer.ln_f")(model)
+    for row, text in enumerate(texts):
+        ids = tok(text, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out = model(input_ids=ids, output_hidden_states=True)
+        logits = hand.layer_logits(out.hidden_states)
+        target = logits[-1, :, -1].argmax(-1)
+        _, expected = oracle.normxlogit(logits, out.hidden_states[0], target)
+        n = ids.shape[1]
+        assert int(res.target[row]) == int(target[0]) and tok.padding_side == "left"
+        torch.testing.assert_close(res.normxlogit[:, row, :n], expected[:, 0], rtol=1e-4, atol=1e-5)
+
+
 def test_a_forward_that_continues_a_kv_cache_the_probe_never_saw_is_said_not_recorded(caplog):
     """A hand-written decoding loop: its tokens' context is in a cache the probe never saw, so its forwards are not
     recorded, said once per probe (it was recorded over its own tokens alone, with the whole mask: a record that
