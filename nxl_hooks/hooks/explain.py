@@ -12,7 +12,7 @@ from torch import nn
 
 from ..method.chat import chat_prompt, template_rows
 from ..method.placement import input_device
-from ..method.select import is_predicted, prompt_targets
+from ..method.select import from_numpy, is_predicted, prompt_targets
 from ..method.subject import Subject
 from ..records.attribution import Attribution
 from ..records.tokens import describe_target
@@ -38,7 +38,7 @@ def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, chat: bo
     prompts = [chat_prompt(tokenizer, one) for one in texts] if chat else []
     texts = [prompt.text for prompt in prompts] or texts
     subject = Subject.of(model)  # resolved once, for the targets and the attach
-    target, resolved = options.pop("target", "predicted"), None
+    target, resolved = from_numpy(options.pop("target", "predicted")), None  # (as attach takes a numpy array)
     if not is_predicted(target) and not isinstance(target, torch.Tensor):
         target, resolved = prompt_targets(subject.model, subject.kind, tokenizer, target, texts)
     # A batch is padded on the right whatever the tokenizer's side: each text keeps the positions it has alone (left

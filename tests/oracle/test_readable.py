@@ -285,3 +285,17 @@ def test_evaluate_and_audit_records_read_targets_after_the_text(model, tok):
     assert rec["target"] == paris and rec["target_text"] == "␣Paris" and rec["readable"][-1] == "␣is"
     predicted = int(torch.argmax(model(**tok(PROMPT, return_tensors="pt")).logits[0, -1]))
     assert rec["reference_prediction_text"] == readable(tok, predicted) == rec["candidate_prediction_text"]
+
+
+def test_explain_takes_a_numpy_array_of_targets_as_attach_does(model, tok):
+    """attach(target=np.array(...)) is the tensor of ids it stands for; explain refused it ("use ... a tensor of
+    ids"), and an array of words is the list of them."""
+    import numpy as np
+
+    ids = [piece_id(tok, "ĠParis"), piece_id(tok, "ĠLondon")]
+    expected, probability = oracle_scores(model, tok, PROMPT, ids)
+    for target in (np.array([ids]), np.array(["Paris", "London"])):
+        res = nxl.explain(model, tok, PROMPT, target=target)
+        assert res.target.tolist() == [ids]
+        torch.testing.assert_close(res.normxlogit[:, 0], expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(res.probability[0], probability)
