@@ -183,9 +183,10 @@ class Recorder:
             arguments.update(extra)
         return arguments
 
-    def _stray(self, arguments: dict[str, Any]) -> bool:
+    def _stray(self, arguments: dict[str, Any], past: int | torch.Tensor | None) -> bool:
         """Whether a forward outside every recorded call is an engine's own (its warmup, or a step it cannot
-        follow), which a plain forward's record cannot explain: then it is not recorded, and the result says why.
+        follow), or continues a KV cache holding ``past`` positions (:func:`~.conventions.start` at its start), which
+        a plain forward's record cannot explain: then it is not recorded, and the result says why.
         Said once per probe: as a warning when the engine cannot follow its host at all (also kept as
         ``Probe.unrecorded``), else as information."""
         for engine in self.engines:
@@ -206,7 +207,6 @@ class Recorder:
                 "the last forward packed several sequences into one row (cu_seq_lens_q: padding-free inputs), which "
                 "a plain forward's record cannot explain; pass a padded batch")
             return True
-        past = start(arguments)[0]
         # (read on the host where it is a tensor, a static cache's: a plain forward's record is made on it anyway)
         past = int(past) if past is not None else 0
         if past not in (0, self.plan.subject.virtual_tokens):
@@ -287,9 +287,15 @@ class Recorder:
         """Assemble the last plain forward that ran wholly compiled (the task model's hooks traced too)."""
         seen = self.plain.take()
         if seen is not None and seen[0] is not None:
-            self._finish(*seen)
+            self._traced(*seen)
         elif seen is not None:
             self.results.last = self._skipped()
+
+    def _traced(self, capture: Capture, output: Any, arguments: dict[str, Any], past: Any) -> None:
+        """Assemble a plain forward that ran compiled (:meth:`~.traced.TracedForward.take`), checked as an eager
+        one is at its start."""
+        if not self._stray(arguments, past):
+            self._finish(capture, output)
 
     def on_task_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if traced():
@@ -323,7 +329,7 @@ class Recorder:
                 except Exception as error:  # noqa: BLE001 - never into the host's forward
                     run.fail("this call", error)
         elif not task.blocks_ran and output is not None and (seen := self.plain.take()) and seen[0] is not None:
-            self._finish(seen[0], output)  # its forward ran compiled, tracing the blocks' hooks
+            self._traced(seen[0], output, *seen[2:])  # its forward ran compiled, tracing the blocks' hooks
         elif not task.blocks_ran and output is not None and task.backbone_ran:
             self.results.last = RuntimeError(
                 f"{type(self.plan.model).__name__} ran its backbone's hooks, but its blocks ran code compiled by "
@@ -362,7 +368,7 @@ class Recorder:
             return
         try:
             bound = self._arguments(args, kwargs)
-            if run is None and self._stray(bound):
+            if run is None and self._stray(bound, start(bound)[0]):
                 return
             capture = open_capture(bound)
             if run is not None:

@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from .conventions import start
 from .forward import Capture
 
 __all__ = ["Recompiled", "TracedForward", "compiled_forward", "eager_twin", "reset_compiled"]
@@ -92,8 +93,13 @@ class TracedForward:
         self.seen = {"hidden": {}}
 
     def begin(self, arguments: dict[str, Any]) -> None:
+        """The backbone's forward starts, traced with ``arguments``: kept whole, with the positions before its tokens
+        as the forward says them now (a cache has grown by the time it is assembled), for the checks an eager
+        forward has at its start (a KV cache it continues, packed rows, an engine's own forward), made in take()'s
+        caller, outside the graph."""
         self.seen = {"input_ids": arguments.get("input_ids"), "inputs_embeds": arguments.get("inputs_embeds"),
-                     "attention_mask": arguments.get("attention_mask"), "hidden": {}}
+                     "attention_mask": arguments.get("attention_mask"), "hidden": {}, "arguments": arguments,
+                     "past": start(arguments)[0]}
 
     def keep(self, name: str, value: Any) -> None:
         if self.seen is not None:
@@ -107,15 +113,15 @@ class TracedForward:
         """A later forward ran eagerly: it, not the traced one kept, is the last (of any thread)."""
         self.seen = None
 
-    def take(self) -> tuple[Capture | None, Any] | None:
+    def take(self) -> tuple[Capture | None, Any, dict[str, Any], Any] | None:
         """The last traced forward's capture (None: the task model's hooks were traced, its backbone's never ran:
-        compiled code from before the hooks) and the task model's output (its logits: None when not seen), once;
-        None when no forward was traced since."""
+        compiled code from before the hooks), the task model's output (its logits: None when not seen), and the
+        backbone's arguments and past positions (:meth:`begin`), once; None when no forward was traced since."""
         seen, self.seen = self.seen, None
         if seen is None:
             return None
         if "input_ids" not in seen:
-            return None, None
+            return None, None, {}, None
         ids = seen["input_ids"]
         reference = ids if ids is not None else seen["inputs_embeds"]
         rows = seen.get("embed")  # the embedding's rows
@@ -123,7 +129,7 @@ class TracedForward:
                           shape=(int(reference.shape[0]), int(reference.shape[1])),
                           embed_norm=self._norms(rows) if rows is not None else None,
                           hidden=seen["hidden"], last_hidden=seen.get("last"))
-        return capture, types.SimpleNamespace(logits=seen.get("logits"))
+        return capture, types.SimpleNamespace(logits=seen.get("logits")), seen["arguments"], seen["past"]
 
 
 class Recompiled:

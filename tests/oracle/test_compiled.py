@@ -796,3 +796,20 @@ def test_a_compiled_calls_records_stop_where_a_methods_failure_stops_them(monkey
     assert call.error == "context 8 refused" and not call.complete
     assert kept == list(range(len(kept))) and len(kept) <= 2, kept
     check_steps(model, call)
+
+
+def test_a_compiled_forward_that_continues_a_kv_cache_is_not_recorded_as_a_whole_sequence():
+    """A plain forward compiled after attaching that continues a KV cache of the user's gets the checks of an eager
+    one at its start: not recorded, saying why (its record would hold its one new token's context as the whole)."""
+    model = tiny.generating_llama(seed=4)
+    ids = _prompt(rows=1)[0]
+    with nxl.attach(model, layers="all") as probe:
+        model.forward = torch.compile(model.forward, fullgraph=True, backend="eager")
+        out = model(input_ids=ids, use_cache=True)
+        first = probe.result()
+        model(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=out.past_key_values, use_cache=True)
+        with pytest.raises(ValueError, match="continued a KV cache holding 6 positions"):
+            probe.result()
+    del model.forward  # the oracle runs eagerly
+    _no_graph_breaks()
+    torch.testing.assert_close(first.normxlogit, _plain_oracle(model, ids), rtol=1e-4, atol=1e-5)
