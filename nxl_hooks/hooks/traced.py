@@ -25,6 +25,7 @@ place recompile with them (and without them at detach), at attach or (:class:`Re
 from __future__ import annotations
 
 import copy
+import threading
 import types
 import weakref
 from typing import Any, Callable
@@ -77,47 +78,65 @@ def eager_twin(model: nn.Module, *modules: nn.Module) -> nn.Module:
     return twin(model, "")
 
 
+class _Slot:
+    """One thread's last traced forward. A plain object: dynamo replays a store into its attribute in the thread that
+    ran the compiled code, reaching it through :class:`_Slots` then; a store into a ``threading.local``'s own
+    attribute it drops silently."""
+
+    def __init__(self) -> None:
+        self.seen: dict[str, Any] | None = None  # input_ids, attention_mask, embed, hidden {layer: h}, last, logits...
+
+
+class _Slots(threading.local):
+    def __init__(self) -> None:
+        self.slot = _Slot()
+
+
 class TracedForward:
     """A plain forward (not a step of a recorded call) traced by torch.compile: its hooks keep what they saw here,
     a side effect dynamo replays after the compiled code ran (the hidden states are outputs of the graph), and the
     probe assembles its attribution from it eagerly: when the task model's own hook runs outside the compiled code
     (``model.forward = torch.compile(model.forward)``), else when :meth:`~nxl_hooks.Probe.result` is read
-    (``torch.compile(model)``). Only the last traced forward is kept, not per thread."""
+    (``torch.compile(model)``). The last traced forward of each thread is kept, as each thread's result is its own."""
 
     def __init__(self, norms: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self._norms = norms  # the embedding norms of the rows kept, taken in take(), outside the graph
-        self.seen: dict[str, Any] | None = None  # input_ids, attention_mask, embed, hidden {layer: h}, last, logits
+        self._slots = _Slots()
 
     def task(self) -> None:
         """The task model's forward starts, traced: what its backbone's hooks keep follows (if they run at all)."""
-        self.seen = {"hidden": {}}
+        self._slots.slot.seen = {"hidden": {}}
 
     def begin(self, arguments: dict[str, Any]) -> None:
         """The backbone's forward starts, traced with ``arguments``: kept whole, with the positions before its tokens
         as the forward says them now (a cache has grown by the time it is assembled), for the checks an eager
         forward has at its start (a KV cache it continues, packed rows, an engine's own forward), made in take()'s
         caller, outside the graph."""
-        self.seen = {"input_ids": arguments.get("input_ids"), "inputs_embeds": arguments.get("inputs_embeds"),
-                     "attention_mask": arguments.get("attention_mask"), "hidden": {}, "arguments": arguments,
-                     "past": start(arguments)[0]}
+        self._slots.slot.seen = {
+            "input_ids": arguments.get("input_ids"), "inputs_embeds": arguments.get("inputs_embeds"),
+            "attention_mask": arguments.get("attention_mask"), "hidden": {}, "arguments": arguments,
+            "past": start(arguments)[0]}
 
     def keep(self, name: str, value: Any) -> None:
-        if self.seen is not None:
-            self.seen[name] = value
+        seen = self._slots.slot.seen
+        if seen is not None:
+            seen[name] = value
 
     def layer(self, layer: int, hidden: torch.Tensor) -> None:
-        if self.seen is not None:
-            self.seen["hidden"][layer] = hidden.detach()
+        seen = self._slots.slot.seen
+        if seen is not None:
+            seen["hidden"][layer] = hidden.detach()
 
     def discard(self) -> None:
-        """A later forward ran eagerly: it, not the traced one kept, is the last (of any thread)."""
-        self.seen = None
+        """A later forward of this thread ran eagerly: it, not the traced one kept, is the thread's last."""
+        self._slots.slot.seen = None
 
     def take(self) -> tuple[Capture | None, Any, dict[str, Any], Any] | None:
-        """The last traced forward's capture (None: the task model's hooks were traced, its backbone's never ran:
-        compiled code from before the hooks), the task model's output (its logits: None when not seen), and the
+        """This thread's last traced forward's capture (None: the task model's hooks were traced, its backbone's never
+        ran: compiled code from before the hooks), the task model's output (its logits: None when not seen), and the
         backbone's arguments and past positions (:meth:`begin`), once; None when no forward was traced since."""
-        seen, self.seen = self.seen, None
+        slot = self._slots.slot
+        seen, slot.seen = slot.seen, None
         if seen is None:
             return None
         if "input_ids" not in seen:

@@ -813,3 +813,29 @@ def test_a_compiled_forward_that_continues_a_kv_cache_is_not_recorded_as_a_whole
     del model.forward  # the oracle runs eagerly
     _no_graph_breaks()
     torch.testing.assert_close(first.normxlogit, _plain_oracle(model, ids), rtol=1e-4, atol=1e-5)
+
+
+def test_a_compiled_forward_is_the_result_of_the_thread_that_ran_it():
+    """A model compiled after attaching keeps each thread's last forward for that thread's result: another thread's
+    eager forward does not discard it, nor does another thread's compiled forward take its place."""
+    model = tiny.generating_llama(seed=4)
+    mine, theirs = _prompt(rows=1, length=9)[0], _prompt(rows=1, length=3)[0]
+    other = torch.randint(1, VOCAB, mine.shape, generator=torch.Generator().manual_seed(8))
+    got = {}
+    with nxl.attach(model, layers="all") as probe:
+        compiled = torch.compile(model, fullgraph=True, backend="eager")
+        compiled(input_ids=mine)
+
+        def elsewhere():
+            model(input_ids=theirs)
+            got["eager"] = probe.result()
+            compiled(input_ids=other)  # (the same shape: the same compiled code)
+            got["compiled"] = probe.result()
+
+        thread = threading.Thread(target=elsewhere)
+        thread.start()
+        thread.join()
+        result = probe.result()
+    _no_graph_breaks()
+    for record, ids in ((result, mine), (got["eager"], theirs), (got["compiled"], other)):
+        torch.testing.assert_close(record.normxlogit, _plain_oracle(model, ids), rtol=1e-4, atol=1e-5)
