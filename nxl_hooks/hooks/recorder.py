@@ -56,9 +56,14 @@ def traced() -> bool:
     they watch. Not ``torch.compiler.is_compiling()``, nor ``is_exporting()`` alone: since torch 2.13 the one, and
     the other during an export, are True in every thread while one compiles or exports, which would make another
     thread's eager forwards (a compiled call's eager refill among them) go unrecorded; a non-strict export traces
-    this thread's tensors as fake ones."""
-    return is_dynamo_compiling() or (is_exporting()
-                                     and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None)
+    this thread's tensors as fake ones (:func:`_exporting`)."""
+    return is_dynamo_compiling() or _exporting()
+
+
+def _exporting() -> bool:
+    """Whether a non-strict torch.export (torch's default) runs this thread's forward, as plain Python on fake
+    tensors: what its hooks kept would be assembled into a record of fake tensors."""
+    return is_exporting() and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
 
 
 #: module -> {hook name: the id its always_call forward hook had when first registered}: _always_called
@@ -276,12 +281,13 @@ class Recorder:
 
     def _plain_traced(self) -> bool:
         """Inside a forward dynamo traces (:func:`traced`): whether it is a plain one, outside every recorded
-        call. Only then do the hooks keep anything (:class:`~.traced.TracedForward`). Nothing of the probe's goes into
+        call, and not a non-strict export's (:func:`_exporting`: its tensors are fake; a strict export replays
+        nothing into the probe). Only then do the hooks keep anything (:class:`~.traced.TracedForward`). Nothing of the probe's goes into
         the compiled code of a recorded call, which would change the model's own kernels (inductor fuses what the
         hooks add into them and tunes them anew, and a GPU's bf16 logits then differ in the last place): a
         ``generate`` call records its compiled forwards by running them again eagerly when it ends, and an engine's
         taps record its steps."""
-        return self._run() is None
+        return self._run() is None and not _exporting()
 
     def settle(self) -> None:
         """Assemble the last plain forward that ran wholly compiled (the task model's hooks traced too)."""

@@ -839,3 +839,16 @@ def test_a_compiled_forward_is_the_result_of_the_thread_that_ran_it():
     _no_graph_breaks()
     for record, ids in ((result, mine), (got["eager"], theirs), (got["compiled"], other)):
         torch.testing.assert_close(record.normxlogit, _plain_oracle(model, ids), rtol=1e-4, atol=1e-5)
+
+
+def test_a_non_strict_export_of_an_attached_model_leaves_the_last_forwards_record():
+    """torch.export (non-strict, torch's default) runs the hooks as Python on fake tensors: they keep nothing, and
+    the result stays the last forward that ran."""
+    model = tiny.generating_llama(seed=4)
+    ids = _prompt(rows=1)[0]
+    with nxl.attach(model, layers="all") as probe:
+        model(input_ids=ids)
+        torch.export.export(model, (), {"input_ids": ids, "use_cache": False}, strict=False)
+        result = probe.result()
+    assert type(result.normxlogit) is torch.Tensor
+    torch.testing.assert_close(result.normxlogit, _plain_oracle(model, ids), rtol=1e-4, atol=1e-5)
