@@ -60,8 +60,10 @@ class _Attachment:
     Holds no strong reference to the model, and nothing global holds it strongly after it ran."""
 
     def __init__(self, handles: list, gens: Generations | None, engines: list[Engine], hub: Hub,
-                 backbone: nn.Module, restore_compiled: Callable[[], None]) -> None:
+                 backbone: nn.Module, restore_compiled: Callable[[], None],
+                 settle: Callable[[], Callable[[], None] | None]) -> None:
         self._handles = handles
+        self._settle: Callable[[], Callable[[], None] | None] | None = settle
         self._restore_compiled: Callable[[], None] | None = restore_compiled
         self._gens = weakref.ref(gens) if gens is not None else None
         self._engines = [weakref.ref(engine) for engine in engines]  # the hooks (the recorder) keep them alive
@@ -98,6 +100,13 @@ class _Attachment:
         gens = self._gens() if self._gens is not None else None
         engines = [ref() for ref in self._engines]
         self._hub.wait_later()  # a call's end made off its thread may still run the model with these hooks
+        if self._settle is not None:
+            # this thread's compiled forward kept for its result, assembled while the recorder and the weights it
+            # ran with are still there (a result read after detach would find neither)
+            settle = self._settle()
+            if settle is not None:
+                settle()
+            self._settle = None
         if self._restore_compiled is not None:
             self._restore_compiled()
             self._restore_compiled = None
@@ -372,9 +381,10 @@ def attach(
             raise
         if gens is not None:
             gens.install()
+        settle = weakref.WeakMethod(recorder.settle)  # (the recorder holds the model: only its hooks hold it)
         attachment = _Attachment(handles, gens, engines, hub, backbone,
-                                 _compiled_code(plan.subject.given, plan.model, backbone))
-        probe = Probe(plan, results, hub, attachment, notice, weakref.WeakMethod(recorder.settle))
+                                 _compiled_code(plan.subject.given, plan.model, backbone), settle)
+        probe = Probe(plan, results, hub, attachment, notice, settle)
         _ATTACHED[backbone] = attachment
     for engine in engines:  # outside the lock: their own locks are never taken inside this one
         try:

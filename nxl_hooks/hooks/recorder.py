@@ -290,12 +290,17 @@ class Recorder:
         return self._run() is None and not _exporting()
 
     def settle(self) -> None:
-        """Assemble the last plain forward that ran wholly compiled (the task model's hooks traced too)."""
-        seen = self.plain.take()
-        if seen is not None and seen[0] is not None:
-            self._traced(*seen)
-        elif seen is not None:
-            self.results.last = self._skipped()
+        """Assemble this thread's last plain forward that ran wholly compiled (the task model's hooks traced too):
+        when its result is read, and at detach (:mod:`.probe`: once detached, the recorder goes with the model's
+        hooks). Never raises."""
+        try:
+            seen = self.plain.take()
+            if seen is not None and seen[0] is not None:
+                self._traced(*seen)
+            elif seen is not None:
+                self.results.last = self._skipped()
+        except Exception as error:  # noqa: BLE001 - never into the user's detach
+            self._fail("this forward", error)
 
     def _traced(self, capture: Capture, output: Any, arguments: dict[str, Any], past: Any) -> None:
         """Assemble a plain forward that ran compiled (:meth:`~.traced.TracedForward.take`), checked as an eager

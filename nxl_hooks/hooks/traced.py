@@ -96,8 +96,8 @@ class TracedForward:
     """A plain forward (not a step of a recorded call) traced by torch.compile: its hooks keep what they saw here,
     a side effect dynamo replays after the compiled code ran (the hidden states are outputs of the graph), and the
     probe assembles its attribution from it eagerly: when the task model's own hook runs outside the compiled code
-    (``model.forward = torch.compile(model.forward)``), else when :meth:`~nxl_hooks.Probe.result` is read
-    (``torch.compile(model)``). The last traced forward of each thread is kept, as each thread's result is its own."""
+    (``model.forward = torch.compile(model.forward)``), else when :meth:`~nxl_hooks.Probe.result` is read, or
+    the probe detaches, in that thread (``torch.compile(model)``). The last traced forward of each thread is kept, as each thread's result is its own."""
 
     def __init__(self, norms: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self._norms = norms  # the embedding norms of the rows kept, taken in take(), outside the graph

@@ -852,3 +852,16 @@ def test_a_non_strict_export_of_an_attached_model_leaves_the_last_forwards_recor
         result = probe.result()
     assert type(result.normxlogit) is torch.Tensor
     torch.testing.assert_close(result.normxlogit, _plain_oracle(model, ids), rtol=1e-4, atol=1e-5)
+
+
+def test_a_compiled_forward_is_assembled_at_detach_and_read_after_the_model_s_hooks_are_collected():
+    """A model compiled after attaching: its last forward is assembled when the probe detaches, so its result is
+    there after the ``with`` block, also once a collection has taken the recorder the hooks held."""
+    import gc
+
+    model = tiny.generating_llama(seed=4)
+    ids = _prompt(rows=1)[0]
+    with nxl.attach(model, layers="all") as probe:
+        torch.compile(model, fullgraph=True, backend="eager")(input_ids=ids)
+    gc.collect()
+    torch.testing.assert_close(probe.result().normxlogit, _plain_oracle(model, ids), rtol=1e-4, atol=1e-5)
