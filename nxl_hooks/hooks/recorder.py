@@ -32,7 +32,7 @@ from .generate import Generations
 from .guard import Notice, Owned, logger, reason
 from .plan import Plan
 from .recording import Recording
-from .traced import Recompiled, TracedForward
+from .traced import Recompiled, TracedForward, eager_frame
 
 __all__ = ["Recorder", "Results"]
 
@@ -308,6 +308,7 @@ class Recorder:
         if not self._stray(arguments, past):
             self._finish(capture, output)
 
+    @eager_frame
     def on_task_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if traced():
             if self._plain_traced():
@@ -319,6 +320,7 @@ class Recorder:
         self._drop_ended(run)
         tasks.append(_Task(run, kwargs.get("logits_to_keep")))
 
+    @eager_frame
     def on_task_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         if traced():
             if self._plain_traced():

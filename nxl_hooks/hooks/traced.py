@@ -32,11 +32,13 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch._dynamo.eval_frame import set_code_exec_strategy
+from torch._dynamo.types import FrameAction, FrameExecStrategy
 
 from .conventions import start
 from .forward import Capture
 
-__all__ = ["Recompiled", "TracedForward", "compiled_forward", "eager_twin", "reset_compiled"]
+__all__ = ["Recompiled", "TracedForward", "compiled_forward", "eager_frame", "eager_twin", "reset_compiled"]
 
 
 def compiled_forward(*modules: nn.Module) -> bool:
@@ -78,6 +80,17 @@ def eager_twin(model: nn.Module, *modules: nn.Module) -> nn.Module:
     return twin(model, "")
 
 
+def eager_frame(function: Callable) -> Callable:
+    """``function`` (a hook of the task model) run as plain Python, what it calls too, where dynamo would compile it
+    as a frame of its own: a compiled ``Module.__call__`` (transformers' compiled call of ``generate``,
+    ``torch.compile(model)``) runs the module's hooks from torch's eager ``_call_impl``, and dynamo compiled each
+    hook with guards on the probe's state, so a later call recompiled it (raising under the ``fail_on_recompile``
+    stance). Eager there, it records as around a forward compiled in place. Inlined into a traced forward, it is
+    traced as before."""
+    set_code_exec_strategy(function.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
+    return function
+
+
 class _Slot:
     """One thread's last traced forward. A plain object: dynamo replays a store into its attribute in the thread that
     ran the compiled code, reaching it through :class:`_Slots` then; a store into a ``threading.local``'s own
@@ -96,8 +109,9 @@ class TracedForward:
     """A plain forward (not a step of a recorded call) traced by torch.compile: its hooks keep what they saw here,
     a side effect dynamo replays after the compiled code ran (the hidden states are outputs of the graph), and the
     probe assembles its attribution from it eagerly: when the task model's own hook runs outside the compiled code
-    (``model.forward = torch.compile(model.forward)``), else when :meth:`~nxl_hooks.Probe.result` is read, or
-    the probe detaches, in that thread (``torch.compile(model)``). The last traced forward of each thread is kept, as each thread's result is its own."""
+    (``model.forward = torch.compile(model.forward)``, ``torch.compile(model)``: :func:`eager_frame`), else
+    when :meth:`~nxl_hooks.Probe.result` is read, or the probe detaches, in that thread (a function of the user's
+    that calls the model, compiled: the task model's hooks traced too). The last traced forward of each thread is kept, as each thread's result is its own."""
 
     def __init__(self, norms: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self._norms = norms  # the embedding norms of the rows kept, taken in take(), outside the graph

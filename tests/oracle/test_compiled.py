@@ -626,7 +626,7 @@ def test_a_compiled_calls_steps_are_recorded_in_the_calling_thread_where_another
 
 def test_a_decoding_step_dynamo_runs_partly_eagerly_is_scored_with_its_own_logits():
     """Under ``set_stance("eager_on_recompile")`` a new length runs generate's compiled decoding steps eagerly but for
-    the task model's hooks, whose frames dynamo compiled apart: those forwards never give the hooks their logits, so
+    the task model's hooks, which run as plain Python around them: those forwards never give the hooks their logits, so
     they are recorded as compiled ones (run again when the call ends), each step scored with its own forward's
     distribution: probabilities and contrastive scores equal the oracle, not the prefill's."""
     model = tiny.generating_llama(seed=3)
@@ -865,3 +865,21 @@ def test_a_compiled_forward_is_assembled_at_detach_and_read_after_the_model_s_ho
         torch.compile(model, fullgraph=True, backend="eager")(input_ids=ids)
     gc.collect()
     torch.testing.assert_close(probe.result().normxlogit, _plain_oracle(model, ids), rtol=1e-4, atol=1e-5)
+
+
+def test_generates_compiled_call_runs_attached_under_fail_on_recompile():
+    """transformers' compiled call of ``generate`` runs the task model's hooks from torch's eager ``Module.__call__``:
+    dynamo compiled each as a frame of its own, guarded on the probe's state, and recompiled it at a later call,
+    raising into ``generate`` under ``set_stance("fail_on_recompile")``. Those hooks run eagerly there now: the call
+    runs the compiled code it had before attaching, and is recorded."""
+    model = tiny.generating_llama(seed=3)
+    ids, mask = _prompt()
+    config = tiny.cpu_compile(backend="eager")
+    plain = _static(model, ids, mask, config)
+    with torch.compiler.set_stance("fail_on_recompile"):
+        with nxl.attach(model, layers="all") as probe:
+            for _ in range(2):
+                assert torch.equal(_static(model, ids, mask, config), plain)
+    assert probe.unrecorded is None and len(probe.calls) == 2
+    for call in probe.calls:
+        _check(model, call, 5)
