@@ -405,7 +405,7 @@ def _compiled_code(model: nn.Module, *inner: nn.Module) -> Callable[[], None]:
 
     def restore() -> None:
         undo()
-        reset_compiled(*(module for ref in modules if (module := ref()) is not None))
+        reset_compiled(*(module for ref in modules if (module := ref()) is not None), detaching=True)
 
     return restore
 

@@ -37,6 +37,7 @@ from torch._dynamo.types import FrameAction, FrameExecStrategy
 
 from .conventions import start
 from .forward import Capture
+from .guard import logger
 
 __all__ = ["Recompiled", "TracedForward", "compiled_forward", "eager_frame", "eager_twin", "reset_compiled"]
 
@@ -186,13 +187,30 @@ class Recompiled:
             pass
 
 
-def reset_compiled(*modules: nn.Module) -> None:
+#: torch.compiler stances under which dropping compiled code breaks the model: its next call raises, or runs
+#: eagerly from then on (also after detach)
+_NO_RECOMPILE = ("fail_on_recompile", "eager_on_recompile")
+
+
+def reset_compiled(*modules: nn.Module, detaching: bool = False) -> None:
     """Drop the code dynamo compiled for the forwards of ``modules`` that the user compiled in place
     (``m.forward = torch.compile(m.forward)``): code compiled before the hooks existed never calls them, and code
     compiled while attached keeps calling them after detach. The next call recompiles (once), with the hooks
-    there are then. Other instances of the same class share that code and recompile too."""
+    there are then. Other instances of the same class share that code and recompile too. Not under a stance that
+    forbids recompiling (:data:`_NO_RECOMPILE`): the code stays, and (unless ``detaching``: none are recorded then)
+    its forwards are said not recorded."""
     for module in modules:
         original = getattr(vars(module).get("forward"), "_torchdynamo_orig_callable", None)
         code = getattr(getattr(original, "__func__", original), "__code__", None)
-        if code is not None:
-            torch._dynamo.reset_code(code)
+        if code is None:
+            continue
+        stance = torch._dynamo.eval_frame._stance.stance
+        if stance in _NO_RECOMPILE:
+            if detaching:
+                continue
+            logger.warning("nxl_hooks: not recorded: %s.forward, compiled in place, keeps its compiled code under "
+                           "torch.compiler's stance %r, which forbids recompiling it with or without the probe's "
+                           "hooks; attach (and detach) under the default stance to record it", type(module).__name__,
+                           stance)
+            continue
+        torch._dynamo.reset_code(code)

@@ -883,3 +883,23 @@ def test_generates_compiled_call_runs_attached_under_fail_on_recompile():
     assert probe.unrecorded is None and len(probe.calls) == 2
     for call in probe.calls:
         _check(model, call, 5)
+
+
+@pytest.mark.parametrize("stance", ["fail_on_recompile", "eager_on_recompile"])
+def test_a_forward_compiled_in_place_keeps_its_code_under_a_stance_that_forbids_recompiling(stance):
+    """Attaching drops a forward's compiled code so that it recompiles with the hooks; under a stance that forbids
+    recompiling, that made the next call raise (``fail_on_recompile``) or run eagerly from then on, also after
+    detach (``eager_on_recompile``). The code stays now: the forward runs it, and its result says it was not
+    recorded."""
+    model = tiny.generating_llama(seed=4)
+    ids = _prompt(rows=1)[0]
+    model.forward = torch.compile(model.forward, backend="eager")
+    before = model(input_ids=ids).logits
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.compiler.set_stance(stance):
+        with nxl.attach(model, layers="all") as probe:
+            torch.testing.assert_close(model(input_ids=ids).logits, before)
+            with pytest.raises(RuntimeError, match="never reached the probe's hooks"):
+                probe.result()
+        torch.testing.assert_close(model(input_ids=ids).logits, before)
+    assert counters["stats"]["unique_graphs"] == graphs  # its compiled code ran throughout, never compiled again
