@@ -259,6 +259,8 @@ class Recorder:
 
     def register(self) -> list[torch.utils.hooks.RemovableHandle]:
         plan, handles = self.plan, []
+        eager_frame(Recorder.on_task_start)
+        eager_frame(Recorder.on_task_end)
         try:  # each an Owned: a copy of the model made while attached gets hooks that do nothing
             handles.append(plan.model.register_forward_pre_hook(Owned(self.on_task_start), with_kwargs=True))
             handles.append(_always_called(plan.model, Owned(self.on_task_end)))
@@ -308,7 +310,6 @@ class Recorder:
         if not self._stray(arguments, past):
             self._finish(capture, output)
 
-    @eager_frame
     def on_task_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if traced():
             if self._plain_traced():
@@ -320,7 +321,6 @@ class Recorder:
         self._drop_ended(run)
         tasks.append(_Task(run, kwargs.get("logits_to_keep")))
 
-    @eager_frame
     def on_task_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         if traced():
             if self._plain_traced():

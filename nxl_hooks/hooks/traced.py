@@ -25,6 +25,7 @@ place recompile with them (and without them at detach), at attach or (:class:`Re
 from __future__ import annotations
 
 import copy
+import functools
 import threading
 import types
 import weakref
@@ -32,8 +33,6 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
-from torch._dynamo.eval_frame import set_code_exec_strategy
-from torch._dynamo.types import FrameAction, FrameExecStrategy
 
 from .conventions import start
 from .forward import Capture
@@ -81,15 +80,21 @@ def eager_twin(model: nn.Module, *modules: nn.Module) -> nn.Module:
     return twin(model, "")
 
 
-def eager_frame(function: Callable) -> Callable:
-    """``function`` (a hook of the task model) run as plain Python, what it calls too, where dynamo would compile it
+@functools.cache
+def eager_frame(function: Callable) -> None:
+    """Run ``function`` (a hook of the task model) as plain Python, what it calls too, where dynamo would compile it
     as a frame of its own: a compiled ``Module.__call__`` (transformers' compiled call of ``generate``,
     ``torch.compile(model)``) runs the module's hooks from torch's eager ``_call_impl``, and dynamo compiled each
     hook with guards on the probe's state, so a later call recompiled it (raising under the ``fail_on_recompile``
     stance). Eager there, it records as around a forward compiled in place. Inlined into a traced forward, it is
-    traced as before."""
+    traced as before. Set at the first attach (dynamo is not imported before), once; a torch without this
+    switch compiles the hook as before."""
+    try:
+        from torch._dynamo.eval_frame import set_code_exec_strategy
+        from torch._dynamo.types import FrameAction, FrameExecStrategy
+    except ImportError:
+        return
     set_code_exec_strategy(function.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
-    return function
 
 
 class _Slot:
@@ -204,7 +209,8 @@ def reset_compiled(*modules: nn.Module, detaching: bool = False) -> None:
         code = getattr(getattr(original, "__func__", original), "__code__", None)
         if code is None:
             continue
-        stance = torch._dynamo.eval_frame._stance.stance
+        # (torch keeps the stance private; one without it has no stance that forbids recompiling)
+        stance = getattr(getattr(torch._dynamo.eval_frame, "_stance", None), "stance", None)
         if stance in _NO_RECOMPILE:
             if detaching:
                 continue
