@@ -39,6 +39,11 @@ __all__ = ["Recorder", "Results"]
 
 _STARTED_BEFORE = ("not recorded: this generate call started before the probe attached, so the context of its tokens "
                    "ran unseen; the calls that start from now on are recorded")
+#: Why a generate call whose prompt the probe saw run goes on unfollowed: it was not called through the model's own
+#: ``generate``, which the probe wraps (a method taken before the attach).
+_BOUND_BEFORE = ("not recorded: this generate call was made through a reference to it taken before the probe "
+                 "attached (g = model.generate, a functools.partial of it), which the probe does not wrap; call "
+                 "model.generate itself, or take the reference after attaching")
 
 
 def _hidden(output: Any) -> torch.Tensor:
@@ -122,9 +127,12 @@ class Recorder:
         self.results = results
         self._told_stray = False
         self._told_cached = False  # a forward that continues a KV cache was said not recorded
-        #: id(cache) -> (weak reference to it, whether generate runs it): each KV cache the probe never saw is one
-        #: unrecorded call (:meth:`_continued`)
-        self._continued_caches: dict[int, tuple[weakref.ref, bool]] = {}
+        #: id(cache) -> (weak reference to it, why its forwards are not recorded, or None: a loop of the user's): each
+        #: KV cache whose context the probe did not follow is one unrecorded call (:meth:`_continued`)
+        self._continued_caches: dict[int, tuple[weakref.ref, str | None]] = {}
+        #: id(cache) -> weak reference to it: the KV caches a plain forward began (:meth:`_stray`), whose later
+        #: forwards are a call's the probe saw start but did not follow
+        self._begun_caches: dict[int, weakref.ref] = {}
         # Layers whose features a hook computes; the last block is hooked in any case, for final logits.
         self._wanted = set(plan.layers)
         # Blocks whose input is checked to be the very tensor the probe kept as the block before's output
@@ -214,9 +222,14 @@ class Recorder:
             return True
         # (read on the host where it is a tensor, a static cache's: a plain forward's record is made on it anyway)
         past = int(past) if past is not None else 0
+        cache = find_cache(arguments)
         if past not in (0, self.plan.subject.virtual_tokens):
-            self.results.last = ValueError(self._continued(find_cache(arguments), past))
+            self.results.last = ValueError(self._continued(cache, past))
             return True
+        if cache is not None:
+            if len(self._begun_caches) >= 64:  # (the caches freed since go)
+                self._begun_caches = {key: ref for key, ref in self._begun_caches.items() if ref() is not None}
+            self._begun_caches[id(cache)] = weakref.ref(cache)
         return False
 
     def _continued(self, cache: Any, past: int) -> str:
@@ -229,20 +242,23 @@ class Recorder:
             return self._own_loop(past)
         seen = self._continued_caches.get(id(cache))
         new = seen is None or seen[0]() is not cache  # (an id a freed cache had may be another's now)
-        if new:  # (once per cache) whether transformers' generate loop runs it
+        if new:  # (once per cache) whether transformers' generate loop runs it, and whether its start was seen
             utils = sys.modules.get("transformers.generation.utils")
             frame, in_generate = sys._getframe(), False
             while frame is not None and not in_generate:
                 in_generate = utils is not None and frame.f_code.co_filename == utils.__file__
                 frame = frame.f_back
+            begun = self._begun_caches.get(id(cache))
+            called = (_BOUND_BEFORE if begun is not None and begun() is cache else _STARTED_BEFORE) if in_generate \
+                else None
             self._continued_caches = {key: value for key, value in self._continued_caches.items()
                                       if value[0]() is not None}
-            self._continued_caches[id(cache)] = (weakref.ref(cache), in_generate)
+            self._continued_caches[id(cache)] = (weakref.ref(cache), called)
         else:
-            in_generate = seen[1]
-        why = _STARTED_BEFORE if in_generate else self._own_loop(past)
+            called = seen[1]
+        why = called or self._own_loop(past)
         if new:
-            self.notice.unrecorded(why if in_generate else f"not recorded: {why}", log=in_generate)
+            self.notice.unrecorded(why if called else f"not recorded: {why}", log=called is not None)
         return why
 
     def _own_loop(self, past: int) -> str:

@@ -187,6 +187,27 @@ def test_a_generate_call_already_running_at_attach_is_counted_unrecorded_once_wi
     torch.testing.assert_close(out[0], plain, rtol=0, atol=0)
 
 
+def test_a_generate_taken_before_attaching_is_said_not_followed_and_why(caplog):
+    """``g = model.generate`` (a server keeping the method, a functools.partial) taken before the attach bypasses the
+    probe's wrapper: each call was said to have "started before the probe attached", and "the calls that start from
+    now on are recorded", both false. Each call is counted unrecorded, saying to call model.generate itself; its
+    output is unchanged, and model.generate is recorded."""
+    model = tiny.build_model("llama")
+    ids = _ids(1, 5)
+    g = model.generate
+    with torch.no_grad():
+        plain = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"), torch.no_grad(), nxl.attach(model) as probe:
+        for _ in range(2):
+            assert torch.equal(g(input_ids=ids, max_new_tokens=3, do_sample=False), plain)
+        assert not probe.calls and probe.unrecorded_calls == 2
+        assert "reference to it taken before the probe attached" in probe.unrecorded
+        assert not [r for r in caplog.records if "started before the probe attached" in r.getMessage()]
+        model.generate(input_ids=ids, max_new_tokens=3, do_sample=False)
+        (call,) = probe.calls
+    oracle.check_call(model, call, 3)
+
+
 def test_peft_prefix_tuning_explains_the_input_tokens_after_its_virtual_ones():
     """PEFT prefix tuning hands the model a cache of virtual tokens (no input tokens) and a mask widened by them:
     the input tokens are explained, equal to the oracle (the mask's width failed the record)."""
