@@ -91,6 +91,15 @@ def _always_called(module: nn.Module, hook: Callable) -> torch.utils.hooks.Remov
     return handle
 
 
+class _InCall(RuntimeError):
+    """What :meth:`~nxl_hooks.Probe.result` says after a recorded call (``generate``), whose records are per token."""
+
+    def __init__(self) -> None:
+        super().__init__("the last call in this thread was a recorded generate call, whose records are its tokens': "
+                         "read probe.steps, or probe.calls[-1] (and its .attribution(step)); result() is the last "
+                         "plain forward's (model(...) called by itself)")
+
+
 class Results(threading.local):
     """The last forward's attribution (or why there is none), per thread. Shared by the probe and its hooks: the
     probe keeps it after it detaches, without keeping the model."""
@@ -336,6 +345,8 @@ class Recorder:
         run = self._run()
         self._drop_ended(run)
         tasks.append(_Task(run, kwargs.get("logits_to_keep")))
+        if run is not None and not isinstance(self.results.last, _InCall):  # (once per call: the next plain forward
+            self.results.last = _InCall()  # sets its own)
 
     def on_task_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         if traced():

@@ -208,6 +208,25 @@ def test_a_generate_taken_before_attaching_is_said_not_followed_and_why(caplog):
     oracle.check_call(model, call, 3)
 
 
+def test_result_after_a_generate_call_says_where_its_records_are():
+    """probe.result() is the last plain forward's: after a generate call (a text-generation pipeline) it blamed
+    torch.compile ("no forward has run"), or, with a plain forward before, returned that older forward's record as
+    if it were the last. It says the records are probe.steps; a plain forward after it is its result again."""
+    model = tiny.build_model("llama")
+    ids = _ids(1, 5)
+    with torch.no_grad(), nxl.attach(model) as probe:
+        for before in (False, True):
+            if before:
+                model(input_ids=_ids(1, 2, seed=9))
+            model.generate(input_ids=ids, max_new_tokens=2, do_sample=False)
+            with pytest.raises(RuntimeError, match=r"last call in this thread was a recorded generate call.*probe\.steps"):
+                probe.result()
+        out = model(input_ids=ids, output_hidden_states=True)
+    logits = oracle.llama(model).layer_logits(out.hidden_states)
+    _, expected = oracle.normxlogit(logits, out.hidden_states[0], logits[-1, :, -1].argmax(-1))
+    torch.testing.assert_close(probe.result().normxlogit, expected, rtol=1e-4, atol=1e-5)
+
+
 def test_peft_prefix_tuning_explains_the_input_tokens_after_its_virtual_ones():
     """PEFT prefix tuning hands the model a cache of virtual tokens (no input tokens) and a mask widened by them:
     the input tokens are explained, equal to the oracle (the mask's width failed the record)."""

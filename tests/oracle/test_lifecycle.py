@@ -59,7 +59,7 @@ def test_a_model_dropped_right_after_generate_is_freed_by_one_collection_and_its
     model = tiny.build_model("llama")
     probe = nxl.attach(model)
     model(input_ids=IDS)
-    expected = _expected(model)
+    expected, forward = _expected(model), probe.result()
     sequences = model.generate(input_ids=IDS, max_new_tokens=3, do_sample=False, pad_token_id=0)
     ref = weakref.ref(model)
     del model
@@ -67,7 +67,9 @@ def test_a_model_dropped_right_after_generate_is_freed_by_one_collection_and_its
     assert ref() is None and not probe.attached
     (call,) = probe.calls
     assert call.complete and [step.token.item() for step in call.steps] == sequences[0, IDS.shape[1]:].tolist()
-    torch.testing.assert_close(probe.result().normxlogit, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(forward.normxlogit, expected, rtol=1e-4, atol=1e-5)
+    with pytest.raises(RuntimeError, match="recorded generate call"):  # (the last call was: its records are steps)
+        probe.result()
     # the first step explains the model's own prediction after the prompt: the forward's record
     torch.testing.assert_close(call.steps[0].normxlogit, expected, rtol=1e-4, atol=1e-5)
 

@@ -258,10 +258,10 @@ def test_a_model_dropped_while_attached_is_freed_and_its_sink_closed(tmp_path, s
     model = LlamaForCausalLM(config).eval()
     sink = nxl.Sink(tmp_path / "dropped.nxl")
     probe = nxl.attach(model, sink=sink, keep_calls=4)
-    model(input_ids=torch.tensor([[5, 6, 7]]))
     model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False)
     batch = model.generate_batch([[5, 6], [7, 8, 9]], generation_config=GenerationConfig(
         do_sample=False, max_new_tokens=2, eos_token_id=-1), continuous_batching_config=tiny.cb_config())
+    model(input_ids=torch.tensor([[5, 6, 7]]))  # (result() is a plain forward's)
     freed = weakref.ref(model)
     del model
     gc.collect()
