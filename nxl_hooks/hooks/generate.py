@@ -268,6 +268,30 @@ def _setting(model: nn.Module, kwargs: dict, name: str) -> Any:
     return value
 
 
+def _named(generate: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
+    """A ``generate`` call's arguments by name, as generate reads them: positional ones bound to its signature (a
+    GenerationConfig passed second is its ``generation_config``, which :func:`_setting` and :func:`unsupported`
+    read), its ``**kwargs`` as given; where it names none (a ``*args`` wrapper), the first positional one is its
+    ``inputs``."""
+    named = dict(kwargs)
+    try:
+        bound = inspect.signature(generate).bind_partial(*args, **kwargs)
+    except (TypeError, ValueError):  # arguments generate refuses itself (it says why), or no signature to read
+        bound = None
+    if bound is None:
+        if args:
+            named.setdefault("inputs", args[0])
+        return named
+    for name, value in bound.arguments.items():
+        kind = bound.signature.parameters[name].kind
+        if kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                named.setdefault("inputs", value[0])
+        elif kind is not inspect.Parameter.VAR_KEYWORD:
+            named[name] = value
+    return named
+
+
 def _changes_itself(module: nn.Module) -> bool:
     """A rotary embedding transformers rescales to each forward's positions (``dynamic``, ``longrope``): its forward
     writes its own frequencies."""
@@ -516,6 +540,12 @@ class Run:
         past, new = where.past, where.new
         continues = past == n and (new == 1 or not decoding)
         recomputes = past == 0 and (n == 0 or (decoding and new == n + 1))  # first forward, or use_cache=False
+        if n == 0 and self._prompt_len is not None and new > self._prompt_len:
+            # (not a prompt: candidate tokens after it, which assisted decoding feeds and may drop)
+            raise UnfollowedForward(
+                f"the first forward of this call ran positions 0..{new - 1}, past its {self._prompt_len}-token "
+                "prompt: several candidate tokens per forward (assisted decoding) cannot be followed; generate "
+                "without assistant_model / prompt_lookup_num_tokens")
         if not (continues or recomputes):
             raise UnfollowedForward(
                 f"a forward of this call ran positions {past}..{past + new - 1} (from its {where.source}) while the "
@@ -1378,7 +1408,7 @@ class Generations:
     def _track(self, original: Callable, args: tuple, kwargs: dict) -> Any:
         if self.current() is not None or self._detached:  # generate calling generate: the outer call is tracked
             return original(*args, **kwargs)
-        run = self._begin(args, kwargs)
+        run = self._begin(_named(original, args, kwargs))
         if eager() and isinstance(run, Run):  # a recording session: generate's own compile would skip the hooks
             kwargs = {"disable_compile": True, **kwargs}
         with self.running(run):
@@ -1391,9 +1421,9 @@ class Generations:
         self._end(run, out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None))
         return out
 
-    def _begin(self, args: tuple, kwargs: dict) -> Recording:
-        """A :class:`Run` for this call, or :data:`~nxl_hooks.hooks.engines.NOT_RECORDED` (with a call record saying
-        why)."""
+    def _begin(self, kwargs: dict) -> Recording:
+        """A :class:`Run` for this call, given its arguments by name (:func:`_named`), or
+        :data:`~nxl_hooks.hooks.engines.NOT_RECORDED` (with a call record saying why)."""
         request_id = REQUEST_ID.get() or uuid.uuid4().hex
         try:
             why = unsupported(self.plan.model, kwargs)
@@ -1401,8 +1431,8 @@ class Generations:
                 raise ValueError(why)
             if self.plan.embedding == "word" and kwargs.get("inputs_embeds") is not None:
                 raise ValueError(NEEDS_IDS)  # (its prompt's forward would find no word embeddings)
-            prompt = args[0] if args else next(
-                (kwargs[k] for k in ("inputs", "input_ids", "inputs_embeds") if kwargs.get(k) is not None), None)
+            prompt = next((kwargs[k] for k in ("inputs", "input_ids", "inputs_embeds") if kwargs.get(k) is not None),
+                          None)
             prompt_len = prompt.shape[1] if isinstance(prompt, torch.Tensor) and prompt.dim() > 1 else None
             run = self.new_run(request_id=request_id, prompt_len=prompt_len, wait=BATCH_SECONDS,
                                eos=_setting(self.plan.model, kwargs, "eos_token_id"), refill=True)

@@ -20,7 +20,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import nxl_hooks as nxl
 import tiny
-from nxl_hooks.hooks import forward
+from nxl_hooks.hooks import forward, generate
 from nxl_hooks.hooks.generate import BATCH_STEPS
 from nxl_hooks.method import head as nxl_head
 from oracle import HandHead, check_call, llama, normxlogit, prefix_logits, rms_norm
@@ -315,6 +315,43 @@ def test_beam_search_is_a_clear_error_and_plain_forward_still_works(model):
         out = model(input_ids=ids, output_hidden_states=True)
     logat, _ = normxlogit(llama(model).layer_logits(out.hidden_states), out.hidden_states[0], res.target)
     torch.testing.assert_close(res.logat, logat, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("setting, said", [({"num_beams": 2}, "num_beams=1"),
+                                           ({"num_beams": 2, "num_return_sequences": 2}, "num_beams=1"),
+                                           ({"prompt_lookup_num_tokens": 3}, "prompt_lookup_num_tokens")])
+def test_a_generation_config_passed_positionally_is_read_for_what_cannot_be_recorded(model, setting, said):
+    """``generate(ids, GenerationConfig(...))``: the config, generate's second parameter, is read as a keyword one
+    is (it was not: beam search was recorded as plain decoding, wrong tokens and scores, and prompt lookup lost
+    three of its four steps, both saying complete)."""
+    ids = torch.randint(1, VOCAB, (1, 4), generator=torch.Generator().manual_seed(8)).repeat(1, 4)
+    config = GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=PAD, **setting)
+    plain = model.generate(ids, config)
+    with nxl.attach(model, layers="all") as probe:
+        out = model.generate(ids, config)
+    (call,) = probe.calls
+    assert torch.equal(out, plain) and not call.complete and call.steps == []
+    assert call.error.startswith("not recorded: ") and said in call.error
+
+
+def test_a_first_forward_past_the_prompt_is_said_not_recorded(model, monkeypatch):
+    """A prompt forward that also runs candidate tokens (prompt lookup, where a call's settings did not say it) is
+    not taken for the prompt: it was, and the steps it accepted were lost while the call said complete."""
+    monkeypatch.setattr(generate, "unsupported", lambda model, kwargs: None)
+    cycle = torch.randint(1, VOCAB, (1, 4), generator=torch.Generator().manual_seed(8))
+
+    class Cycle(LogitsProcessor):  # the model goes on with the cycle: prompt lookup's candidates are accepted
+        def __call__(self, input_ids, scores):
+            return torch.full_like(scores, -torch.inf).index_fill_(-1, cycle[0, input_ids.shape[1] % 4], 0)
+
+    options = dict(max_new_tokens=4, do_sample=False, prompt_lookup_num_tokens=3,
+                   logits_processor=LogitsProcessorList([Cycle()]))
+    plain = model.generate(cycle.repeat(1, 4), **options)
+    with nxl.attach(model, layers="all") as probe:
+        out = model.generate(cycle.repeat(1, 4), **options)
+    (call,) = probe.calls
+    assert torch.equal(out, plain) and out.shape[1] == 20 and not call.complete
+    assert "past its 16-token prompt" in call.error
 
 
 def test_generate_from_a_filled_cache_says_not_recorded_and_what_records_it(model):
