@@ -392,6 +392,9 @@ class Run:
         # the call's other tensor inputs of the model's forward (token_type_ids): what its refill must pass too
         self.forward_inputs: dict[str, torch.Tensor] = {}
         self.position_ids: torch.Tensor | None = None  # the prompt's, where the call was given them (_positions)
+        # generate processes its forwards' logits in place (assisted decoding, assistant_early_exit: a float32
+        # model's are not copied first), so the row kept of them is a copy (after_task)
+        self.copy_logits = False
         self._cache: Any = None  # the KV cache the prompt's forward was given (its eager positions are reused)
         self._prefix: tuple[int, Any] | None = None  # (start, a copy of what that cache holds before it): _later
         self.ids_given = True  # the prompt came as input_ids: generate's sequences begin with it
@@ -655,8 +658,9 @@ class Run:
         usable = (isinstance(logits, torch.Tensor) and logits.dim() == 3
                   and logits.shape[-1] == self._plan.head.n_outputs)
         # generate reads its own copy of them: this row stays as the model made it (a copy of it when the forward
-        # gave every position's, which are not kept alive for it)
-        row = (logits[:, -1] if logits.shape[1] == 1 else logits[:, -1].clone()) if usable else None
+        # gave every position's, which are not kept alive for it, or when generate writes into them: copy_logits)
+        row = ((logits[:, -1] if logits.shape[1] == 1 and not self.copy_logits else logits[:, -1].clone()) if usable
+               else None)
         self._log_probs, self._logits = None, row
         # fewer rows than the positions after_forward just fed (_n - _past): the prefill with logits_to_keep
         self._sliced = usable and logits.shape[1] < self._n - self._past
@@ -1446,6 +1450,7 @@ class Generations:
             parameters = inspect.signature(self.plan.model.forward).parameters
             run.forward_inputs = {name: value for name, value in kwargs.items() if name in parameters
                                   and name not in _REFILLED and isinstance(value, torch.Tensor)}
+            run.copy_logits = bool(_setting(self.plan.model, kwargs, "assistant_early_exit"))
             given = kwargs.get("position_ids")
             run.position_ids = given if isinstance(given, torch.Tensor) else None
             return run

@@ -395,6 +395,21 @@ def test_self_speculative_decoding_is_recorded_step_by_step(model, sample):
     check_call(model, call, 6)  # (complete among its checks)
 
 
+@pytest.mark.parametrize("processing", [dict(do_sample=True, temperature=0.3), dict(repetition_penalty=2.0)])
+def test_self_speculative_decoding_keeps_the_models_own_logits_where_generate_processes_them(model, processing):
+    """With one new token the call's one forward is the prompt's, whose float32 logits generate's assisted decoding
+    processes in place: the record read the processed row (LogAt at l = L over the temperature, the probability
+    the processed softmax's); it keeps the model's own, as the oracle's."""
+    ids = torch.randint(1, VOCAB, (1, 7), generator=torch.Generator().manual_seed(8))
+    torch.manual_seed(1)
+    with nxl.attach(model, layers="all") as probe:
+        model.generate(input_ids=ids, max_new_tokens=1, assistant_early_exit=1, **processing)
+    (call,) = probe.calls
+    check_call(model, call, 1)
+    expected = prefix_logits(model, llama(model), ids, torch.ones_like(ids, dtype=torch.bool))[0][-1, :, -1]
+    torch.testing.assert_close(call.steps[0].probability, expected.softmax(-1).gather(-1, call.sequences[:, 7:])[:, 0])
+
+
 def test_callback_and_iterator_in_another_thread(model):
     ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(9))
     seen: list[nxl.Step] = []
