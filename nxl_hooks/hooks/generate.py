@@ -977,17 +977,23 @@ class Run:
         with, not one by one in the engine's loop."""
         self._emit(token.long() if isinstance(token, torch.Tensor) else operator.index(token), log_prob)
 
-    def stopped(self, done: torch.Tensor) -> None:
-        """generate's stopping criteria ran on its latest token: ``done`` (batch,) says which rows finished there
-        (an EOS, a stop string, the user's own criterion), so that from the next step on generate only pads them.
-        Kept on the device, one tensor per generated token; :meth:`_emit` reads which rows are active from them.
-        Never raises (a failure stops the call's records, said as any other)."""
+    def stopped(self, done: torch.Tensor, length: int) -> None:
+        """generate's stopping criteria ran on its sequences, ``length`` tokens long: ``done`` (batch,) says which
+        rows finished at their latest token (an EOS, a stop string, the user's own criterion), so that from the next
+        step on generate only pads them. Kept on the device, one tensor per generated token; :meth:`_emit` reads
+        which rows are active from them. Never raises (a failure stops the call's records, said as any other)."""
         if self.failed:
             return
         try:
             # as generate reads it (unfinished_sequences & ~done): a criterion of the user's may give 0/1 integers
             going = ~done if done.dtype == torch.bool else (~done & 1).bool()
-            self._going.append(going if not self._going else self._going[-1] & going)
+            before = self._going[-1] if self._going else torch.ones_like(going)
+            # One call per token, but an assisted iteration's covers every token it accepted: those before its last
+            # were emitted while the rows still went (generate's sequences begin with the prompt's ids, if given).
+            held = self.ids_given or self.ids_beside_embeds
+            covered = length - ((self._prompt_len or 0) if held else 0)
+            self._going.extend([before] * max(0, covered - len(self._going) - 1))
+            self._going.append(before & going)
         except Exception as failure:  # noqa: BLE001 - never into the host's generate
             self.fail("following which rows generate finished", failure)
 
@@ -1216,18 +1222,18 @@ class Run:
 @functools.cache
 def _watched(kind: type) -> type:
     """A subclass of generate's list ``kind`` (its stopping criteria, its logits processors) whose call runs inside
-    ``apart()`` and hands its result to ``seen`` (the rows the criteria finished, kept on the device); a list of the
-    user's own kind stays one."""
+    ``apart()`` and hands its result to ``seen`` (the rows the criteria finished, kept on the device, and the length
+    of the sequences they read); a list of the user's own kind stays one."""
 
     class Watched(kind):  # type: ignore[misc, valid-type]
         apart: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
-        seen: Callable[[torch.Tensor], None] | None = None
+        seen: Callable[[torch.Tensor, int], None] | None = None
 
         def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
             with self.apart():
                 result = super().__call__(input_ids, scores, **kwargs)
             if self.seen is not None:
-                self.seen(result)  # (never raises)
+                self.seen(result, input_ids.shape[1])  # (never raises)
             return result
 
     return Watched
@@ -1361,7 +1367,7 @@ class Generations:
         def stopping_criteria(*args: Any, **kwargs: Any) -> Any:
             found = criteria(*args, **kwargs)
             run = self.current()
-            if not isinstance(run, Run):
+            if not isinstance(run, Run) or getattr(self._local, "inner", 0):
                 return found
             if not any(hasattr(each, "eos_token_id") for each in found):
                 run.pads_nothing()
@@ -1410,8 +1416,11 @@ class Generations:
         self._restore = {}
 
     def _track(self, original: Callable, args: tuple, kwargs: dict) -> Any:
-        if self.current() is not None or self._detached:  # generate calling generate: the outer call is tracked
+        if self._detached:
             return original(*args, **kwargs)
+        if self.current() is not None:  # generate calling generate (a draft of assisted decoding): the outer call is
+            with self._inner():  # tracked, with its own stopping criteria only
+                return original(*args, **kwargs)
         run = self._begin(_named(original, args, kwargs))
         if eager() and isinstance(run, Run):  # a recording session: generate's own compile would skip the hooks
             kwargs = {"disable_compile": True, **kwargs}
@@ -1424,6 +1433,17 @@ class Generations:
                 raise
         self._end(run, out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None))
         return out
+
+    @contextlib.contextmanager
+    def _inner(self) -> Iterator[None]:
+        """A ``generate`` call made inside this thread's tracked one (``assistant_early_exit``'s draft runs the model's
+        own generate): its stopping criteria, which end each draft, are not the tracked call's (:meth:`_watching`)."""
+        depth = getattr(self._local, "inner", 0)
+        self._local.inner = depth + 1
+        try:
+            yield
+        finally:
+            self._local.inner = depth
 
     def _begin(self, kwargs: dict) -> Recording:
         """A :class:`Run` for this call, given its arguments by name (:func:`_named`), or

@@ -395,6 +395,24 @@ def test_self_speculative_decoding_is_recorded_step_by_step(model, sample):
     check_call(model, call, 6)  # (complete among its checks)
 
 
+@pytest.mark.parametrize("seed", [0, 2])
+def test_self_speculative_decoding_with_eos_ids_keeps_its_rows_active_until_one_is_emitted(model, seed):
+    """With EOS ids, the draft's own generate ends each draft at its stopping criteria and an assisted iteration
+    accepts several tokens at one call of the call's criteria: the draft's were taken for the call's and each call
+    for one token's, so every step after the first (or after an iteration's first) was recorded inactive, its
+    generated positions masked out. Rows stay active until their EOS (seed 2 ends on one, seed 0 emits none)."""
+    ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(seed))
+    eos = list(range(1, VOCAB // 4))
+    with nxl.attach(model, layers="all") as probe:
+        out = model.generate(input_ids=ids, max_new_tokens=8, assistant_early_exit=1, do_sample=False,
+                             eos_token_id=eos)
+    (call,) = probe.calls
+    emitted = out[0, 5:].tolist()
+    assert len(emitted) > 2 and not set(emitted[:-1]) & set(eos)
+    assert all(step.active.all() and step.mask.all() for step in call.steps)
+    check_call(model, call, len(emitted))
+
+
 @pytest.mark.parametrize("processing", [dict(do_sample=True, temperature=0.3), dict(repetition_penalty=2.0)])
 def test_self_speculative_decoding_keeps_the_models_own_logits_where_generate_processes_them(model, processing):
     """With one new token the call's one forward is the prompt's, whose float32 logits generate's assisted decoding
