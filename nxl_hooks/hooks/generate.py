@@ -78,6 +78,8 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 from torch import nn
 
+from ..method.head import same_weights, weights_state
+from ..method.placement import offloaded
 from ..method.protocol import Given
 from ..records.steps import GenerationCall, Step
 from .recording import NOT_RECORDED, Recording
@@ -397,6 +399,8 @@ class Run:
         self.copy_logits = False
         self._cache: Any = None  # the KV cache the prompt's forward was given (its eager positions are reused)
         self._prefix: tuple[int, Any] | None = None  # (start, a copy of what that cache holds before it): _later
+        # the model's weights as the call returned, where its compiled steps are run again beside the host (_later)
+        self._weights: tuple | None = None
         self.ids_given = True  # the prompt came as input_ids: generate's sequences begin with it
         # input_ids given with inputs_embeds: the prompt ran as the embeddings, generate's sequences begin with the ids
         self.ids_beside_embeds = False
@@ -779,6 +783,9 @@ class Run:
         if kept is None:
             return None
         self._prefix, self._cache = (n, kept), None
+        # (host integers: no device read; not where accelerate loads offloaded weights anew at each forward)
+        model = self._plan.model
+        self._weights = None if any(offloaded(module) for module in model.modules()) else weights_state(model)
         stream = torch.cuda.current_stream(device) if device.type == "cuda" else None
         return sequences.clone(), torch.is_inference_mode_enabled(), stream
 
@@ -814,7 +821,7 @@ class Run:
             self.fail("the last generated token", failure)
         finally:
             self._features = self._embed = self._mask = self._logits = self._log_probs = self._cache = None
-            self._prefix = None
+            self._prefix = self._weights = None
             self._deferred, self._unfed = [], []
             # The plan and the refill hold the model: the batches still to be made read _scoring only, so a model
             # the program drops once its call returned is freed without waiting for the record pipeline.
@@ -899,6 +906,12 @@ class Run:
                 raise
         # after the last chunk: the token generate returned last's
         self._logits, self._log_probs, self._sliced = logits[:, -1], None, False
+        if self._weights is not None and not same_weights(self._weights, weights_state(self._plan.model)):
+            self._deferred = []  # (the chunks before went out: they ran before the weights changed)
+            raise RuntimeError("the model's weights changed (trained, loaded) after the call returned, before its "
+                               "compiled steps were run again to record them, which on this device runs beside the "
+                               "program: they would be of neither model; wait for its records (probe.flush(), "
+                               "probe.calls) before changing the weights")
         self.flush()
 
     def _extended(self, rows: int, end: int) -> dict[str, torch.Tensor]:

@@ -41,7 +41,7 @@ from .placement import (DeviceOf, full, indexed, module_device, offloaded, plain
                         weights_materialized)
 from .scores import row_norms
 
-__all__ = ["CALLED_READOUT_BYTES", "CALLED_READOUT_CHUNK", "Head", "Readout"]
+__all__ = ["CALLED_READOUT_BYTES", "CALLED_READOUT_CHUNK", "Head", "Readout", "same_weights", "weights_state"]
 
 #: Positions per call of a readout that cannot be gathered row by row: (rows, this, vocabulary) floats at once, fewer
 #: where those would pass CALLED_READOUT_BYTES (many rows: a batch's every position and layer at one step).
@@ -113,11 +113,11 @@ class _RmsFold:
         return torch.rsqrt(norm.square() / hidden.shape[-1] + self.eps)
 
 
-def _weights_state(module: nn.Module) -> tuple[tuple[weakref.ref, int | None], ...]:
+def weights_state(module: nn.Module) -> tuple[tuple[weakref.ref, int | None], ...]:
     """What changes when ``module``'s weights do (trained, loaded while attached): each one, by a weak reference, and
     its version (inference tensors keep no version: the tensor alone). Not by id(): a weight replaced twice may be
     given the address, so the id, of the first, at the same version; weakly, so that a replaced weight (a large
-    shard) is not kept alive by the state. Compare with :func:`_same_weights`."""
+    shard) is not kept alive by the state. Compare with :func:`same_weights`."""
     state = []
     for parameter in module.parameters():
         try:
@@ -127,8 +127,8 @@ def _weights_state(module: nn.Module) -> tuple[tuple[weakref.ref, int | None], .
     return tuple(state)
 
 
-def _same_weights(state: tuple, now: tuple) -> bool:
-    """Whether two :func:`_weights_state` of a module hold the same weights at the same versions."""
+def same_weights(state: tuple, now: tuple) -> bool:
+    """Whether two :func:`weights_state` of a module hold the same weights at the same versions."""
     return len(state) == len(now) and all(kept() is not None and kept() is weight() and version == current
                                           for (kept, version), (weight, current) in zip(state, now))
 
@@ -209,7 +209,7 @@ class Head:
         for index, step in enumerate(steps):
             if isinstance(step, nn.Module) and sharded(step):
                 steps[index] = replica(step, module_device(step))
-                self._copies.append((step, steps[index], _weights_state(step)))
+                self._copies.append((step, steps[index], weights_state(step)))
         readout = steps.pop()
         if not isinstance(readout, nn.Module):
             raise ValueError(f"spec {spec.name!r}: the last head step must be a module (the readout), got {readout}")
@@ -256,12 +256,12 @@ class Head:
         if not (plain(step) and all(readable(sub) for sub in step.modules())):
             return step
         key = (index, device)
-        state = _weights_state(step)
+        state = weights_state(step)
         made = self._replicas.get(key)
-        if made is None or not _same_weights(made[1], state):
+        if made is None or not same_weights(made[1], state):
             with self._lock:
                 made = self._replicas.get(key)
-                if made is None or not _same_weights(made[1], state):
+                if made is None or not same_weights(made[1], state):
                     made = self._replicas[key] = (replica(step, device), state)
         return made[0]
 
@@ -289,8 +289,8 @@ class Head:
         """Gather again the sharded modules whose weights changed since copied (trained, loaded while attached). A
         collective: call it only where every rank is at the same point, the start of each of the model's forwards."""
         for index, (module, copy, state) in enumerate(self._copies):
-            now = _weights_state(module)
-            if not _same_weights(state, now):
+            now = weights_state(module)
+            if not same_weights(state, now):
                 with torch.no_grad():
                     copy.load_state_dict({name: full(tensor.detach()) for name, tensor in module.state_dict().items()})
                 self._copies[index] = (module, copy, now)
@@ -305,7 +305,7 @@ class Head:
                 raise RuntimeError(f"the model's {path} is another module than when the probe attached (an adapter "
                                    "put on it or unloaded, resize_token_embeddings): detach and attach again")
         for module, _, state in self._copies:
-            if not _same_weights(state, _weights_state(module)):
+            if not same_weights(state, weights_state(module)):
                 raise RuntimeError(f"the weights of the model's tensor-parallel {type(module).__name__} changed after "
                                    "the forward being scored began, so its record would read the old ones; change "
                                    "weights between calls, not while one is being recorded")

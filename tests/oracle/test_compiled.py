@@ -459,6 +459,52 @@ def test_detaching_right_after_a_compiled_call_waits_for_its_steps_and_a_failure
     assert "refill failed on purpose" in call.error and probe.unrecorded_calls == 1
 
 
+def test_weights_changed_before_a_compiled_calls_steps_are_run_again_are_said_never_recorded(monkeypatch):
+    """As on a GPU a compiled call's steps are recorded by running the model again after it returns, beside the
+    program: weights trained in place meanwhile gave records of neither model, said complete. The call now says its
+    steps are not recorded and why; the next call, run again on the weights it ran with, equals the oracle."""
+    from nxl_hooks.hooks import generate
+
+    monkeypatch.setattr(generate, "SCORED_ELSEWHERE", generate.SCORED_ELSEWHERE | {"cpu"})
+    model = tiny.generating_llama(seed=3)
+    ids, mask = _prompt()
+    config = tiny.cpu_compile(backend="eager")
+    refill, trained = generate.Generations.refill, threading.Event()
+
+    def after_training(self, *args):
+        trained.wait()  # the program trains the model once the call returned, before its steps run again
+        return refill(self, *args)
+
+    monkeypatch.setattr(generate.Generations, "refill", after_training)
+    with nxl.attach(model, layers="all") as probe:
+        _static(model, ids, mask, config)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.mul_(1.5)
+        trained.set()
+        (call,) = probe.calls
+        assert call.steps == [] and not call.complete and "weights changed" in call.error
+        assert probe.unrecorded_calls == 1
+        _static(model, ids, mask, config)
+    _check(model, probe.calls[1], 5)
+
+
+def test_offloaded_weights_loaded_at_each_forward_are_not_taken_for_weights_changed(monkeypatch):
+    """accelerate puts an offloaded block's weights in place at each forward and takes them away after (new
+    parameters each time): running the call's steps again is no change of its weights, and they are recorded."""
+    from accelerate import cpu_offload
+
+    from nxl_hooks.hooks import generate
+
+    monkeypatch.setattr(generate, "SCORED_ELSEWHERE", generate.SCORED_ELSEWHERE | {"cpu"})
+    model = tiny.generating_llama(seed=3)
+    cpu_offload(model.model.layers[1], execution_device="cpu")
+    ids, mask = _prompt()
+    with nxl.attach(model, layers="all") as probe:
+        _static(model, ids, mask, tiny.cpu_compile(backend="eager"))
+    _check(model, probe.calls[0], 5)
+
+
 def test_a_live_reader_closed_right_after_a_compiled_call_returns_gets_its_steps(monkeypatch):
     """A compiled call's steps are recorded after it returns, in a thread of their own (as on a GPU): a
     follow-subscription closed right then gets them all the same, the very records the call keeps (close ended it
