@@ -54,8 +54,9 @@ The records themselves are the caller's: 2 × 4 B × layers × batch × context 
 nor a :meth:`~nxl_hooks.Probe.stream` subscriber, a step's record is not even made).
 
 Not recorded (the call runs unchanged, ``GenerationCall.error`` says why): beam search (beams are reordered and
-pruned between steps, so a row is not one sequence), assisted / speculative decoding with a second model or prompt
-lookup and generate resuming from a filled ``past_key_values`` (positions the probe never saw).
+pruned between steps, so a row is not one sequence), assisted / speculative decoding with a second model, prompt
+lookup or multi-token prediction (``use_mtp``) and generate resuming from a filled ``past_key_values`` (positions the
+probe never saw).
 ``num_return_sequences`` with sampling works: its rows are independent sequences. Self-speculative decoding
 (``assistant_early_exit``) is recorded as a compiled call is: its draft forwards stop at an early block (no last
 block's output), so the hooks follow the call no more (:meth:`Run._unfollow`) and :meth:`Run._replay` records it.
@@ -307,14 +308,20 @@ def eager() -> bool:
     return os.environ.get(EAGER) == "1"
 
 
+#: The settings that make generate decode with candidate tokens, several per forward (what refusing them names).
+_ASSISTED = "assistant_model / prompt_lookup_num_tokens / use_mtp"
+
+
 def unsupported(model: nn.Module, kwargs: dict) -> str | None:
     """Why a ``generate`` call cannot be recorded step by step, or None when it can."""
     if (_setting(model, kwargs, "num_beams") or 1) > 1:
         return ("beam search (num_beams > 1) cannot be attributed step by step: beams are reordered and pruned "
                 "between steps, so a row is not one sequence; use num_beams=1 (greedy, or do_sample=True)")
-    if kwargs.get("assistant_model") is not None or _setting(model, kwargs, "prompt_lookup_num_tokens"):
+    # (use_mtp: multi-token-prediction drafts, transformers' own; an older GenerationConfig without it reads None)
+    if (kwargs.get("assistant_model") is not None or _setting(model, kwargs, "prompt_lookup_num_tokens")
+            or _setting(model, kwargs, "use_mtp")):
         return ("assisted / speculative decoding feeds several candidate tokens per forward and drops some; "
-                "generate without assistant_model / prompt_lookup_num_tokens")
+                f"generate without {_ASSISTED}")
     cache = find_cache(kwargs)
     # (a static cache's length is a device tensor: read once per call, as the prompt's forward reads it anyway)
     held = int(cache.get_seq_length()) if cache is not None else 0
@@ -552,7 +559,7 @@ class Run:
             raise UnfollowedForward(
                 f"the first forward of this call ran positions 0..{new - 1}, past its {self._prompt_len}-token "
                 "prompt: several candidate tokens per forward (assisted decoding) cannot be followed; generate "
-                "without assistant_model / prompt_lookup_num_tokens")
+                f"without {_ASSISTED}")
         if not (continues or recomputes):
             raise UnfollowedForward(
                 f"a forward of this call ran positions {past}..{past + new - 1} (from its {where.source}) while the "

@@ -334,6 +334,18 @@ def test_a_generation_config_passed_positionally_is_read_for_what_cannot_be_reco
     assert call.error.startswith("not recorded: ") and said in call.error
 
 
+def test_multi_token_prediction_decoding_is_said_not_recorded_as_assisted_decoding(model):
+    """``use_mtp=True`` drafts tokens with the model's multi-token-prediction layers: it ran unrecorded with a
+    forward's positions as its reason (several candidate tokens per forward, or a cropped cache), not naming it. It
+    is refused before generate runs (this model has no MTP layers: generate then raises, as unattached)."""
+    ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(8))
+    with nxl.attach(model, layers="all") as probe:
+        with pytest.raises(ValueError):
+            model.generate(ids, max_new_tokens=4, do_sample=False, use_mtp=True)
+    (call,) = probe.calls
+    assert call.error.startswith("not recorded: assisted / speculative decoding") and "use_mtp" in call.error
+
+
 def test_a_first_forward_past_the_prompt_is_said_not_recorded(model, monkeypatch):
     """A prompt forward that also runs candidate tokens (prompt lookup, where a call's settings did not say it) is
     not taken for the prompt: it was, and the steps it accepted were lost while the call said complete."""
