@@ -308,6 +308,10 @@ def eager() -> bool:
     return os.environ.get(EAGER) == "1"
 
 
+#: Why a ``generate`` call that drafts candidate tokens for another model's assisted decoding is not recorded.
+_DRAFTS = ("this model drafts candidate tokens for another model's assisted decoding (it is that model's "
+           "assistant_model), which that model accepts or drops: a draft is not a generation of its own; attach to "
+           "the model that generates and call it without assistant_model")
 #: The settings that make generate decode with candidate tokens, several per forward (what refusing them names).
 _ASSISTED = "assistant_model / prompt_lookup_num_tokens / use_mtp"
 
@@ -1281,6 +1285,7 @@ class Generations:
         self.backbone: nn.Module | None = None  # set by attach: a forward the user compiled in place is seen there
         # a forward that writes the model's own state is never run by the probe beside the host's (Run.finish)
         self._stateful = any(_changes_itself(module) for module in plan.model.modules())
+        self._drafted = False  # a draft for another model's assisted decoding was said (_begin: once per attach)
 
     def current(self) -> Recording | None:
         return getattr(self._local, "run", None)
@@ -1469,6 +1474,12 @@ class Generations:
         """A :class:`Run` for this call, given its arguments by name (:func:`_named`), or
         :data:`~nxl_hooks.hooks.engines.NOT_RECORDED` (with a call record saying why)."""
         request_id = REQUEST_ID.get() or uuid.uuid4().hex
+        if _setting(self.plan.model, kwargs, "is_assistant"):
+            # the other model's candidate generator calls generate once per draft, from the cache of the ones before:
+            # said once, not once per draft
+            self.unrecorded(request_id, "this model's drafts", ValueError(_DRAFTS), log=not self._drafted)
+            self._drafted = True
+            return NOT_RECORDED
         try:
             why = unsupported(self.plan.model, kwargs)
             if why is not None:

@@ -346,6 +346,21 @@ def test_multi_token_prediction_decoding_is_said_not_recorded_as_assisted_decodi
     assert call.error.startswith("not recorded: assisted / speculative decoding") and "use_mtp" in call.error
 
 
+def test_an_attached_assistant_model_says_once_that_its_drafts_are_not_recorded(model, caplog):
+    """Attached to the draft model of another model's assisted decoding: its generate, called once per draft from the
+    cache of the drafts before, warned once per draft that it was given a KV cache to leave out (the user gave
+    none). Each draft says what it is, logged once; the generating model's output is unchanged."""
+    big = tiny.generating_llama(seed=2)
+    ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(8))
+    plain = big.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=model)
+    with caplog.at_level("WARNING", logger="nxl_hooks"), nxl.attach(model, layers="all") as probe:
+        out = big.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=model)
+    said = [record.getMessage() for record in caplog.records if record.name == "nxl_hooks"]
+    assert torch.equal(out, plain) and len(probe.calls) > 1 == len(said) and "drafts candidate tokens" in said[0]
+    assert all(not call.complete and "drafts candidate tokens for another model's assisted decoding" in call.error
+               for call in probe.calls)
+
+
 def test_a_first_forward_past_the_prompt_is_said_not_recorded(model, monkeypatch):
     """A prompt forward that also runs candidate tokens (prompt lookup, where a call's settings did not say it) is
     not taken for the prompt: it was, and the steps it accepted were lost while the call said complete."""
