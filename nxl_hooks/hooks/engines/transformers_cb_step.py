@@ -35,7 +35,8 @@ _local = threading.local()  # .pending: this thread's last packed step, whose to
 
 #: Why a request's slice cannot be fed: it starts after the last position its run holds.
 _SKIPPED = ("this request's forwards start at position {first}: positions {length}..{last} ran for another request "
-            "(a prefix shared from its cache before the probe attached, or a forked num_return_sequences child), so "
+            "(a prefix shared from its cache: cached before the probe attached, a forked num_return_sequences "
+            "child's, or taken up again after the manager preempted this request part way through its prompt), so "
             "their attribution is unknown")
 
 
