@@ -31,7 +31,7 @@ from .forward import Capture, assemble, embedding_norms, open_capture
 from .generate import Generations
 from .guard import Notice, Owned, logger, reason
 from .plan import Plan
-from .recording import Recording
+from .recording import NOT_RECORDED, Recording
 from .traced import Recompiled, TracedForward, eager_frame
 
 __all__ = ["Recorder", "Results"]
@@ -92,12 +92,16 @@ def _always_called(module: nn.Module, hook: Callable) -> torch.utils.hooks.Remov
 
 
 class _InCall(RuntimeError):
-    """What :meth:`~nxl_hooks.Probe.result` says after a recorded call (``generate``), whose records are per token."""
+    """What :meth:`~nxl_hooks.Probe.result` says after a ``generate`` call: its records are per token (``recorded``),
+    or its call record says why there are none."""
 
-    def __init__(self) -> None:
-        super().__init__("the last call in this thread was a recorded generate call, whose records are its tokens': "
-                         "read probe.steps, or probe.calls[-1] (and its .attribution(step)); result() is the last "
-                         "plain forward's (model(...) called by itself)")
+    def __init__(self, recorded: bool) -> None:
+        self.recorded = recorded
+        said = ("a recorded generate call, whose records are its tokens': read probe.steps, or probe.calls[-1] (and "
+                "its .attribution(step))" if recorded else
+                "a generate call that was not recorded (probe.calls[-1].error says why)")
+        super().__init__(f"the last call in this thread was {said}; result() is the last plain forward's "
+                         "(model(...) called by itself)")
 
 
 class Results(threading.local):
@@ -345,8 +349,11 @@ class Recorder:
         run = self._run()
         self._drop_ended(run)
         tasks.append(_Task(run, kwargs.get("logits_to_keep")))
-        if run is not None and not isinstance(self.results.last, _InCall):  # (once per call: the next plain forward
-            self.results.last = _InCall()  # sets its own)
+        if run is not None:  # (once per call: the next plain forward sets its own)
+            recorded, last = run is not NOT_RECORDED, self.results.last
+            if not isinstance(last, _InCall) or last.recorded != recorded:
+                self.results.last = _InCall(recorded)
+                self.plain.discard()  # a forward traced before it is not the last either
 
     def on_task_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         if traced():

@@ -202,8 +202,7 @@ def reset_compiled(*modules: nn.Module, detaching: bool = False) -> None:
     (``m.forward = torch.compile(m.forward)``): code compiled before the hooks existed never calls them, and code
     compiled while attached keeps calling them after detach. The next call recompiles (once), with the hooks
     there are then. Other instances of the same class share that code and recompile too. Not under a stance that
-    forbids recompiling (:data:`_NO_RECOMPILE`): the code stays, and (unless ``detaching``: none are recorded then)
-    its forwards are said not recorded."""
+    forbids recompiling (:data:`_NO_RECOMPILE`): the code stays, said in one line."""
     for module in modules:
         original = getattr(vars(module).get("forward"), "_torchdynamo_orig_callable", None)
         code = getattr(getattr(original, "__func__", original), "__code__", None)
@@ -211,12 +210,11 @@ def reset_compiled(*modules: nn.Module, detaching: bool = False) -> None:
             continue
         # (torch keeps the stance private; one without it has no stance that forbids recompiling)
         stance = getattr(getattr(torch._dynamo.eval_frame, "_stance", None), "stance", None)
-        if stance in _NO_RECOMPILE:
-            if detaching:
-                continue
-            logger.warning("nxl_hooks: not recorded: %s.forward, compiled in place, keeps its compiled code under "
-                           "torch.compiler's stance %r, which forbids recompiling it with or without the probe's "
-                           "hooks; attach (and detach) under the default stance to record it", type(module).__name__,
-                           stance)
+        if stance in _NO_RECOMPILE:  # its code stays: said, with what that code does then
+            does = ("holds the detached probe's hooks if it was compiled while attached (they record nothing)"
+                    if detaching else "never reaches the probe's hooks: its forwards are not recorded")
+            logger.warning("nxl_hooks: %s.forward, compiled in place, keeps its compiled code under torch.compiler's "
+                           "stance %r, which forbids recompiling it, so it %s; attach and detach under the default "
+                           "stance", type(module).__name__, stance, does)
             continue
         torch._dynamo.reset_code(code)

@@ -949,3 +949,19 @@ def test_a_forward_compiled_in_place_keeps_its_code_under_a_stance_that_forbids_
                 probe.result()
         torch.testing.assert_close(model(input_ids=ids).logits, before)
     assert counters["stats"]["unique_graphs"] == graphs  # its compiled code ran throughout, never compiled again
+
+
+def test_result_after_generate_is_not_a_forward_traced_before_it():
+    """A forward of a compiled function of the user's (the task model's hooks traced) is kept for the thread's
+    result; a generate call after it is the last call, so result() says where that call's records are, not the
+    traced forward's record; the next compiled forward is the result again."""
+    model = tiny.generating_llama(seed=4)
+    ids = _prompt(rows=1)[0]
+    with torch.no_grad(), nxl.attach(model, layers="all") as probe:
+        run = torch.compile(lambda tokens: model(input_ids=tokens), fullgraph=True, backend="eager")
+        run(ids)
+        model.generate(input_ids=ids, max_new_tokens=2, do_sample=False)
+        with pytest.raises(RuntimeError, match="recorded generate call.*probe.steps"):
+            probe.result()
+        run(ids)
+        torch.testing.assert_close(probe.result().normxlogit, _plain_oracle(model, ids), rtol=1e-4, atol=1e-5)

@@ -221,6 +221,9 @@ def test_result_after_a_generate_call_says_where_its_records_are():
             model.generate(input_ids=ids, max_new_tokens=2, do_sample=False)
             with pytest.raises(RuntimeError, match=r"last call in this thread was a recorded generate call.*probe\.steps"):
                 probe.result()
+        model.generate(input_ids=ids, max_new_tokens=2, num_beams=2, do_sample=False)  # not recorded: said so
+        with pytest.raises(RuntimeError, match=r"generate call that was not recorded \(probe\.calls\[-1\]\.error"):
+            probe.result()
         out = model(input_ids=ids, output_hidden_states=True)
     logits = oracle.llama(model).layer_logits(out.hidden_states)
     _, expected = oracle.normxlogit(logits, out.hidden_states[0], logits[-1, :, -1].argmax(-1))
