@@ -58,8 +58,8 @@ def test_compiled_padded_batching_records_every_request_as_the_oracle(model):
     with nxl.attach(model, layers="all") as probe:
         out = model.generate_batch(prompts, generation_config=_greedy(), continuous_batching_config=_compiled())
         assert probe._hub._running == []  # every request's call ended with its request
-        with pytest.raises(RuntimeError, match="no forward has run"):
-            probe.result()  # the packed steps were not taken for a plain forward
+        with pytest.raises(RuntimeError, match="recorded generate call"):
+            probe.result()  # the packed steps were not taken for a plain forward: the requests' records are steps
     breaks = dict(counters["graph_break"])
     assert counters["stats"]["unique_graphs"] > 0  # compiled again once attached, the taps traced in
     assert tiny.nxl_hooks_on(model) == 0
