@@ -313,11 +313,11 @@ class Recorder:
     def _plain_traced(self) -> bool:
         """Inside a forward dynamo traces (:func:`traced`): whether it is a plain one, outside every recorded
         call, and not a non-strict export's (:func:`_exporting`: its tensors are fake; a strict export replays
-        nothing into the probe). Only then do the hooks keep anything (:class:`~.traced.TracedForward`). Nothing of the probe's goes into
-        the compiled code of a recorded call, which would change the model's own kernels (inductor fuses what the
-        hooks add into them and tunes them anew, and a GPU's bf16 logits then differ in the last place): a
-        ``generate`` call records its compiled forwards by running them again eagerly when it ends, and an engine's
-        taps record its steps."""
+        nothing into the probe). Only then do the hooks keep anything (:class:`~.traced.TracedForward`). Nothing of
+        the probe's goes into the compiled code of a recorded call, which would change the model's own kernels
+        (inductor fuses what the hooks add into them and tunes them anew, and a GPU's bf16 logits then differ in the
+        last place): a ``generate`` call records its compiled forwards by running them again eagerly when it ends,
+        and an engine's taps record its steps."""
         return self._run() is None and not _exporting()
 
     def settle(self) -> None:

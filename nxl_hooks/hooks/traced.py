@@ -117,7 +117,8 @@ class TracedForward:
     probe assembles its attribution from it eagerly: when the task model's own hook runs outside the compiled code
     (``model.forward = torch.compile(model.forward)``, ``torch.compile(model)``: :func:`eager_frame`), else
     when :meth:`~nxl_hooks.Probe.result` is read, or the probe detaches, in that thread (a function of the user's
-    that calls the model, compiled: the task model's hooks traced too). The last traced forward of each thread is kept, as each thread's result is its own."""
+    that calls the model, compiled: the task model's hooks traced too). The last traced forward of each thread is
+    kept, as each thread's result is its own."""
 
     def __init__(self, norms: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self._norms = norms  # the embedding norms of the rows kept, taken in take(), outside the graph

@@ -266,7 +266,8 @@ def resolve_target(model: nn.Module, kind: HeadKind | str, tokenizer: Any, item:
     """One requested target or label -> what it explains (the rules in order):
 
     1. an int: that output id (range-checked against ``n_outputs`` when given);
-    2. classifiers: a label name, as ``config.id2label`` names the outputs (surrounding spaces ignored), or a number as an id;
+    2. classifiers: a label name, as ``config.id2label`` names the outputs (surrounding spaces ignored), or a number
+       as an id;
     3. LMs (a tokenizer is needed): a vocabulary entry that is not plain text ('Ġis', '▁is', a special token) is that
        token; without a ``prompt`` (and for masked LMs) any vocabulary entry is;
     4. other text is a word: after the ``prompt`` (causal LMs), the first token the tokenizer makes of it there

@@ -40,11 +40,9 @@ from .attribution import RecordError, stored_scores
 from .files import CHUNK, read_regular
 from .steps import STEP_TENSORS, GenerationCall, Step
 from .tokens import record_text
-from .writer import _FILE_MAGIC, _FRAME, _FRAME_MAGIC, _ROTATED
+from .writer import _FILE_MAGIC, _FRAME, _FRAME_MAGIC, _MAGIC_V1, _ROTATED
 
 __all__ = ["Damage", "Stream", "StreamDamageWarning", "StreamError", "read_stream"]
-
-_MAGIC_V1 = b"nxl_hooks.stream/1\n"  # nxl_hooks 0.1, no frame numbers: still read
 
 
 class StreamError(RecordError):

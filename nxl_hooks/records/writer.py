@@ -60,8 +60,8 @@ __all__ = ["PartlyWritten", "RotatingSink", "Sink", "encode_call", "encode_end",
 #: The sink kinds made here (:data:`nxl_hooks.records.sinks.DECLARED`): ``file:PATH``, ``folder:PATH``.
 SINKS = {"file": {"factory": "Sink"}, "folder": {"factory": "RotatingSink"}}
 
-_STREAM = b"nxl_hooks.stream/"  #: what every version's file begins with
 _FILE_MAGIC = b"nxl_hooks.stream/2\n"  # what is written; version 1 (nxl_hooks 0.1, no frame numbers) still reads
+_MAGIC_V1 = b"nxl_hooks.stream/1\n"  # nxl_hooks 0.1, no frame numbers: still read
 _FRAME = struct.Struct("<4sQI")
 _FRAME_MAGIC = b"NXLF"
 _LENGTH = struct.Struct("<Q")
@@ -164,14 +164,20 @@ def stream_bytes(call: GenerationCall, meta: dict) -> bytes:
     return b"".join([_FILE_MAGIC, *frames])
 
 
+def _holds_stream(head: bytes) -> bool:
+    """Whether a file that begins with ``head`` (its first ``len(_FILE_MAGIC)`` bytes) is a stream file as
+    :func:`~nxl_hooks.records.reader.read_stream` reads one: a file header of either version, or the start of the
+    current one, where its writer was killed (or an empty file)."""
+    return head.startswith((_FILE_MAGIC, _MAGIC_V1)) or _FILE_MAGIC.startswith(head)
+
+
 def _open(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
     """A new (or emptied) stream file holding only the file magic, held for this writer (:func:`claim_file`). A
     file that holds something other than a stream (a Parquet file given without ``parquet:``, anyone's data) is
     refused (ValueError, one line), never emptied."""
     fd = claim_file(path, mode, follow_symlinks=follow_symlinks, readable=True)
     try:
-        head = os.pread(fd, len(_STREAM), 0)
-        if not (head.startswith(_STREAM) or _STREAM.startswith(head)):  # (a writer killed in its magic: its start)
+        if not _holds_stream(os.pread(fd, len(_FILE_MAGIC), 0)):
             kind = " (a Parquet sink is 'parquet:PATH')" if path.suffix == ".parquet" else ""
             raise ValueError(f"{path} holds something other than an nxl_hooks stream, which a stream sink would "
                              f"empty: give another path, or remove the file first{kind}")
