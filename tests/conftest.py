@@ -19,6 +19,8 @@ sys.path[:0] = [str(Path(__file__).resolve().parent / tier) for tier in TIERS]
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "real_model: needs SmolLM2-135M-Instruct from the package index (fetched once)")
+    config.addinivalue_line("markers", "version_free: the same whatever transformers' version (a CLI refusal, nxl "
+                            "tail, the bootstrap): tests/floor.txt leaves it out")
 
 
 @pytest.hookimpl(optionalhook=True)  # (pytest-xdist's hook: absent under -p no:xdist)

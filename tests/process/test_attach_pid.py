@@ -223,6 +223,7 @@ def test_a_plain_script_waited_for_attached_recorded_detached(tiny, tmp_path, ca
 
 
 @needs_gdb
+@pytest.mark.version_free
 def test_an_interrupted_attach_wait_never_attaches_the_process_later(tiny, tmp_path):
     """Ctrl-C on nxl attach --wait once the process took the request: the command removes its run folder and
     exits 130, and the process, once it loads its model, does not attach after all (it did: hooks, endpoint and
@@ -261,6 +262,7 @@ def _catches_sigterm(pid: int) -> bool:
 
 
 @needs_gdb
+@pytest.mark.version_free
 def test_sigterm_on_an_attached_process_removes_its_socket_as_under_nxl_run(tiny, tmp_path, capsys):
     """The endpoint starts in nxl attach's thread, where Python sets no signal handler: the injected script sets
     its SIGTERM handler from the main thread (the socket was left behind), and a detach gives the default back."""
@@ -299,6 +301,7 @@ def _refused(capsys, *args: str) -> str:
     return err
 
 
+@pytest.mark.version_free
 def test_refusals_before_anything_is_injected(tmp_path, capsys, monkeypatch):
     gone = subprocess.Popen(["true"])
     gone.wait()
@@ -335,6 +338,7 @@ def test_refusals_before_anything_is_injected(tmp_path, capsys, monkeypatch):
         _stop(process)
 
 
+@pytest.mark.version_free
 def test_no_ptrace_capability_for_another_users_process_is_refused(tmp_path):
     if os.geteuid() != 0 or shutil.which("capsh") is None:
         pytest.skip("needs root and capsh to drop CAP_SYS_PTRACE")
@@ -349,6 +353,7 @@ def test_no_ptrace_capability_for_another_users_process_is_refused(tmp_path):
     assert "lacks CAP_SYS_PTRACE" in done.stderr and "uid 65534" in done.stderr
 
 
+@pytest.mark.version_free
 def test_permission_rules_owner_or_root_and_ptrace_scope():
     assert "only its owner or root" in permission_refusal(7, 1000, euid=1001, ptrace_cap=False, scope=None)
     assert permission_refusal(7, 1000, euid=1000, ptrace_cap=False, scope=0) is None
@@ -359,6 +364,7 @@ def test_permission_rules_owner_or_root_and_ptrace_scope():
     assert "CAP_SYS_PTRACE" in permission_refusal(7, 1000, euid=0, ptrace_cap=False, scope=None)
 
 
+@pytest.mark.version_free
 def test_python_314_goes_through_remote_exec_with_the_bootstrap_file(tmp_path):
     bootstrap = tmp_path / "bootstrap.py"
     target = Target(4242, 0, 0, "/usr/bin/python3.14", (3, 14), trusted=(1, 2))
@@ -381,6 +387,7 @@ def test_python_314_goes_through_remote_exec_with_the_bootstrap_file(tmp_path):
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
 
 
+@pytest.mark.version_free
 def test_a_pid_given_again_to_another_process_is_never_injected_into(tmp_path, monkeypatch):
     """The pid inspected may name another process by the time the injector runs (the target ended; a tracer of
     its owner's held nxl attach back meanwhile): the start time is checked again before each injector run, and
@@ -404,6 +411,7 @@ def test_a_pid_given_again_to_another_process_is_never_injected_into(tmp_path, m
         assert ran.exists() == (given == ""), given
 
 
+@pytest.mark.version_free
 def test_nxl_attach_makes_its_folders_only_where_no_one_else_can_replace_them(tmp_path, monkeypatch):
     """A temporary folder others may write without a sticky bit (root's TMPDIR inherited from a user's shell)
     would let them swap the bootstrap gdb runs: /tmp is used then."""
@@ -418,6 +426,7 @@ def test_nxl_attach_makes_its_folders_only_where_no_one_else_can_replace_them(tm
     assert _private_parent() == str(private)
 
 
+@pytest.mark.version_free
 def test_the_314_route_runs_exactly_the_checked_file_with_nothing_of_the_environment(tmp_path, monkeypatch):
     folder = tmp_path / "bin"
     folder.mkdir(mode=0o755)
@@ -455,6 +464,7 @@ _HIDDEN = ("import sys, time\nsys.modules['nxl_hooks'] = None\n"
 
 
 @needs_gdb
+@pytest.mark.version_free
 def test_an_injection_that_fails_inside_the_target_leaves_it_running(tmp_path, capsys):
     # nxl_hooks is found by the check (a fresh interpreter), but hidden inside the running process
     process = _start(tmp_path, _HIDDEN)
@@ -481,6 +491,7 @@ print("main thread back", flush=True)
 
 
 @needs_gdb
+@pytest.mark.version_free
 def test_a_request_the_main_thread_does_not_pick_up_is_withdrawn_and_never_runs(tmp_path, capsys):
     process = _start(tmp_path, _BLOCKED)
     try:
@@ -494,6 +505,7 @@ def test_a_request_the_main_thread_does_not_pick_up_is_withdrawn_and_never_runs(
 
 @pytest.mark.parametrize("answer", [{"ok": True, "status": "x"}, {"ok": True, "status": {"models": [{"name": 3}]}},
                                     {"ok": True}])
+@pytest.mark.version_free
 def test_an_answer_of_another_shape_is_one_line_and_the_run_folder_goes(tmp_path, capsys, monkeypatch, answer):
     """The answer comes from the target's side, which its user controls (their own nxl_hooks, or a result file
     written into the folder they were handed): one of another shape was a traceback (exit 1), the folder left."""
@@ -509,6 +521,7 @@ def test_an_answer_of_another_shape_is_one_line_and_the_run_folder_goes(tmp_path
 
 
 @pytest.mark.parametrize("command", ["attach", "detach"])
+@pytest.mark.version_free
 def test_an_answer_nested_too_deep_is_one_line(tmp_path, capsys, monkeypatch, command):
     """The result file is written by the target's side, in a folder its user was handed: 200,000 '[' (a regular
     file under the 1 MiB read) was a RecursionError traceback out of root's nxl attach / nxl detach."""

@@ -270,6 +270,7 @@ def test_ctl_pause_resume_attach_detach_change_recording_not_outputs(server, tin
     check_call(tiny, call, content, reply)
 
 
+@pytest.mark.version_free
 def test_tail_prints_one_line_per_token_of_a_request(server, tiny):
     tail = subprocess.Popen([*NXL, "tail", "--run", str(server.run), "--request-id", "tail-1", "-k", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -329,6 +330,7 @@ def _entries(text: str) -> list[tuple[int, str]]:
     return [(int(position), name) for position, name in re.findall(r"(\d+):'(.*?)' (?:-?[\d.e+-]+|nan)", text)]
 
 
+@pytest.mark.version_free
 def test_tail_says_it_waits_shows_positions_and_the_last_requests(server, tiny):
     """Issue 24 item 13: idle, tail says it waits; a prompt that holds 'hello' twice shows both, told apart by their
     positions, and the token's own position; --last 1 shows the last request again, whole, with its end line."""
@@ -375,6 +377,7 @@ def save_emoji_model(path: Path) -> Path:
     return bpe_tiny.save_bpe(path, model, tok)
 
 
+@pytest.mark.version_free
 def test_tail_shows_an_emoji_split_over_byte_tokens_as_text(tmp_path):
     """Issue 24 item 13: an emoji that a byte-level tokenizer splits into 4 tokens is shown as '😀', never as bytes
     ('\\xf0\\x9f'): in the context (the prompt's emoji, on each of its 4 positions) and as generated tokens, whose
@@ -398,6 +401,7 @@ def test_tail_shows_an_emoji_split_over_byte_tokens_as_text(tmp_path):
     assert "\\x" not in out and "\ufffd" not in out
 
 
+@pytest.mark.version_free
 def test_tail_shows_a_hostile_request_id_escaped(server, tiny):
     """An X-Request-ID with a title change, a screen clear and a C1 byte is accepted by serve; nxl tail and
     nxl ctl show it escaped and never write a control character to the operator's terminal."""
@@ -419,6 +423,7 @@ def test_tail_shows_a_hostile_request_id_escaped(server, tiny):
     assert not any(char in out + err for char in "\x1b\x07\x9b")
 
 
+@pytest.mark.version_free
 def test_endpoint_needs_the_token_streams_and_listens_on_loopback_only(server, tiny):
     import psutil
 
@@ -694,6 +699,7 @@ def test_nxl_run_loading_options_reach_the_programs_own_loads(tiny, tmp_path):
     assert len(said) == 2 and all("the loading options of nxl run were not applied" in line for line in said), said
 
 
+@pytest.mark.version_free
 def test_python_flags_that_keep_the_bootstrap_out_are_refused_before_the_program_starts(tmp_path):
     """-I and -E make Python ignore PYTHONPATH and -S skips site, which imports the bootstrap: the program would run
     with nothing recorded and nothing said. Refused in one line, alone or among other short flags; -s (no user
@@ -712,6 +718,7 @@ def test_python_flags_that_keep_the_bootstrap_out_are_refused_before_the_program
         assert kept.returncode == 0 and kept.stdout.split() == ["BOOTED", "True"], (flags, kept.stderr)
 
 
+@pytest.mark.version_free
 def test_a_program_whose_environment_lacks_nxl_hooks_is_lent_nxl_hooks_alone(tiny, tmp_path):
     """nxl run with a program whose interpreter's environment has no nxl_hooks: the bootstrap makes nxl_hooks
     importable and nothing else of nxl's environment (a module only there stays unimportable: the program's own
@@ -771,6 +778,7 @@ def test_a_program_whose_environment_lacks_nxl_hooks_is_lent_nxl_hooks_alone(tin
         "pip install " in said[0], bare.stderr
 
 
+@pytest.mark.version_free
 def test_a_python_without_transformers_under_nxl_run_is_told_nothing(tmp_path):
     """Every Python the program starts inherits the bootstrap (PYTHONPATH): a helper (``python -c 'print(42)'``) or
     build tool whose environment lacks nxl_hooks and transformers loads no model, so nothing is lost: it wrote the
@@ -788,6 +796,7 @@ def test_a_python_without_transformers_under_nxl_run_is_told_nothing(tmp_path):
     assert "nxl_hooks" not in done.stderr, done.stderr
 
 
+@pytest.mark.version_free
 def test_settings_round_trip_through_the_environment(tmp_path):
     settings = Settings(run_dir=tmp_path, sink=True, layers=[0, -1], target=["a", 3], models=["x*", "y"],
                         keep_calls=4, listen="127.0.0.1:9", sink_max_bytes=100, sink_max_files=2,
@@ -972,6 +981,7 @@ while not pathlib.Path(sys.argv[2]).exists() and time.monotonic() < deadline:  #
 """
 
 
+@pytest.mark.version_free
 def test_tail_says_that_a_classifiers_requests_are_forward_calls(tmp_path):
     """A program that only classifies (forward calls, no generate) under nxl run --sink: nxl tail on its run folder
     says in one '!' line that its requests are forward calls, which make no token line, and where they are (it
@@ -1016,6 +1026,7 @@ def _records(calls: list[nxl.GenerationCall]) -> list[tuple]:
     return [(c.request_id, c.complete, [(s.step, s.position, int(s.token[0])) for s in c.steps]) for c in calls]
 
 
+@pytest.mark.version_free
 def test_rotating_sink_rotates_keeps_the_newest_files_and_reads_back_in_order(tiny, tmp_path):
     folder = tmp_path / "records"
     ids = tiny.prompt("hello world how are you")
@@ -1053,6 +1064,7 @@ def test_rotating_sink_rotates_keeps_the_newest_files_and_reads_back_in_order(ti
         nxl.RotatingSink(folder, max_bytes=0)
 
 
+@pytest.mark.version_free
 def test_frames_are_safetensors_blobs_of_any_layout_and_dtype(tmp_path):
     """The sink's own encoder (safetensors.torch.save's checks cost too much per step) writes what safetensors'
     loader reads back exactly: non-contiguous, half-precision, empty and bool tensors, and the metadata."""
