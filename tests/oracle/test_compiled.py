@@ -322,6 +322,7 @@ def test_every_step_of_a_compiled_call_is_scored_with_the_models_own_distributio
         torch.testing.assert_close(step.scores["contrastive"][:, real], expected[:, real], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.version_free
 def test_a_compiled_calls_steps_scored_later_keep_their_probabilities_when_the_next_call_has_run(monkeypatch):
     """A compiled call's replayed steps may be scored in the hub's publisher thread after the call returns (on a GPU;
     here the CPU made such a device); by then the model's next compiled call has run, writing the model's static
@@ -382,6 +383,7 @@ def test_a_recorded_compiled_call_runs_the_models_own_graph_operation_for_operat
     _check(twin, probe.calls[0], 5)
 
 
+@pytest.mark.version_free
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_a_compiled_call_returns_before_its_steps_are_recorded_in_a_thread_of_their_own(mode, monkeypatch):
     """Where a call's steps are scored off the calling thread (on a GPU; here the CPU made such a device), the eager
@@ -428,6 +430,7 @@ def test_a_compiled_call_returns_before_its_steps_are_recorded_in_a_thread_of_th
         _check(model, call, 5)
 
 
+@pytest.mark.version_free
 def test_detaching_right_after_a_compiled_call_waits_for_its_steps_and_a_failure_there_is_said(monkeypatch):
     """Leaving the ``with`` block as a compiled call's steps are being recorded in a thread of their own (as on a GPU)
     waits for them: the call is recorded whole. A failure in that thread never reaches the host: the next call
@@ -505,6 +508,7 @@ def test_offloaded_weights_loaded_at_each_forward_are_not_taken_for_weights_chan
     _check(model, probe.calls[0], 5)
 
 
+@pytest.mark.version_free
 def test_a_live_reader_closed_right_after_a_compiled_call_returns_gets_its_steps(monkeypatch):
     """A compiled call's steps are recorded after it returns, in a thread of their own (as on a GPU): a
     follow-subscription closed right then gets them all the same, the very records the call keeps (close ended it
@@ -533,6 +537,7 @@ def test_a_live_reader_closed_right_after_a_compiled_call_returns_gets_its_steps
     _check(model, call, 5)
 
 
+@pytest.mark.version_free
 def test_a_raising_on_step_stops_a_compiled_calls_records_where_it_stops_an_eager_ones(tmp_path, caplog):
     """An ``on_step`` callback that raises at step 2 of a compiled static-cache generate, whose steps are recorded
     together when it returns: as under the same call run eagerly, the call (in memory and in the sink) keeps the
@@ -603,6 +608,7 @@ def test_a_static_cache_of_windowed_attention_is_recorded(kind, compiled):
     check_call(model, call, 5, hand=gemma(model) if kind == "gemma2" else llama(model))
 
 
+@pytest.mark.version_free
 def test_a_call_is_recorded_while_another_thread_compiles():
     """Whether the probe's hooks run traced is asked of dynamo (``is_dynamo_compiling``), not of
     ``torch.compiler.is_compiling()``, which torch 2.13 holds True in every thread while one compiles: while another
@@ -814,6 +820,7 @@ def test_a_compiled_calls_own_position_ids_are_run_again_as_generate_continued_t
         torch.testing.assert_close(step.probability, expected, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.version_free
 def test_a_compiled_calls_records_stop_where_a_methods_failure_stops_them(monkeypatch):
     """A compiled call's steps, recorded when it returns by running the model again over them two positions at a
     time, whose method fails at step 2 alone (scored in the calling thread): the call keeps steps before it and none

@@ -574,6 +574,7 @@ _CHILD = textwrap.dedent("""
 """)
 
 
+@pytest.mark.version_free
 def test_sink_readable_after_sigkill(model, tmp_path):
     path = tmp_path / "killed.nxl"
     code = _CHILD.format(tests=str(Path(__file__).parent), helpers=str(Path(__file__).parents[1]), path=str(path))
@@ -674,6 +675,7 @@ def test_cli_attribute_generate_streams_and_saves(tmp_path, capsys, monkeypatch)
     assert "causal LM" in capsys.readouterr().err
 
 
+@pytest.mark.version_free
 def test_keep_calls_bounds_what_a_long_running_probe_holds(model):
     import gc
 

@@ -338,28 +338,67 @@ def _errors(err: str) -> list[str]:
     return errors
 
 
+#: The child that converts every crafted file (one interpreter start, not one per case): each case's ``nxl convert``
+#: with the process's stderr (fd 2: transformers' progress bars and logging too) sent to that case's file.
+_CONVERT_EACH = """
+import json, os, sys
+from nxl_hooks.apps.cli import main
+
+codes = {}
+for case in json.loads(sys.argv[1]):
+    err = os.open(os.path.join(case, "stderr.txt"), os.O_WRONLY | os.O_CREAT)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    os.dup2(err, 2)
+    try:
+        codes[case] = main(["convert", os.path.join(case, "crafted.gguf"), os.path.join(case, "out")])
+    except SystemExit as stop:
+        codes[case] = stop.code
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(err)
+        os.close(saved)
+print(json.dumps(codes))
+"""
+
+
+@pytest.fixture(scope="module")
+def crafted_conversions(world, tmp_path_factory) -> dict:
+    """Each crafted file through ``nxl convert`` in one child process, so that a conversion that runs on is cut off
+    (and fails here) after 300 s: {(case, out): (exit code, stderr, the case's folder)}."""
+    model, tok, _, _ = world
+    cases = {}
+    for case, out in CRAFTED_CASES:
+        folder = tmp_path_factory.mktemp("crafted")
+        bpe_tiny.write_gguf(folder / "crafted.gguf", model, tok, **CRAFTED[case][0])
+        if out == "empty":
+            (folder / "out").mkdir()
+        cases[(case, out)] = folder
+    done = subprocess.run([sys.executable, "-c", _CONVERT_EACH, json.dumps([str(f) for f in cases.values()])],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    codes = json.loads(done.stdout.strip().splitlines()[-1])
+    return {key: (codes[str(folder)], (folder / "stderr.txt").read_text(), folder) for key, folder in cases.items()}
+
+
+CRAFTED_CASES = [(case, "new") for case in CRAFTED] + [("a missing tensor", "empty")]
+
+
 @pytest.mark.parametrize("case, out", [  # the header's own checks are nxl_hooks' whatever transformers' version;
     # naming a missing tensor takes transformers' GGUF names
-    pytest.param(case, "new", marks=() if case == "a missing tensor" else pytest.mark.version_free)
-    for case in CRAFTED] + [("a missing tensor", "empty")])
-def test_a_crafted_gguf_file_is_refused_in_one_line_and_nothing_is_written(world, tmp_path, case, out):
+    pytest.param(case, out, marks=() if case == "a missing tensor" else pytest.mark.version_free)
+    for case, out in CRAFTED_CASES])
+def test_a_crafted_gguf_file_is_refused_in_one_line_and_nothing_is_written(crafted_conversions, case, out):
     """Each refused from its header (a million blocks ran for minutes, the rest were tracebacks, a missing tensor
-    converted with exit 0 into a random weight), before any folder is made; an empty OUT given is left as it was.
-    A child process, so that a conversion that runs on is cut off (and fails here) after 120 s."""
-    model, tok, _, _ = world
-    changes, message = CRAFTED[case]
-    crafted = bpe_tiny.write_gguf(tmp_path / "crafted.gguf", model, tok, **changes)
-    target = tmp_path / "out"
-    if out == "empty":
-        target.mkdir()
-    done = subprocess.run([sys.executable, "-m", "nxl_hooks", "convert", str(crafted), str(target)],
-                          capture_output=True, text=True, timeout=120)
-    errors = _errors(done.stderr)
-    assert done.returncode == 2 and len(errors) == 1 and errors[0].startswith("nxl convert: error: "), done.stderr
-    assert re.search(message, errors[0]) and errors[0].endswith(_FIX), errors[0]
-    assert sorted(p.name for p in tmp_path.iterdir()) == (["crafted.gguf", "out"] if out == "empty"
-                                                          else ["crafted.gguf"])
-    assert out == "new" or list(target.iterdir()) == []
+    converted with exit 0 into a random weight), before any folder is made; an empty OUT given is left as it was."""
+    code, err, folder = crafted_conversions[(case, out)]
+    errors = _errors(err)
+    assert code == 2 and len(errors) == 1 and errors[0].startswith("nxl convert: error: "), err
+    assert re.search(CRAFTED[case][1], errors[0]) and errors[0].endswith(_FIX), errors[0]
+    assert sorted(p.name for p in folder.iterdir()) == (["crafted.gguf", "out", "stderr.txt"] if out == "empty"
+                                                        else ["crafted.gguf", "stderr.txt"])
+    assert out == "new" or list((folder / "out").iterdir()) == []
 
 
 def test_a_crafted_gguf_file_is_refused_by_attribute_too(world, tmp_path, capsys):

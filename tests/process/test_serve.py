@@ -470,6 +470,7 @@ def test_endpoint_needs_the_token_streams_and_listens_on_loopback_only(server, t
     assert parse_listen(":8765") == ("127.0.0.1", 8765) and parse_listen("[::1]:9") == ("::1", 9)
 
 
+@pytest.mark.version_free
 def test_sigkill_mid_generation_keeps_every_completed_step(tiny, tmp_path, capsys):
     run = tmp_path / "run"
     generation = json.dumps({"min_new_tokens": 900, "eos_token_id": 2, "pad_token_id": 0, "do_sample": False})
@@ -529,6 +530,7 @@ def test_continuous_batching_three_concurrent_clients(tiny, tmp_path):
             same_views(server, request_id, tmp_path)
 
 
+@pytest.mark.version_free
 def test_live_feed_names_the_request_of_every_step_with_more_requests_running_than_kept(tiny, tmp_path):
     """--keep-calls 1 and four continuous-batching requests at once: /v1/stream names the request of every step,
     and a reader following one request gets each of its steps (the feed found a step's request among the calls
