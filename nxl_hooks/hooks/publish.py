@@ -77,8 +77,8 @@ from ..records.writer import PartlyWritten
 from .guard import logger, one_line, typed
 from .subscription import LIVE_QUEUE, Subscription
 
-__all__ = ["DRAIN_SECONDS", "LIVE_QUEUE", "QUEUE", "SINK_QUEUE", "UNSCORED_BYTES", "Batch", "Hub", "Subscription",
-           "host_copies", "on_host"]
+__all__ = ["DETACHED", "DRAIN_SECONDS", "LIVE_QUEUE", "QUEUE", "SINK_QUEUE", "UNSCORED_BYTES", "Batch", "Hub",
+           "Subscription", "host_copies", "on_host"]
 
 #: Step records the publisher may have waiting; one more and the record is dropped (its call stops being recorded).
 QUEUE = 4096
@@ -91,6 +91,8 @@ HELD = 64
 DRAIN_SECONDS = 10.0
 #: How long the end of a call waits for the publisher to hand on its records (it never waits for user code).
 FLUSH_SECONDS = 60.0
+#: The ``error`` of a call the probe's detach cut short (an engine's request may say more: the steps it dropped).
+DETACHED = "the probe detached while this call ran"
 #: What the batches handed on to be scored in the publisher may keep while they wait (their log-probability rows):
 #: past this, the generating thread scores a batch itself, so a publisher that falls behind holds no more.
 UNSCORED_BYTES = 256 << 20
@@ -684,6 +686,10 @@ class Hub:
         with self._lock:
             if call not in self._running:  # ended already (the probe detached while it ran)
                 call.sequences = sequences
+                if error is not None and call.error is not None and error.startswith(call.error):
+                    # the thread that ran it ended it after the detach, saying more of what the detach cut (an
+                    # engine's request: the steps it dropped unscored); the records in memory say it, a stream ended
+                    call.error = error
                 return
             self._running.remove(call)
             call.sequences, call.error, call.ended = sequences, call.error or error, time.time()
@@ -744,7 +750,7 @@ class Hub:
 
     # -- detach ------------------------------------------------------------------------------------------
 
-    def close(self, why: str = "the probe detached while this call ran") -> None:
+    def close(self, why: str = DETACHED) -> None:
         """The probe detaches: running calls are marked incomplete (end frames written), streams end, the sink
         writes what is queued (for up to :data:`DRAIN_SECONDS`) and closes. Calls still running in other threads
         go on unharmed and keep their records in memory."""

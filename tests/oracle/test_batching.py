@@ -794,6 +794,51 @@ def test_detach_while_the_manager_runs_a_request(model, caplog):
     assert [r for r in caplog.records if r.name == "nxl_hooks"] == []
 
 
+@pytest.mark.parametrize("held", ["between steps", "in a forward"])
+def test_detach_says_how_many_steps_waiting_to_be_scored_it_dropped(model, held, monkeypatch):
+    """Detached while the manager runs a request whose last steps wait to be scored together (nothing reads them
+    live): its call says how many of them were dropped, as a collected manager's requests do (it said only that the
+    probe detached). Held between two steps, the detach ends it; held in a forward, the manager's thread ends it as
+    it leaves that step (detach does not wait for it). The count: the tokens the manager had handed the request
+    then, less the steps recorded."""
+    prompt, at, new = _prompts((8,), 8)[0], BATCH_STEPS + 3, 40
+    reached, release, handed = threading.Event(), threading.Event(), []
+
+    def hold(processor) -> None:  # once, in the manager's thread, when the request has been handed `at` tokens
+        state = processor.scheduler.active_requests.get("r")
+        if state is not None and len(state.generated_tokens) == at and not reached.is_set():
+            handed.extend(state.generated_tokens)
+            reached.set()
+            assert release.wait(60)
+
+    manager = model.init_continuous_batching(generation_config=_greedy(new), continuous_batching_config=_config())
+    handle = None
+    if held == "between steps":  # after a step's tokens were handed out, before the next step opens
+        update = ContinuousBatchProcessor.update_batch
+        monkeypatch.setattr(ContinuousBatchProcessor, "update_batch", lambda self: (update(self), hold(self))[0])
+    else:  # (in a module the probe does not hook: a hook it takes off while the module's hooks run breaks that call)
+        handle = model.model.layers[0].mlp.register_forward_pre_hook(lambda *_: hold(manager.batch_processor))
+    probe = nxl.attach(model)
+    manager.start()
+    try:
+        manager.add_request(prompt, request_id="r", max_new_tokens=new)
+        assert reached.wait(60)
+        probe.detach()
+        release.set()
+        tokens = _finished(manager, "r")  # (the manager's thread left the step it was held in before)
+    finally:
+        release.set()
+        manager.stop(block=True, timeout=30)
+        if handle is not None:
+            handle.remove()
+        probe.detach()
+    (call,) = probe.calls
+    dropped = len(handed) - len(call.steps)
+    assert 0 < dropped < BATCH_STEPS and len(tokens) == new
+    assert call.error == f"the probe detached while this call ran; its last {dropped} steps were not scored"
+    assert [int(s.token) for s in call.steps] == handed[: len(call.steps)] == tokens[: len(call.steps)]
+
+
 def test_nxl_eager_makes_managers_of_followed_models_without_cuda_graphs_or_async_batching(model, monkeypatch):
     from transformers import ContinuousBatchingConfig
 

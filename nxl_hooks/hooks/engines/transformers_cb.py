@@ -77,9 +77,10 @@ from torch import nn
 from ..conventions import CONTINUOUS_BATCHING, continuous_batching_classes
 from ..generate import EAGER, MAKE_EAGER, Generations, Run, eager
 from ..guard import logger, one_line, reason, typed
+from ..publish import DETACHED
 from ..recording import NOT_RECORDED
 from .prefixes import Rows, SharedPrefixes
-from .transformers_cb_step import _abandon, _local, _Packed, _Segment, _Taps, logits_kept
+from .transformers_cb_step import _abandon, _local, _Packed, _Segment, _Table, _Taps, logits_kept
 from .transformers_serve import patch_serving
 
 __all__ = ["ContinuousBatching", "patch_serving"]
@@ -144,21 +145,26 @@ def _generation_step(original: Callable) -> Callable:
         if batching is None:
             return original(self, model, *args, **kwargs)
         batching.gens.hub.release()  # the last step's records, if its tokens were not all handed out
-        step = batching.open(self)  # never raises; None: this step is not recorded
+        # never raises; None: this step is not recorded; else its runs are this thread's until it leaves the step
+        step = batching.open(self)
         # a padded step runs compiled (or replays a CUDA graph): the taps write it, the probe's own hooks stand by
         current = NOT_RECORDED if step is None else step if step.taps is None else step.taps.marker
-        with batching.gens.running(current):
-            try:
-                out = original(self, model, *args, **kwargs)
-            except BaseException:
-                batching.gens.hub.release()  # the thread may end here: nothing it gathered stays behind
-                if step is not None:
-                    step.abandon("the manager's forward raised")
-                raise
-        if step is not None and step.taps is not None:
-            step.collect()
-        if step is not None and step.awaiting:
-            _local.pending = step  # until the manager has handed out this forward's tokens
+        try:
+            with batching.gens.running(current):
+                try:
+                    out = original(self, model, *args, **kwargs)
+                except BaseException:
+                    batching.gens.hub.release()  # the thread may end here: nothing it gathered stays behind
+                    if step is not None:
+                        step.abandon("the manager's forward raised")
+                    raise
+            if step is not None and step.taps is not None:
+                step.collect()
+            if step is not None and step.awaiting:
+                _local.pending = step  # until the manager has handed out this forward's tokens
+        finally:
+            if step is not None:
+                step.leave()
         return out
 
     return _generation_step
@@ -266,7 +272,7 @@ class ContinuousBatching:
     def __init__(self) -> None:
         self.unfollowed: str | None = None
         self._uninstalled = False
-        self._tables: "weakref.WeakKeyDictionary[Any, dict[str, Any]]" = weakref.WeakKeyDictionary()
+        self._tables: "weakref.WeakKeyDictionary[Any, _Table]" = weakref.WeakKeyDictionary()
         self._finalizers: list[weakref.finalize] = []
         #: processors not followed (said once in the log) -> why, and the ids of their requests marked not recorded
         self._skipped: "weakref.WeakKeyDictionary[Any, tuple[str, set[str]]]" = weakref.WeakKeyDictionary()
@@ -298,7 +304,9 @@ class ContinuousBatching:
 
     def uninstall(self) -> None:
         """Stop following: the model's requests pass straight through from the next forward; the requests in flight
-        end incomplete (their calls are marked by the hub's close)."""
+        end incomplete, each saying how many of its steps waiting to be scored it dropped (:func:`_abandon`): now,
+        or, where the manager's thread is in a step, by that thread as it leaves it (:meth:`leave`; detach does not
+        wait for it: a user's ``on_step`` may hold it)."""
         with _LOCK, self._lock:
             self._uninstalled = True
         plan = getattr(self, "plan", None)
@@ -316,8 +324,9 @@ class ContinuousBatching:
                 finalizer.detach()
             self._finalizers.clear()
             tables = list(self._tables.values())
-        for table in tables:
-            table.clear()  # the features of requests in flight are freed now, not when their manager goes
+        for table in tables:  # (read after the flag above is set: enter() sets its own, then reads this one's)
+            if not table.inside:  # their features are freed now, not when their manager goes
+                _abandon(table, DETACHED)
 
     def stray(self, arguments: dict[str, Any]) -> str | None:
         if not _packed(arguments):
@@ -333,6 +342,7 @@ class ContinuousBatching:
         if processor in self._skipped:
             self._mark(processor)
             return None
+        table = None
         try:
             why = self._unfollowable(processor)
             if why is not None:
@@ -376,6 +386,8 @@ class ContinuousBatching:
             # said once: this manager's requests are not recorded from now on
             self._skipped[processor] = (reason("continuous batching on this manager", error), set())
             self._mark(processor)
+            if table is not None:
+                self.leave(table)
             return None
 
     def _mark(self, processor: Any) -> None:
@@ -442,17 +454,19 @@ class ContinuousBatching:
             if graphs is not None:
                 io.graphs = type(graphs)()  # the old graphs are reset when their holder goes
 
-    def _table(self, processor: Any) -> dict[str, Any] | None:
-        """``processor``'s runs by request id (None once detached); first time: a sweep when it goes, and finished
-        requests' rows kept from now on if its cache shares prefixes."""
+    def _table(self, processor: Any) -> _Table | None:
+        """``processor``'s runs by request id (None once detached), this thread's until it leaves the step
+        (:meth:`leave`); first time: a sweep when it goes, and finished requests' rows kept from now on if its
+        cache shares prefixes."""
         with self._lock:
             if self._uninstalled:
                 return None
             table = self._tables.get(processor)
             if table is None:
-                table = self._tables[processor] = {}
+                table = self._tables[processor] = _Table()
                 self._finalizers.append(weakref.finalize(processor, _abandon, table, "the manager went away"))
                 self._sharing = self._sharing or bool(getattr(processor.cache, "use_prefix_sharing", False))
+            table.inside = True  # (under the lock detach takes to set its flag: enter()'s order holds)
         scheduler, states = processor.scheduler, self._states.get(processor, {})
         for request_id in [r for r in table if r not in scheduler.active_requests
                            and r not in scheduler.waiting_requests]:
@@ -460,6 +474,24 @@ class ContinuousBatching:
         for request_id in [r for r in states if r not in table]:
             del states[request_id]
         return table
+
+    def enter(self, table: _Table) -> bool:
+        """The manager's thread is about to touch ``table``'s runs (a token to settle); False where the probe
+        detached (it leaves them alone: they are ended). No lock (this runs per token): its flag is set first, then
+        the detach's read, while :meth:`uninstall` sets its own first, then reads this one, so either the thread sees
+        the detach, or the detach sees the thread inside and leaves the runs to it (:meth:`leave`)."""
+        table.inside = True
+        if self._uninstalled:
+            self.leave(table)
+            return False
+        return True
+
+    def leave(self, table: _Table) -> None:
+        """The manager's thread is done with ``table``'s runs for now (:meth:`enter`, or a step: :meth:`_table`);
+        where the probe detached meanwhile it ends them, which :meth:`uninstall` left to it."""
+        table.inside = False
+        if self._uninstalled:
+            _abandon(table, DETACHED)
 
     def left(self, table: dict[str, Any], *, request_id: str, state: Any, scheduler: Any,
              why: str = "the request left the manager before it finished (cancelled or failed)") -> None:

@@ -40,6 +40,14 @@ _SKIPPED = ("this request's forwards start at position {first}: positions {lengt
             "their attribution is unknown")
 
 
+class _Table(dict):
+    """A processor's runs by request id. ``inside``: its manager's thread is in the probe's code, touching them (a
+    step opening or fed, a token settled: :meth:`~.transformers_cb.ContinuousBatching.enter`), so a detach leaves
+    them to that thread to end as it leaves."""
+
+    inside = False
+
+
 @dataclass(frozen=True)
 class _Segment:
     """One request's slice of a packed forward."""
@@ -294,11 +302,21 @@ class _Packed:
             self._batching.left(self._table, request_id=segment.request_id, state=segment.state,
                                 scheduler=self._scheduler, why=why)
 
+    def leave(self) -> None:
+        """The manager's thread is done with this step's forward
+        (:meth:`~.transformers_cb.ContinuousBatching.leave`)."""
+        self._batching.leave(self._table)
+
     def settle(self, state: Any, token: Any, *, appended: bool, finished: bool) -> None:
-        """The manager gave ``token`` to the request of ``state``: its step record; its end if it ``finished``."""
+        """The manager gave ``token`` to the request of ``state``: its step record; its end if it ``finished``.
+        Nothing of it once the probe detached (the runs were ended)."""
         self.awaiting -= 1
         try:
-            self._settle(state, token, appended=appended, finished=finished)
+            if self._batching.enter(self._table):
+                try:
+                    self._settle(state, token, appended=appended, finished=finished)
+                finally:
+                    self._batching.leave(self._table)
         finally:
             if self.awaiting <= 0:  # the last one: its records go on together; the thread lets go of this step
                 _local.pending = None
@@ -330,11 +348,15 @@ class _Packed:
 
 
 def _abandon(table: dict[str, Any], why: str) -> None:
-    """Every request still in ``table`` ends incomplete (its manager was collected: this may run inside a garbage
-    collection, on any thread, so the steps still waiting to be scored are dropped, not scored, and the call says
-    so)."""
-    while table:
-        _, run = table.popitem()
+    """Every request still in ``table`` ends incomplete: its manager was collected (this may run inside a garbage
+    collection, on any thread), or the probe detached while the manager ran (in the detaching thread, or in the
+    manager's as it leaves the step it was in). The steps still waiting to be scored are dropped, not scored, and
+    the call says how many. Two threads may end one table at once: each run is ended by the one that takes it."""
+    while True:
+        try:
+            _, run = table.popitem()
+        except KeyError:  # none left
+            return
         if run is not None:
             waiting = run.drop_waiting()
             run.finish(None, f"{why}; its last {waiting} steps were not scored" if waiting else why,
