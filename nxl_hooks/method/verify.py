@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
+from collections.abc import Mapping
 
 import torch
 from torch import nn
@@ -143,18 +144,31 @@ def check_numbers(model: nn.Module, spec: ArchSpec, kind: str, head: Head, block
         for module, mode in training.items():
             module.training = mode
     try:
-        _compare(model, spec, kind, head, ran, last[0], getattr(output, "logits", None))
+        _compare(model, spec, kind, head, ran, last[0], output)
     except RegistryError as error:
         if not is_discovered(spec):
             raise
         found = str(error).split(": ", 1)[-1]
         raise UnknownArchitectureError(
             f"model_type {model.config.model_type!r} ({type(model).__name__}) is not supported: generic discovery's "
-            f"guess of its layout does not reproduce its own numbers ({found}). Register it with "
+            f"guess of its layout is not confirmed by its own numbers ({found}). Register it with "
             f"nxl.register_architecture({model.config.model_type!r}, blocks=..., heads=...) naming its head-on-top "
             "step by step, or add a registry/*.toml entry (see docs/adding-an-architecture.md)") from None
     with _lock:
         _checked[key] = spec
+
+
+def _own_logits(output: object) -> torch.Tensor | None:
+    """The model's own logits in what its forward returned: a ModelOutput's (or a dict's) ``logits``, or the first
+    element of a tuple, where transformers' task models put them when no loss is computed (a config with
+    ``return_dict=False``, remote code or an export wrapper returning ``to_tuple()``); None when there are none."""
+    if isinstance(output, Mapping):  # (a ModelOutput is one)
+        logits = output.get("logits")
+    elif isinstance(output, (tuple, list)) and output:
+        logits = output[0]
+    else:
+        logits = getattr(output, "logits", None)
+    return logits if isinstance(logits, torch.Tensor) else None
 
 
 def _given(args: tuple, kwargs: dict, tensor: torch.Tensor | None) -> bool:
@@ -176,7 +190,7 @@ def _differs(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> f
 
 
 def _compare(model: nn.Module, spec: ArchSpec, kind: str, head: Head, ran: dict[tuple[str, int], list],
-             hidden: torch.Tensor | None, logits: object) -> None:
+             hidden: torch.Tensor | None, output: object) -> None:
     where = f"registry entry [{spec.name}] in {spec.source}"
     name, heads_key = type(model).__name__, f"heads.{spec_head(kind)}"
     for (what, layer), (times, shape, given, passed) in ran.items():
@@ -194,8 +208,14 @@ def _compare(model: nn.Module, spec: ArchSpec, kind: str, head: Head, ran: dict[
                                 f"{found} in one forward of {name}; expected a module the backbone runs once on "
                                 f"block {layer}'s output, giving its shape {expected}"
                                 f"{f', whose output block {layer + 1} takes' if following else ''}")
-    if hidden is None or not isinstance(logits, torch.Tensor):
-        return  # nothing to compare with: the model returns no logits tensor (the probe says what it records)
+    # refused, not passed unchecked: a pass is cached per class and config, and an entry never compared with the
+    # model's own numbers would be recorded with whatever they are off by (a tuple output once skipped the check)
+    logits = _own_logits(output)
+    if hidden is None or logits is None:
+        found = ("no hidden states tensor at its last layer" if hidden is None
+                 else f"its forward returns {type(output).__name__} with no logits tensor")
+        raise RegistryError(f"{where}: cannot be checked against {name}'s own logits on a random input ({found}); "
+                            "expected a forward that returns its logits (a ModelOutput's logits, or first in a tuple)")
     steps = list(spec.heads[spec_head(kind)])
     try:
         with torch.no_grad(), head.reading() as readout:

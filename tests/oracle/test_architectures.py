@@ -481,13 +481,23 @@ class ScaledOlmoForCausalLM(tf.OlmoForCausalLM):
         return out
 
 
-@pytest.mark.parametrize("offload", [None, "cpu", "disk"])
+class TupleScaledOlmoForCausalLM(ScaledOlmoForCausalLM):
+    """The same, returning a plain tuple (remote code, an export wrapper)."""
+
+    def forward(self, *args, **kwargs):
+        return super().forward(*args, **kwargs).to_tuple()
+
+
+@pytest.mark.parametrize(("offload", "model_cls"), [(None, ScaledOlmoForCausalLM), ("cpu", ScaledOlmoForCausalLM),
+                                                    ("disk", ScaledOlmoForCausalLM),
+                                                    (None, TupleScaledOlmoForCausalLM)])
 def test_discovery_whose_head_misses_the_models_own_logits_refuses_and_says_how_to_register(private_registry, offload,
-                                                                                            tmp_path):
+                                                                                            model_cls, tmp_path):
     """Generic discovery's guess (final norm, then lm_head) is checked once against the model's own logits: a model
     that computes them otherwise is refused with one line, not recorded with numbers off by its factor. Its weights
-    offloaded (on meta until each forward) too: the check was skipped for them."""
-    model = Case(_cfg(tf.OlmoConfig, **_GQA), ScaledOlmoForCausalLM, oracle.olmo).build()
+    offloaded (on meta until each forward) too: the check was skipped for them; and a model returning a plain tuple,
+    whose logits were not found (the check compared nothing and passed)."""
+    model = Case(_cfg(tf.OlmoConfig, **_GQA), model_cls, oracle.olmo).build()
     if offload is not None:
         accelerate = pytest.importorskip("accelerate")
         if offload == "cpu":
@@ -495,8 +505,9 @@ def test_discovery_whose_head_misses_the_models_own_logits_refuses_and_says_how_
         else:
             accelerate.disk_offload(model, offload_dir=str(tmp_path / "offload"), execution_device="cpu")
         assert model.get_input_embeddings().weight.is_meta
-    with pytest.raises(nxl.UnknownArchitectureError, match=r"model_type 'olmo' \(ScaledOlmoForCausalLM\) is not "
-                       r"supported: generic discovery's guess .* differ from ScaledOlmoForCausalLM's own .*"
+    name = model_cls.__name__
+    with pytest.raises(nxl.UnknownArchitectureError, match=rf"model_type 'olmo' \({name}\) is not supported: "
+                       rf"generic discovery's guess .* differ from {name}'s own .*"
                        r"nxl\.register_architecture\('olmo'"):
         nxl.attach(model)
     assert not nxl_hooks_on(model)  # nothing left on the model

@@ -20,7 +20,8 @@ import transformers as tf
 import nxl_hooks as nxl
 from nxl_hooks.arch import registry
 from nxl_hooks.method import verify
-from test_architectures import CASES, TOK, Case, _check_against_oracle, private_registry  # noqa: F401 - a fixture
+from test_architectures import CASES, TOK, Case, _batch, _check_against_oracle
+from test_architectures import private_registry  # noqa: F401 - a fixture
 from tiny import nxl_hooks_on
 
 _MODELS: dict[str, torch.nn.Module] = {}
@@ -381,6 +382,48 @@ def test_a_shipped_entry_on_a_class_of_its_own_is_checked_against_its_logits():
     model.register_forward_hook(lambda *_: forwards.append(1))
     _check_against_oracle(plain, model)
     assert len(forwards) == 2  # the registry oracle's forward at attach, then the test's own
+
+
+class TupleLlamaForCausalLM(tf.LlamaForCausalLM):
+    """A class of its own returning a plain tuple (remote code, an export wrapper), its logits times ``scale``."""
+
+    scale = 1.0
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * self.scale
+        return out.to_tuple()
+
+
+class NoLogitsLlamaForCausalLM(tf.LlamaForCausalLM):
+    """A class of its own whose forward returns its logits under a name of its own: no logits to check against."""
+
+    def forward(self, *args, **kwargs):
+        return {"scores": super().forward(*args, **kwargs).logits}
+
+
+def test_a_tuple_output_is_checked_against_its_first_element():
+    """The check read the model's logits from ``output.logits`` only: a subclass returning a plain tuple was compared
+    with nothing and cached as checked, and with its logits scaled by 3 was recorded with LogAt at l = L a third of
+    its own logit. Now a tuple's first element is its logits: the scaled one is refused; the unscaled one attaches and
+    its LogAt at l = L equals its own logit; a forward whose logits cannot be found is refused, not passed."""
+    case = CASES["llama-lm"]
+    scaled = type("ScaledTupleLlamaForCausalLM", (TupleLlamaForCausalLM,), {"scale": 3.0})
+    _refused(Case(case.config, scaled, case.oracle).build(), "llama", "heads.causal_lm", _NUMBERS,
+             source=registry.specs()["llama"].source)
+    model = Case(case.config, TupleLlamaForCausalLM, case.oracle).build()
+    ids, mask = _batch(case, LM)
+    with torch.no_grad(), nxl.attach(model, tokenizer=TOK) as probe:
+        own = model(input_ids=ids, attention_mask=mask)[0]
+    res = probe.result()
+    rows = torch.arange(len(res.example))
+    torch.testing.assert_close(res.logat[-1, rows, res.position],
+                               own[res.example, res.position][rows, res.target], rtol=1e-5, atol=1e-5)
+    no_logits = Case(case.config, NoLogitsLlamaForCausalLM, case.oracle).build()
+    with pytest.raises(nxl.RegistryError, match=r"^registry entry \[llama\] .*: cannot be checked against "
+                       r"NoLogitsLlamaForCausalLM's own logits .*returns dict with no logits tensor"):
+        nxl.attach(no_logits, tokenizer=TOK)
+    assert nxl_hooks_on(no_logits) == 0
 
 
 def test_an_entry_is_checked_again_for_a_config_that_changes_its_head(private_registry):
