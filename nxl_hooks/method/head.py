@@ -176,12 +176,11 @@ class Head:
     def __init__(self, model: nn.Module, spec: ArchSpec, kind: str) -> None:
         spec_kind = spec_head(kind)
         names, post = split_post_steps(spec.heads[spec_kind])
-        self._post_ops: list[tuple[Callable[[torch.Tensor, float], torch.Tensor], float]] = []
-        for step in post:
-            op, attribute = step.split(":", 1)
-            value = getattr(model.config, attribute, None)
-            if value is not None:
-                self._post_ops.append((POST_STEPS[op], float(value)))
+        #: (op, config attribute) of each logit post-processing step, its value read at each reading (Gemma 2 and
+        #: Granite read theirs from the config at each forward: a value changed while attached is the one applied);
+        #: the config object is the one the model's modules hold
+        self._post_steps = [(POST_STEPS[op], attribute) for op, _, attribute in (step.partition(":") for step in post)]
+        self._config = model.config
         steps: list[nn.Module | Callable] = []
         self._model = weakref.ref(model)
         #: (path, module) of each module step as at attach, or of the module that hands it on (:class:`_Through`)
@@ -279,11 +278,25 @@ class Head:
             hidden = _unhooked(step, hidden)
         return hidden
 
-    def post(self, logits: torch.Tensor) -> torch.Tensor:
-        """The logit post-processing the task model applies after its readout (softcap, scale, divide)."""
-        for op, value in self._post_ops:
-            logits = op(logits, value)
-        return logits
+    def _post_values(self) -> list[tuple[Callable[[torch.Tensor, float], torch.Tensor], float]]:
+        """The logit post-processing steps with their config values as they are now (a step whose value is None is
+        skipped, as transformers does): read once per reading, Python floats off the config, no tensor read.
+
+        RuntimeError where the model also keeps a number of its own under the attribute's name that differs from
+        the config's: Cohere copies ``logit_scale`` from the config when built and applies its copy, GraniteMoE
+        copies ``logits_scaling`` and applies the config's; either way one of the two changed while attached, and
+        which one the forward applies is not known here."""
+        model, values = self._model(), []
+        for op, attribute in self._post_steps:
+            value = getattr(self._config, attribute, None)
+            own = vars(model).get(attribute) if model is not None else None
+            if isinstance(own, (int, float)) and not isinstance(own, bool) and own != value:
+                raise RuntimeError(f"the model's config.{attribute} is {value!r} but its own {attribute} is {own!r} "
+                                   f"({type(model).__name__} copied it from the config when built, and applies one "
+                                   "of the two to its logits): set both to the value meant")
+            if value is not None:
+                values.append((op, float(value)))
+        return values
 
     def refresh(self) -> None:
         """Gather again the sharded modules whose weights changed since copied (trained, loaded while attached). A
@@ -315,34 +328,44 @@ class Head:
         """One call's view of the readout: an offloaded readout's weights are loaded once for the whole block
         (they load on every call or ``align_module_device`` otherwise), and only one thread at a time holds
         them, since loading swaps the module's parameters in place. RuntimeError when the model's head changed
-        since (:meth:`_unchanged`)."""
+        since (:meth:`_unchanged`) or its post-processing values disagree (:meth:`_post_values`)."""
         self._unchanged()
+        post = self._post_values()
         if not self._offloaded:
-            yield Readout(self, held=False)
+            yield Readout(self, post, held=False)
             return
         with self._lock:
             if not self.gatherable:  # called: accelerate loads the weights inside each call
-                yield Readout(self, held=False)
+                yield Readout(self, post, held=False)
                 return
             with weights_materialized(self.readout):
-                yield Readout(self, held=True)
+                yield Readout(self, post, held=True)
 
 
 class Readout:
-    """The readout of a :class:`Head` inside one :meth:`Head.reading` block; gathered rows are kept per block."""
+    """The readout of a :class:`Head` inside one :meth:`Head.reading` block; gathered rows are kept per block, and
+    the logit post-processing values are those read when the block began."""
 
-    def __init__(self, head: Head, *, held: bool) -> None:
+    def __init__(self, head: Head, post: list[tuple[Callable[[torch.Tensor, float], torch.Tensor], float]], *,
+                 held: bool) -> None:
         self._head = head
+        self._post_ops = post
         self._held = held
         self._rows: dict[bool, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}  # folded -> rows
+
+    def post(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logit post-processing the task model applies after its readout (softcap, scale, divide)."""
+        for op, value in self._post_ops:
+            logits = op(logits, value)
+        return logits
 
     def logits(self, features: torch.Tensor) -> torch.Tensor:
         """All outputs of HoT for ``features`` of shape (..., d), float32: use only on a few positions."""
         head, readout = self._head, self._head.readout
         if self._held:  # a plain Linear with its weights materialized: calling it would load them again
             weight = readout.weight
-            return head.post(F.linear(features.to(weight.device), weight, readout.bias)).float()
-        return head.post(_unhooked(readout, features.to(head.device))).float()
+            return self.post(F.linear(features.to(weight.device), weight, readout.bias)).float()
+        return self.post(_unhooked(readout, features.to(head.device))).float()
 
     def _target_rows(self, targets: torch.Tensor, *, folded: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The readout's weight rows (rows, k, d) and bias (rows, k) for ``targets`` (``folded``: times the folded
@@ -367,13 +390,13 @@ class Readout:
         if batched and bias is not None and not folded:
             # the bias added inside the product and rounded once, as nn.Linear's addmm does: added after it, a
             # bf16 / fp16 logit is rounded twice and misses the model's own by a step
-            return self._head.post(torch.baddbmm(bias, values, rows)).float()
+            return self.post(torch.baddbmm(bias, values, rows)).float()
         out = torch.bmm(values, rows) if batched else torch.matmul(values, rows)
         if folded:
             out = out * self._head._fold.scale(values)
         if bias is not None:
             out = out + bias
-        return self._head.post(out).float()
+        return self.post(out).float()
 
     def explain(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """HoT outputs for ``targets`` from a layer's hidden states (rows, seq, d): the folded norm where there is
@@ -404,6 +427,6 @@ class Readout:
         chunk = max(1, min(CALLED_READOUT_CHUNK, CALLED_READOUT_BYTES // (4 * rows * head.n_outputs)))
         for part in features.split(chunk, dim=1):
             full = _unhooked(head.readout, part.to(head.device))
-            parts.append(head.post(full.gather(-1, targets.to(full.device)[:, None, :].expand(-1, full.shape[1], -1)))
+            parts.append(self.post(full.gather(-1, targets.to(full.device)[:, None, :].expand(-1, full.shape[1], -1)))
                          .float())
         return torch.cat(parts, dim=1)

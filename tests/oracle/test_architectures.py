@@ -369,22 +369,52 @@ def test_layer_subsets(case_id):
         torch.testing.assert_close(res.logat, logat[expected], **_TOL)
 
 
-@pytest.mark.parametrize("case_id", ["llama-lm", "gemma-lm"])
-def test_weights_changed_while_attached_are_the_ones_applied(case_id: str):
-    """A training loop that stays attached: the final norm (folded into the readout's rows: Gemma's as 1 + w) and
-    the readout are read as they are at each forward, not as they were at attach."""
+def _changed_while_attached(case_id: str, change: Callable[[torch.nn.Module, nxl.Probe, Callable], None]) -> None:
+    """``change`` made to the model between two recorded forwards, with the probe and a forward to call: the
+    second's records differ from the first's and equal the oracle's as the model is then."""
     case = CASES[case_id]
     model = case.build()
     ids, mask = _batch(case, "causal_lm")
     with torch.no_grad(), nxl.attach(model, tokenizer=TOK) as probe:
         model(input_ids=ids, attention_mask=mask)
         before = probe.result()
-        model.model.norm.weight.mul_(2.0).add_(0.25)  # a step of an optimizer, in place
-        model.lm_head.weight.mul_(0.5)
+        change(model, probe, lambda: model(input_ids=ids, attention_mask=mask))
         out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
         after = probe.result()
     assert not torch.allclose(before.logat, after.logat)
     _check_against_oracle(case, model, (after, out))
+
+
+@pytest.mark.parametrize("case_id", ["llama-lm", "gemma-lm"])
+def test_weights_changed_while_attached_are_the_ones_applied(case_id: str):
+    """A training loop that stays attached: the final norm (folded into the readout's rows: Gemma's as 1 + w) and
+    the readout are read as they are at each forward, not as they were at attach."""
+
+    def step(model, probe, forward):  # a step of an optimizer, in place
+        model.model.norm.weight.mul_(2.0).add_(0.25)
+        model.lm_head.weight.mul_(0.5)
+    _changed_while_attached(case_id, step)
+
+
+@pytest.mark.parametrize(("case_id", "attribute", "value"), [
+    ("gemma2-lm", "final_logit_softcapping", 30.0), ("gemma2-lm", "final_logit_softcapping", None),
+    ("gemma3-lm", "final_logit_softcapping", 30.0), ("granite-lm", "logits_scaling", 1.0),
+    ("granitemoe-lm", "logits_scaling", 1.0), ("cohere-lm", "logit_scale", 2.0)])
+def test_a_post_processing_value_changed_while_attached_is_the_one_applied(case_id: str, attribute: str, value):
+    """transformers reads Gemma 2's softcap and Granite's logits_scaling from the config at each forward; the head
+    read them once at attach, so after a change LogAt at l = L missed the model's own logits (by 5.09 for Gemma 2's
+    cap 2 -> 30, 0.62 for Granite's 4 -> 1). They are read at each forward now. Where the model keeps a copy of its
+    own (Cohere's logit_scale, applied from the copy; GraniteMoE's logits_scaling, applied from the config), a value
+    changed in one place only is said, not guessed at; changed in both, it is the one applied."""
+
+    def change(model, probe, forward):
+        setattr(model.config, attribute, value)
+        if attribute in vars(model):
+            forward()
+            with pytest.raises(RuntimeError, match=rf"config\.{attribute} is {value!r} but its own {attribute} is "):
+                probe.result()
+            setattr(model, attribute, value)
+    _changed_while_attached(case_id, change)
 
 
 # -- generic discovery and registering an architecture ------------------------------------------------------
