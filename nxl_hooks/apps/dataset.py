@@ -24,6 +24,7 @@ import csv
 import hashlib
 import io
 import json
+import math
 import os
 import re
 import shutil
@@ -95,6 +96,14 @@ def _evidence(value: Any) -> list[str] | None:
     if not isinstance(value, list) or not all(isinstance(word, str) for word in value):
         raise ValueError(f"evidence must be a list of words or a string of words, got {value!r}")
     return value or None
+
+
+def _check_values(where: str, example: Mapping[str, Any]) -> None:
+    """Refuse what a run cannot judge nor write back: records.jsonl is JSON, which has no NaN or Infinity, and one
+    NaN gold value makes the whole run's Pearson NaN (JSONL ``NaN``, a CSV cell ``nan`` or ``inf``)."""
+    for key, value in example.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"{where}: {key} {value!r} is not a finite number: give a number, or leave the {key} out")
 
 
 def _file_text(path: Path) -> str:
@@ -184,7 +193,8 @@ def load_examples(
     text="sentence")`` (needs the ``datasets`` package). Each gets ``text``, and ``label`` / ``evidence`` /
     ``target`` / ``foil`` / ``id`` where the file has them (``id`` defaults to the example's index).
     CSV labels are read as int, then float, else kept as the label string; every other value (and every
-    JSONL / hub value) is kept as written, whitespace included. Evidence is a list of words.
+    JSONL / hub value) is kept as written, whitespace included. Evidence is a list of words. A NaN or infinite
+    value (JSONL ``NaN``, a CSV cell ``nan``) is a ValueError naming its line.
     """
     source = str(source)
     if limit is not None and limit < 1:
@@ -210,6 +220,7 @@ def load_examples(
         ):
             if value is not None and value != "":  # an empty CSV cell is a missing value
                 example[key] = value
+        _check_values(where, example)
         out.append(example)
         if limit is not None and len(out) >= limit:
             break

@@ -33,6 +33,7 @@ registered in code or through an entry point), grad_norm, grad_x_input, integrat
 
 from __future__ import annotations
 
+import math
 import numbers
 import time
 import zlib
@@ -273,8 +274,13 @@ class _Setup:
     def label_id(self, value: Any, n_outputs: int, prompt: str) -> int | float | None:
         """A target, foil or gold label as an output id: words are read after the example's text (``prompt``); a
         word of several tokens stands for its first, and :attr:`notes` says so."""
-        if value is None or self.kind is HeadKind.REGRESSION:
-            return None if value is None else float(value)
+        if value is None:
+            return None
+        if self.kind is HeadKind.REGRESSION:
+            number = float(value)  # float() reads a label "nan" as NaN, and one NaN gold value voids the run's Pearson
+            if not math.isfinite(number):
+                raise ValueError(f"regression label {value!r} is not a finite number: give a number")
+            return number
         resolved = resolve_target(self.inner, self.kind, self.tokenizer, value, n_outputs, prompt=prompt)
         if resolved.partial:
             self.notes.append(describe_target(self.tokenizer, self.inner.config, self.kind, resolved)["note"])

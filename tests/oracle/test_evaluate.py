@@ -3,6 +3,7 @@ function of the tokens left, direct torch.autograd, and the oracle of tests/orac
 
 import json
 import math
+import re
 from types import SimpleNamespace
 
 import numpy as np
@@ -328,6 +329,15 @@ def test_regression_change_and_pearson_after_perturbation():
     assert [g is None for g in got] == [e is None for e in expected]
     assert [g for g in got if g is not None] == pytest.approx([e for e in expected if e is not None])
     assert summary["pearson"] == pytest.approx(np.corrcoef([2.0, 2.0, -1.0], gold)[0, 1])
+
+
+@pytest.mark.parametrize("label", [float("nan"), float("inf"), "nan", "-Infinity"])
+def test_a_regression_label_that_is_no_finite_number_is_a_value_error(label):
+    """float() reads "nan" as NaN, and one NaN gold value made every Pearson of the run None, said nowhere (and a
+    bare NaN, which is not JSON, in records.jsonl): the example fails with the reason instead."""
+    model, tok = FakeRegressionForSequenceClassification(), word_tokenizer(WORDS, "[CLS] $A [SEP]")
+    with pytest.raises(ValueError, match=rf"regression label {re.escape(repr(label))} is not a finite number"):
+        ev.score_example(model, tok, {"text": "good fine", "label": label}, methods=())
 
 
 @pytest.mark.parametrize("methods, kept, message", [

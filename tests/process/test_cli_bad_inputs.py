@@ -173,6 +173,11 @@ CASES = [
      r"nested.jsonl:2 is not valid JSON \(nested too deeply to read\)"),
     ("dataset not UTF-8", ["evaluate", "{bert}", "{latin1}", "--out", "{root}/o"],
      r"latin1.jsonl:2 is not UTF-8 text \(byte b'\\xe9'\): save the file as UTF-8"),
+    # one NaN gold value made every Pearson of a regression run None, said nowhere, and wrote a NaN that is not JSON
+    ("JSONL label NaN", ["evaluate", "{regression}", "{nanlabel}", "--out", "{root}/o"],
+     r"nanlabel.jsonl:2: label nan is not a finite number: give a number, or leave the label out"),
+    ("CSV label inf", ["evaluate", "{regression}", "{inflabel}", "--out", "{root}/o"],
+     r"inflabel.csv:3: label inf is not a finite number"),
     ("empty dataset", ["evaluate", "{bert}", "{empty}", "--out", "{root}/o"], r"empty.jsonl holds no examples"),
     ("line without text", ["evaluate", "{bert}", "{notext}", "--out", "{root}/o"],
      r"notext.jsonl:1 has no non-empty 'text' field \(it has \['sentence'\]\); pick it with --text-field"),
@@ -342,6 +347,8 @@ def where(tmp_path_factory) -> dict[str, str]:
         "notext": ("notext.jsonl", '{"sentence": "the film"}\n'),
         "badline": ("badline.jsonl", good + "{oops\n"),
         "badevidence": ("badevidence.csv", 'text,evidence\nthe film,"[oops"\n'),
+        "nanlabel": ("nanlabel.jsonl", good + '{"text": "the film", "label": NaN}\n'),
+        "inflabel": ("inflabel.csv", "text,label\nthe film,0.5\nthe plot,inf\n"),
     }
     for key, (name, content) in datasets.items():
         (root / name).write_bytes(content if isinstance(content, bytes) else content.encode())
