@@ -100,10 +100,20 @@ def _evidence(value: Any) -> list[str] | None:
 
 def _check_values(where: str, example: Mapping[str, Any]) -> None:
     """Refuse what a run cannot judge nor write back: records.jsonl is JSON, which has no NaN or Infinity, and one
-    NaN gold value makes the whole run's Pearson NaN (JSONL ``NaN``, a CSV cell ``nan`` or ``inf``)."""
+    NaN gold value leaves the whole run without Pearson (JSONL ``NaN``, a CSV cell ``nan`` or ``inf``); a lone
+    surrogate (JSONL ``"\\ud800"``, a valid escape) is no character, so no tokenizer reads it and no UTF-8 file
+    holds it, as a byte that is not UTF-8 (:func:`_file_text`)."""
     for key, value in example.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ValueError(f"{where}: {key} {value!r} is not a finite number: give a number, or leave the {key} out")
+        for text in value if isinstance(value, list) else [value]:  # (evidence is a list of words)
+            if isinstance(text, str):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError as err:
+                    raise ValueError(f"{where}: {key} holds {text[err.start]!r}, half of a UTF-16 surrogate pair "
+                                     "without the other half, which is no character: write the character itself (or "
+                                     "both halves of its escape)") from None
 
 
 def _file_text(path: Path) -> str:
@@ -194,7 +204,8 @@ def load_examples(
     ``target`` / ``foil`` / ``id`` where the file has them (``id`` defaults to the example's index).
     CSV labels are read as int, then float, else kept as the label string; every other value (and every
     JSONL / hub value) is kept as written, whitespace included. Evidence is a list of words. A NaN or infinite
-    value (JSONL ``NaN``, a CSV cell ``nan``) is a ValueError naming its line.
+    value (JSONL ``NaN``, a CSV cell ``nan``) or a lone surrogate in a string (JSONL ``"\\ud800"``) is a
+    ValueError naming its line.
     """
     source = str(source)
     if limit is not None and limit < 1:

@@ -178,6 +178,10 @@ CASES = [
      r"nanlabel.jsonl:2: label nan is not a finite number: give a number, or leave the label out"),
     ("CSV label inf", ["evaluate", "{regression}", "{inflabel}", "--out", "{root}/o"],
      r"inflabel.csv:3: label inf is not a finite number"),
+    # a valid JSON escape that is no character: each example failed with a tokenizer's TypeError, the run went on
+    ("JSONL text with a lone surrogate", ["evaluate", "{bert}", "{surrogate}", "--out", "{root}/o"],
+     r"surrogate.jsonl:2: text holds '\\ud800', half of a UTF-16 surrogate pair without the other half, which is "
+     r"no character: write the character itself"),
     ("empty dataset", ["evaluate", "{bert}", "{empty}", "--out", "{root}/o"], r"empty.jsonl holds no examples"),
     ("line without text", ["evaluate", "{bert}", "{notext}", "--out", "{root}/o"],
      r"notext.jsonl:1 has no non-empty 'text' field \(it has \['sentence'\]\); pick it with --text-field"),
@@ -349,6 +353,7 @@ def where(tmp_path_factory) -> dict[str, str]:
         "badevidence": ("badevidence.csv", 'text,evidence\nthe film,"[oops"\n'),
         "nanlabel": ("nanlabel.jsonl", good + '{"text": "the film", "label": NaN}\n'),
         "inflabel": ("inflabel.csv", "text,label\nthe film,0.5\nthe plot,inf\n"),
+        "surrogate": ("surrogate.jsonl", good + '{"text": "the film \\ud800 was good", "label": 1}\n'),
     }
     for key, (name, content) in datasets.items():
         (root / name).write_bytes(content if isinstance(content, bytes) else content.encode())
