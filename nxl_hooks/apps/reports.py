@@ -168,6 +168,16 @@ def _what_is_explained(summary: Mapping[str, Any]) -> str:
     return "the reference's prediction" if own else "the same token"
 
 
+def _shown_layer(summary: Mapping[str, Any]) -> str:
+    """The layer an audit's ``last_layer`` numbers are of, named: the last of those audited, which is the model's
+    last only where ``--layers`` reached it (``--layers 0`` audits layer 0 alone). A summary.json written before
+    summaries named the index means ``layers[-1]``."""
+    index = summary.get("last_layer_index", summary["layers"][-1])
+    if index == summary.get("model_last_layer"):
+        return f"layer {index}, the model's last"
+    return f"layer {index}, the last of the layers audited"
+
+
 def _example_block(record: Mapping[str, Any], rank: int) -> str:
     """One audited example; every text from the data or the models (id, text, tokens, predictions) escaped."""
     agree = record.get("agree")
@@ -178,8 +188,8 @@ def _example_block(record: Mapping[str, Any], rank: int) -> str:
         f" · reference → candidate "
         f"prediction {_named(record, 'reference_prediction')} → {_named(record, 'candidate_prediction')} · "
         f"explained: {_explained(record)}, output "
-        f"{fmt(record['reference_output'])} → {fmt(record['candidate_output'])} · last layer Spearman "
-        f"{fmt(record['spearman'][-1])}, Kendall {fmt(record['kendall'][-1])}, top-{record['top_k']} "
+        f"{fmt(record['reference_output'])} → {fmt(record['candidate_output'])} · layer {record['layers'][-1]}: "
+        f"Spearman {fmt(record['spearman'][-1])}, Kendall {fmt(record['kendall'][-1])}, top-{record['top_k']} "
         f"{fmt(record['topk'][-1])}, drift {fmt(record['drift'][-1])}"
     )
     table = heatmap(
@@ -204,12 +214,12 @@ def audit_report(
 ) -> str:
     """The page ``nxl audit`` writes: most-changed examples first, then per-layer agreement and drift."""
     by_index = {r.get("index", i): r for i, r in enumerate(records)}
-    last = summary["last_layer"]
+    last, shown = summary["last_layer"], _shown_layer(summary)
     agreement = summary.get("agreement")
     facts = (
         f"{summary['n']} examples · prediction agreement "
         f"{'–' if agreement is None else f'{agreement:.3f}'} ({summary['flipped']} flipped) · "
-        f"mean change of the explained output {fmt(summary['output_change'])} · last layer: Spearman "
+        f"mean change of the explained output {fmt(summary['output_change'])} · {shown}: Spearman "
         f"{fmt(last['spearman'])}, Kendall {fmt(last['kendall'])}, top-{summary['top_k']} overlap "
         f"{fmt(last['topk'])}, drift {fmt(last['drift'])}"
     )
@@ -217,9 +227,9 @@ def audit_report(
         f"<h1>{html.escape(title)}</h1><p>{html.escape(facts)}</p>",
         _flat_note(summary),
         f"<h2>The {min(show, summary['n'])} examples that changed most</h2>",
-        '<p class="note">Flipped predictions first, then the lowest last-layer Spearman. Rows: NormXLogit at the '
-        f"last layer, both models explaining {html.escape(_what_is_explained(summary))} (nxl audit --explain); one "
-        "colour scale per example.</p>",
+        f'<p class="note">Flipped predictions first, then the lowest Spearman at {html.escape(shown)}. Rows: '
+        f"NormXLogit at that layer, both models explaining {html.escape(_what_is_explained(summary))} (nxl audit "
+        "--explain); one colour scale per example.</p>",
     ]
     body += [_example_block(by_index[index], rank + 1) for rank, index in enumerate(summary["most_changed"][:show])]
     layers = summary["layers"]

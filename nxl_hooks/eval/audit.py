@@ -16,8 +16,9 @@ the real tokens:
 - ``drift[l]``: ‖candidate − reference‖₂ / ‖reference‖₂ over all real tokens.
 - ``agree``: the candidate's own prediction equals the reference's (classifiers and causal LMs).
 
-Records also carry each token's readable text (``readable``), the target's and both predictions' texts, and
-``flat_norms`` (the reference's embedding norms nearly equal on the ranked tokens: NormXLogit ranks as LogAt).
+Records also carry each token's readable text (``readable``), the target's and both predictions' texts,
+``flat_norms`` (the reference's embedding norms nearly equal on the ranked tokens: NormXLogit ranks as LogAt) and
+``model_last_layer`` (the model's own last layer: the layers audited may stop short of it).
 """
 
 from __future__ import annotations
@@ -197,6 +198,7 @@ def audit_example(
                                   else log_probabilities(unwrap(reference), ref_out)[target].exp()),
         "candidate_output": float(cand_out[0] if regression
                                   else log_probabilities(unwrap(candidate), cand_out)[target].exp()),
+        "model_last_layer": ref.meta.get("n_blocks"),  # layer n_blocks is the model's output: --layers may stop short
         "reference_scores": ref.normxlogit[-1, 0][real].tolist(),  # the last captured layer
         "candidate_scores": cand.normxlogit[-1, 0][real].tolist(),
         **compare(ref, cand, top_k=top_k),
@@ -223,7 +225,11 @@ def most_changed(records: Sequence[Mapping[str, Any]]) -> list[int]:
 
 
 def aggregate(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
-    """Means over examples, per layer and at the last layer, and the order of change. ``aggregate(records)``"""
+    """Means over examples, per layer and at the last audited layer, and the order of change. ``aggregate(records)``
+
+    ``last_layer`` holds the means at ``layers[-1]``, the last of the layers audited: ``last_layer_index`` says which
+    it is, and it is the model's own last layer only where it equals ``model_last_layer`` (None in records that do
+    not say)."""
     if not records:
         raise ValueError("aggregate needs at least one audit record")
     layers = records[0]["layers"]
@@ -243,6 +249,8 @@ def aggregate(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "flipped": sum(1 for a in agreement if not a),
         "output_change": mean([abs(r["candidate_output"] - r["reference_output"]) for r in records]),
         "last_layer": {name: values[-1] for name, values in per_layer.items()},
+        "last_layer_index": layers[-1],
+        "model_last_layer": records[0].get("model_last_layer"),
         "per_layer": per_layer,
         "most_changed": [records[i].get("index", i) for i in most_changed(records)],
         "flat_norms": sum(1 for r in records if r.get("flat_norms")),  # examples where NormXLogit ranks as LogAt

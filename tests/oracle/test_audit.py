@@ -138,6 +138,25 @@ def test_report_leads_with_flipped_then_lowest_spearman(tmp_path):
 
 
 
+@pytest.mark.parametrize("layers, shown", [([0], "layer 0, the last of the layers audited"),
+                                           ("all", "layer 2, the model's last")])
+def test_the_summary_and_report_name_the_layer_their_last_layer_numbers_are_of(layers, shown):
+    """`nxl audit --layers 0` called layer 0's numbers "the last layer" (the tiny BERT's last is 2): the summary keeps
+    last_layer and says which layer it is, and the report names it."""
+    reference, candidate, tok = tiny.build_model("bert", 0), tiny.build_model("bert", 5), tiny.tokenizer()
+    records = [{**audit.audit_example(reference, candidate, tok, ex, layers=layers), "index": i}
+               for i, ex in enumerate(tiny.examples(3))]
+    summary = audit.aggregate(records)
+    index = 0 if layers == [0] else 2
+    assert summary["last_layer_index"] == index and summary["model_last_layer"] == 2
+    assert summary["last_layer"]["spearman"] == summary["per_layer"]["spearman"][-1]
+    from nxl_hooks.apps.reports import audit_report
+
+    page = audit_report(summary, records).replace("&#x27;", "'")  # (the model's: escaped as every text is)
+    assert f"{shown}: Spearman" in page and f"lowest Spearman at {shown}" in page
+    assert "last layer" not in page and f"layer {index}: Spearman" in page
+
+
 def test_most_changed_puts_a_collapsed_ranking_first_and_a_text_too_short_to_rank_last():
     """Spearman is undefined both where one side's scores are all equal (the ranking collapsed: a real change) and
     where fewer than two tokens rank (nothing could change order); only the first is a change."""
