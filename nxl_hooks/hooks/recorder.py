@@ -29,7 +29,7 @@ from .conventions import find_cache, start
 from .engines import Engine
 from .forward import Capture, assemble, embedding_norms, open_capture
 from .generate import Generations
-from .guard import Notice, Owned, logger, reason
+from .guard import SHORT, Notice, Owned, logger, reason
 from .plan import Plan
 from .recording import NOT_RECORDED, Recording
 from .traced import Recompiled, TracedForward, eager_frame
@@ -339,7 +339,9 @@ class Recorder:
         if not self._stray(arguments, past):
             self._finish(capture, output)
 
-    def on_task_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def on_task_start(self, module: nn.Module, args: tuple, kwargs: dict = SHORT) -> None:
+        if kwargs is SHORT:  # called after its removal
+            return
         if traced():
             if self._plain_traced():
                 self.plain.task()
@@ -394,7 +396,9 @@ class Recorder:
             "itself (nxl.attach(compiled) runs it eagerly while attached), call the uncompiled module, or run the "
             "call under `with torch.compiler.set_stance('force_eager'):`")
 
-    def on_backbone_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def on_backbone_start(self, module: nn.Module, args: tuple, kwargs: dict = SHORT) -> None:
+        if kwargs is SHORT:  # called after its removal
+            return
         if traced():
             if self._plain_traced():
                 self.plain.begin(self._arguments(args, kwargs))
@@ -424,7 +428,9 @@ class Recorder:
         except Exception as error:  # noqa: BLE001 - never into the host's forward
             self._fail("this forward", error)
 
-    def on_block_input(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def on_block_input(self, module: nn.Module, args: tuple, kwargs: dict = SHORT) -> None:
+        if kwargs is SHORT:  # called after its removal
+            return
         if traced():
             if self._plain_traced():
                 hidden = args[0] if args else kwargs["hidden_states"]
@@ -480,7 +486,9 @@ class Recorder:
         wanted, last, local = index in self._wanted, index == self.plan.n_blocks, self._local
         checked, hands_on = index in self._checked, index + 1 in self._checked
 
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any = SHORT) -> None:
+            if output is SHORT:  # called after its removal
+                return
             if traced():
                 if self._plain_traced():
                     if wanted:

@@ -50,6 +50,40 @@ def test_failing_forward_still_detaches(model):
     assert probe.result().normxlogit.shape == (3, 1, 2)
 
 
+@pytest.mark.parametrize("call", ["forward", "generate"])
+@pytest.mark.parametrize("where", ["model", "block"])
+def test_a_detach_during_the_forward_never_reaches_it(model, ids, where, call):
+    """A hook of the user's that runs before the probe's on the same module (registered before attaching) detaches
+    the probe, as a detach in another thread may at that point: PyTorch, holding its list of hooks, then calls the
+    probe's removed kwargs hook without kwargs (TypeError raised into model(...)). The call runs unrecorded."""
+    holder = []
+
+    def detach(*args):
+        if holder:
+            holder.pop().detach()
+
+    if where == "model":  # the task model's pre-hook, then the forward hook of a block
+        mine = model.register_forward_pre_hook(detach)
+    else:
+        mine = model.model.layers[0].register_forward_hook(detach)
+
+    def run():
+        if call == "forward":
+            return model(input_ids=ids).logits
+        return model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+
+    try:
+        with torch.no_grad():
+            plain = run()
+            probe = nxl.attach(model)
+            holder.append(probe)
+            attached = run()
+    finally:
+        mine.remove()
+    assert not holder and not probe.attached and torch.equal(plain, attached)
+    assert _hook_count(model) == 0 and "generate" not in vars(model)
+
+
 def test_attaching_twice_is_an_error(model):
     with nxl.attach(model):
         with pytest.raises(RuntimeError, match="already attached"):

@@ -23,7 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import nn
 
-from ..guard import Owned
+from ..guard import SHORT, Owned
 
 __all__ = ["Buffers"]
 
@@ -75,8 +75,8 @@ class Buffers:
         """Before each forward of ``module``: ``read(args, kwargs)`` into slot ``slot``."""
         write, when = self._write(slot), self._when
 
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if when is None or when():
+        def hook(module: nn.Module, args: tuple, kwargs: dict = SHORT) -> None:
+            if kwargs is not SHORT and (when is None or when()):  # (SHORT: called after its removal)
                 write(read(args, kwargs))
 
         self.handles.append(module.register_forward_pre_hook(Owned(hook), with_kwargs=True))

@@ -59,7 +59,7 @@ import torch
 from torch import nn
 
 from ...method.scores import row_norms
-from ..guard import Owned, described, logger, reason
+from ..guard import SHORT, Owned, described, logger, reason
 from ..generate import EAGER, Generations, Run, eager
 from .buffers import Buffers
 
@@ -423,9 +423,9 @@ class VllmEngine:
 
     # -- the hooks, in the worker's thread, only inside a followed step -----------------------------------
 
-    def _on_model(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _on_model(self, module: nn.Module, args: tuple, kwargs: dict = SHORT) -> None:
         capture = self._capture
-        if capture is not None:
+        if capture is not None and kwargs is not SHORT:  # (SHORT: called after its removal)
             capture.ids = kwargs.get("input_ids", args[0] if args else None)
             capture.positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
 
