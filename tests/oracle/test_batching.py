@@ -852,10 +852,16 @@ def test_nxl_eager_makes_managers_of_followed_models_without_cuda_graphs_or_asyn
     monkeypatch.setattr(continuous_api, "resolve_continuous_batching_config", resolve)
     # asked for explicitly: the advice in an asynchronous manager's records (NXL_EAGER=1) must make it recordable
     asked = ContinuousBatchingConfig(use_cuda_graph=True, use_async_batching=True)
-    for eager in ("0", "1"):
-        monkeypatch.setenv("NXL_EAGER", eager)
-        with nxl.attach(model):
-            continuous_api.ContinuousBatchingManager(model, _greedy(), asked)
-    continuous_api.ContinuousBatchingManager(model, _greedy(), asked)  # no probe: as asked
+    attention = model.config._attn_implementation
+    try:
+        for eager in ("0", "1"):
+            monkeypatch.setenv("NXL_EAGER", eager)
+            with nxl.attach(model):
+                continuous_api.ContinuousBatchingManager(model, _greedy(), asked)
+        continuous_api.ContinuousBatchingManager(model, _greedy(), asked)  # no probe: as asked
+    finally:  # a manager made sets the model's attention to its paged one, and only stopping one gives it back: the
+        # module's model ran the later tests' oracle forwards paged (transformers 5.18: "called without a paged
+        # attention cache"), whichever tests ran after this one in its worker
+        model.set_attn_implementation(attention)
     assert seen == [(True, True), (False, False), (True, True)]
     assert asked.use_cuda_graph is True and asked.use_async_batching is True  # the caller's object as written
