@@ -322,7 +322,6 @@ def test_every_step_of_a_compiled_call_is_scored_with_the_models_own_distributio
         torch.testing.assert_close(step.scores["contrastive"][:, real], expected[:, real], rtol=1e-4, atol=1e-5)
 
 
-@pytest.mark.version_free
 def test_a_compiled_calls_steps_scored_later_keep_their_probabilities_when_the_next_call_has_run(monkeypatch):
     """A compiled call's replayed steps may be scored in the hub's publisher thread after the call returns (on a GPU;
     here the CPU made such a device); by then the model's next compiled call has run, writing the model's static
@@ -383,7 +382,6 @@ def test_a_recorded_compiled_call_runs_the_models_own_graph_operation_for_operat
     _check(twin, probe.calls[0], 5)
 
 
-@pytest.mark.version_free
 @pytest.mark.parametrize("mode", ["no_grad", "inference_mode"])
 def test_a_compiled_call_returns_before_its_steps_are_recorded_in_a_thread_of_their_own(mode, monkeypatch):
     """Where a call's steps are scored off the calling thread (on a GPU; here the CPU made such a device), the eager

@@ -530,7 +530,6 @@ def test_continuous_batching_three_concurrent_clients(tiny, tmp_path):
             same_views(server, request_id, tmp_path)
 
 
-@pytest.mark.version_free
 def test_live_feed_names_the_request_of_every_step_with_more_requests_running_than_kept(tiny, tmp_path):
     """--keep-calls 1 and four continuous-batching requests at once: /v1/stream names the request of every step,
     and a reader following one request gets each of its steps (the feed found a step's request among the calls

@@ -386,7 +386,8 @@ class ContinuousBatching:
             # said once: this manager's requests are not recorded from now on
             self._skipped[processor] = (reason("continuous batching on this manager", error), set())
             self._mark(processor)
-            if table is not None:
+            table = table if table is not None else self._tables.get(processor)  # (_table may raise once inside)
+            if table is not None and table.inside:
                 self.leave(table)
             return None
 
