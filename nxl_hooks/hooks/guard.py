@@ -11,19 +11,12 @@ import logging
 import threading
 from typing import Any, Callable
 
+from ..arch.calls import SHORT  # the one rule for a hook called after its removal, kept here for the hooks
 from ..arch.text import one_line, typed  # the one rule for a foreign message, kept here for the hooks that say it
 
 __all__ = ["SHORT", "Notice", "Owned", "described", "inert", "logger", "one_line", "raised", "reason", "typed"]
 
 logger = logging.getLogger("nxl_hooks")
-
-#: The default of a ``with_kwargs`` hook's last parameter (a pre-hook's ``kwargs``, a forward hook's ``output``),
-#: which finds it there only when PyTorch called the hook the short way: ``_call_impl`` takes its list of hooks, then
-#: asks per hook whether it takes kwargs, and a hook removed in between (a detach in another thread, or by a hook of
-#: the user's earlier on the module) is called as ``hook(module, args)`` or ``hook(module, args, output)``. Such a
-#: hook does nothing and returns None: the forward runs on unrecorded, as after the detach (a parameter without a
-#: default raised TypeError into the user's call). A default, not a wrapper: a block's hook runs per block and token.
-SHORT: Any = object()
 
 
 def inert(*args: Any, **kwargs: Any) -> None:

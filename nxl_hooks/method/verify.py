@@ -25,6 +25,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
+from ..arch.calls import SHORT
 from ..arch.registry import (ArchSpec, HeadKind, RegistryError, UnknownArchitectureError, is_discovered, is_tested,
                              layer_modules, spec_head, split_post_steps, word_embedding)
 from .head import Head
@@ -107,12 +108,18 @@ def check_numbers(model: nn.Module, spec: ArchSpec, kind: str, head: Head, block
     ran: dict[tuple[str, int], list] = {}
     made: dict[tuple[str, int], torch.Tensor | None] = {}  # the same keys -> the output of its last run
     last: list[torch.Tensor | None] = [None]
+    # the check's own forward only: at `nxl attach` to a live server, the server's threads run forwards through these
+    # hooks meanwhile (they counted as runs of the blocks, and the entry was refused), and one of theirs may call a
+    # hook the short way when it is removed (SHORT: TypeError raised into the server's request)
+    checking = threading.get_ident()
 
     def counter(what: str, layer: int, module: nn.Module) -> torch.utils.hooks.RemovableHandle:
         tally = ran.setdefault((what, layer), [0, None, None, None])
         read = layer == final and (what == "layer_outputs" or final not in outputs)
 
-        def hook(module: nn.Module, args: tuple, kwargs: dict, output: object) -> None:
+        def hook(module: nn.Module, args: tuple, kwargs: dict, output: object = SHORT) -> None:
+            if output is SHORT or threading.get_ident() != checking:
+                return
             hidden = _block_output(output)
             tally[0] += 1
             tally[1] = None if hidden is None else tuple(hidden.shape)
@@ -126,8 +133,9 @@ def check_numbers(model: nn.Module, spec: ArchSpec, kind: str, head: Head, block
     def taken(layer: int) -> torch.utils.hooks.RemovableHandle:  # block l + 1 takes what layer_outputs l gives
         tally = ran[("layer_outputs", layer)]
 
-        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            tally[3] = _given(args, kwargs, made.get(("layer_outputs", layer)))
+        def hook(module: nn.Module, args: tuple, kwargs: dict = SHORT) -> None:
+            if kwargs is not SHORT and threading.get_ident() == checking:
+                tally[3] = _given(args, kwargs, made.get(("layer_outputs", layer)))
         return block_list[layer].register_forward_pre_hook(hook, with_kwargs=True)
 
     handles = [counter("block", layer, block) for layer, block in enumerate(block_list, start=1)]

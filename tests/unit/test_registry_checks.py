@@ -12,6 +12,7 @@ they are tested for (transformers' own), and are run on any other class.
 from __future__ import annotations
 
 import re
+import threading
 
 import pytest
 import torch
@@ -382,6 +383,56 @@ def test_a_shipped_entry_on_a_class_of_its_own_is_checked_against_its_logits():
     model.register_forward_hook(lambda *_: forwards.append(1))
     _check_against_oracle(plain, model)
     assert len(forwards) == 2  # the registry oracle's forward at attach, then the test's own
+
+
+@pytest.mark.parametrize("request_", ["whole", "held"])
+def test_the_check_follows_its_own_forward_only(request_):
+    """At ``nxl attach`` to a live server the registry oracle checks an entry while the server's threads run
+    forwards. A request run whole during the check's forward went through the check's counting hooks: the blocks
+    ran twice, and a valid entry was refused. A request held inside block 0 while the check ended found the check's
+    hook removed and called it the short way: TypeError raised into the server's request. Now the check counts its
+    own forward only, and a removed hook does nothing; the request's logits are the model's own."""
+    case = CASES["llama-lm"]
+    served = type(f"Served{request_.title()}LlamaForCausalLM", (tf.LlamaForCausalLM,), {})  # checked: its own class
+    model = Case(case.config, served, case.oracle).build()
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        plain = model(input_ids=ids).logits
+    checking, inside, release, got = threading.get_ident(), threading.Event(), threading.Event(), {}
+
+    def server():
+        try:
+            with torch.no_grad():
+                got[request_] = model(input_ids=ids).logits
+        except Exception as error:  # what the request's caller would have seen
+            got[request_] = error
+
+    def hold(module, args, output):  # on block 0, ahead of the check's own hook: the held request waits here
+        if threading.current_thread().name == "held":
+            inside.set()
+            release.wait(60)
+
+    def during(module, args):  # the check's forward: the request runs whole, or starts and is held
+        if threading.get_ident() == checking and thread.ident is None:
+            thread.start()
+            if request_ == "whole":
+                thread.join()
+            else:
+                inside.wait(60)
+
+    thread = threading.Thread(target=server, name=request_)
+    handles = [model.model.layers[0].register_forward_hook(hold), model.register_forward_pre_hook(during)]
+    try:
+        with nxl.attach(model, tokenizer=TOK):
+            pass
+    finally:
+        release.set()
+        thread.join(60)
+        for handle in handles:
+            handle.remove()
+    assert isinstance(got[request_], torch.Tensor), got[request_]
+    assert torch.equal(got[request_], plain)
+    assert nxl_hooks_on(model) == 0
 
 
 class TupleLlamaForCausalLM(tf.LlamaForCausalLM):
