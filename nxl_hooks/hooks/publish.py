@@ -31,8 +31,9 @@ thread, which writes them. So:
   why, in one line in the log, as for a failure in the hot path;
 - a sink never stalls or raises into the host's call: one that raises (anything, ``SystemExit`` and
   ``KeyboardInterrupt`` included) or stops by itself (``fault``), or that falls :data:`SINK_QUEUE` frames behind,
-  is stopped and closed; :attr:`Hub.sink_fault` says why, :attr:`Hub.unwritten` counts the step records it did
-  not get, and each call it leaves in memory only says so in its ``notes``;
+  is stopped and closed; :attr:`Hub.sink_fault` says why (and one line in the log: a probe detached as the
+  interpreter exits is read by nobody), :attr:`Hub.unwritten` counts the step records it did not get, and each
+  call it leaves in memory only says so in its ``notes``;
 - the records a call scores together (``generate``'s, :data:`~nxl_hooks.hooks.generate.BATCH_STEPS`) come as one
   item, and an engine's packed step gathers its requests' records (:meth:`Hub.gather`) and hands them on when its
   tokens are handed out: the publisher, and the sink thread after it, wake up once for them all (a wake-up costs
@@ -782,9 +783,13 @@ class Hub:
             logger.warning("nxl_hooks: the sink %s is still closing %g s after the probe detached; it finishes in "
                            "its own thread", _named(self._sink), DRAIN_SECONDS)
             return
-        self._stop_sink(f"it was still writing when the probe detached ({DRAIN_SECONDS:g} s later); the "
-                        "records still queued were not written", None)
+        before = self.unwritten
+        stopped = self._stop_sink(f"it was still writing when the probe detached ({DRAIN_SECONDS:g} s later); the "
+                                  "records still queued were not written", None)
         self._abandon_queued()
+        if stopped:  # said here too: at interpreter exit (the probe's finalizer) nobody reads the probe after this
+            _say_unwritten(self._sink, f"it was still writing {DRAIN_SECONDS:g} s after the probe detached: "
+                                       f"{self.unwritten - before} step record(s) were still queued for it")
 
     def _shut(self, why: str) -> None:
         """The publisher's last item: end the running calls and the streams, then the sink."""
@@ -828,8 +833,9 @@ class Hub:
                 else:
                     self._frames.put([(call, action, step)])
                 return
-        self._stop_sink(f"it fell behind: {SINK_QUEUE} frames were waiting to be written while generation went on, "
-                        "so it was stopped to keep generation at its speed", call, steps=step is not None)
+        if self._stop_sink(f"it fell behind: {SINK_QUEUE} frames were waiting to be written while generation went "
+                           "on, so it was stopped to keep generation at its speed", call, steps=step is not None):
+            _say_unwritten(self._sink, self.sink_fault)
 
     def _write_loop(self, frames: queue.SimpleQueue) -> None:
         try:
@@ -906,11 +912,12 @@ class Hub:
             if isinstance(error, PartlyWritten):  # the frames before the failure are on disk
                 steps, error = steps - error.written, error.__cause__ or error
             fault = typed(error)
-            logger.warning("nxl_hooks: records sent to the sink %s not written (%s); the model's own call "
-                           "is unaffected", _named(sink), fault)
         if fault is not None:  # (an empty one is a stop all the same: said, so that it reads as a fault)
             said = fault if isinstance(fault, str) else one_line(fault)  # the sink's object: its str() may raise
-            self._stop_sink(said or f"the sink {_named(sink)} stopped writing without saying why", call, steps=steps)
+            said = said or f"the sink {_named(sink)} stopped writing without saying why"
+            # said whether it raised or set its fault: a sink that stops by itself loses records as one that raises
+            _say_unwritten(sink, said)
+            self._stop_sink(said, call, steps=steps)
             self._count_lost(sink)
 
     def _close_sink(self) -> None:
@@ -954,14 +961,15 @@ class Hub:
             if call is not None and self.sink_fault is not None and self._fault_note() not in call.notes:
                 call.notes.append(self._fault_note())
 
-    def _stop_sink(self, fault: str, call: GenerationCall | None, *, steps: int = 0) -> None:
+    def _stop_sink(self, fault: str, call: GenerationCall | None, *, steps: int = 0) -> bool:
         """The sink gets nothing more: ``fault`` is kept in :attr:`sink_fault` and noted on every call it leaves
         in memory only (the frames still queued are counted as the sink thread meets them); the sink thread
-        closes it when it comes back from the sink (here, without one)."""
+        closes it when it comes back from the sink (here, without one). Whether this stopped it (False: it had
+        stopped already, ``steps`` only counted)."""
         with self._lock:
             if self._stopped:
                 self._count(call, steps)
-                return
+                return False
             self._stopped, self.sink_fault = True, fault
             affected = list(self._running)
             if call is not None and call not in affected:  # a call that just ended
@@ -973,9 +981,10 @@ class Hub:
             if writer is not None and writer.is_alive() and writer is not threading.current_thread():
                 self._frames_waiting += 1
                 self._frames.put([(None, _nothing, None)])  # an idle sink thread wakes up and closes it
-                return
+                return True
         if writer is None or not writer.is_alive():
             self._close_sink()
+        return True
 
     def _abandon_queued(self) -> None:
         """The sink thread did not come back from the sink by the detach's deadline: the frames still queued for it,
@@ -1055,6 +1064,13 @@ def _follows(sink: RecordSink | None, protocol: type) -> bool:
 def _named(sink: RecordSink) -> str:
     """How a sink is named in a line: its path, else its class."""
     return str(getattr(sink, "path", None) or type(sink).__name__)
+
+
+def _say_unwritten(sink: RecordSink, why: str | None) -> None:
+    """The one line in the log of a sink stopped (``why``) while records went on: what the probe counts
+    (``unwritten``, ``sink_fault``) is read only by who asks, and a script may never ask."""
+    logger.warning("nxl_hooks: records sent to the sink %s not written (%s); the model's own call is unaffected",
+                   _named(sink), why)
 
 
 def _nothing(sink: RecordSink) -> None:

@@ -89,7 +89,7 @@ class _Blocking:
         self.closed.set()
 
 
-def test_a_blocked_sink_never_stalls_generate_nor_detach(model, monkeypatch):
+def test_a_blocked_sink_never_stalls_generate_nor_detach(model, monkeypatch, caplog):
     monkeypatch.setattr(publish, "DRAIN_SECONDS", 0.5)
     sink = _Blocking()
     probe = nxl.attach(model, sink=sink)
@@ -99,12 +99,17 @@ def test_a_blocked_sink_never_stalls_generate_nor_detach(model, monkeypatch):
         assert sink.returned == 0 and len(probe.steps) == 6  # every record is kept as the call returns
         assert probe.sink_fault is None  # 8 frames queued: within SINK_QUEUE
     finally:
-        probe.detach()  # waits DRAIN_SECONDS for the blocked sink, then leaves it
+        with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+            probe.detach()  # waits DRAIN_SECONDS for the blocked sink, then leaves it
     assert sink.returned == 0 and not sink.closed.is_set()
     assert probe.sink_fault.startswith("it was still writing when the probe detached")
     # what was still queued is counted at the detach (the sink may never give its thread back); the frames its
     # thread holds when it does
     assert 0 < probe.unwritten <= 6
+    # and said in the log with that count: a probe detached at interpreter exit (its finalizer) is read by nobody
+    assert [r.getMessage() for r in caplog.records if r.name == "nxl_hooks"] == [
+        "nxl_hooks: records sent to the sink _Blocking not written (it was still writing 0.5 s after the probe "
+        f"detached: {probe.unwritten} step record(s) were still queued for it); the model's own call is unaffected"]
     sink.release.set()
     assert probe.flush(timeout=60)  # the sink thread closes it once the sink gives its thread back
     assert sink.closed.is_set() and sink.steps == 0 and probe.unwritten == 6
@@ -241,26 +246,33 @@ class _StoppedLater(_Raising):
 
 
 @pytest.mark.parametrize("kind", [_QuietlyStopped, _StoppedLater], ids=["declared", "set-when-stopping"])
-def test_a_sink_that_stops_with_an_empty_fault_is_said_to_have_stopped(model, kind):
+def test_a_sink_that_stops_with_an_empty_fault_is_said_to_have_stopped(model, kind, caplog):
     sink = kind(OSError())
-    with nxl.attach(model, sink=sink) as probe:
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"), nxl.attach(model, sink=sink) as probe:
         model.generate(input_ids=_ids(9), max_new_tokens=4, do_sample=False)
     assert probe.sink_fault == f"the sink {kind.__name__} stopped writing without saying why"
+    assert [r.getMessage() for r in caplog.records if r.name == "nxl_hooks"] == [
+        f"nxl_hooks: records sent to the sink {kind.__name__} not written ({probe.sink_fault}); the model's own "
+        "call is unaffected"]  # in the log too, as a sink that raises is
     assert probe.unwritten == 3 and sink.closed  # its fault came with step 1: that step and the two after it
     assert probe.calls[0].notes == [f"not written to the sink, which stopped: {probe.sink_fault}"]
     check_call(model, probe.calls[0], 4)
 
 
-def test_a_sink_that_falls_behind_is_stopped(model, monkeypatch):
+def test_a_sink_that_falls_behind_is_stopped(model, monkeypatch, caplog):
     monkeypatch.setattr(publish, "SINK_QUEUE", 2)
     sink = _Blocking()
-    with nxl.attach(model, sink=sink) as probe:
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"), nxl.attach(model, sink=sink) as probe:
         model.generate(input_ids=_ids(5), max_new_tokens=6, do_sample=False)
         assert probe.sink_fault.startswith("it fell behind: 2 frames were waiting")  # known when generate returns
         assert sink.returned == 0 and len(probe.steps) == 6
         sink.release.set()
     assert sink.closed.is_set() and sink.steps == 0 and probe.unwritten == 6
     assert probe.calls[0].notes == [f"not written to the sink, which stopped: {probe.sink_fault}"]
+    # said once in the log, as a sink that raises is: a script that never reads sink_fault still hears of it
+    assert [r.getMessage() for r in caplog.records if r.name == "nxl_hooks"] == [
+        f"nxl_hooks: records sent to the sink _Blocking not written ({probe.sink_fault}); the model's own call is "
+        "unaffected"]
     check_call(model, probe.calls[0], 6)
 
 
