@@ -719,8 +719,11 @@ class Hub:
                   size: int | None = LIVE_QUEUE, replay: bool = True, calls: bool = False) -> Subscription:
         """A live iterator of step records, holding up to ``size`` unread (see the module docstring); ``replay``:
         a call already running gives the steps it made before first; ``calls``: each item is ``(call, step)``."""
+        # what the line of a reader that falls behind says of the records it drops: only where they are kept
+        kept = [where for where, keeps in (("probe.calls", self._keep), ("the sink", self._sink is not None)) if keeps]
         subscription: Subscription = Subscription(self, request_id=request_id, follow=follow, size=size,
-                                                  calls=calls)
+                                                  calls=calls, kept=f"{' and '.join(kept)} keep"
+                                                  f"{'s' if len(kept) == 1 else ''} them" if kept else None)
         self.settle()  # the calls that have ended are done (kept, not read live) before this reader starts
         with self._lock:
             self._hand_on()  # from now on records are read live

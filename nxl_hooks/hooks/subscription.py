@@ -43,7 +43,9 @@ class Subscription(Generic[T]):
 
     def __init__(self, hub: Unsubscribes | None = None, *, call: GenerationCall | None = None,
                  request_id: str | None = None, follow: bool = False, size: int | None = LIVE_QUEUE,
-                 calls: bool = False) -> None:
+                 calls: bool = False, kept: str | None = None) -> None:
+        """``kept``: where the records it drops are still kept, said in its line when it first drops one
+        (``"the sink keeps them"``; None: nowhere else)."""
         if size is not None and size < 1:
             raise ValueError(f"size={size}: give how many records a subscription may hold (1 or more), or None")
         self.call = call  #: the call it is bound to (None until one starts, or with ``follow``)
@@ -52,6 +54,7 @@ class Subscription(Generic[T]):
         self.size = size
         self.calls = calls  #: items are (call, record) pairs: a reader behind still has the call of each record
         self.dropped = 0  #: items dropped (the oldest first) because the reader was ``size`` behind
+        self._kept = kept
         self._hub = hub
         self._items: collections.deque[T] = collections.deque()
         self._ready = threading.Condition(threading.Lock())
@@ -84,7 +87,7 @@ class Subscription(Generic[T]):
             self._ready.notify()
         if full and self.dropped == 1:
             logger.warning("nxl_hooks: a live reader fell %d records behind; its oldest records are dropped (counted "
-                           "in its subscription's dropped); the sink and probe.calls keep every record", self.size)
+                           "in its subscription's dropped); %s", self.size, self._kept or "nothing else keeps them")
 
     def end(self) -> None:
         """No more items: a reader ends after those already queued."""

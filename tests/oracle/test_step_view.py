@@ -157,6 +157,28 @@ def test_an_unread_subscription_never_holds_up_generation_and_keeps_the_newest_s
     assert [int(s.token[0]) for s in probe.steps] == out[0, ids.shape[1]:].tolist()
 
 
+@pytest.mark.parametrize("keep_steps, kept", [(True, "probe.calls keeps them"), (False, "nothing else keeps them")])
+def test_a_subscription_that_drops_records_says_only_where_they_are_still_kept(caplog, tmp_path, keep_steps, kept):
+    """Its line said the sink and probe.calls keep every record, also where neither did: the records it dropped
+    were gone for good."""
+    model, ids = _generating()
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"), nxl.attach(model, keep_steps=keep_steps) as probe:
+        steps = probe.subscribe(follow=True, size=2)
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=4, do_sample=False)
+        steps.close()
+    assert steps.dropped == 2 and len(probe.steps) == (4 if keep_steps else 0)
+    assert [r.getMessage() for r in caplog.records if r.name == "nxl_hooks"] == [
+        "nxl_hooks: a live reader fell 2 records behind; its oldest records are dropped (counted in its "
+        f"subscription's dropped); {kept}"]
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"), nxl.attach(model, sink=tmp_path / "r.nxl") as probe:
+        steps = probe.subscribe(follow=True, size=2)
+        with torch.no_grad():
+            model.generate(ids, max_new_tokens=4, do_sample=False)
+        steps.close()
+    assert caplog.records[-1].getMessage().endswith("dropped); probe.calls and the sink keep them")
+
+
 def test_probe_stream_is_deprecated_and_still_holds_every_step():
     model, ids = _generating()
     with nxl.attach(model, layers=[0]) as probe:

@@ -473,7 +473,8 @@ class Live:
 
     def subscribe(self, request_id: str | None = None) -> Subscription[LiveStep]:
         """A live reader of every step made from now on (only ``request_id``'s, when given)."""
-        reader: Subscription[LiveStep] = Subscription(request_id=request_id, follow=True)
+        reader: Subscription[LiveStep] = Subscription(request_id=request_id, follow=True,
+                                                      kept="the run's records keep them")
         with self._lock:
             first = not self._readers
             self._readers = (*self._readers, reader)  # before the feeds start: their first steps are its
