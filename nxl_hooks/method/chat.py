@@ -89,35 +89,42 @@ def chat_prompt(tokenizer: Any, messages: str | Sequence[Mapping[str, Any]], *,
     return ChatPrompt(rendered[cut:], tuple(spans))
 
 
-def _offsets(tokenizer: Any, texts: list[str]) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(ids, offsets) of ``texts`` tokenized as :func:`nxl_hooks.explain` does (padded); None without offsets (a
+def _offsets(tokenizer: Any, text: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(ids (n,), offsets (n, 2)) of ``text`` tokenized as :func:`nxl_hooks.explain` does; None without offsets (a
     slow tokenizer)."""
     try:
-        enc = tokenizer(texts, padding=len(texts) > 1, return_offsets_mapping=True, return_token_type_ids=False,
-                        return_tensors="pt")
+        enc = tokenizer(text, return_offsets_mapping=True, return_token_type_ids=False, return_tensors="pt")
     except Exception:  # noqa: BLE001 - slow tokenizers refuse offsets; a hook must not raise into the host either
         return None
-    return enc["input_ids"], enc["offset_mapping"]
+    return enc["input_ids"][0], enc["offset_mapping"][0]
 
 
 def template_rows(tokenizer: Any, prompts: Sequence[ChatPrompt], input_ids: torch.Tensor) -> torch.Tensor | None:
-    """bool (rows, seq): True on the tokens of ``input_ids`` (the padded encoding of the prompts' texts) that the
-    chat template put there (markers, system prompt, the tokenizer's added BOS), False on the messages' text.
-    A token that straddles a message's edge counts as the message's. None when it cannot be told: a prompt's
-    spans are unknown, the tokenizer gives no offsets, or its encoding differs from ``input_ids``.
+    """bool (rows, seq): True on the tokens of ``input_ids`` (the encoding of the prompts' texts, a batch padded on
+    either side) that the chat template put there (markers, system prompt, the tokenizer's added BOS), False on the
+    messages' text. A token that straddles a message's edge counts as the message's. None when it cannot be told: a
+    prompt's spans are unknown, the tokenizer gives no offsets, or a row does not hold its text's encoding.
 
     ``template_rows(tok, [chat_prompt(tok, text)], enc["input_ids"])``
     """
     if not prompts or any(prompt.spans is None for prompt in prompts):
         return None
-    found = _offsets(tokenizer, [prompt.text for prompt in prompts])
-    if found is None or not torch.equal(found[0], input_ids.cpu()):
-        return None
-    starts, ends = found[1][..., 0], found[1][..., 1]
+    ids, seq = input_ids.cpu(), input_ids.shape[-1]
     template = torch.ones(input_ids.shape, dtype=torch.bool)
     for row, prompt in enumerate(prompts):
-        for start, end in prompt.spans:
-            template[row] &= ~((starts[row] < end) & (ends[row] > start))
+        found = _offsets(tokenizer, prompt.text)
+        if found is None or len(found[0]) > seq:
+            return None
+        own, offsets = found
+        # each text alone, where its row holds it: from the first position (padded on the right, as explain pads a
+        # batch) or up to the last (on the left): a batch encoded here would be padded on the tokenizer's side
+        start = next((start for start in (0, seq - len(own)) if torch.equal(ids[row, start:start + len(own)], own)),
+                     None)
+        if start is None:
+            return None
+        flags = template[row, start:start + len(own)]
+        for low, high in prompt.spans:
+            flags &= ~((offsets[:, 0] < high) & (offsets[:, 1] > low))
     return template
 
 

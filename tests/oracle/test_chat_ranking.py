@@ -67,6 +67,20 @@ def test_the_template_flags_survive_a_file(world, tmp_path):
     assert {p - offset for p, _, _ in res.top(50, row=1)} == ranked
 
 
+def test_a_batch_explained_with_a_left_padding_tokenizer_ranks_each_users_message(world):
+    model, _, _ = world
+    tok = bpe_tiny.bpe_tokenizer()
+    tok.padding_side = "left"  # (as most chat models' tokenizers: explain pads a batch on the right all the same)
+    messages = [QUESTION, "Rome"]  # of different lengths: the second row is padded
+    res = nxl.explain(model, tok, messages, chat=True)
+    assert res.meta["template"] == "located" and not res.mask[1].all()
+    for row, message in enumerate(messages):
+        ids, ranked = by_hand(tok, [("<|im_start|>user\n", False), (message, True),
+                                    ("<|im_end|>\n<|im_start|>assistant\n", False)])
+        assert res.input_ids[row, :len(ids)].tolist() == ids
+        assert set(res.rankable(row).nonzero().flatten().tolist()) == ranked
+
+
 def test_located_from_ids_alone_system_prompt_and_earlier_turns(world):
     _, tok, _ = world
     pieces = [("<|im_start|>system\n", False), ("Answer in one word.", False), ("<|im_end|>\n<|im_start|>user\n", False),
