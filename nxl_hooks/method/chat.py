@@ -89,40 +89,51 @@ def chat_prompt(tokenizer: Any, messages: str | Sequence[Mapping[str, Any]], *,
     return ChatPrompt(rendered[cut:], tuple(spans))
 
 
-def _offsets(tokenizer: Any, text: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """(ids (n,), offsets (n, 2)) of ``text`` tokenized as :func:`nxl_hooks.explain` does; None without offsets (a
-    slow tokenizer)."""
+def _offsets(tokenizer: Any, text: str, special: bool) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(ids (n,), offsets (n, 2)) of ``text`` tokenized with the tokenizer's own special tokens (its BOS: as
+    :func:`nxl_hooks.explain` does) or without (as ``apply_chat_template(tokenize=True)`` does); None without offsets
+    (a slow tokenizer)."""
     try:
-        enc = tokenizer(text, return_offsets_mapping=True, return_token_type_ids=False, return_tensors="pt")
+        enc = tokenizer(text, add_special_tokens=special, return_offsets_mapping=True, return_token_type_ids=False,
+                        return_tensors="pt")
     except Exception:  # noqa: BLE001 - slow tokenizers refuse offsets; a hook must not raise into the host either
         return None
     return enc["input_ids"][0], enc["offset_mapping"][0]
 
 
+def _placed(tokenizer: Any, text: str, row: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+    """(where ``row`` holds the encoding of ``text``, that encoding's offsets); None when it holds none of them."""
+    for special in (True, False):
+        found = _offsets(tokenizer, text, special)
+        if found is None:
+            return None
+        ids, offsets = found
+        # from the first position (padded on the right, as explain pads a batch) or up to the last (on the left): a
+        # batch encoded here would be padded on the tokenizer's side, not necessarily the row's
+        for start in (0, len(row) - len(ids)) if len(ids) <= len(row) else ():
+            if torch.equal(row[start:start + len(ids)], ids):
+                return start, offsets
+    return None
+
+
 def template_rows(tokenizer: Any, prompts: Sequence[ChatPrompt], input_ids: torch.Tensor) -> torch.Tensor | None:
-    """bool (rows, seq): True on the tokens of ``input_ids`` (the encoding of the prompts' texts, a batch padded on
-    either side) that the chat template put there (markers, system prompt, the tokenizer's added BOS), False on the
-    messages' text. A token that straddles a message's edge counts as the message's. None when it cannot be told: a
-    prompt's spans are unknown, the tokenizer gives no offsets, or a row does not hold its text's encoding.
+    """bool (rows, seq): True on the tokens of ``input_ids`` (the encoding of the prompts' texts, with or without the
+    tokenizer's BOS, a batch padded on either side) that the chat template put there (markers, system prompt, the
+    tokenizer's added BOS), False on the messages' text. A token that straddles a message's edge counts as the
+    message's. None when it cannot be told: a prompt's spans are unknown, the tokenizer gives no offsets, or a row
+    does not hold its text's encoding.
 
     ``template_rows(tok, [chat_prompt(tok, text)], enc["input_ids"])``
     """
     if not prompts or any(prompt.spans is None for prompt in prompts):
         return None
-    ids, seq = input_ids.cpu(), input_ids.shape[-1]
     template = torch.ones(input_ids.shape, dtype=torch.bool)
-    for row, prompt in enumerate(prompts):
-        found = _offsets(tokenizer, prompt.text)
-        if found is None or len(found[0]) > seq:
+    for row, (prompt, ids) in enumerate(zip(prompts, input_ids.cpu())):
+        placed = _placed(tokenizer, prompt.text, ids)
+        if placed is None:
             return None
-        own, offsets = found
-        # each text alone, where its row holds it: from the first position (padded on the right, as explain pads a
-        # batch) or up to the last (on the left): a batch encoded here would be padded on the tokenizer's side
-        start = next((start for start in (0, seq - len(own)) if torch.equal(ids[row, start:start + len(own)], own)),
-                     None)
-        if start is None:
-            return None
-        flags = template[row, start:start + len(own)]
+        start, offsets = placed
+        flags = template[row, start:start + len(offsets)]  # (a view: set in place)
         for low, high in prompt.spans:
             flags &= ~((offsets[:, 0] < high) & (offsets[:, 1] > low))
     return template
@@ -194,8 +205,12 @@ def locate_template(tokenizer: Any, ids: Sequence[int],
         return None
     ids = torch.as_tensor(list(ids), dtype=torch.long)[None]
     text = tokenizer.decode(ids[0].tolist(), skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    bos = tokenizer.bos_token
+    # the text also without a leading BOS: one the tokenizer added that the template does not write (TinyLlama-Chat's)
+    texts = [text, text[len(bos):]] if bos and text.startswith(bos) else [text]
     for generation in (True, False):
-        candidates = [messages] if messages is not None else _conversations(tokenizer, text, generation)
+        candidates = [messages] if messages is not None else (
+            conversation for one in texts for conversation in _conversations(tokenizer, one, generation))
         for candidate in candidates:
             try:
                 prompt = chat_prompt(tokenizer, candidate, add_generation_prompt=generation)

@@ -98,6 +98,35 @@ def test_located_from_ids_alone_system_prompt_and_earlier_turns(world):
     assert locate_template(tok, ids, [{"role": "user", "content": "something else"}]) is None
 
 
+def test_a_chat_pipeline_on_a_tokenizer_that_adds_a_bos_its_template_does_not_write_ranks_the_users_message(world):
+    from tokenizers import processors
+    from transformers import PreTrainedTokenizerFast, pipeline
+
+    model, _, _ = world
+    plain = bpe_tiny.bpe_tokenizer()  # (its backend is changed: not the world's)
+    # as TinyLlama-Chat's: the tokenizer adds its BOS, the template writes none, and apply_chat_template (the chat
+    # pipeline's, a server's) tokenizes without special tokens
+    backend = plain.backend_tokenizer
+    bos = "<|endoftext|>"
+    backend.post_processor = processors.TemplateProcessing(single=f"{bos} $A",
+                                                           special_tokens=[(bos, plain.convert_tokens_to_ids(bos))])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token="<|im_end|>",
+                                  pad_token="<|im_end|>", chat_template=bpe_tiny.CHAT_TEMPLATE)
+    assert tok("Rome")["input_ids"][0] == tok.bos_token_id
+    messages = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": QUESTION}]
+    ids, ranked = by_hand(tok, [("<|im_start|>system\n", False), ("Answer in one word.", False),
+                                ("<|im_end|>\n<|im_start|>user\n", False), (QUESTION, True),
+                                ("<|im_end|>\n<|im_start|>assistant\n", False)])
+    with nxl.attach(model, tokenizer=tok, layers="last") as probe:
+        pipeline("text-generation", model=model, tokenizer=tok)(messages, max_new_tokens=1, do_sample=False)
+    call = probe.calls[-1]
+    assert call.prompt_ids[0].tolist() == ids
+    assert set((~call.prompt_template[0]).nonzero().flatten().tolist()) == ranked
+    # and with the BOS the tokenizer adds (nxl.explain's encoding): its BOS is the template's
+    template = locate_template(tok, [tok.bos_token_id, *ids])
+    assert set((~template).nonzero().flatten().tolist()) == {p + 1 for p in ranked}
+
+
 def test_a_template_that_rewrites_the_message_is_said_and_everything_ranks(world):
     model, tok, _ = world
     upper = bpe_tiny.bpe_tokenizer()
