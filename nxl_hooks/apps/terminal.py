@@ -192,9 +192,13 @@ def show_attribution(res: Attribution, console: Console, *, all_positions: bool 
         labels = res.target_info(row)
         for label in range(len(labels)):
             if kind == HeadKind.REGRESSION:
-                what = ("norm x " if method == "normxlogit" else "") + "|HoT(h) - prediction"
                 prediction = res.meta.get("prediction")  # a file may not hold it: the title does without
-                title = f"{name}, regression: {what}" + (f" {prediction[row][0]:.4g}|" if prediction else "|")
+                output = labels[label]["id"]  # the explained output's prediction: a head may have several
+                value = f" {prediction[row][output]:.4g}" if prediction and output < len(prediction[row]) else ""
+                # what LogAt is for a regression head; another method's scores are its own
+                what = {"normxlogit": "norm x |HoT(h) - prediction{}|", "logat": "|HoT(h) - prediction{}|"}.get(
+                    method, "prediction{}")
+                title = f"{name}, regression: {what.format(value)}"
             else:
                 title = f"{name} of {res.target_label(row, label)}"
             how = res.resolution(row, label)

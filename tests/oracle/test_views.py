@@ -156,6 +156,29 @@ def test_an_all_nan_contrastive_table_says_why():
         assert len(lines) == (0 if foiled else 1), lines
 
 
+def test_a_regression_title_says_the_prediction_of_the_output_explained_and_only_logats_formula():
+    """A head of two regression outputs explained at its second: the title said the first output's prediction; and
+    it gave LogAt's |HoT(h) - prediction| as what any other method's scores are."""
+    import tiny
+    from transformers import BertConfig, BertForSequenceClassification
+
+    from nxl_hooks.apps.terminal import show_attribution
+
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(BertConfig(**tiny._SIZES, max_position_embeddings=64, num_labels=2,
+                                                     problem_type="regression")).eval()
+    tok = tiny.tokenizer()
+    with torch.no_grad():
+        outputs = model(**tok("the film was good", return_tensors="pt")).logits[0].tolist()
+    assert f"{outputs[0]:.4g}" != f"{outputs[1]:.4g}"
+    res = nxl.explain(model, tok, "the film was good", target=1, methods=["contrastive"])
+    for method, title in (("normxlogit", f"NormXLogit, regression: norm x |HoT(h) - prediction {outputs[1]:.4g}|"),
+                          ("contrastive", f"contrastive, regression: prediction {outputs[1]:.4g}, read at")):
+        console = Console(record=True, width=200)
+        show_attribution(res, console, method=method)
+        assert title in " ".join(console.export_text().split())
+
+
 def test_a_regression_file_without_its_prediction_is_shown(tmp_path):
     """The regression title says the prediction where the record has it; a file without it (hand-made, older)
     is shown without the number (it raised KeyError)."""
