@@ -538,6 +538,11 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
             )
         if loading.tp:
             _check_tp_heads(name, config)
+        saved = _saved_quantization(config)
+        if quantize is not None and saved is not None:  # transformers keeps the saved one, with a warning only
+            raise ValueError(f"{name} is quantized already ({saved}: its config.json's quantization_config), and "
+                             f"transformers loads it so, ignoring the {quantize} asked for (--load-in-8bit/"
+                             "--load-in-4bit, audit's --quantize): drop it, or give the unquantized model")
     auto = getattr(transformers, HEAD_CLASSES[kind])
     if gguf_file is not None and (Path(name).expanduser() / gguf_file).is_file():
         check_gguf(Path(name).expanduser() / gguf_file, kind)  # before the tokenizer and model are built from it
@@ -569,6 +574,15 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
                                             quantization_config=quantization, **placement)
         del plain
     return model.eval(), tokenizer
+
+
+def _saved_quantization(config: Any) -> str | None:
+    """The method a model's config says its weights are stored quantized with ("bitsandbytes"), or None."""
+    found = getattr(config, "quantization_config", None)
+    if found is None:
+        return None
+    method = found.get("quant_method") if isinstance(found, Mapping) else getattr(found, "quant_method", None)
+    return str(getattr(method, "value", method) or "a quantization")  # (QuantizationMethod: a str enum)
 
 
 def _check_offload_folder(name: str, folder: str | None) -> None:
@@ -661,10 +675,14 @@ def _from_pretrained(auto: Any, name: str, kwargs: dict[str, Any]) -> Any:
                              "files): pass --offload-folder DIR (offload_folder=) for them") from None
         if "llm_int8_enable_fp32_cpu_offload" not in str(err):
             raise
-        # transformers' advice names from_pretrained keywords, which no nxl flag sets
-        raise ValueError(f"{name}: --load-in-8bit/--load-in-4bit quantize the model where it runs, and --device-map/"
-                         "--max-memory put part of it on the CPU or disk: give the device it runs on room for the "
-                         "whole model (--max-memory), or drop --load-in-8bit/--load-in-4bit") from None
+        # transformers' advice names from_pretrained keywords, which no nxl flag sets; without a quantization asked
+        # for, the folder holds one (its weights saved quantized), and no flag of the user's is to drop
+        cause, drop = (("--load-in-8bit/--load-in-4bit quantize the model where it runs",
+                        "drop --load-in-8bit/--load-in-4bit") if "quantization_config" in kwargs else
+                       (f"its weights are saved quantized ({_saved_quantization(kwargs.get('config'))}), to run "
+                        "where they are loaded", "give the unquantized model"))
+        raise ValueError(f"{name}: {cause}, and --device-map/--max-memory put part of it on the CPU or disk: give the "
+                         f"device it runs on room for the whole model (--max-memory), or {drop}") from None
     finally:
         logger.removeFilter(hold)
         if not missing:  # loaded whole, or transformers raised: its report is its own to give

@@ -311,6 +311,30 @@ def test_gguf_file_twice_and_audit_quantize_twice_are_one_line_errors(world, tmp
     assert "--quantize builds the candidate from an unquantized reference" in err and len(err.splitlines()) == 1
 
 
+
+def test_a_model_saved_quantized_is_not_quantized_again_nor_blamed_on_flags_not_given(world, tmp_path, capsys):
+    """A folder saved quantized (bitsandbytes 8-bit) keeps its own quantization: transformers ignores another one
+    asked for (with a warning only), so audit --quantize 4bit compared the model with itself (agreement 1.0, drift
+    0) and --load-in-4bit loaded it 8-bit; offloading it was refused as asked for by --load-in-8bit/--load-in-4bit,
+    which were not given."""
+    _, tok, folder, _ = world
+    saved = tmp_path / "saved-8bit"
+    load_model(str(folder), quantize="8bit")[0].save_pretrained(saved)
+    tok.save_pretrained(saved)
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": PROMPT}) + "\n")
+    capsys.readouterr()
+    for argv in (["audit", "--reference", str(saved), "--quantize", "4bit", str(data), "--out", str(tmp_path / "o")],
+                 ["attribute", str(saved), PROMPT, "--load-in-4bit"]):
+        assert main(argv) == 2
+        (line,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+        assert "saved-8bit is quantized already (bitsandbytes: its config.json's quantization_config)" in line
+    assert not (tmp_path / "o" / "summary.json").exists()
+    assert main(["attribute", str(saved), PROMPT, "--device-map", "auto", "--max-memory", "cpu=100KB",
+                 "--offload-folder", str(tmp_path / "off")]) == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert "its weights are saved quantized (bitsandbytes)" in line and "--load-in" not in line
+
 # -- crafted GGUF files and hostile chat templates (issue 24, items 4, 14, 16) -------------------------------------
 
 _FIX = "the file is damaged or was written wrong: download or convert it again"
