@@ -681,23 +681,26 @@ def test_nxl_run_loading_options_reach_the_programs_own_loads(tiny, tmp_path):
         from transformers import AutoModelForCausalLM
         picked = AutoModelForCausalLM.from_pretrained(sys.argv[1])
         own = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
+        old_name = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float32)
         print("FACTS", picked.model.norm.weight.dtype, type(picked.model.layers[0].self_attn.q_proj).__name__,
-              own.model.norm.weight.dtype)
+              own.model.norm.weight.dtype, old_name.model.norm.weight.dtype)
     """)
     done = _nxl("run", "--dtype", "bfloat16", "--load-in-8bit", "--models", "tiny*", "--", sys.executable, "-c",
                 code, str(tiny.path), env={**os.environ, **SERVE_ENV}, timeout=300)
     assert done.returncode == 0, done.stderr
-    # the first load takes both defaults; the second sets its own dtype (8-bit still applies: it did not set that)
-    assert done.stdout.split("FACTS ")[1].split() == ["torch.bfloat16", "Linear8bitLt", "torch.float32"]
+    # the first load takes both defaults; the second sets its own dtype (8-bit still applies: it did not set that),
+    # the third too, under transformers' older name (torch_dtype: the default dtype overrode it)
+    assert done.stdout.split("FACTS ")[1].split() == ["torch.bfloat16", "Linear8bitLt", "torch.float32",
+                                                      "torch.float32"]
     refused = _nxl("run", "--gguf-file", "m.gguf", "--load-in-4bit", "--", sys.executable, "-c", "print('ran')")
     assert refused.returncode == 2 and "ran" not in refused.stdout and "transformers refuses" in refused.stderr
     # defaults that cannot work for this model (it has no such GGUF file): it loads as the program asked, said
     fallen = _nxl("run", "--gguf-file", "m.gguf", "--", sys.executable, "-c", code, str(tiny.path),
                   env={**os.environ, **SERVE_ENV}, timeout=300)
     assert fallen.returncode == 0, fallen.stderr
-    assert fallen.stdout.split("FACTS ")[1].split() == ["torch.float32", "Linear", "torch.float32"]
+    assert fallen.stdout.split("FACTS ")[1].split() == ["torch.float32", "Linear", "torch.float32", "torch.float32"]
     said = [line for line in fallen.stderr.splitlines() if "nxl_hooks" in line]
-    assert len(said) == 2 and all("the loading options of nxl run were not applied" in line for line in said), said
+    assert len(said) == 3 and all("the loading options of nxl run were not applied" in line for line in said), said
 
 
 @pytest.mark.version_free

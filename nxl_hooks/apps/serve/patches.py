@@ -102,7 +102,10 @@ def _with_defaults(args: tuple, kwargs: dict) -> dict:
     try:
         from ..loading import program_defaults
 
-        return {**program_defaults(settings.load), **kwargs}
+        defaults = program_defaults(settings.load)
+        if kwargs.get("torch_dtype") is not None:  # the program set the dtype under its older name, which
+            defaults.pop("dtype", None)  # from_pretrained reads only when dtype is not given
+        return {**defaults, **kwargs}
     except Exception as error:  # noqa: BLE001 - the program loads as it asked
         reason("the loading options of nxl run", error)
         return kwargs
