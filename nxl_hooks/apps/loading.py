@@ -544,6 +544,8 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
                              f"transformers loads it so, ignoring the {quantize} asked for (--load-in-8bit/"
                              "--load-in-4bit, audit's --quantize): drop it, or give the unquantized model")
     auto = getattr(transformers, HEAD_CLASSES[kind])
+    if config is not None:
+        _check_head(name, config, kind)
     if gguf_file is not None and (Path(name).expanduser() / gguf_file).is_file():
         check_gguf(Path(name).expanduser() / gguf_file, kind)  # before the tokenizer and model are built from it
     try:  # first: a damaged tokenizer costs no model load
@@ -574,6 +576,21 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
                                             quantization_config=quantization, **placement)
         del plain
     return model.eval(), tokenizer
+
+
+def _check_head(name: str, config: Any, kind: str) -> None:
+    """Refuse (one line) a head kind that transformers has no class of for this model type (``--head masked_lm`` for
+    a Llama): building it fails deep inside, where the error reads as a config.json that does not fit its weights."""
+    import transformers
+
+    def has(each: str) -> bool:
+        return type(config) in getattr(transformers, HEAD_CLASSES[each])._model_mapping
+
+    if not has(kind):
+        fits = [each for each in HEAD_CLASSES if has(each)]
+        fix = f"use --head {' or '.join(fits)}" if fits else f"nxl_hooks explains {', '.join(HEAD_CLASSES)} heads"
+        raise ValueError(f"{name}: transformers has no {kind} head for {config.model_type} models "
+                         f"({HEAD_CLASSES[kind]} does not take a {type(config).__name__}); {fix}")
 
 
 def _saved_quantization(config: Any) -> str | None:

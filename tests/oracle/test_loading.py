@@ -299,6 +299,18 @@ def test_bad_loading_combinations_exit_2_with_one_line(tmp_path, capsys, argv, m
     assert err.rstrip().endswith(errors[0]) and "Traceback" not in err
 
 
+def test_a_head_the_architecture_has_not_is_told_as_such_not_blamed_on_the_config(world, capsys):
+    """--head masked_lm for a Llama folder (transformers has no Llama masked LM) was said to be a config.json that
+    "transformers cannot build", to be replaced by "the config.json saved with these weights", with transformers'
+    list of a hundred config classes."""
+    folder = world[2]
+    capsys.readouterr()
+    assert main(["attribute", str(folder), PROMPT, "--head", "masked_lm"]) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.endswith("transformers has no masked_lm head for llama models (AutoModelForMaskedLM does not take a "
+                         "LlamaConfig); use --head causal_lm or sequence_classification")
+
+
 def test_gguf_file_twice_and_audit_quantize_twice_are_one_line_errors(world, tmp_path, capsys):
     _, _, folder, gguf = world
     assert main(["attribute", str(gguf), PROMPT, "--gguf-file", gguf.name]) == 2
