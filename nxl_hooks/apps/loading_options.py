@@ -127,6 +127,9 @@ def _placement(value: Any) -> Any:
     if isinstance(value, (bool, list, tuple, float)):
         raise ValueError(f"{value!r:.80}: give auto, a device, or a mapping {{module: device}}")
     if isinstance(value, Mapping):
+        if not value:  # (transformers fails on it with KeyError: '', said as the one word '')
+            raise ValueError("{}: an empty mapping places no module; give auto, a device, or a mapping "
+                             "{module: device}")
         for device in value.values():
             _present(device)
         # "" (the root module) beside a module on disk fails the load ("weight is on the meta device")

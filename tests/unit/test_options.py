@@ -823,3 +823,16 @@ def test_a_device_map_with_the_whole_model_is_refused_only_beside_a_module_on_di
     assert read_device_map('{"": "cpu", "lm_head": "cpu:0"}') == {"": "cpu", "lm_head": "cpu:0"}
     with pytest.raises(ValueError, match=r"beside modules on disk does not load"):
         read_device_map('{"": "cpu", "lm_head": "disk"}')
+
+
+@pytest.mark.version_free
+def test_an_empty_device_map_is_refused_in_one_line():
+    """--device-map '{}' (or device_map={}, or NXL_LOAD's) places nothing: transformers raised KeyError: '', which the
+    command line said as the one word ''."""
+    from nxl_hooks.apps.loading_options import read_device_map
+
+    for read in (lambda: read_device_map("{}"), lambda: Loading(device_map={}),
+                 lambda: Loading.from_json('{"device_map": {}}')):
+        with pytest.raises(ValueError, match=r"\{\}: an empty mapping places no module; give auto, a device, or a "
+                                             r"mapping \{module: device\}\)?$"):  # (NXL_LOAD's: in brackets)
+            read()
