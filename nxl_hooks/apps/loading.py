@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..arch.text import install_command
+from ..records.files import not_a_folder
 from .loading_options import (DTYPES, HEAD_CLASSES, QUANTIZE, Loading, markdown_table, read_device_map,
                               read_max_memory)
 
@@ -738,6 +739,9 @@ def convert_gguf(gguf: str | Path, out: str | Path, *, gguf_file: str | None = N
         raise FileExistsError(f"{out} is a symbolic link: name a new folder (or an empty one) for the converted model")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise FileExistsError(f"{out} exists and is not an empty folder: name a new folder for the converted model")
+    below_a_file = not_a_folder(out)  # before the model loads: making the folder would fail after (errno 17)
+    if below_a_file is not None:
+        raise NotADirectoryError(below_a_file)
     model, tokenizer = load_model(str(gguf), gguf_file=gguf_file, dtype=dtype)
     if getattr(model, "hf_quantizer", None) is not None:
         raise ValueError(f"{gguf}: transformers keeps this file's weights packed in GGUF kernels, so there are no "

@@ -58,6 +58,14 @@ def test_convert_refuses_a_link_to_an_empty_folder(capsys, tmp_path):
     assert "out is a symbolic link: name a new folder (or an empty one) for the converted model" in err
 
 
+def test_convert_refuses_a_folder_below_a_file_before_the_model_loads(capsys, tmp_path):
+    """OUT below a file was found only once the whole model was converted, said as "[Errno 17] File exists"."""
+    (tmp_path / "file.txt").write_text("mine")
+    err = _one_line_exit_2(capsys, ["convert", str(tmp_path / "m.gguf"), str(tmp_path / "file.txt" / "out")])
+    assert f"{tmp_path / 'file.txt'} is a file, not a folder; give a folder" in err
+    assert (tmp_path / "file.txt").read_text() == "mine"
+
+
 def test_convert_refuses_a_missing_file(capsys, tmp_path):
     err = _one_line_exit_2(capsys, ["convert", str(tmp_path / "m.gguf"), str(tmp_path / "out")])
     assert "no GGUF file at" in err and not (tmp_path / "out").exists()
