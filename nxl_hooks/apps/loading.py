@@ -111,9 +111,15 @@ _SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
 _CONFIG_FIX = "use the config.json saved with these weights"
 
 
-def _read_config(name: str) -> Any:
-    """The config of a local folder or hub id, refusing (one line) a config.json with a size that is not a whole
-    number above 0 (named by its field), or a value transformers rejects."""
+#: from_pretrained keyword arguments that say where a hub model's files are (which revision, which cache, whose
+#: token): the config and the tokenizer are read from there too, not only the weights.
+_WHERE = ("revision", "subfolder", "cache_dir", "token", "local_files_only", "force_download", "proxies")
+
+
+def _read_config(name: str, **location: Any) -> Any:
+    """The config of a local folder or hub id (``location``: :data:`_WHERE` keyword arguments), refusing (one line) a
+    config.json with a size that is not a whole number above 0 (named by its field), or a value transformers
+    rejects."""
     import transformers
     from huggingface_hub.errors import StrictDataclassError
 
@@ -134,7 +140,8 @@ def _read_config(name: str) -> Any:
                 raise ValueError(f"{path}: {where}{key} is {value!r}; a size must be a whole number above 0: "
                                  f"{_CONFIG_FIX}")
     try:
-        return _no_remote_code(name, lambda: transformers.AutoConfig.from_pretrained(name, trust_remote_code=False))
+        return _no_remote_code(name, lambda: transformers.AutoConfig.from_pretrained(name, trust_remote_code=False,
+                                                                                     **location))
     except OSError as err:
         if Path(name).expanduser().exists():
             raise
@@ -489,8 +496,10 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
       refuses attention heads the ranks cannot share evenly.
     - ``chat``: the texts go through the tokenizer's chat template (``--chat``): a tokenizer without one, or whose
       template fails, is refused before the weights load.
-    - ``kwargs`` go to the model's ``from_pretrained``; it reads safetensors only and runs no code of the model's
-      own (ValueError for ``trust_remote_code=True`` or ``use_safetensors=False``).
+    - ``kwargs`` go to the model's ``from_pretrained``, and those that say where its files are (``revision``,
+      ``cache_dir``, ``token``, ``local_files_only``... :data:`_WHERE`) to its config's and tokenizer's too; it reads
+      safetensors only and runs no code of the model's own (ValueError for ``trust_remote_code=True`` or
+      ``use_safetensors=False``).
     """
     import transformers
 
@@ -517,6 +526,7 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
     if quantize == "8bit":
         # In float32, bitsandbytes logs a cast warning for every Linear at every call: thousands of lines.
         logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
+    where = {key: kwargs[key] for key in _WHERE if key in kwargs}
     placement = program_defaults({**loading, "gguf_file": None})
     quantization = placement.pop("quantization_config", None)
     dtype = placement.get("dtype")
@@ -530,7 +540,7 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
                              "causal_lm, or drop --head")
         config = None
     else:
-        config = _read_config(name)
+        config = _read_config(name, **where)
         kind = head or head_from_architectures(getattr(config, "architectures", None))
         if kind is None:
             raise ValueError(
@@ -551,7 +561,7 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
         check_gguf(Path(name).expanduser() / gguf_file, kind)  # before the tokenizer and model are built from it
     try:  # first: a damaged tokenizer costs no model load
         tokenizer = _no_remote_code(name, lambda: transformers.AutoTokenizer.from_pretrained(
-            name, trust_remote_code=False, **({"gguf_file": gguf_file} if gguf_file else {})))
+            name, trust_remote_code=False, **where, **({"gguf_file": gguf_file} if gguf_file else {})))
     except (OSError, ValueError) as err:
         fix = ("save it again with tokenizer.save_pretrained(folder)" if Path(name).expanduser().exists() else
                "check the hub id and your access to it (or save the model and tokenizer to a folder)")

@@ -311,6 +311,24 @@ def test_a_head_the_architecture_has_not_is_told_as_such_not_blamed_on_the_confi
                          "LlamaConfig); use --head causal_lm or sequence_classification")
 
 
+def test_a_hub_models_config_and_tokenizer_come_from_where_its_weights_do(world, tmp_path):
+    """load_model's keyword arguments that say where a hub model is (revision, cache_dir, local_files_only, token...)
+    reached only the weights' from_pretrained: the config and the tokenizer were read from the default cache or the
+    hub's main revision (another model's config, or none: "the hub gave no model by that id"). Here a hub cache
+    holds org/tiny at main (2 blocks) and at v2 (3 blocks), offline."""
+    _, tok, folder, _ = world
+    cache = tmp_path / "cache"
+    repo = cache / "models--org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    for ref, commit, blocks in (("main", "1" * 40, 2), ("v2", "2" * 40, 3)):
+        (repo / "refs" / ref).write_text(commit)
+        snapshot = repo / "snapshots" / commit
+        bpe_tiny.save_bpe(snapshot, bpe_tiny.bpe_llama(tok, layers=blocks), tok)
+    model, loaded_tok = load_model("org/tiny", revision="v2", cache_dir=str(cache), local_files_only=True)
+    assert model.config.num_hidden_layers == len(model.model.layers) == 3
+    assert loaded_tok.get_vocab() == tok.get_vocab()
+
+
 def test_gguf_file_twice_and_audit_quantize_twice_are_one_line_errors(world, tmp_path, capsys):
     _, _, folder, gguf = world
     assert main(["attribute", str(gguf), PROMPT, "--gguf-file", gguf.name]) == 2
