@@ -286,6 +286,22 @@ def test_a_lora_adapter_on_lm_head_is_not_recorded_and_one_on_the_layers_is(tiny
     assert [int(token) for token in check_call(merged, call, 5)] == on_layers["tokens"]
 
 
+def runner_of_shape(cls: type, model: str = "org/tiny", tokenizer: str | None = None):
+    """A model runner of vLLM's class ``cls`` without an engine (its constructor needs the engine's config, a V2
+    runner's a GPU), holding a model of vLLM's shape loaded from ``model`` (vLLM's --tokenizer: ``tokenizer``)."""
+    from types import SimpleNamespace
+
+    vllm_model = torch.nn.Module()
+    vllm_model.model = torch.nn.Module()
+    vllm_model.model.norm, vllm_model.model.layers = torch.nn.LayerNorm(8), torch.nn.ModuleList([torch.nn.Identity()])
+    vllm_model.lm_head = torch.nn.Linear(8, 16, bias=False)
+    vllm_model.config = SimpleNamespace(vocab_size=16, hidden_size=8)
+    runner = object.__new__(cls)
+    runner.model = vllm_model
+    runner.vllm_config = SimpleNamespace(model_config=SimpleNamespace(model=model, tokenizer=tokenizer or model))
+    return runner
+
+
 def test_vllms_v2_model_runner_is_not_followed_and_each_request_says_so():
     """vLLM's V2 model runner (its default wherever Triton is: every CUDA install; kept where the user sets
     VLLM_USE_V2_MODEL_RUNNER=1) was never hooked: nothing recorded, nothing said. Its model is adopted as the V1
@@ -301,12 +317,7 @@ def test_vllms_v2_model_runner_is_not_followed_and_each_request_says_so():
     # its load_model hands the view to the controller, when nxl run's import hook sees vLLM import it
     assert ("vllm.v1.worker.gpu.model_runner", "nxl_hooks.apps.serve.patches:patch_vllm_runner") in HOOKS
 
-    model = torch.nn.Module()
-    model.model = torch.nn.Module()
-    model.model.norm, model.model.layers = torch.nn.LayerNorm(8), torch.nn.ModuleList([torch.nn.Identity()])
-    model.lm_head, model.config = torch.nn.Linear(8, 16, bias=False), SimpleNamespace(vocab_size=16, hidden_size=8)
-    runner = object.__new__(GPUModelRunner)  # (its constructor needs a GPU)
-    runner.model = model
+    runner = runner_of_shape(GPUModelRunner)
     view = VllmForCausalLM(runner)
     calls = []
     gens = SimpleNamespace(plan=SimpleNamespace(model=view, layers=[0, 1]),
@@ -319,3 +330,14 @@ def test_vllms_v2_model_runner_is_not_followed_and_each_request_says_so():
     ((request, why),) = calls
     assert request == "r1" and why.startswith("vLLM's V2 model runner is not followed")
     assert "set VLLM_USE_V2_MODEL_RUNNER=0" in why
+
+
+def test_vllms_records_name_the_model_vllm_loaded():
+    """Each record's ``model`` is the folder or hub id vLLM loaded (as a transformers model's records carry its
+    name_or_path), not the class of nxl's view of it ("VllmForCausalLM")."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    from nxl_hooks.hooks.engines.vllm import VllmForCausalLM
+    from nxl_hooks.hooks.plan import model_name
+
+    assert model_name(VllmForCausalLM(runner_of_shape(CPUModelRunner, "org/tiny"))) == "org/tiny"

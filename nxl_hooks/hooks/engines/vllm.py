@@ -279,6 +279,9 @@ class VllmForCausalLM(nn.Module):
         self.buffers = (_buffers(runner, model) if self.refused is None  # no tap on a model it cannot read
                         and unfollowable_compile(runner.vllm_config) is not None else None)
         self.config = model.config
+        #: what records call the model (:func:`~nxl_hooks.hooks.plan.model_name`): the folder or hub id vLLM loaded,
+        #: as a transformers model's ``name_or_path``, not this view's class
+        self.name_or_path = str(runner.vllm_config.model_config.model)
         vocab, hidden = int(self.config.vocab_size), int(self.config.hidden_size)
         self.model = nn.Module()
         self.model.layers = nn.ModuleList(nn.Identity() for _ in range(len(layers)))
