@@ -341,3 +341,17 @@ def test_vllms_records_name_the_model_vllm_loaded():
     from nxl_hooks.hooks.plan import model_name
 
     assert model_name(VllmForCausalLM(runner_of_shape(CPUModelRunner, "org/tiny"))) == "org/tiny"
+
+
+def test_vllms_records_read_token_texts_with_the_tokenizer_vllm_serves_with(tiny, tmp_path):
+    """``vllm serve WEIGHTS --tokenizer DIR``: the records' token texts are read with DIR's tokenizer, vLLM's own, not
+    looked for beside the weights (where there is none: every record had ids only, said as "no tokenizer")."""
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    from nxl_hooks.apps.serve.controller import Watch
+    from nxl_hooks.hooks.engines.vllm import VllmForCausalLM
+
+    (tmp_path / "weights").mkdir()  # no tokenizer here
+    view = VllmForCausalLM(runner_of_shape(CPUModelRunner, str(tmp_path / "weights"), tokenizer=str(tiny)))
+    watch = Watch(view, view.name_or_path, "weights", excluded=False, keep_calls=1)
+    assert watch.texts.tokenizer is not None and watch.texts.text(306) == "Paris"

@@ -154,7 +154,8 @@ class Watch:
         self.model_class = type(model).__name__
         self.excluded = excluded  #: not recorded: --models did not select it, or `nxl ctl detach` took it off
         self.error: str | None = None  #: why the last attach failed
-        self.texts = Texts(name)
+        # (a vLLM model's tokenizer may come from elsewhere than its weights: vllm serve MODEL --tokenizer DIR)
+        self.texts = Texts(getattr(model, "tokenizer_name_or_path", None) or name)
         self.retired: collections.deque[tuple[GenerationCall, dict]] = collections.deque(maxlen=keep_calls)
         self.forwards: collections.deque[Forward] = collections.deque(maxlen=keep_calls)
         self.hook: Any = None  #: the forward hook that keeps :attr:`forwards`, while attached

@@ -282,6 +282,9 @@ class VllmForCausalLM(nn.Module):
         #: what records call the model (:func:`~nxl_hooks.hooks.plan.model_name`): the folder or hub id vLLM loaded,
         #: as a transformers model's ``name_or_path``, not this view's class
         self.name_or_path = str(runner.vllm_config.model_config.model)
+        #: where vLLM's tokenizer comes from (``--tokenizer``; vLLM's default: the model's own folder or hub id): the
+        #: one the records' token texts are read with
+        self.tokenizer_name_or_path = str(runner.vllm_config.model_config.tokenizer or self.name_or_path)
         vocab, hidden = int(self.config.vocab_size), int(self.config.hidden_size)
         self.model = nn.Module()
         self.model.layers = nn.ModuleList(nn.Identity() for _ in range(len(layers)))
