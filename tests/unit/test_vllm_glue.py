@@ -24,9 +24,12 @@ def test_request_id_is_the_clients():
     assert request_id("0_cmpl-two-0-0123abcd") == "two"
     assert request_id("1_0-0123abcd") == "0"
     assert request_id("2024_01_run-0123abcd") == "2024_01_run"  # a client's own id that starts so is kept
-    # each beam-search step (a request of its own): "-<16 hex>-beam-<beam>" before the engine's suffix
-    assert request_id("cmpl-beam-0-85d3d8d25a5c2b0d-beam-1-0123abcd") == "beam"
+    # each beam-search step (a request of its own): "-<16 hex>-beam-<beam>" before the engine's suffix; a
+    # completion's carries no prompt index (vLLM's completion serving hands beam search the request's own id)
     assert request_id("chatcmpl-r1-85d3d8d25a5c2b0d-beam-0-0123abcd") == "r1"
+    assert request_id("cmpl-r1-85d3d8d25a5c2b0d-beam-1-0123abcd") == "r1"
+    assert request_id("cmpl-beam-1-85d3d8d25a5c2b0d-beam-0-0123abcd") == "beam-1"
+    assert request_id("chatcmpl-my-batch_1-85d3d8d25a5c2b0d-beam-0-0123abcd") == "my-batch_1"
     # /v1/responses (X-Request-ID ignored): each turn "<response id>_<turn>", recorded under the reply's id
     assert request_id("resp_0123456789abcdef0123456789abcdef_0-0123abcd") == "resp_0123456789abcdef0123456789abcdef"
     assert request_id("resp_9f_12-0123abcd") == "resp_9f"

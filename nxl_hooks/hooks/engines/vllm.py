@@ -81,18 +81,21 @@ _WORKER_ID = re.compile(r"^(?:\d+_(?=chatcmpl-|cmpl-|\d+-[0-9a-f]{8}$))?"
                         r"(?:chatcmpl-(?P<chat>.+)|cmpl-(?P<completion>.+)-\d+|(?P<response>resp_.+)_\d+|(?P<id>.+))"
                         r"-[0-9a-f]{8}$", re.DOTALL)
 
-#: What vLLM's beam search adds to a request's id for each beam's next token (a request of its own, max_tokens 1):
-#: a random 16-hex id per step and the beam's index, before the engine's suffix.
-_BEAM = re.compile(r"-[0-9a-f]{16}-beam-\d+(?=-[0-9a-f]{8}$)")
+#: A step of vLLM's beam search, each beam's next token a request of its own (max_tokens 1): the API's prefix, the
+#: client's id, a random 16-hex id per step and the beam's index, the engine's suffix. A completion's beam search is
+#: named by the request's id alone, without the prompt's index its other requests carry (vLLM's completion serving).
+_BEAM = re.compile(r"^(?:chatcmpl-|cmpl-)?(?P<id>.+)-[0-9a-f]{16}-beam-\d+-[0-9a-f]{8}$", re.DOTALL)
 
 
 def request_id(worker_id: str) -> str:
     """The client's request id in a vLLM worker's request id: ``request_id("chatcmpl-r1-0123abcd") == "r1"``,
     ``request_id("cmpl-r1-0-0123abcd") == "r1"`` (each prompt of a completion request is its own call, as each
     sample of one with ``n`` > 1: ``request_id("1_chatcmpl-r1-0123abcd") == "r1"``, and each beam-search step:
-    ``request_id("cmpl-r1-0-85d3d8d25a5c2b0d-beam-1-0123abcd") == "r1"``); a response's turn, its response's id:
+    ``request_id("cmpl-r1-85d3d8d25a5c2b0d-beam-1-0123abcd") == "r1"``); a response's turn, its response's id:
     ``request_id("resp_3f2a_0-0123abcd") == "resp_3f2a"``."""
-    worker_id = _BEAM.sub("", worker_id, count=1)
+    beam = _BEAM.match(worker_id)
+    if beam is not None:
+        return beam.group("id")
     match = _WORKER_ID.match(worker_id)
     return next((group for group in match.groups() if group is not None), worker_id) if match else worker_id
 
@@ -516,7 +519,7 @@ class VllmEngine:
                                    f"never ran for it; {_RECORDABLE}")
             run = self._runs[worker_id] = self.gens.new_run(request_id=client_id, prompt_len=len(prompt), eos=None,
                                                              wait=0, engine=True)
-            if _BEAM.search(worker_id):  # the call is one token of one beam, not the client's whole reply
+            if _BEAM.match(worker_id):  # the call is one token of one beam, not the client's whole reply
                 run.call.notes.append("a beam-search step: vLLM runs each beam's next token as a request of its "
                                       "own (max_tokens 1), under the client's id")
             self._tokens[worker_id] = prompt
