@@ -708,6 +708,8 @@ class Run:
         new = features.shape[1]
         if past < self._n:  # positions the waiting steps read are rewritten: score them first, here (not later,
             self.flush(here=True)  # in the publisher: that would keep the buffer these go over alive till then)
+            if self._prompt_ids:  # a prefill recomputed before it finished (an engine preempted it): ids from past on
+                self._prompt_ids = [torch.cat(self._prompt_ids, dim=1)[:, :past]]  # come again, as its features
         for cache in (self._features, self._embed, self._mask):
             cache.truncate(past)
         self._compute_dtype = features.dtype

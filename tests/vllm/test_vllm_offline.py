@@ -73,9 +73,9 @@ def tiny(tmp_path_factory) -> Path:
 
 
 def run_script(tiny: Path, folder: Path, mode: str, nxl_args: list[str] | None, adapters: tuple[Path, ...] = (),
-               **env: str) -> dict:
+               source: str = SCRIPT, **env: str) -> dict:
     script = folder / "script.py"
-    script.write_text(SCRIPT)
+    script.write_text(source)
     command = [sys.executable, str(script), str(tiny), mode, *map(str, adapters)]
     if nxl_args is not None:
         command = [sys.executable, "-m", "nxl_hooks", "run", *nxl_args, "--", *command]
@@ -120,6 +120,61 @@ def test_script_under_nxl_run_eager_is_recorded_and_its_outputs_unchanged(plain,
         last = torch.tensor([float(step.logat[-1, 0, -1]) for step in call.steps])
         torch.testing.assert_close(last, torch.tensor(output["raw"]), rtol=1e-4, atol=1e-4)
         check_call(LlamaForCausalLM.from_pretrained(tiny).eval(), call, 5)
+
+
+#: Two requests stepped through vLLM's engine (one process) with a KV cache of 4 blocks of 32 tokens: "decoding"
+#: (31 prompt tokens, 60 to generate) and "prefilling" (90 prompt tokens, chunked 32 a step). When "decoding" needs
+#: its second block, "prefilling" holds two and needs its third: vLLM preempts it with 63 of its 90 prompt positions
+#: computed, and recomputes it from position 0 once "decoding" has finished.
+PREEMPTED_PREFILL = '''
+import json, sys
+
+
+def main():
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    llm = LLM(sys.argv[1], dtype="float32", max_model_len=128, seed=0, enforce_eager=True, logprobs_mode="raw_logits",
+              distributed_executor_backend="uni", max_num_batched_tokens=32, block_size=32, num_gpu_blocks_override=5)
+    engine, greedy = llm.llm_engine, dict(ignore_eos=True, temperature=0, logprobs=0)
+    engine.add_request("decoding", TokensPrompt(prompt_token_ids=list(range(3, 34))),
+                       SamplingParams(max_tokens=60, **greedy))
+    engine.add_request("prefilling", TokensPrompt(prompt_token_ids=list(range(100, 190))),
+                       SamplingParams(max_tokens=5, **greedy))
+    scheduler, outputs, mid_prefill = engine.engine_core.engine_core.scheduler, {}, False
+    while engine.has_unfinished_requests():
+        outputs.update((output.request_id, output) for output in engine.step())
+        mid_prefill |= any(r.num_preemptions and not r.num_output_tokens for r in scheduler.requests.values())
+    result = {"mid_prefill": mid_prefill, "outputs": [
+        {"id": o.request_id, "prompt": list(o.prompt_token_ids), "tokens": list(o.outputs[0].token_ids),
+         "raw": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
+        for o in outputs.values()]}
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()
+'''
+
+
+def test_a_request_preempted_in_its_chunked_prefill_is_recorded_exactly(tiny, tmp_path):
+    """vLLM preempts a request whose prompt is still being prefilled in chunks, then recomputes it from position 0:
+    its prompt ids were kept from both passes (153 for a prompt of 90), a record the reader refused, which made the
+    whole stream unreadable. Each request's call now holds its prompt, vLLM's tokens and raw logits at the last
+    layer, and the oracle at every layer."""
+    from transformers import LlamaForCausalLM
+
+    recorded = run_script(tiny, tmp_path, "eager", ["--layers", "all", "--sink", str(tmp_path / "run")],
+                          source=PREEMPTED_PREFILL, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    assert recorded["mid_prefill"]  # vLLM did preempt a request before its prompt was done
+    model = LlamaForCausalLM.from_pretrained(tiny).eval()
+    for output in recorded["outputs"]:
+        (call,) = nxl.read_stream(tmp_path / "run", request_id=output["id"])
+        assert call.complete and call.prompt_ids[0].tolist() == output["prompt"], call.error
+        assert [int(step.token[0]) for step in call.steps] == output["tokens"]
+        last = torch.tensor([float(step.logat[-1, 0, -1]) for step in call.steps])
+        torch.testing.assert_close(last, torch.tensor(output["raw"]), rtol=1e-4, atol=1e-4)
+        check_call(model, call, len(output["tokens"]))
 
 
 def save_family(path: Path, family: str, **config) -> Path:
