@@ -410,3 +410,22 @@ def test_vllms_records_read_token_texts_with_the_tokenizer_vllm_serves_with(tiny
     view = VllmForCausalLM(runner_of_shape(CPUModelRunner, str(tmp_path / "weights"), tokenizer=str(tiny)))
     watch = Watch(view, view.name_or_path, "weights", excluded=False, keep_calls=1)
     assert watch.texts.tokenizer is not None and watch.texts.text(306) == "Paris"
+
+
+def test_status_of_a_compiled_model_the_view_does_not_follow_says_it_is_compiled():
+    """A model class the view refuses gets no buffers, yet vLLM compiles it: nxl ctl status said "compile and CUDA
+    graphs off (enforce_eager)", which was false; it says compiled, and not recorded."""
+    from types import SimpleNamespace
+
+    from vllm.config import CompilationMode, CUDAGraphMode
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    from nxl_hooks.hooks.engines.vllm import VllmForCausalLM
+
+    runner = runner_of_shape(CPUModelRunner)
+    runner.vllm_config.compilation_config = SimpleNamespace(mode=CompilationMode.VLLM_COMPILE,
+                                                            cudagraph_mode=CUDAGraphMode.NONE)
+    runner.vllm_config.cache_config = SimpleNamespace(enable_prefix_caching=False)
+    view = VllmForCausalLM(runner)
+    assert view.refused is not None and view.buffers is None
+    assert view.engine.endswith("compile and CUDA graphs on (VLLM_COMPILE, CUDA graphs NONE), not recorded")

@@ -308,9 +308,10 @@ class VllmForCausalLM(nn.Module):
 
         config = self.runner.vllm_config
         compilation = config.compilation_config
-        compiled = "off (enforce_eager)" if self.buffers is None else (
-            f"on ({compilation.mode.name}, CUDA graphs {compilation.cudagraph_mode.name}), recorded through buffers "
-            "compiled into the model")
+        # (a model the view refuses is compiled without buffers: compiled all the same, and not recorded)
+        compiled = "off (enforce_eager)" if unfollowable_compile(config) is None else (
+            f"on ({compilation.mode.name}, CUDA graphs {compilation.cudagraph_mode.name}), "
+            + ("recorded through buffers compiled into the model" if self.buffers is not None else "not recorded"))
         prefix = "on: not recorded" if config.cache_config.enable_prefix_caching else "off"
         return (f"vLLM {vllm.__version__} ({type(self.runner).__name__}): prefix caching {prefix}, compile and CUDA "
                 f"graphs {compiled}")
