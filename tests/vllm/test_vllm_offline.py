@@ -125,8 +125,10 @@ def test_script_under_nxl_run_eager_is_recorded_and_its_outputs_unchanged(plain,
 #: Two requests stepped through vLLM's engine (one process) with a KV cache of 4 blocks of 32 tokens: "decoding"
 #: (31 prompt tokens, 60 to generate) and "prefilling" (90 prompt tokens, chunked 32 a step). When "decoding" needs
 #: its second block, "prefilling" holds two and needs its third: vLLM preempts it with 63 of its 90 prompt positions
-#: computed, and recomputes it from position 0 once "decoding" has finished.
-PREEMPTED_PREFILL = '''
+#: computed, and recomputes it from position 0 once "decoding" has finished. Each step that only decodes runs the
+#: model as a full CUDA graph replays it (vLLM's GPU default): no hook on the model's own module runs (on the CPU
+#: there are no CUDA graphs; its layers run as they do, since their hooks are what the engine reads eagerly).
+STEPPED = '''
 import json, sys
 
 
@@ -136,6 +138,21 @@ def main():
 
     llm = LLM(sys.argv[1], dtype="float32", max_model_len=128, seed=0, enforce_eager=True, logprobs_mode="raw_logits",
               distributed_executor_backend="uni", max_num_batched_tokens=32, block_size=32, num_gpu_blocks_override=5)
+    runner, replayed = llm.llm_engine.model_executor.driver_worker.worker.model_runner, []
+
+    class Replayed:
+        def __init__(self, model):
+            self.model = model
+
+        def __call__(self, input_ids=None, positions=None, **kwargs):
+            replayed.append(input_ids.shape[0] == runner.input_batch.num_reqs)
+            forward = self.model.forward if replayed[-1] else self.model
+            return forward(input_ids=input_ids, positions=positions, **kwargs)
+
+        def __getattr__(self, name):  # compute_logits and the rest: the model's own
+            return getattr(self.model, name)
+
+    runner.model = Replayed(runner.model)
     engine, greedy = llm.llm_engine, dict(ignore_eos=True, temperature=0, logprobs=0)
     engine.add_request("decoding", TokensPrompt(prompt_token_ids=list(range(3, 34))),
                        SamplingParams(max_tokens=60, **greedy))
@@ -145,7 +162,7 @@ def main():
     while engine.has_unfinished_requests():
         outputs.update((output.request_id, output) for output in engine.step())
         mid_prefill |= any(r.num_preemptions and not r.num_output_tokens for r in scheduler.requests.values())
-    result = {"mid_prefill": mid_prefill, "outputs": [
+    result = {"mid_prefill": mid_prefill, "replayed": sum(replayed), "outputs": [
         {"id": o.request_id, "prompt": list(o.prompt_token_ids), "tokens": list(o.outputs[0].token_ids),
          "raw": [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]}
         for o in outputs.values()]}
@@ -157,16 +174,19 @@ if __name__ == "__main__":
 '''
 
 
-def test_a_request_preempted_in_its_chunked_prefill_is_recorded_exactly(tiny, tmp_path):
-    """vLLM preempts a request whose prompt is still being prefilled in chunks, then recomputes it from position 0:
-    its prompt ids were kept from both passes (153 for a prompt of 90), a record the reader refused, which made the
-    whole stream unreadable. Each request's call now holds its prompt, vLLM's tokens and raw logits at the last
-    layer, and the oracle at every layer."""
+def test_a_request_preempted_in_its_prefill_and_steps_run_as_cuda_graphs_replay_them_are_recorded_exactly(tiny,
+                                                                                                          tmp_path):
+    """:data:`STEPPED`. A request vLLM preempts while its prompt is still being prefilled in chunks, then recomputes
+    from position 0, kept the prompt ids of both passes (153 for a prompt of 90): a record the reader refused, which
+    made the whole stream unreadable. A step run as a full CUDA graph replays it was not recorded (the token ids and
+    positions were read by a hook on vLLM's model): a call kept the tokens of the steps that prefilled, and ended
+    incomplete ("the request left vLLM before its EOS"). Each call now holds its prompt, vLLM's tokens and raw logits
+    at the last layer, and the oracle at every layer."""
     from transformers import LlamaForCausalLM
 
     recorded = run_script(tiny, tmp_path, "eager", ["--layers", "all", "--sink", str(tmp_path / "run")],
-                          source=PREEMPTED_PREFILL, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    assert recorded["mid_prefill"]  # vLLM did preempt a request before its prompt was done
+                          source=STEPPED, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    assert recorded["mid_prefill"] and recorded["replayed"] > 50  # preempted before its prompt was done; replays
     model = LlamaForCausalLM.from_pretrained(tiny).eval()
     for output in recorded["outputs"]:
         (call,) = nxl.read_stream(tmp_path / "run", request_id=output["id"])

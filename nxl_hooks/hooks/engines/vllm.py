@@ -17,7 +17,8 @@ weights, shared, never copied) that :func:`~nxl_hooks.attach` makes its plan and
   during the packed forward, forward hooks keep the embedding output and the residual stream after each selected
   decoder layer (``hidden + residual``: vLLM's layers return both and fuse the add into the next norm), and the
   logits of the rows vLLM samples from; after it, each request's rows (``input_batch.req_ids``,
-  ``query_start_loc``, from the position the forward's ``positions`` give) go to its run
+  ``query_start_loc``, from the position the runner's ``positions`` buffer gives, with the token ids of its
+  ``input_ids``: the inputs a full CUDA graph replays from, where no hook on the model runs) go to its run
   (:meth:`~nxl_hooks.hooks.generate.Run.feed`, as under continuous batching);
 - ``sample_tokens``: each token the step gives a request (a prefill chunk that does not finish its prompt gives
   none) becomes that request's step record (:meth:`~nxl_hooks.hooks.generate.Run.emit`).
@@ -59,7 +60,7 @@ import torch
 from torch import nn
 
 from ...method.scores import row_norms
-from ..guard import SHORT, Owned, described, logger, reason
+from ..guard import Owned, described, logger, reason
 from ..generate import EAGER, Generations, Run, eager
 from .buffers import Buffers
 
@@ -334,8 +335,6 @@ class _Capture:
     """What the hooks keep of one packed forward."""
 
     def __init__(self) -> None:
-        self.ids: torch.Tensor | None = None
-        self.positions: torch.Tensor | None = None
         self.embed_norm: torch.Tensor | None = None
         self.hidden: dict[int, torch.Tensor] = {}
         self.logits: torch.Tensor | None = None
@@ -393,12 +392,11 @@ class VllmEngine:
         self._restore.append((runner, name))
 
     def _hook(self, shell: VllmForCausalLM) -> None:
-        """The eager parts (the model's inputs, the logits) always; the layers through hooks of this probe on an
-        eager model, through the view's buffers on a compiled one. Each :class:`~..guard.Owned`, as every hook of the
-        probe's: a copy of the model takes none along."""
+        """The logits (computed outside the model: never compiled nor replayed) always; the layers through hooks of
+        this probe on an eager model, through the view's buffers on a compiled one. Each :class:`~..guard.Owned`, as
+        every hook of the probe's: a copy of the model takes none along."""
         model, wanted = shell.vllm_model, set(self.plan.layers)
         inner = model.model
-        self._handles.append(model.register_forward_pre_hook(Owned(self._on_model), with_kwargs=True))
         self._handles.append(model.logits_processor.register_forward_hook(Owned(self._on_logits)))
         if shell.buffers is not None:
             return
@@ -432,12 +430,6 @@ class VllmEngine:
         return None  # the view's own forward never runs: vLLM calls its own model
 
     # -- the hooks, in the worker's thread, only inside a followed step -----------------------------------
-
-    def _on_model(self, module: nn.Module, args: tuple, kwargs: dict = SHORT) -> None:
-        capture = self._capture
-        if capture is not None and kwargs is not SHORT:  # (SHORT: called after its removal)
-            capture.ids = kwargs.get("input_ids", args[0] if args else None)
-            capture.positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
 
     def _kept(self, keep: Callable[[_Capture, Any], None]) -> Callable:
         """A forward hook that gives ``keep`` the running step's capture and the module's output. Never raises into
@@ -478,7 +470,7 @@ class VllmEngine:
                 return original(scheduler_output, *args, **kwargs)
             finally:
                 capture, self._capture = self._capture, None
-                if capture is not None and capture.positions is not None:
+                if capture is not None and capture.logits is not None:  # the step ran the model (it had tokens)
                     self._feed(capture)
 
         return execute_model
@@ -602,7 +594,10 @@ class VllmEngine:
                 raise RuntimeError(f"a hook on vLLM's model failed ({capture.error})")
             starts = [int(s) for s in runner.query_start_loc.np[: count + 1]]
             discard = runner.discard_request_mask.np[:count].tolist()
-            firsts = capture.positions[torch.tensor(starts[:-1], device=capture.positions.device)].tolist()
+            # the step's token ids and positions where vLLM puts them for its forward: no hook on the model sees them
+            # in a step replayed from a full CUDA graph (no Python runs in the model), which replays from these
+            positions = runner.positions
+            firsts = positions[torch.tensor(starts[:-1], device=positions.device)].tolist()
             total = starts[-1]
             buffers = self.gens.plan.model.buffers
             if buffers is not None:  # the compiled model wrote this step's rows there: every layer in one read
@@ -614,8 +609,8 @@ class VllmEngine:
             features = self.plan.head.features(hidden)[None]  # (1, tokens, layers, d')
             embed = capture.embed_norm[None, :total]
             mask = torch.ones_like(embed, dtype=torch.bool)
-            ids = capture.ids[None, :total].long() if capture.ids is not None else None
-            log_probs = capture.logits.float().log_softmax(-1) if capture.logits is not None else None
+            ids = runner.input_ids.gpu[None, :total].long()
+            log_probs = capture.logits.float().log_softmax(-1)
         except Exception as error:  # noqa: BLE001 - this step's requests stop recording
             for worker_id in step if step is not None else list(self._runs):
                 run = self._runs.get(worker_id)
@@ -632,10 +627,9 @@ class VllmEngine:
                 continue
             try:
                 window = slice(starts[index], starts[index + 1])
-                run.feed(int(firsts[index]), features[:, window], embed[:, window], mask[:, window],
-                         ids[:, window] if ids is not None else None)
+                run.feed(int(firsts[index]), features[:, window], embed[:, window], mask[:, window], ids[:, window])
                 if not discard[index]:
-                    run.predicted(log_probs[index: index + 1] if log_probs is not None else None)
+                    run.predicted(log_probs[index: index + 1])
                     self._fed[worker_id] = run
             except Exception as error:  # noqa: BLE001 - one request's failure is that request's alone
                 run.fail("this vLLM request", error)
