@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..arch.text import install_command
-from ..records.files import not_a_folder
+from ..records.files import not_a_folder, user_path
 from .loading_options import (DTYPES, HEAD_CLASSES, QUANTIZE, Loading, markdown_table, read_device_map,
                               read_max_memory)
 
@@ -67,7 +67,7 @@ def head_from_architectures(architectures: list[str] | None) -> str | None:
 
 
 def _check_local(name: str, gguf_file: str | None) -> None:
-    path = Path(name).expanduser()
+    path = user_path(name)
     if path.exists():
         if gguf_file is not None:
             if not (path / gguf_file).is_file():
@@ -123,7 +123,7 @@ def _read_config(name: str, **location: Any) -> Any:
     import transformers
     from huggingface_hub.errors import StrictDataclassError
 
-    path = Path(name).expanduser() / "config.json"
+    path = user_path(name) / "config.json"
     try:
         fields = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (ValueError, OSError):
@@ -143,7 +143,7 @@ def _read_config(name: str, **location: Any) -> Any:
         return _no_remote_code(name, lambda: transformers.AutoConfig.from_pretrained(name, trust_remote_code=False,
                                                                                      **location))
     except OSError as err:
-        if Path(name).expanduser().exists():
+        if user_path(name).exists():
             raise
         # Not here, so transformers asked the hub: a mistyped folder name reads as a hub id, and the hub's answer
         # (no connection, no such repository) alone sends the user looking in the wrong place.
@@ -243,7 +243,7 @@ def model_files(name: str, gguf_file: str | None = None) -> str | None:
     are new files). None for a hub id, whose files are the hub's. ``model_files("./my-model")``"""
     import hashlib
 
-    path = Path(name).expanduser()
+    path = user_path(name)
     if gguf_file is not None:
         path = path / gguf_file
     if not path.exists():
@@ -273,7 +273,7 @@ def _split_gguf(name: str, gguf_file: str | None) -> tuple[str, str | None]:
     if gguf_file is not None:
         raise ValueError(f"MODEL {name} is a .gguf file and --gguf-file names {gguf_file!r}: give the file as MODEL, "
                          "or its folder plus --gguf-file")
-    path = Path(name).expanduser()
+    path = user_path(name)
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {name}: check the path")
     return str(path.parent), path.name
@@ -557,13 +557,13 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
     auto = getattr(transformers, HEAD_CLASSES[kind])
     if config is not None:
         _check_head(name, config, kind)
-    if gguf_file is not None and (Path(name).expanduser() / gguf_file).is_file():
-        check_gguf(Path(name).expanduser() / gguf_file, kind)  # before the tokenizer and model are built from it
+    if gguf_file is not None and (user_path(name) / gguf_file).is_file():
+        check_gguf(user_path(name) / gguf_file, kind)  # before the tokenizer and model are built from it
     try:  # first: a damaged tokenizer costs no model load
         tokenizer = _no_remote_code(name, lambda: transformers.AutoTokenizer.from_pretrained(
             name, trust_remote_code=False, **where, **({"gguf_file": gguf_file} if gguf_file else {})))
     except (OSError, ValueError) as err:
-        fix = ("save it again with tokenizer.save_pretrained(folder)" if Path(name).expanduser().exists() else
+        fix = ("save it again with tokenizer.save_pretrained(folder)" if user_path(name).exists() else
                "check the hub id and your access to it (or save the model and tokenizer to a folder)")
         raise ValueError(f"{name}: its tokenizer cannot be read ({type(err).__name__}: {err}); {fix}") from err
     _check_vocabulary(name, tokenizer)
@@ -572,8 +572,8 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
     if quantization is not None and gguf_file is None:
         kwargs["quantization_config"] = quantization
     if gguf_file is None:
-        if Path(name).expanduser().is_dir():
-            _check_weights(Path(name).expanduser(), auto, config)
+        if user_path(name).is_dir():
+            _check_weights(user_path(name), auto, config)
         model = _from_pretrained(auto, name, {"config": config, **placement, **kwargs})
     elif quantization is None:
         model = _from_gguf(auto, name, gguf_file, {**placement, **kwargs})
@@ -616,7 +616,7 @@ def _saved_quantization(config: Any) -> str | None:
 def _check_offload_folder(name: str, folder: str | None) -> None:
     """Refuse (one line) an offload folder in the model's own folder (or that folder): the weights written there would
     be read back as the model's files, as --out refuses to write into an input."""
-    model = Path(name).expanduser()
+    model = user_path(name)
     if folder is None or not model.is_dir():
         return
     real, there = os.path.realpath(folder), os.path.realpath(model)
@@ -744,7 +744,7 @@ def convert_gguf(gguf: str | Path, out: str | Path, *, gguf_file: str | None = N
     if dtype == "auto":
         raise ValueError("dtype='auto': a GGUF file's weights are quantized; name the dtype to dequantize them to "
                          "(float32, float16 or bfloat16)")
-    out = Path(out).expanduser()
+    out = user_path(out)
     if out.is_symlink():  # the folder is renamed into place, which a link (even to an empty folder) cannot take
         raise FileExistsError(f"{out} is a symbolic link: name a new folder (or an empty one) for the converted model")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):

@@ -13,11 +13,10 @@ import argparse
 import json
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ..method.select import int_text
-from ..records.files import not_a_folder
+from ..records.files import not_a_folder, user_path
 from .schema import Option, markdown_table as group_table, options, read_args, read_json, setting, switch
 
 __all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "Loading", "markdown_table", "read_device_map", "read_max_memory"]
@@ -189,7 +188,7 @@ def _folder(text: str) -> str:
     why = not_a_folder(text)
     if why is not None:
         raise ValueError(why)
-    return str(Path(text).expanduser())
+    return str(user_path(text))
 
 
 def _gguf_name(text: str) -> str:

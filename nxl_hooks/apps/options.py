@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..method import select
 from ..method.registry import builtin_names, get_method
-from ..records.files import not_a_folder, unwritable
+from ..records.files import not_a_folder, unwritable, user_path
 from ..records.tokens import printable
 from .loading_options import HEAD_CLASSES, Loading, read_max_memory
 from .schema import add_options, options
@@ -75,7 +75,7 @@ def check_output_file(path: str | None, option: str) -> str | None:
     model loads, so a typo costs nothing. ``args.out = check_output_file(args.out, "--out")``"""
     if path is None:
         return None
-    target = Path(path).expanduser()
+    target = user_path(path)
     if target.is_dir():
         raise CliError(f"{option} {path} is a folder, not a file: give a file name (a file in it, or elsewhere)")
     why = unwritable(target)
@@ -96,7 +96,7 @@ def check_output_folder(path: str, option: str = "--out") -> str:
     why = not_a_folder(path)
     if why is not None:
         raise CliError(f"{option} {why}")
-    return str(Path(path).expanduser())
+    return str(user_path(path))
 
 
 def check_apart(option: str, path: str | None, inputs: Iterable[str | Path | None], *,
@@ -109,9 +109,9 @@ def check_apart(option: str, path: str | None, inputs: Iterable[str | Path | Non
     if path is None:
         return
     for source in inputs:
-        if source is None or not os.path.exists(os.path.expanduser(source)):
+        if source is None or not user_path(source).exists():
             continue
-        real = os.path.realpath(os.path.expanduser(source))
+        real = os.path.realpath(user_path(source))
         for output in [path] if writes is None else writes:
             target = os.path.realpath(output)
             if target == real or _inside(real, target) or os.path.exists(target) and os.path.samefile(target, real):

@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
-__all__ = ["CHUNK", "file_kind", "json_value", "not_a_folder", "read_regular", "replacing", "too_large", "unwritable", "write_bytes",
-           "write_text"]
+__all__ = ["CHUNK", "file_kind", "json_value", "not_a_folder", "read_regular", "replacing", "too_large", "unwritable",
+           "user_path", "write_bytes", "write_text"]
 
 #: Bytes per read (and per checksum) of a user file: Ctrl-C is seen between two chunks, never after a huge one.
 CHUNK = 8 << 20
@@ -73,10 +73,21 @@ def unwritable(path: str | Path) -> str | None:
     return f"{path} is {kind}, not a regular file: nxl_hooks writes results only as regular files; give another path"
 
 
+def user_path(path: str | Path) -> Path:
+    """``path`` with a leading ``~`` or ``~user`` expanded: ``user_path("~/runs/a.nxl")``. A ``~user`` of no user on
+    this machine (or ``~`` with no home to find) is a one-line ValueError naming the path: pathlib raises a bare
+    RuntimeError, which read as a crash of nxl_hooks."""
+    try:
+        return Path(path).expanduser()
+    except RuntimeError:
+        raise ValueError(f"{path}: {Path(path).parts[0]} names no home folder on this machine (no such user); "
+                         "spell the path out, or name a user that exists") from None
+
+
 def not_a_folder(path: str | Path) -> str | None:
     """Why ``path`` cannot be a folder to write into (one line), or None: it, or a folder above it, is a file (a
     missing folder is created when written)."""
-    target = Path(path).expanduser()
+    target = user_path(path)
     for where in (target, *target.parents):
         if where.exists():
             if not where.is_dir():

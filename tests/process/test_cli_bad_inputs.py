@@ -28,6 +28,8 @@ from test_bad_inputs import CATALOGUE as LIBRARY_CATALOGUE
 TEXT = "the film was good"
 LONG = " ".join(["film"] * 100)  # 102 tokens with [CLS] and [SEP]: the tiny BERT has 64 positions
 LAYERS = r"layer 9 is out of range: this model has 2 blocks"
+NOUSER = "~nxl-no-such-user"  # a ~user path of no user: pathlib's RuntimeError was a traceback
+HOMELESS = NOUSER + r" names no home folder on this machine \(no such user\); spell the path out"
 
 CASES = [
     # attribute: where the results go, checked before the model loads
@@ -86,7 +88,12 @@ CASES = [
                                               "cpu=1KB", "--load-in-8bit"],
      r"bert: --load-in-8bit/--load-in-4bit quantize the model where it runs, and --device-map/--max-memory put part "
      r"of it on the CPU or disk: give the device it runs on room for the whole model \(--max-memory\), or drop"),
+    ("out in an unknown user's home", ["attribute", "{bert}", TEXT, "--out", NOUSER + "/a.safetensors"],
+     NOUSER + "/a.safetensors: " + HOMELESS),
+    ("offload folder in an unknown user's home", ["attribute", "{bert}", TEXT, "--device-map", "auto",
+                                                  "--offload-folder", NOUSER + "/off"], "/off: " + HOMELESS),
     # attribute: the model folder
+    ("model in an unknown user's home", ["attribute", NOUSER + "/m", TEXT], NOUSER + "/m: " + HOMELESS),
     ("truncated weights", ["attribute", "{truncated}", TEXT, "--out", "{existing_st}"],
      r"truncated/model.safetensors is damaged \(.*incomplete metadata.*\): it is truncated or not a safetensors"),
     ("zeroed weights", ["attribute", "{zeroed}", TEXT], r"zeroed/model.safetensors is damaged \(.*invalid JSON"),
@@ -207,6 +214,7 @@ CASES = [
      r"truncated/model.safetensors is damaged"),
     ("evaluate limit 0", ["evaluate", "{bert}", "{data}", "--out", "{outdir}", "--limit", "0"],
      r"argument --limit: '0': give a whole number of at least 1"),
+    ("evaluate out in an unknown user's home", ["evaluate", "{bert}", "{data}", "--out", NOUSER + "/o"], HOMELESS),
     ("evaluate out empty", ["evaluate", "{bert}", "{data}", "--out", ""], r"--out is empty: give a folder"),
     ("evaluate data as the out's records", ["evaluate", "{bert}", "{inout}/records.jsonl", "--out", "{inout}"],
      r"--out .*/inout would write over .*/inout/records.jsonl, an input of this command"),
@@ -265,6 +273,7 @@ CASES = [
     # run, tail, ctl
     ("run sink is a file", ["run", "--sink", "{existing_html}", "--", "true"],
      r"--sink .*existing.html: .*existing.html is a file, not a folder"),
+    ("run sink in an unknown user's home", ["run", "--sink", NOUSER + "/s", "--", "true"], HOMELESS),
     ("run without a program", ["run", "--sink", "{outdir}"], r"give the program to run after --"),
     ("run listen on a bare IPv6 address", ["run", "--listen", "::1", "--", "true"],
      r"--listen '::1': write an IPv6 address in brackets, with its port: \[::1\]:8765"),
@@ -280,6 +289,9 @@ CASES = [
     ("ctl unknown action", ["ctl", "stop"], r"argument action: invalid choice: 'stop'"),
     ("ctl http without a host", ["ctl", "status", "--run", "http://"],
      r"http://: give the address nxl run --listen printed, http://127.0.0.1:PORT"),
+    # convert: a GGUF file into a model folder
+    ("convert OUT in an unknown user's home", ["convert", "{root}/x.gguf", NOUSER + "/out"], "/out: " + HOMELESS),
+    ("convert MODEL in an unknown user's home", ["convert", NOUSER + "/x.gguf", "{root}/o"], "/x.gguf: " + HOMELESS),
     # attach: how long to wait, checked before any process is touched
     ("attach timeout not a number", ["attach", "1", "--timeout", "nan"],
      r"--timeout: 'nan': give a number of seconds, more than 0"),

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 from urllib.parse import urlsplit
 
-from ...records.files import json_value
+from ...records.files import json_value, user_path
 from ..options import CliError, say
 from .runs import live_sockets, peer_uid, read_token
 
@@ -226,7 +226,7 @@ def endpoints(run: str | None = None, token_file: str | None = None) -> list[End
                 raise CliError(f"{run} needs its bearer token: pass --token-file RUN_FOLDER/token (or set NXL_TOKEN)")
             token = read_token(Path(token_file))
         return [Endpoint(url=run.rstrip("/"), token=token)]
-    path = Path(run).expanduser()
+    path = user_path(run)
     if path.is_socket():
         return [Endpoint(socket_path=path)]
     if not path.is_dir():

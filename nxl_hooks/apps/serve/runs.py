@@ -24,6 +24,8 @@ import struct
 import tempfile
 from pathlib import Path
 
+from ...records.files import user_path
+
 __all__ = ["check_private", "enlist", "live_sockets", "make_run_dir", "peer_uid", "private_run_dir", "read_token",
            "socket_path", "write_token"]
 
@@ -83,7 +85,7 @@ def check_parents(folder: Path) -> None:
 
 def make_run_dir(path: str | Path) -> Path:
     """``path`` as a run folder: created 0700 (and each missing folder above it), then :func:`check_private`."""
-    folder = Path(path).expanduser().resolve()
+    folder = user_path(path).resolve()
     for missing in reversed([each for each in (folder, *folder.parents) if not each.exists()]):
         missing.mkdir(mode=0o700, exist_ok=True)
     return check_private(folder)
