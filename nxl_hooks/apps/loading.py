@@ -66,9 +66,17 @@ def head_from_architectures(architectures: list[str] | None) -> str | None:
     return None
 
 
-def _check_local(name: str, gguf_file: str | None) -> None:
-    path = user_path(name)
-    if path.exists():
+def _local_folder(name: str, subfolder: str | None) -> Path:
+    """Where a local model's files are: ``name``'s ``subfolder`` where one is given, which transformers reads a
+    folder's files from as it does a hub repository's (``from_pretrained(folder, subfolder="text")``)."""
+    return user_path(name) / (subfolder or "")
+
+
+def _check_local(name: str, gguf_file: str | None, subfolder: str | None = None) -> None:
+    if user_path(name).exists():
+        path = _local_folder(name, subfolder)
+        if subfolder:  # named in each line below: the files looked for are there, not beside name
+            name = os.path.join(name, subfolder)
         if gguf_file is not None:
             if not (path / gguf_file).is_file():
                 raise FileNotFoundError(f"{name} has no file {gguf_file!r}: check --gguf-file (a name inside MODEL)")
@@ -123,7 +131,7 @@ def _read_config(name: str, **location: Any) -> Any:
     import transformers
     from huggingface_hub.errors import StrictDataclassError
 
-    path = user_path(name) / "config.json"
+    path = _local_folder(name, location.get("subfolder")) / "config.json"
     try:
         fields = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
     except (ValueError, OSError):
@@ -517,7 +525,8 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
     if split != loading.gguf_file:  # the .gguf file given as name (checked again: --tp excludes it)
         loading = dataclasses.replace(loading, gguf_file=split)
     head, gguf_file, device_map, quantize = loading.head, loading.gguf_file, loading.device_map, loading.quantize
-    _check_local(name, gguf_file)
+    where = {key: kwargs[key] for key in _WHERE if key in kwargs}
+    _check_local(name, gguf_file, where.get("subfolder"))
     if gguf_file is None:  # (a GGUF model is its file alone, and is never offloaded to disk)
         _check_offload_folder(name, loading.offload_folder)
     if loading.tp:
@@ -526,7 +535,6 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
     if quantize == "8bit":
         # In float32, bitsandbytes logs a cast warning for every Linear at every call: thousands of lines.
         logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
-    where = {key: kwargs[key] for key in _WHERE if key in kwargs}
     placement = program_defaults({**loading, "gguf_file": None})
     quantization = placement.pop("quantization_config", None)
     dtype = placement.get("dtype")
@@ -573,7 +581,7 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
         kwargs["quantization_config"] = quantization
     if gguf_file is None:
         if user_path(name).is_dir():
-            _check_weights(user_path(name), auto, config)
+            _check_weights(_local_folder(name, where.get("subfolder")), auto, config)
         model = _from_pretrained(auto, name, {"config": config, **placement, **kwargs})
     elif quantization is None:
         model = _from_gguf(auto, name, gguf_file, {**placement, **kwargs})

@@ -580,3 +580,19 @@ def test_a_tokenizer_without_an_added_vocabulary_is_not_checked_for_one():
     from nxl_hooks.apps.loading import _check_vocabulary
 
     _check_vocabulary("m", SimpleNamespace(all_special_tokens=["<s>"], get_vocab=lambda: {"<s>": 0}))
+
+
+def test_a_local_folder_loads_from_its_subfolder(world, tmp_path):
+    """load_model(folder, subfolder="x"): transformers reads folder/x/config.json (and the tokenizer and weights
+    there), but the local checks looked beside folder and refused it as having no config.json. Here the model and
+    tokenizer lie in tmp/repo/x only, and the scores are the oracle's on the model that was saved."""
+    model, tok, _, _ = world
+    bpe_tiny.save_bpe(tmp_path / "repo" / "x", model, tok)
+    loaded, loaded_tok = load_model(str(tmp_path / "repo"), subfolder="x")
+    assert loaded_tok.get_vocab() == tok.get_vocab()
+    paris = tok.convert_tokens_to_ids("ĠParis")
+    res = nxl.explain(loaded, loaded_tok, PROMPT, target=paris)
+    torch.testing.assert_close(res.normxlogit[:, 0], oracle_normxlogit(model, tok, PROMPT, paris)[:, 0],
+                               rtol=1e-4, atol=1e-5)
+    with pytest.raises(FileNotFoundError, match=r"repo/y has no config.json"):  # the folder looked in is named
+        load_model(str(tmp_path / "repo"), subfolder="y")
