@@ -55,7 +55,8 @@ thread, which writes them. So:
   with a whole frame or a torn last one (the records still queued are lost).
 
 After the probe detaches, calls still running in other threads finish in memory only: their sink is closed and
-their subscribers have ended.
+their subscribers have ended. The records such a call had made and not yet handed on (a batch scored together)
+count as unwritten, :data:`CLOSED_AT_DETACH` in :attr:`Hub.sink_fault` and the call's notes saying why.
 """
 
 from __future__ import annotations
@@ -94,6 +95,9 @@ DRAIN_SECONDS = 10.0
 FLUSH_SECONDS = 60.0
 #: The ``error`` of a call the probe's detach cut short (an engine's request may say more: the steps it dropped).
 DETACHED = "the probe detached while this call ran"
+#: :attr:`Hub.sink_fault` once a call the detach cut hands on records after it (see :meth:`Hub._to_sink`).
+CLOSED_AT_DETACH = ("it was closed when the probe detached while a call ran in another thread: the step records that "
+                    "call had not yet handed on then are in memory only")
 #: What the batches handed on to be scored in the publisher may keep while they wait (their log-probability rows):
 #: past this, the generating thread scores a batch itself, so a publisher that falls behind holds no more.
 UNSCORED_BYTES = 256 << 20
@@ -308,6 +312,7 @@ class Hub:
         self._hand: collections.deque[tuple] = collections.deque()
         self._stopped = False  # the sink was stopped (fault, behind or detach): frames are counted, not written
         self._released = False  # the sink was closed (once, by the sink thread when there is one)
+        self._last_frame = False  # the sink was handed its close frame (the probe detached): it takes no more
 
     @property
     def calls(self) -> list[GenerationCall]:
@@ -824,11 +829,16 @@ class Hub:
             return
         self._parents_sink()
         with self._lock:
-            if self._stopped and not control:
+            if self._last_frame and step is not None and self.sink_fault is None:
+                # a call the detach cut runs on in another thread and hands on the records it had waiting (a
+                # batch scored together): they were made while attached, so they count as unwritten, and say why
+                self.sink_fault = CLOSED_AT_DETACH
+            if (self._stopped or self._last_frame) and not control:
                 self._count(call, step is not None)
                 return
             if control or self._frames_waiting < SINK_QUEUE:
                 self._frames_waiting += 1
+                self._last_frame = self._last_frame or (step is None and action is None)
                 if self._writer is None or not self._writer.is_alive():  # detached before any record
                     self._write(call, action, step)
                 elif threading.current_thread() is self._publisher:

@@ -418,3 +418,39 @@ def test_a_sinks_optional_parts_are_typed_protocols_of_their_own(tmp_path):
     stream = nxl.Sink(tmp_path / "a.nxl")
     assert isinstance(stream, BatchingSink)
     stream.close()
+
+
+def test_records_a_detach_leaves_to_a_call_in_another_thread_say_why_they_are_unwritten(model, tmp_path, monkeypatch):
+    """A probe detached while a call runs in another thread: the steps that call made while attached and had not
+    handed on yet (scored together, at its end) reach memory only. They were counted in probe.unwritten with
+    sink_fault None and no note on the call, so `nxl run` status showed a count with no reason; now sink_fault and
+    the call's notes say the detach closed the sink. The records kept are the oracle's."""
+    from nxl_hooks.hooks import generate
+    from oracle import check_steps
+
+    monkeypatch.setattr(generate, "BATCH_SECONDS", None)  # the steps wait for the call's end, however slow a token
+    started, go = threading.Event(), threading.Event()
+
+    class Gate:  # holds generate after its third token until the probe has detached
+        def __call__(self, input_ids, scores, **kwargs):
+            if input_ids.shape[1] == 8:
+                started.set()
+                assert go.wait(60)
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    path = tmp_path / "run.nxl"
+    probe = nxl.attach(model, sink=str(path))
+    thread = threading.Thread(target=model.generate, kwargs=dict(
+        input_ids=_ids(5), max_new_tokens=10, do_sample=False, stopping_criteria=[Gate()]))
+    thread.start()
+    assert started.wait(60)
+    probe.detach()
+    go.set()
+    thread.join(60)
+    (streamed,) = nxl.read_stream(path)
+    (call,) = probe.calls
+    assert streamed.steps == [] and streamed.error == call.error == publish.DETACHED
+    assert probe.unwritten == len(call.steps) > 0
+    assert probe.sink_fault == publish.CLOSED_AT_DETACH
+    assert call.notes == [f"not written to the sink, which stopped: {publish.CLOSED_AT_DETACH}"]
+    check_steps(model, call)
