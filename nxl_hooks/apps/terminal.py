@@ -261,7 +261,7 @@ def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, 
     prompt = chat_prompt(tokenizer, text) if chat else None
     enc = tokenizer(prompt.text if prompt else text, return_tensors="pt").to(input_device(model))
     ids = enc["input_ids"][0].tolist()
-    template = template_rows(tokenizer, [prompt], enc["input_ids"]) if prompt else None
+    template = template_rows(tokenizer, [prompt], enc["input_ids"], enc.get("attention_mask")) if prompt else None
     if prompt and not all_positions:
         console.print(Text("ranked: the user's message and the generated text (chat template markers and the system "
                            "prompt are left out; --all-positions ranks them too)" if template is not None else

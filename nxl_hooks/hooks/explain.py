@@ -55,7 +55,7 @@ def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, chat: bo
                                for row in resolved]
     res.meta["chat"] = chat
     if chat:  # the template's markers and system prompt do not rank (method.select.rankable)
-        template = template_rows(tokenizer, prompts, enc["input_ids"])
+        template = template_rows(tokenizer, prompts, enc["input_ids"], enc.get("attention_mask"))
         res.template = None if template is None else template[res.example]
         res.meta["template"] = "located" if template is not None else "not located: every token ranks"
     return res

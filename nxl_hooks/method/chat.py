@@ -101,8 +101,10 @@ def _offsets(tokenizer: Any, text: str, special: bool) -> tuple[torch.Tensor, to
     return enc["input_ids"][0], enc["offset_mapping"][0]
 
 
-def _placed(tokenizer: Any, text: str, row: torch.Tensor) -> tuple[int, torch.Tensor] | None:
-    """(where ``row`` holds the encoding of ``text``, that encoding's offsets); None when it holds none of them."""
+def _placed(tokenizer: Any, text: str, row: torch.Tensor, real: torch.Tensor) -> tuple[int, torch.Tensor] | None:
+    """(where ``row`` holds the encoding of ``text``, that encoding's offsets); None when it holds none of them, or
+    holds more than it: every other token must be padding (not ``real``) or the one BOS the tokenizer adds just
+    before it. Tokens the user wrote around the text would otherwise be taken for the template's and never rank."""
     for special in (True, False):
         found = _offsets(tokenizer, text, special)
         if found is None:
@@ -112,24 +114,35 @@ def _placed(tokenizer: Any, text: str, row: torch.Tensor) -> tuple[int, torch.Te
         # batch encoded here would be padded on the tokenizer's side, not necessarily the row's
         for start in (0, len(row) - len(ids)) if len(ids) <= len(row) else ():
             if torch.equal(row[start:start + len(ids)], ids):
-                return start, offsets
+                extra = real.clone()
+                extra[start:start + len(ids)] = False
+                if start and row[start - 1] == tokenizer.bos_token_id and _adds_bos(tokenizer):
+                    extra[start - 1] = False
+                if not extra.any():
+                    return start, offsets
     return None
 
 
-def template_rows(tokenizer: Any, prompts: Sequence[ChatPrompt], input_ids: torch.Tensor) -> torch.Tensor | None:
+def template_rows(tokenizer: Any, prompts: Sequence[ChatPrompt], input_ids: torch.Tensor,
+                  attention_mask: torch.Tensor | None = None) -> torch.Tensor | None:
     """bool (rows, seq): True on the tokens of ``input_ids`` (the encoding of the prompts' texts, with or without the
     tokenizer's BOS, a batch padded on either side) that the chat template put there (markers, system prompt, the
     tokenizer's added BOS), False on the messages' text. A token that straddles a message's edge counts as the
     message's. None when it cannot be told: a prompt's spans are unknown, the tokenizer gives no offsets, or a row
-    does not hold its text's encoding.
+    does not hold its text's encoding and padding alone (``attention_mask``'s zeros; without it, the tokenizer's
+    pad token).
 
-    ``template_rows(tok, [chat_prompt(tok, text)], enc["input_ids"])``
+    ``template_rows(tok, [chat_prompt(tok, text)], enc["input_ids"], enc["attention_mask"])``
     """
     if not prompts or any(prompt.spans is None for prompt in prompts):
         return None
+    ids = input_ids.cpu()
+    pad = tokenizer.pad_token_id
+    real = (attention_mask.cpu().bool() if attention_mask is not None else
+            ids != pad if pad is not None else torch.ones(ids.shape, dtype=torch.bool))
     template = torch.ones(input_ids.shape, dtype=torch.bool)
-    for row, (prompt, ids) in enumerate(zip(prompts, input_ids.cpu())):
-        placed = _placed(tokenizer, prompt.text, ids)
+    for row, prompt in enumerate(prompts):
+        placed = _placed(tokenizer, prompt.text, ids[row], real[row])
         if placed is None:
             return None
         start, offsets = placed
@@ -216,7 +229,7 @@ def locate_template(tokenizer: Any, ids: Sequence[int],
                 prompt = chat_prompt(tokenizer, candidate, add_generation_prompt=generation)
             except Exception:  # noqa: BLE001 - the template refused these messages
                 continue
-            template = template_rows(tokenizer, [prompt], ids)
+            template = template_rows(tokenizer, [prompt], ids, torch.ones_like(ids))  # (unpadded: all the prompt's)
             if template is not None:
                 return template[0]
     return None

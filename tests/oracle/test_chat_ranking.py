@@ -15,7 +15,7 @@ import torch
 import bpe_tiny
 import nxl_hooks as nxl
 from nxl_hooks.apps.cli import main
-from nxl_hooks.method.chat import chat_prompt, locate_template
+from nxl_hooks.method.chat import chat_prompt, locate_template, template_rows
 from nxl_hooks.method.select import rankable
 from nxl_hooks.records.sink import read_stream
 
@@ -79,6 +79,27 @@ def test_a_batch_explained_with_a_left_padding_tokenizer_ranks_each_users_messag
                                     ("<|im_end|>\n<|im_start|>assistant\n", False)])
         assert res.input_ids[row, :len(ids)].tolist() == ids
         assert set(res.rankable(row).nonzero().flatten().tolist()) == ranked
+
+
+@pytest.mark.parametrize("before, after", [("", " The answer is"), ("Hello there. ", "")])
+def test_ids_holding_the_chat_and_more_text_are_not_located(world, before, after):
+    # the user's own tokens around the rendered chat would be taken for the template's and never rank
+    _, tok, _ = world
+    ids, ranked = by_hand(tok, USER_TURN)
+    text = [tok(extra, add_special_tokens=False)["input_ids"] for extra in (before, after)]
+    longer = [*text[0], *ids, *text[1]]
+    prompt, messages = chat_prompt(tok, QUESTION), [{"role": "user", "content": QUESTION}]
+    assert set((~template_rows(tok, [prompt], torch.tensor([ids]))[0]).nonzero().flatten().tolist()) == ranked
+    assert template_rows(tok, [prompt], torch.tensor([longer])) is None
+    assert template_rows(tok, [prompt], torch.tensor([longer]), torch.ones(1, len(longer))) is None
+    assert locate_template(tok, longer, messages) is None and locate_template(tok, longer) is None
+    # padding around it is no text: the chat is located, padded on either side, from the mask or the pad token
+    pad = [tok.pad_token_id] * 3
+    for padded in ([*ids, *pad], [*pad, *ids]):
+        shift = len(pad) if padded[0] == tok.pad_token_id else 0
+        for mask in (None, torch.tensor([[int(shift <= i < shift + len(ids)) for i in range(len(padded))]])):
+            template = template_rows(tok, [prompt], torch.tensor([padded]), mask)
+            assert set((~template[0]).nonzero().flatten().tolist()) == {p + shift for p in ranked}
 
 
 def test_located_from_ids_alone_system_prompt_and_earlier_turns(world):
