@@ -791,13 +791,9 @@ class Hub:
             logger.warning("nxl_hooks: the sink %s is still closing %g s after the probe detached; it finishes in "
                            "its own thread", _named(self._sink), DRAIN_SECONDS)
             return
-        before = self.unwritten
-        stopped = self._stop_sink(f"it was still writing when the probe detached ({DRAIN_SECONDS:g} s later); the "
-                                  "records still queued were not written", None)
-        self._abandon_queued()
-        if stopped:  # said here too: at interpreter exit (the probe's finalizer) nobody reads the probe after this
-            _say_unwritten(self._sink, f"it was still writing {DRAIN_SECONDS:g} s after the probe detached: "
-                                       f"{self.unwritten - before} step record(s) were still queued for it")
+        self._stop_sink(f"it was still writing when the probe detached ({DRAIN_SECONDS:g} s later); the records "
+                        "still queued were not written", None,
+                        queued=f"it was still writing {DRAIN_SECONDS:g} s after the probe detached")
 
     def _shut(self, why: str) -> None:
         """The publisher's last item: end the running calls and the streams, then the sink."""
@@ -846,9 +842,8 @@ class Hub:
                 else:
                     self._frames.put([(call, action, step)])
                 return
-        if self._stop_sink(f"it fell behind: {SINK_QUEUE} frames were waiting to be written while generation went "
-                           "on, so it was stopped to keep generation at its speed", call, steps=step is not None):
-            _say_unwritten(self._sink, self.sink_fault)
+        self._stop_sink(f"it fell behind: {SINK_QUEUE} frames were waiting to be written while generation went on, "
+                        "so it was stopped to keep generation at its speed", call, steps=step is not None)
 
     def _write_loop(self, frames: queue.SimpleQueue) -> None:
         try:
@@ -928,8 +923,6 @@ class Hub:
         if fault is not None:  # (an empty one is a stop all the same: said, so that it reads as a fault)
             said = fault if isinstance(fault, str) else one_line(fault)  # the sink's object: its str() may raise
             said = said or f"the sink {_named(sink)} stopped writing without saying why"
-            # said whether it raised or set its fault: a sink that stops by itself loses records as one that raises
-            _say_unwritten(sink, said)
             self._stop_sink(said, call, steps=steps)
             self._count_lost(sink)
 
@@ -974,30 +967,44 @@ class Hub:
             if call is not None and self.sink_fault is not None and self._fault_note() not in call.notes:
                 call.notes.append(self._fault_note())
 
-    def _stop_sink(self, fault: str, call: GenerationCall | None, *, steps: int = 0) -> bool:
+    def _stop_sink(self, fault: str, call: GenerationCall | None, *, steps: int = 0,
+                   queued: str | None = None) -> None:
         """The sink gets nothing more: ``fault`` is kept in :attr:`sink_fault` and noted on every call it leaves
         in memory only (the frames still queued are counted as the sink thread meets them); the sink thread
-        closes it when it comes back from the sink (here, without one). Whether this stopped it (False: it had
-        stopped already, ``steps`` only counted)."""
+        closes it when it comes back from the sink (here, without one). ``queued``: the sink thread is not coming
+        back in time (the detach's deadline): the frames queued are counted now (:meth:`_abandon_queued`), and
+        the line says ``queued`` and how many step records they held. Of a sink already stopped, only ``steps``
+        (and the frames ``queued`` counts) are counted.
+
+        The one line in the log is said here, where the sink stops, whatever stopped it (it raised, set its
+        ``fault``, fell behind, was still writing at the detach): what the probe counts (``unwritten``,
+        ``sink_fault``) is read only by who asks, and a probe detached at interpreter exit (its finalizer) by
+        nobody. A write still in flight when it stopped fails or faults after it: no second line."""
         with self._lock:
-            if self._stopped:
+            stops, writer = not self._stopped, self._writer
+            away = writer is not None and writer.is_alive() and writer is not threading.current_thread()
+            if not stops:
                 self._count(call, steps)
-                return False
-            self._stopped, self.sink_fault = True, fault
-            affected = list(self._running)
-            if call is not None and call not in affected:  # a call that just ended
-                affected.append(call)
-            for each in affected:
-                each.notes.append(self._fault_note())
-            self.unwritten += steps
-            writer = self._writer
-            if writer is not None and writer.is_alive() and writer is not threading.current_thread():
-                self._frames_waiting += 1
-                self._frames.put([(None, _nothing, None)])  # an idle sink thread wakes up and closes it
-                return True
-        if writer is None or not writer.is_alive():
+            else:
+                self._stopped, self.sink_fault = True, fault
+                affected = list(self._running)
+                if call is not None and call not in affected:  # a call that just ended
+                    affected.append(call)
+                for each in affected:
+                    each.notes.append(self._fault_note())
+                self.unwritten += steps
+                if away:
+                    self._frames_waiting += 1
+                    self._frames.put([(None, _nothing, None)])  # an idle sink thread wakes up and closes it
+        if stops and not away and (writer is None or not writer.is_alive()):
             self._close_sink()
-        return True
+        before = self.unwritten
+        if queued is not None:  # (also when the sink had stopped already: its thread is not coming back either)
+            self._abandon_queued()
+            fault = f"{queued}: {self.unwritten - before} step record(s) were still queued for it"
+        if stops:
+            logger.warning("nxl_hooks: records sent to the sink %s not written (%s); the model's own call is "
+                           "unaffected", _named(self._sink), fault)
 
     def _abandon_queued(self) -> None:
         """The sink thread did not come back from the sink by the detach's deadline: the frames still queued for it,
@@ -1077,13 +1084,6 @@ def _follows(sink: RecordSink | None, protocol: type) -> bool:
 def _named(sink: RecordSink) -> str:
     """How a sink is named in a line: its path, else its class."""
     return str(getattr(sink, "path", None) or type(sink).__name__)
-
-
-def _say_unwritten(sink: RecordSink, why: str | None) -> None:
-    """The one line in the log of a sink stopped (``why``) while records went on: what the probe counts
-    (``unwritten``, ``sink_fault``) is read only by who asks, and a script may never ask."""
-    logger.warning("nxl_hooks: records sent to the sink %s not written (%s); the model's own call is unaffected",
-                   _named(sink), why)
 
 
 def _nothing(sink: RecordSink) -> None:

@@ -276,6 +276,46 @@ def test_a_sink_that_falls_behind_is_stopped(model, monkeypatch, caplog):
     check_call(model, probe.calls[0], 6)
 
 
+class _FailsWhenReleased(_Blocking):
+    """Blocks in its first write until released, then raises: the write in flight when the sink was stopped."""
+
+    def write_call(self, call, meta):
+        super().write_call(call, meta)
+        raise OSError(5, "Input/output error")
+
+
+@pytest.mark.parametrize("behind", [True, False], ids=["fell-behind", "detach-deadline"])
+def test_a_stopped_sink_whose_write_in_flight_then_fails_is_said_once(model, monkeypatch, caplog, behind):
+    # the failure comes after the stop: the sink is stopped already, and a second line would contradict the first
+    if behind:
+        monkeypatch.setattr(publish, "SINK_QUEUE", 2)
+    else:
+        monkeypatch.setattr(publish, "DRAIN_SECONDS", 0.5)
+    sink = _FailsWhenReleased()
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+        probe = nxl.attach(model, sink=sink)
+        try:
+            model.generate(input_ids=_ids(10), max_new_tokens=6, do_sample=False)
+            if behind:
+                assert probe.sink_fault.startswith("it fell behind") and sink.returned == 0
+                sink.release.set()
+        finally:
+            probe.detach()  # else still blocked at the deadline: stopped there
+        sink.release.set()
+        assert probe.flush(timeout=60) and sink.closed.is_set() and sink.returned == 1  # its write failed after
+    if behind:
+        why = probe.sink_fault
+    else:
+        assert probe.sink_fault.startswith("it was still writing when the probe detached")
+        why = "it was still writing 0.5 s after the probe detached: 6 step record(s) were still queued for it"
+    assert [r.getMessage() for r in caplog.records if r.name == "nxl_hooks"] == [
+        f"nxl_hooks: records sent to the sink _FailsWhenReleased not written ({why}); the model's own call is "
+        "unaffected"]
+    assert probe.unwritten == 6 and sink.steps == 0
+    assert probe.calls[0].notes == [f"not written to the sink, which stopped: {probe.sink_fault}"]
+    check_call(model, probe.calls[0], 6)
+
+
 def test_a_slow_sink_within_its_queue_gets_every_record_by_detach(model, tmp_path):
     ids = _ids(3)
     path = tmp_path / "run.nxl"
