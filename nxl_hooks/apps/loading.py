@@ -40,9 +40,9 @@ from ..records.files import not_a_folder, user_path
 from .loading_options import (DTYPES, HEAD_CLASSES, QUANTIZE, Loading, markdown_table, read_device_map,
                               read_max_memory)
 
-__all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "Loading", "check_explainable", "check_gguf", "convert_gguf",
-           "gguf_serve_refusal", "head_from_architectures", "load_model", "markdown_table", "model_files",
-           "program_defaults", "quantization_config", "read_device_map", "read_max_memory"]
+__all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "Loading", "check_explainable", "check_gguf", "check_program_load",
+           "convert_gguf", "gguf_serve_refusal", "head_from_architectures", "load_model", "markdown_table",
+           "model_files", "program_defaults", "quantization_config", "read_device_map", "read_max_memory"]
 
 #: Files one of which a folder's tokenizer is read from; without any, transformers builds an empty-vocabulary
 #: tokenizer that reads every word as unknown, silently (tokenizer_config.json names a tokenizer but need not hold its
@@ -557,11 +557,8 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
             )
         if loading.tp:
             _check_tp_heads(name, config)
-        saved = _saved_quantization(config)
-        if quantize is not None and saved is not None:  # transformers keeps the saved one, with a warning only
-            raise ValueError(f"{name} is quantized already ({saved}: its config.json's quantization_config), and "
-                             f"transformers loads it so, ignoring the {quantize} asked for (--load-in-8bit/"
-                             "--load-in-4bit, audit's --quantize): drop it, or give the unquantized model")
+        _check_saved_quantization(name, getattr(config, "quantization_config", None),
+                                 quantization if quantization is not None else kwargs.get("quantization_config"))
     auto = getattr(transformers, HEAD_CLASSES[kind])
     if config is not None:
         _check_head(name, config, kind)
@@ -612,13 +609,52 @@ def _check_head(name: str, config: Any, kind: str) -> None:
                          f"({HEAD_CLASSES[kind]} does not take a {type(config).__name__}); {fix}")
 
 
-def _saved_quantization(config: Any) -> str | None:
-    """The method a model's config says its weights are stored quantized with ("bitsandbytes"), or None."""
-    found = getattr(config, "quantization_config", None)
+def _quantization(found: Any) -> str | None:
+    """How a quantization config (a config's ``quantization_config``: a mapping, or transformers' object) stores the
+    weights, in words ("bitsandbytes 8-bit", "bitsandbytes 4-bit nf4", "gptq"), or None for no config."""
     if found is None:
         return None
-    method = found.get("quant_method") if isinstance(found, Mapping) else getattr(found, "quant_method", None)
-    return str(getattr(method, "value", method) or "a quantization")  # (QuantizationMethod: a str enum)
+
+    def field(key: str) -> Any:
+        return found.get(key) if isinstance(found, Mapping) else getattr(found, key, None)
+
+    method = field("quant_method")
+    method = str(getattr(method, "value", method) or "a quantization")  # (QuantizationMethod: a str enum)
+    if method == "bitsandbytes" and field("load_in_8bit"):
+        return "bitsandbytes 8-bit"
+    if method == "bitsandbytes" and field("load_in_4bit"):
+        kind = field("bnb_4bit_quant_type")
+        return f"bitsandbytes 4-bit {kind}" if kind else "bitsandbytes 4-bit"
+    return method
+
+
+def _check_saved_quantization(name: str, saved: Any, asked: Any) -> None:
+    """Refuse (one line) a quantization asked for (``asked``: a quantization config, or None) other than the one a
+    model's weights are saved in (``saved``: its config's ``quantization_config``, or None): transformers loads the
+    saved one, with a warning only. The one it is saved in, asked for again, loads as asked."""
+    stored, wanted = _quantization(saved), _quantization(asked)
+    if stored is not None and wanted is not None and stored != wanted:
+        raise ValueError(f"{name} is saved quantized ({stored}: its config.json's quantization_config), and "
+                         f"transformers loads it so, not {wanted} as asked (--load-in-8bit/--load-in-4bit, "
+                         f"quantization_config=): ask for {stored}, drop it, or give the unquantized model")
+
+
+def check_program_load(name: str, kwargs: Mapping[str, Any]) -> None:
+    """:func:`_check_saved_quantization` for a program's ``from_pretrained(name, **kwargs)`` under ``nxl run``: the
+    model's config read as from_pretrained reads it (its ``config=``, else its config.json where ``kwargs`` say)."""
+    import transformers
+
+    asked = kwargs.get("quantization_config")
+    if asked is None:
+        return
+    config = kwargs.get("config")
+    if isinstance(config, transformers.PretrainedConfig):
+        saved = getattr(config, "quantization_config", None)
+    else:  # its config.json as a dict: no class of the model's is built (nor code of its own run) to read it
+        where = {key: kwargs[key] for key in (*_WHERE, "gguf_file") if key in kwargs}
+        fields, _ = transformers.PretrainedConfig.get_config_dict(config or name, **where)
+        saved = (fields or {}).get("quantization_config")
+    _check_saved_quantization(name, saved, asked)
 
 
 def _check_offload_folder(name: str, folder: str | None) -> None:
@@ -715,7 +751,8 @@ def _from_pretrained(auto: Any, name: str, kwargs: dict[str, Any]) -> Any:
         # for, the folder holds one (its weights saved quantized), and no flag of the user's is to drop
         cause, drop = (("--load-in-8bit/--load-in-4bit quantize the model where it runs",
                         "drop --load-in-8bit/--load-in-4bit") if "quantization_config" in kwargs else
-                       (f"its weights are saved quantized ({_saved_quantization(kwargs.get('config'))}), to run "
+                       (f"its weights are saved quantized "
+                        f"({_quantization(getattr(kwargs.get('config'), 'quantization_config', None))}), to run "
                         "where they are loaded", "give the unquantized model"))
         raise ValueError(f"{name}: {cause}, and --device-map/--max-memory put part of it on the CPU or disk: give the "
                          f"device it runs on room for the whole model (--max-memory), or {drop}") from None

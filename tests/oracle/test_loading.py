@@ -342,28 +342,45 @@ def test_gguf_file_twice_and_audit_quantize_twice_are_one_line_errors(world, tmp
 
 
 
-def test_a_model_saved_quantized_is_not_quantized_again_nor_blamed_on_flags_not_given(world, tmp_path, capsys):
+def test_a_model_saved_quantized_loads_in_its_own_quantization_only_nor_is_blamed_on_flags_not_given(world, tmp_path,
+                                                                                                       capsys):
     """A folder saved quantized (bitsandbytes 8-bit) keeps its own quantization: transformers ignores another one
-    asked for (with a warning only), so audit --quantize 4bit compared the model with itself (agreement 1.0, drift
-    0) and --load-in-4bit loaded it 8-bit; offloading it was refused as asked for by --load-in-8bit/--load-in-4bit,
-    which were not given."""
+    asked for (with a warning only), so --load-in-4bit (or quantization_config=) loaded it 8-bit; that is refused,
+    naming both. The same one asked again loads as asked (it was refused too), and scores as the oracle says on the
+    model loaded. audit --quantize of a reference saved quantized would compare it with itself (agreement 1.0, drift
+    0): refused. Offloading it was refused as asked for by --load-in-8bit/--load-in-4bit, which were not given."""
+    from transformers import BitsAndBytesConfig
+
     _, tok, folder, _ = world
     saved = tmp_path / "saved-8bit"
     load_model(str(folder), quantize="8bit")[0].save_pretrained(saved)
     tok.save_pretrained(saved)
+    loaded, _ = load_model(str(saved), quantize="8bit")
+    assert type(loaded.model.layers[0].self_attn.q_proj).__name__ == "Linear8bitLt"
+    paris = tok.convert_tokens_to_ids("ĠParis")
+    res = nxl.explain(loaded, tok, PROMPT, target=paris)
+    torch.testing.assert_close(res.normxlogit[:, 0], oracle_normxlogit(loaded, tok, PROMPT, paris)[:, 0],
+                               rtol=1e-4, atol=1e-5)
+    both = ("saved-8bit is saved quantized (bitsandbytes 8-bit: its config.json's quantization_config), and "
+            "transformers loads it so, not bitsandbytes 4-bit nf4 as asked")
+    with pytest.raises(ValueError, match=re.escape(both)):
+        load_model(str(saved), quantization_config=BitsAndBytesConfig(load_in_4bit=True,
+                                                                      bnb_4bit_quant_type="nf4"))
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"text": PROMPT}) + "\n")
     capsys.readouterr()
-    for argv in (["audit", "--reference", str(saved), "--quantize", "4bit", str(data), "--out", str(tmp_path / "o")],
-                 ["attribute", str(saved), PROMPT, "--load-in-4bit"]):
-        assert main(argv) == 2
-        (line,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
-        assert "saved-8bit is quantized already (bitsandbytes: its config.json's quantization_config)" in line
+    assert main(["attribute", str(saved), PROMPT, "--load-in-4bit"]) == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert both in line
+    assert main(["audit", "--reference", str(saved), "--quantize", "8bit", str(data),
+                 "--out", str(tmp_path / "o")]) == 2
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
+    assert "saved-8bit is saved quantized, so --quantize would build the candidate as the reference itself" in line
     assert not (tmp_path / "o" / "summary.json").exists()
     assert main(["attribute", str(saved), PROMPT, "--device-map", "auto", "--max-memory", "cpu=100KB",
                  "--offload-folder", str(tmp_path / "off")]) == 2
     (line,) = [line for line in capsys.readouterr().err.splitlines() if "error" in line]
-    assert "its weights are saved quantized (bitsandbytes)" in line and "--load-in" not in line
+    assert "its weights are saved quantized (bitsandbytes 8-bit)" in line and "--load-in" not in line
 
 # -- crafted GGUF files and hostile chat templates (issue 24, items 4, 14, 16) -------------------------------------
 

@@ -675,23 +675,39 @@ def test_import_auto_attaches_in_code_and_bad_settings_never_harm(tiny, tmp_path
 
 def test_nxl_run_loading_options_reach_the_programs_own_loads(tiny, tmp_path):
     """--dtype and --load-in-8bit become defaults of the program's from_pretrained for the models --models picks;
-    what the program sets itself wins; a GGUF file with bitsandbytes is refused before the program starts."""
+    what the program sets itself wins; a GGUF file with bitsandbytes is refused before the program starts. A model
+    saved quantized another way (4-bit) kept its own quantization under the 8-bit default, with a warning of
+    transformers only: the defaults are not applied to it, said; one saved 8-bit takes them."""
     code = textwrap.dedent("""
         import sys, torch
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, BitsAndBytesConfig
         picked = AutoModelForCausalLM.from_pretrained(sys.argv[1])
         own = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
         old_name = AutoModelForCausalLM.from_pretrained(sys.argv[1], torch_dtype=torch.float32)
-        print("FACTS", picked.model.norm.weight.dtype, type(picked.model.layers[0].self_attn.q_proj).__name__,
-              own.model.norm.weight.dtype, old_name.model.norm.weight.dtype)
+        facts = [picked.model.norm.weight.dtype, type(picked.model.layers[0].self_attn.q_proj).__name__,
+                 own.model.norm.weight.dtype, old_name.model.norm.weight.dtype]
+        if len(sys.argv) > 2:  # saved 8-bit (as the default) and 4-bit (not), loaded again
+            picked.save_pretrained(sys.argv[2] + "-8bit")
+            AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32, quantization_config=(
+                BitsAndBytesConfig(load_in_4bit=True))).save_pretrained(sys.argv[2] + "-4bit")
+            for bits in ("8bit", "4bit"):
+                again = AutoModelForCausalLM.from_pretrained(sys.argv[2] + "-" + bits)
+                facts += [again.model.norm.weight.dtype, type(again.model.layers[0].self_attn.q_proj).__name__]
+        print("FACTS", *facts)
     """)
     done = _nxl("run", "--dtype", "bfloat16", "--load-in-8bit", "--models", "tiny*", "--", sys.executable, "-c",
-                code, str(tiny.path), env={**os.environ, **SERVE_ENV}, timeout=300)
+                code, str(tiny.path), str(tmp_path / "tiny-saved"), env={**os.environ, **SERVE_ENV}, timeout=300)
     assert done.returncode == 0, done.stderr
     # the first load takes both defaults; the second sets its own dtype (8-bit still applies: it did not set that),
-    # the third too, under transformers' older name (torch_dtype: the default dtype overrode it)
+    # the third too, under transformers' older name (torch_dtype: the default dtype overrode it); the model saved
+    # 8-bit takes both, the one saved 4-bit neither (float32, as the program asked)
     assert done.stdout.split("FACTS ")[1].split() == ["torch.bfloat16", "Linear8bitLt", "torch.float32",
-                                                      "torch.float32"]
+                                                      "torch.float32", "torch.bfloat16", "Linear8bitLt",
+                                                      "torch.float32", "Linear4bit"]
+    (said,) = [line for line in done.stderr.splitlines() if "were not applied" in line]
+    assert said.startswith("nxl_hooks: the loading options of nxl run were not applied to ") and \
+        "tiny-saved-4bit is saved quantized (bitsandbytes 4-bit fp4" in said and \
+        "not bitsandbytes 8-bit as asked" in said, said
     refused = _nxl("run", "--gguf-file", "m.gguf", "--load-in-4bit", "--", sys.executable, "-c", "print('ran')")
     assert refused.returncode == 2 and "ran" not in refused.stdout and "transformers refuses" in refused.stderr
     # defaults that cannot work for this model (it has no such GGUF file): it loads as the program asked, said

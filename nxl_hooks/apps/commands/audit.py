@@ -86,6 +86,10 @@ def run(args: argparse.Namespace) -> int:
                 "so both models must share one tokenizer"
             )
         check_same_head(reference, candidate)
+    elif getattr(reference, "is_quantized", False):  # transformers would load the candidate as it: the same model
+        raise ValueError(f"--reference {args.reference} is saved quantized, so --quantize would build the candidate "
+                         "as the reference itself: give the unquantized model, or compare two saved models with "
+                         "--candidate")
     else:
         candidate, _ = load_model(args.reference, **{**loading, "quantize": args.quantize})
     check_explainable(reference, tokenizer, args.layers)

@@ -63,11 +63,17 @@ def _wrap_from_pretrained(cls: type) -> None:
     @functools.wraps(original)
     def from_pretrained(klass: type, *args: Any, **kwargs: Any) -> Any:
         depth, given = getattr(_loading, "depth", 0), kwargs
+        name = str(args[0] if args else kwargs.get("pretrained_model_name_or_path", ""))
         if depth == 0:
-            kwargs = _with_defaults(args, kwargs)
+            kwargs = _with_defaults(name, kwargs)
         _loading.depth = depth + 1
         try:
             try:
+                if "quantization_config" in kwargs and "quantization_config" not in given:
+                    # nxl run's: transformers would keep another one the model is saved with, warning only
+                    from ..loading import check_program_load
+
+                    check_program_load(name, kwargs)
                 model = original(klass, *args, **kwargs)
             except Exception as error:
                 if kwargs is given:  # the program's own load failed: its own error, as without nxl run
@@ -81,22 +87,20 @@ def _wrap_from_pretrained(cls: type) -> None:
         finally:
             _loading.depth = depth
         if depth == 0:  # a model class loading its parts calls from_pretrained again: adopt the whole only
-            name = args[0] if args else kwargs.get("pretrained_model_name_or_path", "")
-            _adopt(model, str(name))
+            _adopt(model, name)
         return model
 
     setattr(from_pretrained, _MARK, True)
     cls.from_pretrained = classmethod(from_pretrained)
 
 
-def _with_defaults(args: tuple, kwargs: dict) -> dict:
+def _with_defaults(name: str, kwargs: dict) -> dict:
     """``kwargs`` plus the loading options of ``nxl run`` (--dtype, --load-in-8bit...) the program did not set
     itself, for the models ``--models`` selects."""
     try:
         settings = controller().settings
     except Exception:  # noqa: BLE001 - bad NXL_* settings: _adopt says so, once
         return kwargs
-    name = str(args[0] if args else kwargs.get("pretrained_model_name_or_path", ""))
     if not settings.load or not settings.selects(name):
         return kwargs
     try:
