@@ -74,7 +74,7 @@ def _local_folder(name: str, subfolder: str | None) -> Path:
 
 def _check_local(name: str, gguf_file: str | None, subfolder: str | None = None) -> None:
     if user_path(name).exists():
-        path = _local_folder(name, subfolder)
+        path, root = _local_folder(name, subfolder), user_path(name)  # (a subfolder's tokenizer may be the root's)
         if subfolder:  # named in each line below: the files looked for are there, not beside name
             name = os.path.join(name, subfolder)
         if gguf_file is not None:
@@ -87,7 +87,7 @@ def _check_local(name: str, gguf_file: str | None, subfolder: str | None = None)
                 f"{name} has no config.json: pass a folder written by model.save_pretrained() (with its tokenizer), "
                 "or a .gguf file"
             )
-        elif not any((path / file).is_file() for file in _TOKENIZER_FILES):
+        elif not any((folder / file).is_file() for folder in (path, root) for file in _TOKENIZER_FILES):
             raise FileNotFoundError(
                 f"{name} has no tokenizer (none of {', '.join(_TOKENIZER_FILES)}): save it beside the model with "
                 "tokenizer.save_pretrained(folder)"
@@ -565,8 +565,7 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
     if gguf_file is not None and (user_path(name) / gguf_file).is_file():
         check_gguf(user_path(name) / gguf_file, kind)  # before the tokenizer and model are built from it
     try:  # first: a damaged tokenizer costs no model load
-        tokenizer = _no_remote_code(name, lambda: transformers.AutoTokenizer.from_pretrained(
-            name, trust_remote_code=False, **where, **({"gguf_file": gguf_file} if gguf_file else {})))
+        tokenizer = _read_tokenizer(name, where, gguf_file)
     except (OSError, ValueError) as err:
         fix = ("save it again with tokenizer.save_pretrained(folder)" if user_path(name).exists() else
                "check the hub id and your access to it (or save the model and tokenizer to a folder)")
@@ -592,6 +591,28 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
                                             quantization_config=quantization, **placement)
         del plain
     return model.eval(), tokenizer
+
+
+def _read_tokenizer(name: str, where: dict, gguf_file: str | None) -> Any:
+    """The tokenizer of ``name`` where its files are (``where``: :data:`_WHERE` keyword arguments), or, where the
+    ``subfolder`` named there has none, the root's: repositories often keep the tokenizer at the root and the weights
+    in a subfolder. The subfolder's error is raised where neither is read."""
+    import transformers
+
+    def read(location: dict) -> Any:
+        return _no_remote_code(name, lambda: transformers.AutoTokenizer.from_pretrained(
+            name, trust_remote_code=False, **location, **({"gguf_file": gguf_file} if gguf_file else {})))
+
+    try:
+        return read(where)
+    except (OSError, ValueError) as err:
+        if not where.get("subfolder"):
+            raise
+        error = err
+    try:
+        return read({key: value for key, value in where.items() if key != "subfolder"})
+    except (OSError, ValueError):
+        raise error from None
 
 
 def _check_head(name: str, config: Any, kind: str) -> None:

@@ -602,7 +602,8 @@ def test_a_tokenizer_without_an_added_vocabulary_is_not_checked_for_one():
 def test_a_local_folder_loads_from_its_subfolder(world, tmp_path):
     """load_model(folder, subfolder="x"): transformers reads folder/x/config.json (and the tokenizer and weights
     there), but the local checks looked beside folder and refused it as having no config.json. Here the model and
-    tokenizer lie in tmp/repo/x only, and the scores are the oracle's on the model that was saved."""
+    tokenizer lie in tmp/repo/x only, and the scores are the oracle's on the model that was saved. A tokenizer at the
+    root only (the weights in the subfolder) was looked for in the subfolder alone: refused as missing."""
     model, tok, _, _ = world
     bpe_tiny.save_bpe(tmp_path / "repo" / "x", model, tok)
     loaded, loaded_tok = load_model(str(tmp_path / "repo"), subfolder="x")
@@ -613,3 +614,10 @@ def test_a_local_folder_loads_from_its_subfolder(world, tmp_path):
                                rtol=1e-4, atol=1e-5)
     with pytest.raises(FileNotFoundError, match=r"repo/y has no config.json"):  # the folder looked in is named
         load_model(str(tmp_path / "repo"), subfolder="y")
+    # the weights in a subfolder, the tokenizer at the root only (as many repositories keep them): read from there
+    model.save_pretrained(tmp_path / "split" / "x")
+    tok.save_pretrained(tmp_path / "split")
+    loaded, loaded_tok = load_model(str(tmp_path / "split"), subfolder="x")
+    assert loaded_tok.get_vocab() == tok.get_vocab()
+    torch.testing.assert_close(nxl.explain(loaded, loaded_tok, PROMPT, target=paris).normxlogit[:, 0],
+                               oracle_normxlogit(model, tok, PROMPT, paris)[:, 0], rtol=1e-4, atol=1e-5)
