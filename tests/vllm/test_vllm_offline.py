@@ -186,15 +186,25 @@ def test_a_request_preempted_in_its_prefill_and_steps_run_as_cuda_graphs_replay_
 
     recorded = run_script(tiny, tmp_path, "eager", ["--layers", "all", "--sink", str(tmp_path / "run")],
                           source=STEPPED, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    from transformers import AutoTokenizer
+
     assert recorded["mid_prefill"] and recorded["replayed"] > 50  # preempted before its prompt was done; replays
-    model = LlamaForCausalLM.from_pretrained(tiny).eval()
+    model, tok = LlamaForCausalLM.from_pretrained(tiny).eval(), AutoTokenizer.from_pretrained(tiny)
+    plain = []  # (decoded, recorded text) of each token shown as it decodes: no edge space, escape or part character
     for output in recorded["outputs"]:
         (call,) = nxl.read_stream(tmp_path / "run", request_id=output["id"])
         assert call.complete and call.prompt_ids[0].tolist() == output["prompt"], call.error
+        assert call.model == str(tiny)  # the folder vLLM loaded, not the class of nxl's view of its model
+        # the texts are the tokenizer's, where its decoding has no space or escape the records show otherwise
+        pairs = [(tok.decode([i]), text) for i, text in zip(output["prompt"] + output["tokens"], call.readable[0]
+                                                            + [step.readable[0] for step in call.steps])]
+        plain += [(decoded, text) for decoded, text in pairs
+                  if decoded.isprintable() and decoded.strip() == decoded != "" and not set(decoded) & set("\\\ufffd")]
         assert [int(step.token[0]) for step in call.steps] == output["tokens"]
         last = torch.tensor([float(step.logat[-1, 0, -1]) for step in call.steps])
         torch.testing.assert_close(last, torch.tensor(output["raw"]), rtol=1e-4, atol=1e-4)
         check_call(model, call, len(output["tokens"]))
+    assert plain and all(decoded == text for decoded, text in plain), plain
 
 
 def save_family(path: Path, family: str, **config) -> Path:
