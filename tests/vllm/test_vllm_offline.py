@@ -371,9 +371,10 @@ def test_a_lora_adapter_on_lm_head_is_not_recorded_and_one_on_the_layers_is(tiny
     assert [int(token) for token in check_call(merged, call, 5)] == on_layers["tokens"]
 
 
-def runner_of_shape(cls: type, model: str = "org/tiny", tokenizer: str | None = None):
+def runner_of_shape(cls: type, model: str = "org/tiny", tokenizer: str | None = None, revision: str | None = None):
     """A model runner of vLLM's class ``cls`` without an engine (its constructor needs the engine's config, a V2
-    runner's a GPU), holding a model of vLLM's shape loaded from ``model`` (vLLM's --tokenizer: ``tokenizer``)."""
+    runner's a GPU), holding a model of vLLM's shape loaded from ``model`` (vLLM's --tokenizer: ``tokenizer``, at its
+    --tokenizer-revision ``revision``)."""
     from types import SimpleNamespace
 
     vllm_model = torch.nn.Module()
@@ -383,7 +384,8 @@ def runner_of_shape(cls: type, model: str = "org/tiny", tokenizer: str | None = 
     vllm_model.config = SimpleNamespace(vocab_size=16, hidden_size=8)
     runner = object.__new__(cls)
     runner.model = vllm_model
-    runner.vllm_config = SimpleNamespace(model_config=SimpleNamespace(model=model, tokenizer=tokenizer or model))
+    runner.vllm_config = SimpleNamespace(model_config=SimpleNamespace(model=model, tokenizer=tokenizer or model,
+                                                                      tokenizer_revision=revision))
     return runner
 
 
@@ -428,18 +430,30 @@ def test_vllms_records_name_the_model_vllm_loaded():
     assert model_name(VllmForCausalLM(runner_of_shape(CPUModelRunner, "org/tiny"))) == "org/tiny"
 
 
-def test_vllms_records_read_token_texts_with_the_tokenizer_vllm_serves_with(tiny, tmp_path):
-    """``vllm serve WEIGHTS --tokenizer DIR``: the records' token texts are read with DIR's tokenizer, vLLM's own, not
-    looked for beside the weights (where there is none: every record had ids only, said as "no tokenizer")."""
+def test_vllms_records_read_token_texts_with_the_tokenizer_vllm_serves_with(tiny, tmp_path, monkeypatch):
+    """``vllm serve WEIGHTS --tokenizer DIR --tokenizer-revision REV``: the records' token texts are read with DIR's
+    tokenizer at REV, vLLM's own, not looked for beside the weights (where there is none: every record had ids only,
+    said as "no tokenizer") nor at the hub's main revision."""
+    import transformers
     from vllm.v1.worker.cpu_model_runner import CPUModelRunner
 
     from nxl_hooks.apps.serve.controller import Watch
     from nxl_hooks.hooks.engines.vllm import VllmForCausalLM
 
+    loads = []
+    load = transformers.AutoTokenizer.from_pretrained.__func__
+
+    def recorded(cls, name, *args, **kwargs):  # (a local folder has no revisions: the revision asked for is seen)
+        loads.append((name, kwargs.get("revision")))
+        return load(cls, name, *args, **{key: value for key, value in kwargs.items() if key != "revision"})
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", classmethod(recorded))
     (tmp_path / "weights").mkdir()  # no tokenizer here
-    view = VllmForCausalLM(runner_of_shape(CPUModelRunner, str(tmp_path / "weights"), tokenizer=str(tiny)))
+    view = VllmForCausalLM(runner_of_shape(CPUModelRunner, str(tmp_path / "weights"), tokenizer=str(tiny),
+                                           revision="v2"))
     watch = Watch(view, view.name_or_path, "weights", excluded=False, keep_calls=1)
     assert watch.texts.tokenizer is not None and watch.texts.text(306) == "Paris"
+    assert loads == [(str(tiny), "v2")]
 
 
 def test_status_of_a_compiled_model_the_view_does_not_follow_says_it_is_compiled():

@@ -65,8 +65,8 @@ class Texts:
     """A watched model's token ids as people read them: its tokenizer, loaded on first use, and the readable-text
     cache every probe with that tokenizer shares (:func:`~nxl_hooks.hooks.plan.token_texts`)."""
 
-    def __init__(self, name: str) -> None:
-        self._name = name
+    def __init__(self, name: str, revision: str | None = None) -> None:
+        self._name, self._revision = name, revision
         self._tokenizer: Any = None
         self._texts: TokenTexts | None = None  # held here: the shared cache lives while a holder does
         self._loaded = False
@@ -81,7 +81,8 @@ class Texts:
                 try:
                     from transformers import AutoTokenizer
 
-                    self._tokenizer = AutoTokenizer.from_pretrained(self._name, local_files_only=True)
+                    self._tokenizer = AutoTokenizer.from_pretrained(self._name, revision=self._revision,
+                                                                    local_files_only=True)
                     self._texts = token_texts(self._tokenizer)
                 except Exception as error:  # noqa: BLE001 - ids are shown instead
                     _log.warning("nxl_hooks: no tokenizer for %s (%s); token ids are shown instead", self._name,
@@ -155,7 +156,8 @@ class Watch:
         self.excluded = excluded  #: not recorded: --models did not select it, or `nxl ctl detach` took it off
         self.error: str | None = None  #: why the last attach failed
         # (a vLLM model's tokenizer may come from elsewhere than its weights: vllm serve MODEL --tokenizer DIR)
-        self.texts = Texts(getattr(model, "tokenizer_name_or_path", None) or name)
+        self.texts = Texts(getattr(model, "tokenizer_name_or_path", None) or name,
+                           getattr(model, "tokenizer_revision", None))
         self.retired: collections.deque[tuple[GenerationCall, dict]] = collections.deque(maxlen=keep_calls)
         self.forwards: collections.deque[Forward] = collections.deque(maxlen=keep_calls)
         self.hook: Any = None  #: the forward hook that keeps :attr:`forwards`, while attached

@@ -289,6 +289,8 @@ class VllmForCausalLM(nn.Module):
         #: where vLLM's tokenizer comes from (``--tokenizer``; vLLM's default: the model's own folder or hub id): the
         #: one the records' token texts are read with
         self.tokenizer_name_or_path = str(runner.vllm_config.model_config.tokenizer or self.name_or_path)
+        #: ... at the revision vLLM reads it at (``--tokenizer-revision``, else the model's ``--revision``; None: main)
+        self.tokenizer_revision = getattr(runner.vllm_config.model_config, "tokenizer_revision", None)
         vocab, hidden = int(self.config.vocab_size), int(self.config.hidden_size)
         self.model = nn.Module()
         self.model.layers = nn.ModuleList(nn.Identity() for _ in range(len(layers)))
