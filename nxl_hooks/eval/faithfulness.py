@@ -478,7 +478,9 @@ def score_example(
     eval_layer = layer_index(layer, setup.n_blocks)
     ranking = {name: scores[name][eval_layer] if name in layered else scores[name] for name in methods}
 
-    counts = [int((n if template is None else n - int(template.sum())) * k) for k in ks]
+    length = n if template is None else n - int(template.sum())
+    # round first: 90 * 0.7 is 62.99999999999999 in floats, and int() alone would perturb 62 tokens, not 63
+    counts = [math.floor(round(length * k, 9)) for k in ks]
     rows = [
         perturb(ids, position, ranking[name], count, keep_top=keep_top, mode=setup.mode, mask_id=setup.mask_id,
                 protected_ids=setup.special_ids, template=template)

@@ -591,3 +591,12 @@ def test_each_probe_method_is_timed_on_its_own_forward(monkeypatch):
     for name in names:
         torch.testing.assert_close(torch.tensor(rec["methods"][name]["scores"]), expected[name], rtol=1e-4,
                                    atol=1e-5)
+
+
+def test_each_k_perturbs_the_exact_fraction_of_the_tokens_whatever_the_float_error():
+    """int(n * K) of the exact product: 90 * 0.7 is 62.999... in floats, yet 70% of 90 tokens is 63."""
+    model, tok = FakeForSequenceClassification(), word_tokenizer(WORDS, "[CLS] $A [SEP]")
+    for n in (90, 170, 360):  # each with a K whose float product falls just under the whole number
+        rec = ev.score_example(model, tok, {"text": " ".join(["plain"] * (n - 2))}, methods=(),
+                               custom={"mine": [0.0] * n})
+        assert rec["counts"] == [n * tenths // 10 for tenths in range(1, 10)]
