@@ -157,9 +157,10 @@ def _candidates(input_ids: torch.Tensor, position: int, protected_ids: Sequence[
                 template: torch.Tensor | None = None) -> torch.Tensor:
     """bool (seq,): what a method ranks and perturbation may touch, by the one rule of
     :func:`nxl_hooks.method.select.rankable` (not the prediction, not the protected special tokens, not a chat
-    template's markers and system prompt)."""
+    template's markers and system prompt), without its fall-back to special tokens: SPEC 5 never perturbs them,
+    and a one-word text's <s> deleted would measure the model without its <s>, not the ranking."""
     special = torch.isin(input_ids, torch.tensor(list(protected_ids), dtype=input_ids.dtype))
-    return rankable(torch.ones_like(input_ids, dtype=torch.bool), position, special, template)
+    return rankable(torch.ones_like(input_ids, dtype=torch.bool), position, special, template, fallback=False)
 
 
 #: What one more forward costs, in padded tokens: on a CPU a forward of a few short rows is bound by reading every
@@ -468,6 +469,9 @@ def score_example(
     # A chat-templated text (nxl evaluate --chat): its template's tokens neither rank nor count towards K.
     template = locate_template(tokenizer, ids.tolist())
     ranked = _candidates(ids, position, setup.special_ids, template)
+    if not ranked.any():
+        raise ValueError(f"example {example['text']!r} has no token to perturb: all but the prediction are special "
+                         "tokens (or a chat template's)")
     evidence, missing = _evidence(example, encoding, ranked)
     scores, seconds = _method_scores(setup, methods, ids, position, t, seed, example["text"], ig_steps, aggregation)
     for name, values in (custom or {}).items():

@@ -492,13 +492,14 @@ def special_mask(input_ids: torch.Tensor, tokenizer: Any) -> torch.Tensor | None
 
 
 def rankable(mask: torch.Tensor, position: torch.Tensor | int, special: torch.Tensor | None = None,
-             template: torch.Tensor | None = None) -> torch.Tensor:
+             template: torch.Tensor | None = None, *, fallback: bool = True) -> torch.Tensor:
     """Which positions take part in a ranking: real tokens (``mask``), but not the prediction ``position``, not
     ``special`` tokens and not a chat ``template``'s tokens (its markers and the system prompt,
     :mod:`nxl_hooks.method.chat`): what ranks is the user's text and the generated text. Shapes: (seq,) with an
     int position, or (rows, seq) with (rows,) positions.
 
-    When nothing would be left (a text of special tokens only), the real tokens but the prediction rank instead.
+    When nothing would be left (a text of special tokens only), the real tokens but the prediction rank instead;
+    ``fallback=False`` leaves nothing then (perturbation must never touch a [CLS], <s> or [SEP]).
     """
     eligible = mask.bool().clone()
     position = torch.as_tensor(position)
@@ -510,8 +511,10 @@ def rankable(mask: torch.Tensor, position: torch.Tensor | int, special: torch.Te
     if not left_out:
         return eligible
     kept = eligible & ~torch.stack(left_out).any(0)
-    fallback = ~kept.any(-1, keepdim=True)  # only special or template tokens besides the prediction: rank them
-    return torch.where(fallback, eligible, kept)
+    if not fallback:
+        return kept
+    nothing = ~kept.any(-1, keepdim=True)  # only special or template tokens besides the prediction: rank them
+    return torch.where(nothing, eligible, kept)
 
 
 def order(scores: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:

@@ -600,3 +600,20 @@ def test_each_k_perturbs_the_exact_fraction_of_the_tokens_whatever_the_float_err
         rec = ev.score_example(model, tok, {"text": " ".join(["plain"] * (n - 2))}, methods=(),
                                custom={"mine": [0.0] * n})
         assert rec["counts"] == [n * tenths // 10 for tenths in range(1, 10)]
+
+
+@pytest.mark.parametrize("template, text", [("[CLS] $A", "good"), ("[CLS] $A [SEP]", "unknown words")])
+def test_a_text_with_only_special_tokens_beside_the_prediction_perturbs_none_of_them(template, text):
+    """SPEC 5: <s>, [CLS] and [SEP] are never perturbed, even where nothing else is left: a one-word text after <s>
+    (deleting <s> would measure the model without it, not the ranking), or [CLS] [UNK] [UNK] [SEP]."""
+    decoder = "[SEP]" not in template
+    model, tok = FakeForCausalLM() if decoder else FakeForSequenceClassification(), word_tokenizer(WORDS, template)
+    ids = torch.tensor(tok(text)["input_ids"])
+    position = len(ids) - 1 if decoder else 0
+    for keep_top in (False, True):
+        for mode in ("mask", "delete"):
+            out, _ = ev.perturb(ids, position, torch.arange(len(ids), 0, -1).float(), len(ids), keep_top=keep_top,
+                                mode=mode, mask_id=VOCAB["[MASK]"], protected_ids=tok.all_special_ids)
+            assert out.tolist() == ids.tolist()
+    with pytest.raises(ValueError, match=r"has no token to perturb: all but the prediction are special tokens"):
+        ev.score_example(model, tok, {"text": text}, methods=("random",))
