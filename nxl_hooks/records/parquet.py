@@ -15,7 +15,8 @@ One row per (call, batch row, step, layer, context position[, explained target])
 ``emitted_id``       the token generate emitted at this step; ``emitted_text`` as people read it ('␣Paris')
 ``active``           False where the row had already ended (the step explains a pad token)
 ``layer``            the layer index (0..L, negative indices given to attach resolved)
-``position``         the context position scored; ``token_id`` / ``token_text``: the token there
+``position``         the context position scored; ``token_id`` / ``token_text``: the token there (null where the
+                     records do not hold it: a prompt given as ``inputs_embeds``, steps a rotated file deleted)
 ``target_index``     0, or which of the k explained ids (``attach(target=[...])``)
 ``target_id``        the explained id; ``target_text`` its text when known; ``probability`` the model's own
 ``normxlogit``       the score; ``logat`` (HoT(h_i^l)[target]) and ``embed_norm`` (‖e_i‖) it is made of
@@ -171,7 +172,8 @@ def _rows(context: _Context, step: Step) -> dict[str, Any]:
         "active": step.active.numpy()[row_k],
         "layer": np.asarray(step.layers, dtype=np.int32)[pick(layer_i)],
         "position": pos_k.astype(np.int32),
-        "token_id": context.ids[:, :n].numpy()[row_k, pos_k],
+        # -1 (not known: a prompt given as inputs_embeds, the steps a rotated file deleted) is null, as its text is
+        "token_id": np.ma.masked_less(context.ids[:, :n].numpy()[row_k, pos_k], 0),
         "token_text": list(texts[row_k, pos_k]),
         "target_index": pick(target_index).astype(np.int32),
         "target_id": pick(targets[row, target_index]),

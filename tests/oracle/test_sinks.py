@@ -120,6 +120,25 @@ def test_parquet_live_and_exported_rows_equal_the_stream_records_and_the_oracle(
     check_call(model, _from_rows(columns, stream.calls[0], [0, 1, 2]), 4)
 
 
+def test_parquet_token_ids_the_records_do_not_hold_are_null_not_minus_one(chat, tmp_path):
+    """A prompt given as inputs_embeds has no token ids: its rows' token_id was -1, an id no tokenizer has, which a
+    join or a count took for a token; it is null now, like its token_text."""
+    _, model, tokenizer = chat
+    tokenizer.padding_side = "left"
+    enc = tokenizer(PROMPTS, return_tensors="pt", padding=True)
+    embeds = model.get_input_embeddings()(enc.input_ids).detach()
+    with nxl.attach(model, layers=[-1], tokenizer=tokenizer, sink=f"parquet:{tmp_path / 'live.parquet'}"):
+        out = model.generate(inputs_embeds=embeds, attention_mask=enc.attention_mask, max_new_tokens=3,
+                             do_sample=False)
+    columns = _table(tmp_path / "live.parquet")
+    prompt_len = enc.input_ids.shape[1]
+    rows = list(zip(columns["row"], columns["position"], columns["token_id"], columns["token_text"]))
+    assert rows and all(token_id is None and text is None for _, position, token_id, text in rows
+                        if position < prompt_len)
+    generated = [(r, p, i) for r, p, i, _ in rows if p >= prompt_len]
+    assert generated and all(i == int(out[r, p - prompt_len]) for r, p, i in generated)  # generate's own tokens
+
+
 def test_a_model_folder_or_request_id_that_is_not_utf8_is_recorded_and_exported_named_as_its_bytes(
         chat, tmp_path, monkeypatch):
     """A model loaded from a folder whose name is not UTF-8 (Latin-1 'café', which Python names 'caf\\udce9') and
