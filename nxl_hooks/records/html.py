@@ -443,11 +443,12 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
     label_index(label, steps[0].target.reshape(steps[0].token.shape[0], -1).shape[1], "this call")
     layers = list(steps[0].layers)
     prompt_len = call.prompt_mask.shape[1]
-    ids = call.prompt_ids[row].tolist() if call.prompt_ids is not None else [None] * prompt_len
-    context = list(call.readable[row]) if call.readable else [str(i) for i in ids]
+    # without texts, tokens are named as the step views name them: #ID, or @position where not even the id is known
+    # (a prompt given as inputs_embeds)
+    context = list(call.readable[row]) if call.readable else steps[0]._names(call, row)[:prompt_len]
     for step in steps:  # each at its position: the tokens of steps a rotated file deleted are not known
         context += map(unseen, range(len(context), step.position))
-        context.append(step.readable[row] if step.readable else str(int(step.token[row])))
+        context.append(step.readable[row] if step.readable else f"#{int(step.token[row])}")
     # a character split over byte tokens reads whole on every token of it, in the prompt, columns and rows alike
     # (the call is over: the step views' "…" of a character still arriving is not the page's)
     whole = whole_characters(context)

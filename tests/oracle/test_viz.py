@@ -323,6 +323,32 @@ def test_generation_page_says_where_and_why_recording_stopped(generation):
     assert "nothing to show" in beam and not tiny.elements(beam, "td", "nxl-cell")
 
 
+def test_generation_page_names_tokens_without_texts_as_the_step_views_do():
+    """Without a tokenizer a token is #ID, and a prompt given as inputs_embeds (no ids either) reads @position, on
+    the page as in its step views: the page read 'None' for each such prompt token and bare numbers for ids."""
+    import bpe_tiny
+    import nxl_hooks as nxl
+    from nxl_hooks.records.html import generation_html
+
+    tok = bpe_tiny.bpe_tokenizer()
+    model = bpe_tiny.bpe_llama(tok)
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    n = ids.shape[1]
+    with nxl.attach(model, layers="all") as probe:  # no tokenizer: no texts
+        out = model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=2)
+        model.generate(inputs_embeds=model.get_input_embeddings()(ids).detach(), max_new_tokens=2, do_sample=False,
+                       pad_token_id=2)
+    for call, prompt in zip(probe.calls, ([f"#{i}" for i in ids[0].tolist()], [f"@{j}" for j in range(n)])):
+        page = generation_html(call)
+        data = json.loads(page.split('id="nxl-data">')[1].split("</script>")[0])
+        assert data["columns"][:n] == [f"{j}: {name}" for j, name in enumerate(prompt)]
+        assert f'<p class="prompt">{" ".join(prompt)}</p>' in page
+        emitted = [f"#{int(step.token[0])}" for step in call.steps]
+        assert data["columns"][n] == f"{n}: {emitted[0]}" and data["columns"][n] == f"{n}: #{int(out[0, n])}"
+        assert [row.split(" · ")[0] for row in data["rows"]] == [f"{i}: {name}" for i, name in enumerate(emitted)]
+        assert [step["token"] for step in data["steps"]] == emitted  # the views read the same names
+
+
 def test_html_pages_rank_every_position_with_all_positions(tmp_path):
     """--all-positions reaches both pages: the template's columns are not folded, and a step's bold tokens are the
     best of every real context token, as the oracle ranks them."""
