@@ -9,7 +9,7 @@ One row per (call, batch row, step, layer, context position[, explained target])
 (``mask`` True: left padding and pads after a row's end are left out). Columns (:data:`SCHEMA`):
 
 ===================  ==========================================================================================
-``request_id``       the request the call served (None outside a server)
+``request_id``       the request the call served (a generated id where no request named it)
 ``call``, ``row``    the call's index under its probe, generate's batch row
 ``step``             0 for the first new token; ``emitted_position``: that token's index in the sequence
 ``emitted_id``       the token generate emitted at this step; ``emitted_text`` as people read it ('␣Paris')
