@@ -445,7 +445,7 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
     prompt_len = call.prompt_mask.shape[1]
     # without texts, tokens are named as the step views name them: #ID, or @position where not even the id is known
     # (a prompt given as inputs_embeds)
-    context = list(call.readable[row]) if call.readable else steps[0]._names(call, row)[:prompt_len]
+    context = list(call.readable[row]) if call.readable else steps[0].names(call, row)[:prompt_len]
     for step in steps:  # each at its position: the tokens of steps a rotated file deleted are not known
         context += map(unseen, range(len(context), step.position))
         context.append(step.readable[row] if step.readable else f"#{int(step.token[row])}")

@@ -112,7 +112,7 @@ class Step:
         def shown(probability: float | None) -> str:
             return "" if probability is None else f", p {probability:.3g}"
 
-        names = self._names(call, 0)
+        names = self.names(call, 0)
         target = (f"; explaining target '{self._text_of(call, 0, explained, names)}' (id {explained}{shown(chance)})"
                   if explained != token else "")
         top = self.to_attribution().top(3, layer=self.layers[-1])
@@ -169,7 +169,7 @@ class Step:
         batch = self.token.shape[0]
         token, own, explained, probability = self._chances(row, label)
         if names is None:
-            names = self._names(call, row)
+            names = self.names(call, row)
         if special is None and call is not None:
             special = call.context_special(self.position)
         template = call.context_template(self.position) if call is not None else None  # the template does not rank
@@ -205,7 +205,7 @@ class Step:
         known = ids[row].tolist() if ids is not None else []
         return names[known.index(id_)] if id_ in known else f"#{id_}"
 
-    def _names(self, call: "GenerationCall | None", row: int) -> list[str]:
+    def names(self, call: "GenerationCall | None", row: int) -> list[str]:
         """Texts of positions 0 .. position from the record: its readable texts, else ``#ID`` (``@N`` where even
         the id is not known: a call read from a trimmed sink)."""
         own = self.readable[row] if self.readable else f"#{int(self.token[row])}"
