@@ -37,6 +37,7 @@ import math
 import numbers
 import time
 import zlib
+from fractions import Fraction
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Sequence
 
@@ -157,8 +158,9 @@ def _candidates(input_ids: torch.Tensor, position: int, protected_ids: Sequence[
                 template: torch.Tensor | None = None) -> torch.Tensor:
     """bool (seq,): what a method ranks and perturbation may touch, by the one rule of
     :func:`nxl_hooks.method.select.rankable` (not the prediction, not the protected special tokens, not a chat
-    template's markers and system prompt), without its fall-back to special tokens: SPEC 5 never perturbs them,
-    and a one-word text's <s> deleted would measure the model without its <s>, not the ranking."""
+    template's markers and system prompt), without its fall-back to special tokens: they are never perturbed
+    (docs/faithfulness.md), and a one-word text's <s> deleted would measure the model without its <s>, not the
+    ranking."""
     special = torch.isin(input_ids, torch.tensor(list(protected_ids), dtype=input_ids.dtype))
     return rankable(torch.ones_like(input_ids, dtype=torch.bool), position, special, template, fallback=False)
 
@@ -428,12 +430,15 @@ def score_example(
     - ``keep_scores``: also store each method's per-token scores at ``layer`` (for reports).
     - ``custom``: your own methods, name -> one score per token of ``tokenizer(text)`` (special tokens
       included), measured exactly like the built-in ones (``seconds`` is then None).
+    - An example with no token to perturb (all but the prediction are special tokens or a chat template's: a
+      one-word text after ``<s>``) is a ValueError, one line: special tokens are never perturbed.
 
     Keys: schema, id, text, tokens (pieces), readable (each token's text, '␣Paris'), target_text,
     target_probability / foil_text, foil_probability (the model's own probabilities: its softmax over all
-    outputs, a multi-label classifier's sigmoid), notes (a target word of several tokens, a method not computed), norm_spread and flat_norms (embedding norms nearly equal on the ranked tokens: NormXLogit
-    ranks as LogAt), kind, perturbation, position, target, target_token, foil, label, prediction, output (the explained p, or the regression output), probability ("all" outputs, "pair",
-    or "output" for regression), correct (None without a label), evidence (0/1 per token, 1 on ranked ones only;
+    outputs, a multi-label classifier's sigmoid), notes (a target word of several tokens, a method not computed),
+    norm_spread and flat_norms (embedding norms nearly equal on the ranked tokens: NormXLogit ranks as LogAt), kind,
+    perturbation, position, target, target_token, foil, label, prediction, output (the explained p, or the
+    regression output), probability ("all" outputs, "pair", or "output" for regression), correct (None without a label), evidence (0/1 per token, 1 on ranked ones only;
     or None), evidence_missing (words that matched no ranked token: none, or only special / template tokens),
     layers, eval_layer, ks, counts (tokens per K), methods.
     """
@@ -483,8 +488,9 @@ def score_example(
     ranking = {name: scores[name][eval_layer] if name in layered else scores[name] for name in methods}
 
     length = n if template is None else n - int(template.sum())
-    # round first: 90 * 0.7 is 62.99999999999999 in floats, and int() alone would perturb 62 tokens, not 63
-    counts = [math.floor(round(length * k, 9)) for k in ks]
+    # K as the decimal the user wrote, times n, exactly: 90 * 0.7 is 62.99999999999999 in floats (int() perturbed
+    # 62 tokens, not 63), and a float32 0.7 is 0.699999988 (str() gives it back as 0.7)
+    counts = [int(length * (Fraction(k) if isinstance(k, numbers.Integral) else Fraction(str(k)))) for k in ks]
     rows = [
         perturb(ids, position, ranking[name], count, keep_top=keep_top, mode=setup.mode, mask_id=setup.mask_id,
                 protected_ids=setup.special_ids, template=template)

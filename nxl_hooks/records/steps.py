@@ -20,7 +20,7 @@ import torch
 from ..method.registry import DEFAULT
 from ..method.select import special_flags
 from .attribution import Attribution, by_method, layers_text
-from .tokens import plain_text, printable, unseen, whole_characters
+from .tokens import plain_text, printable, unseen, untexted, whole_characters
 from .view import StepView, ranking
 
 __all__ = ["GenerationCall", "STEP_TENSORS", "Step"]
@@ -203,17 +203,17 @@ class Step:
         (the record holds no text of it)."""
         ids = call.context_ids(self.position) if call is not None else None
         known = ids[row].tolist() if ids is not None else []
-        return names[known.index(id_)] if id_ in known else f"#{id_}"
+        return names[known.index(id_)] if id_ in known else untexted(id_)
 
     def names(self, call: "GenerationCall | None", row: int) -> list[str]:
         """Texts of positions 0 .. position from the record: its readable texts, else ``#ID`` (``@N`` where even
         the id is not known: a call read from a trimmed sink)."""
-        own = self.readable[row] if self.readable else f"#{int(self.token[row])}"
+        own = self.readable[row] if self.readable else untexted(self.token[row])
         if self.context is not None:
             return [*self.context[row][: self.position], own]
         ids = call.context_ids(self.position) if call is not None else None
         known = ids[row].tolist() if ids is not None else [-1] * self.position
-        return [f"#{i}" if i >= 0 else unseen(n) for n, i in enumerate(known)] + [own]
+        return [untexted(i) if i >= 0 else unseen(n) for n, i in enumerate(known)] + [own]
 
 
 @dataclass(eq=False)
@@ -254,7 +254,7 @@ class GenerationCall:
         """A summary, never the tensors: request, prompt size, steps, state and row 0's generated text, control and
         format characters shown escaped (:func:`~nxl_hooks.records.tokens.printable`). ``print(call)``"""
         prompt = "?" if self.prompt_mask is None else f"{self.prompt_mask.shape[0]} x {self.prompt_mask.shape[1]}"
-        text = "".join(step.readable[0] if step.readable else f"#{int(step.token[0])}" for step in self.steps[:40])
+        text = "".join(step.readable[0] if step.readable else untexted(step.token[0]) for step in self.steps[:40])
         # its error shown escaped: a file's end frame may hold any text (an escape sequence, a bidi override)
         state = "complete" if self.complete else ("stopped: " + printable(self.error) if self.error else "running")
         return (f"<GenerationCall {self.index} request {self.request_id!r}: prompt {prompt} tokens, "

@@ -51,7 +51,7 @@ from ..method.select import ResolvedTarget
 
 __all__ = ["EMPTY", "describe_target", "NEWLINE", "SPACE", "TAB", "chat_text", "is_readable", "label_text",
            "plain_text", "printable", "readable", "readable_ids", "record_text", "target_texts", "unseen",
-           "visible", "whole_characters"]
+           "untexted", "visible", "whole_characters"]
 
 SPACE = "␣"
 NEWLINE = "↵"
@@ -102,6 +102,12 @@ def printable(line: str) -> str:
     nothing else changed (a line quoting readable texts keeps their backslashes single).
     ``printable("req\\x1b[2J: '\\\\xf0'") == "req\\\\x1b[2J: '\\\\xf0'"``"""
     return "".join(map(_shown, line))
+
+
+def untexted(token_id: int) -> str:
+    """The text of a token whose id the records hold but not its text (recorded without a tokenizer):
+    ``untexted(306) == "#306"``."""
+    return f"#{int(token_id)}"
 
 
 def unseen(position: int) -> str:

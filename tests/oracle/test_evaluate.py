@@ -600,11 +600,16 @@ def test_each_k_perturbs_the_exact_fraction_of_the_tokens_whatever_the_float_err
         rec = ev.score_example(model, tok, {"text": " ".join(["plain"] * (n - 2))}, methods=(),
                                custom={"mine": [0.0] * n})
         assert rec["counts"] == [n * tenths // 10 for tenths in range(1, 10)]
+    # K as written: a float32 0.7 (0.699999988), and a K of more decimals than rounding to 9 would keep
+    ks = (np.float32(0.7), 0.01111111111, 0.999999999999)  # 90 K: 62.999999, 0.9999999999, 89.99999999991
+    rec = ev.score_example(model, tok, {"text": " ".join(["plain"] * 88)}, methods=(), custom={"mine": [0.0] * 90},
+                           ks=ks)
+    assert rec["counts"] == [63, 0, 89]
 
 
 @pytest.mark.parametrize("template, text", [("[CLS] $A", "good"), ("[CLS] $A [SEP]", "unknown words")])
 def test_a_text_with_only_special_tokens_beside_the_prediction_perturbs_none_of_them(template, text):
-    """SPEC 5: <s>, [CLS] and [SEP] are never perturbed, even where nothing else is left: a one-word text after <s>
+    """<s>, [CLS] and [SEP] are never perturbed (docs/faithfulness.md), even where nothing else is left: a one-word text after <s>
     (deleting <s> would measure the model without it, not the ranking), or [CLS] [UNK] [UNK] [SEP]."""
     decoder = "[SEP]" not in template
     model, tok = FakeForCausalLM() if decoder else FakeForSequenceClassification(), word_tokenizer(WORDS, template)

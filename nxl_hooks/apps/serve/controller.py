@@ -51,6 +51,7 @@ from ...records.attribution import Attribution
 from ...records.writer import RotatingSink
 from ...records.sinks import make_sink
 from ...records.steps import GenerationCall, Step
+from ...records.tokens import untexted
 from .runs import check_private
 from .settings import Settings, matches
 
@@ -92,7 +93,7 @@ class Texts:
     def text(self, token_id: int) -> str:
         """``readable`` text of ``token_id`` (``#ID`` without a tokenizer)."""
         self.tokenizer  # noqa: B018 - loads it (and its texts) on first use
-        return self._texts([token_id])[0] if self._texts is not None else f"#{token_id}"
+        return self._texts([token_id])[0] if self._texts is not None else untexted(token_id)
 
     def special(self, ids: list[int]) -> list[bool] | None:
         tokenizer = self.tokenizer
