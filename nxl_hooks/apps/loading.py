@@ -73,8 +73,9 @@ def _local_folder(name: str, subfolder: str | None) -> Path:
 
 
 def _check_local(name: str, gguf_file: str | None, subfolder: str | None = None) -> None:
-    if user_path(name).exists():
-        path, root = _local_folder(name, subfolder), user_path(name)  # (a subfolder's tokenizer may be the root's)
+    root = user_path(name)
+    if root.exists():
+        path = _local_folder(name, subfolder)  # (a subfolder's tokenizer may be the root's)
         if subfolder:  # named in each line below: the files looked for are there, not beside name
             name = os.path.join(name, subfolder)
         if gguf_file is not None:
@@ -122,6 +123,11 @@ _CONFIG_FIX = "use the config.json saved with these weights"
 #: from_pretrained keyword arguments that say where a hub model's files are (which revision, which cache, whose
 #: token): the config and the tokenizer are read from there too, not only the weights.
 _WHERE = ("revision", "subfolder", "cache_dir", "token", "local_files_only", "force_download", "proxies")
+
+
+def _location(kwargs: Mapping[str, Any], *also: str) -> dict[str, Any]:
+    """The :data:`_WHERE` keyword arguments (and ``also``) among a from_pretrained call's ``kwargs``."""
+    return {key: kwargs[key] for key in (*_WHERE, *also) if key in kwargs}
 
 
 def _read_config(name: str, **location: Any) -> Any:
@@ -525,7 +531,7 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
     if split != loading.gguf_file:  # the .gguf file given as name (checked again: --tp excludes it)
         loading = dataclasses.replace(loading, gguf_file=split)
     head, gguf_file, device_map, quantize = loading.head, loading.gguf_file, loading.device_map, loading.quantize
-    where = {key: kwargs[key] for key in _WHERE if key in kwargs}
+    where = _location(kwargs)
     _check_local(name, gguf_file, where.get("subfolder"))
     if gguf_file is None:  # (a GGUF model is its file alone, and is never offloaded to disk)
         _check_offload_folder(name, loading.offload_folder)
@@ -672,8 +678,7 @@ def check_program_load(name: str, kwargs: Mapping[str, Any]) -> None:
     if isinstance(config, transformers.PretrainedConfig):
         saved = getattr(config, "quantization_config", None)
     else:  # its config.json as a dict: no class of the model's is built (nor code of its own run) to read it
-        where = {key: kwargs[key] for key in (*_WHERE, "gguf_file") if key in kwargs}
-        fields, _ = transformers.PretrainedConfig.get_config_dict(config or name, **where)
+        fields, _ = transformers.PretrainedConfig.get_config_dict(config or name, **_location(kwargs, "gguf_file"))
         saved = (fields or {}).get("quantization_config")
     _check_saved_quantization(name, saved, asked)
 

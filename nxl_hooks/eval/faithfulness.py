@@ -37,8 +37,8 @@ import math
 import numbers
 import time
 import zlib
-from fractions import Fraction
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, Callable, Mapping, Sequence
 
 import torch
@@ -438,9 +438,9 @@ def score_example(
     outputs, a multi-label classifier's sigmoid), notes (a target word of several tokens, a method not computed),
     norm_spread and flat_norms (embedding norms nearly equal on the ranked tokens: NormXLogit ranks as LogAt), kind,
     perturbation, position, target, target_token, foil, label, prediction, output (the explained p, or the
-    regression output), probability ("all" outputs, "pair", or "output" for regression), correct (None without a label), evidence (0/1 per token, 1 on ranked ones only;
-    or None), evidence_missing (words that matched no ranked token: none, or only special / template tokens),
-    layers, eval_layer, ks, counts (tokens per K), methods.
+    regression output), probability ("all" outputs, "pair", or "output" for regression), correct (None without a
+    label), evidence (0/1 per token, 1 on ranked ones only; or None), evidence_missing (words that matched no ranked
+    token: none, or only special / template tokens), layers, eval_layer, ks, counts (tokens per K), methods.
     """
     known = available_methods()
     unknown = [m for m in methods if m not in known]

@@ -996,10 +996,10 @@ class Hub:
                 if away:
                     self._frames_waiting += 1
                     self._frames.put([(None, _nothing, None)])  # an idle sink thread wakes up and closes it
-        if stops and not away and (writer is None or not writer.is_alive()):
+        if stops and (writer is None or not writer.is_alive()):  # (no sink thread to close it)
             self._close_sink()
-        before = self.unwritten
         if queued is not None:  # (also when the sink had stopped already: its thread is not coming back either)
+            before = self.unwritten
             self._abandon_queued()
             fault = f"{queued}: {self.unwritten - before} step record(s) were still queued for it"
         if stops:

@@ -119,9 +119,26 @@ def test_located_from_ids_alone_system_prompt_and_earlier_turns(world):
     assert locate_template(tok, ids, [{"role": "user", "content": "something else"}]) is None
 
 
+def _chat_pipeline(model, tok, new_tokens: int):
+    """A chat pipeline's call on a system prompt and QUESTION, recorded: its prompt ids and the positions that rank
+    (the user's message) are those cut by hand. Returns (call, ids, ranked)."""
+    from transformers import pipeline
+
+    messages = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": QUESTION}]
+    ids, ranked = by_hand(tok, [("<|im_start|>system\n", False), ("Answer in one word.", False),
+                                ("<|im_end|>\n<|im_start|>user\n", False), (QUESTION, True),
+                                ("<|im_end|>\n<|im_start|>assistant\n", False)])
+    with nxl.attach(model, tokenizer=tok, layers="last") as probe:
+        pipeline("text-generation", model=model, tokenizer=tok)(messages, max_new_tokens=new_tokens, do_sample=False)
+    call = probe.calls[-1]
+    assert call.prompt_ids[0].tolist() == ids
+    assert set((~call.prompt_template[0]).nonzero().flatten().tolist()) == ranked
+    return call, ids, ranked
+
+
 def test_a_chat_pipeline_on_a_tokenizer_that_adds_a_bos_its_template_does_not_write_ranks_the_users_message(world):
     from tokenizers import processors
-    from transformers import PreTrainedTokenizerFast, pipeline
+    from transformers import PreTrainedTokenizerFast
 
     model, _, _ = world
     plain = bpe_tiny.bpe_tokenizer()  # (its backend is changed: not the world's)
@@ -134,15 +151,7 @@ def test_a_chat_pipeline_on_a_tokenizer_that_adds_a_bos_its_template_does_not_wr
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token=bos, eos_token="<|im_end|>",
                                   pad_token="<|im_end|>", chat_template=bpe_tiny.CHAT_TEMPLATE)
     assert tok("Rome")["input_ids"][0] == tok.bos_token_id
-    messages = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": QUESTION}]
-    ids, ranked = by_hand(tok, [("<|im_start|>system\n", False), ("Answer in one word.", False),
-                                ("<|im_end|>\n<|im_start|>user\n", False), (QUESTION, True),
-                                ("<|im_end|>\n<|im_start|>assistant\n", False)])
-    with nxl.attach(model, tokenizer=tok, layers="last") as probe:
-        pipeline("text-generation", model=model, tokenizer=tok)(messages, max_new_tokens=1, do_sample=False)
-    call = probe.calls[-1]
-    assert call.prompt_ids[0].tolist() == ids
-    assert set((~call.prompt_template[0]).nonzero().flatten().tolist()) == ranked
+    call, ids, ranked = _chat_pipeline(model, tok, 1)
     # and with the BOS the tokenizer adds (nxl.explain's encoding): its BOS is the template's
     template = locate_template(tok, [tok.bos_token_id, *ids])
     assert set((~template).nonzero().flatten().tolist()) == {p + 1 for p in ranked}
@@ -220,18 +229,8 @@ def test_evaluate_never_perturbs_the_template_and_counts_the_message(world):
 
 
 def test_a_pipeline_with_chat_messages_records_where_the_template_is(world):
-    from transformers import pipeline
-
     model, tok, _ = world
-    messages = [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": QUESTION}]
-    ids, ranked = by_hand(tok, [("<|im_start|>system\n", False), ("Answer in one word.", False),
-                                ("<|im_end|>\n<|im_start|>user\n", False), (QUESTION, True),
-                                ("<|im_end|>\n<|im_start|>assistant\n", False)])
-    with nxl.attach(model, tokenizer=tok, layers="last") as probe:
-        pipeline("text-generation", model=model, tokenizer=tok)(messages, max_new_tokens=2, do_sample=False)
-    call = probe.calls[-1]
-    assert call.prompt_ids[0].tolist() == ids
-    assert set((~call.prompt_template[0]).nonzero().flatten().tolist()) == ranked
+    call, ids, ranked = _chat_pipeline(model, tok, 2)
     step = call.steps[-1]
     res = step.to_attribution(template=call.context_template(step.position))
     assert {p for p, _, _ in res.top(100)} == ranked | set(range(len(ids), step.position - 1))
