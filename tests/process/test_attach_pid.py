@@ -227,7 +227,8 @@ def test_a_plain_script_waited_for_attached_recorded_detached(tiny, tmp_path, ca
 def test_an_interrupted_attach_wait_never_attaches_the_process_later(tiny, tmp_path):
     """Ctrl-C on nxl attach --wait once the process took the request: the command removes its run folder and
     exits 130, and the process, once it loads its model, does not attach after all (it did: hooks, endpoint and
-    records, in the run folder made again 0755, and the next nxl attach was refused 'recorded already')."""
+    records, in the run folder made again 0755, and the next nxl attach was refused 'recorded already'), nor says
+    anything of it (its answer, to the folder removed, was a traceback in the process's stderr)."""
     go, run, again = tmp_path / "go", tmp_path / "run", tmp_path / "again"
     private = tmp_path / "tmp"
     private.mkdir(mode=0o700)
@@ -253,6 +254,7 @@ def test_an_interrupted_attach_wait_never_attaches_the_process_later(tiny, tmp_p
         assert done.returncode == 0, done.stderr
     finally:
         _stop(process)
+    assert "Traceback" not in (tmp_path / "target.log").read_text()
 
 
 def _catches_sigterm(pid: int) -> bool:

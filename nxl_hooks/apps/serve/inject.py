@@ -311,10 +311,13 @@ die.__nxl_attach__ = True  # how a detach tells it from the program's own handle
 
 
 def report(outcome):
-    fd = os.open(RESULT + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(outcome, fh)
-    os.replace(RESULT + ".tmp", RESULT)
+    try:
+        fd = os.open(RESULT + ".tmp", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as fh:
+            json.dump(outcome, fh)
+        os.replace(RESULT + ".tmp", RESULT)
+    except OSError:  # nxl attach gave up and removed its folder: no one reads it, and the process must not hear of it
+        pass
 
 
 def work():
