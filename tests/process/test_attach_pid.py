@@ -522,6 +522,19 @@ def test_an_answer_of_another_shape_is_one_line_and_the_run_folder_goes(tmp_path
     assert not run.exists()
 
 
+@pytest.mark.parametrize("answer", [{"ok": True}, {"ok": True, "run_dir": "r", "patches": "2", "hooks": 0,
+                                                    "threads": []}])
+@pytest.mark.version_free
+def test_a_detach_answer_of_another_shape_is_one_line(capsys, monkeypatch, answer):
+    """The target's side's detach answer, read as attach's is: a missing key was 'nxl detach: error: 'hooks''."""
+    from nxl_hooks.apps.serve import inject as injection
+
+    monkeypatch.setattr(injection, "inspect_target", lambda pid: Target(pid, os.geteuid(), os.getegid(),
+                                                                        sys.executable, (3, 11)))
+    monkeypatch.setattr(injection, "inject", lambda *args, **kwargs: answer)
+    assert "answered the detach with an outcome of another shape" in _refused(capsys, "detach", "4242")
+
+
 @pytest.mark.parametrize("command", ["attach", "detach"])
 @pytest.mark.version_free
 def test_an_answer_nested_too_deep_is_one_line(tmp_path, capsys, monkeypatch, command):

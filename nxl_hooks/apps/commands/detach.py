@@ -28,6 +28,11 @@ def run(args: argparse.Namespace) -> int:
     outcome = inject(inspect_target(args.pid), {"action": "detach"}, timeout=args.timeout)
     if not outcome.get("ok"):
         raise CliError(f"process {args.pid}: {outcome.get('error')}")
+    # the target's side answers, which its user controls: only its shape is read (a missing key was "error: 'hooks'")
+    shape = {"run_dir": str, "patches": int, "hooks": int, "threads": list}
+    if not all(isinstance(outcome.get(key), kind) for key, kind in shape.items()):
+        raise CliError(f"process {args.pid} answered the detach with an outcome of another shape: whether it runs "
+                       "unrecorded is unknown; check its nxl_hooks install and detach again")
     left = "".join(f"; {what} left: {outcome[key]}" for key, what in (("hooks", "hooks"), ("threads", "nxl threads"))
                    if outcome[key])
     say(one_line(f"nxl detach: process {args.pid} runs unrecorded ({outcome['patches']} patches given back{left}); "
