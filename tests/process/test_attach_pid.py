@@ -292,6 +292,26 @@ def test_sigterm_on_an_attached_process_removes_its_socket_as_under_nxl_run(tiny
     assert not (run / f"{pid}.sock").exists()
 
 
+
+@needs_gdb
+@pytest.mark.version_free
+def test_a_refused_attach_leaves_the_signal_handlers_as_they_were(tmp_path, capsys):
+    """A refusal that needs no import is answered in the main thread before any handler is set (one refused after
+    nxl_hooks imported, --wait expiring with no model, is given its default back by a detach, as an attach is)."""
+    process = _start(tmp_path, _LOOP)
+    try:
+        pid = str(process.pid)
+        assert f"process {pid}: transformers is not imported: no model" in _refused(capsys, "attach", pid)
+        assert not _catches_sigterm(process.pid)
+        assert "loaded in this process yet (waited 1 s); try again once it is, or with a longer --wait" in _refused(
+            capsys, "attach", pid, "--wait", "1")
+        assert _catches_sigterm(process.pid)
+        assert f"process {pid}: not attached by nxl attach (nothing to detach)" in _refused(capsys, "detach", pid)
+        assert not _catches_sigterm(process.pid) and process.poll() is None
+    finally:
+        _stop(process)
+    assert "Traceback" not in (tmp_path / "target.log").read_text()
+
 # -- refusals: one line, exit code 2, nothing injected ---------------------------------------------------------
 
 _LOOP = "import sys, time\nprint('ready', flush=True)\nfor _ in range(1200):\n    time.sleep(0.05)\n"
@@ -472,7 +492,7 @@ def test_an_injection_that_fails_inside_the_target_leaves_it_running(tmp_path, c
     process = _start(tmp_path, _HIDDEN)
     try:
         err = _refused(capsys, "attach", str(process.pid), "--wait", "1")
-        assert f"nxl_hooks is not importable in process {process.pid}" in err
+        assert f"process {process.pid}: nxl_hooks is not importable there: install it there" in err
         seen = len((tmp_path / "target.log").read_text().splitlines())
         deadline = time.monotonic() + 60
         while len((tmp_path / "target.log").read_text().splitlines()) < seen + 5:

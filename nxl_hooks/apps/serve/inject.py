@@ -288,11 +288,12 @@ def bootstrap_source(script: str, target: Target | None = None) -> str:
 
 
 def script_source(request: str) -> str:
-    """The script the bootstrap runs: claim ``request`` (``<request>.taken``), hand the work to a daemon thread,
-    return. The thread writes ``<request>.result`` (0600): :func:`nxl_hooks.apps.serve.remote.handle`'s outcome,
-    or why nxl_hooks did not import. In the main thread, where alone Python sets signal handlers, an attach puts
-    the control endpoint's SIGTERM/SIGHUP handler where the process left their default action (it removes the
-    socket, then dies of the signal: docs/security.md), and a detach gives the default back."""
+    """The script the bootstrap runs: claim ``request`` (``<request>.taken``), answer at once a refusal that needs
+    no import (nothing to detach, no nxl_hooks, no model yet), else hand the work to a daemon thread and return.
+    Either writes ``<request>.result`` (0600): :func:`nxl_hooks.apps.serve.remote.handle`'s outcome, or why not.
+    In the main thread, where alone Python sets signal handlers, an attach not refused puts the control endpoint's
+    SIGTERM/SIGHUP handler where the process left their default action (it removes the socket, then dies of the
+    signal: docs/security.md), and a detach gives the default back."""
     return f'''import importlib.util, json, os, signal, sys, threading
 REQUEST = {request!r}
 TAKEN, RESULT = REQUEST + ".taken", REQUEST + ".result"
@@ -320,27 +321,27 @@ def report(outcome):
         pass
 
 
-def work():
+def refusal(request):
+    # Nothing is imported into a process that has nothing to detach or no model to attach; these answers are given
+    # in the main thread, before an attach sets its signal handler, so a refused attach leaves the process as it was.
+    if request["action"] == "detach" and "nxl_hooks.apps.serve.remote" not in sys.modules:
+        return {{"ok": False, "code": "not-attached", "error": "not attached by nxl attach (nothing to detach)"}}
+    if importlib.util.find_spec("nxl_hooks") is None:  # a path search: nothing imported
+        return {{"ok": False, "code": "not-installed", "executable": sys.executable,
+                "error": "nxl_hooks is not importable there"}}
+    if request["action"] == "attach" and not request.get("wait") and "transformers.modeling_utils" not in sys.modules:
+        return {{"ok": False, "code": "no-model", "error": "transformers is not imported: no model to attach yet; "
+                "try again once it is, or with --wait SECONDS"}}
+    return None
+
+
+def work(request):
     try:
-        with open(TAKEN) as fh:
-            request = json.load(fh)
-        # Nothing is imported into a process that has nothing to detach or no model to attach.
-        if request["action"] == "detach" and "nxl_hooks.apps.serve.remote" not in sys.modules:
-            return report({{"ok": False, "code": "not-attached",
-                            "error": "process %d is not attached by nxl attach" % os.getpid()}})
-        if importlib.util.find_spec("nxl_hooks") is None:  # a path search: nothing imported
-            return report({{"ok": False, "code": "not-installed", "executable": sys.executable,
-                            "error": "nxl_hooks is not importable in process %d" % os.getpid()}})
-        if (request["action"] == "attach" and not request.get("wait")
-                and "transformers.modeling_utils" not in sys.modules):
-            return report({{"ok": False, "code": "no-model", "error": "transformers is not imported in process %d: "
-                            "no model to attach yet; try again once it is, or with --wait SECONDS" % os.getpid()}})
         try:
             from nxl_hooks.apps.serve.remote import handle
         except BaseException as error:
             return report({{"ok": False, "code": "import", "executable": sys.executable,
-                            "error": "nxl_hooks is not importable in process %d (%s: %s)"
-                                     % (os.getpid(), type(error).__name__, error)}})
+                            "error": "nxl_hooks is not importable there (%s: %s)" % (type(error).__name__, error)}})
         report(handle(request, lambda: os.path.exists(TAKEN)))  # gone: nxl attach gave up, removing its folder
     except BaseException as error:
         report({{"ok": False, "code": "failed", "error": "%s: %s" % (type(error).__name__, error)}})
@@ -349,15 +350,19 @@ def work():
 os.rename(REQUEST, TAKEN)  # FileNotFoundError (swallowed by the bootstrap) when nxl attach withdrew it
 try:
     with open(TAKEN) as fh:
-        ACTION = json.load(fh).get("action")
-except Exception:  # the thread reports it
-    ACTION = None
-threading.Thread(target=work, name="nxl-attach", daemon=True).start()
+        REQUEST_BODY = json.load(fh)
+    ACTION, REFUSED = REQUEST_BODY["action"], refusal(REQUEST_BODY)
+except Exception as error:
+    ACTION, REFUSED = None, {{"ok": False, "code": "failed", "error": "%s: %s" % (type(error).__name__, error)}}
 for signum in (signal.SIGTERM, signal.SIGHUP):
-    if ACTION == "attach" and signal.getsignal(signum) == signal.SIG_DFL:
+    if ACTION == "attach" and REFUSED is None and signal.getsignal(signum) == signal.SIG_DFL:
         signal.signal(signum, die)
     elif ACTION == "detach" and getattr(signal.getsignal(signum), "__nxl_attach__", False):
-        signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signum, signal.SIG_DFL)  # also where nothing is attached: an attach refused after its import
+if REFUSED is not None:
+    report(REFUSED)
+else:
+    threading.Thread(target=work, args=(REQUEST_BODY,), name="nxl-attach", daemon=True).start()
 '''
 
 

@@ -97,7 +97,9 @@ def _attach(env: dict[str, str], wait: float, wanted: Callable[[], bool]) -> dic
     if not any(settings.selects(name) for name in names):
         what = (f"no model matches --models {','.join(settings.models)} (found: {', '.join(names)})" if names else
                 "no transformers model is loaded in this process yet")
-        return {"ok": False, "code": "no-model", "error": f"{what}; try again once it is, or with --wait SECONDS"}
+        waited = f" (waited {wait:g} s); try again once it is, or with a longer --wait" if wait else (
+            "; try again once it is, or with --wait SECONDS")
+        return {"ok": False, "code": "no-model", "error": what + waited}
     try:
         ctl = start(settings)
     except RuntimeError as error:
@@ -152,7 +154,7 @@ def _detach() -> dict:
     ctl = _ATTACHED
     if ctl is None:
         return {"ok": False, "code": "not-attached",
-                "error": f"process {os.getpid()} was not attached by nxl attach (nothing to detach)"}
+                "error": "not attached by nxl attach (nothing to detach)"}  # nxl detach names the process
     models = [model for model in (watch.ref() for watch in ctl.watches()) if model is not None]
     run_dir = str(ctl.settings.run_dir)
     restored = _unpatch()  # first: a from_pretrained returning meanwhile must not adopt into a new controller
