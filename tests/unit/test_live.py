@@ -255,6 +255,38 @@ def test_tail_last_shows_every_step_of_a_later_request_that_uses_the_id_again(tm
         controller.close()
 
 
+def test_tail_last_shows_each_listed_call_of_an_id_not_its_newest_record(tmp_path):
+    """nxl tail --last N read each listed request back by its id alone, which gave the id's newest record: two
+    calls under one id showed the later one twice (the earlier one's steps never), and a plain forward run after a
+    generate under its id (scoring the output) made tail fail with "error: 'steps'". Each is read by its start."""
+    controller = Controller(Settings(run_dir=tmp_path / "run"))
+    model = tiny.generating_llama()
+    try:
+        controller.adopt(model, "tiny")
+        live = Endpoint(socket_path=socket_path(tmp_path / "run", os.getpid()))
+        token = REQUEST_ID.set("dup")
+        try:
+            _generate(model, 2)
+            _generate(model, 4)
+            with torch.no_grad():  # the output scored under the same id: a plain forward, newest of the three
+                model(input_ids=torch.ones(1, 6, dtype=torch.long))
+        finally:
+            REQUEST_ID.reset(token)
+        listed = live.json("GET", "/v1/requests")["requests"]
+        assert [(each["kind"], each.get("steps")) for each in listed] == [("generate", 2), ("generate", 4),
+                                                                          ("forward", None)]
+        past = tail.last_requests([live], 2, 1)
+        shown = [(type(item).__name__, item.view.step if isinstance(item, tail.Shown) else item.summary["steps"])
+                 for item in past]
+        assert shown == [("Shown", 0), ("Shown", 1), ("Ended", 2), *[("Shown", n) for n in range(4)], ("Ended", 4)]
+        assert [item.call[1] for item in past if isinstance(item, tail.Shown)] == [listed[0]["started"]] * 2 + [
+            listed[1]["started"]] * 4
+        status, body = live.get("GET", "/v1/requests/dup?started=soon")
+        assert status == 400 and "give the request's started time as /v1/requests lists it" in body.decode()
+    finally:
+        controller.close()
+
+
 def _tail_on_a_stalled_stdout(monkeypatch, closing: list) -> tuple[list, list]:
     """nxl tail (a queue of 4) on a terminal that takes no line while its one endpoint sends steps 0 to 9, then the
     ``closing`` events: what tail.run returned, and the lines printed once the terminal takes them again."""

@@ -203,7 +203,10 @@ def last_requests(targets: list, n: int, k: int) -> list[Item]:
                 found.append((summary.get("started") or 0.0, endpoint, summary))
     items: list[Item] = []
     for _, endpoint, summary in sorted(found, key=lambda item: item[0])[-n:]:
-        view = endpoint.json("GET", f"/v1/requests/{quote(summary['request_id'], safe='')}?k={k}")
+        # by when it started: an id may serve several calls (and plain forwards), and the id alone gives the newest
+        started = summary.get("started")
+        query = urlencode({"k": k, **({"started": repr(started)} if isinstance(started, (int, float)) else {})})
+        view = endpoint.json("GET", f"/v1/requests/{quote(summary['request_id'], safe='')}?{query}")
         items += [Shown(StepView.from_json({"request_id": view["request_id"], "model": view.get("model"), **step}),
                         (view.get("model"), view.get("started"))) for step in view["steps"]]
         if view.get("ended"):

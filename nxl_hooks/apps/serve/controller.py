@@ -265,11 +265,14 @@ class Models:
         return sorted([(watch, record, meta) for watch in self.alive() for record, meta in watch.records()],
                       key=lambda found: _started(found[1:]))
 
-    def find(self, request_id: str, *, generation: bool = False) -> tuple[Watch, GenerationCall | Forward, dict] | None:
+    def find(self, request_id: str, *, generation: bool = False,
+             started: float | None = None) -> tuple[Watch, GenerationCall | Forward, dict] | None:
         """The newest call or forward in memory that served ``request_id`` (the newest generation call, with
-        ``generation``: a request may score its prompt with a plain forward, then generate)."""
+        ``generation``: a request may score its prompt with a plain forward, then generate); with ``started``, the
+        one that started then, as the request list says it (an id may serve several calls and forwards)."""
         for watch, record, meta in reversed(self.records()):
-            if record.request_id == request_id and (isinstance(record, GenerationCall) or not generation):
+            if (record.request_id == request_id and (isinstance(record, GenerationCall) or not generation)
+                    and (started is None or record.started == started)):
                 return watch, record, meta
         return None
 
@@ -570,9 +573,11 @@ class Controller:
         """(watch, record, meta) of every model's calls and forwards in memory, oldest first."""
         return self.models.records()
 
-    def find(self, request_id: str, *, generation: bool = False) -> tuple[Watch, GenerationCall | Forward, dict] | None:
-        """The newest call or forward in memory that served ``request_id`` (generation call, with ``generation``)."""
-        return self.models.find(request_id, generation=generation)
+    def find(self, request_id: str, *, generation: bool = False,
+             started: float | None = None) -> tuple[Watch, GenerationCall | Forward, dict] | None:
+        """The newest call or forward in memory that served ``request_id`` (generation call, with ``generation``;
+        the one that started at ``started``, when given: :meth:`Models.find`)."""
+        return self.models.find(request_id, generation=generation, started=started)
 
     def subscribe(self, request_id: str | None = None) -> Subscription[LiveStep]:
         """A live reader of every step made from now on (only ``request_id``'s, when given)."""

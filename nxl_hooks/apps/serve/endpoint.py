@@ -3,7 +3,8 @@
     GET  /v1/status                      the process, its models, hooks and options
     GET  /v1/requests                    the requests in memory, oldest first ({"requests": [...]})
     GET  /v1/requests/ID?k=5             one request: per step, the top-k context tokens of every layer (a
-                                         classifier's: per explained row)
+                                         classifier's: per explained row); the newest record of the id, or with
+                                         &started=T the one that /v1/requests lists with that started time
     GET  /v1/requests/ID/frames          one request as a stream file (nxl.read_stream reads it)
     GET  /v1/stream[?request_id=ID&k=3]  steps as they are made, as server-sent events (event: step | dropped | end)
     POST /v1/control                     {"action": "pause" | "resume" | "attach" | "detach", "layers": ...,
@@ -408,6 +409,17 @@ def _int(query: dict, name: str, default: int, low: int = 0, high: int = 1000) -
     return value
 
 
+def _started(query: dict) -> float | None:
+    """``?started=``: which of the calls and forwards of a request id, by its ``started`` in /v1/requests."""
+    if "started" not in query:
+        return None
+    try:
+        return float(query["started"])
+    except ValueError:
+        raise _BadRequest(400, f"started={query['started']!r:.80}: give the request's started time as /v1/requests "
+                               "lists it") from None
+
+
 def _rows(call: GenerationCall) -> int:
     """The rows (batch size) of a call: what ``?row=`` may pick from."""
     if call.prompt_ids is not None:
@@ -440,7 +452,8 @@ class Host(Protocol):
 
     def records(self) -> list[tuple[Watched, Any, dict]]: ...
 
-    def find(self, request_id: str, *, generation: bool = False) -> tuple[Watched, Any, dict] | None: ...
+    def find(self, request_id: str, *, generation: bool = False,
+             started: float | None = None) -> tuple[Watched, Any, dict] | None: ...
 
     def watches(self) -> list[Watched]: ...
 
@@ -544,7 +557,7 @@ class ControlServer:
             records = self.controller.records()[-_int(query, "limit", 1000, 1, 100000):]
             return handler._json(200, {"requests": [summary(watch, call) for watch, call, _ in records]})
         if method == "GET" and len(rest) == 2 and rest[0] == "requests":
-            watch, record, _ = self._find(rest[1])
+            watch, record, _ = self._find(rest[1], _started(query))
             k = _int(query, "k", 5, 1)
             if isinstance(record, GenerationCall):
                 view = call_view(watch, record, k=k, row=_int(query, "row", 0, 0, _rows(record) - 1))
@@ -561,11 +574,12 @@ class ControlServer:
             return handler._json(200, self._control(handler.body()))
         raise _BadRequest(404 if method == "GET" else 405, f"no such endpoint: {method} {handler.path}")
 
-    def _find(self, request_id: str) -> tuple:
-        found = self.controller.find(request_id)
+    def _find(self, request_id: str, started: float | None) -> tuple:
+        found = self.controller.find(request_id, started=started)
         if found is None:
-            raise _BadRequest(404, f"no request {request_id!r} in memory (see /v1/requests; older ones are in the "
-                                   "sink: nxl.read_stream(run folder, request_id=...))")
+            when = "" if started is None else f" that started at {started!r}"
+            raise _BadRequest(404, f"no request {request_id!r}{when} in memory (see /v1/requests; older ones are in "
+                                   "the sink: nxl.read_stream(run folder, request_id=...))")
         return found
 
     def _frames(self, request_id: str) -> bytes:
