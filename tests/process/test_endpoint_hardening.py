@@ -480,6 +480,23 @@ def test_a_token_already_there_is_never_silently_replaced_and_readers_check_it(t
     assert stat.S_IMODE(token.stat().st_mode) == 0o600 and token.stat().st_uid == os.getuid()
 
 
+def test_a_token_that_no_header_can_carry_is_refused_in_a_line_that_does_not_show_it(tmp_path, capsys, monkeypatch):
+    """A token file of two lines or of non-ASCII text (an edited or pasted file), or such an NXL_TOKEN, reached
+    http.client, whose refusal was either a codec's ("'latin-1' codec can't encode characters") or the whole
+    header quoted, the bearer token with it, on the terminal. It is refused in a line that names the file."""
+    secret = "s3cret-0123456789abcdef"
+    for name, text in (("two lines", f"{secret}\nmore\n"), ("not ASCII", f"{secret}-токен\n"),
+                       ("a space", f"{secret} x\n")):
+        token = tmp_path / name.replace(" ", "-")
+        token.write_text(text)
+        token.chmod(0o600)
+        code, _, err = _cli(capsys, "ctl", "status", "--run", "http://127.0.0.1:9", "--token-file", str(token))
+        assert code == 2 and f"{token} does not hold a bearer token" in err and secret not in err, (name, err)
+        monkeypatch.setenv("NXL_TOKEN", text.strip())
+        code, _, err = _cli(capsys, "tail", "--run", "http://127.0.0.1:9")
+        assert code == 2 and "NXL_TOKEN does not hold a bearer token" in err and secret not in err, (name, err)
+
+
 @pytest.fixture
 def shared():
     """A folder every uid can reach and write (pytest's own temporary folders are private to root)."""

@@ -27,7 +27,7 @@ from urllib.parse import urlsplit
 
 from ...records.files import json_value, user_path
 from ..options import CliError, say
-from .runs import live_sockets, peer_uid, read_token
+from .runs import bearer, live_sockets, peer_uid, read_token
 
 __all__ = ["Endpoint", "choose_run", "connect_unix", "endpoints"]
 
@@ -225,6 +225,8 @@ def endpoints(run: str | None = None, token_file: str | None = None) -> list[End
             if not token_file:
                 raise CliError(f"{run} needs its bearer token: pass --token-file RUN_FOLDER/token (or set NXL_TOKEN)")
             token = read_token(Path(token_file))
+        else:
+            token = bearer(token, "NXL_TOKEN")
         return [Endpoint(url=run.rstrip("/"), token=token)]
     path = user_path(run)
     if path.is_socket():

@@ -26,8 +26,8 @@ from pathlib import Path
 
 from ...records.files import user_path
 
-__all__ = ["check_private", "enlist", "live_sockets", "make_run_dir", "peer_uid", "private_run_dir", "read_token",
-           "socket_path", "write_token"]
+__all__ = ["bearer", "check_private", "enlist", "live_sockets", "make_run_dir", "peer_uid", "private_run_dir",
+           "read_token", "socket_path", "write_token"]
 
 TOKEN = "token"
 _TOKEN_BYTES = 4096  # a token file is one line; a larger one is not a token
@@ -155,7 +155,16 @@ def read_token(path: Path) -> str:
         raise PermissionError(f"{path} is a symbolic link: not following it to a token; give the file itself") from None
     with os.fdopen(fd, "rb") as fh:
         _check_secret(path, os.fstat(fh.fileno()))
-        return fh.read(_TOKEN_BYTES).decode("utf-8", "replace").strip()
+        return bearer(fh.read(_TOKEN_BYTES).decode("utf-8", "replace").strip(), str(path))
+
+
+def bearer(token: str, source: str) -> str:
+    """``token`` if it can go in an ``Authorization`` header (printable ASCII, no space), else ValueError naming
+    ``source``: http.client's own refusal quotes the header, token and all, or names a codec."""
+    if not (token.isascii() and token.isprintable() and " " not in token):
+        raise ValueError(f"{source} does not hold a bearer token (one word of printable ASCII): give the token file "
+                         f"nxl run --listen wrote, RUN_FOLDER/{TOKEN}")
+    return token
 
 
 # -- live processes: what the clients choose from without --run -------------------------------------------------
