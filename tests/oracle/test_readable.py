@@ -299,3 +299,17 @@ def test_explain_takes_a_numpy_array_of_targets_as_attach_does(model, tok):
         assert res.target.tolist() == [ids]
         torch.testing.assert_close(res.normxlogit[:, 0], expected, rtol=1e-4, atol=1e-5)
         torch.testing.assert_close(res.probability[0], probability)
+
+
+def test_a_numpy_integer_target_saves_and_reads_back(model, tok, tmp_path):
+    """A numpy integer among the targets stayed the request in meta["targets"]: the result failed its own check()
+    and save() raised TypeError (JSON has no int64). It is the plain int now, and the file reads back the same."""
+    import numpy as np
+
+    ids = [piece_id(tok, "ĠParis"), piece_id(tok, "ĠLondon")]
+    expected, _ = oracle_scores(model, tok, PROMPT, ids)
+    res = nxl.explain(model, tok, PROMPT, target=[np.int64(ids[0]), "London"])
+    res.check()
+    back = nxl.Attribution.load(res.save(tmp_path / "a.safetensors"))
+    assert back.meta["targets"] == res.meta["targets"] and back.meta["targets"][0][0]["request"] == ids[0]
+    torch.testing.assert_close(back.normxlogit[:, 0], expected, rtol=1e-4, atol=1e-5)
