@@ -426,7 +426,8 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
     (:class:`~nxl_hooks.records.view.StepView`, what ``nxl tail`` and the endpoint show; the page carries them in
     its data block) and its ``k`` best context tokens at the shown layer are bold. A call whose record stopped
     early (``call.error``), ends without its end (a cut stream) or starts after its first steps (a rotating sink
-    deleted them: their tokens read ``@position``) says so at the top; one without steps is a page saying why.
+    deleted them: their tokens read ``@position``) says so at the top; one without steps is a page saying why. A
+    row that ended before the batch did has no rows for generate's padding after its end (``step.active`` False).
 
     ``generation_html(probe.calls[-1])``; ``row``: which sequence of the batch; ``label``: which fixed target;
     ``method``: any in the steps' ``scores``.
@@ -441,6 +442,15 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
     if not 0 <= row < steps[0].token.shape[0]:
         raise ValueError(f"row {row} out of range: this call generated {steps[0].token.shape[0]} sequence(s)")
     label_index(label, steps[0].target.reshape(steps[0].token.shape[0], -1).shape[1], "this call")
+    # a row that ended (its end token) before the batch did is padded by generate until then: those steps explain a
+    # pad token it did not generate (step.active False), left out as the call's texts leave them out
+    padded = sum(not bool(step.active[row]) for step in steps)
+    steps = [step for step in steps if bool(step.active[row])]
+    if not steps:
+        return page(title, f"<h1>{html.escape(title)}</h1>" + _notes(
+            [f"row {row} had ended before the record's first step: nothing to show"]))
+    ended = (f"row {row} ended at step {steps[-1].step}; the {padded} step(s) after it, generate's padding until "
+             "the whole batch stopped, are not shown") if padded else ""
     layers = list(steps[0].layers)
     prompt_len = call.prompt_mask.shape[1]
     # without texts, tokens are named as the step views name them: #ID, or @position where not even the id is known
@@ -496,7 +506,7 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
         marked + "they rank too (all_positions).</p>" if any(template) else "")
     body = (
         f"<h1>{html.escape(title)}</h1>"
-        + _notes([note for note in (_missing(steps), unfinished) if note])
+        + _notes([note for note in (_missing(steps), unfinished, ended) if note])
         + f'<p class="note">Prompt ({prompt_len} tokens; ␣ a space, ↵ a newline):</p>'
         f'<p class="prompt">{" ".join(shown)}</p>'
         + (_notes([flat_note(spread)]) if method == "normxlogit" and flat_norms(spread) else "")

@@ -349,6 +349,29 @@ def test_generation_page_names_tokens_without_texts_as_the_step_views_do():
         assert [step["token"] for step in data["steps"]] == emitted  # the views read the same names
 
 
+def test_generation_page_leaves_out_the_padding_after_a_rows_end():
+    """A row that emitted its end token before the batch stopped is padded by generate: the page showed those pad
+    steps as tokens it generated (rows, scores, bold best tokens). Its rows are the tokens generate returns for it, up
+    to its end token, and a note says the rest was padding; the other row keeps every step."""
+    import nxl_hooks as nxl
+    from nxl_hooks.records.html import generation_html
+
+    model = tiny.generating_llama()
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    free = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    model.generation_config.eos_token_id = int(free[0, 5])  # row 0's second token ends it, not row 1
+    assert int(free[0, 5]) not in free[1, 4:].tolist()
+    with nxl.attach(model, layers="all") as probe:
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    for row, kept in ((0, 2), (1, 4)):
+        page = generation_html(probe.calls[-1], row=row)
+        data = json.loads(page.split('id="nxl-data">')[1].split("</script>")[0])
+        generated = [f"#{token}" for token in out[row, 4 : 4 + kept].tolist()]
+        assert [name.split(" · ")[0] for name in data["rows"]] == [f"{i}: {t}" for i, t in enumerate(generated)]
+        assert data["columns"] == [f"{j}: #{token}" for j, token in enumerate(out[row, : 4 + kept].tolist())]
+        assert ("not shown" in page) == (row == 0)
+
+
 def test_html_pages_rank_every_position_with_all_positions(tmp_path):
     """--all-positions reaches both pages: the template's columns are not folded, and a step's bold tokens are the
     best of every real context token, as the oracle ranks them."""
