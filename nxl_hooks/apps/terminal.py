@@ -28,7 +28,7 @@ from rich.text import Text
 
 from ..arch.registry import HeadKind
 from ..hooks.probe import attach
-from ..method.methods.contrastive import NO_FOIL, Contrastive
+from ..method.methods.contrastive import no_foil
 from ..method.placement import input_device
 from ..method.chat import chat_prompt, template_rows
 from ..method.scores import flat_norms, flat_note
@@ -180,8 +180,8 @@ def show_attribution(res: Attribution, console: Console, *, all_positions: bool 
     flat = [s for s in spreads if flat_norms(s)]
     if flat and method == "normxlogit":
         console.print(Text("note: " + flat_note(max(flat)), style="yellow"))
-    if method == Contrastive.name and res.method_scores(method).isnan().all():  # else a table of "nan" says nothing
-        console.print(Text("note: " + NO_FOIL, style="yellow"))
+    if foil := no_foil(method, res.method_scores(method)):
+        console.print(Text("note: " + foil, style="yellow"))
     template = ranking_note(res, all_positions)
     if template:
         console.print(Text(template, style="dim"))

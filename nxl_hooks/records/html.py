@@ -19,6 +19,7 @@ import json
 import math
 from typing import Any, Mapping, Sequence
 
+from ..method.methods.contrastive import no_foil
 from ..method.scores import flat_norms, flat_note
 from ..method.select import label_index
 from .tokens import printable, unseen, untexted, whole_characters
@@ -317,6 +318,8 @@ def attribution_html(
     spreads = [res.norm_spread(r) for r in chosen]
     if method == "normxlogit" and any(flat_norms(s) for s in spreads):
         intro += _notes([flat_note(max(s for s in spreads if flat_norms(s)))])
+    if foil := no_foil(method, res.method_scores(method)):  # its cells are all blank
+        intro += _notes([foil])
     if len(chosen) < total:
         intro += f'<p class="note">Showing {len(chosen)} of {total} rows; pick others with rows=[...].</p>'
     body = intro + "".join(_row_section(res, r, label, method, all_positions) for r in chosen)

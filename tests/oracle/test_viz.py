@@ -372,6 +372,22 @@ def test_generation_page_leaves_out_the_padding_after_a_rows_end():
         assert ("not shown" in page) == (row == 0)
 
 
+def test_attribution_page_says_why_every_contrastive_cell_is_blank():
+    """A regression head has no probabilities, so no foil: every contrastive score is NaN and every cell blank. The
+    terminal said why; the page was a table of blank cells saying nothing. It says it now, above the table; a fixed
+    foil gives numbers and no such note."""
+    import nxl_hooks as nxl
+    from nxl_hooks.method.methods.contrastive import Contrastive
+
+    model, tok = tiny.build_model("regression", 0), tiny.tokenizer()
+    blank = nxl.explain(model, tok, TEXTS[0], methods=["contrastive"]).to_html(method="contrastive")
+    assert not any("data-value" in cell for cell in tiny.elements(blank, "td", "nxl-cell"))
+    assert "no output is left to be the foil" in blank
+    fixed = nxl.explain(model, tok, TEXTS[0], methods=[Contrastive(foil=0)], target=0).to_html(method="contrastive")
+    assert all("data-value" in cell for cell in tiny.elements(fixed, "td", "nxl-cell"))
+    assert "no output is left to be the foil" not in fixed
+
+
 def test_html_pages_rank_every_position_with_all_positions(tmp_path):
     """--all-positions reaches both pages: the template's columns are not folded, and a step's bold tokens are the
     best of every real context token, as the oracle ranks them."""

@@ -19,7 +19,7 @@ import torch
 from ..protocol import Given
 
 
-#: What the terminal says when every contrastive score shown is NaN (no row had a foil).
+#: What the terminal and the attribution page say when every contrastive score is NaN (no row had a foil).
 NO_FOIL = ("every contrastive score is NaN: no output is left to be the foil (every output of the head is explained, "
            "as for a one-logit classifier or both labels of a 2-label one) or the model's probabilities are unknown "
            "(a regression head); Contrastive(foil=id) fixes one")
@@ -78,3 +78,9 @@ class Contrastive:
 
 
 METHOD = Contrastive()
+
+
+def no_foil(method: str, scores: torch.Tensor) -> str | None:
+    """:data:`NO_FOIL` where ``scores`` are ``method``'s and it is this one, every score NaN (a table of "nan" or
+    of blank cells says nothing of why), else None. ``no_foil("contrastive", res.scores["contrastive"])``"""
+    return NO_FOIL if method == Contrastive.name and bool(scores.isnan().all()) else None
