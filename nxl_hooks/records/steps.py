@@ -251,16 +251,18 @@ class GenerationCall:
     ended: float | None = None
 
     def __repr__(self) -> str:
-        """A summary, never the tensors: request, prompt size, steps, state and row 0's generated text, control and
-        format characters shown escaped (:func:`~nxl_hooks.records.tokens.printable`). ``print(call)``"""
+        """A summary, never the tensors: request, prompt size, steps, state and row 0's generated text (up to its end
+        token: generate's padding after it left out, as :attr:`texts` leaves it out), control and format characters
+        shown escaped (:func:`~nxl_hooks.records.tokens.printable`). ``print(call)``"""
         prompt = "?" if self.prompt_mask is None else f"{self.prompt_mask.shape[0]} x {self.prompt_mask.shape[1]}"
-        text = "".join(step.readable[0] if step.readable else untexted(step.token[0]) for step in self.steps[:40])
+        made = [step for step in self.steps if bool(step.active[0])]  # row 0's padding after its end is not its text
+        text = "".join(step.readable[0] if step.readable else untexted(step.token[0]) for step in made[:40])
         # its error shown escaped: a file's end frame may hold any text (an escape sequence, a bidi override)
         state = "complete" if self.complete else ("stopped: " + printable(self.error) if self.error else "running")
         return (f"<GenerationCall {self.index} request {self.request_id!r}: prompt {prompt} tokens, "
                 f"{len(self.steps)} step(s), {state}, layers {layers_text(self.layers)}"
                 + (", chat template located" if self.prompt_template is not None else "")
-                + f"; generated '{text}" + ("…" if len(self.steps) > 40 else "") + "'>")
+                + f"; generated '{text}" + ("…" if len(made) > 40 else "") + "'>")
 
     @property
     def texts(self) -> list[str] | None:

@@ -65,6 +65,20 @@ def test_step_and_call_reprs_are_summaries(world):
     assert repr(step).split("L3: ")[1].startswith(f"{int(scores.argmax())} ")
 
 
+def test_a_calls_repr_ends_row_0s_text_at_its_end_token():
+    """Row 0 ended before row 1: its repr's generated text went on with generate's padding after the end token
+    ('#74#95#0#0'), which call.texts leaves out. It is the tokens generate returns for row 0, up to its end."""
+    model = tiny.generating_llama()
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    free = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    model.generation_config.eos_token_id = int(free[0, 5])  # row 0's second token ends it, not row 1
+    assert int(free[0, 5]) not in free[1, 4:].tolist()
+    with nxl.attach(model) as probe:
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
+    assert len(probe.calls[-1].steps) == 4
+    assert repr(probe.calls[-1]).endswith("generated '" + "".join(f"#{t}" for t in out[0, 4:6].tolist()) + "'>")
+
+
 def test_a_steps_repr_with_fixed_targets_names_the_explained_one_and_gives_only_their_probabilities():
     """``attach(target=[a, b])``: the step's repr names the explained target (label 0) with its probability and ranks
     the context for it; the emitted token shows a probability only where it is one of the targets (the record holds
