@@ -10,7 +10,7 @@ from __future__ import annotations
 import html
 from typing import Any, Mapping, Sequence
 
-from ..eval.faithfulness import BASELINES
+from ..eval.faithfulness import BASELINES, k_as_written
 from ..method.scores import FLAT_NORM_CV
 from ..records.html import fmt, heatmap, line_chart, page
 
@@ -77,7 +77,7 @@ def evaluate_report(summary: Mapping[str, Any], title: str = "nxl_hooks faithful
     """The page ``nxl evaluate`` writes, from :func:`nxl_hooks.eval.faithfulness.aggregate`'s summary."""
     methods: Mapping[str, Mapping[str, Any]] = summary["methods"]
     names = list(methods)
-    ks = [round(100 * k) for k in summary["ks"]]
+    ks = [float(100 * k_as_written(k)) for k in summary["ks"]]  # (K of 12.5% was plotted at 12, 2.5% at 2)
     header, cells, best = _summary_table(summary)
     rows = [[html.escape(cell) for cell in row] for row in cells]
     accuracy = summary.get("accuracy")

@@ -78,6 +78,12 @@ __all__ = [
 SCHEMA = "nxl_hooks.eval/1"
 #: Fractions of the non-pad length perturbed: int(n * K) tokens.
 DEFAULT_KS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def k_as_written(k: float) -> Fraction:
+    """K as the decimal the user wrote, exactly: 90 * 0.7 is 62.99999999999999 in floats (int() perturbed 62 tokens,
+    not 63), and a float32 0.7 is 0.699999988 (str() gives it back as 0.7). ``k_as_written(0.7) * 90 == 63``"""
+    return Fraction(k) if isinstance(k, numbers.Integral) else Fraction(str(k))
 #: The built-in methods: the baselines and every built-in attribution method (a new file in
 #: nxl_hooks.method.methods is one here too, with no edit); "contrastive" is NormXLogit[target] - NormXLogit[foil]
 #: (a variant beyond the paper). :func:`available_methods` adds every registered attribution method.
@@ -488,9 +494,7 @@ def score_example(
     ranking = {name: scores[name][eval_layer] if name in layered else scores[name] for name in methods}
 
     length = n if template is None else n - int(template.sum())
-    # K as the decimal the user wrote, times n, exactly: 90 * 0.7 is 62.99999999999999 in floats (int() perturbed
-    # 62 tokens, not 63), and a float32 0.7 is 0.699999988 (str() gives it back as 0.7)
-    counts = [int(length * (Fraction(k) if isinstance(k, numbers.Integral) else Fraction(str(k)))) for k in ks]
+    counts = [int(length * k_as_written(k)) for k in ks]
     rows = [
         perturb(ids, position, ranking[name], count, keep_top=keep_top, mode=setup.mode, mask_id=setup.mask_id,
                 protected_ids=setup.special_ids, template=template)

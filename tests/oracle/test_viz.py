@@ -130,6 +130,16 @@ def test_evaluate_report_plots_the_summary():
     assert re.search(r"<td>random \(baseline\)</td>", page) and re.search(r"<td>normxlogit</td>", page)
 
 
+def test_evaluate_report_plots_each_k_at_the_percentage_given():
+    """round(100 * K) plotted K = 0.125 at 12 and 0.025 at 2 (and labelled them so); each point sits at 100 x K."""
+    model, tok = tiny.build_model("bert", 0), tiny.tokenizer()
+    ks = (0.025, 0.125, 0.5)
+    records = [ev.score_example(model, tok, example, ["random"], ks=ks) for example in tiny.examples(2)]
+    page = evaluate_report(ev.aggregate(records))
+    assert [float(p["data-x"]) for p in tiny.elements(page, "circle", "nxl-point")[:3]] == [2.5, 12.5, 50]
+    assert ">12.5</text>" in page and ">12</text>" not in page
+
+
 def _summary_rows(page: str) -> dict[str, list[tuple[str, bool]]]:
     """The summary table of an evaluate page: method -> its cells as (text, bold)."""
     table = page[page.index('<table class="nxl-stats">'):]
