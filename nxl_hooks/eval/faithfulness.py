@@ -78,12 +78,6 @@ __all__ = [
 SCHEMA = "nxl_hooks.eval/1"
 #: Fractions of the non-pad length perturbed: int(n * K) tokens.
 DEFAULT_KS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
-
-
-def k_as_written(k: float) -> Fraction:
-    """K as the decimal the user wrote, exactly: 90 * 0.7 is 62.99999999999999 in floats (int() perturbed 62 tokens,
-    not 63), and a float32 0.7 is 0.699999988 (str() gives it back as 0.7). ``k_as_written(0.7) * 90 == 63``"""
-    return Fraction(k) if isinstance(k, numbers.Integral) else Fraction(str(k))
 #: The built-in methods: the baselines and every built-in attribution method (a new file in
 #: nxl_hooks.method.methods is one here too, with no edit); "contrastive" is NormXLogit[target] - NormXLogit[foil]
 #: (a variant beyond the paper). :func:`available_methods` adds every registered attribution method.
@@ -93,6 +87,12 @@ METHODS = ("random", "embed_norm", *builtin_names(), *GRADIENT_METHODS)
 DEFAULT_METHODS = tuple(m for m in METHODS if m != "integrated_gradients")
 #: Methods that are a floor to beat, not candidates: never "best" in a report (random costs nothing, too).
 BASELINES = ("random",)
+
+
+def k_as_written(k: float) -> Fraction:
+    """K as the decimal the user wrote, exactly: 90 * 0.7 is 62.99999999999999 in floats (int() perturbed 62 tokens,
+    not 63), and a float32 0.7 is 0.699999988 (str() gives it back as 0.7). ``k_as_written(0.7) * 90 == 63``"""
+    return Fraction(k) if isinstance(k, numbers.Integral) else Fraction(str(k))
 
 
 def available_methods() -> tuple[str, ...]:
