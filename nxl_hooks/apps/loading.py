@@ -270,14 +270,18 @@ def model_files(name: str, gguf_file: str | None = None) -> str | None:
     return digest.hexdigest()[:16]
 
 
-def check_explainable(model: Any, tokenizer: Any, layers: Any) -> None:
+def check_explainable(model: Any, tokenizer: Any, layers: Any) -> tuple[list[int], int]:
     """Raise what ``attach(model, layers, tokenizer=tokenizer)`` would refuse (an unknown architecture, a registry
     head that does not fit, a layer out of range, a tokenizer that does not match the model), once before a dataset
-    runs rather than for every example; no hook goes on. ``check_explainable(model, tok, [-1])``"""
+    runs rather than for every example; no hook goes on. Returns the layers resolved and the model's block count.
+    ``layers, n_blocks = check_explainable(model, tok, [-1])``"""
     from ..method.subject import unwrap
     from ..hooks.plan import make_plan
 
-    make_plan(unwrap(model), layers=layers, target="predicted", tokenizer=tokenizer, embedding="layer_input")
+    # the plan is not kept: its head holds references to the weights (a tensor-parallel model's copies), which
+    # would keep model.to() from swapping them
+    plan = make_plan(unwrap(model), layers=layers, target="predicted", tokenizer=tokenizer, embedding="layer_input")
+    return plan.layers, plan.n_blocks
 
 
 def _split_gguf(name: str, gguf_file: str | None) -> tuple[str, str | None]:

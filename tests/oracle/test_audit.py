@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from scipy import stats
-from transformers import BitsAndBytesConfig, LlamaForCausalLM
+from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
 import oracle
 import tiny
@@ -232,3 +232,23 @@ def test_a_candidate_whose_config_only_records_its_problem_type_has_the_referenc
     with pytest.raises(ValueError, match=r"the candidate has a sequence_classification head of 2 outputs \(LABEL_0, "
                                          r"LABEL_1, multi-label\) but the reference"):
         check_same_head(reference, candidate)
+
+
+@pytest.mark.parametrize("layers, said", [
+    ([], "has 1 blocks but the reference 2, so --layers reads layers 0..2 (3) of the reference and [0, 1] of the "
+         "candidate; an audit compares each layer of the reference with the same layer of the candidate"),
+    (["--layers", "2"], ": layer 2 is out of range: this model has 1 blocks"),
+], ids=["all", "out-of-range"])
+def test_a_candidate_the_layers_cannot_be_compared_on_is_one_line_before_any_example(tmp_path, capsys, layers, said):
+    """Only the reference was checked before the dataset ran: a candidate of another depth failed every example
+    (both models run on each) with "attribute the same text with the same layers", and left a partial --out."""
+    reference = tiny.save_model(tmp_path / "ref", "llama", seed=3)
+    shallow = LlamaForCausalLM(LlamaConfig(**{**tiny._SIZES, "num_hidden_layers": 1}, num_key_value_heads=2))
+    candidate = tiny.save_model(tmp_path / "cand", "llama", model=shallow)
+    data = tiny.write_jsonl(tmp_path / "data.jsonl", 3)
+    out = tmp_path / "out"
+    assert main(["audit", "--reference", str(reference), "--candidate", str(candidate), str(data), "--out", str(out),
+                 *layers]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1].startswith(f"nxl audit: error: the candidate {candidate}") and said in err, err
+    assert "example 0 failed" not in err and not out.exists()

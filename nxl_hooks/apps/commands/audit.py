@@ -47,6 +47,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from ...eval.audit import aggregate, audit_example, check_same_head
+    from ...records.attribution import layers_text
     from ...records.tokens import chat_text
     from ..dataset import check_out, examples_from_args, place, run_dataset, scored, write_outputs
     from ..loading import check_explainable, load_model, model_files, tp_outputs
@@ -92,7 +93,18 @@ def run(args: argparse.Namespace) -> int:
                          "--candidate")
     else:
         candidate, _ = load_model(args.reference, **{**loading, "quantize": args.quantize})
-    check_explainable(reference, tokenizer, args.layers)
+    name = args.candidate or f"{args.reference} ({args.quantize})"
+    ours, our_blocks = check_explainable(reference, tokenizer, args.layers)
+    try:  # once here, not in each example: a candidate of another depth or architecture fails every one of them
+        theirs, their_blocks = check_explainable(candidate, tokenizer, args.layers)
+    except (ValueError, LookupError) as err:
+        raise ValueError(f"the candidate {name}: {err}") from None
+    if theirs != ours:
+        raise ValueError(f"the candidate {name} has {their_blocks} blocks but the reference {our_blocks}, so "
+                         f"--layers reads layers {layers_text(ours)} of the reference and "
+                         f"{layers_text(theirs)} of the candidate; an audit compares each layer of the "
+                         "reference with the same layer of the candidate: give a candidate of the reference's depth "
+                         "(a quantized or fine-tuned copy)")
     place(reference)
     place(candidate)
     if args.chat:  # each text becomes the user's message; evidence words are looked for in the whole prompt
@@ -105,7 +117,6 @@ def run(args: argparse.Namespace) -> int:
     records = run_dataset(examples, score, args.out, settings=settings, desc=NAME, tp=args.tp)
     if records is not None:
         records, summary = scored(records, aggregate)
-        name = args.candidate or f"{args.reference} ({args.quantize})"
         write_outputs(
             args.out, records, summary, audit_report(summary, records, title=f"Audit: {name} vs {args.reference}")
         )
