@@ -312,6 +312,18 @@ def test_tp_with_a_bad_out_path_is_one_line_on_every_rank(folder, tmp_path, comm
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data.jsonl", "taken"]  # nothing written
 
 
+def test_audit_tp_with_quantize_is_one_line_before_the_reference_loads(folder, tmp_path):
+    """`nxl audit --tp --quantize 8bit`: --tp excludes bitsandbytes, which the candidate's load refused only after every
+    rank had loaded the reference (its shard, in a rendezvous); each rank now says so in one line before any load."""
+    (tmp_path / "data.jsonl").write_text(json.dumps(EXAMPLES[0]) + "\n")
+    for done in _refusing_ranks("audit", "--reference", str(folder), "--quantize", "8bit", "data.jsonl", "--out", "out",
+                                "--tp", cwd=tmp_path):
+        assert done.returncode == 2 and done.stderr.splitlines() == [
+            "nxl audit: error: --tp with quantize: tensor parallel places one shard per torchrun process itself; drop "
+            "those (a GGUF file: nxl convert it, then load the folder)"], done.stderr[-3000:]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["data.jsonl"]  # nothing written
+
+
 def _worker(folder: str, out: str) -> None:
     """One torchrun rank: load with tp_plan="auto", attach, one padded forward, save the attribution."""
     import transformers

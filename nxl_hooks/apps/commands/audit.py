@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from ...records.attribution import layers_text
     from ...records.tokens import chat_text
     from ..dataset import check_out, examples_from_args, place, run_dataset, scored, write_outputs
-    from ..loading import check_explainable, load_model, model_files, tp_outputs
+    from ..loading import Loading, check_explainable, load_model, model_files, tp_outputs
     from ..reports import audit_report
 
     if (args.candidate is None) == (args.quantize is None):
@@ -62,6 +62,8 @@ def run(args: argparse.Namespace) -> int:
     if args.quantize is not None and loading["quantize"] is not None:
         raise ValueError("--quantize builds the candidate from an unquantized reference: drop --load-in-8bit / "
                          "--load-in-4bit (or compare two saved models with --candidate)")
+    if args.quantize is not None:  # the candidate's options (--tp excludes bitsandbytes): now, not once the reference
+        Loading(**{**loading, "quantize": args.quantize})  # has loaded on every rank
     check_out(args, args.reference, args.candidate)
     tp_outputs(args, "out")  # --tp (registry): rank 0 alone prints and writes, each rank checked it first
     examples, settings = examples_from_args(args)
