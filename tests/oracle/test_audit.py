@@ -216,7 +216,7 @@ def test_what_both_models_explain_is_what_the_report_says_and_the_user_picks_it(
             assert ("both models explaining the dataset&#x27;s target in 1 examples, the reference&#x27;s prediction "
                     "in 1") in page
         else:
-            assert f"explained: the reference&#x27;s prediction " in page and "(the dataset&#x27;s target: " in page
+            assert "explained: the reference&#x27;s prediction " in page and "(the dataset&#x27;s target: " in page
             assert "both models explaining the reference&#x27;s prediction (nxl audit --explain)" in page
 
 
