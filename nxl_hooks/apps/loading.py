@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping
 
 from ..arch.text import install_command
+from ..method.subject import PROMPT_LEARNING
 from ..records.files import not_a_folder, user_path
 from .loading_options import (DTYPES, HEAD_CLASSES, QUANTIZE, Loading, markdown_table, read_device_map,
                               read_max_memory)
@@ -101,11 +102,17 @@ def _check_local(name: str, gguf_file: str | None, subfolder: str | None = None)
 
 def _adapter_refusal(name: str, path: Path) -> str:
     """What to do with a PEFT adapter folder: the commands load whole models only (no adapter option), and the
-    adapter's model is its base model with the adapter merged in (the same forward), or the PeftModel in Python."""
+    adapter's model is its base model with the adapter merged in (the same forward), or the PeftModel in Python. A
+    prompt-learning adapter (prompt tuning, P-tuning, prefix tuning) has no weights to merge: Python only."""
     try:
-        base = json.loads((path / "adapter_config.json").read_text(encoding="utf-8")).get("base_model_name_or_path")
+        config = json.loads((path / "adapter_config.json").read_text(encoding="utf-8"))
+        base, kind = config.get("base_model_name_or_path"), config.get("peft_type")
     except (OSError, ValueError, AttributeError):  # (AttributeError: JSON that is not an object)
-        base = None  # the line is the same without the base's name
+        base = kind = None  # the line is the same without the base's name
+    if kind in (*PROMPT_LEARNING, "PREFIX_TUNING"):
+        return (f"{name} is a PEFT {kind} adapter (adapter_config.json), not a whole model, and such an adapter "
+                "cannot be merged into its base model: attach to the PeftModel in Python "
+                "(nxl.attach(PeftModel.from_pretrained(base, folder)))")
     of = f" {base!r}" if isinstance(base, str) and base else ""
     return (f"{name} is a PEFT adapter (adapter_config.json), not a whole model: merge it into its base model{of} "
             "and pass the merged folder (PeftModel.from_pretrained(base, folder).merge_and_unload().save_pretrained("

@@ -56,6 +56,8 @@ def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, chat: bo
     res.meta["chat"] = chat
     if chat:  # the template's markers and system prompt do not rank (method.select.rankable)
         template = template_rows(tokenizer, prompts, enc["input_ids"], enc.get("attention_mask"))
+        if template is not None and template.shape[1] < res.mask.shape[1]:  # PEFT prompt tuning's virtual tokens
+            template = torch.nn.functional.pad(template, (res.mask.shape[1] - template.shape[1], 0))  # come first
         res.template = None if template is None else template[res.example]
         res.meta["template"] = "located" if template is not None else "not located: every token ranks"
     return res

@@ -18,7 +18,7 @@ from ..arch.registry import HeadKind, log_probabilities, word_embedding
 from ..method.scores import regression_logat, row_norms
 from ..records.attribution import Attribution
 from ..records.tokens import target_texts
-from .plan import Plan
+from .plan import VIRTUAL_ID, Plan
 
 __all__ = ["NEEDS_IDS", "Capture", "assemble", "check_tokens", "embed_norms", "embedding_norms", "head_features",
            "layer_states", "open_capture", "pin_last_layer"]
@@ -31,6 +31,8 @@ class Capture:
     input_ids: torch.Tensor | None
     attention_mask: torch.Tensor | None
     shape: tuple[int, int]  #: (batch, seq) of the input
+    #: PEFT prompt tuning's virtual tokens before the ids (:func:`open_capture`): the model itself saw no ids
+    virtual: int = 0
     embed_norm: torch.Tensor | None = None  #: (batch, seq) float32
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  #: layer -> its hidden states, as the model made them
     last_hidden: torch.Tensor | None = None  #: the last block's output, for final logits the model did not give
@@ -109,10 +111,12 @@ def check_tokens(reference: torch.Tensor | None) -> None:
         raise ValueError("empty input: nxl_hooks needs at least one token per row (got a zero-length batch)")
 
 
-def open_capture(bound: dict[str, Any]) -> Capture:
+def open_capture(bound: dict[str, Any], prompted: tuple[torch.Tensor, int] | None = None) -> Capture:
     """A capture for a backbone forward called with ``bound`` arguments; ValueError on an empty input. A 2-D mask
     wider than the tokens (it covers what a KV cache holds before them too: PEFT prefix tuning's virtual tokens) is
-    cut to the tokens' own columns."""
+    cut to the tokens' own columns. ``prompted``: (the ids a PEFT prompt-tuning model was called with, its number of
+    virtual tokens): where the backbone got its inputs_embeds only, those ids being v positions shorter, its ids are
+    the virtual tokens' (:data:`VIRTUAL_ID`) then those."""
     input_ids = bound.get("input_ids")
     reference = input_ids if input_ids is not None else bound.get("inputs_embeds")
     check_tokens(reference)
@@ -120,6 +124,11 @@ def open_capture(bound: dict[str, Any]) -> Capture:
     mask = bound.get("attention_mask")
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > seq:
         mask = mask[:, -seq:]  # (as conventions.token_mask reads a decoding step's)
+    if input_ids is None and prompted is not None:
+        ids, virtual = prompted
+        if isinstance(ids, torch.Tensor) and ids.dim() == 2 and tuple(ids.shape) == (rows, seq - virtual):
+            ids = torch.cat([ids.new_full((rows, virtual), VIRTUAL_ID), ids], dim=1)
+            return Capture(input_ids=ids, attention_mask=mask, shape=(rows, seq), virtual=virtual)
     return Capture(input_ids=input_ids, attention_mask=mask, shape=(rows, seq))
 
 
@@ -190,7 +199,9 @@ def assemble(plan: Plan, capture: Capture, output: Any = None, keep: Any = None)
     ``keep`` the ``logits_to_keep`` it was called with."""
     embed = embed_norms(capture)
     seq, hidden = capture.shape[1], layer_states(plan, capture)
-    examples, positions = plan.rows(capture.input_ids, capture.attention_mask, capture.shape)
+    # (rows read as the model read them: given no ids, a classifier pools its last position, not its last non-pad)
+    examples, positions = plan.rows(None if capture.virtual else capture.input_ids, capture.attention_mask,
+                                    capture.shape)
     with plan.head.reading() as readout:
         final, covered, sliced = _model_logits(plan, output, examples, positions, seq, keep)
         if not covered.all():  # HoT of the last layer at the prediction rows the model gave no logits for

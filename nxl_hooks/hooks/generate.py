@@ -559,6 +559,12 @@ class Run:
         continues = past == n and (new == 1 or not decoding)
         recomputes = past == 0 and (n == 0 or (decoding and new == n + 1))  # first forward, or use_cache=False
         if n == 0 and self._prompt_len is not None and new > self._prompt_len:
+            virtual = self._plan.subject.prompt_tokens
+            if virtual and new == self._prompt_len + virtual:  # (PEFT puts them before the prompt's embeddings)
+                raise UnfollowedForward(
+                    f"PEFT prompt tuning ran {virtual} virtual tokens before this call's {self._prompt_len}-token "
+                    "prompt, whose positions a generate call's records cannot follow; explain the prompt with a "
+                    "plain forward of the PeftModel (model(**inputs), or nxl.explain), which records them")
             # (not a prompt: candidate tokens after it, which assisted decoding feeds and may drop)
             raise UnfollowedForward(
                 f"the first forward of this call ran positions 0..{new - 1}, past its {self._prompt_len}-token "

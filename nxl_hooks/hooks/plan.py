@@ -43,12 +43,22 @@ from ..method.select import (
     target_ids,
 )
 
-__all__ = ["EMBEDDINGS", "Plan", "Scoring", "TokenTexts", "check_recording", "make_plan", "model_name", "run_eagerly",
-           "token_texts", "tokenizer_mismatch"]
+__all__ = ["EMBEDDINGS", "VIRTUAL_ID", "Plan", "Scoring", "TokenTexts", "check_recording", "make_plan", "model_name",
+           "run_eagerly", "token_texts", "tokenizer_mismatch", "virtual_name"]
 
 _KEPT = "_nxl_hooks_compiled_"  # where run_eagerly keeps a module's compiled callable while attached
 
 _READABLE_KEPT = 1 << 18  # token texts a plan remembers at most (more than most vocabularies)
+
+#: The id a record gives a position that is no input token: a virtual token PEFT prompt tuning prepends
+#: (:attr:`~nxl_hooks.method.subject.Subject.prompt_tokens`), which has an embedding of its own but no token id.
+#: Such positions keep their scores, are named :func:`virtual_name` and never rank (:meth:`Plan.special`).
+VIRTUAL_ID = -1
+
+
+def virtual_name(index: int) -> str:
+    """How the ``index``-th virtual token of a row is shown, as its token and its readable text."""
+    return f"[virtual {index}]"
 
 
 class TokenTexts:
@@ -198,17 +208,30 @@ class Plan:
         labels were asked for."""
         return self.scoring.scores(given)
 
+    def _named(self, input_ids: torch.Tensor, name: Callable[[list[int]], list[str]]) -> list[list[str]]:
+        """``name`` of each row's ids, the virtual tokens (:data:`VIRTUAL_ID`, the row's first ones) named as such."""
+        named = []
+        for row in input_ids.tolist():
+            virtual = next((i for i, one in enumerate(row) if one != VIRTUAL_ID), len(row))
+            named.append([virtual_name(i) for i in range(virtual)] + name(row[virtual:]))
+        return named
+
     def token_strings(self, input_ids: torch.Tensor | None) -> list[list[str]] | None:
         """The token strings of each row, when a tokenizer was given."""
         if self.tokenizer is None or input_ids is None:
             return None
-        return [self.tokenizer.convert_ids_to_tokens(row.tolist()) for row in input_ids.cpu()]
+        return self._named(input_ids.cpu(), self.tokenizer.convert_ids_to_tokens)
 
     def special(self, input_ids: torch.Tensor | None) -> torch.Tensor | None:
-        """True on the tokenizer's special tokens, when a tokenizer and ids are known."""
-        if self.tokenizer is None or input_ids is None:
+        """True on the tokenizer's special tokens, when a tokenizer and ids are known, and on virtual tokens
+        (:data:`VIRTUAL_ID`), with a tokenizer or without: no text of the user's, they never rank."""
+        if input_ids is None:
             return None
-        return special_mask(input_ids, self.tokenizer)
+        virtual = input_ids.cpu() == VIRTUAL_ID
+        special = special_mask(input_ids, self.tokenizer) if self.tokenizer is not None else None
+        if not virtual.any():
+            return special
+        return virtual if special is None else special | virtual
 
     def template(self, input_ids: torch.Tensor | None, mask: torch.Tensor) -> torch.Tensor | None:
         """bool (rows, seq): True on the chat template's own tokens of each row's real tokens
@@ -234,7 +257,7 @@ class Plan:
         """:meth:`readable` of each row of a (rows, seq) id tensor; None without a tokenizer or ids."""
         if self.tokenizer is None or ids is None:
             return None
-        return [self.readable(row) for row in ids.tolist()]
+        return self._named(ids.cpu(), self.readable)
 
     def describe(self) -> dict[str, Any]:
         """What a saved result records about the model and the probe: ``plan.describe()["head_kind"]``."""

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 from torch.compiler import is_dynamo_compiling, is_exporting
 
+from ..method.subject import compiled_original
 from ..records.attribution import Attribution
 from .conventions import find_cache, start
 from .engines import Engine
@@ -304,6 +305,10 @@ class Recorder:
             if plan.embedding == "word":
                 handles.append(plan.model.get_input_embeddings().register_forward_hook(
                     Owned(self.on_word_embedding)))
+            peft = compiled_original(plan.subject.given) or plan.subject.given
+            if peft is not plan.model and hasattr(peft, "active_peft_config"):  # a PeftModel: see on_peft_start
+                handles.append(peft.register_forward_pre_hook(Owned(self.on_peft_start), with_kwargs=True))
+                handles.append(_always_called(peft, Owned(self.on_peft_end)))
         except BaseException:
             for handle in handles:
                 handle.remove()
@@ -396,6 +401,30 @@ class Recorder:
             "itself (nxl.attach(compiled) runs it eagerly while attached), call the uncompiled module, or run the "
             "call under `with torch.compiler.set_stance('force_eager'):`")
 
+    def _peft_calls(self) -> list[tuple[Any, int]]:
+        local = self._local
+        try:
+            return local.peft_calls
+        except AttributeError:
+            local.peft_calls = []
+            return local.peft_calls
+
+    def on_peft_start(self, module: nn.Module, args: tuple, kwargs: dict = SHORT) -> None:
+        """A PeftModel's call: with prompt tuning its backbone gets the virtual tokens' and the ids' embeddings
+        (inputs_embeds) only, so the ids the records name (:func:`~.forward.open_capture`) are this call's."""
+        if kwargs is SHORT or traced():
+            return
+        try:
+            virtual = self.plan.subject.prompt_tokens
+        except Exception:  # noqa: BLE001 - never into the host's call (PEFT's active config of several adapters)
+            virtual = 0
+        self._peft_calls().append((kwargs.get("input_ids", args[0] if args else None), virtual))
+
+    def on_peft_end(self, module: nn.Module, args: tuple, output: Any) -> None:
+        calls = self._peft_calls()
+        if calls and not traced():
+            calls.pop()
+
     def on_backbone_start(self, module: nn.Module, args: tuple, kwargs: dict = SHORT) -> None:
         if kwargs is SHORT:  # called after its removal
             return
@@ -421,7 +450,8 @@ class Recorder:
             bound = self._arguments(args, kwargs)
             if run is None and self._stray(bound, start(bound)[0]):
                 return
-            capture = open_capture(bound)
+            peft_calls = self._peft_calls()
+            capture = open_capture(bound, peft_calls[-1] if peft_calls and peft_calls[-1][1] else None)
             if run is not None:
                 run.before_forward(bound)
             captures[-1] = capture

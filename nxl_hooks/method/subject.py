@@ -19,7 +19,10 @@ from ..arch.registry import ArchSpec, HeadKind, blocks, get_path, layer_modules,
 from .head import Head
 from .verify import check_numbers
 
-__all__ = ["Subject", "compiled_original", "unwrap"]
+__all__ = ["PROMPT_LEARNING", "Subject", "compiled_original", "unwrap"]
+
+#: The PEFT adapter kinds (``peft_type``) that prepend virtual tokens to the input embeddings of every forward.
+PROMPT_LEARNING = ("PROMPT_TUNING", "P_TUNING", "MULTITASK_PROMPT_TUNING")
 
 
 def compiled_original(model: nn.Module) -> nn.Module | None:
@@ -47,14 +50,25 @@ class Subject:
     head: Head
     blocks: nn.ModuleList
 
+    def _peft_virtual(self, kinds: tuple[str, ...]) -> int:
+        """The virtual tokens of the model as given's active PEFT adapter when its kind is one of ``kinds``, else 0."""
+        config = getattr(compiled_original(self.given) or self.given, "active_peft_config", None)
+        if getattr(config, "peft_type", None) not in kinds:  # (PeftType is a str enum)
+            return 0
+        return int(getattr(config, "num_virtual_tokens", 0) or 0)
+
     @property
     def virtual_tokens(self) -> int:
         """Positions a KV cache holds before the tokens of a plain forward of the model as given that are no input
         tokens: the virtual tokens of PEFT prefix tuning (its active adapter's), else 0."""
-        config = getattr(compiled_original(self.given) or self.given, "active_peft_config", None)
-        if getattr(config, "peft_type", None) != "PREFIX_TUNING":  # (PeftType is a str enum)
-            return 0
-        return int(getattr(config, "num_virtual_tokens", 0) or 0)
+        return self._peft_virtual(("PREFIX_TUNING",))
+
+    @property
+    def prompt_tokens(self) -> int:
+        """Positions a plain forward of the model as given runs before its input tokens, as embeddings of their own
+        (no token ids): the virtual tokens PEFT prompt tuning and P-tuning (its active adapter's) prepend to the
+        input embeddings, else 0."""
+        return self._peft_virtual(PROMPT_LEARNING)
 
     @property
     def layer_modules(self) -> list[nn.Module]:

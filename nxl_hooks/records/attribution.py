@@ -129,7 +129,8 @@ class Attribution:
     tokens: list[list[str]] | None  #: token strings per row, when a tokenizer was given
     meta: dict[str, Any]  #: model_type, head kind, embedding, ...
     special: torch.Tensor | None  #: bool (rows, seq), True on the tokenizer's special tokens (when known)
-    input_ids: torch.Tensor | None  #: int64 (rows, seq): the token ids of each row (when the forward had ids)
+    input_ids: torch.Tensor | None  #: int64 (rows, seq): the token ids of each row (when the forward had ids; -1 at
+    #: PEFT prompt tuning's virtual tokens)
     readable: list[list[str]] | None  #: each token's text as people read it ('␣Paris', '↵'; records.tokens)
     probability: torch.Tensor | None  #: float32, shaped like ``target``: the model's own probability of each
     #: explained target at the prediction position (its softmax; a multi-label classifier's sigmoid; None for

@@ -189,3 +189,76 @@ def test_an_input_embedding_peft_wraps_is_read_through_its_wrapper(wrapped):
     result = probe.result()
     torch.testing.assert_close(result.embed_norm, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(result.normxlogit, expected[None] * result.logat, rtol=1e-5, atol=1e-6)
+
+
+_PROMPT_LEARNING = {"prompt tuning": lambda task: peft.PromptTuningConfig(task_type=task, num_virtual_tokens=3),
+                    "p-tuning": lambda task: peft.PromptEncoderConfig(task_type=task, num_virtual_tokens=3,
+                                                                      encoder_hidden_size=16)}
+
+
+@pytest.mark.parametrize("family, task", [("llama", "CAUSAL_LM"), ("llama_cls", "SEQ_CLS")])
+@pytest.mark.parametrize("method", list(_PROMPT_LEARNING))
+def test_prompt_tuning_virtual_tokens_are_named_and_never_rank(method, family, task):
+    """Prompt tuning and P-tuning put virtual tokens' embeddings before the input's and call the base model with
+    inputs_embeds only: the record keeps their positions' scores (equal to the oracle from the PeftModel's own
+    hidden states), names the real tokens by the ids the PeftModel was called with, and marks the virtual ones
+    (id -1, special) so that they never rank (the ids were None and the virtual tokens ranked like the text)."""
+    model = big.build(family)
+    peft_model = get_peft_model(model, _PROMPT_LEARNING[method](task)).eval()
+    ids, mask = big.batch()
+    ids = ids.masked_fill(mask == 0, model.config.pad_token_id)
+    virtual, rows = 3, torch.arange(len(ids))
+    with torch.no_grad(), nxl.attach(peft_model) as probe:
+        out = peft_model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        prompts = peft_model.get_prompt(batch_size=len(ids))  # the virtual tokens' embeddings, by PEFT itself
+    res = probe.result()
+    hand = oracle.HandHead(oracle.rms_norm(model.model.norm), oracle.linear(big._readout(model).modules_to_save[
+        "default"] if task == "SEQ_CLS" else big._readout(model)), last_is_normed=True)
+    logat, expected = oracle.normxlogit(hand.layer_logits(out.hidden_states), out.hidden_states[0], res.target)
+    torch.testing.assert_close(res.logat, logat, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(res.normxlogit, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(res.embed_norm[:, :virtual], prompts.float().norm(dim=-1), rtol=1e-5, atol=1e-6)
+    # a causal LM predicts after each row's last token; a classifier given inputs_embeds (no pad ids) pools the last
+    last = mask.sum(-1) - 1 if task == "CAUSAL_LM" else torch.full((len(ids),), ids.shape[1] - 1)
+    assert res.position.tolist() == (last + virtual).tolist()
+    own = out.logits[rows, res.position] if out.logits.dim() == 3 else out.logits
+    torch.testing.assert_close(res.logat[-1, rows, res.position], own[rows, res.target], rtol=1e-4, atol=1e-5)
+    assert res.input_ids[:, :virtual].eq(-1).all() and torch.equal(res.input_ids[:, virtual:], ids)
+    assert res.special is not None and res.special[:, :virtual].all() and not res.special[:, virtual:].any()
+    for row in rows.tolist():
+        ranked = [position for position, _, _ in res.top(k=20, row=row)]
+        assert ranked and min(ranked) >= virtual
+
+
+def test_prompt_tuning_explain_names_the_real_tokens_by_their_text():
+    """explain() on a prompt-tuning PeftModel: the tokens are the text's (they were None), the virtual ones named."""
+    import tiny
+
+    tok = tiny.tokenizer()
+    peft_model = get_peft_model(tiny.build_model("llama"), _PROMPT_LEARNING["prompt tuning"]("CAUSAL_LM")).eval()
+    text = "the film was very good"
+    res = nxl.explain(peft_model, tok, text)
+    pieces = tok.convert_ids_to_tokens(tok(text)["input_ids"])
+    assert res.tokens == [["[virtual 0]", "[virtual 1]", "[virtual 2]", *pieces]]
+    assert res.token_labels(0)[:3] == ["[virtual 0]", "[virtual 1]", "[virtual 2]"]
+    assert all(position >= 3 for position, _, _ in res.top(k=20))
+
+
+def test_prompt_tuning_generate_says_why_it_is_not_recorded():
+    """generate() on a prompt-tuning PeftModel is not recorded, and says so truly (it blamed assisted decoding)."""
+    model = big.build("llama")
+    peft_model = get_peft_model(model, _PROMPT_LEARNING["prompt tuning"]("CAUSAL_LM")).eval()
+    ids, _ = big.batch(rows=1)
+    with torch.no_grad(), nxl.attach(peft_model) as probe:
+        peft_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
+    assert "PEFT prompt tuning ran 3 virtual tokens" in str(probe.calls[-1].error)
+
+
+def test_a_prompt_learning_adapter_folder_is_not_told_to_merge(tmp_path):
+    """merge_and_unload does not exist for prompt-learning adapters: the refusal of their folder says to attach in
+    Python instead (it advised merging)."""
+    from nxl_hooks.apps.loading import _adapter_refusal
+
+    (tmp_path / "adapter_config.json").write_text('{"peft_type": "PROMPT_TUNING", "base_model_name_or_path": "b"}')
+    said = _adapter_refusal("adapter", tmp_path)
+    assert "merge_and_unload" not in said and "attach to the PeftModel in Python" in said
