@@ -836,3 +836,54 @@ def test_an_empty_device_map_is_refused_in_one_line():
         with pytest.raises(ValueError, match=r"\{\}: an empty mapping places no module; give auto, a device, or a "
                                              r"mapping \{module: device\}\)?$"):  # (NXL_LOAD's: in brackets)
             read()
+
+
+@pytest.mark.version_free
+def test_ctl_models_glob_that_matches_no_model_changes_nothing_and_says_so(tmp_path, capsys):
+    """nxl ctl attach/detach --models GLOB where GLOB matched no loaded model answered 200 and exit 0, changing no
+    model, while attach made its options the process's for models loaded later. Now: a glob that matches in no
+    process of the run is one line naming it and the models loaded (exit 2), and no process changed; one that
+    matches in one process changes that one, and a process where it matches nothing keeps its options."""
+    import json
+
+    import tiny as tiny_models
+    from transformers import AutoModelForCausalLM
+
+    from nxl_hooks.apps.serve.controller import Controller
+
+    run = tmp_path / "run"  # a run of two processes: each one's socket, as nxl run puts them in one folder
+    run.mkdir()
+    controllers, models = [], []  # (the controllers hold their models weakly)
+    for name in ("alpha", "beta"):
+        path = tiny_models.save_model(tmp_path / name, "llama")
+        controller = Controller(Settings(run_dir=tmp_path / f"run-{name}"))
+        models.append(AutoModelForCausalLM.from_pretrained(path))
+        controller.adopt(models[-1], str(path))
+        controllers.append(controller)
+        (run / f"{len(controllers)}.sock").symlink_to(controller.endpoint.socket)
+    alpha, beta = controllers
+
+    def state() -> list:
+        return [(c.options, [(w.probe.layers if w.probe else None, w.excluded) for w in c.watches()])
+                for c in controllers]
+
+    try:
+        before = state()
+        assert before[0][1] == [([0, 1, 2], False)]
+        capsys.readouterr()
+        for action in (["attach", "--layers", "last"], ["detach"]):
+            assert cli_main(["ctl", *action, "--models", "gamma*", "--run", str(run)]) == 2
+            out, err = capsys.readouterr()
+            assert out == "" and err == (f"nxl ctl: error: --models gamma* matches none of the models loaded in the "
+                                         f"run ({tmp_path / 'alpha'}, {tmp_path / 'beta'}); nothing changed: give a "
+                                         "glob of one of them\n")
+            assert state() == before
+        assert cli_main(["ctl", "attach", "--layers", "last", "--models", "bet*", "--run", str(run), "--json"]) == 0
+        said = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+        assert [s["models"][0]["layers"] for s in said] == [[0, 1, 2], [2]]  # each process's line, alpha's unchanged
+        assert alpha.options == before[0][0] and beta.options["layers"] == "last"
+        assert cli_main(["ctl", "detach", "--models", "alpha", "--run", str(run)]) == 0
+        assert [watch.excluded for c in controllers for watch in c.watches()] == [True, False]
+    finally:
+        for controller in controllers:
+            controller.close()

@@ -13,6 +13,7 @@ import argparse
 import json
 
 from ...records.tokens import printable
+from ..options import CliError
 from ..schema import options
 from ..serve.settings import CTL, Settings, add_run_options
 from .tail import add_connect_options, faults
@@ -60,14 +61,29 @@ def describe(status: dict) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..serve.client import endpoints
+    from ..serve.client import Refused, endpoints
 
     body = request(args)
+    held: list[str] = []  # the lines of processes that hold no model --models names, until one does
+    loaded: list[str] = []  # their models
+    done = False
     for endpoint in endpoints(args.run, args.token_file):
-        status = endpoint.status(body)
         try:
-            text = json.dumps(status) if args.json else describe(status)
+            status = endpoint.status(body)
+            done = True
+        except Refused as refusal:
+            if not isinstance(refusal.answer.get("loaded"), list):  # not that refusal: its own message
+                raise
+            loaded += map(str, refusal.answer["loaded"])
+            status = endpoint.status()  # changed nothing: shown as it is, beside the processes that hold the model
+        try:
+            held.append(json.dumps(status) if args.json else describe(status))  # JSON escapes every control
         except (KeyError, TypeError, ValueError, AttributeError):
             raise endpoint._foreign("its status is not one") from None
-        print(text, flush=True)  # JSON escapes every control
+        if done:
+            print("\n".join(held), flush=True)
+            held = []
+    if not done:
+        raise CliError(f"--models {body['models']} matches none of the models loaded in the run "
+                       f"({', '.join(dict.fromkeys(loaded)) or 'none'}); nothing changed: give a glob of one of them")
     return 0

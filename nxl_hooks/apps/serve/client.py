@@ -29,7 +29,7 @@ from ...records.files import json_value, user_path
 from ..options import CliError, say
 from .runs import bearer, live_sockets, peer_uid, read_token
 
-__all__ = ["Endpoint", "choose_run", "connect_unix", "endpoints"]
+__all__ = ["Endpoint", "Refused", "choose_run", "connect_unix", "endpoints"]
 
 
 def connect_unix(path: Path | str, timeout: float | None) -> socket.socket:
@@ -47,6 +47,14 @@ def connect_unix(path: Path | str, timeout: float | None) -> socket.socket:
         sock.close()
         raise
     return sock
+
+
+class Refused(CliError):
+    """An endpoint's own refusal: its ``status`` and its JSON ``answer`` (``error``, and what else it says)."""
+
+    def __init__(self, message: str, status: int, answer: dict) -> None:
+        super().__init__(message)
+        self.status, self.answer = status, answer
 
 
 class _UnixConnection(http.client.HTTPConnection):
@@ -120,7 +128,7 @@ class Endpoint:
             value = None
         if not isinstance(value, dict) or not isinstance(value.get("error"), str):
             return self._foreign(f"it answered {status}")
-        return CliError(f"{self.name}: {status} {value['error']}")
+        return Refused(f"{self.name}: {status} {value['error']}", status, value)
 
     def status(self, body: dict | None = None, timeout: float = 30) -> dict:
         """The process's status (``body``: a change to make first, POSTed to ``/v1/control``); CliError when what

@@ -53,7 +53,7 @@ from ...records.sinks import make_sink
 from ...records.steps import GenerationCall, Step
 from ...records.tokens import untexted
 from .runs import check_private
-from .settings import Settings, matches
+from .settings import NoMatch, Settings, matches
 
 __all__ = ["Controller", "Forward", "Live", "LiveStep", "Models", "Rules", "Texts", "Watch", "controller", "start",
            "stop"]
@@ -562,12 +562,23 @@ class Controller:
         self.rules.resume(self.models.alive())
 
     def configure(self, *, models: str | list[str] | None = None, **options: Any) -> None:
-        """Record the models matching ``models`` (all by default) with new attach ``options`` (:meth:`Rules.configure`)."""
-        self.rules.configure(self.models.alive(models), **options)
+        """Record the models matching ``models`` (all by default) with new attach ``options`` (:meth:`Rules.configure`);
+        :class:`NoMatch` when none does."""
+        self.rules.configure(self._chosen(models), **options)
 
     def exclude(self, models: str | list[str] | None = None) -> None:
-        """Stop recording the models matching ``models`` (all by default) until :meth:`configure` takes them."""
-        self.rules.exclude(self.models.alive(models))
+        """Stop recording the models matching ``models`` (all by default) until :meth:`configure` takes them;
+        :class:`NoMatch` when none does."""
+        self.rules.exclude(self._chosen(models))
+
+    def _chosen(self, models: str | list[str] | None) -> list[Watch]:
+        """The models alive that ``models`` selects (every one when not given); :class:`NoMatch` when globs given
+        select none."""
+        watches = self.models.alive(models)
+        if models and not watches:
+            raise NoMatch(models if isinstance(models, str) else ",".join(models),
+                          [watch.name for watch in self.models.alive()])
+        return watches
 
     def records(self) -> list[tuple[Watch, GenerationCall | Forward, dict]]:
         """(watch, record, meta) of every model's calls and forwards in memory, oldest first."""

@@ -59,7 +59,7 @@ from ...hooks.subscription import Subscription
 from ...records.writer import stream_bytes
 from .readout import Watched, call_view, ended, forward_view, step_view, summary
 from .runs import check_private, enlist, peer_uid, read_token, socket_path
-from .settings import Settings, parse_listen
+from .settings import NoMatch, Settings, parse_listen
 
 __all__ = ["MAX_BODY", "MAX_CONNECTIONS", "MAX_STREAMS", "REQUEST_SECONDS", "WRITE_SECONDS", "ControlServer",
            "bind_socket"]
@@ -77,9 +77,11 @@ MAX_BODY = 64 << 10  #: bytes of a request body (a control action is a few hundr
 
 
 class _BadRequest(Exception):
-    def __init__(self, status: int, message: str) -> None:
+    """A refusal: ``status`` and the answer's ``error``, with ``answer``'s fields beside it (what a client reads)."""
+
+    def __init__(self, status: int, message: str, **answer: Any) -> None:
         super().__init__(message)
-        self.status = status
+        self.status, self.answer = status, answer
 
 
 class _Deadline(io.RawIOBase):
@@ -211,7 +213,7 @@ class _Handler(BaseHTTPRequestHandler):
         except _BadRequest as error:
             self.close_connection = True
             try:
-                self._json(error.status, {"error": str(error)})
+                self._json(error.status, {"error": str(error), **error.answer})
                 if self.request_body is None:
                     self._discard_input()
             except OSError:
@@ -608,13 +610,16 @@ class ControlServer:
             controller.pause()
         elif action == "resume":
             controller.resume()
-        elif action == "attach":
+        elif action in ("attach", "detach"):
             try:
-                controller.configure(models=models, **options)
+                if action == "attach":
+                    controller.configure(models=models, **options)
+                else:
+                    controller.exclude(models)
+            except NoMatch as error:  # nxl ctl reads `loaded`: another process of the run may hold the model
+                raise _BadRequest(404, str(error), loaded=error.loaded) from None
             except ValueError as error:
                 raise _BadRequest(400, str(error)) from None
-        elif action == "detach":
-            controller.exclude(models)
         else:
             raise _BadRequest(400, f"action={action!r:.80}: use pause, resume, attach or detach")
         return controller.status()

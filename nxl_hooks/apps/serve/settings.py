@@ -34,8 +34,8 @@ from ..loading_options import Loading
 from ..schema import (Option, add_options, markdown_table as group_table, options, read_args, read_env, read_json,
                       setting, switch, switch_text, write_env)
 
-__all__ = ["ATTACH", "CTL", "DEFAULT_KEEP_CALLS", "OPTIONS", "Option", "Settings", "add_run_options", "attach_options",
-           "markdown_table", "matches", "parse_listen", "positive_number", "whole_number"]
+__all__ = ["ATTACH", "CTL", "DEFAULT_KEEP_CALLS", "NoMatch", "OPTIONS", "Option", "Settings", "add_run_options",
+           "attach_options", "markdown_table", "matches", "parse_listen", "positive_number", "whole_number"]
 
 DEFAULT_KEEP_CALLS = 16  #: bounded by default: a server runs for weeks
 #: The settings that are :func:`nxl_hooks.attach`'s own options: every command that attaches takes their flags.
@@ -155,6 +155,17 @@ def matches(name: str, globs: list[str]) -> bool:
     """Whether a model loaded from ``name`` (a path or hub id) matches a glob, itself or its last part."""
     tail = name.rstrip("/").rpartition("/")[2]
     return any(fnmatch.fnmatchcase(name, glob) or fnmatch.fnmatchcase(tail, glob) for glob in globs)
+
+
+class NoMatch(LookupError):
+    """The globs of ``nxl ctl attach/detach --models`` match none of this process's models: nothing was changed, not
+    even the options of models loaded later (a typo must not quietly re-attach the next model). ``loaded``: the
+    names of its models alive, which the operator picks from."""
+
+    def __init__(self, globs: str, loaded: list[str]) -> None:
+        super().__init__(f"--models {globs} matches none of the models loaded here ({', '.join(loaded) or 'none'}); "
+                         "nothing changed")
+        self.loaded = loaded
 
 
 def _number_or_text(parse: Callable[[str], Any]) -> Callable[[Any], Any]:
