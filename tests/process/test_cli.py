@@ -228,7 +228,8 @@ def test_demo_on_your_sentence_says_what_lies_outside_training(capsys, demo_by_h
 
 def test_demo_finds_words_as_its_tokenizer_splits_them(capsys, demo_by_hand):
     """\\x1f is whitespace to str.split() but not to the tokenizer, which reads "the\\x1fplot" as one [UNK]: the rank
-    printed is the keyword's (it was the next word's), and the [UNK] is named outside the training data."""
+    printed is the keyword's (it was the next word's), and the [UNK] is named outside the training data. The ranks
+    are out of the 3 words that rank, which the legend says, naming the [UNK] (it said "among the words")."""
     _, _, by_hand = demo_by_hand
     text = "the\x1fplot good was film"
     assert main(["demo", text]) == 0
@@ -237,6 +238,8 @@ def test_demo_finds_words_as_its_tokenizer_splits_them(capsys, demo_by_hand):
     ranked = scores[:, 0, 1:4]
     own = (1 + (ranked > ranked[:, :1]).sum(-1)).tolist()
     assert f"evidence 'good' ranks per layer: L0 {own[0]}/3  L1 {own[1]}/3  L2 {own[2]}/3" in printed
+    assert ("(1 = top among the 3 words that rank; the\\x1fplot (read as [UNK]) does not)"
+            in " ".join(printed.split()))  # the console wraps it
     assert "outside the training data: words outside the demo vocabulary, read as [UNK]: the\\x1fplot" in printed
 
 

@@ -97,6 +97,21 @@ def _word_positions(enc: Any, row: int) -> list[int]:
     return [i for i, word in enumerate(enc.word_ids(row)) if word is not None]
 
 
+def ranked_among(res: Any, text: str, positions: list[int]) -> str:
+    """What the ranks of ``text``'s one row are out of: its words, or those that rank when some do not (a word
+    read as [UNK], a special token, is no candidate: "L2 3/3" of a 4-word sentence must say which one is left out).
+    ``positions``: each word's token position (:func:`_word_positions`)."""
+    from ...records.tokens import visible
+
+    rankable = res.rankable(0)
+    left_out = [visible(word) + ("" if res.tokens[0][position] == word else f" (read as {res.tokens[0][position]})")
+                for word, position in zip(split_words(text), positions) if not rankable[position]]
+    if not left_out:
+        return "1 = top among the words"
+    return (f"1 = top among the {len(positions) - len(left_out)} words that rank; {', '.join(left_out)} "
+            f"{'does' if len(left_out) == 1 else 'do'} not")
+
+
 def held_out_ranks(model: Any, tokenizer: Any, examples: Sequence[Any]) -> Any:
     """int64 (len(examples), layers): the keyword's rank among its sentence's words at each layer 0..L."""
     import torch
@@ -180,7 +195,7 @@ def run(args: argparse.Namespace) -> int:
     console.print(
         Text(f"evidence {keyword!r} ranks per layer: ", style="bold")
         + Text("  ".join(f"L{layer} {rank}/{n_ranked}" for layer, rank in zip(res.layers, mine)))
-        + Text("  (1 = top among the words)", style="dim")
+        + Text(f"  ({ranked_among(res, text, positions)})", style="dim")
     )
     console.print(Text(f"the keyword's rank in {HELD_OUT} held-out sentences ({MIN_WORDS}-{MAX_WORDS} words, one "
                        "keyword), per layer:", style="bold"))
