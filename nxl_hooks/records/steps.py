@@ -105,8 +105,15 @@ class Step:
         the explained target where it is another id (``attach(target=...)``: named, with its probability), context
         length, layers and the top context positions of row 0 at the last layer for that target, ranked as
         ``step.to_attribution().top()`` ranks them (no special or chat-template token while its call is linked
-        and alive). ``print(step)``"""
+        and alive). Row 0 ended before this step (``active`` False): it says so, with generate's padding token, and
+        nothing it would explain (as :class:`GenerationCall`'s repr and ``generation_html`` leave its padding out).
+        ``print(step)``"""
         batch, call = self.token.shape[0], self._linked()
+        if self.active is not None and not bool(self.active[0]):
+            going = int(self.active[1:].sum())
+            return (f"<Step call {self.call} step {self.step}: row 0 had ended (generate's padding: token "
+                    f"'{self.names(call, 0)[-1]}', id {int(self.token[0])}); {going} of the {batch - 1} other row(s) "
+                    f"still generating, at position {self.position}, layers {layers_text(self.layers)}>")
         token, own, explained, chance = self._chances(0, 0)
 
         def shown(probability: float | None) -> str:

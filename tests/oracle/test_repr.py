@@ -77,6 +77,12 @@ def test_a_calls_repr_ends_row_0s_text_at_its_end_token():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=4, do_sample=False)
     assert len(probe.calls[-1].steps) == 4
     assert repr(probe.calls[-1]).endswith("generated '" + "".join(f"#{t}" for t in out[0, 4:6].tolist()) + "'>")
+    # the steps after row 0's end: their repr presented generate's padding as row 0's token, with the context
+    # positions that "explain" it; they say row 0 had ended, with the token generate padded it with
+    for step, pad in zip(probe.calls[-1].steps[2:], out[0, 6:].tolist()):
+        assert repr(step) == (f"<Step call {step.call} step {step.step}: row 0 had ended (generate's padding: token "
+                              f"'#{pad}', id {pad}); 1 of the 1 other row(s) still generating, at position "
+                              f"{4 + step.step}, layers 0..3 (4)>")
 
 
 def test_a_steps_repr_with_fixed_targets_names_the_explained_one_and_gives_only_their_probabilities():
