@@ -287,6 +287,10 @@ CASES = [
     ("ctl run is a file", ["ctl", "status", "--run", "{existing_html}"], r"no run folder or control socket there"),
     ("ctl https", ["ctl", "pause", "--run", "https://127.0.0.1:9"], r"speaks plain HTTP on loopback; use http://"),
     ("ctl unknown action", ["ctl", "stop"], r"argument action: invalid choice: 'stop'"),
+    ("ctl pause with an attach option", ["ctl", "pause", "--layers", "2", "--run", "{outdir}"],
+     r"nxl ctl pause takes no option \(--layers given\): the attach options apply to nxl ctl attach"),
+    ("ctl detach with an attach option", ["ctl", "detach", "--models", "a*", "--embedding", "word"],
+     r"nxl ctl detach takes only --models \(--embedding given\)"),
     ("ctl http without a host", ["ctl", "status", "--run", "http://"],
      r"http://: give the address nxl run --listen printed, http://127.0.0.1:PORT"),
     # convert: a GGUF file into a model folder

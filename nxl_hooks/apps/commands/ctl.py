@@ -38,10 +38,17 @@ def add_parser(sub: argparse._SubParsersAction, *, group: type = Settings) -> ar
 def request(args: argparse.Namespace, *, group: type = Settings) -> dict | None:
     """The control request of parsed ``nxl ctl`` arguments: the action and each option given, as its variable's
     text (what :meth:`~nxl_hooks.apps.serve.settings.Settings.changes` reads back); None for ``status``."""
+    given = [option for option in options(group, CTL) if getattr(args, option.dest) is not None]
+    # what the action reads (the endpoint parses every option and would drop the others without a word)
+    ignored = [option.flag for option in given if args.action != "attach"
+               and (args.action != "detach" or option.name != "models")]
+    if ignored:
+        takes = "only --models" if args.action == "detach" else "no option"
+        raise CliError(f"nxl ctl {args.action} takes {takes} ({', '.join(map(str, ignored))} given): the attach "
+                       "options apply to nxl ctl attach, --models to attach and detach")
     if args.action == "status":
         return None
-    return {"action": args.action, **{option.name: option.text(getattr(args, option.dest))
-                                      for option in options(group, CTL) if getattr(args, option.dest) is not None}}
+    return {"action": args.action, **{option.name: option.text(getattr(args, option.dest)) for option in given}}
 
 
 def describe(status: dict) -> str:
