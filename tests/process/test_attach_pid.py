@@ -292,26 +292,6 @@ def test_sigterm_on_an_attached_process_removes_its_socket_as_under_nxl_run(tiny
     assert not (run / f"{pid}.sock").exists()
 
 
-
-@needs_gdb
-@pytest.mark.version_free
-def test_a_refused_attach_leaves_the_signal_handlers_as_they_were(tmp_path, capsys):
-    """A refusal that needs no import is answered in the main thread before any handler is set (one refused after
-    nxl_hooks imported, --wait expiring with no model, is given its default back by a detach, as an attach is)."""
-    process = _start(tmp_path, _LOOP)
-    try:
-        pid = str(process.pid)
-        assert f"process {pid}: transformers is not imported: no model" in _refused(capsys, "attach", pid)
-        assert not _catches_sigterm(process.pid)
-        assert "loaded in this process yet (waited 1 s); try again once it is, or with a longer --wait" in _refused(
-            capsys, "attach", pid, "--wait", "1")
-        assert _catches_sigterm(process.pid)
-        assert f"process {pid}: not attached by nxl attach (nothing to detach)" in _refused(capsys, "detach", pid)
-        assert not _catches_sigterm(process.pid) and process.poll() is None
-    finally:
-        _stop(process)
-    assert "Traceback" not in (tmp_path / "target.log").read_text()
-
 # -- refusals: one line, exit code 2, nothing injected ---------------------------------------------------------
 
 _LOOP = "import sys, time\nprint('ready', flush=True)\nfor _ in range(1200):\n    time.sleep(0.05)\n"
@@ -321,6 +301,50 @@ def _refused(capsys, *args: str) -> str:
     code, out, err = _cli(capsys, *args)
     assert code == 2 and not out and len(err.splitlines()) == 1, (code, out, err)
     return err
+
+
+_IMPORTED = "import transformers.modeling_utils\n" + _LOOP  # transformers imported, no model loaded yet
+
+
+def _default_again(process: subprocess.Popen) -> None:
+    """Wait for ``process`` to give SIGTERM its default action back (a call queued for its main thread)."""
+    deadline = time.monotonic() + 30
+    while _catches_sigterm(process.pid):
+        assert process.poll() is None and time.monotonic() < deadline
+        time.sleep(0.1)
+    assert process.poll() is None
+
+
+@needs_gdb
+@pytest.mark.version_free
+def test_a_refused_attach_leaves_the_signal_handlers_as_they_were(tmp_path, capsys):
+    """A refusal that needs no import is answered in the main thread before any handler is set; one made after
+    nxl_hooks imported (no model loaded, at once or after --wait) queues the default's return for the main thread,
+    which alone sets handlers."""
+    process = _start(tmp_path, _LOOP)
+    try:
+        pid = str(process.pid)
+        assert f"process {pid}: transformers is not imported: no model" in _refused(capsys, "attach", pid)
+        assert not _catches_sigterm(process.pid)
+        assert "loaded in this process yet (waited 1 s); try again once it is, or with a longer --wait" in _refused(
+            capsys, "attach", pid, "--wait", "1")
+        _default_again(process)
+        assert f"process {pid}: not attached by nxl attach (nothing to detach)" in _refused(capsys, "detach", pid)
+        assert process.poll() is None
+    finally:
+        _stop(process)
+    folder = tmp_path / "imported"
+    folder.mkdir()
+    process = _start(folder, _IMPORTED)
+    try:
+        assert "no transformers model is loaded in this process yet" in _refused(capsys, "attach", str(process.pid))
+        _default_again(process)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == -signal.SIGTERM
+    finally:
+        _stop(process)
+    for log in (tmp_path / "target.log", folder / "target.log"):
+        assert "Traceback" not in log.read_text()
 
 
 @pytest.mark.version_free

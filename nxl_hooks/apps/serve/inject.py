@@ -291,9 +291,10 @@ def script_source(request: str) -> str:
     """The script the bootstrap runs: claim ``request`` (``<request>.taken``), answer at once a refusal that needs
     no import (nothing to detach, no nxl_hooks, no model yet), else hand the work to a daemon thread and return.
     Either writes ``<request>.result`` (0600): :func:`nxl_hooks.apps.serve.remote.handle`'s outcome, or why not.
-    In the main thread, where alone Python sets signal handlers, an attach not refused puts the control endpoint's
-    SIGTERM/SIGHUP handler where the process left their default action (it removes the socket, then dies of the
-    signal: docs/security.md), and a detach gives the default back."""
+    In the main thread, where alone Python sets signal handlers, an attach not refused at once puts the control
+    endpoint's SIGTERM/SIGHUP handler where the process left their default action (it removes the socket, then dies
+    of the signal: docs/security.md; a refusal after the import gives the default back, :mod:`.remote`), and a
+    detach gives the default back."""
     return f'''import importlib.util, json, os, signal, sys, threading
 REQUEST = {request!r}
 TAKEN, RESULT = REQUEST + ".taken", REQUEST + ".result"

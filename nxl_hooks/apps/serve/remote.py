@@ -14,9 +14,11 @@ Runs in a short-lived thread of the target (never its main thread); every outcom
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import importlib
 import os
+import signal
 import sys
 import threading
 import time
@@ -37,6 +39,10 @@ _MARK = "__nxl_patched__"  #: what :mod:`.patches` sets on each wrapper it insta
 _LOCK = threading.Lock()
 _ATTACHED: Controller | None = None  #: the controller ``nxl attach`` started here, until ``nxl detach``
 _EAGER_BEFORE: list[str | None] = []  #: NXL_EAGER as it was before an ``nxl attach --eager``, given back at detach
+#: the main-thread calls :func:`_default_signals_later` queued: ctypes frees a callback nothing holds, and one is
+#: called after the thread that queued it has ended
+_QUEUED: list[Any] = []
+_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  #: those the attach's script sets its handler for
 
 
 def handle(request: dict, wanted: Callable[[], bool] = lambda: True) -> dict:
@@ -48,9 +54,38 @@ def handle(request: dict, wanted: Callable[[], bool] = lambda: True) -> dict:
         with _LOCK:
             if request.get("action") == "detach":
                 return _detach()
-            return _attach(request.get("env", {}), float(request.get("wait", 0)), wanted)
+            outcome = _attach(request.get("env", {}), float(request.get("wait", 0)), wanted)
     except Exception as error:  # noqa: BLE001 - said to nxl attach, never raised in the target
-        return {"ok": False, "code": "failed", "error": typed(error)}
+        outcome = {"ok": False, "code": "failed", "error": typed(error)}
+    if not outcome.get("ok"):
+        _default_signals_later()
+    return outcome
+
+
+def _default_signals_later() -> None:
+    """Give SIGTERM and SIGHUP their default action back where the attach's script set its handler (it did, in the
+    main thread, before this refusal) and nothing is attached: a refused attach leaves the process as it was. Python
+    sets handlers in the main thread alone, so the call is queued for it (``Py_AddPendingCall``: at its next
+    bytecode), as the script's own ran there; the script's detach gives them back by the same mark."""
+
+    def restore(_: Any) -> int:
+        try:
+            if _ATTACHED is None:
+                for signum in _SIGNALS:
+                    if getattr(signal.getsignal(signum), "__nxl_attach__", False):
+                        signal.signal(signum, signal.SIG_DFL)
+        except Exception:  # noqa: BLE001 - never into the program's main thread
+            pass
+        return 0  # (non-zero would raise in the main thread)
+
+    if not any(getattr(signal.getsignal(signum), "__nxl_attach__", False) for signum in _SIGNALS):
+        return
+    try:
+        call = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(restore)
+        if ctypes.pythonapi.Py_AddPendingCall(call, None) == 0:
+            _QUEUED.append(call)
+    except Exception:  # noqa: BLE001 - no ctypes: the handler stays until nxl detach, which acts on it like the default
+        pass
 
 
 def live_models(wait: float = 0.0, selects: Any = None) -> list[tuple[Any, str]]:
