@@ -283,6 +283,18 @@ def test_tail_last_shows_each_listed_call_of_an_id_not_its_newest_record(tmp_pat
             listed[1]["started"]] * 4
         status, body = live.get("GET", "/v1/requests/dup?started=soon")
         assert status == 400 and "give the request's started time as /v1/requests lists it" in body.decode()
+
+
+        class Older:  # an endpoint of an nxl_hooks before ?started=: the id's newest record whatever is asked
+            name = "older"
+
+            def json(self, method: str, path: str) -> dict:
+                return live.json(method, path.replace(f"&started={listed[0]['started']!r}", "").replace(
+                    f"&started={listed[1]['started']!r}", ""))
+
+        past = tail.last_requests([Older()], 2, 1)
+        assert [type(item).__name__ for item in past] == ["Fault", "Fault"]
+        assert "request dup (started " in past[0].text and "answered with another record of that id" in past[0].text
     finally:
         controller.close()
 

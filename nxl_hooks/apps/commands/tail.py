@@ -207,6 +207,12 @@ def last_requests(targets: list, n: int, k: int) -> list[Item]:
         started = summary.get("started")
         query = urlencode({"k": k, **({"started": repr(started)} if isinstance(started, (int, float)) else {})})
         view = endpoint.json("GET", f"/v1/requests/{quote(summary['request_id'], safe='')}?{query}")
+        if view.get("started") != started or not isinstance(view.get("steps"), list):
+            # an endpoint of an nxl_hooks before ?started= answers with the id's newest record, maybe another one
+            items.append(Fault(f"! {endpoint.name}: request {summary['request_id']} (started {started}) not shown: "
+                               "the process answered with another record of that id (its nxl_hooks predates 0.4.0, "
+                               "which serves each); nxl.read_stream on the run folder reads it"))
+            continue
         items += [Shown(StepView.from_json({"request_id": view["request_id"], "model": view.get("model"), **step}),
                         (view.get("model"), view.get("started"))) for step in view["steps"]]
         if view.get("ended"):
