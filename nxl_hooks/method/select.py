@@ -285,7 +285,7 @@ def resolve_target(model: nn.Module, kind: HeadKind | str, tokenizer: Any, item:
             _check_range([number], n_outputs)
         elif not -(1 << 63) <= number < 1 << 63:  # (checked against the head later; no tensor can hold it)
             raise ValueError(f"target {number} is out of range: no head has that many outputs")
-        # the plain int: a numpy or torch integer as the request made the record's meta unsavable (JSON has none)
+        # the plain int: a numpy integer as the request made the record's meta unsavable (JSON has none)
         return ResolvedTarget(number, number, (number,), "id")
     if not isinstance(item, str):
         raise ValueError(f"target/label {item!r} must be an int id or a string, got {type(item).__name__}")
