@@ -445,10 +445,8 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
     if not 0 <= row < steps[0].token.shape[0]:
         raise ValueError(f"row {row} out of range: this call generated {steps[0].token.shape[0]} sequence(s)")
     label_index(label, steps[0].target.reshape(steps[0].token.shape[0], -1).shape[1], "this call")
-    # a row that ended (its end token) before the batch did is padded by generate until then: those steps explain a
-    # pad token it did not generate (step.active False), left out as the call's texts leave them out
-    padded = sum(not bool(step.active[row]) for step in steps)
-    steps = [step for step in steps if bool(step.active[row])]
+    made = call.made(row)  # generate's padding after the row's end left out, as the call's texts leave it out
+    padded, steps = len(steps) - len(made), made
     if not steps:
         return page(title, f"<h1>{html.escape(title)}</h1>" + _notes(
             [f"row {row} had ended before the record's first step: nothing to show"]))

@@ -262,7 +262,7 @@ class GenerationCall:
         token: generate's padding after it left out, as :attr:`texts` leaves it out), control and format characters
         shown escaped (:func:`~nxl_hooks.records.tokens.printable`). ``print(call)``"""
         prompt = "?" if self.prompt_mask is None else f"{self.prompt_mask.shape[0]} x {self.prompt_mask.shape[1]}"
-        made = [step for step in self.steps if bool(step.active[0])]  # row 0's padding after its end is not its text
+        made = self.made(0)
         text = "".join(step.readable[0] if step.readable else untexted(step.token[0]) for step in made[:40])
         # its error shown escaped: a file's end frame may hold any text (an escape sequence, a bidi override)
         state = "complete" if self.complete else ("stopped: " + printable(self.error) if self.error else "running")
@@ -278,7 +278,12 @@ class GenerationCall:
         if not self.steps or any(step.readable is None for step in self.steps):
             return None
         rows = range(len(self.steps[0].readable))
-        return [plain_text([s.readable[row] for s in self.steps if bool(s.active[row])]) for row in rows]
+        return [plain_text([step.readable[row] for step in self.made(row)]) for row in rows]
+
+    def made(self, row: int) -> list[Step]:
+        """The steps that made a token of ``row``: a row that ended (its end token) before the batch did is padded by
+        generate until then, and those steps (``step.active`` False) explain a pad token it did not generate."""
+        return [step for step in self.steps if bool(step.active[row])]
 
     @property
     def text(self) -> str | None:
