@@ -16,9 +16,10 @@ import torch
 from ..method.protocol import Given
 from ..arch.registry import HeadKind, log_probabilities, word_embedding
 from ..method.scores import regression_logat, row_norms
+from ..method.select import VIRTUAL_ID
 from ..records.attribution import Attribution
 from ..records.tokens import target_texts
-from .plan import VIRTUAL_ID, Plan
+from .plan import Plan
 
 __all__ = ["NEEDS_IDS", "Capture", "assemble", "check_tokens", "embed_norms", "embedding_norms", "head_features",
            "layer_states", "open_capture", "pin_last_layer"]

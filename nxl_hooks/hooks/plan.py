@@ -30,6 +30,7 @@ from ..records.sinks import sink_factory
 from ..records.tokens import readable_ids, record_text
 from ..method.select import (
     EMBEDDINGS,
+    VIRTUAL_ID,
     Target,
     explained,
     from_numpy,
@@ -43,18 +44,12 @@ from ..method.select import (
     target_ids,
 )
 
-__all__ = ["EMBEDDINGS", "VIRTUAL_ID", "Plan", "Scoring", "TokenTexts", "check_recording", "make_plan", "model_name",
+__all__ = ["EMBEDDINGS", "Plan", "Scoring", "TokenTexts", "check_recording", "make_plan", "model_name",
            "run_eagerly", "token_texts", "tokenizer_mismatch", "virtual_name"]
 
 _KEPT = "_nxl_hooks_compiled_"  # where run_eagerly keeps a module's compiled callable while attached
 
 _READABLE_KEPT = 1 << 18  # token texts a plan remembers at most (more than most vocabularies)
-
-#: The id a record gives a position that is no input token: a virtual token PEFT prompt tuning prepends
-#: (:attr:`~nxl_hooks.method.subject.Subject.prompt_tokens`), which has an embedding of its own but no token id.
-#: Such positions keep their scores, are named :func:`virtual_name` and never rank (:meth:`Plan.special`).
-VIRTUAL_ID = -1
-
 
 def virtual_name(index: int) -> str:
     """How the ``index``-th virtual token of a row is shown, as its token and its readable text."""

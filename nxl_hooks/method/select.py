@@ -31,6 +31,7 @@ from ..arch.registry import HeadKind
 __all__ = [
     "EMBEDDINGS",
     "NO_SPACE_AFTER",
+    "VIRTUAL_ID",
     "ResolvedTarget",
     "Target",
     "check_length",
@@ -472,6 +473,12 @@ def _no_empty_rows(real: torch.Tensor) -> None:
 
 # -- what ranks ------------------------------------------------------------------------------------------
 
+#: The id a record gives a position that is no input token: a virtual token PEFT prompt tuning prepends
+#: (:attr:`~nxl_hooks.method.subject.Subject.prompt_tokens`), which has an embedding of its own but no token id.
+#: Such positions keep their scores, are named :func:`~nxl_hooks.hooks.plan.virtual_name`, flagged special
+#: (:meth:`~nxl_hooks.hooks.plan.Plan.special`) and never rank (:func:`rankable`).
+VIRTUAL_ID = -1
+
 
 def special_ids(tokenizer: Any) -> list[int] | None:
     """The tokenizer's special token ids ([CLS], <s>, chat-template markers), sorted; None when it has none."""
@@ -493,16 +500,20 @@ def special_mask(input_ids: torch.Tensor, tokenizer: Any) -> torch.Tensor | None
 
 
 def rankable(mask: torch.Tensor, position: torch.Tensor | int, special: torch.Tensor | None = None,
-             template: torch.Tensor | None = None, *, fallback: bool = True) -> torch.Tensor:
+             template: torch.Tensor | None = None, *, fallback: bool = True,
+             input_ids: torch.Tensor | None = None) -> torch.Tensor:
     """Which positions take part in a ranking: real tokens (``mask``), but not the prediction ``position``, not
     ``special`` tokens and not a chat ``template``'s tokens (its markers and the system prompt,
     :mod:`nxl_hooks.method.chat`): what ranks is the user's text and the generated text. Shapes: (seq,) with an
     int position, or (rows, seq) with (rows,) positions.
 
     When nothing would be left (a text of special tokens only), the real tokens but the prediction rank instead;
-    ``fallback=False`` leaves nothing then (perturbation must never touch a [CLS], <s> or [SEP]).
+    ``fallback=False`` leaves nothing then (perturbation must never touch a [CLS], <s> or [SEP]). ``input_ids``, where
+    known (shaped as ``mask``): virtual tokens (:data:`VIRTUAL_ID`) never rank, not even then: no input token at all.
     """
     eligible = mask.bool().clone()
+    if input_ids is not None:
+        eligible &= input_ids.to(eligible.device) != VIRTUAL_ID
     position = torch.as_tensor(position)
     if eligible.dim() == 1:
         eligible[int(position)] = False

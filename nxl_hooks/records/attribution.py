@@ -292,8 +292,9 @@ class Attribution:
         prediction position, special tokens or a chat template's tokens; with ``all_positions`` every real token."""
         if all_positions:
             return self.mask[row].bool()
-        special, template = (None if flags is None else flags[row] for flags in (self.special, self.template))
-        return rankable(self.mask[row], int(self.position[row]), special, template)
+        special, template, ids = (None if flags is None else flags[row]
+                                  for flags in (self.special, self.template, self.input_ids))
+        return rankable(self.mask[row], int(self.position[row]), special, template, input_ids=ids)
 
     def top(
         self, k: int = 5, layer: int = -1, row: int = 0, label: int = 0, *, all_positions: bool = False,

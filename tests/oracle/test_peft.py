@@ -230,6 +230,17 @@ def test_prompt_tuning_virtual_tokens_are_named_and_never_rank(method, family, t
         assert ranked and min(ranked) >= virtual
 
 
+
+def test_prompt_tuning_virtual_tokens_never_rank_beside_a_one_token_row():
+    """A row of one real token leaves nothing but special tokens to rank: the fall-back that ranks them then must
+    still leave out the virtual tokens, which are no input token (the three of them were the whole ranking)."""
+    peft_model = get_peft_model(big.build("llama"), _PROMPT_LEARNING["prompt tuning"]("CAUSAL_LM")).eval()
+    with torch.no_grad(), nxl.attach(peft_model) as probe:
+        peft_model(input_ids=torch.tensor([[17]]))
+    res = probe.result()
+    assert res.input_ids.tolist() == [[-1, -1, -1, 17]] and res.position.tolist() == [3]
+    assert not res.rankable(0).any() and res.top(k=5) == []
+
 def test_prompt_tuning_explain_names_the_real_tokens_by_their_text():
     """explain() on a prompt-tuning PeftModel: the tokens are the text's (they were None), the virtual ones named."""
     import tiny
