@@ -112,12 +112,15 @@ def check_tokens(reference: torch.Tensor | None) -> None:
         raise ValueError("empty input: nxl_hooks needs at least one token per row (got a zero-length batch)")
 
 
-def open_capture(bound: dict[str, Any], prompted: tuple[torch.Tensor, int] | None = None) -> Capture:
+def open_capture(bound: dict[str, Any], prompted: tuple[torch.Tensor, int, torch.Tensor | None] | None = None
+                 ) -> Capture:
     """A capture for a backbone forward called with ``bound`` arguments; ValueError on an empty input. A 2-D mask
     wider than the tokens (it covers what a KV cache holds before them too: PEFT prefix tuning's virtual tokens) is
     cut to the tokens' own columns. ``prompted``: (the ids a PEFT prompt-tuning model was called with, its number of
-    virtual tokens): where the backbone got its inputs_embeds only, those ids being v positions shorter, its ids are
-    the virtual tokens' (:data:`VIRTUAL_ID`) then those."""
+    virtual tokens, the word-embedding norms of those ids or None): where the backbone got its inputs_embeds only,
+    those ids being v positions shorter, its ids are the virtual tokens' (:data:`VIRTUAL_ID`) then those, and its
+    word-embedding norms (``embedding="word"``) the virtual tokens' own embeddings' (what the backbone got) then
+    those."""
     input_ids = bound.get("input_ids")
     reference = input_ids if input_ids is not None else bound.get("inputs_embeds")
     check_tokens(reference)
@@ -126,10 +129,12 @@ def open_capture(bound: dict[str, Any], prompted: tuple[torch.Tensor, int] | Non
     if isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.shape[1] > seq:
         mask = mask[:, -seq:]  # (as conventions.token_mask reads a decoding step's)
     if input_ids is None and prompted is not None:
-        ids, virtual = prompted
+        ids, virtual, words = prompted
         if isinstance(ids, torch.Tensor) and ids.dim() == 2 and tuple(ids.shape) == (rows, seq - virtual):
             ids = torch.cat([ids.new_full((rows, virtual), VIRTUAL_ID), ids], dim=1)
-            return Capture(input_ids=ids, attention_mask=mask, shape=(rows, seq), virtual=virtual)
+            embed = None if words is None else torch.cat(
+                [row_norms(reference[:, :virtual].detach()).float(), words.to(reference.device)], dim=1)
+            return Capture(input_ids=ids, attention_mask=mask, shape=(rows, seq), virtual=virtual, embed_norm=embed)
     return Capture(input_ids=input_ids, attention_mask=mask, shape=(rows, seq))
 
 

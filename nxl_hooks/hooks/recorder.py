@@ -401,7 +401,8 @@ class Recorder:
             "itself (nxl.attach(compiled) runs it eagerly while attached), call the uncompiled module, or run the "
             "call under `with torch.compiler.set_stance('force_eager'):`")
 
-    def _peft_calls(self) -> list[tuple[Any, int]]:
+    def _peft_calls(self) -> list[tuple[Any, int, torch.Tensor | None]]:
+        """This thread's PeftModel calls running: (their ids, virtual tokens, the ids' word-embedding norms)."""
         local = self._local
         try:
             return local.peft_calls
@@ -418,7 +419,7 @@ class Recorder:
             virtual = self.plan.subject.prompt_tokens
         except Exception:  # noqa: BLE001 - never into the host's call (PEFT's active config of several adapters)
             virtual = 0
-        self._peft_calls().append((kwargs.get("input_ids", args[0] if args else None), virtual))
+        self._peft_calls().append((kwargs.get("input_ids", args[0] if args else None), virtual, None))
 
     def on_peft_end(self, module: nn.Module, args: tuple, output: Any) -> None:
         calls = self._peft_calls()
@@ -499,13 +500,17 @@ class Recorder:
             if self._plain_traced():
                 self.plain.keep("embed", output.detach())
             return
-        capture = self._current()
-        if capture is None:  # the embedding called on its own, outside a forward of the model
+        capture, calls = self._current(), self._peft_calls()
+        if capture is None and not (calls and calls[-1][1]):  # the embedding called on its own, outside a forward
             return
         try:
             # the ids where the module is the embedding itself (a wrapper's LoRA adds to its rows)
             ids = args[0] if args and isinstance(module, nn.Embedding) else None
-            capture.embed_norm = embedding_norms(self.plan, output, ids)
+            norms = embedding_norms(self.plan, output, ids)
+            if capture is None:  # PEFT prompt tuning embeds the ids before its backbone runs: open_capture takes them
+                calls[-1] = (*calls[-1][:2], norms)
+            else:
+                capture.embed_norm = norms
         except Exception as error:  # noqa: BLE001
             self._fail("this forward", error)
 

@@ -241,6 +241,29 @@ def test_prompt_tuning_virtual_tokens_never_rank_beside_a_one_token_row():
     assert res.input_ids.tolist() == [[-1, -1, -1, 17]] and res.position.tolist() == [3]
     assert not res.rankable(0).any() and res.top(k=5) == []
 
+
+@pytest.mark.parametrize("method", list(_PROMPT_LEARNING))
+def test_prompt_tuning_word_embedding_norms_are_the_ids_rows_and_the_virtual_tokens_own(method):
+    """embedding="word" on a prompt-tuned model: PEFT runs the word embedding before its backbone, which gets
+    inputs_embeds only; the norms are the ids' unscaled rows (Gemma's sqrt(d) taken off) and the virtual tokens' own
+    embeddings (get_prompt) (the forward was refused: "embedding='word' needs input_ids")."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    config = GemmaConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, pad_token_id=0)
+    torch.manual_seed(0)
+    model = GemmaForCausalLM(config).eval()
+    peft_model = get_peft_model(model, _PROMPT_LEARNING[method]("CAUSAL_LM")).eval()
+    ids = torch.tensor([[5, 9, 17, 33], [41, 60, 2, 7]])
+    with torch.no_grad(), nxl.attach(peft_model, embedding="word", layers="last") as probe:
+        peft_model(input_ids=ids)
+        prompts = peft_model.get_prompt(batch_size=len(ids))
+    res = probe.result()
+    expected = torch.cat([prompts.float().norm(dim=-1), model.get_input_embeddings().weight[ids].float().norm(dim=-1)],
+                         dim=1)
+    torch.testing.assert_close(res.embed_norm, expected, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(res.normxlogit, expected[None] * res.logat, rtol=1e-5, atol=1e-6)
+
 def test_prompt_tuning_explain_names_the_real_tokens_by_their_text():
     """explain() on a prompt-tuning PeftModel: the tokens are the text's (they were None), the virtual ones named."""
     import tiny
