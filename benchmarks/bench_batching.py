@@ -123,13 +123,14 @@ def _clocked(loops: list[tuple[float, float]]) -> ContextManager:
     return _in_manager_threads(clock)
 
 
-def _warmups(seconds: list[float], device: torch.device) -> ContextManager[bool]:
-    """While entered, the wall seconds of each manager's ``warmup`` (generate_batch's, in the calling thread before
-    its loop starts: with CUDA graphs, their capture) are appended to ``seconds``."""
+def _warmups(seconds: list[float], device: torch.device, clock: str) -> ContextManager[bool]:
+    """While entered, the seconds on ``clock`` of each manager's ``warmup`` (generate_batch's, in the calling thread
+    before its loop starts: with CUDA graphs, their capture) are appended to ``seconds``: the clock the calls are
+    timed on, since the steady state's ratios subtract the one from the other."""
     def wrap(warmup: Callable) -> Callable:
         def timed_warmup(manager, *args, **kwargs):
             returned = []
-            seconds.append(timed(lambda: returned.append(warmup(manager, *args, **kwargs)), device))
+            seconds.append(timed(lambda: returned.append(warmup(manager, *args, **kwargs)), device, clock))
             return returned[0]
         return timed_warmup
 
@@ -174,7 +175,7 @@ def main() -> None:
         config = ContinuousBatchingConfig(num_blocks=blocks, use_cuda_graph=args.cuda_graph, use_async_batching=False)
         loops: list[tuple[float, float]] = []
         warmups: list[float] = []
-        with _clocked(loops), _warmups(warmups, device):
+        with _clocked(loops), _warmups(warmups, device, args.clock):
             out = model.generate_batch(prompts, generation_config=greedy, continuous_batching_config=config,
                                        progress_bar=False)
         warmed[name] = sum(warmups)

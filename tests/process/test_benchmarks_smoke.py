@@ -161,3 +161,27 @@ def test_smoke_runs_refuse_to_write_into_results(monkeypatch, capsys):
     elsewhere = smoke_out(parser, None, "forward")
     assert elsewhere.name == "forward.json" and not elsewhere.resolve().is_relative_to(BENCHMARKS.resolve())
     elsewhere.parent.rmdir()
+
+
+def test_batching_times_each_warmup_on_the_clock_of_its_call(monkeypatch):
+    # throughput_over_plain_after_warmup subtracts each call's warmup from the call's seconds: under --clock cpu a
+    # warmup taken in wall seconds (a capture or a loaded machine waits) made those ratios negative
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    import _common
+    import bench_batching
+    import torch
+
+    now = {"wall": 0.0, "cpu": 0.0}
+    for clock in now:
+        monkeypatch.setitem(_common.CLOCKS, clock, lambda clock=clock: now[clock])
+
+    def warmup(manager):  # waits 5 s, computes 2 s
+        now["wall"] += 5.0
+        now["cpu"] += 2.0
+        return "warmed"
+
+    monkeypatch.setattr(bench_batching.ContinuousBatchingManager, "warmup", warmup)
+    seconds: list[float] = []
+    with bench_batching._warmups(seconds, torch.device("cpu"), "cpu") as found:
+        assert found and bench_batching.ContinuousBatchingManager.warmup(None) == "warmed"
+    assert seconds == [2.0]
