@@ -132,15 +132,17 @@ def main() -> None:
     model, tokenizer = train(seed=args.seed)
     ranks, accuracy = evidence_ranks(model, tokenizer, make_examples(args.held_out, seed=HELD_OUT_SEED + args.seed))
     rate = float((ranks == 1).float().mean())
+    report = {"held_out": args.held_out, "accuracy": round(accuracy, 4), "evidence_rank1_last_layer": round(rate, 4),
+              "mean_rank": round(float(ranks.float().mean()), 3)}
+    if rate < args.min_rate:  # checked before saving: a model that fails never replaces the shipped one (the default)
+        print(json.dumps({**report, "out": None}))
+        raise SystemExit(f"the keyword ranks first on only {rate:.1%} of held-out sentences (< {args.min_rate:.0%}); "
+                         "nothing saved")
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out)
     tokenizer.save_pretrained(args.out)
     size = sum(p.stat().st_size for p in args.out.iterdir() if p.suffix in (".json", ".safetensors"))
-    print(json.dumps({"held_out": args.held_out, "accuracy": round(accuracy, 4),
-                      "evidence_rank1_last_layer": round(rate, 4), "mean_rank": round(float(ranks.float().mean()), 3),
-                      "bytes": size, "out": str(args.out)}))
-    if rate < args.min_rate:
-        raise SystemExit(f"the keyword ranks first on only {rate:.1%} of held-out sentences (< {args.min_rate:.0%})")
+    print(json.dumps({**report, "bytes": size, "out": str(args.out)}))
 
 
 if __name__ == "__main__":
