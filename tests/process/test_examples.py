@@ -6,8 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 
 # train_demo.py with its training swapped for the untrained model (seconds, not the 15 s of training), which fails
@@ -26,7 +24,6 @@ demo.main()
 """
 
 
-@pytest.mark.version_free
 def test_train_demo_saves_nothing_when_its_check_fails(tmp_path):
     """It saved the model (by default over the shipped demo model) before its check, so a failed run replaced it."""
     out = tmp_path / "demo"
