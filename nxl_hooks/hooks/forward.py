@@ -178,9 +178,10 @@ def pin_last_layer(layers: Sequence[int], n_blocks: int, logat: torch.Tensor, ro
                    positions: torch.Tensor | int, own: torch.Tensor) -> None:
     """Set LogAt (layers, rows, seq, k) at l = L (when among ``layers``) and each of ``rows``' ``positions`` to
     ``own`` (rows, k): the model's own logits of the explained ids, where its readout ran on a slice of the
-    forward's positions (``logits_to_keep``). There a 16-bit readout with a bias rounds its product and its bias
-    apart (nn.Linear on a strided 3-D input), which no product of the head's gathered rows reproduces, and at l = L
-    the prediction position's LogAt is the model's logit by definition."""
+    forward's positions (``logits_to_keep``) or the head is not :attr:`~nxl_hooks.method.head.Head.per_position`.
+    There a 16-bit readout with a bias rounds its product and its bias apart (nn.Linear on a strided 3-D input), and
+    a called 8-bit head gives a row another result beside other positions, which no recomputation here reproduces;
+    at l = L the prediction position's LogAt is the model's logit by definition."""
     if n_blocks in layers:
         rows = rows.to(logat.device) if isinstance(rows, torch.Tensor) else rows
         positions = positions.to(logat.device) if isinstance(positions, torch.Tensor) else positions
@@ -234,7 +235,7 @@ def assemble(plan: Plan, capture: Capture, output: Any = None, keep: Any = None)
             targets = plan.explained(final.argmax(-1, keepdim=True))
             log_probs = log_probabilities(plan.model, final)
 
-        kept = covered.nonzero()[:, 0] if sliced else None
+        kept = covered.nonzero()[:, 0] if sliced or not plan.head.per_position else None
 
         def head_logits(ids: torch.Tensor) -> torch.Tensor:  # (layers, rows, seq, k)
             logits = torch.stack([readout.explain(by_row(states), ids).to(final.device) for states in hidden])

@@ -1147,13 +1147,14 @@ class Run:
                 def head_logits(ids: torch.Tensor, n: int = last, steps: Sequence[int] = (),
                                 first: int = 0) -> torch.Tensor:  # (layers, batch, n, m)
                     """``steps``: the steps (counted from ``first``) whose ids ``ids`` holds, one block of columns
-                    each: l = L at a sliced step's position is set to its model's own logits of them."""
+                    each: l = L at a step's position is set to its model's own logits of them where they are
+                    sliced or the head is not per position (:func:`~.forward.pin_last_layer`)."""
                     flat = features.narrow(1, 0, n).reshape(batch, -1, features.shape[-1])  # all layers, one gather
                     logits = readout.target_logits(flat, ids).view(batch, n, layers, -1).permute(2, 0, 1, 3)
                     width = ids.shape[1] // max(len(steps), 1)
                     for block, index in enumerate(steps):
                         item = emitted[first + index]
-                        if item.sliced:
+                        if item.logits is not None and (item.sliced or not plan.head.per_position):
                             columns = slice(block * width, (block + 1) * width)
                             pin_last_layer(plan.layers, plan.n_blocks, logits[..., columns], slice(None), item.n - 1,
                                            item.logits.gather(-1, ids[:, columns].to(item.logits.device)))

@@ -222,6 +222,11 @@ class Head:
         #: store packed weights, torchao keeps nn.Linear with a quantized weight tensor, and PEFT wrappers route to
         #: the active adapter: those are called. Decided once: it is asked per forward and per generated token.
         self.gatherable = type(readout) is nn.Linear and plain(readout) and readable(readout)
+        #: Whether a position's outputs are a function of that position alone: not where a quantized or adapter
+        #: module is called, whose output for one position may depend on the others in its call (bitsandbytes'
+        #: 8-bit layer picks its outlier columns over its whole input), so that the head on every position of a
+        #: layer misses the model's own call on its prediction rows; there l = L is pinned to the model's logits
+        self.per_position = self.gatherable and all(plain(step) for step in steps if isinstance(step, nn.Module))
         self._offloaded = offloaded(readout)
         #: the final norm, when it can be folded into gathered rows (see the module docstring)
         self._fold = _RmsFold.of(steps[0]) if self.gatherable and len(steps) == 1 \

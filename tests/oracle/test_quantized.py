@@ -48,6 +48,62 @@ def test_bnb_quantized_classification_heads(tmp_path_factory, family, quant):
     big.check(model, hand, *big.batch(seed=2))  # again, after a 4-bit Linear has repacked itself in place
 
 
+def _with_outlier_features(tmp_path, family: str, norm: str, cls, quant: dict):
+    """``family`` with gains of 8 on four hidden dims of the norm at path ``norm`` (the outlier features real models
+    have: values past bitsandbytes' 8-bit threshold, 6.0, reach the head), reloaded with ``quant``."""
+    model = big.build(family, **({"num_labels": 3} if family == "bert" else {}))
+    with torch.no_grad():
+        model.get_submodule(norm).weight[:4] = 8.0
+    model.save_pretrained(tmp_path)
+    return cls.from_pretrained(tmp_path, quantization_config=BitsAndBytesConfig(**quant)).eval()
+
+
+def test_an_8bit_head_gives_the_models_own_logit_at_the_last_layer(tmp_path):
+    """bitsandbytes' 8-bit Linear picks the columns it computes in 16 bits over its whole input, so a row's output
+    depends on the others in its call: the head called on every position of the last layer gave the CLS rows
+    another logit than the model's call on those rows alone (~6e-4 off). At l = L and the prediction position LogAt
+    is the model's own logit; every layer below is the oracle's (the model's own modules on that layer's states)."""
+    import oracle
+    from transformers import BertForSequenceClassification
+
+    import nxl_hooks as nxl
+
+    model = _with_outlier_features(tmp_path, "bert", "bert.encoder.layer.1.output.LayerNorm",
+                                   BertForSequenceClassification, QUANT["int8"])
+    assert isinstance(model.classifier, bnb.nn.Linear8bitLt) and model.classifier.state.threshold > 0
+    ids, mask = big.batch()
+    ids = ids.masked_fill(mask == 0, model.config.pad_token_id)
+    with torch.no_grad(), nxl.attach(model, layers="all") as probe:
+        out = model(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+    res = probe.result()
+    rows = torch.arange(len(ids))
+    assert torch.equal(res.logat[-1, rows, 0], out.logits[rows, res.target].float())
+    with torch.no_grad():
+        logat, _ = oracle.normxlogit(big.bert_head(model).layer_logits(out.hidden_states), out.hidden_states[0],
+                                     res.target)
+    torch.testing.assert_close(res.logat[:-1], logat[:-1], rtol=1e-4, atol=1e-5)
+
+
+def test_generate_steps_of_an_8bit_readout_give_the_models_own_output_logits_at_the_last_layer(tmp_path):
+    """An 8-bit lm_head through generate: the library reads out every layer's positions in one call, where other
+    positions' outlier columns changed a step's logit (~6e-4 off from step 1 on); at l = L and each step's position
+    LogAt is generate's own ``output_logits`` of its token."""
+    from transformers import LlamaForCausalLM
+
+    import nxl_hooks as nxl
+
+    model = _with_outlier_features(tmp_path, "llama", "model.norm", LlamaForCausalLM,
+                                   dict(QUANT["int8"], llm_int8_skip_modules=[]))
+    assert isinstance(model.lm_head, bnb.nn.Linear8bitLt)
+    ids, _ = big.batch()
+    with torch.no_grad(), nxl.attach(model, layers="all") as probe:
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None,
+                             output_logits=True, return_dict_in_generate=True)
+    assert len(probe.steps) == len(out.logits) == 3
+    for step, own in zip(probe.steps, out.logits):
+        assert torch.equal(step.scores["logat"][-1, :, step.position - 1], own.gather(-1, step.token.view(-1, 1))[:, 0])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_half_precision_llama(dtype):
     model = big.build("llama").to(dtype)
