@@ -49,11 +49,35 @@ CALLED_READOUT_CHUNK = 256
 CALLED_READOUT_BYTES = 64 << 20
 
 
+def _own_hooks(module: nn.Module, hooks: dict) -> list[tuple[Callable, bool]]:
+    """(hook, takes kwargs) of the hooks in ``hooks`` (one of ``module``'s hook dicts) that are ``module``'s own
+    bound methods: a quantizer puts those there as part of what the module computes (optimum-quanto's QLinear and
+    QLayerNorm quantize their input and output activations in them), not a user watching its calls."""
+    with_kwargs = {**module._forward_pre_hooks_with_kwargs, **module._forward_hooks_with_kwargs}
+    return [(hook, key in with_kwargs) for key, hook in hooks.items() if getattr(hook, "__self__", None) is module]
+
+
 def _unhooked(step: nn.Module | Callable, hidden: torch.Tensor) -> torch.Tensor:
-    """``step`` applied to ``hidden`` without its torch hooks, when it is a module: those on the model's modules are
-    the user's (collecting the final norm's outputs, say) and must see the model's own calls only, not the probe's
-    on every layer. Its ``forward`` attribute, not the class's: accelerate patches offloading in there."""
-    return step.forward(hidden) if isinstance(step, nn.Module) else step(hidden)
+    """``step`` applied to ``hidden`` without its torch hooks, when it is a module, but for its own
+    (:func:`_own_hooks`): the others on the model's modules are the user's (collecting the final norm's outputs,
+    say) and must see the model's own calls only, not the probe's on every layer. Its ``forward`` attribute, not
+    the class's: accelerate patches offloading in there."""
+    if not isinstance(step, nn.Module):
+        return step(hidden)
+    args, kwargs = (hidden,), {}
+    for hook, keywords in _own_hooks(step, step._forward_pre_hooks):
+        result = hook(step, args, kwargs) if keywords else hook(step, args)
+        if result is not None:
+            if keywords:
+                args, kwargs = result
+            else:
+                args = result if isinstance(result, tuple) else (result,)
+    output = step.forward(*args, **kwargs)
+    for hook, keywords in _own_hooks(step, step._forward_hooks):
+        result = hook(step, args, kwargs, output) if keywords else hook(step, args, output)
+        if result is not None:
+            output = result
+    return output
 
 
 def _activation(config, attribute: str) -> Callable[[torch.Tensor], torch.Tensor]:
