@@ -107,10 +107,11 @@ def register_sink(name: str, factory: Factory) -> None:
 
 
 def _kind(name: str) -> Factory | None:
-    """The factory registered as ``name``: in this process, else through an installed entry point."""
+    """The factory registered as ``name``: in this process, else through an installed entry point (never for a
+    built-in kind: a plugin of that name would take the records ``file:``/``folder:`` promise to the stream)."""
     with _lock:
         factory = _KINDS.get(name)
-    if factory is not None:
+    if factory is not None or name in builtin_kinds():
         return factory
     factory = plugins.load(ENTRY_POINT_GROUP, name, log=False)  # a broken one: kind_name refuses with its line
     if factory is not None:

@@ -313,3 +313,18 @@ def test_the_allow_list_decides_which_plugins_load(site, monkeypatch, caplog, se
     if "collect" not in expected["sinks"]:
         with pytest.raises(ValueError, match="no sink kind 'collect'"):
             nxl.attach(_toy_model(), sink="collect:x")
+
+
+def test_a_sink_plugin_named_as_a_built_in_kind_never_takes_its_records(site, tmp_path):
+    """``file:``/``folder:`` write the crash-safe stream: a plugin of that name (it took them) is never used."""
+    _distribution(site, "nxl_good_plugin", GOOD, "[nxl_hooks.sinks]\nfile = nxl_good_plugin:CollectSink\n"
+                                                 "folder = nxl_good_plugin:CollectSink\n")
+    model = _toy_model()
+    with nxl.attach(model, sink=f"file:{tmp_path / 'run.nxl'}") as probe:
+        _generate(model)
+    with nxl.attach(model, sink=f"folder:{tmp_path / 'runs'}"):
+        _generate(model)
+    assert "nxl_good_plugin" not in sys.modules
+    (call,) = nxl.read_stream(tmp_path / "run.nxl")
+    assert [step.token.tolist() for step in call.steps] == [step.token.tolist() for step in probe.calls[0].steps]
+    assert len(nxl.read_stream(tmp_path / "runs")) == 1
