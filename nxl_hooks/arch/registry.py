@@ -10,6 +10,8 @@ one; otherwise :class:`UnknownArchitectureError` says how to register it::
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import sys
 import threading
@@ -225,23 +227,44 @@ def _from_plugin(model_type: str) -> ArchSpec | None:
     """The spec the ``nxl_hooks.architectures`` plugin named ``model_type`` gives (:mod:`nxl_hooks.arch.plugins`):
     its object is a function that registers the architecture, or returns specs or a TOML file's path, or is such a
     value itself.
-    A plugin that fails is one log line (the loader's), and the model is resolved as if it were not installed."""
+    A plugin that fails, or gives no entry for ``model_type``, is one log line (the loader's), and the model is
+    resolved as if it were not installed. A plugin only adds model types: an entry it gives for one that an entry
+    names already (shipped, registered in code) is left out with one line, since attaching one model must not
+    change how every other family is read. What it adds names the plugin as its source, for the messages."""
     found = load(ARCHITECTURES, model_type)
     if found is None:
         return None
+    before = dict(_SPECS)
     try:
         found = found() if callable(found) else found
         if isinstance(found, (str, os.PathLike)):
             register_file(found)
         elif found is not None:
-            given = [found] if isinstance(found, ArchSpec) else list(found)
-            if not all(isinstance(spec, ArchSpec) for spec in given):
-                raise TypeError(f"it gave {given!r:.80}; expected ArchSpecs, a TOML file's path, or None (after "
+            specs = [found] if isinstance(found, ArchSpec) else list(found)
+            if not all(isinstance(spec, ArchSpec) for spec in specs):
+                raise TypeError(f"it gave {specs!r:.80}; expected ArchSpecs, a TOML file's path, or None (after "
                                 "calling nxl.register_architecture)")
-            for spec in given:
+            for spec in specs:
                 _add(spec)
     except BaseException as error:  # noqa: BLE001 - a broken plugin (SystemExit too) is its line, not the user's
         broken(ARCHITECTURES, model_type, contained(error))
+        for kind in set(_SPECS) - set(before):  # a failed plugin leaves nothing behind, as if it were not installed
+            del _SPECS[kind]
+        _SPECS.update(before)
+        return None
+    given = {kind: spec for kind, spec in _SPECS.items() if before.get(kind) is not spec}
+    plugin, named = f"plugin {model_type!r} ({ARCHITECTURES})", {}
+    kept = [kind for kind in given if kind in before]
+    for kind, spec in given.items():
+        _SPECS[kind] = before[kind] if kind in before else named.setdefault(id(spec), dataclasses.replace(
+            spec, source=f"{plugin[:-1]}, {spec.source})" if spec.source else plugin))
+    if kept:
+        logging.getLogger("nxl_hooks").warning(
+            "nxl_hooks: %s also gave entries for %s, which the registry names already: those are kept (a plugin "
+            "adds model types no entry names)", plugin, ", ".join(map(repr, kept)))
+    if model_type not in _SPECS:
+        others = f" (only for {', '.join(map(repr, given))})" if given else ""
+        broken(ARCHITECTURES, model_type, LookupError(f"it gave no entry for model_type {model_type!r}{others}"))
     return _SPECS.get(model_type)
 
 

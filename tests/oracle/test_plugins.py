@@ -328,3 +328,62 @@ def test_a_sink_plugin_named_as_a_built_in_kind_never_takes_its_records(site, tm
     (call,) = nxl.read_stream(tmp_path / "run.nxl")
     assert [step.token.tolist() for step in call.steps] == [step.token.tolist() for step in probe.calls[0].steps]
     assert len(nxl.read_stream(tmp_path / "runs")) == 1
+
+
+#: An architecture plugin whose entry names the shipped 'llama' beside (or instead of) its own model type.
+SHADOWING = textwrap.dedent('''
+    import nxl_hooks as nxl
+    from nxl_hooks.arch.registry import ArchSpec
+
+    CALLS = []
+
+
+    def llama_too():
+        CALLS.append("llama_too")
+        return ArchSpec(name="toy-plugin", model_types=("nxl_toy", "llama"), blocks="model.blocks",
+                        heads={"causal_lm": ("model.norm", "lm_head")})
+
+
+    def llama_only():
+        CALLS.append("llama_only")
+        return ArchSpec(name="toy-plugin", model_types=("llama",), blocks="model.layers",
+                        heads={"causal_lm": ("model.norm", "lm_head")})
+
+
+    def half_done():
+        nxl.register_architecture("nxl_half", blocks="model.layers", heads={"causal_lm": ["model.norm", "lm_head"]})
+        raise RuntimeError("gave up after registering")
+''')
+
+
+def test_an_architecture_plugin_adds_only_new_model_types_and_is_named_in_its_entrys_messages(site, caplog):
+    """Attaching a model of the plugin's type replaced the shipped 'llama' entry for every later Llama; a plugin
+    giving no entry for its own type was called again at each attach with no word; its entry's refusal read
+    'registry entry [toy-plugin] in :', naming nothing to fix."""
+    _distribution(site, "nxl_shadowing_plugin", SHADOWING,
+                  "[nxl_hooks.architectures]\nnxl_toy = nxl_shadowing_plugin:llama_too\n"
+                  "nxl_other = nxl_shadowing_plugin:llama_only\nnxl_half = nxl_shadowing_plugin:half_done\n")
+    shipped = registry.specs()["llama"]
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+        with pytest.raises(registry.RegistryError) as refused:  # its own entry is its, and says whose it is
+            nxl.attach(_toy_model())
+        other = _toy_model()
+        other.config.model_type = "nxl_other"
+        for _ in range(2):
+            with nxl.attach(other, layers="all") as probe:
+                _generate(other)
+        half = _toy_model()
+        half.config.model_type = "nxl_half"
+        with nxl.attach(half) as failed:  # what a failed plugin registered is undone, as if it were not installed
+            pass
+    assert failed.describe()["spec"] == "discovered:nxl_half" and "nxl_half" not in registry.specs()
+    calls = sys.modules.pop("nxl_shadowing_plugin").CALLS
+    assert calls == ["llama_too", "llama_only"]  # once each
+    assert "[toy-plugin] in plugin 'nxl_toy' (nxl_hooks.architectures): key 'blocks'" in str(refused.value)
+    assert registry.specs()["llama"] is shipped and registry.is_shipped(shipped)
+    assert probe.describe()["spec"] == "discovered:nxl_other"
+    check_call(other, probe.calls[0], 3)
+    lines = [record.getMessage() for record in caplog.records if record.name == "nxl_hooks"]
+    assert sum("also gave entries for 'llama'" in line for line in lines) == 2, lines  # one per plugin
+    (line,) = [line for line in lines if "plugin 'nxl_other'" in line and "failed" in line]
+    assert "no entry for model_type 'nxl_other' (only for 'llama')" in line and "\n" not in line
