@@ -24,6 +24,8 @@ import torch
 from torch import nn
 from torch.compiler import is_dynamo_compiling, is_exporting
 
+from ..arch import plugins
+from ..arch.text import typed
 from ..method.subject import compiled_original
 from ..records.attribution import Attribution
 from .conventions import find_cache, start
@@ -140,6 +142,7 @@ class Recorder:
         self._local = threading.local()
         self.results = results
         self._told_stray = False
+        self._stray_broken: set[int] = set()  # id() of each engine whose stray() raised: said once, then skipped
         self._told_cached = False  # a forward that continues a KV cache was said not recorded
         #: id(cache) -> (weak reference to it, why its forwards are not recorded, or None: a loop of the user's): each
         #: KV cache whose context the probe did not follow is one unrecorded call (:meth:`_continued`)
@@ -217,7 +220,15 @@ class Recorder:
         Said once per probe: as a warning when the engine cannot follow its host at all (also kept as
         ``Probe.unrecorded``), else as information."""
         for engine in self.engines:
-            why = engine.stray(arguments)
+            if id(engine) in self._stray_broken:
+                continue
+            try:
+                why = engine.stray(arguments)
+            except BaseException as error:  # noqa: BLE001 - a broken engine must not cost every plain forward's record
+                self._stray_broken.add(id(engine))
+                logger.warning("nxl_hooks: engine %r failed to tell its own forwards (%s); left out of that check: "
+                               "fix or uninstall it", engine.name, typed(plugins.contained(error)))
+                continue
             if why is None:
                 continue
             self.results.last = RuntimeError(why)

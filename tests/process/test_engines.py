@@ -16,6 +16,7 @@ import torch
 import nxl_hooks as nxl
 import tiny
 from nxl_hooks.hooks import engines
+import oracle
 from oracle import check_call
 from serving import save_chat_model
 
@@ -194,6 +195,43 @@ def test_an_engine_that_exits_without_a_message_is_said_by_its_type_once(toy, mo
     assert probe.result().normxlogit.shape == (1, 1, 3)
     (line,) = [r.getMessage() for r in caplog.records if r.name == "nxl_hooks"]
     assert "engine 'exits' not recorded (SystemExit);" in line and line.count("SystemExit") == 1
+
+
+class _StrayRaises:
+    """An engine that claims every model and whose ``stray`` check (asked at each plain forward) raises."""
+
+    name, unfollowed, asked = "stray-raises", None, 0
+
+    def claims(self, model):
+        return True
+
+    def install(self, gens):
+        pass
+
+    def uninstall(self):
+        pass
+
+    def stray(self, arguments):
+        _StrayRaises.asked += 1
+        raise RuntimeError("stray check broke")
+
+
+def test_an_engine_whose_stray_check_raises_is_said_once_and_plain_forwards_are_recorded(toy, model, caplog):
+    """Its error read as the forward's own: every plain forward went unrecorded ('this forward not recorded
+    (RuntimeError: stray check broke)'), naming no engine."""
+    engines.register_engine("stray-raises", _StrayRaises)
+    ids = torch.tensor([[5, 6, 7, 9]])
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"), nxl.attach(model, layers="all") as probe:
+        for _ in range(2):
+            with torch.no_grad():
+                out = model(input_ids=ids, output_hidden_states=True)
+            res = probe.result()
+    logat, expected = oracle.normxlogit(oracle.llama(model).layer_logits(out.hidden_states), out.hidden_states[0],
+                                        res.target)
+    torch.testing.assert_close(res.logat, logat, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(res.normxlogit, expected, rtol=1e-4, atol=1e-4)
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "nxl_hooks"]
+    assert "engine 'stray-raises' failed" in line and "stray check broke" in line and _StrayRaises.asked == 1
 
 
 def test_nxl_run_finds_an_engine_through_its_entry_point(tmp_path):
