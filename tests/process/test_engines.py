@@ -234,6 +234,35 @@ def test_an_engine_whose_stray_check_raises_is_said_once_and_plain_forwards_are_
     assert "engine 'stray-raises' failed" in line and "stray check broke" in line and _StrayRaises.asked == 1
 
 
+class _Nameless:
+    """An engine without the protocol's ``name`` whose install and uninstall raise: its error was said by name."""
+
+    unfollowed = None
+
+    def claims(self, model):
+        return True
+
+    def install(self, gens):
+        raise RuntimeError("install broke")
+
+    def uninstall(self):
+        raise RuntimeError("uninstall broke")
+
+    def stray(self, arguments):
+        return None
+
+
+def test_an_engine_lacking_part_of_the_protocol_is_left_out_with_one_line(toy, model, caplog):
+    """Reporting its failed install read ``engine.name``: an AttributeError raised into attach, the hooks left on."""
+    engines.register_engine("nameless", _Nameless)
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+        with nxl.attach(model, layers="last") as probe:
+            model(input_ids=torch.tensor([[5, 6, 7]]))
+    assert probe.result().normxlogit.shape == (1, 1, 3) and nxl.detach_all(model) == 0
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "nxl_hooks"]
+    assert "engine 'nameless'" in line and "'_Nameless', which lacks one of name" in line
+
+
 def test_nxl_run_finds_an_engine_through_its_entry_point(tmp_path):
     """The engine's package is only on PYTHONPATH, declared by a *.dist-info/entry_points.txt: nothing in nxl_hooks
     names it."""

@@ -28,7 +28,7 @@ import functools
 import importlib
 import pkgutil
 import threading
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol, runtime_checkable
 
 from ...arch import plugins
 from ..guard import reason
@@ -45,6 +45,7 @@ __all__ = ["GROUP", "NOT_RECORDED", "Engine", "Recording", "builtin_engines", "e
 GROUP = plugins.ENGINES
 
 
+@runtime_checkable
 class Engine(Protocol):
     """One way a model generates outside ``generate``, followed for one probe. Made per attach by a factory
     registered with :func:`register_engine` (cheap to make: nothing happens before :meth:`install`).
@@ -122,6 +123,9 @@ def engines_for(model: nn.Module) -> list[Engine]:
     for name, factory in named.items():
         try:
             engine = factory()
+            if not isinstance(engine, Engine):  # else what it lacks is an AttributeError where attach reports it
+                raise TypeError(f"it made {type(engine).__name__!r}, which lacks one of name, unfollowed, claims, "
+                                "install, uninstall or stray (the Engine protocol)")
             if engine.claims(model):
                 chosen.append(engine)
         except BaseException as error:  # noqa: BLE001 - a broken engine (SystemExit too) never breaks attach
