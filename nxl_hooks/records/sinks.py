@@ -156,17 +156,21 @@ def _builtin(name: str, here: bool = True) -> Factory:
     return getattr(importlib.import_module(declared["module"]), declared["factory"])
 
 
-def kind_name(spec: Any) -> str | None:
+def kind_name(spec: Any, *, here: bool = True) -> str | None:
     """The kind a ``"NAME:ARG"`` string names (None: a path, or not a string); ValueError for a kind that nobody
-    registered. A string that is an existing path is a path."""
+    registered. A string that is an existing path is a path. ``here`` False: the sink is made in another process
+    (nxl attach's target), whose plugins are not this one's and are not imported here: a kind that is not built in
+    is taken as named, for that process to check."""
     match = _SPEC.fullmatch(spec) if isinstance(spec, str) else None
     if match is None:
         return None
     name = match.group(1)
-    if name in builtin_kinds() or _kind(name) is not None:
+    if name in builtin_kinds() or (here and _kind(name) is not None):
         return name
     if os.path.exists(spec):
         return None
+    if not here:
+        return name
     broken = plugins.failure(ENTRY_POINT_GROUP, name)
     if broken is not None:
         raise ValueError(f"sink {spec!r}: {broken}")

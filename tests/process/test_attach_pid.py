@@ -505,6 +505,67 @@ def test_the_314_route_runs_exactly_the_checked_file_with_nothing_of_the_environ
     assert not (tmp_path / "ran").exists()
 
 
+_STEPS_SINK = """
+import json
+from pathlib import Path
+
+
+class StepsSink:  # a sink kind only the target's environment has: its step records' tokens, one line each
+    def __init__(self, arg, **options):
+        self.fh = Path(arg).open("a")
+
+    def write_call(self, call, meta):
+        pass
+
+    def write_step(self, step):
+        self.fh.write(json.dumps({"call": step.call, "token": step.token.tolist()}) + "\\n")
+        self.fh.flush()
+
+    def write_end(self, call):
+        pass
+
+    def close(self):
+        self.fh.close()
+"""
+
+
+@needs_gdb
+def test_a_sink_kind_installed_in_the_target_only_records_there(tiny, tmp_path, capsys):
+    """nxl attach checked --sink KIND:ARG among the plugins of its own environment, so a kind installed in the
+    target's alone was refused ("no sink kind"); the target makes the sink, and knows its kinds."""
+    site = tmp_path / "site"
+    (site / "steps_sink-1.0.dist-info").mkdir(parents=True)
+    (site / "steps_sink.py").write_text(_STEPS_SINK)
+    info = site / "steps_sink-1.0.dist-info"
+    info.joinpath("METADATA").write_text("Metadata-Version: 2.1\nName: steps-sink\nVersion: 1.0\n")
+    info.joinpath("entry_points.txt").write_text("[nxl_hooks.sinks]\nsteps = steps_sink:StepsSink\n")
+    go, out = tmp_path / "go", tmp_path / "steps.jsonl"
+    go.touch()
+    env = {"PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    process = _start(tmp_path, _SCRIPT, str(tiny.path), str(go), env=env)
+    try:
+        pid = str(process.pid)
+        code, _, err = _cli(capsys, "attach", pid, "--sink", f"steps:{out}", "--wait", "90")
+        assert code == 0, err
+        deadline = time.monotonic() + 120
+        while len(out.read_text().splitlines() if out.exists() else []) < 6:
+            assert time.monotonic() < deadline and process.poll() is None
+            time.sleep(0.2)
+        code, _, err = _cli(capsys, "detach", pid)
+        assert code == 0, err
+        code, _, err = _cli(capsys, "attach", pid, "--sink", "nosuchkind:x")  # refused there, in one line
+        assert code == 2 and "no sink kind 'nosuchkind'" in err and len(err.splitlines()) == 1, err
+    finally:
+        _stop(process)
+    log = (tmp_path / "target.log").read_text().splitlines()
+    emitted = {tuple(json.loads(line)) for line in log if line.startswith("[")}  # (and nxl's own lines)
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    calls = {}
+    for record in records:
+        calls.setdefault(record["call"], []).append(record["token"][0])
+    whole = [tuple(tokens) for tokens in calls.values() if len(tokens) == 3]
+    assert whole and set(whole) <= emitted  # the tokens each recorded call generated, as the target printed them
+
 _HIDDEN = ("import sys, time\nsys.modules['nxl_hooks'] = None\n"
            + _LOOP.replace("time.sleep", "print(_, flush=True); time.sleep"))
 

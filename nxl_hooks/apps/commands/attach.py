@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from ..serve.installed import install_line
     from ..serve.runs import TOKEN
 
-    folder_given = bool(args.sink) and sink_kind(args.sink) is None  # a bad or unusable sink: refused first
+    folder_given = bool(args.sink) and sink_kind(args.sink, target=True) is None  # a bad or unusable one: refused first
     target = inspect_target(args.pid)
     other = target.uid != os.geteuid()  # root, for another user's process: the run folder becomes theirs
     if other and not folder_given:
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
                        "creates it and hands it to that user)")
     made = _create(args.sink, other, target.uid) if folder_given else _Made()
     try:
-        settings = prepare_run(args, {})
+        settings = prepare_run(args, {}, target=True)
         folder = settings.run_dir
         if not folder_given:  # the private run folder prepare_run made
             made.adopt(folder)

@@ -47,22 +47,24 @@ def bootstrap_dir() -> str:
     return os.path.join(os.path.dirname(lazy.__file__), "bootstrap")
 
 
-def sink_kind(value: str | None, python: str | None = None) -> str | None:
+def sink_kind(value: str | None, python: str | None = None, *, target: bool = False) -> str | None:
     """``--sink`` when it names a registered sink kind (``NAME:ARG``), else None (a folder, or none given); checked
     here, so a wrong one is one line before anything starts, with what that kind needs (``parquet:`` needs pyarrow)
     where its sink is made: in ``python``, the program's interpreter (this process when it is this one's); None: not
-    here (nxl attach's target checks it; a program whose interpreter cannot be told says it per model)."""
+    here (nxl attach's target checks it; a program whose interpreter cannot be told says it per model). ``target``:
+    nxl attach's, where a kind of a plugin is known and imported, not here (:func:`~nxl_hooks.records.sinks.kind_name`)."""
     if not value or ":" not in value or os.path.exists(value):
         return None
     import sys
 
-    from ...records.sinks import kind_name, requirement, sink_factory  # imports torch: only for what may be NAME:ARG
+    from ...records.sinks import builtin_kinds, kind_name, requirement, sink_factory  # (torch: only for NAME:ARG)
 
-    name = kind_name(value)
+    name = kind_name(value, here=not target)
     if name is None:
         return None
     here = python is not None and os.path.abspath(python) == os.path.abspath(sys.executable)
-    sink_factory(value, here=here)  # the kind's own up-front check: an ImportError naming its extra
+    if not target or name in builtin_kinds():
+        sink_factory(value, here=here)  # the kind's own up-front check: an ImportError naming its extra
     needed = requirement(name)
     if python is not None and not here and needed is not None and _succeeds([python], f"import {needed[0]}") is False:
         package = needed[0].partition(".")[0]
@@ -71,14 +73,14 @@ def sink_kind(value: str | None, python: str | None = None) -> str | None:
     return value
 
 
-def prepare_run(args: argparse.Namespace, load: dict, python: str | None = None) -> Settings:
+def prepare_run(args: argparse.Namespace, load: dict, python: str | None = None, *, target: bool = False) -> Settings:
     """The run's :class:`~nxl_hooks.apps.serve.settings.Settings` from parsed ``add_run_options`` flags (checked
     before anything is made; a sink kind's extra in ``python``, as :func:`sink_kind` says), and its run folder:
     ``--sink DIR`` or a private one, with the token for ``--listen`` written. How ``nxl run`` and ``nxl attach``
     start a run."""
     from ..serve.runs import make_run_dir, private_run_dir, write_token
 
-    spec = sink_kind(args.sink, python)
+    spec = sink_kind(args.sink, python, target=target)
     settings = Settings.from_args(args, run_dir=Path(), load=load, sink_spec=spec)  # a bad flag makes no folder
     if args.sink and not spec:
         check_output_folder(args.sink, "--sink")
