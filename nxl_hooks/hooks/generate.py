@@ -575,12 +575,25 @@ class Run:
                 f"a forward of this call ran positions {past}..{past + new - 1} (from its {where.source}) while the "
                 f"call's record holds positions 0..{n - 1}: a forward that neither continues the record by one token "
                 "nor recomputes it from position 0 cannot be followed (several candidate tokens per forward, or a "
-                "cropped cache)"
+                f"cropped cache){self._undone(past)}"
             )
         if recomputes:
             self._recomputes(bound.get("input_ids"), n)
         self._checked = decoding and continues
         return past
+
+    def _undone(self, past: int) -> str:
+        """A forward the record cannot follow runs from position ``past`` again: the tokens at ``past`` and after,
+        which completed steps when the forwards that ran them started, may be ones the call undid (it looked ahead
+        with a candidate on a copy of its cache, then emitted another). Those steps not handed on yet are dropped
+        (the records stop before them, never holding a token the call may not have returned); what to add to the
+        call's error for those already handed on (a live reader got each as it came)."""
+        first = past - (self._prompt_len or 0)  # the first step whose token sits at ``past`` or after
+        self._deferred = [item for item in self._deferred if item.n < past]
+        if self._handed <= first:
+            return ""
+        return (f"; the records of steps {max(first, 0)}..{self._handed - 1}, handed on already, explain tokens at "
+                "positions it ran again, which it may have replaced")
 
     def _recomputes(self, ids: torch.Tensor | None, n: int) -> None:
         """A forward of ``ids`` from position 0 while the record holds ``n`` positions: past the prompt, it runs the

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch._dynamo.utils import counters
-from transformers import GenerationConfig, LlamaForCausalLM
+from transformers import DynamicCache, GenerationConfig, LlamaForCausalLM
 from transformers import LogitsProcessor, LogitsProcessorList, StoppingCriteria, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
@@ -297,6 +297,35 @@ def test_a_forward_from_position_0_on_other_ids_inside_the_call_is_said_and_neve
     (call,) = probe.calls
     assert all(torch.equal(step.token, out[:, step.position]) for step in call.steps)
     assert "other token ids than the call's" in call.error and call.error in probe.unrecorded
+
+
+def _looks_ahead(model, input_ids, generation_config, **kwargs):
+    """A ``custom_generate`` loop (contrastive search's shape) that runs its argmax on a copy of the cache, then
+    emits the runner-up: the lookahead forward's token is one the call never returns."""
+    keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = DynamicCache(config=model.config)
+    out, sequence = model(input_ids=input_ids, use_cache=True, **{keyword: cache}), input_ids
+    for _ in range(generation_config.max_new_tokens):
+        top2 = out.logits[:, -1].topk(2).indices
+        model(input_ids=top2[:, :1], use_cache=True, **{keyword: copy.deepcopy(cache)})
+        sequence = torch.cat([sequence, top2[:, 1:]], 1)
+        out = model(input_ids=top2[:, 1:], use_cache=True, **{keyword: cache})
+    return sequence
+
+
+@pytest.mark.parametrize("live", [False, True])
+def test_a_lookahead_forward_whose_token_the_call_undid_never_records_it_unsaid(model, live):
+    """A custom loop looks ahead with a candidate token, then runs the position again with another: the lookahead's
+    start completed a step with the candidate. That step was published as the call's (its token never returned);
+    now it is dropped where still held, and where a live reader got it already the call's error says so."""
+    ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
+    with nxl.attach(model, layers="all", on_step=(lambda step: None) if live else None) as probe:
+        out = model.generate(input_ids=ids, max_new_tokens=3, custom_generate=_looks_ahead)
+    (call,) = probe.calls
+    assert "cropped cache" in call.error
+    wrong = [step.position for step in call.steps if not torch.equal(step.token, out[:, step.position])]
+    assert wrong == ([6] if live else [])
+    assert ("the records of steps 0..0, handed on already" in call.error) == live
 
 
 def test_beam_search_is_a_clear_error_and_plain_forward_still_works(model):
