@@ -22,8 +22,8 @@ the rows that finished (EOS, a stop string) and the decoding step's position sta
 the hub's publisher (:mod:`.publish`), which moves their records to the host in its own thread. On a GPU it scores
 them there too (one matmul for the steps scored together, then the methods), off the generating thread, while that
 one waits for the device (:data:`SCORED_ELSEWHERE`). What the host reads is a constant per call: the prompt (ids,
-mask), the first decoding step's position, whether a later step ran at another position (one flag), and generate's
-output.
+mask), the first decoding step's position, whether a later step ran at another position (one flag), which of the
+tokens its forwards fed back are not those it returned (one read: :meth:`Run._undid`), and generate's output.
 
 Compiled calls. Forwards that run compiled (a static cache, with which ``generate`` compiles its decoding steps
 itself, or a ``forward`` the user compiled) run the model's own compiled code: the hooks, traced into it, do nothing
@@ -423,6 +423,10 @@ class Run:
         self._features = _Growing()  # (batch, n, len(layers), d): all layers in one tensor, one head call per step
         self._embed, self._mask = _Growing(), _Growing()
         self._real: list[torch.Tensor] = []  # per generated position: is its token real (row not finished)?
+        # The tokens the call's forwards fed back (batch, steps), each of which completed a step, from position
+        # _fed_from on: checked once against generate's output when it returns (_undid), as a loop may run a forward
+        # on a token it then does not return (a lookahead on a copy of its cache) with nothing after it to tell.
+        self._fed, self._fed_from = _Growing(), 0
         self._prompt_ids: list[torch.Tensor] = []
         # the token ids of the last forward from position 0 (the prompt's, a use_cache=False step's): a forward that
         # recomputes the record from position 0 begins with them (_recomputes)
@@ -536,6 +540,15 @@ class Run:
             if ids is None:
                 raise RuntimeError("generate fed embeddings instead of token ids while decoding: cannot tell the "
                                    "emitted token; pass input_ids to generate")
+            rows = self._mask.view().shape[0]
+            if ids.shape[0] != rows:
+                raise UnfollowedForward(
+                    f"a forward of this call ran {ids.shape[0]} rows while its record holds {rows}: candidate tokens "
+                    "run as rows of their own (a lookahead, as contrastive search makes) cannot be followed")
+            if not self._fed.n:
+                self._fed_from = n
+            self._fed.truncate(n - self._fed_from)
+            self._fed.append(ids[:, n - past:n - past + 1])
             self.emit(ids[:, n - past])
         self._past, self._predicted = past, False
 
@@ -835,6 +848,8 @@ class Run:
             if missed is None and self._drift is not None and not self.failed and bool(self._drift.any()):
                 missed = ("not recorded: a decoding step of this call ran at another position than the one after "
                           "the record's last (a cropped or reused cache); its records from there on are not its own")
+            if missed is None and sequences is not None and not self.failed and self.call.error is None:
+                missed = self._undid(sequences)
             if missed is not None:
                 self.failed = True
                 if self._said.acquire(blocking=False):
@@ -999,6 +1014,29 @@ class Run:
         of the positions from ``start`` on."""
         return (stacked_features(self._plan, capture, first - start, end - start),
                 capture.embed_norm[:, first - start:end - start], mask[:, first:end])
+
+    def _undid(self, sequences: torch.Tensor) -> str | None:
+        """``not recorded: ...`` when a token a forward of the call fed back, which completed a step, is not the one
+        generate returned at its position (its loop ran a forward on a token it did not keep), else None; the steps
+        from there on not handed on yet are dropped. One host read per call."""
+        fed = self._fed.n
+        if not fed:
+            return None
+        held = self._ids_fed or self.ids_beside_embeds  # the sequences begin with the prompt's ids
+        first = self._fed_from - (0 if held else self._prompt_len or 0)
+        returned = sequences[:, first:first + fed].to(self._fed.view().device)
+        same = (self._fed.view()[:, :returned.shape[1]] == returned).all(dim=0).tolist() + [False] * (
+            fed - returned.shape[1])
+        if all(same):
+            return None
+        position = self._fed_from + same.index(False)
+        self._deferred = [item for item in self._deferred if item.n < position]
+        step = position - (self._prompt_len or 0)
+        handed = (f"; the records of steps {step}..{self._handed - 1}, handed on already, are of those tokens"
+                  if self._handed > step else "")
+        return (f"not recorded: the token step {step} of this call was recorded with is not the one generate "
+                f"returned there: its loop ran a forward on a token it did not keep (a custom_generate that looks "
+                f"ahead on a copy of its cache), and its records from there on are not its own{handed}")
 
     def _missed(self, sequences: torch.Tensor) -> str | None:
         """``not recorded: ...`` when the host returned tokens from forwards the hooks never saw, else None. Such

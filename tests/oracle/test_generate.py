@@ -1,6 +1,7 @@
 """Attribution during generate(): every step against an oracle that re-runs the whole prefix without a cache."""
 
 import copy
+import functools
 import inspect
 import os
 import signal
@@ -299,33 +300,45 @@ def test_a_forward_from_position_0_on_other_ids_inside_the_call_is_said_and_neve
     assert "other token ids than the call's" in call.error and call.error in probe.unrecorded
 
 
-def _looks_ahead(model, input_ids, generation_config, **kwargs):
-    """A ``custom_generate`` loop (contrastive search's shape) that runs its argmax on a copy of the cache, then
-    emits the runner-up: the lookahead forward's token is one the call never returns."""
+def _looks_ahead(model, input_ids, generation_config, *, how, **kwargs):
+    """A ``custom_generate`` loop (contrastive search's shape) that runs its two best candidates on a copy of the
+    cache, then emits the runner-up: the lookahead forward's token (the argmax, or both as rows of their own: ``how``
+    "rows") is one the call never returns. "again": the runner-up runs next at that position; "last": the last one
+    is returned unrun (as generate's is), the loop before it greedy."""
     keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     cache = DynamicCache(config=model.config)
     out, sequence = model(input_ids=input_ids, use_cache=True, **{keyword: cache}), input_ids
-    for _ in range(generation_config.max_new_tokens):
+    for left in reversed(range(generation_config.max_new_tokens)):
         top2 = out.logits[:, -1].topk(2).indices
-        model(input_ids=top2[:, :1], use_cache=True, **{keyword: copy.deepcopy(cache)})
-        sequence = torch.cat([sequence, top2[:, 1:]], 1)
-        out = model(input_ids=top2[:, 1:], use_cache=True, **{keyword: cache})
+        if how != "last" or not left:
+            ahead = copy.deepcopy(cache)
+            if how == "rows":
+                ahead.batch_repeat_interleave(2)
+            model(input_ids=top2.reshape(-1, 1) if how == "rows" else top2[:, :1], use_cache=True, **{keyword: ahead})
+        chosen = top2[:, :1] if how == "last" and left else top2[:, 1:]
+        sequence = torch.cat([sequence, chosen], 1)
+        if left:
+            out = model(input_ids=chosen, use_cache=True, **{keyword: cache})
     return sequence
 
 
-@pytest.mark.parametrize("live", [False, True])
-def test_a_lookahead_forward_whose_token_the_call_undid_never_records_it_unsaid(model, live):
-    """A custom loop looks ahead with a candidate token, then runs the position again with another: the lookahead's
-    start completed a step with the candidate. That step was published as the call's (its token never returned);
-    now it is dropped where still held, and where a live reader got it already the call's error says so."""
+@pytest.mark.parametrize("how, live, said", [
+    ("again", False, "cropped cache"), ("again", True, "the records of steps 0..0, handed on already"),
+    ("last", False, "the token step 2 of this call was recorded with is not the one generate returned"),
+    ("last", True, "the records of steps 2..2, handed on already, are of those tokens"),
+    ("rows", False, "ran 2 rows while its record holds 1")])
+def test_a_lookahead_forward_whose_token_the_call_undid_never_records_it_unsaid(model, how, live, said):
+    """A custom loop looks ahead with a candidate token, then emits another: the lookahead's start completed a step
+    with the candidate, which was published as the call's, its token never returned, said nowhere when no forward
+    followed. Now it is dropped where still held (the call's error says where its records stop), and named in that
+    error where a live reader got it already."""
     ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
     with nxl.attach(model, layers="all", on_step=(lambda step: None) if live else None) as probe:
-        out = model.generate(input_ids=ids, max_new_tokens=3, custom_generate=_looks_ahead)
+        out = model.generate(input_ids=ids, max_new_tokens=3, custom_generate=functools.partial(_looks_ahead, how=how))
     (call,) = probe.calls
-    assert "cropped cache" in call.error
     wrong = [step.position for step in call.steps if not torch.equal(step.token, out[:, step.position])]
-    assert wrong == ([6] if live else [])
-    assert ("the records of steps 0..0, handed on already" in call.error) == live
+    assert wrong == ([6 if how == "again" else 8] if live else [])
+    assert said in call.error and call.error in probe.unrecorded
 
 
 def test_beam_search_is_a_clear_error_and_plain_forward_still_works(model):
