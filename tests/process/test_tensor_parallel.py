@@ -249,6 +249,20 @@ def test_tp_generate_with_on_step_on_rank_0_only_finishes_and_equals_the_oracle(
         check_call(model, call, GENERATED)
 
 
+def test_tp_model_attached_later_from_another_thread_is_refused_not_hung(folder, tmp_path):
+    """``nxl attach PID`` (and ``nxl ctl resume`` / ``nxl ctl attach``) attach from a thread of their own, in one
+    process, at any moment: a probe there gathered the sharded lm_head, a collective that met the ranks' own forwards
+    and hung the program. Each rank's model is now refused in one line (status and log), nothing attached, and the
+    program's forwards run on unchanged."""
+    done = _torchrun(__file__, str(folder), str(tmp_path), "later", cwd=tmp_path, timeout=150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    for rank in (0, 1):
+        facts = json.loads((tmp_path / f"later{rank}.json").read_text())
+        assert facts["attached"] is False and facts["outputs_unchanged"] is True, facts
+        assert "split over torchrun processes (tensor parallel)" in facts["error"]
+        assert "launch the program under torchrun -m nxl_hooks run" in facts["error"]
+
+
 def test_tp_outside_torchrun_is_one_line(folder, capsys, monkeypatch):
     from nxl_hooks.apps.cli import main
 
@@ -357,5 +371,35 @@ def _generate_worker(folder: str, out: str) -> None:
         (Path(out) / "on_step.json").write_text(json.dumps(seen))
 
 
+def _later_worker(folder: str, out: str) -> None:
+    """One torchrun rank: load with tp_plan="auto", then attach as nxl attach does (a controller, from another
+    thread) while this thread runs forwards; write what the controller says and whether the outputs stayed."""
+    import threading
+
+    import transformers
+
+    from nxl_hooks.apps.serve.controller import start, stop
+    from nxl_hooks.apps.serve.settings import Settings
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        folder, distributed_config=transformers.DistributedConfig(tp_plan="auto")).eval()
+    rank, ids, mask = torch.distributed.get_rank(), torch.tensor(IDS), torch.tensor(MASK)
+    with torch.no_grad():
+        before = model(input_ids=ids, attention_mask=mask).logits
+    (Path(out) / f"run{rank}").mkdir(mode=0o700)
+    ctl = start(Settings(run_dir=Path(out) / f"run{rank}", layers="last"))
+    side = threading.Thread(target=ctl.adopt, args=(model, folder))
+    side.start()
+    with torch.no_grad():
+        outputs = [model(input_ids=ids, attention_mask=mask).logits for _ in range(4)]
+    side.join()
+    (model_status,) = ctl.status()["models"]
+    stop(ctl)
+    facts = {"attached": model_status["attached"], "error": model_status["error"],
+             "outputs_unchanged": all(torch.equal(before, each) for each in outputs)}
+    (Path(out) / f"later{rank}.json").write_text(json.dumps(facts))
+
+
 if __name__ == "__main__":
-    (_generate_worker if sys.argv[3:] == ["generate"] else _worker)(*sys.argv[1:3])
+    {"generate": _generate_worker, "later": _later_worker}.get(sys.argv[3] if sys.argv[3:] else "", _worker)(
+        *sys.argv[1:3])

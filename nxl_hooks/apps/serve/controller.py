@@ -46,6 +46,7 @@ from ...hooks.plan import TokenTexts, make_plan, token_texts, tokenizer_mismatch
 from ...hooks.probe import Probe, attach, count_hooks
 from ...hooks.recorder import traced
 from ...hooks.subscription import Subscription
+from ...method.placement import sharded
 from ...method.select import special_mask
 from ...records.attribution import Attribution
 from ...records.writer import RotatingSink
@@ -280,6 +281,17 @@ class Models:
         self._lock = threading.Lock()
 
 
+def tensor_parallel(name: str, model: Any) -> None:
+    """ValueError (one line) for a model tensor parallelism shards (``tp_plan``): its probe gathers the sharded head,
+    a collective every rank must enter at the same point, so it is attached only as the program loads it, on every
+    rank at once. From nxl attach's thread or the control endpoint's (one process, at any moment) the gather met the
+    ranks' own collectives and hung the program."""
+    if sharded(unwrap(model)):
+        raise ValueError(f"{name} is split over torchrun processes (tensor parallel), whose probes gather its head "
+                         "together, each at the same point: it is recorded only from its load, so launch the "
+                         "program under torchrun -m nxl_hooks run (not nxl attach, nxl ctl resume or nxl ctl attach)")
+
+
 class Rules:
     """When and how a watched model carries a probe: attached with the current options unless paused or excluded;
     detached keeps its calls. Every change holds one lock, so a model loaded meanwhile gets the new rule."""
@@ -291,18 +303,21 @@ class Rules:
         self.live = live
         self._lock = threading.RLock()
 
-    def adopt(self, watch: Watch, subject: Subject | None = None) -> None:
-        """A model just watched: attached unless paused or excluded (``subject``: the model already resolved)."""
+    def adopt(self, watch: Watch, subject: Subject | None = None, *, at_load: bool = False) -> None:
+        """A model just watched: attached unless paused or excluded (``subject``: the model already resolved).
+        ``at_load``: called as the program's from_pretrained returns, in its own thread (:func:`tensor_parallel`)."""
         with self._lock:
             model = watch.ref()
             if not (self.paused or watch.excluded) and watch.probe is None and model is not None:
-                self._attach(watch, model, subject)
+                self._attach(watch, model, subject, at_load)
 
-    def _attach(self, watch: Watch, model: Any, subject: Subject | None) -> None:
+    def _attach(self, watch: Watch, model: Any, subject: Subject | None, at_load: bool) -> None:
         # caller holds the lock
         settings = self.settings
         sink = None
         try:
+            if not at_load:
+                tensor_parallel(watch.name, model)
             subject = subject if subject is not None else Subject.of(model)  # resolved once, attach takes it
             # generate records (steps, a sink) only for models that generate; a classifier keeps its forwards
             generates = subject.kind is HeadKind.CAUSAL_LM
@@ -404,6 +419,7 @@ class Rules:
                 model = watch.ref()
                 if model is not None:
                     try:
+                        tensor_parallel(watch.name, model)
                         subjects[id(watch)] = make_plan(model, **wanted,
                                                         tokenizer=self._tokenizer(watch, model, wanted)).subject
                     except Exception as error:  # noqa: BLE001 - said to the operator, nothing changed
@@ -539,12 +555,13 @@ class Controller:
     def paused(self) -> bool:
         return self.rules.paused
 
-    def adopt(self, model: Any, name: str) -> None:
-        """A model the program just loaded from ``name``: watched, and attached unless paused or not selected."""
+    def adopt(self, model: Any, name: str, *, at_load: bool = False) -> None:
+        """A model the program just loaded from ``name`` (``at_load``: as its from_pretrained returns, in its thread)
+        or found loaded (nxl attach): watched, and attached unless paused or not selected."""
         try:
             watch = self.models.add(model, name, excluded=not self.settings.selects(name))
             if watch is not None:
-                self.rules.adopt(watch)
+                self.rules.adopt(watch, at_load=at_load)
             self._ensure_endpoint()
         except Exception as error:  # noqa: BLE001 - never into the program's from_pretrained
             reason(f"model {name}", error)

@@ -117,7 +117,7 @@ def _with_defaults(name: str, kwargs: dict) -> dict:
 
 def _adopt(model: Any, name: str) -> None:
     try:
-        controller().adopt(model, name)
+        controller().adopt(model, name, at_load=True)
     except Exception as error:  # noqa: BLE001 - bad NXL_* settings: the program runs unrecorded
         reason(f"model {name}", error)
 
