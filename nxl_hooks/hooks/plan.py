@@ -51,6 +51,7 @@ _KEPT = "_nxl_hooks_compiled_"  # where run_eagerly keeps a module's compiled ca
 
 _READABLE_KEPT = 1 << 18  # token texts a plan remembers at most (more than most vocabularies)
 
+
 def virtual_name(index: int) -> str:
     """How the ``index``-th virtual token of a row is shown, as its token and its readable text."""
     return f"[virtual {index}]"

@@ -230,7 +230,6 @@ def test_prompt_tuning_virtual_tokens_are_named_and_never_rank(method, family, t
         assert ranked and min(ranked) >= virtual
 
 
-
 def test_prompt_tuning_virtual_tokens_never_rank_beside_a_one_token_row():
     """A row of one real token leaves nothing but special tokens to rank: the fall-back that ranks them then must
     still leave out the virtual tokens, which are no input token (the three of them were the whole ranking)."""
@@ -263,6 +262,7 @@ def test_prompt_tuning_word_embedding_norms_are_the_ids_rows_and_the_virtual_tok
                          dim=1)
     torch.testing.assert_close(res.embed_norm, expected, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(res.normxlogit, expected[None] * res.logat, rtol=1e-5, atol=1e-6)
+
 
 def test_prompt_tuning_explain_names_the_real_tokens_by_their_text():
     """explain() on a prompt-tuning PeftModel: the tokens are the text's (they were None), the virtual ones named."""

@@ -347,6 +347,51 @@ def test_a_refused_attach_leaves_the_signal_handlers_as_they_were(tmp_path, caps
         assert "Traceback" not in log.read_text()
 
 
+# Two attach requests in one process, as nxl attach's threads carry them out: #1 (--wait 1) finds no model and is
+# refused while #2 waits on it; the program loads its model meanwhile, and #2 attaches. Prints what each answered and
+# whether SIGTERM has nxl's handler once the main thread has run the calls the two queued.
+_TWO_ATTACHES = """
+import json, os, signal, sys, tempfile, threading, time
+import transformers.modeling_utils
+from transformers import LlamaConfig, LlamaForCausalLM
+from nxl_hooks.apps.serve import remote
+
+def die(signum, frame):  # the handler the attach's script sets in the main thread
+    os._exit(3)
+die.__nxl_attach__ = True
+for signum in (signal.SIGTERM, signal.SIGHUP):
+    signal.signal(signum, die)
+run = tempfile.mkdtemp()
+out = {}
+first = threading.Thread(target=lambda: out.update({1: remote.handle({"action": "attach", "wait": 1,
+                                                                       "env": {"NXL_RUN_DIR": run}})}))
+second = threading.Thread(target=lambda: out.update({2: remote.handle({"action": "attach", "wait": 60,
+                                                                        "env": {"NXL_RUN_DIR": run}})}))
+first.start()
+time.sleep(0.2)
+second.start()
+first.join()
+model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+                                     num_attention_heads=2, num_key_value_heads=2))
+second.join()
+for _ in range(20):
+    time.sleep(0.05)  # the main thread runs bytecode: the queued calls run here
+marked = getattr(signal.getsignal(signal.SIGTERM), "__nxl_attach__", False)
+print(json.dumps({"first": out[1]["code"], "second": out[2]["ok"], "marked": marked}), flush=True)
+remote.handle({"action": "detach"})
+"""
+
+
+@pytest.mark.version_free
+def test_an_attach_refused_beside_one_that_attaches_leaves_nxls_handler(tmp_path):
+    """A refused attach gives the default action back through a call queued for the main thread; one that ran after
+    the other request had attached took the handler from the attached process (its socket then stayed behind)."""
+    done = subprocess.run([sys.executable, "-c", _TWO_ATTACHES], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr
+    said = json.loads(done.stdout.strip().splitlines()[-1])
+    assert said == {"first": "no-model", "second": True, "marked": True}, said
+
 @pytest.mark.version_free
 def test_refusals_before_anything_is_injected(tmp_path, capsys, monkeypatch):
     gone = subprocess.Popen(["true"])

@@ -284,7 +284,6 @@ def test_tail_last_shows_each_listed_call_of_an_id_not_its_newest_record(tmp_pat
         status, body = live.get("GET", "/v1/requests/dup?started=soon")
         assert status == 400 and "give the request's started time as /v1/requests lists it" in body.decode()
 
-
         class Older:  # an endpoint of an nxl_hooks before ?started=: the id's newest record whatever is asked
             name = "older"
 

@@ -79,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             status = endpoint.status(body)
             done = True
         except Refused as refusal:
-            if not isinstance(refusal.answer.get("loaded"), list):  # not that refusal: its own message
+            if refusal.status != 404 or not isinstance(refusal.answer.get("loaded"), list):  # another: its message
                 raise
             loaded += map(str, refusal.answer["loaded"])
             status = endpoint.status()  # changed nothing: shown as it is, beside the processes that hold the model

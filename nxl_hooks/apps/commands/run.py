@@ -51,8 +51,9 @@ def sink_kind(value: str | None, python: str | None = None, *, target: bool = Fa
     """``--sink`` when it names a registered sink kind (``NAME:ARG``), else None (a folder, or none given); checked
     here, so a wrong one is one line before anything starts, with what that kind needs (``parquet:`` needs pyarrow)
     where its sink is made: in ``python``, the program's interpreter (this process when it is this one's); None: not
-    here (nxl attach's target checks it; a program whose interpreter cannot be told says it per model). ``target``:
-    nxl attach's, where a kind of a plugin is known and imported, not here (:func:`~nxl_hooks.records.sinks.kind_name`)."""
+    here (nxl attach's target checks it; a program whose interpreter cannot be told says it per model).
+    ``target``: nxl attach's, where a kind of a plugin is known and imported, not here
+    (:func:`~nxl_hooks.records.sinks.kind_name`)."""
     if not value or ":" not in value or os.path.exists(value):
         return None
     import sys

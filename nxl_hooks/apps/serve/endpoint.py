@@ -379,6 +379,20 @@ def _die(signum: int, frame: Any) -> None:
     os.kill(os.getpid(), signum)
 
 
+_die.__nxl_attach__ = True  # nxl's own, as nxl attach's script marks its handler: nxl detach gives the default back
+
+
+def own_signals() -> None:
+    """In the main thread, where alone Python sets handlers: :func:`_die` for SIGTERM and SIGHUP where the program
+    left their default action (its own handler stays: it exits through atexit, which removes the files too)."""
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        if signal.getsignal(signum) == signal.SIG_DFL:
+            try:
+                signal.signal(signum, _die)
+            except (OSError, ValueError):  # an interpreter without signal support: atexit still removes them
+                pass
+
+
 def _forget(*paths: Path | None) -> None:
     with _CLEANUP_LOCK:
         _CLEANUP[:] = [(pid, path) for pid, path in _CLEANUP if path not in paths]
@@ -391,14 +405,8 @@ def _remove_at_exit(*paths: Path) -> None:
     if first:  # (the list empties as each endpoint stops: registered once, not once per endpoint started)
         atexit.unregister(_clean_up)
         atexit.register(_clean_up)
-    if threading.current_thread() is not threading.main_thread():
-        return  # only the main thread sets handlers: a graceful exit still runs atexit
-    for signum in (signal.SIGTERM, signal.SIGHUP):
-        if signal.getsignal(signum) == signal.SIG_DFL:  # the program's own handler stays (it exits via atexit)
-            try:
-                signal.signal(signum, _die)
-            except (OSError, ValueError):  # an interpreter without signal support: atexit still removes them
-                pass
+    if threading.current_thread() is threading.main_thread():  # (elsewhere a graceful exit still runs atexit)
+        own_signals()
 
 
 def _int(query: dict, name: str, default: int, low: int = 0, high: int = 1000) -> int:

@@ -30,6 +30,7 @@ from ...hooks.plan import model_name
 from ...hooks.probe import count_hooks
 from ...records.sinks import sink_factory
 from .controller import Controller, start, stop
+from .endpoint import own_signals
 from .lazy import HOOKS
 from .settings import Settings
 
@@ -39,7 +40,7 @@ _MARK = "__nxl_patched__"  #: what :mod:`.patches` sets on each wrapper it insta
 _LOCK = threading.Lock()
 _ATTACHED: Controller | None = None  #: the controller ``nxl attach`` started here, until ``nxl detach``
 _EAGER_BEFORE: list[str | None] = []  #: NXL_EAGER as it was before an ``nxl attach --eager``, given back at detach
-#: the main-thread calls :func:`_default_signals_later` queued: ctypes frees a callback nothing holds, and one is
+#: the main-thread calls :func:`_settle_signals_later` queued: ctypes frees a callback nothing holds, and one is
 #: called after the thread that queued it has ended
 _QUEUED: list[Any] = []
 _SIGNALS = (signal.SIGTERM, signal.SIGHUP)  #: those the attach's script sets its handler for
@@ -57,20 +58,25 @@ def handle(request: dict, wanted: Callable[[], bool] = lambda: True) -> dict:
             outcome = _attach(request.get("env", {}), float(request.get("wait", 0)), wanted)
     except Exception as error:  # noqa: BLE001 - said to nxl attach, never raised in the target
         outcome = {"ok": False, "code": "failed", "error": typed(error)}
-    if not outcome.get("ok"):
-        _default_signals_later()
+    if request.get("action") != "detach":
+        _settle_signals_later()
     return outcome
 
 
-def _default_signals_later() -> None:
-    """Give SIGTERM and SIGHUP their default action back where the attach's script set its handler (it did, in the
-    main thread, before this refusal) and nothing is attached: a refused attach leaves the process as it was. Python
-    sets handlers in the main thread alone, so the call is queued for it (``Py_AddPendingCall``: at its next
-    bytecode), as the script's own ran there; the script's detach gives them back by the same mark."""
+def _settle_signals_later() -> None:
+    """After an attach request, SIGTERM and SIGHUP as what is attached then needs: with nothing attached (the
+    request refused), the default action back where the attach's script set its handler (it did, in the main
+    thread, before the refusal), so a refused attach leaves the process as it was; attached, the endpoint's handler
+    where the default is (:func:`~.endpoint.own_signals`: a request refused meanwhile, whose call ran first, gave it
+    back). Python sets handlers in the main thread alone, so the call is queued for it (``Py_AddPendingCall``: at its
+    next bytecode), as the script's own part ran there; it reads what is attached when it runs, so the last one
+    queued leaves them as the last request did. nxl detach's script gives the default back by the same mark."""
 
-    def restore(_: Any) -> int:
+    def settle(_: Any) -> int:
         try:
-            if _ATTACHED is None:
+            if _ATTACHED is not None:
+                own_signals()
+            else:
                 for signum in _SIGNALS:
                     if getattr(signal.getsignal(signum), "__nxl_attach__", False):
                         signal.signal(signum, signal.SIG_DFL)
@@ -78,13 +84,11 @@ def _default_signals_later() -> None:
             pass
         return 0  # (non-zero would raise in the main thread)
 
-    if not any(getattr(signal.getsignal(signum), "__nxl_attach__", False) for signum in _SIGNALS):
-        return
     try:
-        call = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(restore)
+        call = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(settle)
         if ctypes.pythonapi.Py_AddPendingCall(call, None) == 0:
             _QUEUED.append(call)
-    except Exception:  # noqa: BLE001 - no ctypes: the handler stays until nxl detach, which acts on it like the default
+    except Exception:  # noqa: BLE001 - no ctypes: a handler stays until nxl detach, which acts on it like the default
         pass
 
 
