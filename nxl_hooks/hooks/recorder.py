@@ -107,6 +107,14 @@ class _InCall(RuntimeError):
                          "(model(...) called by itself)")
 
 
+def _unended() -> RuntimeError:
+    """What a plain forward's result is from its start until its end is recorded: torch runs no always_call hook when a
+    BaseException (Ctrl-C) ends it, nor any hook once the probe detached in it, and result() then gave the forward
+    before it as this one's."""
+    return RuntimeError("the last forward did not end under the probe (a Ctrl-C or another BaseException stopped it "
+                        "inside the model, or the probe detached while it ran), so nothing was recorded for it")
+
+
 class Results(threading.local):
     """The last forward's attribution (or why there is none), per thread. Shared by the probe and its hooks: the
     probe keeps it after it detaches, without keeping the model."""
@@ -367,7 +375,9 @@ class Recorder:
         run = self._run()
         self._drop_ended(run)
         tasks.append(_Task(run, kwargs.get("logits_to_keep")))
-        if run is not None:  # (once per call: the next plain forward sets its own)
+        if run is None:
+            self.results.last = _unended()
+        else:  # (once per call: the next plain forward sets its own)
             recorded, last = run is not NOT_RECORDED, self.results.last
             if not isinstance(last, _InCall) or last.recorded != recorded:
                 self.results.last = _InCall(recorded)
@@ -450,6 +460,8 @@ class Recorder:
         captures, tasks = self._stacks()
         if tasks:
             tasks[-1].backbone_ran = True
+        elif run is None:  # the backbone called by itself: a plain forward of its own
+            self.results.last = _unended()
         captures.append(None)  # replaced below once the inputs are known; a failure or a skipped call leaves None
         try:  # every rank of a tensor-parallel model is here at once: the one place its head may gather weights
             self.plan.head.refresh()

@@ -286,6 +286,34 @@ def test_a_forward_ctrl_c_ended_leaves_nothing_that_a_later_forward_is_taken_for
     torch.testing.assert_close(res.logat, logat, rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("called", ["the task model", "its backbone"])
+def test_a_forward_ctrl_c_ended_is_no_result_and_never_the_one_before(called):
+    """A forward a KeyboardInterrupt ended runs none of the probe's end hooks: result() gave the forward before it,
+    of other ids, as this one's. It says now that the forward did not end; the next forward is its own again."""
+    model = tiny.build_model("llama")
+    forward = model if called == "the task model" else model.model
+    first, stopped, after = _ids(1, 6), _ids(1, 4, seed=9), _ids(1, 5, seed=11)
+
+    def ctrl_c(module, args, output):
+        raise KeyboardInterrupt
+
+    with torch.no_grad(), nxl.attach(model) as probe:
+        forward(input_ids=first)
+        assert probe.result().normxlogit.shape[-1] == 6
+        handle = model.model.layers[0].register_forward_hook(ctrl_c)
+        with pytest.raises(KeyboardInterrupt):
+            forward(input_ids=stopped)
+        handle.remove()
+        with pytest.raises(RuntimeError, match="did not end under the probe .*Ctrl-C"):
+            probe.result()
+        assert isinstance(probe.peek(), RuntimeError)
+        out = model(input_ids=after, output_hidden_states=True)
+        res = probe.result()
+    logits = oracle.llama(model).layer_logits(out.hidden_states)
+    logat, _ = oracle.normxlogit(logits, out.hidden_states[0], out.logits[:, -1].argmax(-1))
+    torch.testing.assert_close(res.logat, logat, rtol=1e-4, atol=1e-5)
+
+
 def _steered_oracle(model, ids, *others):
     """The LogAt of a forward of ``model`` as the blocks really ran it: the embeddings' output, each block's output
     (read by forward hooks that run last), the last normed, through a hand-applied head. ``others`` are the hooks of

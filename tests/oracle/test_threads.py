@@ -184,6 +184,47 @@ def test_detach_while_another_thread_generates(model, tmp_path, caplog):
     assert "generate" not in vars(model)
 
 
+def test_detach_while_another_thread_runs_a_forward_leaves_it_no_result_of_another(model):
+    """A plain forward that the probe detached in the middle of reaches none of the probe's end hooks: its thread's
+    result() gave that thread's forward before it, of other ids, as this one's. It says now that the forward did not
+    end under the probe; the host's output is its own."""
+    first, held = _forward_inputs(0, 1), {"input_ids": _prompt(1, 2)}
+    assert first["input_ids"].shape != held["input_ids"].shape
+    inside, resume, outcome = threading.Event(), threading.Event(), {}
+
+    def hold(module, args, output):
+        if threading.current_thread().name == "held":
+            inside.set()
+            resume.wait(timeout=60)
+
+    def forwards() -> None:
+        with torch.no_grad():
+            model(**first)
+            outcome["first"] = probe.result()
+            handle = model.model.layers[0].register_forward_hook(hold)
+            try:
+                outcome["logits"] = model(**held).logits
+            finally:
+                handle.remove()
+        try:
+            outcome["result"] = probe.result()
+        except RuntimeError as error:
+            outcome["result"] = error
+
+    probe = nxl.attach(model)
+    worker = threading.Thread(target=forwards, name="held")
+    worker.start()
+    assert inside.wait(timeout=60)
+    probe.detach()
+    resume.set()
+    worker.join(timeout=60)
+    assert not worker.is_alive() and tiny.nxl_hooks_on(model) == 0
+    with torch.no_grad():
+        assert torch.equal(outcome["logits"], model(**held).logits)
+    assert outcome["first"].normxlogit.shape[-1] == first["input_ids"].shape[1]
+    assert isinstance(outcome["result"], RuntimeError) and "probe detached while it ran" in str(outcome["result"])
+
+
 def test_keep_calls_bounds_the_ended_calls_and_keeps_every_running_one(model):
     """keep_calls=1 with a call still running while three others start and end: the running one stays in
     probe.calls (the live feed of nxl run and its lookups by request id find a request through it; it was dropped
