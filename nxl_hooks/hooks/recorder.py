@@ -496,6 +496,11 @@ class Recorder:
         captures, tasks = self._stacks()
         if tasks:
             tasks[-1].blocks_ran = True
+        if not captures and self._backbone_running():
+            self.results.last = RuntimeError(
+                "the last forward in this thread started before the probe attached (its blocks ran under the probe, "
+                "its start did not), so nothing was recorded for it; the forwards that start from now on are recorded")
+            return
         if not captures:
             self.results.last = _without_traceback(RuntimeError(
                 f"{type(self.plan.model).__name__} ran its blocks without calling "
@@ -517,6 +522,18 @@ class Recorder:
                     capture.hidden[0] = hidden
         except Exception as error:  # noqa: BLE001
             self._fail("this forward", error)
+
+    def _backbone_running(self) -> bool:
+        """Whether the backbone's forward runs in this thread although its hooks did not run for it: it started
+        before the probe attached (``nxl attach PID`` into a busy process, an attach from another thread), so its
+        blocks reach the hooks with no capture open. Looked for only then: otherwise the blocks were called without
+        the backbone, which the registry entry's ``backbone`` tells."""
+        frame = sys._getframe(1)
+        while frame is not None:
+            if frame.f_locals.get("self") is self.backbone:
+                return True
+            frame = frame.f_back
+        return False
 
     def on_word_embedding(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         if traced():

@@ -225,6 +225,47 @@ def test_detach_while_another_thread_runs_a_forward_leaves_it_no_result_of_anoth
     assert isinstance(outcome["result"], RuntimeError) and "probe detached while it ran" in str(outcome["result"])
 
 
+def test_a_forward_running_when_another_thread_attaches_says_so_and_the_next_is_recorded(model):
+    """A forward whose backbone started before the attach (nxl attach PID into a busy process) reaches the probe's
+    block hooks with no capture open: its result told the user to set `backbone` in the model's registry entry,
+    which was not the cause. It says now that the forward started before the probe attached; the thread's next is
+    recorded."""
+    held, after = {"input_ids": _prompt(2, 3)}, _forward_inputs(2, 4)
+    inside, resume, outcome, box = threading.Event(), threading.Event(), {}, {}
+
+    def hold(module, args, output):
+        inside.set()
+        resume.wait(timeout=60)
+
+    def forwards() -> None:
+        with torch.no_grad():
+            model(**held)
+            try:
+                box["probe"].result()
+            except RuntimeError as error:
+                outcome["straddled"] = str(error)
+            handle.remove()
+            outcome["reference"] = model(**after, output_hidden_states=True)
+            model(**after)
+            outcome["after"] = box["probe"].result()
+
+    handle = model.model.embed_tokens.register_forward_hook(hold)
+    worker = threading.Thread(target=forwards, name="straddling")
+    worker.start()
+    assert inside.wait(timeout=60)
+    with nxl.attach(model) as probe:
+        box["probe"] = probe
+        resume.set()
+        worker.join(timeout=60)
+    assert not worker.is_alive()
+    assert "started before the probe attached" in outcome["straddled"] and "backbone" not in outcome["straddled"]
+    expected, mask = outcome["reference"], after["attention_mask"]
+    last = mask.sum(dim=1) - 1
+    target = expected.logits[torch.arange(mask.shape[0]), last].argmax(-1)
+    _, nx = normxlogit(llama(model).layer_logits(expected.hidden_states), expected.hidden_states[0], target)
+    torch.testing.assert_close(outcome["after"].normxlogit, nx, rtol=1e-4, atol=1e-4)
+
+
 def test_keep_calls_bounds_the_ended_calls_and_keeps_every_running_one(model):
     """keep_calls=1 with a call still running while three others start and end: the running one stays in
     probe.calls (the live feed of nxl run and its lookups by request id find a request through it; it was dropped
