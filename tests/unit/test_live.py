@@ -5,8 +5,10 @@ then on, and once the last one leaves, the probe has no subscriber again."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+from typing import Iterator
 
 import torch
 
@@ -27,11 +29,21 @@ def _generate(model, new: int = 3) -> None:
                    do_sample=False)
 
 
-def test_the_live_feed_runs_only_while_a_reader_is_connected(tmp_path):
+@contextlib.contextmanager
+def _recorded(tmp_path) -> Iterator[tuple[Controller, torch.nn.Module]]:
+    """A controller (run folder ``tmp_path/run``) that records the tiny generating Llama, as under nxl run, closed
+    on the way out: ``with _recorded(tmp_path) as (controller, model):``."""
     controller = Controller(Settings(run_dir=tmp_path / "run"))
     model = tiny.generating_llama()
     try:
         controller.adopt(model, "tiny")
+        yield controller, model
+    finally:
+        controller.close()
+
+
+def test_the_live_feed_runs_only_while_a_reader_is_connected(tmp_path):
+    with _recorded(tmp_path) as (controller, model):
         (watch,) = controller.watches()
         probe = watch.probe
         assert probe is not None and watch.live is None and not probe._hub.live  # attached, read by nobody live
@@ -45,8 +57,6 @@ def test_the_live_feed_runs_only_while_a_reader_is_connected(tmp_path):
         controller.unsubscribe(reader)
         assert watch.live is None and not probe._hub.live  # the last one left
         assert len(probe.calls) == 2 and all(len(call.steps) == 3 for call in probe.calls)  # kept all the same
-    finally:
-        controller.close()
 
 
 def test_the_stream_sends_every_step_of_a_call_that_took_the_id_of_one_gone(tmp_path, monkeypatch):
@@ -152,10 +162,7 @@ def test_a_request_that_scores_then_generates_is_found_by_its_generation_call(tm
     stream by the id waited forever. Records are in the order they started; the stream and /frames take the
     generation call; a stream whose id served only a forward so far waits for its generation call (a classifier's
     request, which never generates, ends at once)."""
-    controller = Controller(Settings(run_dir=tmp_path / "run"))
-    model = tiny.generating_llama()
-    try:
-        controller.adopt(model, "tiny")
+    with _recorded(tmp_path) as (controller, model):
         live = Endpoint(socket_path=socket_path(tmp_path / "run", os.getpid()))
         ids = torch.randint(1, tiny.GEN_VOCAB, (1, 5), generator=torch.Generator().manual_seed(0))
         token = REQUEST_ID.set("mix")
@@ -212,8 +219,6 @@ def test_a_request_that_scores_then_generates_is_found_by_its_generation_call(tm
         finally:
             REQUEST_ID.reset(judged)
         assert stream("judged") == [("end", "forward")]  # a classifier's request never generates: said, not awaited
-    finally:
-        controller.close()
 
 
 def test_tail_last_shows_every_step_of_a_later_request_that_uses_the_id_again(tmp_path, capsys):
@@ -222,10 +227,7 @@ def test_tail_last_shows_every_step_of_a_later_request_that_uses_the_id_again(tm
     import argparse
     import queue
 
-    controller = Controller(Settings(run_dir=tmp_path / "run"))
-    model = tiny.generating_llama()
-    try:
-        controller.adopt(model, "tiny")
+    with _recorded(tmp_path) as (controller, model):
         live = Endpoint(socket_path=socket_path(tmp_path / "run", os.getpid()))
         token = REQUEST_ID.set("dup")
         try:
@@ -251,18 +253,13 @@ def test_tail_last_shows_every_step_of_a_later_request_that_uses_the_id_again(tm
         assert tail._show(items, args, 1, past) == 1  # (the stream closed)
         steps = [line.split()[1] for line in capsys.readouterr().out.splitlines() if not line.endswith("tokens")]
         assert steps == ["0", "1", "0", "1", "2"]
-    finally:
-        controller.close()
 
 
 def test_tail_last_shows_each_listed_call_of_an_id_not_its_newest_record(tmp_path):
     """nxl tail --last N read each listed request back by its id alone, which gave the id's newest record: two
     calls under one id showed the later one twice (the earlier one's steps never), and a plain forward run after a
     generate under its id (scoring the output) made tail fail with "error: 'steps'". Each is read by its start."""
-    controller = Controller(Settings(run_dir=tmp_path / "run"))
-    model = tiny.generating_llama()
-    try:
-        controller.adopt(model, "tiny")
+    with _recorded(tmp_path) as (controller, model):
         live = Endpoint(socket_path=socket_path(tmp_path / "run", os.getpid()))
         token = REQUEST_ID.set("dup")
         try:
@@ -294,8 +291,6 @@ def test_tail_last_shows_each_listed_call_of_an_id_not_its_newest_record(tmp_pat
         past = tail.last_requests([Older()], 2, 1)
         assert [type(item).__name__ for item in past] == ["Fault", "Fault"]
         assert "request dup (started " in past[0].text and "answered with another record of that id" in past[0].text
-    finally:
-        controller.close()
 
 
 def _tail_on_a_stalled_stdout(monkeypatch, closing: list) -> tuple[list, list]:
@@ -419,10 +414,7 @@ def test_tail_hangs_up_a_quiet_stream_once_it_returns(tmp_path, monkeypatch, cap
     endpoint's MAX_STREAMS taken)."""
     import argparse
 
-    controller = Controller(Settings(run_dir=tmp_path / "run"))
-    model = tiny.generating_llama()
-    try:
-        controller.adopt(model, "tiny")
+    with _recorded(tmp_path) as (controller, model):
         subscribe, subscribed = controller.live.subscribe, threading.Event()
 
         def counted(request_id=None):
@@ -445,8 +437,6 @@ def test_tail_hangs_up_a_quiet_stream_once_it_returns(tmp_path, monkeypatch, cap
         (server,) = controller.endpoint._servers
         with server.streams_changed:
             assert server.streams_changed.wait_for(lambda: server.streams == 0, 10)
-    finally:
-        controller.close()
     capsys.readouterr()
 
 
