@@ -21,8 +21,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["CACHE_NAMES", "Positions", "UnfollowedForward", "cache_keyword", "find_cache", "positions", "prefix_cache",
-           "seen_keys", "start", "token_mask"]
+__all__ = ["CACHE_NAMES", "Positions", "UnfollowedForward", "cache_keyword", "cache_length", "find_cache", "positions",
+           "prefix_cache", "seen_keys", "start", "token_mask"]
 
 #: The keywords a KV cache has arrived under, newest first. Only an order to look in: :func:`find_cache` also finds
 #: one under a name not listed here.
@@ -99,7 +99,20 @@ def _past(arguments: dict[str, Any]) -> tuple[int | torch.Tensor | None, str]:
     if isinstance(cache_position, torch.Tensor) and cache_position.numel():
         return cache_position.reshape(-1)[0], "cache_position"
     cache = find_cache(arguments)
-    return (cache.get_seq_length(), "cache") if cache is not None else (None, "no cache")
+    return (cache_length(cache), "cache") if cache is not None else (None, "no cache")
+
+
+def cache_length(cache: Any) -> int | torch.Tensor:
+    """How many positions ``cache`` holds, as it says (an int, or a static cache's device tensor);
+    :class:`UnfollowedForward` for a cache that counts none: transformers' cache of a state-space model (Mamba,
+    Mamba-2, FalconMamba) holds only recurrent states, which do not say how many tokens they have taken in."""
+    try:
+        return cache.get_seq_length()
+    except ValueError:  # transformers' "can only be called on Attention layers", the wording its own
+        raise UnfollowedForward(
+            f"its cache ({type(cache).__name__}) has no attention layer and so does not count the positions it "
+            "holds (a state-space model's), so where the forward's tokens sit is unknown: such a model is recorded "
+            "in forwards without a cache (model(...), use_cache=False), not in generate") from None
 
 
 def positions(arguments: dict[str, Any]) -> Positions:

@@ -84,7 +84,8 @@ from ..method.placement import offloaded
 from ..method.protocol import Given
 from ..records.steps import GenerationCall, Step
 from .recording import NOT_RECORDED, Recording
-from .conventions import UnfollowedForward, cache_keyword, find_cache, positions, prefix_cache, start, token_mask
+from .conventions import (UnfollowedForward, cache_keyword, cache_length, find_cache, positions, prefix_cache, start,
+                          token_mask)
 from .forward import NEEDS_IDS, Capture, embed_norms, head_features, layer_states, pin_last_layer
 from .guard import Notice, Owned, described, raised, reason, typed
 from .plan import Plan
@@ -328,7 +329,7 @@ def unsupported(model: nn.Module, kwargs: dict) -> str | None:
                 f"generate without {_ASSISTED}")
     cache = find_cache(kwargs)
     # (a static cache's length is a device tensor: read once per call, as the prompt's forward reads it anyway)
-    held = int(cache.get_seq_length()) if cache is not None else 0
+    held = int(cache_length(cache)) if cache is not None else 0  # (UnfollowedForward: counts no positions)
     if held:
         return (f"generate was given a KV cache already holding positions 0..{held - 1}, filled by forwards that are "
                 "not this call's, so the context of its steps was never recorded; generate from the full prompt "

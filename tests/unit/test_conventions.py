@@ -103,3 +103,25 @@ def test_the_padding_of_new_tokens_is_read_from_a_sliding_windows_mask():
     layers = {"sliding_attention": sliding[:, :, 4:, 2:], "full_attention": causal[:, :, 4:]}
     assert torch.equal(token_mask(layers, 4, 4), real[:, 4:])
     assert torch.equal(token_mask({"full_attention": causal}, 0, 8), real)
+
+
+def test_a_cache_that_counts_no_positions_is_said_plainly():
+    """A state-space model's cache (Mamba: recurrent states only) counts no positions: generate was unrecorded with
+    transformers' own "get_seq_length can only be called on Attention layers", naming nothing nxl_hooks lets do. The
+    line says what the cache lacks and what is recorded instead; the model's own generate is unchanged."""
+    import transformers as tf
+
+    import nxl_hooks as nxl
+
+    torch.manual_seed(0)
+    mamba = tf.MambaForCausalLM(tf.MambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, state_size=4,
+                                               pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
+    ids = torch.tensor([[1, 5, 7, 9]])
+    with torch.no_grad():
+        plain = mamba.generate(ids, max_new_tokens=2, do_sample=False)
+        with nxl.attach(mamba) as probe:
+            recorded = mamba.generate(ids, max_new_tokens=2, do_sample=False)
+            with pytest.raises(RuntimeError, match=r"not recorded: its cache \(\w+\) has no attention layer .* "
+                                                   r"use_cache=False\), not in generate$"):
+                probe.steps
+    assert torch.equal(plain, recorded)
