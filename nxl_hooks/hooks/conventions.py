@@ -183,7 +183,8 @@ CONTINUOUS_BATCHING = (("continuous_api", "ContinuousBatchProcessor", "_generati
                        ("requests", "RequestState", "update_and_check_completion"),
                        ("continuous_api", "ContinuousBatchingManager", "__init__"),
                        ("continuous_api", "ContinuousBatchProcessor", "warmup"),
-                       ("continuous_api", "ContinuousBatchProcessor", "fail_all_requests"))
+                       ("continuous_api", "ContinuousBatchProcessor", "fail_all_requests"),
+                       ("continuous_api", "ContinuousBatchProcessor", "prepare_next_batch"))
 #: What ``transformers serve``'s ``GenerateManager`` (``transformers.cli.serving.utils``) must have for request ids
 #: to reach ``generate``: the two handlers that know the id, and the two ways they hand work to the inference thread.
 SERVE_HANDLERS, SERVE_SUBMITS = ("generate_streaming", "generate_non_streaming"), ("submit", "async_submit")

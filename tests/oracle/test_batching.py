@@ -435,11 +435,12 @@ def _gone(manager, request_id: str) -> None:
         time.sleep(0.01)
 
 
-@pytest.mark.parametrize("then", ["another request", "its id again"])
+@pytest.mark.parametrize("then", ["another request", "its id again", "nothing"])
 def test_cancelled_request_ends_incomplete_and_frees_its_features(model, then):
     """The next forward finds it gone. Or the manager idles after the cancel (no step opens to find it gone) and a
     client sends the same id again (a retry with its X-Request-ID): two calls then, the retry its own and equal to
-    the oracle (it was fed into the cancelled request's call, which then said it completed)."""
+    the oracle (it was fed into the cancelled request's call, which then said it completed). Or nothing comes after
+    it: it ends as the manager idles (it stayed running, unended and holding its features, until a next request)."""
     prompt, again = _prompts((6,), 6)[0], _prompts((11,), 7)[0]
     with nxl.attach(model) as probe:
         manager = model.init_continuous_batching(generation_config=_greedy(500), continuous_batching_config=_config())
@@ -452,6 +453,10 @@ def test_cancelled_request_ends_incomplete_and_frees_its_features(model, then):
             manager.cancel_request("long")
             if then == "another request":
                 _serve(manager, "next", _prompts((4,), 7)[0])
+            elif then == "nothing":
+                deadline = time.monotonic() + 30
+                while probe._hub._running and time.monotonic() < deadline:
+                    time.sleep(0.01)
             else:
                 _gone(manager, "long")
                 _serve(manager, "long", again, new=4)

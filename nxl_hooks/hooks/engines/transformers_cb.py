@@ -11,7 +11,7 @@ several requests at once (prefill chunks and one-token decodes side by side, eac
 over a paged KV cache), then gives a token to every request whose prompt is done. ``request_id`` is the manager's
 id for the request (under ``transformers serve``, the ``X-Request-ID`` header, else the server's own id).
 
-How. While a probe of a causal LM is attached, five methods of transformers' classes are wrapped (class-level, for
+How. While a probe of a causal LM is attached, six methods of transformers' classes are wrapped (class-level, for
 every model; requests of a model with no probe pass straight through; the originals come back when the last such
 probe detaches):
 
@@ -29,6 +29,9 @@ probe detaches):
   records of one step go to the record pipeline together, once the step's last token is handed out;
 - ``ContinuousBatchProcessor.fail_all_requests`` (the manager's loop ends: stopped, or failed): the requests it
   still holds end incomplete, saying why, before it fails them (no later step finds them gone);
+- ``ContinuousBatchProcessor.prepare_next_batch``: when it finds nothing to run (the manager idles), the runs of
+  requests that left the manager meanwhile (cancelled: a client that went away) end at once, as the next step's
+  sweep would end them (no step opens while it idles);
 - ``ContinuousBatchingManager.__init__``: with ``NXL_EAGER=1`` in the environment (``nxl run --eager``), managers
   of followed models are made with ``use_cuda_graph=False`` and ``use_async_batching=False``, whatever their config
   asks (a fallback: no longer needed to record graphs or compiled steps; it makes an asynchronous manager recordable).
@@ -138,6 +141,13 @@ def _followed(model: nn.Module) -> "ContinuousBatching | None":
     return ref() if ref is not None else None
 
 
+def _followers() -> list["ContinuousBatching"]:
+    """The engines following a model now (a processor's own model is not at hand where it fails or idles)."""
+    with _LOCK:
+        followers = [ref() for ref in _FOLLOWED.values()]
+    return [batching for batching in followers if batching is not None]
+
+
 def _generation_step(original: Callable) -> Callable:
     def _generation_step(self: Any, model: nn.Module, *args: Any, **kwargs: Any) -> Any:
         batching = _followed(model)
@@ -212,20 +222,29 @@ def _warmup(original: Callable) -> Callable:
 
 def _fail_all_requests(original: Callable) -> Callable:
     def fail_all_requests(self: Any, error: Any, *args: Any, **kwargs: Any) -> Any:
-        with _LOCK:
-            followers = [ref() for ref in _FOLLOWED.values()]
-        for batching in followers:
-            if batching is not None:
-                batching.stopped(self, error)  # never raises
+        for batching in _followers():
+            batching.stopped(self, error)  # never raises
         return original(self, error, *args, **kwargs)
 
     return fail_all_requests
 
 
+def _prepare_next_batch(original: Callable) -> Callable:
+    def prepare_next_batch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        available = original(self, *args, **kwargs)
+        if not available:  # idle: no step opens to find the requests cancelled meanwhile gone
+            for batching in _followers():
+                batching.idle(self)  # never raises
+        return available
+
+    return prepare_next_batch
+
+
 def _install(classes: list[type]) -> None:
     """Wrap the methods of :data:`~nxl_hooks.hooks.conventions.CONTINUOUS_BATCHING` (caller holds the lock)."""
     wrappers = {"_generation_step": _generation_step, "update_and_check_completion": _update_and_check_completion,
-                "__init__": _manager_init, "warmup": _warmup, "fail_all_requests": _fail_all_requests}
+                "__init__": _manager_init, "warmup": _warmup, "fail_all_requests": _fail_all_requests,
+                "prepare_next_batch": _prepare_next_batch}
     for owner, (_, _, name) in zip(classes, CONTINUOUS_BATCHING):
         original = vars(owner)[name]
         wrapper, live = _gated(wrappers[name](original), original)
@@ -521,6 +540,22 @@ class ContinuousBatching:
                           why=why)
         except Exception as failure:  # noqa: BLE001 - never into the manager's loop
             reason("the end of the requests of a stopped continuous-batching manager", failure)
+
+    def idle(self, processor: Any) -> None:
+        """``processor``'s manager found nothing to run: the runs of requests that left it meanwhile (a cancel) end
+        now, as the next step's sweep (:meth:`_table`) would, not when the next request comes (an idle server held
+        them running, their records unended and their features in memory). Never raises."""
+        try:
+            with self._lock:
+                table = self._tables.get(processor)
+            if not table:  # nothing running (this runs each time the idle loop wakes)
+                return
+            self.gens.hub.release()  # the last step's records, if its tokens were not all handed out
+            table = self._table(processor)
+            if table is not None:
+                self.leave(table)
+        except Exception as error:  # noqa: BLE001 - never into the manager's loop
+            reason("the end of the cancelled requests of a continuous-batching manager", error)
 
     def _prefix(self, processor: Any, state: Any, first: int) -> Rows:
         """The rows of positions 0..first-1 of a new request whose forwards start at ``first``: its cache reused
