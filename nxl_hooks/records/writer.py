@@ -282,7 +282,8 @@ class Sink:
     that sink is closed. A path that is a symbolic link is refused (ValueError), so that a link planted where the
     file goes cannot redirect the records (and the truncation) onto another file; ``follow_symlinks=True`` writes through it. A sink belongs to the
     process that opened it: a child it forks that writes to it gets a RuntimeError (an attached probe never does;
-    it keeps the child's records in memory and says so).
+    it keeps the child's records in memory and says so). A file deleted while it is written (it, or its folder) fails
+    the next write (FileNotFoundError), which would otherwise go into a file nobody can read again.
     """
 
     _mode = 0o644
@@ -292,11 +293,18 @@ class Sink:
         self._fsync = fsync
         self._follow = follow_symlinks
         self._lock = threading.Lock()  # calls in several threads share one file: one frame at a time
-        self._fd: int | None = _open(self.path, self._mode, follow_symlinks=follow_symlinks)
+        self._fd: int | None = None
+        self._take()
         self._seq = 0  # the next frame's number in the current file
         self._reached = 0  # the file offset the last write that failed reached (PartlyWritten)
         self._pid = os.getpid()
         held(self)
+
+    def _take(self) -> None:
+        """Open ``self.path`` (created, or emptied) as the file written from now on."""
+        self._fd = _open(self.path, self._mode, follow_symlinks=self._follow)
+        # a file system that counts no links (0 on a file just opened) never tells a deleted file from another
+        self._counted = os.fstat(self._fd).st_nlink > 0
 
     def _forked(self) -> None:
         """In a child just forked (one thread): its copy of the descriptor goes, so that the lock on the file ends
@@ -348,6 +356,10 @@ class Sink:
             raise RuntimeError(f"sink {self.path} is closed: the probe it belonged to has detached, or a write to "
                                "it failed")
         try:
+            if self._counted and os.fstat(self._fd).st_nlink == 0:
+                # deleted (it, or its folder) while open: writes would go on, into a file nobody can read again
+                raise FileNotFoundError(errno.ENOENT, f"{os.strerror(errno.ENOENT)}: deleted (it, or its folder) "
+                                        "while the sink wrote it, with the records in it", str(self.path))
             _write_all(self._fd, data)
             if self._fsync:
                 os.fsync(self._fd)
@@ -520,7 +532,7 @@ class RotatingSink(Sink):
         _finish(fd)
         self._number += 1
         self.path = self._name()
-        self._fd = _open(self.path, self._mode, follow_symlinks=self._follow)
+        self._take()
         self._seq = 0
         self._start()
         for frame in self._running.values():

@@ -9,6 +9,7 @@ import json
 import os
 import re
 import logging
+import shutil
 import signal
 import subprocess
 import sys
@@ -824,6 +825,25 @@ def test_a_read_only_or_removed_folder_is_a_sink_fault(chat, tmp_path, how):
     assert probe.sink_fault is not None and expected in probe.sink_fault and "\n" not in probe.sink_fault
     assert probe.calls[0].notes == [f"not written to the sink, which stopped: {probe.sink_fault}"]
     assert probe.calls[0].complete and len(probe.calls[0].steps) == 2  # the records in memory are whole
+
+
+@pytest.mark.parametrize("kind", ["file", "folder"])
+def test_a_stream_file_deleted_while_recording_is_a_sink_fault_not_records_written_nowhere(chat, tmp_path, kind):
+    # an open descriptor writes on into a deleted file: without a look at its links, the records after the
+    # deletion went nowhere, with no fault and none counted unwritten
+    _, model, tokenizer = chat
+    folder = tmp_path / "runs"
+    folder.mkdir()
+    sink = str(folder / "run.nxl") if kind == "file" else nxl.RotatingSink(folder / "rotated")
+    enc = tokenizer(PROMPTS[:1], return_tensors="pt")
+    with nxl.attach(model, tokenizer=tokenizer, sink=sink) as probe:
+        model.generate(**enc, max_new_tokens=2, do_sample=False)
+        probe.flush()  # the first call is on disk; then the file goes with its folder
+        shutil.rmtree(folder)
+        model.generate(**enc, max_new_tokens=3, do_sample=False)
+    assert probe.sink_fault is not None and "deleted" in probe.sink_fault and "\n" not in probe.sink_fault
+    assert probe.unwritten == 3 and not probe.calls[0].notes
+    assert probe.calls[1].notes == [f"not written to the sink, which stopped: {probe.sink_fault}"]
 
 
 def test_without_pyarrow_export_and_the_parquet_sink_name_the_extra(chat, tmp_path, monkeypatch, capsys):
