@@ -547,10 +547,12 @@ class RotatingSink(Sink):
             return
         with self._lock:
             empty = self._fd is not None and not self._records
-        super().close()
-        if empty:
-            self.path.unlink(missing_ok=True)
-        self._let_go()
+        try:
+            super().close()
+            if empty:
+                self.path.unlink(missing_ok=True)
+        finally:  # a close that fails (fsync's I/O error) lets go all the same: else the folder stays taken
+            self._let_go()
 
     def _forked(self) -> None:
         super()._forked()

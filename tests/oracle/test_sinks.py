@@ -1077,6 +1077,20 @@ def test_a_forked_child_does_not_keep_its_parents_stream_file_locked(tmp_path, k
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().splitlines()[-1] == "opened again"
 
+def test_a_rotating_sink_whose_close_fails_lets_go_of_its_folder(tmp_path, monkeypatch):
+    folder = tmp_path / "runs"
+    sink = nxl.RotatingSink(folder)
+
+    def failing(fd):  # the disk's I/O error at the close's fsync
+        raise OSError(errno.EIO, "Input/output error")
+
+    with monkeypatch.context() as patched:
+        patched.setattr(os, "fsync", failing)
+        with pytest.raises(OSError, match="Input/output error"):
+            sink.close()
+    nxl.RotatingSink(folder).close()  # not "being written by another sink": the failed close let go of it
+
+
 # -- a full disk and other write faults (issue 24, items 5 and 6) -------------------------------------------------
 # A full disk is simulated without root or a mount: a child process whose file-size limit (RLIMIT_FSIZE) stops its
 # writes past a few KB, with SIGXFSZ ignored so that the write fails with an OSError (EFBIG), as on a full disk.
