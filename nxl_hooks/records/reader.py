@@ -121,16 +121,19 @@ def _frame_at(data: bytearray, offset: int) -> tuple[memoryview | None, str]:
 
 def _torn(data: bytearray, offset: int) -> bool:
     """Whether the bad frame at ``offset`` looks like a torn last frame: a prefix of a frame that runs past the end
-    of the file (a flipped length byte also runs past the end: the caller checks that no intact frame follows)."""
+    of the file (a flipped length byte also runs past the end: the caller checks that no intact frame follows, and
+    this that the bytes up to the end are not the whole frame)."""
     rest = len(data) - offset
     if rest < len(_FRAME_MAGIC):
         return _FRAME_MAGIC.startswith(bytes(data[offset:]))
     if data[offset: offset + len(_FRAME_MAGIC)] != _FRAME_MAGIC:
         return False
     if rest >= _FRAME.size:
-        _, length, _ = _FRAME.unpack_from(data, offset)
+        _, length, crc = _FRAME.unpack_from(data, offset)
         if _FRAME.size + length <= rest:
             return False  # complete, so its checksum failed: altered, not torn
+        if _crc(memoryview(data)[offset + _FRAME.size:]) == crc:
+            return False  # all of it there (its checksum holds) but its length altered: a torn prefix's differs
     return True
 
 

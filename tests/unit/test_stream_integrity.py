@@ -482,6 +482,20 @@ def test_a_real_damaged_file_is_scanned_once_and_frames_after_are_counted(record
     assert seen[0] <= len(big)
 
 
+@pytest.mark.parametrize("byte", [0, 3])
+def test_a_last_frame_whose_length_was_altered_upward_is_damage_not_a_torn_end(recorded, tmp_path, byte):
+    """The end frame's length raised by a flipped bit runs past the end of the file as a torn frame does, and was
+    left out quietly (the call read as never ended); its payload is all there, its checksum holds: damage."""
+    data, _ = recorded
+    magic, frames = _split(data)
+    altered = bytearray(data)
+    altered[len(data) - len(frames[-1]) + 4 + byte] ^= 0x80  # the end frame's length (uint64 after its marker)
+    path = tmp_path / "altered.nxl"
+    path.write_bytes(bytes(altered))
+    calls = _damaged(path, "frame 5 at byte .*: the frame announces")
+    assert not calls.damage.torn and [s.step for s in calls[0].steps] == [0, 1, 2, 3]
+
+
 def test_a_torn_file_does_not_hide_another_files_damage(recorded, tmp_path, capsys):
     """A folder of two writers' files: a.nxl ends torn (a killed writer: no damage), b.nxl has a flipped byte in its
     first step frame. ``damage`` is b's, ``damages`` both, and nxl export's summary names each file and what it lost
