@@ -107,8 +107,13 @@ def plain_layer_norm(h: torch.Tensor) -> torch.Tensor:
 class HandHead:
     """A family's HoT by hand, split where transformers' ``hidden_states[-1]`` stops."""
 
-    def __init__(self, norm: Fn, head: Fn, *, last_is_normed: bool) -> None:
+    def __init__(self, norm: Fn, head: Fn, *, last_is_normed: bool,
+                 states: Callable[[torch.Tensor, tuple[torch.Tensor, ...]], tuple[torch.Tensor, ...]] | None = None
+                 ) -> None:
         self.norm, self.head, self.last_is_normed = norm, head, last_is_normed
+        #: (input ids, ``output_hidden_states``) -> the embeddings then every block's output, the last normed where
+        #: ``last_is_normed``: what a family whose tuple is laid out otherwise gives (:func:`state_space`)
+        self.states = states or (lambda ids, hidden: hidden)
 
     def __call__(self, hidden: torch.Tensor) -> torch.Tensor:
         """HoT of raw block outputs (pre-norm), all outputs: (..., outputs)."""
@@ -255,15 +260,26 @@ def distilbert_lm(model) -> HandHead:
     return HandHead(_identity, head, last_is_normed=False)
 
 
+def state_space(model) -> HandHead:
+    """Mamba, Mamba-2, FalconMamba: RMSNorm ``backbone.norm_f`` then lm_head. Their ``hidden_states`` hold no
+    embeddings (the first is block 1's output) and end with block L's output twice, raw then normed: the word
+    embeddings go first and the raw one is dropped."""
+    backbone = model.backbone
+    return HandHead(rms_norm(backbone.norm_f), linear(model.lm_head), last_is_normed=True,
+                    states=lambda ids, hidden: (backbone.embeddings(ids), *hidden[:-2], hidden[-1]))
+
+
 def prefix_logits(model, hand: HandHead, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Generation oracle: re-run the whole prefix without a cache, positions as ``generate`` assigns them
     (``cumsum(mask) - 1``, so left padding does not shift them). Returns (HoT logits (L+1, batch, n, outputs),
-    ``hidden_states[0]``) for ``normxlogit``; the prediction for the token at index n is at position n - 1."""
+    the embeddings: ``hidden_states[0]``, or where :attr:`HandHead.states` puts them) for ``normxlogit``; the
+    prediction for the token at index n is at position n - 1."""
     position_ids = (mask.long().cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         out = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, output_hidden_states=True,
                     use_cache=False)
-    return hand.layer_logits(out.hidden_states), out.hidden_states[0]
+        hidden = hand.states(ids, out.hidden_states)
+    return hand.layer_logits(hidden), hidden[0]
 
 
 def full_mask(call) -> torch.Tensor:

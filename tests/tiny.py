@@ -130,6 +130,23 @@ def generating_llama(seed: int = 0) -> LlamaForCausalLM:
     return model
 
 
+def generating_state_space(kind: str, seed: int = 0) -> torch.nn.Module:
+    """A random 2-block state-space causal LM over :data:`GEN_VOCAB` ids, ``"mamba"``, ``"mamba2"`` or
+    ``"falcon_mamba"``, that generates as :func:`generating_llama` does (no EOS, pad id :data:`GEN_PAD`)."""
+    import transformers
+
+    torch.manual_seed(seed)
+    sizes = dict(vocab_size=GEN_VOCAB, hidden_size=16, num_hidden_layers=2, state_size=4, pad_token_id=GEN_PAD)
+    if kind == "mamba2":  # its heads: num_heads * head_dim = expand * hidden_size
+        sizes.update(num_heads=4, head_dim=8, n_groups=1, chunk_size=8)
+    name = {"mamba": "Mamba", "mamba2": "Mamba2", "falcon_mamba": "FalconMamba"}[kind]
+    config = getattr(transformers, f"{name}Config")(**sizes)
+    model = getattr(transformers, f"{name}ForCausalLM")(config).eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = GEN_PAD
+    return model
+
+
 def save_model(path: Path, kind: str, seed: int = 0, model: torch.nn.Module | None = None) -> Path:
     """Save ``model`` (default: :func:`build_model`) and the tokenizer to ``path``."""
     (model or build_model(kind, seed)).save_pretrained(path)

@@ -8,7 +8,8 @@ Conventions seen (checked on 5.16 to 5.24; the floor is 5.18.0): the cache arriv
 5.23 and as ``cache`` from 5.24 (the old name a deprecated alias until 5.40); ``generate`` passes ``cache_position``
 up to 5.23 and only ``position_ids`` from 5.24. Nothing here is a list of versions: the cache is found by what it is (an object with
 ``get_seq_length``, whatever its keyword), and positions come from the first source the forward actually received,
-in this order: ``cache_position`` (where the model writes its cache), the cache's own length, else none (a forward
+in this order: ``cache_position`` (where the model writes its cache), the cache's own length (a state-space
+model's cache of recurrent states counts none: the positions of the record its forwards made), else none (a forward
 without a cache computes every position from 0). ``position_ids`` alone never say where a sequence starts (a
 left-padded row starts at 0 wherever it sits), so they are only a check: a forward without a recognisable cache whose
 every row starts past position 1 (older versions give pads 1) continues a sequence from state nxl_hooks cannot see, and :func:`positions` says so.
@@ -92,34 +93,44 @@ def _new_tokens(arguments: dict[str, Any]) -> int:
     return reference.shape[1]
 
 
-def _past(arguments: dict[str, Any]) -> tuple[int | torch.Tensor | None, str]:
+def _past(arguments: dict[str, Any], held: int | None) -> tuple[int | torch.Tensor | None, str]:
     """How many positions precede a forward's tokens, as the forward says it, unread (a device tensor stays one),
-    and where that came from: ``cache_position``'s first entry, else the cache's own length; None without either."""
+    and where that came from: ``cache_position``'s first entry, else the cache's own length (:func:`cache_length`,
+    given ``held``); None without either."""
     cache_position = arguments.get("cache_position")
     if isinstance(cache_position, torch.Tensor) and cache_position.numel():
         return cache_position.reshape(-1)[0], "cache_position"
     cache = find_cache(arguments)
-    return (cache_length(cache), "cache") if cache is not None else (None, "no cache")
+    return (cache_length(cache, held), "cache") if cache is not None else (None, "no cache")
 
 
-def cache_length(cache: Any) -> int | torch.Tensor:
-    """How many positions ``cache`` holds, as it says (an int, or a static cache's device tensor);
-    :class:`UnfollowedForward` for a cache that counts none: transformers' cache of a state-space model (Mamba,
-    Mamba-2, FalconMamba) holds only recurrent states, which do not say how many tokens they have taken in."""
+def cache_length(cache: Any, held: int | None = None) -> int | torch.Tensor:
+    """How many positions ``cache`` holds, as it says (an int, or a static cache's device tensor). A cache of
+    recurrent states only (transformers' of a state-space model: Mamba, Mamba-2, FalconMamba) counts none: 0 before
+    it has taken in any token, else ``held``, the positions of the record its forwards made (a ``generate`` call's,
+    whose every forward was followed from its empty cache), read on the host without the device; without ``held``
+    (None, or 0: no record followed what filled it), :class:`UnfollowedForward` (the tokens it took in are
+    unknown)."""
     try:
         return cache.get_seq_length()
-    except ValueError:  # transformers' "can only be called on Attention layers", the wording its own
-        raise UnfollowedForward(
-            f"its cache ({type(cache).__name__}) has no attention layer and so does not count the positions it "
-            "holds (a state-space model's), so where the forward's tokens sit is unknown: such a model is recorded "
-            "in forwards without a cache (model(...), use_cache=False), not in generate") from None
+    except ValueError:  # transformers' "can only be called on Attention layers": recurrent states only
+        if not cache.has_previous_state():
+            return 0
+        if not held:
+            raise UnfollowedForward(
+                f"its cache ({type(cache).__name__}) holds recurrent states (a state-space model's) that took in "
+                "tokens of forwards nxl_hooks did not follow, and does not count them, so where the forward's "
+                "tokens sit is unknown: run the whole sequence in one forward, or generate from the full prompt "
+                "without a filled cache") from None
+        return held
 
 
-def positions(arguments: dict[str, Any]) -> Positions:
+def positions(arguments: dict[str, Any], held: int | None = None) -> Positions:
     """Where the tokens of a forward called with ``arguments`` (a backbone's bound arguments) sit in their sequence;
-    :class:`UnfollowedForward` when the forward continues a sequence but says nowhere from which position."""
+    ``held``: the positions its record holds (:func:`cache_length`); :class:`UnfollowedForward` when the forward
+    continues a sequence but says nowhere from which position."""
     new = _new_tokens(arguments)
-    past, source = _past(arguments)
+    past, source = _past(arguments, held)
     if past is not None:
         return Positions(int(past), new, source)
     position_ids = arguments.get("position_ids")
@@ -133,11 +144,12 @@ def positions(arguments: dict[str, Any]) -> Positions:
     return Positions(0, new, source)
 
 
-def start(arguments: dict[str, Any]) -> tuple[int | torch.Tensor | None, int]:
+def start(arguments: dict[str, Any], held: int | None = None) -> tuple[int | torch.Tensor | None, int]:
     """(past, new) of a forward as :func:`positions` finds them, without reading the device: ``past`` is
     ``cache_position``'s first entry, else the cache's own length as the cache gives it (an int for a dynamic cache,
-    a device tensor for a static one), or None when the forward has neither; the recorder checks it on the device."""
-    return _past(arguments)[0], _new_tokens(arguments)
+    a device tensor for a static one, ``held`` for one that counts none: :func:`cache_length`), or None when the
+    forward has neither; the recorder checks it on the device."""
+    return _past(arguments, held)[0], _new_tokens(arguments)
 
 
 def seen_keys(row: torch.Tensor) -> torch.Tensor:

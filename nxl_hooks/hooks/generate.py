@@ -329,7 +329,8 @@ def unsupported(model: nn.Module, kwargs: dict) -> str | None:
                 f"generate without {_ASSISTED}")
     cache = find_cache(kwargs)
     # (a static cache's length is a device tensor: read once per call, as the prompt's forward reads it anyway)
-    held = int(cache_length(cache)) if cache is not None else 0  # (UnfollowedForward: counts no positions)
+    # (UnfollowedForward: recurrent states that took in tokens without counting them)
+    held = int(cache_length(cache)) if cache is not None else 0
     if held:
         return (f"generate was given a KV cache already holding positions 0..{held - 1}, filled by forwards that are "
                 "not this call's, so the context of its steps was never recorded; generate from the full prompt "
@@ -556,7 +557,7 @@ class Run:
     def _continues_on_device(self, bound: dict, n: int) -> bool:
         """A one-token decoding step whose position is checked without reading the device (the check is read once,
         when the call ends); False when it is another kind of forward, checked on the host."""
-        past, new = start(bound)
+        past, new = start(bound, n)
         if new != 1 or past is None:
             return False
         if not isinstance(past, torch.Tensor):
@@ -568,7 +569,7 @@ class Run:
     def _check(self, bound: dict, n: int, decoding: bool) -> int:
         """Where this forward starts, read on the host (the prefill and the first decoding step: a constant per
         call); UnfollowedForward unless it continues the record or recomputes it from position 0."""
-        where = positions(bound)
+        where = positions(bound, n)
         past, new = where.past, where.new
         continues = past == n and (new == 1 or not decoding)
         recomputes = past == 0 and (n == 0 or (decoding and new == n + 1))  # first forward, or use_cache=False

@@ -24,7 +24,7 @@ import tiny
 from nxl_hooks.hooks import forward, generate
 from nxl_hooks.hooks.generate import BATCH_STEPS
 from nxl_hooks.method import head as nxl_head
-from oracle import HandHead, check_call, llama, normxlogit, prefix_logits, rms_norm
+from oracle import HandHead, check_call, full_mask, llama, normxlogit, prefix_logits, rms_norm, state_space
 
 VOCAB, PAD = tiny.GEN_VOCAB, tiny.GEN_PAD
 
@@ -444,6 +444,31 @@ def test_generate_from_a_filled_cache_says_not_recorded_and_what_records_it(mode
             "that cache (leave out cache / past_key_values)")
         model.generate(first.sequences, max_new_tokens=2, do_sample=False)
     check_call(model, probe.calls[-1], 2)
+
+
+@pytest.mark.parametrize("kind", ["mamba", "mamba2", "falcon_mamba"])
+def test_a_state_space_models_generate_is_recorded_equal_to_the_oracle(kind):
+    """A state-space model's cache holds recurrent states only, which count no positions (transformers'
+    get_seq_length raises on it) and generate passes no cache_position: its generate was not recorded. Each of the
+    call's forwards continues the record its earlier ones made, so a left-padded batch is recorded, every step equal
+    to the uncached oracle at every layer (the context: every token so far, all taken into the recurrent state), the
+    last layer's at the last position to generate's own logits, its tokens to generate's output, that unchanged."""
+    model = tiny.generating_state_space(kind)
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+    mask = torch.ones_like(ids)
+    ids[0, :2], mask[0, :2] = PAD, 0
+    options = dict(attention_mask=mask, max_new_tokens=4, do_sample=False, return_dict_in_generate=True,
+                   output_logits=True)
+    plain = model.generate(ids, **options)
+    with nxl.attach(model, layers="all") as probe:
+        out = model.generate(ids, **options)
+    assert torch.equal(out.sequences, plain.sequences)
+    (call,) = probe.calls
+    assert call.error is None and torch.equal(call.sequences, out.sequences)
+    check_call(model, call, 4, state_space(model))
+    for step, logits in zip(call.steps, out.logits):
+        assert torch.equal(step.mask, full_mask(call)[:, :step.position])  # the left pads masked, nothing else
+        torch.testing.assert_close(step.logat[-1, :, -1], logits.gather(-1, step.token[:, None])[:, 0])
 
 
 @pytest.mark.parametrize("sample", [False, True])

@@ -18,16 +18,17 @@ def model():
     return tiny.build_model("llama")
 
 
-def _seen_positions(model, **generate) -> list[Positions]:
-    """positions() of every backbone forward of one generate call, read from the arguments the backbone got."""
+def _seen_positions(model, held: bool = False, **generate) -> list[Positions]:
+    """positions() of every backbone forward of one generate call, read from the arguments the backbone got;
+    ``held``: told the tokens of the forwards before, as the call's record holds them."""
     seen = []
 
     def hook(module, args, kwargs):
         bound = inspect.signature(module.forward).bind_partial(*args, **kwargs).arguments
         bound.update(bound.pop("kwargs", {}) or {})
-        seen.append(positions(bound))
+        seen.append(positions(bound, sum(p.new for p in seen) if held else None))
 
-    handle = model.model.register_forward_pre_hook(hook, with_kwargs=True)
+    handle = model.base_model.register_forward_pre_hook(hook, with_kwargs=True)
     try:
         model.generate(torch.tensor([[1, 5, 7, 9]]), max_new_tokens=3, do_sample=False, pad_token_id=0, **generate)
     finally:
@@ -45,11 +46,17 @@ def test_generate_positions_are_the_tokens_fed_before(model, cache):
     assert seen[1].source in ("cache_position", "cache")
 
 
+def _keyword(model) -> str:
+    """The keyword the model's forward takes its cache under (5.24: cache; before: past_key_values, or Mamba's
+    cache_params)."""
+    parameters = inspect.signature(model.forward).parameters
+    return next(name for name in (*CACHE_NAMES, "cache_params") if name in parameters)
+
+
 def test_the_cache_is_found_by_what_it_is_under_any_keyword(model):
     cache = DynamicCache(config=model.config)
     with torch.no_grad():
-        model(input_ids=torch.tensor([[1, 5, 7]]), **{CACHE_NAMES[0] if "cache" in inspect.signature(
-            model.forward).parameters else "past_key_values": cache}, use_cache=True)
+        model(input_ids=torch.tensor([[1, 5, 7]]), **{_keyword(model): cache}, use_cache=True)
     assert cache.get_seq_length() == 3
     ids = torch.tensor([[9]])
     for keyword in (*CACHE_NAMES, "kv_state_of_a_future_version"):
@@ -105,23 +112,22 @@ def test_the_padding_of_new_tokens_is_read_from_a_sliding_windows_mask():
     assert torch.equal(token_mask({"full_attention": causal}, 0, 8), real)
 
 
-def test_a_cache_that_counts_no_positions_is_said_plainly():
-    """A state-space model's cache (Mamba: recurrent states only) counts no positions: generate was unrecorded with
-    transformers' own "get_seq_length can only be called on Attention layers", naming nothing nxl_hooks lets do. The
-    line says what the cache lacks and what is recorded instead; the model's own generate is unchanged."""
-    import transformers as tf
-
-    import nxl_hooks as nxl
-
-    torch.manual_seed(0)
-    mamba = tf.MambaForCausalLM(tf.MambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, state_size=4,
-                                               pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
-    ids = torch.tensor([[1, 5, 7, 9]])
+def test_a_cache_of_recurrent_states_holds_the_positions_of_the_record_that_filled_it():
+    """A state-space model's cache (Mamba: recurrent states only) counts no positions (transformers' get_seq_length
+    raises on it) and generate passes no cache_position: empty, it holds none; once it has taken tokens in, it holds
+    those of the record whose forwards filled it (``held``: a generate call's), read with no device read. With no
+    record to ask (or one that holds nothing: the cache was filled before it), where a forward continuing it starts
+    is unknown, and said."""
+    mamba = tiny.generating_state_space("mamba")
+    seen = _seen_positions(mamba, held=True)
+    assert [(p.past, p.new, p.source) for p in seen] == [(0, 4, "cache"), (4, 1, "cache"), (5, 1, "cache")]
+    cache = DynamicCache(config=mamba.config)
+    ids = torch.tensor([[1, 5, 7]])
+    assert positions({"input_ids": ids, "cache": cache}) == Positions(0, 3, "cache")
     with torch.no_grad():
-        plain = mamba.generate(ids, max_new_tokens=2, do_sample=False)
-        with nxl.attach(mamba) as probe:
-            recorded = mamba.generate(ids, max_new_tokens=2, do_sample=False)
-            with pytest.raises(RuntimeError, match=r"not recorded: its cache \(\w+\) has no attention layer .* "
-                                                   r"use_cache=False\), not in generate$"):
-                probe.steps
-    assert torch.equal(plain, recorded)
+        mamba(input_ids=ids, **{_keyword(mamba): cache}, use_cache=True)
+    assert positions({"input_ids": ids[:, :1], "cache": cache}, held=3) == Positions(3, 1, "cache")
+    for held in (None, 0):
+        with pytest.raises(UnfollowedForward, match=r"its cache \(DynamicCache\) holds recurrent states .* took in "
+                                                    r"tokens of forwards nxl_hooks did not follow, and does not count"):
+            positions({"input_ids": ids[:, :1], "cache": cache}, held)
