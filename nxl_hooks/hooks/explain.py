@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -17,6 +18,7 @@ from ..method.subject import Subject
 from ..records.attribution import Attribution
 from ..records.tokens import describe_target
 from .forward import check_tokens
+from .plan import tokenizer_mismatch
 from .probe import attach
 
 __all__ = ["explain"]
@@ -32,12 +34,14 @@ def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, chat: bo
     when a word is several tokens, of which only the first is explained). ``chat``: each text becomes the user
     message of the tokenizer's chat template, followed by the assistant's turn.
     """
-    texts = [text] if isinstance(text, str) else list(text)
+    texts = [text] if isinstance(text, str) else list(text) if isinstance(text, Iterable) else []
     if not texts or not all(isinstance(one, str) for one in texts):
         raise ValueError(f"text is {text!r:.80}: give a string, or a non-empty list of strings (a batch)")
+    subject = Subject.of(model)  # resolved once, for the targets and the attach
+    if mismatch := tokenizer_mismatch(subject.model, tokenizer):  # (None too: the texts need one) before it is used
+        raise ValueError(mismatch)
     prompts = [chat_prompt(tokenizer, one) for one in texts] if chat else []
     texts = [prompt.text for prompt in prompts] or texts
-    subject = Subject.of(model)  # resolved once, for the targets and the attach
     target, resolved = from_numpy(options.pop("target", "predicted")), None  # (as attach takes a numpy array)
     if not is_predicted(target) and not isinstance(target, torch.Tensor):
         target, resolved = prompt_targets(subject.model, subject.kind, tokenizer, target, texts)

@@ -11,8 +11,10 @@ forward and generate call the probe records, in any thread.
 from __future__ import annotations
 
 import functools
+import os
 import threading
 import weakref
+from collections.abc import Sized
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -276,7 +278,15 @@ def model_name(model: nn.Module) -> str:
 
 
 def tokenizer_mismatch(model: nn.Module, tokenizer: Any) -> str | None:
-    """Why ``tokenizer`` cannot be ``model``'s (more tokens than embedding rows), or None when it may be."""
+    """Why ``tokenizer`` cannot be ``model``'s (no tokenizer object at all, or more tokens than embedding rows), or
+    None when it may be."""
+    if isinstance(tokenizer, (str, os.PathLike)):  # its name, which every forward's token texts would fail on
+        return (f"tokenizer={os.fspath(tokenizer)!r} is a name, not a tokenizer: pass the tokenizer object, "
+                f"AutoTokenizer.from_pretrained({os.fspath(tokenizer)!r})")
+    if not (isinstance(tokenizer, Sized) and callable(getattr(tokenizer, "convert_ids_to_tokens", None))):
+        given = "None" if tokenizer is None else f"<{type(tokenizer).__name__}>"
+        return (f"tokenizer={given} is not a tokenizer (it has no len() or convert_ids_to_tokens): pass the model's "
+                "tokenizer, AutoTokenizer.from_pretrained(...) (a processor's is processor.tokenizer)")
     embedding = word_embedding(model)  # (inside a PEFT wrapper of the input embeddings)
     rows = embedding.num_embeddings if embedding is not None else None
     if rows is not None and len(tokenizer) > rows:
@@ -299,11 +309,11 @@ def make_plan(model: nn.Module | Subject, *, layers: Any, target: Target, tokeni
     for method in chosen:
         if isinstance(method, Checked):  # its settings against this model's head, once, here
             method.check_outputs(head.n_outputs)
+    if tokenizer is not None and (mismatch := tokenizer_mismatch(model, tokenizer)):
+        raise ValueError(mismatch)
     if kind is HeadKind.MASKED_LM and getattr(tokenizer, "mask_token_id", None) is None:
         raise ValueError("masked-LM attribution needs attach(..., tokenizer=tok) with a mask token, to find the "
                          "[MASK] positions it explains")
-    if tokenizer is not None and (mismatch := tokenizer_mismatch(model, tokenizer)):
-        raise ValueError(mismatch)
     target, layers = from_numpy(target), from_numpy(layers)
     fixed = None if is_predicted(target) else target_ids(model, kind, tokenizer, target, head.n_outputs)
     return Plan(subject=subject, layers=resolve_layers(layers, len(subject.blocks)), embedding=embedding,

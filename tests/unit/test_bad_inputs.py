@@ -107,6 +107,11 @@ ATTACH = cases(
     ("embedding=None", {"embedding": None}, "embedding=None: use 'layer_input'"),
     ("embedding='words'", {"embedding": "words"}, "embedding='words': use 'layer_input'"),
     ("tokenizer too big", {"tokenizer": tiny.word_tokenizer(tiny.VOCAB + ["x", "y"])}, "does not match the model"),
+    # its name, or no tokenizer (a processor): every forward failed on its token texts, raising from probe.result()
+    ("tokenizer=hub id", {"tokenizer": "gpt2"}, r"tokenizer='gpt2' is a name, not a tokenizer: pass the tokenizer "
+                                                r"object, AutoTokenizer.from_pretrained\('gpt2'\)"),
+    ("tokenizer=path", {"tokenizer": Path("models/tok")}, r"tokenizer='models/tok' is a name, not a tokenizer"),
+    ("tokenizer=object", {"tokenizer": object()}, r"tokenizer=<object> is not a tokenizer \(it has no len\(\)"),
     ("on_step=3", {"on_step": 3}, "on_step=3: give a function"),
     ("on_step='print'", {"on_step": "print"}, "on_step='print': give a function"),
     ("sink=3", {"sink": 3}, "sink=3: give a file path"),
@@ -252,9 +257,13 @@ def test_explain_of_no_tokens_says_so_before_the_forward(caplog):
     with pytest.raises(ValueError, match=r"^empty input: nxl_hooks needs at least one token per row"):
         nxl.explain(model, tok, "")
     assert _hooks(model) == 0 and "not recorded" not in caplog.text
-    for text in ([], ["good", 3]):  # no text at all, or one that is no string: nxl's line, not the tokenizer's
+    for text in ([], ["good", 3], 3):  # no text at all, or one that is no string: nxl's line, not the tokenizer's
         with pytest.raises(ValueError, match=r"^text is .*: give a string, or a non-empty list of strings"):
             nxl.explain(model, tok, text)
+    for given, message in (("gpt2", r"^tokenizer='gpt2' is a name, not a tokenizer: pass the tokenizer object"),
+                           (None, r"^tokenizer=None is not a tokenizer")):  # before the forward, whose texts need one
+        with pytest.raises(ValueError, match=message):
+            nxl.explain(model, given, "good")
     assert _hooks(model) == 0
 
 
