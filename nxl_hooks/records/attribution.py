@@ -18,7 +18,7 @@ import json
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from safetensors.torch import load as _load_blob
@@ -104,6 +104,12 @@ def scores_to_store(scores: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {(name if name in DEFAULT else SCORE_PREFIX + check_name(name)): value for name, value in scores.items()}
 
 
+class _Scored(Protocol):
+    """A record with scores per method: :class:`Attribution`, :class:`~.steps.Step`."""
+
+    scores: dict[str, torch.Tensor]
+
+
 def _require(condition: bool, problem: str) -> None:
     if not condition:
         raise RecordError(problem)
@@ -158,13 +164,27 @@ class Attribution:
         self.special, self.input_ids, self.readable, self.probability = special, input_ids, readable, probability
         self.target_text, self.template = target_text, template
 
-    normxlogit = property(lambda self: self.scores["normxlogit"], lambda self, value: self.scores.update(
-        normxlogit=value), doc="``scores['normxlogit']``: float32 (len(layers), rows, seq[, k])")
-    logat = property(lambda self: self.scores["logat"], lambda self, value: self.scores.update(logat=value),
-                     doc="``scores['logat']``: HoT(h_i^l)[y] (regression: |HoT(h_i^l) - HoT(h_p^L)|)")
+    # (self is any record with scores, typed so: Step shares these properties, and a type checker reads them there)
+    @property
+    def normxlogit(self: _Scored) -> torch.Tensor:
+        """``scores['normxlogit']``: float32 (len(layers), rows, seq[, k])"""
+        return self.scores["normxlogit"]
+
+    @normxlogit.setter
+    def normxlogit(self: _Scored, value: torch.Tensor) -> None:
+        self.scores["normxlogit"] = value
 
     @property
-    def methods(self) -> list[str]:
+    def logat(self: _Scored) -> torch.Tensor:
+        """``scores['logat']``: HoT(h_i^l)[y] (regression: |HoT(h_i^l) - HoT(h_p^L)|)"""
+        return self.scores["logat"]
+
+    @logat.setter
+    def logat(self: _Scored, value: torch.Tensor) -> None:
+        self.scores["logat"] = value
+
+    @property
+    def methods(self: _Scored) -> list[str]:
         """The names of the methods whose scores this record holds: ``["normxlogit", "logat", ...]``."""
         return list(self.scores)
 

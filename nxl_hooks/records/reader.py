@@ -75,7 +75,7 @@ class Damage:
                 f"recovered before it{lost} ({self.bytes_dropped} bytes left out)")
 
 
-class Stream(list):
+class Stream(list[GenerationCall]):
     """What :func:`read_stream` returns: a list of :class:`GenerationCall`, ``damage`` (None when every file ends
     on a complete frame; else the first damaged file's, a torn last frame only when no file is damaged otherwise:
     a killed writer's end must not hide records lost elsewhere) and ``damages`` (every file's, in reading order)."""

@@ -2,8 +2,8 @@
 or an API reference that names nothing fails), every public name is in the API reference, README's links and
 anchors lead somewhere, README keeps the test command CI runs, the changelog's table of removed module paths is
 true of the code, the version is one number everywhere, the server page sends a running process to `nxl attach`,
-whose rules as root docs/security.md states, and README and docs/engines.md state the committed 16-client serving
-figures.
+whose rules as root docs/security.md states, README and docs/engines.md state the committed 16-client serving
+figures, and the package is typed for type checkers as docs/api.md says.
 """
 
 from __future__ import annotations
@@ -81,6 +81,24 @@ def test_every_public_name_is_in_the_api_reference(site):
     api = (site / "api" / "index.html").read_text(encoding="utf-8")
     missing = [name for name in nxl_hooks.__all__ if f'id="nxl_hooks.{name}"' not in api]
     assert not missing, f"add '::: nxl_hooks.NAME' to docs/api.md for: {', '.join(missing)}"
+
+
+def test_the_public_api_is_typed_for_type_checkers():
+    """The package ships its PEP 561 marker (without it a type checker skips an installed nxl_hooks: every name
+    Any), and a record's scores read as tensors, on Attribution and on Step, which shares its properties; the calls
+    read_stream returns as GenerationCalls."""
+    import typing
+
+    import torch
+
+    from nxl_hooks.records.reader import Stream
+
+    assert (ROOT / "nxl_hooks" / "py.typed").is_file()
+    for record in (nxl_hooks.Attribution, nxl_hooks.Step):
+        for name in ("normxlogit", "logat"):
+            assert typing.get_type_hints(getattr(record, name).fget)["return"] is torch.Tensor, (record, name)
+    assert typing.get_type_hints(nxl_hooks.Step.methods.fget)["return"] == list[str]
+    assert Stream.__orig_bases__ == (list[nxl_hooks.GenerationCall],)
 
 
 def test_readme_links_and_anchors_lead_somewhere(site):
