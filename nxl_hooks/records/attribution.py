@@ -310,6 +310,7 @@ class Attribution:
     def rankable(self, row: int = 0, *, all_positions: bool = False) -> torch.Tensor:
         """bool (seq,): the positions of one row that rank (see :func:`nxl_hooks.method.select.rankable`): not the
         prediction position, special tokens or a chat template's tokens; with ``all_positions`` every real token."""
+        row = row_index(row, self.mask.shape[0])  # (a negative row would read another row's tokens silently)
         if all_positions:
             return self.mask[row].bool()
         special, template, ids = (None if flags is None else flags[row]
@@ -341,6 +342,7 @@ class Attribution:
     def token_labels(self, row: int = 0) -> list[str]:
         """How each token of a row is shown: its readable text ('␣Paris'), else its piece made visible (files
         written before readable texts existed), else its position."""
+        row = row_index(row, self.mask.shape[0])
         if self.readable:
             return list(self.readable[row])
         if self.tokens:
@@ -350,6 +352,7 @@ class Attribution:
     def target_info(self, row: int = 0) -> list[dict[str, Any]]:
         """Each explained target of a row: ``[{"id", "text", "probability"}, ...]`` (text and probability None
         where unknown); notes on how a request was resolved are in ``meta["targets"]``."""
+        row = row_index(row, self.mask.shape[0])
         ids = self.target[row].reshape(-1).tolist()
         probs = self.probability[row].reshape(-1).tolist() if self.probability is not None else [None] * len(ids)
         texts = self.target_text[row] if self.target_text else [None] * len(ids)
@@ -367,7 +370,8 @@ class Attribution:
     def target_label(self, row: int = 0, label: int = 0) -> str:
         """One explained target as every output names it: ``'Paris' -> '␣Paris' (id 7042, p 0.773)`` (the request
         is shown when it was read as another text)."""
-        info = self.target_info(row)[label]
+        infos = self.target_info(row)
+        info = infos[label_index(label, len(infos))]
         text = info["text"] if info["text"] is not None else str(info["id"])
         how = self.resolution(row, label)
         request = how["request"] if how and isinstance(how["request"], str) and how["request"] != text else None
@@ -378,7 +382,7 @@ class Attribution:
     def norm_spread(self, row: int = 0) -> float:
         """Coefficient of variation of the embedding norms over the tokens of a row that rank; see
         :func:`nxl_hooks.method.scores.flat_norms` for what a tiny value means."""
-        return norm_spread(self.embed_norm[row], self.rankable(row))
+        return norm_spread(self.embed_norm[row_index(row, self.mask.shape[0])], self.rankable(row))
 
     def to_html(self, path: str | Path | None = None, **options: Any) -> str:
         """Self-contained tokens x layers heatmap page; also written to ``path`` when given.

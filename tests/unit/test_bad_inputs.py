@@ -294,6 +294,12 @@ RESULT_CALLS = cases(
     ("top layer 1", lambda r: r.top(layer=1), r"layer 1 was not captured; captured layers: \[0, 2\]"),
     ("top layer 'x'", lambda r: r.top(layer="x"), "layer 'x' is not an int"),
     ("layer 3", lambda r: r.layer(3), "layer 3 is out of range"),
+    # each of a result's per-row methods, as top(): an IndexError, or another row read for row -1
+    ("rankable row 2", lambda r: r.rankable(2), "row 2 is out of range: this attribution has 2 row"),
+    ("token_labels row -1", lambda r: r.token_labels(-1), "row -1 is out of range"),
+    ("target_info row 2", lambda r: r.target_info(2), "row 2 is out of range"),
+    ("target_label label 1", lambda r: r.target_label(0, 1), "label 1 is out of range: this attribution explains 1"),
+    ("norm_spread row 2", lambda r: r.norm_spread(2), "row 2 is out of range"),
     ("to_html rows", lambda r: r.to_html(rows=[5]), r"rows \[5\] out of range"),
     ("to_html label 1", lambda r: r.to_html(label=1), "label 1 is out of range: this attribution explains 1 target"),
     ("to_html label -1", lambda r: r.to_html(label=-1), "label -1 is out of range"),
