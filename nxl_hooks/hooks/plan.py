@@ -321,7 +321,7 @@ def make_plan(model: nn.Module | Subject, *, layers: Any, target: Target, tokeni
                 texts=token_texts(tokenizer) if tokenizer is not None else None, methods=chosen)
 
 
-def check_recording(plan: Plan, *, on_step: Any, sink: Any, keep_calls: Any, cache_dtype: Any,
+def check_recording(plan: Plan, *, on_step: Any, sink: Any, keep_steps: Any, keep_calls: Any, cache_dtype: Any,
                     cache_device: Any) -> None:
     """Check what :func:`~nxl_hooks.attach` was given for ``generate`` records, before any file is opened: a refused
     probe never truncates an existing sink file. ValueError says what to change."""
@@ -336,6 +336,9 @@ def check_recording(plan: Plan, *, on_step: Any, sink: Any, keep_calls: Any, cac
         raise ValueError(f"on_step={on_step!r}: give a function that takes a Step")
     if sink is not None:
         sink_factory(sink)  # a spec that names no sink kind is refused here, before any file is opened
+    if not isinstance(keep_steps, bool):  # ("no" is true: the records the user meant to drop would be kept)
+        raise ValueError(f"keep_steps={keep_steps!r}: give True (keep the records in probe.calls) or False (stream "
+                         "them only)")
     if keep_calls is not None and (isinstance(keep_calls, bool) or not isinstance(keep_calls, int)):
         raise ValueError(f"keep_calls={keep_calls!r}: give a whole number of calls to keep, or None for all")
     if cache_dtype is not None and not (isinstance(cache_dtype, torch.dtype) and cache_dtype.is_floating_point):

@@ -355,8 +355,8 @@ def attach(
     """
     plan = make_plan(model, layers=layers, target=target, tokenizer=tokenizer, embedding=embedding,  # resolves once
                      methods=methods)
-    check_recording(plan, on_step=on_step, sink=sink, keep_calls=keep_calls, cache_dtype=cache_dtype,
-                    cache_device=cache_device)
+    check_recording(plan, on_step=on_step, sink=sink, keep_steps=keep_steps, keep_calls=keep_calls,
+                    cache_dtype=cache_dtype, cache_device=cache_device)
     backbone = plan.subject.backbone
     engines = engines_for(plan.model) if plan.generates else []  # before the lock: may import an engine's module
     with _LOCK:
@@ -413,6 +413,9 @@ def _compiled_code(model: nn.Module, *inner: nn.Module) -> Callable[[], None]:
 def detach_all(model: nn.Module) -> int:
     """Remove every nxl_hooks probe from ``model`` (also one whose probe object was lost); returns how many:
     ``nxl.detach_all(model)``"""
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"detach_all({type(model).__name__}): give the model a probe was attached to (an "
+                         "nn.Module), or call probe.detach()")
     modules = set(unwrap(model).modules())
     with _LOCK:
         attachments = [attachment for backbone, attachment in _ATTACHED.items() if backbone in modules]

@@ -120,6 +120,8 @@ def read_regular(path: str | Path, error: type[Exception] = ValueError, *, follo
     ``follow_symlinks=False``: a symbolic link is refused too (a file in a folder someone else may write);
     ``max_bytes``: a larger file is refused before anything is read. ``dir_fd``: ``path`` is relative to that open
     folder (one whose path someone else may have swapped since it was opened)."""
+    if not isinstance(path, (str, os.PathLike)):  # an int is a file descriptor to os.stat: another file's
+        raise error(f"{path!r} is not a file path: give the path of the file to read, as a str or pathlib.Path")
     kind = file_kind(os.stat(path, dir_fd=dir_fd, follow_symlinks=follow_symlinks).st_mode)
     if kind:
         raise error(f"{path} is {kind}, not a regular file: nxl_hooks reads records only from regular files")

@@ -116,6 +116,7 @@ ATTACH = cases(
     ("on_step='print'", {"on_step": "print"}, "on_step='print': give a function"),
     ("sink=3", {"sink": 3}, "sink=3: give a file path"),
     ("sink=list", {"sink": ["a"]}, r"sink=\['a'\]: give a file path"),
+    ("keep_steps='no'", {"keep_steps": "no"}, r"keep_steps='no': give True \(keep the records"),  # (was kept)
     ("keep_calls=-1", {"keep_calls": -1}, "keep_calls=-1: give a number"),
     ("keep_calls=1.5", {"keep_calls": 1.5}, "keep_calls=1.5: give a whole number"),
     ("keep_calls=True", {"keep_calls": True}, "keep_calls=True: give a whole number"),
@@ -183,6 +184,12 @@ def test_models_without_a_head(lm, model, message):
     with pytest.raises(nxl.UnknownArchitectureError, match=message):
         nxl.attach(lm.model if isinstance(model, str) and model == "BASE" else model)
     assert _hooks(lm) == 0
+
+
+@pytest.mark.parametrize("given", [None, "model-id"])
+def test_detach_all_of_no_model_says_what_to_give(given):
+    with pytest.raises(ValueError, match=r"detach_all\((NoneType|str)\): give the model a probe was attached to"):
+        nxl.detach_all(given)
 
 
 def test_numpy_integers_are_fine_layers_and_targets(lm):
@@ -495,6 +502,13 @@ def test_files_that_are_not_attributions(result, tmp_path, make, message):
 def test_a_missing_file_is_an_os_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="nothing.safetensors"):
         nxl.Attribution.load(tmp_path / "nothing.safetensors")
+
+
+def test_a_file_descriptor_is_no_path(result, tmp_path):
+    # os.stat takes an int as a descriptor: the file open under that number was looked at, then os.open failed
+    path = result.save(tmp_path / "a.safetensors")
+    with path.open("rb") as opened, pytest.raises(RecordError, match=rf"^{opened.fileno()} is not a file path: "):
+        nxl.Attribution.load(opened.fileno())
 
 
 def test_failed_saves_leave_the_existing_file(result, tmp_path, monkeypatch):
