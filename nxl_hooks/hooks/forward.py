@@ -15,7 +15,7 @@ import torch
 
 from ..method.protocol import Given
 from ..arch.registry import HeadKind, log_probabilities, word_embedding
-from ..method.scores import regression_logat, row_norms
+from ..method.scores import regression_logat, row_norms, wide
 from ..method.select import VIRTUAL_ID
 from ..records.attribution import Attribution
 from ..records.tokens import target_texts
@@ -140,7 +140,8 @@ def open_capture(bound: dict[str, Any], prompted: tuple[torch.Tensor, int, torch
 
 def _model_logits(plan: Plan, output: Any, examples: torch.Tensor, positions: torch.Tensor, seq: int,
                   keep: Any = None) -> tuple[torch.Tensor | None, torch.Tensor, bool]:
-    """The task model's own logits at the explained rows (rows, outputs), float32, which rows they cover ((rows,)
+    """The task model's own logits at the explained rows (rows, outputs), at least float32 (a float64 model's as they
+    are: two of them rounded to float32 may tie, and the argmax miss its prediction), which rows they cover ((rows,)
     bool, CPU), and whether they are of a slice of its positions: a forward never pays twice for its final logits.
     A causal LM called with an int ``logits_to_keep`` returns its last positions' only: the rows predicting there
     are its own (its 16-bit readout on that slice may round the bias apart from the product, so a logit recomputed
@@ -155,7 +156,7 @@ def _model_logits(plan: Plan, output: Any, examples: torch.Tensor, positions: to
     if plan.kind.pooled:
         if logits.dim() != 2:
             return None, covered, False
-        return logits[examples.to(logits.device)].float(), ~covered, False
+        return logits[examples.to(logits.device)].to(wide(logits.dtype)), ~covered, False
     kept = logits.shape[1] if logits.dim() == 3 else 0
     if isinstance(keep, torch.Tensor):  # (a plain forward's end: this host read is once per call)
         kept_at = keep.cpu().nonzero()[:, 0] if keep.dtype == torch.bool else keep.cpu()  # (a mask selects)
@@ -165,13 +166,14 @@ def _model_logits(plan: Plan, output: Any, examples: torch.Tensor, positions: to
         row[kept_at.long() % seq] = torch.arange(kept)  # (a position kept twice has one logit row)
         at = row[positions]
         covered = at >= 0
-        return logits[examples.to(logits.device), at.clamp(min=0).to(logits.device)].float(), covered, True
+        return (logits[examples.to(logits.device), at.clamp(min=0).to(logits.device)].to(wide(logits.dtype)), covered,
+                True)
     if kept != seq and not (isinstance(keep, int) and 0 < kept < seq):
         return None, covered, False
     offset = seq - kept  # (0: every position's)
     covered = positions >= offset
     at = (positions - offset).clamp(min=0)
-    return logits[examples.to(logits.device), at.to(logits.device)].float(), covered, offset > 0
+    return logits[examples.to(logits.device), at.to(logits.device)].to(wide(logits.dtype)), covered, offset > 0
 
 
 def pin_last_layer(layers: Sequence[int], n_blocks: int, logat: torch.Tensor, rows: torch.Tensor | slice,
@@ -233,7 +235,7 @@ def assemble(plan: Plan, capture: Capture, output: Any = None, keep: Any = None)
             log_probs = None
         else:  # the model's own probabilities at the prediction rows
             targets = plan.explained(final.argmax(-1, keepdim=True))
-            log_probs = log_probabilities(plan.model, final)
+            log_probs = log_probabilities(plan.model, final).float()
 
         kept = covered.nonzero()[:, 0] if sliced or not plan.head.per_position else None
 

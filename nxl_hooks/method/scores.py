@@ -21,18 +21,23 @@ from ..arch.text import typed
 from .protocol import Given, Method, Pointwise
 
 __all__ = ["FLAT_NORM_CV", "flat_note", "flat_norms", "label_axis", "method_scores", "norm_spread", "pointwise",
-           "regression_logat", "row_norms"]
+           "regression_logat", "row_norms", "wide"]
 
 #: Below this coefficient of variation (std / mean) of the embedding norms over the ranked tokens, NormXLogit is
 #: LogAt times nearly one number: its ranking can differ from LogAt's only between tokens whose LogAt are that close.
 FLAT_NORM_CV = 1e-3
 
 
+def wide(dtype: torch.dtype) -> torch.dtype:
+    """At least float32: float32 for a 16-bit dtype, float64 kept (narrowed, values that differ below float32's
+    resolution would tie)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
 def row_norms(rows: torch.Tensor, *, keepdim: bool = False) -> torch.Tensor:
-    """‖row‖₂ over the last axis of ``rows``, taken in at least float32: float32 for a 16-bit input (its squares
-    would round), a float64 input's own dtype (torch refuses to narrow it)."""
-    wide = torch.promote_types(rows.dtype, torch.float32)
-    return torch.linalg.vector_norm(rows, dim=-1, keepdim=keepdim, dtype=wide)
+    """‖row‖₂ over the last axis of ``rows``, taken in :func:`wide` precision: float32 for a 16-bit input (its
+    squares would round), a float64 input's own dtype (torch refuses to narrow it)."""
+    return torch.linalg.vector_norm(rows, dim=-1, keepdim=keepdim, dtype=wide(rows.dtype))
 
 
 def label_axis(target: object) -> bool:

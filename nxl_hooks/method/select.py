@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from ..arch.registry import HeadKind
+from .scores import wide
 
 __all__ = [
     "EMBEDDINGS",
@@ -532,6 +533,5 @@ def rankable(mask: torch.Tensor, position: torch.Tensor | int, special: torch.Te
 def order(scores: torch.Tensor, eligible: torch.Tensor) -> torch.Tensor:
     """Positions where ``eligible`` (1-D), best first by signed score; ties keep token order; NaN comes last."""
     positions = eligible.nonzero().flatten()
-    # float64 scores ranked as float32 would tie where they differ below its resolution
-    values = scores[positions].to(torch.promote_types(scores.dtype, torch.float32)).nan_to_num(nan=float("-inf"))
+    values = scores[positions].to(wide(scores.dtype)).nan_to_num(nan=float("-inf"))
     return positions[torch.argsort(values, descending=True, stable=True)]

@@ -224,6 +224,25 @@ def test_a_float64_model_is_recorded_with_the_float64_oracles_numbers(world, emb
     torch.testing.assert_close(res.normxlogit[:, 0].double(), ref, rtol=1e-6, atol=1e-7)
 
 
+def test_a_float64_models_prediction_is_its_own_argmax_where_float32_would_tie_two_logits(world):
+    """Two float64 logits 1e-12 apart at the prediction position: the predicted target is the model's argmax, the
+    larger one (its logits were rounded to float32 first, where both are one number: the first of them was taken)."""
+    _, tok, folder, _ = world
+    double, _ = load_model(str(folder), dtype=torch.float64)
+    enc = tok(PROMPT, return_tensors="pt")
+    with torch.no_grad():
+        logits = double(**enc).logits[0, -1]
+        top = int(logits.argmax())
+        assert top > 0
+        # the one before it a copy of its row, a hair smaller a logit
+        double.lm_head.weight[top - 1] = double.lm_head.weight[top] * (1 - 1e-12 * float(logits[top].sign()))
+        own = double(**enc).logits[0, -1]
+        with nxl.attach(double, layers="last") as probe:
+            double(**enc)
+    assert own[top - 1] < own[top] and own[top - 1].float() == own[top].float()
+    assert probe.result().target.tolist() == [int(own.argmax())] == [top]
+
+
 def test_the_mapping_the_disk_refusal_advises_loads(world, tmp_path, capsys):
     """--device-map disk is refused with a mapping to give instead: it advised {"lm_head": "disk", "": "cpu"}, which
     failed to load ("weight is on the meta device")."""
