@@ -467,6 +467,12 @@ def score_example(
         raise ValueError(f"example {example['text']!r} has {n} token(s): perturbation needs at least 2")
     position = setup.position(ids)
     original = setup.predict(ids[None], torch.ones(1, n, dtype=torch.long), torch.tensor([position]))
+    # NaN or +inf (-inf is an output ruled out, but a regression's value) makes every probability NaN: each curve and
+    # the run's AOPC would be NaN, and the example recorded as predicting output 0
+    if original.isnan().any() or original.isposinf().any() or (setup.kind is HeadKind.REGRESSION
+                                                                 and original.isneginf().any()):
+        raise ValueError("the model's outputs at the prediction position are NaN or infinite (an overflow, as in "
+                         "float16): load the model in bfloat16 or float32")
     t = _targets(setup, example, original[0])
     layered = set(method_names())
     # a regression head's one output has no foil to contrast the target with

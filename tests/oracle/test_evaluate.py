@@ -267,6 +267,23 @@ def _llama_oracle(model, tok, text: str) -> tuple[torch.Tensor, ...]:
     return out.hidden_states[0], logat, nx_is, nx_are
 
 
+def test_a_model_whose_output_overflows_to_nan_is_a_value_error_not_a_record_of_nans():
+    """A float16 Llama whose last block overflows: its logits are NaN. The example was recorded as predicting output 0
+    with NaN probabilities, every curve NaN, and one such example made the run's AOPC NaN (summary.json then held NaN,
+    which JSON has not); it fails now, in one line saying what to do (nxl evaluate records it and goes on)."""
+    model, tok = _tiny_llama(), word_tokenizer(WORDS, "[CLS] $A")
+    with torch.no_grad():
+        model.model.layers[-1].mlp.up_proj.weight.mul_(3e3)
+        model.model.layers[-1].mlp.down_proj.weight.mul_(3e5)
+    model.half()
+    example = {"text": "the key the keys", "target": "is"}
+    with torch.no_grad():
+        assert model(input_ids=torch.tensor([tok(example["text"])["input_ids"]])).logits[0, -1].isnan().all()
+    with pytest.raises(ValueError, match=r"^the model's outputs at the prediction position are NaN or infinite \(an "
+                                         r"overflow, as in float16\): load the model in bfloat16 or float32$"):
+        ev.score_example(model, tok, example, methods=("normxlogit",))
+
+
 def test_contrastive_and_normxlogit_match_oracle():
     model, tok = _tiny_llama(), word_tokenizer(WORDS, "[CLS] $A")
     example = {"text": "the key the keys", "target": "is", "foil": "are", "label": "is", "evidence": ["key"]}
