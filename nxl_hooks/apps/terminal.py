@@ -31,7 +31,7 @@ from ..hooks.probe import attach
 from ..method.methods.contrastive import no_foil
 from ..method.placement import input_device
 from ..method.chat import chat_prompt, template_rows
-from ..method.scores import flat_norms, flat_note
+from ..method.scores import OVERFLOW_NOTE, flat_norms, flat_note
 from ..method.select import order, special_mask
 from ..records.attribution import Attribution
 from ..records.html import fmt
@@ -176,6 +176,8 @@ def show_attribution(res: Attribution, console: Console, *, all_positions: bool 
     console.print(Text(f"{res.meta.get('model_class', '')}", style="bold")
                   + Text(f"  head: {kind}  blocks: {res.meta.get('n_blocks')}  "
                          f"embedding norm: {res.meta.get('embedding')}"))
+    if res.overflowed():
+        console.print(Text("note: " + OVERFLOW_NOTE, style="yellow"))
     spreads = [res.norm_spread(row) for row in range(res.target.shape[0])]
     flat = [s for s in spreads if flat_norms(s)]
     if flat and method == "normxlogit":

@@ -15,6 +15,7 @@ anything that does not fit: what it accepts works in ``top()``, ``layer()``, ``t
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -383,6 +384,15 @@ class Attribution:
         """Coefficient of variation of the embedding norms over the tokens of a row that rank; see
         :func:`nxl_hooks.method.scores.flat_norms` for what a tiny value means."""
         return norm_spread(self.embed_norm[row_index(row, self.mask.shape[0])], self.rankable(row))
+
+    def overflowed(self) -> bool:
+        """Whether the model's own outputs at a prediction position were NaN or infinite (a float16 overflow): its
+        probability there is NaN, or a regression head's prediction is not a finite number."""
+        if self.probability is not None:
+            return bool(self.probability.isnan().any())
+        prediction = self.meta.get("prediction")
+        values = [value for row in prediction for value in row] if isinstance(prediction, list) else []
+        return any(isinstance(value, float) and not math.isfinite(value) for value in values)
 
     def to_html(self, path: str | Path | None = None, **options: Any) -> str:
         """Self-contained tokens x layers heatmap page; also written to ``path`` when given.

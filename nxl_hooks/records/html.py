@@ -20,7 +20,7 @@ import math
 from typing import Any, Mapping, Sequence
 
 from ..method.methods.contrastive import no_foil
-from ..method.scores import flat_norms, flat_note
+from ..method.scores import OVERFLOW_NOTE, flat_norms, flat_note
 from ..method.select import label_index
 from .tokens import printable, unseen, untexted, whole_characters
 
@@ -315,6 +315,8 @@ def attribution_html(
         "rank: red positive, "
         "blue negative; the number is the score, hover for more digits. Tokens: ␣ a space, ↵ a newline.</p>"
     )
+    if res.overflowed():
+        intro += _notes([OVERFLOW_NOTE])
     spreads = [res.norm_spread(r) for r in chosen]
     if method == "normxlogit" and any(flat_norms(s) for s in spreads):
         intro += _notes([flat_note(max(s for s in spreads if flat_norms(s)))])

@@ -266,6 +266,31 @@ def test_flat_embedding_norms_are_said_once_and_rank_as_logat(tok, tmp_path):
     assert "LogAt does" not in console.export_text() and "LogAt does" not in plain.to_html()
 
 
+def test_a_model_whose_outputs_overflow_is_said_to_have_no_prediction(tok):
+    """A float16 model whose last block overflows: its logits are NaN, and the terminal and the page showed "NormXLogit
+    of '<token 0>' (p nan)" as if that were its prediction, with no word of why. Both say it once now, with what to
+    do; the same model in float32 says nothing of it."""
+    from rich.console import Console
+
+    from nxl_hooks.apps.terminal import show_attribution
+
+    model = bpe_tiny.bpe_llama(tok, seed=1)
+    with torch.no_grad():
+        model.model.layers[-1].mlp.up_proj.weight.mul_(3e3)
+        model.model.layers[-1].mlp.down_proj.weight.mul_(3e5)
+    note = "outputs at the prediction position are NaN or infinite (an overflow, as in float16)"
+    for dtype, said in ((torch.float16, 1), (torch.float32, 0)):
+        res = nxl.explain(model.to(dtype), tok, PROMPT)
+        with torch.no_grad():
+            logits = model(**tok(PROMPT, return_tensors="pt")).logits[0, -1]
+        assert bool(logits.isnan().any()) == bool(said)
+        console = Console(record=True, width=100)
+        show_attribution(res, console)
+        assert " ".join(console.export_text().split()).count(note) == said
+        assert res.to_html().count(note) == said
+        assert res.overflowed() == bool(said)
+
+
 def test_evaluate_and_audit_records_read_targets_after_the_text(model, tok):
     from nxl_hooks.eval import audit
     from nxl_hooks.eval import faithfulness as ev
