@@ -296,6 +296,17 @@ class _Setup:
         return resolved.id
 
 
+def _finite(setup: _Setup, outputs: torch.Tensor, of: str) -> torch.Tensor:
+    """``outputs`` (rows, outputs) of :meth:`_Setup.predict`; ValueError where one is NaN or +inf (or a regression's
+    -inf; a classifier's rules that output out): every probability would be NaN, the example recorded as predicting
+    output 0 and the run's AOPC NaN."""
+    if outputs.isnan().any() or outputs.isposinf().any() or (setup.kind is HeadKind.REGRESSION
+                                                               and outputs.isneginf().any()):
+        raise ValueError(f"the model's outputs at the prediction position{of} are NaN or infinite (an overflow, as in "
+                         "float16): load the model in bfloat16 or float32")
+    return outputs
+
+
 def _seed(seed: int, text: str) -> int:
     # Stable across processes and shards (unlike hash()), so a sharded run draws the same random ranking.
     return (seed * 1_000_003 + zlib.crc32(text.encode("utf-8"))) % (2**63)
@@ -466,13 +477,8 @@ def score_example(
     if n < 2:
         raise ValueError(f"example {example['text']!r} has {n} token(s): perturbation needs at least 2")
     position = setup.position(ids)
-    original = setup.predict(ids[None], torch.ones(1, n, dtype=torch.long), torch.tensor([position]))
-    # NaN or +inf (-inf is an output ruled out, but a regression's value) makes every probability NaN: each curve and
-    # the run's AOPC would be NaN, and the example recorded as predicting output 0
-    if original.isnan().any() or original.isposinf().any() or (setup.kind is HeadKind.REGRESSION
-                                                                 and original.isneginf().any()):
-        raise ValueError("the model's outputs at the prediction position are NaN or infinite (an overflow, as in "
-                         "float16): load the model in bfloat16 or float32")
+    original = _finite(setup, setup.predict(ids[None], torch.ones(1, n, dtype=torch.long), torch.tensor([position])),
+                       "")
     t = _targets(setup, example, original[0])
     layered = set(method_names())
     # a regression head's one output has no foil to contrast the target with
@@ -509,8 +515,8 @@ def score_example(
         for count in counts
     ]
     p_orig, correct_orig, _ = _outcome(setup, original, t)
-    outputs = run_padded(setup.predict, rows, pad_id=setup.pad_id, max_rows=setup.max_rows,
-                         known=(ids, position, original[0]))
+    outputs = _finite(setup, run_padded(setup.predict, rows, pad_id=setup.pad_id, max_rows=setup.max_rows,
+                                        known=(ids, position, original[0])), " of a perturbed text")
     p_new, correct, predicted = _outcome(setup, outputs, t)
     change = p_orig - p_new
     change = change.abs() if setup.kind is HeadKind.REGRESSION else change

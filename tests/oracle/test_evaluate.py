@@ -284,6 +284,24 @@ def test_a_model_whose_output_overflows_to_nan_is_a_value_error_not_a_record_of_
         ev.score_example(model, tok, example, methods=("normxlogit",))
 
 
+def test_a_perturbed_text_whose_outputs_are_nan_is_a_value_error_not_a_nan_curve():
+    """The fake classifier's outputs are NaN wherever "good" was masked: those points of the curves (and the run's
+    AOPC) were NaN; the example fails now, saying so."""
+
+    class OverflowingForSequenceClassification(FakeForSequenceClassification):
+        def forward(self, input_ids, attention_mask=None):
+            logits = super().forward(input_ids, attention_mask).logits
+            return SimpleNamespace(logits=logits.masked_fill(~(input_ids == VOCAB["good"]).any(-1, keepdim=True),
+                                                             float("nan")))
+
+    tok = word_tokenizer(WORDS, "[CLS] $A [SEP]")
+    with pytest.raises(ValueError, match=r"^the model's outputs at the prediction position of a perturbed text are NaN "
+                                         r"or infinite \(an overflow, as in float16\): load the model in bfloat16 or "
+                                         r"float32$"):
+        ev.score_example(OverflowingForSequenceClassification(), tok, {"text": "good fine plain bad", "label": 1},
+                         methods=(), custom={"mine": SCORES})
+
+
 def test_contrastive_and_normxlogit_match_oracle():
     model, tok = _tiny_llama(), word_tokenizer(WORDS, "[CLS] $A")
     example = {"text": "the key the keys", "target": "is", "foil": "are", "label": "is", "evidence": ["key"]}
