@@ -34,7 +34,7 @@ from ..arch.registry import HeadKind, log_probabilities, resolve
 from ..method.subject import unwrap
 from ..hooks.probe import attach
 from ..method.placement import input_device
-from ..method.scores import flat_norms
+from ..method.scores import OVERFLOWED, WIDER, flat_norms
 from ..method.select import check_length, order, position_limit, resolve_target
 from ..records.attribution import Attribution
 from ..records.tokens import describe_target, label_text
@@ -167,6 +167,10 @@ def audit_example(
     ref, ref_out = _attribute(reference, tokenizer, ids, requested, layers)
     target = int(ref.target[0])
     cand, cand_out = _attribute(candidate, tokenizer, ids, target, layers)
+    # (its prediction would be argmax's pick among NaN, its scores, output change and drift NaN)
+    overflowed = [which for which, res in (("reference", ref), ("candidate", cand)) if res.overflowed()]
+    if overflowed:
+        raise ValueError(f"the {' and '.join(overflowed)} model's {OVERFLOWED}: {WIDER}")
     kind = HeadKind(ref.meta["head_kind"])
     regression = kind is HeadKind.REGRESSION
     real = ref.mask[0]

@@ -50,7 +50,7 @@ from ..method.chat import locate_template
 from ..method.placement import input_device
 from ..method.protocol import Contrasting, Method
 from ..method.registry import builtin_names, get_method, method_names
-from ..method.scores import flat_norms, norm_spread
+from ..method.scores import OVERFLOWED, WIDER, flat_norms, norm_spread
 from ..method.select import (check_length, layer_index, order, pad_token_id, position_limit, prediction_rows,
                              rankable, resolve_layers, resolve_target)
 from ..method.subject import unwrap
@@ -302,8 +302,7 @@ def _finite(setup: _Setup, outputs: torch.Tensor, of: str) -> torch.Tensor:
     output 0 and the run's AOPC NaN."""
     if outputs.isnan().any() or outputs.isposinf().any() or (setup.kind is HeadKind.REGRESSION
                                                                and outputs.isneginf().any()):
-        raise ValueError(f"the model's outputs at the prediction position{of} are NaN or infinite (an overflow, as in "
-                         "float16): load the model in bfloat16 or float32")
+        raise ValueError(f"the model's {OVERFLOWED}{of}: {WIDER}")
     return outputs
 
 
@@ -516,7 +515,7 @@ def score_example(
     ]
     p_orig, correct_orig, _ = _outcome(setup, original, t)
     outputs = _finite(setup, run_padded(setup.predict, rows, pad_id=setup.pad_id, max_rows=setup.max_rows,
-                                        known=(ids, position, original[0])), " of a perturbed text")
+                                        known=(ids, position, original[0])), " on a perturbed text")
     p_new, correct, predicted = _outcome(setup, outputs, t)
     change = p_orig - p_new
     change = change.abs() if setup.kind is HeadKind.REGRESSION else change

@@ -20,8 +20,8 @@ from ..arch import plugins
 from ..arch.text import typed
 from .protocol import Given, Method, Pointwise
 
-__all__ = ["FLAT_NORM_CV", "OVERFLOW_NOTE", "flat_note", "flat_norms", "label_axis", "method_scores", "norm_spread",
-           "pointwise", "regression_logat", "row_norms", "wide"]
+__all__ = ["FLAT_NORM_CV", "OVERFLOWED", "OVERFLOW_NOTE", "WIDER", "flat_note", "flat_norms", "label_axis",
+           "method_scores", "norm_spread", "pointwise", "regression_logat", "row_norms", "wide"]
 
 #: Below this coefficient of variation (std / mean) of the embedding norms over the ranked tokens, NormXLogit is
 #: LogAt times nearly one number: its ranking can differ from LogAt's only between tokens whose LogAt are that close.
@@ -116,7 +116,9 @@ def flat_note(spread: float) -> str:
             "LogAt does here")
 
 
-#: What every output says, once, where the model's own outputs at a prediction position were NaN or infinite: the
-#: target "predicted" there is argmax's pick among NaN, not a prediction (Attribution.overflowed).
-OVERFLOW_NOTE = ("the model's own outputs at the prediction position are NaN or infinite (an overflow, as in float16): "
-                 "its prediction and these scores say nothing; load the model in bfloat16 or float32")
+#: What a model's outputs at a prediction position are when they overflowed (Attribution.overflowed): the target
+#: "predicted" there is argmax's pick among NaN, not a prediction; and what to do.
+OVERFLOWED = "outputs at the prediction position are NaN or infinite (an overflow, as in float16)"
+WIDER = "load the model in bfloat16 or float32"
+#: What every output says, once, of such a record.
+OVERFLOW_NOTE = f"the model's own {OVERFLOWED}: its prediction and these scores say nothing; {WIDER}"

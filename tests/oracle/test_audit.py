@@ -110,6 +110,26 @@ def test_same_weights_show_no_change_and_a_changed_block_changes_only_the_layers
     assert record["spearman"][:2] == pytest.approx([1.0, 1.0])
 
 
+def test_a_candidate_whose_outputs_overflow_is_a_value_error_not_a_record_of_nans():
+    """A float16 candidate whose last block overflows (NaN logits): the record gave its prediction as output 0, its
+    output, last-layer scores and drift NaN (in records.jsonl and summary.json, which JSON has not); the example fails
+    now, naming the model and what to do."""
+    import copy
+
+    model, tok = tiny.build_model("llama", 0), tiny.tokenizer()
+    with torch.no_grad():
+        model.model.layers[-1].mlp.up_proj.weight.mul_(3e3)
+        model.model.layers[-1].mlp.down_proj.weight.mul_(3e5)
+    half = copy.deepcopy(model).half()
+    ids = torch.tensor([tok("the film was very good")["input_ids"]])
+    with torch.no_grad():
+        assert model(input_ids=ids).logits.isfinite().all() and half(input_ids=ids).logits[0, -1].isnan().all()
+    with pytest.raises(ValueError, match=r"^the candidate model's outputs at the prediction position are NaN or "
+                                         r"infinite \(an overflow, as in float16\): load the model in bfloat16 or "
+                                         r"float32$"):
+        audit.audit_example(model, half, tok, {"text": "the film was very good"})
+
+
 def test_a_text_longer_than_either_model_reads_is_refused_in_one_line():
     """audit_example (the Python API, not only `nxl audit`) refuses a text past the shorter model's positions."""
     model, tok = tiny.build_model("bert", 0), tiny.tokenizer()

@@ -295,9 +295,9 @@ def test_a_perturbed_text_whose_outputs_are_nan_is_a_value_error_not_a_nan_curve
                                                              float("nan")))
 
     tok = word_tokenizer(WORDS, "[CLS] $A [SEP]")
-    with pytest.raises(ValueError, match=r"^the model's outputs at the prediction position of a perturbed text are NaN "
-                                         r"or infinite \(an overflow, as in float16\): load the model in bfloat16 or "
-                                         r"float32$"):
+    with pytest.raises(ValueError, match=r"^the model's outputs at the prediction position are NaN or infinite \(an "
+                                         r"overflow, as in float16\) on a perturbed text: load the model in bfloat16 "
+                                         r"or float32$"):
         ev.score_example(OverflowingForSequenceClassification(), tok, {"text": "good fine plain bad", "label": 1},
                          methods=(), custom={"mine": SCORES})
 
