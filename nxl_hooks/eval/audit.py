@@ -34,7 +34,7 @@ from ..arch.registry import HeadKind, log_probabilities, resolve
 from ..method.subject import unwrap
 from ..hooks.probe import attach
 from ..method.placement import input_device
-from ..method.scores import OVERFLOWED, WIDER, flat_norms
+from ..method.scores import OVERFLOWED, WIDER, flat_norms, wide
 from ..method.select import check_length, order, position_limit, resolve_target
 from ..records.attribution import Attribution
 from ..records.tokens import describe_target, label_text
@@ -117,7 +117,8 @@ def compare(reference: Attribution, candidate: Attribution, *, row: int = 0, top
 def _attribute(
     model: nn.Module, tokenizer: Any, ids: torch.Tensor, target: Any, layers: Any
 ) -> tuple[Attribution, torch.Tensor]:
-    """The attribution and the model's own outputs at the prediction position (float32, (outputs,))."""
+    """The attribution and the model's own outputs at the prediction position ((outputs,), at least float32: a
+    float64 model's as they are, whose argmax float32 could tie with the next)."""
     with torch.no_grad(), attach(model, layers=layers, target=target, tokenizer=tokenizer) as probe:
         logits = model(input_ids=ids.to(input_device(model))).logits
     res = probe.result()
@@ -127,7 +128,7 @@ def _attribute(
         )
     if logits.dim() == 3:  # causal LM: (1, seq, vocab)
         logits = logits[:, int(res.position[0])]
-    return res, logits[0].float().cpu()
+    return res, logits[0].to(wide(logits.dtype)).cpu()
 
 
 def audit_example(

@@ -130,6 +130,22 @@ def test_a_candidate_whose_outputs_overflow_is_a_value_error_not_a_record_of_nan
         audit.audit_example(model, half, tok, {"text": "the film was very good"})
 
 
+def test_a_float64_models_prediction_is_its_argmax_where_float32_would_tie_two_logits():
+    """Two float64 logits 1e-12 apart: the reference's prediction (and the agreement) is its own argmax; its outputs
+    were rounded to float32 first, where both are one number and the first was taken."""
+    model, tok = tiny.build_model("llama", 0).double(), tiny.tokenizer()
+    ids = torch.tensor([tok("the film was very good")["input_ids"]])
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, -1]
+        top = int(logits.argmax())
+        assert top > 0  # the one before it a copy of its row, a hair smaller a logit
+        model.lm_head.weight[top - 1] = model.lm_head.weight[top] * (1 - 1e-12 * float(logits[top].sign()))
+        own = model(input_ids=ids).logits[0, -1]
+    assert own[top - 1] < own[top] and own[top - 1].float() == own[top].float()
+    record = audit.audit_example(model, model, tok, {"text": "the film was very good"})
+    assert record["reference_prediction"] == record["candidate_prediction"] == int(own.argmax())
+
+
 def test_a_text_longer_than_either_model_reads_is_refused_in_one_line():
     """audit_example (the Python API, not only `nxl audit`) refuses a text past the shorter model's positions."""
     model, tok = tiny.build_model("bert", 0), tiny.tokenizer()
