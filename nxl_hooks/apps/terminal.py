@@ -271,7 +271,7 @@ def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, 
                            style="dim"))
     names = readable_ids(tokenizer, ids)
     console.print(Text(f"prompt ({len(ids)} tokens): ", style="bold") + Text("│", style="dim").join(map(Text, names)))
-    said = {"legend": False}
+    said = {"legend": False, "overflow": False}
 
     def show(step: Step) -> None:
         special = special_mask(torch.tensor([ids]), tokenizer)
@@ -288,6 +288,9 @@ def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, 
             # of this first step itself: the record pipeline may not have kept it in call.steps yet
             if flat_norms(spread := call.attribution(step).norm_spread(0)):
                 console.print(Text("note: " + flat_note(spread), style="yellow"))
+        if not said["overflow"] and res.overflowed():  # (once: a model that overflows does so at most steps)
+            said["overflow"] = True
+            console.print(Text("note: " + OVERFLOW_NOTE, style="yellow"))
         console.print(_generation_line(res, step, layer, top, console.width, all_positions, method), no_wrap=True,
                       crop=False)
         ids.append(int(step.token[0]))

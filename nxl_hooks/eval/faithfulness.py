@@ -50,7 +50,7 @@ from ..method.chat import locate_template
 from ..method.placement import input_device
 from ..method.protocol import Contrasting, Method
 from ..method.registry import builtin_names, get_method, method_names
-from ..method.scores import OVERFLOWED, WIDER, flat_norms, norm_spread
+from ..method.scores import OVERFLOWED, WIDER, flat_norms, norm_spread, wide
 from ..method.select import (check_length, layer_index, order, pad_token_id, position_limit, prediction_rows,
                              rankable, resolve_layers, resolve_target)
 from ..method.subject import unwrap
@@ -257,7 +257,9 @@ class _Setup:
         self.notes: list[str] = []  # targets of several tokens (the first explained), methods not computed
 
     def predict(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Model outputs at each row's prediction position: (rows, outputs), float32. ``mask``: 0 on padding."""
+        """Model outputs at each row's prediction position: (rows, outputs), at least float32 (a float64 model's as
+        they are: two of its logits rounded to float32 may tie, and the argmax miss its prediction). ``mask``: 0 on
+        padding."""
         extra: dict[str, Any] = {}
         columns = positions
         if self.keeps_logits:
@@ -268,7 +270,7 @@ class _Setup:
             logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device), **extra).logits
         if self.kind.vocabulary:
             logits = logits[torch.arange(len(ids)), columns.to(logits.device)]
-        return logits.float().cpu()
+        return logits.to(wide(logits.dtype)).cpu()
 
     def position(self, ids: torch.Tensor) -> int:
         """Where an unpadded example's prediction is read (the rule attach uses): a decoder classifier reads its

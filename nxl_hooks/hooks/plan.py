@@ -336,7 +336,8 @@ def check_recording(plan: Plan, *, on_step: Any, sink: Any, keep_steps: Any, kee
         raise ValueError(f"on_step={on_step!r}: give a function that takes a Step")
     if sink is not None:
         sink_factory(sink)  # a spec that names no sink kind is refused here, before any file is opened
-    if not isinstance(keep_steps, bool):  # ("no" is true: the records the user meant to drop would be kept)
+    numpy_bool = type(keep_steps).__module__ == "numpy" and type(keep_steps).__name__ in ("bool", "bool_")
+    if not (isinstance(keep_steps, bool) or numpy_bool):  # ("no" is true: the records meant to be dropped were kept)
         raise ValueError(f"keep_steps={keep_steps!r}: give True (keep the records in probe.calls) or False (stream "
                          "them only)")
     if keep_calls is not None and (isinstance(keep_calls, bool) or not isinstance(keep_calls, int)):

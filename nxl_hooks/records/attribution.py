@@ -362,6 +362,8 @@ class Attribution:
     def resolution(self, row: int = 0, label: int = 0) -> dict[str, Any] | None:
         """How the request behind a target was read (``meta["targets"]``, set by :func:`nxl_hooks.explain`): request,
         id, text, how, tokens, note; None when the targets were ids or the model's own prediction."""
+        row = row_index(row, self.mask.shape[0])  # (a negative row or label would read another's silently)
+        label = label_index(label, self.target.reshape(self.target.shape[0], -1).shape[1])
         rows = self.meta.get("targets") or []
         if not rows:
             return None

@@ -468,7 +468,7 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
     flags = call.context_template(len(context))
     template = flags[row].tolist() if flags is not None else [False] * len(context)
     columns = [("▫ " if template[j] else "") + f"{j}: {name}" for j, name in enumerate(whole)]
-    row_names, values, ranked, views = [], [], [], []
+    row_names, values, ranked, views, overflowed = [], [], [], [], False
     for step in steps:
         scores = step.scores[method][:, row]
         scores = scores[..., label] if scores.dim() == 3 else scores
@@ -479,8 +479,9 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
                      + [None] * (len(context) - len(mask)) for layer_scores in scores]
         values.append(per_layer)
         # what ranks (not the template, special tokens or the prediction) sets the row's colour scale
-        ranked.append(call.attribution(step).rankable(row, all_positions=all_positions).tolist()
-                      + [False] * (len(context) - len(mask)))
+        record = call.attribution(step)
+        overflowed = overflowed or record.overflowed()
+        ranked.append(record.rankable(row, all_positions=all_positions).tolist() + [False] * (len(context) - len(mask)))
         view = step.view(call, k=k, row=row, label=label, names=context[: step.position + 1],
                          all_positions=all_positions)
         views.append(view.to_json())
@@ -512,6 +513,7 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
         + _notes([note for note in (_missing(steps), unfinished, ended) if note])
         + f'<p class="note">Prompt ({prompt_len} tokens; ␣ a space, ↵ a newline):</p>'
         f'<p class="prompt">{" ".join(shown)}</p>'
+        + (_notes([OVERFLOW_NOTE]) if overflowed else "")
         + (_notes([flat_note(spread)]) if method == "normxlogit" and flat_norms(spread) else "")
         + toggle
         + f'<p><label>layer <select id="nxl-layer">{options}</select></label> '

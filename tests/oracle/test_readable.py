@@ -291,6 +291,29 @@ def test_a_model_whose_outputs_overflow_is_said_to_have_no_prediction(tok):
         assert res.overflowed() == bool(said)
 
 
+def test_a_generation_whose_outputs_overflow_is_said_so_once(tok):
+    """The same overflowing model generating: every step showed "p –" with its scores NaN, and neither the terminal
+    nor the generation page said why; each says it once now (float32: not at all)."""
+    from rich.console import Console
+
+    from nxl_hooks.apps.terminal import print_generation
+    from nxl_hooks.records.html import generation_html
+
+    model = bpe_tiny.bpe_llama(tok, seed=1)
+    with torch.no_grad():
+        model.model.layers[-1].mlp.up_proj.weight.mul_(3e3)
+        model.model.layers[-1].mlp.down_proj.weight.mul_(3e5)
+    note = "outputs at the prediction position are NaN or infinite (an overflow, as in float16)"
+    for dtype, said in ((torch.float16, 1), (torch.float32, 0)):
+        console = Console(record=True, width=100)
+        call = print_generation(model.to(dtype), tok, PROMPT, 2, console=console)
+        with torch.no_grad():
+            logits = model(**tok(PROMPT, return_tensors="pt")).logits[0, -1]
+        assert bool(logits.isnan().any()) == bool(said)
+        assert " ".join(console.export_text().split()).count(note) == said
+        assert generation_html(call).count(note) == said
+
+
 def test_evaluate_and_audit_records_read_targets_after_the_text(model, tok):
     from nxl_hooks.eval import audit
     from nxl_hooks.eval import faithfulness as ev

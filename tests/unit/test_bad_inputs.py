@@ -192,6 +192,12 @@ def test_detach_all_of_no_model_says_what_to_give(given):
         nxl.detach_all(given)
 
 
+def test_a_numpy_bool_is_a_fine_keep_steps(lm):
+    with nxl.attach(lm, keep_steps=np.False_) as probe:
+        lm.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=1, do_sample=False)
+    assert [len(call.steps) for call in probe.calls] == [0]  # its step streamed only (to nobody), not kept
+
+
 def test_numpy_integers_are_fine_layers_and_targets(lm):
     """The other side of the catalogue: numpy ints and int arrays mean what Python ints and id tensors mean."""
     ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
@@ -502,6 +508,16 @@ def test_files_that_are_not_attributions(result, tmp_path, make, message):
 def test_a_missing_file_is_an_os_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="nothing.safetensors"):
         nxl.Attribution.load(tmp_path / "nothing.safetensors")
+
+
+@pytest.mark.parametrize("row, label, message", [(5, 0, "row 5 is out of range"), (-1, 0, "row -1 is out of range"),
+                                                (0, 1, "label 1 is out of range")])
+def test_a_resolution_out_of_range_is_refused(lm, row, label, message):
+    # (a row past the end read the last one's, a negative row or label another's)
+    res = nxl.explain(lm, tiny.tokenizer(), ["the film was", "a movie is"], target="good")
+    assert res.resolution(0, 0)["request"] == "good"
+    with pytest.raises(ValueError, match=message):
+        res.resolution(row, label)
 
 
 def test_a_file_descriptor_is_no_path(result, tmp_path):
