@@ -25,7 +25,9 @@ from torch import nn
 from torch.compiler import is_dynamo_compiling, is_exporting
 
 from ..arch import plugins
+from ..arch.registry import blocks
 from ..arch.text import typed
+from ..method.head import replaced
 from ..method.subject import compiled_original
 from ..records.attribution import Attribution
 from .conventions import find_cache, start
@@ -170,6 +172,8 @@ class Recorder:
         # Under torch.compile the hooks only keep what a plain forward saw (graph-safe: no host read, no lock).
         self.plain = TracedForward(functools.partial(embedding_norms, plan))
         self._recompiled = Recompiled()
+        #: (name, how to find it in the model now, weak reference to it) of each module :meth:`register` hooks
+        self._hooked: list[tuple[str, Callable[[], nn.Module], weakref.ref]] = []
 
     # -- per-thread state --------------------------------------------------------------------------------
 
@@ -189,6 +193,7 @@ class Recorder:
         captures, _ = self._stacks()
         if captures:
             captures[-1] = None
+        error = self._replaced() or error
         run = self._run()
         if run is not None:
             run.fail(what, error)
@@ -306,24 +311,48 @@ class Recorder:
 
     # -- hooks -------------------------------------------------------------------------------------------
 
+    def _replaced(self) -> RuntimeError | None:
+        """Why hooks of the probe's did not run, where a module they are on is no longer the model's (replaced while
+        attached: ``model.model.layers[2] = block``, ``set_input_embeddings``): what followed from it (a layer
+        missing, no word embeddings, no blocks run) would blame the config, the inputs or compiled code. Looked for
+        only once a forward went wrong."""
+        for name, find, hooked in self._hooked:
+            try:
+                now = find()
+            except Exception:  # noqa: BLE001 - gone from the model altogether: replaced too
+                now = None
+            if now is not hooked():
+                return replaced(name)
+        return None
+
+    def _hook(self, name: str, find: Callable[[], nn.Module]) -> nn.Module:
+        """The model's module ``find`` gives now, which the probe hooks (named ``name``), kept for :meth:`_replaced`."""
+        module = find()
+        self._hooked.append((name, find, weakref.ref(module)))
+        return module
+
     def register(self) -> list[torch.utils.hooks.RemovableHandle]:
         plan, handles = self.plan, []
+        subject, path = plan.subject, plan.spec.blocks
         eager_frame(Recorder.on_task_start)
         eager_frame(Recorder.on_task_end)
         try:  # each an Owned: a copy of the model made while attached gets hooks that do nothing
             handles.append(plan.model.register_forward_pre_hook(Owned(self.on_task_start), with_kwargs=True))
             handles.append(_always_called(plan.model, Owned(self.on_task_end)))
+            self._hook("backbone", lambda: subject.backbone)
             handles.append(self.backbone.register_forward_pre_hook(Owned(self.on_backbone_start), with_kwargs=True))
             handles.append(_always_called(self.backbone, Owned(self.on_backbone_end)))
             # first: layer 0 is what the embeddings gave, a pre-hook of the user's on block 1 steers block 1's input
-            handles.append(plan.blocks[0].register_forward_pre_hook(Owned(self.on_block_input), with_kwargs=True,
-                                                                    prepend=True))
-            for index, module in enumerate(plan.subject.layer_modules, start=1):
+            first = self._hook(f"{path}.0", lambda: blocks(plan.model, plan.spec)[0])  # (the list replaced too)
+            handles.append(first.register_forward_pre_hook(Owned(self.on_block_input), with_kwargs=True, prepend=True))
+            for index, module in enumerate(subject.layer_modules, start=1):
                 if index in self._wanted or index == plan.n_blocks or index in self._checked:
+                    name = f"{path}.{index - 1}" if module is plan.blocks[index - 1] else plan.spec.layer_outputs[index]
+                    self._hook(name, lambda at=index - 1: subject.layer_modules[at])
                     handles.append(module.register_forward_hook(Owned(self._block_hook(index)), with_kwargs=True))
             if plan.embedding == "word":
-                handles.append(plan.model.get_input_embeddings().register_forward_hook(
-                    Owned(self.on_word_embedding)))
+                embedding = self._hook("input embedding", plan.model.get_input_embeddings)
+                handles.append(embedding.register_forward_hook(Owned(self.on_word_embedding)))
             peft = compiled_original(plan.subject.given) or plan.subject.given
             if peft is not plan.model and hasattr(peft, "active_peft_config"):  # a PeftModel: see on_peft_start
                 handles.append(peft.register_forward_pre_hook(Owned(self.on_peft_start), with_kwargs=True))
@@ -403,10 +432,13 @@ class Recorder:
                     run.after_task(output)
                 except Exception as error:  # noqa: BLE001 - never into the host's forward
                     run.fail("this call", error)
+            elif run is not None and not run.failed and not task.backbone_ran and self.plan.subject.backbone is not \
+                    self.backbone:  # (one look, not _replaced(): a compiled step also leaves both hooks unrun)
+                run.fail("this call", replaced("backbone"))
         elif not task.blocks_ran and output is not None and (seen := self.plain.take()) and seen[0] is not None:
             self._traced(seen[0], output, *seen[2:])  # its forward ran compiled, tracing the blocks' hooks
         elif not task.blocks_ran and output is not None and task.backbone_ran:
-            self.results.last = RuntimeError(
+            self.results.last = self._replaced() or RuntimeError(
                 f"{type(self.plan.model).__name__} ran its backbone's hooks, but its blocks ran code compiled by "
                 "torch.compile (the backbone's forward or its blocks compiled in place, regional compilation), which "
                 "a plain forward's record cannot follow; compile the model's own forward instead "
@@ -416,7 +448,7 @@ class Recorder:
             self.results.last = self._skipped()
 
     def _skipped(self) -> RuntimeError:
-        return RuntimeError(
+        return self._replaced() or RuntimeError(
             f"{type(self.plan.model).__name__} ran, but its blocks never reached the probe's hooks: the call ran "
             "code compiled by torch.compile before the hooks existed, which skips them. Attach to the compiled model "
             "itself (nxl.attach(compiled) runs it eagerly while attached), call the uncompiled module, or run the "
@@ -629,11 +661,14 @@ class Recorder:
                 self.results.last = RuntimeError("the last forward raised inside the model, so nothing was recorded")
             return
         if run is not None:
+            if capture.last_hidden is None and (why := self._replaced()) is not None:  # (else compiled blocks)
+                run.fail("this call", why)
+                return
             try:
                 with torch.no_grad():
                     run.after_forward(capture)
             except Exception as error:  # noqa: BLE001
-                run.fail("this call", error)
+                run.fail("this call", self._replaced() or error)
         elif tasks and not tasks[-1].in_call and tasks[-1].blocks_ran:
             tasks[-1].capture = capture  # assembled when the task model returns, with its own logits
         elif not tasks:  # the backbone, or the task model's forward, called directly: the head gives its logits

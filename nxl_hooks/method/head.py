@@ -41,7 +41,8 @@ from .placement import (DeviceOf, full, indexed, module_device, offloaded, plain
                         weights_materialized)
 from .scores import row_norms
 
-__all__ = ["CALLED_READOUT_BYTES", "CALLED_READOUT_CHUNK", "Head", "Readout", "same_weights", "weights_state"]
+__all__ = ["CALLED_READOUT_BYTES", "CALLED_READOUT_CHUNK", "Head", "Readout", "replaced", "same_weights",
+           "weights_state"]
 
 #: Positions per call of a readout that cannot be gathered row by row: (rows, this, vocabulary) floats at once, fewer
 #: where those would pass CALLED_READOUT_BYTES (many rows: a batch's every position and layer at one step).
@@ -155,6 +156,13 @@ def same_weights(state: tuple, now: tuple) -> bool:
     """Whether two :func:`weights_state` of a module hold the same weights at the same versions."""
     return len(state) == len(now) and all(kept() is not None and kept() is weight() and version == current
                                           for (kept, version), (weight, current) in zip(state, now))
+
+
+def replaced(path: str) -> RuntimeError:
+    """Why a forward is not recorded where the model's module at ``path``, one the probe reads or hooks, is another
+    module than when the probe attached: the one it knows no longer runs."""
+    return RuntimeError(f"the model's {path} is another module than when the probe attached (an adapter put on it or "
+                        "unloaded, resize_token_embeddings, a module assigned in its place): detach and attach again")
 
 
 def _handed_on(module: nn.Module, name: str) -> bool:
@@ -344,8 +352,7 @@ class Head:
         model = self._model()
         for path, module in self._modules if model is not None else ():
             if get_path(model, path) is not module:
-                raise RuntimeError(f"the model's {path} is another module than when the probe attached (an adapter "
-                                   "put on it or unloaded, resize_token_embeddings): detach and attach again")
+                raise replaced(path)
         for module, _, state in self._copies:
             if not same_weights(state, weights_state(module)):
                 raise RuntimeError(f"the weights of the model's tensor-parallel {type(module).__name__} changed after "

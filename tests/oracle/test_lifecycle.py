@@ -198,6 +198,32 @@ def test_a_detach_ctrl_c_cut_short_is_finished_by_the_next_one(monkeypatch):
     torch.testing.assert_close(again.result().normxlogit, _expected(model), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.parametrize("where", ["model.layers.1", "model.layers.0", "input embedding", "backbone"])
+def test_a_hooked_module_replaced_while_attached_is_said_replaced(where):
+    """A module the probe hooks, replaced while attached, no longer runs its hooks: the forward and generate call
+    then said a wrong reason (the config runs fewer blocks, inputs_embeds given, torch.compile), which sent the user
+    to change what was right. They say the module was replaced; attached again, the records are the oracle's."""
+    import copy
+
+    model = tiny.build_model("llama")
+    with nxl.attach(model, embedding="word" if where == "input embedding" else "layer_input") as probe:
+        if where == "input embedding":
+            model.set_input_embeddings(copy.deepcopy(model.get_input_embeddings()))
+        elif where == "backbone":
+            model.model = copy.deepcopy(model.model)
+        else:  # a block
+            index = int(where[-1])
+            model.model.layers[index] = copy.deepcopy(model.model.layers[index])
+        model(input_ids=IDS)
+        with pytest.raises(RuntimeError, match=f"the model's {where} is another module than when the probe attached"):
+            probe.result()
+        model.generate(input_ids=IDS, max_new_tokens=2, do_sample=False, pad_token_id=0)
+        assert f"the model's {where} is another module" in probe.calls[-1].error and probe.unrecorded_calls == 1
+    with nxl.attach(model) as again:
+        model(input_ids=IDS)
+    torch.testing.assert_close(again.result().normxlogit, _expected(model), rtol=1e-4, atol=1e-5)
+
+
 def test_detach_all_through_a_peft_wrapper_and_a_compile_wrapper():
     from peft import LoraConfig, get_peft_model
 
