@@ -580,6 +580,13 @@ class Run:
                     f"PEFT prompt tuning ran {virtual} virtual tokens before this call's {self._prompt_len}-token "
                     "prompt, whose positions a generate call's records cannot follow; explain the prompt with a "
                     "plain forward of the PeftModel (model(**inputs), or nxl.explain), which records them")
+            if bound.get("input_ids") is None:  # (assisted decoding feeds its candidates as token ids)
+                raise UnfollowedForward(
+                    f"the first forward of this call ran {new} positions of embeddings for its "
+                    f"{self._prompt_len}-token prompt: a wrapper put on the model after the probe attached (PEFT "
+                    "prompt tuning) prepends embeddings of its own, whose positions a generate call's records cannot "
+                    "follow; attach to the wrapper itself, and explain the prompt with a plain forward of it "
+                    "(model(**inputs), or nxl.explain)")
             # (not a prompt: candidate tokens after it, which assisted decoding feeds and may drop)
             raise UnfollowedForward(
                 f"the first forward of this call ran positions 0..{new - 1}, past its {self._prompt_len}-token "

@@ -288,6 +288,19 @@ def test_prompt_tuning_generate_says_why_it_is_not_recorded():
     assert "PEFT prompt tuning ran 3 virtual tokens" in str(probe.calls[-1].error)
 
 
+def test_prompt_tuning_put_on_after_attaching_is_said_in_generate():
+    """A prompt-tuning adapter put on the attached model (get_peft_model after attach): generate's first forward runs
+    the virtual tokens' embeddings before the prompt's, which the call's error blamed on assisted decoding."""
+    model = big.build("llama")
+    ids, _ = big.batch(rows=1)
+    with torch.no_grad(), nxl.attach(model) as probe:
+        peft_model = get_peft_model(model, _PROMPT_LEARNING["prompt tuning"]("CAUSAL_LM")).eval()
+        peft_model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False)
+    error = str(probe.calls[-1].error)
+    assert "a wrapper put on the model after the probe attached (PEFT prompt tuning)" in error
+    assert "assisted" not in error and probe.unrecorded_calls == 1
+
+
 def test_a_prompt_learning_adapter_folder_is_not_told_to_merge(tmp_path):
     """merge_and_unload does not exist for prompt-learning adapters: the refusal of their folder says to attach in
     Python instead (it advised merging)."""
