@@ -111,6 +111,23 @@ class _Scored(Protocol):
     scores: dict[str, torch.Tensor]
 
 
+def read_blob(data: bytes | bytearray | memoryview) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A safetensors blob's metadata (``{}`` when it has none) and tensors; ValueError when ``data`` is not one.
+
+    safetensors' own load refuses a header over 100 MB, which the readable texts in the metadata pass in a long
+    context (about 17 bytes a token and row: 48 rows of 128k tokens): it gets the blob without its metadata."""
+    (size,) = struct.unpack_from("<Q", data, 0) if len(data) >= 8 else (None,)
+    if size is None or size > len(data) - 8:
+        raise ValueError("shorter than its header says: truncated, or not a safetensors blob")
+    entries = json.loads(bytes(data[8: 8 + size]))
+    if not isinstance(entries, dict):
+        raise ValueError("not a safetensors blob: its header is not a JSON object")
+    metadata = entries.pop("__metadata__", None) or {}
+    text = json.dumps(entries).encode()
+    text += b" " * (-len(text) % 8)  # the alignment safetensors writes
+    return metadata, _load_blob(b"".join([struct.pack("<Q", len(text)), text, data[8 + size:]]))
+
+
 def _require(condition: bool, problem: str) -> None:
     if not condition:
         raise RecordError(problem)
@@ -444,11 +461,8 @@ class Attribution:
         """
         data = read_regular(path, RecordError)  # a FIFO or device refused; no more than the file's size read
         try:
-            (size,) = struct.unpack_from("<Q", data, 0) if len(data) >= 8 else (len(data),)
-            if size > len(data) - 8:
-                raise ValueError("the file is shorter than its header says: truncated, or not a safetensors file")
-            header = _header(json.loads(bytes(data[8: 8 + size])).get("__metadata__") or {})
-            stored = _load_blob(bytes(data))
+            metadata, stored = read_blob(data)
+            header = _header(metadata)
             missing = [name for name in _TENSORS if name not in stored]
             if missing:
                 raise RecordError(f"tensor {missing[0]!r} is missing (an attribution file holds {_TENSORS})")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import struct
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -33,10 +32,9 @@ from pathlib import Path
 from typing import Any, Iterator
 
 import torch
-from safetensors.torch import load as _load_blob
 
 from ..method.registry import DEFAULT
-from .attribution import RecordError, stored_scores
+from .attribution import RecordError, read_blob, stored_scores
 from .files import CHUNK, read_regular
 from .steps import STEP_TENSORS, GenerationCall, Step
 from .tokens import record_text
@@ -175,14 +173,11 @@ def _frames(data: bytearray) -> Iterator[tuple[int, int, memoryview | None, str]
 
 def _decode(payload: memoryview) -> tuple[dict, dict[str, torch.Tensor]]:
     """A frame's header (its ``nxl_hooks`` metadata) and tensors; ValueError when it is not such a blob."""
-    (size,) = struct.unpack_from("<Q", payload, 0) if len(payload) >= 8 else (None,)
-    if size is None or size > len(payload) - 8:
-        raise ValueError("not a safetensors blob")
-    metadata = json.loads(bytes(payload[8: 8 + size])).get("__metadata__") or {}  # safetensors' load() drops it
+    metadata, tensors = read_blob(payload)
     header = json.loads(metadata["nxl_hooks"]) if isinstance(metadata, dict) and "nxl_hooks" in metadata else None
     if not isinstance(header, dict):
         raise ValueError("no nxl_hooks record header in its metadata")
-    return header, _load_blob(bytes(payload))
+    return header, tensors
 
 
 def _field(header: dict, name: str, kinds: tuple[type, ...], *, optional: bool = False) -> Any:

@@ -655,3 +655,26 @@ def test_write_steps_appends_a_batch_with_one_write_that_reads_back_and_tears_wh
     (again,) = nxl.read_stream(folder)
     assert again.complete and [s.step for s in again.steps] == [0, 1, 2, 3]
     assert all(torch.equal(a.logat, b.logat) for a, b in zip(again.steps, call.steps, strict=True))
+
+
+def test_a_call_whose_readable_texts_pass_safetensors_100_mb_header_bound_reads_back(recorded, tmp_path):
+    """A call frame's header holds its prompt's readable texts (about 17 bytes a token and row: 48 rows of 128k
+    tokens pass 100 MB), more than safetensors' own load accepts: the file still reads, every record of it."""
+    import dataclasses
+
+    _, probe = recorded
+    (call,) = probe.calls
+    width = call.prompt_mask.shape[1]
+    long = dataclasses.replace(call, readable=[["x" * (100_000_000 // width)] * width])
+    sink = nxl.Sink(tmp_path / "long.nxl")
+    sink.write_call(long, probe.describe())
+    sink.write_steps(call.steps)
+    sink.write_end(call)
+    sink.close()
+    data = (tmp_path / "long.nxl").read_bytes()
+    assert struct.unpack_from("<Q", data, len(writer._FILE_MAGIC) + writer._FRAME.size)[0] > 100_000_000
+    del data
+    (read,) = nxl.read_stream(tmp_path / "long.nxl", strict=True)
+    assert read.complete and read.readable == long.readable and torch.equal(read.prompt_ids, call.prompt_ids)
+    for got, kept in zip(read.steps, call.steps, strict=True):
+        assert torch.equal(got.normxlogit, kept.normxlogit) and torch.equal(got.token, kept.token)
