@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -111,6 +112,46 @@ class _Scored(Protocol):
     scores: dict[str, torch.Tensor]
 
 
+_LENGTH = struct.Struct("<Q")
+_LITTLE = sys.byteorder == "little"  # safetensors stores little-endian: elsewhere, its own encoder
+
+
+#: safetensors dtype names of the tensors :func:`_blob` writes (a stream frame's, an attribution file's).
+_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
+           torch.int64: "I64", torch.int32: "I32", torch.bool: "BOOL", torch.uint8: "U8"}
+
+
+def _blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """A safetensors blob of small CPU tensors, as ``safetensors.torch.save`` writes it (8-byte header length, the
+    JSON header, 8-byte aligned, then the raw little-endian data), without its checks for shared and sparse
+    storage: each tensor's own elements are written (records scored together share storage: their tensors can be
+    views of one copy), and the checks cost five times the encoding (one frame per step). Read back with
+    safetensors' own ``load``. ``tensors``' names are nxl_hooks' own (plain identifiers), so the header is written
+    directly; only the metadata goes through ``json``."""
+    entries, parts, offset = [json.dumps({"__metadata__": metadata})[1:-1]], [], 0
+    for name, value in tensors.items():
+        array = (value.view(torch.int16) if value.dtype == torch.bfloat16 else value).numpy()
+        end = offset + array.nbytes
+        entries.append(f'"{name}":{{"dtype":"{_DTYPES[value.dtype]}","shape":{list(array.shape)},'
+                       f'"data_offsets":[{offset},{end}]}}')
+        parts.append(array.tobytes())  # C order, whatever the strides
+        offset = end
+    text = ",".join(entries).join("{}").encode()
+    text += b" " * (-len(text) % 8)
+    return b"".join([_LENGTH.pack(len(text)), text, *parts])
+
+
+def write_blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """A safetensors blob of CPU ``tensors`` and ``metadata``, whatever their layout and the metadata's size
+    (safetensors' own save refuses a header over 100 MB, which a long context's readable texts pass); read back by
+    :func:`read_blob`."""
+    if _LITTLE and all(value.dtype in _DTYPES for value in tensors.values()):
+        return _blob(tensors, metadata)
+    # copies: safetensors refuses tensors that share storage (a step's target is a view of its token, a method may
+    # return another's scores as they are)
+    return _save_blob({name: value.clone().contiguous() for name, value in tensors.items()}, metadata=metadata)
+
+
 def read_blob(data: bytes | bytearray | memoryview) -> tuple[Any, dict[str, torch.Tensor]]:
     """A safetensors blob's metadata (``{}`` when it has none) and tensors; ValueError when ``data`` is not one.
 
@@ -125,7 +166,7 @@ def read_blob(data: bytes | bytearray | memoryview) -> tuple[Any, dict[str, torc
     metadata = entries.pop("__metadata__", None) or {}
     text = json.dumps(entries).encode()
     text += b" " * (-len(text) % 8)  # the alignment safetensors writes
-    return metadata, _load_blob(b"".join([struct.pack("<Q", len(text)), text, data[8 + size:]]))
+    return metadata, _load_blob(b"".join([_LENGTH.pack(len(text)), text, data[8 + size:]]))
 
 
 def _require(condition: bool, problem: str) -> None:
@@ -439,19 +480,12 @@ class Attribution:
         tensors = {name: value.detach().cpu().contiguous()
                    for name, value in {**scores_to_store(self.scores),
                                        **{name: getattr(self, name) for name in _FIELD_TENSORS}}.items()}
-        tensors.update({name: getattr(self, name).cpu().contiguous() for name in _OPTIONAL_TENSORS
+        tensors.update({name: getattr(self, name).detach().cpu().contiguous() for name in _OPTIONAL_TENSORS
                         if getattr(self, name) is not None})
-        # safetensors refuses tensors that share memory: a method may return another's scores as they are
-        shared: set[int] = set()
-        for name, value in tensors.items():
-            storage = value.untyped_storage().data_ptr()
-            if storage in shared:
-                tensors[name] = value.clone()
-            shared.add(storage)
         header = {"format": _FORMAT, "version": FORMAT_VERSION, "layers": self.layers, "tokens": self.tokens,
                   "meta": self.meta,
                   **{name: getattr(self, name) for name in _OPTIONAL_HEADER if getattr(self, name) is not None}}
-        return write_bytes(path, _save_blob(tensors, metadata={"nxl_hooks": json.dumps(header)}))
+        return write_bytes(path, write_blob(tensors, {"nxl_hooks": json.dumps(header)}))
 
     @classmethod
     def load(cls, path: str | Path) -> "Attribution":

@@ -41,7 +41,6 @@ import json
 import os
 import re
 import struct
-import sys
 import threading
 import weakref
 import zlib
@@ -49,9 +48,8 @@ from pathlib import Path
 from typing import Any, Callable, Protocol
 
 import torch
-from safetensors.torch import save as _save_blob
 
-from .attribution import scores_to_store
+from .attribution import scores_to_store, write_blob
 from .files import file_kind
 from .steps import STEP_TENSORS, GenerationCall, Step
 
@@ -64,35 +62,6 @@ _FILE_MAGIC = b"nxl_hooks.stream/2\n"  # what is written; version 1 (nxl_hooks 0
 _MAGIC_V1 = b"nxl_hooks.stream/1\n"  # nxl_hooks 0.1, no frame numbers: still read
 _FRAME = struct.Struct("<4sQI")
 _FRAME_MAGIC = b"NXLF"
-_LENGTH = struct.Struct("<Q")
-_LITTLE = sys.byteorder == "little"  # safetensors stores little-endian: elsewhere, its own encoder
-
-
-#: safetensors dtype names of the tensors a frame holds.
-_DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-           torch.int64: "I64", torch.int32: "I32", torch.bool: "BOOL", torch.uint8: "U8"}
-
-
-def _blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
-    """A safetensors blob of small CPU tensors, as ``safetensors.torch.save`` writes it (8-byte header length, the
-    JSON header, 8-byte aligned, then the raw little-endian data), without its checks for shared and sparse
-    storage: each tensor's own elements are written (records scored together share storage: their tensors can be
-    views of one copy), and the checks cost five times the encoding (one frame per step). Read back with
-    safetensors' own ``load``. ``tensors``' names are nxl_hooks' own (plain identifiers), so the header is written
-    directly; only the metadata goes through ``json``."""
-    entries, parts, offset = [json.dumps({"__metadata__": metadata})[1:-1]], [], 0
-    for name, value in tensors.items():
-        array = (value.view(torch.int16) if value.dtype == torch.bfloat16 else value).numpy()
-        end = offset + array.nbytes
-        entries.append(f'"{name}":{{"dtype":"{_DTYPES[value.dtype]}","shape":{list(array.shape)},'
-                       f'"data_offsets":[{offset},{end}]}}')
-        parts.append(array.tobytes())  # C order, whatever the strides
-        offset = end
-    text = ",".join(entries).join("{}").encode()
-    text += b" " * (-len(text) % 8)
-    return b"".join([_LENGTH.pack(len(text)), text, *parts])
-
-
 def _encode(tensors: dict[str, torch.Tensor], header: dict, seq: int | None = None) -> bytes:
     """One frame: magic, length, CRC-32, then the safetensors payload whose metadata holds ``header`` (and ``seq``,
     the frame's number in its file)."""
@@ -102,10 +71,7 @@ def _encode(tensors: dict[str, torch.Tensor], header: dict, seq: int | None = No
     # records hold CPU tensors outside autograd already (a step's): detach / move only when one is not
     if not all(value.is_cpu and not value.requires_grad for value in tensors.values()):
         tensors = {name: value.detach().cpu() for name, value in tensors.items()}
-    if _LITTLE and all(value.dtype in _DTYPES for value in tensors.values()):
-        payload = _blob(tensors, metadata)
-    else:  # copies: safetensors refuses tensors that share storage (a step's target is a view of its token)
-        payload = _save_blob({name: value.clone().contiguous() for name, value in tensors.items()}, metadata=metadata)
+    payload = write_blob(tensors, metadata)
     return _FRAME.pack(_FRAME_MAGIC, len(payload), zlib.crc32(payload)) + payload
 
 

@@ -219,6 +219,24 @@ def test_saved_files_keep_texts_and_old_files_still_load(model, tok, tmp_path):
         {"id": int(res.target[0]), "text": None, "probability": None}]
 
 
+
+def test_a_file_whose_texts_pass_safetensors_100_mb_header_bound_saves_and_loads(model, tok, tmp_path):
+    """The readable texts go in the file's header (about 17 bytes a token and row in a long context), where
+    safetensors' own save and load refuse more than 100 MB: such a result saves and reads back whole."""
+    import dataclasses
+    import struct
+
+    res = nxl.explain(model, tok, PROMPT, target="Paris")
+    width = res.mask.shape[1]
+    # 15M characters, 7 bytes each in the header ('\\u00e9' in the JSON string the metadata holds): load checks each
+    long = dataclasses.replace(res, readable=[["é" * (15_000_000 // width)] * width])
+    path = long.save(tmp_path / "long.safetensors")
+    with open(path, "rb") as fh:
+        assert struct.unpack("<Q", fh.read(8))[0] > 100_000_000
+    back = nxl.Attribution.load(path)
+    assert back.readable == long.readable and back.tokens == res.tokens
+    assert torch.equal(back.normxlogit, res.normxlogit) and torch.equal(back.input_ids, res.input_ids)
+
 def test_chat_text_uses_the_template_and_never_doubles_bos(tok):
     text = chat_text(tok, "What is the capital of France?")
     assert text == "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"

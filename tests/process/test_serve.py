@@ -1091,7 +1091,7 @@ def test_frames_are_safetensors_blobs_of_any_layout_and_dtype(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load
 
-    from nxl_hooks.records.writer import _blob
+    from nxl_hooks.records.attribution import _blob
 
     tensors = {"t": torch.randn(3, 4).t(), "bf16": torch.randn(2, 3).bfloat16(), "f16": torch.randn(5).half(),
                "empty": torch.zeros(0, 5), "ids": torch.tensor([[1], [2]]), "flags": torch.tensor([True, False])}
