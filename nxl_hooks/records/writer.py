@@ -413,7 +413,8 @@ class RotatingSink(Sink):
 
     - A new file starts when the next frame would take the current one past ``max_bytes`` (a frame is never
       split, so one larger step record makes one larger file); the calls still running are written again at the
-      top of the new file, so every file reads on its own.
+      top of the new file, so every file reads on its own. While those frames alone pass ``max_bytes`` (a long
+      prompt's texts), no new file starts: each would write them again, once per step.
     - Beyond ``max_files`` files in the folder the oldest are deleted: the folder holds at most about
       ``max_files * max_bytes`` bytes.
     - Files are named ``<number>-<writer>.nxl``: numbers go on from the files already in the folder (a new writer,
@@ -442,7 +443,8 @@ class RotatingSink(Sink):
             _claim(self._held, self.folder, "folder")
             existing = _rotated(self.folder)
             self._number = self._writer = (existing[-1][0] + 1) if existing else 1
-            self._running: dict[int, Frame] = {}  # call index -> its call frame, written again at each rotation
+            # call index -> its call frame (and its size), written again at each rotation
+            self._running: dict[int, tuple[Frame, int]] = {}
             super().__init__(self._name(), fsync=fsync)
             self._start()
         except BaseException:
@@ -457,12 +459,14 @@ class RotatingSink(Sink):
         self._size = len(_FILE_MAGIC) + self._append(
             _encode({}, {"kind": "file", "file": self._number, "writer": self._writer}, self._seq))
         self._records = 0  # record frames in the current file
+        self._head = self._size
 
     def _put(self, frame: Frame, *, opens: int | None = None, closes: int | None = None) -> None:
         self._owned()
         with self._lock:
             data = frame(self._seq)
-            if self._fd is not None and self._records and self._size + len(data) > self.max_bytes:
+            if self._fd is not None and self._records and self._size + len(data) > self.max_bytes \
+                    and self._carried() <= self.max_bytes:
                 self._rotate()
                 data = frame(self._seq)
             self._size += self._append(data)
@@ -470,7 +474,7 @@ class RotatingSink(Sink):
             if self._records == 1:  # this file holds a record now: the oldest beyond max_files go (never for an
                 self._prune()       # empty writer)
             if opens is not None:
-                self._running[opens] = frame
+                self._running[opens] = frame, len(data)
             if closes is not None:
                 self._running.pop(closes, None)
 
@@ -492,6 +496,12 @@ class RotatingSink(Sink):
             except Exception as error:  # the frames before it are on disk
                 raise PartlyWritten(written) from error
 
+    def _carried(self) -> int:
+        """About the bytes a new file would start with: its first frame and the running calls' frames. Past
+        max_bytes (a long prompt's texts), a new file would be no smaller and would write them all again, once
+        per step: the current file grows instead until such a call ends. Caller holds the lock."""
+        return self._head + sum(size for _, size in self._running.values())
+
     def _rotate(self) -> None:
         # caller holds the lock
         fd, self._fd = self._fd, None
@@ -501,7 +511,7 @@ class RotatingSink(Sink):
         self._take()
         self._seq = 0
         self._start()
-        for frame in self._running.values():
+        for frame, _ in self._running.values():
             self._size += self._append(frame(self._seq))
             self._records += 1
         self._prune()

@@ -678,3 +678,26 @@ def test_a_call_whose_readable_texts_pass_safetensors_100_mb_header_bound_reads_
     assert read.complete and read.readable == long.readable and torch.equal(read.prompt_ids, call.prompt_ids)
     for got, kept in zip(read.steps, call.steps, strict=True):
         assert torch.equal(got.normxlogit, kept.normxlogit) and torch.equal(got.token, kept.token)
+
+
+def test_a_rotating_sink_writes_a_call_frame_larger_than_its_files_once_not_once_per_step(recorded, tmp_path):
+    """A new file starts with the running calls' frames: where those alone pass max_bytes (a long prompt's texts),
+    each new file would be as large and write them again, once per generated token. The file grows instead."""
+    import dataclasses
+
+    _, probe = recorded
+    (call,) = probe.calls
+    width = call.prompt_mask.shape[1]
+    long = dataclasses.replace(call, readable=[["x" * 4000] * width])
+    frame = len(writer.encode_call(long, probe.describe(), seq=0))
+    sink = nxl.RotatingSink(tmp_path / "rot", max_bytes=frame // 2, max_files=100)
+    sink.write_call(long, probe.describe())
+    for step in call.steps:
+        sink.write_step(step)
+    sink.write_end(long)
+    sink.close()
+    assert sum(path.stat().st_size for path in (tmp_path / "rot").iterdir()) < 2 * frame
+    (read,) = nxl.read_stream(tmp_path / "rot", strict=True)
+    assert read.complete and read.readable == long.readable
+    for got, kept in zip(read.steps, call.steps, strict=True):
+        assert torch.equal(got.normxlogit, kept.normxlogit) and torch.equal(got.token, kept.token)
