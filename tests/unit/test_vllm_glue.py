@@ -188,3 +188,30 @@ def test_a_request_still_open_when_recording_stops_says_vllm_had_not_told_its_en
     engine._runs = {"0-0123abcd": run}
     engine.uninstall()
     assert "the program ended first" in run.why and "stop string" in run.why
+
+
+def test_a_request_with_stop_strings_that_left_says_its_last_steps_may_be_past_the_reply():
+    """vLLM matches stop strings outside its worker and tells the worker a step or more later: a request that a stop
+    string ended kept steps past the last token of its reply (vLLM 0.32, ``stop=["capital capital"]``: 3 steps
+    recorded, 2 tokens returned), said as any request that left ("its steps up to then are recorded"). The reason
+    says so where the request has stop strings, and only there."""
+    from nxl_hooks.hooks.engines.vllm import VllmEngine
+
+    class Run:
+        why = None
+        call = SimpleNamespace(prompt_mask=object())
+
+        def finish(self, sequences, why, *, what):
+            self.why = why
+
+    def left(stop: list[str]) -> str:
+        params = SimpleNamespace(stop=stop)
+        runner = SimpleNamespace(requests={"0-0123abcd": SimpleNamespace(sampling_params=params)})
+        engine, run = VllmEngine(), Run()
+        engine.gens = SimpleNamespace(plan=SimpleNamespace(model=SimpleNamespace(runner=runner)))
+        engine._runs, engine._tokens = {"0-0123abcd": run}, {"0-0123abcd": [5, 6, 7]}
+        engine._end("0-0123abcd")
+        return run.why
+
+    assert "after the reply's last token" in left(["capital capital"])
+    assert "left vLLM before its EOS" in left([]) and "after the reply" not in left([])

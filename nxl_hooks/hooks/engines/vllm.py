@@ -556,9 +556,20 @@ class VllmEngine:
         if tokens is None or run.call.prompt_mask is None:
             run.finish(None, "the request left vLLM before its prompt was processed (aborted)", what="this request")
         else:
-            run.finish(torch.tensor([tokens], dtype=torch.long), None if stopped else (
-                "the request left vLLM before its EOS, stop token or max_tokens (the client went away, the API server "
-                "matched a stop string, or it was aborted): its steps up to then are recorded"), what="this request")
+            run.finish(torch.tensor([tokens], dtype=torch.long), None if stopped else self._left(worker_id),
+                       what="this request")
+
+    def _left(self, worker_id: str) -> str:
+        """Why the call of a request that left otherwise than by its stop rules ends incomplete. One with stop strings
+        says that its last steps may be past the reply: vLLM matches them on the text it returns, outside the worker,
+        and tells the worker a step or more later (read before the runner's step drops the request's state)."""
+        why = ("the request left vLLM before its EOS, stop token or max_tokens (the client went away, the API server "
+               "matched a stop string, or it was aborted): its steps up to then are recorded")
+        state = getattr(self.gens.plan.model.runner, "requests", {}).get(worker_id)
+        if getattr(getattr(state, "sampling_params", None), "stop", None):
+            why += (", the last of them possibly after the reply's last token (it has stop strings, which vLLM "
+                    "matches outside its worker and tells the worker of a step or more later)")
+        return why
 
     def _stops(self, worker_id: str, token: int) -> bool:
         """Whether ``token`` ends the request, by the engine's own stop rules, in the order vLLM's scheduler checks
