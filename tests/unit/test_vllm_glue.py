@@ -215,3 +215,22 @@ def test_a_request_with_stop_strings_that_left_says_its_last_steps_may_be_past_t
 
     assert "after the reply's last token" in left(["capital capital"])
     assert "left vLLM before its EOS" in left([]) and "after the reply" not in left([])
+
+
+def test_a_later_input_of_a_streaming_input_session_is_said_not_recorded_for_what_it_is():
+    """A streaming-input session (vLLM 0.32's AsyncLLM.generate given an input stream) comes back to the worker as a
+    new request under the same id, its earlier inputs' positions computed: its call said they "came from vLLM's
+    prefix cache" and to start it under nxl run, which it was (prefix caching off). It now says what it is, and
+    that the session's first input is recorded. (No engine: the worker's scheduled request, as vLLM sends it.)"""
+    from nxl_hooks.hooks.engines.vllm import VllmEngine
+
+    said = []
+    runner = SimpleNamespace(requests={"sess-0123abcd": SimpleNamespace()})  # its first input's state, still held
+    engine = VllmEngine()
+    engine.gens = SimpleNamespace(plan=SimpleNamespace(model=SimpleNamespace(runner=runner)),
+                                  unrecorded=lambda request, what, error, log: said.append((request, str(error))))
+    engine._start(SimpleNamespace(req_id="sess-0123abcd", prompt_token_ids=list(range(30, 40)), num_computed_tokens=20,
+                                  lora_request=None))
+    ((request, why),) = said
+    assert request == "sess" and why.startswith("it is a later input of a streaming-input session")
+    assert "prefix cache" not in why and engine._runs == {"sess-0123abcd": None}

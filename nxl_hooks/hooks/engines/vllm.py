@@ -38,13 +38,13 @@ the step. ``nxl run --eager`` (:data:`~nxl_hooks.hooks.generate.EAGER`) makes th
 
 Not followed (requests run unchanged, each one's call record says ``not recorded: why; what to do``): a model
 vLLM compiled without those buffers, prefix caching (a cached prefix never runs for the request that reuses it),
-async scheduling, speculative decoding, pipeline or tensor parallelism, a LoRA adapter that changes ``lm_head``
-(vLLM applies it to the logits; the view holds the base weight). :func:`recording_engine_args` turns prefix
-caching and async scheduling off in the engine arguments while ``nxl run`` records (and compilation, with ``nxl run
---eager``). Model classes: vLLM's Llama, Mistral, Qwen2 and Qwen3 only (:data:`_FOLLOWED`); any other is not
-followed, its requests each saying so, as its layers, embedding or logits may differ from what the view reads
-(Gemma 4's layers return ``(hidden, None)``, Granite scales its embedding and logits); one without a final norm,
-layers and ``lm_head`` is said once when it loads.
+async scheduling, speculative decoding, pipeline or tensor parallelism, a streaming-input session's inputs after
+its first, a LoRA adapter that changes ``lm_head`` (vLLM applies it to the logits; the view holds the base weight).
+:func:`recording_engine_args` turns prefix caching and async scheduling off in the engine arguments while ``nxl
+run`` records (and compilation, with ``nxl run --eager``). Model classes: vLLM's Llama, Mistral, Qwen2 and Qwen3
+only (:data:`_FOLLOWED`); any other is not followed, its requests each saying so, as its layers, embedding or
+logits may differ from what the view reads (Gemma 4's layers return ``(hidden, None)``, Granite scales its
+embedding and logits); one without a final norm, layers and ``lm_head`` is said once when it loads.
 """
 
 from __future__ import annotations
@@ -510,6 +510,13 @@ class VllmEngine:
             if adapter is not None:
                 self._check_adapter(adapter)
             if int(getattr(new, "num_computed_tokens", 0) or 0) > 0:
+                # (the runner still holds the state of a streaming-input session's request: read before its step)
+                if worker_id in getattr(self.gens.plan.model.runner, "requests", ()):
+                    raise RuntimeError(
+                        "it is a later input of a streaming-input session (an input stream given to vLLM's "
+                        f"AsyncLLM.generate, the realtime API), whose first {new.num_computed_tokens} positions ran "
+                        "for its earlier inputs: the session's first input is recorded, a call of its own under the "
+                        "same id, its later ones are not; send each input as a request of its own")
                 raise RuntimeError(f"its first {new.num_computed_tokens} positions came from vLLM's prefix cache and "
                                    f"never ran for it; {_RECORDABLE}")
             run = self._runs[worker_id] = self.gens.new_run(request_id=client_id, prompt_len=len(prompt), eos=None,
