@@ -3,7 +3,8 @@
 Bad input raises :class:`~nxl_hooks.apps.options.CliError` (or a ``ValueError``/``LookupError``/``OSError`` from
 the library or transformers): :func:`main` prints one line and returns exit code 2; ``--traceback`` shows the
 full trace instead. A missing optional package (an ImportError, or transformers' "please install ...") is that one
-line naming the ``pip install "nxl_hooks[EXTRA]"`` to run (:mod:`nxl_hooks.apps.extras`).
+line naming the ``pip install "nxl_hooks[EXTRA]"`` to run (:mod:`nxl_hooks.apps.extras`). Output whose reader went
+away (``nxl tail | head -1``) ends the command without a word, exit code 141 (as SIGPIPE would); Ctrl-C is 130.
 
     nxl attribute ./my-model "The movie was great" --layers all --target predicted --out a.safetensors
     nxl demo
@@ -18,7 +19,8 @@ from typing import Any, NoReturn, Sequence
 from ..arch.version import VERSION
 from .commands import COMMANDS
 from .extras import extra_hint, quiet_library_noise
-from .options import CliError, one_line, parse_layers, parse_target, positive_int, say
+from .options import (CliError, one_line, parse_layers, parse_target, positive_int, reader_gone, say,
+                      stdout_gone)
 
 __all__ = ["CliError", "build_parser", "main", "one_line", "parse_layers", "parse_target", "positive_int"]
 
@@ -71,6 +73,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise CliError(bad)
         return int(args._run(args) or 0)
     except (CliError, ValueError, LookupError, OSError, ImportError) as err:
+        if isinstance(err, BrokenPipeError) and stdout_gone():  # its reader has what it wanted (| head -1): no
+            return reader_gone()  # error of the command's, nor bad input
         hint = None if isinstance(err, CliError) else extra_hint(err)  # a missing optional package: its extra
         if args.traceback or (isinstance(err, ImportError) and hint is None):
             raise  # an ImportError of no extra's package is a bug or a broken install: show where

@@ -12,6 +12,8 @@ import argparse
 import functools
 import math
 import os
+import select as _select  # (``select`` is nxl_hooks.method.select here)
+import signal
 import sys
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence
@@ -27,6 +29,7 @@ from .serve.settings import ATTACH, Settings, positive_number
 __all__ = [
     "HEADS",
     "CliError",
+    "READER_GONE",
     "add_attribution_options",
     "add_dataset_options",
     "add_loading_options",
@@ -42,8 +45,11 @@ __all__ = [
     "parse_target",
     "positive_int",
     "positive_seconds",
+    "reader_gone",
     "say",
     "seconds",
+    "stdout_console",
+    "stdout_gone",
 ]
 
 HEADS = tuple(HEAD_CLASSES)  #: --head: when config.architectures does not say
@@ -59,6 +65,44 @@ def say(line: str) -> None:
     the newline let two ranks' lines run into one."""
     sys.stderr.write(line + "\n")
     sys.stderr.flush()
+
+
+#: The exit code of a command whose output's reader went away (``nxl tail | head -1`` once head has its line): what
+#: a shell reports for a program that SIGPIPE ended (``yes | head -1``), so a script tells it from bad input (2).
+READER_GONE = 128 + signal.SIGPIPE
+
+
+def stdout_gone() -> bool:
+    """Whether nothing reads stdout any more (a pipe whose reader closed it): a broken pipe that is not stdout's (a
+    socket's) is an error of its own."""
+    try:
+        poller = _select.poll()
+        poller.register(sys.stdout.fileno(), _select.POLLOUT)
+        return any(events & (_select.POLLERR | _select.POLLHUP) for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):  # no stdout, or one with no file (a test's capture)
+        return False
+
+
+def reader_gone() -> int:
+    """Point stdout at /dev/null and return :data:`READER_GONE`: the output nobody reads is dropped, without a word
+    (Python's flush of what stdout still holds, at exit, would print "Exception ignored ... BrokenPipeError")."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return READER_GONE
+
+
+def stdout_console() -> Any:
+    """A rich ``Console`` on stdout for a command's output, that ends the command as :func:`reader_gone` says once
+    its reader goes away (rich's own ends it with exit code 1, the code of records that are not whole)."""
+    from rich.console import Console
+
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            self.quiet = True
+            raise SystemExit(reader_gone())  # (not an Exception: an on_step callback's would only stop its records)
+
+    return _Console()
 
 
 def one_line(message: str) -> str:

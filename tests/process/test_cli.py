@@ -293,6 +293,28 @@ def test_version_is_the_projects(capsys):
     assert (done.returncode, done.stdout, done.stderr) == (0, f"nxl {version}\n", "")
 
 
+@pytest.mark.parametrize("command", ["export", "attribute"])
+def test_output_whose_reader_went_away_ends_quietly_with_sigpipes_code(tmp_path, command):
+    """`nxl ... | head -1` once head has its line: stdout a pipe nobody reads. A command that prints (export, tail,
+    ctl) said "error: [Errno 32] Broken pipe" and exited 2, as for bad input; one that prints with rich (attribute,
+    demo) exited 1, the code of records that are not whole. Now each ends without a word, exit code 141, as a
+    program that SIGPIPE ends (`yes | head -1`) does."""
+    import subprocess
+    import sys
+
+    argv = {"export": ["export", str(ROOT / "tests" / "data" / "stream-v2.nxl"), str(tmp_path / "s.parquet")],
+            "attribute": ["attribute", str(ROOT / "nxl_hooks" / "demo"), "the plot was superb"]}[command]
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    try:
+        done = subprocess.run([sys.executable, "-m", "nxl_hooks", *argv], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=120)
+    finally:
+        os.close(write)
+    said = [line for line in done.stderr.splitlines() if "Loading weights" not in line and line.strip()]
+    assert (done.returncode, said) == (141, []), done.stderr
+
+
 def test_generate_honours_embedding(tmp_path, capsys):
     from transformers import GemmaConfig, GemmaForCausalLM
 

@@ -21,6 +21,7 @@ from ..options import (
     check_output_file,
     loading_options,
     positive_int,
+    stdout_console,
 )
 from ..serve.settings import attach_options
 
@@ -56,7 +57,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.text import Text
 
     from ...arch.registry import HeadKind, head_kind
@@ -96,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         if mask not in tokenizer(text)["input_ids"]:
             raise CliError(f"TEXT has no {tokenizer.mask_token} token: a masked LM explains what it predicts at its "
                            f"mask token; put {tokenizer.mask_token} where the word to explain goes")
-    console = Console()
+    console = stdout_console()
     if generate is not None:
         sink = Path(args.out) if args.out else None  # --out is a file path, whatever its name: never a sink kind
         call = print_generation(model, tokenizer, args.text, generate, console=console, sink=sink, chat=args.chat,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from typing import Any, Sequence
 
-from ..options import CliError
+from ..options import CliError, stdout_console
 
 NAME = "demo"
 #: Held-out sentences behind the summary: one padded batch through the 2-block model, well under a second.
@@ -143,7 +143,6 @@ def typical(ranks: Any) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
     from rich.text import Text
 
     from ...demo import MODEL_DIR
@@ -183,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         text, index, keyword = held_out[chosen].text, held_out[chosen].evidence_index, held_out[chosen].evidence
         intro = f"held-out sentence {chosen}" + ("" if args.example is not None else " (typical: its keyword's "
                                                  "ranks are the closest to the median ranks)")
-    console = Console()
+    console = stdout_console()
     console.print(Text(f"{intro}: ", style="bold") + Text(printable(text)) + Text(f"   evidence: {keyword!r}"))
     for note in notes:
         console.print(Text("outside the training data: ", style="yellow") + Text(note))
