@@ -13,6 +13,7 @@ import functools
 import math
 import os
 import select as _select  # (``select`` is nxl_hooks.method.select here)
+import shutil
 import signal
 import sys
 from pathlib import Path
@@ -94,7 +95,9 @@ def reader_gone() -> int:
 
 def stdout_console() -> Any:
     """A rich ``Console`` on stdout for a command's output, that ends the command as :func:`reader_gone` says once
-    its reader goes away (rich's own ends it with exit code 1, the code of records that are not whole)."""
+    its reader goes away (rich's own ends it with exit code 1, the code of records that are not whole). Its width is
+    rich's, but where rich reads ``COLUMNS=0`` (a container's terminal of unknown size) as 0 columns, which prints
+    nothing at all: as unset then, as :func:`shutil.get_terminal_size` reads it (the terminal's width, else 80)."""
     from rich.console import Console
 
     class _Console(Console):
@@ -102,7 +105,10 @@ def stdout_console() -> Any:
             self.quiet = True
             raise SystemExit(reader_gone())  # (not an Exception: an on_step callback's would only stop its records)
 
-    return _Console()
+    console = _Console()
+    if console.width < 1:
+        console.width = shutil.get_terminal_size().columns
+    return console
 
 
 def one_line(message: str) -> str:

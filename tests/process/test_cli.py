@@ -315,6 +315,19 @@ def test_output_whose_reader_went_away_ends_quietly_with_sigpipes_code(tmp_path,
     assert (done.returncode, said) == (141, []), done.stderr
 
 
+def test_columns_0_is_unset_not_a_console_of_no_width(saved, capsys, monkeypatch):
+    """COLUMNS=0 (a container's terminal of unknown size) means unset, as shutil.get_terminal_size reads it: rich
+    took it for a console 0 columns wide, and nxl attribute printed nothing at all, exit 0."""
+    path = str(saved[0])
+    monkeypatch.setenv("COLUMNS", "80")  # what an unset COLUMNS is where stdout is no terminal (a test's capture)
+    assert main(["attribute", path, TEXT]) == 0
+    expected = capsys.readouterr().out
+    monkeypatch.setenv("COLUMNS", "0")
+    assert main(["attribute", path, TEXT]) == 0
+    printed = capsys.readouterr().out
+    assert printed == expected and "L2" in printed, printed
+
+
 def test_generate_honours_embedding(tmp_path, capsys):
     from transformers import GemmaConfig, GemmaForCausalLM
 
