@@ -13,6 +13,7 @@ away (``nxl tail | head -1``) ends the command without a word, exit code 141 (as
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from typing import Any, NoReturn, Sequence
 
@@ -62,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``nxl`` with ``argv`` (default: ``sys.argv[1:]``) and return the exit code."""
     quiet_library_noise()
+    # An ASCII or Latin-1 stdout (a legacy locale, a file on Windows) cannot take every character a token's text or
+    # the views hold ('␣', '│'): escaped, as stderr does, rather than a UnicodeEncodeError after all the work.
+    with contextlib.suppress(AttributeError, ValueError):  # a stream that is no text file (None under pythonw)
+        sys.stdout.reconfigure(errors="backslashreplace")
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

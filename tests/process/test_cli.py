@@ -328,6 +328,25 @@ def test_columns_0_is_unset_not_a_console_of_no_width(saved, capsys, monkeypatch
     assert printed == expected and "L2" in printed, printed
 
 
+def test_a_stdout_that_cannot_encode_a_character_shows_it_escaped(tmp_path, monkeypatch):
+    """An ASCII or Latin-1 stdout (PYTHONIOENCODING, a legacy locale, a file on Windows): the prompt's '│' (and any
+    '␣' of a token) raised UnicodeEncodeError, and the command failed with exit code 2 after all its work, --out not
+    written. stdout now escapes what it cannot encode, as stderr does."""
+    import io
+    import sys
+
+    model = tiny.build_model("llama")
+    model.generation_config.eos_token_id = None
+    path = tiny.save_model(tmp_path / "lm", "llama", model=model)
+    raw = io.BytesIO()
+    monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="ascii"))
+    assert main(["attribute", str(path), "the film was", "--generate", "2", "--out", str(tmp_path / "r.nxl")]) == 0
+    sys.stdout.flush()
+    assert "prompt (5 tokens): [CLS]\\u2502the\\u2502film\\u2502was\\u2502[SEP]" in raw.getvalue().decode("ascii")
+    (call,) = nxl.read_stream(tmp_path / "r.nxl")
+    assert len(call.steps) == 2 and call.complete
+
+
 def test_generate_honours_embedding(tmp_path, capsys):
     from transformers import GemmaConfig, GemmaForCausalLM
 
