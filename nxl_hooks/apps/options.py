@@ -121,10 +121,12 @@ def one_line(message: str) -> str:
 
 def check_output_file(path: str | None, option: str) -> str | None:
     """``path`` (given with ``option``) with ``~`` expanded: the one path to write, checked (a :class:`CliError`
-    unless it can be written as a whole file: its folder exists and it is not itself a folder). Checked before any
-    model loads, so a typo costs nothing. ``args.out = check_output_file(args.out, "--out")``"""
+    unless it can be written as a whole file: it is not blank, its folder exists and it is not itself a folder).
+    Checked before any model loads, so a typo costs nothing. ``args.out = check_output_file(args.out, "--out")``"""
     if path is None:
         return None
+    if not path.strip():  # '' is the current folder to pathlib, ' ' a file named so: both a variable left unset
+        raise CliError(f"{option} is empty: give a file name")
     target = user_path(path)
     if target.is_dir():
         raise CliError(f"{option} {path} is a folder, not a file: give a file name (a file in it, or elsewhere)")

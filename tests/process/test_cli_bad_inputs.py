@@ -39,6 +39,9 @@ CASES = [
     ("html in a missing folder", ["attribute", "{bert}", TEXT, "--html", "{root}/nope/a.html"],
      r"--html .*/nope/a.html: the folder .*/nope does not exist"),
     ("html is a folder", ["attribute", "{bert}", TEXT, "--html", "{outdir}"], r"--html .*/outdir is a folder"),
+    ("out empty", ["attribute", "{bert}", TEXT, "--out", ""], r"--out is empty: give a file name"),  # was '.'
+    ("html blank", ["attribute", "{bert}", TEXT, "--html", " "], r"--html is empty: give a file name"),  # wrote ' '
+    ("export out empty", ["export", "{streams}/run.nxl", ""], r"OUT.parquet is empty: give a file name"),
     ("out below a file", ["attribute", "{bert}", TEXT, "--out", "{existing_html}/a.safetensors"],
      r"the folder .*existing.html is a file, not a folder"),
     ("out is a FIFO", ["attribute", "{bert}", TEXT, "--out", "{fifo}"],
