@@ -65,8 +65,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     quiet_library_noise()
     # An ASCII or Latin-1 stdout (a legacy locale, a file on Windows) cannot take every character a token's text or
     # the views hold ('␣', '│'): escaped, as stderr does, rather than a UnicodeEncodeError after all the work.
+    errors = getattr(sys.stdout, "errors", None)
     with contextlib.suppress(AttributeError, ValueError):  # a stream that is no text file (None under pythonw)
         sys.stdout.reconfigure(errors="backslashreplace")
+    try:
+        return _main(argv)
+    finally:  # (main called in a program of the user's: its stdout as it was)
+        with contextlib.suppress(AttributeError, ValueError, TypeError, OSError):  # (OSError: a broken pipe's flush)
+            sys.stdout.reconfigure(errors=errors)
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

@@ -13,7 +13,6 @@ import functools
 import math
 import os
 import select as _select  # (``select`` is nxl_hooks.method.select here)
-import shutil
 import signal
 import sys
 from pathlib import Path
@@ -93,22 +92,26 @@ def reader_gone() -> int:
     return READER_GONE
 
 
-def stdout_console() -> Any:
-    """A rich ``Console`` on stdout for a command's output, that ends the command as :func:`reader_gone` says once
-    its reader goes away (rich's own ends it with exit code 1, the code of records that are not whole). Its width is
-    rich's, but where rich reads ``COLUMNS=0`` (a container's terminal of unknown size) as 0 columns, which prints
-    nothing at all: as unset then, as :func:`shutil.get_terminal_size` reads it (the terminal's width, else 80)."""
+def stdout_console(*, finish: bool = False) -> Any:
+    """A rich ``Console`` on stdout for a command's output (:func:`~nxl_hooks.apps.terminal.fitted`), that ends the
+    command as :func:`reader_gone` says once its reader goes away (rich's own ends it with exit code 1, the code of
+    records that are not whole). ``finish``: the command has files to write (``--out``, ``--html``), which it then
+    goes on to write whole, quietly; the console's ``gone`` says so at its end."""
     from rich.console import Console
 
+    from .terminal import fitted
+
     class _Console(Console):
+        gone = False
+
         def on_broken_pipe(self) -> None:
             self.quiet = True
-            raise SystemExit(reader_gone())  # (not an Exception: an on_step callback's would only stop its records)
+            code = reader_gone()
+            if not finish:
+                raise SystemExit(code)  # (not an Exception: an on_step callback's would only stop its records)
+            self.gone = True
 
-    console = _Console()
-    if console.width < 1:
-        console.width = shutil.get_terminal_size().columns
-    return console
+    return fitted(_Console())
 
 
 def one_line(message: str) -> str:

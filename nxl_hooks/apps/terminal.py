@@ -17,6 +17,7 @@ top token of each layer (by :meth:`Attribution.top`'s rule) is highlighted, spec
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -246,6 +247,15 @@ def _generation_line(res: Attribution, step: Step, layer: int, top: int, width: 
     return line
 
 
+def fitted(console: Console) -> Console:
+    """``console``, at the terminal's width where rich read ``COLUMNS=0`` (a container's terminal of unknown size)
+    as 0 columns, which prints nothing at all: as unset then, as :func:`shutil.get_terminal_size` reads it (the
+    terminal's width, else 80). ``console = fitted(Console())``"""
+    if console.width < 1:
+        console.width = shutil.get_terminal_size().columns
+    return console
+
+
 def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, top: int = 3, console: Any = None,
                      sink: str | Path | None = None, chat: bool = False, all_positions: bool = False,
                      method: str = "normxlogit", **options: Any) -> GenerationCall:
@@ -259,7 +269,7 @@ def print_generation(model: Any, tokenizer: Any, text: str, new_tokens: int, *, 
 
     ``print_generation(model, tok, "The capital of France is", 8, layers=[-1])``
     """
-    console = console or Console()
+    console = console or fitted(Console())
     prompt = chat_prompt(tokenizer, text) if chat else None
     enc = tokenizer(prompt.text if prompt else text, return_tensors="pt").to(input_device(model))
     ids = enc["input_ids"][0].tolist()

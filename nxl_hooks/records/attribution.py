@@ -118,7 +118,8 @@ _LITTLE = sys.byteorder == "little"  # safetensors stores little-endian: elsewhe
 
 #: safetensors dtype names of the tensors :func:`_blob` writes (a stream frame's, an attribution file's).
 _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.float64: "F64",
-           torch.int64: "I64", torch.int32: "I32", torch.bool: "BOOL", torch.uint8: "U8"}
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.bool: "BOOL",
+           torch.uint8: "U8", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64"}
 
 
 def _blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
@@ -143,8 +144,8 @@ def _blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
 
 def write_blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
     """A safetensors blob of CPU ``tensors`` and ``metadata``, whatever their layout and the metadata's size
-    (safetensors' own save refuses a header over 100 MB, which a long context's readable texts pass); read back by
-    :func:`read_blob`."""
+    (safetensors' own save refuses a header over 100 MB, which a long context's readable texts pass; it still
+    writes a dtype numpy has not, float8's, with that bound); read back by :func:`read_blob`."""
     if _LITTLE and all(value.dtype in _DTYPES for value in tensors.values()):
         return _blob(tensors, metadata)
     # copies: safetensors refuses tensors that share storage (a step's target is a view of its token, a method may
@@ -164,6 +165,8 @@ def read_blob(data: bytes | bytearray | memoryview) -> tuple[Any, dict[str, torc
     if not isinstance(entries, dict):
         raise ValueError("not a safetensors blob: its header is not a JSON object")
     metadata = entries.pop("__metadata__", None) or {}
+    if not (isinstance(metadata, dict) and all(isinstance(value, str) for value in metadata.values())):
+        raise ValueError("not a safetensors blob: its __metadata__ is not a map of strings")  # (as safetensors says)
     text = json.dumps(entries).encode()
     text += b" " * (-len(text) % 8)  # the alignment safetensors writes
     return metadata, _load_blob(b"".join([_LENGTH.pack(len(text)), text, data[8 + size:]]))

@@ -413,8 +413,9 @@ class RotatingSink(Sink):
 
     - A new file starts when the next frame would take the current one past ``max_bytes`` (a frame is never
       split, so one larger step record makes one larger file); the calls still running are written again at the
-      top of the new file, so every file reads on its own. While those frames alone pass ``max_bytes`` (a long
-      prompt's texts), no new file starts: each would write them again, once per step.
+      top of the new file, so every file reads on its own. Where those frames with the next one pass ``max_bytes``
+      (a long prompt's texts), a file takes about ``max_bytes`` of records after them before the next starts: a
+      new file at each step would write them again, once per step.
     - Beyond ``max_files`` files in the folder the oldest are deleted: the folder holds at most about
       ``max_files * max_bytes`` bytes.
     - Files are named ``<number>-<writer>.nxl``: numbers go on from the files already in the folder (a new writer,
@@ -466,7 +467,7 @@ class RotatingSink(Sink):
         with self._lock:
             data = frame(self._seq)
             if self._fd is not None and self._records and self._size + len(data) > self.max_bytes \
-                    and self._carried() <= self.max_bytes:
+                    and self._due(len(data)):
                 self._rotate()
                 data = frame(self._seq)
             self._size += self._append(data)
@@ -496,11 +497,14 @@ class RotatingSink(Sink):
             except Exception as error:  # the frames before it are on disk
                 raise PartlyWritten(written) from error
 
-    def _carried(self) -> int:
-        """About the bytes a new file would start with: its first frame and the running calls' frames. Past
-        max_bytes (a long prompt's texts), a new file would be no smaller and would write them all again, once
-        per step: the current file grows instead until such a call ends. Caller holds the lock."""
-        return self._head + sum(size for _, size in self._running.values())
+    def _due(self, size: int) -> bool:
+        """Whether the current file, past ``max_bytes`` with a next frame of ``size`` bytes, gives way to a new one.
+        A new file starts with its first frame and the running calls' frames: where those with the next frame fit
+        in ``max_bytes``, at once; where they do not (a long prompt's texts), a new file at each step would write
+        them all again, once per step, so only once this file holds ``max_bytes`` more than them. Caller holds the
+        lock."""
+        carried = self._head + sum(length for _, length in self._running.values())
+        return carried + size <= self.max_bytes or self._size >= carried + self.max_bytes
 
     def _rotate(self) -> None:
         # caller holds the lock

@@ -219,7 +219,6 @@ def test_saved_files_keep_texts_and_old_files_still_load(model, tok, tmp_path):
         {"id": int(res.target[0]), "text": None, "probability": None}]
 
 
-
 def test_a_file_whose_texts_pass_safetensors_100_mb_header_bound_saves_and_loads(model, tok, tmp_path):
     """The readable texts go in the file's header (about 17 bytes a token and row in a long context), where
     safetensors' own save and load refuse more than 100 MB: such a result saves and reads back whole."""
@@ -236,6 +235,7 @@ def test_a_file_whose_texts_pass_safetensors_100_mb_header_bound_saves_and_loads
     back = nxl.Attribution.load(path)
     assert back.readable == long.readable and back.tokens == res.tokens
     assert torch.equal(back.normxlogit, res.normxlogit) and torch.equal(back.input_ids, res.input_ids)
+
 
 def test_chat_text_uses_the_template_and_never_doubles_bos(tok):
     text = chat_text(tok, "What is the capital of France?")

@@ -293,7 +293,7 @@ def test_version_is_the_projects(capsys):
     assert (done.returncode, done.stdout, done.stderr) == (0, f"nxl {version}\n", "")
 
 
-@pytest.mark.parametrize("command", ["export", "attribute"])
+@pytest.mark.parametrize("command", ["export", "attribute", "generate"])
 def test_output_whose_reader_went_away_ends_quietly_with_sigpipes_code(tmp_path, command):
     """`nxl ... | head -1` once head has its line: stdout a pipe nobody reads. A command that prints (export, tail,
     ctl) said "error: [Errno 32] Broken pipe" and exited 2, as for bad input; one that prints with rich (attribute,
@@ -302,8 +302,14 @@ def test_output_whose_reader_went_away_ends_quietly_with_sigpipes_code(tmp_path,
     import subprocess
     import sys
 
+    if command == "generate":  # (a causal LM's; --out: its records are written whole all the same, then 141)
+        model = tiny.build_model("llama")
+        model.generation_config.eos_token_id = None
+        lm = tiny.save_model(tmp_path / "lm", "llama", model=model)
     argv = {"export": ["export", str(ROOT / "tests" / "data" / "stream-v2.nxl"), str(tmp_path / "s.parquet")],
-            "attribute": ["attribute", str(ROOT / "nxl_hooks" / "demo"), "the plot was superb"]}[command]
+            "attribute": ["attribute", str(ROOT / "nxl_hooks" / "demo"), "the plot was superb"],
+            "generate": ["attribute", str(tmp_path / "lm"), "the film was", "--generate", "3", "--out",
+                         str(tmp_path / "g.nxl")]}[command]
     read, write = os.pipe()
     os.close(read)  # the reader is gone before the first line
     try:
@@ -313,19 +319,33 @@ def test_output_whose_reader_went_away_ends_quietly_with_sigpipes_code(tmp_path,
         os.close(write)
     said = [line for line in done.stderr.splitlines() if "Loading weights" not in line and line.strip()]
     assert (done.returncode, said) == (141, []), done.stderr
+    if command == "generate":  # (it stopped at its first line, leaving the call unended)
+        (call,) = nxl.read_stream(tmp_path / "g.nxl")
+        assert call.complete and call.sequences[0, -3:].tolist() == [step.token[0].item() for step in call.steps]
+        assert len(call.steps) == 3 and lm.exists()
 
 
 def test_columns_0_is_unset_not_a_console_of_no_width(saved, capsys, monkeypatch):
     """COLUMNS=0 (a container's terminal of unknown size) means unset, as shutil.get_terminal_size reads it: rich
     took it for a console 0 columns wide, and nxl attribute printed nothing at all, exit 0."""
+    import shutil
+
+    from nxl_hooks.apps.terminal import print_generation
+
     path = str(saved[0])
-    monkeypatch.setenv("COLUMNS", "80")  # what an unset COLUMNS is where stdout is no terminal (a test's capture)
+    monkeypatch.setattr(shutil, "get_terminal_size", lambda *_: os.terminal_size((80, 24)))  # (whatever runs it)
+    monkeypatch.setenv("COLUMNS", "80")
     assert main(["attribute", path, TEXT]) == 0
     expected = capsys.readouterr().out
     monkeypatch.setenv("COLUMNS", "0")
     assert main(["attribute", path, TEXT]) == 0
     printed = capsys.readouterr().out
     assert printed == expected and "L2" in printed, printed
+    # the library's own view, given no console, reads it so too
+    model = tiny.build_model("llama")
+    model.generation_config.eos_token_id = None
+    print_generation(model, tiny.tokenizer(), "the film was", 1)
+    assert "prompt (5 tokens)" in capsys.readouterr().out
 
 
 def test_a_stdout_that_cannot_encode_a_character_shows_it_escaped(tmp_path, monkeypatch):
@@ -341,6 +361,7 @@ def test_a_stdout_that_cannot_encode_a_character_shows_it_escaped(tmp_path, monk
     raw = io.BytesIO()
     monkeypatch.setattr(sys, "stdout", io.TextIOWrapper(raw, encoding="ascii"))
     assert main(["attribute", str(path), "the film was", "--generate", "2", "--out", str(tmp_path / "r.nxl")]) == 0
+    assert sys.stdout.errors == "strict"  # as it was after the command: main may run in a program of the user's
     sys.stdout.flush()
     assert "prompt (5 tokens): [CLS]\\u2502the\\u2502film\\u2502was\\u2502[SEP]" in raw.getvalue().decode("ascii")
     (call,) = nxl.read_stream(tmp_path / "r.nxl")

@@ -479,6 +479,14 @@ def _valid_bytes(result, tmp_path) -> bytes:
     return result.save(tmp_path / "valid.safetensors").read_bytes()
 
 
+def _with_header(good: bytes, change) -> bytes:
+    """``good`` (an attribution file's bytes) with its safetensors header changed by ``change`` (a dict to a dict)."""
+    (size,) = struct.unpack_from("<Q", good)
+    header = json.dumps(change(json.loads(good[8: 8 + size]))).encode()
+    header += b" " * (-len(header) % 8)
+    return struct.pack("<Q", len(header)) + header + good[8 + size:]
+
+
 RAW = cases(
     ("empty file", lambda good: b"", "is not a safetensors file nxl_hooks can read"),
     ("seven bytes", lambda good: b"1234567", "is not a safetensors file"),
@@ -494,6 +502,14 @@ RAW = cases(
      "'nxl_hooks' metadata is not valid JSON"),
     ("metadata a list", lambda good: save_blob({"x": torch.zeros(1)}, metadata={"nxl_hooks": "[1]"}),
      "is not an attribution header"),
+    # (safetensors' save never writes these; its load refused them, which nxl_hooks' own reading of the header
+    # skipped: "string indices must be integers")
+    ("__metadata__ a string", lambda good: _with_header(good, lambda header: {**header, "__metadata__": "nxl_hooks"}),
+     r"is not a safetensors file nxl_hooks can read \(ValueError: not a safetensors blob: its __metadata__ is not a "
+     r"map of strings\)"),
+    ("__metadata__ of a JSON object", lambda good: _with_header(good, lambda header: {
+        **header, "__metadata__": {"nxl_hooks": json.loads(header["__metadata__"]["nxl_hooks"])}}),
+     "its __metadata__ is not a map of strings"),
 )
 
 

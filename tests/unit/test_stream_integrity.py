@@ -680,6 +680,41 @@ def test_a_call_whose_readable_texts_pass_safetensors_100_mb_header_bound_reads_
         assert torch.equal(got.normxlogit, kept.normxlogit) and torch.equal(got.token, kept.token)
 
 
+@pytest.mark.parametrize("calls, per_file", [(1, 1.05), (2, 1.5)])
+def test_running_call_frames_that_fill_a_file_hold_rotation_back_by_a_files_worth_only(model, tmp_path, calls,
+                                                                                          per_file):
+    """One call frame just under max_bytes (with the next step it is not): a new file at each step wrote it again,
+    once per step. Two whose frames each fit but together do not: rotation (and the max_files bound) stopped for
+    as long as they ran, one file growing without end. A file now takes max_bytes of records after them."""
+    import dataclasses
+
+    ids = torch.randint(1, 100, (1, 5), generator=torch.Generator().manual_seed(4))
+    with nxl.attach(model, layers=[0, -1]) as probe:
+        for _ in range(calls):
+            model.generate(input_ids=ids, max_new_tokens=24, do_sample=False)
+    long = [dataclasses.replace(call, readable=[["x" * 2000] * call.prompt_mask.shape[1]]) for call in probe.calls]
+    frames = [len(writer.encode_call(call, probe.describe(), seq=0)) for call in long]
+    steps = [len(writer.encode_step(step, seq=0)) for call in probe.calls for step in call.steps]
+    max_bytes = int(frames[0] * per_file)
+    assert sum(frames) + steps[0] > max_bytes and sum(steps) > 2 * max_bytes  # (what the case is about)
+    sink = nxl.RotatingSink(tmp_path / "rot", max_bytes=max_bytes, max_files=100)
+    for call in long:
+        sink.write_call(call, probe.describe())
+    for kept in zip(*(call.steps for call in probe.calls)):  # their steps side by side: both calls running
+        for step in kept:
+            sink.write_step(step)
+    for call in long:
+        sink.write_end(call)
+    sink.close()
+    sizes = [path.stat().st_size for path in (tmp_path / "rot").iterdir()]
+    bound = 32 + sum(frames) + max_bytes + 2 * max(steps)  # its head, the calls, a file's worth, the frames past it
+    assert 1 < len(sizes) < len(steps) // 2 and max(sizes) <= bound, (sizes, bound)
+    read = nxl.read_stream(tmp_path / "rot", strict=True)
+    assert [len(call.steps) for call in read] == [len(call.steps) for call in probe.calls]
+    assert all(torch.equal(got.normxlogit, kept.normxlogit)
+               for back, call in zip(read, probe.calls) for got, kept in zip(back.steps, call.steps, strict=True))
+
+
 def test_a_rotating_sink_writes_a_call_frame_larger_than_its_files_once_not_once_per_step(recorded, tmp_path):
     """A new file starts with the running calls' frames: where those alone pass max_bytes (a long prompt's texts),
     each new file would be as large and write them again, once per generated token. The file grows instead."""

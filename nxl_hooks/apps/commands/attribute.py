@@ -13,6 +13,7 @@ import argparse
 from pathlib import Path
 
 from ..options import (
+    READER_GONE,
     CliError,
     add_attribution_options,
     add_method_option,
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
         if mask not in tokenizer(text)["input_ids"]:
             raise CliError(f"TEXT has no {tokenizer.mask_token} token: a masked LM explains what it predicts at its "
                            f"mask token; put {tokenizer.mask_token} where the word to explain goes")
-    console = stdout_console()
+    console = stdout_console(finish=bool(args.out or args.html))
     if generate is not None:
         sink = Path(args.out) if args.out else None  # --out is a file path, whatever its name: never a sink kind
         call = print_generation(model, tokenizer, args.text, generate, console=console, sink=sink, chat=args.chat,
@@ -106,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
                                                        all_positions=args.all_positions))
             console.print(Text(f"wrote {args.html}"))  # Text: a path is not rich markup ('x[/b].html')
         # 1: the records are not whole (not recorded, or --out holds only some: a full disk); the last line said why
-        return 0 if call.error is None and not call.notes else 1
+        return 1 if call.error is not None or call.notes else READER_GONE if console.gone else 0
     res = explain(model, tokenizer, args.text, chat=args.chat, methods=[args.method], **attach_options(args))
     for row in range(res.target.shape[0]):  # the words are read as the model's outputs only now
         ids = [info["id"] for info in res.target_info(row)]
@@ -120,4 +121,4 @@ def run(args: argparse.Namespace) -> int:
     if args.html:
         res.to_html(args.html, method=args.method, all_positions=args.all_positions)
         console.print(Text(f"wrote {args.html}"))
-    return 0
+    return READER_GONE if console.gone else 0
