@@ -705,6 +705,19 @@ class Run:
         # (the step at its first position was emitted before it ran, with the forward before's logits)
         self._n, self._pending, self._following = self._past, False, False
 
+    def ran_compiled(self) -> None:
+        """A forward of the call ran wholly compiled: neither its backbone's hooks nor its blocks' ran, so the positions
+        it added are not in the record. The hooks follow the call no more: a later forward that runs eagerly (dynamo
+        ran a step eagerly past its ``recompile_limit``, as when a guard on a ``TorchFunctionMode`` of the user's
+        fails at every step) would start past the record's last position and stop the call's records; every position
+        from the record's last on is recorded by :meth:`_replay` when the call ends."""
+        if not self._following:
+            return
+        if self._pending and not self._predicted:  # (the last forward's logits never came: it ran partly compiled)
+            self._unfollow()
+        else:
+            self._following = False
+
     def after_task(self, output: Any) -> None:
         """The task model returned: keep its own logits at the last position, for the pending step's probability."""
         if not self._following:

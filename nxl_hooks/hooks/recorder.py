@@ -33,7 +33,7 @@ from ..records.attribution import Attribution
 from .conventions import find_cache, start
 from .engines import Engine
 from .forward import Capture, assemble, embedding_norms, open_capture
-from .generate import Generations
+from .generate import Generations, Run
 from .guard import SHORT, Notice, Owned, logger, reason
 from .plan import Plan
 from .recording import NOT_RECORDED, Recording
@@ -435,6 +435,8 @@ class Recorder:
             elif run is not None and not run.failed and not task.backbone_ran and self.plan.subject.backbone is not \
                     self.backbone:  # (one look, not _replaced(): a compiled step also leaves both hooks unrun)
                 run.fail("this call", replaced("backbone"))
+            elif isinstance(run, Run) and not task.backbone_ran:  # the whole forward ran compiled
+                run.ran_compiled()
         elif not task.blocks_ran and output is not None and (seen := self.plain.take()) and seen[0] is not None:
             self._traced(seen[0], output, *seen[2:])  # its forward ran compiled, tracing the blocks' hooks
         elif not task.blocks_ran and output is not None and task.backbone_ran:

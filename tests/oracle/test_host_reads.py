@@ -1,10 +1,11 @@
-"""No host read per generated token: attached eager ``generate`` reads values back from the device (``.cpu()``,
-``.tolist()``, ``.item()``, ``bool(t)``, ``int(t)``...) only a constant number of times per call more than plain
-``generate`` does, whatever the number of tokens, at batch 1 and 4 (left padding, a row that stops early at its EOS
-token), with a sink and a live subscriber; every step still equals the uncached oracle. Counted with a
-``TorchFunctionMode``, which sees the calling thread only: the record pipeline's own thread reads the records."""
+"""No host read per generated token: attached ``generate`` (eager, or compiled by generate itself) reads values
+back from the device (``.cpu()``, ``.tolist()``, ``.item()``, ``bool(t)``, ``int(t)``...) only a constant number of
+times per call more than plain ``generate`` does, whatever the number of tokens, at batch 1 and 4 (left padding, a
+row that stops early at its EOS token), with a sink and a live subscriber; every step still equals the uncached
+oracle. Counted with a ``TorchFunctionMode``, which sees the calling thread only: the record pipeline's own thread
+reads the records."""
 
-import collections
+import contextlib
 
 import pytest
 import torch
@@ -59,19 +60,27 @@ def _inputs(model, rows: int) -> dict:
 
 
 def _reads(model, inputs: dict, new: int) -> int:
-    with HostReads() as reads:
+    compiled = "compile_config" in inputs
+    if compiled:  # compiled anew, so that the same steps run compiled in every call (CACHES)
+        torch._dynamo.reset()
+    with torch._dynamo.config.patch(recompile_limit=2) if compiled else contextlib.nullcontext(), HostReads() as reads:
         model.generate(**inputs, max_new_tokens=new)
     return reads.count
 
 
-#: generate's own KV caches: a dynamic one (positions from its shape) and a static one run eagerly (positions a
-#: device tensor: its length, or cache_position before transformers 5.24)
-CACHES = {"dynamic": {}, "static": {"cache_implementation": "static", "disable_compile": True}}
+#: generate's own KV caches: a dynamic one (positions from its shape), a static one run eagerly (positions a
+#: device tensor: its length, or cache_position before transformers 5.24), and a static one generate compiles itself
+#: (its steps recorded when the call returns; dynamo guards the compiled step on the counting mode's count, so past
+#: its recompile_limit it runs the call's later steps eagerly, after compiled ones: the two first here)
+CACHES = {"dynamic": {}, "static": {"cache_implementation": "static", "disable_compile": True},
+          "compiled": {"cache_implementation": "static"}}
 
 
-@pytest.mark.parametrize("rows,cache", [(1, "dynamic"), (4, "dynamic"), (1, "static")])
+@pytest.mark.parametrize("rows,cache", [(1, "dynamic"), (4, "dynamic"), (1, "static"), (4, "compiled")])
 def test_attached_generate_adds_no_host_read_per_token(model, tmp_path, rows, cache):
     inputs = {**_inputs(model, rows), **CACHES[cache]}
+    if cache == "compiled":
+        inputs["compile_config"] = tiny.cpu_compile(backend="eager")
     added = {}
     for new in (3, 10):
         plain = _reads(model, inputs, new)
@@ -91,3 +100,4 @@ def test_attached_generate_adds_no_host_read_per_token(model, tmp_path, rows, ca
             assert all(step.mask[1:].all() for step in call.steps)
     assert added[3] == added[10], added  # a constant per call, not one per token
     assert added[10] <= 8, added
+    torch._dynamo.reset()  # (the model's compiled call is left to no other test)
