@@ -259,7 +259,7 @@ class Loading(Mapping[str, Any]):
 
     def loadable(self) -> "Loading":
         """Itself, when a model can be loaded with these options alone; ValueError otherwise (max_memory without a
-        device_map, or offload_folder without one). Not asked of NXL_LOAD's options: they are defaults that the
+        device_map strategy, or offload_folder without one that may place weights on disk). Not asked of NXL_LOAD's options: they are defaults that the
         program's own call completes."""
         if self.max_memory is not None and self.device_map is None:
             raise ValueError("--max-memory needs --device-map (max_memory needs a device_map; e.g. auto): it caps "
@@ -267,6 +267,20 @@ class Loading(Mapping[str, Any]):
         if self.offload_folder is not None and self.device_map is None:
             raise ValueError("--offload-folder needs --device-map (auto with --max-memory, or a mapping naming disk): "
                              "without one nothing is offloaded")
+        # transformers reads max_memory only to make a strategy's map, and a device or a mapping that names no disk
+        # offloads nothing to disk: either was accepted and ignored, the model loaded as if it were not given
+        strategy = isinstance(self.device_map, str) and self.device_map in _STRATEGIES
+        given = self.device_map if isinstance(self.device_map, str) else json.dumps(self.device_map, default=str)
+        where = f"--device-map {given:.80}"
+        if self.max_memory is not None and not strategy:
+            raise ValueError(f"--max-memory with {where}: a device or a mapping places every module itself, so the "
+                             f"limits would be ignored; give --device-map {' or '.join(_STRATEGIES)} with them, or "
+                             "drop --max-memory")
+        on_disk = isinstance(self.device_map, Mapping) and "disk" in self.device_map.values()
+        if self.offload_folder is not None and not (strategy or on_disk):
+            raise ValueError(f"--offload-folder with {where}: it places nothing on disk, so the folder would not be "
+                             "used; give a mapping naming \"disk\" for some modules, or auto with --max-memory, or "
+                             "drop --offload-folder")
         return self
 
     def __getitem__(self, name: str) -> Any:

@@ -199,8 +199,8 @@ def test_loading_options_reach_from_pretrained(world, tmp_path, capsys):
     with pytest.MonkeyPatch.context() as patch:  # max_memory's device 0: one this machine is said to have
         patch.setattr(torch.accelerator, "device_count", lambda: 1)
         args = build_parser().parse_args(["evaluate", "m", "d", "--out", "o", "--load-in-4bit",
-                                          "--device-map", '{"": "cpu"}', "--max-memory", "0=2GiB,cpu=3GiB"])
-        assert loading_options(args)["quantize"] == "4bit" and args.device_map == {"": "cpu"}
+                                          "--device-map", "auto", "--max-memory", "0=2GiB,cpu=3GiB"])
+        assert loading_options(args)["quantize"] == "4bit" and args.device_map == "auto"
     assert args.max_memory == {0: "2GiB", "cpu": "3GiB"}
 
 
@@ -301,13 +301,18 @@ def test_generate_writes_the_generation_page(world, tmp_path, capsys):
     (["--max-memory", "cpu=1GiB"], "--max-memory needs --device-map"),
     (["--max-memory", "lots"], "use DEVICE=SIZE pairs"),
     (["--offload-folder", "off"], "--offload-folder needs --device-map"),
+    # transformers ignores both there: the model loaded whole, as if they were not given
+    (["--device-map", "cpu", "--max-memory", "cpu=100KB"], "--max-memory with --device-map cpu: a device or a mapping "
+     "places every module itself, so the limits would be ignored"),
+    (["--device-map", '{"": "cpu"}', "--offload-folder", "off"], '--offload-folder with --device-map {"": "cpu"}: it '
+     "places nothing on disk"),
     (["--device-map", "auto", "--max-memory", "cpu=10XB"], "'10XB' is no size: give bytes (like 1000000000) or a "
      "number and a unit"),
     (["--gguf-file", "model.bin"], "name the .gguf file inside MODEL"),
     (["--gguf-file", "missing.gguf"], "has no file 'missing.gguf'"),
     (["--chat"], "has no chat template"),
-], ids=["8-and-4", "max-memory-alone", "max-memory-syntax", "offload-folder-alone", "max-memory-size", "gguf-name",
-        "gguf-missing", "chat-template"])
+], ids=["8-and-4", "max-memory-alone", "max-memory-syntax", "offload-folder-alone", "max-memory-with-a-device",
+        "offload-folder-without-disk", "max-memory-size", "gguf-name", "gguf-missing", "chat-template"])
 def test_bad_loading_combinations_exit_2_with_one_line(tmp_path, capsys, argv, message):
     folder = tiny.save_model(tmp_path / "bert", "bert")  # the word-level tokenizer has no chat template
     capsys.readouterr()
