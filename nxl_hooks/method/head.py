@@ -129,8 +129,10 @@ class _RmsFold:
     def holds(self, hidden: torch.Tensor) -> bool:
         """Whether folding still computes what the norm does for ``hidden``: checked (:meth:`of`) in float32, it
         stops holding once the model is cast to 16 bits while attached, where the norm rounds its output before the
-        head multiplies and the fold would multiply in 16 bits first and apply the float32 scale after."""
-        return hidden.dtype == torch.float32 and self.module.weight.dtype == torch.float32
+        head multiplies and the fold would multiply in 16 bits first and apply the float32 scale after; nor once the
+        norm is offloaded while attached (``cpu_offload(model)``), whose weight then waits on ``meta``: it is called."""
+        return hidden.dtype == torch.float32 and self.module.weight.dtype == torch.float32 \
+            and not offloaded(self.module)
 
     def scale(self, hidden: torch.Tensor) -> torch.Tensor:
         """rsqrt(mean(h²) + eps) per position: (..., 1)."""
@@ -259,7 +261,6 @@ class Head:
         #: 8-bit layer picks its outlier columns over its whole input), so that the head on every position of a
         #: layer misses the model's own call on its prediction rows; there l = L is pinned to the model's logits
         self.per_position = self.gatherable and all(plain(step) for step in steps if isinstance(step, nn.Module))
-        self._offloaded = offloaded(readout)
         #: the final norm, when it can be folded into gathered rows (see the module docstring)
         self._fold = _RmsFold.of(steps[0]) if self.gatherable and len(steps) == 1 \
             and isinstance(steps[0], nn.Module) else None
@@ -275,6 +276,12 @@ class Head:
     def device(self) -> torch.device:
         """Where the readout computes."""
         return module_device(self.readout)
+
+    @property
+    def _offloaded(self) -> bool:
+        """Whether the readout's weights wait on ``meta`` now: asked at each reading, not once, since a model
+        offloaded with accelerate after attaching (``cpu_offload(model)``) has them there from then on."""
+        return offloaded(self.readout)
 
     @property
     def readable_elsewhere(self) -> bool:

@@ -91,8 +91,11 @@ def full(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def offloaded(module: nn.Module) -> bool:
-    """Some of its own weights wait on ``meta`` for accelerate to load them at call time."""
-    return any(param.device.type == "meta" for param in module.parameters(recurse=False))
+    """Some of its own weights wait on ``meta`` for accelerate to load them at call time, or accelerate's offload hook
+    on it has loaded them for a call under way (in another thread, which sets them back to ``meta`` when it ends):
+    asked while the model runs, the answer must not depend on when."""
+    return getattr(getattr(module, "_hf_hook", None), "offload", False) is True \
+        or any(param.device.type == "meta" for param in module.parameters(recurse=False))
 
 
 def readable(module: nn.Module) -> bool:

@@ -13,6 +13,7 @@ import torch
 
 import big_models as big
 import nxl_hooks as nxl
+import oracle
 import tiny
 
 accelerate = pytest.importorskip("accelerate")
@@ -137,3 +138,30 @@ def test_a_norm_copy_follows_a_weight_replaced_twice(monkeypatch):
     for _ in range(2):
         norm.weight = torch.nn.Parameter(torch.randn_like(norm.weight))
     torch.testing.assert_close(head._step_on(0, norm, torch.device("cpu"))(hidden), norm(hidden), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("how", ["cpu_offload", "disk_offload"])
+def test_a_model_offloaded_after_attaching_is_recorded(tmp_path, how):
+    """Offloaded with accelerate once attached: the head took its readout for not offloaded for good (decided when
+    attaching) and kept folding the final norm, whose weights then wait on meta, so every forward and generate was
+    "not recorded (NotImplementedError: Cannot copy out of meta tensor; no data!)". The numbers are the oracle's."""
+    ids, mask = big.batch()
+    twin = big.build("llama")
+    with torch.no_grad():
+        out = twin(input_ids=ids, attention_mask=mask, output_hidden_states=True)
+        logits = big.llama_head(twin).layer_logits(out.hidden_states)
+    model = big.build("llama")
+    with torch.no_grad(), nxl.attach(model) as probe:
+        if how == "cpu_offload":
+            cpu_offload(model, execution_device="cpu")
+        else:
+            disk_offload(model, str(tmp_path), execution_device="cpu")
+        assert model.lm_head.weight.is_meta and model.model.norm.weight.is_meta
+        model(input_ids=ids, attention_mask=mask)
+        res = probe.result()
+        model.generate(input_ids=ids.flip(-1), attention_mask=mask.flip(-1), max_new_tokens=2, do_sample=False,
+                       pad_token_id=0)
+        assert len(probe.steps) == 2  # recorded (result() raised where it was not)
+    logat, expected = oracle.normxlogit(logits, out.hidden_states[0], res.target)
+    torch.testing.assert_close(res.logat, logat, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(res.normxlogit, expected, rtol=1e-4, atol=1e-5)
