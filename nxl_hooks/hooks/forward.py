@@ -13,6 +13,7 @@ from typing import Any, Sequence
 
 import torch
 
+from ..method.placement import readable, weights_materialized
 from ..method.protocol import Given
 from ..arch.registry import HeadKind, log_probabilities, word_embedding
 from ..method.scores import regression_logat, row_norms, wide
@@ -74,11 +75,14 @@ def embedding_norms(plan: Plan, rows: torch.Tensor, ids: torch.Tensor | None = N
     scale = getattr(embedding, "embed_scale", None)
     if scale is None:
         return row_norms(rows.detach()).float()
-    weight = embedding.weight
-    # (not a weight offloaded to meta, sharded or quantized: its rows are not plain here)
-    if ids is not None and type(weight.data) is torch.Tensor and weight.device == rows.device:
-        # the raw rows: the 16-bit output, scaled then rounded, is up to 1e-3 off them once divided back
-        return row_norms(weight.detach()[ids]).float()
+    # (not a weight sharded or quantized: its rows are not plain here; one offloaded to meta is loaded for the read,
+    # as the model's own call of it just did, and put back)
+    if ids is not None and type(embedding.weight.data) is torch.Tensor and readable(embedding):
+        with weights_materialized(embedding):
+            weight = embedding.weight.detach()
+            if weight.device == rows.device:
+                # the raw rows: the 16-bit output, scaled then rounded, is up to 1e-3 off them once divided back
+                return row_norms(weight[ids]).float()
     norms = row_norms(rows.detach())  # a buffer (Gemma) or a float (XGLM, BioGPT, BART), > 0: ‖x / s‖ = ‖x‖ / s
     return (norms / torch.as_tensor(scale, dtype=norms.dtype, device=norms.device)).float()
 

@@ -165,3 +165,20 @@ def test_a_model_offloaded_after_attaching_is_recorded(tmp_path, how):
     logat, expected = oracle.normxlogit(logits, out.hidden_states[0], res.target)
     torch.testing.assert_close(res.logat, logat, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(res.normxlogit, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("case_id", ["gemma-lm", "gemma2-lm"])
+def test_a_scaled_embedding_offloaded_gives_its_raw_rows_norms(tmp_path, case_id):
+    """embedding="word" for a scaled embedding (Gemma: its rows times sqrt(d)) is the norm of the raw weight rows. An
+    offloaded one's weights wait on meta after its call, and the norms were taken from its output divided back by the
+    scale: in bfloat16, rounded after scaling, up to 1.4e-3 off the rows' own."""
+    import test_architectures as arch
+
+    case = arch.CASES[case_id]
+    twin = case.build().to(torch.bfloat16)
+    ids, mask = arch._batch(case, arch._kind(twin))
+    rows = twin.model.embed_tokens.weight.detach()[ids].float().norm(dim=-1)  # the raw rows, by hand
+    model = disk_offload(case.build().to(torch.bfloat16), str(tmp_path), execution_device="cpu")
+    res = _attribute(model, ids, mask, embedding="word")
+    assert model.model.embed_tokens.weight.is_meta  # read, and left offloaded
+    torch.testing.assert_close(res.embed_norm, rows, rtol=1e-6, atol=0)
