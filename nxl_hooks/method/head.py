@@ -375,14 +375,16 @@ class Head:
         self._unchanged()
         post = self._post_values()
         if not self._offloaded:
-            yield Readout(self, post, held=False)
+            yield Readout(self, post, held=False, gathers=self.gatherable)
             return
         with self._lock:
-            if not self.gatherable:  # called: accelerate loads the weights inside each call
-                yield Readout(self, post, held=False)
+            # (readable asked again: a readout offloaded once attached, cpu_offload(model.lm_head), may be one that
+            # weights_materialized cannot load)
+            if not (self.gatherable and readable(self.readout)):  # called: accelerate loads the weights in each call
+                yield Readout(self, post, held=False, gathers=False)
                 return
             with weights_materialized(self.readout):
-                yield Readout(self, post, held=True)
+                yield Readout(self, post, held=True, gathers=True)
 
 
 class Readout:
@@ -390,10 +392,11 @@ class Readout:
     the logit post-processing values are those read when the block began."""
 
     def __init__(self, head: Head, post: list[tuple[Callable[[torch.Tensor, float], torch.Tensor], float]], *,
-                 held: bool) -> None:
+                 held: bool, gathers: bool) -> None:
         self._head = head
         self._post_ops = post
         self._held = held
+        self._gathers = gathers  #: the head's gatherable, unless its readout can only be called now
         self._rows: dict[bool, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}  # folded -> rows
 
     def post(self, logits: torch.Tensor) -> torch.Tensor:
@@ -449,7 +452,7 @@ class Readout:
         Not folded under autocast: the model rounds its normed features to 16 bits and then multiplies, where the
         fold would multiply in 16 bits first and apply the float32 scale after, missing its logits by a rounding."""
         fold = self._head._fold
-        if fold is not None and fold.holds(hidden) and not torch.is_autocast_enabled(hidden.device.type):
+        if self._gathers and fold is not None and fold.holds(hidden) and not torch.is_autocast_enabled(hidden.device.type):
             return self._gathered(hidden, targets, folded=True)
         return self.target_logits(self._head.features(hidden), targets)
 
@@ -463,7 +466,7 @@ class Readout:
         (fewer: CALLED_READOUT_BYTES).
         """
         head = self._head
-        if head.gatherable:
+        if self._gathers:
             return self._gathered(features, targets, folded=False)
         parts = []
         rows = features.shape[0]

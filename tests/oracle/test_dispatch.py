@@ -140,11 +140,13 @@ def test_a_norm_copy_follows_a_weight_replaced_twice(monkeypatch):
     torch.testing.assert_close(head._step_on(0, norm, torch.device("cpu"))(hidden), norm(hidden), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("how", ["cpu_offload", "disk_offload"])
+@pytest.mark.parametrize("how", ["cpu_offload", "disk_offload", "lm_head_alone"])
 def test_a_model_offloaded_after_attaching_is_recorded(tmp_path, how):
     """Offloaded with accelerate once attached: the head took its readout for not offloaded for good (decided when
-    attaching) and kept folding the final norm, whose weights then wait on meta, so every forward and generate was
-    "not recorded (NotImplementedError: Cannot copy out of meta tensor; no data!)". The numbers are the oracle's."""
+    attaching) and kept folding the final norm, whose weights then wait on meta; and the lm_head offloaded alone
+    (accelerate's hook in a SequentialHook, which align_module_device does not load) was still read row by row. Every
+    forward and generate was "not recorded (NotImplementedError: Cannot copy out of meta tensor; no data!)". The
+    numbers are the oracle's."""
     ids, mask = big.batch()
     twin = big.build("llama")
     with torch.no_grad():
@@ -154,9 +156,11 @@ def test_a_model_offloaded_after_attaching_is_recorded(tmp_path, how):
     with torch.no_grad(), nxl.attach(model) as probe:
         if how == "cpu_offload":
             cpu_offload(model, execution_device="cpu")
-        else:
+        elif how == "disk_offload":
             disk_offload(model, str(tmp_path), execution_device="cpu")
-        assert model.lm_head.weight.is_meta and model.model.norm.weight.is_meta
+        else:
+            cpu_offload(model.lm_head, execution_device="cpu")
+        assert model.lm_head.weight.is_meta and model.model.norm.weight.is_meta == (how != "lm_head_alone")
         model(input_ids=ids, attention_mask=mask)
         res = probe.result()
         model.generate(input_ids=ids.flip(-1), attention_mask=mask.flip(-1), max_new_tokens=2, do_sample=False,
