@@ -259,8 +259,8 @@ class Loading(Mapping[str, Any]):
 
     def loadable(self) -> "Loading":
         """Itself, when a model can be loaded with these options alone; ValueError otherwise (max_memory without a
-        device_map strategy, or offload_folder without one that may place weights on disk). Not asked of NXL_LOAD's options: they are defaults that the
-        program's own call completes."""
+        device_map strategy, or offload_folder without one that may place weights on disk). Not asked of NXL_LOAD's
+        options: they are defaults that the program's own call completes."""
         if self.max_memory is not None and self.device_map is None:
             raise ValueError("--max-memory needs --device-map (max_memory needs a device_map; e.g. auto): it caps "
                              "what each device holds")

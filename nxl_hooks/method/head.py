@@ -452,7 +452,8 @@ class Readout:
         Not folded under autocast: the model rounds its normed features to 16 bits and then multiplies, where the
         fold would multiply in 16 bits first and apply the float32 scale after, missing its logits by a rounding."""
         fold = self._head._fold
-        if self._gathers and fold is not None and fold.holds(hidden) and not torch.is_autocast_enabled(hidden.device.type):
+        if self._gathers and fold is not None and fold.holds(hidden) \
+                and not torch.is_autocast_enabled(hidden.device.type):
             return self._gathered(hidden, targets, folded=True)
         return self.target_logits(self._head.features(hidden), targets)
 
