@@ -537,7 +537,7 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
 
     loading = Loading(head=head, gguf_file=gguf_file, dtype=dtype, device_map=device_map, max_memory=max_memory,
                       offload_folder=offload_folder, quantize=quantize, tp=tp, chat=chat)
-    loading = loading.loadable()  # checked as the flags are
+    loading = loading.loadable().followed()  # checked as the flags are
     name, split = _split_gguf(name, loading.gguf_file)
     if split != loading.gguf_file:  # the .gguf file given as name (checked again: --tp excludes it)
         loading = dataclasses.replace(loading, gguf_file=split)

@@ -259,14 +259,21 @@ class Loading(Mapping[str, Any]):
 
     def loadable(self) -> "Loading":
         """Itself, when a model can be loaded with these options alone; ValueError otherwise (max_memory without a
-        device_map strategy, or offload_folder without one that may place weights on disk). Not asked of NXL_LOAD's
-        options: they are defaults that the program's own call completes."""
+        device_map, or offload_folder without one). Not asked of NXL_LOAD's options: they are defaults that the
+        program's own call completes."""
         if self.max_memory is not None and self.device_map is None:
             raise ValueError("--max-memory needs --device-map (max_memory needs a device_map; e.g. auto): it caps "
                              "what each device holds")
         if self.offload_folder is not None and self.device_map is None:
             raise ValueError("--offload-folder needs --device-map (auto with --max-memory, or a mapping naming disk): "
                              "without one nothing is offloaded")
+        return self
+
+    def followed(self) -> "Loading":
+        """Itself, when transformers follows every option given; ValueError otherwise: max_memory with a device_map
+        that is not a strategy, or offload_folder with one that places nothing on disk. Asked where the model is
+        loaded with these options alone (``load_model``), not of ``nxl run``'s, whose program's own call may give
+        the strategy."""
         # transformers reads max_memory only to make a strategy's map, and a device or a mapping that names no disk
         # offloads nothing to disk: either was accepted and ignored, the model loaded as if it were not given
         strategy = isinstance(self.device_map, str) and self.device_map in _STRATEGIES

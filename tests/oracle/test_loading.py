@@ -199,8 +199,8 @@ def test_loading_options_reach_from_pretrained(world, tmp_path, capsys):
     with pytest.MonkeyPatch.context() as patch:  # max_memory's device 0: one this machine is said to have
         patch.setattr(torch.accelerator, "device_count", lambda: 1)
         args = build_parser().parse_args(["evaluate", "m", "d", "--out", "o", "--load-in-4bit",
-                                          "--device-map", "auto", "--max-memory", "0=2GiB,cpu=3GiB"])
-        assert loading_options(args)["quantize"] == "4bit" and args.device_map == "auto"
+                                          "--device-map", '{"": "cpu"}', "--max-memory", "0=2GiB,cpu=3GiB"])
+        assert loading_options(args)["quantize"] == "4bit" and args.device_map == {"": "cpu"}
     assert args.max_memory == {0: "2GiB", "cpu": "3GiB"}
 
 
