@@ -122,6 +122,13 @@ _DTYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", t
            torch.uint8: "U8", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64"}
 
 
+def _sized(text: bytes) -> bytes:
+    """A safetensors header of JSON ``text``: its 8-byte length, then it, padded with spaces to 8 bytes (the
+    alignment safetensors writes, and checks)."""
+    text += b" " * (-len(text) % 8)
+    return _LENGTH.pack(len(text)) + text
+
+
 def _blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
     """A safetensors blob of small CPU tensors, as ``safetensors.torch.save`` writes it (8-byte header length, the
     JSON header, 8-byte aligned, then the raw little-endian data), without its checks for shared and sparse
@@ -138,8 +145,7 @@ def _blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
         parts.append(array.tobytes())  # C order, whatever the strides
         offset = end
     text = ",".join(entries).join("{}").encode()
-    text += b" " * (-len(text) % 8)
-    return b"".join([_LENGTH.pack(len(text)), text, *parts])
+    return b"".join([_sized(text), *parts])
 
 
 def write_blob(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
@@ -168,8 +174,7 @@ def read_blob(data: bytes | bytearray | memoryview) -> tuple[Any, dict[str, torc
     if not (isinstance(metadata, dict) and all(isinstance(value, str) for value in metadata.values())):
         raise ValueError("not a safetensors blob: its __metadata__ is not a map of strings")  # (as safetensors says)
     text = json.dumps(entries).encode()
-    text += b" " * (-len(text) % 8)  # the alignment safetensors writes
-    return metadata, _load_blob(b"".join([_LENGTH.pack(len(text)), text, data[8 + size:]]))
+    return metadata, _load_blob(b"".join([_sized(text), data[8 + size:]]))
 
 
 def _require(condition: bool, problem: str) -> None:
