@@ -163,10 +163,13 @@ class Probe:
 
     @property
     def layers(self) -> list[int]:
+        """The layers recorded, 0 (the embeddings) to :attr:`n_blocks` (the last block's output), ascending:
+        ``probe.layers == [0, 12]`` for ``attach(model, layers=[0, -1])`` on a 12-block model."""
         return list(self._layers)
 
     @property
     def n_blocks(self) -> int:
+        """How many blocks the model runs, L: its last layer's index. ``probe.n_blocks``"""
         return self._n_blocks
 
     def describe(self) -> dict[str, Any]:
