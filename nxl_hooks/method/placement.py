@@ -94,7 +94,9 @@ def offloaded(module: nn.Module) -> bool:
     """Some of its own weights wait on ``meta`` for accelerate to load them at call time, or accelerate's offload hook
     on it has loaded them for a call under way (in another thread, which sets them back to ``meta`` when it ends):
     asked while the model runs, the answer must not depend on when."""
-    return getattr(getattr(module, "_hf_hook", None), "offload", False) is True \
+    hook = getattr(module, "_hf_hook", None)
+    hooks = getattr(hook, "hooks", (hook,))  # (cpu_offload of a bare module: its offload hook in a SequentialHook)
+    return any(getattr(each, "offload", False) is True for each in hooks) \
         or any(param.device.type == "meta" for param in module.parameters(recurse=False))
 
 

@@ -18,6 +18,7 @@ import tiny
 
 accelerate = pytest.importorskip("accelerate")
 from accelerate import cpu_offload, disk_offload  # noqa: E402
+from nxl_hooks.method.placement import offloaded  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 # Block 0 computes in place, block 1 and the whole head (final norm and lm_head) are offloaded to disk.
@@ -169,6 +170,21 @@ def test_a_model_offloaded_after_attaching_is_recorded(tmp_path, how):
     logat, expected = oracle.normxlogit(logits, out.hidden_states[0], res.target)
     torch.testing.assert_close(res.logat, logat, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(res.normxlogit, expected, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("how", ["cpu_offload", "lm_head_alone"])
+def test_an_offloaded_readout_is_offloaded_while_a_call_has_its_weights_loaded(how):
+    """Asked while the model's own call has the weights loaded (another thread reading the head: the record
+    pipeline), the readout must still be offloaded, so that the reading takes the lock; accelerate's offload hook
+    of a module offloaded alone sits in a SequentialHook, which has no `offload` of its own: it was not."""
+    model = big.build("llama")
+    cpu_offload(model if how == "cpu_offload" else model.lm_head, execution_device="cpu")
+    assert offloaded(model.lm_head)  # idle: on meta
+    model.lm_head._hf_hook.pre_forward(model.lm_head)  # what the call does first: the weights loaded
+    try:
+        assert not model.lm_head.weight.is_meta and offloaded(model.lm_head)
+    finally:
+        model.lm_head._hf_hook.post_forward(model.lm_head, None)
 
 
 @pytest.mark.parametrize("case_id", ["gemma-lm", "gemma2-lm"])
