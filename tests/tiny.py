@@ -18,7 +18,7 @@ import signal
 import threading
 from html.parser import HTMLParser
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
@@ -272,3 +272,24 @@ class KeptGraphs:
         return sum(any(name in str(node.target) for name in self.NORMS)
                    for gm in ([graph] if graph is not None else self.graphs) for node in gm.graph.nodes
                    if node.op in ("call_function", "call_method"))
+
+
+def overflowing(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` (a Llama) with its last block's MLP scaled up: its logits stay finite in float32 and are NaN once
+    the model is cast to float16 (an overflow). Returns the model."""
+    with torch.no_grad():
+        model.model.layers[-1].mlp.up_proj.weight.mul_(3e3)
+        model.model.layers[-1].mlp.down_proj.weight.mul_(3e5)
+    return model
+
+
+def tie_below_float32(model: torch.nn.Module, **inputs: Any) -> torch.Tensor:
+    """Give a float64 causal LM's top output at the last position of ``inputs`` a twin: the output before it, its
+    ``lm_head`` row a copy a hair (1e-12) smaller in logit, so both logits are one number in float32. Returns the
+    model's own logits there after the change."""
+    with torch.no_grad():
+        logits = model(**inputs).logits[0, -1]
+        top = int(logits.argmax())
+        assert top > 0  # (a twin before it)
+        model.lm_head.weight[top - 1] = model.lm_head.weight[top] * (1 - 1e-12 * float(logits[top].sign()))
+        return model(**inputs).logits[0, -1]

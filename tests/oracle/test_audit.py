@@ -116,10 +116,7 @@ def test_a_candidate_whose_outputs_overflow_is_a_value_error_not_a_record_of_nan
     now, naming the model and what to do."""
     import copy
 
-    model, tok = tiny.build_model("llama", 0), tiny.tokenizer()
-    with torch.no_grad():
-        model.model.layers[-1].mlp.up_proj.weight.mul_(3e3)
-        model.model.layers[-1].mlp.down_proj.weight.mul_(3e5)
+    model, tok = tiny.overflowing(tiny.build_model("llama", 0)), tiny.tokenizer()
     half = copy.deepcopy(model).half()
     ids = torch.tensor([tok("the film was very good")["input_ids"]])
     with torch.no_grad():
@@ -135,12 +132,8 @@ def test_a_float64_models_prediction_is_its_argmax_where_float32_would_tie_two_l
     were rounded to float32 first, where both are one number and the first was taken."""
     model, tok = tiny.build_model("llama", 0).double(), tiny.tokenizer()
     ids = torch.tensor([tok("the film was very good")["input_ids"]])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, -1]
-        top = int(logits.argmax())
-        assert top > 0  # the one before it a copy of its row, a hair smaller a logit
-        model.lm_head.weight[top - 1] = model.lm_head.weight[top] * (1 - 1e-12 * float(logits[top].sign()))
-        own = model(input_ids=ids).logits[0, -1]
+    own = tiny.tie_below_float32(model, input_ids=ids)
+    top = int(own.argmax())
     assert own[top - 1] < own[top] and own[top - 1].float() == own[top].float()
     record = audit.audit_example(model, model, tok, {"text": "the film was very good"})
     assert record["reference_prediction"] == record["candidate_prediction"] == int(own.argmax())

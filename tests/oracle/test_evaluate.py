@@ -272,12 +272,8 @@ def test_a_float64_models_prediction_is_its_argmax_where_float32_would_tie_two_l
     were rounded to float32 first, where both are one number and the first was taken."""
     model, tok = _tiny_llama().double(), word_tokenizer(WORDS, "[CLS] $A")
     ids = torch.tensor([tok("the key the keys")["input_ids"]])
-    with torch.no_grad():
-        logits = model(input_ids=ids).logits[0, -1]
-        top = int(logits.argmax())
-        assert top > 0  # the one before it a copy of its row, a hair smaller a logit
-        model.lm_head.weight[top - 1] = model.lm_head.weight[top] * (1 - 1e-12 * float(logits[top].sign()))
-        own = model(input_ids=ids).logits[0, -1]
+    own = tiny.tie_below_float32(model, input_ids=ids)
+    top = int(own.argmax())
     assert own[top - 1] < own[top] and own[top - 1].float() == own[top].float()
     record = ev.score_example(model, tok, {"text": "the key the keys"}, methods=("normxlogit",))
     assert record["target"] == record["prediction"] == int(own.argmax())
@@ -287,10 +283,7 @@ def test_a_model_whose_output_overflows_to_nan_is_a_value_error_not_a_record_of_
     """A float16 Llama whose last block overflows: its logits are NaN. The example was recorded as predicting output 0
     with NaN probabilities, every curve NaN, and one such example made the run's AOPC NaN (summary.json then held NaN,
     which JSON has not); it fails now, in one line saying what to do (nxl evaluate records it and goes on)."""
-    model, tok = _tiny_llama(), word_tokenizer(WORDS, "[CLS] $A")
-    with torch.no_grad():
-        model.model.layers[-1].mlp.up_proj.weight.mul_(3e3)
-        model.model.layers[-1].mlp.down_proj.weight.mul_(3e5)
+    model, tok = tiny.overflowing(_tiny_llama()), word_tokenizer(WORDS, "[CLS] $A")
     model.half()
     example = {"text": "the key the keys", "target": "is"}
     with torch.no_grad():

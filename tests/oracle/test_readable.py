@@ -292,10 +292,7 @@ def test_a_model_whose_outputs_overflow_is_said_to_have_no_prediction(tok):
 
     from nxl_hooks.apps.terminal import show_attribution
 
-    model = bpe_tiny.bpe_llama(tok, seed=1)
-    with torch.no_grad():
-        model.model.layers[-1].mlp.up_proj.weight.mul_(3e3)
-        model.model.layers[-1].mlp.down_proj.weight.mul_(3e5)
+    model = tiny.overflowing(bpe_tiny.bpe_llama(tok, seed=1))
     note = "outputs at the prediction position are NaN or infinite (an overflow, as in float16)"
     for dtype, said in ((torch.float16, 1), (torch.float32, 0)):
         res = nxl.explain(model.to(dtype), tok, PROMPT)
@@ -317,10 +314,7 @@ def test_a_generation_whose_outputs_overflow_is_said_so_once(tok):
     from nxl_hooks.apps.terminal import print_generation
     from nxl_hooks.records.html import generation_html
 
-    model = bpe_tiny.bpe_llama(tok, seed=1)
-    with torch.no_grad():
-        model.model.layers[-1].mlp.up_proj.weight.mul_(3e3)
-        model.model.layers[-1].mlp.down_proj.weight.mul_(3e5)
+    model = tiny.overflowing(bpe_tiny.bpe_llama(tok, seed=1))
     note = "outputs at the prediction position are NaN or infinite (an overflow, as in float16)"
     for dtype, said in ((torch.float16, 1), (torch.float32, 0)):
         console = Console(record=True, width=100)
