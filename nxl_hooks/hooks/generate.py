@@ -526,7 +526,7 @@ class Run:
         """Check the forward continues what the run holds; complete the pending step with its first token."""
         if not self._following:
             return
-        if self._pending and not self._predicted:
+        if self._logits_missed():
             self._unfollow()
             return
         n = self._n
@@ -692,6 +692,11 @@ class Run:
             self.feed(self._n, features, torch.cat([e for _, e, _ in unfed], dim=1),
                       torch.cat([m for _, _, m in unfed], dim=1), None)
 
+    def _logits_missed(self) -> bool:
+        """Whether the last forward's logits never came though its step is pending: its task model ran compiled code
+        (:meth:`_unfollow`)."""
+        return self._pending and not self._predicted
+
     def _unfollow(self) -> None:
         """The last forward's backbone ran eagerly and its task model compiled code, so its logits never reached the
         hooks: dynamo ran part of a compiled decoding step eagerly, a recompile it may not make
@@ -713,7 +718,7 @@ class Run:
         from the record's last on is recorded by :meth:`_replay` when the call ends."""
         if not self._following:
             return
-        if self._pending and not self._predicted:  # (the last forward's logits never came: it ran partly compiled)
+        if self._logits_missed():  # (it ran partly compiled)
             self._unfollow()
         else:
             self._following = False
@@ -805,8 +810,8 @@ class Run:
         (:meth:`~.publish.Hub.end_later`) while the host goes on: :meth:`_later` copies what they read first.
         Never raises."""
         try:
-            if self._following and self._pending and not self._predicted and not self.failed:
-                self._unfollow()  # the last forward's logits never came
+            if self._following and self._logits_missed() and not self.failed:
+                self._unfollow()
             later = self._later(sequences)
         except Exception:  # noqa: BLE001 - then made here, where a failure is said as it would have been
             self._prefix, later = None, None
