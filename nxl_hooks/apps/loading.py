@@ -35,6 +35,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
+from ..arch.spec import UNEXPLAINED, class_head
 from ..arch.text import install_command
 from ..method.subject import PROMPT_LEARNING
 from ..records.files import not_a_folder, user_path
@@ -50,21 +51,11 @@ __all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "Loading", "check_explainable",
 #: vocabulary: :func:`_check_vocabulary` refuses one loaded without it).
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "tokenizer.model",
                     "spiece.model", "sentencepiece.bpe.model")
-_SUFFIXES = {
-    "ForCausalLM": "causal_lm",
-    "LMHeadModel": "causal_lm",
-    "ForSequenceClassification": "sequence_classification",
-    "ForMaskedLM": "masked_lm",
-}
 
 
 def head_from_architectures(architectures: list[str] | None) -> str | None:
     """The head kind named by ``config.architectures`` (``["BertForMaskedLM"]`` -> ``"masked_lm"``), or None."""
-    for name in architectures or ():
-        for suffix, kind in _SUFFIXES.items():
-            if name.endswith(suffix):
-                return kind
-    return None
+    return next((kind.value for kind in map(class_head, architectures or ()) if kind is not None), None)
 
 
 def _local_folder(name: str, subfolder: str | None) -> Path:
@@ -567,11 +558,11 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
     else:
         config = _read_config(name, **where)
         kind = head or head_from_architectures(getattr(config, "architectures", None))
+        if kind is None and getattr(config, "architectures", None):  # (--head would build the same class: below)
+            raise ValueError(f"{name}: config.architectures names {config.architectures}; {UNEXPLAINED}")
         if kind is None:
-            raise ValueError(
-                f"{name}: config.architectures ({getattr(config, 'architectures', None)}) names no head that "
-                f"NormXLogit explains; pass --head with one of {', '.join(HEAD_CLASSES)}"
-            )
+            raise ValueError(f"{name}: config.json names no architectures, so no head that NormXLogit explains; "
+                             f"pass --head with one of {', '.join(HEAD_CLASSES)}")
         if loading.tp:
             _check_tp_heads(name, config)
         _check_saved_quantization(name, getattr(config, "quantization_config", None),
@@ -637,9 +628,17 @@ def _check_head(name: str, config: Any, kind: str) -> None:
     a Llama): building it fails deep inside, where the error reads as a config.json that does not fit its weights."""
     import transformers
 
-    def has(each: str) -> bool:
-        return type(config) in getattr(transformers, HEAD_CLASSES[each])._model_mapping
+    def built(each: str) -> type | None:  # the class transformers' Auto class builds for this config
+        mapping = getattr(transformers, HEAD_CLASSES[each])._model_mapping
+        return mapping[type(config)] if type(config) in mapping else None
 
+    def has(each: str) -> bool:
+        return built(each) is not None and class_head(built(each).__name__) is not None
+
+    found = built(kind)
+    if found is not None and not has(kind):  # (AutoModelForCausalLM builds Gemma 3 as its vision-language model)
+        raise ValueError(f"{name}: transformers builds {config.model_type} models as {found.__name__} for {kind}; "
+                         f"{UNEXPLAINED}")
     if not has(kind):
         fits = [each for each in HEAD_CLASSES if has(each)]
         fix = f"use --head {' or '.join(fits)}" if fits else f"nxl_hooks explains {', '.join(HEAD_CLASSES)} heads"

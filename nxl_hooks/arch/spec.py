@@ -19,9 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ArchSpec", "FUNCTION_STEPS", "HEAD_KINDS", "HeadKind", "POST_STEPS", "RegistryError",
-           "UnknownArchitectureError", "get_path", "has_path", "head_kind", "readout_outputs", "spec_from_mapping",
-           "spec_head", "split_post_steps", "word_embedding"]
+__all__ = ["ArchSpec", "FUNCTION_STEPS", "HEAD_CLASS_ENDINGS", "HEAD_KINDS", "HeadKind", "POST_STEPS", "RegistryError",
+           "UNEXPLAINED", "UnknownArchitectureError", "class_head", "get_path", "has_path", "head_kind",
+           "readout_outputs", "spec_from_mapping", "spec_head", "split_post_steps", "word_embedding"]
 
 
 class HeadKind(str, Enum):
@@ -248,24 +248,38 @@ def spec_from_mapping(name: str, data: Any, source: str) -> ArchSpec:
                     layer_outputs=data.get("layer_outputs", {}), source=source)
 
 
+#: The endings of the class names of the task models nxl_hooks explains, and the head each reads out with
+#: (regression is a sequence-classification head with one output: :func:`head_kind` tells it by the config).
+HEAD_CLASS_ENDINGS = {"ForCausalLM": HeadKind.CAUSAL_LM, "LMHeadModel": HeadKind.CAUSAL_LM,
+                      "ForSequenceClassification": HeadKind.SEQUENCE_CLASSIFICATION, "ForMaskedLM": HeadKind.MASKED_LM}
+#: What the task models nxl_hooks explains are, and what it does not explain: said wherever a model is refused for
+#: its class (a VLM's *ForConditionalGeneration is what AutoModelForCausalLM builds for Gemma 3 from 4B on, so "attach
+#: to a *ForCausalLM" left its user nothing to do).
+UNEXPLAINED = ("NormXLogit explains the head of a decoder-only or encoder text model (a *ForCausalLM, *LMHeadModel, "
+               "*ForSequenceClassification or *ForMaskedLM class); encoder-decoder (T5, BART, Marian, Whisper), "
+               "vision-language (Llava, PaliGemma, Qwen2-VL, Gemma 3 from 4B), vision and audio models, token "
+               "classification and question answering are not supported (docs/supported-models.md)")
+
+
+def class_head(name: str) -> HeadKind | None:
+    """The head a transformers task model class reads out with, by its name (regression not told apart), or None for
+    a class nxl_hooks does not explain: ``class_head("BertForMaskedLM") is HeadKind.MASKED_LM``."""
+    return next((kind for ending, kind in HEAD_CLASS_ENDINGS.items() if name.endswith(ending)), None)
+
+
 def head_kind(model: nn.Module) -> HeadKind:
     """The head kind of a transformers task model, from its class: ``head_kind(model) is HeadKind.CAUSAL_LM``."""
     name = type(model).__name__
-    if name.endswith(("ForCausalLM", "LMHeadModel")):
-        return HeadKind.CAUSAL_LM
-    if name.endswith("ForMaskedLM"):
-        return HeadKind.MASKED_LM
-    if name.endswith("ForSequenceClassification"):
+    kind = class_head(name)
+    if kind is None:
+        raise UnknownArchitectureError(f"{name} has no head-on-top that nxl_hooks knows: {UNEXPLAINED}.")
+    if kind is HeadKind.SEQUENCE_CLASSIFICATION:
         # transformers' own rule (the loss it trains with): regression where the config says so, or says nothing
         # and has one output; a one-logit classifier trained with BCE (multi_label_classification) is signed
         problem = getattr(model.config, "problem_type", None)
         if problem == "regression" or (problem is None and model.config.num_labels == 1):
             return HeadKind.REGRESSION
-        return HeadKind.SEQUENCE_CLASSIFICATION
-    raise UnknownArchitectureError(
-        f"{name} has no head-on-top that nxl_hooks knows: attach to a *ForCausalLM, *LMHeadModel, "
-        "*ForSequenceClassification or *ForMaskedLM model (NormXLogit explains a head's prediction)."
-    )
+    return kind
 
 
 def log_probabilities(model: nn.Module, outputs: torch.Tensor) -> torch.Tensor:

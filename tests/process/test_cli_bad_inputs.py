@@ -108,6 +108,13 @@ CASES = [
      r"save the whole model again \(model.save_pretrained\), or pass the --head its weights were trained with"),
     ("evaluate weights without the head", ["evaluate", "{headless}", "{data}", "--out", "{root}/o"],
      r"headless lacks tensors the model needs"),
+    # a model NormXLogit does not explain, refused before its weights load (--head built the same class, or none)
+    ("vision-language checkpoint", ["attribute", "{vlm}", TEXT],
+     r"vlm: config.architectures names \['Gemma3ForConditionalGeneration'\]; NormXLogit explains the head of a "
+     r"decoder-only or encoder text model .* vision-language .* not supported \(docs/supported-models.md\)$"),
+    ("vision-language checkpoint as a causal LM", ["attribute", "{vlm}", TEXT, "--head", "causal_lm"],
+     r"vlm: transformers builds gemma3 models as Gemma3ForConditionalGeneration for causal_lm; NormXLogit explains "
+     r"the head of a decoder-only or encoder text model"),
     ("config head count 0", ["attribute", "{noheads}", TEXT],
      r"noheads/config.json: num_attention_heads is 0; a size must be a whole number above 0: use the config.json"),
     ("config width a string", ["attribute", "{textwidth}", TEXT], r"textwidth/config.json: hidden_size is '32'"),
@@ -346,6 +353,8 @@ def where(tmp_path_factory) -> dict[str, str]:
             "AutoConfig": "evil.EvilConfig", "AutoModelForSequenceClassification": "evil.Evil"}),
             (p / "evil.py").write_text(f"open({str(p / 'RAN')!r}, 'w')\n")),
         "badtokenizer": lambda p: (p / "tokenizer.json").write_text("{oops"),
+        # a vision-language model's config.json (AutoModelForCausalLM builds Gemma3ForConditionalGeneration)
+        "vlm": lambda p: transformers.Gemma3Config(architectures=["Gemma3ForConditionalGeneration"]).save_pretrained(p),
         # a PEFT adapter (PeftModel.save_pretrained): the adapter's files beside the tokenizer, no config.json
         "adapter": lambda p: ((p / "config.json").unlink(), (p / "model.safetensors").rename(
             p / "adapter_model.safetensors"), (p / "adapter_config.json").write_text(json.dumps(
