@@ -20,6 +20,7 @@ from ..method.scores import regression_logat, row_norms, wide
 from ..method.select import VIRTUAL_ID
 from ..records.attribution import Attribution
 from ..records.tokens import target_texts
+from .conventions import token_mask
 from .plan import Plan
 
 __all__ = ["NEEDS_IDS", "Capture", "assemble", "check_tokens", "embed_norms", "embedding_norms", "head_features",
@@ -207,14 +208,25 @@ def embed_norms(capture: Capture) -> torch.Tensor:
     return capture.embed_norm
 
 
+def real_tokens(capture: Capture) -> torch.Tensor | None:
+    """Which of a plain forward's tokens are real, not padding: (batch, seq) bool, read from its attention mask by
+    :func:`~.conventions.token_mask`, 2-D, 4-D (a custom mask) or a dict of them by layer type; None without a
+    mask, or with one of another shape, which says nothing of padding."""
+    mask = capture.attention_mask
+    if isinstance(mask, dict) or (isinstance(mask, torch.Tensor) and mask.dim() in (2, 4)):
+        # (a 4-D mask's keys start at the forward's own tokens: a plain forward continues no cache but prefix
+        # tuning's, whose mask comes 2-D)
+        return token_mask(mask, 0, capture.shape[1])
+    return None
+
+
 def assemble(plan: Plan, capture: Capture, output: Any = None, keep: Any = None) -> Attribution:
     """The :class:`~nxl_hooks.Attribution` of a finished forward; ``output``: the task model's output, if seen, and
     ``keep`` the ``logits_to_keep`` it was called with."""
     embed = embed_norms(capture)
-    seq, hidden = capture.shape[1], layer_states(plan, capture)
+    seq, hidden, real = capture.shape[1], layer_states(plan, capture), real_tokens(capture)
     # (rows read as the model read them: given no ids, a classifier pools its last position, not its last non-pad)
-    examples, positions = plan.rows(None if capture.virtual else capture.input_ids, capture.attention_mask,
-                                    capture.shape)
+    examples, positions = plan.rows(None if capture.virtual else capture.input_ids, real, capture.shape)
     with plan.head.reading() as readout:
         final, covered, sliced = _model_logits(plan, output, examples, positions, seq, keep)
         if not covered.all():  # HoT of the last layer at the prediction rows the model gave no logits for
@@ -254,11 +266,7 @@ def assemble(plan: Plan, capture: Capture, output: Any = None, keep: Any = None)
         if plan.kind is HeadKind.REGRESSION:
             logat = regression_logat(logat, final.gather(-1, targets.to(final.device)))
         embed_norm = by_row(embed).to(final.device)
-        mask = (
-            by_row(capture.attention_mask).to(final.device).bool()
-            if capture.attention_mask is not None and capture.attention_mask.dim() == 2
-            else torch.ones_like(embed_norm, dtype=torch.bool)
-        )
+        mask = by_row(real).to(final.device) if real is not None else torch.ones_like(embed_norm, dtype=torch.bool)
         scores, targets = plan.scores(Given(logat, embed_norm, targets, log_probs, head_logits, mask,
                                             regression=plan.kind is HeadKind.REGRESSION))
     probability = None if log_probs is None else log_probs.gather(-1, targets.view(len(examples), -1)).exp()

@@ -1,7 +1,7 @@
 """Plain forwards at their edges, each against the oracle (``output_hidden_states`` and the head by hand): a
 regression head's output asked for, a one-logit classifier, one text without a pad token, a forward that continues a KV cache (PEFT prefix
 tuning's virtual tokens, or positions the probe never saw), a forward Ctrl-C ended, a contrastive score with no
-output left to contrast with, and a block the forward never runs.
+output left to contrast with, a block the forward never runs, and a custom 4-D attention mask.
 """
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import threading
 
 import pytest
 import torch
-from transformers import BertConfig, BertForSequenceClassification, LogitsProcessor, LogitsProcessorList
+from transformers import (BertConfig, BertForSequenceClassification, Gemma2Config, Gemma2ForCausalLM, LogitsProcessor,
+                          LogitsProcessorList)
 
 import big_models as big
 import nxl_hooks as nxl
@@ -406,3 +407,49 @@ def test_a_block_the_forward_never_runs_is_named_with_what_to_do():
     logits = oracle.llama(model).layer_logits(out.hidden_states)
     logat, _ = oracle.normxlogit(logits, out.hidden_states[0], logits[-1, :, -1].argmax(-1))
     torch.testing.assert_close(probe.result().logat, logat, rtol=1e-4, atol=1e-5)
+
+
+def _four_d(real: torch.Tensor, causal: bool, additive: bool) -> torch.Tensor:
+    """A (rows, 1, seq, seq) attention mask as transformers builds one from a 2-D mask ``real``: each query sees the
+    real keys (up to itself when ``causal``); boolean, or additive (the dtype's minimum where masked)."""
+    seq = real.shape[1]
+    seen = real.bool()[:, None, None, :].expand(-1, 1, seq, -1)
+    if causal:
+        seen = seen & torch.ones(seq, seq, dtype=torch.bool).tril()
+    return torch.zeros(seen.shape).masked_fill(~seen, torch.finfo(torch.float32).min) if additive else seen
+
+
+@pytest.mark.parametrize("kind, additive", [("llama", False), ("llama", True), ("bert", False), ("gemma2", True)])
+def test_a_4d_attention_mask_masks_the_padding_and_each_row_is_its_text_alone(kind, additive):
+    """A custom 4-D attention mask (rows, 1, queries, keys) in a plain forward, or a dict of them by layer type
+    (Gemma 2): each row's padding is read from it as from a 2-D mask (the pads were real tokens that ranked, a
+    right-padded causal LM row explained the prediction at its last pad, not its last real token, and a dict was not
+    recorded at all); each row equals its text run alone, against the oracle."""
+    if kind == "gemma2":
+        torch.manual_seed(0)
+        model = Gemma2ForCausalLM(Gemma2Config(
+            vocab_size=len(tiny.VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=8, pad_token_id=0, sliding_window=16)).eval()
+        hand = oracle.gemma(model)
+    else:
+        model = tiny.build_model(kind)
+        hand = oracle.bert_classifier(model) if kind == "bert" else oracle.llama(model)
+    ids, real = _ids(3, 6), torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0]])
+    ids[real == 0] = 0
+    mask = _four_d(real, kind != "bert", additive)
+    if kind == "gemma2":  # (additive: its eager attention adds the mask; its window holds every token)
+        mask = {"full_attention": mask, "sliding_attention": mask}
+    with torch.no_grad(), nxl.attach(model, layers="all") as probe:
+        model(input_ids=ids, attention_mask=mask)
+    res = probe.result()
+    assert torch.equal(res.mask, real.bool())
+    for row, n in enumerate(real.sum(-1).tolist()):
+        with torch.no_grad():
+            alone = model(input_ids=ids[row:row + 1, :n], output_hidden_states=True)
+        logits = hand.layer_logits(alone.hidden_states)
+        position = 0 if kind == "bert" else n - 1  # BERT's CLS; a causal LM's last real token
+        target = logits[-1, 0, position].argmax().view(1)
+        _, expected = oracle.normxlogit(logits, alone.hidden_states[0], target)
+        assert (int(res.position[row]), int(res.target[row])) == (position, int(target))
+        torch.testing.assert_close(res.normxlogit[:, row, :n], expected[:, 0], rtol=1e-4, atol=1e-5)
+        assert all(rank < n for rank, _, _ in res.top(6, row=row))  # no pad ranks
