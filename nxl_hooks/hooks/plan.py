@@ -362,24 +362,28 @@ def run_eagerly(model: nn.Module) -> Callable[[], None]:
     (the compiled callables are kept on their modules), so a dropped model is still freed.
     """
     changed: list[tuple[weakref.ref, str]] = []
-    wrapper = model
-    while (inner := compiled_original(wrapper)) is not None:
-        vars(wrapper)[_KEPT + "forward"] = wrapper.forward
-        wrapper.forward = inner.__call__
-        changed.append((weakref.ref(wrapper), "forward"))
-        wrapper = inner
-    for module in model.modules():
-        compiled = getattr(module, "_compiled_call_impl", None)
-        if compiled is not None:
-            vars(module)[_KEPT + "_compiled_call_impl"] = compiled
-            module._compiled_call_impl = None
-            changed.append((weakref.ref(module), "_compiled_call_impl"))
 
     def restore() -> None:
         while changed:
             ref, name = changed.pop()
             module = ref()
-            if module is not None:
+            if module is not None and _KEPT + name in vars(module):  # (not there: listed, then cut short)
                 setattr(module, name, vars(module).pop(_KEPT + name))
 
+    wrapper = model
+    try:  # each change listed before it is made: one a Ctrl-C cut short is undone with the others
+        while (inner := compiled_original(wrapper)) is not None:
+            changed.append((weakref.ref(wrapper), "forward"))
+            vars(wrapper)[_KEPT + "forward"] = wrapper.forward
+            wrapper.forward = inner.__call__
+            wrapper = inner
+        for module in model.modules():
+            compiled = getattr(module, "_compiled_call_impl", None)
+            if compiled is not None:
+                changed.append((weakref.ref(module), "_compiled_call_impl"))
+                vars(module)[_KEPT + "_compiled_call_impl"] = compiled
+                module._compiled_call_impl = None
+    except BaseException:
+        restore()
+        raise
     return restore

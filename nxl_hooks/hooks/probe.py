@@ -60,7 +60,7 @@ class _Attachment:
     Holds no strong reference to the model, and nothing global holds it strongly after it ran."""
 
     def __init__(self, handles: list, gens: Generations | None, engines: list[Engine], hub: Hub,
-                 backbone: nn.Module, restore_compiled: Callable[[], None],
+                 backbone: nn.Module, restore_compiled: Callable[[], None] | None,
                  settle: Callable[[], Callable[[], None] | None]) -> None:
         self._handles = handles
         self._settle: Callable[[], Callable[[], None] | None] | None = settle
@@ -73,6 +73,10 @@ class _Attachment:
         self.alive = True
         self._detaching = False
         self._on_model = weakref.finalize(backbone, self)  # a model dropped while attached: detach then
+
+    def undo_compiled(self, restore: Callable[[], None]) -> None:
+        """What detach calls to give the model's compiled code back (:func:`_compiled_code`), once attach made it."""
+        self._restore_compiled = restore
 
     def __call__(self) -> None:
         with self._lock:
@@ -378,17 +382,24 @@ def attach(
                 gens = Generations(plan, hub, notice, cache_dtype=cache_dtype, cache_device=cache_device)
                 gens.backbone = backbone
             recorder = Recorder(plan, backbone, gens, engines, results, notice)
-            handles = recorder.register()
         except BaseException:
             hub.close()
             raise
-        if gens is not None:
-            gens.install()
         settle = weakref.WeakMethod(recorder.settle)  # (the recorder holds the model: only its hooks hold it)
-        attachment = _Attachment(handles, gens, engines, hub, backbone,
-                                 _compiled_code(plan.subject.given, plan.model, backbone), settle)
-        probe = Probe(plan, results, hub, attachment, notice, settle)
-        _ATTACHED[backbone] = attachment
+        # made before anything goes on the model, so that whatever ends attach half-way (a Ctrl-C) takes off what
+        # went on: the hooks and generate's wrapper were left on, with no probe that detach_all could find
+        handles: list = []
+        attachment = _Attachment(handles, gens, engines, hub, backbone, None, settle)
+        try:
+            handles.extend(recorder.register())
+            if gens is not None:
+                gens.install()
+            attachment.undo_compiled(_compiled_code(plan.subject.given, plan.model, backbone))
+            probe = Probe(plan, results, hub, attachment, notice, settle)
+            _ATTACHED[backbone] = attachment
+        except BaseException:
+            attachment()
+            raise
     for engine in engines:  # outside the lock: their own locks are never taken inside this one
         try:
             engine.install(gens)
@@ -404,12 +415,16 @@ def _compiled_code(model: nn.Module, *inner: nn.Module) -> Callable[[], None]:
     in place recompiles once now, tracing the hooks, and once after detach, without them."""
     undo = run_eagerly(model)
     modules = [weakref.ref(module) for module in {id(m): m for m in (model, *inner)}.values()]
-    reset_compiled(*(ref() for ref in modules))
 
     def restore() -> None:
         undo()
         reset_compiled(*(module for ref in modules if (module := ref()) is not None), detaching=True)
 
+    try:
+        reset_compiled(*(ref() for ref in modules))
+    except BaseException:  # (a Ctrl-C) attach takes off what it put on, and this is not made yet
+        restore()
+        raise
     return restore
 
 

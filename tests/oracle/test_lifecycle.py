@@ -198,6 +198,48 @@ def test_a_detach_ctrl_c_cut_short_is_finished_by_the_next_one(monkeypatch):
     torch.testing.assert_close(again.result().normxlogit, _expected(model), rtol=1e-4, atol=1e-5)
 
 
+def _model_state(model: torch.nn.Module) -> dict:
+    """What attaching may change on ``model``: each module's hooks, attributes and forward, and generate."""
+    return {name: (dict(m._forward_hooks), dict(m._forward_pre_hooks), dict(vars(m)), m.forward)
+            for name, m in model.named_modules()} | {"generate": model.generate}
+
+
+@pytest.mark.parametrize("where", ["generate's wrapper", "compiled code", "the probe"])
+def test_an_attach_ctrl_c_cut_short_leaves_the_model_as_it_was(monkeypatch, where):
+    """A Ctrl-C landing while attach ran, once the hooks were on (simulated: at the generate wrapper's second
+    attribute, at the compiled-code step, at the probe's making) left the hooks and the generate wrapper on the model
+    with no probe to take them off: detach_all found none, and attaching again stacked a second set."""
+    from nxl_hooks.hooks import generate, probe as probe_module
+
+    model = torch.compile(tiny.build_model("llama"), backend="eager")
+    before = _model_state(model._orig_mod) | {"forward": model.forward}
+    calls = []
+
+    def ctrl_c(real):
+        def interrupted(*args, **kwargs):
+            calls.append(real)
+            if len(calls) == 2 or where != "generate's wrapper":
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+        return interrupted
+
+    if where == "generate's wrapper":
+        monkeypatch.setattr(generate.Generations, "_set", ctrl_c(generate.Generations._set))
+    elif where == "compiled code":
+        monkeypatch.setattr(probe_module, "reset_compiled", ctrl_c(probe_module.reset_compiled))
+    else:
+        monkeypatch.setattr(probe_module.Probe, "__init__", ctrl_c(probe_module.Probe.__init__))
+    with pytest.raises(KeyboardInterrupt):
+        nxl.attach(model)
+    monkeypatch.undo()
+    assert _hooks(model._orig_mod) == 0 and nxl.detach_all(model) == 0
+    assert _model_state(model._orig_mod) | {"forward": model.forward} == before
+    with nxl.attach(model) as again:
+        model(input_ids=IDS)
+    assert _hooks(model._orig_mod) == 0
+    torch.testing.assert_close(again.result().normxlogit, _expected(model._orig_mod), rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("where", ["model.layers.1", "model.layers.0", "input embedding", "backbone"])
 def test_a_hooked_module_replaced_while_attached_is_said_replaced(where):
     """A module the probe hooks, replaced while attached, no longer runs its hooks: the forward and generate call
