@@ -94,7 +94,9 @@ def _main(argv: Sequence[str] | None) -> int:
             raise  # an ImportError of no extra's package is a bug or a broken install: show where
         say(one_line(f"nxl {args.command}: error: {hint or str(err) or type(err).__name__}"))
         return 2
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as interrupted:
+        if str(interrupted):  # what the command kept, and how to go on (a dataset run): one line
+            say(one_line(f"nxl {args.command}: interrupted: {interrupted}"))
         return 130
 
 

@@ -465,8 +465,9 @@ def run_dataset(
     (unless they all failed). When ``score`` raises (an Exception), the example's record is
     ``{"index", "id", "error"}`` and the run goes on; a rerun does not retry it (:func:`scored` separates them).
     With ``record_failures=False`` the run stops instead: every process raises (the others a ``RuntimeError``)
-    when each has finished its share, and every record written is kept for the rerun. Returns the merged
-    records on the main process and ``None`` on the others. ``tp=True`` (a model sharded by ``tp_plan="auto"``,
+    when each has finished its share, and every record written is kept for the rerun. A Ctrl-C raises a
+    ``KeyboardInterrupt`` that says how many records are kept and that the same call goes on from them. Returns the
+    merged records on the main process and ``None`` on the others. ``tp=True`` (a model sharded by ``tp_plan="auto"``,
     under torchrun): every rank scores every example, in the same order, and rank 0 alone records them.
     """
     from tqdm.auto import tqdm
@@ -511,6 +512,12 @@ def run_dataset(
     except Exception:
         _stop_all_if_one_failed(state, failed=True)
         raise
+    except KeyboardInterrupt:
+        if log is None:
+            raise
+        # what is on disk is whole and the run resumes from it: said in the line Ctrl-C ends the command with
+        raise KeyboardInterrupt(f"{len(read_records(out_dir))} of {len(examples)} examples are kept in {out_dir}; "
+                                "run the same command again to go on from there") from None
     finally:
         if log is not None:
             log.close()

@@ -337,6 +337,31 @@ def test_sigkill_mid_dataset_resumes_to_identical_result(models, tmp_path):
     assert _outputs(tmp_path / "killed") == _outputs(tmp_path / "whole")
 
 
+def test_ctrl_c_mid_dataset_says_what_is_kept_and_exits_130(models, tmp_path):
+    """Ctrl-C in a dataset run ended it with exit 130 and no word: nothing said that the finished examples are kept,
+    nor that the same command goes on from there. It says both in one line; the merged outputs are absent, not
+    written from part of the data."""
+    data = tiny.write_jsonl(tmp_path / "long.jsonl", 40)
+    out = tmp_path / "stopped"
+    args = ["audit", "--reference", str(models["llama"]), "--candidate", str(models["llama2"]), str(data)]
+    child = _cli([*args, "--out", str(out)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                 preexec_fn=tiny.ctrl_c_reaches)
+    part = out / "parts" / "part-0.jsonl"
+    deadline = time.monotonic() + 120
+    while not (part.exists() and part.read_bytes().count(b"\n") >= 2) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    child.send_signal(signal.SIGINT)
+    _, err = child.communicate(timeout=60)
+    assert child.returncode == 130, err.decode()[-3000:]
+    kept = len(read_records(out))
+    assert 2 <= kept < 40, "the child must be stopped mid-dataset"
+    last = err.decode().rstrip("\n").splitlines()[-1]
+    assert last == (f"nxl audit: interrupted: {kept} of 40 examples are kept in {out}; run the same command again "
+                    "to go on from there"), last
+    assert "Traceback" not in err.decode()
+    assert not any((out / name).exists() for name in ("records.jsonl", "summary.json", "report.html"))
+
+
 def _launch_two() -> list[str]:
     """`accelerate launch` of two processes, run as a module so no PATH is needed; the program comes after it."""
     pytest.importorskip("accelerate", reason="accelerate is not installed")
