@@ -273,6 +273,10 @@ def head_kind(model: nn.Module) -> HeadKind:
     kind = class_head(name)
     if kind is None:
         raise UnknownArchitectureError(f"{name} has no head-on-top that nxl_hooks knows: {UNEXPLAINED}.")
+    if kind is HeadKind.CAUSAL_LM and getattr(model.config, "causal", None) is False:
+        # XLM's and Flaubert's *WithLMHeadModel, bidirectional by default: a masked LM whose question is at its
+        # [MASK] tokens, not at its last position
+        return HeadKind.MASKED_LM
     if kind is HeadKind.SEQUENCE_CLASSIFICATION:
         # transformers' own rule (the loss it trains with): regression where the config says so, or says nothing
         # and has one output; a one-logit classifier trained with BCE (multi_label_classification) is signed
