@@ -10,10 +10,10 @@ file in ``out/parts/`` (flushed and fsynced, so a killed run keeps every complet
 line is ignored and cut off), and the main process merges all parts once, in dataset order. Rerunning
 the same command on the same ``out/`` resumes: finished examples are read back, not recomputed.
 
-Every line carries the run's identity (``run_id``, a hash of its settings: model and its files, data, options), so
-a resumed run never mixes in another run's records, even when ``run.json`` was deleted. An example whose scoring raises
-is recorded as failed, with its reason (``{"index", "id", "error"}``), and the run goes on; a resumed run does
-not retry it. :func:`scored` splits the failures off for the summary. Output files are written under a
+Every line carries the run's identity (``run_id``, a hash of its settings: model and its files, data, options, and
+the version of nxl_hooks), so a resumed run never mixes in another run's records, even when ``run.json`` was deleted.
+An example whose scoring raises is recorded as failed, with its reason (``{"index", "id", "error"}``), and the run
+goes on; a resumed run does not retry it. :func:`scored` splits the failures off for the summary. Output files are written under a
 temporary name and renamed, so a failed write never destroys an earlier result; what the run writes in ``out/``
 must be a regular file there (a symbolic link is refused before anything is read or written).
 """
@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
 from ..arch.text import typed
+from ..arch.version import VERSION
 from ..records.files import json_value, read_regular, replacing, unwritable, write_text
 from .options import check_apart, check_output_folder
 
@@ -54,6 +55,7 @@ _PARTS = "parts"
 _SETTINGS = "run.json"
 _OUTPUTS = ("records.jsonl", "summary.json", "report.html")  #: the merged results, replaced by each finished run
 _RUN_ID = "run_id"
+_VERSION = "nxl_hooks"  #: run.json's key for the version that made the run (part of its identity)
 _INT = re.compile(r"-?\d+")
 
 
@@ -349,9 +351,16 @@ def _state() -> Any:
     return PartialState(cpu=not torch.cuda.is_available())
 
 
+def _identity(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """What ``run.json`` holds for a run with these (JSON-able) settings: them, and the version of nxl_hooks that
+    scores it. Another version's records are another run's: a fix between two versions changes numbers, and a run
+    resumed across them would mix both versions' numbers in one summary."""
+    return {**json.loads(json.dumps(settings)), _VERSION: VERSION}
+
+
 def run_id(settings: Mapping[str, Any]) -> str:
-    """The identity of a run with these (JSON-able) settings, carried by each of its records."""
-    return _digest(dict(settings))[:16]
+    """The identity of a run with these (JSON-able) settings, made by this version, carried by each of its records."""
+    return _digest(_identity(settings))[:16]
 
 
 def _check_run(out_dir: Path, settings: Mapping[str, Any], done: Mapping[int, Mapping[str, Any]]) -> str:
@@ -363,7 +372,7 @@ def _check_run(out_dir: Path, settings: Mapping[str, Any], done: Mapping[int, Ma
         saved = json.loads(path.read_text(encoding="utf-8")) if path.exists() else None
     except (ValueError, UnicodeDecodeError):
         saved = None  # unreadable: the records say whose they are
-    wanted = json.loads(json.dumps(settings))
+    wanted = _identity(settings)
     ours = run_id(settings)
 
     def foreign(record: Mapping[str, Any]) -> bool:
@@ -376,6 +385,13 @@ def _check_run(out_dir: Path, settings: Mapping[str, Any], done: Mapping[int, Ma
         return "resume" if done else "fresh"
     if all("error" in r for r in others):
         return "fresh"  # every record of the other run failed: nothing is lost by starting over
+    if isinstance(saved, dict) and saved.get(_VERSION) != VERSION:
+        # (the settings an earlier version wrote lack what this one adds: naming those keys would blame the user)
+        made = f"nxl_hooks {saved[_VERSION]}" if isinstance(saved.get(_VERSION), str) else "an nxl_hooks before 0.4.0"
+        raise SettingsMismatchError(
+            f"{out_dir} holds a run made by {made}, whose records nxl_hooks {VERSION} does not resume (its numbers may "
+            "differ); use another --out folder, or delete this one to start over"
+        )
     if isinstance(saved, dict) and saved != wanted:
         changed = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
         why = f"(different: {', '.join(changed)})"
@@ -442,7 +458,7 @@ def _prepare(state: Any, out_dir: Path, settings: Mapping[str, Any]) -> dict[int
             parts.mkdir()
         state.wait_for_everyone()
     if state.is_main_process:
-        write_json(out_dir / _SETTINGS, settings)
+        write_json(out_dir / _SETTINGS, _identity(settings))
     return done
 
 

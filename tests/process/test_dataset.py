@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import nxl_hooks
 import tiny
 from nxl_hooks.eval import audit
 from nxl_hooks.eval import faithfulness as ev
@@ -145,6 +146,48 @@ def test_other_settings_are_refused(tmp_path):
     run_dataset([{"n": 0}], dict, tmp_path, settings={"model": "a"})
     with pytest.raises(SettingsMismatchError, match="model"):
         run_dataset([{"n": 0}], dict, tmp_path, settings={"model": "b"})
+
+
+@pytest.mark.parametrize("written", ["0.3.9", None], ids=["run.json names its version", "run.json names none"])
+def test_a_run_of_another_version_is_not_resumed_and_the_line_names_it(monkeypatch, tmp_path, written):
+    """A folder another nxl_hooks scored was resumed with this version's numbers added to its own (0.4.0 fixed
+    numbers), or, from 0.3, refused as having "other settings (different: model_files)", a key 0.3 never wrote."""
+    from nxl_hooks.apps import dataset
+
+    with monkeypatch.context() as older:
+        older.setattr(dataset, "VERSION", "0.3.9")
+        run_dataset([{"n": 0}], lambda ex: {"by": "0.3.9"}, tmp_path, settings={"model": "a"})
+    run = tmp_path / "run.json"
+    if written is None:  # as nxl_hooks 0.3 and before wrote it
+        run.write_text(json.dumps({k: v for k, v in json.loads(run.read_text()).items() if k != "nxl_hooks"}))
+    before = (tmp_path / "parts" / "part-0.jsonl").read_bytes()
+    made = "nxl_hooks 0.3.9" if written else "an nxl_hooks before 0.4.0"
+    with pytest.raises(SettingsMismatchError, match=f"holds a run made by {made}, whose records nxl_hooks "
+                                                    f"{nxl_hooks.__version__} does not resume"):
+        run_dataset([{"n": 0}, {"n": 1}], lambda ex: {"by": "this"}, tmp_path, settings={"model": "a"})
+    assert (tmp_path / "parts" / "part-0.jsonl").read_bytes() == before
+
+
+def test_an_evaluate_run_of_0_3_is_refused_naming_its_version(models, tmp_path, capsys, monkeypatch):
+    """The run folder as nxl_hooks 0.3 leaves it (run.json without model_files or a version, records of another
+    identity) was refused as "other settings (different: model_files)": a key the user never set."""
+    from nxl_hooks.apps import dataset
+
+    argv = ["evaluate", str(models["bert"]), str(models["data"]), "--out", str(tmp_path), "--limit", "2",
+            "--methods", "logat"]
+    with monkeypatch.context() as older:
+        older.setattr(dataset, "VERSION", "0.3.0")
+        assert main(argv) == 0
+    run = tmp_path / "run.json"
+    run.write_text(json.dumps({k: v for k, v in json.loads(run.read_text()).items()
+                               if k not in ("nxl_hooks", "model_files")}))
+    capsys.readouterr()
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert [line for line in err.splitlines() if "error" in line] == [
+        f"nxl evaluate: error: {tmp_path} holds a run made by an nxl_hooks before 0.4.0, whose records nxl_hooks "
+        f"{nxl_hooks.__version__} does not resume (its numbers may differ); use another --out folder, or delete this "
+        "one to start over"]
 
 
 @pytest.mark.parametrize("change", [
@@ -418,7 +461,7 @@ def test_run_that_failed_before_any_record_does_not_lock_its_folder(tmp_path):
     with pytest.raises(RuntimeError, match="injected"):
         run_dataset([{"n": 0}], failing, tmp_path, settings={"model": "a"}, record_failures=False)
     assert run_dataset([{"n": 0}], dict, tmp_path, settings={"model": "b"}) == [{"n": 0, "index": 0}]
-    assert json.loads((tmp_path / "run.json").read_text()) == {"model": "b"}
+    assert json.loads((tmp_path / "run.json").read_text()) == {"model": "b", "nxl_hooks": nxl_hooks.__version__}
     with pytest.raises(SettingsMismatchError, match="model"):  # now it holds a record of model b
         run_dataset([{"n": 0}], dict, tmp_path, settings={"model": "a"})
 

@@ -976,6 +976,8 @@ RUNS = cases(
     ("run.json deleted", "delete", "2 of its records carry another run's identity"),
     ("run.json replaced", "replace", "different: model"),
     ("run.json not JSON", "garble", "carry another run's identity"),
+    ("run.json of another version", "older", "holds a run made by nxl_hooks 0.3.0, whose records nxl_hooks .* does not "
+                                             "resume \\(its numbers may differ\\); use another --out folder"),
 )
 
 
@@ -983,8 +985,9 @@ RUNS = cases(
 def test_resume_checks_the_run_identity_in_the_records(tmp_path, how, message):
     dataset.run_dataset([{"n": 0}, {"n": 1}], dict, tmp_path, settings={"model": "a"})
     run = tmp_path / "run.json"
-    {"delete": run.unlink, "replace": lambda: run.write_text('{"model": "c"}'),
-     "garble": lambda: run.write_text("{")}[how]()
+    {"delete": run.unlink, "replace": lambda: run.write_text(json.dumps({**json.loads(run.read_text()), "model": "c"})),
+     "garble": lambda: run.write_text("{"),
+     "older": lambda: run.write_text(json.dumps({**json.loads(run.read_text()), "nxl_hooks": "0.3.0"}))}[how]()
     part = tmp_path / "parts" / "part-0.jsonl"
     before = part.read_bytes()
     with pytest.raises(dataset.SettingsMismatchError, match=message):
@@ -1000,7 +1003,7 @@ def test_records_without_identity_need_a_matching_run_json(tmp_path):
     (tmp_path / "parts" / "part-0.jsonl").write_text('{"n": 0, "index": 0}\n')  # written before run ids
     with pytest.raises(dataset.SettingsMismatchError, match="another run's identity"):
         dataset.run_dataset([{"n": 0}], dict, tmp_path, settings={"model": "a"})
-    (tmp_path / "run.json").write_text('{"model": "a"}')
+    (tmp_path / "run.json").write_text(json.dumps({"model": "a", "nxl_hooks": nxl.__version__}))
     assert dataset.run_dataset([{"n": 0}], dict, tmp_path, settings={"model": "a"}) == [{"n": 0, "index": 0}]
 
 
