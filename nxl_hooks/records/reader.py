@@ -33,12 +33,13 @@ from typing import Any, Iterator
 
 import torch
 
+from ..arch.version import VERSION
 from ..method.registry import DEFAULT
 from .attribution import RecordError, read_blob, stored_scores
 from .files import CHUNK, read_regular
 from .steps import STEP_TENSORS, GenerationCall, Step
 from .tokens import record_text
-from .writer import _FILE_MAGIC, _FRAME, _FRAME_MAGIC, _MAGIC_V1, _ROTATED
+from .writer import _FILE_MAGIC, _FORMAT, _FRAME, _FRAME_MAGIC, _MAGIC_NAME, _MAGIC_V1, _ROTATED
 
 __all__ = ["Damage", "Stream", "StreamDamageWarning", "StreamError", "read_stream"]
 
@@ -360,6 +361,16 @@ def _check_step(step: Step, call: GenerationCall) -> None:
     step.to_attribution().check()  # every other field, by the one set of rules of Attribution
 
 
+def _later_format(data: bytearray) -> int | None:
+    """The format number of a stream file a later nxl_hooks wrote (its first line ``nxl_hooks.stream/3``), else
+    None: such a file is a stream this version cannot read, not some other file."""
+    line = bytes(data[len(_MAGIC_NAME): len(_MAGIC_NAME) + 20]).split(b"\n", 1)
+    if not data.startswith(_MAGIC_NAME) or len(line) < 2 or not line[0].isdigit():
+        return None
+    number = int(line[0])
+    return number if number > _FORMAT else None
+
+
 def _read(data: bytearray, path: Path, calls: dict[int, GenerationCall], *, name: tuple[int, int] | None
           ) -> tuple[int, Damage | None]:
     """Add the records of one stream file to ``calls`` (those of one writer so far): (steps read, damage or None).
@@ -375,6 +386,9 @@ def _read(data: bytearray, path: Path, calls: dict[int, GenerationCall], *, name
         numbered = True
     elif data.startswith(_MAGIC_V1):  # nxl_hooks 0.1: no frame numbers, no file frame
         numbered = False
+    elif (later := _later_format(data)) is not None:
+        raise StreamError(f"{path} is a stream file of format {later}, which a later nxl_hooks wrote: nxl_hooks "
+                          f"{VERSION} reads formats 1 to {_FORMAT}; upgrade nxl_hooks to read it")
     else:
         raise StreamError(f"{path} is not an nxl_hooks stream file (written by attach(..., sink=path))")
     steps = 0

@@ -58,8 +58,10 @@ __all__ = ["PartlyWritten", "RotatingSink", "Sink", "encode_call", "encode_end",
 #: The sink kinds made here (:data:`nxl_hooks.records.sinks.DECLARED`): ``file:PATH``, ``folder:PATH``.
 SINKS = {"file": {"factory": "Sink"}, "folder": {"factory": "RotatingSink"}}
 
-_FILE_MAGIC = b"nxl_hooks.stream/2\n"  # what is written; version 1 (nxl_hooks 0.1, no frame numbers) still reads
-_MAGIC_V1 = b"nxl_hooks.stream/1\n"  # nxl_hooks 0.1, no frame numbers: still read
+_MAGIC_NAME = b"nxl_hooks.stream/"  # a stream file's first line: this, its format's number, a newline
+_FORMAT = 2  # the stream format written (a later one's files are refused as such, naming it)
+_FILE_MAGIC = _MAGIC_NAME + b"%d\n" % _FORMAT  # version 1 (nxl_hooks 0.1, no frame numbers) still reads
+_MAGIC_V1 = _MAGIC_NAME + b"1\n"  # nxl_hooks 0.1, no frame numbers: still read
 _FRAME = struct.Struct("<4sQI")
 _FRAME_MAGIC = b"NXLF"
 def _encode(tensors: dict[str, torch.Tensor], header: dict, seq: int | None = None) -> bytes:

@@ -790,6 +790,10 @@ STREAM_FILES = cases(
     ("a text file", b"hello\n", "is not an nxl_hooks stream file"),
     ("an attribution file", save_blob({"x": torch.zeros(1)}), "is not an nxl_hooks stream file"),
     ("magic line only", writer._FILE_MAGIC, None),
+    # a later nxl_hooks's stream is named as one, not as some other file
+    ("a later format", b"nxl_hooks.stream/3\nNXLF", r"run.nxl is a stream file of format 3, which a later nxl_hooks "
+                                                    r"wrote: nxl_hooks .* reads formats 1 to 2; upgrade nxl_hooks"),
+    ("a format that is no number", b"nxl_hooks.stream/x\n", "is not an nxl_hooks stream file"),
 )
 
 
