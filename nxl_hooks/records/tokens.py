@@ -201,8 +201,9 @@ def _texts(tokenizer: Any, ids: Sequence[int]) -> list[tuple[str, str | None]]:
     pieces = tokenizer.convert_ids_to_tokens(ids)
     out = []
     for text, piece in zip(texts, pieces):
-        # SentencePiece decoders drop the space of a sequence's first '▁' token, and one token is always first.
-        if isinstance(piece, str) and piece.startswith("▁") and not text.startswith(" "):
+        # SentencePiece decoders drop the first space of a sequence, and one token is always first: a piece of n
+        # '▁' ('▁▁▁▁', code's indent) decodes alone to n - 1 spaces.
+        if isinstance(piece, str) and len(piece) - len(piece.lstrip("▁")) > len(text) - len(text.lstrip(" ")):
             text = " " + text
         out.append((text, piece if isinstance(piece, str) else None))
     return out

@@ -49,6 +49,27 @@ def oracle_scores(model, tok, text: str, ids: list[int]) -> tuple[torch.Tensor, 
     return scores, out.logits[0, -1].softmax(-1)[ids]
 
 
+def forced_generation(tok, prompt: torch.Tensor, emitted: list[int]):
+    """A random tiny Llama over ``tok``'s vocabulary made to generate ``emitted`` after ``prompt`` (1, n), recorded:
+    (the recorded call, generate's output)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
+
+    class Emit(LogitsProcessor):  # the test's tokens, one per step
+        def __call__(self, input_ids, scores):
+            forced = torch.full_like(scores, float("-inf"))
+            forced[:, emitted[input_ids.shape[1] - prompt.shape[1]]] = 0
+            return forced
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)).eval()
+    with torch.no_grad(), nxl.attach(model, tokenizer=tok) as probe:
+        out = model.generate(prompt, max_new_tokens=len(emitted), do_sample=False, pad_token_id=0,
+                             logits_processor=LogitsProcessorList([Emit()]))
+    assert out[0, prompt.shape[1]:].tolist() == emitted
+    return probe.calls[-1], out
+
+
 def test_visible_marks_edge_spaces_newlines_and_invisible_characters():
     assert visible(" Paris") == "␣Paris" and visible("  ") == "␣␣" and visible(" a b ") == "␣a b␣"
     assert visible("\n\n") == "↵↵" and visible("\t") == "⇥" and visible("") == "∅"
@@ -59,8 +80,6 @@ def test_visible_marks_edge_spaces_newlines_and_invisible_characters():
 def test_a_backslash_is_escaped_so_a_tokens_own_escape_text_reads_back_as_written():
     """Source code holds tokens such as '\\x41' and '\\xe9': their readable texts could not be told from the byte and
     character escapes of visible(), so a call's text read them as 'A' and '�' (and the step view as '…')."""
-    from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
-
     from nxl_hooks.records.tokens import plain_text, whole_characters
 
     words = [*tiny.VOCAB, "\\x41", "\\xe9", "a\\\\b"]
@@ -70,21 +89,7 @@ def test_a_backslash_is_escaped_so_a_tokens_own_escape_text_reads_back_as_writte
     assert readable_ids(tok, emitted) == ["\\\\xe9", "\\\\x41", "a\\\\\\\\b"]
     assert plain_text(["\\xe9", "\\x41"]) == "\ufffdA"  # older texts, backslashes unescaped, read as before
 
-    class Emit(LogitsProcessor):  # the test's tokens, one per step
-        def __call__(self, input_ids, scores):
-            forced = torch.full_like(scores, float("-inf"))
-            forced[:, emitted[input_ids.shape[1] - prompt.shape[1]]] = 0
-            return forced
-
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(words), hidden_size=32, intermediate_size=64,
-                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)).eval()
-    prompt = tok("the film was", return_tensors="pt")["input_ids"]
-    with torch.no_grad(), nxl.attach(model, tokenizer=tok) as probe:
-        out = model.generate(prompt, max_new_tokens=3, do_sample=False, pad_token_id=0,
-                             logits_processor=LogitsProcessorList([Emit()]))
-    call = probe.calls[-1]
-    assert out[0, prompt.shape[1]:].tolist() == emitted
+    call, _ = forced_generation(tok, tok("the film was", return_tensors="pt")["input_ids"], emitted)
     assert call.text == "".join(tok.decode([i]) for i in emitted) == "\\xe9\\x41a\\\\b"
     assert [step.view(call).token for step in call.steps] == ["\\\\xe9", "\\\\x41", "a\\\\\\\\b"]
     assert whole_characters(call.readable[0] + [step.readable[0] for step in call.steps]) == (
@@ -126,6 +131,28 @@ def test_sentencepiece_pieces_keep_their_space_when_decoded_alone():
     sp = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
     assert sp.decode([0]) == "Paris"  # the decoder drops a first token's space...
     assert readable_ids(sp, [0, 1, 3]) == ["␣Paris", "Paris", "↵"]  # ...the readable text keeps it
+
+
+def test_a_sentencepiece_run_of_spaces_keeps_every_space():
+    """Llama-2 / Mistral pieces of several '▁' (code's indent, '▁▁▁▁') decode alone to one space fewer: such a token
+    read '␣␣␣' and a generated function's text lost a space of each indent. The oracle: transformers' own Llama
+    tokenizer decoding each token after a word, and a streamer's view (the whole sequence decoded, the prompt cut)."""
+    from transformers import LlamaTokenizer
+
+    from nxl_hooks.records.tokens import plain_text
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "▁": 3, "▁▁": 4, "▁▁▁▁": 5, "▁return": 6, "<0x0A>": 7, "▁x": 8, "x": 9}
+    sp = LlamaTokenizer(vocab=vocab, merges=[("▁", "▁"), ("▁▁", "▁▁")])
+    prompt = sp("x", return_tensors="pt")["input_ids"]
+    emitted = [vocab[piece] for piece in ("<0x0A>", "▁▁▁▁", "▁return", "▁x", "<0x0A>", "▁▁", "x")]
+    word = sp.decode([vocab["x"]])
+    for token in range(3, len(vocab)):
+        assert readable(sp, token) == visible(sp.decode([vocab["x"], token])[len(word):]), sp.convert_ids_to_tokens(token)
+
+    call, out = forced_generation(sp, prompt, emitted)
+    streamed = sp.decode(out[0], skip_special_tokens=True)[len(sp.decode(prompt[0], skip_special_tokens=True)):]
+    assert call.text == streamed == "\n     return x\n  x"  # 4 + 1 spaces, then 2
+    assert plain_text(readable_ids(sp, prompt[0])) == " x"  # a prompt's first '▁' keeps its space, as documented
 
 
 def test_word_targets_are_the_token_the_model_would_emit_after_the_prompt(model, tok):
