@@ -130,7 +130,7 @@ _BYTES = re.compile(r"(?:\\x[0-9a-f]{2})+")
 
 def _raw(name: str) -> bytes:
     """The UTF-8 bytes a readable text stands for. A text made only of ``\\xNN`` escapes, one of them 0x80 or
-    above, is a byte-level piece (:func:`_undecodable`): those bytes; otherwise glyphs are their characters,
+    above, is a byte-level piece (:func:`readable_ids`): those bytes; otherwise glyphs are their characters,
     ``\\\\`` a backslash and escapes the characters they name (read left to right: ``\\\\x41`` is ``\\x41``)."""
     if _BYTES.fullmatch(name) and any(int(name[i + 2:i + 4], 16) >= 0x80 for i in range(0, len(name), 4)):
         return bytes(int(name[i + 2:i + 4], 16) for i in range(0, len(name), 4))
@@ -183,15 +183,24 @@ def whole_characters(names: Sequence[str]) -> list[str]:
     return out
 
 
-def _undecodable(piece: str) -> str | None:
-    """The bytes of a piece that is only part of a UTF-8 character, as ``\\xf0\\x9f``; None when not known."""
+def _piece_bytes(piece: str) -> bytes | None:
+    """The bytes a byte-level or byte-fallback piece stands for; None for any other piece."""
     byte = _BYTE_PIECE.fullmatch(piece)
     if byte:
-        return "\\x" + byte.group(1).lower()
+        return bytes([int(byte.group(1), 16)])
     table = _byte_of()
     if piece and all(char in table for char in piece):
-        return "".join(f"\\x{table[char]:02x}" for char in piece)
+        return bytes(table[char] for char in piece)
     return None
+
+
+def _whole(data: bytes) -> bool:
+    """Whether ``data`` is whole UTF-8 characters (no part of one at either end, no byte that is never UTF-8)."""
+    try:
+        data.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def _texts(tokenizer: Any, ids: Sequence[int]) -> list[tuple[str, str | None]]:
@@ -213,11 +222,18 @@ def readable_ids(tokenizer: Any, ids: Sequence[int]) -> list[str]:
     """The readable text of each token id (see the module doc): ``readable_ids(tok, [504, 7042]) == ["The", "␣Paris"]``."""
     out = []
     for text, piece in _texts(tokenizer, ids):
-        if "\ufffd" in text and piece is not None and "\ufffd" not in piece:
-            # a byte-level or byte-fallback piece holding part of a character
-            out.append(_undecodable(piece) or visible(piece))
-        else:
+        if "\ufffd" not in text or piece is None or "\ufffd" in piece:
             out.append(visible(text))
+            continue
+        # a '�' its piece does not hold: a byte-level or byte-fallback piece holding part of a character, unless its
+        # bytes are whole characters, the '�' the text's own (mojibake in the data: GPT-2's piece 'ï¿½')
+        data = _piece_bytes(piece)
+        if data is None:
+            out.append(visible(piece))
+        elif _whole(data):
+            out.append(visible(text))
+        else:
+            out.append("".join(f"\\x{byte:02x}" for byte in data))
     return out
 
 

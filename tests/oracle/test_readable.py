@@ -155,6 +155,30 @@ def test_a_sentencepiece_run_of_spaces_keeps_every_space():
     assert plain_text(readable_ids(sp, prompt[0])) == " x"  # a prompt's first '▁' keeps its space, as documented
 
 
+def test_a_byte_level_piece_of_whole_characters_reads_as_them_a_replacement_character_included():
+    """GPT-2's pieces 'ï¿½' and 'Ġï¿½' are a '�' of the text's own (mojibake in scraped data), whole: they read
+    '\\xef\\xbf\\xbd' and '\\x20\\xef\\xbf\\xbd' in every table, page and export, as if each held part of a character.
+    The oracle: transformers' own GPT-2 tokenizer, its decode of each id and of the generated ids."""
+    from tokenizers import pre_tokenizers
+    from transformers import GPT2Tokenizer
+
+    from nxl_hooks.records.tokens import plain_text, whole_characters
+
+    merges = [("ï", "¿"), ("ï¿", "½"), ("Ġ", "ï¿½"), ("ð", "Ł")]
+    vocab = {"<|endoftext|>": 0, **{char: i + 1 for i, char in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}}
+    vocab.update({a + b: len(vocab) + i for i, (a, b) in enumerate(merges)})
+    gpt2 = GPT2Tokenizer(vocab=vocab, merges=merges)
+    ids = gpt2("caf\ufffd \ufffd😀")["input_ids"]
+    assert gpt2.convert_ids_to_tokens(ids) == ["c", "a", "f", "ï¿½", "Ġï¿½", "ðŁ", "ĺ", "Ģ"]
+    names = readable_ids(gpt2, ids)
+    assert names[3:5] == [visible(gpt2.decode([i])) for i in ids[3:5]] == ["�", "␣�"]
+    assert names[5:] == ["\\xf0\\x9f", "\\x98", "\\x80"]  # parts of a character still show their bytes
+    assert whole_characters(names)[3:] == ["�", "␣�", "😀", "😀", "😀"] and plain_text(names) == gpt2.decode(ids)
+    call, out = forced_generation(gpt2, torch.tensor([ids[:3]]), ids[3:])
+    assert [step.readable[0] for step in call.steps] == names[3:]
+    assert call.text == gpt2.decode(out[0, 3:]) == "\ufffd \ufffd😀"
+
+
 def test_word_targets_are_the_token_the_model_would_emit_after_the_prompt(model, tok):
     paris, bare = piece_id(tok, "ĠParis"), piece_id(tok, "Paris")
     assert paris != bare
