@@ -15,7 +15,8 @@ HTML, JSON records, saved files, stream frames):
 ``⇥`` (U+21E5)            a tab
 ``␍`` (U+240D)            a carriage return
 ``\\x1b``, ``\\u202e``      any other control or format character (ANSI escape codes, bidi overrides,
-                          zero-width characters): never sent raw to a terminal
+                          zero-width characters): never sent raw to a terminal; one of U+0080..U+00FF
+                          (NEL, a soft hyphen) as ``\\u0085``, since ``\\x85`` is a byte (next row)
 ``\\xf0\\x9f``              a byte-level token holding part of a UTF-8 character (it decodes to '�')
 ``\\\\``                    a backslash, so that a token whose text is ``\\x41`` (source code) reads
                           ``\\\\x41``, never the escape of 'A'
@@ -81,6 +82,16 @@ def _shown(char: str) -> str:
     return _GLYPHS.get(char) or (escaped(char) if unicodedata.category(char) in _INVISIBLE else char)
 
 
+def _character(char: str) -> str:
+    """``char`` in a readable text: a backslash doubled, the rest as :func:`printable` shows it, but an escaped
+    character of U+0080..U+00FF (C1 controls such as NEL, the soft hyphen) as ``\\u0085``: a readable text of
+    ``\\xNN`` alone is a byte-level piece's bytes (:func:`_raw`), where ``\\x85`` read back as the byte 0x85 ('�')."""
+    if char == "\\":
+        return "\\\\"
+    shown = _shown(char)
+    return f"\\u{ord(char):04x}" if shown != char and 0x80 <= ord(char) <= 0xFF else shown
+
+
 def visible(text: str) -> str:
     """``text`` as a readable text: edge spaces, newlines, tabs, invisible characters and backslashes shown (the
     table in the module doc).
@@ -94,7 +105,7 @@ def visible(text: str) -> str:
         return SPACE * len(text)
     start = len(text) - len(text.lstrip(" "))
     end = len(text) - len(text.rstrip(" "))
-    return SPACE * start + "".join("\\\\" if char == "\\" else _shown(char) for char in core) + SPACE * end
+    return SPACE * start + "".join(map(_character, core)) + SPACE * end
 
 
 def printable(line: str) -> str:

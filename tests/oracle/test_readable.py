@@ -155,19 +155,23 @@ def test_a_sentencepiece_run_of_spaces_keeps_every_space():
     assert plain_text(readable_ids(sp, prompt[0])) == " x"  # a prompt's first '▁' keeps its space, as documented
 
 
+def byte_level_tokenizer(merges: list[tuple[str, str]]):
+    """transformers' own GPT-2 tokenizer over the byte alphabet and ``merges`` (pairs of byte-level pieces)."""
+    from tokenizers import pre_tokenizers
+    from transformers import GPT2Tokenizer
+
+    vocab = {"<|endoftext|>": 0, **{char: i + 1 for i, char in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}}
+    vocab.update({a + b: len(vocab) + i for i, (a, b) in enumerate(merges)})
+    return GPT2Tokenizer(vocab=vocab, merges=merges)
+
+
 def test_a_byte_level_piece_of_whole_characters_reads_as_them_a_replacement_character_included():
     """GPT-2's pieces 'ï¿½' and 'Ġï¿½' are a '�' of the text's own (mojibake in scraped data), whole: they read
     '\\xef\\xbf\\xbd' and '\\x20\\xef\\xbf\\xbd' in every table, page and export, as if each held part of a character.
     The oracle: transformers' own GPT-2 tokenizer, its decode of each id and of the generated ids."""
-    from tokenizers import pre_tokenizers
-    from transformers import GPT2Tokenizer
-
     from nxl_hooks.records.tokens import plain_text, whole_characters
 
-    merges = [("ï", "¿"), ("ï¿", "½"), ("Ġ", "ï¿½"), ("ð", "Ł")]
-    vocab = {"<|endoftext|>": 0, **{char: i + 1 for i, char in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}}
-    vocab.update({a + b: len(vocab) + i for i, (a, b) in enumerate(merges)})
-    gpt2 = GPT2Tokenizer(vocab=vocab, merges=merges)
+    gpt2 = byte_level_tokenizer([("ï", "¿"), ("ï¿", "½"), ("Ġ", "ï¿½"), ("ð", "Ł")])
     ids = gpt2("caf\ufffd \ufffd😀")["input_ids"]
     assert gpt2.convert_ids_to_tokens(ids) == ["c", "a", "f", "ï¿½", "Ġï¿½", "ðŁ", "ĺ", "Ģ"]
     names = readable_ids(gpt2, ids)
@@ -178,6 +182,28 @@ def test_a_byte_level_piece_of_whole_characters_reads_as_them_a_replacement_char
     assert [step.readable[0] for step in call.steps] == names[3:]
     assert call.text == gpt2.decode(out[0, 3:]) == "\ufffd \ufffd😀"
 
+
+
+def test_a_token_of_a_c1_control_or_soft_hyphen_reads_back_as_that_character_not_a_byte():
+    """A token whose text is NEL (U+0085), a C1 control (U+009D) or a soft hyphen (U+00AD, common in web text) read
+    '\\x85', '\\x9d', '\\xad': the bytes of a byte-level piece, so call.text and plain_text made '�' of each (and after
+    a split emoji, another character). Such a text reads '\\u0085' now. The oracle: the GPT-2 tokenizer's decode."""
+    from tokenizers import pre_tokenizers
+
+    from nxl_hooks.records.tokens import plain_text, whole_characters
+
+    chars = "\x85\x9d\xad"
+    pieces = [pre_tokenizers.ByteLevel(add_prefix_space=False).pre_tokenize_str(c)[0][0] for c in chars]
+    gpt2 = byte_level_tokenizer([(piece[0], piece[1]) for piece in pieces] + [("ð", "Ł"), ("ðŁ", "ĺ")])
+    ids = gpt2("a\x85b\x9d\xad😀\x85")["input_ids"]
+    assert len(ids) == 8 and gpt2.convert_ids_to_tokens(ids)[1] == pieces[0]  # each character one token
+    names = readable_ids(gpt2, ids)
+    assert names == ["a", "\\u0085", "b", "\\u009d", "\\u00ad", "\\xf0\\x9f\\x98", "\\x80", "\\u0085"]
+    assert plain_text(names) == gpt2.decode(ids) and plain_text(names[-1:]) == gpt2.decode(ids[-1:]) == "\x85"
+    assert whole_characters(names)[5:] == ["😀", "😀", "\\u0085"]
+    call, out = forced_generation(gpt2, torch.tensor([ids[:1]]), ids[1:])
+    assert call.text == gpt2.decode(out[0, 1:]) == "\x85b\x9d\xad😀\x85"
+    assert [step.view(call).token for step in call.steps][-1] == "\\u0085"
 
 def test_word_targets_are_the_token_the_model_would_emit_after_the_prompt(model, tok):
     paris, bare = piece_id(tok, "ĠParis"), piece_id(tok, "Paris")
