@@ -13,9 +13,9 @@ the same command on the same ``out/`` resumes: finished examples are read back, 
 Every line carries the run's identity (``run_id``, a hash of its settings: model and its files, data, options, and
 the version of nxl_hooks), so a resumed run never mixes in another run's records, even when ``run.json`` was deleted.
 An example whose scoring raises is recorded as failed, with its reason (``{"index", "id", "error"}``), and the run
-goes on; a resumed run does not retry it. :func:`scored` splits the failures off for the summary. Output files are written under a
-temporary name and renamed, so a failed write never destroys an earlier result; what the run writes in ``out/``
-must be a regular file there (a symbolic link is refused before anything is read or written).
+goes on; a resumed run does not retry it. :func:`scored` splits the failures off for the summary. Output files are
+written under a temporary name and renamed, so a failed write never destroys an earlier result; what the run
+writes in ``out/`` must be a regular file there (a symbolic link is refused before anything is read or written).
 """
 
 from __future__ import annotations

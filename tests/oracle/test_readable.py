@@ -147,7 +147,8 @@ def test_a_sentencepiece_run_of_spaces_keeps_every_space():
     emitted = [vocab[piece] for piece in ("<0x0A>", "▁▁▁▁", "▁return", "▁x", "<0x0A>", "▁▁", "x")]
     word = sp.decode([vocab["x"]])
     for token in range(3, len(vocab)):
-        assert readable(sp, token) == visible(sp.decode([vocab["x"], token])[len(word):]), sp.convert_ids_to_tokens(token)
+        decoded = sp.decode([vocab["x"], token])[len(word):]
+        assert readable(sp, token) == visible(decoded), sp.convert_ids_to_tokens(token)
 
     call, out = forced_generation(sp, prompt, emitted)
     streamed = sp.decode(out[0], skip_special_tokens=True)[len(sp.decode(prompt[0], skip_special_tokens=True)):]
