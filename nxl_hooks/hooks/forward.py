@@ -24,7 +24,7 @@ from .conventions import token_mask
 from .plan import Plan
 
 __all__ = ["NEEDS_IDS", "Capture", "assemble", "check_tokens", "embed_norms", "embedding_norms", "head_features",
-           "layer_states", "open_capture", "pin_last_layer"]
+           "layer_states", "open_capture", "pin_last_layer", "real_tokens"]
 
 
 @dataclass(eq=False)
@@ -215,8 +215,8 @@ def real_tokens(capture: Capture) -> torch.Tensor | None:
     mask = capture.attention_mask
     if isinstance(mask, dict) or (isinstance(mask, torch.Tensor) and mask.dim() in (2, 4)):
         # (a 4-D mask's keys start at the forward's own tokens: a plain forward continues no cache but prefix
-        # tuning's, whose mask comes 2-D)
-        return token_mask(mask, 0, capture.shape[1])
+        # tuning's, whose mask comes 2-D; one mask of batch 1 is every row's, as attention broadcasts it)
+        return token_mask(mask, 0, capture.shape[1]).expand(capture.shape[0], -1)
     return None
 
 

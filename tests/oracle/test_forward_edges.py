@@ -453,3 +453,19 @@ def test_a_4d_attention_mask_masks_the_padding_and_each_row_is_its_text_alone(ki
         assert (int(res.position[row]), int(res.target[row])) == (position, int(target))
         torch.testing.assert_close(res.normxlogit[:, row, :n], expected[:, 0], rtol=1e-4, atol=1e-5)
         assert all(rank < n for rank, _, _ in res.top(6, row=row))  # no pad ranks
+
+
+def test_one_4d_mask_for_the_whole_batch_is_every_rows():
+    """A custom (1, 1, queries, keys) mask that attention broadcasts over a batch of 2 (transformers runs it): both
+    rows are recorded, each against the oracle (the mask read from it had one row, so the second row was lost)."""
+    model = tiny.build_model("llama")
+    ids = _ids(2, 6)
+    with torch.no_grad(), nxl.attach(model) as probe:
+        model(input_ids=ids, attention_mask=_four_d(torch.ones(1, 6), causal=True, additive=False))
+    res = probe.result()
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    logits = oracle.llama(model).layer_logits(out.hidden_states)
+    logat, _ = oracle.normxlogit(logits, out.hidden_states[0], logits[-1, :, -1].argmax(-1))
+    assert res.mask.shape == (2, 6) and bool(res.mask.all()) and res.position.tolist() == [5, 5]
+    torch.testing.assert_close(res.logat, logat, rtol=1e-4, atol=1e-5)
