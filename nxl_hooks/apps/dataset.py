@@ -529,7 +529,7 @@ def run_dataset(
         _stop_all_if_one_failed(state, failed=True)
         raise
     except KeyboardInterrupt:
-        if log is None:
+        if log is None or not state.is_main_process:  # (every process's Ctrl-C: the main one's line says it)
             raise
         # what is on disk is whole and the run resumes from it: said in the line Ctrl-C ends the command with
         raise KeyboardInterrupt(f"{len(read_records(out_dir))} of {len(examples)} examples are kept in {out_dir}; "

@@ -53,9 +53,10 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "voc
                     "spiece.model", "sentencepiece.bpe.model")
 
 
-def head_from_architectures(architectures: list[str] | None) -> str | None:
-    """The head kind named by ``config.architectures`` (``["BertForMaskedLM"]`` -> ``"masked_lm"``), or None."""
-    return next((kind.value for kind in map(class_head, architectures or ()) if kind is not None), None)
+def head_from_architectures(config: Any) -> str | None:
+    """The head kind a config's ``architectures`` names (``["BertForMaskedLM"]`` -> ``"masked_lm"``), or None."""
+    kinds = (class_head(name, config) for name in getattr(config, "architectures", None) or ())
+    return next((kind.value for kind in kinds if kind is not None), None)
 
 
 def _local_folder(name: str, subfolder: str | None) -> Path:
@@ -557,12 +558,15 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
         config = None
     else:
         config = _read_config(name, **where)
-        kind = head or head_from_architectures(getattr(config, "architectures", None))
-        if kind is None and getattr(config, "architectures", None):  # (--head would build the same class: below)
-            raise ValueError(f"{name}: config.architectures names {config.architectures}; {UNEXPLAINED}")
+        kind = head or head_from_architectures(config)
         if kind is None:
-            raise ValueError(f"{name}: config.json names no architectures, so no head that NormXLogit explains; "
-                             f"pass --head with one of {', '.join(HEAD_CLASSES)}")
+            fits, named = _explained_heads(config), getattr(config, "architectures", None)
+            base = _built(config, "base")
+            if named and (base is None or base.__name__ not in named):  # a task model NormXLogit does not explain
+                raise ValueError(f"{name}: config.architectures names {named}; {UNEXPLAINED}")
+            # (a base model's weights, or none named: --head builds a task model of them)
+            raise ValueError(f"{name}: config.architectures ({named}) names no head that NormXLogit explains; pass "
+                             f"--head with one of {', '.join(fits or HEAD_CLASSES)}")
         if loading.tp:
             _check_tp_heads(name, config)
         _check_saved_quantization(name, getattr(config, "quantization_config", None),
@@ -623,24 +627,28 @@ def _read_tokenizer(name: str, where: dict, gguf_file: str | None) -> Any:
         raise error from None
 
 
+def _built(config: Any, kind: str) -> type | None:
+    """The class transformers' Auto class for head ``kind`` (or ``"base"``: AutoModel's) builds for this config, or
+    None."""
+    import transformers
+
+    mapping = getattr(transformers, HEAD_CLASSES.get(kind, "AutoModel"))._model_mapping
+    return mapping[type(config)] if type(config) in mapping else None
+
+
+def _explained_heads(config: Any) -> list[str]:
+    """The head kinds (``--head``) whose class transformers builds for this config and NormXLogit explains."""
+    return [kind for kind in HEAD_CLASSES if (built := _built(config, kind)) is not None and class_head(built.__name__)]
+
+
 def _check_head(name: str, config: Any, kind: str) -> None:
     """Refuse (one line) a head kind that transformers has no class of for this model type (``--head masked_lm`` for
     a Llama): building it fails deep inside, where the error reads as a config.json that does not fit its weights."""
-    import transformers
-
-    def built(each: str) -> type | None:  # the class transformers' Auto class builds for this config
-        mapping = getattr(transformers, HEAD_CLASSES[each])._model_mapping
-        return mapping[type(config)] if type(config) in mapping else None
-
-    def has(each: str) -> bool:
-        return built(each) is not None and class_head(built(each).__name__) is not None
-
-    found = built(kind)
-    if found is not None and not has(kind):  # (AutoModelForCausalLM builds Gemma 3 as its vision-language model)
+    found, fits = _built(config, kind), _explained_heads(config)
+    if found is not None and kind not in fits:  # (AutoModelForCausalLM builds Gemma 3 as its vision-language model)
         raise ValueError(f"{name}: transformers builds {config.model_type} models as {found.__name__} for {kind}; "
                          f"{UNEXPLAINED}")
-    if not has(kind):
-        fits = [each for each in HEAD_CLASSES if has(each)]
+    if kind not in fits:
         fix = f"use --head {' or '.join(fits)}" if fits else f"nxl_hooks explains {', '.join(HEAD_CLASSES)} heads"
         raise ValueError(f"{name}: transformers has no {kind} head for {config.model_type} models "
                          f"({HEAD_CLASSES[kind]} does not take a {type(config).__name__}); {fix}")

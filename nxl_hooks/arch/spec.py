@@ -261,22 +261,24 @@ UNEXPLAINED = ("NormXLogit explains the head of a decoder-only or encoder text m
                "classification and question answering are not supported (docs/supported-models.md)")
 
 
-def class_head(name: str) -> HeadKind | None:
-    """The head a transformers task model class reads out with, by its name (regression not told apart), or None for
-    a class nxl_hooks does not explain: ``class_head("BertForMaskedLM") is HeadKind.MASKED_LM``."""
-    return next((kind for ending, kind in HEAD_CLASS_ENDINGS.items() if name.endswith(ending)), None)
+def class_head(name: str, config: Any = None) -> HeadKind | None:
+    """The head a transformers task model class reads out with, by its name and its ``config`` if given (regression
+    not told apart), or None for a class nxl_hooks does not explain:
+    ``class_head("BertForMaskedLM") is HeadKind.MASKED_LM``."""
+    kind = next((kind for ending, kind in HEAD_CLASS_ENDINGS.items() if name.endswith(ending)), None)
+    if kind is HeadKind.CAUSAL_LM and getattr(config, "causal", None) is False:
+        # XLM's and Flaubert's *WithLMHeadModel, bidirectional by default: a masked LM whose question is at its
+        # [MASK] tokens, not at its last position
+        return HeadKind.MASKED_LM
+    return kind
 
 
 def head_kind(model: nn.Module) -> HeadKind:
     """The head kind of a transformers task model, from its class: ``head_kind(model) is HeadKind.CAUSAL_LM``."""
     name = type(model).__name__
-    kind = class_head(name)
+    kind = class_head(name, getattr(model, "config", None))
     if kind is None:
         raise UnknownArchitectureError(f"{name} has no head-on-top that nxl_hooks knows: {UNEXPLAINED}.")
-    if kind is HeadKind.CAUSAL_LM and getattr(model.config, "causal", None) is False:
-        # XLM's and Flaubert's *WithLMHeadModel, bidirectional by default: a masked LM whose question is at its
-        # [MASK] tokens, not at its last position
-        return HeadKind.MASKED_LM
     if kind is HeadKind.SEQUENCE_CLASSIFICATION:
         # transformers' own rule (the loss it trains with): regression where the config says so, or says nothing
         # and has one output; a one-logit classifier trained with BCE (multi_label_classification) is signed

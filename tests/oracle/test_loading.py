@@ -640,3 +640,18 @@ def test_a_local_folder_loads_from_its_subfolder(world, tmp_path):
     assert loaded_tok.get_vocab() == tok.get_vocab()
     torch.testing.assert_close(nxl.explain(loaded, loaded_tok, PROMPT, target=paris).normxlogit[:, 0],
                                oracle_normxlogit(model, tok, PROMPT, paris)[:, 0], rtol=1e-4, atol=1e-5)
+
+
+def test_a_bidirectional_xlm_checkpoint_is_a_masked_lm_to_the_command_line_as_to_attach():
+    """XLMWithLMHeadModel ends like a causal LM's class but is a masked LM unless config.causal: the head kind the
+    command line picks from config.architectures is the one attach reads the built model with (it said causal_lm)."""
+    import transformers
+
+    from nxl_hooks.apps.loading import head_from_architectures
+    from nxl_hooks.arch.spec import HeadKind, head_kind
+
+    for causal, kind in ((False, HeadKind.MASKED_LM), (True, HeadKind.CAUSAL_LM)):
+        config = transformers.XLMConfig(vocab_size=16, emb_dim=8, n_layers=1, n_heads=2, causal=causal,
+                                        architectures=["XLMWithLMHeadModel"])
+        assert head_from_architectures(config) == kind.value
+        assert head_kind(transformers.XLMWithLMHeadModel(config)) is kind

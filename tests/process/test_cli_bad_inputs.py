@@ -112,6 +112,10 @@ CASES = [
     ("vision-language checkpoint", ["attribute", "{vlm}", TEXT],
      r"vlm: config.architectures names \['Gemma3ForConditionalGeneration'\]; NormXLogit explains the head of a "
      r"decoder-only or encoder text model .* vision-language .* not supported \(docs/supported-models.md\)$"),
+    # a base model's config: --head builds a task model of it, so the line says which
+    ("base-model checkpoint", ["attribute", "{base}", TEXT],
+     r"base: config.architectures \(\['LlamaModel'\]\) names no head that NormXLogit explains; pass --head with one "
+     r"of causal_lm, sequence_classification$"),
     ("vision-language checkpoint as a causal LM", ["attribute", "{vlm}", TEXT, "--head", "causal_lm"],
      r"vlm: transformers builds gemma3 models as Gemma3ForConditionalGeneration for causal_lm; NormXLogit explains "
      r"the head of a decoder-only or encoder text model"),
@@ -354,6 +358,7 @@ def where(tmp_path_factory) -> dict[str, str]:
             (p / "evil.py").write_text(f"open({str(p / 'RAN')!r}, 'w')\n")),
         "badtokenizer": lambda p: (p / "tokenizer.json").write_text("{oops"),
         # a vision-language model's config.json (AutoModelForCausalLM builds Gemma3ForConditionalGeneration)
+        "base": lambda p: transformers.LlamaConfig(architectures=["LlamaModel"]).save_pretrained(p),
         "vlm": lambda p: transformers.Gemma3Config(architectures=["Gemma3ForConditionalGeneration"]).save_pretrained(p),
         # a PEFT adapter (PeftModel.save_pretrained): the adapter's files beside the tokenizer, no config.json
         "adapter": lambda p: ((p / "config.json").unlink(), (p / "model.safetensors").rename(
