@@ -530,6 +530,10 @@ class Recorder:
         captures, tasks = self._stacks()
         if tasks:
             tasks[-1].blocks_ran = True
+        if not captures and torch._C._current_graph_task_id() != -1:
+            # backward running a checkpointed block again (transformers up to 5.22 checkpoint a block's __call__,
+            # hooks included): not a forward, and the forward it belongs to was recorded when it ran
+            return
         if not captures and self._backbone_running():
             self.results.last = RuntimeError(
                 "the last forward in this thread started before the probe attached (its blocks ran under the probe, "

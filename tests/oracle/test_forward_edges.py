@@ -469,3 +469,25 @@ def test_one_4d_mask_for_the_whole_batch_is_every_rows():
     logat, _ = oracle.normxlogit(logits, out.hidden_states[0], logits[-1, :, -1].argmax(-1))
     assert res.mask.shape == (2, 6) and bool(res.mask.all()) and res.position.tolist() == [5, 5]
     torch.testing.assert_close(res.logat, logat, rtol=1e-4, atol=1e-5)
+@pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
+def test_a_training_step_with_gradient_checkpointing_keeps_its_forward_record(reentrant):
+    """A training step with gradient checkpointing: backward runs each checkpointed block again. Up to transformers
+    5.22 the checkpoint wraps the block's ``__call__`` (from 5.23 its ``forward``), so the block hooks ran in
+    backward too, outside any forward, and the step's record became "ran its blocks without calling
+    LlamaModel.forward ... set `backbone`". The forward's record stays, equal to the oracle on that forward's own
+    hidden states, and the gradients are those of the model unattached."""
+    model, ids = tiny.build_model("llama"), _ids(2, 6)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+    model.train()
+    out = model(input_ids=ids, labels=ids, output_hidden_states=True)
+    out.loss.backward()
+    plain = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    with nxl.attach(model, layers="all") as probe:
+        model(input_ids=ids, labels=ids).loss.backward()
+        res = probe.result()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), plain))
+    with torch.no_grad():
+        logits = oracle.llama(model).layer_logits([h.detach() for h in out.hidden_states])
+    _, expected = oracle.normxlogit(logits, out.hidden_states[0].detach(), logits[-1, :, -1].argmax(-1))
+    torch.testing.assert_close(res.normxlogit, expected, rtol=1e-4, atol=1e-5)
