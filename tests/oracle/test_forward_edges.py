@@ -469,6 +469,8 @@ def test_one_4d_mask_for_the_whole_batch_is_every_rows():
     logat, _ = oracle.normxlogit(logits, out.hidden_states[0], logits[-1, :, -1].argmax(-1))
     assert res.mask.shape == (2, 6) and bool(res.mask.all()) and res.position.tolist() == [5, 5]
     torch.testing.assert_close(res.logat, logat, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize("reentrant", [True, False], ids=["reentrant", "non-reentrant"])
 def test_a_training_step_with_gradient_checkpointing_keeps_its_forward_record(reentrant):
     """A training step with gradient checkpointing: backward runs each checkpointed block again. Up to transformers
