@@ -387,7 +387,8 @@ def _check_run(out_dir: Path, settings: Mapping[str, Any], done: Mapping[int, Ma
         return "fresh"  # every record of the other run failed: nothing is lost by starting over
     if isinstance(saved, dict) and saved.get(_VERSION) != VERSION:
         # (the settings an earlier version wrote lack what this one adds: naming those keys would blame the user)
-        made = f"nxl_hooks {saved[_VERSION]}" if isinstance(saved.get(_VERSION), str) else "an nxl_hooks before 0.4.0"
+        made = (f"nxl_hooks {saved[_VERSION]}" if isinstance(saved.get(_VERSION), str)
+                else "an nxl_hooks that did not record its version (0.3 or before, or an early 0.4 build)")
         raise SettingsMismatchError(
             f"{out_dir} holds a run made by {made}, whose records nxl_hooks {VERSION} does not resume (its numbers may "
             "differ); use another --out folder, or delete this one to start over"
@@ -396,7 +397,8 @@ def _check_run(out_dir: Path, settings: Mapping[str, Any], done: Mapping[int, Ma
         changed = sorted(k for k in set(saved) | set(wanted) if saved.get(k) != wanted.get(k))
         why = f"(different: {', '.join(changed)})"
     else:
-        why = f"({len(others)} of its records carry another run's identity: other model, data or options)"
+        why = (f"({len(others)} of its records carry another run's identity: other model, data, options or nxl_hooks "
+               "version)")
     raise SettingsMismatchError(
         f"{out_dir} holds a run with other settings {why}; use another --out folder, or delete this one to start over"
     )

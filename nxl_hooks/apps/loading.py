@@ -53,9 +53,10 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "voc
                     "spiece.model", "sentencepiece.bpe.model")
 
 
-def head_from_architectures(config: Any) -> str | None:
-    """The head kind a config's ``architectures`` names (``["BertForMaskedLM"]`` -> ``"masked_lm"``), or None."""
-    kinds = (class_head(name, config) for name in getattr(config, "architectures", None) or ())
+def head_from_architectures(architectures: list[str] | None, config: Any = None) -> str | None:
+    """The head kind named by ``config.architectures`` (``["BertForMaskedLM"]`` -> ``"masked_lm"``), or None;
+    ``config`` tells XLM's bidirectional ``XLMWithLMHeadModel`` for a masked LM (:func:`~..arch.spec.class_head`)."""
+    kinds = (class_head(name, config) for name in architectures or ())
     return next((kind.value for kind in kinds if kind is not None), None)
 
 
@@ -558,7 +559,7 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
         config = None
     else:
         config = _read_config(name, **where)
-        kind = head or head_from_architectures(config)
+        kind = head or head_from_architectures(getattr(config, "architectures", None), config)
         if kind is None:
             fits, named = _explained_heads(config), getattr(config, "architectures", None)
             base = _built(config, "base")

@@ -39,7 +39,7 @@ from .attribution import RecordError, read_blob, stored_scores
 from .files import CHUNK, read_regular
 from .steps import STEP_TENSORS, GenerationCall, Step
 from .tokens import record_text
-from .writer import _FILE_MAGIC, _FORMAT, _FRAME, _FRAME_MAGIC, _MAGIC_NAME, _MAGIC_V1, _ROTATED
+from .writer import _FILE_MAGIC, _FORMAT, _FRAME, _FRAME_MAGIC, _MAGIC_V1, _ROTATED, _later_format
 
 __all__ = ["Damage", "Stream", "StreamDamageWarning", "StreamError", "read_stream"]
 
@@ -359,16 +359,6 @@ def _check_step(step: Step, call: GenerationCall) -> None:
         raise ValueError(f"step {step.step}: normxlogit {None if scores is None else tuple(scores.shape)} does not "
                          f"cover {batch} row(s) x {step.position} positions")
     step.to_attribution().check()  # every other field, by the one set of rules of Attribution
-
-
-def _later_format(data: bytearray) -> int | None:
-    """The format number of a stream file a later nxl_hooks wrote (its first line ``nxl_hooks.stream/3``), else
-    None: such a file is a stream this version cannot read, not some other file."""
-    line = bytes(data[len(_MAGIC_NAME): len(_MAGIC_NAME) + 20]).split(b"\n", 1)
-    if not data.startswith(_MAGIC_NAME) or len(line) < 2 or not line[0].isdigit():
-        return None
-    number = int(line[0])
-    return number if number > _FORMAT else None
 
 
 def _read(data: bytearray, path: Path, calls: dict[int, GenerationCall], *, name: tuple[int, int] | None

@@ -132,6 +132,16 @@ def stream_bytes(call: GenerationCall, meta: dict) -> bytes:
     return b"".join([_FILE_MAGIC, *frames])
 
 
+def _later_format(data: bytes | bytearray) -> int | None:
+    """The format number of a stream file a later nxl_hooks wrote (its first line ``nxl_hooks.stream/3``), else
+    None: such a file is a stream this version cannot read, not some other file."""
+    line = bytes(data[len(_MAGIC_NAME): len(_MAGIC_NAME) + 20]).split(b"\n", 1)
+    if not data.startswith(_MAGIC_NAME) or len(line) < 2 or not line[0].isdigit():
+        return None
+    number = int(line[0])
+    return number if number > _FORMAT else None
+
+
 def _holds_stream(head: bytes) -> bool:
     """Whether a file that begins with ``head`` (its first ``len(_FILE_MAGIC)`` bytes) is a stream file as
     :func:`~nxl_hooks.records.reader.read_stream` reads one: a file header of either version, or the start of the
@@ -145,7 +155,11 @@ def _open(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
     refused (ValueError, one line), never emptied."""
     fd = claim_file(path, mode, follow_symlinks=follow_symlinks, readable=True)
     try:
-        if not _holds_stream(os.pread(fd, len(_FILE_MAGIC), 0)):
+        head = os.pread(fd, len(_MAGIC_NAME) + 21, 0)
+        if (later := _later_format(head)) is not None:  # (a stream all the same: said so, and never emptied)
+            raise ValueError(f"{path} is a stream file of format {later}, which a later nxl_hooks wrote and a stream "
+                             "sink would empty: give another path, or remove the file first")
+        if not _holds_stream(head[:len(_FILE_MAGIC)]):
             kind = " (a Parquet sink is 'parquet:PATH')" if path.suffix == ".parquet" else ""
             raise ValueError(f"{path} holds something other than an nxl_hooks stream, which a stream sink would "
                              f"empty: give another path, or remove the file first{kind}")

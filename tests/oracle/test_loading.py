@@ -653,5 +653,5 @@ def test_a_bidirectional_xlm_checkpoint_is_a_masked_lm_to_the_command_line_as_to
     for causal, kind in ((False, HeadKind.MASKED_LM), (True, HeadKind.CAUSAL_LM)):
         config = transformers.XLMConfig(vocab_size=16, emb_dim=8, n_layers=1, n_heads=2, causal=causal,
                                         architectures=["XLMWithLMHeadModel"])
-        assert head_from_architectures(config) == kind.value
+        assert head_from_architectures(config.architectures, config) == kind.value
         assert head_kind(transformers.XLMWithLMHeadModel(config)) is kind

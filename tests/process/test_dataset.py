@@ -161,7 +161,7 @@ def test_a_run_of_another_version_is_not_resumed_and_the_line_names_it(monkeypat
     if written is None:  # as nxl_hooks 0.3 and before wrote it
         run.write_text(json.dumps({k: v for k, v in json.loads(run.read_text()).items() if k != "nxl_hooks"}))
     before = (tmp_path / "parts" / "part-0.jsonl").read_bytes()
-    made = "nxl_hooks 0.3.9" if written else "an nxl_hooks before 0.4.0"
+    made = "nxl_hooks 0.3.9" if written else r"an nxl_hooks that did not record its version \(0.3 or before, .*\)"
     with pytest.raises(SettingsMismatchError, match=f"holds a run made by {made}, whose records nxl_hooks "
                                                     f"{nxl_hooks.__version__} does not resume"):
         run_dataset([{"n": 0}, {"n": 1}], lambda ex: {"by": "this"}, tmp_path, settings={"model": "a"})
@@ -185,7 +185,8 @@ def test_an_evaluate_run_of_0_3_is_refused_naming_its_version(models, tmp_path, 
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert [line for line in err.splitlines() if "error" in line] == [
-        f"nxl evaluate: error: {tmp_path} holds a run made by an nxl_hooks before 0.4.0, whose records nxl_hooks "
+        f"nxl evaluate: error: {tmp_path} holds a run made by an nxl_hooks that did not record its version (0.3 or "
+        f"before, or an early 0.4 build), whose records nxl_hooks "
         f"{nxl_hooks.__version__} does not resume (its numbers may differ); use another --out folder, or delete this "
         "one to start over"]
 
