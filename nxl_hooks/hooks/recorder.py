@@ -72,8 +72,11 @@ def traced() -> bool:
 
 def _exporting() -> bool:
     """Whether a non-strict torch.export (torch's default) runs this thread's forward, as plain Python on fake
-    tensors: what its hooks kept would be assembled into a record of fake tensors."""
-    return is_exporting() and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None
+    tensors: what its hooks kept would be assembled into a record of fake tensors. Never while dynamo traces (a
+    strict export, a compile): before torch 2.13 dynamo takes ``is_exporting()`` as True in every compile, and it
+    cannot trace the dispatch-mode query (its ``Unsupported`` went into the user's compile or export)."""
+    return (not is_dynamo_compiling() and is_exporting()
+            and torch._C._get_dispatch_mode(torch._C._TorchDispatchModeKey.FAKE) is not None)
 
 
 #: module -> {hook name: the id its always_call forward hook had when first registered}: _always_called

@@ -905,6 +905,22 @@ def test_a_non_strict_export_of_an_attached_model_leaves_the_last_forwards_recor
     torch.testing.assert_close(result.normxlogit, _plain_oracle(model, ids), rtol=1e-4, atol=1e-5)
 
 
+def test_a_strict_export_of_an_attached_model_is_the_models_own_and_leaves_the_last_forwards_record():
+    """torch.export(strict=True) traces the hooks with dynamo, which cannot trace the dispatch-mode query telling a
+    non-strict export's fake tensors (it raised ``Unsupported`` into the export): the export succeeds, its program
+    computes the model's own logits, and the result stays the last forward that ran."""
+    model = tiny.generating_llama(seed=4)
+    ids = _prompt(rows=1)[0]
+    with torch.no_grad():
+        plain = model(input_ids=ids, use_cache=False).logits
+        with nxl.attach(model, layers="all") as probe:
+            model(input_ids=ids)
+            program = torch.export.export(model, (), {"input_ids": ids, "use_cache": False}, strict=True)
+            result = probe.result()
+    torch.testing.assert_close(program.module()(input_ids=ids, use_cache=False).logits, plain, rtol=0, atol=0)
+    torch.testing.assert_close(result.normxlogit, _plain_oracle(model, ids), rtol=1e-4, atol=1e-5)
+
+
 def test_a_compiled_forward_is_assembled_at_detach_and_read_after_the_model_s_hooks_are_collected():
     """A model compiled after attaching: its last forward is assembled when the probe detaches, so its result is
     there after the ``with`` block, also once a collection has taken the recorder the hooks held."""
