@@ -12,7 +12,7 @@ live model), ``eval`` (checking), ``apps`` (the command line and views). The mod
 """
 
 from .arch import ArchSpec, RegistryError, UnknownArchitectureError, register_architecture, register_file
-from .arch.version import VERSION
+from .arch.version import VERSION  # before .hooks: a torch below the floor is one line (arch/version.py)
 from .hooks import Probe, attach, detach_all, explain
 from .method.protocol import Given, Method
 from .method.registry import get_method, method_names, register_method

@@ -205,3 +205,22 @@ def test_nxl_convert_help_names_the_gguf_extra(capsys):
 
     assert main(["convert", "--help"]) == 0
     assert 'pip install "nxl_hooks[gguf]"' in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize("version", ["2.6.0+cpu", "2.10.1"])
+def test_a_torch_below_the_floor_is_one_line_at_import(version):
+    """A torch older than pyproject.toml's ``torch>=`` allows, forced past pip: ``import nxl_hooks`` failed on the
+    first name it lacked (torch 2.6: ``torch.compiler.is_exporting``), or imported and then raised in compiled
+    forwards. Now the import names pyproject's floor and the install in one line. The child sets the version torch
+    reports before the import, which is what the check reads."""
+    import re
+    import tomllib
+
+    project = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())["project"]
+    (floor,) = [re.fullmatch(r"torch>=([\d.]+),<3", spec).group(1) for spec in project["dependencies"]
+                if spec.startswith("torch>=")]
+    code = f"import torch\ntorch.__version__ = {version!r}\nimport nxl_hooks"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"ImportError: nxl_hooks needs torch >= {floor}, this is torch {version}: pip install 'torch>={floor}'")
