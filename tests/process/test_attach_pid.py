@@ -28,12 +28,12 @@ from nxl_hooks.apps.options import CliError
 from nxl_hooks.apps.serve.inject import (Target, _private_parent, _queue, bootstrap_source, injector_command,
                                           permission_refusal, trusted_file)
 from oracle import normxlogit, prefix_logits
-from serving import Server
+from serving import Server, gdb_refusal
 import tiny as tiny_models
 from test_serve import CB_FLAGS, SERVE_ENV, Tiny, _cli, check_call, tiny  # noqa: F401 - tiny: the fixture
 
 REPO = Path(nxl.__file__).resolve().parent.parent
-needs_gdb = pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed (apt-get install gdb)")
+needs_gdb = pytest.mark.skipif(gdb_refusal() is not None, reason=f"nxl attach PID injects through gdb: {gdb_refusal()}")
 
 CONTENTS = ("hello world how are you", "the world is", "w1 w2 w3")
 
@@ -404,9 +404,10 @@ def test_refusals_before_anything_is_injected(tmp_path, capsys, monkeypatch):
         _stop(sleeper)
     cases = [({"PYTHON_DISABLE_REMOTE_DEBUG": "1"}, None, "disabled remote debugging"),
              ({}, [sys.executable, "-X", "disable_remote_debug"], "disabled remote debugging"),
-             ({"NXL_RUN_DIR": str(tmp_path)}, None, "runs under nxl run already"),
-             # no site and no PYTHONPATH: the target's interpreter cannot find nxl_hooks
-             ({"PYTHONPATH": ""}, [sys.executable, "-S"], "-m pip install ")]
+             ({"NXL_RUN_DIR": str(tmp_path)}, None, "runs under nxl run already")]
+    if gdb_refusal() is None:  # (asked inside the target: through gdb)
+        # no site and no PYTHONPATH: the target's interpreter cannot find nxl_hooks
+        cases.append(({"PYTHONPATH": ""}, [sys.executable, "-S"], "-m pip install "))
     for n, (env, python, message) in enumerate(cases):
         folder = tmp_path / str(n)
         folder.mkdir()

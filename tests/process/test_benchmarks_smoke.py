@@ -11,7 +11,6 @@ import ast
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -133,8 +132,10 @@ def _results() -> dict[str, bytes]:
 @pytest.mark.parametrize("script", SCRIPTS, ids=[script.stem for script in SCRIPTS])
 def test_benchmark_runs_in_smoke_mode(script, tmp_path, monkeypatch):
     assert script.stem in CHECKS, f"{script.name} has no --smoke check in {Path(__file__).name}: add one"
-    if script.stem == "bench_attach" and shutil.which("gdb") is None:
-        pytest.skip("nxl attach injects through gdb here (Python < 3.14): apt-get install gdb")
+    from serving import gdb_refusal
+
+    if script.stem == "bench_attach" and gdb_refusal() is not None:
+        pytest.skip(f"nxl attach injects through gdb here (Python < 3.14): {gdb_refusal()}")
     before = _results()
     out = tmp_path / f"{script.stem}.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
