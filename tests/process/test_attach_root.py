@@ -33,7 +33,7 @@ import pytest
 
 import nxl_hooks
 from nxl_hooks.apps.serve.inject import trusted_file
-from serving import save_chat_model
+from serving import gdb_refusal, save_chat_model
 from test_serve import _cli
 
 REPO = Path(nxl_hooks.__file__).resolve().parent.parent
@@ -41,7 +41,8 @@ SYSTEM_PYTHON = Path(f"/usr/bin/python{sys.version_info[0]}.{sys.version_info[1]
 #: the model's folder, so its name (what nxl attach prints) holds escape sequences: colour, window title, bell
 MODEL_NAME = "tiny\x1b[31mRED\x1b]0;owned\x07"
 
-pytestmark = pytest.mark.skipif(shutil.which("gdb") is None, reason="gdb is not installed (apt-get install gdb)")
+pytestmark = pytest.mark.skipif(gdb_refusal() is not None,
+                                reason=f"nxl attach PID injects through gdb: {gdb_refusal()}")
 
 _TARGET = textwrap.dedent("""
     import json, sys, time
