@@ -9,7 +9,6 @@
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import shutil
@@ -164,24 +163,10 @@ class Server:
         self.stop()
 
 
-@functools.lru_cache(maxsize=None)
 def gdb_refusal() -> str | None:
     """Why ``nxl attach PID`` cannot inject through gdb on this machine (Python < 3.14), or None where it can: gdb
-    missing, or a gdb that cannot call a function in a process here (some VMs' kernels refuse gdb's register writes:
-    "Couldn't write extended state status: Bad address"), which nxl_hooks cannot work around. Asked once per
-    process, of a sleeping child."""
-    if shutil.which("gdb") is None:
-        return "gdb is not installed (apt-get install gdb)"
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL)
-    try:
-        time.sleep(0.5)
-        done = subprocess.run(["gdb", "-p", str(child.pid), "-batch", "-nx", "-ex", "call (int)getpid()"],
-                              capture_output=True, text=True, timeout=120)
-    finally:
-        child.kill()
-        child.wait()
-    if f"= {child.pid}" in done.stdout:
-        return None
-    lines = [line for line in done.stderr.splitlines() if line.strip() and "auto-load" not in line]
-    return f"gdb cannot call into a process on this machine ({lines[-1] if lines else 'no output'})"
+    missing, or a gdb that cannot call a function in a process here (nxl attach's own check, asked once per
+    process)."""
+    from nxl_hooks.apps.serve.inject import gdb_refusal as cannot_call
+
+    return "gdb is not installed (apt-get install gdb)" if shutil.which("gdb") is None else cannot_call()

@@ -25,6 +25,7 @@ import torch
 import nxl_hooks as nxl
 from nxl_hooks.apps.serve.client import Endpoint
 from nxl_hooks.apps.options import CliError
+from nxl_hooks.apps.serve import inject
 from nxl_hooks.apps.serve.inject import (Target, _private_parent, _queue, bootstrap_source, injector_command,
                                           permission_refusal, trusted_file)
 from oracle import normxlogit, prefix_logits
@@ -709,3 +710,37 @@ def test_an_answer_nested_too_deep_is_one_line(tmp_path, capsys, monkeypatch, co
     err = _refused(capsys, command, str(os.getpid()), *(["--sink", str(run)] if command == "attach" else []))
     assert "the answer of the attached process could not be read (nested too deeply to read)" in err
     assert not run.exists()
+
+
+
+@pytest.mark.version_free
+def test_a_gdb_that_cannot_call_into_processes_is_found_out_on_a_child_not_the_target(tmp_path, monkeypatch, capsys):
+    """Where gdb fails a call into a process half way (a kernel that refuses its register writes, as on some VMs),
+    the process is left broken (its sleep raised OSError 514): nxl attach asks gdb to call into a child of its own
+    first and refuses in one line with gdb's reason, the target untouched. gdb's reason is also what a failed
+    injection says (the line after "Error in sourced command file:", not only that line)."""
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    stand_in = folder / "gdb"  # answers as gdb did there, to the probe (-ex) and to the injection (-x FILE)
+    stand_in.write_text("#!/bin/sh\necho '__GI___clock_nanosleep (clock_id=1) at clock_nanosleep.c:71'\n"
+                        "echo 'NXL_PROBE'\necho '/tmp/x/bootstrap.gdb:3: Error in sourced command file:'\n"
+                        "echo \"Couldn't write extended state status: Bad address.\"\n"
+                        "echo '[Inferior 1 (process 4242) detached]'\n")
+    stand_in.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{folder}{os.pathsep}{os.environ['PATH']}")
+    inject.gdb_refusal.cache_clear()
+    process = _start(tmp_path, _LOOP)
+    try:
+        err = _refused(capsys, "attach", str(process.pid))
+        assert "gdb cannot call a function in a process on this machine (" in err
+        assert "Couldn't write extended state status: Bad address." in err and "start the program under nxl run" in err
+        assert process.poll() is None
+    finally:
+        _stop(process)
+        inject.gdb_refusal.cache_clear()  # (the real gdb is asked again)
+    target = Target(os.getpid(), os.getuid(), os.getgid(), sys.executable, (3, 11), None)
+    with pytest.raises(CliError) as refused:
+        _queue(target, tmp_path / "bootstrap.py", 5)
+    said = str(refused.value)
+    assert "Couldn't write extended state status: Bad address." in said and "Error in sourced command" in said
+    assert "clock_nanosleep" not in said and "nothing was injected" in said

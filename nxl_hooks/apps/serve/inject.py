@@ -42,13 +42,16 @@ root); tracing not allowed (``kernel.yama.ptrace_scope``, no ``CAP_SYS_PTRACE``)
 container: the files would not be where the target looks); not a Python process; a Python older than 3.10;
 remote debugging disabled in the target (``PYTHON_DISABLE_REMOTE_DEBUG``, ``-X disable_remote_debug``); a process
 under ``nxl run`` already; a vLLM process (its model runs in worker processes: ``nxl run`` records those); gdb
-missing (``apt-get install gdb``); traced by another debugger, or by a concurrent ``nxl attach`` / ``nxl detach``
-(named, after waiting up to ``timeout`` for it to let go). After the injection, from the target: nxl_hooks not
-importable by its interpreter (``nxl attach`` names the ``pip install`` of the source nxl was installed from).
+missing (``apt-get install gdb``), or one that cannot call a function in a process on this machine (asked of
+a child first: a call it fails half way leaves the process broken); traced by another debugger, or by a
+concurrent ``nxl attach`` / ``nxl detach`` (named, after waiting up to ``timeout`` for it to let go). After the
+injection, from the target: nxl_hooks not importable by its interpreter (``nxl attach`` names the ``pip install``
+of the source nxl was installed from).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -56,6 +59,7 @@ import shutil
 import signal
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -270,7 +274,38 @@ def inspect_target(pid: int) -> Target:
     if target.route == "gdb" and shutil.which("gdb") is None:
         where = f"Python {version[0]}.{version[1]}" if version else "this process"
         raise CliError(f"gdb is not installed (nxl attach needs it for {where}): apt-get install gdb")
+    if target.route == "gdb" and (refusal := gdb_refusal()):
+        raise CliError(f"{refusal}; nothing was injected into process {pid}: start the program under nxl run "
+                       "instead")
     return target
+
+
+@functools.lru_cache(maxsize=None)
+def gdb_refusal() -> str | None:
+    """Why gdb cannot call a function in a process on this machine, or None where it can: asked once per process,
+    of a sleeping child of this interpreter, before any target is touched. Where gdb fails such a call half way
+    (a kernel that refuses its register writes, as some VMs': "Couldn't write extended state status: Bad
+    address"), the process it called into is left broken: its interrupted system call fails (time.sleep raised
+    OSError 514 in the program)."""
+    child = subprocess.Popen([sys.executable, "-I", "-S", "-c", "import time; time.sleep(120)"],
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        time.sleep(0.2)  # (in its sleep by then: the call interrupts it, as it would the target's)
+        done = subprocess.run(["gdb", "-p", str(child.pid), "--batch", "-nx", "-q", "-iex", "set auto-load off",
+                               "-iex", "set auto-solib-add off", "-ex", "sharedlibrary libc\\.", "-ex",
+                               "echo NXL_PROBE\\n", "-ex", "call (int) getpid()"],
+                              stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return f"gdb could not be asked to call into a process ({error})"
+    finally:
+        child.kill()
+        child.wait()
+    said = done.stdout.split("NXL_PROBE", 1)[-1]
+    if f"= {child.pid}" in said:
+        return None
+    reason = " ".join(line.strip() for line in said.splitlines() if line.strip() and "detached]" not in line)
+    return f"gdb cannot call a function in a process on this machine ({reason[:300] or 'no output'})"
 
 
 def bootstrap_source(script: str, target: Target | None = None) -> str:
@@ -466,9 +501,18 @@ def _queue(target: Target, bootstrap: Path, patience: float) -> None:
     if "No symbol" in output:
         raise CliError(f"process {target.pid}'s Python exports no Py_AddPendingCall / PyRun_SimpleString for gdb "
                        "to call (a static build without its symbols?): use nxl run")
-    detail = " ".join(line for line in output.splitlines() if "NXL_" in line or "rror" in line)[:300]
-    raise CliError(f"gdb could not queue the script in process {target.pid} ({detail or 'no reason given'}); "
+    raise CliError(f"gdb could not queue the script in process {target.pid} ({_gdb_reason(output)}); "
                    "nothing was injected, the process runs on")
+
+
+def _gdb_reason(output: str) -> str:
+    """What gdb said went wrong: its error lines, and the line after "Error in sourced command file:", where gdb
+    puts the reason itself (e.g. "Couldn't write extended state status: Bad address." from a kernel that refuses
+    its register writes)."""
+    lines = output.splitlines()
+    said = [line for n, line in enumerate(lines) if "NXL_" in line or "rror" in line
+            or (n and lines[n - 1].endswith("Error in sourced command file:"))]
+    return " ".join(said)[:300] or "no reason given"
 
 
 def inject(target: Target, request: dict, *, timeout: float, wait: float = 0.0) -> dict:
