@@ -31,10 +31,10 @@ def _prompts(lengths) -> list[list[int]]:
     return [torch.randint(5, len(tiny.VOCAB), (n,), generator=generator).tolist() for n in lengths]
 
 
-def _compiled():
+def _compiled(backend: str = "inductor"):
     """The padded path compiled: varlen (and decode, where the model has the fast path) under torch.compile, no
     CUDA graph. A 24-token budget chunks the 23-token prompt, so prefill chunks and decodes share forwards."""
-    compile_config = CompileConfig(fullgraph=False, dynamic=False)
+    compile_config = CompileConfig(fullgraph=False, dynamic=False, backend=backend)
     return tiny.cb_config(use_cuda_graph=False, varlen_compile_config=compile_config,
                           decode_compile_config=compile_config)
 
@@ -106,7 +106,8 @@ def test_the_taps_add_copies_to_the_compiled_step_and_no_norm_of_its_tensors(mod
 def test_a_copy_of_the_model_made_while_the_taps_are_on_takes_none_of_them(model, monkeypatch):
     """``copy.deepcopy`` of the model during a compiled padded step, its taps on: each hook of the probe's is one
     that does nothing in the copy (it held the live taps, writing into the probe's buffers), the copy gives the
-    model's own logits, and the requests are recorded as the oracle."""
+    model's own logits, and the requests are recorded as the oracle. Dynamo traces the taps into the step whatever
+    its backend: the eager one here (inductor's code: the first test)."""
     import copy
 
     from nxl_hooks.hooks import guard
@@ -125,7 +126,8 @@ def test_a_copy_of_the_model_made_while_the_taps_are_on_takes_none_of_them(model
     monkeypatch.setattr(model_runner.ModelRunner, "compute_batch", computing)
     prompts = _prompts((6, 11))
     with nxl.attach(model, layers="all") as probe:
-        out = model.generate_batch(prompts, generation_config=_greedy(), continuous_batching_config=_compiled())
+        out = model.generate_batch(prompts, generation_config=_greedy(),
+                                   continuous_batching_config=_compiled(backend="eager"))
     ((on, copied),) = copies
     inert = [hook for module in copied.modules()
              for hook in (*module._forward_hooks.values(), *module._forward_pre_hooks.values()) if hook is guard.inert]
