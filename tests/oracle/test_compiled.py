@@ -67,14 +67,15 @@ def _static(model, ids, mask, config):
 
 def _scored_elsewhere_two_prompts(monkeypatch):
     """Steps scored off the calling thread, as on a GPU (the CPU made such a device); (model, a left-padded prompt,
-    another with the same padding, its mask, generate's compile config)."""
+    another with the same padding, its mask, generate's compile config). The eager backend: a compiled call's steps
+    are run again eagerly whatever compiled them (inductor's call: test_generate_compiled_by_transformers_...)."""
     from nxl_hooks.hooks import generate
 
     monkeypatch.setattr(generate, "SCORED_ELSEWHERE", generate.SCORED_ELSEWHERE | {"cpu"})
     first, mask = _prompt()
     second = torch.where(mask.bool(), torch.randint(1, VOCAB, first.shape, generator=torch.Generator().manual_seed(6)),
                          PAD)
-    config = tiny.cpu_compile()
+    config = tiny.cpu_compile(backend="eager")
     return tiny.generating_llama(seed=3), first, second, mask, config
 
 
@@ -304,7 +305,7 @@ def test_every_step_of_a_compiled_call_is_scored_with_the_models_own_distributio
     monkeypatch.setattr(generate, "REFILL_POSITIONS", 2)
     model = tiny.generating_llama(seed=3)
     ids, mask = _prompt()
-    config = tiny.cpu_compile()
+    config = tiny.cpu_compile(backend="eager")
     with nxl.attach(model, layers="all", methods=["contrastive"]) as probe:
         _static(model, ids, mask, config)
     call = probe.calls[-1]
@@ -438,7 +439,7 @@ def test_detaching_right_after_a_compiled_call_waits_for_its_steps_and_a_failure
     monkeypatch.setattr(generate, "SCORED_ELSEWHERE", generate.SCORED_ELSEWHERE | {"cpu"})
     model = tiny.generating_llama(seed=3)
     ids, mask = _prompt()
-    config = tiny.cpu_compile()
+    config = tiny.cpu_compile(backend="eager")
     refill, calls = generate.Generations.refill, []
 
     def slow_then_failing(self, *args):
@@ -527,7 +528,7 @@ def test_a_live_reader_closed_right_after_a_compiled_call_returns_gets_its_steps
         steps, seen = probe.subscribe(follow=True), []
         reader = threading.Thread(target=lambda: seen.extend(steps))
         reader.start()
-        _static(model, ids, mask, tiny.cpu_compile())
+        _static(model, ids, mask, tiny.cpu_compile(backend="eager"))
         steps.close()
         reader.join(60)
     (call,) = probe.calls
