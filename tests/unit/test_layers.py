@@ -58,7 +58,9 @@ def _layer(module: str) -> int | None:
     return LAYERS.index(parts[1]) if len(parts) > 1 and parts[1] in LAYERS else None
 
 
-def _graph() -> dict[str, set[str]]:
+@pytest.fixture(scope="module")
+def graph() -> dict[str, set[str]]:
+    """Each module's imports of the package, parsed once for the tests that read it (none changes it)."""
     modules = _modules()
     return {name: _imports(name, path, modules) for name, path in modules.items()}
 
@@ -68,9 +70,9 @@ def test_every_module_is_in_a_layer():
     assert not stray, f"put these modules in one of the layers {LAYERS}: {stray}"
 
 
-def test_imports_only_go_down():
+def test_imports_only_go_down(graph):
     upward = []
-    for module, targets in _graph().items():
+    for module, targets in graph.items():
         for target in targets:
             if module.startswith("nxl_hooks.demo"):
                 upward.append((module, target))  # the demo data imports nothing of the package
@@ -88,8 +90,7 @@ ROOMS = {"nxl_hooks.records.sinks": "RecordSink", "nxl_hooks.hooks.engines": "En
          "nxl_hooks.hooks.recording": "Recording"}
 
 
-def test_the_extension_rooms_are_protocols_in_their_layers():
-    graph = _graph()
+def test_the_extension_rooms_are_protocols_in_their_layers(graph):
     for module, protocol in ROOMS.items():
         assert module in graph and _layer(module) is not None, module
         cls = getattr(importlib.import_module(module), protocol)
@@ -98,8 +99,7 @@ def test_the_extension_rooms_are_protocols_in_their_layers():
         assert all(_layer(target) is None or _layer(target) <= _layer(module) for target in graph[module]), module
 
 
-def test_no_import_cycle():
-    graph = _graph()
+def test_no_import_cycle(graph):
     seen: dict[str, int] = {}  # 1: on the current path, 2: done
 
     def visit(module: str, path: list[str]) -> None:
