@@ -9,7 +9,8 @@ per block. 1e-5 relative / 1e-6 absolute is ten times that over two blocks and f
 (a wrong or missing shard changes the scores by their own size); by hand the difference was 1.5e-8.
 
 Run as a script, this file is the torchrun worker: ``python tests/process/test_tensor_parallel.py FOLDER OUT
-[generate]``.
+[forward] [generate] [later]`` runs those workers one after the other in each rank (``forward`` alone by default);
+the tests share one torchrun of all three (``workers``), each checking its own worker's files.
 """
 
 from __future__ import annotations
@@ -98,6 +99,18 @@ def folder(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def workers(folder, tmp_path_factory) -> Path:
+    """One torchrun of this file's three workers in turn (a padded forward, generate with ``on_step`` on rank 0, an
+    attach from another thread): each rank loads its own model for each, so each test reads its worker's files as it
+    read those of a torchrun of its own (three torchruns of 2 ranks cost three imports of torch and transformers
+    per rank). A rank that hangs fails every test of the three, after the bound of all three."""
+    out = tmp_path_factory.mktemp("tp-workers")
+    done = _torchrun(__file__, str(folder), str(out), *WORKERS, cwd=out, timeout=420 + 300 + 150)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return out
+
+
 def _one_process(folder: Path):
     import transformers
 
@@ -108,20 +121,18 @@ def _one_process(folder: Path):
     return model, probe.result(), out
 
 
-def test_tp_plan_auto_under_torchrun_equals_one_process_and_the_oracle(folder, tmp_path):
+def test_tp_plan_auto_under_torchrun_equals_one_process_and_the_oracle(folder, workers):
     import oracle
 
-    done = _torchrun(__file__, str(folder), str(tmp_path), cwd=tmp_path)
-    assert done.returncode == 0, done.stderr[-3000:]
     model, single, out = _one_process(folder)
     hand = oracle.llama(model)
     logits = hand.layer_logits(out.hidden_states)  # (L+1, batch, seq, vocab) from the unsharded model
     logat, expected = oracle.normxlogit(logits, out.hidden_states[0], single.target)
     mask = torch.tensor(MASK).bool()
     for rank in (0, 1):
-        facts = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        facts = json.loads((workers / f"rank{rank}.json").read_text())
         assert facts == {"world_size": 2, "sharded": True, "q_proj_rows": 16, "layers": [0, 1, 2]}
-        res = nxl.Attribution.load(tmp_path / f"rank{rank}.safetensors")
+        res = nxl.Attribution.load(workers / f"rank{rank}.safetensors")
         assert res.target.tolist() == single.target.tolist() and res.position.tolist() == single.position.tolist()
         for layer in range(3):  # per layer: NormXLogit against one process, and against the oracle
             torch.testing.assert_close(res.normxlogit[layer][mask], single.normxlogit[layer][mask], **TOL)
@@ -231,7 +242,7 @@ def test_nxl_run_records_a_tp_program_on_every_rank(folder, tmp_path):
         check_call(model, call, 3)
 
 
-def test_tp_generate_with_on_step_on_rank_0_only_finishes_and_equals_the_oracle(folder, tmp_path):
+def test_tp_generate_with_on_step_on_rank_0_only_finishes_and_equals_the_oracle(folder, workers):
     """The docs' way: attach on every rank, read the records on rank 0 (``on_step`` there only). Rank 0 then scores
     each step as it comes and rank 1 lets its steps wait; a readout called as the sharded lm_head is a collective,
     so rank 0 waited in it while rank 1 was in the next forward's, and both hung. Every step on both ranks equals
@@ -240,24 +251,20 @@ def test_tp_generate_with_on_step_on_rank_0_only_finishes_and_equals_the_oracle(
 
     from oracle import check_call
 
-    done = _torchrun(__file__, str(folder), str(tmp_path), "generate", cwd=tmp_path, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads((tmp_path / "on_step.json").read_text()) == list(range(GENERATED))  # rank 0's callback ran
+    assert json.loads((workers / "on_step.json").read_text()) == list(range(GENERATED))  # rank 0's callback ran
     model = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
     for rank in (0, 1):
-        (call,) = nxl.read_stream(tmp_path / f"gen{rank}")
+        (call,) = nxl.read_stream(workers / f"gen{rank}")
         check_call(model, call, GENERATED)
 
 
-def test_tp_model_attached_later_from_another_thread_is_refused_not_hung(folder, tmp_path):
+def test_tp_model_attached_later_from_another_thread_is_refused_not_hung(workers):
     """``nxl attach PID`` (and ``nxl ctl resume`` / ``nxl ctl attach``) attach from a thread of their own, in one
     process, at any moment: a probe there gathered the sharded lm_head, a collective that met the ranks' own forwards
     and hung the program. Each rank's model is now refused in one line (status and log), nothing attached, and the
     program's forwards run on unchanged."""
-    done = _torchrun(__file__, str(folder), str(tmp_path), "later", cwd=tmp_path, timeout=150)
-    assert done.returncode == 0, done.stderr[-3000:]
     for rank in (0, 1):
-        facts = json.loads((tmp_path / f"later{rank}.json").read_text())
+        facts = json.loads((workers / f"later{rank}.json").read_text())
         assert facts["attached"] is False and facts["outputs_unchanged"] is True, facts
         assert "split over torchrun processes (tensor parallel)" in facts["error"]
         assert "launch the program under torchrun -m nxl_hooks run" in facts["error"]
@@ -400,6 +407,8 @@ def _later_worker(folder: str, out: str) -> None:
     (Path(out) / f"later{rank}.json").write_text(json.dumps(facts))
 
 
+WORKERS = {"forward": _worker, "generate": _generate_worker, "later": _later_worker}
+
 if __name__ == "__main__":
-    {"generate": _generate_worker, "later": _later_worker}.get(sys.argv[3] if sys.argv[3:] else "", _worker)(
-        *sys.argv[1:3])
+    for name in sys.argv[3:] or ["forward"]:
+        WORKERS[name](*sys.argv[1:3])
