@@ -360,7 +360,7 @@ def main() -> None:
             try:
                 max_tokens = args.max_tokens or MAX_TOKENS[name]
                 for server in servers.values():  # warm up: first requests load kernels, tokenizers, caches
-                    for _ in range(3):
+                    for _ in range(1 if args.smoke else 3):  # (a smoke run's figures mean nothing)
                         server.chat(QUESTION[name], max_tokens=max_tokens)
                 for clients in (1, 4):
                     report["latency"][f"{name}/clients={clients}"] = measure(
