@@ -331,7 +331,7 @@ def _entries(text: str) -> list[tuple[int, str]]:
 
 
 @pytest.mark.version_free
-def test_tail_says_it_waits_shows_positions_and_the_last_requests(server, tiny):
+def test_tail_says_it_waits_shows_positions_and_the_last_requests(server, tiny, capsys):
     """Issue 24 item 13: idle, tail says it waits; a prompt that holds 'hello' twice shows both, told apart by their
     positions, and the token's own position; --last 1 shows the last request again, whole, with its end line."""
     content = "hello hello world"
@@ -350,9 +350,8 @@ def test_tail_says_it_waits_shows_positions_and_the_last_requests(server, tiny):
     *lines, end = out.splitlines()
     assert [line.split()[:3] for line in lines] == [["tail-idle", str(s.step), f"@{s.position}"] for s in call.steps]
     assert lines[0] == first and end == "tail-idle: ended after 2 tokens"
-    refused = subprocess.run([*NXL, "tail", "--run", str(server.run), "--last", "1", "--request-id", "x"],
-                             capture_output=True, text=True, timeout=60)
-    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "--last" in refused.stderr
+    code, _, err = _cli(capsys, "tail", "--run", str(server.run), "--last", "1", "--request-id", "x")  # (no start)
+    assert code == 2 and err.count("\n") == 1 and "--last" in err
 
 
 def save_emoji_model(path: Path) -> Path:
@@ -673,7 +672,7 @@ def test_import_auto_attaches_in_code_and_bad_settings_never_harm(tiny, tmp_path
     assert len(lines) == 1 and "NXL_LAYERS" in lines[0]
 
 
-def test_nxl_run_loading_options_reach_the_programs_own_loads(tiny, tmp_path):
+def test_nxl_run_loading_options_reach_the_programs_own_loads(tiny, tmp_path, capsys, monkeypatch):
     """--dtype and --load-in-8bit become defaults of the program's from_pretrained for the models --models picks;
     what the program sets itself wins; a GGUF file with bitsandbytes is refused before the program starts. A model
     saved quantized another way (4-bit) kept its own quantization under the 8-bit default, with a warning of
@@ -708,7 +707,8 @@ def test_nxl_run_loading_options_reach_the_programs_own_loads(tiny, tmp_path):
     assert said.startswith("nxl_hooks: the loading options of nxl run were not applied to ") and \
         "tiny-saved-4bit is saved quantized (bitsandbytes 4-bit fp4" in said and \
         "not bitsandbytes 8-bit as asked" in said, said
-    refused = _nxl("run", "--gguf-file", "m.gguf", "--load-in-4bit", "--", sys.executable, "-c", "print('ran')")
+    refused = _refused_in_process(capsys, monkeypatch, "run", "--gguf-file", "m.gguf", "--load-in-4bit", "--",
+                                  sys.executable, "-c", "print('ran')")
     assert refused.returncode == 2 and "ran" not in refused.stdout and "transformers refuses" in refused.stderr
     # defaults that cannot work for this model (it has no such GGUF file): it loads as the program asked, said
     fallen = _nxl("run", "--gguf-file", "m.gguf", "--", sys.executable, "-c", code, str(tiny.path),
@@ -719,15 +719,30 @@ def test_nxl_run_loading_options_reach_the_programs_own_loads(tiny, tmp_path):
     assert len(said) == 3 and all("the loading options of nxl run were not applied" in line for line in said), said
 
 
+def _refused_in_process(capsys, monkeypatch, *args: str) -> subprocess.CompletedProcess:
+    """``nxl ARGS`` that must refuse before its program starts, run in this process (a refusal is decided before
+    ``nxl run`` execs, so no interpreter start is needed to see it): exit code, stdout and stderr as ``_nxl``'s. An
+    ``nxl run`` that went on to exec its program fails the test instead of replacing this process."""
+    def started(*program) -> None:
+        raise AssertionError(f"nxl {args[0]} was to refuse, but started {program[1]}")
+
+    monkeypatch.setattr(os, "execvpe", started)
+    code, out, err = _cli(capsys, *args)
+    return subprocess.CompletedProcess(["nxl", *args], code, out, err)
+
+
 @pytest.mark.version_free
-def test_python_flags_that_keep_the_bootstrap_out_are_refused_before_the_program_starts(tmp_path):
+def test_python_flags_that_keep_the_bootstrap_out_are_refused_before_the_program_starts(tmp_path, capsys,
+                                                                                         monkeypatch):
     """-I and -E make Python ignore PYTHONPATH and -S skips site, which imports the bootstrap: the program would run
     with nothing recorded and nothing said. Refused in one line, alone or among other short flags; -s (no user
-    site) and flags after -c (the program's own) leave the bootstrap in."""
+    site) and flags after -c (the program's own) leave the bootstrap in. The first refusal is a whole ``nxl``
+    program (nothing but that line on its stderr); the other spellings are the same check, run in this process."""
     booted = "import sys; print('BOOTED', any(getattr(f, 'nxl_post_import', False) for f in sys.meta_path))"
-    for flags in (["-I"], ["-Iu"], ["-B", "-E"], ["-BE"], ["-S"], ["-W", "ignore", "-S"]):
+    for n, flags in enumerate((["-I"], ["-Iu"], ["-B", "-E"], ["-BE"], ["-S"], ["-W", "ignore", "-S"])):
         run = tmp_path / "".join(flags)
-        refused = _nxl("run", "--sink", str(run), "--", sys.executable, *flags, "-c", booted)
+        command = ("run", "--sink", str(run), "--", sys.executable, *flags, "-c", booted)
+        refused = _nxl(*command) if n == 0 else _refused_in_process(capsys, monkeypatch, *command)
         letter = next(letter for letter in "IES" if letter in "".join(flags))
         assert refused.returncode == 2 and "BOOTED" not in refused.stdout, (flags, refused.stdout, refused.stderr)
         assert refused.stderr.strip().splitlines() == [refused.stderr.strip()], refused.stderr
