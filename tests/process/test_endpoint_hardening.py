@@ -415,8 +415,23 @@ def _nxl_run(*args: str, tmpdir: Path) -> subprocess.CompletedProcess:
                           text=True, timeout=120, env={**os.environ, "TMPDIR": str(tmpdir)})
 
 
+def _nxl_run_refused(*args: str, tmpdir: Path, capsys, monkeypatch) -> subprocess.CompletedProcess:
+    """``_nxl_run`` for a run that must be refused before its program starts, in this process (the refusal is
+    decided before ``nxl run`` execs: no interpreter start is needed to see it). A run that went on to exec its
+    program fails the test instead of replacing this process."""
+    def started(*program) -> None:
+        raise AssertionError(f"nxl run was to refuse, but started {program[1]}")
+
+    monkeypatch.setattr(os, "execvpe", started)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))  # (what TMPDIR is to _nxl_run's child)
+    code, out, err = _cli(capsys, "run", *args, "--", sys.executable, "-c", "print('ran')")
+    return subprocess.CompletedProcess(["nxl", "run", *args], code, out, err)
+
+
 @as_root
-def test_run_folders_of_others_or_open_to_others_are_refused(tmp_path):
+def test_run_folders_of_others_or_open_to_others_are_refused(tmp_path, capsys, monkeypatch):
+    """The first refusal is a whole ``nxl run`` program (that one line alone on its stderr); the others are the same
+    checks, in this process."""
     open_to_all = tmp_path / "open"
     open_to_all.mkdir(mode=0o700)
     open_to_all.chmod(0o777)
@@ -426,14 +441,18 @@ def test_run_folders_of_others_or_open_to_others_are_refused(tmp_path):
     os.chown(others, NOBODY, NOBODY)
     below_others = others / "mine"  # made by root inside nobody's folder: nobody could swap it
     below_others.mkdir(mode=0o700)
-    for folder, why in ((open_to_all, "writable by group or others"), (others, f"belongs to uid {NOBODY}"),
-                        (below_others, f"which belongs to uid {NOBODY}")):
-        done = _nxl_run("--sink", str(folder), "--listen", f"127.0.0.1:{free_port()}", tmpdir=tmp_path)
+    for n, (folder, why) in enumerate(((open_to_all, "writable by group or others"),
+                                       (others, f"belongs to uid {NOBODY}"),
+                                       (below_others, f"which belongs to uid {NOBODY}"))):
+        args = ("--sink", str(folder), "--listen", f"127.0.0.1:{free_port()}")
+        done = _nxl_run(*args, tmpdir=tmp_path) if n == 0 else \
+            _nxl_run_refused(*args, tmpdir=tmp_path, capsys=capsys, monkeypatch=monkeypatch)
         assert done.returncode == 2 and "ran" not in done.stdout, done.stderr
         (line,) = done.stderr.splitlines()[-1:]
         assert len(done.stderr.splitlines()) == 1 and why in line and str(folder) in line
         assert not (folder / "token").exists()
-    assert "chmod go-w" in _nxl_run("--sink", str(open_to_all), tmpdir=tmp_path).stderr
+    assert "chmod go-w" in _nxl_run_refused("--sink", str(open_to_all), tmpdir=tmp_path, capsys=capsys,
+                                            monkeypatch=monkeypatch).stderr
     made = tmp_path / "new" / "deeper" / "run"  # missing folders are made private, and accepted
     done = _nxl_run("--sink", str(made), tmpdir=tmp_path)
     assert done.returncode == 0 and done.stdout.strip() == "ran", done.stderr
@@ -441,17 +460,19 @@ def test_run_folders_of_others_or_open_to_others_are_refused(tmp_path):
 
 
 @as_root
-def test_a_token_already_there_is_never_silently_replaced_and_readers_check_it(tmp_path, capsys):
+def test_a_token_already_there_is_never_silently_replaced_and_readers_check_it(tmp_path, capsys, monkeypatch):
+    """The first refusal is a whole ``nxl run`` program; the others are the same checks, in this process."""
     listen = ["--listen", f"127.0.0.1:{free_port()}"]
     run = tmp_path / "run"
     run.mkdir(mode=0o700)
     token = run / "token"
     planted = {"nobody's": (0o600, NOBODY, f"belongs to uid {NOBODY}"), "readable": (0o644, 0, "mode 644")}
-    for name, (mode, owner, why) in planted.items():
+    for n, (name, (mode, owner, why)) in enumerate(planted.items()):
         token.write_text(f"planted-{name}-token-0123456789\n")
         token.chmod(mode)
         os.chown(token, owner, owner)
-        done = _nxl_run("--sink", str(run), *listen, tmpdir=tmp_path)
+        done = _nxl_run("--sink", str(run), *listen, tmpdir=tmp_path) if n == 0 else \
+            _nxl_run_refused("--sink", str(run), *listen, tmpdir=tmp_path, capsys=capsys, monkeypatch=monkeypatch)
         assert done.returncode == 2 and "ran" not in done.stdout and why in done.stderr, done.stderr
         assert token.read_text() == f"planted-{name}-token-0123456789\n" and token.stat().st_uid == owner
         with pytest.raises(PermissionError, match=why):
@@ -462,7 +483,7 @@ def test_a_token_already_there_is_never_silently_replaced_and_readers_check_it(t
     target = tmp_path / "elsewhere"
     target.write_text("not a token\n")
     token.symlink_to(target)
-    done = _nxl_run("--sink", str(run), *listen, tmpdir=tmp_path)
+    done = _nxl_run_refused("--sink", str(run), *listen, tmpdir=tmp_path, capsys=capsys, monkeypatch=monkeypatch)
     assert done.returncode == 2 and "not a regular file" in done.stderr and target.read_text() == "not a token\n"
     with pytest.raises(PermissionError, match="symbolic link"):
         read_token(token)
