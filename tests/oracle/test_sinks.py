@@ -544,17 +544,72 @@ assert status == 0, status
 """
 
 
+_PROGRAMS = """
+import json, os, sys, traceback
+tests = sys.argv[1]
+sys.path[:0] = [tests]
+import torch, tiny, nxl_hooks  # what every program imports, once: each then runs in a fresh fork of this process
+for line in sys.stdin:
+    program, kind, where = json.loads(line)
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            for fd, name in ((1, "out"), (2, "err")):
+                os.dup2(os.open(f"{where}.{name}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
+            sys.argv = ["-c", kind, where, tests]
+            exec(compile(program, "<program>", "exec"), {"__name__": "__main__"})
+            code = 0
+        except SystemExit as exit_:
+            code = exit_.code if isinstance(exit_.code, int) else 1
+        except BaseException:
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def programs():
+    """``run(PROGRAM, kind, where)``: a ``python -c PROGRAM kind where tests`` program's (exit code, stdout, stderr),
+    each run in a fresh process forked from one interpreter that imported torch, tiny and nxl_hooks once (no sink
+    is open there: each program opens its own, in its own process)."""
+    tests = Path(__file__).resolve().parents[1]
+    server = subprocess.Popen([sys.executable, "-c", _PROGRAMS, str(tests)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+
+    def run(program: str, kind: str, where: Path) -> subprocess.CompletedProcess:
+        server.stdin.write(json.dumps([program, kind, str(where)]) + "\n")
+        server.stdin.flush()
+        code = server.stdout.readline()
+        assert code, f"the program server exited with {server.poll()}"
+        out, err = (Path(f"{where}.{name}").read_text() for name in ("out", "err"))
+        return subprocess.CompletedProcess([program, kind, where], int(code), out, err)
+
+    try:
+        yield run
+    finally:
+        server.stdin.close()
+        try:
+            server.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 @pytest.mark.parametrize("kind", ["stream", "rotating", "parquet"])
-def test_a_forked_child_leaves_the_parents_sink_whole_and_says_its_own_records_stay_in_memory(tmp_path, kind):
+def test_a_forked_child_leaves_the_parents_sink_whole_and_says_its_own_records_stay_in_memory(tmp_path, kind,
+                                                                                             programs):
     """A host that forks while attached (a pre-fork server, a data loader): the child never writes to, closes or
     takes the lock of the parent's sink (a stream file's frames would interleave, a Parquet file be finished twice,
     a lock held by the parent's sink thread at the fork never be released), and says so on its probe."""
 
     where = tmp_path / {"stream": "run.nxl", "rotating": "runs", "parquet": "run.parquet"}[kind]
-    tests = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-c", _FORKING, kind, str(where), str(tests)], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = programs(_FORKING, kind, where)
     assert done.returncode == 0, done.stderr[-3000:]
     child = json.loads(done.stdout.strip().splitlines()[-1])
     assert "forked from the one that opened the sink" in child["fault"]
@@ -608,14 +663,13 @@ sink.close()
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 @pytest.mark.parametrize("kind", ["stream", "rotating"])
-def test_a_forked_child_that_writes_to_its_parents_sink_itself_is_told_and_leaves_the_file_whole(tmp_path, kind):
+def test_a_forked_child_that_writes_to_its_parents_sink_itself_is_told_and_leaves_the_file_whole(tmp_path, kind,
+                                                                                                  programs):
     """Without a probe in between, a child's write to the parent's sink is refused in one line (neither dropped
     without a word nor interleaved into the parent's file), and its close leaves the parent's file alone."""
 
     where = tmp_path / {"stream": "run.nxl", "rotating": "runs"}[kind]
-    tests = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-c", _FORKED_DIRECT, kind, str(where), str(tests)], capture_output=True,
-                          text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    done = programs(_FORKED_DIRECT, kind, where)
     assert done.returncode == 0, done.stderr[-3000:]
     said = json.loads(done.stdout.strip().splitlines()[-1])
     assert len(said) == 3 and all(line and "forked from" in line and "open a sink of its own" in line
