@@ -27,6 +27,7 @@ from nxl_hooks.apps.cli import main as cli_main
 import tiny
 import oracle
 from oracle import check_call
+from forks import Programs
 from serving import save_chat_model
 
 pq = pytest.importorskip("pyarrow.parquet")
@@ -544,60 +545,15 @@ assert status == 0, status
 """
 
 
-_PROGRAMS = """
-import json, os, sys, traceback
-tests = sys.argv[1]
-sys.path[:0] = [tests]
-import torch, tiny, nxl_hooks  # what every program imports, once: each then runs in a fresh fork of this process
-for line in sys.stdin:
-    program, kind, where = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            for fd, name in ((1, "out"), (2, "err")):
-                os.dup2(os.open(f"{where}.{name}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), fd)
-            sys.argv = ["-c", kind, where, tests]
-            exec(compile(program, "<program>", "exec"), {"__name__": "__main__"})
-            code = 0
-        except SystemExit as exit_:
-            code = exit_.code if isinstance(exit_.code, int) else 1
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    print(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]), flush=True)
-"""
-
-
 @pytest.fixture(scope="module")
 def programs():
-    """``run(PROGRAM, kind, where)``: a ``python -c PROGRAM kind where tests`` program's (exit code, stdout, stderr),
-    each run in a fresh process forked from one interpreter that imported torch, tiny and nxl_hooks once (no sink
-    is open there: each program opens its own, in its own process)."""
+    """``run(PROGRAM, kind, where)``: ``python -c PROGRAM kind where tests``'s exit code, stdout and stderr, each
+    program in a fresh process forked from one interpreter that imported torch, tiny and nxl_hooks once (tests/
+    forks.py; no sink is open there: each program opens its own, in its own process)."""
     tests = Path(__file__).resolve().parents[1]
-    server = subprocess.Popen([sys.executable, "-c", _PROGRAMS, str(tests)], stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-    def run(program: str, kind: str, where: Path) -> subprocess.CompletedProcess:
-        server.stdin.write(json.dumps([program, kind, str(where)]) + "\n")
-        server.stdin.flush()
-        code = server.stdout.readline()
-        assert code, f"the program server exited with {server.poll()}"
-        out, err = (Path(f"{where}.{name}").read_text() for name in ("out", "err"))
-        return subprocess.CompletedProcess([program, kind, where], int(code), out, err)
-
-    try:
-        yield run
-    finally:
-        server.stdin.close()
-        try:
-            server.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+    prelude = f"import sys\nsys.path[:0] = [{str(tests)!r}]\nimport torch, tiny, nxl_hooks"
+    with Programs(prelude, env={**os.environ, "OMP_NUM_THREADS": "1"}) as server:
+        yield lambda program, kind, where: server.run(program, [kind, where, tests], out=where, timeout=120)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")

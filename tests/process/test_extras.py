@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from forks import Programs
 from nxl_hooks.apps.extras import NOISE, quiet_library_noise
 from test_loading import world  # noqa: F401 - the fixture: (model, tokenizer, its folder, its GGUF file)
 
@@ -60,13 +61,23 @@ def _python(root: Path, leave_out: str = "") -> str:
     return str(root / "bin" / "python")
 
 
-def run_hidden(hidden: list[str], argv: list[str]) -> subprocess.CompletedProcess:
+@pytest.fixture(scope="module")
+def programs():
+    """The interpreter whose forks run this file's child programs (tests/forks.py): it imported torch alone, which
+    imports none of the packages the tests hide (checked), so each program hides them before anything does."""
+    env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
+    prelude = ("import sys, torch\n"
+               f"assert not [m for m in sys.modules if m.partition('.')[0] in {sorted(_HIDDEN)!r}], 'imported'")
+    with Programs(prelude, env=env) as server:
+        yield server
+
+
+def run_hidden(programs, out: Path, hidden: list[str], argv: list[str]) -> subprocess.CompletedProcess:
+    """``nxl ARGV`` in a Python where the ``hidden`` modules are absent (a fork of ``programs``'s interpreter)."""
     code = ("import sys\n"
-            f"for name in {hidden!r}:\n    sys.modules[name] = None\n"
             "from nxl_hooks.apps.cli import main\n"
             f"sys.exit(main({argv!r}))\n")
-    env = {**os.environ, "PATH": os.pathsep.join([str(Path(sys.executable).parent), os.environ.get("PATH", "")])}
-    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    return programs.run(code, [], hidden=hidden, out=out)
 
 
 CASES = {  # id: (hidden modules, extra, package named, argv)
@@ -98,15 +109,18 @@ CASES = {  # id: (hidden modules, extra, package named, argv)
 }
 
 
+_HIDDEN = {name.partition(".")[0] for hidden, *_ in CASES.values() for name in hidden} | {"nxl_hooks", "rich"}
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_a_missing_extra_is_one_line_naming_the_install(files, case):
+def test_a_missing_extra_is_one_line_naming_the_install(files, case, programs, tmp_path):
     hidden, extra, package, argv = CASES[case]
     if case.endswith("-attach"):
         from serving import gdb_refusal
 
         if gdb_refusal() is not None:
             pytest.skip(f"nxl attach PID injects through gdb: {gdb_refusal()}")
-    done = run_hidden(hidden, argv(files))
+    done = run_hidden(programs, tmp_path / "nxl", hidden, argv(files))
     assert done.returncode == 2, done.stderr[-2000:]
     assert "Traceback" not in done.stderr
     errors = [line for line in done.stderr.splitlines() if "error" in line.lower()]
@@ -120,7 +134,7 @@ def test_a_missing_extra_is_one_line_naming_the_install(files, case):
     assert "the program ran" not in done.stdout and not list(files["out"].glob("*.parquet"))
 
 
-def test_a_parquet_sink_is_checked_in_the_programs_python_not_in_nxls(files, tmp_path):
+def test_a_parquet_sink_is_checked_in_the_programs_python_not_in_nxls(files, tmp_path, programs):
     """nxl lacking pyarrow refused --sink parquet: for a program whose own Python has it (checked in nxl's
     process): the program runs, and its steps are in the Parquet file, the tokens it generated."""
     program = ("import json, sys, torch; from transformers import AutoModelForCausalLM; "
@@ -128,8 +142,8 @@ def test_a_parquet_sink_is_checked_in_the_programs_python_not_in_nxls(files, tmp
                "out = model.generate(input_ids=torch.tensor([[1, 5, 6, 7]]), max_new_tokens=3, do_sample=False); "
                "print('NEW', json.dumps(out[0, 4:].tolist()))")
     with_pyarrow = _python(tmp_path / "with-pyarrow")
-    done = run_hidden(["pyarrow"], ["run", "--sink", f"parquet:{tmp_path / 'r.parquet'}", "--", with_pyarrow, "-c",
-                                    program])
+    done = run_hidden(programs, tmp_path / "nxl", ["pyarrow"],
+                      ["run", "--sink", f"parquet:{tmp_path / 'r.parquet'}", "--", with_pyarrow, "-c", program])
     assert done.returncode == 0, done.stderr[-2000:]
     new = json.loads(done.stdout.split("NEW ", 1)[1])
     import pyarrow.parquet
@@ -139,8 +153,9 @@ def test_a_parquet_sink_is_checked_in_the_programs_python_not_in_nxls(files, tmp
     assert {row["step"]: row["emitted_id"] for row in rows} == dict(enumerate(new))
 
 
-def test_an_import_error_of_no_extra_still_shows_its_traceback(files):
-    done = run_hidden(["rich"], ["attribute", str(files["folder"]), TEXT])  # a required package: a broken install
+def test_an_import_error_of_no_extra_still_shows_its_traceback(files, programs, tmp_path):
+    # a required package: a broken install
+    done = run_hidden(programs, tmp_path / "nxl", ["rich"], ["attribute", str(files["folder"]), TEXT])
     assert done.returncode == 1 and "Traceback" in done.stderr and "nxl_hooks[" not in done.stderr
 
 
@@ -213,7 +228,7 @@ def test_nxl_convert_help_names_the_gguf_extra(capsys):
 
 
 @pytest.mark.parametrize("version", ["2.6.0+cpu", "2.10.1"])
-def test_a_torch_below_the_floor_is_one_line_at_import(version):
+def test_a_torch_below_the_floor_is_one_line_at_import(version, programs, tmp_path):
     """A torch older than pyproject.toml's ``torch>=`` allows, forced past pip: ``import nxl_hooks`` failed on the
     first name it lacked (torch 2.6: ``torch.compiler.is_exporting``), or imported and then raised in compiled
     forwards. Now the import names pyproject's floor and the install in one line. The child sets the version torch
@@ -223,7 +238,7 @@ def test_a_torch_below_the_floor_is_one_line_at_import(version):
     pyproject = (Path(__file__).resolve().parents[2] / "pyproject.toml").read_text()
     (floor,) = re.findall(r'^\s*"torch>=([\d.]+),<3"', pyproject, flags=re.M)  # (as .ci/run reads it; 3.10: no tomllib)
     code = f"import torch\ntorch.__version__ = {version!r}\nimport nxl_hooks"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    done = programs.run(code, [], out=tmp_path / "import")  # (a fork of an interpreter that imported torch alone)
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1] == (
         f"ImportError: nxl_hooks needs torch >= {floor}, this is torch {version}: pip install 'torch>={floor}'")
