@@ -330,7 +330,7 @@ def test_a_head_the_architecture_has_not_is_told_as_such_not_blamed_on_the_confi
                          "LlamaConfig); use --head causal_lm or sequence_classification")
 
 
-def test_a_hub_models_config_and_tokenizer_come_from_where_its_weights_do(world, tmp_path):
+def test_a_hub_models_config_and_tokenizer_come_from_where_its_weights_do(world, tmp_path, monkeypatch):
     """load_model's keyword arguments that say where a hub model is (revision, cache_dir, local_files_only, token...)
     reached only the weights' from_pretrained: the config and the tokenizer were read from the default cache or the
     hub's main revision (another model's config, or none: "the hub gave no model by that id"). Here a hub cache
@@ -343,6 +343,11 @@ def test_a_hub_models_config_and_tokenizer_come_from_where_its_weights_do(world,
         (repo / "refs" / ref).write_text(commit)
         snapshot = repo / "snapshots" / commit
         bpe_tiny.save_bpe(snapshot, bpe_tiny.bpe_llama(tok, layers=blocks), tok)
+    # Offline for huggingface_hub too: transformers' adapter lookup leaves out local_files_only and asked the hub
+    # for org/tiny's adapter_config.json, waiting out five retries (23 s) where it cannot be reached.
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     model, loaded_tok = load_model("org/tiny", revision="v2", cache_dir=str(cache), local_files_only=True)
     assert model.config.num_hidden_layers == len(model.model.layers) == 3
     assert loaded_tok.get_vocab() == tok.get_vocab()
