@@ -26,6 +26,7 @@ from oracle import full_mask
 import nxl_hooks as nxl
 import oracle
 import real_model
+from nxl_hooks.apps import loading
 from nxl_hooks.apps.cli import main
 from nxl_hooks.eval import audit
 from nxl_hooks.eval import faithfulness as ev
@@ -291,16 +292,27 @@ def test_cli_word_and_comma_list_targets(smollm2, smollm2_dir, tmp_path, capsys,
 def test_cli_loads_the_gguf_file_and_matches_the_oracle_on_the_session_model(smollm2, tmp_path, capsys, monkeypatch):
     """``nxl attribute model.gguf TEXT`` for real (one GGUF conversion, about 20 s), then the folder +
     ``--gguf-file`` form, whose loads are checked to be the same ``from_pretrained`` calls on the folder and
-    answered with the model loaded by hand, so that this test pays for one conversion, not three. The model loaded
-    by hand is the session's ``smollm2``: tests/real/test_convert.py holds that its logits are transformers' own
-    load of the GGUF file, bit for bit."""
+    answered with the model loaded by hand (and its header check asked with the arguments the first form ran it with
+    for real on this file), so that this test pays for one conversion and one header check, not three and two. The
+    model loaded by hand is the session's ``smollm2``: tests/real/test_convert.py holds that its logits are
+    transformers' own load of the GGUF file, bit for bit."""
     by_hand, tok = smollm2
     gguf = real_model.smollm2_gguf()
     ids = torch.tensor([tok.encode(CAPITAL)])
     expected, target, _ = _oracle_scores(by_hand, ids)
     assert target == _next_id(tok, CAPITAL, " Paris")
     out = tmp_path / "file.safetensors"
-    assert main(["attribute", str(gguf), CAPITAL, "--out", str(out)]) == 0
+    checked: list[tuple[str, tuple, dict]] = []
+    real_check = loading.check_gguf
+
+    def check_for_real(*args, **kwargs) -> None:
+        checked.append(("check", args, kwargs))
+        real_check(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(loading, "check_gguf", check_for_real)
+        assert main(["attribute", str(gguf), CAPITAL, "--out", str(out)]) == 0
+    assert len(checked) == 1
     loads: list[tuple[str, tuple, dict]] = []
 
     def spy(kind: str, answer):  # noqa: ANN202
@@ -312,8 +324,12 @@ def test_cli_loads_the_gguf_file_and_matches_the_oracle_on_the_session_model(smo
 
     monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", spy("model", by_hand))
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy("tokenizer", tok))
+    # the header check, run for real on this file by the first form, is asked again with the same arguments
+    asked: list[tuple[str, tuple, dict]] = []
+    monkeypatch.setattr(loading, "check_gguf", lambda *args, **kwargs: asked.append(("check", args, kwargs)))
     folder_out = tmp_path / "folder.safetensors"
     assert main(["attribute", str(gguf.parent), CAPITAL, "--gguf-file", gguf.name, "--out", str(folder_out)]) == 0
+    assert asked == checked
     assert sorted(loads) == [("model", (str(gguf.parent),), {"gguf_file": gguf.name, "output_loading_info": True}),
                              ("tokenizer", (str(gguf.parent),), {"gguf_file": gguf.name, "trust_remote_code": False})]
     for saved in (out, folder_out):
