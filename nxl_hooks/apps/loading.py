@@ -125,6 +125,20 @@ _CONFIG_FIX = "use the config.json saved with these weights"
 _WHERE = ("revision", "subfolder", "cache_dir", "token", "local_files_only", "force_download", "proxies")
 
 
+#: the :data:`_WHERE` keywords transformers' adapter lookup (``find_adapter_config_file``, which every
+#: ``AutoModel*.from_pretrained`` runs where peft is installed) takes but is not handed (5.18-5.24 give it the token
+#: and revision only): it looked in the default cache and asked the hub, ``local_files_only`` or not (offline, five
+#: retries: 23 s before the model loaded)
+_ADAPTER_WHERE = ("cache_dir", "local_files_only", "subfolder", "proxies", "force_download")
+
+
+def _with_adapter_location(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``kwargs`` with the adapter lookup told where the model's files are (:data:`_ADAPTER_WHERE`), unless the
+    caller tells it itself (``adapter_kwargs``)."""
+    location = {key: kwargs[key] for key in _ADAPTER_WHERE if key in kwargs}
+    return {**kwargs, "adapter_kwargs": location} if location and "adapter_kwargs" not in kwargs else kwargs
+
+
 def _location(kwargs: Mapping[str, Any], *also: str) -> dict[str, Any]:
     """The :data:`_WHERE` keyword arguments (and ``also``) among a from_pretrained call's ``kwargs``."""
     return {key: kwargs[key] for key in (*_WHERE, *also) if key in kwargs}
@@ -737,7 +751,8 @@ def _from_gguf(auto: Any, name: str, gguf_file: str, kwargs: dict[str, Any]) -> 
     on_disk = ValueError(f"{path}: transformers cannot offload a GGUF model to disk; drop \"disk\" from --device-map "
                          "(or give --max-memory room for the whole model), or nxl convert the file first")
     try:
-        model, info = auto.from_pretrained(name, gguf_file=gguf_file, output_loading_info=True, **kwargs)
+        model, info = auto.from_pretrained(name, gguf_file=gguf_file, output_loading_info=True,
+                                           **_with_adapter_location(kwargs))
     except (RuntimeError, ValueError) as err:
         # a map naming "disk" (RuntimeError), or one auto made (ValueError: it asks for an offload_folder)
         if "Disk offload is not supported" in str(err) or "`offload_folder`" in str(err):
@@ -783,7 +798,8 @@ def _from_pretrained(auto: Any, name: str, kwargs: dict[str, Any]) -> Any:
     try:
         # safetensors only (a pickle runs code as it is read), and no code of the model's own (auto_map)
         model, info = _no_remote_code(name, lambda: auto.from_pretrained(
-            name, output_loading_info=True, use_safetensors=True, trust_remote_code=False, **kwargs))
+            name, output_loading_info=True, use_safetensors=True, trust_remote_code=False,
+            **_with_adapter_location(kwargs)))
         missing = info["missing_keys"]
     except ValueError as err:
         if "`offload_folder`" in str(err):  # transformers' advice names a from_pretrained keyword

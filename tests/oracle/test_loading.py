@@ -343,14 +343,18 @@ def test_a_hub_models_config_and_tokenizer_come_from_where_its_weights_do(world,
         (repo / "refs" / ref).write_text(commit)
         snapshot = repo / "snapshots" / commit
         bpe_tiny.save_bpe(snapshot, bpe_tiny.bpe_llama(tok, layers=blocks), tok)
-    # Offline for huggingface_hub too: transformers' adapter lookup leaves out local_files_only and asked the hub
-    # for org/tiny's adapter_config.json, waiting out five retries (23 s) where it cannot be reached.
-    import huggingface_hub
+    # transformers' adapter lookup (where peft is installed) is handed only the token and revision by from_pretrained:
+    # it looked for org/tiny's adapter_config.json in the default cache, then on the hub, local_files_only or not
+    # (five retries, 23 s, where the hub cannot be reached); it is told where the model is now
+    from transformers.models.auto import auto_factory
 
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    lookup, asked = auto_factory.find_adapter_config_file, []
+    monkeypatch.setattr(auto_factory, "find_adapter_config_file", lambda *args, **kwargs: asked.append(kwargs) or
+                        lookup(*args, **kwargs))
     model, loaded_tok = load_model("org/tiny", revision="v2", cache_dir=str(cache), local_files_only=True)
     assert model.config.num_hidden_layers == len(model.model.layers) == 3
     assert loaded_tok.get_vocab() == tok.get_vocab()
+    assert [(kwargs.get("cache_dir"), kwargs.get("local_files_only")) for kwargs in asked] == [(str(cache), True)]
 
 
 def test_gguf_file_twice_and_audit_quantize_twice_are_one_line_errors(world, tmp_path, capsys):
