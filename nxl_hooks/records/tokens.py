@@ -33,9 +33,9 @@ for reading. A text that happens to contain these glyphs itself reads the same a
 
 Back to text: :func:`plain_text` joins readable texts into the text they stand for (a call's ``.text``), and
 :func:`whole_characters` shows tokens that each hold part of one character (an emoji a byte-level tokenizer splits:
-``'␣\\xf0\\x9f\\x98'``, ``'\\x80'``) as the character they make together, on every token of the run
-(``'␣😀'``, ``'␣😀'``); a run whose character is not complete yet (the last token of a live generation) shows what
-it has, then ``…``.
+``'\\x20\\xf0\\x9f\\x98'``, ``'\\x80'``: a space in such a piece is a byte too) as the character they make
+together, on every token of the run (``'␣😀'``, ``'␣😀'``); a run whose character is not complete yet (the last
+token of a live generation) shows what it has, then ``…``.
 """
 
 from __future__ import annotations
@@ -169,7 +169,7 @@ def _complete(data: bytes) -> int:
 def whole_characters(names: Sequence[str]) -> list[str]:
     """Readable token texts with each run of tokens that share a character (module doc) shown as that run's text,
     on every token of it; a run left incomplete at the end shows what it has, then ``…``. Other tokens are kept as
-    they are. ``whole_characters(["a", "␣\\xf0\\x9f\\x98", "\\x80"]) == ["a", "␣😀", "␣😀"]``"""
+    they are. ``whole_characters(["a", "\\x20\\xf0\\x9f\\x98", "\\x80"]) == ["a", "␣😀", "␣😀"]``"""
     out, run, data = list(names), [], b""
 
     def close(text: str) -> None:
@@ -230,7 +230,8 @@ def _texts(tokenizer: Any, ids: Sequence[int]) -> list[tuple[str, str | None]]:
 
 
 def readable_ids(tokenizer: Any, ids: Sequence[int]) -> list[str]:
-    """The readable text of each token id (see the module doc): ``readable_ids(tok, [504, 7042]) == ["The", "␣Paris"]``."""
+    """The readable text of each token id (see the module doc):
+    ``readable_ids(tok, [504, 7042]) == ["The", "␣Paris"]``."""
     out = []
     for text, piece in _texts(tokenizer, ids):
         if "\ufffd" not in text or piece is None or "\ufffd" in piece:
