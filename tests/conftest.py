@@ -23,6 +23,17 @@ def pytest_configure(config: pytest.Config) -> None:
                             "tail, the bootstrap): tests/floor.txt leaves it out")
 
 
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Under ``pytest -n N`` with N at least the machine's cores, each worker's torch, and the programs its tests
+    start, run one thread: two workers of torch's default (a thread per core) oversubscribed 2 cores, where its
+    OpenMP threads spin as they wait (15% more CPU for the same oracle tests). Set once, before any test, the same
+    for every test (the guard below holds each to it); an OMP_NUM_THREADS of the caller's is kept."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers >= (os.cpu_count() or 1):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
 @pytest.hookimpl(optionalhook=True)  # (pytest-xdist's hook: absent under -p no:xdist)
 def pytest_xdist_make_scheduler(config: pytest.Config, log):  # noqa: ANN201 - xdist's scheduler type
     """Work stealing where ``-n`` chose xdist's default ("load"), which hands a worker up to half of the tests still
