@@ -29,6 +29,7 @@ from nxl_hooks.apps.serve.client import Endpoint, connect_unix
 from nxl_hooks.apps.serve.endpoint import MAX_BODY, MAX_CONNECTIONS, REQUEST_SECONDS
 from nxl_hooks.apps.serve.runs import read_token
 from serving import free_port, save_chat_model
+from test_serve import _refused_in_process
 
 NXL = [sys.executable, "-m", "nxl_hooks"]
 NOBODY = 65534
@@ -416,16 +417,10 @@ def _nxl_run(*args: str, tmpdir: Path) -> subprocess.CompletedProcess:
 
 
 def _nxl_run_refused(*args: str, tmpdir: Path, capsys, monkeypatch) -> subprocess.CompletedProcess:
-    """``_nxl_run`` for a run that must be refused before its program starts, in this process (the refusal is
-    decided before ``nxl run`` execs: no interpreter start is needed to see it). A run that went on to exec its
-    program fails the test instead of replacing this process."""
-    def started(*program) -> None:
-        raise AssertionError(f"nxl run was to refuse, but started {program[1]}")
-
-    monkeypatch.setattr(os, "execvpe", started)
+    """``_nxl_run`` for a run that must be refused before its program starts, in this process
+    (test_serve's ``_refused_in_process``)."""
     monkeypatch.setattr(tempfile, "tempdir", str(tmpdir))  # (what TMPDIR is to _nxl_run's child)
-    code, out, err = _cli(capsys, "run", *args, "--", sys.executable, "-c", "print('ran')")
-    return subprocess.CompletedProcess(["nxl", "run", *args], code, out, err)
+    return _refused_in_process(capsys, monkeypatch, "run", *args, "--", sys.executable, "-c", "print('ran')")
 
 
 @as_root
