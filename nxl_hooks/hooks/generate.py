@@ -74,7 +74,8 @@ import os
 import threading
 import time
 import uuid
-from typing import Any, Callable, Iterator, NamedTuple, Sequence
+from types import CodeType, FrameType
+from typing import Any, Callable, Iterator, NamedTuple, Sequence, TypeVar
 
 import torch
 from torch import nn
@@ -92,7 +93,7 @@ from .plan import Plan
 from .publish import Hub
 from .traced import eager_twin
 
-__all__ = ["EAGER", "REQUEST_ID", "Generations", "Notice", "Run", "eager", "stacked_features"]
+__all__ = ["EAGER", "REQUEST_ID", "Generations", "Notice", "Run", "between_steps", "eager", "stacked_features"]
 
 #: The environment variable (``"1"``, ``nxl run --eager``) that makes recorded calls run eagerly, a fallback (compiled
 #: calls are recorded too): ``generate`` without its automatic torch.compile (``disable_compile=True``),
@@ -141,6 +142,34 @@ REFILL_POSITIONS = 512
 #: a batch handed on to the publisher keeps its rows until it is scored, all of them under
 #: :data:`~.publish.UNSCORED_BYTES`).
 BATCH_BYTES = 64 << 20
+
+
+#: The code of the hooks' wrappers that wait for the host's code while it runs (generate's, and that of the list of its
+#: stopping criteria or logits processors): a thread stopped with no other frame of nxl_hooks' recording code on its
+#: stack is between two of the hooks' steps (:func:`between_steps`). Each is added where it is defined (:func:`_waits`).
+_WAITING: set[CodeType] = set()
+#: The modules of nxl_hooks' recording code (its apps run the host's program and load its models, around the hooks).
+_RECORDING = ("nxl_hooks.hooks.", "nxl_hooks.method.", "nxl_hooks.records.", "nxl_hooks.arch.")
+_F = TypeVar("_F", bound=Callable)
+
+
+def _waits(function: _F) -> _F:
+    """``function`` is a wrapper that waits for the host's code (:data:`_WAITING`)."""
+    _WAITING.add(function.__code__)
+    return function
+
+
+def between_steps(frame: FrameType | None) -> bool:
+    """Whether a thread stopped at ``frame`` (where a signal handler found the main thread) is between two of the
+    hooks' steps: no frame of nxl_hooks' recording code on its stack but a wrapper waiting for the host's code. There,
+    what each call holds is whole, and its waiting steps can be scored (:meth:`Generations.score_waiting`)."""
+    if frame is None:
+        return False
+    while frame is not None:
+        if frame.f_globals.get("__name__", "").startswith(_RECORDING) and frame.f_code not in _WAITING:
+            return False
+        frame = frame.f_back
+    return True
 
 
 class _Emitted(NamedTuple):
@@ -1340,6 +1369,7 @@ def _watched(kind: type) -> type:
         apart: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
         seen: Callable[[torch.Tensor, int], None] | None = None
 
+        @_waits
         def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
             with self.apart():
                 result = super().__call__(input_ids, scores, **kwargs)
@@ -1376,6 +1406,17 @@ class Generations:
 
     def current(self) -> Recording | None:
         return getattr(self._local, "run", None)
+
+    def score_waiting(self, frame: FrameType | None) -> GenerationCall | None:
+        """Before the process dies of a signal (:func:`~.probe.end_records`), in the thread it stopped at ``frame``:
+        score the steps this thread's call has waiting (:data:`BATCH_STEPS`), where the thread is :func:`between_steps`
+        (stopped inside a hook, the call's state may be half changed: they are left). The call, now recorded up to
+        its last token; None where there is none here, or its waiting steps were left."""
+        run = self.current()
+        if not isinstance(run, Run) or not between_steps(frame):
+            return None
+        run.flush(here=True)
+        return run.call
 
     @contextlib.contextmanager
     def running(self, run: Recording) -> Iterator[None]:
@@ -1450,6 +1491,7 @@ class Generations:
         model = self.plan.model
         original = model.generate
 
+        @_waits
         def generate(*args: Any, **kwargs: Any) -> Any:
             return self._track(original, args, kwargs)
 
@@ -1527,6 +1569,7 @@ class Generations:
                 del vars(model)[name]
         self._restore = {}
 
+    @_waits
     def _track(self, original: Callable, args: tuple, kwargs: dict) -> Any:
         if self._detached:
             return original(*args, **kwargs)

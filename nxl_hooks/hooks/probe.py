@@ -24,9 +24,11 @@ then (its sink is closed, its records stay readable).
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 import weakref
 from pathlib import Path
+from types import FrameType
 from typing import Any, Callable, Sequence
 
 import torch
@@ -40,7 +42,7 @@ from ..records.attribution import Attribution
 from ..records.sinks import RecordSink
 from ..records.steps import GenerationCall, Step
 from .engines import Engine, engines_for
-from .generate import Generations
+from .generate import BATCH_STEPS, Generations
 from .guard import Notice, Owned, inert, reason
 from .plan import Plan, check_recording, make_plan, run_eagerly
 from .publish import LIVE_QUEUE, Hub, Subscription
@@ -441,6 +443,50 @@ def detach_all(model: nn.Module) -> int:
         attachment()
     return len(attachments)
 
+
+#: How long a process about to die of a signal waits for its records (:func:`end_records`): a sink writes what is queued
+#: in milliseconds, and a container manager kills the process for good 10 s after its SIGTERM (docker's default).
+ENDING_SECONDS = 5.0
+
+
+def end_records(signal_name: str, frame: FrameType | None, *, within: float = ENDING_SECONDS) -> None:
+    """Before the process dies of a signal (``nxl run``'s and ``nxl attach``'s SIGTERM/SIGHUP handler, in the main
+    thread, which the signal stopped at ``frame``), every probe attached in this process ends its records: the main
+    thread's call scores the steps it has waiting (:meth:`~.generate.Generations.score_waiting`), then each running
+    call ends saying that the process got ``signal_name`` (its end frame written) and the sinks write what is queued.
+    Within ``within`` seconds: what is not done by then (a sink still writing; a hook the signal stopped holding what
+    the pipeline waits for) is lost, as it would be without this. The hooks stay on; nothing raises."""
+    for _ in range(3):  # read without _LOCK: the thread the signal stopped may hold it (another thread changes it
+        try:  # in the meantime at most)
+            attachments = [attachment for attachment in list(_ATTACHED.values()) if attachment.alive]
+            break
+        except RuntimeError:
+            continue
+    else:
+        return
+    whole: set[int] = set()  # ids of the calls recorded up to their last token
+    for attachment in attachments:
+        gens = attachment._gens() if attachment._gens is not None else None
+        try:
+            call = gens.score_waiting(frame) if gens is not None else None
+        except Exception:  # noqa: BLE001 - scoring failed: the call's error says so; its records end before
+            call = None
+        if call is not None:
+            whole.add(id(call))
+
+    def why(call: GenerationCall) -> str:
+        said = f"the process got {signal_name} while this call ran: its records end at the last step "
+        if id(call) in whole:
+            return said + "made before"
+        return said + f"scored before (up to {BATCH_STEPS} steps made after it were waiting to be scored together)"
+
+    deadline = time.monotonic() + within
+    threads = [threading.Thread(target=attachment._hub.close, args=(why,), name="nxl_hooks-ending", daemon=True)
+               for attachment in attachments]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
 
 def count_hooks(model: nn.Module) -> int:
     """How many hooks of nxl_hooks' own are on ``model``: forward hooks and pre-hooks on its modules, plus one for

@@ -243,9 +243,13 @@ class _EndItem(NamedTuple):
     done: threading.Event
 
 
+#: Why a call the probe's detach cut short ends where it does: one text, or each call's (:meth:`Hub.close`).
+Why = Union[str, Callable[[GenerationCall], str]]
+
+
 class _CloseItem(NamedTuple):
     """The probe detached (``why``): the publisher's last item."""
-    why: str
+    why: Why
 
 
 class _FlushItem(NamedTuple):
@@ -759,10 +763,10 @@ class Hub:
 
     # -- detach ------------------------------------------------------------------------------------------
 
-    def close(self, why: str = DETACHED) -> None:
-        """The probe detaches: running calls are marked incomplete (end frames written), streams end, the sink
-        writes what is queued (for up to :data:`DRAIN_SECONDS`) and closes. Calls still running in other threads
-        go on unharmed and keep their records in memory."""
+    def close(self, why: Why = DETACHED) -> None:
+        """The probe detaches: running calls are marked incomplete (end frames written), saying ``why`` (a text, or
+        one per call), streams end, the sink writes what is queued (for up to :data:`DRAIN_SECONDS`) and closes.
+        Calls still running in other threads go on unharmed and keep their records in memory."""
         with self._lock:
             if self._closed:
                 return
@@ -795,7 +799,7 @@ class Hub:
                         "still queued were not written", None,
                         queued=f"it was still writing {DRAIN_SECONDS:g} s after the probe detached")
 
-    def _shut(self, why: str) -> None:
+    def _shut(self, why: Why) -> None:
         """The publisher's last item: end the running calls and the streams, then the sink."""
         with self._lock:
             running, self._running = self._running, []
@@ -803,7 +807,7 @@ class Hub:
             self._subscribers = weakref.WeakSet()
             ended = time.time()  # they stop being recorded now, though they go on running (GenerationCall.ended)
             for call in running:
-                call.error, call.ended = call.error or why, ended
+                call.error, call.ended = call.error or (why if isinstance(why, str) else why(call)), ended
             self._trim()
         for call in running:
             self._end_frames(call)

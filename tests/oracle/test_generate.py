@@ -670,6 +670,40 @@ def test_sink_readable_after_sigkill(model, tmp_path):
         torch.testing.assert_close(step.normxlogit, normxlogit(logits, embeddings, step.token)[1], rtol=1e-4, atol=1e-4)
 
 
+def test_a_thread_is_between_steps_in_the_hosts_code_and_not_inside_the_hooks(model):
+    """What a signal handler asks before it scores the main thread's waiting steps (nxl run's SIGTERM): stopped in
+    the host's code under the probe's generate wrapper (a streamer, the model's forward, a stopping criterion) the
+    call's state is whole; stopped in the hooks' own code (here an on_step callback the hub calls as it scores) it
+    may be half changed."""
+    found: dict[str, list[bool]] = {"streamer": [], "forward": [], "criterion": [], "on_step": []}
+
+    class Streamer(BaseStreamer):
+        def put(self, value):
+            found["streamer"].append(generate.between_steps(sys._getframe()))
+
+        def end(self):
+            pass
+
+    class Criterion(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            found["criterion"].append(generate.between_steps(sys._getframe()))
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    def on_step(step):
+        found["on_step"].append(generate.between_steps(sys._getframe()))
+
+    handle = model.model.layers[0].register_forward_hook(
+        lambda *_: found["forward"].append(generate.between_steps(sys._getframe())))
+    try:
+        with nxl.attach(model, layers=[0, -1], on_step=on_step):
+            model.generate(input_ids=torch.tensor([[1, 5, 6]]), max_new_tokens=3, do_sample=False, streamer=Streamer(),
+                           stopping_criteria=StoppingCriteriaList([Criterion()]))
+    finally:
+        handle.remove()
+    assert {key: set(seen) for key, seen in found.items()} == {"streamer": {True}, "forward": {True},
+                                                              "criterion": {True}, "on_step": {False}}
+    assert len(found["on_step"]) == 3 and not generate.between_steps(None)
+
 def test_print_generation_prints_each_token_as_it_is_emitted():
     from rich.console import Console
 

@@ -509,6 +509,59 @@ def test_sigkill_mid_generation_keeps_every_completed_step(tiny, tmp_path, capsy
     assert code == 2 and "no running process" in err
 
 
+_SELF_TERMINATED = """
+import os, signal, sys
+import torch
+from transformers import AutoModelForCausalLM
+
+
+class Streamer:  # prints each generated token, and at the 20th the process gets SIGTERM (a stop from outside)
+    seen = 0
+
+    def put(self, value):
+        if value.numel() > 1:  # the prompt
+            return
+        print("token", int(value.reshape(-1)[0]), flush=True)
+        Streamer.seen += 1
+        if Streamer.seen == 20:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def end(self):
+        pass
+
+
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+model.generate(input_ids=torch.tensor([[1, 64, 67]]), max_new_tokens=60, min_new_tokens=60, do_sample=False,
+               streamer=Streamer())
+print("not reached", flush=True)
+"""
+
+
+@pytest.mark.version_free
+def test_sigterm_mid_generation_ends_the_record_saying_so_with_every_step_made(tiny, tmp_path):
+    """A program with no SIGTERM handler of its own, stopped mid-generate under nxl run: it dies of the signal as
+    it would without nxl, and before that the call's record ends saying so, holding every step made (the last few
+    were waiting to be scored together: they were lost, and the record said nothing)."""
+    run, program = tmp_path / "run", tmp_path / "program.py"
+    program.write_text(_SELF_TERMINATED)
+    done = _nxl("run", "--sink", str(run), "--layers", "0,-1", "--", sys.executable, str(program), str(tiny.path),
+                timeout=180, env={**os.environ, **SERVE_ENV})
+    assert done.returncode == -signal.SIGTERM and "not reached" not in done.stdout, done.stderr[-3000:]
+    printed = [int(line.split()[1]) for line in done.stdout.splitlines() if line.startswith("token ")]
+    (call,) = nxl.read_stream(run)
+    assert not call.complete and call.error == ("the process got SIGTERM while this call ran: its records end at "
+                                                "the last step made before")
+    # the 20th token was printed before the forward that emits it to the record began
+    assert len(printed) == 20 and [int(s.token[0]) for s in call.steps] == printed[:-1]
+    assert [s.step for s in call.steps] == list(range(19)) and call.layers == [0, 2]
+    sequence = torch.cat([call.prompt_ids, torch.tensor([printed[:-1]])], dim=1)
+    for step in (call.steps[0], call.steps[-1]):
+        logits, embeddings = prefix_logits(tiny.model, tiny.hand, sequence[:, : step.position],
+                                           torch.ones(1, step.position, dtype=torch.bool))
+        torch.testing.assert_close(step.normxlogit, normxlogit(logits, embeddings, step.token)[1][[0, 2]],
+                                   rtol=1e-4, atol=1e-4)
+    assert not list(run.glob("*.sock"))
+
 def test_continuous_batching_three_concurrent_clients(tiny, tmp_path):
     run = tmp_path / "run"
     asks = [("cb-0", "hello world how are you", 6, True), ("cb-1", "w1 w2 w3 w4 w5 w6 w7 w8 w9", 9, False),

@@ -55,6 +55,7 @@ from ...arch.spec import HeadKind
 from ...records.files import json_value
 from ...records.reader import read_stream
 from ...records.steps import GenerationCall, Step
+from ...hooks.probe import end_records
 from ...hooks.subscription import Subscription
 from ...records.writer import stream_bytes
 from .readout import Watched, call_view, ended, forward_view, step_view, summary
@@ -373,9 +374,15 @@ def _remove(path: Path) -> None:
 
 
 def _die(signum: int, frame: Any) -> None:
-    """SIGTERM/SIGHUP where the program left the default action: remove the files, then die of the signal."""
-    _clean_up()
+    """SIGTERM/SIGHUP where the program left the default action: end the records (each running call's end frame
+    says so, the sinks write what is queued: :func:`~nxl_hooks.hooks.probe.end_records`, a few seconds at most),
+    remove the files, then die of the signal. A second one meanwhile kills at once."""
     signal.signal(signum, signal.SIG_DFL)
+    try:
+        end_records(signal.Signals(signum).name, frame)
+    except BaseException:  # noqa: BLE001 - the process dies of the signal all the same
+        pass
+    _clean_up()
     os.kill(os.getpid(), signum)
 
 
