@@ -458,7 +458,9 @@ def end_records(signal_name: str, frame: FrameType | None, *, within: float = EN
     the pipeline waits for) is lost, as it would be without this. The hooks stay on; nothing raises."""
     for _ in range(3):  # read without _LOCK: the thread the signal stopped may hold it (another thread changes it
         try:  # in the meantime at most)
-            attachments = [attachment for attachment in list(_ATTACHED.values()) if attachment.alive]
+            # (a forked child's calls keep their records in its memory: nothing of it is written)
+            attachments = [attachment for attachment in list(_ATTACHED.values())
+                           if attachment.alive and not attachment._hub.forked]
             break
         except RuntimeError:
             continue

@@ -323,6 +323,12 @@ class Hub:
         with self._lock:
             return list(self._calls)
 
+    @property
+    def forked(self) -> bool:
+        """Whether this process was forked from the one that made the hub (the sink and the threads are that one's,
+        and its locks may have been held by one of that one's threads at the fork)."""
+        return self._owner != os.getpid()
+
     def begin(self, layers: list[int], *, request_id: str | None, thread: str | None, model: str | None = None,
               error: str | None = None) -> GenerationCall:
         """A new call record (of ``model``, by name); with ``error`` it is one that is not recorded (its reason says
@@ -1042,7 +1048,7 @@ class Hub:
         the parent may have held at the fork, its buffered rows are the parent's). The child then never touches
         it, not even to close it: it is stopped here, and the child's frames are counted and noted as not
         written (its records stay in its memory)."""
-        if self._owner == os.getpid():
+        if not self.forked:
             return False
         with self._lock:
             if not self._released:
