@@ -39,7 +39,7 @@ from ..arch.spec import UNEXPLAINED, class_head
 from ..arch.text import install_command
 from ..method.subject import PROMPT_LEARNING
 from ..records.files import not_a_folder, user_path
-from .loading_options import (DTYPES, HEAD_CLASSES, QUANTIZE, Loading, markdown_table, read_device_map,
+from .loading_options import (DTYPES, HEAD_CLASSES, QUANTIZE, Loading, markdown_table, named, read_device_map,
                               read_max_memory)
 
 __all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "Loading", "check_explainable", "check_gguf", "check_program_load",
@@ -74,7 +74,8 @@ def _check_local(name: str, gguf_file: str | None, subfolder: str | None = None)
             name = os.path.join(name, subfolder)
         if gguf_file is not None:
             if not (path / gguf_file).is_file():
-                raise FileNotFoundError(f"{name} has no file {gguf_file!r}: check --gguf-file (a name inside MODEL)")
+                raise FileNotFoundError(f"{name} has no file {gguf_file!r}: check {named('gguf_file')}, a name "
+                                        "inside MODEL")
         elif not (path / "config.json").is_file() and (path / "adapter_config.json").is_file():
             raise FileNotFoundError(_adapter_refusal(name, path))
         elif not (path / "config.json").is_file():
@@ -303,8 +304,8 @@ def _split_gguf(name: str, gguf_file: str | None) -> tuple[str, str | None]:
     if not name.lower().endswith(".gguf"):
         return name, gguf_file
     if gguf_file is not None:
-        raise ValueError(f"MODEL {name} is a .gguf file and --gguf-file names {gguf_file!r}: give the file as MODEL, "
-                         "or its folder plus --gguf-file")
+        raise ValueError(f"MODEL {name} is a .gguf file and {named('gguf_file')} names {gguf_file!r}: give the "
+                         f"file as MODEL, or its folder plus {named('gguf_file')}")
     path = user_path(name)
     if not path.is_file():
         raise FileNotFoundError(f"no GGUF file at {name}: check the path")
@@ -374,9 +375,9 @@ def tp_rank() -> int:
     A ValueError (one line) when the process was not launched by torchrun."""
     missing = [name for name in _TORCHRUN if name not in os.environ]
     if missing:
-        raise ValueError(f"--tp loads one shard of the model per torchrun process, but this process was not launched "
-                         f"by torchrun ({', '.join(missing)} not set): run torchrun --nproc-per-node N -m nxl_hooks "
-                         "... --tp (or drop --tp)")
+        raise ValueError(f"{named('tp')} loads one shard of the model per torchrun process, but this process was not "
+                         f"launched by torchrun ({', '.join(missing)} not set): run torchrun --nproc-per-node N -m "
+                         f"nxl_hooks ... --tp, or your script under torchrun, or drop {named('tp')}")
     return int(os.environ["RANK"])
 
 
@@ -396,10 +397,10 @@ def _check_tp_heads(name: str, config: Any) -> None:
         common = math.gcd(*counts.values())
         fits = [str(n) for n in range(2, common + 1) if common % n == 0]
         fix = (f"launch torchrun with --nproc-per-node {' or '.join(fits[:4])}" if fits else
-               "its heads cannot be split: drop --tp")
+               f"its heads cannot be split: drop {named('tp')}")
         said = " and ".join(f"{key} is {count}" for key, count in uneven.items())
-        raise ValueError(f"{name}: --tp splits the attention heads between the {world} torchrun processes, but {said}, "
-                         f"which {world} does not divide; {fix}")
+        raise ValueError(f"{name}: {named('tp')} splits the attention heads between the {world} torchrun processes, "
+                         f"but {said}, which {world} does not divide; {fix}")
 
 
 def tp_outputs(args: Any, *names: str) -> None:
@@ -568,20 +569,20 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
     if gguf_file is not None:
         kind = head or "causal_lm"  # a GGUF file holds a language model; its config names no architecture
         if kind != "causal_lm":  # (check_gguf would build the file's model with that head, and blame the file)
-            raise ValueError(f"{gguf_file}: a GGUF file holds a causal language model, not a {kind} head: use --head "
-                             "causal_lm, or drop --head")
+            raise ValueError(f"{gguf_file}: a GGUF file holds a causal language model, not a {kind} head: use "
+                             f"{named('head', 'causal_lm')}, or drop {named('head')}")
         config = None
     else:
         config = _read_config(name, **where)
         kind = head or head_from_architectures(getattr(config, "architectures", None), config)
         if kind is None:
-            fits, named = _explained_heads(config), getattr(config, "architectures", None)
+            fits, architectures = _explained_heads(config), getattr(config, "architectures", None)
             base = _built(config, "base")
-            if named and (base is None or base.__name__ not in named):  # a task model NormXLogit does not explain
-                raise ValueError(f"{name}: config.architectures names {named}; {UNEXPLAINED}")
+            if architectures and (base is None or base.__name__ not in architectures):  # a task model not explained
+                raise ValueError(f"{name}: config.architectures names {architectures}; {UNEXPLAINED}")
             # (a base model's weights, or none named: --head builds a task model of them)
-            raise ValueError(f"{name}: config.architectures ({named}) names no head that NormXLogit explains; pass "
-                             f"--head with one of {', '.join(fits or HEAD_CLASSES)}")
+            raise ValueError(f"{name}: config.architectures ({architectures}) names no head that NormXLogit "
+                             f"explains; pass {named('head')} with one of {', '.join(fits or HEAD_CLASSES)}")
         if loading.tp:
             _check_tp_heads(name, config)
         _check_saved_quantization(name, getattr(config, "quantization_config", None),
@@ -613,7 +614,7 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
         plain = _from_gguf(auto, name, gguf_file, {**({"dtype": dtype} if dtype else {}), **kwargs})
         if not _unmark_gguf(plain):
             raise ValueError(f"{gguf_file}: transformers keeps this file's weights packed in GGUF kernels, so "
-                             "bitsandbytes cannot quantize them; drop --load-in-8bit/--load-in-4bit")
+                             f"bitsandbytes cannot quantize them; drop {named('quantize')}")
         model = type(plain).from_pretrained(None, config=plain.config, state_dict=plain.state_dict(),
                                             quantization_config=quantization, **placement)
         del plain
@@ -664,7 +665,8 @@ def _check_head(name: str, config: Any, kind: str) -> None:
         raise ValueError(f"{name}: transformers builds {config.model_type} models as {found.__name__} for {kind}; "
                          f"{UNEXPLAINED}")
     if kind not in fits:
-        fix = f"use --head {' or '.join(fits)}" if fits else f"nxl_hooks explains {', '.join(HEAD_CLASSES)} heads"
+        fix = (f"use {named('head', ' or '.join(fits))}" if fits else
+               f"nxl_hooks explains {', '.join(HEAD_CLASSES)} heads")
         raise ValueError(f"{name}: transformers has no {kind} head for {config.model_type} models "
                          f"({HEAD_CLASSES[kind]} does not take a {type(config).__name__}); {fix}")
 
@@ -695,8 +697,8 @@ def _check_saved_quantization(name: str, saved: Any, asked: Any) -> None:
     stored, wanted = _quantization(saved), _quantization(asked)
     if stored is not None and wanted is not None and stored != wanted:
         raise ValueError(f"{name} is saved quantized ({stored}: its config.json's quantization_config), and "
-                         f"transformers loads it so, not {wanted} as asked (--load-in-8bit/--load-in-4bit, "
-                         f"quantization_config=): ask for {stored}, drop it, or give the unquantized model")
+                         f"transformers loads it so, not {wanted} as asked by {named('quantize')} or "
+                         f"quantization_config=: ask for {stored}, drop it, or give the unquantized model")
 
 
 def check_program_load(name: str, kwargs: Mapping[str, Any]) -> None:
@@ -724,8 +726,8 @@ def _check_offload_folder(name: str, folder: str | None) -> None:
         return
     real, there = os.path.realpath(folder), os.path.realpath(model)
     if os.path.commonpath([real, there]) == there:
-        raise ValueError(f"--offload-folder {folder} would write into {name}, the model's folder: the weights written "
-                         "there would be read as the model's; give a folder elsewhere")
+        raise ValueError(f"{named('offload_folder', folder)} would write into {name}, the model's folder: the "
+                         "weights written there would be read as the model's; give a folder elsewhere")
 
 
 def _check_vocabulary(name: str, tokenizer: Any) -> None:
@@ -748,8 +750,9 @@ def _from_gguf(auto: Any, name: str, gguf_file: str, kwargs: dict[str, Any]) -> 
     level = logger.level
     logger.setLevel(logging.ERROR)
     path = os.path.join(name, gguf_file)
-    on_disk = ValueError(f"{path}: transformers cannot offload a GGUF model to disk; drop \"disk\" from --device-map "
-                         "(or give --max-memory room for the whole model), or nxl convert the file first")
+    on_disk = ValueError(f"{path}: transformers cannot offload a GGUF model to disk; drop \"disk\" from "
+                         f"{named('device_map')}, give {named('max_memory')} room for the whole model, or nxl convert "
+                         "the file first")
     try:
         model, info = auto.from_pretrained(name, gguf_file=gguf_file, output_loading_info=True,
                                            **_with_adapter_location(kwargs))
@@ -803,27 +806,27 @@ def _from_pretrained(auto: Any, name: str, kwargs: dict[str, Any]) -> Any:
         missing = info["missing_keys"]
     except ValueError as err:
         if "`offload_folder`" in str(err):  # transformers' advice names a from_pretrained keyword
-            raise ValueError(f"{name}: part of the model is offloaded to disk (--device-map/--max-memory), and "
-                             "transformers writes those weights anew (this model holds them in another form than its "
-                             "files): pass --offload-folder DIR (offload_folder=) for them") from None
+            raise ValueError(f"{name}: {named('device_map')} offloads part of the model to disk, and transformers "
+                             "writes those weights anew (this model holds them in another form than its files): pass "
+                             f"{named('offload_folder', 'DIR')} for them") from None
         if "llm_int8_enable_fp32_cpu_offload" not in str(err):
             raise
         # transformers' advice names from_pretrained keywords, which no nxl flag sets; without a quantization asked
         # for, the folder holds one (its weights saved quantized), and no flag of the user's is to drop
-        cause, drop = (("--load-in-8bit/--load-in-4bit quantize the model where it runs",
-                        "drop --load-in-8bit/--load-in-4bit") if "quantization_config" in kwargs else
+        cause, drop = ((f"{named('quantize')} quantize the model where it runs",
+                        f"drop {named('quantize')}") if "quantization_config" in kwargs else
                        (f"its weights are saved quantized "
                         f"({_quantization(getattr(kwargs.get('config'), 'quantization_config', None))}), to run "
                         "where they are loaded", "give the unquantized model"))
-        raise ValueError(f"{name}: {cause}, and --device-map/--max-memory put part of it on the CPU or disk: give the "
-                         f"device it runs on room for the whole model (--max-memory), or {drop}") from None
+        raise ValueError(f"{name}: {cause}, and {named('device_map')} puts part of it on the CPU or disk: give the "
+                         f"device it runs on room for the whole model with {named('max_memory')}, or {drop}") from None
     finally:
         logger.removeFilter(hold)
         if not missing:  # loaded whole, or transformers raised: its report is its own to give
             for record in held:
                 logger.handle(record)
-    _refuse_missing(name, missing, "save the whole model again (model.save_pretrained), or pass the --head its weights "
-                    "were trained with")
+    _refuse_missing(name, missing, f"save the whole model again (model.save_pretrained), or pass the {named('head')} "
+                    "its weights were trained with")
     return model
 
 
@@ -861,7 +864,7 @@ def convert_gguf(gguf: str | Path, out: str | Path, *, gguf_file: str | None = N
     model, tokenizer = load_model(str(gguf), gguf_file=gguf_file, dtype=dtype)
     if getattr(model, "hf_quantizer", None) is not None:
         raise ValueError(f"{gguf}: transformers keeps this file's weights packed in GGUF kernels, so there are no "
-                         "plain weights to save; load it with --gguf-file instead of converting it")
+                         f"plain weights to save; load it with {named('gguf_file')} instead of converting it")
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".partial-{out.name}-{secrets.token_hex(6)}"
     tmp.mkdir()  # the user's umask, unlike mkdtemp's 0700: the folder is theirs to share or serve

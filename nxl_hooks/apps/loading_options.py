@@ -15,11 +15,13 @@ import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
+from ..arch.text import flag_and_keyword
 from ..method.select import int_text
 from ..records.files import not_a_folder, user_path
 from .schema import Option, markdown_table as group_table, options, read_args, read_json, setting, switch
 
-__all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "Loading", "markdown_table", "read_device_map", "read_max_memory"]
+__all__ = ["DTYPES", "HEAD_CLASSES", "QUANTIZE", "Loading", "markdown_table", "named", "read_device_map",
+           "read_max_memory"]
 
 #: The Auto class per head kind the library explains (regression loads as sequence classification).
 HEAD_CLASSES = {
@@ -139,7 +141,8 @@ def _placement(value: Any) -> Any:
         return dict(value)
     if value == "disk":  # (a module's place in a mapping, not the whole model's)
         raise ValueError("'disk' for the whole model: transformers places no model on disk alone; give auto with "
-                         f"--max-memory (what does not fit is offloaded), or a mapping such as {_MODULES_ON_DISK}")
+                         f"{named('max_memory')}, which offloads what does not fit, or a mapping such as "
+                         f"{_MODULES_ON_DISK}")
     return _present(value)
 
 
@@ -195,6 +198,14 @@ def _gguf_name(text: str) -> str:
     if not text.lower().endswith(".gguf"):
         raise ValueError(f"{text!r}: name the .gguf file inside MODEL")
     return text
+
+
+def named(name: str, value: str = "") -> str:
+    """The loading option ``name`` (a field of :class:`Loading`) as every message names it, its flags as declared
+    (:func:`~nxl_hooks.arch.text.flag_and_keyword`): ``named("head")`` -> ``--head (head=)``,
+    ``named("quantize")`` -> ``--load-in-8bit/--load-in-4bit (quantize=)``, ``named("tp")`` -> ``--tp (tp=True)``."""
+    (option,) = options(Loading, where=lambda option: option.name == name)
+    return flag_and_keyword(name, value, flags="/".join(option.flags), switch=option.is_switch)
 
 
 @dataclass(frozen=True, eq=False)
@@ -254,19 +265,20 @@ class Loading(Mapping[str, Any]):
         clash = [name for name in ("device_map", "max_memory", "offload_folder", "quantize", "gguf_file")
                  if getattr(self, name) is not None]
         if self.tp and clash:
-            raise ValueError(f"--tp with {', '.join(clash)}: tensor parallel places one shard per torchrun process "
-                             "itself; drop those (a GGUF file: nxl convert it, then load the folder)")
+            raise ValueError(f"{named('tp')} with {', '.join(map(named, clash))}: tensor parallel places one shard "
+                             "per torchrun process itself; drop those (a GGUF file: nxl convert it, then load the "
+                             "folder)")
 
     def loadable(self) -> "Loading":
         """Itself, when a model can be loaded with these options alone; ValueError otherwise (max_memory without a
         device_map, or offload_folder without one). Not asked of NXL_LOAD's options: they are defaults that the
         program's own call completes."""
         if self.max_memory is not None and self.device_map is None:
-            raise ValueError("--max-memory needs --device-map (max_memory needs a device_map; e.g. auto): it caps "
-                             "what each device holds")
+            raise ValueError(f"{named('max_memory')} needs {named('device_map')}, e.g. auto: it caps what each "
+                             "device holds")
         if self.offload_folder is not None and self.device_map is None:
-            raise ValueError("--offload-folder needs --device-map (auto with --max-memory, or a mapping naming disk): "
-                             "without one nothing is offloaded")
+            raise ValueError(f"{named('offload_folder')} needs {named('device_map')}, auto with "
+                             f"{named('max_memory')} or a mapping naming disk: without one nothing is offloaded")
         return self
 
     def followed(self) -> "Loading":
@@ -278,16 +290,16 @@ class Loading(Mapping[str, Any]):
         # offloads nothing to disk: either was accepted and ignored, the model loaded as if it were not given
         strategy = isinstance(self.device_map, str) and self.device_map in _STRATEGIES
         given = self.device_map if isinstance(self.device_map, str) else json.dumps(self.device_map, default=str)
-        where = f"--device-map {given:.80}"
+        where = named("device_map", f"{given:.80}")
         if self.max_memory is not None and not strategy:
-            raise ValueError(f"--max-memory with {where}: a device or a mapping places every module itself, so the "
-                             f"limits would be ignored; give --device-map {' or '.join(_STRATEGIES)} with them, or "
-                             "drop --max-memory")
+            raise ValueError(f"{named('max_memory')} with {where}: a device or a mapping places every module itself, "
+                             f"so the limits would be ignored; give the device map {' or '.join(_STRATEGIES)} with "
+                             f"them, or drop {named('max_memory')}")
         on_disk = isinstance(self.device_map, Mapping) and "disk" in self.device_map.values()
         if self.offload_folder is not None and not (strategy or on_disk):
-            raise ValueError(f"--offload-folder with {where}: it places nothing on disk, so the folder would not be "
-                             "used; give a mapping naming \"disk\" for some modules, or auto with --max-memory, or "
-                             "drop --offload-folder")
+            raise ValueError(f"{named('offload_folder')} with {where}: it places nothing on disk, so the folder "
+                             "would not be used; give a mapping naming \"disk\" for some modules, or auto with "
+                             f"{named('max_memory')}, or drop {named('offload_folder')}")
         return self
 
     def __getitem__(self, name: str) -> Any:

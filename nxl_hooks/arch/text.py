@@ -5,13 +5,14 @@ failures (a plugin, a sink factory, an attribution method, a dataset example, a 
     one_line(error)                    # its message on one line; '<unprintable ValueError>' if str() raises
     typed(KeyError("id"))              # "KeyError: 'id'"; typed(KeyError()) == 'KeyError'
     install_command("parquet")         # 'pip install "nxl_hooks[parquet]"'
+    flag_and_keyword("head")           # '--head (head=)': an option both a flag and a keyword, as messages say it
 """
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["escaped", "install_command", "one_line", "record_text", "typed"]
+__all__ = ["escaped", "flag_and_keyword", "install_command", "one_line", "record_text", "typed"]
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
@@ -65,3 +66,14 @@ def install_command(extra: str) -> str:
     """What to run for the optional extra ``extra`` (pyproject.toml), as every line that names one says it (and
     :mod:`nxl_hooks.apps.extras` reads it back from an error): ``pip install "nxl_hooks[parquet]"``."""
     return f'pip install "nxl_hooks[{extra}]"'
+
+
+def flag_and_keyword(keyword: str, value: str = "", *, flags: str = "", switch: bool = False) -> str:
+    """An option that is both a command-line flag and a Python keyword (a loading option: ``--head`` and
+    ``load_model(head=)``, ``--chat`` and ``chat=True``), as every message that names one says it: the flag first,
+    with ``value`` where one is given, then the keyword. ``flags``: the flags where they are not the keyword's
+    (``--load-in-8bit/--load-in-4bit``); ``switch``: a yes/no option (``--tp (tp=True)``).
+    ``flag_and_keyword("head")`` -> ``--head (head=)``; ``flag_and_keyword("offload_folder", "DIR")`` ->
+    ``--offload-folder DIR (offload_folder=)``."""
+    flag = flags or "--" + keyword.replace("_", "-")
+    return f"{flag}{' ' + value if value else ''} ({keyword}={'True' if switch else ''})"

@@ -22,7 +22,7 @@ from typing import Any, Iterator, Mapping, Sequence
 
 import torch
 
-from ..arch.text import typed
+from ..arch.text import flag_and_keyword, typed
 
 __all__ = ["ChatPrompt", "NOT_RANKED_ROLES", "chat_prompt", "locate_template", "template_rows"]
 
@@ -48,8 +48,9 @@ def _render(tokenizer: Any, messages: Sequence[Mapping[str, Any]], generation: b
     try:
         return tokenizer.apply_chat_template(list(messages), add_generation_prompt=generation, tokenize=False)
     except Exception as err:  # noqa: BLE001 - whatever the template does is the template's fault, said in one line
-        raise ValueError(f"the tokenizer's chat template failed ({typed(err)}): fix "
-                         "chat_template (in tokenizer_config.json or chat_template.jinja), or drop --chat") from None
+        raise ValueError(f"the tokenizer's chat template failed ({typed(err)}): fix chat_template (in "
+                         "tokenizer_config.json or chat_template.jinja), or drop "
+                         f"{flag_and_keyword('chat', switch=True)}") from None
 
 
 def _adds_bos(tokenizer: Any) -> bool:
@@ -65,8 +66,9 @@ def chat_prompt(tokenizer: Any, messages: str | Sequence[Mapping[str, Any]], *,
     ``chat_prompt(tok, "What is the capital of France?").text``
     """
     if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("this tokenizer has no chat template (tokenizer.chat_template is empty): drop --chat, or "
-                         "write the prompt in the model's own format")
+        raise ValueError("this tokenizer has no chat template (tokenizer.chat_template is empty): drop "
+                         f"{flag_and_keyword('chat', switch=True)}, or write the prompt in the model's own "
+                         "format")
     if isinstance(messages, str):
         messages = [{"role": "user", "content": messages}]
     rendered = _render(tokenizer, messages, add_generation_prompt)

@@ -139,12 +139,16 @@ def test_offload_folder_takes_the_weights_transformers_writes_anew(tmp_path, cap
 
 @pytest.mark.parametrize("head", ["sequence_classification", "masked_lm"])
 def test_a_gguf_file_with_another_head_is_told_what_it_holds(world, capsys, head):
-    """A sound file with --head of another kind was said to be damaged ("download or convert it again")."""
+    """A sound file with --head of another kind was said to be damaged ("download or convert it again"); the line
+    names the keyword too (head=), for load_model."""
     gguf = world[3]
     assert main(["attribute", str(gguf), PROMPT, "--head", head]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and f"a GGUF file holds a causal language model, not a {head} head: use --head causal_lm" \
-        in err[0] and "damaged" not in err[0]
+    assert len(err) == 1 and err[0].endswith(f"a GGUF file holds a causal language model, not a {head} head: use "
+                                             "--head causal_lm (head=), or drop --head (head=)") \
+        and "damaged" not in err[0]
+    with pytest.raises(ValueError, match=re.escape("use --head causal_lm (head=), or drop --head (head=)")):
+        load_model(str(gguf), head=head)  # Python: the keyword is named too
 
 
 @pytest.mark.parametrize("mode, linear", [("8bit", "Linear8bitLt"), ("4bit", "Linear4bit")])
@@ -293,14 +297,14 @@ def test_generate_writes_the_generation_page(world, tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["--load-in-8bit", "--load-in-4bit"], "--load-in-8bit and --load-in-4bit exclude each other"),
-    (["--max-memory", "cpu=1GiB"], "--max-memory needs --device-map"),
+    (["--max-memory", "cpu=1GiB"], "--max-memory (max_memory=) needs --device-map (device_map=), e.g. auto"),
     (["--max-memory", "lots"], "use DEVICE=SIZE pairs"),
-    (["--offload-folder", "off"], "--offload-folder needs --device-map"),
+    (["--offload-folder", "off"], "--offload-folder (offload_folder=) needs --device-map (device_map=)"),
     # transformers ignores both there: the model loaded whole, as if they were not given
-    (["--device-map", "cpu", "--max-memory", "cpu=100KB"], "--max-memory with --device-map cpu: a device or a mapping "
-     "places every module itself, so the limits would be ignored"),
-    (["--device-map", '{"": "cpu"}', "--offload-folder", "off"], '--offload-folder with --device-map {"": "cpu"}: it '
-     "places nothing on disk"),
+    (["--device-map", "cpu", "--max-memory", "cpu=100KB"], "--max-memory (max_memory=) with --device-map cpu "
+     "(device_map=): a device or a mapping places every module itself, so the limits would be ignored"),
+    (["--device-map", '{"": "cpu"}', "--offload-folder", "off"], '--offload-folder (offload_folder=) with --device-map '
+     '{"": "cpu"} (device_map=): it places nothing on disk'),
     (["--device-map", "auto", "--max-memory", "cpu=10XB"], "'10XB' is no size: give bytes (like 1000000000) or a "
      "number and a unit"),
     (["--gguf-file", "model.bin"], "name the .gguf file inside MODEL"),
@@ -327,7 +331,7 @@ def test_a_head_the_architecture_has_not_is_told_as_such_not_blamed_on_the_confi
     assert main(["attribute", str(folder), PROMPT, "--head", "masked_lm"]) == 2
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.endswith("transformers has no masked_lm head for llama models (AutoModelForMaskedLM does not take a "
-                         "LlamaConfig); use --head causal_lm or sequence_classification")
+                         "LlamaConfig); use --head causal_lm or sequence_classification (head=)")
 
 
 def test_a_hub_models_config_and_tokenizer_come_from_where_its_weights_do(world, tmp_path, monkeypatch):
@@ -360,7 +364,7 @@ def test_a_hub_models_config_and_tokenizer_come_from_where_its_weights_do(world,
 def test_gguf_file_twice_and_audit_quantize_twice_are_one_line_errors(world, tmp_path, capsys):
     _, _, folder, gguf = world
     assert main(["attribute", str(gguf), PROMPT, "--gguf-file", gguf.name]) == 2
-    assert "is a .gguf file and --gguf-file names" in capsys.readouterr().err
+    assert "is a .gguf file and --gguf-file (gguf_file=) names" in capsys.readouterr().err
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"text": PROMPT}) + "\n")
     assert main(["audit", "--reference", str(folder), "--quantize", "8bit", "--load-in-8bit", str(data),
@@ -570,7 +574,7 @@ def test_a_hostile_chat_template_is_one_line_before_the_weights_load(world, tmp_
     err = capsys.readouterr().err
     (line,) = _errors(err)
     assert line.startswith("nxl attribute: error: the tokenizer's chat template failed (") and line.endswith(
-        "fix chat_template (in tokenizer_config.json or chat_template.jinja), or drop --chat"), line
+        "fix chat_template (in tokenizer_config.json or chat_template.jinja), or drop --chat (chat=True)"), line
     assert "Traceback" not in err
 
 
@@ -587,7 +591,7 @@ def test_chat_without_a_template_is_refused_before_the_weights_load(tmp_path, ca
     assert main([*argv, "--chat"]) == 2
     (line,) = _errors(capsys.readouterr().err)
     assert line == (f"nxl {command}: error: this tokenizer has no chat template (tokenizer.chat_template is empty): "
-                    "drop --chat, or write the prompt in the model's own format")
+                    "drop --chat (chat=True), or write the prompt in the model's own format")
 
 
 def test_a_config_of_one_size_per_layer_is_read(tmp_path):

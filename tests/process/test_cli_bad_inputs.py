@@ -73,7 +73,7 @@ CASES = [
     ("device map mapping onto meta", ["attribute", "{bert}", TEXT, "--device-map", '{{"": "meta"}}'], "'meta' h"),
     ("device map all on disk", ["attribute", "{bert}", TEXT, "--device-map", "disk"],
      r"--device-map: 'disk' for the whole model: transformers places no model on disk alone; give auto with "
-     r"--max-memory"),
+     r"--max-memory \(max_memory=\), which offloads what does not fit"),
     ("device map of the whole model and a module on disk", ["attribute", "{llama}", TEXT, "--device-map",
                                                              '{{"lm_head": "disk", "": "cpu"}}'],
      r"--device-map: \{\"lm_head\": \"disk\", \"\": \"cpu\"\}: \"\" \(the whole model\) beside modules on disk "
@@ -83,14 +83,16 @@ CASES = [
      r"--offload-folder: .*existing.html/off: .*existing.html is a file, not a folder; give a folder"),
     ("offload folder in the model's folder", ["attribute", "{bert}", TEXT, "--device-map", "auto", "--offload-folder",
                                               "{bert}/off"],
-     r"--offload-folder .*/bert/off would write into .*/bert, the model's folder: .*; give a folder elsewhere"),
+     r"--offload-folder .*/bert/off \(offload_folder=\) would write into .*/bert, the model's folder: .*; give a "
+     r"folder elsewhere"),
     ("max memory on a device not there", ["attribute", "{bert}", TEXT, "--device-map", "auto", "--max-memory",
                                           "99=10GiB"],
      r"--max-memory: 99: this machine has (no accelerator device|\d+ accelerator device\(s\)); cap cpu, or a device"),
     ("8-bit with part of the model on disk", ["attribute", "{bert}", TEXT, "--device-map", "auto", "--max-memory",
                                               "cpu=1KB", "--load-in-8bit"],
-     r"bert: --load-in-8bit/--load-in-4bit quantize the model where it runs, and --device-map/--max-memory put part "
-     r"of it on the CPU or disk: give the device it runs on room for the whole model \(--max-memory\), or drop"),
+     r"bert: --load-in-8bit/--load-in-4bit \(quantize=\) quantize the model where it runs, and --device-map "
+     r"\(device_map=\) puts part of it on the CPU or disk: give the device it runs on room for the whole model with "
+     r"--max-memory \(max_memory=\), or drop --load-in-8bit/--load-in-4bit \(quantize=\)$"),
     ("out in an unknown user's home", ["attribute", "{bert}", TEXT, "--out", NOUSER + "/a.safetensors"],
      NOUSER + "/a.safetensors: " + HOMELESS),
     ("offload folder in an unknown user's home", ["attribute", "{bert}", TEXT, "--device-map", "auto",
@@ -105,7 +107,8 @@ CASES = [
      r"model.safetensors but \[20, 64\] for the config"),
     ("weights without the head", ["attribute", "{headless}", TEXT],  # (the masked LM's tied decoder is no gap)
      r"headless lacks tensors the model needs \(classifier.bias, classifier.weight\): they would be random numbers; "
-     r"save the whole model again \(model.save_pretrained\), or pass the --head its weights were trained with"),
+     r"save the whole model again \(model.save_pretrained\), or pass the --head \(head=\) its weights were "
+     r"trained with"),
     ("evaluate weights without the head", ["evaluate", "{headless}", "{data}", "--out", "{root}/o"],
      r"headless lacks tensors the model needs"),
     # a model NormXLogit does not explain, refused before its weights load (--head built the same class, or none)
@@ -114,8 +117,8 @@ CASES = [
      r"decoder-only or encoder text model .* vision-language .* not supported \(docs/supported-models.md\)$"),
     # a base model's config: --head builds a task model of it, so the line says which
     ("base-model checkpoint", ["attribute", "{base}", TEXT],
-     r"base: config.architectures \(\['LlamaModel'\]\) names no head that NormXLogit explains; pass --head with one "
-     r"of causal_lm, sequence_classification$"),
+     r"base: config.architectures \(\['LlamaModel'\]\) names no head that NormXLogit explains; pass --head "
+     r"\(head=\) with one of causal_lm, sequence_classification$"),
     ("vision-language checkpoint as a causal LM", ["attribute", "{vlm}", TEXT, "--head", "causal_lm"],
      r"vlm: transformers builds gemma3 models as Gemma3ForConditionalGeneration for causal_lm; NormXLogit explains "
      r"the head of a decoder-only or encoder text model"),

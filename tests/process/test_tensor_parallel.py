@@ -289,13 +289,13 @@ def test_tp_with_a_device_map_is_one_line(folder, capsys, monkeypatch):
 
     assert main(["attribute", str(folder), TEXT, "--tp", "--device-map", "cpu"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--tp with device_map: tensor parallel places one shard per torchrun" in err
+    assert err.count("\n") == 1 and "--tp (tp=True) with --device-map (device_map=): tensor parallel places" in err
 
 
 @pytest.mark.parametrize("heads, kv_heads, said", [
     (3, 3, "num_attention_heads is 3 and num_key_value_heads is 3, which 2 does not divide; launch torchrun with "
      "--nproc-per-node 3"),
-    (4, 1, "num_key_value_heads is 1, which 2 does not divide; its heads cannot be split: drop --tp"),
+    (4, 1, "num_key_value_heads is 1, which 2 does not divide; its heads cannot be split: drop --tp (tp=True)"),
 ], ids=["heads", "kv-heads"])
 def test_tp_with_heads_the_ranks_cannot_share_is_one_line(tmp_path, heads, kv_heads, said):
     """Attention heads that 2 ranks cannot split evenly: each rank says so in one line and exits 2, before the
@@ -313,7 +313,7 @@ def test_tp_with_heads_the_ranks_cannot_share_is_one_line(tmp_path, heads, kv_he
         assert done.returncode == 2, done.stderr[-3000:]
         lines = done.stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith("nxl attribute: error: ") and said in lines[0], lines
-        assert "llama: --tp splits the attention heads between the 2 torchrun processes" in lines[0]
+        assert "llama: --tp (tp=True) splits the attention heads between the 2 torchrun processes" in lines[0]
 
 
 @pytest.mark.parametrize("command, said", [
@@ -340,8 +340,9 @@ def test_audit_tp_with_quantize_is_one_line_before_the_reference_loads(folder, t
     for done in _refusing_ranks("audit", "--reference", str(folder), "--quantize", "8bit", "data.jsonl", "--out", "out",
                                 "--tp", cwd=tmp_path):
         assert done.returncode == 2 and done.stderr.splitlines() == [
-            "nxl audit: error: --tp with quantize: tensor parallel places one shard per torchrun process itself; drop "
-            "those (a GGUF file: nxl convert it, then load the folder)"], done.stderr[-3000:]
+            "nxl audit: error: --tp (tp=True) with --load-in-8bit/--load-in-4bit (quantize=): tensor parallel places "
+            "one shard per torchrun process itself; drop those (a GGUF file: nxl convert it, then load the folder)"
+        ], done.stderr[-3000:]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["data.jsonl"]  # nothing written
 
 

@@ -18,6 +18,7 @@ import torch
 from nxl_hooks.apps.cli import build_parser, main as cli_main, one_line
 from nxl_hooks.apps.commands import ctl, tail
 from nxl_hooks.apps.loading import Loading, load_model, program_defaults
+from nxl_hooks.apps.loading_options import named
 from nxl_hooks.apps.options import loading_identity, loading_options
 from nxl_hooks.apps.schema import Option, generated, options, setting
 from nxl_hooks.apps.serve.settings import ATTACH, OPTIONS, Settings, add_run_options, markdown_table
@@ -340,7 +341,8 @@ def test_loading_options_are_one_shape_from_flags_keywords_and_nxl_load(monkeypa
         Settings.from_env({"NXL_RUN_DIR": "r", "NXL_LOAD": '{"gguf_file": "model.bin"}'})
     with pytest.raises(ValueError, match=r"^gguf_file: 'model.bin': name the .gguf file inside MODEL$"):
         load_model("no/such/model", gguf_file="model.bin")  # before any path or hub lookup
-    with pytest.raises(ValueError, match=r"^--tp with device_map: tensor parallel places one shard"):
+    with pytest.raises(ValueError, match=r"^--tp \(tp=True\) with --device-map \(device_map=\): tensor parallel "
+                                         r"places one shard"):
         Loading(tp=True, device_map="cpu")
     # nxl run hands the program only the options marked program: --head, --tp and --chat are a command's own
     with pytest.raises(ValueError, match=r"^'head' is not an option here: use dtype, device_map, max_memory, "
@@ -355,6 +357,28 @@ def test_loading_options_are_one_shape_from_flags_keywords_and_nxl_load(monkeypa
         ["attribute", "m", "t", "--load-in-8bit", "--chat"]))) == {
         "head": None, "dtype": None, "device_map": None, "max_memory": None, "quantize": "8bit", "gguf_file": None,
         "chat": True}
+
+
+def test_load_model_refusals_name_the_keyword_beside_the_flag(monkeypatch):
+    """load_model is Python API, but its refusals named only the flags ("--tp loads one shard ...", "--max-memory
+    needs --device-map"), which a Python caller does not have: each names the flag first, then the keyword, by one
+    rule (loading_options.named), the flags as the option declares them."""
+    assert [named(option.name) for option in options(Loading)] == [
+        "--head (head=)", "--dtype (dtype=)", "--device-map (device_map=)", "--max-memory (max_memory=)",
+        "--offload-folder (offload_folder=)", "--load-in-8bit/--load-in-4bit (quantize=)", "--gguf-file (gguf_file=)",
+        "--tp (tp=True)", "--chat (chat=True)"]
+    assert named("offload_folder", "DIR") == "--offload-folder DIR (offload_folder=)"
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    with pytest.raises(ValueError, match=r"^--tp \(tp=True\) loads one shard of the model per torchrun process, but "
+                                         r"this process was not launched by torchrun .* or drop --tp \(tp=True\)$"):
+        load_model("org/model", tp=True)  # (a hub id: not looked up before the refusal)
+    with pytest.raises(ValueError, match=r"^--max-memory \(max_memory=\) needs --device-map \(device_map=\), e.g. "
+                                         r"auto: it caps what each device holds$"):
+        load_model("org/model", max_memory={"cpu": "1GiB"})
+    with pytest.raises(ValueError, match=r"^--tp \(tp=True\) with --load-in-8bit/--load-in-4bit \(quantize=\), "
+                                         r"--gguf-file \(gguf_file=\): tensor parallel places one shard"):
+        load_model("org/model", tp=True, quantize="8bit", gguf_file="m.gguf")
 
 
 def test_commands_that_attach_take_the_attach_settings_as_declared():
