@@ -1412,11 +1412,13 @@ class Generations:
         score the steps this thread's call has waiting (:data:`BATCH_STEPS`), where the thread is :func:`between_steps`
         (stopped inside a hook, the call's state may be half changed: they are left). The call, now recorded up to
         its last token; None where there is none here, or its waiting steps were left."""
-        run = self.current()
+        # (the call generate runs here: inside its logits processors, current() is NOT_RECORDED: _apart)
+        run = getattr(self._local, "tracked", None)
         if not isinstance(run, Run) or not between_steps(frame):
             return None
         run.flush(here=True)
-        return run.call
+        # a call whose forwards ran compiled is recorded when it returns (Run._replay): none of its steps since is
+        return run.call if run._following else None
 
     @contextlib.contextmanager
     def running(self, run: Recording) -> Iterator[None]:
@@ -1579,6 +1581,7 @@ class Generations:
         run = self._begin(_named(original, args, kwargs))
         if eager() and isinstance(run, Run):  # a recording session: generate's own compile would skip the hooks
             kwargs = {"disable_compile": True, **kwargs}
+        self._local.tracked = run  # (what score_waiting finds, also inside the call's logits processors)
         with self.running(run):
             try:
                 out = original(*args, **kwargs)
@@ -1586,6 +1589,8 @@ class Generations:
                 self._end(run, None, f"generate raised {raised(error)}: its records end at the last step made "
                                      "before")
                 raise
+            finally:
+                self._local.tracked = None
         self._end(run, out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None))
         return out
 

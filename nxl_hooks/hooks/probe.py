@@ -480,7 +480,8 @@ def end_records(signal_name: str, frame: FrameType | None, *, within: float = EN
         said = f"the process got {signal_name} while this call ran: its records end at the last step "
         if id(call) in whole:
             return said + "made before"
-        return said + f"scored before (up to {BATCH_STEPS} steps made after it were waiting to be scored together)"
+        return said + (f"recorded before (those made after it were waiting: up to {BATCH_STEPS} to be scored "
+                       "together, or, where its forwards ran compiled, all of them, to be recorded when it returned)")
 
     deadline = time.monotonic() + within
     threads = [threading.Thread(target=attachment._hub.close, args=(why,), name="nxl_hooks-ending", daemon=True)

@@ -704,6 +704,61 @@ def test_a_thread_is_between_steps_in_the_hosts_code_and_not_inside_the_hooks(mo
                                                               "criterion": {True}, "on_step": {False}}
     assert len(found["on_step"]) == 3 and not generate.between_steps(None)
 
+@pytest.mark.parametrize("where", ["streamer", "logits processor", "compiled forward"])
+def test_records_ended_for_a_dying_process_hold_every_step_made_or_say_what_waited(model, tmp_path, where):
+    """What nxl run's SIGTERM handler does before the process dies (``end_records``, called here where the signal
+    would stop the main thread: in the host's streamer, or in its logits processor, which runs outside the call's
+    record): the call's waiting steps are scored and written, and its error says where its records end. A call whose
+    forwards ran compiled is recorded only when it returns: its error says that its steps since were waiting."""
+    from nxl_hooks.hooks.probe import end_records
+
+    printed: list[int] = []
+
+    def end_at_20(frame) -> None:
+        if len(printed) == 19 + (where != "logits processor"):
+            end_records("SIGTERM", frame)
+
+    class Streamer(BaseStreamer):
+        def put(self, value):
+            if value.numel() == 1:  # (the prompt comes first)
+                printed.append(int(value.reshape(-1)[0]))
+                if where != "logits processor":
+                    end_at_20(sys._getframe())
+
+        def end(self):
+            pass
+
+    class Processor(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            if where == "logits processor":
+                end_at_20(sys._getframe())  # the 20th token's: 19 chosen
+            return scores
+
+    path, forward = tmp_path / "run.nxl", model.forward
+    ids = torch.tensor([[1, 5, 6]])
+    with nxl.attach(model, layers=[0, -1], sink=path):
+        if where == "compiled forward":
+            model.forward = torch.compile(model.forward, backend="eager")
+        try:
+            model.generate(input_ids=ids, max_new_tokens=30, min_new_tokens=30, do_sample=False, streamer=Streamer(),
+                           logits_processor=LogitsProcessorList([Processor()]))
+        finally:
+            model.forward = forward
+    (call,) = nxl.read_stream(path)
+    said = "the process got SIGTERM while this call ran: its records end at the last step "
+    if where == "compiled forward":
+        assert call.steps == [] and call.error.startswith(said + "recorded before") and "compiled" in call.error
+        return
+    assert call.error == said + "made before" and len(printed) >= 20
+    assert [int(s.token[0]) for s in call.steps] == printed[:19]  # the 20th: chosen, its forward not begun
+    sequence = torch.cat([ids, torch.tensor([printed[:19]])], dim=1)
+    hand = llama(model)
+    for step in (call.steps[0], call.steps[-1]):
+        logits, embeddings = prefix_logits(model, hand, sequence[:, : step.position],
+                                           torch.ones(1, step.position, dtype=torch.bool))
+        torch.testing.assert_close(step.normxlogit, normxlogit(logits, embeddings, step.token)[1][[0, -1]],
+                                   rtol=1e-4, atol=1e-4)
+
 def test_print_generation_prints_each_token_as_it_is_emitted():
     from rich.console import Console
 

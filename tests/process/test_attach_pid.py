@@ -744,3 +744,27 @@ def test_a_gdb_that_cannot_call_into_processes_is_found_out_on_a_child_not_the_t
     said = str(refused.value)
     assert "Couldn't write extended state status: Bad address." in said and "Error in sourced command" in said
     assert "clock_nanosleep" not in said and "nothing was injected" in said
+
+
+def test_the_scripts_handler_dies_of_the_signal_while_the_endpoint_module_is_half_imported(monkeypatch):
+    """The attach's script sets its SIGTERM handler in the main thread, and its worker thread then imports nxl_hooks:
+    a signal while the endpoint module is in sys.modules but its handler not yet defined raised AttributeError into
+    the target's main thread; it dies of the signal as without nxl (the default action)."""
+    import ast
+    import types
+
+    source = inject.script_source(str(Path("/nonexistent") / "request"))
+    (die,) = [node for node in ast.parse(source).body if isinstance(node, ast.FunctionDef) and node.name == "die"]
+    kills, handlers, space = [], [], {}
+    fake_os = types.SimpleNamespace(kill=lambda pid, signum: kills.append((pid, signum)), getpid=os.getpid)
+    fake_signal = types.SimpleNamespace(signal=lambda signum, action: handlers.append((signum, action)),
+                                        SIG_DFL=signal.SIG_DFL)
+    exec(compile(ast.Module([die], type_ignores=[]), "<script>", "exec"), {"os": fake_os, "signal": fake_signal,
+                                                                            "sys": sys}, space)
+    half = types.ModuleType("nxl_hooks.apps.serve.endpoint")  # imported so far: no _die yet
+    monkeypatch.setitem(sys.modules, "nxl_hooks.apps.serve.endpoint", half)
+    space["die"](signal.SIGTERM, None)
+    assert handlers == [(signal.SIGTERM, signal.SIG_DFL)] and kills == [(os.getpid(), signal.SIGTERM)]
+    half._die = lambda signum, frame: kills.append(("endpoint", signum))  # once defined, the endpoint's own
+    space["die"](signal.SIGHUP, None)
+    assert kills[-1] == ("endpoint", signal.SIGHUP) and len(handlers) == 1

@@ -336,10 +336,11 @@ TAKEN, RESULT = REQUEST + ".taken", REQUEST + ".result"
 
 
 def die(signum, frame):
-    # the endpoint's own handler once nxl_hooks is imported (before that there is no socket to remove)
-    endpoint = sys.modules.get("nxl_hooks.apps.serve.endpoint")
-    if endpoint is not None:
-        return endpoint._die(signum, frame)
+    # the endpoint's own handler once nxl_hooks is imported (before that there is no socket to remove; while the
+    # worker thread imports the module, it is in sys.modules before its handler is defined)
+    own = getattr(sys.modules.get("nxl_hooks.apps.serve.endpoint"), "_die", None)
+    if own is not None:
+        return own(signum, frame)
     signal.signal(signum, signal.SIG_DFL)
     os.kill(os.getpid(), signum)
 
