@@ -26,7 +26,7 @@ from . import methods as _builtin_package
 from .protocol import Method, check_name
 
 __all__ = ["DEFAULT", "ENTRY_POINT_GROUP", "Method", "builtin_names", "get_method", "load_plugin", "method_names",
-           "register_method", "resolve_methods"]
+           "register_method", "resolve_methods", "wanted_name"]
 
 #: The entry-point group through which installed distributions register methods.
 ENTRY_POINT_GROUP = plugins.METHODS
@@ -116,6 +116,18 @@ def builtin_names() -> tuple[str, ...]:
     with _lock:
         _builtins()
         return _BUILTIN
+
+
+def wanted_name(name: object) -> str:
+    """``name`` when a probe may be asked to compute a method of that name (registered or not yet: a program may
+    register its own before it attaches), else ValueError: not a method name, or one that a record field or an
+    evaluation baseline takes (:data:`RESERVED`), which no method ever has."""
+    name = check_name(name)
+    if name in RESERVED:
+        raise ValueError(f"{name!r} names a record field or one of nxl evaluate's baselines, never a method a probe "
+                         f"computes: choose from {', '.join(builtin_names())}, or a method a plugin or your program "
+                         "registers")
+    return name
 
 
 def get_method(name: str | Method) -> Method:

@@ -292,6 +292,9 @@ CASES = [
      r"--sink .*existing.html: .*existing.html is a file, not a folder"),
     ("run sink in an unknown user's home", ["run", "--sink", NOUSER + "/s", "--", "true"], HOMELESS),
     ("run without a program", ["run", "--sink", "{outdir}"], r"give the program to run after --"),
+    ("run methods an evaluation baseline", ["run", "--methods", "logat,random", "--", "true"],
+     r"--methods: 'random' names a record field or one of nxl evaluate's baselines, never a method a probe computes: "
+     r"choose from normxlogit, logat\b.*, or a method a plugin or your program registers"),
     ("run listen on a bare IPv6 address", ["run", "--listen", "::1", "--", "true"],
      r"--listen '::1': write an IPv6 address in brackets, with its port: \[::1\]:8765"),
     ("run program not found", ["run", "--", "{root}/no-such-program"],

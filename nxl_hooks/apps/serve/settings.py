@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
 
-from ...method.protocol import check_name
+from ...method.registry import wanted_name
 from ...arch import plugins
 from ...method.select import EMBEDDINGS, option_text, parse_embedding, parse_layers, parse_target
 from ..loading_options import Loading
@@ -107,8 +107,8 @@ def _megabytes(text: str) -> int:
 
 def _methods(text: str) -> list[str]:
     """A comma list of attribution method names (looked up when the probe attaches: a program may register its
-    own first)."""
-    return [check_name(name.strip()) for name in text.split(",") if name.strip()]
+    own first; a name no method can take is refused now)."""
+    return [wanted_name(name.strip()) for name in text.split(",") if name.strip()]
 
 
 def _globs(text: str) -> list[str]:
