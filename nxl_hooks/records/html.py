@@ -22,7 +22,7 @@ from typing import Any, Mapping, Sequence
 from ..method.methods.contrastive import no_foil
 from ..method.scores import OVERFLOW_NOTE, flat_norms, flat_note
 from ..method.select import label_index
-from .tokens import printable, unseen, untexted, whole_characters
+from .tokens import printable, unseen, whole_characters
 
 __all__ = ["attribution_html", "fmt", "generation_html", "heatmap", "line_chart", "page"]
 
@@ -461,7 +461,7 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
     context = list(call.readable[row]) if call.readable else steps[0].names(call, row)[:prompt_len]
     for step in steps:  # each at its position: the tokens of steps a rotated file deleted are not known
         context += map(unseen, range(len(context), step.position))
-        context.append(step.readable[row] if step.readable else untexted(step.token[row]))
+        context.append(step.token_name(row))
     # a character split over byte tokens reads whole on every token of it, in the prompt, columns and rows alike
     # (the call is over: the step views' "…" of a character still arriving is not the page's)
     whole = whole_characters(context)

@@ -134,14 +134,18 @@ class Step:
 
         ``tokens`` / ``special`` / ``readable`` / ``template``: the context's token pieces, special-token flags,
         readable texts and chat-template flags per row, when known (``call.context_template(step.position)``);
-        ``readable`` defaults to the context's texts the step was recorded with, ``special`` and ``template`` to
-        its linked call's flags (so that ``top()`` ranks as ``call.attribution(step)``: no special token)."""
+        ``readable`` defaults to the context's texts the step was recorded with (without texts and ``tokens``, to
+        ``#ID`` / ``@N`` as :meth:`names` and :meth:`view` name them), ``special`` and ``template`` to its linked
+        call's flags (so that ``top()`` ranks as ``call.attribution(step)``: no special token)."""
         batch, call = self.token.shape[0], self._linked()
         if call is not None:
             special = call.context_special(self.position) if special is None else special
             template = call.context_template(self.position) if template is None else template
-        if readable is None and self.context is not None:
-            readable = [row[:self.position] for row in self.context]
+        if readable is None and (self.context is not None or tokens is None):
+            # the context as the view names it, '#ID' / '@N' where the record holds no texts (else top() and the repr
+            # named a token by its position), by the one rule of names(); given pieces show when it has none
+            ids = call.context_ids(self.position) if call is not None and self.context is None else None
+            readable = [self.names(call, row, ids)[:-1] for row in range(batch)]
         return Attribution(
             scores=self.scores,
             embed_norm=self.embed_norm,
@@ -156,7 +160,8 @@ class Step:
             readable=readable,
             template=template,
             probability=self.probability,
-            target_text=[[text] for text in self.readable] if self.readable and self.target.dim() == 1
+            # the emitted token named as names() names it ('#ID' without texts, not its bare id)
+            target_text=[[self.token_name(row)] for row in range(batch)] if self.target.dim() == 1
             and torch.equal(self.target, self.token) else None,
         )
 
@@ -212,15 +217,21 @@ class Step:
         known = ids[row].tolist() if ids is not None else []
         return names[known.index(id_)] if id_ in known else untexted(id_)
 
-    def names(self, call: "GenerationCall | None", row: int) -> list[str]:
+    def names(self, call: "GenerationCall | None", row: int, ids: torch.Tensor | None = None) -> list[str]:
         """Texts of positions 0 .. position from the record: its readable texts, else ``#ID`` (``@N`` where even
-        the id is not known: a call read from a trimmed sink)."""
-        own = self.readable[row] if self.readable else untexted(self.token[row])
+        the id is not known: a call read from a trimmed sink). ``ids``: ``call.context_ids(step.position)`` where the
+        caller holds it already (naming every row, it is made once)."""
+        own = self.token_name(row)
         if self.context is not None:
             return [*self.context[row][: self.position], own]
-        ids = call.context_ids(self.position) if call is not None else None
+        if ids is None and call is not None:
+            ids = call.context_ids(self.position)
         known = ids[row].tolist() if ids is not None else [-1] * self.position
         return [untexted(i) if i >= 0 else unseen(n) for n, i in enumerate(known)] + [own]
+
+    def token_name(self, row: int) -> str:
+        """The emitted token of row ``row`` as every output names it: its readable text, else ``#ID``."""
+        return self.readable[row] if self.readable else untexted(self.token[row])
 
 
 @dataclass(eq=False)
@@ -263,7 +274,7 @@ class GenerationCall:
         shown escaped (:func:`~nxl_hooks.records.tokens.printable`). ``print(call)``"""
         prompt = "?" if self.prompt_mask is None else f"{self.prompt_mask.shape[0]} x {self.prompt_mask.shape[1]}"
         made = self.made(0)
-        text = "".join(step.readable[0] if step.readable else untexted(step.token[0]) for step in made[:40])
+        text = "".join(step.token_name(0) for step in made[:40])
         # its error shown escaped: a file's end frame may hold any text (an escape sequence, a bidi override)
         state = "complete" if self.complete else ("stopped: " + printable(self.error) if self.error else "running")
         return (f"<GenerationCall {self.index} request {self.request_id!r}: prompt {prompt} tokens, "

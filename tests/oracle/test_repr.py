@@ -229,3 +229,32 @@ def test_steps_and_calls_still_pickle_for_another_process(world):
     gc.collect()
     assert all(s._call() is call for s in call.steps)
 
+
+
+def test_a_steps_top_without_texts_names_tokens_as_its_view_does():
+    """Recorded without a tokenizer, a step's view names a context token '#ID' ('@N' where even its id is not at
+    hand: the step alone, its call not linked); its ``to_attribution()`` named them by position ('3'), its emitted
+    token by its bare id ('10' where the step's repr says '#10'). Both name them by the one rule of ``names``,
+    for every row, linked to its call and unpickled alone."""
+    import pickle
+
+    model = tiny.generating_llama()
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
+    with nxl.attach(model, layers="all") as probe:
+        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+    call = probe.calls[-1]
+    step = call.steps[-1]
+    assert step.context is None and step.readable is None
+    alone = pickle.loads(pickle.dumps(step))
+    for record, owner in ((step, call), (alone, None)):
+        res = record.to_attribution()
+        for row in range(2):
+            expected = [f"#{i}" for i in call.context_ids(step.position)[row].tolist()] if owner else [
+                f"@{n}" for n in range(step.position)]
+            assert res.token_labels(row) == expected
+            view = record.view(owner, k=3, row=row)
+            for layer in step.layers:
+                assert [(p, text) for p, text, _ in res.top(3, layer=layer, row=row)] == [
+                    (p, text) for p, text, _ in view.scores["normxlogit"][layer]]
+            token = int(step.token[row])
+            assert f"target '#{token}' (id {token}, p " in repr(res).splitlines()[1 + row]
