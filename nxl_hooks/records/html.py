@@ -426,8 +426,8 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
     attribution of that token over everything before it, coloured by the largest |score| of the row's tokens that
     rank (:meth:`~nxl_hooks.GenerationCall.attribution`); blank cells are positions after the token or padding. A
     chat template's columns (markers, system prompt) are marked ``▫`` and folded away until asked for, so the
-    table starts at the user's message (``all_positions``: every real token ranks, the template's too, and
-    nothing is folded). Each row is labelled by its step view
+    table starts at the user's message, after a left-padded row's blank padding columns (``all_positions``: every
+    real token ranks, the template's too, and nothing is folded). Each row is labelled by its step view
     (:class:`~nxl_hooks.records.view.StepView`, what ``nxl tail`` and the endpoint show; the page carries them in
     its data block) and its ``k`` best context tokens at the shown layer are bold. A call whose record stopped
     early (``call.error``), ends without its end (a cut stream) or starts after its first steps (a rotating sink
@@ -501,11 +501,15 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
     shown = [f'<span class="nxl-template">{html.escape(name)}</span>' if template[j] else html.escape(name)
              for j, name in enumerate(whole[:prompt_len])]
     folded = any(template) and not all_positions  # ranked tokens are never hidden
-    first = next((j for j, flag in enumerate(template) if not flag), 0)
+    # the user's message starts after the row's left padding (a chat batch is padded on the left, and padding is no
+    # template token: the first column not the template's was a padding one) and the template's tokens after it
+    pad = int(call.prompt_mask[row].int().argmax())  # the row's first real token
+    first = next((j for j in range(pad, len(template)) if not template[j]), pad)
     marked = ('<p class="note">▫ the chat template\'s own tokens (its markers and the system prompt, greyed in the '
               "prompt above): ")
     toggle = (marked + f"they do not rank and do not set the colour scale. Their {sum(template)} columns are "
-              f'folded away, so the table starts at your message (column {first}): <label><input type="checkbox" '
+              "folded away, so " + (f"after this row's {pad} blank column(s) of left padding " if pad else "")
+              + f'the table starts at your message (column {first}): <label><input type="checkbox" '
               'id="nxl-template"> show them</label></p>') if folded else (
         marked + "they rank too (all_positions).</p>" if any(template) else "")
     body = (

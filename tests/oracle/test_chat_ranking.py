@@ -316,6 +316,32 @@ def test_generate_page_marks_and_folds_the_template_scales_by_what_ranks_and_say
     assert len(lines) == 3 and printed and printed <= ranked | set(range(len(ids), len(ids) + 2))
 
 
+
+def test_a_left_padded_rows_page_says_its_message_starts_after_its_padding_and_template(world):
+    """A chat batch generated with left padding (as chat models' tokenizers pad): the shorter row's page said its
+    message starts at column 0, the first column that is not the template's, a padding one. It starts after the
+    row's padding and the template's prefix, both counted by hand; the unpadded row's page says as before."""
+    from nxl_hooks.records.html import generation_html
+
+    model, _, _ = world
+    tok = bpe_tiny.bpe_tokenizer()
+    tok.padding_side = "left"
+    messages = [QUESTION, "Rome"]  # of different lengths: the second row is padded
+    enc = tok.apply_chat_template([[{"role": "user", "content": m}] for m in messages], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True, padding=True)
+    with nxl.attach(model, tokenizer=tok) as probe:
+        model.generate(**enc, max_new_tokens=2, do_sample=False)
+    call = probe.calls[-1]
+    assert call.prompt_template is not None
+    rows = [by_hand(tok, [("<|im_start|>user\n", False), (m, True), ("<|im_end|>\n<|im_start|>assistant\n", False)])
+            for m in messages]
+    pad = len(rows[0][0]) - len(rows[1][0])
+    assert pad > 0 and enc["attention_mask"][1].tolist() == [0] * pad + [1] * len(rows[1][0])
+    assert "so the table starts at your message (column " + f"{min(rows[0][1])}):" in generation_html(call, row=0)
+    text = generation_html(call, row=1)
+    assert (f"so after this row's {pad} blank column(s) of left padding the table starts at your message "
+            f"(column {pad + min(rows[1][1])}):") in text
+
 @contextlib.contextmanager
 def within(seconds: int):
     """Raises TimeoutError in the block after ``seconds`` (a regex's search is interrupted too)."""
