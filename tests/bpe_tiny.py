@@ -3,6 +3,7 @@ pieces, newline tokens and words that are one token with and without a leading s
 checkpoints), tiny Llama models over it, a chat template, and a GGUF file written from such a model.
 
     tok = bpe_tokenizer(); model = bpe_llama(tok)
+    mlm_tok = roberta_tokenizer()                       # RoBERTa's specials, '<mask>' with lstrip
     folder = save_bpe(tmp_path / "bpe")                 # model + tokenizer, loadable by the CLI
     gguf = write_gguf(tmp_path / "tiny.gguf", model, tok)
 """
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
@@ -32,18 +33,33 @@ SENTENCES = [
 LAYERS = 3
 
 
-def bpe_tokenizer() -> PreTrainedTokenizerFast:
-    """Byte-level BPE (GPT-2 style, no prefix space) trained on :data:`SENTENCES`, with a ChatML template."""
+def _trained(specials: list[str]) -> Tokenizer:
+    """Byte-level BPE (GPT-2 style, no prefix space) trained on :data:`SENTENCES`, ``specials`` its first ids."""
     backend = Tokenizer(models.BPE())
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=SPECIALS, show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=specials, show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     backend.train_from_iterator(SENTENCES * 20, trainer)
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<|im_start|>", eos_token="<|im_end|>",
+    return backend
+
+
+def bpe_tokenizer() -> PreTrainedTokenizerFast:
+    """Byte-level BPE (GPT-2 style, no prefix space) trained on :data:`SENTENCES`, with a ChatML template."""
+    tok = PreTrainedTokenizerFast(tokenizer_object=_trained(SPECIALS), bos_token="<|im_start|>", eos_token="<|im_end|>",
                                   unk_token="<|endoftext|>", pad_token="<|im_end|>")
     tok.chat_template = CHAT_TEMPLATE
     return tok
+
+
+def roberta_tokenizer() -> PreTrainedTokenizerFast:
+    """The same BPE with RoBERTa's special tokens and template (``<s> text </s>``); its ``<mask>`` strips the space
+    before it (``lstrip``, as roberta-base's), so ' <mask>' is one token."""
+    backend = _trained(["<s>", "<pad>", "</s>", "<unk>", "<mask>"])
+    backend.add_special_tokens([AddedToken("<mask>", lstrip=True, normalized=False, special=True)])  # trained without
+    backend.post_processor = processors.RobertaProcessing(("</s>", 2), ("<s>", 0))
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", sep_token="</s>",
+                                   cls_token="<s>", unk_token="<unk>", pad_token="<pad>", mask_token="<mask>")
 
 
 def bpe_llama(tok: PreTrainedTokenizerFast, seed: int = 0, layers: int = LAYERS, **config) -> LlamaForCausalLM:

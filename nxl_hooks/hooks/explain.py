@@ -30,9 +30,10 @@ def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, chat: bo
 
     ``nxl.explain(model, tok, "The capital of France is", layers="all", target="Paris").top(3)``; ``options`` go to
     :func:`attach`. Target words are read after the text (:func:`~nxl_hooks.method.select.prompt_targets`): "Paris"
-    there explains ' Paris', the token the model would emit; ``res.meta["targets"]`` says how each was read (and
-    when a word is several tokens, of which only the first is explained). ``chat``: each text becomes the user
-    message of the tokenizer's chat template, followed by the assistant's turn.
+    there explains ' Paris', the token the model would emit (a masked LM's: the token each mask would be filled with,
+    a row per mask); ``res.meta["targets"]`` says how each was read (and when a word is several tokens, of which only
+    the first is explained). ``chat``: each text becomes the user message of the tokenizer's chat template, followed
+    by the assistant's turn.
     """
     texts = [text] if isinstance(text, str) else list(text) if isinstance(text, Iterable) else []
     if not texts or not all(isinstance(one, str) for one in texts):

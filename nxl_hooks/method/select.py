@@ -10,7 +10,8 @@ the terminal, HTML and :meth:`Attribution.top`.
 - Prediction position: the last real token for causal LMs (``attention_mask``), the rightmost non-pad token for
   decoder classifiers (as transformers pools them), CLS for encoders that pool the first token, each mask token
   for masked LMs.
-- Targets: an id, a label name, a vocabulary piece, or a word read after the prompt (:func:`resolve_target`).
+- Targets: an id, a label name, a vocabulary piece, or a word read after the prompt (:func:`resolve_target`); a
+  masked LM's in place of each mask.
 - Ranking: by signed score, descending (authors' code). Padding, the prediction position, special tokens and a
   chat template's own tokens (its markers and the system prompt) do not rank (the authors always drop CLS / [MASK]
   before ranking; a user asks about their message, not the template around it); NaN never ranks above a number.
@@ -250,6 +251,27 @@ def _after_prompt(tokenizer: Any, prompt: str, word: str) -> list[int]:
     return tokenizer.encode(addition, add_special_tokens=False)  # the word merged into the prompt's last token
 
 
+def _before_mask(tokenizer: Any, prompt: str) -> str | None:
+    """The text of ``prompt`` before its last mask token (:func:`_mask_prompts` ends each row's text with its own
+    mask), less the whitespace the mask token strips on its left (RoBERTa's '<mask>' has ``lstrip``: ' <mask>' is one
+    token, so a word in its place is ' Paris'); None when the prompt holds no mask token."""
+    mask = getattr(tokenizer, "mask_token", None)
+    start = prompt.rfind(mask) if mask else -1
+    if start < 0:
+        return None
+    added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    return prompt[:start].rstrip() if getattr(added.get(tokenizer.mask_token_id), "lstrip", False) else prompt[:start]
+
+
+def _mask_prompts(tokenizer: Any, prompts: Sequence[str]) -> list[str | None]:
+    """Each prompt cut at the end of each of its mask tokens, prompt by prompt and left to right, as
+    :func:`prediction_rows` orders a masked LM's rows (one per mask token); ``[None]`` (one row for all, words read
+    alone) when no prompt holds one: the forward refuses such an input with its own message."""
+    mask = getattr(tokenizer, "mask_token", None)
+    cut = [prompt[: m.end()] for prompt in prompts for m in re.finditer(re.escape(mask), prompt)] if mask else []
+    return cut or [None]
+
+
 def _label_ids(config: Any) -> dict[str, tuple[int, ...]]:
     """Each label name of a classifier -> the output ids it names, in id order: ``config.id2label``'s, the names its
     outputs are shown by (transformers', pipelines', records'); ``label2id`` only where ``id2label`` says nothing (a
@@ -271,13 +293,15 @@ def resolve_target(model: nn.Module, kind: HeadKind | str, tokenizer: Any, item:
     2. classifiers: a label name, as ``config.id2label`` names the outputs (surrounding spaces ignored), or a number
        as an id;
     3. LMs (a tokenizer is needed): a vocabulary entry that is not plain text ('Ġis', '▁is', a special token) is that
-       token; without a ``prompt`` (and for masked LMs) any vocabulary entry is;
+       token; without a ``prompt`` any vocabulary entry is;
     4. other text is a word: after the ``prompt`` (causal LMs), the first token the tokenizer makes of it there
        (``prompt + " " + word``: 'Paris' after 'The capital of France is' is ' Paris'; a word that starts with
        anything but a letter or digit (a space, '.', ','), or a prompt that ends with whitespace or an opening
-       bracket or quote, takes no added space);
-       without a prompt, the tokens of the text alone. A word of several tokens explains its first
-       (:attr:`ResolvedTarget.partial`).
+       bracket or quote, takes no added space); a masked LM reads it in place of the prompt's last mask token, so
+       after the text before that mask (the token the mask would be filled with: ' Paris' in 'is <mask>.', 'Paris'
+       in '(<mask>');
+       without a prompt (or a masked LM's prompt without a mask token), the tokens of the text alone. A word of
+       several tokens explains its first (:attr:`ResolvedTarget.partial`).
 
     ``resolve_target(model, "causal_lm", tok, "Paris", prompt="The capital of France is").id``; ValueError if bad.
     """
@@ -306,7 +330,9 @@ def resolve_target(model: nn.Module, kind: HeadKind | str, tokenizer: Any, item:
         raise ValueError(f"target {item!r} is a string: pass attach(..., tokenizer=tok) to resolve it, or an int id")
     if not item:
         raise ValueError("target '' is empty: give a word, a token or an id")
-    after = prompt is not None and kind is HeadKind.CAUSAL_LM
+    if prompt is not None and kind is HeadKind.MASKED_LM:  # the word stands where the mask is, not after the text
+        prompt = _before_mask(tokenizer, prompt)
+    after = prompt is not None and kind.vocabulary
     vocab = tokenizer.get_vocab()
     if item in vocab and (not after or _is_piece(tokenizer, item, vocab[item])):
         return ResolvedTarget(item, int(vocab[item]), (int(vocab[item]),), "token")
@@ -349,12 +375,14 @@ def _items(target: Target) -> list[str | int]:
 def prompt_targets(model: nn.Module, kind: HeadKind | str, tokenizer: Any, target: Target,
                    prompts: Sequence[str]) -> tuple[torch.Tensor, list[list[ResolvedTarget]]]:
     """Targets as people write them, read after each prompt (:func:`resolve_target`): the id tensor to pass as
-    ``attach(target=...)`` and each row's resolutions. One row per prompt for causal LMs and classifiers (whose
-    labels do not depend on the text), one row for all for masked LMs; (rows,) ids for one target, (rows, k) for a
-    list, so the label axis is as ``target`` asks. ``prompt_targets(model, "causal_lm", tok, ["are", "is"], [text])``
+    ``attach(target=...)`` and each row's resolutions. One row per prompt for causal LMs, one per mask token for
+    masked LMs (each word read in place of that mask, :func:`_mask_prompts`), one row for all for classifiers (whose
+    labels do not depend on the text); (rows,) ids for one target, (rows, k) for a list, so the label axis is as
+    ``target`` asks. ``prompt_targets(model, "causal_lm", tok, ["are", "is"], [text])``
     """
-    items = _items(target)
-    rows = list(prompts) if HeadKind(kind) is HeadKind.CAUSAL_LM else [None]
+    items, kind = _items(target), HeadKind(kind)
+    rows = list(prompts) if kind is HeadKind.CAUSAL_LM else (
+        _mask_prompts(tokenizer, prompts) if kind is HeadKind.MASKED_LM else [None])
     resolved = [[resolve_target(model, kind, tokenizer, item, prompt=prompt) for item in items] for prompt in rows]
     ids = torch.tensor([[r.id for r in row] for row in resolved], dtype=torch.long)
     return (ids if isinstance(target, (list, tuple)) else ids[:, 0]), resolved

@@ -433,7 +433,7 @@ class Attribution:
         rows = self.meta.get("targets") or []
         if not rows:
             return None
-        labels = rows[min(row, len(rows) - 1)]  # masked LMs read a request once for every row
+        labels = rows[min(row, len(rows) - 1)]  # classifiers read a request once for every row; masked LMs per mask
         return labels[label] if label < len(labels) else None
 
     def target_label(self, row: int = 0, label: int = 0) -> str:

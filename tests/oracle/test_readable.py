@@ -251,6 +251,46 @@ def test_a_word_of_several_tokens_explains_the_first_and_says_so(model, tok):
         nxl.attach(model, tokenizer=tok, target="Parisians")
 
 
+def test_a_masked_lm_reads_a_word_at_its_mask_as_the_token_it_would_fill_in():
+    """A masked LM's word target is the token its mask would be filled with, each mask its own: it was read after
+    the whole text, one id for every mask (the word after '...at <mask>'). The oracle: the tokenizer's encoding of
+    the text with the word written in place of each mask (a word's own leading space in place of the one RoBERTa's
+    '<mask>' strips), read at the mask's position."""
+    import re
+
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    from nxl_hooks.eval import faithfulness as ev
+
+    tok = bpe_tiny.roberta_tokenizer()
+    torch.manual_seed(0)
+    model = RobertaForMaskedLM(RobertaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                                             pad_token_id=tok.pad_token_id)).eval()
+    text = "The capital of France is <mask>. The city (<mask> is a city at <mask>"
+    enc = tok(text, return_tensors="pt")
+    masks = (enc["input_ids"][0] == tok.mask_token_id).nonzero().flatten()
+    fills = {"Paris": text.replace("<mask>", "Paris"), " Paris": re.sub(r" ?<mask>", " Paris", text)}
+    expected = []
+    for word, filled in fills.items():
+        ids = tok(filled)["input_ids"]
+        assert len(ids) == enc["input_ids"].shape[1], word  # the word is one token in each place
+        expected.append([ids[int(m)] for m in masks])
+    expected = torch.tensor(expected).T  # (masks, words)
+    bare, spaced = piece_id(tok, "Paris"), piece_id(tok, "ĠParis")
+    assert expected.tolist() == [[spaced, spaced], [bare, spaced], [spaced, spaced]]  # never one id for all
+    res = nxl.explain(model, tok, text, target=list(fills))
+    assert res.position.tolist() == masks.tolist() and torch.equal(res.target, expected)
+    assert res.target_text == [["␣Paris", "␣Paris"], ["Paris", "␣Paris"], ["␣Paris", "␣Paris"]]
+    assert res.resolution(1, 0)["text"] == "Paris" and res.resolution(2, 0)["text"] == "␣Paris"
+    with torch.no_grad():
+        probability = model(**enc).logits[0, masks].softmax(-1).gather(1, expected)
+    torch.testing.assert_close(res.probability, probability, rtol=1e-4, atol=1e-7)
+    assert int(nxl.explain(model, tok, text, target="Paris").target[1]) == bare
+    record = ev.score_example(model, tok, {"text": "The city (<mask> is", "target": "Paris"}, methods=["normxlogit"])
+    assert record["target"] == bare
+
+
 def test_classifier_probability_is_the_label_softmax():
     model, tok = tiny.build_model("bert", 0), tiny.tokenizer()
     res = nxl.explain(model, tok, ["the film was good", "bad plot"], target=["LABEL_1", " LABEL_0"])
