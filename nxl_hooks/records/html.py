@@ -93,6 +93,7 @@ def heatmap(
     corner: str = "",
     scaled: Sequence[Sequence[bool]] | None = None,
     column_class: Sequence[str] | None = None,
+    col_ids: Sequence[int] | None = None,
 ) -> str:
     """A coloured ``<table>``: one ``td.nxl-cell`` per value, with ``data-row``/``data-col``/``data-value``.
 
@@ -102,7 +103,8 @@ def heatmap(
     ones too (their value in the tooltip), setting no scale. ``scaled``
     (with ``scale="row"`` or ``"column"``): which cells set the scale of their row or column (the others are
     coloured on it, clipped);
-    ``column_class``: a CSS class for each column's cells (its header included), "" for none.
+    ``column_class``: a CSS class for each column's cells (its header included), "" for none; ``col_ids``: each
+    column's ``data-col`` (default its index: the generation page gives positions, a padded row's padding left out).
     ``heatmap(["a", "b"], ["L0"], [[1.0], [-0.5]])``
     """
     if scale not in ("column", "row", "all", "range"):
@@ -125,6 +127,7 @@ def heatmap(
     columns = [peak([row[j] for i, row in enumerate(cells) if scales(i, j)]) for j in range(len(col_labels))]
     rows = [peak([v for j, v in enumerate(row) if scales(i, j)]) for i, row in enumerate(cells)]
     classes = [f" {name}" if name else "" for name in column_class] if column_class else [""] * len(col_labels)
+    ids = list(col_ids) if col_ids is not None else list(range(len(col_labels)))
 
     def shade(i: int, j: int, value: float) -> float:
         if scale == "range":
@@ -138,16 +141,16 @@ def heatmap(
         tds = []
         for j, value in enumerate(row):
             if value is None:
-                tds.append(f'<td class="nxl-cell{classes[j]}" data-row="{i}" data-col="{j}"></td>')
+                tds.append(f'<td class="nxl-cell{classes[j]}" data-row="{i}" data-col="{ids[j]}"></td>')
                 continue
             tip = html.escape(f"{label} · {col_labels[j]}: {value:.6g}", quote=True)
             if not math.isfinite(value):  # blank like None, its NaN or ±inf said in the tooltip
-                tds.append(f'<td class="nxl-cell{classes[j]}" data-row="{i}" data-col="{j}" title="{tip}"></td>')
+                tds.append(f'<td class="nxl-cell{classes[j]}" data-row="{i}" data-col="{ids[j]}" title="{tip}"></td>')
                 continue
             background, ink = _colour(shade(i, j, value))
             tds.append(
-                f'<td class="nxl-cell{classes[j]}" data-row="{i}" data-col="{j}" data-value="{value!r}" title="{tip}" '
-                f'style="background:{background};color:{ink}">{fmt(value)}</td>'
+                f'<td class="nxl-cell{classes[j]}" data-row="{i}" data-col="{ids[j]}" data-value="{value!r}" '
+                f'title="{tip}" style="background:{background};color:{ink}">{fmt(value)}</td>'
             )
         body.append(f"<tr><th>{html.escape(str(label))}</th>{''.join(tds)}</tr>")
     cap = f'<caption class="note">{html.escape(caption)}</caption>' if caption else ""
@@ -424,10 +427,13 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
     """Self-contained page of one ``generate`` call (a :class:`~nxl_hooks.GenerationCall`): generated tokens (rows) x context tokens (columns), one layer at
     a time, picked in a selector (the last layer first; ``page.html#layer=N`` opens layer N). Each row is the
     attribution of that token over everything before it, coloured by the largest |score| of the row's tokens that
-    rank (:meth:`~nxl_hooks.GenerationCall.attribution`); blank cells are positions after the token or padding. A
-    chat template's columns (markers, system prompt) are marked ``▫`` and folded away until asked for, so the
-    table starts at the user's message, after a left-padded row's blank padding columns (``all_positions``: every
-    real token ranks, the template's too, and nothing is folded). Each row is labelled by its step view
+    rank (:meth:`~nxl_hooks.GenerationCall.attribution`); blank cells are positions after the token. A padded row
+    (a batch generated with ``padding_side="left"``) shows its own tokens: its padding is left out of the prompt, its
+    count and the table, whose columns keep their positions in the batch (as step views, ``nxl tail`` and the data
+    block, indexed by position, number tokens), and a note says how many positions it leaves out. A chat template's
+    columns (markers, system prompt) are marked ``▫`` and folded away until asked for, so the table starts at the
+    user's message (``all_positions``: every real token ranks, the template's too, and nothing is folded). Each
+    row is labelled by its step view
     (:class:`~nxl_hooks.records.view.StepView`, what ``nxl tail`` and the endpoint show; the page carries them in
     its data block) and its ``k`` best context tokens at the shown layer are bold. A call whose record stopped
     early (``call.error``), ends without its end (a cut stream) or starts after its first steps (a rotating sink
@@ -498,24 +504,29 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
     data = json.dumps({"layers": layers, "rows": row_names, "columns": columns, "values": values, "ranked": ranked,
                        "method": method, "steps": views}, allow_nan=False)
     data = data.replace("<", "\\u003c")
-    shown = [f'<span class="nxl-template">{html.escape(name)}</span>' if template[j] else html.escape(name)
-             for j, name in enumerate(whole[:prompt_len])]
+    # the row's own tokens: its padding (a batch padded on the left, as chat tokenizers pad) is left out of the prompt
+    # and the table, as the attribution page and the Parquet rows leave it out; columns keep their positions in the
+    # batch, which the step views (nxl tail, the data block) and the records number tokens by
+    real = call.prompt_mask[row].tolist() + [True] * (len(context) - prompt_len)
+    kept = [j for j in range(len(context)) if real[j]]
+    pads = len(context) - len(kept)
+    shown = [f'<span class="nxl-template">{html.escape(whole[j])}</span>' if template[j] else html.escape(whole[j])
+             for j in kept if j < prompt_len]
     folded = any(template) and not all_positions  # ranked tokens are never hidden
-    # the user's message starts after the row's left padding (a chat batch is padded on the left, and padding is no
-    # template token: the first column not the template's was a padding one) and the template's tokens after it
-    pad = int(call.prompt_mask[row].int().argmax())  # the row's first real token
-    first = next((j for j in range(pad, len(template)) if not template[j]), pad)
+    first = next((j for j in kept if not template[j]), kept[0])  # the user's message: past padding and template
     marked = ('<p class="note">▫ the chat template\'s own tokens (its markers and the system prompt, greyed in the '
               "prompt above): ")
     toggle = (marked + f"they do not rank and do not set the colour scale. Their {sum(template)} columns are "
-              "folded away, so " + (f"after this row's {pad} blank column(s) of left padding " if pad else "")
-              + f'the table starts at your message (column {first}): <label><input type="checkbox" '
+              f'folded away, so the table starts at your message (column {first}): <label><input type="checkbox" '
               'id="nxl-template"> show them</label></p>') if folded else (
         marked + "they rank too (all_positions).</p>" if any(template) else "")
     body = (
         f"<h1>{html.escape(title)}</h1>"
         + _notes([note for note in (_missing(steps), unfinished, ended) if note])
-        + f'<p class="note">Prompt ({prompt_len} tokens; ␣ a space, ↵ a newline):</p>'
+        + f'<p class="note">Prompt ({len(shown)} tokens; ␣ a space, ↵ a newline'
+        + (f"; this row's {pads} position(s) of padding are left out, here and in the table, whose columns keep "
+           f"their positions in the batch (as nxl tail and the step views number tokens): its prompt starts at column "
+           f"{kept[0]}" if pads else "") + "):</p>"
         f'<p class="prompt">{" ".join(shown)}</p>'
         + (_notes([OVERFLOW_NOTE]) if overflowed else "")
         + (_notes([flat_note(spread)]) if method == "normxlogit" and flat_norms(spread) else "")
@@ -525,8 +536,9 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
         "colour scaled per row by the largest |score| of the tokens that rank: red positive, blue negative; hover "
         "for the value.</span></p>"
         f'<div id="nxl-generation" class="{"nxl-folded" if folded else ""}" style="overflow-x:auto">'
-        + heatmap(row_names, columns, [v[last] for v in values], scale="row", corner="generated \\ context",
-                  scaled=ranked, column_class=["nxl-template" if flag else "" for flag in template])
+        + heatmap(row_names, [columns[j] for j in kept], [[v[last][j] for j in kept] for v in values], scale="row",
+                  corner="generated \\ context", scaled=[[r[j] for j in kept] for r in ranked],
+                  column_class=["nxl-template" if template[j] else "" for j in kept], col_ids=kept)
         + "</div>"
         + f'<script type="application/json" id="nxl-data">{data}</script>'
         + f"<script>{_GENERATION_SCRIPT}</script>"

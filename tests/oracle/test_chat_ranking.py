@@ -7,6 +7,7 @@ the prompt's tokens). The real-model test asks SmolLM2 the question of issue 18.
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 
 import pytest
@@ -317,30 +318,51 @@ def test_generate_page_marks_and_folds_the_template_scales_by_what_ranks_and_say
 
 
 
-def test_a_left_padded_rows_page_says_its_message_starts_after_its_padding_and_template(world):
-    """A chat batch generated with left padding (as chat models' tokenizers pad): the shorter row's page said its
-    message starts at column 0, the first column that is not the template's, a padding one. It starts after the
-    row's padding and the template's prefix, both counted by hand; the unpadded row's page says as before."""
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_left_padded_rows_page_shows_its_own_prompt_at_its_batch_positions(world, chat):
+    """A batch generated with left padding (as chat models' tokenizers pad), with and without a chat template: the
+    shorter row's page said "Prompt (N tokens" of the whole batch's width, listed the pad tokens in its prompt and
+    gave them blank columns at the table's start. It shows the row's own tokens, as many as the tokenizer's attention
+    mask counts (each by hand), says how many padding positions it leaves out, and its columns keep their positions
+    in the batch (the step views' and nxl tail's); its message starts after the template's prefix. The unpadded
+    row's page says no padding."""
+    import tiny
     from nxl_hooks.records.html import generation_html
 
     model, _, _ = world
     tok = bpe_tiny.bpe_tokenizer()
     tok.padding_side = "left"
     messages = [QUESTION, "Rome"]  # of different lengths: the second row is padded
-    enc = tok.apply_chat_template([[{"role": "user", "content": m}] for m in messages], add_generation_prompt=True,
-                                  return_tensors="pt", return_dict=True, padding=True)
+    before, after = ("<|im_start|>user\n", "<|im_end|>\n<|im_start|>assistant\n") if chat else ("", "")
+    enc = (tok.apply_chat_template([[{"role": "user", "content": m}] for m in messages], add_generation_prompt=True,
+                                   return_tensors="pt", return_dict=True, padding=True) if chat else
+           tok(messages, return_tensors="pt", padding=True))
     with nxl.attach(model, tokenizer=tok) as probe:
         model.generate(**enc, max_new_tokens=2, do_sample=False)
     call = probe.calls[-1]
-    assert call.prompt_template is not None
-    rows = [by_hand(tok, [("<|im_start|>user\n", False), (m, True), ("<|im_end|>\n<|im_start|>assistant\n", False)])
-            for m in messages]
-    pad = len(rows[0][0]) - len(rows[1][0])
-    assert pad > 0 and enc["attention_mask"][1].tolist() == [0] * pad + [1] * len(rows[1][0])
-    assert "so the table starts at your message (column " + f"{min(rows[0][1])}):" in generation_html(call, row=0)
-    text = generation_html(call, row=1)
-    assert (f"so after this row's {pad} blank column(s) of left padding the table starts at your message "
-            f"(column {pad + min(rows[1][1])}):") in text
+    assert (call.prompt_template is not None) is chat
+    width = enc["input_ids"].shape[1]
+    for row, message in enumerate(messages):
+        ids, ranked = by_hand(tok, [(before, False), (message, True), (after, False)])
+        real = int(enc["attention_mask"][row].sum())
+        pad = width - real
+        assert real == len(ids) and enc["input_ids"][row, pad:].tolist() == ids and (pad > 0) == (row == 1)
+        text = generation_html(call, row=row)
+        said = (f"; this row's {pad} position(s) of padding are left out, here and in the table, whose columns keep "
+                f"their positions in the batch (as nxl tail and the step views number tokens): its prompt starts at "
+                f"column {pad}):")
+        assert f"Prompt ({real} tokens; ␣ a space, ↵ a newline" + (said if pad else "):") in text
+        assert len(re.sub("<[^>]*>", "", text.split('<p class="prompt">')[1].split("</p>")[0]).split(" ")) == real
+        table = text.split('id="nxl-generation"')[1]
+        heads = [label.removeprefix("▫ ").split(":")[0] for label in
+                 re.findall(r"<th(?: class=\"[^\"]*\")?>([^<]*)</th>", table.split("</thead>")[0])[1:]]
+        shown = list(range(pad, width + 2))  # the row's prompt, then its two generated tokens
+        assert heads == [str(j) for j in shown]
+        assert [int(c["data-col"]) for c in tiny.elements(table, "td", "nxl-cell")] == shown * 2
+        if chat:
+            assert f"so the table starts at your message (column {pad + min(ranked)}):" in text
+        else:
+            assert "your message" not in text
 
 @contextlib.contextmanager
 def within(seconds: int):
