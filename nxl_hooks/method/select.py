@@ -209,6 +209,21 @@ def _check_range(ids: Sequence[int] | torch.Tensor, n_outputs: int) -> None:
         raise ValueError(f"target {bad[0]} is out of range: the head has {n_outputs} outputs (0..{n_outputs - 1})")
 
 
+def _check_distinct(requests: Sequence[Sequence[Any]], ids: Sequence[Sequence[int]], what: str = "target list") -> None:
+    """Each row's explained ids differ: a list naming one output twice is refused for every method (a second,
+    identical label column, and the target − foil of the two 0 at every token: a silent wrong answer). ``requests``:
+    the targets as people wrote them, row by row as ``ids``; the duplicate is named by them and by its id."""
+    twice = [next((j for j, id_ in enumerate(row) if id_ in row[:j]), None) for row in ids]
+    row = next((r for r, j in enumerate(twice) if j is not None), None)
+    if row is None:
+        return
+    j = twice[row]
+    id_ = ids[row][j]
+    where = f" in row {row}" if None in twice else ""  # the row only where others read the list apart (words)
+    raise ValueError(f"{what} names output {id_} twice{where} ({requests[row][list(ids[row]).index(id_)]!r} and "
+                     f"{requests[row][j]!r}): give different targets (a target and its foil)")
+
+
 #: After one of these a word follows without a space (an opening bracket or quote); after any other character but
 #: whitespace a target word (one that starts with a letter or digit) is a new word: "Paris" after "The capital of
 #: France is" is " Paris", while "." or "," follow the text directly.
@@ -384,12 +399,14 @@ def prompt_targets(model: nn.Module, kind: HeadKind | str, tokenizer: Any, targe
     rows = list(prompts) if kind is HeadKind.CAUSAL_LM else (
         _mask_prompts(tokenizer, prompts) if kind is HeadKind.MASKED_LM else [None])
     resolved = [[resolve_target(model, kind, tokenizer, item, prompt=prompt) for item in items] for prompt in rows]
-    ids = torch.tensor([[r.id for r in row] for row in resolved], dtype=torch.long)
+    id_rows = [[r.id for r in row] for row in resolved]
+    _check_distinct([items] * len(rows), id_rows)  # named as written, and before the forward
+    ids = torch.tensor(id_rows, dtype=torch.long)
     return (ids if isinstance(target, (list, tuple)) else ids[:, 0]), resolved
 
 
 def target_ids(model: nn.Module, kind: HeadKind | str, tokenizer: Any, target: Target, n_outputs: int) -> torch.Tensor:
-    """Explicit targets as a (1, k) or (rows, k) id tensor, checked against the head's outputs."""
+    """Explicit targets as a (1, k) or (rows, k) id tensor, checked against the head's outputs, each row's distinct."""
     if isinstance(target, torch.Tensor):
         if target.dim() > 2:
             raise ValueError(f"a target tensor is (rows,) or (rows, k) label ids, got shape {tuple(target.shape)}")
@@ -400,9 +417,12 @@ def target_ids(model: nn.Module, kind: HeadKind | str, tokenizer: Any, target: T
         ids = ids[:, None] if ids.dim() == 1 else ids
         if ids.numel() == 0:
             raise ValueError("the target tensor is empty: give at least one label id per row")
+        requests = None
     else:
-        ids = torch.tensor([[resolve_target_id(model, kind, tokenizer, item, n_outputs) for item in _items(target)]])
+        requests = [_items(target)]
+        ids = torch.tensor([[resolve_target_id(model, kind, tokenizer, item, n_outputs) for item in requests[0]]])
     _check_range(ids, n_outputs)
+    _check_distinct(requests or ids.tolist(), ids.tolist(), "target list" if requests else "target tensor")
     return ids
 
 

@@ -279,13 +279,19 @@ def test_a_masked_lm_reads_a_word_at_its_mask_as_the_token_it_would_fill_in():
     expected = torch.tensor(expected).T  # (masks, words)
     bare, spaced = piece_id(tok, "Paris"), piece_id(tok, "ĠParis")
     assert expected.tolist() == [[spaced, spaced], [bare, spaced], [spaced, spaced]]  # never one id for all
-    res = nxl.explain(model, tok, text, target=list(fills))
-    assert res.position.tolist() == masks.tolist() and torch.equal(res.target, expected)
-    assert res.target_text == [["␣Paris", "␣Paris"], ["Paris", "␣Paris"], ["␣Paris", "␣Paris"]]
+    # one word a call: both in one list name one output twice at the first mask (and the last), which is refused
+    with pytest.raises(ValueError, match=rf"^target list names output {spaced} twice in row 0 \('Paris' and ' Paris'"):
+        nxl.explain(model, tok, text, target=list(fills))
+    res, spaced_res = (nxl.explain(model, tok, text, target=[word]) for word in fills)
+    assert res.position.tolist() == masks.tolist()
+    assert torch.equal(torch.cat([res.target, spaced_res.target], 1), expected)
+    assert [a + b for a, b in zip(res.target_text, spaced_res.target_text)] == [
+        ["␣Paris", "␣Paris"], ["Paris", "␣Paris"], ["␣Paris", "␣Paris"]]
     assert res.resolution(1, 0)["text"] == "Paris" and res.resolution(2, 0)["text"] == "␣Paris"
     with torch.no_grad():
         probability = model(**enc).logits[0, masks].softmax(-1).gather(1, expected)
-    torch.testing.assert_close(res.probability, probability, rtol=1e-4, atol=1e-7)
+    torch.testing.assert_close(torch.cat([res.probability, spaced_res.probability], 1), probability, rtol=1e-4,
+                               atol=1e-7)
     assert int(nxl.explain(model, tok, text, target="Paris").target[1]) == bare
     record = ev.score_example(model, tok, {"text": "The city (<mask> is", "target": "Paris"}, methods=["normxlogit"])
     assert record["target"] == bare

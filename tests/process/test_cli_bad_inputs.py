@@ -178,7 +178,7 @@ CASES = [
      r"target 'zebra' is not a single token in the vocabulary"),
     ("target list names one output twice", ["attribute", "{bert}", TEXT, "--target", "1,LABEL_1", "--method",
                                             "contrastive"],
-     r"--target 1,LABEL_1 names one output twice \('LABEL_1' \(id 1, p [0-9.]+\)\): give different targets"),
+     r"target list names output 1 twice \(1 and 'LABEL_1'\): give different targets \(a target and its foil\)"),
     ("label not the model's", ["attribute", "{bert}", TEXT, "--target", "joyful"],
      r"label 'joyful' is not one of the model's labels"),
     ("layer out of range", ["attribute", "{bert}", TEXT, "--layers", "9"], LAYERS),

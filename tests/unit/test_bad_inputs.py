@@ -102,6 +102,13 @@ ATTACH = cases(
     ("target=vocab size", {"target": _VOCAB}, f"target {_VOCAB} is out of range: the head has {_VOCAB} outputs"),
     ("target=-1", {"target": -1}, "target -1 is out of range"),
     ("target tensor out of range", {"target": torch.tensor([0, 99])}, "target 99 is out of range"),
+    # one output named twice: a second, identical column, whose target - foil is 0 at every token (was accepted)
+    ("target list naming one output twice", {"target": [5, 5]},
+     r"^target list names output 5 twice \(5 and 5\): give different targets \(a target and its foil\)$"),
+    ("target token and id of one output", {"target": ["good", tiny.VOCAB.index("good")], "tokenizer": tiny.tokenizer()},
+     rf"^target list names output {tiny.VOCAB.index('good')} twice \('good' and {tiny.VOCAB.index('good')}\): give"),
+    ("target tensor row naming one output twice", {"target": torch.tensor([[3, 4], [5, 5]])},
+     r"^target tensor names output 5 twice in row 1 \(5 and 5\): give different targets"),
     ("target string without tokenizer", {"target": "film"}, r"pass attach\(..., tokenizer=tok\)"),
     ("target two-token string", {"target": "film was", "tokenizer": tiny.tokenizer()}, "is 2 tokens.*attach explains one token"),
     ("embedding=None", {"embedding": None}, "embedding=None: use 'layer_input'"),
@@ -160,6 +167,8 @@ CLASSIFIER = cases(
     ("classifier cache_device", {"cache_device": "cpu"}, "cache_device: these record generate"),
     ("classifier label name", {"target": "positive"}, "label 'positive' is not one of the model's labels"),
     ("classifier label id", {"target": 2}, "target 2 is out of range: the head has 2 outputs"),
+    ("classifier id and label of one output", {"target": [1, "LABEL_1"]},
+     r"^target list names output 1 twice \(1 and 'LABEL_1'\): give different targets"),
 )
 
 
@@ -303,6 +312,27 @@ def test_explain_of_no_tokens_says_so_before_the_forward(caplog):
         with pytest.raises(ValueError, match=message):
             nxl.explain(model, given, "good")
     assert _hooks(model) == 0
+
+
+def test_explain_refuses_a_target_list_naming_one_output_twice_before_the_forward():
+    """Two targets read as one output (a word and its token, a word with and without its space) are refused with the
+    targets as written, before the model runs: contrastive's target - foil of an output with itself was 0 at every
+    token, silently. Where the words read apart after one text, the line names the row where they do not."""
+    tok = bpe_tiny.bpe_tokenizer()
+    model = bpe_tiny.bpe_llama(tok)
+    forwards = []
+    handle = model.register_forward_pre_hook(lambda *_: forwards.append(1))
+    text, paris = "The capital of France is", tok.convert_tokens_to_ids("ĠParis")
+    for target, twice in ((["Paris", " Paris"], "'Paris' and ' Paris'"), (["Paris", "ĠParis"], "'Paris' and 'ĠParis'"),
+                          (["Paris", "London", paris], f"'Paris' and {paris}")):
+        with pytest.raises(ValueError, match=rf"^target list names output {paris} twice \({twice}\): give different "
+                                             r"targets \(a target and its foil\)$"):
+            nxl.explain(model, tok, text, target=target, methods=["contrastive"])
+    # after "is " the word is 'Paris' and ' Paris' another token: only the first text's row names one output twice
+    with pytest.raises(ValueError, match=rf"^target list names output {paris} twice in row 0 \('Paris' and ' Paris'"):
+        nxl.explain(model, tok, [text, text + " "], target=["Paris", " Paris"])
+    handle.remove()
+    assert not forwards and _hooks(model) == 0
 
 
 def test_per_row_target_tensor_with_the_wrong_row_count(lm):

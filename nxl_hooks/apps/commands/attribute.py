@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ...arch.registry import HeadKind, head_kind
     from ...hooks.explain import explain
-    from ...method.select import check_length, option_text, position_limit
+    from ...method.select import check_length, position_limit
     from ...method.subject import unwrap
     from ...records.files import write_text
     from ...records.html import generation_html
@@ -109,12 +109,6 @@ def run(args: argparse.Namespace) -> int:
         # 1: the records are not whole (not recorded, or --out holds only some: a full disk); the last line said why
         return 1 if call.error is not None or call.notes else READER_GONE if console.gone else 0
     res = explain(model, tokenizer, args.text, chat=args.chat, methods=[args.method], **attach_options(args))
-    for row in range(res.target.shape[0]):  # the words are read as the model's outputs only now
-        ids = [info["id"] for info in res.target_info(row)]
-        twice = next((i for i, id_ in enumerate(ids) if id_ in ids[:i]), None)
-        if twice is not None:  # a contrast of an output with itself is 0 at every token
-            raise CliError(f"--target {option_text(args.target)} names one output twice "
-                           f"({res.target_label(row, twice)}): give different targets (a target and its foil)")
     show_attribution(res, console, all_positions=args.all_positions, method=args.method)
     if args.out:
         console.print(Text(f"saved {res.save(args.out)}"))
