@@ -169,6 +169,9 @@ def parse_target(value: str) -> str | int | list[str | int]:
         items.append(part if number is None else number)
     if "predicted" in [item.strip() if isinstance(item, str) else item for item in items] and len(items) > 1:
         raise ValueError("'predicted' cannot be mixed with other targets; pass it alone")
+    # an item written twice names one output twice whatever model reads it: refused here, before a model loads or
+    # nxl run starts its program (the same rule as after resolving, which also sees ' Paris' and 'Paris' agree)
+    _check_distinct([items], [items])
     return items[0] if len(items) == 1 else items
 
 
@@ -209,7 +212,8 @@ def _check_range(ids: Sequence[int] | torch.Tensor, n_outputs: int) -> None:
         raise ValueError(f"target {bad[0]} is out of range: the head has {n_outputs} outputs (0..{n_outputs - 1})")
 
 
-def _check_distinct(requests: Sequence[Sequence[Any]], ids: Sequence[Sequence[int]], what: str = "target list") -> None:
+def _check_distinct(requests: Sequence[Sequence[Any]], ids: Sequence[Sequence[int | str]],
+                    what: str = "target list") -> None:
     """Each row's explained ids differ: a list naming one output twice is refused for every method (a second,
     identical label column, and the target − foil of the two 0 at every token: a silent wrong answer). ``requests``:
     the targets as people wrote them, row by row as ``ids``; the duplicate is named by them and by its id."""
@@ -220,8 +224,11 @@ def _check_distinct(requests: Sequence[Sequence[Any]], ids: Sequence[Sequence[in
     j = twice[row]
     id_ = ids[row][j]
     where = f" in row {row}" if None in twice else ""  # the row only where others read the list apart (words)
-    raise ValueError(f"{what} names output {id_} twice{where} ({requests[row][list(ids[row]).index(id_)]!r} and "
-                     f"{requests[row][j]!r}): give different targets (a target and its foil)")
+    first = requests[row][list(ids[row]).index(id_)]
+    # an output id is named by the two items that name it; an item as written (parse_target's) by itself
+    named = f"output {id_} twice{where} ({first!r} and {requests[row][j]!r})" if isinstance(id_, int) else \
+        f"{id_!r} twice{where}"
+    raise ValueError(f"{what} names {named}: give different targets (a target and its foil)")
 
 
 #: After one of these a word follows without a space (an opening bracket or quote); after any other character but

@@ -292,6 +292,9 @@ CASES = [
      r"--sink .*existing.html: .*existing.html is a file, not a folder"),
     ("run sink in an unknown user's home", ["run", "--sink", NOUSER + "/s", "--", "true"], HOMELESS),
     ("run without a program", ["run", "--sink", "{outdir}"], r"give the program to run after --"),
+    # written twice: refused before the program starts, as resolving it in the program would refuse it
+    ("run target written twice", ["run", "--target", "5,5", "--", "true"],
+     r"argument --target: target list names output 5 twice \(5 and 5\): give different targets"),
     ("run methods an evaluation baseline", ["run", "--methods", "logat,random", "--", "true"],
      r"--methods: 'random' names a record field or one of nxl evaluate's baselines, never a method a probe computes: "
      r"choose from normxlogit, logat\b.*, or a method a plugin or your program registers"),
