@@ -32,7 +32,7 @@ import importlib
 import re
 import sys
 from pathlib import Path
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Collection, Mapping, Sequence
 
 __all__ = ["Option", "add_options", "generated", "markdown_table", "options", "read_args", "read_env", "read_json",
            "setting", "switch", "switch_text", "write_env"]
@@ -228,6 +228,28 @@ def write_env(values: Any) -> dict[str, str]:
     """Every field of the group instance ``values`` that has a variable, as that variable's text."""
     return {option.env: option.text(getattr(values, option.name)) for option in options(type(values))
             if option.env and not (option.unset and getattr(values, option.name) == option.default)}
+
+
+def replaced_env(values: Any, env: Mapping[str, str], given: Collection[str] = ()) -> list[str]:
+    """The variables ``env`` (the caller's environment) sets to other than the flags' values ``values`` will write,
+    as ``NXL_LAYERS='last' (--layers all)``: ``nxl run`` writes every variable from its flags, so a caller who set
+    one and gave no flag would have it replaced without a word. Not named: the fields whose flag was ``given``
+    (:func:`read_args`' keys: chosen on the command line) and variables no flag sets (the run folder)."""
+    replaced, written = [], write_env(values)
+    for option in options(type(values)):
+        theirs, ours = env.get(option.env or ""), written.get(option.env or "")
+        if option.flag is None or option.name in given or not theirs or ours is None:
+            continue
+        try:
+            same = option.text(option.value(theirs)) == ours  # 'last' and 'last ' read alike
+        except ValueError:
+            same = False  # a bad value is replaced too
+        if not same:
+            yes_no = isinstance(option.default, bool)  # as the flag is written: --eager, no --listen (not '')
+            flag = option.flag if yes_no and ours == switch_text(True) else f"no {option.flag}" if yes_no or not ours \
+                else f"{option.flag} {ours}"
+            replaced.append(f"{option.env}={theirs!r:.40} ({flag})")
+    return replaced
 
 
 def read_json(group: type, data: Mapping[str, Any], *,

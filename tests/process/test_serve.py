@@ -785,6 +785,30 @@ def _refused_in_process(capsys, monkeypatch, *args: str) -> subprocess.Completed
 
 
 @pytest.mark.version_free
+def test_nxl_run_says_which_of_your_variables_its_flags_replace(tmp_path, capsys, monkeypatch):
+    """nxl run writes every NXL_* variable from its flags: one the caller set and gave no flag for was replaced by
+    the flag's default without a word (NXL_LAYERS=last recorded every layer). One line names each such variable and
+    the value the program gets; a flag given, or a variable equal to what is written, is not named."""
+    started: dict = {}
+    monkeypatch.setattr(os, "execvpe", lambda file, argv, env: started.update(env))
+    for name in [name for name in os.environ if name.startswith("NXL_")]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("NXL_LAYERS", "last")
+    monkeypatch.setenv("NXL_EAGER", "1")
+    monkeypatch.setenv("NXL_TARGET", "5")  # its flag is given below
+    monkeypatch.setenv("NXL_KEEP_CALLS", "16")  # the default: nothing replaced
+    code, _, err = _cli(capsys, "run", "--sink", str(tmp_path / "r"), "--target", "7", "--", "true")
+    assert code == 0 and started["NXL_LAYERS"] == "all" and started["NXL_EAGER"] == "0", err
+    (line,) = [line for line in err.splitlines() if "replace" in line]
+    assert line == ("nxl run: the flags' defaults replace your environment's NXL_LAYERS='last' (--layers all), "
+                    "NXL_EAGER='1' (no --eager): give the flag to choose the value"), err
+    for name in ("NXL_LAYERS", "NXL_EAGER", "NXL_TARGET", "NXL_KEEP_CALLS"):
+        monkeypatch.delenv(name)
+    code, _, err = _cli(capsys, "run", "--sink", str(tmp_path / "r2"), "--", "true")
+    assert code == 0 and "replace" not in err, err
+
+
+@pytest.mark.version_free
 def test_python_flags_that_keep_the_bootstrap_out_are_refused_before_the_program_starts(tmp_path, capsys,
                                                                                          monkeypatch):
     """-I and -E make Python ignore PYTHONPATH and -S skips site, which imports the bootstrap: the program would run

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from ..extras import SERVE_MODULES, extra_line, require_extra
 from ..options import CliError, add_loading_options, check_output_folder, loading_options, say
+from ..schema import read_args, replaced_env
 from ..serve.settings import Settings, add_run_options
 
 NAME = "run"
@@ -231,6 +232,9 @@ def run(args: argparse.Namespace) -> int:
         program = vllm_program(program)
     settings = prepare_run(args, load, program_python(program))
     folder = settings.run_dir
+    if replaced := replaced_env(settings, os.environ, read_args(Settings, args)):
+        say("nxl run: the flags' defaults replace your environment's " + ", ".join(replaced)
+            + ": give the flag to choose the value")
     env = {**os.environ, **settings.to_env()}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (bootstrap_dir(), os.environ.get("PYTHONPATH")) if p)
     say(f"nxl run: run folder {folder} (live view: nxl tail --run {folder})")
