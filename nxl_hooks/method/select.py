@@ -273,16 +273,20 @@ def _after_prompt(tokenizer: Any, prompt: str, word: str) -> list[int]:
     return tokenizer.encode(addition, add_special_tokens=False)  # the word merged into the prompt's last token
 
 
-def _before_mask(tokenizer: Any, prompt: str) -> str | None:
+def _before_mask(tokenizer: Any, prompt: str) -> tuple[str, str] | None:
     """The text of ``prompt`` before its last mask token (:func:`_mask_prompts` ends each row's text with its own
-    mask), less the whitespace the mask token strips on its left (RoBERTa's '<mask>' has ``lstrip``: ' <mask>' is one
-    token, so a word in its place is ' Paris'); None when the prompt holds no mask token."""
+    mask) and the space a word in its place starts with: ' ' where the mask token strips whitespace on its left
+    (RoBERTa's '<mask>' has ``lstrip``: ' <mask>' is one token, so a word in its place is ' Paris', after '(' too),
+    the text then without it; None when the prompt holds no mask token."""
     mask = getattr(tokenizer, "mask_token", None)
     start = prompt.rfind(mask) if mask else -1
     if start < 0:
         return None
     added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    return prompt[:start].rstrip() if getattr(added.get(tokenizer.mask_token_id), "lstrip", False) else prompt[:start]
+    before = prompt[:start]
+    if not getattr(added.get(tokenizer.mask_token_id), "lstrip", False) or before == before.rstrip():
+        return before, ""
+    return before.rstrip(), " "
 
 
 def _mask_prompts(tokenizer: Any, prompts: Sequence[str]) -> list[str | None]:
@@ -320,8 +324,8 @@ def resolve_target(model: nn.Module, kind: HeadKind | str, tokenizer: Any, item:
        (``prompt + " " + word``: 'Paris' after 'The capital of France is' is ' Paris'; a word that starts with
        anything but a letter or digit (a space, '.', ','), or a prompt that ends with whitespace or an opening
        bracket or quote, takes no added space); a masked LM reads it in place of the prompt's last mask token, so
-       after the text before that mask (the token the mask would be filled with: ' Paris' in 'is <mask>.', 'Paris'
-       in '(<mask>');
+       after the text before that mask (the token the mask would be filled with: ' Paris' in 'is <mask>.' and in
+       '( <mask>' (a mask that strips the space before it stands for a word with it), 'Paris' in '(<mask>');
        without a prompt (or a masked LM's prompt without a mask token), the tokens of the text alone. A word of
        several tokens explains its first (:attr:`ResolvedTarget.partial`).
 
@@ -352,13 +356,15 @@ def resolve_target(model: nn.Module, kind: HeadKind | str, tokenizer: Any, item:
         raise ValueError(f"target {item!r} is a string: pass attach(..., tokenizer=tok) to resolve it, or an int id")
     if not item:
         raise ValueError("target '' is empty: give a word, a token or an id")
+    word = item
     if prompt is not None and kind is HeadKind.MASKED_LM:  # the word stands where the mask is, not after the text
-        prompt = _before_mask(tokenizer, prompt)
+        prompt, space = _before_mask(tokenizer, prompt) or (None, "")
+        word = item if item[:1].isspace() else space + item  # (a word given with its own space keeps that one)
     after = prompt is not None and kind.vocabulary
     vocab = tokenizer.get_vocab()
     if item in vocab and (not after or _is_piece(tokenizer, item, vocab[item])):
         return ResolvedTarget(item, int(vocab[item]), (int(vocab[item]),), "token")
-    ids = _after_prompt(tokenizer, prompt, item) if after else tokenizer.encode(item, add_special_tokens=False)
+    ids = _after_prompt(tokenizer, prompt, word) if after else tokenizer.encode(item, add_special_tokens=False)
     if not ids or ids[0] == tokenizer.unk_token_id:
         raise ValueError(f"target {item!r} is not a single token in the vocabulary (it encodes to {ids}, "
                          f"{'the unknown token' if ids else 'nothing'}); pass a token (see tokenizer.tokenize(text)) "

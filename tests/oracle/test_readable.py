@@ -251,6 +251,16 @@ def test_a_word_of_several_tokens_explains_the_first_and_says_so(model, tok):
         nxl.attach(model, tokenizer=tok, target="Parisians")
 
 
+def roberta_mlm(tok):
+    """A random tiny RoBERTa masked LM over ``tok`` (:func:`bpe_tiny.roberta_tokenizer`)."""
+    from transformers import RobertaConfig, RobertaForMaskedLM
+
+    torch.manual_seed(0)
+    return RobertaForMaskedLM(RobertaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
+                                            pad_token_id=tok.pad_token_id)).eval()
+
+
 def test_a_masked_lm_reads_a_word_at_its_mask_as_the_token_it_would_fill_in():
     """A masked LM's word target is the token its mask would be filled with, each mask its own: it was read after
     the whole text, one id for every mask (the word after '...at <mask>'). The oracle: the tokenizer's encoding of
@@ -258,15 +268,10 @@ def test_a_masked_lm_reads_a_word_at_its_mask_as_the_token_it_would_fill_in():
     '<mask>' strips), read at the mask's position."""
     import re
 
-    from transformers import RobertaConfig, RobertaForMaskedLM
-
     from nxl_hooks.eval import faithfulness as ev
 
     tok = bpe_tiny.roberta_tokenizer()
-    torch.manual_seed(0)
-    model = RobertaForMaskedLM(RobertaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
-                                             num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64,
-                                             pad_token_id=tok.pad_token_id)).eval()
+    model = roberta_mlm(tok)
     text = "The capital of France is <mask>. The city (<mask> is a city at <mask>"
     enc = tok(text, return_tensors="pt")
     masks = (enc["input_ids"][0] == tok.mask_token_id).nonzero().flatten()
@@ -295,6 +300,24 @@ def test_a_masked_lm_reads_a_word_at_its_mask_as_the_token_it_would_fill_in():
     assert int(nxl.explain(model, tok, text, target="Paris").target[1]) == bare
     record = ev.score_example(model, tok, {"text": "The city (<mask> is", "target": "Paris"}, methods=["normxlogit"])
     assert record["target"] == bare
+
+
+def test_a_word_at_a_mask_that_strips_its_space_keeps_that_space_after_a_bracket():
+    """'( <mask>': RoBERTa's '<mask>' strips the space before it, so the word in its place is ' Paris' (the text
+    reads '( Paris'); the space was dropped and the rule for a word after '(' (no space) gave 'Paris', another token.
+    The oracle: the tokenizer's encoding of the text with the word written in place of each mask."""
+    tok = bpe_tiny.roberta_tokenizer()
+    model = roberta_mlm(tok)
+    text = "The city ( <mask> is a city. (<mask> is"
+    enc = tok(text)["input_ids"]
+    masks = [i for i, id_ in enumerate(enc) if id_ == tok.mask_token_id]
+    filled = tok(text.replace("<mask>", "Paris"))["input_ids"]
+    assert len(filled) == len(enc)  # the word is one token in each place
+    expected = [filled[m] for m in masks]
+    assert expected == [piece_id(tok, "ĠParis"), piece_id(tok, "Paris")]
+    res = nxl.explain(model, tok, text, target="Paris")
+    assert res.position.tolist() == masks
+    assert res.target.tolist() == expected
 
 
 def test_classifier_probability_is_the_label_softmax():
