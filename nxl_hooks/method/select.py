@@ -254,11 +254,14 @@ class ResolvedTarget:
 
 
 def _is_piece(tokenizer: Any, item: str, token: int) -> bool:
-    """A vocabulary entry that is not plain text: a special or added token, or a piece whose text differs ('Ġis',
-    '▁is', '<0x0A>'); 'Paris' (a piece that reads as itself) is a word."""
+    """A vocabulary entry that is not plain text: a special or added token, a piece whose text differs ('Ġis',
+    '▁is', '<0x0A>'), or one whose text the tokenizer cannot write (WordPiece's '##ians' reads as itself alone, but
+    as a word it is unknown tokens: the piece named, not a word); 'Paris' (a piece that reads as itself) is a word."""
     if item in (getattr(tokenizer, "all_special_tokens", None) or ()) or item in tokenizer.get_added_vocab():
         return True
-    return tokenizer.decode([token]) != item
+    unknown = tokenizer.unk_token_id
+    return tokenizer.decode([token]) != item or (
+        unknown is not None and unknown in tokenizer.encode(item, add_special_tokens=False))
 
 
 def _after_prompt(tokenizer: Any, prompt: str, word: str) -> list[int]:
@@ -318,8 +321,8 @@ def resolve_target(model: nn.Module, kind: HeadKind | str, tokenizer: Any, item:
     1. an int: that output id (range-checked against ``n_outputs`` when given);
     2. classifiers: a label name, as ``config.id2label`` names the outputs (surrounding spaces ignored), or a number
        as an id;
-    3. LMs (a tokenizer is needed): a vocabulary entry that is not plain text ('Ġis', '▁is', a special token) is that
-       token; without a ``prompt`` any vocabulary entry is;
+    3. LMs (a tokenizer is needed): a vocabulary entry that is not plain text ('Ġis', '▁is', WordPiece's '##ians', a
+       special token) is that token; without a ``prompt`` any vocabulary entry is;
     4. other text is a word: after the ``prompt`` (causal LMs), the first token the tokenizer makes of it there
        (``prompt + " " + word``: 'Paris' after 'The capital of France is' is ' Paris'; a word that starts with
        anything but a letter or digit (a space, '.', ','), or a prompt that ends with whitespace or an opening

@@ -320,6 +320,29 @@ def test_a_word_at_a_mask_that_strips_its_space_keeps_that_space_after_a_bracket
     assert res.target.tolist() == expected
 
 
+def test_a_wordpiece_continuation_piece_is_a_token_target(tmp_path):
+    """'##ians', a WordPiece vocabulary entry (what tokenizer.tokenize('Parisians') shows), was read as a word and
+    refused as 'not a single token in the vocabulary' (the text '##ians' is unknown tokens), though the refusal says
+    to pass a token. It is that token now; the word 'Parisians' still explains its first piece where the mask is.
+    The oracle: the tokenizer's own pieces, and its encoding of the text with the word written at the mask."""
+    from transformers import BertConfig, BertForMaskedLM, BertTokenizerFast
+
+    words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "capital", "of", "france", "is", "paris", "##ians",
+             "."]
+    (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n")
+    tok = BertTokenizerFast(str(tmp_path / "vocab.txt"), do_lower_case=True)
+    torch.manual_seed(0)
+    model = BertForMaskedLM(BertConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, max_position_embeddings=64)).eval()
+    text = "The capital of France is [MASK]."
+    mask = tok(text)["input_ids"].index(tok.mask_token_id)
+    assert tok.tokenize("Parisians") == ["paris", "##ians"]
+    res = nxl.explain(model, tok, text, target="##ians")
+    assert res.target.tolist() == [tok.convert_tokens_to_ids("##ians")] and res.meta["targets"][0][0]["how"] == "token"
+    word = nxl.explain(model, tok, text, target="Parisians")
+    assert word.target.tolist() == [tok(text.replace("[MASK]", "Parisians"))["input_ids"][mask]]
+    assert word.meta["targets"][0][0]["tokens"] == tok.convert_tokens_to_ids(["paris", "##ians"])
+
 def test_classifier_probability_is_the_label_softmax():
     model, tok = tiny.build_model("bert", 0), tiny.tokenizer()
     res = nxl.explain(model, tok, ["the film was good", "bad plot"], target=["LABEL_1", " LABEL_0"])
