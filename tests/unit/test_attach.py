@@ -135,12 +135,13 @@ def test_empty_input_is_reported_by_result_and_never_raised_into_the_forward(mod
 
 def test_string_target_resolves_through_tokenizer(model, ids):
     tok = word_tokenizer(WORDS)
-    with torch.no_grad(), nxl.attach(model, target=["sat", 7], tokenizer=tok) as probe:
+    other = (WORDS.index("sat") + 1) % len(WORDS)  # a word and an id of another output (one output twice is refused)
+    with torch.no_grad(), nxl.attach(model, target=["sat", other], tokenizer=tok) as probe:
         logits = model(input_ids=ids).logits[0, -1]
     res = probe.result()
-    assert res.target.tolist() == [[WORDS.index("sat"), 7]]
+    assert res.target.tolist() == [[WORDS.index("sat"), other]]
     assert res.normxlogit.shape == (3, 1, ids.shape[1], 2)
-    torch.testing.assert_close(res.logat[-1, 0, -1], logits[[WORDS.index("sat"), 7]], rtol=1e-4, atol=1e-6)
+    torch.testing.assert_close(res.logat[-1, 0, -1], logits[[WORDS.index("sat"), other]], rtol=1e-4, atol=1e-6)
     assert res.tokens == [[WORDS[i] for i in ids[0].tolist()]]
 
 
