@@ -30,7 +30,7 @@ from ..method.protocol import NAME, check_name
 from ..method.registry import DEFAULT
 from ..method.scores import norm_spread
 from ..method.select import label_index, layer_index, order, rankable, row_index, whole_number
-from .files import too_large, read_regular, write_bytes, write_text
+from .files import STREAM_MAGIC, too_large, read_regular, write_bytes, write_text
 from .tokens import is_readable, printable, visible
 
 __all__ = ["Attribution", "FORMAT_VERSION", "RecordError", "SCORE_PREFIX", "by_method"]
@@ -502,6 +502,9 @@ class Attribution:
         Raises :class:`RecordError` (a ValueError) naming the file and what does not fit, OSError when it cannot be read.
         """
         data = read_regular(path, RecordError)  # a FIFO or device refused; no more than the file's size read
+        if data.startswith(STREAM_MAGIC):  # generate's records (--generate --out a.safetensors): not a broken file
+            raise RecordError(f"{path} is a stream file of generate step records (attach(..., sink=...), nxl attribute "
+                              "--generate --out), not an attribution: read it with nxl.read_stream(path)")
         try:
             metadata, stored = read_blob(data)
             header = _header(metadata)

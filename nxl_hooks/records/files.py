@@ -19,11 +19,15 @@ import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
-__all__ = ["CHUNK", "file_kind", "json_value", "not_a_folder", "read_regular", "replacing", "too_large", "unwritable",
-           "user_path", "write_bytes", "write_text"]
+__all__ = ["CHUNK", "STREAM_MAGIC", "file_kind", "json_value", "not_a_folder", "read_regular", "replacing",
+           "too_large", "unwritable", "user_path", "write_bytes", "write_text"]
 
 #: Bytes per read (and per checksum) of a user file: Ctrl-C is seen between two chunks, never after a huge one.
 CHUNK = 8 << 20
+
+#: A stream file's first line: this, its format's number, a newline. Here, below both readers, so that
+#: ``Attribution.load`` tells a stream file given to it (``--generate --out a.safetensors``) from a broken attribution.
+STREAM_MAGIC = b"nxl_hooks.stream/"
 
 
 @contextlib.contextmanager

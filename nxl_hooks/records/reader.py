@@ -361,6 +361,15 @@ def _check_step(step: Step, call: GenerationCall) -> None:
     step.to_attribution().check()  # every other field, by the one set of rules of Attribution
 
 
+def _saved_attribution(data: bytearray) -> bool:
+    """Whether ``data`` is a file :meth:`Attribution.save` wrote (a safetensors blob with an ``nxl_hooks`` header):
+    the likely mistake behind a stream read that fails at its first byte, worth its own line."""
+    try:
+        return "nxl_hooks" in read_blob(data)[0]
+    except Exception:  # noqa: BLE001 - whatever fails to parse is no attribution file either
+        return False
+
+
 def _read(data: bytearray, path: Path, calls: dict[int, GenerationCall], *, name: tuple[int, int] | None
           ) -> tuple[int, Damage | None]:
     """Add the records of one stream file to ``calls`` (those of one writer so far): (steps read, damage or None).
@@ -379,6 +388,9 @@ def _read(data: bytearray, path: Path, calls: dict[int, GenerationCall], *, name
     elif (later := _later_format(data)) is not None:
         raise StreamError(f"{path} is a stream file of format {later}, which a later nxl_hooks wrote: nxl_hooks "
                           f"{VERSION} reads formats 1 to {_FORMAT}; upgrade nxl_hooks to read it")
+    elif _saved_attribution(data):
+        raise StreamError(f"{path} is an attribution file (Attribution.save, nxl attribute --out without --generate), "
+                          "not a stream: read it with nxl.Attribution.load(path)")
     else:
         raise StreamError(f"{path} is not an nxl_hooks stream file (written by attach(..., sink=path))")
     steps = 0

@@ -50,7 +50,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from .attribution import scores_to_store, write_blob
-from .files import file_kind
+from .files import STREAM_MAGIC as _MAGIC_NAME, file_kind
 from .steps import STEP_TENSORS, GenerationCall, Step
 
 __all__ = ["PartlyWritten", "RotatingSink", "Sink", "encode_call", "encode_end", "encode_step", "stream_bytes"]
@@ -58,7 +58,6 @@ __all__ = ["PartlyWritten", "RotatingSink", "Sink", "encode_call", "encode_end",
 #: The sink kinds made here (:data:`nxl_hooks.records.sinks.DECLARED`): ``file:PATH``, ``folder:PATH``.
 SINKS = {"file": {"factory": "Sink"}, "folder": {"factory": "RotatingSink"}}
 
-_MAGIC_NAME = b"nxl_hooks.stream/"  # a stream file's first line: this, its format's number, a newline
 _FORMAT = 2  # the stream format written (a later one's files are refused as such, naming it)
 _FILE_MAGIC = _MAGIC_NAME + b"%d\n" % _FORMAT  # version 1 (nxl_hooks 0.1, no frame numbers) still reads
 _MAGIC_V1 = _MAGIC_NAME + b"1\n"  # nxl_hooks 0.1, no frame numbers: still read

@@ -576,6 +576,16 @@ def test_files_that_are_not_attributions(result, tmp_path, make, message):
         nxl.Attribution.load(path)
 
 
+def test_a_stream_file_given_to_load_says_to_read_it_as_a_stream(stream_bytes, tmp_path):
+    # `nxl attribute --generate 4 --out a.safetensors` writes a stream file: load's line said "truncated"
+    path = tmp_path / "a.safetensors"
+    path.write_bytes(stream_bytes)
+    with pytest.raises(RecordError, match=r"^\S*a.safetensors is a stream file of generate step records .*: read it "
+                                          r"with nxl.read_stream\(path\)$"):
+        nxl.Attribution.load(path)
+    assert len(nxl.read_stream(path)[0].steps) == 4  # the 4 tokens generated: what the line points to reads it
+
+
 def test_a_missing_file_is_an_os_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="nothing.safetensors"):
         nxl.Attribution.load(tmp_path / "nothing.safetensors")
@@ -825,6 +835,15 @@ STREAM_FILES = cases(
                                                     r"wrote: nxl_hooks .* reads formats 1 to 2; upgrade nxl_hooks"),
     ("a format that is no number", b"nxl_hooks.stream/x\n", "is not an nxl_hooks stream file"),
 )
+
+
+def test_an_attribution_file_given_to_read_stream_says_to_load_it(result, tmp_path):
+    # (said "is not an nxl_hooks stream file (written by attach(..., sink=path))", also by nxl export)
+    path = result.save(tmp_path / "a.safetensors")
+    with pytest.raises(reader.StreamError, match=r"^\S*a.safetensors is an attribution file .*: read it with "
+                                                 r"nxl.Attribution.load\(path\)$"):
+        nxl.read_stream(path)
+    assert nxl.Attribution.load(path).layers == [0, 2]  # the layers it was explained at: what the line points to
 
 
 @pytest.mark.parametrize("content, message", STREAM_FILES)
