@@ -283,7 +283,9 @@ class Probe:
             )
         last = calls[-1]
         if last.error is not None and not last.steps:
-            raise RuntimeError(f"the last generate() call was not recorded: {last.error}")
+            # (the call's error mostly starts with the words this line starts with: said once)
+            why = last.error.removeprefix("not recorded: ")
+            raise RuntimeError(f"the last generate() call was not recorded: {why}")
         return last.steps
 
     def subscribe(self, *, request_id: str | None = None, follow: bool = False,

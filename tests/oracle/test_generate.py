@@ -349,7 +349,9 @@ def test_beam_search_is_a_clear_error_and_plain_forward_still_works(model):
         assert torch.equal(beams, plain)
         assert "num_beams=1" in probe.calls[-1].error and not probe.calls[-1].complete
         assert probe.calls[-1].error.startswith("not recorded: ") and probe.unrecorded == probe.calls[-1].error
-        with pytest.raises(RuntimeError, match="not recorded.*num_beams=1"):
+        # the call's reason once, after the line's own "not recorded:" (it read "not recorded: not recorded: beam")
+        with pytest.raises(RuntimeError, match=r"^the last generate\(\) call was not recorded: beam search .*"
+                                               r"num_beams=1"):
             probe.steps
         model(input_ids=ids)
         res = probe.result()
