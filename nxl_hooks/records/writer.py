@@ -50,7 +50,7 @@ from typing import Any, Callable, Protocol
 import torch
 
 from .attribution import scores_to_store, write_blob
-from .files import STREAM_MAGIC as _MAGIC_NAME, file_kind
+from .files import STREAM_MAGIC, file_kind
 from .steps import STEP_TENSORS, GenerationCall, Step
 
 __all__ = ["PartlyWritten", "RotatingSink", "Sink", "encode_call", "encode_end", "encode_step", "stream_bytes"]
@@ -59,8 +59,8 @@ __all__ = ["PartlyWritten", "RotatingSink", "Sink", "encode_call", "encode_end",
 SINKS = {"file": {"factory": "Sink"}, "folder": {"factory": "RotatingSink"}}
 
 _FORMAT = 2  # the stream format written (a later one's files are refused as such, naming it)
-_FILE_MAGIC = _MAGIC_NAME + b"%d\n" % _FORMAT  # version 1 (nxl_hooks 0.1, no frame numbers) still reads
-_MAGIC_V1 = _MAGIC_NAME + b"1\n"  # nxl_hooks 0.1, no frame numbers: still read
+_FILE_MAGIC = STREAM_MAGIC + b"%d\n" % _FORMAT  # version 1 (nxl_hooks 0.1, no frame numbers) still reads
+_MAGIC_V1 = STREAM_MAGIC + b"1\n"  # nxl_hooks 0.1, no frame numbers: still read
 _FRAME = struct.Struct("<4sQI")
 _FRAME_MAGIC = b"NXLF"
 def _encode(tensors: dict[str, torch.Tensor], header: dict, seq: int | None = None) -> bytes:
@@ -134,8 +134,8 @@ def stream_bytes(call: GenerationCall, meta: dict) -> bytes:
 def _later_format(data: bytes | bytearray) -> int | None:
     """The format number of a stream file a later nxl_hooks wrote (its first line ``nxl_hooks.stream/3``), else
     None: such a file is a stream this version cannot read, not some other file."""
-    line = bytes(data[len(_MAGIC_NAME): len(_MAGIC_NAME) + 20]).split(b"\n", 1)
-    if not data.startswith(_MAGIC_NAME) or len(line) < 2 or not line[0].isdigit():
+    line = bytes(data[len(STREAM_MAGIC): len(STREAM_MAGIC) + 20]).split(b"\n", 1)
+    if not data.startswith(STREAM_MAGIC) or len(line) < 2 or not line[0].isdigit():
         return None
     number = int(line[0])
     return number if number > _FORMAT else None
@@ -154,7 +154,7 @@ def _open(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
     refused (ValueError, one line), never emptied."""
     fd = claim_file(path, mode, follow_symlinks=follow_symlinks, readable=True)
     try:
-        head = os.pread(fd, len(_MAGIC_NAME) + 21, 0)
+        head = os.pread(fd, len(STREAM_MAGIC) + 21, 0)
         if (later := _later_format(head)) is not None:  # (a stream all the same: said so, and never emptied)
             raise ValueError(f"{path} is a stream file of format {later}, which a later nxl_hooks wrote and a stream "
                              "sink would empty: give another path, or remove the file first")
