@@ -65,7 +65,9 @@ class Damage:
     frames_after: int  #: intact frames found after it, not returned (a gap would make the calls lie)
     bytes_dropped: int  #: from ``offset`` to the end of the file
     path: str = ""  #: the file (one of a folder's, when read_stream was given a folder)
-    call: int | None = None  #: the call whose records break off there, when one does (a step missing or repeated)
+    #: the call whose records break off there, when one does: a step missing or repeated, or the one call running
+    #: at a frame that cannot be read or a missing file (its reason names every call running)
+    call: int | None = None
 
     def describe(self) -> str:
         """One line: ``frame 3 at byte 1234: CRC mismatch; 2 step records recovered before it, ...``"""
@@ -421,8 +423,13 @@ def _read(data: bytearray, path: Path, calls: dict[int, GenerationCall], *, name
         except _Gap as gap:
             after, _ = _intact_after(data, offset)
             torn = payload is None and not after and _torn(data, offset)
-            return steps, Damage(frame=index, offset=offset, reason=gap.reason, torn=torn, steps_recovered=steps,
-                                 frames_after=after, bytes_dropped=len(data) - offset, path=str(path), call=gap.call)
+            # a frame that cannot be read (altered, cut) names no call itself: the calls still running break off
+            # there (a torn end is a killed writer's, not damage: said as it was)
+            running = [] if gap.call is not None or torn else _running(calls)
+            reason = gap.reason + _break_off(running)
+            call = running[0].index if len(running) == 1 else gap.call
+            return steps, Damage(frame=index, offset=offset, reason=reason, torn=torn, steps_recovered=steps,
+                                 frames_after=after, bytes_dropped=len(data) - offset, path=str(path), call=call)
     return steps, None
 
 
@@ -512,9 +519,11 @@ def _read_stream(path: Path, *, request_id: str | None, strict: bool) -> Stream:
             match = _ROTATED.fullmatch(file.name)
             name = (int(match.group(1)), int(match.group(2))) if match else None
             if last is not None and name is not None and name[0] != last[0] + 1:
+                running = _running(calls)
                 found = Damage(frame=0, offset=0, reason=f"file {last[0] + 1:08d}-{name[1]:08d}.nxl is missing "
-                               f"(deleted or lost) between {last[1].name} and {file.name}{_running(calls)}",
-                               torn=False, steps_recovered=steps, frames_after=0, bytes_dropped=0, path=str(file))
+                               f"(deleted or lost) between {last[1].name} and {file.name}{_break_off(running)}",
+                               torn=False, steps_recovered=steps, frames_after=0, bytes_dropped=0, path=str(file),
+                               call=running[0].index if len(running) == 1 else None)
                 break
             try:
                 data = read_regular(file, StreamError)
@@ -546,8 +555,13 @@ def _read_stream(path: Path, *, request_id: str | None, strict: bool) -> Stream:
     return out
 
 
-def _running(calls: dict[int, GenerationCall]) -> str:
-    """The calls whose records break off at a missing file, and their last step read."""
-    open_ = [f"call {c.index} (after step {c.steps[-1].step})" if c.steps else f"call {c.index} (no step yet)"
-             for c in calls.values() if not c.complete and c.error is None and c.sequences is None]
-    return f"; records of {', '.join(open_)} break off there" if open_ else ""
+def _running(calls: dict[int, GenerationCall]) -> list[GenerationCall]:
+    """The calls not ended yet: their records break off at damage (a missing file, a frame that cannot be read)."""
+    return [c for c in calls.values() if not c.complete and c.error is None and c.sequences is None]
+
+
+def _break_off(running: list[GenerationCall]) -> str:
+    """What damage cuts off: ``; records of call 0 (after step 3) break off there`` ("" for no call)."""
+    named = [f"call {c.index} (after step {c.steps[-1].step})" if c.steps else f"call {c.index} (no step yet)"
+             for c in running]
+    return f"; records of {', '.join(named)} break off there" if named else ""
