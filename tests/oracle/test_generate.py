@@ -825,8 +825,8 @@ def test_cli_attribute_generate_streams_and_saves(tmp_path, capsys, monkeypatch)
     assert main(["attribute", str(path), "the film was", "--generate", "3", "--layers", "last", "--out", str(out)]) == 0
     (call,) = nxl.read_stream(out)
     printed = capsys.readouterr().out.strip().splitlines()
-    assert call.complete and 1 <= len(call.steps) <= 3 and len(printed) == 3 + len(call.steps)
-    assert printed[-1].startswith("stopped: ")
+    assert call.complete and 1 <= len(call.steps) <= 3 and len(printed) == 4 + len(call.steps)
+    assert printed[-2].startswith("stopped: ") and printed[-1].startswith(f"saved {out} (a stream of step records")
     assert all(line.split()[0] == str(s.step) and "L2:" in line for line, s in zip(printed[2:], call.steps))
     bert = tiny.save_model(tmp_path / "bert", "bert")
     assert main(["attribute", str(bert), "the film was", "--generate", "3"]) == 2  # not a causal LM: one-line error

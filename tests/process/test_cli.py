@@ -364,6 +364,9 @@ def test_a_stdout_that_cannot_encode_a_character_shows_it_escaped(tmp_path, monk
     assert sys.stdout.errors == "strict"  # as it was after the command: main may run in a program of the user's
     sys.stdout.flush()
     assert "prompt (5 tokens): [CLS]\\u2502the\\u2502film\\u2502was\\u2502[SEP]" in raw.getvalue().decode("ascii")
+    # said as the attribution's --out is, with what the file is (a stream, whatever its name)
+    assert raw.getvalue().decode("ascii").splitlines()[-1] == (f"saved {tmp_path / 'r.nxl'} (a stream of step "
+                                                               "records: nxl.read_stream, nxl export)")
     (call,) = nxl.read_stream(tmp_path / "r.nxl")
     assert len(call.steps) == 2 and call.complete
 

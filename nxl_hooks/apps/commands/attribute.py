@@ -102,6 +102,9 @@ def run(args: argparse.Namespace) -> int:
         sink = Path(args.out) if args.out else None  # --out is a file path, whatever its name: never a sink kind
         call = print_generation(model, tokenizer, args.text, generate, console=console, sink=sink, chat=args.chat,
                                 all_positions=args.all_positions, method=args.method, **attach_options(args))
+        if sink is not None and call.error is None and not call.notes:  # as the attribution's "saved" line; what
+            # the file is, whatever its name (--out a.safetensors): Attribution.load does not read it
+            console.print(Text(f"saved {sink} (a stream of step records: nxl.read_stream, nxl export)"))
         if args.html:
             write_text(args.html, generation_html(call, title=f"{args.model}: {args.text}", method=args.method,
                                                        all_positions=args.all_positions))
