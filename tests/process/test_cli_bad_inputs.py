@@ -304,6 +304,9 @@ CASES = [
      r"no-such-program: command not found \(or not executable\)"),
     ("tail run not there", ["tail", "--run", "{root}/nope"], r"nope: no run folder or control socket there"),
     ("tail run without sockets", ["tail", "--run", "{outdir}"], r"outdir: no running process has a control socket"),
+    ("tail run that has ended", ["tail", "--run", "{ended_run}"], r"ended_run: no running process has a control "
+     r"socket there \(the program has ended, or not loaded a model yet\); what it recorded is on disk: nxl export "
+     r".*ended_run records\.parquet, or nxl\.read_stream\(folder\) in Python"),
     ("tail http without token", ["tail", "--run", "http://127.0.0.1:9"], r"needs its bearer token: pass --token-file"),
     ("tail token file not there", ["tail", "--run", "http://127.0.0.1:9", "--token-file", "{root}/nope"],
      r"no token file at .*nope: give the token file of the run"),
@@ -413,6 +416,9 @@ def where(tmp_path_factory) -> dict[str, str]:
     (root / "streams").mkdir()
     shutil.copy(Path(__file__).resolve().parents[1] / "data" / "stream-v2.nxl", root / "streams" / "run.nxl")
     paths["inout"], paths["streams"] = str(root / "inout"), str(root / "streams")
+    (root / "ended_run" / "123-tiny").mkdir(parents=True)  # a run folder whose program ended: records, no socket
+    shutil.copy(root / "streams" / "run.nxl", root / "ended_run" / "123-tiny" / "00000001-00000123.nxl")
+    paths["ended_run"] = str(root / "ended_run")
     os.mkfifo(root / "fifo")  # special files where results would go: never replaced by one
     (root / "link").symlink_to(root / "existing.html")
     paths["fifo"], paths["link"] = str(root / "fifo"), str(root / "link")

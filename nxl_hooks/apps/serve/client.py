@@ -243,5 +243,9 @@ def endpoints(run: str | None = None, token_file: str | None = None) -> list[End
         raise CliError(f"{run}: no run folder or control socket there (give the folder `nxl run` printed)")
     live = [Endpoint(socket_path=sock) for sock in sorted(path.glob("*.sock")) if _answers(sock)]
     if not live:
+        if next(path.glob("*/*.nxl"), None) is not None:  # its sink's folders (one per process and model) hold records
+            raise CliError(f"{run}: no running process has a control socket there (the program has ended, or not "
+                           f"loaded a model yet); what it recorded is on disk: nxl export {run} records.parquet, or "
+                           "nxl.read_stream(folder) in Python")
         raise CliError(f"{run}: no running process has a control socket there (has the program loaded a model yet?)")
     return live
