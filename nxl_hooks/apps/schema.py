@@ -247,7 +247,7 @@ def replaced_env(values: Any, env: Mapping[str, str], given: Collection[str] = (
         if not same:
             yes_no = isinstance(option.default, bool)  # as the flag is written: --eager, no --listen (not '')
             flag = option.flag if yes_no and ours == switch_text(True) else f"no {option.flag}" if yes_no or not ours \
-                else f"{option.flag} {ours}"
+                else f"{option.flag} {(option.shown or option.text)(getattr(values, option.name))}"  # MB, not bytes
             replaced.append(f"{option.env}={theirs!r:.40} ({flag})")
     return replaced
 

@@ -223,7 +223,7 @@ def _check_distinct(requests: Sequence[Sequence[Any]], ids: Sequence[Sequence[in
         return
     j = twice[row]
     id_ = ids[row][j]
-    where = f" in row {row}" if None in twice else ""  # the row only where others read the list apart (words)
+    where = f" in row {row}" if len(ids) > 1 else ""  # which text, mask or tensor row, where there are several
     first = requests[row][list(ids[row]).index(id_)]
     # an output id is named by the two items that name it; an item as written (parse_target's) by itself
     named = f"output {id_} twice{where} ({first!r} and {requests[row][j]!r})" if isinstance(id_, int) else \
@@ -255,9 +255,15 @@ class ResolvedTarget:
 
 def _is_piece(tokenizer: Any, item: str, token: int) -> bool:
     """A vocabulary entry that is not plain text: a special or added token, a piece whose text differs ('Ġis',
-    '▁is', '<0x0A>'), or one whose text the tokenizer cannot write (WordPiece's '##ians' reads as itself alone, but
-    as a word it is unknown tokens: the piece named, not a word); 'Paris' (a piece that reads as itself) is a word."""
+    '▁is', '<0x0A>'), a word's continuation (WordPiece's '##ians', what ``tokenize`` shows, though it decodes to
+    itself), or one whose text the tokenizer cannot write (unknown tokens as a word); 'Paris' (a piece that reads as
+    itself) is a word."""
     if item in (getattr(tokenizer, "all_special_tokens", None) or ()) or item in tokenizer.get_added_vocab():
+        return True
+    # by the tokenizer's own continuation prefix: as text, '##ians' is '#', '#', 'ians' where '#' is a word too
+    prefix = getattr(getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None),
+                     "continuing_subword_prefix", None)
+    if isinstance(prefix, str) and prefix and item.startswith(prefix) and len(item) > len(prefix):
         return True
     unknown = tokenizer.unk_token_id
     return tokenizer.decode([token]) != item or (

@@ -327,8 +327,9 @@ def test_a_wordpiece_continuation_piece_is_a_token_target(tmp_path):
     The oracle: the tokenizer's own pieces, and its encoding of the text with the word written at the mask."""
     from transformers import BertConfig, BertForMaskedLM, BertTokenizerFast
 
+    # '#' and 'ians' as words too (BERT's vocabulary has '#'): the text '##ians' then encodes without an unknown token
     words = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", "the", "capital", "of", "france", "is", "paris", "##ians",
-             "."]
+             ".", "#", "ians"]
     (tmp_path / "vocab.txt").write_text("\n".join(words) + "\n")
     tok = BertTokenizerFast(str(tmp_path / "vocab.txt"), do_lower_case=True)
     torch.manual_seed(0)
@@ -342,6 +343,7 @@ def test_a_wordpiece_continuation_piece_is_a_token_target(tmp_path):
     word = nxl.explain(model, tok, text, target="Parisians")
     assert word.target.tolist() == [tok(text.replace("[MASK]", "Parisians"))["input_ids"][mask]]
     assert word.meta["targets"][0][0]["tokens"] == tok.convert_tokens_to_ids(["paris", "##ians"])
+
 
 def test_classifier_probability_is_the_label_softmax():
     model, tok = tiny.build_model("bert", 0), tiny.tokenizer()

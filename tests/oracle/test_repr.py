@@ -241,15 +241,20 @@ def test_a_steps_top_without_texts_names_tokens_as_its_view_does():
     model = tiny.generating_llama()
     ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12]])
     with nxl.attach(model, layers="all") as probe:
-        model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3, do_sample=False)
+        generated = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=3,
+                                   do_sample=False)
     call = probe.calls[-1]
     step = call.steps[-1]
     assert step.context is None and step.readable is None
+    # the context the step saw, from generate's own output (prompt, then the tokens before the step's): the names' ids
+    seen = generated[:, :step.position].tolist()
+    assert call.context_ids(step.position).tolist() == seen
+    assert step.token.tolist() == generated[:, step.position].tolist()
     alone = pickle.loads(pickle.dumps(step))
     for record, owner in ((step, call), (alone, None)):
         res = record.to_attribution()
         for row in range(2):
-            expected = [f"#{i}" for i in call.context_ids(step.position)[row].tolist()] if owner else [
+            expected = [f"#{i}" for i in seen[row]] if owner else [
                 f"@{n}" for n in range(step.position)]
             assert res.token_labels(row) == expected
             view = record.view(owner, k=3, row=row)

@@ -797,12 +797,14 @@ def test_nxl_run_says_which_of_your_variables_its_flags_replace(tmp_path, capsys
     monkeypatch.setenv("NXL_EAGER", "1")
     monkeypatch.setenv("NXL_TARGET", "5")  # its flag is given below
     monkeypatch.setenv("NXL_KEEP_CALLS", "16")  # the default: nothing replaced
+    monkeypatch.setenv("NXL_SINK_MAX_BYTES", "1000000")  # the flag's value as the flag takes it: MB
     code, _, err = _cli(capsys, "run", "--sink", str(tmp_path / "r"), "--target", "7", "--", "true")
     assert code == 0 and started["NXL_LAYERS"] == "all" and started["NXL_EAGER"] == "0", err
     (line,) = [line for line in err.splitlines() if "replace" in line]
     assert line == ("nxl run: the flags' defaults replace your environment's NXL_LAYERS='last' (--layers all), "
-                    "NXL_EAGER='1' (no --eager): give the flag to choose the value"), err
-    for name in ("NXL_LAYERS", "NXL_EAGER", "NXL_TARGET", "NXL_KEEP_CALLS"):
+                    "NXL_EAGER='1' (no --eager), NXL_SINK_MAX_BYTES='1000000' (--sink-file-mb 64): give the flag to "
+                    "choose the value"), err
+    for name in ("NXL_LAYERS", "NXL_EAGER", "NXL_TARGET", "NXL_KEEP_CALLS", "NXL_SINK_MAX_BYTES"):
         monkeypatch.delenv(name)
     code, _, err = _cli(capsys, "run", "--sink", str(tmp_path / "r2"), "--", "true")
     assert code == 0 and "replace" not in err, err
