@@ -90,6 +90,7 @@ def evaluate_report(summary: Mapping[str, Any], title: str = "nxl_hooks faithful
     body = [
         f'<h1>{html.escape(title)}</h1><p class="note">{html.escape(facts)}</p>',
         _flat_note(summary),
+        _failed_note(summary),
         "<h2>Summary</h2>",
         _stats_table(header, rows, best),
         f'<p class="note">Bold: {_BEST_NOTE}. s / example: each method\'s own time. AP and dot at the ranking '
@@ -136,6 +137,19 @@ def _flat_note(summary: Mapping[str, Any]) -> str:
     return (f'<p class="note warn">note: on {flat} of {summary["n"]} examples the input-embedding norms are nearly '
             f"equal on the ranked tokens (coefficient of variation below {FLAT_NORM_CV:g}; the model may normalize "
             "its embeddings): there NormXLogit ranks tokens exactly as LogAt does.</p>")
+
+
+def _failed_note(summary: Mapping[str, Any], show: int = 5) -> str:
+    """The examples that failed (``summary["failed"]``: :func:`~nxl_hooks.apps.dataset.scored`'s), which no figure
+    of the page counts: named on the page too, not only in summary.json and on stderr."""
+    failed = summary.get("failed") or []
+    if not failed:
+        return ""
+    named = "; ".join(f"example {f['index']}" + (f" ({f['id']})" if f.get("id") is not None else "")
+                      + f": {f['error']}" for f in failed[:show])
+    more = f"; and {len(failed) - show} more" if len(failed) > show else ""
+    return (f'<p class="note warn">{len(failed)} example(s) failed and are in none of these figures (summary.json\'s '
+            f"failed lists each with its reason): {html.escape(named + more)}</p>")
 
 
 def _named(record: Mapping[str, Any], key: str) -> str:
@@ -226,6 +240,7 @@ def audit_report(
     body = [
         f"<h1>{html.escape(title)}</h1><p>{html.escape(facts)}</p>",
         _flat_note(summary),
+        _failed_note(summary),
         f"<h2>The {min(show, summary['n'])} examples that changed most</h2>",
         f'<p class="note">Flipped predictions first, then the lowest Spearman at {html.escape(shown)}. Rows: '
         f"NormXLogit at that layer, both models explaining {html.escape(_what_is_explained(summary))} (nxl audit "

@@ -163,6 +163,11 @@ def test_report_leads_with_flipped_then_lowest_spearman(tmp_path):
     assert shown[: len(flipped)] == flipped and len(flipped) == summary["flipped"]
     rest = [records[i]["spearman"][-1] for i in shown[len(flipped) :]]
     assert rest == sorted(rest)
+    # an example that failed is in none of the figures: the page names it (as summary.json does), and only then
+    assert "failed and are in none" not in page
+    failed = audit_report({**summary, "failed": [{"index": 8, "id": "x<y", "error": "ValueError: too long"}]}, records)
+    assert "1 example(s) failed and are in none of these figures" in failed
+    assert "example 8 (x&lt;y): ValueError: too long" in failed
     assert page.index('class="example"') < page.index("<h2>Per layer</h2>")
 
 

@@ -8,6 +8,7 @@ docs/testing.md against both.
 
 from __future__ import annotations
 
+import html
 import io
 import json
 import os
@@ -506,6 +507,10 @@ def test_evaluate_records_a_text_too_long_and_goes_on(where, quiet, tmp_path, mo
     part = tmp_path / "out" / "parts" / "part-0.jsonl"
     before = part.read_bytes()
     assert "example 1 failed, recorded" in sys.stderr.text()
+    # the page says so too: its figures count 2 examples, not the 3 of the data
+    page = html.unescape((tmp_path / "out" / "report.html").read_text())
+    assert ("1 example(s) failed and are in none of these figures (summary.json's failed lists each with its "
+            "reason): example 1 (long): ValueError: the text is 102 tokens") in page
     monkeypatch.setattr(sys, "stderr", _Writes())
     assert main(argv) == 0
     assert part.read_bytes() == before and "failed, recorded" not in sys.stderr.text()  # not retried

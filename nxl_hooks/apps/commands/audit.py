@@ -54,9 +54,8 @@ def run(args: argparse.Namespace) -> int:
     from ..reports import audit_report
 
     if (args.candidate is None) == (args.quantize is None):
-        raise ValueError(
-            "give exactly one of --candidate MODEL or --quantize 4bit|8bit (the candidate built from --reference)"
-        )
+        raise ValueError(f"give exactly one of --candidate MODEL or --quantize {'|'.join(QUANTIZE)} (the candidate "
+                         "built from --reference)")
     require_extra("eval", ["scipy"], "its rank correlations")  # before the models load
     loading = loading_options(args)
     if args.quantize is not None and loading["quantize"] is not None:
