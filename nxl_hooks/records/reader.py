@@ -425,10 +425,8 @@ def _read(data: bytearray, path: Path, calls: dict[int, GenerationCall], *, name
             torn = payload is None and not after and _torn(data, offset)
             # a frame that cannot be read (altered, cut) names no call itself: the calls still running break off
             # there (a torn end is a killed writer's, not damage: said as it was)
-            running = [] if gap.call is not None or torn else _running(calls)
-            reason = gap.reason + _break_off(running)
-            call = running[0].index if len(running) == 1 else gap.call
-            return steps, Damage(frame=index, offset=offset, reason=reason, torn=torn, steps_recovered=steps,
+            cut, call = ("", gap.call) if gap.call is not None or torn else _cut_off(calls)
+            return steps, Damage(frame=index, offset=offset, reason=gap.reason + cut, torn=torn, steps_recovered=steps,
                                  frames_after=after, bytes_dropped=len(data) - offset, path=str(path), call=call)
     return steps, None
 
@@ -519,11 +517,11 @@ def _read_stream(path: Path, *, request_id: str | None, strict: bool) -> Stream:
             match = _ROTATED.fullmatch(file.name)
             name = (int(match.group(1)), int(match.group(2))) if match else None
             if last is not None and name is not None and name[0] != last[0] + 1:
-                running = _running(calls)
+                cut, call = _cut_off(calls)
                 found = Damage(frame=0, offset=0, reason=f"file {last[0] + 1:08d}-{name[1]:08d}.nxl is missing "
-                               f"(deleted or lost) between {last[1].name} and {file.name}{_break_off(running)}",
+                               f"(deleted or lost) between {last[1].name} and {file.name}{cut}",
                                torn=False, steps_recovered=steps, frames_after=0, bytes_dropped=0, path=str(file),
-                               call=running[0].index if len(running) == 1 else None)
+                               call=call)
                 break
             try:
                 data = read_regular(file, StreamError)
@@ -555,13 +553,11 @@ def _read_stream(path: Path, *, request_id: str | None, strict: bool) -> Stream:
     return out
 
 
-def _running(calls: dict[int, GenerationCall]) -> list[GenerationCall]:
-    """The calls not ended yet: their records break off at damage (a missing file, a frame that cannot be read)."""
-    return [c for c in calls.values() if not c.complete and c.error is None and c.sequences is None]
-
-
-def _break_off(running: list[GenerationCall]) -> str:
-    """What damage cuts off: ``; records of call 0 (after step 3) break off there`` ("" for no call)."""
+def _cut_off(calls: dict[int, GenerationCall]) -> tuple[str, int | None]:
+    """What damage (a missing file, a frame that cannot be read) cuts off: the calls not ended yet, as the reason's
+    ``; records of call 0 (after step 3) break off there`` ("" for none), and the call when it is the only one."""
+    running = [c for c in calls.values() if not c.complete and c.error is None and c.sequences is None]
     named = [f"call {c.index} (after step {c.steps[-1].step})" if c.steps else f"call {c.index} (no step yet)"
              for c in running]
-    return f"; records of {', '.join(named)} break off there" if named else ""
+    return (f"; records of {', '.join(named)} break off there" if named else "",
+            running[0].index if len(running) == 1 else None)
