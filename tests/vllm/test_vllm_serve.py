@@ -128,7 +128,15 @@ def client_tokens(reply: dict) -> tuple[list[int], list[float]]:
 
 
 def recorded(server: VllmServer, request_id: str) -> nxl.GenerationCall:
-    (call,) = nxl.read_stream(server.run, request_id=request_id)
+    """The request's record once it has ended: the worker's sink writes the end frame from its writer thread, which
+    may come after vLLM's reply (a record that never ends still fails the caller's checks, after 60 s)."""
+    deadline = time.monotonic() + 60
+    while True:
+        calls = nxl.read_stream(server.run, request_id=request_id)
+        if (calls and (calls[0].complete or calls[0].error)) or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    (call,) = calls
     return call
 
 
