@@ -64,17 +64,16 @@ def method_scores(methods: Sequence[Method], given: Given, *, label_axis: bool
                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """({name: scores}, targets) of each method for ``given``; the label axis is dropped unless kept. ValueError
     naming a method whose scores are not float and shaped like ``given.logat``; RuntimeError naming a method that
-    exits (``SystemExit``, any ``BaseException`` but ``KeyboardInterrupt``), which every caller says in one line;
-    ValueError naming a method that changed one of ``given``'s tensors in place (the record keeps them: LogAt's
-    scores are ``given.logat`` itself), seen by their version counters at no cost."""
+    raises or exits (``SystemExit``, any ``BaseException`` but ``KeyboardInterrupt``), its error as its cause, which
+    every caller says in one line; ValueError naming a method that changed one of ``given``'s tensors in place (the
+    record keeps them: LogAt's scores are ``given.logat`` itself), seen by their version counters at no cost."""
     out = {}
     for method in methods:
         handed = _versions(given)
         try:
             value = method.score(given)
-        except Exception:
-            raise  # the method's own failure, as it said it
-        except BaseException as error:  # noqa: BLE001 - a method's sys.exit is its failure, never the host's exit
+        except BaseException as error:  # noqa: BLE001 - a method's failure (sys.exit too) is its record's, never
+            # the host's; named, or a plugin's 'ValueError: bad input' in a server's log would point at nothing
             said = typed(plugins.contained(error))
             raise RuntimeError(f"attribution method {method.name!r} raised {said}") from error
         if not (isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == given.logat.shape):

@@ -845,7 +845,8 @@ def test_a_compiled_calls_records_stop_where_a_methods_failure_stops_them(monkey
         _static(model, ids, mask, tiny.cpu_compile(backend="eager"))
     (call,) = probe.calls
     kept = [step.step for step in call.steps]
-    assert call.error == "context 8 refused" and not call.complete
+    assert call.error == "attribution method 'test_at_eight' raised RuntimeError: context 8 refused"
+    assert not call.complete
     assert kept == list(range(len(kept))) and len(kept) <= 2, kept
     check_steps(model, call)
 

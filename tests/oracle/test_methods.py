@@ -482,6 +482,24 @@ def test_a_method_whose_exit_cannot_be_printed_or_has_no_message_is_said_in_one_
     assert said == f"attribution method 'test_exits' raised {told}"
 
 
+def test_a_method_that_raises_is_named_in_its_forwards_error_and_log_line(caplog):
+    """A method whose ``score`` raises an ordinary error (a plugin's ValueError) is named where that is said, as an
+    exit is: its record's error and the one log line said ``ValueError: bad input`` alone, which in a server's log
+    points at no method; the forward's logits are the unattached model's, and the method's error is the cause."""
+    model, ids = tiny.generating_llama(), torch.tensor([[3, 4, 5, 6, 7, 8]])
+    with torch.no_grad():
+        plain_logits = model(input_ids=ids).logits
+        with caplog.at_level(logging.WARNING, logger="nxl_hooks"), \
+                nxl.attach(model, methods=[Exits(ValueError("bad input"))]) as probe:
+            assert torch.equal(model(input_ids=ids).logits, plain_logits)
+    said = "attribution method 'test_exits' raised ValueError: bad input"
+    with pytest.raises(RuntimeError) as raised:
+        probe.result()
+    assert str(raised.value) == said and isinstance(raised.value.__cause__, ValueError)
+    assert [r.getMessage() for r in caplog.records if "bad input" in r.getMessage()] == [
+        f"nxl_hooks: this forward not recorded (RuntimeError: {said}); the model's own call is unaffected"]
+
+
 def _install_doubled(tmp_path, monkeypatch):
     """An installed distribution whose ``nxl_hooks.methods`` group has ``test_plugin_doubled`` (twice NormXLogit)
     and a broken ``test_plugin_broken``; the loader reads the group afresh, as a new process would, and the
@@ -713,10 +731,11 @@ def test_generated_tokens_are_scored_in_the_publisher_thread_and_a_failure_there
         out, probe = run(broken)
     call = probe.calls[0]
     assert torch.equal(out, plain) and set(broken.threads) == {"nxl_hooks-publisher"}
-    assert call.steps == [] and not call.complete and "scoring broke" in call.error
-    assert call.error == "scoring broke" and "not recorded (scoring its steps): scoring broke" in probe.unrecorded
+    said = "attribution method 'test_scoring_threads' raised RuntimeError: scoring broke"  # the method named
+    assert call.steps == [] and not call.complete and call.error == said
+    assert f"not recorded (scoring its steps): {said}" in probe.unrecorded
     assert [r.getMessage() for r in caplog.records if "scoring broke" in r.getMessage()] == [
-        "nxl_hooks: not recorded (scoring its steps): scoring broke; the model's own call is unaffected"]
+        f"nxl_hooks: not recorded (scoring its steps): {said}; the model's own call is unaffected"]
 
 
 class Late(Method):
@@ -744,8 +763,8 @@ def test_a_method_failure_scoring_steps_in_the_calling_thread_is_said_as_the_pub
         model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=0)
     call = probe.calls[0]
     assert [step.step for step in call.steps] == [0, 1] and not call.complete
-    assert call.error == "context 8 too long"
-    assert probe.unrecorded == "not recorded after step 1 (scoring its steps): context 8 too long"
+    assert call.error == "attribution method 'test_late' raised RuntimeError: context 8 too long"
+    assert probe.unrecorded == f"not recorded after step 1 (scoring its steps): {call.error}"
     assert [r.getMessage() for r in caplog.records if "too long" in r.getMessage()] == [
         f"nxl_hooks: {probe.unrecorded}; the model's own call is unaffected"]
     oracle.check_steps(model, call)  # the kept steps, against the oracle
@@ -810,7 +829,8 @@ def test_a_failure_in_the_generating_thread_is_the_one_said_and_steps_lost_in_th
     assert torch.equal(out, plain) and sorted(scorer.threads) == ["MainThread", "nxl_hooks-publisher"]
     assert call.steps == [] and call.error == "hook broke"
     assert "not recorded after step 2 (this call): hook broke" in probe.unrecorded
-    lost = "the records of its steps from step 0 on were lost (scoring them raised RuntimeError: scoring broke)"
+    lost = ("the records of its steps from step 0 on were lost (scoring them raised RuntimeError: attribution method "
+            "'test_scoring_threads' raised RuntimeError: scoring broke)")
     assert call.notes == [lost]
     assert f"nxl_hooks: {lost}; the model's own call is unaffected" in [r.getMessage() for r in caplog.records]
 
