@@ -153,10 +153,25 @@ def method_names() -> tuple[str, ...]:
         return tuple(_METHODS)
 
 
+def _same(one: Method, other: Method) -> bool:
+    """Whether two methods compute the same: one object, equal ones, or one class's with equal settings (a class given
+    twice is made twice: ``methods=[LogitGap, LogitGap]``)."""
+    try:
+        return bool(one is other or one == other or (type(one) is type(other) and vars(one) == vars(other)))
+    except Exception:  # noqa: BLE001 - settings that do not compare (tensors, vars of a slotted class): not the same
+        return False
+
+
+def _shown(method: Method) -> str:
+    """``method`` as its own repr shows it (``Contrastive(foil=3)``), or its class's name where that says nothing."""
+    return repr(method) if type(method).__repr__ is not object.__repr__ else type(method).__name__
+
+
 def resolve_methods(methods: Iterable[str | Method] | str | None) -> tuple[Method, ...]:
     """The methods a probe computes: :data:`DEFAULT` first, then each of ``methods`` (names or Method instances,
     or one comma-separated string, or one Method instance or class) not among them. ValueError for an unknown
-    name, or for ``methods`` that is none of these."""
+    name, for ``methods`` that is none of these, or for two different methods of one name (a name the registry
+    gives counts as its method, DEFAULT's always)."""
     if isinstance(methods, str):
         methods = [part.strip() for part in methods.split(",") if part.strip()]
     elif isinstance(methods, (Method, type)):  # methods=Contrastive(foil=3): one method, not a list of them
@@ -167,5 +182,14 @@ def resolve_methods(methods: Iterable[str | Method] | str | None) -> tuple[Metho
     chosen: dict[str, Method] = {name: get_method(name) for name in DEFAULT}
     for method in methods or ():
         found = get_method(method)
-        chosen[found.name] = found if not isinstance(method, str) else chosen.get(found.name, found)
+        before = chosen.setdefault(found.name, found)
+        # a record holds one score tensor per name: a second method of that name (Contrastive(foil=3) and
+        # Contrastive(foil=5); an object named 'normxlogit') took the first's place with nothing said
+        if _same(before, found):
+            continue
+        if found.name in DEFAULT:
+            raise ValueError(f"methods= gives a method named {found.name!r} ({_shown(found)}): that is the built-in "
+                             "method every record holds; give yours another name")
+        raise ValueError(f"methods= gives two methods named {found.name!r} ({_shown(before)} and {_shown(found)}): "
+                         "a record holds one score per method name; give one of them")
     return tuple(chosen.values())

@@ -138,6 +138,13 @@ ATTACH = cases(
     # last output)
     ("foil=vocab size", {"methods": [Contrastive(foil=_VOCAB)]},
      rf"Contrastive\(foil={_VOCAB}\) is out of range: the head has {_VOCAB} outputs"),
+    # two methods of one name (a record holds one score per name): the last took the first's place, unsaid
+    ("methods=two foils", {"methods": [Contrastive(foil=3), Contrastive(foil=5)]},
+     r"methods= gives two methods named 'contrastive' \(Contrastive\(foil=3\) and Contrastive\(foil=5\)\): a record "
+     "holds one score per method name"),
+    ("methods=own normxlogit", {"methods": [type("Own", (), {"name": "normxlogit", "description": "zero",
+                                                               "score": lambda self, given: given.logat * 0})()]},
+     r"methods= gives a method named 'normxlogit' \(Own\): that is the built-in method every record holds"),
 )
 
 
