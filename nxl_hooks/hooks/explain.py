@@ -5,7 +5,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -52,7 +53,7 @@ def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, chat: bo
     enc = tokenizer(texts[0] if isinstance(text, str) else texts, return_tensors="pt", return_token_type_ids=False,
                     **padding).to(input_device(model))
     check_tokens(enc["input_ids"])  # before the model's own error on no tokens (a reshape), not after it
-    with torch.no_grad(), attach(subject, tokenizer=tokenizer, target=target, **options) as probe:
+    with torch.no_grad(), _evaluating(model), attach(subject, tokenizer=tokenizer, target=target, **options) as probe:
         model(**enc)
     res = probe.result()
     if resolved is not None:
@@ -66,3 +67,20 @@ def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, chat: bo
         res.template = None if template is None else template[res.example]
         res.meta["template"] = "located" if template is not None else "not located: every token ranks"
     return res
+
+
+@contextmanager
+def _evaluating(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode for the one forward :func:`explain` runs, each module's own mode back after: a model
+    left in training mode (just fine-tuned) ran its dropout there, and explained a random forward, not its
+    prediction (scores and target changing from one call to the next)."""
+    modes = [(module, module.training) for module in model.modules()]
+    if not any(training for _, training in modes):
+        yield
+        return
+    model.eval()
+    try:
+        yield
+    finally:
+        for module, training in modes:  # parents first (modules() order): each child's call after its parent's
+            module.train(training)

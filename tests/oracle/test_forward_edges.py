@@ -1,7 +1,8 @@
 """Plain forwards at their edges, each against the oracle (``output_hidden_states`` and the head by hand): a
-regression head's output asked for, a one-logit classifier, one text without a pad token, a forward that continues a KV cache (PEFT prefix
-tuning's virtual tokens, or positions the probe never saw), a forward Ctrl-C ended, a contrastive score with no
-output left to contrast with, a block the forward never runs, and a custom 4-D attention mask.
+regression head's output asked for, a one-logit classifier, a model left in training mode (nxl.explain), one text
+without a pad token, a forward that continues a KV cache (PEFT prefix tuning's virtual tokens, or positions the
+probe never saw), a forward Ctrl-C ended, a contrastive score with no output left to contrast with, a block the
+forward never runs, and a custom 4-D attention mask.
 """
 
 from __future__ import annotations
@@ -61,6 +62,28 @@ def test_a_one_logit_classifier_trained_with_bce_explains_its_signed_logit():
     with torch.no_grad(), nxl.attach(model) as probe:
         model(input_ids=_ids(2, 6))
     assert probe.result().meta["head_kind"] == "regression"
+
+
+def test_explain_runs_a_model_left_in_training_mode_as_it_predicts_and_gives_each_module_its_mode_back():
+    """nxl.explain on a model left in training mode (just fine-tuned) ran its dropout: a random forward, whose
+    target, probability and scores changed from one call to the next. It explains the model's prediction (eval
+    mode, as the oracle's own forward runs), and each module has its mode back after (one left in eval stays so)."""
+    model, tok = tiny.build_model("bert"), tiny.tokenizer()  # BERT's default dropout, 0.1
+    model.train()
+    model.bert.embeddings.eval()  # a part the user froze
+    modes = {name: module.training for name, module in model.named_modules()}
+    res = nxl.explain(model, tok, TEXT, layers="all")
+    assert {name: module.training for name, module in model.named_modules()} == modes
+    enc = tok(TEXT, return_tensors="pt")
+    model.eval()
+    with torch.no_grad():
+        out = model(**enc, output_hidden_states=True)
+    logits = oracle.bert_classifier(model).layer_logits(out.hidden_states)
+    target = out.logits.argmax(-1)
+    _, expected = oracle.normxlogit(logits, out.hidden_states[0], target)
+    assert res.target.tolist() == target.tolist()
+    torch.testing.assert_close(res.normxlogit, expected, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(res.probability[0], out.logits[0].softmax(-1)[target[0]])
 
 
 def test_one_text_is_explained_with_a_tokenizer_that_has_no_pad_token():
