@@ -12,6 +12,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..arch.registry import HeadKind
 from ..method.chat import chat_prompt, template_rows
 from ..method.placement import input_device
 from ..method.select import from_numpy, is_predicted, prompt_targets
@@ -25,8 +26,8 @@ from .probe import attach
 __all__ = ["explain"]
 
 
-def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, chat: bool = False,
-            **options: Any) -> Attribution:
+def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, text_pair: str | list[str] | None = None,
+            chat: bool = False, **options: Any) -> Attribution:
     """Attach, run one forward on ``text`` (a string or a batch of them, padded), detach: its attribution.
 
     ``nxl.explain(model, tok, "The capital of France is", layers="all", target="Paris").top(3)``; ``options`` go to
@@ -34,7 +35,9 @@ def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, chat: bo
     there explains ' Paris', the token the model would emit (a masked LM's: the token each mask would be filled with,
     a row per mask); ``res.meta["targets"]`` says how each was read (and when a word is several tokens, of which only
     the first is explained). ``chat``: each text becomes the user message of the tokenizer's chat template, followed
-    by the assistant's turn.
+    by the assistant's turn. ``text_pair``: a classifier's second text for each text, encoded as the tokenizer
+    encodes a sentence pair (``tokenizer(text, text_pair)``, its segment ids too): NLI's hypothesis, a question's
+    passage (``nxl.explain(nli, tok, "A man plays a guitar.", text_pair="A man plays music.")``).
     """
     texts = [text] if isinstance(text, str) else list(text) if isinstance(text, Iterable) else []
     if not texts or not all(isinstance(one, str) for one in texts):
@@ -42,6 +45,7 @@ def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, chat: bo
     subject = Subject.of(model)  # resolved once, for the targets and the attach
     if mismatch := tokenizer_mismatch(subject.model, tokenizer):  # (None too: the texts need one) before it is used
         raise ValueError(mismatch)
+    pairs = _pairs(text_pair, texts, subject.kind, chat)
     prompts = [chat_prompt(tokenizer, one) for one in texts] if chat else []
     texts = [prompt.text for prompt in prompts] or texts
     target, resolved = from_numpy(options.pop("target", "predicted")), None  # (as attach takes a numpy array)
@@ -49,9 +53,13 @@ def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, chat: bo
         target, resolved = prompt_targets(subject.model, subject.kind, tokenizer, target, texts)
     # A batch is padded on the right whatever the tokenizer's side: each text keeps the positions it has alone (left
     # padding shifts a shorter text's on a model of absolute positions, GPT-2's: another forward than its own).
-    padding = {"padding": True, "padding_side": "right"} if len(texts) > 1 else {}
-    enc = tokenizer(texts[0] if isinstance(text, str) else texts, return_tensors="pt", return_token_type_ids=False,
-                    **padding).to(input_device(model))
+    encoding: dict[str, Any] = {"return_token_type_ids": False}
+    if len(texts) > 1:
+        encoding.update(padding=True, padding_side="right")
+    single = isinstance(text, str)
+    if pairs is not None:  # (segment ids as the tokenizer gives them for its model: BERT's, none for RoBERTa's)
+        encoding.update(text_pair=pairs[0] if single else pairs, return_token_type_ids=None)
+    enc = tokenizer(texts[0] if single else texts, return_tensors="pt", **encoding).to(input_device(model))
     check_tokens(enc["input_ids"])  # before the model's own error on no tokens (a reshape), not after it
     with torch.no_grad(), _evaluating(model), attach(subject, tokenizer=tokenizer, target=target, **options) as probe:
         model(**enc)
@@ -67,6 +75,25 @@ def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, chat: bo
         res.template = None if template is None else template[res.example]
         res.meta["template"] = "located" if template is not None else "not located: every token ranks"
     return res
+
+
+def _pairs(text_pair: Any, texts: list[str], kind: HeadKind, chat: bool) -> list[str] | None:
+    """``text_pair`` as a list of one second text per text, None without it. ValueError for what a sentence pair's
+    encoding cannot take: not strings, not one per text, a model that is not a classifier (a LM reads one text),
+    a chat template's message."""
+    if text_pair is None:
+        return None
+    pairs = [text_pair] if isinstance(text_pair, str) else list(text_pair) if isinstance(text_pair, Iterable) else []
+    if not pairs or not all(isinstance(one, str) for one in pairs):
+        raise ValueError(f"text_pair is {text_pair!r:.80}: give a string, or a list of strings, one per text")
+    if len(pairs) != len(texts):
+        raise ValueError(f"text_pair gives {len(pairs)} second texts for {len(texts)} texts: give one per text")
+    if not kind.pooled:
+        raise ValueError(f"text_pair is a classifier's second text, and this model is a {kind} model, which reads "
+                         "one text: join the two into one text")
+    if chat:
+        raise ValueError("text_pair with chat=True: the chat template takes one message per text; give one of them")
+    return pairs
 
 
 @contextmanager

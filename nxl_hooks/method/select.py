@@ -476,15 +476,16 @@ def position_limit(model: nn.Module) -> int | None:
     return limit if isinstance(limit, int) and limit > 0 else None
 
 
-def check_length(tokenizer: Any, text: str, limit: int | None, *, more: int = 0, what: str = "the text") -> None:
-    """A ValueError when ``text`` (as the tokenizer encodes it, special tokens included) plus ``more`` tokens to
-    generate exceeds ``limit`` (:func:`position_limit`): the model has no position for the rest.
+def check_length(tokenizer: Any, text: str, limit: int | None, *, more: int = 0, pair: str | None = None,
+                 what: str = "the text") -> None:
+    """A ValueError when ``text`` (as the tokenizer encodes it, special tokens included; with its sentence ``pair``)
+    plus ``more`` tokens to generate exceeds ``limit`` (:func:`position_limit`): the model has no position for the rest.
 
     ``check_length(tok, text, position_limit(model), more=16)``
     """
     if limit is None:
         return
-    count = len(tokenizer(text)["input_ids"])
+    count = len(tokenizer(text, pair)["input_ids"])
     if count + more > limit:
         extra = f" plus {more} to generate" if more else ""
         raise ValueError(f"{what} is {count} tokens{extra}, but the model reads at most {limit} "

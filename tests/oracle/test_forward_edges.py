@@ -13,8 +13,9 @@ import threading
 
 import pytest
 import torch
+from tokenizers import processors
 from transformers import (BertConfig, BertForSequenceClassification, Gemma2Config, Gemma2ForCausalLM, LogitsProcessor,
-                          LogitsProcessorList)
+                          LogitsProcessorList, PreTrainedTokenizerFast)
 
 import big_models as big
 import nxl_hooks as nxl
@@ -84,6 +85,35 @@ def test_explain_runs_a_model_left_in_training_mode_as_it_predicts_and_gives_eac
     assert res.target.tolist() == target.tolist()
     torch.testing.assert_close(res.normxlogit, expected, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(res.probability[0], out.logits[0].softmax(-1)[target[0]])
+
+
+def test_explain_reads_a_sentence_pair_as_the_tokenizer_encodes_it_segment_ids_included():
+    """explain(text_pair=...): a classifier's two texts (NLI's premise and hypothesis) are encoded as
+    tokenizer(text, text_pair) encodes them, [SEP] between and the second text's segment ids (which BERT adds its
+    token-type embedding for), each row of a batch with its own pair."""
+    model = tiny.build_model("bert")
+    backend = tiny.tokenizer().backend_tokenizer
+    backend.post_processor = processors.TemplateProcessing(  # BERT's: [CLS] A [SEP] B [SEP], B in segment 1
+        single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", 2), ("[SEP]", 3)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="[PAD]", unk_token="[UNK]", cls_token="[CLS]",
+                                  sep_token="[SEP]", mask_token="[MASK]",
+                                  model_input_names=["input_ids", "token_type_ids", "attention_mask"])
+    first, second = ["the film was good", "a plot"], ["the movie is great", "very bad and awful"]
+    res = nxl.explain(model, tok, first, text_pair=second, layers="all")
+    enc = tok(first, second, return_tensors="pt", padding=True)
+    with torch.no_grad():
+        out = model(**enc, output_hidden_states=True)
+    logits = oracle.bert_classifier(model).layer_logits(out.hidden_states)
+    target = out.logits.argmax(-1)
+    _, expected = oracle.normxlogit(logits, out.hidden_states[0], target)
+    assert enc["token_type_ids"][0].tolist() == [0] * 6 + [1] * 5
+    assert torch.equal(res.input_ids, enc["input_ids"]) and torch.equal(res.mask, enc["attention_mask"].bool())
+    assert res.target.tolist() == target.tolist()
+    real = res.mask[None].expand_as(expected)
+    torch.testing.assert_close(res.normxlogit[real], expected[real], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(res.probability, out.logits.softmax(-1).gather(1, target[:, None])[:, 0])
+    single = nxl.explain(model, tok, first[1], text_pair=second[1], layers="all")  # one pair, a string each
+    torch.testing.assert_close(single.normxlogit[:, 0], expected[:, 1, :single.mask.shape[1]], rtol=1e-4, atol=1e-5)
 
 
 def test_one_text_is_explained_with_a_tokenizer_that_has_no_pad_token():

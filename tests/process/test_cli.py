@@ -87,6 +87,21 @@ def test_layers_and_target_list(saved, tmp_path, capsys):
         torch.testing.assert_close(res.normxlogit[..., k], expected[[0, 2]], rtol=1e-4, atol=1e-5)
 
 
+def test_text_pair_is_encoded_with_text_as_the_tokenizer_encodes_a_sentence_pair(saved, tmp_path):
+    """--text-pair TEXT2: a classifier's sentence pair, as tokenizer(TEXT, TEXT2) encodes it."""
+    path, out_file, pair = saved[0], tmp_path / "p.safetensors", "very bad plot"
+    assert main(["attribute", str(path), TEXT, "--text-pair", pair, "--layers", "all", "--out", str(out_file)]) == 0
+    model, tok = tiny.build_model("bert", 0), tiny.tokenizer()
+    enc = tok(TEXT, pair, return_tensors="pt")
+    with torch.no_grad():
+        out = model(**enc, output_hidden_states=True)
+    logits = oracle.bert_classifier(model).layer_logits(out.hidden_states)
+    _, expected = oracle.normxlogit(logits, out.hidden_states[0], out.logits.argmax(-1))
+    res = nxl.Attribution.load(out_file)
+    assert res.input_ids.tolist() == enc["input_ids"].tolist() and len(res.input_ids[0]) > len(tok(TEXT)["input_ids"])
+    torch.testing.assert_close(res.normxlogit, expected, rtol=1e-4, atol=1e-5)
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

@@ -321,6 +321,23 @@ def test_explain_of_no_tokens_says_so_before_the_forward(caplog):
     assert _hooks(model) == 0
 
 
+@pytest.mark.parametrize("model, text, options, message", cases(
+    ("text_pair not text", "bert", "good", {"text_pair": 3}, r"^text_pair is 3: give a string, or a list of strings"),
+    ("text_pair count", "bert", ["good", "bad"], {"text_pair": ["the film"]},
+     r"^text_pair gives 1 second texts for 2 texts: give one per text"),
+    ("text_pair on a LM", "llama", "good", {"text_pair": "bad"},
+     r"^text_pair is a classifier's second text, and this model is a causal_lm model, which reads one text: join"),
+    ("text_pair with chat", "bert", "good", {"text_pair": "bad", "chat": True},
+     r"^text_pair with chat=True: the chat template takes one message per text; give one of them"),
+))
+def test_explain_refuses_a_text_pair_it_cannot_encode_before_the_forward(lm, bert, model, text, options, message):
+    """A sentence pair is a classifier's: one second text per text, no chat template; said before the forward."""
+    model = {"bert": bert, "llama": lm}[model]
+    with pytest.raises(ValueError, match=message):
+        nxl.explain(model, tiny.tokenizer(), text, **options)
+    assert _hooks(model) == 0
+
+
 def test_explain_refuses_a_target_list_naming_one_output_twice_before_the_forward():
     """Two targets read as one output (a word and its token, a word with and without its space) are refused with the
     targets as written, before the model runs: contrastive's target - foil of an output with itself was 0 at every

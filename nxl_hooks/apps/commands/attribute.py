@@ -38,6 +38,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("model", metavar="MODEL",
                         help="a local model folder, a hub id (as from_pretrained takes) or a .gguf file")
     parser.add_argument("text", metavar="TEXT", help="the input text (masked LMs: include the tokenizer's mask token)")
+    parser.add_argument("--text-pair", metavar="TEXT2",
+                        help="classifiers: a second text, encoded with TEXT as a sentence pair (NLI's hypothesis)")
     add_attribution_options(parser)
     add_method_option(parser)
     add_loading_options(parser)
@@ -81,11 +83,18 @@ def run(args: argparse.Namespace) -> int:
     check_apart("--html", args.html, [args.model])
     if not args.text.strip():  # before the model loads: it would explain its special tokens alone
         raise CliError("TEXT is empty: give the text to explain")
+    if args.text_pair is not None and (generate is not None or args.chat):
+        raise CliError(f"--text-pair with {'--generate' if generate else '--chat'}: a sentence pair is a classifier's "
+                       "input, as it is, never generated from nor put in a chat template; drop one of them")
     tp_outputs(args, "out", "html")  # --tp (registry): rank 0 alone prints and writes, each rank checked them first
     model, tokenizer = load_model(args.model, **loading_options(args))
     text = chat_text(tokenizer, args.text) if args.chat else args.text
-    check_length(tokenizer, text, position_limit(model), more=generate or 0, what="TEXT")
+    check_length(tokenizer, text, position_limit(model), more=generate or 0, pair=args.text_pair,
+                 what="TEXT with TEXT2" if args.text_pair is not None else "TEXT")
     kind = head_kind(unwrap(model))
+    if args.text_pair is not None and not kind.pooled:
+        raise CliError(f"--text-pair is a classifier's second text, and {args.model} is a "
+                       f"{kind.value.replace('_', ' ')} model, which reads one text: join the two into TEXT")
     if generate is not None and kind is not HeadKind.CAUSAL_LM:
         raise CliError(f"--generate needs a causal LM, and {args.model} is a {kind.value.replace('_', ' ')} model "
                        "(it generates nothing): drop --generate to explain its prediction for TEXT")
@@ -111,7 +120,8 @@ def run(args: argparse.Namespace) -> int:
             console.print(Text(f"wrote {args.html}"))  # Text: a path is not rich markup ('x[/b].html')
         # 1: the records are not whole (not recorded, or --out holds only some: a full disk); the last line said why
         return 1 if call.error is not None or call.notes else READER_GONE if console.gone else 0
-    res = explain(model, tokenizer, args.text, chat=args.chat, methods=[args.method], **attach_options(args))
+    res = explain(model, tokenizer, args.text, text_pair=args.text_pair, chat=args.chat, methods=[args.method],
+                  **attach_options(args))
     show_attribution(res, console, all_positions=args.all_positions, method=args.method)
     if args.out:
         console.print(Text(f"saved {res.save(args.out)}"))
