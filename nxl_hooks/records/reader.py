@@ -61,7 +61,7 @@ class Damage:
     offset: int  #: its byte offset in the file
     reason: str  #: what is wrong with it
     torn: bool  #: a torn last frame (a writer killed mid-write): the normal end of a killed run, not corruption
-    steps_recovered: int  #: step records read before it (all of them returned)
+    steps_recovered: int  #: step records read before it (all of them returned; in a folder, its writer's files')
     frames_after: int  #: intact frames found after it, not returned (a gap would make the calls lie)
     bytes_dropped: int  #: from ``offset`` to the end of the file
     path: str = ""  #: the file (one of a folder's, when read_stream was given a folder)
@@ -536,8 +536,13 @@ def _read_stream(path: Path, *, request_id: str | None, strict: bool) -> Stream:
             got, found = _read(data, file, calls, name=name)
             steps, last = steps + got, (name[0] if name else 0, file)
             if found is not None:
-                if file is not files[-1]:  # only a writer's last file may end torn: the records go on elsewhere
-                    found = dataclasses.replace(found, torn=False)
+                # what the writer's files gave before it, as a missing file's damage counts it (not this file's only)
+                found = dataclasses.replace(found, steps_recovered=steps)
+                if found.torn and file is not files[-1]:
+                    # only a writer's last file may end torn: the records go on in the next, and those of the calls
+                    # running here break off, said as for any other frame that cannot be read
+                    cut, call = _cut_off(calls)
+                    found = dataclasses.replace(found, torn=False, reason=found.reason + cut, call=call)
                 break
         if found is not None and not found.torn:
             if strict:

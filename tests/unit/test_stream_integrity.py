@@ -114,6 +114,30 @@ def test_a_rotated_file_missing_from_the_middle_is_damage(model, tmp_path):
         nxl.read_stream(renamed, strict=True)
 
 
+def test_a_rotated_file_cut_short_before_the_last_says_which_call_breaks_off_and_counts_the_writers_steps(
+        model, tmp_path):
+    """A rotated file that is not its writer's last, cut inside its last frame (a copy cut short): its end is no
+    killed writer's, so it is damage, and says which call's records break off there, as an altered frame or a
+    missing file says it (the reason named none, ``damage.call`` was None). ``steps_recovered`` counts the steps
+    read from the writer's files before it, as a missing file's damage counts them (it counted that file's only)."""
+    folder = tmp_path / "rot"
+    ids = torch.randint(1, 100, (1, 5), generator=torch.Generator().manual_seed(6))
+    with nxl.attach(model, layers="last", sink=nxl.RotatingSink(folder, max_bytes=1500)):
+        model.generate(input_ids=ids, max_new_tokens=12, do_sample=False)
+    files = sorted(folder.iterdir())
+    assert len(files) >= 4
+    cut = files[2]
+    _, frames = _split(cut.read_bytes())
+    steps = [reader._decode(memoryview(frame)[16:])[0].get("step") for frame in frames]
+    last = max(step for step in steps[:-1] if step is not None)  # the step read last: the cut frame's is lost
+    cut.write_bytes(cut.read_bytes()[:-10])
+    calls = _damaged(folder, rf"the frame announces .* only .* follow; records of call 0 \(after step {last}\) break "
+                             "off there")
+    assert not calls.damage.torn and calls.damage.call == 0 and calls.damage.path == str(cut)
+    assert [s.step for s in calls[0].steps] == list(range(last + 1)) and not calls[0].complete
+    assert calls.damage.steps_recovered == last + 1 == len(calls[0].steps)
+
+
 def test_a_folder_reads_while_its_writer_starts_a_file_or_its_retention_deletes_one(model, tmp_path, monkeypatch):
     """Read while written: the newest file, just created, holds no magic line yet (or part of it): torn, as a
     single file cut short in its header is; a file is deleted by the writer's retention after the ones before it
@@ -128,7 +152,8 @@ def test_a_folder_reads_while_its_writer_starts_a_file_or_its_retention_deletes_
     for started in (b"", writer._FILE_MAGIC[:5]):
         starting.write_bytes(started)
         read = nxl.read_stream(folder, strict=True)
-        assert read.damage.torn and read.damage.path == str(starting) and read.damage.steps_recovered == 0
+        # steps_recovered: the writer's steps read before it, in its earlier files
+        assert read.damage.torn and read.damage.path == str(starting) and read.damage.steps_recovered == 12
         assert [s.step for s in read[0].steps] == list(range(12)) and read[0].complete
     starting.unlink()
     real, deleted = reader.read_regular, []
