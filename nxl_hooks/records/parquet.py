@@ -57,6 +57,7 @@ import contextlib
 import json
 import logging
 import os
+import stat
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -65,6 +66,7 @@ import torch
 from ..arch.text import install_command
 from ..method.registry import DEFAULT
 from ..method.select import rankable, special_flags
+from .files import STREAM_MAGIC
 from .steps import GenerationCall, Step
 from .writer import claim_file, held
 
@@ -211,12 +213,16 @@ class ParquetSink:
     writer. One writer per file, as for stream files: a path whose ``out.parquet.partial`` another writer holds (a
     second model or process) is refused (ValueError, one line); one that a writer left when it died is taken over
     by the next, with one line on the ``nxl_hooks`` logger. A child process it forks lets go of the file.
+    A Parquet file at ``out.parquet`` is replaced when the file is finished; a folder there, or a file that holds
+    something else (a stream file, anyone's data), is refused (ValueError, one line) and left as it is, the rule of
+    stream sinks (``replace_any``: any file is replaced, as ``nxl export --force`` replaces it).
     """
 
     def __init__(self, path: str | os.PathLike, *, row_group_rows: int = 1 << 17,
-                 methods: Iterable[str] | None = None) -> None:
+                 methods: Iterable[str] | None = None, replace_any: bool = False) -> None:
         pyarrow_module()
         self.path = Path(path)
+        _replaceable(self.path, replace_any)
         self._partial = partial_path(self.path)
         self._methods = None if methods is None else tuple(methods)
         self._schema: Any = None  # once the methods are known: at the first call, or when the file is closed
@@ -351,6 +357,28 @@ class ParquetSink:
             os.close(null)
 
 
+def _replaceable(path: Path, replace_any: bool) -> None:
+    """Refuse (ValueError, one line) a ``path`` the finished file's rename would fail on (a folder: the rows would be
+    lost at the end of the run) or destroy: a file that is no Parquet file (a stream file given a Parquet sink's
+    path, anyone's data; any file with ``replace_any``). Checked when the sink is made, before any record."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(mode):
+        raise ValueError(f"{path} is a folder: a Parquet sink writes one file; give a file path "
+                         f"({path / 'scores.parquet'})")
+    if replace_any or not stat.S_ISREG(mode):  # (a link or a FIFO is replaced, what it leads to left as it is)
+        return
+    with contextlib.suppress(OSError), open(path, "rb") as existing:
+        head = existing.read(len(_MAGIC))
+        if not _MAGIC.startswith(head):
+            kind = (" (a stream file: nxl export converts it to Parquet)" if head == STREAM_MAGIC[:len(_MAGIC)]
+                    else "")
+            raise ValueError(f"{path} holds something other than a Parquet file, which the Parquet sink would "
+                             f"replace: give another path, or remove the file first{kind}")
+
+
 def partial_path(path: str | os.PathLike) -> Path:
     """Where a Parquet writer of ``path`` writes until its file is finished: ``out.parquet.partial``, a file it
     writes as much as ``path`` itself (``nxl export`` keeps both apart from its inputs)."""
@@ -386,12 +414,15 @@ def _claim_partial(partial: Path) -> int:
     return fd
 
 
-def export_parquet(calls: Iterable[GenerationCall], out: str | os.PathLike) -> ParquetSink:
+def export_parquet(calls: Iterable[GenerationCall], out: str | os.PathLike, *,
+                   replace_any: bool = False) -> ParquetSink:
     """Write the step records of ``calls`` (e.g. ``read_stream(path)``) as Parquet rows, and the calls with no rows
     to show for all they ran in ``nxl.calls``; returns the closed sink (``.rows``, ``.unexplained``).
-    ``export_parquet(nxl.read_stream("runs/"), "out.parquet").rows``"""
+    ``export_parquet(nxl.read_stream("runs/"), "out.parquet").rows``; a file at ``out`` that is no Parquet file is
+    refused unless ``replace_any`` (:class:`ParquetSink`)."""
     calls = list(calls)
-    sink = ParquetSink(out, methods=dict.fromkeys(name for call in calls for step in call.steps for name in step.scores))
+    sink = ParquetSink(out, methods=dict.fromkeys(name for call in calls for step in call.steps for name in step.scores),
+                       replace_any=replace_any)
     try:
         for call in calls:
             sink.write_call(call, {})

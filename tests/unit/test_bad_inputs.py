@@ -927,6 +927,32 @@ def test_sink_paths_that_cannot_be_written(lm, tmp_path, where, error, message):
     assert _hooks(lm) == 0
 
 
+PARQUET_PATHS = cases(
+    # the finished file is renamed over the path when the probe detaches: a stream file (the crash-safe records,
+    # given the same name) or anyone's data was replaced by it, a folder failed the rename with the rows lost
+    ("a stream file as the Parquet path", "run.nxl", r"run.nxl holds something other than a Parquet file, which the "
+     r"Parquet sink would replace: give another path, or remove the file first \(a stream file: nxl export"),
+    ("anyone's data as the Parquet path", "data.csv", r"data.csv holds something other than a Parquet file"),
+    ("a folder as the Parquet path", "folder", r"folder is a folder: a Parquet sink writes one file; give a file "
+     r"path \(.*folder/scores.parquet\)"),
+)
+
+
+@pytest.mark.parametrize("where, message", PARQUET_PATHS)
+def test_a_parquet_sink_never_replaces_what_is_no_parquet_file(lm, tmp_path, where, message):
+    pytest.importorskip("pyarrow.parquet")
+    with nxl.attach(lm, sink=tmp_path / "run.nxl"):
+        lm.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    (tmp_path / "data.csv").write_text("a,b\n1,2\n")
+    (tmp_path / "folder").mkdir()
+    before = {path: path.read_bytes() for path in tmp_path.iterdir() if path.is_file()}
+    with pytest.raises(ValueError, match=message):
+        nxl.attach(lm, sink=f"parquet:{tmp_path / where}")
+    assert _hooks(lm) == 0
+    assert {path: path.read_bytes() for path in tmp_path.iterdir() if path.is_file()} == before
+    assert len(nxl.read_stream(tmp_path / "run.nxl", strict=True)[0].steps) == 2  # the records, still whole
+
+
 # -- the registry ----------------------------------------------------------------------------------------
 
 _HEAD = 'heads.causal_lm = ["model.norm", "lm_head"]\n'

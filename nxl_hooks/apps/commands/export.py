@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
         warnings.simplefilter("ignore", StreamDamageWarning)
         calls = read_stream(args.source, strict=args.strict)
     try:
-        written = export_parquet(calls, args.out)
+        written = export_parquet(calls, args.out, replace_any=args.force)  # (--force: whatever is there)
     except OSError as err:
         raise CliError(f"writing {args.out} failed ({err.strerror or err}); nothing was written and no partial file "
                        "is left: free some space (or pick another folder) and export again") from None
