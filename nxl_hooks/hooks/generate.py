@@ -1504,6 +1504,9 @@ class Generations:
         processors = getattr(model, "_get_logits_processor", None)
         if callable(processors):
             self._set("_get_logits_processor", self._apart(processors), processors)
+        heal = getattr(model, "heal_tokens", None)
+        if callable(heal):
+            self._set("heal_tokens", self._healing(heal), heal)
 
     def _set(self, name: str, wrapper: Callable, wrapped: Callable) -> Owned:
         """``wrapper`` of ``wrapped`` as the model instance's attribute ``name`` until :meth:`uninstall`; a copy of
@@ -1555,6 +1558,20 @@ class Generations:
             return apart
 
         return logits_processor
+
+    def _healing(self, heal: Callable) -> Callable:
+        """generate's ``heal_tokens`` (``token_healing=True``), which, for a recorded call, runs outside its record:
+        it runs generate on each prompt less its last token to pick that token anew, before the call's own prefill
+        runs the healed prompt from position 0, where its record starts."""
+
+        @functools.wraps(heal)
+        def heal_tokens(*args: Any, **kwargs: Any) -> Any:
+            if not isinstance(self.current(), Run):
+                return heal(*args, **kwargs)
+            with self.running(NOT_RECORDED):
+                return heal(*args, **kwargs)
+
+        return heal_tokens
 
     def uninstall(self) -> None:
         """Give the model its own ``generate`` back; calls running in other threads finish unrecorded. A wrapper

@@ -42,7 +42,7 @@ def test_greedy_every_step_matches_oracle_and_output_unchanged(model):
     with nxl.attach(model, layers="all") as probe:
         out = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
     torch.testing.assert_close(out, plain, rtol=0, atol=0)
-    assert not {"generate", "_get_stopping_criteria", "_get_logits_processor"} & set(vars(model))  # wrappers gone
+    assert not {"generate", "_get_stopping_criteria", "_get_logits_processor", "heal_tokens"} & set(vars(model))
     argmaxes = check_call(model, probe.calls[0], 6)
     assert all(torch.equal(a, s.token) for a, s in zip(argmaxes, probe.steps))
     assert probe.steps[0].normxlogit.shape == (4, 1, 7) and probe.steps[-1].normxlogit.shape == (4, 1, 12)
@@ -298,6 +298,25 @@ def test_a_forward_from_position_0_on_other_ids_inside_the_call_is_said_and_neve
     (call,) = probe.calls
     assert all(torch.equal(step.token, out[:, step.position]) for step in call.steps)
     assert "other token ids than the call's" in call.error and call.error in probe.unrecorded
+
+
+def test_token_healing_is_recorded_from_the_healed_prompt():
+    """generate(token_healing=True) first runs generate on each prompt less its last token, which it replaces by
+    the token it picks there: those forwards are no step of the call. They were taken for its first, so the call's
+    own prefill, from position 0 again, was said not recorded ("several candidate tokens per forward")."""
+    model = tiny.generating_llama()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(30)  # logits far apart: healing replaces 'w1' (the +1 its own token gets is small)
+    tokenizer = _word_tokenizer()
+    tokenizer.bos_token = "[UNK]"  # healing replaces a bos by the pad token: it needs one
+    ids = torch.randint(2, VOCAB, (2, 6), generator=torch.Generator().manual_seed(0))
+    ids[:, -1] = 1  # 'w1', which w10..w19 extend
+    with nxl.attach(model, layers="all") as probe:
+        out = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, token_healing=True, tokenizer=tokenizer)
+    assert (out[:, 5] != 1).all() and torch.equal(out[:, :5], ids[:, :5])  # healed: the last prompt token replaced
+    (call,) = probe.calls
+    assert call.error is None and torch.equal(call.sequences, out)
+    check_call(model, call, 4)  # every step against the oracle of generate's output, the healed prompt included
 
 
 def _looks_ahead(model, input_ids, generation_config, *, how, **kwargs):
