@@ -639,11 +639,12 @@ class Run:
         with a candidate on a copy of its cache, then emitted another). Those steps not handed on yet are dropped
         (the records stop before them, never holding a token the call may not have returned); what to add to the
         call's error for those already handed on (a live reader got each as it came)."""
-        first = past - (self._prompt_len or 0)  # the first step whose token sits at ``past`` or after
+        # the first step whose token sits at ``past`` or after (0 for a forward back inside the prompt)
+        first = max(past - (self._prompt_len or 0), 0)
         self._deferred = [item for item in self._deferred if item.n < past]
         if self._handed <= first:
             return ""
-        return (f"; the records of steps {max(first, 0)}..{self._handed - 1}, handed on already, explain tokens at "
+        return (f"; the records of steps {first}..{self._handed - 1}, handed on already, explain tokens at "
                 "positions it ran again, which it may have replaced")
 
     def _recomputes(self, ids: torch.Tensor | None, n: int) -> None:

@@ -360,6 +360,29 @@ def test_a_lookahead_forward_whose_token_the_call_undid_never_records_it_unsaid(
     assert said in call.error and call.error in probe.unrecorded
 
 
+def _runs_its_prompt_again(model, input_ids, generation_config, **kwargs):
+    """A ``custom_generate`` loop that crops its cache back into the prompt and runs the prompt's end again."""
+    keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    cache = DynamicCache(config=model.config)
+    model(input_ids=input_ids, use_cache=True, **{keyword: cache})
+    cache.crop(-3)  # (its last 3 positions dropped)
+    out = model(input_ids=input_ids[:, 3:], use_cache=True, **{keyword: cache})
+    return torch.cat([input_ids, out.logits[:, -1:].argmax(-1)], 1)
+
+
+@pytest.mark.parametrize("live", [False, True])
+def test_a_forward_back_inside_the_prompt_names_no_steps_handed_on(model, live):
+    """A forward that runs the prompt's end again, before any step was made, stops the record: its error named
+    "the records of steps 0..-1, handed on already" (a range of none, as if some had been)."""
+    ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(2))
+    with nxl.attach(model, on_step=(lambda step: None) if live else None) as probe:
+        model.generate(input_ids=ids, max_new_tokens=1, custom_generate=_runs_its_prompt_again)
+    (call,) = probe.calls
+    assert not call.steps and call.error.startswith("a forward of this call ran positions 3..5 (from its cache)")
+    assert "handed on" not in call.error and call.error.endswith("(several candidate tokens per forward, or a "
+                                                                 "cropped cache)")
+
+
 def test_beam_search_is_a_clear_error_and_plain_forward_still_works(model):
     ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(8))
     plain = model.generate(input_ids=ids, max_new_tokens=3, num_beams=2)
