@@ -340,8 +340,9 @@ def attach(
     ``with nxl.attach(model) as probe: model.generate(**enc)`` then ``probe.steps`` (one record per new token).
 
     - ``layers``: "all" (0..L), "last" (L), or ints; negative ints count from the end.
-    - ``target``: "predicted" (the model's own argmax at the prediction position), an int id, a token or
-      label string, a list of them (adds a trailing axis of size k), or a (rows,) / (rows, k) id tensor.
+    - ``target``: "predicted" (the model's own argmax at the prediction position; in ``generate``, the token it
+      emitted, sampled or not), an int id, a token or label string, a list of them (adds a trailing axis of size
+      k), or a (rows,) / (rows, k) id tensor.
     - ``tokenizer``: needed for token-string targets, masked LMs and token strings in the result.
     - ``embedding``: "layer_input" (input of block 1, default) or "word" (the raw word-embedding row).
     - ``methods``: attribution methods to compute beside NormXLogit and LogAt (which every record has): names

@@ -59,16 +59,19 @@ def test_a_prompt_longer_than_a_head_chunk_has_its_features_taken_in_chunks_equa
     check_call(model, probe.calls[0], 4)
 
 
-def test_sampling_explains_the_sampled_token_with_num_return_sequences(model):
+@pytest.mark.parametrize("target", [{}, {"target": "predicted"}], ids=["default", "predicted"])
+def test_sampling_explains_the_sampled_token_with_num_return_sequences(model, target):
+    """target="predicted" in generate is the token it emitted, as the docs say: the sampled one, not the argmax."""
     ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(2))
     torch.manual_seed(3)
-    with nxl.attach(model, layers=[0, 2, -1]) as probe:
-        model.generate(input_ids=ids, max_new_tokens=8, do_sample=True, temperature=3.0, top_k=0,
-                       num_return_sequences=2)
+    with nxl.attach(model, layers=[0, 2, -1], **target) as probe:
+        out = model.generate(input_ids=ids, max_new_tokens=8, do_sample=True, temperature=3.0, top_k=0,
+                             num_return_sequences=2)
     call = probe.calls[0]
     assert call.sequences.shape[0] == 2 and probe.steps[0].normxlogit.shape == (3, 2, 5)
     hand = llama(model)
     for step in call.steps:  # the selected layers are rows 0, 2, 3 of the oracle's L+1
+        assert torch.equal(step.target, out[:, step.position]) and torch.equal(step.token, step.target)
         logits, embeddings = prefix_logits(model, hand, call.sequences[:, : step.position],
                                            torch.ones(2, step.position, dtype=torch.bool))
         _, expected = normxlogit(logits, embeddings, step.token)
