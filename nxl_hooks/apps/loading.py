@@ -654,7 +654,8 @@ def _built(config: Any, kind: str) -> type | None:
 
 def _explained_heads(config: Any) -> list[str]:
     """The head kinds (``--head``) whose class transformers builds for this config and NormXLogit explains."""
-    return [kind for kind in HEAD_CLASSES if (built := _built(config, kind)) is not None and class_head(built.__name__)]
+    return [kind for kind in HEAD_CLASSES
+            if (built := _built(config, kind)) is not None and class_head(built.__name__, config)]
 
 
 def _check_head(name: str, config: Any, kind: str) -> None:
@@ -665,8 +666,7 @@ def _check_head(name: str, config: Any, kind: str) -> None:
         raise ValueError(f"{name}: transformers builds {config.model_type} models as {found.__name__} for {kind}; "
                          f"{UNEXPLAINED}")
     if kind not in fits:
-        fix = (f"use {named('head', ' or '.join(fits))}" if fits else
-               f"nxl_hooks explains {', '.join(HEAD_CLASSES)} heads")
+        fix = f"use {named('head', ' or '.join(fits))}" if fits else UNEXPLAINED  # (no head of it: T5's)
         raise ValueError(f"{name}: transformers has no {kind} head for {config.model_type} models "
                          f"({HEAD_CLASSES[kind]} does not take a {type(config).__name__}); {fix}")
 

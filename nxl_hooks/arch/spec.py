@@ -266,6 +266,10 @@ def class_head(name: str, config: Any = None) -> HeadKind | None:
     not told apart), or None for a class nxl_hooks does not explain:
     ``class_head("BertForMaskedLM") is HeadKind.MASKED_LM``."""
     kind = next((kind for ending, kind in HEAD_CLASS_ENDINGS.items() if name.endswith(ending)), None)
+    if getattr(config, "is_encoder_decoder", False) is True:
+        # BART's, T5's, LED's *ForSequenceClassification: the head reads the decoder, whose input is the text shifted
+        # right (a position's hidden state is the previous token's) and which reads the encoder besides
+        return None
     if kind is HeadKind.CAUSAL_LM and getattr(config, "causal", None) is False:
         # XLM's and Flaubert's *WithLMHeadModel, bidirectional by default: a masked LM whose question is at its
         # [MASK] tokens, not at its last position

@@ -124,6 +124,10 @@ CASES = [
     ("base-model checkpoint", ["attribute", "{base}", TEXT],
      r"base: config.architectures \(\['LlamaModel'\]\) names no head that NormXLogit explains; pass --head "
      r"\(head=\) with one of causal_lm, sequence_classification$"),
+    # an encoder-decoder classifier (its head reads the decoder): attach said to register 'bart', after the load
+    ("encoder-decoder classifier checkpoint", ["attribute", "{seq2seq}", TEXT],
+     r"seq2seq: config.architectures names \['BartForSequenceClassification'\]; NormXLogit explains the head of "
+     r"a decoder-only or encoder text model .* encoder-decoder \(T5, BART, .* not supported"),
     ("vision-language checkpoint as a causal LM", ["attribute", "{vlm}", TEXT, "--head", "causal_lm"],
      r"vlm: transformers builds gemma3 models as Gemma3ForConditionalGeneration for causal_lm; NormXLogit explains "
      r"the head of a decoder-only or encoder text model"),
@@ -377,6 +381,7 @@ def where(tmp_path_factory) -> dict[str, str]:
         # a vision-language model's config.json (AutoModelForCausalLM builds Gemma3ForConditionalGeneration)
         "base": lambda p: transformers.LlamaConfig(architectures=["LlamaModel"]).save_pretrained(p),
         "vlm": lambda p: transformers.Gemma3Config(architectures=["Gemma3ForConditionalGeneration"]).save_pretrained(p),
+        "seq2seq": lambda p: transformers.BartConfig(architectures=["BartForSequenceClassification"]).save_pretrained(p),
         # a PEFT adapter (PeftModel.save_pretrained): the adapter's files beside the tokenizer, no config.json
         "adapter": lambda p: ((p / "config.json").unlink(), (p / "model.safetensors").rename(
             p / "adapter_model.safetensors"), (p / "adapter_config.json").write_text(json.dumps(

@@ -197,6 +197,10 @@ MODELS = cases(
      r"NormXLogit explains the head of a decoder-only or encoder text model .* vision-language \(Llava, "
      r"PaliGemma, Qwen2-VL, Gemma 3 from 4B\).* not supported \(docs/supported-models.md\)\.$"),
     ("an encoder-decoder model", "T5", r"T5ForConditionalGeneration has no head-on-top .* encoder-decoder \(T5, "),
+    # its class name is a classifier's, but its head reads the decoder (the text shifted right): the line said to
+    # register 'bart', and an entry that passes its checks would put each token's score on the one after it
+    ("an encoder-decoder classifier", "BART", r"BartForSequenceClassification has no head-on-top .* "
+     r"encoder-decoder \(T5, BART"),
     # XLMWithLMHeadModel reads as a causal LM by its name but is a masked LM unless config.causal: registering
     # what the message asks must explain its [MASK] tokens, not its last position
     ("a bidirectional XLM", "XLM", r"'xlm' \(XLMWithLMHeadModel\) is not supported: .* heads=\{'masked_lm': "),
@@ -208,6 +212,11 @@ def _unexplained(name: str) -> torch.nn.Module:
     import transformers as tf
     if name == "XLM":
         return tf.XLMWithLMHeadModel(tf.XLMConfig(vocab_size=16, emb_dim=8, n_layers=1, n_heads=2))
+    if name == "BART":
+        return tf.BartForSequenceClassification(tf.BartConfig(vocab_size=16, d_model=8, encoder_layers=1,
+                                                              decoder_layers=1, encoder_attention_heads=2,
+                                                              decoder_attention_heads=2, encoder_ffn_dim=16,
+                                                              decoder_ffn_dim=16))
     if name == "T5":
         return tf.T5ForConditionalGeneration(tf.T5Config(vocab_size=16, d_model=8, d_ff=16, d_kv=4, num_layers=1,
                                                          num_heads=2))
@@ -221,7 +230,7 @@ def _unexplained(name: str) -> torch.nn.Module:
 
 @pytest.mark.parametrize("model, message", MODELS)
 def test_models_without_a_head(lm, model, message):
-    other = _unexplained(model) if model in ("VLM", "T5", "XLM") else None
+    other = _unexplained(model) if model in ("VLM", "T5", "BART", "XLM") else None
     with pytest.raises(nxl.UnknownArchitectureError, match=message):
         nxl.attach(lm.model if isinstance(model, str) and model == "BASE" else other or model)
     assert _hooks(lm) == 0 and (other is None or _hooks(other) == 0)
