@@ -279,8 +279,10 @@ def class_head(name: str, config: Any = None) -> HeadKind | None:
 
 def head_kind(model: nn.Module) -> HeadKind:
     """The head kind of a transformers task model, from its class: ``head_kind(model) is HeadKind.CAUSAL_LM``."""
-    name = type(model).__name__
-    kind = class_head(name, getattr(model, "config", None))
+    name, config = type(model).__name__, getattr(model, "config", None)
+    # a user's subclass (class SentimentModel(BertForSequenceClassification)) reads out as the class it extends; its
+    # own forward is checked against its logits at attach (registry.is_tested: transformers' own classes only)
+    kind = next((kind for cls in type(model).__mro__ if (kind := class_head(cls.__name__, config)) is not None), None)
     if kind is None:
         raise UnknownArchitectureError(f"{name} has no head-on-top that nxl_hooks knows: {UNEXPLAINED}.")
     if kind is HeadKind.SEQUENCE_CLASSIFICATION:

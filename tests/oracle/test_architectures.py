@@ -195,7 +195,8 @@ def _expected_rows(case: Case, kind: str, ids: torch.Tensor, mask: torch.Tensor)
 
 
 def _kind(model) -> str:
-    name = type(model).__name__
+    # by the transformers class it is, or extends (a user's subclass may have any name)
+    name = next(cls.__name__ for cls in type(model).__mro__ if cls.__module__.startswith("transformers."))
     if name.endswith("ForSequenceClassification"):
         return "regression" if model.config.num_labels == 1 else "sequence_classification"
     return "masked_lm" if name.endswith("ForMaskedLM") else "causal_lm"
@@ -541,6 +542,33 @@ def test_discovery_whose_head_misses_the_models_own_logits_refuses_and_says_how_
                        r"nxl\.register_architecture\('olmo'"):
         nxl.attach(model)
     assert not nxl_hooks_on(model)  # nothing left on the model
+
+
+class SentimentModel(tf.BertForSequenceClassification):
+    """A user's subclass under a name of its own, its forward unchanged."""
+
+
+class DoubledChat(tf.LlamaForCausalLM):
+    """A user's subclass under a name of its own that doubles its logits."""
+
+    def forward(self, *args, **kwargs):
+        out = super().forward(*args, **kwargs)
+        out.logits = out.logits * 2.0
+        return out
+
+
+def test_a_subclass_under_a_name_of_its_own_reads_out_as_the_class_it_extends():
+    """The head kind was read from the class's own name alone: ``class SentimentModel(BertForSequenceClassification)``
+    was refused as a model NormXLogit does not explain (encoder-decoder, token classification...). It reads out as
+    the class it extends, and its entry is checked against its own logits at attach, as any subclass's is: one that
+    computes them otherwise is refused, not recorded with wrong numbers."""
+    case = CASES["bert-cls"]
+    res = _check_against_oracle(case, Case(case.config, SentimentModel, case.oracle, decoder=False).build())
+    assert res.meta["head_kind"] == "sequence_classification"
+    model = Case(_LLAMA, DoubledChat, oracle.llama).build()
+    with pytest.raises(nxl.RegistryError, match=r"\[llama\] .* gives logits that differ from DoubledChat's own"):
+        nxl.attach(model)
+    assert not nxl_hooks_on(model)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
