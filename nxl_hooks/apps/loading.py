@@ -578,11 +578,14 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
         if kind is None:
             fits, architectures = _explained_heads(config), getattr(config, "architectures", None)
             base = _built(config, "base")
-            if architectures and (base is None or base.__name__ not in architectures):  # a task model not explained
+            # a class of the user's own (a subclass saved with save_pretrained) names no head transformers knows
+            known = [one for one in architectures or () if isinstance(one, str) and hasattr(transformers, one)]
+            if known and (base is None or base.__name__ not in known):  # a task model not explained
                 raise ValueError(f"{name}: config.architectures names {architectures}; {UNEXPLAINED}")
-            # (a base model's weights, or none named: --head builds a task model of them)
-            raise ValueError(f"{name}: config.architectures ({architectures}) names no head that NormXLogit "
-                             f"explains; pass {named('head')} with one of {', '.join(fits or HEAD_CLASSES)}")
+            # (a base model's weights, a class of the user's own, or none named: --head builds a task model of them)
+            what = "no class of transformers" if architectures and not known else "no head that NormXLogit explains"
+            raise ValueError(f"{name}: config.architectures ({architectures}) names {what}; pass {named('head')} "
+                             f"with one of {', '.join(fits or HEAD_CLASSES)}")
         if loading.tp:
             _check_tp_heads(name, config)
         _check_saved_quantization(name, getattr(config, "quantization_config", None),

@@ -128,6 +128,11 @@ CASES = [
     ("encoder-decoder classifier checkpoint", ["attribute", "{seq2seq}", TEXT],
      r"seq2seq: config.architectures names \['BartForSequenceClassification'\]; NormXLogit explains the head of "
      r"a decoder-only or encoder text model .* encoder-decoder \(T5, BART, .* not supported"),
+    # saved from a subclass of the user's own (class SentimentModel(BertForSequenceClassification)): its name was
+    # said to be a model NormXLogit does not explain (encoder-decoder, token classification...); --head loads it
+    ("checkpoint of a user's subclass", ["attribute", "{subclass}", TEXT],
+     r"subclass: config.architectures \(\['SentimentModel'\]\) names no class of transformers; pass --head "
+     r"\(head=\) with one of causal_lm, sequence_classification, masked_lm$"),
     ("vision-language checkpoint as a causal LM", ["attribute", "{vlm}", TEXT, "--head", "causal_lm"],
      r"vlm: transformers builds gemma3 models as Gemma3ForConditionalGeneration for causal_lm; NormXLogit explains "
      r"the head of a decoder-only or encoder text model"),
@@ -381,6 +386,7 @@ def where(tmp_path_factory) -> dict[str, str]:
         # a vision-language model's config.json (AutoModelForCausalLM builds Gemma3ForConditionalGeneration)
         "base": lambda p: transformers.LlamaConfig(architectures=["LlamaModel"]).save_pretrained(p),
         "vlm": lambda p: transformers.Gemma3Config(architectures=["Gemma3ForConditionalGeneration"]).save_pretrained(p),
+        "subclass": lambda p: _edit(p / "config.json", architectures=["SentimentModel"]),
         "seq2seq": lambda p: transformers.BartConfig(architectures=["BartForSequenceClassification"]).save_pretrained(p),
         # a PEFT adapter (PeftModel.save_pretrained): the adapter's files beside the tokenizer, no config.json
         "adapter": lambda p: ((p / "config.json").unlink(), (p / "model.safetensors").rename(
