@@ -387,7 +387,8 @@ def where(tmp_path_factory) -> dict[str, str]:
         "base": lambda p: transformers.LlamaConfig(architectures=["LlamaModel"]).save_pretrained(p),
         "vlm": lambda p: transformers.Gemma3Config(architectures=["Gemma3ForConditionalGeneration"]).save_pretrained(p),
         "subclass": lambda p: _edit(p / "config.json", architectures=["SentimentModel"]),
-        "seq2seq": lambda p: transformers.BartConfig(architectures=["BartForSequenceClassification"]).save_pretrained(p),
+        "seq2seq": lambda p: transformers.BartConfig(architectures=["BartForSequenceClassification"]).save_pretrained(
+            p),
         # a PEFT adapter (PeftModel.save_pretrained): the adapter's files beside the tokenizer, no config.json
         "adapter": lambda p: ((p / "config.json").unlink(), (p / "model.safetensors").rename(
             p / "adapter_model.safetensors"), (p / "adapter_config.json").write_text(json.dumps(
