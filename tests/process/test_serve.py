@@ -725,6 +725,30 @@ def test_import_auto_attaches_in_code_and_bad_settings_never_harm(tiny, tmp_path
     assert len(lines) == 1 and "NXL_LAYERS" in lines[0]
 
 
+def test_import_auto_with_nxl_listen_serves_http_with_a_token_of_its_run(tiny, tmp_path):
+    """NXL_LISTEN without nxl run (import nxl_hooks.auto, the variables set by hand): the endpoint writes the run's
+    token itself (nxl run --listen writes it before the program starts; here no one did, and the endpoint never
+    listened, saying only that the token file was missing)."""
+    code = textwrap.dedent("""
+        import json, sys, urllib.request
+        import nxl_hooks.auto
+        from transformers import AutoModelForCausalLM
+        model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+        address = nxl_hooks.auto.controller().status()["endpoint"]["http"]
+        token = open(sys.argv[2]).read().strip()
+        ask = urllib.request.Request(f"http://{address}/v1/status", headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(ask, timeout=30) as response:
+            print("RESULT", [entry["name"] for entry in json.loads(response.read())["models"]])
+    """)
+    run = tmp_path / "run"
+    env = {**os.environ, "NXL_RUN_DIR": str(run), "NXL_LISTEN": f"127.0.0.1:{free_port()}", **SERVE_ENV}
+    done = subprocess.run([sys.executable, "-c", code, str(tiny.path), str(run / "token")], capture_output=True,
+                          text=True, env=env, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split("RESULT ")[1].strip() == repr([str(tiny.path)])
+    assert stat.S_IMODE((run / "token").stat().st_mode) == 0o600
+
+
 def test_nxl_run_loading_options_reach_the_programs_own_loads(tiny, tmp_path, capsys, monkeypatch):
     """--dtype and --load-in-8bit become defaults of the program's from_pretrained for the models --models picks;
     what the program sets itself wins; a GGUF file with bitsandbytes is refused before the program starts. A model

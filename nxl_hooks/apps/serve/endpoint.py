@@ -59,7 +59,7 @@ from ...hooks.probe import end_records
 from ...hooks.subscription import Subscription
 from ...records.writer import stream_bytes
 from .readout import Watched, call_view, ended, forward_view, step_view, summary
-from .runs import check_private, enlist, peer_uid, read_token, socket_path
+from .runs import check_private, enlist, peer_uid, run_token, socket_path
 from .settings import NoMatch, Settings, parse_listen
 
 __all__ = ["MAX_BODY", "MAX_CONNECTIONS", "MAX_STREAMS", "REQUEST_SECONDS", "WRITE_SECONDS", "ControlServer",
@@ -534,7 +534,7 @@ class ControlServer:
     def _listen(self) -> None:
         try:
             host, port = parse_listen(self.settings.listen, allow_remote=self.settings.allow_remote)
-            token = read_token(self.settings.run_dir)
+            token = run_token(self.settings.run_dir)  # (written here under import nxl_hooks.auto)
             if len(token) < 16:
                 raise ValueError(f"the token in {self.settings.run_dir} is too short to guard anything")
             server = _TCPServer((host, port), _Handler)

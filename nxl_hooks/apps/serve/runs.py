@@ -3,6 +3,7 @@
     folder = make_run_dir("runs/")            # created 0700; refused unless private to this user
     token = write_token(folder)               # runs/token, created 0600, never over another's file
     token = read_token(folder)                # refused unless a regular file of this user that nobody else reads
+    token = run_token(folder)                 # that one, or a new one when there is none (never over a file)
     enlist(socket_path(folder, os.getpid()))  # what `nxl tail` / `nxl ctl` without --run choose from
     live_sockets()                            # [(socket, started)] of this user's processes, newest first
 
@@ -27,7 +28,7 @@ from pathlib import Path
 from ...records.files import user_path
 
 __all__ = ["bearer", "check_private", "enlist", "live_sockets", "make_run_dir", "peer_uid", "private_run_dir",
-           "read_token", "socket_path", "write_token"]
+           "read_token", "run_token", "socket_path", "write_token"]
 
 TOKEN = "token"
 _TOKEN_BYTES = 4096  # a token file is one line; a larger one is not a token
@@ -129,15 +130,35 @@ def write_token(folder: Path) -> str:
     with contextlib.suppress(FileNotFoundError):
         _check_secret(path, os.lstat(path))
         path.unlink()  # our own token from an earlier run: a new run gets a new token
-    token = secrets.token_urlsafe(32)
     try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+        return _new_token(path)
     except FileExistsError:
         raise PermissionError(f"{path} appeared while nxl wrote it: someone else writes in {folder}") from None
+
+
+def _new_token(path: Path) -> str:
+    """A new random token written to ``path``, created 0600 with O_EXCL (FileExistsError when anything is there)."""
+    token = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as fh:
         os.fchmod(fh.fileno(), 0o600)  # whatever the umask
         fh.write(token + "\n")
     return token
+
+
+def run_token(folder: Path) -> str:
+    """The token of the run in ``folder`` (checked: a private run folder), for its HTTP endpoint: the one in
+    ``folder/token``, else a new one written there. nxl run --listen writes it before the program starts; with
+    ``import nxl_hooks.auto`` and ``NXL_LISTEN`` no one did, and the endpoint would never serve. Never replaces a
+    file: one that another process of the run writes meanwhile is the one read."""
+    try:
+        return read_token(folder)
+    except FileNotFoundError:
+        pass
+    try:
+        return _new_token(folder / TOKEN)
+    except FileExistsError:
+        return read_token(folder)
 
 
 def read_token(path: Path) -> str:
