@@ -562,3 +562,26 @@ def test_docs_state_the_catalogue():
         f"docs/testing.md should say: {total} bad inputs ({expected[1]} to the library and files, {expected[2]} "
         f"to the command line): all {total} give a clear error")
     assert len(set(CLI_CATALOGUE)) == len(CLI_CATALOGUE)
+
+
+def test_nxl_run_listen_on_a_port_in_use_is_refused_before_the_program_starts(tmp_path):
+    """--listen on a port another program listens on (or an address this machine does not have): exit 2 and one
+    line before the program starts. The program started, and its endpoint said so only in its log once it loaded a
+    model, serving on its Unix socket alone (and nxl tail --run http://... reached the other program)."""
+    import socket
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).parents[2])}
+    program = ["--", sys.executable, "-c", "print('the program ran')"]
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        for listen, message in ((f"127.0.0.1:{port}", f"port {port} is in use (another program listens there): "
+                                 "pick a free port, or leave --listen out"),
+                                ("192.0.2.1:8765", "cannot listen there (")):  # TEST-NET-1: no machine's address
+            done = subprocess.run([sys.executable, "-m", "nxl_hooks", "run", "--listen", listen, "--allow-remote",
+                                   *program], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+            assert done.returncode == 2 and "the program ran" not in done.stdout, (done.stdout, done.stderr)
+            (line,) = done.stderr.strip().splitlines()
+            assert line.startswith(f"nxl run: error: --listen {listen}: {message}"), line

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import os
 import re
 import shutil
@@ -21,7 +22,7 @@ from pathlib import Path
 from ..extras import SERVE_MODULES, extra_line, require_extra
 from ..options import CliError, add_loading_options, check_output_folder, loading_options, say
 from ..schema import read_args, replaced_env
-from ..serve.settings import Settings, add_run_options
+from ..serve.settings import Settings, add_run_options, parse_listen
 
 NAME = "run"
 
@@ -75,6 +76,29 @@ def sink_kind(value: str | None, python: str | None = None, *, target: bool = Fa
     return value
 
 
+def check_listen(value: str, *, allow_remote: bool) -> None:
+    """A :class:`CliError` when ``--listen``'s address cannot be bound now: another program listens on the port,
+    or the host is no address of this machine. The program's endpoint would meet the same once it loads a model,
+    and say it only in the program's log, serving on its Unix socket alone. Bound as the endpoint binds it
+    (SO_REUSEADDR: a port that only closed connections still hold is free), then let go."""
+    import socket
+
+    host, port = parse_listen(value, allow_remote=allow_remote)
+    if port == 0:  # any free port
+        return
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as error:
+            if error.errno == errno.EADDRINUSE:
+                raise CliError(f"--listen {value}: port {port} is in use (another program listens there): pick a "
+                               "free port, or leave --listen out (nxl tail and nxl ctl reach the run through its "
+                               "Unix socket)") from None
+            raise CliError(f"--listen {value}: cannot listen there ({error.strerror or error}): give an address "
+                           "of this machine, like 127.0.0.1:8765") from None
+
+
 def prepare_run(args: argparse.Namespace, load: dict, python: str | None = None, *, target: bool = False) -> Settings:
     """The run's :class:`~nxl_hooks.apps.serve.settings.Settings` from parsed ``add_run_options`` flags (checked
     before anything is made; a sink kind's extra in ``python``, as :func:`sink_kind` says), and its run folder:
@@ -84,6 +108,8 @@ def prepare_run(args: argparse.Namespace, load: dict, python: str | None = None,
 
     spec = sink_kind(args.sink, python, target=target)
     settings = Settings.from_args(args, run_dir=Path(), load=load, sink_spec=spec)  # a bad flag makes no folder
+    if settings.listen:
+        check_listen(settings.listen, allow_remote=settings.allow_remote)
     if args.sink and not spec:
         check_output_folder(args.sink, "--sink")
         folder = make_run_dir(args.sink)
