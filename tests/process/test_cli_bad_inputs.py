@@ -305,6 +305,9 @@ CASES = [
     ("run sink is a file", ["run", "--sink", "{existing_html}", "--", "true"],
      r"--sink .*existing.html: .*existing.html is a file, not a folder"),
     ("run sink in an unknown user's home", ["run", "--sink", NOUSER + "/s", "--", "true"], HOMELESS),
+    ("run sink where no folder can be made", ["run", "--sink", "/proc/nxl-no-such/s", "--", "true"],
+     r"/proc/nxl-no-such/s: the folder /proc/nxl-no-such cannot be made \(No such file or directory\): give a "
+     r"folder you can write in$"),
     ("run without a program", ["run", "--sink", "{outdir}"], r"give the program to run after --"),
     # written twice: refused before the program starts, as resolving it in the program would refuse it
     ("run target written twice", ["run", "--target", "5,5", "--", "true"],

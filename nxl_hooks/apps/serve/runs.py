@@ -88,7 +88,11 @@ def make_run_dir(path: str | Path) -> Path:
     """``path`` as a run folder: created 0700 (and each missing folder above it), then :func:`check_private`."""
     folder = user_path(path).resolve()
     for missing in reversed([each for each in (folder, *folder.parents) if not each.exists()]):
-        missing.mkdir(mode=0o700, exist_ok=True)
+        try:
+            missing.mkdir(mode=0o700, exist_ok=True)
+        except OSError as error:  # (/proc, a read-only file system, another user's folder): said with the path given
+            raise type(error)(f"{path}: the folder {missing} cannot be made ({error.strerror or error}): give a "
+                              "folder you can write in") from None
     return check_private(folder)
 
 
