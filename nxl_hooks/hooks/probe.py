@@ -375,7 +375,9 @@ def attach(
         if backbone in _ATTACHED:
             raise RuntimeError(
                 "a probe is already attached to this model: leave the first `with nxl.attach(...)` block "
-                "(or call probe.detach(), or nxl.detach_all(model)) before attaching again"
+                "(or call probe.detach(), or nxl.detach_all(model)) before attaching again; under nxl run (or "
+                "import nxl_hooks.auto), which attaches every model loaded, call nxl_hooks.auto.controller().pause() "
+                "first and .resume() after"
             )
         # Only now the sink file is opened: a refused probe never truncates one.
         hub = Hub(on_step=on_step, sink=sink, keep_steps=keep_steps, keep_calls=keep_calls,

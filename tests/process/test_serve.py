@@ -749,6 +749,39 @@ def test_import_auto_with_nxl_listen_serves_http_with_a_token_of_its_run(tiny, t
     assert stat.S_IMODE((run / "token").stat().st_mode) == 0o600
 
 
+def test_a_program_that_explains_a_model_nxl_run_attached_is_told_how_and_then_can(tiny, tmp_path):
+    """nxl.explain in a program under nxl run: one probe per model, and nxl run's is on it. The refusal says how
+    (it said only to leave a `with nxl.attach` block the program never wrote); done so, the scores are the
+    oracle's and nxl run's probe records again after the resume."""
+    code = textwrap.dedent("""
+        import json, sys, torch
+        import nxl_hooks as nxl, nxl_hooks.auto
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+        tok = AutoTokenizer.from_pretrained(sys.argv[1])
+        try:
+            nxl.explain(model, tok, "hello world how are")
+        except RuntimeError as refused:
+            print("REFUSED", refused)
+        nxl_hooks.auto.controller().pause()
+        res = nxl.explain(model, tok, "hello world how are")
+        nxl_hooks.auto.controller().resume()
+        model.generate(input_ids=torch.tensor([[1, 64, 67]]), max_new_tokens=2, do_sample=False)
+        calls = len(nxl_hooks.auto.probe(model).calls)
+        print("RESULT", json.dumps([res.input_ids[0].tolist(), res.normxlogit[:, 0].tolist(), calls]))
+    """)
+    done = subprocess.run([*NXL, "run", "--", sys.executable, "-c", code, str(tiny.path)], capture_output=True,
+                          text=True, env={**os.environ, **SERVE_ENV}, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    refusal = done.stdout.split("REFUSED ")[1].splitlines()[0]
+    assert "under nxl run (or import nxl_hooks.auto)" in refusal and "controller().pause()" in refusal, refusal
+    ids, scores, calls = json.loads(done.stdout.split("RESULT ")[1])
+    logits, embeddings = prefix_logits(tiny.model, tiny.hand, torch.tensor([ids]), torch.ones(1, len(ids)))
+    _, expected = normxlogit(logits, embeddings, logits[-1, 0, -1].argmax()[None])
+    torch.testing.assert_close(torch.tensor(scores), expected[:, 0], rtol=1e-4, atol=1e-5)
+    assert calls == 1
+
+
 def test_nxl_run_loading_options_reach_the_programs_own_loads(tiny, tmp_path, capsys, monkeypatch):
     """--dtype and --load-in-8bit become defaults of the program's from_pretrained for the models --models picks;
     what the program sets itself wins; a GGUF file with bitsandbytes is refused before the program starts. A model
