@@ -817,7 +817,8 @@ class Run:
                 self._prompt_ids = []
                 mask = self._mask.view()[:, : self._prompt_len].cpu()
                 self._hub.prompt(self.call, ids, mask, readable=self._plan.readable_rows(ids),
-                                 template=self._plan.template(ids, mask), special_ids=self._plan.special_ids)
+                                 template=self._plan.template(ids, mask), special_ids=self._plan.special_ids,
+                                 target_texts=self._plan.target_texts)
 
     def _real_mask(self, mask: torch.Tensor, past: int, new: int) -> torch.Tensor:
         """``mask`` with generated positions whose token a finished row only padded switched off (on the device:

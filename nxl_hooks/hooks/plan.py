@@ -251,6 +251,15 @@ class Plan:
         """The readable text of each token id (:class:`TokenTexts`), None without a tokenizer."""
         return self.texts(ids) if self.texts is not None else None
 
+    @functools.cached_property
+    def target_texts(self) -> dict[int, str] | None:
+        """The readable text of each fixed target id (:meth:`readable`), which a call records once
+        (:attr:`~nxl_hooks.GenerationCall.target_texts`); None for the model's own prediction or without a tokenizer."""
+        if self.fixed_targets is None or self.texts is None:
+            return None
+        ids = sorted(set(self.fixed_targets.reshape(-1).tolist()))
+        return dict(zip(ids, self.readable(ids)))
+
     def readable_rows(self, ids: torch.Tensor | None) -> list[list[str]] | None:
         """:meth:`readable` of each row of a (rows, seq) id tensor; None without a tokenizer or ids."""
         if self.tokenizer is None or ids is None:

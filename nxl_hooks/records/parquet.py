@@ -117,6 +117,7 @@ class _Context:
 
     def __init__(self, call: GenerationCall) -> None:
         self.request_id, self.model, self.special_ids = call.request_id, call.model, call.special_ids
+        self.target_texts = call.target_texts
         self.prompt_len = call.prompt_mask.shape[1]
         self.context_template = call.context_template  # the prompt's flags, then False on generated tokens
         mask = call.prompt_mask
@@ -154,7 +155,7 @@ def _rows(context: _Context, step: Step) -> dict[str, Any]:
     pick = lambda t: t.numpy()[keep]  # noqa: E731 - one filter for every column
     targets = step.target.long().view(batch, -1)
     texts = np.array(context.texts, dtype=object).reshape(batch, -1)
-    same = step.readable and torch.equal(targets[:, 0], step.token.long()) and k == 1
+    named = np.array(step.target_names(context.target_texts), dtype=object).reshape(batch, k)  # (the one rule)
     emitted_text = np.array(step.readable if step.readable else [None] * batch, dtype=object)
     prob = step.probability.float().view(batch, -1)[row, target_index] if step.probability is not None else None
     row_k, pos_k = pick(row), pick(position)
@@ -179,7 +180,7 @@ def _rows(context: _Context, step: Step) -> dict[str, Any]:
         "token_text": list(texts[row_k, pos_k]),
         "target_index": pick(target_index).astype(np.int32),
         "target_id": pick(targets[row, target_index]),
-        "target_text": list(emitted_text[row_k]) if same else [None] * len(row_k),
+        "target_text": list(named[row_k, pick(target_index)]),
         "probability": pick(prob).astype(np.float32) if prob is not None else None,
         **{name: pick(step.scores[name].to(torch.float32 if name in DEFAULT else torch.float64)
                       .reshape(n_layers, batch, n, k)[layer_i, row, position, target_index])

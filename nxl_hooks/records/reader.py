@@ -254,6 +254,19 @@ def _ints(header: dict, name: str) -> list[int] | None:
     raise ValueError(f"{name!r} is {value!r:.80}, expected a list of token ids")
 
 
+def _named_ids(header: dict, name: str) -> dict[int, str] | None:
+    """An optional mapping of token ids to texts, its keys the ids as JSON writes them (``{"348": "␣Paris"}``)."""
+    value = header.get(name)
+    if value is None:
+        return None
+    if isinstance(value, dict) and all(isinstance(key, str) and key.isascii() and key.lstrip("-").isdigit()
+                                       and isinstance(text, str) for key, text in value.items()):
+        ids = {int(key): text for key, text in value.items()}
+        if all(-_ID <= i < _ID for i in ids):
+            return ids
+    raise ValueError(f"{name!r} is {value!r:.80}, expected token ids and their texts")
+
+
 class _Gap(Exception):
     """Frames whose checksums hold but whose order does not: a frame missing, repeated or moved."""
 
@@ -314,6 +327,7 @@ def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, to
                                       readable=None if unprompted else _texts(header, "readable", *shape),
                                       prompt_template=template,
                                       special_ids=_ints(header, "special_ids"),
+                                      target_texts=None if unprompted else _named_ids(header, "target_texts"),
                                       model=_text(header, "model"),
                                       started=_field(header, "started", (float, int), optional=True))
         return False

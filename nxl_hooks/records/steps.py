@@ -160,10 +160,24 @@ class Step:
             readable=readable,
             template=template,
             probability=self.probability,
-            # the emitted token named as names() names it ('#ID' without texts, not its bare id)
-            target_text=[[self.token_name(row)] for row in range(batch)] if self.target.dim() == 1
-            and torch.equal(self.target, self.token) else None,
+            target_text=self._target_texts(call),
         )
+
+    def _target_texts(self, call: "GenerationCall | None") -> list[list[str]] | None:
+        """Each row's explained ids as read (:attr:`Attribution.target_text`), where every one is known
+        (:meth:`target_names`), else None; the emitted token named as :meth:`names` names it ('#ID' without texts)."""
+        if self.target.dim() == 1 and torch.equal(self.target, self.token):
+            return [[self.token_name(row)] for row in range(self.token.shape[0])]
+        texts = self.target_names(call.target_texts if call is not None else None)
+        return texts if all(text is not None for row in texts for text in row) else None
+
+    def target_names(self, fixed: "dict[int, str] | None") -> list[list[str | None]]:
+        """The one rule naming a step's explained ids, per row (batch, k): the emitted token's readable text where
+        the id is that token, else the fixed target's text its call recorded (``fixed``:
+        :attr:`GenerationCall.target_texts`), else None (not known)."""
+        rows = self.target.reshape(self.token.shape[0], -1).tolist()
+        return [[self.readable[row] if self.readable and id_ == int(self.token[row]) else (fixed or {}).get(id_)
+                 for id_ in ids] for row, ids in enumerate(rows)]
 
 
     def view(self, call: "GenerationCall | None" = None, *, k: int = 5, row: int = 0, label: int = 0,
@@ -175,7 +189,8 @@ class Step:
         ``0 .. position`` (the context, then the emitted token), default the record's readable texts (``#ID`` where
         unknown); ``special``: bool (batch, position), the context's special tokens, default ``call.special_ids``';
         ``target``: the text of the explained id where it is not the emitted token (``attach(target=...)``),
-        default as the context names that id, else ``#ID`` (the record holds no text of it); ``all_positions``: every
+        default the text ``call`` recorded of it (:attr:`GenerationCall.target_texts`), else as the context names
+        that id, else ``#ID`` (the record holds no text of it); ``all_positions``: every
         real context token ranks (:meth:`~nxl_hooks.Attribution.top`).
         ``probe.calls[-1].steps[0].view(probe.calls[-1], k=3).to_json()``"""
         batch = self.token.shape[0]
@@ -211,8 +226,12 @@ class Step:
         return token, own, targets[label], probabilities[label]
 
     def _text_of(self, call: "GenerationCall | None", row: int, id_: int, names: list[str]) -> str:
-        """How the context names id ``id_``: the text of ``names`` where row ``row``'s context holds it, else ``#ID``
-        (the record holds no text of it)."""
+        """How a view names explained id ``id_``: the text its call recorded of a fixed target
+        (:attr:`GenerationCall.target_texts`), else the text of ``names`` where row ``row``'s context holds it, else
+        ``#ID`` (the record holds no text of it)."""
+        fixed = call.target_texts if call is not None else None
+        if fixed and id_ in fixed:
+            return fixed[id_]
         ids = call.context_ids(self.position) if call is not None else None
         known = ids[row].tolist() if ids is not None else []
         return names[known.index(id_)] if id_ in known else untexted(id_)
@@ -263,6 +282,9 @@ class GenerationCall:
     #: without a tokenizer (or in older files)
     special_ids: list[int] | None = None
     model: str | None = None  #: the model's name (its folder or hub id, else its class); None in older files
+    #: the readable text of each fixed target id (``attach(target=...)``), recorded once with the prompt; None for the
+    #: model's own prediction, without a tokenizer, or in older files. ``call.target_texts[348]`` -> '␣Paris'
+    target_texts: dict[int, str] | None = None
     #: when the call started and ended (returned, or stopped being recorded), in seconds since the epoch; both
     #: None in older files, ``ended`` None while it runs
     started: float | None = field(default_factory=_time.time)

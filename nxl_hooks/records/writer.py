@@ -12,7 +12,8 @@ call whose prompt never ran recorded, whose end frame follows), ``step`` or ``en
 true on a call's first step kept where a rotating sink deleted the steps before it); a rotated file's first frame
 (``kind`` ``file``) names the file's number and its writer. Files of format 1 (nxl_hooks 0.1: no
 ``seq``, no ``file`` frame) still read, with the reader's step checks. A ``call`` frame also carries
-``model``, ``started`` and ``special_ids``, a ``step`` frame its ``time`` and an ``end`` frame ``ended``: optional
+``model``, ``started``, ``special_ids`` and ``target_texts`` (each fixed target id's text, keyed by the id as a
+string), a ``step`` frame its ``time`` and an ``end`` frame ``ended``: optional
 entries of format 2, which older readers skip; records read from older files without them have None there
 (``tests/data/stream-v2.nxl`` is such a file). A ``step`` frame holds the scores of NormXLogit and LogAt as the
 tensors ``normxlogit`` and ``logat``, and those of any other method the probe computed as ``scores.<method>``
@@ -92,7 +93,9 @@ def encode_call(call: GenerationCall, meta: dict, *, seq: int | None = None) -> 
     return _encode(tensors, {"kind": "call", "call": call.index, "layers": call.layers, "meta": meta,
                              "request_id": call.request_id, "thread": call.thread,
                              "readable": call.readable if prompted else None,
-                             "model": call.model, "started": call.started, "special_ids": call.special_ids}, seq)
+                             "model": call.model, "started": call.started, "special_ids": call.special_ids,
+                             # JSON keys are texts: {"348": "␣Paris"}
+                             "target_texts": call.target_texts if prompted else None}, seq)
 
 
 def encode_step(step: Step, *, seq: int | None = None, first_kept: bool = False) -> bytes:

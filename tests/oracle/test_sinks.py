@@ -122,6 +122,49 @@ def test_parquet_live_and_exported_rows_equal_the_stream_records_and_the_oracle(
     check_call(model, _from_rows(columns, stream.calls[0], [0, 1, 2]), 4)
 
 
+def test_fixed_targets_are_named_by_the_tokenizers_text_in_memory_on_disk_in_parquet_and_in_views(tmp_path):
+    """attach(target=[a, b]) around generate: a fixed target the context does not hold was named '#ID' (step views,
+    the repr, the generation page) and had no text in to_attribution() or Parquet's target_text, though the probe had
+    the tokenizer. The call records each target's text once (read back from its stream file): the oracle is the
+    tokenizer's own decode of the id, its leading space shown '␣'."""
+    import bpe_tiny
+    from nxl_hooks.records.html import generation_html
+
+    tok = bpe_tiny.bpe_tokenizer()
+    model = bpe_tiny.bpe_llama(tok)
+    enc = tok("The capital of Italy is", return_tensors="pt")
+    targets = [tok(word, add_special_tokens=False)["input_ids"] for word in (" Paris", " London")]
+    assert all(len(ids) == 1 for ids in targets)  # one token each
+    targets = [ids[0] for ids in targets]
+    assert not set(targets) & set(enc["input_ids"][0].tolist())  # the context does not name them
+    decoded = [tok.decode([i]) for i in targets]
+    assert all(text.startswith(" ") and text[1:].isalpha() for text in decoded)
+    expected = ["␣" + text[1:] for text in decoded]
+    with torch.no_grad(), nxl.attach(model, layers=[-1], tokenizer=tok, target=targets,
+                                     sink=tmp_path / "run.nxl") as probe:
+        model.generate(**enc, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    (back,) = nxl.read_stream(tmp_path / "run.nxl", strict=True)
+    named = 0
+    for call in (probe.calls[-1], back):
+        page = generation_html(call)
+        for step in call.steps:
+            assert step.to_attribution().target_text == [expected]
+            for label, (target, text) in enumerate(zip(targets, expected)):
+                if int(step.token[0]) != target:  # the view names the target where it is not the token
+                    named += 1
+                    assert step.view(call, label=label).target == text
+            if int(step.token[0]) != targets[0]:
+                assert f"explaining target '{expected[0]}' (id {targets[0]}" in repr(step)
+                assert f" · explains {expected[0]}" in page
+        assert call.target_texts == dict(zip(targets, expected))  # recorded once, with the call
+    assert named
+    assert cli_main(["export", str(tmp_path / "run.nxl"), str(tmp_path / "run.parquet")]) == 0
+    columns = _table(tmp_path / "run.parquet")
+    assert columns["target_id"] and all(
+        (target, text) == (targets[index], expected[index])
+        for target, text, index in zip(columns["target_id"], columns["target_text"], columns["target_index"]))
+
+
 def test_parquet_token_ids_the_records_do_not_hold_are_null_not_minus_one(chat, tmp_path):
     """A prompt given as inputs_embeds has no token ids: its rows' token_id was -1, an id no tokenizer has, which a
     join or a count took for a token; it is null now, like its token_text."""

@@ -273,9 +273,9 @@ def test_a_fixed_target_is_named_beside_the_token_each_with_its_own_probability(
     assert (itself.target_id, itself.target, itself.target_probability) == (None, None, None)
     assert itself.probability == pytest.approx(float(own[token]), rel=1e-4)
 
-    call, step = first_step([good])  # not in the context, and the token's probability is not recorded
+    call, step = first_step([good])  # not in the context (named by its recorded text); the token's probability unknown
     view = step.view(call)
-    assert (view.probability, view.target_id, view.target) == (None, good, f"#{good}")
+    assert (view.probability, view.target_id, view.target) == (None, good, "good")  # the text the call recorded
     assert view.target_probability == pytest.approx(float(own[good]), rel=1e-4)
 
     live = step_view(_Watched(tokenizer), call, step)  # the endpoint names the target by the model's tokenizer

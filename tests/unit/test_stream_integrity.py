@@ -630,6 +630,7 @@ def test_a_stream_file_written_by_0_2_reads_and_exports_without_the_new_fields(t
     (call,) = nxl.read_stream(DATA / "stream-v2.nxl", strict=True)
     assert call.complete and len(call.steps) == 2 and call.layers == [0, 3] and call.prompt_template is not None
     assert (call.model, call.started, call.ended, call.special_ids) == (None, None, None, None)
+    assert call.target_texts is None  # (nor the fixed targets' texts)
     assert [step.time for step in call.steps] == [None, None]
     tok = bpe_tiny.bpe_tokenizer()
     assert call.text == tok.decode(call.sequences[0, call.prompt_ids.shape[1]:])
