@@ -496,6 +496,30 @@ def test_a_token_already_there_is_never_silently_replaced_and_readers_check_it(t
     assert stat.S_IMODE(token.stat().st_mode) == 0o600 and token.stat().st_uid == os.getuid()
 
 
+def test_a_token_another_process_of_the_run_writes_meanwhile_is_read_whole(tmp_path, monkeypatch):
+    """Two processes of one run under import nxl_hooks.auto with NXL_LISTEN (workers) each ask for its token: the
+    one that finds no file writes it. The other, looking while it was written, found the file made but still empty
+    and took '' for the token (its endpoint then said 'too short to guard anything'); now both read one token, the
+    one in the file."""
+    from nxl_hooks.apps.serve import runs
+
+    run = runs.make_run_dir(tmp_path / "run")
+    seen, fchmod = [], os.fchmod
+
+    def meanwhile(fd, mode):  # the moment between the token file's creation and its write: another worker asks
+        if not seen:
+            seen.append(None)
+            seen[0] = runs.run_token(run)
+        fchmod(fd, mode)
+
+    monkeypatch.setattr(os, "fchmod", meanwhile)
+    mine = runs.run_token(run)
+    monkeypatch.undo()
+    assert seen == [mine] and (run / "token").read_text() == mine + "\n" and len(mine) >= 40
+    assert sorted(path.name for path in run.iterdir()) == ["token"]  # nothing else left in the run folder
+    assert stat.S_IMODE((run / "token").stat().st_mode) == 0o600
+
+
 def test_a_token_that_no_header_can_carry_is_refused_in_a_line_that_does_not_show_it(tmp_path, capsys, monkeypatch):
     """A token file of two lines or of non-ASCII text (an edited or pasted file), or such an NXL_TOKEN, reached
     http.client, whose refusal was either a codec's ("'latin-1' codec can't encode characters") or the whole

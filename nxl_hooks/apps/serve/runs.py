@@ -141,12 +141,20 @@ def write_token(folder: Path) -> str:
 
 
 def _new_token(path: Path) -> str:
-    """A new random token written to ``path``, created 0600 with O_EXCL (FileExistsError when anything is there)."""
+    """A new random token written to ``path``, created 0600 with O_EXCL (FileExistsError when anything is there).
+    Written whole to a file of its own first, then linked at ``path`` (link never replaces a file, nor follows a
+    link): a reader never finds the file empty, as another process of the run (:func:`run_token`) would have read
+    it between its creation and its write, and refused the endpoint a token 'too short to guard anything'."""
     token = secrets.token_urlsafe(32)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        os.fchmod(fh.fileno(), 0o600)  # whatever the umask
-        fh.write(token + "\n")
+    draft = path.with_name(f".{path.name}-{os.getpid()}-{secrets.token_hex(4)}")
+    fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            os.fchmod(fh.fileno(), 0o600)  # whatever the umask
+            fh.write(token + "\n")
+        os.link(draft, path)
+    finally:
+        draft.unlink()
     return token
 
 
