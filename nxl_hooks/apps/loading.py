@@ -582,10 +582,12 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
             known = [one for one in architectures or () if isinstance(one, str) and hasattr(transformers, one)]
             if known and (base is None or base.__name__ not in known):  # a task model not explained
                 raise ValueError(f"{name}: config.architectures names {architectures}; {UNEXPLAINED}")
+            if not fits:  # (T5's: --head would be refused as well, whichever it named)
+                raise ValueError(f"{name}: NormXLogit explains no head of {config.model_type} models; {UNEXPLAINED}")
             # (a base model's weights, a class of the user's own, or none named: --head builds a task model of them)
             what = "no class of transformers" if architectures and not known else "no head that NormXLogit explains"
             raise ValueError(f"{name}: config.architectures ({architectures}) names {what}; pass {named('head')} "
-                             f"with one of {', '.join(fits or HEAD_CLASSES)}")
+                             f"with one of {', '.join(fits)}")
         if loading.tp:
             _check_tp_heads(name, config)
         _check_saved_quantization(name, getattr(config, "quantization_config", None),

@@ -133,6 +133,14 @@ CASES = [
     ("checkpoint of a user's subclass", ["attribute", "{subclass}", TEXT],
      r"subclass: config.architectures \(\['SentimentModel'\]\) names no class of transformers; pass --head "
      r"\(head=\) with one of causal_lm, sequence_classification, masked_lm$"),
+    # a model type of which no head is explained (T5), saved from the user's subclass or as its base model: it said
+    # to pass --head with any of causal_lm, sequence_classification, masked_lm, each of which --head then refused
+    ("checkpoint of a user's subclass of T5", ["attribute", "{seq2seq_own}", TEXT],
+     r"seq2seq_own: NormXLogit explains no head of t5 models; NormXLogit explains the head of a decoder-only or "
+     r"encoder text model .* encoder-decoder \(T5, BART, .* not supported"),
+    ("T5 base-model checkpoint", ["attribute", "{seq2seq_base}", TEXT],
+     r"seq2seq_base: NormXLogit explains no head of t5 models; NormXLogit explains the head of a decoder-only or "
+     r"encoder text model .* encoder-decoder \(T5, BART, .* not supported"),
     ("vision-language checkpoint as a causal LM", ["attribute", "{vlm}", TEXT, "--head", "causal_lm"],
      r"vlm: transformers builds gemma3 models as Gemma3ForConditionalGeneration for causal_lm; NormXLogit explains "
      r"the head of a decoder-only or encoder text model"),
@@ -392,6 +400,8 @@ def where(tmp_path_factory) -> dict[str, str]:
         "subclass": lambda p: _edit(p / "config.json", architectures=["SentimentModel"]),
         "seq2seq": lambda p: transformers.BartConfig(architectures=["BartForSequenceClassification"]).save_pretrained(
             p),
+        "seq2seq_own": lambda p: transformers.T5Config(architectures=["MyT5"]).save_pretrained(p),
+        "seq2seq_base": lambda p: transformers.T5Config(architectures=["T5Model"]).save_pretrained(p),
         # a PEFT adapter (PeftModel.save_pretrained): the adapter's files beside the tokenizer, no config.json
         "adapter": lambda p: ((p / "config.json").unlink(), (p / "model.safetensors").rename(
             p / "adapter_model.safetensors"), (p / "adapter_config.json").write_text(json.dumps(
