@@ -422,8 +422,8 @@ def export_parquet(calls: Iterable[GenerationCall], out: str | os.PathLike, *,
     ``export_parquet(nxl.read_stream("runs/"), "out.parquet").rows``; a file at ``out`` that is no Parquet file is
     refused unless ``replace_any`` (:class:`ParquetSink`)."""
     calls = list(calls)
-    sink = ParquetSink(out, methods=dict.fromkeys(name for call in calls for step in call.steps for name in step.scores),
-                       replace_any=replace_any)
+    names = dict.fromkeys(name for call in calls for step in call.steps for name in step.scores)
+    sink = ParquetSink(out, methods=names, replace_any=replace_any)
     try:
         for call in calls:
             sink.write_call(call, {})
