@@ -163,8 +163,15 @@ def _same(one: Method, other: Method) -> bool:
 
 
 def _shown(method: Method) -> str:
-    """``method`` as its own repr shows it (``Contrastive(foil=3)``), or its class's name where that says nothing."""
-    return repr(method) if type(method).__repr__ is not object.__repr__ else type(method).__name__
+    """``method`` as its own repr shows it (``Contrastive(foil=3)``), on one line and cut short (a tensor setting's
+    repr runs over several), or its class's name where that says nothing."""
+    if type(method).__repr__ is object.__repr__:
+        return type(method).__name__
+    try:
+        shown = " ".join(repr(method).split())
+    except Exception:  # noqa: BLE001 - a user's __repr__ that raises: its class still says which method
+        return type(method).__name__
+    return shown if len(shown) <= 80 else shown[:79] + "…"
 
 
 def resolve_methods(methods: Iterable[str | Method] | str | None) -> tuple[Method, ...]:

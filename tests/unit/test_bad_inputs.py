@@ -6,6 +6,7 @@ file was changed. The CLI's own catalogue lives with the CLI tests.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
@@ -65,6 +66,18 @@ def existing(tmp_path) -> Path:
 # -- attach arguments ------------------------------------------------------------------------------------
 
 _VOCAB = len(tiny.VOCAB)
+
+@dataclasses.dataclass
+class _Weighted:
+    """A method of the user's whose setting is a tensor."""
+
+    w: torch.Tensor
+    name = "weighted"
+    description = "LogAt"
+
+    def score(self, given):
+        return given.logat
+
 
 ATTACH = cases(
     ("layers=True", {"layers": True}, "layers=True: use 'all', 'last'"),
@@ -145,6 +158,11 @@ ATTACH = cases(
     ("methods=own normxlogit", {"methods": [type("Own", (), {"name": "normxlogit", "description": "zero",
                                                                "score": lambda self, given: given.logat * 0})()]},
      r"methods= gives a method named 'normxlogit' \(Own\): that is the built-in method every record holds"),
+    # settings whose repr runs over lines (a tensor's): the message did too, and grew with the tensor
+    ("methods=two of tensor settings", {"methods": [_Weighted(torch.ones(40, 40)), _Weighted(torch.zeros(2, 2))]},
+     r"^methods= gives two methods named 'weighted' \(_Weighted\(w=tensor\(\[\[1\., 1\., [^\n]{30,60}…"
+     r" and _Weighted\(w=tensor\(\[\[0\., 0\.\], \[0\., 0\.\]\]\)\)\): a record holds one score per method "
+     r"name; give one of them$"),
 )
 
 
