@@ -58,6 +58,8 @@ CASES = [
      r"elsewhere"),
     ("html into the model folder", ["attribute", "{bert}", TEXT, "--html", "{bert}/../bert/page.html"],
      r"--html .*/page.html would write into .*/bert, an input of this command"),
+    ("text pair empty", ["attribute", "{bert}", TEXT, "--text-pair", " "],
+     r"TEXT2 is empty: give the second text of the pair, or leave --text-pair out"),
     ("text pair with generate", ["attribute", "{llama}", TEXT, "--text-pair", "bad", "--generate", "2"],
      r"--text-pair with --generate: a sentence pair is a classifier's input, .*; drop one of them"),
     ("text pair on a LM", ["attribute", "{llama}", TEXT, "--text-pair", "bad"],

@@ -83,6 +83,8 @@ def run(args: argparse.Namespace) -> int:
     check_apart("--html", args.html, [args.model])
     if not args.text.strip():  # before the model loads: it would explain its special tokens alone
         raise CliError("TEXT is empty: give the text to explain")
+    if args.text_pair is not None and not args.text_pair.strip():  # (as an empty TEXT)
+        raise CliError("TEXT2 is empty: give the second text of the pair, or leave --text-pair out")
     if args.text_pair is not None and (generate is not None or args.chat):
         raise CliError(f"--text-pair with {'--generate' if generate else '--chat'}: a sentence pair is a classifier's "
                        "input, as it is, never generated from nor put in a chat template; drop one of them")

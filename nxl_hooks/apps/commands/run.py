@@ -22,7 +22,7 @@ from pathlib import Path
 from ..extras import SERVE_MODULES, extra_line, require_extra
 from ..options import CliError, add_loading_options, check_output_folder, loading_options, say
 from ..schema import read_args, replaced_env
-from ..serve.settings import Settings, add_run_options, parse_listen
+from ..serve.settings import Settings, add_run_options, address_family, parse_listen
 
 NAME = "run"
 
@@ -86,7 +86,7 @@ def check_listen(value: str, *, allow_remote: bool) -> None:
     host, port = parse_listen(value, allow_remote=allow_remote)
     if port == 0:  # any free port
         return
-    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as sock:
+    with socket.socket(address_family(host), socket.SOCK_STREAM) as sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))

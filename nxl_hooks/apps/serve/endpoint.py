@@ -60,7 +60,7 @@ from ...hooks.subscription import Subscription
 from ...records.writer import stream_bytes
 from .readout import Watched, call_view, ended, forward_view, step_view, summary
 from .runs import check_private, enlist, peer_uid, run_token, socket_path
-from .settings import NoMatch, Settings, parse_listen
+from .settings import NoMatch, Settings, address_family, parse_listen
 
 __all__ = ["MAX_BODY", "MAX_CONNECTIONS", "MAX_STREAMS", "REQUEST_SECONDS", "WRITE_SECONDS", "ControlServer",
            "bind_socket"]
@@ -323,8 +323,7 @@ class _UnixServer(_Listener, socketserver.ThreadingMixIn, socketserver.UnixStrea
 
 class _TCPServer(_Listener, ThreadingHTTPServer):
     def __init__(self, address: tuple[str, int], handler: type) -> None:
-        if ":" in address[0]:  # an IPv6 address (--listen [::1]:PORT): ThreadingHTTPServer's socket is AF_INET
-            self.address_family = socket.AF_INET6
+        self.address_family = address_family(address[0])  # (ThreadingHTTPServer's own is AF_INET: [::1] fails)
         super().__init__(address, handler)
 
 

@@ -23,6 +23,7 @@ import dataclasses
 import fnmatch
 import ipaddress
 import operator
+import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping
@@ -67,6 +68,12 @@ def parse_listen(value: str, *, allow_remote: bool = False) -> tuple[str, int]:
         raise ValueError(f"--listen {value!r}: {host} is not a loopback address, so anyone who can reach it could "
                          "try the endpoint; use 127.0.0.1, or add --allow-remote (a bearer token is still required)")
     return host, port
+
+
+def address_family(host: str) -> socket.AddressFamily:
+    """The family a --listen host binds with (:func:`parse_listen`'s host): IPv6 for an address with colons
+    (``::1``, given as ``[::1]:8765``), else IPv4 (a name such as localhost too, as ``ThreadingHTTPServer`` binds)."""
+    return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
 def _loopback(host: str) -> bool:
