@@ -25,7 +25,7 @@ from ..arch.registry import ArchSpec, HeadKind, word_embedding
 from ..method import scores as _scores
 from ..method.chat import locate_template
 from ..method.head import Head
-from ..method.protocol import Checked, Given, Method
+from ..method.protocol import Checked, Given, Method, TargetChecked
 from ..method.registry import resolve_methods
 from ..method.subject import Subject, compiled_original
 from ..records.sinks import sink_factory
@@ -325,6 +325,9 @@ def make_plan(model: nn.Module | Subject, *, layers: Any, target: Target, tokeni
                          "[MASK] positions it explains")
     target, layers = from_numpy(target), from_numpy(layers)
     fixed = None if is_predicted(target) else target_ids(model, kind, tokenizer, target, head.n_outputs)
+    for method in chosen if fixed is not None else ():
+        if isinstance(method, TargetChecked):  # its settings against the explained ids, before the forward
+            method.check_targets(fixed)
     return Plan(subject=subject, layers=resolve_layers(layers, len(subject.blocks)), embedding=embedding,
                 tokenizer=tokenizer, fixed_targets=fixed, label_axis=_scores.label_axis(target),
                 texts=token_texts(tokenizer) if tokenizer is not None else None, methods=chosen)

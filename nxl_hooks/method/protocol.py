@@ -22,7 +22,7 @@ from typing import Callable, Protocol, runtime_checkable
 
 import torch
 
-__all__ = ["Checked", "Contrasting", "Given", "Method", "Pointwise", "check_name"]
+__all__ = ["Checked", "Contrasting", "Given", "Method", "Pointwise", "TargetChecked", "check_name"]
 
 #: What a method's name may be: it names a record's ``scores`` entry, a stream-file tensor and a Parquet column.
 NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
@@ -94,6 +94,17 @@ class Checked(Method, Protocol):
     when it attaches, so that a setting no head of the model has is refused then, not in every forward."""
 
     def check_outputs(self, n_outputs: int) -> None:
+        ...
+
+
+@runtime_checkable
+class TargetChecked(Method, Protocol):
+    """A :class:`Method` whose settings must not name an explained output (a fixed foil, whose gap to itself is 0 at
+    every token): ``check_targets(targets)`` raises ValueError, saying what to change, when one of the (rows, k)
+    ``targets`` ids is such an output. A probe given its targets calls it once, when it attaches, before any forward;
+    with ``target="predicted"`` they are known only per forward, where the method's scores say it (NaN)."""
+
+    def check_targets(self, targets: torch.Tensor) -> None:
         ...
 
 

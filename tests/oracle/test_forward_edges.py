@@ -21,6 +21,7 @@ import big_models as big
 import nxl_hooks as nxl
 import oracle
 import tiny
+from nxl_hooks.method.methods.contrastive import Contrastive
 
 TEXT = "the film was very good"
 
@@ -438,6 +439,29 @@ def test_contrastive_is_nan_where_every_output_is_explained():
         gap = logits[..., 0] - logits[..., 1]  # the foil: the one output not explained
         expected = out.hidden_states[0].norm(dim=-1)[None] * gap
         torch.testing.assert_close(scores, expected, rtol=1e-4, atol=1e-5)
+
+
+def test_a_fixed_foil_the_model_predicts_is_nan_in_that_row():
+    """Contrastive(foil=f) explaining target="predicted" where a row's prediction is f: that row has no foil (its gap
+    to itself was 0 at every token, unsaid); NaN as where every output is explained, and the other rows' gap holds."""
+    model = tiny.build_model("llama")
+    ids = _ids(4, 6)
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    predicted = out.logits[:, -1].argmax(-1)
+    foil = int(predicted[0])
+    other = (predicted != foil).nonzero().flatten()
+    assert other.numel(), predicted  # some row predicts another output
+    with torch.no_grad(), nxl.attach(model, methods=[Contrastive(foil=foil)]) as probe:
+        model(input_ids=ids)
+    scores = probe.result().scores["contrastive"]
+    same = predicted == foil
+    assert scores[:, same].isnan().all() and not scores[:, ~same].isnan().any()
+    logits = oracle.llama(model).layer_logits(out.hidden_states)  # (layers, rows, seq, vocab)
+    target = logits.gather(-1, predicted[None, :, None, None].expand(*logits.shape[:3], 1))[..., 0]
+    gap = target - logits[..., foil]
+    expected = out.hidden_states[0].norm(dim=-1)[None] * gap
+    torch.testing.assert_close(scores[:, other], expected[:, other], rtol=1e-4, atol=1e-5)
 
 
 def test_a_block_the_forward_never_runs_is_named_with_what_to_do():

@@ -385,7 +385,10 @@ def test_generation_page_leaves_out_the_padding_after_a_rows_end():
 def test_attribution_page_says_why_every_contrastive_cell_is_blank():
     """A regression head has no probabilities, so no foil: every contrastive score is NaN and every cell blank. The
     terminal said why; the page was a table of blank cells saying nothing. It says it now, above the table; a fixed
-    foil gives numbers and no such note."""
+    foil gives numbers and no such note (another output's: the one output's own foil, its gap to itself, was 0 in
+    every cell and is refused now)."""
+    from transformers import BertConfig, BertForSequenceClassification
+
     import nxl_hooks as nxl
     from nxl_hooks.method.methods.contrastive import Contrastive
 
@@ -393,7 +396,9 @@ def test_attribution_page_says_why_every_contrastive_cell_is_blank():
     blank = nxl.explain(model, tok, TEXTS[0], methods=["contrastive"]).to_html(method="contrastive")
     assert not any("data-value" in cell for cell in tiny.elements(blank, "td", "nxl-cell"))
     assert "no output is left to be the foil" in blank
-    fixed = nxl.explain(model, tok, TEXTS[0], methods=[Contrastive(foil=0)], target=0).to_html(method="contrastive")
+    two = BertForSequenceClassification(BertConfig(**tiny._SIZES, max_position_embeddings=64, num_labels=2,
+                                                   problem_type="regression")).eval()
+    fixed = nxl.explain(two, tok, TEXTS[0], methods=[Contrastive(foil=1)], target=0).to_html(method="contrastive")
     assert all("data-value" in cell for cell in tiny.elements(fixed, "td", "nxl-cell"))
     assert "no output is left to be the foil" not in fixed
 

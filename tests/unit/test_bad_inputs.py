@@ -151,6 +151,13 @@ ATTACH = cases(
     # last output)
     ("foil=vocab size", {"methods": [Contrastive(foil=_VOCAB)]},
      rf"Contrastive\(foil={_VOCAB}\) is out of range: the head has {_VOCAB} outputs"),
+    # a fixed foil that is the target itself: target − foil was 0 at every token, unsaid (as a target list naming one
+    # output twice, refused above); and one row's of a per-row target tensor
+    ("foil=target", {"target": 5, "methods": [Contrastive(foil=5)]},
+     r"^Contrastive\(foil=5\) is contrasted with itself: output 5 is an explained target, and its gap to itself is 0 "
+     r"at every token; give a foil that is not a target, or Contrastive\(\) for the model's best other output$"),
+    ("foil=one row's target", {"target": torch.tensor([[3, 4], [6, 5]]), "methods": [Contrastive(foil=5)]},
+     r"^Contrastive\(foil=5\) is contrasted with itself: output 5 is an explained target"),
     # two methods of one name (a record holds one score per name): the last took the first's place, unsaid
     ("methods=two foils", {"methods": [Contrastive(foil=3), Contrastive(foil=5)]},
      r"methods= gives two methods named 'contrastive' \(Contrastive\(foil=3\) and Contrastive\(foil=5\)\): a record "

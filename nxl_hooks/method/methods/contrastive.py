@@ -5,7 +5,9 @@ The foil of a row is, by default, the output the model ranks highest at the pred
 explained in that row (the runner-up when the target is the prediction); ``Contrastive(foil=id)`` fixes it.
 Without the model's own probabilities (a regression head, an engine that gives no logits) and no fixed foil,
 there is nothing to contrast with: the scores are NaN; so are a row's where every output is explained (a one-logit
-multi-label classifier, whose one output is the target; a 2-label classifier asked for both labels).
+multi-label classifier, whose one output is the target; a 2-label classifier asked for both labels), and a row's
+whose explained output is the fixed foil itself (``target="predicted"`` where the model predicts it; a fixed target
+that is the foil is refused at attach).
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from ..protocol import Given
 
 #: What the terminal and the attribution page say when every contrastive score is NaN (no row had a foil).
 NO_FOIL = ("every contrastive score is NaN: no output is left to be the foil (every output of the head is explained, "
-           "as for a one-logit classifier or both labels of a 2-label one) or the model's probabilities are unknown "
-           "(a regression head); Contrastive(foil=id) fixes one")
+           "as for a one-logit classifier or both labels of a 2-label one; or a fixed foil is the explained output "
+           "itself, as the prediction) or the model's probabilities are unknown (a regression head); "
+           "Contrastive(foil=id) of an output not explained fixes one")
 
 
 @dataclass(frozen=True)
@@ -46,16 +49,30 @@ class Contrastive:
             raise ValueError(f"Contrastive(foil={self.foil}) is out of range: the head has {n_outputs} outputs "
                              f"(0..{n_outputs - 1})")
 
+    def check_targets(self, targets: torch.Tensor) -> None:
+        """(TargetChecked) a fixed foil is no explained target: ``Contrastive(foil=7).check_targets(ids)``."""
+        if self.foil is not None and bool(self._explained(targets).any()):
+            raise ValueError(f"Contrastive(foil={self.foil}) is contrasted with itself: output {self.foil} is an "
+                             "explained target, and its gap to itself is 0 at every token; give a foil that is not "
+                             "a target, or Contrastive() for the model's best other output")
+
+    def _explained(self, targets: torch.Tensor) -> torch.Tensor:
+        """(rows, 1) True where a row explains the fixed foil itself: that row has no foil (one rule: refused at
+        attach where the targets are known, NaN where they are known only per forward, target="predicted")."""
+        return (targets == self.foil).any(-1, keepdim=True)
+
     def with_foil(self, foil: int) -> "Contrastive":
         """(Contrasting) the method with ``foil`` fixed: ``Contrastive().with_foil(7)``."""
         return dataclasses.replace(self, foil=foil)
 
     def foils(self, given: Given) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         """(rows, 1) foil ids, on the device of the explained ids, and (rows, 1) True where a row has none (every
-        output is explained; None: every row has one); None when there is nothing to contrast with."""
+        output is explained, or the fixed foil is; None: every row has one); None when there is nothing to contrast
+        with."""
         targets = given.targets
         if self.foil is not None:
-            return torch.full((targets.shape[0], 1), self.foil, dtype=torch.long, device=targets.device), None
+            foils = torch.full((targets.shape[0], 1), self.foil, dtype=torch.long, device=targets.device)
+            return foils, self._explained(targets)
         if given.log_probs is None:
             return None
         ranked = given.log_probs.scatter(-1, targets.to(given.log_probs.device), float("-inf"))
