@@ -62,8 +62,9 @@ def _versions(given: Given) -> dict[str, int]:
 
 def method_scores(methods: Sequence[Method], given: Given, *, label_axis: bool
                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """({name: scores}, targets) of each method for ``given``; the label axis is dropped unless kept. ValueError
-    naming a method whose scores are not float and shaped like ``given.logat``; RuntimeError naming a method that
+    """({name: scores}, targets) of each method for ``given``; the label axis is dropped unless kept.
+    ValueError naming a method whose scores are not float, dense (no meta or sparse tensor) and shaped like
+    ``given.logat``; RuntimeError naming a method that
     raises or exits (``SystemExit``, any ``BaseException`` but ``KeyboardInterrupt``), its error as its cause, which
     every caller says in one line; ValueError naming a method that changed one of ``given``'s tensors in place (the
     record keeps them: LogAt's scores are ``given.logat`` itself), seen by their version counters at no cost."""
@@ -76,16 +77,26 @@ def method_scores(methods: Sequence[Method], given: Given, *, label_axis: bool
             # the host's; named, or a plugin's 'ValueError: bad input' in a server's log would point at nothing
             said = typed(plugins.contained(error))
             raise RuntimeError(f"attribution method {method.name!r} raised {said}") from error
-        if not (isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == given.logat.shape):
-            raise ValueError(f"attribution method {method.name!r} returned "
-                             f"{tuple(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__}: "
-                             f"expected float scores shaped like logat {tuple(given.logat.shape)}")
+        if not (isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == given.logat.shape
+                and not value.is_meta and value.layout == torch.strided):
+            raise ValueError(f"attribution method {method.name!r} returned {_returned(value)}: expected float "
+                             f"scores shaped like logat {tuple(given.logat.shape)}, a dense tensor with data")
         changed = [name for name, version in _versions(given).items() if version != handed[name]]
         if changed:
             raise ValueError(f"attribution method {method.name!r} changed given.{changed[0]} in place: the record "
                              "keeps it; return new tensors (given.logat.clamp(min=0), not clamp_)")
         out[method.name] = value if label_axis else value[..., 0]
     return out, given.targets if label_axis else given.targets[:, 0]
+
+
+def _returned(value: object) -> str:
+    """What a method returned, as its refusal names it: its shape, or what a tensor of that shape lacks (a meta
+    tensor's data, which failed later as an unnamed NotImplementedError; a sparse tensor's dense layout)."""
+    if not isinstance(value, torch.Tensor):
+        return type(value).__name__
+    if value.is_meta:
+        return f"a tensor on the meta device (shape {tuple(value.shape)}, no data)"
+    return f"a {value.layout} tensor" if value.layout != torch.strided else str(tuple(value.shape))
 
 
 def pointwise(methods: Sequence[Method]) -> bool:

@@ -304,6 +304,27 @@ def test_masked_lm_without_tokenizer_and_attach_twice(lm, existing):
     assert _hooks(lm) == 0
 
 
+# -- what a method returns: refused naming the method ---------------------------------------------------------
+
+# a tensor of the right shape with no dense data failed later, in the record, as a NotImplementedError naming nothing
+METHOD_RETURNS = cases(
+    ("method returns a meta tensor", lambda given: torch.empty(given.logat.shape, device="meta"),
+     r"^attribution method 'test_returns' returned a tensor on the meta device \(shape \(3, 1, 5, 1\), no data\): "
+     r"expected float scores shaped like logat \(3, 1, 5, 1\), a dense tensor with data$"),
+    ("method returns a sparse tensor", lambda given: given.logat.to_sparse(),
+     r"^attribution method 'test_returns' returned a torch.sparse_coo tensor: expected float scores"),
+)
+
+
+@pytest.mark.parametrize("make, message", METHOD_RETURNS)
+def test_a_method_returning_scores_without_data_is_refused_naming_it(lm, make, message):
+    returns = type("Returns", (), {"name": "test_returns", "description": "no dense scores",
+                                   "score": lambda self, given: make(given)})()
+    with pytest.raises(ValueError, match=message):
+        nxl.explain(lm, tiny.tokenizer(), "the film was", methods=[returns])  # 5 tokens with [CLS], [SEP]
+    assert _hooks(lm) == 0
+
+
 # -- what a forward cannot explain: said by result(), never raised into the forward -----------------------
 
 FORWARDS = cases(
