@@ -62,7 +62,7 @@ def _versions(given: Given) -> dict[str, int]:
 
 def method_scores(methods: Sequence[Method], given: Given, *, label_axis: bool
                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """({name: scores}, targets) of each method for ``given``; the label axis is dropped unless kept.
+    """({name: scores}, targets) of each method for ``given``, detached; the label axis is dropped unless kept.
     ValueError naming a method whose scores are not float, dense (no meta or sparse tensor) and shaped like
     ``given.logat``; RuntimeError naming a method that
     raises or exits (``SystemExit``, any ``BaseException`` but ``KeyboardInterrupt``), its error as its cause, which
@@ -85,6 +85,7 @@ def method_scores(methods: Sequence[Method], given: Given, *, label_axis: bool
         if changed:
             raise ValueError(f"attribution method {method.name!r} changed given.{changed[0]} in place: the record "
                              "keeps it; return new tensors (given.logat.clamp(min=0), not clamp_)")
+        value = value.detach()  # a record holds scores, not an autograd graph (nor what the graph keeps alive)
         out[method.name] = value if label_axis else value[..., 0]
     return out, given.targets if label_axis else given.targets[:, 0]
 

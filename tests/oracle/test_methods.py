@@ -413,6 +413,31 @@ def test_a_method_with_a_wrong_shape_is_refused_with_its_name(lm, caplog):
         nxl.register_method(NegLogAt)
 
 
+def test_a_method_whose_scores_carry_a_gradient_is_stored_detached(lm, recwarn):
+    """Scores made with autograd on (a weight that requires grad) were stored with their graph: top() warned
+    'Converting a tensor with requires_grad=True to a scalar', and the record kept the graph alive."""
+    model, tok = lm
+    weight = torch.tensor(2.0, requires_grad=True)
+
+    class Graphed(Method):
+        name = "test_graphed"
+        description = "twice LogAt, through a weight that requires grad"
+
+        def score(self, given: Given) -> torch.Tensor:
+            with torch.enable_grad():
+                return given.logat * weight
+
+    res = nxl.explain(model, tok, TEXT, methods=[Graphed()])
+    scores = res.scores[Graphed.name]
+    assert not scores.requires_grad and scores.grad_fn is None
+    logits, _ = _lm_oracle(model, tok(TEXT, return_tensors="pt")["input_ids"])
+    logat = logits[:, 0, :, logits[-1, 0, -1].argmax()]
+    torch.testing.assert_close(scores[:, 0], 2 * logat, atol=1e-5, rtol=1e-4)
+    eligible = res.rankable(0).nonzero()[:, 0].tolist()
+    assert [p for p, _, _ in res.top(len(eligible), method=Graphed.name)] == _ranked(logat[-1], eligible)
+    assert not [w for w in recwarn if "requires_grad" in str(w.message)]
+
+
 class Exits(Method):
     """A method whose ``score`` exits the process (``sys.exit``), or raises ``error`` where one is given."""
 
