@@ -324,13 +324,14 @@ def make_plan(model: nn.Module | Subject, *, layers: Any, target: Target, tokeni
         raise ValueError("masked-LM attribution needs attach(..., tokenizer=tok) with a mask token, to find the "
                          "[MASK] positions it explains")
     target, layers = from_numpy(target), from_numpy(layers)
-    fixed = None if is_predicted(target) else target_ids(model, kind, tokenizer, target, head.n_outputs)
+    texts = token_texts(tokenizer) if tokenizer is not None else None
+    fixed = None if is_predicted(target) else target_ids(model, kind, tokenizer, target, head.n_outputs, texts)
     for method in chosen if fixed is not None else ():
         if isinstance(method, TargetChecked):  # its settings against the explained ids, before the forward
             method.check_targets(fixed)
     return Plan(subject=subject, layers=resolve_layers(layers, len(subject.blocks)), embedding=embedding,
                 tokenizer=tokenizer, fixed_targets=fixed, label_axis=_scores.label_axis(target),
-                texts=token_texts(tokenizer) if tokenizer is not None else None, methods=chosen)
+                texts=texts, methods=chosen)
 
 
 def check_recording(plan: Plan, *, on_step: Any, sink: Any, keep_steps: Any, keep_calls: Any, cache_dtype: Any,

@@ -22,7 +22,7 @@ from __future__ import annotations
 import numbers
 import re
 from dataclasses import dataclass
-from typing import Any, Sequence, Union
+from typing import Any, Callable, Sequence, Union
 
 import torch
 from torch import nn
@@ -383,17 +383,22 @@ def resolve_target(model: nn.Module, kind: HeadKind | str, tokenizer: Any, item:
     return ResolvedTarget(item, int(ids[0]), tuple(int(i) for i in ids), "word")
 
 
-def resolve_target_id(model: nn.Module, kind: HeadKind | str, tokenizer: Any, item: str | int, n_outputs: int) -> int:
+def resolve_target_id(model: nn.Module, kind: HeadKind | str, tokenizer: Any, item: str | int, n_outputs: int,
+                      texts: Callable[[list[int]], list[str]] | None = None) -> int:
     """One target or label -> the output id ``attach`` explains, by :func:`resolve_target`'s rules without a prompt;
-    a word of several tokens is an error here (attach has no prompt to say which token comes next).
-    ``resolve_target_id(model, "causal_lm", tok, "Ġis", len(tok))``"""
+    a word of several tokens is an error here (attach has no prompt to say which token comes next), naming them by
+    ``texts`` (ids -> readable texts, '␣Paris': :func:`~nxl_hooks.records.tokens.readable_ids`, a layer above this
+    one), else by their vocabulary pieces. ``resolve_target_id(model, "causal_lm", tok, "Ġis", len(tok))``"""
     resolved = resolve_target(model, kind, tokenizer, item, n_outputs)
     if resolved.partial:
-        pieces = tokenizer.convert_ids_to_tokens(list(resolved.tokens))
+        ids = list(resolved.tokens)
+        shown = (texts or tokenizer.convert_ids_to_tokens)(ids)
+        # (the piece is what a target string may name; its readable text is not)
+        piece = tokenizer.convert_ids_to_tokens(ids[0])
         raise ValueError(
-            f"target {item!r} is {len(pieces)} tokens {pieces}: attach explains one token; pass one (here "
-            f"{pieces[0]!r}, id {resolved.id}), or use nxl.explain(model, tok, text, target=...), which reads a "
-            "word after the prompt and explains its first token"
+            f"target {item!r} is {len(ids)} tokens ({' '.join(shown)}): attach explains one token; pass one (here "
+            f"the first, {shown[0]}: id {resolved.id} or its piece {piece!r}), or use nxl.explain(model, tok, text, "
+            "target=...), which reads a word after the prompt and explains its first token"
         )
     return resolved.id
 
@@ -427,8 +432,10 @@ def prompt_targets(model: nn.Module, kind: HeadKind | str, tokenizer: Any, targe
     return (ids if isinstance(target, (list, tuple)) else ids[:, 0]), resolved
 
 
-def target_ids(model: nn.Module, kind: HeadKind | str, tokenizer: Any, target: Target, n_outputs: int) -> torch.Tensor:
-    """Explicit targets as a (1, k) or (rows, k) id tensor, checked against the head's outputs, each row's distinct."""
+def target_ids(model: nn.Module, kind: HeadKind | str, tokenizer: Any, target: Target, n_outputs: int,
+               texts: Callable[[list[int]], list[str]] | None = None) -> torch.Tensor:
+    """Explicit targets as a (1, k) or (rows, k) id tensor, checked against the head's outputs, each row's distinct;
+    ``texts``: as :func:`resolve_target_id` names a word's tokens."""
     if isinstance(target, torch.Tensor):
         if target.dim() > 2:
             raise ValueError(f"a target tensor is (rows,) or (rows, k) label ids, got shape {tuple(target.shape)}")
@@ -442,7 +449,8 @@ def target_ids(model: nn.Module, kind: HeadKind | str, tokenizer: Any, target: T
         requests = None
     else:
         requests = [_items(target)]
-        ids = torch.tensor([[resolve_target_id(model, kind, tokenizer, item, n_outputs) for item in requests[0]]])
+        ids = torch.tensor([[resolve_target_id(model, kind, tokenizer, item, n_outputs, texts)
+                             for item in requests[0]]])
     _check_range(ids, n_outputs)
     _check_distinct(requests or ids.tolist(), ids.tolist(), "target list" if requests else "target tensor")
     return ids

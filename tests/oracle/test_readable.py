@@ -7,6 +7,7 @@ one token with and without a leading space. Numbers are checked against the orac
 """
 
 import json
+import re
 import unicodedata
 
 import pytest
@@ -247,8 +248,15 @@ def test_a_word_of_several_tokens_explains_the_first_and_says_so(model, tok):
     assert int(res.target[0]) == piece_id(tok, "ĠParis")
     note = res.meta["targets"][0][0]["note"]
     assert "'Parisians' is 4 tokens here" in note and "only the first, ␣Paris, is explained" in note
-    with pytest.raises(ValueError, match="attach explains one token"):
-        nxl.attach(model, tokenizer=tok, target="Parisians")
+    # attach has no prompt to read the word after: refused, its tokens named as every output shows them (they were
+    # the raw pieces ['ĠParis', ...]); the piece is offered as what a target may name
+    ids = tok.encode(" Parisians", add_special_tokens=False)
+    texts = [visible(tok.decode([i])) for i in ids]  # the tokenizer's own decoding, made visible
+    assert texts[0] == "␣Paris" and len(ids) > 1
+    with pytest.raises(ValueError, match=re.escape(
+            f"target ' Parisians' is {len(ids)} tokens ({' '.join(texts)}): attach explains one token; pass one "
+            f"(here the first, ␣Paris: id {piece_id(tok, 'ĠParis')} or its piece 'ĠParis')")):
+        nxl.attach(model, tokenizer=tok, target=" Parisians")
 
 
 def roberta_mlm(tok):
