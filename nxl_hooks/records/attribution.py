@@ -265,8 +265,8 @@ class Attribution:
         return found
 
     def __repr__(self) -> str:
-        """A summary, never the tensors: shape, layers, and per row (the first three) the target with its text, id
-        and probability and the top tokens at the last layer. ``print(res)``"""
+        """A summary, never the tensors: shape, layers, and per row (the first three) each target (the first three)
+        with its text, id and probability and its top tokens at the last layer. ``print(res)``"""
         n_layers, rows, seq = self.normxlogit.shape[:3]
         k = self.target.shape[1] if self.target.dim() == 2 else 1
         head = (f"<Attribution {self.meta.get('model_class') or ''} {self.meta.get('head_kind') or ''}: {rows} row(s) x "
@@ -274,8 +274,14 @@ class Attribution:
                 + (", chat template left out of rankings" if self.template is not None else ""))
         lines = [" ".join(head.split()).replace("<Attribution :", "<Attribution:")]
         for row in range(min(rows, 3)):  # readable texts are escaped already: quoted as they are, not repr'd
-            top = ", ".join(f"{p}:'{text}' {score:.4g}" for p, text, score in self.top(3, layer=self.layers[-1], row=row))
-            lines.append(f"  row {row}: target {self.target_label(row)}; top at L{self.layers[-1]}: {top}")
+            lead = f"  row {row}:"
+            for label in range(min(k, 3)):  # each target ranks its own tokens: one line each, under its row
+                top = ", ".join(f"{p}:'{text}' {score:.4g}"
+                                for p, text, score in self.top(3, layer=self.layers[-1], row=row, label=label))
+                lines.append(f"{lead if label == 0 else ' ' * len(lead)} target {self.target_label(row, label)}; "
+                             f"top at L{self.layers[-1]}: {top}")
+            if k > 3:
+                lines.append(f"{' ' * len(lead)} ... {k - 3} more target(s)")
         if rows > 3:
             lines.append(f"  ... {rows - 3} more row(s)")
         return "\n".join(lines) + ">"

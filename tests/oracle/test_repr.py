@@ -49,6 +49,24 @@ def test_attribution_repr_is_a_summary_with_the_oracles_top_tokens(world):
     assert f"{float(expected[best[0]]):.4g}" in row0
 
 
+def test_attribution_repr_shows_each_target_of_a_row_with_its_own_top_tokens():
+    """k targets per row: the repr showed only each row's first target and its ranking; each has its line now (the
+    first three, then how many more), with the oracle's top tokens for that target."""
+    model, tok = tiny.build_model("llama", 0), tiny.tokenizer()
+    text, words = "the film was", ["good", "bad", "great", "awful"]
+    res = nxl.explain(model, tok, text, target=words)
+    lines = repr(res).removesuffix(">").splitlines()
+    assert len(lines) == 1 + 3 + 1 and "4 targets per row" in lines[0] and lines[-1].strip() == "... 1 more target(s)"
+    for label, (line, word) in enumerate(zip(lines[1:4], words)):
+        target = tiny.VOCAB.index(word)
+        assert line.startswith("  row 0: " if label == 0 else "         ") and f"target '{word}' (id {target}," in line
+        expected = oracle_scores(model, tok, text, target)[-1]
+        ranked = [i for i in expected.argsort(descending=True).tolist() if 0 < i < len(expected) - 1][:3]  # no [CLS],
+        # [SEP] (special) nor the prediction position
+        shown = [int(p) for p in re.findall(r"(\d+):'", line.split("top at L2:")[1])]
+        assert shown == ranked, (line, expected)
+
+
 def test_step_and_call_reprs_are_summaries(world):
     model, tok, _ = world
     with nxl.attach(model, tokenizer=tok) as probe:
