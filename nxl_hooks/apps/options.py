@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from ..method import select
 from ..method.registry import builtin_names, get_method
-from ..records.files import not_a_folder, unwritable, user_path
+from ..records.files import cannot_write_in, not_a_folder, unwritable, user_path
 from ..records.tokens import printable
 from .loading_options import HEAD_CLASSES, Loading, read_max_memory
 from .schema import add_options, options
@@ -125,7 +125,8 @@ def one_line(message: str) -> str:
 def check_output_file(path: str | None, option: str) -> str | None:
     """``path`` (given with ``option``) with ``~`` expanded: the one path to write, checked (a :class:`CliError`
     unless it can be written as a whole file: it is not blank, its folder exists and it is not itself a folder).
-    Checked before any model loads, so a typo costs nothing. ``args.out = check_output_file(args.out, "--out")``"""
+    Checked before any model loads, so a typo costs nothing; so is that a file can be made in the folder
+    (:func:`~nxl_hooks.records.files.cannot_write_in`). ``args.out = check_output_file(args.out, "--out")``"""
     if path is None:
         return None
     if not path.strip():  # '' is the current folder to pathlib, ' ' a file named so: both a variable left unset
@@ -140,12 +141,16 @@ def check_output_file(path: str | None, option: str) -> str | None:
     if not folder.is_dir():
         what = "is a file, not a folder" if folder.exists() else "does not exist"
         raise CliError(f"{option} {path}: the folder {folder} {what}; create the folder or pick another path")
+    why = cannot_write_in(folder, path)
+    if why is not None:
+        raise CliError(f"{option} {why}")
     return str(target)
 
 
 def check_output_folder(path: str, option: str = "--out") -> str:
     """``path`` (given with ``option``) with ``~`` expanded: the one folder to write, checked (a :class:`CliError`
-    when it is empty, or it or a folder above it is a file). ``args.out = check_output_folder(args.out)``"""
+    when it is empty, it or a folder above it is a file, or it cannot be made or written in).
+    ``args.out = check_output_folder(args.out)``"""
     if not path.strip():
         raise CliError(f"{option} is empty: give a folder (it is created when missing)")
     why = not_a_folder(path)

@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
-__all__ = ["CHUNK", "STREAM_MAGIC", "file_kind", "json_value", "not_a_folder", "read_regular", "replacing",
-           "too_large", "unwritable", "user_path", "write_bytes", "write_text"]
+__all__ = ["CHUNK", "STREAM_MAGIC", "cannot_write_in", "file_kind", "json_value", "not_a_folder", "read_regular",
+           "replacing", "too_large", "unmade", "unwritable", "user_path", "write_bytes", "write_text"]
 
 #: Bytes per read (and per checksum) of a user file: Ctrl-C is seen between two chunks, never after a huge one.
 CHUNK = 8 << 20
@@ -96,7 +96,37 @@ def not_a_folder(path: str | Path) -> str | None:
         if where.exists():
             if not where.is_dir():
                 return f"{path}: {where} is a file, not a folder; give a folder (it is created when missing)"
-            return None
+            return cannot_write_in(target, path)
+    return None
+
+
+def unmade(path: str | Path, folder: str | Path, error: OSError) -> str:
+    """The one line saying that ``folder``, missing on the way to ``path``, cannot be made (``error``)."""
+    return f"{path}: the folder {folder} cannot be made ({error.strerror or error}): give a folder you can write in"
+
+
+def cannot_write_in(folder: str | Path, path: str | Path) -> str | None:
+    """Why no file can be written in ``folder`` (to write ``path``, named in the line), or None: tried as the
+    writer would, then undone (the first missing folder made and removed; in an existing one, a file made and
+    removed). Permission bits do not tell it: root may write anywhere by them, yet nothing is made in /proc or on
+    a read-only mount; and a check before a model loads spares the load. ``why = cannot_write_in(out.parent, out)``"""
+    folder = Path(folder)
+    missing = [where for where in (folder, *folder.parents) if not where.exists()]
+    try:
+        if missing:
+            missing[-1].mkdir()
+            missing[-1].rmdir()
+        else:
+            fd, probe = tempfile.mkstemp(prefix=".nxl-probe-", dir=folder)
+            os.close(fd)
+            os.unlink(probe)
+    except FileExistsError:  # made meanwhile by someone else: there is a folder
+        return None
+    except OSError as error:
+        if missing:
+            return unmade(path, missing[-1], error)
+        return f"{path}: nothing can be written in the folder {folder} ({error.strerror or error}): give a folder " \
+               "you can write in"
     return None
 
 

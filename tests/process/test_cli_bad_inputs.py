@@ -40,9 +40,15 @@ CASES = [
     ("html in a missing folder", ["attribute", "{bert}", TEXT, "--html", "{root}/nope/a.html"],
      r"--html .*/nope/a.html: the folder .*/nope does not exist"),
     ("html is a folder", ["attribute", "{bert}", TEXT, "--html", "{outdir}"], r"--html .*/outdir is a folder"),
+    # a folder where nothing can be written (/proc: not even root), tried before the model loads
+    ("out in a folder that takes no file", ["attribute", "{bert}", TEXT, "--out", "/proc/a.safetensors"],
+     r"--out /proc/a.safetensors: nothing can be written in the folder /proc \(No such file or directory\): give a "
+     r"folder you can write in$"),
     ("out empty", ["attribute", "{bert}", TEXT, "--out", ""], r"--out is empty: give a file name"),  # was '.'
     ("html blank", ["attribute", "{bert}", TEXT, "--html", " "], r"--html is empty: give a file name"),  # wrote ' '
     ("export out empty", ["export", "{streams}/run.nxl", ""], r"OUT.parquet is empty: give a file name"),
+    ("export out in a folder that takes no file", ["export", "{streams}/run.nxl", "/proc/o.parquet"],
+     r"OUT.parquet /proc/o.parquet: nothing can be written in the folder /proc"),
     ("out below a file", ["attribute", "{bert}", TEXT, "--out", "{existing_html}/a.safetensors"],
      r"the folder .*existing.html is a file, not a folder"),
     ("out is a FIFO", ["attribute", "{bert}", TEXT, "--out", "{fifo}"],
@@ -256,6 +262,9 @@ CASES = [
     ("evaluate limit 0", ["evaluate", "{bert}", "{data}", "--out", "{outdir}", "--limit", "0"],
      r"argument --limit: '0': give a whole number of at least 1"),
     ("evaluate out in an unknown user's home", ["evaluate", "{bert}", "{data}", "--out", NOUSER + "/o"], HOMELESS),
+    ("evaluate out where no folder can be made", ["evaluate", "{bert}", "{data}", "--out", "/proc/nxl-no/o"],
+     r"--out /proc/nxl-no/o: the folder /proc/nxl-no cannot be made \(No such file or directory\): give a folder "
+     r"you can write in$"),
     ("evaluate out empty", ["evaluate", "{bert}", "{data}", "--out", ""], r"--out is empty: give a folder"),
     ("evaluate data as the out's records", ["evaluate", "{bert}", "{inout}/records.jsonl", "--out", "{inout}"],
      r"--out .*/inout would write over .*/inout/records.jsonl, an input of this command"),
@@ -288,6 +297,9 @@ CASES = [
                                              "--out", "{zeroed}/audit"], r"would write into .*/zeroed, an input"),
     ("audit out empty", ["audit", "--reference", "{bert}", "--candidate", "{bert}", "{data}", "--out", ""],
      r"--out is empty: give a folder"),
+    ("audit out where no folder can be made", ["audit", "--reference", "{bert}", "--candidate", "{bert}", "{data}",
+                                               "--out", "/proc/nxl-no"], r"--out /proc/nxl-no: the folder /proc/nxl-no "
+     r"cannot be made"),
     ("audit csv extra cells", ["audit", "--reference", "{bert}", "--quantize", "8bit", "{extra_csv}", "--out",
                                "{outdir}"], r"extra.csv:3 has 3 cells"),
     # export: the Parquet file is none of the streams it reads, --force or not

@@ -25,7 +25,7 @@ import struct
 import tempfile
 from pathlib import Path
 
-from ...records.files import user_path
+from ...records.files import unmade, user_path
 
 __all__ = ["bearer", "check_private", "enlist", "live_sockets", "make_run_dir", "peer_uid", "private_run_dir",
            "read_token", "run_token", "socket_path", "write_token"]
@@ -91,8 +91,7 @@ def make_run_dir(path: str | Path) -> Path:
         try:
             missing.mkdir(mode=0o700, exist_ok=True)
         except OSError as error:  # (/proc, a read-only file system, another user's folder): said with the path given
-            raise type(error)(f"{path}: the folder {missing} cannot be made ({error.strerror or error}): give a "
-                              "folder you can write in") from None
+            raise type(error)(unmade(path, missing, error)) from None
     return check_private(folder)
 
 
