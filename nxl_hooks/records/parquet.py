@@ -74,8 +74,9 @@ __all__ = ["INSTALL", "ParquetSink", "export_parquet", "pyarrow_module"]
 
 #: What to run when pyarrow is missing.
 INSTALL = install_command("parquet")
-#: The sink kind made here (:data:`nxl_hooks.records.sinks.DECLARED`): ``parquet:PATH``, where pyarrow is installed.
-SINKS = {"parquet": {"factory": "ParquetSink", "needs": "pyarrow.parquet", "extra": "parquet"}}
+#: The sink kind made here (:data:`nxl_hooks.records.sinks.DECLARED`): ``parquet:PATH``, where pyarrow is installed;
+#: PATH is a file in a folder that must be there (``"arg": "file"``).
+SINKS = {"parquet": {"factory": "ParquetSink", "needs": "pyarrow.parquet", "extra": "parquet", "arg": "file"}}
 #: The most calls ``nxl.calls`` lists (a server's file may hold millions of calls; the rest are counted).
 LISTED = 10_000
 #: The first bytes of every Parquet file: a writer's unfinished file begins with them (or is still empty).

@@ -29,7 +29,7 @@ from ..arch.text import install_command, typed
 from .steps import GenerationCall, Step
 
 __all__ = ["DECLARED", "ENTRY_POINT_GROUP", "BatchingSink", "FaultingSink", "LosingSink", "RecordSink", "builtin_kinds",
-           "kind_name", "make_sink", "register_sink", "requirement", "sink_factory"]
+           "file_arg", "kind_name", "make_sink", "register_sink", "requirement", "sink_factory"]
 
 #: The entry-point group through which installed distributions register sink kinds.
 ENTRY_POINT_GROUP = plugins.SINKS
@@ -123,6 +123,9 @@ def _kind(name: str) -> Factory | None:
 #: is imported only where one of its kinds is used, and what a kind needs only where its sink is made::
 #:
 #:     SINKS = {"csv": {"factory": "CsvSink"}}      # or with "needs": "a.module", "extra": "nxl_hooks extra"
+#:
+#: and ``"arg": "file"`` where ARG is a file the sink writes in a folder it does not make (checked up front by
+#: :func:`file_arg`).
 DECLARED = "SINKS"
 
 
@@ -154,6 +157,11 @@ def _builtin(name: str, here: bool = True) -> Factory:
             raise ImportError(f"sink kind {name!r} needs {package}: {install_command(needed[1])}",
                               name=package) from None
     return getattr(importlib.import_module(declared["module"]), declared["factory"])
+
+
+def file_arg(name: str) -> bool:
+    """Whether the built-in kind ``name`` takes a file as ARG, to be made in a folder that must exist."""
+    return builtin_kinds().get(name, {}).get("arg") == "file"
 
 
 def kind_name(spec: Any, *, here: bool = True) -> str | None:

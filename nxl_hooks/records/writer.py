@@ -56,8 +56,9 @@ from .steps import STEP_TENSORS, GenerationCall, Step
 
 __all__ = ["PartlyWritten", "RotatingSink", "Sink", "encode_call", "encode_end", "encode_step", "stream_bytes"]
 
-#: The sink kinds made here (:data:`nxl_hooks.records.sinks.DECLARED`): ``file:PATH``, ``folder:PATH``.
-SINKS = {"file": {"factory": "Sink"}, "folder": {"factory": "RotatingSink"}}
+#: The sink kinds made here (:data:`nxl_hooks.records.sinks.DECLARED`): ``file:PATH``, ``folder:PATH``. ``"arg":
+#: "file"``: ARG is a file, which the sink makes in a folder that must be there (a RotatingSink makes its folder).
+SINKS = {"file": {"factory": "Sink", "arg": "file"}, "folder": {"factory": "RotatingSink"}}
 
 _FORMAT = 2  # the stream format written (a later one's files are refused as such, naming it)
 _FILE_MAGIC = STREAM_MAGIC + b"%d\n" % _FORMAT  # version 1 (nxl_hooks 0.1, no frame numbers) still reads

@@ -331,6 +331,13 @@ CASES = [
      r"/proc/nxl-no-such/s: the folder /proc/nxl-no-such cannot be made \(No such file or directory\): give a "
      r"folder you can write in$"),
     ("run without a program", ["run", "--sink", "{outdir}"], r"give the program to run after --"),
+    # a sink of one file (parquet:, file:) makes no folder: the program would run unrecorded; with {model}, the folder
+    # above the model's name is what is known before the program loads one
+    ("run parquet sink in a missing folder", ["run", "--sink", "parquet:{root}/nope/x.parquet", "--", "true"],
+     r"--sink parquet:.*/nope/x.parquet: the folder .*/nope does not exist \(the sink makes no folder\); create the "
+     r"folder or pick another path$"),
+    ("run file sink per model in a missing folder", ["run", "--sink", "file:{root}/nope/{{model}}/x.nxl", "--", "true"],
+     r"--sink file:.*/nope/\{model\}/x.nxl: the folder .*/nope does not exist"),
     # written twice: refused before the program starts, as resolving it in the program would refuse it
     ("run target written twice", ["run", "--target", "5,5", "--", "true"],
      r"argument --target: target list names output 5 twice \(5 and 5\): give different targets"),
@@ -517,12 +524,17 @@ class _Writes(io.StringIO):
         return self.getvalue()
 
 
+def _started(*program) -> None:
+    raise AssertionError(f"the program started: {program[1]}")
+
+
 @pytest.mark.parametrize("argv, message", [pytest.param(*case[1:], id=case[0]) for case in CASES])
 def test_bad_cli_input(where, quiet, monkeypatch, argv, message):
     monkeypatch.setenv("NXL_TOKEN", "")
     root = Path(where["root"])
     before = _tree(root)
     monkeypatch.setattr(sys, "stderr", _Writes())
+    monkeypatch.setattr(os, "execvpe", _started)  # nxl run's program: it would replace this process
     assert main([arg.format(**where) for arg in argv]) == 2
     err = sys.stderr.text()
     lines = err.strip().splitlines()

@@ -19,6 +19,7 @@ import re
 import shutil
 from pathlib import Path
 
+from ...records.files import cannot_write_in
 from ..extras import SERVE_MODULES, extra_line, require_extra
 from ..options import CliError, add_loading_options, check_output_folder, loading_options, say
 from ..schema import read_args, replaced_env
@@ -60,7 +61,7 @@ def sink_kind(value: str | None, python: str | None = None, *, target: bool = Fa
         return None
     import sys
 
-    from ...records.sinks import builtin_kinds, kind_name, requirement, sink_factory  # (torch: only for NAME:ARG)
+    from ...records.sinks import builtin_kinds, file_arg, kind_name, requirement, sink_factory  # (torch: NAME:ARG)
 
     name = kind_name(value, here=not target)
     if name is None:
@@ -68,12 +69,30 @@ def sink_kind(value: str | None, python: str | None = None, *, target: bool = Fa
     here = python is not None and os.path.abspath(python) == os.path.abspath(sys.executable)
     if not target or name in builtin_kinds():
         sink_factory(value, here=here)  # the kind's own up-front check: an ImportError naming its extra
+    if not target and file_arg(name):  # (nxl attach's target resolves a relative path in its own folder)
+        _check_sink_folder(value)
     needed = requirement(name)
     if python is not None and not here and needed is not None and _succeeds([python], f"import {needed[0]}") is False:
         package = needed[0].partition(".")[0]
         raise CliError(f"--sink {value}: the program's Python ({python}) lacks {package}: "
                        f"{extra_line(package, needed[1])}")
     return value
+
+
+def _check_sink_folder(value: str) -> None:
+    """A :class:`CliError` when ``--sink KIND:PATH`` of a kind that writes one file (``parquet:``, ``file:``) names
+    a folder that is not there or takes no file: the sink makes no folder, so the program would run unrecorded, said
+    in one line of its log. Only the part of PATH before ``{model}`` (each model's name, filled in the program) is
+    known here: its folder is checked."""
+    known = value.partition(":")[2].partition("{model}")[0]
+    folder = os.path.dirname(known) or "."
+    if not os.path.isdir(folder):
+        what = "is a file, not a folder" if os.path.exists(folder) else "does not exist"
+        raise CliError(f"--sink {value}: the folder {folder} {what} (the sink makes no folder); create the folder or "
+                       "pick another path")
+    why = cannot_write_in(folder, value)
+    if why is not None:
+        raise CliError(f"--sink {why}")
 
 
 def check_listen(value: str, *, allow_remote: bool) -> None:
