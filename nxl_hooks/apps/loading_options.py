@@ -118,9 +118,17 @@ def read_device_map(text: str) -> Any:
     return _placement(value)
 
 
-#: A mapping that offloads part of a model to disk, as advice (a Llama-like decoder's modules): its blocks, which
-#: hold no weight tied to another module's (lm_head on disk apart from a tied embedding fails the load).
-_MODULES_ON_DISK = '{"model.embed_tokens": "cpu", "model.layers": "disk", "model.norm": "cpu", "lm_head": "cpu"}'
+#: A mapping that offloads part of a model to disk, as advice: said as one kind of model's (a Llama-like decoder's:
+#: the model is not known where the option is read, and a BERT's modules have other names), its blocks on disk,
+#: which hold no weight tied to another module's (lm_head on disk apart from a tied embedding fails the load).
+_MODULES_ON_DISK = ("a mapping of the model's own module names (print(model) shows them), such as a Llama-like "
+                    'decoder\'s {"model.embed_tokens": "cpu", "model.layers": "disk", "model.norm": "cpu", '
+                    '"lm_head": "cpu"}')
+#: What a module's place in a mapping may be, and what the whole model's may be: disk only for a module, a
+#: strategy only for the whole model (accelerate's strategies make a mapping; torch reads "auto" as no device).
+_MODULE_PLACES = "give cpu, disk, or a device such as cuda:0 or its number"
+_MODEL_PLACES = ("give auto, balanced, sequential, cpu, a device such as cuda:0 or its number, or a mapping "
+                 "{module: device} (which may put modules on disk)")
 
 
 def _placement(value: Any) -> Any:
@@ -132,35 +140,38 @@ def _placement(value: Any) -> Any:
             raise ValueError("{}: an empty mapping places no module; give auto, a device, or a mapping "
                              "{module: device}")
         for device in value.values():
-            _present(device)
+            _present(device, "give cpu, disk, or a device it has", module=True)
         # "" (the root module) beside a module on disk fails the load ("weight is on the meta device")
         if "" in value and "disk" in value.values():
             raise ValueError(f"{json.dumps(value, default=str):.80}: \"\" (the whole model) beside modules on disk "
-                             f"does not load (their weights stay on the meta device); drop \"\" and name each module, "
-                             f"such as {_MODULES_ON_DISK}")
+                             f"does not load (their weights stay on the meta device); drop \"\" and name each module: "
+                             f"{_MODULES_ON_DISK}")
         return dict(value)
     if value == "disk":  # (a module's place in a mapping, not the whole model's)
         raise ValueError("'disk' for the whole model: transformers places no model on disk alone; give auto with "
-                         f"{named('max_memory')}, which offloads what does not fit, or a mapping such as "
-                         f"{_MODULES_ON_DISK}")
+                         f"{named('max_memory')}, which offloads what does not fit, or {_MODULES_ON_DISK}")
     return _present(value)
 
 
-def _present(device: Any, fix: str = "give auto, cpu, or a device it has") -> Any:
+def _present(device: Any, fix: str = "give auto, cpu, or a device it has", *, module: bool = False) -> Any:
     """``device`` (a strategy, a device name or number), checked to be one this machine has: a typo or a GPU that
-    is not there is one line now, not a traceback from the load. ``fix``: what to give instead."""
+    is not there is one line now, not a traceback from the load. ``fix``: what to give instead. ``module``: the
+    place of a module in a mapping, which may be disk and no strategy (the whole model's: the other way round)."""
     import torch
 
-    if isinstance(device, str) and device in (*_STRATEGIES, "disk") or isinstance(device, bool):
+    if isinstance(device, str) and device in (("disk",) if module else (*_STRATEGIES, "disk")) \
+            or isinstance(device, bool):
         return device
+    if module and device in _STRATEGIES:  # (the load failed with torch's RuntimeError: no device type 'auto')
+        raise ValueError(f"{device!r}: a strategy places the whole model, not one module of a mapping (give "
+                         f"{named('device_map')} {device} alone); in a mapping, {_MODULE_PLACES}")
     if isinstance(device, int):  # the accelerator's device number (accelerate's reading)
         kind, index, count = "accelerator", device, torch.accelerator.device_count()
     else:
         try:
             where = torch.device(device)
         except (RuntimeError, TypeError, ValueError):
-            raise ValueError(f"{device!r:.80} is no device: give auto, balanced, sequential, cpu, disk, a device "
-                             "such as cuda:0 or its number") from None
+            raise ValueError(f"{device!r:.80} is no device: {_MODULE_PLACES if module else _MODEL_PLACES}") from None
         if where.type == "meta":  # shapes without data: the load fails reading weights into it
             raise ValueError(f"{device!r:.80} holds no weights (the meta device has shapes, not data); {fix}")
         if where.type == "cpu":  # one device: accelerate fails in the forward moving weights to cpu:1

@@ -74,8 +74,15 @@ CASES = [
      r"target 99999999999999999999999 is out of range"),
     ("device map on a GPU not there", ["attribute", "{bert}", TEXT, "--device-map", "cuda:99"],
      r"--device-map: 'cuda:99': this machine has (no cuda device|\d+ cuda device\(s\)); give auto, cpu"),
+    # a module's place may be disk and no strategy, the whole model's the other way round: each lists its own
     ("device map of no device", ["attribute", "{bert}", TEXT, "--device-map", '{{"": "nope"}}'],
-     r"'nope' is no device: give auto, balanced, sequential, cpu, disk"),
+     r"'nope' is no device: give cpu, disk, or a device such as cuda:0 or its number \(see"),
+    ("device map of no device for the whole model", ["attribute", "{bert}", TEXT, "--device-map", "nope"],
+     r"'nope' is no device: give auto, balanced, sequential, cpu, a device such as cuda:0 or its number, or a "
+     r"mapping \{module: device\} \(which may put modules on disk\)"),
+    ("device map mapping a module by a strategy", ["attribute", "{bert}", TEXT, "--device-map", '{{"": "auto"}}'],
+     r"--device-map: 'auto': a strategy places the whole model, not one module of a mapping \(give --device-map "
+     r"\(device_map=\) auto alone\); in a mapping, give cpu, disk, or a device"),
     ("device map by a number not there", ["attribute", "{bert}", TEXT, "--device-map", "99"], r"--device-map: 99: "
      r"this machine has (no accelerator device|\d+ accelerator device\(s\)); give auto, cpu"),
     ("device map onto a numbered CPU", ["attribute", "{llama}", TEXT, "--device-map",
@@ -86,11 +93,12 @@ CASES = [
     ("device map mapping onto meta", ["attribute", "{bert}", TEXT, "--device-map", '{{"": "meta"}}'], "'meta' h"),
     ("device map all on disk", ["attribute", "{bert}", TEXT, "--device-map", "disk"],
      r"--device-map: 'disk' for the whole model: transformers places no model on disk alone; give auto with "
-     r"--max-memory \(max_memory=\), which offloads what does not fit"),
+     r"--max-memory \(max_memory=\), which offloads what does not fit, or a mapping of the model's own module names "
+     r"\(print\(model\) shows them\), such as a Llama-like decoder's \{"),  # (a BERT's modules are named otherwise)
     ("device map of the whole model and a module on disk", ["attribute", "{llama}", TEXT, "--device-map",
                                                              '{{"lm_head": "disk", "": "cpu"}}'],
      r"--device-map: \{\"lm_head\": \"disk\", \"\": \"cpu\"\}: \"\" \(the whole model\) beside modules on disk "
-     r"does not load .*; drop \"\" and name each module, such as \{\"model.embed_tokens\""),
+     r"does not load .*; drop \"\" and name each module: a mapping of the model's own module names"),
     ("offload folder below a file", ["attribute", "{bert}", TEXT, "--device-map", "auto", "--offload-folder",
                                      "{existing_html}/off"],
      r"--offload-folder: .*existing.html/off: .*existing.html is a file, not a folder; give a folder"),
