@@ -83,6 +83,7 @@ from torch import nn
 from ..method.head import same_weights, weights_state
 from ..method.placement import offloaded
 from ..method.protocol import Given
+from ..method.select import empty_row
 from ..records.steps import GenerationCall, Step
 from .recording import NOT_RECORDED, Recording
 from .conventions import (UnfollowedForward, cache_keyword, cache_length, find_cache, positions, prefix_cache, start,
@@ -819,6 +820,10 @@ class Run:
                 self._hub.prompt(self.call, ids, mask, readable=self._plan.readable_rows(ids),
                                  template=self._plan.template(ids, mask), special_ids=self._plan.special_ids,
                                  target_texts=self._plan.target_texts)
+                empty = empty_row(mask)  # (a plain forward's result() refuses such a row by the same rule)
+                if empty is not None:
+                    self._hub.note(self.call, f"{empty}: generate's tokens for it follow no prompt, and its steps "
+                                   "have no prompt token to explain; drop empty rows")
 
     def _real_mask(self, mask: torch.Tensor, past: int, new: int) -> torch.Tensor:
         """``mask`` with generated positions whose token a finished row only padded switched off (on the device:

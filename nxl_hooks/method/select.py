@@ -37,6 +37,7 @@ __all__ = [
     "ResolvedTarget",
     "Target",
     "check_length",
+    "empty_row",
     "explained",
     "from_numpy",
     "is_predicted",
@@ -544,11 +545,23 @@ def prediction_rows(
     return examples, torch.zeros(batch, dtype=torch.long)
 
 
+def empty_row(real: torch.Tensor) -> str | None:
+    """The rows of ``real`` (bool (batch, seq): which tokens are real) that have none, said as the start of one
+    line (five named, the rest counted); None when every row has one. A forward's result refuses such a row, a
+    generate call's record notes it: ``said = empty_row(mask)``."""
+    rows = (~real.any(-1)).nonzero().flatten().tolist()
+    if not rows:
+        return None
+    if len(rows) == 1:
+        return f"row {rows[0]} has no real token (its attention mask is all zeros, or it is all padding)"
+    named = ", ".join(map(str, rows[:5])) + (f" and {len(rows) - 5} more" if len(rows) > 5 else "")
+    return f"rows {named} have no real token (their attention mask is all zeros, or they are all padding)"
+
+
 def _no_empty_rows(real: torch.Tensor) -> None:
-    empty = (~real.any(-1)).nonzero().flatten()
-    if empty.numel():
-        raise ValueError(f"row {int(empty[0])} has no real token (its attention mask is all zeros, or it is all "
-                         "padding): there is no prediction to explain; drop empty rows")
+    said = empty_row(real)
+    if said is not None:
+        raise ValueError(f"{said}: there is no prediction to explain; drop empty rows")
 
 
 # -- what ranks ------------------------------------------------------------------------------------------

@@ -360,6 +360,28 @@ def test_forwards_that_cannot_be_explained(lm, bert, which, inputs, message):
     assert _hooks(model) == 0
 
 
+def test_a_generate_row_of_padding_alone_is_noted_on_its_call_once(lm, caplog):
+    """A generate batch with a row whose attention mask is all zeros was recorded without a word (its steps' masks
+    all False at the prompt), where a plain forward's result() refuses such a row: the call's notes name it, once,
+    by the forward's rule; a batch without one has no note, and generate's own output is unchanged."""
+    ids, mask = torch.tensor([[5, 6, 7], [5, 6, 7], [5, 6, 7]]), torch.tensor([[1, 1, 1], [0, 0, 0], [0, 1, 1]])
+    given = {"max_new_tokens": 3, "do_sample": False, "pad_token_id": 0}
+    plain = lm.generate(input_ids=ids, attention_mask=mask, **given)
+    with nxl.attach(lm) as probe:
+        assert torch.equal(lm.generate(input_ids=ids, attention_mask=mask, **given), plain)
+        (call,) = probe.calls
+        lm(input_ids=ids, attention_mask=mask)
+        with pytest.raises(ValueError, match=r"^row 1 has no real token"):
+            probe.result()
+        lm.generate(input_ids=ids[[0, 2]], attention_mask=mask[[0, 2]], **given)
+        assert probe.calls[-1].notes == []
+    assert [note.split(":")[0] for note in call.notes] == [
+        "row 1 has no real token (its attention mask is all zeros, or it is all padding)"]
+    assert call.complete and not call.steps[0].mask[1].any() and call.steps[0].mask[2].tolist() == [False, True, True]
+    assert caplog.text.count("generate's tokens for it follow no prompt") == 1  # (said once, in the log too)
+    assert _hooks(lm) == 0
+
+
 def test_explain_of_no_tokens_says_so_before_the_forward(caplog):
     """A tokenizer that adds no special token makes no token of "": explain raises nxl's line, not the model's own
     error on a zero-length input (a reshape), and runs no forward."""
