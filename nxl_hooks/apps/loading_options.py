@@ -71,8 +71,10 @@ def _memory_devices(limits: dict[Any, Any]) -> dict[Any, Any]:
     each size to be one accelerate reads (digits alone: bytes, which it takes as a number only): accelerate would
     raise deep inside the load."""
     for device in limits:
+        if device in _STRATEGIES:  # (a strategy places a model: it is no device to cap)
+            raise ValueError(f"{device!r} is a placing strategy, not a device; {_MEMORY_PLACES}")
         if device not in ("cpu", "disk"):
-            _present(device, "cap cpu, or a device it has")
+            _present(device, "cap cpu, or a device it has", places=_MEMORY_PLACES)
     return {device: _size(size) for device, size in limits.items()}
 
 
@@ -129,6 +131,8 @@ _MODULES_ON_DISK = ("a mapping of the model's own module names (print(model) sho
 _MODULE_PLACES = "give cpu, disk, or a device such as cuda:0 or its number"
 _MODEL_PLACES = ("give auto, balanced, sequential, cpu, a device such as cuda:0 or its number, or a mapping "
                  "{module: device} (which may put modules on disk)")
+#: What --max-memory caps.
+_MEMORY_PLACES = "cap cpu, disk, or a device such as cuda:0 or its number"
 
 
 def _placement(value: Any) -> Any:
@@ -153,10 +157,12 @@ def _placement(value: Any) -> Any:
     return _present(value)
 
 
-def _present(device: Any, fix: str = "give auto, cpu, or a device it has", *, module: bool = False) -> Any:
+def _present(device: Any, fix: str = "give auto, cpu, or a device it has", *, module: bool = False,
+             places: str | None = None) -> Any:
     """``device`` (a strategy, a device name or number), checked to be one this machine has: a typo or a GPU that
     is not there is one line now, not a traceback from the load. ``fix``: what to give instead. ``module``: the
-    place of a module in a mapping, which may be disk and no strategy (the whole model's: the other way round)."""
+    place of a module in a mapping, which may be disk and no strategy (the whole model's: the other way round).
+    ``places``: what a name that is no device should be (default: a module's or the whole model's places)."""
     import torch
 
     if isinstance(device, str) and device in (("disk",) if module else (*_STRATEGIES, "disk")) \
@@ -171,7 +177,8 @@ def _present(device: Any, fix: str = "give auto, cpu, or a device it has", *, mo
         try:
             where = torch.device(device)
         except (RuntimeError, TypeError, ValueError):
-            raise ValueError(f"{device!r:.80} is no device: {_MODULE_PLACES if module else _MODEL_PLACES}") from None
+            raise ValueError(f"{device!r:.80} is no device: "
+                             f"{places or (_MODULE_PLACES if module else _MODEL_PLACES)}") from None
         if where.type == "meta":  # shapes without data: the load fails reading weights into it
             raise ValueError(f"{device!r:.80} holds no weights (the meta device has shapes, not data); {fix}")
         if where.type == "cpu":  # one device: accelerate fails in the forward moving weights to cpu:1

@@ -107,21 +107,20 @@ def unmade(path: str | Path, folder: str | Path, error: OSError) -> str:
 
 def cannot_write_in(folder: str | Path, path: str | Path) -> str | None:
     """Why no file can be written in ``folder`` (to write ``path``, named in the line), or None: tried as the
-    writer would, then undone (the first missing folder made and removed; in an existing one, a file made and
-    removed). Permission bits do not tell it: root may write anywhere by them, yet nothing is made in /proc or on
-    a read-only mount; and a check before a model loads spares the load. ``why = cannot_write_in(out.parent, out)``"""
+    writer would, then undone (where the first missing folder goes, a folder of a name of its own made and removed;
+    in an existing one, a file). Never the path's own folder: the processes of a sharded run (each rank checks its
+    --out) would find it made, or removed, by another's check. Permission bits do not tell it: root may write
+    anywhere by them, yet nothing is made in /proc or on a read-only mount; and a check before a model loads spares
+    the load. ``why = cannot_write_in(out.parent, out)``"""
     folder = Path(folder)
     missing = [where for where in (folder, *folder.parents) if not where.exists()]
     try:
         if missing:
-            missing[-1].mkdir()
-            missing[-1].rmdir()
+            os.rmdir(tempfile.mkdtemp(prefix=".nxl-probe-", dir=missing[-1].parent))
         else:
             fd, probe = tempfile.mkstemp(prefix=".nxl-probe-", dir=folder)
             os.close(fd)
             os.unlink(probe)
-    except FileExistsError:  # made meanwhile by someone else: there is a folder
-        return None
     except OSError as error:
         if missing:
             return unmade(path, missing[-1], error)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -259,7 +260,7 @@ def _named_ids(header: dict, name: str) -> dict[int, str] | None:
     value = header.get(name)
     if value is None:
         return None
-    if isinstance(value, dict) and all(isinstance(key, str) and key.isascii() and key.lstrip("-").isdigit()
+    if isinstance(value, dict) and all(isinstance(key, str) and re.fullmatch(r"-?[0-9]{1,20}", key)
                                        and isinstance(text, str) for key, text in value.items()):
         ids = {int(key): text for key, text in value.items()}
         if all(-_ID <= i < _ID for i in ids):

@@ -109,6 +109,10 @@ CASES = [
     ("max memory on a device not there", ["attribute", "{bert}", TEXT, "--device-map", "auto", "--max-memory",
                                           "99=10GiB"],
      r"--max-memory: 99: this machine has (no accelerator device|\d+ accelerator device\(s\)); cap cpu, or a device"),
+    ("max memory of a strategy", ["attribute", "{bert}", TEXT, "--device-map", "auto", "--max-memory", "auto=1GiB"],
+     r"--max-memory: 'auto' is a placing strategy, not a device; cap cpu, disk, or a device such as cuda:0"),
+    ("max memory of no device", ["attribute", "{bert}", TEXT, "--device-map", "auto", "--max-memory", "gpu0=1GiB"],
+     r"--max-memory: 'gpu0' is no device: cap cpu, disk, or a device such as cuda:0 or its number"),
     ("8-bit with part of the model on disk", ["attribute", "{bert}", TEXT, "--device-map", "auto", "--max-memory",
                                               "cpu=1KB", "--load-in-8bit"],
      r"bert: --load-in-8bit/--load-in-4bit \(quantize=\) quantize the model where it runs, and --device-map "

@@ -8,6 +8,7 @@ a second uid: they run as root (as CI does) and use uid 65534 (nobody); as anoth
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import select
@@ -517,6 +518,24 @@ def test_a_token_another_process_of_the_run_writes_meanwhile_is_read_whole(tmp_p
     monkeypatch.undo()
     assert seen == [mine] and (run / "token").read_text() == mine + "\n" and len(mine) >= 40
     assert sorted(path.name for path in run.iterdir()) == ["token"]  # nothing else left in the run folder
+    assert stat.S_IMODE((run / "token").stat().st_mode) == 0o600
+
+
+def test_a_run_folder_on_a_file_system_without_hard_links_still_gets_its_token(tmp_path, monkeypatch):
+    """The token is written whole, then linked into place; where the folder's file system has no hard links (some
+    FUSE and SMB mounts: EPERM, ENOTSUP) it is written in place as before, not refused (the endpoint served none)."""
+    from nxl_hooks.apps.serve import runs
+
+    run = runs.make_run_dir(tmp_path / "run")
+
+    def no_links(source, target, *args, **kwargs):
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    mine = runs.run_token(run)
+    monkeypatch.undo()
+    assert (run / "token").read_text() == mine + "\n" and len(mine) >= 40
+    assert sorted(path.name for path in run.iterdir()) == ["token"]
     assert stat.S_IMODE((run / "token").stat().st_mode) == 0o600
 
 

@@ -911,3 +911,25 @@ def test_ctl_models_glob_that_matches_no_model_changes_nothing_and_says_so(tmp_p
     finally:
         for controller in controllers:
             controller.close()
+
+
+def test_the_output_check_of_one_rank_never_makes_or_removes_the_folder_another_rank_writes_in(tmp_path, monkeypatch):
+    """Every rank of a sharded run checks --out before its model loads. The check made the missing folder itself and
+    removed it: another rank finding it made wrote its own check's file in it, and the first rank's removal failed
+    (refused: 'cannot be made (Directory not empty)'), or removed it under the other. It now tries a folder of a name
+    of its own beside it: another rank making the folder and writing in it meanwhile is left alone."""
+    from nxl_hooks.records.files import cannot_write_in
+
+    out = tmp_path / "shared" / "out"
+    rmdir = os.rmdir
+
+    def another_rank_meanwhile(path, *args, **kwargs):  # the moment before the check undoes what it made
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "rank1.part").write_text("rank 1's records")
+        return rmdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rmdir", another_rank_meanwhile)
+    assert cannot_write_in(out, out / "records.jsonl") is None
+    monkeypatch.undo()
+    assert (out / "rank1.part").read_text() == "rank 1's records"
+    assert sorted(path.name for path in tmp_path.iterdir()) == ["shared"]  # the check left nothing of its own

@@ -146,15 +146,24 @@ def _new_token(path: Path) -> str:
     it between its creation and its write, and refused the endpoint a token 'too short to guard anything'."""
     token = secrets.token_urlsafe(32)
     draft = path.with_name(f".{path.name}-{os.getpid()}-{secrets.token_hex(4)}")
-    fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    _create(draft, token)
     try:
-        with os.fdopen(fd, "w") as fh:
-            os.fchmod(fh.fileno(), 0o600)  # whatever the umask
-            fh.write(token + "\n")
         os.link(draft, path)
+    except FileExistsError:
+        raise
+    except OSError:  # a file system without hard links (some FUSE and SMB mounts): made in place, as before
+        _create(path, token)
     finally:
         draft.unlink()
     return token
+
+
+def _create(path: Path, token: str) -> None:
+    """``token`` as the one line of a new file ``path``: 0600, O_EXCL (FileExistsError when anything is there)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        os.fchmod(fh.fileno(), 0o600)  # whatever the umask
+        fh.write(token + "\n")
 
 
 def run_token(folder: Path) -> str:

@@ -91,7 +91,7 @@ class Contrastive:
         if none is None:
             return scores
         # (on the device: which rows have no foil is never read back)
-        return scores.masked_fill(none.to(scores.device)[None, :, None, :], float("nan"))
+        return scores.masked_fill_(none.to(scores.device)[None, :, None, :], float("nan"))  # (scores: its own)
 
 
 METHOD = Contrastive()
