@@ -549,7 +549,7 @@ def empty_row(real: torch.Tensor) -> str | None:
     """The rows of ``real`` (bool (batch, seq): which tokens are real) that have none, said as the start of one
     line (five named, the rest counted); None when every row has one. A forward's result refuses such a row, a
     generate call's record notes it: ``said = empty_row(mask)``."""
-    rows = (~real.any(-1)).nonzero().flatten().tolist()
+    rows = [row for row, any_real in enumerate(real.any(-1).tolist()) if not any_real]  # (one read back)
     if not rows:
         return None
     if len(rows) == 1:

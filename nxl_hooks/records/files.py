@@ -114,6 +114,9 @@ def cannot_write_in(folder: str | Path, path: str | Path) -> str | None:
     the load. ``why = cannot_write_in(out.parent, out)``"""
     folder = Path(folder)
     missing = [where for where in (folder, *folder.parents) if not where.exists()]
+    with contextlib.suppress(OSError):
+        if os.stat(missing[-1].parent if missing else folder).st_uid != os.geteuid():
+            return None  # nothing is made in another user's folder (root attaching: the writer's own checks refuse)
     try:
         if missing:
             os.rmdir(tempfile.mkdtemp(prefix=".nxl-probe-", dir=missing[-1].parent))
