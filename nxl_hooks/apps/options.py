@@ -137,14 +137,21 @@ def check_output_file(path: str | None, option: str) -> str | None:
     why = unwritable(target)
     if why is not None:
         raise CliError(f"{option} {why}")
-    folder = target.parent
+    check_file_folder(target.parent, path, option)
+    return str(target)
+
+
+def check_file_folder(folder: str | Path, path: str, option: str, *, makes: str = "") -> None:
+    """A :class:`CliError` unless ``folder``, where ``path`` (given with ``option``) is to be written, exists as a
+    folder a file can be made in (:func:`~nxl_hooks.records.files.cannot_write_in`); ``makes`` says, in the line,
+    who does not make it. ``check_file_folder(out.parent, args.out, "--out")``"""
+    folder = Path(folder)
     if not folder.is_dir():
         what = "is a file, not a folder" if folder.exists() else "does not exist"
-        raise CliError(f"{option} {path}: the folder {folder} {what}; create the folder or pick another path")
+        raise CliError(f"{option} {path}: the folder {folder} {what}{makes}; create the folder or pick another path")
     why = cannot_write_in(folder, path)
     if why is not None:
         raise CliError(f"{option} {why}")
-    return str(target)
 
 
 def check_output_folder(path: str, option: str = "--out") -> str:

@@ -19,9 +19,8 @@ import re
 import shutil
 from pathlib import Path
 
-from ...records.files import cannot_write_in
 from ..extras import SERVE_MODULES, extra_line, require_extra
-from ..options import CliError, add_loading_options, check_output_folder, loading_options, say
+from ..options import CliError, add_loading_options, check_file_folder, check_output_folder, loading_options, say
 from ..schema import read_args, replaced_env
 from ..serve.settings import Settings, add_run_options, address_family, parse_listen
 
@@ -85,14 +84,7 @@ def _check_sink_folder(value: str) -> None:
     in one line of its log. Only the part of PATH before ``{model}`` (each model's name, filled in the program) is
     known here: its folder is checked."""
     known = value.partition(":")[2].partition("{model}")[0]
-    folder = os.path.dirname(known) or "."
-    if not os.path.isdir(folder):
-        what = "is a file, not a folder" if os.path.exists(folder) else "does not exist"
-        raise CliError(f"--sink {value}: the folder {folder} {what} (the sink makes no folder); create the folder or "
-                       "pick another path")
-    why = cannot_write_in(folder, value)
-    if why is not None:
-        raise CliError(f"--sink {why}")
+    check_file_folder(os.path.dirname(known) or ".", value, "--sink", makes=" (the sink makes no folder)")
 
 
 def check_listen(value: str, *, allow_remote: bool) -> None:
