@@ -339,6 +339,14 @@ def eager() -> bool:
     return os.environ.get(EAGER) == "1"
 
 
+def embedded(prompt_len: int, ids_beside: bool) -> str:
+    """The note of a call whose prompt ran as embeddings (``inputs_embeds``): the record holds no ids or texts of it,
+    and generate's output begins with the new tokens (:attr:`GenerationCall.prompt_embedded`)."""
+    return (f"the prompt came as embeddings (inputs_embeds), not token ids: its {prompt_len} position(s) have no ids "
+            f"or texts in the record (they read @0..@{prompt_len - 1}), only its generated tokens do"
+            + ("" if ids_beside else "; call.sequences is generate's output, the new tokens only"))
+
+
 #: Why a ``generate`` call that drafts candidate tokens for another model's assisted decoding is not recorded.
 _DRAFTS = ("this model drafts candidate tokens for another model's assisted decoding (it is that model's "
            "assistant_model), which that model accepts or drops: a draft is not a generation of its own; attach to "
@@ -820,6 +828,8 @@ class Run:
                 self._hub.prompt(self.call, ids, mask, readable=self._plan.readable_rows(ids),
                                  template=self._plan.template(ids, mask), special_ids=self._plan.special_ids,
                                  target_texts=self._plan.target_texts)
+                if ids is None:  # said in its record, which else reads as if its prompt and sequences were cut
+                    self._hub.note(self.call, embedded(self._prompt_len, self.ids_beside_embeds), log=False)
                 empty = empty_row(mask)  # (a plain forward's result() refuses such a row by the same rule)
                 if empty is not None:
                     self._hub.note(self.call, f"{empty}: generate's tokens for it follow no prompt, and its steps "

@@ -681,10 +681,12 @@ class Hub:
             crossed.append(step)
         return crossed
 
-    def note(self, call: GenerationCall, lost: str) -> None:
-        """Records of ``call`` were ``lost`` past what its error says: one line in the log, one in its notes.
+    def note(self, call: GenerationCall, lost: str, *, log: bool = True) -> None:
+        """Records of ``call`` were ``lost`` past what its error says: one line in the log (unless ``log`` is False:
+        what the call itself chose, not a fault), one in its notes.
         ``hub.note(call, "the record of step 3 was lost (...)")``"""
-        logger.warning("nxl_hooks: %s; the model's own call is unaffected", lost)
+        if log:
+            logger.warning("nxl_hooks: %s; the model's own call is unaffected", lost)
         with self._lock:
             call.notes.append(lost)
 

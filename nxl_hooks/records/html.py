@@ -437,8 +437,9 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
     (:class:`~nxl_hooks.records.view.StepView`, what ``nxl tail`` and the endpoint show; the page carries them in
     its data block) and its ``k`` best context tokens at the shown layer are bold. A call whose record stopped
     early (``call.error``), ends without its end (a cut stream) or starts after its first steps (a rotating sink
-    deleted them: their tokens read ``@position``) says so at the top; one without steps is a page saying why. A
-    row that ended before the batch did has no rows for generate's padding after its end (``step.active`` False).
+    deleted them: their tokens read ``@position``) says so at the top, as do its notes (``call.notes``); one
+    without steps is a page saying why. A row that ended before the batch did has no rows for generate's padding
+    after its end (``step.active`` False).
 
     ``generation_html(probe.calls[-1])``; ``row``: which sequence of the batch; ``label``: which fixed target;
     ``method``: any in the steps' ``scores``.
@@ -522,7 +523,7 @@ def generation_html(call: Any, *, row: int = 0, label: int = 0, method: str = "n
         marked + "they rank too (all_positions).</p>" if any(template) else "")
     body = (
         f"<h1>{html.escape(title)}</h1>"
-        + _notes([note for note in (_missing(steps), unfinished, ended) if note])
+        + _notes([note for note in (_missing(steps), unfinished, ended, *call.notes) if note])
         + f'<p class="note">Prompt ({len(shown)} tokens; ␣ a space, ↵ a newline'
         + (f"; this row's {pads} position(s) of padding are left out, here and in the table, whose columns keep "
            f"their positions in the batch (as nxl tail and the step views number tokens): its prompt starts at column "

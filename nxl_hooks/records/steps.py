@@ -295,11 +295,12 @@ class GenerationCall:
         token: generate's padding after it left out, as :attr:`texts` leaves it out), control and format characters
         shown escaped (:func:`~nxl_hooks.records.tokens.printable`). ``print(call)``"""
         prompt = "?" if self.prompt_mask is None else f"{self.prompt_mask.shape[0]} x {self.prompt_mask.shape[1]}"
+        prompt += " embeddings (no token ids or texts)" if self.prompt_embedded else " tokens"
         made = self.made(0)
         text = "".join(step.token_name(0) for step in made[:40])
         # its error shown escaped: a file's end frame may hold any text (an escape sequence, a bidi override)
         state = "complete" if self.complete else ("stopped: " + printable(self.error) if self.error else "running")
-        return (f"<GenerationCall {self.index} request {self.request_id!r}: prompt {prompt} tokens, "
+        return (f"<GenerationCall {self.index} request {self.request_id!r}: prompt {prompt}, "
                 f"{len(self.steps)} step(s), {state}, layers {layers_text(self.layers)}"
                 + (", chat template located" if self.prompt_template is not None else "")
                 + f"; generated '{text}" + ("…" if len(made) > 40 else "") + "'>")
@@ -326,16 +327,26 @@ class GenerationCall:
 
     def context_ids(self, length: int) -> torch.Tensor | None:
         """int64 (batch, length): the token ids of a step's context (``length`` = ``step.position``): the prompt's,
-        then each kept step's token, -1 where not known; None when the prompt's ids are not known."""
-        if self.prompt_ids is None:
+        then each kept step's token, -1 where not known (the whole prompt where it came as embeddings:
+        :attr:`prompt_embedded`); None when the prompt itself is not known."""
+        prompt = self.prompt_ids if self.prompt_ids is not None else self.prompt_mask
+        if prompt is None:
             return None
-        ids = torch.full((self.prompt_ids.shape[0], length), -1, dtype=torch.long)
-        ids[:, : self.prompt_ids.shape[1]] = self.prompt_ids[:, :length]
+        ids = torch.full((prompt.shape[0], length), -1, dtype=torch.long)
+        if self.prompt_ids is not None:
+            ids[:, : self.prompt_ids.shape[1]] = self.prompt_ids[:, :length]
         for step in self.steps:  # in order of position
             if step.position >= length:
                 break
             ids[:, step.position] = step.token
         return ids
+
+    @property
+    def prompt_embedded(self) -> bool:
+        """Whether the prompt ran as embeddings (``generate(inputs_embeds=...)``): the record holds no token ids and no
+        texts of it (its positions read ``@N``), and ``sequences``, generate's output, then holds only the new tokens
+        (unless ``input_ids`` came beside the embeddings: they begin it). Its notes say so too."""
+        return self.prompt_mask is not None and self.prompt_ids is None
 
     def attribution(self, step: Step) -> Attribution:
         """``step`` as an :class:`Attribution` that knows its context's special and chat-template tokens, so that
@@ -379,14 +390,16 @@ class GenerationCall:
 
     def link(self, step: Step) -> None:
         """Give ``step`` the readable texts of its context (the prompt's, then each earlier step's token; ``@N``
-        where a step was not seen: a rotated file deleted it) and add its own token's:
-        ``step.to_attribution().top(3)`` then names tokens by their text. Called once per step, in order, by the
-        probe's hub and by :func:`~nxl_hooks.records.reader.read_stream`."""
+        where a step was not seen, a rotated file deleted it, or the prompt came as embeddings) and add its own
+        token's: ``step.to_attribution().top(3)`` then names tokens by their text. Called once per step, in order,
+        by the probe's hub and by :func:`~nxl_hooks.records.reader.read_stream`."""
         self.claim(step)
-        if self.readable is None or step.readable is None or len(step.readable) != len(self.readable):
+        # a prompt given as embeddings has no texts: its positions read @N, its steps' tokens their own texts
+        prompt = [[]] * len(step.readable) if self.prompt_embedded and step.readable is not None else self.readable
+        if prompt is None or step.readable is None or len(step.readable) != len(prompt):
             return
         if self._context is None:
-            self._context = [list(row) for row in self.readable]
+            self._context = [list(row) for row in prompt]
         for row, text in zip(self._context, step.readable):
             row.extend(map(unseen, range(len(row), step.position)))
             del row[step.position:]

@@ -1007,6 +1007,37 @@ def test_a_prompt_given_as_ids_and_embeddings_is_recorded_step_by_step(model):
     check_call(model, call, 5)
 
 
+def test_a_prompt_given_as_embeddings_is_said_so_and_its_generated_tokens_keep_their_texts(tmp_path):
+    """generate(inputs_embeds=...) returns the new tokens only, and nothing of the prompt is a token: the record read
+    as cut short (its context had no texts at all, the generated tokens' neither, and nothing said why). It says the
+    prompt came as embeddings (notes, repr, page; also read back from its stream), its positions read @N and the
+    generated tokens read as the tokenizer's own decode of generate's output."""
+    import bpe_tiny
+    from nxl_hooks.records.html import generation_html
+
+    tok = bpe_tiny.bpe_tokenizer()
+    model = bpe_tiny.bpe_llama(tok)
+    ids = tok("The capital of France is", return_tensors="pt").input_ids
+    n, embeds = ids.shape[1], model.get_input_embeddings()(ids).detach()
+    options = dict(inputs_embeds=embeds, max_new_tokens=4, do_sample=False, pad_token_id=2)
+    plain = model.generate(**options)
+    with nxl.attach(model, layers="all", tokenizer=tok, sink=str(tmp_path / "run.nxl")) as probe:
+        out = model.generate(**options)
+    assert torch.equal(out, plain) and out.shape == (1, 4)  # transformers' own: the new tokens only
+    (call,) = probe.calls
+    (read,) = nxl.read_stream(tmp_path / "run.nxl")
+    decoded = [tok.decode([token]).replace(" ", "␣") for token in out[0].tolist()]
+    for each in (call, read):
+        assert each.complete and each.prompt_embedded and torch.equal(each.sequences, out)
+        assert any("came as embeddings (inputs_embeds)" in note and "new tokens only" in note for note in each.notes)
+        assert f"prompt 1 x {n} embeddings (no token ids or texts)" in repr(each)
+        assert each.steps[-1].names(each, 0) == [f"@{j}" for j in range(n)] + decoded
+        assert [text for _, text, _ in each.attribution(each.steps[-1]).top(10) if not text.startswith("@")] == [
+            decoded[p - n] for p, _, _ in each.attribution(each.steps[-1]).top(10) if p >= n]
+        assert each.texts == [tok.decode(out[0])]
+        assert "came as embeddings (inputs_embeds)" in generation_html(each)
+
+
 def test_compiled_steps_of_a_prompt_given_as_embeddings_are_said_not_recorded():
     """A compiled call whose prompt came as inputs_embeds cannot be run again over its tokens (generate returns only
     the new ones): it is never silent, its call says why and what to do, and its output is the plain one."""
