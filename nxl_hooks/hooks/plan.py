@@ -29,7 +29,7 @@ from ..method.protocol import Checked, Given, Method, TargetChecked
 from ..method.registry import resolve_methods
 from ..method.subject import Subject, compiled_original
 from ..records.sinks import sink_factory
-from ..records.tokens import readable_ids, record_text
+from ..records.tokens import readable_ids, record_text, separator
 from ..method.select import (
     EMBEDDINGS,
     VIRTUAL_ID,
@@ -172,6 +172,11 @@ class Plan:
     def special_ids(self) -> list[int] | None:
         """The tokenizer's special token ids (:func:`~nxl_hooks.method.select.special_ids`), None without one."""
         return special_ids(self.tokenizer) if self.tokenizer is not None else None
+
+    @property
+    def separator(self) -> str:
+        """What the tokenizer's decode puts between tokens besides their texts (:func:`~.records.tokens.separator`)."""
+        return separator(self.tokenizer)
 
     @property
     def generates(self) -> bool:

@@ -330,6 +330,7 @@ def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, to
                                       special_ids=_ints(header, "special_ids"),
                                       target_texts=None if unprompted else _named_ids(header, "target_texts"),
                                       model=_text(header, "model"),
+                                      separator=_text(header, "separator") or "",
                                       started=_field(header, "started", (float, int), optional=True))
         return False
     if index not in calls and rotated:

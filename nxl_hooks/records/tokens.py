@@ -51,8 +51,8 @@ from ..method.chat import chat_prompt
 from ..method.select import ResolvedTarget
 
 __all__ = ["EMPTY", "describe_target", "NEWLINE", "SPACE", "TAB", "chat_text", "is_readable", "label_text",
-           "plain_text", "printable", "readable", "readable_ids", "record_text", "target_texts", "unseen",
-           "untexted", "visible", "whole_characters"]
+           "plain_text", "printable", "readable", "readable_ids", "record_text", "separator", "target_texts",
+           "unseen", "untexted", "visible", "whole_characters"]
 
 SPACE = "␣"
 NEWLINE = "↵"
@@ -150,10 +150,19 @@ def _raw(name: str) -> bytes:
                         text).encode("utf-8", "surrogatepass")
 
 
-def plain_text(names: Sequence[str]) -> str:
+def plain_text(names: Sequence[str], separator: str = "") -> str:
     """The text that readable token texts stand for, joined (a byte-level emoji's pieces make the emoji again; bytes
-    that never complete a character read ``�``). ``plain_text(["Hello", "␣world", "↵"]) == "Hello world\\n"``"""
-    return b"".join(_raw(name) for name in names).decode("utf-8", "replace")
+    that never complete a character read ``�``), with ``separator`` between tokens (:func:`separator`).
+    ``plain_text(["Hello", "␣world", "↵"]) == "Hello world\\n"``"""
+    return separator.encode("utf-8").join(_raw(name) for name in names).decode("utf-8", "replace")
+
+
+def separator(tokenizer: Any) -> str:
+    """What ``tokenizer.decode`` puts between tokens besides their own texts: a space for a fast tokenizer without a
+    decoder (a word-level one: tokenizers joins the pieces with one, and each decodes alone to its bare word), else
+    nothing (its decoder's own pieces carry their spaces, which the readable texts keep)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    return " " if backend is not None and backend.decoder is None else ""
 
 
 def _complete(data: bytes) -> int:

@@ -96,7 +96,8 @@ def encode_call(call: GenerationCall, meta: dict, *, seq: int | None = None) -> 
                              "readable": call.readable if prompted else None,
                              "model": call.model, "started": call.started, "special_ids": call.special_ids,
                              # JSON keys are texts: {"348": "␣Paris"}
-                             "target_texts": call.target_texts if prompted else None}, seq)
+                             "target_texts": call.target_texts if prompted else None,
+                             **({"separator": call.separator} if call.separator else {})}, seq)
 
 
 def encode_step(step: Step, *, seq: int | None = None, first_kept: bool = False) -> bytes:

@@ -50,9 +50,9 @@ def oracle_scores(model, tok, text: str, ids: list[int]) -> tuple[torch.Tensor, 
     return scores, out.logits[0, -1].softmax(-1)[ids]
 
 
-def forced_generation(tok, prompt: torch.Tensor, emitted: list[int]):
-    """A random tiny Llama over ``tok``'s vocabulary made to generate ``emitted`` after ``prompt`` (1, n), recorded:
-    (the recorded call, generate's output)."""
+def forced_generation(tok, prompt: torch.Tensor, emitted: list[int], **options):
+    """A random tiny Llama over ``tok``'s vocabulary made to generate ``emitted`` after ``prompt`` (1, n), recorded
+    (``options``: attach's, a sink): (the recorded call, generate's output)."""
     from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
 
     class Emit(LogitsProcessor):  # the test's tokens, one per step
@@ -64,7 +64,7 @@ def forced_generation(tok, prompt: torch.Tensor, emitted: list[int]):
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64,
                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)).eval()
-    with torch.no_grad(), nxl.attach(model, tokenizer=tok) as probe:
+    with torch.no_grad(), nxl.attach(model, tokenizer=tok, **options) as probe:
         out = model.generate(prompt, max_new_tokens=len(emitted), do_sample=False, pad_token_id=0,
                              logits_processor=LogitsProcessorList([Emit()]))
     assert out[0, prompt.shape[1]:].tolist() == emitted
@@ -91,7 +91,7 @@ def test_a_backslash_is_escaped_so_a_tokens_own_escape_text_reads_back_as_writte
     assert plain_text(["\\xe9", "\\x41"]) == "\ufffdA"  # older texts, backslashes unescaped, read as before
 
     call, _ = forced_generation(tok, tok("the film was", return_tensors="pt")["input_ids"], emitted)
-    assert call.text == "".join(tok.decode([i]) for i in emitted) == "\\xe9\\x41a\\\\b"
+    assert call.text == tok.decode(emitted) == "\\xe9 \\x41 a\\\\b"  # (a word-level tokenizer: spaced)
     assert [step.view(call).token for step in call.steps] == ["\\\\xe9", "\\\\x41", "a\\\\\\\\b"]
     assert whole_characters(call.readable[0] + [step.readable[0] for step in call.steps]) == (
         call.readable[0] + ["\\\\xe9", "\\\\x41", "a\\\\\\\\b"])
@@ -206,6 +206,26 @@ def test_a_token_of_a_c1_control_or_soft_hyphen_reads_back_as_that_character_not
     call, out = forced_generation(gpt2, torch.tensor([ids[:1]]), ids[1:])
     assert call.text == gpt2.decode(out[0, 1:]) == "\x85b\x9d\xad😀\x85"
     assert [step.view(call).token for step in call.steps][-1] == "\\u0085"
+
+
+def test_a_word_level_tokenizer_without_a_decoder_keeps_the_spaces_its_decode_puts_between_words(tmp_path):
+    """A word-level tokenizer without a decoder decodes each token alone to its bare word and joins them with a
+    space: call.texts ran them together ('moviefilmis'). They read as the tokenizer's own decode and
+    convert_tokens_to_string, live and read back from the stream file; a byte-level one still joins with nothing."""
+    words = tiny.word_tokenizer(tiny.VOCAB)
+    assert words.backend_tokenizer.decoder is None
+    prompt = words("the movie was", return_tensors="pt").input_ids
+    emitted = words.convert_tokens_to_ids(["very", "good", "and", "the", "plot", "is", "great"])
+    call, out = forced_generation(words, prompt, emitted, sink=tmp_path / "run.nxl")
+    (back,) = nxl.read_stream(tmp_path / "run.nxl")
+    expected = words.decode(out[0, prompt.shape[1]:])
+    assert expected == words.convert_tokens_to_string(words.convert_ids_to_tokens(emitted))
+    assert expected == "very good and the plot is great"
+    assert call.texts == back.texts == [expected]
+    gpt2 = bpe_tiny.bpe_tokenizer()  # its pieces carry their spaces: nothing between them
+    ids = gpt2(" the capital of France", add_special_tokens=False)["input_ids"]
+    call, out = forced_generation(gpt2, torch.tensor([ids[:1]]), ids[1:])
+    assert call.text == gpt2.decode(out[0, 1:]) == " capital of France"
 
 def test_word_targets_are_the_token_the_model_would_emit_after_the_prompt(model, tok):
     paris, bare = piece_id(tok, "ĠParis"), piece_id(tok, "Paris")
