@@ -26,6 +26,7 @@ import torch
 from safetensors.torch import load as _load_blob
 from safetensors.torch import save as _save_blob
 
+from ..method.methods.contrastive import no_foil
 from ..method.protocol import NAME, check_name
 from ..method.registry import DEFAULT
 from ..method.scores import norm_spread
@@ -266,7 +267,8 @@ class Attribution:
 
     def __repr__(self) -> str:
         """A summary, never the tensors: shape, layers, and per row (the first three) each target (the first three)
-        with its text, id and probability and its top tokens at the last layer. ``print(res)``"""
+        with its text, id and probability and its top tokens at the last layer; a note naming the rows a contrastive
+        method had no foil for (:func:`~nxl_hooks.method.methods.contrastive.no_foil`). ``print(res)``"""
         n_layers, rows, seq = self.normxlogit.shape[:3]
         k = self.target.shape[1] if self.target.dim() == 2 else 1
         head = (f"<Attribution {self.meta.get('model_class') or ''} {self.meta.get('head_kind') or ''}: {rows} row(s) x "
@@ -284,6 +286,7 @@ class Attribution:
                 lines.append(f"{' ' * len(lead)} ... {k - 3} more target(s)")
         if rows > 3:
             lines.append(f"  ... {rows - 3} more row(s)")
+        lines += [f"  note: {note}" for note in map(no_foil, self.scores, self.scores.values()) if note]
         return "\n".join(lines) + ">"
 
     def check(self) -> None:

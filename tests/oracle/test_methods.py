@@ -382,6 +382,46 @@ def test_contrastive_with_a_fixed_foil_on_a_regression_head_is_the_documented_ga
                                atol=1e-5, rtol=1e-4)
 
 
+def test_rows_a_fixed_foil_is_the_prediction_of_are_named_wherever_notes_show():
+    """Contrastive(foil=f) of a batch where the model predicts f in some rows, not all: those rows have no foil and
+    their scores are NaN; nothing said so (the note came only when every score was NaN). The repr, the attribution
+    page and the terminal name them, and why; the others keep ‖h⁰‖ × (HoT[y] − HoT[f]). The oracle: the model's
+    own logits (which rows predict f) and the hand-applied head."""
+    import io
+
+    from rich.console import Console
+
+    from nxl_hooks.apps.terminal import show_attribution
+    from nxl_hooks.records.html import attribution_html
+
+    model = tiny.generating_llama()
+    ids = torch.tensor([[5, 6, 7, 8], [9, 10, 11, 12], [13, 14, 15, 16]])
+    with torch.no_grad():
+        out = model(ids, output_hidden_states=True)
+    predicted = out.logits[:, -1].argmax(-1)
+    foil = int(predicted[1])
+    without = (predicted == foil).nonzero().flatten().tolist()
+    assert 0 < len(without) < ids.shape[0]  # some rows, not all
+    with torch.no_grad(), nxl.attach(model, methods=[Contrastive(foil=foil)], layers="all") as probe:
+        model(ids)
+    res = probe.result()
+    logits = oracle.llama(model).layer_logits(out.hidden_states)  # (L+1, rows, seq, vocab)
+    norms = out.hidden_states[0].float().norm(dim=-1)
+    for row in range(ids.shape[0]):
+        scores = res.scores["contrastive"][:, row]
+        if row in without:
+            assert scores.isnan().all()
+        else:
+            expected = norms[row] * (logits[:, row, :, int(predicted[row])] - logits[:, row, :, foil])
+            torch.testing.assert_close(scores, expected, atol=1e-5, rtol=1e-4)
+    named = (f"row {without[0]} has no foil" if len(without) == 1
+             else f"rows {', '.join(map(str, without))} have no foil")
+    console = Console(file=io.StringIO(), width=400)
+    show_attribution(res, console, method="contrastive")
+    for shown in (repr(res), attribution_html(res, method="contrastive"), console.file.getvalue()):
+        assert named in shown and "the fixed foil is the output" in shown
+
+
 def test_the_reserved_names_cover_every_parquet_column_and_evaluations_own_methods():
     """method.registry.RESERVED is written by hand (the method layer imports neither records' Parquet schema nor
     eval): a column or an evaluation baseline added there must be reserved too, or a method could take its name."""

@@ -21,7 +21,7 @@ import torch
 from ..protocol import Given
 
 
-#: What the terminal and the attribution page say when every contrastive score is NaN (no row had a foil).
+#: What the terminal, the attribution page and the repr say when every contrastive score is NaN (no row had a foil).
 NO_FOIL = ("every contrastive score is NaN: no output is left to be the foil (every output of the head is explained, "
            "as for a one-logit classifier or both labels of a 2-label one; or a fixed foil is the explained output "
            "itself, as the prediction) or the model's probabilities are unknown (a regression head); "
@@ -97,7 +97,30 @@ class Contrastive:
 METHOD = Contrastive()
 
 
+#: What they say when some rows have no foil, but not all (a fixed foil that is some rows' prediction).
+SOME_NO_FOIL = ("{rows} no foil, so {their} contrastive scores are NaN: the fixed foil is the output {each} explains "
+                "(as {its} prediction), or every output is explained; a foil no row explains, or Contrastive() for "
+                "each row's best other output, gives every row one")
+
+
+def foilless(method: str, scores: torch.Tensor) -> list[int]:
+    """The rows (axis 1 of ``scores``, ``method``'s) whose every score is NaN where it is this method: those that
+    had no foil (:meth:`Contrastive.score`); [] for any other method."""
+    if method != Contrastive.name:
+        return []
+    return scores.transpose(0, 1).reshape(scores.shape[1], -1).isnan().all(-1).nonzero().flatten().tolist()
+
+
 def no_foil(method: str, scores: torch.Tensor) -> str | None:
-    """:data:`NO_FOIL` where ``scores`` are ``method``'s and it is this one, every score NaN (a table of "nan" or
-    of blank cells says nothing of why), else None. ``no_foil("contrastive", res.scores["contrastive"])``"""
-    return NO_FOIL if method == Contrastive.name and bool(scores.isnan().all()) else None
+    """Why rows of ``scores`` are NaN where they are ``method``'s and it is this one (a table of "nan" or of blank
+    cells says nothing of why): :data:`NO_FOIL` where no row had a foil, :data:`SOME_NO_FOIL` naming the rows that
+    had none, else None. ``no_foil("contrastive", res.scores["contrastive"])``"""
+    rows = foilless(method, scores)
+    if not rows:
+        return None
+    if len(rows) == scores.shape[1]:
+        return NO_FOIL
+    one = len(rows) == 1
+    named = f"row {rows[0]} has" if one else f"rows {', '.join(map(str, rows))} have"
+    return SOME_NO_FOIL.format(rows=named, their="its" if one else "their", each="it" if one else "each",
+                               its="its" if one else "their")
