@@ -4,8 +4,9 @@ Root runs, imports and believes nothing the target's user controls: a version fa
 the user's PYTHONPATH and an interpreter link the user repoints after the checks make root run nothing of the
 user's (a marker the user's script would write as root stays absent) and the attach goes through gdb on the real
 interpreter. ``--sink`` never hands root's files over: an existing folder is refused, a new one is the only thing
-given to the user, and what a failed attach made is taken back. Text from the target (the model's name) reaches
-root's terminal escaped. A concurrent tracer (another ``nxl attach``'s gdb) is waited for, then named; and the
+given to the user, and what a failed attach made is taken back, once handed over only as far as the user could
+remove it (never by a path they can redirect). Text from the target (the model's name) reaches root's terminal
+escaped. A concurrent tracer (another ``nxl attach``'s gdb) is waited for, then named; and the
 target's stderr holds nothing but nxl's own lines after an attach and a detach.
 
 The other user is a real one, created here (``useradd``) and removed at the end; its process runs the system's
@@ -347,6 +348,76 @@ def test_a_folder_planted_above_the_sink_while_it_is_made_is_refused_never_follo
     assert [{path: (uid, mode) for path, (uid, _, mode) in each.items()} for each in handed] == [
         {sticky / "made": (0, 0o711), sticky / "made" / "run": (NOBODY, 0o700)}]
     assert sorted(os.listdir(sticky)) == ["race"]  # both taken back
+
+def _decoy(folder: Path) -> Path:
+    """What another user may move into a folder root handed them (on the same file system): a folder of theirs
+    that holds a folder of root's, whose file they cannot remove themselves. Returns that file."""
+    precious = folder / "roots" / "precious"
+    precious.parent.mkdir(parents=True)
+    precious.write_text("root's")
+    os.chown(folder, NOBODY, NOBODY)
+    return precious
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to attach for another uid (65534)")
+def test_a_failed_attach_takes_back_only_what_the_user_could_remove(tmp_path, capsys, monkeypatch):
+    """The run folder handed over is the user's until the attach fails: they may move a folder of theirs into it
+    that holds root's files. Root's clean-up removed the run folder whole (rmtree), root's files in it too; now it
+    removes only what the user could have removed themselves, and leaves the rest (and so the run folder)."""
+    from nxl_hooks.apps.serve import inject as injection
+    from nxl_hooks.apps.serve.inject import Target
+
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    run = sticky / "made" / "run"
+    monkeypatch.setattr(injection, "inspect_target", lambda pid: Target(4242, NOBODY, NOBODY, sys.executable, (3, 11)))
+    precious = []
+
+    def refused_after_a_move(*args, **kwargs):  # the user, while root waits for the process's answer
+        assert _ownership(run)[run][0] == NOBODY
+        precious.append(_decoy(run / "moved-in"))
+        (run / "theirs").write_text("the user's")
+        os.chown(run / "theirs", NOBODY, NOBODY)
+        return {"ok": False, "error": "refused"}
+
+    monkeypatch.setattr(injection, "inject", refused_after_a_move)
+    assert "refused" in _refused(capsys, "attach", "4242", "--sink", str(run))
+    assert precious[0].read_text() == "root's"  # root's file stays where the user put it
+    assert sorted(os.listdir(run)) == ["moved-in"] and os.listdir(run / "moved-in") == ["roots"]
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to attach for another uid (65534)")
+def test_the_request_folder_handed_over_is_never_removed_by_its_path(tmp_path, monkeypatch):
+    """The request folder goes to the target's user, in sticky /tmp: they may rename it away and put a folder of
+    theirs holding root's files at its path. Root's clean-up removed by that path (rmtree), root's files too; now
+    it removes only what that user could have removed themselves."""
+    from nxl_hooks.apps.serve import inject as injection
+    from nxl_hooks.apps.serve.inject import Target
+
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    monkeypatch.setattr(tempfile, "tempdir", str(sticky))
+    precious = []
+
+    def swap_then_answer(target, bootstrap, patience):  # the user; then their process answers, as the script does
+        folder, = [each for each in sticky.iterdir() if each.stat().st_uid == NOBODY]
+        away = sticky / "away"
+        folder.rename(away)
+        decoy = sticky / "decoy"
+        decoy.mkdir()
+        _decoy(decoy)
+        decoy.rename(folder)
+        precious.append(folder / "roots" / "precious")
+        (away / "request.json").rename(away / "request.json.taken")
+        (away / "request.json.result").write_text('{"ok": true}')
+
+    monkeypatch.setattr(injection, "_queue", swap_then_answer)
+    target = Target(4242, NOBODY, NOBODY, sys.executable, (3, 11))
+    assert injection.inject(target, {"action": "attach"}, timeout=30) == {"ok": True}
+    assert precious[0].read_text() == "root's"
+
 
 # -- 3. the target's words are escaped in root's terminal ------------------------------------------------------
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
-import shutil
 import stat
 from pathlib import Path
 
@@ -117,6 +116,7 @@ class _Made:
     def __init__(self) -> None:
         self.made: list[tuple[int, str, int]] = []  # (the folder it was made in, its name, itself)
         self._open: list[int] = []
+        self.owner = os.geteuid()  #: whose the run folder is: the target's user once handed over
 
     def hold(self, name: str | Path, dir_fd: int | None = None, *, follow: bool = False) -> int:
         """Folder ``name`` (in the folder open as ``dir_fd``) open until :meth:`close`; a link is refused unless
@@ -152,16 +152,18 @@ class _Made:
         with contextlib.suppress(FileNotFoundError):
             os.chown(token, uid, gid, dir_fd=run, follow_symlinks=False)
         os.fchown(run, uid, gid)
+        self.owner = uid
 
     def remove(self) -> None:
-        """Take back what a refused attach made: the run folder with its contents, then each (empty) folder
+        """Take back what a refused attach made: the run folder with its contents (once handed over, only what
+        its new owner could remove: :func:`~nxl_hooks.apps.serve.inject.remove_as`), then each (empty) folder
         above, each in the folder it was made in."""
+        from ..serve.inject import remove_as
+
         if not self.made:
             return
         parent, name, _ = self.made[-1]
-        # /proc/self/fd/N is the folder held, whatever its path leads to now (rmtree takes no dir_fd before 3.11);
-        # rmtree never follows a link out of it
-        shutil.rmtree(f"/proc/self/fd/{parent}/{name}", ignore_errors=True)
+        remove_as(parent, name, self.owner)
         for parent, name, _ in reversed(self.made[:-1]):
             with contextlib.suppress(OSError):
                 os.rmdir(name, dir_fd=parent)

@@ -51,6 +51,8 @@ of the source nxl was installed from).
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import functools
 import json
 import os
@@ -69,13 +71,16 @@ from ...records.files import json_value, read_regular
 from ..options import CliError
 
 __all__ = ["Target", "bootstrap_source", "inject", "injector_command", "inspect_target", "permission_refusal",
-           "script_source", "trusted_file"]
+           "remove_as", "script_source", "trusted_file"]
 
 PAGE = 4096  #: the bytes gdb maps in the target for the bootstrap (it must fit, with its final NUL)
 CAP_SYS_PTRACE = 19  #: its bit in /proc/PID/status CapEff
 _PYTHON = re.compile(r"python(\d+(\.\d+)?)?[a-z]*$")
 _VERSION = re.compile(r"(?:^|/)(?:lib)?python3\.(\d+)")  #: in the executable's or a mapped libpython's name
 _PROBE = "import sys; print('%d.%d' % sys.version_info[:2])"
+#: How deep :func:`remove_as` goes: a run folder holds one level of folders (a sink's, per process and model); a
+#: deeper tree is another user's doing, left as it is rather than held open level by level.
+_DEPTH = 8
 
 
 @dataclass(frozen=True)
@@ -530,7 +535,9 @@ def inject(target: Target, request: dict, *, timeout: float, wait: float = 0.0) 
     parent = _private_parent()
     folder = Path(tempfile.mkdtemp(prefix="nxl-attach-", dir=parent))  # 0700; the target owner's when another's
     private = Path(tempfile.mkdtemp(prefix="nxl-attach-", dir=parent))  # 0700, never handed over: the bootstrap
-    held = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    above = os.open(parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    held = os.open(folder.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=above)
+    owner = os.geteuid()  # whose the folder is: the target owner's once handed over
     try:
         request_name, result_name = "request.json", "request.json.result"
         request_file, script = folder / request_name, folder / "script.py"
@@ -554,6 +561,7 @@ def inject(target: Target, request: dict, *, timeout: float, wait: float = 0.0) 
             for name in (request_name, "script.py"):
                 os.chown(name, target.uid, target.gid, dir_fd=held, follow_symlinks=False)
             os.fchown(held, target.uid, target.gid)
+            owner = target.uid
         _queue(target, bootstrap, timeout)
         deadline = time.monotonic() + timeout
         while _there(held, request_name):
@@ -578,8 +586,42 @@ def inject(target: Target, request: dict, *, timeout: float, wait: float = 0.0) 
         return _answer(held, result_name)
     finally:
         os.close(held)
-        shutil.rmtree(folder, ignore_errors=True)  # (never through a link put in its place)
+        remove_as(above, folder.name, owner)  # its path may lead to a folder its owner put there meanwhile
+        os.close(above)
         shutil.rmtree(private, ignore_errors=True)
+
+
+def remove_as(parent: int, name: str, uid: int) -> None:
+    """Remove folder ``name`` of the folder open as ``parent``, with what it holds, as far as user ``uid`` could
+    remove it: how root takes back a folder it handed to ``uid``. That user may have moved anything there meanwhile
+    (a folder of theirs holding root's files, or another folder at ``name`` itself, in sticky ``/tmp``); a removal
+    by path (rmtree) would take it all. Here a folder is emptied only when ``uid`` owns it (opened without
+    following a link, which it cannot then change: only root gives files away), what else a folder of theirs holds
+    is unlinked (never followed), and anything that stays is left as it is, silently: it is the user's."""
+    _remove_as(parent, name, uid, _DEPTH)
+
+
+def _remove_as(parent: int, name: str, uid: int, depth: int) -> None:
+    try:  # O_NONBLOCK: a FIFO is not waited on (O_DIRECTORY refuses it anyway)
+        fd = os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=parent)
+    except OSError as error:
+        if error.errno not in (errno.ENOTDIR, errno.ELOOP) or depth == _DEPTH:
+            return  # (a file where the folder was: not root's to judge, in a folder that is not the user's)
+        with contextlib.suppress(OSError):
+            os.unlink(name, dir_fd=parent)  # a file or link in a folder of uid's: they could remove it too
+        return
+    try:
+        if os.fstat(fd).st_uid != uid or not depth:
+            return
+        for each in os.listdir(fd):
+            _remove_as(fd, each, uid, depth - 1)
+    except OSError:
+        return
+    finally:
+        os.close(fd)
+    with contextlib.suppress(OSError):  # not empty: what stays is the user's
+        os.rmdir(name, dir_fd=parent)
 
 
 def _private_parent() -> str:
