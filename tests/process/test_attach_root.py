@@ -419,6 +419,21 @@ def test_the_request_folder_handed_over_is_never_removed_by_its_path(tmp_path, m
     assert precious[0].read_text() == "root's"
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to attach for another uid (65534)")
+def test_the_install_advice_for_another_users_process_runs_its_python_as_that_user(tmp_path, capsys, monkeypatch):
+    """nxl_hooks missing in another user's process: the line told root to run that user's interpreter (a venv's,
+    whose site-packages and .pth files are the user's) with pip, as root. It now says to run it as that user."""
+    from nxl_hooks.apps.serve import inject as injection
+    from nxl_hooks.apps.serve.inject import Target
+
+    venv = "/home/someone/venv/bin/python"
+    monkeypatch.setattr(injection, "inspect_target", lambda pid: Target(4242, NOBODY, NOBODY, sys.executable, (3, 11)))
+    monkeypatch.setattr(injection, "inject", lambda *args, **kwargs: {
+        "ok": False, "code": "not-installed", "executable": venv, "error": "nxl_hooks is not importable there"})
+    err = _refused(capsys, "attach", "4242", "--sink", str(tmp_path / "run"))
+    assert f"never as root: sudo -u '#{NOBODY}' {venv} -m pip install " in err, err
+
+
 # -- 3. the target's words are escaped in root's terminal ------------------------------------------------------
 
 def test_the_model_name_from_the_target_is_printed_escaped(own_target, shared, capsys):

@@ -73,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
         if outcome.get("code") == "not-installed":  # said here, where nxl knows what it was installed from
             python = outcome.get("executable")  # the target's sys.executable: its venv's, not the file it links to
             remedy = install_line(python if isinstance(python, str) and python else target.executable)
+            if other:  # run by root, that interpreter runs its environment's code (its .pth files, its pip) as root
+                remedy = f"as uid {target.uid}, never as root: sudo -u '#{target.uid}' {remedy}"
             raise CliError(f"process {args.pid}: {outcome.get('error')}: install it there ({remedy}), then attach "
                            "again")
         if outcome.get("code") == "missing-extra":  # the sink kind's extra, missing in the target's environment
