@@ -621,6 +621,31 @@ def test_sockets_are_checked_on_both_ends(held, shared, nobody_python, capsys):
     assert held.status()["pid"] == held.pid
 
 
+@as_root
+def test_the_token_is_never_sent_to_another_users_program_on_the_runs_port(tmp_path, nobody_python, capsys):
+    """Once a run's program ends, any local user may listen on its port; nxl ctl and nxl tail sent them the run's
+    bearer token (a run under import nxl_hooks.auto keeps its token for the next). The server's end of a loopback
+    connection must now be this user's or root's (the kernel's table of TCP sockets), as a Unix socket's must."""
+    token = tmp_path / "token"
+    token.write_text("s3cret-token-of-the-run-0123456789\n")
+    token.chmod(0o600)
+    serve = ("import socket\ns = socket.socket()\ns.bind(('127.0.0.1', 0))\ns.listen()\n"
+             "print(s.getsockname()[1], flush=True)\nwhile True:\n    c, _ = s.accept()\n    c.settimeout(2)\n"
+             "    try:\n        print(repr(c.recv(65536)), flush=True)\n"
+             "        c.sendall(b'HTTP/1.0 200 OK\\r\\n\\r\\n{\"models\": [], \"paused\": true}')\n"
+             "    except OSError:\n        pass\n    c.close()\n")
+    squatter = subprocess.Popen([nobody_python, "-c", serve], user=NOBODY, stdout=subprocess.PIPE, text=True)
+    try:
+        port = int(squatter.stdout.readline())
+        for command in (["ctl", "pause"], ["tail"]):
+            code, out, err = _cli(capsys, *command, "--run", f"http://127.0.0.1:{port}", "--token-file", str(token))
+            assert code == 2 and not out and f"served by uid {NOBODY}" in err and len(err.splitlines()) == 1, err
+    finally:
+        squatter.kill()
+        heard, _ = squatter.communicate(timeout=30)
+    assert "s3cret" not in heard and "Bearer" not in heard, heard
+
+
 def test_sigterm_removes_the_socket_and_keeps_the_programs_own_handling(model, tmp_path):
     tmpdir = tmp_path / "tmp"
     tmpdir.mkdir()

@@ -7,7 +7,8 @@
 A run is a run folder (every ``<pid>.sock`` in it), one socket file, or ``http://127.0.0.1:PORT`` with a token
 (``--token-file``, or the ``token`` file of the run folder). Without one: ``NXL_RUN_DIR`` if set (a program under
 ``nxl run``), else this user's live run (:func:`choose_run`). What it connects to is checked first: a Unix
-socket must be served by this user or root (the peer's credentials), a token file must be this user's, mode 0600
+socket, or a TCP port on this machine, must be served by this user or root (the peer's credentials; the kernel's
+table of TCP sockets), a token file must be this user's, mode 0600
 (:func:`~nxl_hooks.apps.serve.runs.read_token`).
 """
 
@@ -27,7 +28,7 @@ from urllib.parse import urlsplit
 
 from ...records.files import json_value, user_path
 from ..options import CliError, say
-from .runs import bearer, live_sockets, peer_uid, read_token
+from .runs import bearer, live_sockets, peer_uid, read_token, tcp_peer_uid
 
 __all__ = ["Endpoint", "Refused", "choose_run", "connect_unix", "endpoints"]
 
@@ -39,14 +40,32 @@ def connect_unix(path: Path | str, timeout: float | None) -> socket.socket:
     try:
         sock.settimeout(timeout)
         sock.connect(str(path))
-        uid = peer_uid(sock)
-        if uid is not None and uid not in (os.getuid(), 0):
-            raise PermissionError(f"{path} is served by uid {uid}, not by you (uid {os.getuid()}) or root: not "
-                                  "talking to it (someone else's socket in the run folder)")
+        _check_peer(peer_uid(sock), str(path), "someone else's socket in the run folder")
     except BaseException:
         sock.close()
         raise
     return sock
+
+
+def _check_peer(uid: int | None, name: str, why: str) -> None:
+    """PermissionError unless ``uid`` (None: it cannot be told) is this user's or root's."""
+    if uid is not None and uid not in (os.getuid(), 0):
+        raise PermissionError(f"{name} is served by uid {uid}, not by you (uid {os.getuid()}) or root: not talking "
+                              f"to it ({why})")
+
+
+class _TCPConnection(http.client.HTTPConnection):
+    """An HTTP connection that sends nothing (the bearer token least of all) to a server on this machine that is
+    another user's: one who took the run's port once its program ended (:func:`~.runs.tcp_peer_uid`)."""
+
+    def connect(self) -> None:
+        super().connect()
+        try:
+            _check_peer(tcp_peer_uid(self.sock), f"{self.host}:{self.port}",
+                        "another user's program on the run's port: the run has ended, or moved")
+        except BaseException:
+            self.close()
+            raise
 
 
 class Refused(CliError):
@@ -77,7 +96,7 @@ class Endpoint:
         if self.socket_path is not None:
             return _UnixConnection(str(self.socket_path), timeout)
         parts = urlsplit(self.url)
-        return http.client.HTTPConnection(parts.hostname, parts.port or 80, timeout=timeout)
+        return _TCPConnection(parts.hostname, parts.port or 80, timeout=timeout)
 
     def _open(self, method: str, path: str, body: dict | None, timeout: float | None,
               on_connect: Callable[[Callable[[], None]], Any] | None = None) -> http.client.HTTPResponse:

@@ -28,7 +28,7 @@ from pathlib import Path
 from ...records.files import unmade, user_path
 
 __all__ = ["bearer", "check_private", "enlist", "live_sockets", "make_run_dir", "peer_uid", "private_run_dir",
-           "read_token", "run_token", "socket_path", "write_token"]
+           "read_token", "run_token", "socket_path", "tcp_peer_uid", "write_token"]
 
 TOKEN = "token"
 _TOKEN_BYTES = 4096  # a token file is one line; a larger one is not a token
@@ -106,6 +106,33 @@ def peer_uid(sock: socket.socket) -> int | None:
         return None
     creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
     return struct.unpack("3i", creds)[1]
+
+
+def tcp_peer_uid(sock: socket.socket) -> int | None:
+    """The uid of the process at the other end of a TCP connection on this machine, as :func:`peer_uid` tells it of
+    a Unix socket: the owner of the server's end, which the kernel lists in ``/proc/net/tcp`` (``tcp6``) by its
+    address and ours (a connection the server has not accepted yet has its listener's owner). None where it cannot
+    be told: no such table, or a peer on another machine."""
+    family = sock.family
+    table = {socket.AF_INET: "/proc/net/tcp", socket.AF_INET6: "/proc/net/tcp6"}.get(family)
+    try:
+        ours, theirs = _tcp_address(family, sock.getsockname()), _tcp_address(family, sock.getpeername())
+        with open(table or "", encoding="ascii") as fh:
+            for line in fh:
+                fields = line.split()
+                if fields[1:3] == [theirs, ours]:
+                    return int(fields[7])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def _tcp_address(family: int, address: tuple) -> str:
+    """``address`` (host, port, ...) as ``/proc/net/tcp`` writes it: the address's 32-bit words in this machine's
+    byte order, then the port, in hex."""
+    packed = socket.inet_pton(family, address[0])
+    words = struct.unpack(f"={len(packed) // 4}I", packed)
+    return "".join(f"{word:08X}" for word in words) + f":{address[1]:04X}"
 
 
 def socket_path(folder: Path, pid: int) -> Path:
