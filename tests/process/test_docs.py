@@ -156,6 +156,28 @@ def test_the_16_client_serving_figures_are_the_committed_ones():
         "docs/engines.md: state the 16-client figures of serve_cpu_16clients.json"
 
 
+def test_the_attach_figures_are_the_committed_ones():
+    """README and docs/attach-pid.md quote benchmarks/results/attach_cpu.json; a rerun that changes the file must
+    change every figure the pages take from it (the requests answered and the load average too, not only the
+    medians)."""
+    run = json.loads((ROOT / "benchmarks" / "results" / "attach_cpu.json").read_text("utf-8"))
+    median = run["median"]
+    page = " ".join((ROOT / "docs" / "attach-pid.md").read_text(encoding="utf-8").split())
+    rows = {"`nxl attach PID --layers all --sink DIR`, command start to return": f"{median['attach_command_s']:.1f}",
+            "the same, command start to the first request recorded": f"{median['attach_to_first_record_s']:.1f}",
+            "`nxl detach PID`, command start to return": f"{median['detach_command_s']:.1f}",
+            "through the API: attach, until the process answered": f"{median['api_attach_inject_s']:.1f}"}
+    for what, seconds in rows.items():
+        assert f"| {what} | {seconds} |" in page, f"docs/attach-pid.md: {what} is {seconds} s in attach_cpu.json"
+    before, after = round(run["load_average_before"][0]), round(run["load_average_after"][0])
+    assert f"(load average {before} to {after} during the run" in page, "docs/attach-pid.md: state its load average"
+    assert f"{run['requests_answered']} requests were answered during the run" in page, \
+        "docs/attach-pid.md: state how many requests attach_cpu.json's run answered"
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert (f"`nxl attach` took {median['attach_to_first_record_s']:.1f} s from the command's start to the first "
+            f"recorded request and `nxl detach` {median['detach_command_s']:.1f} s") in readme, \
+        "README.md: state the attach figures of attach_cpu.json"
+
 def _changelog_moves() -> dict[str, list[str]]:
     text = (ROOT / "CHANGELOG.md").read_text(encoding="utf-8")
     rows = re.findall(r"^\| `nxl_hooks\.(\w+)` \| (.+) \|$", text, re.M)
