@@ -196,11 +196,12 @@ class Settings:
     sink: bool = setting(False, Option(
         "NXL_SINK", switch, "write records to the run folder DIR (rotated files, one folder per process and model) "
         "next to the control sockets, or NAME:ARG, a registered sink kind (parquet:out.parquet; {model} in ARG: "
-        "the model's name); without it: a private temporary folder, records in memory only",
+        "the process's model folder name, PID-NAME); without it: a private temporary folder, records in memory only",
         text=switch_text, flag="--sink", metavar="DIR", arg=str))
     sink_spec: str | None = setting(None, Option(
         "NXL_SINK_SPEC", str, "NAME:ARG: write records to that registered sink kind instead of the run folder's "
-        "files (nxl run sets it from --sink parquet:out.parquet; {model} in ARG: the model's folder name)"))
+        "files (nxl run sets it from --sink parquet:out.parquet; {model} in ARG: the process's model folder name, "
+        "PID-NAME)"))
     layers: str | list[int] = setting("all", Option(
         "NXL_LAYERS", parse_layers, "layers explained: all | last | comma list like 0,2,-1",
         text=option_text, flag="--layers", metavar="LAYERS", json=_number_or_text(parse_layers), ctl=True))
