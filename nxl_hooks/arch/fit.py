@@ -13,18 +13,24 @@ from torch import nn
 from .spec import (FUNCTION_STEPS, POST_STEPS, ArchSpec, HeadKind, get_path, has_path, readout_outputs,
                    word_embedding)
 
-__all__ = ["check_acyclic", "check_fits", "final_norm"]
+__all__ = ["base_prefix", "check_acyclic", "check_fits", "final_norm"]
 
 _FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f")
+
+
+def base_prefix(model: nn.Module) -> str | None:
+    """The attribute under which a task model holds its base model (``model``, ``bert``), or None when it holds none
+    as a child."""
+    base = getattr(model, "base_model", None)
+    return next((n for n, m in model.named_children() if m is base), None) if isinstance(base, nn.Module) else None
 
 
 def final_norm(model: nn.Module) -> tuple[str, nn.Module] | None:
     """(path, module) of the final norm a decoder keeps right under its base model (``model.norm``,
     ``transformer.ln_f``...), when it has one of the known names."""
-    base = getattr(model, "base_model", None)
-    prefix = next((n for n, m in model.named_children() if m is base), None) if isinstance(base, nn.Module) else None
+    prefix = base_prefix(model)
     for name in _FINAL_NORM_NAMES if prefix is not None else ():
-        module = getattr(base, name, None)
+        module = getattr(model.base_model, name, None)
         if isinstance(module, nn.Module):
             return f"{prefix}.{name}", module
     return None

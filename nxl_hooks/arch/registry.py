@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 
 from torch import nn
 
-from .fit import check_acyclic, check_fits, final_norm
+from .fit import base_prefix, check_acyclic, check_fits, final_norm
 from .plugins import ARCHITECTURES, broken, contained, load
 from .spec import (FUNCTION_STEPS, HEAD_KINDS, MAX_DEPTH, POST_STEPS, ArchSpec, HeadKind, RegistryError,
                    UnknownArchitectureError, get_path, has_path, head_kind, log_probabilities, readout_outputs,
@@ -190,21 +190,72 @@ def _logit_post_processing(model: nn.Module, kind: HeadKind) -> list[str]:
     return [f"{name}={value}" for name, value in found if value is not None]
 
 
+def _block_path(model: nn.Module) -> str | None:
+    """The path of the ModuleList of num_hidden_layers blocks under the base model (the common layout), if any."""
+    n_layers, prefix = getattr(model.config.get_text_config(), "num_hidden_layers", None), base_prefix(model)
+    if n_layers is None or prefix is None:
+        return None
+    return next((f"{prefix}.{n}" for n, m in model.base_model.named_modules()
+                 if isinstance(m, nn.ModuleList) and len(m) == n_layers), None)
+
+
+#: Where torch and transformers define their activation modules (nn.Tanh, GELUActivation)
+_ACTIVATION_MODULES = ("torch.nn.modules.activation", "transformers.activations")
+#: An activation module's function step, where it computes exactly that function (as a module step, a module
+#: without weights would compute where no weights tell: on the CPU)
+_ACTIVATION_STEPS = {nn.Tanh: "tanh", nn.ReLU: "relu"}
+
+
+def _activation_step(model: nn.Module, module: nn.Module) -> str | None:
+    """The step of an activation module (BERT's pooler tanh, its MLM transform's ACT2FN[hidden_act]):
+    ``act:hidden_act`` for the class the config's activation builds, else a function step, else None."""
+    from transformers.activations import ACT2FN
+
+    configured = getattr(model.config, "hidden_act", None)
+    if isinstance(configured, str) and configured in ACT2FN and type(module) is type(ACT2FN[configured]):
+        return "act:hidden_act"
+    if type(module) is nn.GELU and module.approximate == "none":
+        return "gelu"
+    return _ACTIVATION_STEPS.get(type(module))
+
+
+def _template(model: nn.Module, kind: HeadKind) -> str:
+    """The registration of ``model``'s layout as its modules tell it, for the refusal to print: its blocks, its final
+    norm (none in a post-LN encoder, whose classifier then reads the first token), then the modules with weights and
+    the activations registered after the blocks (BERT's pooler dense and tanh, then its classifier), a placeholder
+    for what is not found. A function its forward applies with no module (MPNet's tanh), or modules registered in
+    another order than they run, are not seen: the entry is checked against the model's own logits at attach."""
+    blocks, norm = _block_path(model), final_norm(model)
+    steps, readout = [norm[0]] if norm is not None else [], False
+    skip = {id(sub) for sub in norm[1].modules()} if norm is not None else set()
+    modules = list(model.named_modules())
+    if blocks is not None:
+        skip |= {id(sub) for sub in get_path(model, blocks).modules()}
+    start = [path for path, _ in modules].index(blocks) + 1 if blocks is not None else len(modules)
+    for path, module in modules[start:]:
+        if id(module) in skip or next(module.children(), None) is not None:
+            continue
+        if type(module).__module__ in _ACTIVATION_MODULES:
+            steps.append(_activation_step(model, module) or path)
+        elif next(module.parameters(), None) is not None and not isinstance(module, nn.Embedding):  # (MPNet's bias)
+            steps.append(path)
+            readout = True
+    if not readout:
+        steps.append("<head path>")
+    pooling = ", pooling='first'" if kind.pooled and norm is None else ""
+    blocks = blocks or "<path to the ModuleList of blocks>"
+    return (f"nxl.register_architecture({model.config.model_type!r}, blocks={blocks!r}{pooling}, "
+            f"heads={{{kind.spec_head!r}: {steps!r}}})")
+
+
 def _discover(model: nn.Module, kind: HeadKind) -> ArchSpec | None:
     """The common decoder layout: one ModuleList of num_hidden_layers blocks, a final norm, a Linear head."""
     config = model.config
     if _logit_post_processing(model, kind):
         return None
-    n_layers = getattr(config.get_text_config(), "num_hidden_layers", None)
-    norm = final_norm(model)
-    if n_layers is None or norm is None:
+    norm, blocks = final_norm(model), _block_path(model)
+    if norm is None:
         return None
-    prefix = norm[0].split(".")[0]
-    blocks = next(
-        (f"{prefix}.{n}" for n, m in model.base_model.named_modules()
-         if isinstance(m, nn.ModuleList) and len(m) == n_layers),
-        None,
-    )
     head_name = {"causal_lm": "lm_head", "sequence_classification": "score"}.get(kind)
     if blocks is None or not isinstance(getattr(model, head_name or "", None), nn.Linear):
         return None
@@ -303,9 +354,8 @@ def resolve(model: nn.Module) -> tuple[ArchSpec, HeadKind]:
         reason = "no registry entry names it and generic discovery found no blocks/final norm/head"
     raise UnknownArchitectureError(
         f"model_type {model_type!r} ({type(model).__name__}) is not supported: {reason}. Register it with "
-        f"nxl.register_architecture({model_type!r}, blocks='<path to the ModuleList of blocks>', "
-        f"heads={{{spec_kind!r}: ['<final norm path>', '<head path>']}}), or add a registry/*.toml entry "
-        "(see docs/adding-an-architecture.md)."
+        f"{_template(model, kind)} (the paths its modules show: add a function its forward applies between "
+        "them with no module, such as 'tanh'), or add a registry/*.toml entry (see docs/adding-an-architecture.md)."
     )
 
 

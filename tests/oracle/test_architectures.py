@@ -8,6 +8,7 @@ l = L and the prediction position LogAt against the model's own output logit (re
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Callable
 
@@ -474,6 +475,23 @@ def test_undiscoverable_model_says_how_to_register(private_registry):
     nxl.register_architecture("mpnet", blocks="mpnet.encoder.layer", pooling="first",
                               heads={"sequence_classification": ["classifier.dense", "tanh", "classifier.out_proj"]})
     _check_against_oracle(case, model)
+
+
+@pytest.mark.parametrize("case_id", ["bert-cls", "bert-mlm"])
+def test_an_unregistered_post_ln_encoder_is_told_a_registration_that_works(private_registry, case_id):
+    """A BERT-like model under a model_type no entry names has no final norm for discovery to find: the refusal
+    prints the registration its modules show (its blocks, no final norm, the pooler's dense and tanh or the MLM
+    transform, the readout; CLS pooling for a classifier), not placeholders, and registering it as printed gives the
+    oracle's numbers (the template offered a final norm such an encoder does not have)."""
+    case = CASES[case_id]
+    model = case.build()
+    model.config.model_type = "nxl_bertlike"
+    with pytest.raises(nxl.UnknownArchitectureError, match="generic discovery found no") as err:
+        nxl.attach(model)
+    call = re.search(r"nxl\.register_architecture\(.*?\]\}\)", str(err.value)).group(0)
+    assert "<" not in call, call
+    eval(call, {"nxl": nxl})  # pasted as printed
+    assert _check_against_oracle(case, model).meta["spec"] == "nxl_bertlike"
 
 
 def test_register_file(private_registry, tmp_path):
