@@ -197,6 +197,16 @@ def _differs(got: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> f
     return False if difference <= tolerance * (1.0 + float(expected.abs().max())) else difference
 
 
+def _mean_pooled(head: Head, hidden: torch.Tensor, got: torch.Tensor, expected: torch.Tensor,
+                 dtype: torch.dtype) -> bool:
+    """Whether the model's logits are its head-on-top applied to the mean of the tokens' hidden states, or the mean
+    of the head's logits at every token (the two differ where the head is not linear: a pooler's tanh): a pooling no
+    entry can name, so that the refusal names the pooling rather than the head's steps."""
+    with torch.no_grad(), head.reading() as readout:
+        of_mean = readout.logits(head.features(hidden.mean(1, keepdim=True)))[:, 0]
+    return any(_differs(pooled, expected, dtype) is False for pooled in (of_mean, got.mean(1)))
+
+
 def _compare(model: nn.Module, spec: ArchSpec, kind: str, head: Head, ran: dict[tuple[str, int], list],
              hidden: torch.Tensor | None, output: object) -> None:
     where = f"registry entry [{spec.name}] in {spec.source}"
@@ -242,6 +252,11 @@ def _compare(model: nn.Module, spec: ArchSpec, kind: str, head: Head, ran: dict[
                 and _differs(got[:, _POOLED[other]], expected, dtype) is False):
             raise RegistryError(f"{where}: key 'pooling' is {spec.pooling!r}, but {name} reads its prediction at "
                                 f"the {_POOLED_AT[other]}; expected {other!r}")
+        if _differs(pooled, expected, dtype) is not False and _mean_pooled(head, hidden, got, expected, dtype):
+            raise RegistryError(f"{where}: key 'pooling' is {spec.pooling!r}, but {name} pools the mean of its "
+                                "tokens (the entry's head applied to it reproduces its logits), which no pooling "
+                                f"reads; expected a classifier that reads one token ({' or '.join(map(repr, _POOLED))})"
+                                ": a mean-pooled one has no token whose prediction the attributions explain")
         got = pooled
     if got.shape != expected.shape:
         raise RegistryError(f"{where}: key {heads_key!r} ({steps}) gives outputs of shape {tuple(got.shape)}; "

@@ -17,6 +17,7 @@ import threading
 import pytest
 import torch
 import transformers as tf
+from transformers.modeling_outputs import SequenceClassifierOutput
 
 import nxl_hooks as nxl
 from nxl_hooks.arch import registry
@@ -271,6 +272,47 @@ def test_deeply_nested_register_call_is_one_line():
     with pytest.raises(nxl.RegistryError, match=r"^registry entry \[q\] in register_architecture\(\): key 'heads' "
                                                 r"nests deeper than 4 levels"):
         nxl.register_architecture("q", blocks="model.layers", heads={"causal_lm": steps})
+
+
+class _MeanPooled:
+    """A classifier that pools the mean of its tokens' final hidden states (sentence-transformers' way), then applies
+    its family's head-on-top to that one vector: BERT's pooler dense, tanh and classifier, Llama's score."""
+
+    def forward(self, input_ids=None, attention_mask=None, **kwargs):
+        hidden = self.base_model(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+        weights = attention_mask[..., None].to(hidden.dtype)
+        return SequenceClassifierOutput(logits=self.on_top((hidden * weights).sum(1) / weights.sum(1)))
+
+
+class MeanPooledBert(_MeanPooled, tf.BertForSequenceClassification):
+    def on_top(self, pooled):
+        return self.classifier(self.bert.pooler.activation(self.bert.pooler.dense(pooled)))
+
+
+class MeanPooledLlama(_MeanPooled, tf.LlamaForSequenceClassification):
+    def on_top(self, pooled):
+        return self.score(pooled)  # (the backbone's last hidden state is normed already)
+
+
+@pytest.mark.parametrize("case_id, model_cls", [("bert-cls", MeanPooledBert), ("llama-cls", MeanPooledLlama)])
+def test_a_mean_pooled_classifier_is_refused_naming_the_pooling(case_id, model_cls):
+    """Neither pooling the registry knows reads a mean-pooled classifier's prediction: its entry (the shipped one,
+    run on this subclass) was refused as a head whose steps give the wrong numbers, with no word of pooling. The
+    model's own logits are its family's hand-written head (tests/oracle.py) applied to the mean of its tokens, and
+    neither the first nor the last token's: the refusal names 'pooling' and says why no value of it fits."""
+    case = CASES[case_id]
+    model = Case(case.config, model_cls, case.oracle).build()
+    ids = torch.randint(5, 64, (1, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        own = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+        hidden = model.base_model(input_ids=ids).last_hidden_state
+    head = case.oracle(model).head
+    torch.testing.assert_close(head(hidden.mean(1)), own)
+    assert not any(torch.allclose(head(hidden[:, at]), own, atol=1e-3) for at in (0, -1))
+    _refused(model, model.config.model_type, "pooling",
+             f"is '{registry.specs()[model.config.model_type].pooling}', but {model_cls.__name__} pools the mean of "
+             r"its tokens .* which no pooling reads; expected a classifier that reads one token \('first' or "
+             "'last_non_pad'\\)", source=registry.specs()[model.config.model_type].source)
 
 
 # -- what still works ----------------------------------------------------------------------------------------
