@@ -1583,10 +1583,15 @@ class Generations:
 
         @functools.wraps(heal)
         def heal_tokens(*args: Any, **kwargs: Any) -> Any:
-            if not isinstance(self.current(), Run):
-                return heal(*args, **kwargs)
-            with self.running(NOT_RECORDED):
-                return heal(*args, **kwargs)
+            healing = getattr(self._local, "healing", False)
+            self._local.healing = True  # (the generate calls it makes are the call's own: _track)
+            try:
+                if not isinstance(self.current(), Run):
+                    return heal(*args, **kwargs)
+                with self.running(NOT_RECORDED):
+                    return heal(*args, **kwargs)
+            finally:
+                self._local.healing = healing
 
         return heal_tokens
 
@@ -1609,12 +1614,18 @@ class Generations:
     def _track(self, original: Callable, args: tuple, kwargs: dict) -> Any:
         if self._detached:
             return original(*args, **kwargs)
-        if self.current() is not None:  # generate calling generate (a draft of assisted decoding): the outer call is
-            with self._inner():  # tracked, with its own stopping criteria only
+        named = _named(original, args, kwargs)
+        if self.current() is not None and (getattr(self._local, "healing", False)
+                                           or _setting(self.plan.model, named, "is_assistant")):
+            # generate calling generate (assistant_early_exit's draft, token healing's): the outer call is tracked,
+            with self._inner():  # with its own stopping criteria only
                 return original(*args, **kwargs)
-        run = self._begin(_named(original, args, kwargs))
+        # (any other generate call inside one, the user's from its streamer, stopping criterion or logits processor,
+        # is a call of its own: fed to the outer call's record, its forwards ended it, saying a wrong why)
+        run = self._begin(named)
         if eager() and isinstance(run, Run):  # a recording session: generate's own compile would skip the hooks
             kwargs = {"disable_compile": True, **kwargs}
+        tracked = getattr(self._local, "tracked", None)
         self._local.tracked = run  # (what score_waiting finds, also inside the call's logits processors)
         with self.running(run):
             try:
@@ -1624,7 +1635,7 @@ class Generations:
                                      "before")
                 raise
             finally:
-                self._local.tracked = None
+                self._local.tracked = tracked
         self._end(run, out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None))
         return out
 

@@ -303,6 +303,53 @@ def test_a_forward_from_position_0_on_other_ids_inside_the_call_is_said_and_neve
     assert "other token ids than the call's" in call.error and call.error in probe.unrecorded
 
 
+class _GeneratesToo(BaseStreamer, LogitsProcessor):
+    """The user's streamer, or logits processor, that at the call's second token runs a generate call of its own on
+    other ids."""
+
+    def __init__(self, model, ids: torch.Tensor) -> None:
+        self.model, self.ids, self.seen, self.out = model, ids, 0, None
+
+    def put(self, value):  # the prompt, then each token
+        self._generates_at(3)
+
+    def end(self):
+        pass
+
+    def __call__(self, input_ids, scores):  # as each token is chosen
+        self._generates_at(2)
+        return scores
+
+    def _generates_at(self, seen: int) -> None:
+        self.seen += 1
+        if self.seen == seen:
+            self.out = self.model.generate(input_ids=self.ids, max_new_tokens=3, do_sample=False)
+
+
+@pytest.mark.parametrize("live", [False, True], ids=["scored-together", "on_step"])
+@pytest.mark.parametrize("where", ["streamer", "logits_processor"])
+def test_a_generate_call_made_inside_a_recorded_one_is_a_call_of_its_own_and_both_are_recorded(model, tmp_path,
+                                                                                                where, live):
+    """A generate call from inside another (the user's streamer or logits processor) is recorded as its own call:
+    its forwards were the outer call's, which then ended unrecorded saying a cropped cache (or, from a logits
+    processor, ran unrecorded), and the inner call was in no record."""
+    ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(21))
+    other = torch.randint(1, VOCAB, (1, 4), generator=torch.Generator().manual_seed(22))
+    plain, plain_other = (model.generate(input_ids=i, max_new_tokens=n, do_sample=False) for i, n in
+                          ((ids, 6), (other, 3)))
+    user, path = _GeneratesToo(model, other), tmp_path / "run.nxl"
+    given = {"streamer": user} if where == "streamer" else {"logits_processor": LogitsProcessorList([user])}
+    with nxl.attach(model, layers="all", sink=path, on_step=(lambda step: None) if live else None) as probe:
+        out = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False, **given)
+    assert torch.equal(out, plain) and torch.equal(user.out, plain_other)
+    assert probe.unrecorded is None
+    for calls in (probe.calls, nxl.read_stream(path)):  # in memory and read back
+        outer, inner = sorted(calls, key=lambda call: -call.prompt_ids.shape[1])
+        assert torch.equal(outer.sequences, plain) and torch.equal(inner.sequences, plain_other)
+        check_call(model, outer, 6)
+        check_call(model, inner, 3)
+
+
 def test_token_healing_is_recorded_from_the_healed_prompt():
     """generate(token_healing=True) first runs generate on each prompt less its last token, which it replaces by
     the token it picks there: those forwards are no step of the call. They were taken for its first, so the call's
