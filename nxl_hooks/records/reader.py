@@ -464,12 +464,13 @@ def stream_files(path: Path) -> list[Path]:
 
 def _writers(folder: Path) -> list[list[Path]]:
     """The stream files below ``folder``, one list per writer (a RotatingSink's files joined in order)."""
-    groups: dict[tuple, list[Path]] = {}
+    groups: dict[tuple, list[tuple[int, Path]]] = {}
     for path in stream_files(folder):
         match = _ROTATED.fullmatch(path.name)
         key = (str(path.parent), int(match.group(2))) if match else (str(path.parent), -1, path.name)
-        groups.setdefault(key, []).append(path)
-    return [groups[key] for key in sorted(groups)]
+        groups.setdefault(key, []).append((int(match.group(1)) if match else 0, path))
+    # a writer's files by number, not name: 100000000 comes after 99999999
+    return [[path for _, path in sorted(groups[key])] for key in sorted(groups)]
 
 
 def _stream_files(folder: Path) -> Iterator[Path]:

@@ -412,8 +412,9 @@ def _numbered(encode: Callable[..., bytes], *args: Any) -> Frame:
     return encode(*args, seq=seq)
 
 
-#: A rotated file's name: its number in the folder, then the number of the first file its writer made.
-_ROTATED = re.compile(r"(\d{8})-(\d{8})\.nxl")
+#: A rotated file's name: its number in the folder, then the number of the first file its writer made; eight digits
+#: at least (numbers go on past 99999999: a folder's retention and its readers keep following them, in their order).
+_ROTATED = re.compile(r"(\d{8,})-(\d{8,})\.nxl")
 
 
 def _rotated(folder: Path) -> list[tuple[int, int, Path]]:
@@ -438,8 +439,8 @@ class RotatingSink(Sink):
       new file at each step would write them again, once per step.
     - Beyond ``max_files`` files in the folder the oldest are deleted: the folder holds at most about
       ``max_files * max_bytes`` bytes.
-    - Files are named ``<number>-<writer>.nxl``: numbers go on from the files already in the folder (a new writer,
-      say after a restart, never overwrites), and ``<writer>`` tells which files one writer made, so that
+    - Files are named ``<number>-<writer>.nxl`` (eight digits each, more past 99999999): numbers go on from the
+      files already in the folder (a new writer, say after a restart, never overwrites), and ``<writer>`` tells which files one writer made, so that
       ``read_stream(folder)`` joins them in order. Each file's first frame carries its number and writer too, so
       that a missing file between two kept ones (or a renamed one) is reported as damage.
     - One writer per folder at a time: a second one (another model or process given the folder) is refused with a

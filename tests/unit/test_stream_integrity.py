@@ -114,6 +114,36 @@ def test_a_rotated_file_missing_from_the_middle_is_damage(model, tmp_path):
         nxl.read_stream(renamed, strict=True)
 
 
+def test_a_rotating_folder_whose_numbers_pass_eight_digits_keeps_its_retention_and_reads_in_order(model, tmp_path):
+    """File numbers go on from the files already in the folder, past 99999999 after 10^8 rotations (a small
+    ``max_bytes`` on a server that runs for weeks): the files named with nine digits were no rotated files to the
+    retention (kept for ever, the disk filling) nor to the reader (each read alone, its calls' first steps said
+    missing), and by name 100000000 came before 99999999."""
+    folder = tmp_path / "rot"
+    folder.mkdir()
+    (folder / "99999997-00000001.nxl").touch()  # an earlier writer's last file: the numbering has come this far
+    ids = torch.randint(1, 100, (1, 5), generator=torch.Generator().manual_seed(7))
+    sequence = model.generate(input_ids=ids, max_new_tokens=16, do_sample=False)
+    with nxl.attach(model, layers="last", sink=nxl.RotatingSink(folder, max_bytes=1500, max_files=100)):
+        model.generate(input_ids=ids, max_new_tokens=16, do_sample=False)
+    names = {path.name for path in folder.iterdir()}
+    assert {"99999998-99999998.nxl", "99999999-99999998.nxl", "100000000-99999998.nxl"} <= names
+    (call,) = nxl.read_stream(folder, strict=True)  # every file, in order across 99999999 -> 100000000
+    assert call.complete and [step.step for step in call.steps] == list(range(16))
+    assert torch.equal(call.sequences, sequence)  # generate's own output
+    hand = llama(model)
+    for step in call.steps:
+        logits, embeddings = prefix_logits(model, hand, sequence[:, :step.position],
+                                           torch.ones(1, step.position, dtype=torch.bool))
+        torch.testing.assert_close(step.normxlogit, normxlogit(logits, embeddings, step.token)[1][-1:],
+                                   rtol=1e-4, atol=1e-4)
+    with nxl.attach(model, layers="last", sink=nxl.RotatingSink(folder, max_bytes=1500, max_files=1)):
+        model.generate(input_ids=ids, max_new_tokens=1, do_sample=False)
+    (kept,) = folder.iterdir()  # the retention deleted every older file, nine digits or eight
+    writer = max(int(name.split("-")[0]) for name in names) + 1  # numbers go on: its first file's, nine digits
+    assert kept.name.endswith(f"-{writer}.nxl") and nxl.read_stream(folder, strict=True)[0].complete
+
+
 def test_a_rotated_file_cut_short_before_the_last_says_which_call_breaks_off_and_counts_the_writers_steps(
         model, tmp_path):
     """A rotated file that is not its writer's last, cut inside its last frame (a copy cut short): its end is no
