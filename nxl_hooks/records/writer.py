@@ -169,8 +169,10 @@ def _open(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
                              f"empty: give another path, or remove the file first{kind}")
         os.ftruncate(fd, 0)
         _write_all(fd, _FILE_MAGIC)
-    except BaseException:
+    except BaseException as error:
         os.close(fd)  # a full disk at the first byte: no descriptor kept on a file nothing will write
+        if isinstance(error, OSError) and error.filename is None:  # said with the file it could not start
+            raise OSError(error.errno, error.strerror, str(path)) from None
         raise
     return fd
 
