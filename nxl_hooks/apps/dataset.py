@@ -56,7 +56,6 @@ _SETTINGS = "run.json"
 _OUTPUTS = ("records.jsonl", "summary.json", "report.html")  #: the merged results, replaced by each finished run
 _RUN_ID = "run_id"
 _VERSION = "nxl_hooks"  #: run.json's key for the version that made the run (part of its identity)
-_INT = re.compile(r"-?\d+")
 
 
 class SettingsMismatchError(ValueError):
@@ -67,7 +66,10 @@ class SettingsMismatchError(ValueError):
 
 
 def _csv_label(value: Any) -> Any:
-    """A CSV label cell is a string: "1" -> 1, "0.5" -> 0.5, "positive" stays a label name; "" -> None.
+    """A CSV label cell, read as the same JSONL string is (surrounding spaces dropped; "" -> None): the model's rules
+    say what it is (a classifier's label name, else a number as its id; a regression's number; a language model's
+    word: "7" is the word, not output id 7). A NaN or infinite number ("nan", "inf") is that float, so the load
+    refuses it as it refuses JSONL's ``NaN``.
 
     Only for CSV labels: JSON and hub values are typed already, and a ``target`` / ``foil`` token string
     must stay as written (" 4" and "4" are different tokens).
@@ -77,12 +79,11 @@ def _csv_label(value: Any) -> Any:
     value = value.strip()
     if not value:
         return None
-    if _INT.fullmatch(value):
-        return int(value)
     try:
-        return float(value)
+        number = float(value)
     except ValueError:
         return value
+    return value if math.isfinite(number) else number
 
 
 def _evidence(value: Any) -> list[str] | None:
@@ -204,8 +205,9 @@ def load_examples(
     ``load_examples("sst2.csv", text="sentence")``; ``load_examples("hf:stanfordnlp/sst2:validation",
     text="sentence")`` (needs the ``datasets`` package). Each gets ``text``, and ``label`` / ``evidence`` /
     ``target`` / ``foil`` / ``id`` where the file has them (``id`` defaults to the example's index).
-    CSV labels are read as int, then float, else kept as the label string; every other value (and every
-    JSONL / hub value) is kept as written, whitespace included. Evidence is a list of words. A NaN or infinite
+    A CSV label is the string a JSONL label would be, less surrounding spaces (the model's rules read it: a label
+    name or id, a number, a word); every other value (and every JSONL / hub value) is kept as written, whitespace
+    included. Evidence is a list of words. A NaN or infinite
     value (JSONL ``NaN``, a CSV cell ``nan``) or a lone surrogate in a string (JSONL ``"\\ud800"``) is a
     ValueError naming its line.
     """

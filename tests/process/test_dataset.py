@@ -59,18 +59,18 @@ def _outputs(out: Path) -> tuple[dict, list[dict]]:
 
 def test_jsonl_and_csv_load_alike(tmp_path):
     (tmp_path / "d.jsonl").write_text(
-        '{"text": "good film", "label": 1, "evidence": ["good"]}\n\n{"text": "bad plot", "label": "neg"}\n'
+        '{"text": "good film", "label": "1", "evidence": ["good"]}\n\n{"text": "bad plot", "label": "neg"}\n'
     )
     (tmp_path / "d.csv").write_text("text,label,evidence\ngood film,1,good\nbad plot,neg,\n")
     expected = [
-        {"id": 0, "text": "good film", "label": 1, "evidence": ["good"]},
+        {"id": 0, "text": "good film", "label": "1", "evidence": ["good"]},
         {"id": 1, "text": "bad plot", "label": "neg"},
     ]
     assert load_examples(tmp_path / "d.jsonl") == expected
     assert load_examples(tmp_path / "d.csv") == expected
     (tmp_path / "e.csv").write_text('sentence,label,evidence\nok,0.5,"[""a b"", ""c""]"\nfine,2,x|y z\n')
     rows = load_examples(tmp_path / "e.csv", text="sentence")
-    assert rows[0]["label"] == 0.5 and rows[0]["evidence"] == ["a b", "c"] and rows[1]["evidence"] == ["x", "y", "z"]
+    assert rows[0]["label"] == "0.5" and rows[0]["evidence"] == ["a b", "c"] and rows[1]["evidence"] == ["x", "y", "z"]
     with pytest.raises(ValueError, match="--text-field"):
         load_examples(tmp_path / "e.csv")
 
@@ -81,7 +81,7 @@ def test_csv_cell_beyond_csv_limit(tmp_path):
     text = "film " * 30_000
     (tmp_path / "long.csv").write_text(f'text,label\n"{text}",1\n')
     limit = csv.field_size_limit()
-    assert load_examples(tmp_path / "long.csv") == [{"id": 0, "text": text, "label": 1}]
+    assert load_examples(tmp_path / "long.csv") == [{"id": 0, "text": text, "label": "1"}]
     assert csv.field_size_limit() == limit
 
 
@@ -451,16 +451,45 @@ def test_accelerate_launch_two_processes_equals_one(models, whole_audit, tmp_pat
     assert _outputs(tmp_path / "two") == whole_audit  # one process, one thread, as accelerate runs each process
 
 
-def test_only_csv_labels_are_coerced(tmp_path):
+def test_a_csv_label_reads_as_the_jsonl_string_does(tmp_path):
+    """A CSV label cell that looked like a number became an int: a causal LM's gold word "7" was scored as output id 7
+    (another token), while the same row in JSONL, and the CSV target "7", read the word. A CSV label is now the
+    string it is in JSONL: a language model's word, a classifier's label name or else its id, a regression's number
+    (each judged by the tokenizer's own vocabulary and the model's own logits here)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
     row = {"text": "the capital is", "label": " 4", "target": "7", "foil": " Paris"}
     (tmp_path / "d.jsonl").write_text(json.dumps(row) + "\n")
     assert load_examples(tmp_path / "d.jsonl") == [{"id": 0, **row}]
-    (tmp_path / "d.csv").write_text('text,label,target,foil\nthe capital is,1,7," Paris"\n')
+    (tmp_path / "d.csv").write_text('text,label,target,foil\nthe capital is, 7 ,7," Paris"\n')
     assert load_examples(tmp_path / "d.csv") == [
-        {"id": 0, "text": "the capital is", "label": 1, "target": "7", "foil": " Paris"}
+        {"id": 0, "text": "the capital is", "label": "7", "target": "7", "foil": " Paris"}
     ]
     with pytest.raises(ValueError, match="positive"):
         load_examples(tmp_path / "d.csv", limit=0)
+
+    words = [*tiny.VOCAB, "7"]
+    tok = tiny.word_tokenizer(words)
+    torch.manual_seed(0)
+    lm = LlamaForCausalLM(LlamaConfig(**{**tiny._SIZES, "vocab_size": len(words)}, num_key_value_heads=2)).eval()
+    (tmp_path / "lm.csv").write_text("text,label\nthe film was,7\n")
+    (tmp_path / "lm.jsonl").write_text(json.dumps({"text": "the film was", "label": "7"}) + "\n")
+    seven = tok.convert_tokens_to_ids("7")
+    with torch.no_grad():
+        predicted = int(lm(**tok("the film was", return_tensors="pt")).logits[0, -1].argmax())
+    for name in ("lm.csv", "lm.jsonl"):
+        record = ev.score_example(lm, tok, load_examples(tmp_path / name)[0], ["logat"])
+        assert (record["label"], record["correct"]) == (seven, predicted == seven), name
+
+    (tmp_path / "cls.csv").write_text("text,label\ngood film,1\nbad film,LABEL_0\n")
+    bert = tiny.build_model("bert", 0)
+    labels = [ev.score_example(bert, tiny.tokenizer(), example, ["logat"])["label"]
+              for example in load_examples(tmp_path / "cls.csv")]
+    assert labels == [1, bert.config.label2id["LABEL_0"]]
+    (tmp_path / "reg.csv").write_text("text,label\ngood film,0.5\n")
+    record = ev.score_example(tiny.build_model("regression", 0), tiny.tokenizer(),
+                              load_examples(tmp_path / "reg.csv")[0], ["logat"])
+    assert record["label"] == 0.5
 
 
 def test_run_that_failed_before_any_record_does_not_lock_its_folder(tmp_path):
