@@ -37,10 +37,11 @@ from ..method.placement import input_device
 from ..method.scores import OVERFLOWED, WIDER, flat_norms, wide
 from ..method.select import check_length, order, position_limit, resolve_target
 from ..records.attribution import Attribution
-from ..records.tokens import describe_target, label_text
+from ..records.tokens import describe_target, label_text, readable_ids
 from .metrics import mean
 
-__all__ = ["EXPLAIN", "SCHEMA", "aggregate", "audit_example", "check_same_head", "compare", "most_changed"]
+__all__ = ["EXPLAIN", "SCHEMA", "aggregate", "audit_example", "check_same_head", "check_same_tokens", "compare",
+           "most_changed"]
 
 SCHEMA = "nxl_hooks.audit/1"
 #: What an audit may explain (:func:`audit_example`'s ``explain``), the default first.
@@ -69,6 +70,23 @@ def check_same_head(reference: nn.Module, candidate: nn.Module) -> None:
         raise ValueError(f"the candidate has {theirs} but the reference {ours}: an audit compares one output of "
                          "both models, so give a candidate with the reference's head (another checkpoint or a "
                          "quantized copy of the same task model)")
+
+
+def check_same_tokens(tokenizer: Any, candidate_tokenizer: Any, texts: Sequence[str]) -> None:
+    """A ValueError (one line) unless the candidate's tokenizer reads each of ``texts`` into the reference's ids. An
+    audit feeds both models the reference's tokens: a candidate whose own tokenizer reads the text otherwise (one
+    vocabulary but another normalizer, or no [CLS] / BOS added) would be measured on input it is never given.
+    ``check_same_tokens(tok, candidate_tok, [e["text"] for e in examples])``"""
+    if candidate_tokenizer.get_vocab() != tokenizer.get_vocab():
+        raise ValueError("the candidate's tokenizer differs from the reference's: the audit compares token by token, "
+                         "so both models must share one tokenizer")
+    for index, text in enumerate(texts):
+        ours, theirs = tokenizer(text)["input_ids"], candidate_tokenizer(text)["input_ids"]
+        if ours != theirs:
+            shown = [" ".join(readable_ids(tokenizer, ids)) for ids in (theirs, ours)]
+            raise ValueError(f"the candidate's tokenizer reads example {index} as {shown[0]!r} but the reference's as "
+                             f"{shown[1]!r}: the audit feeds both models the reference's tokens, so both must share "
+                             "one tokenizer")
 
 
 def _finite(value: float) -> float | None:

@@ -301,6 +301,10 @@ CASES = [
                                            "--out", "{root}/o"],
      r"the candidate has a sequence_classification head of 2 outputs \(neg, pos\) but the reference a "
      r"sequence_classification head of 2 outputs \(LABEL_0, LABEL_1\)"),
+    ("audit candidate that tokenizes otherwise", ["audit", "--reference", "{bert}", "--candidate", "{retokenized}",
+                                                  "{data}", "--out", "{root}/o"],
+     r"the candidate's tokenizer reads example 0 as 'the film was good' but the reference's as '\[CLS\] the film was "
+     r"good \[SEP\]': the audit feeds both models the reference's tokens, so both must share one tokenizer$"),
     ("audit layers out of range", ["audit", "--reference", "{bert}", "--candidate", "{bert}", "{data}", "--out",
                                    "{outdir}", "--layers", "9"], LAYERS),
     ("audit out is a file", ["audit", "--reference", "{bert}", "--candidate", "{bert}", "{data}", "--out",
@@ -427,6 +431,8 @@ def where(tmp_path_factory) -> dict[str, str]:
             "AutoConfig": "evil.EvilConfig", "AutoModelForSequenceClassification": "evil.Evil"}),
             (p / "evil.py").write_text(f"open({str(p / 'RAN')!r}, 'w')\n")),
         "badtokenizer": lambda p: (p / "tokenizer.json").write_text("{oops"),
+        # one vocabulary, but no [CLS] ... [SEP] added: the same ids for the words, another input to the model
+        "retokenized": lambda p: tiny.word_tokenizer(tiny.VOCAB).save_pretrained(p),
         # a vision-language model's config.json (AutoModelForCausalLM builds Gemma3ForConditionalGeneration)
         "base": lambda p: transformers.LlamaConfig(architectures=["LlamaModel"]).save_pretrained(p),
         "vlm": lambda p: transformers.Gemma3Config(architectures=["Gemma3ForConditionalGeneration"]).save_pretrained(p),

@@ -46,7 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...eval.audit import aggregate, audit_example, check_same_head
+    from ...eval.audit import aggregate, audit_example, check_same_head, check_same_tokens
     from ...records.attribution import layers_text
     from ...records.tokens import chat_text
     from ..dataset import check_out, examples_from_args, place, run_dataset, scored, write_outputs
@@ -80,13 +80,12 @@ def run(args: argparse.Namespace) -> int:
         loading={**loading_identity(loading), "chat": args.chat},
     )
     reference, tokenizer = load_model(args.reference, **loading)
+    if args.chat:  # each text becomes the user's message; evidence words are looked for in the whole prompt
+        examples = [{**example, "text": chat_text(tokenizer, example["text"])} for example in examples]
     if args.candidate is not None:
         candidate, candidate_tokenizer = load_model(args.candidate, **{**loading, "gguf_file": None})
-        if candidate_tokenizer.get_vocab() != tokenizer.get_vocab():
-            raise ValueError(
-                "the candidate's tokenizer differs from the reference's: the audit compares token by token, "
-                "so both models must share one tokenizer"
-            )
+        # on the texts as scored (a chat template's too): a candidate reading them otherwise is refused
+        check_same_tokens(tokenizer, candidate_tokenizer, [example["text"] for example in examples])
         check_same_head(reference, candidate)
     elif getattr(reference, "is_quantized", False):  # transformers would load the candidate as it: the same model
         raise ValueError(f"--reference {args.reference} is saved quantized, so --quantize would build the candidate "
@@ -108,8 +107,6 @@ def run(args: argparse.Namespace) -> int:
                          "(a quantized or fine-tuned copy)")
     place(reference)
     place(candidate)
-    if args.chat:  # each text becomes the user's message; evidence words are looked for in the whole prompt
-        examples = [{**example, "text": chat_text(tokenizer, example["text"])} for example in examples]
 
     def score(example: Mapping[str, Any]) -> Mapping[str, Any]:  # a text too long: this example's failure
         return audit_example(reference, candidate, tokenizer, example, layers=args.layers, top_k=args.top_k,
