@@ -35,7 +35,7 @@ from typing import Any, Callable, Iterator, Mapping, Sequence
 from ..arch.text import typed
 from ..arch.version import VERSION
 from ..records.files import json_value, read_regular, replacing, unwritable, write_text
-from .options import check_apart, check_output_folder
+from .options import check_apart, check_output_folder, say
 
 __all__ = [
     "SettingsMismatchError",
@@ -582,9 +582,12 @@ def place(model: Any) -> Any:
 
 
 def write_outputs(
-    out_dir: str | Path, records: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], report: str
+    out_dir: str | Path, records: Sequence[Mapping[str, Any]], summary: Mapping[str, Any], report: str, *,
+    command: str = "nxl",
 ) -> None:
-    """The merged results of a run: ``records.jsonl`` (dataset order), ``summary.json``, ``report.html``."""
+    """The merged results of a run: ``records.jsonl`` (dataset order), ``summary.json``, ``report.html``; then one
+    line on stderr (``command`` first) counting the examples that failed (``summary["failed"]``), which no figure
+    counts: each was said as it failed, but a resumed run does not retry it, so nothing else would say it."""
     records_path, summary_path, report_path = (Path(out_dir) / name for name in _OUTPUTS)
     with replacing(records_path) as fh:
         for record in records:
@@ -592,6 +595,13 @@ def write_outputs(
     write_json(summary_path, summary)
     write_text(report_path, report)
     print(f"wrote {summary_path}, {records_path} and {report_path}")
+    failed = summary.get("failed") or []
+    if failed:
+        sys.stdout.flush()  # (after the line above, where both go to one terminal)
+        first = failed[0]
+        say(f"{command}: {len(failed)} of {len(records) + len(failed)} examples failed and "
+            f"{'is' if len(failed) == 1 else 'are'} in none of the figures (summary.json's failed lists each with its "
+            f"reason); the first: example {first['index']}: {first['error']}")
 
 
 def check_out(args: Any, *models: str | None) -> None:

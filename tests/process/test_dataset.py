@@ -321,6 +321,27 @@ def test_evaluate_command_writes_records_summary_and_report(models, tmp_path):
     assert page.count('class="nxl-point"') >= 3 * 9 and "Per-layer alignment" in page
 
 
+@pytest.mark.parametrize("command", ["evaluate", "audit"])
+def test_the_terminal_says_how_many_examples_failed_also_when_resumed(models, tmp_path, capsys, command):
+    """An example that failed was said once, on stderr, as it failed: the run's last lines ("2 examples", or an
+    audit's "wrote ...") never said that the figures leave it out, and a resumed run, which does not retry it, said
+    nothing of it at all. Every finished run now ends with one line counting summary.json's failures."""
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"text": "good film", "label": 1}) + "\n"
+                    + json.dumps({"text": " ".join(["film"] * 100), "label": 1}) + "\n"  # beyond 64 positions
+                    + json.dumps({"text": "bad plot", "label": 0}) + "\n")
+    args = (["evaluate", str(models["bert"]), str(data), "--methods", "logat"] if command == "evaluate" else
+            ["audit", "--reference", str(models["bert"]), "--candidate", str(models["bert1"]), str(data)])
+    for run in ("first", "resumed"):
+        assert main([*args, "--out", str(tmp_path / "out")]) == 0
+        failed = json.loads((tmp_path / "out" / "summary.json").read_text())["failed"]
+        assert [f["index"] for f in failed] == [1]
+        err = capsys.readouterr().err.splitlines()
+        expected = (f"nxl {command}: 1 of 3 examples failed and is in none of the figures (summary.json's failed "
+                    f"lists each with its reason); the first: example 1: {failed[0]['error']}")
+        assert err[-1] == expected, run
+
+
 def test_evaluate_command_runs_on_a_masked_lm(tmp_path):
     """The checks evaluate runs once before the dataset (architecture, layer, tokenizer) take the tokenizer a masked
     LM needs to find its [MASK]: every example scores, as score_example scores it directly."""

@@ -116,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
     if records is not None:
         records, summary = scored(records, aggregate)
         write_outputs(
-            args.out, records, summary, audit_report(summary, records, title=f"Audit: {name} vs {args.reference}")
+            args.out, records, summary, audit_report(summary, records, title=f"Audit: {name} vs {args.reference}"),
+            command=f"nxl {NAME}",
         )
     return 0

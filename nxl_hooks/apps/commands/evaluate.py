@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     records = run_dataset(examples, score, args.out, settings=settings, desc=NAME, tp=args.tp)
     if records is not None:
         records, summary = scored(records, ev.aggregate)
-        write_outputs(args.out, records, summary, evaluate_report(summary, title=f"Faithfulness of {args.model}"))
+        write_outputs(args.out, records, summary, evaluate_report(summary, title=f"Faithfulness of {args.model}"),
+                      command=f"nxl {NAME}")
         print(evaluate_summary(summary))
     return 0
