@@ -210,6 +210,7 @@ def load_examples(
     included. Evidence is a list of words. A NaN or infinite
     value (JSONL ``NaN``, a CSV cell ``nan``) or a lone surrogate in a string (JSONL ``"\\ud800"``) is a
     ValueError naming its line.
+    A ``label`` or ``evidence`` field other than the default that no example has is a ValueError (a typo).
     """
     source = str(source)
     if limit is not None and limit < 1:
@@ -217,10 +218,12 @@ def load_examples(
     from_csv = not source.startswith("hf:") and Path(source).suffix.lower() == ".csv"
     rows = _hub_rows(source) if source.startswith("hf:") else _file_rows(Path(source))
     out: list[dict[str, Any]] = []
+    fields: set[str] = set()  # every field a row has: a label or evidence field named but in none is a typo
     for where, row in rows:
         if not isinstance(row, Mapping) or not isinstance(row.get(text), str) or not row[text].strip():
             columns = sorted(row) if isinstance(row, Mapping) else type(row).__name__
             raise ValueError(f"{where} has no non-empty {text!r} field (it has {columns}); pick it with --text-field")
+        fields.update(row)
         identifier = row.get("id")
         example: dict[str, Any] = {"id": len(out) if identifier in (None, "") else identifier, "text": row[text]}
         try:
@@ -242,6 +245,11 @@ def load_examples(
     if not out:
         raise ValueError(f"{source} holds no examples: give one JSON object per line (.jsonl) or a header row and "
                          "one row per example (.csv)")
+    for option, name, default in (("--label-field", label, "label"), ("--evidence-field", evidence, "evidence")):
+        # (the default fields are optional; one named on purpose that no row has would leave the run without it)
+        if name != default and name not in fields:
+            raise ValueError(f"{source} has no {name!r} field in any example (they have {sorted(fields)}): pick "
+                             f"it with {option}, or leave {option} out")
     return out
 
 

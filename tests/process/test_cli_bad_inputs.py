@@ -286,6 +286,14 @@ CASES = [
      r"linked_part/parts/part-0.jsonl is a symbolic link, not a regular file: nxl_hooks writes results only as"),
     ("evaluate records a symbolic link", ["evaluate", "{bert}", "{data}", "--out", "{linked_records}"],
      r"linked_records/records.jsonl is a symbolic link, not a regular file"),
+    # a label or evidence column named that no example has (a typo): the run had no labels, or no evidence, silently
+    ("label field in no example", ["evaluate", "{bert}", "{data}", "--out", "{root}/o", "--label-field", "lable"],
+     r"data.jsonl has no 'lable' field in any example \(they have \['label', 'text'\]\): pick it with --label-field, "
+     r"or leave --label-field out$"),
+    ("evidence field in no example", ["audit", "--reference", "{bert}", "--candidate", "{bert}", "{data}", "--out",
+                                      "{root}/o", "--evidence-field", "rationale"],
+     r"data.jsonl has no 'rationale' field in any example \(they have \['label', 'text'\]\): pick it with "
+     r"--evidence-field, or leave --evidence-field out$"),
     # audit
     ("audit without a candidate", ["audit", "--reference", "{bert}", "{data}", "--out", "{outdir}"],
      r"give exactly one of --candidate MODEL or --quantize"),
