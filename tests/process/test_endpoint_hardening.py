@@ -622,14 +622,20 @@ def test_sockets_are_checked_on_both_ends(held, shared, nobody_python, capsys):
 
 
 @as_root
-def test_the_token_is_never_sent_to_another_users_program_on_the_runs_port(tmp_path, nobody_python, capsys):
+@pytest.mark.parametrize("listen", ["ipv4", "dual-stack"])
+def test_the_token_is_never_sent_to_another_users_program_on_the_runs_port(tmp_path, nobody_python, capsys, listen):
     """Once a run's program ends, any local user may listen on its port; nxl ctl and nxl tail sent them the run's
     bearer token (a run under import nxl_hooks.auto keeps its token for the next). The server's end of a loopback
-    connection must now be this user's or root's (the kernel's table of TCP sockets), as a Unix socket's must."""
+    connection must now be this user's or root's (the kernel's table of TCP sockets), as a Unix socket's must; also
+    where it listens on IPv6's any address, which takes IPv4 too (the kernel lists its end in tcp6, as
+    ::ffff:127.0.0.1: looked for in tcp alone, it was not found, and the token went to it)."""
     token = tmp_path / "token"
     token.write_text("s3cret-token-of-the-run-0123456789\n")
     token.chmod(0o600)
-    serve = ("import socket\ns = socket.socket()\ns.bind(('127.0.0.1', 0))\ns.listen()\n"
+    bind = ("s = socket.socket()\ns.bind(('127.0.0.1', 0))\n" if listen == "ipv4" else
+            "s = socket.socket(socket.AF_INET6)\ns.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)\n"
+            "s.bind(('::', 0))\n")
+    serve = (f"import socket\n{bind}s.listen()\n"
              "print(s.getsockname()[1], flush=True)\nwhile True:\n    c, _ = s.accept()\n    c.settimeout(2)\n"
              "    try:\n        print(repr(c.recv(65536)), flush=True)\n"
              "        c.sendall(b'HTTP/1.0 200 OK\\r\\n\\r\\n{\"models\": [], \"paused\": true}')\n"
@@ -644,6 +650,31 @@ def test_the_token_is_never_sent_to_another_users_program_on_the_runs_port(tmp_p
         squatter.kill()
         heard, _ = squatter.communicate(timeout=30)
     assert "s3cret" not in heard and "Bearer" not in heard, heard
+
+
+@pytest.mark.parametrize("listen, connect", [("127.0.0.1", "127.0.0.1"), ("::", "127.0.0.1"),
+                                             ("::", "::ffff:127.0.0.1"), ("127.0.0.1", "::ffff:127.0.0.1"),
+                                             ("::1", "::1")])
+def test_the_owner_of_a_local_tcp_server_is_found_however_its_address_is_written(listen, connect):
+    """A server of this process's (so this user's) on IPv6's any address, reached at 127.0.0.1, has its end listed
+    in tcp6 as ::ffff:127.0.0.1, and one on 127.0.0.1 reached at ::ffff:127.0.0.1 has it in tcp: each was looked for
+    in its client's family's table alone, not found, and its owner not told (so neither was another user's)."""
+    from nxl_hooks.apps.serve.runs import tcp_peer_uid
+
+    server = socket.socket(socket.AF_INET6 if ":" in listen else socket.AF_INET)
+    client = socket.socket(socket.AF_INET6 if ":" in connect else socket.AF_INET)
+    with server, client:
+        if server.family == socket.AF_INET6:
+            server.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        try:
+            server.bind((listen, 0))
+        except OSError as error:
+            pytest.skip(f"no IPv6 here: {error}")
+        server.listen()
+        client.connect((connect, server.getsockname()[1]))
+        accepted, _ = server.accept()
+        with accepted:
+            assert tcp_peer_uid(client) == os.getuid()
 
 
 def test_sigterm_removes_the_socket_and_keeps_the_programs_own_handling(model, tmp_path):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import ipaddress
 import os
 import secrets
 import socket
@@ -110,29 +111,43 @@ def peer_uid(sock: socket.socket) -> int | None:
 
 def tcp_peer_uid(sock: socket.socket) -> int | None:
     """The uid of the process at the other end of a TCP connection on this machine, as :func:`peer_uid` tells it of
-    a Unix socket: the owner of the server's end, which the kernel lists in ``/proc/net/tcp`` (``tcp6``) by its
-    address and ours (a connection the server has not accepted yet has its listener's owner). None where it cannot
-    be told: no such table, or a peer on another machine."""
-    family = sock.family
-    table = {socket.AF_INET: "/proc/net/tcp", socket.AF_INET6: "/proc/net/tcp6"}.get(family)
+    a Unix socket: the owner of the server's end, which the kernel lists in ``/proc/net/tcp`` or ``tcp6`` by its
+    address and ours (a connection the server has not accepted yet has its listener's owner). An IPv4 connection's
+    server end is in ``tcp6`` where it listens on IPv6's any address (dual stack), as ``::ffff:a.b.c.d``, and one
+    reached at ``::ffff:a.b.c.d`` is in ``tcp``: both tables are read. None where it cannot be told: no such table,
+    or a peer on another machine."""
     try:
-        ours, theirs = _tcp_address(family, sock.getsockname()), _tcp_address(family, sock.getpeername())
-        with open(table or "", encoding="ascii") as fh:
-            for line in fh:
-                fields = line.split()
-                if fields[1:3] == [theirs, ours]:
-                    return int(fields[7])
-    except (OSError, ValueError, IndexError):
-        pass
+        ends = [(ipaddress.ip_address(host.partition("%")[0]), port) for host, port, *_ in
+                (sock.getsockname(), sock.getpeername())]
+    except (OSError, ValueError):
+        return None
+    for table, version in (("/proc/net/tcp", 4), ("/proc/net/tcp6", 6)):
+        ours, theirs = (_tcp_address(address, port, version) for address, port in ends)
+        if ours is None or theirs is None:
+            continue
+        try:
+            with open(table, encoding="ascii") as fh:
+                for line in fh:
+                    fields = line.split()
+                    if fields[1:3] == [theirs, ours]:
+                        return int(fields[7])
+        except (OSError, ValueError, IndexError):
+            continue
     return None
 
 
-def _tcp_address(family: int, address: tuple) -> str:
-    """``address`` (host, port, ...) as ``/proc/net/tcp`` writes it: the address's 32-bit words in this machine's
-    byte order, then the port, in hex."""
-    packed = socket.inet_pton(family, address[0])
-    words = struct.unpack(f"={len(packed) // 4}I", packed)
-    return "".join(f"{word:08X}" for word in words) + f":{address[1]:04X}"
+def _tcp_address(address: ipaddress.IPv4Address | ipaddress.IPv6Address, port: int, version: int) -> str | None:
+    """``address`` and ``port`` as the table of IP ``version`` writes them (an IPv4 address in ``tcp6`` as
+    ``::ffff:a.b.c.d``, an IPv4-mapped one in ``tcp`` as IPv4; None where that table cannot hold it): the
+    address's 32-bit words in this machine's byte order, then the port, in hex."""
+    if address.version == 4 and version == 6:
+        address = ipaddress.IPv6Address(f"::ffff:{address}")
+    elif address.version == 6 and version == 4:
+        address = address.ipv4_mapped
+        if address is None:
+            return None
+    words = struct.unpack(f"={len(address.packed) // 4}I", address.packed)
+    return "".join(f"{word:08X}" for word in words) + f":{port:04X}"
 
 
 def socket_path(folder: Path, pid: int) -> Path:
