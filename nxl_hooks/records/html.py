@@ -323,7 +323,7 @@ def attribution_html(
     spreads = [res.norm_spread(r) for r in chosen]
     if method == "normxlogit" and any(flat_norms(s) for s in spreads):
         intro += _notes([flat_note(max(s for s in spreads if flat_norms(s)))])
-    if foil := no_foil(method, res.method_scores(method)):  # its cells are all blank
+    if foil := no_foil(method, res.method_scores(method)):  # its cells (or some rows') are blank
         intro += _notes([foil])
     if len(chosen) < total:
         intro += f'<p class="note">Showing {len(chosen)} of {total} rows; pick others with rows=[...].</p>'

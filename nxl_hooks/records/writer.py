@@ -12,12 +12,12 @@ call whose prompt never ran recorded, whose end frame follows), ``step`` or ``en
 true on a call's first step kept where a rotating sink deleted the steps before it); a rotated file's first frame
 (``kind`` ``file``) names the file's number and its writer. Files of format 1 (nxl_hooks 0.1: no
 ``seq``, no ``file`` frame) still read, with the reader's step checks. A ``call`` frame also carries
-``model``, ``started``, ``special_ids`` and ``target_texts`` (each fixed target id's text, keyed by the id as a
-string), a ``step`` frame its ``time`` and an ``end`` frame ``ended``: optional
-entries of format 2, which older readers skip; records read from older files without them have None there
-(``tests/data/stream-v2.nxl`` is such a file). A ``step`` frame holds the scores of NormXLogit and LogAt as the
-tensors ``normxlogit`` and ``logat``, and those of any other method the probe computed as ``scores.<method>``
-(older readers skip them too).
+``model``, ``started``, ``special_ids``, ``target_texts`` (each fixed target id's text, keyed by the id as a
+string) and ``separator`` (only where its tokenizer's decode puts one between tokens), a ``step`` frame its
+``time`` and an ``end`` frame ``ended``: optional entries of format 2, which older readers skip; records read
+from older files without them have None there (``tests/data/stream-v2.nxl`` is such a file). A ``step`` frame
+holds the scores of NormXLogit and LogAt as the tensors ``normxlogit`` and ``logat``, and those of any other
+method the probe computed as ``scores.<method>`` (older readers skip them too).
 Frames are appended whole and in order (one ``write`` per frame, or per batch of step frames:
 :meth:`Sink.write_steps`), so a process killed with SIGKILL leaves every frame it wrote readable, the last one
 possibly torn. ``Sink(path, fsync=True)`` also survives power loss, at the cost of
@@ -442,9 +442,10 @@ class RotatingSink(Sink):
     - Beyond ``max_files`` files in the folder the oldest are deleted: the folder holds at most about
       ``max_files * max_bytes`` bytes.
     - Files are named ``<number>-<writer>.nxl`` (eight digits each, more past 99999999): numbers go on from the
-      files already in the folder (a new writer, say after a restart, never overwrites), and ``<writer>`` tells which files one writer made, so that
-      ``read_stream(folder)`` joins them in order. Each file's first frame carries its number and writer too, so
-      that a missing file between two kept ones (or a renamed one) is reported as damage.
+      files already in the folder (a new writer, say after a restart, never overwrites), and ``<writer>`` tells
+      which files one writer made, so that ``read_stream(folder)`` joins them in order. Each file's first frame
+      carries its number and writer too, so that a missing file between two kept ones (or a renamed one) is
+      reported as damage.
     - One writer per folder at a time: a second one (another model or process given the folder) is refused with a
       ValueError while the first is open.
     - Files and a folder it creates are private to the user (0600 / 0700): prompts are user data.

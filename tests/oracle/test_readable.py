@@ -227,6 +227,7 @@ def test_a_word_level_tokenizer_without_a_decoder_keeps_the_spaces_its_decode_pu
     call, out = forced_generation(gpt2, torch.tensor([ids[:1]]), ids[1:])
     assert call.text == gpt2.decode(out[0, 1:]) == " capital of France"
 
+
 def test_word_targets_are_the_token_the_model_would_emit_after_the_prompt(model, tok):
     paris, bare = piece_id(tok, "ĠParis"), piece_id(tok, "Paris")
     assert paris != bare

@@ -349,6 +349,7 @@ def test_a_folder_planted_above_the_sink_while_it_is_made_is_refused_never_follo
         {sticky / "made": (0, 0o711), sticky / "made" / "run": (NOBODY, 0o700)}]
     assert sorted(os.listdir(sticky)) == ["race"]  # both taken back
 
+
 def _decoy(folder: Path) -> Path:
     """What another user may move into a folder root handed them (on the same file system): a folder of theirs
     that holds a folder of root's, whose file they cannot remove themselves. Returns that file."""
