@@ -144,10 +144,10 @@ def open_capture(bound: dict[str, Any], prompted: tuple[torch.Tensor, int, torch
 
 
 def _model_logits(plan: Plan, output: Any, examples: torch.Tensor, positions: torch.Tensor, seq: int,
-                  keep: Any = None) -> tuple[torch.Tensor | None, torch.Tensor, bool]:
+                  keep: Any = None) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The task model's own logits at the explained rows (rows, outputs), at least float32 (a float64 model's as they
-    are: two of them rounded to float32 may tie, and the argmax miss its prediction), which rows they cover ((rows,)
-    bool, CPU), and whether they are of a slice of its positions: a forward never pays twice for its final logits.
+    are: two of them rounded to float32 may tie, and the argmax miss its prediction), and which rows they cover
+    ((rows,) bool, CPU): a forward never pays twice for its final logits.
     A causal LM called with an int ``logits_to_keep`` returns its last positions' only: the rows predicting there
     are its own (its 16-bit readout on that slice may round the bias apart from the product, so a logit recomputed
     here can miss its by a step, and flip a near tie). Rows not covered (a tuple output, a row whose prediction
@@ -157,38 +157,38 @@ def _model_logits(plan: Plan, output: Any, examples: torch.Tensor, positions: to
     covered = torch.zeros(len(examples), dtype=torch.bool)
     logits = getattr(output, "logits", None)
     if not isinstance(logits, torch.Tensor) or logits.shape[-1] != plan.head.n_outputs:
-        return None, covered, False
+        return None, covered
     if plan.kind.pooled:
         if logits.dim() != 2:
-            return None, covered, False
-        return logits[examples.to(logits.device)].to(wide(logits.dtype)), ~covered, False
+            return None, covered
+        return logits[examples.to(logits.device)].to(wide(logits.dtype)), ~covered
     kept = logits.shape[1] if logits.dim() == 3 else 0
     if isinstance(keep, torch.Tensor):  # (a plain forward's end: this host read is once per call)
         kept_at = keep.cpu().nonzero()[:, 0] if keep.dtype == torch.bool else keep.cpu()  # (a mask selects)
         if keep.dim() != 1 or len(kept_at) != kept or kept_at.is_floating_point():
-            return None, covered, False
+            return None, covered
         row = torch.full((seq,), -1, dtype=torch.long)
         row[kept_at.long() % seq] = torch.arange(kept)  # (a position kept twice has one logit row)
         at = row[positions]
         covered = at >= 0
-        return (logits[examples.to(logits.device), at.clamp(min=0).to(logits.device)].to(wide(logits.dtype)), covered,
-                True)
+        return logits[examples.to(logits.device), at.clamp(min=0).to(logits.device)].to(wide(logits.dtype)), covered
     if kept != seq and not (isinstance(keep, int) and 0 < kept < seq):
-        return None, covered, False
+        return None, covered
     offset = seq - kept  # (0: every position's)
     covered = positions >= offset
     at = (positions - offset).clamp(min=0)
-    return logits[examples.to(logits.device), at.to(logits.device)].to(wide(logits.dtype)), covered, offset > 0
+    return logits[examples.to(logits.device), at.to(logits.device)].to(wide(logits.dtype)), covered
 
 
 def pin_last_layer(layers: Sequence[int], n_blocks: int, logat: torch.Tensor, rows: torch.Tensor | slice,
                    positions: torch.Tensor | int, own: torch.Tensor) -> None:
     """Set LogAt (layers, rows, seq, k) at l = L (when among ``layers``) and each of ``rows``' ``positions`` to
-    ``own`` (rows, k): the model's own logits of the explained ids, where its readout ran on a slice of the
-    forward's positions (``logits_to_keep``) or the head is not :attr:`~nxl_hooks.method.head.Head.per_position`.
-    There a 16-bit readout with a bias rounds its product and its bias apart (nn.Linear on a strided 3-D input), and
-    a called 8-bit head gives a row another result beside other positions, which no recomputation here reproduces;
-    at l = L the prediction position's LogAt is the model's logit by definition."""
+    ``own`` (rows, k): the model's own logits of the explained ids, wherever the model gave them. A recomputation
+    misses them where its readout ran on a slice of the forward's positions (``logits_to_keep``: a 16-bit readout
+    with a bias rounds its product and its bias apart on a strided 3-D input), where the head is not
+    :attr:`~nxl_hooks.method.head.Head.per_position` (a called 8-bit head gives a row another result beside other
+    positions), and by float32 roundings where a forward's final RMS norm is folded into the gathered rows (its
+    products reassociated); at l = L the prediction position's LogAt is the model's logit by definition."""
     if n_blocks in layers:
         rows = rows.to(logat.device) if isinstance(rows, torch.Tensor) else rows
         positions = positions.to(logat.device) if isinstance(positions, torch.Tensor) else positions
@@ -228,7 +228,7 @@ def assemble(plan: Plan, capture: Capture, output: Any = None, keep: Any = None)
     # (rows read as the model read them: given no ids, a classifier pools its last position, not its last non-pad)
     examples, positions = plan.rows(None if capture.virtual else capture.input_ids, real, capture.shape)
     with plan.head.reading() as readout:
-        final, covered, sliced = _model_logits(plan, output, examples, positions, seq, keep)
+        final, covered = _model_logits(plan, output, examples, positions, seq, keep)
         if not covered.all():  # HoT of the last layer at the prediction rows the model gave no logits for
             last = capture.last_hidden
             if last is None:
@@ -253,11 +253,11 @@ def assemble(plan: Plan, capture: Capture, output: Any = None, keep: Any = None)
             targets = plan.explained(final.argmax(-1, keepdim=True))
             log_probs = log_probabilities(plan.model, final).float()
 
-        kept = covered.nonzero()[:, 0] if sliced or not plan.head.per_position else None
+        kept = covered.nonzero()[:, 0]
 
         def head_logits(ids: torch.Tensor) -> torch.Tensor:  # (layers, rows, seq, k)
             logits = torch.stack([readout.explain(by_row(states), ids).to(final.device) for states in hidden])
-            if kept is not None:  # (a contrastive foil's too)
+            if len(kept):  # the model's own logits where it gave them (a contrastive foil's too)
                 pin_last_layer(plan.layers, plan.n_blocks, logits, kept, positions[kept],
                                final[kept.to(final.device)].gather(-1, ids[kept.to(ids.device)].to(final.device)))
             return logits
