@@ -97,6 +97,10 @@ CASES: dict[str, Case] = {
     "mistral-cls": Case(_cfg(tf.MistralConfig, **_GQA), tf.MistralForSequenceClassification, oracle.llama),
     "mixtral-lm": Case(_MIXTRAL, tf.MixtralForCausalLM, oracle.llama),
     "mixtral-cls": Case(_MIXTRAL, tf.MixtralForSequenceClassification, oracle.llama),
+    # MoE on every block (interleave step 1), chunked attention and NoPE layers: the head is Llama's
+    "llama4-lm": Case(_cfg(tf.Llama4TextConfig, **_GQA, head_dim=8, num_local_experts=4, num_experts_per_tok=1,
+                           intermediate_size_mlp=64, interleave_moe_layer_step=1, attention_chunk_size=4),
+                      tf.Llama4ForCausalLM, oracle.llama),
     "qwen2-lm": Case(_cfg(tf.Qwen2Config, **_GQA), tf.Qwen2ForCausalLM, oracle.llama),
     "qwen2-cls": Case(_cfg(tf.Qwen2Config, **_GQA), tf.Qwen2ForSequenceClassification, oracle.llama),
     "qwen3-lm": Case(_cfg(tf.Qwen3Config, **_GQA, head_dim=8), tf.Qwen3ForCausalLM, oracle.llama),
