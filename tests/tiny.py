@@ -247,19 +247,29 @@ class ScoringThreads:
 
 class KeptGraphs:
     """A ``torch.compile`` backend that keeps the FX graphs dynamo hands it and runs them as traced (no inductor):
-    what attaching adds to a compiled model's graphs, counted. ``CompileConfig(backend=KeptGraphs())``."""
+    what attaching adds to a compiled model's graphs, counted. ``CompileConfig(backend=KeptGraphs())``. With
+    ``inductor``, each kept graph is then compiled by inductor, as ``backend="inductor"`` with the same mode and
+    options compiles it: one compile both runs and counts."""
 
     NORMS = ("pow", "mean", "rsqrt", "norm", "sum")  #: what a final norm or an embedding norm is traced into
 
-    def __init__(self) -> None:
+    def __init__(self, inductor: bool = False) -> None:
         self.graphs: list[torch.fx.GraphModule] = []
+        self.inductor = inductor
 
     def __deepcopy__(self, memo: dict) -> "KeptGraphs":  # CompileConfig.to_dict deep-copies its backend
         return self
 
-    def __call__(self, gm: torch.fx.GraphModule, inputs: list, **_) -> Callable:  # (generate passes mode, options)
+    def __call__(self, gm: torch.fx.GraphModule, inputs: list, mode: str | None = None, options: dict | None = None
+                 ) -> Callable:  # (generate passes its CompileConfig's mode and options)
         self.graphs.append(gm)
-        return gm.forward
+        if not self.inductor:
+            return gm.forward
+        from torch._inductor import list_mode_options
+        from torch._inductor.compile_fx import compile_fx
+
+        patches = {**(list_mode_options(mode) if mode else {}), **(options or {})}
+        return compile_fx(gm, inputs, config_patches=patches)
 
     @staticmethod
     def operations(graph: torch.fx.GraphModule) -> list[tuple[str, str]]:
