@@ -30,6 +30,7 @@ import textwrap
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 import nxl_hooks
@@ -454,8 +455,10 @@ def _hold_with_gdb(monkeypatch, pid: int, seconds: int, holders: list) -> None:
 
     def hold(args, kwargs):
         if args[0] == "gdb" and not holders:
-            holder = _POPEN(["gdb", "-p", str(pid), "--batch", "-nx", "-q", "-ex", f"shell sleep {seconds}"],
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+            # nxl attach's own gdb settings: no symbols read (that took gdb seconds of CPU before it held still)
+            holder = _POPEN(["gdb", "-p", str(pid), "--batch", "-nx", "-q", "-iex", "set auto-load off", "-iex",
+                             "set auto-solib-add off", "-ex", f"shell sleep {seconds}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
             holders.append(holder)
             deadline = time.monotonic() + 60
             while f"TracerPid:\t{holder.pid}\n" not in Path(f"/proc/{pid}/status").read_text():
@@ -480,7 +483,9 @@ def test_a_concurrent_gdb_is_waited_for_then_named(own_target, shared, capsys, m
         assert not (shared / "run-named").exists()
     finally:
         monkeypatch.undo()
-        for holder in holders:
+        for holder in holders:  # named: its sleep ended now, not waited out (gdb's batch then ends and detaches)
+            for sleeper in psutil.Process(holder.pid).children(recursive=True):
+                sleeper.terminate()
             holder.wait(timeout=60)
     own_target.runs_on()
 
