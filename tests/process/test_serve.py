@@ -804,8 +804,12 @@ def test_nxl_run_loading_options_reach_the_programs_own_loads(tiny, tmp_path, ca
                 facts += [again.model.norm.weight.dtype, type(again.model.layers[0].self_attn.q_proj).__name__]
         print("FACTS", *facts)
     """)
-    done = _nxl("run", "--dtype", "bfloat16", "--load-in-8bit", "--models", "tiny*", "--", sys.executable, "-c",
-                code, str(tiny.path), str(tmp_path / "tiny-saved"), env={**os.environ, **SERVE_ENV}, timeout=300)
+    runs = [(["--dtype", "bfloat16", "--load-in-8bit", "--models", "tiny*"],
+             [str(tiny.path), str(tmp_path / "tiny-saved")]),
+            (["--gguf-file", "m.gguf"], [str(tiny.path)])]  # defaults that cannot work for this model (below)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:  # the two programs at once: half the wait
+        done, fallen = pool.map(lambda run: _nxl("run", *run[0], "--", sys.executable, "-c", code, *run[1],
+                                                 env={**os.environ, **SERVE_ENV}, timeout=300), runs)
     assert done.returncode == 0, done.stderr
     # the first load takes both defaults; the second sets its own dtype (8-bit still applies: it did not set that),
     # the third too, under transformers' older name (torch_dtype: the default dtype overrode it); the model saved
@@ -821,8 +825,6 @@ def test_nxl_run_loading_options_reach_the_programs_own_loads(tiny, tmp_path, ca
                                   sys.executable, "-c", "print('ran')")
     assert refused.returncode == 2 and "ran" not in refused.stdout and "transformers refuses" in refused.stderr
     # defaults that cannot work for this model (it has no such GGUF file): it loads as the program asked, said
-    fallen = _nxl("run", "--gguf-file", "m.gguf", "--", sys.executable, "-c", code, str(tiny.path),
-                  env={**os.environ, **SERVE_ENV}, timeout=300)
     assert fallen.returncode == 0, fallen.stderr
     assert fallen.stdout.split("FACTS ")[1].split() == ["torch.float32", "Linear", "torch.float32", "torch.float32"]
     said = [line for line in fallen.stderr.splitlines() if "nxl_hooks" in line]
