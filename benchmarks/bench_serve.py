@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import json
 import os
 import platform
@@ -356,8 +357,11 @@ def main() -> None:
         for name, folder in folders.items():
             if name not in args.models.split(","):
                 continue
-            servers = {variant: _start(folder, variant, work) for variant in VARIANTS}
-            try:
+            with contextlib.ExitStack() as started:  # each server stopped, also when a later one fails to start
+                servers = {}
+                for variant in VARIANTS:
+                    servers[variant] = _start(folder, variant, work)
+                    started.callback(servers[variant].stop)
                 max_tokens = args.max_tokens or MAX_TOKENS[name]
                 for server in servers.values():  # warm up: first requests load kernels, tokenizers, caches
                     for _ in range(1 if args.smoke else 3):  # (a smoke run's figures mean nothing)
@@ -367,9 +371,6 @@ def main() -> None:
                         servers, QUESTION[name], max_tokens, clients, args.rounds.get(name, ROUNDS[name]))
                     print(f"{name} clients={clients}: {report['latency'][f'{name}/clients={clients}']}",
                           file=sys.stderr, flush=True)
-            finally:
-                for server in servers.values():
-                    server.stop()
         if args.soak:
             report["soak"] = soak(folders["tiny"], work, args.soak)
     report["load_average_after"] = [round(value, 2) for value in os.getloadavg()]
