@@ -55,6 +55,7 @@ _PARTS = "parts"
 _SETTINGS = "run.json"
 _OUTPUTS = ("records.jsonl", "summary.json", "report.html")  #: the merged results, replaced by each finished run
 _RUN_ID = "run_id"
+NOTES_SHOWN = 5  #: the records' notes a finished run says on stderr (summary.json lists every one)
 _VERSION = "nxl_hooks"  #: run.json's key for the version that made the run (part of its identity)
 
 
@@ -566,13 +567,20 @@ def scored(
     records: Sequence[Mapping[str, Any]], aggregate: Callable[[Sequence[Mapping[str, Any]]], dict[str, Any]]
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(the records of the examples that scored, their summary): ``aggregate`` of them plus ``failed``, the index,
-    id and reason of each example that failed. ValueError when none scored. ``ok, summary = scored(records, agg)``"""
+    id and reason of each example that failed, and ``notes``, each distinct note of the records once with how many
+    examples it concerns (``{"note", "examples"}``). ValueError when none scored.
+    ``ok, summary = scored(records, agg)``"""
     ok = [dict(r) for r in records if "error" not in r]
     failed = [{"index": r["index"], "id": r.get("id"), "error": r["error"]} for r in records if "error" in r]
     if not ok:
         raise ValueError(f"every example failed ({len(failed)}); the first: example {failed[0]['index']}: "
                          f"{failed[0]['error']}")
-    return ok, {**aggregate(ok), "failed": failed}
+    counts: dict[str, int] = {}
+    for record in ok:
+        for note in dict.fromkeys(record.get("notes") or ()):  # (an example counts once per note)
+            counts[note] = counts.get(note, 0) + 1
+    notes = [{"note": note, "examples": count} for note, count in counts.items()]
+    return ok, {**aggregate(ok), "failed": failed, "notes": notes}
 
 
 # -- the commands built on it ----------------------------------------------------------------------------
@@ -595,7 +603,9 @@ def write_outputs(
 ) -> None:
     """The merged results of a run: ``records.jsonl`` (dataset order), ``summary.json``, ``report.html``; then one
     line on stderr (``command`` first) counting the examples that failed (``summary["failed"]``), which no figure
-    counts: each was said as it failed, but a resumed run does not retry it, so nothing else would say it."""
+    counts: each was said as it failed, but a resumed run does not retry it, so nothing else would say it; and one
+    line for each of the first ``NOTES_SHOWN`` of the records' notes (``summary["notes"]``), which change what
+    their examples' numbers mean (a target read otherwise than written) and would be in records.jsonl alone."""
     records_path, summary_path, report_path = (Path(out_dir) / name for name in _OUTPUTS)
     with replacing(records_path) as fh:
         for record in records:
@@ -610,6 +620,12 @@ def write_outputs(
         say(f"{command}: {len(failed)} of {len(records) + len(failed)} examples failed and "
             f"{'is' if len(failed) == 1 else 'are'} in none of the figures (summary.json's failed lists each with its "
             f"reason); the first: example {first['index']}: {first['error']}")
+    notes = summary.get("notes") or []
+    sys.stdout.flush()
+    for entry in notes[:NOTES_SHOWN]:
+        say(f"{command}: note on {entry['examples']} of {len(records)} examples: {entry['note']}")
+    if len(notes) > NOTES_SHOWN:
+        say(f"{command}: and {len(notes) - NOTES_SHOWN} other notes (summary.json's notes lists each)")
 
 
 def check_out(args: Any, *models: str | None) -> None:

@@ -91,6 +91,7 @@ def evaluate_report(summary: Mapping[str, Any], title: str = "nxl_hooks faithful
         f'<h1>{html.escape(title)}</h1><p class="note">{html.escape(facts)}</p>',
         _flat_note(summary),
         _failed_note(summary),
+        _notes_note(summary),
         "<h2>Summary</h2>",
         _stats_table(header, rows, best),
         f'<p class="note">Bold: {_BEST_NOTE}. s / example: each method\'s own time. AP and dot at the ranking '
@@ -150,6 +151,18 @@ def _failed_note(summary: Mapping[str, Any], show: int = 5) -> str:
     more = f"; and {len(failed) - show} more" if len(failed) > show else ""
     return (f'<p class="note warn">{len(failed)} example(s) failed and are in none of these figures (summary.json\'s '
             f"failed lists each with its reason): {html.escape(named + more)}</p>")
+
+
+def _notes_note(summary: Mapping[str, Any], show: int = 5) -> str:
+    """The records' notes (``summary["notes"]``: :func:`~nxl_hooks.apps.dataset.scored`'s), each once with how many
+    examples it concerns: they change what those examples' numbers mean (a target read otherwise than written)."""
+    notes = summary.get("notes") or []
+    if not notes:
+        return ""
+    items = "".join(f"<li>{entry['examples']} example(s): {html.escape(entry['note'])}</li>" for entry in notes[:show])
+    more = (f"<li>and {len(notes) - show} other notes (summary.json's notes lists each)</li>"
+            if len(notes) > show else "")
+    return f'<div class="note warn">notes on the examples:<ul>{items}{more}</ul></div>'
 
 
 def _named(record: Mapping[str, Any], key: str) -> str:
@@ -241,6 +254,7 @@ def audit_report(
         f"<h1>{html.escape(title)}</h1><p>{html.escape(facts)}</p>",
         _flat_note(summary),
         _failed_note(summary),
+        _notes_note(summary),
         f"<h2>The {min(show, summary['n'])} examples that changed most</h2>",
         f'<p class="note">Flipped predictions first, then the lowest Spearman at {html.escape(shown)}. Rows: '
         f"NormXLogit at that layer, both models explaining {html.escape(_what_is_explained(summary))} (nxl audit "

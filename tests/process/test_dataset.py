@@ -1,6 +1,7 @@
 """Dataset runs: loading, append-only logs, resuming after a crash or SIGKILL, sharding under accelerate launch."""
 
 import csv
+import html
 import json
 import os
 import shutil
@@ -340,6 +341,28 @@ def test_the_terminal_says_how_many_examples_failed_also_when_resumed(models, tm
         expected = (f"nxl {command}: 1 of 3 examples failed and is in none of the figures (summary.json's failed "
                     f"lists each with its reason); the first: example 1: {failed[0]['error']}")
         assert err[-1] == expected, run
+
+
+@pytest.mark.parametrize("command", ["evaluate", "audit"])
+def test_the_records_notes_reach_stderr_summary_and_report_once_each_with_their_count(models, tmp_path, capsys,
+                                                                                       command):
+    """A target word of several tokens explains its first: the note saying so was in records.jsonl alone, never on
+    stderr, in summary.json or on report.html, where the user looks. The run's end now says each note once with how
+    many examples it concerns (the word's tokens judged by the tokenizer's own tokenize)."""
+    data = tmp_path / "d.jsonl"
+    targets = ["good film", "bad", "good film"]  # one word of two tokens, twice; one of one token
+    data.write_text("".join(json.dumps({"text": "the film was", "target": t}) + "\n" for t in targets))
+    assert tiny.tokenizer().tokenize("good film") == ["good", "film"] and tiny.tokenizer().tokenize("bad") == ["bad"]
+    args = (["evaluate", str(models["llama"]), str(data), "--methods", "logat"] if command == "evaluate" else
+            ["audit", "--reference", str(models["llama"]), "--candidate", str(models["llama2"]), str(data)])
+    assert main([*args, "--out", str(tmp_path / "out")]) == 0
+    summary, records = _outputs(tmp_path / "out")
+    note = "'good film' is 2 tokens here (good film): only the first, good, is explained"
+    assert [r["notes"] for r in records] == [[note], [], [note]]
+    assert summary["notes"] == [{"note": note, "examples": 2}]
+    said = [line for line in capsys.readouterr().err.splitlines() if "note" in line]
+    assert said == [f"nxl {command}: note on 2 of 3 examples: {note}"]
+    assert html.escape(note) in (tmp_path / "out" / "report.html").read_text()
 
 
 def test_evaluate_command_runs_on_a_masked_lm(tmp_path):
