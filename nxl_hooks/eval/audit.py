@@ -181,8 +181,8 @@ def audit_example(
         kind = resolve(inner)[1]
         resolved = resolve_target(inner, kind, tokenizer, requested, prompt=text)
         requested = resolved.id
-        if resolved.partial:
-            notes.append(describe_target(tokenizer, inner.config, kind, resolved)["note"])
+        note = describe_target(tokenizer, inner.config, kind, resolved)["note"]
+        notes += [note] if note else []
     ref, ref_out = _attribute(reference, tokenizer, ids, requested, layers)
     target = int(ref.target[0])
     cand, cand_out = _attribute(candidate, tokenizer, ids, target, layers)

@@ -254,7 +254,8 @@ class _Setup:
         self.keeps_logits = keeps_logits(model, self.kind)
         # SPEC 5: perturbation never touches CLS/SEP/BOS (nor the prediction position).
         self.special_ids = list(getattr(tokenizer, "all_special_ids", []))
-        self.notes: list[str] = []  # targets of several tokens (the first explained), methods not computed
+        # targets of several tokens (the first explained), label names that are other ids too, methods not computed
+        self.notes: list[str] = []
 
     def predict(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Model outputs at each row's prediction position: (rows, outputs), at least float32 (a float64 model's as
@@ -284,7 +285,8 @@ class _Setup:
 
     def label_id(self, value: Any, n_outputs: int, prompt: str) -> int | float | None:
         """A target, foil or gold label as an output id: words are read after the example's text (``prompt``); a
-        word of several tokens stands for its first, and :attr:`notes` says so."""
+        word of several tokens stands for its first, and :attr:`notes` says so (and which reading of a label name
+        that is also another output's id was taken)."""
         if value is None:
             return None
         if self.kind is HeadKind.REGRESSION:
@@ -293,8 +295,9 @@ class _Setup:
                 raise ValueError(f"regression label {value!r} is not a finite number: give a number")
             return number
         resolved = resolve_target(self.inner, self.kind, self.tokenizer, value, n_outputs, prompt=prompt)
-        if resolved.partial:
-            self.notes.append(describe_target(self.tokenizer, self.inner.config, self.kind, resolved)["note"])
+        note = describe_target(self.tokenizer, self.inner.config, self.kind, resolved)["note"]
+        if note:
+            self.notes.append(note)
         return resolved.id
 
 

@@ -247,6 +247,9 @@ class ResolvedTarget:
     id: int  #: the output id explained
     tokens: tuple[int, ...]  #: the request's tokens (one, or a word's tokens after the prompt)
     how: str  #: "id", "label" (a classifier's label name), "token" (a vocabulary entry), "word" (text, tokenized)
+    #: a label name that is also another output's id ("1" naming id 0 of {0: "1", 1: "2"}): that id, the reading
+    #: not taken (a CSV cell is always text, so a column of ids would be read as names unnoticed); else None
+    other: int | None = None
 
     @property
     def partial(self) -> bool:
@@ -327,7 +330,7 @@ def resolve_target(model: nn.Module, kind: HeadKind | str, tokenizer: Any, item:
 
     1. an int: that output id (range-checked against ``n_outputs`` when given);
     2. classifiers: a label name, as ``config.id2label`` names the outputs (surrounding spaces ignored), or a number
-       as an id;
+       as an id (a name that is also another output's id is the name: :attr:`ResolvedTarget.other` keeps that id);
     3. LMs (a tokenizer is needed): a vocabulary entry that is not plain text ('Ġis', '▁is', WordPiece's '##ians', a
        special token) is that token; without a ``prompt`` any vocabulary entry is;
     4. other text is a word: after the ``prompt`` (causal LMs), the first token the tokenizer makes of it there
@@ -356,7 +359,10 @@ def resolve_target(model: nn.Module, kind: HeadKind | str, tokenizer: Any, item:
         labels = _label_ids(model.config)
         ids = labels.get(item.strip(), ())  # " LABEL_0" from a comma list is the label too
         if len(ids) == 1:
-            return ResolvedTarget(item, ids[0], ids, "label")
+            number = int_text(item.strip())
+            named = {i for same in labels.values() for i in same}
+            other = number if number is not None and number != ids[0] and number in named else None
+            return ResolvedTarget(item, ids[0], ids, "label", other)
         if ids:
             raise ValueError(f"label {item!r} names outputs {list(ids)} of the model: pass one of them as an int id")
         if (number := int_text(item.strip())) is not None:

@@ -283,12 +283,19 @@ def target_texts(tokenizer: Any, config: Any, kind: HeadKind | str, targets: Any
 
 def describe_target(tokenizer: Any, config: Any, kind: str, resolved: ResolvedTarget) -> dict[str, Any]:
     """How a requested target was read, JSON-able (``Attribution.meta["targets"]``): request, id, text, how, the
-    request's tokens and their texts, and a note when only the first of several tokens is explained."""
-    texts = [label_text(tokenizer, getattr(config, "id2label", None), kind, token) for token in resolved.tokens]
+    request's tokens and their texts, and a note when only the first of several tokens is explained, or when a
+    classifier's label name read as such is also another output's id."""
+    id2label = getattr(config, "id2label", None)
+    texts = [label_text(tokenizer, id2label, kind, token) for token in resolved.tokens]
     note = None
     if resolved.partial:
         note = (f"{resolved.request!r} is {len(texts)} tokens here ({' '.join(texts)}): only the first, {texts[0]}, "
                 "is explained")
+    elif resolved.other is not None:
+        other = resolved.other
+        note = (f"{resolved.request!r} is read as the label named {texts[0]!r} (id {resolved.id}), not as id {other} "
+                f"({label_text(tokenizer, id2label, kind, other)!r}): to mean id {other}, give the number {other} "
+                "(a JSONL number; a CSV cell is always text)")
     return {"request": resolved.request, "id": resolved.id, "text": texts[0], "how": resolved.how,
             "tokens": list(resolved.tokens), "texts": texts, "note": note}
 

@@ -536,6 +536,36 @@ def test_a_csv_label_reads_as_the_jsonl_string_does(tmp_path):
     assert record["label"] == 0.5
 
 
+def test_a_label_name_that_is_another_outputs_id_says_which_reading_was_taken(tmp_path, capsys):
+    """A classifier whose labels are named "1" and "2" (ids 0 and 1): a CSV label or target "1" is the label named
+    "1" (id 0) by the names-first rule, but a CSV of ids (whose cells are always text) was misread so silently.
+    A note now says which reading was taken and how to give the other; "2" is no id of the model, so no note (each
+    judged by the model's own config and logits)."""
+    bert = tiny.build_model("bert", 0)
+    bert.config.id2label, bert.config.label2id = {0: "1", 1: "2"}, {"1": 0, "2": 1}
+    folder = tiny.save_model(tmp_path / "digits", "bert", model=bert)
+    data = tmp_path / "d.csv"
+    data.write_text("text,label,target\ngood film,1,1\nbad film,2,2\n")
+    config = bert.config
+    note = (f"'1' is read as the label named '1' (id {config.label2id['1']}), not as id 1 ({config.id2label[1]!r}): "
+            "to mean id 1, give the number 1 (a JSONL number; a CSV cell is always text)")
+    for command in ("evaluate", "audit"):
+        args = ([command, str(folder), str(data), "--methods", "logat"] if command == "evaluate" else
+                [command, "--reference", str(folder), "--candidate", str(folder), str(data)])
+        assert main([*args, "--out", str(tmp_path / command)]) == 0
+        summary, records = _outputs(tmp_path / command)
+        assert [r["target"] for r in records] == [config.label2id["1"], config.label2id["2"]]
+        assert [r["notes"] for r in records] == [[note], []] and summary["notes"] == [{"note": note, "examples": 1}]
+        assert [line for line in capsys.readouterr().err.splitlines() if "note" in line] == [
+            f"nxl {command}: note on 1 of 2 examples: {note}"]
+    with torch.no_grad():
+        predicted = [int(bert(**tiny.tokenizer()(text, return_tensors="pt")).logits.argmax()) for text in
+                     ("good film", "bad film")]
+    summary, records = _outputs(tmp_path / "evaluate")
+    assert [r["label"] for r in records] == [config.label2id["1"], config.label2id["2"]]
+    assert summary["accuracy"] == (sum(p == config.label2id[name] for p, name in zip(predicted, "12")) / 2)
+
+
 def test_run_that_failed_before_any_record_does_not_lock_its_folder(tmp_path):
     def failing(example):
         raise RuntimeError("injected crash")
