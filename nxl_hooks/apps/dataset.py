@@ -602,10 +602,11 @@ def write_outputs(
     command: str = "nxl",
 ) -> None:
     """The merged results of a run: ``records.jsonl`` (dataset order), ``summary.json``, ``report.html``; then one
-    line on stderr (``command`` first) counting the examples that failed (``summary["failed"]``), which no figure
-    counts: each was said as it failed, but a resumed run does not retry it, so nothing else would say it; and one
-    line for each of the first ``NOTES_SHOWN`` of the records' notes (``summary["notes"]``), which change what
-    their examples' numbers mean (a target read otherwise than written) and would be in records.jsonl alone."""
+    on stderr (``command`` first) one line for each of the first ``NOTES_SHOWN`` of the records' notes
+    (``summary["notes"]``), which change what their examples' numbers mean (a target read otherwise than written)
+    and would be in records.jsonl alone; last, one counting the examples that failed (``summary["failed"]``), which
+    no figure counts: each was said as it failed, but a resumed run does not retry it, so nothing else would say
+    it."""
     records_path, summary_path, report_path = (Path(out_dir) / name for name in _OUTPUTS)
     with replacing(records_path) as fh:
         for record in records:
@@ -613,19 +614,18 @@ def write_outputs(
     write_json(summary_path, summary)
     write_text(report_path, report)
     print(f"wrote {summary_path}, {records_path} and {report_path}")
-    failed = summary.get("failed") or []
-    if failed:
-        sys.stdout.flush()  # (after the line above, where both go to one terminal)
-        first = failed[0]
-        say(f"{command}: {len(failed)} of {len(records) + len(failed)} examples failed and "
-            f"{'is' if len(failed) == 1 else 'are'} in none of the figures (summary.json's failed lists each with its "
-            f"reason); the first: example {first['index']}: {first['error']}")
+    sys.stdout.flush()  # (before the lines below, where both go to one terminal)
     notes = summary.get("notes") or []
-    sys.stdout.flush()
     for entry in notes[:NOTES_SHOWN]:
         say(f"{command}: note on {entry['examples']} of {len(records)} examples: {entry['note']}")
     if len(notes) > NOTES_SHOWN:
         say(f"{command}: and {len(notes) - NOTES_SHOWN} other notes (summary.json's notes lists each)")
+    failed = summary.get("failed") or []
+    if failed:  # last: what no figure counts
+        first = failed[0]
+        say(f"{command}: {len(failed)} of {len(records) + len(failed)} examples failed and "
+            f"{'is' if len(failed) == 1 else 'are'} in none of the figures (summary.json's failed lists each with its "
+            f"reason); the first: example {first['index']}: {first['error']}")
 
 
 def check_out(args: Any, *models: str | None) -> None:

@@ -13,6 +13,7 @@ from typing import Any, Mapping, Sequence
 from ..eval.faithfulness import BASELINES, k_as_written
 from ..method.scores import FLAT_NORM_CV
 from ..records.html import fmt, heatmap, line_chart, page
+from .dataset import NOTES_SHOWN
 
 __all__ = ["audit_report", "evaluate_report", "evaluate_summary"]
 
@@ -153,7 +154,7 @@ def _failed_note(summary: Mapping[str, Any], show: int = 5) -> str:
             f"failed lists each with its reason): {html.escape(named + more)}</p>")
 
 
-def _notes_note(summary: Mapping[str, Any], show: int = 5) -> str:
+def _notes_note(summary: Mapping[str, Any], show: int = NOTES_SHOWN) -> str:
     """The records' notes (``summary["notes"]``: :func:`~nxl_hooks.apps.dataset.scored`'s), each once with how many
     examples it concerns: they change what those examples' numbers mean (a target read otherwise than written)."""
     notes = summary.get("notes") or []
