@@ -295,7 +295,7 @@ def describe_target(tokenizer: Any, config: Any, kind: str, resolved: ResolvedTa
         other = resolved.other
         note = (f"{resolved.request!r} is read as the label named {texts[0]!r} (id {resolved.id}), not as id {other} "
                 f"({label_text(tokenizer, id2label, kind, other)!r}): to mean id {other}, give the number {other} "
-                "(a JSONL number; a CSV cell is always text)")
+                "(an int; in a dataset, a JSONL number: a CSV cell is always text)")
     return {"request": resolved.request, "id": resolved.id, "text": texts[0], "how": resolved.how,
             "tokens": list(resolved.tokens), "texts": texts, "note": note}
 

@@ -548,7 +548,7 @@ def test_a_label_name_that_is_another_outputs_id_says_which_reading_was_taken(tm
     data.write_text("text,label,target\ngood film,1,1\nbad film,2,2\n")
     config = bert.config
     note = (f"'1' is read as the label named '1' (id {config.label2id['1']}), not as id 1 ({config.id2label[1]!r}): "
-            "to mean id 1, give the number 1 (a JSONL number; a CSV cell is always text)")
+            "to mean id 1, give the number 1 (an int; in a dataset, a JSONL number: a CSV cell is always text)")
     for command in ("evaluate", "audit"):
         args = ([command, str(folder), str(data), "--methods", "logat"] if command == "evaluate" else
                 [command, "--reference", str(folder), "--candidate", str(folder), str(data)])
