@@ -87,6 +87,37 @@ def test_layers_and_target_list(saved, tmp_path, capsys):
         torch.testing.assert_close(res.normxlogit[..., k], expected[[0, 2]], rtol=1e-4, atol=1e-5)
 
 
+def test_a_target_of_digits_that_is_also_another_outputs_label_name_says_which_reading_was_taken(tmp_path, capsys):
+    """A classifier whose labels are named "1" and "2" (ids 0 and 1): --target 1 is id 1 (digits alone are an id), and
+    was so silently while the label named "1" is another output; a note now says so and how to mean the label (" 1",
+    which explains that label). --target 0 names no label: no note. Judged by the model's config and logits."""
+    bert = tiny.build_model("bert", 0)
+    bert.config.id2label, bert.config.label2id = {0: "1", 1: "2"}, {"1": 0, "2": 1}
+    folder = tiny.save_model(tmp_path / "digits", "bert", model=bert)
+    config, enc = bert.config, tiny.tokenizer()(TEXT, return_tensors="pt")
+    with torch.no_grad():
+        out = bert(**enc, output_hidden_states=True)
+    logits = oracle.bert_classifier(bert).layer_logits(out.hidden_states)
+    torch.testing.assert_close(logits[-1, 0, 0], out.logits[0], rtol=1e-4, atol=1e-5)  # the hand head is the model's
+    named = config.label2id["1"]
+    note = (f"note: --target 1 is read as id 1 ({config.id2label[1]!r}), not as the label named '1' (id {named}): to "
+            "mean that label, give ' 1' (the name with a space before it: an item of digits alone is an id)")
+    for target, explained, notes in (("1", 1, [note]), (" 1", named, None), ("0", 0, [])):
+        out_file = tmp_path / f"{target.strip()}{len(target)}.safetensors"
+        assert main(["attribute", str(folder), TEXT, "--target", target, "--out", str(out_file)]) == 0
+        printed = " ".join(capsys.readouterr().out.split())  # rich wraps long lines at COLUMNS
+        if notes is not None:
+            assert re.findall(r"note: --target.*?is an id\)", printed) == notes
+        else:  # the label's reading says it is not id 1, as before
+            assert "note: --target" not in printed and "' 1' is read as the label named '1'" in printed
+        res = nxl.Attribution.load(out_file)
+        assert res.target.tolist() == [explained]
+        _, expected = oracle.normxlogit(logits, out.hidden_states[0], torch.tensor([explained]))
+        torch.testing.assert_close(res.normxlogit, expected, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(float(res.probability[0]), float(out.logits[0].softmax(-1)[explained]), rtol=1e-4,
+                                   atol=1e-6)
+
+
 def test_text_pair_is_encoded_with_text_as_the_tokenizer_encodes_a_sentence_pair(saved, tmp_path):
     """--text-pair TEXT2: a classifier's sentence pair, as tokenizer(TEXT, TEXT2) encodes it."""
     path, out_file, pair = saved[0], tmp_path / "p.safetensors", "very bad plot"

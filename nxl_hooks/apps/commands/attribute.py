@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 from ..options import (
     READER_GONE,
@@ -124,6 +125,8 @@ def run(args: argparse.Namespace) -> int:
         return 1 if call.error is not None or call.notes else READER_GONE if console.gone else 0
     res = explain(model, tokenizer, args.text, text_pair=args.text_pair, chat=args.chat, methods=[args.method],
                   **attach_options(args))
+    for note in _id_notes(unwrap(model), kind, tokenizer, args.target):  # above the tables: it changes their meaning
+        console.print(Text("note: " + note, style="yellow"))
     show_attribution(res, console, all_positions=args.all_positions, method=args.method)
     if args.out:
         console.print(Text(f"saved {res.save(args.out)}"))
@@ -131,3 +134,28 @@ def run(args: argparse.Namespace) -> int:
         res.to_html(args.html, method=args.method, all_positions=args.all_positions)
         console.print(Text(f"wrote {args.html}"))
     return READER_GONE if console.gone else 0
+
+
+def _id_notes(model: Any, kind: Any, tokenizer: Any, target: Any) -> list[str]:
+    """One line for each --target item of digits alone (read as an id) that is also the name of another output's
+    label ("1" where ``config.id2label`` is ``{0: "1", 1: "2"}``): which reading was taken and how to give the other.
+    The command line's alone: a digit string is text people typed, while a Python int is an id by choice."""
+    from ...method.select import resolve_target
+    from ...records.tokens import label_text
+
+    if not kind.pooled:
+        return []
+    notes = []
+    for item in target if isinstance(target, list) else [target]:
+        if not isinstance(item, int):
+            continue
+        try:
+            named = resolve_target(model, kind, tokenizer, str(item))
+        except ValueError:  # a name of several outputs (refused as a name): no single other reading to point to
+            continue
+        if named.how == "label" and named.id != item:
+            id2label = getattr(model.config, "id2label", None)
+            notes.append(f"--target {item} is read as id {item} ({label_text(tokenizer, id2label, kind, item)!r}), "
+                         f"not as the label named {named.request!r} (id {named.id}): to mean that label, give "
+                         f"' {item}' (the name with a space before it: an item of digits alone is an id)")
+    return notes
