@@ -40,8 +40,8 @@ from ..records.attribution import Attribution
 from ..records.tokens import describe_target, label_text, readable_ids
 from .metrics import mean
 
-__all__ = ["EXPLAIN", "SCHEMA", "aggregate", "audit_example", "check_same_head", "check_same_tokens", "compare",
-           "most_changed"]
+__all__ = ["EXPLAIN", "SCHEMA", "aggregate", "audit_example", "check_auditable", "check_same_head", "check_same_tokens",
+           "compare", "most_changed"]
 
 SCHEMA = "nxl_hooks.audit/1"
 #: What an audit may explain (:func:`audit_example`'s ``explain``), the default first.
@@ -70,6 +70,14 @@ def check_same_head(reference: nn.Module, candidate: nn.Module) -> None:
         raise ValueError(f"the candidate has {theirs} but the reference {ours}: an audit compares one output of "
                          "both models, so give a candidate with the reference's head (another checkpoint or a "
                          "quantized copy of the same task model)")
+
+
+def check_auditable(model: nn.Module) -> None:
+    """A ValueError (one line) for a model no audit compares, whatever the example: a masked LM (it explains each of
+    its mask tokens, an audit one prediction per text). ``check_auditable(reference)``, once before a dataset runs."""
+    if resolve(unwrap(model))[1] is HeadKind.MASKED_LM:
+        raise ValueError("a masked LM cannot be audited: the audit compares classifiers and causal LMs; audit a "
+                         "classifier built on it")
 
 
 def check_same_tokens(tokenizer: Any, candidate_tokenizer: Any, texts: Sequence[str]) -> None:
@@ -140,10 +148,6 @@ def _attribute(
     with torch.no_grad(), attach(model, layers=layers, target=target, tokenizer=tokenizer) as probe:
         logits = model(input_ids=ids.to(input_device(model))).logits
     res = probe.result()
-    if HeadKind(res.meta["head_kind"]) is HeadKind.MASKED_LM:
-        raise ValueError(
-            "the audit compares classifiers and causal LMs; for a masked LM, audit a classifier built on it"
-        )
     if logits.dim() == 3:  # causal LM: (1, seq, vocab)
         logits = logits[:, int(res.position[0])]
     return res, logits[0].to(wide(logits.dtype)).cpu()
@@ -168,6 +172,7 @@ def audit_example(
     if explain not in EXPLAIN:
         raise ValueError(f"explain={explain!r}: use 'target' (the example's target, else the reference's prediction) "
                          "or 'reference' (the reference's prediction)")
+    check_auditable(reference)  # (a text without a mask token would fail first, saying less)
     text = example.get("text")
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"example needs a non-empty 'text' string, got keys {sorted(example)}")

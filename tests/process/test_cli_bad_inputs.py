@@ -305,6 +305,10 @@ CASES = [
                                          "--out", "{root}/o"],
      r"the candidate has a causal_lm head of 20 outputs but the reference a sequence_classification head of 2 outputs "
      r"\(LABEL_0, LABEL_1\): an audit compares one output of both models, so give a candidate with the reference's"),
+    # a property of the model: refused once, where every example failed alike (each with this reason)
+    ("audit a masked LM", ["audit", "--reference", "{mlm}", "--candidate", "{mlm}", "{data}", "--out", "{root}/o"],
+     r"--reference .*/mlm: a masked LM cannot be audited: the audit compares classifiers and causal LMs; audit a "
+     r"classifier built on it$"),
     ("audit candidate with other labels", ["audit", "--reference", "{bert}", "--candidate", "{relabelled}", "{data}",
                                            "--out", "{root}/o"],
      r"the candidate has a sequence_classification head of 2 outputs \(neg, pos\) but the reference a "

@@ -46,7 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...eval.audit import aggregate, audit_example, check_same_head, check_same_tokens
+    from ...eval.audit import aggregate, audit_example, check_auditable, check_same_head, check_same_tokens
     from ...records.attribution import layers_text
     from ...records.tokens import chat_text
     from ..dataset import check_out, examples_from_args, place, run_dataset, scored, write_outputs
@@ -80,6 +80,10 @@ def run(args: argparse.Namespace) -> int:
         loading={**loading_identity(loading), "chat": args.chat},
     )
     reference, tokenizer = load_model(args.reference, **loading)
+    try:  # once, before the candidate loads: every example would fail alike
+        check_auditable(reference)
+    except ValueError as err:
+        raise ValueError(f"--reference {args.reference}: {err}") from None
     if args.chat:  # each text becomes the user's message; evidence words are looked for in the whole prompt
         examples = [{**example, "text": chat_text(tokenizer, example["text"])} for example in examples]
     if args.candidate is not None:
