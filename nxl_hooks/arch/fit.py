@@ -20,9 +20,19 @@ _FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "nor
 
 def base_prefix(model: nn.Module) -> str | None:
     """The attribute under which a task model holds its base model (``model``, ``bert``), or None when it holds none
-    as a child."""
+    as a child. Where ``base_model_prefix`` names an attribute the model does not have (Llama4ForCausalLM names
+    ``language_model`` but holds ``model``), transformers' ``base_model`` is the task model itself: then it is the
+    one child that holds the ModuleList of num_hidden_layers blocks."""
     base = getattr(model, "base_model", None)
-    return next((n for n, m in model.named_children() if m is base), None) if isinstance(base, nn.Module) else None
+    if not isinstance(base, nn.Module):
+        return None
+    if base is not model:
+        return next((n for n, m in model.named_children() if m is base), None)
+    config = getattr(model, "config", None)
+    n_layers = getattr(config.get_text_config(), "num_hidden_layers", None) if config is not None else None
+    holders = [name for name, child in model.named_children()
+               if any(isinstance(m, nn.ModuleList) and len(m) == n_layers and m is not child for m in child.modules())]
+    return holders[0] if n_layers and len(holders) == 1 else None
 
 
 def final_norm(model: nn.Module) -> tuple[str, nn.Module] | None:
@@ -30,10 +40,11 @@ def final_norm(model: nn.Module) -> tuple[str, nn.Module] | None:
     ``transformer.ln_f``...), when it has one of the known names."""
     prefix = base_prefix(model)
     for name in _FINAL_NORM_NAMES if prefix is not None else ():
-        module = getattr(model.base_model, name, None)
+        module = getattr(getattr(model, prefix), name, None)
         if isinstance(module, nn.Module):
             return f"{prefix}.{name}", module
     return None
+
 
 def _found(obj: object) -> str:
     """What a path names, in a few words, for messages."""

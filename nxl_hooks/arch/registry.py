@@ -195,7 +195,7 @@ def _block_path(model: nn.Module) -> str | None:
     n_layers, prefix = getattr(model.config.get_text_config(), "num_hidden_layers", None), base_prefix(model)
     if n_layers is None or prefix is None:
         return None
-    return next((f"{prefix}.{n}" for n, m in model.base_model.named_modules()
+    return next((f"{prefix}.{n}" for n, m in getattr(model, prefix).named_modules()
                  if isinstance(m, nn.ModuleList) and len(m) == n_layers), None)
 
 

@@ -464,6 +464,36 @@ def test_generic_discovery(private_registry, config, model_cls, hand):
     assert res.meta["spec"] == f"discovered:{model.config.model_type}"
 
 
+class MisnamedBaseLlama(tf.LlamaForCausalLM):
+    """A task model whose base_model_prefix names an attribute it does not have (as Llama4ForCausalLM names
+    ``language_model`` and holds ``model``): its ``base_model`` is the task model itself."""
+
+    base_model_prefix = "language_model"
+
+
+@pytest.mark.parametrize("softcap", [None, 30.0], ids=["discovered", "refused"])
+def test_a_base_model_held_under_another_name_than_its_prefix_is_found(private_registry, softcap):
+    """Discovery looked for the base model only as ``model.base_model``: where that is the task model itself, it
+    found no blocks and no final norm, and the refusal printed placeholders. Under a model_type no entry names, it
+    is discovered (the oracle's numbers); where discovery refuses (a logit softcap it cannot interpret), the refusal
+    prints the registration its modules show, and that registration, pasted, gives the oracle's numbers."""
+    case = Case(_LLAMA, MisnamedBaseLlama, oracle.llama)
+    model = case.build()
+    assert model.base_model is model
+    model.config.model_type = "nxl_llamalike"
+    if softcap is None:
+        assert _check_against_oracle(case, model).meta["spec"] == "discovered:nxl_llamalike"
+        return
+    model.config.final_logit_softcapping = softcap  # read by the registry, ignored by Llama's forward
+    with pytest.raises(nxl.UnknownArchitectureError, match="final_logit_softcapping=30.0") as err:
+        nxl.attach(model)
+    call = re.search(r"nxl\.register_architecture\(.*?\]\}\)", str(err.value)).group(0)
+    assert "<" not in call, call
+    model.config.final_logit_softcapping = None
+    eval(call, {"nxl": nxl})  # pasted as printed
+    assert _check_against_oracle(case, model).meta["spec"] == "nxl_llamalike"
+
+
 def test_a_config_without_a_pad_token_id_attribute_has_no_pad_id():
     """CodeGenConfig (transformers 5) has no pad_token_id attribute at all, which transformers reads as None: so does
     attach, and every forward after it (attach raised AttributeError)."""
