@@ -34,6 +34,7 @@ them in order::
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import functools
@@ -156,7 +157,9 @@ def _holds_stream(head: bytes) -> bool:
 def _open(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
     """A new (or emptied) stream file holding only the file magic, held for this writer (:func:`claim_file`). A
     file that holds something other than a stream (a Parquet file given without ``parquet:``, anyone's data) is
-    refused (ValueError, one line), never emptied."""
+    refused (ValueError, one line), never emptied. A file it created whose magic could not be written (a full disk)
+    is removed: left there, it would read as a writer that stopped before its first record."""
+    created = not os.path.lexists(path)
     fd = claim_file(path, mode, follow_symlinks=follow_symlinks, readable=True)
     try:
         head = os.pread(fd, len(STREAM_MAGIC) + 21, 0)
@@ -170,6 +173,10 @@ def _open(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
         os.ftruncate(fd, 0)
         _write_all(fd, _FILE_MAGIC)
     except BaseException as error:
+        if created:  # removed while still held, so no other writer can have it; one put in its place is left
+            with contextlib.suppress(OSError):
+                if os.path.samestat(os.fstat(fd), os.lstat(path)):
+                    os.unlink(path)
         os.close(fd)  # a full disk at the first byte: no descriptor kept on a file nothing will write
         if isinstance(error, OSError) and error.filename is None:  # said with the file it could not start
             raise OSError(error.errno, error.strerror, str(path)) from None

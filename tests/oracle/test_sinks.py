@@ -1234,16 +1234,21 @@ def test_export_on_a_full_disk_leaves_nothing_and_the_next_export_works(chat, tm
     assert len(_table(out)["row"]) > 0
 
 
-def test_a_stream_file_that_cannot_be_started_on_a_full_disk_is_named(chat, tmp_path):
+@pytest.mark.parametrize("existed", [False, True], ids=["new", "there-before"])
+def test_a_stream_file_that_cannot_be_started_on_a_full_disk_is_named(chat, tmp_path, existed):
     """The first write of a stream file (its magic line, when the probe attaches) fails on a full disk: the one line
-    said no more than "[Errno 27] File too large", not which file."""
+    said no more than "[Errno 27] File too large", not which file. The file it created was left behind, and read
+    back as a writer that stopped before its first record: it is removed; a file that was there is left."""
     path, _, _ = chat
     out = tmp_path / "run.nxl"
+    if existed:
+        out.touch()
     done = subprocess.run([sys.executable, "-m", "nxl_hooks", "attribute", str(path), "hello world", "--generate", "2",
                            "--out", str(out)], capture_output=True, text=True, timeout=300, preexec_fn=_limited(4))
     assert done.returncode == 2, done.stderr
     said = [line for line in done.stderr.splitlines() if line.startswith("nxl attribute:")]
     assert said == [f"nxl attribute: error: [Errno {errno.EFBIG}] File too large: '{out}'"], done.stderr
+    assert out.exists() == existed
 
 
 def test_export_does_not_replace_an_existing_file_without_force(chat, tmp_path, capsys):
