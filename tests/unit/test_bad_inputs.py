@@ -1155,7 +1155,7 @@ def test_a_failing_example_is_recorded_and_not_retried(tmp_path):
     assert dataset.run_dataset(items, score, tmp_path, settings={"m": 1}) == records and calls == [0, 1, 2]
     ok, summary = dataset.scored(records, lambda rs: {"n": len(rs)})
     assert ok == [records[0], records[2]] and summary == {"n": 2, "failed": [
-        {"index": 1, "id": "e1", "error": records[1]["error"]}]}
+        {"index": 1, "id": "e1", "error": records[1]["error"]}], "notes": []}  # (its records have no notes)
     with pytest.raises(ValueError, match="every example failed \\(1\\); the first: example 1: IndexError"):
         dataset.scored([records[1]], len)
 
