@@ -394,7 +394,7 @@ def _claim_partial(partial: Path) -> int:
     writer left when it died (a crash, SIGKILL: no footer, unreadable) is taken over, with one log line. What no
     Parquet writer began (a stream file, anyone's data) is refused (ValueError, one line): never emptied."""
     while True:
-        fd = claim_file(partial, 0o644, unlocked_if_new=True, readable=True)  # (it empties what it takes)
+        fd, _ = claim_file(partial, 0o644, unlocked_if_new=True, readable=True)  # (it empties what it takes)
         try:
             held = os.fstat(fd)
             with contextlib.suppress(FileNotFoundError):

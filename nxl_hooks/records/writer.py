@@ -159,8 +159,7 @@ def _open(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
     file that holds something other than a stream (a Parquet file given without ``parquet:``, anyone's data) is
     refused (ValueError, one line), never emptied. A file it created whose magic could not be written (a full disk)
     is removed: left there, it would read as a writer that stopped before its first record."""
-    created = not os.path.lexists(path)
-    fd = claim_file(path, mode, follow_symlinks=follow_symlinks, readable=True)
+    fd, created = claim_file(path, mode, follow_symlinks=follow_symlinks, readable=True)
     try:
         head = os.pread(fd, len(STREAM_MAGIC) + 21, 0)
         if (later := _later_format(head)) is not None:  # (a stream all the same: said so, and never emptied)
@@ -185,10 +184,11 @@ def _open(path: Path, mode: int, *, follow_symlinks: bool = False) -> int:
 
 
 def claim_file(path: Path, mode: int, *, follow_symlinks: bool = False, unlocked_if_new: bool = False,
-                readable: bool = False) -> int:
-    """A descriptor of the regular file ``path`` (created when missing, left as it is: the caller empties it), open
-    for writing and locked for this writer (:func:`_claim`): one that another writer holds is refused (ValueError) and
-    left as it is; one that a writer no longer holds (it closed, crashed, was killed) is this writer's. A symbolic
+                readable: bool = False) -> tuple[int, bool]:
+    """A descriptor of the regular file ``path`` (created when missing, left as it is: the caller empties it) and
+    whether this call created it (``O_EXCL`` first: no window between a check and the open), open for writing and
+    locked for this writer (:func:`_claim`): one that another writer holds is refused (ValueError) and left as it
+    is; one that a writer no longer holds (it closed, crashed, was killed) is this writer's. A symbolic
     link is refused (ValueError) unless ``follow_symlinks``: O_NOFOLLOW makes the check and the open one step, with
     no window to swap a link in. The one-writer rule of every records file (stream files, the Parquet sink's).
     ``unlocked_if_new``: on a file system without locks, a file that was there before is refused (ValueError): no
@@ -198,9 +198,11 @@ def claim_file(path: Path, mode: int, *, follow_symlinks: bool = False, unlocked
     # truncated by the open: only once this writer holds the file
     flags = ((os.O_RDWR if readable else os.O_WRONLY) | os.O_CREAT | os.O_APPEND | os.O_NONBLOCK
              | (0 if follow_symlinks else os.O_NOFOLLOW))
-    existed = os.path.lexists(path)
     try:
-        fd = os.open(path, flags, mode)
+        try:
+            fd, created = os.open(path, flags | os.O_EXCL, mode), True
+        except FileExistsError:  # (a link too: O_EXCL never follows one; the open below refuses it)
+            fd, created = os.open(path, flags, mode), False
     except OSError as err:
         if err.errno == errno.ELOOP and not follow_symlinks:
             raise ValueError(f"{path} is a symbolic link: nxl_hooks does not write records through a link unless "
@@ -216,14 +218,14 @@ def claim_file(path: Path, mode: int, *, follow_symlinks: bool = False, unlocked
         raise ValueError(f"{path} is {kind}, not a regular file: nxl_hooks writes records only to a regular file; "
                          "give another path")
     try:
-        if not _claim(fd, path, "path") and unlocked_if_new and existed:
+        if not _claim(fd, path, "path") and unlocked_if_new and not created:
             raise ValueError(f"{path} exists, and its file system has no locks to tell whether another sink still "
                              "writes it: if none does (a crashed run left it), remove it; else give another path")
         os.set_blocking(fd, True)
     except BaseException:
         os.close(fd)  # refused: no descriptor kept on a file another writer holds
         raise
-    return fd
+    return fd, created
 
 
 def _claim(fd: int, path: Path, kind: str) -> bool:

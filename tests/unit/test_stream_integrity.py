@@ -803,3 +803,20 @@ def test_a_rotating_sink_writes_a_call_frame_larger_than_its_files_once_not_once
     assert read.complete and read.readable == long.readable
     for got, kept in zip(read.steps, call.steps, strict=True):
         assert torch.equal(got.normxlogit, kept.normxlogit) and torch.equal(got.token, kept.token)
+
+
+def test_a_file_put_there_while_the_sink_opens_it_is_never_removed(tmp_path, monkeypatch):
+    """A stream sink removes the file it created when the file cannot be started; whether it created it was a check
+    before the open, so a file another process put there in between (someone's data, refused as not a stream) was
+    removed as the sink's own. The open itself now says whether it created the file."""
+    path, real_open = tmp_path / "run.nxl", os.open
+
+    def racing_open(name, flags, mode=0o777, **kwargs):  # another process writes its file just before this open
+        if Path(name) == path and not path.exists():
+            path.write_text("someone's data")
+        return real_open(name, flags, mode, **kwargs)
+
+    monkeypatch.setattr(os, "open", racing_open)
+    with pytest.raises(ValueError, match="holds something other than an nxl_hooks stream"):
+        writer.Sink(path)
+    assert path.read_text() == "someone's data"
