@@ -20,6 +20,7 @@ writes in ``out/`` must be a regular file there (a symbolic link is refused befo
 
 from __future__ import annotations
 
+import collections
 import csv
 import hashlib
 import io
@@ -575,10 +576,8 @@ def scored(
     if not ok:
         raise ValueError(f"every example failed ({len(failed)}); the first: example {failed[0]['index']}: "
                          f"{failed[0]['error']}")
-    counts: dict[str, int] = {}
-    for record in ok:
-        for note in dict.fromkeys(record.get("notes") or ()):  # (an example counts once per note)
-            counts[note] = counts.get(note, 0) + 1
+    # (an example counts once per note; Counter keeps the order notes were first seen)
+    counts = collections.Counter(note for record in ok for note in dict.fromkeys(record.get("notes") or ()))
     notes = [{"note": note, "examples": count} for note, count in counts.items()]
     return ok, {**aggregate(ok), "failed": failed, "notes": notes}
 
