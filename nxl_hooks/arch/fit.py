@@ -13,9 +13,10 @@ from torch import nn
 from .spec import (FUNCTION_STEPS, POST_STEPS, ArchSpec, HeadKind, get_path, has_path, readout_outputs,
                    word_embedding)
 
-__all__ = ["base_prefix", "check_acyclic", "check_fits", "final_norm"]
+__all__ = ["base_prefix", "check_acyclic", "check_fits", "final_norm", "takes_input_ids"]
 
-_FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f")
+#: The names a final norm goes by (``layer_norm``: the fairseq-derived decoders, XGLM, MBart, Pegasus, BioGPT)
+_FINAL_NORM_NAMES = ("norm", "final_layernorm", "final_layer_norm", "ln_f", "norm_f", "final_norm", "layer_norm")
 
 
 def base_prefix(model: nn.Module) -> str | None:
@@ -35,14 +36,17 @@ def base_prefix(model: nn.Module) -> str | None:
     return holders[0] if n_layers and len(holders) == 1 else None
 
 
-def final_norm(model: nn.Module) -> tuple[str, nn.Module] | None:
-    """(path, module) of the final norm a decoder keeps right under its base model (``model.norm``,
-    ``transformer.ln_f``...), when it has one of the known names."""
+def final_norm(model: nn.Module, blocks: str | None) -> tuple[str, nn.Module] | None:
+    """(path, module) of the final norm a decoder keeps beside its ``blocks`` (a path), when it has one of the known
+    names: in the module that holds the blocks (``model.norm``, ``transformer.ln_f``, OPT's
+    ``model.decoder.final_layer_norm``, MBart's ``model.decoder.layer_norm``) or right under its base model."""
     prefix = base_prefix(model)
-    for name in _FINAL_NORM_NAMES if prefix is not None else ():
-        module = getattr(getattr(model, prefix), name, None)
-        if isinstance(module, nn.Module):
-            return f"{prefix}.{name}", module
+    holders = [blocks.rpartition(".")[0]] if blocks and "." in blocks else []
+    for holder in dict.fromkeys(holders + ([prefix] if prefix is not None else [])):
+        for name in _FINAL_NORM_NAMES:
+            module = getattr(get_path(model, holder), name, None) if has_path(model, holder) else None
+            if isinstance(module, nn.Module):
+                return f"{holder}.{name}", module
     return None
 
 
@@ -88,6 +92,15 @@ def _check_post_value(spec: ArchSpec, key: str, step: str, value: object) -> Non
                        f"{'positive' if op == 'softcap' else 'non-zero'} number")
 
 
+def takes_input_ids(module: nn.Module) -> bool:
+    """Whether ``module``'s forward takes input_ids or inputs_embeds, as a backbone's does."""
+    try:
+        parameters = inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        parameters = {}
+    return bool({"input_ids", "inputs_embeds"} & set(parameters))
+
+
 def _check_backbone(model: nn.Module, spec: ArchSpec, block_list: nn.Module) -> None:
     """``backbone`` names a module that takes input_ids (or inputs_embeds) and runs the blocks."""
     if spec.backbone is None:
@@ -101,11 +114,7 @@ def _check_backbone(model: nn.Module, spec: ArchSpec, block_list: nn.Module) -> 
     if not any(sub is block_list for sub in found.modules()):
         spec._bad("backbone", f"names {spec.backbone!r}, a {type(found).__name__} that does not contain the blocks "
                               f"{spec.blocks!r}; {expected}")
-    try:
-        parameters = inspect.signature(found.forward).parameters
-    except (TypeError, ValueError):
-        parameters = {}
-    if not {"input_ids", "inputs_embeds"} & set(parameters):
+    if not takes_input_ids(found):
         spec._bad("backbone", f"names {spec.backbone!r}, a {type(found).__name__} whose forward takes no input_ids "
                               f"or inputs_embeds; {expected}")
 
@@ -187,7 +196,7 @@ def check_fits(model: nn.Module, spec: ArchSpec, spec_kind: str) -> None:
                            f"of {type(model).__name__}'s head")
     _check_backbone(model, spec, block_list)
     _check_layer_outputs(model, spec, block_list)
-    norm = final_norm(model)
+    norm = final_norm(model, spec.blocks)
     if norm is None:
         return
     path, module = norm

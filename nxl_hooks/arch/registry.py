@@ -20,7 +20,7 @@ from typing import Mapping, Sequence
 
 from torch import nn
 
-from .fit import base_prefix, check_acyclic, check_fits, final_norm
+from .fit import base_prefix, check_acyclic, check_fits, final_norm, takes_input_ids
 from .plugins import ARCHITECTURES, broken, contained, load
 from .spec import (FUNCTION_STEPS, HEAD_KINDS, MAX_DEPTH, POST_STEPS, ArchSpec, HeadKind, RegistryError,
                    UnknownArchitectureError, get_path, has_path, head_kind, log_probabilities, readout_outputs,
@@ -225,7 +225,8 @@ def _template(model: nn.Module, kind: HeadKind) -> str:
     the activations registered after the blocks (BERT's pooler dense and tanh, then its classifier), a placeholder
     for what is not found. A function its forward applies with no module (MPNet's tanh), or modules registered in
     another order than they run, are not seen: the entry is checked against the model's own logits at attach."""
-    blocks, norm = _block_path(model), final_norm(model)
+    blocks = _block_path(model)
+    norm = final_norm(model, blocks)
     steps, readout = [norm[0]] if norm is not None else [], False
     skip = {id(sub) for sub in norm[1].modules()} if norm is not None else set()
     modules = list(model.named_modules())
@@ -249,22 +250,28 @@ def _template(model: nn.Module, kind: HeadKind) -> str:
 
 
 def _discover(model: nn.Module, kind: HeadKind) -> ArchSpec | None:
-    """The common decoder layout: one ModuleList of num_hidden_layers blocks, a final norm, a Linear head."""
+    """The common decoder layout: one ModuleList of num_hidden_layers blocks, a final norm, a Linear head. Blocks held
+    in a module under the base model (MBart's ``model.decoder``, which MBartForCausalLM calls directly, bypassing its
+    wrapper's forward) make that module the backbone where it takes input_ids, as OPT's entry names it."""
     config = model.config
     if _logit_post_processing(model, kind):
         return None
-    norm, blocks = final_norm(model), _block_path(model)
+    blocks = _block_path(model)
+    norm = final_norm(model, blocks)
     if norm is None:
         return None
     head_name = {"causal_lm": "lm_head", "sequence_classification": "score"}.get(kind)
     if blocks is None or not isinstance(getattr(model, head_name or "", None), nn.Linear):
         return None
+    holder = blocks.rpartition(".")[0]
+    backbone = holder if "." in holder and takes_input_ids(get_path(model, holder)) else None
     key = (config.model_type, kind, blocks, norm[0], head_name)
     with _discovered_lock:  # one spec per layout: checked once against the model (method.verify), as an entry is
         return _DISCOVERED_SPECS.setdefault(key, ArchSpec(
             name=f"discovered:{config.model_type}",
             model_types=(config.model_type,),
             blocks=blocks,
+            backbone=backbone,
             heads={kind: (norm[0], head_name)},
             source=_DISCOVERED,
         ))

@@ -29,6 +29,8 @@ _DEC = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention
             pad_token_id=PAD, bos_token_id=1, eos_token_id=2)
 _GQA = dict(_DEC, num_key_value_heads=2)
 _ENC = dict(_DEC, max_position_embeddings=32)
+_FAIRSEQ = dict(vocab_size=VOCAB, d_model=32, max_position_embeddings=32, pad_token_id=PAD, bos_token_id=1,
+                eos_token_id=2)
 
 
 # A 64-token word-level tokenizer: specials 0..4, then words w5..w63.
@@ -452,8 +454,16 @@ def test_a_post_processing_value_changed_while_attached_is_the_one_applied(case_
         (_cfg(tf.BloomConfig, **_DEC), tf.BloomForSequenceClassification, oracle.layer_norm_decoder("transformer.ln_f")),
         (_cfg(tf.MptConfig, vocab_size=VOCAB, d_model=32, n_layers=2, n_heads=4, pad_token_id=PAD), tf.MptForCausalLM,
          oracle.layer_norm_decoder("transformer.norm_f")),
+        # final norms named layer_norm, and one in the module holding the blocks (MBartForCausalLM calls it directly)
+        (_cfg(tf.XGLMConfig, **_FAIRSEQ, num_layers=2, attention_heads=4, ffn_dim=64), tf.XGLMForCausalLM,
+         oracle.layer_norm_decoder("model.layer_norm")),
+        (_cfg(tf.BioGptConfig, **_ENC), tf.BioGptForSequenceClassification,
+         oracle.layer_norm_decoder("biogpt.layer_norm")),
+        (_cfg(tf.MBartConfig, **_FAIRSEQ, decoder_layers=2, encoder_layers=2, decoder_attention_heads=4,
+              decoder_ffn_dim=64), tf.MBartForCausalLM, oracle.layer_norm_decoder("model.decoder.layer_norm")),
     ],
-    ids=["olmo-lm", "starcoder2-cls", "stablelm-lm", "gptj-lm", "bloom-cls", "mpt-lm"],
+    ids=["olmo-lm", "starcoder2-cls", "stablelm-lm", "gptj-lm", "bloom-cls", "mpt-lm", "xglm-lm", "biogpt-cls",
+         "mbart-lm"],
 )
 def test_generic_discovery(private_registry, config, model_cls, hand):
     case = Case(config, model_cls, hand)

@@ -89,6 +89,8 @@ BAD = {
                           "readout 'model.embed_tokens' .*has no Linear layer; expected the vocabulary size 64"),
     "readout the norm": ("llama-lm", H(LM, NORM), "heads.causal_lm", "readout 'model.norm' .*has no Linear layer"),
     "final norm left out": ("llama-lm", H(LM, "lm_head"), "heads.causal_lm", "leaves out the model's final norm"),
+    "nested final norm left out": ("opt-lm", H(LM, "model.decoder.project_out", "lm_head"), "heads.causal_lm",
+                                   "leaves out the model's final norm 'model.decoder.final_layer_norm'"),
     "readout twice": ("llama-lm", H(LM, NORM, "lm_head", "lm_head"), "heads.causal_lm",
                       "cannot be applied to the output of the last block"),
     "bert readout pooler": ("bert-cls", H(CLS, "bert.pooler.dense"), "heads.sequence_classification",
