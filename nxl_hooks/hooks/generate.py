@@ -827,7 +827,7 @@ class Run:
                 mask = self._mask.view()[:, : self._prompt_len].cpu()
                 self._hub.prompt(self.call, ids, mask, readable=self._plan.readable_rows(ids),
                                  template=self._plan.template(ids, mask), special_ids=self._plan.special_ids,
-                                 target_texts=self._plan.target_texts, separator=self._plan.separator)
+                                 target_texts=self._plan.target_texts, joining=self._plan.joining)
                 if ids is None:  # said in its record, which else reads as if its prompt and sequences were cut
                     self._hub.note(self.call, embedded(self._prompt_len, self.ids_beside_embeds), log=False)
                 empty = empty_row(mask)  # (a plain forward's result() refuses such a row by the same rule)

@@ -331,6 +331,8 @@ def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, to
                                       target_texts=None if unprompted else _named_ids(header, "target_texts"),
                                       model=_text(header, "model"),
                                       separator=_text(header, "separator") or "",
+                                      continuation=_text(header, "continuation") or "",
+                                      cleanup=_field(header, "cleanup", (bool,), optional=True) is True,
                                       started=_field(header, "started", (float, int), optional=True))
         return False
     if index not in calls and rotated:

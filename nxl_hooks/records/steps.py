@@ -286,8 +286,13 @@ class GenerationCall:
     #: model's own prediction, without a tokenizer, or in older files. ``call.target_texts[348]`` -> '␣Paris'
     target_texts: dict[int, str] | None = None
     #: what its tokenizer's decode puts between tokens besides their readable texts (:func:`~.tokens.separator`): a
-    #: space for a word-level tokenizer without a decoder, else "" (also in older files)
+    #: space for a word-level tokenizer without a decoder or a WordPiece one, else "" (also in older files)
     separator: str = ""
+    #: a WordPiece tokenizer's continuation prefix (``##``: such a token joins the one before it, its prefix left
+    #: out) and whether its decoder cleans up each token's text (:func:`~.tokens.continuation`); "" and False for
+    #: any other tokenizer (also in older files)
+    continuation: str = ""
+    cleanup: bool = False
     #: when the call started and ended (returned, or stopped being recorded), in seconds since the epoch; both
     #: None in older files, ``ended`` None while it runs
     started: float | None = field(default_factory=_time.time)
@@ -311,12 +316,14 @@ class GenerationCall:
     @property
     def texts(self) -> list[str] | None:
         """The generated text of each row: its steps' tokens joined as its tokenizer's decode joins them
-        (:attr:`separator`; a row's padding after its end left out); None without readable texts (no tokenizer).
+        (:attr:`separator`, :attr:`continuation`; a row's padding after its end left out); None without readable
+        texts (no tokenizer).
         ``call.texts[1]``"""
         if not self.steps or any(step.readable is None for step in self.steps):
             return None
         rows = range(len(self.steps[0].readable))
-        return [plain_text([step.readable[row] for step in self.made(row)], self.separator) for row in rows]
+        return [plain_text([step.readable[row] for step in self.made(row)], self.separator, self.continuation,
+                           self.cleanup) for row in rows]
 
     def made(self, row: int) -> list[Step]:
         """The steps that made a token of ``row``: a row that ended (its end token) before the batch did is padded by

@@ -51,7 +51,8 @@ from ..method.chat import chat_prompt
 from ..method.select import ResolvedTarget
 
 __all__ = ["EMPTY", "describe_target", "NEWLINE", "SPACE", "TAB", "chat_text", "is_readable", "label_text",
-           "plain_text", "printable", "readable", "readable_ids", "record_text", "separator", "target_texts",
+           "continuation", "plain_text", "printable", "readable", "readable_ids", "record_text", "separator",
+           "target_texts",
            "unseen", "untexted", "visible", "whole_characters"]
 
 SPACE = "␣"
@@ -150,19 +151,53 @@ def _raw(name: str) -> bytes:
                         text).encode("utf-8", "surrogatepass")
 
 
-def plain_text(names: Sequence[str], separator: str = "") -> str:
+#: What a WordPiece decoder's cleanup rewrites in each token's text, in its order (tokenizers' ``wordpiece.rs``)
+_CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+            (" do not", " don't"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+
+def plain_text(names: Sequence[str], separator: str = "", continuation: str = "", cleanup: bool = False) -> str:
     """The text that readable token texts stand for, joined (a byte-level emoji's pieces make the emoji again; bytes
     that never complete a character read ``�``), with ``separator`` between tokens (:func:`separator`).
-    ``plain_text(["Hello", "␣world", "↵"]) == "Hello world\\n"``"""
-    return separator.encode("utf-8").join(_raw(name) for name in names).decode("utf-8", "replace")
+    ``plain_text(["Hello", "␣world", "↵"]) == "Hello world\\n"``. With a WordPiece ``continuation`` prefix
+    (:func:`continuation`) they are joined as its decoder joins them: a token after the first that starts with it
+    loses it and joins the one before, any other takes ``separator`` first; ``cleanup``: each token's text then
+    rewritten as the decoder's cleanup does (``" ."`` to ``"."``). ``plain_text(["the", "##ing", "."], " ", "##",
+    True) == "theing."``"""
+    if not continuation:
+        return separator.encode("utf-8").join(_raw(name) for name in names).decode("utf-8", "replace")
+    out = []
+    for index, name in enumerate(names):
+        text = _raw(name).decode("utf-8", "replace")
+        if index:
+            text = text[len(continuation):] if text.startswith(continuation) else separator + text
+        for dirty, clean in _CLEANUP if cleanup else ():
+            text = text.replace(dirty, clean)
+        out.append(text)
+    return "".join(out)
+
+
+def _wordpiece(tokenizer: Any) -> Any:
+    """The WordPiece decoder of a fast tokenizer, or None."""
+    decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+    return decoder if type(decoder).__name__ == "WordPiece" else None
 
 
 def separator(tokenizer: Any) -> str:
     """What ``tokenizer.decode`` puts between tokens besides their own texts: a space for a fast tokenizer without a
-    decoder (a word-level one: tokenizers joins the pieces with one, and each decodes alone to its bare word), else
-    nothing (its decoder's own pieces carry their spaces, which the readable texts keep)."""
+    decoder (a word-level one: tokenizers joins the pieces with one, and each decodes alone to its bare word) or with
+    a WordPiece decoder (before each token that does not continue a word: :func:`continuation`), else nothing (its
+    decoder's own pieces carry their spaces, which the readable texts keep)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    return " " if backend is not None and backend.decoder is None else ""
+    return " " if backend is not None and (backend.decoder is None or _wordpiece(tokenizer) is not None) else ""
+
+
+def continuation(tokenizer: Any) -> tuple[str, bool]:
+    """(prefix, cleanup) of a WordPiece decoder: a token starting with the prefix (``##ing``) continues the word
+    before it, and cleanup rewrites each token's text (``" ."`` to ``"."``); ("", False) for any other tokenizer.
+    The readable text of such a token keeps its prefix (``##ing``: decoded alone, it is first)."""
+    decoder = _wordpiece(tokenizer)
+    return (decoder.prefix, bool(decoder.cleanup)) if decoder is not None else ("", False)
 
 
 def _complete(data: bytes) -> int:

@@ -13,7 +13,8 @@ true on a call's first step kept where a rotating sink deleted the steps before 
 (``kind`` ``file``) names the file's number and its writer. Files of format 1 (nxl_hooks 0.1: no
 ``seq``, no ``file`` frame) still read, with the reader's step checks. A ``call`` frame also carries
 ``model``, ``started``, ``special_ids``, ``target_texts`` (each fixed target id's text, keyed by the id as a
-string) and ``separator`` (only where its tokenizer's decode puts one between tokens), a ``step`` frame its
+string), ``separator`` (only where its tokenizer's decode puts one between tokens), ``continuation`` and
+``cleanup`` (only for a WordPiece tokenizer: its prefix, and whether its decoder cleans up), a ``step`` frame its
 ``time`` and an ``end`` frame ``ended``: optional entries of format 2, which older readers skip; records read
 from older files without them have None there (``tests/data/stream-v2.nxl`` is such a file). A ``step`` frame
 holds the scores of NormXLogit and LogAt as the tensors ``normxlogit`` and ``logat``, and those of any other
@@ -98,7 +99,9 @@ def encode_call(call: GenerationCall, meta: dict, *, seq: int | None = None) -> 
                              "model": call.model, "started": call.started, "special_ids": call.special_ids,
                              # JSON keys are texts: {"348": "␣Paris"}
                              "target_texts": call.target_texts if prompted else None,
-                             **({"separator": call.separator} if call.separator else {})}, seq)
+                             **({"separator": call.separator} if call.separator else {}),
+                             **({"continuation": call.continuation} if call.continuation else {}),
+                             **({"cleanup": True} if call.cleanup else {})}, seq)
 
 
 def encode_step(step: Step, *, seq: int | None = None, first_kept: bool = False) -> bytes:
