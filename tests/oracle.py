@@ -224,6 +224,12 @@ def roberta_lm(model) -> HandHead:
                     last_is_normed=False)
 
 
+def modernbert_classifier(model) -> HandHead:
+    """ModernBERT and its decoder: final_norm, then head.dense, gelu, head.norm and classifier."""
+    head = then(linear(model.head.dense), _gelu, layer_norm(model.head.norm), linear(model.classifier))
+    return HandHead(layer_norm(model.model.final_norm), head, last_is_normed=True)
+
+
 def deberta_classifier(model) -> HandHead:
     """DeBERTa-v2/v3: ContextPooler dense + gelu (``pooler_hidden_act``), then classifier."""
     assert model.config.pooler_hidden_act == "gelu", "this oracle spells out gelu only"

@@ -219,12 +219,26 @@ def _activation_step(model: nn.Module, module: nn.Module) -> str | None:
     return _ACTIVATION_STEPS.get(type(module))
 
 
+def _reads_first(model: nn.Module, post_ln: bool) -> bool:
+    """Whether a classifier of ``model``'s family reads its first token (CLS): an encoder's does, as the families
+    transformers builds a masked LM of (ModernBERT, with a final norm), a decoder's reads its last; for a model_type
+    transformers does not know, a post-LN encoder's (``post_ln``: no final norm found) does."""
+    from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+                                                        MODEL_FOR_MASKED_LM_MAPPING_NAMES)
+
+    model_type = model.config.model_type
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES or model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        return model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    return post_ln
+
+
 def _template(model: nn.Module, kind: HeadKind) -> str:
     """The registration of ``model``'s layout as its modules tell it, for the refusal to print: its blocks, its final
-    norm (none in a post-LN encoder, whose classifier then reads the first token), then the modules with weights and
-    the activations registered after the blocks (BERT's pooler dense and tanh, then its classifier), a placeholder
-    for what is not found. A function its forward applies with no module (MPNet's tanh), or modules registered in
-    another order than they run, are not seen: the entry is checked against the model's own logits at attach."""
+    norm (none in a post-LN encoder), the first token for an encoder's classifier (:func:`_reads_first`), then the
+    modules with weights and the activations registered after the blocks (BERT's pooler dense and tanh, then its
+    classifier), a placeholder for what is not found. A function its forward applies with no module (MPNet's tanh),
+    or modules registered in another order than they run, are not seen: the entry is checked against the model's own
+    logits at attach."""
     blocks = _block_path(model)
     norm = final_norm(model, blocks)
     steps, readout = [norm[0]] if norm is not None else [], False
@@ -243,7 +257,7 @@ def _template(model: nn.Module, kind: HeadKind) -> str:
             readout = True
     if not readout:
         steps.append("<head path>")
-    pooling = ", pooling='first'" if kind.pooled and norm is None else ""
+    pooling = ", pooling='first'" if kind.pooled and _reads_first(model, norm is None) else ""
     blocks = blocks or "<path to the ModuleList of blocks>"
     return (f"nxl.register_architecture({model.config.model_type!r}, blocks={blocks!r}{pooling}, "
             f"heads={{{kind.spec_head!r}: {steps!r}}})")

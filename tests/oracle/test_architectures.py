@@ -552,6 +552,26 @@ def test_an_unregistered_post_ln_encoder_is_told_a_registration_that_works(priva
     assert _check_against_oracle(case, model).meta["spec"] == "nxl_bertlike"
 
 
+@pytest.mark.parametrize(("config", "model_cls", "decoder"), [
+    (_cfg(tf.ModernBertConfig, **_ENC), tf.ModernBertForSequenceClassification, False),
+    (_cfg(tf.ModernBertDecoderConfig, **_ENC), tf.ModernBertDecoderForSequenceClassification, True),
+], ids=["modernbert-cls", "modernbert_decoder-cls"])
+def test_a_classifiers_printed_registration_reads_the_token_its_family_reads(private_registry, config, model_cls,
+                                                                             decoder):
+    """The registration printed for a classifier said pooling='first' by whether a final norm was found (a post-LN
+    encoder has none): wrong both ways for ModernBERT's encoder, which has one (its final_norm, found now) and reads
+    CLS, and its decoder, which has one and reads its last token. Pasted as printed, each gives the oracle's
+    numbers: an encoder family (one transformers builds a masked LM of) reads the first token."""
+    case = Case(config, model_cls, oracle.modernbert_classifier, decoder=decoder)
+    model = case.build()
+    with pytest.raises(nxl.UnknownArchitectureError, match="generic discovery found no") as err:
+        nxl.attach(model)
+    call = re.search(r"nxl\.register_architecture\(.*?\]\}\)", str(err.value)).group(0)
+    assert ("pooling='first'" in call) is not decoder, call
+    eval(call, {"nxl": nxl})  # pasted as printed
+    assert _check_against_oracle(case, model).meta["spec"] == model.config.model_type
+
+
 def test_register_file(private_registry, tmp_path):
     path = tmp_path / "mpnet.toml"
     path.write_text(
