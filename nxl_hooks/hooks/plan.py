@@ -29,7 +29,7 @@ from ..method.protocol import Checked, Given, Method, TargetChecked
 from ..method.registry import resolve_methods
 from ..method.subject import Subject, compiled_original
 from ..records.sinks import sink_factory
-from ..records.tokens import continuation, readable_ids, record_text, separator
+from ..records.tokens import clean_up_spaces, continuation, readable_ids, record_text, separator
 from ..method.select import (
     EMBEDDINGS,
     VIRTUAL_ID,
@@ -174,11 +174,12 @@ class Plan:
         return special_ids(self.tokenizer) if self.tokenizer is not None else None
 
     @property
-    def joining(self) -> tuple[str, str, bool]:
-        """How the tokenizer's decode joins token texts: what it puts between them, a WordPiece continuation prefix
-        and whether its decoder cleans up (:func:`~.records.tokens.separator`, :func:`~.records.tokens.continuation`).
-        """
-        return (separator(self.tokenizer), *continuation(self.tokenizer))
+    def joining(self) -> tuple[str, str, bool, bool]:
+        """How the tokenizer's decode joins token texts: what it puts between them, a WordPiece continuation prefix,
+        whether its decoder cleans up each token and whether its decode cleans up the text
+        (:func:`~.records.tokens.separator`, :func:`~.records.tokens.continuation`,
+        :func:`~.records.tokens.clean_up_spaces`)."""
+        return (separator(self.tokenizer), *continuation(self.tokenizer), clean_up_spaces(self.tokenizer))
 
     @property
     def generates(self) -> bool:

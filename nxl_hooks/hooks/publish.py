@@ -376,14 +376,16 @@ class Hub:
 
     def prompt(self, call: GenerationCall, ids: torch.Tensor | None, mask: torch.Tensor, *,
                readable: list[list[str]] | None, template: torch.Tensor | None, special_ids: list[int] | None,
-               target_texts: dict[int, str] | None = None, joining: tuple[str, str, bool] = ("", "", False)) -> None:
+               target_texts: dict[int, str] | None = None,
+               joining: tuple[str, str, bool, bool] = ("", "", False, False)) -> None:
         """``call``'s prompt ran recorded: its ids, mask, token texts, template positions, special ids, fixed
-        targets' texts and how its tokenizer joins tokens (``joining``: separator, continuation, cleanup), set in one
+        targets' texts and how its tokenizer joins tokens (``joining``: :meth:`~.plan.Plan.joining`), set in one
         place, the mask last: a detach meanwhile writes the call frame with all of them or, the mask still None,
         with none (:func:`~nxl_hooks.records.writer.encode_call`)."""
         with self._lock:
             call.readable, call.prompt_template, call.special_ids = readable, template, special_ids
-            call.target_texts, (call.separator, call.continuation, call.cleanup) = target_texts, joining
+            call.target_texts = target_texts
+            call.separator, call.continuation, call.cleanup, call.clean_up_spaces = joining
             call.prompt_ids = ids
             call.prompt_mask = mask
         self._submit(_CallItem(call))

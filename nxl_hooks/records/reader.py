@@ -333,6 +333,7 @@ def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, to
                                       separator=_text(header, "separator") or "",
                                       continuation=_text(header, "continuation") or "",
                                       cleanup=_field(header, "cleanup", (bool,), optional=True) is True,
+                                      clean_up_spaces=_field(header, "clean_up_spaces", (bool,), optional=True) is True,
                                       started=_field(header, "started", (float, int), optional=True))
         return False
     if index not in calls and rotated:

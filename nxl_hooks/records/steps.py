@@ -293,6 +293,9 @@ class GenerationCall:
     #: any other tokenizer (also in older files)
     continuation: str = ""
     cleanup: bool = False
+    #: whether its tokenizer's decode cleans up the spaces before punctuation in the joined text
+    #: (:func:`~.tokens.clean_up_spaces`); False in older files
+    clean_up_spaces: bool = False
     #: when the call started and ended (returned, or stopped being recorded), in seconds since the epoch; both
     #: None in older files, ``ended`` None while it runs
     started: float | None = field(default_factory=_time.time)
@@ -316,14 +319,14 @@ class GenerationCall:
     @property
     def texts(self) -> list[str] | None:
         """The generated text of each row: its steps' tokens joined as its tokenizer's decode joins them
-        (:attr:`separator`, :attr:`continuation`; a row's padding after its end left out); None without readable
-        texts (no tokenizer).
+        (:attr:`separator`, :attr:`continuation`, :attr:`clean_up_spaces`; a row's padding after its end left out);
+        None without readable texts (no tokenizer).
         ``call.texts[1]``"""
         if not self.steps or any(step.readable is None for step in self.steps):
             return None
         rows = range(len(self.steps[0].readable))
         return [plain_text([step.readable[row] for step in self.made(row)], self.separator, self.continuation,
-                           self.cleanup) for row in rows]
+                           self.cleanup, self.clean_up_spaces) for row in rows]
 
     def made(self, row: int) -> list[Step]:
         """The steps that made a token of ``row``: a row that ended (its end token) before the batch did is padded by

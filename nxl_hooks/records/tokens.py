@@ -51,9 +51,8 @@ from ..method.chat import chat_prompt
 from ..method.select import ResolvedTarget
 
 __all__ = ["EMPTY", "describe_target", "NEWLINE", "SPACE", "TAB", "chat_text", "is_readable", "label_text",
-           "continuation", "plain_text", "printable", "readable", "readable_ids", "record_text", "separator",
-           "target_texts",
-           "unseen", "untexted", "visible", "whole_characters"]
+           "clean_up_spaces", "continuation", "plain_text", "printable", "readable", "readable_ids", "record_text",
+           "separator", "target_texts", "unseen", "untexted", "visible", "whole_characters"]
 
 SPACE = "␣"
 NEWLINE = "↵"
@@ -154,27 +153,37 @@ def _raw(name: str) -> bytes:
 #: What a WordPiece decoder's cleanup rewrites in each token's text, in its order (tokenizers' ``wordpiece.rs``)
 _CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
             (" do not", " don't"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+#: What transformers' ``clean_up_tokenization`` rewrites in a decoded text, in its order: the same but "do not"
+_CLEAN_UP_SPACES = tuple(pair for pair in _CLEANUP if pair[0] != " do not")
 
 
-def plain_text(names: Sequence[str], separator: str = "", continuation: str = "", cleanup: bool = False) -> str:
+def _rewritten(text: str, table: Sequence[tuple[str, str]]) -> str:
+    """``text`` with each (dirty, clean) pair of ``table`` replaced in turn."""
+    for dirty, clean in table:
+        text = text.replace(dirty, clean)
+    return text
+
+
+def plain_text(names: Sequence[str], separator: str = "", continuation: str = "", cleanup: bool = False,
+               clean_up_spaces: bool = False) -> str:
     """The text that readable token texts stand for, joined (a byte-level emoji's pieces make the emoji again; bytes
     that never complete a character read ``�``), with ``separator`` between tokens (:func:`separator`).
     ``plain_text(["Hello", "␣world", "↵"]) == "Hello world\\n"``. With a WordPiece ``continuation`` prefix
     (:func:`continuation`) they are joined as its decoder joins them: a token after the first that starts with it
     loses it and joins the one before, any other takes ``separator`` first; ``cleanup``: each token's text then
     rewritten as the decoder's cleanup does (``" ."`` to ``"."``). ``plain_text(["the", "##ing", "."], " ", "##",
-    True) == "theing."``"""
+    True) == "theing."``. ``clean_up_spaces``: the joined text then rewritten as transformers' decode does where the
+    tokenizer's ``clean_up_tokenization_spaces`` is set (:func:`clean_up_spaces`: ``"it ' s"`` to ``"it's"``)."""
     if not continuation:
-        return separator.encode("utf-8").join(_raw(name) for name in names).decode("utf-8", "replace")
+        text = separator.encode("utf-8").join(_raw(name) for name in names).decode("utf-8", "replace")
+        return _rewritten(text, _CLEAN_UP_SPACES if clean_up_spaces else ())
     out = []
     for index, name in enumerate(names):
         text = _raw(name).decode("utf-8", "replace")
         if index:
             text = text[len(continuation):] if text.startswith(continuation) else separator + text
-        for dirty, clean in _CLEANUP if cleanup else ():
-            text = text.replace(dirty, clean)
-        out.append(text)
-    return "".join(out)
+        out.append(_rewritten(text, _CLEANUP if cleanup else ()))
+    return _rewritten("".join(out), _CLEAN_UP_SPACES if clean_up_spaces else ())
 
 
 def _wordpiece(tokenizer: Any) -> Any:
@@ -190,6 +199,20 @@ def separator(tokenizer: Any) -> str:
     decoder's own pieces carry their spaces, which the readable texts keep)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     return " " if backend is not None and (backend.decoder is None or _wordpiece(tokenizer) is not None) else ""
+
+
+#: transformers' own switch (5.x) that cleans up a BPE tokenizer's text too, which it otherwise leaves as it is
+_FORCED_FOR_BPE = "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output"
+
+
+def clean_up_spaces(tokenizer: Any) -> bool:
+    """Whether the tokenizer's decode cleans up the spaces before punctuation and contractions of the text it joined:
+    its ``clean_up_tokenization_spaces`` (which a tokenizer saved by transformers 4 often sets), but not for a BPE
+    model where transformers skips it (5.x, unless forced)."""
+    if getattr(tokenizer, "clean_up_tokenization_spaces", False) is not True:
+        return False
+    model = type(getattr(getattr(tokenizer, "backend_tokenizer", None), "model", None)).__name__
+    return not (model == "BPE" and hasattr(tokenizer, _FORCED_FOR_BPE) and not getattr(tokenizer, _FORCED_FOR_BPE))
 
 
 def continuation(tokenizer: Any) -> tuple[str, bool]:

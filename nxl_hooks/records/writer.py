@@ -14,7 +14,8 @@ true on a call's first step kept where a rotating sink deleted the steps before 
 ``seq``, no ``file`` frame) still read, with the reader's step checks. A ``call`` frame also carries
 ``model``, ``started``, ``special_ids``, ``target_texts`` (each fixed target id's text, keyed by the id as a
 string), ``separator`` (only where its tokenizer's decode puts one between tokens), ``continuation`` and
-``cleanup`` (only for a WordPiece tokenizer: its prefix, and whether its decoder cleans up), a ``step`` frame its
+``cleanup`` (only for a WordPiece tokenizer: its prefix, and whether its decoder cleans up), ``clean_up_spaces``
+(only where its decode cleans up the joined text), a ``step`` frame its
 ``time`` and an ``end`` frame ``ended``: optional entries of format 2, which older readers skip; records read
 from older files without them have None there (``tests/data/stream-v2.nxl`` is such a file). A ``step`` frame
 holds the scores of NormXLogit and LogAt as the tensors ``normxlogit`` and ``logat``, and those of any other
@@ -101,7 +102,8 @@ def encode_call(call: GenerationCall, meta: dict, *, seq: int | None = None) -> 
                              "target_texts": call.target_texts if prompted else None,
                              **({"separator": call.separator} if call.separator else {}),
                              **({"continuation": call.continuation} if call.continuation else {}),
-                             **({"cleanup": True} if call.cleanup else {})}, seq)
+                             **({"cleanup": True} if call.cleanup else {}),
+                             **({"clean_up_spaces": True} if call.clean_up_spaces else {})}, seq)
 
 
 def encode_step(step: Step, *, seq: int | None = None, first_kept: bool = False) -> bytes:
