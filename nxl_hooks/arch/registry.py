@@ -16,7 +16,7 @@ import os
 import sys
 import threading
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Iterable, Mapping, Sequence
 
 from torch import nn
 
@@ -312,9 +312,10 @@ def _from_plugin(model_type: str) -> ArchSpec | None:
         if isinstance(found, (str, os.PathLike)):
             register_file(found)
         elif found is not None:
-            specs = [found] if isinstance(found, ArchSpec) else list(found)
+            # anything else it gave (a number, a dict) is named as it gave it, not as an error iterating it
+            specs = [found] if isinstance(found, ArchSpec) else list(found) if isinstance(found, Iterable) else [found]
             if not all(isinstance(spec, ArchSpec) for spec in specs):
-                raise TypeError(f"it gave {specs!r:.80}; expected ArchSpecs, a TOML file's path, or None (after "
+                raise TypeError(f"it gave {found!r:.80}; expected ArchSpecs, a TOML file's path, or None (after "
                                 "calling nxl.register_architecture)")
             for spec in specs:
                 _add(spec)

@@ -387,3 +387,20 @@ def test_an_architecture_plugin_adds_only_new_model_types_and_is_named_in_its_en
     assert sum("also gave entries for 'llama'" in line for line in lines) == 2, lines  # one per plugin
     (line,) = [line for line in lines if "plugin 'nxl_other'" in line and "failed" in line]
     assert "no entry for model_type 'nxl_other' (only for 'llama')" in line and "\n" not in line
+
+
+def test_an_architecture_plugin_giving_neither_specs_nor_a_path_says_what_it_gave_in_one_line(site, caplog):
+    """A function that returned a number was said as "TypeError: 'int' object is not iterable", which names
+    neither what it gave nor what it should give."""
+    _distribution(site, "nxl_odd_plugin", "def number():\n    return 42\n",
+                  "[nxl_hooks.architectures]\nnxl_toy = nxl_odd_plugin:number\n")
+    model = _toy_model()
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+        probe = nxl.attach(model, layers="all")  # the plugin is asked here, left out, and the model attached
+    sys.modules.pop("nxl_odd_plugin", None)
+    with probe:
+        out = _generate(model)
+    assert torch.equal(out, _generate(model)) and probe.describe()["spec"] == "discovered:nxl_toy"
+    check_call(model, probe.calls[0], 3)
+    (line,) = [record.getMessage() for record in caplog.records if "plugin 'nxl_toy'" in record.getMessage()]
+    assert "(TypeError: it gave 42; expected ArchSpecs, a TOML file's path, or None" in line and "\n" not in line
