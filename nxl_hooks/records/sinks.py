@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import os
 import re
 import threading
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from ..arch import plugins
-from ..arch.text import install_command, typed
+from ..arch.text import install_command, one_line, typed
 from .steps import GenerationCall, Step
 
 __all__ = ["DECLARED", "ENTRY_POINT_GROUP", "BatchingSink", "FaultingSink", "LosingSink", "RecordSink", "builtin_kinds",
@@ -238,6 +239,7 @@ def make_sink(spec: Any, **options: Any) -> RecordSink:
             raise ValueError(f"sink options {sorted(options)} given with a sink object: set them where it is made")
         return spec
     factory, arg = found
+    _check_callable(spec, factory, arg, options)
     try:
         sink = factory(arg, **options)
     except Exception:
@@ -246,8 +248,31 @@ def make_sink(spec: Any, **options: Any) -> RecordSink:
         said = typed(plugins.contained(error), aside=True)
         raise ValueError(f"sink {spec!r}: its factory raised {said} instead of returning a "
                          "sink: fix or uninstall the package of that sink kind, or give another sink") from error
-    if not isinstance(sink, RecordSink):
-        raise ValueError(f"sink {spec!r}: its factory returned {type(sink).__name__}, which lacks write_call, "
-                         "write_step, write_end or close")
+    lacks = [method for method in _METHODS if not callable(getattr(sink, method, None))]
+    if lacks:
+        raise ValueError(f"sink {spec!r}: its factory returned {type(sink).__name__}, which lacks "
+                         f"{', '.join(lacks)}: a sink has {', '.join(_METHODS[:-1])} and close (nxl.RecordSink); "
+                         "fix the package of that sink kind, or give another sink")
     return sink
+
+
+#: What a probe calls on every sink (:class:`RecordSink`).
+_METHODS = ("write_call", "write_step", "write_end", "close")
+
+
+def _check_callable(spec: Any, factory: Factory, arg: str, options: dict[str, Any]) -> None:
+    """A ValueError naming the sink when ``factory`` cannot be called as ``factory(ARG, **options)`` (a plugin's
+    factory written with another signature): its TypeError, raised as it was called, would name neither the sink
+    nor what a factory takes. A factory whose signature cannot be read is called as it is."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to check
+        return
+    try:
+        signature.bind(arg, **options)
+    except TypeError as error:
+        name = getattr(factory, "__qualname__", type(factory).__name__)
+        raise ValueError(f"sink {spec!r}: its factory {name} cannot be called as factory(ARG, **options) "
+                         f"({one_line(error)}): a sink kind's factory takes the text after 'KIND:' and the options; "
+                         "fix the package of that sink kind, or give another sink") from None
 

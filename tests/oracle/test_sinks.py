@@ -294,6 +294,47 @@ def test_a_sink_factory_that_exits_is_refused_in_one_line_and_the_host_goes_on(c
     assert nxl.detach_all(model) == 0
 
 
+class _Partial:
+    """A sink written with two of its four methods."""
+
+    def __init__(self, arg, **options):
+        self.arg = arg
+
+    def write_call(self, call, meta):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_sink_factory_of_another_signature_or_a_sink_lacking_methods_is_refused_naming_what_to_fix(chat):
+    """A factory that takes no ARG raised its own ``TypeError: no_arg() takes 0 positional arguments but 1 was
+    given``, naming neither the sink nor what a factory takes; a sink lacking two methods was said to lack
+    "write_call, write_step, write_end or close"."""
+    _, model, _ = chat
+    plain = model.generate(input_ids=torch.tensor([[5, 9, 12]]), max_new_tokens=2, do_sample=False)
+
+    def no_arg():
+        return _Partial("x")
+
+    nxl.register_sink("noargsink", no_arg)
+    nxl.register_sink("partialsink", _Partial)
+    with pytest.raises(ValueError) as no_arg_refused:
+        nxl.attach(model, sink="noargsink:x")
+    with pytest.raises(ValueError) as partial_refused:
+        nxl.attach(model, sink="partialsink:x")
+    assert nxl.detach_all(model) == 0
+    assert torch.equal(model.generate(input_ids=torch.tensor([[5, 9, 12]]), max_new_tokens=2, do_sample=False), plain)
+    told = str(no_arg_refused.value)
+    assert told.startswith("sink 'noargsink:x': its factory test_a_sink_factory_of_another_signature_or_a_sink_"
+                           "lacking_methods_is_refused_naming_what_to_fix.<locals>.no_arg cannot be called as "
+                           "factory(ARG, **options) (too many positional arguments)") and "\n" not in told
+    assert str(partial_refused.value) == (
+        "sink 'partialsink:x': its factory returned _Partial, which lacks write_step, write_end: a sink has "
+        "write_call, write_step, write_end and close (nxl.RecordSink); fix the package of that sink kind, or give "
+        "another sink")
+
+
 class _UnprintableExit(SystemExit):
     """A factory's exit whose message cannot be made: its ``__str__`` raises."""
 
