@@ -134,3 +134,10 @@ def test_docs_layout_lists_every_module_once_and_nothing_else():
     assert not twice, f"listed twice in docs/layout.md: {twice}"
     assert not actual - set(listed), f"modules missing from docs/layout.md: {sorted(actual - set(listed))}"
     assert not set(listed) - actual, f"docs/layout.md lists what the package lacks: {sorted(set(listed) - actual)}"
+
+
+@pytest.mark.parametrize("page", ["adding-an-architecture.md", "engines.md", "methods.md", "records-and-sinks.md"])
+def test_each_page_on_shipping_a_new_module_names_its_line_in_the_layout(page):
+    """A contributor adding a built-in engine or sink kind "in one file", as engines.md and records-and-sinks.md
+    said, met the layout test above failing on the new module, with no word of it on the page."""
+    assert "[the layout](layout.md)" in (PACKAGE.parent / "docs" / page).read_text()
