@@ -16,12 +16,14 @@ listed; :func:`load_plugin` is what the loader calls for each. A broken one is l
 from __future__ import annotations
 
 import importlib
+import inspect
 import pkgutil
 import threading
 from collections import abc
 from typing import Any, Iterable
 
 from ..arch import plugins
+from ..arch.text import one_line
 from . import methods as _builtin_package
 from .protocol import Method, check_name
 
@@ -50,13 +52,30 @@ _BUILTIN: tuple[str, ...] = ()  # their names, DEFAULT first
 
 def _instance(method: Any) -> Method:
     method = method() if isinstance(method, type) else method
-    if not isinstance(method, Method):
-        raise TypeError(f"{method!r} is not an attribution method: it needs a name, a description and "
-                        "score(given) -> tensor (nxl_hooks.method.protocol.Method)")
+    what = type(method).__qualname__
+    if not isinstance(method, Method) or not callable(method.score):
+        lacks = ", ".join(member for member in ("name", "description", "score") if not hasattr(method, member))
+        raise TypeError(f"{what} is not an attribution method: it lacks {lacks or 'a callable score'}; a method has "
+                        "a name, a description and score(given) -> tensor (nxl_hooks.method.protocol.Method)")
+    _check_score(method, what)
     name = check_name(method.name)
     if name in RESERVED:
         raise ValueError(f"method name {name!r} is taken by a record field or Parquet column: choose another")
     return method
+
+
+def _check_score(method: Method, what: str) -> None:
+    """A TypeError now, naming the method, when its ``score`` cannot be called as ``score(given)``: else every
+    forward it scores would go unrecorded for the same mistake. One whose signature cannot be read is taken."""
+    try:
+        signature = inspect.signature(method.score)
+    except (TypeError, ValueError):  # a builtin or C callable: no signature to check
+        return
+    try:
+        signature.bind(None)
+    except TypeError as error:
+        raise TypeError(f"{what} is not an attribution method: its score cannot be called as score(given) "
+                        f"({one_line(error)}); define it as def score(self, given) -> tensor") from None
 
 
 def register_method(method: Any = None, *, replace: bool = False) -> Any:

@@ -154,6 +154,48 @@ def test_a_method_that_changes_its_given_tensors_in_place_is_refused_in_one_line
     assert probe.calls[0].steps == [] and "'test_clamps' changed given.logat in place" in probe.calls[0].error
 
 
+class NoGiven:
+    """A method whose ``score`` takes no ``given``."""
+
+    name = "test_no_given"
+    description = "score written without its argument"
+
+    def score(self):
+        return None
+
+
+class NoDescription:
+    """A method written without a description."""
+
+    name = "test_no_description"
+
+    def score(self, given):
+        return given.logat
+
+
+def test_a_method_lacking_a_member_or_whose_score_takes_no_given_is_refused_when_registered_naming_what(lm):
+    """A ``score(self)`` was registered and attached, then every forward went unrecorded for it; a method without a
+    description was "<tests.NoDescription object at 0x...> is not an attribution method: it needs a name, a
+    description and score(given)", naming no member it lacks."""
+    model, _ = lm
+    ids = torch.tensor([[5, 9, 12, 7]])
+    logits, _ = _lm_oracle(model, ids)
+    with pytest.raises(TypeError) as no_given:
+        nxl.register_method(NoGiven)
+    with pytest.raises(TypeError) as no_description:
+        nxl.register_method(NoDescription)
+    with pytest.raises(TypeError, match="^NoGiven is not an attribution method: its score cannot be called"):
+        nxl.attach(model, methods=[NoGiven()])
+    assert "test_no_given" not in nxl.method_names() and nxl.detach_all(model) == 0
+    assert str(no_given.value) == ("NoGiven is not an attribution method: its score cannot be called as score(given) "
+                                   "(too many positional arguments); define it as def score(self, given) -> tensor")
+    assert str(no_description.value).startswith("NoDescription is not an attribution method: it lacks description;")
+    with torch.no_grad(), nxl.attach(model, layers="all") as probe:  # the refusals left nothing behind
+        model(input_ids=ids)
+    res = probe.result()
+    torch.testing.assert_close(res.logat[:, 0], logits[:, 0, :, logits[-1, 0, -1].argmax()], atol=1e-5, rtol=1e-4)
+
+
 class LogitGap(Method):
     """docs/methods.md's example of a method that is not pointwise: LogAt minus the mean over the row's real tokens."""
 
