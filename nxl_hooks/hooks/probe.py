@@ -412,7 +412,7 @@ def attach(
             engine.install(gens)
         except BaseException as error:  # noqa: BLE001 - a broken engine (SystemExit too) never breaks attach
             engine.unfollowed = (f"engine {engine.name!r} failed to install "
-                                 f"({reason(engine.name, plugins.contained(error))})")
+                                 f"({reason(f'engine {engine.name!r}', plugins.contained(error))})")
     return probe
 
 

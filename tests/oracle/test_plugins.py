@@ -404,3 +404,41 @@ def test_an_architecture_plugin_giving_neither_specs_nor_a_path_says_what_it_gav
     check_call(model, probe.calls[0], 3)
     (line,) = [record.getMessage() for record in caplog.records if "plugin 'nxl_toy'" in record.getMessage()]
     assert "(TypeError: it gave 42; expected ArchSpecs, a TOML file's path, or None" in line and "\n" not in line
+
+
+#: Engine plugins written wrong: one lacking ``stray``, one whose factory takes an argument.
+WRONG_ENGINES = textwrap.dedent('''
+    class NoStray:
+        name, unfollowed = "nostray", None
+        claims = install = uninstall = staticmethod(lambda *given: True)
+
+
+    def needs_argument(settings):
+        return NoStray()
+''')
+
+
+def test_an_engine_plugin_that_cannot_be_made_is_its_plugin_line_once_per_process(site, caplog):
+    """Each attach logged "engine 'nostray' not recorded (TypeError: ... lacks one of name, unfollowed, claims,
+    install, uninstall or stray ...)" again, naming neither the plugin nor the member it lacks, where plugins.md
+    promises the plugin's line, once per process."""
+    _distribution(site, "nxl_wrong_engines", WRONG_ENGINES,
+                  "[nxl_hooks.engines]\nnostray = nxl_wrong_engines:NoStray\n"
+                  "needs = nxl_wrong_engines:needs_argument\n")
+    model = _toy_model()
+    plain = _generate(model)
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+        for _ in range(2):
+            with nxl.attach(model, layers="all") as probe:
+                out = _generate(model)
+            assert torch.equal(out, plain)
+            check_call(model, probe.calls[0], 3)
+    sys.modules.pop("nxl_wrong_engines", None)
+    lines = [record.getMessage() for record in caplog.records if record.name == "nxl_hooks"]
+    assert lines == [
+        "nxl_hooks: plugin 'nostray' (nxl_hooks.engines) failed to load (TypeError: it made 'NoStray', which lacks "
+        "stray (an Engine has name, unfollowed, claims, install, uninstall, stray)); left out: fix or uninstall its "
+        "package, or leave it out of NXL_PLUGINS",
+        "nxl_hooks: plugin 'needs' (nxl_hooks.engines) failed to load (TypeError: needs_argument() missing 1 "
+        "required positional argument: 'settings'); left out: fix or uninstall its package, or leave it out of "
+        "NXL_PLUGINS"]

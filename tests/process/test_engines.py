@@ -260,7 +260,7 @@ def test_an_engine_lacking_part_of_the_protocol_is_left_out_with_one_line(toy, m
             model(input_ids=torch.tensor([[5, 6, 7]]))
     assert probe.result().normxlogit.shape == (1, 1, 3) and nxl.detach_all(model) == 0
     (line,) = [r.getMessage() for r in caplog.records if r.name == "nxl_hooks"]
-    assert "engine 'nameless'" in line and "'_Nameless', which lacks one of name" in line
+    assert "engine 'nameless'" in line and "'_Nameless', which lacks name (an Engine has name, unfollowed" in line
 
 
 def test_nxl_run_finds_an_engine_through_its_entry_point(tmp_path):

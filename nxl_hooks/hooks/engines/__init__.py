@@ -123,11 +123,23 @@ def engines_for(model: nn.Module) -> list[Engine]:
     for name, factory in named.items():
         try:
             engine = factory()
-            if not isinstance(engine, Engine):  # else what it lacks is an AttributeError where attach reports it
-                raise TypeError(f"it made {type(engine).__name__!r}, which lacks one of name, unfollowed, claims, "
-                                "install, uninstall or stray (the Engine protocol)")
+            lacks = [member for member in _MEMBERS if not hasattr(engine, member)]
+            if lacks:  # else what it lacks is an AttributeError where attach reports it
+                raise TypeError(f"it made {type(engine).__name__!r}, which lacks {', '.join(lacks)} (an Engine has "
+                                f"{', '.join(_MEMBERS)})")
+        except BaseException as error:  # noqa: BLE001 - a broken engine (SystemExit too) never breaks attach
+            if installed.get(name) is factory:  # a plugin: its loader's line, once per process, and left out since
+                plugins.broken(GROUP, name, plugins.contained(error))
+            else:
+                reason(f"engine {name!r}", plugins.contained(error))
+            continue
+        try:
             if engine.claims(model):
                 chosen.append(engine)
-        except BaseException as error:  # noqa: BLE001 - a broken engine (SystemExit too) never breaks attach
+        except BaseException as error:  # noqa: BLE001 - an engine that cannot answer for this model follows none
             reason(f"engine {name!r}", plugins.contained(error))
     return chosen
+
+
+#: What :func:`engines_for` finds on every engine (the :class:`Engine` protocol).
+_MEMBERS = ("name", "unfollowed", "claims", "install", "uninstall", "stray")
