@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from ..arch.registry import ArchSpec, HeadKind, blocks, get_path, layer_modules, resolve
+from ..arch.registry import (ArchSpec, HeadKind, UnknownArchitectureError, blocks, get_path, head_kind,
+                             layer_modules, resolve)
 from .head import Head
 from .verify import check_numbers
 
@@ -90,6 +91,15 @@ class Subject:
         if isinstance(model, Subject):
             return model
         inner = unwrap(model)
+        head_kind(inner)  # what is no task model at all is refused as such first
+        # a torch module of one's own named like a task model: what a probe reads of every model would otherwise be
+        # an AttributeError deep inside attach
+        lacks = [member for member in ("get_input_embeddings", "base_model") if not hasattr(inner, member)]
+        if lacks:
+            raise UnknownArchitectureError(
+                f"{type(inner).__name__} lacks {' and '.join(lacks)}, which every transformers model has: nxl_hooks "
+                "explains transformers models; subclass transformers.PreTrainedModel (its base_model_prefix naming "
+                "the backbone, get_input_embeddings returning the word embedding)")
         spec, kind = resolve(inner)
         head = Head(inner, spec, kind)
         block_list = blocks(inner, spec)

@@ -232,12 +232,30 @@ MODELS = cases(
     # XLMWithLMHeadModel reads as a causal LM by its name but is a masked LM unless config.causal: registering
     # what the message asks must explain its [MASK] tokens, not its last position
     ("a bidirectional XLM", "XLM", r"'xlm' \(XLMWithLMHeadModel\) is not supported: .* heads=\{'masked_lm': "),
+    # a torch module of one's own named like a task model: attach raised AttributeError: 'PlainForCausalLM' object
+    # has no attribute 'get_input_embeddings', from deep inside it
+    ("a torch module that is no transformers model", "PLAIN", r"^PlainForCausalLM lacks get_input_embeddings and "
+     r"base_model, which every transformers model has: .* subclass transformers.PreTrainedModel"),
 )
+
+
+class PlainForCausalLM(torch.nn.Module):
+    """A decoder of one's own, with a config and a head, that is no transformers model."""
+
+    def __init__(self):
+        import transformers as tf
+        super().__init__()
+        self.config = tf.LlamaConfig(vocab_size=16, hidden_size=8, num_hidden_layers=1, num_attention_heads=2)
+        self.model = torch.nn.Module()
+        self.model.layers = torch.nn.ModuleList([torch.nn.Linear(8, 8)])
+        self.lm_head = torch.nn.Linear(8, 16)
 
 
 def _unexplained(name: str) -> torch.nn.Module:
     """A tiny model of a class nxl_hooks does not explain."""
     import transformers as tf
+    if name == "PLAIN":
+        return PlainForCausalLM()
     if name == "XLM":
         return tf.XLMWithLMHeadModel(tf.XLMConfig(vocab_size=16, emb_dim=8, n_layers=1, n_heads=2))
     if name == "BART":
@@ -258,7 +276,7 @@ def _unexplained(name: str) -> torch.nn.Module:
 
 @pytest.mark.parametrize("model, message", MODELS)
 def test_models_without_a_head(lm, model, message):
-    other = _unexplained(model) if model in ("VLM", "T5", "BART", "XLM") else None
+    other = _unexplained(model) if model in ("VLM", "T5", "BART", "XLM", "PLAIN") else None
     with pytest.raises(nxl.UnknownArchitectureError, match=message):
         nxl.attach(lm.model if isinstance(model, str) and model == "BASE" else other or model)
     assert _hooks(lm) == 0 and (other is None or _hooks(other) == 0)
