@@ -30,7 +30,7 @@ from ..arch.text import install_command, one_line, typed
 from .steps import GenerationCall, Step
 
 __all__ = ["DECLARED", "ENTRY_POINT_GROUP", "BatchingSink", "FaultingSink", "LosingSink", "RecordSink", "builtin_kinds",
-           "file_arg", "kind_name", "make_sink", "register_sink", "requirement", "sink_factory"]
+           "check_factory", "file_arg", "kind_name", "make_sink", "register_sink", "requirement", "sink_factory"]
 
 #: The entry-point group through which installed distributions register sink kinds.
 ENTRY_POINT_GROUP = plugins.SINKS
@@ -239,7 +239,7 @@ def make_sink(spec: Any, **options: Any) -> RecordSink:
             raise ValueError(f"sink options {sorted(options)} given with a sink object: set them where it is made")
         return spec
     factory, arg = found
-    _check_callable(spec, factory, arg, options)
+    check_factory(spec, factory, arg, options)
     try:
         sink = factory(arg, **options)
     except Exception:
@@ -260,7 +260,7 @@ def make_sink(spec: Any, **options: Any) -> RecordSink:
 _METHODS = ("write_call", "write_step", "write_end", "close")
 
 
-def _check_callable(spec: Any, factory: Factory, arg: str, options: dict[str, Any]) -> None:
+def check_factory(spec: Any, factory: Factory, arg: str, options: dict[str, Any]) -> None:
     """A ValueError naming the sink when ``factory`` cannot be called as ``factory(ARG, **options)`` (a plugin's
     factory written with another signature): its TypeError, raised as it was called, would name neither the sink
     nor what a factory takes. A factory whose signature cannot be read is called as it is."""

@@ -442,3 +442,14 @@ def test_an_engine_plugin_that_cannot_be_made_is_its_plugin_line_once_per_proces
         "nxl_hooks: plugin 'needs' (nxl_hooks.engines) failed to load (TypeError: needs_argument() missing 1 "
         "required positional argument: 'settings'); left out: fix or uninstall its package, or leave it out of "
         "NXL_PLUGINS"]
+
+
+def test_nxl_run_refuses_a_sink_plugin_whose_factory_takes_no_arg_in_one_line(site):
+    """The program started, and each model it loaded ran unrecorded, said only in the program's log."""
+    _distribution(site, "nxl_noarg_sink", "def no_arg():\n    raise AssertionError('never called')\n",
+                  "[nxl_hooks.sinks]\nnoarg = nxl_noarg_sink:no_arg\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(site), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-m", "nxl_hooks", "run", "--sink", "noarg:x", "--", "true"],
+                          capture_output=True, text=True, timeout=120, env=env)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "sink 'noarg:x': its factory no_arg cannot be called as factory(ARG, **options)" in done.stderr

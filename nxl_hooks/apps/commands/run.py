@@ -60,14 +60,17 @@ def sink_kind(value: str | None, python: str | None = None, *, target: bool = Fa
         return None
     import sys
 
-    from ...records.sinks import builtin_kinds, file_arg, kind_name, requirement, sink_factory  # (torch: NAME:ARG)
+    from ...records.sinks import (builtin_kinds, check_factory, file_arg, kind_name, requirement,  # (torch: NAME:ARG)
+                                  sink_factory)
 
     name = kind_name(value, here=not target)
     if name is None:
         return None
     here = python is not None and os.path.abspath(python) == os.path.abspath(sys.executable)
     if not target or name in builtin_kinds():
-        sink_factory(value, here=here)  # the kind's own up-front check: an ImportError naming its extra
+        found = sink_factory(value, here=here)  # the kind's own up-front check: an ImportError naming its extra
+        if found is not None:  # a plugin's factory that cannot take ARG: refused now, not per model in the program
+            check_factory(value, *found, {})
     if not target and file_arg(name):  # (nxl attach's target resolves a relative path in its own folder)
         _check_sink_folder(value)
     needed = requirement(name)
