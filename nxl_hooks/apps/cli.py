@@ -18,6 +18,7 @@ import sys
 from typing import Any, NoReturn, Sequence
 
 from ..arch.version import VERSION
+from ..method.scores import MethodError
 from .commands import COMMANDS
 from .extras import extra_hint, quiet_library_noise
 from .options import (CliError, one_line, parse_layers, parse_target, positive_int, reader_gone, say,
@@ -86,7 +87,7 @@ def _main(argv: Sequence[str] | None) -> int:
         if bad is not None:
             raise CliError(bad)
         return int(args._run(args) or 0)
-    except (CliError, ValueError, LookupError, OSError, ImportError) as err:
+    except (CliError, ValueError, LookupError, OSError, ImportError, MethodError) as err:
         if isinstance(err, BrokenPipeError) and stdout_gone():  # its reader has what it wanted (| head -1): no
             return reader_gone()  # error of the command's, nor bad input
         hint = None if isinstance(err, CliError) else extra_hint(err)  # a missing optional package: its extra

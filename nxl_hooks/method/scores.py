@@ -20,8 +20,8 @@ from ..arch import plugins
 from ..arch.text import typed
 from .protocol import Given, Method, Pointwise
 
-__all__ = ["FLAT_NORM_CV", "OVERFLOWED", "OVERFLOW_NOTE", "WIDER", "flat_note", "flat_norms", "label_axis",
-           "method_scores", "norm_spread", "pointwise", "regression_logat", "row_norms", "wide"]
+__all__ = ["FLAT_NORM_CV", "OVERFLOWED", "OVERFLOW_NOTE", "WIDER", "MethodError", "flat_note", "flat_norms",
+           "label_axis", "method_scores", "norm_spread", "pointwise", "regression_logat", "row_norms", "wide"]
 
 #: Below this coefficient of variation (std / mean) of the embedding norms over the ranked tokens, NormXLogit is
 #: LogAt times nearly one number: its ranking can differ from LogAt's only between tokens whose LogAt are that close.
@@ -60,6 +60,12 @@ def _versions(given: Given) -> dict[str, int]:
             if tensor is not None and not tensor.is_inference()}
 
 
+class MethodError(RuntimeError):
+    """An attribution method raised (or exited) scoring a record, its error as the cause: the method's failure, not
+    the caller's, which the command line says in one line (``nxl attribute --method NAME``) rather than as a
+    traceback of its own."""
+
+
 def method_scores(methods: Sequence[Method], given: Given, *, label_axis: bool
                   ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """({name: scores}, targets) of each method for ``given``, detached; the label axis is dropped unless kept.
@@ -76,7 +82,7 @@ def method_scores(methods: Sequence[Method], given: Given, *, label_axis: bool
         except BaseException as error:  # noqa: BLE001 - a method's failure (sys.exit too) is its record's, never
             # the host's; named, or a plugin's 'ValueError: bad input' in a server's log would point at nothing
             said = typed(plugins.contained(error))
-            raise RuntimeError(f"attribution method {method.name!r} raised {said}") from error
+            raise MethodError(f"attribution method {method.name!r} raised {said}") from error
         if not (isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == given.logat.shape
                 and not value.is_meta and value.layout == torch.strided):
             raise ValueError(f"attribution method {method.name!r} returned {_returned(value)}: expected float "

@@ -256,6 +256,23 @@ def test_the_cli_ranks_by_a_registered_method(tmp_path, capsys, monkeypatch):
     assert "unknown attribution method 'no_such_method'" in capsys.readouterr().err
 
 
+def test_the_cli_says_a_method_that_raises_in_one_line(tmp_path, capsys, monkeypatch):
+    """``nxl attribute --method NAME`` of a method whose ``score`` raises (a plugin's ValueError) ended in a
+    traceback of nxl's own and status 1, where a broken plugin is one line and status 2 everywhere else."""
+    nxl.method_names()  # (the registry as it is, restored after the test: the method is registered for it alone)
+    monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))
+    nxl.register_method(Exits(ValueError("bad input")), replace=True)
+    path = tiny.save_model(tmp_path / "lm", "llama", seed=0)
+    assert cli_main(["attribute", str(path), TEXT, "--method", "test_exits", "--layers", "last"]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "nxl attribute: error: attribution method 'test_exits' raised ValueError: bad input")
+    assert cli_main(["attribute", str(path), TEXT, "--layers", "last", "--out", str(tmp_path / "a.safetensors")]) == 0
+    model, tok = tiny.build_model("llama", 0), tiny.tokenizer()  # the model is explained as before, by the oracle
+    logits, _ = _lm_oracle(model, tok(TEXT, return_tensors="pt")["input_ids"])
+    saved = nxl.Attribution.load(tmp_path / "a.safetensors")
+    torch.testing.assert_close(saved.logat[0, 0], logits[-1, 0, :, logits[-1, 0, -1].argmax()], atol=1e-5, rtol=1e-4)
+
+
 def _generate(model, tok, **attach_options):
     ids = tok("the film was", return_tensors="pt", return_token_type_ids=False)
     with nxl.attach(model, tokenizer=tok, **attach_options) as probe:
@@ -604,7 +621,7 @@ def test_a_method_that_raises_is_named_in_its_forwards_error_and_log_line(caplog
         probe.result()
     assert str(raised.value) == said and isinstance(raised.value.__cause__, ValueError)
     assert [r.getMessage() for r in caplog.records if "bad input" in r.getMessage()] == [
-        f"nxl_hooks: this forward not recorded (RuntimeError: {said}); the model's own call is unaffected"]
+        f"nxl_hooks: this forward not recorded (MethodError: {said}); the model's own call is unaffected"]
 
 
 def _install_doubled(tmp_path, monkeypatch):
@@ -936,7 +953,7 @@ def test_a_failure_in_the_generating_thread_is_the_one_said_and_steps_lost_in_th
     assert torch.equal(out, plain) and sorted(scorer.threads) == ["MainThread", "nxl_hooks-publisher"]
     assert call.steps == [] and call.error == "hook broke"
     assert "not recorded after step 2 (this call): hook broke" in probe.unrecorded
-    lost = ("the records of its steps from step 0 on were lost (scoring them raised RuntimeError: attribution method "
+    lost = ("the records of its steps from step 0 on were lost (scoring them raised MethodError: attribution method "
             "'test_scoring_threads' raised RuntimeError: scoring broke)")
     assert call.notes == [lost]
     assert f"nxl_hooks: {lost}; the model's own call is unaffected" in [r.getMessage() for r in caplog.records]
