@@ -752,8 +752,12 @@ def _from_gguf(auto: Any, name: str, gguf_file: str, kwargs: dict[str, Any]) -> 
     """``auto.from_pretrained`` of a GGUF file, refusing (one line) a file that lacks a tensor the model needs:
     transformers would fill it with random numbers and only log a report (which is kept quiet here: this says it)."""
     logger = logging.getLogger("transformers.modeling_utils")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+    # A filter, not a raised level: transformers checks its tensor-parallel plan (and warns "layers were not
+    # sharded", naming the norms) whenever this logger's own level is WARNING or above.
+    def quiet(record: logging.LogRecord) -> bool:
+        return record.levelno >= logging.ERROR
+
+    logger.addFilter(quiet)
     path = os.path.join(name, gguf_file)
     on_disk = ValueError(f"{path}: transformers cannot offload a GGUF model to disk; drop \"disk\" from "
                          f"{named('device_map')}, give {named('max_memory')} room for the whole model, or nxl convert "
@@ -770,7 +774,7 @@ def _from_gguf(auto: Any, name: str, gguf_file: str, kwargs: dict[str, Any]) -> 
         raise ValueError(f"{path}: its tensors do not have the shapes its header gives the model; "
                          f"{_GGUF_FIX}") from None
     finally:
-        logger.setLevel(level)
+        logger.removeFilter(quiet)
     if "disk" in {str(place) for place in getattr(model, "hf_device_map", {}).values()}:
         raise on_disk  # (with an offload_folder it loads, then its forward fails: KeyError 'lm_head.weight')
     _refuse_missing(path, info["missing_keys"])

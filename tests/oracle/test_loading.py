@@ -4,6 +4,7 @@ cannot work. A tiny GGUF file is written here from a random Llama (tests/bpe_tin
 the oracle on the original model."""
 
 import json
+import logging
 import os
 import re
 import stat
@@ -54,6 +55,29 @@ def test_gguf_loads_as_a_plain_model_with_its_tokenizer(world, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
     assert load_model(str(gguf), dtype="bfloat16")[0].dtype == torch.bfloat16
+
+
+def test_a_gguf_load_says_nothing_of_tensor_parallel_sharding(world):
+    """A GGUF file loaded in one process logged transformers' tensor-parallel check, "The following layers were not
+    sharded: model.norm.weight, ...": quieting the load report raised the level of the logger that transformers reads
+    to decide whether to check its plan. The report stays quiet, and the model is the original one."""
+    model, _, _, gguf = world
+    said: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = said.append
+    sharding = logging.getLogger("transformers.distributed.tensor_parallel")
+    level = sharding.level
+    sharding.setLevel(logging.WARNING)  # (whatever verbosity an earlier test left transformers in)
+    sharding.addHandler(handler)
+    try:
+        loaded, _ = load_model(str(gguf))
+    finally:
+        sharding.removeHandler(handler)
+        sharding.setLevel(level)
+    assert [record.getMessage() for record in said] == []
+    ids = torch.tensor([[5, 9, 14, 20]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
 
 
 def test_nxl_run_gguf_file_reaches_an_auto_class_load_of_a_folder_holding_the_gguf_alone(world, tmp_path):
