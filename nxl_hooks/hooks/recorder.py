@@ -502,8 +502,12 @@ class Recorder:
         captures.append(None)  # replaced below once the inputs are known; a failure or a skipped call leaves None
         try:  # every rank of a tensor-parallel model is here at once: the one place its head may gather weights
             self.plan.head.refresh()
+            mixed = self.plan.head.mixed_adapters()
         except Exception as error:  # noqa: BLE001 - never into the host's forward
             self._fail("this forward", error)
+            return
+        if mixed is not None:
+            self._fail("this forward", mixed)
             return
         if run is not None and run.failed:
             return

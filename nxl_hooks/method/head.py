@@ -160,6 +160,10 @@ def same_weights(state: tuple, now: tuple) -> bool:
                                           for (kept, version), (weight, current) in zip(state, now))
 
 
+#: The name of the pre-hook PEFT puts on its modules for a call given ``adapter_names`` (``peft.tuners.lora.model``).
+_PEFT_ROW_ADAPTERS = "_adapter_names_pre_forward_hook"
+
+
 def replaced(path: str) -> RuntimeError:
     """Why a forward is not recorded where the model's module at ``path``, one the probe reads or hooks, is another
     module than when the probe attached: the one it knows no longer runs."""
@@ -351,6 +355,22 @@ class Head:
                 with torch.no_grad():
                     copy.load_state_dict({name: full(tensor.detach()) for name, tensor in module.state_dict().items()})
                 self._copies[index] = (module, copy, now)
+
+    def mixed_adapters(self) -> RuntimeError | None:
+        """Why the forward running now cannot be scored, where PEFT runs it as a mixed-adapter batch
+        (``adapter_names=[...]``: one adapter per row, or ``"__base__"``, handed to its modules by a pre-hook it puts
+        on them for that call) and a module of the head is one of those: the records call the head on every layer
+        after the model's own call, with the active adapter, not each row's. None otherwise: PEFT's modules in the
+        blocks alone leave the head the same for every row."""
+        for path, module in self._modules:
+            for sub in module.modules():
+                if any(getattr(getattr(hook, "func", None), "__name__", None) == _PEFT_ROW_ADAPTERS
+                       for hook in sub._forward_pre_hooks.values()):
+                    return RuntimeError(
+                        f"PEFT runs this forward with adapter_names (a mixed-adapter batch): the model's {path} "
+                        "applies one adapter per row, which the records cannot apply row by row; call the PeftModel "
+                        "once per adapter (set_adapter, or disable_adapter() for '__base__')")
+        return None
 
     def _unchanged(self) -> None:
         """RuntimeError when a module of the head is no longer the model's (replaced while attached: an adapter put

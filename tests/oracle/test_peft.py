@@ -8,6 +8,7 @@ they do not go through the wrapper the library calls.
 from __future__ import annotations
 
 import itertools
+import re
 import types
 
 import pytest
@@ -309,3 +310,42 @@ def test_a_prompt_learning_adapter_folder_is_not_told_to_merge(tmp_path):
     (tmp_path / "adapter_config.json").write_text('{"peft_type": "PROMPT_TUNING", "base_model_name_or_path": "b"}')
     said = _adapter_refusal("adapter", tmp_path)
     assert "merge_and_unload" not in said and "attach to the PeftModel in Python" in said
+
+
+def test_a_mixed_adapter_batch_is_scored_only_where_the_head_is_the_same_for_every_row():
+    """PEFT's mixed-adapter batches (``adapter_names=[...]``, one adapter per row) run each row through its own
+    adapter: with LoRA on the blocks alone the head is the base one for every row and the records equal the oracle;
+    with LoRA on lm_head each row has its own readout, which the records called with the active adapter for every
+    row (each layer below L silently off): that forward, and such a generate call, now say why they are not
+    recorded."""
+    ids, mask = big.batch()
+    names = ["b", "__base__"]
+    for targets in (["q_proj", "v_proj"], ["q_proj", "lm_head"]):
+        model = big.build("llama")
+        config = dict(r=4, target_modules=targets, init_lora_weights=False)
+        peft_model = get_peft_model(model, LoraConfig(**config), adapter_name="a").eval()
+        peft_model.add_adapter("b", LoraConfig(**config))
+        with torch.no_grad(), nxl.attach(peft_model) as probe:
+            out = peft_model(input_ids=ids, attention_mask=mask, output_hidden_states=True, adapter_names=names)
+            try:
+                res = probe.result()
+            except RuntimeError as error:
+                res = error
+            generated = peft_model.generate(input_ids=ids[:, :4], attention_mask=torch.ones_like(ids[:, :4]),
+                                            max_new_tokens=2, do_sample=False, adapter_names=names, pad_token_id=0)
+        call = probe.calls[-1]
+        if "lm_head" in targets:
+            assert re.search("adapter_names .* the model's lm_head applies one adapter per row", str(res))
+            assert "adapter_names" in str(call.error) and not call.steps
+            continue
+        # rows differ in their blocks' adapters only: the base head is every row's
+        hand = oracle.HandHead(oracle.rms_norm(model.model.norm), oracle.linear(model.lm_head), last_is_normed=True)
+        logat, expected = oracle.normxlogit(hand.layer_logits(out.hidden_states), out.hidden_states[0], res.target)
+        torch.testing.assert_close(res.logat, logat, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(res.normxlogit, expected, rtol=1e-4, atol=1e-5)
+        assert call.error is None and len(call.steps) == 2
+        with torch.no_grad():  # each row's first step: its own adapter's logit, as a forward of that row alone gives
+            for row, name in enumerate(names):
+                alone = peft_model(input_ids=ids[row:row + 1, :4], adapter_names=[name]).logits[0, -1]
+                token = generated[row, 4]
+                torch.testing.assert_close(call.steps[0].logat[-1, row, -1], alone[token], rtol=1e-4, atol=1e-5)
