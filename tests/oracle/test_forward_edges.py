@@ -570,3 +570,57 @@ def test_a_training_step_with_gradient_checkpointing_keeps_its_forward_record(re
         logits = oracle.llama(model).layer_logits([h.detach() for h in out.hidden_states])
     _, expected = oracle.normxlogit(logits, out.hidden_states[0].detach(), logits[-1, :, -1].argmax(-1))
     torch.testing.assert_close(res.normxlogit, expected, rtol=1e-4, atol=1e-5)
+
+
+def _pipeline_oracle(model, probe, enc, hand: oracle.HandHead) -> nxl.Attribution:
+    """The probe's last plain forward equals the oracle of ``enc`` (what the pipeline's last forward was given; one
+    text with several masks is a row per mask)."""
+    res = probe.result()
+    with torch.no_grad():
+        out = model(**enc, output_hidden_states=True)
+    rows = len(res.target)
+    logits, embeddings = hand.layer_logits(out.hidden_states), out.hidden_states[0]
+    if rows > len(embeddings):
+        logits, embeddings = logits.expand(-1, rows, -1, -1), embeddings.expand(rows, -1, -1)
+    logat, expected = oracle.normxlogit(logits, embeddings, res.target)
+    torch.testing.assert_close(res.logat, logat, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(res.normxlogit, expected, rtol=1e-4, atol=1e-5)
+    return res
+
+
+def test_the_forwards_of_classification_fill_mask_and_zero_shot_pipelines_are_recorded_as_the_oracle():
+    """transformers pipelines run the model's own forward: text-classification (a batch the pipeline pads),
+    fill-mask (one target row per mask) and zero-shot classification (one forward per candidate label, a sentence
+    pair: the last one is result(), read at the entailment label) are recorded, each equal to the oracle; a token
+    classification model, whose pipeline is token-classification, is refused at attach in one line."""
+    from transformers import BertForTokenClassification, pipeline
+
+    tok = tiny.tokenizer()
+    texts = ["the film was very good", "a plot"]
+    classifier = tiny.build_model("bert")
+    with torch.no_grad(), nxl.attach(classifier, tokenizer=tok) as probe:
+        pipeline("text-classification", model=classifier, tokenizer=tok)(texts, batch_size=2)
+        res = _pipeline_oracle(classifier, probe, tok(texts, return_tensors="pt", padding=True),
+                               oracle.bert_classifier(classifier))
+    assert res.readable[1][:4] == ["[CLS]", "a", "plot", "[SEP]"]
+
+    masked = tiny.build_model("mlm")
+    text = "the [MASK] was [MASK] good"
+    with torch.no_grad(), nxl.attach(masked, tokenizer=tok) as probe:
+        pipeline("fill-mask", model=masked, tokenizer=tok)(text)
+        res = _pipeline_oracle(masked, probe, tok(text, return_tensors="pt"), oracle.bert_lm(masked))
+    assert res.position.tolist() == [2, 4]  # both masks, one row each
+
+    labels = {"entailment": 0, "neutral": 1, "contradiction": 2}
+    nli = BertForSequenceClassification(BertConfig(**tiny._SIZES, max_position_embeddings=64, num_labels=3,
+                                                   label2id=labels, id2label={i: name for name, i in labels.items()}))
+    nli.eval()
+    with torch.no_grad(), nxl.attach(nli, tokenizer=tok, target="entailment") as probe:
+        pipeline("zero-shot-classification", model=nli, tokenizer=tok)(texts[0], candidate_labels=["good", "bad"],
+                                                                        hypothesis_template="{}")
+        res = _pipeline_oracle(nli, probe, tok(texts[0], "bad", return_tensors="pt"), oracle.bert_classifier(nli))
+    assert res.target.tolist() == [0]
+
+    tagger = BertForTokenClassification(BertConfig(**tiny._SIZES, max_position_embeddings=64, num_labels=3))
+    with pytest.raises(nxl.UnknownArchitectureError, match="token classification and question answering are not"):
+        nxl.attach(tagger.eval(), tokenizer=tok)
