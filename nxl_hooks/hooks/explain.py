@@ -5,6 +5,9 @@
 
 from __future__ import annotations
 
+import os
+import threading
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -61,7 +64,8 @@ def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, text_pai
         encoding.update(text_pair=pairs[0] if single else pairs, return_token_type_ids=None)
     enc = tokenizer(texts[0] if single else texts, return_tensors="pt", **encoding).to(input_device(model))
     check_tokens(enc["input_ids"])  # before the model's own error on no tokens (a reshape), not after it
-    with torch.no_grad(), _evaluating(model), attach(subject, tokenizer=tokenizer, target=target, **options) as probe:
+    with _one_at_a_time(subject.backbone), torch.no_grad(), _evaluating(model), \
+            attach(subject, tokenizer=tokenizer, target=target, **options) as probe:
         model(**enc)
     res = probe.result()
     if resolved is not None:
@@ -94,6 +98,30 @@ def _pairs(text_pair: Any, texts: list[str], kind: HeadKind, chat: bool) -> list
     if chat:
         raise ValueError("text_pair with chat=True: the chat template takes one message per text; give one of them")
     return pairs
+
+
+def _fresh_locks() -> None:
+    """No explain lock yet; in a forked child too, where a lock another thread of the parent held stays held."""
+    global _LOCKS, _LOCKS_LOCK
+    _LOCKS, _LOCKS_LOCK = weakref.WeakKeyDictionary(), threading.Lock()
+
+
+_LOCKS: "weakref.WeakKeyDictionary[nn.Module, threading.RLock]"
+_LOCKS_LOCK: threading.Lock
+_fresh_locks()
+os.register_at_fork(after_in_child=_fresh_locks)
+
+
+@contextmanager
+def _one_at_a_time(backbone: nn.Module) -> Iterator[None]:
+    """Hold ``backbone``'s explain lock: one probe per model (attach refuses a second), so threads explaining one model
+    at once (a server explaining each request) take turns instead of being refused, and one thread's eval mode is
+    not given back under another's forward. Reentrant: an explain inside this thread's own (a hook of the user's)
+    reaches attach, which says that a probe is attached."""
+    with _LOCKS_LOCK:
+        lock = _LOCKS.setdefault(backbone, threading.RLock())
+    with lock:
+        yield
 
 
 @contextmanager

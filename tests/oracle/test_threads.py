@@ -3,6 +3,7 @@ equal to its single-threaded oracle; the host's outputs unchanged; detaching whi
 nothing."""
 
 import logging
+import sys
 import threading
 import time
 
@@ -297,3 +298,62 @@ def test_keep_calls_bounds_the_ended_calls_and_keeps_every_running_one(model):
         after = [call.request_id for call in probe.calls]
     assert not worker.is_alive()
     assert held == [("long", True), ("short-2", False)] and after == ["short-2"]
+
+
+def _waits_to_explain(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is in nxl.explain, waiting for another thread's explain of the model to detach."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name == "_one_at_a_time":
+            return True
+        frame = frame.f_back
+    return False
+
+
+def test_threads_explaining_one_model_at_once_each_get_their_own_text_explained(model):
+    """nxl.explain from two threads on one model (a server explaining each request): the thread whose explain came
+    while the other's forward ran was refused, told to leave a `with nxl.attach(...)` block it never opened (one
+    probe per model). It now waits for the other to detach, and each gets its own text's attribution, equal to the
+    oracle."""
+    tokenizer = tiny.tokenizer()
+    texts = {"held": "the film was very good", "second": "a plot is"}
+    inside, resume, outcome = threading.Event(), threading.Event(), {}
+
+    def hold(module, args, output):
+        if threading.current_thread().name == "held":  # the first explain's forward, its probe attached
+            inside.set()
+            resume.wait(timeout=60)
+
+    def explain(name: str) -> None:
+        try:
+            outcome[name] = nxl.explain(model, tokenizer, texts[name], layers="all")
+        except BaseException as error:  # noqa: BLE001 - reported below
+            outcome[name] = error
+
+    handle = model.model.layers[0].register_forward_hook(hold)
+    try:
+        held = threading.Thread(target=explain, args=("held",), name="held")
+        held.start()
+        assert inside.wait(timeout=60)
+        second = threading.Thread(target=explain, args=("second",), name="second")
+        second.start()
+        deadline = time.monotonic() + 60  # until the second has come to the model: refused, or waiting its turn
+        while second.is_alive() and not _waits_to_explain(second) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        resume.set()
+        held.join(timeout=60)
+        second.join(timeout=60)
+    finally:
+        resume.set()
+        handle.remove()
+    assert not held.is_alive() and not second.is_alive() and tiny.nxl_hooks_on(model) == 0
+    hand = llama(model)
+    for name, text in texts.items():
+        res = outcome[name]
+        assert isinstance(res, nxl.Attribution), res
+        with torch.no_grad():
+            expected = model(**tokenizer(text, return_tensors="pt"), output_hidden_states=True)
+        target = expected.logits[:, -1].argmax(-1)
+        _, nx = normxlogit(hand.layer_logits(expected.hidden_states), expected.hidden_states[0], target)
+        assert res.target.tolist() == target.tolist()
+        torch.testing.assert_close(res.normxlogit, nx, rtol=1e-4, atol=1e-4)
