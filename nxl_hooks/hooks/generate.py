@@ -631,6 +631,11 @@ class Run:
                 "prompt: several candidate tokens per forward (assisted decoding) cannot be followed; generate "
                 f"without {_ASSISTED}")
         if not (continues or recomputes):
+            if self._foreign(bound.get("input_ids"), past, new):
+                raise UnfollowedForward(
+                    f"a forward of this call ran positions {past}..{past + new - 1} on other token ids than the "
+                    "call's prompt holds there: the model run on ids of its own inside the call (by a stopping "
+                    "criterion or a streamer) cannot be told from the call's own forward; run it outside generate")
             raise UnfollowedForward(
                 f"a forward of this call ran positions {past}..{past + new - 1} (from its {where.source}) while the "
                 f"call's record holds positions 0..{n - 1}: a forward that neither continues the record by one token "
@@ -641,6 +646,19 @@ class Run:
             self._recomputes(bound.get("input_ids"), n)
         self._checked = decoding and continues
         return past
+
+    def _foreign(self, ids: torch.Tensor | None, past: int, new: int) -> bool:
+        """Whether a forward at positions ``past`` .. ``past + new - 1`` that starts in the prompt runs other ids
+        than the prompt there: not the call's own (it never changes its prompt), so it undoes none of the tokens the
+        call emitted, and the steps before it are kept (:meth:`_undone` drops them for a forward that may be the
+        call's own). One device read, as the record stops."""
+        prompt = self.call.prompt_ids
+        if ids is None or prompt is None or past >= prompt.shape[1]:
+            return False
+        if ids.shape != (prompt.shape[0], new):  # other rows than the call's
+            return True
+        end = min(past + new, prompt.shape[1])
+        return not torch.equal(ids[:, :end - past].to("cpu", prompt.dtype), prompt[:, past:end])
 
     def _undone(self, past: int) -> str:
         """A forward the record cannot follow runs from position ``past`` again: the tokens at ``past`` and after,

@@ -24,7 +24,8 @@ import tiny
 from nxl_hooks.hooks import forward, generate
 from nxl_hooks.hooks.generate import BATCH_STEPS
 from nxl_hooks.method import head as nxl_head
-from oracle import HandHead, check_call, full_mask, llama, normxlogit, prefix_logits, rms_norm, state_space
+from oracle import (HandHead, check_call, check_steps, full_mask, llama, normxlogit, prefix_logits, rms_norm,
+                    state_space)
 
 VOCAB, PAD = tiny.GEN_VOCAB, tiny.GEN_PAD
 
@@ -301,6 +302,41 @@ def test_a_forward_from_position_0_on_other_ids_inside_the_call_is_said_and_neve
     (call,) = probe.calls
     assert all(torch.equal(step.token, out[:, step.position]) for step in call.steps)
     assert "other token ids than the call's" in call.error and call.error in probe.unrecorded
+
+
+class _ScoresItsEnd(StoppingCriteria):
+    """The user's criterion that, once the call holds ``length`` tokens, runs the model on its last ``last`` ids
+    alone (a score of its own): a forward from position 0, on other ids than the prompt's there."""
+
+    def __init__(self, model, length: int, last: int) -> None:
+        self.model, self.length, self.last = model, length, last
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs) -> torch.Tensor:
+        if input_ids.shape[1] == self.length:
+            with torch.no_grad():
+                self.model(input_ids[:, -self.last:])
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+
+@pytest.mark.parametrize("last", [2, 8])
+def test_a_forward_on_ids_of_its_own_inside_the_call_keeps_the_steps_made_before_it(model, last):
+    """A stopping criterion of the user's runs the model on the last 2 (or 8: past the 5-token prompt) ids alone
+    after the call's fourth token: the record stopped there, as documented, but dropped the steps made before it too
+    (its forward from position 0 was taken for the call running its tokens again), those not handed on yet. The
+    call never changes its prompt, so a forward that runs other ids there undoes none of its tokens: the three steps
+    its own forwards completed are kept, each equal to the oracle, and the error says what ran."""
+    ids = torch.randint(1, VOCAB, (2, 5), generator=torch.Generator().manual_seed(8))
+    plain = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+    with nxl.attach(model, layers="all") as probe:
+        out = model.generate(input_ids=ids, max_new_tokens=6, do_sample=False,
+                             stopping_criteria=StoppingCriteriaList([_ScoresItsEnd(model, 5 + 4, last)]))
+    (call,) = probe.calls
+    assert torch.equal(out, plain) and not call.complete
+    assert [step.step for step in call.steps] == [0, 1, 2]
+    check_steps(model, call)
+    assert call.error.startswith(f"a forward of this call ran positions 0..{last - 1} on other token ids than the "
+                                 "call's prompt")
+    assert call.error in probe.unrecorded
 
 
 class _GeneratesToo(BaseStreamer, LogitsProcessor):
