@@ -140,6 +140,18 @@ def test_readme_keeps_the_test_command_ci_runs():
     assert "python -m pytest -n 2 @tests/floor.txt" in readme and f"transformers {floor} up to the newest 5.x" in readme
 
 
+def test_the_vllm_tiers_packages_convert_the_real_model():
+    """The vLLM tier's environment (.ci/run's, and tests/README's command) converts SmolLM2's GGUF file itself when no
+    tier did before (tests/vllm/test_vllm_real.py): it holds every package of the [gguf] extra. It had gguf alone,
+    so the tier run on its own errored ("reading a .gguf file needs accelerate")."""
+    extra = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+    needed = {re.match(r"[A-Za-z0-9_.-]+", requirement)[0] for requirement in extra["gguf"]}
+    (ci,) = re.findall(r'^vllm_tests="([^"]*)"', (ROOT / ".ci" / "run").read_text(encoding="utf-8"), flags=re.M)
+    readme = " ".join((ROOT / "tests" / "README.md").read_text(encoding="utf-8").split())
+    (command,) = re.findall(r"pip install (pytest pytest-xdist [^&`]*)", readme)
+    assert needed <= set(ci.split()) and needed <= set(command.split()), (needed, ci, command)
+
+
 def test_the_16_client_serving_figures_are_the_committed_ones():
     """README and docs/engines.md quote benchmarks/results/serve_cpu_16clients.json; a rerun that changes the file
     (or an edit of either page) must keep them saying what it holds."""
