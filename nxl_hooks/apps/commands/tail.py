@@ -23,9 +23,9 @@ token is made, never changed afterwards.
 
 While no token comes (at the start, once subscribed to every process, or for a while after the last token), a
 line on stderr says it waits. What a process does not record (its sink stopped writing, calls that run unrecorded)
-is a line of its own, ``!`` first, as soon as its status says so; so is a model whose requests are plain forwards
-(a classifier), once it has served one, and a causal LM once it has run a plain forward (``model(...)``): they make
-no token, and no line of tail's. A terminal that stops taking lines (a stalled pipe) holds up at most
+is a line of its own, ``!`` first, as soon as its status says so (what it says already when tail connects comes
+before the first step); so is a model whose requests are plain forwards (a classifier), once it has served one, and
+a causal LM once it has run a plain forward (``model(...)``): they make no token, and no line of tail's. A terminal that stops taking lines (a stalled pipe) holds up at most
 :data:`~nxl_hooks.hooks.subscription.LIVE_QUEUE` steps in tail; the steps past those are not shown, and once it
 takes lines again one line, ``!`` first, says how many (``! run: 12 step(s) not shown: nxl tail fell behind``), as
 it says the steps the endpoint dropped. Every line goes through
@@ -257,26 +257,32 @@ def run(args: argparse.Namespace) -> int:
         if not stop.is_set():  # a stream that closes with no end (the program exited) still says its drops
             behind.hand(items, Closed())
 
-    def watch_faults(endpoint) -> None:
-        said: set[str] = set()
-        while not stop.is_set():  # (once set, its wait below returns at once: this loop would poll flat out)
-            try:
-                status = endpoint.status(timeout=10)
-            except Exception:  # noqa: BLE001 - the stream reports a process that went away
-                return
-            for model in status.get("models", []):
-                for fault in faults(model) + forward_calls(model):
-                    text = f"! pid {status.get('pid')} {model.get('name')}: {fault}"
-                    if text not in said:
-                        said.add(text)
-                        items.put(Fault(text))
-            stop.wait(_FAULT_POLL)
+    def look_for_faults(endpoint, said: set[str]) -> bool:
+        """Put each fault line of ``endpoint``'s status not in ``said`` yet in ``items``; False once it is gone."""
+        try:
+            status = endpoint.status(timeout=10)
+        except Exception:  # noqa: BLE001 - the stream reports a process that went away
+            return False
+        for model in status.get("models", []):
+            for fault in faults(model) + forward_calls(model):
+                text = f"! pid {status.get('pid')} {model.get('name')}: {fault}"
+                if text not in said:
+                    said.add(text)
+                    items.put(Fault(text))
+        return True
+
+    def watch_faults(endpoint, said: set[str]) -> None:
+        while not stop.wait(_FAULT_POLL) and look_for_faults(endpoint, said):
+            pass  # (once stopped, the wait returns at once: the test comes first, or this loop would poll flat out)
 
     stop = threading.Event()
     hang_ups: list[Callable[[], None]] = []  # one per stream connected
     for endpoint in targets:
+        said: set[str] = set()
+        # what a process already does not record comes before its first step: a short --count still shows it
+        if look_for_faults(endpoint, said):
+            threading.Thread(target=watch_faults, args=(endpoint, said), daemon=True).start()
         threading.Thread(target=follow, args=(endpoint,), daemon=True).start()
-        threading.Thread(target=watch_faults, args=(endpoint,), daemon=True).start()
     try:
         past = last_requests(targets, args.last, args.k) if args.last else []  # after subscribing: none is missed
         return _show(items, args, len(targets), past)
