@@ -13,9 +13,9 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import http.client
 import json
 import re
+import select
 import socket
 import struct
 import time
@@ -191,12 +191,13 @@ def preemptions(server: VllmServer) -> float:
 def engine_held(server: VllmServer):
     """vLLM's engine core held still (SIGSTOP) while its API server goes on; it resumes (SIGCONT) on leaving. What the
     API server sends it meanwhile (new requests, aborts) waits in its queue and is all there at its next step: the
-    tests below order events by this, not by racing an engine that makes a token in about a millisecond."""
+    tests below order events by this, not by racing an engine that makes a token in about a millisecond. Yields the
+    engine's process (psutil), for a test that lets it run a few milliseconds at a time."""
     (engine,) = [p for p in psutil.Process(server.pid).children(recursive=True)
                  if "EngineCore" in " ".join(p.cmdline())]
     engine.suspend()
     try:
-        yield
+        yield engine
     finally:
         engine.resume()
 
@@ -217,19 +218,31 @@ def test_preempted_requests_recorded_exactly(server, oracle_model):
 
 
 def leave_mid_generation(server: VllmServer, request_id: str) -> None:
-    """A streaming chat of 200 tokens whose client goes away after its first token: the engine is held from that
-    token until the API server has seen the connection reset and told it to abort, so the request ends early."""
-    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
-    body = {"messages": [{"role": "user", "content": LONG}], "max_tokens": 200, "temperature": 0, "ignore_eos": True,
-            "stream": True}
-    connection.request("POST", "/v1/chat/completions", json.dumps(body),
-                       {"Content-Type": "application/json", "X-Request-ID": request_id})
-    response = connection.getresponse()
-    first = response.readline()  # the API server sends its first chunk once the engine has made the first token
-    assert first.startswith(b"data:"), first
-    with engine_held(server):
+    """A streaming chat of 200 tokens whose client goes away after its first token. The engine runs in slices of a few
+    milliseconds, held between them, until the client has its first chunk (a loaded machine may deliver it long after
+    the engine made it: run freely, the engine could finish all 200 first); then, the engine still held, the client
+    resets the connection and the API server tells the engine to abort before its next step."""
+    body = json.dumps({"messages": [{"role": "user", "content": LONG}], "max_tokens": 200, "temperature": 0,
+                       "ignore_eos": True, "stream": True}).encode()
+    head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
+            f"Content-Type: application/json\r\nX-Request-ID: {request_id}\r\nContent-Length: {len(body)}\r\n\r\n")
+    received = b""
+    # a socket of its own, read only when select says so: its first chunk must be seen without a read that waits
+    with socket.create_connection(("127.0.0.1", server.port), timeout=120) as connection, \
+            engine_held(server) as engine:
+        connection.sendall(head.encode() + body)
+        deadline = time.monotonic() + 120
+        while b"data:" not in received:
+            assert time.monotonic() < deadline, f"no first chunk within 120 s: {received!r}"
+            engine.resume()
+            time.sleep(0.005)
+            engine.suspend()
+            while b"data:" not in received and select.select([connection], [], [], 1.0)[0]:
+                chunk = connection.recv(65536)
+                assert chunk, f"the server closed the stream: {received!r}"
+                received += chunk
         # a reset (SO_LINGER 0) rather than a FIN, so that the API server's next read or write fails at once
-        connection.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         connection.close()
         time.sleep(2.0)
 
