@@ -37,7 +37,7 @@ from .generate import Generations, Run
 from .guard import SHORT, Notice, Owned, logger, reason
 from .plan import Plan
 from .recording import NOT_RECORDED, Recording
-from .traced import Recompiled, TracedForward, eager_frame
+from .traced import Recompiled, Traced, TracedForward, eager_frame
 
 __all__ = ["Recorder", "Results"]
 
@@ -382,25 +382,32 @@ class Recorder:
         hooks). Never raises."""
         try:
             seen = self.plain.take()
-            if seen is not None and seen[0] is not None:
-                self._traced(*seen)
+            if seen is not None and seen.capture is not None:
+                self._traced(seen, seen.output, seen.keep)
             elif seen is not None:
                 self.results.last = self._skipped()
         except Exception as error:  # noqa: BLE001 - never into the user's detach
             self._fail("this forward", error)
 
-    def _traced(self, capture: Capture, output: Any, arguments: dict[str, Any], past: Any) -> None:
-        """Assemble a plain forward that ran compiled (:meth:`~.traced.TracedForward.take`), checked as an eager
-        one is at its start."""
-        if not self._stray(arguments, past):
-            self._finish(capture, output)
+    def _traced(self, seen: Traced, output: Any, keep: Any) -> None:
+        """Assemble a plain forward that ran compiled (:meth:`~.traced.TracedForward.take`), whose task model gave
+        ``output`` called with ``logits_to_keep`` ``keep``, checked as an eager one is at its start and between its
+        blocks (by value where the graph gave a block's input and the block before's output apart: one host read
+        each, once per forward)."""
+        capture = seen.capture
+        if self._stray(seen.arguments, seen.past) or any(
+                self._changed(self.plan.subject.layer_modules[index - 1], index, capture.hidden[index - 1], given,
+                              by_value=True)
+                for index, given in seen.given.items() if index - 1 in capture.hidden):
+            return
+        self._finish(capture, output, keep)
 
     def on_task_start(self, module: nn.Module, args: tuple, kwargs: dict = SHORT) -> None:
         if kwargs is SHORT:  # called after its removal
             return
         if traced():
             if self._plain_traced():
-                self.plain.task()
+                self.plain.task(kwargs.get("logits_to_keep"))
             return
         self._recompiled.check(module)
         _, tasks = self._stacks()
@@ -440,8 +447,8 @@ class Recorder:
                 run.fail("this call", replaced("backbone"))
             elif isinstance(run, Run) and not task.backbone_ran:  # the whole forward ran compiled
                 run.ran_compiled()
-        elif not task.blocks_ran and output is not None and (seen := self.plain.take()) and seen[0] is not None:
-            self._traced(seen[0], output, *seen[2:])  # its forward ran compiled, tracing the blocks' hooks
+        elif not task.blocks_ran and output is not None and (seen := self.plain.take()) and seen.capture is not None:
+            self._traced(seen, output, task.keep)  # its forward ran compiled, tracing the blocks' hooks
         elif not task.blocks_ran and output is not None and task.backbone_ran:
             self.results.last = self._replaced() or RuntimeError(
                 f"{type(self.plan.model).__name__} ran its backbone's hooks, but its blocks ran code compiled by "
@@ -584,6 +591,8 @@ class Recorder:
         if traced():
             if self._plain_traced():
                 self.plain.keep("embed", output.detach())
+                if args and isinstance(module, nn.Embedding):  # (as below)
+                    self.plain.keep("embed_ids", args[0])
             return
         capture, calls = self._current(), self._peft_calls()
         if capture is None and not (calls and calls[-1][1]):  # the embedding called on its own, outside a forward
@@ -611,6 +620,8 @@ class Recorder:
                 return
             if traced():
                 if self._plain_traced():
+                    if checked:
+                        self.plain.given(index, args[0] if args else kwargs.get("hidden_states"))
                     if wanted:
                         self.plain.layer(index, _hidden(output))
                     if last:
@@ -640,15 +651,18 @@ class Recorder:
 
         return hook
 
-    def _changed(self, block: nn.Module, index: int, kept: torch.Tensor, given: Any) -> bool:
+    def _changed(self, block: nn.Module, index: int, kept: torch.Tensor, given: Any, by_value: bool = False) -> bool:
         """Whether block ``index`` was called on other hidden states than the probe kept as block ``index - 1``'s
         output, because a forward hook of the user's, registered after attaching (so run after the probe's),
         replaced that output: then the forward is not recorded, and says why. Told apart without a host read (a
-        view of the same memory, a copy to another device as a pipeline across devices makes, passes); a pre-hook
-        of the user's on block ``index`` steers that block's input, after the layer before is what it is, so
-        then the states are let pass."""
+        view of the same memory, a copy to another device as a pipeline across devices makes, passes), and
+        ``by_value`` also by a host read where the memory differs (a compiled forward's graph may return one tensor
+        as two outputs); a pre-hook of the user's on block ``index`` steers that block's input, after the layer
+        before is what it is, so then the states are let pass."""
         try:
             if not isinstance(given, torch.Tensor) or given.device != kept.device or given.data_ptr() == kept.data_ptr():
+                return False
+            if by_value and given.shape == kept.shape and torch.equal(given, kept):
                 return False
         except Exception:  # noqa: BLE001 - a tensor subclass without storage (a DTensor): nothing tells
             return False

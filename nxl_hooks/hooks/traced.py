@@ -29,7 +29,7 @@ import functools
 import threading
 import types
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
@@ -38,7 +38,7 @@ from .conventions import start
 from .forward import Capture
 from .guard import logger
 
-__all__ = ["Recompiled", "TracedForward", "compiled_forward", "eager_frame", "eager_twin", "reset_compiled"]
+__all__ = ["Recompiled", "Traced", "TracedForward", "compiled_forward", "eager_frame", "eager_twin", "reset_compiled"]
 
 
 def compiled_forward(*modules: nn.Module) -> bool:
@@ -97,6 +97,19 @@ def eager_frame(function: Callable) -> None:
     set_code_exec_strategy(function.__code__, FrameExecStrategy(FrameAction.SKIP, FrameAction.SKIP))
 
 
+class Traced(NamedTuple):
+    """What a traced plain forward's hooks kept (:meth:`TracedForward.take`)."""
+
+    #: None where the task model's hooks were traced and its backbone's never ran: compiled code from before the hooks
+    capture: Capture | None
+    output: Any  #: the task model's output as seen (its logits: None where not seen)
+    arguments: dict[str, Any]  #: the backbone's arguments (:meth:`TracedForward.begin`)
+    past: Any  #: the positions before its tokens
+    keep: Any  #: the ``logits_to_keep`` the task model was called with, where its hooks were traced
+    #: block (1-based) -> the hidden states it was called on, where they must be what the block before gave
+    given: dict[int, Any]
+
+
 class _Slot:
     """One thread's last traced forward. A plain object: dynamo replays a store into its attribute in the thread that
     ran the compiled code, reaching it through :class:`_Slots` then; a store into a ``threading.local``'s own
@@ -124,19 +137,21 @@ class TracedForward:
         self._norms = norms  # the embedding norms of the rows kept, taken in take(), outside the graph
         self._slots = _Slots()
 
-    def task(self) -> None:
-        """The task model's forward starts, traced: what its backbone's hooks keep follows (if they run at all)."""
-        self._slots.slot.seen = {"hidden": {}}
+    def task(self, keep: Any) -> None:
+        """The task model's forward starts, traced, called with ``logits_to_keep`` ``keep``: what its backbone's
+        hooks keep follows (if they run at all)."""
+        self._slots.slot.seen = {"hidden": {}, "keep": keep}
 
     def begin(self, arguments: dict[str, Any]) -> None:
         """The backbone's forward starts, traced with ``arguments``: kept whole, with the positions before its tokens
         as the forward says them now (a cache has grown by the time it is assembled), for the checks an eager
         forward has at its start (a KV cache it continues, packed rows, an engine's own forward), made in take()'s
         caller, outside the graph."""
+        task = self._slots.slot.seen or {}  # (the task model's, where its hooks were traced too)
         self._slots.slot.seen = {
             "input_ids": arguments.get("input_ids"), "inputs_embeds": arguments.get("inputs_embeds"),
-            "attention_mask": arguments.get("attention_mask"), "hidden": {}, "arguments": arguments,
-            "past": start(arguments)[0]}
+            "attention_mask": arguments.get("attention_mask"), "hidden": {}, "given": {}, "arguments": arguments,
+            "past": start(arguments)[0], "keep": task.get("keep")}
 
     def keep(self, name: str, value: Any) -> None:
         seen = self._slots.slot.seen
@@ -148,28 +163,34 @@ class TracedForward:
         if seen is not None:
             seen["hidden"][layer] = hidden.detach()
 
+    def given(self, block: int, hidden: Any) -> None:
+        """Block ``block`` (1-based) was called on ``hidden``: checked against what the probe kept as the block
+        before's output when the forward is assembled, outside the graph (:class:`Traced`)."""
+        seen = self._slots.slot.seen
+        if seen is not None and "given" in seen:
+            seen["given"][block] = hidden
+
     def discard(self) -> None:
         """A later forward of this thread ran eagerly: it, not the traced one kept, is the thread's last."""
         self._slots.slot.seen = None
 
-    def take(self) -> tuple[Capture | None, Any, dict[str, Any], Any] | None:
-        """This thread's last traced forward's capture (None: the task model's hooks were traced, its backbone's never
-        ran: compiled code from before the hooks), the task model's output (its logits: None when not seen), and the
-        backbone's arguments and past positions (:meth:`begin`), once; None when no forward was traced since."""
+    def take(self) -> Traced | None:
+        """This thread's last traced forward (:class:`Traced`), once; None when no forward was traced since."""
         slot = self._slots.slot
         seen, slot.seen = slot.seen, None
         if seen is None:
             return None
         if "input_ids" not in seen:
-            return None, None, {}, None
+            return Traced(None, None, {}, None, seen.get("keep"), {})
         ids = seen["input_ids"]
         reference = ids if ids is not None else seen["inputs_embeds"]
         rows = seen.get("embed")  # the embedding's rows
         capture = Capture(input_ids=ids, attention_mask=seen["attention_mask"],
                           shape=(int(reference.shape[0]), int(reference.shape[1])),
-                          embed_norm=self._norms(rows) if rows is not None else None,
+                          embed_norm=self._norms(rows, seen.get("embed_ids")) if rows is not None else None,
                           hidden=seen["hidden"], last_hidden=seen.get("last"))
-        return capture, types.SimpleNamespace(logits=seen.get("logits")), seen["arguments"], seen["past"]
+        return Traced(capture, types.SimpleNamespace(logits=seen.get("logits")), seen["arguments"], seen["past"],
+                      seen["keep"], seen["given"])
 
 
 class Recompiled:

@@ -988,3 +988,73 @@ def test_result_after_generate_is_not_a_forward_traced_before_it():
             probe.result()
         run(ids)
         torch.testing.assert_close(probe.result().normxlogit, _plain_oracle(model, ids), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("how", ["forward", "model"])
+def test_a_compiled_forward_given_logits_to_keep_indices_reads_each_row_at_its_position(how):
+    """``logits_to_keep`` as indices naming every position, in reverse: the compiled forward's logit row j is
+    position ``keep[j]``'s (the last position's is row 0), as in an eager forward, whether the task model's hooks ran
+    eagerly around a forward compiled in place or were traced with it (a compiled model object)."""
+    model = tiny.generating_llama(seed=4)
+    ids = _prompt(rows=1)[0]
+    keep = torch.arange(ids.shape[1] - 1, -1, -1)
+    with nxl.attach(model, layers="all") as probe:
+        if how == "forward":
+            model.forward = torch.compile(model.forward, fullgraph=True, backend="eager")
+            compiled = model
+        else:
+            compiled = torch.compile(model, fullgraph=True, backend="eager")
+        compiled(input_ids=ids, logits_to_keep=keep)
+        result = probe.result()
+    vars(model).pop("forward", None)
+    _no_graph_breaks()
+    with torch.no_grad():
+        own = model(input_ids=ids).logits[:, -1]
+    assert torch.equal(result.target, own.argmax(-1))
+    torch.testing.assert_close(result.normxlogit, _plain_oracle(model, ids), rtol=1e-4, atol=1e-5)
+
+
+def test_a_compiled_forward_of_a_scaled_16_bit_embedding_has_the_norms_of_its_raw_rows():
+    """A Gemma embedding multiplies its rows by √d inside the module (√48: not a power of two, which would round
+    nothing): the norms are of its raw rows, read from its weight by the ids it was given as in an eager forward, not
+    its bf16 output divided back (up to 1e-3 off)."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+
+    torch.manual_seed(0)
+    model = GemmaForCausalLM(GemmaConfig(vocab_size=VOCAB, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=2, num_key_value_heads=1, head_dim=32))
+    model = model.eval().to(torch.bfloat16)
+    ids = _prompt(rows=1, length=12)[0]
+    with nxl.attach(model, layers="all", embedding="word") as probe:
+        model.forward = torch.compile(model.forward, fullgraph=True, backend="eager")
+        model(input_ids=ids)
+        result = probe.result()
+    del model.forward
+    _no_graph_breaks()
+    raw = model.model.embed_tokens.weight.detach()[ids].float()
+    torch.testing.assert_close(result.embed_norm, torch.linalg.vector_norm(raw, dim=-1), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_a_hook_of_the_users_changing_a_blocks_output_in_a_compiled_forward_is_said_not_recorded(backend):
+    """A forward hook of the user's registered after attaching runs after the probe's, inside the compiled graph as
+    in an eager forward: one that replaces a block's output makes the forward unrecorded, said; one that only reads
+    it (the graph may give the same values as two outputs) leaves it recorded, equal to the oracle."""
+    model = tiny.generating_llama(seed=4)
+    ids = _prompt(rows=1)[0]
+    block = model.model.layers[0]
+    with nxl.attach(model, layers="all") as probe:
+        model.forward = torch.compile(model.forward, fullgraph=True, backend=backend)
+        reading = block.register_forward_hook(lambda module, args, output: None)
+        model(input_ids=ids)
+        recorded = probe.result()
+        reading.remove()
+        torch._dynamo.reset()  # (dynamo does not guard on hooks: the next compile must see the new one)
+        changing = block.register_forward_hook(lambda module, args, output: output * 2)
+        model(input_ids=ids)
+        with pytest.raises(RuntimeError, match="a hook changed block 1's output .* register such a hook before"):
+            probe.result()
+        changing.remove()
+    del model.forward
+    _no_graph_breaks()
+    torch.testing.assert_close(recorded.normxlogit, _plain_oracle(model, ids), rtol=1e-4, atol=1e-5)
