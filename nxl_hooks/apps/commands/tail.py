@@ -25,7 +25,8 @@ While no token comes (at the start, once subscribed to every process, or for a w
 line on stderr says it waits. What a process does not record (its sink stopped writing, calls that run unrecorded)
 is a line of its own, ``!`` first, as soon as its status says so (what it says already when tail connects comes
 before the first step); so is a model whose requests are plain forwards (a classifier), once it has served one, and
-a causal LM once it has run a plain forward (``model(...)``): they make no token, and no line of tail's. A terminal that stops taking lines (a stalled pipe) holds up at most
+a causal LM once it has run a plain forward (``model(...)``): they make no token, and no line of tail's. A terminal
+that stops taking lines (a stalled pipe) holds up at most
 :data:`~nxl_hooks.hooks.subscription.LIVE_QUEUE` steps in tail; the steps past those are not shown, and once it
 takes lines again one line, ``!`` first, says how many (``! run: 12 step(s) not shown: nxl tail fell behind``), as
 it says the steps the endpoint dropped. Every line goes through
@@ -235,11 +236,14 @@ def run(args: argparse.Namespace) -> int:
         if stop.is_set():  # tail returned while this stream connected: its hang-ups are past
             hang_up()
 
-    def follow(endpoint) -> None:
+    def follow(endpoint, looked: threading.Event) -> None:
         behind = Behind(endpoint.name)
         try:
             for event, data in endpoint.events(f"/v1/stream?{urlencode(query)}", on_open=lambda: items.put(Opened()),
-                                               on_connect=connected, timeout=_SILENT_KEEPALIVES * KEEPALIVE):
+                                               on_connect=connected, timeout=silent):
+                # what the process already does not record comes before what it streams: a short --count still
+                # shows it (a status that does not answer while a stream would be silent is not waited for)
+                looked.wait(silent)
                 if stop.is_set():  # tail has returned: nobody reads these any more (the stream closes with the loop)
                     return
                 if event == "step":
@@ -271,18 +275,21 @@ def run(args: argparse.Namespace) -> int:
                     items.put(Fault(text))
         return True
 
-    def watch_faults(endpoint, said: set[str]) -> None:
-        while not stop.wait(_FAULT_POLL) and look_for_faults(endpoint, said):
-            pass  # (once stopped, the wait returns at once: the test comes first, or this loop would poll flat out)
+    def watch_faults(endpoint, looked: threading.Event) -> None:
+        said: set[str] = set()
+        alive = look_for_faults(endpoint, said)
+        looked.set()
+        # (once stopped, the wait returns at once: the test comes first, or this loop would poll flat out)
+        while alive and not stop.wait(_FAULT_POLL):
+            alive = look_for_faults(endpoint, said)
 
+    silent = _SILENT_KEEPALIVES * KEEPALIVE
     stop = threading.Event()
     hang_ups: list[Callable[[], None]] = []  # one per stream connected
     for endpoint in targets:
-        said: set[str] = set()
-        # what a process already does not record comes before its first step: a short --count still shows it
-        if look_for_faults(endpoint, said):
-            threading.Thread(target=watch_faults, args=(endpoint, said), daemon=True).start()
-        threading.Thread(target=follow, args=(endpoint,), daemon=True).start()
+        looked = threading.Event()  # set once the first look at its status is done
+        threading.Thread(target=watch_faults, args=(endpoint, looked), daemon=True).start()
+        threading.Thread(target=follow, args=(endpoint, looked), daemon=True).start()
     try:
         past = last_requests(targets, args.last, args.k) if args.last else []  # after subscribing: none is missed
         return _show(items, args, len(targets), past)
