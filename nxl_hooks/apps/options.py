@@ -241,8 +241,9 @@ parse_method = argument_type(lambda value: get_method(value).name)
 def add_method_option(parser: argparse.ArgumentParser) -> None:
     """--method: which attribution method ranks tokens (any registered one; the probe computes it)."""
     parser.add_argument("--method", type=parse_method, default="normxlogit", metavar="NAME",
-                        help=f"the attribution method that scores and ranks tokens: {', '.join(builtin_names())} "
-                        "(default normxlogit), or one registered in code or through the nxl_hooks.methods entry points")
+                        help="the attribution method that scores and ranks tokens (default normxlogit): "
+                        + "; ".join(f"{name}, {get_method(name).description}" for name in builtin_names())
+                        + "; or one registered in code or through the nxl_hooks.methods entry points")
 
 
 #: ``--max-memory 0=10GiB,cpu=30GiB`` -> ``{0: "10GiB", "cpu": "30GiB"}`` (accelerate's max_memory): argparse type.

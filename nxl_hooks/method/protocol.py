@@ -61,7 +61,7 @@ class Given:
 class Method(Protocol):
     """A forward-only attribution method: ``score(given)`` -> float (layers, rows, seq, k), shaped like
     ``given.logat``. ``name`` (lowercase letters, digits, ``_``) keys ``Attribution.scores`` and ``Step.scores``;
-    ``description`` is one line for ``nxl methods`` and the docs."""
+    ``description`` says in one line what it computes (the CLI's ``--method`` help shows the built-in ones')."""
 
     name: str
     description: str

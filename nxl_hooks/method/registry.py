@@ -16,14 +16,13 @@ listed; :func:`load_plugin` is what the loader calls for each. A broken one is l
 from __future__ import annotations
 
 import importlib
-import inspect
 import pkgutil
 import threading
 from collections import abc
 from typing import Any, Iterable
 
 from ..arch import plugins
-from ..arch.text import one_line
+from ..arch.calls import unbound
 from . import methods as _builtin_package
 from .protocol import Method, check_name
 
@@ -66,16 +65,10 @@ def _instance(method: Any) -> Method:
 
 def _check_score(method: Method, what: str) -> None:
     """A TypeError now, naming the method, when its ``score`` cannot be called as ``score(given)``: else every
-    forward it scores would go unrecorded for the same mistake. One whose signature cannot be read is taken."""
-    try:
-        signature = inspect.signature(method.score)
-    except (TypeError, ValueError):  # a builtin or C callable: no signature to check
-        return
-    try:
-        signature.bind(None)
-    except TypeError as error:
+    forward it scores would go unrecorded for the same mistake (:func:`~nxl_hooks.arch.calls.unbound`)."""
+    if (why := unbound(method.score, None)) is not None:
         raise TypeError(f"{what} is not an attribution method: its score cannot be called as score(given) "
-                        f"({one_line(error)}); define it as def score(self, given) -> tensor") from None
+                        f"({why}); define it as def score(self, given) -> tensor")
 
 
 def register_method(method: Any = None, *, replace: bool = False) -> Any:

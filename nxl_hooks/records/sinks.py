@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import functools
 import importlib
-import inspect
 import os
 import re
 import threading
 from typing import Any, Callable, Protocol, runtime_checkable
 
 from ..arch import plugins
-from ..arch.text import install_command, one_line, typed
+from ..arch.calls import unbound
+from ..arch.text import install_command, typed
 from .steps import GenerationCall, Step
 
 __all__ = ["DECLARED", "ENTRY_POINT_GROUP", "BatchingSink", "FaultingSink", "LosingSink", "RecordSink", "builtin_kinds",
@@ -262,17 +262,10 @@ _METHODS = ("write_call", "write_step", "write_end", "close")
 
 def check_factory(spec: Any, factory: Factory, arg: str, options: dict[str, Any]) -> None:
     """A ValueError naming the sink when ``factory`` cannot be called as ``factory(ARG, **options)`` (a plugin's
-    factory written with another signature): its TypeError, raised as it was called, would name neither the sink
-    nor what a factory takes. A factory whose signature cannot be read is called as it is."""
-    try:
-        signature = inspect.signature(factory)
-    except (TypeError, ValueError):  # a builtin or C callable: no signature to check
-        return
-    try:
-        signature.bind(arg, **options)
-    except TypeError as error:
+    factory written with another signature: :func:`~nxl_hooks.arch.calls.unbound`)."""
+    if (why := unbound(factory, arg, **options)) is not None:
         name = getattr(factory, "__qualname__", type(factory).__name__)
         raise ValueError(f"sink {spec!r}: its factory {name} cannot be called as factory(ARG, **options) "
-                         f"({one_line(error)}): a sink kind's factory takes the text after 'KIND:' and the options; "
-                         "fix the package of that sink kind, or give another sink") from None
+                         f"({why}): a sink kind's factory takes the text after 'KIND:' and the options; "
+                         "fix the package of that sink kind, or give another sink")
 

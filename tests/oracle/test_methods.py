@@ -699,8 +699,9 @@ def test_evaluation_scores_a_method_from_a_test_file(lm):
 
 
 def test_a_new_built_in_method_file_is_in_evaluates_default_and_the_method_help(tmp_path):
-    """A built-in method is one file in nxl_hooks/method/methods (docs/methods.md): no other list to edit. Run in a
-    child process, whose package path gets the file before anything lists the methods."""
+    """A built-in method is one file in nxl_hooks/method/methods (docs/methods.md): no other list to edit (the
+    --method help names it with its description). Run in a child process, whose package path gets the file before
+    anything lists the methods."""
     (tmp_path / "test_positive.py").write_text(
         "class Positive:\n"
         "    name, description, pointwise = 'test_positive', 'max(LogAt, 0)', True\n"
@@ -715,7 +716,9 @@ def test_a_new_built_in_method_file_is_in_evaluates_default_and_the_method_help(
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     default = next(line for line in done.stdout.splitlines() if line.startswith("default:")).split()[1:]
     assert "test_positive" in default and "integrated_gradients" not in default
-    assert re.search(r"scores and ranks tokens:[^.]*\btest_positive\b", " ".join(done.stdout.split()))
+    # named with its description
+    assert re.search(r"scores and ranks tokens \(default normxlogit\):[^.]*\btest_positive, max\(LogAt, 0\)",
+                     " ".join(done.stdout.split()))
 
 
 def test_evaluation_gives_a_plain_class_that_contrasts_the_examples_foil(lm, monkeypatch):
