@@ -242,7 +242,8 @@ def add_method_option(parser: argparse.ArgumentParser) -> None:
     """--method: which attribution method ranks tokens (any registered one; the probe computes it)."""
     parser.add_argument("--method", type=parse_method, default="normxlogit", metavar="NAME",
                         help="the attribution method that scores and ranks tokens (default normxlogit): "
-                        + "; ".join(f"{name}, {get_method(name).description}" for name in builtin_names())
+                        + "; ".join(f"{name} ({get_method(name).description})".replace("%", "%%")
+                                    for name in builtin_names())
                         + "; or one registered in code or through the nxl_hooks.methods entry points")
 
 

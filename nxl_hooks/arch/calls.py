@@ -27,7 +27,7 @@ __all__ = ["SHORT", "unbound"]
 SHORT: Any = object()
 
 
-def unbound(function: Callable, *args: Any, **kwargs: Any) -> str | None:
+def unbound(function: Callable, /, *args: Any, **kwargs: Any) -> str | None:
     """Why ``function`` cannot be called with ``args`` and ``kwargs`` (the TypeError's message, on one line), checked
     against its signature without calling it; None where it can, or where its signature cannot be read (a builtin or
     C callable, taken as it is). Checked when a plugin's callable is registered or configured: its TypeError, raised

@@ -389,6 +389,18 @@ class Recorder:
         except Exception as error:  # noqa: BLE001 - never into the user's detach
             self._fail("this forward", error)
 
+    def _took_traced(self, output: Any, keep: Any) -> bool:
+        """Assemble this thread's last traced forward, if its blocks' hooks kept one (:meth:`_traced`), as the task
+        model ends: whether one was there. Never raises into the host's forward."""
+        try:
+            seen = self.plain.take()
+            if seen is None or seen.capture is None:
+                return False
+            self._traced(seen, output, keep)
+        except Exception as error:  # noqa: BLE001 - never into the host's forward
+            self._fail("this forward", error)
+        return True
+
     def _traced(self, seen: Traced, output: Any, keep: Any) -> None:
         """Assemble a plain forward that ran compiled (:meth:`~.traced.TracedForward.take`), whose task model gave
         ``output`` called with ``logits_to_keep`` ``keep``, checked as an eager one is at its start and between its
@@ -447,8 +459,8 @@ class Recorder:
                 run.fail("this call", replaced("backbone"))
             elif isinstance(run, Run) and not task.backbone_ran:  # the whole forward ran compiled
                 run.ran_compiled()
-        elif not task.blocks_ran and output is not None and (seen := self.plain.take()) and seen.capture is not None:
-            self._traced(seen, output, task.keep)  # its forward ran compiled, tracing the blocks' hooks
+        elif not task.blocks_ran and output is not None and self._took_traced(output, task.keep):
+            pass  # its forward ran compiled, tracing the blocks' hooks: assembled, or why not said
         elif not task.blocks_ran and output is not None and task.backbone_ran:
             self.results.last = self._replaced() or RuntimeError(
                 f"{type(self.plan.model).__name__} ran its backbone's hooks, but its blocks ran code compiled by "
@@ -591,8 +603,7 @@ class Recorder:
         if traced():
             if self._plain_traced():
                 self.plain.keep("embed", output.detach())
-                if args and isinstance(module, nn.Embedding):  # (as below)
-                    self.plain.keep("embed_ids", args[0])
+                self.plain.keep("embed_ids", args[0] if args and isinstance(module, nn.Embedding) else None)  # (below)
             return
         capture, calls = self._current(), self._peft_calls()
         if capture is None and not (calls and calls[-1][1]):  # the embedding called on its own, outside a forward
@@ -662,7 +673,8 @@ class Recorder:
         try:
             if not isinstance(given, torch.Tensor) or given.device != kept.device or given.data_ptr() == kept.data_ptr():
                 return False
-            if by_value and given.shape == kept.shape and torch.equal(given, kept):
+            if by_value and given.shape == kept.shape and given.dtype == kept.dtype and torch.allclose(
+                    given, kept, rtol=0, atol=0, equal_nan=True):  # (a NaN the model made is no change)
                 return False
         except Exception:  # noqa: BLE001 - a tensor subclass without storage (a DTensor): nothing tells
             return False

@@ -147,11 +147,13 @@ class TracedForward:
         as the forward says them now (a cache has grown by the time it is assembled), for the checks an eager
         forward has at its start (a KV cache it continues, packed rows, an engine's own forward), made in take()'s
         caller, outside the graph."""
-        task = self._slots.slot.seen or {}  # (the task model's, where its hooks were traced too)
+        seen = self._slots.slot.seen
+        # the task model's logits_to_keep where its start was traced too (not an earlier forward's, never taken)
+        keep = seen.get("keep") if seen is not None and "input_ids" not in seen else None
         self._slots.slot.seen = {
             "input_ids": arguments.get("input_ids"), "inputs_embeds": arguments.get("inputs_embeds"),
             "attention_mask": arguments.get("attention_mask"), "hidden": {}, "given": {}, "arguments": arguments,
-            "past": start(arguments)[0], "keep": task.get("keep")}
+            "past": start(arguments)[0], "keep": keep}
 
     def keep(self, name: str, value: Any) -> None:
         seen = self._slots.slot.seen

@@ -717,7 +717,7 @@ def test_a_new_built_in_method_file_is_in_evaluates_default_and_the_method_help(
     default = next(line for line in done.stdout.splitlines() if line.startswith("default:")).split()[1:]
     assert "test_positive" in default and "integrated_gradients" not in default
     # named with its description
-    assert re.search(r"scores and ranks tokens \(default normxlogit\):[^.]*\btest_positive, max\(LogAt, 0\)",
+    assert re.search(r"scores and ranks tokens \(default normxlogit\):[^.]*\btest_positive \(max\(LogAt, 0\)\)",
                      " ".join(done.stdout.split()))
 
 

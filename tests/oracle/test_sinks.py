@@ -333,6 +333,10 @@ def test_a_sink_factory_of_another_signature_or_a_sink_lacking_methods_is_refuse
         "sink 'partialsink:x': its factory returned _Partial, which lacks write_step, write_end: a sink has "
         "write_call, write_step, write_end and close (nxl.RecordSink); fix the package of that sink kind, or give "
         "another sink")
+    # a factory taking every option is called with any, one named as the signature check's parameter too (then its
+    # sink is refused for what it lacks)
+    with pytest.raises(ValueError, match="its factory returned _Partial, which lacks write_step"):
+        nxl.make_sink("partialsink:y", function="f")
 
 
 class _UnprintableExit(SystemExit):

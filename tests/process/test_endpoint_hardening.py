@@ -763,8 +763,8 @@ def test_a_users_folder_another_user_made_first_is_named_with_its_owner_and_a_wa
 class _NotNxl:
     """An HTTP server on 127.0.0.1 that is no nxl_hooks endpoint (``page``: a web page on every path), or one whose
     event stream ends at once (``ended``: as a recorded process that exits does), whose answers are cut short
-    (``cut``: the process died while answering), whose status is not one (``odd status``) or is nested too deep for
-    Python's parser (``nested``), or that never answers
+    (``cut``: the process died while answering), whose status is not one (``odd status``), has faults of other types
+    (``odd faults``) or is nested too deep for Python's parser (``nested``), or that never answers
     (``silent``: a stopped process)."""
 
     def __init__(self, kind: str) -> None:
@@ -788,6 +788,9 @@ class _NotNxl:
                     body, kind_of = b"<html>hello</html>", "text/html"
                 elif kind == "nested" and self.path.startswith("/v1/status"):
                     body, kind_of = b"[" * 200_000, "application/json"
+                elif kind == "odd faults" and self.path.startswith("/v1/status"):  # (an nxl_hooks of another version)
+                    body, kind_of = json.dumps({"pid": 1, "paused": False, "models": [
+                        {"name": "m", "unrecorded": 5, "head_kind": 3, "calls": 1}]}).encode(), "application/json"
                 elif kind == "odd status" and self.path.startswith("/v1/status"):
                     body, kind_of = json.dumps({"pid": 1, "paused": False, "models": [{"layers": 5}]}).encode(), \
                         "application/json"
@@ -807,6 +810,9 @@ class _NotNxl:
                 pass
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        # quiet when a client leaves first (tail hangs up a stream as it returns): its traceback on stderr is this
+        # server's, not one of the command's lines the tests count
+        self.server.handle_error = lambda request, client_address: None
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
@@ -858,3 +864,19 @@ def test_tail_and_ctl_say_when_they_reach_no_nxl_endpoint_or_its_stream_ends(tmp
         finally:
             ended.close()
         assert "nxl tail: the stream ended: the process exited" in capsys.readouterr().err
+
+
+def test_tail_says_in_one_line_that_it_cannot_read_a_status_of_another_shape(capsys, monkeypatch):
+    """A status whose faults are of other types (an nxl_hooks of another version) made tail's watcher die silently, and
+    every step then waited for it: tail says so in one line, before the stream's own end."""
+    monkeypatch.setenv("NXL_TOKEN", "t0ken")
+    server = _NotNxl("odd faults")
+    try:
+        cli_main(["tail", "--run", server.url])
+    finally:
+        server.close()
+    said = capsys.readouterr()
+    lines = (said.out + said.err).strip().splitlines()
+    (odd,) = [index for index, line in enumerate(lines) if "its faults cannot be shown" in line]
+    assert "AttributeError" in lines[odd] and server.url in lines[odd] and "Traceback" not in said.err
+    assert odd < next(index for index, line in enumerate(lines) if "the stream ended" in line)

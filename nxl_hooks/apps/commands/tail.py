@@ -24,7 +24,7 @@ token is made, never changed afterwards.
 While no token comes (at the start, once subscribed to every process, or for a while after the last token), a
 line on stderr says it waits. What a process does not record (its sink stopped writing, calls that run unrecorded)
 is a line of its own, ``!`` first, as soon as its status says so (what it says already when tail connects comes
-before the first step); so is a model whose requests are plain forwards (a classifier), once it has served one, and
+before that process's first step); so is a model whose requests are plain forwards (a classifier), once it has served one, and
 a causal LM once it has run a plain forward (``model(...)``): they make no token, and no line of tail's. A terminal
 that stops taking lines (a stalled pipe) holds up at most
 :data:`~nxl_hooks.hooks.subscription.LIVE_QUEUE` steps in tail; the steps past those are not shown, and once it
@@ -237,12 +237,13 @@ def run(args: argparse.Namespace) -> int:
             hang_up()
 
     def follow(endpoint, looked: threading.Event) -> None:
+        """Hand what ``endpoint`` streams to the printing thread, each item once the first look at its status
+        (``looked``) put its faults before them: a short --count still shows what the process already does not
+        record. A status that does not answer while a stream would be silent is not waited for."""
         behind = Behind(endpoint.name)
         try:
             for event, data in endpoint.events(f"/v1/stream?{urlencode(query)}", on_open=lambda: items.put(Opened()),
                                                on_connect=connected, timeout=silent):
-                # what the process already does not record comes before what it streams: a short --count still
-                # shows it (a status that does not answer while a stream would be silent is not waited for)
                 looked.wait(silent)
                 if stop.is_set():  # tail has returned: nobody reads these any more (the stream closes with the loop)
                     return
@@ -256,8 +257,10 @@ def run(args: argparse.Namespace) -> int:
                 elif event == "end":
                     behind.hand(items, Ended(data))
         except Exception as error:  # noqa: BLE001 - reported by the main thread
+            looked.wait(silent)
             if not stop.is_set():  # (hung up by tail's return: nobody reads it)
                 behind.hand(items, Failed(str(error) if isinstance(error, CliError) else f"{endpoint.name}: {error}"))
+        looked.wait(silent)
         if not stop.is_set():  # a stream that closes with no end (the program exited) still says its drops
             behind.hand(items, Closed())
 
@@ -267,18 +270,25 @@ def run(args: argparse.Namespace) -> int:
             status = endpoint.status(timeout=10)
         except Exception:  # noqa: BLE001 - the stream reports a process that went away
             return False
-        for model in status.get("models", []):
-            for fault in faults(model) + forward_calls(model):
-                text = f"! pid {status.get('pid')} {model.get('name')}: {fault}"
-                if text not in said:
-                    said.add(text)
-                    items.put(Fault(text))
+        try:
+            lines = [f"! pid {status.get('pid')} {model.get('name')}: {fault}"
+                     for model in status.get("models", []) for fault in faults(model) + forward_calls(model)]
+        except Exception as error:  # noqa: BLE001 - a status of another shape (another nxl_hooks version): said once
+            items.put(Fault(f"! {endpoint.name}: its faults cannot be shown, its status is not one this nxl tail "
+                            f"reads ({type(error).__name__}: {error}); run the same nxl_hooks version here"))
+            return False
+        for text in lines:
+            if text not in said:
+                said.add(text)
+                items.put(Fault(text))
         return True
 
     def watch_faults(endpoint, looked: threading.Event) -> None:
         said: set[str] = set()
-        alive = look_for_faults(endpoint, said)
-        looked.set()
+        try:
+            alive = look_for_faults(endpoint, said)
+        finally:  # (whatever happens: the follower waits for it)
+            looked.set()
         # (once stopped, the wait returns at once: the test comes first, or this loop would poll flat out)
         while alive and not stop.wait(_FAULT_POLL):
             alive = look_for_faults(endpoint, said)
