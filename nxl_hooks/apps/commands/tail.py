@@ -24,9 +24,9 @@ token is made, never changed afterwards.
 While no token comes (at the start, once subscribed to every process, or for a while after the last token), a
 line on stderr says it waits. What a process does not record (its sink stopped writing, calls that run unrecorded)
 is a line of its own, ``!`` first, as soon as its status says so (what it says already when tail connects comes
-before that process's first step); so is a model whose requests are plain forwards (a classifier), once it has served one, and
-a causal LM once it has run a plain forward (``model(...)``): they make no token, and no line of tail's. A terminal
-that stops taking lines (a stalled pipe) holds up at most
+before that process's first step); so is a model whose requests are plain forwards (a classifier), once it has
+served one, and a causal LM once it has run a plain forward (``model(...)``): they make no token, and no line of
+tail's. A terminal that stops taking lines (a stalled pipe) holds up at most
 :data:`~nxl_hooks.hooks.subscription.LIVE_QUEUE` steps in tail; the steps past those are not shown, and once it
 takes lines again one line, ``!`` first, says how many (``! run: 12 step(s) not shown: nxl tail fell behind``), as
 it says the steps the endpoint dropped. Every line goes through
