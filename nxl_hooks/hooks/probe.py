@@ -195,6 +195,10 @@ class Probe:
         return self._attachment.alive
 
     def __enter__(self) -> "Probe":
+        if not self.attached:  # its hooks are gone: the block's calls would run unrecorded, and nothing would say so
+            raise RuntimeError("this probe is detached (a `with` block ended it, or probe.detach()): the calls in "
+                               "this `with` block would not be recorded; attach again: "
+                               "`with nxl.attach(model, ...) as probe:`")
         return self
 
     def __exit__(self, *exc: object) -> None:

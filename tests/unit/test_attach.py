@@ -191,6 +191,18 @@ def test_stream_opened_after_detach_ends_at_once(model):
         probe.subscribe()
 
 
+def test_a_with_block_on_a_detached_probe_raises_rather_than_run_unrecorded(model, ids):
+    """A probe entered again after its first `with` block ended ran the second block's calls unrecorded, saying
+    nothing, and probe.steps still gave the first call's records as the last one's."""
+    probe = nxl.attach(model)
+    with probe:
+        model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
+    with pytest.raises(RuntimeError, match="this probe is detached .* attach again"):
+        with probe:
+            pass
+    assert len(probe.calls) == 1 and _hook_count(model) == 0
+
+
 def test_step_records_resolve_negative_layers(model, ids):
     with torch.no_grad(), nxl.attach(model, layers=[0, 1]) as probe:
         model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, pad_token_id=0)
