@@ -366,6 +366,12 @@ class GenerationCall:
         """``step`` as an :class:`Attribution` that knows its context's special and chat-template tokens, so that
         ``top()`` ranks what every output of the library ranks (:func:`~nxl_hooks.method.select.rankable`).
         ``call.attribution(call.steps[-1]).top(3)``"""
+        linked = step._linked()
+        # another call's step would rank by this call's prompt: its special and template tokens at other positions
+        # (a shallow copy of a call shares the original's steps, linked to the original)
+        if linked is not None and linked is not self and not any(own is step for own in self.steps):
+            raise ValueError("this step is another call's, whose prompt is its context: rank it with that call's "
+                             "attribution(step), or step.to_attribution()")
         return step.to_attribution(special=self.context_special(step.position),
                                    template=self.context_template(step.position))
 

@@ -237,6 +237,24 @@ def test_a_pipeline_with_chat_messages_records_where_the_template_is(world):
     assert {p for p, _, _ in res.top(100)} == ranked | set(range(len(ids), step.position - 1))
 
 
+def test_a_call_refuses_to_rank_another_calls_step_by_its_own_prompt(world):
+    """``probe.calls[1].attribution(probe.calls[0].steps[0])`` ranked the chat call's step by the plain call's prompt:
+    the template's markers ranked, silently. It is refused; its own call (and a shallow copy of
+    it, which shares its steps) ranks it as ``step.to_attribution()`` does."""
+    import copy
+
+    model, tok, _ = world
+    chat, ids, ranked = _chat_pipeline(model, tok, 2)
+    with nxl.attach(model, tokenizer=tok, layers="last") as probe:
+        model.generate(**tok([QUESTION], return_tensors="pt"), max_new_tokens=2, do_sample=False)
+    (plain,) = probe.calls
+    step = chat.steps[0]
+    with pytest.raises(ValueError, match="this step is another call's, whose prompt is its context"):
+        plain.attribution(step)
+    assert {p for p, _, _ in chat.attribution(step).top(100)} == ranked | set(range(len(ids), step.position - 1))
+    assert copy.copy(chat).attribution(step).top(100) == step.to_attribution().top(100)
+
+
 def test_a_template_of_the_wrong_shape_is_refused(world):
     model, tok, _ = world
     res = nxl.explain(model, tok, QUESTION, chat=True)
