@@ -304,9 +304,12 @@ class Recorder:
 
     def _own_loop(self, past: int) -> str:
         """A decoding loop of the user's (said once per probe; its every forward's result says it)."""
-        why = (f"the last forward continued a KV cache holding {past} positions (past_key_values) that ran before "
-               "the probe saw them, so its tokens' context is unknown and it was not recorded; run the whole "
-               "sequence in one forward, or decode with generate, which nxl_hooks follows step by step")
+        # (filled before attaching, or by forwards of the user's under the probe: each is recorded alone, so either
+        # way this one's context is in no record)
+        why = (f"the last forward continued a KV cache holding {past} positions (past_key_values) filled by other "
+               "forwards (before the probe, or earlier ones of your own: each plain forward is recorded alone), so "
+               "its tokens' context is unknown and it was not recorded; run the whole sequence in one forward, or "
+               "decode with generate, which nxl_hooks follows step by step")
         if not self._told_cached:
             self._told_cached = True
             logger.warning("nxl_hooks: %s", why)

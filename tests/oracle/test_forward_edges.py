@@ -181,10 +181,11 @@ def test_a_batch_explained_with_a_left_padding_tokenizer_keeps_each_texts_own_po
         torch.testing.assert_close(res.normxlogit[:, row, :n], expected[:, 0], rtol=1e-4, atol=1e-5)
 
 
-def test_a_forward_that_continues_a_kv_cache_the_probe_never_saw_is_said_not_recorded(caplog):
-    """A hand-written decoding loop: its tokens' context is in a cache the probe never saw, so its forwards are not
-    recorded, said once per probe (it was recorded over its own tokens alone, with the whole mask: a record that
-    could not be read, ranked or saved), and the model's outputs are its own."""
+def test_a_forward_that_continues_a_kv_cache_of_other_forwards_is_said_not_recorded(caplog):
+    """A hand-written decoding loop: its tokens' context is in a cache its first forward filled, recorded alone, so
+    its forwards are not recorded, said once per probe (it was recorded over its own tokens alone, with the whole
+    mask: a record that could not be read, ranked or saved), and the model's outputs are its own. The reason said
+    the cache's positions "ran before the probe saw them", which the probe had seen: it names both ways."""
     model = tiny.build_model("llama")
     ids = _ids(2, 8)
 
@@ -199,7 +200,8 @@ def test_a_forward_that_continues_a_kv_cache_the_probe_never_saw_is_said_not_rec
             attached = loop()
     for a, b in zip(attached, plain):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    with pytest.raises(ValueError, match=r"continued a KV cache holding 7 positions .* decode with generate"):
+    with pytest.raises(ValueError, match=r"continued a KV cache holding 7 positions \(past_key_values\) filled by "
+                       r"other forwards \(before the probe, or earlier ones of your own.* decode with generate"):
         probe.result()
     assert len([r for r in caplog.records if "continued a KV cache" in r.getMessage()]) == 1
     # one cache, one call not recorded (not one per token), said where the operator reads it
