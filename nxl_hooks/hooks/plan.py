@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ..arch.registry import ArchSpec, HeadKind, word_embedding
+from ..arch.text import one_line
 from ..method import scores as _scores
 from ..method.chat import locate_template
 from ..method.head import Head
@@ -368,9 +369,18 @@ def check_recording(plan: Plan, *, on_step: Any, sink: Any, keep_steps: Any, kee
                          "torch.float16) or None for the model's own")
     if cache_device is not None:
         try:
-            torch.device(cache_device)
+            device = torch.device(cache_device)
         except (RuntimeError, TypeError, ValueError):
             raise ValueError(f"cache_device={cache_device!r} is not a device: use e.g. 'cpu' or 'cuda:0'") from None
+        # one no tensor can go to failed every call at its first forward ('cuda' on a CPU build of torch), and the meta
+        # device, which holds no data, every record, as if the scoring had returned no data
+        if device.type == "meta":
+            raise ValueError(f"cache_device={cache_device!r} holds no data: use e.g. 'cpu' or 'cuda:0'")
+        try:
+            torch.empty(0, device=device)
+        except (RuntimeError, AssertionError) as error:  # (a CPU build says "not compiled with CUDA" by an assert)
+            raise ValueError(f"cache_device={cache_device!r} cannot hold tensors here ({one_line(error)}): use "
+                             "'cpu' or a device this torch has") from None
 
 
 def run_eagerly(model: nn.Module) -> Callable[[], None]:

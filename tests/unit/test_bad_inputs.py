@@ -150,6 +150,12 @@ ATTACH = cases(
     ("cache_dtype=float", {"cache_dtype": float}, "cache_dtype=<class 'float'>: use a floating-point"),
     ("cache_device='nodev'", {"cache_device": "nodev"}, "cache_device='nodev' is not a device"),
     ("cache_device=3.5", {"cache_device": 3.5}, "cache_device=3.5 is not a device"),
+    # accepted, then every call not recorded: a CUDA device on a CPU build ("AssertionError: Torch not compiled with
+    # CUDA enabled"), the meta device ("attribution method 'normxlogit' returned a tensor on the meta device")
+    ("cache_device='meta'", {"cache_device": "meta"}, r"^cache_device='meta' holds no data: use e.g. 'cpu'"),
+    *([] if torch.cuda.is_available() else [
+        ("cache_device='cuda', no CUDA", {"cache_device": "cuda"},
+         r"^cache_device='cuda' cannot hold tensors here \(.*CUDA.*\): use 'cpu' or a device this torch has$")]),
     # a method's settings against the head, at attach (an out-of-range foil failed every forward, or read -1 as the
     # last output)
     ("foil=vocab size", {"methods": [Contrastive(foil=_VOCAB)]},
