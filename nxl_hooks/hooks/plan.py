@@ -21,6 +21,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
+from ..arch.calls import unbound
 from ..arch.registry import ArchSpec, HeadKind, word_embedding
 from ..arch.text import one_line
 from ..method import scores as _scores
@@ -356,6 +357,10 @@ def check_recording(plan: Plan, *, on_step: Any, sink: Any, keep_steps: Any, kee
         )
     if on_step is not None and not callable(on_step):
         raise ValueError(f"on_step={on_step!r}: give a function that takes a Step")
+    # (its TypeError came at the first step, ending that call's records, and said in every call's error)
+    if on_step is not None and (why := unbound(on_step, None)) is not None:
+        raise ValueError(f"on_step={getattr(on_step, '__qualname__', type(on_step).__name__)} cannot be called as "
+                         f"on_step(step) ({why}): give a function that takes a Step")
     if sink is not None:
         sink_factory(sink)  # a spec that names no sink kind is refused here, before any file is opened
     numpy_bool = type(keep_steps).__module__ == "numpy" and type(keep_steps).__name__ in ("bool", "bool_")

@@ -137,6 +137,12 @@ ATTACH = cases(
     ("tokenizer=object", {"tokenizer": object()}, r"tokenizer=<object> is not a tokenizer \(it has no len\(\)"),
     ("on_step=3", {"on_step": 3}, "on_step=3: give a function"),
     ("on_step='print'", {"on_step": "print"}, "on_step='print': give a function"),
+    # accepted, then each call's records ended at its first step, on the TypeError of calling it
+    ("on_step taking nothing", {"on_step": lambda: None},
+     r"^on_step=<lambda> cannot be called as on_step\(step\) \(too many positional arguments\): give a function that "
+     "takes a Step$"),
+    ("on_step taking two", {"on_step": lambda step, call: None},
+     r"^on_step=<lambda> cannot be called as on_step\(step\) \(missing a required argument: 'call'\)"),
     ("sink=3", {"sink": 3}, "sink=3: give a file path"),
     ("sink=list", {"sink": ["a"]}, r"sink=\['a'\]: give a file path"),
     ("keep_steps='no'", {"keep_steps": "no"}, r"keep_steps='no': give True \(keep the records"),  # (was kept)
