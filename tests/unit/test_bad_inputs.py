@@ -300,6 +300,17 @@ def test_detach_all_of_no_model_says_what_to_give(given):
         nxl.detach_all(given)
 
 
+@pytest.mark.parametrize("size", [0, -1, 2.5, True, "3"])
+def test_a_subscription_size_that_is_no_whole_number_of_records_is_refused(lm, size):
+    """0 and -1 were refused, but 2.5 held 3 records (its warning said it fell 2 behind), True one, and "3" raised a
+    TypeError of the comparison: each is refused in one line; a numpy integer is a fine size."""
+    with nxl.attach(lm) as probe:
+        with pytest.raises(ValueError, match=rf"^size={re.escape(repr(size))}: give how many records a subscription "
+                                             r"may hold \(1 or more\), or None$"):
+            probe.subscribe(size=size)
+        assert probe.subscribe(size=np.int64(2)).size == 2
+
+
 def test_a_numpy_bool_is_a_fine_keep_steps(lm):
     with nxl.attach(lm, keep_steps=np.False_) as probe:
         lm.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=1, do_sample=False)
