@@ -302,19 +302,22 @@ class GenerationCall:
     ended: float | None = None
 
     def __repr__(self) -> str:
-        """A summary, never the tensors: request, prompt size, steps, state and row 0's generated text (up to its end
-        token: generate's padding after it left out, as :attr:`texts` leaves it out), control and format characters
+        """A summary, never the tensors: request, prompt size, steps, state and row 0's generated text (as its tokenizer
+        decodes it, up to its end token: generate's padding after it left out, as :attr:`texts` leaves it out), control and format characters
         shown escaped (:func:`~nxl_hooks.records.tokens.printable`). ``print(call)``"""
         prompt = "?" if self.prompt_mask is None else f"{self.prompt_mask.shape[0]} x {self.prompt_mask.shape[1]}"
         prompt += " embeddings (no token ids or texts)" if self.prompt_embedded else " tokens"
         made = self.made(0)
-        text = "".join(step.token_name(0) for step in made[:40])
+        names = [step.token_name(0) for step in made[:40]]
+        # joined as its tokenizer's decode joins them (a word-level one's words read 'w32w17' run together before)
+        text = (plain_text(names, self.separator, self.continuation, self.cleanup, self.clean_up_spaces)
+                if all(step.readable for step in made[:40]) else "".join(names))
         # its error shown escaped: a file's end frame may hold any text (an escape sequence, a bidi override)
         state = "complete" if self.complete else ("stopped: " + printable(self.error) if self.error else "running")
         return (f"<GenerationCall {self.index} request {self.request_id!r}: prompt {prompt}, "
                 f"{len(self.steps)} step(s), {state}, layers {layers_text(self.layers)}"
                 + (", chat template located" if self.prompt_template is not None else "")
-                + f"; generated '{text}" + ("…" if len(made) > 40 else "") + "'>")
+                + f"; generated '{printable(text)}" + ("…" if len(made) > 40 else "") + "'>")
 
     @property
     def texts(self) -> list[str] | None:

@@ -69,13 +69,16 @@ def test_attribution_repr_shows_each_target_of_a_row_with_its_own_top_tokens():
 
 def test_step_and_call_reprs_are_summaries(world):
     model, tok, _ = world
+    inputs = tok(PROMPT, return_tensors="pt")
     with nxl.attach(model, tokenizer=tok) as probe:
-        model.generate(**tok(PROMPT, return_tensors="pt"), max_new_tokens=3, do_sample=False)
+        out = model.generate(**inputs, max_new_tokens=3, do_sample=False)
     call = probe.calls[-1]
     step = call.steps[1]
     assert "tensor(" not in repr(step) + repr(call)
     assert f"token '{step.readable[0]}' (id {int(step.token[0])}, p {float(step.probability[0]):.3g})" in repr(step)
-    generated = "".join(s.readable[0] for s in call.steps)
+    # the text as the tokenizer decodes it: a word-level tokenizer's words were run together ('w32w17w82')
+    generated = tok.decode(out[0, inputs["input_ids"].shape[1]:])
+    assert " " in generated
     assert repr(call).endswith(f"generated '{generated}'>") and "3 step(s), complete" in repr(call)
     # the top context positions of the step: the oracle's best positions at the last layer
     scores = step.normxlogit[-1, 0].clone()
