@@ -23,6 +23,7 @@ then (its sink is closed, its records stay readable).
 
 from __future__ import annotations
 
+import numbers
 import threading
 import time
 import warnings
@@ -254,11 +255,16 @@ class Probe:
         self._hub.settle()
         return self._hub.sink_fault
 
-    def flush(self, timeout: float = 10.0) -> bool:
+    def flush(self, timeout: float | None = 10.0) -> bool:
         """Wait until every record made so far is in :attr:`calls` and written by the sink (records reach the sink
         from a thread of their own, so that generation never waits for it); whether that happened within
-        ``timeout`` seconds. Leaving the ``with`` block flushes too; after it, a sink still busy when the probe
-        detached is waited for. ``probe.flush(); nxl.read_stream(path)``"""
+        ``timeout`` seconds (None: however long it takes). Leaving the ``with`` block flushes too; after it, a sink
+        still busy when the probe detached is waited for. ``probe.flush(); nxl.read_stream(path)``"""
+        # ('x' raised a TypeError from deep in threading, and -1 returned False as if the sink were behind)
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
+                                    or not timeout >= 0):
+            raise ValueError(f"timeout={timeout!r}: give the seconds to wait (0 or more), or None to wait until "
+                             "every record is written")
         return self._hub.flush(timeout)
 
     @property

@@ -311,6 +311,17 @@ def test_a_subscription_size_that_is_no_whole_number_of_records_is_refused(lm, s
         assert probe.subscribe(size=np.int64(2)).size == 2
 
 
+@pytest.mark.parametrize("timeout", ["x", -1, float("nan"), True])
+def test_a_flush_timeout_that_is_no_number_of_seconds_is_refused(lm, timeout):
+    """"x" raised a TypeError from deep in threading, and -1 returned False, as if the sink were behind: each is
+    refused in one line; None (however long it takes) and a numpy number are fine."""
+    with nxl.attach(lm) as probe:
+        with pytest.raises(ValueError, match=rf"^timeout={re.escape(repr(timeout))}: give the seconds to wait"):
+            probe.flush(timeout)
+        lm.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=1, do_sample=False)
+        assert probe.flush(None) and probe.flush(np.float64(5)) and len(probe.steps) == 1
+
+
 def test_a_numpy_bool_is_a_fine_keep_steps(lm):
     with nxl.attach(lm, keep_steps=np.False_) as probe:
         lm.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=1, do_sample=False)
