@@ -4,7 +4,8 @@
 - ``probe.calls`` keeps the last ``keep_calls`` calls (all by default), and every call still running, and unless
   ``keep_steps=False`` their steps;
 - ``on_step(step)`` runs in the thread that runs ``generate``; an exception it raises never reaches ``generate``
-  (nor a continuous-batching manager's loop): that call (request) stops being recorded there, keeping the records
+  (nor a continuous-batching manager's loop; ``KeyboardInterrupt`` and ``SystemExit`` do, which is how Ctrl-C and
+  ``nxl attribute --generate | head`` end it): that call (request) stops being recorded there, keeping the records
   the callback was handed, the one it raised on the last (also where several are scored together: a compiled
   call's), its error and one line in the log saying so;
 - a subscription (bounded: a reader that falls behind loses its oldest records, counted, never stalling the
