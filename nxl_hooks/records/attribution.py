@@ -447,15 +447,21 @@ class Attribution:
 
     def target_label(self, row: int = 0, label: int = 0) -> str:
         """One explained target as every output names it: ``'Paris' -> '␣Paris' (id 7042, p 0.773)`` (the request
-        is shown when it was read as another text)."""
+        is shown when it was read as another text; a word of several tokens: ``(id 7042, p 0.773, the first of its 4
+        tokens)``)."""
         infos = self.target_info(row)
         info = infos[label_index(label, len(infos))]
         text = info["text"] if info["text"] is not None else str(info["id"])
         how = self.resolution(row, label)
         request = how["request"] if how and isinstance(how["request"], str) and how["request"] != text else None
         prob = "" if info["probability"] is None else f", p {info['probability']:.3g}"
+        # a word of several tokens explains its first: said where the target is named, not only in meta's note
+        # ('Berlin' -> '␣' read as if '␣' were the word)
+        tokens = len(how.get("tokens") or ()) if how else 0
+        first = f", the first of its {tokens} tokens" if tokens > 1 and how["how"] == "word" else ""
         # quoted as they are: readable texts are escaped already (repr would double their backslashes)
-        return (f"'{printable(request)}' -> " if request is not None else "") + f"'{text}' (id {info['id']}{prob})"
+        return ((f"'{printable(request)}' -> " if request is not None else "")
+                + f"'{text}' (id {info['id']}{prob}{first})")
 
     def norm_spread(self, row: int = 0) -> float:
         """Coefficient of variation of the embedding norms over the tokens of a row that rank; see

@@ -301,6 +301,9 @@ def test_a_word_of_several_tokens_explains_the_first_and_says_so(model, tok):
     assert int(res.target[0]) == piece_id(tok, "ĠParis")
     note = res.meta["targets"][0][0]["note"]
     assert "'Parisians' is 4 tokens here" in note and "only the first, ␣Paris, is explained" in note
+    # said where the target is named too (the repr, views, HTML): it was only in meta's note
+    assert res.target_label().startswith("'Parisians' -> '␣Paris' (id ") and "the first of its 4 tokens)" in repr(res)
+    assert "tokens)" not in nxl.explain(model, tok, PROMPT, target="Paris").target_label()
     # attach has no prompt to read the word after: refused, its tokens named as every output shows them (they were
     # the raw pieces ['ĠParis', ...]); the piece is offered as what a target may name
     ids = tok.encode(" Parisians", add_special_tokens=False)
