@@ -324,6 +324,14 @@ class Head:
                     step = self._step_on(index, step, device)
                     hidden = hidden.to(module_device(step))
             hidden = _unhooked(step, hidden)
+        # a Linear computes in its weight's dtype only: where the steps before it give float32 on a 16-bit model
+        # (Mamba's norm_f on its float32 residual stream), the model's own head casts to that dtype, and so does this
+        # (a weight wider than its input is autocast's, which picks the product's dtype itself)
+        readout = self.readout.now if isinstance(self.readout, _Through) else self.readout
+        weight = getattr(readout, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dtype.is_floating_point \
+                and weight.dtype.itemsize < hidden.dtype.itemsize:
+            hidden = hidden.to(weight.dtype)
         return hidden
 
     def _post_values(self) -> list[tuple[Callable[[torch.Tensor, float], torch.Tensor], float]]:

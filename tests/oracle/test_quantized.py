@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import big_models as big
+import nxl_hooks as nxl
 
 bnb = pytest.importorskip("bitsandbytes")
 from transformers import BitsAndBytesConfig  # noqa: E402
@@ -172,6 +173,29 @@ def test_half_precision_per_family(monkeypatch, case_id, dtype):
     monkeypatch.setattr(arch, "_TOL", dict(rtol=3e-2, atol=6e-2))
     case = arch.CASES[case_id]
     arch._check_against_oracle(case, case.build().to(dtype))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("kind", ["mamba", "mamba2", "falcon_mamba"])
+def test_a_half_precision_state_space_model_is_read_out_in_its_heads_dtype(kind, dtype):
+    """Mamba's blocks keep their residual stream in float32 (residual_in_fp32), so on a 16-bit model norm_f gives
+    float32 and the model casts it to lm_head's dtype: the head-on-top does too (it raised a dtype mismatch, and
+    generic discovery refused the model). Every layer against the oracle, l = L the model's own logit to the bit."""
+    import oracle
+    import tiny
+
+    model = tiny.generating_state_space(kind).to(dtype)
+    hand = oracle.state_space(model)
+    hand.head = oracle.then(lambda h: h.to(dtype), hand.head)
+    ids = torch.randint(0, tiny.GEN_VOCAB - 1, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), nxl.attach(model, layers="all") as probe:
+        out = model(input_ids=ids, output_hidden_states=True)
+    res = probe.result()
+    logits = hand.layer_logits(hand.states(ids, out.hidden_states))
+    expected, _ = oracle.normxlogit(logits, model.backbone.embeddings(ids), res.target)
+    torch.testing.assert_close(res.logat, expected, rtol=3e-2, atol=6e-2)
+    own = out.logits[:, -1].gather(-1, res.target[:, None])[:, 0]
+    assert torch.equal(res.logat[-1, :, -1], own.float())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
