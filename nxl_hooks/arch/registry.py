@@ -275,7 +275,9 @@ def _discover(model: nn.Module, kind: HeadKind) -> ArchSpec | None:
     if norm is None:
         return None
     head_name = {"causal_lm": "lm_head", "sequence_classification": "score"}.get(kind)
-    if blocks is None or not isinstance(getattr(model, head_name or "", None), nn.Linear):
+    head = getattr(model, head_name or "", None)
+    # a Linear, or PEFT's wrapper of one (LoRA on lm_head; the modules_to_save copy of a SEQ_CLS adapter's score)
+    if blocks is None or not isinstance(head, nn.Module) or readout_outputs(head) is None:
         return None
     holder = blocks.rpartition(".")[0]
     backbone = holder if "." in holder and takes_input_ids(get_path(model, holder)) else None

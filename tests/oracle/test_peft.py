@@ -68,6 +68,28 @@ def test_lora_classifier_modules_to_save_head():
                 oracle.rms_norm(model.model.norm))
 
 
+@pytest.mark.parametrize("task", ["CAUSAL_LM", "SEQ_CLS"])
+def test_lora_on_the_head_of_a_family_generic_discovery_serves(task):
+    """OLMo (no registry entry) with LoRA on lm_head, or a SEQ_CLS adapter's modules_to_save copy of score:
+    discovery took only a bare Linear for the head, so PEFT's wrapper made the model "not supported"."""
+    import test_architectures as arch
+    import transformers as tf
+
+    cls = tf.OlmoForCausalLM if task == "CAUSAL_LM" else tf.OlmoForSequenceClassification
+    model = arch.Case(arch._cfg(tf.OlmoConfig, **dict(arch._GQA, vocab_size=big.VOCAB)), cls, oracle.olmo).build()
+    targets = ["q_proj", "lm_head"] if task == "CAUSAL_LM" else ["q_proj"]
+    peft_model = get_peft_model(model, LoraConfig(task_type=task, r=4, target_modules=targets,
+                                                  init_lora_weights=False)).eval()
+    if task == "CAUSAL_LM":
+        adapted, base = _lora_head(model.lm_head), oracle.linear(model.lm_head.base_layer)
+    else:
+        wrapper = model.score
+        with torch.no_grad():  # the adapter's trained copy of the head, unlike the base one
+            wrapper.modules_to_save["default"].weight.add_(torch.randn_like(wrapper.original_module.weight))
+        adapted, base = oracle.linear(wrapper.modules_to_save["default"]), oracle.linear(wrapper.original_module)
+    _check_both(peft_model, adapted, base, oracle.plain_layer_norm)
+
+
 @pytest.mark.parametrize("case_id", big.ONE_PER_FAMILY)
 def test_lora_blocks_per_family(case_id):
     """LoRA on every block Linear of each family: the blocks' outputs change, the hand-written head still applies."""
