@@ -61,9 +61,10 @@ __all__ = [
 
 # Config values that some *ForCausalLM apply to the logits after lm_head. Their meaning varies by family
 # (HyperCLOVA X multiplies by logits_scaling, Granite divides by it), so discovery refuses such a model
-# rather than give numbers that miss the model's own logits; a registry entry names the step.
-_LOGIT_POST_ATTRIBUTES = ("final_logit_softcapping", "logit_scale", "logits_scaling", "lm_head_multiplier",
-                          "logits_mup_width_multiplier")
+# rather than give numbers that miss the model's own logits; a registry entry names the step. (RecurrentGemma
+# softcaps by logits_soft_cap.)
+_LOGIT_POST_ATTRIBUTES = ("final_logit_softcapping", "logits_soft_cap", "logit_scale", "logits_scaling",
+                          "lm_head_multiplier", "logits_mup_width_multiplier")
 
 _DISCOVERED = "generic discovery"
 

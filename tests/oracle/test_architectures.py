@@ -599,6 +599,18 @@ def test_logit_post_processing_blocks_discovery(private_registry):
     _check_against_oracle(case, model)
 
 
+def test_a_recurrent_gemma_softcap_is_named_in_the_refusal(private_registry):
+    """RecurrentGemma softcaps by config.logits_soft_cap: the refusal named no setting (the guess's numbers were
+    only "not confirmed"); it names it and the step to add, and that registration is the model's own head."""
+    model = Case(_cfg(tf.RecurrentGemmaConfig, **dict(_DEC, num_hidden_layers=3), lru_width=32, logits_soft_cap=2.0),
+                 tf.RecurrentGemmaForCausalLM, oracle.gemma).build()
+    with pytest.raises(nxl.UnknownArchitectureError, match=r"\(logits_soft_cap=2.0\).*'softcap:"):
+        nxl.attach(model)
+    nxl.register_architecture("recurrent_gemma", blocks="model.layers",
+                              heads={"causal_lm": ["model.final_norm", "lm_head", "softcap:logits_soft_cap"]})
+    nxl.attach(model).detach()  # checked against the model's own logits at attach
+
+
 class ScaledOlmoForCausalLM(tf.OlmoForCausalLM):
     """A family that scales its logits by a factor no config value names (Inkling divides by a muP multiplier)."""
 
