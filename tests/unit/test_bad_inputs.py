@@ -1124,6 +1124,8 @@ TOML = cases(
      "step 'softcap:c': logit post-processing comes after the readout"),
     ("post-processing without attribute", '[x]\nblocks = "model.layers"\nheads.causal_lm = ["lm_head", "scale:"]\n',
      "step 'scale:': name a config attribute"),
+    ("post-processing bare", '[x]\nblocks = "model.layers"\nheads.causal_lm = ["lm_head", "softcap"]\n',
+     "step 'softcap': name a config attribute after it, 'softcap:<attr>'"),
     ("act without attribute", '[x]\nblocks = "model.layers"\nheads.causal_lm = ["act:", "lm_head"]\n',
      "step 'act:': name a config attribute"),
     ("ends with a function", '[x]\nblocks = "model.layers"\nheads.causal_lm = ["model.norm", "lm_head", "tanh"]\n',
