@@ -1080,6 +1080,32 @@ def test_a_causal_lms_plain_forwards_are_kept_once_each_beside_its_generate_call
         controller.close()
 
 
+def test_keep_calls_holds_across_a_pause_and_resume(tiny, tmp_path):
+    """--keep-calls N keeps N generate calls in memory in all: the calls of a probe a pause (or nxl ctl attach) took
+    off make room for the new probe's. They were kept beside N of the new one's, 2N in memory and in status."""
+    from nxl_hooks.apps.serve.controller import Controller
+    from nxl_hooks.hooks.generate import REQUEST_ID
+
+    served = LlamaForCausalLM.from_pretrained(tiny.path).eval()
+    controller = Controller(Settings(run_dir=tmp_path / "run", keep_calls=2))
+    controller.adopt(served, str(tiny.path))
+    ids = tiny.tokenizer("hello world how are you", return_tensors="pt")["input_ids"]
+    try:
+        for index in range(4):
+            if index == 2:
+                controller.pause()
+                controller.resume()
+            token = REQUEST_ID.set(f"g{index}")
+            with torch.no_grad():
+                served.generate(ids, max_new_tokens=2, do_sample=False)
+            REQUEST_ID.reset(token)
+        (model,) = controller.status()["models"]
+        assert model["calls"] == 2
+        assert [record.request_id for _, record, _ in controller.records()] == ["g2", "g3"]
+    finally:
+        controller.close()
+
+
 def test_a_model_the_program_compiles_whole_runs_under_nxl_run(tiny, tmp_path):
     """The program's torch.compile(model, fullgraph=True) under nxl run: the run's keeper of plain forwards is traced
     with the model's hooks and adds no graph break (it raised dynamo's Unsupported into the program's call); the

@@ -27,6 +27,7 @@ model), never in the host's generation thread, through bounded subscriptions (:c
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import os
@@ -180,6 +181,11 @@ class Watch:
         """(record, meta) of this model's calls and forwards in memory, oldest first (by when they started)."""
         probe = self.probe
         live = [(call, probe.describe()) for call in probe.calls] if probe is not None else []
+        # the probe keeps its own last keep_calls; those of the probes before it (a pause, an `nxl ctl attach`) only
+        # fill what it leaves, so the model holds keep_calls in all, not that many more per probe it carried
+        with contextlib.suppress(IndexError):  # (two readers trimming at once: the other took the last one)
+            while self.retired and len(self.retired) + len(live) > self.retired.maxlen:
+                self.retired.popleft()
         return sorted(list(self.retired) + live + [(forward, forward.attribution.meta) for forward in self.forwards],
                       key=_started)
 
