@@ -364,6 +364,11 @@ CASES = [
     ("run parquet sink in a missing folder", ["run", "--sink", "parquet:{root}/nope/x.parquet", "--", "true"],
      r"--sink parquet:.*/nope/x.parquet: the folder .*/nope does not exist \(the sink makes no folder\); create the "
      r"folder or pick another path$"),
+    # the sink would be refused in the program, said in its log only: the program ran unrecorded
+    ("run parquet sink of no file", ["run", "--sink", "parquet:", "--", "true"],
+     r"--sink parquet: names no file: give the file the sink writes after the colon \(parquet:PATH\)$"),
+    ("run file sink that is a folder", ["run", "--sink", "file:{outdir}", "--", "true"],
+     r"--sink file:.*/outdir: .*/outdir is a folder, and a file sink writes one file: give a file's path"),
     ("run file sink per model in a missing folder", ["run", "--sink", "file:{root}/nope/{{model}}/x.nxl", "--", "true"],
      r"--sink file:.*/nope/\{model\}/x.nxl: the folder .*/nope does not exist"),
     # written twice: refused before the program starts, as resolving it in the program would refuse it

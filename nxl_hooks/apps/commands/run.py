@@ -83,10 +83,17 @@ def sink_kind(value: str | None, python: str | None = None, *, target: bool = Fa
 
 def _check_sink_folder(value: str) -> None:
     """A :class:`CliError` when ``--sink KIND:PATH`` of a kind that writes one file (``parquet:``, ``file:``) names
-    a folder that is not there or takes no file: the sink makes no folder, so the program would run unrecorded, said
-    in one line of its log. Only the part of PATH before ``{model}`` (each model's name, filled in the program) is
+    no file, a folder, or a file in a folder that is not there or takes no file: the sink makes no folder, so the
+    program would run unrecorded, said in one line of its log. Only the part of PATH before ``{model}`` (each model's name, filled in the program) is
     known here: its folder is checked."""
-    known = value.partition(":")[2].partition("{model}")[0]
+    kind, _, arg = value.partition(":")
+    known = arg.partition("{model}")[0]
+    if not arg.strip():
+        raise CliError(f"--sink {value} names no file: give the file the sink writes after the colon "
+                       f"({kind}:PATH)")
+    if known == arg and os.path.isdir(arg):
+        raise CliError(f"--sink {value}: {arg} is a folder, and a {kind} sink writes one file: give a file's path "
+                       "(a file in it, or elsewhere)")
     check_file_folder(os.path.dirname(known) or ".", value, "--sink", makes=" (the sink makes no folder)")
 
 
