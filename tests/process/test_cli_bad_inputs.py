@@ -389,6 +389,8 @@ CASES = [
     ("tail http without token", ["tail", "--run", "http://127.0.0.1:9"], r"needs its bearer token: pass --token-file"),
     ("tail token file not there", ["tail", "--run", "http://127.0.0.1:9", "--token-file", "{root}/nope"],
      r"no token file at .*nope: give the token file of the run"),
+    ("tail token file empty", ["tail", "--run", "http://127.0.0.1:9", "--token-file", "{empty_token}"],
+     r"empty_token does not hold a bearer token \(one word of printable ASCII\): give the token file nxl run"),
     ("ctl run is a file", ["ctl", "status", "--run", "{existing_html}"], r"no run folder or control socket there"),
     ("ctl https", ["ctl", "pause", "--run", "https://127.0.0.1:9"], r"speaks plain HTTP on loopback; use http://"),
     ("ctl unknown action", ["ctl", "stop"], r"argument action: invalid choice: 'stop'"),
@@ -508,6 +510,8 @@ def where(tmp_path_factory) -> dict[str, str]:
     os.mkfifo(root / "fifo")  # special files where results would go: never replaced by one
     (root / "link").symlink_to(root / "existing.html")
     paths["fifo"], paths["link"] = str(root / "fifo"), str(root / "link")
+    (root / "empty_token").touch(mode=0o600)  # a token file of the right mode holding nothing
+    paths["empty_token"] = str(root / "empty_token")
     for key, planted in (("linked_part", "parts/part-0.jsonl"), ("linked_records", "records.jsonl")):
         (root / key / planted).parent.mkdir(parents=True)  # a run folder with a link where the run writes
         (root / key / planted).symlink_to(root / "existing.html")

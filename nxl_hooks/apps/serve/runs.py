@@ -243,8 +243,9 @@ def read_token(path: Path) -> str:
 
 def bearer(token: str, source: str) -> str:
     """``token`` if it can go in an ``Authorization`` header (printable ASCII, no space), else ValueError naming
-    ``source``: http.client's own refusal quotes the header, token and all, or names a codec."""
-    if not (token.isascii() and token.isprintable() and " " not in token):
+    ``source``: http.client's own refusal quotes the header, token and all, or names a codec. An empty one (an empty
+    file) is no token either: sent, the endpoint's 401 read as a wrong token, not as a file holding none."""
+    if not (token and token.isascii() and token.isprintable() and " " not in token):
         raise ValueError(f"{source} does not hold a bearer token (one word of printable ASCII): give the token file "
                          f"nxl run --listen wrote, RUN_FOLDER/{TOKEN}")
     return token
