@@ -391,6 +391,9 @@ CASES = [
      r"no token file at .*nope: give the token file of the run"),
     ("tail token file empty", ["tail", "--run", "http://127.0.0.1:9", "--token-file", "{empty_token}"],
      r"empty_token does not hold a bearer token \(one word of printable ASCII\): give the token file nxl run"),
+    ("tail run empty", ["tail", "--run", ""], r"--run is empty: give the folder nxl run printed, a control socket "
+     r"or http://127.0.0.1:PORT, or leave --run out for your one live run$"),  # was "nxl export  records.parquet"
+    ("ctl run blank", ["ctl", "status", "--run", " "], r"--run is empty: give the folder nxl run printed"),
     ("ctl run is a file", ["ctl", "status", "--run", "{existing_html}"], r"no run folder or control socket there"),
     ("ctl https", ["ctl", "pause", "--run", "https://127.0.0.1:9"], r"speaks plain HTTP on loopback; use http://"),
     ("ctl unknown action", ["ctl", "stop"], r"argument action: invalid choice: 'stop'"),

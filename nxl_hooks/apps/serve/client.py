@@ -237,6 +237,9 @@ def endpoints(run: str | None = None, token_file: str | None = None) -> list[End
     """The live endpoints of ``run`` (module docstring); CliError saying what to do when there is none."""
     if run is None:
         run = os.environ.get("NXL_RUN_DIR") or str(choose_run())
+    if not run.strip():  # (a variable left unset: pathlib reads '' as this folder, and the line named none)
+        raise CliError("--run is empty: give the folder nxl run printed, a control socket or http://127.0.0.1:PORT, "
+                       "or leave --run out for your one live run")
     if run.startswith(("http://", "https://")):
         if run.startswith("https://"):
             raise CliError(f"{run}: the endpoint speaks plain HTTP on loopback; use http://")
