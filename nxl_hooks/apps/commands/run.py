@@ -84,8 +84,8 @@ def sink_kind(value: str | None, python: str | None = None, *, target: bool = Fa
 def _check_sink_folder(value: str) -> None:
     """A :class:`CliError` when ``--sink KIND:PATH`` of a kind that writes one file (``parquet:``, ``file:``) names
     no file, a folder, or a file in a folder that is not there or takes no file: the sink makes no folder, so the
-    program would run unrecorded, said in one line of its log. Only the part of PATH before ``{model}`` (each model's name, filled in the program) is
-    known here: its folder is checked."""
+    program would run unrecorded, said in one line of its log. Only the part of PATH before ``{model}`` (each
+    model's name, filled in the program) is known here: its folder is checked."""
     kind, _, arg = value.partition(":")
     known = arg.partition("{model}")[0]
     if not arg.strip():
