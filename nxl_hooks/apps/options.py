@@ -213,6 +213,15 @@ def positive_seconds(value: str) -> float:
     return seconds(value, least=math.ulp(0.0))
 
 
+def named(value: str) -> str:
+    """A path or name to read (MODEL, DATA, a stream) as given, as an argparse ``type`` refusing a blank one: a
+    variable left unset, which pathlib reads as the current folder, so that the line said nothing of it (``--out
+    DIR would write into , an input``)."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError(f"{value!r} is empty: give a path or a name")
+    return value
+
+
 def argument_type(parse: Callable[[str], Any]) -> Callable[[str], Any]:
     """``parse`` (a ValueError says what is wrong) as an argparse ``type``, its message kept as argparse's error:
     ``parser.add_argument("--layers", type=argument_type(select.parse_layers))``."""
@@ -260,7 +269,7 @@ def add_attribution_options(parser: argparse.ArgumentParser) -> None:
 
 def add_dataset_options(parser: argparse.ArgumentParser) -> None:
     """What every dataset command shares: the data file, its columns, the output folder (resumable)."""
-    parser.add_argument("data", metavar="DATA",
+    parser.add_argument("data", metavar="DATA", type=named,
                         help=".jsonl or .csv with text, label, evidence; or a hub dataset hf:NAME[:CONFIG]:SPLIT")
     parser.add_argument("--out", metavar="DIR", required=True,
                         help="output folder: summary.json, records.jsonl, report.html; rerun with the same DIR to resume")

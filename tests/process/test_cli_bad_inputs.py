@@ -394,6 +394,14 @@ CASES = [
     ("tail run empty", ["tail", "--run", ""], r"--run is empty: give the folder nxl run printed, a control socket "
      r"or http://127.0.0.1:PORT, or leave --run out for your one live run$"),  # was "nxl export  records.parquet"
     ("ctl run blank", ["ctl", "status", "--run", " "], r"--run is empty: give the folder nxl run printed"),
+    # an input path left empty (a variable unset) is the current folder to pathlib: the lines named nothing
+    ("model empty", ["attribute", "", TEXT], r"argument MODEL: '' is empty: give a path or a name"),
+    ("evaluate data empty", ["evaluate", "{bert}", "", "--out", "{root}/o"],
+     r"argument DATA: '' is empty: give a path or a name"),  # was "--out .../o would write into , an input"
+    ("audit candidate empty", ["audit", "--reference", "{bert}", "--candidate", " ", "{data}", "--out", "{root}/o"],
+     r"argument --candidate: ' ' is empty"),
+    ("export source empty", ["export", "", "{root}/o.parquet"], r"argument RUN_DIR_OR_STREAM: '' is empty"),
+    ("convert MODEL empty", ["convert", "", "{root}/o"], r"argument MODEL: '' is empty"),
     ("ctl run is a file", ["ctl", "status", "--run", "{existing_html}"], r"no run folder or control socket there"),
     ("ctl https", ["ctl", "pause", "--run", "https://127.0.0.1:9"], r"speaks plain HTTP on loopback; use http://"),
     ("ctl unknown action", ["ctl", "stop"], r"argument action: invalid choice: 'stop'"),

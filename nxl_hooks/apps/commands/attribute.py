@@ -22,6 +22,7 @@ from ..options import (
     check_apart,
     check_output_file,
     loading_options,
+    named,
     positive_int,
     stdout_console,
 )
@@ -36,7 +37,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         help="per-layer NormXLogit of one text, as a table in the terminal",
         description="Explain MODEL's prediction on TEXT: one NormXLogit score per layer and token.",
     )
-    parser.add_argument("model", metavar="MODEL",
+    parser.add_argument("model", metavar="MODEL", type=named,
                         help="a local model folder, a hub id (as from_pretrained takes) or a .gguf file")
     parser.add_argument("text", metavar="TEXT", help="the input text (masked LMs: include the tokenizer's mask token)")
     parser.add_argument("--text-pair", metavar="TEXT2",

@@ -15,6 +15,7 @@ from ..options import (
     add_loading_options,
     loading_identity,
     loading_options,
+    named,
     parse_layers,
     positive_int,
 )
@@ -29,9 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="Attribute REFERENCE and CANDIDATE on DATA and compare token by token and layer by layer: "
         "Spearman, Kendall, top-k overlap, prediction agreement, per-layer drift (JSON + HTML report).",
     )
-    parser.add_argument("--reference", required=True, metavar="MODEL",
+    parser.add_argument("--reference", required=True, metavar="MODEL", type=named,
                         help="the reference model (folder, hub id or .gguf file; --gguf-file names a file inside it)")
-    parser.add_argument("--candidate", metavar="MODEL",
+    parser.add_argument("--candidate", metavar="MODEL", type=named,
                         help="the model to compare (same tokenizer): a folder, hub id or .gguf file")
     parser.add_argument("--quantize", choices=QUANTIZE,
                         help="instead of --candidate: the reference loaded with bitsandbytes (4bit = nf4)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 
 from ...arch.text import install_command
-from ..options import CliError, say
+from ..options import CliError, named, say
 
 NAME = "convert"
 #: What the weights can be dequantized to ("auto" has no meaning for quantized weights).
@@ -26,7 +26,8 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
                     "as a folder that from_pretrained and transformers serve load (needs gguf and accelerate: "
                     f"{install_command('gguf')}).",
     )
-    parser.add_argument("model", metavar="MODEL", help="the .gguf file (or a folder or hub id with --gguf-file)")
+    parser.add_argument("model", metavar="MODEL", type=named,
+                        help="the .gguf file (or a folder or hub id with --gguf-file)")
     parser.add_argument("out", metavar="OUT", help="the folder to write (new, or empty)")
     parser.add_argument("--gguf-file", metavar="NAME", help="the .gguf file inside MODEL, when MODEL is a folder")
     parser.add_argument("--dtype", choices=CONVERT_DTYPES, default="float32",

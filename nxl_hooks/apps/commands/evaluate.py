@@ -14,6 +14,7 @@ from ..options import (
     add_loading_options,
     loading_identity,
     loading_options,
+    named,
     positive_int,
     say,
 )
@@ -28,7 +29,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
         description="AOPC comprehensiveness / sufficiency and per-layer evidence alignment of every method "
         "(but integrated_gradients unless --methods names it) on DATA. Runs unchanged under `accelerate launch --num_processes N -m nxl_hooks evaluate ...`.",
     )
-    parser.add_argument("model", metavar="MODEL", help="a local model folder, a hub id or a .gguf file")
+    parser.add_argument("model", metavar="MODEL", type=named, help="a local model folder, a hub id or a .gguf file")
     add_dataset_options(parser)
     add_loading_options(parser)
     parser.add_argument("--methods", default="default",

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 import warnings
 
-from ..options import CliError
+from ..options import CliError, named
 
 NAME = "export"
 
@@ -23,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = sub.add_parser(NAME, help="write stream records as tidy Parquet rows (pandas, DuckDB)",
                             description="Read the stream files of a run folder (or one stream file) and write one "
                                         "Parquet row per call, step, layer and context position.")
-    parser.add_argument("source", metavar="RUN_DIR_OR_STREAM", help="a run folder or a stream file")
+    parser.add_argument("source", metavar="RUN_DIR_OR_STREAM", type=named, help="a run folder or a stream file")
     parser.add_argument("out", metavar="OUT.parquet", help="the Parquet file to write")
     parser.add_argument("--strict", action="store_true", help="refuse a damaged stream instead of exporting up to "
                         "the damage (a torn last frame, where a killed writer stopped, is no damage: it is left out)")
