@@ -367,6 +367,8 @@ CASES = [
     # the sink would be refused in the program, said in its log only: the program ran unrecorded
     ("run parquet sink of no file", ["run", "--sink", "parquet:", "--", "true"],
      r"--sink parquet: names no file: give the file the sink writes after the colon \(parquet:PATH\)$"),
+    ("attach parquet sink of no file", ["attach", "1", "--sink", "parquet:"],
+     r"--sink parquet: names no file: give the file the sink writes after the colon \(parquet:PATH\)$"),
     ("run file sink that is a folder", ["run", "--sink", "file:{outdir}", "--", "true"],
      r"--sink file:.*/outdir: .*/outdir is a folder, and a file sink writes one file: give a file's path"),
     ("run file sink per model in a missing folder", ["run", "--sink", "file:{root}/nope/{{model}}/x.nxl", "--", "true"],

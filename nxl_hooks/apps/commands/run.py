@@ -71,8 +71,8 @@ def sink_kind(value: str | None, python: str | None = None, *, target: bool = Fa
         found = sink_factory(value, here=here)  # the kind's own up-front check: an ImportError naming its extra
         if found is not None:  # a plugin's factory that cannot take ARG: refused now, not per model in the program
             check_factory(value, *found, {})
-    if not target and file_arg(name):  # (nxl attach's target resolves a relative path in its own folder)
-        _check_sink_folder(value)
+    if file_arg(name):
+        _check_sink_folder(value, where=not target)
     needed = requirement(name)
     if python is not None and not here and needed is not None and _succeeds([python], f"import {needed[0]}") is False:
         package = needed[0].partition(".")[0]
@@ -81,16 +81,19 @@ def sink_kind(value: str | None, python: str | None = None, *, target: bool = Fa
     return value
 
 
-def _check_sink_folder(value: str) -> None:
+def _check_sink_folder(value: str, *, where: bool = True) -> None:
     """A :class:`CliError` when ``--sink KIND:PATH`` of a kind that writes one file (``parquet:``, ``file:``) names
     no file, a folder, or a file in a folder that is not there or takes no file: the sink makes no folder, so the
     program would run unrecorded, said in one line of its log. Only the part of PATH before ``{model}`` (each
-    model's name, filled in the program) is known here: its folder is checked."""
+    model's name, filled in the program) is known here: its folder is checked. ``where`` False: only that it names
+    a file (nxl attach's target resolves a relative path in its own folder, as its own user)."""
     kind, _, arg = value.partition(":")
     known = arg.partition("{model}")[0]
     if not arg.strip():
         raise CliError(f"--sink {value} names no file: give the file the sink writes after the colon "
                        f"({kind}:PATH)")
+    if not where:
+        return
     if known == arg and os.path.isdir(arg):
         raise CliError(f"--sink {value}: {arg} is a folder, and a {kind} sink writes one file: give a file's path "
                        "(a file in it, or elsewhere)")
