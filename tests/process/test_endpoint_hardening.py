@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import select
 import shutil
@@ -253,6 +254,28 @@ def in_process(request, tmp_path):
             yield server, server._servers[0], server.socket, None
         else:
             yield server, server._servers[1], "127.0.0.1:%d" % server.address[1], token
+    finally:
+        controller.close()
+
+
+def test_a_listen_port_the_system_picks_is_said_in_one_line(tmp_path, caplog):
+    """``--listen 127.0.0.1:0`` served on a port that only nxl ctl status named, which needs the address to ask."""
+    from nxl_hooks.apps.serve.controller import Controller
+    from nxl_hooks.apps.serve.runs import make_run_dir, write_token
+    from nxl_hooks.apps.serve.settings import Settings
+
+    run = make_run_dir(tmp_path / "run")
+    write_token(run)
+    controller = Controller(Settings(run_dir=run, listen="127.0.0.1:0"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+            controller._ensure_endpoint()
+        port = controller.endpoint.address[1]
+        said = [r.getMessage() for r in caplog.records if "serves HTTP control" in r.getMessage()]
+        assert port != 0 and said == [f"nxl_hooks: process {os.getpid()} serves HTTP control on "
+                                      f"http://127.0.0.1:{port} (--listen 127.0.0.1:0)"]
+        with socket.create_connection(("127.0.0.1", port), timeout=10):  # the port said is the one served
+            pass
     finally:
         controller.close()
 

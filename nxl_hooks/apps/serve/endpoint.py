@@ -543,6 +543,9 @@ class ControlServer:
             return
         self._serve(server, token=token)
         self.address = server.server_address[:2]
+        if port == 0:  # the port the system picked: said nowhere else but nxl ctl status, which needs the address
+            _log.warning("nxl_hooks: process %d serves HTTP control on http://%s (--listen %s)", os.getpid(),
+                         _host_port(*self.address), self.settings.listen)
 
     def _serve(self, server: socketserver.BaseServer, *, token: str | None) -> None:
         server.app, server.token = self, token
