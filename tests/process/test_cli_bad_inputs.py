@@ -337,6 +337,8 @@ CASES = [
      r"no stream file or run folder at .*/nope.nxl: give a file a sink wrote"),
     ("export a folder without streams", ["export", "{outdir}", "{root}/o.parquet"],
      r"outdir is a folder with no stream file \(\*.nxl\) below it: give the folder of nxl run --sink"),
+    ("export to a name of another format", ["export", "{streams}/run.nxl", "{root}/o.HTML"],
+     r"OUT.parquet .*/o.HTML: nxl export writes Parquet, not an HTML page: name the file .parquet"),
     ("export over a stream of its folder", ["export", "{streams}", "{streams}/run.nxl", "--force"],
      r"OUT.parquet .*/run.nxl would write over .*/streams/run.nxl, an input"),
     # demo: the arguments are checked before its model loads

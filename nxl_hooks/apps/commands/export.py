@@ -17,6 +17,8 @@ import warnings
 from ..options import CliError, named
 
 NAME = "export"
+_OTHER_FORMATS = {".html": "an HTML page", ".htm": "an HTML page", ".csv": "CSV", ".json": "JSON",
+                  ".jsonl": "JSON lines", ".nxl": "a stream file", ".safetensors": "safetensors"}
 
 
 def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -50,6 +52,11 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"{args.source} is a folder with no stream file (*.nxl) below it: give the folder of nxl run "
                        "--sink, or a stream file")
     check_apart("OUT.parquet", args.out, streams, writes=[args.out, partial_path(args.out)])
+    # a name of another format the project writes was Parquet under that name, said nowhere (out.html opened as text)
+    suffix = Path(args.out).suffix.lower()
+    if suffix in _OTHER_FORMATS:
+        raise CliError(f"OUT.parquet {args.out}: nxl export writes Parquet, not {_OTHER_FORMATS[suffix]}: name the "
+                       "file .parquet (a page of a call is generation_html(call) in Python: docs/reading-results.md)")
     # The file is replaced whole at the end; an existing one may be anyone's (a typo, a table from elsewhere), and
     # Parquet is not ours to recognise, so only --force replaces it.
     if os.path.lexists(args.out) and not args.force:
