@@ -221,7 +221,8 @@ class Settings:
         text=",".join, flag="--models", metavar="PATTERN", ctl=True))
     keep_calls: int = setting(DEFAULT_KEEP_CALLS, Option(
         "NXL_KEEP_CALLS", whole_number,
-        "requests kept in memory per model, and every one still running; older ones are in the sink",
+        "generate requests kept in memory per model (and as many plain forwards), and every one still running; "
+        "older ones are in the sink",
         flag="--keep-calls", metavar="N"))
     listen: str | None = setting(None, Option(
         "NXL_LISTEN", str, "also serve the control endpoint over HTTP on HOST:PORT: loopback only, bearer token in "
