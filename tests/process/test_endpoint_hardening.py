@@ -280,6 +280,24 @@ def test_a_listen_port_the_system_picks_is_said_in_one_line(tmp_path, caplog):
         controller.close()
 
 
+def test_a_run_folder_that_is_a_file_is_named_in_the_endpoints_line(tmp_path, caplog):
+    """NXL_RUN_DIR naming a file: the line said only "FileExistsError: [Errno 17] File exists: ..."."""
+    from nxl_hooks.apps.serve.controller import Controller
+    from nxl_hooks.apps.serve.settings import Settings
+
+    (tmp_path / "run").write_text("")
+    controller = Controller(Settings(run_dir=tmp_path / "run"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+            controller._ensure_endpoint()
+    finally:
+        controller.close()
+    assert controller.endpoint is None and [r.getMessage() for r in caplog.records] == [
+        f"nxl_hooks: no control endpoint in process {os.getpid()} (NotADirectoryError: the run folder "
+        f"{tmp_path / 'run'} (NXL_RUN_DIR) is a file: give a folder, or leave NXL_RUN_DIR unset); records are kept "
+        "all the same"]
+
+
 def _open_stream(address: str | Path, token: str | None) -> tuple[socket.socket, int, bytes]:
     """A reader of /v1/stream that stays connected: its connection, the answer's status and (when refused) its
     body."""

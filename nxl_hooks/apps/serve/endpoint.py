@@ -513,6 +513,9 @@ class ControlServer:
         """Serve on ``<run folder>/<pid>.sock`` (and ``--listen``'s address), once the run folder passed
         :func:`~nxl_hooks.apps.serve.runs.check_private`; enlisted as one of this user's live runs."""
         run_dir = self.settings.run_dir.resolve()
+        if run_dir.exists() and not run_dir.is_dir():  # (mkdir said only "[Errno 17] File exists: ...")
+            raise NotADirectoryError(f"the run folder {run_dir} (NXL_RUN_DIR) is a file: give a folder, or leave "
+                                     "NXL_RUN_DIR unset")
         run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         check_private(run_dir)
         path = socket_path(run_dir, os.getpid())
