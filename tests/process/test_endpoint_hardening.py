@@ -8,6 +8,7 @@ a second uid: they run as root (as CI does) and use uid 65534 (nobody); as anoth
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -905,6 +906,33 @@ def test_tail_and_ctl_say_when_they_reach_no_nxl_endpoint_or_its_stream_ends(tmp
         finally:
             ended.close()
         assert "nxl tail: the stream ended: the process exited" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["tail"], ["ctl", "status"]])
+def test_tail_and_ctl_say_that_a_peer_answering_no_http_is_no_nxl_endpoint(capsys, monkeypatch, command):
+    """A socket of another program that answers a line of its own: the line said only "HOST:PORT: garbage (is the
+    run still live? ...)", its peer's words as the reason."""
+    import threading
+
+    monkeypatch.setenv("NXL_TOKEN", "t0ken")
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer():  # every connection (tail makes two: its status look and its stream), until closed
+        with contextlib.suppress(OSError):
+            while True:
+                peer, _ = listener.accept()
+                with peer:
+                    peer.recv(65536)
+                    peer.sendall(b"garbage\n")
+
+    threading.Thread(target=answer, daemon=True).start()
+    url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+    try:
+        assert cli_main([*command, "--run", url]) == 2
+    finally:
+        listener.close()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"{url}: its answer is not HTTP: not an nxl_hooks control endpoint" in err[0], err
 
 
 def test_tail_says_in_one_line_that_it_cannot_read_a_status_of_another_shape(capsys, monkeypatch):

@@ -112,9 +112,11 @@ class Endpoint:
             return connection.getresponse()
         except PermissionError:
             raise
-        except (OSError, http.client.HTTPException) as error:
+        except OSError as error:  # (a peer that closed without an answer too: RemoteDisconnected)
             raise CliError(f"{self.name}: {getattr(error, 'strerror', None) or error} (is the run still live? give "
                            "the folder or the --listen address nxl run printed)") from None
+        except http.client.HTTPException:  # its raw first line was the whole message ("fake: garbage")
+            raise self._foreign("its answer is not HTTP") from None
 
     def _foreign(self, what: str) -> CliError:
         return CliError(f"{self.name}: {what}: not an nxl_hooks control endpoint (give the folder or the --listen "
