@@ -290,7 +290,13 @@ class _Setup:
         if value is None:
             return None
         if self.kind is HeadKind.REGRESSION:
-            number = float(value)  # float() reads a label "nan" as NaN, and one NaN gold value voids the run's Pearson
+            # float() reads a label "nan" as NaN, and one NaN gold value voids the run's Pearson; a word ("abc") or a
+            # list would fail in float()'s words, which say nothing of the label, and a JSON true would read as 1.0
+            number = math.nan if isinstance(value, bool) or not isinstance(value, (numbers.Real, str)) else value
+            try:
+                number = float(number)
+            except ValueError:
+                number = math.nan
             if not math.isfinite(number):
                 raise ValueError(f"regression label {value!r} is not a finite number: give a number")
             return number

@@ -375,10 +375,11 @@ def test_regression_change_and_pearson_after_perturbation():
     assert summary["pearson"] == pytest.approx(np.corrcoef([2.0, 2.0, -1.0], gold)[0, 1])
 
 
-@pytest.mark.parametrize("label", [float("nan"), float("inf"), "nan", "-Infinity"])
+@pytest.mark.parametrize("label", [float("nan"), float("inf"), "nan", "-Infinity", "abc", [1.5], True])
 def test_a_regression_label_that_is_no_finite_number_is_a_value_error(label):
     """float() reads "nan" as NaN, and one NaN gold value made every Pearson of the run None, said nowhere (and a
-    bare NaN, which is not JSON, in records.jsonl): the example fails with the reason instead."""
+    bare NaN, which is not JSON, in records.jsonl): the example fails with the reason instead. A word or a list failed
+    in float()'s words ("could not convert string to float: 'abc'"), and a JSON true was read as 1.0."""
     model, tok = FakeRegressionForSequenceClassification(), word_tokenizer(WORDS, "[CLS] $A [SEP]")
     with pytest.raises(ValueError, match=rf"regression label {re.escape(repr(label))} is not a finite number"):
         ev.score_example(model, tok, {"text": "good fine", "label": label}, methods=())
