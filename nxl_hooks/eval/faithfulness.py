@@ -506,6 +506,10 @@ def score_example(
         raise ValueError(f"example {example['text']!r} has no token to perturb: all but the prediction are special "
                          "tokens (or a chat template's)")
     evidence, missing = _evidence(example, encoding, ranked)
+    if missing:  # (a typo, or a word on special tokens only): the example leaves AP and dot, or counts fewer words
+        left = "AP and dot are over the words found" if evidence is not None else "it counts for AOPC, not AP and dot"
+        setup.notes.append(f"evidence word(s) on no token that ranks (not in the text, or only on special or chat "
+                           f"template tokens; evidence_missing names them): {left}")
     scores, seconds = _method_scores(setup, methods, ids, position, t, seed, example["text"], ig_steps, aggregation)
     for name, values in (custom or {}).items():
         if name in known or len(values) != n:

@@ -252,9 +252,19 @@ def test_evidence_found_only_on_tokens_that_never_rank_is_missing_not_a_failure(
                            custom={"mine": scores})
     assert rec["evidence"] == [0, 0, 0, 1, 0] and rec["evidence_missing"] == ["SEP"]
     assert rec["methods"]["mine"]["ap"] == [0.5]  # ranked: good, then fine, the one evidence token: precision 1/2
-    rec = ev.score_example(_tiny_bert(), tok, {"text": text, "evidence": ["SEP"]}, methods=(), custom={"mine": scores})
-    assert rec["evidence"] is None and rec["evidence_missing"] == ["SEP"] and rec["methods"]["mine"]["ap"] is None
-    assert len(rec["methods"]["mine"]["comprehensiveness"]) == len(ev.DEFAULT_KS)
+    # said in the notes (which reach stderr and the report), not only in the record: a misspelt word left the
+    # example's alignment silently over fewer words, or out of AP and dot altogether
+    assert rec["notes"] == ["evidence word(s) on no token that ranks (not in the text, or only on special or chat "
+                            "template tokens; evidence_missing names them): AP and dot are over the words found"]
+    for words in (["SEP"], ["goood"]):
+        rec = ev.score_example(_tiny_bert(), tok, {"text": text, "evidence": words}, methods=(),
+                               custom={"mine": scores})
+        assert rec["evidence"] is None and rec["evidence_missing"] == words and rec["methods"]["mine"]["ap"] is None
+        assert len(rec["methods"]["mine"]["comprehensiveness"]) == len(ev.DEFAULT_KS)
+        assert rec["notes"] == ["evidence word(s) on no token that ranks (not in the text, or only on special or chat "
+                                "template tokens; evidence_missing names them): it counts for AOPC, not AP and dot"]
+    rec = ev.score_example(_tiny_bert(), tok, {"text": text, "evidence": ["fine"]}, methods=(), custom={"mine": scores})
+    assert rec["evidence_missing"] == [] and rec["notes"] == []
 
 def _llama_oracle(model, tok, text: str) -> tuple[torch.Tensor, ...]:
     """(embeddings, LogAt['is'], NormXLogit['is'], NormXLogit['are']) of the tiny Llama by hand, per layer."""
