@@ -97,6 +97,13 @@ def check_same_tokens(tokenizer: Any, candidate_tokenizer: Any, texts: Sequence[
                              "one tokenizer")
 
 
+def _check_top_k(top_k: Any) -> None:
+    """A ValueError (one line) unless ``top_k`` is a whole number of at least 1: k = 0 divided by zero, and a negative
+    k sliced from the end, giving an overlap of -1."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k={top_k!r}: give the k of the top-k overlap as a whole number of at least 1")
+
+
 def _finite(value: float) -> float | None:
     return None if math.isnan(value) else float(value)
 
@@ -123,6 +130,7 @@ def compare(reference: Attribution, candidate: Attribution, *, row: int = 0, top
 
     Returns ``{"layers", "spearman", "kendall", "topk", "drift"}`` with one value per layer.
     """
+    _check_top_k(top_k)
     if reference.layers != candidate.layers or reference.normxlogit.shape != candidate.normxlogit.shape:
         raise ValueError("the two attributions differ in layers or shape: attribute the same text with the same layers")
     if reference.normxlogit.dim() != 3:
@@ -172,6 +180,7 @@ def audit_example(
     if explain not in EXPLAIN:
         raise ValueError(f"explain={explain!r}: use 'target' (the example's target, else the reference's prediction) "
                          "or 'reference' (the reference's prediction)")
+    _check_top_k(top_k)  # before the two forwards
     check_auditable(reference)  # (a text without a mask token would fail first, saying less)
     text = example.get("text")
     if not isinstance(text, str) or not text.strip():

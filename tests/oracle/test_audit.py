@@ -11,6 +11,7 @@ from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
 import oracle
 import tiny
+from nxl_hooks import attach
 from nxl_hooks.eval import audit
 from nxl_hooks.apps.cli import main
 
@@ -84,6 +85,19 @@ def test_quantized_audit_matches_oracle(tmp_path):
     assert summary["per_layer"]["spearman"] == pytest.approx(
         [sum(r["spearman"][i] for r in records) / len(records) for i in range(3)]
     )
+
+
+@pytest.mark.parametrize("top_k", [0, -2, 2.5, True])
+def test_a_top_k_that_is_no_positive_whole_number_is_a_value_error(top_k):
+    """top_k=0 was a ZeroDivisionError, and a negative one sliced from the end: an overlap of -1, recorded."""
+    model, tok = tiny.build_model("bert", 0), tiny.tokenizer()
+    message = rf"^top_k={re.escape(repr(top_k))}: give the k of the top-k overlap as a whole number of at least 1$"
+    with pytest.raises(ValueError, match=message):
+        audit.audit_example(model, model, tok, {"text": "the film was good"}, top_k=top_k)
+    with torch.no_grad(), attach(model, layers="all", tokenizer=tok) as probe:
+        model(**tok("the film was good", return_tensors="pt"))
+    with pytest.raises(ValueError, match=message):
+        audit.compare(probe.result(), probe.result(), top_k=top_k)
 
 
 def test_same_weights_show_no_change_and_a_changed_block_changes_only_the_layers_after_it():
