@@ -124,6 +124,11 @@ def gradient_scores_many(
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation {aggregation!r}: use one of {', '.join(AGGREGATIONS)}")
     reduce = AGGREGATIONS[aggregation]
+    # (captum says it otherwise: an AssertionError for 0, a TypeError from numpy for 2.5)
+    if "integrated_gradients" in methods and (isinstance(ig_steps, bool) or not isinstance(ig_steps, int)
+                                               or ig_steps < 1):
+        raise ValueError(f"ig_steps={ig_steps!r}: give the number of Integrated Gradients steps, a whole number of at "
+                         "least 1 (the paper's: 50)")
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"gradient_scores explains one example: input_ids must be (1, seq), got {tuple(input_ids.shape)}")
     kind = kind or head_kind(model)

@@ -221,6 +221,10 @@ def test_gradient_baselines_match_direct_autograd(kind):
                                atol=1e-5)
     with pytest.raises(ValueError, match="aggregation 'max'"):
         run("grad_norm", "max")
+    for steps in (0, -3, 2.5):  # captum's AssertionError, or a TypeError from numpy
+        with pytest.raises(ValueError, match=rf"^ig_steps={steps}: give the number of Integrated Gradients steps"):
+            gradient_scores(model, ids, mask, position=position, target=target, method="integrated_gradients",
+                            ig_steps=steps)
 
 
 
