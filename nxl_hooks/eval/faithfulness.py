@@ -374,6 +374,9 @@ class _Targets:
 def _targets(setup: _Setup, example: Mapping[str, Any], original: torch.Tensor) -> _Targets:
     n, text = original.shape[-1], example["text"]
     if setup.kind is HeadKind.REGRESSION:
+        # its one output is what is explained: a target or foil the data names is left unused, and said so
+        unused = [key for key in ("target", "foil") if example.get(key) not in (None, "predicted")]
+        setup.notes += [f"{' and '.join(unused)} not used: a regression head explains its one output"] if unused else []
         return _Targets(0, None, None, setup.label_id(example.get("label"), n, text), float(original[0]))
     prediction = int(original.argmax())
     requested = example.get("target")

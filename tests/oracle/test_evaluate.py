@@ -389,6 +389,18 @@ def test_regression_change_and_pearson_after_perturbation():
     assert summary["pearson"] == pytest.approx(np.corrcoef([2.0, 2.0, -1.0], gold)[0, 1])
 
 
+def test_a_regression_examples_target_and_foil_are_said_unused():
+    """A regression head explains its one output: a target or foil in the data was dropped without a word."""
+    model, tok = FakeRegressionForSequenceClassification(), word_tokenizer(WORDS, "[CLS] $A [SEP]")
+    record = ev.score_example(model, tok, {"text": "good fine", "label": 1.0, "target": "good", "foil": "bad"},
+                              methods=(), custom={"mine": [0.0, 2.0, 1.0, 0.0]})
+    assert record["target"] == 0 and record["foil"] is None
+    assert record["notes"] == ["target and foil not used: a regression head explains its one output"]
+    record = ev.score_example(model, tok, {"text": "good fine", "label": 1.0}, methods=(),
+                              custom={"mine": [0.0, 2.0, 1.0, 0.0]})
+    assert record["notes"] == []
+
+
 @pytest.mark.parametrize("label", [float("nan"), float("inf"), "nan", "-Infinity", "abc", [1.5], True])
 def test_a_regression_label_that_is_no_finite_number_is_a_value_error(label):
     """float() reads "nan" as NaN, and one NaN gold value made every Pearson of the run None, said nowhere (and a
