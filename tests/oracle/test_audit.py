@@ -87,6 +87,16 @@ def test_quantized_audit_matches_oracle(tmp_path):
     )
 
 
+def test_a_regression_examples_target_is_said_unused():
+    """A regression head explains its one output, as nxl evaluate says: a target in the data failed the example as a
+    label the model lacks ("label 'good' is not one of the model's labels ['LABEL_0']")."""
+    model, tok = tiny.build_model("regression", 0), tiny.tokenizer()
+    record = audit.audit_example(model, model, tok, {"text": "the film was good", "target": "good"})
+    assert record["target"] == 0 and record["explained"] == "reference prediction"
+    assert record["dataset_target"] == "good" and record["spearman"] == pytest.approx([1.0] * 3)
+    assert record["notes"] == ["target not used: a regression head explains its one output"]
+
+
 @pytest.mark.parametrize("top_k", [0, -2, 2.5, True])
 def test_a_top_k_that_is_no_positive_whole_number_is_a_value_error(top_k):
     """top_k=0 was a ZeroDivisionError, and a negative one sliced from the end: an overlap of -1, recorded."""
