@@ -207,15 +207,19 @@ def _shown_layer(summary: Mapping[str, Any]) -> str:
 
 
 def _example_block(record: Mapping[str, Any], rank: int) -> str:
-    """One audited example; every text from the data or the models (id, text, tokens, predictions) escaped."""
+    """One audited example; every text from the data or the models (id, text, tokens, predictions) escaped. A
+    regression (``agree`` None) has no prediction to compare, only its one output: "prediction None → None" said
+    nothing."""
     agree = record.get("agree")
-    verdict = '<span class="flip">prediction flipped</span>' if agree is False else "same prediction" if agree else ""
-    facts = html.escape(
-        f"#{rank} · example {record.get('index', '?')} (id {record.get('id')!r}) · "
-    ) + verdict + html.escape(
+    verdict = '<span class="flip">prediction flipped</span>' if agree is False else "same prediction"
+    predictions = "" if agree is None else " · " + verdict + html.escape(
         f" · reference → candidate "
-        f"prediction {_named(record, 'reference_prediction')} → {_named(record, 'candidate_prediction')} · "
-        f"explained: {_explained(record)}, output "
+        f"prediction {_named(record, 'reference_prediction')} → {_named(record, 'candidate_prediction')}")
+    explained = "the one output (regression)" if agree is None else _explained(record)
+    facts = html.escape(
+        f"#{rank} · example {record.get('index', '?')} (id {record.get('id')!r})"
+    ) + predictions + html.escape(
+        f" · explained: {explained}, output "
         f"{fmt(record['reference_output'])} → {fmt(record['candidate_output'])} · layer {record['layers'][-1]}: "
         f"Spearman {fmt(record['spearman'][-1])}, Kendall {fmt(record['kendall'][-1])}, top-{record['top_k']} "
         f"{fmt(record['topk'][-1])}, drift {fmt(record['drift'][-1])}"

@@ -87,6 +87,19 @@ def test_quantized_audit_matches_oracle(tmp_path):
     )
 
 
+def test_a_regression_audit_report_shows_its_output_not_a_prediction_of_none():
+    """A regression has no prediction to compare: its examples read "prediction None → None · explained: the
+    reference's prediction 0"; they now name the one output and its change."""
+    from nxl_hooks.apps.reports import audit_report
+
+    model, tok = tiny.build_model("regression", 0), tiny.tokenizer()
+    records = [{**audit.audit_example(model, model, tok, {"text": "the film was good", "id": "a"}), "index": 0}]
+    page = audit_report(audit.aggregate(records), records)
+    block = page[page.index('class="example"'):page.index("<h2>Per layer</h2>")]
+    assert "None" not in block and "prediction" not in block
+    assert "example 0 (id &#x27;a&#x27;) · explained: the one output (regression), output" in block
+
+
 def test_a_regression_examples_target_is_said_unused():
     """A regression head explains its one output, as nxl evaluate says: a target in the data failed the example as a
     label the model lacks ("label 'good' is not one of the model's labels ['LABEL_0']")."""
