@@ -35,7 +35,7 @@ from ..method.subject import unwrap
 from ..hooks.probe import attach
 from ..method.placement import input_device
 from ..method.scores import OVERFLOWED, WIDER, flat_norms, wide
-from ..method.select import check_length, order, position_limit, resolve_target
+from ..method.select import check_length, order, position_limit, resolve_target, whole_number
 from ..records.attribution import Attribution
 from ..records.tokens import describe_target, label_text, readable_ids
 from .metrics import mean
@@ -100,8 +100,9 @@ def check_same_tokens(tokenizer: Any, candidate_tokenizer: Any, texts: Sequence[
 def _check_top_k(top_k: Any) -> None:
     """A ValueError (one line) unless ``top_k`` is a whole number of at least 1: k = 0 divided by zero, and a negative
     k sliced from the end, giving an overlap of -1."""
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k={top_k!r}: give the k of the top-k overlap as a whole number of at least 1")
+    refusal = f"top_k={top_k!r}: give the k of the top-k overlap as a whole number of at least 1"
+    if whole_number(top_k, refusal) < 1:
+        raise ValueError(refusal)
 
 
 def _finite(value: float) -> float | None:

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ..arch.registry import HeadKind, head_kind
-from ..method.select import pad_token_id
+from ..method.select import pad_token_id, whole_number
 from ..method.subject import unwrap
 
 __all__ = [
@@ -125,10 +125,12 @@ def gradient_scores_many(
         raise ValueError(f"aggregation {aggregation!r}: use one of {', '.join(AGGREGATIONS)}")
     reduce = AGGREGATIONS[aggregation]
     # (captum says it otherwise: an AssertionError for 0, a TypeError from numpy for 2.5)
-    if "integrated_gradients" in methods and (isinstance(ig_steps, bool) or not isinstance(ig_steps, int)
-                                               or ig_steps < 1):
-        raise ValueError(f"ig_steps={ig_steps!r}: give the number of Integrated Gradients steps, a whole number of at "
-                         "least 1 (the paper's: 50)")
+    refusal = (f"ig_steps={ig_steps!r}: give the number of Integrated Gradients steps, a whole number of at least 1 "
+               "(the paper's: 50)")
+    if "integrated_gradients" in methods:
+        ig_steps = whole_number(ig_steps, refusal)  # (a numpy integer as the int captum's step list is made from)
+        if ig_steps < 1:
+            raise ValueError(refusal)
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"gradient_scores explains one example: input_ids must be (1, seq), got {tuple(input_ids.shape)}")
     kind = kind or head_kind(model)
