@@ -481,6 +481,10 @@ def score_example(
     if not ks or not all(isinstance(k, numbers.Real) and 0 <= k <= 1 for k in ks):  # (NaN is no fraction either)
         raise ValueError(f"ks={list(ks)!r}: give one or more fractions of the tokens to perturb, each from 0 to 1 "
                          "(0.1 for 10%)")
+    # (1.5 failed in torch's manual_seed after the other methods had run)
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+        raise ValueError(f"seed={seed!r}: give a whole number")
+    seed = int(seed)  # (a numpy integer overflowed in the random baseline's seed arithmetic)
     setup = _Setup(model, tokenizer, perturbation)
     # Never cut to fit (evidence past the cut would vanish): a text longer than the model reads is refused.
     check_length(tokenizer, example["text"], position_limit(setup.inner))

@@ -110,6 +110,16 @@ def test_each_k_is_a_fraction_from_0_to_1(ks):
     assert rec["counts"] == [0, 6]
     assert rec["methods"]["mine"]["comprehensiveness"] == pytest.approx([0.0, _sigmoid(2.0) - 0.5], abs=1e-6)
 
+@pytest.mark.parametrize("seed", [1.5, "1", True])
+def test_a_seed_that_is_no_whole_number_is_refused_before_any_method_runs(seed):
+    """1.5 failed in torch's manual_seed (its own words) after the other methods had run."""
+    model, tok = FakeForSequenceClassification(), word_tokenizer(WORDS, "[CLS] $A [SEP]")
+    with pytest.raises(ValueError, match=rf"^seed={re.escape(repr(seed))}: give a whole number$"):
+        ev.score_example(model, tok, {"text": "good fine plain bad"}, methods=("random",), seed=seed)
+    for fine in (-3, np.int64(7)):  # (any whole number seeds the random baseline, as before)
+        assert ev.score_example(model, tok, {"text": "good fine plain bad"}, methods=("random",), seed=fine)["methods"]
+
+
 def test_aopc_delete_mode_exact_values_and_prediction_token_kept():
     model, tok = FakeForCausalLM(), word_tokenizer(WORDS, "[CLS] $A")
     # [CLS] good fine plain bad the (n = 6), prediction at the last token; the same ranking as above.
