@@ -303,8 +303,8 @@ class GenerationCall:
 
     def __repr__(self) -> str:
         """A summary, never the tensors: request, prompt size, steps, state and row 0's generated text (as its tokenizer
-        decodes it, up to its end token: generate's padding after it left out, as :attr:`texts` leaves it out), control and format characters
-        shown escaped (:func:`~nxl_hooks.records.tokens.printable`). ``print(call)``"""
+        decodes it, up to its end token: generate's padding after it left out, as :attr:`texts` leaves it out),
+        control and format characters shown escaped (:func:`~nxl_hooks.records.tokens.printable`). ``print(call)``"""
         prompt = "?" if self.prompt_mask is None else f"{self.prompt_mask.shape[0]} x {self.prompt_mask.shape[1]}"
         prompt += " embeddings (no token ids or texts)" if self.prompt_embedded else " tokens"
         made = self.made(0)
