@@ -206,7 +206,8 @@ class ArchSpec:
                     self._bad(key, f"step {step!r}: name a config attribute after {op + ':'!r}")
                 if op in POST_STEPS and step in body:
                     self._bad(key, f"step {step!r}: logit post-processing comes after the readout (the last module)")
-            elif step in (*POST_STEPS, "act"):  # split_post_steps takes a bare 'softcap' as one, of no value: skipped
+            elif step in POST_STEPS and step not in body:  # split_post_steps takes a trailing bare 'softcap' as
+                # one of no value, skipped (before the readout it is a module path, as any name is)
                 self._bad(key, f"step {step!r}: name a config attribute after it, {step + ':<attr>'!r}")
             elif step not in FUNCTION_STEPS and not _PATH.fullmatch(step):
                 self._bad(key, f"step {step!r} is neither a module path, a function {tuple(FUNCTION_STEPS)}, "

@@ -100,9 +100,7 @@ def check_same_tokens(tokenizer: Any, candidate_tokenizer: Any, texts: Sequence[
 def _check_top_k(top_k: Any) -> None:
     """A ValueError (one line) unless ``top_k`` is a whole number of at least 1: k = 0 divided by zero, and a negative
     k sliced from the end, giving an overlap of -1."""
-    refusal = f"top_k={top_k!r}: give the k of the top-k overlap as a whole number of at least 1"
-    if whole_number(top_k, refusal) < 1:
-        raise ValueError(refusal)
+    whole_number(top_k, f"top_k={top_k!r}: give the k of the top-k overlap as a whole number of at least 1", least=1)
 
 
 def _finite(value: float) -> float | None:

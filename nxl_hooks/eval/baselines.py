@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import inspect
 import time
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import nn
@@ -98,6 +98,13 @@ def gradient_scores(
                                 ig_steps=ig_steps, kind=kind, aggregation=aggregation)[method][0]
 
 
+def check_ig_steps(ig_steps: Any) -> int:
+    """``ig_steps`` as the int captum's step list is made from (a numpy integer too); a one-line ValueError unless
+    it is a whole number of at least 1 (captum said 0 by an AssertionError, numpy 2.5 by a TypeError)."""
+    return whole_number(ig_steps, f"ig_steps={ig_steps!r}: give the number of Integrated Gradients steps, a whole "
+                                  "number of at least 1 (the paper's: 50)", least=1)
+
+
 def gradient_scores_many(
     model: nn.Module,
     input_ids: torch.Tensor,
@@ -124,13 +131,8 @@ def gradient_scores_many(
     if aggregation not in AGGREGATIONS:
         raise ValueError(f"aggregation {aggregation!r}: use one of {', '.join(AGGREGATIONS)}")
     reduce = AGGREGATIONS[aggregation]
-    # (captum says it otherwise: an AssertionError for 0, a TypeError from numpy for 2.5)
-    refusal = (f"ig_steps={ig_steps!r}: give the number of Integrated Gradients steps, a whole number of at least 1 "
-               "(the paper's: 50)")
     if "integrated_gradients" in methods:
-        ig_steps = whole_number(ig_steps, refusal)  # (a numpy integer as the int captum's step list is made from)
-        if ig_steps < 1:
-            raise ValueError(refusal)
+        ig_steps = check_ig_steps(ig_steps)
     if input_ids.dim() != 2 or input_ids.shape[0] != 1:
         raise ValueError(f"gradient_scores explains one example: input_ids must be (1, seq), got {tuple(input_ids.shape)}")
     kind = kind or head_kind(model)

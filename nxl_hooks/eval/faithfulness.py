@@ -55,7 +55,7 @@ from ..method.select import (check_length, layer_index, order, pad_token_id, pos
                              rankable, resolve_layers, resolve_target)
 from ..method.subject import unwrap
 from ..records.tokens import describe_target, label_text, readable_ids
-from .baselines import GRADIENT_METHODS, gradient_scores_many, keeps_logits, one_row_only
+from .baselines import GRADIENT_METHODS, check_ig_steps, gradient_scores_many, keeps_logits, one_row_only
 from .metrics import average_precision, evidence_mask, mean, normalized_dot, pearson
 
 __all__ = [
@@ -485,6 +485,8 @@ def score_example(
     if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
         raise ValueError(f"seed={seed!r}: give a whole number")
     seed = int(seed)  # (a numpy integer overflowed in the random baseline's seed arithmetic)
+    if "integrated_gradients" in methods:  # before any method runs, as the seed
+        ig_steps = check_ig_steps(ig_steps)
     setup = _Setup(model, tokenizer, perturbation)
     # Never cut to fit (evidence past the cut would vanish): a text longer than the model reads is refused.
     check_length(tokenizer, example["text"], position_limit(setup.inner))

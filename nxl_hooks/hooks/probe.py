@@ -265,6 +265,8 @@ class Probe:
                                     or not timeout >= 0):
             raise ValueError(f"timeout={timeout!r}: give the seconds to wait (0 or more), or None to wait until "
                              "every record is written")
+        if timeout is not None and timeout >= threading.TIMEOUT_MAX:  # (inf overflowed threading's clock): as long
+            timeout = None  # as it takes
         return self._hub.flush(timeout)
 
     @property

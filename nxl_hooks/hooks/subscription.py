@@ -48,10 +48,8 @@ class Subscription(Generic[T]):
         """``kept``: where the records it drops are still kept, said in its line when it first drops one
         (``"the sink keeps them"``; None: nowhere else)."""
         if size is not None:  # (2.5 held 3 records, True one, and '3' raised a TypeError of its comparison)
-            refusal = f"size={size!r}: give how many records a subscription may hold (1 or more), or None"
-            size = whole_number(size, refusal)
-            if size < 1:
-                raise ValueError(refusal)
+            size = whole_number(size, f"size={size!r}: give how many records a subscription may hold (1 or more), "
+                                      "or None", least=1)
         self.call = call  #: the call it is bound to (None until one starts, or with ``follow``)
         self.request_id = request_id
         self.follow = follow

@@ -178,6 +178,18 @@ def _handed_on(module: nn.Module, name: str) -> bool:
                 or name in vars(module) or hasattr(type(module), name))
 
 
+def _as_readout_reads(readout: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """``hidden`` in the dtype a plain 16-bit Linear readout computes in: where the steps before it give float32
+    (Mamba's norm_f on its float32 residual stream), the model's own head casts to its weight's dtype, and a plain
+    Linear computes in nothing else. Any other readout is handed ``hidden`` as it is: a quantized weight's dtype
+    (bitsandbytes' 4-bit storage, fp8) is not what it computes in, and autocast picks the product's dtype itself."""
+    weight = getattr(readout, "weight", None)  # (PEFT's wrappers hand on the base layer's)
+    if (hidden.dtype == torch.float32 and type(weight) in (nn.Parameter, torch.Tensor)
+            and weight.dtype in (torch.float16, torch.bfloat16) and not torch.is_autocast_enabled(hidden.device.type)):
+        return hidden.to(weight.dtype)
+    return hidden
+
+
 class _Through(nn.Module):
     """A head step inside a module that hands its attributes on (:func:`_handed_on`), looked up through it at each
     call: the module the model runs now (that adapter's copy, or the original) is the one the records apply."""
@@ -324,15 +336,7 @@ class Head:
                     step = self._step_on(index, step, device)
                     hidden = hidden.to(module_device(step))
             hidden = _unhooked(step, hidden)
-        # a Linear computes in its weight's dtype only: where the steps before it give float32 on a 16-bit model
-        # (Mamba's norm_f on its float32 residual stream), the model's own head casts to that dtype, and so does this
-        # (a weight wider than its input is autocast's, which picks the product's dtype itself)
-        readout = self.readout.now if isinstance(self.readout, _Through) else self.readout
-        weight = getattr(readout, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.dtype.is_floating_point \
-                and weight.dtype.itemsize < hidden.dtype.itemsize:
-            hidden = hidden.to(weight.dtype)
-        return hidden
+        return _as_readout_reads(self.readout.now if isinstance(self.readout, _Through) else self.readout, hidden)
 
     def _post_values(self) -> list[tuple[Callable[[torch.Tensor, float], torch.Tensor], float]]:
         """The logit post-processing steps with their config values as they are now (a step whose value is None is

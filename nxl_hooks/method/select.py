@@ -97,11 +97,11 @@ def layer_index(layer: int, n_blocks: int) -> int:
     return wanted
 
 
-def whole_number(value: Any, refusal: str, below: int | None = None) -> int:
-    """``value`` as an int of 0 or more, and under ``below`` when given (numpy integers too; bools are not numbers
-    here); ValueError(``refusal``) otherwise. ``whole_number(np.int64(2), "...", below=3) == 2``."""
+def whole_number(value: Any, refusal: str, below: int | None = None, *, least: int = 0) -> int:
+    """``value`` as an int of ``least`` or more, and under ``below`` when given (numpy integers too; bools are not
+    numbers here); ValueError(``refusal``) otherwise. ``whole_number(np.int64(2), "...", below=3) == 2``."""
     number = _integer(value)
-    if number is None or number < 0 or (below is not None and number >= below):
+    if number is None or number < least or (below is not None and number >= below):
         raise ValueError(refusal)
     return number
 

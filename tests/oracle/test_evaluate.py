@@ -120,6 +120,17 @@ def test_a_seed_that_is_no_whole_number_is_refused_before_any_method_runs(seed):
         assert ev.score_example(model, tok, {"text": "good fine plain bad"}, methods=("random",), seed=fine)["methods"]
 
 
+def test_a_bad_ig_steps_is_refused_before_the_model_runs():
+    """It was refused by gradient_scores_many, after the example's forwards and the other methods had run."""
+    model, tok = FakeForSequenceClassification(), word_tokenizer(WORDS, "[CLS] $A [SEP]")
+    forwards = []
+    model.register_forward_hook(lambda *_: forwards.append(1))
+    with pytest.raises(ValueError, match=r"^ig_steps=0: give the number of Integrated Gradients steps"):
+        ev.score_example(model, tok, {"text": "good fine plain bad"}, methods=("random", "integrated_gradients"),
+                         ig_steps=0)
+    assert forwards == []
+
+
 def test_aopc_delete_mode_exact_values_and_prediction_token_kept():
     model, tok = FakeForCausalLM(), word_tokenizer(WORDS, "[CLS] $A")
     # [CLS] good fine plain bad the (n = 6), prediction at the last token; the same ranking as above.

@@ -198,6 +198,32 @@ def test_a_half_precision_state_space_model_is_read_out_in_its_heads_dtype(kind,
     assert torch.equal(res.logat[-1, :, -1], own.float())
 
 
+def test_a_4bit_readout_stored_as_bf16_reads_features_in_the_dtype_it_computes_in():
+    """A 4-bit head whose packed storage is bf16 (quant_storage) computes in float32 (compute_dtype): its weight's
+    dtype is no dtype it computes in. Features rounded to bf16 for it (the cast a plain 16-bit Linear needs, taken
+    for any readout) moved every layer of a float32 model by up to 4e-4."""
+    import oracle
+    import tiny
+
+    model = tiny.generating_llama()
+    plain = model.lm_head
+    head = bnb.nn.Linear4bit(plain.in_features, plain.out_features, bias=False, compute_dtype=torch.float32,
+                             quant_storage=torch.bfloat16, quant_type="nf4")
+    head.weight = bnb.nn.Params4bit(plain.weight.data.clone(), requires_grad=False, quant_storage=torch.bfloat16,
+                                    quant_type="nf4")
+    model.lm_head = head.to("cpu")
+    assert model.lm_head.weight.dtype == torch.bfloat16
+    ids = torch.randint(0, tiny.GEN_VOCAB - 1, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad(), nxl.attach(model, layers="all") as probe:
+        out = model(input_ids=ids, output_hidden_states=True)
+        res = probe.result()
+        # the hand-written final norm, then the model's own 4-bit head on float32 features
+        logits = oracle.layer_logits(out.hidden_states, oracle.rms_norm(model.model.norm), model.lm_head,
+                                     last_is_normed=True)
+    expected, _ = oracle.normxlogit(logits, model.model.embed_tokens(ids), res.target)
+    torch.testing.assert_close(res.logat, expected, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize(("case_id", "readout"), [("phi-lm", "lm_head"), ("bert-cls", "classifier"),
                                                   ("roberta-cls", "classifier.out_proj")])

@@ -320,6 +320,7 @@ def test_a_flush_timeout_that_is_no_number_of_seconds_is_refused(lm, timeout):
             probe.flush(timeout)
         lm.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=1, do_sample=False)
         assert probe.flush(None) and probe.flush(np.float64(5)) and len(probe.steps) == 1
+        assert probe.flush(float("inf")) and probe.flush(1e12)  # (they overflowed threading's clock)
 
 
 def test_a_numpy_bool_is_a_fine_keep_steps(lm):

@@ -27,7 +27,6 @@ model), never in the host's generation thread, through bounded subscriptions (:c
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import logging
 import os
@@ -162,6 +161,8 @@ class Watch:
         self.texts = Texts(getattr(model, "tokenizer_name_or_path", None) or name,
                            getattr(model, "tokenizer_revision", None))
         self.retired: collections.deque[tuple[GenerationCall, dict]] = collections.deque(maxlen=keep_calls)
+        #: held while the probe is taken off and while :attr:`retired` is trimmed to what the probe leaves room for
+        self.held = threading.Lock()
         self.forwards: collections.deque[Forward] = collections.deque(maxlen=keep_calls)
         self.hook: Any = None  #: the forward hook that keeps :attr:`forwards`, while attached
         #: the probe's steps, read for the live readers while attached and any reader is connected
@@ -179,15 +180,20 @@ class Watch:
 
     def records(self) -> list[tuple[GenerationCall | Forward, dict]]:
         """(record, meta) of this model's calls and forwards in memory, oldest first (by when they started)."""
-        probe = self.probe
-        live = [(call, probe.describe()) for call in probe.calls] if probe is not None else []
-        # the probe keeps its own last keep_calls; those of the probes before it (a pause, an `nxl ctl attach`) only
-        # fill what it leaves, so the model holds keep_calls in all, not that many more per probe it carried
-        with contextlib.suppress(IndexError):  # (two readers trimming at once: the other took the last one)
-            while self.retired and len(self.retired) + len(live) > self.retired.maxlen:
-                self.retired.popleft()
-        return sorted(list(self.retired) + live + [(forward, forward.attribution.meta) for forward in self.forwards],
-                      key=_started)
+        while True:
+            probe = self.probe
+            calls = probe.calls if probe is not None else []  # (waits for ended calls' records: not under the lock)
+            with self.held:
+                if self.probe is not probe:  # taken off meanwhile: its calls are among the retired ones now
+                    continue
+                live = [(call, probe.describe()) for call in calls] if probe is not None else []
+                # the probe keeps its own last keep_calls; those of the probes before it (a pause, an `nxl ctl
+                # attach`) only fill what it leaves, so the model holds keep_calls in all, not that many per probe
+                while self.retired and len(self.retired) + len(live) > self.retired.maxlen:
+                    self.retired.popleft()
+                retired = list(self.retired)
+            return sorted(retired + live + [(forward, forward.attribution.meta) for forward in self.forwards],
+                          key=_started)
 
     def retire(self, probe: Probe) -> None:
         """``probe`` is taken off the model: what it did not record or write still counts. It is read as it stands
@@ -389,7 +395,8 @@ class Rules:
     def _detach(self, watch: Watch) -> None:
         # caller holds the lock
         model = watch.ref()
-        probe = vars(model).pop(_PROBE, None) if model is not None else None
+        with watch.held:  # (a reader that took this probe's calls as live ones then reads them again as retired)
+            probe = vars(model).pop(_PROBE, None) if model is not None else None
         if watch.hook is not None:
             watch.hook.remove()
             watch.hook = None
@@ -398,7 +405,8 @@ class Rules:
             meta = probe.describe()
             calls = probe.calls
             probe.detach()
-            watch.retired.extend((call, meta) for call in calls)
+            with watch.held:
+                watch.retired.extend((call, meta) for call in calls)
 
     def pause(self, watches: list[Watch]) -> None:
         """Detach every probe: the models carry zero hooks until :meth:`resume`."""
