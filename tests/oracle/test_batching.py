@@ -497,6 +497,24 @@ def test_a_request_whose_manager_fails_ends_at_once_saying_why_and_reaches_the_s
     assert (read.request_id, read.error, read.complete) == ("big", call.error, False)
 
 
+def test_a_request_still_queued_when_its_manager_fails_is_said_not_recorded():
+    """Two pages: the first request's prefill takes them, the manager can neither schedule nor offload, and fails
+    both. The one that started said why it ended; the one still queued had no record at all (no step of it ran)."""
+    model = tiny.generating_llama()
+    config = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=None, pad_token_id=tiny.GEN_PAD)
+    with nxl.attach(model) as probe:
+        out = model.generate_batch([list(range(1, 41)), [1, 2, 3, 4, 5]], generation_config=config,
+                                   continuous_batching_config=tiny.cb_config(num_blocks=2))
+        probe.flush()
+    assert all(result.error for result in out.values())  # transformers failed both: the scenario of this test
+    calls = {call.request_id: call for call in probe.calls}
+    assert sorted(calls) == sorted(out)
+    started, queued = (calls[r] for r in sorted(out))
+    assert "left the manager before it finished (its manager stopped: " in started.error
+    assert queued.steps == [] and not queued.complete
+    assert queued.error.startswith("not recorded: the request was still queued when its manager stopped (")
+
+
 # transformers 5.18's manager, stopped and started again with its cache kept, fails its first forward (its own
 # error, probe or not: "The size of tensor a (11) must match the size of tensor b (43)"); 5.24 runs it
 _RESTART = pytest.mark.skipif(Version(transformers.__version__) < Version("5.24"),

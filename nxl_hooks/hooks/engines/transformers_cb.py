@@ -529,15 +529,23 @@ class ContinuousBatching:
     def stopped(self, processor: Any, error: Any) -> None:
         """``processor``'s manager stopped (asked to, or its loop failed with ``error``) and fails the requests it
         still holds: each run of them ends now, saying why (no later step sweeps them, and a failed manager's
-        process may run on without one). Never raises."""
+        process may run on without one), and each one still queued is a record saying it was not recorded. Never
+        raises."""
         try:
             with self._lock:
                 table = self._tables.get(processor)
             states = self._states.get(processor, {})
             why = f"the request left the manager before it finished (its manager stopped: {one_line(error)})"
+            # the ones still queued fail with it, and had no record at all: no step of theirs ran (said once); one
+            # offloaded back to the queue has its run
+            queued = [r for r in processor.scheduler.waiting_requests if table is not None and r not in table]
             for request_id in list(table or ()):
                 self.left(table, request_id=request_id, state=states[request_id], scheduler=processor.scheduler,
                           why=why)
+            stopped = RuntimeError(f"the request was still queued when its manager stopped ({one_line(error)}): "
+                                   "no token of it was made")
+            for request_id in queued:
+                self.gens.unrecorded(request_id, "this request", stopped, log=request_id == queued[0])
         except Exception as failure:  # noqa: BLE001 - never into the manager's loop
             reason("the end of the requests of a stopped continuous-batching manager", failure)
 
