@@ -234,3 +234,31 @@ def test_a_later_input_of_a_streaming_input_session_is_said_not_recorded_for_wha
     ((request, why),) = said
     assert request == "sess" and why.startswith("it is a later input of a streaming-input session")
     assert "prefix cache" not in why and engine._runs == {"sess-0123abcd": None}
+
+
+def test_a_request_aborted_while_queued_has_a_record_saying_so():
+    """A request vLLM finished before scheduling it (its client went away, or it was aborted, while it waited behind
+    --max-num-seqs running ones) never reached the worker's steps: it had no record at all, though vLLM tells the
+    worker of its end. It is now a call saying it was not recorded and why; one that ran before the probe attached
+    says that; one the worker ended by its own stop rules, told again by vLLM a step later, gets no second record.
+    (No engine: the scheduler's output as vLLM sends it.)"""
+    from nxl_hooks.hooks.engines.vllm import VllmEngine
+
+    said = []
+    runner = SimpleNamespace(requests={"cmpl-early-0-0123abcd": SimpleNamespace()})  # it ran before the attach
+    engine = VllmEngine()
+    engine.gens = SimpleNamespace(plan=SimpleNamespace(model=SimpleNamespace(runner=runner)),
+                                  unrecorded=lambda request, what, error, log: said.append((request, str(error))))
+    finished = []
+    done = SimpleNamespace(call=SimpleNamespace(prompt_mask=object()),
+                           finish=lambda sequences, why, what: finished.append(why))
+    engine._runs, engine._tokens = {"cmpl-done-0-0123abcd": done}, {"cmpl-done-0-0123abcd": [5, 6]}
+    engine._end("cmpl-done-0-0123abcd", stopped=True)  # its last token met its stop rules: complete
+    assert finished == [None]
+    engine._begin_step(SimpleNamespace(scheduled_new_reqs=[], finished_req_ids={
+        "cmpl-queued-0-0123abcd", "cmpl-early-0-0123abcd", "cmpl-done-0-0123abcd"}))
+    said = dict(said)
+    assert sorted(said) == ["early", "queued"]
+    assert said["queued"].startswith("it left vLLM before any of it ran") and "queue" in said["queued"]
+    assert said["early"].startswith("it started before the probe attached")
+    assert engine._runs == {}

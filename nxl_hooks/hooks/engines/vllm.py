@@ -82,6 +82,9 @@ _WORKER_ID = re.compile(r"^(?:\d+_(?=chatcmpl-|cmpl-|\d+-[0-9a-f]{8}$))?"
                         r"(?:chatcmpl-(?P<chat>.+)|cmpl-(?P<completion>.+)-\d+|(?P<response>resp_.+)_\d+|(?P<id>.+))"
                         r"-[0-9a-f]{8}$", re.DOTALL)
 
+#: Why a request is not recorded that this probe first saw after it started (``nxl ctl resume``, ``nxl attach``).
+_BEFORE = "it started before the probe attached, so its first positions were never seen"
+
 #: A step of vLLM's beam search, each beam's next token a request of its own (max_tokens 1): the API's prefix, the
 #: client's id, a random 16-hex id per step and the beam's index, the engine's suffix. A completion's beam search is
 #: named by the request's id alone, without the prompt's index its other requests carry (vLLM's completion serving).
@@ -556,8 +559,14 @@ class VllmEngine:
 
     def _end(self, worker_id: str, *, stopped: bool = False) -> None:
         """The request left the worker: ``stopped`` by its own stop rules (its call is complete), or otherwise (vLLM
-        told the worker at a later step: its call keeps the steps it made and says it ended early)."""
-        run, tokens = self._runs.pop(worker_id, None), self._tokens.pop(worker_id, None)
+        told the worker at a later step: its call keeps the steps it made and says it ended early). One vLLM says
+        finished that this worker never scheduled (aborted while it waited in vLLM's queue) is a call saying so."""
+        if worker_id not in self._runs:
+            self._unseen(worker_id)
+            return
+        run, tokens = self._runs.pop(worker_id), self._tokens.pop(worker_id, None)
+        if stopped:  # vLLM says it finished at its next step: not then a request this worker never saw
+            self._runs[worker_id] = None
         if run is None:
             return
         if tokens is None or run.call.prompt_mask is None:
@@ -565,6 +574,15 @@ class VllmEngine:
         else:
             run.finish(torch.tensor([tokens], dtype=torch.long), None if stopped else self._left(worker_id),
                        what="this request")
+
+    def _unseen(self, worker_id: str) -> None:
+        """A call record for a request vLLM finished that this probe never saw scheduled: one its runner holds ran
+        before the probe attached; any other left vLLM's queue before any of it ran (a client that went away, an
+        abort), and had no record at all. Never raises (inside :meth:`_begin_step`)."""
+        ran = worker_id in getattr(self.gens.plan.model.runner, "requests", ())
+        self.gens.unrecorded(request_id(worker_id), "this vLLM request", RuntimeError(_BEFORE if ran else (
+            "it left vLLM before any of it ran (aborted, or its client went away, while it waited in vLLM's queue)")),
+            log=False)
 
     def _left(self, worker_id: str) -> str:
         """Why the call of a request that left otherwise than by its stop rules ends incomplete. One with stop strings
@@ -640,8 +658,7 @@ class VllmEngine:
         for index, worker_id in enumerate(step):
             if worker_id not in self._runs:  # it started before this probe attached (nxl ctl resume / attach)
                 self._runs[worker_id] = None
-                self.gens.unrecorded(request_id(worker_id), "this vLLM request", RuntimeError(
-                    "it started before the probe attached, so its first positions were never seen"), log=False)
+                self.gens.unrecorded(request_id(worker_id), "this vLLM request", RuntimeError(_BEFORE), log=False)
             run = self._runs.get(worker_id)
             if run is None or run.failed:
                 continue
