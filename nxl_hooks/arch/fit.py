@@ -149,10 +149,11 @@ def _check_blocks(model: nn.Module, spec: ArchSpec) -> nn.ModuleList:
     return found
 
 
-def check_fits(model: nn.Module, spec: ArchSpec, spec_kind: str) -> None:
+def check_fits(model: nn.Module, spec: ArchSpec, spec_kind: str, *, shipped: bool = False) -> None:
     """What only the model can tell about a registry entry (:class:`RegistryError`, one line naming entry, key, what
     was found and what was expected): ``blocks`` is a non-empty ModuleList; every head step names a module outside
-    the blocks (or None, or a config value of the right kind: an activation name, a float scale / cap); the readout
+    the blocks (or None, or a config value of the right kind: an activation name, a float scale / cap), a path the
+    model lacks being a user's typo (a ``shipped`` entry's variant that lacks it is said by the head); the readout
     gives one value per vocabulary token or label; the head applies the model's final norm; ``backbone`` takes
     input_ids and runs the blocks. Whether the entry's numbers equal the model's own logits is checked by running
     it (:func:`nxl_hooks.method.verify.check_numbers`)."""
@@ -174,8 +175,13 @@ def check_fits(model: nn.Module, spec: ArchSpec, spec_kind: str) -> None:
                 spec._bad(key, f"step {step!r}: config.{attribute} is {spec._short(value)}; expected the name of an "
                                "activation function (such as config.hidden_act)")
             continue
-        if step in FUNCTION_STEPS or not has_path(model, step):
-            continue  # a path a variant lacks: Head says so, naming the step
+        if step in FUNCTION_STEPS:
+            continue
+        if not has_path(model, step):
+            if not shipped:
+                _lacked(model, spec, key, step)
+            readout = None  # a path a variant lacks: Head says so, naming the step; no earlier step is the readout
+            continue
         found = get_path(model, step)
         if found is None:
             continue  # an optional module this model does not have (OPT's project_out)
@@ -206,6 +212,15 @@ def check_fits(model: nn.Module, spec: ArchSpec, spec_kind: str) -> None:
             return
     spec._bad(key, f"leaves out the model's final norm {path!r} ({type(module).__name__}): the head-on-top applies it "
                    f"before the readout; add {path!r} as the first step")
+
+
+def _lacked(model: nn.Module, spec: ArchSpec, key: str, step: str) -> None:
+    """A user's head step naming a path the model lacks (a typo, or a function no step is): one line with the closest
+    module path and the steps that are no module."""
+    close = difflib.get_close_matches(step, [name for name, _ in model.named_modules() if name], n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    spec._bad(key, f"step {step!r}: {type(model).__name__} has no module {step!r}{hint}; expected a module path of "
+                   f"the head-on-top, a function ({', '.join(map(repr, FUNCTION_STEPS))}) or 'act:<config attribute>'")
 
 
 def _is_activation(name: str) -> bool:

@@ -362,7 +362,7 @@ def resolve(model: nn.Module) -> tuple[ArchSpec, HeadKind]:
         spec._bad("blocks", f"names {spec.blocks!r}, which {type(model).__name__} does not have; expected the path "
                             "to the ModuleList of its blocks (e.g. 'model.layers')")
     if spec is not None and spec_kind in spec.heads and has_path(model, spec.blocks):
-        check_fits(model, spec, spec_kind)
+        check_fits(model, spec, spec_kind, shipped=is_shipped(spec))
         return spec, kind
     discovered = _discover(model, spec_kind)
     if discovered is not None:

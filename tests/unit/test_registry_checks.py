@@ -77,6 +77,12 @@ BAD = {
     "step config": ("llama-lm", H(LM, NORM, "config"), "heads.causal_lm", f"a LlamaConfig, not a module; {_MODULE}"),
     "step forward": ("llama-lm", H(LM, NORM, "forward"), "heads.causal_lm", "the method/function 'forward'"),
     "step dtype": ("llama-lm", H(LM, NORM, "dtype", "lm_head"), "heads.causal_lm", "a dtype, not a module"),
+    # -- head steps that name no module of the model: a typo, a function no step is (not blamed on another step)
+    "readout typo": ("llama-lm", H(LM, NORM, "lm_hed"), "heads.causal_lm",
+                     "step 'lm_hed': LlamaForCausalLM has no module 'lm_hed' \\(did you mean 'lm_head'\\?\\); "
+                     "expected"),
+    "step unknown function": ("llama-lm", H(LM, NORM, "sigmoid", "lm_head"), "heads.causal_lm",
+                              "has no module 'sigmoid'; expected a module path of the head-on-top, a function"),
     # -- head steps that are modules of the wrong kind or place
     "readout up_proj": ("llama-lm", H(LM, NORM, "model.layers.0.mlp.up_proj"), "heads.causal_lm",
                         f"'model.layers.0.mlp.up_proj' is a Linear {_INSIDE}"),
