@@ -97,13 +97,16 @@ def method_scores(methods: Sequence[Method], given: Given, *, label_axis: bool
 
 
 def _returned(value: object) -> str:
-    """What a method returned, as its refusal names it: its shape, or what a tensor of that shape lacks (a meta
-    tensor's data, which failed later as an unnamed NotImplementedError; a sparse tensor's dense layout)."""
+    """What a method returned, as its refusal names it: its dtype and shape (integer scores of the right shape said
+    only their shape, which read as right), or what a tensor of that shape lacks (a meta tensor's data, which failed
+    later as an unnamed NotImplementedError; a sparse tensor's dense layout)."""
     if not isinstance(value, torch.Tensor):
         return type(value).__name__
     if value.is_meta:
         return f"a tensor on the meta device (shape {tuple(value.shape)}, no data)"
-    return f"a {value.layout} tensor" if value.layout != torch.strided else str(tuple(value.shape))
+    if value.layout != torch.strided:
+        return f"a {value.layout} tensor"
+    return f"{str(value.dtype).removeprefix('torch.')} {tuple(value.shape)}"
 
 
 def pointwise(methods: Sequence[Method]) -> bool:

@@ -369,6 +369,8 @@ METHOD_RETURNS = cases(
      r"expected float scores shaped like logat \(3, 1, 5, 1\), a dense tensor with data$"),
     ("method returns a sparse tensor", lambda given: given.logat.to_sparse(),
      r"^attribution method 'test_returns' returned a torch.sparse_coo tensor: expected float scores"),
+    ("method returns integer scores", lambda given: given.logat.long(),  # of the right shape: said only its shape
+     r"^attribution method 'test_returns' returned int64 \(3, 1, 5, 1\): expected float scores shaped like logat"),
 )
 
 
