@@ -50,6 +50,10 @@ _BUILTIN: tuple[str, ...] = ()  # their names, DEFAULT first
 
 
 def _instance(method: Any) -> Method:
+    if isinstance(method, type) and (why := unbound(method)) is not None:
+        # its TypeError named neither the method nor that a class is made without arguments here
+        raise TypeError(f"{method.__qualname__} cannot be made without arguments ({why}): give an instance "
+                        f"({method.__qualname__}(...)) instead of the class, or defaults to its arguments")
     method = method() if isinstance(method, type) else method
     what = type(method).__qualname__
     if not isinstance(method, Method) or not callable(method.score):

@@ -196,6 +196,33 @@ def test_a_method_lacking_a_member_or_whose_score_takes_no_given_is_refused_when
     torch.testing.assert_close(res.logat[:, 0], logits[:, 0, :, logits[-1, 0, -1].argmax()], atol=1e-5, rtol=1e-4)
 
 
+class NeedsFoil:
+    """A method class whose ``__init__`` takes an argument: given as the class, it cannot be made."""
+
+    name = "test_needs_foil"
+    description = "needs its foil"
+
+    def __init__(self, foil):
+        self.foil = foil
+
+    def score(self, given):
+        return given.logat
+
+
+def test_a_method_class_that_cannot_be_made_without_arguments_is_refused_saying_to_give_an_instance(lm):
+    """``register_method(NeedsFoil)`` and ``attach(methods=[NeedsFoil])`` raised the class's own
+    "NeedsFoil.__init__() missing 1 required positional argument", saying neither that a class is made without
+    arguments there nor what to pass instead."""
+    model, _ = lm
+    for refused in (lambda: nxl.register_method(NeedsFoil), lambda: nxl.attach(model, methods=[NeedsFoil])):
+        with pytest.raises(TypeError) as error:
+            refused()
+        assert str(error.value) == ("NeedsFoil cannot be made without arguments (missing a required argument: "
+                                    "'foil'): give an instance (NeedsFoil(...)) instead of the class, or defaults to "
+                                    "its arguments")
+    assert "test_needs_foil" not in nxl.method_names() and nxl.detach_all(model) == 0
+
+
 class LogitGap(Method):
     """docs/methods.md's example of a method that is not pointwise: LogAt minus the mean over the row's real tokens."""
 
