@@ -237,6 +237,7 @@ def make_sink(spec: Any, **options: Any) -> RecordSink:
     if found is None:
         if options:
             raise ValueError(f"sink options {sorted(options)} given with a sink object: set them where it is made")
+        _check_calls(spec, spec, "give a sink whose methods take them")
         return spec
     factory, arg = found
     check_factory(spec, factory, arg, options)
@@ -253,11 +254,28 @@ def make_sink(spec: Any, **options: Any) -> RecordSink:
         raise ValueError(f"sink {spec!r}: its factory returned {type(sink).__name__}, which lacks "
                          f"{', '.join(lacks)}: a sink has {', '.join(_METHODS[:-1])} and close (nxl.RecordSink); "
                          "fix the package of that sink kind, or give another sink")
+    _check_calls(spec, sink, "fix the package of that sink kind, or give another sink")
     return sink
 
 
 #: What a probe calls on every sink (:class:`RecordSink`).
 _METHODS = ("write_call", "write_step", "write_end", "close")
+#: How the probe calls each method of a sink, with placeholders for its arguments (``write_steps``: a BatchingSink's)
+_CALLS = {"write_call": ("call", "meta"), "write_step": ("step",), "write_end": ("call",), "close": (),
+          "write_steps": ("steps",)}
+
+
+def _check_calls(spec: Any, sink: Any, fix: str) -> None:
+    """A ValueError naming the sink when one of its methods cannot be called as the probe calls it: else its every
+    record would fail in the sink's thread, the records lost for a signature (:func:`~nxl_hooks.arch.calls.unbound`)."""
+    for method, arguments in _CALLS.items():
+        try:
+            bound = getattr(sink, method, None)
+        except Exception:  # noqa: BLE001 - a property of the sink's that raises: the probe reads it guarded too
+            continue
+        if callable(bound) and (why := unbound(bound, *arguments)) is not None:
+            raise ValueError(f"sink {spec!r}: its {method} cannot be called as {method}({', '.join(arguments)}) "
+                             f"({why}), as the probe calls it (nxl.RecordSink); {fix}")
 
 
 def check_factory(spec: Any, factory: Factory, arg: str, options: dict[str, Any]) -> None:

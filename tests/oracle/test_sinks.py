@@ -339,6 +339,44 @@ def test_a_sink_factory_of_another_signature_or_a_sink_lacking_methods_is_refuse
         nxl.make_sink("partialsink:y", function="f")
 
 
+class _NoStepArgument(_Partial):
+    """A sink whose ``write_step`` takes no step, and whose ``close`` takes an argument."""
+
+    def write_step(self):
+        pass
+
+    def write_end(self, call):
+        pass
+
+
+class _CloseTakesOne(_NoStepArgument):
+    def write_step(self, step):
+        pass
+
+    def close(self, how):
+        pass
+
+
+def test_a_sink_whose_method_cannot_be_called_as_the_probe_calls_it_is_refused_naming_the_method(chat):
+    """A sink whose ``write_step(self)`` took no step was attached, then every record failed in the sink's thread
+    (``TypeError: ...write_step() takes 1 positional argument but 2 were given``) and was lost; a sink object given
+    as it is, the same. Both are refused at attach, in one line naming the method and how the probe calls it."""
+    _, model, _ = chat
+    plain = model.generate(input_ids=torch.tensor([[5, 9, 12]]), max_new_tokens=2, do_sample=False)
+    nxl.register_sink("nostepsink", _NoStepArgument)
+    with pytest.raises(ValueError) as made:
+        nxl.attach(model, sink="nostepsink:x")
+    with pytest.raises(ValueError) as given:
+        nxl.attach(model, sink=_CloseTakesOne("x"))
+    assert nxl.detach_all(model) == 0
+    assert torch.equal(model.generate(input_ids=torch.tensor([[5, 9, 12]]), max_new_tokens=2, do_sample=False), plain)
+    assert str(made.value) == (
+        "sink 'nostepsink:x': its write_step cannot be called as write_step(step) (too many positional arguments), as "
+        "the probe calls it (nxl.RecordSink); fix the package of that sink kind, or give another sink")
+    told = str(given.value)
+    assert "its close cannot be called as close() (missing a required argument: 'how')" in told and "\n" not in told
+
+
 class _UnprintableExit(SystemExit):
     """A factory's exit whose message cannot be made: its ``__str__`` raises."""
 
