@@ -83,6 +83,9 @@ def register_method(method: Any = None, *, replace: bool = False) -> Any:
     if method is None:  # @register_method(replace=True)
         return lambda given: register_method(given, replace=replace)
     instance = _instance(method)
+    if instance.name in DEFAULT:  # replace=True put it in every record's place, every probe's scores changed unsaid
+        raise ValueError(f"method name {instance.name!r} is the built-in method every record holds "
+                         f"(res.{instance.name}), which no registration replaces: give yours another name")
     with _lock:
         _builtins()
         if instance.name in _METHODS and not replace and instance.name not in _INSTALLED:

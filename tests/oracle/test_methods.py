@@ -539,6 +539,36 @@ def test_a_method_with_a_wrong_shape_is_refused_with_its_name(lm, caplog):
         nxl.register_method(NegLogAt)
 
 
+def test_a_method_named_normxlogit_or_logat_is_never_registered_and_every_record_keeps_the_built_in(lm):
+    """``register_method(Mine, replace=True)`` for a method named ``normxlogit`` (the line for a name taken said to
+    pass ``replace=True``) put it in the built-in's place: every probe's ``res.normxlogit`` was then its scores, with
+    nothing said. It is refused, replace or not, and the records stay the oracle's."""
+    model, tok = lm
+    ids = torch.tensor([[5, 9, 12, 7]])
+    logits, norms = _lm_oracle(model, ids)
+
+    class Zeros(Method):
+        name = "normxlogit"
+        description = "zeros in NormXLogit's place"
+
+        def score(self, given: Given) -> torch.Tensor:
+            return given.logat * 0
+
+    for replace in (False, True):
+        with pytest.raises(ValueError) as refused:
+            nxl.register_method(Zeros, replace=replace)
+        assert str(refused.value) == ("method name 'normxlogit' is the built-in method every record holds "
+                                      "(res.normxlogit), which no registration replaces: give yours another name")
+    with pytest.raises(ValueError, match="^method name 'logat' is the built-in method every record holds"):
+        nxl.register_method(type("MyLogAt", (Zeros,), {"name": "logat"}), replace=True)
+    assert type(nxl.get_method("normxlogit")) is not Zeros
+    with torch.no_grad(), nxl.attach(model, layers="all") as probe:
+        model(input_ids=ids)
+    target = logits[-1, 0, -1].argmax()
+    expected = norms[0] * logits[:, 0, :, target]
+    torch.testing.assert_close(probe.result().normxlogit[:, 0], expected, atol=1e-5, rtol=1e-4)
+
+
 def test_a_method_whose_scores_carry_a_gradient_is_stored_detached(lm, recwarn):
     """Scores made with autograd on (a weight that requires grad) were stored with their graph: top() warned
     'Converting a tensor with requires_grad=True to a scalar', and the record kept the graph alive."""
