@@ -21,7 +21,7 @@ from typing import Iterable, Mapping, Sequence
 from torch import nn
 
 from .fit import base_prefix, check_acyclic, check_fits, final_norm, takes_input_ids
-from .plugins import ARCHITECTURES, broken, contained, load
+from .plugins import ARCHITECTURES, broken, contained, failure, load
 from .spec import (FUNCTION_STEPS, HEAD_KINDS, MAX_DEPTH, POST_STEPS, ArchSpec, HeadKind, RegistryError,
                    UnknownArchitectureError, get_path, has_path, head_kind, log_probabilities, readout_outputs,
                    spec_from_mapping, spec_head, split_post_steps, word_embedding)
@@ -375,6 +375,9 @@ def resolve(model: nn.Module) -> tuple[ArchSpec, HeadKind]:
             f"its config sets logit post-processing ({', '.join(post)}) that generic discovery cannot interpret; "
             "add it as a last head step, e.g. 'softcap:final_logit_softcapping', 'scale:<attr>' or 'divide:<attr>'"
         )
+    elif (plugin_failed := failure(ARCHITECTURES, model_type)) is not None:
+        # the model's own plugin is installed: that it failed, said only in a log line, is what to fix
+        reason = f"no registry entry names it, and its {plugin_failed}"
     else:
         reason = "no registry entry names it and generic discovery found no blocks/final norm/head"
     raise UnknownArchitectureError(

@@ -406,6 +406,26 @@ def test_an_architecture_plugin_giving_neither_specs_nor_a_path_says_what_it_gav
     assert "(TypeError: it gave 42; expected ArchSpecs, a TOML file's path, or None" in line and "\n" not in line
 
 
+def test_a_model_left_undiscovered_when_its_architecture_plugin_failed_is_refused_naming_that_plugin(site, caplog):
+    """A BERT-like encoder (no final norm: generic discovery finds nothing) whose own plugin failed to import was
+    refused as "no registry entry names it and generic discovery found no blocks/final norm/head", saying nothing
+    of the installed plugin that names it: only a log line did. The refusal now carries that plugin's line."""
+    _broken(site, "[nxl_hooks.architectures]\nnxl_bertlike = nxl_broken_plugin:toy_architecture\n")
+    model = tiny.build_model("bert")
+    model.config.model_type = "nxl_bertlike"
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+        with pytest.raises(nxl.UnknownArchitectureError) as refused:
+            nxl.attach(model)
+    (line,) = [r.getMessage() for r in caplog.records if "plugin 'nxl_bertlike'" in r.getMessage()]
+    told = str(refused.value)
+    assert told.startswith("model_type 'nxl_bertlike' (BertForSequenceClassification) is not supported: no "
+                           "registry entry names it, and its plugin 'nxl_bertlike' (nxl_hooks.architectures, "
+                           "nxl_broken_plugin:toy_architecture) failed to load (ImportError: needs a package that is "
+                           "not installed); left out: fix or uninstall its package"), told
+    assert line.removeprefix("nxl_hooks: ") in told and "\n" not in told and "nxl.register_architecture(" in told
+    assert nxl.detach_all(model) == 0
+
+
 #: Engine plugins written wrong: one lacking ``stray``, one whose factory takes an argument.
 WRONG_ENGINES = textwrap.dedent('''
     class NoStray:
