@@ -95,12 +95,14 @@ _ATTRIBUTE = re.compile(r"[A-Za-z_]\w*")
 
 
 class UnknownArchitectureError(LookupError):
-    """The model's architecture is neither registered nor discoverable."""
+    """The model's architecture is neither registered nor discoverable; the message prints the
+    ``nxl.register_architecture(...)`` call its modules show, to fill in."""
 
 
 class RegistryError(ValueError):
     """A registry entry (a ``registry/*.toml`` table or a :func:`register_architecture` call) that breaks the schema,
-    or that does not fit the model it is resolved for. The message names the file, the entry and the key."""
+    or that does not fit the model it is resolved for. The message names the file, the entry and the key.
+    ``try: nxl.register_file("my_arch.toml") except nxl.RegistryError as error: print(error)``"""
 
 
 @dataclass(frozen=True)

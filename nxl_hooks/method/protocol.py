@@ -30,7 +30,8 @@ NAME = re.compile(r"[a-z][a-z0-9_]{0,39}")
 
 @dataclass(frozen=True, eq=False)
 class Given:
-    """What the recorder hands a method, for one forward (or one generated token's context)."""
+    """What the recorder hands a method, for one forward (or one generated token's context).
+    ``def score(self, given): return given.embed_norm[None, :, :, None] * given.logat``"""
 
     logat: torch.Tensor  #: float32 (layers, rows, seq, k): HoT(h_i^l)[y] (regression: |HoT(h_i^l) − HoT(h_p^L)|)
     embed_norm: torch.Tensor  #: float32 (rows, seq): ‖h_i^0‖₂ (or the word-embedding row's norm)

@@ -150,7 +150,8 @@ def wanted_name(name: object) -> str:
 
 
 def get_method(name: str | Method) -> Method:
-    """The method registered as ``name`` (a Method is returned as it is); ValueError naming the registered ones."""
+    """The method registered as ``name`` (a Method is returned as it is); ValueError naming the registered ones.
+    ``nxl.get_method("contrastive").description``"""
     if not isinstance(name, str):
         return _instance(name)
     with _lock:
@@ -165,7 +166,7 @@ def get_method(name: str | Method) -> Method:
 
 
 def method_names() -> tuple[str, ...]:
-    """Every registered method's name, built-in ones first (installed plugins included)."""
+    """Every registered method's name, built-in ones first (installed plugins included). ``nxl.method_names()``"""
     with _lock:
         _builtins()
         _read_plugins()

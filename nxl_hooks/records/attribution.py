@@ -54,7 +54,8 @@ _META_TYPES: dict[str, type] = {
 
 class RecordError(ValueError):
     """A record that does not hold together: a file nxl_hooks did not write (or a damaged one), or fields that
-    contradict each other. The message names the file (when there is one), the field and what is wrong."""
+    contradict each other. The message names the file (when there is one), the field and what is wrong.
+    ``try: nxl.Attribution.load(path) except nxl.RecordError as error: print(error)``"""
 
 
 def _int(value: Any) -> bool:

@@ -51,7 +51,8 @@ class StreamError(RecordError):
 
 
 class StreamDamageWarning(UserWarning):
-    """:func:`read_stream` stopped early at a damaged frame (not a torn last frame); see ``damage`` on its result."""
+    """:func:`read_stream` stopped early at a damaged frame (not a torn last frame); see ``damage`` on its result.
+    ``warnings.simplefilter("error", nxl.StreamDamageWarning)`` makes it raise."""
 
 
 @dataclass(frozen=True)

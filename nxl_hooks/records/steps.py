@@ -256,7 +256,7 @@ class Step:
 @dataclass(eq=False)
 class GenerationCall:
     """One ``generate`` call (or continuous-batching request) under a probe: its prompt, its step records and,
-    once it returned, its output."""
+    once it returned, its output. ``call = probe.calls[-1]; call.attribution(call.steps[0]).top(3)``"""
 
     index: int  #: counts the probe's calls from 0, in the order they started
     layers: list[int]

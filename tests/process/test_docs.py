@@ -101,6 +101,17 @@ def test_the_public_api_is_typed_for_type_checkers():
     assert Stream.__orig_bases__ == (list[nxl_hooks.GenerationCall],)
 
 
+def test_every_public_name_has_a_docstring_with_a_usage_line():
+    """The API page shows each name's docstring: eight of them (``Given``, ``GenerationCall``, ``get_method``,
+    ``method_names``, the errors and the warning) said what the name is but not how it is used. A usage line is a
+    call in an inline literal (``nxl.method_names()``) or an indented example."""
+    import inspect
+
+    usage = re.compile(r"``[^`]*\w\([^`]*``|^\s{4}\S.*\(", re.M)
+    missing = [name for name in nxl_hooks.__all__ if not usage.search(inspect.getdoc(getattr(nxl_hooks, name)) or "")]
+    assert not missing, f"give these docstrings a usage line: {', '.join(missing)}"
+
+
 def test_readme_links_and_anchors_lead_somewhere(site):
     for document in ("README.md", "CHANGELOG.md"):
         text = (ROOT / document).read_text(encoding="utf-8")
