@@ -30,14 +30,14 @@ import warnings
 import weakref
 from pathlib import Path
 from types import FrameType
-from typing import Any, Callable, Sequence
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from ..arch import plugins
-from ..method.protocol import Method
-from ..method.select import Target
+from ..method.registry import Methods
+from ..method.select import Layers, TargetOption
 from ..method.subject import Subject, unwrap
 from ..records.attribution import Attribution
 from ..records.sinks import RecordSink
@@ -332,8 +332,8 @@ class Probe:
 
 def attach(
     model: nn.Module | Subject,
-    layers: str | int | Sequence[int] = "all",
-    target: Target = "predicted",
+    layers: Layers = "all",
+    target: TargetOption = "predicted",
     *,
     tokenizer: Any = None,
     embedding: str = "layer_input",
@@ -343,7 +343,7 @@ def attach(
     keep_calls: int | None = None,
     cache_dtype: torch.dtype | None = None,
     cache_device: str | torch.device | None = None,
-    methods: Sequence[str | Method] | str | None = None,
+    methods: Methods = None,
 ) -> Probe:
     """Hook NormXLogit onto ``model`` (a transformers task model, a PeftModel, a ``torch.compile`` wrapper, or its
     :class:`~nxl_hooks.method.subject.Subject` already resolved) until the probe detaches.

@@ -19,15 +19,15 @@ import importlib
 import pkgutil
 import threading
 from collections import abc
-from typing import Any, Iterable
+from typing import Any, Iterable, Union
 
 from ..arch import plugins
 from ..arch.calls import unbound
 from . import methods as _builtin_package
 from .protocol import Method, check_name
 
-__all__ = ["DEFAULT", "ENTRY_POINT_GROUP", "Method", "builtin_names", "get_method", "load_plugin", "method_names",
-           "register_method", "resolve_methods", "wanted_name"]
+__all__ = ["DEFAULT", "ENTRY_POINT_GROUP", "Method", "Methods", "builtin_names", "get_method", "load_plugin",
+           "method_names", "register_method", "resolve_methods", "wanted_name"]
 
 #: The entry-point group through which installed distributions register methods.
 ENTRY_POINT_GROUP = plugins.METHODS
@@ -41,6 +41,10 @@ RESERVED = frozenset({
     "model", "time", "in_prompt", "prediction_position", "special", "template", "ranked", "token", "target", "mask",
     "scores", "layers", "random", "grad_norm", "grad_x_input", "integrated_gradients",
 })
+
+#: What ``attach(methods=...)`` takes: method names or Method objects (instances, or classes made without
+#: arguments), a list of them, one of them, or a comma-separated string of names
+Methods = Union[Iterable[Union[str, Method, type[Method]]], str, Method, type[Method], None]
 
 _METHODS: dict[str, Method] = {}
 _INSTALLED: set[str] = set()  # names whose method came from a plugin: code registering one replaces it
@@ -194,7 +198,7 @@ def _shown(method: Method) -> str:
     return shown if len(shown) <= 80 else shown[:79] + "…"
 
 
-def resolve_methods(methods: Iterable[str | Method] | str | None) -> tuple[Method, ...]:
+def resolve_methods(methods: Methods) -> tuple[Method, ...]:
     """The methods a probe computes: :data:`DEFAULT` first, then each of ``methods`` (names or Method instances,
     or one comma-separated string, or one Method instance or class) not among them. ValueError for an unknown
     name, for ``methods`` that is none of these, or for two different methods of one name (a name the registry

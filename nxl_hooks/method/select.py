@@ -22,8 +22,9 @@ from __future__ import annotations
 import numbers
 import re
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence, Union
+from typing import Any, Callable, Sequence, SupportsIndex, Union
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -35,7 +36,9 @@ __all__ = [
     "NO_SPACE_AFTER",
     "VIRTUAL_ID",
     "ResolvedTarget",
+    "Layers",
     "Target",
+    "TargetOption",
     "check_length",
     "empty_row",
     "explained",
@@ -66,6 +69,11 @@ __all__ = [
 
 #: What ``attach(target=...)`` takes: "predicted", an id, a token or label string, a list of them, or id tensors.
 Target = Union[str, int, Sequence[Union[str, int]], torch.Tensor]
+#: ``attach(target=...)`` as a user's code types it: a :data:`Target`, or a numpy integer or array of ids (numpy
+#: integers are ints by ``__index__``; an array is read by :func:`from_numpy`)
+TargetOption = Union[Target, SupportsIndex, Sequence[SupportsIndex], np.ndarray[Any, Any]]
+#: What ``attach(layers=...)`` takes: "all", "last", an int or ints (numpy integers, or an array of them, too)
+Layers = Union[str, SupportsIndex, Sequence[SupportsIndex], np.ndarray[Any, Any]]
 
 
 

@@ -101,6 +101,47 @@ def test_the_public_api_is_typed_for_type_checkers():
     assert Stream.__orig_bases__ == (list[nxl_hooks.GenerationCall],)
 
 
+def _accepts(hint, value) -> bool:
+    """Whether a type checker takes ``value`` for the annotation ``hint`` (the forms attach's annotations use)."""
+    import collections.abc
+    import types
+    import typing
+
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(_accepts(arg, value) for arg in args)
+    if hint is type(None):
+        return value is None
+    if origin is type:
+        return isinstance(value, type) and issubclass(value, args[0])
+    if origin in (collections.abc.Sequence, collections.abc.Iterable):
+        return (isinstance(value, origin) and not isinstance(value, str)
+                and all(_accepts(args[0], item) for item in value))
+    return isinstance(value, origin or hint)
+
+
+def test_attach_is_typed_for_every_value_its_docs_take():
+    """py.typed ships, so mypy --strict checks a user's call against attach's annotations: ``methods=`` took neither
+    one Method object nor a class (docs/methods.md: ``methods=Contrastive(foil=3)``), and ``layers=`` / ``target=``
+    no numpy integer or array (docs/python.md: numpy integers are fine), each an error in a user's type check."""
+    import typing
+
+    import numpy as np
+    import torch
+
+    from nxl_hooks.method.methods.contrastive import Contrastive
+
+    hints = typing.get_type_hints(nxl_hooks.attach)
+    taken = {
+        "methods": ["contrastive", "contrastive,logat", ["contrastive"], Contrastive(foil=3), Contrastive,
+                    [Contrastive, "logat", Contrastive(foil=3)], None],
+        "layers": ["all", "last", -1, [0, -1], np.int64(2), [np.int32(0)], np.array([0, 2])],
+        "target": ["predicted", 5, "Paris", ["Paris", 7], torch.tensor([3, 4]), np.int64(7), np.array([3, 11])],
+    }
+    refused = {name: [value for value in values if not _accepts(hints[name], value)] for name, values in taken.items()}
+    assert refused == {name: [] for name in taken}, refused
+
+
 def test_every_public_name_has_a_docstring_with_a_usage_line():
     """The API page shows each name's docstring: eight of them (``Given``, ``GenerationCall``, ``get_method``,
     ``method_names``, the errors and the warning) said what the name is but not how it is used. A usage line is a
