@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -29,8 +29,8 @@ from .probe import attach
 __all__ = ["explain"]
 
 
-def explain(model: nn.Module, tokenizer: Any, text: str | list[str], *, text_pair: str | list[str] | None = None,
-            chat: bool = False, **options: Any) -> Attribution:
+def explain(model: nn.Module, tokenizer: Any, text: str | Sequence[str], *,
+            text_pair: str | Sequence[str] | None = None, chat: bool = False, **options: Any) -> Attribution:
     """Attach, run one forward on ``text`` (a string or a batch of them, padded), detach: its attribution.
 
     ``nxl.explain(model, tok, "The capital of France is", layers="all", target="Paris").top(3)``; ``options`` go to

@@ -123,7 +123,8 @@ def _accepts(hint, value) -> bool:
 def test_attach_is_typed_for_every_value_its_docs_take():
     """py.typed ships, so mypy --strict checks a user's call against attach's annotations: ``methods=`` took neither
     one Method object nor a class (docs/methods.md: ``methods=Contrastive(foil=3)``), and ``layers=`` / ``target=``
-    no numpy integer or array (docs/python.md: numpy integers are fine), each an error in a user's type check."""
+    no numpy integer or array (docs/python.md: numpy integers are fine), each an error in a user's type check; nor
+    did ``explain`` take a tuple of texts."""
     import typing
 
     import numpy as np
@@ -140,6 +141,11 @@ def test_attach_is_typed_for_every_value_its_docs_take():
     }
     refused = {name: [value for value in values if not _accepts(hints[name], value)] for name, values in taken.items()}
     assert refused == {name: [] for name in taken}, refused
+    # explain's texts: one, a list, or a tuple of them (docs/python.md: "a tuple of two texts is a batch of two")
+    hints = typing.get_type_hints(nxl_hooks.explain)
+    texts = ["a text", ["a", "b"], ("a", "b")]
+    assert [text for text in texts if not _accepts(hints["text"], text)] == []
+    assert [text for text in [*texts, None] if not _accepts(hints["text_pair"], text)] == []
 
 
 def test_every_public_name_has_a_docstring_with_a_usage_line():
