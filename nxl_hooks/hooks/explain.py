@@ -23,6 +23,7 @@ from ..method.subject import Subject
 from ..records.attribution import Attribution
 from ..records.tokens import describe_target
 from .forward import check_tokens
+from .guard import told_by_caller
 from .plan import tokenizer_mismatch
 from .probe import attach
 
@@ -66,7 +67,8 @@ def explain(model: nn.Module, tokenizer: Any, text: str | Sequence[str], *,
     check_tokens(enc["input_ids"])  # before the model's own error on no tokens (a reshape), not after it
     with _one_at_a_time(subject.backbone), torch.no_grad(), _evaluating(model), \
             attach(subject, tokenizer=tokenizer, target=target, **options) as probe:
-        model(**enc)
+        with told_by_caller():  # probe.result() raises why it is not recorded
+            model(**enc)
     res = probe.result()
     if resolved is not None:
         res.meta["targets"] = [[describe_target(tokenizer, subject.model.config, subject.kind, one) for one in row]

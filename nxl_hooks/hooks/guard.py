@@ -5,11 +5,12 @@ on unchanged. :meth:`Probe.result` and ``GenerationCall.error`` tell the user wh
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import logging
 import threading
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from ..arch.calls import SHORT  # the one rule for a hook called after its removal, kept here for the hooks
 from ..arch.text import one_line, typed  # the one rule for a foreign message, kept here for the hooks that say it
@@ -64,9 +65,27 @@ def described(error: BaseException) -> str:
     return text if own or text == kind.__name__ else f"{kind.__name__}: {text}"
 
 
+#: ``on`` while this thread runs a forward whose caller raises the reason it is not recorded (:func:`told_by_caller`)
+_told = threading.local()
+
+
+@contextlib.contextmanager
+def told_by_caller() -> Iterator[None]:
+    """This thread's forwards not recorded meanwhile are said by the caller, which raises the reason
+    (:func:`~nxl_hooks.explain`): not logged too, which said it twice (``nxl attribute``'s stderr had both)."""
+    before = getattr(_told, "on", False)
+    _told.on = True
+    try:
+        yield
+    finally:
+        _told.on = before
+
+
 def reason(what: str, error: BaseException) -> str:
-    """Log ``error`` (raised while ``what``) as one line and return the text kept with the call."""
-    logger.warning("nxl_hooks: %s not recorded (%s); the model's own call is unaffected", what, typed(error))
+    """Log ``error`` (raised while ``what``) as one line, unless the caller says it (:func:`told_by_caller`), and
+    return the text kept with the call."""
+    if not getattr(_told, "on", False):
+        logger.warning("nxl_hooks: %s not recorded (%s); the model's own call is unaffected", what, typed(error))
     return one_line(error)
 
 

@@ -681,6 +681,22 @@ def test_a_method_that_raises_is_named_in_its_forwards_error_and_log_line(caplog
         f"nxl_hooks: this forward not recorded (MethodError: {said}); the model's own call is unaffected"]
 
 
+def test_explain_raises_why_its_forward_is_not_recorded_without_logging_it_too(caplog):
+    """``nxl.explain`` raises the reason its forward is not recorded; it also logged that reason as a line, so the
+    one failure was said twice (``nxl attribute --method NAME`` printed both on stderr, the log line first). Only
+    the raise says it; a forward of the user's under ``attach`` still logs its one line (the test above)."""
+    model, tok = tiny.build_model("llama", 0), tiny.tokenizer()
+    with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+        with pytest.raises(RuntimeError) as raised:
+            nxl.explain(model, tok, TEXT, methods=[Exits(ValueError("bad input"))])
+        res = nxl.explain(model, tok, TEXT)  # the flag is the forward's alone: the model explained as before
+    assert str(raised.value) == "attribution method 'test_exits' raised ValueError: bad input"
+    assert [r.getMessage() for r in caplog.records if "not recorded" in r.getMessage()] == []
+    logits, norms = _lm_oracle(model, tok(TEXT, return_tensors="pt")["input_ids"])
+    target = logits[-1, 0, -1].argmax()
+    torch.testing.assert_close(res.normxlogit[:, 0], norms[0] * logits[:, 0, :, target], atol=1e-5, rtol=1e-4)
+
+
 def _install_doubled(tmp_path, monkeypatch):
     """An installed distribution whose ``nxl_hooks.methods`` group has ``test_plugin_doubled`` (twice NormXLogit)
     and a broken ``test_plugin_broken``; the loader reads the group afresh, as a new process would, and the
