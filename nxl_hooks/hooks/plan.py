@@ -24,9 +24,11 @@ from torch import nn
 from ..arch.calls import unbound
 from ..arch.registry import ArchSpec, HeadKind, word_embedding
 from ..arch.text import one_line
+from ..arch.version import versions
 from ..method import scores as _scores
 from ..method.chat import locate_template
 from ..method.head import Head
+from ..method.placement import quantization
 from ..method.protocol import Checked, Given, Method, TargetChecked
 from ..method.registry import resolve_methods
 from ..method.subject import Subject, compiled_original
@@ -286,6 +288,11 @@ class Plan:
             "n_blocks": self.n_blocks,
             "spec": self.spec.name,
             "methods": [method.name for method in self.methods],
+            # what it takes to make the numbers again: which weights, in which dtype and quantization, by what code
+            "model": self.name,
+            "dtype": str(getattr(self.model, "dtype", None)).removeprefix("torch."),
+            "quantization": quantization(self.model),
+            "versions": versions(),
         }
 
 

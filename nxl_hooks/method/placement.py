@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import enum
+from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["DeviceOf", "full", "input_device", "module_device", "offloaded", "plain", "readable", "replica",
-           "sharded", "weights_materialized"]
+__all__ = ["DeviceOf", "full", "input_device", "module_device", "offloaded", "plain", "quantization", "readable",
+           "replica", "sharded", "weights_materialized"]
 
 
 def module_device(module: nn.Module) -> torch.device:
@@ -109,6 +111,26 @@ def readable(module: nn.Module) -> bool:
     from accelerate.utils import has_offloaded_params
 
     return has_offloaded_params(module)
+
+
+def quantization(model: nn.Module) -> dict[str, Any] | None:
+    """How ``model``'s weights are quantized, as its config says (``config.quantization_config``: the quantizer's
+    ``quant_method`` and its settings that are plain values), or None for plain weights (a GGUF file's, dequantized
+    as it loads, included). ``quantization(model_4bit)["bnb_4bit_quant_type"] == "nf4"``. Records carry it, so
+    that a quantized model's numbers say which quantization made them."""
+    config = getattr(getattr(model, "config", None), "quantization_config", None)
+    if config is None:
+        return None
+    try:  # a quantizer's own code: one that fails to describe itself is named by its class, never stops an attach
+        settings = config.to_dict() if callable(getattr(config, "to_dict", None)) else config
+    except Exception:  # noqa: BLE001
+        settings = None
+    if not isinstance(settings, dict):
+        return {"quant_method": type(config).__name__}
+    # (a private key repeats a public one; an object, such as torchao's quant_type, would not be JSON)
+    plain = {key: value.value if isinstance(value, enum.Enum) else value for key, value in settings.items()
+             if isinstance(key, str) and not key.startswith("_")}
+    return {key: value for key, value in plain.items() if value is None or isinstance(value, (str, int, float, bool))}
 
 
 def weights_materialized(module: nn.Module):

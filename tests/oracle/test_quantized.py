@@ -476,3 +476,49 @@ def test_bnb_per_decoder_family(tmp_path, case_id, quant):
     model = case.model.from_pretrained(tmp_path, quantization_config=BitsAndBytesConfig(**QUANT[quant])).eval()
     assert any(isinstance(module, _LINEAR[quant]) for module in model.modules())
     arch._check_against_oracle(case, model)
+
+
+def test_saved_result_says_which_model_quantization_and_versions_made_it(tmp_path_factory, tmp_path):
+    """A result saved from a 4-bit model, reopened from its file, names the weights it was read from, their
+    quantization (the BitsAndBytesConfig the model was loaded with) and the package versions that computed it; the
+    float source's says it has none. The file alone then tells a quantized run from its float twin."""
+    import importlib.metadata
+
+    from transformers import LlamaForCausalLM
+
+    cls, _ = big.FAMILIES["llama"]
+    path = big.save(tmp_path_factory.mktemp("llama"), "llama")
+    ids, mask = big.batch()
+    for name, config in (("nf4", BitsAndBytesConfig(**QUANT["nf4"])), ("float", None)):
+        model = LlamaForCausalLM.from_pretrained(path, quantization_config=config).eval()
+        with torch.no_grad(), nxl.attach(model, layers="last") as probe:
+            model(input_ids=ids, attention_mask=mask)
+        probe.result().save(tmp_path / f"{name}.safetensors")
+        meta = nxl.Attribution.load(tmp_path / f"{name}.safetensors").meta
+        assert meta["model"] == str(path)
+        assert meta["dtype"] == "float32"
+        if config is None:
+            assert meta["quantization"] is None
+        else:
+            assert meta["quantization"]["quant_method"] == "bitsandbytes"
+            assert meta["quantization"]["load_in_4bit"] is True and meta["quantization"]["bnb_4bit_quant_type"] == "nf4"
+        assert meta["versions"]["torch"] == torch.__version__  # (its build too: 2.11.0+cu130)
+        for package in ("transformers", "bitsandbytes"):
+            assert meta["versions"][package] == importlib.metadata.version(package)
+        assert meta["versions"]["nxl_hooks"] == nxl.__version__
+
+
+def test_a_quantization_config_that_cannot_describe_itself_is_named_by_its_class():
+    """A third-party quantizer's config whose ``to_dict`` raises: the model is still recorded, as the oracle has it,
+    and its records name the quantization by the config's class."""
+    class Broken:
+        def to_dict(self):
+            raise RuntimeError("not serializable")
+
+    model = big.build("llama")
+    model.config.quantization_config = Broken()
+    ids, mask = big.batch()
+    with torch.no_grad(), nxl.attach(model, layers="last") as probe:
+        model(input_ids=ids, attention_mask=mask)
+    assert probe.result().meta["quantization"] == {"quant_method": "Broken"}
+    big.check(model, big.llama_head(model), ids, mask)
