@@ -623,6 +623,8 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
         model = type(plain).from_pretrained(None, config=plain.config, state_dict=plain.state_dict(),
                                             quantization_config=quantization, **placement)
         del plain
+    if gguf_file is not None:  # named by its file, not the folder holding it: the folder may hold other weights
+        model.name_or_path = model.config.name_or_path = f"{name.rstrip('/')}/{gguf_file}"
     return model.eval(), tokenizer
 
 

@@ -116,6 +116,8 @@ def test_cli_attributes_a_gguf_model(world, tmp_path, capsys, how):
     assert int(res.target[0]) == paris and res.readable[0] == ["The", "␣capital", "␣of", "␣France", "␣is"]
     torch.testing.assert_close(res.normxlogit[:, 0], oracle_normxlogit(model, tok, PROMPT, paris)[:, 0],
                                rtol=1e-4, atol=1e-5)
+    # named by the GGUF file it was read from, not the folder holding it (which may hold other weights)
+    assert res.meta["model"] == str(gguf) and res.meta["quantization"] is None  # dequantized as it loaded
 
 
 @pytest.mark.parametrize("how", ["map", "auto", "auto-folder"])
