@@ -337,7 +337,8 @@ class Hub:
         with self._lock:
             # every text a record takes from outside as records keep it (a thread's or request's name may be any str)
             call = GenerationCall(index=self._counter, layers=list(layers), request_id=record_text(request_id),
-                                  thread=record_text(thread), model=record_text(model), error=record_text(error))
+                                  thread=record_text(thread), model=record_text(model), error=record_text(error),
+                                  meta=dict(self._meta) if self._meta else None)  # (its own: a reader may edit it)
             if self.sink_fault is not None:
                 call.notes.append(self._fault_note())
             self._counter += 1

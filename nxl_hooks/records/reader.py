@@ -335,7 +335,8 @@ def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, to
                                       continuation=_text(header, "continuation") or "",
                                       cleanup=_field(header, "cleanup", (bool,), optional=True) is True,
                                       clean_up_spaces=_field(header, "clean_up_spaces", (bool,), optional=True) is True,
-                                      started=_field(header, "started", (float, int), optional=True))
+                                      started=_field(header, "started", (float, int), optional=True),
+                                      meta=_field(header, "meta", (dict,), optional=True) or None)
         return False
     if index not in calls and rotated:
         return False  # its call frame was in a file deleted by the RotatingSink's retention

@@ -155,7 +155,9 @@ class Step:
             position=torch.full((batch,), self.position - 1, dtype=torch.long),
             example=torch.arange(batch),
             tokens=tokens,
-            meta={"call": self.call, "step": self.step, "n_blocks": self.n_blocks},
+            # what the call's probe explains (its model, quantization, versions), so a saved step says what made it
+            meta={**(call.meta or {} if call is not None else {}), "call": self.call, "step": self.step,
+                  "n_blocks": self.n_blocks},
             special=special,
             readable=readable,
             template=template,
@@ -300,6 +302,9 @@ class GenerationCall:
     #: None in older files, ``ended`` None while it runs
     started: float | None = field(default_factory=_time.time)
     ended: float | None = None
+    #: what its probe explains, as every call frame records it (``probe.describe()``): the model, its dtype and
+    #: quantization, the head kind, methods and package versions; None without a probe's, as in a hand-made call
+    meta: dict | None = None
 
     def __repr__(self) -> str:
         """A summary, never the tensors: request, prompt size, steps, state and row 0's generated text (as its tokenizer

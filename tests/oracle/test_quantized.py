@@ -522,3 +522,24 @@ def test_a_quantization_config_that_cannot_describe_itself_is_named_by_its_class
         model(input_ids=ids, attention_mask=mask)
     assert probe.result().meta["quantization"] == {"quant_method": "Broken"}
     big.check(model, big.llama_head(model), ids, mask)
+def test_a_stream_read_back_says_which_model_quantization_and_versions_made_it(tmp_path_factory, tmp_path):
+    """A 4-bit model's generation written to a stream file and read back: each call says what its call frame holds,
+    the weights, their quantization (the BitsAndBytesConfig loaded with) and the versions, as the live call does."""
+    import importlib.metadata
+
+    from transformers import LlamaForCausalLM
+
+    path = big.save(tmp_path_factory.mktemp("llama"), "llama")
+    model = LlamaForCausalLM.from_pretrained(path, quantization_config=BitsAndBytesConfig(**QUANT["nf4"])).eval()
+    ids, mask = big.batch()
+    with nxl.attach(model, layers="last", sink=tmp_path / "run.nxl") as probe:
+        model.generate(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=2, do_sample=False)
+    (call,) = nxl.read_stream(tmp_path / "run.nxl")
+    assert call.meta == probe.calls[0].meta
+    assert call.meta["model"] == str(path) and call.meta["head_kind"] == "causal_lm"
+    assert call.meta["quantization"]["quant_method"] == "bitsandbytes"
+    assert call.meta["quantization"]["bnb_4bit_quant_type"] == "nf4"
+    assert call.meta["versions"]["bitsandbytes"] == importlib.metadata.version("bitsandbytes")
+    saved = tmp_path / "step.safetensors"
+    call.attribution(call.steps[0]).save(saved)  # one step saved on its own says the same
+    assert nxl.Attribution.load(saved).meta["quantization"]["bnb_4bit_quant_type"] == "nf4"
