@@ -38,7 +38,8 @@ A call with no rows to show for all it ran (not recorded, stopped early, notes o
 the file was closed) is listed with why in the file's key-value metadata, ``nxl.calls`` (JSON, in the footer:
 ``pyarrow.parquet.read_metadata``, Polars' ``read_parquet_metadata``, DuckDB's ``parquet_kv_metadata``):
 ``{"calls": N, "listed": [{"call", "request_id", "model", "recorded", "complete", "error", "notes"}, ...],
-"more": K}`` (at most :data:`LISTED` calls, ``more`` the rest)::
+"more": K}`` (at most :data:`LISTED` calls, ``more`` the rest). ``nxl.models`` says what made the rows: per model
+name, what its probe explains (``call.meta``: dtype, quantization, head kind, methods, package versions)::
 
     json.loads(pyarrow.parquet.read_metadata("scores.parquet").metadata[b"nxl.calls"])["listed"]
 
@@ -243,6 +244,8 @@ class ParquetSink:
         self._running: dict[int, GenerationCall] = {}
         self._said: list[dict[str, Any]] = []  # the calls nxl.calls lists (the module docstring)
         self._more = 0  # and those it only counts
+        #: what made the rows, by model name: its first call's meta (``probe.describe()``), for ``nxl.models``
+        self._models: dict[str | None, dict] = {}
         self.rows = 0  #: rows written so far (in row groups or buffered)
         self._taken = 0  # step records taken by write_step calls that returned
         #: step records taken before and lost when the sink failed (its file cannot be finished, so it is removed)
@@ -256,6 +259,8 @@ class ParquetSink:
     def write_call(self, call: GenerationCall, meta: dict) -> None:
         self._open(meta.get("methods"))
         self._seen += 1
+        if len(self._models) < LISTED and (meta or call.meta):  # (an export passes none: its calls hold theirs)
+            self._models.setdefault(call.model, meta or call.meta)
         self._running[id(call)] = call
         if call.prompt_mask is not None:  # (a call not recorded has no prompt, and no rows: its end follows)
             self._calls[call.index] = _Context(call)
@@ -323,7 +328,8 @@ class ParquetSink:
             self._say(call)
         self._running.clear()
         said = {"calls": self._seen, "listed": self._said, "more": self._more}
-        self._writer.add_key_value_metadata({"nxl.calls": json.dumps(said)})  # the footer: known only now
+        self._writer.add_key_value_metadata({"nxl.calls": json.dumps(said),  # the footer: known only now
+                                             "nxl.models": json.dumps(self._models)})
         self._writer.close()
         self._writer, self._closed = None, True
         self._file.flush()  # whole on disk before its name says it is finished

@@ -543,3 +543,29 @@ def test_a_stream_read_back_says_which_model_quantization_and_versions_made_it(t
     saved = tmp_path / "step.safetensors"
     call.attribution(call.steps[0]).save(saved)  # one step saved on its own says the same
     assert nxl.Attribution.load(saved).meta["quantization"]["bnb_4bit_quant_type"] == "nf4"
+
+
+def test_parquet_rows_live_and_exported_say_which_quantization_and_versions_made_them(tmp_path_factory, tmp_path):
+    """The footer of a Parquet file, written live by the sink or by ``nxl export`` from a stream file, says what made
+    its rows (``nxl.models``): per model, the quantization it was loaded with and the package versions."""
+    import importlib.metadata
+    import json
+
+    import pyarrow.parquet as pq
+    from transformers import LlamaForCausalLM
+
+    from nxl_hooks.apps.cli import main
+
+    path = big.save(tmp_path_factory.mktemp("llama"), "llama")
+    model = LlamaForCausalLM.from_pretrained(path, quantization_config=BitsAndBytesConfig(**QUANT["nf4"])).eval()
+    ids, mask = big.batch()
+    for sink in (f"parquet:{tmp_path / 'live.parquet'}", str(tmp_path / "run.nxl")):
+        with nxl.attach(model, layers="last", sink=sink):
+            model.generate(input_ids=ids[:1], attention_mask=mask[:1], max_new_tokens=2, do_sample=False)
+    assert main(["export", str(tmp_path / "run.nxl"), str(tmp_path / "exported.parquet")]) == 0
+    for name in ("live", "exported"):
+        models = json.loads(pq.read_metadata(tmp_path / f"{name}.parquet").metadata[b"nxl.models"])
+        assert list(models) == [str(path)]
+        assert models[str(path)]["quantization"]["quant_method"] == "bitsandbytes"
+        assert models[str(path)]["quantization"]["bnb_4bit_quant_type"] == "nf4"
+        assert models[str(path)]["versions"]["bitsandbytes"] == importlib.metadata.version("bitsandbytes")
