@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 from scipy import stats
-from transformers import BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
+from transformers import (BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM, RobertaConfig,
+                          RobertaForSequenceClassification)
 
 import oracle
 import tiny
@@ -323,3 +324,38 @@ def test_a_candidate_the_layers_cannot_be_compared_on_is_one_line_before_any_exa
     err = capsys.readouterr().err
     assert err.splitlines()[-1].startswith(f"nxl audit: error: the candidate {candidate}") and said in err, err
     assert "example 0 failed" not in err and not out.exists()
+
+
+def _roberta(positions: int) -> torch.nn.Module:
+    """A tiny RoBERTa classifier over tiny.VOCAB whose position table starts after padding_idx 1, as RoBERTa's."""
+    torch.manual_seed(0)
+    config = RobertaConfig(**{**tiny._SIZES, "pad_token_id": 1}, max_position_embeddings=positions)
+    return RobertaForSequenceClassification(config).eval()
+
+
+def test_a_roberta_text_as_long_as_its_positions_hold_is_audited_and_one_token_more_refused_by_the_shorter_model():
+    """RoBERTa's position ids start after padding_idx, so its table holds fewer tokens than max_position_embeddings:
+    the model's own forward is the oracle (it runs on the longest text that fits and fails on one token more). The
+    audit takes exactly that text, refuses the next in one line (not the model's IndexError), and the limit is the
+    shorter model's whichever of the two it is."""
+    roberta, bert, tok = _roberta(12), tiny.build_model("bert", 0), tiny.tokenizer()
+    texts = [" ".join(["good"] * words) for words in range(1, 20)]
+    runs = []
+    for text in texts:
+        try:
+            with torch.no_grad():
+                roberta(**tok(text, return_tensors="pt"))
+            runs.append(True)
+        except (IndexError, RuntimeError):  # (an embedding or a gather past the position table)
+            runs.append(False)
+    fits = runs.index(False) - 1
+    assert fits > 0 and not any(runs[fits + 1:])
+    longest, over = texts[fits], texts[fits + 1]
+    limit = len(tok(longest)["input_ids"])
+    assert len(tok(over)["input_ids"]) == limit + 1 < bert.config.max_position_embeddings
+    record = audit.audit_example(roberta, roberta, tok, {"text": longest})
+    assert record["tokens"] == tok.convert_ids_to_tokens(tok(longest)["input_ids"])
+    for reference, candidate in ((roberta, roberta), (roberta, bert), (bert, roberta)):
+        with pytest.raises(ValueError, match=rf"^the text is {limit + 1} tokens, but the model reads at most {limit} "):
+            audit.audit_example(reference, candidate, tok, {"text": over})
+
