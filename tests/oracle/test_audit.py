@@ -359,3 +359,43 @@ def test_a_roberta_text_as_long_as_its_positions_hold_is_audited_and_one_token_m
         with pytest.raises(ValueError, match=rf"^the text is {limit + 1} tokens, but the model reads at most {limit} "):
             audit.audit_example(reference, candidate, tok, {"text": over})
 
+
+def test_each_records_outputs_and_predictions_are_the_models_own_and_the_summary_counts_them():
+    """Both models explain the dataset's target (label 'pos', where the reference may predict 'neg'): each record's
+    outputs are the target's probability in each model's own softmax, its predictions each model's own argmax and
+    label name, and the summary's agreement, flips and output change follow from those logits."""
+    reference, candidate, tok = tiny.build_model("bert", 0), tiny.build_model("bert", 5), tiny.tokenizer()
+    examples = [{"text": example["text"], "target": "pos"} for example in tiny.examples(8)]
+    for model in (reference, candidate):
+        model.config.id2label, model.config.label2id = {0: "neg", 1: "pos"}, {"neg": 0, "pos": 1}
+        # a random tiny BERT predicts one class, nearly sure, for every text: its margins centred and spread to +-3
+        with torch.no_grad():
+            margins = sorted(float(logits[1] - logits[0]) for logits in (
+                model(**tok(example["text"], return_tensors="pt")).logits[0] for example in examples))
+            middle = (margins[3] + margins[4]) / 2
+            model.classifier.bias[1] -= middle
+            scale = 3 / max(abs(margin - middle) for margin in margins)
+            model.classifier.weight.mul_(scale)
+            model.classifier.bias.mul_(scale)
+    records = [audit.audit_example(reference, candidate, tok, example) for example in examples]
+    own, changes = [], []
+    for record, example in zip(records, examples):
+        with torch.no_grad():
+            ref, cand = (model(**tok(example["text"], return_tensors="pt")).logits[0].softmax(-1)
+                         for model in (reference, candidate))
+        ref_top, cand_top = int(ref.argmax()), int(cand.argmax())
+        own.append((ref_top, cand_top))
+        assert record["target"] == 1 and record["explained"] == "target" and record["target_text"] == "pos"
+        assert (record["reference_prediction"], record["candidate_prediction"]) == (ref_top, cand_top)
+        assert record["reference_prediction_text"] == ["neg", "pos"][ref_top]
+        assert record["candidate_prediction_text"] == ["neg", "pos"][cand_top]
+        assert record["agree"] is (ref_top == cand_top)
+        assert record["reference_output"] == pytest.approx(float(ref[1]), rel=1e-5)
+        assert record["candidate_output"] == pytest.approx(float(cand[1]), rel=1e-5)
+        changes.append(abs(float(cand[1]) - float(ref[1])))
+    flips = sum(ref_top != cand_top for ref_top, cand_top in own)
+    assert 0 < flips < len(examples) and {ref_top for ref_top, _ in own} == {0, 1}  # (each case is checked)
+    summary = audit.aggregate(records)
+    assert summary["flipped"] == flips and summary["agreement"] == pytest.approx(1 - flips / len(examples))
+    assert summary["output_change"] == pytest.approx(sum(changes) / len(changes), rel=1e-5)
+    assert summary["explained"] == {"target": len(examples), "reference prediction": 0}
