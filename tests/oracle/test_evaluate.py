@@ -99,6 +99,25 @@ def test_aopc_mask_mode_exact_values():
 
 
 
+
+@pytest.mark.parametrize("scores, ranked", [
+    ([0.0, math.nan, 4.0, 3.0, 2.0, 0.0], ["fine", "plain", "bad", "good"]),  # NaN ranks below every number
+    ([0.0, 1.0, 1.0, 1.0, 1.0, 0.0], ["good", "fine", "plain", "bad"]),  # ties keep token order
+], ids=["nan-last", "ties-in-token-order"])
+def test_a_nan_score_ranks_last_and_tied_scores_in_token_order(scores, ranked):
+    """A method's NaN score (custom scores, or an overflowed layer) is perturbed after every number, not first, and
+    equal scores are perturbed in token order: the fake model's log-odds of the words left are the oracle."""
+    model, tok = FakeForSequenceClassification(), word_tokenizer(WORDS, "[CLS] $A [SEP]")
+    rec = ev.score_example(model, tok, {"text": "good fine plain bad"}, methods=(), custom={"mine": scores})
+
+    def p(words):
+        return _sigmoid(sum(float(WEIGHT[VOCAB[word]]) for word in words))
+
+    original = p(ranked)
+    mine = rec["methods"]["mine"]
+    assert mine["comprehensiveness"] == pytest.approx([original - p(ranked[c:]) for c in rec["counts"]], abs=1e-6)
+    assert mine["sufficiency"] == pytest.approx([original - p(ranked[:c]) for c in rec["counts"]], abs=1e-6)
+
 @pytest.mark.parametrize("ks", [[-0.1], [0.5, 1.5], [float("nan")], [], ["0.1"]])
 def test_each_k_is_a_fraction_from_0_to_1(ks):
     model, tok = FakeForSequenceClassification(), word_tokenizer(WORDS, "[CLS] $A [SEP]")
