@@ -177,6 +177,19 @@ def test_rankable_falls_back_when_only_template_is_left():
     assert rankable(mask, 3, None, torch.tensor([True, False, True, False])).tolist() == [False, True, False, False]
 
 
+def test_rankable_rows_fall_back_each_on_its_own():
+    """(rows, seq) with one prediction position per row (a generate step's batch, Parquet's ranked column): only the
+    row with nothing left besides special tokens ranks them; the others still leave theirs out, and padding and
+    each row's own prediction never rank."""
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1], [0, 1, 1, 1]], dtype=torch.bool)
+    special = torch.tensor([[True, True, False, False], [True, False, False, True], [False, True, False, False]])
+    ranked = rankable(mask, torch.tensor([2, 1, 3]), special)
+    assert ranked.tolist() == [[True, True, False, False],  # [CLS] [SEP] prediction pad: the specials, as nothing else
+                               [False, False, True, False],  # [CLS] prediction word [SEP]: the word alone
+                               [False, False, True, False]]  # pad [CLS] word prediction: the word alone
+    assert rankable(mask, torch.tensor([2, 1, 3]), special, fallback=False)[0].tolist() == [False] * 4
+
+
 def test_generate_ranks_the_message_and_generated_tokens_and_says_why_it_stopped(world, tmp_path, capsys):
     _, tok, folder = world
     stream = tmp_path / "run.nxl"
