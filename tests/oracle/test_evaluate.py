@@ -321,6 +321,63 @@ def _llama_oracle(model, tok, text: str) -> tuple[torch.Tensor, ...]:
     return out.hidden_states[0], logat, nx_is, nx_are
 
 
+
+def test_the_summary_reads_alignment_at_the_aopc_layer_and_counts_the_examples_with_evidence():
+    """ap_eval and dot_eval are a layered method's at the layer AOPC ranks by (layer=1 here, not the last), and a
+    method without layers' one value; n_evidence counts the examples whose evidence was found. AP by hand from the
+    oracle's NormXLogit['is'] (one evidence token: 1 / its rank among the ranked tokens, [CLS] and the prediction
+    left out); the normalized dot by hand, (s_e - min s) / sum(s - min s)."""
+    model, tok = _tiny_llama(), word_tokenizer(WORDS, "[CLS] $A")
+    examples = [{"text": "the key the keys", "target": "is", "evidence": ["key"]},
+                {"text": "the keys good the key", "target": "is", "evidence": ["good"]},
+                {"text": "fine the key", "target": "is"}]
+    customs = [[float((7 * i) % 5) for i in range(len(tok(example["text"])["input_ids"]))] for example in examples]
+    records = [ev.score_example(model, tok, example, methods=("normxlogit",), layer=1, custom={"mine": custom})
+               for example, custom in zip(examples, customs)]
+    summary = ev.aggregate(records)
+
+    def by_hand(scores, text, word):
+        ranked = scores.detach()[1:-1]  # [CLS] and the prediction position (the last token) never rank
+        evidence = tok.convert_ids_to_tokens(tok(text)["input_ids"])[1:-1].index(word)
+        shifted = ranked - ranked.min()
+        return 1 / (1 + int((ranked > ranked[evidence]).sum())), float(shifted[evidence] / shifted.sum())
+
+    nx = [by_hand(_llama_oracle(model, tok, example["text"])[2][1, 0], example["text"], example["evidence"][0])
+          for example in examples[:2]]
+    mine = [by_hand(torch.tensor(custom), example["text"], example["evidence"][0])
+            for example, custom in zip(examples[:2], customs)]
+    for name, expected in (("normxlogit", nx), ("mine", mine)):
+        entry = summary["methods"][name]
+        assert entry["n_evidence"] == 2 and summary["eval_layer"] == 1
+        assert entry["ap_eval"] == pytest.approx(sum(ap for ap, _ in expected) / 2, abs=1e-6), name
+        assert entry["dot_eval"] == pytest.approx(sum(dot for _, dot in expected) / 2, abs=1e-5), name
+
+
+def test_accuracy_after_perturbation_is_per_k_over_the_labelled_examples_for_each_curve():
+    """accuracy_comprehensiveness / _sufficiency per K: the share of the labelled examples still predicted right,
+    from the fake classifier's log-odds of the words left (above 0: label 1); an example without a label counts for
+    AOPC only."""
+    model, tok = FakeForSequenceClassification(), word_tokenizer(WORDS, "[CLS] $A [SEP]")
+    # (text, its words best first by the custom scores, label); [CLS] and [SEP] never rank
+    examples = [("good fine plain bad", SCORES, 1), ("bad plain", [0.0, 2.0, 1.0, 0.0], 0),
+                ("good fine plain bad", SCORES, None)]
+    records = [ev.score_example(model, tok, {"text": text, **({} if label is None else {"label": label})},
+                                methods=(), custom={"mine": scores}) for text, scores, label in examples]
+    entry = ev.aggregate(records)["methods"]["mine"]
+    assert entry["n"] == 3
+
+    def right(words, label):
+        return (sum(float(WEIGHT[VOCAB[word]]) for word in words) > 0) == (label == 1)
+
+    for long in ("comprehensiveness", "sufficiency"):
+        per_example = []
+        for (text, _, label), record in zip(examples[:2], records):
+            ranked = text.split()  # (each text's words are in the order its scores rank them)
+            left = (lambda c: ranked[c:]) if long == "comprehensiveness" else (lambda c: ranked[:c])
+            per_example.append([right(left(c), label) for c in record["counts"]])
+        assert entry[f"accuracy_{long}"] == pytest.approx([sum(k) / 2 for k in zip(*per_example)]), long
+
+
 def test_a_float64_models_prediction_is_its_argmax_where_float32_would_tie_two_logits():
     """Two float64 logits 1e-12 apart: the example's target (its prediction) is the model's own argmax; its outputs
     were rounded to float32 first, where both are one number and the first was taken."""
