@@ -436,6 +436,28 @@ def test_contrastive_and_normxlogit_match_oracle():
         assert ap == pytest.approx(1 / (1 + int((s > s[1]).sum())), abs=1e-6)
 
 
+@pytest.mark.parametrize("pick", ["prediction", "third"])
+def test_contrastive_without_a_foil_contrasts_with_the_best_other_output(pick):
+    """No foil in the example: contrastive contrasts the target with the output the model ranks highest after it,
+    which is the model's own prediction when the target is another output, else its runner-up. From the model's own
+    logits; the scores are the oracle's NormXLogit[target] - NormXLogit[foil] at the last layer."""
+    model, tok = _tiny_llama(), word_tokenizer(WORDS, "[CLS] $A")
+    text = "the key the keys"
+    ids = torch.tensor([tok(text)["input_ids"]])
+    with torch.no_grad():
+        out = model(input_ids=ids, output_hidden_states=True)
+    best = out.logits[0, -1].argsort(descending=True).tolist()
+    target = best[0] if pick == "prediction" else best[2]
+    foil = best[1] if pick == "prediction" else best[0]
+    rec = ev.score_example(model, tok, {"text": text, "target": target}, methods=("contrastive",), keep_scores=True)
+    assert (rec["target"], rec["foil"], rec["prediction"]) == (target, foil, best[0])
+    with torch.no_grad():
+        logits = layer_logits(out.hidden_states, rms_norm(model.model.norm), linear(model.lm_head),
+                              last_is_normed=True)
+    nx = [normxlogit(logits, out.hidden_states[0], torch.tensor([t]))[1][-1, 0] for t in (target, foil)]
+    torch.testing.assert_close(torch.tensor(rec["methods"]["contrastive"]["scores"]), nx[0] - nx[1], rtol=1e-4,
+                               atol=1e-5)
+
 def test_score_example_and_aggregate_round_trip_json():
     model, tok = _tiny_bert(), word_tokenizer(WORDS, "[CLS] $A [SEP]")
     examples = [{"text": "the good key", "label": 1, "evidence": ["good"], "id": 0},
