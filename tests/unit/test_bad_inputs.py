@@ -415,6 +415,21 @@ def test_forwards_that_cannot_be_explained(lm, bert, which, inputs, message):
     assert _hooks(model) == 0
 
 
+@pytest.mark.parametrize("empty", [[1, 3], [0, 1, 2, 4, 5], [0, 1, 2, 4, 5, 6, 7]])
+def test_every_row_without_a_real_token_is_named_in_the_one_line_five_then_counted(lm, empty):
+    """Several rows whose attention mask is all zeros: result()'s one line names each (as the mask has them), the
+    first five by number and the rest counted, not only the first."""
+    ids, mask = torch.full((8, 3), 5), torch.ones(8, 3, dtype=torch.long)
+    mask[empty] = 0
+    rows = [row for row in range(8) if not mask[row].any()]
+    named = ", ".join(map(str, rows[:5])) + (f" and {len(rows) - 5} more" if len(rows) > 5 else "")
+    with nxl.attach(lm) as probe:
+        lm(input_ids=ids, attention_mask=mask)
+        with pytest.raises(ValueError, match=rf"^rows {named} have no real token \(their attention mask is all zeros, "
+                                             r"or they are all padding\): there is no prediction to explain"):
+            probe.result()
+    assert _hooks(lm) == 0
+
 def test_a_generate_row_of_padding_alone_is_noted_on_its_call_once(lm, caplog):
     """A generate batch with a row whose attention mask is all zeros was recorded without a word (its steps' masks
     all False at the prompt), where a plain forward's result() refuses such a row: the call's notes name it, once,
