@@ -399,3 +399,29 @@ def test_each_records_outputs_and_predictions_are_the_models_own_and_the_summary
     assert summary["flipped"] == flips and summary["agreement"] == pytest.approx(1 - flips / len(examples))
     assert summary["output_change"] == pytest.approx(sum(changes) / len(changes), rel=1e-5)
     assert summary["explained"] == {"target": len(examples), "reference prediction": 0}
+
+
+def test_an_example_whose_embedding_norms_are_equal_is_flagged_flat_and_counted():
+    """A model whose embedding rows all have one norm (as models that normalize them): NormXLogit ranks as LogAt, and
+    the record says so (flat_norms) where a random model's does not; the summary counts the flagged examples. The
+    spread is worked out by hand from the input of block 1 on the ranked tokens (all but the prediction and the
+    special tokens)."""
+    import bpe_tiny
+
+    tok = bpe_tiny.bpe_tokenizer()
+    flat, plain = bpe_tiny.bpe_llama(tok, seed=1), bpe_tiny.bpe_llama(tok, seed=1)
+    with torch.no_grad():
+        weight = flat.model.embed_tokens.weight
+        weight.mul_(3.0 / weight.norm(dim=-1, keepdim=True).clamp_min(1e-6))
+    text = "The capital of France is"
+    ids = torch.tensor([tok(text)["input_ids"]])
+    ranked = [i for i, token in enumerate(ids[0].tolist()[:-1]) if token not in tok.all_special_ids]
+    spreads = []
+    for model in (flat, plain):
+        with torch.no_grad():
+            norms = model(input_ids=ids, output_hidden_states=True).hidden_states[0][0, ranked].double().norm(dim=-1)
+        spreads.append(float(norms.std(unbiased=False) / norms.mean()))
+    assert len(ranked) > 1 and spreads[0] < 1e-6 and spreads[1] > 1e-2
+    records = [audit.audit_example(model, model, tok, {"text": text}) for model in (flat, plain)]
+    assert [record["flat_norms"] for record in records] == [True, False]
+    assert audit.aggregate(records)["flat_norms"] == 1
