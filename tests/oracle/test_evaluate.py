@@ -683,13 +683,22 @@ def _tiny_llama_classifier():
         num_key_value_heads=2, num_labels=2, pad_token_id=VOCAB["[PAD]"])).eval()
 
 
+def _tiny_llama_classifier_with_its_own_pad():
+    """A decoder classifier whose config.pad_token_id ([MASK]'s id, in no text here) is not the tokenizer's pad."""
+    model = _tiny_llama_classifier()
+    model.config.pad_token_id = VOCAB["[MASK]"]
+    return model
+
+
 @pytest.mark.parametrize("build, kind", [(_tiny_llama, "lm"), (_tiny_gpt2, "lm"), (_tiny_llama_classifier, "cls"),
-                                         (_tiny_bert, "cls")], ids=["llama-lm", "gpt2-lm", "llama-cls", "bert-cls"])
+                                         (_tiny_llama_classifier_with_its_own_pad, "cls"), (_tiny_bert, "cls")],
+                         ids=["llama-lm", "gpt2-lm", "llama-cls", "llama-cls-own-pad", "bert-cls"])
 def test_batched_perturbation_equals_one_forward_per_row(build, kind):
     """Every perturbed row is scored in right-padded batches; each must give what it gives alone, unpadded.
 
     GPT-2 checks learned absolute positions (right padding must not shift them), the Llama classifier the pooling
-    of the last non-pad token, BERT (deletion forced) bidirectional attention, which must mask the padding out.
+    of the last non-pad token (padded with its config's pad id, also where the tokenizer's differs), BERT (deletion
+    forced) bidirectional attention, which must mask the padding out.
     Tolerance 1e-5 on probabilities: the masked attention gives padding exactly zero weight, so the only difference
     left is float32 summation order in the batched matrix products (about 1e-7 relative at these sizes).
     """
