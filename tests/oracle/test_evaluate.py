@@ -457,6 +457,9 @@ def test_contrastive_without_a_foil_contrasts_with_the_best_other_output(pick):
     nx = [normxlogit(logits, out.hidden_states[0], torch.tensor([t]))[1][-1, 0] for t in (target, foil)]
     torch.testing.assert_close(torch.tensor(rec["methods"]["contrastive"]["scores"]), nx[0] - nx[1], rtol=1e-4,
                                atol=1e-5)
+    # without a method that contrasts, nothing is contrasted with: the record names no foil
+    alone = ev.score_example(model, tok, {"text": text, "target": target}, methods=("normxlogit",))
+    assert (alone["foil"], alone["foil_text"], alone["foil_probability"]) == (None, None, None)
 
 def test_score_example_and_aggregate_round_trip_json():
     model, tok = _tiny_bert(), word_tokenizer(WORDS, "[CLS] $A [SEP]")
