@@ -425,3 +425,13 @@ def test_an_example_whose_embedding_norms_are_equal_is_flagged_flat_and_counted(
     records = [audit.audit_example(model, model, tok, {"text": text}) for model in (flat, plain)]
     assert [record["flat_norms"] for record in records] == [True, False]
     assert audit.aggregate(records)["flat_norms"] == 1
+
+
+def test_a_text_with_fewer_ranked_tokens_than_k_overlaps_over_those_it_has():
+    """top_k=5 on a text of two ranked words: each model's top k is both words, so the overlap is 1 at every layer
+    (|both| / 2), whatever the two models score, not |both| / k (0.4)."""
+    reference, candidate, tok = tiny.build_model("bert", 0), tiny.build_model("bert", 5), tiny.tokenizer()
+    text = "good film"
+    assert len(tok(text)["input_ids"]) == 4  # [CLS] good film [SEP]: the two words rank, [CLS] and [SEP] do not
+    record = audit.audit_example(reference, candidate, tok, {"text": text}, top_k=5)
+    assert record["topk"] == [1.0] * len(record["layers"])
