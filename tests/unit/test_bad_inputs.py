@@ -1294,6 +1294,57 @@ def test_outputs_are_replaced_whole_or_not_at_all(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(before)
 
 
+
+# -- the evaluation API: nxl_hooks.eval.audit and nxl_hooks.eval.faithfulness, called from Python ----------------
+
+def _without_mask_token():
+    tok = tiny.tokenizer()
+    tok.mask_token = None
+    return tok
+
+
+_AUDIT_RECORD = {"schema": "nxl_hooks.audit/1", "layers": [0, 1, 2]}
+_EVAL_RECORD = {"schema": "nxl_hooks.eval/1", "ks": [0.1], "eval_layer": 2, "kind": "sequence_classification"}
+EVALUATION = cases(
+    ("audit explain unknown", lambda m: m.audit.audit_example(m.bert, m.bert, m.tok, {"text": "good"}, explain="own"),
+     r"^explain='own': use 'target' \(the example's target, else the reference's prediction\) or 'reference'"),
+    ("audit of no records", lambda m: m.audit.aggregate([]), r"^aggregate needs at least one audit record$"),
+    ("audit records of two layer sets", lambda m: m.audit.aggregate([_AUDIT_RECORD, {**_AUDIT_RECORD, "layers": [2]}]),
+     r"^records must all be nxl_hooks.audit/1 records with the same layers: aggregate one audit at a time$"),
+    ("audit compare of two targets", lambda m: m.audit.compare(*[nxl.explain(m.bert, m.tok, "good film",
+                                                                               target=[0, 1])] * 2),
+     r"^compare one target at a time \(the attributions have a trailing target axis\)$"),
+    ("evaluation of no records", lambda m: m.ev.aggregate([]), r"^aggregate needs at least one record$"),
+    ("evaluation record of another schema", lambda m: m.ev.aggregate([{"schema": "nxl_hooks.audit/1"}]),
+     r"^not an nxl_hooks evaluation record \(schema 'nxl_hooks.audit/1', expected 'nxl_hooks.eval/1'\)$"),
+    ("evaluation records of two settings", lambda m: m.ev.aggregate([_EVAL_RECORD, {**_EVAL_RECORD, "ks": [0.2]}]),
+     r"^records differ in ks, eval_layer or head kind: aggregate runs of one setting at a time$"),
+    ("masked-LM example of two masks", lambda m: m.ev.score_example(
+        tiny.build_model("mlm"), m.tok, {"text": "the [MASK] was [MASK]"}, methods=("logat",)),
+     r"^a masked-LM example needs exactly one '\[MASK\]'; found 2$"),
+    ("mask perturbation without a mask token", lambda m: m.ev.score_example(
+        m.bert, _without_mask_token(), {"text": "good film"}, methods=("logat",), perturbation="mask"),
+     r"^mask perturbation needs a tokenizer with a mask token; pass perturbation='delete'$"),
+    ("custom scores of another length", lambda m: m.ev.score_example(m.bert, m.tok, {"text": "good film"}, methods=(),
+                                                                     custom={"mine": [1.0]}),
+     r"^custom method 'mine': give a new name and one score per token \(4 tokens here\)$"),
+    ("custom scores under a method's name", lambda m: m.ev.score_example(
+        m.bert, m.tok, {"text": "good film"}, methods=(), custom={"logat": [1.0] * 4}),
+     r"^custom method 'logat': give a new name and one score per token \(4 tokens here\)$"),
+)
+
+
+@pytest.mark.parametrize("call, message", EVALUATION)
+def test_evaluation_calls_that_cannot_run_say_what_to_do(bert, call, message):
+    from types import SimpleNamespace
+
+    from nxl_hooks.eval import audit
+    from nxl_hooks.eval import faithfulness as ev
+
+    with pytest.raises(ValueError, match=message):
+        call(SimpleNamespace(audit=audit, ev=ev, bert=bert, tok=tiny.tokenizer()))
+    assert _hooks(bert) == 0
+
 def test_catalogue_size():
     """The library part of the catalogue is at least what issue 12 asks; docs/testing.md quotes the exact figure
     (tests/process/test_cli_bad_inputs.py::test_docs_state_the_catalogue)."""
