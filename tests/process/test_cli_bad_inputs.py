@@ -378,6 +378,10 @@ CASES = [
     # written twice: refused before the program starts, as resolving it in the program would refuse it
     ("run target written twice", ["run", "--target", "5,5", "--", "true"],
      r"argument --target: target list names output 5 twice \(5 and 5\): give different targets"),
+    ("run target mixing predicted", ["run", "--target", "predicted,5", "--", "true"],
+     r"argument --target: 'predicted' cannot be mixed with other targets; pass it alone"),
+    ("run target with an empty item", ["run", "--target", "5,,6", "--", "true"],
+     r"argument --target: '5,,6': empty item in the target list"),
     ("run methods an evaluation baseline", ["run", "--methods", "logat,random", "--", "true"],
      r"--methods: 'random' names a record field or one of nxl evaluate's baselines, never a method a probe computes: "
      r"choose from normxlogit, logat\b.*, or a method a plugin or your program registers"),

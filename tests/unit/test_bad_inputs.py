@@ -123,6 +123,8 @@ ATTACH = cases(
     ("target tensor row naming one output twice", {"target": torch.tensor([[3, 4], [5, 5]])},
      r"^target tensor names output 5 twice in row 1 \(5 and 5\): give different targets"),
     ("target string without tokenizer", {"target": "film"}, r"pass attach\(..., tokenizer=tok\)"),
+    ("target empty string", {"target": "", "tokenizer": tiny.tokenizer()},
+     r"^target '' is empty: give a word, a token or an id$"),
     # its tokens as every output shows them (a byte-level BPE's pieces read 'ĠParis': tests/oracle/test_readable.py)
     ("target two-token string", {"target": "film was", "tokenizer": tiny.tokenizer()},
      rf"^target 'film was' is 2 tokens \(film was\): attach explains one token; pass one \(here the first, film: id "
