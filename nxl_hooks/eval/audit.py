@@ -12,7 +12,8 @@ the real tokens:
 - ``spearman[l]``, ``kendall[l]``: rank correlation of the two NormXLogit vectors over the tokens that rank
   (:meth:`Attribution.rankable`: no padding, prediction position or special tokens, as everywhere);
   ``None`` when either is constant or fewer than two tokens rank (``topk`` is then None too).
-- ``topk[l]``: |top-k(reference) ∩ top-k(candidate)| / k by signed score, same tokens ranked.
+- ``topk[l]``: |top-k(reference) ∩ top-k(candidate)| / k by signed score, same tokens ranked (k at most the
+  number of tokens that rank).
 - ``drift[l]``: ‖candidate − reference‖₂ / ‖reference‖₂ over all real tokens.
 - ``agree``: the candidate's own prediction equals the reference's (classifiers and causal LMs).
 
