@@ -212,6 +212,13 @@ def test_step_records_resolve_negative_layers(model, ids):
     assert torch.equal(res.layer(-2), res.normxlogit[1])
 
 
+def test_two_spellings_of_one_layer_record_it_once(model, ids):
+    """A number written twice is refused (the bad-input catalogues); -1 and L name one layer, recorded once, so a
+    list written for models of any depth works on a shallow one."""
+    with nxl.attach(model, layers=[2, 0, -1]) as probe:
+        assert probe.layers == [0, probe.n_blocks] and probe.n_blocks == 2
+
+
 def test_target_tensors(model, ids):
     with torch.no_grad(), nxl.attach(model, target=torch.tensor(7)) as probe:
         logits = model(input_ids=ids).logits[0, -1]
