@@ -229,10 +229,14 @@ def is_predicted(target: Target) -> bool:
     return isinstance(target, str) and target == "predicted"
 
 
-def _check_range(ids: Sequence[int] | torch.Tensor, n_outputs: int) -> None:
-    """Checked as Python ints: an id of any size is told out of range (a tensor of it would overflow first)."""
+def _check_range(ids: Sequence[int] | torch.Tensor, n_outputs: int, kind: HeadKind | str | None = None) -> None:
+    """Checked as Python ints: an id of any size is told out of range (a tensor of it would overflow first). A
+    classifier's (``kind``) is a label, told as one: its labels are what its user counts, not a head's outputs."""
     values = ids.flatten().tolist() if isinstance(ids, torch.Tensor) else [int(i) for i in ids]
     bad = [i for i in values if not 0 <= i < n_outputs]
+    if bad and kind is not None and HeadKind(kind) is HeadKind.SEQUENCE_CLASSIFICATION:
+        raise ValueError(f"label {bad[0]} is out of range: this classifier has {n_outputs} labels, ids "
+                         f"0..{n_outputs - 1}; give one of them or a label name (config.id2label)")
     if bad:
         raise ValueError(f"target {bad[0]} is out of range: the head has {n_outputs} outputs (0..{n_outputs - 1})")
 
@@ -371,7 +375,7 @@ def resolve_target(model: nn.Module, kind: HeadKind | str, tokenizer: Any, item:
     number = _integer(item)
     if number is not None:
         if n_outputs is not None:
-            _check_range([number], n_outputs)
+            _check_range([number], n_outputs, kind)
         elif not -(1 << 63) <= number < 1 << 63:  # (checked against the head later; no tensor can hold it)
             raise ValueError(f"target {number} is out of range: no head has that many outputs")
         # the plain int: a numpy integer as the request made the record's meta unsavable (JSON has none)
@@ -482,7 +486,7 @@ def target_ids(model: nn.Module, kind: HeadKind | str, tokenizer: Any, target: T
         requests = [_items(target)]
         ids = torch.tensor([[resolve_target_id(model, kind, tokenizer, item, n_outputs, texts)
                              for item in requests[0]]])
-    _check_range(ids, n_outputs)
+    _check_range(ids, n_outputs, kind)
     _check_distinct(requests or ids.tolist(), ids.tolist(), "target list" if requests else "target tensor")
     return ids
 

@@ -609,7 +609,8 @@ def test_lm_target_resolves_through_the_vocabulary():
     assert rec["target"] == VOCAB["is"] and rec["foil"] == VOCAB["are"]
 
 
-@pytest.mark.parametrize("label, message", [(5, "target 5 is out of range"), (-1, "target -1 is out of range"),
+@pytest.mark.parametrize("label, message", [(5, r"^label 5 is out of range: this classifier has 2 labels, ids 0..1"),
+                                            (-1, r"^label -1 is out of range: this classifier has 2 labels, ids 0..1"),
                                             ("nonsense", "'nonsense' is not one of the model's labels")])
 def test_out_of_range_class_label_is_a_value_error(label, message):
     model, tok = FakeForSequenceClassification(), word_tokenizer(WORDS, "[CLS] $A [SEP]")

@@ -137,7 +137,7 @@ def test_text_pair_is_encoded_with_text_as_the_tokenizer_encodes_a_sentence_pair
     "argv, message",
     [
         (["--layers", "5"], "layer 5 is out of range"),
-        (["--target", "7"], "target 7 is out of range"),
+        (["--target", "7"], "label 7 is out of range: this classifier has"),
         (["--target", "joyful"], "label 'joyful' is not one of the model's labels"),
         (["--layers", "x"], "use 'all', 'last' or a comma list"),
     ],

@@ -217,7 +217,11 @@ CLASSIFIER = cases(
     ("classifier cache_dtype", {"cache_dtype": torch.bfloat16}, "cache_dtype: these record generate"),
     ("classifier cache_device", {"cache_device": "cpu"}, "cache_device: these record generate"),
     ("classifier label name", {"target": "positive"}, "label 'positive' is not one of the model's labels"),
-    ("classifier label id", {"target": 2}, "target 2 is out of range: the head has 2 outputs"),
+    # a classifier's id is a label: it was told as "target 2 ... the head has 2 outputs", a head's words
+    ("classifier label id", {"target": 2},
+     r"^label 2 is out of range: this classifier has 2 labels, ids 0..1; give one of them or a label name"),
+    ("classifier label -1", {"target": -1}, r"^label -1 is out of range: this classifier has 2 labels, ids 0..1"),
+    ("classifier label tensor", {"target": torch.tensor([0, 5])}, r"^label 5 is out of range: this classifier has 2"),
     ("classifier id and label of one output", {"target": [1, "LABEL_1"]},
      r"^target list names output 1 twice \(1 and 'LABEL_1'\): give different targets"),
 )
