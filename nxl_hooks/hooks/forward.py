@@ -37,6 +37,9 @@ class Capture:
     #: PEFT prompt tuning's virtual tokens before the ids (:func:`open_capture`): the model itself saw no ids
     virtual: int = 0
     embed_norm: torch.Tensor | None = None  #: (batch, seq) float32
+    #: the task model's class where it was given input_ids and built the backbone's inputs_embeds itself (Fuyu merges
+    #: image patches into them), out of the probe's sight: what ``embedding="word"`` cannot read (:func:`embed_norms`)
+    built_embeds: str | None = None
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)  #: layer -> its hidden states, as the model made them
     last_hidden: torch.Tensor | None = None  #: the last block's output, for final logits the model did not give
     #: the very tensor kept as the last block's output: what the next block must be called on, or a hook of the
@@ -202,7 +205,12 @@ NEEDS_IDS = ("embedding='word' needs input_ids: the word-embedding module did no
 
 def embed_norms(capture: Capture) -> torch.Tensor:
     """A forward's embedding norms (batch, seq); ValueError (:data:`NEEDS_IDS`) where its word-embedding module did
-    not run."""
+    not run, or one naming the model where it built its inputs_embeds itself (:attr:`Capture.built_embeds`)."""
+    if capture.embed_norm is None and capture.built_embeds is not None:
+        raise ValueError(
+            f"embedding='word' reads the word-embedding rows of the input_ids the backbone is given, but "
+            f"{capture.built_embeds} builds the embeddings its backbone reads itself (inputs_embeds), before the "
+            "backbone runs; use embedding='layer_input' (the default: the input of block 1, which it reads)")
     if capture.embed_norm is None:
         raise ValueError(NEEDS_IDS)
     return capture.embed_norm

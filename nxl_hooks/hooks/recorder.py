@@ -132,12 +132,13 @@ class _Task:
     reached the hooks, and (a plain forward) its backbone's capture, assembled when the task model returns, and the
     ``logits_to_keep`` it was called with."""
 
-    __slots__ = ("in_call", "run", "blocks_ran", "backbone_ran", "capture", "keep")
+    __slots__ = ("in_call", "run", "blocks_ran", "backbone_ran", "capture", "keep", "ids")
 
-    def __init__(self, run: Recording | None, keep: Any = None) -> None:
+    def __init__(self, run: Recording | None, keep: Any = None, ids: bool = False) -> None:
         self.in_call, self.run, self.blocks_ran, self.backbone_ran = run is not None, run, False, False
         self.capture: Capture | None = None
         self.keep = keep
+        self.ids = ids  #: whether the task model was given input_ids (the backbone may get inputs_embeds only)
 
 
 class Recorder:
@@ -428,7 +429,8 @@ class Recorder:
         _, tasks = self._stacks()
         run = self._run()
         self._drop_ended(run)
-        tasks.append(_Task(run, kwargs.get("logits_to_keep")))
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        tasks.append(_Task(run, kwargs.get("logits_to_keep"), isinstance(ids, torch.Tensor)))
         if run is None:
             self.results.last = _unended()
         else:  # (once per call: the next plain forward sets its own)
@@ -539,6 +541,8 @@ class Recorder:
                 return
             peft_calls = self._peft_calls()
             capture = open_capture(bound, peft_calls[-1] if peft_calls and peft_calls[-1][1] else None)
+            if capture.input_ids is None and tasks and tasks[-1].ids:  # the model embedded its ids itself
+                capture.built_embeds = type(self.plan.model).__name__
             if run is not None:
                 run.before_forward(bound)
             captures[-1] = capture

@@ -1,6 +1,7 @@
 """Attach and detach leave the model as it was; bad input gets an error that says what to do."""
 
 import logging
+import re
 
 import pytest
 import torch
@@ -170,6 +171,27 @@ def test_word_embedding_needs_input_ids(model, ids):
         model(inputs_embeds=embeds)  # the forward itself runs as usual
         with pytest.raises(ValueError, match="embedding='word' needs input_ids"):
             probe.result()
+    assert _hook_count(model) == 0
+
+
+def test_word_embedding_of_a_model_that_builds_its_own_embeddings_says_so():
+    """Fuyu embeds the input_ids it is given itself, then hands its language model inputs_embeds: the refusal said
+    input_ids were missing (inputs_embeds given), though the user gave input_ids; it names the real cause."""
+    from transformers import FuyuConfig, FuyuForCausalLM
+
+    text = {"model_type": "persimmon", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 32,
+            "num_hidden_layers": 2, "num_attention_heads": 2}
+    model = FuyuForCausalLM(FuyuConfig(vocab_size=32, hidden_size=16, patch_size=4, text_config=text)).eval()
+    ids = torch.tensor([[1, 5, 6, 7]])
+    said = (r"^embedding='word' reads the word-embedding rows of the input_ids the backbone is given, but "
+            r"FuyuForCausalLM builds the embeddings its backbone reads itself \(inputs_embeds\), before the backbone "
+            r"runs; use embedding='layer_input' \(the default")
+    with torch.no_grad(), nxl.attach(model, embedding="word") as probe:
+        model(input_ids=ids)
+        with pytest.raises(ValueError, match=said):
+            probe.result()
+        model.generate(input_ids=ids, max_new_tokens=1, do_sample=False, pad_token_id=0)
+    assert re.match(said, probe.calls[-1].error), probe.calls[-1].error
     assert _hook_count(model) == 0
 
 
