@@ -304,6 +304,9 @@ class Hub:
         self._publisher: threading.Thread | None = None
         self._writer: threading.Thread | None = None
         self._waiting = self._frames_waiting = 0
+        # items queued (or held) for the publisher and not yet handled, frames the sink thread is writing: with
+        # _frames_waiting, whether anything handed on is still on its way (flush's answer when nothing is)
+        self._unfinished = self._writing = 0
         self._unscored_bytes = 0  # bytes the batches waiting to be scored in the publisher keep (see UNSCORED_BYTES)
         self._held: collections.deque[_Item] = collections.deque()  # see HELD
         self._held_records = 0
@@ -475,15 +478,27 @@ class Hub:
 
     def flush(self, timeout: float = DRAIN_SECONDS) -> bool:
         """Wait until the records handed on so far are kept and written by the sink (or the sink stopped); whether
-        they were within ``timeout`` seconds. After the probe detached: until a sink still busy then has finished
-        (what it had not written counted in :attr:`unwritten`, its calls noted)."""
+        they were within ``timeout`` seconds (True with nothing on its way, whatever the timeout: ``flush(0)``).
+        After the probe detached: until a sink still busy then has finished (what it had not written counted in
+        :attr:`unwritten`, its calls noted)."""
         self.wait_later(timeout)
         if self._closed:
             return self._join(self._writer, timeout)
+        if self._idle():
+            return True
         written = threading.Event()
         if self._submit(_FlushItem(written)) and self._on_thread():
             return False
         return written.wait(timeout)
+
+    def _idle(self) -> bool:
+        """Nothing handed on is on its way: no call end being made (:meth:`end_later`), no item queued, held or
+        gathered for the publisher or in its hands, no frame waiting for the sink thread or being written."""
+        with self._lock:
+            if self._pid != os.getpid():  # nothing handed on in this process yet (or only a parent's, not ours)
+                return self._later is None or not self._later.is_alive()
+            busy = self._unfinished or self._frames_waiting or self._writing or any(self._gathered.values())
+        return not busy and (self._later is None or not self._later.is_alive())
 
     def gather(self) -> None:
         """Step records this thread publishes from now on wait, in order, until :meth:`release` (or anything else
@@ -540,6 +555,7 @@ class Hub:
         reads records live (:data:`HELD`), but one still to be scored (the publisher scores it now, while the
         generating thread waits for its device); caller holds the lock, the hub is open and started."""
         for item, records in items:
+            self._unfinished += 1  # (until the publisher has handled it: _publish_loop)
             if (records and self._sink is None and not self._subscribers and self._held_records < HELD
                     and _unscored(item) is None):
                 self._held.append(item)
@@ -576,7 +592,7 @@ class Hub:
         self._gathered.clear()
         self._held_records = 0
         self._outbox, self._live, self._hand = [], [], collections.deque()
-        self._waiting = self._frames_waiting = self._unscored_bytes = 0
+        self._waiting = self._frames_waiting = self._unscored_bytes = self._unfinished = self._writing = 0
         self._ended = None  # (a parent's last call is not this process's to wait for)
         self._publisher = threading.Thread(target=self._publish_loop, name="nxl_hooks-publisher", daemon=True)
         self._publisher.start()
@@ -612,6 +628,8 @@ class Hub:
                     self._send()  # before the end is signalled: its records are with the subscribers
                 if isinstance(item, _EndItem):
                     item.done.set()
+                with self._lock:
+                    self._unfinished -= 1  # (after its frames went to the sink thread's queue: counted there)
             if isinstance(item, _CloseItem):
                 return
             item = batch = None  # a batch handled holds its call's run, and so the model: not while this one waits
@@ -790,7 +808,9 @@ class Hub:
                 self._hand_on()
                 for item, _ in self._take_gathered():  # what threads gathered comes after that, before the end
                     self._items.put(item)
+                    self._unfinished += 1
                 self._items.put(_CloseItem(why))
+                self._unfinished += 1
                 writer = self._writer
             else:  # detached before any record: the sink still closes in a thread of its own, so that the detach
                 # waits for it no longer than after a call (a forked child leaves its parent's sink alone)
@@ -899,32 +919,42 @@ class Hub:
         stops by itself is stopped, and a stopped sink is closed here, once."""
         with self._lock:
             self._frames_waiting -= 1
+            self._writing += 1
             sink = None if self._stopped or self._released else self._sink
-        if isinstance(action, threading.Event):
-            action.set()
-        elif sink is None:
-            self._count(call, step is not None)
-        elif step is not None or action is not None:
-            self._attempt(sink, call, 1 if step is not None else 0,
-                          lambda: sink.write_step(step) if step is not None else action(sink))
-        if (step is None and action is None) or self._stopped:
-            self._close_sink()
+        try:
+            if isinstance(action, threading.Event):
+                action.set()
+            elif sink is None:
+                self._count(call, step is not None)
+            elif step is not None or action is not None:
+                self._attempt(sink, call, 1 if step is not None else 0,
+                              lambda: sink.write_step(step) if step is not None else action(sink))
+            if (step is None and action is None) or self._stopped:
+                self._close_sink()
+        finally:
+            with self._lock:
+                self._writing -= 1
 
     def _write_steps(self, many: Callable[[list[Step]], None], frames: list[tuple]) -> None:
         """Write a run of step frames with the sink's ``write_steps`` (one write for all)."""
         with self._lock:
             self._frames_waiting -= len(frames)
+            self._writing += len(frames)
             stopped = self._stopped or self._released
-        if stopped:
-            for call, _, _ in frames:
-                self._count(call, True)
-        else:
-            self._attempt(self._sink, frames[-1][0], len(frames), lambda: many([step for _, _, step in frames]))
+        try:
+            if stopped:
+                for call, _, _ in frames:
+                    self._count(call, True)
+            else:
+                self._attempt(self._sink, frames[-1][0], len(frames), lambda: many([step for _, _, step in frames]))
+                if self._stopped:
+                    for call, _, _ in frames[:-1]:
+                        self._count(call, False)  # the fault noted on each call the batch held
             if self._stopped:
-                for call, _, _ in frames[:-1]:
-                    self._count(call, False)  # the fault noted on each call the batch held
-        if self._stopped:
-            self._close_sink()
+                self._close_sink()
+        finally:
+            with self._lock:
+                self._writing -= len(frames)
 
     def _attempt(self, sink: RecordSink, call: GenerationCall | None, steps: int, write: Callable[[], None]) -> None:
         """Run ``write``; a sink that raises or says it stopped (its ``fault``) is stopped, its ``steps`` step

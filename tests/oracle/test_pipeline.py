@@ -316,6 +316,42 @@ def test_a_stopped_sink_whose_write_in_flight_then_fails_is_said_once(model, mon
     check_call(model, probe.calls[0], 6)
 
 
+def test_flush_zero_says_whether_every_record_is_written_now(model):
+    """flush(0) answered False whatever the pipeline held, even nothing at all: with nothing on its way it is True
+    (everything is flushed), while a record the sink still holds makes it False."""
+    gate = threading.Event()
+
+    class Held:  # holds the call's first frame until the gate opens
+        def __init__(self):
+            self.steps = 0
+
+        def write_call(self, call, meta):
+            gate.wait(timeout=60)
+
+        def write_step(self, step):
+            self.steps += 1
+
+        def write_end(self, call):
+            pass
+
+        def close(self):
+            pass
+
+    sink = Held()
+    with nxl.attach(model, sink=sink) as probe:
+        assert probe.flush(0)  # nothing made yet
+        model.generate(input_ids=_ids(4), max_new_tokens=3, do_sample=False)
+        assert not probe.flush(0) and sink.steps == 0  # the sink holds the call's first frame
+        gate.set()
+        assert probe.flush(timeout=60) and sink.steps == 3
+        assert probe.flush(0) and probe.flush(0.0)
+    check_call(model, probe.calls[0], 3)
+    with nxl.attach(model) as probe:  # no sink: the records kept in memory
+        model.generate(input_ids=_ids(4), max_new_tokens=2, do_sample=False)
+        assert probe.flush(timeout=60) and probe.flush(0)
+        assert len(probe.steps) == 2
+
+
 def test_a_slow_sink_within_its_queue_gets_every_record_by_detach(model, tmp_path):
     ids = _ids(3)
     path = tmp_path / "run.nxl"
