@@ -19,8 +19,8 @@ import tempfile
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator
 
-__all__ = ["CHUNK", "STREAM_MAGIC", "cannot_write_in", "file_kind", "json_value", "not_a_folder", "read_regular",
-           "replacing", "too_large", "unmade", "unwritable", "user_path", "write_bytes", "write_text"]
+__all__ = ["CHUNK", "STREAM_MAGIC", "cannot_write_in", "file_in_the_way", "file_kind", "json_value", "not_a_folder",
+           "read_regular", "replacing", "too_large", "unmade", "unwritable", "user_path", "write_bytes", "write_text"]
 
 #: Bytes per read (and per checksum) of a user file: Ctrl-C is seen between two chunks, never after a huge one.
 CHUNK = 8 << 20
@@ -88,15 +88,22 @@ def user_path(path: str | Path) -> Path:
                          "spell the path out, or name a user that exists") from None
 
 
+def file_in_the_way(path: Path) -> Path | None:
+    """The file that keeps ``path`` from being a folder: ``path`` itself, or the nearest folder above it that exists,
+    when that is a file; None when there is none (missing folders are made). ``file_in_the_way(Path("a.txt/x"))``"""
+    where = next((where for where in (path, *path.parents) if where.exists()), None)
+    return where if where is not None and not where.is_dir() else None
+
+
 def not_a_folder(path: str | Path) -> str | None:
     """Why ``path`` cannot be a folder to write into (one line), or None: it, or a folder above it, is a file (a
     missing folder is created when written)."""
     target = user_path(path)
-    for where in (target, *target.parents):
-        if where.exists():
-            if not where.is_dir():
-                return f"{path}: {where} is a file, not a folder; give a folder (it is created when missing)"
-            return cannot_write_in(target, path)
+    blocked = file_in_the_way(target)
+    if blocked is not None:
+        return f"{path}: {blocked} is a file, not a folder; give a folder (it is created when missing)"
+    if any(where.exists() for where in (target, *target.parents)):
+        return cannot_write_in(target, path)
     return None
 
 

@@ -299,6 +299,25 @@ def test_a_run_folder_that_is_a_file_is_named_in_the_endpoints_line(tmp_path, ca
         "all the same"]
 
 
+def test_a_run_folder_below_a_file_is_named_in_the_endpoints_line(tmp_path, caplog):
+    """NXL_RUN_DIR below a file: the line said only "NotADirectoryError: [Errno 20] Not a directory: ..."."""
+    from nxl_hooks.apps.serve.controller import Controller
+    from nxl_hooks.apps.serve.settings import Settings
+
+    (tmp_path / "file").write_text("")
+    controller = Controller(Settings(run_dir=tmp_path / "file" / "run"))
+    try:
+        with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
+            controller._ensure_endpoint()
+    finally:
+        controller.close()
+    assert controller.endpoint is None and [r.getMessage() for r in caplog.records] == [
+        f"nxl_hooks: no control endpoint in process {os.getpid()} (NotADirectoryError: the run folder "
+        f"{tmp_path / 'file' / 'run'} (NXL_RUN_DIR) is below {tmp_path / 'file'}, a file, not a folder: give a "
+        "folder, or leave NXL_RUN_DIR unset); records are kept all the same"]
+    assert (tmp_path / "file").read_text() == ""
+
+
 def _open_stream(address: str | Path, token: str | None) -> tuple[socket.socket, int, bytes]:
     """A reader of /v1/stream that stays connected: its connection, the answer's status and (when refused) its
     body."""

@@ -52,7 +52,7 @@ from typing import Any, Iterator, Protocol
 from urllib.parse import parse_qs, unquote, urlsplit
 
 from ...arch.spec import HeadKind
-from ...records.files import json_value
+from ...records.files import file_in_the_way, json_value
 from ...records.reader import read_stream
 from ...records.steps import GenerationCall, Step
 from ...hooks.probe import end_records
@@ -513,8 +513,10 @@ class ControlServer:
         """Serve on ``<run folder>/<pid>.sock`` (and ``--listen``'s address), once the run folder passed
         :func:`~nxl_hooks.apps.serve.runs.check_private`; enlisted as one of this user's live runs."""
         run_dir = self.settings.run_dir.resolve()
-        if run_dir.exists() and not run_dir.is_dir():  # (mkdir said only "[Errno 17] File exists: ...")
-            raise NotADirectoryError(f"the run folder {run_dir} (NXL_RUN_DIR) is a file: give a folder, or leave "
+        blocked = file_in_the_way(run_dir)  # (mkdir said only "[Errno 17] File exists: ..." or "[Errno 20] Not a ...")
+        if blocked is not None:
+            what = "is a file" if blocked == run_dir else f"is below {blocked}, a file, not a folder"
+            raise NotADirectoryError(f"the run folder {run_dir} (NXL_RUN_DIR) {what}: give a folder, or leave "
                                      "NXL_RUN_DIR unset")
         run_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
         check_private(run_dir)
