@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from ..arch.registry import HeadKind, blocks, log_probabilities, resolve
+from ..arch.values import integer
 from ..hooks.probe import attach
 from ..method.chat import locate_template
 from ..method.placement import input_device
@@ -482,9 +483,9 @@ def score_example(
         raise ValueError(f"ks={list(ks)!r}: give one or more fractions of the tokens to perturb, each from 0 to 1 "
                          "(0.1 for 10%)")
     # (1.5 failed in torch's manual_seed after the other methods had run)
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+    if integer(seed) is None:
         raise ValueError(f"seed={seed!r}: give a whole number")
-    seed = int(seed)  # (a numpy integer overflowed in the random baseline's seed arithmetic)
+    seed = integer(seed)  # (a numpy integer overflowed in the random baseline's seed arithmetic)
     if "integrated_gradients" in methods:  # before any method runs, as the seed
         ig_steps = check_ig_steps(ig_steps)
     setup = _Setup(model, tokenizer, perturbation)

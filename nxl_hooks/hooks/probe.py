@@ -23,7 +23,6 @@ then (its sink is closed, its records stay readable).
 
 from __future__ import annotations
 
-import numbers
 import threading
 import time
 import warnings
@@ -36,6 +35,7 @@ import torch
 from torch import nn
 
 from ..arch import plugins
+from ..arch.values import real
 from ..method.registry import Methods
 from ..method.select import Layers, TargetOption
 from ..method.subject import Subject, unwrap
@@ -261,8 +261,7 @@ class Probe:
         ``timeout`` seconds (None: however long it takes). Leaving the ``with`` block flushes too; after it, a sink
         still busy when the probe detached is waited for. ``probe.flush(); nxl.read_stream(path)``"""
         # ('x' raised a TypeError from deep in threading, and -1 returned False as if the sink were behind)
-        if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, numbers.Real)
-                                    or not timeout >= 0):
+        if timeout is not None and (real(timeout) is None or not timeout >= 0):
             raise ValueError(f"timeout={timeout!r}: give the seconds to wait (0 or more), or None to wait until "
                              "every record is written")
         if timeout is not None and timeout >= threading.TIMEOUT_MAX:  # (inf overflowed threading's clock): as long

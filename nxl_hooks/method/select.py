@@ -19,7 +19,6 @@ the terminal, HTML and :meth:`Attribution.top`.
 
 from __future__ import annotations
 
-import numbers
 import re
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence, SupportsIndex, Union
@@ -29,6 +28,7 @@ import torch
 from torch import nn
 
 from ..arch.registry import HeadKind
+from ..arch.values import integer
 from .scores import wide
 
 __all__ = [
@@ -77,13 +77,6 @@ Layers = Union[str, SupportsIndex, Sequence[SupportsIndex], np.ndarray[Any, Any]
 
 
 
-def _integer(value: Any) -> int | None:
-    """``value`` as an int when it is an integer (numpy integers included), else None; bools are not integers."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        return None
-    return int(value)
-
-
 def int_text(text: str) -> int | None:
     """``text`` as a whole number when it is ASCII digits alone (a leading minus allowed), else None: str.isdigit()
     holds for '²' too (int() refuses it) and for '٣' (Arabic-Indic three, a word of Arabic text), both words here.
@@ -93,7 +86,7 @@ def int_text(text: str) -> int | None:
 
 def layer_index(layer: int, n_blocks: int) -> int:
     """One layer number (negative from the end) as an index 0..L; ValueError when out of range."""
-    index = _integer(layer)
+    index = integer(layer)
     if index is None:
         raise ValueError(f"layer {layer!r} is not an int: use 'all', 'last' or ints in 0..{n_blocks} (or negative)")
     wanted = index + n_blocks + 1 if index < 0 else index
@@ -108,7 +101,7 @@ def layer_index(layer: int, n_blocks: int) -> int:
 def whole_number(value: Any, refusal: str, below: int | None = None, *, least: int = 0) -> int:
     """``value`` as an int of ``least`` or more, and under ``below`` when given (numpy integers too; bools are not
     numbers here); ValueError(``refusal``) otherwise. ``whole_number(np.int64(2), "...", below=3) == 2``."""
-    number = _integer(value)
+    number = integer(value)
     if number is None or number < least or (below is not None and number >= below):
         raise ValueError(refusal)
     return number
@@ -137,7 +130,7 @@ def resolve_layers(layers: str | int | Sequence[int], n_blocks: int) -> list[int
         raise ValueError(f"layers={layers!r}: use 'all', 'last' or a list of ints in 0..{n_blocks}")
     if isinstance(layers, torch.Tensor):
         layers = layers.tolist()
-    if _integer(layers) is not None:
+    if integer(layers) is not None:
         layers = [layers]
     if isinstance(layers, (bool, bytes, bytearray)) or not isinstance(layers, Sequence):
         raise ValueError(f"layers={layers!r}: use 'all', 'last', an int or a list of ints in 0..{n_blocks}")
@@ -210,7 +203,7 @@ def parse_embedding(value: str) -> str:
 def option_text(value: str | int | Sequence[str | int]) -> str:
     """Layers or targets as :func:`parse_layers` / :func:`parse_target` read them back:
     ``option_text([0, -1]) == "0,-1"``, ``option_text("last") == "last"``."""
-    return value if isinstance(value, str) else str(value) if _integer(value) is not None else ",".join(map(str, value))
+    return value if isinstance(value, str) else str(value) if integer(value) is not None else ",".join(map(str, value))
 
 
 def from_numpy(value: Any) -> Any:
@@ -372,7 +365,7 @@ def resolve_target(model: nn.Module, kind: HeadKind | str, tokenizer: Any, item:
 
     ``resolve_target(model, "causal_lm", tok, "Paris", prompt="The capital of France is").id``; ValueError if bad.
     """
-    number = _integer(item)
+    number = integer(item)
     if number is not None:
         if n_outputs is not None:
             _check_range([number], n_outputs, kind)
@@ -440,7 +433,7 @@ def resolve_target_id(model: nn.Module, kind: HeadKind | str, tokenizer: Any, it
 
 def _items(target: Target) -> list[str | int]:
     """A non-tensor target as its list of requests; ValueError when it is none of the accepted forms."""
-    items = [target] if isinstance(target, str) or _integer(target) is not None else target
+    items = [target] if isinstance(target, str) or integer(target) is not None else target
     if isinstance(items, (bool, float, bytes, bytearray)) or not isinstance(items, Sequence):
         raise ValueError(f"target={target!r}: use 'predicted', an int id, a token or label string, a list of "
                          "them, or a tensor of ids")

@@ -331,6 +331,17 @@ def test_a_flush_timeout_that_is_no_number_of_seconds_is_refused(lm, timeout):
         assert probe.flush(float("inf")) and probe.flush(1e12)  # (they overflowed threading's clock)
 
 
+def test_whole_numbers_and_numbers_are_read_by_one_rule():
+    """The seed, the flush timeout, a foil and a layer each kept its own copy of what is a whole number or a number;
+    one rule (arch.values) reads them all: numpy numbers are what they stand for, a bool is neither."""
+    from nxl_hooks.arch.values import integer, real
+
+    assert integer(np.int64(3)) == 3 and type(integer(np.int64(3))) is int and integer(-2) == -2
+    assert [integer(v) for v in (True, np.True_, 1.0, np.float64(2), "1", None, [1])] == [None] * 7
+    assert real(np.float32(0.5)) == 0.5 and real(2) == 2.0 and type(real(np.int64(2))) is float
+    assert [real(v) for v in (True, np.True_, "1", None, 1j)] == [None] * 5
+
+
 def test_a_numpy_bool_is_a_fine_keep_steps(lm):
     with nxl.attach(lm, keep_steps=np.False_) as probe:
         lm.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=1, do_sample=False)

@@ -13,11 +13,11 @@ that is the foil is refused at attach).
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from dataclasses import dataclass
 
 import torch
 
+from ...arch.values import integer
 from ..protocol import Given
 
 
@@ -37,11 +37,11 @@ class Contrastive:
 
     def __post_init__(self) -> None:
         foil = self.foil
-        if foil is not None and (isinstance(foil, bool) or not isinstance(foil, numbers.Integral) or foil < 0):
+        if foil is not None and (integer(foil) is None or foil < 0):
             raise ValueError(f"Contrastive(foil={foil!r}): give an output id (0 or more), or None for the model's "
                              "best other output")
         if foil is not None:
-            object.__setattr__(self, "foil", int(foil))  # (a numpy integer too)
+            object.__setattr__(self, "foil", integer(foil))  # (a numpy integer too)
 
     def check_outputs(self, n_outputs: int) -> None:
         """(Checked) a fixed foil is an output of the head: ``Contrastive(foil=7).check_outputs(n)``."""
