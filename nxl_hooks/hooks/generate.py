@@ -80,6 +80,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence, TypeVar
 import torch
 from torch import nn
 
+from ..arch.text import record_text
 from ..method.head import same_weights, weights_state
 from ..method.placement import offloaded
 from ..method.protocol import Given
@@ -1511,16 +1512,27 @@ class Generations:
                                "reach the probe's hooks, or returned no logits)")
         return kept.capture, kept.logits[:, -keep:]
 
-    def unrecorded(self, request_id: str | None, what: str, error: BaseException, *, log: bool = True) -> None:
+    def unrecorded(self, request_id: str | None, what: str, error: BaseException, *, log: bool = True,
+                   ended: bool = True) -> GenerationCall:
         """A call record whose error says ``not recorded: why`` (``why``: ``error``, which names what makes it
         recordable); logs one line unless ``log`` is False (the caller said it once for many calls). The same
-        text becomes :attr:`notice`'s."""
+        text becomes :attr:`notice`'s. ``ended=False``: ended by :meth:`_refused_end` once the call has run."""
         if log:
             reason(what, error)
         text = f"not recorded: {described(error)}"
         self.notice.unrecorded(text, log=False)
-        self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name,
-                       model=self.plan.name, error=text)
+        return self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name,
+                              model=self.plan.name, error=text, ended=ended)
+
+    def _refused_end(self, call: GenerationCall, error: BaseException | None) -> None:
+        """End ``call``, a generate call refused before it ran (:meth:`_begin`), once generate has returned or raised
+        (``error``): generate's own refusal of its arguments (``num_return_sequences`` above ``num_beams``) is what
+        the record says first, ours second, so the record never blames the probe for a call that never ran."""
+        if error is not None and call.error is not None:
+            why = call.error.removeprefix("not recorded: ")
+            call.error = record_text(f"not recorded: generate raised {raised(error)}; it would not be recorded "
+                                     f"either: {why}")
+        self.hub.end(call, None, wait=False)
 
     # -- the wrapper -------------------------------------------------------------------------------------
 
@@ -1641,6 +1653,8 @@ class Generations:
         # (any other generate call inside one, the user's from its streamer, stopping criterion or logits processor,
         # is a call of its own: fed to the outer call's record, its forwards ended it, saying a wrong why)
         run = self._begin(named)
+        # the record _begin made of a call it refused, ended once generate has returned or raised
+        refused, self._local.refused = getattr(self._local, "refused", None), None
         if eager() and isinstance(run, Run):  # a recording session: generate's own compile would skip the hooks
             kwargs = {"disable_compile": True, **kwargs}
         tracked = getattr(self._local, "tracked", None)
@@ -1649,11 +1663,16 @@ class Generations:
             try:
                 out = original(*args, **kwargs)
             except BaseException as error:
-                self._end(run, None, f"generate raised {raised(error)}: its records end at the last step made "
-                                     "before")
+                if refused is not None:
+                    self._refused_end(refused, error)
+                else:
+                    self._end(run, None, f"generate raised {raised(error)}: its records end at the last step made "
+                                         "before")
                 raise
             finally:
                 self._local.tracked = tracked
+        if refused is not None:
+            self._refused_end(refused, None)
         self._end(run, out if isinstance(out, torch.Tensor) else getattr(out, "sequences", None))
         return out
 
@@ -1704,7 +1723,8 @@ class Generations:
             run.position_ids = given if isinstance(given, torch.Tensor) else None
             return run
         except Exception as error:  # noqa: BLE001 - never into the host's generate
-            self.unrecorded(request_id, "this generate call", error)
+            # ended when generate has run (_track): it may refuse its own arguments, which the record then says
+            self._local.refused = self.unrecorded(request_id, "this generate call", error, ended=False)
             return NOT_RECORDED
 
     def _end(self, run: Recording, sequences: torch.Tensor | None, error: str | None = None) -> None:

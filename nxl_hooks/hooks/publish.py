@@ -334,9 +334,10 @@ class Hub:
         return self._owner != os.getpid()
 
     def begin(self, layers: list[int], *, request_id: str | None, thread: str | None, model: str | None = None,
-              error: str | None = None) -> GenerationCall:
+              error: str | None = None, ended: bool = True) -> GenerationCall:
         """A new call record (of ``model``, by name); with ``error`` it is one that is not recorded (its reason says
-        why), ended at once: the sink gets its call frame, with no prompt, and its end frame, which says why."""
+        why), ended at once: the sink gets its call frame, with no prompt, and its end frame, which says why.
+        ``ended=False``: the caller ends it (:meth:`end`) when the call itself has returned or raised."""
         with self._lock:
             # every text a record takes from outside as records keep it (a thread's or request's name may be any str)
             call = GenerationCall(index=self._counter, layers=list(layers), request_id=record_text(request_id),
@@ -349,7 +350,7 @@ class Hub:
             if not self._closed:
                 self._running.append(call)
             self._trim()
-        if error is not None:
+        if error is not None and ended:
             self.end(call, None, error, wait=False)
         return call
 

@@ -489,6 +489,27 @@ def test_beam_search_is_a_clear_error_and_plain_forward_still_works(model):
     torch.testing.assert_close(res.logat, logat, rtol=1e-4, atol=1e-5)
 
 
+def test_a_call_generate_itself_refuses_says_generate_raised(model, tmp_path):
+    """``num_beams=2, num_return_sequences=3``: generate raises its own ValueError, and the record said only that
+    beam search is not recorded, as if the call had run. It says generate raised (and why), then why it would not
+    be recorded either; the sink's copy too."""
+    ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(8))
+    with pytest.raises(ValueError) as unattached:
+        model.generate(input_ids=ids, max_new_tokens=2, num_beams=2, num_return_sequences=3)
+    with nxl.attach(model, sink=tmp_path / "run.nxl") as probe:
+        with pytest.raises(ValueError) as attached:
+            model.generate(input_ids=ids, max_new_tokens=2, num_beams=2, num_return_sequences=3)
+    assert str(attached.value) == str(unattached.value)  # generate's own refusal, untouched
+    (call,) = probe.calls
+    assert call.error == (f"not recorded: generate raised ValueError ({unattached.value}); it would not be recorded "
+                          "either: beam search (num_beams > 1) cannot be attributed step by step: beams are reordered "
+                          "and pruned between steps, so a row is not one sequence; use num_beams=1 (greedy, or "
+                          "do_sample=True)")
+    assert not call.complete and not call.steps and "\n" not in call.error
+    (read,) = nxl.read_stream(tmp_path / "run.nxl")
+    assert read.error == call.error and not read.complete
+
+
 @pytest.mark.parametrize("setting, said", [({"num_beams": 2}, "num_beams=1"),
                                            ({"num_beams": 2, "num_return_sequences": 2}, "num_beams=1"),
                                            ({"prompt_lookup_num_tokens": 3}, "prompt_lookup_num_tokens")])
@@ -514,8 +535,9 @@ def test_multi_token_prediction_decoding_is_said_not_recorded_as_assisted_decodi
     with nxl.attach(model, layers="all") as probe:
         with pytest.raises(ValueError):
             model.generate(ids, max_new_tokens=4, do_sample=False, use_mtp=True)
-    (call,) = probe.calls
-    assert call.error.startswith("not recorded: assisted / speculative decoding") and "use_mtp" in call.error
+    (call,) = probe.calls  # (generate's own refusal first: the call never ran)
+    assert call.error.startswith("not recorded: generate raised ValueError")
+    assert "it would not be recorded either: assisted / speculative decoding" in call.error and "use_mtp" in call.error
 
 
 def test_an_attached_assistant_model_says_once_that_its_drafts_are_not_recorded(model, caplog):
