@@ -565,6 +565,11 @@ class Run:
         """Check the forward continues what the run holds; complete the pending step with its first token."""
         if not self._following:
             return
+        if self._hub.calling_back(self.call):  # (its positions said "several candidate tokens, or a cropped cache")
+            raise UnfollowedForward(
+                "the on_step callback ran the model inside this call: the call's records follow its own forwards "
+                "only, and one of the callback's came between two of them, so they stop here; run the model after "
+                "generate returns (keep what the callback needs until then)")
         if self._logits_missed():
             self._unfollow()
             return

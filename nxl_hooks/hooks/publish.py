@@ -275,6 +275,7 @@ class Hub:
         self._calls: collections.deque[GenerationCall] = collections.deque()
         self._keep_calls = keep_calls
         self._on_step = on_step
+        self._callback = threading.local()  # the calls whose on_step callback this thread is in (calling_back)
         self._sink: RecordSink | None = None if sink is None else make_sink(sink)
         if self._sink is not None:
             _claim_sink(self._sink, self)
@@ -373,6 +374,12 @@ class Hub:
         """Whether an ``on_step`` callback wants each record in the thread that made it (made there, then)."""
         return self._on_step is not None
 
+    def calling_back(self, call: GenerationCall) -> bool:
+        """Whether this thread is in an ``on_step`` callback of ``call``'s records: a forward that reaches the call
+        meanwhile is the callback's, not the call's (:meth:`~.generate.Run.before_forward`); a ``generate`` call the
+        callback makes is a call of its own."""
+        return any(waiting is call for waiting in getattr(self._callback, "calls", ()))
+
     @property
     def live(self) -> bool:
         """Whether a step record is read as it is made: an ``on_step`` callback or a subscriber."""
@@ -412,7 +419,12 @@ class Hub:
                 call.claim(step)  # its call's flags for the callback's to_attribution(), whatever the publisher did
                 self._submit(_StepItem(call, (step,), batch, None, (), 1), records=1)
                 batch.handed(index + 1)
-                self._on_step(step)
+                waiting = self._callback.__dict__.setdefault("calls", [])
+                waiting.append(call)
+                try:
+                    self._on_step(step)
+                finally:
+                    waiting.pop()
             return
         here = not batch.elsewhere or self._unscored_bytes + batch.nbytes > UNSCORED_BYTES
         made = tuple(batch.records()) if here else None

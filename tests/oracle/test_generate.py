@@ -489,6 +489,36 @@ def test_beam_search_is_a_clear_error_and_plain_forward_still_works(model):
     torch.testing.assert_close(res.logat, logat, rtol=1e-4, atol=1e-5)
 
 
+def test_an_on_step_callback_that_runs_the_model_is_the_reason_the_record_stops(model):
+    """An on_step callback that runs the model on the call's own prompt stopped the record saying a forward ran
+    positions 0..3 "from its no cache" (several candidate tokens per forward, or a cropped cache) and that the steps
+    before may have been replaced: neither is so. The reason names the callback; a generate call the callback makes
+    is a call of its own, recorded."""
+    ids = torch.randint(1, VOCAB, (1, 4), generator=torch.Generator().manual_seed(8))
+    plain = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+
+    def callback(step):
+        if step.step == 1:
+            model(input_ids=ids)
+
+    with torch.no_grad(), nxl.attach(model, on_step=callback) as probe:
+        out = model.generate(input_ids=ids, max_new_tokens=4, do_sample=False, pad_token_id=PAD)
+    assert torch.equal(out, plain)  # the model's own call unchanged
+    (call,) = probe.calls
+    assert call.error == ("the on_step callback ran the model inside this call: the call's records follow its own "
+                          "forwards only, and one of the callback's came between two of them, so they stop here; run "
+                          "the model after generate returns (keep what the callback needs until then)")
+    assert [step.step for step in call.steps] == [0, 1] and not call.complete
+
+    def generates(step):
+        if step.step == 0 and len(probe.calls) == 1:
+            model.generate(input_ids=ids, max_new_tokens=1, do_sample=False, pad_token_id=PAD)
+
+    with torch.no_grad(), nxl.attach(model, on_step=generates) as probe:
+        model.generate(input_ids=ids, max_new_tokens=2, do_sample=False, pad_token_id=PAD)
+    assert [(call.error, len(call.steps)) for call in probe.calls] == [(None, 2), (None, 1)]
+
+
 def test_a_call_generate_itself_refuses_says_generate_raised(model, tmp_path):
     """``num_beams=2, num_return_sequences=3``: generate raises its own ValueError, and the record said only that
     beam search is not recorded, as if the call had run. It says generate raised (and why), then why it would not
