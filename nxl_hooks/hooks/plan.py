@@ -288,7 +288,16 @@ class Plan:
             "n_blocks": self.n_blocks,
             "spec": self.spec.name,
             "methods": [method.name for method in self.methods],
-            # what it takes to make the numbers again: which weights, in which dtype and quantization, by what code
+            # (copies: a result's meta is its reader's to edit, and the next record's must not change with it)
+            **{key: dict(value) if isinstance(value, dict) else value for key, value in self._made_by.items()},
+        }
+
+    @functools.cached_property
+    def _made_by(self) -> dict[str, Any]:
+        """What it takes to make the numbers again: which weights, in which dtype and quantization, by what code.
+        Read once per attach: :meth:`describe` runs for every forward's record, and a quantizer's ``to_dict``, the
+        model's dtype (a walk over its parameters) and the versions are host work no forward needs to repeat."""
+        return {
             "model": self.name,
             "dtype": str(getattr(self.model, "dtype", None)).removeprefix("torch."),
             "quantization": quantization(self.model),

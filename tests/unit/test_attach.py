@@ -372,3 +372,29 @@ def test_nxl_attach_wait_scans_a_big_heap_at_most_a_twentieth_of_the_time(monkey
         monotonic=lambda: clock[0], sleep=lambda seconds: clock.__setitem__(0, clock[0] + seconds)))
     assert remote.live_models(wait=60.0) == []
     assert clock[0] >= 60.0 and 0.1 * len(scans) <= 0.05 * clock[0] + 0.1  # the scans' share of the wait
+
+
+def test_what_made_the_records_is_read_once_per_attach_not_per_forward(ids):
+    """The model, dtype, quantization and versions each record's meta names are read when the probe attaches: a
+    quantizer's ``to_dict`` (its own code, a deep copy in transformers') ran again for every forward's record. Each
+    result still says what the config says, in a dict of its own (one result's edit is not the next one's)."""
+    class Counted:
+        calls = 0
+
+        def to_dict(self):
+            Counted.calls += 1
+            return {"quant_method": "counted", "bits": 4}
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=len(WORDS), hidden_size=32, intermediate_size=64,
+                                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)).eval()
+    model.config.quantization_config = Counted()
+    with torch.no_grad(), nxl.attach(model, layers="last") as probe:
+        attached = Counted.calls
+        results = []
+        for _ in range(3):
+            model(input_ids=ids)
+            results.append(probe.result())
+    assert attached == 1 and Counted.calls == 1
+    results[0].meta["quantization"]["bits"] = 8
+    assert [res.meta["quantization"] for res in results[1:]] == [{"quant_method": "counted", "bits": 4}] * 2
