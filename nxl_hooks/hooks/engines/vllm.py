@@ -576,12 +576,15 @@ class VllmEngine:
                        what="this request")
 
     def _unseen(self, worker_id: str) -> None:
-        """A call record for a request vLLM finished that this probe never saw scheduled: one its runner holds ran
-        before the probe attached; any other left vLLM's queue before any of it ran (a client that went away, an
-        abort), and had no record at all. Never raises (inside :meth:`_begin_step`)."""
-        ran = worker_id in getattr(self.gens.plan.model.runner, "requests", ())
-        self.gens.unrecorded(request_id(worker_id), "this vLLM request", RuntimeError(_BEFORE if ran else (
-            "it left vLLM before any of it ran (aborted, or its client went away, while it waited in vLLM's queue)")),
+        """A call record for a request vLLM finished that this probe never saw scheduled and its runner never held:
+        it left vLLM's queue before any of it ran (a client that went away, an abort), and had no record at all. One
+        the runner holds ran before the probe attached and none of it since: no record here, as before (after a
+        pause, the probe before this one has its record, which ``nxl ctl`` would then find under a newer one saying
+        it was not recorded). Never raises (inside :meth:`_begin_step`)."""
+        if worker_id in getattr(self.gens.plan.model.runner, "requests", ()):
+            return
+        self.gens.unrecorded(request_id(worker_id), "this vLLM request", RuntimeError(
+            "it left vLLM before any of it ran (aborted, or its client went away, while it waited in vLLM's queue)"),
             log=False)
 
     def _left(self, worker_id: str) -> str:
