@@ -120,8 +120,9 @@ def row_index(row: Any, rows: int) -> int:
 
 
 def resolve_layers(layers: str | int | Sequence[int], n_blocks: int) -> list[int]:
-    """``"all"`` -> 0..L, ``"last"`` -> [L], ints (negative from the end) -> sorted unique layer indices (a number
-    written twice is refused, :func:`_check_layers_once`)."""
+    """``"all"`` -> 0..L, ``"last"`` -> [L], ints (negative from the end) -> sorted unique layer indices (a layer
+    named twice, ``[0, 0]`` or ``[-1, L]``, is recorded once: a list computed for models of any depth, such as
+    ``[0, L // 2, L]``, names one twice on a shallow one)."""
     if isinstance(layers, str):
         if layers == "all":
             return list(range(n_blocks + 1))
@@ -136,20 +137,7 @@ def resolve_layers(layers: str | int | Sequence[int], n_blocks: int) -> list[int
         raise ValueError(f"layers={layers!r}: use 'all', 'last', an int or a list of ints in 0..{n_blocks}")
     if not layers:
         raise ValueError("layers is empty: use 'all', 'last' or a list of ints")
-    indices = [layer_index(layer, n_blocks) for layer in layers]
-    _check_layers_once(layers)
-    return sorted(set(indices))
-
-
-def _check_layers_once(layers: Sequence[int]) -> None:
-    """A layer number written twice (``0,0``) is refused, in Python as on the command line (where it is read before
-    a model is known), as a target written twice is: a slip, never a request. Two spellings of one layer (``-1`` and
-    ``L``) name it once (a list meant for models of any depth)."""
-    seen: set[int] = set()
-    for layer in layers:
-        if int(layer) in seen:
-            raise ValueError(f"layers name layer {int(layer)} twice: give each layer once")
-        seen.add(int(layer))
+    return sorted({layer_index(layer, n_blocks) for layer in layers})
 
 
 # -- options as text: the command line, the NXL_* variables, the control endpoint ---------------------------
@@ -160,15 +148,13 @@ EMBEDDINGS = ("layer_input", "word")
 
 def parse_layers(value: str) -> str | list[int]:
     """``all`` | ``last`` | a comma list of ints (negative from the end): ``"0,2,-1"`` -> ``[0, 2, -1]``.
-    ValueError otherwise, and on a layer written twice (``0,0``)."""
+    ValueError otherwise."""
     if value in ("all", "last"):
         return value
     try:
-        layers = [int(part) for part in value.split(",")]
+        return [int(part) for part in value.split(",")]
     except ValueError:
         raise ValueError(f"{value!r}: use 'all', 'last' or a comma list of ints like 0,2,-1") from None
-    _check_layers_once(layers)  # before a model loads or nxl run starts its program
-    return layers
 
 
 def parse_target(value: str) -> str | int | list[str | int]:

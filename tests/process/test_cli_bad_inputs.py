@@ -382,8 +382,6 @@ CASES = [
      r"argument --target: 'predicted' cannot be mixed with other targets; pass it alone"),
     ("run target with an empty item", ["run", "--target", "5,,6", "--", "true"],
      r"argument --target: '5,,6': empty item in the target list"),
-    ("run layers written twice", ["run", "--layers", "0,0", "--", "true"],
-     r"argument --layers: layers name layer 0 twice: give each layer once"),
     ("run methods an evaluation baseline", ["run", "--methods", "logat,random", "--", "true"],
      r"--methods: 'random' names a record field or one of nxl evaluate's baselines, never a method a probe computes: "
      r"choose from normxlogit, logat\b.*, or a method a plugin or your program registers"),

@@ -234,11 +234,19 @@ def test_step_records_resolve_negative_layers(model, ids):
     assert torch.equal(res.layer(-2), res.normxlogit[1])
 
 
-def test_two_spellings_of_one_layer_record_it_once(model, ids):
-    """A number written twice is refused (the bad-input catalogues); -1 and L name one layer, recorded once, so a
-    list written for models of any depth works on a shallow one."""
-    with nxl.attach(model, layers=[2, 0, -1]) as probe:
-        assert probe.layers == [0, probe.n_blocks] and probe.n_blocks == 2
+def test_a_layer_named_twice_is_recorded_once(model, ids):
+    """A layer named twice, by one number or two spellings (-1 and L), is recorded once, as 0.3.0 did: a list
+    computed for models of any depth (``[0, L // 2, L]``) names one twice on a shallow one, and is not refused."""
+    from nxl_hooks.method.select import parse_layers
+
+    for layers in ([2, 0, -1], [0, 0, 2], parse_layers("0,0,-1")):
+        with torch.no_grad(), nxl.attach(model, layers=layers) as probe:
+            model(input_ids=ids)
+            res = probe.result()
+        assert probe.layers == [0, 2] and probe.n_blocks == 2 and res.normxlogit.shape[0] == 2
+        with torch.no_grad():  # layer 0 (block 1's input: the embeddings) through the model's own head, by hand
+            head = model.lm_head(model.model.norm(model.model.embed_tokens(ids)[0, -1]))
+        torch.testing.assert_close(res.logat[0, 0, -1], head[res.target[0]].squeeze(), atol=1e-5, rtol=1e-4)
 
 
 def test_target_tensors(model, ids):

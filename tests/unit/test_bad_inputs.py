@@ -98,8 +98,6 @@ ATTACH = cases(
     ("layers=float tensor", {"layers": torch.tensor([0.5])}, "layer 0.5 is not an int"),
     ("layers=float numpy", {"layers": np.array([1.5])}, "layer 1.5 is not an int"),
     ("layers=[True]", {"layers": [True]}, "layer True is not an int"),
-    # one layer number written twice was taken silently, while a target written twice is refused
-    ("layers=[0, 0]", {"layers": [0, 0]}, r"^layers name layer 0 twice: give each layer once$"),
     ("target=None", {"target": None}, "target=None: use 'predicted'"),
     ("target=1.5", {"target": 1.5}, "target=1.5: use 'predicted'"),
     ("target=[1.5]", {"target": [1.5]}, "target/label 1.5 must be an int id or a string"),
