@@ -63,6 +63,7 @@ count as unwritten, :data:`CLOSED_AT_DETACH` in :attr:`Hub.sink_fault` and the c
 from __future__ import annotations
 
 import collections
+import copy
 import os
 import queue
 import threading
@@ -339,11 +340,14 @@ class Hub:
         """A new call record (of ``model``, by name); with ``error`` it is one that is not recorded (its reason says
         why), ended at once: the sink gets its call frame, with no prompt, and its end frame, which says why.
         ``ended=False``: the caller ends it (:meth:`end`) when the call itself has returned or raised."""
+        # its own, nested dicts (versions, quantization) too: a reader may edit it, and the call frames the sink gets
+        # after it are written from this hub's (copied before the lock, which the publisher takes for every record)
+        meta = copy.deepcopy(self._meta) if self._meta else None
         with self._lock:
             # every text a record takes from outside as records keep it (a thread's or request's name may be any str)
             call = GenerationCall(index=self._counter, layers=list(layers), request_id=record_text(request_id),
                                   thread=record_text(thread), model=record_text(model), error=record_text(error),
-                                  meta=dict(self._meta) if self._meta else None)  # (its own: a reader may edit it)
+                                  meta=meta)
             if self.sink_fault is not None:
                 call.notes.append(self._fault_note())
             self._counter += 1

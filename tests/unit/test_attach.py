@@ -406,3 +406,14 @@ def test_what_made_the_records_is_read_once_per_attach_not_per_forward(ids):
     assert attached == 1 and Counted.calls == 1
     results[0].meta["quantization"]["bits"] = 8
     assert [res.meta["quantization"] for res in results[1:]] == [{"quant_method": "counted", "bits": 4}] * 2
+
+
+def test_a_calls_meta_edited_by_its_reader_leaves_the_next_calls_and_the_stream_as_they_were(model, tmp_path):
+    """Each call's meta is its own, nested dicts too: a reader's edit of one call's versions changed the next call's
+    and the call frames the sink got after it (they shared the hub's dict)."""
+    with torch.no_grad(), nxl.attach(model, layers="last", sink=tmp_path / "run.nxl") as probe:
+        model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=1, do_sample=False)
+        probe.calls[0].meta["versions"]["torch"] = "edited"
+        model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=1, do_sample=False)
+        assert probe.calls[1].meta["versions"]["torch"] == torch.__version__
+    assert [call.meta["versions"]["torch"] for call in nxl.read_stream(tmp_path / "run.nxl")] == [torch.__version__] * 2
