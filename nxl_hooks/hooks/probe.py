@@ -23,6 +23,7 @@ then (its sink is closed, its records stay readable).
 
 from __future__ import annotations
 
+import copy
 import threading
 import time
 import warnings
@@ -181,7 +182,7 @@ class Probe:
 
     def describe(self) -> dict[str, Any]:
         """What a saved result records about the model and the probe: ``probe.describe()["head_kind"]``."""
-        return dict(self._describe)
+        return copy.deepcopy(self._describe)  # (the caller's: its nested versions and quantization too)
 
     # -- attach / detach ---------------------------------------------------------------------------------
 

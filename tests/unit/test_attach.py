@@ -417,3 +417,11 @@ def test_a_calls_meta_edited_by_its_reader_leaves_the_next_calls_and_the_stream_
         model.generate(input_ids=torch.tensor([[5, 6, 7]]), max_new_tokens=1, do_sample=False)
         assert probe.calls[1].meta["versions"]["torch"] == torch.__version__
     assert [call.meta["versions"]["torch"] for call in nxl.read_stream(tmp_path / "run.nxl")] == [torch.__version__] * 2
+
+
+def test_probe_describe_is_the_callers_to_edit(model):
+    """``probe.describe()`` gave each caller the probe's own nested dicts: an edit of its versions changed what every
+    later caller read (``nxl ctl``'s records, a stream written with it)."""
+    with nxl.attach(model, layers="last") as probe:
+        probe.describe()["versions"]["torch"] = "edited"
+        assert probe.describe()["versions"]["torch"] == torch.__version__

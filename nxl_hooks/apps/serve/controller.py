@@ -186,7 +186,8 @@ class Watch:
             with self.held:
                 if self.probe is not probe:  # taken off meanwhile: its calls are among the retired ones now
                     continue
-                live = [(call, probe.describe()) for call in calls] if probe is not None else []
+                meta = probe.describe() if probe is not None else {}  # (once: one probe's calls share it, as
+                live = [(call, meta) for call in calls]  # the retired ones do)
                 # the probe keeps its own last keep_calls; those of the probes before it (a pause, an `nxl ctl
                 # attach`) only fill what it leaves, so the model holds keep_calls in all, not that many per probe
                 while self.retired and len(self.retired) + len(live) > self.retired.maxlen:
