@@ -511,11 +511,14 @@ class Hub:
     def _idle(self) -> bool:
         """Nothing handed on is on its way: no call end being made (:meth:`end_later`), no item queued, held or
         gathered for the publisher or in its hands, no frame waiting for the sink thread or being written."""
+        # the call end's thread first: asked after the counts, it could hand its end on and finish in between
+        later = self._later
+        if later is not None and later.is_alive():
+            return False
         with self._lock:
             if self._pid != os.getpid():  # nothing handed on in this process yet (or only a parent's, not ours)
-                return self._later is None or not self._later.is_alive()
-            busy = self._unfinished or self._frames_waiting or self._writing or any(self._gathered.values())
-        return not busy and (self._later is None or not self._later.is_alive())
+                return True
+            return not (self._unfinished or self._frames_waiting or self._writing or any(self._gathered.values()))
 
     def gather(self) -> None:
         """Step records this thread publishes from now on wait, in order, until :meth:`release` (or anything else

@@ -352,6 +352,53 @@ def test_flush_zero_says_whether_every_record_is_written_now(model):
         assert len(probe.steps) == 2
 
 
+def test_flush_zero_is_false_while_a_call_end_made_in_its_own_thread_is_still_on_its_way():
+    """flush(0) asked the counts of what is on its way, then whether the thread making a call's end (end_later) was
+    alive: that thread could hand the end on and finish in between, and flush(0) said True with the end unwritten.
+    The thread here hands the end on as it is asked (the moment the race needs); the sink holds the end frame."""
+    gate, ends = threading.Event(), []
+
+    class Held:
+        def write_call(self, call, meta):
+            pass
+
+        def write_step(self, step):
+            pass
+
+        def write_end(self, call):
+            gate.wait(timeout=60)
+            ends.append(call)
+
+        def close(self):
+            pass
+
+    hub = publish.Hub(on_step=None, sink=Held(), keep_steps=True)
+    call = hub.begin([0], request_id="r", thread=None)
+
+    class Finishing:  # an end_later thread still running when flush(0) waits no time for it (its first question),
+        asked = 0  # that ends the call and finishes as flush then asks whether anything is on its way
+
+        def join(self, timeout=None):
+            pass
+
+        def is_alive(self):
+            self.asked += 1
+            if self.asked == 1:
+                return True
+            if hub._later is self:
+                hub._later = None
+                hub.end(call, None, "ended", wait=False)
+            return False
+
+    hub._later = Finishing()
+    try:
+        assert not hub.flush(0) and ends == []
+    finally:
+        gate.set()
+    assert hub.flush(60) and ends == [call] and hub.flush(0)
+    hub.close()
+
+
 def test_a_slow_sink_within_its_queue_gets_every_record_by_detach(model, tmp_path):
     ids = _ids(3)
     path = tmp_path / "run.nxl"
