@@ -297,9 +297,10 @@ class Plan:
         """What it takes to make the numbers again: which weights, in which dtype and quantization, by what code.
         Read once per attach: :meth:`describe` runs for every forward's record, and a quantizer's ``to_dict``, the
         model's dtype (a walk over its parameters) and the versions are host work no forward needs to repeat."""
+        dtype = getattr(self.model, "dtype", None)  # (None for a model that says none, not the text "None")
         return {
             "model": self.name,
-            "dtype": str(getattr(self.model, "dtype", None)).removeprefix("torch."),
+            "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
             "quantization": quantization(self.model),
             "versions": versions(),
         }

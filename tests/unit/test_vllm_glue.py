@@ -262,3 +262,19 @@ def test_a_request_aborted_while_queued_has_a_record_saying_so():
     assert sorted(said) == ["queued"]
     assert said["queued"].startswith("it left vLLM before any of it ran") and "queue" in said["queued"]
     assert engine._runs == {}
+
+
+def test_the_vllm_views_dtype_is_the_one_vllm_computes_in():
+    """A record's meta names the dtype that made its numbers: the vLLM view had none, so a vLLM record said the text
+    "None", where the bfloat16 vLLM's CPU build serves a float32 checkpoint in is what its last layer's rounding
+    depends on (docs/vllm.md). It is vLLM's model_config.dtype."""
+    import torch
+    from torch import nn
+
+    from nxl_hooks.hooks.engines.vllm import VllmForCausalLM
+
+    view = VllmForCausalLM.__new__(VllmForCausalLM)
+    nn.Module.__init__(view)  # (no vLLM here: the runner as vLLM's config describes it)
+    for dtype in (torch.bfloat16, torch.float32):
+        view.runner = SimpleNamespace(vllm_config=SimpleNamespace(model_config=SimpleNamespace(dtype=dtype)))
+        assert view.dtype is dtype

@@ -308,6 +308,13 @@ class VllmForCausalLM(nn.Module):
         return self.model
 
     @property
+    def dtype(self) -> torch.dtype | None:
+        """The dtype vLLM computes in (its ``--dtype``; its CPU build's default, bfloat16, for a float32 checkpoint),
+        as a transformers model's ``dtype``: what a record's meta says made its numbers (None where vLLM says none)."""
+        dtype = getattr(self.runner.vllm_config.model_config, "dtype", None)
+        return dtype if isinstance(dtype, torch.dtype) else None
+
+    @property
     def engine(self) -> str:
         """What recording depends on in this vLLM engine, in one line (``nxl ctl status`` shows it)."""
         import vllm
