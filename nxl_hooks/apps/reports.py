@@ -154,6 +154,18 @@ def _failed_note(summary: Mapping[str, Any], show: int = 5) -> str:
             f"failed lists each with its reason): {html.escape(named + more)}</p>")
 
 
+def _left_out_note(summary: Mapping[str, Any], shown: str) -> str:
+    """The examples an audit's means at ``shown`` leave out, per metric and why (``summary["left_out"]``, which
+    summaries of 0.3 lack): a mean over fewer examples than the page counts says so."""
+    names = {"spearman": "Spearman", "kendall": "Kendall", "topk": f"top-{summary.get('top_k')} overlap",
+             "drift": "drift"}
+    items = "".join(
+        f"<li>{names[name]}: {sum(why.values())} of {summary['n']} examples left out ("
+        + html.escape("; ".join(f"{count}: {reason}" for reason, count in why.items())) + ")</li>"
+        for name, why in (summary.get("left_out") or {}).items() if why)
+    return f'<div class="note">the means at {html.escape(shown)} leave out:<ul>{items}</ul></div>' if items else ""
+
+
 def _notes_note(summary: Mapping[str, Any], show: int = NOTES_SHOWN) -> str:
     """The records' notes (``summary["notes"]``: :func:`~nxl_hooks.apps.dataset.scored`'s), each once with how many
     examples it concerns: they change what those examples' numbers mean (a target read otherwise than written)."""
@@ -260,6 +272,7 @@ def audit_report(
         _flat_note(summary),
         _failed_note(summary),
         _notes_note(summary),
+        _left_out_note(summary, shown),
         f"<h2>The {min(show, summary['n'])} examples that changed most</h2>",
         f'<p class="note">Flipped predictions first, then the lowest Spearman at {html.escape(shown)}. Rows: '
         f"NormXLogit at that layer, both models explaining {html.escape(_what_is_explained(summary))} (nxl audit "

@@ -13,7 +13,8 @@ the real tokens:
   (:meth:`Attribution.rankable`: no padding, prediction position or special tokens, as everywhere);
   ``None`` when either is constant or fewer than two tokens rank (``topk`` is then None too).
 - ``topk[l]``: |top-k(reference) ∩ top-k(candidate)| / k by signed score, same tokens ranked (k at most the
-  number of tokens that rank).
+  number of tokens that rank). With no more ranked tokens than k it is 1 whatever changed: ``ranked`` (the number
+  of tokens that rank) says so, and :func:`aggregate` leaves such examples out of the top-k means.
 - ``drift[l]``: ‖candidate − reference‖₂ / ‖reference‖₂ over all real tokens.
 - ``agree``: the candidate's own prediction equals the reference's (classifiers and causal LMs).
 
@@ -128,7 +129,8 @@ def _rank_metrics(ref: torch.Tensor, cand: torch.Tensor, top_k: int) -> tuple[fl
 def compare(reference: Attribution, candidate: Attribution, *, row: int = 0, top_k: int = 5) -> dict[str, Any]:
     """Per-layer agreement of two attributions of the same input and target: ``compare(ref_res, cand_res)``.
 
-    Returns ``{"layers", "spearman", "kendall", "topk", "drift"}`` with one value per layer.
+    Returns ``{"layers", "spearman", "kendall", "topk", "drift"}`` with one value per layer, and ``ranked``: how
+    many tokens rank (those the correlations and the overlap are over).
     """
     _check_top_k(top_k)
     if reference.layers != candidate.layers or reference.normxlogit.shape != candidate.normxlogit.shape:
@@ -137,7 +139,8 @@ def compare(reference: Attribution, candidate: Attribution, *, row: int = 0, top
         raise ValueError("compare one target at a time (the attributions have a trailing target axis)")
     real = reference.rankable(row)
     everywhere = reference.mask[row].bool()
-    out: dict[str, Any] = {"layers": list(reference.layers), "spearman": [], "kendall": [], "topk": [], "drift": []}
+    out: dict[str, Any] = {"layers": list(reference.layers), "spearman": [], "kendall": [], "topk": [], "drift": [],
+                           "ranked": int(real.sum())}
     for ref, cand in zip(reference.normxlogit[:, row], candidate.normxlogit[:, row]):
         rho, tau, overlap = _rank_metrics(ref[real], cand[real], top_k)
         scale = float(ref[everywhere].norm())
@@ -265,21 +268,58 @@ def most_changed(records: Sequence[Mapping[str, Any]]) -> list[int]:
     return sorted(range(len(records)), key=key)
 
 
+METRICS = ("spearman", "kendall", "topk", "drift")
+
+#: Why an example's value at a layer is in no mean (``aggregate``'s ``left_out``).
+SHORT = "fewer than two ranked tokens"
+COLLAPSED = "one side's scores all equal (no correlation)"
+ALL_RANKED = "no more ranked tokens than k (its overlap is 1 whatever changed)"
+ZERO = "the reference's scores all zero"
+
+
+def _trivial_topk(record: Mapping[str, Any]) -> bool:
+    """Both top-k sets are every ranked token: the overlap is 1 whatever the models did (records of 0.3 do not
+    say how many tokens rank: their overlap counts, as it did)."""
+    ranked = record.get("ranked")
+    return ranked is not None and ranked <= record["top_k"]
+
+
+def _counted(record: Mapping[str, Any], name: str, layer: int) -> float | None:
+    """The record's value of ``name`` at ``layer`` as the means take it: None where it says nothing."""
+    return None if name == "topk" and _trivial_topk(record) else record[name][layer]
+
+
+def _left_out(records: Sequence[Mapping[str, Any]], name: str) -> dict[str, int]:
+    """How many examples the mean of ``name`` at the last audited layer leaves out, by why."""
+    why: dict[str, int] = {}
+    for record in records:
+        if _counted(record, name, -1) is not None:
+            continue
+        if name == "drift":
+            reason = ZERO
+        elif record["topk"][-1] is None:
+            reason = SHORT
+        else:
+            reason = ALL_RANKED if name == "topk" else COLLAPSED
+        why[reason] = why.get(reason, 0) + 1
+    return why
+
+
 def aggregate(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """Means over examples, per layer and at the last audited layer, and the order of change. ``aggregate(records)``
 
     ``last_layer`` holds the means at ``layers[-1]``, the last of the layers audited: ``last_layer_index`` says which
     it is, and it is the model's own last layer only where it equals ``model_last_layer`` (None in records that do
-    not say)."""
+    not say). A mean is over the examples where its metric says something: ``counted[name]`` gives how many, per
+    layer, and ``left_out[name]`` why the others are not in it at the last audited layer (:data:`SHORT`,
+    :data:`COLLAPSED`, :data:`ALL_RANKED`, :data:`ZERO`)."""
     if not records:
         raise ValueError("aggregate needs at least one audit record")
     layers = records[0]["layers"]
     if any(r.get("schema") != SCHEMA or r["layers"] != layers for r in records):
         raise ValueError(f"records must all be {SCHEMA} records with the same layers: aggregate one audit at a time")
-    per_layer = {
-        name: [mean([r[name][i] for r in records]) for i in range(len(layers))]
-        for name in ("spearman", "kendall", "topk", "drift")
-    }
+    counted = {name: [[_counted(r, name, i) for r in records] for i in range(len(layers))] for name in METRICS}
+    per_layer = {name: [mean(values) for values in counted[name]] for name in METRICS}
     agreement = [r["agree"] for r in records if r["agree"] is not None]
     return {
         "schema": SCHEMA,
@@ -293,6 +333,9 @@ def aggregate(records: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         "last_layer_index": layers[-1],
         "model_last_layer": records[0].get("model_last_layer"),
         "per_layer": per_layer,
+        # how many examples each mean is over, per layer, and why the others are left out at the last layer
+        "counted": {name: [sum(v is not None for v in values) for values in counted[name]] for name in METRICS},
+        "left_out": {name: _left_out(records, name) for name in METRICS},
         "most_changed": [records[i].get("index", i) for i in most_changed(records)],
         "flat_norms": sum(1 for r in records if r.get("flat_norms")),  # examples where NormXLogit ranks as LogAt
         # what the examples explain: {"target": n, "reference prediction": m} (records of 0.2 do not say)

@@ -435,3 +435,36 @@ def test_a_text_with_fewer_ranked_tokens_than_k_overlaps_over_those_it_has():
     assert len(tok(text)["input_ids"]) == 4  # [CLS] good film [SEP]: the two words rank, [CLS] and [SEP] do not
     record = audit.audit_example(reference, candidate, tok, {"text": text}, top_k=5)
     assert record["topk"] == [1.0] * len(record["layers"])
+
+
+def test_the_means_leave_out_what_says_nothing_and_say_how_many_and_why():
+    """A text of one ranked token has no correlation or overlap; one of no more ranked tokens than k overlaps 1
+    whatever changed. The means left both out silently and counted the second as agreement: each mean now says over
+    how many examples it is (``counted``), why the others are not in it (``left_out``), and the report says so."""
+    reference, candidate, tok = tiny.build_model("bert", 0), tiny.build_model("bert", 5), tiny.tokenizer()
+    texts = ["good", "good film", "the film was good and the film was good"]
+    records = [audit.audit_example(reference, candidate, tok, {"text": text}, top_k=5) for text in texts]
+    specials = set(tok.all_special_ids)
+    # the tokenizer's own count: every token but the special ones ([CLS], [SEP]: the prediction position)
+    assert [r["ranked"] for r in records] == [sum(i not in specials for i in tok(t)["input_ids"]) for t in texts]
+    assert [r["ranked"] for r in records] == [1, 2, 9]
+    short, two, long_ = records
+    layers = len(short["layers"])
+    assert short["spearman"][-1] is None and short["topk"][-1] is None and two["topk"] == [1.0] * layers
+    assert all(r["spearman"][-1] is not None for r in (two, long_)) and all(r["drift"][-1] for r in records)
+    summary = audit.aggregate(records)
+    # only the long text's overlap says anything: the mean is its own, not pulled up by the two-word text's 1
+    assert summary["per_layer"]["topk"] == long_["topk"]
+    assert summary["per_layer"]["spearman"] == [(a + b) / 2 for a, b in zip(two["spearman"], long_["spearman"])]
+    assert summary["counted"] == {"spearman": [2] * layers, "kendall": [2] * layers, "topk": [1] * layers,
+                                  "drift": [3] * layers}
+    assert summary["left_out"] == {"spearman": {audit.SHORT: 1}, "kendall": {audit.SHORT: 1},
+                                   "topk": {audit.SHORT: 1, audit.ALL_RANKED: 1}, "drift": {}}
+    from nxl_hooks.apps.reports import audit_report
+
+    page = audit_report(summary, records).replace("&#x27;", "'")
+    assert ("top-5 overlap: 2 of 3 examples left out (1: fewer than two ranked tokens; 1: no more ranked tokens than "
+            "k (its overlap is 1 whatever changed))") in page
+    assert "Spearman: 1 of 3 examples left out (1: fewer than two ranked tokens)" in page and "drift:" not in page
+    # an audit where every mean is over every example says nothing of the kind
+    assert "leave out" not in audit_report(audit.aggregate([long_]), [long_])
