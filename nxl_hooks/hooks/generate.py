@@ -642,11 +642,13 @@ class Run:
                     f"a forward of this call ran positions {past}..{past + new - 1} on other token ids than the "
                     "call's prompt holds there: the model run on ids of its own inside the call (by a stopping "
                     "criterion or a streamer) cannot be told from the call's own forward; run it outside generate")
+            said = "it had no cache" if where.source == "no cache" else f"from its {where.source}"
             raise UnfollowedForward(
-                f"a forward of this call ran positions {past}..{past + new - 1} (from its {where.source}) while the "
+                f"a forward of this call ran positions {past}..{past + new - 1} ({said}) while the "
                 f"call's record holds positions 0..{n - 1}: a forward that neither continues the record by one token "
-                "nor recomputes it from position 0 cannot be followed (several candidate tokens per forward, or a "
-                f"cropped cache){self._undone(past)}"
+                "nor recomputes it from position 0 cannot be followed (several candidate tokens per forward, a "
+                "cropped cache, or the model run inside the call on the call's own tokens, by a stopping criterion "
+                f"or a streamer: run it outside generate){self._undone(past)}"
             )
         if recomputes:
             self._recomputes(bound.get("input_ids"), n)

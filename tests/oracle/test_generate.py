@@ -465,8 +465,32 @@ def test_a_forward_back_inside_the_prompt_names_no_steps_handed_on(model, live):
         model.generate(input_ids=ids, max_new_tokens=1, custom_generate=_runs_its_prompt_again)
     (call,) = probe.calls
     assert not call.steps and call.error.startswith("a forward of this call ran positions 3..5 (from its cache)")
-    assert "handed on" not in call.error and call.error.endswith("(several candidate tokens per forward, or a "
-                                                                 "cropped cache)")
+    assert "handed on" not in call.error and call.error.endswith(
+        "(several candidate tokens per forward, a cropped cache, or the model run inside the call on the call's own "
+        "tokens, by a stopping criterion or a streamer: run it outside generate)")
+
+
+def test_a_stopping_criterion_that_runs_the_model_on_the_calls_own_prompt_is_named_as_a_possible_reason(model):
+    """A stopping criterion that runs the model on the call's prompt, without a cache, stopped the record saying the
+    forward's positions came "from its no cache" and that it was several candidate tokens or a cropped cache: the
+    reason says it had no cache and names the model run inside the call by a stopping criterion or a streamer."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(8))
+
+    class Reruns(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            model(input_ids=ids[:, :3], use_cache=False)  # the prompt's first tokens again, the call's own
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool)
+
+    plain = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=PAD)
+    with nxl.attach(model) as probe:
+        out = model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, pad_token_id=PAD,
+                             stopping_criteria=StoppingCriteriaList([Reruns()]))
+    assert torch.equal(out, plain)
+    (call,) = probe.calls
+    assert not call.complete and "(it had no cache)" in call.error and "from its no cache" not in call.error
+    assert "by a stopping criterion or a streamer: run it outside generate" in call.error
 
 
 def test_beam_search_is_a_clear_error_and_plain_forward_still_works(model):
