@@ -281,40 +281,25 @@ def test_a_listen_port_the_system_picks_is_said_in_one_line(tmp_path, caplog):
         controller.close()
 
 
-def test_a_run_folder_that_is_a_file_is_named_in_the_endpoints_line(tmp_path, caplog):
-    """NXL_RUN_DIR naming a file: the line said only "FileExistsError: [Errno 17] File exists: ..."."""
-    from nxl_hooks.apps.serve.controller import Controller
-    from nxl_hooks.apps.serve.settings import Settings
-
-    (tmp_path / "run").write_text("")
-    controller = Controller(Settings(run_dir=tmp_path / "run"))
-    try:
-        with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
-            controller._ensure_endpoint()
-    finally:
-        controller.close()
-    assert controller.endpoint is None and [r.getMessage() for r in caplog.records] == [
-        f"nxl_hooks: no control endpoint in process {os.getpid()} (NotADirectoryError: the run folder "
-        f"{tmp_path / 'run'} (NXL_RUN_DIR) is a file: give a folder, or leave NXL_RUN_DIR unset); records are kept "
-        "all the same"]
-
-
-def test_a_run_folder_below_a_file_is_named_in_the_endpoints_line(tmp_path, caplog):
-    """NXL_RUN_DIR below a file: the line said only "NotADirectoryError: [Errno 20] Not a directory: ..."."""
+@pytest.mark.parametrize("below", [False, True])
+def test_a_run_folder_that_is_or_is_below_a_file_is_named_in_the_endpoints_line(tmp_path, caplog, below):
+    """NXL_RUN_DIR naming a file: the line said only "FileExistsError: [Errno 17] File exists: ..."; below a file,
+    "NotADirectoryError: [Errno 20] Not a directory: ...". Each names the file in the way, which stays as it was."""
     from nxl_hooks.apps.serve.controller import Controller
     from nxl_hooks.apps.serve.settings import Settings
 
     (tmp_path / "file").write_text("")
-    controller = Controller(Settings(run_dir=tmp_path / "file" / "run"))
+    run = tmp_path / "file" / "run" if below else tmp_path / "file"
+    controller = Controller(Settings(run_dir=run))
     try:
         with caplog.at_level(logging.WARNING, logger="nxl_hooks"):
             controller._ensure_endpoint()
     finally:
         controller.close()
+    why = f"is below {tmp_path / 'file'}, a file, not a folder" if below else "is a file"
     assert controller.endpoint is None and [r.getMessage() for r in caplog.records] == [
         f"nxl_hooks: no control endpoint in process {os.getpid()} (NotADirectoryError: the run folder "
-        f"{tmp_path / 'file' / 'run'} (NXL_RUN_DIR) is below {tmp_path / 'file'}, a file, not a folder: give a "
-        "folder, or leave NXL_RUN_DIR unset); records are kept all the same"]
+        f"{run} (NXL_RUN_DIR) {why}: give a folder, or leave NXL_RUN_DIR unset); records are kept all the same"]
     assert (tmp_path / "file").read_text() == ""
 
 
