@@ -483,9 +483,10 @@ def score_example(
         raise ValueError(f"ks={list(ks)!r}: give one or more fractions of the tokens to perturb, each from 0 to 1 "
                          "(0.1 for 10%)")
     # (1.5 failed in torch's manual_seed after the other methods had run)
-    if integer(seed) is None:
+    number = integer(seed)  # (a numpy integer overflowed in the random baseline's seed arithmetic)
+    if number is None:
         raise ValueError(f"seed={seed!r}: give a whole number")
-    seed = integer(seed)  # (a numpy integer overflowed in the random baseline's seed arithmetic)
+    seed = number
     if "integrated_gradients" in methods:  # before any method runs, as the seed
         ig_steps = check_ig_steps(ig_steps)
     setup = _Setup(model, tokenizer, perturbation)

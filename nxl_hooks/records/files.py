@@ -88,10 +88,15 @@ def user_path(path: str | Path) -> Path:
                          "spell the path out, or name a user that exists") from None
 
 
+def _nearest(path: Path) -> Path | None:
+    """``path`` or the nearest folder above it that exists (None when none does)."""
+    return next((where for where in (path, *path.parents) if where.exists()), None)
+
+
 def file_in_the_way(path: Path) -> Path | None:
     """The file that keeps ``path`` from being a folder: ``path`` itself, or the nearest folder above it that exists,
     when that is a file; None when there is none (missing folders are made). ``file_in_the_way(Path("a.txt/x"))``"""
-    where = next((where for where in (path, *path.parents) if where.exists()), None)
+    where = _nearest(path)
     return where if where is not None and not where.is_dir() else None
 
 
@@ -99,12 +104,12 @@ def not_a_folder(path: str | Path) -> str | None:
     """Why ``path`` cannot be a folder to write into (one line), or None: it, or a folder above it, is a file (a
     missing folder is created when written)."""
     target = user_path(path)
-    blocked = file_in_the_way(target)
-    if blocked is not None:
-        return f"{path}: {blocked} is a file, not a folder; give a folder (it is created when missing)"
-    if any(where.exists() for where in (target, *target.parents)):
-        return cannot_write_in(target, path)
-    return None
+    where = _nearest(target)  # (one walk up: the file in the way, or the folder to write in)
+    if where is None:
+        return None
+    if not where.is_dir():
+        return f"{path}: {where} is a file, not a folder; give a folder (it is created when missing)"
+    return cannot_write_in(target, path)
 
 
 def unmade(path: str | Path, folder: str | Path, error: OSError) -> str:

@@ -156,7 +156,7 @@ class Step:
             example=torch.arange(batch),
             tokens=tokens,
             # what the call's probe explains (its model, quantization, versions), so a saved step says what made it
-            meta={**(call.meta or {} if call is not None else {}), "call": self.call, "step": self.step,
+            meta={**((call.meta or {}) if call is not None else {}), "call": self.call, "step": self.step,
                   "n_blocks": self.n_blocks},
             special=special,
             readable=readable,
