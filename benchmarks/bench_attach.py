@@ -30,7 +30,7 @@ from _common import add_smoke_option, emit, load_average, smoke_out  # noqa: E40
 from serving import Server, save_chat_model  # noqa: E402
 
 import nxl_hooks as nxl  # noqa: E402
-from nxl_hooks.apps.serve.inject import inject, inspect_target  # noqa: E402
+from nxl_hooks.apps.serve.inject import inject, inspect_target, model_processes  # noqa: E402
 from nxl_hooks.apps.serve.settings import Settings  # noqa: E402
 
 QUESTION, MAX_TOKENS = "hello world how are you", 8
@@ -104,9 +104,11 @@ def main() -> None:
             api_run.mkdir(mode=0o700)
             start = time.perf_counter()
             env = Settings(run_dir=api_run, sink=True).to_env()
-            check_s, inject_s = _api(server.pid, {"action": "attach", "env": env, "wait": 0})
+            # (the process that holds the model: serve's own up to transformers 5.24, the one it spawned from 5.25)
+            holder = (model_processes(server.pid) or [server.pid])[0]
+            check_s, inject_s = _api(holder, {"action": "attach", "env": env, "wait": 0})
             api_first_s = _recorded(api_run, start)
-            detach_check_s, detach_inject_s = _api(server.pid, {"action": "detach"})
+            detach_check_s, detach_inject_s = _api(holder, {"action": "detach"})
             rounds.append({"attach_command_s": attach_s, "attach_to_first_record_s": first_record_s,
                            "detach_command_s": detach_s, "nxl_help_s": _nxl("--help"),
                            "api_checks_s": check_s, "api_attach_inject_s": inject_s,

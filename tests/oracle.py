@@ -269,10 +269,17 @@ def distilbert_lm(model) -> HandHead:
 def state_space(model) -> HandHead:
     """Mamba, Mamba-2, FalconMamba: RMSNorm ``backbone.norm_f`` then lm_head. Their ``hidden_states`` hold no
     embeddings (the first is block 1's output) and end with block L's output twice, raw then normed: the word
-    embeddings go first and the raw one is dropped."""
+    embeddings go first and the raw one is dropped. Mamba-2 from transformers 5.25 collects them as other decoders
+    do (the embeddings, blocks 1..L-1, the normed last), which are taken as they are."""
     backbone = model.backbone
-    return HandHead(rms_norm(backbone.norm_f), linear(model.lm_head), last_is_normed=True,
-                    states=lambda ids, hidden: (backbone.embeddings(ids), *hidden[:-2], hidden[-1]))
+
+    def states(ids, hidden):
+        embeddings = backbone.embeddings(ids)
+        if torch.equal(hidden[0], embeddings):
+            return hidden
+        return (embeddings, *hidden[:-2], hidden[-1])
+
+    return HandHead(rms_norm(backbone.norm_f), linear(model.lm_head), last_is_normed=True, states=states)
 
 
 def prefix_logits(model, hand: HandHead, ids: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -123,11 +124,15 @@ class Server:
              timeout: float = 120, **body: Any) -> dict:
         """One chat completion: {"id", "request_id" (response header), "content", "usage", "finish_reason"}."""
         payload = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
-                   "stream": stream, **body}
+                   "stream": stream, **({"stream_options": {"include_usage": True}} if stream else {}), **body}
         headers = {"Content-Type": "application/json", **({"X-Request-ID": request_id} if request_id else {})}
         request = urllib.request.Request(self.base + "/v1/chat/completions", data=json.dumps(payload).encode(),
                                          headers=headers, method="POST")
-        with urllib.request.urlopen(request, timeout=timeout) as response:
+        try:
+            response = urllib.request.urlopen(request, timeout=timeout)
+        except urllib.error.HTTPError as error:  # what the server said of it, in the test's failure
+            raise RuntimeError(f"HTTP {error.code} for request {request_id!r}: {error.read()[:2000]!r}") from error
+        with response:
             header_id = response.headers.get("x-request-id")
             if not stream:
                 data = json.loads(response.read())
@@ -137,9 +142,13 @@ class Server:
             chunks = [json.loads(line[5:]) for line in response.read().decode().splitlines()
                       if line.startswith("data:")]
         content = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c["choices"])
-        last = chunks[-1]
-        return {"id": last["id"], "request_id": header_id, "content": content, "usage": last.get("usage"),
-                "finish_reason": last["choices"][0].get("finish_reason"), "chunks": len(chunks)}
+        # (the usage: in the last chunk up to transformers 5.24, in one of its own after it, asked for, from 5.25)
+        usage = [c["usage"] for c in chunks if c.get("usage")]
+        ends = [c["choices"][0]["finish_reason"] for c in chunks
+                if c["choices"] and c["choices"][0].get("finish_reason")]
+        return {"id": chunks[-1]["id"], "request_id": header_id, "content": content,
+                "usage": usage[-1] if usage else None, "finish_reason": ends[-1] if ends else None,
+                "chunks": len(chunks)}
 
     def stop(self) -> int | None:
         """SIGTERM to the process group (uvicorn exits at once), SIGKILL if it lingers; the exit code."""

@@ -4,15 +4,16 @@ engines patch: the one place that knows the calling conventions, so the recorder
     where = positions(arguments)       # a backbone forward's bound arguments
     where.past, where.new, where.source # positions past .. past + new - 1, and what said so
 
-Conventions seen (checked on 5.16 to 5.24; the floor is 5.18.0): the cache arrives as ``past_key_values`` up to
-5.23 and as ``cache`` from 5.24 (the old name a deprecated alias until 5.40); ``generate`` passes ``cache_position``
-up to 5.23 and only ``position_ids`` from 5.24. Nothing here is a list of versions: the cache is found by what it is (an object with
-``get_seq_length``, whatever its keyword), and positions come from the first source the forward actually received,
-in this order: ``cache_position`` (where the model writes its cache), the cache's own length (a state-space
-model's cache of recurrent states counts none: the positions of the record its forwards made), else none (a forward
-without a cache computes every position from 0). ``position_ids`` alone never say where a sequence starts (a
-left-padded row starts at 0 wherever it sits), so they are only a check: a forward without a recognisable cache whose
-every row starts past position 1 (older versions give pads 1) continues a sequence from state nxl_hooks cannot see, and :func:`positions` says so.
+Conventions seen (checked on 5.16 to 5.25; the floor is 5.18.0): the cache arrives as ``past_key_values`` up to 5.23
+and as ``cache`` from 5.24 (the old name a deprecated alias until 5.40); ``generate`` passes ``cache_position`` up
+to 5.23 and only ``position_ids`` from 5.24. Nothing here is a list of versions: the cache is found by what it is
+(an object with ``get_seq_length``, whatever its keyword), and positions come from the first source the forward
+actually received, in this order: ``cache_position`` (where the model writes its cache), the cache's own length (a
+state-space model's cache of recurrent states counts none before 5.25: the positions of the record its forwards
+made), else none (a forward without a cache computes every position from 0). ``position_ids`` alone never say where
+a sequence starts (a left-padded row starts at 0 wherever it sits), so they are only a check: a forward without a
+recognisable cache whose every row starts past position 1 (older versions give pads 1) continues a sequence from
+state nxl_hooks cannot see, and :func:`positions` says so.
 """
 
 from __future__ import annotations
@@ -105,8 +106,9 @@ def _past(arguments: dict[str, Any], held: int | None) -> tuple[int | torch.Tens
 
 
 def cache_length(cache: Any, held: int | None = None) -> int | torch.Tensor:
-    """How many positions ``cache`` holds, as it says (an int, or a static cache's device tensor). A cache of
-    recurrent states only (transformers' of a state-space model: Mamba, Mamba-2, FalconMamba) counts none: 0 before
+    """How many positions ``cache`` holds, as it says (an int, or a static cache's device tensor, or from
+    transformers 5.25 a state-space model's). Before 5.25 a cache of recurrent states only (transformers' of a
+    state-space model: Mamba, Mamba-2, FalconMamba) counts none: 0 before
     it has taken in any token, else ``held``, the positions of the record its forwards made (a ``generate`` call's,
     whose every forward was followed from its empty cache), read on the host without the device; without ``held``
     (None, or 0: no record followed what filled it), :class:`UnfollowedForward` (the tokens it took in are
@@ -200,6 +202,13 @@ CONTINUOUS_BATCHING = (("continuous_api", "ContinuousBatchProcessor", "_generati
 #: What ``transformers serve``'s ``GenerateManager`` (``transformers.cli.serving.utils``) must have for request ids
 #: to reach ``generate``: the two handlers that know the id, and the two ways they hand work to the inference thread.
 SERVE_HANDLERS, SERVE_SUBMITS = ("generate_streaming", "generate_non_streaming"), ("submit", "async_submit")
+#: From transformers 5.25, ``transformers serve`` runs each model in a process of its own, which its API servers
+#: number their requests to: the id reaches a request's ``generate`` call through these. In the API server, the
+#: middleware that knows the id (``transformers.cli.serving.utils``) and the client's two ways of asking for
+#: generated text (``EngineClient``, ``transformers.cli.serving.model_manager``); in the model's process, the
+#: runners whose ``generate(request_id, inputs, generation_kwargs, stream)`` takes each request (``utils``).
+SERVE_MIDDLEWARE, SERVE_CLIENT, SERVE_RUNNERS = "RequestIdMiddleware", "EngineClient", ("GenerateRunner",
+                                                                                        "CBGenerateRunner")
 
 
 def continuous_batching_classes() -> tuple[list[type], str | None]:

@@ -95,7 +95,8 @@ from .plan import Plan
 from .publish import Hub
 from .traced import eager_twin
 
-__all__ = ["EAGER", "REQUEST_ID", "Generations", "Notice", "Run", "between_steps", "eager", "stacked_features"]
+__all__ = ["EAGER", "REQUEST_ID", "REQUEST_NAMES", "Generations", "Notice", "RequestNames", "Run", "between_steps",
+           "eager", "stacked_features"]
 
 #: The environment variable (``"1"``, ``nxl run --eager``) that makes recorded calls run eagerly, a fallback (compiled
 #: calls are recorded too): ``generate`` without its automatic torch.compile (``disable_compile=True``),
@@ -106,6 +107,38 @@ MAKE_EAGER = f"set {EAGER}=1 (nxl run --eager)"
 
 #: The request the current context serves; a server integration sets it (``X-Request-ID``), else calls get an id.
 REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("nxl_hooks_request_id", default=None)
+
+
+class RequestNames:
+    """The client's ids of requests an engine knows by ids of its own (``transformers serve`` from 5.25 numbers the
+    requests its API servers hand the model's process), which a server integration sets as each request arrives
+    and :class:`Generations` names its records by. The newest :attr:`KEPT` only: an id whose request never began
+    (cancelled while queued) is let go with them.
+
+        REQUEST_NAMES.name("1099511627776", "chat-7")   # then a record of request "1099511627776" is "chat-7"'s
+    """
+
+    KEPT = 4096
+
+    def __init__(self) -> None:
+        self._names: dict[str, str] = {}
+        self._lock = threading.Lock()  # (once per request, never per step)
+
+    def name(self, engine_id: str, client_id: str) -> None:
+        with self._lock:
+            self._names.pop(engine_id, None)
+            self._names[engine_id] = client_id
+            while len(self._names) > self.KEPT:
+                del self._names[next(iter(self._names))]
+
+    def __call__(self, request_id: str | None) -> str | None:
+        """The client's id of ``request_id``, or ``request_id`` itself."""
+        with self._lock:
+            return self._names.get(request_id, request_id) if request_id is not None else None
+
+
+#: This process's :class:`RequestNames`.
+REQUEST_NAMES = RequestNames()
 
 
 #: Emitted steps a call scores together while nothing reads its records live (no ``on_step``, no subscriber): one
@@ -1481,8 +1514,8 @@ class Generations:
         running the model over them when it ends (a ``generate`` call: :meth:`refill`). ``engine``: a serving
         engine's request, whose end does not make the engine's loop wait for the publisher (a ``generate`` call's
         end waits for the call before it: :meth:`~.publish.Hub.end`; :data:`ENGINE_ENDS_WAIT`)."""
-        call = self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name,
-                              model=self.plan.name)
+        call = self.hub.begin(self.plan.layers, request_id=REQUEST_NAMES(request_id),
+                              thread=threading.current_thread().name, model=self.plan.name)
         return Run(self.plan, self.hub, call, prompt_len=prompt_len, eos=eos, cache_dtype=self.cache_dtype,
                    cache_device=self.cache_device, notice=self.notice, refill=self.refill if refill else None,
                    refill_apart=not self._stateful, wait=wait, engine=engine)
@@ -1528,8 +1561,8 @@ class Generations:
             reason(what, error)
         text = f"not recorded: {described(error)}"
         self.notice.unrecorded(text, log=False)
-        return self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name,
-                              model=self.plan.name, error=text, ended=ended)
+        return self.hub.begin(self.plan.layers, request_id=REQUEST_NAMES(request_id),
+                              thread=threading.current_thread().name, model=self.plan.name, error=text, ended=ended)
 
     def _refused_end(self, call: GenerationCall, error: BaseException | None) -> None:
         """End ``call``, a generate call refused before it ran (:meth:`_begin`), once generate has returned or raised

@@ -19,6 +19,7 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -90,7 +91,11 @@ def _attach_and_detach_under_load(tiny: Tiny, tmp_path: Path, capsys, serve: lis
         code, out, err = _cli(capsys, "ctl", "status", "--run", str(run), "--json")  # nxl ctl works as under nxl run
         (model,) = json.loads(out)["models"]
         assert code == 0 and model["attached"] and model["hooks"] > 0 and model["layers"] == [0, 1, 2], err
-        for path, mode in ((run, 0o700), (run / f"{server.pid}.sock", 0o600)):  # owner-only, as under nxl run
+        # the socket of the process that holds the model: serve's own up to transformers 5.24, the model process it
+        # spawned from 5.25 (attached with it)
+        (sock,) = run.glob("*.sock")
+        assert int(sock.stem) in {server.pid, *(child.pid for child in psutil.Process(server.pid).children())}
+        for path, mode in ((run, 0o700), (sock, 0o600)):  # owner-only, as under nxl run
             assert stat.S_IMODE(path.stat().st_mode) == mode
         clients.wait_for(attached, 3)
         detaching = time.monotonic()
@@ -108,7 +113,7 @@ def _attach_and_detach_under_load(tiny: Tiny, tmp_path: Path, capsys, serve: lis
         assert calls[request_id].complete
         check_call(tiny, calls[request_id], content, reply)
     assert not {entry[0] for entry in clients.started_after(detached)} & set(calls)
-    assert not (run / f"{server.pid}.sock").exists()  # the endpoint is closed
+    assert not sock.exists()  # the endpoint is closed
 
 
 @needs_gdb
@@ -478,6 +483,40 @@ def test_python_314_goes_through_remote_exec_with_the_bootstrap_file(tmp_path):
     bootstrap.write_text(bootstrap_source(str(script)))
     done = subprocess.run([sys.executable, "-c", probe % str(bootstrap)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and done.stdout.strip() == "[]", done.stderr
+
+
+_SPAWNS = textwrap.dedent("""
+    import multiprocessing, time
+    def idle():
+        time.sleep(300)
+    if __name__ == "__main__":
+        context = multiprocessing.get_context("spawn")
+        lock = context.Lock()  # (a semaphore: multiprocessing's resource tracker starts, another child)
+        spawned = [context.Process(target=idle, daemon=True) for _ in range(2)]
+        for each in spawned:
+            each.start()
+        print("ready", *(each.pid for each in spawned), flush=True)
+        time.sleep(300)
+""")
+
+
+@pytest.mark.version_free
+def test_the_model_processes_of_a_server_are_the_children_python_spawned(tmp_path):
+    """What nxl attach follows from a server whose models run in processes of their own (transformers serve from
+    5.25): the children of the process that multiprocessing spawned, as the kernel lists them, not the resource
+    tracker it also starts, nor a process that is not a child."""
+    process = _start(tmp_path, _SPAWNS)
+    try:
+        deadline = time.monotonic() + 60
+        while len(line := (tmp_path / "target.log").read_text().split()) < 3 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        spawned = sorted(int(pid) for pid in line[1:3])
+        children = {child.pid for child in psutil.Process(process.pid).children()}
+        assert set(spawned) < children  # the resource tracker is a child too
+        assert inject.model_processes(process.pid) == spawned
+        assert inject.model_processes(spawned[0]) == [] and inject.model_processes(os.getpid()) == []
+    finally:
+        _stop(process)
 
 
 @pytest.mark.version_free

@@ -113,11 +113,11 @@ def test_the_padding_of_new_tokens_is_read_from_a_sliding_windows_mask():
 
 
 def test_a_cache_of_recurrent_states_holds_the_positions_of_the_record_that_filled_it():
-    """A state-space model's cache (Mamba: recurrent states only) counts no positions (transformers' get_seq_length
-    raises on it) and generate passes no cache_position: empty, it holds none; once it has taken tokens in, it holds
-    those of the record whose forwards filled it (``held``: a generate call's), read with no device read. With no
-    record to ask (or one that holds nothing: the cache was filled before it), where a forward continuing it starts
-    is unknown, and said."""
+    """A state-space model's cache (Mamba: recurrent states only) counts no positions before transformers 5.25
+    (get_seq_length raises on it) and generate passes no cache_position: empty, it holds none; once it has taken
+    tokens in, it holds those of the record whose forwards filled it (``held``: a generate call's), read with no
+    device read. With no record to ask (or one that holds nothing: the cache was filled before it), where a forward
+    continuing it starts is unknown, and said. From 5.25 it counts them (a device tensor), whatever filled it."""
     mamba = tiny.generating_state_space("mamba")
     seen = _seen_positions(mamba, held=True)
     assert [(p.past, p.new, p.source) for p in seen] == [(0, 4, "cache"), (4, 1, "cache"), (5, 1, "cache")]
@@ -127,6 +127,15 @@ def test_a_cache_of_recurrent_states_holds_the_positions_of_the_record_that_fill
     with torch.no_grad():
         mamba(input_ids=ids, **{_keyword(mamba): cache}, use_cache=True)
     assert positions({"input_ids": ids[:, :1], "cache": cache}, held=3) == Positions(3, 1, "cache")
+    try:
+        counted = cache.get_seq_length()
+    except ValueError:  # (transformers < 5.25: "can only be called on Attention layers")
+        counted = None
+    if counted is not None:  # the cache's own count, not the record's: a cache filled before any record is followed
+        assert isinstance(counted, torch.Tensor) and int(counted) == 3
+        for held in (None, 0, 7):
+            assert positions({"input_ids": ids[:, :1], "cache": cache}, held) == Positions(3, 1, "cache")
+        return
     for held in (None, 0):
         with pytest.raises(UnfollowedForward, match=r"its cache \(DynamicCache\) holds recurrent states .* took in "
                                                     r"tokens of forwards nxl_hooks did not follow, and does not count"):

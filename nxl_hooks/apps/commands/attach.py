@@ -6,7 +6,10 @@
 
 The options are those of ``nxl run`` (what is explained, the run folder, the endpoint, which models). How the
 process is reached, and every refusal: :mod:`nxl_hooks.apps.serve.inject`; what happens inside it:
-:mod:`nxl_hooks.apps.serve.remote`.
+:mod:`nxl_hooks.apps.serve.remote`. A server whose models run in processes it spawned (``transformers serve``
+from 5.25) is attached with them: each model process records into the same run folder, and the server sends
+them its requests' ids; ``nxl detach`` of the server detaches them too. A model process it starts later (another
+model, or one again after ``--model-timeout``) is not recorded: attach again.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import contextlib
 import os
 import stat
 from pathlib import Path
+from typing import Any
 
 from ..extras import extra_hint
 from ..options import CliError, check_output_folder, one_line, positive_seconds, say, seconds
@@ -47,8 +51,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..serve.inject import inject, inspect_target
-    from ..serve.installed import install_line
+    from ..serve.inject import inject, inspect_target, model_processes
     from ..serve.runs import TOKEN
 
     folder_given = bool(args.sink) and sink_kind(args.sink, target=True) is None  # a bad or unusable one: refused first
@@ -68,21 +71,13 @@ def run(args: argparse.Namespace) -> int:
                            "nothing was handed over")
         if other:
             made.hand_over(TOKEN, target.uid, target.gid)
-        outcome = inject(target, {"action": "attach", "env": settings.to_env(), "wait": args.wait},
-                         timeout=args.timeout, wait=args.wait)
-        if outcome.get("code") == "not-installed":  # said here, where nxl knows what it was installed from
-            python = outcome.get("executable")  # the target's sys.executable: its venv's, not the file it links to
-            remedy = install_line(python if isinstance(python, str) and python else target.executable)
-            if other:  # run by root, that interpreter runs its environment's code (its .pth files, its pip) as root
-                remedy = f"as uid {target.uid}, never as root: sudo -u '#{target.uid}' {remedy}"
-            raise CliError(f"process {args.pid}: {outcome.get('error')}: install it there ({remedy}), then attach "
-                           "again")
-        if outcome.get("code") == "missing-extra":  # the sink kind's extra, missing in the target's environment
-            hint = extra_hint(ImportError(name=outcome.get("module") if isinstance(outcome.get("module"), str) else ""))
-            raise CliError(f"process {args.pid}: {hint or outcome.get('error')}")
-        if not outcome.get("ok"):
-            raise CliError(f"process {args.pid}: {outcome.get('error')}")
+        spawned = model_processes(args.pid)
+        request = {"action": "attach", "env": settings.to_env(), "wait": 0.0 if spawned else args.wait}
+        outcome = _checked(target, inject(target, {**request, "front": bool(spawned)}, timeout=args.timeout,
+                                          wait=request["wait"]), other)
         models = _attached(args.pid, outcome)
+        if outcome.get("front") is True:  # a server front: its models are in the processes it spawned
+            models = _attach_spawned(args, target, spawned, {**request, "wait": args.wait}, other)
     except BaseException:
         made.remove()
         raise
@@ -93,6 +88,48 @@ def run(args: argparse.Namespace) -> int:
     say(one_line(f"nxl attach: process {args.pid} recorded ({models}); run folder {folder} (live view{viewer}: nxl "
                  f"tail --run {folder}; undo: nxl detach {args.pid})"))
     return 0
+
+
+def _checked(target: Any, outcome: dict, other: bool) -> dict:
+    """``outcome`` of an attach injected into ``target``, if it attached; CliError with what to do otherwise."""
+    from ..serve.installed import install_line
+
+    if outcome.get("code") == "not-installed":  # said here, where nxl knows what it was installed from
+        python = outcome.get("executable")  # the target's sys.executable: its venv's, not the file it links to
+        remedy = install_line(python if isinstance(python, str) and python else target.executable)
+        if other:  # run by root, that interpreter runs its environment's code (its .pth files, its pip) as root
+            remedy = f"as uid {target.uid}, never as root: sudo -u '#{target.uid}' {remedy}"
+        raise CliError(f"process {target.pid}: {outcome.get('error')}: install it there ({remedy}), then attach "
+                       "again")
+    if outcome.get("code") == "missing-extra":  # the sink kind's extra, missing in the target's environment
+        hint = extra_hint(ImportError(name=outcome.get("module") if isinstance(outcome.get("module"), str) else ""))
+        raise CliError(f"process {target.pid}: {hint or outcome.get('error')}")
+    if not outcome.get("ok"):
+        raise CliError(f"process {target.pid}: {outcome.get('error')}")
+    return outcome
+
+
+def _attach_spawned(args: argparse.Namespace, front: Any, spawned: list[int], request: dict, other: bool) -> str:
+    """Attach the model processes ``spawned`` by the server ``front`` (attached with its patches only) and return
+    the models recorded, in words; when none could be, the server is detached again and CliError says why."""
+    from ..serve.inject import inject, inspect_target
+
+    recorded, refused = [], []
+    for pid in spawned:
+        try:
+            target = inspect_target(pid)
+            if target.uid != front.uid:  # (a child that changed its user: not the server's to hand a run folder)
+                raise CliError(f"process {pid} runs as uid {target.uid}, not as its server")
+            outcome = _checked(target, inject(target, request, timeout=args.timeout, wait=args.wait), other)
+            recorded.append(f"{_attached(pid, outcome)}, in its model process {pid}")
+        except CliError as error:
+            refused.append(str(error))
+    if not recorded:
+        with contextlib.suppress(CliError):
+            inject(front, {"action": "detach"}, timeout=args.timeout)
+        raise CliError(f"process {args.pid} is a server whose models run in processes of their own, and none of "
+                       f"them could be attached ({'; '.join(refused)})")
+    return "; ".join(recorded + [f"not {error}" for error in refused])
 
 
 def _attached(pid: int, outcome: dict) -> str:

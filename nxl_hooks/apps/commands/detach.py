@@ -23,18 +23,42 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..serve.inject import inject, inspect_target
+    from ..serve.inject import inject, inspect_target, model_processes
 
-    outcome = inject(inspect_target(args.pid), {"action": "detach"}, timeout=args.timeout)
+    target = inspect_target(args.pid)
+    said = []
+    # a server's model processes, attached with it (nxl attach), first: none records a request the server no
+    # longer names
+    for pid in model_processes(args.pid):
+        try:
+            child = inspect_target(pid)
+            if child.uid == target.uid:
+                answer = inject(child, {"action": "detach"}, timeout=args.timeout)
+                if answer.get("code") != "not-attached":
+                    said.append(_said(pid, _checked(pid, answer)))
+        except CliError as error:
+            said.append(f"its model process {pid}: {error}")
+    outcome = inject(target, {"action": "detach"}, timeout=args.timeout)
+    if not (said and outcome.get("code") == "not-attached"):
+        said.insert(0, _said(args.pid, _checked(args.pid, outcome)))
+    say(one_line("nxl detach: " + "; ".join(said)))
+    return 0
+
+
+def _checked(pid: int, outcome: dict) -> dict:
+    """``outcome`` of process ``pid``'s detach, of the shape it should have; CliError otherwise."""
     if not outcome.get("ok"):
-        raise CliError(f"process {args.pid}: {outcome.get('error')}")
+        raise CliError(f"process {pid}: {outcome.get('error')}")
     # the target's side answers, which its user controls: only its shape is read (a missing key was "error: 'hooks'")
     shape = {"run_dir": str, "patches": int, "hooks": int, "threads": list}
     if not all(isinstance(outcome.get(key), kind) for key, kind in shape.items()):
-        raise CliError(f"process {args.pid} answered the detach with an outcome of another shape: whether it runs "
+        raise CliError(f"process {pid} answered the detach with an outcome of another shape: whether it runs "
                        "unrecorded is unknown; check its nxl_hooks install and detach again")
+    return outcome
+
+
+def _said(pid: int, outcome: dict) -> str:
     left = "".join(f"; {what} left: {outcome[key]}" for key, what in (("hooks", "hooks"), ("threads", "nxl threads"))
                    if outcome[key])
-    say(one_line(f"nxl detach: process {args.pid} runs unrecorded ({outcome['patches']} patches given back{left}); "
-                 f"its records stay in {outcome['run_dir']}"))  # the target's words
-    return 0
+    return (f"process {pid} runs unrecorded ({outcome['patches']} patches given back{left}); its records stay in "
+            f"{outcome['run_dir']}")  # the target's words

@@ -70,8 +70,8 @@ from pathlib import Path
 from ...records.files import json_value, read_regular
 from ..options import CliError
 
-__all__ = ["Target", "bootstrap_source", "inject", "injector_command", "inspect_target", "permission_refusal",
-           "remove_as", "script_source", "trusted_file"]
+__all__ = ["Target", "bootstrap_source", "inject", "injector_command", "inspect_target", "model_processes",
+           "permission_refusal", "remove_as", "script_source", "trusted_file"]
 
 PAGE = 4096  #: the bytes gdb maps in the target for the bootstrap (it must fit, with its final NUL)
 CAP_SYS_PTRACE = 19  #: its bit in /proc/PID/status CapEff
@@ -221,6 +221,25 @@ def _is_vllm(argv: list[str], maps: str) -> bool:
     vLLM's command line (its API server)."""
     return "/vllm/_C" in maps or any(os.path.basename(arg) in ("vllm", "vllm_main.py") or
                                      arg.startswith("vllm.entrypoints") for arg in argv[:3])
+
+
+def model_processes(pid: int) -> list[int]:
+    """The children of process ``pid`` that Python's multiprocessing started by spawning (``transformers serve`` from
+    5.25 runs each model in one: its API server holds none), oldest pid first, as the kernel lists them (their
+    parent, ``/proc/N/stat``; the command line multiprocessing gives them); each is then checked as a target of its
+    own (:func:`inspect_target`)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            parent = int(_read(f"/proc/{entry}/stat").rsplit(b")", 1)[1].split()[1])
+            spawned = parent == pid and b"spawn_main" in _read(f"/proc/{entry}/cmdline")
+        except (OSError, IndexError, ValueError):  # ended meanwhile, or not ours to read
+            continue
+        if spawned:
+            found.append(int(entry))
+    return sorted(found)
 
 
 def inspect_target(pid: int) -> Target:

@@ -29,6 +29,7 @@ __all__ = ["HOOKS", "install", "when_imported"]
 HOOKS = (("transformers.modeling_utils", "nxl_hooks.apps.serve.patches:patch_modeling_utils"),
          ("transformers.models.auto.modeling_auto", "nxl_hooks.apps.serve.patches:patch_auto_models"),
          ("transformers.cli.serving.utils", "nxl_hooks.hooks.engines.transformers_serve:patch_serving"),
+         ("transformers.cli.serving.model_manager", "nxl_hooks.hooks.engines.transformers_serve:patch_engine_client"),
          ("vllm.engine.arg_utils", "nxl_hooks.hooks.engines.vllm:patch_engine_args"),
          ("vllm.v1.worker.gpu_model_runner", "nxl_hooks.apps.serve.patches:patch_vllm_runner"),
          ("vllm.v1.worker.cpu_model_runner", "nxl_hooks.apps.serve.patches:patch_vllm_runner"),

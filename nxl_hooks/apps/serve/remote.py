@@ -9,6 +9,11 @@ control endpoint; the same patches of transformers are applied to the modules al
 later are recorded too, and ``transformers serve`` passes each request's id). Detach: the controller is closed
 (every probe off, endpoint and its threads ended) and forgotten, and every patched method is given back.
 
+A server whose models run in processes of their own (``transformers serve`` from 5.25: ``nxl attach`` found
+spawned children, ``"front": True``) holds no model: attached with none, it gets only the patches that send each
+request's id to the model's process (the ``transformers.cli.serving`` modules'), and ``nxl attach`` attaches its
+model processes each as a target of its own.
+
 Runs in a short-lived thread of the target (never its main thread); every outcome is a dict, nothing raises.
 """
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import gc
 import importlib
+import inspect
 import os
 import signal
 import sys
@@ -39,6 +45,9 @@ __all__ = ["handle", "live_models"]
 _MARK = "__nxl_patched__"  #: what :mod:`.patches` sets on each wrapper it installs (the original is ``__wrapped__``)
 _LOCK = threading.Lock()
 _ATTACHED: Controller | None = None  #: the controller ``nxl attach`` started here, until ``nxl detach``
+_FRONT: str | None = None  #: the run folder of a server front's attach (no controller, its patches only)
+#: the modules whose patches a server front gets: those that send request ids to the model's process
+_FRONT_MODULES = "transformers.cli.serving."
 _EAGER_BEFORE: list[str | None] = []  #: NXL_EAGER as it was before an ``nxl attach --eager``, given back at detach
 #: the main-thread calls :func:`_settle_signals_later` queued: ctypes frees a callback nothing holds, and one is
 #: called after the thread that queued it has ended
@@ -55,7 +64,8 @@ def handle(request: dict, wanted: Callable[[], bool] = lambda: True) -> dict:
         with _LOCK:
             if request.get("action") == "detach":
                 return _detach()
-            outcome = _attach(request.get("env", {}), float(request.get("wait", 0)), wanted)
+            outcome = _attach(request.get("env", {}), float(request.get("wait", 0)), wanted,
+                              front=request.get("front") is True)
     except Exception as error:  # noqa: BLE001 - said to nxl attach, never raised in the target
         outcome = {"ok": False, "code": "failed", "error": typed(error)}
     if request.get("action") != "detach":
@@ -74,7 +84,7 @@ def _settle_signals_later() -> None:
 
     def settle(_: Any) -> int:
         try:
-            if _ATTACHED is not None:
+            if _ATTACHED is not None:  # (a server front has no endpoint to close on SIGTERM: the default)
                 own_signals()
             else:
                 for signum in _SIGNALS:
@@ -114,12 +124,35 @@ def _scan() -> list[tuple[Any, str]]:
     # type(), not isinstance: isinstance asks each object its __class__, and some answer with a warning into
     # the host's stderr (torch.distributed.reduce_op's FutureWarning) or an exception
     models = [obj for obj in gc.get_objects() if issubclass(type(obj), modeling.PreTrainedModel)]
+    if gc.get_freeze_count():  # frozen objects are not listed (transformers serve's model process freezes its own)
+        listed = {id(model) for model in models}
+        models += [model for model in _in_frames(modeling.PreTrainedModel) if id(model) not in listed]
     inner = {id(sub) for model in models for sub in model.modules() if sub is not model}
     return [(model, model_name(model)) for model in models if id(model) not in inner]
 
 
-def _attach(env: dict[str, str], wait: float, wanted: Callable[[], bool]) -> dict:
-    global _ATTACHED
+def _in_frames(kind: type) -> list[Any]:
+    """The ``kind`` objects the running frames of every thread hold: a local, or a local's ``model`` (a runner's),
+    once each. What a program that froze its objects (``gc.freeze``: the garbage collector lists them no more)
+    still shows of its models."""
+    found: dict[int, Any] = {}
+    for frame in sys._current_frames().values():
+        while frame is not None:
+            for value in list(frame.f_locals.values()):
+                # (read without running anything of the program's: no property, no __getattr__)
+                for candidate in (value, inspect.getattr_static(value, "model", None)):
+                    if issubclass(type(candidate), kind):
+                        found.setdefault(id(candidate), candidate)
+            frame = frame.f_back
+    return list(found.values())
+
+
+def _attach(env: dict[str, str], wait: float, wanted: Callable[[], bool], front: bool = False) -> dict:
+    global _ATTACHED, _FRONT
+    if _FRONT is not None:
+        return {"ok": False, "code": "attached",
+                "error": f"process {os.getpid()} is recorded already (run folder {_FRONT}): see nxl ctl status, or "
+                         f"nxl detach {os.getpid()}"}
     settings = Settings.from_env(env)
     try:
         if settings.sink_spec:
@@ -133,6 +166,13 @@ def _attach(env: dict[str, str], wait: float, wanted: Callable[[], bool]) -> dic
         return {"ok": False, "code": "no-run-folder",
                 "error": f"the run folder {settings.run_dir} is gone: nothing attached; attach again"}
     names = sorted({name for _, name in found})
+    if front and not names:  # its models are in processes of its own: here, only what sends them request ids
+        if _ATTACHED is not None:
+            return {"ok": False, "code": "attached", "error": f"process {os.getpid()} is recorded already (run "
+                    f"folder {_ATTACHED.settings.run_dir}): see nxl ctl status, or nxl detach {os.getpid()}"}
+        _patch(lambda name: name.startswith(_FRONT_MODULES))
+        _FRONT = str(settings.run_dir)
+        return {"ok": True, "front": True, "status": {"models": []}}
     if not any(settings.selects(name) for name in names):
         what = (f"no model matches --models {','.join(settings.models)} (found: {', '.join(names)})" if names else
                 "no transformers model is loaded in this process yet")
@@ -163,12 +203,12 @@ def _attach(env: dict[str, str], wait: float, wanted: Callable[[], bool]) -> dic
     return {"ok": True, "status": status}
 
 
-def _patch() -> None:
+def _patch(which: Callable[[str], bool] = lambda name: True) -> None:
     """Apply nxl run's patches to the modules already imported (none is waited for: nothing stays behind on
-    ``sys.meta_path``)."""
+    ``sys.meta_path``); ``which``: of the modules it names."""
     for name, target in HOOKS:
         module = sys.modules.get(name)
-        if module is not None:
+        if module is not None and which(name):
             where, _, function = target.partition(":")
             getattr(importlib.import_module(where), function)(module)
 
@@ -189,8 +229,11 @@ def _unpatch() -> int:
 
 
 def _detach() -> dict:
-    global _ATTACHED
+    global _ATTACHED, _FRONT
     ctl = _ATTACHED
+    if ctl is None and _FRONT is not None:
+        run_dir, _FRONT = _FRONT, None
+        return {"ok": True, "run_dir": run_dir, "patches": _unpatch(), "hooks": 0, "threads": []}
     if ctl is None:
         return {"ok": False, "code": "not-attached",
                 "error": "not attached by nxl attach (nothing to detach)"}  # nxl detach names the process
