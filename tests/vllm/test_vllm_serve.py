@@ -99,7 +99,9 @@ def tiny(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def server(tiny, tmp_path_factory):
     run = tmp_path_factory.mktemp("vllm-run") / "run"
-    server = VllmServer(tiny, nxl=["--layers", "all", "--sink", str(run)], log=run.parent / "server.log")
+    # (--enable-log-requests: its log says when it told the engine to abort a request, which a test waits for)
+    server = VllmServer(tiny, nxl=["--layers", "all", "--sink", str(run)], serve=["--enable-log-requests"],
+                        log=run.parent / "server.log")
     server.run = run
     try:
         yield server.start(timeout=600)
@@ -221,7 +223,8 @@ def leave_mid_generation(server: VllmServer, request_id: str) -> None:
     """A streaming chat of 200 tokens whose client goes away after its first token. The engine runs in slices of a few
     milliseconds, held between them, until the client has its first chunk (a loaded machine may deliver it long after
     the engine made it: run freely, the engine could finish all 200 first); then, the engine still held, the client
-    resets the connection and the API server tells the engine to abort before its next step."""
+    resets the connection and the API server tells the engine to abort before its next step (the engine is held
+    until its log says it did, up to 60 s)."""
     body = json.dumps({"messages": [{"role": "user", "content": LONG}], "max_tokens": 200, "temperature": 0,
                        "ignore_eos": True, "stream": True}).encode()
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
@@ -244,7 +247,11 @@ def leave_mid_generation(server: VllmServer, request_id: str) -> None:
         # a reset (SO_LINGER 0) rather than a FIN, so that the API server's next read or write fails at once
         connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         connection.close()
-        time.sleep(2.0)
+        deadline = time.monotonic() + 60
+        while not any("Aborted request" in line and request_id in line for line in server.log_text().splitlines()):
+            if time.monotonic() > deadline:
+                break  # (the test's attempts go on: a request the engine finished is whole)
+            time.sleep(0.1)
 
 
 def test_request_the_client_leaves_keeps_its_steps_and_says_so(server, oracle_model):
