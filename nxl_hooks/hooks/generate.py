@@ -112,8 +112,8 @@ REQUEST_ID: contextvars.ContextVar[str | None] = contextvars.ContextVar("nxl_hoo
 class RequestNames:
     """The client's ids of requests an engine knows by ids of its own (``transformers serve`` from 5.25 numbers the
     requests its API servers hand the model's process), which a server integration sets as each request arrives
-    and :class:`Generations` names its records by. The newest :attr:`KEPT` only: an id whose request never began
-    (cancelled while queued) is let go with them.
+    and the engine names its records by (continuous batching's). The newest :attr:`KEPT` only: an id whose request
+    never began (cancelled while queued) is let go with them.
 
         REQUEST_NAMES.name("1099511627776", "chat-7")   # then a record of request "1099511627776" is "chat-7"'s
     """
@@ -1514,8 +1514,8 @@ class Generations:
         running the model over them when it ends (a ``generate`` call: :meth:`refill`). ``engine``: a serving
         engine's request, whose end does not make the engine's loop wait for the publisher (a ``generate`` call's
         end waits for the call before it: :meth:`~.publish.Hub.end`; :data:`ENGINE_ENDS_WAIT`)."""
-        call = self.hub.begin(self.plan.layers, request_id=REQUEST_NAMES(request_id),
-                              thread=threading.current_thread().name, model=self.plan.name)
+        call = self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name,
+                              model=self.plan.name)
         return Run(self.plan, self.hub, call, prompt_len=prompt_len, eos=eos, cache_dtype=self.cache_dtype,
                    cache_device=self.cache_device, notice=self.notice, refill=self.refill if refill else None,
                    refill_apart=not self._stateful, wait=wait, engine=engine)
@@ -1561,8 +1561,8 @@ class Generations:
             reason(what, error)
         text = f"not recorded: {described(error)}"
         self.notice.unrecorded(text, log=False)
-        return self.hub.begin(self.plan.layers, request_id=REQUEST_NAMES(request_id),
-                              thread=threading.current_thread().name, model=self.plan.name, error=text, ended=ended)
+        return self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name,
+                              model=self.plan.name, error=text, ended=ended)
 
     def _refused_end(self, call: GenerationCall, error: BaseException | None) -> None:
         """End ``call``, a generate call refused before it ran (:meth:`_begin`), once generate has returned or raised

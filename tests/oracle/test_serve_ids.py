@@ -7,12 +7,15 @@ reached is not harmed). The whole route, over HTTP and both processes: tests/pro
 import asyncio
 import inspect
 import queue
+import sys
+import types
 
 import pytest
 import torch
 
 import nxl_hooks as nxl
 import tiny
+from nxl_hooks.hooks.conventions import SERVE_HANDLERS
 from nxl_hooks.hooks.engines import transformers_serve
 from nxl_hooks.hooks.generate import REQUEST_ID, RequestNames
 from oracle import check_call
@@ -33,12 +36,20 @@ def _run(runner, request_id: int, settings: dict, results: queue.Queue, *, gener
     return tokens
 
 
+def _unpatched_after(monkeypatch) -> None:
+    """What patch_serving and patch_engine_client patch, given back after the test."""
+    model_manager = pytest.importorskip("transformers.cli.serving.model_manager")
+    for cls, names in ((utils.RequestIdMiddleware, ["__call__"]), (model_manager.EngineClient, SERVE_HANDLERS),
+                       *((cls, ["generate"]) for cls in transformers_serve._runners(utils))):
+        for name in names:
+            monkeypatch.setattr(cls, name, vars(cls)[name])
+
+
 @pytest.fixture
 def runner(monkeypatch):
-    """A 5.25 ``GenerateRunner`` over a random Llama (no EOS), its results in a queue; the runner classes' own
-    ``generate`` back after the test (patch_serving patches them)."""
-    for cls in transformers_serve._runners(utils):
-        monkeypatch.setattr(cls, "generate", vars(cls)["generate"])
+    """A 5.25 ``GenerateRunner`` over a random Llama (no EOS), its results in a queue; what the patches patch given
+    back after the test."""
+    _unpatched_after(monkeypatch)
     model = tiny.generating_llama()
     model.generation_config.pad_token_id = tiny.GEN_PAD
     results: queue.Queue = queue.Queue()
@@ -94,20 +105,18 @@ def test_request_names_keep_the_newest_and_answer_an_unknown_id_with_itself():
 def test_the_api_server_sends_the_id_its_middleware_gave_the_request(monkeypatch):
     """The API server's middleware runs the handler with the request's id (the client's X-Request-ID, or the one it
     made and sends back), and its engine client's generate calls carry it in a copy of the handler's settings."""
-    for cls, name in ((utils.RequestIdMiddleware, "__call__"), *((cls, "generate") for cls in
-                                                                  transformers_serve._runners(utils))):
-        monkeypatch.setattr(cls, name, vars(cls)[name])
+    from transformers.cli.serving.model_manager import EngineClient
+
+    _unpatched_after(monkeypatch)
     transformers_serve.patch_serving(utils)
+    transformers_serve.patch_engine_client(sys.modules["transformers.cli.serving.model_manager"])
     seen, sent = [], []
-
-    async def send_request(self, inputs, generation_kwargs):
-        sent.append(generation_kwargs)
-
-    carrying = transformers_serve._carrying(send_request)
+    # an engine client as far as generate_streaming reads it: what it sends to the model's process is kept
+    client = types.SimpleNamespace(_send_streaming_request=lambda method, args, *rest: sent.append(args[1]))
 
     async def handler(scope, receive, send):
         seen.append(REQUEST_ID.get())
-        await carrying(None, {"input_ids": []}, settings)
+        EngineClient.generate_streaming(client, {"input_ids": []}, settings)
         await send({"type": "http.response.start", "status": 200, "headers": []})
 
     middleware = utils.RequestIdMiddleware(handler)
@@ -122,3 +131,24 @@ def test_the_api_server_sends_the_id_its_middleware_gave_the_request(monkeypatch
     assert seen[0] == "client-9" and answered == [b"client-9", seen[1].encode()] and REQUEST_ID.get() is None
     assert [transformers_serve._taken(dict(each)) for each in sent] == seen and settings == {"max_new_tokens": 2}
     assert all(each.keys() - {("nxl_hooks.request_id", name)} == {"max_new_tokens"} for each, name in zip(sent, seen))
+
+
+def test_a_runner_seen_with_another_queue_is_of_its_class_and_changes_nothing_of_it():
+    """The runner its patched generate hands transformers' own: an instance of its class (so that a generate that
+    calls ``super()`` still works), whose attributes are the runner's own but for the queue it was given."""
+    class Base:
+        def first(self):
+            return self.queue
+
+    class Runner(Base):
+        def __init__(self):
+            self.queue, self.calls = "its own", 0
+
+        def first(self):
+            self.calls += 1
+            return super().first()
+
+    runner = Runner()
+    seen = transformers_serve._seen(runner, queue="given")
+    assert isinstance(seen, Runner) and seen.first() == "given"
+    assert runner.calls == 1 and runner.queue == "its own" and runner.first() == "its own"

@@ -6,6 +6,7 @@ check_call); answers against the unattached model."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -124,6 +125,28 @@ def test_attach_and_detach_transformers_serve_while_it_serves(tiny, tmp_path, ca
 @needs_gdb
 def test_attach_and_detach_transformers_serve_continuous_batching(tiny, tmp_path, capsys):
     _attach_and_detach_under_load(tiny, tmp_path, capsys, CB_FLAGS)
+
+
+@needs_gdb
+def test_a_detach_an_idle_model_process_cannot_take_says_it_still_records(tiny, tmp_path, capsys):
+    """transformers 5.25+: a model process takes an injected request only once the server hands it a request (its
+    main thread waits in its queue). Detaching an idle server, its own part is undone, and the command exits 2
+    naming the model process that still records and how to detach it; which then works while it serves."""
+    if not hasattr(importlib.import_module("transformers.cli.serving.utils"), "GenerateRunner"):
+        pytest.skip("up to transformers 5.24, serve holds its model in its own process")
+    run = tmp_path / "run"
+    with Server(tiny.path, log=tmp_path / "log", env=SERVE_ENV) as server:
+        with Clients(server) as clients:
+            clients.wait_for(0, 1)
+            code, _, err = _cli(capsys, "attach", str(server.pid), "--layers", "last", "--sink", str(run))
+            assert code == 0, err
+        (sock,) = run.glob("*.sock")
+        code, _, err = _cli(capsys, "detach", str(server.pid), "--timeout", "3")
+        assert code == 2 and f"its model process {sock.stem} still records" in err, err
+        assert f"nxl detach {sock.stem} while it serves" in err and sock.exists()
+        with Clients(server):
+            code, _, err = _cli(capsys, "detach", sock.stem)
+        assert code == 0 and "runs unrecorded" in err and not sock.exists(), err
 
 
 _SCRIPT = textwrap.dedent("""

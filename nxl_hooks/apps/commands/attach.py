@@ -9,7 +9,8 @@ process is reached, and every refusal: :mod:`nxl_hooks.apps.serve.inject`; what 
 :mod:`nxl_hooks.apps.serve.remote`. A server whose models run in processes it spawned (``transformers serve``
 from 5.25) is attached with them: each model process records into the same run folder, and the server sends
 them its requests' ids; ``nxl detach`` of the server detaches them too. A model process it starts later (another
-model, or one again after ``--model-timeout``) is not recorded: attach again.
+model, or one again after ``--model-timeout``) is not recorded: attach again. (``--api-server-count`` above 1:
+its model process is not its API servers' child, and is not followed.)
 """
 
 from __future__ import annotations
@@ -72,12 +73,12 @@ def run(args: argparse.Namespace) -> int:
         if other:
             made.hand_over(TOKEN, target.uid, target.gid)
         spawned = model_processes(args.pid)
-        request = {"action": "attach", "env": settings.to_env(), "wait": 0.0 if spawned else args.wait}
+        request = {"action": "attach", "env": settings.to_env(), "wait": args.wait}
         outcome = _checked(target, inject(target, {**request, "front": bool(spawned)}, timeout=args.timeout,
-                                          wait=request["wait"]), other)
+                                          wait=args.wait), other)
         models = _attached(args.pid, outcome)
         if outcome.get("front") is True:  # a server front: its models are in the processes it spawned
-            models = _attach_spawned(args, target, spawned, {**request, "wait": args.wait}, other)
+            models = _attach_spawned(args, target, spawned, request, other)
     except BaseException:
         made.remove()
         raise
@@ -114,21 +115,27 @@ def _attach_spawned(args: argparse.Namespace, front: Any, spawned: list[int], re
     the models recorded, in words; when none could be, the server is detached again and CliError says why."""
     from ..serve.inject import inject, inspect_target
 
-    recorded, refused = [], []
-    for pid in spawned:
-        try:
-            target = inspect_target(pid)
-            if target.uid != front.uid:  # (a child that changed its user: not the server's to hand a run folder)
-                raise CliError(f"process {pid} runs as uid {target.uid}, not as its server")
-            outcome = _checked(target, inject(target, request, timeout=args.timeout, wait=args.wait), other)
-            recorded.append(f"{_attached(pid, outcome)}, in its model process {pid}")
-        except CliError as error:
-            refused.append(str(error))
-    if not recorded:
-        with contextlib.suppress(CliError):
-            inject(front, {"action": "detach"}, timeout=args.timeout)
-        raise CliError(f"process {args.pid} is a server whose models run in processes of their own, and none of "
-                       f"them could be attached ({'; '.join(refused)})")
+    recorded, refused, attached = [], [], []
+    try:
+        for pid in spawned:
+            try:
+                target = inspect_target(pid)
+                if target.uid != front.uid:  # (a child that changed its user: not the server's to hand a run folder)
+                    raise CliError(f"process {pid} runs as uid {target.uid}, not as its server")
+                outcome = _checked(target, inject(target, request, timeout=args.timeout, wait=args.wait), other)
+                attached.append(target)
+                recorded.append(f"{_attached(pid, outcome)}, in its model process {pid}")
+            except CliError as error:
+                refused.append(str(error))
+        if not recorded:
+            raise CliError(f"process {args.pid} is a server whose models run in processes of their own, and none of "
+                           f"them could be attached ({'; '.join(refused)}); a model process takes the request only "
+                           "when the server hands it one: attach while it serves")
+    except BaseException:  # (an interrupt too) all or nothing: none of them, nor the server, stays attached
+        for each in [*attached, front]:
+            with contextlib.suppress(Exception):
+                inject(each, {"action": "detach"}, timeout=args.timeout)
+        raise
     return "; ".join(recorded + [f"not {error}" for error in refused])
 
 

@@ -26,22 +26,23 @@ def run(args: argparse.Namespace) -> int:
     from ..serve.inject import inject, inspect_target, model_processes
 
     target = inspect_target(args.pid)
-    said = []
-    # a server's model processes, attached with it (nxl attach), first: none records a request the server no
-    # longer names
-    for pid in model_processes(args.pid):
-        try:
-            child = inspect_target(pid)
-            if child.uid == target.uid:
-                answer = inject(child, {"action": "detach"}, timeout=args.timeout)
-                if answer.get("code") != "not-attached":
-                    said.append(_said(pid, _checked(pid, answer)))
-        except CliError as error:
-            said.append(f"its model process {pid}: {error}")
-    outcome = inject(target, {"action": "detach"}, timeout=args.timeout)
-    if not (said and outcome.get("code") == "not-attached"):
-        said.insert(0, _said(args.pid, _checked(args.pid, outcome)))
+    spawned = model_processes(args.pid)  # listed before the server lets go of them
+    outcome = _checked(args.pid, inject(target, {"action": "detach"}, timeout=args.timeout))
+    said, failed = [_said(args.pid, outcome)], []
+    if outcome.get("front") is True:  # a server front: nxl attach attached the model processes it spawned
+        for pid in spawned:
+            try:
+                child = inspect_target(pid)
+                if child.uid == target.uid:
+                    answer = inject(child, {"action": "detach"}, timeout=args.timeout)
+                    if answer.get("code") != "not-attached":
+                        said.append(_said(pid, _checked(pid, answer)))
+            except CliError as error:
+                failed.append(f"its model process {pid} still records ({error}); it takes the request only when "
+                              f"the server hands it one: nxl detach {pid} while it serves")
     say(one_line("nxl detach: " + "; ".join(said)))
+    if failed:
+        raise CliError("; ".join(failed))
     return 0
 
 

@@ -10,9 +10,10 @@ later are recorded too, and ``transformers serve`` passes each request's id). De
 (every probe off, endpoint and its threads ended) and forgotten, and every patched method is given back.
 
 A server whose models run in processes of their own (``transformers serve`` from 5.25: ``nxl attach`` found
-spawned children, ``"front": True``) holds no model: attached with none, it gets only the patches that send each
-request's id to the model's process (the ``transformers.cli.serving`` modules'), and ``nxl attach`` attaches its
-model processes each as a target of its own.
+spawned children, ``"front": True``, and the process runs serve's API server) holds no model: attached with none,
+it gets only the patches that send each request's id to the model's process (the ``transformers.cli.serving``
+modules'), and ``nxl attach`` attaches its model processes each as a target of its own; its detach answers
+``"front": True``, and ``nxl detach`` then detaches them.
 
 Runs in a short-lived thread of the target (never its main thread); every outcome is a dict, nothing raises.
 """
@@ -48,6 +49,8 @@ _ATTACHED: Controller | None = None  #: the controller ``nxl attach`` started he
 _FRONT: str | None = None  #: the run folder of a server front's attach (no controller, its patches only)
 #: the modules whose patches a server front gets: those that send request ids to the model's process
 _FRONT_MODULES = "transformers.cli.serving."
+#: what makes a process with spawned children and no model a server front: transformers serve's API server
+_FRONT_MODULE = "transformers.cli.serving.model_manager"
 _EAGER_BEFORE: list[str | None] = []  #: NXL_EAGER as it was before an ``nxl attach --eager``, given back at detach
 #: the main-thread calls :func:`_settle_signals_later` queued: ctypes frees a callback nothing holds, and one is
 #: called after the thread that queued it has ended
@@ -150,16 +153,17 @@ def _in_frames(kind: type) -> list[Any]:
 def _attach(env: dict[str, str], wait: float, wanted: Callable[[], bool], front: bool = False) -> dict:
     global _ATTACHED, _FRONT
     if _FRONT is not None:
-        return {"ok": False, "code": "attached",
-                "error": f"process {os.getpid()} is recorded already (run folder {_FRONT}): see nxl ctl status, or "
-                         f"nxl detach {os.getpid()}"}
+        return {"ok": False, "code": "attached", "error": f"process {os.getpid()} is recorded already (its model "
+                f"processes, run folder {_FRONT}): nxl detach {os.getpid()} first"}
+    # (nxl attach saw processes it spawned: transformers serve's, if this is its API server, hold its models)
+    front = front and _FRONT_MODULE in sys.modules
     settings = Settings.from_env(env)
     try:
         if settings.sink_spec:
             sink_factory(settings.sink_spec)
     except ImportError as error:  # the sink kind's extra, missing here where the sink is made: nxl attach says it
         return {"ok": False, "code": "missing-extra", "module": error.name, "error": one_line(error)}
-    found = live_models(wait, settings.selects)
+    found = live_models(0.0 if front else wait, settings.selects)
     if not wanted():
         return {"ok": False, "code": "withdrawn", "error": "nxl attach gave up on the request: nothing attached"}
     if not settings.run_dir.is_dir():  # nxl attach makes it (0700); one removed since is not made again here
@@ -233,7 +237,7 @@ def _detach() -> dict:
     ctl = _ATTACHED
     if ctl is None and _FRONT is not None:
         run_dir, _FRONT = _FRONT, None
-        return {"ok": True, "run_dir": run_dir, "patches": _unpatch(), "hooks": 0, "threads": []}
+        return {"ok": True, "front": True, "run_dir": run_dir, "patches": _unpatch(), "hooks": 0, "threads": []}
     if ctl is None:
         return {"ok": False, "code": "not-attached",
                 "error": "not attached by nxl attach (nothing to detach)"}  # nxl detach names the process

@@ -78,7 +78,7 @@ import torch
 from torch import nn
 
 from ..conventions import CONTINUOUS_BATCHING, continuous_batching_classes
-from ..generate import EAGER, MAKE_EAGER, Generations, Run, eager
+from ..generate import EAGER, MAKE_EAGER, REQUEST_NAMES, Generations, Run, eager
 from ..guard import logger, one_line, reason, typed
 from ..publish import DETACHED
 from ..recording import NOT_RECORDED
@@ -421,7 +421,7 @@ class ContinuousBatching:
                 request_id = str(future.state.request_id)
                 if request_id not in marked:
                     marked.add(request_id)
-                    self.gens.unrecorded(request_id, "this request", RuntimeError(why), log=False)
+                    self.gens.unrecorded(REQUEST_NAMES(request_id), "this request", RuntimeError(why), log=False)
         except Exception as error:  # noqa: BLE001 - never into the manager's loop
             reason("the records of a continuous-batching manager that is not followed", error)
 
@@ -545,7 +545,7 @@ class ContinuousBatching:
             stopped = RuntimeError(f"the request was still queued when its manager stopped ({one_line(error)}): "
                                    "no token of it was made")
             for request_id in queued:
-                self.gens.unrecorded(request_id, "this request", stopped, log=request_id == queued[0])
+                self.gens.unrecorded(REQUEST_NAMES(request_id), "this request", stopped, log=request_id == queued[0])
         except Exception as failure:  # noqa: BLE001 - never into the manager's loop
             reason("the end of the requests of a stopped continuous-batching manager", failure)
 
@@ -617,7 +617,7 @@ class ContinuousBatching:
     def _begin(self, processor: Any, state: Any, first: int) -> Run | None:
         """A run for a request seen for the first time, its forwards starting at ``first`` (its positions before,
         from a prefix another request ran, fed first), or None (with a call record saying why)."""
-        request_id = str(state.request_id)
+        request_id = REQUEST_NAMES(str(state.request_id))  # (the client's, where a server named the request)
         try:
             # (a num_return_sequences child that did not fit the cache is queued whole, its prompt its parent's
             # with nothing generated: its _true_initial_tokens is that prompt's length)

@@ -137,19 +137,34 @@ def _runners(module: ModuleType) -> list[type]:
     return found if all(isinstance(cls, type) and callable(vars(cls).get("generate")) for cls in found) else []
 
 
-class _Seen:
-    """``target`` as a method of it sees itself, but for the attributes given: everything else (read, set) is
-    the target's own. Nothing of the target changes, so nothing is left behind to undo."""
+@functools.lru_cache(maxsize=None)
+def _seen_class(cls: type, names: tuple[str, ...]) -> type:
+    """A subclass of ``cls`` whose attributes ``names`` read what :func:`_seen` was given instead."""
+    def instead(name: str) -> property:
+        return property(lambda self: self._nxl_instead[name],
+                        lambda self, value: self.__dict__.__setitem__(name, value))
 
-    def __init__(self, target: Any, **instead: Any) -> None:
-        object.__setattr__(self, "_target", target)
-        object.__setattr__(self, "_instead", instead)
+    return type(cls.__name__, (cls,), {"__slots__": ("_nxl_instead",), **{name: instead(name) for name in names}})
 
-    def __getattr__(self, name: str) -> Any:
-        return self._instead[name] if name in self._instead else getattr(self._target, name)
 
-    def __setattr__(self, name: str, value: Any) -> None:
-        setattr(self._target, name, value)
+def _seen(target: Any, **instead: Any) -> Any:
+    """``target`` as a method of it sees itself, but for the attributes given: an instance of its class (``super()``
+    and ``isinstance`` work) sharing its attributes (whatever the method reads or sets is the target's own), so
+    nothing of the target changes and nothing is left behind to undo. ``target`` itself where that cannot be made
+    (a class of another make: its requests keep serve's ids, said once)."""
+    try:
+        seen = object.__new__(_seen_class(type(target), tuple(sorted(instead))))
+        seen.__dict__ = target.__dict__
+        seen._nxl_instead = instead
+        return seen
+    except Exception as error:  # noqa: BLE001 - the request goes on as serve made it
+        if type(target) not in _UNSEEN:  # (once per class, not once per request)
+            _UNSEEN.add(type(target))
+            reason(f"request ids of transformers serve ({type(target).__name__})", error)
+        return target
+
+
+_UNSEEN: set[type] = set()  #: the classes :func:`_seen` could not make a view of
 
 
 class _InContext:
@@ -168,21 +183,23 @@ class _InContext:
         return getattr(self._queue, name)
 
 
-def _named(original: Callable) -> Callable:
+def _named(original: Callable, batching: bool) -> Callable:
     """A runner's ``generate(request_id, inputs, generation_kwargs, stream)`` that takes the client's id out of the
-    request's settings: its continuous-batching request (the manager's id is ``str(request_id)``) is named by it
-    (:data:`~nxl_hooks.hooks.generate.REQUEST_NAMES`), and the ``generate`` call it queues runs with it as
-    :data:`REQUEST_ID`."""
+    request's settings: ``batching``, its continuous-batching request (the manager's id is ``str(request_id)``) is
+    named by it (:data:`~nxl_hooks.hooks.generate.REQUEST_NAMES`); else the ``generate`` call it queues runs with it
+    as :data:`REQUEST_ID`."""
     @functools.wraps(original)
     def generate(self: Any, request_id: Any, inputs: Any, generation_kwargs: Any, *args: Any, **kwargs: Any) -> Any:
         name = _taken(generation_kwargs)
         if name is None:
             return original(self, request_id, inputs, generation_kwargs, *args, **kwargs)
-        REQUEST_NAMES.name(str(request_id), name)
+        if batching:
+            REQUEST_NAMES.name(str(request_id), name)
+            return original(self, request_id, inputs, generation_kwargs, *args, **kwargs)
+        queue = getattr(self, "queue", None)
+        seen = _seen(self, queue=_InContext(queue)) if queue is not None else self
         token = REQUEST_ID.set(name)
         try:
-            queue = getattr(self, "queue", None)
-            seen = _Seen(self, queue=_InContext(queue)) if queue is not None else self
             return original(seen, request_id, inputs, generation_kwargs, *args, **kwargs)
         finally:
             REQUEST_ID.reset(token)
@@ -207,7 +224,7 @@ def _identified(original: Callable) -> Callable:
             finally:
                 REQUEST_ID.reset(token)
 
-        return await original(_Seen(self, app=identified), scope, receive, send)
+        return await original(_seen(self, app=identified), scope, receive, send)
 
     setattr(call, _MARK, True)
     return call
@@ -251,7 +268,7 @@ def _patch_split(module: ModuleType) -> None:
             f"this transformers version has no {SERVE_MIDDLEWARE}; calls get generated ids"))
     for cls in _runners(module):
         if not _patched(vars(cls)["generate"]):
-            cls.generate = _named(vars(cls)["generate"])
+            cls.generate = _named(vars(cls)["generate"], batching=cls.__name__ == SERVE_RUNNERS[1])
 
 
 def patch_engine_client(module: ModuleType) -> None:
