@@ -223,8 +223,9 @@ def leave_mid_generation(server: VllmServer, request_id: str) -> None:
     """A streaming chat of 200 tokens whose client goes away after its first token. The engine runs in slices of a few
     milliseconds, held between them, until the client has its first chunk (a loaded machine may deliver it long after
     the engine made it: run freely, the engine could finish all 200 first); then, the engine still held, the client
-    resets the connection and the API server tells the engine to abort before its next step (the engine is held
-    until its log says it did, up to 60 s)."""
+    resets the connection; the engine goes on in slices, so that the API server writes the next chunks and finds
+    the client gone, until its log says it told the engine to abort (up to 60 s): the engine takes the abort before
+    it can make all 200 tokens."""
     body = json.dumps({"messages": [{"role": "user", "content": LONG}], "max_tokens": 200, "temperature": 0,
                        "ignore_eos": True, "stream": True}).encode()
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1:{server.port}\r\n"
@@ -247,10 +248,15 @@ def leave_mid_generation(server: VllmServer, request_id: str) -> None:
         # a reset (SO_LINGER 0) rather than a FIN, so that the API server's next read or write fails at once
         connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         connection.close()
+        # The API server finds the client gone only when it next writes to it, a token's chunk: the engine runs a
+        # few milliseconds at a time (a token or a few) until its log says it told the engine to abort
         deadline = time.monotonic() + 60
         while not any("Aborted request" in line and request_id in line for line in server.log_text().splitlines()):
             assert time.monotonic() < deadline, f"vLLM's API server never said it aborted {request_id} (60 s)"
-            time.sleep(0.1)
+            engine.resume()
+            time.sleep(0.005)
+            engine.suspend()
+            time.sleep(0.2)
 
 
 def test_request_the_client_leaves_keeps_its_steps_and_says_so(server, oracle_model):
