@@ -26,11 +26,10 @@ def run(args: argparse.Namespace) -> int:
     from ..serve.inject import inject, inspect_target, model_processes
 
     target = inspect_target(args.pid)
-    spawned = model_processes(args.pid)  # listed before the server lets go of them
     outcome = _checked(args.pid, inject(target, {"action": "detach"}, timeout=args.timeout))
     said, failed = [_said(args.pid, outcome)], []
     if outcome.get("front") is True:  # a server front: nxl attach attached the model processes it spawned
-        for pid in spawned:
+        for pid in model_processes(args.pid):
             try:
                 child = inspect_target(pid)
                 if child.uid == target.uid:

@@ -67,12 +67,17 @@ def _tag(original: Callable) -> Callable:
     return tagged
 
 
+def _in_this_context(fn: Callable) -> Callable:
+    """``fn``, to be run in another thread, run there in a copy of this context (its :data:`REQUEST_ID`)."""
+    return functools.partial(contextvars.copy_context().run, fn)
+
+
 def _in_context(original: Callable) -> Callable:
     """``submit(fn, ...)`` whose ``fn`` runs, in the other thread, in a copy of the submitter's context."""
     @functools.wraps(original)
     def submit(self: Any, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         if REQUEST_ID.get() is not None:
-            fn = functools.partial(contextvars.copy_context().run, fn)
+            fn = _in_this_context(fn)
         return original(self, fn, *args, **kwargs)
 
     setattr(submit, _MARK, True)
@@ -176,7 +181,7 @@ class _InContext:
 
     def put(self, item: Any, *args: Any, **kwargs: Any) -> Any:
         if isinstance(item, tuple) and len(item) > 1 and callable(item[1]):
-            item = (item[0], functools.partial(contextvars.copy_context().run, item[1]), *item[2:])
+            item = (item[0], _in_this_context(item[1]), *item[2:])
         return self._queue.put(item, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
