@@ -86,6 +86,7 @@ from ..method.placement import offloaded
 from ..method.protocol import Given
 from ..method.select import empty_row
 from ..records.steps import GenerationCall, Step
+from ..records.view import Choice
 from .recording import NOT_RECORDED, Recording
 from .conventions import (UnfollowedForward, cache_keyword, cache_length, find_cache, positions, prefix_cache, start,
                           token_mask)
@@ -1507,15 +1508,17 @@ class Generations:
             self._local.run = previous
 
     def new_run(self, *, request_id: str | None, prompt_len: int | None, eos: Any,
-                wait: float | None = BATCH_SECONDS, refill: bool = False, engine: bool = False) -> Run:
+                wait: float | None = BATCH_SECONDS, refill: bool = False, engine: bool = False,
+                choice: Choice | None = None) -> Run:
         """A recorded call in the calling thread, with a fresh feature cache. ``wait``: how long its emitted steps may
         wait to be scored together while nothing reads them live (0: each as it is emitted; None: until
         :data:`BATCH_STEPS` wait, or the call ends). ``refill``: positions its forwards ran compiled are recorded by
         running the model over them when it ends (a ``generate`` call: :meth:`refill`). ``engine``: a serving
         engine's request, whose end does not make the engine's loop wait for the publisher (a ``generate`` call's
-        end waits for the call before it: :meth:`~.publish.Hub.end`; :data:`ENGINE_ENDS_WAIT`)."""
+        end waits for the call before it: :meth:`~.publish.Hub.end`; :data:`ENGINE_ENDS_WAIT`). ``choice``: which of
+        its request's choices it generates, where a server says (:attr:`~.steps.GenerationCall.choice`)."""
         call = self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name,
-                              model=self.plan.name)
+                              model=self.plan.name, choice=choice)
         return Run(self.plan, self.hub, call, prompt_len=prompt_len, eos=eos, cache_dtype=self.cache_dtype,
                    cache_device=self.cache_device, notice=self.notice, refill=self.refill if refill else None,
                    refill_apart=not self._stateful, wait=wait, engine=engine)
@@ -1553,7 +1556,7 @@ class Generations:
         return kept.capture, kept.logits[:, -keep:]
 
     def unrecorded(self, request_id: str | None, what: str, error: BaseException, *, log: bool = True,
-                   ended: bool = True) -> GenerationCall:
+                   ended: bool = True, choice: Choice | None = None) -> GenerationCall:
         """A call record whose error says ``not recorded: why`` (``why``: ``error``, which names what makes it
         recordable); logs one line unless ``log`` is False (the caller said it once for many calls). The same
         text becomes :attr:`notice`'s. ``ended=False``: ended by :meth:`_refused_end` once the call has run."""
@@ -1562,7 +1565,7 @@ class Generations:
         text = f"not recorded: {described(error)}"
         self.notice.unrecorded(text, log=False)
         return self.hub.begin(self.plan.layers, request_id=request_id, thread=threading.current_thread().name,
-                              model=self.plan.name, error=text, ended=ended)
+                              model=self.plan.name, error=text, ended=ended, choice=choice)
 
     def _refused_end(self, call: GenerationCall, error: BaseException | None) -> None:
         """End ``call``, a generate call refused before it ran (:meth:`_begin`), once generate has returned or raised

@@ -76,6 +76,7 @@ import torch
 from ..method.registry import DEFAULT
 from ..records.sinks import BatchingSink, FaultingSink, LosingSink, RecordSink, make_sink
 from ..records.steps import STEP_TENSORS, GenerationCall, Step
+from ..records.view import Choice
 from ..records.tokens import record_text
 from ..records.writer import PartlyWritten
 from .guard import logger, one_line, typed
@@ -336,8 +337,9 @@ class Hub:
         return self._owner != os.getpid()
 
     def begin(self, layers: list[int], *, request_id: str | None, thread: str | None, model: str | None = None,
-              error: str | None = None, ended: bool = True) -> GenerationCall:
-        """A new call record (of ``model``, by name); with ``error`` it is one that is not recorded (its reason says
+              error: str | None = None, ended: bool = True, choice: Choice | None = None) -> GenerationCall:
+        """A new call record (of ``model``, by name, for ``choice`` of its request); with ``error`` it is one that is
+        not recorded (its reason says
         why), ended at once: the sink gets its call frame, with no prompt, and its end frame, which says why.
         ``ended=False``: the caller ends it (:meth:`end`) when the call itself has returned or raised."""
         # its own, nested dicts (versions, quantization) too: a reader may edit it, and the call frames the sink gets
@@ -347,7 +349,7 @@ class Hub:
             # every text a record takes from outside as records keep it (a thread's or request's name may be any str)
             call = GenerationCall(index=self._counter, layers=list(layers), request_id=record_text(request_id),
                                   thread=record_text(thread), model=record_text(model), error=record_text(error),
-                                  meta=meta)
+                                  meta=meta, choice=choice)
             if self.sink_fault is not None:
                 call.notes.append(self._fault_note())
             self._counter += 1

@@ -36,7 +36,8 @@ DEFAULT = ("normxlogit", "logat")
 #: Names a method cannot take: the fields and Parquet columns its scores sit beside, and evaluation's baselines
 #: (written here, as this layer imports neither; tests/oracle/test_methods.py checks that they cover both).
 RESERVED = frozenset({
-    "request_id", "call", "row", "step", "emitted_position", "emitted_id", "emitted_text", "active", "layer",
+    "request_id", "call", "choice_prompt", "choice_sample", "row", "step", "emitted_position", "emitted_id",
+    "emitted_text", "active", "layer",
     "position", "token_id", "token_text", "target_index", "target_id", "target_text", "probability", "embed_norm",
     "model", "time", "in_prompt", "prediction_position", "special", "template", "ranked", "token", "target", "mask",
     "scores", "layers", "random", "grad_norm", "grad_x_input", "integrated_gradients",

@@ -11,6 +11,8 @@ One row per (call, batch row, step, layer, context position[, explained target])
 ===================  ==========================================================================================
 ``request_id``       the request the call served (a generated id where no request named it)
 ``call``, ``row``    the call's index under its probe, generate's batch row
+``choice_prompt``,    which of its request's choices the call generated (:class:`~.steps.Choice`: a vLLM request with
+``choice_sample``    ``n`` > 1 or several prompts is several calls under one request id); null where not known
 ``step``             0 for the first new token; ``emitted_position``: that token's index in the sequence
 ``emitted_id``       the token generate emitted at this step; ``emitted_text`` as people read it ('␣Paris')
 ``active``           False where the row had already ended (the step explains a pad token)
@@ -37,8 +39,8 @@ One row per (call, batch row, step, layer, context position[, explained target])
 A call with no rows to show for all it ran (not recorded, stopped early, notes on its records, or not ended when
 the file was closed) is listed with why in the file's key-value metadata, ``nxl.calls`` (JSON, in the footer:
 ``pyarrow.parquet.read_metadata``, Polars' ``read_parquet_metadata``, DuckDB's ``parquet_kv_metadata``):
-``{"calls": N, "listed": [{"call", "request_id", "model", "recorded", "complete", "error", "notes"}, ...],
-"more": K}`` (at most :data:`LISTED` calls, ``more`` the rest). ``nxl.models`` says what made the rows: per model
+``{"calls": N, "listed": [{"call", "request_id", "choice", "model", "recorded", "complete", "error", "notes"},
+...], "more": K}`` (at most :data:`LISTED` calls, ``more`` the rest). ``nxl.models`` says what made the rows: per model
 name, what its probe explains (``call.meta``: dtype, quantization, head kind, methods, package versions)::
 
     json.loads(pyarrow.parquet.read_metadata("scores.parquet").metadata[b"nxl.calls"])["listed"]
@@ -103,7 +105,8 @@ def schema(methods: Iterable[str] = DEFAULT) -> Any:
     # and float64 keeps a method's float16 to float64 scores exact alike (one column type for every file too)
     extra = [(name, pa.float64()) for name in dict.fromkeys(methods) if name not in DEFAULT]
     return pa.schema([
-        ("request_id", pa.string()), ("call", pa.int64()), ("row", pa.int32()), ("step", pa.int32()),
+        ("request_id", pa.string()), ("call", pa.int64()), ("choice_prompt", pa.int32()), ("choice_sample", pa.int32()),
+        ("row", pa.int32()), ("step", pa.int32()),
         ("emitted_position", pa.int32()), ("emitted_id", pa.int64()), ("emitted_text", pa.string()),
         ("active", pa.bool_()), ("layer", pa.int32()), ("position", pa.int32()), ("token_id", pa.int64()),
         ("token_text", pa.string()), ("target_index", pa.int32()), ("target_id", pa.int64()),
@@ -119,6 +122,7 @@ class _Context:
 
     def __init__(self, call: GenerationCall) -> None:
         self.request_id, self.model, self.special_ids = call.request_id, call.model, call.special_ids
+        self.choice = call.choice
         self.target_texts = call.target_texts
         self.prompt_len = call.prompt_mask.shape[1]
         self.context_template = call.context_template  # the prompt's flags, then False on generated tokens
@@ -169,6 +173,8 @@ def _rows(context: _Context, step: Step) -> dict[str, Any]:
     return {
         "request_id": [context.request_id] * int(keep.sum()),
         "call": np.full(int(keep.sum()), step.call, dtype=np.int64),
+        "choice_prompt": [None if context.choice is None else context.choice.prompt] * count,
+        "choice_sample": [None if context.choice is None else context.choice.sample] * count,
         "row": row_k.astype(np.int32),
         "step": np.full(len(row_k), step.step, dtype=np.int32),
         "emitted_position": np.full(len(row_k), step.position, dtype=np.int32),
@@ -291,7 +297,8 @@ class ParquetSink:
         if len(self._said) >= LISTED:
             self._more += 1
             return
-        self._said.append({"call": call.index, "request_id": call.request_id, "model": call.model,
+        self._said.append({"call": call.index, "request_id": call.request_id,
+                           "choice": None if call.choice is None else call.choice._asdict(), "model": call.model,
                            "recorded": call.prompt_mask is not None, "complete": call.complete,
                            "error": call.error, "notes": list(call.notes)})
 

@@ -41,6 +41,7 @@ from .files import CHUNK, read_regular
 from .steps import STEP_TENSORS, GenerationCall, Step
 from .tokens import record_text
 from .writer import _FILE_MAGIC, _FORMAT, _FRAME, _FRAME_MAGIC, _MAGIC_V1, _ROTATED, _later_format
+from .view import Choice
 
 __all__ = ["Damage", "Stream", "StreamDamageWarning", "StreamError", "read_stream"]
 
@@ -208,6 +209,13 @@ def _text(header: dict, name: str) -> str | None:
     return record_text(_field(header, name, (str,), optional=True))
 
 
+def _choice(header: dict) -> Choice | None:
+    """A call's :class:`~.steps.Choice` (``{"prompt": int or null, "sample": int}``); None in a file without one."""
+    value = _field(header, "choice", (dict,), optional=True)
+    return None if value is None else Choice(_field(value, "prompt", (int,), optional=True),
+                                             _field(value, "sample", (int,)))
+
+
 def _tensor(tensors: dict[str, torch.Tensor], name: str, dim: int, *, boolean: bool = False,
             optional: bool = False) -> torch.Tensor | None:
     value = tensors.get(name)
@@ -325,6 +333,7 @@ def _apply(calls: dict[int, GenerationCall], header: dict, tensors: dict[str, to
             mask = ids = template = None
         calls[index] = GenerationCall(index=index, layers=_layers(header), prompt_ids=ids, prompt_mask=mask,
                                       request_id=_text(header, "request_id"),
+                                      choice=_choice(header),
                                       thread=_text(header, "thread"),
                                       readable=None if unprompted else _texts(header, "readable", *shape),
                                       prompt_template=template,

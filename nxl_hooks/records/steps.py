@@ -21,7 +21,7 @@ from ..method.registry import DEFAULT
 from ..method.select import special_flags
 from .attribution import Attribution, by_method, layers_text
 from .tokens import plain_text, printable, unseen, untexted, whole_characters
-from .view import StepView, ranking
+from .view import Choice, StepView, ranking
 
 __all__ = ["GenerationCall", "STEP_TENSORS", "Step"]
 
@@ -213,6 +213,7 @@ class Step:
                         scores={name: ranking(res, k, row, label, name, all_positions=all_positions)
                                 for name in self.scores},
                         request_id=call.request_id if call is not None else None, model=model,
+                        choice=call.choice if call is not None else None,
                         target_id=explained if other else None, target=target if other else None,
                         target_probability=probability if other else None)
 
@@ -272,6 +273,9 @@ class GenerationCall:
     #: detached mid-call; read from disk, as its end frame says (False without one)
     complete: bool = False
     request_id: str | None = None  #: the request this call served (X-Request-ID, the server's id, or a generated one)
+    #: which of its request's choices the call generated, where the server says (vLLM; :class:`Choice`): a request
+    #: with ``n`` > 1 or several prompts is several calls under one request id; None elsewhere and in older files
+    choice: Choice | None = None
     thread: str | None = None  #: the name of the thread that ran it
     error: str | None = None  #: why recording stopped early (the call itself ran on, unharmed)
     _context: list[list[str]] | None = field(default=None, init=False, repr=False)  # what link() hands out
@@ -319,7 +323,8 @@ class GenerationCall:
                 if all(step.readable for step in made[:40]) else "".join(names))
         # its error shown escaped: a file's end frame may hold any text (an escape sequence, a bidi override)
         state = "complete" if self.complete else ("stopped: " + printable(self.error) if self.error else "running")
-        return (f"<GenerationCall {self.index} request {self.request_id!r}: prompt {prompt}, "
+        return (f"<GenerationCall {self.index} request {self.request_id!r}"
+                f"{self.choice.label() if self.choice else ''}: prompt {prompt}, "
                 f"{len(self.steps)} step(s), {state}, layers {layers_text(self.layers)}"
                 + (", chat template located" if self.prompt_template is not None else "")
                 + f"; generated '{printable(text)}" + ("…" if len(made) > 40 else "") + "'>")

@@ -22,7 +22,7 @@ from typing import Any, Mapping, NamedTuple
 
 from .attribution import Attribution
 
-__all__ = ["METHOD", "Ranked", "StepView", "ranking", "ranking_json"]
+__all__ = ["Choice", "METHOD", "Ranked", "StepView", "ranking", "ranking_json"]
 
 #: The method every view carries (the one :meth:`~nxl_hooks.Attribution.top` ranks by).
 METHOD = "normxlogit"
@@ -34,6 +34,22 @@ class Ranked(NamedTuple):
     position: int  #: its position in the sequence
     text: str  #: its readable text ('␣Paris')
     score: float | None  #: its score (None: NaN or ±inf, which JSON cannot carry)
+
+
+class Choice(NamedTuple):
+    """Where a server's reply puts what a call generated, for a request that generates several things at once (vLLM's
+    ``n`` samples, a completion request's prompts): ``choices[sample]`` of a chat reply, ``choices[prompt * n +
+    sample]`` of a completion's (``n``: the request's). ``call.choice.sample``"""
+
+    prompt: int | None  #: which of a completion request's prompts; None where the request has one (a chat)
+    sample: int  #: which of the request's ``n`` samples (0 with ``n`` = 1)
+
+    def label(self) -> str:
+        """How readers show it after the request id: ``Choice(None, 1).label() == "#1"`` (a chat's sample 1),
+        ``Choice(2, 0).label() == "#2.0"`` (a completion's prompt 2); "" for a request's one choice."""
+        if not (self.prompt or self.sample):
+            return ""
+        return f"#{self.sample}" if self.prompt is None else f"#{self.prompt}.{self.sample}"
 
 
 @dataclass(frozen=True)
@@ -57,6 +73,7 @@ class StepView:
     target_id: int | None = None
     target: str | None = None  #: its readable text ('#ID' where not known), None where the token is explained
     target_probability: float | None = None  #: the model's probability of ``target_id`` (None where not known)
+    choice: Choice | None = None  #: which of its request's choices the token's call generates, where known
 
     def ranked(self, layer: int | None = None, method: str = METHOD) -> tuple[int, tuple[Ranked, ...]]:
         """(layer, its ranked context tokens) by ``method`` at ``layer``: one the view has, a negative one counted
@@ -79,7 +96,8 @@ class StepView:
         return {"request_id": self.request_id, "model": self.model, "step": self.step, "position": self.position,
                 "token_id": self.token_id, "token": self.token, "probability": self.probability,
                 "active": self.active, "scores": scores, "top": scores.get(METHOD, {}), "target_id": self.target_id,
-                "target": self.target, "target_probability": self.target_probability}
+                "target": self.target, "target_probability": self.target_probability,
+                "choice": None if self.choice is None else self.choice._asdict()}
 
     @classmethod
     def from_json(cls, data: Any) -> "StepView":
@@ -97,7 +115,9 @@ class StepView:
                        request_id=data.get("request_id"), model=data.get("model"),
                        target_id=_optional(int, data.get("target_id")),
                        target=_optional(str, data.get("target")),
-                       target_probability=_optional(float, data.get("target_probability")))
+                       target_probability=_optional(float, data.get("target_probability")),
+                       choice=_optional(lambda c: Choice(_optional(int, c["prompt"]), int(c["sample"])),
+                                        data.get("choice")))
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ValueError(f"not a step view ({type(error).__name__}: {error}); is the endpoint an nxl_hooks "
                              "one?") from None

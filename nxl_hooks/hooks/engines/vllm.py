@@ -54,18 +54,19 @@ import os
 import re
 import threading
 from types import ModuleType
-from typing import Any, Callable
+from typing import Any, Callable, NamedTuple
 
 import torch
 from torch import nn
 
 from ...method.scores import row_norms
+from ...records.view import Choice
 from ..guard import Owned, described, logger, reason
 from ..generate import EAGER, Generations, Run, eager
 from .buffers import Buffers
 
-__all__ = ["VllmEngine", "VllmForCausalLM", "patch_engine_args", "recording_engine_args", "request_id",
-           "unfollowable", "unfollowable_compile"]
+__all__ = ["VllmEngine", "VllmForCausalLM", "WorkerRequest", "patch_engine_args", "recording_engine_args",
+           "unfollowable", "unfollowable_compile", "worker_request"]
 
 #: What makes a vLLM engine recordable, said with each reason it is not.
 _RECORDABLE = ("start it under nxl run, which turns prefix caching and async scheduling off and puts its capture "
@@ -78,9 +79,9 @@ _RECORDABLE = ("start it under nxl run, which turns prefix caching and async sch
 #: id), a random suffix the engine adds. ``/v1/responses`` ignores X-Request-ID: its id is the response's
 #: (``resp_<hex>``, the reply's ``id``), each turn's request adding ``_<turn>``, dropped. (``/v1/chat/completions/
 #: batch`` adds ``_<conversation>`` to a chat id: kept, as a chat client's own ``job_7`` cannot be told from it.)
-_WORKER_ID = re.compile(r"^(?:\d+_(?=chatcmpl-|cmpl-|\d+-[0-9a-f]{8}$))?"
-                        r"(?:chatcmpl-(?P<chat>.+)|cmpl-(?P<completion>.+)-\d+|(?P<response>resp_.+)_\d+|(?P<id>.+))"
-                        r"-[0-9a-f]{8}$", re.DOTALL)
+_WORKER_ID = re.compile(r"^(?:(?P<sample>\d+)_(?=chatcmpl-|cmpl-|\d+-[0-9a-f]{8}$))?"
+                        r"(?:chatcmpl-(?P<chat>.+)|cmpl-(?P<completion>.+)-(?P<prompt>\d+)|(?P<response>resp_.+)_\d+"
+                        r"|(?P<id>.+))-[0-9a-f]{8}$", re.DOTALL)
 
 #: Why a request is not recorded that this probe first saw after it started (``nxl ctl resume``, ``nxl attach``).
 _BEFORE = "it started before the probe attached, so its first positions were never seen"
@@ -91,17 +92,31 @@ _BEFORE = "it started before the probe attached, so its first positions were nev
 _BEAM = re.compile(r"^(?:chatcmpl-|cmpl-)?(?P<id>.+)-[0-9a-f]{16}-beam-\d+-[0-9a-f]{8}$", re.DOTALL)
 
 
-def request_id(worker_id: str) -> str:
-    """The client's request id in a vLLM worker's request id: ``request_id("chatcmpl-r1-0123abcd") == "r1"``,
-    ``request_id("cmpl-r1-0-0123abcd") == "r1"`` (each prompt of a completion request is its own call, as each
-    sample of one with ``n`` > 1: ``request_id("1_chatcmpl-r1-0123abcd") == "r1"``, and each beam-search step:
-    ``request_id("cmpl-r1-85d3d8d25a5c2b0d-beam-1-0123abcd") == "r1"``); a response's turn, its response's id:
-    ``request_id("resp_3f2a_0-0123abcd") == "resp_3f2a"``."""
+class WorkerRequest(NamedTuple):
+    """What a vLLM worker's request id says: the client's request id, and where the reply puts what the request
+    generates (None for a beam-search step, a token of one beam)."""
+
+    request_id: str
+    choice: Choice | None
+
+
+def worker_request(worker_id: str) -> WorkerRequest:
+    """The client's request in a vLLM worker's request id: ``worker_request("chatcmpl-r1-0123abcd") == ("r1",
+    Choice(None, 0))``, ``worker_request("cmpl-r1-2-0123abcd") == ("r1", Choice(2, 0))`` (each prompt of a completion
+    request is its own call, as each sample of one with ``n`` > 1: ``worker_request("1_chatcmpl-r1-0123abcd") ==
+    ("r1", Choice(None, 1))``), each beam-search step ``worker_request("cmpl-r1-85d3d8d25a5c2b0d-beam-1-0123abcd")
+    == ("r1", None)``; a response's turn, its response's id: ``worker_request("resp_3f2a_0-0123abcd") ==
+    ("resp_3f2a", Choice(None, 0))``."""
     beam = _BEAM.match(worker_id)
     if beam is not None:
-        return beam.group("id")
+        return WorkerRequest(beam.group("id"), None)
     match = _WORKER_ID.match(worker_id)
-    return next((group for group in match.groups() if group is not None), worker_id) if match else worker_id
+    if match is None:  # not vLLM's shape: nothing known of its choice
+        return WorkerRequest(worker_id, None)
+    found = match.groupdict()
+    client = next(found[name] for name in ("chat", "completion", "response", "id") if found[name] is not None)
+    prompt = found["prompt"]
+    return WorkerRequest(client, Choice(None if prompt is None else int(prompt), int(found["sample"] or 0)))
 
 
 # -- what nxl run changes in the engine arguments -----------------------------------------------------------
@@ -509,7 +524,7 @@ class VllmEngine:
 
     def _start(self, new: Any) -> None:
         worker_id = str(new.req_id)
-        client_id = request_id(worker_id)
+        named = worker_request(worker_id)
         prompt = list(new.prompt_token_ids or ())
         try:
             if self.unfollowed is not None:
@@ -529,15 +544,15 @@ class VllmEngine:
                         "same id, its later ones are not; send each input as a request of its own")
                 raise RuntimeError(f"its first {new.num_computed_tokens} positions came from vLLM's prefix cache and "
                                    f"never ran for it; {_RECORDABLE}")
-            run = self._runs[worker_id] = self.gens.new_run(request_id=client_id, prompt_len=len(prompt), eos=None,
-                                                             wait=0, engine=True)
+            run = self._runs[worker_id] = self.gens.new_run(request_id=named.request_id, choice=named.choice,
+                                                             prompt_len=len(prompt), eos=None, wait=0, engine=True)
             if _BEAM.match(worker_id):  # the call is one token of one beam, not the client's whole reply
                 run.call.notes.append("a beam-search step: vLLM runs each beam's next token as a request of its "
                                       "own (max_tokens 1), under the client's id")
             self._tokens[worker_id] = prompt
         except Exception as error:  # noqa: BLE001
             self._runs[worker_id] = None
-            self.gens.unrecorded(client_id, "this vLLM request", error, log=not self._told)
+            self._unrecorded(worker_id, error, log=not self._told)
             self._told = True
 
     def _check_adapter(self, adapter: Any) -> None:
@@ -590,9 +605,14 @@ class VllmEngine:
         it was not recorded). Never raises (inside :meth:`_begin_step`)."""
         if worker_id in getattr(self.gens.plan.model.runner, "requests", ()):
             return
-        self.gens.unrecorded(request_id(worker_id), "this vLLM request", RuntimeError(
-            "it left vLLM before any of it ran (aborted, or its client went away, while it waited in vLLM's queue)"),
-            log=False)
+        self._unrecorded(worker_id, RuntimeError(
+            "it left vLLM before any of it ran (aborted, or its client went away, while it waited in vLLM's queue)"))
+
+    def _unrecorded(self, worker_id: str, error: BaseException, *, log: bool = False) -> None:
+        """The call record of a request that is not recorded (``error`` says why), under its client's id and
+        choice."""
+        named = worker_request(worker_id)
+        self.gens.unrecorded(named.request_id, "this vLLM request", error, log=log, choice=named.choice)
 
     def _left(self, worker_id: str) -> str:
         """Why the call of a request that left otherwise than by its stop rules ends incomplete. One with stop strings
@@ -668,7 +688,7 @@ class VllmEngine:
         for index, worker_id in enumerate(step):
             if worker_id not in self._runs:  # it started before this probe attached (nxl ctl resume / attach)
                 self._runs[worker_id] = None
-                self.gens.unrecorded(request_id(worker_id), "this vLLM request", RuntimeError(_BEFORE), log=False)
+                self._unrecorded(worker_id, RuntimeError(_BEFORE))
             run = self._runs.get(worker_id)
             if run is None or run.failed:
                 continue
