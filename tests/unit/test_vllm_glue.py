@@ -251,7 +251,8 @@ def test_a_later_input_of_a_streaming_input_session_is_said_not_recorded_for_wha
     runner = SimpleNamespace(requests={"sess-0123abcd": SimpleNamespace()})  # its first input's state, still held
     engine = VllmEngine()
     engine.gens = SimpleNamespace(plan=SimpleNamespace(model=SimpleNamespace(runner=runner)),
-                                  unrecorded=lambda request, what, error, log, choice: said.append((request, str(error))))
+                                  unrecorded=lambda request, what, error, log, choice: said.append(
+                                      (request, str(error))))
     engine._start(SimpleNamespace(req_id="sess-0123abcd", prompt_token_ids=list(range(30, 40)), num_computed_tokens=20,
                                   lora_request=None))
     ((request, why),) = said
