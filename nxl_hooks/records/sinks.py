@@ -97,10 +97,15 @@ _SPEC = re.compile(r"([A-Za-z][\w.-]+):(.*)", re.DOTALL)
 def register_sink(name: str, factory: Factory) -> None:
     """Make ``make_sink("NAME:ARG", **options)`` call ``factory(ARG, **options)``. ``register_sink("pq", PqSink)``
 
-    A name registered again replaces the earlier factory (the last registration wins)."""
+    A name registered again replaces the earlier factory (the last registration wins). A built-in kind
+    (:func:`builtin_kinds`: ``file``, ``folder``, ``parquet``) is refused: what ``file:``/``folder:`` promise (the
+    format, a stream readable up to its last whole record after a SIGKILL) holds for every spec naming it."""
     if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z][\w.-]+", name):
         raise ValueError(f"sink kind {name!r}: use a name of two or more letters, digits, '_', '.' or '-', "
                          "starting with a letter")
+    if name in builtin_kinds():
+        raise ValueError(f"sink kind {name!r} is built in and cannot be replaced: register the factory under "
+                         f"another name (e.g. 'my-{name}') and write that name in the sink spec")
     if not callable(factory):
         raise ValueError(f"sink kind {name!r}: the factory {factory!r} is not callable")
     with _lock:

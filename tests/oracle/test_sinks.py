@@ -24,6 +24,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 import nxl_hooks as nxl
 from nxl_hooks.apps.cli import main as cli_main
+from nxl_hooks.records import sinks
 import tiny
 import oracle
 from oracle import check_call
@@ -251,6 +252,28 @@ def test_a_sink_kind_registered_in_a_test_file_is_used_by_attach(chat):
         assert record[2] == step.step and torch.equal(record[3], step.normxlogit)
     assert isinstance(sink, nxl.RecordSink)
     assert nxl.make_sink(sink) is sink
+
+
+def test_a_built_in_sink_kind_cannot_be_replaced_and_other_names_can(chat, tmp_path):
+    """register_sink refuses every built-in kind in one line naming what to do: ``file:`` (the crash-safe stream,
+    readable after a SIGKILL) stays the built-in sink for every later spec. A name of one's own registers; registered
+    again, the last registration wins."""
+    _, model, tokenizer = chat
+    for kind in sinks.builtin_kinds():
+        with pytest.raises(ValueError) as refused:
+            nxl.register_sink(kind, _ListSink)
+        assert str(refused.value) == (f"sink kind '{kind}' is built in and cannot be replaced: register the factory "
+                                      f"under another name (e.g. 'my-{kind}') and write that name in the sink spec")
+    made = len(_ListSink.made)
+    probe = _generate(model, tokenizer, f"file:{tmp_path / 'run.nxl'}", layers="last", new=3, prompts=PROMPTS[:1])
+    assert len(_ListSink.made) == made  # the refused factory was never called
+    (call,) = nxl.read_stream(tmp_path / "run.nxl", strict=True)
+    assert [s.token.tolist() for s in call.steps] == [s.token.tolist() for s in probe.calls[0].steps]
+    nxl.register_sink("my-file", lambda arg, **options: pytest.fail("replaced by the later registration"))
+    nxl.register_sink("my-file", _ListSink)
+    _generate(model, tokenizer, "my-file:mine", layers="last", new=3, prompts=PROMPTS[:1])
+    (mine,) = [s for s in _ListSink.made[made:] if s.arg == "mine"]
+    assert [r[0] for r in mine.records] == ["call", "step", "step", "step", "end", "close"]
 
 
 def test_sink_specs_name_what_is_wrong(chat, tmp_path):
