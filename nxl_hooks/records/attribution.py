@@ -201,16 +201,21 @@ class Attribution:
     mask: torch.Tensor  #: bool (rows, seq), True on real tokens
     position: torch.Tensor  #: int64 (rows,): the prediction position
     example: torch.Tensor  #: int64 (rows,): the input row each row explains
-    tokens: list[list[str]] | None  #: token strings per row, when a tokenizer was given
+    # Each ``| None`` below is None in a result of a forward too (nxl.explain's included), not only in an older file:
+    # the ids-based fields where the backbone got no ids (a model that embeds its ids itself, Fuyu's).
+    tokens: list[list[str]] | None  #: token strings per row; None without a tokenizer or ids (``input_ids``)
     meta: dict[str, Any]  #: model_type, head kind, embedding, ...
-    special: torch.Tensor | None  #: bool (rows, seq), True on the tokenizer's special tokens (when known)
-    input_ids: torch.Tensor | None  #: int64 (rows, seq): the token ids of each row (when the forward had ids; -1 at
-    #: PEFT prompt tuning's virtual tokens)
-    readable: list[list[str]] | None  #: each token's text as people read it ('␣Paris', '↵'; records.tokens)
+    special: torch.Tensor | None  #: bool (rows, seq), True on the tokenizer's special tokens; None without ids,
+    #: or with none to flag (no tokenizer, or one without special tokens, and no PEFT virtual token)
+    input_ids: torch.Tensor | None  #: int64 (rows, seq): the token ids of each row (-1 at PEFT prompt tuning's
+    #: virtual tokens); None where the backbone got no ids (inputs_embeds, built by the model or given)
+    readable: list[list[str]] | None  #: each token's text as people read it ('␣Paris', '↵'; records.tokens); None
+    #: without a tokenizer or ids, as ``tokens``
     probability: torch.Tensor | None  #: float32, shaped like ``target``: the model's own probability of each
     #: explained target at the prediction position (its softmax; a multi-label classifier's sigmoid; None for
     #: regression)
-    target_text: list[list[str]] | None  #: (rows, k): each explained target as people read it
+    target_text: list[list[str]] | None  #: (rows, k): each explained target as people read it; None for regression
+    #: and for a LM's targets without a tokenizer
     template: torch.Tensor | None  #: bool (rows, seq), True on a chat template's own tokens (its markers and
     #: the system prompt; :mod:`nxl_hooks.method.chat`), which do not rank; None for a prompt without a template
     #: (or one whose template could not be located: ``meta["template"]`` then says why)
