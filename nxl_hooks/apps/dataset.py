@@ -12,6 +12,8 @@ the same command on the same ``out/`` resumes: finished examples are read back, 
 
 Every line carries the run's identity (``run_id``, a hash of its settings: model and its files, data, options, and
 the version of nxl_hooks), so a resumed run never mixes in another run's records, even when ``run.json`` was deleted.
+It also carries what made it (``made_with``: each model's name, dtype, quantization and the packages' versions), which
+is no part of the identity: :func:`scored` lists each set seen in the summary, with how many examples it made.
 An example whose scoring raises is recorded as failed, with its reason (``{"index", "id", "error"}``), and the run
 goes on; a resumed run does not retry it. :func:`scored` splits the failures off for the summary. Output files are
 written under a temporary name and renamed, so a failed write never destroys an earlier result; what the run
@@ -58,6 +60,7 @@ _OUTPUTS = ("records.jsonl", "summary.json", "report.html")  #: the merged resul
 _RUN_ID = "run_id"
 NOTES_SHOWN = 5  #: the records' notes a finished run says on stderr (summary.json lists every one)
 _VERSION = "nxl_hooks"  #: run.json's key for the version that made the run (part of its identity)
+_MADE_WITH = "made_with"  #: a record's and the summary's key for what made the numbers (no part of the identity)
 
 
 class SettingsMismatchError(ValueError):
@@ -366,7 +369,15 @@ def _state() -> Any:
 def _identity(settings: Mapping[str, Any]) -> dict[str, Any]:
     """What ``run.json`` holds for a run with these (JSON-able) settings: them, and the version of nxl_hooks that
     scores it. Another version's records are another run's: a fix between two versions changes numbers, and a run
-    resumed across them would mix both versions' numbers in one summary."""
+    resumed across them would mix both versions' numbers in one summary.
+
+    The other packages' versions (torch, transformers, bitsandbytes...: ``made_with``) are left out on purpose, so a
+    run resumed after one changed goes on. nxl_hooks's code defines what each number and field of a record means,
+    and the summary adds records up on that definition; the other packages are the environment the run measures
+    (a quantized deployment's kernels), not what its numbers mean. A patch release of torch mostly changes no digit,
+    and refusing would cost every finished example of a long audit; where one does change numbers, that is a fact
+    for the reader to weigh, so it is said, never hidden: each record keeps the set that made it, and the summary
+    lists each set with how many examples it made (:func:`scored`), so no one set is claimed for all."""
     return {**json.loads(json.dumps(settings)), _VERSION: VERSION}
 
 
@@ -485,6 +496,7 @@ def run_dataset(
     desc: str = "examples",
     record_failures: bool = True,
     tp: bool = False,
+    made_with: Mapping[str, Any] | None = None,
 ) -> list[dict[str, Any]] | None:
     """Score every example once, sharded and resumable; all records in dataset order on the main process.
 
@@ -499,6 +511,9 @@ def run_dataset(
     ``KeyboardInterrupt`` that says how many records are kept and that the same call goes on from them. Returns the
     merged records on the main process and ``None`` on the others. ``tp=True`` (a model sharded by ``tp_plan="auto"``,
     under torchrun): every rank scores every example, in the same order, and rank 0 alone records them.
+    ``made_with`` (JSON-able: each model's :func:`~nxl_hooks.hooks.plan.made_by`, by role) is what this process makes
+    its records with: each record written now carries it, and it is no part of the run's identity (:func:`_identity`
+    says why), so records resumed from an earlier process may carry another.
     """
     from tqdm.auto import tqdm
 
@@ -514,7 +529,7 @@ def run_dataset(
     finally:
         if tp:
             todo = state.share(todo)
-    identity = {_RUN_ID: run_id(settings)}
+    identity = {_RUN_ID: run_id(settings), **({} if made_with is None else {_MADE_WITH: made_with})}
     mine = todo[state.process_index :: state.num_processes]
     log = _Log(out_dir / _PARTS / f"part-{state.process_index}.jsonl") if records_here else None
     label = f"{desc} [process {state.process_index + 1}/{state.num_processes}]" if state.num_processes > 1 else desc
@@ -568,8 +583,9 @@ def scored(
     records: Sequence[Mapping[str, Any]], aggregate: Callable[[Sequence[Mapping[str, Any]]], dict[str, Any]]
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """(the records of the examples that scored, their summary): ``aggregate`` of them plus ``failed``, the index,
-    id and reason of each example that failed, and ``notes``, each distinct note of the records once with how many
-    examples it concerns (``{"note", "examples"}``). ValueError when none scored.
+    id and reason of each example that failed, ``notes``, each distinct note of the records once with how many
+    examples it concerns (``{"note", "examples"}``), and ``made_with`` where a record says what made it
+    (:func:`_made_with`). ValueError when none scored.
     ``ok, summary = scored(records, agg)``"""
     ok = [dict(r) for r in records if "error" not in r]
     failed = [{"index": r["index"], "id": r.get("id"), "error": r["error"]} for r in records if "error" in r]
@@ -579,7 +595,25 @@ def scored(
     # (an example counts once per note; Counter keeps the order notes were first seen)
     counts = collections.Counter(note for record in ok for note in dict.fromkeys(record.get("notes") or ()))
     notes = [{"note": note, "examples": count} for note, count in counts.items()]
-    return ok, {**aggregate(ok), "failed": failed, "notes": notes}
+    made_with = _made_with(ok)
+    return ok, {**aggregate(ok), "failed": failed, "notes": notes, **({} if made_with is None else
+                                                                       {_MADE_WITH: made_with})}
+
+
+def _made_with(records: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """Each distinct set of models and versions that made ``records`` (:func:`run_dataset`'s ``made_with``; ``None``
+    for a record that does not say: an earlier build's) once, in the order first seen, with how many records it made
+    (``{"examples", "models"}``); each record's ``made_with`` becomes the position of its own set in that list. None
+    (and the records unchanged) when no record says: a library caller that passed no ``made_with``."""
+    if not any(_MADE_WITH in record for record in records):
+        return None
+    made: list[Any] = []  # (dicts: a list, not a set; a run has one or a few)
+    for record in records:
+        models = record.get(_MADE_WITH)
+        if models not in made:
+            made.append(models)
+        record[_MADE_WITH] = made.index(models)
+    return [{"examples": sum(r[_MADE_WITH] == i for r in records), "models": models} for i, models in enumerate(made)]
 
 
 # -- the commands built on it ----------------------------------------------------------------------------
@@ -603,9 +637,10 @@ def write_outputs(
     """The merged results of a run: ``records.jsonl`` (dataset order), ``summary.json``, ``report.html``; then one
     on stderr (``command`` first) one line for each of the first ``NOTES_SHOWN`` of the records' notes
     (``summary["notes"]``), which change what their examples' numbers mean (a target read otherwise than written)
-    and would be in records.jsonl alone; last, one counting the examples that failed (``summary["failed"]``), which
-    no figure counts: each was said as it failed, but a resumed run does not retry it, so nothing else would say
-    it."""
+    and would be in records.jsonl alone; one when the records were made with more than one set of models and
+    versions (``summary["made_with"]``: a run resumed after a package changed); last, one counting the examples that
+    failed (``summary["failed"]``), which no figure counts: each was said as it failed, but a resumed run does not
+    retry it, so nothing else would say it."""
     records_path, summary_path, report_path = (Path(out_dir) / name for name in _OUTPUTS)
     with replacing(records_path) as fh:
         for record in records:
@@ -619,6 +654,11 @@ def write_outputs(
         say(f"{command}: note on {entry['examples']} of {len(records)} examples: {entry['note']}")
     if len(notes) > NOTES_SHOWN:
         say(f"{command}: and {len(notes) - NOTES_SHOWN} other notes (summary.json's notes lists each)")
+    made_with = summary.get(_MADE_WITH) or []
+    if len(made_with) > 1:
+        say(f"{command}: the records were made with {len(made_with)} different sets of models and package versions "
+            f"({', '.join(str(entry['examples']) for entry in made_with)} examples; a run resumed after a change): "
+            "summary.json's made_with lists each, and each record's made_with is the position of its own there")
     failed = summary.get("failed") or []
     if failed:  # last: what no figure counts
         first = failed[0]

@@ -3,6 +3,9 @@
     page = evaluate_report(summary)         # AOPC curves per method, per-layer alignment heatmaps
     print(evaluate_summary(summary))        # the methods' table, as nxl evaluate prints it
     page = audit_report(summary, records)   # the examples that changed most first, then per-layer drift
+
+Both pages end with the table of what made the numbers (``summary["made_with"]``): each model, its dtype and
+quantization, and the packages' versions.
 """
 
 from __future__ import annotations
@@ -128,6 +131,7 @@ def evaluate_report(summary: Mapping[str, Any], title: str = "nxl_hooks faithful
                 "repeat their one value.",
             )
         )
+    body.append(_made_with_table(summary))
     return page(title, "".join(body))
 
 
@@ -176,6 +180,38 @@ def _notes_note(summary: Mapping[str, Any], show: int = NOTES_SHOWN) -> str:
     more = (f"<li>and {len(notes) - show} other notes (summary.json's notes lists each)</li>"
             if len(notes) > show else "")
     return f'<div class="note warn">notes on the examples:<ul>{items}{more}</ul></div>'
+
+
+def _quantization_text(quantization: Mapping[str, Any] | None) -> str:
+    """A model's quantization as the table shows it: ``bitsandbytes: load_in_4bit=True, bnb_4bit_quant_type=nf4, ...``
+    (every setting its config records), or ``none``."""
+    if not quantization:
+        return "none"
+    settings = ", ".join(f"{key}={value}" for key, value in quantization.items() if key != "quant_method")
+    return f"{quantization.get('quant_method', '?')}: {settings}" if settings else str(quantization.get("quant_method"))
+
+
+def _made_with_table(summary: Mapping[str, Any]) -> str:
+    """What made the numbers (``summary["made_with"]``: :func:`~nxl_hooks.apps.dataset.scored`'s): one row per model
+    (its role: model, reference or candidate) of each set of models and versions, with how many examples the set
+    made. Several sets (a run resumed after a package changed) are each shown, and said. A summary without it (of an
+    earlier build) shows nothing."""
+    made_with = summary.get("made_with") or []
+    if not made_with:
+        return ""
+    rows = []
+    for entry in made_with:
+        models = entry["models"] or {"–": None}  # (records that do not say: written by an earlier build)
+        for role, made in models.items():
+            cells = (["not recorded", "", "", ""] if made is None else
+                     [made["model"], str(made["dtype"]), _quantization_text(made["quantization"]),
+                      ", ".join(f"{name} {version}" for name, version in made["versions"].items())])
+            rows.append([html.escape(str(cell)) for cell in [entry["examples"], role, *cells]])
+    several = (f'<p class="note warn">{len(made_with)} different sets made these records (a run resumed after a '
+               "change): each row says how many examples its set made, and each record's made_with in records.jsonl "
+               "names its own.</p>" if len(made_with) > 1 else "")
+    table = _stats_table(["examples", "role", "model", "dtype", "quantization", "versions"], rows)
+    return f"<h2>Made with</h2>{several}{table}"
 
 
 def _named(record: Mapping[str, Any], key: str) -> str:
@@ -311,4 +347,5 @@ def audit_report(
             caption="Means over examples; colour scaled per row.",
         )
     )
+    body.append(_made_with_table(summary))
     return page(title, "".join(body))

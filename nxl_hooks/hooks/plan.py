@@ -31,7 +31,7 @@ from ..method.head import Head
 from ..method.placement import quantization
 from ..method.protocol import Checked, Given, Method, TargetChecked
 from ..method.registry import resolve_methods
-from ..method.subject import Subject, compiled_original
+from ..method.subject import Subject, compiled_original, unwrap
 from ..records.sinks import sink_factory
 from ..records.tokens import clean_up_spaces, continuation, readable_ids, record_text, separator
 from ..method.select import (
@@ -50,7 +50,7 @@ from ..method.select import (
     target_ids,
 )
 
-__all__ = ["EMBEDDINGS", "Plan", "Scoring", "TokenTexts", "check_recording", "make_plan", "model_name",
+__all__ = ["EMBEDDINGS", "Plan", "Scoring", "TokenTexts", "check_recording", "made_by", "make_plan", "model_name",
            "run_eagerly", "token_texts", "tokenizer_mismatch", "virtual_name"]
 
 _KEPT = "_nxl_hooks_compiled_"  # where run_eagerly keeps a module's compiled callable while attached
@@ -294,16 +294,25 @@ class Plan:
 
     @functools.cached_property
     def _made_by(self) -> dict[str, Any]:
-        """What it takes to make the numbers again: which weights, in which dtype and quantization, by what code.
-        Read once per attach: :meth:`describe` runs for every forward's record, and a quantizer's ``to_dict``, the
-        model's dtype (a walk over its parameters) and the versions are host work no forward needs to repeat."""
-        dtype = getattr(self.model, "dtype", None)  # (None for a model that says none, not the text "None")
-        return {
-            "model": self.name,
-            "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
-            "quantization": quantization(self.model),
-            "versions": versions(),
-        }
+        """:func:`made_by` of the model, read once per attach: :meth:`describe` runs for every forward's record, and a
+        quantizer's ``to_dict``, the model's dtype (a walk over its parameters) and the versions are host work no
+        forward needs to repeat."""
+        return made_by(self.model)
+
+
+def made_by(model: nn.Module) -> dict[str, Any]:
+    """What it takes to make a model's numbers again: which weights (:func:`model_name`), in which dtype and
+    quantization (:func:`~nxl_hooks.method.placement.quantization`), by what code (the packages' versions). What an
+    attribution's ``meta`` and the outputs of ``nxl evaluate`` / ``nxl audit`` say about each model.
+    ``made_by(model) == {"model": "my-model", "dtype": "float32", "quantization": None, "versions": {...}}``"""
+    model = unwrap(model)  # (a PeftModel or a torch.compile wrapper: the model inside, as a probe records it)
+    dtype = getattr(model, "dtype", None)  # (None for a model that says none, not the text "None")
+    return {
+        "model": model_name(model),
+        "dtype": None if dtype is None else str(dtype).removeprefix("torch."),
+        "quantization": quantization(model),
+        "versions": versions(),
+    }
 
 
 def model_name(model: nn.Module) -> str:

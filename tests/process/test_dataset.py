@@ -2,8 +2,10 @@
 
 import csv
 import html
+import importlib.metadata
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -22,6 +24,11 @@ from nxl_hooks.eval import audit
 from nxl_hooks.eval import faithfulness as ev
 from nxl_hooks.apps.cli import main
 from nxl_hooks.apps.dataset import SettingsMismatchError, load_examples, read_records, run_dataset, run_id
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10
+    import tomli as tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -316,8 +323,11 @@ def test_evaluate_command_writes_records_summary_and_report(models, tmp_path):
         for rec in (direct, records[index]):
             for entry in rec["methods"].values():
                 entry.pop("seconds")
-        assert {**direct, "index": index} == records[index]
+        assert {**direct, "index": index, "made_with": 0} == records[index]
     assert summary["n"] == 4 and list(summary["methods"]) == methods.split(",")
+    [made] = summary["made_with"]  # the one model of the run, in its role
+    assert made["examples"] == 4 and list(made["models"]) == ["model"]
+    assert made["models"]["model"]["model"] == str(models["bert"]) and made["models"]["model"]["dtype"] == "float32"
     page = (tmp_path / "ev" / "report.html").read_text()
     assert page.count('class="nxl-point"') >= 3 * 9 and "Per-layer alignment" in page
 
@@ -365,6 +375,81 @@ def test_the_records_notes_reach_stderr_summary_and_report_once_each_with_their_
     assert html.escape(note) in (tmp_path / "out" / "report.html").read_text()
 
 
+def _made_with_rows(page: str) -> list[list[str]]:
+    """The cells of the report's "Made with" table, as text."""
+    section = page.split("<h2>Made with</h2>", 1)[1].split("</table>", 1)[0]
+    return [[html.unescape(cell) for cell in re.findall(r"<td[^>]*>(.*?)</td>", row)]
+            for row in re.findall(r"<tr>(.*?)</tr>", section.split("<tbody>", 1)[1])]
+
+
+def test_the_summary_and_report_say_what_made_each_models_numbers(models, tmp_path):
+    """run.json and summary.json named the nxl_hooks version alone: nothing in an audit's outputs said which weights,
+    in which dtype and quantization, computed by which torch, transformers or bitsandbytes, made the numbers.
+    summary.json's made_with now says it of each model, and the report shows it, each checked against what is read
+    here independently: the installed distributions, the dtype of a model loaded as asked, the quantization given."""
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+
+    out = tmp_path / "out"
+    assert main(["audit", "--reference", str(models["llama"]), "--quantize", "8bit", str(models["data"]), "--limit",
+                 "3", "--dtype", "bfloat16", "--out", str(out)]) == 0
+    summary, records = _outputs(out)
+    [made] = summary["made_with"]
+    assert made["examples"] == 3 and [r["made_with"] for r in records] == [0, 0, 0]
+    given = BitsAndBytesConfig(load_in_8bit=True)
+    loaded = {"reference": LlamaForCausalLM.from_pretrained(models["llama"], dtype=torch.bfloat16),
+              "candidate": LlamaForCausalLM.from_pretrained(models["llama"], dtype=torch.bfloat16,
+                                                            quantization_config=given)}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    installed = {"nxl_hooks": project["version"],
+                 **{name: importlib.metadata.version(name) for name in ("torch", "transformers", "bitsandbytes",
+                                                                        "accelerate")}}
+    assert list(made["models"]) == ["reference", "candidate"]
+    rows = _made_with_rows((out / "report.html").read_text())
+    for (role, model), row in zip(loaded.items(), rows, strict=True):
+        said = made["models"][role]
+        [dtype] = {str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.is_floating_point()}
+        assert said["model"] == str(models["llama"]) and said["dtype"] == dtype == "bfloat16", role
+        assert {name: said["versions"].get(name) for name in installed} == installed, role
+        assert row[:4] == ["3", role, str(models["llama"]), dtype]
+        assert all(f"{name} {version}" in row[5] for name, version in installed.items()), row
+    assert made["models"]["reference"]["quantization"] is None and rows[0][4] == "none"
+    quantization = made["models"]["candidate"]["quantization"]
+    assert quantization["quant_method"] == "bitsandbytes" and quantization["load_in_8bit"] is True
+    assert quantization["load_in_4bit"] is False and quantization["llm_int8_threshold"] == given.llm_int8_threshold
+    assert "load_in_8bit=True" in rows[1][4] and rows[1][4].startswith("bitsandbytes: ")
+
+
+def test_a_run_resumed_with_other_package_versions_goes_on_and_says_each_set(models, tmp_path, capsys):
+    """What made the records (made_with) is no part of a run's identity: a run resumed after torch changed goes on.
+    Its outputs claim no one set for all: each record names its set, the summary counts the examples of each (and of
+    records written before records said: none), the report shows each and stderr says there are several."""
+    out = tmp_path / "out"
+    args = ["audit", "--reference", str(models["llama"]), "--candidate", str(models["llama2"]), str(models["data"]),
+            "--limit", "3", "--out", str(out)]
+    assert main(args) == 0
+    part = out / "parts" / "part-0.jsonl"
+    first, second, _ = (json.loads(line) for line in part.read_text().splitlines())
+    now = first["made_with"]
+    del first["made_with"]  # an early 0.4 build's record
+    before = {role: {**made, "versions": {**made["versions"], "torch": "2.11.0"}} for role, made in now.items()}
+    second["made_with"] = before  # made by another torch; the third example left to the resumed run
+    part.write_text(json.dumps(first) + "\n" + json.dumps(second) + "\n")
+    capsys.readouterr()
+    assert main(args) == 0
+    summary, records = _outputs(out)
+    assert summary["made_with"] == [{"examples": 1, "models": None}, {"examples": 1, "models": before},
+                                    {"examples": 1, "models": now}]
+    assert [r["made_with"] for r in records] == [0, 1, 2]
+    assert "the records were made with 3 different sets of models and package versions (1, 1, 1 examples" in \
+        capsys.readouterr().err
+    page = (out / "report.html").read_text()
+    rows = _made_with_rows(page)
+    assert [row[:2] for row in rows] == [["1", "–"], ["1", "reference"], ["1", "candidate"], ["1", "reference"],
+                                         ["1", "candidate"]]
+    assert rows[0][2] == "not recorded" and "torch 2.11.0" in rows[1][5] and "torch 2.11.0" not in rows[3][5]
+    assert "3 different sets made these records" in page
+
+
 def test_evaluate_command_runs_on_a_masked_lm(tmp_path):
     """The checks evaluate runs once before the dataset (architecture, layer, tokenizer) take the tokenizer a masked
     LM needs to find its [MASK]: every example scores, as score_example scores it directly."""
@@ -387,7 +472,7 @@ def test_evaluate_command_runs_on_a_masked_lm(tmp_path):
         for rec in (direct, records[index]):
             for entry in rec["methods"].values():
                 entry.pop("seconds")
-        assert {**direct, "index": index} == records[index]
+        assert {**direct, "index": index, "made_with": 0} == records[index]
 
 
 def _free_port() -> int:

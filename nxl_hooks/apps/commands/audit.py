@@ -48,6 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     from ...eval.audit import aggregate, audit_example, check_auditable, check_same_head, check_same_tokens
+    from ...hooks.plan import made_by
     from ...records.attribution import layers_text
     from ...records.tokens import chat_text
     from ..dataset import check_out, examples_from_args, place, run_dataset, scored, write_outputs
@@ -117,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
         return audit_example(reference, candidate, tokenizer, example, layers=args.layers, top_k=args.top_k,
                              explain=args.explain)
 
-    records = run_dataset(examples, score, args.out, settings=settings, desc=NAME, tp=args.tp)
+    made_with = {"reference": made_by(reference), "candidate": made_by(candidate)}  # what makes the records
+    records = run_dataset(examples, score, args.out, settings=settings, desc=NAME, tp=args.tp, made_with=made_with)
     if records is not None:
         records, summary = scored(records, aggregate)
         write_outputs(

@@ -48,6 +48,7 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     from ...arch.registry import HeadKind, head_kind
     from ...eval import faithfulness as ev
+    from ...hooks.plan import made_by
     from ...method.subject import unwrap
     from ...records.tokens import chat_text
     from ..dataset import check_out, examples_from_args, place, run_dataset, scored, write_outputs
@@ -102,7 +103,8 @@ def run(args: argparse.Namespace) -> int:
                                 perturbation=args.perturbation, ig_steps=args.ig_steps,
                                 aggregation=args.gradient_aggregation)
 
-    records = run_dataset(examples, score, args.out, settings=settings, desc=NAME, tp=args.tp)
+    records = run_dataset(examples, score, args.out, settings=settings, desc=NAME, tp=args.tp,
+                          made_with={"model": made_by(model)})
     if records is not None:
         records, summary = scored(records, ev.aggregate)
         write_outputs(args.out, records, summary, evaluate_report(summary, title=f"Faithfulness of {args.model}"),
