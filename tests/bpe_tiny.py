@@ -86,8 +86,11 @@ def _permute(weight: np.ndarray, heads: int) -> np.ndarray:
 
 
 def write_gguf(path: Path, model: LlamaForCausalLM, tok: PreTrainedTokenizerFast, *, header: dict | None = None,
-               drop: tuple[str, ...] = (), transpose: tuple[str, ...] = (), extra: dict | None = None) -> Path:
-    """``model`` and ``tok`` as a float32 GGUF file (llama architecture, gpt2 tokenizer, chat template).
+               drop: tuple[str, ...] = (), transpose: tuple[str, ...] = (), extra: dict | None = None,
+               q8_0: tuple[str, ...] = ()) -> Path:
+    """``model`` and ``tok`` as a float32 GGUF file (llama architecture, gpt2 tokenizer, chat template); the tensors
+    named in ``q8_0`` stored quantized, as Q8_0 blocks, and ``header={"file_type": LlamaFileType.MOSTLY_Q8_0}``
+    writes ``general.file_type`` (left out by default, as the float file has none).
 
     A crafted file for the refusal tests: ``header`` overrides ``block_count``, ``embedding_length``,
     ``feed_forward_length``, ``head_count`` or ``tokens`` (None: left out); the tensors named in ``drop`` are left out, those in
@@ -99,7 +102,7 @@ def write_gguf(path: Path, model: LlamaForCausalLM, tok: PreTrainedTokenizerFast
     pieces = sorted(vocab, key=vocab.get)
     given = {"block_count": cfg.num_hidden_layers, "embedding_length": cfg.hidden_size,
              "feed_forward_length": cfg.intermediate_size, "head_count": cfg.num_attention_heads, "tokens": pieces,
-             **(header or {})}
+             "file_type": None, **(header or {})}
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(given["block_count"])
     writer.add_context_length(cfg.max_position_embeddings)
@@ -110,6 +113,8 @@ def write_gguf(path: Path, model: LlamaForCausalLM, tok: PreTrainedTokenizerFast
     writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     writer.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]))
     writer.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
+    if given["file_type"] is not None:
+        writer.add_file_type(given["file_type"])
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("default")
     if given["tokens"] is not None:
@@ -125,8 +130,14 @@ def write_gguf(path: Path, model: LlamaForCausalLM, tok: PreTrainedTokenizerFast
     sd = {name: value.detach().float().numpy() for name, value in model.state_dict().items()}
 
     def add(name: str, value: np.ndarray) -> None:
-        if name not in drop:
-            writer.add_tensor(name, np.ascontiguousarray(value.T) if name in transpose else value)
+        if name in drop:
+            return
+        value = np.ascontiguousarray(value.T) if name in transpose else value
+        if name in q8_0:
+            q8 = gguf.GGMLQuantizationType.Q8_0
+            writer.add_tensor(name, gguf.quants.quantize(value, q8), raw_dtype=q8)
+        else:
+            writer.add_tensor(name, value)
 
     add("token_embd.weight", sd["model.embed_tokens.weight"])
     add("output_norm.weight", sd["model.norm.weight"])

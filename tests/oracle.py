@@ -328,3 +328,18 @@ def check_steps(model, call, hand: HandHead | None = None) -> list[torch.Tensor]
         torch.testing.assert_close(step.embed_norm[attention[:, :n]], embeddings.norm(dim=-1)[attention[:, :n]])
         argmaxes.append(logits[-1, :, -1].argmax(-1))
     return argmaxes
+
+
+def gguf_quantization(path) -> dict:
+    """What a GGUF file's header says of how its weights are stored, read with gguf's own reader (the
+    ``general.file_type`` field's value by its ``LlamaFileType`` name, None where absent, and the tensors per GGML
+    type): what a model loaded from it records as its ``quantization``, less the dtype it was dequantized to."""
+    import collections
+
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    field = reader.fields.get("general.file_type")
+    file_type = None if field is None else gguf.LlamaFileType(int(field.parts[field.data[0]][0])).name
+    counts = collections.Counter(tensor.tensor_type.name for tensor in reader.tensors)
+    return {"quant_method": "gguf", "file_type": file_type, "tensor_types": dict(counts)}

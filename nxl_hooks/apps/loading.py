@@ -14,12 +14,15 @@ and weights and dequantizes the weights into plain tensors (float32 unless ``dty
 holds a language model, so the head defaults to ``causal_lm``. transformers refuses a GGUF file together with a bitsandbytes config, so
 ``quantize`` with GGUF loads the dequantized model first and quantizes its weights in memory (``from_pretrained``
 with ``state_dict``): nothing is written to disk, at the cost of holding the dequantized model while its
-quantized copy is built.
+quantized copy is built. Either way the model keeps what the file's header says of its quantization (its file type
+and tensors per GGML type, not its name), which its records' ``quantization`` reports
+(:data:`~nxl_hooks.method.placement.DEQUANTIZED_FROM`).
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import importlib.util
 import json
 import logging
@@ -37,6 +40,7 @@ from typing import Any, Callable, Mapping
 
 from ..arch.spec import UNEXPLAINED, class_head
 from ..arch.text import install_command
+from ..method.placement import DEQUANTIZED_FROM
 from ..method.subject import PROMPT_LEARNING
 from ..records.files import not_a_folder, user_path
 from .loading_options import (DTYPES, HEAD_CLASSES, QUANTIZE, Loading, markdown_table, named, read_device_map,
@@ -445,14 +449,32 @@ def _gguf_names(skeleton: Any, arch: str, config: Any) -> dict[str, str]:
         return {}
 
 
-def check_gguf(path: str | Path, head: str = "causal_lm") -> None:
+def _gguf_quantization(reader: Any) -> dict[str, Any]:
+    """How a GGUF file stores its weights, as its header says (its tensor table, not their data, which a file's
+    name may misstate): ``{"quant_method": "gguf", "file_type": "MOSTLY_Q4_1", "tensor_types": {"F32": 61,
+    "Q4_1": 210, "Q8_0": 1}}``. ``file_type`` is ``general.file_type`` by its ``LlamaFileType`` name (None where
+    the header has none; as written where gguf names no such type); ``tensor_types`` counts the tensors per GGML
+    type."""
+    from gguf import LlamaFileType
+
+    written = _gguf_value(reader, "general.file_type")
+    try:
+        file_type = LlamaFileType(written).name
+    except ValueError:
+        file_type = written  # (a file type newer than the installed gguf knows, or none)
+    counts = collections.Counter(tensor.tensor_type.name for tensor in reader.tensors)
+    return {"quant_method": "gguf", "file_type": file_type, "tensor_types": dict(sorted(counts.items()))}
+
+
+def check_gguf(path: str | Path, head: str = "causal_lm") -> dict[str, Any]:
     """Refuse, in one line (ValueError), a GGUF file whose header does not describe the tensors it holds, before
     anything is allocated (the file memory-mapped, the model its header describes built on the meta device), however
     large the numbers it claims: no vocabulary, a block count other than the blocks its tensors hold, a zero head
     count or embedding length, a token embedding that is not (vocabulary x embedding length), a model of more
     parameters than the file holds values (a feed-forward width or a head count that its tensors do not have).
-    ``check_gguf("smollm2.Q4_1.gguf")``; :func:`load_model` calls it before reading a local GGUF file, and refuses a
-    tensor the model needs that the file lacks after loading it."""
+    Returns how the header says the weights are stored (:func:`_gguf_quantization`), read in the same pass.
+    ``check_gguf("smollm2.Q4_1.gguf")["file_type"] == "MOSTLY_Q4_1"``; :func:`load_model` calls it before reading
+    the model from a GGUF file, and refuses a tensor the model needs that the file lacks after loading it."""
     import torch
     import transformers
     from gguf import GGUFReader
@@ -507,6 +529,23 @@ def check_gguf(path: str | Path, head: str = "causal_lm") -> None:
     if needed > held:
         raise ValueError(f"{path}: its header describes a model of {needed:,} parameters, but the file holds "
                          f"{held:,} values; {_GGUF_FIX}")
+    return _gguf_quantization(reader)
+
+
+def _cached_gguf(name: str, gguf_file: str, where: Mapping[str, Any]) -> Path:
+    """Where a hub repository's GGUF file lies in the local cache (``where``: :data:`_WHERE` keyword arguments),
+    which reading the tokenizer from it has just filled: looked up there alone, never fetched a second time."""
+    from transformers.utils import cached_file
+
+    there = {key: value for key, value in where.items() if key != "force_download"}
+    return Path(cached_file(name, gguf_file, **{**there, "local_files_only": True}))
+
+
+def _mark_dequantized(model: Any, header: Mapping[str, Any], dtype: Any) -> None:
+    """Leave on ``model`` (:data:`~..method.placement.DEQUANTIZED_FROM`, which its records' ``quantization`` reads)
+    the GGUF file's quantization its weights were dequantized from (``header``: :func:`check_gguf`'s), and the dtype
+    they were dequantized to: transformers' own marks of it are dropped (:func:`_unmark_gguf`)."""
+    setattr(model, DEQUANTIZED_FROM, {**header, "dequantized_to": str(dtype).removeprefix("torch.")})
 
 
 def load_model(name: str, head: str | None = None, *, gguf_file: str | None = None, dtype: Any = None,
@@ -595,8 +634,10 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
     auto = getattr(transformers, HEAD_CLASSES[kind])
     if config is not None:
         _check_head(name, config, kind)
-    if gguf_file is not None and (user_path(name) / gguf_file).is_file():
-        check_gguf(user_path(name) / gguf_file, kind)  # before the tokenizer and model are built from it
+    header = None  # a GGUF file's quantization, as its header says
+    local = _local_folder(name, where.get("subfolder")) / gguf_file if gguf_file is not None else None
+    if local is not None and local.is_file():
+        header = check_gguf(local, kind)  # before the tokenizer and model are built from it
     try:  # first: a damaged tokenizer costs no model load
         tokenizer = _read_tokenizer(name, where, gguf_file)
     except (OSError, ValueError) as err:
@@ -604,6 +645,8 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
                "check the hub id and your access to it (or save the model and tokenizer to a folder)")
         raise ValueError(f"{name}: its tokenizer cannot be read ({type(err).__name__}: {err}); {fix}") from err
     _check_vocabulary(name, tokenizer)
+    if gguf_file is not None and header is None:  # a hub repository's file, which the tokenizer's load fetched
+        header = check_gguf(_cached_gguf(name, gguf_file, where), kind)
     if loading.chat:  # a minute of loading weights is not spent on a template that is missing or fails
         chat_prompt(tokenizer, "Hello")
     if quantization is not None and gguf_file is None:
@@ -614,7 +657,8 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
         model = _from_pretrained(auto, name, {"config": config, **placement, **kwargs})
     elif quantization is None:
         model = _from_gguf(auto, name, gguf_file, {**placement, **kwargs})
-        _unmark_gguf(model)
+        if _unmark_gguf(model):  # (weights kept packed: their quantization_config, transformers' own, says so)
+            _mark_dequantized(model, header, model.dtype)
     else:
         plain = _from_gguf(auto, name, gguf_file, {**({"dtype": dtype} if dtype else {}), **kwargs})
         if not _unmark_gguf(plain):
@@ -622,6 +666,9 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
                              f"bitsandbytes cannot quantize them; drop {named('quantize')}")
         model = type(plain).from_pretrained(None, config=plain.config, state_dict=plain.state_dict(),
                                             quantization_config=quantization, **placement)
+        # both say what the numbers came from: bitsandbytes' config, and the file the weights it quantized were
+        # dequantized from (records: the quantizer's settings with the file's under "dequantized_from")
+        _mark_dequantized(model, header, plain.dtype)
         del plain
     if gguf_file is not None:  # named by its file, not the folder holding it: the folder may hold other weights
         model.name_or_path = model.config.name_or_path = f"{name.rstrip('/')}/{gguf_file}"

@@ -10,6 +10,7 @@ forward and generate call the probe records, in any thread.
 
 from __future__ import annotations
 
+import copy
 import functools
 import os
 import threading
@@ -288,8 +289,9 @@ class Plan:
             "n_blocks": self.n_blocks,
             "spec": self.spec.name,
             "methods": [method.name for method in self.methods],
-            # (copies: a result's meta is its reader's to edit, and the next record's must not change with it)
-            **{key: dict(value) if isinstance(value, dict) else value for key, value in self._made_by.items()},
+            # (a copy, nested dicts too: a result's meta is its reader's to edit, and the next record's must not
+            # change with it)
+            **copy.deepcopy(self._made_by),
         }
 
     @functools.cached_property

@@ -17,8 +17,8 @@ from typing import Any
 import torch
 from torch import nn
 
-__all__ = ["DeviceOf", "full", "input_device", "module_device", "offloaded", "plain", "quantization", "readable",
-           "replica", "sharded", "weights_materialized"]
+__all__ = ["DEQUANTIZED_FROM", "DeviceOf", "full", "input_device", "module_device", "offloaded", "plain",
+           "quantization", "readable", "replica", "sharded", "weights_materialized"]
 
 
 def module_device(module: nn.Module) -> torch.device:
@@ -113,11 +113,33 @@ def readable(module: nn.Module) -> bool:
     return has_offloaded_params(module)
 
 
+#: The attribute of a model whose weights a loader read from a quantized file and dequantized into plain tensors
+#: (``load_model`` of a GGUF file), holding that file's quantization as plain JSON data:
+#: ``{"quant_method": "gguf", "file_type": "MOSTLY_Q4_1", "tensor_types": {"F32": 61, "Q4_1": 210, "Q8_0": 1},
+#: "dequantized_to": "float32"}``. On the model object, not its config: ``save_pretrained`` writes neither it nor
+#: anything it says (the weights it saves are the plain ones), and a config carries no nxl_hooks field.
+DEQUANTIZED_FROM = "_nxl_hooks_dequantized_from"
+
+
 def quantization(model: nn.Module) -> dict[str, Any] | None:
     """How ``model``'s weights are quantized, as its config says (``config.quantization_config``: the quantizer's
-    ``quant_method`` and its settings that are plain values), or None for plain weights (a GGUF file's, dequantized
-    as it loads, included). ``quantization(model_4bit)["bnb_4bit_quant_type"] == "nf4"``. Records carry it, so
-    that a quantized model's numbers say which quantization made them."""
+    ``quant_method`` and its settings that are plain values), and what they were dequantized from
+    (:data:`DEQUANTIZED_FROM`, a GGUF file's quantization); None for plain weights read as they are stored.
+    ``quantization(model_4bit)["bnb_4bit_quant_type"] == "nf4"``; a GGUF file's model: its
+    ``{"quant_method": "gguf", "file_type": ..., ...}``, and quantized again in memory, the quantizer's settings with
+    that under ``"dequantized_from"``. Records carry it, so that a quantized model's numbers say which quantization
+    made them. A new copy each call: its nested dicts are the caller's to change."""
+    source = getattr(model, DEQUANTIZED_FROM, None)
+    quantized = _configured(model)
+    if source is None:
+        return quantized
+    if quantized is None:
+        return copy.deepcopy(source)
+    return {**quantized, "dequantized_from": copy.deepcopy(source)}
+
+
+def _configured(model: nn.Module) -> dict[str, Any] | None:
+    """``model``'s ``config.quantization_config`` as plain values (:func:`quantization`), or None without one."""
     config = getattr(getattr(model, "config", None), "quantization_config", None)
     if config is None:
         return None

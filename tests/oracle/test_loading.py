@@ -35,6 +35,23 @@ def world(tmp_path_factory):
     return model, tok, folder, bpe_tiny.write_gguf(root / "tiny.gguf", model, tok)
 
 
+#: the matrices of each block of the tiny Llama, by their GGUF names: what a quantized GGUF file stores in blocks
+MATRICES = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+@pytest.fixture(scope="module")
+def q8_0(world, tmp_path_factory):
+    """(the world's model as a GGUF file whose matrices are Q8_0 blocks and whose header says MOSTLY_Q8_0, though
+    its name says Q4_1, the number of matrices)."""
+    import gguf
+
+    model, tok, _, _ = world
+    matrices = tuple(f"blk.{i}.{name}.weight" for i in range(model.config.num_hidden_layers) for name in MATRICES)
+    path = tmp_path_factory.mktemp("q8_0") / "tiny.Q4_1.gguf"
+    bpe_tiny.write_gguf(path, model, tok, q8_0=matrices, header={"file_type": gguf.LlamaFileType.MOSTLY_Q8_0})
+    return path, len(matrices)
+
+
 def oracle_normxlogit(model, tok, text: str, target: int) -> torch.Tensor:
     enc = tok(text, return_tensors="pt")
     with torch.no_grad():
@@ -55,6 +72,64 @@ def test_gguf_loads_as_a_plain_model_with_its_tokenizer(world, tmp_path):
     with torch.no_grad():
         torch.testing.assert_close(loaded(ids).logits, model(ids).logits, rtol=0, atol=0)
     assert load_model(str(gguf), dtype="bfloat16")[0].dtype == torch.bfloat16
+
+
+def test_a_gguf_models_records_say_its_files_quantization_as_its_header_does_not_its_name(world, q8_0, tmp_path):
+    """transformers dequantizes a GGUF file's weights as it loads, so its records said quantization None, and only
+    the file's name (which may lie) told what their numbers came from. Here a file named Q4_1 holds Q8_0 blocks:
+    each record (live, saved, in a stream file) says what its header says, as gguf's reader reads it, and the dtype
+    the weights were dequantized to. The model saved again holds plain weights, and says none, as one read from a
+    folder does; one record's meta changed by its reader leaves the next record's as it was."""
+    model, tok, folder, _ = world
+    path, quantized = q8_0
+    header = oracle.gguf_quantization(path)
+    assert header == {"quant_method": "gguf", "file_type": "MOSTLY_Q8_0",
+                      "tensor_types": {"Q8_0": quantized, "F32": 2 + 9 * model.config.num_hidden_layers - quantized}}
+    loaded, _ = load_model(str(path))
+    ids = tok(PROMPT, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        gap, scale = (loaded(ids).logits - model(ids).logits).abs().max(), model(ids).logits.abs().max()
+    assert 0 < gap < 0.05 * scale  # the Q8_0 blocks were dequantized: close to the float model, not equal to it
+    expected = {**header, "dequantized_to": "float32"}
+    with torch.no_grad(), nxl.attach(loaded, layers="last", sink=tmp_path / "run.nxl") as probe:
+        loaded(ids)
+        probe.result().meta["quantization"]["tensor_types"]["Q8_0"] = 0  # the reader's to change
+        loaded(ids)
+        second = probe.result()
+        loaded.generate(ids, max_new_tokens=2, do_sample=False)
+    assert second.meta["quantization"] == expected
+    second.save(tmp_path / "a.safetensors")
+    assert nxl.Attribution.load(tmp_path / "a.safetensors").meta["quantization"] == expected
+    calls = nxl.read_stream(tmp_path / "run.nxl")
+    assert calls and [call.meta["quantization"] for call in calls] == [expected] * len(calls)
+    assert nxl.explain(load_model(str(path), dtype="bfloat16")[0], tok, PROMPT).meta["quantization"] == {
+        **header, "dequantized_to": "bfloat16"}
+    loaded.save_pretrained(tmp_path / "copy")
+    tok.save_pretrained(tmp_path / "copy")
+    assert "gguf" not in (tmp_path / "copy" / "config.json").read_text()
+    for plain in (tmp_path / "copy", folder):
+        assert nxl.explain(load_model(str(plain))[0], tok, PROMPT).meta["quantization"] is None
+
+
+def test_a_hub_gguf_files_quantization_is_read_from_the_cache_it_was_fetched_into(q8_0, tmp_path, monkeypatch):
+    """A GGUF file of a hub repository (here in the hub cache, offline) is read by transformers from the cache: its
+    header is read there too, and its model's records say what it says. (The default cache, not cache_dir=:
+    transformers 5.25's tokenizer reads a GGUF file without being told cache_dir.)"""
+    from huggingface_hub import constants
+
+    from nxl_hooks.method.placement import quantization
+
+    path, _ = q8_0
+    commit = "1" * 40
+    repo = tmp_path / "cache" / "models--org--tiny"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text(commit)
+    (repo / "snapshots" / commit).mkdir(parents=True)
+    (repo / "snapshots" / commit / "tiny.gguf").write_bytes(path.read_bytes())
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    loaded, _ = load_model("org/tiny", gguf_file="tiny.gguf", local_files_only=True)
+    assert quantization(loaded) == {**oracle.gguf_quantization(path), "dequantized_to": "float32"}
 
 
 def test_a_gguf_load_says_nothing_of_tensor_parallel_sharding(world):
@@ -116,8 +191,11 @@ def test_cli_attributes_a_gguf_model(world, tmp_path, capsys, how):
     assert int(res.target[0]) == paris and res.readable[0] == ["The", "␣capital", "␣of", "␣France", "␣is"]
     torch.testing.assert_close(res.normxlogit[:, 0], oracle_normxlogit(model, tok, PROMPT, paris)[:, 0],
                                rtol=1e-4, atol=1e-5)
-    # named by the GGUF file it was read from, not the folder holding it (which may hold other weights)
-    assert res.meta["model"] == str(gguf) and res.meta["quantization"] is None  # dequantized as it loaded
+    # named by the GGUF file it was read from, not the folder holding it (which may hold other weights), with what
+    # its header says of it (all float32, no file type written), whose weights were dequantized as it loaded
+    assert res.meta["model"] == str(gguf)
+    assert res.meta["quantization"] == {**oracle.gguf_quantization(gguf), "dequantized_to": "float32"}
+    assert res.meta["quantization"]["tensor_types"] == {"F32": 2 + 9 * model.config.num_hidden_layers}
 
 
 @pytest.mark.parametrize("how", ["map", "auto", "auto-folder"])
@@ -191,6 +269,10 @@ def test_gguf_with_bitsandbytes_is_quantized_in_memory(world, mode, linear):
     with torch.no_grad():
         own = quantized(ids).logits[0, -1]
     torch.testing.assert_close(res.logat[-1, 0, -1], own[res.target[0]], rtol=1e-3, atol=1e-4)
+    # both quantizations made these numbers: bitsandbytes', and the GGUF file's its weights were dequantized from
+    said = res.meta["quantization"]
+    assert said["quant_method"] == "bitsandbytes" and said[f"load_in_{mode}"] is True
+    assert said["dequantized_from"] == {**oracle.gguf_quantization(gguf), "dequantized_to": "float32"}
 
 
 def test_audit_takes_a_gguf_candidate_and_quantizes_a_gguf_reference(world, tmp_path, capsys):

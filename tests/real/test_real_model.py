@@ -303,11 +303,13 @@ def test_cli_loads_the_gguf_file_and_matches_the_oracle_on_the_session_model(smo
     assert target == _next_id(tok, CAPITAL, " Paris")
     out = tmp_path / "file.safetensors"
     checked: list[tuple[str, tuple, dict]] = []
+    said: list[dict] = []  # what the header says of the weights' quantization, which the check reads too
     real_check = loading.check_gguf
 
-    def check_for_real(*args, **kwargs) -> None:
+    def check_for_real(*args, **kwargs) -> dict:
         checked.append(("check", args, kwargs))
-        real_check(*args, **kwargs)
+        said.append(real_check(*args, **kwargs))
+        return said[-1]
 
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(loading, "check_gguf", check_for_real)
@@ -326,7 +328,8 @@ def test_cli_loads_the_gguf_file_and_matches_the_oracle_on_the_session_model(smo
     monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", spy("tokenizer", tok))
     # the header check, run for real on this file by the first form, is asked again with the same arguments
     asked: list[tuple[str, tuple, dict]] = []
-    monkeypatch.setattr(loading, "check_gguf", lambda *args, **kwargs: asked.append(("check", args, kwargs)))
+    monkeypatch.setattr(loading, "check_gguf", lambda *args, **kwargs: asked.append(("check", args, kwargs)) or
+                        said[0])
     folder_out = tmp_path / "folder.safetensors"
     assert main(["attribute", str(gguf.parent), CAPITAL, "--gguf-file", gguf.name, "--out", str(folder_out)]) == 0
     assert asked == checked
@@ -337,6 +340,9 @@ def test_cli_loads_the_gguf_file_and_matches_the_oracle_on_the_session_model(smo
         assert res.input_ids.tolist() == ids.tolist() and res.target.tolist() == [target]
         assert res.layers == list(range(31)) and res.meta["model_class"] == "LlamaForCausalLM"
         torch.testing.assert_close(res.normxlogit[:, 0], expected, rtol=1e-4, atol=1e-4)
+        # the file's header, read apart: Q4_1 blocks (and one Q8_0), whatever the file is named
+        assert res.meta["quantization"] == {**oracle.gguf_quantization(gguf), "dequantized_to": "float32"}
+        assert res.meta["quantization"]["file_type"] == "MOSTLY_Q4_1"
     printed = capsys.readouterr().out
     assert printed.count("NormXLogit of '␣Paris' (id") == 2
 
