@@ -646,7 +646,12 @@ def load_model(name: str, head: str | None = None, *, gguf_file: str | None = No
         raise ValueError(f"{name}: its tokenizer cannot be read ({type(err).__name__}: {err}); {fix}") from err
     _check_vocabulary(name, tokenizer)
     if gguf_file is not None and header is None:  # a hub repository's file, which the tokenizer's load fetched
-        header = check_gguf(_cached_gguf(name, gguf_file, where), kind)
+        try:
+            cached = _cached_gguf(name, gguf_file, where)
+        except OSError:  # not where the cache says (a tokenizer read from elsewhere): the model's load fetches it
+            header = {"quant_method": "gguf", "file_type": None, "tensor_types": None}  # (its records say so)
+        else:
+            header = check_gguf(cached, kind)
     if loading.chat:  # a minute of loading weights is not spent on a template that is missing or fails
         chat_prompt(tokenizer, "Hello")
     if quantization is not None and gguf_file is None:
