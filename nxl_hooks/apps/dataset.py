@@ -529,6 +529,11 @@ def run_dataset(
     finally:
         if tp:
             todo = state.share(todo)
+    if made_with is not None:  # each record carries it: one that is no JSON fails here, not after the first example
+        try:
+            made_with = json.loads(json.dumps(made_with))
+        except (TypeError, ValueError) as error:
+            raise ValueError(f"made_with is not JSON ({error}): give each model's made_by(model), by role") from None
     identity = {_RUN_ID: run_id(settings), **({} if made_with is None else {_MADE_WITH: made_with})}
     mine = todo[state.process_index :: state.num_processes]
     log = _Log(out_dir / _PARTS / f"part-{state.process_index}.jsonl") if records_here else None

@@ -201,11 +201,16 @@ def _made_with_table(summary: Mapping[str, Any]) -> str:
         return ""
     rows = []
     for entry in made_with:
-        models = entry["models"] or {"–": None}  # (records that do not say: written by an earlier build)
-        for role, made in models.items():
-            cells = (["not recorded", "", "", ""] if made is None else
-                     [made["model"], str(made["dtype"]), _quantization_text(made["quantization"]),
-                      ", ".join(f"{name} {version}" for name, version in made["versions"].items())])
+        models = entry["models"]  # (records that do not say: written by an earlier build)
+        for role, made in (models.items() if isinstance(models, Mapping) and models else [("–", None)]):
+            # (a library caller's run_dataset may name its models otherwise than made_by does: shown as it can be)
+            versions = made.get("versions") if isinstance(made, Mapping) else None
+            cells = (["not recorded", "", "", ""] if not isinstance(made, Mapping) else
+                     [made.get("model", "?"), str(made.get("dtype")),
+                      _quantization_text(made.get("quantization") if isinstance(made.get("quantization"), Mapping)
+                                         else None),
+                      ", ".join(f"{name} {version}" for name, version in versions.items())
+                      if isinstance(versions, Mapping) else ""])
             rows.append([html.escape(str(cell)) for cell in [entry["examples"], role, *cells]])
     several = (f'<p class="note warn">{len(made_with)} different sets made these records (a run resumed after a '
                "change): each row says how many examples its set made, and each record's made_with in records.jsonl "

@@ -339,8 +339,8 @@ class Hub:
     def begin(self, layers: list[int], *, request_id: str | None, thread: str | None, model: str | None = None,
               error: str | None = None, ended: bool = True, choice: Choice | None = None) -> GenerationCall:
         """A new call record (of ``model``, by name, for ``choice`` of its request); with ``error`` it is one that is
-        not recorded (its reason says
-        why), ended at once: the sink gets its call frame, with no prompt, and its end frame, which says why.
+        not recorded (its reason says why), ended at once: the sink gets its call frame, with no prompt, and its end
+        frame, which says why.
         ``ended=False``: the caller ends it (:meth:`end`) when the call itself has returned or raised."""
         # its own, nested dicts (versions, quantization) too: a reader may edit it, and the call frames the sink gets
         # after it are written from this hub's (copied before the lock, which the publisher takes for every record)

@@ -210,7 +210,7 @@ def _text(header: dict, name: str) -> str | None:
 
 
 def _choice(header: dict) -> Choice | None:
-    """A call's :class:`~.steps.Choice` (``{"prompt": int or null, "sample": int}``); None in a file without one."""
+    """A call's :class:`~.view.Choice` (``{"prompt": int or null, "sample": int}``); None in a file without one."""
     value = _field(header, "choice", (dict,), optional=True)
     return None if value is None else Choice(_field(value, "prompt", (int,), optional=True),
                                              _field(value, "sample", (int,)))

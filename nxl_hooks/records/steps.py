@@ -273,9 +273,6 @@ class GenerationCall:
     #: detached mid-call; read from disk, as its end frame says (False without one)
     complete: bool = False
     request_id: str | None = None  #: the request this call served (X-Request-ID, the server's id, or a generated one)
-    #: which of its request's choices the call generated, where the server says (vLLM; :class:`Choice`): a request
-    #: with ``n`` > 1 or several prompts is several calls under one request id; None elsewhere and in older files
-    choice: Choice | None = None
     thread: str | None = None  #: the name of the thread that ran it
     error: str | None = None  #: why recording stopped early (the call itself ran on, unharmed)
     _context: list[list[str]] | None = field(default=None, init=False, repr=False)  # what link() hands out
@@ -309,6 +306,10 @@ class GenerationCall:
     #: what its probe explains, as every call frame records it (``probe.describe()``): the model, its dtype and
     #: quantization, the head kind, methods and package versions; None without a probe's, as in a hand-made call
     meta: dict | None = None
+    #: which of its request's choices the call generated, where the server says (vLLM; :class:`~.view.Choice`): a
+    #: request with ``n`` > 1 or several prompts is several calls under one request id; None elsewhere and in older
+    #: files
+    choice: Choice | None = None
 
     def __repr__(self) -> str:
         """A summary, never the tensors: request, prompt size, steps, state and row 0's generated text (as its tokenizer

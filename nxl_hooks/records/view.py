@@ -46,7 +46,8 @@ class Choice(NamedTuple):
 
     def label(self) -> str:
         """How readers show it after the request id: ``Choice(None, 1).label() == "#1"`` (a chat's sample 1),
-        ``Choice(2, 0).label() == "#2.0"`` (a completion's prompt 2); "" for a request's one choice."""
+        ``Choice(2, 0).label() == "#2.0"`` (a completion's prompt 2); "" for a request's first choice (sample 0 of
+        its first prompt), so that a request of one choice, by far the most, reads as its id alone."""
         if not (self.prompt or self.sample):
             return ""
         return f"#{self.sample}" if self.prompt is None else f"#{self.prompt}.{self.sample}"

@@ -53,11 +53,16 @@ def test_choice_is_where_the_reply_puts_the_call():
     assert worker_request("1_cmpl-r-7-3-0123abcd") == ("r-7", Choice(3, 1))  # the id's own "-7" stays in it
     assert worker_request("1_5-0123abcd") == ("5", Choice(None, 1))  # vllm.LLM
     assert worker_request("resp_9f_12-0123abcd") == ("resp_9f", Choice(None, 0))
-    assert worker_request("2024_01_run-0123abcd") == ("2024_01_run", Choice(None, 0))  # no sample's prefix
+    # an id given to vLLM's engine itself (its n samples are ids of their own, 0_mine, 1_mine): nothing known
+    assert worker_request("2024_01_run-0123abcd") == ("2024_01_run", None)
+    assert worker_request("1_mine-0123abcd") == ("1_mine", None)
+    # more than 9 digits: part of the id (a record's index is int32; a client's timestamp is no sample's index)
+    assert worker_request("1717171717000_42-0123abcd") == ("1717171717000_42", None)
+    assert worker_request("cmpl-r-12345678901-0123abcd") == ("cmpl-r-12345678901", None)
     assert worker_request("cmpl-r1-85d3d8d25a5c2b0d-beam-1-0123abcd").choice is None  # one beam's step
     assert worker_request("no-suffix").choice is None  # not vLLM's shape: nothing known
-    assert [Choice(None, 0).label(), Choice(None, 1).label(), Choice(2, 0).label(), Choice(0, 3).label()] == [
-        "", "#1", "#2.0", "#0.3"]
+    assert [Choice(None, 0).label(), Choice(0, 0).label(), Choice(None, 1).label(), Choice(2, 0).label(),
+            Choice(0, 3).label()] == ["", "", "#1", "#2.0", "#0.3"]
 
 
 

@@ -140,8 +140,9 @@ def end_line(data: dict) -> str:
     that served only a plain forward, that it generated nothing."""
     if data.get("kind") == "forward":
         return printable(f"{data['request_id']}: a plain forward of {data['model']}, which generates no tokens")
-    choice = data.get("choice")
-    label = Choice(choice["prompt"], choice["sample"]).label() if isinstance(choice, dict) else ""
+    choice = data.get("choice")  # (an endpoint's word: a choice of another shape shows none)
+    label = (Choice(choice.get("prompt"), choice.get("sample")).label()
+             if isinstance(choice, dict) and isinstance(choice.get("sample"), int) else "")
     return printable(f"{data['request_id']}{label}: ended after {data['steps']} tokens"
                    + (f" ({data['error']})" if data.get("error") else ""))
 

@@ -79,9 +79,9 @@ _RECORDABLE = ("start it under nxl run, which turns prefix caching and async sch
 #: id), a random suffix the engine adds. ``/v1/responses`` ignores X-Request-ID: its id is the response's
 #: (``resp_<hex>``, the reply's ``id``), each turn's request adding ``_<turn>``, dropped. (``/v1/chat/completions/
 #: batch`` adds ``_<conversation>`` to a chat id: kept, as a chat client's own ``job_7`` cannot be told from it.)
-_WORKER_ID = re.compile(r"^(?:(?P<sample>\d+)_(?=chatcmpl-|cmpl-|\d+-[0-9a-f]{8}$))?"
-                        r"(?:chatcmpl-(?P<chat>.+)|cmpl-(?P<completion>.+)-(?P<prompt>\d+)|(?P<response>resp_.+)_\d+"
-                        r"|(?P<id>.+))-[0-9a-f]{8}$", re.DOTALL)
+_WORKER_ID = re.compile(r"^(?:(?P<sample>\d{1,9})_(?=chatcmpl-|cmpl-|\d+-[0-9a-f]{8}$))?"
+                        r"(?:chatcmpl-(?P<chat>.+)|cmpl-(?P<completion>.+)-(?P<prompt>\d{1,9})"
+                        r"|(?P<response>resp_.+)_\d+|(?P<id>.+))-[0-9a-f]{8}$", re.DOTALL)
 
 #: Why a request is not recorded that this probe first saw after it started (``nxl ctl resume``, ``nxl attach``).
 _BEFORE = "it started before the probe attached, so its first positions were never seen"
@@ -106,7 +106,8 @@ def worker_request(worker_id: str) -> WorkerRequest:
     request is its own call, as each sample of one with ``n`` > 1: ``worker_request("1_chatcmpl-r1-0123abcd") ==
     ("r1", Choice(None, 1))``), each beam-search step ``worker_request("cmpl-r1-85d3d8d25a5c2b0d-beam-1-0123abcd")
     == ("r1", None)``; a response's turn, its response's id: ``worker_request("resp_3f2a_0-0123abcd") ==
-    ("resp_3f2a", Choice(None, 0))``."""
+    ("resp_3f2a", Choice(None, 0))``; an id given to vLLM's engine itself, ``("mine", None)`` (its samples are
+    ``0_mine``, ``1_mine``, ...). Indices are at most 9 digits (records keep int32): more is part of the id."""
     beam = _BEAM.match(worker_id)
     if beam is not None:
         return WorkerRequest(beam.group("id"), None)
@@ -115,6 +116,8 @@ def worker_request(worker_id: str) -> WorkerRequest:
         return WorkerRequest(worker_id, None)
     found = match.groupdict()
     client = next(found[name] for name in ("chat", "completion", "response", "id") if found[name] is not None)
+    if found["id"] is not None and found["sample"] is None and not client.isdigit():
+        return WorkerRequest(client, None)  # an id given to vLLM's engine itself: its samples are ids of their own
     prompt = found["prompt"]
     return WorkerRequest(client, Choice(None if prompt is None else int(prompt), int(found["sample"] or 0)))
 
