@@ -74,14 +74,15 @@ def transformers_cli() -> str:
 
 
 class Server:
-    """``transformers serve MODEL`` on 127.0.0.1 (under ``nxl run NXL...`` unless ``nxl`` is None)."""
+    """``transformers serve MODEL`` on 127.0.0.1 (under ``nxl run NXL...`` unless ``nxl`` is None); ``model`` None:
+    ``transformers serve`` alone, which loads the model each request names (``chat(..., model=PATH)``) on demand."""
 
-    def __init__(self, model: Path, *, nxl: list[str] | None = None, serve: list[str] = (),
+    def __init__(self, model: Path | None, *, nxl: list[str] | None = None, serve: list[str] = (),
                  log: Path | None = None, env: dict | None = None, device: str = "cpu") -> None:
         self.model, self.port = model, free_port()
         self.base = f"http://127.0.0.1:{self.port}"
-        command = [transformers_cli(), "serve", str(model), "--host", "127.0.0.1", "--port", str(self.port),
-                   "--device", device, *serve]
+        command = [transformers_cli(), "serve", *([str(model)] if model is not None else []), "--host", "127.0.0.1",
+                   "--port", str(self.port), "--device", device, *serve]
         if nxl is not None:
             command = [sys.executable, "-m", "nxl_hooks", "run", *nxl, "--", *command]
         self.command = command

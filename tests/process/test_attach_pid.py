@@ -45,8 +45,8 @@ class Clients:
     """One client thread sending chat requests one after the other (ids r0, r1, ...) until stopped: (id, content,
     started, ended, reply or exception) per request."""
 
-    def __init__(self, server: Server, limit: int = 2000) -> None:
-        self.server, self.limit, self.done = server, limit, []
+    def __init__(self, server: Server, limit: int = 2000, **body: object) -> None:
+        self.server, self.limit, self.done, self.body = server, limit, [], body  # body: more of each request's
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, daemon=True)
 
@@ -57,7 +57,8 @@ class Clients:
             content = CONTENTS[n % len(CONTENTS)]
             started = time.monotonic()
             try:
-                reply = self.server.chat(content, max_tokens=4, request_id=f"r{n}", stream=n % 2 == 1)
+                reply = self.server.chat(content, max_tokens=4, request_id=f"r{n}", stream=n % 2 == 1,
+                                         **self.body)
             except Exception as error:  # noqa: BLE001 - asserted by the test
                 reply = error
             self.done.append((f"r{n}", content, started, time.monotonic(), reply))
@@ -147,6 +148,42 @@ def test_a_detach_an_idle_model_process_cannot_take_says_it_still_records(tiny, 
         with Clients(server):
             code, _, err = _cli(capsys, "detach", sock.stem)
         assert code == 0 and "runs unrecorded" in err and not sock.exists(), err
+
+
+@needs_gdb
+def test_a_model_process_the_server_starts_after_the_attach_is_recorded_and_detached(tiny, tmp_path, capsys):
+    """transformers 5.25+: serve started without a model loads the one a request names in a process of its own, and
+    stops it after --model-timeout seconds without requests; the next request starts another. One started after
+    nxl attach ran unrecorded (the attach had reached the one before it). It now starts with nxl run's bootstrap:
+    its requests are recorded in the run folder, exactly, and nxl detach of the server detaches it too."""
+    if not hasattr(importlib.import_module("transformers.cli.serving.utils"), "GenerateRunner"):
+        pytest.skip("up to transformers 5.24, serve holds its model in its own process")
+    run, model = tmp_path / "run", str(tiny.path)
+    with Server(None, serve=["--model-timeout", "3"], log=tmp_path / "log", env=SERVE_ENV) as server:
+        with Clients(server, model=model) as clients:
+            clients.wait_for(0, 1)
+            code, _, err = _cli(capsys, "attach", str(server.pid), "--layers", "all", "--sink", str(run))
+            assert code == 0 and "and the model processes it starts from now on" in err, err
+        (first,) = map(psutil.Process, inject.model_processes(server.pid))  # (not multiprocessing's resource tracker)
+        first.wait(timeout=60)  # stopped after 3 s without requests
+        reply = server.chat(CONTENTS[1], max_tokens=4, request_id="late-1", model=model)
+        (second,) = map(psutil.Process, inject.model_processes(server.pid))
+        assert second.pid != first.pid and second.environ().get("NXL_ATTACHED_FRONT") == str(server.pid)
+        assert os.path.exists(run / f"{second.pid}.sock")  # its endpoint, in the attach's run folder
+        (call,) = nxl.read_stream(run, request_id="late-1")
+        assert call.complete
+        check_call(tiny, call, CONTENTS[1], reply)
+        with Clients(server, model=model):  # (an idle model process takes nxl detach's request with the next one)
+            code, _, err = _cli(capsys, "detach", str(server.pid))
+        assert code == 0 and "runs unrecorded" in err, err
+        assert not list(run.glob("*.sock"))
+        server.chat(CONTENTS[2], max_tokens=4, request_id="after-1", model=model)
+        second.wait(timeout=60)
+        server.chat(CONTENTS[2], max_tokens=4, request_id="after-2", model=model)  # in a third model process
+        (third,) = map(psutil.Process, inject.model_processes(server.pid))  # started as one unattached
+        assert not any(key.startswith("NXL_") for key in third.environ()) and "bootstrap" not in third.environ().get(
+            "PYTHONPATH", "")
+    assert not nxl.read_stream(run, request_id="after-1") and not nxl.read_stream(run, request_id="after-2")
 
 
 _SCRIPT = textwrap.dedent("""

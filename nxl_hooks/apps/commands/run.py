@@ -22,6 +22,7 @@ from pathlib import Path
 from ..extras import SERVE_MODULES, extra_line, require_extra
 from ..options import CliError, add_loading_options, check_file_folder, check_output_folder, loading_options, say
 from ..schema import read_args, replaced_env
+from ..serve.lazy import BOOTSTRAP, bootstrapped
 from ..serve.settings import Settings, add_run_options, address_family, parse_listen
 
 NAME = "run"
@@ -40,13 +41,6 @@ def add_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser.add_argument("program", nargs=argparse.REMAINDER, metavar="-- COMMAND ARGS",
                         help="the program to run, after --")
     return parser
-
-
-def bootstrap_dir() -> str:
-    """The folder that holds the bootstrap's sitecustomize.py."""
-    from ..serve import lazy
-
-    return os.path.join(os.path.dirname(lazy.__file__), "bootstrap")
 
 
 def sink_kind(value: str | None, python: str | None = None, *, target: bool = False) -> str | None:
@@ -205,7 +199,7 @@ def vllm_program(program: list[str]) -> list[str]:
     interpreter = script_python(program[0])
     if not interpreter or _succeeds(interpreter, _VLLM_CHECK) is not False:
         return program
-    return [*interpreter, os.path.join(os.path.dirname(bootstrap_dir()), "vllm_main.py"), *program[1:]]
+    return [*interpreter, os.path.join(os.path.dirname(BOOTSTRAP), "vllm_main.py"), *program[1:]]
 
 
 def vllm_loading_refusal(load: dict) -> str | None:
@@ -285,8 +279,7 @@ def run(args: argparse.Namespace) -> int:
     if replaced := replaced_env(settings, os.environ, read_args(Settings, args)):
         say("nxl run: the flags' defaults replace your environment's " + ", ".join(replaced)
             + ": give the flag to choose the value")
-    env = {**os.environ, **settings.to_env()}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (bootstrap_dir(), os.environ.get("PYTHONPATH")) if p)
+    env = bootstrapped(os.environ, settings.to_env())
     say(f"nxl run: run folder {folder} (live view: nxl tail --run {folder})")
     try:
         os.execvpe(program[0], program, env)

@@ -56,8 +56,8 @@ from ...records.tokens import untexted
 from .runs import check_private
 from .settings import NoMatch, Settings, matches
 
-__all__ = ["Controller", "Forward", "Live", "LiveStep", "Models", "Rules", "Texts", "Watch", "controller", "start",
-           "stop"]
+__all__ = ["Controller", "Forward", "Live", "LiveStep", "Models", "Rules", "Texts", "Watch", "controller", "running",
+           "start", "stop"]
 
 _log = logging.getLogger("nxl_hooks")
 _PROBE = "_nxl_probe"  #: the attribute of a model that holds its probe
@@ -695,6 +695,12 @@ def controller() -> Controller:
                 run_dir = private_run_dir()
             _CONTROLLER = Controller(Settings.from_env(os.environ, run_dir=run_dir))
             os.register_at_fork(after_in_child=_CONTROLLER.after_fork)
+        return _CONTROLLER
+
+
+def running() -> Controller | None:
+    """This process's controller, if it has one (never made here, as :func:`controller` makes one)."""
+    with _CONTROLLER_LOCK:
         return _CONTROLLER
 
 

@@ -12,6 +12,7 @@ this file by path before the program starts (importing the package would import 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import threading
 from types import ModuleType
@@ -19,9 +20,9 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # not at run time: with importlib.abc and logging they doubled the bootstrap's start-up
     from importlib.machinery import ModuleSpec
-    from typing import Any, Sequence
+    from typing import Any, Mapping, Sequence
 
-__all__ = ["HOOKS", "install", "when_imported"]
+__all__ = ["BOOTSTRAP", "HOOKS", "SPAWNED_BY", "bootstrapped", "install", "uninstall", "when_imported"]
 
 #: What ``nxl run`` and ``import nxl_hooks.auto`` hook: (module, "module:function" called with it once imported).
 #: The one list of import-time patches: an engine that must patch its host before a model exists (a server's
@@ -34,6 +35,24 @@ HOOKS = (("transformers.modeling_utils", "nxl_hooks.apps.serve.patches:patch_mod
          ("vllm.v1.worker.gpu_model_runner", "nxl_hooks.apps.serve.patches:patch_vllm_runner"),
          ("vllm.v1.worker.cpu_model_runner", "nxl_hooks.apps.serve.patches:patch_vllm_runner"),
          ("vllm.v1.worker.gpu.model_runner", "nxl_hooks.apps.serve.patches:patch_vllm_runner"))
+
+#: The folder of the bootstrap's ``sitecustomize.py``, which a Python started with it first on PYTHONPATH imports at
+#: start-up.
+BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap")
+
+
+#: Set in the environment of each model process a server front that ``nxl attach`` reached starts later, to the
+#: front's pid (:mod:`.remote`): such a process starts with nxl run's bootstrap, yet is an attached one, which
+#: ``nxl detach`` detaches.
+SPAWNED_BY = "NXL_ATTACHED_FRONT"
+
+
+def bootstrapped(env: "Mapping[str, str]", settings: "Mapping[str, str]") -> dict[str, str]:
+    """``env`` as a Python started with it runs nxl run's bootstrap: ``settings`` (the ``NXL_*`` variables) added,
+    :data:`BOOTSTRAP` first on PYTHONPATH. ``os.execvpe(program[0], program, bootstrapped(os.environ, variables))``"""
+    path = os.pathsep.join(p for p in (BOOTSTRAP, env.get("PYTHONPATH")) if p)
+    return {**env, **settings, "PYTHONPATH": path}
+
 
 def _call(target: str, module: ModuleType) -> None:
     try:
@@ -153,3 +172,12 @@ def install() -> None:
     """Register every :data:`HOOKS` entry."""
     for name, target in HOOKS:
         when_imported(name, target)
+
+
+def uninstall() -> None:
+    """Forget every registered target not run yet (its module never imported): nothing is patched after this
+    process's recording ended (``nxl detach``)."""
+    for finder in sys.meta_path:
+        if getattr(finder, "nxl_post_import", False):
+            with finder.lock:
+                finder.targets.clear()

@@ -20,7 +20,9 @@ Runs in a short-lived thread of the target (never its main thread); every outcom
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import functools
 import gc
 import importlib
 import inspect
@@ -31,14 +33,15 @@ import threading
 import time
 from typing import Any, Callable
 
+from ...hooks.conventions import SERVE_CLIENT
 from ...hooks.generate import EAGER
 from ...hooks.guard import one_line, typed
 from ...hooks.plan import model_name
 from ...hooks.probe import count_hooks
 from ...records.sinks import sink_factory
-from .controller import Controller, start, stop
+from .controller import Controller, running, start, stop
 from .endpoint import own_signals
-from .lazy import HOOKS
+from .lazy import HOOKS, SPAWNED_BY, bootstrapped, uninstall
 from .settings import Settings
 
 __all__ = ["handle", "live_models"]
@@ -51,6 +54,9 @@ _FRONT: str | None = None  #: the run folder of a server front's attach (no cont
 _FRONT_MODULES = "transformers.cli.serving."
 #: what makes a process with spawned children and no model a server front: transformers serve's API server
 _FRONT_MODULE = "transformers.cli.serving.model_manager"
+_SPAWNING = threading.Lock()
+_STARTING = [0]  #: how many of the front's model processes are being started (the environment is lent meanwhile)
+_LENT: dict[str, str | None] = {}  #: the environment's variables as they were before it was lent
 _EAGER_BEFORE: list[str | None] = []  #: NXL_EAGER as it was before an ``nxl attach --eager``, given back at detach
 #: the main-thread calls :func:`_settle_signals_later` queued: ctypes frees a callback nothing holds, and one is
 #: called after the thread that queued it has ended
@@ -175,8 +181,9 @@ def _attach(env: dict[str, str], wait: float, wanted: Callable[[], bool], front:
             return {"ok": False, "code": "attached", "error": f"process {os.getpid()} is recorded already (run "
                     f"folder {_ATTACHED.settings.run_dir}): see nxl ctl status, or nxl detach {os.getpid()}"}
         _patch(lambda name: name.startswith(_FRONT_MODULES))
+        follows = _follow_spawns(sys.modules[_FRONT_MODULE], env)
         _FRONT = str(settings.run_dir)
-        return {"ok": True, "front": True, "status": {"models": []}}
+        return {"ok": True, "front": True, "follows": follows, "status": {"models": []}}
     if not any(settings.selects(name) for name in names):
         what = (f"no model matches --models {','.join(settings.models)} (found: {', '.join(names)})" if names else
                 "no transformers model is loaded in this process yet")
@@ -217,6 +224,53 @@ def _patch(which: Callable[[str], bool] = lambda name: True) -> None:
             getattr(importlib.import_module(where), function)(module)
 
 
+def _follow_spawns(module: Any, env: dict[str, str]) -> bool:
+    """Make the model processes serve's ``EngineClient`` starts from now on (a model loaded on demand, or again
+    after ``--model-timeout``) start as under ``nxl run``: with its bootstrap and ``env`` (the attach's settings), so
+    each records into the same run folder, and :data:`SPAWNED_BY`. Whether it could (another transformers: no).
+    The environment is the process's: it is lent only while a model process starts (every thread's children
+    started meanwhile get it too: a second model's, or a helper Python, whose bootstrap records only models)."""
+    client = getattr(module, SERVE_CLIENT, None)
+    original = vars(client).get("start_process") if isinstance(client, type) else None
+    if not isinstance(original, staticmethod) or getattr(original.__func__, _MARK, False):
+        return False
+    function, variables = original.__func__, {**env, SPAWNED_BY: str(os.getpid())}
+
+    @functools.wraps(function)
+    def start_process(*args: Any, **kwargs: Any) -> Any:
+        with _lent(variables):
+            return function(*args, **kwargs)
+
+    setattr(start_process, _MARK, True)
+    client.start_process = staticmethod(start_process)
+    return True
+
+
+@contextlib.contextmanager
+def _lent(variables: dict[str, str]) -> Any:
+    """The process's environment with nxl run's bootstrap and ``variables`` (:func:`~.lazy.bootstrapped`) while
+    the block runs, in every thread (as long as one such block runs); as it was after."""
+    with _SPAWNING:
+        if not _STARTING[0]:
+            wanted = bootstrapped(os.environ, variables)
+            changed = {key: value for key, value in wanted.items() if os.environ.get(key) != value}
+            _LENT.update({key: os.environ.get(key) for key in changed})
+            os.environ.update(changed)
+        _STARTING[0] += 1
+    try:
+        yield
+    finally:
+        with _SPAWNING:
+            _STARTING[0] -= 1
+            if not _STARTING[0]:
+                for key, value in _LENT.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
+                _LENT.clear()
+
+
 def _unpatch() -> int:
     """Give back every original the patches replaced in the hooked modules' classes; how many."""
     restored = 0
@@ -224,10 +278,11 @@ def _unpatch() -> int:
         module = sys.modules.get(name)
         for cls in [value for value in vars(module).values() if isinstance(value, type)] if module else []:
             for attr, value in list(vars(cls).items()):
-                function = value.__func__ if isinstance(value, classmethod) else value
+                bound = isinstance(value, (classmethod, staticmethod))
+                function = value.__func__ if bound else value
                 if getattr(function, _MARK, False):
                     original = function.__wrapped__
-                    setattr(cls, attr, classmethod(original) if isinstance(value, classmethod) else original)
+                    setattr(cls, attr, type(value)(original) if bound else original)
                     restored += 1
     return restored
 
@@ -238,6 +293,12 @@ def _detach() -> dict:
     if ctl is None and _FRONT is not None:
         run_dir, _FRONT = _FRONT, None
         return {"ok": True, "front": True, "run_dir": run_dir, "patches": _unpatch(), "hooks": 0, "threads": []}
+    if ctl is None and os.environ.get(SPAWNED_BY):  # a model process its attached server front started
+        uninstall()  # nothing it imports from now on is patched
+        ctl = running()  # its bootstrap's, made when its model loaded
+        if ctl is None:  # (none loaded yet)
+            return {"ok": True, "run_dir": os.environ.get("NXL_RUN_DIR"), "patches": _unpatch(), "hooks": 0,
+                    "threads": []}
     if ctl is None:
         return {"ok": False, "code": "not-attached",
                 "error": "not attached by nxl attach (nothing to detach)"}  # nxl detach names the process
