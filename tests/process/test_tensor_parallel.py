@@ -162,7 +162,13 @@ EXAMPLES = [{"text": "w5 w9 w12 w7 w30", "evidence": ["w9"]}, {"text": "w21 w37 
 
 
 def _close(mine, theirs, where: str = "") -> None:
-    """Two records or summaries equal, their numbers within TOL (wall-clock ``seconds`` aside)."""
+    """Two records or summaries equal, their numbers within TOL (wall-clock ``seconds`` aside; of ``made_with``'s
+    package ``versions``, those both name: each lists what its process imported, and this test's has imported more
+    than a torchrun's)."""
+    if where.endswith(".versions"):
+        shared = set(mine) & set(theirs)
+        assert {"nxl_hooks", "torch", "transformers"} <= shared, where
+        mine, theirs = ({key: versions[key] for key in shared} for versions in (mine, theirs))
     if isinstance(theirs, dict):
         assert isinstance(mine, dict) and sorted(mine) == sorted(theirs), where
         for key in theirs:
