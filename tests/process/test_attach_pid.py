@@ -168,8 +168,7 @@ def test_a_model_process_the_server_starts_after_the_attach_is_recorded_and_deta
         first.wait(timeout=60)  # stopped after 3 s without requests
         reply = server.chat(CONTENTS[1], max_tokens=4, request_id="late-1", model=model)
         (second,) = map(psutil.Process, inject.model_processes(server.pid))
-        assert second.pid != first.pid and second.environ().get("NXL_ATTACHED_FRONT") == str(server.pid)
-        assert os.path.exists(run / f"{second.pid}.sock")  # its endpoint, in the attach's run folder
+        assert second.pid != first.pid and (run / f"{second.pid}.sock").exists()  # its endpoint, in the run folder
         (call,) = nxl.read_stream(run, request_id="late-1")
         assert call.complete
         check_call(tiny, call, CONTENTS[1], reply)
@@ -180,9 +179,8 @@ def test_a_model_process_the_server_starts_after_the_attach_is_recorded_and_deta
         server.chat(CONTENTS[2], max_tokens=4, request_id="after-1", model=model)
         second.wait(timeout=60)
         server.chat(CONTENTS[2], max_tokens=4, request_id="after-2", model=model)  # in a third model process
-        (third,) = map(psutil.Process, inject.model_processes(server.pid))  # started as one unattached
-        assert not any(key.startswith("NXL_") for key in third.environ()) and "bootstrap" not in third.environ().get(
-            "PYTHONPATH", "")
+        (third,) = inject.model_processes(server.pid)  # started as by a server never attached
+        assert third != second.pid and not list(run.glob("*.sock"))
     assert not nxl.read_stream(run, request_id="after-1") and not nxl.read_stream(run, request_id="after-2")
 
 

@@ -9,8 +9,9 @@ process is reached, and every refusal: :mod:`nxl_hooks.apps.serve.inject`; what 
 :mod:`nxl_hooks.apps.serve.remote`. A server whose models run in processes it spawned (``transformers serve``
 from 5.25) is attached with them: each model process records into the same run folder, and the server sends
 them its requests' ids; ``nxl detach`` of the server detaches them too. A model process it starts later (another
-model, or one again after ``--model-timeout``) starts with ``nxl run``'s bootstrap and the attach's settings, and
-records into the same run folder (:mod:`~nxl_hooks.apps.serve.remote`). (``--api-server-count`` above 1:
+model, or one again after ``--model-timeout``) takes the attach's settings and ``nxl run``'s patches before its
+model loads, and records into the same run folder (:mod:`~nxl_hooks.apps.serve.remote`). (``--api-server-count``
+above 1:
 its model process is not its API servers' child, and is not followed.)
 """
 

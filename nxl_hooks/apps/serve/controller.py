@@ -56,7 +56,7 @@ from ...records.tokens import untexted
 from .runs import check_private
 from .settings import NoMatch, Settings, matches
 
-__all__ = ["Controller", "Forward", "Live", "LiveStep", "Models", "Rules", "Texts", "Watch", "controller", "running",
+__all__ = ["Controller", "Forward", "Live", "LiveStep", "Models", "Rules", "Texts", "Watch", "controller", "end",
            "start", "stop"]
 
 _log = logging.getLogger("nxl_hooks")
@@ -698,10 +698,14 @@ def controller() -> Controller:
         return _CONTROLLER
 
 
-def running() -> Controller | None:
-    """This process's controller, if it has one (never made here, as :func:`controller` makes one)."""
+def end() -> Controller | None:
+    """End this process's recording: its controller, if it has one, is forgotten and returned (the caller closes
+    it), and none is made again (:func:`controller` refuses, as after :func:`stop`): ``nxl detach`` of a process
+    that records through the environment (a model process an attached server started)."""
+    global _CONTROLLER, _ENDED
     with _CONTROLLER_LOCK:
-        return _CONTROLLER
+        ctl, _CONTROLLER, _ENDED = _CONTROLLER, None, True
+        return ctl
 
 
 def start(settings: Settings) -> Controller:

@@ -69,7 +69,6 @@ from pathlib import Path
 
 from ...records.files import json_value, read_regular
 from ..options import CliError
-from .lazy import SPAWNED_BY
 
 __all__ = ["Target", "bootstrap_source", "inject", "injector_command", "inspect_target", "model_processes",
            "permission_refusal", "remove_as", "script_source", "trusted_file"]
@@ -281,7 +280,7 @@ def inspect_target(pid: int) -> Target:
     if environ.get("PYTHON_DISABLE_REMOTE_DEBUG") or any("disable_remote_debug" in arg for arg in _options(argv)):
         raise CliError(f"process {pid} disabled remote debugging (PYTHON_DISABLE_REMOTE_DEBUG or -X "
                        "disable_remote_debug): restart it without that to attach, or use nxl run")
-    if environ.get("NXL_RUN_DIR") and not environ.get(SPAWNED_BY):  # (one an attached server started: attached)
+    if environ.get("NXL_RUN_DIR"):
         raise CliError(f"process {pid} runs under nxl run already (run folder {environ['NXL_RUN_DIR']}): use "
                        f"nxl ctl --run {environ['NXL_RUN_DIR']}")
     # run only a Python interpreter's file (not a program embedding Python), only one nobody else can change, and
@@ -386,9 +385,7 @@ def report(outcome):
 def refusal(request):
     # Nothing is imported into a process that has nothing to detach or no model to attach; these answers are given
     # in the main thread, before an attach sets its signal handler, so a refused attach leaves the process as it was.
-    # (a model process an attached server front started records through nxl run's bootstrap, without that module)
-    if (request["action"] == "detach" and "nxl_hooks.apps.serve.remote" not in sys.modules
-            and not os.environ.get({SPAWNED_BY!r})):
+    if request["action"] == "detach" and "nxl_hooks.apps.serve.remote" not in sys.modules:
         return {{"ok": False, "code": "not-attached", "error": "not attached by nxl attach (nothing to detach)"}}
     if importlib.util.find_spec("nxl_hooks") is None:  # a path search: nothing imported
         return {{"ok": False, "code": "not-installed", "executable": sys.executable,

@@ -22,7 +22,7 @@ if TYPE_CHECKING:  # not at run time: with importlib.abc and logging they double
     from importlib.machinery import ModuleSpec
     from typing import Any, Mapping, Sequence
 
-__all__ = ["BOOTSTRAP", "HOOKS", "SPAWNED_BY", "bootstrapped", "install", "uninstall", "when_imported"]
+__all__ = ["BOOTSTRAP", "HOOKS", "bootstrapped", "install", "uninstall", "when_imported"]
 
 #: What ``nxl run`` and ``import nxl_hooks.auto`` hook: (module, "module:function" called with it once imported).
 #: The one list of import-time patches: an engine that must patch its host before a model exists (a server's
@@ -39,12 +39,6 @@ HOOKS = (("transformers.modeling_utils", "nxl_hooks.apps.serve.patches:patch_mod
 #: The folder of the bootstrap's ``sitecustomize.py``, which a Python started with it first on PYTHONPATH imports at
 #: start-up.
 BOOTSTRAP = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bootstrap")
-
-
-#: Set in the environment of each model process a server front that ``nxl attach`` reached starts later, to the
-#: front's pid (:mod:`.remote`): such a process starts with nxl run's bootstrap, yet is an attached one, which
-#: ``nxl detach`` detaches.
-SPAWNED_BY = "NXL_ATTACHED_FRONT"
 
 
 def bootstrapped(env: "Mapping[str, str]", settings: "Mapping[str, str]") -> dict[str, str]:

@@ -35,13 +35,13 @@ from typing import Any, Callable
 
 from ...hooks.conventions import SERVE_CLIENT
 from ...hooks.generate import EAGER
-from ...hooks.guard import one_line, typed
+from ...hooks.guard import logger, one_line, typed
 from ...hooks.plan import model_name
 from ...hooks.probe import count_hooks
 from ...records.sinks import sink_factory
-from .controller import Controller, running, start, stop
+from .controller import Controller, end, start, stop
 from .endpoint import own_signals
-from .lazy import HOOKS, SPAWNED_BY, bootstrapped, uninstall
+from .lazy import HOOKS, install, uninstall
 from .settings import Settings
 
 __all__ = ["handle", "live_models"]
@@ -54,9 +54,10 @@ _FRONT: str | None = None  #: the run folder of a server front's attach (no cont
 _FRONT_MODULES = "transformers.cli.serving."
 #: what makes a process with spawned children and no model a server front: transformers serve's API server
 _FRONT_MODULE = "transformers.cli.serving.model_manager"
-_SPAWNING = threading.Lock()
-_STARTING = [0]  #: how many of the front's model processes are being started (the environment is lent meanwhile)
-_LENT: dict[str, str | None] = {}  #: the environment's variables as they were before it was lent
+#: Set in the environment of a model process that a server front ``nxl attach`` reached started later, to the
+#: front's pid (:class:`_Recorded`): its recording is an attached one, which ``nxl detach`` ends
+SPAWNED_BY = "NXL_ATTACHED_FRONT"
+_SET_HERE: dict[str, str | None] = {}  #: what :func:`_record_here` set in this process's environment: as it was
 _EAGER_BEFORE: list[str | None] = []  #: NXL_EAGER as it was before an ``nxl attach --eager``, given back at detach
 #: the main-thread calls :func:`_settle_signals_later` queued: ctypes frees a callback nothing holds, and one is
 #: called after the thread that queued it has ended
@@ -226,49 +227,61 @@ def _patch(which: Callable[[str], bool] = lambda name: True) -> None:
 
 def _follow_spawns(module: Any, env: dict[str, str]) -> bool:
     """Make the model processes serve's ``EngineClient`` starts from now on (a model loaded on demand, or again
-    after ``--model-timeout``) start as under ``nxl run``: with its bootstrap and ``env`` (the attach's settings), so
-    each records into the same run folder, and :data:`SPAWNED_BY`. Whether it could (another transformers: no).
-    The environment is the process's: it is lent only while a model process starts (every thread's children
-    started meanwhile get it too: a second model's, or a helper Python, whose bootstrap records only models)."""
+    after ``--model-timeout``) record as those the attach reached: the loader it hands each one is wrapped
+    (:class:`_Recorded`), and a new process records into the same run folder with the attach's settings (``env``)
+    from its model's load on. Nothing of the server's own changes but that argument. Whether it could (another
+    transformers: no)."""
     client = getattr(module, SERVE_CLIENT, None)
     original = vars(client).get("start_process") if isinstance(client, type) else None
     if not isinstance(original, staticmethod) or getattr(original.__func__, _MARK, False):
         return False
     function, variables = original.__func__, {**env, SPAWNED_BY: str(os.getpid())}
+    signature = inspect.signature(function)
+    if "loader" not in signature.parameters:
+        return False
 
     @functools.wraps(function)
     def start_process(*args: Any, **kwargs: Any) -> Any:
-        with _lent(variables):
+        try:
+            bound = signature.bind(*args, **kwargs)
+            bound.arguments["loader"] = _Recorded(bound.arguments["loader"], variables)
+        except Exception:  # noqa: BLE001 - never into the server: that process runs unrecorded
             return function(*args, **kwargs)
+        return function(*bound.args, **bound.kwargs)
 
     setattr(start_process, _MARK, True)
     client.start_process = staticmethod(start_process)
     return True
 
 
-@contextlib.contextmanager
-def _lent(variables: dict[str, str]) -> Any:
-    """The process's environment with nxl run's bootstrap and ``variables`` (:func:`~.lazy.bootstrapped`) while
-    the block runs, in every thread (as long as one such block runs); as it was after."""
-    with _SPAWNING:
-        if not _STARTING[0]:
-            wanted = bootstrapped(os.environ, variables)
-            changed = {key: value for key, value in wanted.items() if os.environ.get(key) != value}
-            _LENT.update({key: os.environ.get(key) for key in changed})
-            os.environ.update(changed)
-        _STARTING[0] += 1
+class _Recorded:
+    """A serve ``ModelLoader`` as a front's model process gets it (pickled, by this class's name): its
+    ``load_model_and_processor``, which that process calls first, makes the process record before the model loads
+    (:func:`_record_here`); everything else is the loader's own."""
+
+    def __init__(self, loader: Any, variables: dict[str, str]) -> None:
+        self._nxl_loader, self._nxl_variables = loader, variables
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_nxl_") or name.startswith("__"):  # (unpickling looks up hooks before __dict__ is set)
+            raise AttributeError(name)
+        return getattr(self._nxl_loader, name)
+
+    def load_model_and_processor(self, *args: Any, **kwargs: Any) -> Any:
+        _record_here(self._nxl_variables)
+        return self._nxl_loader.load_model_and_processor(*args, **kwargs)
+
+
+def _record_here(variables: dict[str, str]) -> None:
+    """Make this process (a model process a front started) record as under ``nxl run``: the attach's settings
+    in its own environment (where the controller reads them; its children inherit them, as under ``nxl run``), and
+    nxl run's patches of transformers (:func:`~.lazy.install`). Never raises: the model loads as it would."""
     try:
-        yield
-    finally:
-        with _SPAWNING:
-            _STARTING[0] -= 1
-            if not _STARTING[0]:
-                for key, value in _LENT.items():
-                    if value is None:
-                        os.environ.pop(key, None)
-                    else:
-                        os.environ[key] = value
-                _LENT.clear()
+        _SET_HERE.update({key: os.environ.get(key) for key in variables if key not in _SET_HERE})
+        os.environ.update(variables)
+        install()
+    except Exception as error:  # noqa: BLE001 - the model process runs unrecorded, said once
+        logger.warning("nxl_hooks: this model process runs unrecorded (%s)", one_line(error))
 
 
 def _unpatch() -> int:
@@ -294,11 +307,7 @@ def _detach() -> dict:
         run_dir, _FRONT = _FRONT, None
         return {"ok": True, "front": True, "run_dir": run_dir, "patches": _unpatch(), "hooks": 0, "threads": []}
     if ctl is None and os.environ.get(SPAWNED_BY):  # a model process its attached server front started
-        uninstall()  # nothing it imports from now on is patched
-        ctl = running()  # its bootstrap's, made when its model loaded
-        if ctl is None:  # (none loaded yet)
-            return {"ok": True, "run_dir": os.environ.get("NXL_RUN_DIR"), "patches": _unpatch(), "hooks": 0,
-                    "threads": []}
+        return _detach_spawned()
     if ctl is None:
         return {"ok": False, "code": "not-attached",
                 "error": "not attached by nxl attach (nothing to detach)"}  # nxl detach names the process
@@ -313,6 +322,28 @@ def _detach() -> dict:
             os.environ.pop(EAGER, None)
         else:
             os.environ[EAGER] = before
+    return {"ok": True, "run_dir": run_dir, "patches": restored, "hooks": sum(count_hooks(m) for m in models),
+            "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("nxl-")
+                              and t is not threading.current_thread())}
+
+
+def _detach_spawned() -> dict:
+    """Detach a model process a front started while attached (:func:`_record_here`): no patch, import hook or
+    controller of its recording stays, its recording is ended (a load under way adopts nothing), and the settings
+    leave its environment (a Python it starts later is not taken for one under ``nxl run``)."""
+    uninstall()  # nothing it imports from now on is patched
+    restored = _unpatch()
+    ctl = end()  # (None: its model had not loaded)
+    models = [model for model in (watch.ref() for watch in ctl.watches()) if model is not None] if ctl else []
+    run_dir = str(ctl.settings.run_dir) if ctl else os.environ.get("NXL_RUN_DIR", "")
+    if ctl is not None:
+        ctl.close()
+    for key, value in _SET_HERE.items():  # as the process was given them
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    _SET_HERE.clear()
     return {"ok": True, "run_dir": run_dir, "patches": restored, "hooks": sum(count_hooks(m) for m in models),
             "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("nxl-")
                               and t is not threading.current_thread())}
