@@ -408,7 +408,7 @@ def test_vllms_v2_model_runner_is_not_followed_and_each_request_says_so():
     view = VllmForCausalLM(runner)
     calls = []
     gens = SimpleNamespace(plan=SimpleNamespace(model=view, layers=[0, 1]),
-                           unrecorded=lambda request, what, error, log: calls.append((request, str(error))))
+                           unrecorded=lambda request, what, error, log, choice: calls.append((request, str(error))))
     runner.execute_model, runner.sample_tokens = (lambda *args, **kwargs: None), (lambda *args, **kwargs: None)
     engine = VllmEngine()
     engine.install(gens)
