@@ -13,14 +13,15 @@ A server whose models run in processes of their own (``transformers serve`` from
 spawned children, ``"front": True``, and the process runs serve's API server) holds no model: attached with none,
 it gets only the patches that send each request's id to the model's process (the ``transformers.cli.serving``
 modules'), and ``nxl attach`` attaches its model processes each as a target of its own; its detach answers
-``"front": True``, and ``nxl detach`` then detaches them.
+``"front": True``, and ``nxl detach`` then detaches them. A model process it starts while attached gets a wrapped
+loader (:class:`_Recorded`), which makes that process record (:data:`SPAWNED_BY` in its environment) before its
+model loads.
 
 Runs in a short-lived thread of the target (never its main thread); every outcome is a dict, nothing raises.
 """
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import functools
 import gc
