@@ -11,7 +11,7 @@ One row per (call, batch row, step, layer, context position[, explained target])
 ===================  ==========================================================================================
 ``request_id``       the request the call served (a generated id where no request named it)
 ``call``, ``row``    the call's index under its probe, generate's batch row
-``choice_prompt``,    which of its request's choices the call generated (:class:`~.view.Choice`: a vLLM request with
+``choice_prompt``,   which of its request's choices the call generated (:class:`~.view.Choice`: a vLLM request with
 ``choice_sample``    ``n`` > 1 or several prompts is several calls under one request id): its prompt (null for a chat)
                      and sample; both null where not known (no server said: ``generate``, older files)
 ``step``             0 for the first new token; ``emitted_position``: that token's index in the sequence

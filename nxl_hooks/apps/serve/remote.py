@@ -312,7 +312,7 @@ def _detach() -> dict:
     if ctl is None:
         return {"ok": False, "code": "not-attached",
                 "error": "not attached by nxl attach (nothing to detach)"}  # nxl detach names the process
-    models = [model for model in (watch.ref() for watch in ctl.watches()) if model is not None]
+    models = _models(ctl)
     run_dir = str(ctl.settings.run_dir)
     restored = _unpatch()  # first: a from_pretrained returning meanwhile must not adopt into a new controller
     stop(ctl)
@@ -323,9 +323,7 @@ def _detach() -> dict:
             os.environ.pop(EAGER, None)
         else:
             os.environ[EAGER] = before
-    return {"ok": True, "run_dir": run_dir, "patches": restored, "hooks": sum(count_hooks(m) for m in models),
-            "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("nxl-")
-                              and t is not threading.current_thread())}
+    return _detached(run_dir, restored, models)
 
 
 def _detach_spawned() -> dict:
@@ -335,7 +333,7 @@ def _detach_spawned() -> dict:
     uninstall()  # nothing it imports from now on is patched
     restored = _unpatch()
     ctl = end()  # (None: its model had not loaded)
-    models = [model for model in (watch.ref() for watch in ctl.watches()) if model is not None] if ctl else []
+    models = _models(ctl) if ctl else []
     run_dir = str(ctl.settings.run_dir) if ctl else os.environ.get("NXL_RUN_DIR", "")
     if ctl is not None:
         ctl.close()
@@ -345,6 +343,17 @@ def _detach_spawned() -> dict:
         else:
             os.environ[key] = value
     _SET_HERE.clear()
+    return _detached(run_dir, restored, models)
+
+
+def _models(ctl: Controller) -> list[Any]:
+    """The models ``ctl`` still holds (weakly)."""
+    return [model for model in (watch.ref() for watch in ctl.watches()) if model is not None]
+
+
+def _detached(run_dir: str, restored: int, models: list[Any]) -> dict:
+    """A detach's answer: its run folder, the patches given back, and what is left of it (hooks on ``models``, the
+    nxl threads still running)."""
     return {"ok": True, "run_dir": run_dir, "patches": restored, "hooks": sum(count_hooks(m) for m in models),
             "threads": sorted(t.name for t in threading.enumerate() if t.name.startswith("nxl-")
                               and t is not threading.current_thread())}
