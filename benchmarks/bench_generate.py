@@ -1,7 +1,8 @@
 """Cost of attributing every generated token while generate runs, versus plain generate (and inseq, if present).
 
     python benchmarks/bench_generate.py [--repeats 7] [--threads 1] [--clock wall|cpu] [--device cpu] \\
-        [--batch 1] [--shape full|llama2-7b] [--dtype float32|bfloat16] [--out benchmarks/results/generate_cpu.json]
+        [--batch 1] [--shape full|llama2-7b|host-bound] [--dtype float32|bfloat16] \\
+        [--out benchmarks/results/generate_cpu.json]
     python benchmarks/bench_generate.py --smoke     # tiny model, one round: does it still run (CI)
 
 Model: random-init Llama, hidden 512, 8 layers, vocab 32000 (as benchmarks/bench_forward.py; on a GPU
@@ -17,6 +18,10 @@ the file holds every record.
 "inseq_saliency": inseq's ``saliency``
 on the same prompt, generating the same 64 tokens itself and attributing each with a gradient pass; it runs only
 where ``import inseq`` works (it is no dependency of nxl_hooks; the JSON says why it did not run otherwise).
+Besides the ratios: what recording adds per generated token in seconds (``added_us_per_new_token``, paired medians)
+and, counted instead of timed, in Python calls of the generating thread (``added_python_calls_per_new_token``:
+the same on every run). ``--shape host-bound`` (Llama-2-7B's 32 layers and vocabulary at width 64) makes a CPU
+decoding step as bound by the host's Python as a GPU's eager one is.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -71,6 +77,24 @@ def _inseq_variant(model, tokenizer, prompt: str, new_tokens: int, expected: tor
     return run, None
 
 
+def _python_calls(run: Callable[[], object]) -> int:
+    """How many Python functions, and C functions called from Python, ``run()`` calls in this thread (counted with
+    ``sys.setprofile``: deterministic, whatever else the machine runs)."""
+    count = 0
+
+    def profile(frame, event: str, arg) -> None:
+        nonlocal count
+        count += event in ("call", "c_call")
+
+    with torch.no_grad():
+        sys.setprofile(profile)
+        try:
+            run()
+        finally:
+            sys.setprofile(None)
+    return count
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=7)
@@ -104,6 +128,12 @@ def main() -> None:
         assert len(probe.steps) == args.new
         return seconds
 
+    def attached_calls() -> int:
+        """:func:`_python_calls` of a recorded call, the attach's own first call made before (as in a server loop)."""
+        with nxl.attach(model, layers="all") as probe:
+            recorded(probe)
+            return _python_calls(lambda: recorded(probe))
+
     sink_folder = tempfile.TemporaryDirectory()
 
     def attached_sink():
@@ -127,6 +157,7 @@ def main() -> None:
 
     times: dict[str, list[float]] = {name: [] for name in variants}
     ratios: dict[str, list[float]] = {name: [] for name in variants if name != "plain"}
+    added: dict[str, list[float]] = {name: [] for name in ratios}  # seconds over the same round's plain call
     names = list(variants)
     with torch.no_grad():
         for round_ in range(args.repeats + 1):  # round 0 warms up and is dropped
@@ -143,9 +174,11 @@ def main() -> None:
                     times[name].append(seconds)
                     if name != "plain":
                         ratios[name].append(seconds / measured["plain"])
+                        added[name].append(seconds - measured["plain"])
             print(f"round {round_}: " + ", ".join(f"{n} {v:.2f}s" for n, v in measured.items()), file=sys.stderr)
 
     sink_folder.cleanup()
+    calls = {"plain": _python_calls(plain), "attached": attached_calls()}
     median = {name: statistics.median(values) for name, values in times.items()}
     paired = {name: statistics.median(values) for name, values in ratios.items() if values}
     with nxl.attach(model, layers="all") as probe:
@@ -163,6 +196,16 @@ def main() -> None:
         "paired_ratio_medians": paired,
         "attached_over_plain": paired["attached"],
         "attached_sink_over_plain": paired["attached_sink"],
+        # what recording adds to each generated token (paired medians, on --clock): with --shape host-bound on the
+        # CPU, the host's Python per decoding step, which bounds a GPU's eager step
+        "added_us_per_new_token": {name: 1e6 * statistics.median(values) / args.new
+                                   for name, values in added.items() if values and name != "inseq_saliency"},
+        # the same, counted, not timed: the Python functions (and C functions called from Python) the generating
+        # thread ran per generated token beyond plain generate's (itself: plain_python_calls_per_new_token), a
+        # machine-independent measure of that host work (on a GPU a batch is scored in the publisher thread:
+        # there it counts only what the hooks do)
+        "added_python_calls_per_new_token": (calls["attached"] - calls["plain"]) / args.new,
+        "plain_python_calls_per_new_token": calls["plain"] / args.new,
         "goal_attached_over_plain": None if args.smoke else 1.05,  # a smoke run's ratios mean nothing
         "goal_attached_sink_over_plain": None if args.smoke else 1.03,
         "inseq_saliency_over_plain": paired.get("inseq_saliency"),

@@ -77,8 +77,8 @@ def embedding_norms(plan: Plan, rows: torch.Tensor, ids: torch.Tensor | None = N
     # the word embedding found inside a PEFT wrapper too
     embedding = word_embedding(plan.model) if plan.embedding == "word" else None
     scale = getattr(embedding, "embed_scale", None)
-    if scale is None:
-        return row_norms(rows.detach()).float()
+    if scale is None:  # (a hook's rows are outside autograd already, but for a forward that trains)
+        return row_norms(rows.detach() if rows.requires_grad else rows).float()
     # (not a weight sharded or quantized: its rows are not plain here; one offloaded to meta is loaded for the read,
     # as the model's own call of it just did, and put back)
     if ids is not None and type(embedding.weight.data) is torch.Tensor and readable(embedding):

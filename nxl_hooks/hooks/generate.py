@@ -231,6 +231,20 @@ def _stacked_tokens(emitted: list[_Emitted]) -> torch.Tensor:
                         for item in emitted])
 
 
+def _joined_rows(rows: list[torch.Tensor]) -> torch.Tensor:
+    """``torch.cat(rows)`` of (batch, V) tensors, as a view where they are consecutive entries of one contiguous
+    (steps, batch, V) tensor, as :meth:`Run._probabilities` makes the log-probabilities of steps scored together
+    (no second copy of every step's vocabulary row)."""
+    first, base = rows[0], rows[0]._base
+    if base is not None and base.dim() == 3 and base.is_contiguous() and first.shape == base.shape[1:]:
+        size, offset = first.numel(), first.storage_offset() - base.storage_offset()
+        if offset % size == 0 and all(row._base is base and row.shape == first.shape
+                                      and row.storage_offset() == first.storage_offset() + index * size
+                                      for index, row in enumerate(rows)):
+            return base.narrow(0, offset // size, len(rows)).view(-1, base.shape[-1])
+    return torch.cat(rows)
+
+
 class _Context(NamedTuple):
     """What a batch of waiting steps reads of its call's feature cache (its first ``n`` positions, ``n`` the last
     step's), as the cache held it when the batch was handed on (:meth:`_Growing.snapshot`)."""
@@ -534,6 +548,7 @@ class Run:
         # (an engine's step: its head features already, (batch, 1, layers, d'), instead of the layers' hidden states)
         self._unfed: list[tuple[list[torch.Tensor] | torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._ones: torch.Tensor | None = None  # the all-ones mask of a one-token step (generate drops it)
+        self._one_device: bool | None = None  # whether a decoding step's layers are all on one device (_fills_later)
         self.failed = False
         self._unscored = False  # scoring a batch failed in the publisher thread: the later ones are dropped
         self._said = threading.Lock()  # a failure is said once, by the generating thread or the publisher
@@ -628,8 +643,8 @@ class Run:
             if not self._fed.n:
                 self._fed_from = n
             self._fed.truncate(n - self._fed_from)
-            self._fed.append(ids[:, n - past:n - past + 1])
-            self.emit(ids[:, n - past])
+            self._fed.append(ids.narrow(1, n - past, 1))  # (narrow and select: no index parsing, every token)
+            self.emit(ids.select(1, n - past))
         self._past, self._predicted = past, False
 
     def _continues_on_device(self, bound: dict, n: int) -> bool:
@@ -768,8 +783,11 @@ class Run:
         if len(tensors) == 1 and self._cache_device is None and self._cache_dtype is None:
             return True  # kept where and as it is: nothing to read off it (an engine's step, in its loop)
         device, dtype = tensors[-1].device, tensors[-1].dtype
-        return (self._cache_device in (None, device)
-                and self._cache_dtype in (None, dtype) and all(t.device == device for t in tensors))
+        if self._cache_device not in (None, device) or self._cache_dtype not in (None, dtype):
+            return False
+        if len(tensors) > 1 and self._one_device is None:  # the layers' devices are the blocks': once per call
+            self._one_device = all(t.device == device for t in tensors)
+        return len(tensors) == 1 or bool(self._one_device)
 
     def _fill(self) -> None:
         """The decoding positions still waiting go into the feature cache: every layer of all of them stacked and
@@ -832,8 +850,9 @@ class Run:
                   and logits.shape[-1] == self._plan.head.n_outputs)
         # generate reads its own copy of them: this row stays as the model made it (a copy of it when the forward
         # gave every position's, which are not kept alive for it, or when generate writes into them: copy_logits)
-        row = ((logits[:, -1] if logits.shape[1] == 1 and not self.copy_logits else logits[:, -1].clone()) if usable
-               else None)
+        # (select, not logits[:, -1]: indexing parses its tuple per token)
+        row = ((logits.select(1, -1) if logits.shape[1] == 1 and not self.copy_logits else logits.select(1, -1).clone())
+               if usable else None)
         self._log_probs, self._logits = None, row
         # fewer rows than the positions after_forward just fed (_n - _past): the prefill with logits_to_keep
         self._sliced = usable and logits.shape[1] < self._n - self._past
@@ -1395,7 +1414,7 @@ class Run:
 
         scores, chosen = plan.scores(Given(
             stacked(together), embed.expand(count, -1, -1).reshape(count * batch, last), torch.cat(targets),
-            None if log_probs[0] is None else torch.cat(log_probs), stacked_logits,
+            None if log_probs[0] is None else _joined_rows(log_probs), stacked_logits,
             mask.expand(count, -1, -1).reshape(count * batch, last)))
         each = {name: value.view(layers, count, batch, *value.shape[2:]).unbind(1) for name, value in scores.items()}
         return [({name: values[index].narrow(2, 0, n) for name, values in each.items()}, explained)
@@ -1448,6 +1467,8 @@ def _watched(kind: type) -> type:
 
         @_waits
         def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+            if not self and self.seen is None:  # no processor to run apart (greedy decoding's list, every token)
+                return super().__call__(input_ids, scores, **kwargs)
             with self.apart():
                 result = super().__call__(input_ids, scores, **kwargs)
             if self.seen is not None:

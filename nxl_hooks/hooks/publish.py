@@ -384,7 +384,7 @@ class Hub:
         """Whether this thread is in an ``on_step`` callback of ``call``'s records: a forward that reaches the call
         meanwhile is the callback's, not the call's (:meth:`~.generate.Run.before_forward`); a ``generate`` call the
         callback makes is a call of its own."""
-        return any(waiting is call for waiting in getattr(self._callback, "calls", ()))
+        return self._on_step is not None and any(waiting is call for waiting in getattr(self._callback, "calls", ()))
 
     @property
     def live(self) -> bool:

@@ -66,8 +66,9 @@ def traced() -> bool:
     they watch. Not ``torch.compiler.is_compiling()``, nor ``is_exporting()`` alone: since torch 2.13 the one, and
     the other during an export, are True in every thread while one compiles or exports, which would make another
     thread's eager forwards (a compiled call's eager refill among them) go unrecorded; a non-strict export traces
-    this thread's tensors as fake ones (:func:`_exporting`)."""
-    return is_dynamo_compiling() or _exporting()
+    this thread's tensors as fake ones (:func:`_exporting`). Asked by every hook of every forward: an eager one
+    makes two flag reads, no more."""
+    return is_dynamo_compiling() or (is_exporting() and _exporting())
 
 
 def _exporting() -> bool:
@@ -655,7 +656,7 @@ class Recorder:
                     given = args[0] if args else kwargs.get("hidden_states")
                     if handed is not None and given is not handed and self._changed(module, index, handed, given):
                         return
-                hidden = _hidden(output)
+                hidden = output[0] if isinstance(output, (tuple, list)) else output  # _hidden(), inline
                 if hands_on:
                     capture.handed = hidden
                 if hidden.requires_grad:  # under no_grad (serving, generate) there is nothing to detach from

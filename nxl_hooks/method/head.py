@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import sys
 import threading
 import weakref
 from dataclasses import dataclass
@@ -374,6 +375,8 @@ class Head:
         on them for that call) and a module of the head is one of those: the records call the head on every layer
         after the model's own call, with the active adapter, not each row's. None otherwise: PEFT's modules in the
         blocks alone leave the head the same for every row."""
+        if "peft" not in sys.modules:  # (no such pre-hook without PEFT: asked at every forward, a walk of the head)
+            return None
         for path, module in self._modules:
             for sub in module.modules():
                 if any(getattr(getattr(hook, "func", None), "__name__", None) == _PEFT_ROW_ADAPTERS

@@ -12,6 +12,7 @@ ranks tokens exactly as LogAt does: :func:`flat_norms` says when (some models no
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import torch
@@ -28,6 +29,7 @@ __all__ = ["FLAT_NORM_CV", "OVERFLOWED", "OVERFLOW_NOTE", "WIDER", "MethodError"
 FLAT_NORM_CV = 1e-3
 
 
+@functools.cache  # (torch.promote_types dispatches as an operator: asked per forward and per scored step)
 def wide(dtype: torch.dtype) -> torch.dtype:
     """At least float32: float32 for a 16-bit dtype, float64 kept (narrowed, values that differ below float32's
     resolution would tie)."""
