@@ -299,7 +299,7 @@ class ParquetSink:
             self._more += 1
             return
         self._said.append({"call": call.index, "request_id": call.request_id,
-                           "choice": None if call.choice is None else call.choice._asdict(), "model": call.model,
+                           "choice": None if call.choice is None else call.choice.to_json(), "model": call.model,
                            "recorded": call.prompt_mask is not None, "complete": call.complete,
                            "error": call.error, "notes": list(call.notes)})
 

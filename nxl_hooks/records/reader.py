@@ -212,8 +212,7 @@ def _text(header: dict, name: str) -> str | None:
 def _choice(header: dict) -> Choice | None:
     """A call's :class:`~.view.Choice` (``{"prompt": int or null, "sample": int}``); None in a file without one."""
     value = _field(header, "choice", (dict,), optional=True)
-    return None if value is None else Choice(_field(value, "prompt", (int,), optional=True),
-                                             _field(value, "sample", (int,)))
+    return None if value is None else Choice.from_json(value)
 
 
 def _tensor(tensors: dict[str, torch.Tensor], name: str, dim: int, *, boolean: bool = False,

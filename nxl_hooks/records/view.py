@@ -52,6 +52,25 @@ class Choice(NamedTuple):
             return ""
         return f"#{self.sample}" if self.prompt is None else f"#{self.prompt}.{self.sample}"
 
+    def to_json(self) -> dict[str, int | None]:
+        """``{"prompt": 2, "sample": 0}``: the one JSON form of a choice, in a stream's call frames, a Parquet file's
+        calls, the step view and the endpoint's request list (:meth:`from_json` reads it back)."""
+        return self._asdict()
+
+    @classmethod
+    def from_json(cls, data: Any) -> "Choice":
+        """The choice :meth:`to_json` made; ValueError when ``data`` is not one (its ``sample`` and a ``prompt``
+        given are indices: ints from 0, not bools). ``Choice.from_json({"prompt": None, "sample": 1})``"""
+        if isinstance(data, dict) and _index(data.get("sample")) and (data.get("prompt") is None
+                                                                     or _index(data.get("prompt"))):
+            return cls(data.get("prompt"), data["sample"])
+        raise ValueError(f"not a choice: {data!r:.80} (expected {{\"prompt\": an index or null, \"sample\": "
+                         f"an index}})")
+
+
+def _index(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
 
 @dataclass(frozen=True)
 class StepView:
@@ -98,7 +117,7 @@ class StepView:
                 "token_id": self.token_id, "token": self.token, "probability": self.probability,
                 "active": self.active, "scores": scores, "top": scores.get(METHOD, {}), "target_id": self.target_id,
                 "target": self.target, "target_probability": self.target_probability,
-                "choice": None if self.choice is None else self.choice._asdict()}
+                "choice": None if self.choice is None else self.choice.to_json()}
 
     @classmethod
     def from_json(cls, data: Any) -> "StepView":
@@ -117,8 +136,7 @@ class StepView:
                        target_id=_optional(int, data.get("target_id")),
                        target=_optional(str, data.get("target")),
                        target_probability=_optional(float, data.get("target_probability")),
-                       choice=_optional(lambda c: Choice(_optional(int, c["prompt"]), int(c["sample"])),
-                                        data.get("choice")))
+                       choice=_optional(Choice.from_json, data.get("choice")))
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise ValueError(f"not a step view ({type(error).__name__}: {error}); is the endpoint an nxl_hooks "
                              "one?") from None

@@ -96,7 +96,7 @@ def encode_call(call: GenerationCall, meta: dict, *, seq: int | None = None) -> 
         tensors["prompt_template"] = call.prompt_template
     return _encode(tensors, {"kind": "call", "call": call.index, "layers": call.layers, "meta": meta,
                              "request_id": call.request_id, "thread": call.thread,
-                             **({"choice": call.choice._asdict()} if call.choice is not None else {}),
+                             **({"choice": call.choice.to_json()} if call.choice is not None else {}),
                              "readable": call.readable if prompted else None,
                              "model": call.model, "started": call.started, "special_ids": call.special_ids,
                              # JSON keys are texts: {"348": "␣Paris"}

@@ -9,6 +9,8 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import pytest
+
 from nxl_hooks.apps.commands.run import vllm_program
 from nxl_hooks.hooks.engines.vllm import recording_engine_args, unfollowable, worker_request
 from nxl_hooks.records.view import Choice
@@ -329,3 +331,11 @@ def test_a_readers_line_names_the_choice_of_its_request():
     assert tail.end_line({"request_id": "req-1", "steps": 4, "choice": {"prompt": None, "sample": 1}}) == (
         "req-1#1: ended after 4 tokens")
     assert tail.end_line({"request_id": "req-1", "steps": 4}) == "req-1: ended after 4 tokens"
+    # an endpoint's choice of another shape shows none (the one rule of Choice.from_json, which the reader shares)
+    for odd in ({"prompt": None, "sample": True}, {"prompt": -1, "sample": 0}, {"sample": "1"}, [0, 1]):
+        assert tail.end_line({"request_id": "req-1", "steps": 4, "choice": odd}) == "req-1: ended after 4 tokens"
+        with pytest.raises(ValueError, match="not a choice"):
+            Choice.from_json(odd)
+        with pytest.raises(ValueError, match="not a step view"):
+            StepView.from_json({**view.to_json(), "choice": odd})
+    assert Choice.from_json(Choice(2, 0).to_json()) == Choice(2, 0)

@@ -140,9 +140,10 @@ def end_line(data: dict) -> str:
     that served only a plain forward, that it generated nothing."""
     if data.get("kind") == "forward":
         return printable(f"{data['request_id']}: a plain forward of {data['model']}, which generates no tokens")
-    choice = data.get("choice")  # (an endpoint's word: a choice of another shape shows none)
-    label = (Choice(choice.get("prompt"), choice.get("sample")).label()
-             if isinstance(choice, dict) and isinstance(choice.get("sample"), int) else "")
+    try:  # (an endpoint's word: a choice of another shape shows none)
+        label = "" if data.get("choice") is None else Choice.from_json(data["choice"]).label()
+    except ValueError:
+        label = ""
     return printable(f"{data['request_id']}{label}: ended after {data['steps']} tokens"
                    + (f" ({data['error']})" if data.get("error") else ""))
 

@@ -50,7 +50,7 @@ def summary(watch: Watched, record: Any) -> dict:
         return {**common, "kind": "forward", "rows": int(res.normxlogit.shape[1]), "complete": True, "ended": True,
                 "error": None, "layers": res.layers}
     return {**common, "kind": "generate", "call": record.index, "steps": len(record.steps), "started": record.started,
-            "choice": None if record.choice is None else record.choice._asdict(),
+            "choice": None if record.choice is None else record.choice.to_json(),
             "complete": record.complete, "ended": ended(record), "error": record.error,
             "prompt_tokens": int(record.prompt_mask.shape[1]) if record.prompt_mask is not None else None,
             "layers": record.layers}

@@ -44,27 +44,41 @@ def _request_id(signature: inspect.Signature, args: tuple, kwargs: dict) -> str 
     return value if isinstance(value, str) and value else None
 
 
-def _tag(original: Callable) -> Callable:
-    """``original`` (sync or async) run with REQUEST_ID set to its ``request_id`` argument."""
-    signature = inspect.signature(original)
+def _nothing() -> None:
+    """What :func:`_around` runs after a call that leaves nothing to undo."""
+
+
+def _around(original: Callable, prepare: Callable[[tuple, dict], tuple[tuple, dict, Callable[[], Any]]]) -> Callable:
+    """``original`` (sync or async) whose every call first goes through ``prepare(args, kwargs)``, which gives the
+    arguments to call it with and what to run once it returned or raised; marked as the probe's (:data:`_MARK`)."""
     if inspect.iscoroutinefunction(original):
         @functools.wraps(original)
-        async def tagged(*args: Any, **kwargs: Any) -> Any:
-            token = REQUEST_ID.set(_request_id(signature, args, kwargs))
+        async def wrapper(*args: Any, **kwargs: Any) -> Any:
+            args, kwargs, done = prepare(args, kwargs)
             try:
                 return await original(*args, **kwargs)
             finally:
-                REQUEST_ID.reset(token)
+                done()
     else:
         @functools.wraps(original)
-        def tagged(*args: Any, **kwargs: Any) -> Any:
-            token = REQUEST_ID.set(_request_id(signature, args, kwargs))
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            args, kwargs, done = prepare(args, kwargs)
             try:
                 return original(*args, **kwargs)
             finally:
-                REQUEST_ID.reset(token)
-    setattr(tagged, _MARK, True)
-    return tagged
+                done()
+    setattr(wrapper, _MARK, True)
+    return wrapper
+
+
+def _tag(original: Callable) -> Callable:
+    """``original`` (sync or async) run with REQUEST_ID set to its ``request_id`` argument."""
+    signature = inspect.signature(original)
+
+    def tagged(args: tuple, kwargs: dict) -> tuple[tuple, dict, Callable[[], Any]]:
+        return args, kwargs, functools.partial(REQUEST_ID.reset, REQUEST_ID.set(_request_id(signature, args, kwargs)))
+
+    return _around(original, tagged)
 
 
 def _in_this_context(fn: Callable) -> Callable:
@@ -248,18 +262,7 @@ def _carrying(original: Callable) -> Callable:
             return (*args[:2], carry(args[2], request_id), *args[3:]), kwargs
         return args, kwargs
 
-    if inspect.iscoroutinefunction(original):
-        @functools.wraps(original)
-        async def sending(*args: Any, **kwargs: Any) -> Any:
-            args, kwargs = carried(args, kwargs)
-            return await original(*args, **kwargs)
-    else:
-        @functools.wraps(original)
-        def sending(*args: Any, **kwargs: Any) -> Any:
-            args, kwargs = carried(args, kwargs)
-            return original(*args, **kwargs)
-    setattr(sending, _MARK, True)
-    return sending
+    return _around(original, lambda args, kwargs: (*carried(args, kwargs), _nothing))
 
 
 def _patch_split(module: ModuleType) -> None:
