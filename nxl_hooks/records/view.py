@@ -60,7 +60,8 @@ class Choice(NamedTuple):
     @classmethod
     def from_json(cls, data: Any) -> "Choice":
         """The choice :meth:`to_json` made; ValueError when ``data`` is not one (its ``sample`` and a ``prompt``
-        given are indices: ints from 0, not bools). ``Choice.from_json({"prompt": None, "sample": 1})``"""
+        given are indices: ints from 0 that fit int32, not bools). ``Choice.from_json({"prompt": 2, "sample": 0})``
+        """
         if isinstance(data, dict) and _index(data.get("sample")) and (data.get("prompt") is None
                                                                      or _index(data.get("prompt"))):
             return cls(data.get("prompt"), data["sample"])
@@ -69,7 +70,9 @@ class Choice(NamedTuple):
 
 
 def _index(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    """Whether ``value`` is an index as records keep one: an int (not a bool) from 0 that fits int32 (the Parquet
+    columns' type, and the stream reader's bound on every index)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 31
 
 
 @dataclass(frozen=True)

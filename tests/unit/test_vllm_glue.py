@@ -332,7 +332,8 @@ def test_a_readers_line_names_the_choice_of_its_request():
         "req-1#1: ended after 4 tokens")
     assert tail.end_line({"request_id": "req-1", "steps": 4}) == "req-1: ended after 4 tokens"
     # an endpoint's choice of another shape shows none (the one rule of Choice.from_json, which the reader shares)
-    for odd in ({"prompt": None, "sample": True}, {"prompt": -1, "sample": 0}, {"sample": "1"}, [0, 1]):
+    for odd in ({"prompt": None, "sample": True}, {"prompt": -1, "sample": 0}, {"sample": "1"}, [0, 1],
+                {"prompt": 1 << 31, "sample": 0}):  # (Parquet's choice columns are int32)
         assert tail.end_line({"request_id": "req-1", "steps": 4, "choice": odd}) == "req-1: ended after 4 tokens"
         with pytest.raises(ValueError, match="not a choice"):
             Choice.from_json(odd)
