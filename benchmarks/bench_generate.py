@@ -20,7 +20,7 @@ on the same prompt, generating the same 64 tokens itself and attributing each wi
 where ``import inseq`` works (it is no dependency of nxl_hooks; the JSON says why it did not run otherwise).
 Besides the ratios: what recording adds per generated token in seconds (``added_us_per_new_token``, paired medians)
 and, counted instead of timed, in Python calls of the generating thread (``added_python_calls_per_new_token``:
-the same on every run). ``--shape host-bound`` (Llama-2-7B's 32 layers and vocabulary at width 64) makes a CPU
+the same from run to run, whatever else the machine runs). ``--shape host-bound`` (Llama-2-7B's 32 layers and vocabulary at width 64) makes a CPU
 decoding step as bound by the host's Python as a GPU's eager one is.
 """
 
@@ -79,19 +79,21 @@ def _inseq_variant(model, tokenizer, prompt: str, new_tokens: int, expected: tor
 
 def _python_calls(run: Callable[[], object]) -> int:
     """How many Python functions, and C functions called from Python, ``run()`` calls in this thread (counted with
-    ``sys.setprofile``: deterministic, whatever else the machine runs)."""
+    ``sys.setprofile``: whatever else the machine runs; only a finalizer or a garbage collection that happens to run
+    in this thread moves it)."""
     count = 0
 
     def profile(frame, event: str, arg) -> None:
         nonlocal count
         count += event in ("call", "c_call")
 
+    before = sys.getprofile()  # (a profiler this script runs under is given back)
     with torch.no_grad():
         sys.setprofile(profile)
         try:
             run()
         finally:
-            sys.setprofile(None)
+            sys.setprofile(before)
     return count
 
 

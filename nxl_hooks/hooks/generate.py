@@ -238,7 +238,7 @@ def _joined_rows(rows: list[torch.Tensor]) -> torch.Tensor:
     first, base = rows[0], rows[0]._base
     if base is not None and base.dim() == 3 and base.is_contiguous() and first.shape == base.shape[1:]:
         size, offset = first.numel(), first.storage_offset() - base.storage_offset()
-        if offset % size == 0 and all(row._base is base and row.shape == first.shape
+        if offset % size == 0 and all(row._base is base and row.shape == first.shape and row.is_contiguous()
                                       and row.storage_offset() == first.storage_offset() + index * size
                                       for index, row in enumerate(rows)):
             return base.narrow(0, offset // size, len(rows)).view(-1, base.shape[-1])
