@@ -19,9 +19,9 @@ the file holds every record.
 on the same prompt, generating the same 64 tokens itself and attributing each with a gradient pass; it runs only
 where ``import inseq`` works (it is no dependency of nxl_hooks; the JSON says why it did not run otherwise).
 Besides the ratios: what recording adds per generated token in seconds (``added_us_per_new_token``, paired medians)
-and, counted instead of timed, in Python calls of the generating thread (``added_python_calls_per_new_token``:
-the same from run to run, whatever else the machine runs). ``--shape host-bound`` (Llama-2-7B's 32 layers and vocabulary at width 64) makes a CPU
-decoding step as bound by the host's Python as a GPU's eager one is.
+and, counted instead of timed, in Python calls of the generating thread (``added_python_calls_per_new_token``: the
+same from run to run, whatever else the machine runs). ``--shape host-bound`` (Llama-2-7B's 32 layers and vocabulary
+at width 64) makes a CPU decoding step as bound by the host's Python as a GPU's eager one is.
 """
 
 from __future__ import annotations
