@@ -785,9 +785,9 @@ class Run:
         device, dtype = tensors[-1].device, tensors[-1].dtype
         if self._cache_device not in (None, device) or self._cache_dtype not in (None, dtype):
             return False
-        if len(tensors) > 1 and self._one_device is None:  # the layers' devices are the blocks': once per call
+        if self._one_device is None:  # the layers' devices are the blocks': looked at once per call
             self._one_device = all(t.device == device for t in tensors)
-        return len(tensors) == 1 or bool(self._one_device)
+        return self._one_device
 
     def _fill(self) -> None:
         """The decoding positions still waiting go into the feature cache: every layer of all of them stacked and
