@@ -53,10 +53,11 @@ The records themselves are the caller's: 2 × 4 B × layers × batch × context 
 ``keep_steps=False`` with ``on_step`` / ``sink`` streams them out without keeping them (and with none of those,
 nor a :meth:`~nxl_hooks.Probe.stream` subscriber, a step's record is not even made).
 
-Not recorded (the call runs unchanged, ``GenerationCall.error`` says why): beam search (beams are reordered and
-pruned between steps, so a row is not one sequence), assisted / speculative decoding with a second model, prompt
-lookup or multi-token prediction (``use_mtp``) and generate resuming from a filled ``past_key_values`` (positions the
-probe never saw).
+Beam search is recorded as a compiled call is, whole, when it returns (:meth:`Run.replay_whole`): its forwards run
+candidate beams, reordered and pruned between steps, so a row of theirs is not one sequence; the sequences it returns
+are. Not recorded (the call runs unchanged, ``GenerationCall.error`` says why): assisted / speculative decoding with
+a second model, prompt lookup or multi-token prediction (``use_mtp``) and generate resuming from a filled
+``past_key_values`` (positions the probe never saw).
 ``num_return_sequences`` with sampling works: its rows are independent sequences. Self-speculative decoding
 (``assistant_early_exit``) is recorded as a compiled call is: its draft forwards stop at an early block (no last
 block's output), so the hooks follow the call no more (:meth:`Run._unfollow`) and :meth:`Run._replay` records it.
@@ -229,6 +230,18 @@ def _stacked_tokens(emitted: list[_Emitted]) -> torch.Tensor:
         return torch.tensor([[item.token] for item in emitted], device=device)
     return torch.stack([torch.tensor([item.token], device=device) if isinstance(item.token, int) else item.token
                         for item in emitted])
+
+
+def _beams_going(generated: torch.Tensor, eos: list[int], pad: int | None) -> list[torch.Tensor]:
+    """Per generated token but the last, the rows a beam search had not finished after it, read off the ``generated``
+    (rows, tokens) part of the sequences it returned (where :meth:`Run.stopped` follows a greedy call's criteria, a
+    beam search runs them on candidate beams): a row ends at its first EOS id, or where only filler follows, which
+    generate fills a finished beam with: its pad id, an EOS id, or -1 where it has neither (transformers 5.x). A beam
+    ended by a stop string or the user's criterion and filled with an EOS id is read as going one token more."""
+    ended = torch.isin(generated, torch.tensor(eos, dtype=generated.dtype, device=generated.device)).cumsum(1) > 0
+    filler = (generated < 0) | (generated == pad) if pad is not None else generated < 0
+    real = (~filler).flip(1).cumsum(1).flip(1) > 0  # a token other than filler at or after each
+    return list((real[:, 1:] & ~ended[:, :-1]).unbind(1))
 
 
 def _joined_rows(rows: list[torch.Tensor]) -> torch.Tensor:
@@ -406,9 +419,6 @@ _ASSISTED = "assistant_model / prompt_lookup_num_tokens / use_mtp"
 
 def unsupported(model: nn.Module, kwargs: dict) -> str | None:
     """Why a ``generate`` call cannot be recorded step by step, or None when it can."""
-    if (_setting(model, kwargs, "num_beams") or 1) > 1:
-        return ("beam search (num_beams > 1) cannot be attributed step by step: beams are reordered and pruned "
-                "between steps, so a row is not one sequence; use num_beams=1 (greedy, or do_sample=True)")
     # (use_mtp: multi-token-prediction drafts, transformers' own; an older GenerationConfig without it reads None)
     if (kwargs.get("assistant_model") is not None or _setting(model, kwargs, "prompt_lookup_num_tokens")
             or _setting(model, kwargs, "use_mtp")):
@@ -423,6 +433,18 @@ def unsupported(model: nn.Module, kwargs: dict) -> str | None:
                 "not this call's, so the context of its steps was never recorded; generate from the full prompt "
                 "without that cache (leave out cache / past_key_values)")
     return None
+
+
+def beam_search(model: nn.Module, kwargs: dict) -> bool:
+    """Whether a ``generate`` call searches beams (``num_beams`` > 1): its forwards run candidate beams, reordered
+    and pruned between steps, so a row of theirs is not one sequence; the sequences it returns are recorded when it
+    returns, from the model run again over them (:meth:`Run.replay_whole`)."""
+    return (_setting(model, kwargs, "num_beams") or 1) > 1
+
+
+#: Why a beam search's prompt must come as token ids (:meth:`Generations._begin`).
+_BEAMS_NEED_IDS = ("beam search is recorded from the model run again over the sequences generate returns, which "
+                   "needs its prompt as token ids: pass input_ids (without inputs_embeds)")
 
 
 def stacked_features(plan: Plan, capture: Capture, first: int = 0, end: int | None = None) -> torch.Tensor:
@@ -533,6 +555,8 @@ class Run:
         self._predicted = True
         # False once a forward ran partly compiled: the hooks follow the call no more, _replay records the rest
         self._following = True
+        # why the hooks follow none of the call's forwards, all of it recorded by _replay (replay_whole), else None
+        self._whole: str | None = None
         self._log_probs: torch.Tensor | None = None  # the model's own log-softmax at the last position of the last forward
         self._logits: torch.Tensor | None = None  # or its raw logits there, the log-softmax taken when scored
         self._sliced = False  # those logits are of a slice of the forward's positions (_Emitted.sliced)
@@ -827,6 +851,13 @@ class Run:
         # (the step at its first position was emitted before it ran, with the forward before's logits)
         self._n, self._pending, self._following = self._past, False, False
 
+    def replay_whole(self) -> None:
+        """A beam search: the hooks follow none of the call's forwards (their rows are candidate beams, reordered and
+        pruned between steps), and :meth:`_replay` records every position of the sequences it returns, from the
+        prompt on, when it returns: each step is the model's own at that returned sequence's position, as a
+        greedy or sampled call's (its probability the model's, not the beam's score)."""
+        self._following, self._whole = False, "beam search"
+
     def ran_compiled(self) -> None:
         """A forward of the call ran wholly compiled: neither its backbone's hooks nor its blocks' ran, so the positions
         it added are not in the record. The hooks follow the call no more: a later forward that runs eagerly (dynamo
@@ -989,11 +1020,12 @@ class Run:
     def _finish(self, sequences: torch.Tensor | None, error: str | None, what: str) -> None:
         """:meth:`finish`'s work, in the calling thread or, with its copies, in one of its own."""
         try:
+            ran = self._beams_ran(sequences)
             if sequences is not None and not self.failed and self.call.error is None:
                 try:
-                    self._replay(sequences)
+                    self._replay(ran)
                 except Exception as failure:  # noqa: BLE001 - said as what it is; the steps before it go out
-                    self.fail("recording its compiled steps", failure)
+                    self.fail(f"recording its {'returned sequences' if self._whole else 'compiled steps'}", failure)
             # (a call the probe detached from mid-way already says so: its later forwards ran unhooked on purpose)
             missed = (self._missed(sequences) if sequences is not None and not self.failed and self.call.error is None
                       else None)
@@ -1014,7 +1046,7 @@ class Run:
                 emitted = self._n + 1 - self._prompt_len  # the pending token included
                 # A deferred stop check (mps) may run one forward whose token generate then undoes.
                 if sequences.shape[1] in (self._n + 1, emitted):
-                    self.emit(sequences[:, -1])
+                    self.emit(ran[:, -1])
             self.flush()  # the steps emitted so far go out, whatever the checks above found
         except Exception as failure:  # noqa: BLE001 - never into the host's generate
             self.fail("the last generated token", failure)
@@ -1031,6 +1063,15 @@ class Run:
                               wait=ENGINE_ENDS_WAIT or not self._engine)
             except Exception as failure:  # noqa: BLE001 - a failing sink or subscriber never reaches the host
                 self.fail(f"the end of {what}", failure)
+
+    def _beams_ran(self, sequences: torch.Tensor | None) -> torch.Tensor | None:
+        """The tokens :meth:`_replay` runs and records: generate's own ``sequences``; a beam search's with the rows it
+        had finished read off them first (:func:`_beams_going`), and the -1 it fills a finished beam with where the
+        call has no pad id nor EOS id recorded as id 0 (an inactive step)."""
+        if sequences is None or self._whole is None or self._prompt_len is None:
+            return sequences
+        self._going = _beams_going(sequences[:, self._prompt_len:], self._eos, self.pad_id)
+        return sequences.clamp(min=0)
 
     def _replay(self, sequences: torch.Tensor) -> None:
         """Record the positions whose forwards ran compiled (generate compiles its decoding steps with a static cache,
@@ -1119,11 +1160,18 @@ class Run:
         extended = {}
         for name, value in self.forward_inputs.items():
             if name != "token_type_ids" or value.dim() != 2 or rows % value.shape[0]:
-                raise RuntimeError(f"its forwards ran compiled with {name}, which running them again to record them "
-                                   "cannot reproduce; pass disable_compile=True to generate")
+                raise RuntimeError(f"{self._rerun()[0]} with {name}, which running them again to record them cannot "
+                                   f"reproduce; {self._rerun()[1]}")
             value = value.repeat_interleave(rows // value.shape[0], dim=0)
             extended[name] = torch.cat([value, value[:, -1:].expand(-1, end - value.shape[1])], dim=1)
         return extended
+
+    def _rerun(self) -> tuple[str, str]:
+        """(why the call's forwards are run again to record them, what records it otherwise): what a refusal of
+        :meth:`_replay`'s says."""
+        if self._whole is not None:
+            return f"its forwards ran a {self._whole}", "use num_beams=1"
+        return "its forwards ran compiled", "pass disable_compile=True to generate"
 
     def _attention(self, sequences: torch.Tensor, end: int) -> torch.Tensor:
         """The attention mask of the call's first ``end`` positions, as generate gives it: the prompt's (as the hooks
@@ -1151,9 +1199,8 @@ class Run:
         if given is None:
             prompt = (mask[:, :prompt_len].long().cumsum(-1) - 1).masked_fill(~mask[:, :prompt_len], 0)
         elif given.dim() != 2 or given.shape[1] < prompt_len or mask.shape[0] % given.shape[0]:
-            raise RuntimeError(f"its forwards ran compiled with position_ids of shape {tuple(given.shape)}, which "
-                               "running them again to record them cannot reproduce; pass disable_compile=True to "
-                               "generate")
+            raise RuntimeError(f"{self._rerun()[0]} with position_ids of shape {tuple(given.shape)}, which running "
+                               f"them again to record them cannot reproduce; {self._rerun()[1]}")
         else:
             prompt = given[:, given.shape[1] - prompt_len:].to(mask.device, torch.long)
             prompt = prompt.repeat_interleave(mask.shape[0] // given.shape[0], dim=0)
@@ -1217,7 +1264,7 @@ class Run:
         rows finished at their latest token (an EOS, a stop string, the user's own criterion), so that from the next
         step on generate only pads them. Kept on the device, one tensor per generated token; :meth:`_emit` reads
         which rows are active from them. Never raises (a failure stops the call's records, said as any other)."""
-        if self.failed:
+        if self.failed or self._whole is not None:  # (a beam search runs its criteria on candidate beams)
             return
         try:
             # as generate reads it (unfinished_sequences & ~done): a criterion of the user's may give 0/1 integers
@@ -1770,6 +1817,9 @@ class Generations:
             prompt = next((kwargs[k] for k in ("inputs", "input_ids", "inputs_embeds") if kwargs.get(k) is not None),
                           None)
             prompt_len = prompt.shape[1] if isinstance(prompt, torch.Tensor) and prompt.dim() > 1 else None
+            beams = beam_search(self.plan.model, kwargs)
+            if beams and (kwargs.get("inputs_embeds") is not None or prompt_len is None):
+                raise ValueError(_BEAMS_NEED_IDS)
             run = self.new_run(request_id=request_id, prompt_len=prompt_len, wait=BATCH_SECONDS,
                                eos=_setting(self.plan.model, kwargs, "eos_token_id"), refill=True)
             embeds = kwargs.get("inputs_embeds")
@@ -1785,6 +1835,8 @@ class Generations:
             run.copy_logits = bool(_setting(self.plan.model, kwargs, "assistant_early_exit"))
             given = kwargs.get("position_ids")
             run.position_ids = given if isinstance(given, torch.Tensor) else None
+            if beams:
+                run.replay_whole()
             return run
         except Exception as error:  # noqa: BLE001 - never into the host's generate
             # ended when generate has run (_track): it may refuse its own arguments, which the record then says

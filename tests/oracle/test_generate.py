@@ -493,17 +493,75 @@ def test_a_stopping_criterion_that_runs_the_model_on_the_calls_own_prompt_is_nam
     assert "by a stopping criterion or a streamer: run it outside generate" in call.error
 
 
-def test_beam_search_is_a_clear_error_and_plain_forward_still_works(model):
+def _finished_early(model, options: dict, stops: list[int], criterion: bool) -> tuple[torch.Tensor, int]:
+    """The plain output of a beam search ``options`` and its stop token: the first of ``stops`` that, as its EOS id
+    or the user's ``criterion``, ends at least one returned sequence early while another runs to the end."""
+    for token in stops:
+        stop = ({"stopping_criteria": StoppingCriteriaList([_StopsOn(token)])} if criterion else
+                {"eos_token_id": token})
+        out = model.generate(**options, **stop)
+        generated = out[:, options["input_ids"].shape[1]:]
+        ended = (generated[:, :-1] == token).any(-1)
+        if ended.any() and not ended.all() and generated.shape[1] == options["max_new_tokens"]:
+            return out, token
+    raise AssertionError("no stop token ends one returned beam early and leaves another running")
+
+
+@pytest.mark.parametrize("stop", ["eos", "criterion, filled with the pad id", "criterion, no eos"])
+def test_beam_search_records_every_returned_sequence_equal_to_the_oracle(model, stop):
+    """Beam search (it was refused: beams are reordered and pruned between steps) is recorded when the call returns,
+    from the model run again over the sequences it returned: every step of every returned sequence (two per prompt,
+    a left-padded batch) equals the no-cache oracle of that sequence, the output is the unrecorded one, and a
+    sequence that finished early is active up to its last token and not over what generate filled it with after,
+    whether an EOS id ended it (filled with that id), or the user's criterion, filled with the pad id, or with -1
+    where the call has no EOS id (recorded as id 0 there)."""
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones(2, 6, dtype=torch.long)
+    ids[0, :2], mask[0, :2] = PAD, 0
+    options = dict(input_ids=ids, attention_mask=mask, max_new_tokens=7, num_beams=3, num_return_sequences=2,
+                   do_sample=False)
+    free = model.generate(**options)[:, 6:]
+    stops = sorted(set(free[:, 1:-1].reshape(-1).tolist()))
+    unused = [t for t in range(1, VOCAB) if t not in free.reshape(-1).tolist()]
+    if stop == "criterion, filled with the pad id":  # (generate fills with an EOS id where the pad id is 0)
+        options.update(eos_token_id=unused[0], pad_token_id=unused[1])
+    plain, token = _finished_early(model, options, stops, criterion=stop != "eos")
+    options.update({"eos_token_id": token} if stop == "eos" else
+                   {"stopping_criteria": StoppingCriteriaList([_StopsOn(token)])})
+    with nxl.attach(model, layers="all") as probe:
+        out = model.generate(**options)
+    assert torch.equal(out, plain)
+    (call,) = probe.calls
+    assert call.error is None and torch.equal(call.sequences, plain) and call.prompt_mask.shape == (4, 6)
+    assert torch.equal(call.prompt_mask, mask.bool().repeat_interleave(2, dim=0))  # each prompt's two sequences
+    generated = plain[:, 6:]
+    filler = {"eos": token, "criterion, filled with the pad id": unused[1], "criterion, no eos": -1}[stop]
+    if stop == "criterion, no eos":
+        assert (generated == -1).any()  # (transformers' own filler: the record reads it as id 0)
+        call.sequences = call.sequences.clamp(min=0)
+    check_call(model, call, 7)
+    for row in range(4):
+        ends = (generated[row, :-1] == token).nonzero()
+        last = int(ends[0]) if len(ends) else 6  # its stop token's step, else it ran to the end
+        assert (generated[row, last + 1:] == filler).all()
+        assert [bool(step.active[row]) for step in call.steps] == [g <= last for g in range(7)]
+
+
+def test_beam_search_needs_its_prompt_as_ids_and_plain_forwards_still_record(model):
+    """A beam search from embeddings cannot be run again over its sequences: not recorded, saying so and what to
+    pass; the call runs unchanged and a plain forward after it is recorded."""
     ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(8))
-    plain = model.generate(input_ids=ids, max_new_tokens=3, num_beams=2)
+    embeds = model.get_input_embeddings()(ids).detach()
+    plain = model.generate(inputs_embeds=embeds, max_new_tokens=3, num_beams=2)
     with nxl.attach(model) as probe:
-        beams = model.generate(input_ids=ids, max_new_tokens=3, num_beams=2)  # runs, unrecorded
+        beams = model.generate(inputs_embeds=embeds, max_new_tokens=3, num_beams=2)  # runs, unrecorded
         assert torch.equal(beams, plain)
-        assert "num_beams=1" in probe.calls[-1].error and not probe.calls[-1].complete
-        assert probe.calls[-1].error.startswith("not recorded: ") and probe.unrecorded == probe.calls[-1].error
+        assert "pass input_ids (without inputs_embeds)" in probe.calls[-1].error and not probe.calls[-1].complete
+        assert probe.calls[-1].error.startswith("not recorded: beam search") and \
+            probe.unrecorded == probe.calls[-1].error
         # the call's reason once, after the line's own "not recorded:" (it read "not recorded: not recorded: beam")
         with pytest.raises(RuntimeError, match=r"^the last generate\(\) call was not recorded: beam search .*"
-                                               r"num_beams=1"):
+                                               r"input_ids"):
             probe.steps
         model(input_ids=ids)
         res = probe.result()
@@ -544,41 +602,46 @@ def test_an_on_step_callback_that_runs_the_model_is_the_reason_the_record_stops(
 
 
 def test_a_call_generate_itself_refuses_says_generate_raised(model, tmp_path):
-    """``num_beams=2, num_return_sequences=3``: generate raises its own ValueError, and the record said only that
-    beam search is not recorded, as if the call had run. It says generate raised (and why), then why it would not
-    be recorded either; the sink's copy too."""
+    """``prompt_lookup_num_tokens=3, num_return_sequences=3`` without sampling: generate raises its own ValueError,
+    and the record said only that prompt lookup is not recorded, as if the call had run. It says generate raised (and
+    why), then why it would not be recorded either; the sink's copy too."""
     ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(8))
     with pytest.raises(ValueError) as unattached:
-        model.generate(input_ids=ids, max_new_tokens=2, num_beams=2, num_return_sequences=3)
+        model.generate(input_ids=ids, max_new_tokens=2, prompt_lookup_num_tokens=3, num_return_sequences=3)
     with nxl.attach(model, sink=tmp_path / "run.nxl") as probe:
         with pytest.raises(ValueError) as attached:
-            model.generate(input_ids=ids, max_new_tokens=2, num_beams=2, num_return_sequences=3)
+            model.generate(input_ids=ids, max_new_tokens=2, prompt_lookup_num_tokens=3, num_return_sequences=3)
     assert str(attached.value) == str(unattached.value)  # generate's own refusal, untouched
     (call,) = probe.calls
     assert call.error == (f"not recorded: generate raised ValueError ({unattached.value}); it would not be recorded "
-                          "either: beam search (num_beams > 1) cannot be attributed step by step: beams are reordered "
-                          "and pruned between steps, so a row is not one sequence; use num_beams=1 (greedy, or "
-                          "do_sample=True)")
+                          "either: assisted / speculative decoding feeds several candidate tokens per forward and "
+                          "drops some; generate without assistant_model / prompt_lookup_num_tokens / use_mtp")
     assert not call.complete and not call.steps and "\n" not in call.error
     (read,) = nxl.read_stream(tmp_path / "run.nxl")
     assert read.error == call.error and not read.complete
 
 
-@pytest.mark.parametrize("setting, said", [({"num_beams": 2}, "num_beams=1"),
-                                           ({"num_beams": 2, "num_return_sequences": 2}, "num_beams=1"),
+@pytest.mark.parametrize("setting, said", [({"num_beams": 2}, None),
+                                           ({"num_beams": 2, "num_return_sequences": 2}, None),
                                            ({"prompt_lookup_num_tokens": 3}, "prompt_lookup_num_tokens")])
-def test_a_generation_config_passed_positionally_is_read_for_what_cannot_be_recorded(model, setting, said):
+def test_a_generation_config_passed_positionally_is_read_for_what_it_records(model, setting, said):
     """``generate(ids, GenerationConfig(...))``: the config, generate's second parameter, is read as a keyword one
     is (it was not: beam search was recorded as plain decoding, wrong tokens and scores, and prompt lookup lost
-    three of its four steps, both saying complete)."""
+    three of its four steps, both saying complete). A beam search is recorded from its returned sequences, each step
+    equal to the oracle; prompt lookup is said not recorded."""
     ids = torch.randint(1, VOCAB, (1, 4), generator=torch.Generator().manual_seed(8)).repeat(1, 4)
     config = GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=PAD, **setting)
     plain = model.generate(ids, config)
     with nxl.attach(model, layers="all") as probe:
         out = model.generate(ids, config)
     (call,) = probe.calls
-    assert torch.equal(out, plain) and not call.complete and call.steps == []
-    assert call.error.startswith("not recorded: ") and said in call.error
+    assert torch.equal(out, plain)
+    if said is None:
+        assert call.error is None and call.sequences.shape[0] == setting.get("num_return_sequences", 1)
+        check_call(model, call, 4)
+    else:
+        assert not call.complete and call.steps == []
+        assert call.error.startswith("not recorded: ") and said in call.error
 
 
 def test_multi_token_prediction_decoding_is_said_not_recorded_as_assisted_decoding(model):

@@ -327,10 +327,10 @@ def test_generation_page_says_where_and_why_recording_stopped(generation):
     assert len(tiny.elements(partial, "td", "nxl-cell")) == 2 * (enc["input_ids"].shape[1] + 2)  # steps 0 and 1
 
     with nxl.attach(model, tokenizer=tok, layers="all") as probe:
-        model.generate(**enc, max_new_tokens=2, num_beams=2, do_sample=False, pad_token_id=2)
-    beam = generation_html(probe.calls[-1])  # no steps: still a page, saying why
-    assert beam.startswith("<!DOCTYPE html>") and "note: not recorded: beam search" in beam
-    assert "nothing to show" in beam and not tiny.elements(beam, "td", "nxl-cell")
+        model.generate(**enc, max_new_tokens=2, prompt_lookup_num_tokens=2, do_sample=False, pad_token_id=2)
+    lookup = generation_html(probe.calls[-1])  # no steps: still a page, saying why
+    assert lookup.startswith("<!DOCTYPE html>") and "note: not recorded: assisted / speculative decoding" in lookup
+    assert "nothing to show" in lookup and not tiny.elements(lookup, "td", "nxl-cell")
 
 
 def test_generation_page_names_tokens_without_texts_as_the_step_views_do():

@@ -438,14 +438,14 @@ def test_generate_honours_embedding(tmp_path, capsys):
 
 
 def test_generate_that_is_not_recorded_says_why_and_fails(tmp_path, capsys):
-    """A model whose generation config asks for beam search: nothing can be recorded, and --generate says so with
+    """A model whose generation config asks for prompt lookup: nothing can be recorded, and --generate says so with
     the library's own reason (not a guess about a stopping criterion), exit 1."""
     model = tiny.build_model("llama")
-    model.generation_config.num_beams = 2
-    path = tiny.save_model(tmp_path / "beams", "llama", model=model)
+    model.generation_config.prompt_lookup_num_tokens = 2
+    path = tiny.save_model(tmp_path / "lookup", "llama", model=model)
     assert main(["attribute", str(path), "the film was", "--generate", "2"]) == 1
     out = " ".join(capsys.readouterr().out.split())
-    assert "not recorded after 0 of 2 token(s): beam search (num_beams > 1) cannot be attributed" in out
+    assert "not recorded after 0 of 2 token(s): assisted / speculative decoding feeds several candidate" in out
     assert "stopping criterion" not in out
 
 

@@ -537,7 +537,7 @@ def test_status_counts_a_running_call_as_running_not_recorded(tmp_path):
 
 
 def test_faults_are_named_in_status_ctl_and_tail(tmp_path, capsys, monkeypatch):
-    """A real sink fault (a full disk) and a real unrecorded call (beam search): /v1/status hands them out, nxl ctl
+    """A real sink fault (a full disk) and a real unrecorded call (prompt lookup): /v1/status hands them out, nxl ctl
     says them and nxl tail prints each as a line of its own, before its first step however slow the status is."""
     import threading
     import time
@@ -561,16 +561,16 @@ def test_faults_are_named_in_status_ctl_and_tail(tmp_path, capsys, monkeypatch):
         assert tail.faults(healthy) == [] and "sink" not in ctl.describe(controller.status())
         ids = torch.tensor([[1, 5, 7, 9]])
         model.generate(ids, max_new_tokens=2, do_sample=False)  # the sink fails at the call's first frame
-        model.generate(ids, max_new_tokens=2, do_sample=False, num_beams=2)  # beam search: not recorded
+        model.generate(ids, max_new_tokens=2, do_sample=False, prompt_lookup_num_tokens=2)  # not recorded
         probe = controller.watches()[0].probe
         assert probe.flush()  # the sink thread has met the fault
         assert probe.sink_fault and "No space left on device" in probe.sink_fault and probe.unwritten == 2
-        assert probe.unrecorded and "beam search" in probe.unrecorded
+        assert probe.unrecorded and "prompt_lookup_num_tokens" in probe.unrecorded
         (endpoint,) = endpoints(str(run))
         (model_status,) = endpoint.json("GET", "/v1/status")["models"]
         assert model_status["sink_fault"] == probe.sink_fault and model_status["unrecorded"] == probe.unrecorded
         assert model_status["unwritten"] == probe.unwritten
-        assert probe.unrecorded_calls == model_status["unrecorded_calls"] == 1  # the beam search call alone
+        assert probe.unrecorded_calls == model_status["unrecorded_calls"] == 1  # the prompt lookup call alone
         assert tail.faults(model_status) == [f"records not written to the sink: {probe.sink_fault}",
                                              f"1 call {probe.unrecorded}"]
         capsys.readouterr()
@@ -706,11 +706,11 @@ def test_status_keeps_what_earlier_probes_lost_across_pause_resume(tmp_path, mon
 
     try:
         model.generate(ids, max_new_tokens=2, do_sample=False)  # the sink fails at the call's first frame
-        model.generate(ids, max_new_tokens=2, do_sample=False, num_beams=2)  # beam search: not recorded
+        model.generate(ids, max_new_tokens=2, do_sample=False, prompt_lookup_num_tokens=2)  # not recorded
         first = controller.watches()[0].probe
         assert first.flush()
         fault, why = first.sink_fault, first.unrecorded
-        assert "No space left on device" in fault and first.unwritten == 2 and "beam search" in why
+        assert "No space left on device" in fault and first.unwritten == 2 and "prompt_lookup_num_tokens" in why
         lost = {"sink_fault": fault, "unwritten": 2, "unrecorded": why, "unrecorded_calls": 1}
         said = [f"records not written to the sink: {fault}", f"1 call {why}"]
         controller.pause()
