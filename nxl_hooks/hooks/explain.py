@@ -58,12 +58,19 @@ def explain(model: nn.Module, tokenizer: Any, text: str | Sequence[str], *,
     # A batch is padded on the right whatever the tokenizer's side: each text keeps the positions it has alone (left
     # padding shifts a shorter text's on a model of absolute positions, GPT-2's: another forward than its own).
     encoding: dict[str, Any] = {"return_token_type_ids": False}
-    if len(texts) > 1:
-        encoding.update(padding=True, padding_side="right")
+    # (a tokenizer without a pad token, as GPT-2's and Llama-2's ship, refuses padding=True: padded here instead)
+    padded = len(texts) > 1 and getattr(tokenizer, "pad_token_id", None) is not None
+    if padded:
+        encoding.update(padding=True, padding_side="right", return_tensors="pt")
     single = isinstance(text, str)
     if pairs is not None:  # (segment ids as the tokenizer gives them for its model: BERT's, none for RoBERTa's)
         encoding.update(text_pair=pairs[0] if single else pairs, return_token_type_ids=None)
-    enc = tokenizer(texts[0] if single else texts, return_tensors="pt", **encoding).to(input_device(model))
+    if single:
+        encoding["return_tensors"] = "pt"
+    enc = tokenizer(texts[0] if single else texts, **encoding)
+    if not single and not padded:
+        enc = _right_padded(enc, getattr(tokenizer, "eos_token_id", None) or 0)
+    enc = enc.to(input_device(model))
     check_tokens(enc["input_ids"])  # before the model's own error on no tokens (a reshape), not after it
     with _one_at_a_time(subject.backbone), torch.no_grad(), _evaluating(model), \
             attach(subject, tokenizer=tokenizer, target=target, **options) as probe:
@@ -81,6 +88,16 @@ def explain(model: nn.Module, tokenizer: Any, text: str | Sequence[str], *,
         res.template = None if template is None else template[res.example]
         res.meta["template"] = "located" if template is not None else "not located: every token ranks"
     return res
+
+
+def _right_padded(encoded: Any, filler: int) -> Any:
+    """A batch of encodings (lists of ids per text) as tensors, each row padded on the right to the longest: the ids
+    with ``filler`` (an id the attention mask masks out), the mask and the other columns with 0."""
+    longest = max(len(ids) for ids in encoded["input_ids"])
+    for name, rows in encoded.items():
+        fill = filler if name == "input_ids" else 0
+        encoded[name] = torch.tensor([list(row) + [fill] * (longest - len(row)) for row in rows])
+    return encoded
 
 
 def _pairs(text_pair: Any, texts: list[str], kind: HeadKind, chat: bool) -> list[str] | None:

@@ -153,10 +153,12 @@ def test_a_forward_with_logits_to_keep_as_indices_explains_the_positions_they_na
     torch.testing.assert_close(res.normxlogit, expected, rtol=1e-4, atol=1e-5)
 
 
-def test_a_batch_explained_with_a_left_padding_tokenizer_keeps_each_texts_own_positions():
+@pytest.mark.parametrize("pad", ["left", "none"])
+def test_a_batch_explained_with_a_left_padding_tokenizer_keeps_each_texts_own_positions(pad):
     """nxl.explain padded a batch on the tokenizer's side: left padding shifted a shorter text's positions on a model
     of absolute positions (GPT-2), a forward other than its own (another target, probability and scores than the
-    text alone, or generate, gives). Each row equals the oracle of its text run alone."""
+    text alone, or generate, gives). Each row equals the oracle of its text run alone; also with a tokenizer that has
+    no pad token, as GPT-2's ships (transformers refused to pad the batch), which is left as it was."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
@@ -166,8 +168,11 @@ def test_a_batch_explained_with_a_left_padding_tokenizer_keeps_each_texts_own_po
         model.transformer.wpe.weight.mul_(20)  # positions matter, as in a trained model
     tok = tiny.word_tokenizer(tiny.VOCAB)
     tok.padding_side = "left"
+    if pad == "none":
+        tok.pad_token = None
     texts = ["a very good plot and the movie was", "the film was"]
     res = nxl.explain(model, tok, texts, layers="all")
+    assert (tok.pad_token is None) == (pad == "none") and res.mask.sum(-1).tolist() == [8, 3]
     hand = oracle.layer_norm_decoder("transformer.ln_f")(model)
     for row, text in enumerate(texts):
         ids = tok(text, return_tensors="pt")["input_ids"]
