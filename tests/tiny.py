@@ -130,6 +130,16 @@ def generating_llama(seed: int = 0) -> LlamaForCausalLM:
     return model
 
 
+def resuming(model: Any, ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """(input ids, keyword arguments) of a ``generate`` call of ``model`` that resumes the KV cache an earlier call of
+    one token on ``ids`` filled: a call the probe runs unrecorded, saying why (its context ran in forwards before
+    it). Made before attaching, so that nothing of the earlier call is recorded."""
+    first = model.generate(input_ids=ids, max_new_tokens=1, do_sample=False, return_dict_in_generate=True)
+    # (the cache under the keyword this transformers names it: 5.24, cache; before, past_key_values)
+    keyword = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return first.sequences, {keyword: first.past_key_values}
+
+
 def generating_state_space(kind: str, seed: int = 0) -> torch.nn.Module:
     """A random 2-block state-space causal LM over :data:`GEN_VOCAB` ids, ``"mamba"``, ``"mamba2"`` or
     ``"falcon_mamba"``, that generates as :func:`generating_llama` does (no EOS, pad id :data:`GEN_PAD`)."""

@@ -64,15 +64,16 @@ def cache_keyword(parameters: Any) -> str | None:
     return next((name for name in CACHE_NAMES if name in parameters), None)
 
 
-def prefix_cache(cache: Any, length: int) -> Any | None:
+def prefix_cache(cache: Any, length: int, config: Any = None) -> Any | None:
     """A new ``DynamicCache`` holding what ``cache`` (a static cache, as ``generate`` left it) holds of positions
     0..length-1, in tensors of its own (a DynamicCache concatenates what it is given: ``cache`` may be let go);
-    an empty one for ``length`` 0; None unless every layer of ``cache`` is a full static layer holding them on the
+    an empty one for ``length`` 0, of the layers the model ``config`` says (a state-space model's recurrent states,
+    sliding windows) where given; None unless every layer of ``cache`` is a full static layer holding them on the
     device (a sliding window keeps other positions there, an offloading cache its layers on the host)."""
     from transformers.cache_utils import DynamicCache, StaticLayer
 
     if length == 0:
-        return DynamicCache()
+        return DynamicCache(config=config)
     layers = getattr(cache, "layers", None)
     if getattr(cache, "offloading", False):  # its layers wait on the host between uses
         return None

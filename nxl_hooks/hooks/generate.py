@@ -53,10 +53,11 @@ The records themselves are the caller's: 2 × 4 B × layers × batch × context 
 ``keep_steps=False`` with ``on_step`` / ``sink`` streams them out without keeping them (and with none of those,
 nor a :meth:`~nxl_hooks.Probe.stream` subscriber, a step's record is not even made).
 
-Beam search is recorded as a compiled call is, whole, when it returns (:meth:`Run.replay_whole`): its forwards run
-candidate beams, reordered and pruned between steps, so a row of theirs is not one sequence; the sequences it returns
-are. Not recorded (the call runs unchanged, ``GenerationCall.error`` says why): assisted / speculative decoding with
-a second model, prompt lookup or multi-token prediction (``use_mtp``) and generate resuming from a filled
+Beam search, assisted decoding with a second model and prompt lookup are recorded as a compiled call is, whole, when
+they return (:func:`replayed`, :meth:`Run.replay_whole`): a beam search's forwards run candidate beams, reordered and
+pruned between steps, so a row of theirs is not one sequence; assisted decoding's verify several candidate tokens
+each and drop some. The sequences they return are one each. Not recorded (the call runs unchanged,
+``GenerationCall.error`` says why): multi-token prediction (``use_mtp``) and generate resuming from a filled
 ``past_key_values`` (positions the probe never saw).
 ``num_return_sequences`` with sampling works: its rows are independent sequences. Self-speculative decoding
 (``assistant_early_exit``) is recorded as a compiled call is: its draft forwards stop at an early block (no last
@@ -235,11 +236,16 @@ def _stacked_tokens(emitted: list[_Emitted]) -> torch.Tensor:
 def _beams_going(generated: torch.Tensor, eos: list[int], pad: int | None) -> list[torch.Tensor]:
     """Per generated token but the last, the rows a beam search had not finished after it, read off the ``generated``
     (rows, tokens) part of the sequences it returned (where :meth:`Run.stopped` follows a greedy call's criteria, a
-    beam search runs them on candidate beams): a row ends at its first EOS id, or where only filler follows, which
-    generate fills a finished beam with: its pad id, an EOS id, or -1 where it has neither (transformers 5.x). A beam
-    ended by a stop string or the user's criterion and filled with an EOS id is read as going one token more."""
-    ended = torch.isin(generated, torch.tensor(eos, dtype=generated.dtype, device=generated.device)).cumsum(1) > 0
+    beam search runs them on candidate beams): a row ends at its first EOS id (also where the pad id is one), or
+    where only filler follows, which generate fills a finished beam with: its pad id, an EOS id, or -1 where it has
+    neither (transformers 5.x). The output alone cannot tell filler from the same ids generated: a beam ended by a
+    stop string or the user's criterion and filled with an EOS id is read as going one token more, and pad ids a
+    beam generated up to its last token as filler."""
+    is_eos = torch.isin(generated, torch.tensor(eos, dtype=generated.dtype, device=generated.device))
+    seen = is_eos.cumsum(1)
     filler = (generated < 0) | (generated == pad) if pad is not None else generated < 0
+    filler &= ~(is_eos & (seen == 1))  # a row's first EOS is its last real token, whatever fills it after
+    ended = seen > 0
     real = (~filler).flip(1).cumsum(1).flip(1) > 0  # a token other than filler at or after each
     return list((real[:, 1:] & ~ended[:, :-1]).unbind(1))
 
@@ -413,17 +419,16 @@ def embedded(prompt_len: int, ids_beside: bool) -> str:
 _DRAFTS = ("this model drafts candidate tokens for another model's assisted decoding (it is that model's "
            "assistant_model), which that model accepts or drops: a draft is not a generation of its own; attach to "
            "the model that generates and call it without assistant_model")
-#: The settings that make generate decode with candidate tokens, several per forward (what refusing them names).
-_ASSISTED = "assistant_model / prompt_lookup_num_tokens / use_mtp"
+#: The settings that make generate verify drafted candidate tokens, several per forward (recorded whole: Whole).
+_ASSISTED = "assistant_model / prompt_lookup_num_tokens"
 
 
 def unsupported(model: nn.Module, kwargs: dict) -> str | None:
     """Why a ``generate`` call cannot be recorded step by step, or None when it can."""
     # (use_mtp: multi-token-prediction drafts, transformers' own; an older GenerationConfig without it reads None)
-    if (kwargs.get("assistant_model") is not None or _setting(model, kwargs, "prompt_lookup_num_tokens")
-            or _setting(model, kwargs, "use_mtp")):
-        return ("assisted / speculative decoding feeds several candidate tokens per forward and drops some; "
-                f"generate without {_ASSISTED}")
+    if _setting(model, kwargs, "use_mtp"):
+        return ("multi-token prediction (use_mtp) drafts candidate tokens with the model's own prediction layers, "
+                "which no record follows; generate without use_mtp")
     cache = find_cache(kwargs)
     # (a static cache's length is a device tensor: read once per call, as the prompt's forward reads it anyway)
     # (UnfollowedForward: recurrent states that took in tokens without counting them)
@@ -435,16 +440,25 @@ def unsupported(model: nn.Module, kwargs: dict) -> str | None:
     return None
 
 
-def beam_search(model: nn.Module, kwargs: dict) -> bool:
-    """Whether a ``generate`` call searches beams (``num_beams`` > 1): its forwards run candidate beams, reordered
-    and pruned between steps, so a row of theirs is not one sequence; the sequences it returns are recorded when it
+class Whole(NamedTuple):
+    """A ``generate`` call whose forwards the hooks follow none of: the sequences it returns are recorded when it
     returns, from the model run again over them (:meth:`Run.replay_whole`)."""
-    return (_setting(model, kwargs, "num_beams") or 1) > 1
+
+    what: str  #: what its forwards run, as a record's reason says it
+    instead: str  #: what else records it (as any greedy or sampled call)
+    beams: bool  #: its stopping criteria run on candidate beams, not its rows: which rows ended is read off its output
 
 
-#: Why a beam search's prompt must come as token ids (:meth:`Generations._begin`).
-_BEAMS_NEED_IDS = ("beam search is recorded from the model run again over the sequences generate returns, which "
-                   "needs its prompt as token ids: pass input_ids (without inputs_embeds)")
+def replayed(model: nn.Module, kwargs: dict) -> Whole | None:
+    """Whether a ``generate`` call is recorded whole when it returns (:class:`Whole`), else None: a beam search
+    (``num_beams`` > 1: its forwards run candidate beams, reordered and pruned between steps, so a row of theirs is
+    not one sequence), assisted decoding with a second model or prompt lookup (each forward verifies several
+    candidate tokens and generate drops some of them, cropping its cache)."""
+    if (_setting(model, kwargs, "num_beams") or 1) > 1:
+        return Whole("beam search", "use num_beams=1", beams=True)
+    if kwargs.get("assistant_model") is not None or _setting(model, kwargs, "prompt_lookup_num_tokens"):
+        return Whole("assisted decoding", f"generate without {_ASSISTED}", beams=False)
+    return None
 
 
 def stacked_features(plan: Plan, capture: Capture, first: int = 0, end: int | None = None) -> torch.Tensor:
@@ -556,7 +570,7 @@ class Run:
         # False once a forward ran partly compiled: the hooks follow the call no more, _replay records the rest
         self._following = True
         # why the hooks follow none of the call's forwards, all of it recorded by _replay (replay_whole), else None
-        self._whole: str | None = None
+        self._whole: Whole | None = None
         self._log_probs: torch.Tensor | None = None  # the model's own log-softmax at the last position of the last forward
         self._logits: torch.Tensor | None = None  # or its raw logits there, the log-softmax taken when scored
         self._sliced = False  # those logits are of a slice of the forward's positions (_Emitted.sliced)
@@ -707,8 +721,8 @@ class Run:
             # (not a prompt: candidate tokens after it, which assisted decoding feeds and may drop)
             raise UnfollowedForward(
                 f"the first forward of this call ran positions 0..{new - 1}, past its {self._prompt_len}-token "
-                "prompt: several candidate tokens per forward (assisted decoding) cannot be followed; generate "
-                f"without {_ASSISTED}")
+                "prompt: several candidate tokens per forward (assisted decoding the call's settings do not name) "
+                f"cannot be followed; name it with {_ASSISTED}, which records the call when it returns")
         if not (continues or recomputes):
             if self._foreign(bound.get("input_ids"), past, new):
                 raise UnfollowedForward(
@@ -851,12 +865,13 @@ class Run:
         # (the step at its first position was emitted before it ran, with the forward before's logits)
         self._n, self._pending, self._following = self._past, False, False
 
-    def replay_whole(self) -> None:
-        """A beam search: the hooks follow none of the call's forwards (their rows are candidate beams, reordered and
-        pruned between steps), and :meth:`_replay` records every position of the sequences it returns, from the
-        prompt on, when it returns: each step is the model's own at that returned sequence's position, as a
-        greedy or sampled call's (its probability the model's, not the beam's score)."""
-        self._following, self._whole = False, "beam search"
+    def replay_whole(self, whole: Whole) -> None:
+        """The hooks follow none of the call's forwards (a beam search's rows are candidate beams, reordered and
+        pruned between steps; assisted decoding verifies candidate tokens and drops some), and :meth:`_replay`
+        records every position of the sequences it returns, from the prompt on, when it returns: each step is the
+        model's own at that returned sequence's position, as a greedy or sampled call's (its probability the
+        model's, not a beam's score)."""
+        self._following, self._whole = False, whole
 
     def ran_compiled(self) -> None:
         """A forward of the call ran wholly compiled: neither its backbone's hooks nor its blocks' ran, so the positions
@@ -1024,8 +1039,11 @@ class Run:
             if sequences is not None and not self.failed and self.call.error is None:
                 try:
                     self._replay(ran)
-                except Exception as failure:  # noqa: BLE001 - said as what it is; the steps before it go out
-                    self.fail(f"recording its {'returned sequences' if self._whole else 'compiled steps'}", failure)
+                except BaseException as failure:  # noqa: BLE001 - said as what it is; the steps before it go out
+                    self.fail(f"recording its {'returned sequences' if self._whole is not None else 'compiled steps'}",
+                              failure)
+                    if not isinstance(failure, Exception):  # (Ctrl-C in its forwards: the caller's, said first)
+                        raise
             # (a call the probe detached from mid-way already says so: its later forwards ran unhooked on purpose)
             missed = (self._missed(sequences) if sequences is not None and not self.failed and self.call.error is None
                       else None)
@@ -1068,7 +1086,7 @@ class Run:
         """The tokens :meth:`_replay` runs and records: generate's own ``sequences``; a beam search's with the rows it
         had finished read off them first (:func:`_beams_going`), and the -1 it fills a finished beam with where the
         call has no pad id nor EOS id recorded as id 0 (an inactive step)."""
-        if sequences is None or self._whole is None or self._prompt_len is None:
+        if sequences is None or self._whole is None or not self._whole.beams or self._prompt_len is None:
             return sequences
         self._going = _beams_going(sequences[:, self._prompt_len:], self._eos, self.pad_id)
         return sequences.clamp(min=0)
@@ -1091,6 +1109,7 @@ class Run:
         if end <= n or self._refill is None:
             return
         if not self._hub.listened:  # nobody takes records (keep_steps=False, nothing else): none are made
+            self._ids_fed = self._ids_fed or (n < prompt_len and self.ids_given)  # (the prompt too: _missed)
             self._n, self._pending = end, True
             return
         if self._prompt_len is None:
@@ -1104,10 +1123,10 @@ class Run:
         mask = self._attention(sequences, end)
         positions = self._positions(mask, end)
         start = n if n >= prompt_len else 0  # every position before ran eagerly: the cache holds their own
-        start, kept = prefix if prefix is not None else (start, prefix_cache(cache, start))
+        start, kept = prefix if prefix is not None else (start, prefix_cache(cache, start, self._plan.model.config))
         del cache  # the call's own (a static cache is no one else's once generate returned)
         if kept is None:
-            start, kept = 0, prefix_cache(None, 0)
+            start, kept = 0, prefix_cache(None, 0, self._plan.model.config)
         extra = self._extended(sequences.shape[0], end)
         each = max(1, min(REFILL_POSITIONS, BATCH_BYTES // (4 * sequences.shape[0] * self._plan.head.n_outputs)))
         for low in range(start, end, each):
@@ -1170,7 +1189,7 @@ class Run:
         """(why the call's forwards are run again to record them, what records it otherwise): what a refusal of
         :meth:`_replay`'s says."""
         if self._whole is not None:
-            return f"its forwards ran a {self._whole}", "use num_beams=1"
+            return f"its forwards ran {self._whole.what}", self._whole.instead
         return "its forwards ran compiled", "pass disable_compile=True to generate"
 
     def _attention(self, sequences: torch.Tensor, end: int) -> torch.Tensor:
@@ -1264,7 +1283,7 @@ class Run:
         rows finished at their latest token (an EOS, a stop string, the user's own criterion), so that from the next
         step on generate only pads them. Kept on the device, one tensor per generated token; :meth:`_emit` reads
         which rows are active from them. Never raises (a failure stops the call's records, said as any other)."""
-        if self.failed or self._whole is not None:  # (a beam search runs its criteria on candidate beams)
+        if self.failed or (self._whole is not None and self._whole.beams):  # (run on candidate beams)
             return
         try:
             # as generate reads it (unfinished_sequences & ~done): a criterion of the user's may give 0/1 integers
@@ -1607,7 +1626,7 @@ class Generations:
         parameters = inspect.signature(model.forward).parameters
         keyword = cache_keyword(parameters)
         if keyword is None:
-            raise RuntimeError("the model's forward takes no KV cache, which running its compiled positions again "
+            raise RuntimeError("the model's forward takes no KV cache, which running the call's positions again "
                                "needs")
         arguments: dict[str, Any] = {"input_ids": ids[:, start:], "attention_mask": mask.long(), "use_cache": True,
                                      keyword: cache}
@@ -1817,9 +1836,11 @@ class Generations:
             prompt = next((kwargs[k] for k in ("inputs", "input_ids", "inputs_embeds") if kwargs.get(k) is not None),
                           None)
             prompt_len = prompt.shape[1] if isinstance(prompt, torch.Tensor) and prompt.dim() > 1 else None
-            beams = beam_search(self.plan.model, kwargs)
-            if beams and (kwargs.get("inputs_embeds") is not None or prompt_len is None):
-                raise ValueError(_BEAMS_NEED_IDS)
+            whole = replayed(self.plan.model, kwargs)
+            if whole is not None and (kwargs.get("inputs_embeds") is not None or prompt_len is None):
+                raise ValueError(f"{whole.what} is recorded from the model run again over the sequences generate "
+                                 "returns, which needs its prompt as token ids: pass input_ids (without "
+                                 "inputs_embeds)")
             run = self.new_run(request_id=request_id, prompt_len=prompt_len, wait=BATCH_SECONDS,
                                eos=_setting(self.plan.model, kwargs, "eos_token_id"), refill=True)
             embeds = kwargs.get("inputs_embeds")
@@ -1835,8 +1856,8 @@ class Generations:
             run.copy_logits = bool(_setting(self.plan.model, kwargs, "assistant_early_exit"))
             given = kwargs.get("position_ids")
             run.position_ids = given if isinstance(given, torch.Tensor) else None
-            if beams:
-                run.replay_whole()
+            if whole is not None:
+                run.replay_whole(whole)
             return run
         except Exception as error:  # noqa: BLE001 - never into the host's generate
             # ended when generate has run (_track): it may refuse its own arguments, which the record then says

@@ -493,13 +493,19 @@ def test_a_stopping_criterion_that_runs_the_model_on_the_calls_own_prompt_is_nam
     assert "by a stopping criterion or a streamer: run it outside generate" in call.error
 
 
-def _finished_early(model, options: dict, stops: list[int], criterion: bool) -> tuple[torch.Tensor, int]:
-    """The plain output of a beam search ``options`` and its stop token: the first of ``stops`` that, as its EOS id
-    or the user's ``criterion``, ends at least one returned sequence early while another runs to the end."""
+def _stopping(stop: str, token: int) -> dict:
+    """generate's settings that stop a beam at ``token``, as ``stop`` says: its EOS id (also its pad id), or the
+    user's criterion."""
+    if stop.startswith("criterion"):
+        return {"stopping_criteria": StoppingCriteriaList([_StopsOn(token)])}
+    return {"eos_token_id": token, **({"pad_token_id": token} if stop.endswith("pad id") else {})}
+
+
+def _finished_early(model, options: dict, stops: list[int], stop: str) -> tuple[torch.Tensor, int]:
+    """The plain output of a beam search ``options`` and its stop token: the first of ``stops`` that, stopping it as
+    ``stop`` says (:func:`_stopping`), ends at least one returned sequence early while another runs to the end."""
     for token in stops:
-        stop = ({"stopping_criteria": StoppingCriteriaList([_StopsOn(token)])} if criterion else
-                {"eos_token_id": token})
-        out = model.generate(**options, **stop)
+        out = model.generate(**options, **_stopping(stop, token))
         generated = out[:, options["input_ids"].shape[1]:]
         ended = (generated[:, :-1] == token).any(-1)
         if ended.any() and not ended.all() and generated.shape[1] == options["max_new_tokens"]:
@@ -507,14 +513,16 @@ def _finished_early(model, options: dict, stops: list[int], criterion: bool) -> 
     raise AssertionError("no stop token ends one returned beam early and leaves another running")
 
 
-@pytest.mark.parametrize("stop", ["eos", "criterion, filled with the pad id", "criterion, no eos"])
+@pytest.mark.parametrize("stop", ["eos", "eos, also the pad id", "criterion, filled with the pad id",
+                                  "criterion, no eos"])
 def test_beam_search_records_every_returned_sequence_equal_to_the_oracle(model, stop):
     """Beam search (it was refused: beams are reordered and pruned between steps) is recorded when the call returns,
     from the model run again over the sequences it returned: every step of every returned sequence (two per prompt,
     a left-padded batch) equals the no-cache oracle of that sequence, the output is the unrecorded one, and a
-    sequence that finished early is active up to its last token and not over what generate filled it with after,
-    whether an EOS id ended it (filled with that id), or the user's criterion, filled with the pad id, or with -1
-    where the call has no EOS id (recorded as id 0 there)."""
+    sequence that finished early is active up to its last token (its EOS unmasked, also where the EOS is the pad
+    id: it was read as filler) and not over what generate filled it with after, whether an EOS id ended it (filled
+    with that id), or the user's criterion, filled with the pad id, or with -1 where the call has no EOS id
+    (recorded as id 0 there)."""
     ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
     mask = torch.ones(2, 6, dtype=torch.long)
     ids[0, :2], mask[0, :2] = PAD, 0
@@ -525,9 +533,8 @@ def test_beam_search_records_every_returned_sequence_equal_to_the_oracle(model, 
     unused = [t for t in range(1, VOCAB) if t not in free.reshape(-1).tolist()]
     if stop == "criterion, filled with the pad id":  # (generate fills with an EOS id where the pad id is 0)
         options.update(eos_token_id=unused[0], pad_token_id=unused[1])
-    plain, token = _finished_early(model, options, stops, criterion=stop != "eos")
-    options.update({"eos_token_id": token} if stop == "eos" else
-                   {"stopping_criteria": StoppingCriteriaList([_StopsOn(token)])})
+    plain, token = _finished_early(model, options, stops, stop)
+    options.update(_stopping(stop, token))
     with nxl.attach(model, layers="all") as probe:
         out = model.generate(**options)
     assert torch.equal(out, plain)
@@ -535,7 +542,7 @@ def test_beam_search_records_every_returned_sequence_equal_to_the_oracle(model, 
     assert call.error is None and torch.equal(call.sequences, plain) and call.prompt_mask.shape == (4, 6)
     assert torch.equal(call.prompt_mask, mask.bool().repeat_interleave(2, dim=0))  # each prompt's two sequences
     generated = plain[:, 6:]
-    filler = {"eos": token, "criterion, filled with the pad id": unused[1], "criterion, no eos": -1}[stop]
+    filler = -1 if stop == "criterion, no eos" else unused[1] if stop.endswith("filled with the pad id") else token
     if stop == "criterion, no eos":
         assert (generated == -1).any()  # (transformers' own filler: the record reads it as id 0)
         call.sequences = call.sequences.clamp(min=0)
@@ -545,6 +552,32 @@ def test_beam_search_records_every_returned_sequence_equal_to_the_oracle(model, 
         last = int(ends[0]) if len(ends) else 6  # its stop token's step, else it ran to the end
         assert (generated[row, last + 1:] == filler).all()
         assert [bool(step.active[row]) for step in call.steps] == [g <= last for g in range(7)]
+        assert call.steps[-1].mask[row, 6:].tolist() == [g <= last for g in range(6)]  # (the last token never ran)
+
+
+def test_beam_search_ended_by_ctrl_c_while_run_again_or_recorded_by_nobody_says_so(model, monkeypatch):
+    """A beam search whose records nobody takes (keep_steps=False, nothing listening) ends complete, with no reason:
+    it was said not recorded, its tokens "from forwards that never reached the probe's hooks" (torch.compile's).
+    Ctrl-C while its sequences run again, after generate returned, reaches the caller, and the call says it is not
+    recorded and why: it ended complete, no step, no error."""
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(4))
+    options = dict(input_ids=ids, max_new_tokens=5, num_beams=3, do_sample=False)
+    with nxl.attach(model, layers="all", keep_steps=False) as probe:
+        model.generate(**options)
+    (call,) = probe.calls
+    assert call.complete and call.error is None and probe.unrecorded is None
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate.Generations, "refill", interrupted)
+    with nxl.attach(model, layers="all") as probe:
+        with pytest.raises(KeyboardInterrupt):
+            model.generate(**options)
+    (call,) = probe.calls
+    assert not call.complete and call.steps == []
+    assert call.error == probe.unrecorded.removeprefix("not recorded (recording its returned sequences): ")
+    assert "KeyboardInterrupt" in call.error
 
 
 def test_beam_search_needs_its_prompt_as_ids_and_plain_forwards_still_record(model):
@@ -602,33 +635,34 @@ def test_an_on_step_callback_that_runs_the_model_is_the_reason_the_record_stops(
 
 
 def test_a_call_generate_itself_refuses_says_generate_raised(model, tmp_path):
-    """``prompt_lookup_num_tokens=3, num_return_sequences=3`` without sampling: generate raises its own ValueError,
-    and the record said only that prompt lookup is not recorded, as if the call had run. It says generate raised (and
-    why), then why it would not be recorded either; the sink's copy too."""
+    """``num_return_sequences=3`` without sampling nor beams, resuming a filled cache: generate raises its own
+    ValueError, and the record said only that the call is not recorded, as if it had run. It says generate raised
+    (and why), then why it would not be recorded either; the sink's copy too."""
     ids = torch.randint(1, VOCAB, (1, 5), generator=torch.Generator().manual_seed(8))
+    resumed, cache = tiny.resuming(model, ids)
     with pytest.raises(ValueError) as unattached:
-        model.generate(input_ids=ids, max_new_tokens=2, prompt_lookup_num_tokens=3, num_return_sequences=3)
+        model.generate(input_ids=resumed, max_new_tokens=2, num_return_sequences=3, **cache)
     with nxl.attach(model, sink=tmp_path / "run.nxl") as probe:
         with pytest.raises(ValueError) as attached:
-            model.generate(input_ids=ids, max_new_tokens=2, prompt_lookup_num_tokens=3, num_return_sequences=3)
+            model.generate(input_ids=resumed, max_new_tokens=2, num_return_sequences=3, **cache)
     assert str(attached.value) == str(unattached.value)  # generate's own refusal, untouched
     (call,) = probe.calls
     assert call.error == (f"not recorded: generate raised ValueError ({unattached.value}); it would not be recorded "
-                          "either: assisted / speculative decoding feeds several candidate tokens per forward and "
-                          "drops some; generate without assistant_model / prompt_lookup_num_tokens / use_mtp")
+                          "either: generate was given a KV cache already holding positions 0..4, filled by forwards "
+                          "that are not this call's, so the context of its steps was never recorded; generate from "
+                          "the full prompt without that cache (leave out cache / past_key_values)")
     assert not call.complete and not call.steps and "\n" not in call.error
     (read,) = nxl.read_stream(tmp_path / "run.nxl")
     assert read.error == call.error and not read.complete
 
 
-@pytest.mark.parametrize("setting, said", [({"num_beams": 2}, None),
-                                           ({"num_beams": 2, "num_return_sequences": 2}, None),
-                                           ({"prompt_lookup_num_tokens": 3}, "prompt_lookup_num_tokens")])
-def test_a_generation_config_passed_positionally_is_read_for_what_it_records(model, setting, said):
+@pytest.mark.parametrize("setting", [{"num_beams": 2}, {"num_beams": 2, "num_return_sequences": 2},
+                                     {"prompt_lookup_num_tokens": 3}])
+def test_a_generation_config_passed_positionally_is_read_for_what_it_records(model, setting):
     """``generate(ids, GenerationConfig(...))``: the config, generate's second parameter, is read as a keyword one
     is (it was not: beam search was recorded as plain decoding, wrong tokens and scores, and prompt lookup lost
-    three of its four steps, both saying complete). A beam search is recorded from its returned sequences, each step
-    equal to the oracle; prompt lookup is said not recorded."""
+    three of its four steps, both saying complete). Each is recorded from its returned sequences, every step equal
+    to the oracle."""
     ids = torch.randint(1, VOCAB, (1, 4), generator=torch.Generator().manual_seed(8)).repeat(1, 4)
     config = GenerationConfig(max_new_tokens=4, do_sample=False, pad_token_id=PAD, **setting)
     plain = model.generate(ids, config)
@@ -636,12 +670,8 @@ def test_a_generation_config_passed_positionally_is_read_for_what_it_records(mod
         out = model.generate(ids, config)
     (call,) = probe.calls
     assert torch.equal(out, plain)
-    if said is None:
-        assert call.error is None and call.sequences.shape[0] == setting.get("num_return_sequences", 1)
-        check_call(model, call, 4)
-    else:
-        assert not call.complete and call.steps == []
-        assert call.error.startswith("not recorded: ") and said in call.error
+    assert call.error is None and call.sequences.shape[0] == setting.get("num_return_sequences", 1)
+    check_call(model, call, 4)
 
 
 def test_multi_token_prediction_decoding_is_said_not_recorded_as_assisted_decoding(model):
@@ -654,7 +684,7 @@ def test_multi_token_prediction_decoding_is_said_not_recorded_as_assisted_decodi
             model.generate(ids, max_new_tokens=4, do_sample=False, use_mtp=True)
     (call,) = probe.calls  # (generate's own refusal first: the call never ran)
     assert call.error.startswith("not recorded: generate raised ValueError")
-    assert "it would not be recorded either: assisted / speculative decoding" in call.error and "use_mtp" in call.error
+    assert "it would not be recorded either: multi-token prediction (use_mtp)" in call.error
 
 
 def test_an_attached_assistant_model_says_once_that_its_drafts_are_not_recorded(model, caplog):
@@ -672,24 +702,65 @@ def test_an_attached_assistant_model_says_once_that_its_drafts_are_not_recorded(
                for call in probe.calls)
 
 
+class _Cycle(LogitsProcessor):
+    """The model goes on with ``cycle`` (1, 4), whatever its logits: prompt lookup's candidates, read off a prompt of
+    the cycle repeated, are accepted."""
+
+    def __init__(self, cycle: torch.Tensor) -> None:
+        self.cycle = cycle
+
+    def __call__(self, input_ids, scores):
+        return torch.full_like(scores, -torch.inf).index_fill_(-1, self.cycle[0, input_ids.shape[1] % 4], 0)
+
+
+@pytest.mark.parametrize("how", ["assistant model", "assistant model, sampled", "prompt lookup",
+                                 "assistant model, eos"])
+def test_assisted_decoding_is_recorded_when_the_call_returns(model, how):
+    """Assisted decoding (it ran unrecorded: each forward verifies several candidate tokens and generate drops some,
+    cropping its cache) is recorded when the call returns, from the model run again over the tokens it returned:
+    with a second model drafting (greedy, or sampled: speculative sampling's tokens, explained as emitted), and with
+    prompt lookup (its candidates accepted). The output is the unrecorded one, every step equals the oracle, and
+    the call ends at its EOS with as many steps as tokens."""
+    drafts = tiny.generating_llama(seed=2)  # the same vocabulary, other weights: some drafts are dropped
+    ids = torch.randint(1, VOCAB, (1, 6), generator=torch.Generator().manual_seed(8))
+    options = dict(max_new_tokens=8, do_sample=how.endswith("sampled"))
+    if how == "prompt lookup":
+        cycle = torch.randint(1, VOCAB, (1, 4), generator=torch.Generator().manual_seed(8))
+        ids = cycle.repeat(1, 4)
+        options.update(prompt_lookup_num_tokens=3, logits_processor=LogitsProcessorList([_Cycle(cycle)]))
+    else:
+        options["assistant_model"] = drafts
+    if how.endswith("eos"):
+        free = model.generate(ids, **options)[0, 6:].tolist()
+        options["eos_token_id"] = next(t for s, t in enumerate(free[2:-1], start=2) if t not in free[:s])
+    torch.manual_seed(0)
+    plain = model.generate(ids, **options)
+    torch.manual_seed(0)
+    with nxl.attach(model, layers="all") as probe:
+        out = model.generate(ids, **options)
+    assert torch.equal(out, plain)
+    (call,) = probe.calls
+    assert call.error is None
+    new = out.shape[1] - ids.shape[1]
+    assert new < 8 if how.endswith("eos") else new == 8
+    check_call(model, call, new)
+    assert all(step.active.all() for step in call.steps)
+
+
 def test_a_first_forward_past_the_prompt_is_said_not_recorded(model, monkeypatch):
     """A prompt forward that also runs candidate tokens (prompt lookup, where a call's settings did not say it) is
     not taken for the prompt: it was, and the steps it accepted were lost while the call said complete."""
-    monkeypatch.setattr(generate, "unsupported", lambda model, kwargs: None)
+    monkeypatch.setattr(generate, "replayed", lambda model, kwargs: None)
     cycle = torch.randint(1, VOCAB, (1, 4), generator=torch.Generator().manual_seed(8))
 
-    class Cycle(LogitsProcessor):  # the model goes on with the cycle: prompt lookup's candidates are accepted
-        def __call__(self, input_ids, scores):
-            return torch.full_like(scores, -torch.inf).index_fill_(-1, cycle[0, input_ids.shape[1] % 4], 0)
-
     options = dict(max_new_tokens=4, do_sample=False, prompt_lookup_num_tokens=3,
-                   logits_processor=LogitsProcessorList([Cycle()]))
+                   logits_processor=LogitsProcessorList([_Cycle(cycle)]))
     plain = model.generate(cycle.repeat(1, 4), **options)
     with nxl.attach(model, layers="all") as probe:
         out = model.generate(cycle.repeat(1, 4), **options)
     (call,) = probe.calls
     assert torch.equal(out, plain) and out.shape[1] == 20 and not call.complete
-    assert "past its 16-token prompt" in call.error
+    assert "past its 16-token prompt" in call.error and "name it with assistant_model / prompt_lookup" in call.error
 
 
 def test_generate_from_a_filled_cache_says_not_recorded_and_what_records_it(model):
@@ -713,6 +784,27 @@ def test_generate_from_a_filled_cache_says_not_recorded_and_what_records_it(mode
             "that cache (leave out cache / past_key_values)")
         model.generate(first.sequences, max_new_tokens=2, do_sample=False)
     check_call(model, probe.calls[-1], 2)
+
+
+@pytest.mark.parametrize("kind", ["mamba", "mamba2"])
+def test_a_state_space_models_beam_search_is_run_again_against_a_cache_of_its_own_layers(kind):
+    """A state-space model's beam search runs again against a new cache of the layers its config says (recurrent
+    states): an empty cache of attention layers ended it as a bare IndexError. Every step equals the uncached
+    oracle; before transformers 5.25 the model's forward takes its states as cache_params, which the rerun does not
+    fill: said so, not recorded."""
+    model = tiny.generating_state_space(kind)
+    ids = torch.randint(1, VOCAB, (2, 6), generator=torch.Generator().manual_seed(3))
+    options = dict(max_new_tokens=4, num_beams=3, do_sample=False)
+    plain = model.generate(ids, **options)
+    with nxl.attach(model, layers="all") as probe:
+        out = model.generate(ids, **options)
+    assert torch.equal(out, plain)
+    (call,) = probe.calls
+    if "cache" not in inspect.signature(model.forward).parameters:  # (transformers before 5.25)
+        assert call.error == "the model's forward takes no KV cache, which running the call's positions again needs"
+        return
+    assert call.error is None
+    check_call(model, call, 4, state_space(model))
 
 
 @pytest.mark.parametrize("kind", ["mamba", "mamba2", "falcon_mamba"])

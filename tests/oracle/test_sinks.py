@@ -796,18 +796,19 @@ class _GoneClient:  # as transformers serve's DirectStreamer once its client dis
         pass
 
 
-def _lookup_gone_next(model, sink):
-    """Three requests on ``model`` attached with ``sink``: "lookup" (prompt lookup, not recorded), "gone" (its
-    streaming client gone before its first forward) and "next" (recorded whole); returns the probe."""
+def _resumed_gone_next(model, sink):
+    """Three requests on ``model`` attached with ``sink``: "resumed" (resuming a filled cache, not recorded), "gone"
+    (its streaming client gone before its first forward) and "next" (recorded whole); returns the probe."""
     from nxl_hooks.hooks.generate import REQUEST_ID
 
     ids = torch.randint(1, tiny.GEN_VOCAB, (1, 5), generator=torch.Generator().manual_seed(1))
+    resumed, cache = tiny.resuming(model, ids)
     with nxl.attach(model, layers="all", sink=sink) as probe:
-        for request, kwargs in (("lookup", {"prompt_lookup_num_tokens": 2}), ("gone", {"streamer": _GoneClient()}),
-                                ("next", {})):
+        for request, prompt, kwargs in (("resumed", resumed, cache), ("gone", ids, {"streamer": _GoneClient()}),
+                                        ("next", ids, {})):
             token = REQUEST_ID.set(request)
             try:
-                model.generate(input_ids=ids, max_new_tokens=3, do_sample=False, **kwargs)
+                model.generate(input_ids=prompt, max_new_tokens=3, do_sample=False, **kwargs)
             except _Cancelled:
                 pass
             finally:
@@ -817,23 +818,23 @@ def _lookup_gone_next(model, sink):
 
 @pytest.mark.parametrize("kind", ["stream", "rotating"])
 def test_calls_not_recorded_and_calls_ended_before_their_prompt_ran_are_in_the_stream_with_why(tmp_path, kind):
-    """A call said not recorded (prompt lookup) and one that raised before its first forward (a streaming client
-    gone while its request waited) are read back from the sink: their request id, and an end that says why
+    """A call said not recorded (resuming a filled cache) and one that raised before its first forward (a streaming
+    client gone while its request waited) are read back from the sink: their request id, and an end that says why
     (they were in probe.calls alone, so read_stream(request_id=...) found nothing); the call after them is whole."""
     model = tiny.generating_llama(seed=3)
     where = tmp_path / {"stream": "run.nxl", "rotating": "runs"}[kind]
-    probe = _lookup_gone_next(model, where if kind == "stream" else nxl.RotatingSink(where))
+    probe = _resumed_gone_next(model, where if kind == "stream" else nxl.RotatingSink(where))
     stream = nxl.read_stream(where, strict=True)
     assert stream.damage is None
-    assert [(c.request_id, c.complete, len(c.steps)) for c in stream] == [("lookup", False, 0), ("gone", False, 0),
+    assert [(c.request_id, c.complete, len(c.steps)) for c in stream] == [("resumed", False, 0), ("gone", False, 0),
                                                                          ("next", True, 3)]
-    lookup, gone, _ = stream
-    assert lookup.error == probe.calls[0].error
-    assert lookup.error.startswith("not recorded: assisted / speculative decoding")
+    resumed, gone, _ = stream
+    assert resumed.error == probe.calls[0].error
+    assert resumed.error.startswith("not recorded: generate was given a KV cache")
     assert "_Cancelled" in gone.error and gone.error == probe.calls[1].error
-    assert lookup.prompt_mask is None and gone.prompt_mask is None and lookup.ended is not None
-    assert lookup.model == gone.model == probe.calls[0].model == "LlamaForCausalLM"  # named before its frames go
-    assert nxl.read_stream(where, request_id="lookup")[0].error == lookup.error
+    assert resumed.prompt_mask is None and gone.prompt_mask is None and resumed.ended is not None
+    assert resumed.model == gone.model == probe.calls[0].model == "LlamaForCausalLM"  # named before its frames go
+    assert nxl.read_stream(where, request_id="resumed")[0].error == resumed.error
     check_call(model, stream[2], 3)
     # a running program's endpoint hands out such a call's frames from memory, as for a recorded one
     from types import SimpleNamespace
@@ -843,28 +844,28 @@ def test_calls_not_recorded_and_calls_ended_before_their_prompt_ran_are_in_the_s
     calls = {call.request_id: (None, call, probe.describe()) for call in probe.calls}
     host = SimpleNamespace(settings=SimpleNamespace(sink=None), find=lambda request_id, generation=False: calls.get(request_id))
     handed = tmp_path / "handed.nxl"
-    handed.write_bytes(ControlServer(host)._frames("lookup"))
+    handed.write_bytes(ControlServer(host)._frames("resumed"))
     (read,) = nxl.read_stream(handed, strict=True)
-    assert (read.request_id, read.error, read.prompt_mask, read.steps) == ("lookup", lookup.error, None, [])
+    assert (read.request_id, read.error, read.prompt_mask, read.steps) == ("resumed", resumed.error, None, [])
 
 
 def test_parquet_live_and_exported_list_the_calls_with_no_rows_and_why(tmp_path, capsys):
-    """Parquet rows are steps, so a call not recorded (prompt lookup) or stopped before its first forward has none:
-    the file lists such calls with why in its footer's metadata (nxl.calls), live and exported, and
+    """Parquet rows are steps, so a call not recorded (resuming a filled cache) or stopped before its first forward has
+    none: the file lists such calls with why in its footer's metadata (nxl.calls), live and exported, and
     nxl export says how many; a call recorded whole is not listed, its rows are there."""
     model = tiny.generating_llama(seed=3)
-    probe = _lookup_gone_next(model, f"parquet:{tmp_path / 'live.parquet'}")
-    _lookup_gone_next(model, tmp_path / "run.nxl")
+    probe = _resumed_gone_next(model, f"parquet:{tmp_path / 'live.parquet'}")
+    _resumed_gone_next(model, tmp_path / "run.nxl")
     assert cli_main(["export", str(tmp_path / "run.nxl"), str(tmp_path / "exported.parquet")]) == 0
     printed = capsys.readouterr().out
     assert "2 call(s) not recorded, stopped early or with notes: why in the file's metadata nxl.calls" in printed
-    lookup, gone, _ = probe.calls
+    resumed, gone, _ = probe.calls
     for name in ("live.parquet", "exported.parquet"):
         table = pq.read_table(tmp_path / name)
         said = json.loads(pq.read_metadata(tmp_path / name).metadata[b"nxl.calls"])
         assert (said["calls"], said["more"]) == (3, 0)
         assert [(c["request_id"], c["recorded"], c["complete"], c["error"]) for c in said["listed"]] == [
-            ("lookup", False, False, lookup.error), ("gone", False, False, gone.error)], name
+            ("resumed", False, False, resumed.error), ("gone", False, False, gone.error)], name
         assert set(table.column("request_id").to_pylist()) == {"next"}
 
 

@@ -326,11 +326,13 @@ def test_generation_page_says_where_and_why_recording_stopped(generation):
     assert "note: not recorded after step 1: callback failed" in partial
     assert len(tiny.elements(partial, "td", "nxl-cell")) == 2 * (enc["input_ids"].shape[1] + 2)  # steps 0 and 1
 
+    resumed, cache = tiny.resuming(model, enc["input_ids"])
     with nxl.attach(model, tokenizer=tok, layers="all") as probe:
-        model.generate(**enc, max_new_tokens=2, prompt_lookup_num_tokens=2, do_sample=False, pad_token_id=2)
-    lookup = generation_html(probe.calls[-1])  # no steps: still a page, saying why
-    assert lookup.startswith("<!DOCTYPE html>") and "note: not recorded: assisted / speculative decoding" in lookup
-    assert "nothing to show" in lookup and not tiny.elements(lookup, "td", "nxl-cell")
+        model.generate(resumed, max_new_tokens=2, do_sample=False, pad_token_id=2, **cache)
+    unrecorded = generation_html(probe.calls[-1])  # no steps: still a page, saying why
+    assert unrecorded.startswith("<!DOCTYPE html>")
+    assert "note: not recorded: generate was given a KV cache" in unrecorded
+    assert "nothing to show" in unrecorded and not tiny.elements(unrecorded, "td", "nxl-cell")
 
 
 def test_generation_page_names_tokens_without_texts_as_the_step_views_do():

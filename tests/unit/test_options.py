@@ -537,8 +537,9 @@ def test_status_counts_a_running_call_as_running_not_recorded(tmp_path):
 
 
 def test_faults_are_named_in_status_ctl_and_tail(tmp_path, capsys, monkeypatch):
-    """A real sink fault (a full disk) and a real unrecorded call (prompt lookup): /v1/status hands them out, nxl ctl
-    says them and nxl tail prints each as a line of its own, before its first step however slow the status is."""
+    """A real sink fault (a full disk) and a real unrecorded call (one resuming a filled cache): /v1/status hands them
+    out, nxl ctl says them and nxl tail prints each as a line of its own, before its first step however slow the
+    status is."""
     import threading
     import time
 
@@ -554,23 +555,24 @@ def test_faults_are_named_in_status_ctl_and_tail(tmp_path, capsys, monkeypatch):
     run = tmp_path / "run"
     nxl.register_sink("nospace-options-test", _NoSpace)
     controller = Controller(Settings(run_dir=run, sink_spec="nospace-options-test:x"))
+    ids = torch.tensor([[1, 5, 7, 9]])
+    resumed, cache = tiny_models.resuming(model, ids)
     controller.adopt(model, str(path))
     try:
         (healthy,) = controller.status()["models"]
         assert healthy["attached"] and healthy["sink_fault"] is None and healthy["unrecorded"] is None
         assert tail.faults(healthy) == [] and "sink" not in ctl.describe(controller.status())
-        ids = torch.tensor([[1, 5, 7, 9]])
         model.generate(ids, max_new_tokens=2, do_sample=False)  # the sink fails at the call's first frame
-        model.generate(ids, max_new_tokens=2, do_sample=False, prompt_lookup_num_tokens=2)  # not recorded
+        model.generate(resumed, max_new_tokens=2, do_sample=False, **cache)  # not recorded
         probe = controller.watches()[0].probe
         assert probe.flush()  # the sink thread has met the fault
         assert probe.sink_fault and "No space left on device" in probe.sink_fault and probe.unwritten == 2
-        assert probe.unrecorded and "prompt_lookup_num_tokens" in probe.unrecorded
+        assert probe.unrecorded and "KV cache already holding" in probe.unrecorded
         (endpoint,) = endpoints(str(run))
         (model_status,) = endpoint.json("GET", "/v1/status")["models"]
         assert model_status["sink_fault"] == probe.sink_fault and model_status["unrecorded"] == probe.unrecorded
         assert model_status["unwritten"] == probe.unwritten
-        assert probe.unrecorded_calls == model_status["unrecorded_calls"] == 1  # the prompt lookup call alone
+        assert probe.unrecorded_calls == model_status["unrecorded_calls"] == 1  # the resumed call alone
         assert tail.faults(model_status) == [f"records not written to the sink: {probe.sink_fault}",
                                              f"1 call {probe.unrecorded}"]
         capsys.readouterr()
@@ -697,8 +699,9 @@ def test_status_keeps_what_earlier_probes_lost_across_pause_resume(tmp_path, mon
     _FullThenFine.made = []
     nxl.register_sink("full-then-fine-options-test", _FullThenFine)
     controller = Controller(Settings(run_dir=tmp_path / "run", sink_spec="full-then-fine-options-test:x"))
-    controller.adopt(model, str(path))
     ids = torch.tensor([[1, 5, 7, 9]])
+    resumed, cache = tiny_models.resuming(model, ids)
+    controller.adopt(model, str(path))
 
     def status() -> dict:
         (model_status,) = controller.status()["models"]
@@ -706,11 +709,11 @@ def test_status_keeps_what_earlier_probes_lost_across_pause_resume(tmp_path, mon
 
     try:
         model.generate(ids, max_new_tokens=2, do_sample=False)  # the sink fails at the call's first frame
-        model.generate(ids, max_new_tokens=2, do_sample=False, prompt_lookup_num_tokens=2)  # not recorded
+        model.generate(resumed, max_new_tokens=2, do_sample=False, **cache)  # not recorded
         first = controller.watches()[0].probe
         assert first.flush()
         fault, why = first.sink_fault, first.unrecorded
-        assert "No space left on device" in fault and first.unwritten == 2 and "prompt_lookup_num_tokens" in why
+        assert "No space left on device" in fault and first.unwritten == 2 and "KV cache already holding" in why
         lost = {"sink_fault": fault, "unwritten": 2, "unrecorded": why, "unrecorded_calls": 1}
         said = [f"records not written to the sink: {fault}", f"1 call {why}"]
         controller.pause()
