@@ -276,6 +276,7 @@ def test_result_after_a_generate_call_says_where_its_records_are():
     if it were the last. It says the records are probe.steps; a plain forward after it is its result again."""
     model = tiny.build_model("llama")
     ids = _ids(1, 5)
+    resumed, cache = tiny.resuming(model, ids)
     with torch.no_grad(), nxl.attach(model) as probe:
         for before in (False, True):
             if before:
@@ -283,7 +284,7 @@ def test_result_after_a_generate_call_says_where_its_records_are():
             model.generate(input_ids=ids, max_new_tokens=2, do_sample=False)
             with pytest.raises(RuntimeError, match=r"last call in this thread was a recorded generate call.*probe\.steps"):
                 probe.result()
-        model.generate(input_ids=ids, max_new_tokens=2, num_beams=2, do_sample=False)  # not recorded: said so
+        model.generate(input_ids=resumed, max_new_tokens=2, do_sample=False, **cache)  # not recorded: said so
         with pytest.raises(RuntimeError, match=r"generate call that was not recorded \(probe\.calls\[-1\]\.error"):
             probe.result()
         out = model(input_ids=ids, output_hidden_states=True)
