@@ -7,6 +7,7 @@ The refusals need no model; the rest is the real-model tier (tests/real_model.py
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 import time
@@ -71,16 +72,28 @@ def test_convert_refuses_a_missing_file(capsys, tmp_path):
     assert "no GGUF file at" in err and not (tmp_path / "out").exists()
 
 
-def test_nxl_run_gguf_with_serve_says_which_convert_to_run(tmp_path):
-    """Refused at start, before any run folder: one line naming the nxl convert command, exit 2."""
+@pytest.mark.parametrize("serve", [["models/", "--port", "1"], ["--port", "1", "models/"],
+                                   ["--port", "1", "--continuous-batching", "{tmp}/my models/"]])
+def test_nxl_run_gguf_with_serve_says_which_convert_to_run(tmp_path, serve):
+    """Refused at start, before any run folder: one line naming the nxl convert command, exit 2, and the serve
+    command of the folder it makes, with the program's other arguments (the value of an option before the model
+    folder was taken for it: ``--port 1 models/`` said ``nxl convert 1/m.Q4.gguf``); after a flag of no value, the
+    folder is the one that holds the file."""
+    serve = [arg.format(tmp=tmp_path) for arg in serve]
+    if serve[-1].startswith(str(tmp_path)):
+        Path(serve[-1]).mkdir()
+        (Path(serve[-1]) / "m.Q4.gguf").write_bytes(b"")
     sink = tmp_path / "runs"
     done = subprocess.run([*NXL, "run", "--sink", str(sink), "--gguf-file", "m.Q4.gguf", "--",
-                           transformers_cli(), "serve", "models/", "--port", "1"],
+                           transformers_cli(), "serve", *serve],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
     (line,) = [text for text in done.stderr.splitlines() if text.startswith("nxl run:")]
-    assert line.endswith("nxl convert models/m.Q4.gguf models-converted && nxl run -- transformers serve "
-                         "models-converted"), line
+    folder = serve[-1] if serve[0] == "--port" else serve[0]
+    out = folder.rstrip("/") + "-converted"
+    served = " ".join(shlex.quote(out if arg == folder else arg) for arg in serve)
+    assert line.endswith(f"nxl convert {shlex.quote(folder + 'm.Q4.gguf')} {shlex.quote(out)} && nxl run -- "
+                         f"transformers serve {served}"), line
     assert not sink.exists()
 
 
