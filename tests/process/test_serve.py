@@ -874,7 +874,8 @@ def test_python_flags_that_keep_the_bootstrap_out_are_refused_before_the_program
                                                                                          monkeypatch):
     """-I and -E make Python ignore PYTHONPATH and -S skips site, which imports the bootstrap: the program would run
     with nothing recorded and nothing said. Refused in one line, alone or among other short flags; -s (no user
-    site) and flags after -c (the program's own) leave the bootstrap in. The first refusal is a whole ``nxl``
+    site) and flags after -c (the program's own) leave the bootstrap in; the same flags in a script's ``#!`` line
+    are refused as well (the script ran unrecorded, unsaid). The first refusal is a whole ``nxl``
     program (nothing but that line on its stderr); the other spellings are the same check, run in this process."""
     booted = "import sys; print('BOOTED', any(getattr(f, 'nxl_post_import', False) for f in sys.meta_path))"
     for n, flags in enumerate((["-I"], ["-Iu"], ["-B", "-E"], ["-BE"], ["-S"], ["-W", "ignore", "-S"])):
@@ -889,6 +890,17 @@ def test_python_flags_that_keep_the_bootstrap_out_are_refused_before_the_program
     for flags in (["-s"], ["-u", "-s"]):  # PYTHONPATH still read, site still run
         kept = _nxl("run", "--", sys.executable, *flags, "-c", booted, "-I", env={**os.environ, **SERVE_ENV})
         assert kept.returncode == 0 and kept.stdout.split() == ["BOOTED", "True"], (flags, kept.stderr)
+    # the same flags in a script's #! line (its interpreter's, as the kernel starts it): it ran unrecorded, unsaid
+    for flag, refused in (("-E", True), ("-u", False)):
+        script = tmp_path / f"script{flag}"
+        script.write_text(f"#!{sys.executable} {flag}\n{booted}\n")
+        script.chmod(0o755)
+        ran = _nxl("run", "--", str(script), env={**os.environ, **SERVE_ENV})
+        if refused:
+            assert ran.returncode == 2 and "BOOTED" not in ran.stdout
+            assert f"error: {script}'s #! line starts python -E: " in ran.stderr and "drop -E" in ran.stderr
+        else:
+            assert ran.returncode == 0 and ran.stdout.split() == ["BOOTED", "True"], ran.stderr
 
 
 @pytest.mark.version_free

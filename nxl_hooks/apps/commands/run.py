@@ -145,16 +145,16 @@ _SH_EXEC = re.compile(r"""^'''exec' (?:"([^"]+)"|(\S+)) "\$0" "\$@"$""")
 
 
 def _interpreter(lines: list[str]) -> list[str]:
-    """The interpreter a script's first ``lines`` start it with: its ``#!`` line's, or the one pip's ``#!/bin/sh``
-    launcher execs; [] when neither."""
+    """The interpreter a script's first ``lines`` start it with, and the flags they give it: its ``#!`` line's, or
+    the one pip's ``#!/bin/sh`` launcher execs; [] when neither."""
     if lines[0].strip() == "#!/bin/sh" and len(lines) > 1 and (match := _SH_EXEC.match(lines[1].strip())):
         return [match.group(1) or match.group(2)]
-    return lines[0][2:].strip().split()[:1] if lines[0].startswith("#!") else []
+    return lines[0][2:].strip().split() if lines[0].startswith("#!") else []
 
 
-def script_python(command: str) -> list[str]:
+def _script_words(command: str) -> list[str]:
     """The Python interpreter that the script ``command`` (found on PATH) starts (its ``#!`` line, or pip's
-    launcher); [] when it is no Python script."""
+    launcher), with the flags its ``#!`` line gives it; [] when it is no Python script."""
     try:
         with open(shutil.which(command), "rb") as fh:
             lines = [fh.readline(4096).decode(errors="replace") for _ in range(2)]
@@ -162,6 +162,12 @@ def script_python(command: str) -> list[str]:
         return []
     interpreter = _interpreter(lines)
     return interpreter if interpreter and "python" in os.path.basename(interpreter[0]) else []
+
+
+def script_python(command: str) -> list[str]:
+    """The Python interpreter that the script ``command`` (found on PATH) starts (its ``#!`` line, or pip's
+    launcher), as a one-word list; [] when it is no Python script."""
+    return _script_words(command)[:1]
 
 
 def _runs_python(program: list[str]) -> bool:
@@ -226,11 +232,14 @@ _WITH_VALUE = "WXcm"  #: short flags whose value follows (in the same word or th
 
 
 def unbooted_flag(program: list[str]) -> str | None:
-    """Why ``program`` (a ``python`` command) would run without the bootstrap, recording nothing and saying nothing:
-    one of the :data:`_UNBOOTED` flags among the interpreter's own (``-I``, ``-Iu``, ``-B -E``, before the script,
-    ``-m`` or ``-c``); None for any other command."""
+    """Why ``program`` (a ``python`` command, or a Python script whose ``#!`` line gives python flags) would run
+    without the bootstrap, recording nothing and saying nothing: one of the :data:`_UNBOOTED` flags among the
+    interpreter's own (``-I``, ``-Iu``, ``-B -E``, before the script, ``-m`` or ``-c``); None for any other
+    command."""
     if not _runs_python(program):
-        return None
+        shebang = _script_words(program[0])
+        said = unbooted_flag([*shebang, program[0]]) if shebang else None
+        return f"{program[0]}'s #! line starts {said}" if said else None
     words = iter(program[1:])
     for word in words:
         if word == "--check-hash-based-pycs":
