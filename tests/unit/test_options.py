@@ -536,6 +536,37 @@ def test_status_counts_a_running_call_as_running_not_recorded(tmp_path):
     assert (done["calls"], done["recorded"], done["running"]) == (1, 1, 0)
 
 
+def test_status_says_recording_after_a_resume_whatever_the_calls_before_it(tmp_path):
+    """nxl ctl said "not recording" while every call in memory was unrecorded, also after a pause and resume that
+    put a new probe on, which records the next request: the state reads the current probe's calls only. A probe
+    whose every call so far ran unrecorded is still "not recording"."""
+    import tiny as tiny_models
+    from transformers import AutoModelForCausalLM
+
+    from nxl_hooks.apps.serve.controller import Controller
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_models.save_model(tmp_path / "lm", "llama"))
+    ids = torch.tensor([[1, 5, 7, 9]])
+    resumed, cache = tiny_models.resuming(model, ids)
+    controller = Controller(Settings(run_dir=tmp_path / "run"))
+    controller.adopt(model, "lm")
+    try:
+        model.generate(resumed, max_new_tokens=2, do_sample=False, **cache)  # not recorded
+        unrecorded = ctl.describe(controller.status())
+        controller.pause()
+        controller.resume()
+        (resumed_status,) = controller.status()["models"]
+        resumed_said = ctl.describe(controller.status())
+        model.generate(ids, max_new_tokens=2, do_sample=False)
+        (recorded,) = controller.status()["models"]
+    finally:
+        controller.close()
+    assert ": not recording;" in unrecorded
+    assert (resumed_status["calls"], resumed_status["recorded"]) == (1, 0) and resumed_status["recording"]
+    assert ": recording;" in resumed_said
+    assert (recorded["calls"], recorded["recorded"], recorded["recording"]) == (2, 1, True)
+
+
 def test_faults_are_named_in_status_ctl_and_tail(tmp_path, capsys, monkeypatch):
     """A real sink fault (a full disk) and a real unrecorded call (one resuming a filled cache): /v1/status hands them
     out, nxl ctl says them and nxl tail prints each as a line of its own, before its first step however slow the

@@ -60,8 +60,9 @@ def describe(status: dict) -> str:
         + f", {m['hooks']} hooks, {m['calls']} requests in memory" + (f"; {m['engine']}" if m.get("engine") else "")
         + "".join(f"; {fault}" for fault in faults(m))
         for m in status["models"]) or "no model loaded"
-    # "recording" only while some attached model records: none of its calls yet, some recorded, or some running
-    recording = any(m["attached"] and (not m["calls"] or m.get("recorded", 1) or m.get("running"))
+    # "recording" only while some attached model records: the calls of its probe now are none yet, some recorded,
+    # or some running (an endpoint of an older nxl_hooks says it of every call in memory)
+    recording = any(m.get("recording", m["attached"] and (not m["calls"] or m.get("recorded", 1) or m.get("running")))
                     for m in status["models"])
     state = "paused" if status["paused"] else "recording" if recording else "not recording"
     return printable(f"pid {status['pid']}: {state}; {models}")

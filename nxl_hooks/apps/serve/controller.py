@@ -214,9 +214,12 @@ class Watch:
         cost, after a resume onto a sink that works. ``live_dropped``: steps the
         live readers did not get because the live feed fell behind (still kept and written). ``recorded``: how
         many of the ``calls`` in memory were recorded whole (ended without an error), ``running`` how many have
-        not ended yet. ``head_kind``: what its head predicts while
+        not ended yet. ``recording``: attached, and the calls of the probe on it now (not those of a probe before a
+        pause or an ``nxl ctl attach``, which may have been cut by it) are none yet, some recorded or some running.
+        ``head_kind``: what its head predicts while
         attached (``causal_lm``; another kind's requests are plain forwards, none of which makes a token)."""
         model, probe = self.ref(), self.probe
+        now = probe.calls if probe is not None else []
         records = [record for record, _ in self.records()]
         lost = self.lost_before
         for each in (self.detached, probe):
@@ -230,9 +233,15 @@ class Watch:
                 "recorded": sum(getattr(record, "complete", True) for record in records),  # (a forward is whole)
                 "running": sum(isinstance(record, GenerationCall) and record.ended is None and record.error is None
                                for record in records),
+                "recording": probe is not None and (not now or any(_records(call) for call in now)),
                 **lost._asdict(),
                 "live_dropped": self.dropped_before + (live.dropped if (live := self.live) is not None else 0),
                 "engine": _engine(model)}
+
+
+def _records(call: GenerationCall) -> bool:
+    """Whether ``call`` says its probe records: it was recorded whole, or it runs (its end may still say why not)."""
+    return call.complete or (call.ended is None and call.error is None)
 
 
 class Models:
