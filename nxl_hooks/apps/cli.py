@@ -33,6 +33,7 @@ class _Parser(argparse.ArgumentParser):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+        self.commands: dict[str, argparse.ArgumentParser] = {}  #: the top parser's: each command's, by name
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, one_line(f"{self.prog}: error: {message} (see {self.prog} --help)") + "\n")
@@ -58,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS:
         command.add_parser(sub).set_defaults(_run=command.run)
+    parser.commands = dict(sub.choices)
     return parser
 
 
@@ -79,7 +81,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # said by the parser of where they stand: the command's names it (nxl's said "see nxl --help")
+            given = list(sys.argv[1:] if argv is None else argv)
+            before = unknown[0] in given[:given.index(args.command)] if args.command in given else False
+            (parser if before else parser.commands[args.command]).error(
+                f"unrecognized arguments: {' '.join(unknown)}")
     except SystemExit as exit_:  # argparse already printed usage and the error
         return int(exit_.code or 0)
     try:

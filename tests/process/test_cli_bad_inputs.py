@@ -231,7 +231,13 @@ CASES = [
     ("chat without a template", ["attribute", "{bert}", TEXT, "--chat"], r"this tokenizer has no chat template"),
     ("8bit and 4bit", ["attribute", "{bert}", TEXT, "--load-in-8bit", "--load-in-4bit"],
      r"--load-in-8bit and --load-in-4bit exclude each other"),
-    ("unknown option", ["attribute", "{bert}", TEXT, "--colour", "1"], r"unrecognized arguments: --colour 1"),
+    # said by the command's parser, naming it (it said "nxl: error: ... (see nxl --help)"), or by nxl's
+    ("unknown option", ["attribute", "{bert}", TEXT, "--colour", "1"],
+     r"^nxl attribute: error: unrecognized arguments: --colour 1 \(see nxl attribute --help\)$"),
+    ("unknown option of demo", ["demo", "the plot", "--layers", "9"],
+     r"^nxl demo: error: unrecognized arguments: --layers 9 \(see nxl demo --help\)$"),
+    ("unknown option before the command", ["--colour", "demo"],
+     r"^nxl: error: unrecognized arguments: --colour \(see nxl --help\)$"),
     # evaluate: the dataset
     ("csv row with extra cells", ["evaluate", "{bert}", "{extra_csv}", "--out", "{root}/o"],
      r"extra.csv:3 has 3 cells but the header names 2: quote cells that hold a comma"),
