@@ -209,8 +209,9 @@ def json_value(text: str | bytes | bytearray) -> Any:
         return json.loads(text)
     except RecursionError:
         raise ValueError("nested too deeply to read") from None
-    except json.JSONDecodeError as err:
-        raise ValueError(err.msg) from None
+    except json.JSONDecodeError as err:  # (where, as json says it, less its character offset)
+        where = f"column {err.colno}" if err.lineno == 1 else f"line {err.lineno} column {err.colno}"
+        raise ValueError(f"{err.msg}: {where}") from None
     except UnicodeDecodeError:
         raise ValueError("not UTF-8 text") from None
 

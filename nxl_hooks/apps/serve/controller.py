@@ -165,6 +165,7 @@ class Watch:
         self.held = threading.Lock()
         self.forwards: collections.deque[Forward] = collections.deque(maxlen=keep_calls)
         self.hook: Any = None  #: the forward hook that keeps :attr:`forwards`, while attached
+        self.attached_at = 0.0  #: when the probe on it now was put on (status's ``recording`` reads what came since)
         #: the probe's steps, read for the live readers while attached and any reader is connected
         self.live: Subscription[tuple[GenerationCall, Step]] | None = None
         self.dropped_before = 0  #: steps earlier live feeds of this model did not get (:attr:`live`'s are its own)
@@ -214,12 +215,13 @@ class Watch:
         cost, after a resume onto a sink that works. ``live_dropped``: steps the
         live readers did not get because the live feed fell behind (still kept and written). ``recorded``: how
         many of the ``calls`` in memory were recorded whole (ended without an error), ``running`` how many have
-        not ended yet. ``recording``: attached, and the calls of the probe on it now (not those of a probe before a
-        pause or an ``nxl ctl attach``, which may have been cut by it) are none yet, some recorded or some running.
-        ``head_kind``: what its head predicts while
-        attached (``causal_lm``; another kind's requests are plain forwards, none of which makes a token)."""
+        not ended yet. ``recording``: attached, and what the probe on it now made (not the calls of a probe before a
+        pause or an ``nxl ctl attach``, which may have been cut by it) is nothing yet, a plain forward, or calls of
+        which some are recorded or running. ``head_kind``: what its head predicts while attached (``causal_lm``;
+        another kind's requests are plain forwards, none of which makes a token)."""
         model, probe = self.ref(), self.probe
         now = probe.calls if probe is not None else []
+        kept = any(forward.started >= self.attached_at for forward in self.forwards)  # (a plain forward is whole)
         records = [record for record, _ in self.records()]
         lost = self.lost_before
         for each in (self.detached, probe):
@@ -233,7 +235,7 @@ class Watch:
                 "recorded": sum(getattr(record, "complete", True) for record in records),  # (a forward is whole)
                 "running": sum(isinstance(record, GenerationCall) and record.ended is None and record.error is None
                                for record in records),
-                "recording": probe is not None and (not now or any(_records(call) for call in now)),
+                "recording": probe is not None and (kept or not now or any(_records(call) for call in now)),
                 **lost._asdict(),
                 "live_dropped": self.dropped_before + (live.dropped if (live := self.live) is not None else 0),
                 "engine": _engine(model)}
@@ -364,7 +366,7 @@ class Rules:
             watch.error = reason(f"model {watch.name}", error)
             return
         vars(model)[_PROBE] = probe  # the model's own: freed with it
-        watch.error = None
+        watch.error, watch.attached_at = None, time.time()
         if generates:
             self.live.follow(watch, probe)
         # a plain forward is a request of its own (a classifier's are all such; a causal LM's model(...) beside its
