@@ -34,6 +34,7 @@ class _Parser(argparse.ArgumentParser):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **{"allow_abbrev": False, **kwargs})
         self.commands: dict[str, argparse.ArgumentParser] = {}  #: the top parser's: each command's, by name
+        self.own: set[str] = set()  #: the top parser's: its own options (nxl --traceback COMMAND ...)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, one_line(f"{self.prog}: error: {message} (see {self.prog} --help)") + "\n")
@@ -54,8 +55,9 @@ def _not_utf8(argv: Sequence[str]) -> str | None:
 def build_parser() -> argparse.ArgumentParser:
     """The ``nxl`` argument parser, one subparser per command module."""
     parser = _Parser(prog="nxl", description="Per-layer NormXLogit token attribution.")
-    parser.add_argument("--traceback", action="store_true", help="show the full traceback on errors")
-    parser.add_argument("--version", action="version", version=f"%(prog)s {VERSION}")
+    own = [parser.add_argument("--traceback", action="store_true", help="show the full traceback on errors"),
+           parser.add_argument("--version", action="version", version=f"%(prog)s {VERSION}")]
+    parser.own = {flag for action in own for flag in action.option_strings}
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for command in COMMANDS:
         command.add_parser(sub).set_defaults(_run=command.run)
@@ -78,15 +80,31 @@ def main(argv: Sequence[str] | None = None) -> int:
             sys.stdout.reconfigure(errors=errors)
 
 
+def _unknown(parser: _Parser, command: str, given: list[str], unknown: list[str]) -> NoReturn:
+    """Say arguments no parser took (``unknown``, in the order of ``given``) by the parser whose help lists what
+    to give instead: nxl's, for those before the command and its own options put after it (``nxl --traceback
+    attribute``), else the command's, which names it (nxl's said "see nxl --help", which lists no command's)."""
+    at = given.index(command) if command in given else len(given)
+    where, start = [], 0
+    for arg in unknown:  # (each one's place, in order: a value may stand both before and after the command)
+        start = given.index(arg, start) if arg in given[start:] else start
+        where.append(start)
+        start += 1
+    before = [arg for arg, place in zip(unknown, where) if place < at]
+    if before:
+        parser.error(f"unrecognized arguments: {' '.join(before)}")
+    own = [arg for arg in unknown if arg.split("=", 1)[0] in parser.own]
+    if own:
+        parser.error(f"{own[0]} is nxl's own option: give it before the command (nxl {own[0]} {command} ...)")
+    parser.commands[command].error(f"unrecognized arguments: {' '.join(unknown)}")
+
+
 def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     try:
         args, unknown = parser.parse_known_args(argv)
-        if unknown:  # said by the parser of where they stand: the command's names it (nxl's said "see nxl --help")
-            given = list(sys.argv[1:] if argv is None else argv)
-            before = unknown[0] in given[:given.index(args.command)] if args.command in given else False
-            (parser if before else parser.commands[args.command]).error(
-                f"unrecognized arguments: {' '.join(unknown)}")
+        if unknown:
+            _unknown(parser, args.command, list(sys.argv[1:] if argv is None else argv), unknown)
     except SystemExit as exit_:  # argparse already printed usage and the error
         return int(exit_.code or 0)
     try:

@@ -958,13 +958,16 @@ def gguf_serve_refusal(program: list[str], gguf_file: str | None) -> str | None:
     after = program[program.index("serve") + 1:]
     loose = [index for index, arg in enumerate(after) if not arg.startswith("-")]
     # The model folder: the argument that holds the file, else one that is no option's value (--port 8000's)
-    holding = [index for index in loose if os.path.isfile(os.path.join(after[index], gguf_file))]
+    holding = [] if os.path.isabs(gguf_file) else [
+        index for index in loose if os.path.isfile(os.path.join(after[index], gguf_file))]
     free = [index for index in loose if index == 0 or not after[index - 1].startswith("-") or "=" in after[index - 1]]
     at = next(iter(holding or free), None)
     folder = after[at] if at is not None else "MODEL_DIR"
     out = f"{folder.rstrip('/')}-converted"
-    served = [out if index == at else arg for index, arg in enumerate(after)] if at is not None else [out]
+    # (where the folder is not told apart from an option's value, serve's arguments are named, not guessed)
+    served = (shlex.join([out if index == at else arg for index, arg in enumerate(after)]) if at is not None
+              else f"{out}, with serve's other arguments")
     return (f"--gguf-file with transformers serve: serve cannot load a GGUF file (it reads a processor from a "
             f"model folder); convert it once, then serve the folder: nxl convert "
             f"{shlex.quote(os.path.join(folder, gguf_file))} {shlex.quote(out)} && nxl run -- transformers serve "
-            f"{shlex.join(served)}")
+            f"{served}")

@@ -418,7 +418,7 @@ def embedded(prompt_len: int, ids_beside: bool) -> str:
 #: Why a ``generate`` call that drafts candidate tokens for another model's assisted decoding is not recorded.
 _DRAFTS = ("this model drafts candidate tokens for another model's assisted decoding (it is that model's "
            "assistant_model), which that model accepts or drops: a draft is not a generation of its own; attach to "
-           "the model that generates and call it without assistant_model")
+           "the model that generates (its call with assistant_model is recorded)")
 #: The settings that make generate verify drafted candidate tokens, several per forward (recorded whole: Whole).
 _ASSISTED = "assistant_model / prompt_lookup_num_tokens"
 

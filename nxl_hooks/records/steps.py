@@ -269,8 +269,8 @@ class GenerationCall:
     steps: list[Step] = field(default_factory=list)  #: empty with attach(keep_steps=False)
     sequences: torch.Tensor | None = None  #: generate's output ids, set when the call returned
     #: True once generate returned and the record holds its every step: False while it runs, where it raised, was
-    #: not recorded (prompt lookup, which returns normally) or stopped being recorded (``error`` says why), or the probe
-    #: detached mid-call; read from disk, as its end frame says (False without one)
+    #: not recorded (resuming a filled KV cache, which returns normally) or stopped being recorded (``error`` says
+    #: why), or the probe detached mid-call; read from disk, as its end frame says (False without one)
     complete: bool = False
     request_id: str | None = None  #: the request this call served (X-Request-ID, the server's id, or a generated one)
     thread: str | None = None  #: the name of the thread that ran it

@@ -236,8 +236,10 @@ CASES = [
      r"^nxl attribute: error: unrecognized arguments: --colour 1 \(see nxl attribute --help\)$"),
     ("unknown option of demo", ["demo", "the plot", "--layers", "9"],
      r"^nxl demo: error: unrecognized arguments: --layers 9 \(see nxl demo --help\)$"),
-    ("unknown option before the command", ["--colour", "demo"],
+    ("unknown option before the command", ["--colour", "demo", "the plot", "--layers", "9"],
      r"^nxl: error: unrecognized arguments: --colour \(see nxl --help\)$"),
+    ("nxl's own option after the command", ["demo", "the plot", "--traceback"],
+     r"^nxl: error: --traceback is nxl's own option: give it before the command \(nxl --traceback demo \.\.\.\)"),
     # evaluate: the dataset
     ("csv row with extra cells", ["evaluate", "{bert}", "{extra_csv}", "--out", "{root}/o"],
      r"extra.csv:3 has 3 cells but the header names 2: quote cells that hold a comma"),

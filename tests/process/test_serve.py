@@ -27,6 +27,7 @@ from transformers import AutoTokenizer, LlamaForCausalLM
 
 import nxl_hooks as nxl
 from nxl_hooks.apps.cli import main as cli_main
+from nxl_hooks.apps.commands.run import unbooted_flag
 from nxl_hooks.apps.serve.settings import Settings, parse_listen
 from nxl_hooks.hooks.generate import BATCH_STEPS
 from oracle import llama, normxlogit, prefix_logits
@@ -890,11 +891,19 @@ def test_python_flags_that_keep_the_bootstrap_out_are_refused_before_the_program
     for flags in (["-s"], ["-u", "-s"]):  # PYTHONPATH still read, site still run
         kept = _nxl("run", "--", sys.executable, *flags, "-c", booted, "-I", env={**os.environ, **SERVE_ENV})
         assert kept.returncode == 0 and kept.stdout.split() == ["BOOTED", "True"], (flags, kept.stderr)
-    # the same flags in a script's #! line (its interpreter's, as the kernel starts it): it ran unrecorded, unsaid
-    for flag, refused in (("-E", True), ("-u", False)):
-        script = tmp_path / f"script{flag}"
-        script.write_text(f"#!{sys.executable} {flag}\n{booted}\n")
+    # the same flags in a script's #! line (its interpreter's, as the kernel starts it: the rest of the line one
+    # argument, which env -S splits): it ran unrecorded, unsaid. "-X dev -E" is -X with the value " dev -E"; an
+    # interpreter that is a script of its own (its #! naming itself) is not followed (it recursed without end)
+    loop = tmp_path / "loop-python"
+    for name, line, refused in (("E", f"{sys.executable} -E", True), ("u", f"{sys.executable} -u", False),
+                                ("env", f"/usr/bin/env -S {sys.executable} -E", True),
+                                ("X", f"{sys.executable} -X dev -E", False), ("loop-python", f"{loop} -E", False)):
+        script = tmp_path / name
+        script.write_text(f"#!{line}\n{booted}\n")
         script.chmod(0o755)
+        if name == "loop-python":
+            assert unbooted_flag([str(script)]) is None
+            continue
         ran = _nxl("run", "--", str(script), env={**os.environ, **SERVE_ENV})
         if refused:
             assert ran.returncode == 2 and "BOOTED" not in ran.stdout

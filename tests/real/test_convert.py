@@ -7,6 +7,7 @@ The refusals need no model; the rest is the real-model tier (tests/real_model.py
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -72,27 +73,37 @@ def test_convert_refuses_a_missing_file(capsys, tmp_path):
     assert "no GGUF file at" in err and not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("serve", [["models/", "--port", "1"], ["--port", "1", "models/"],
-                                   ["--port", "1", "--continuous-batching", "{tmp}/my models/"]])
-def test_nxl_run_gguf_with_serve_says_which_convert_to_run(tmp_path, serve):
+@pytest.mark.parametrize("serve, gguf", [(["models/", "--port", "1"], "m.Q4.gguf"),
+                                         (["--port", "1", "models/"], "m.Q4.gguf"),
+                                         (["--port", "1", "--continuous-batching", "{tmp}/my models/"], "m.Q4.gguf"),
+                                         (["--port", "1", "models/"], "{tmp}/m.Q4.gguf"),
+                                         (["--continuous-batching", "org/model", "--port", "1"], "m.Q4.gguf")])
+def test_nxl_run_gguf_with_serve_says_which_convert_to_run(tmp_path, serve, gguf):
     """Refused at start, before any run folder: one line naming the nxl convert command, exit 2, and the serve
     command of the folder it makes, with the program's other arguments (the value of an option before the model
     folder was taken for it: ``--port 1 models/`` said ``nxl convert 1/m.Q4.gguf``); after a flag of no value, the
-    folder is the one that holds the file."""
-    serve = [arg.format(tmp=tmp_path) for arg in serve]
+    folder is the one that holds the file; a file given by its absolute path is in no folder of them (each
+    "held" it); where no argument is told apart as the folder, the command names serve's other arguments."""
+    serve, gguf = [arg.format(tmp=tmp_path) for arg in serve], gguf.format(tmp=tmp_path)
     if serve[-1].startswith(str(tmp_path)):
         Path(serve[-1]).mkdir()
-        (Path(serve[-1]) / "m.Q4.gguf").write_bytes(b"")
+        (Path(serve[-1]) / gguf).write_bytes(b"")
+    if Path(gguf).is_absolute():
+        Path(gguf).write_bytes(b"")
     sink = tmp_path / "runs"
-    done = subprocess.run([*NXL, "run", "--sink", str(sink), "--gguf-file", "m.Q4.gguf", "--",
+    done = subprocess.run([*NXL, "run", "--sink", str(sink), "--gguf-file", gguf, "--",
                            transformers_cli(), "serve", *serve],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
     (line,) = [text for text in done.stderr.splitlines() if text.startswith("nxl run:")]
+    if serve[0] == "--continuous-batching":
+        assert line.endswith("nxl convert MODEL_DIR/m.Q4.gguf MODEL_DIR-converted && nxl run -- transformers serve "
+                             "MODEL_DIR-converted, with serve's other arguments"), line
+        return
     folder = serve[-1] if serve[0] == "--port" else serve[0]
     out = folder.rstrip("/") + "-converted"
     served = " ".join(shlex.quote(out if arg == folder else arg) for arg in serve)
-    assert line.endswith(f"nxl convert {shlex.quote(folder + 'm.Q4.gguf')} {shlex.quote(out)} && nxl run -- "
+    assert line.endswith(f"nxl convert {shlex.quote(os.path.join(folder, gguf))} {shlex.quote(out)} && nxl run -- "
                          f"transformers serve {served}"), line
     assert not sink.exists()
 

@@ -145,11 +145,17 @@ _SH_EXEC = re.compile(r"""^'''exec' (?:"([^"]+)"|(\S+)) "\$0" "\$@"$""")
 
 
 def _interpreter(lines: list[str]) -> list[str]:
-    """The interpreter a script's first ``lines`` start it with, and the flags they give it: its ``#!`` line's, or
-    the one pip's ``#!/bin/sh`` launcher execs; [] when neither."""
+    """The interpreter a script's first ``lines`` start it with, and the arguments they give it, as the kernel hands
+    them over: its ``#!`` line's (the rest of the line one argument; ``env -S`` splits it into words), or the one
+    pip's ``#!/bin/sh`` launcher execs; [] when neither."""
     if lines[0].strip() == "#!/bin/sh" and len(lines) > 1 and (match := _SH_EXEC.match(lines[1].strip())):
         return [match.group(1) or match.group(2)]
-    return lines[0][2:].strip().split() if lines[0].startswith("#!") else []
+    if not lines[0].startswith("#!"):
+        return []
+    words = lines[0][2:].strip().split(None, 1)
+    if len(words) == 2 and os.path.basename(words[0]) == "env" and words[1].startswith("-S"):
+        return words[1][2:].split()
+    return words
 
 
 def _script_words(command: str) -> list[str]:
@@ -237,8 +243,8 @@ def unbooted_flag(program: list[str]) -> str | None:
     interpreter's own (``-I``, ``-Iu``, ``-B -E``, before the script, ``-m`` or ``-c``); None for any other
     command."""
     if not _runs_python(program):
-        shebang = _script_words(program[0])
-        said = unbooted_flag([*shebang, program[0]]) if shebang else None
+        shebang = _script_words(program[0])  # (a python only: an interpreter that is a script again is not followed)
+        said = unbooted_flag([*shebang, program[0]]) if shebang and _runs_python(shebang) else None
         return f"{program[0]}'s #! line starts {said}" if said else None
     words = iter(program[1:])
     for word in words:
