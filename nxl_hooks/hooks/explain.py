@@ -18,7 +18,7 @@ from torch import nn
 from ..arch.registry import HeadKind
 from ..method.chat import chat_prompt, template_rows
 from ..method.placement import input_device
-from ..method.select import from_numpy, is_predicted, prompt_targets
+from ..method.select import from_numpy, is_predicted, pad_token_id, prompt_targets
 from ..method.subject import Subject
 from ..records.attribution import Attribution
 from ..records.tokens import describe_target
@@ -69,7 +69,10 @@ def explain(model: nn.Module, tokenizer: Any, text: str | Sequence[str], *,
         encoding["return_tensors"] = "pt"
     enc = tokenizer(texts[0] if single else texts, **encoding)
     if not single and not padded:
-        enc = _right_padded(enc, getattr(tokenizer, "eos_token_id", None) or 0)
+        # the model's own pad id first: a decoder classifier reads each row's prediction before the first of them
+        filler = next((pad for pad in (pad_token_id(subject.model), getattr(tokenizer, "eos_token_id", None))
+                       if pad is not None), 0)
+        enc = _right_padded(enc, filler)
     enc = enc.to(input_device(model))
     check_tokens(enc["input_ids"])  # before the model's own error on no tokens (a reshape), not after it
     with _one_at_a_time(subject.backbone), torch.no_grad(), _evaluating(model), \

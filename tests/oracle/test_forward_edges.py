@@ -186,6 +186,33 @@ def test_a_batch_explained_with_a_left_padding_tokenizer_keeps_each_texts_own_po
         torch.testing.assert_close(res.normxlogit[:, row, :n], expected[:, 0], rtol=1e-4, atol=1e-5)
 
 
+def test_a_decoder_classifiers_batch_explained_without_a_pad_token_pools_each_row_at_its_own_last_token():
+    """A batch padded by the library (the tokenizer has no pad token) is padded with the model's own pad id, which a
+    decoder classifier pools each row before: padded with the tokenizer's EOS id instead, a shorter text's prediction
+    was read at a pad. Each row's target and scores equal the oracle of its text run alone."""
+    from transformers import LlamaConfig, LlamaForSequenceClassification
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=len(tiny.VOCAB), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, num_labels=2, pad_token_id=0)
+    model = LlamaForSequenceClassification(config).eval()
+    tok = tiny.word_tokenizer(tiny.VOCAB)
+    tok.pad_token, tok.eos_token = None, tiny.VOCAB[5]  # an EOS id that is not the model's pad id
+    texts = ["a very good plot and the movie was", "the film was"]
+    res = nxl.explain(model, tok, texts, layers="all")
+    assert tok.pad_token is None and res.mask.sum(-1).tolist() == [8, 3]
+    for row, text in enumerate(texts):
+        ids = tok(text, return_tensors="pt")["input_ids"]
+        with torch.no_grad():
+            out = model(input_ids=ids, output_hidden_states=True)
+        logits = oracle.llama(model).layer_logits(out.hidden_states)
+        target = out.logits.argmax(-1)
+        _, expected = oracle.normxlogit(logits, out.hidden_states[0], target)
+        n = ids.shape[1]
+        assert int(res.target[row]) == int(target[0])
+        torch.testing.assert_close(res.normxlogit[:, row, :n], expected[:, 0], rtol=1e-4, atol=1e-5)
+
+
 def test_a_forward_that_continues_a_kv_cache_of_other_forwards_is_said_not_recorded(caplog):
     """A hand-written decoding loop: its tokens' context is in a cache its first forward filled, recorded alone, so
     its forwards are not recorded, said once per probe (it was recorded over its own tokens alone, with the whole
