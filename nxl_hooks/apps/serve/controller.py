@@ -233,17 +233,21 @@ class Watch:
                 "hooks": count_hooks(model) if model is not None else 0,
                 "calls": len(records),
                 "recorded": sum(getattr(record, "complete", True) for record in records),  # (a forward is whole)
-                "running": sum(isinstance(record, GenerationCall) and record.ended is None and record.error is None
-                               for record in records),
+                "running": sum(_running(record) for record in records),
                 "recording": probe is not None and (kept or not now or any(_records(call) for call in now)),
                 **lost._asdict(),
                 "live_dropped": self.dropped_before + (live.dropped if (live := self.live) is not None else 0),
                 "engine": _engine(model)}
 
 
+def _running(record: GenerationCall | Forward) -> bool:
+    """Whether ``record`` is a call that has not ended yet (its end may still say why it is not recorded)."""
+    return isinstance(record, GenerationCall) and record.ended is None and record.error is None
+
+
 def _records(call: GenerationCall) -> bool:
-    """Whether ``call`` says its probe records: it was recorded whole, or it runs (its end may still say why not)."""
-    return call.complete or (call.ended is None and call.error is None)
+    """Whether ``call`` says its probe records: it was recorded whole, or it runs."""
+    return call.complete or _running(call)
 
 
 class Models:
